@@ -1,0 +1,237 @@
+"""AMQP 0-9-1 frame codec: the hand-written hot path plus pamqp for the rest.
+
+Theory of operation
+-------------------
+A frame is ``type u8 | channel u16 | size u32 | payload | 0xCE``. The hot
+methods (basic.publish, basic.ack, and on the way out basic.deliver, basic.ack
+for confirms) are encoded and decoded here with precompiled ``struct.Struct``
+objects working in place on a memoryview; message properties stay the raw
+bytes of the content header (property flags + property list) and are never
+decoded unless a feature needs a header. Every other method goes through
+pamqp, which is slower but complete, so the long tail of the spec costs no
+code of ours. ``tests/test_codec.py`` checks both halves against pamqp.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+from pamqp import commands, frame as pframe
+from pamqp.base import Frame as PFrame
+
+FRAME_METHOD = 1
+FRAME_HEADER = 2
+FRAME_BODY = 3
+FRAME_HEARTBEAT = 8
+FRAME_END = 0xCE
+FRAME_END_BYTE = b"\xce"
+FRAME_OVERHEAD = 8  # 7 header bytes + frame end
+FRAME_MIN_SIZE = 4096  # spec: the frame_max floor and the limit before tune
+PROTOCOL_HEADER = b"AMQP\x00\x00\x09\x01"
+
+BASIC_CLASS = 60
+PUBLISH = 0x003C0028  # basic.publish (60, 40)
+ACK = 0x003C0050  # basic.ack (60, 80)
+
+FRAME_HDR = struct.Struct(">BHI")
+U16 = struct.Struct(">H")
+U32 = struct.Struct(">I")
+U64 = struct.Struct(">Q")
+METHOD_ID = struct.Struct(">I")
+HEADER_PREFIX = struct.Struct(">HHQ")  # class, weight, body size
+ACK_ARGS = struct.Struct(">QB")
+CONFIRM_ACK = struct.Struct(">BHIIQBB")  # full basic.ack frame incl. frame end
+HEARTBEAT_FRAME = b"\x08\x00\x00\x00\x00\x00\x00\xce"
+
+# Property flag bits that precede delivery-mode in the property list.
+_CONTENT_TYPE = 0x8000
+_CONTENT_ENCODING = 0x4000
+_HEADERS = 0x2000
+_DELIVERY_MODE = 0x1000
+_REPLY_TO = 0x0100
+
+EMPTY_PROPS = b"\x00\x00"
+
+
+def encode_method(channel: int, method: PFrame) -> bytes:
+    """Encode any method with pamqp (the cold path)."""
+    return pframe.marshal(method, channel)
+
+
+def decode_method(payload: bytes) -> PFrame:
+    """Decode a method payload (class id, method id, arguments) with pamqp.
+
+    Raises KeyError for an unknown class/method and ValueError for bad
+    arguments; the connection turns those into 540 and 502.
+    """
+    index = METHOD_ID.unpack_from(payload, 0)[0]
+    cls = commands.INDEX_MAPPING[index]
+    method: PFrame = cls()
+    try:
+        method.unmarshal(payload[4:])
+    except (struct.error, ValueError, IndexError, TypeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"malformed {cls.name}: {exc}") from exc
+    return method
+
+
+def shortstr(value: bytes) -> bytes:
+    return bytes((len(value),)) + value
+
+
+def encode_delivery(
+    channel: int,
+    method_args_prefix: bytes,
+    delivery_tag: int,
+    redelivered: bool,
+    exchange: bytes,
+    routing_key: bytes,
+    props: bytes,
+    body: bytes,
+    frame_max: int,
+) -> bytes:
+    """Method + header + body frames for basic.deliver or basic.get-ok.
+
+    ``method_args_prefix`` is the pre-encoded ``class,method`` id and the
+    arguments before the delivery tag (the consumer tag for deliver); it is
+    built once per consumer, so per message we only pack numbers.
+    """
+    method_payload_len = len(method_args_prefix) + 9 + 2 + len(exchange) + len(routing_key)
+    body_len = len(body)
+    parts = [
+        FRAME_HDR.pack(FRAME_METHOD, channel, method_payload_len),
+        method_args_prefix,
+        U64.pack(delivery_tag),
+        b"\x01" if redelivered else b"\x00",
+        bytes((len(exchange),)),
+        exchange,
+        bytes((len(routing_key),)),
+        routing_key,
+        b"\xce",
+        FRAME_HDR.pack(FRAME_HEADER, channel, 12 + len(props)),
+        HEADER_PREFIX.pack(BASIC_CLASS, 0, body_len),
+        props,
+        b"\xce",
+    ]
+    max_payload = frame_max - FRAME_OVERHEAD
+    if body_len <= max_payload:
+        if body_len:
+            parts += (FRAME_HDR.pack(FRAME_BODY, channel, body_len), body, b"\xce")
+    else:
+        view = memoryview(body)
+        for start in range(0, body_len, max_payload):
+            chunk = view[start : start + max_payload]
+            parts += (FRAME_HDR.pack(FRAME_BODY, channel, len(chunk)), bytes(chunk), b"\xce")
+    return b"".join(parts)
+
+
+def encode_content(channel: int, method: bytes, props: bytes, body: bytes, frame_max: int) -> bytes:
+    """A method payload followed by its content header and body frames."""
+    out = [FRAME_HDR.pack(FRAME_METHOD, channel, len(method)), method, b"\xce"]
+    out.append(FRAME_HDR.pack(FRAME_HEADER, channel, 12 + len(props)))
+    out.append(HEADER_PREFIX.pack(BASIC_CLASS, 0, len(body)))
+    out.append(props)
+    out.append(b"\xce")
+    max_payload = frame_max - FRAME_OVERHEAD
+    for start in range(0, len(body), max_payload):
+        chunk = body[start : start + max_payload]
+        out += (FRAME_HDR.pack(FRAME_BODY, channel, len(chunk)), chunk, b"\xce")
+    return b"".join(out)
+
+
+def encode_get_ok(
+    channel: int,
+    delivery_tag: int,
+    redelivered: bool,
+    exchange: bytes,
+    routing_key: bytes,
+    message_count: int,
+    props: bytes,
+    body: bytes,
+    frame_max: int,
+) -> bytes:
+    """basic.get-ok: like deliver but without a consumer tag and with a count."""
+    method = (
+        METHOD_ID.pack(0x003C0047)
+        + U64.pack(delivery_tag)
+        + (b"\x01" if redelivered else b"\x00")
+        + shortstr(exchange)
+        + shortstr(routing_key)
+        + U32.pack(message_count)
+    )
+    return encode_content(channel, method, props, body, frame_max)
+
+
+def encode_return(
+    channel: int,
+    reply_code: int,
+    reply_text: bytes,
+    exchange: bytes,
+    routing_key: bytes,
+    props: bytes,
+    body: bytes,
+    frame_max: int,
+) -> bytes:
+    """basic.return + content, for mandatory messages nobody could take."""
+    method = (
+        METHOD_ID.pack(0x003C0032)
+        + U16.pack(reply_code)
+        + shortstr(reply_text)
+        + shortstr(exchange)
+        + shortstr(routing_key)
+    )
+    return encode_content(channel, method, props, body, frame_max)
+
+
+def encode_confirm(channel: int, delivery_tag: int, multiple: bool, nack: bool = False) -> bytes:
+    """basic.ack (or basic.nack) from server to a publisher in confirm mode."""
+    if nack:
+        return CONFIRM_ACK.pack(1, channel, 13, 0x003C0078, delivery_tag, 1 if multiple else 0, FRAME_END)
+    return CONFIRM_ACK.pack(1, channel, 13, ACK, delivery_tag, 1 if multiple else 0, FRAME_END)
+
+
+def delivery_mode(props: bytes | memoryview) -> int:
+    """The delivery-mode octet of raw properties (0 when absent).
+
+    Only the fields before delivery-mode are skipped, so this costs a few
+    integer operations per message, no decoding.
+    """
+    if len(props) < 2:
+        return 0
+    flags = (props[0] << 8) | props[1]
+    if not flags & _DELIVERY_MODE:
+        return 0
+    pos = 2
+    if flags & 1:  # a continuation flag word; skip any further words
+        while True:
+            more = (props[pos] << 8) | props[pos + 1]
+            pos += 2
+            if not more & 1:
+                break
+    if flags & _CONTENT_TYPE:
+        pos += 1 + props[pos]
+    if flags & _CONTENT_ENCODING:
+        pos += 1 + props[pos]
+    if flags & _HEADERS:
+        pos += 4 + U32.unpack_from(props, pos)[0]
+    return int(props[pos])
+
+
+def decode_properties(props: bytes) -> commands.Basic.Properties:
+    """Fully decode raw properties (cold path: headers exchange, reply-to)."""
+    p = commands.Basic.Properties()
+    flags = U16.unpack_from(props, 0)[0]
+    p.unmarshal(flags, props[2:])
+    return p
+
+
+def encode_properties(p: commands.Basic.Properties) -> bytes:
+    return bytes(p.marshal())
+
+
+def has_reply_to(props: bytes) -> bool:
+    return len(props) >= 2 and bool(((props[0] << 8) | props[1]) & _REPLY_TO)
+
+
+def method_name(method: Any) -> str:
+    return str(getattr(method, "name", type(method).__name__))

@@ -1,0 +1,483 @@
+"""Sans-IO AMQP 0-9-1 server connection: bytes in, hook calls, bytes out.
+
+Theory of operation
+-------------------
+``receive_data(data)`` parses every complete frame in ``data`` (plus what was
+left over from the previous call) and ``out`` collects every byte the server
+wants to send, so the network layer writes once per read batch. No asyncio,
+no sockets: the network layer owns timers and the transport.
+
+Connection negotiation (protocol header -> start/start-ok -> tune/tune-ok ->
+open) is driven by ``_CONNECTION_TABLE``: for each state, the methods that
+may arrive and the handler that takes them. Anything else on channel 0 is a
+hard error. Once open, channel methods go to hooks the broker session
+implements (``handle_method``, ``handle_publish``, ``handle_ack``).
+
+Errors: a hook raises an ``AMQPError``. Soft errors close the channel
+(channel.close; the channel discards everything until the client's
+close-ok), hard errors close the connection (connection.close; everything
+but close/close-ok is discarded, then ``want_close`` tells the network layer
+to drop the socket). Malformed input never escapes as another exception:
+struct errors become 502, unknown methods 540, bad framing 501, content out
+of order 505.
+
+Content assembly: basic.publish is followed by a header frame and body
+frames on the same channel (other channels may interleave). A body that
+fits one frame is passed on as the very bytes object sliced from the read
+buffer; larger bodies are joined once.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from pamqp import commands
+from pamqp.base import Frame as PFrame
+
+from broker import errors
+from broker.amqp import codec
+
+_PUBLISH = codec.PUBLISH
+_ACK = codec.ACK
+_FRAME_HDR = codec.FRAME_HDR
+_METHOD_ID = codec.METHOD_ID
+_U64 = codec.U64
+_HEADER_PREFIX = codec.HEADER_PREFIX
+
+
+class State(enum.Enum):
+    HEADER = "awaiting protocol header"
+    START_OK = "awaiting connection.start-ok"
+    TUNE_OK = "awaiting connection.tune-ok"
+    OPEN_WAIT = "awaiting connection.open"
+    OPEN = "open"
+    CLOSING = "closing"  # we sent connection.close, waiting for close-ok
+    CLOSED = "closed"
+
+
+# Channel states.
+CH_OPEN = 1
+CH_CLOSING = 2  # we sent channel.close; drop frames until close-ok
+
+
+class PendingContent:
+    """A publish waiting for its header and body frames."""
+
+    __slots__ = ("exchange", "routing_key", "mandatory", "props", "size", "chunks", "got")
+
+    def __init__(self, exchange: str, routing_key: str, mandatory: bool) -> None:
+        self.exchange = exchange
+        self.routing_key = routing_key
+        self.mandatory = mandatory
+        self.props: bytes | None = None
+        self.size = 0
+        self.chunks: list[bytes] = []
+        self.got = 0
+
+
+class AMQPConnection:
+    """The server side of one AMQP connection, without IO."""
+
+    def __init__(
+        self,
+        *,
+        frame_max: int = 131072,
+        channel_max: int = 2048,
+        heartbeat: int = 60,
+        max_message_size: int = 128 * 1024 * 1024,
+        server_properties: dict[str, Any] | None = None,
+    ) -> None:
+        self.out = bytearray()
+        self.state = State.HEADER
+        self.want_close = False  # the network layer should close the transport after writing out
+        self.server_frame_max = frame_max
+        self.server_channel_max = channel_max
+        self.server_heartbeat = heartbeat
+        self.max_message_size = max_message_size
+        self.frame_max = codec.FRAME_MIN_SIZE  # until tune-ok
+        self.channel_max = channel_max
+        self.heartbeat = 0
+        self.client_properties: dict[str, Any] = {}
+        self.capabilities: dict[str, Any] = {}
+        self.username = ""
+        self.vhost = ""
+        self.channels: dict[int, int] = {}
+        self._pending: dict[int, PendingContent] = {}
+        self._buf = b""
+        self._server_properties = server_properties or {}
+
+    # ------------------------------------------------------------------ hooks
+    def authenticate(self, mechanism: str, response: bytes) -> str:
+        """Return the user name or raise ConnectionAccessRefused."""
+        raise errors.ConnectionAccessRefused("no authenticator")
+
+    def open_vhost(self, vhost: str) -> None:
+        """Raise NotAllowed if the user may not use the vhost."""
+
+    def channel_opened(self, channel: int) -> None:
+        pass
+
+    def channel_closed(self, channel: int) -> None:
+        """Release everything the channel holds (requeue unacked, cancel consumers)."""
+
+    def handle_method(self, channel: int, method: PFrame) -> None:
+        raise errors.AMQPNotImplemented(f"{codec.method_name(method)} not implemented")
+
+    def handle_publish(
+        self, channel: int, exchange: str, routing_key: str, mandatory: bool, props: bytes, body: bytes
+    ) -> None:
+        pass
+
+    def handle_ack(self, channel: int, delivery_tag: int, multiple: bool) -> None:
+        pass
+
+    def connection_closing(self) -> None:
+        """Called once when the connection starts closing for any reason."""
+
+    # ---------------------------------------------------------------- output
+    def send_method(self, channel: int, method: PFrame) -> None:
+        self.out += codec.encode_method(channel, method)
+
+    def send_heartbeat(self) -> None:
+        self.out += codec.HEARTBEAT_FRAME
+
+    def close_channel(self, channel: int, error: errors.AMQPError) -> None:
+        """Soft error: close one channel with the error's reply code."""
+        if self.channels.get(channel) != CH_OPEN:
+            return
+        self.channels[channel] = CH_CLOSING
+        self._pending.pop(channel, None)
+        self.send_method(
+            channel,
+            commands.Channel.Close(error.reply_code, error.reply_text, error.class_id, error.method_id),
+        )
+        self.channel_closed(channel)
+
+    def close_connection(self, error: errors.AMQPError) -> None:
+        """Hard error (or shutdown): send connection.close and wait for close-ok."""
+        if self.state in (State.CLOSING, State.CLOSED):
+            return
+        if self.state == State.HEADER:
+            self.state = State.CLOSED
+            self.want_close = True
+            return
+        self.state = State.CLOSING
+        self._pending.clear()
+        self.send_method(
+            0, commands.Connection.Close(error.reply_code, error.reply_text, error.class_id, error.method_id)
+        )
+        self._release_all()
+
+    def _release_all(self) -> None:
+        for ch in list(self.channels):
+            if self.channels.get(ch) == CH_OPEN:
+                self.channel_closed(ch)
+        self.channels.clear()
+        self.connection_closing()
+
+    def connection_lost(self) -> None:
+        """The transport is gone: release everything without writing."""
+        if self.state != State.CLOSED:
+            prev = self.state
+            self.state = State.CLOSED
+            if prev != State.CLOSING:
+                self._release_all()
+
+    # ----------------------------------------------------------------- input
+    def receive_data(self, data: bytes) -> None:
+        if self._buf:
+            data = self._buf + data
+            self._buf = b""
+        if self.state == State.HEADER:
+            data = self._receive_header(data)
+            if not data:
+                return
+        if self.state == State.CLOSED:
+            return
+        n = len(data)
+        pos = 0
+        max_size = self.frame_max - codec.FRAME_OVERHEAD
+        unpack_hdr = _FRAME_HDR.unpack_from
+        while n - pos >= 7:
+            ftype, ch, size = unpack_hdr(data, pos)
+            end = pos + 7 + size
+            if size > max_size:
+                self._hard(errors.FrameError(f"frame size {size} exceeds frame_max {self.frame_max}"))
+                return
+            if end >= n:
+                break
+            if data[end] != 0xCE:
+                self._hard(errors.FrameError("frame end octet missing"))
+                return
+            start = pos + 7
+            pos = end + 1
+            try:
+                if ftype == 1:
+                    if size < 4:
+                        raise errors.FrameError("method frame too short")
+                    mid = _METHOD_ID.unpack_from(data, start)[0]
+                    if self.channels.get(ch) == CH_OPEN and ch not in self._pending:
+                        if mid == _PUBLISH:
+                            self._start_publish(ch, data, start + 4, end)
+                            continue
+                        if mid == _ACK and size == 13:
+                            tag, bits = codec.ACK_ARGS.unpack_from(data, start + 4)
+                            self.handle_ack(ch, tag, bool(bits & 1))
+                            continue
+                    self._method_frame(ch, mid, data[start:end])
+                elif ftype == 3:
+                    self._body_frame(ch, data, start, end)
+                elif ftype == 2:
+                    self._header_frame(ch, data, start, end)
+                elif ftype == 8:
+                    if ch != 0:
+                        raise errors.FrameError("heartbeat on a non-zero channel")
+                else:
+                    raise errors.FrameError(f"unknown frame type {ftype}")
+            except errors.AMQPError as exc:
+                if exc.soft and ch != 0 and self.state == State.OPEN:
+                    self.close_channel(ch, exc)
+                else:
+                    self._hard(exc)
+                    return
+            if self.state == State.CLOSED or self.want_close:
+                return
+        if pos < n:
+            self._buf = data[pos:]
+
+    def _receive_header(self, data: bytes) -> bytes:
+        if len(data) < 8:
+            if codec.PROTOCOL_HEADER.startswith(data):
+                self._buf = data
+                return b""
+        elif data[:8] == codec.PROTOCOL_HEADER:
+            self.state = State.START_OK
+            self.send_method(
+                0,
+                commands.Connection.Start(
+                    version_major=0,
+                    version_minor=9,
+                    server_properties=self._server_properties,
+                    mechanisms="PLAIN AMQPLAIN",
+                    locales="en_US",
+                ),
+            )
+            return data[8:]
+        # Wrong protocol: answer with the one we speak and close (spec 4.2.2).
+        self.out += codec.PROTOCOL_HEADER
+        self.state = State.CLOSED
+        self.want_close = True
+        return b""
+
+    def _hard(self, exc: errors.AMQPError) -> None:
+        if not isinstance(exc, errors.HardError):
+            # A soft error where the channel cannot be closed (channel 0 or
+            # before open) escalates, keeping the reply code.
+            exc2 = errors.CommandInvalid(exc.text, exc.class_id, exc.method_id)
+            exc2.reply_code = exc.reply_code
+            exc = exc2
+        self.close_connection(exc)
+
+    # -------------------------------------------------------- method frames
+    def _method_frame(self, ch: int, mid: int, payload: bytes) -> None:
+        try:
+            method = codec.decode_method(payload)
+        except KeyError:
+            raise errors.AMQPNotImplemented(
+                f"unknown method class={mid >> 16} method={mid & 0xFFFF}", mid >> 16, mid & 0xFFFF
+            ) from None
+        except ValueError as exc:
+            raise errors.AMQPSyntaxError(str(exc), mid >> 16, mid & 0xFFFF) from None
+        if ch == 0:
+            self._connection_method(method, mid)
+            return
+        if self.state == State.CLOSING:
+            return
+        if self.state != State.OPEN:
+            raise errors.UnexpectedFrame(f"{method.name} before connection.open", mid >> 16, mid & 0xFFFF)
+        chstate = self.channels.get(ch)
+        if chstate == CH_CLOSING:
+            if isinstance(method, commands.Channel.CloseOk):
+                del self.channels[ch]
+            elif isinstance(method, commands.Channel.Close):
+                self.send_method(ch, commands.Channel.CloseOk())
+            return
+        if isinstance(method, commands.Channel.Open):
+            if chstate is not None:
+                raise errors.ChannelError(f"second channel.open on channel {ch}", 20, 10)
+            if ch > self.channel_max:
+                raise errors.ChannelError(f"channel {ch} exceeds channel_max {self.channel_max}", 20, 10)
+            self.channels[ch] = CH_OPEN
+            self.send_method(ch, commands.Channel.OpenOk())
+            self.channel_opened(ch)
+            return
+        if chstate is None:
+            raise errors.ChannelError(f"expected channel.open on channel {ch}", mid >> 16, mid & 0xFFFF)
+        if ch in self._pending:
+            raise errors.UnexpectedFrame(
+                f"expected content header on channel {ch}, got {method.name}", mid >> 16, mid & 0xFFFF
+            )
+        if isinstance(method, commands.Channel.Close):
+            del self.channels[ch]
+            self.channel_closed(ch)
+            self.send_method(ch, commands.Channel.CloseOk())
+            return
+        if isinstance(method, commands.Channel.CloseOk):
+            return  # a stray close-ok for a channel we did not close: ignore
+        if isinstance(method, commands.Basic.Publish):
+            # Reached only when the fast path did not take it (never in practice).
+            self._pending[ch] = PendingContent(method.exchange, method.routing_key, method.mandatory)
+            return
+        try:
+            self.handle_method(ch, method)
+        except errors.AMQPError as exc:
+            if not exc.class_id:
+                exc.class_id, exc.method_id = mid >> 16, mid & 0xFFFF
+            raise
+
+    def _connection_method(self, method: PFrame, mid: int) -> None:
+        handler = _CONNECTION_TABLE.get(self.state, {}).get(type(method))
+        if handler is None:
+            if self.state == State.CLOSING:
+                return  # discard everything until close-ok
+            if isinstance(method, commands.Connection.Close):
+                handler = AMQPConnection._on_close
+            elif isinstance(method, (commands.Connection.Blocked, commands.Connection.Unblocked)):
+                return
+            else:
+                raise errors.CommandInvalid(
+                    f"{method.name} not allowed while {self.state.value}", mid >> 16, mid & 0xFFFF
+                )
+        handler(self, method)
+
+    def _on_start_ok(self, m: commands.Connection.StartOk) -> None:
+        self.client_properties = dict(m.client_properties or {})
+        caps = self.client_properties.get("capabilities")
+        self.capabilities = dict(caps) if isinstance(caps, dict) else {}
+        response = m.response.encode("latin-1") if isinstance(m.response, str) else bytes(m.response or b"")
+        try:
+            self.username = self.authenticate(m.mechanism, response)
+        except errors.AMQPError as exc:
+            raise errors.ConnectionAccessRefused(exc.text, 10, 11) from None
+        self.state = State.TUNE_OK
+        self.send_method(
+            0,
+            commands.Connection.Tune(
+                channel_max=self.server_channel_max,
+                frame_max=self.server_frame_max,
+                heartbeat=self.server_heartbeat,
+            ),
+        )
+
+    def _on_tune_ok(self, m: commands.Connection.TuneOk) -> None:
+        frame_max = m.frame_max or self.server_frame_max
+        if frame_max < codec.FRAME_MIN_SIZE:
+            raise errors.NotAllowed(f"frame_max {frame_max} below minimum {codec.FRAME_MIN_SIZE}", 10, 31)
+        if frame_max > self.server_frame_max:
+            raise errors.NotAllowed(
+                f"frame_max {frame_max} exceeds the server's {self.server_frame_max}", 10, 31
+            )
+        self.frame_max = frame_max
+        channel_max = m.channel_max or self.server_channel_max
+        self.channel_max = min(channel_max, self.server_channel_max or 65535)
+        self.heartbeat = m.heartbeat
+        self.state = State.OPEN_WAIT
+
+    def _on_open(self, m: commands.Connection.Open) -> None:
+        try:
+            self.open_vhost(m.virtual_host)
+        except errors.AMQPError as exc:
+            raise errors.NotAllowed(exc.text, 10, 40) from None
+        self.vhost = m.virtual_host
+        self.state = State.OPEN
+        self.send_method(0, commands.Connection.OpenOk())
+
+    def _on_close(self, m: commands.Connection.Close) -> None:
+        self._release_all_if_open()
+        self.send_method(0, commands.Connection.CloseOk())
+        self.state = State.CLOSED
+        self.want_close = True
+
+    def _release_all_if_open(self) -> None:
+        if self.state != State.CLOSING:
+            self._release_all()
+
+    def _on_close_ok(self, m: commands.Connection.CloseOk) -> None:
+        self.state = State.CLOSED
+        self.want_close = True
+
+    # ------------------------------------------------------------- content
+    def _start_publish(self, ch: int, data: bytes, pos: int, end: int) -> None:
+        # basic.publish args: reserved-1 u16, exchange shortstr, routing-key shortstr, bits
+        try:
+            pos += 2
+            ln = data[pos]
+            exchange = data[pos + 1 : pos + 1 + ln].decode()
+            pos += 1 + ln
+            ln = data[pos]
+            routing_key = data[pos + 1 : pos + 1 + ln].decode()
+            pos += 1 + ln
+            bits = data[pos]
+        except (IndexError, UnicodeDecodeError):
+            raise errors.AMQPSyntaxError("malformed basic.publish", 60, 40) from None
+        if pos >= end:
+            raise errors.AMQPSyntaxError("malformed basic.publish", 60, 40)
+        if bits & 2:
+            raise errors.AMQPNotImplemented("immediate=true", 60, 40)
+        self._pending[ch] = PendingContent(exchange, routing_key, bool(bits & 1))
+
+    def _header_frame(self, ch: int, data: bytes, start: int, end: int) -> None:
+        if self.state == State.CLOSING or self.channels.get(ch) == CH_CLOSING:
+            return
+        p = self._pending.get(ch)
+        if p is None or p.props is not None:
+            raise errors.UnexpectedFrame(f"unexpected content header frame on channel {ch}")
+        if end - start < 14:
+            raise errors.FrameError("content header frame too short")
+        class_id, _weight, size = _HEADER_PREFIX.unpack_from(data, start)
+        if class_id != 60:
+            raise errors.FrameError(f"content header for class {class_id}")
+        if size > self.max_message_size:
+            del self._pending[ch]
+            raise errors.PreconditionFailed(
+                f"message size {size} is larger than configured max size {self.max_message_size}", 60, 40
+            )
+        p.props = data[start + 12 : end]
+        p.size = size
+        if size == 0:
+            del self._pending[ch]
+            self.handle_publish(ch, p.exchange, p.routing_key, p.mandatory, p.props, b"")
+
+    def _body_frame(self, ch: int, data: bytes, start: int, end: int) -> None:
+        if self.state == State.CLOSING or self.channels.get(ch) == CH_CLOSING:
+            return
+        p = self._pending.get(ch)
+        if p is None or p.props is None:
+            raise errors.UnexpectedFrame(f"unexpected content body frame on channel {ch}")
+        ln = end - start
+        got = p.got + ln
+        if got > p.size:
+            raise errors.FrameError(f"body larger than the {p.size} bytes announced")
+        if got == p.size and not p.chunks:
+            body = data[start:end]
+        else:
+            p.chunks.append(data[start:end])
+            p.got = got
+            if got < p.size:
+                return
+            body = b"".join(p.chunks)
+        del self._pending[ch]
+        self.handle_publish(ch, p.exchange, p.routing_key, p.mandatory, p.props, body)
+
+
+_CONNECTION_TABLE: dict[State, dict[type, Any]] = {
+    State.START_OK: {commands.Connection.StartOk: AMQPConnection._on_start_ok},
+    State.TUNE_OK: {commands.Connection.TuneOk: AMQPConnection._on_tune_ok},
+    State.OPEN_WAIT: {commands.Connection.Open: AMQPConnection._on_open},
+    State.OPEN: {commands.Connection.Close: AMQPConnection._on_close},
+    State.CLOSING: {
+        commands.Connection.CloseOk: AMQPConnection._on_close_ok,
+        commands.Connection.Close: AMQPConnection._on_close_ok,
+    },
+}

@@ -1,0 +1,321 @@
+"""Users, tags and per-vhost permissions, persisted in ``users.json``.
+
+Theory of operation
+-------------------
+The store keeps every user in memory as an immutable ``User``; each change
+builds a new ``User``, replaces it in the table and rewrites the whole file
+through ``broker.store.jsonstore.write_json`` (atomic replace, and handed to the
+replication sink so followers get the same file). The file is small and changes
+rarely, so rewriting it whole is simpler than a log and never half-applied.
+
+The file mirrors the ``users`` and ``permissions`` lists of a RabbitMQ
+definitions export, so definitions move between the two brokers unchanged.
+When no file exists (first start) the default user from the config is created
+with the ``administrator`` tag and ``.*`` permissions on vhost ``/``.
+
+Permissions follow RabbitMQ's model: per user and vhost, three regular
+expressions (configure, write, read) matched against a resource name. Here the
+whole name must match (``re.fullmatch``). Each pattern is compiled once, when
+the permission is set or loaded. The default exchange ``""`` is checked under
+the name ``amq.default``, as RabbitMQ does, so a pattern of ``""`` grants
+nothing. Users in ``loopback_users`` (``guest`` by default, as in RabbitMQ)
+may log in only from a loopback address.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from broker.auth.passwords import HASHING_ALGORITHM, check_password, hash_password
+from broker.errors import StoreError
+from broker.store.jsonstore import read_json, write_json
+from broker.store.sink import ReplicationSink
+
+FILE_NAME = "users.json"
+FILE_VERSION = 1
+KNOWN_TAGS = ("administrator", "monitoring", "management", "policymaker", "impersonator")
+DEFAULT_VHOST = "/"
+LOOPBACK_USERS = ("guest",)
+# AMQP short strings carry at most 255 bytes; user and vhost names travel in them.
+MAX_NAME_BYTES = 255
+# Compared against when the user does not exist, so a miss costs the same time as a hit.
+_DUMMY_HASH = hash_password("", b"\x00\x00\x00\x00")
+
+
+def _check_name(kind: str, name: str) -> None:
+    if not name:
+        raise ValueError(f"{kind} name must not be empty")
+    if len(name.encode("utf-8")) > MAX_NAME_BYTES:
+        raise ValueError(f"{kind} name {name[:32]!r}... is longer than {MAX_NAME_BYTES} bytes")
+    if any(ord(ch) < 32 or ord(ch) == 127 for ch in name):
+        raise ValueError(f"{kind} name {name!r} contains control characters")
+
+
+def _compile(kind: str, pattern: str) -> re.Pattern[str]:
+    try:
+        return re.compile(pattern)
+    except re.error as exc:
+        raise ValueError(f"invalid {kind} regex {pattern!r}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class Permission:
+    """Three regexes for one user on one vhost; compiled once on construction."""
+
+    configure: str
+    write: str
+    read: str
+    _configure_re: re.Pattern[str] = field(init=False, repr=False, compare=False)
+    _write_re: re.Pattern[str] = field(init=False, repr=False, compare=False)
+    _read_re: re.Pattern[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Frozen dataclass: the cached compiled patterns are set through object.__setattr__.
+        object.__setattr__(self, "_configure_re", _compile("configure", self.configure))
+        object.__setattr__(self, "_write_re", _compile("write", self.write))
+        object.__setattr__(self, "_read_re", _compile("read", self.read))
+
+    def allows(self, action: str, resource: str) -> bool:
+        pattern = {"configure": self._configure_re, "write": self._write_re, "read": self._read_re}[action]
+        return pattern.fullmatch(resource or "amq.default") is not None
+
+
+FULL_ACCESS = Permission(".*", ".*", ".*")
+
+
+@dataclass(frozen=True)
+class User:
+    name: str
+    password_hash: str
+    tags: tuple[str, ...] = ()
+    permissions: Mapping[str, Permission] = field(default_factory=dict)
+    hashing_algorithm: str = HASHING_ALGORITHM
+
+    @property
+    def is_administrator(self) -> bool:
+        return "administrator" in self.tags
+
+
+def _normalise_tags(tags: Iterable[str]) -> tuple[str, ...]:
+    result: list[str] = []
+    for tag in tags:
+        tag = tag.strip()
+        if not tag or "," in tag:
+            raise ValueError(f"invalid tag {tag!r}")
+        if tag not in result:
+            result.append(tag)
+    return tuple(result)
+
+
+def is_loopback(peer_ip: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and IPv4-mapped loopback (``::ffff:127.0.0.1``)."""
+    try:
+        address = ipaddress.ip_address(peer_ip.split("%", 1)[0])  # drop an IPv6 zone id
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped.is_loopback
+    return address.is_loopback
+
+
+class UserStore:
+    """The user table of one node, backed by ``path`` (normally ``<data_dir>/users.json``)."""
+
+    def __init__(
+        self,
+        path: Path,
+        sink: ReplicationSink,
+        default_user: str = "guest",
+        default_password: str = "guest",
+        loopback_users: Iterable[str] = LOOPBACK_USERS,
+    ) -> None:
+        self._path = path
+        self._sink = sink
+        self._loopback_users = frozenset(loopback_users)
+        self._users: dict[str, User] = {}
+        data = read_json(path, None)
+        if data is None:
+            self._users[default_user] = User(
+                name=default_user,
+                password_hash=hash_password(default_password),
+                tags=("administrator",),
+                permissions={DEFAULT_VHOST: FULL_ACCESS},
+            )
+            self._save()
+        else:
+            self._users = _users_from_json(path, data)
+
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    # -- queries ------------------------------------------------------------------------------
+    def get(self, name: str) -> User | None:
+        return self._users.get(name)
+
+    def list(self) -> list[User]:
+        return [self._users[name] for name in sorted(self._users)]
+
+    def authenticate(self, username: str, password: str) -> User | None:
+        """The user when the password matches, else None (unknown users take as long)."""
+        user = self._users.get(username)
+        if user is None or not user.password_hash:
+            check_password(password, _DUMMY_HASH)
+            return None
+        return user if check_password(password, user.password_hash, user.hashing_algorithm) else None
+
+    def allowed_from(self, user: User | str, peer_ip: str) -> bool:
+        """False when a loopback-only user (``guest``) connects from a non-loopback address."""
+        name = user if isinstance(user, str) else user.name
+        return name not in self._loopback_users or is_loopback(peer_ip)
+
+    def has_vhost_access(self, user: User | str, vhost: str) -> bool:
+        found = self._resolve(user)
+        return found is not None and vhost in found.permissions
+
+    def can_configure(self, user: User | str, vhost: str, resource_name: str) -> bool:
+        return self._allows(user, vhost, "configure", resource_name)
+
+    def can_write(self, user: User | str, vhost: str, resource_name: str) -> bool:
+        return self._allows(user, vhost, "write", resource_name)
+
+    def can_read(self, user: User | str, vhost: str, resource_name: str) -> bool:
+        return self._allows(user, vhost, "read", resource_name)
+
+    # -- changes (each rewrites users.json) ---------------------------------------------------
+    def add_user(
+        self,
+        name: str,
+        password: str | None = None,
+        tags: Iterable[str] = (),
+        *,
+        password_hash: str | None = None,
+    ) -> User:
+        """Create a user from a password or an existing RabbitMQ-style hash (neither: no login)."""
+        _check_name("user", name)
+        if name in self._users:
+            raise ValueError(f"user {name!r} already exists")
+        if password is not None and password_hash is not None:
+            raise ValueError("give a password or a password hash, not both")
+        if password is not None:
+            password_hash = hash_password(password)
+        user = User(name=name, password_hash=password_hash or "", tags=_normalise_tags(tags))
+        self._users[name] = user
+        self._save()
+        return user
+
+    def delete_user(self, name: str) -> None:
+        self._require(name)
+        del self._users[name]
+        self._save()
+
+    def set_password(self, name: str, password: str) -> User:
+        return self._replace(name, password_hash=hash_password(password), hashing_algorithm=HASHING_ALGORITHM)
+
+    def set_tags(self, name: str, tags: Iterable[str]) -> User:
+        return self._replace(name, tags=_normalise_tags(tags))
+
+    def set_permissions(self, user: str, vhost: str, configure: str, write: str, read: str) -> User:
+        _check_name("vhost", vhost)
+        permission = Permission(configure, write, read)  # raises ValueError on a bad regex
+        permissions = dict(self._require(user).permissions)
+        permissions[vhost] = permission
+        return self._replace(user, permissions=permissions)
+
+    def clear_permissions(self, user: str, vhost: str) -> User:
+        permissions = dict(self._require(user).permissions)
+        if permissions.pop(vhost, None) is None:
+            return self._users[user]
+        return self._replace(user, permissions=permissions)
+
+    def clear_vhost(self, vhost: str) -> None:
+        """Drop every user's permissions on ``vhost`` (called when the vhost is deleted)."""
+        changed = False
+        for name, user in list(self._users.items()):
+            if vhost in user.permissions:
+                permissions = {k: v for k, v in user.permissions.items() if k != vhost}
+                self._users[name] = dataclasses.replace(user, permissions=permissions)
+                changed = True
+        if changed:
+            self._save()
+
+    # -- internals ----------------------------------------------------------------------------
+    def _resolve(self, user: User | str) -> User | None:
+        # Look the name up even for a User object, so a deleted or changed user loses access at once.
+        return self._users.get(user if isinstance(user, str) else user.name)
+
+    def _allows(self, user: User | str, vhost: str, action: str, resource_name: str) -> bool:
+        found = self._resolve(user)
+        if found is None:
+            return False
+        permission = found.permissions.get(vhost)
+        return permission is not None and permission.allows(action, resource_name)
+
+    def _require(self, name: str) -> User:
+        user = self._users.get(name)
+        if user is None:
+            raise KeyError(f"no user {name!r}")
+        return user
+
+    def _replace(self, name: str, **changes: Any) -> User:
+        user = dataclasses.replace(self._require(name), **changes)
+        self._users[name] = user
+        self._save()
+        return user
+
+    def _save(self) -> None:
+        write_json(self._path, users_to_json(self._users.values()), self._sink)
+
+
+def users_to_json(users: Iterable[User]) -> dict[str, Any]:
+    """The ``users.json`` document: RabbitMQ definitions' ``users`` and ``permissions`` lists."""
+    ordered = sorted(users, key=lambda u: u.name)
+    return {
+        "version": FILE_VERSION,
+        "users": [
+            {
+                "name": u.name,
+                "password_hash": u.password_hash,
+                "hashing_algorithm": u.hashing_algorithm,
+                "tags": list(u.tags),
+            }
+            for u in ordered
+        ],
+        "permissions": [
+            {"user": u.name, "vhost": vhost, "configure": p.configure, "write": p.write, "read": p.read}
+            for u in ordered
+            for vhost, p in sorted(u.permissions.items())
+        ],
+    }
+
+
+def _users_from_json(path: Path, data: Any) -> dict[str, User]:
+    try:
+        users: dict[str, User] = {}
+        for entry in data["users"]:
+            tags = entry.get("tags", [])
+            if isinstance(tags, str):  # RabbitMQ exports tags as "a,b" in older versions
+                tags = [t for t in tags.split(",") if t.strip()]
+            users[entry["name"]] = User(
+                name=str(entry["name"]),
+                password_hash=str(entry.get("password_hash", "")),
+                tags=_normalise_tags(tags),
+                hashing_algorithm=str(entry.get("hashing_algorithm", HASHING_ALGORITHM)),
+            )
+        grants: dict[str, dict[str, Permission]] = {}
+        for entry in data.get("permissions", []):
+            grants.setdefault(entry["user"], {})[entry["vhost"]] = Permission(
+                str(entry["configure"]), str(entry["write"]), str(entry["read"])
+            )
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise StoreError(f"{path}: malformed users file ({type(exc).__name__}: {exc})") from None
+    for name, permissions in grants.items():
+        if name in users:
+            users[name] = dataclasses.replace(users[name], permissions=permissions)
+    return users

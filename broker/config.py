@@ -1,0 +1,456 @@
+"""Skred configuration: every option declared once, read from four sources.
+
+Theory of operation
+-------------------
+Each option is a field of one of the frozen section dataclasses below
+(``MainConfig``, ``AmqpConfig``, ``MgmtConfig``, ``ClusteringConfig``). The field
+carries its default and, in its metadata, its help text, its value kind (``size``
+for byte counts that accept suffixes, ``networks`` for CIDR lists) and its
+allowed range or choices. ``OPTIONS`` is derived from those fields, and from
+``OPTIONS`` are derived:
+
+* the ini file keys: ``[section] name`` (``skred -c FILE``);
+* the environment variables: ``SKRED_<SECTION>_<NAME>``, upper case;
+* the command-line flags: ``--name`` for ``[main]``, ``--section-name`` for the
+  other sections, ``--section`` for a section's ``enabled`` switch, and
+  ``--flag/--no-flag`` pairs for booleans.
+
+``load_config`` layers them: defaults < ini < environment < flags. Every value
+from ini, environment or flags goes through the same parser (``Option.parse``),
+so a bad value is reported the same way wherever it came from: a
+``ConfigError`` naming the option and its source. The command line turns that
+into exit code 2 without a traceback.
+
+The result is a frozen ``Config`` handed to the components that need it; there
+is no global configuration object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import configparser
+import dataclasses
+import ipaddress
+import os
+import re
+import sys
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from broker import __version__
+
+ENV_PREFIX = "SKRED"
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
+# The smallest frame_max a peer may ask for (AMQP 0-9-1 section 4.2.3, frame-min-size).
+AMQP_FRAME_MIN_SIZE = 4096
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+class ConfigError(ValueError):
+    """A configuration value or file is unusable; the message names option and source."""
+
+
+def _meta(
+    help: str,
+    *,
+    kind: str = "",
+    lo: int | None = None,
+    hi: int | None = None,
+    choices: tuple[str, ...] = (),
+    default_text: str = "",
+) -> dict[str, Any]:
+    """Field metadata for one option (see ``Option`` for the meaning of each key)."""
+    return {
+        "help": help,
+        "kind": kind,
+        "lo": lo,
+        "hi": hi,
+        "choices": choices,
+        "default_text": default_text,
+    }
+
+
+def default_data_dir() -> Path:
+    """``/var/lib/skred`` when running as root, else ``~/.local/share/skred``."""
+    geteuid = getattr(os, "geteuid", None)  # absent on Windows
+    if geteuid is not None and geteuid() == 0:
+        return Path("/var/lib/skred")
+    return Path.home() / ".local" / "share" / "skred"
+
+
+@dataclass(frozen=True)
+class MainConfig:
+    data_dir: Path = field(
+        metadata=_meta(
+            "Directory holding messages, definitions, users and vhosts.",
+            default_text="/var/lib/skred as root, else ~/.local/share/skred",
+        )
+    )
+    segment_size: int = field(
+        default=8 * MiB,
+        metadata=_meta(
+            "Size of a message store segment file, in bytes (suffixes KiB/MiB/GiB allowed).",
+            kind="size",
+            lo=4 * KiB,
+            hi=2 * GiB,
+        ),
+    )
+    sync: bool = field(
+        default=True,
+        metadata=_meta("fsync the store before confirming a publish (off: faster, less durable)."),
+    )
+    log_level: str = field(default="info", metadata=_meta("Log level.", choices=LOG_LEVELS))
+    max_message_size: int = field(
+        default=128 * MiB,
+        metadata=_meta(
+            "Largest message body accepted, in bytes (suffixes allowed).", kind="size", lo=1, hi=2 * GiB
+        ),
+    )
+    default_user: str = field(
+        default="guest", metadata=_meta("User created on first start (data dir without users.json).")
+    )
+    default_password: str = field(default="guest", metadata=_meta("Password of the default user."))
+
+
+@dataclass(frozen=True)
+class AmqpConfig:
+    bind: str = field(default="127.0.0.1", metadata=_meta("Address the AMQP listener binds to."))
+    port: int = field(default=5672, metadata=_meta("AMQP port (0: pick a free port).", lo=0, hi=65535))
+    heartbeat: int = field(
+        default=300,
+        metadata=_meta("Heartbeat interval proposed to clients, seconds (0: off).", lo=0, hi=65535),
+    )
+    frame_max: int = field(
+        default=131072,
+        metadata=_meta(
+            "Largest frame proposed to clients, bytes.", kind="size", lo=AMQP_FRAME_MIN_SIZE, hi=2**32 - 1
+        ),
+    )
+    channel_max: int = field(
+        default=2048, metadata=_meta("Most channels per connection (0: no limit).", lo=0, hi=65535)
+    )
+    tcp_nodelay: bool = field(default=True, metadata=_meta("Set TCP_NODELAY on client sockets."))
+    trusted_proxies: tuple[str, ...] = field(
+        default=(),
+        metadata=_meta(
+            "Comma-separated addresses/CIDRs allowed to send a PROXY protocol header.", kind="networks"
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class MgmtConfig:
+    enabled: bool = field(default=True, metadata=_meta("Serve the management HTTP API and /metrics."))
+    bind: str = field(default="127.0.0.1", metadata=_meta("Address the management listener binds to."))
+    port: int = field(
+        default=15672, metadata=_meta("Management HTTP port (0: pick a free port).", lo=0, hi=65535)
+    )
+    metrics_port: int = field(
+        default=15692,
+        metadata=_meta("Prometheus /metrics port, no auth (0: pick a free port).", lo=0, hi=65535),
+    )
+
+
+@dataclass(frozen=True)
+class ClusteringConfig:
+    enabled: bool = field(default=False, metadata=_meta("Run as a cluster member (needs etcd)."))
+    etcd_endpoints: str = field(
+        default="127.0.0.1:2379", metadata=_meta("Comma-separated etcd endpoints, host:port.")
+    )
+    etcd_prefix: str = field(default="skred", metadata=_meta("Key prefix of this cluster in etcd."))
+    bind: str = field(default="127.0.0.1", metadata=_meta("Address the replication listener binds to."))
+    port: int = field(default=5679, metadata=_meta("Replication port.", lo=0, hi=65535))
+    advertised_uri: str = field(
+        default="", metadata=_meta("URI followers use to reach this node when it leads (empty: derived).")
+    )
+    on_leader_elected: str = field(
+        default="", metadata=_meta("Shell command run when this node becomes leader.")
+    )
+    on_leader_lost: str = field(default="", metadata=_meta("Shell command run when this node stops leading."))
+    lease_ttl: int = field(default=10, metadata=_meta("etcd lease TTL, seconds.", lo=1, hi=3600))
+    max_unsynced_actions: int = field(
+        default=8192, metadata=_meta("Actions a follower may lag before it leaves the in-sync set.", lo=0)
+    )
+
+
+@dataclass(frozen=True)
+class Config:
+    main: MainConfig
+    amqp: AmqpConfig = field(default_factory=AmqpConfig)
+    mgmt: MgmtConfig = field(default_factory=MgmtConfig)
+    clustering: ClusteringConfig = field(default_factory=ClusteringConfig)
+
+
+SECTIONS: dict[str, type[Any]] = {
+    "main": MainConfig,
+    "amqp": AmqpConfig,
+    "mgmt": MgmtConfig,
+    "clustering": ClusteringConfig,
+}
+
+_TRUE = frozenset({"true", "yes", "1", "on"})
+_FALSE = frozenset({"false", "no", "0", "off"})
+_SIZE_RE = re.compile(r"\s*(\d+)\s*([kmg]i?b?|b)?\s*", re.IGNORECASE)
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": KiB, "ki": KiB, "kib": KiB, "kb": 1000,
+    "m": MiB, "mi": MiB, "mib": MiB, "mb": 1000**2,
+    "g": GiB, "gi": GiB, "gib": GiB, "gb": 1000**3,
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option, derived from a section dataclass field.
+
+    ``kind`` is one of ``str``, ``int``, ``size`` (int accepting unit suffixes),
+    ``bool``, ``path``, ``networks`` (tuple of CIDRs). ``default`` is None only
+    for ``data_dir``, whose default depends on the user (``default_data_dir``).
+    """
+
+    section: str
+    name: str
+    kind: str
+    default: Any
+    help: str
+    lo: int | None = None
+    hi: int | None = None
+    choices: tuple[str, ...] = ()
+    default_text: str = ""
+
+    @property
+    def key(self) -> str:
+        return f"{self.section}.{self.name}"
+
+    @property
+    def env(self) -> str:
+        return f"{ENV_PREFIX}_{self.section}_{self.name}".upper()
+
+    @property
+    def flag(self) -> str:
+        if self.section == "main":
+            return "--" + self.name.replace("_", "-")
+        if self.name == "enabled":
+            return "--" + self.section
+        return f"--{self.section}-{self.name}".replace("_", "-")
+
+    @property
+    def dest(self) -> str:
+        return f"{self.section}__{self.name}"
+
+    def describe_default(self) -> str:
+        if self.default_text:
+            return self.default_text
+        if self.kind == "bool":
+            return "true" if self.default else "false"
+        if self.kind == "networks":
+            return ",".join(self.default) or "none"
+        if self.kind == "size":
+            return _format_size(self.default)
+        if self.default == "":
+            return "empty"
+        return str(self.default)
+
+    def parse(self, text: str) -> Any:
+        """Convert one textual value; raises ValueError with a short reason."""
+        value: Any
+        if self.kind == "bool":
+            lowered = text.strip().lower()
+            if lowered in _TRUE:
+                return True
+            if lowered in _FALSE:
+                return False
+            raise ValueError(f"{text!r} is not a boolean (use true/false, yes/no, on/off, 1/0)")
+        if self.kind in ("int", "size"):
+            value = _parse_size(text) if self.kind == "size" else _parse_int(text)
+            if self.lo is not None and value < self.lo:
+                raise ValueError(f"{value} is below the minimum {self.lo}")
+            if self.hi is not None and value > self.hi:
+                raise ValueError(f"{value} is above the maximum {self.hi}")
+            return value
+        if self.kind == "path":
+            if not text.strip():
+                raise ValueError("empty path")
+            return Path(text.strip()).expanduser()
+        if self.kind == "networks":
+            items = tuple(item.strip() for item in text.split(",") if item.strip())
+            for item in items:
+                try:
+                    ipaddress.ip_network(item, strict=False)
+                except ValueError:
+                    raise ValueError(f"{item!r} is not an IP address or CIDR") from None
+            return items
+        if self.choices:
+            lowered = text.strip().lower()
+            if lowered not in self.choices:
+                raise ValueError(f"{text!r} is not one of {', '.join(self.choices)}")
+            return lowered
+        return text
+
+
+def _parse_int(text: str) -> int:
+    try:
+        return int(text.strip(), 10)
+    except ValueError:
+        raise ValueError(f"{text!r} is not an integer") from None
+
+
+def _parse_size(text: str) -> int:
+    match = _SIZE_RE.fullmatch(text)
+    if match is None:
+        raise ValueError(f"{text!r} is not a size (bytes, or a number with KiB/MiB/GiB)")
+    return int(match.group(1)) * _SIZE_UNITS[(match.group(2) or "").lower()]
+
+
+def _format_size(value: int) -> str:
+    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if value >= scale and value % scale == 0:
+            return f"{value // scale}{unit}"
+    return str(value)
+
+
+def _kind_of(annotation: Any, meta: Mapping[str, Any]) -> str:
+    if meta["kind"]:
+        return str(meta["kind"])
+    for python_type, kind in ((bool, "bool"), (int, "int"), (str, "str"), (Path, "path")):
+        if annotation is python_type:
+            return kind
+    raise TypeError(f"no option kind for {annotation!r}")
+
+
+def _derive_options() -> tuple[Option, ...]:
+    options: list[Option] = []
+    for section, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            default = None if f.default is dataclasses.MISSING else f.default
+            options.append(
+                Option(
+                    section=section,
+                    name=f.name,
+                    kind=_kind_of(hints[f.name], f.metadata),
+                    default=default,
+                    help=f.metadata["help"],
+                    lo=f.metadata["lo"],
+                    hi=f.metadata["hi"],
+                    choices=f.metadata["choices"],
+                    default_text=f.metadata["default_text"],
+                )
+            )
+    return tuple(options)
+
+
+OPTIONS: tuple[Option, ...] = _derive_options()
+_BY_KEY: dict[str, Option] = {option.key: option for option in OPTIONS}
+
+_DESCRIPTION = """\
+Skred: a disk-first AMQP 0-9-1 message broker.
+
+Every option can be set, from lowest to highest precedence, by its default, in
+the ini file given with -c (sections [main] [amqp] [mgmt] [clustering], keys as
+named below), by an environment variable SKRED_<SECTION>_<OPTION>, or by a flag.
+Booleans accept true/false, yes/no, on/off, 1/0; sizes accept bytes or a number
+with KiB/MiB/GiB."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``skred`` argument parser; every flag defaults to None meaning "not given"."""
+    parser = argparse.ArgumentParser(
+        prog="skred", description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=f"skred {__version__}")
+    parser.add_argument("-c", "--config", metavar="FILE", type=Path, help="ini file to read options from")
+    groups = {section: parser.add_argument_group(f"[{section}] options") for section in SECTIONS}
+    for option in OPTIONS:
+        text = (
+            f"{option.help} Default: {option.describe_default()}. "
+            f"Env: {option.env}; ini: [{option.section}] {option.name}."
+        ).replace("%", "%%")  # argparse %-formats help strings
+        group = groups[option.section]
+        if option.kind == "bool":
+            group.add_argument(
+                option.flag, dest=option.dest, action=argparse.BooleanOptionalAction, default=None, help=text
+            )
+        else:
+            metavar = "{" + ",".join(option.choices) + "}" if option.choices else option.kind.upper()
+            group.add_argument(option.flag, dest=option.dest, default=None, metavar=metavar, help=text)
+    return parser
+
+
+def _read_ini(path: Path) -> dict[str, tuple[str, str]]:
+    """``{option key: (raw value, source description)}`` from an ini file."""
+    # No interpolation: hook commands may contain '%'.
+    ini = configparser.ConfigParser(interpolation=None)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            ini.read_file(fh)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+    except configparser.Error as exc:
+        raise ConfigError(f"config file {path} is not a valid ini file: {exc}") from None
+    found: dict[str, tuple[str, str]] = {}
+    for section in ini.sections():
+        if section not in SECTIONS:
+            raise ConfigError(
+                f"config file {path}: unknown section [{section}] (known: {', '.join(SECTIONS)})"
+            )
+        for name, raw in ini.items(section):
+            key = f"{section}.{name}"
+            if key not in _BY_KEY:
+                raise ConfigError(f"config file {path}: unknown option {name!r} in section [{section}]")
+            found[key] = (raw, f"[{section}] {name} in {path}")
+    return found
+
+
+def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> Config:
+    """Layer defaults < ini < environment < flags into a frozen ``Config``.
+
+    Raises ``ConfigError`` for a bad value or file; argparse itself exits with
+    status 2 on unknown flags and with 0 after ``--help``/``--version``.
+    """
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
+    env = os.environ if environ is None else environ
+
+    raw: dict[str, tuple[str, str]] = {}
+    if args.config is not None:
+        raw.update(_read_ini(args.config))
+    for option in OPTIONS:
+        if option.env in env:
+            raw[option.key] = (env[option.env], f"environment variable {option.env}")
+
+    values: dict[str, Any] = {}
+    for key, (text, source) in raw.items():
+        option = _BY_KEY[key]
+        try:
+            values[key] = option.parse(text)
+        except ValueError as exc:
+            raise ConfigError(f"invalid value for {key} from {source}: {exc}") from None
+    for option in OPTIONS:
+        given = getattr(args, option.dest)
+        if given is None:
+            continue
+        if option.kind == "bool":
+            values[option.key] = bool(given)
+            continue
+        try:
+            values[option.key] = option.parse(given)
+        except ValueError as exc:
+            raise ConfigError(f"invalid value for {option.key} from flag {option.flag}: {exc}") from None
+
+    sections: dict[str, Any] = {}
+    for section, cls in SECTIONS.items():
+        kwargs = {
+            option.name: values[option.key]
+            for option in OPTIONS
+            if option.section == section and option.key in values
+        }
+        if section == "main" and "data_dir" not in kwargs:
+            kwargs["data_dir"] = default_data_dir()
+        sections[section] = cls(**kwargs)
+    return Config(**sections)

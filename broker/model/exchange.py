@@ -1,0 +1,203 @@
+"""Exchanges and routing: direct, fanout, topic, headers, exchange-to-exchange.
+
+Theory of operation
+-------------------
+An exchange maps a routing key (and, for headers exchanges, the message
+headers) to a set of destinations: queues or other exchanges. Bindings are
+kept in the shape each type routes with, so a publish costs one dict lookup
+(direct), nothing (fanout), a cached pattern match (topic: the result per
+routing key is memoised until the bindings change) or a scan of the header
+bindings (headers; the only type that decodes message properties, and it does
+so lazily through ``headers_of``). Exchange-to-exchange bindings are followed
+by the vhost, which owns loop detection.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+from broker import errors
+
+EXCHANGE_TYPES = ("direct", "fanout", "topic", "headers")
+_TOPIC_CACHE_MAX = 4096
+
+
+def args_key(args: dict[str, Any] | None) -> str:
+    """A hashable identity for binding arguments (bindings differ by args)."""
+    if not args:
+        return ""
+    return repr(sorted((str(k), repr(v)) for k, v in args.items()))
+
+
+def topic_regex(pattern: str) -> re.Pattern[str]:
+    """Compile an AMQP topic pattern: ``*`` is one word, ``#`` zero or more.
+
+    Matched against ``"." + routing_key`` so every word, the first included,
+    carries a leading dot and ``#`` can swallow whole dotted words.
+    """
+    out = []
+    for w in pattern.split("."):
+        if w == "#":
+            out.append(r"(?:\.[^.]*)*")
+        elif w == "*":
+            out.append(r"\.[^.]*")
+        else:
+            out.append(r"\." + re.escape(w))
+    return re.compile("".join(out) + r"\Z", re.S)
+
+
+def topic_match(pattern: str, key: str) -> bool:
+    """Reference matcher (word lists); used to cross-check the regex in tests."""
+    return _match_words(pattern.split("."), key.split("."))
+
+
+def _match_words(p: list[str], k: list[str]) -> bool:
+    if not p:
+        return not k
+    head = p[0]
+    if head == "#":
+        return any(_match_words(p[1:], k[i:]) for i in range(len(k) + 1))
+    if not k:
+        return False
+    if head == "*" or head == k[0]:
+        return _match_words(p[1:], k[1:])
+    return False
+
+
+def headers_match(binding_args: dict[str, Any], headers: dict[str, Any] | None) -> bool:
+    """x-match all (default) / any, and the -with-x variants, as RabbitMQ does."""
+    mode = binding_args.get("x-match", "all")
+    if isinstance(mode, bytes):
+        mode = mode.decode()
+    with_x = mode in ("all-with-x", "any-with-x")
+    want_all = mode in ("all", "all-with-x")
+    headers = headers or {}
+    checked = 0
+    for k, v in binding_args.items():
+        if k == "x-match" or (k.startswith("x-") and not with_x):
+            continue
+        checked += 1
+        present = k in headers
+        ok = present and (v is None or headers[k] == v)
+        if want_all and not ok:
+            return False
+        if not want_all and ok:
+            return True
+    return want_all
+
+
+class Exchange:
+    """One exchange and its bindings. Destinations are opaque hashable objects."""
+
+    __slots__ = (
+        "name", "type", "durable", "auto_delete", "internal", "arguments",
+        "_bindings", "_direct", "_all", "_topic", "_topic_cache", "_headers", "alternate",
+    )
+
+    def __init__(
+        self,
+        name: str,
+        type_: str,
+        durable: bool = True,
+        auto_delete: bool = False,
+        internal: bool = False,
+        arguments: dict[str, Any] | None = None,
+    ) -> None:
+        if type_ not in EXCHANGE_TYPES:
+            raise errors.CommandInvalid(f"unknown exchange type '{type_}'", 40, 10)
+        self.name = name
+        self.type = type_
+        self.durable = durable
+        self.auto_delete = auto_delete
+        self.internal = internal
+        self.arguments = dict(arguments or {})
+        alt = self.arguments.get("alternate-exchange")
+        self.alternate: str | None = str(alt) if alt else None
+        # (destination, routing key, args identity) -> args
+        self._bindings: dict[tuple[object, str, str], dict[str, Any]] = {}
+        self._direct: dict[str, list[object]] = {}
+        self._all: list[object] = []
+        self._topic: list[tuple[re.Pattern[str], object]] = []
+        self._topic_cache: dict[str, tuple[object, ...]] = {}
+        self._headers: list[tuple[dict[str, Any], object]] = []
+
+    # --------------------------------------------------------------- bindings
+    def bind(self, dest: object, routing_key: str, args: dict[str, Any] | None = None) -> bool:
+        key = (dest, routing_key, args_key(args))
+        if key in self._bindings:
+            return False
+        self._bindings[key] = dict(args or {})
+        self._rebuild()
+        return True
+
+    def unbind(self, dest: object, routing_key: str, args: dict[str, Any] | None = None) -> bool:
+        key = (dest, routing_key, args_key(args))
+        if self._bindings.pop(key, None) is None:
+            return False
+        self._rebuild()
+        return True
+
+    def unbind_all(self, dest: object) -> int:
+        gone = [k for k in self._bindings if k[0] is dest]
+        for k in gone:
+            del self._bindings[k]
+        if gone:
+            self._rebuild()
+        return len(gone)
+
+    def bindings(self) -> list[tuple[object, str, dict[str, Any]]]:
+        return [(d, rk, a) for (d, rk, _), a in self._bindings.items()]
+
+    def has_bindings(self) -> bool:
+        return bool(self._bindings)
+
+    def _rebuild(self) -> None:
+        self._direct = {}
+        dests: list[object] = []
+        self._topic = []
+        self._headers = []
+        self._topic_cache = {}
+        for (dest, rk, _), args in self._bindings.items():
+            self._direct.setdefault(rk, [])
+            if dest not in self._direct[rk]:
+                self._direct[rk].append(dest)
+            if dest not in dests:
+                dests.append(dest)
+            if self.type == "topic":
+                self._topic.append((topic_regex(rk), dest))
+            elif self.type == "headers":
+                self._headers.append((args, dest))
+        self._all = dests
+
+    # ---------------------------------------------------------------- routing
+    def route(
+        self, routing_key: str, headers_of: Callable[[], dict[str, Any] | None]
+    ) -> list[object] | tuple[object, ...]:
+        t = self.type
+        if t == "direct":
+            return self._direct.get(routing_key, ())
+        if t == "fanout":
+            return self._all
+        if t == "topic":
+            hit = self._topic_cache.get(routing_key)
+            if hit is None:
+                seen: list[object] = []
+                dotted = "." + routing_key
+                for rx, dest in self._topic:
+                    if dest not in seen and rx.match(dotted):
+                        seen.append(dest)
+                hit = tuple(seen)
+                if len(self._topic_cache) >= _TOPIC_CACHE_MAX:
+                    self._topic_cache.clear()
+                self._topic_cache[routing_key] = hit
+            return hit
+        if not self._headers:
+            return ()
+        headers = headers_of()
+        out: list[object] = []
+        for args, dest in self._headers:
+            if dest not in out and headers_match(args, headers):
+                out.append(dest)
+        return out

@@ -1,0 +1,196 @@
+"""Queues and consumers: the protocol-neutral delivery core.
+
+Theory of operation
+-------------------
+A queue is a ``QueueStore`` (its messages live on disk; RAM holds positions)
+plus a list of consumers. Publishing appends to the store and, if anybody
+consumes, schedules one delivery pass on the event loop (coalesced: many
+publishes in one read batch cost one pass). A pass hands messages round-robin
+to consumers that have capacity (``Consumer.ready()``: prefetch, channel
+flow, the connection's write buffer) until the queue is empty, nobody has
+capacity, or a per-pass budget is spent, in which case it reschedules itself
+so other queues and connections get their turn. Whoever frees capacity (an
+ack, a cancel, a drained socket) calls ``schedule_delivery()`` again.
+
+A consumer is anything with ``ready()`` and ``deliver(...)``: the AMQP
+session implements it; MQTT or HTTP could too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from broker.store.queue_store import QueueStore
+
+_PASS_BUDGET = 4096  # deliveries per pass before yielding to the loop
+
+
+class Consumer:
+    """Base consumer. Subclasses override ``ready`` and ``deliver``."""
+
+    __slots__ = ("tag", "queue", "no_ack", "exclusive", "arguments")
+
+    def __init__(self, tag: str, queue: Queue, no_ack: bool, exclusive: bool,
+                 arguments: dict[str, Any] | None = None) -> None:
+        self.tag = tag
+        self.queue = queue
+        self.no_ack = no_ack
+        self.exclusive = exclusive
+        self.arguments = arguments or {}
+
+    def ready(self) -> bool:
+        return True
+
+    def deliver(self, msgid: int, exchange: bytes, routing_key: bytes, props: bytes,
+                body: bytes, redelivered: bool) -> None:
+        raise NotImplementedError
+
+    def cancelled_by_server(self) -> None:
+        """The queue went away; tell the client if it wants to know."""
+
+
+class Queue:
+    __slots__ = (
+        "vhost", "name", "durable", "exclusive_owner", "auto_delete", "arguments", "store",
+        "consumers", "_schedule", "_scheduled", "_rr", "deleted", "had_consumers", "on_unused",
+        "name_bytes", "on_dirty",
+    )
+
+    def __init__(
+        self,
+        vhost: str,
+        name: str,
+        *,
+        durable: bool,
+        exclusive_owner: object | None,
+        auto_delete: bool,
+        arguments: dict[str, Any] | None,
+        store: QueueStore,
+        schedule: Callable[[Callable[[], None]], None],
+        on_unused: Callable[[Queue], None],
+        on_dirty: Callable[[QueueStore], None],
+    ) -> None:
+        self.vhost = vhost
+        self.name = name
+        self.name_bytes = name.encode()
+        self.durable = durable
+        self.exclusive_owner = exclusive_owner
+        self.auto_delete = auto_delete
+        self.arguments = dict(arguments or {})
+        self.store = store
+        self.consumers: list[Consumer] = []
+        self._schedule = schedule
+        self._scheduled = False
+        self._rr = 0
+        self.deleted = False
+        self.had_consumers = False
+        self.on_unused = on_unused
+        self.on_dirty = on_dirty
+
+    # ------------------------------------------------------------ publishing
+    def publish(self, ts: int, exchange: bytes, routing_key: bytes, props: bytes, body: bytes,
+                persistent: bool) -> None:
+        self.store.append(ts, exchange, routing_key, props, body)
+        if persistent and self.durable:
+            self.on_dirty(self.store)
+        if self.consumers and not self._scheduled:
+            self._scheduled = True
+            self._schedule(self._deliver)
+
+    @property
+    def message_count(self) -> int:
+        return self.store.ready_count
+
+    @property
+    def consumer_count(self) -> int:
+        return len(self.consumers)
+
+    # ------------------------------------------------------------- consumers
+    def add_consumer(self, consumer: Consumer) -> None:
+        self.consumers.append(consumer)
+        self.had_consumers = True
+        self.schedule_delivery()
+
+    def remove_consumer(self, consumer: Consumer) -> None:
+        try:
+            self.consumers.remove(consumer)
+        except ValueError:
+            return
+        if not self.consumers and self.auto_delete and self.had_consumers and not self.deleted:
+            self.on_unused(self)
+
+    def schedule_delivery(self) -> None:
+        if not self._scheduled and self.consumers and not self.deleted:
+            self._scheduled = True
+            self._schedule(self._deliver)
+
+    def _deliver(self) -> None:
+        self._scheduled = False
+        if self.deleted:
+            return
+        store = self.store
+        consumers = self.consumers
+        budget = _PASS_BUDGET
+        while budget and consumers and store.ready_count:
+            n = len(consumers)
+            start = self._rr
+            for i in range(n):
+                c = consumers[(start + i) % n]
+                if c.ready():
+                    self._rr = (start + i + 1) % n
+                    break
+            else:
+                return  # nobody has capacity; whoever frees some reschedules us
+            msgid = store.shift()
+            if msgid is None:
+                return
+            _ts, exchange, routing_key, props, body = store.read(msgid)
+            redelivered = store.is_redelivered(msgid)
+            if c.no_ack:
+                store.ack(msgid)
+            c.deliver(msgid, exchange, routing_key, props, body, redelivered)
+            budget -= 1
+        if not budget:
+            self.schedule_delivery()
+
+    # ------------------------------------------------------------------ get
+    def get(self) -> tuple[int, bytes, bytes, bytes, bytes, bool] | None:
+        msgid = self.store.shift()
+        if msgid is None:
+            return None
+        _ts, exchange, routing_key, props, body = self.store.read(msgid)
+        return msgid, exchange, routing_key, props, body, self.store.is_redelivered(msgid)
+
+    def ack(self, msgid: int) -> None:
+        if self.deleted:
+            return
+        self.store.ack(msgid)
+        if self.durable:
+            self.on_dirty(self.store)
+
+    def reject(self, msgid: int, requeue: bool) -> None:
+        if self.deleted:
+            return
+        if requeue:
+            self.store.requeue(msgid)
+            self.schedule_delivery()
+        else:
+            self.ack(msgid)
+
+    def purge(self) -> int:
+        n = self.store.purge()
+        if self.durable:
+            self.on_dirty(self.store)
+        return n
+
+    def close(self) -> None:
+        self.store.close()
+
+    def delete(self) -> None:
+        """Remove the queue and its files; consumers get a server-side cancel."""
+        self.deleted = True
+        consumers, self.consumers = self.consumers, []
+        for c in consumers:
+            c.cancelled_by_server()
+        self.store.delete()

@@ -1,0 +1,395 @@
+"""A virtual host: exchanges, queues, bindings and their durable definitions.
+
+Theory of operation
+-------------------
+Every durable declaration (exchange, non-exclusive queue, binding between two
+durable ends) and every delete of one is appended to ``definitions.amqp`` as
+the AMQP method frame that describes it (pamqp-encoded, channel 0). On boot
+the log is replayed in order; after many deletes it is compacted to the
+current state (written aside, fsynced, renamed). Exclusive queues are never
+written: like RabbitMQ, they die with their connection and with the broker.
+
+Each queue owns a ``QueueStore`` directory: durable queues under the vhost
+directory (replicated through the sink), transient ones under a scratch
+directory that is wiped at startup. Error texts follow RabbitMQ's wording so
+client code that matches on them keeps working.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pamqp import commands, frame as pframe
+from pamqp.base import Frame as PFrame
+
+from broker import errors
+from broker.model.exchange import Exchange
+from broker.model.queue import Queue
+from broker.store.definitions import DefinitionsLog
+from broker.store.paths import queue_dir, vhost_dir
+from broker.store.queue_store import QueueStore
+from broker.store.sink import NullSink, ReplicationSink
+
+log = logging.getLogger(__name__)
+
+DEFAULT_EXCHANGES = (
+    ("", "direct"),
+    ("amq.direct", "direct"),
+    ("amq.fanout", "fanout"),
+    ("amq.topic", "topic"),
+    ("amq.headers", "headers"),
+    ("amq.match", "headers"),
+)
+_COMPACT_AFTER = 10_000  # deletes before the definitions log is rewritten
+
+
+def _equivalent(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return {k: v for k, v in a.items()} == {k: v for k, v in b.items()}
+
+
+class VHost:
+    def __init__(
+        self,
+        name: str,
+        data_dir: Path,
+        *,
+        segment_size: int,
+        sink: ReplicationSink,
+        schedule: Callable[[Callable[[], None]], None],
+        mark_dirty: Callable[[Any], None],
+        transient_root: Path,
+    ) -> None:
+        self.name = name
+        self.dir = vhost_dir(data_dir, name)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.transient_dir = transient_root / self.dir.name
+        self.segment_size = segment_size
+        self.sink = sink
+        self.schedule = schedule
+        self.mark_dirty = mark_dirty
+        self.exchanges: dict[str, Exchange] = {}
+        self.queues: dict[str, Queue] = {}
+        self.closed_queues: dict[str, str] = {}  # name -> why (corrupt store)
+        marker = self.dir / ".vhost"
+        if not marker.exists():
+            marker.write_text(name)
+            sink.replace(marker, name.encode())
+        for ename, etype in DEFAULT_EXCHANGES:
+            self.exchanges[ename] = Exchange(ename, etype, durable=True)
+        self.definitions = DefinitionsLog(self.dir / "definitions.amqp", sink)
+        self._replaying = False
+        self._load()
+
+    # ------------------------------------------------------------ definitions
+    def _load(self) -> None:
+        self._replaying = True
+        try:
+            for record in self.definitions.load():
+                try:
+                    _, _, method = pframe.unmarshal(record)
+                    self._replay(method)
+                except (errors.AMQPError, ValueError, KeyError) as exc:
+                    log.warning("vhost %s: skipping definition record: %s", self.name, exc)
+                except Exception as exc:  # a bad record must not stop the broker
+                    log.warning("vhost %s: bad definition record: %r", self.name, exc)
+        finally:
+            self._replaying = False
+
+    def _replay(self, m: PFrame) -> None:
+        if isinstance(m, commands.Exchange.Declare):
+            self.declare_exchange(m.exchange, m.exchange_type, durable=True, auto_delete=m.auto_delete,
+                                  internal=m.internal, arguments=m.arguments or {})
+        elif isinstance(m, commands.Exchange.Delete):
+            if m.exchange in self.exchanges:
+                self.delete_exchange(m.exchange)
+        elif isinstance(m, commands.Queue.Declare):
+            self.declare_queue(m.queue, durable=True, auto_delete=m.auto_delete,
+                               arguments=m.arguments or {}, owner=None)
+        elif isinstance(m, commands.Queue.Delete):
+            if m.queue in self.queues:
+                self.delete_queue(m.queue, owner=None)
+        elif isinstance(m, commands.Queue.Bind):
+            if m.queue in self.queues and m.exchange in self.exchanges:
+                self.bind_queue(m.queue, m.exchange, m.routing_key, m.arguments or {}, owner=None)
+        elif isinstance(m, commands.Queue.Unbind):
+            if m.queue in self.queues and m.exchange in self.exchanges:
+                self.unbind_queue(m.queue, m.exchange, m.routing_key, m.arguments or {}, owner=None)
+        elif isinstance(m, commands.Exchange.Bind):
+            if m.destination in self.exchanges and m.source in self.exchanges:
+                self.bind_exchange(m.destination, m.source, m.routing_key, m.arguments or {})
+        elif isinstance(m, commands.Exchange.Unbind):
+            if m.destination in self.exchanges and m.source in self.exchanges:
+                self.unbind_exchange(m.destination, m.source, m.routing_key, m.arguments or {})
+
+    def _log(self, method: PFrame, is_delete: bool = False) -> None:
+        if self._replaying:
+            return
+        self.definitions.append(pframe.marshal(method, 0))
+        self.mark_dirty(self.definitions)
+        if is_delete and self.definitions.appended_since_compact > _COMPACT_AFTER:
+            self.compact()
+
+    def compact(self) -> None:
+        records: list[bytes] = []
+        for ex in self.exchanges.values():
+            if ex.durable and not ex.name.startswith("amq.") and ex.name:
+                records.append(pframe.marshal(commands.Exchange.Declare(
+                    exchange=ex.name, exchange_type=ex.type, durable=True, auto_delete=ex.auto_delete,
+                    internal=ex.internal, arguments=ex.arguments), 0))
+        for q in self.queues.values():
+            if q.durable and q.exclusive_owner is None:
+                records.append(pframe.marshal(commands.Queue.Declare(
+                    queue=q.name, durable=True, auto_delete=q.auto_delete, arguments=q.arguments), 0))
+        for ex in self.exchanges.values():
+            if not ex.durable:
+                continue
+            for dest, rk, args in ex.bindings():
+                if isinstance(dest, Queue) and dest.durable and dest.exclusive_owner is None:
+                    records.append(pframe.marshal(commands.Queue.Bind(
+                        queue=dest.name, exchange=ex.name, routing_key=rk, arguments=args), 0))
+                elif isinstance(dest, Exchange) and dest.durable:
+                    records.append(pframe.marshal(commands.Exchange.Bind(
+                        destination=dest.name, source=ex.name, routing_key=rk, arguments=args), 0))
+        self.definitions.compact(records)
+
+    # -------------------------------------------------------------- exchanges
+    def get_exchange(self, name: str) -> Exchange:
+        ex = self.exchanges.get(name)
+        if ex is None:
+            raise errors.NotFound(f"no exchange '{name}' in vhost '{self.name}'")
+        return ex
+
+    def declare_exchange(
+        self, name: str, type_: str, *, passive: bool = False, durable: bool = False,
+        auto_delete: bool = False, internal: bool = False, arguments: dict[str, Any] | None = None,
+    ) -> Exchange:
+        arguments = dict(arguments or {})
+        ex = self.exchanges.get(name)
+        if passive:
+            if ex is None:
+                raise errors.NotFound(f"no exchange '{name}' in vhost '{self.name}'")
+            return ex
+        if (name.startswith("amq.") or name == "") and not self._replaying:
+            if ex is not None and ex.type == type_ and ex.durable == durable:
+                return ex  # RabbitMQ allows an equivalent redeclare of amq.* exchanges
+            raise errors.AccessRefused(
+                f"exchange name '{name}' contains reserved prefix 'amq.'")
+        if ex is not None:
+            for what, cur, new in (("type", ex.type, type_), ("durable", ex.durable, durable),
+                                   ("auto_delete", ex.auto_delete, auto_delete),
+                                   ("internal", ex.internal, internal)):
+                if cur != new:
+                    raise errors.PreconditionFailed(
+                        f"inequivalent arg '{what}' for exchange '{name}' in vhost '{self.name}': "
+                        f"received '{new}' but current is '{cur}'")
+            if not _equivalent(ex.arguments, arguments):
+                raise errors.PreconditionFailed(
+                    f"inequivalent arguments for exchange '{name}' in vhost '{self.name}'")
+            return ex
+        ex = Exchange(name, type_, durable, auto_delete, internal, arguments)
+        self.exchanges[name] = ex
+        if durable:
+            self._log(commands.Exchange.Declare(exchange=name, exchange_type=type_, durable=True,
+                                                auto_delete=auto_delete, internal=internal,
+                                                arguments=arguments))
+        return ex
+
+    def delete_exchange(self, name: str, if_unused: bool = False) -> None:
+        if name == "" or name.startswith("amq."):
+            raise errors.AccessRefused(f"operation not permitted on the default exchange '{name}'")
+        ex = self.exchanges.get(name)
+        if ex is None:
+            return  # RabbitMQ: deleting a missing exchange is ok
+        if if_unused and ex.has_bindings():
+            raise errors.PreconditionFailed(f"exchange '{name}' in vhost '{self.name}' in use")
+        del self.exchanges[name]
+        for other in self.exchanges.values():
+            other.unbind_all(ex)
+        if ex.durable:
+            self._log(commands.Exchange.Delete(exchange=name), is_delete=True)
+
+    # ----------------------------------------------------------------- queues
+    def get_queue(self, name: str, owner: object | None) -> Queue:
+        q = self.queues.get(name)
+        if q is None:
+            raise errors.NotFound(f"no queue '{name}' in vhost '{self.name}'")
+        if q.exclusive_owner is not None and q.exclusive_owner is not owner:
+            raise errors.ResourceLocked(
+                f"cannot obtain exclusive access to locked queue '{name}' in vhost '{self.name}'. "
+                "It could be originally declared on another connection or the exclusive property "
+                "value does not match that of the original declaration.")
+        return q
+
+    def declare_queue(
+        self, name: str, *, passive: bool = False, durable: bool = False, exclusive: bool = False,
+        auto_delete: bool = False, arguments: dict[str, Any] | None = None, owner: object | None,
+    ) -> tuple[Queue, bool]:
+        arguments = dict(arguments or {})
+        if passive:
+            return self.get_queue(name, owner), False
+        if not name:
+            name = "amq.gen-" + base64.urlsafe_b64encode(os.urandom(16)).decode().rstrip("=")
+        elif name.startswith("amq.") and not self._replaying:
+            raise errors.AccessRefused(
+                f"queue name '{name}' contains reserved prefix 'amq.*'")
+        q = self.queues.get(name)
+        if q is not None:
+            self.get_queue(name, owner)  # exclusivity check
+            for what, cur, new in (("durable", q.durable, durable),
+                                   ("exclusive", q.exclusive_owner is not None, exclusive),
+                                   ("auto_delete", q.auto_delete, auto_delete)):
+                if cur != new:
+                    raise errors.PreconditionFailed(
+                        f"inequivalent arg '{what}' for queue '{name}' in vhost '{self.name}': "
+                        f"received '{str(new).lower()}' but current is '{str(cur).lower()}'")
+            if not _equivalent(q.arguments, arguments):
+                raise errors.PreconditionFailed(
+                    f"inequivalent arguments for queue '{name}' in vhost '{self.name}'")
+            return q, False
+        persistent = durable and not exclusive
+        if persistent:
+            store = QueueStore(queue_dir(self.dir, name), segment_size=self.segment_size,
+                               sink=self.sink, persistent_only=True)
+            qfile = queue_dir(self.dir, name) / ".queue"
+            if not qfile.exists():
+                qfile.write_text(name)
+                self.sink.replace(qfile, name.encode())
+        else:
+            tdir = queue_dir(self.transient_dir, name)
+            if tdir.exists():
+                shutil.rmtree(tdir, ignore_errors=True)
+            store = QueueStore(tdir, segment_size=self.segment_size, sink=NullSink())
+        q = Queue(self.name, name, durable=durable, exclusive_owner=owner if exclusive else None,
+                  auto_delete=auto_delete, arguments=arguments, store=store, schedule=self.schedule,
+                  on_unused=self._queue_unused, on_dirty=self.mark_dirty)
+        self.queues[name] = q
+        self.exchanges[""].bind(q, name)
+        if persistent:
+            self._log(commands.Queue.Declare(queue=name, durable=True, auto_delete=auto_delete,
+                                             arguments=arguments))
+        return q, True
+
+    def _queue_unused(self, q: Queue) -> None:
+        if self.queues.get(q.name) is q:
+            self.delete_queue(q.name, owner=q.exclusive_owner)
+
+    def delete_queue(self, name: str, *, if_unused: bool = False, if_empty: bool = False,
+                     owner: object | None) -> int:
+        q = self.queues.get(name)
+        if q is None:
+            return 0  # RabbitMQ: deleting a missing queue is ok
+        self.get_queue(name, owner)
+        if if_unused and q.consumers:
+            raise errors.PreconditionFailed(f"queue '{name}' in vhost '{self.name}' in use")
+        if if_empty and q.message_count:
+            raise errors.PreconditionFailed(f"queue '{name}' in vhost '{self.name}' not empty")
+        count = q.message_count
+        del self.queues[name]
+        for ex in list(self.exchanges.values()):
+            if ex.unbind_all(q) and ex.auto_delete and not ex.has_bindings():
+                self._auto_delete_exchange(ex)
+        persistent = q.durable and q.exclusive_owner is None
+        q.delete()
+        if persistent:
+            self._log(commands.Queue.Delete(queue=name), is_delete=True)
+        return count
+
+    def _auto_delete_exchange(self, ex: Exchange) -> None:
+        if self.exchanges.get(ex.name) is ex:
+            self.delete_exchange(ex.name)
+
+    def delete_exclusive(self, owner: object) -> None:
+        for q in [q for q in self.queues.values() if q.exclusive_owner is owner]:
+            self.delete_queue(q.name, owner=owner)
+
+    # --------------------------------------------------------------- bindings
+    def bind_queue(self, queue: str, exchange: str, routing_key: str, arguments: dict[str, Any],
+                   owner: object | None) -> None:
+        q = self.get_queue(queue, owner)
+        ex = self.get_exchange(exchange)
+        if exchange == "":
+            raise errors.AccessRefused("operation not permitted on the default exchange")
+        if ex.bind(q, routing_key, arguments) and ex.durable and q.durable and q.exclusive_owner is None:
+            self._log(commands.Queue.Bind(queue=queue, exchange=exchange, routing_key=routing_key,
+                                          arguments=arguments))
+
+    def unbind_queue(self, queue: str, exchange: str, routing_key: str, arguments: dict[str, Any],
+                     owner: object | None) -> None:
+        q = self.get_queue(queue, owner)
+        ex = self.get_exchange(exchange)
+        if exchange == "":
+            raise errors.AccessRefused("operation not permitted on the default exchange")
+        if ex.unbind(q, routing_key, arguments):
+            if ex.durable and q.durable and q.exclusive_owner is None:
+                self._log(commands.Queue.Unbind(queue=queue, exchange=exchange, routing_key=routing_key,
+                                                arguments=arguments), is_delete=True)
+            if ex.auto_delete and not ex.has_bindings():
+                self._auto_delete_exchange(ex)
+
+    def bind_exchange(self, destination: str, source: str, routing_key: str,
+                      arguments: dict[str, Any]) -> None:
+        dst = self.get_exchange(destination)
+        src = self.get_exchange(source)
+        if source == "" or destination == "":
+            raise errors.AccessRefused("operation not permitted on the default exchange")
+        if src.bind(dst, routing_key, arguments) and src.durable and dst.durable:
+            self._log(commands.Exchange.Bind(destination=destination, source=source,
+                                             routing_key=routing_key, arguments=arguments))
+
+    def unbind_exchange(self, destination: str, source: str, routing_key: str,
+                        arguments: dict[str, Any]) -> None:
+        dst = self.get_exchange(destination)
+        src = self.get_exchange(source)
+        if src.unbind(dst, routing_key, arguments):
+            if src.durable and dst.durable:
+                self._log(commands.Exchange.Unbind(destination=destination, source=source,
+                                                   routing_key=routing_key, arguments=arguments),
+                          is_delete=True)
+            if src.auto_delete and not src.has_bindings():
+                self._auto_delete_exchange(src)
+
+    # ---------------------------------------------------------------- routing
+    def route(self, ex: Exchange, routing_key: str,
+              headers_of: Callable[[], dict[str, Any] | None]) -> list[Queue]:
+        """Queues a message reaches, following exchange-to-exchange bindings once each."""
+        first = ex.route(routing_key, headers_of)
+        if not first and ex.alternate:
+            alt = self.exchanges.get(ex.alternate)
+            if alt is not None and alt is not ex:
+                first = alt.route(routing_key, headers_of)
+        queues: list[Queue] = []
+        nested: list[Exchange] | None = None
+        for d in first:
+            if isinstance(d, Queue):
+                queues.append(d)
+            elif isinstance(d, Exchange):
+                nested = nested or []
+                nested.append(d)
+        if nested:
+            seen: set[int] = {id(ex)}
+            while nested:
+                e = nested.pop()
+                if id(e) in seen:
+                    continue
+                seen.add(id(e))
+                for d in e.route(routing_key, headers_of):
+                    if isinstance(d, Queue):
+                        if d not in queues:
+                            queues.append(d)
+                    elif isinstance(d, Exchange):
+                        nested.append(d)
+        return queues
+
+    def close(self) -> None:
+        for q in self.queues.values():
+            try:
+                q.close()
+            except Exception:  # keep closing the rest
+                log.exception("closing queue %s", q.name)
+        self.definitions.close()

@@ -1,0 +1,79 @@
+"""The running broker's shared state, handed to every session.
+
+Not a global: the node builds one ``Broker`` and passes it to the listener,
+which passes it to each ``Session``. It holds the vhosts, users, the group
+commit ``Syncer``, live connections, direct reply-to routes and counters.
+"""
+
+from __future__ import annotations
+
+import platform
+from typing import TYPE_CHECKING, Any
+
+from broker import __version__
+from broker.auth.users import UserStore
+from broker.config import Config
+from broker.model.vhost import VHost
+from broker.net.syncer import Syncer
+
+if TYPE_CHECKING:
+    from broker.net.session import ChannelState, Session
+
+
+class Stats:
+    """Plain integer counters: a publish costs one attribute increment."""
+
+    __slots__ = ("published", "delivered", "acked", "confirmed", "unroutable", "connections_opened")
+
+    def __init__(self) -> None:
+        self.published = 0
+        self.delivered = 0
+        self.acked = 0
+        self.confirmed = 0
+        self.unroutable = 0
+        self.connections_opened = 0
+
+
+class Broker:
+    def __init__(self, config: Config, users: UserStore, vhosts: dict[str, VHost], syncer: Syncer) -> None:
+        self.config = config
+        self.users = users
+        self.vhosts = vhosts
+        self.syncer = syncer
+        self.stats = Stats()
+        self.connections: set[Session] = set()
+        self.reply_to: dict[str, tuple[Session, ChannelState]] = {}
+        # guest with full access everywhere is the common case: skip per-name checks then
+        self.check_permissions = True
+        self._server_properties: dict[str, Any] = {
+            "product": "Skred",
+            "version": __version__,
+            "platform": f"Python {platform.python_version()}",
+            "copyright": "Skred contributors",
+            "information": "Disk-first AMQP 0-9-1 broker",
+            "capabilities": {
+                "publisher_confirms": True,
+                "exchange_exchange_bindings": True,
+                "basic.nack": True,
+                "consumer_cancel_notify": True,
+                "connection.blocked": True,
+                "consumer_priorities": False,
+                "authentication_failure_close": True,
+                "per_consumer_qos": True,
+                "direct_reply_to": True,
+            },
+        }
+
+    def server_properties(self) -> dict[str, Any]:
+        return self._server_properties
+
+    def check_login(self, username: str, password: str, peer_ip: str) -> bool:
+        user = self.users.authenticate(username, password)
+        return user is not None and self.users.allowed_from(user, peer_ip)
+
+    def connection_opened(self, session: Session) -> None:
+        self.connections.add(session)
+        self.stats.connections_opened += 1
+
+    def connection_closed(self, session: Session) -> None:
+        self.connections.discard(session)

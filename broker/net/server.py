@@ -1,0 +1,187 @@
+"""The asyncio side of AMQP: listener, per-connection protocol, heartbeats.
+
+Theory of operation
+-------------------
+``AMQPProtocol`` is a thin adapter: ``data_received`` feeds the sans-IO
+session, lets it coalesce confirms, then writes everything the session
+produced in ONE ``transport.write``. Output produced outside a read (a
+delivery triggered by another connection's publish, a group commit finishing)
+calls ``wakeup()``, which schedules one flush on the next loop turn.
+
+Backpressure: when the transport's write buffer passes the high-water mark
+(``pause_writing``) the session stops being ``writable`` and its consumers
+report no capacity; ``resume_writing`` reschedules their queues. Reading is
+never paused for that: the client's acks are what frees its capacity.
+
+Heartbeats and handshake/close timeouts run from one periodic tick over all
+connections instead of a timer per connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from typing import Any
+
+from broker import errors
+from broker.amqp.connection import State
+from broker.net.broker import Broker
+from broker.net.session import Session
+
+log = logging.getLogger(__name__)
+
+_HANDSHAKE_TIMEOUT = 10.0  # seconds to finish connection.open
+_CLOSE_TIMEOUT = 2.0  # seconds to wait for close-ok before dropping the socket
+_WRITE_HIGH_WATER = 1024 * 1024
+
+
+class AMQPProtocol(asyncio.Protocol):
+    def __init__(self, broker: Broker, protocols: set[AMQPProtocol]) -> None:
+        self.broker = broker
+        self.protocols = protocols
+        self.transport: asyncio.Transport | None = None
+        self.session: Session | None = None
+        self._flush_scheduled = False
+        self.last_read = self.last_write = self.started = time.monotonic()
+        self.closing_since = 0.0
+
+    # ---------------------------------------------------------------- events
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
+        peer: Any = transport.get_extra_info("peername") or ("?", 0)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and self.broker.config.amqp.tcp_nodelay:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+        transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
+        self.session = Session(self.broker, (str(peer[0]), int(peer[1])), self.wakeup)
+        self.protocols.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        s = self.session
+        if s is None:
+            return
+        self.last_read = time.monotonic()
+        try:
+            s.receive_data(data)
+            s.after_batch()
+        except Exception as exc:  # a bug must cost one connection, never the broker
+            log.exception("internal error on connection %s", s.name)
+            s.close_connection(errors.InternalError(f"internal error: {type(exc).__name__}"))
+        self.flush()
+
+    def wakeup(self) -> None:
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self) -> None:
+        self._flush_scheduled = False
+        s = self.session
+        t = self.transport
+        if s is None or t is None:
+            return
+        if s.out:
+            data = s.out
+            s.out = bytearray()
+            if not t.is_closing():
+                t.write(data)
+                self.last_write = time.monotonic()
+        if s.want_close:
+            t.close()
+        elif s.state == State.CLOSING and not self.closing_since:
+            self.closing_since = time.monotonic()
+
+    def pause_writing(self) -> None:
+        if self.session is not None:
+            self.session.set_writable(False)
+
+    def resume_writing(self) -> None:
+        if self.session is not None:
+            self.session.set_writable(True)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.protocols.discard(self)
+        if self.session is not None:
+            try:
+                self.session.connection_lost()
+            except Exception:
+                log.exception("cleanup of connection %s failed", self.session.name)
+        self.transport = None
+
+    # ------------------------------------------------------------------ tick
+    def tick(self, now: float) -> None:
+        s = self.session
+        t = self.transport
+        if s is None or t is None or t.is_closing():
+            return
+        if s.state == State.CLOSING:
+            if self.closing_since and now - self.closing_since > _CLOSE_TIMEOUT:
+                t.close()
+            return
+        if s.state != State.OPEN:
+            if now - self.started > _HANDSHAKE_TIMEOUT:
+                log.info("closing %s: handshake timeout", s.name)
+                t.close()
+            return
+        hb = s.heartbeat
+        if hb:
+            if now - self.last_read > 2 * hb:
+                log.info("closing %s: missed heartbeats from client (timeout %ss)", s.name, hb)
+                t.close()
+                return
+            if now - self.last_write >= hb / 2:
+                s.send_heartbeat()
+                self.flush()
+
+    def force_close(self, reason: str) -> None:
+        if self.session is not None:
+            self.session.close_connection(errors.ConnectionForced(reason))
+            self.flush()
+
+
+class AMQPServer:
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+        self.protocols: set[AMQPProtocol] = set()
+        self.server: asyncio.AbstractServer | None = None
+        self._ticker: asyncio.Task[None] | None = None
+
+    async def start(self, host: str, port: int) -> tuple[str, int]:
+        loop = asyncio.get_running_loop()
+        self.server = await loop.create_server(
+            lambda: AMQPProtocol(self.broker, self.protocols), host, port, reuse_address=True, backlog=1024
+        )
+        self._ticker = asyncio.create_task(self._tick_loop())
+        sock = self.server.sockets[0]
+        addr = sock.getsockname()
+        return str(addr[0]), int(addr[1])
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for p in list(self.protocols):
+                try:
+                    p.tick(now)
+                except Exception:
+                    log.exception("heartbeat tick failed")
+
+    async def stop(self, reason: str) -> None:
+        """Stop accepting, close every connection with 320, wait briefly for close-ok."""
+        if self.server is not None:
+            self.server.close()
+        if self._ticker is not None:
+            self._ticker.cancel()
+        for p in list(self.protocols):
+            p.force_close(reason)
+        deadline = time.monotonic() + 2.0
+        while self.protocols and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        for p in list(self.protocols):
+            if p.transport is not None:
+                p.transport.abort()

@@ -1,0 +1,701 @@
+"""One client's AMQP session: the sans-IO connection wired to the broker model.
+
+Theory of operation
+-------------------
+``Session`` subclasses the sans-IO ``AMQPConnection`` and implements its hooks
+with the vhost model: declares, bindings, publish -> route -> append, consumers,
+acks, confirms and transactions. It never touches a socket: bytes go to
+``self.out`` and ``self.wakeup()`` asks the network layer to flush them.
+
+Per channel (``ChannelState``): unacked deliveries by delivery tag (an
+insertion-ordered dict, so ``multiple=true`` acks walk it from the front), the
+consumers, prefetch limits, confirm sequence numbers and an optional
+transaction buffer.
+
+Confirms are coalesced: after each read batch every channel that published
+sends one ``basic.ack(multiple=true)`` up to its last sequence number. If any
+of those messages is persistent and reached a durable queue, the ack waits
+for the node's group commit (``Syncer``): one fsync covers every confirm
+pending at that moment. Replies that promise durability (a durable declare,
+tx.commit) are deferred the same way, and later replies on that channel queue
+behind them so the client sees them in order.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import base64
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from pamqp import commands, decode as pdecode
+from pamqp.base import Frame as PFrame
+
+from broker import errors
+from broker.amqp import codec
+from broker.amqp.connection import CH_OPEN, AMQPConnection
+from broker.model.queue import Consumer, Queue
+
+if TYPE_CHECKING:
+    from broker.model.vhost import VHost
+    from broker.net.broker import Broker
+
+log = logging.getLogger(__name__)
+
+REPLY_TO = "amq.rabbitmq.reply-to"
+REPLY_TO_PREFIX = "amq.rabbitmq.reply-to."
+_DEFERRED = object()
+
+
+class ChannelState:
+    __slots__ = (
+        "id", "unacked", "next_tag", "consumers", "prefetch", "global_prefetch", "unacked_count",
+        "flow", "confirm", "publish_seq", "confirmed", "needs_sync", "sync_waiting", "tx",
+        "deferred", "reply_token", "reply_tag", "open",
+    )
+
+    def __init__(self, ch: int) -> None:
+        self.id = ch
+        self.unacked: dict[int, tuple[Queue, int, SessionConsumer | None]] = {}
+        self.next_tag = 1
+        self.consumers: dict[str, SessionConsumer] = {}
+        self.prefetch = 0
+        self.global_prefetch = 0
+        self.unacked_count = 0
+        self.flow = True
+        self.confirm = False
+        self.publish_seq = 0
+        self.confirmed = 0
+        self.needs_sync = False
+        self.sync_waiting = False
+        self.tx: list[tuple[Any, ...]] | None = None
+        self.deferred: list[Any] | None = None
+        self.reply_token: str | None = None
+        self.reply_tag: str | None = None
+        self.open = True
+
+
+class SessionConsumer(Consumer):
+    __slots__ = ("session", "chs", "prefetch", "unacked", "prefix")
+
+    def __init__(self, session: Session, chs: ChannelState, tag: str, queue: Queue, no_ack: bool,
+                 exclusive: bool, arguments: dict[str, Any]) -> None:
+        super().__init__(tag, queue, no_ack, exclusive, arguments)
+        self.session = session
+        self.chs = chs
+        self.prefetch = chs.prefetch
+        self.unacked = 0
+        # basic.deliver method id + consumer tag, encoded once
+        self.prefix = codec.METHOD_ID.pack(0x003C003C) + codec.shortstr(tag.encode())
+
+    def ready(self) -> bool:
+        chs = self.chs
+        if not (self.session.writable and chs.flow):
+            return False
+        if self.no_ack:
+            return True
+        if self.prefetch and self.unacked >= self.prefetch:
+            return False
+        return not chs.global_prefetch or chs.unacked_count < chs.global_prefetch
+
+    def deliver(self, msgid: int, exchange: bytes, routing_key: bytes, props: bytes, body: bytes,
+                redelivered: bool) -> None:
+        chs = self.chs
+        tag = chs.next_tag
+        chs.next_tag = tag + 1
+        if not self.no_ack:
+            chs.unacked[tag] = (self.queue, msgid, self)
+            self.unacked += 1
+            chs.unacked_count += 1
+        s = self.session
+        s.out += codec.encode_delivery(chs.id, self.prefix, tag, redelivered, exchange, routing_key,
+                                       props, body, s.frame_max)
+        s.broker.stats.delivered += 1
+        s.wakeup()
+
+    def cancelled_by_server(self) -> None:
+        s = self.session
+        chs = self.chs
+        chs.consumers.pop(self.tag, None)
+        if chs.open and s.capabilities.get("consumer_cancel_notify"):
+            s.reply(chs, commands.Basic.Cancel(consumer_tag=self.tag, nowait=True))
+            s.wakeup()
+
+
+class Session(AMQPConnection):
+    """AMQP semantics for one connection. The network layer sets ``wakeup``."""
+
+    def __init__(self, broker: Broker, peer: tuple[str, int], wakeup: Callable[[], None]) -> None:
+        cfg = broker.config
+        super().__init__(
+            frame_max=cfg.amqp.frame_max,
+            channel_max=cfg.amqp.channel_max,
+            heartbeat=cfg.amqp.heartbeat,
+            max_message_size=cfg.main.max_message_size,
+            server_properties=broker.server_properties(),
+        )
+        self.broker = broker
+        self.peer = peer
+        self.wakeup = wakeup
+        self.writable = True
+        self.vh: VHost | None = None
+        self.chs: dict[int, ChannelState] = {}
+        self._confirm_dirty: set[ChannelState] = set()
+        self._perm_cache: dict[tuple[str, str], bool] = {}
+        self.connected_at = time.time()
+        self.name = f"{peer[0]}:{peer[1]}"
+
+    # ------------------------------------------------------------ negotiation
+    def authenticate(self, mechanism: str, response: bytes) -> str:
+        if mechanism == "PLAIN":
+            parts = response.split(b"\x00")
+            if len(parts) != 3:
+                raise errors.ConnectionAccessRefused("malformed PLAIN response")
+            user, password = parts[1].decode(errors="replace"), parts[2].decode(errors="replace")
+        elif mechanism == "AMQPLAIN":
+            try:
+                _, table = pdecode.field_table(codec.U32.pack(len(response)) + response)
+            except Exception:
+                raise errors.ConnectionAccessRefused("malformed AMQPLAIN response") from None
+            user, password = str(table.get("LOGIN", "")), str(table.get("PASSWORD", ""))
+        else:
+            raise errors.ConnectionAccessRefused(f"unsupported mechanism {mechanism}")
+        if not self.broker.check_login(user, password, self.peer[0]):
+            log.warning("login refused for user %r from %s (mechanism %s)", user, self.name, mechanism)
+            raise errors.ConnectionAccessRefused(
+                f"Login was refused using authentication mechanism {mechanism}. "
+                "For details see the broker logfile.")
+        return user
+
+    def open_vhost(self, vhost: str) -> None:
+        vh = self.broker.vhosts.get(vhost)
+        if vh is None or not self.broker.users.has_vhost_access(self.username, vhost):
+            raise errors.NotAllowed(f"access to vhost '{vhost}' refused for user '{self.username}'")
+        self.vh = vh
+        self.broker.connection_opened(self)
+
+    # ---------------------------------------------------------------- helpers
+    def reply(self, chs: ChannelState, method: PFrame) -> None:
+        data = codec.encode_method(chs.id, method)
+        if chs.deferred is not None:
+            chs.deferred.append(data)
+        else:
+            self.out += data
+
+    def reply_after_sync(self, chs: ChannelState, method: PFrame) -> None:
+        """Send ``method`` once everything written so far is on disk."""
+        entry = [codec.encode_method(chs.id, method)]
+        if chs.deferred is None:
+            chs.deferred = []
+        chs.deferred.append(entry)
+
+        def done(ok: bool) -> None:
+            if not chs.open or chs.deferred is None:
+                return
+            # Emit our entry and everything queued behind it up to the next deferred one.
+            while chs.deferred and chs.deferred[0] is not entry:
+                chs.deferred.pop(0)  # pragma: no cover - defensive
+            if chs.deferred:
+                self.out += chs.deferred.pop(0)[0]
+            while chs.deferred and isinstance(chs.deferred[0], (bytes, bytearray)):
+                self.out += chs.deferred.pop(0)
+            if not chs.deferred:
+                chs.deferred = None
+            self.wakeup()
+
+        self.broker.syncer.after_sync(done)
+
+    def _channel(self, ch: int) -> ChannelState:
+        return self.chs[ch]
+
+    def _check(self, kind: str, name: str) -> None:
+        key = (kind, name)
+        ok = self._perm_cache.get(key)
+        if ok is None:
+            users = self.broker.users
+            check = {"configure": users.can_configure, "write": users.can_write,
+                     "read": users.can_read}[kind]
+            ok = check(self.username, self.vhost, name)
+            self._perm_cache[key] = ok
+        if not ok:
+            raise errors.AccessRefused(
+                f"access to {'queue' if kind != 'write' else 'exchange'} '{name}' in vhost "
+                f"'{self.vhost}' refused for user '{self.username}'")
+
+    @property
+    def vhost_obj(self) -> VHost:
+        assert self.vh is not None
+        return self.vh
+
+    # --------------------------------------------------------------- channels
+    def channel_opened(self, channel: int) -> None:
+        self.chs[channel] = ChannelState(channel)
+
+    def channel_closed(self, channel: int) -> None:
+        chs = self.chs.pop(channel, None)
+        if chs is None:
+            return
+        chs.open = False
+        self._confirm_dirty.discard(chs)
+        for c in list(chs.consumers.values()):
+            c.queue.remove_consumer(c)
+        chs.consumers.clear()
+        if chs.reply_token:
+            self.broker.reply_to.pop(chs.reply_token, None)
+        self._requeue_all(chs)
+
+    def _requeue_all(self, chs: ChannelState) -> None:
+        touched: list[Queue] = []
+        for _tag, (q, msgid, c) in chs.unacked.items():
+            q.reject(msgid, True)
+            if c is not None:
+                c.unacked -= 1
+            if q not in touched:
+                touched.append(q)
+        chs.unacked.clear()
+        chs.unacked_count = 0
+
+    def connection_closing(self) -> None:
+        self.broker.connection_closed(self)
+        if self.vh is not None:
+            self.vh.delete_exclusive(self)
+
+    # ----------------------------------------------------------------- publish
+    def handle_publish(self, channel: int, exchange: str, routing_key: str, mandatory: bool,
+                       props: bytes, body: bytes) -> None:
+        chs = self.chs[channel]
+        if chs.confirm:
+            chs.publish_seq += 1
+            self._confirm_dirty.add(chs)
+        if chs.tx is not None:
+            self.vhost_obj.get_exchange(exchange)
+            chs.tx.append(("publish", exchange, routing_key, mandatory, props, body))
+            return
+        self._publish(chs, exchange, routing_key, mandatory, props, body)
+
+    def _publish(self, chs: ChannelState, exchange: str, routing_key: str, mandatory: bool,
+                 props: bytes, body: bytes) -> None:
+        vh = self.vhost_obj
+        broker = self.broker
+        broker.stats.published += 1
+        if len(props) >= 2 and props[0] & 0x01:  # reply-to flag is 0x0100
+            props = self._rewrite_reply_to(chs, props)
+        ex = vh.exchanges.get(exchange)
+        if ex is None:
+            raise errors.NotFound(f"no exchange '{exchange}' in vhost '{vh.name}'", 60, 40)
+        if ex.internal:
+            raise errors.AccessRefused(f"cannot publish to internal exchange '{exchange}'", 60, 40)
+        if broker.check_permissions:
+            self._check("write", exchange)
+        persistent = codec.delivery_mode(props) == 2
+        if exchange == "":
+            q = vh.queues.get(routing_key)
+            if q is None:
+                if routing_key.startswith(REPLY_TO_PREFIX) and self._direct_reply(
+                        routing_key, exchange, props, body):
+                    return
+                queues: list[Queue] = []
+            else:
+                queues = [q]
+        else:
+            queues = vh.route(ex, routing_key, lambda: _headers(props))
+        if queues:
+            ts = int(time.time() * 1000)
+            exb = exchange.encode()
+            rkb = routing_key.encode()
+            for q in queues:
+                q.publish(ts, exb, rkb, props, body, persistent)
+                if persistent and q.durable and chs.confirm:
+                    chs.needs_sync = True
+        else:
+            broker.stats.unroutable += 1
+            if mandatory:
+                self.out += codec.encode_return(chs.id, 312, b"NO_ROUTE", exchange.encode(),
+                                                routing_key.encode(), props, body, self.frame_max)
+
+    def _rewrite_reply_to(self, chs: ChannelState, props: bytes) -> bytes:
+        p = codec.decode_properties(props)
+        if p.reply_to != REPLY_TO:
+            return props
+        if chs.reply_token is None:
+            raise errors.PreconditionFailed("fast reply consumer does not exist", 60, 40)
+        p.reply_to = REPLY_TO_PREFIX + chs.reply_token
+        return codec.encode_properties(p)
+
+    def _direct_reply(self, routing_key: str, exchange: str, props: bytes, body: bytes) -> bool:
+        target = self.broker.reply_to.get(routing_key[len(REPLY_TO_PREFIX):])
+        if target is None:
+            return False
+        session, chs = target
+        if not chs.open or chs.reply_tag is None:
+            return False
+        tag = chs.next_tag
+        chs.next_tag += 1
+        prefix = codec.METHOD_ID.pack(0x003C003C) + codec.shortstr(chs.reply_tag.encode())
+        session.out += codec.encode_delivery(chs.id, prefix, tag, False, exchange.encode(),
+                                             routing_key.encode(), props, body, session.frame_max)
+        session.wakeup()
+        return True
+
+    def after_batch(self) -> None:
+        """Called by the network layer after each read batch: coalesced confirms."""
+        if self._confirm_dirty:
+            dirty = self._confirm_dirty
+            self._confirm_dirty = set()
+            for chs in dirty:
+                self._flush_confirms(chs)
+
+    def _flush_confirms(self, chs: ChannelState) -> None:
+        if not chs.open or chs.sync_waiting or chs.publish_seq == chs.confirmed:
+            return
+        if chs.needs_sync and self.broker.syncer.enabled:
+            chs.needs_sync = False
+            chs.sync_waiting = True
+            target = chs.publish_seq
+
+            def done(ok: bool) -> None:
+                chs.sync_waiting = False
+                if not chs.open:
+                    return
+                self._send_confirm(chs, target, nack=not ok)
+                self._flush_confirms(chs)
+                self.wakeup()
+
+            self.broker.syncer.after_sync(done)
+            return
+        chs.needs_sync = False
+        self._send_confirm(chs, chs.publish_seq)
+
+    def _send_confirm(self, chs: ChannelState, upto: int, nack: bool = False) -> None:
+        if upto <= chs.confirmed:
+            return
+        multiple = upto - chs.confirmed > 1
+        chs.confirmed = upto
+        self.out += codec.encode_confirm(chs.id, upto, multiple, nack)
+        self.broker.stats.confirmed += 1
+
+    # -------------------------------------------------------------------- acks
+    def handle_ack(self, channel: int, delivery_tag: int, multiple: bool) -> None:
+        chs = self.chs[channel]
+        if chs.tx is not None:
+            self._settle(chs, delivery_tag, multiple, None, dry_run=True)
+            chs.tx.append(("ack", delivery_tag, multiple))
+            return
+        self._settle(chs, delivery_tag, multiple, None)
+
+    def _settle(self, chs: ChannelState, tag: int, multiple: bool, requeue: bool | None,
+                dry_run: bool = False) -> None:
+        """Ack (requeue None) or reject/nack (requeue True/False) deliveries."""
+        unacked = chs.unacked
+        if multiple:
+            if tag == 0:
+                tags = list(unacked)
+            else:
+                tags = []
+                for t in unacked:
+                    if t > tag:
+                        break
+                    tags.append(t)
+            if tag and not tags and tag >= chs.next_tag:
+                raise errors.PreconditionFailed(f"unknown delivery tag {tag}", 60, 80)
+        else:
+            if tag not in unacked:
+                raise errors.PreconditionFailed(f"unknown delivery tag {tag}", 60, 80)
+            tags = [tag]
+        if dry_run:
+            return
+        touched: Queue | None = None
+        for t in tags:
+            q, msgid, c = unacked.pop(t)
+            if requeue is None:
+                q.ack(msgid)
+                self.broker.stats.acked += 1
+            else:
+                q.reject(msgid, requeue)
+            if c is not None:
+                c.unacked -= 1
+            if touched is not q:
+                touched = q
+                q.schedule_delivery()
+        chs.unacked_count -= len(tags)
+
+    # ------------------------------------------------------------- the rest
+    def handle_method(self, channel: int, method: PFrame) -> None:
+        chs = self.chs[channel]
+        handler = _HANDLERS.get(type(method))
+        if handler is None:
+            raise errors.AMQPNotImplemented(f"{method.name} is not implemented")
+        handler(self, chs, method)
+
+    # exchange.*
+    def _exchange_declare(self, chs: ChannelState, m: commands.Exchange.Declare) -> None:
+        vh = self.vhost_obj
+        if not m.passive:
+            self._check("configure", m.exchange)
+        ex_before = m.exchange in vh.exchanges
+        vh.declare_exchange(m.exchange, m.exchange_type, passive=m.passive, durable=m.durable,
+                            auto_delete=m.auto_delete, internal=m.internal,
+                            arguments=dict(m.arguments or {}))
+        if not m.nowait:
+            if m.durable and not ex_before and not m.passive:
+                self.reply_after_sync(chs, commands.Exchange.DeclareOk())
+            else:
+                self.reply(chs, commands.Exchange.DeclareOk())
+
+    def _exchange_delete(self, chs: ChannelState, m: commands.Exchange.Delete) -> None:
+        self._check("configure", m.exchange)
+        self.vhost_obj.delete_exchange(m.exchange, if_unused=m.if_unused)
+        if not m.nowait:
+            self.reply(chs, commands.Exchange.DeleteOk())
+
+    def _exchange_bind(self, chs: ChannelState, m: commands.Exchange.Bind) -> None:
+        self._check("write", m.destination)
+        self._check("read", m.source)
+        self.vhost_obj.bind_exchange(m.destination, m.source, m.routing_key, dict(m.arguments or {}))
+        if not m.nowait:
+            self.reply(chs, commands.Exchange.BindOk())
+
+    def _exchange_unbind(self, chs: ChannelState, m: commands.Exchange.Unbind) -> None:
+        self._check("write", m.destination)
+        self._check("read", m.source)
+        self.vhost_obj.unbind_exchange(m.destination, m.source, m.routing_key, dict(m.arguments or {}))
+        if not m.nowait:
+            self.reply(chs, commands.Exchange.UnbindOk())
+
+    # queue.*
+    def _queue_declare(self, chs: ChannelState, m: commands.Queue.Declare) -> None:
+        vh = self.vhost_obj
+        if not m.passive and m.queue:
+            self._check("configure", m.queue)
+        q, created = vh.declare_queue(m.queue, passive=m.passive, durable=m.durable,
+                                      exclusive=m.exclusive, auto_delete=m.auto_delete,
+                                      arguments=dict(m.arguments or {}), owner=self)
+        if m.nowait:
+            return
+        ok = commands.Queue.DeclareOk(queue=q.name, message_count=q.message_count,
+                                      consumer_count=q.consumer_count)
+        if created and q.durable and q.exclusive_owner is None:
+            self.reply_after_sync(chs, ok)
+        else:
+            self.reply(chs, ok)
+
+    def _queue_bind(self, chs: ChannelState, m: commands.Queue.Bind) -> None:
+        self._check("write", m.queue)
+        self._check("read", m.exchange)
+        self.vhost_obj.bind_queue(m.queue, m.exchange, m.routing_key, dict(m.arguments or {}), self)
+        if not m.nowait:
+            self.reply(chs, commands.Queue.BindOk())
+
+    def _queue_unbind(self, chs: ChannelState, m: commands.Queue.Unbind) -> None:
+        self._check("write", m.queue)
+        self._check("read", m.exchange)
+        self.vhost_obj.unbind_queue(m.queue, m.exchange, m.routing_key, dict(m.arguments or {}), self)
+        self.reply(chs, commands.Queue.UnbindOk())
+
+    def _queue_purge(self, chs: ChannelState, m: commands.Queue.Purge) -> None:
+        self._check("read", m.queue)
+        q = self.vhost_obj.get_queue(m.queue, self)
+        n = q.purge()
+        if not m.nowait:
+            self.reply(chs, commands.Queue.PurgeOk(message_count=n))
+
+    def _queue_delete(self, chs: ChannelState, m: commands.Queue.Delete) -> None:
+        self._check("configure", m.queue)
+        n = self.vhost_obj.delete_queue(m.queue, if_unused=m.if_unused, if_empty=m.if_empty, owner=self)
+        if not m.nowait:
+            self.reply(chs, commands.Queue.DeleteOk(message_count=n))
+
+    # basic.*
+    def _basic_qos(self, chs: ChannelState, m: commands.Basic.Qos) -> None:
+        if m.prefetch_size:
+            raise errors.AMQPNotImplemented("prefetch_size != 0 is not supported")
+        if m.global_:
+            chs.global_prefetch = m.prefetch_count
+        else:
+            chs.prefetch = m.prefetch_count
+        self.reply(chs, commands.Basic.QosOk())
+        for c in chs.consumers.values():
+            c.queue.schedule_delivery()
+
+    def _basic_consume(self, chs: ChannelState, m: commands.Basic.Consume) -> None:
+        tag = m.consumer_tag or "amq.ctag-" + base64.urlsafe_b64encode(os.urandom(16)).decode().rstrip("=")
+        if tag in chs.consumers or tag == chs.reply_tag:
+            raise errors.NotAllowed(f"attempt to reuse consumer tag '{tag}'")
+        if m.queue == REPLY_TO:
+            if not m.no_ack:
+                raise errors.PreconditionFailed("reply consumer cannot acknowledge")
+            if chs.reply_tag is not None:
+                raise errors.PreconditionFailed("reply consumer already set")
+            chs.reply_token = base64.urlsafe_b64encode(os.urandom(18)).decode()
+            chs.reply_tag = tag
+            self.broker.reply_to[chs.reply_token] = (self, chs)
+            if not m.nowait:
+                self.reply(chs, commands.Basic.ConsumeOk(consumer_tag=tag))
+            return
+        self._check("read", m.queue)
+        q = self.vhost_obj.get_queue(m.queue, self)
+        if m.exclusive and q.consumers:
+            raise errors.AccessRefused(f"queue '{q.name}' in vhost '{q.vhost}' in exclusive use")
+        if any(c.exclusive for c in q.consumers):
+            raise errors.AccessRefused(f"queue '{q.name}' in vhost '{q.vhost}' in exclusive use")
+        c = SessionConsumer(self, chs, tag, q, m.no_ack, m.exclusive, dict(m.arguments or {}))
+        chs.consumers[tag] = c
+        if not m.nowait:
+            self.reply(chs, commands.Basic.ConsumeOk(consumer_tag=tag))
+        q.add_consumer(c)
+
+    def _basic_cancel(self, chs: ChannelState, m: commands.Basic.Cancel) -> None:
+        c = chs.consumers.pop(m.consumer_tag, None)
+        if c is not None:
+            c.queue.remove_consumer(c)
+        elif m.consumer_tag == chs.reply_tag and chs.reply_token:
+            self.broker.reply_to.pop(chs.reply_token, None)
+            chs.reply_tag = None
+        if not m.nowait:
+            self.reply(chs, commands.Basic.CancelOk(consumer_tag=m.consumer_tag))
+
+    def _basic_get(self, chs: ChannelState, m: commands.Basic.Get) -> None:
+        self._check("read", m.queue)
+        q = self.vhost_obj.get_queue(m.queue, self)
+        got = q.get()
+        if got is None:
+            self.reply(chs, commands.Basic.GetEmpty())
+            return
+        msgid, exchange, routing_key, props, body, redelivered = got
+        tag = chs.next_tag
+        chs.next_tag += 1
+        if m.no_ack:
+            q.ack(msgid)
+        else:
+            chs.unacked[tag] = (q, msgid, None)
+            chs.unacked_count += 1
+        data = codec.encode_get_ok(chs.id, tag, redelivered, exchange, routing_key, q.message_count,
+                                   props, body, self.frame_max)
+        if chs.deferred is not None:
+            chs.deferred.append(data)
+        else:
+            self.out += data
+        self.broker.stats.delivered += 1
+
+    def _basic_reject(self, chs: ChannelState, m: commands.Basic.Reject) -> None:
+        if chs.tx is not None:
+            self._settle(chs, m.delivery_tag, False, m.requeue, dry_run=True)
+            chs.tx.append(("reject", m.delivery_tag, False, m.requeue))
+            return
+        self._settle(chs, m.delivery_tag, False, m.requeue)
+
+    def _basic_nack(self, chs: ChannelState, m: commands.Basic.Nack) -> None:
+        if chs.tx is not None:
+            self._settle(chs, m.delivery_tag, m.multiple, m.requeue, dry_run=True)
+            chs.tx.append(("reject", m.delivery_tag, m.multiple, m.requeue))
+            return
+        self._settle(chs, m.delivery_tag, m.multiple, m.requeue)
+
+    def _basic_ack(self, chs: ChannelState, m: commands.Basic.Ack) -> None:
+        self.handle_ack(chs.id, m.delivery_tag, m.multiple)
+
+    def _basic_recover(self, chs: ChannelState, m: commands.Basic.Recover) -> None:
+        self._requeue_all(chs)
+        for c in chs.consumers.values():
+            c.queue.schedule_delivery()
+        if isinstance(m, commands.Basic.Recover):
+            self.reply(chs, commands.Basic.RecoverOk())
+
+    # confirm / tx / channel.flow
+    def _confirm_select(self, chs: ChannelState, m: commands.Confirm.Select) -> None:
+        if chs.tx is not None:
+            raise errors.PreconditionFailed("cannot switch from tx to confirm mode")
+        chs.confirm = True
+        if not m.nowait:
+            self.reply(chs, commands.Confirm.SelectOk())
+
+    def _tx_select(self, chs: ChannelState, m: commands.Tx.Select) -> None:
+        if chs.confirm:
+            raise errors.PreconditionFailed("cannot switch from confirm to tx mode")
+        if chs.tx is None:
+            chs.tx = []
+        self.reply(chs, commands.Tx.SelectOk())
+
+    def _tx_commit(self, chs: ChannelState, m: commands.Tx.Commit) -> None:
+        if chs.tx is None:
+            raise errors.PreconditionFailed("channel is not transactional")
+        ops, chs.tx = chs.tx, []
+        for op in ops:
+            if op[0] == "publish":
+                self._publish(chs, op[1], op[2], op[3], op[4], op[5])
+            elif op[0] == "ack":
+                self._settle_lenient(chs, op[1], op[2], None)
+            else:
+                self._settle_lenient(chs, op[1], op[2], op[3])
+        self.reply_after_sync(chs, commands.Tx.CommitOk())
+
+    def _settle_lenient(self, chs: ChannelState, tag: int, multiple: bool, requeue: bool | None) -> None:
+        try:
+            self._settle(chs, tag, multiple, requeue)
+        except errors.PreconditionFailed:
+            pass  # settled earlier in the same transaction
+
+    def _tx_rollback(self, chs: ChannelState, m: commands.Tx.Rollback) -> None:
+        if chs.tx is None:
+            raise errors.PreconditionFailed("channel is not transactional")
+        chs.tx = []
+        self.reply(chs, commands.Tx.RollbackOk())
+
+    def _channel_flow(self, chs: ChannelState, m: commands.Channel.Flow) -> None:
+        chs.flow = bool(m.active)
+        self.reply(chs, commands.Channel.FlowOk(active=chs.flow))
+        if chs.flow:
+            for c in chs.consumers.values():
+                c.queue.schedule_delivery()
+
+    def _channel_flow_ok(self, chs: ChannelState, m: commands.Channel.FlowOk) -> None:
+        pass
+
+    # ------------------------------------------------------------ net events
+    def set_writable(self, writable: bool) -> None:
+        self.writable = writable
+        if writable:
+            for chs in self.chs.values():
+                for c in chs.consumers.values():
+                    c.queue.schedule_delivery()
+
+    def channel_is_open(self, ch: int) -> bool:
+        return self.channels.get(ch) == CH_OPEN
+
+
+def _headers(props: bytes) -> dict[str, Any] | None:
+    try:
+        h = codec.decode_properties(props).headers
+    except Exception:
+        return None
+    return dict(h) if h else None
+
+
+_HANDLERS: dict[type, Callable[[Session, ChannelState, Any], None]] = {
+    commands.Exchange.Declare: Session._exchange_declare,
+    commands.Exchange.Delete: Session._exchange_delete,
+    commands.Exchange.Bind: Session._exchange_bind,
+    commands.Exchange.Unbind: Session._exchange_unbind,
+    commands.Queue.Declare: Session._queue_declare,
+    commands.Queue.Bind: Session._queue_bind,
+    commands.Queue.Unbind: Session._queue_unbind,
+    commands.Queue.Purge: Session._queue_purge,
+    commands.Queue.Delete: Session._queue_delete,
+    commands.Basic.Qos: Session._basic_qos,
+    commands.Basic.Consume: Session._basic_consume,
+    commands.Basic.Cancel: Session._basic_cancel,
+    commands.Basic.Get: Session._basic_get,
+    commands.Basic.Ack: Session._basic_ack,
+    commands.Basic.Reject: Session._basic_reject,
+    commands.Basic.Nack: Session._basic_nack,
+    commands.Basic.Recover: Session._basic_recover,
+    commands.Basic.RecoverAsync: Session._basic_recover,
+    commands.Confirm.Select: Session._confirm_select,
+    commands.Tx.Select: Session._tx_select,
+    commands.Tx.Commit: Session._tx_commit,
+    commands.Tx.Rollback: Session._tx_rollback,
+    commands.Channel.Flow: Session._channel_flow,
+    commands.Channel.FlowOk: Session._channel_flow_ok,
+}

@@ -1,0 +1,23 @@
+"""Where vhosts and queues live in the data directory.
+
+Directory names are the SHA-1 hex of the entity name, so any name (slashes, unicode, 255
+bytes) maps to a safe, fixed-length file name; the real name is kept inside the directory
+(``.vhost`` / ``.queue``, written by the caller).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+
+def _sha1_hex(name: str) -> str:
+    return hashlib.sha1(name.encode("utf-8"), usedforsecurity=False).hexdigest()
+
+
+def vhost_dir(data_dir: Path, vhost: str) -> Path:
+    return data_dir / _sha1_hex(vhost)
+
+
+def queue_dir(vhost_dir: Path, queue: str) -> Path:
+    return vhost_dir / _sha1_hex(queue)

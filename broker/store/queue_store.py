@@ -1,0 +1,660 @@
+"""QueueStore: the disk-first message store of one queue.
+
+Theory of operation
+-------------------
+Files in the queue directory: segments ``msgs.NNNNNNNNNN`` (format in ``segment.py``), one
+ack file ``acks.NNNNNNNNNN`` per segment that has acks (u32 version header, then u32
+positions of acked records), and ``meta`` (delivered high-water mark, next segment number).
+
+Writing. The write segment is preallocated with ftruncate(segment_size) and mapped
+read-write; ``append`` copies the record into the map by slice assignment and stores the
+timestamp last, so it becomes visible atomically even if the process dies mid-append (the
+page cache keeps what was written). No syscall per message. A message larger than the
+segment size gets a segment of its own. When a segment is full the next one is created and
+the old one is unmapped and truncated to its used size.
+
+Memory. No per-message Python object for ready messages: a cursor (segment, position)
+walks the segments in order, and each segment keeps only counters and the set of acked
+positions. Requeued msgids wait in a heap (served before the cursor, lowest first, which
+is publish order); unacked msgids sit in a set (bounded by consumer prefetch). Only the
+write segment and the cursor segment stay mapped; others are mapped on demand and unmapped
+when the cursor moves on.
+
+Acks. ``ack`` buffers the position in memory; ``flush``/``sync``/``close`` write it to the
+ack file. A segment whose records are all acked is deleted (segment file first, then its
+ack file, so a crash in between leaves an orphan ack file rather than resurrecting messages),
+except the write segment. ``purge`` acks every ready message (segments entirely past the
+cursor are simply deleted).
+
+Durability and threads. ``sync`` runs on a worker thread while the event loop thread keeps
+appending. Under ``_lock`` it writes the buffered acks and ``dup``s the dirty fds; it fsyncs
+outside the lock (``os.fsync`` releases the GIL). fsync of the segment fd covers the pages
+written through the shared mapping, so a sync covers everything appended before it was
+called. ``_sync_lock`` serialises whole syncs against each other and against close.
+Replication: every mutation is reported to the sink from the owner thread (``append``,
+``ack``, ``purge``, ``flush``, ``close``, ``delete``); ``sync`` never calls the sink.
+
+Recovery (constructor). Segments are scanned in order, stopping at the first zero or torn
+record; ack positions that are not record starts are dropped; with ``persistent_only``
+transient messages count as acked; fully acked segments are deleted; every other message is
+READY again (at-least-once). Appends always go to a fresh segment after a restart, so
+nothing is ever written after recovered bytes. Messages at or below the persisted delivered
+high-water mark report ``is_redelivered``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import mmap
+import os
+import shutil
+import struct
+import threading
+import zlib
+from pathlib import Path
+from typing import Final
+
+from broker.errors import StoreError
+from broker.store import segment as fmt
+from broker.store.fileio import atomic_write, datasync, fsync_dir
+from broker.store.segment import HEADER, HEADER_SIZE, POS_MASK, Segment, record_end
+from broker.store.sink import NULL_SINK, ReplicationSink
+
+DEFAULT_SEGMENT_SIZE: Final = 8 * 1024 * 1024
+META_NAME: Final = "meta"
+# magic, version, delivered high-water mark, next segment number; then a crc32 of those.
+_META: Final = struct.Struct("<4sIQQ")
+_META_MAGIC: Final = b"SKQM"
+_META_VERSION: Final = 1
+_CRC: Final = struct.Struct("<I")
+_U32: Final = struct.Struct("<I")
+_I64_PACK_INTO: Final = fmt.I64.pack_into
+_U32_PACK_INTO: Final = fmt.U32.pack_into
+_U64_PACK_INTO: Final = fmt.U64.pack_into
+
+
+class QueueStore:
+    def __init__(self, directory: Path, *, segment_size: int = DEFAULT_SEGMENT_SIZE,
+                 sink: ReplicationSink = NULL_SINK, persistent_only: bool = False) -> None:
+        if not fmt.FIXED_SIZE + HEADER_SIZE <= segment_size <= fmt.MAX_SEGMENT_SIZE:
+            raise ValueError(f"segment_size out of range: {segment_size}")
+        self.directory = directory
+        self._segment_size = segment_size
+        self._sink = sink
+        self._persistent_only = persistent_only
+        self._segs: dict[int, Segment] = {}
+        self._order: list[int] = []  # segment numbers, ascending
+        self._next_num = 1
+        # Write segment (None until the first append after open).
+        self._wseg: Segment | None = None
+        self._wmm: mmap.mmap | None = None
+        self._wfd = -1
+        self._wcap = 0
+        # Cursor: next never-delivered position; (_cnum, _cpos) may name a deleted or
+        # not-yet-created segment, in which case it moves to the next existing one.
+        self._cnum = 1
+        self._cpos = HEADER_SIZE
+        self._heap: list[int] = []  # requeued msgids (ready)
+        self._requeued: set[int] = set()  # requeued msgids, ready or unacked again
+        self._unacked: set[int] = set()
+        self._ready = 0
+        self._bytes_ready = 0
+        self._hwm = 0  # highest msgid ever returned by shift()
+        self._recovered_hwm = 0
+        # Sync bookkeeping (shared with the sync thread under _lock).
+        self._lock = threading.Lock()
+        self._sync_lock = threading.Lock()
+        self._closed = False
+        self._dirty = False
+        self._seg_unsynced = False  # appended to the write segment since the last sync
+        self._unsynced_paths: set[Path] = set()  # retired write segments awaiting fsync
+        self._ack_pending: set[int] = set()  # segments with buffered ack bytes
+        self._ack_unsynced: set[int] = set()  # segments whose ack file was written
+        self._dir_unsynced = False  # files created/removed since the last sync
+        self._meta_path = directory / META_NAME
+        self._meta_fd: int | None = None
+        self._meta_written = b""
+        self._meta_sent = b""
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            self._recover()
+        except OSError as exc:
+            self._close_files()
+            raise StoreError(f"queue store {directory}: {exc}") from exc
+        except BaseException:
+            self._close_files()
+            raise
+
+    # ------------------------------------------------------------------ publishing
+
+    def append(self, timestamp_ms: int, exchange: bytes, routing_key: bytes,
+               props: bytes | memoryview, body: bytes | bytearray | memoryview) -> int:
+        ex_len = len(exchange)
+        rk_len = len(routing_key)
+        p_len = len(props)
+        b_len = len(body)
+        if ex_len > 255 or rk_len > 255:
+            raise ValueError("exchange and routing key are short strings (at most 255 bytes)")
+        size = fmt.FIXED_SIZE + ex_len + rk_len + p_len + b_len
+        seg = self._wseg
+        if seg is None or seg.end + size > self._wcap:
+            seg = self._roll(size)
+        mm = self._wmm
+        assert mm is not None
+        pos = seg.end
+        q = pos + 8
+        mm[q] = ex_len
+        q += 1
+        mm[q:q + ex_len] = exchange
+        q += ex_len
+        mm[q] = rk_len
+        q += 1
+        mm[q:q + rk_len] = routing_key
+        q += rk_len
+        _U32_PACK_INTO(mm, q, p_len)
+        q += 4
+        mm[q:q + p_len] = props
+        q += p_len
+        _U64_PACK_INTO(mm, q, b_len)
+        q += 8
+        mm[q:q + b_len] = body
+        # Last: a non-zero timestamp publishes the record (0 means "end", so avoid it).
+        _I64_PACK_INTO(mm, pos, timestamp_ms or 1)
+        end = q + b_len
+        seg.end = end
+        seg.count += 1
+        self._ready += 1
+        self._bytes_ready += b_len
+        self._dirty = True
+        self._seg_unsynced = True
+        if self._sink.active:
+            self._sink.append(seg.path, mm[pos:end])
+        return (seg.num << 32) | pos
+
+    def _roll(self, need: int) -> Segment:
+        """Start a new write segment with room for a record of ``need`` bytes."""
+        cap = max(self._segment_size, need + HEADER_SIZE)
+        if cap > fmt.MAX_SEGMENT_SIZE:
+            raise StoreError(f"message of {need} bytes is too large for a segment")
+        num = self._next_num
+        seg = Segment(self.directory, num)
+        fd = os.open(seg.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.ftruncate(fd, cap)
+            mm = mmap.mmap(fd, cap)
+        except BaseException:
+            os.close(fd)
+            seg.path.unlink(missing_ok=True)
+            raise
+        mm[0:HEADER_SIZE] = HEADER
+        seg.mm = mm
+        old = self._wseg
+        with self._lock:
+            self._next_num = num + 1
+            self._segs[num] = seg
+            self._order.append(num)
+            if old is not None:
+                self._retire_write_segment_locked(old)
+            self._wseg = seg
+            self._wmm = mm
+            self._wfd = fd
+            self._wcap = cap
+            self._dir_unsynced = True
+        if self._sink.active:
+            self._sink.register_file(seg.path)
+            self._sink.append(seg.path, HEADER)
+        if old is not None and len(old.acked) == old.count:
+            self._delete_segment(old)
+        return seg
+
+    def _retire_write_segment_locked(self, seg: Segment) -> None:
+        """Unmap the write segment, trim the preallocated tail, leave the fsync to sync()."""
+        seg.unmap()
+        self._wmm = None
+        os.ftruncate(self._wfd, seg.end)
+        os.close(self._wfd)
+        self._wfd = -1
+        self._wseg = None
+        self._wcap = 0
+        if self._seg_unsynced:
+            self._unsynced_paths.add(seg.path)
+
+    # ------------------------------------------------------------------ consuming
+
+    def shift(self) -> int | None:
+        heap = self._heap
+        if heap:
+            msgid = heapq.heappop(heap)
+            self._bytes_ready -= self.read_body_size(msgid)
+        else:
+            found = self._cursor(True)
+            if found is None:
+                return None
+            msgid = found
+        self._unacked.add(msgid)
+        self._ready -= 1
+        if msgid > self._hwm:
+            self._hwm = msgid
+        return msgid
+
+    def peek(self) -> int | None:
+        if self._heap:
+            return self._heap[0]
+        return self._cursor(False)
+
+    def _cursor(self, take: bool) -> int | None:
+        """The READY msgid at the cursor (skipping acked positions); advance past it if ``take``."""
+        while True:
+            seg = self._segs.get(self._cnum)
+            pos = self._cpos
+            if seg is None or pos >= seg.end:
+                if seg is not None and seg is self._wseg:
+                    return None
+                if not self._next_cursor_segment():
+                    return None
+                continue
+            mm = seg.mm if seg.mm is not None else self._map(seg)
+            if pos in seg.acked:  # only after recovery can acked positions lie ahead
+                self._cpos = record_end(mm, pos)[0]
+                continue
+            if take:
+                end, body_size = record_end(mm, pos)
+                self._cpos = end
+                self._bytes_ready -= body_size
+            return (seg.num << 32) | pos
+
+    def _next_cursor_segment(self) -> bool:
+        i = bisect.bisect_right(self._order, self._cnum)
+        if i == len(self._order):
+            return False
+        self._cnum = self._order[i]
+        self._cpos = HEADER_SIZE
+        # Keep only the write and cursor segments mapped (RSS stays small for long queues).
+        for seg in self._segs.values():
+            if seg.mm is not None and seg is not self._wseg and seg.num != self._cnum:
+                seg.unmap()
+        return True
+
+    def _map(self, seg: Segment) -> mmap.mmap:
+        try:
+            return seg.map_read()
+        except OSError as exc:
+            raise StoreError(f"cannot map {seg.path}: {exc}") from exc
+
+    def _segment_of(self, msgid: int) -> Segment:
+        seg = self._segs.get(msgid >> 32)
+        if seg is None:
+            raise KeyError(f"no message {msgid:#x} in {self.directory}")
+        return seg
+
+    def read(self, msgid: int) -> tuple[int, bytes, bytes, bytes, bytes]:
+        seg = self._segment_of(msgid)
+        mm = seg.mm if seg.mm is not None else self._map(seg)
+        return fmt.read_record(mm, msgid & POS_MASK)
+
+    def read_body_size(self, msgid: int) -> int:
+        seg = self._segment_of(msgid)
+        mm = seg.mm if seg.mm is not None else self._map(seg)
+        return fmt.body_size_at(mm, msgid & POS_MASK)
+
+    def ack(self, msgid: int) -> None:
+        """Unacked -> gone. KeyError if ``msgid`` is not unacked."""
+        self._unacked.remove(msgid)
+        if self._requeued:
+            self._requeued.discard(msgid)
+        seg = self._segs[msgid >> 32]
+        self._ack_position(seg, msgid & POS_MASK)
+        if len(seg.acked) == seg.count and seg is not self._wseg:
+            self._delete_segment(seg)
+
+    def _ack_position(self, seg: Segment, pos: int) -> None:
+        seg.acked.add(pos)
+        packed = _U32.pack(pos)
+        created = not seg.ack_exists
+        with self._lock:
+            if created:
+                seg.ack_exists = True
+                seg.ack_buf += HEADER
+            seg.ack_buf += packed
+            self._ack_pending.add(seg.num)
+        self._dirty = True
+        if self._sink.active:
+            if created:
+                self._sink.register_file(seg.ack_path)
+                self._sink.append(seg.ack_path, HEADER)
+            self._sink.append(seg.ack_path, packed)
+
+    def requeue(self, msgid: int) -> None:
+        """Unacked -> ready again (served before new messages, in msgid order)."""
+        self._unacked.remove(msgid)
+        heapq.heappush(self._heap, msgid)
+        self._requeued.add(msgid)
+        self._ready += 1
+        self._bytes_ready += self.read_body_size(msgid)
+
+    def is_redelivered(self, msgid: int) -> bool:
+        return msgid in self._requeued or msgid <= self._recovered_hwm
+
+    def purge(self) -> int:
+        """Drop every READY message (acked on disk); unacked ones stay. Returns the count."""
+        purged = self._ready
+        touched: list[Segment] = []
+        for msgid in self._heap:
+            self._requeued.discard(msgid)
+            hseg = self._segs[msgid >> 32]
+            self._ack_position(hseg, msgid & POS_MASK)
+            touched.append(hseg)
+        self._heap.clear()
+        # Everything from the cursor on is ready (unacked msgids all lie before it).
+        for num in [n for n in self._order if n >= self._cnum]:
+            seg = self._segs.get(num)
+            if seg is None:
+                continue
+            if num > self._cnum and seg is not self._wseg:
+                self._delete_segment(seg)
+                continue
+            mm = seg.mm if seg.mm is not None else self._map(seg)
+            pos = self._cpos if num == self._cnum else HEADER_SIZE
+            while pos < seg.end:
+                if pos not in seg.acked:
+                    self._ack_position(seg, pos)
+                pos = record_end(mm, pos)[0]
+            touched.append(seg)
+        for seg in touched:
+            if self._segs.get(seg.num) is seg and len(seg.acked) == seg.count and seg is not self._wseg:
+                self._delete_segment(seg)
+        if self._order:
+            last = self._segs[self._order[-1]]
+            self._cnum, self._cpos = last.num, last.end
+        else:
+            self._cnum, self._cpos = self._next_num, HEADER_SIZE
+        self._ready = 0
+        self._bytes_ready = 0
+        return purged
+
+    def _delete_segment(self, seg: Segment) -> None:
+        seg.unmap()
+        with self._lock:
+            del self._segs[seg.num]
+            self._order.remove(seg.num)
+            self._ack_pending.discard(seg.num)
+            self._ack_unsynced.discard(seg.num)
+            self._unsynced_paths.discard(seg.path)
+            fd, seg.ack_fd = seg.ack_fd, None
+            if fd is not None:
+                os.close(fd)
+            seg.ack_buf.clear()
+            # Segment first: a crash in between leaves an orphan ack file (harmless, removed
+            # at recovery); the other order would bring the acked messages back.
+            seg.path.unlink(missing_ok=True)
+            seg.ack_path.unlink(missing_ok=True)
+            self._dir_unsynced = True
+        if self._sink.active:
+            self._sink.delete(seg.path)
+            if seg.ack_exists:
+                self._sink.delete(seg.ack_path)
+
+    # ------------------------------------------------------------------ counters
+
+    @property
+    def ready_count(self) -> int:
+        return self._ready
+
+    @property
+    def unacked_count(self) -> int:
+        return len(self._unacked)
+
+    @property
+    def bytes_ready(self) -> int:
+        return self._bytes_ready
+
+    @property
+    def dirty(self) -> bool:
+        return self._dirty
+
+    # ------------------------------------------------------------------ durability
+
+    def flush(self) -> None:
+        """Write buffered ack bytes to the ack files (no fsync); send a changed meta to the sink."""
+        with self._lock:
+            self._write_acks_locked()
+        if self._sink.active:
+            meta = self._meta_bytes()
+            if meta != self._meta_sent:
+                self._meta_sent = meta
+                self._sink.replace(self._meta_path, meta)
+
+    def _write_acks_locked(self) -> None:
+        for num in self._ack_pending:
+            seg = self._segs[num]
+            if seg.ack_fd is None:
+                seg.ack_fd = os.open(seg.ack_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                self._dir_unsynced = True
+            _write_all(seg.ack_fd, seg.ack_buf)
+            seg.ack_buf.clear()
+            self._ack_unsynced.add(num)
+        self._ack_pending.clear()
+
+    def sync(self) -> None:
+        """Flush + fsync everything dirty + write meta. Safe to call from a worker thread."""
+        with self._sync_lock:
+            if self._closed:
+                return
+            fds: list[int] = []
+            try:
+                with self._lock:
+                    self._dirty = False
+                    self._write_acks_locked()
+                    if self._seg_unsynced and self._wfd >= 0:
+                        fds.append(os.dup(self._wfd))
+                    self._seg_unsynced = False
+                    for num in self._ack_unsynced:
+                        fd = self._segs[num].ack_fd
+                        if fd is not None:
+                            fds.append(os.dup(fd))
+                    self._ack_unsynced.clear()
+                    paths = list(self._unsynced_paths)
+                    self._unsynced_paths.clear()
+                    dir_unsynced = self._dir_unsynced
+                    self._dir_unsynced = False
+                    meta = self._meta_bytes()
+                for fd in fds:
+                    datasync(fd)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            for path in paths:
+                try:
+                    fd = os.open(path, os.O_RDONLY)
+                except FileNotFoundError:
+                    continue  # deleted since: nothing to make durable
+                try:
+                    datasync(fd)
+                finally:
+                    os.close(fd)
+            if meta != self._meta_written:
+                dir_unsynced |= self._write_meta(meta)
+            if dir_unsynced:
+                fsync_dir(self.directory)
+
+    def _meta_bytes(self) -> bytes:
+        head = _META.pack(_META_MAGIC, _META_VERSION, self._hwm, self._next_num)
+        return head + _CRC.pack(zlib.crc32(head))
+
+    def _write_meta(self, meta: bytes) -> bool:
+        """Overwrite meta in place (fixed size, one pwrite) and fsync it; True if created."""
+        created = False
+        if self._meta_fd is None:
+            created = not self._meta_path.exists()
+            self._meta_fd = os.open(self._meta_path, os.O_RDWR | os.O_CREAT, 0o644)
+        os.pwrite(self._meta_fd, meta, 0)
+        datasync(self._meta_fd)
+        self._meta_written = meta
+        return created
+
+    def close(self) -> None:
+        """Flush, sync, trim the write segment, unmap, close fds. Idempotent."""
+        if self._closed:
+            return
+        self.flush()
+        self.sync()
+        with self._sync_lock, self._lock:
+            self._closed = True
+            self._close_files()
+
+    def _close_files(self) -> None:
+        seg = self._wseg
+        if seg is not None:
+            seg.unmap()
+            self._wmm = None
+            os.ftruncate(self._wfd, seg.end)
+            os.close(self._wfd)
+            self._wfd = -1
+            self._wseg = None
+        for s in self._segs.values():
+            s.unmap()
+            if s.ack_fd is not None:
+                os.close(s.ack_fd)
+                s.ack_fd = None
+        if self._meta_fd is not None:
+            os.close(self._meta_fd)
+            self._meta_fd = None
+
+    def delete(self) -> None:
+        """Close and remove the whole queue directory (every file reported to the sink)."""
+        self.close()
+        if self._sink.active and self.directory.is_dir():
+            for entry in sorted(self.directory.iterdir()):
+                if entry.is_file():
+                    self._sink.delete(entry)
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    # ------------------------------------------------------------------ recovery
+
+    def _recover(self) -> None:
+        seg_nums: list[int] = []
+        ack_nums: set[int] = set()
+        for entry in os.scandir(self.directory):
+            num = fmt.parse_number(entry.name, "msgs.")
+            if num is not None:
+                seg_nums.append(num)
+                continue
+            num = fmt.parse_number(entry.name, "acks.")
+            if num is not None:
+                ack_nums.add(num)
+        hwm, next_num = self._read_meta()
+        self._hwm = self._recovered_hwm = hwm
+        for num in sorted(seg_nums):
+            seg = self._recover_segment(num, num in ack_nums)
+            if seg is None:
+                continue
+            self._segs[num] = seg
+            self._order.append(num)
+        for num in ack_nums:
+            if num not in self._segs:  # orphan: its segment was deleted (or dropped above)
+                self._remove_file(self.directory / fmt.ack_name(num))
+        # New segments must sort after every msgid ever delivered, even after the segments
+        # holding them are gone, or the redelivered mark would cover new messages.
+        highest = max(seg_nums, default=0)
+        self._next_num = max(next_num, highest + 1, (hwm >> 32) + 1, 1)
+        self._cnum = self._order[0] if self._order else self._next_num
+        self._cpos = HEADER_SIZE
+
+    def _recover_segment(self, num: int, has_acks: bool) -> Segment | None:
+        seg = Segment(self.directory, num)
+        file_acks = self._read_acks(seg.ack_path) if has_acks else set()
+        fd = os.open(seg.path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            head = os.pread(fd, HEADER_SIZE, 0)
+            if len(head) < HEADER_SIZE or head == b"\0" * HEADER_SIZE:
+                # Crash between creating the file and writing its header: never held data.
+                if _all_zero(fd, size):
+                    os.close(fd)
+                    fd = -1
+                    self._remove_file(seg.path)
+                    if has_acks:
+                        self._remove_file(seg.ack_path)
+                    return None
+                raise StoreError(f"{seg.path}: missing format header")
+            (version,) = _U32.unpack(head)
+            if version != fmt.VERSION:
+                raise StoreError(f"{seg.path}: unsupported segment format version {version} "
+                                 f"(expected {fmt.VERSION})")
+            with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mm:
+                res = fmt.scan(mm, size, file_acks, self._persistent_only)
+                good = mm[:res.end] if res.garbage and self._sink.active else b""
+            if res.end < size:
+                os.ftruncate(fd, res.end)  # drop the torn tail / preallocated zeros
+                if res.garbage and self._sink.active:
+                    self._sink.replace(seg.path, good)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        seg.end = res.end
+        seg.count = res.count
+        seg.acked = res.acked
+        seg.ack_exists = has_acks
+        valid_file_acks = file_acks & res.acked
+        if len(valid_file_acks) != len(file_acks):
+            # Positions past the data end or off record boundaries: rewrite without them.
+            data = HEADER + b"".join(_U32.pack(p) for p in sorted(valid_file_acks))
+            atomic_write(seg.ack_path, data)
+            if self._sink.active:
+                self._sink.replace(seg.ack_path, data)
+        if seg.count == len(seg.acked):
+            self._remove_file(seg.path)
+            if has_acks:
+                self._remove_file(seg.ack_path)
+            return None
+        self._ready += seg.count - len(seg.acked)
+        self._bytes_ready += res.ready_bytes
+        return seg
+
+    def _read_acks(self, path: Path) -> set[int]:
+        data = path.read_bytes()
+        if len(data) < HEADER_SIZE:
+            return set()  # crash while creating it: no acks recorded yet
+        (version,) = _U32.unpack_from(data, 0)
+        if version != fmt.VERSION:
+            raise StoreError(f"{path}: unsupported ack file format version {version}")
+        usable = HEADER_SIZE + (len(data) - HEADER_SIZE) // 4 * 4  # drop a torn last entry
+        return {p for (p,) in _U32.iter_unpack(data[HEADER_SIZE:usable])}
+
+    def _read_meta(self) -> tuple[int, int]:
+        """(delivered high-water mark, next segment number); defaults if missing or garbage."""
+        try:
+            data = self._meta_path.read_bytes()
+        except FileNotFoundError:
+            return 0, 1
+        if len(data) != _META.size + _CRC.size:
+            return 0, 1
+        head = data[:_META.size]
+        if _CRC.unpack_from(data, _META.size)[0] != zlib.crc32(head):
+            return 0, 1
+        magic, version, hwm, next_num = _META.unpack(head)
+        if magic != _META_MAGIC or version != _META_VERSION:
+            return 0, 1
+        self._meta_written = data
+        return int(hwm), int(next_num)
+
+    def _remove_file(self, path: Path) -> None:
+        path.unlink(missing_ok=True)
+        self._dir_unsynced = True
+        if self._sink.active:
+            self._sink.delete(path)
+
+
+def _write_all(fd: int, data: bytes | bytearray) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _all_zero(fd: int, size: int) -> bool:
+    chunk = 1 << 20
+    for offset in range(0, size, chunk):
+        if os.pread(fd, chunk, offset).strip(b"\0"):
+            return False
+    return True

@@ -1,0 +1,218 @@
+"""Segment file format: the on-disk records of one queue.
+
+Theory of operation. A segment is a 4-byte little-endian format version (1) followed by
+records, all little-endian::
+
+    timestamp_ms i64 | exchange: u8 len + bytes | routing_key: u8 len + bytes
+    | props: u32 len + bytes | body_size u64 | body
+
+A record with timestamp 0 marks the end: segments are preallocated with zeros and the
+writer stores the timestamp last, so a record interrupted by kill -9 is still "the end".
+A message is addressed by ``msgid = segment_number << 32 | byte_position``, so msgid order
+is publish order. Recovery (``scan``) walks records until the zero timestamp or a record
+that does not fit in the file (a torn write or a chopped file: it and everything after it
+are dropped, never fatal).
+
+This module only knows bytes; ``QueueStore`` decides what is ready, unacked or acked.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+VERSION: Final = 1
+HEADER: Final = struct.pack("<I", VERSION)
+HEADER_SIZE: Final = 4
+# timestamp 8 + exchange length 1 + routing key length 1 + props length 4 + body size 8
+FIXED_SIZE: Final = 22
+POS_BITS: Final = 32
+POS_MASK: Final = (1 << POS_BITS) - 1
+# Positions are u32 (msgid low bits, ack files), so no segment may exceed 4 GiB.
+MAX_SEGMENT_SIZE: Final = POS_MASK
+
+I64: Final = struct.Struct("<q")
+U32: Final = struct.Struct("<I")
+U64: Final = struct.Struct("<Q")
+_U16BE: Final = struct.Struct(">H")
+_U32BE: Final = struct.Struct(">I")
+
+Buffer = bytes | bytearray | memoryview | mmap.mmap
+
+
+def segment_name(num: int) -> str:
+    return f"msgs.{num:010d}"
+
+
+def ack_name(num: int) -> str:
+    return f"acks.{num:010d}"
+
+
+def parse_number(name: str, prefix: str) -> int | None:
+    """The segment number of ``msgs.0000000012`` / ``acks.…``, or None for other files."""
+    if not name.startswith(prefix):
+        return None
+    digits = name[len(prefix):]
+    if not digits.isdigit() or not digits.isascii():
+        return None
+    return int(digits)
+
+
+def record_end(buf: Buffer, pos: int) -> tuple[int, int]:
+    """(position after the record at ``pos``, its body size)."""
+    p = pos + 9 + buf[pos + 8]
+    p += 1 + buf[p]
+    p += 4 + U32.unpack_from(buf, p)[0]
+    body_size: int = U64.unpack_from(buf, p)[0]
+    return p + 8 + body_size, body_size
+
+
+def body_size_at(buf: Buffer, pos: int) -> int:
+    return record_end(buf, pos)[1]
+
+
+def read_record(buf: Buffer, pos: int) -> tuple[int, bytes, bytes, bytes, bytes]:
+    """(timestamp_ms, exchange, routing_key, props, body) as fresh ``bytes`` copies."""
+    ts: int = I64.unpack_from(buf, pos)[0]
+    p = pos + 9
+    end = p + buf[pos + 8]
+    exchange = bytes(buf[p:end])
+    p = end + 1
+    end = p + buf[end]
+    routing_key = bytes(buf[p:end])
+    p = end + 4
+    end = p + U32.unpack_from(buf, end)[0]
+    props = bytes(buf[p:end])
+    p = end + 8
+    end = p + U64.unpack_from(buf, end)[0]
+    return ts, exchange, routing_key, props, bytes(buf[p:end])
+
+
+def is_persistent(buf: Buffer, at: int, length: int) -> bool:
+    """Whether AMQP basic properties (u16 flags + property list) say delivery-mode 2.
+
+    Property lists are big-endian (AMQP wire order). delivery-mode (flag 0x1000) follows
+    content-type (0x8000, shortstr), content-encoding (0x4000, shortstr) and headers
+    (0x2000, u32-length table). Anything malformed counts as not persistent.
+    """
+    end = at + length
+    if length < 2:
+        return False
+    flags: int = _U16BE.unpack_from(buf, at)[0]
+    p = at + 2
+    word = flags
+    while word & 1:  # continuation bit: more flag words follow (not used by class basic)
+        if p + 2 > end:
+            return False
+        word = _U16BE.unpack_from(buf, p)[0]
+        p += 2
+    if not flags & 0x1000:
+        return False
+    for bit in (0x8000, 0x4000):
+        if flags & bit:
+            if p >= end:
+                return False
+            p += 1 + buf[p]
+    if flags & 0x2000:
+        if p + 4 > end:
+            return False
+        p += 4 + _U32BE.unpack_from(buf, p)[0]
+    return p < end and buf[p] == 2
+
+
+@dataclass
+class ScanResult:
+    end: int = HEADER_SIZE  # position after the last good record
+    count: int = 0  # good records
+    acked: set[int] = field(default_factory=set)  # positions treated as acked
+    ready_bytes: int = 0  # body bytes of the records not acked
+    garbage: bool = False  # stopped at a visible (non-zero timestamp) but incomplete record
+
+
+def scan(buf: Buffer, size: int, file_acks: set[int], persistent_only: bool) -> ScanResult:
+    """Walk the records of a segment whose header was already checked.
+
+    A position is acked when ``file_acks`` holds it, or (``persistent_only``) when the
+    message is transient. Ack positions that are not record starts are simply never hit.
+    """
+    res = ScanResult()
+    acked = res.acked
+    i64 = I64.unpack_from
+    u32 = U32.unpack_from
+    u64 = U64.unpack_from
+    pos = HEADER_SIZE
+    count = 0
+    ready_bytes = 0
+    while pos + FIXED_SIZE <= size:
+        if i64(buf, pos)[0] == 0:
+            break
+        p = pos + 9 + buf[pos + 8]
+        if p + 13 > size:  # routing key length + props length + body size still to come
+            res.garbage = True
+            break
+        p += 1 + buf[p]
+        if p + 12 > size:
+            res.garbage = True
+            break
+        props_at = p + 4
+        props_len = u32(buf, p)[0]
+        p = props_at + props_len
+        if p + 8 > size:
+            res.garbage = True
+            break
+        body = u64(buf, p)[0]
+        p += 8 + body
+        if p > size:
+            res.garbage = True
+            break
+        count += 1
+        if pos in file_acks:
+            acked.add(pos)
+        elif persistent_only and not is_persistent(buf, props_at, props_len):
+            acked.add(pos)
+        else:
+            ready_bytes += body
+        pos = p
+    else:
+        # Fewer than FIXED_SIZE bytes left: garbage unless they are (preallocated) zeros.
+        if pos < size and bytes(buf[pos:size]).strip(b"\0"):
+            res.garbage = True
+    res.end = pos
+    res.count = count
+    res.ready_bytes = ready_bytes
+    return res
+
+
+class Segment:
+    """In-memory state of one segment: counters, acked positions, lazy mapping, ack buffer."""
+
+    __slots__ = ("num", "path", "ack_path", "end", "count", "acked", "mm", "ack_fd", "ack_buf",
+                 "ack_exists")
+
+    def __init__(self, directory: Path, num: int) -> None:
+        self.num = num
+        self.path = directory / segment_name(num)
+        self.ack_path = directory / ack_name(num)
+        self.end = HEADER_SIZE  # position after the last record
+        self.count = 0  # records in the segment
+        # Acked positions (only for segments that still exist; dropped with the segment).
+        self.acked: set[int] = set()
+        self.mm: mmap.mmap | None = None
+        self.ack_fd: int | None = None
+        self.ack_buf = bytearray()  # ack bytes not yet written to the ack file
+        self.ack_exists = False  # ack file created (on disk, or its header is buffered)
+
+    def map_read(self) -> mmap.mmap:
+        """Map the (complete, never again written) segment read-only."""
+        if self.mm is None:
+            with open(self.path, "rb") as f:
+                self.mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        return self.mm
+
+    def unmap(self) -> None:
+        mm, self.mm = self.mm, None
+        if mm is not None:
+            mm.close()

@@ -1,0 +1,368 @@
+"""Integration harness support: broker processes and client helpers (see conftest.py).
+
+Theory of operation: each ``SkredProcess`` owns one data directory and two
+ports chosen by binding port 0. ``start()`` launches ``python -m broker`` in
+its own session (so teardown can kill the whole process group), sends its
+output to ``broker.log`` in the temp dir and polls a TCP connect plus the AMQP
+protocol-header exchange until the broker answers with connection.start,
+with a deadline; if the process exits first, the test fails with the log tail.
+``restart()`` reuses the data dir and ports, which is what the durability
+tests need.
+
+With ``SKRED_TEST_EXTERNAL_URL`` set (e.g. a RabbitMQ used to validate the
+suite), the fixtures hand out an ``ExternalBroker`` with the same API whose
+process-control methods skip the test: only protocol behaviour is tested.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Coroutine, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import urlparse
+
+import pika
+import pytest
+
+EXTERNAL_URL = os.environ.get("SKRED_TEST_EXTERNAL_URL", "").strip()
+REPO_ROOT = Path(__file__).resolve().parents[2]
+READY_DEADLINE = 20.0
+STOP_DEADLINE = 15.0
+DEFAULT_TEST_TIMEOUT = 60  # seconds per test unless the test sets its own
+
+T = TypeVar("T")
+
+
+def is_external() -> bool:
+    return bool(EXTERNAL_URL)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def amqp_answers(host: str, port: int, timeout: float = 1.0) -> bool:
+    """True when something on host:port answers the AMQP header with a connection.start frame."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as s:
+            s.settimeout(timeout)
+            s.sendall(b"AMQP\x00\x00\x09\x01")
+            data = b""
+            while len(data) < 11:
+                chunk = s.recv(4096)
+                if not chunk:
+                    return False
+                data += chunk
+            # method frame (1) on channel 0, class 10 (connection) method 10 (start)
+            return data[0] == 1 and data[1:3] == b"\x00\x00" and data[7:11] == b"\x00\x0a\x00\x0a"
+    except OSError:
+        return False
+
+
+def unique(prefix: str = "t") -> str:
+    return f"skredtest.{prefix}.{uuid.uuid4().hex[:12]}"
+
+
+class ExternalBroker:
+    """An already-running broker; process control is not possible."""
+
+    external = True
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        parsed = urlparse(url)
+        self.host = parsed.hostname or "127.0.0.1"
+        self.port = parsed.port or 5672
+        self.data_dir: Path | None = None
+        self.pid: int | None = None
+
+    def _skip(self) -> None:
+        pytest.skip("needs to control the Skred process; SKRED_TEST_EXTERNAL_URL points at an external broker")
+
+    def start(self) -> None:
+        self._skip()
+
+    def stop(self) -> int | None:
+        self._skip()
+        return None
+
+    def kill9(self) -> None:
+        self._skip()
+
+    def restart(self) -> None:
+        self._skip()
+
+    def log_text(self) -> str:
+        return ""
+
+    def close(self) -> None:
+        pass
+
+
+class SkredProcess:
+    """One Skred broker process bound to 127.0.0.1 on free ports."""
+
+    external = False
+
+    def __init__(self, data_dir: Path, extra_args: list[str] | None = None) -> None:
+        self.data_dir = data_dir
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.extra_args = list(extra_args or [])
+        self.host = "127.0.0.1"
+        self.port = free_port()
+        self.mgmt_port = free_port()
+        self.url = f"amqp://guest:guest@{self.host}:{self.port}/%2F"
+        self.log_path = data_dir.parent / f"{data_dir.name}.broker.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.pid: int | None = None
+        self._log_file: Any = None
+
+    def argv(self) -> list[str]:
+        return [
+            sys.executable, "-m", "broker",
+            "--data-dir", str(self.data_dir),
+            "--amqp-port", str(self.port),
+            "--mgmt-port", str(self.mgmt_port),
+            "--amqp-bind", self.host,
+            *self.extra_args,
+        ]
+
+    def spawn(self) -> subprocess.Popen[bytes]:
+        """Start the process without waiting for readiness."""
+        assert self.proc is None or self.proc.poll() is not None, "already running"
+        self._log_file = open(self.log_path, "ab")
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
+        self.proc = subprocess.Popen(
+            self.argv(),
+            cwd=str(REPO_ROOT),
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+        self.pid = self.proc.pid
+        return self.proc
+
+    def start(self) -> None:
+        proc = self.spawn()
+        deadline = time.monotonic() + READY_DEADLINE
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                pytest.fail(f"broker exited with {proc.returncode} before it was ready:\n{self.log_tail()}")
+            if amqp_answers(self.host, self.port):
+                return
+            time.sleep(0.05)  # poll interval of a readiness loop with a deadline
+        self._kill_group()
+        pytest.fail(f"broker not ready within {READY_DEADLINE}s:\n{self.log_tail()}")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> int | None:
+        """SIGTERM and wait for a graceful exit; returns the exit code."""
+        if not self.alive():
+            return self.proc.returncode if self.proc else None
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(STOP_DEADLINE)
+        except subprocess.TimeoutExpired:
+            self._kill_group()
+            pytest.fail(f"broker ignored SIGTERM for {STOP_DEADLINE}s:\n{self.log_tail()}")
+        return None
+
+    def kill9(self) -> None:
+        if self.alive():
+            assert self.pid is not None
+            os.kill(self.pid, signal.SIGKILL)
+            assert self.proc is not None
+            self.proc.wait(STOP_DEADLINE)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def _kill_group(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                self.proc.wait(STOP_DEADLINE)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def close(self) -> None:
+        self._kill_group()
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+
+Broker = ExternalBroker | SkredProcess
+
+
+def params(b: Broker, **kw: Any) -> pika.URLParameters:
+    p = pika.URLParameters(b.url)
+    p.socket_timeout = 5
+    p.blocked_connection_timeout = 10
+    p.connection_attempts = 1
+    for k, v in kw.items():
+        setattr(p, k, v)
+    return p
+
+
+def connect(b: Broker, **kw: Any) -> pika.BlockingConnection:
+    return pika.BlockingConnection(params(b, **kw))
+
+
+def run_async(coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
+    """Run an aio-pika scenario to completion with an overall deadline."""
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def wait_until(pred: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.02)  # poll interval, bounded by the deadline
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def assert_healthy(b: Broker) -> None:
+    """A well-behaved pika client can still declare, publish and consume."""
+    conn = connect(b)
+    try:
+        ch = conn.channel()
+        q = ch.queue_declare("", exclusive=True).method.queue
+        body = uuid.uuid4().bytes
+        ch.basic_publish("", q, body)
+        deadline = time.monotonic() + 5
+        got = None
+        while got is None and time.monotonic() < deadline:
+            m, _, got = ch.basic_get(q, auto_ack=True)
+            if m is None:
+                conn.process_data_events(0.02)
+        assert got == body, "broker no longer serves a well-behaved client"
+    finally:
+        if conn.is_open:
+            conn.close()
+
+
+
+
+@contextmanager
+def channel_error(code: int) -> Iterator[None]:
+    """Expect the block to end with the broker closing the channel with ``code``."""
+    with pytest.raises(pika.exceptions.ChannelClosedByBroker) as ei:
+        yield
+    assert ei.value.reply_code == code, f"expected {code}, got {ei.value.reply_code} {ei.value.reply_text}"
+
+
+def queue_count(conn: pika.BlockingConnection, queue: str) -> int | None:
+    """Ready message count via a passive declare on a throwaway channel; None if missing."""
+    ch = conn.channel()
+    try:
+        n = int(ch.queue_declare(queue, passive=True).method.message_count)
+    except pika.exceptions.ChannelClosedByBroker as exc:
+        assert exc.reply_code == 404, exc
+        return None
+    ch.close()
+    return n
+
+
+def exists_queue(conn: pika.BlockingConnection, queue: str) -> bool:
+    return queue_count(conn, queue) is not None
+
+
+def exists_exchange(conn: pika.BlockingConnection, exchange: str) -> bool:
+    ch = conn.channel()
+    try:
+        ch.exchange_declare(exchange, passive=True)
+    except pika.exceptions.ChannelClosedByBroker as exc:
+        assert exc.reply_code == 404, exc
+        return False
+    ch.close()
+    return True
+
+
+def get_body(ch: Any, queue: str, auto_ack: bool = True) -> bytes | None:
+    """basic.get one message body (None when empty)."""
+    m, _, body = ch.basic_get(queue, auto_ack=auto_ack)
+    return None if m is None else bytes(body)
+
+
+def drain(ch: Any, queue: str) -> list[bytes]:
+    out: list[bytes] = []
+    for _ in range(10_000):
+        b = get_body(ch, queue)
+        if b is None:
+            return out
+        out.append(b)
+    raise AssertionError("queue did not drain")
+
+
+class Cleanup:
+    """Names declared by a test, deleted at teardown on a fresh connection."""
+
+    def __init__(self, b: Broker) -> None:
+        self.broker = b
+        self.queues: list[str] = []
+        self.exchanges: list[str] = []
+
+    def queue(self, name: str | None = None) -> str:
+        name = name or unique("q")
+        self.queues.append(name)
+        return name
+
+    def exchange(self, name: str | None = None) -> str:
+        name = name or unique("x")
+        self.exchanges.append(name)
+        return name
+
+    def run(self) -> None:
+        if not (self.queues or self.exchanges):
+            return
+        try:
+            conn = connect(self.broker)
+        except Exception:  # noqa: BLE001 - broker may be stopped by the test itself
+            return
+        try:
+            for kind, names in (("q", self.queues), ("x", self.exchanges)):
+                for n in names:
+                    ch = conn.channel()
+                    try:
+                        if kind == "q":
+                            ch.queue_delete(n)
+                        else:
+                            ch.exchange_delete(n)
+                        ch.close()
+                    except pika.exceptions.AMQPError:
+                        pass
+        finally:
+            if conn.is_open:
+                conn.close()

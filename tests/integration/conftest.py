@@ -1,0 +1,98 @@
+"""Integration fixtures: ``broker``, ``shared_broker``, ``broker_factory``, ``pika_conn``, ``aio_run``.
+
+Theory of operation: see ``_support.py``. Function-scoped ``broker`` may be
+stopped, killed and restarted; module-scoped ``shared_broker`` must not be.
+Every test gets a default pytest-timeout so a hung broker fails fast.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Coroutine, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pika
+import pytest
+
+from ._support import (
+    DEFAULT_TEST_TIMEOUT,
+    EXTERNAL_URL,
+    Broker,
+    Cleanup,
+    ExternalBroker,
+    SkredProcess,
+    connect,
+    run_async,
+)
+
+T = TypeVar("T")
+
+
+def _make(tmp: Path, extra_args: list[str] | None = None) -> Broker:
+    if EXTERNAL_URL:
+        return ExternalBroker(EXTERNAL_URL)
+    b = SkredProcess(tmp / f"data-{uuid.uuid4().hex[:6]}", extra_args)
+    try:
+        b.start()
+    except BaseException:
+        b.close()
+        raise
+    return b
+
+
+@pytest.fixture
+def broker_factory(tmp_path: Path) -> Iterator[Callable[..., Broker]]:
+    """Start extra brokers (e.g. with extra CLI args); all are killed at teardown."""
+    made: list[Broker] = []
+
+    def factory(extra_args: list[str] | None = None) -> Broker:
+        b = _make(tmp_path, extra_args)
+        made.append(b)
+        return b
+
+    yield factory
+    for b in made:
+        b.close()
+
+
+@pytest.fixture
+def broker(broker_factory: Callable[..., Broker]) -> Broker:
+    """A broker of this test's own (restart/kill allowed)."""
+    return broker_factory()
+
+
+@pytest.fixture(scope="module")
+def shared_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
+    """One broker for a whole module; tests using it must not stop or restart it."""
+    b = _make(tmp_path_factory.mktemp("shared"))
+    yield b
+    b.close()
+
+
+@pytest.fixture
+def pika_conn(shared_broker: Broker) -> Iterator[pika.BlockingConnection]:
+    conn = connect(shared_broker)
+    yield conn
+    if conn.is_open:
+        conn.close()
+
+
+@pytest.fixture
+def aio_run() -> Callable[[Coroutine[Any, Any, T]], T]:
+    """The aio-pika helper: ``aio_run(coro)`` runs it on a fresh loop with a deadline."""
+    return run_async
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(DEFAULT_TEST_TIMEOUT))
+
+
+@pytest.fixture
+def cleanup(shared_broker: Broker) -> Iterator[Cleanup]:
+    """Register queue/exchange names to delete after the test (brokers persist between runs)."""
+    c = Cleanup(shared_broker)
+    yield c
+    c.run()
