@@ -70,7 +70,9 @@ def test_kill_without_close(tmp_path: Path) -> None:
     qdir = tmp_path / "q"
     store = QueueStore(qdir, segment_size=4096)
     ids = fill(store, 100)
-    for m in drain(store)[:40]:
+    for _ in range(40):
+        m = store.shift()
+        assert m is not None
         store.ack(m)
     store.flush()  # these 40 acks reached the page cache
     got = [store.shift() for _ in range(10)]

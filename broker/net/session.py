@@ -280,7 +280,7 @@ class Session(AMQPConnection):
         vh = self.vhost_obj
         broker = self.broker
         broker.stats.published += 1
-        if len(props) >= 2 and props[0] & 0x01:  # reply-to flag is 0x0100
+        if len(props) >= 2 and props[0] & 0x02:  # reply-to flag is 0x0200
             props = self._rewrite_reply_to(chs, props)
         ex = vh.exchanges.get(exchange)
         if ex is None:
@@ -420,6 +420,10 @@ class Session(AMQPConnection):
                 touched = q
                 q.schedule_delivery()
         chs.unacked_count -= len(tags)
+        if chs.global_prefetch:
+            # capacity shared by the channel: every consumer on it may take more now
+            for c in chs.consumers.values():
+                c.queue.schedule_delivery()
 
     # ------------------------------------------------------------- the rest
     def handle_method(self, channel: int, method: PFrame) -> None:

@@ -268,9 +268,12 @@ class Run:
         while True:
             pending = [c for i, c in enumerate(self.pipes) if self.results[i] is None]
             left = deadline - time.monotonic()
-            if not pending or left <= 0:
+            if not pending:
                 return
-            for conn in wait(pending, timeout=left):
+            ready = wait(pending, timeout=max(0.0, left))
+            if not ready and left <= 0:
+                return
+            for conn in ready:
                 i = self.pipes.index(conn)  # type: ignore[arg-type]
                 try:
                     self.results[i] = conn.recv()  # type: ignore[union-attr]
