@@ -247,16 +247,17 @@ def test_null_sink_is_inactive() -> None:
 
 def test_dirty_flag(tmp_path: Path) -> None:
     store = QueueStore(tmp_path / "q")
-    assert not store.dirty
+    seen = [store.dirty]
     m = fill(store, 1)[0]
-    assert store.dirty
+    seen.append(store.dirty)
     store.sync()
-    assert not store.dirty
+    seen.append(store.dirty)
     assert store.shift() == m
     store.ack(m)
-    assert store.dirty
+    seen.append(store.dirty)
     store.sync()
-    assert not store.dirty
+    seen.append(store.dirty)
+    assert seen == [False, True, False, True, False]
     store.close()
 
 

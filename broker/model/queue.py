@@ -54,7 +54,7 @@ class Queue:
     __slots__ = (
         "vhost", "name", "durable", "exclusive_owner", "auto_delete", "arguments", "store",
         "consumers", "_schedule", "_scheduled", "_rr", "deleted", "had_consumers", "on_unused",
-        "name_bytes", "on_dirty",
+        "name_bytes", "on_dirty", "n_published", "n_delivered", "n_acked", "n_redelivered",
     )
 
     def __init__(
@@ -87,11 +87,17 @@ class Queue:
         self.had_consumers = False
         self.on_unused = on_unused
         self.on_dirty = on_dirty
+        # Monotonic counters read by the management API and /metrics at scrape time.
+        self.n_published = 0
+        self.n_delivered = 0
+        self.n_acked = 0
+        self.n_redelivered = 0
 
     # ------------------------------------------------------------ publishing
     def publish(self, ts: int, exchange: bytes, routing_key: bytes, props: bytes, body: bytes,
                 persistent: bool) -> None:
         self.store.append(ts, exchange, routing_key, props, body)
+        self.n_published += 1
         if persistent and self.durable:
             self.on_dirty(self.store)
         if self.consumers and not self._scheduled:
@@ -147,6 +153,9 @@ class Queue:
                 return
             _ts, exchange, routing_key, props, body = store.read(msgid)
             redelivered = store.is_redelivered(msgid)
+            self.n_delivered += 1
+            if redelivered:
+                self.n_redelivered += 1
             if c.no_ack:
                 store.ack(msgid)
             c.deliver(msgid, exchange, routing_key, props, body, redelivered)
@@ -160,12 +169,16 @@ class Queue:
         if msgid is None:
             return None
         _ts, exchange, routing_key, props, body = self.store.read(msgid)
-        return msgid, exchange, routing_key, props, body, self.store.is_redelivered(msgid)
+        redelivered = self.store.is_redelivered(msgid)
+        self.n_delivered += 1
+        self.n_redelivered += redelivered
+        return msgid, exchange, routing_key, props, body, redelivered
 
     def ack(self, msgid: int) -> None:
         if self.deleted:
             return
         self.store.ack(msgid)
+        self.n_acked += 1
         if self.durable:
             self.on_dirty(self.store)
 

@@ -144,21 +144,27 @@ class QueueStore:
         assert mm is not None
         pos = seg.end
         q = pos + 8
-        mm[q] = ex_len
-        q += 1
-        mm[q:q + ex_len] = exchange
-        q += ex_len
-        mm[q] = rk_len
-        q += 1
-        mm[q:q + rk_len] = routing_key
-        q += rk_len
-        _U32_PACK_INTO(mm, q, p_len)
-        q += 4
-        mm[q:q + p_len] = props
-        q += p_len
-        _U64_PACK_INTO(mm, q, b_len)
-        q += 8
-        mm[q:q + b_len] = body
+        try:
+            mm[q] = ex_len
+            q += 1
+            mm[q:q + ex_len] = exchange
+            q += ex_len
+            mm[q] = rk_len
+            q += 1
+            mm[q:q + rk_len] = routing_key
+            q += rk_len
+            _U32_PACK_INTO(mm, q, p_len)
+            q += 4
+            mm[q:q + p_len] = props
+            q += p_len
+            _U64_PACK_INTO(mm, q, b_len)
+            q += 8
+            mm[q:q + b_len] = body
+        except BaseException:
+            # E.g. a multi-byte-format memoryview whose len() is not its size: leave zeros,
+            # so no half record lingers past the end for recovery to misread.
+            mm[pos:q] = bytes(q - pos)
+            raise
         # Last: a non-zero timestamp publishes the record (0 means "end", so avoid it).
         _I64_PACK_INTO(mm, pos, timestamp_ms or 1)
         end = q + b_len
@@ -523,7 +529,10 @@ class QueueStore:
 
     def delete(self) -> None:
         """Close and remove the whole queue directory (every file reported to the sink)."""
-        self.close()
+        with self._sync_lock, self._lock:
+            if not self._closed:  # no flush or fsync: everything is about to go
+                self._closed = True
+                self._close_files()
         if self._sink.active and self.directory.is_dir():
             for entry in sorted(self.directory.iterdir()):
                 if entry.is_file():
