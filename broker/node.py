@@ -96,6 +96,10 @@ class Node:
 
 def serve(config: Config) -> int:
     """Run a node until SIGTERM/SIGINT; returns the process exit code."""
+    if config.clustering.enabled:
+        from broker.cluster.runner import serve_clustered
+
+        return serve_clustered(config)
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows

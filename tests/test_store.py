@@ -313,6 +313,8 @@ def test_closed_store_sync_is_noop_and_close_idempotent(tmp_path: Path) -> None:
     store.close()
     store.sync()
     store.close()
+    with pytest.raises(StoreError, match="closed"):
+        fill(store, 1)
 
 
 def test_meta_written_on_sync(tmp_path: Path) -> None:

@@ -110,6 +110,7 @@ class FrameScanner:
         "_tmpl_body",
         "_tag_off",
         "_misses",
+        "_between",
     )
 
     def __init__(self, *, track_tags: bool = False, track_latency: bool = False) -> None:
@@ -129,6 +130,7 @@ class FrameScanner:
         self._tmpl_body = 0
         self._tag_off = 0
         self._misses = 0
+        self._between = True  # at a message boundary (no basic.deliver awaiting its content)
 
     def _learn(self, buf: bytearray | bytes | memoryview, start: int, stop: int) -> None:
         """Remember the layout of the deliver/header/body triple at ``buf[start:stop]``."""
@@ -184,10 +186,11 @@ class FrameScanner:
         hist = self.latency
         learn = hist is None and self._misses < MAX_MISSES
         msg_start = -1  # offset of the current message's basic.deliver (-1: not in this chunk)
+        between = self._between
         pos = start
         try:
             while end - pos >= 8:
-                if learn and remaining == 0 and self._tmpl_len and end - pos >= 2 * self._tmpl_len:
+                if learn and between and self._tmpl_len and end - pos >= 2 * self._tmpl_len:
                     n = self._fast(buf, pos, end)
                     if n:
                         pos += n * self._tmpl_len
@@ -221,6 +224,7 @@ class FrameScanner:
                         if learn and not self._tmpl_len and msg_start >= 0:
                             self._learn(buf, msg_start, fend + 1)
                         msg_start = -1
+                        between = True
                     elif remaining < 0:
                         raise CodecError("body frames exceed the announced body size")
                 elif ftype == 1:
@@ -228,6 +232,7 @@ class FrameScanner:
                     if cls == 60 and meth == 60:
                         delivered += 1
                         msg_start = pos
+                        between = False
                         if track_tags:
                             self.last_tag = u64(buf, pos + 12 + buf[pos + 11])[0]
                     elif cls == 60 and (meth == 80 or meth == 120):
@@ -242,11 +247,13 @@ class FrameScanner:
                     size_now = remaining = u64(buf, pos + 11)[0]
                     if remaining == 0:
                         completed += 1
+                        between = True
                 elif ftype != 8:  # heartbeats are ignored (we negotiate them off)
                     raise CodecError(f"unknown frame type {ftype}")
                 pos = fend + 1
         finally:
             self._remaining = remaining
+            self._between = between
             self._size = size_now
             self.completed = completed
             self.delivered = delivered

@@ -180,6 +180,8 @@ class QueueStore:
 
     def _roll(self, need: int) -> Segment:
         """Start a new write segment with room for a record of ``need`` bytes."""
+        if self._closed:  # after close() the write segment is gone, so appends land here
+            raise StoreError(f"queue store {self.directory} is closed")
         cap = max(self._segment_size, need + HEADER_SIZE)
         if cap > fmt.MAX_SEGMENT_SIZE:
             raise StoreError(f"message of {need} bytes is too large for a segment")
