@@ -71,7 +71,7 @@ def decode_method(payload: bytes) -> PFrame:
     try:
         method.unmarshal(payload[4:])
     except (struct.error, ValueError, IndexError, TypeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"malformed {cls.name}: {exc}") from exc
+        raise ValueError(f"malformed {method.name}: {exc}") from exc
     return method
 
 

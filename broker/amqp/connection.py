@@ -241,7 +241,7 @@ class AMQPConnection:
                 else:
                     self._hard(exc)
                     return
-            if self.state == State.CLOSED or self.want_close:
+            if self.want_close or self.state is State.CLOSED:  # type: ignore[comparison-overlap]
                 return
         if pos < n:
             self._buf = data[pos:]
@@ -393,7 +393,7 @@ class AMQPConnection:
         self.state = State.OPEN
         self.send_method(0, commands.Connection.OpenOk())
 
-    def _on_close(self, m: commands.Connection.Close) -> None:
+    def _on_close(self, m: PFrame) -> None:
         self._release_all_if_open()
         self.send_method(0, commands.Connection.CloseOk())
         self.state = State.CLOSED

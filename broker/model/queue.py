@@ -67,7 +67,7 @@ class Queue:
         auto_delete: bool,
         arguments: dict[str, Any] | None,
         store: QueueStore,
-        schedule: Callable[[Callable[[], None]], None],
+        schedule: Callable[[Callable[[], None]], object],
         on_unused: Callable[[Queue], None],
         on_dirty: Callable[[QueueStore], None],
     ) -> None:

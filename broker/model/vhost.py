@@ -61,7 +61,7 @@ class VHost:
         *,
         segment_size: int,
         sink: ReplicationSink,
-        schedule: Callable[[Callable[[], None]], None],
+        schedule: Callable[[Callable[[], None]], object],
         mark_dirty: Callable[[Any], None],
         transient_root: Path,
     ) -> None:
@@ -93,7 +93,8 @@ class VHost:
             for record in self.definitions.load():
                 try:
                     _, _, method = pframe.unmarshal(record)
-                    self._replay(method)
+                    if isinstance(method, PFrame):
+                        self._replay(method)
                 except (errors.AMQPError, ValueError, KeyError) as exc:
                     log.warning("vhost %s: skipping definition record: %s", self.name, exc)
                 except Exception as exc:  # a bad record must not stop the broker

@@ -43,6 +43,8 @@ class Broker:
         self.stats = Stats()
         self.connections: set[Session] = set()
         self.reply_to: dict[str, tuple[Session, ChannelState]] = {}
+        # cluster members' addresses: they may send PROXY protocol headers
+        self.trusted_peers: set[str] = set()
         # guest with full access everywhere is the common case: skip per-name checks then
         self.check_permissions = True
         self._server_properties: dict[str, Any] = {

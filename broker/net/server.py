@@ -27,6 +27,7 @@ from typing import Any
 
 from broker import errors
 from broker.amqp.connection import State
+from broker.net import proxy
 from broker.net.broker import Broker
 from broker.net.session import Session
 
@@ -46,6 +47,8 @@ class AMQPProtocol(asyncio.Protocol):
         self._flush_scheduled = False
         self.last_read = self.last_write = self.started = time.monotonic()
         self.closing_since = 0.0
+        self._first = b""  # bytes before we know whether a PROXY header comes first
+        self._sniffing = True
 
     # ---------------------------------------------------------------- events
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -57,7 +60,7 @@ class AMQPProtocol(asyncio.Protocol):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             except OSError:
                 pass
-        transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
+        transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)  # type: ignore[attr-defined]
         self.session = Session(self.broker, (str(peer[0]), int(peer[1])), self.wakeup)
         self.protocols.add(self)
 
@@ -66,6 +69,10 @@ class AMQPProtocol(asyncio.Protocol):
         if s is None:
             return
         self.last_read = time.monotonic()
+        if self._sniffing:
+            data = self._sniff(data)
+            if not data:
+                return
         try:
             s.receive_data(data)
             s.after_batch()
@@ -73,6 +80,40 @@ class AMQPProtocol(asyncio.Protocol):
             log.exception("internal error on connection %s", s.name)
             s.close_connection(errors.InternalError(f"internal error: {type(exc).__name__}"))
         self.flush()
+
+    def _sniff(self, data: bytes) -> bytes:
+        """Strip a PROXY v1 header from a trusted peer; refuse one from anyone else."""
+        s = self.session
+        assert s is not None and self.transport is not None
+        data = self._first + data
+        if len(data) < len(proxy.PREFIX) and proxy.PREFIX.startswith(data):
+            self._first = data
+            return b""
+        self._first = b""
+        self._sniffing = False
+        if not data.startswith(proxy.PREFIX):
+            return data
+        trusted = proxy.is_trusted(s.peer[0], self.broker.config.amqp.trusted_proxies,
+                                   self.broker.trusted_peers)
+        if not trusted:
+            log.warning("refused PROXY header from untrusted peer %s", s.name)
+            self.transport.close()
+            return b""
+        try:
+            parsed = proxy.parse_v1(data)
+        except proxy.ProxyHeaderError as exc:
+            log.warning("bad PROXY header from %s: %s", s.name, exc)
+            self.transport.close()
+            return b""
+        if parsed is None:
+            self._first = data
+            self._sniffing = True
+            return b""
+        used, src = parsed
+        if src is not None:
+            s.peer = src
+            s.name = f"{src[0]}:{src[1]} (via {s.name})"
+        return data[used:]
 
     def wakeup(self) -> None:
         if not self._flush_scheduled:

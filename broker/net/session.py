@@ -551,10 +551,10 @@ class Session(AMQPConnection):
         q.add_consumer(c)
 
     def _basic_cancel(self, chs: ChannelState, m: commands.Basic.Cancel) -> None:
-        c = chs.consumers.pop(m.consumer_tag, None)
+        c = chs.consumers.pop(m.consumer_tag or "", None)
         if c is not None:
             c.queue.remove_consumer(c)
-        elif m.consumer_tag == chs.reply_tag and chs.reply_token:
+        elif m.consumer_tag == chs.reply_tag and chs.reply_token is not None:
             self.broker.reply_to.pop(chs.reply_token, None)
             chs.reply_tag = None
         if not m.nowait:
@@ -585,10 +585,10 @@ class Session(AMQPConnection):
 
     def _basic_reject(self, chs: ChannelState, m: commands.Basic.Reject) -> None:
         if chs.tx is not None:
-            self._settle(chs, m.delivery_tag, False, m.requeue, dry_run=True)
-            chs.tx.append(("reject", m.delivery_tag, False, m.requeue))
+            self._settle(chs, m.delivery_tag or 0, False, m.requeue, dry_run=True)
+            chs.tx.append(("reject", m.delivery_tag or 0, False, m.requeue))
             return
-        self._settle(chs, m.delivery_tag, False, m.requeue)
+        self._settle(chs, m.delivery_tag or 0, False, m.requeue)
 
     def _basic_nack(self, chs: ChannelState, m: commands.Basic.Nack) -> None:
         if chs.tx is not None:

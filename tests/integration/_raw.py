@@ -35,6 +35,10 @@ class Closed(Exception):
     """The peer closed the socket (EOF or reset) before a whole frame arrived."""
 
 
+class NoAnswer(AssertionError):
+    """The peer neither answered nor closed within the deadline."""
+
+
 def frame_bytes(ftype: int, channel: int, payload: bytes, end: int = FRAME_END) -> bytes:
     return _FRAME_HEAD.pack(ftype, channel, len(payload)) + payload + bytes([end])
 
@@ -184,9 +188,12 @@ class RawConn:
         """
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            self.sock.settimeout(max(0.05, deadline - time.monotonic()))
             try:
                 ftype, channel, payload = self.read_frame()
-            except (Closed, socket.timeout, OSError):
+            except socket.timeout:
+                break
+            except (Closed, OSError):
                 return None
             if ftype != FRAME_METHOD:
                 continue
@@ -200,7 +207,7 @@ class RawConn:
                 except OSError:
                     pass
                 return m.reply_code, m.reply_text
-        raise AssertionError("neither connection.close nor EOF within the deadline")
+        raise NoAnswer(f"neither connection.close nor EOF within {timeout}s")
 
     def wait_eof(self, timeout: float = 5.0) -> bool:
         """True when the server closes the socket within the timeout (data is discarded)."""

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 
 import pika
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 from pamqp import commands
 
-from ._raw import PROTOCOL_HEADER, Closed, RawConn, frame_bytes, header_payload, method_bytes
+from ._raw import PROTOCOL_HEADER, Closed, NoAnswer, RawConn, frame_bytes, header_payload, method_bytes
 from ._support import Broker, SkredProcess, assert_healthy, connect, is_external
 
 
@@ -30,8 +31,8 @@ def _open(b: Broker, **kw: int) -> RawConn:
 
 @pytest.mark.parametrize(
     "header",
-    [b"AMQP\x00\x00\x09\x00", b"AMQP\x01\x01\x00\x09", b"AMQP\x00\x01\x00\x00", b"GET / HTTP/1.1\r\n\r\n", b"XXXXXXXX"],
-    ids=["0-9-0", "legacy-0-9", "amqp-1.0", "http", "junk"],
+    [b"AMQP\x00\x00\x09\x00", b"AMQP\x01\x01\x00\x0a", b"AMQP\x00\x01\x00\x00", b"GET / HTTP/1.1\r\n\r\n", b"XXXXXXXX"],
+    ids=["0-9-0", "0-10", "amqp-1.0", "http", "junk"],
 )
 def test_wrong_protocol_header(shared_broker: Broker, header: bytes) -> None:
     with RawConn(shared_broker.host, shared_broker.port) as c:
@@ -158,8 +159,13 @@ def test_body_longer_than_announced(shared_broker: Broker) -> None:
         c.send(method_bytes(1, commands.Basic.Publish(exchange="", routing_key="nowhere")))
         c.send(frame_bytes(2, 1, header_payload(3, commands.Basic.Properties())))
         c.send(frame_bytes(3, 1, b"x" * 10))
-        closed = c.wait_connection_close()
-        # Either a frame error / unexpected frame close, or (RabbitMQ 3.10) a dropped socket.
+        try:
+            closed = c.wait_connection_close(timeout=2.0)
+        except NoAnswer:
+            # RabbitMQ 3.10 deviates: it neither answers nor closes (the channel hangs).
+            assert is_external(), "Skred must reject a body longer than the header announced"
+            closed = None
+        # A frame error / unexpected frame close, or the socket closed, are both clear.
         assert closed is None or closed[0] in (501, 502, 505), closed
     assert_healthy(shared_broker)
 
@@ -214,6 +220,7 @@ def _valid_frames() -> list[bytes]:
 
 
 VALID = _valid_frames()
+SLOW: list = []
 
 
 @st.composite
@@ -249,14 +256,18 @@ FUZZ_INPUT = st.one_of(
 def _fuzz_once(b: Broker, data: bytes, before_handshake: bool) -> None:
     c = RawConn(b.host, b.port, timeout=5)
     try:
-        if not before_handshake:
-            c.handshake()
-            c.open_channel(1)
-        c.send(data)
-        c.sock.shutdown(socket.SHUT_WR)  # EOF after the garbage: the broker must finish with us
-        assert c.wait_eof(timeout=5.0), "broker kept a connection open after input and EOF"
-    except (Closed, BrokenPipeError, ConnectionResetError):
-        pass  # the broker may close before we finish sending; that is fine
+        try:
+            if not before_handshake:
+                c.handshake()
+                c.open_channel(1)
+            c.send(data)
+            c.sock.shutdown(socket.SHUT_WR)  # EOF after the garbage: the broker must finish with us
+        except (Closed, OSError):
+            return  # the broker closed before we finished sending; that is fine
+        t0 = time.monotonic()
+        closed = c.wait_eof(timeout=5.0)
+        SLOW.append((time.monotonic() - t0, data, before_handshake))
+        assert closed, "broker kept a connection open after input and EOF"
     finally:
         c.close()
 
@@ -286,4 +297,6 @@ def test_fuzz_frames_do_not_hurt_the_broker(shared_broker: Broker) -> None:
         if good.is_open:
             good.close()
     assert count[0] >= 100
+    for row in sorted(SLOW, key=lambda r: r[0])[-8:]:
+        print(row)
     assert_healthy(shared_broker)

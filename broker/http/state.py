@@ -1,0 +1,138 @@
+"""What the management API and /metrics share: the broker plus node-level facts.
+
+``Mgmt`` is built by the node (composition root) and handed to the HTTP app and
+the metrics collector. Besides the live ``Broker`` it holds the persisted vhost
+list, the policy store, the rate sampler and the node's listener addresses, and
+it owns the two operations the model has no home for yet: creating a vhost
+(``VHost`` object + ``vhosts.json`` entry) and deleting one (close its
+connections, delete its queues, close its definitions log, remove its
+directories, drop permissions and policies).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from broker import errors
+from broker.auth.vhosts import VHostStore
+from broker.http.policies import PolicyStore
+from broker.http.rates import RateSampler
+from broker.model.vhost import VHost
+from broker.store.sink import NULL_SINK, ReplicationSink
+
+if TYPE_CHECKING:
+    from broker.net.broker import Broker
+    from broker.net.session import Session
+
+
+class Mgmt:
+    def __init__(
+        self,
+        broker: Broker,
+        vhost_store: VHostStore,
+        make_vhost: Callable[[str], VHost],
+        data_dir: Path,
+        transient_root: Path,
+        sink: ReplicationSink = NULL_SINK,
+    ) -> None:
+        self.broker = broker
+        self.vhost_store = vhost_store
+        self.make_vhost = make_vhost
+        self.data_dir = data_dir
+        self.transient_root = transient_root
+        self.policies = PolicyStore(data_dir / "policies.json", sink)
+        self.rates = RateSampler(broker)
+        self.started_at = time.time()
+        self.started_mono = time.monotonic()
+        self.node_name = "skred@" + socket.gethostname()
+        self.cluster_name = self.node_name
+        self.amqp_address: tuple[str, int] | None = None
+        self.http_address: tuple[str, int] | None = None
+        self.metrics_address: tuple[str, int] | None = None
+
+    # ------------------------------------------------------------------ helpers
+    def uptime_seconds(self) -> float:
+        return time.monotonic() - self.started_mono
+
+    def connection_name(self, session: Session) -> str:
+        """RabbitMQ's connection name: ``peer:port -> local:port``."""
+        host, port = self.amqp_address or ("127.0.0.1", 5672)
+        return f"{session.peer[0]}:{session.peer[1]} -> {host}:{port}"
+
+    def find_connection(self, name: str) -> Session | None:
+        for session in self.broker.connections:
+            if name in (self.connection_name(session), session.name):
+                return session
+        return None
+
+    def close_connection(self, session: Session, reason: str) -> None:
+        session.close_connection(errors.ConnectionForced(reason))
+        session.wakeup()
+
+    # ------------------------------------------------------------------- vhosts
+    def create_vhost(self, name: str) -> VHost:
+        """Persist the name, then build the ``VHost`` (raises ValueError on a bad/duplicate name)."""
+        self.vhost_store.add(name)
+        try:
+            vh = self.make_vhost(name)
+        except BaseException:
+            self.vhost_store.delete(name)
+            raise
+        self.broker.vhosts[name] = vh
+        return vh
+
+    def delete_vhost(self, name: str) -> None:
+        vh = self.broker.vhosts.pop(name, None)
+        if vh is None:
+            raise KeyError(name)
+        for session in list(self.broker.connections):
+            if session.vhost == name:
+                self.close_connection(session, f"vhost '{name}' is deleted")
+        syncer = self.broker.syncer
+        for q in list(vh.queues.values()):
+            syncer.discard(q.store)
+            vh.delete_queue(q.name, owner=q.exclusive_owner)
+        syncer.discard(vh.definitions)
+        vh.close()
+        shutil.rmtree(vh.dir, ignore_errors=True)
+        shutil.rmtree(vh.transient_dir, ignore_errors=True)
+        self.vhost_store.delete(name)
+        self.broker.users.clear_vhost(name)
+        self.policies.clear_vhost(name)
+
+    # ---------------------------------------------------------------- process
+    def disk_free(self) -> int:
+        try:
+            return shutil.disk_usage(self.data_dir).free
+        except OSError:
+            return 0
+
+    @staticmethod
+    def resident_memory() -> int:
+        try:
+            with open("/proc/self/statm", encoding="ascii") as fh:
+                return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            import resource
+
+            return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+    @staticmethod
+    def open_fds() -> int:
+        try:
+            return len(os.listdir("/proc/self/fd"))
+        except OSError:
+            return 0
+
+    @staticmethod
+    def max_fds() -> int:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        return soft if soft != resource.RLIM_INFINITY else 1 << 20
