@@ -116,6 +116,10 @@ class MainConfig:
         default="guest", metadata=_meta("User created on first start (data dir without users.json).")
     )
     default_password: str = field(default="guest", metadata=_meta("Password of the default user."))
+    load_definitions: str = field(
+        default="",
+        metadata=_meta("RabbitMQ definitions JSON file imported at boot (empty: none)."),
+    )
 
 
 @dataclass(frozen=True)
@@ -155,6 +159,9 @@ class MgmtConfig:
         default=15692,
         metadata=_meta("Prometheus /metrics port, no auth (0: pick a free port).", lo=0, hi=65535),
     )
+    metrics_bind: str = field(
+        default="127.0.0.1", metadata=_meta("Address the Prometheus /metrics listener binds to.")
+    )
 
 
 @dataclass(frozen=True)
@@ -176,6 +183,11 @@ class ClusteringConfig:
     lease_ttl: int = field(default=10, metadata=_meta("etcd lease TTL, seconds.", lo=1, hi=3600))
     max_unsynced_actions: int = field(
         default=8192, metadata=_meta("Actions a follower may lag before it leaves the in-sync set.", lo=0)
+    )
+    disk_stall_timeout: int = field(
+        default=20,
+        metadata=_meta("A leader whose fsync has not returned for this many seconds gives up its lease.",
+                       lo=1, hi=3600),
     )
 
 

@@ -65,7 +65,8 @@ class RateSampler:
         if self._last_global is not None:
             then, before = self._last_global
             dt = max(now - then, 1e-3)
-            self.global_rates = {f: (c - b) / dt for f, c, b in zip(GLOBAL_FIELDS, current, before, strict=True)}
+            pairs = zip(GLOBAL_FIELDS, current, before, strict=True)
+            self.global_rates = {f: (c - b) / dt for f, c, b in pairs}
         self._last_global = (now, current)
         seen: dict[int, tuple[float, tuple[int, ...]]] = {}
         rates: dict[int, tuple[float, ...]] = {}

@@ -145,6 +145,8 @@ class Session(AMQPConnection):
         self._confirm_dirty: set[ChannelState] = set()
         self._perm_cache: dict[tuple[str, str], bool] = {}
         self.connected_at = time.time()
+        self.batch_publishes = 0  # publishes in the current read batch (fairness)
+        self.batch_queues: set[Queue] = set()  # queues with consumers it published to
         self.name = f"{peer[0]}:{peer[1]}"
 
     # ------------------------------------------------------------ negotiation
@@ -266,6 +268,7 @@ class Session(AMQPConnection):
     def handle_publish(self, channel: int, exchange: str, routing_key: str, mandatory: bool,
                        props: bytes, body: bytes) -> None:
         chs = self.chs[channel]
+        self.batch_publishes += 1
         if chs.confirm:
             chs.publish_seq += 1
             self._confirm_dirty.add(chs)
@@ -307,6 +310,8 @@ class Session(AMQPConnection):
             rkb = routing_key.encode()
             for q in queues:
                 q.publish(ts, exb, rkb, props, body, persistent)
+                if q.consumers:
+                    self.batch_queues.add(q)
                 if persistent and q.durable and chs.confirm:
                     chs.needs_sync = True
         else:

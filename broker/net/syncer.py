@@ -12,12 +12,20 @@ serving) and then runs the callbacks registered before it started, in
 order. Callbacks registered while a sync runs wait for the next one, which
 starts as soon as the current one ends. With ``enabled=False`` (``sync =
 false``) callbacks run on the next loop turn without any fsync.
+
+In a cluster, ``replicated`` (set by the node to the leader's ISR barrier) is
+called when a sync starts; it returns a future that resolves once every
+in-sync follower acked the bytes written so far. Callbacks then run only
+after both the local fsync and that future, and the next sync waits for them,
+so confirms stay in order. ``sync_started`` (monotonic time of the running
+fsync, else None) lets a watchdog notice a stalled disk.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
@@ -30,9 +38,12 @@ class Syncable(Protocol):
 
 
 class Syncer:
-    def __init__(self, loop: asyncio.AbstractEventLoop, enabled: bool) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, enabled: bool,
+                 replicated: Callable[[], asyncio.Future[None]] | None = None) -> None:
         self.loop = loop
         self.enabled = enabled
+        self.replicated = replicated
+        self.sync_started: float | None = None
         self._dirty: set[Syncable] = set()
         self._callbacks: list[Callable[[bool], None]] = []
         self._running = False
@@ -57,19 +68,33 @@ class Syncer:
         if self._running or not self._callbacks:
             return
         callbacks, self._callbacks = self._callbacks, []
+        barrier = self.replicated() if self.replicated is not None else None
         if not self.enabled:
             self._dirty.clear()
-            self._run(callbacks, True)
+            if barrier is None:
+                self._run(callbacks, True)
+                return
+            self._running = True
+            barrier.add_done_callback(lambda _: self._finish(callbacks, True))
             return
         dirty, self._dirty = list(self._dirty), set()
         self._running = True
+        self.sync_started = time.monotonic()
         fut = self.loop.run_in_executor(self._executor, _sync_all, dirty)
-        fut.add_done_callback(lambda f: self._done(f, callbacks))
+        fut.add_done_callback(lambda f: self._done(f, callbacks, barrier))
 
-    def _done(self, fut: asyncio.Future[bool], callbacks: list[Callable[[bool], None]]) -> None:
-        self._running = False
+    def _done(self, fut: asyncio.Future[bool], callbacks: list[Callable[[bool], None]],
+              barrier: asyncio.Future[None] | None) -> None:
+        self.sync_started = None
         self.syncs += 1
         ok = not fut.cancelled() and fut.exception() is None and bool(fut.result())
+        if barrier is not None and not barrier.done():
+            barrier.add_done_callback(lambda _: self._finish(callbacks, ok))
+            return
+        self._finish(callbacks, ok)
+
+    def _finish(self, callbacks: list[Callable[[bool], None]], ok: bool) -> None:
+        self._running = False
         self._run(callbacks, ok)
         if self._callbacks and not self._scheduled:
             self._scheduled = True

@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--queue-durable", action="store_true", help="declare the queue(s) durable")
     t.add_argument("--no-declare", action="store_true",
                    help="do not declare anything: -u must name an existing queue (passive check)")
-    t.add_argument("-e", "--exchange", default="", help="exchange to publish to (default: the default exchange)")
+    t.add_argument("-e", "--exchange", default="",
+                   help="exchange to publish to (default: the default exchange)")
     t.add_argument("-t", "--exchange-type", default="direct", help="type for declaring -e (default direct)")
     t.add_argument("-k", "--routing-key", default="", help="routing key (default: the queue name)")
     t.add_argument("--fanout-queues", type=_positive, default=0, metavar="N",
@@ -91,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     for p in (q, c):
         p.add_argument("count", type=_positive, help="how many queues / connections")
         p.add_argument("--uri", default=DEFAULT_URI, help=f"broker URI (default {DEFAULT_URI})")
-        p.add_argument("--pid", type=int, default=0, help="broker process id: read VmRSS from /proc/PID/status")
+        p.add_argument("--pid", type=int, default=0,
+                       help="broker process id: read VmRSS from /proc/PID/status")
         p.add_argument("--mgmt-uri", default="",
                        help="management API base, e.g. http://guest:guest@127.0.0.1:15672 "
                             "(reads mem_used from GET /api/nodes)")
@@ -136,7 +138,8 @@ def _throughput(args: argparse.Namespace) -> int:
         prefetch = 1000 if args.ack_every else 0
     ack_every = args.ack_every
     if ack_every and prefetch and ack_every > prefetch:
-        print(f"note: -a {ack_every} > prefetch {prefetch} would stall; acking every {prefetch}", file=sys.stderr)
+        print(f"note: -a {ack_every} > prefetch {prefetch} would stall; acking every {prefetch}",
+              file=sys.stderr)
         ack_every = prefetch
     if args.latency and args.size < 8:
         raise PerfError("-l needs -s 8 or more (the body carries an 8-byte timestamp)")

@@ -314,6 +314,7 @@ class Reader:
         self.pos = pos
 
     def _take(self, fmt: str) -> tuple[int, ...]:
+        # (floats come back through here too; callers that ask for "f"/"d" get a float)
         st = struct.Struct(fmt)
         if self.pos + st.size > len(self.data):
             raise CodecError("method arguments truncated")
@@ -363,8 +364,8 @@ class Reader:
         kind = chr(self.octet())
         simple = _SIMPLE_FIELDS.get(kind)
         if simple is not None:
-            value = self._take(simple)[0]
-            return bool(value) if kind == "t" else value
+            number: int | float = self._take(simple)[0]
+            return bool(number) if kind == "t" else number
         if kind == "S":
             return self.longstr().decode("utf-8", "replace")
         if kind == "x":
@@ -379,7 +380,7 @@ class Reader:
             return str(items)  # arrays only appear in properties we never inspect
         if kind == "D":
             scale, raw = self._take(">Bi")
-            return float(raw) / (10**scale)
+            return float(raw) / float(10**scale)
         if kind == "V":
             return None
         raise CodecError(f"unsupported field type {kind!r}")

@@ -160,9 +160,17 @@ async def _open_many(uri: AmqpUri, count: int, concurrency: int) -> list[asyncio
     sem = asyncio.Semaphore(max(1, concurrency))
     writers: list[asyncio.StreamWriter] = []
 
+    failed: list[BaseException] = []
+
     async def one() -> None:
         async with sem:
-            writers.append(await _open_idle(uri, 30.0))
+            if failed:  # fail fast: a broker at its connection limit will not get better
+                return
+            try:
+                writers.append(await _open_idle(uri, 30.0))
+            except BaseException as exc:
+                failed.append(exc)
+                raise
 
     results = await asyncio.gather(*(one() for _ in range(count)), return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException)]

@@ -91,4 +91,4 @@ class Handshake:
     def server_version(self) -> str:
         product = self.server_properties.get("product", "?")
         version = self.server_properties.get("version", "?")
-        return f"{product} {version}"
+        return f"{product!s} {version!s}"

@@ -132,7 +132,7 @@ class FrameScanner:
         self._misses = 0
         self._between = True  # at a message boundary (no basic.deliver awaiting its content)
 
-    def _learn(self, buf: bytearray | bytes | memoryview, start: int, stop: int) -> None:
+    def _learn(self, buf: bytearray | bytes, start: int, stop: int) -> None:
         """Remember the layout of the deliver/header/body triple at ``buf[start:stop]``."""
         b = bytes(buf[start:stop])
         p2 = 8 + _U32.unpack_from(b, 3)[0]
@@ -148,7 +148,7 @@ class FrameScanner:
         self._tag_off = 12 + b[11]
         self._tmpl_len = len(b)
 
-    def _fast(self, buf: bytearray | bytes | memoryview, pos: int, end: int) -> int:
+    def _fast(self, buf: bytearray | bytes, pos: int, end: int) -> int:
         """Count the whole template-shaped messages at ``pos``; return how many."""
         size = self._tmpl_len
         n = (end - pos) // size
@@ -172,7 +172,7 @@ class FrameScanner:
         self._tmpl_len = 0
         self._misses += 1
 
-    def scan(self, buf: bytearray | bytes | memoryview, start: int, end: int, now_ns: int = 0) -> int:
+    def scan(self, buf: bytearray | bytes, start: int, end: int, now_ns: int = 0) -> int:
         """Consume every complete frame in ``buf[start:end]``; return where the rest begins."""
         head = _HEAD.unpack_from
         cm = _CM.unpack_from

@@ -32,7 +32,7 @@ from typing import Any, TextIO
 from broker.perf import codec
 from broker.perf.client import CHANNEL, AmqpUri, Client
 from broker.perf.handshake import PerfError
-from broker.perf.stats import merge, median, new_histogram, percentiles
+from broker.perf.stats import median, merge, new_histogram, percentiles
 from broker.perf.workers import (
     SLOT_COUNT,
     SLOT_SETTLED,
@@ -107,7 +107,8 @@ def setup(ctl: Client, opts: ThroughputOptions, run_id: str) -> Topology:
         exchange = opts.exchange or f"skred-perf-{run_id}-fanout"
         topo = Topology(exchange, opts.routing_key, [])
         if not exchange.startswith("amq."):
-            ctl.rpc(codec.exchange_declare(CHANNEL, exchange, "fanout", durable=durable), codec.EXCHANGE_DECLARE_OK)
+            declare = codec.exchange_declare(CHANNEL, exchange, "fanout", durable=durable)
+            ctl.rpc(declare, codec.EXCHANGE_DECLARE_OK)
             if not opts.exchange:
                 topo.own_exchange = exchange
         for i in range(opts.fanout_queues):
@@ -232,15 +233,18 @@ class Run:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise PerfError(f"{len(waiting)} client(s) not ready after {timeout:g} s")
-            for conn in wait([self.pipes[i] for i in waiting], timeout=left):
-                i = self.pipes.index(conn)  # type: ignore[arg-type]
+            for ready in wait([self.pipes[i] for i in waiting], timeout=left):
+                i = self._index(ready)
                 try:
-                    msg = conn.recv()
+                    msg = self.pipes[i].recv()
                 except EOFError:
                     raise PerfError(f"client {i} exited during setup") from None
                 if "error" in msg:
                     raise PerfError(f"client {i}: {msg['error']}")
                 waiting.discard(i)
+
+    def _index(self, ready: object) -> int:
+        return next(i for i, p in enumerate(self.pipes) if p is ready)
 
     def counts(self) -> tuple[int, int, int, int]:
         """(published, settled, consumed, consumed bytes) summed over clients."""
@@ -274,9 +278,9 @@ class Run:
             if not ready and left <= 0:
                 return
             for conn in ready:
-                i = self.pipes.index(conn)  # type: ignore[arg-type]
+                i = self._index(conn)
                 try:
-                    self.results[i] = conn.recv()  # type: ignore[union-attr]
+                    self.results[i] = self.pipes[i].recv()
                 except EOFError:
                     self.results[i] = {"error": "client exited without a result"}
 
@@ -325,6 +329,8 @@ def throughput(opts: ThroughputOptions, out: TextIO = sys.stdout) -> int:
         "version": str(ctl.server_properties.get("version", "")),
     }
     summary["interrupted"] = interrupted
+    summary["queues"] = topo.queues
+    summary["deleted_queues"] = topo.own_queues
     assert run is not None
     errors = [r["error"] for r in run.results if r and "error" in r]
     summary["errors"] = errors
@@ -374,7 +380,8 @@ def _measure(run: Run, opts: ThroughputOptions, log: TextIO) -> tuple[dict[str, 
             # Consumers stop at the deadline, or once they have every message we know to expect
             # (or, when producers are finished, after --idle-stop seconds without progress).
             consumers_done = not has_consumers or now >= deadline or bool(expected and cons >= expected)
-            if not consumers_done and expected and not producers_running and now - last_progress >= opts.idle_stop:
+            idle = now - last_progress >= opts.idle_stop
+            if not consumers_done and expected and not producers_running and idle:
                 print(f"consumers idle for {opts.idle_stop:g} s; stopping at {cons}/{expected}", file=log)
                 consumers_done = True
             if consumers_done:
@@ -427,7 +434,7 @@ def _summarise(
     pub_end = cons_end = t0
     cpu = self_cpu
     hist = new_histogram()
-    for job, res in zip(run.jobs, run.results):
+    for job, res in zip(run.jobs, run.results, strict=True):
         if not res or "error" in res:
             continue
         cpu += float(res.get("cpu", 0.0))

@@ -116,6 +116,10 @@ def run_child(
         pipe.close()
 
 
+def _stopped(stop: Flag) -> bool:
+    return bool(stop.value)
+
+
 def _wait_go(go: GoEvent, pipe: Connection, stop: Flag) -> bool:
     pipe.send({"ready": True})
     while not go.wait(0.2):
@@ -170,10 +174,10 @@ def _produce(
                 break
         if window:
             # Keep at most `window` unconfirmed: read confirms until this batch fits.
-            while published - confirms.settled + k > window and not stop.value:
+            while published - confirms.settled + k > window and not _stopped(stop):
                 client.pump(0.2)
                 counters[base + SLOT_SETTLED] = confirms.settled
-            if stop.value:
+            if _stopped(stop):
                 break
         elif select.select((sock,), (), (), 0)[0]:
             client.pump(1.0)

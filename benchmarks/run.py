@@ -1,0 +1,208 @@
+#!/usr/bin/env python3
+"""Run the issue-3 benchmark scenarios against Skred and, optionally, a peer broker.
+
+Each scenario is one ``skred-perf throughput ... -j`` run (bounded by ``--seconds``); with
+``--peer`` the two brokers are measured alternately (skred, peer, skred, peer, ...) so that
+background noise on a shared machine hits both alike. The table shows the median of
+``--runs`` runs per broker and the ratio skred/peer; ``--write`` also stores it with a machine
+description in docs/benchmarks.md. skred-perf deletes the queues and exchanges it declares, on
+both brokers.
+
+    python benchmarks/run.py --skred amqp://guest:guest@127.0.0.1:5672/ \\
+        --peer amqp://guest:guest@127.0.0.1:5682/ --only a,c --seconds 5 --write
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    key: str
+    title: str
+    args: tuple[str, ...]
+    metric: str  # key of skred-perf's JSON summary
+    unit: str
+
+
+def scenarios(prefill: int) -> dict[str, Scenario]:
+    items = [
+        Scenario("a", "16 B, 1 producer + 1 consumer, autoack", ("-x", "1", "-y", "1", "-s", "16"),
+                 "consume_rate", "msg/s"),
+        Scenario("b", "16 B, 1p1c, manual ack (every 500), prefetch 1000",
+                 ("-x", "1", "-y", "1", "-s", "16", "-a", "500", "-P", "1000"), "consume_rate", "msg/s"),
+        Scenario("c", "16 B, publish only", ("-x", "1", "-y", "0", "-s", "16"), "publish_rate", "msg/s"),
+        Scenario("d", f"16 B, consume only from a pre-filled queue of {prefill:,}",
+                 ("-x", "0", "-y", "1", "-s", "16", "--prefill", str(prefill)), "consume_rate", "msg/s"),
+        Scenario("e", "16 B persistent, durable queue, confirms (window 1000), 1p1c manual ack",
+                 ("-x", "1", "-y", "1", "-s", "16", "-p", "-c", "1000", "-a", "500", "-P", "1000"),
+                 "confirm_rate", "msg/s"),
+        Scenario("f", "64 KiB bodies, 1p1c, autoack", ("-x", "1", "-y", "1", "-s", "65536"),
+                 "consume_mib_s", "MiB/s"),
+        Scenario("g", "16 B fan-out: 1 producer, fanout exchange with 10 queues, 10 consumers",
+                 ("-x", "1", "-y", "1", "-s", "16", "--fanout-queues", "10"), "consume_rate",
+                 "deliveries/s"),
+    ]
+    return {s.key: s for s in items}
+
+
+def run_perf(uri: str, scenario: Scenario, seconds: float, prefill: int) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "broker.perf", "throughput", "--uri", uri, "-z", f"{seconds:g}",
+           *scenario.args, "-j"]
+    budget = seconds * 3 + 60 + (prefill / 20000 if "--prefill" in scenario.args else 0)
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    try:
+        proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=budget, env=env)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {budget:.0f} s"}
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = proc.stderr.strip().splitlines()[-3:]
+        return {"error": f"exit {proc.returncode}: {' | '.join(tail)}"}
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
+
+
+def machine() -> dict[str, str]:
+    info = {
+        "nproc": str(os.cpu_count()),
+        "python": platform.python_version() + " " + platform.python_implementation(),
+        "os": f"{platform.system()} {platform.release()}",
+    }
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu"] = line.split(":", 1)[1].strip()
+                    break
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal"):
+                    info["memory"] = f"{int(line.split()[1]) / 2**20:.1f} GiB"
+                    break
+    except OSError:
+        pass
+    return info
+
+
+def fmt(value: float | None, unit: str) -> str:
+    if value is None:
+        return "—"
+    if unit == "MiB/s":
+        return f"{value:,.1f}"
+    return f"{value:,.0f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--skred", required=True, help="Skred AMQP URL")
+    ap.add_argument("--peer", default="", help="peer broker AMQP URL (e.g. a RabbitMQ), measured alternately")
+    ap.add_argument("--peer-name", default="", help="label for the peer (default: its product name)")
+    ap.add_argument("--runs", type=int, default=3, help="runs per scenario and broker (default 3)")
+    ap.add_argument("--seconds", type=float, default=5.0, help="duration of each run (default 5)")
+    ap.add_argument("--only", default="", help="comma-separated scenarios, e.g. a,b,f (default all)")
+    ap.add_argument("--prefill", type=int, default=1_000_000, help="queue depth for scenario d")
+    ap.add_argument("--write", action="store_true", help="write the results to docs/benchmarks.md")
+    ap.add_argument("--output", default=str(REPO_ROOT / "docs" / "benchmarks.md"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    all_scenarios = scenarios(args.prefill)
+    keys = [k.strip() for k in args.only.split(",") if k.strip()] or list(all_scenarios)
+    unknown = [k for k in keys if k not in all_scenarios]
+    if unknown:
+        ap.error(f"unknown scenario(s) {unknown}; choose from {','.join(all_scenarios)}")
+    targets = [("skred", args.skred)] + ([("peer", args.peer)] if args.peer else [])
+    values: dict[tuple[str, str], list[float]] = {}
+    cpu: dict[tuple[str, str], list[float]] = {}
+    versions: dict[str, str] = {}
+    errors: list[str] = []
+    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+
+    for key in keys:
+        sc = all_scenarios[key]
+        for run in range(args.runs):
+            for name, uri in targets:  # alternate brokers run by run
+                r = run_perf(uri, sc, args.seconds, args.prefill)
+                if "error" in r or r.get("errors"):
+                    msg = r.get("error") or "; ".join(r["errors"])
+                    errors.append(f"({key}) {name} run {run + 1}: {msg}")
+                    print(f"  ({key}) {name:5} run {run + 1}: ERROR {msg}", file=sys.stderr)
+                    continue
+                value = float(r.get(sc.metric, 0.0))
+                values.setdefault((key, name), []).append(value)
+                cpu.setdefault((key, name), []).append(float(r.get("tool_cpu_percent", 0.0)))
+                server = r.get("server", {})
+                versions[name] = f"{server.get('product', '?')} {server.get('version', '?')}".strip()
+                print(f"  ({key}) {name:5} run {run + 1}: {fmt(value, sc.unit)} {sc.unit}"
+                      f"  (pub {r['publish_rate']:,.0f}/s, cons {r['consume_rate']:,.0f}/s,"
+                      f" tool cpu {r['tool_cpu_percent']:.0f}%)", file=sys.stderr, flush=True)
+
+    peer_label = args.peer_name or versions.get("peer", "peer").split(" ")[0] or "peer"
+    head = ["scenario", "what", "unit", "Skred (median)"]
+    if args.peer:
+        head += [f"{peer_label} (median)", "Skred / " + peer_label]
+    head.append("tool CPU % (skred runs)")
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key in keys:
+        sc = all_scenarios[key]
+        s_vals = values.get((key, "skred"), [])
+        s_med = statistics.median(s_vals) if s_vals else None
+        row = [key, sc.title, sc.unit, fmt(s_med, sc.unit)]
+        if args.peer:
+            p_vals = values.get((key, "peer"), [])
+            p_med = statistics.median(p_vals) if p_vals else None
+            ratio = f"{s_med / p_med:.2f}×" if s_med is not None and p_med else "—"
+            row += [fmt(p_med, sc.unit), ratio]
+        c_vals = cpu.get((key, "skred"), [])
+        row.append(f"{statistics.median(c_vals):.0f}" if c_vals else "—")
+        rows.append("| " + " | ".join(row) + " |")
+    table = "\n".join(rows)
+    print(table)
+    for err in errors:
+        print(f"error: {err}")
+
+    if args.write:
+        m = machine()
+        lines = [
+            "# Benchmarks",
+            "",
+            "Written by `benchmarks/run.py` — do not edit by hand; rerun it instead.",
+            "",
+            f"Run: {started}; {args.runs} runs per broker per scenario, {args.seconds:g} s each, "
+            "brokers measured alternately; the table shows medians. Load generator: `skred-perf` "
+            "(one process per client; its own CPU use is in the last column, % of one core).",
+            "",
+            "## Machine",
+            "",
+            *(f"- {k}: {v}" for k, v in m.items()),
+            *(f"- {name} broker: {v}" for name, v in versions.items()),
+            "",
+            "## Results",
+            "",
+            table,
+            "",
+        ]
+        if errors:
+            lines += ["## Errors", "", *(f"- {e}" for e in errors), ""]
+        out = Path(args.output)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text("\n".join(lines))
+        print(f"wrote {out}", file=sys.stderr)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

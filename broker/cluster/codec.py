@@ -1,0 +1,320 @@
+"""Replication wire format, sans-IO (no sockets, no asyncio).
+
+Theory of operation
+-------------------
+A follower opens a TCP connection to the leader's replication port and sends a
+``Hello``: the magic ``SKREPL``, a protocol version byte, the cluster secret
+(length-prefixed) and its node id (length-prefixed). The leader answers with one
+``Welcome``: a status byte (``OK``, ``BAD_VERSION``, ``BAD_SECRET``) and, on
+success, the leader's AMQP and HTTP ports (so a follower's proxy knows where to
+splice clients) — 5 bytes, uncompressed.
+
+After that, leader -> follower is ONE LZ4 frame stream (``StreamCompressor``
+with auto-flush, so each batch is decodable as soon as it arrives) carrying
+messages; follower -> leader carries plain messages. A message is
+``u8 kind, u32 payload length, payload``.
+
+Leader -> follower: ``FILE_LIST`` (the bulk-sync index: path, logical length,
+SHA-1), ``FILE_DATA`` (a chunk of a requested file; flag ``TRUNCATE`` on the
+first chunk), ``BULK_DONE``, then the stream of actions ``APPEND`` (path,
+bytes), ``REPLACE`` (path, whole content) and ``DELETE`` (path).
+Follower -> leader: ``REQUEST`` (paths the follower lacks or has different) and
+``ACK`` (u64: total uncompressed message bytes applied and fsynced so far).
+
+Ack accounting: both sides count the encoded size (header included) of every
+leader -> follower message after the ``Welcome``; the leader's count when it
+queued a message is that message's position, and a follower ack of N covers
+every message whose position is <= N.
+
+Paths are relative POSIX paths inside the data directory; ``check_path``
+refuses absolute paths, ``..`` and empty components so a leader can never make
+a follower write outside its data directory.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Final, NamedTuple
+
+import lz4.frame
+
+MAGIC: Final = b"SKREPL"
+VERSION: Final = 1
+SECRET_SIZE: Final = 32
+
+# Welcome status codes.
+OK: Final = 0
+BAD_VERSION: Final = 1
+BAD_SECRET: Final = 2
+
+# Message kinds, leader -> follower.
+FILE_LIST: Final = 1
+FILE_DATA: Final = 2
+BULK_DONE: Final = 3
+APPEND: Final = 4
+REPLACE: Final = 5
+DELETE: Final = 6
+# Message kinds, follower -> leader.
+REQUEST: Final = 10
+ACK: Final = 11
+
+TRUNCATE: Final = 1  # FILE_DATA flag: first chunk of a file, start from empty
+MAX_PAYLOAD: Final = 64 * 1024 * 1024  # larger than any segment chunk we send; guards a bad peer
+FILE_CHUNK: Final = 1024 * 1024  # bulk-sync files are sent in chunks of this size
+
+_HEAD: Final = struct.Struct(">BI")
+_U8: Final = struct.Struct(">B")
+_U16: Final = struct.Struct(">H")
+_U64: Final = struct.Struct(">Q")
+_WELCOME: Final = struct.Struct(">BHH")
+_ENTRY_TAIL: Final = struct.Struct(">Q20s")
+
+
+class CodecError(ValueError):
+    """Malformed bytes from the peer: the connection must be dropped."""
+
+
+class Message(NamedTuple):
+    kind: int
+    payload: bytes
+    size: int  # encoded size, header included (the unit of acks)
+
+
+@dataclass(frozen=True)
+class Hello:
+    version: int
+    secret: bytes
+    node_id: str
+
+
+@dataclass(frozen=True)
+class Welcome:
+    status: int
+    amqp_port: int
+    http_port: int
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    path: str
+    length: int
+    sha1: bytes  # 20-byte digest of the first ``length`` bytes
+
+
+def check_path(path: str) -> str:
+    parts = path.split("/")
+    if not path or path.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\0" in path:
+        raise CodecError(f"unsafe replication path {path!r}")
+    return path
+
+
+# ---------------------------------------------------------------- handshake
+
+def encode_hello(secret: bytes, node_id: str, version: int = VERSION) -> bytes:
+    nid = node_id.encode()
+    if len(secret) > 255 or len(nid) > 255:
+        raise ValueError("secret and node id are at most 255 bytes")
+    return MAGIC + _U8.pack(version) + _U8.pack(len(secret)) + secret + _U8.pack(len(nid)) + nid
+
+
+def parse_hello(buf: bytes) -> tuple[Hello, int] | None:
+    """(hello, bytes consumed), or None if more bytes are needed."""
+    n = len(MAGIC)
+    if len(buf) < n:
+        if not MAGIC.startswith(buf):
+            raise CodecError("not a skred replication client")
+        return None
+    if buf[:n] != MAGIC:
+        raise CodecError("not a skred replication client")
+    if len(buf) < n + 2:
+        return None
+    version, slen = buf[n], buf[n + 1]
+    pos = n + 2
+    if len(buf) < pos + slen + 1:
+        return None
+    secret = buf[pos:pos + slen]
+    pos += slen
+    ilen = buf[pos]
+    pos += 1
+    if len(buf) < pos + ilen:
+        return None
+    try:
+        node_id = buf[pos:pos + ilen].decode()
+    except UnicodeDecodeError:
+        raise CodecError("node id is not UTF-8") from None
+    return Hello(version, bytes(secret), node_id), pos + ilen
+
+
+WELCOME_SIZE: Final = _WELCOME.size
+
+
+def encode_welcome(status: int, amqp_port: int = 0, http_port: int = 0) -> bytes:
+    return _WELCOME.pack(status, amqp_port, http_port)
+
+
+def parse_welcome(buf: bytes) -> Welcome:
+    if len(buf) != _WELCOME.size:
+        raise CodecError("short welcome")
+    return Welcome(*_WELCOME.unpack(buf))
+
+
+# ---------------------------------------------------------------- messages
+
+def encode(kind: int, payload: bytes) -> bytes:
+    return _HEAD.pack(kind, len(payload)) + payload
+
+
+def _path_bytes(path: str) -> bytes:
+    raw = path.encode()
+    return _U16.pack(len(raw)) + raw
+
+
+def encode_append(path: str, data: bytes | bytearray | memoryview) -> bytes:
+    p = _path_bytes(path)
+    return _HEAD.pack(APPEND, len(p) + len(data)) + p + data
+
+
+def encode_replace(path: str, data: bytes) -> bytes:
+    p = _path_bytes(path)
+    return _HEAD.pack(REPLACE, len(p) + len(data)) + p + data
+
+
+def encode_delete(path: str) -> bytes:
+    return encode(DELETE, _path_bytes(path))
+
+
+def encode_file_data(path: str, data: bytes, truncate: bool) -> bytes:
+    p = _path_bytes(path)
+    return encode(FILE_DATA, p + _U8.pack(TRUNCATE if truncate else 0) + data)
+
+
+def encode_file_list(files: list[FileInfo]) -> bytes:
+    parts = [_path_bytes(f.path) + _ENTRY_TAIL.pack(f.length, f.sha1) for f in files]
+    return encode(FILE_LIST, b"".join(parts))
+
+
+def encode_request(paths: list[str]) -> bytes:
+    return encode(REQUEST, b"".join(_path_bytes(p) for p in paths))
+
+
+def encode_ack(applied: int) -> bytes:
+    return encode(ACK, _U64.pack(applied))
+
+
+def _take_path(payload: bytes, pos: int) -> tuple[str, int]:
+    if pos + 2 > len(payload):
+        raise CodecError("truncated path")
+    (n,) = _U16.unpack_from(payload, pos)
+    pos += 2
+    if pos + n > len(payload):
+        raise CodecError("truncated path")
+    try:
+        path = payload[pos:pos + n].decode()
+    except UnicodeDecodeError:
+        raise CodecError("path is not UTF-8") from None
+    return check_path(path), pos + n
+
+
+def parse_path_data(payload: bytes) -> tuple[str, bytes]:
+    """APPEND / REPLACE payload -> (path, data)."""
+    path, pos = _take_path(payload, 0)
+    return path, payload[pos:]
+
+
+def parse_delete(payload: bytes) -> str:
+    path, pos = _take_path(payload, 0)
+    if pos != len(payload):
+        raise CodecError("trailing bytes after path")
+    return path
+
+
+def parse_file_data(payload: bytes) -> tuple[str, bool, bytes]:
+    path, pos = _take_path(payload, 0)
+    if pos >= len(payload):
+        raise CodecError("truncated file data")
+    return path, bool(payload[pos] & TRUNCATE), payload[pos + 1:]
+
+
+def parse_file_list(payload: bytes) -> list[FileInfo]:
+    files: list[FileInfo] = []
+    pos = 0
+    while pos < len(payload):
+        path, pos = _take_path(payload, pos)
+        if pos + _ENTRY_TAIL.size > len(payload):
+            raise CodecError("truncated file list entry")
+        length, sha1 = _ENTRY_TAIL.unpack_from(payload, pos)
+        pos += _ENTRY_TAIL.size
+        files.append(FileInfo(path, int(length), bytes(sha1)))
+    return files
+
+
+def parse_request(payload: bytes) -> list[str]:
+    paths: list[str] = []
+    pos = 0
+    while pos < len(payload):
+        path, pos = _take_path(payload, pos)
+        paths.append(path)
+    return paths
+
+
+def parse_ack(payload: bytes) -> int:
+    if len(payload) != _U64.size:
+        raise CodecError("bad ack")
+    return int(_U64.unpack(payload)[0])
+
+
+class MessageReader:
+    """Splits a byte stream into messages: feed bytes, get every complete message."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[Message]:
+        buf = self._buf
+        buf += data
+        out: list[Message] = []
+        pos = 0
+        size = len(buf)
+        while size - pos >= _HEAD.size:
+            kind, length = _HEAD.unpack_from(buf, pos)
+            if length > MAX_PAYLOAD:
+                raise CodecError(f"message of {length} bytes is too large")
+            end = pos + _HEAD.size + length
+            if end > size:
+                break
+            out.append(Message(kind, bytes(buf[pos + _HEAD.size:end]), end - pos))
+            pos = end
+        if pos:
+            del buf[:pos]
+        return out
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buf)
+
+
+class StreamCompressor:
+    """One LZ4 frame for the whole connection; every ``compress`` output is decodable at once."""
+
+    def __init__(self) -> None:
+        self._c = lz4.frame.LZ4FrameCompressor(auto_flush=True)
+        self._started = False
+
+    def compress(self, data: bytes) -> bytes:
+        head = b""
+        if not self._started:
+            self._started = True
+            head = bytes(self._c.begin())
+        return head + bytes(self._c.compress(data))
+
+
+class StreamDecompressor:
+    def __init__(self) -> None:
+        self._d = lz4.frame.LZ4FrameDecompressor()
+
+    def decompress(self, data: bytes) -> bytes:
+        try:
+            return bytes(self._d.decompress(data))
+        except RuntimeError as exc:  # lz4 reports corrupt input as RuntimeError
+            raise CodecError(f"corrupt LZ4 stream: {exc}") from None

@@ -1,0 +1,217 @@
+"""etcd coordination: lease, election, secret and ISR keys.
+
+Theory of operation
+-------------------
+Every node holds one lease of ``lease_ttl`` seconds, refreshed every TTL/3.
+``lease_alive()`` is judged locally: if no refresh succeeded for a whole TTL the
+lease must be presumed expired (etcd may already have handed leadership to
+someone else), so a leader stops confirming without waiting for etcd to say so.
+
+Election: ``campaign`` is a transaction "create ``<prefix>/leader`` if it does
+not exist, bound to my lease, value = my advertised URI". The key vanishes when
+the lease expires or is revoked. The create revision of the won key is the
+fencing token: ISR writes are transactions guarded by "the leader key still has
+the create revision I got when I won", which holds exactly while my lease
+lives. The ISR key itself has no lease (it must survive the leader's death: it
+names who may take over).
+
+Secret: ``<prefix>/clustering_secret`` is created put-if-absent with 32 random
+bytes, then read back, so every node ends up with the first one written.
+
+Every call has a deadline (aetcd has none by default); a call that fails or
+times out raises ``EtcdError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+import aetcd
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+CALL_TIMEOUT = 2.0
+
+
+class EtcdError(Exception):
+    pass
+
+
+class Etcd:
+    def __init__(self, endpoints: str, prefix: str, lease_ttl: int) -> None:
+        self.endpoints = [e.strip() for e in endpoints.split(",") if e.strip()]
+        self.prefix = prefix.rstrip("/")
+        self.ttl = lease_ttl
+        self.client: Any = None
+        self.lease_id: int | None = None
+        self.last_refresh = 0.0
+        self.leader_revision = 0
+        self._keepalive: asyncio.Task[None] | None = None
+        self._endpoint = 0
+
+    def key(self, name: str) -> bytes:
+        return f"{self.prefix}/{name}".encode()
+
+    async def _call(self, aw: Awaitable[T], timeout: float = CALL_TIMEOUT) -> T:
+        try:
+            return await asyncio.wait_for(aw, timeout)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            raise EtcdError(f"{type(exc).__name__}: {exc}") from exc
+
+    async def connect(self) -> None:
+        """Connect to the first endpoint that answers (rotating through the list)."""
+        last: Exception | None = None
+        for _ in range(len(self.endpoints)):
+            host, _, port = self.endpoints[self._endpoint].rpartition(":")
+            self._endpoint = (self._endpoint + 1) % len(self.endpoints)
+            client = aetcd.Client(host=host or "127.0.0.1", port=int(port or 2379), timeout=int(CALL_TIMEOUT))
+            try:
+                await self._call(client.connect())
+                await self._call(client.status())
+            except EtcdError as exc:
+                last = exc
+                await _quiet_close(client)
+                continue
+            await self.close()
+            self.client = client
+            return
+        raise EtcdError(f"no etcd endpoint reachable ({last})")
+
+    async def close(self) -> None:
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+            self._keepalive = None
+        if self.client is not None:
+            await _quiet_close(self.client)
+            self.client = None
+
+    # ---------------------------------------------------------------- lease
+    async def grant_lease(self) -> None:
+        lease = await self._call(self.client.lease(self.ttl))
+        self.lease_id = int(lease.id)
+        self.last_refresh = time.monotonic()
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+        self._keepalive = asyncio.ensure_future(self._keep_alive(self.lease_id))
+
+    async def _keep_alive(self, lease_id: int) -> None:
+        while self.lease_id == lease_id:
+            await asyncio.sleep(self.ttl / 3)
+            try:
+                reply = await self._call(self.client.refresh_lease(lease_id), self.ttl / 3)
+            except EtcdError as exc:
+                log.warning("lease keepalive failed: %s", exc)
+                continue
+            if reply is None or int(reply.TTL) <= 0:
+                log.error("etcd says our lease %x expired", lease_id)
+                if self.lease_id == lease_id:
+                    self.lease_id = None
+                return
+            self.last_refresh = time.monotonic()
+
+    def lease_alive(self) -> bool:
+        return self.lease_id is not None and time.monotonic() - self.last_refresh < self.ttl
+
+    async def revoke(self) -> None:
+        lease_id, self.lease_id = self.lease_id, None
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+            self._keepalive = None
+        if lease_id is not None and self.client is not None:
+            try:
+                await self._call(self.client.revoke_lease(lease_id))
+            except EtcdError as exc:
+                log.warning("could not revoke lease: %s", exc)
+
+    # ---------------------------------------------------------------- keys
+    async def get(self, name: str) -> bytes | None:
+        got = await self._call(self.client.get(self.key(name)))
+        return None if got is None else bytes(got.value)
+
+    async def secret(self) -> bytes:
+        key = self.key("clustering_secret")
+        tx = self.client.transactions
+        await self._call(self.client.transaction(
+            compare=[tx.version(key) == 0],
+            success=[tx.put(key, secrets.token_bytes(32))],
+            failure=[],
+        ))
+        value = await self.get("clustering_secret")
+        if not value:
+            raise EtcdError("clustering secret missing after put-if-absent")
+        return value
+
+    async def campaign(self, value: str) -> bool:
+        """Create the leader key bound to our lease if nobody holds it; True if we won."""
+        if self.lease_id is None:
+            return False
+        key = self.key("leader")
+        tx = self.client.transactions
+        ok, _ = await self._call(self.client.transaction(
+            compare=[tx.version(key) == 0],
+            success=[tx.put(key, value.encode(), lease=self.lease_id)],
+            failure=[],
+        ))
+        if not ok:
+            return False
+        got = await self._call(self.client.get(key))
+        if got is None or bytes(got.value) != value.encode() or int(got.lease) != self.lease_id:
+            return False
+        self.leader_revision = int(got.create_revision)
+        return True
+
+    async def resign(self) -> None:
+        """Delete the leader key if it is still ours (graceful hand-over)."""
+        key = self.key("leader")
+        tx = self.client.transactions
+        try:
+            await self._call(self.client.transaction(
+                compare=[tx.create(key) == self.leader_revision], success=[tx.delete(key)], failure=[]))
+        except EtcdError as exc:
+            log.warning("could not resign: %s", exc)
+
+    async def read_isr(self) -> list[str] | None:
+        raw = await self.get("isr")
+        if raw is None:
+            return None
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            return None
+        return [str(v) for v in value] if isinstance(value, list) else None
+
+    async def write_isr(self, members: list[str]) -> bool:
+        """Write the ISR, fenced on our leadership (the leader key's create revision)."""
+        if not self.lease_alive():
+            return False
+        tx = self.client.transactions
+        try:
+            ok, _ = await self._call(self.client.transaction(
+                compare=[tx.create(self.key("leader")) == self.leader_revision],
+                success=[tx.put(self.key("isr"), json.dumps(members).encode())],
+                failure=[],
+            ))
+        except EtcdError as exc:
+            log.warning("ISR write failed: %s", exc)
+            return False
+        return bool(ok)
+
+    async def still_leader(self) -> bool:
+        got = await self._call(self.client.get(self.key("leader")))
+        return got is not None and int(got.create_revision) == self.leader_revision
+
+
+async def _quiet_close(client: Any) -> None:
+    try:
+        await asyncio.wait_for(client.close(), CALL_TIMEOUT)
+    except Exception:
+        pass

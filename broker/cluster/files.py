@@ -1,0 +1,27 @@
+"""Which files of the data directory are replicated, and their names on the wire.
+
+Everything under the data directory is replicated except node-local files: the
+node id, the data-dir lock, the scratch directory of transient queues and
+temporary files of an atomic write in progress.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+NODE_ID_FILE = ".node_id"
+_LOCAL_NAMES = frozenset({NODE_ID_FILE, ".lock"})
+_LOCAL_DIRS = frozenset({"transient"})
+
+
+def is_replicated(rel: str) -> bool:
+    parts = rel.split("/")
+    return not (parts[0] in _LOCAL_DIRS or parts[-1] in _LOCAL_NAMES or parts[-1].endswith(".tmp"))
+
+
+def relative(data_dir: Path, path: Path) -> str | None:
+    """``path`` relative to ``data_dir`` as a POSIX string, or None if outside it."""
+    try:
+        return path.relative_to(data_dir).as_posix()
+    except ValueError:
+        return None

@@ -1,0 +1,227 @@
+"""The follower side of replication: bulk sync, then apply the action stream.
+
+Theory of operation
+-------------------
+``Applier`` does the file work and no networking: for ``FILE_LIST`` it hashes
+the local data directory, deletes local files the leader lacks and returns the
+paths whose (length, SHA-1) differ, to be requested; ``FILE_DATA`` chunks,
+``APPEND``, ``REPLACE`` and ``DELETE`` are applied to the files in order.
+``finish_batch`` fsyncs every file touched (and the directories of created or
+removed files) before the caller acks, so an acked byte survives a crash of
+this node: that is what lets the leader count an ack towards a publisher
+confirm. Each batch (everything one socket read produced) runs in a worker
+thread, fsync included, so the event loop keeps serving the proxy.
+
+``follow`` is the asyncio driver: handshake (secret, node id), then read ->
+LZ4-decompress -> split into messages -> apply the batch -> send
+``ACK(total bytes applied)`` (and ``REQUEST`` after the file list). It returns
+when the connection ends; the runner decides whether to reconnect, campaign or
+stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Executor
+from pathlib import Path
+
+from broker.cluster import codec
+from broker.cluster.files import is_replicated, relative
+
+log = logging.getLogger(__name__)
+
+MAX_OPEN_FILES = 128
+
+
+class AuthRefused(Exception):
+    """The leader refused our secret or protocol version."""
+
+
+class Applier:
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self.applied = 0  # bytes of leader messages applied (the ack counter)
+        self._fds: OrderedDict[str, int] = OrderedDict()
+        self._touched: set[str] = set()
+        self._dirs: set[Path] = set()
+
+    def local_files(self) -> dict[str, tuple[int, bytes]]:
+        found: dict[str, tuple[int, bytes]] = {}
+        for root, _dirs, names in os.walk(self.data_dir):
+            for name in names:
+                rel = relative(self.data_dir, Path(root) / name)
+                if rel is None or not is_replicated(rel):
+                    continue
+                h = hashlib.sha1(usedforsecurity=False)
+                length = 0
+                with open(Path(root) / name, "rb") as fh:
+                    while chunk := fh.read(1 << 20):
+                        h.update(chunk)
+                        length += len(chunk)
+                found[rel] = (length, h.digest())
+        return found
+
+    def apply(self, m: codec.Message) -> list[str] | None:
+        """Apply one message; returns the paths to request after a FILE_LIST."""
+        request: list[str] | None = None
+        kind = m.kind
+        if kind == codec.APPEND:
+            path, data = codec.parse_path_data(m.payload)
+            self._write(path, data, truncate=False)
+        elif kind == codec.REPLACE:
+            path, data = codec.parse_path_data(m.payload)
+            self._write(path, data, truncate=True)
+        elif kind == codec.DELETE:
+            self._delete(codec.parse_delete(m.payload))
+        elif kind == codec.FILE_DATA:
+            path, truncate, data = codec.parse_file_data(m.payload)
+            self._write(path, data, truncate=truncate)
+        elif kind == codec.FILE_LIST:
+            request = self._compare(codec.parse_file_list(m.payload))
+        elif kind != codec.BULK_DONE:
+            raise codec.CodecError(f"unexpected message kind {kind} from leader")
+        self.applied += m.size
+        return request
+
+    def _compare(self, files: list[codec.FileInfo]) -> list[str]:
+        local = self.local_files()
+        wanted = {f.path for f in files}
+        for rel in local:
+            if rel not in wanted:
+                self._delete(rel)
+        return [f.path for f in files if local.get(f.path) != (f.length, f.sha1)]
+
+    def _fd(self, rel: str) -> int:
+        fd = self._fds.get(rel)
+        if fd is not None:
+            self._fds.move_to_end(rel)
+            return fd
+        path = self.data_dir / rel
+        if not path.parent.is_dir():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._dirs.add(path.parent.parent)
+        existed = path.exists()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        if not existed:
+            self._dirs.add(path.parent)
+        self._fds[rel] = fd
+        if len(self._fds) > MAX_OPEN_FILES:
+            old, ofd = self._fds.popitem(last=False)
+            if old in self._touched:
+                os.fsync(ofd)
+                self._touched.discard(old)
+            os.close(ofd)
+        return fd
+
+    def _write(self, rel: str, data: bytes, truncate: bool) -> None:
+        fd = self._fd(rel)
+        if truncate:
+            os.ftruncate(fd, 0)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        self._touched.add(rel)
+
+    def _delete(self, rel: str) -> None:
+        fd = self._fds.pop(rel, None)
+        if fd is not None:
+            os.close(fd)
+        self._touched.discard(rel)
+        path = self.data_dir / rel
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return
+        # Remove directories left empty (a deleted queue), up to the data dir.
+        parent = path.parent
+        while parent != self.data_dir and parent.is_relative_to(self.data_dir):
+            try:
+                parent.rmdir()
+            except OSError:
+                break
+            parent = parent.parent
+        self._dirs.add(parent)
+
+    def finish_batch(self) -> None:
+        """fsync everything written since the last batch: acked bytes are durable."""
+        for rel in self._touched:
+            fd = self._fds.get(rel)
+            if fd is not None:
+                os.fsync(fd)
+        self._touched.clear()
+        for d in self._dirs:
+            try:
+                dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+            except FileNotFoundError:
+                continue
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        self._dirs.clear()
+
+    def run_batch(self, msgs: list[codec.Message]) -> tuple[list[str] | None, bool]:
+        request: list[str] | None = None
+        done = False
+        for m in msgs:
+            r = self.apply(m)
+            if r is not None:
+                request = r
+            if m.kind == codec.BULK_DONE:
+                done = True
+        self.finish_batch()
+        return request, done
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+async def follow(host: str, port: int, data_dir: Path, secret: bytes, node_id: str,
+                 on_welcome: Callable[[codec.Welcome], None],
+                 on_synced: Callable[[], None], executor: Executor,
+                 source_ip: str | None = None) -> None:
+    """Replicate from the leader at host:port until the connection ends.
+
+    File work runs on ``executor``, which must have ONE worker: the caller waits
+    for it to drain before anything else touches the data directory.
+    """
+    local = (source_ip, 0) if source_ip else None
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, local_addr=local), 5.0)
+    applier = Applier(data_dir)
+    loop = asyncio.get_running_loop()
+    try:
+        writer.write(codec.encode_hello(secret, node_id))
+        welcome = codec.parse_welcome(await asyncio.wait_for(reader.readexactly(codec.WELCOME_SIZE), 5.0))
+        if welcome.status != codec.OK:
+            raise AuthRefused("wrong clustering secret" if welcome.status == codec.BAD_SECRET
+                              else "protocol version refused")
+        on_welcome(welcome)
+        decomp = codec.StreamDecompressor()
+        msgs = codec.MessageReader()
+        while True:
+            data = await reader.read(1 << 20)
+            if not data:
+                log.info("leader closed the replication connection")
+                return
+            batch = msgs.feed(decomp.decompress(data))
+            if not batch:
+                continue
+            request, done = await loop.run_in_executor(executor, applier.run_batch, batch)
+            if request is not None:
+                log.info("bulk sync: requesting %d files", len(request))
+                writer.write(codec.encode_request(request))
+            writer.write(codec.encode_ack(applier.applied))
+            if done:
+                log.info("bulk sync complete")
+                on_synced()
+    finally:
+        writer.close()
+        # On the same single worker, so it runs after a batch still in flight.
+        loop.run_in_executor(executor, applier.close)

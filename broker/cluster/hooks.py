@@ -1,0 +1,38 @@
+"""Leadership hooks: ``on_leader_elected`` / ``on_leader_lost`` shell commands.
+
+The command runs through the shell with the node's environment plus
+``SKRED_NODE_ID``, ``SKRED_ADVERTISED_URI`` and ``SKRED_ROLE`` (``leader`` or
+``follower``). Its exit status is logged; a hook that hangs is killed after
+``HOOK_TIMEOUT`` so it can never block a failover.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+HOOK_TIMEOUT = 30.0
+
+
+async def run_hook(command: str, node_id: str, uri: str, role: str) -> int | None:
+    """Run ``command`` (no-op when empty); returns its exit status, None if not run."""
+    if not command:
+        return None
+    env = dict(os.environ, SKRED_NODE_ID=node_id, SKRED_ADVERTISED_URI=uri, SKRED_ROLE=role)
+    try:
+        proc = await asyncio.create_subprocess_shell(command, env=env)
+    except OSError as exc:
+        log.error("hook %r could not start: %s", command, exc)
+        return None
+    try:
+        code = await asyncio.wait_for(proc.wait(), HOOK_TIMEOUT)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        log.error("hook %r killed after %.0fs", command, HOOK_TIMEOUT)
+        return None
+    log.log(logging.INFO if code == 0 else logging.ERROR, "hook %r (%s) exited with %d", command, role, code)
+    return code

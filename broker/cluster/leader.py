@@ -1,0 +1,478 @@
+"""The leader side of replication: the store's ReplicationSink plus the server on 5679.
+
+Theory of operation
+-------------------
+``FileIndex`` is the checksum cache. It is built once, before the broker loads
+(nothing writes then), by hashing every replicated file; afterwards it is kept
+current by the sink calls themselves: an ``append`` feeds the bytes to the
+file's running SHA-1 and adds to its logical length, a ``replace`` restarts
+both, a ``delete`` drops the entry. A checksum is then ``hasher.copy().digest()``
+— no file is ever re-read to answer a follower, so a full sync never stalls
+publishing. Logical length matters: the write segment is preallocated on disk,
+but only the bytes reported to the sink exist for replication.
+
+Bulk sync has a single cut, taken synchronously on the event loop (all sink
+calls happen on that thread, so nothing can slip in between): flush the
+stores (buffered ack bytes reach the page cache), snapshot the index, and start
+holding every later action in the follower's backlog. The follower requests
+the files whose (length, SHA-1) differ; their first ``length`` bytes are read
+from disk in a worker thread — bytes below a file's logical length never change
+in place, and a file replaced or deleted after the cut is fixed by the held
+actions. Small replaced files (queue ``meta``) are served from memory because
+their disk copy may lag the sink. Then ``BULK_DONE``, then the backlog, then
+live actions.
+
+Each follower gets one LZ4 frame stream; positions count uncompressed message
+bytes. ISR: a follower joins the in-sync set once it has acked everything sent
+(it is added locally *before* the etcd write, so no confirm can skip it in
+between); it leaves when it disconnects or has data outstanding and no ack
+progress for ``STALL_TIMEOUT`` — then etcd is updated first and only after
+that do pending confirms stop waiting for it. ``barrier()`` snapshots the
+positions sent to every ISR member; the Syncer runs confirm callbacks when the
+barrier resolves. A fenced leader (lease lost) resolves no barrier ever again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from broker.cluster import codec
+from broker.cluster.files import is_replicated, relative
+
+log = logging.getLogger(__name__)
+
+STALL_TIMEOUT = 3.0  # seconds without ack progress (with data outstanding) before a follower is dropped
+HANDSHAKE_TIMEOUT = 5.0
+CACHE_LIMIT = 64 * 1024  # replaced files up to this size are kept in memory for bulk sync
+
+
+class FileEntry:
+    __slots__ = ("length", "hasher", "cached")
+
+    def __init__(self) -> None:
+        self.length = 0
+        self.hasher = hashlib.sha1(usedforsecurity=False)
+        self.cached: bytes | None = None
+
+
+class FileIndex:
+    """Logical length + running SHA-1 of every replicated file (the checksum cache)."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self.files: dict[str, FileEntry] = {}
+
+    def scan(self) -> None:
+        """Hash every file on disk; call before anything writes (a worker thread is fine)."""
+        for root, _dirs, names in os.walk(self.data_dir):
+            for name in names:
+                path = Path(root) / name
+                rel = relative(self.data_dir, path)
+                if rel is None or not is_replicated(rel):
+                    continue
+                entry = FileEntry()
+                with open(path, "rb") as fh:
+                    while chunk := fh.read(1 << 20):
+                        entry.hasher.update(chunk)
+                        entry.length += len(chunk)
+                self.files[rel] = entry
+
+    def register(self, rel: str) -> None:
+        self.files[rel] = FileEntry()
+
+    def append(self, rel: str, data: bytes | bytearray | memoryview) -> None:
+        entry = self.files.get(rel)
+        if entry is None:
+            entry = self.files[rel] = FileEntry()
+        entry.hasher.update(data)
+        entry.length += len(data)
+        entry.cached = None
+
+    def replace(self, rel: str, data: bytes) -> None:
+        entry = self.files[rel] = FileEntry()
+        entry.hasher.update(data)
+        entry.length = len(data)
+        entry.cached = data if len(data) <= CACHE_LIMIT else None
+
+    def delete(self, rel: str) -> None:
+        self.files.pop(rel, None)
+
+    def snapshot(self) -> list[codec.FileInfo]:
+        return [codec.FileInfo(rel, e.length, e.hasher.copy().digest()) for rel, e in self.files.items()]
+
+
+class FollowerConn:
+    """One connected follower: its output stream, positions and sync state."""
+
+    def __init__(self, node_id: str, peer: str, writer: asyncio.StreamWriter) -> None:
+        self.node_id = node_id
+        self.peer = peer
+        self.writer = writer
+        self.compressor = codec.StreamCompressor()
+        self.out: list[bytes] = []
+        self.backlog: list[bytes] | None = []  # held actions during bulk sync; None once live
+        self.sent = 0  # position of the last message queued for the wire
+        self.acked = 0
+        self.last_progress = time.monotonic()
+        self.synced = False  # BULK_DONE sent and backlog released
+        self.wake = asyncio.Event()
+        self.closed = False
+
+    def send(self, msg: bytes) -> None:
+        if self.sent == self.acked:
+            self.last_progress = time.monotonic()  # the stall clock starts when data is outstanding
+        self.out.append(msg)
+        self.sent += len(msg)
+        self.wake.set()
+
+    def action(self, msg: bytes) -> None:
+        if self.backlog is not None:
+            self.backlog.append(msg)
+        else:
+            self.send(msg)
+
+    @property
+    def lag(self) -> int:
+        return self.sent - self.acked + sum(len(m) for m in self.backlog or ())
+
+
+IsrPublisher = Callable[[list[str]], Awaitable[bool]]
+
+
+class LeaderSink:
+    """ReplicationSink for the leader; also runs the replication server."""
+
+    active = True
+
+    def __init__(self, data_dir: Path, node_id: str, secret: bytes, publish_isr: IsrPublisher) -> None:
+        self.data_dir = data_dir
+        self.node_id = node_id
+        self.secret = secret
+        self.publish_isr = publish_isr
+        self.index = FileIndex(data_dir)
+        self.followers: dict[str, FollowerConn] = {}
+        self.isr: set[str] = set()  # follower ids confirms wait for
+        self.flush_stores: Callable[[], None] = lambda: None
+        self.client_ports = (0, 0)  # (amqp, http) told to followers for their proxies
+        self.fenced = False
+        self.refused = 0
+        self.member_ips: set[str] = set()  # addresses of authenticated followers (PROXY trust)
+        self._barriers: list[tuple[dict[FollowerConn, int], asyncio.Future[None]]] = []
+        self._isr_lock = asyncio.Lock()
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # ------------------------------------------------------------ ReplicationSink
+    def register_file(self, path: Path) -> None:
+        rel = relative(self.data_dir, path)
+        if rel is not None and is_replicated(rel):
+            self.index.register(rel)
+            msg = codec.encode_replace(rel, b"")
+            for f in self.followers.values():
+                f.action(msg)
+
+    def append(self, path: Path, data: bytes | bytearray | memoryview) -> None:
+        rel = relative(self.data_dir, path)
+        if rel is None or not is_replicated(rel):
+            return
+        self.index.append(rel, data)
+        if self.followers:
+            msg = codec.encode_append(rel, data)
+            for f in self.followers.values():
+                f.action(msg)
+
+    def replace(self, path: Path, data: bytes) -> None:
+        rel = relative(self.data_dir, path)
+        if rel is None or not is_replicated(rel):
+            return
+        self.index.replace(rel, data)
+        if self.followers:
+            msg = codec.encode_replace(rel, data)
+            for f in self.followers.values():
+                f.action(msg)
+
+    def delete(self, path: Path) -> None:
+        rel = relative(self.data_dir, path)
+        if rel is None or not is_replicated(rel):
+            return
+        self.index.delete(rel)
+        if self.followers:
+            msg = codec.encode_delete(rel)
+            for f in self.followers.values():
+                f.action(msg)
+
+    async def wait_for_followers(self) -> None:
+        await self.barrier()
+
+    # ------------------------------------------------------------ ISR barrier
+    def barrier(self) -> asyncio.Future[None]:
+        """A future resolved once every ISR member acked everything sent to it so far."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self.fenced:
+            return fut  # never: a leader without its lease must not confirm
+        targets = {f: f.sent for fid in self.isr if (f := self.followers.get(fid)) is not None
+                   and f.acked < f.sent}
+        if not targets and all(fid in self.followers for fid in self.isr):
+            fut.set_result(None)
+        else:
+            self._barriers.append((targets, fut))
+        return fut
+
+    def _check_barriers(self) -> None:
+        if self.fenced or not self._barriers:
+            return
+        keep: list[tuple[dict[FollowerConn, int], asyncio.Future[None]]] = []
+        for targets, fut in self._barriers:
+            # A target whose follower left the ISR (removed from etcd first) no longer counts.
+            if all(f.node_id not in self.isr or f.acked >= pos for f, pos in targets.items()) \
+                    and all(fid in self.followers for fid in self.isr):
+                if not fut.done():
+                    fut.set_result(None)
+            else:
+                keep.append((targets, fut))
+        self._barriers = keep
+
+    def fence(self) -> None:
+        self.fenced = True
+
+    async def drain(self, timeout: float) -> bool:
+        """Wait until the ISR acked everything (graceful shutdown); False on timeout."""
+        try:
+            await asyncio.wait_for(self.barrier(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    # ------------------------------------------------------------ server
+    async def start(self, bind: str, port: int) -> tuple[str, int]:
+        self._server = await asyncio.start_server(self._handle, bind, port)
+        self._spawn(self._watchdog())
+        sock = self._server.sockets[0].getsockname()
+        return str(sock[0]), int(sock[1])
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for f in list(self.followers.values()):
+            self._close(f)
+        self.followers.clear()
+        for t in list(self._tasks):
+            t.cancel()
+        self._tasks.clear()
+
+    def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
+        task: asyncio.Task[Any] = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "leader": self.node_id,
+            "isr": sorted([self.node_id, *self.isr]),
+            "followers": {f.node_id: {"peer": f.peer, "lag": f.lag, "synced": f.synced}
+                          for f in self.followers.values()},
+        }
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer_info = writer.get_extra_info("peername") or ("?", 0)
+        peer = f"{peer_info[0]}:{peer_info[1]}"
+        try:
+            hello = await asyncio.wait_for(self._read_hello(reader), HANDSHAKE_TIMEOUT)
+        except (TimeoutError, codec.CodecError, ConnectionError, asyncio.IncompleteReadError) as exc:
+            log.warning("replication handshake from %s failed: %s", peer, exc or type(exc).__name__)
+            writer.close()
+            return
+        if hello.version != codec.VERSION:
+            log.warning("refused follower %s at %s: protocol version %d", hello.node_id, peer, hello.version)
+            writer.write(codec.encode_welcome(codec.BAD_VERSION))
+            writer.close()
+            return
+        if not hmac.compare_digest(hello.secret, self.secret):
+            self.refused += 1
+            log.warning("refused follower %r at %s: wrong clustering secret", hello.node_id, peer)
+            writer.write(codec.encode_welcome(codec.BAD_SECRET))
+            writer.close()
+            return
+        if self.fenced:
+            writer.close()
+            return
+        writer.write(codec.encode_welcome(codec.OK, *self.client_ports))
+        self.member_ips.add(str(peer_info[0]))
+        old = self.followers.get(hello.node_id)
+        if old is not None:
+            self._drop(old, "reconnected")
+        f = FollowerConn(hello.node_id, peer, writer)
+        log.info("follower %s connected from %s, starting bulk sync", f.node_id, peer)
+        # The cut: synchronous, so no sink call can fall between snapshot and backlog.
+        self.flush_stores()
+        snapshot = self.index.snapshot()
+        self.followers[f.node_id] = f
+        f.send(codec.encode_file_list(snapshot))
+        writer_task = self._spawn(self._write_loop(f))
+        try:
+            await self._read_loop(f, reader, {i.path: i.length for i in snapshot})
+        except (ConnectionError, asyncio.IncompleteReadError, codec.CodecError, OSError) as exc:
+            if not f.closed:
+                log.warning("follower %s: %s", f.node_id, exc or type(exc).__name__)
+        finally:
+            writer_task.cancel()
+            self._drop(f, "disconnected")
+
+    @staticmethod
+    async def _read_hello(reader: asyncio.StreamReader) -> codec.Hello:
+        buf = b""
+        while True:
+            parsed = codec.parse_hello(buf)
+            if parsed is not None:
+                return parsed[0]
+            chunk = await reader.read(512)
+            if not chunk:
+                raise ConnectionError("closed during handshake")
+            buf += chunk
+
+    async def _read_loop(self, f: FollowerConn, reader: asyncio.StreamReader,
+                         lengths: dict[str, int]) -> None:
+        msgs = codec.MessageReader()
+        while not f.closed:
+            data = await reader.read(65536)
+            if not data:
+                return
+            for m in msgs.feed(data):
+                if m.kind == codec.ACK:
+                    self._on_ack(f, codec.parse_ack(m.payload))
+                elif m.kind == codec.REQUEST:
+                    self._spawn(self._send_files(f, codec.parse_request(m.payload), lengths))
+                else:
+                    raise codec.CodecError(f"unexpected message kind {m.kind} from follower")
+
+    async def _send_files(self, f: FollowerConn, paths: list[str], lengths: dict[str, int]) -> None:
+        loop = asyncio.get_running_loop()
+        sent_bytes = 0
+        for rel in paths:
+            length = lengths.get(rel)
+            if length is None:
+                continue
+            entry = self.index.files.get(rel)
+            cached = entry.cached if entry is not None else None
+            truncate = True
+            if cached is not None and len(cached) == length:
+                f.send(codec.encode_file_data(rel, cached, True))
+                continue
+            offset = 0
+            while offset < length or truncate:
+                n = min(codec.FILE_CHUNK, length - offset)
+                chunk = await loop.run_in_executor(None, _read_at, self.data_dir / rel, offset, n)
+                f.send(codec.encode_file_data(rel, chunk, truncate))
+                truncate = False
+                offset += n
+                sent_bytes += len(chunk)
+                if len(chunk) < n:
+                    break  # replaced or deleted since the cut: the backlog fixes it
+                # keep the write buffer bounded: wait for the writer loop to catch up
+                while f.out and not f.closed:
+                    await asyncio.sleep(0.001)
+                if f.closed:
+                    return
+        f.send(codec.encode(codec.BULK_DONE, b""))
+        backlog, f.backlog = f.backlog or [], None
+        for msg in backlog:
+            f.send(msg)
+        f.synced = True
+        log.info("follower %s: bulk sync sent (%d files, %d bytes), streaming", f.node_id, len(paths),
+                 sent_bytes)
+
+    async def _write_loop(self, f: FollowerConn) -> None:
+        try:
+            while not f.closed:
+                await f.wake.wait()
+                f.wake.clear()
+                if not f.out:
+                    continue
+                data = b"".join(f.out)
+                f.out.clear()
+                f.writer.write(f.compressor.compress(data))
+                await f.writer.drain()
+        except (ConnectionError, OSError) as exc:
+            log.warning("follower %s: write failed: %s", f.node_id, exc)
+            self._drop(f, "write failed")
+
+    def _on_ack(self, f: FollowerConn, acked: int) -> None:
+        if acked > f.sent:
+            raise codec.CodecError("ack beyond what was sent")
+        if acked > f.acked:
+            f.acked = acked
+            f.last_progress = time.monotonic()
+        self._maybe_join(f)
+        self._check_barriers()
+
+    def _maybe_join(self, f: FollowerConn) -> None:
+        if f.synced and f.acked == f.sent and f.node_id not in self.isr and not self.fenced \
+                and self.followers.get(f.node_id) is f:
+            self.isr.add(f.node_id)  # before the etcd write: confirms wait for it from now on
+            self._spawn(self._publish_isr(f"follower {f.node_id} in sync"))
+
+    async def _publish_isr(self, why: str) -> None:
+        async with self._isr_lock:
+            members = sorted([self.node_id, *self.isr])
+            ok = await self.publish_isr(members)
+            if ok:
+                log.info("ISR is now %s (%s)", members, why)
+            else:
+                log.error("could not write the ISR (%s): leadership lost?", why)
+        self._check_barriers()
+
+    def _drop(self, f: FollowerConn, why: str) -> None:
+        self._close(f)
+        if self.followers.get(f.node_id) is f:
+            del self.followers[f.node_id]
+            log.warning("follower %s dropped: %s", f.node_id, why)
+        if f.node_id in self.isr:
+            self._spawn(self._remove_from_isr(f.node_id, why))
+
+    async def _remove_from_isr(self, node_id: str, why: str) -> None:
+        async with self._isr_lock:
+            if node_id not in self.isr:
+                return
+            members = sorted([self.node_id, *(i for i in self.isr if i != node_id)])
+            # etcd first: only once the ISR no longer names it may confirms skip it.
+            if not await self.publish_isr(members):
+                log.error("could not remove %s from the ISR: leadership lost?", node_id)
+                return
+            self.isr.discard(node_id)
+            log.warning("ISR is now %s (%s left: %s)", members, node_id, why)
+        self._check_barriers()
+
+    @staticmethod
+    def _close(f: FollowerConn) -> None:
+        if not f.closed:
+            f.closed = True
+            f.wake.set()
+            f.writer.close()
+
+    async def _watchdog(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            now = time.monotonic()
+            for f in list(self.followers.values()):
+                self._maybe_join(f)
+                if f.sent > f.acked and now - f.last_progress > STALL_TIMEOUT:
+                    self._drop(f, f"no ack for {now - f.last_progress:.1f}s with "
+                                  f"{f.sent - f.acked} bytes outstanding")
+
+
+def _read_at(path: Path, offset: int, n: int) -> bytes:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(offset)
+            return fh.read(n)
+    except FileNotFoundError:
+        return b""

@@ -1,0 +1,108 @@
+"""Follower proxy: clients may connect to any node; followers splice them to the leader.
+
+Theory of operation
+-------------------
+A follower listens on the client ports (AMQP and, when the management API is
+enabled, HTTP) once its first bulk sync completed, so a client never reaches a
+node that has never been in sync with the cluster. Each accepted connection is
+spliced to the current leader's matching port (the leader announces its
+ports in the replication handshake). AMQP connections are prefixed with a
+PROXY protocol v1 header (``PROXY TCP4 src dst sport dport``) so the leader
+sees, logs and authorises the real client address; the leader only honours it
+because the follower is a cluster member. When the leader changes, new
+connections go to the new leader; existing ones end with their leader.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_CHUNK = 65536
+
+
+def proxy_header(src: tuple[str, int], dst: tuple[str, int]) -> bytes:
+    family = "TCP6" if ipaddress.ip_address(src[0]).version == 6 else "TCP4"
+    return f"PROXY {family} {src[0]} {dst[0]} {src[1]} {dst[1]}\r\n".encode("ascii")
+
+
+class Target:
+    """Where clients are spliced to; updated by the runner as the leader changes."""
+
+    def __init__(self) -> None:
+        self.host: str | None = None
+        self.port = 0
+
+
+class SpliceProxy:
+    def __init__(self, name: str, target: Target, send_proxy_header: bool, source_ip: str | None) -> None:
+        self.name = name
+        self.target = target
+        self.send_proxy_header = send_proxy_header
+        self.source_ip = source_ip
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    async def start(self, bind: str, port: int) -> None:
+        self._server = await asyncio.start_server(self._handle, bind, port, reuse_address=True)
+        log.info("%s proxy listening on %s:%d", self.name, bind, port)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+        for w in list(self._writers):
+            w.close()
+        for t in list(self._tasks):
+            t.cancel()
+
+    async def _handle(self, creader: asyncio.StreamReader, cwriter: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
+        self._writers.add(cwriter)
+        lwriter: asyncio.StreamWriter | None = None
+        try:
+            host, port = self.target.host, self.target.port
+            if host is None or not port:
+                return
+            local = (self.source_ip, 0) if self.source_ip else None
+            lreader, upstream = await asyncio.wait_for(
+                asyncio.open_connection(host, port, local_addr=local), 5.0)
+            lwriter = upstream
+            self._writers.add(upstream)
+            if self.send_proxy_header:
+                src = cwriter.get_extra_info("peername")
+                dst = cwriter.get_extra_info("sockname")
+                upstream.write(proxy_header((str(src[0]), int(src[1])), (str(dst[0]), int(dst[1]))))
+            await asyncio.gather(_pump(creader, upstream), _pump(lreader, cwriter))
+        except (TimeoutError, OSError) as exc:
+            log.info("%s proxy: %s", self.name, exc or type(exc).__name__)
+        finally:
+            for w in (cwriter, lwriter):
+                if w is not None:
+                    w.close()
+                    self._writers.discard(w)
+            if task is not None:
+                self._tasks.discard(task)
+
+
+async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while data := await reader.read(_CHUNK):
+            writer.write(data)
+            await writer.drain()
+    except OSError:
+        pass
+    finally:
+        try:
+            if writer.can_write_eof():
+                writer.write_eof()  # half-close: the other direction may still be talking
+        except OSError:
+            writer.close()

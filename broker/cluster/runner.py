@@ -1,0 +1,369 @@
+"""A cluster member: follow, campaign, lead, and back again.
+
+Theory of operation
+-------------------
+Every node runs this same loop (``serve_clustered``). At start it loads or
+creates its node id (``<data_dir>/.node_id``), connects to etcd, reads (or
+creates, put-if-absent) the cluster secret and takes a lease.
+
+* No leader key: if the ISR key names us (or does not exist yet: a brand-new
+  cluster) we campaign; otherwise we wait — only a member of the ISR has every
+  confirmed message, so only it may lead.
+* Someone else leads: we follow. ``follower.follow`` bulk-syncs the data dir,
+  then applies the action stream, fsyncing before every ack. After the first
+  completed sync the client ports (AMQP, HTTP) proxy to the leader. The leader
+  key is polled every ``POLL`` seconds; when it changes the replication
+  connection is dropped and the loop starts over (campaign or follow anew).
+* We won: stop the proxies, run ``on_leader_elected`` (in the background, it
+  must not delay service), hash the data dir into the checksum cache, write
+  ISR = [us] fenced on our leadership, boot the broker (``Node.start``) from the
+  replicated files with the ``LeaderSink`` as its replication sink and the
+  sink's ISR barrier in its Syncer, then serve followers on the replication
+  port. While leading we watch three things:
+  - SIGTERM/SIGINT: stop the broker (stores flush their last bytes to the
+    sink), drain replication to the ISR, then resign and revoke the lease, so a
+    follower takes over at once with everything;
+  - the lease (refresh failing for a TTL, or the leader key no longer ours):
+    fence the sink at once (no confirm leaves after that), run
+    ``on_leader_lost``, stop the broker, take a new lease and rejoin as a
+    follower (a lone ISR member simply campaigns again);
+  - the disk: an fsync that has not returned for ``disk_stall_timeout``
+    seconds means a zombie leader; fence, revoke the lease and exit(1) so an
+    in-sync follower takes over (the stuck fsync thread cannot be joined).
+
+The data-dir lock is held by this runner while following and by the ``Node``
+while leading, so two processes can never write the same data dir.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import signal
+import socket
+import time
+from collections.abc import Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from broker.cluster import codec, follower
+from broker.cluster.etcd import Etcd, EtcdError
+from broker.cluster.files import NODE_ID_FILE
+from broker.cluster.hooks import run_hook
+from broker.cluster.leader import LeaderSink
+from broker.cluster.proxy import SpliceProxy, Target
+from broker.config import Config
+from broker.node import Node
+from broker.store.lock import DataDirLock
+
+log = logging.getLogger(__name__)
+
+POLL = 0.2  # seconds between looks at the leader key / lease while following or leading
+DRAIN_TIMEOUT = 10.0  # graceful leader shutdown: longest wait for the ISR to ack everything
+STATUS_EVERY = 10.0  # seconds between cluster status log lines on the leader
+
+
+def load_node_id(data_dir: Path) -> str:
+    path = data_dir / NODE_ID_FILE
+    try:
+        value = path.read_text().strip()
+        if value:
+            return value
+    except FileNotFoundError:
+        pass
+    value = secrets.token_hex(8)
+    path.write_text(value + "\n")
+    return value
+
+
+def advertised_uri(config: Config) -> str:
+    c = config.clustering
+    if c.advertised_uri:
+        return c.advertised_uri
+    host = c.bind if c.bind not in ("0.0.0.0", "::", "") else socket.gethostname()
+    return f"tcp://{host}:{c.port}"
+
+
+def _source_ip(bind: str) -> str | None:
+    """Bind outgoing cluster connections to our cluster address, so the leader knows us by it."""
+    return None if bind in ("0.0.0.0", "::", "") else bind
+
+
+class ClusterRunner:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.data_dir = config.main.data_dir
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.node_id = load_node_id(self.data_dir)
+        self.uri = advertised_uri(config)
+        c = config.clustering
+        self.etcd = Etcd(c.etcd_endpoints, c.etcd_prefix, c.lease_ttl)
+        self.stopping = asyncio.Event()
+        self.secret = b""
+        self.amqp_target = Target()
+        self.http_target = Target()
+        self.proxies: list[SpliceProxy] = []
+        self.synced_once = False
+        self.lock: DataDirLock | None = None
+        self.apply_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skred-replica")
+        self._bg: set[asyncio.Task[Any]] = set()
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
+
+    def _lock(self) -> None:
+        if self.lock is None:
+            self.lock = DataDirLock(self.data_dir)
+            self.lock.acquire()
+
+    def _unlock(self) -> None:
+        lock, self.lock = self.lock, None
+        if lock is not None:
+            lock.release()
+
+    async def _pause(self, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(self.stopping.wait(), seconds)
+        except TimeoutError:
+            pass
+
+    # ---------------------------------------------------------------- main loop
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+        self._lock()
+        log.info("cluster node %s (%s) starting, etcd %s prefix %r", self.node_id, self.uri,
+                 self.config.clustering.etcd_endpoints, self.etcd.prefix)
+        try:
+            while not self.stopping.is_set():
+                try:
+                    if self.etcd.client is None:
+                        await self.etcd.connect()
+                        self.secret = await self.etcd.secret()
+                    if not self.etcd.lease_alive():
+                        await self.etcd.revoke()
+                        await self.etcd.grant_lease()
+                    code = await self._step()
+                    if code is not None:
+                        return code
+                except EtcdError as exc:
+                    log.warning("etcd: %s", exc)
+                    await self.etcd.close()
+                    await self._pause(1.0)
+            return 0
+        finally:
+            await self._stop_proxies()
+            await self.etcd.revoke()
+            await self.etcd.close()
+            self._unlock()
+            self.apply_executor.shutdown(wait=True)
+            log.info("stopped")
+
+    async def _step(self) -> int | None:
+        leader = await self.etcd.get("leader")
+        if leader is None:
+            isr = await self.etcd.read_isr()
+            if isr is None or self.node_id in isr:
+                if await self.etcd.campaign(self.uri):
+                    return await self._lead()
+            else:
+                log.info("no leader; not in the ISR %s, waiting", isr)
+                await self._pause(POLL * 5)
+                return None
+            await self._pause(POLL)
+            return None
+        uri = leader.decode()
+        if uri == self.uri:
+            await self._pause(POLL)  # our own key from before a restart: wait for that lease to end
+            return None
+        await self._follow(uri)
+        return None
+
+    # ---------------------------------------------------------------- follower
+    async def _follow(self, uri: str) -> None:
+        parts = urlsplit(uri)
+        host, port = parts.hostname or "127.0.0.1", parts.port or 5679
+        log.info("following leader %s", uri)
+        loop = asyncio.get_running_loop()
+
+        def on_welcome(w: codec.Welcome) -> None:
+            self.amqp_target.host, self.amqp_target.port = host, w.amqp_port
+            self.http_target.host, self.http_target.port = host, w.http_port
+
+        def on_synced() -> None:
+            if not self.synced_once:
+                self.synced_once = True
+                self._spawn(self._start_proxies())
+
+        task = asyncio.ensure_future(follower.follow(
+            host, port, self.data_dir, self.secret, self.node_id, on_welcome, on_synced,
+            self.apply_executor, _source_ip(self.config.clustering.bind)))
+        try:
+            while not task.done() and not self.stopping.is_set():
+                await asyncio.wait([task], timeout=POLL)
+                if task.done():
+                    break
+                try:
+                    current = await self.etcd.get("leader")
+                except EtcdError as exc:
+                    log.warning("etcd: %s", exc)
+                    continue
+                if current is None or current.decode() != uri:
+                    log.info("leader %s is gone", uri)
+                    break
+                if not self.etcd.lease_alive():
+                    break
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            # The single replica worker: wait for any batch still being written.
+            await loop.run_in_executor(self.apply_executor, lambda: None)
+        if task.cancelled():
+            return
+        error = task.exception()
+        if isinstance(error, follower.AuthRefused):
+            log.error("leader %s refused us: %s", uri, error)
+            self.secret = await self.etcd.secret()  # re-read: it may have been reset
+            await self._pause(1.0)
+        elif error is not None:
+            log.warning("replication from %s ended: %s", uri, error or type(error).__name__)
+            await self._pause(POLL)
+
+    async def _start_proxies(self) -> None:
+        if self.proxies or self.stopping.is_set():
+            return
+        cfg = self.config
+        source = _source_ip(cfg.clustering.bind)
+        wanted = [("AMQP", self.amqp_target, True, cfg.amqp.bind, cfg.amqp.port)]
+        if cfg.mgmt.enabled:
+            wanted.append(("HTTP", self.http_target, False, cfg.mgmt.bind, cfg.mgmt.port))
+        for name, target, header, bind, port in wanted:
+            p = SpliceProxy(name, target, header, source)
+            try:
+                await p.start(bind, port)
+            except OSError as exc:
+                log.error("%s proxy cannot listen on %s:%d: %s", name, bind, port, exc)
+                continue
+            self.proxies.append(p)
+
+    async def _stop_proxies(self) -> None:
+        proxies, self.proxies = self.proxies, []
+        for p in proxies:
+            await p.stop()
+        self.synced_once = False
+
+    # ---------------------------------------------------------------- leader
+    async def _lead(self) -> int | None:
+        cfg = self.config
+        c = cfg.clustering
+        started = time.monotonic()
+        log.info("elected leader (node %s, %s)", self.node_id, self.uri)
+        await self._stop_proxies()
+        self._spawn(run_hook(c.on_leader_elected, self.node_id, self.uri, "leader"))
+        sink = LeaderSink(self.data_dir, self.node_id, self.secret, self.etcd.write_isr)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, sink.index.scan)
+        if not await self.etcd.write_isr([self.node_id]):
+            log.error("lost leadership before serving")
+            return None
+        node = Node(cfg, sink)
+        node.replicated = sink.barrier
+        self._unlock()
+        try:
+            await node.start()
+        except Exception:
+            log.exception("broker failed to start as leader")
+            sink.fence()
+            await self.etcd.resign()
+            await self.etcd.revoke()
+            return 1
+        broker = node.broker
+        assert broker is not None and node.amqp_address is not None
+        broker.trusted_peers = sink.member_ips  # proxy connections from followers may send PROXY
+
+        def flush_stores() -> None:
+            for vh in broker.vhosts.values():
+                for q in vh.queues.values():
+                    q.store.flush()
+
+        sink.flush_stores = flush_stores
+        sink.client_ports = (node.amqp_address[1], cfg.mgmt.port if cfg.mgmt.enabled else 0)
+        try:
+            await sink.start(c.bind, c.port)
+        except OSError as exc:
+            log.error("replication port %s:%d: %s", c.bind, c.port, exc)
+            await self._abdicate(node, sink, "cannot listen for followers")
+            return 1
+        log.info("leading: serving clients %.2fs after election", time.monotonic() - started)
+        return await self._watch_leadership(node, sink)
+
+    async def _watch_leadership(self, node: Node, sink: LeaderSink) -> int | None:
+        c = self.config.clustering
+        syncer = node.broker.syncer if node.broker is not None else None
+        last_check = last_status = time.monotonic()
+        while True:
+            await self._pause(POLL)
+            now = time.monotonic()
+            if self.stopping.is_set() or node.stopping.is_set():
+                await self._step_down_gracefully(node, sink)
+                return 0
+            if syncer is not None and syncer.sync_started is not None \
+                    and now - syncer.sync_started > c.disk_stall_timeout:
+                log.critical("fsync stalled for %.0fs: giving up the lease", now - syncer.sync_started)
+                sink.fence()
+                await self.etcd.revoke()
+                await run_hook(c.on_leader_lost, self.node_id, self.uri, "follower")
+                os._exit(1)  # the stuck fsync thread cannot be joined
+            lost = not self.etcd.lease_alive()
+            if not lost and now - last_check >= 1.0:
+                last_check = now
+                try:
+                    lost = not await self.etcd.still_leader()
+                except EtcdError as exc:
+                    log.warning("etcd: %s", exc)  # judged by lease_alive() once the TTL is up
+            if lost:
+                await self._abdicate(node, sink, "lease lost")
+                return None
+            if now - last_status >= STATUS_EVERY:
+                last_status = now
+                log.info("cluster status: %s", sink.status())
+
+    async def _abdicate(self, node: Node, sink: LeaderSink, why: str) -> None:
+        """Stop leading at once (no confirm after this), then rejoin as a follower."""
+        log.error("stepping down: %s", why)
+        sink.fence()
+        self._spawn(run_hook(self.config.clustering.on_leader_lost, self.node_id, self.uri, "follower"))
+        await sink.stop()
+        await node.shutdown()
+        node.release_lock()
+        self._lock()
+        await self.etcd.revoke()
+
+    async def _step_down_gracefully(self, node: Node, sink: LeaderSink) -> None:
+        log.info("shutting down: stopping the broker, then draining replication")
+        await node.shutdown()  # closes every store: their last bytes go through the sink
+        if not await sink.drain(DRAIN_TIMEOUT):
+            log.warning("replication drain timed out after %.0fs", DRAIN_TIMEOUT)
+        sink.fence()
+        await self.etcd.resign()
+        await self.etcd.revoke()
+        await sink.stop()
+        node.release_lock()
+        self._lock()
+        await run_hook(self.config.clustering.on_leader_lost, self.node_id, self.uri, "follower")
+
+
+def serve_clustered(config: Config) -> int:
+    """Run a cluster member until SIGTERM/SIGINT; returns the process exit code."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover
+        return asyncio.run(ClusterRunner(config).run())
+    return int(uvloop.run(ClusterRunner(config).run()))

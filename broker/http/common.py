@@ -1,0 +1,349 @@
+"""Shared pieces of the management API: JSON errors, auth, bodies, names, paging.
+
+Theory of operation
+-------------------
+Handlers raise ``ApiError(status, error, reason)``; the error middleware turns
+it (and aiohttp's own 404/405, and a model ``AMQPError``) into RabbitMQ's JSON
+error body ``{"error": ..., "reason": ...}``. The auth middleware checks HTTP
+basic credentials against the user store on every request (a salted SHA-256,
+cheap) and stores the ``User`` on the request; a user with none of the
+management tags is refused like a bad password (401), as RabbitMQ does.
+Privilege checks inside handlers (administrator-only, vhost access) answer 403.
+
+List endpoints share ``paginate``: ``sort``/``sort_reverse`` always apply,
+``name`` filters (substring, or regex with ``use_regex=true``), and with
+``page`` the answer becomes RabbitMQ's paged envelope (``items``,
+``page_count``, ``filtered_count``...). ``columns`` keeps only the named
+(dotted) fields.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import math
+import re
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from broker import errors
+from broker.auth.users import User
+from broker.http.state import Mgmt
+
+if TYPE_CHECKING:
+    from broker.net.session import Session
+
+MGMT_TAGS = frozenset({"administrator", "monitoring", "management", "policymaker"})
+MAX_NAME_BYTES = 255
+MAX_PAGE_SIZE = 500
+MAX_BODY = 64 * 1024 * 1024  # definitions of a large broker fit; aiohttp refuses anything bigger
+REALM = 'Basic realm="Skred Management"'
+
+MGMT_KEY: web.AppKey[Mgmt] = web.AppKey("mgmt", Mgmt)
+USER_KEY = "skred_user"
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, error: str, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.error = error
+        self.reason = reason
+
+
+def not_found(reason: str = "Not Found") -> ApiError:
+    return ApiError(404, "Object Not Found", reason)
+
+
+def bad_request(reason: str) -> ApiError:
+    return ApiError(400, "bad_request", reason)
+
+
+def forbidden(reason: str) -> ApiError:
+    return ApiError(403, "access_refused", reason)
+
+
+def error_response(status: int, error: str, reason: str) -> web.Response:
+    resp = web.json_response({"error": error, "reason": reason}, status=status)
+    if status == 401:
+        resp.headers["WWW-Authenticate"] = REALM
+    return resp
+
+
+_AMQP_STATUS = {404: 404, 403: 403, 405: 405, 406: 400, 530: 400, 503: 400, 540: 501}
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return error_response(exc.status, exc.error, exc.reason)
+    except errors.AMQPError as exc:
+        status = _AMQP_STATUS.get(exc.reply_code, 400)
+        error = "Object Not Found" if status == 404 else "bad_request" if status == 400 else "error"
+        return error_response(status, error, exc.reply_text)
+    except web.HTTPNotFound:
+        return error_response(404, "Object Not Found", "Not Found")
+    except web.HTTPMethodNotAllowed as exc:
+        resp = error_response(405, "method_not_allowed", f"{request.method} is not allowed here")
+        resp.headers["Allow"] = ",".join(sorted(exc.allowed_methods))
+        return resp
+    except web.HTTPRequestEntityTooLarge:
+        return error_response(413, "bad_request", "request body too large")
+
+
+def _credentials(request: web.Request) -> tuple[str, str] | None:
+    header = request.headers.get("Authorization", "")
+    scheme, _, value = header.partition(" ")
+    if scheme.lower() != "basic" or not value:
+        return None
+    try:
+        decoded = base64.b64decode(value.strip(), validate=True).decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+    user, sep, password = decoded.partition(":")
+    return (user, password) if sep else None
+
+
+def authenticate(request: web.Request) -> User:
+    mgmt = request.app[MGMT_KEY]
+    creds = _credentials(request)
+    if creds is None:
+        raise ApiError(401, "not_authorized", "Login failed")
+    users = mgmt.broker.users
+    user = users.authenticate(*creds)
+    if user is None or not users.allowed_from(user, request.remote or ""):
+        raise ApiError(401, "not_authorized", "Login failed")
+    if not MGMT_TAGS & set(user.tags):
+        raise ApiError(401, "not_authorized", "Not management user")
+    return user
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    if request.path.startswith("/api/") or request.path.startswith("/metrics"):
+        request[USER_KEY] = authenticate(request)
+    return await handler(request)
+
+
+# ------------------------------------------------------------------ privileges
+def user_of(request: web.Request) -> User:
+    user: User = request[USER_KEY]
+    return user
+
+
+def is_admin(user: User) -> bool:
+    return "administrator" in user.tags
+
+
+def sees_all(user: User) -> bool:
+    """Administrators and monitoring users see every vhost, connection and channel."""
+    return bool({"administrator", "monitoring"} & set(user.tags))
+
+
+def require_admin(request: web.Request) -> User:
+    user = user_of(request)
+    if not is_admin(user):
+        raise forbidden("Not administrator user")
+    return user
+
+
+def require_monitor(request: web.Request) -> User:
+    user = user_of(request)
+    if not sees_all(user):
+        raise forbidden("Not monitor user")
+    return user
+
+
+def can_see_vhost(request: web.Request, vhost: str) -> bool:
+    user = user_of(request)
+    return sees_all(user) or request.app[MGMT_KEY].broker.users.has_vhost_access(user, vhost)
+
+
+def visible_sessions(request: web.Request) -> list[Session]:
+    """Every connection for administrators and monitoring users; a user's own otherwise."""
+    user = user_of(request)
+    sessions = [s for s in request.app[MGMT_KEY].broker.connections if s.vhost]
+    if sees_all(user):
+        return sessions
+    return [s for s in sessions if s.username == user.name]
+
+
+def check_perm(request: web.Request, kind: str, vhost: str, resource: str) -> None:
+    """The AMQP permission the same action would need (configure/write/read)."""
+    users = request.app[MGMT_KEY].broker.users
+    user = user_of(request)
+    check = {"configure": users.can_configure, "write": users.can_write, "read": users.can_read}[kind]
+    if not check(user, vhost, resource):
+        raise forbidden(f"access to '{resource or 'amq.default'}' in vhost '{vhost}' refused "
+                        f"for user '{user.name}' ({kind})")
+
+
+# ------------------------------------------------------------ names and bodies
+def check_name(kind: str, name: str) -> str:
+    if not name:
+        raise bad_request(f"{kind} name must not be empty")
+    if len(name.encode("utf-8")) > MAX_NAME_BYTES:
+        raise bad_request(f"{kind} name is longer than {MAX_NAME_BYTES} bytes")
+    if any(ord(ch) < 32 or ord(ch) == 127 for ch in name):
+        raise bad_request(f"{kind} name contains control characters")
+    # Names never become file paths (the store hashes them), but a '.'/'..' path segment in a
+    # name is a traversal attempt or a client bug; refuse it rather than store it.
+    if any(part in (".", "..") for part in name.split("/")):
+        raise bad_request(f"{kind} name must not contain '.' or '..' path segments")
+    return name
+
+
+def match(request: web.Request, key: str) -> str:
+    return request.match_info[key]
+
+
+def vhost_param(request: web.Request, key: str = "vhost") -> str:
+    """The vhost named in the path; 404 when it does not exist or is not visible."""
+    name = request.match_info[key]
+    if name not in request.app[MGMT_KEY].broker.vhosts or not can_see_vhost(request, name):
+        raise not_found(f"vhost '{name}' not found")
+    return name
+
+
+async def json_body(request: web.Request, *, allowed: set[str] | None = None,
+                    required: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The request body as a JSON object (empty body: {}); 400 on anything else."""
+    raw = await request.read()
+    if not raw.strip():
+        body: Any = {}
+    else:
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise bad_request(f"body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request("body must be a JSON object")
+    if allowed is not None:
+        unknown = set(body) - allowed
+        if unknown:
+            raise bad_request(f"unknown fields: {', '.join(sorted(unknown))}")
+    missing = [k for k in required if k not in body]
+    if missing:
+        raise bad_request(f"missing fields: {', '.join(missing)}")
+    return body
+
+
+def get_bool(body: dict[str, Any], key: str, default: bool) -> bool:
+    value = body.get(key, default)
+    if isinstance(value, bool):
+        return value
+    if value in ("true", "false"):
+        return bool(value == "true")
+    raise bad_request(f"'{key}' must be a boolean")
+
+
+def get_str(body: dict[str, Any], key: str, default: str = "") -> str:
+    value = body.get(key, default)
+    if not isinstance(value, str):
+        raise bad_request(f"'{key}' must be a string")
+    return value
+
+
+def get_int(body: dict[str, Any], key: str, default: int, lo: int = 0, hi: int = 1 << 31) -> int:
+    value = body.get(key, default)
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        raise bad_request(f"'{key}' must be an integer between {lo} and {hi}")
+    return value
+
+
+def get_args(body: dict[str, Any], key: str = "arguments") -> dict[str, Any]:
+    value = body.get(key) or {}
+    if not isinstance(value, dict):
+        raise bad_request(f"'{key}' must be a JSON object")
+    return value
+
+
+# -------------------------------------------------------------------- paging
+def _lookup(item: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(item, dict):
+            return None
+        item = item.get(part)
+    return item
+
+
+def _sort_key(value: Any) -> tuple[int, Any]:
+    if value is None:
+        return (0, 0)
+    if isinstance(value, bool | int | float):
+        return (1, value)
+    return (2, str(value))
+
+
+def _columns(items: list[dict[str, Any]], columns: str) -> list[dict[str, Any]]:
+    wanted = [c.strip() for c in columns.split(",") if c.strip()]
+    out = []
+    for item in items:
+        picked: dict[str, Any] = {}
+        for col in wanted:
+            value = _lookup(item, col)
+            target = picked
+            parts = col.split(".")
+            for part in parts[:-1]:
+                target = target.setdefault(part, {})
+            target[parts[-1]] = value
+        out.append(picked)
+    return out
+
+
+def paginate(request: web.Request, items: list[dict[str, Any]]) -> web.Response:
+    q = request.query
+    name = q.get("name")
+    total = len(items)
+    if name:
+        if q.get("use_regex", "false").lower() == "true":
+            try:
+                rx = re.compile(name)
+            except re.error as exc:
+                raise bad_request(f"invalid name regex: {exc}") from None
+            items = [i for i in items if rx.search(str(i.get("name", "")))]
+        else:
+            items = [i for i in items if name.lower() in str(i.get("name", "")).lower()]
+    sort = q.get("sort")
+    if sort:
+        reverse = q.get("sort_reverse", "false").lower() == "true"
+        items = sorted(items, key=lambda i: _sort_key(_lookup(i, sort)), reverse=reverse)
+    if "columns" in q:
+        items = _columns(items, q["columns"])
+    if "page" not in q:
+        return web.json_response(items)
+    try:
+        page = int(q["page"])
+        page_size = int(q.get("page_size", "100"))
+    except ValueError:
+        raise bad_request("page and page_size must be integers") from None
+    if page < 1 or page_size < 1:
+        raise bad_request("page and page_size must be at least 1")
+    if page_size > MAX_PAGE_SIZE:
+        raise bad_request(f"page_size must be at most {MAX_PAGE_SIZE}")
+    filtered = len(items)
+    page_count = max(1, math.ceil(filtered / page_size))
+    if page > page_count:
+        raise bad_request(f"page {page} is out of range (page_count {page_count})")
+    chunk = items[(page - 1) * page_size: page * page_size]
+    return web.json_response({
+        "filtered_count": filtered, "item_count": len(chunk), "items": chunk, "page": page,
+        "page_count": page_count, "page_size": page_size, "total_count": total,
+    })
+
+
+def no_content() -> web.Response:
+    return web.Response(status=204)
+
+
+def created() -> web.Response:
+    return web.Response(status=201)

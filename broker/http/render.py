@@ -1,0 +1,200 @@
+"""Model objects as RabbitMQ management API JSON (field names as RabbitMQ 3.x uses them)."""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import decimal
+import hashlib
+import urllib.parse
+from typing import TYPE_CHECKING, Any
+
+from broker.model.exchange import Exchange
+from broker.model.queue import Queue
+from broker.model.vhost import VHost
+
+if TYPE_CHECKING:
+    from broker.http.state import Mgmt
+    from broker.net.session import ChannelState, Session
+
+
+def jsonable(value: Any) -> Any:
+    """AMQP field values (bytes, Decimal, datetime, nested tables) as JSON values."""
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(v) for v in value]
+    if isinstance(value, bytes | bytearray | memoryview):
+        raw = bytes(value)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return base64.b64encode(raw).decode("ascii")
+    if isinstance(value, decimal.Decimal):
+        return float(value)
+    if isinstance(value, datetime.datetime):
+        return int(value.timestamp())
+    return value
+
+
+def rate(value: float) -> dict[str, float]:
+    return {"rate": round(value, 2)}
+
+
+def queue_json(mgmt: Mgmt, q: Queue) -> dict[str, Any]:
+    ready = q.message_count
+    unacked = q.store.unacked_count
+    r_pub, r_del, r_ack, r_redel, r_ready, r_unacked = mgmt.rates.queue_rates(q)
+    exclusive_consumer = next((c.tag for c in q.consumers if c.exclusive), None)
+    out: dict[str, Any] = {
+        "name": q.name,
+        "vhost": q.vhost,
+        "durable": q.durable,
+        "auto_delete": q.auto_delete,
+        "exclusive": q.exclusive_owner is not None,
+        "arguments": jsonable(q.arguments),
+        "type": "classic",
+        "node": mgmt.node_name,
+        "state": "running",
+        "policy": None,
+        "consumers": len(q.consumers),
+        "exclusive_consumer_tag": exclusive_consumer,
+        "messages": ready + unacked,
+        "messages_details": rate(r_ready + r_unacked),
+        "messages_ready": ready,
+        "messages_ready_details": rate(r_ready),
+        "messages_unacknowledged": unacked,
+        "messages_unacknowledged_details": rate(r_unacked),
+        "message_bytes_ready": q.store.bytes_ready,
+        "message_stats": {
+            "publish": q.n_published, "publish_details": rate(r_pub),
+            "deliver_get": q.n_delivered, "deliver_get_details": rate(r_del),
+            "deliver": q.n_delivered, "deliver_details": rate(r_del),
+            "ack": q.n_acked, "ack_details": rate(r_ack),
+            "redeliver": q.n_redelivered, "redeliver_details": rate(r_redel),
+        },
+    }
+    owner = q.exclusive_owner
+    if owner is not None and hasattr(owner, "peer"):
+        out["owner_pid_details"] = {"name": mgmt.connection_name(owner),  # type: ignore[arg-type]
+                                    "peer_host": owner.peer[0], "peer_port": owner.peer[1]}
+    return out
+
+
+def exchange_json(mgmt: Mgmt, vhost: str, ex: Exchange) -> dict[str, Any]:
+    return {
+        "name": ex.name,
+        "vhost": vhost,
+        "type": ex.type,
+        "durable": ex.durable,
+        "auto_delete": ex.auto_delete,
+        "internal": ex.internal,
+        "arguments": jsonable(ex.arguments),
+        "policy": None,
+        "user_who_performed_action": "rmq-internal" if ex.name in ("",) or ex.name.startswith("amq.")
+        else "",
+    }
+
+
+def properties_key(routing_key: str, args: dict[str, Any]) -> str:
+    """RabbitMQ's binding id in URLs: the quoted key, plus ``~hash`` of the arguments if any."""
+    key = urllib.parse.quote(routing_key, safe="") if routing_key else "~"
+    if not args:
+        return key
+    digest = hashlib.md5(repr(sorted((str(k), repr(v)) for k, v in args.items())).encode(),
+                         usedforsecurity=False).digest()
+    return (urllib.parse.quote(routing_key, safe="") + "~"
+            + base64.urlsafe_b64encode(digest).decode().rstrip("="))
+
+
+def binding_json(vhost: str, source: str, dest: object, routing_key: str,
+                 args: dict[str, Any]) -> dict[str, Any]:
+    kind = "queue" if isinstance(dest, Queue) else "exchange"
+    return {
+        "source": source,
+        "vhost": vhost,
+        "destination": dest.name if isinstance(dest, Queue | Exchange) else str(dest),
+        "destination_type": kind,
+        "routing_key": routing_key,
+        "arguments": jsonable(args),
+        "properties_key": properties_key(routing_key, args),
+    }
+
+
+def vhost_bindings(vh: VHost) -> list[dict[str, Any]]:
+    out = []
+    for ex in vh.exchanges.values():
+        for dest, rk, args in ex.bindings():
+            out.append(binding_json(vh.name, ex.name, dest, rk, args))
+    return out
+
+
+def connection_json(mgmt: Mgmt, s: Session) -> dict[str, Any]:
+    host, port = mgmt.amqp_address or ("127.0.0.1", 0)
+    props = jsonable(s.client_properties)
+    return {
+        "name": mgmt.connection_name(s),
+        "node": mgmt.node_name,
+        "vhost": s.vhost,
+        "user": s.username,
+        "user_who_performed_action": s.username,
+        "state": "running",
+        "type": "network",
+        "protocol": "AMQP 0-9-1",
+        "auth_mechanism": "PLAIN",
+        "ssl": False,
+        "peer_host": s.peer[0],
+        "peer_port": s.peer[1],
+        "host": host,
+        "port": port,
+        "channels": len(s.chs),
+        "channel_max": s.channel_max,
+        "frame_max": s.frame_max,
+        "timeout": s.heartbeat,
+        "connected_at": int(s.connected_at * 1000),
+        "client_properties": props,
+    }
+
+
+def channel_json(mgmt: Mgmt, s: Session, chs: ChannelState) -> dict[str, Any]:
+    conn = mgmt.connection_name(s)
+    return {
+        "name": f"{conn} ({chs.id})",
+        "number": chs.id,
+        "node": mgmt.node_name,
+        "vhost": s.vhost,
+        "user": s.username,
+        "user_who_performed_action": s.username,
+        "state": "running" if chs.flow else "flow",
+        "connection_details": {"name": conn, "peer_host": s.peer[0], "peer_port": s.peer[1]},
+        "consumer_count": len(chs.consumers),
+        "messages_unacknowledged": len(chs.unacked),
+        "messages_unconfirmed": chs.publish_seq - chs.confirmed if chs.confirm else 0,
+        "messages_uncommitted": sum(1 for op in chs.tx or () if op[0] == "publish"),
+        "acks_uncommitted": sum(1 for op in chs.tx or () if op[0] != "publish"),
+        "prefetch_count": chs.prefetch,
+        "global_prefetch_count": chs.global_prefetch,
+        "confirm": chs.confirm,
+        "transactional": chs.tx is not None,
+    }
+
+
+def consumers_json(mgmt: Mgmt, s: Session, chs: ChannelState) -> list[dict[str, Any]]:
+    conn = mgmt.connection_name(s)
+    out = []
+    for c in chs.consumers.values():
+        out.append({
+            "consumer_tag": c.tag,
+            "queue": {"name": c.queue.name, "vhost": c.queue.vhost},
+            "ack_required": not c.no_ack,
+            "exclusive": c.exclusive,
+            "prefetch_count": c.prefetch,
+            "active": True,
+            "activity_status": "up",
+            "arguments": jsonable(c.arguments),
+            "channel_details": {
+                "name": f"{conn} ({chs.id})", "number": chs.id, "connection_name": conn,
+                "peer_host": s.peer[0], "peer_port": s.peer[1], "user": s.username, "node": mgmt.node_name,
+            },
+        })
+    return out

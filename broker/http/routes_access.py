@@ -1,0 +1,307 @@
+"""Vhosts, users, permissions and policies."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from broker.auth.passwords import ALGORITHMS, HASHING_ALGORITHM
+from broker.auth.users import User, UserStore
+from broker.http.common import (
+    MGMT_KEY,
+    ApiError,
+    bad_request,
+    can_see_vhost,
+    check_name,
+    created,
+    forbidden,
+    get_str,
+    is_admin,
+    json_body,
+    no_content,
+    not_found,
+    paginate,
+    require_admin,
+    user_of,
+    vhost_param,
+)
+from broker.http.policies import validate_policy
+from broker.http.render import rate
+
+routes = web.RouteTableDef()
+
+
+# --------------------------------------------------------------------- vhosts
+def _vhost_json(request: web.Request, name: str) -> dict[str, Any]:
+    mgmt = request.app[MGMT_KEY]
+    vh = mgmt.broker.vhosts[name]
+    ready = sum(q.message_count for q in vh.queues.values())
+    unacked = sum(q.store.unacked_count for q in vh.queues.values())
+    published = sum(q.n_published for q in vh.queues.values())
+    delivered = sum(q.n_delivered for q in vh.queues.values())
+    acked = sum(q.n_acked for q in vh.queues.values())
+    return {
+        "name": name, "description": "", "tags": [], "tracing": False,
+        "default_queue_type": "classic", "metadata": {"description": "", "tags": []},
+        "cluster_state": {mgmt.node_name: "running"},
+        "messages": ready + unacked, "messages_details": rate(0.0),
+        "messages_ready": ready, "messages_ready_details": rate(0.0),
+        "messages_unacknowledged": unacked, "messages_unacknowledged_details": rate(0.0),
+        "message_stats": {"publish": published, "deliver_get": delivered, "ack": acked},
+    }
+
+
+@routes.get("/api/vhosts")
+async def vhosts(request: web.Request) -> web.Response:
+    names = [n for n in sorted(request.app[MGMT_KEY].broker.vhosts) if can_see_vhost(request, n)]
+    return paginate(request, [_vhost_json(request, n) for n in names])
+
+
+@routes.get("/api/vhosts/{vhost}")
+async def vhost(request: web.Request) -> web.Response:
+    return web.json_response(_vhost_json(request, vhost_param(request)))
+
+
+@routes.put("/api/vhosts/{vhost}")
+async def put_vhost(request: web.Request) -> web.Response:
+    require_admin(request)
+    name = check_name("vhost", request.match_info["vhost"])
+    await json_body(request, allowed={"description", "tags", "tracing", "name", "default_queue_type",
+                                      "metadata"})
+    mgmt = request.app[MGMT_KEY]
+    if name in mgmt.broker.vhosts:
+        return no_content()
+    try:
+        mgmt.create_vhost(name)
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
+    return created()
+
+
+@routes.delete("/api/vhosts/{vhost}")
+async def delete_vhost(request: web.Request) -> web.Response:
+    require_admin(request)
+    name = vhost_param(request)
+    request.app[MGMT_KEY].delete_vhost(name)
+    return no_content()
+
+
+@routes.get("/api/vhosts/{vhost}/permissions")
+async def vhost_permissions(request: web.Request) -> web.Response:
+    require_admin(request)
+    name = vhost_param(request)
+    return paginate(request, [p for p in _all_permissions(request) if p["vhost"] == name])
+
+
+# ---------------------------------------------------------------------- users
+def _user_json(user: User) -> dict[str, Any]:
+    return {"name": user.name, "password_hash": user.password_hash,
+            "hashing_algorithm": user.hashing_algorithm, "tags": list(user.tags), "limits": {}}
+
+
+def _parse_tags(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [t.strip() for t in value.split(",") if t.strip()]
+    if isinstance(value, list) and all(isinstance(t, str) for t in value):
+        return [t.strip() for t in value if t.strip()]
+    raise bad_request("'tags' must be a comma-separated string or a list of strings")
+
+
+def _admins(request: web.Request) -> list[str]:
+    return [u.name for u in request.app[MGMT_KEY].broker.users.list() if is_admin(u)]
+
+
+@routes.get("/api/users")
+async def users(request: web.Request) -> web.Response:
+    require_admin(request)
+    return paginate(request, [_user_json(u) for u in request.app[MGMT_KEY].broker.users.list()])
+
+
+def _user(request: web.Request) -> User:
+    user = request.app[MGMT_KEY].broker.users.get(request.match_info["user"])
+    if user is None:
+        raise not_found()
+    return user
+
+
+@routes.get("/api/users/{user}")
+async def user(request: web.Request) -> web.Response:
+    require_admin(request)
+    return web.json_response(_user_json(_user(request)))
+
+
+def apply_user(request: web.Request, name: str, body: dict[str, Any]) -> bool:
+    """Create or update a user from a RabbitMQ user body; True when created. Validates first."""
+    store = request.app[MGMT_KEY].broker.users
+    check_name("user", name)
+    password = body.get("password")
+    password_hash = body.get("password_hash")
+    if password is not None and not isinstance(password, str):
+        raise bad_request("'password' must be a string")
+    if password_hash is not None and not isinstance(password_hash, str):
+        raise bad_request("'password_hash' must be a string")
+    if password is not None and password_hash is not None:
+        raise bad_request("give 'password' or 'password_hash', not both")
+    algorithm = get_str(body, "hashing_algorithm", HASHING_ALGORITHM)
+    if algorithm not in ALGORITHMS:
+        raise bad_request(f"unknown hashing_algorithm '{algorithm}'")
+    tags = _parse_tags(body.get("tags", []))
+    existing = store.get(name)
+    if existing is None and password is None and password_hash is None:
+        raise bad_request("password or password_hash must be set")
+    if existing is not None and is_admin(existing) and "administrator" not in tags \
+            and _admins(request) == [name]:
+        raise bad_request(f"cannot remove the administrator tag from the last administrator '{name}'")
+    try:
+        if existing is None:
+            store.add_user(name, password, tags, password_hash=password_hash)
+            if password_hash is not None and algorithm != HASHING_ALGORITHM:
+                _set_hash(store, name, password_hash, algorithm)
+            return True
+        store.set_tags(name, tags)
+        if password is not None:
+            store.set_password(name, password)
+        elif password_hash is not None:
+            _set_hash(store, name, password_hash, algorithm)
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
+    return False
+
+
+def _set_hash(store: UserStore, name: str, password_hash: str, algorithm: str) -> None:
+    # UserStore has no public setter for an imported hash (nor add_user(hashing_algorithm=));
+    # _replace is its single validated write path. TODO: a public set_password_hash().
+    store._replace(name, password_hash=password_hash, hashing_algorithm=algorithm)
+
+
+@routes.put("/api/users/{user}")
+async def put_user(request: web.Request) -> web.Response:
+    require_admin(request)
+    body = await json_body(request, allowed={"password", "password_hash", "hashing_algorithm", "tags",
+                                             "name", "limits"})
+    was_created = apply_user(request, request.match_info["user"], body)
+    return created() if was_created else no_content()
+
+
+@routes.delete("/api/users/{user}")
+async def delete_user(request: web.Request) -> web.Response:
+    require_admin(request)
+    target = _user(request)
+    if is_admin(target) and _admins(request) == [target.name]:
+        raise bad_request(f"cannot delete the last administrator '{target.name}'")
+    request.app[MGMT_KEY].broker.users.delete_user(target.name)
+    return no_content()
+
+
+@routes.get("/api/users/{user}/permissions")
+async def user_permissions(request: web.Request) -> web.Response:
+    require_admin(request)
+    target = _user(request)
+    return paginate(request, [p for p in _all_permissions(request) if p["user"] == target.name])
+
+
+# ---------------------------------------------------------------- permissions
+def _all_permissions(request: web.Request) -> list[dict[str, Any]]:
+    return [
+        {"user": u.name, "vhost": vhost, "configure": p.configure, "write": p.write, "read": p.read}
+        for u in request.app[MGMT_KEY].broker.users.list()
+        for vhost, p in sorted(u.permissions.items())
+    ]
+
+
+@routes.get("/api/permissions")
+async def permissions(request: web.Request) -> web.Response:
+    require_admin(request)
+    return paginate(request, _all_permissions(request))
+
+
+@routes.get("/api/permissions/{vhost}/{user}")
+async def permission(request: web.Request) -> web.Response:
+    require_admin(request)
+    vhost_name = vhost_param(request)
+    target = _user(request)
+    for p in _all_permissions(request):
+        if p["user"] == target.name and p["vhost"] == vhost_name:
+            return web.json_response(p)
+    raise not_found()
+
+
+@routes.put("/api/permissions/{vhost}/{user}")
+async def put_permission(request: web.Request) -> web.Response:
+    require_admin(request)
+    vhost_name = vhost_param(request)
+    target = _user(request)
+    body = await json_body(request, allowed={"configure", "write", "read", "user", "vhost"},
+                           required=("configure", "write", "read"))
+    values = [get_str(body, k) for k in ("configure", "write", "read")]
+    store = request.app[MGMT_KEY].broker.users
+    existed = vhost_name in target.permissions
+    try:
+        store.set_permissions(target.name, vhost_name, *values)
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
+    return no_content() if existed else created()
+
+
+@routes.delete("/api/permissions/{vhost}/{user}")
+async def delete_permission(request: web.Request) -> web.Response:
+    require_admin(request)
+    vhost_name = vhost_param(request)
+    target = _user(request)
+    if vhost_name not in target.permissions:
+        raise not_found()
+    request.app[MGMT_KEY].broker.users.clear_permissions(target.name, vhost_name)
+    return no_content()
+
+
+# ------------------------------------------------------------------- policies
+def _require_policymaker(request: web.Request, vhost_name: str) -> None:
+    user = user_of(request)
+    if not ({"administrator", "policymaker"} & set(user.tags)):
+        raise forbidden("Not policymaker user")
+    if not request.app[MGMT_KEY].broker.users.has_vhost_access(user, vhost_name):
+        raise forbidden(f"access to vhost '{vhost_name}' refused for user '{user.name}'")
+
+
+@routes.get("/api/policies")
+async def policies(request: web.Request) -> web.Response:
+    mgmt = request.app[MGMT_KEY]
+    return paginate(request, [p for p in mgmt.policies.list() if can_see_vhost(request, p["vhost"])])
+
+
+@routes.get("/api/policies/{vhost}")
+async def vhost_policies(request: web.Request) -> web.Response:
+    return paginate(request, request.app[MGMT_KEY].policies.list(vhost_param(request)))
+
+
+@routes.get("/api/policies/{vhost}/{name}")
+async def policy(request: web.Request) -> web.Response:
+    found = request.app[MGMT_KEY].policies.get(vhost_param(request), request.match_info["name"])
+    if found is None:
+        raise not_found()
+    return web.json_response(found)
+
+
+@routes.put("/api/policies/{vhost}/{name}")
+async def put_policy(request: web.Request) -> web.Response:
+    vhost_name = vhost_param(request)
+    _require_policymaker(request, vhost_name)
+    body = await json_body(request)
+    try:
+        policy_doc = validate_policy(vhost_name, check_name("policy", request.match_info["name"]), body)
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
+    return created() if request.app[MGMT_KEY].policies.put(policy_doc) else no_content()
+
+
+@routes.delete("/api/policies/{vhost}/{name}")
+async def delete_policy(request: web.Request) -> web.Response:
+    vhost_name = vhost_param(request)
+    _require_policymaker(request, vhost_name)
+    if not request.app[MGMT_KEY].policies.delete(vhost_name, request.match_info["name"]):
+        raise not_found()
+    return no_content()
+
+
+__all__ = ["routes", "apply_user", "ApiError"]

@@ -1,0 +1,271 @@
+"""Node-level endpoints: overview, whoami, nodes, aliveness-test, connections, channels, consumers."""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from typing import Any
+
+from aiohttp import web
+from pamqp import commands
+
+from broker import __version__
+from broker.http.common import (
+    MGMT_KEY,
+    can_see_vhost,
+    forbidden,
+    is_admin,
+    no_content,
+    not_found,
+    paginate,
+    require_monitor,
+    sees_all,
+    user_of,
+    vhost_param,
+    visible_sessions,
+)
+from broker.http.render import channel_json, connection_json, consumers_json, rate
+from broker.model.exchange import EXCHANGE_TYPES
+
+routes = web.RouteTableDef()
+
+
+def _totals(request: web.Request) -> dict[str, Any]:
+    mgmt = request.app[MGMT_KEY]
+    ready = unacked = consumers = queues = exchanges = 0
+    for name, vh in mgmt.broker.vhosts.items():
+        if not can_see_vhost(request, name):
+            continue
+        exchanges += len(vh.exchanges)
+        for q in vh.queues.values():
+            queues += 1
+            ready += q.message_count
+            unacked += q.store.unacked_count
+            consumers += len(q.consumers)
+    sessions = visible_sessions(request)
+    return {"ready": ready, "unacked": unacked, "consumers": consumers, "queues": queues,
+            "exchanges": exchanges, "connections": len(sessions),
+            "channels": sum(len(s.chs) for s in sessions)}
+
+
+@routes.get("/api/overview")
+async def overview(request: web.Request) -> web.Response:
+    mgmt = request.app[MGMT_KEY]
+    stats = mgmt.broker.stats
+    r = mgmt.rates.global_rates
+    t = _totals(request)
+    listeners = []
+    for proto, addr in (("amqp", mgmt.amqp_address), ("http", mgmt.http_address),
+                        ("http/prometheus", mgmt.metrics_address)):
+        if addr is not None:
+            listeners.append({"node": mgmt.node_name, "protocol": proto, "ip_address": addr[0],
+                              "port": addr[1]})
+    return web.json_response({
+        "management_version": __version__,
+        "product_name": "Skred",
+        "product_version": __version__,
+        "rabbitmq_version": "3.10.0",
+        "erlang_version": f"Python {platform.python_version()}",
+        "erlang_full_version": f"Python {platform.python_version()} on {platform.system()}",
+        "cluster_name": mgmt.cluster_name,
+        "node": mgmt.node_name,
+        "rates_mode": "basic",
+        "disable_stats": False,
+        "enable_queue_totals": True,
+        "exchange_types": [{"name": t_, "description": "", "enabled": True} for t_ in EXCHANGE_TYPES],
+        "message_stats": {
+            "publish": stats.published, "publish_details": rate(r["published"]),
+            "deliver_get": stats.delivered, "deliver_get_details": rate(r["delivered"]),
+            "ack": stats.acked, "ack_details": rate(r["acked"]),
+            "confirm": stats.confirmed, "confirm_details": rate(r["confirmed"]),
+            "return_unroutable": stats.unroutable, "return_unroutable_details": rate(r["unroutable"]),
+        },
+        "churn_rates": {"connection_created": stats.connections_opened},
+        "queue_totals": {
+            "messages": t["ready"] + t["unacked"], "messages_ready": t["ready"],
+            "messages_unacknowledged": t["unacked"],
+        },
+        "object_totals": {k: t[k] for k in ("channels", "connections", "consumers", "exchanges", "queues")},
+        "statistics_db_event_queue": 0,
+        "listeners": listeners,
+        "contexts": [{"node": mgmt.node_name, "description": "Skred Management", "path": "/",
+                      "port": str(mgmt.http_address[1]) if mgmt.http_address else ""}],
+    })
+
+
+@routes.get("/api/cluster-name")
+async def cluster_name(request: web.Request) -> web.Response:
+    return web.json_response({"name": request.app[MGMT_KEY].cluster_name})
+
+
+@routes.get("/api/whoami")
+async def whoami(request: web.Request) -> web.Response:
+    user = user_of(request)
+    return web.json_response({"name": user.name, "tags": list(user.tags)})
+
+
+def _node_json(request: web.Request) -> dict[str, Any]:
+    mgmt = request.app[MGMT_KEY]
+    uptime_ms = int(mgmt.uptime_seconds() * 1000)
+    return {
+        "name": mgmt.node_name,
+        "type": "disc",
+        "running": True,
+        "being_drained": False,
+        "os_pid": str(os.getpid()),
+        "uptime": uptime_ms,
+        "processors": os.cpu_count() or 1,
+        "mem_used": mgmt.resident_memory(),
+        "mem_limit": 0,
+        "mem_alarm": False,
+        "disk_free": mgmt.disk_free(),
+        "disk_free_limit": 50_000_000,
+        "disk_free_alarm": False,
+        "fd_used": mgmt.open_fds(),
+        "fd_total": mgmt.max_fds(),
+        "sockets_used": len(mgmt.broker.connections),
+        "sockets_total": mgmt.max_fds(),
+        "proc_used": 1,
+        "proc_total": 1,
+        "run_queue": 0,
+        "rates_mode": "basic",
+        "applications": [{"name": "skred", "description": "Skred broker", "version": __version__}],
+        "partitions": [],
+    }
+
+
+@routes.get("/api/nodes")
+async def nodes(request: web.Request) -> web.Response:
+    require_monitor(request)
+    return paginate(request, [_node_json(request)])
+
+
+@routes.get("/api/nodes/{node}")
+async def node(request: web.Request) -> web.Response:
+    require_monitor(request)
+    if request.match_info["node"] != request.app[MGMT_KEY].node_name:
+        raise not_found()
+    return web.json_response(_node_json(request))
+
+
+ALIVENESS_QUEUE = "aliveness-test"
+
+
+@routes.get("/api/aliveness-test/{vhost}")
+async def aliveness(request: web.Request) -> web.Response:
+    """Declare a queue, publish to it and get the message back, as RabbitMQ does."""
+    vhost = vhost_param(request)
+    vh = request.app[MGMT_KEY].broker.vhosts[vhost]
+    q, _ = vh.declare_queue(ALIVENESS_QUEUE, durable=False, owner=None)
+    q.purge()
+    body = b"test_message"
+    q.publish(int(time.time() * 1000), b"", ALIVENESS_QUEUE.encode(),
+              commands.Basic.Properties().marshal(), body, False)
+    got = q.get()
+    if got is None or got[4] != body:
+        return web.json_response({"status": "failed", "reason": "message not returned"}, status=503)
+    q.ack(got[0])
+    return web.json_response({"status": "ok"})
+
+
+@routes.get("/api/health/checks/alarms")
+async def health_alarms(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+# ---------------------------------------------------------------- connections
+@routes.get("/api/connections")
+async def connections(request: web.Request) -> web.Response:
+    mgmt = request.app[MGMT_KEY]
+    return paginate(request, [connection_json(mgmt, s) for s in visible_sessions(request)])
+
+
+@routes.get("/api/vhosts/{vhost}/connections")
+async def vhost_connections(request: web.Request) -> web.Response:
+    vhost = vhost_param(request)
+    mgmt = request.app[MGMT_KEY]
+    return paginate(request, [connection_json(mgmt, s) for s in visible_sessions(request)
+                              if s.vhost == vhost])
+
+
+def _connection(request: web.Request) -> Any:
+    mgmt = request.app[MGMT_KEY]
+    session = mgmt.find_connection(request.match_info["name"])
+    if session is None or session not in visible_sessions(request):
+        raise not_found()
+    return session
+
+
+@routes.get("/api/connections/{name}")
+async def connection(request: web.Request) -> web.Response:
+    return web.json_response(connection_json(request.app[MGMT_KEY], _connection(request)))
+
+
+@routes.delete("/api/connections/{name}")
+async def close_connection(request: web.Request) -> web.Response:
+    session = _connection(request)
+    user = user_of(request)
+    if not is_admin(user) and session.username != user.name:
+        raise forbidden("Not administrator user")
+    reason = request.headers.get("X-Reason", "Closed via management plugin")
+    request.app[MGMT_KEY].close_connection(session, reason)
+    return no_content()
+
+
+@routes.get("/api/connections/{name}/channels")
+async def connection_channels(request: web.Request) -> web.Response:
+    session = _connection(request)
+    mgmt = request.app[MGMT_KEY]
+    return paginate(request, [channel_json(mgmt, session, c) for c in session.chs.values()])
+
+
+# ------------------------------------------------------------------- channels
+def _all_channels(request: web.Request, vhost: str | None = None) -> list[dict[str, Any]]:
+    mgmt = request.app[MGMT_KEY]
+    return [channel_json(mgmt, s, c) for s in visible_sessions(request)
+            if vhost is None or s.vhost == vhost for c in s.chs.values()]
+
+
+@routes.get("/api/channels")
+async def channels(request: web.Request) -> web.Response:
+    return paginate(request, _all_channels(request))
+
+
+@routes.get("/api/vhosts/{vhost}/channels")
+async def vhost_channels(request: web.Request) -> web.Response:
+    return paginate(request, _all_channels(request, vhost_param(request)))
+
+
+@routes.get("/api/channels/{name}")
+async def channel(request: web.Request) -> web.Response:
+    name = request.match_info["name"]
+    for item in _all_channels(request):
+        if item["name"] == name:
+            return web.json_response(item)
+    raise not_found()
+
+
+# ------------------------------------------------------------------ consumers
+def _consumers(request: web.Request, vhost: str | None = None) -> list[dict[str, Any]]:
+    mgmt = request.app[MGMT_KEY]
+    user = user_of(request)
+    out: list[dict[str, Any]] = []
+    for s in mgmt.broker.connections:
+        if vhost is not None and s.vhost != vhost:
+            continue
+        if not (sees_all(user) or can_see_vhost(request, s.vhost)):
+            continue
+        for chs in s.chs.values():
+            out.extend(consumers_json(mgmt, s, chs))
+    return out
+
+
+@routes.get("/api/consumers")
+async def consumers(request: web.Request) -> web.Response:
+    return paginate(request, _consumers(request))
+
+
+@routes.get("/api/consumers/{vhost}")
+async def vhost_consumers(request: web.Request) -> web.Response:
+    return paginate(request, _consumers(request, vhost_param(request)))

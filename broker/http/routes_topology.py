@@ -1,0 +1,425 @@
+"""Exchanges, queues and bindings: list, get, declare, delete, publish, get messages, purge."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import datetime
+import struct
+import time
+import urllib.parse
+from typing import Any
+
+from aiohttp import web
+from pamqp import commands
+
+from broker.http.common import (
+    MGMT_KEY,
+    bad_request,
+    can_see_vhost,
+    check_name,
+    check_perm,
+    created,
+    forbidden,
+    get_args,
+    get_bool,
+    get_int,
+    get_str,
+    json_body,
+    no_content,
+    not_found,
+    paginate,
+    vhost_param,
+)
+from broker.http.render import binding_json, exchange_json, jsonable, queue_json, vhost_bindings
+from broker.model.exchange import EXCHANGE_TYPES, Exchange
+from broker.model.queue import Queue
+from broker.model.vhost import VHost
+
+routes = web.RouteTableDef()
+
+DEFAULT_EXCHANGE_ALIAS = "amq.default"  # how the management API names the default exchange in URLs
+
+
+def _vh(request: web.Request) -> VHost:
+    return request.app[MGMT_KEY].broker.vhosts[vhost_param(request)]
+
+
+def _exchange_name(request: web.Request, key: str = "name") -> str:
+    name = request.match_info[key]
+    return "" if name == DEFAULT_EXCHANGE_ALIAS else name
+
+
+def _exchange(request: web.Request, vh: VHost, key: str = "name") -> Exchange:
+    ex = vh.exchanges.get(_exchange_name(request, key))
+    if ex is None:
+        raise not_found()
+    return ex
+
+
+def _queue(request: web.Request, vh: VHost, key: str = "name") -> Queue:
+    q = vh.queues.get(request.match_info[key])
+    if q is None:
+        raise not_found()
+    return q
+
+
+def _visible_vhosts(request: web.Request) -> list[VHost]:
+    mgmt = request.app[MGMT_KEY]
+    return [vh for name, vh in sorted(mgmt.broker.vhosts.items()) if can_see_vhost(request, name)]
+
+
+# ------------------------------------------------------------------ exchanges
+@routes.get("/api/exchanges")
+async def exchanges(request: web.Request) -> web.Response:
+    mgmt = request.app[MGMT_KEY]
+    return paginate(request, [exchange_json(mgmt, vh.name, ex) for vh in _visible_vhosts(request)
+                              for ex in vh.exchanges.values()])
+
+
+@routes.get("/api/exchanges/{vhost}")
+async def vhost_exchanges(request: web.Request) -> web.Response:
+    vh = _vh(request)
+    mgmt = request.app[MGMT_KEY]
+    return paginate(request, [exchange_json(mgmt, vh.name, ex) for ex in vh.exchanges.values()])
+
+
+@routes.get("/api/exchanges/{vhost}/{name}")
+async def exchange(request: web.Request) -> web.Response:
+    vh = _vh(request)
+    return web.json_response(exchange_json(request.app[MGMT_KEY], vh.name, _exchange(request, vh)))
+
+
+@routes.put("/api/exchanges/{vhost}/{name}")
+async def put_exchange(request: web.Request) -> web.Response:
+    vh = _vh(request)
+    name = check_name("exchange", request.match_info["name"])
+    body = await json_body(request, allowed={"type", "durable", "auto_delete", "internal", "arguments",
+                                             "name", "vhost", "user_who_performed_action"},
+                           required=("type",))
+    type_ = get_str(body, "type")
+    if type_ not in EXCHANGE_TYPES:
+        raise bad_request(f"unknown exchange type '{type_}'")
+    durable = get_bool(body, "durable", True)
+    auto_delete = get_bool(body, "auto_delete", False)
+    internal = get_bool(body, "internal", False)
+    arguments = get_args(body)
+    check_perm(request, "configure", vh.name, name)
+    existed = name in vh.exchanges
+    vh.declare_exchange(name, type_, durable=durable, auto_delete=auto_delete, internal=internal,
+                        arguments=arguments)
+    return no_content() if existed else created()
+
+
+@routes.delete("/api/exchanges/{vhost}/{name}")
+async def delete_exchange(request: web.Request) -> web.Response:
+    vh = _vh(request)
+    ex = _exchange(request, vh)
+    check_perm(request, "configure", vh.name, ex.name)
+    vh.delete_exchange(ex.name, if_unused=request.query.get("if-unused") == "true")
+    return no_content()
+
+
+@routes.get("/api/exchanges/{vhost}/{name}/bindings/source")
+async def exchange_bindings_source(request: web.Request) -> web.Response:
+    vh = _vh(request)
+    ex = _exchange(request, vh)
+    return paginate(request, [binding_json(vh.name, ex.name, d, rk, a) for d, rk, a in ex.bindings()])
+
+
+@routes.get("/api/exchanges/{vhost}/{name}/bindings/destination")
+async def exchange_bindings_destination(request: web.Request) -> web.Response:
+    vh = _vh(request)
+    ex = _exchange(request, vh)
+    return paginate(request, [b for b in vhost_bindings(vh)
+                              if b["destination_type"] == "exchange" and b["destination"] == ex.name])
+
+
+PROPERTY_FIELDS = {"content_type": "content_type", "content_encoding": "content_encoding",
+                   "headers": "headers", "delivery_mode": "delivery_mode", "priority": "priority",
+                   "correlation_id": "correlation_id", "reply_to": "reply_to",
+                   "expiration": "expiration", "message_id": "message_id", "timestamp": "timestamp",
+                   "type": "message_type", "user_id": "user_id", "app_id": "app_id"}
+
+
+def _properties(raw: Any) -> commands.Basic.Properties:
+    if not isinstance(raw, dict):
+        raise bad_request("'properties' must be a JSON object")
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        field = PROPERTY_FIELDS.get(key)
+        if field is None:
+            raise bad_request(f"unknown message property '{key}'")
+        if field == "timestamp" and isinstance(value, int):
+            value = datetime.datetime.fromtimestamp(value, datetime.UTC)
+        kwargs[field] = value
+    try:
+        props = commands.Basic.Properties(**kwargs)
+        props.marshal()
+    except (TypeError, ValueError, struct.error) as exc:
+        raise bad_request(f"invalid message properties: {exc}") from None
+    return props
+
+
+@routes.post("/api/exchanges/{vhost}/{name}/publish")
+async def publish(request: web.Request) -> web.Response:
+    vh = _vh(request)
+    ex = _exchange(request, vh)
+    body = await json_body(request, allowed={"properties", "routing_key", "payload", "payload_encoding",
+                                             "name", "vhost", "props", "delivery_mode", "headers"},
+                           required=("properties", "routing_key", "payload", "payload_encoding"))
+    routing_key = get_str(body, "routing_key")
+    if len(routing_key.encode()) > 255:
+        raise bad_request("routing_key is longer than 255 bytes")
+    encoding = get_str(body, "payload_encoding")
+    payload = get_str(body, "payload")
+    if encoding == "string":
+        data = payload.encode("utf-8")
+    elif encoding == "base64":
+        try:
+            data = base64.b64decode(payload, validate=True)
+        except binascii.Error:
+            raise bad_request("payload is not valid base64") from None
+    else:
+        raise bad_request("payload_encoding must be 'string' or 'base64'")
+    props = _properties(body["properties"])
+    if ex.internal:
+        raise forbidden(f"cannot publish to internal exchange '{ex.name}'")
+    check_perm(request, "write", vh.name, ex.name)
+    broker = request.app[MGMT_KEY].broker
+    broker.stats.published += 1
+    if ex.name == "":
+        q = vh.queues.get(routing_key)
+        queues = [q] if q is not None else []
+    else:
+        headers = dict(props.headers) if props.headers else None
+        queues = vh.route(ex, routing_key, lambda: headers)
+    if queues:
+        props_bytes = bytes(props.marshal())
+        persistent = props.delivery_mode == 2
+        ts = int(time.time() * 1000)
+        for q in queues:
+            q.publish(ts, ex.name.encode(), routing_key.encode(), props_bytes, data, persistent)
+    else:
+        broker.stats.unroutable += 1
+    return web.json_response({"routed": bool(queues)})
+
+
+# --------------------------------------------------------------------- queues
+@routes.get("/api/queues")
+async def queues(request: web.Request) -> web.Response:
+    mgmt = request.app[MGMT_KEY]
+    return paginate(request, [queue_json(mgmt, q) for vh in _visible_vhosts(request)
+                              for q in vh.queues.values()])
+
+
+@routes.get("/api/queues/{vhost}")
+async def vhost_queues(request: web.Request) -> web.Response:
+    vh = _vh(request)
+    mgmt = request.app[MGMT_KEY]
+    return paginate(request, [queue_json(mgmt, q) for q in vh.queues.values()])
+
+
+@routes.get("/api/queues/{vhost}/{name}")
+async def queue(request: web.Request) -> web.Response:
+    vh = _vh(request)
+    return web.json_response(queue_json(request.app[MGMT_KEY], _queue(request, vh)))
+
+
+@routes.put("/api/queues/{vhost}/{name}")
+async def put_queue(request: web.Request) -> web.Response:
+    vh = _vh(request)
+    name = check_name("queue", request.match_info["name"])
+    body = await json_body(request, allowed={"durable", "auto_delete", "arguments", "node", "name",
+                                             "vhost", "type"})
+    durable = get_bool(body, "durable", True)
+    auto_delete = get_bool(body, "auto_delete", False)
+    arguments = get_args(body)
+    qtype = body.get("type", arguments.get("x-queue-type", "classic"))
+    if qtype != "classic":
+        raise bad_request(f"queue type '{qtype}' is not supported")
+    check_perm(request, "configure", vh.name, name)
+    _q, was_created = vh.declare_queue(name, durable=durable, auto_delete=auto_delete,
+                                       arguments=arguments, owner=None)
+    return created() if was_created else no_content()
+
+
+@routes.delete("/api/queues/{vhost}/{name}")
+async def delete_queue(request: web.Request) -> web.Response:
+    vh = _vh(request)
+    q = _queue(request, vh)
+    check_perm(request, "configure", vh.name, q.name)
+    vh.delete_queue(q.name, if_unused=request.query.get("if-unused") == "true",
+                    if_empty=request.query.get("if-empty") == "true", owner=q.exclusive_owner)
+    return no_content()
+
+
+@routes.delete("/api/queues/{vhost}/{name}/contents")
+async def purge_queue(request: web.Request) -> web.Response:
+    vh = _vh(request)
+    q = _queue(request, vh)
+    check_perm(request, "read", vh.name, q.name)
+    q.purge()
+    return no_content()
+
+
+@routes.get("/api/queues/{vhost}/{name}/bindings")
+async def queue_bindings(request: web.Request) -> web.Response:
+    vh = _vh(request)
+    q = _queue(request, vh)
+    return paginate(request, [b for b in vhost_bindings(vh)
+                              if b["destination_type"] == "queue" and b["destination"] == q.name])
+
+
+ACK_MODES = ("ack_requeue_true", "ack_requeue_false", "reject_requeue_true", "reject_requeue_false")
+
+
+def _decode_props(raw: bytes) -> dict[str, Any]:
+    if len(raw) < 2:
+        return {}
+    p = commands.Basic.Properties()
+    try:
+        p.unmarshal(struct.unpack_from(">H", raw, 0)[0], raw[2:])
+    except Exception:  # noqa: BLE001 - a client sent odd properties; show none rather than fail
+        return {}
+    names = {v: k for k, v in PROPERTY_FIELDS.items()}
+    return {names[k]: jsonable(v) for k, v in dict(p).items() if k in names and v not in (None, "")}
+
+
+@routes.post("/api/queues/{vhost}/{name}/get")
+async def get_messages(request: web.Request) -> web.Response:
+    vh = _vh(request)
+    q = _queue(request, vh)
+    body = await json_body(request, allowed={"count", "ackmode", "encoding", "truncate", "requeue",
+                                             "name", "vhost"}, required=("count", "ackmode", "encoding"))
+    count = get_int(body, "count", 1, 1, 10_000)
+    ackmode = get_str(body, "ackmode")
+    if ackmode not in ACK_MODES:
+        raise bad_request(f"ackmode must be one of {', '.join(ACK_MODES)}")
+    encoding = get_str(body, "encoding")
+    if encoding not in ("auto", "base64"):
+        raise bad_request("encoding must be 'auto' or 'base64'")
+    truncate = get_int(body, "truncate", 0, 0, 1 << 31) if "truncate" in body else None
+    check_perm(request, "read", vh.name, q.name)
+    taken = []
+    for _ in range(count):
+        got = q.get()
+        if got is None:
+            break
+        taken.append(got)
+    out = []
+    remaining = q.message_count
+    for _msgid, exchange_b, rk, props, payload, redelivered in taken:
+        shown = payload[:truncate] if truncate is not None else payload
+        text: str | None = None
+        if encoding == "auto":
+            try:
+                text = shown.decode("utf-8")
+            except UnicodeDecodeError:
+                text = None
+        out.append({
+            "payload_bytes": len(payload),
+            "redelivered": redelivered,
+            "exchange": exchange_b.decode(errors="replace"),
+            "routing_key": rk.decode(errors="replace"),
+            "message_count": remaining,
+            "properties": _decode_props(props),
+            "payload": text if text is not None else base64.b64encode(shown).decode(),
+            "payload_encoding": "string" if text is not None else "base64",
+        })
+    # Settle after taking them all, so a requeued message is not fetched twice in one request.
+    requeue = ackmode.endswith("_true")
+    stats = request.app[MGMT_KEY].broker.stats
+    stats.delivered += len(taken)
+    for msgid, *_rest in taken:
+        if requeue:
+            q.reject(msgid, True)
+        else:
+            q.ack(msgid)
+    return web.json_response(out)
+
+
+# ------------------------------------------------------------------- bindings
+@routes.get("/api/bindings")
+async def bindings(request: web.Request) -> web.Response:
+    return paginate(request, [b for vh in _visible_vhosts(request) for b in vhost_bindings(vh)])
+
+
+@routes.get("/api/bindings/{vhost}")
+async def vhost_bindings_route(request: web.Request) -> web.Response:
+    return paginate(request, vhost_bindings(_vh(request)))
+
+
+def _ends(request: web.Request) -> tuple[VHost, Exchange, Exchange | Queue]:
+    vh = _vh(request)
+    source = _exchange(request, vh, "source")
+    kind = request.match_info["kind"]
+    dest: Exchange | Queue
+    if kind == "q":
+        dest = _queue(request, vh, "dest")
+    elif kind == "e":
+        dest = _exchange(request, vh, "dest")
+    else:
+        raise not_found()
+    return vh, source, dest
+
+
+def _pair_bindings(vh: VHost, source: Exchange, dest: Exchange | Queue) -> list[dict[str, Any]]:
+    return [binding_json(vh.name, source.name, d, rk, a) for d, rk, a in source.bindings() if d is dest]
+
+
+@routes.get("/api/bindings/{vhost}/e/{source}/{kind:[qe]}/{dest}")
+async def pair_bindings(request: web.Request) -> web.Response:
+    vh, source, dest = _ends(request)
+    return paginate(request, _pair_bindings(vh, source, dest))
+
+
+@routes.post("/api/bindings/{vhost}/e/{source}/{kind:[qe]}/{dest}")
+async def create_binding(request: web.Request) -> web.Response:
+    vh, source, dest = _ends(request)
+    body = await json_body(request, allowed={"routing_key", "arguments", "vhost", "source",
+                                             "destination", "destination_type"})
+    routing_key = get_str(body, "routing_key")
+    if len(routing_key.encode()) > 255:
+        raise bad_request("routing_key is longer than 255 bytes")
+    arguments = get_args(body)
+    check_perm(request, "write", vh.name, dest.name)
+    check_perm(request, "read", vh.name, source.name)
+    if isinstance(dest, Queue):
+        vh.bind_queue(dest.name, source.name, routing_key, arguments, owner=dest.exclusive_owner)
+    else:
+        vh.bind_exchange(dest.name, source.name, routing_key, arguments)
+    resp = created()
+    resp.headers["Location"] = binding_json(vh.name, source.name, dest, routing_key, arguments)[
+        "properties_key"]
+    return resp
+
+
+def _find_binding(request: web.Request) -> tuple[VHost, Exchange, Exchange | Queue, dict[str, Any]]:
+    vh, source, dest = _ends(request)
+    props = request.match_info["props"]
+    for b in _pair_bindings(vh, source, dest):
+        key = b["properties_key"]
+        if props in (key, urllib.parse.unquote(key)):
+            return vh, source, dest, b
+    raise not_found()
+
+
+@routes.get("/api/bindings/{vhost}/e/{source}/{kind:[qe]}/{dest}/{props}")
+async def binding(request: web.Request) -> web.Response:
+    return web.json_response(_find_binding(request)[3])
+
+
+@routes.delete("/api/bindings/{vhost}/e/{source}/{kind:[qe]}/{dest}/{props}")
+async def delete_binding(request: web.Request) -> web.Response:
+    vh, source, dest, b = _find_binding(request)
+    check_perm(request, "write", vh.name, dest.name)
+    check_perm(request, "read", vh.name, source.name)
+    # Unbind with the model's own argument dict (JSON rendering may have changed value types).
+    args = next(a for d, rk, a in source.bindings() if d is dest and rk == b["routing_key"]
+                and binding_json(vh.name, source.name, d, rk, a)["properties_key"] == b["properties_key"])
+    if isinstance(dest, Queue):
+        vh.unbind_queue(dest.name, source.name, b["routing_key"], args, owner=dest.exclusive_owner)
+    else:
+        vh.unbind_exchange(dest.name, source.name, b["routing_key"], args)
+    return no_content()

@@ -1,0 +1,189 @@
+"""The management HTTP listener (API + authenticated /metrics) and the open metrics listener.
+
+``MgmtServer.start()`` binds the management port (``[mgmt] bind/port``) and the
+Prometheus port (``[mgmt] metrics_bind/metrics_port``) on the running event
+loop, and starts the rate sampler; ``stop()`` closes both. Port 0 picks a free
+port; the bound addresses are returned and kept on ``Mgmt`` for the overview.
+Failing to bind the management port is fatal (an operator asked for it); failing
+to bind the metrics port is logged and the node runs on, since the same metrics
+are served on the management port.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from aiohttp import web
+
+from broker.http import definitions
+from broker.http.common import (
+    MAX_BODY,
+    MGMT_KEY,
+    auth_middleware,
+    bad_request,
+    error_middleware,
+    no_content,
+    require_admin,
+    sees_all,
+    user_of,
+    vhost_param,
+)
+from broker.http.routes_access import routes as access_routes
+from broker.http.routes_node import routes as node_routes
+from broker.http.routes_topology import routes as topology_routes
+from broker.http.state import Mgmt
+from broker.metrics import CONTENT_TYPE, Metrics
+
+log = logging.getLogger(__name__)
+
+METRICS_KEY: web.AppKey[Metrics] = web.AppKey("metrics", Metrics)
+
+
+# ---------------------------------------------------------------- definitions
+def _definitions_response(request: web.Request, doc: dict[str, Any]) -> web.Response:
+    resp = web.json_response(doc, dumps=lambda d: json.dumps(d, indent=2))
+    download = request.query.get("download")
+    if download:
+        safe = "".join(c for c in download if c.isalnum() or c in "._-") or "definitions.json"
+        resp.headers["Content-Disposition"] = f'attachment; filename="{safe}"'
+    return resp
+
+
+async def _import(request: web.Request, vhost: str | None) -> web.Response:
+    raw = await request.read()
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad_request(f"body is not valid JSON: {exc}") from None
+    try:
+        definitions.import_definitions(request.app[MGMT_KEY], doc, vhost)
+    except definitions.DefinitionsError as exc:
+        raise bad_request(str(exc)) from None
+    return no_content()
+
+
+async def get_definitions(request: web.Request) -> web.Response:
+    require_admin(request)
+    return _definitions_response(request, definitions.export(request.app[MGMT_KEY]))
+
+
+async def post_definitions(request: web.Request) -> web.Response:
+    require_admin(request)
+    return await _import(request, None)
+
+
+async def get_vhost_definitions(request: web.Request) -> web.Response:
+    require_admin(request)
+    return _definitions_response(request, definitions.export(request.app[MGMT_KEY], vhost_param(request)))
+
+
+async def post_vhost_definitions(request: web.Request) -> web.Response:
+    require_admin(request)
+    return await _import(request, vhost_param(request))
+
+
+# -------------------------------------------------------------------- metrics
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[METRICS_KEY].render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+async def metrics_detailed(request: web.Request) -> web.Response:
+    families = request.query.getall("family", [])
+    vhosts = request.query.getall("vhost", [])
+    try:
+        body = request.app[METRICS_KEY].render_detailed(families, vhosts)
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+async def mgmt_metrics(request: web.Request) -> web.Response:
+    # On the management port /metrics needs a monitoring (or administrator) user.
+    if not sees_all(user_of(request)):
+        return web.json_response({"error": "access_refused", "reason": "Not monitor user"}, status=403)
+    return await metrics(request)
+
+
+async def mgmt_metrics_detailed(request: web.Request) -> web.Response:
+    if not sees_all(user_of(request)):
+        return web.json_response({"error": "access_refused", "reason": "Not monitor user"}, status=403)
+    return await metrics_detailed(request)
+
+
+async def index(request: web.Request) -> web.Response:
+    return web.Response(text="Skred management API: see /api/overview\n")
+
+
+# ----------------------------------------------------------------------- apps
+def build_app(mgmt: Mgmt, metrics_obj: Metrics) -> web.Application:
+    app = web.Application(middlewares=[error_middleware, auth_middleware], client_max_size=MAX_BODY)
+    app[MGMT_KEY] = mgmt
+    app[METRICS_KEY] = metrics_obj
+    app.router.add_get("/", index)
+    app.router.add_get("/api/definitions", get_definitions)
+    app.router.add_post("/api/definitions", post_definitions)
+    app.router.add_get("/api/definitions/{vhost}", get_vhost_definitions)
+    app.router.add_post("/api/definitions/{vhost}", post_vhost_definitions)
+    app.router.add_get("/metrics", mgmt_metrics)
+    app.router.add_get("/metrics/detailed", mgmt_metrics_detailed)
+    app.add_routes(node_routes)
+    app.add_routes(topology_routes)
+    app.add_routes(access_routes)
+    return app
+
+
+def build_metrics_app(mgmt: Mgmt, metrics_obj: Metrics) -> web.Application:
+    app = web.Application(middlewares=[error_middleware])
+    app[MGMT_KEY] = mgmt
+    app[METRICS_KEY] = metrics_obj
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/metrics/detailed", metrics_detailed)
+    return app
+
+
+def _bound(site: web.TCPSite) -> tuple[str, int]:
+    server = site._server
+    sockets = getattr(server, "sockets", None) or []
+    addr = sockets[0].getsockname()
+    return str(addr[0]), int(addr[1])
+
+
+class MgmtServer:
+    def __init__(self, mgmt: Mgmt) -> None:
+        self.mgmt = mgmt
+        self.metrics = Metrics(mgmt)
+        self._runners: list[web.AppRunner] = []
+
+    async def _serve(self, app: web.Application, host: str, port: int) -> tuple[str, int]:
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, host, port, reuse_address=True)
+            await site.start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runners.append(runner)
+        return _bound(site)
+
+    async def start(self, bind: str, port: int, metrics_bind: str,
+                    metrics_port: int | None) -> tuple[tuple[str, int], tuple[str, int] | None]:
+        mgmt = self.mgmt
+        mgmt.http_address = await self._serve(build_app(mgmt, self.metrics), bind, port)
+        if metrics_port is not None:
+            try:
+                mgmt.metrics_address = await self._serve(build_metrics_app(mgmt, self.metrics),
+                                                         metrics_bind, metrics_port)
+            except OSError as exc:
+                log.error("cannot serve Prometheus metrics on %s:%d: %s (still served on the "
+                          "management port)", metrics_bind, metrics_port, exc.strerror or exc)
+        mgmt.rates.start()
+        return mgmt.http_address, mgmt.metrics_address
+
+    async def stop(self) -> None:
+        await self.mgmt.rates.stop()
+        runners, self._runners = self._runners, []
+        for runner in runners:
+            await runner.cleanup()

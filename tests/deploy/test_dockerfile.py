@@ -1,0 +1,132 @@
+"""The Dockerfile, checked without a Docker engine: its instructions, its environment
+against the broker's option list, and its HEALTHCHECK command run for real against a
+local broker (healthy when the aliveness API answers, unhealthy when nothing listens)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from broker.config import OPTIONS
+from tests.deploy._tools import DOCKERFILE, REPO_ROOT, dockerfile_env, free_port, poll
+
+OPTIONS_BY_ENV = {option.env: option for option in OPTIONS}
+
+
+def instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, continuation lines joined, comments dropped."""
+    lines = [line for line in DOCKERFILE.read_text().splitlines() if not line.lstrip().startswith("#")]
+    text = "\n".join(lines).replace("\\\n", " ")
+    result = []
+    for line in text.splitlines():
+        if line.strip():
+            word, _, rest = line.strip().partition(" ")
+            result.append((word.upper(), rest.strip()))
+    return result
+
+
+def only(name: str) -> str:
+    found = [args for word, args in instructions() if word == name]
+    assert len(found) == 1, f"expected one {name}, found {found}"
+    return found[0]
+
+
+def healthcheck_argv() -> list[str]:
+    args = only("HEALTHCHECK")
+    _, _, command = args.partition("CMD ")
+    argv = json.loads(command)
+    assert isinstance(argv, list) and all(isinstance(a, str) for a in argv)
+    return argv
+
+
+def test_base_image_user_entrypoint_volume_and_ports() -> None:
+    assert only("FROM").startswith("python:3.11-slim")
+    user = only("USER").split(":")[0]
+    assert user not in ("root", "0"), "the broker must not run as root"
+    assert json.loads(only("ENTRYPOINT")) == ["skred"]
+    assert json.loads(only("VOLUME")) == ["/var/lib/skred"]
+    exposed = {port for _, args in instructions() if _ == "EXPOSE" for port in args.split()}
+    assert exposed == {"5672", "15672", "15692", "5679"}
+    assert any(word == "RUN" and "pip install ." in args for word, args in instructions())
+
+
+def test_environment_names_real_options() -> None:
+    env = dockerfile_env()
+    assert env["SKRED_MAIN_DATA_DIR"] == "/var/lib/skred"
+    for key, value in env.items():
+        if key.startswith("SKRED_"):
+            assert key in OPTIONS_BY_ENV, f"{key} is not a Skred option"
+            OPTIONS_BY_ENV[key].parse(value)
+
+
+def test_dockerignore_keeps_what_pip_install_needs() -> None:
+    # The context holds only what the Dockerfile copies; each COPY source must survive .dockerignore.
+    rules = [r.strip() for r in (REPO_ROOT / ".dockerignore").read_text().splitlines()]
+    allowed = {r[1:].rstrip("/") for r in rules if r.startswith("!")}
+    assert "*" in rules
+    for word, args in instructions():
+        if word == "COPY":
+            for source in args.split()[:-1]:
+                assert source.rstrip("/") in allowed, f"COPY {source} is excluded by .dockerignore"
+                assert (REPO_ROOT / source).exists()
+
+
+@pytest.fixture
+def broker(tmp_path: Path) -> Iterator[tuple[int, dict[str, str]]]:
+    """A single local broker with the image's default user settings; yields (mgmt port, env)."""
+    mgmt_port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SKRED_")}
+    env.update(
+        PYTHONPATH=str(REPO_ROOT),
+        SKRED_MAIN_DATA_DIR=str(tmp_path / "data"),
+        SKRED_MAIN_DEFAULT_USER="healthcheck-user",
+        SKRED_MAIN_DEFAULT_PASSWORD="s3cret",
+        SKRED_AMQP_PORT=str(free_port()),
+        SKRED_MGMT_PORT=str(mgmt_port),
+        SKRED_MGMT_METRICS_PORT=str(free_port()),
+    )
+    log = open(tmp_path / "broker.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "broker"], env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        yield mgmt_port, env
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(15)
+        log.close()
+
+
+def run_healthcheck(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    argv = healthcheck_argv()
+    assert argv[0] == "python", "the slim image has python, not curl"
+    return subprocess.run([sys.executable, *argv[1:]], env=env, capture_output=True, text=True, timeout=10)
+
+
+def test_healthcheck_passes_against_a_live_broker(broker: tuple[int, dict[str, str]]) -> None:
+    _, env = broker
+    poll(lambda: run_healthcheck(env).returncode == 0, 20.0, "the HEALTHCHECK command to succeed")
+
+
+def test_healthcheck_fails_with_wrong_credentials(broker: tuple[int, dict[str, str]]) -> None:
+    _, env = broker
+    poll(lambda: run_healthcheck(env).returncode == 0, 20.0, "the HEALTHCHECK command to succeed")
+    assert run_healthcheck({**env, "SKRED_MAIN_DEFAULT_PASSWORD": "wrong"}).returncode != 0
+
+
+def test_healthcheck_fails_when_nothing_listens() -> None:
+    env = {**os.environ, "SKRED_MGMT_PORT": str(free_port())}
+    assert run_healthcheck(env).returncode != 0
