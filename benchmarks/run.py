@@ -40,28 +40,66 @@ class Scenario:
 
 def scenarios(prefill: int) -> dict[str, Scenario]:
     items = [
-        Scenario("a", "16 B, 1 producer + 1 consumer, autoack", ("-x", "1", "-y", "1", "-s", "16"),
-                 "consume_rate", "msg/s"),
-        Scenario("b", "16 B, 1p1c, manual ack (every 500), prefetch 1000",
-                 ("-x", "1", "-y", "1", "-s", "16", "-a", "500", "-P", "1000"), "consume_rate", "msg/s"),
+        Scenario(
+            "a",
+            "16 B, 1 producer + 1 consumer, autoack",
+            ("-x", "1", "-y", "1", "-s", "16"),
+            "consume_rate",
+            "msg/s",
+        ),
+        Scenario(
+            "b",
+            "16 B, 1p1c, manual ack (every 500), prefetch 1000",
+            ("-x", "1", "-y", "1", "-s", "16", "-a", "500", "-P", "1000"),
+            "consume_rate",
+            "msg/s",
+        ),
         Scenario("c", "16 B, publish only", ("-x", "1", "-y", "0", "-s", "16"), "publish_rate", "msg/s"),
-        Scenario("d", f"16 B, consume only from a pre-filled queue of {prefill:,}",
-                 ("-x", "0", "-y", "1", "-s", "16", "--prefill", str(prefill)), "consume_rate", "msg/s"),
-        Scenario("e", "16 B persistent, durable queue, confirms (window 1000), 1p1c manual ack",
-                 ("-x", "1", "-y", "1", "-s", "16", "-p", "-c", "1000", "-a", "500", "-P", "1000"),
-                 "confirm_rate", "msg/s"),
-        Scenario("f", "64 KiB bodies, 1p1c, autoack", ("-x", "1", "-y", "1", "-s", "65536"),
-                 "consume_mib_s", "MiB/s"),
-        Scenario("g", "16 B fan-out: 1 producer, fanout exchange with 10 queues, 10 consumers",
-                 ("-x", "1", "-y", "1", "-s", "16", "--fanout-queues", "10"), "consume_rate",
-                 "deliveries/s"),
+        Scenario(
+            "d",
+            f"16 B, consume only from a pre-filled queue of {prefill:,}",
+            ("-x", "0", "-y", "1", "-s", "16", "--prefill", str(prefill)),
+            "consume_rate",
+            "msg/s",
+        ),
+        Scenario(
+            "e",
+            "16 B persistent, durable queue, confirms (window 1000), 1p1c manual ack",
+            ("-x", "1", "-y", "1", "-s", "16", "-p", "-c", "1000", "-a", "500", "-P", "1000"),
+            "confirm_rate",
+            "msg/s",
+        ),
+        Scenario(
+            "f",
+            "64 KiB bodies, 1p1c, autoack",
+            ("-x", "1", "-y", "1", "-s", "65536"),
+            "consume_mib_s",
+            "MiB/s",
+        ),
+        Scenario(
+            "g",
+            "16 B fan-out: 1 producer, fanout exchange with 10 queues, 10 consumers",
+            ("-x", "1", "-y", "1", "-s", "16", "--fanout-queues", "10"),
+            "consume_rate",
+            "deliveries/s",
+        ),
     ]
     return {s.key: s for s in items}
 
 
 def run_perf(uri: str, scenario: Scenario, seconds: float, prefill: int) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "broker.perf", "throughput", "--uri", uri, "-z", f"{seconds:g}",
-           *scenario.args, "-j"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "broker.perf",
+        "throughput",
+        "--uri",
+        uri,
+        "-z",
+        f"{seconds:g}",
+        *scenario.args,
+        "-j",
+    ]
     budget = seconds * 3 + 60 + (prefill / 20000 if "--prefill" in scenario.args else 0)
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     try:
@@ -146,9 +184,13 @@ def main(argv: list[str] | None = None) -> int:
                 cpu.setdefault((key, name), []).append(float(r.get("tool_cpu_percent", 0.0)))
                 server = r.get("server", {})
                 versions[name] = f"{server.get('product', '?')} {server.get('version', '?')}".strip()
-                print(f"  ({key}) {name:5} run {run + 1}: {fmt(value, sc.unit)} {sc.unit}"
-                      f"  (pub {r['publish_rate']:,.0f}/s, cons {r['consume_rate']:,.0f}/s,"
-                      f" tool cpu {r['tool_cpu_percent']:.0f}%)", file=sys.stderr, flush=True)
+                print(
+                    f"  ({key}) {name:5} run {run + 1}: {fmt(value, sc.unit)} {sc.unit}"
+                    f"  (pub {r['publish_rate']:,.0f}/s, cons {r['consume_rate']:,.0f}/s,"
+                    f" tool cpu {r['tool_cpu_percent']:.0f}%)",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     peer_label = args.peer_name or versions.get("peer", "peer").split(" ")[0] or "peer"
     head = ["scenario", "what", "unit", "Skred (median)"]

@@ -46,6 +46,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except StoreError as exc:
         print(f"skred: error: data directory {config.main.data_dir} is unusable: {exc}", file=sys.stderr)
         return 1
+    except OSError as exc:  # typically a port already in use
+        print(f"skred: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130  # 128 + SIGINT, the shell convention
 

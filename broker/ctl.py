@@ -118,12 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--vhost", help="only this vhost")
     au = sub.add_parser("add_user", help="create or update a user")
     au.add_argument("name")
-    au.add_argument("password")
+    au.add_argument("new_password", metavar="password")
     au.add_argument("--tags", default="", help="comma-separated tags, e.g. administrator")
     du = sub.add_parser("delete_user")
     du.add_argument("name")
     sp = sub.add_parser("set_permissions")
-    sp.add_argument("user")
+    sp.add_argument("target_user", metavar="user")
     sp.add_argument("configure")
     sp.add_argument("write")
     sp.add_argument("read")
@@ -184,15 +184,15 @@ def run(args: argparse.Namespace, out: Any) -> None:
         return
     if cmd == "add_user":
         tags = [t for t in args.tags.split(",") if t]
-        c.request("PUT", f"/api/users/{q(args.name)}", {"password": args.password, "tags": tags})
+        c.request("PUT", f"/api/users/{q(args.name)}", {"password": args.new_password, "tags": tags})
         done = f"user '{args.name}' saved"
     elif cmd == "delete_user":
         c.request("DELETE", f"/api/users/{q(args.name)}")
         done = f"user '{args.name}' deleted"
     elif cmd == "set_permissions":
-        c.request("PUT", f"/api/permissions/{q(args.vhost)}/{q(args.user)}",
+        c.request("PUT", f"/api/permissions/{q(args.vhost)}/{q(args.target_user)}",
                   {"configure": args.configure, "write": args.write, "read": args.read})
-        done = f"permissions of '{args.user}' on vhost '{args.vhost}' set"
+        done = f"permissions of '{args.target_user}' on vhost '{args.vhost}' set"
     elif cmd == "add_vhost":
         c.request("PUT", f"/api/vhosts/{q(args.name)}")
         done = f"vhost '{args.name}' created"

@@ -24,9 +24,7 @@ from broker import errors
 from broker.amqp import codec
 from broker.amqp.connection import AMQPConnection, State
 
-HYPO = settings(
-    max_examples=40, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
-)
+HYPO = settings(max_examples=40, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 HARD_CODES = {320, 402, 403, 501, 502, 503, 504, 505, 506, 530, 540, 541}
 
 
@@ -96,9 +94,8 @@ def publish(
     chunk: int = 131072 - 8,
 ) -> bytes:
     props = props or commands.Basic.Properties(content_type="text/plain", delivery_mode=2)
-    return m(commands.Basic.Publish(exchange=exchange, routing_key=routing_key, mandatory=mandatory), channel) + (
-        content(channel, props, body, chunk)
-    )
+    method = commands.Basic.Publish(exchange=exchange, routing_key=routing_key, mandatory=mandatory)
+    return m(method, channel) + content(channel, props, body, chunk)
 
 
 HEADER = pheader.ProtocolHeader().marshal()
@@ -221,7 +218,13 @@ def test_method_before_open_is_505() -> None:
 
 @pytest.mark.parametrize(
     "header",
-    [b"AMQP\x01\x01\x00\x09", b"AMQP\x00\x00\x08\x00", b"GET / HTTP/1.1\r\n\r\n", b"XYZ", b"AMQP\x00\x00\x09\x02"],
+    [
+        b"AMQP\x01\x01\x00\x09",
+        b"AMQP\x00\x00\x08\x00",
+        b"GET / HTTP/1.1\r\n\r\n",
+        b"XYZ",
+        b"AMQP\x00\x00\x09\x02",
+    ],
 )
 def test_wrong_protocol_header(header: bytes) -> None:
     c = Recorder()
@@ -293,7 +296,9 @@ def test_publish_body_split_across_many_frames() -> None:
     c = opened(1)
     body = bytes(range(256)) * 40  # 10240 bytes
     props = commands.Basic.Properties(content_type="application/octet-stream", headers={"k": "v"})
-    c.receive_data(publish(1, body, exchange="amq.direct", routing_key="key", mandatory=True, props=props, chunk=100))
+    c.receive_data(
+        publish(1, body, exchange="amq.direct", routing_key="key", mandatory=True, props=props, chunk=100)
+    )
     assert c.calls == [("publish", 1, "amq.direct", "key", True, bytes(props.marshal()), body)]
     assert c.out == b""
 
@@ -361,7 +366,7 @@ def test_message_larger_than_max_message_size_closes_channel_406() -> None:
 def test_heartbeats_are_ignored() -> None:
     c = opened(1)
     hb = m(pheartbeat.Heartbeat(), 0)
-    c.receive_data(hb + publish(1, b"abc")[:20] )
+    c.receive_data(hb + publish(1, b"abc")[:20])
     c.receive_data(publish(1, b"abc")[20:] + hb + hb)
     assert [x[0] for x in c.calls] == ["publish"]
     assert c.out == b"" and c.state == State.OPEN

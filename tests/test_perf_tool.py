@@ -349,8 +349,36 @@ def test_percentiles() -> None:
 
 def test_cli_parses_lavinmqperf_style_flags() -> None:
     args = build_parser().parse_args(
-        ["throughput", "-x", "2", "-y", "3", "-s", "64", "-z", "5", "-C", "100", "-a", "10", "-P", "50",
-         "-c", "1000", "-p", "-u", "q", "-e", "ex", "-k", "rk", "-t", "topic", "-l", "-j"]
+        [
+            "throughput",
+            "-x",
+            "2",
+            "-y",
+            "3",
+            "-s",
+            "64",
+            "-z",
+            "5",
+            "-C",
+            "100",
+            "-a",
+            "10",
+            "-P",
+            "50",
+            "-c",
+            "1000",
+            "-p",
+            "-u",
+            "q",
+            "-e",
+            "ex",
+            "-k",
+            "rk",
+            "-t",
+            "topic",
+            "-l",
+            "-j",
+        ]
     )
     assert (args.producers, args.consumers, args.size, args.seconds, args.count) == (2, 3, 64, 5.0, 100)
     assert (args.ack_every, args.prefetch, args.confirm, args.persistent) == (10, 50, 1000, True)
@@ -362,6 +390,24 @@ def test_cli_help_explains_every_option(capsys: pytest.CaptureFixture[str]) -> N
     with pytest.raises(SystemExit):
         build_parser().parse_args(["throughput", "--help"])
     text = capsys.readouterr().out
-    for flag in ("--uri", "-x", "-y", "-s", "-z", "-C", "-a", "-P", "-c", "-p", "-u", "-e", "-k", "-t",
-                 "--fanout-queues", "--prefill", "-l", "-j"):
+    for flag in (
+        "--uri",
+        "-x",
+        "-y",
+        "-s",
+        "-z",
+        "-C",
+        "-a",
+        "-P",
+        "-c",
+        "-p",
+        "-u",
+        "-e",
+        "-k",
+        "-t",
+        "--fanout-queues",
+        "--prefill",
+        "-l",
+        "-j",
+    ):
         assert flag in text

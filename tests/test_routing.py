@@ -11,9 +11,7 @@ from hypothesis import strategies as st
 from broker import errors
 from broker.model.exchange import Exchange, args_key, headers_match, topic_match, topic_regex
 
-HYPO = settings(
-    max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
-)
+HYPO = settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def regex_match(pattern: str, key: str) -> bool:
@@ -113,7 +111,7 @@ def test_topic_regex_agrees_with_reference(pattern: str, key: str) -> None:
     assert regex_match(pattern, key) == topic_match(pattern, key)
 
 
-@HYPO
+@settings(HYPO, max_examples=60)
 @given(key=st.lists(words, min_size=1, max_size=6).map(".".join))
 def test_topic_literal_pattern_matches_only_itself(key: str) -> None:
     literal = key.replace("*", "x").replace("#", "x")
@@ -122,7 +120,7 @@ def test_topic_literal_pattern_matches_only_itself(key: str) -> None:
     assert not regex_match(literal, literal + ".z")
 
 
-@HYPO
+@settings(HYPO, max_examples=60)
 @given(key=st.lists(words, min_size=1, max_size=6).map(".".join))
 def test_hash_matches_everything(key: str) -> None:
     assert regex_match("#", key) and topic_match("#", key)
@@ -185,6 +183,9 @@ def test_topic_route_with_many_distinct_keys_stays_correct() -> None:
         # nested values compare structurally
         ({"a": {"k": [1, 2]}}, {"a": {"k": [1, 2]}}, True),
         ({"a": {"k": [1, 2]}}, {"a": {"k": [2, 1]}}, False),
+        # values are typed: a boolean header is not the integer 1 (True == 1 in Python)
+        ({"x-match": "all", "a": 1}, {"a": True}, False),
+        ({"x-match": "all", "a": True}, {"a": 1}, False),
         # a missing header is not the same as a void one
         ({"x-match": "all", "a": 1}, {"a": None}, False),
     ],
@@ -204,7 +205,7 @@ def test_headers_exchange_routes_once_per_destination() -> None:
         calls.append(1)
         return {"a": 1, "b": 2}
 
-    assert sorted(ex.route("ignored", headers_of)) == ["q1", "q1"][:1] + ["q2"]
+    assert sorted(ex.route("ignored", headers_of)) == ["q1", "q2"]
     assert calls == [1]  # headers decoded once per publish
     assert list(ex.route("", lambda: {"b": 2})) == ["q1"]
     assert list(ex.route("", lambda: None)) == []
@@ -255,9 +256,9 @@ def test_fanout_routing_ignores_key() -> None:
     ex.bind("q1", "a")
     ex.bind("q2", "")
     ex.bind("q1", "b")
-    assert list(ex.route("anything", no_headers)) == ["q1", "q2"]
+    assert sorted(ex.route("anything", no_headers)) == ["q1", "q2"]
     ex.unbind("q1", "a")
-    assert list(ex.route("", no_headers)) == ["q1", "q2"]  # still bound with "b"
+    assert sorted(ex.route("", no_headers)) == ["q1", "q2"]  # still bound with "b"
     ex.unbind("q1", "b")
     assert list(ex.route("", no_headers)) == ["q2"]
 
@@ -330,15 +331,15 @@ def test_unbind_all_matches_destinations_like_bind_does() -> None:
     # must too: an equal but distinct destination object is the same destination.
     ex = Exchange("d", "direct")
     ex.bind(("vhost", "queue"), "k")
-    dest = tuple(["vhost", "queue"])
-    assert ex.unbind(dest, "k") is False or True  # (documenting, not the check)
+    assert ex.unbind(tuple(["vhost", "queue"]), "k")
     ex.bind(("vhost", "queue"), "k")
     assert ex.unbind_all(tuple(["vhost", "queue"])) == 1
     assert not ex.has_bindings()
 
 
 def test_exchange_attributes() -> None:
-    ex = Exchange("e", "topic", durable=False, auto_delete=True, internal=True,
-                  arguments={"alternate-exchange": "ae"})
+    ex = Exchange(
+        "e", "topic", durable=False, auto_delete=True, internal=True, arguments={"alternate-exchange": "ae"}
+    )
     assert (ex.durable, ex.auto_delete, ex.internal, ex.alternate) == (False, True, True, "ae")
     assert Exchange("e", "direct").alternate is None

@@ -70,7 +70,8 @@ def decode_method(payload: bytes) -> PFrame:
     method: PFrame = cls()
     try:
         method.unmarshal(payload[4:])
-    except (struct.error, ValueError, IndexError, TypeError, UnicodeDecodeError) as exc:
+    except (struct.error, ValueError, IndexError, TypeError, UnicodeDecodeError, KeyError,
+            RecursionError) as exc:
         raise ValueError(f"malformed {method.name}: {exc}") from exc
     return method
 

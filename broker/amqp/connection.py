@@ -44,6 +44,8 @@ _FRAME_HDR = codec.FRAME_HDR
 _METHOD_ID = codec.METHOD_ID
 _U64 = codec.U64
 _HEADER_PREFIX = codec.HEADER_PREFIX
+_CHANNEL_CLOSE = 0x00140028
+_CHANNEL_CLOSE_OK = 0x00140029
 
 
 class State(enum.Enum):
@@ -219,7 +221,11 @@ class AMQPConnection:
                     mid = _METHOD_ID.unpack_from(data, start)[0]
                     if self.channels.get(ch) == CH_OPEN and ch not in self._pending:
                         if mid == _PUBLISH:
-                            self._start_publish(ch, data, start + 4, end)
+                            done = self._fast_publish(ch, data, start + 4, end, n, max_size)
+                            if done:
+                                pos = done
+                            else:
+                                self._start_publish(ch, data, start + 4, end)
                             continue
                         if mid == _ACK and size == 13:
                             tag, bits = codec.ACK_ARGS.unpack_from(data, start + 4)
@@ -239,8 +245,9 @@ class AMQPConnection:
                 if exc.soft and ch != 0 and self.state == State.OPEN:
                     self.close_channel(ch, exc)
                 else:
+                    # Framing is intact: keep parsing, the CLOSING state drops
+                    # everything but the close-ok that may follow in this read.
                     self._hard(exc)
-                    return
             if self.want_close or self.state is State.CLOSED:  # type: ignore[comparison-overlap]
                 return
         if pos < n:
@@ -281,6 +288,9 @@ class AMQPConnection:
 
     # -------------------------------------------------------- method frames
     def _method_frame(self, ch: int, mid: int, payload: bytes) -> None:
+        if ch and (self.state == State.CLOSING or self.channels.get(ch) == CH_CLOSING) \
+                and mid not in (_CHANNEL_CLOSE, _CHANNEL_CLOSE_OK):
+            return  # closing: whatever else arrives is dropped undecoded
         try:
             method = codec.decode_method(payload)
         except KeyError:
@@ -403,6 +413,12 @@ class AMQPConnection:
         if self.state != State.CLOSING:
             self._release_all()
 
+    def _on_close_while_closing(self, m: PFrame) -> None:
+        # Both sides sent close at once: answer theirs, ours needs no more waiting.
+        self.send_method(0, commands.Connection.CloseOk())
+        self.state = State.CLOSED
+        self.want_close = True
+
     def _on_close_ok(self, m: commands.Connection.CloseOk) -> None:
         self.state = State.CLOSED
         self.want_close = True
@@ -426,6 +442,52 @@ class AMQPConnection:
         if bits & 2:
             raise errors.AMQPNotImplemented("immediate=true", 60, 40)
         self._pending[ch] = PendingContent(exchange, routing_key, bool(bits & 1))
+
+    def _fast_publish(self, ch: int, data: bytes, p: int, end: int, n: int, max_size: int) -> int:
+        """publish + header + one body frame, all in the buffer: one pass, no PendingContent.
+
+        Returns the position after the body frame, or 0 to take the general
+        path (content split over several frames or reads, or anything odd,
+        which the general path then reports precisely).
+        """
+        try:
+            ln = data[p + 2]
+            ex_end = p + 3 + ln
+            rk_len = data[ex_end]
+            rk_end = ex_end + 1 + rk_len
+            if rk_end >= end:
+                return 0
+            bits = data[rk_end]
+            h = end + 1
+            if n - h < 21 or bits & 2:
+                return 0
+            htype, hch, hsize = _FRAME_HDR.unpack_from(data, h)
+            hend = h + 7 + hsize
+            if htype != 2 or hch != ch or hsize < 14 or hsize > max_size or hend >= n or data[hend] != 0xCE:
+                return 0
+            class_id, _weight, bsize = _HEADER_PREFIX.unpack_from(data, h + 7)
+            if class_id != 60 or bsize > self.max_message_size:
+                return 0
+            b = hend + 1
+            if bsize:
+                if n - b < 7:
+                    return 0
+                btype, bch, bfsize = _FRAME_HDR.unpack_from(data, b)
+                bend = b + 7 + bfsize
+                if btype != 3 or bch != ch or bfsize != bsize or bfsize > max_size or bend >= n \
+                        or data[bend] != 0xCE:
+                    return 0
+                body = data[b + 7 : bend]
+                after = bend + 1
+            else:
+                body = b""
+                after = b
+            exchange = data[p + 3 : ex_end].decode()
+            routing_key = data[ex_end + 1 : rk_end].decode()
+        except (IndexError, UnicodeDecodeError):
+            return 0
+        self.handle_publish(ch, exchange, routing_key, bool(bits & 1), data[h + 19 : hend], body)
+        return after
 
     def _header_frame(self, ch: int, data: bytes, start: int, end: int) -> None:
         if self.state == State.CLOSING or self.channels.get(ch) == CH_CLOSING:
@@ -478,6 +540,6 @@ _CONNECTION_TABLE: dict[State, dict[type, Any]] = {
     State.OPEN: {commands.Connection.Close: AMQPConnection._on_close},
     State.CLOSING: {
         commands.Connection.CloseOk: AMQPConnection._on_close_ok,
-        commands.Connection.Close: AMQPConnection._on_close_ok,
+        commands.Connection.Close: AMQPConnection._on_close_while_closing,
     },
 }

@@ -5,7 +5,9 @@ and each queue's ``n_published``/``n_delivered``/...). Every ``INTERVAL``
 seconds a task on the event loop snapshots those counters; a rate is the
 difference between the last two snapshots divided by the time between them.
 Nothing is done per message. Queues are keyed by object identity, so a queue
-deleted and re-declared under the same name starts from zero; snapshots of
+deleted and re-declared under the same name starts from zero (a queue first
+seen counts as zero at the previous sample, so its first interval has a rate);
+snapshots of
 queues that no longer exist are dropped at the next sample.
 """
 
@@ -67,6 +69,7 @@ class RateSampler:
             dt = max(now - then, 1e-3)
             pairs = zip(GLOBAL_FIELDS, current, before, strict=True)
             self.global_rates = {f: (c - b) / dt for f, c, b in pairs}
+        previous_sample = self._last_global[0] if self._last_global is not None else None
         self._last_global = (now, current)
         seen: dict[int, tuple[float, tuple[int, ...]]] = {}
         rates: dict[int, tuple[float, ...]] = {}
@@ -75,6 +78,9 @@ class RateSampler:
                 key = id(q)
                 counters = _queue_counters(q)
                 prev = self._last_queue.get(key)
+                if prev is None and previous_sample is not None:
+                    # Born since the last sample: it started from zero then.
+                    prev = (previous_sample, (0,) * len(counters))
                 if prev is not None:
                     dt = max(now - prev[0], 1e-3)
                     rates[key] = tuple((c - b) / dt for c, b in zip(counters, prev[1], strict=True))

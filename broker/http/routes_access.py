@@ -65,7 +65,7 @@ async def vhost(request: web.Request) -> web.Response:
 
 @routes.put("/api/vhosts/{vhost}")
 async def put_vhost(request: web.Request) -> web.Response:
-    require_admin(request)
+    user = require_admin(request)
     name = check_name("vhost", request.match_info["vhost"])
     await json_body(request, allowed={"description", "tags", "tracing", "name", "default_queue_type",
                                       "metadata"})
@@ -76,6 +76,8 @@ async def put_vhost(request: web.Request) -> web.Response:
         mgmt.create_vhost(name)
     except ValueError as exc:
         raise bad_request(str(exc)) from None
+    # As RabbitMQ does: the administrator who creates a vhost gets full permissions on it.
+    mgmt.broker.users.set_permissions(user.name, name, ".*", ".*", ".*")
     return created()
 
 

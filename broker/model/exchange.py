@@ -80,7 +80,8 @@ def headers_match(binding_args: dict[str, Any], headers: dict[str, Any] | None) 
             continue
         checked += 1
         present = k in headers
-        ok = present and (v is None or headers[k] == v)
+        # typed comparison, as RabbitMQ does: True must not match 1
+        ok = present and (v is None or (headers[k] == v and type(headers[k]) is type(v)))
         if want_all and not ok:
             return False
         if not want_all and ok:
@@ -140,7 +141,7 @@ class Exchange:
         return True
 
     def unbind_all(self, dest: object) -> int:
-        gone = [k for k in self._bindings if k[0] is dest]
+        gone = [k for k in self._bindings if k[0] == dest]
         for k in gone:
             del self._bindings[k]
         if gone:

@@ -227,12 +227,7 @@ def queue_declare(
 
 def queue_bind(channel: int, queue: str, exchange: str, routing_key: str) -> bytes:
     args = (
-        b"\x00\x00"
-        + shortstr(queue)
-        + shortstr(exchange)
-        + shortstr(routing_key)
-        + bits(False)
-        + table(None)
+        b"\x00\x00" + shortstr(queue) + shortstr(exchange) + shortstr(routing_key) + bits(False) + table(None)
     )
     return method(channel, QUEUE_BIND, args)
 

@@ -218,4 +218,3 @@ def connection_count(
 
     asyncio.run(run())
     return 0
-

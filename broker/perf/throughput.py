@@ -146,7 +146,11 @@ def queue_depth(ctl: Client, queue: str) -> int:
 def prefill(ctl: Client, opts: ThroughputOptions, topo: Topology, log: TextIO) -> None:
     """Publish ``opts.prefill`` messages and wait until every queue holds them."""
     msg = codec.encode_message(
-        CHANNEL, topo.exchange, topo.routing_key, message_body(opts.size), ctl.frame_max,
+        CHANNEL,
+        topo.exchange,
+        topo.routing_key,
+        message_body(opts.size),
+        ctl.frame_max,
         persistent=opts.persistent,
     )
     per_batch = max(1, min(4096, opts.batch_bytes // len(msg)))
@@ -189,9 +193,16 @@ class Run:
         for _ in range(opts.producers):
             jobs.append(
                 ProducerJob(
-                    uri=opts.uri, exchange=topo.exchange, routing_key=topo.routing_key, body_size=opts.size,
-                    persistent=opts.persistent, confirm_window=opts.confirm, count=opts.count,
-                    seconds=opts.seconds, latency=opts.latency, batch_bytes=opts.batch_bytes,
+                    uri=opts.uri,
+                    exchange=topo.exchange,
+                    routing_key=topo.routing_key,
+                    body_size=opts.size,
+                    persistent=opts.persistent,
+                    confirm_window=opts.confirm,
+                    count=opts.count,
+                    seconds=opts.seconds,
+                    latency=opts.latency,
+                    batch_bytes=opts.batch_bytes,
                 )
             )
         n = 0
@@ -199,8 +210,12 @@ class Run:
             for _ in range(opts.consumers):
                 jobs.append(
                     ConsumerJob(
-                        uri=opts.uri, queue=q, ack_every=opts.ack_every, prefetch=opts.prefetch,
-                        latency=opts.latency, tag=f"skred-perf-{n}",
+                        uri=opts.uri,
+                        queue=q,
+                        ack_every=opts.ack_every,
+                        prefetch=opts.prefetch,
+                        latency=opts.latency,
+                        tag=f"skred-perf-{n}",
                     )
                 )
                 n += 1

@@ -98,6 +98,7 @@ def run_child(
 ) -> None:
     """Process entry point: Ctrl-C is the parent's business; report errors through the pipe."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the parent's terminate() must just work
     client: Client | None = None
     try:
         client = Client(AmqpUri.parse(job.uri), name=f"skred-perf {os.getpid()}")

@@ -119,6 +119,7 @@ class SkredProcess:
         self.data_dir = data_dir
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.extra_args = list(extra_args or [])
+        self.extra_env: dict[str, str] = {}
         self.host = "127.0.0.1"
         self.port = free_port()
         self.mgmt_port = free_port()
@@ -144,6 +145,7 @@ class SkredProcess:
         self._log_file = open(self.log_path, "ab")
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
+        env.update(self.extra_env)
         self.proc = subprocess.Popen(
             self.argv(),
             cwd=str(REPO_ROOT),

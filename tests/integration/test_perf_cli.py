@@ -69,8 +69,23 @@ def test_throughput_time_bound(broker: Broker) -> None:
 
 def test_throughput_manual_ack_confirms_persistent(broker: Broker) -> None:
     r = perf(
-        "throughput", "--uri", broker.url, "-z", "30", "-C", "2000",
-        "-a", "50", "-P", "200", "-c", "100", "-p", "-l", "-s", "64",
+        "throughput",
+        "--uri",
+        broker.url,
+        "-z",
+        "30",
+        "-C",
+        "2000",
+        "-a",
+        "50",
+        "-P",
+        "200",
+        "-c",
+        "100",
+        "-p",
+        "-l",
+        "-s",
+        "64",
     )
     assert r["published"] == 2000
     assert r["consumed"] == 2000
@@ -100,7 +115,10 @@ def test_throughput_prefill_then_consume(broker: Broker) -> None:
 def test_queue_count(broker: Broker) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "broker.perf", "queue-count", "50", "--uri", broker.url, "-j"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["queues"] == 50

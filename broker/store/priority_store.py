@@ -1,0 +1,155 @@
+"""PriorityStore: a priority queue made of one ``QueueStore`` per priority level.
+
+Theory of operation
+-------------------
+A queue declared with ``x-max-priority`` keeps one FIFO ``QueueStore`` per priority
+level that has ever held a message: level 0 is the queue directory itself (so a
+queue's files look the same as a plain queue's until a prioritised message
+arrives), level ``n`` lives in the sub-directory ``prio.NNN``. Sub-stores are
+created on first use and re-opened at recovery by scanning for those
+directories, so priorities survive a restart with no extra bookkeeping: the
+level of a stored message is the directory it sits in.
+
+A msgid is ``level << 64 | inner msgid``; the inner msgid is the sub-store's
+(segment << 32 | position), so any msgid names its store without a lookup
+table. ``shift``/``peek`` serve the highest non-empty level first; within a
+level the order is the sub-store's (requeued first, then publish order). The
+rest of the ``QueueStore`` interface fans out to the sub-stores or sums them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from broker.store.queue_store import QueueStore
+
+_SHIFT = 64
+_INNER = (1 << _SHIFT) - 1
+_PREFIX = "prio."
+
+
+class PriorityStore:
+    def __init__(self, base: QueueStore, max_priority: int) -> None:
+        self.directory = base.directory
+        self.max_priority = max_priority
+        self._base = base
+        self._levels: dict[int, QueueStore] = {0: base}
+        self._order: list[int] = [0]  # levels present, highest first
+        for entry in os.scandir(self.directory):
+            if entry.is_dir() and entry.name.startswith(_PREFIX):
+                try:
+                    level = int(entry.name[len(_PREFIX):])
+                except ValueError:
+                    continue
+                if 0 < level <= 255:
+                    self._open(level)
+
+    def _open(self, level: int) -> QueueStore:
+        store = self._levels.get(level)
+        if store is None:
+            b = self._base
+            store = QueueStore(self.directory / f"{_PREFIX}{level:03d}",
+                               segment_size=b._segment_size, sink=b._sink,
+                               persistent_only=b._persistent_only)
+            self._levels[level] = store
+            self._order = sorted(self._levels, reverse=True)
+        return store
+
+    def _of(self, msgid: int) -> tuple[QueueStore, int]:
+        return self._levels[msgid >> _SHIFT], msgid & _INNER
+
+    # ------------------------------------------------------------------ publishing
+    def append(self, timestamp_ms: int, exchange: bytes, routing_key: bytes,
+               props: bytes | memoryview, body: bytes | bytearray | memoryview) -> int:
+        return self.append_priority(0, timestamp_ms, exchange, routing_key, props, body)
+
+    def append_priority(self, level: int, timestamp_ms: int, exchange: bytes, routing_key: bytes,
+                        props: bytes | memoryview, body: bytes | bytearray | memoryview) -> int:
+        level = max(0, min(level, self.max_priority))
+        store = self._levels.get(level) or self._open(level)
+        return (level << _SHIFT) | store.append(timestamp_ms, exchange, routing_key, props, body)
+
+    # ------------------------------------------------------------------ consuming
+    def shift(self) -> int | None:
+        for level in self._order:
+            store = self._levels[level]
+            if store.ready_count:
+                inner = store.shift()
+                if inner is not None:
+                    return (level << _SHIFT) | inner
+        return None
+
+    def peek(self) -> int | None:
+        for level in self._order:
+            store = self._levels[level]
+            if store.ready_count:
+                inner = store.peek()
+                if inner is not None:
+                    return (level << _SHIFT) | inner
+        return None
+
+    def read(self, msgid: int) -> tuple[int, bytes, bytes, bytes, bytes]:
+        store, inner = self._of(msgid)
+        return store.read(inner)
+
+    def read_body_size(self, msgid: int) -> int:
+        store, inner = self._of(msgid)
+        return store.read_body_size(inner)
+
+    def ack(self, msgid: int) -> None:
+        store, inner = self._of(msgid)
+        store.ack(inner)
+
+    def requeue(self, msgid: int) -> None:
+        store, inner = self._of(msgid)
+        store.requeue(inner)
+
+    def is_redelivered(self, msgid: int) -> bool:
+        store, inner = self._of(msgid)
+        return store.is_redelivered(inner)
+
+    def purge(self) -> int:
+        return sum(s.purge() for s in list(self._levels.values()))
+
+    # ------------------------------------------------------------------ counters
+    @property
+    def ready_count(self) -> int:
+        return sum(s.ready_count for s in self._levels.values())
+
+    @property
+    def unacked_count(self) -> int:
+        return sum(s.unacked_count for s in self._levels.values())
+
+    @property
+    def bytes_ready(self) -> int:
+        return sum(s.bytes_ready for s in self._levels.values())
+
+    @property
+    def dirty(self) -> bool:
+        return any(s.dirty for s in list(self._levels.values()))
+
+    # ------------------------------------------------------------------ durability
+    def flush(self) -> None:
+        for s in list(self._levels.values()):
+            s.flush()
+
+    def sync(self) -> None:
+        # Runs on the syncer's worker thread: iterate over a snapshot of the levels.
+        for s in list(self._levels.values()):
+            s.sync()
+
+    def close(self) -> None:
+        for s in list(self._levels.values()):
+            s.close()
+
+    def delete(self) -> None:
+        for level, s in list(self._levels.items()):
+            if level:
+                s.delete()
+        self._base.delete()
+
+
+def sub_directory(directory: Path, level: int) -> Path:
+    """Where level ``level`` of a priority queue in ``directory`` keeps its files."""
+    return directory / f"{_PREFIX}{level:03d}"

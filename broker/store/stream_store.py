@@ -1,0 +1,746 @@
+"""StreamStore: the append-only log of one stream queue.
+
+Theory of operation
+-------------------
+A stream is a commit log: messages are appended, numbered by a dense 64-bit *offset*
+(0, 1, 2, ...), never removed on ack, and read by any number of consumers from any offset,
+again and again. Only retention removes data, and only whole segments from the front.
+
+Files in the queue directory:
+
+* ``msgs.NNNNNNNNNN``: segments in the same record format as classic queues (``segment.py``),
+  so the replication layer, recovery rules (zero timestamp = end, torn tail dropped) and
+  readers are shared. Written exactly as ``QueueStore`` does: preallocated, mapped, timestamp
+  stored last, trimmed when retired.
+* ``sidx.NNNNNNNNNN``: the segment index, written when the segment is created: magic,
+  version, offset of its first record, timestamp of its first record, crc32. Locating an
+  offset or a timestamp is a binary search over these (in memory) plus a walk of ONE segment;
+  opening the store reads the index files and walks only the last segment.
+* ``offsets``: server-side consumer offsets (consumer tag -> next offset to deliver, i.e. one
+  past the last contiguously *acked* message), rewritten atomically on sync when changed.
+
+Segment counts come from the index (next segment's first offset minus this one's); a segment
+whose index is missing or whose successor's is (a crash before the index reached the disk) is
+walked instead and its index rewritten. Appends after a restart go to a fresh segment, as in
+``QueueStore``, so nothing is ever written after recovered bytes.
+
+Retention (``x-max-length``, ``x-max-length-bytes``, ``x-max-age``) deletes the oldest
+segments while the log exceeds a limit; the write segment is never deleted, so the log may
+hold fewer messages than a limit right after a deletion (RabbitMQ semantics: limits are caps,
+enforced per segment). Retention runs when a segment is retired and when asked
+(``apply_retention``). A segment's newest message is bounded by the first timestamp of the
+next segment, which is what the age rule compares.
+
+Read-only access for analytics (a stopped broker's data dir, a follower's replicated copy)
+goes through ``list_segments`` / ``iter_segment``: they never write, and stop at the first
+zero or incomplete record, so a segment being appended to is read up to its last complete
+record.
+
+Threads: like ``QueueStore``, ``sync`` may run on a worker thread; it takes ``_lock`` to
+snapshot what it must write and fsyncs outside it. The sink is called only from the owner
+(event loop) thread.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import mmap
+import os
+import re
+import shutil
+import struct
+import threading
+import zlib
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from broker.errors import StoreError
+from broker.store import segment as fmt
+from broker.store.fileio import atomic_write, datasync, fsync_dir
+from broker.store.segment import HEADER, HEADER_SIZE
+from broker.store.sink import NULL_SINK, ReplicationSink
+
+DEFAULT_SEGMENT_SIZE: Final = 8 * 1024 * 1024
+OFFSETS_NAME: Final = "offsets"
+INDEX_PREFIX: Final = "sidx."
+_INDEX: Final = struct.Struct("<4sIQq")  # magic, version, first offset, first timestamp (ms)
+_INDEX_MAGIC: Final = b"SKSI"
+_INDEX_VERSION: Final = 1
+_CRC: Final = struct.Struct("<I")
+_I64: Final = fmt.I64
+_U32_PACK_INTO: Final = fmt.U32.pack_into
+_U64_PACK_INTO: Final = fmt.U64.pack_into
+_MAX_READ_MAPS: Final = 16  # read-only segment maps kept open (LRU) for lagging consumers
+
+# (offset, timestamp_ms, exchange, routing_key, props, body)
+Record = tuple[int, int, bytes, bytes, bytes, bytes]
+
+_AGE_UNITS: Final = {"Y": 365 * 86400, "M": 30 * 86400, "D": 86400, "h": 3600, "m": 60, "s": 1}
+_AGE_RE: Final = re.compile(r"^(\d+)([YMDhms])$")
+
+
+def parse_age(value: str) -> int:
+    """``7D``/``12h``/``30m``/``10s`` (also ``Y``, ``M``) as milliseconds; ValueError otherwise."""
+    m = _AGE_RE.match(value.strip())
+    if m is None:
+        raise ValueError(f"invalid age {value!r} (expected e.g. 7D, 12h, 30m, 10s)")
+    return int(m.group(1)) * _AGE_UNITS[m.group(2)] * 1000
+
+
+def index_name(num: int) -> str:
+    return f"{INDEX_PREFIX}{num:010d}"
+
+
+def encode_index(first_offset: int, first_ts: int) -> bytes:
+    head = _INDEX.pack(_INDEX_MAGIC, _INDEX_VERSION, first_offset, first_ts)
+    return head + _CRC.pack(zlib.crc32(head))
+
+
+def decode_index(data: bytes) -> tuple[int, int] | None:
+    """(first offset, first timestamp) or None if missing, torn or foreign."""
+    if len(data) != _INDEX.size + _CRC.size:
+        return None
+    head = data[:_INDEX.size]
+    if _CRC.unpack_from(data, _INDEX.size)[0] != zlib.crc32(head):
+        return None
+    magic, version, first_offset, first_ts = _INDEX.unpack(head)
+    if magic != _INDEX_MAGIC or version != _INDEX_VERSION:
+        return None
+    return int(first_offset), int(first_ts)
+
+
+@dataclass
+class Retention:
+    max_length: int | None = None
+    max_bytes: int | None = None
+    max_age_ms: int | None = None
+
+    @property
+    def active(self) -> bool:
+        return not (self.max_length is None and self.max_bytes is None and self.max_age_ms is None)
+
+
+class _Seg:
+    __slots__ = ("num", "path", "idx_path", "first_offset", "first_ts", "count", "end", "mm")
+
+    def __init__(self, directory: Path, num: int, first_offset: int, first_ts: int) -> None:
+        self.num = num
+        self.path = directory / fmt.segment_name(num)
+        self.idx_path = directory / index_name(num)
+        self.first_offset = first_offset
+        self.first_ts = first_ts
+        self.count = 0
+        self.end = HEADER_SIZE
+        self.mm: mmap.mmap | None = None
+
+
+class StreamPosition:
+    """A reader's place in the log: the next offset and where its record starts."""
+
+    __slots__ = ("offset", "seg", "pos")
+
+    def __init__(self, offset: int, seg: int, pos: int) -> None:
+        self.offset = offset
+        self.seg = seg
+        self.pos = pos
+
+
+class StreamStore:
+    def __init__(self, directory: Path, *, segment_size: int = DEFAULT_SEGMENT_SIZE,
+                 sink: ReplicationSink = NULL_SINK, retention: Retention | None = None) -> None:
+        if not fmt.FIXED_SIZE + HEADER_SIZE <= segment_size <= fmt.MAX_SEGMENT_SIZE:
+            raise ValueError(f"segment_size out of range: {segment_size}")
+        self.directory = directory
+        self.retention = retention or Retention()
+        self._segment_size = segment_size
+        self._sink = sink
+        self._segs: dict[int, _Seg] = {}
+        self._order: list[int] = []  # segment numbers, ascending
+        self._firsts: list[int] = []  # first offsets, parallel to _order (bisect)
+        self._next_num = 1
+        self._next_offset = 0
+        self._count = 0
+        self._bytes = 0  # segment bytes on disk (header + records)
+        self._wseg: _Seg | None = None
+        self._wmm: mmap.mmap | None = None
+        self._wfd = -1
+        self._wcap = 0
+        self._read_maps: OrderedDict[int, mmap.mmap] = OrderedDict()
+        self._offsets: dict[str, int] = {}
+        self._offsets_path = directory / OFFSETS_NAME
+        self._offsets_written = b""
+        self._offsets_sent = b""
+        self._lock = threading.Lock()
+        self._sync_lock = threading.Lock()
+        self._closed = False
+        self._dirty = False
+        self._seg_unsynced = False
+        self._unsynced_paths: set[Path] = set()
+        self._dir_unsynced = False
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            self._recover()
+        except OSError as exc:
+            self._close_files()
+            raise StoreError(f"stream store {directory}: {exc}") from exc
+        except BaseException:
+            self._close_files()
+            raise
+
+    # ------------------------------------------------------------------ appending
+
+    def append(self, timestamp_ms: int, exchange: bytes, routing_key: bytes,
+               props: bytes | memoryview, body: bytes | bytearray | memoryview) -> int:
+        """Append one record; returns its offset."""
+        ex_len = len(exchange)
+        rk_len = len(routing_key)
+        p_len = len(props)
+        b_len = len(body)
+        if ex_len > 255 or rk_len > 255:
+            raise ValueError("exchange and routing key are short strings (at most 255 bytes)")
+        size = fmt.FIXED_SIZE + ex_len + rk_len + p_len + b_len
+        seg = self._wseg
+        if seg is None or seg.end + size > self._wcap:
+            seg = self._roll(size, timestamp_ms)
+        mm = self._wmm
+        assert mm is not None
+        pos = seg.end
+        q = pos + 8
+        mm[q] = ex_len
+        q += 1
+        mm[q:q + ex_len] = exchange
+        q += ex_len
+        mm[q] = rk_len
+        q += 1
+        mm[q:q + rk_len] = routing_key
+        q += rk_len
+        _U32_PACK_INTO(mm, q, p_len)
+        q += 4
+        mm[q:q + p_len] = props
+        q += p_len
+        _U64_PACK_INTO(mm, q, b_len)
+        q += 8
+        mm[q:q + b_len] = body
+        end = q + b_len
+        # Timestamp last: the record becomes visible (to recovery and readers) atomically.
+        _I64.pack_into(mm, pos, timestamp_ms if timestamp_ms else 1)
+        seg.end = end
+        seg.count += 1
+        offset = self._next_offset
+        self._next_offset = offset + 1
+        self._count += 1
+        self._bytes += size
+        self._dirty = True
+        self._seg_unsynced = True
+        if self._sink.active:
+            self._sink.append(seg.path, mm[pos:end])
+        return offset
+
+    def _roll(self, need: int, first_ts: int) -> _Seg:
+        if self._closed:
+            raise StoreError(f"stream store {self.directory} is closed")
+        cap = max(self._segment_size, need + HEADER_SIZE)
+        if cap > fmt.MAX_SEGMENT_SIZE:
+            raise StoreError(f"message of {need} bytes is too large for a segment")
+        num = self._next_num
+        seg = _Seg(self.directory, num, self._next_offset, first_ts if first_ts else 1)
+        index = encode_index(seg.first_offset, seg.first_ts)
+        # Index before the segment: a segment file never exists without its index unless the
+        # index write itself was lost (recovery then rebuilds it from the neighbours).
+        fd = os.open(seg.idx_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            _write_all(fd, index)
+        finally:
+            os.close(fd)
+        fd = os.open(seg.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.ftruncate(fd, cap)
+            mm = mmap.mmap(fd, cap)
+        except BaseException:
+            os.close(fd)
+            seg.path.unlink(missing_ok=True)
+            raise
+        mm[0:HEADER_SIZE] = HEADER
+        seg.mm = mm
+        old = self._wseg
+        with self._lock:
+            self._next_num = num + 1
+            self._segs[num] = seg
+            self._order.append(num)
+            self._firsts.append(seg.first_offset)
+            self._bytes += HEADER_SIZE
+            if old is not None:
+                self._retire_locked(old)
+            self._wseg = seg
+            self._wmm = mm
+            self._wfd = fd
+            self._wcap = cap
+            self._unsynced_paths.add(seg.idx_path)
+            self._dir_unsynced = True
+        if self._sink.active:
+            self._sink.replace(seg.idx_path, index)
+            self._sink.register_file(seg.path)
+            self._sink.append(seg.path, HEADER)
+        if old is not None and self.retention.active:
+            self.apply_retention(first_ts)
+        return seg
+
+    def _retire_locked(self, seg: _Seg) -> None:
+        seg.mm = None
+        if self._wmm is not None:
+            self._wmm.close()
+        self._wmm = None
+        os.ftruncate(self._wfd, seg.end)
+        os.close(self._wfd)
+        self._wfd = -1
+        self._wseg = None
+        self._wcap = 0
+        if self._seg_unsynced:
+            self._unsynced_paths.add(seg.path)
+
+    # ------------------------------------------------------------------ retention
+
+    def apply_retention(self, now_ms: int) -> int:
+        """Delete oldest whole segments while a limit is exceeded; returns segments deleted."""
+        r = self.retention
+        deleted = 0
+        while len(self._order) > 1:
+            oldest = self._segs[self._order[0]]
+            if oldest is self._wseg:
+                break
+            newer = self._segs[self._order[1]]
+            over = ((r.max_length is not None and self._count > r.max_length)
+                    or (r.max_bytes is not None and self._bytes > r.max_bytes)
+                    or (r.max_age_ms is not None and newer.first_ts < now_ms - r.max_age_ms))
+            if not over:
+                break
+            self._delete_oldest()
+            deleted += 1
+        return deleted
+
+    def _delete_oldest(self) -> None:
+        seg = self._segs[self._order[0]]
+        mm = self._read_maps.pop(seg.num, None)
+        if mm is not None:
+            mm.close()
+        with self._lock:
+            del self._segs[seg.num]
+            del self._order[0]
+            del self._firsts[0]
+            self._count -= seg.count
+            self._bytes -= seg.end
+            self._unsynced_paths.discard(seg.path)
+            self._unsynced_paths.discard(seg.idx_path)
+            # Segment first, then its index: an orphan index is ignored at recovery.
+            seg.path.unlink(missing_ok=True)
+            seg.idx_path.unlink(missing_ok=True)
+            self._dir_unsynced = True
+        if self._sink.active:
+            self._sink.delete(seg.path)
+            self._sink.delete(seg.idx_path)
+
+    # ------------------------------------------------------------------ locating
+
+    @property
+    def first_offset(self) -> int:
+        """Offset of the oldest message still held (== next_offset when empty)."""
+        for num in self._order:
+            seg = self._segs[num]
+            if seg.count:
+                return seg.first_offset
+        return self._next_offset
+
+    @property
+    def next_offset(self) -> int:
+        return self._next_offset
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    @property
+    def size_bytes(self) -> int:
+        return self._bytes
+
+    def segment_infos(self) -> list[tuple[int, int, int, int]]:
+        """(segment number, first offset, first timestamp, count) of each segment, oldest first."""
+        return [(s.num, s.first_offset, s.first_ts, s.count) for s in map(self._segs.__getitem__, self._order)]
+
+    def seek(self, offset: int) -> StreamPosition:
+        """A position at ``offset`` clamped to [first_offset, next_offset]."""
+        first = self.first_offset
+        if offset <= first:
+            offset = first
+        if offset >= self._next_offset or not self._order:
+            return StreamPosition(self._next_offset, self._next_num, HEADER_SIZE)
+        i = bisect.bisect_right(self._firsts, offset) - 1
+        seg = self._segs[self._order[i]]
+        mm = self._map(seg)
+        pos = HEADER_SIZE
+        for _ in range(offset - seg.first_offset):  # walk within ONE segment
+            pos = fmt.record_end(mm, pos)[0]
+        return StreamPosition(offset, seg.num, pos)
+
+    def offset_for_timestamp(self, ts_ms: int) -> int:
+        """Offset of the first message with timestamp >= ``ts_ms`` (next_offset if none)."""
+        j = bisect.bisect_left([self._segs[n].first_ts for n in self._order], ts_ms)
+        if j > 0:
+            seg = self._segs[self._order[j - 1]]
+            mm = self._map(seg)
+            pos = HEADER_SIZE
+            for i in range(seg.count):
+                if _I64.unpack_from(mm, pos)[0] >= ts_ms:
+                    return seg.first_offset + i
+                pos = fmt.record_end(mm, pos)[0]
+        if j < len(self._order):
+            return self._segs[self._order[j]].first_offset
+        return self._next_offset
+
+    def read_next(self, p: StreamPosition) -> Record | None:
+        """The record at ``p`` (advancing ``p``), or None at the end of the log."""
+        while True:
+            seg = self._segs.get(p.seg)
+            if seg is None or p.offset < seg.first_offset:
+                if p.offset >= self._next_offset:
+                    return None
+                # Segment gone (retention) or never existed: re-seek (clamps to the oldest).
+                q = self.seek(p.offset)
+                if q.seg == p.seg and q.pos == p.pos:
+                    return None
+                p.offset, p.seg, p.pos = q.offset, q.seg, q.pos
+                continue
+            if p.offset >= seg.first_offset + seg.count:
+                if seg is self._wseg or p.offset >= self._next_offset:
+                    return None
+                i = bisect.bisect_right(self._order, seg.num)
+                if i == len(self._order):
+                    return None
+                p.seg, p.pos = self._order[i], HEADER_SIZE
+                continue
+            mm = self._map(seg)
+            ts, ex, rk, props, body = fmt.read_record(mm, p.pos)
+            offset = p.offset
+            p.pos = fmt.record_end(mm, p.pos)[0]
+            p.offset = offset + 1
+            return offset, ts, ex, rk, props, body
+
+    def read_at(self, offset: int) -> Record | None:
+        if offset < self.first_offset or offset >= self._next_offset:
+            return None
+        return self.read_next(self.seek(offset))
+
+    def _map(self, seg: _Seg) -> mmap.mmap:
+        if seg.mm is not None:
+            return seg.mm
+        mm = self._read_maps.get(seg.num)
+        if mm is not None:
+            self._read_maps.move_to_end(seg.num)
+            return mm
+        try:
+            with open(seg.path, "rb") as f:
+                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as exc:
+            raise StoreError(f"cannot map {seg.path}: {exc}") from exc
+        self._read_maps[seg.num] = mm
+        if len(self._read_maps) > _MAX_READ_MAPS:
+            _num, old = self._read_maps.popitem(last=False)
+            old.close()
+        return mm
+
+    # ------------------------------------------------------------------ consumer offsets
+
+    def stored_offset(self, tag: str) -> int | None:
+        return self._offsets.get(tag)
+
+    def store_offset(self, tag: str, offset: int) -> None:
+        if self._offsets.get(tag) != offset:
+            with self._lock:
+                self._offsets[tag] = offset
+            self._dirty = True
+
+    def _offsets_bytes(self) -> bytes:
+        return json.dumps({"version": 1, "offsets": self._offsets}, sort_keys=True).encode()
+
+    # ------------------------------------------------------------------ QueueStore-like counters
+
+    @property
+    def ready_count(self) -> int:
+        return self._count  # RabbitMQ reports a stream's messages as ready
+
+    @property
+    def unacked_count(self) -> int:
+        return 0
+
+    @property
+    def bytes_ready(self) -> int:
+        return self._bytes
+
+    @property
+    def dirty(self) -> bool:
+        return self._dirty
+
+    # ------------------------------------------------------------------ durability
+
+    def flush(self) -> None:
+        """Hand a changed offsets file to the sink (owner thread)."""
+        if self._sink.active:
+            data = self._offsets_bytes()
+            if data != self._offsets_sent:
+                self._offsets_sent = data
+                self._sink.replace(self._offsets_path, data)
+
+    def sync(self) -> None:
+        """fsync appended records, new index files and changed offsets. Worker-thread safe."""
+        with self._sync_lock:
+            if self._closed:
+                return
+            fds: list[int] = []
+            try:
+                with self._lock:
+                    self._dirty = False
+                    if self._seg_unsynced and self._wfd >= 0:
+                        fds.append(os.dup(self._wfd))
+                    self._seg_unsynced = False
+                    paths = list(self._unsynced_paths)
+                    self._unsynced_paths.clear()
+                    dir_unsynced = self._dir_unsynced
+                    self._dir_unsynced = False
+                    offsets = self._offsets_bytes() if self._offsets else b""
+                for fd in fds:
+                    datasync(fd)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            for path in paths:
+                try:
+                    fd = os.open(path, os.O_RDONLY)
+                except FileNotFoundError:
+                    continue
+                try:
+                    datasync(fd)
+                finally:
+                    os.close(fd)
+            if offsets and offsets != self._offsets_written:
+                atomic_write(self._offsets_path, offsets)
+                self._offsets_written = offsets
+            if dir_unsynced:
+                fsync_dir(self.directory)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self.flush()
+        self.sync()
+        with self._sync_lock, self._lock:
+            self._closed = True
+            self._close_files()
+
+    def _close_files(self) -> None:
+        seg = self._wseg
+        if seg is not None:
+            seg.mm = None
+            if self._wmm is not None:
+                self._wmm.close()
+            self._wmm = None
+            os.ftruncate(self._wfd, seg.end)
+            os.close(self._wfd)
+            self._wfd = -1
+            self._wseg = None
+        for mm in self._read_maps.values():
+            mm.close()
+        self._read_maps.clear()
+
+    def delete(self) -> None:
+        with self._sync_lock, self._lock:
+            if not self._closed:
+                self._closed = True
+                self._close_files()
+        if self._sink.active and self.directory.is_dir():
+            for entry in sorted(self.directory.iterdir()):
+                if entry.is_file():
+                    self._sink.delete(entry)
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    # ------------------------------------------------------------------ recovery
+
+    def _recover(self) -> None:
+        infos = list_segments(self.directory, scan_last=False)
+        nums = [i.num for i in infos]
+        for entry in os.scandir(self.directory):
+            num = fmt.parse_number(entry.name, INDEX_PREFIX)
+            if num is not None and num not in nums:  # orphan index (segment deleted first)
+                self._remove_file(Path(entry.path))
+        for k, info in enumerate(infos):
+            last = k == len(infos) - 1
+            if last or info.count is None:
+                end, count, first_ts, garbage = _walk(info.path)
+                size = info.path.stat().st_size
+                if end < size:
+                    with open(info.path, "r+b") as f:
+                        f.truncate(end)
+                    if garbage and self._sink.active:
+                        self._sink.replace(info.path, info.path.read_bytes())
+                info.count, info.end = count, end
+                if info.first_ts is None:
+                    info.first_ts = first_ts
+        _fill_first_offsets(infos)
+        for info in infos:
+            assert info.first_offset is not None and info.count is not None
+            if info.count == 0 and not info.indexed:
+                self._remove_file(info.path)  # crash between creating a segment and its index
+                continue
+            seg = _Seg(self.directory, info.num, info.first_offset, info.first_ts or 1)
+            seg.count = info.count
+            seg.end = info.end
+            if not info.indexed:
+                data = encode_index(seg.first_offset, seg.first_ts)
+                atomic_write(seg.idx_path, data)
+                if self._sink.active:
+                    self._sink.replace(seg.idx_path, data)
+            self._segs[seg.num] = seg
+            self._order.append(seg.num)
+            self._firsts.append(seg.first_offset)
+            self._count += seg.count
+            self._bytes += seg.end
+        if self._order:
+            last_seg = self._segs[self._order[-1]]
+            self._next_offset = last_seg.first_offset + last_seg.count
+        self._next_num = max(nums, default=0) + 1
+        try:
+            raw = json.loads(self._offsets_path.read_bytes())
+            self._offsets = {str(k): int(v) for k, v in raw.get("offsets", {}).items()}
+            self._offsets_written = self._offsets_sent = self._offsets_bytes()
+        except FileNotFoundError:
+            pass
+        except (ValueError, AttributeError, TypeError) as exc:
+            raise StoreError(f"{self._offsets_path}: unreadable consumer offsets: {exc}") from exc
+
+    def _remove_file(self, path: Path) -> None:
+        path.unlink(missing_ok=True)
+        self._dir_unsynced = True
+        if self._sink.active:
+            self._sink.delete(path)
+
+
+# ---------------------------------------------------------------------- read-only access
+
+
+@dataclass
+class SegmentInfo:
+    num: int
+    path: Path
+    first_offset: int | None
+    first_ts: int | None
+    count: int | None  # None: unknown without walking the segment
+    end: int
+    indexed: bool
+
+
+def list_segments(directory: Path, *, scan_last: bool = True) -> list[SegmentInfo]:
+    """Segments of a stream directory with their index data, oldest first. Never writes.
+
+    Counts come from consecutive index entries; the last segment (and any segment whose
+    own or successor's index is missing) has ``count`` None unless ``scan_last`` walks it.
+    """
+    nums: list[int] = []
+    for entry in os.scandir(directory):
+        num = fmt.parse_number(entry.name, "msgs.")
+        if num is not None:
+            nums.append(num)
+    nums.sort()
+    infos: list[SegmentInfo] = []
+    for num in nums:
+        path = directory / fmt.segment_name(num)
+        try:
+            idx = decode_index((directory / index_name(num)).read_bytes())
+            size = path.stat().st_size
+        except FileNotFoundError:
+            idx, size = None, 0
+        infos.append(SegmentInfo(num, path, idx[0] if idx else None, idx[1] if idx else None,
+                                 None, size, idx is not None))
+    for a, b in zip(infos, infos[1:], strict=False):
+        if a.first_offset is not None and b.first_offset is not None:
+            a.count = b.first_offset - a.first_offset
+    if scan_last:
+        for info in infos:
+            if info.count is None:
+                end, count, first_ts, _garbage = _walk(info.path)
+                info.count, info.end = count, end
+                if info.first_ts is None:
+                    info.first_ts = first_ts
+        _fill_first_offsets(infos)
+    return infos
+
+
+def _fill_first_offsets(infos: list[SegmentInfo]) -> None:
+    """Derive missing first offsets from neighbours (forward, then backward for a prefix)."""
+    for k in range(1, len(infos)):
+        prev, cur = infos[k - 1], infos[k]
+        if cur.first_offset is None and prev.first_offset is not None and prev.count is not None:
+            cur.first_offset = prev.first_offset + prev.count
+    for k in range(len(infos) - 2, -1, -1):
+        cur, nxt = infos[k], infos[k + 1]
+        if cur.first_offset is None and nxt.first_offset is not None and cur.count is not None:
+            cur.first_offset = nxt.first_offset - cur.count
+    for info in infos:
+        if info.first_offset is None:  # no index anywhere: a log that started at 0
+            info.first_offset = 0
+
+
+def _walk(path: Path) -> tuple[int, int, int | None, bool]:
+    """(end of good data, record count, first timestamp, garbage seen) of one segment file."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < HEADER_SIZE:
+            return HEADER_SIZE, 0, None, False
+        head = f.read(HEADER_SIZE)
+        if head != HEADER:
+            if head == b"\0" * HEADER_SIZE:
+                return HEADER_SIZE, 0, None, False
+            raise StoreError(f"{path}: unsupported segment header {head!r}")
+        if size == HEADER_SIZE:
+            return HEADER_SIZE, 0, None, False
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            res = fmt.scan(mm, size, set(), False)
+            first_ts = _I64.unpack_from(mm, HEADER_SIZE)[0] if res.count else None
+    return res.end, res.count, first_ts, res.garbage
+
+
+def iter_segment(path: Path, start_offset: int, first_offset: int, stop_offset: int | None = None,
+                 ) -> Iterator[Record]:
+    """Records of one segment file from ``start_offset``, read-only, up to the last complete
+    record (or ``stop_offset`` exclusive). Safe on a segment that is still being appended to."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size <= HEADER_SIZE:
+            return
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            offset = first_offset
+            pos = HEADER_SIZE
+            while pos + fmt.FIXED_SIZE <= size:
+                if stop_offset is not None and offset >= stop_offset:
+                    return
+                ts = _I64.unpack_from(mm, pos)[0]
+                if ts == 0:
+                    return
+                try:
+                    end, _body = fmt.record_end(mm, pos)
+                except (IndexError, struct.error):
+                    return
+                if end > size:
+                    return
+                if offset >= start_offset:
+                    rec = fmt.read_record(mm, pos)
+                    yield offset, ts, rec[1], rec[2], rec[3], rec[4]
+                offset += 1
+                pos = end
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]

