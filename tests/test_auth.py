@@ -158,15 +158,19 @@ def test_imported_hash_and_passwordless_user(tmp_path: Path) -> None:
     assert store.authenticate("service", "") is None
 
 
-def test_permission_regexes_match_whole_names(tmp_path: Path) -> None:
+def test_permission_regexes_search_like_rabbitmq(tmp_path: Path) -> None:
     store = UserStore(tmp_path / "users.json", NullSink())
     store.add_user("app", "pw")
-    store.set_permissions("app", "/", "app\\..*", "app\\.x|amq\\.default", "")
+    store.set_permissions("app", "/", "^app\\..*", "^(app\\.x|amq\\.default)$", "")
     assert store.can_configure("app", "/", "app.orders")
-    assert not store.can_configure("app", "/", "xapp.orders")  # full match, not search
+    assert not store.can_configure("app", "/", "xapp.orders")  # anchored with ^
     assert not store.can_configure("app", "/", "orders")
     assert store.can_write("app", "/", "app.x")
     assert not store.can_write("app", "/", "app.xy")
+    # Unanchored patterns match anywhere in the name, as in RabbitMQ.
+    store.set_permissions("app", "/", "orders", "", "")
+    assert store.can_configure("app", "/", "app.orders.v2")
+    store.set_permissions("app", "/", "^app\\..*", "^(app\\.x|amq\\.default)$", "")
     assert store.can_write("app", "/", "")  # the default exchange is checked as amq.default
     assert not store.can_read("app", "/", "app.orders")  # "" grants nothing
     assert not store.can_read("app", "/", "")

@@ -83,7 +83,11 @@ class Permission:
 
     def allows(self, action: str, resource: str) -> bool:
         pattern = {"configure": self._configure_re, "write": self._write_re, "read": self._read_re}[action]
-        return pattern.fullmatch(resource or "amq.default") is not None
+        # RabbitMQ semantics: an empty pattern grants nothing; otherwise the regex may match
+        # anywhere in the name (anchor it with ^...$ to match whole names).
+        if not pattern.pattern:
+            return False
+        return pattern.search(resource or "amq.default") is not None
 
 
 FULL_ACCESS = Permission(".*", ".*", ".*")

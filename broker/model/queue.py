@@ -19,9 +19,12 @@ session implements it; MQTT or HTTP could too.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from broker.store.queue_store import QueueStore
+
+if TYPE_CHECKING:
+    from broker.model.features import QueueFeatures
 
 _PASS_BUDGET = 4096  # deliveries per pass before yielding to the loop
 
@@ -55,6 +58,7 @@ class Queue:
         "vhost", "name", "durable", "exclusive_owner", "auto_delete", "arguments", "store",
         "consumers", "_schedule", "_scheduled", "_rr", "deleted", "had_consumers", "on_unused",
         "name_bytes", "on_dirty", "n_published", "n_delivered", "n_acked", "n_redelivered",
+        "features",
     )
 
     def __init__(
@@ -92,10 +96,15 @@ class Queue:
         self.n_delivered = 0
         self.n_acked = 0
         self.n_redelivered = 0
+        # TTL, limits, DLX, priorities...: None on a plain queue (see broker/model/features.py).
+        self.features: QueueFeatures | None = None
 
     # ------------------------------------------------------------ publishing
     def publish(self, ts: int, exchange: bytes, routing_key: bytes, props: bytes, body: bytes,
-                persistent: bool) -> None:
+                persistent: bool) -> bool | None:
+        """Append (and wake consumers); False when a length limit refused the message."""
+        if self.features is not None:
+            return self.features.publish(ts, exchange, routing_key, props, body, persistent)
         self.store.append(ts, exchange, routing_key, props, body)
         self.n_published += 1
         if persistent and self.durable:
@@ -103,6 +112,7 @@ class Queue:
         if self.consumers and not self._scheduled:
             self._scheduled = True
             self._schedule(self._deliver)
+        return None
 
     @property
     def message_count(self) -> int:
@@ -116,6 +126,9 @@ class Queue:
     def add_consumer(self, consumer: Consumer) -> None:
         self.consumers.append(consumer)
         self.had_consumers = True
+        if self.features is not None or "x-priority" in consumer.arguments:
+            from broker.model import features
+            features.ensure(self).consumers_changed()
         self.schedule_delivery()
 
     def remove_consumer(self, consumer: Consumer) -> None:
@@ -123,6 +136,8 @@ class Queue:
             self.consumers.remove(consumer)
         except ValueError:
             return
+        if self.features is not None:
+            self.features.consumers_changed()
         if not self.consumers and self.auto_delete and self.had_consumers and not self.deleted:
             self.on_unused(self)
 
@@ -132,6 +147,9 @@ class Queue:
             self._schedule(self._deliver)
 
     def _deliver(self) -> None:
+        if self.features is not None:
+            self.features.deliver()
+            return
         self._scheduled = False
         if self.deleted:
             return
@@ -165,6 +183,8 @@ class Queue:
 
     # ------------------------------------------------------------------ get
     def get(self) -> tuple[int, bytes, bytes, bytes, bytes, bool] | None:
+        if self.features is not None:
+            return self.features.get()
         msgid = self.store.shift()
         if msgid is None:
             return None
@@ -179,11 +199,16 @@ class Queue:
             return
         self.store.ack(msgid)
         self.n_acked += 1
+        if self.features is not None:
+            self.features.acked(msgid)
         if self.durable:
             self.on_dirty(self.store)
 
     def reject(self, msgid: int, requeue: bool) -> None:
         if self.deleted:
+            return
+        if self.features is not None:
+            self.features.reject(msgid, requeue)
             return
         if requeue:
             self.store.requeue(msgid)
@@ -203,6 +228,8 @@ class Queue:
     def delete(self) -> None:
         """Remove the queue and its files; consumers get a server-side cancel."""
         self.deleted = True
+        if self.features is not None:
+            self.features.close()
         consumers, self.consumers = self.consumers, []
         for c in consumers:
             c.cancelled_by_server()

@@ -253,6 +253,15 @@ class VHost:
                 raise errors.PreconditionFailed(
                     f"inequivalent arguments for queue '{name}' in vhost '{self.name}'")
             return q, False
+        if arguments.get("x-queue-type") == "stream":  # stream queues: broker/model/stream.py
+            from broker.model.stream import new_stream_queue
+            q = new_stream_queue(self, name, durable=durable, exclusive=exclusive,
+                                 auto_delete=auto_delete, arguments=arguments)
+            self.queues[name] = q
+            self.exchanges[""].bind(q, name)
+            self._log(commands.Queue.Declare(queue=name, durable=True, auto_delete=auto_delete,
+                                             arguments=arguments))
+            return q, True
         persistent = durable and not exclusive
         if persistent:
             store = QueueStore(queue_dir(self.dir, name), segment_size=self.segment_size,

@@ -146,8 +146,15 @@ class Session(AMQPConnection):
         self._perm_cache: dict[tuple[str, str], bool] = {}
         self.connected_at = time.time()
         self.batch_publishes = 0  # publishes in the current read batch (fairness)
+        self.now_ms = 0  # wall clock of the current read batch: message timestamps
+        self.stats = broker.stats
+        self._write_ok: set[str] = set()  # exchanges this user may publish to (cache)
         self.batch_queues: set[Queue] = set()  # queues with consumers it published to
         self.name = f"{peer[0]}:{peer[1]}"
+
+    def receive_data(self, data: bytes) -> None:
+        self.now_ms = int(time.time() * 1000)
+        super().receive_data(data)
 
     # ------------------------------------------------------------ negotiation
     def authenticate(self, mechanism: str, response: bytes) -> str:
@@ -280,19 +287,22 @@ class Session(AMQPConnection):
 
     def _publish(self, chs: ChannelState, exchange: str, routing_key: str, mandatory: bool,
                  props: bytes, body: bytes) -> None:
-        vh = self.vhost_obj
-        broker = self.broker
-        broker.stats.published += 1
-        if len(props) >= 2 and props[0] & 0x02:  # reply-to flag is 0x0200
+        vh = self.vh
+        assert vh is not None
+        self.stats.published += 1
+        flags = props[0] if props else 0
+        if flags & 0x02:  # reply-to (flag 0x0200) may need rewriting for direct reply-to
             props = self._rewrite_reply_to(chs, props)
         ex = vh.exchanges.get(exchange)
         if ex is None:
             raise errors.NotFound(f"no exchange '{exchange}' in vhost '{vh.name}'", 60, 40)
         if ex.internal:
             raise errors.AccessRefused(f"cannot publish to internal exchange '{exchange}'", 60, 40)
-        if broker.check_permissions:
+        if exchange not in self._write_ok:
             self._check("write", exchange)
-        persistent = codec.delivery_mode(props) == 2
+            self._write_ok.add(exchange)
+        # delivery-mode present (flag 0x1000)? only then find its value
+        persistent = bool(flags & 0x10) and codec.delivery_mode(props) == 2
         if exchange == "":
             q = vh.queues.get(routing_key)
             if q is None:
@@ -305,7 +315,7 @@ class Session(AMQPConnection):
         else:
             queues = vh.route(ex, routing_key, lambda: _headers(props))
         if queues:
-            ts = int(time.time() * 1000)
+            ts = self.now_ms
             exb = exchange.encode()
             rkb = routing_key.encode()
             for q in queues:
@@ -315,7 +325,7 @@ class Session(AMQPConnection):
                 if persistent and q.durable and chs.confirm:
                     chs.needs_sync = True
         else:
-            broker.stats.unroutable += 1
+            self.stats.unroutable += 1
             if mandatory:
                 self.out += codec.encode_return(chs.id, 312, b"NO_ROUTE", exchange.encode(),
                                                 routing_key.encode(), props, body, self.frame_max)
@@ -545,6 +555,9 @@ class Session(AMQPConnection):
             return
         self._check("read", m.queue)
         q = self.vhost_obj.get_queue(m.queue, self)
+        from broker.model.stream import StreamQueue  # stream consumers: manual ack, prefetch, offset
+        if isinstance(q, StreamQueue):
+            q.check_consume(m.no_ack, chs.prefetch or chs.global_prefetch, dict(m.arguments or {}))
         if m.exclusive and q.consumers:
             raise errors.AccessRefused(f"queue '{q.name}' in vhost '{q.vhost}' in exclusive use")
         if any(c.exclusive for c in q.consumers):

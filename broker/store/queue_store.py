@@ -72,6 +72,10 @@ _U32: Final = struct.Struct("<I")
 _I64_PACK_INTO: Final = fmt.I64.pack_into
 _U32_PACK_INTO: Final = fmt.U32.pack_into
 _U64_PACK_INTO: Final = fmt.U64.pack_into
+_U32_PACK: Final = fmt.U32.pack
+_U64_PACK: Final = fmt.U64.pack
+_BYTE: Final = tuple(bytes((i,)) for i in range(256))
+_ZERO_TS_AND_LEN: Final = tuple(bytes(8) + bytes((i,)) for i in range(256))  # zero timestamp + a length
 
 
 class QueueStore:
@@ -143,31 +147,15 @@ class QueueStore:
         mm = self._wmm
         assert mm is not None
         pos = seg.end
-        q = pos + 8
-        try:
-            mm[q] = ex_len
-            q += 1
-            mm[q:q + ex_len] = exchange
-            q += ex_len
-            mm[q] = rk_len
-            q += 1
-            mm[q:q + rk_len] = routing_key
-            q += rk_len
-            _U32_PACK_INTO(mm, q, p_len)
-            q += 4
-            mm[q:q + p_len] = props
-            q += p_len
-            _U64_PACK_INTO(mm, q, b_len)
-            q += 8
-            mm[q:q + b_len] = body
-        except BaseException:
-            # E.g. a multi-byte-format memoryview whose len() is not its size: leave zeros,
-            # so no half record lingers past the end for recovery to misread.
-            mm[pos:q] = bytes(q - pos)
-            raise
-        # Last: a non-zero timestamp publishes the record (0 means "end", so avoid it).
+        end = pos + size
+        # One copy into the map: the record with a zero timestamp (still "end" to a
+        # reader), then the timestamp, which publishes it atomically for kill -9.
+        rec = b"".join((_ZERO_TS_AND_LEN[ex_len], exchange, _BYTE[rk_len], routing_key,
+                        _U32_PACK(p_len), props, _U64_PACK(b_len), body))
+        if len(rec) != size:  # e.g. a multi-byte-format memoryview: nothing written yet
+            raise ValueError("record size mismatch (non-byte buffer?)")
+        mm[pos:end] = rec
         _I64_PACK_INTO(mm, pos, timestamp_ms or 1)
-        end = q + b_len
         seg.end = end
         seg.count += 1
         self._ready += 1

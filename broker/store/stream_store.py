@@ -368,7 +368,8 @@ class StreamStore:
 
     def segment_infos(self) -> list[tuple[int, int, int, int]]:
         """(segment number, first offset, first timestamp, count) of each segment, oldest first."""
-        return [(s.num, s.first_offset, s.first_ts, s.count) for s in map(self._segs.__getitem__, self._order)]
+        segs = [self._segs[n] for n in self._order]
+        return [(s.num, s.first_offset, s.first_ts, s.count) for s in segs]
 
     def seek(self, offset: int) -> StreamPosition:
         """A position at ``offset`` clamped to [first_offset, next_offset]."""
@@ -376,6 +377,9 @@ class StreamStore:
         if offset <= first:
             offset = first
         if offset >= self._next_offset or not self._order:
+            w = self._wseg
+            if w is not None:  # the next append lands here
+                return StreamPosition(self._next_offset, w.num, w.end)
             return StreamPosition(self._next_offset, self._next_num, HEADER_SIZE)
         i = bisect.bisect_right(self._firsts, offset) - 1
         seg = self._segs[self._order[i]]

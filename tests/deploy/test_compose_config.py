@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from broker.config import OPTIONS
-from tests.deploy._tools import COMPOSE_FILE, DEPLOY_DIR, REPO_ROOT, dockerfile_env, interpolate, run, tool
+
+from ._tools import COMPOSE_FILE, DEPLOY_DIR, REPO_ROOT, dockerfile_env, interpolate, run, tool
 
 OPTIONS_BY_ENV = {option.env: option for option in OPTIONS}
 

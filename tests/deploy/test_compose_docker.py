@@ -16,7 +16,7 @@ from typing import Any
 import pika
 import pytest
 
-from tests.deploy._tools import COMPOSE_FILE, DEPLOY_DIR, poll
+from ._tools import COMPOSE_FILE, DEPLOY_DIR, poll
 
 AMQP_PORTS = {"skred-1": 5672, "skred-2": 5673, "skred-3": 5674}
 USER = PASSWORD = "skred"  # the compose file's defaults (SKRED_DEFAULT_USER/PASSWORD unset)

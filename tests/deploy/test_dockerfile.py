@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from broker.config import OPTIONS
-from tests.deploy._tools import DOCKERFILE, REPO_ROOT, dockerfile_env, free_port, poll
+
+from ._tools import DOCKERFILE, REPO_ROOT, dockerfile_env, free_port, poll
 
 OPTIONS_BY_ENV = {option.env: option for option in OPTIONS}
 

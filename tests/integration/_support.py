@@ -123,6 +123,7 @@ class SkredProcess:
         self.host = "127.0.0.1"
         self.port = free_port()
         self.mgmt_port = free_port()
+        self.metrics_port = free_port()
         self.url = f"amqp://guest:guest@{self.host}:{self.port}/%2F"
         self.log_path = data_dir.parent / f"{data_dir.name}.broker.log"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -135,6 +136,7 @@ class SkredProcess:
             "--data-dir", str(self.data_dir),
             "--amqp-port", str(self.port),
             "--mgmt-port", str(self.mgmt_port),
+            "--mgmt-metrics-port", str(self.metrics_port),
             "--amqp-bind", self.host,
             *self.extra_args,
         ]

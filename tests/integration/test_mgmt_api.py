@@ -77,7 +77,8 @@ def http_ready(port: int) -> bool:
 
 
 def start_mgmt_broker(tmp: Path, extra: list[str] | None = None) -> SkredProcess:
-    b = SkredProcess(tmp / f"data-{unique('m')[-8:]}", ["--mgmt-metrics-port", str(free_port()), *(extra or [])])
+    args = ["--mgmt-metrics-port", str(free_port()), *(extra or [])]
+    b = SkredProcess(tmp / f"data-{unique('m')[-8:]}", args)
     try:
         b.start()
         wait_until(lambda: http_ready(b.mgmt_port), 10, "management HTTP listener")

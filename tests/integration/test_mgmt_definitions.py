@@ -23,7 +23,7 @@ def topology(api: Api) -> dict[str, Any]:
 
 def build(api: Api, vh: str) -> None:
     api.ok("PUT", f"/api/vhosts/{q(vh)}")
-    api.ok("PUT", f"/api/users/alice", {"password": "alice-pw", "tags": "management"})
+    api.ok("PUT", "/api/users/alice", {"password": "alice-pw", "tags": "management"})
     api.ok("PUT", f"/api/permissions/{q(vh)}/alice", {"configure": "^a.*", "write": ".*", "read": ".*"})
     api.ok("PUT", f"/api/exchanges/{q(vh)}/events", {"type": "topic", "durable": True})
     api.ok("PUT", f"/api/exchanges/{q(vh)}/fan", {"type": "fanout", "durable": True,

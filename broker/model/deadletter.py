@@ -1,0 +1,154 @@
+"""Dead-lettering and the header surgery it needs (cold path only).
+
+Theory of operation
+-------------------
+A message leaves a queue as a dead letter for one of four reasons: ``rejected``
+(basic.reject/nack without requeue), ``expired`` (TTL), ``maxlen`` (overflow
+drop-head or reject-publish-dlx) and ``delivery_limit``. It is republished to
+the queue's dead-letter exchange with the dead-letter routing key, or with its
+original routing keys (routing key plus CC) when none is set. Before that its
+properties are rewritten as RabbitMQ does: the ``x-death`` array gets an entry
+per (queue, reason) holding count, reason, queue, time, exchange,
+routing-keys (and original-expiration, the ``expiration`` property being
+removed so the copy does not expire again); an existing entry for the same
+queue and reason is counted up and moved to the front. ``x-first-death-*`` is
+set once, ``x-last-death-*`` every time. A missing dead-letter exchange drops
+the message silently.
+
+Cycles: a target queue is skipped when the message already died in it and no
+client rejection happened since (walking ``x-death`` from the most recent
+entry); this stops e.g. a TTL queue dead-lettering into itself, while letting
+a consumer's reject send a message round a retry loop.
+
+Properties are only decoded here and in the other feature code, never on the
+plain publish/deliver path.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import TYPE_CHECKING, Any
+
+from broker.amqp import codec
+
+if TYPE_CHECKING:
+    from broker.model.queue import Queue
+    from broker.model.vhost import VHost
+
+
+def _s(v: Any) -> str:
+    return v.decode(errors="replace") if isinstance(v, bytes | bytearray) else str(v)
+
+
+def cc_keys(headers: dict[str, Any] | None) -> list[str]:
+    """The CC routing keys of a message's headers (an array of strings, or one string)."""
+    if not headers:
+        return []
+    cc = headers.get("CC")
+    if isinstance(cc, list):
+        return [_s(k) for k in cc]
+    if isinstance(cc, str | bytes):
+        return [_s(cc)]
+    return []
+
+
+def set_header(props: bytes, key: str, value: Any) -> bytes:
+    """``props`` with one header set (decodes and re-encodes the properties)."""
+    p = codec.decode_properties(props)
+    headers = dict(p.headers or {})
+    headers[key] = value
+    p.headers = headers
+    return codec.encode_properties(p)
+
+
+def x_death_props(props: bytes, queue: str, reason: str, exchange: str,
+                  routing_key: str) -> tuple[bytes, list[dict[str, Any]], list[str]]:
+    """Rewritten properties, the new x-death list and the message's routing keys."""
+    p = codec.decode_properties(props)
+    headers: dict[str, Any] = dict(p.headers or {})
+    routing_keys = [routing_key, *cc_keys(headers)]
+    deaths_raw = headers.get("x-death")
+    deaths: list[dict[str, Any]] = [dict(d) for d in deaths_raw if isinstance(d, dict)] \
+        if isinstance(deaths_raw, list) else []
+    now = datetime.datetime.now(datetime.UTC).replace(microsecond=0, tzinfo=None)
+    found = None
+    for i, d in enumerate(deaths):
+        if _s(d.get("queue", "")) == queue and _s(d.get("reason", "")) == reason:
+            found = deaths.pop(i)
+            break
+    if found is not None:
+        count = found.get("count", 1)
+        found["count"] = (count if isinstance(count, int) else 1) + 1
+        entry = found
+    else:
+        entry = {"count": 1, "reason": reason, "queue": queue, "time": now,
+                 "exchange": exchange, "routing-keys": routing_keys}
+        if p.expiration is not None:
+            entry["original-expiration"] = p.expiration
+    deaths.insert(0, entry)
+    headers["x-death"] = deaths
+    if "x-first-death-reason" not in headers:
+        headers["x-first-death-reason"] = reason
+        headers["x-first-death-queue"] = queue
+        headers["x-first-death-exchange"] = exchange
+    headers["x-last-death-reason"] = reason
+    headers["x-last-death-queue"] = queue
+    headers["x-last-death-exchange"] = exchange
+    headers.pop("x-delivery-count", None)
+    p.headers = headers
+    p.expiration = None
+    return codec.encode_properties(p), deaths, routing_keys
+
+
+def is_cycle(deaths: list[dict[str, Any]], target: str) -> bool:
+    """True when dead-lettering into ``target`` would loop with no client involved.
+
+    ``deaths`` starts with the entry just added for the queue the message dies
+    in now, so a queue dead-lettering into itself is a cycle unless the reason
+    is ``rejected``.
+    """
+    for d in deaths:
+        if _s(d.get("reason", "")) == "rejected":
+            return False
+        if _s(d.get("queue", "")) == target:
+            return True
+    return False
+
+
+def dead_letter(vh: VHost, source: Queue, dlx: str, dlrk: str | None, exchange: bytes,
+                routing_key: bytes, props: bytes, body: bytes, reason: str, now_ms: int) -> int:
+    """Republish one dead letter from ``source``; returns the number of queues it reached."""
+    ex = vh.exchanges.get(dlx)
+    if ex is None:
+        return 0  # RabbitMQ: a missing dead-letter exchange drops the message silently
+    new_props, deaths, keys = x_death_props(props, source.name, reason, _s(exchange), _s(routing_key))
+    if dlrk is not None:
+        keys = [dlrk]
+    headers_cache: list[dict[str, Any] | None] = []
+
+    def headers_of() -> dict[str, Any] | None:
+        if not headers_cache:
+            h = codec.decode_properties(new_props).headers
+            headers_cache.append(dict(h) if h else None)
+        return headers_cache[0]
+
+    targets: list[Queue] = []
+    for key in keys:
+        if dlx == "":
+            q = vh.queues.get(key)
+            found = [q] if q is not None else []
+        else:
+            found = vh.route(ex, key, headers_of)
+        for q in found:
+            if q not in targets:
+                targets.append(q)
+    persistent = codec.delivery_mode(new_props) == 2
+    exb = dlx.encode()
+    rkb = keys[0].encode()
+    n = 0
+    for q in targets:
+        if q.deleted or is_cycle(deaths, q.name):
+            continue
+        q.publish(now_ms, exb, rkb, new_props, body, persistent)
+        n += 1
+    return n

@@ -1,0 +1,706 @@
+"""Queue features: TTL, expiry, length limits, dead-lettering, delivery limit,
+priorities, single active consumer and consumer priorities.
+
+Theory of operation
+-------------------
+A plain queue has ``features is None`` and pays nothing: ``Queue`` checks that
+one attribute per publish, delivery pass, get, ack and reject and otherwise
+runs its own tight loop. A queue whose arguments or policies ask for any
+feature (or that received a message with a per-message ``expiration``, or a
+consumer with ``x-priority``) gets a ``QueueFeatures``, which takes over those
+operations with a loop that knows about them. The effective configuration
+(``QueueConfig``) is computed from the queue arguments, the vhost's policy and
+operator policy at declare time and again whenever a policy changes, so
+nothing is looked up per message.
+
+Expiry never scans the queue. Messages leave in order, so only the head can be
+the next to expire (RabbitMQ semantics: a message with a per-message TTL behind
+a longer-lived head waits until it reaches the head). One timer per queue
+sleeps until the head's expiry; delivery passes and ``basic.get`` also expire
+the head as they reach it. TTL 0 messages are handed to a consumer that has
+capacity at publish time (a synchronous delivery pass in which they do not
+count as expired) and expire otherwise.
+
+Length limits count ready messages and their body bytes (the store's
+counters): ``drop-head`` drops (dead-letters) from the head after the append,
+``reject-publish`` refuses the message (``Queue.publish`` returns False, the
+session nacks it under confirms), ``reject-publish-dlx`` also dead-letters it.
+
+``x-delivery-limit``: requeues are counted per msgid in memory; a redelivered
+message carries ``x-delivery-count``; once the count exceeds the limit the
+message is dead-lettered with reason ``delivery_limit`` instead of requeued.
+
+Unused queues (``x-expires``): one timer per queue, re-armed from the last use
+(consume, cancel of the last consumer, basic.get, redeclare); when it fires on
+a queue with no consumers that has not been used for the whole period, the
+queue is deleted.
+
+Timers come from the vhost's ``call_later`` (the model does not import
+asyncio); without one, TTL still applies at delivery and get.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Protocol, cast
+
+from broker import errors
+from broker.amqp import codec
+from broker.model import deadletter
+from broker.store.priority_store import PriorityStore
+from broker.store.queue_store import QueueStore
+
+if TYPE_CHECKING:
+    from broker.model.queue import Consumer, Queue
+    from broker.model.vhost import VHost
+
+_PASS_BUDGET = 4096
+OVERFLOW_MODES = ("drop-head", "reject-publish", "reject-publish-dlx")
+
+# Raw property flag bits (first flag byte) the publish hook looks at.
+FLAG_HEADERS = 0x20
+FLAG_EXPIRATION = 0x01
+FLAG_PRIORITY = 0x08
+
+
+class TimerHandle(Protocol):
+    def cancel(self) -> None: ...
+
+
+CallLater = Callable[[float, Callable[[], None]], TimerHandle]
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+# --------------------------------------------------------------------------- config
+@dataclass(frozen=True)
+class QueueConfig:
+    message_ttl: int | None = None
+    expires: int | None = None
+    max_length: int | None = None
+    max_length_bytes: int | None = None
+    overflow: str = "drop-head"
+    dlx: str | None = None
+    dlrk: str | None = None
+    delivery_limit: int | None = None
+    max_priority: int | None = None
+    single_active: bool = False
+
+    @property
+    def limited(self) -> bool:
+        return self.max_length is not None or self.max_length_bytes is not None
+
+    def is_plain(self) -> bool:
+        return self == _PLAIN
+
+
+_PLAIN = QueueConfig()
+
+# argument name -> (config field, kind, minimum, maximum)
+_ARGS: dict[str, tuple[str, str, int, int | None]] = {
+    "x-message-ttl": ("message_ttl", "int", 0, None),
+    "x-expires": ("expires", "int", 1, None),
+    "x-max-length": ("max_length", "int", 0, None),
+    "x-max-length-bytes": ("max_length_bytes", "int", 0, None),
+    "x-delivery-limit": ("delivery_limit", "int", 0, None),
+    "x-max-priority": ("max_priority", "int", 0, 255),
+    "x-overflow": ("overflow", "overflow", 0, None),
+    "x-dead-letter-exchange": ("dlx", "str", 0, None),
+    "x-dead-letter-routing-key": ("dlrk", "str", 0, None),
+    "x-single-active-consumer": ("single_active", "bool", 0, None),
+}
+# policy definition key -> config field (max-priority is not allowed in a policy)
+POLICY_KEYS: dict[str, str] = {
+    "message-ttl": "message_ttl",
+    "expires": "expires",
+    "max-length": "max_length",
+    "max-length-bytes": "max_length_bytes",
+    "overflow": "overflow",
+    "dead-letter-exchange": "dlx",
+    "dead-letter-routing-key": "dlrk",
+    "delivery-limit": "delivery_limit",
+}
+_POLICY_KIND = {"message_ttl": ("int", 0), "expires": ("int", 1), "max_length": ("int", 0),
+                "max_length_bytes": ("int", 0), "delivery_limit": ("int", 0),
+                "overflow": ("overflow", 0), "dlx": ("str", 0), "dlrk": ("str", 0)}
+# Numeric limits where the stricter (lower) of argument and policies wins.
+_STRICTER = ("message_ttl", "expires", "max_length", "max_length_bytes", "delivery_limit")
+
+
+def _check_value(kind: str, low: int, high: int | None, value: Any) -> Any:
+    """The value converted for the config; raises ValueError with RabbitMQ-like text."""
+    if kind == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{{unacceptable_type,{type(value).__name__}}}")
+        if value < low:
+            raise ValueError(f"{{value_negative,{value}}}" if value < 0 else f"{{value_zero,{value}}}")
+        if high is not None and value > high:
+            raise ValueError(f"{{value_too_large,{value},{high}}}")
+        return value
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise ValueError(f"{{unacceptable_type,{type(value).__name__}}}")
+        return value
+    if isinstance(value, bytes):
+        value = value.decode(errors="replace")
+    if not isinstance(value, str):
+        raise ValueError(f"{{unacceptable_type,{type(value).__name__}}}")
+    if kind == "overflow" and value not in OVERFLOW_MODES:
+        raise ValueError(f"{{unknown_overflow_mode,{value}}}")
+    return value
+
+
+def parse_arguments(arguments: dict[str, Any], queue: str, vhost: str) -> QueueConfig:
+    """The queue-argument part of the config; 406 PRECONDITION_FAILED on a bad argument."""
+    if not arguments:
+        return _PLAIN
+    fields: dict[str, Any] = {}
+    for key, value in arguments.items():
+        spec = _ARGS.get(key)
+        if spec is None:
+            continue
+        field, kind, low, high = spec
+        try:
+            converted = _check_value(kind, low, high, value)
+        except ValueError as exc:
+            raise errors.PreconditionFailed(
+                f"invalid arg '{key}' for queue '{queue}' in vhost '{vhost}': {exc}", 50, 10) from None
+        if field == "max_priority" and converted == 0:
+            continue  # RabbitMQ: 0 means no priorities
+        fields[field] = converted
+    if "dlrk" in fields and "dlx" not in fields:
+        raise errors.PreconditionFailed(
+            "invalid arg 'x-dead-letter-routing-key' for queue '" + queue + "' in vhost '" + vhost
+            + "': Key x-dead-letter-routing-key requires x-dead-letter-exchange", 50, 10)
+    return QueueConfig(**fields) if fields else _PLAIN
+
+
+def validate_policy_definition(definition: dict[str, Any]) -> None:
+    """Raise ValueError for a definition key this broker applies with a bad value."""
+    if "max-priority" in definition:
+        raise ValueError("max-priority cannot be set by a policy (use the x-max-priority argument)")
+    for key, value in definition.items():
+        field = POLICY_KEYS.get(key)
+        if field is None:
+            continue
+        kind, low = _POLICY_KIND[field]
+        try:
+            _check_value(kind, low, None, value)
+        except ValueError as exc:
+            raise ValueError(f"invalid value for policy key '{key}': {exc}") from None
+
+
+def _policy_fields(definition: dict[str, Any] | None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in (definition or {}).items():
+        field = POLICY_KEYS.get(key)
+        if field is None:
+            continue
+        kind, low = _POLICY_KIND[field]
+        try:
+            out[field] = _check_value(kind, low, None, value)
+        except ValueError:
+            continue
+    return out
+
+
+def effective_config(args_cfg: QueueConfig, policy: dict[str, Any] | None,
+                     operator: dict[str, Any] | None) -> QueueConfig:
+    """Arguments + policy + operator policy, with RabbitMQ's precedence.
+
+    Numeric limits: the lowest of the three. Everything else: the argument,
+    else the policy, else the operator policy.
+    """
+    pol = _policy_fields(policy)
+    op = _policy_fields(operator)
+    if not pol and not op:
+        return args_cfg
+    fields: dict[str, Any] = {}
+    for field in _STRICTER:
+        values = [v for v in (getattr(args_cfg, field), pol.get(field), op.get(field)) if v is not None]
+        if values:
+            fields[field] = min(values)
+    for field in ("overflow", "dlx", "dlrk"):
+        default = getattr(_PLAIN, field)
+        cur = getattr(args_cfg, field)
+        if cur != default:
+            continue
+        if field in pol:
+            fields[field] = pol[field]
+        elif field in op:
+            fields[field] = op[field]
+    return replace(args_cfg, **fields)
+
+
+# ------------------------------------------------------------------- publish hook
+def expiration_ms(props: bytes) -> int | None:
+    """A message's per-message TTL (the ``expiration`` property) or None."""
+    if len(props) < 2 or not props[0] & FLAG_EXPIRATION:
+        return None
+    exp = codec.decode_properties(props).expiration
+    if exp is None:
+        return None
+    try:
+        value = int(exp)
+    except ValueError:
+        return None
+    return value if value >= 0 else None
+
+
+def inspect_publish(props: bytes) -> tuple[bytes, list[str] | None, bool]:
+    """Validate/strip what a publish carries: (props, CC+BCC routing keys, has expiration).
+
+    Only called when the expiration or headers flag is set. 406 for an
+    expiration that is not a non-negative integer, as RabbitMQ.
+    """
+    has_exp = bool(props[0] & FLAG_EXPIRATION)
+    extra: list[str] | None = None
+    wants_headers = props[0] & FLAG_HEADERS and (b"\x02CC" in props or b"\x03BCC" in props)
+    if not has_exp and not wants_headers:
+        return props, None, False
+    p = codec.decode_properties(props)
+    if has_exp:
+        exp = p.expiration
+        try:
+            ok = exp is not None and int(exp) >= 0 and str(exp).strip().isdigit()
+        except ValueError:
+            ok = False
+        if not ok:
+            raise errors.PreconditionFailed(f"invalid expiration '{exp}': no_integer", 60, 40)
+    if wants_headers and p.headers:
+        headers = dict(p.headers)
+        extra = deadletter.cc_keys(headers)
+        bcc = headers.pop("BCC", None)
+        if bcc is not None:
+            extra += deadletter.cc_keys({"CC": bcc})
+            p.headers = headers
+            props = codec.encode_properties(p)
+    return props, extra or None, has_exp
+
+
+def priority_of(props: bytes) -> int:
+    """The priority octet of raw properties (0 when absent), without a full decode."""
+    if len(props) < 2 or not props[0] & FLAG_PRIORITY:
+        return 0
+    flags = (props[0] << 8) | props[1]
+    pos = 2
+    if flags & 1:
+        while True:
+            more = (props[pos] << 8) | props[pos + 1]
+            pos += 2
+            if not more & 1:
+                break
+    if flags & 0x8000:
+        pos += 1 + props[pos]
+    if flags & 0x4000:
+        pos += 1 + props[pos]
+    if flags & 0x2000:
+        pos += 4 + codec.U32.unpack_from(props, pos)[0]
+    if flags & 0x1000:
+        pos += 1
+    return int(props[pos])
+
+
+# ------------------------------------------------------------------- attaching
+def make_store(store: QueueStore, args_cfg: QueueConfig) -> QueueStore:
+    """Wrap a new queue's store for priorities when ``x-max-priority`` asks for them."""
+    if args_cfg.max_priority:
+        return cast(QueueStore, PriorityStore(store, args_cfg.max_priority))
+    return store
+
+
+def attach(vh: VHost | None, q: Queue, args_cfg: QueueConfig, policy: dict[str, Any] | None,
+           operator: dict[str, Any] | None, call_later: CallLater | None) -> None:
+    """(Re)compute a queue's effective config; give it features when it needs any."""
+    cfg = effective_config(args_cfg, policy, operator)
+    f = q.features
+    if f is None:
+        if cfg.is_plain():
+            return
+        f = QueueFeatures(q, vh, cfg, call_later)
+        q.features = f
+        f.start()
+    else:
+        if vh is not None:
+            f.vhost = vh
+        f.reconfigure(cfg)
+
+
+def ensure(q: Queue, vh: VHost | None = None) -> QueueFeatures:
+    """The queue's features, created (plain config) if it has none yet."""
+    f = q.features
+    if f is None:
+        f = QueueFeatures(q, vh, _PLAIN, vh.call_later if vh is not None else None)
+        q.features = f
+        f.start()
+    elif vh is not None and f.vhost is None:
+        f.vhost = vh
+    return f
+
+
+def consumer_priority(c: Consumer) -> int:
+    v = c.arguments.get("x-priority") if c.arguments else None
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v
+    return 0
+
+
+# ------------------------------------------------------------------- features
+class QueueFeatures:
+    def __init__(self, q: Queue, vh: VHost | None, cfg: QueueConfig,
+                 call_later: CallLater | None) -> None:
+        self.q = q
+        self.vhost = vh
+        self.cfg = cfg
+        self.call_later = call_later
+        self.pstore: PriorityStore | None = q.store if isinstance(q.store, PriorityStore) else None
+        self.msg_ttl_seen = False  # a message with an expiration property was published
+        self.delivery_counts: dict[int, int] = {}
+        self._timer: TimerHandle | None = None
+        self._timer_at = 0
+        self._expires_timer: TimerHandle | None = None
+        self._last_used = time.monotonic()
+        self._grace = False  # inside the synchronous TTL-0 delivery pass
+        self._prio_consumers = False
+        self._sorted: list[Consumer] = []
+        self._rr: dict[int, int] = {}
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self.consumers_changed()
+        self._arm_expires()
+        self.enforce_limits()
+        self.arm_expiry()
+
+    def reconfigure(self, cfg: QueueConfig) -> None:
+        old = self.cfg
+        self.cfg = cfg
+        if cfg.expires != old.expires:
+            self._cancel_expires()
+            self._arm_expires()
+        if cfg.message_ttl != old.message_ttl and self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.enforce_limits()
+        self.arm_expiry()
+        self.q.schedule_delivery()
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._cancel_expires()
+
+    @property
+    def expiring(self) -> bool:
+        return self.cfg.message_ttl is not None or self.msg_ttl_seen
+
+    # ------------------------------------------------------------ publishing
+    def publish(self, ts: int, exchange: bytes, routing_key: bytes, props: bytes, body: bytes,
+                persistent: bool) -> bool:
+        q = self.q
+        cfg = self.cfg
+        store = q.store
+        if cfg.limited and cfg.overflow != "drop-head":
+            ml, mb = cfg.max_length, cfg.max_length_bytes
+            if (ml is not None and store.ready_count >= ml) or (
+                    mb is not None and store.bytes_ready + len(body) > mb):
+                if cfg.overflow == "reject-publish-dlx":
+                    self._dead_letter(exchange, routing_key, props, body, "maxlen")
+                return False
+        if self.pstore is not None:
+            self.pstore.append_priority(priority_of(props), ts, exchange, routing_key, props, body)
+        else:
+            store.append(ts, exchange, routing_key, props, body)
+        q.n_published += 1
+        if persistent and q.durable:
+            q.on_dirty(store)
+        if cfg.limited:
+            self.enforce_limits()
+        if self.expiring:
+            if cfg.message_ttl == 0 or (props[0] & FLAG_EXPIRATION and expiration_ms(props) == 0):
+                self._deliver_ttl0()
+            elif self._timer is None:
+                self.arm_expiry()
+        if q.consumers:
+            q.schedule_delivery()
+        return True
+
+    def _deliver_ttl0(self) -> None:
+        """TTL 0: deliver now if a consumer can take it, else it expires right away."""
+        if self.q.consumers:
+            self._grace = True
+            try:
+                self.deliver()
+            finally:
+                self._grace = False
+        self.arm_expiry()
+
+    def enforce_limits(self) -> None:
+        """drop-head: dead-letter from the head until the queue fits its limits."""
+        cfg = self.cfg
+        if not cfg.limited or cfg.overflow != "drop-head":
+            return
+        store = self.q.store
+        ml, mb = cfg.max_length, cfg.max_length_bytes
+        while store.ready_count and ((ml is not None and store.ready_count > ml)
+                                     or (mb is not None and store.bytes_ready > mb)):
+            if not self._drop_head("maxlen"):
+                break
+
+    def _drop_head(self, reason: str) -> bool:
+        q = self.q
+        store = q.store
+        msgid = store.shift()
+        if msgid is None:
+            return False
+        _ts, exchange, routing_key, props, body = store.read(msgid)
+        self._discard(msgid)
+        self._dead_letter(exchange, routing_key, props, body, reason)
+        return True
+
+    def _discard(self, msgid: int) -> None:
+        q = self.q
+        q.store.ack(msgid)
+        if self.delivery_counts:
+            self.delivery_counts.pop(msgid, None)
+        if q.durable:
+            q.on_dirty(q.store)
+
+    def _dead_letter(self, exchange: bytes, routing_key: bytes, props: bytes, body: bytes,
+                     reason: str) -> None:
+        cfg = self.cfg
+        if cfg.dlx is None or self.vhost is None:
+            return
+        deadletter.dead_letter(self.vhost, self.q, cfg.dlx, cfg.dlrk, exchange, routing_key,
+                               props, body, reason, now_ms())
+
+    # ------------------------------------------------------------ expiry
+    def _expiry_of(self, ts: int, props: bytes) -> int | None:
+        exp: int | None = None
+        ttl = self.cfg.message_ttl
+        if ttl is not None:
+            exp = ts + ttl
+        if self.msg_ttl_seen and len(props) >= 2 and props[0] & FLAG_EXPIRATION:
+            m = expiration_ms(props)
+            if m is not None and (exp is None or ts + m < exp):
+                exp = ts + m
+        return exp
+
+    def _is_expired(self, ts: int, props: bytes, now: int) -> bool:
+        exp = self._expiry_of(ts, props)
+        if exp is None or exp > now:
+            return False
+        return not (self._grace and exp == ts)
+
+    def expire_head(self) -> int | None:
+        """Expire (dead-letter) expired messages at the head; the next head expiry or None."""
+        store = self.q.store
+        now = now_ms()
+        while True:
+            msgid = store.peek()
+            if msgid is None:
+                return None
+            ts, _ex, _rk, props, _body = store.read(msgid)
+            exp = self._expiry_of(ts, props)
+            if exp is None:
+                return None
+            if exp > now:
+                return exp
+            self._drop_head("expired")
+
+    def arm_expiry(self) -> None:
+        if not self.expiring or self.q.deleted:
+            return
+        nxt = self.expire_head()
+        if nxt is None or self.call_later is None:
+            return
+        if self._timer is not None:
+            if self._timer_at <= nxt:
+                return
+            self._timer.cancel()
+        self._timer_at = nxt
+        self._timer = self.call_later(max(0.0, (nxt - now_ms()) / 1000.0) + 0.001, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self.arm_expiry()
+
+    # ------------------------------------------------------------ queue expiry
+    def touch(self) -> None:
+        self._last_used = time.monotonic()
+
+    def _cancel_expires(self) -> None:
+        if self._expires_timer is not None:
+            self._expires_timer.cancel()
+            self._expires_timer = None
+
+    def _arm_expires(self, delay: float | None = None) -> None:
+        expires = self.cfg.expires
+        if expires is None or self.call_later is None or self._expires_timer is not None:
+            return
+        self._expires_timer = self.call_later(expires / 1000.0 if delay is None else delay,
+                                              self._on_expires)
+
+    def _on_expires(self) -> None:
+        self._expires_timer = None
+        q = self.q
+        expires = self.cfg.expires
+        if q.deleted or expires is None:
+            return
+        if q.consumers:
+            return  # re-armed when the last consumer goes
+        idle = time.monotonic() - self._last_used
+        if idle * 1000.0 >= expires - 1:
+            q.on_unused(q)
+        else:
+            self._arm_expires(expires / 1000.0 - idle)
+
+    # ------------------------------------------------------------ consumers
+    def consumers_changed(self) -> None:
+        q = self.q
+        self.touch()
+        prios = [consumer_priority(c) for c in q.consumers]
+        self._prio_consumers = any(prios)
+        if self._prio_consumers:
+            order = sorted(range(len(q.consumers)), key=lambda i: -prios[i])
+            self._sorted = [q.consumers[i] for i in order]
+        else:
+            self._sorted = []
+        if not q.consumers and self.cfg.expires is not None:
+            self._cancel_expires()
+            self._arm_expires()
+
+    def _pick(self) -> Consumer | None:
+        q = self.q
+        consumers = q.consumers
+        if self.cfg.single_active:
+            c = self._sorted[0] if self._prio_consumers else consumers[0]
+            return c if c.ready() else None
+        if self._prio_consumers:
+            ordered = self._sorted
+            i = 0
+            n = len(ordered)
+            while i < n:
+                prio = consumer_priority(ordered[i])
+                j = i
+                while j < n and consumer_priority(ordered[j]) == prio:
+                    j += 1
+                group = ordered[i:j]
+                start = self._rr.get(prio, 0)
+                for k in range(len(group)):
+                    c = group[(start + k) % len(group)]
+                    if c.ready():
+                        self._rr[prio] = (start + k + 1) % len(group)
+                        return c
+                i = j
+            return None
+        n = len(consumers)
+        start = q._rr
+        for i in range(n):
+            c = consumers[(start + i) % n]
+            if c.ready():
+                q._rr = (start + i + 1) % n
+                return c
+        return None
+
+    def active_consumer(self) -> Consumer | None:
+        """With single active consumer: the one that gets messages."""
+        if not self.cfg.single_active or not self.q.consumers:
+            return None
+        return self._sorted[0] if self._prio_consumers else self.q.consumers[0]
+
+    # ------------------------------------------------------------ delivering
+    def _props_for_delivery(self, msgid: int, props: bytes) -> bytes:
+        if self.delivery_counts:
+            n = self.delivery_counts.get(msgid)
+            if n:
+                return deadletter.set_header(props, "x-delivery-count", n)
+        return props
+
+    def deliver(self) -> None:
+        q = self.q
+        q._scheduled = False
+        if q.deleted:
+            return
+        store = q.store
+        budget = _PASS_BUDGET
+        expiring = self.expiring
+        now = now_ms()
+        while budget and q.consumers and store.ready_count:
+            c = self._pick()
+            if c is None:
+                break
+            msgid = store.shift()
+            if msgid is None:
+                break
+            ts, exchange, routing_key, props, body = store.read(msgid)
+            budget -= 1
+            if expiring and self._is_expired(ts, props, now):
+                self._discard(msgid)
+                self._dead_letter(exchange, routing_key, props, body, "expired")
+                continue
+            redelivered = store.is_redelivered(msgid)
+            props = self._props_for_delivery(msgid, props)
+            q.n_delivered += 1
+            if redelivered:
+                q.n_redelivered += 1
+            if c.no_ack:
+                store.ack(msgid)
+                if self.delivery_counts:
+                    self.delivery_counts.pop(msgid, None)
+            c.deliver(msgid, exchange, routing_key, props, body, redelivered)
+        if not budget:
+            q.schedule_delivery()
+        elif expiring and not self._grace:
+            self.arm_expiry()
+
+    def get(self) -> tuple[int, bytes, bytes, bytes, bytes, bool] | None:
+        q = self.q
+        self.touch()
+        if self.expiring:
+            self.expire_head()
+        store = q.store
+        msgid = store.shift()
+        if msgid is None:
+            return None
+        _ts, exchange, routing_key, props, body = store.read(msgid)
+        redelivered = store.is_redelivered(msgid)
+        props = self._props_for_delivery(msgid, props)
+        q.n_delivered += 1
+        q.n_redelivered += redelivered
+        if self.expiring:
+            self.arm_expiry()
+        return msgid, exchange, routing_key, props, body, redelivered
+
+    def acked(self, msgid: int) -> None:
+        if self.delivery_counts:
+            self.delivery_counts.pop(msgid, None)
+
+    def reject(self, msgid: int, requeue: bool) -> None:
+        q = self.q
+        store = q.store
+        limit = self.cfg.delivery_limit
+        if requeue and limit is not None:
+            n = self.delivery_counts.get(msgid, 0) + 1
+            if n <= limit:
+                self.delivery_counts[msgid] = n
+            else:
+                requeue = False
+                reason = "delivery_limit"
+        else:
+            reason = "rejected"
+        if requeue:
+            store.requeue(msgid)
+            q.schedule_delivery()
+            if self.expiring:
+                self.arm_expiry()
+            return
+        _ts, exchange, routing_key, props, body = store.read(msgid)
+        self._discard(msgid)
+        q.n_acked += 1
+        self._dead_letter(exchange, routing_key, props, body, reason)

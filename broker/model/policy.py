@@ -1,0 +1,120 @@
+"""Policies and operator policies of one vhost.
+
+Theory of operation
+-------------------
+A policy is (name, pattern, definition, priority, apply-to). It applies to a
+queue or exchange whose name matches the pattern (a regex, searched anywhere
+in the name as RabbitMQ does) when apply-to allows that kind; of all matching
+policies the one with the highest priority wins (ties: the name sorting
+first). Operator policies are a second, independent set whose numeric limits
+cap whatever the queue arguments and the user policy say (the lowest wins, see
+``features.effective_config``).
+
+The set is persisted as ``policies.json`` in the vhost directory, replaced
+whole (tmp + fsync + rename, reported to the replication sink) on every change;
+the vhost re-applies the effective definitions to every existing queue and
+exchange right after a change, so policies act live.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from broker.errors import StoreError
+from broker.model.features import validate_policy_definition
+from broker.store.jsonstore import read_json, write_json
+from broker.store.sink import ReplicationSink
+
+APPLY_TO = ("all", "queues", "exchanges", "classic_queues", "quorum_queues", "streams")
+_QUEUE_KINDS = ("all", "queues", "classic_queues", "quorum_queues")
+FILE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    pattern: str
+    definition: dict[str, Any]
+    priority: int
+    apply_to: str
+    regex: re.Pattern[str]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "pattern": self.pattern, "definition": self.definition,
+                "priority": self.priority, "apply-to": self.apply_to}
+
+    def applies(self, kind: str, name: str) -> bool:
+        if kind == "queue" and self.apply_to not in _QUEUE_KINDS:
+            return False
+        if kind == "exchange" and self.apply_to not in ("all", "exchanges"):
+            return False
+        return self.regex.search(name) is not None
+
+
+def make_policy(name: str, pattern: str, definition: dict[str, Any], priority: int = 0,
+                apply_to: str = "all") -> Policy:
+    """A validated policy; ValueError names what is wrong."""
+    if not name or len(name.encode()) > 255:
+        raise ValueError("policy name must be 1 to 255 bytes")
+    if not isinstance(pattern, str):
+        raise ValueError("'pattern' must be a string")
+    try:
+        regex = re.compile(pattern)
+    except re.error as exc:
+        raise ValueError(f"invalid pattern regex: {exc}") from None
+    if not isinstance(definition, dict) or not definition:
+        raise ValueError("'definition' must be a non-empty object")
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ValueError("'priority' must be an integer")
+    if apply_to not in APPLY_TO:
+        raise ValueError(f"'apply-to' must be one of {', '.join(APPLY_TO)}")
+    validate_policy_definition(definition)
+    return Policy(name, pattern, dict(definition), priority, apply_to, regex)
+
+
+class PolicySet:
+    def __init__(self, path: Path, sink: ReplicationSink) -> None:
+        self.path = path
+        self.sink = sink
+        self.policies: dict[str, Policy] = {}
+        self.operator: dict[str, Policy] = {}
+        data = read_json(path, None)
+        if data is None:
+            return
+        try:
+            for key, target in (("policies", self.policies), ("operator_policies", self.operator)):
+                for e in data.get(key, []):
+                    target[e["name"]] = make_policy(e["name"], e["pattern"], e["definition"],
+                                                    int(e.get("priority", 0)), e.get("apply-to", "all"))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise StoreError(f"{path}: malformed policies file ({exc})") from None
+
+    def save(self) -> None:
+        write_json(self.path, {
+            "version": FILE_VERSION,
+            "policies": [p.to_json() for _, p in sorted(self.policies.items())],
+            "operator_policies": [p.to_json() for _, p in sorted(self.operator.items())],
+        }, self.sink)
+
+    @staticmethod
+    def _match(policies: dict[str, Policy], kind: str, name: str) -> Policy | None:
+        best: Policy | None = None
+        for p in policies.values():
+            if p.applies(kind, name) and (best is None or p.priority > best.priority
+                                          or (p.priority == best.priority and p.name < best.name)):
+                best = p
+        return best
+
+    def for_queue(self, name: str) -> tuple[Policy | None, Policy | None]:
+        """(policy, operator policy) in effect for queue ``name``."""
+        if not self.policies and not self.operator:
+            return None, None
+        return self._match(self.policies, "queue", name), self._match(self.operator, "queue", name)
+
+    def for_exchange(self, name: str) -> Policy | None:
+        if not self.policies:
+            return None
+        return self._match(self.policies, "exchange", name)

@@ -1,0 +1,394 @@
+"""Stream queues: a ``Queue`` whose messages live in an append-only log read by offset.
+
+Theory of operation
+-------------------
+``StreamQueue`` keeps the public surface the session uses for classic queues (publish,
+add/remove_consumer, ack, reject, schedule_delivery, message_count, delete, close) but the
+store is a ``StreamStore``: nothing is removed on ack. Each consumer owns a *cursor*: its read
+position in the log, the offsets delivered to it and not yet acked (bounded by prefetch, which
+is mandatory), and offsets it rejected with requeue (delivered again, redelivered=true).
+
+Delivery tags map to ``msgid = cursor_id << 40 | offset``, so ``ack(msgid)`` finds the cursor
+without any change to the session. Every delivery carries an ``x-stream-offset`` header
+(properties re-encoded with pamqp; only streams pay for that).
+
+Start position (consumer argument ``x-stream-offset``): ``first``, ``last``, ``next``, an
+integer offset, a timestamp (first message at or after it) or an interval such as ``1h``
+(messages of the last hour). Without the argument a consumer resumes from the offset stored
+for its consumer tag, else ``next``.
+
+Server-side offset tracking: after every ack the cursor's *commit point* is stored for its
+tag: the lowest offset delivered but not acked (or requeued), else the read position. So a
+consumer that reconnects resumes after the last contiguously acked message and never skips a
+message that was delivered but not acked, even if later ones were acked. A cursor outlives
+its consumer until the channel settles (acks after basic.cancel still count; the requeue on
+channel close pins the commit point at the oldest unacked message).
+
+Filtering: messages carry ``x-stream-filter-value`` in their headers; a consumer with
+``x-stream-filter`` (a string or a list) only gets messages whose value is in the list, plus
+messages without a value if ``x-stream-match-unfiltered`` is true. Filtering is exact, done
+here, so clients need no post-filtering.
+"""
+
+from __future__ import annotations
+
+import datetime
+import heapq
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Final, cast
+
+from pamqp import commands
+
+from broker import errors
+from broker.model.queue import Consumer, Queue
+from broker.store.paths import queue_dir
+from broker.store.queue_store import QueueStore
+from broker.store.stream_store import Record, Retention, StreamPosition, StreamStore, parse_age
+
+if TYPE_CHECKING:
+    from broker.model.vhost import VHost
+
+OFFSET_BITS: Final = 40
+OFFSET_MASK: Final = (1 << OFFSET_BITS) - 1
+_PASS_BUDGET: Final = 4096  # deliveries per pass before yielding to the loop
+_SKIP_BUDGET: Final = 16384  # filtered-out records examined per pass
+_FILTER_VALUE: Final = "x-stream-filter-value"
+
+
+def is_stream_arguments(arguments: dict[str, Any] | None) -> bool:
+    return bool(arguments) and (arguments or {}).get("x-queue-type") == "stream"
+
+
+def _int_arg(arguments: dict[str, Any], key: str) -> int | None:
+    value = arguments.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise errors.PreconditionFailed(f"invalid arg '{key}': expected a non-negative integer")
+    return value
+
+
+def retention_from_arguments(arguments: dict[str, Any]) -> Retention:
+    """Retention limits from queue arguments; 406 on malformed values."""
+    age = arguments.get("x-max-age")
+    max_age_ms = None
+    if age is not None:
+        if isinstance(age, bytes):
+            age = age.decode(errors="replace")
+        if not isinstance(age, str):
+            raise errors.PreconditionFailed("invalid arg 'x-max-age': expected a string like 7D")
+        try:
+            max_age_ms = parse_age(age)
+        except ValueError as exc:
+            raise errors.PreconditionFailed(f"invalid arg 'x-max-age': {exc}") from None
+    return Retention(_int_arg(arguments, "x-max-length"), _int_arg(arguments, "x-max-length-bytes"),
+                     max_age_ms)
+
+
+def new_stream_queue(vh: VHost, name: str, *, durable: bool, exclusive: bool, auto_delete: bool,
+                     arguments: dict[str, Any]) -> StreamQueue:
+    """Build the stream queue for ``VHost.declare_queue`` (406 unless durable, shared, kept)."""
+    if not durable or exclusive or auto_delete:
+        raise errors.PreconditionFailed(
+            f"invalid property for queue '{name}' in vhost '{vh.name}': stream queues must be "
+            "durable, non-exclusive and not auto-delete")
+    retention = retention_from_arguments(arguments)
+    seg_size = _int_arg(arguments, "x-stream-max-segment-size-bytes") or vh.segment_size
+    directory = queue_dir(vh.dir, name)
+    store = StreamStore(directory, segment_size=max(seg_size, 64), sink=vh.sink, retention=retention)
+    qfile = directory / ".queue"
+    if not qfile.exists():
+        qfile.write_text(name)
+        vh.sink.replace(qfile, name.encode())
+    if retention.active:
+        store.apply_retention(int(time.time() * 1000))
+    return StreamQueue(vh.name, name, arguments=arguments, stream=store, schedule=vh.schedule,
+                       on_unused=vh._queue_unused, on_dirty=vh.mark_dirty)
+
+
+class _Filter:
+    __slots__ = ("values", "match_unfiltered")
+
+    def __init__(self, values: frozenset[str], match_unfiltered: bool) -> None:
+        self.values = values
+        self.match_unfiltered = match_unfiltered
+
+    def matches(self, props: bytes) -> bool:
+        headers = _decode(props).headers
+        value = headers.get(_FILTER_VALUE) if headers else None
+        if value is None:
+            return self.match_unfiltered
+        if isinstance(value, bytes):
+            value = value.decode(errors="replace")
+        return str(value) in self.values
+
+
+class _Cursor:
+    __slots__ = ("cid", "tag", "consumer", "pos", "pending", "redeliver", "floor", "acked_any",
+                 "filter")
+
+    def __init__(self, cid: int, tag: str, consumer: Consumer, pos: StreamPosition,
+                 filt: _Filter | None) -> None:
+        self.cid = cid
+        self.tag = tag
+        self.consumer: Consumer | None = consumer
+        self.pos = pos
+        self.pending: set[int] = set()  # delivered, not yet acked
+        self.redeliver: list[int] = []  # heap: requeued by a live consumer, to deliver again
+        self.floor: int | None = None  # lowest offset requeued after the consumer went away
+        self.acked_any = False
+        self.filter = filt
+
+    def commit_point(self) -> int:
+        low = self.pos.offset
+        if self.pending:
+            low = min(low, min(self.pending))
+        if self.redeliver:
+            low = min(low, self.redeliver[0])
+        if self.floor is not None:
+            low = min(low, self.floor)
+        return low
+
+
+def _decode(props: bytes) -> commands.Basic.Properties:
+    p = commands.Basic.Properties()
+    if len(props) >= 2:
+        p.unmarshal((props[0] << 8) | props[1], props[2:])
+    return p
+
+
+def with_offset_header(props: bytes, offset: int) -> bytes:
+    """``props`` with the ``x-stream-offset`` header set (pamqp decode + encode)."""
+    p = _decode(props)
+    headers = dict(p.headers or {})
+    headers["x-stream-offset"] = offset
+    p.headers = headers
+    return bytes(p.marshal())
+
+
+class StreamQueue(Queue):
+    __slots__ = ("stream", "_cursors", "_by_consumer", "_next_cid", "_more")
+
+    def __init__(self, vhost: str, name: str, *, arguments: dict[str, Any], stream: StreamStore,
+                 schedule: Callable[[Callable[[], None]], object],
+                 on_unused: Callable[[Queue], None], on_dirty: Callable[[Any], None]) -> None:
+        # The session and management API read ``queue.store`` for counters, flush and sync;
+        # StreamStore provides that QueueStore surface (ready/unacked/bytes, flush, sync, close).
+        super().__init__(vhost, name, durable=True, exclusive_owner=None, auto_delete=False,
+                         arguments=arguments, store=cast(QueueStore, stream), schedule=schedule,
+                         on_unused=on_unused, on_dirty=on_dirty)
+        self.stream = stream
+        self._cursors: dict[int, _Cursor] = {}
+        self._by_consumer: dict[int, _Cursor] = {}  # id(consumer) -> its live cursor
+        self._next_cid = 1
+        self._more = False
+
+    # ------------------------------------------------------------ publishing
+    def publish(self, ts: int, exchange: bytes, routing_key: bytes, props: bytes, body: bytes,
+                persistent: bool) -> None:
+        self.stream.append(ts, exchange, routing_key, props, body)
+        self.n_published += 1
+        # Every stream message is kept (delivery mode is irrelevant), so confirms wait for fsync.
+        self.on_dirty(self.store)
+        if self.consumers and not self._scheduled:
+            self._scheduled = True
+            self._schedule(self._deliver)
+
+    @property
+    def message_count(self) -> int:
+        return self.stream.count
+
+    # ------------------------------------------------------------- consumers
+    def check_consume(self, no_ack: bool, prefetch: int, arguments: dict[str, Any]) -> None:
+        """Validate a basic.consume before it is accepted (406 like RabbitMQ)."""
+        if no_ack:
+            raise errors.PreconditionFailed(
+                "stream queues only support consumers with manual acknowledgement", 60, 20)
+        if not prefetch:
+            raise errors.PreconditionFailed(
+                "consumer prefetch count is not set for stream queue "
+                f"'{self.name}' in vhost '{self.vhost}'", 60, 20)
+        self._start_offset("", arguments)
+        self._filter(arguments)
+
+    def _start_offset(self, tag: str, arguments: dict[str, Any]) -> int:
+        s = self.stream
+        spec = arguments.get("x-stream-offset")
+        if spec is None:
+            stored = s.stored_offset(tag) if tag else None
+            return stored if stored is not None else s.next_offset
+        if isinstance(spec, bytes):
+            spec = spec.decode(errors="replace")
+        if isinstance(spec, bool):
+            raise errors.PreconditionFailed("invalid x-stream-offset", 60, 20)
+        if isinstance(spec, int):
+            return max(spec, 0)
+        if isinstance(spec, datetime.datetime):
+            if spec.tzinfo is None:
+                spec = spec.replace(tzinfo=datetime.UTC)
+            return s.offset_for_timestamp(int(spec.timestamp() * 1000))
+        if isinstance(spec, str):
+            if spec == "first":
+                return s.first_offset
+            if spec == "last":
+                return max(s.next_offset - 1, s.first_offset)
+            if spec == "next":
+                return s.next_offset
+            try:
+                ago = parse_age(spec)
+            except ValueError:
+                pass
+            else:
+                return s.offset_for_timestamp(int(time.time() * 1000) - ago)
+        raise errors.PreconditionFailed(f"invalid x-stream-offset {spec!r}", 60, 20)
+
+    @staticmethod
+    def _filter(arguments: dict[str, Any]) -> _Filter | None:
+        raw = arguments.get("x-stream-filter")
+        if raw is None:
+            return None
+        items = raw if isinstance(raw, list) else [raw]
+        values = frozenset(v.decode(errors="replace") if isinstance(v, bytes) else str(v) for v in items)
+        return _Filter(values, bool(arguments.get("x-stream-match-unfiltered", False)))
+
+    def add_consumer(self, consumer: Consumer) -> None:
+        args = consumer.arguments
+        start = self._start_offset(consumer.tag, args)
+        cur = _Cursor(self._next_cid, consumer.tag, consumer, self.stream.seek(start), self._filter(args))
+        self._next_cid += 1
+        self._cursors[cur.cid] = cur
+        self._by_consumer[id(consumer)] = cur
+        super().add_consumer(consumer)
+
+    def remove_consumer(self, consumer: Consumer) -> None:
+        cur = self._by_consumer.pop(id(consumer), None)
+        if cur is not None:
+            cur.consumer = None
+            if cur.redeliver:  # nobody will deliver them again: pin the commit point
+                low = cur.redeliver[0]
+                cur.floor = low if cur.floor is None else min(cur.floor, low)
+                cur.redeliver.clear()
+            self._maybe_forget(cur)
+        super().remove_consumer(consumer)
+
+    def _maybe_forget(self, cur: _Cursor) -> None:
+        if cur.consumer is None and not cur.pending:
+            self._cursors.pop(cur.cid, None)
+
+    def _deliver(self) -> None:
+        self._scheduled = False
+        if self.deleted:
+            return
+        self._more = False
+        budget = _PASS_BUDGET
+        progress = True
+        while budget and progress:
+            progress = False
+            for cur in list(self._by_consumer.values()):
+                c = cur.consumer
+                if c is None or not c.ready():
+                    continue
+                got = self._next_for(cur)
+                if got is None:
+                    continue
+                rec, redelivered = got
+                offset = rec[0]
+                if not c.no_ack:
+                    cur.pending.add(offset)
+                self.n_delivered += 1
+                if redelivered:
+                    self.n_redelivered += 1
+                c.deliver((cur.cid << OFFSET_BITS) | offset, rec[2], rec[3],
+                          with_offset_header(rec[4], offset), rec[5], redelivered)
+                progress = True
+                budget -= 1
+                if not budget:
+                    break
+        if not budget or self._more:
+            self.schedule_delivery()
+
+    def _next_for(self, cur: _Cursor) -> tuple[Record, bool] | None:
+        s = self.stream
+        while cur.redeliver:
+            rec = s.read_at(heapq.heappop(cur.redeliver))
+            if rec is not None:  # None: removed by retention meanwhile
+                return rec, True
+        filt = cur.filter
+        skips = _SKIP_BUDGET
+        while True:
+            rec = s.read_next(cur.pos)
+            if rec is None:
+                return None
+            if filt is None or filt.matches(rec[4]):
+                return rec, False
+            skips -= 1
+            if not skips:
+                self._more = True
+                return None
+
+    # ------------------------------------------------------------------ settle
+    def ack(self, msgid: int) -> None:
+        if self.deleted:
+            return
+        cur = self._cursors.get(msgid >> OFFSET_BITS)
+        if cur is None:
+            return
+        cur.pending.discard(msgid & OFFSET_MASK)
+        cur.acked_any = True
+        self.n_acked += 1
+        self._commit(cur)
+        self._maybe_forget(cur)
+
+    def reject(self, msgid: int, requeue: bool) -> None:
+        if self.deleted:
+            return
+        cur = self._cursors.get(msgid >> OFFSET_BITS)
+        if cur is None:
+            return
+        offset = msgid & OFFSET_MASK
+        if offset not in cur.pending:
+            return
+        cur.pending.discard(offset)
+        if requeue and cur.consumer is not None:
+            heapq.heappush(cur.redeliver, offset)
+            self.schedule_delivery()
+            return
+        if requeue:  # the consumer is gone: never let the stored offset pass this message
+            cur.floor = offset if cur.floor is None else min(cur.floor, offset)
+        else:  # rejected without requeue: settled (discarded for this consumer)
+            cur.acked_any = True
+        self._commit(cur)
+        self._maybe_forget(cur)
+
+    def _commit(self, cur: _Cursor) -> None:
+        if cur.acked_any:
+            self.stream.store_offset(cur.tag, cur.commit_point())
+            self.on_dirty(self.store)
+
+    # ------------------------------------------------------------- unsupported
+    def get(self) -> tuple[int, bytes, bytes, bytes, bytes, bool] | None:
+        raise errors.PreconditionFailed(
+            f"queue '{self.name}' in vhost '{self.vhost}' is a stream; basic.get is not supported",
+            60, 70)
+
+    def purge(self) -> int:
+        raise errors.PreconditionFailed(
+            f"queue '{self.name}' in vhost '{self.vhost}' is a stream and cannot be purged", 50, 30)
+
+    # ------------------------------------------------------------------ lifecycle
+    def apply_retention(self, now_ms: int | None = None) -> int:
+        """Apply retention now (idle streams; policies call this after changing limits)."""
+        return self.stream.apply_retention(int(time.time() * 1000) if now_ms is None else now_ms)
+
+    def close(self) -> None:
+        self.stream.close()
+
+    def delete(self) -> None:
+        self.deleted = True
+        consumers, self.consumers = self.consumers, []
+        self._by_consumer.clear()
+        self._cursors.clear()
+        for c in consumers:
+            c.cancelled_by_server()
+        self.stream.delete()
