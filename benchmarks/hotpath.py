@@ -17,7 +17,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from pamqp import commands, frame as pframe, header, body as pbody
+from pamqp import body as pbody
+from pamqp import commands, header
+from pamqp import frame as pframe
 
 from broker.config import load_config
 from broker.net.session import Session

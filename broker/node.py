@@ -60,6 +60,7 @@ class Node:
         return VHost(
             name, cfg.main.data_dir, segment_size=cfg.main.segment_size, sink=self.sink,
             schedule=self._loop.call_soon, mark_dirty=self._syncer.mark_dirty,
+            call_later=self._loop.call_later,
             transient_root=cfg.main.data_dir / "transient",
         )
 

@@ -9,9 +9,10 @@ A follower opens a TCP connection to the leader's replication port and sends a
 success, the leader's AMQP and HTTP ports (so a follower's proxy knows where to
 splice clients) — 5 bytes, uncompressed.
 
-After that, leader -> follower is ONE LZ4 frame stream (``StreamCompressor``
-with auto-flush, so each batch is decodable as soon as it arrives) carrying
-messages; follower -> leader carries plain messages. A message is
+After that, leader -> follower carries messages LZ4-compressed: each write
+batch is one LZ4 frame prefixed with its u32 length (``StreamCompressor``), so
+a batch is decodable as soon as it arrives; follower -> leader carries plain
+messages. A message is
 ``u8 kind, u32 payload length, payload``.
 
 Leader -> follower: ``FILE_LIST`` (the bulk-sync index: path, logical length,
@@ -66,6 +67,7 @@ FILE_CHUNK: Final = 1024 * 1024  # bulk-sync files are sent in chunks of this si
 _HEAD: Final = struct.Struct(">BI")
 _U8: Final = struct.Struct(">B")
 _U16: Final = struct.Struct(">H")
+_U32: Final = struct.Struct(">I")
 _U64: Final = struct.Struct(">Q")
 _WELCOME: Final = struct.Struct(">BHH")
 _ENTRY_TAIL: Final = struct.Struct(">Q20s")
@@ -295,26 +297,39 @@ class MessageReader:
 
 
 class StreamCompressor:
-    """One LZ4 frame for the whole connection; every ``compress`` output is decodable at once."""
+    """Leader -> follower compression: each batch becomes one LZ4 frame, length-prefixed.
 
-    def __init__(self) -> None:
-        self._c = lz4.frame.LZ4FrameCompressor(auto_flush=True)
-        self._started = False
+    One frame per batch (rather than one endless frame) because a streaming LZ4
+    decompressor may hold back the tail of a block until more input arrives, and
+    a follower must be able to apply, fsync and ack every batch as soon as it lands.
+    """
 
     def compress(self, data: bytes) -> bytes:
-        head = b""
-        if not self._started:
-            self._started = True
-            head = bytes(self._c.begin())
-        return head + bytes(self._c.compress(data))
+        frame = lz4.frame.compress(data, block_linked=False, content_checksum=False)
+        return _U32.pack(len(frame)) + bytes(frame)
 
 
 class StreamDecompressor:
     def __init__(self) -> None:
-        self._d = lz4.frame.LZ4FrameDecompressor()
+        self._buf = bytearray()
 
     def decompress(self, data: bytes) -> bytes:
-        try:
-            return bytes(self._d.decompress(data))
-        except RuntimeError as exc:  # lz4 reports corrupt input as RuntimeError
-            raise CodecError(f"corrupt LZ4 stream: {exc}") from None
+        buf = self._buf
+        buf += data
+        out: list[bytes] = []
+        pos = 0
+        while len(buf) - pos >= _U32.size:
+            (n,) = _U32.unpack_from(buf, pos)
+            if n > MAX_PAYLOAD:
+                raise CodecError(f"LZ4 frame of {n} bytes is too large")
+            end = pos + _U32.size + n
+            if end > len(buf):
+                break
+            try:
+                out.append(bytes(lz4.frame.decompress(bytes(buf[pos + _U32.size:end]))))
+            except RuntimeError as exc:  # lz4 reports corrupt input as RuntimeError
+                raise CodecError(f"corrupt LZ4 frame: {exc}") from None
+            pos = end
+        if pos:
+            del buf[:pos]
+        return b"".join(out)

@@ -210,7 +210,8 @@ async def follow(host: str, port: int, data_dir: Path, secret: bytes, node_id: s
             if not data:
                 log.info("leader closed the replication connection")
                 return
-            batch = msgs.feed(decomp.decompress(data))
+            plain = decomp.decompress(data)
+            batch = msgs.feed(plain)
             if not batch:
                 continue
             request, done = await loop.run_in_executor(executor, applier.run_batch, batch)

@@ -22,7 +22,7 @@ actions. Small replaced files (queue ``meta``) are served from memory because
 their disk copy may lag the sink. Then ``BULK_DONE``, then the backlog, then
 live actions.
 
-Each follower gets one LZ4 frame stream; positions count uncompressed message
+Each follower gets an LZ4-compressed stream (a frame per batch); positions count uncompressed message
 bytes. ISR: a follower joins the in-sync set once it has acked everything sent
 (it is added locally *before* the etcd write, so no confirm can skip it in
 between); it leaves when it disconnects or has data outstanding and no ack

@@ -21,12 +21,19 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from broker import errors
 from broker.errors import StoreError
+from broker.model import features
 from broker.model.features import validate_policy_definition
 from broker.store.jsonstore import read_json, write_json
 from broker.store.sink import ReplicationSink
+
+if TYPE_CHECKING:
+    from broker.model.exchange import Exchange
+    from broker.model.queue import Queue
+    from broker.model.vhost import VHost
 
 APPLY_TO = ("all", "queues", "exchanges", "classic_queues", "quorum_queues", "streams")
 _QUEUE_KINDS = ("all", "queues", "classic_queues", "quorum_queues")
@@ -118,3 +125,53 @@ class PolicySet:
         if not self.policies:
             return None
         return self._match(self.policies, "exchange", name)
+
+
+# ------------------------------------------------------------------ applying
+def apply_to_queue(vh: VHost, q: Queue) -> None:
+    """Give ``q`` the config its arguments and the vhost's policies add up to."""
+    if q.arguments.get("x-queue-type") == "stream":
+        return
+    pol, op = vh.policy_set.for_queue(q.name)
+    try:
+        args_cfg = features.parse_arguments(q.arguments, q.name, vh.name)
+    except errors.PreconditionFailed:
+        args_cfg = features.QueueConfig()
+    features.attach(vh, q, args_cfg, pol.definition if pol else None,
+                    op.definition if op else None, vh.call_later)
+
+
+def apply_to_exchange(vh: VHost, ex: Exchange) -> None:
+    """alternate-exchange: the argument wins over a policy."""
+    arg = ex.arguments.get("alternate-exchange")
+    if arg:
+        ex.alternate = str(arg)
+        return
+    pol = vh.policy_set.for_exchange(ex.name)
+    alt = pol.definition.get("alternate-exchange") if pol is not None else None
+    ex.alternate = str(alt) if alt else None
+
+
+def apply_all(vh: VHost) -> None:
+    for q in list(vh.queues.values()):
+        if not q.deleted:
+            apply_to_queue(vh, q)
+    for ex in list(vh.exchanges.values()):
+        apply_to_exchange(vh, ex)
+
+
+def set_policy(vh: VHost, name: str, pattern: str, definition: dict[str, Any], priority: int = 0,
+               apply_to: str = "all", operator: bool = False) -> None:
+    p = make_policy(name, pattern, definition, priority, apply_to)
+    (vh.policy_set.operator if operator else vh.policy_set.policies)[name] = p
+    vh.policy_set.save()
+    apply_all(vh)
+
+
+def delete_policy(vh: VHost, name: str, operator: bool = False) -> bool:
+    target = vh.policy_set.operator if operator else vh.policy_set.policies
+    if target.pop(name, None) is None:
+        return False
+    vh.policy_set.save()
+    apply_all(vh)
+    return True

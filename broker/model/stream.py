@@ -10,7 +10,8 @@ is mandatory), and offsets it rejected with requeue (delivered again, redelivere
 
 Delivery tags map to ``msgid = cursor_id << 40 | offset``, so ``ack(msgid)`` finds the cursor
 without any change to the session. Every delivery carries an ``x-stream-offset`` header
-(properties re-encoded with pamqp; only streams pay for that).
+and ``x-stream-timestamp`` (append time, ms), properties re-encoded with pamqp (only streams
+pay for that).
 
 Start position (consumer argument ``x-stream-offset``): ``first``, ``last``, ``next``, an
 integer offset, a timestamp (first message at or after it) or an interval such as ``1h``
@@ -158,11 +159,12 @@ def _decode(props: bytes) -> commands.Basic.Properties:
     return p
 
 
-def with_offset_header(props: bytes, offset: int) -> bytes:
-    """``props`` with the ``x-stream-offset`` header set (pamqp decode + encode)."""
+def with_offset_header(props: bytes, offset: int, timestamp_ms: int) -> bytes:
+    """``props`` with ``x-stream-offset`` (and the append time, ``x-stream-timestamp`` in ms)."""
     p = _decode(props)
     headers = dict(p.headers or {})
     headers["x-stream-offset"] = offset
+    headers["x-stream-timestamp"] = timestamp_ms
     p.headers = headers
     return bytes(p.marshal())
 
@@ -300,7 +302,7 @@ class StreamQueue(Queue):
                 if redelivered:
                     self.n_redelivered += 1
                 c.deliver((cur.cid << OFFSET_BITS) | offset, rec[2], rec[3],
-                          with_offset_header(rec[4], offset), rec[5], redelivered)
+                          with_offset_header(rec[4], offset, rec[1]), rec[5], redelivered)
                 progress = True
                 budget -= 1
                 if not budget:

@@ -29,6 +29,7 @@ from pamqp import commands, frame as pframe
 from pamqp.base import Frame as PFrame
 
 from broker import errors
+from broker.model import features, policy
 from broker.model.exchange import Exchange
 from broker.model.queue import Queue
 from broker.store.definitions import DefinitionsLog
@@ -64,6 +65,7 @@ class VHost:
         schedule: Callable[[Callable[[], None]], object],
         mark_dirty: Callable[[Any], None],
         transient_root: Path,
+        call_later: features.CallLater | None = None,
     ) -> None:
         self.name = name
         self.dir = vhost_dir(data_dir, name)
@@ -83,6 +85,8 @@ class VHost:
         for ename, etype in DEFAULT_EXCHANGES:
             self.exchanges[ename] = Exchange(ename, etype, durable=True)
         self.definitions = DefinitionsLog(self.dir / "definitions.amqp", sink)
+        self.call_later = call_later  # timers for TTL / x-expires (broker/model/features.py)
+        self.policy_set = policy.PolicySet(self.dir / "policies.json", sink)
         self._replaying = False
         self._load()
 
@@ -195,6 +199,8 @@ class VHost:
             return ex
         ex = Exchange(name, type_, durable, auto_delete, internal, arguments)
         self.exchanges[name] = ex
+        if self.policy_set.policies:
+            policy.apply_to_exchange(self, ex)  # alternate-exchange by policy
         if durable:
             self._log(commands.Exchange.Declare(exchange=name, exchange_type=type_, durable=True,
                                                 auto_delete=auto_delete, internal=internal,
@@ -252,6 +258,8 @@ class VHost:
             if not _equivalent(q.arguments, arguments):
                 raise errors.PreconditionFailed(
                     f"inequivalent arguments for queue '{name}' in vhost '{self.name}'")
+            if q.features is not None:
+                q.features.touch()  # a redeclare counts as use for x-expires
             return q, False
         if arguments.get("x-queue-type") == "stream":  # stream queues: broker/model/stream.py
             from broker.model.stream import new_stream_queue
@@ -262,6 +270,7 @@ class VHost:
             self._log(commands.Queue.Declare(queue=name, durable=True, auto_delete=auto_delete,
                                              arguments=arguments))
             return q, True
+        args_cfg = features.parse_arguments(arguments, name, self.name)  # 406 on a bad x-arg
         persistent = durable and not exclusive
         if persistent:
             store = QueueStore(queue_dir(self.dir, name), segment_size=self.segment_size,
@@ -275,11 +284,13 @@ class VHost:
             if tdir.exists():
                 shutil.rmtree(tdir, ignore_errors=True)
             store = QueueStore(tdir, segment_size=self.segment_size, sink=NullSink())
+        store = features.make_store(store, args_cfg)  # x-max-priority: one store per level
         q = Queue(self.name, name, durable=durable, exclusive_owner=owner if exclusive else None,
                   auto_delete=auto_delete, arguments=arguments, store=store, schedule=self.schedule,
                   on_unused=self._queue_unused, on_dirty=self.mark_dirty)
         self.queues[name] = q
         self.exchanges[""].bind(q, name)
+        policy.apply_to_queue(self, q)  # features from arguments and policies (None if plain)
         if persistent:
             self._log(commands.Queue.Declare(queue=name, durable=True, auto_delete=auto_delete,
                                              arguments=arguments))
@@ -395,6 +406,19 @@ class VHost:
                     elif isinstance(d, Exchange):
                         nested.append(d)
         return queues
+
+    # --------------------------------------------------------------- policies
+    def set_policy(self, name: str, pattern: str, definition: dict[str, Any], priority: int = 0,
+                   apply_to: str = "all", operator: bool = False) -> None:
+        """Create or replace a policy (ValueError if invalid), persist it, apply it live."""
+        policy.set_policy(self, name, pattern, definition, priority, apply_to, operator)
+
+    def delete_policy(self, name: str, operator: bool = False) -> bool:
+        return policy.delete_policy(self, name, operator)
+
+    def policies(self, operator: bool = False) -> list[dict[str, Any]]:
+        ps = self.policy_set.operator if operator else self.policy_set.policies
+        return [dict(p.to_json(), vhost=self.name) for _, p in sorted(ps.items())]
 
     def close(self) -> None:
         for q in self.queues.values():

@@ -37,6 +37,7 @@ from broker import errors
 from broker.amqp import codec
 from broker.amqp.connection import CH_OPEN, AMQPConnection
 from broker.model.queue import Consumer, Queue
+from broker.net.publish_features import publish_special
 
 if TYPE_CHECKING:
     from broker.model.vhost import VHost
@@ -53,7 +54,7 @@ class ChannelState:
     __slots__ = (
         "id", "unacked", "next_tag", "consumers", "prefetch", "global_prefetch", "unacked_count",
         "flow", "confirm", "publish_seq", "confirmed", "needs_sync", "sync_waiting", "tx",
-        "deferred", "reply_token", "reply_tag", "open",
+        "deferred", "reply_token", "reply_tag", "open", "nacks",
     )
 
     def __init__(self, ch: int) -> None:
@@ -75,6 +76,7 @@ class ChannelState:
         self.reply_token: str | None = None
         self.reply_tag: str | None = None
         self.open = True
+        self.nacks: list[int] | None = None  # publish seqs a queue refused (reject-publish)
 
 
 class SessionConsumer(Consumer):
@@ -303,6 +305,10 @@ class Session(AMQPConnection):
             self._write_ok.add(exchange)
         # delivery-mode present (flag 0x1000)? only then find its value
         persistent = bool(flags & 0x10) and codec.delivery_mode(props) == 2
+        # headers (0x2000: CC/BCC) or expiration (0x0100): broker/net/publish_features.py
+        if flags & 0x21 and publish_special(self, chs, ex, exchange, routing_key, mandatory, props,
+                                            body, persistent):
+            return
         if exchange == "":
             q = vh.queues.get(routing_key)
             if q is None:
@@ -319,7 +325,8 @@ class Session(AMQPConnection):
             exb = exchange.encode()
             rkb = routing_key.encode()
             for q in queues:
-                q.publish(ts, exb, rkb, props, body, persistent)
+                if q.publish(ts, exb, rkb, props, body, persistent) is False:
+                    self.publish_rejected(chs)  # x-overflow reject-publish
                 if q.consumers:
                     self.batch_queues.add(q)
                 if persistent and q.durable and chs.confirm:
@@ -383,9 +390,27 @@ class Session(AMQPConnection):
         chs.needs_sync = False
         self._send_confirm(chs, chs.publish_seq)
 
+    def publish_rejected(self, chs: ChannelState) -> None:
+        """A queue refused the current publish: its confirm becomes a basic.nack."""
+        if chs.confirm:
+            if chs.nacks is None:
+                chs.nacks = []
+            if not chs.nacks or chs.nacks[-1] != chs.publish_seq:
+                chs.nacks.append(chs.publish_seq)
+
     def _send_confirm(self, chs: ChannelState, upto: int, nack: bool = False) -> None:
         if upto <= chs.confirmed:
             return
+        if chs.nacks is not None:  # acks up to each refused publish, then a nack for it
+            due = [n for n in chs.nacks if n <= upto]
+            chs.nacks = [n for n in chs.nacks if n > upto] or None
+            for n in due:
+                if n > chs.confirmed:
+                    self._send_confirm(chs, n - 1, nack)
+                    chs.confirmed = n
+                    self.out += codec.encode_confirm(chs.id, n, False, True)
+            if upto <= chs.confirmed:
+                return
         multiple = upto - chs.confirmed > 1
         chs.confirmed = upto
         self.out += codec.encode_confirm(chs.id, upto, multiple, nack)

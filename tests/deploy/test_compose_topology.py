@@ -289,8 +289,8 @@ def test_compose_configuration_forms_a_cluster(cluster: list[Node], etcd: int) -
 
     def leader() -> str | None:
         dead = [n.service for n in nodes if n.proc is not None and n.proc.poll() is not None]
-        if dead:
-            pytest.fail(f"node(s) {dead} exited:\n{logs(nodes)}")
+        if dead:  # AssertionError, not pytest.fail: it must pass through poll() unwrapped
+            raise AssertionError(f"node(s) {dead} exited:\n{logs(nodes)}")
         keys = etcd_get_prefix(etcd, prefix)
         return keys.get(f"{prefix}/leader")
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from broker.config import load_config
+from broker.config import OPTIONS, load_config
 
 from ._tools import CHART_DIR, REPO_ROOT, helm, run, tool
 
@@ -130,7 +130,10 @@ def test_broker_accepts_the_rendered_ini(variant: str, tmp_path: Path) -> None:
     config = load_config(["-c", str(ini)], environ={})
     assert config.clustering.enabled
     assert str(config.main.data_dir) == "/var/lib/skred"
-    assert config.amqp.bind == config.mgmt.bind == config.clustering.bind == "0.0.0.0"
+    # Every listener, including any added later, must listen on the pod network.
+    for option in OPTIONS:
+        if option.name == "bind" or option.name.endswith("_bind"):
+            assert getattr(getattr(config, option.section), option.name) == "0.0.0.0", option.key
     assert config.clustering.etcd_prefix == "rel-skred"
     if variant == "external-etcd":
         assert config.clustering.etcd_endpoints == EXTERNAL_ETCD

@@ -1,0 +1,334 @@
+"""The ``skred`` PySpark Python Data Source: stream queues as DataFrames.
+
+Theory of operation
+-------------------
+Two ways in, same rows:
+
+* ``option("data_dir", DIR)`` reads the segment files of ``vhost``/``queue`` directly (a
+  stopped broker, a follower's replicated copy, or a running broker: files are only read,
+  and only complete records are seen). Planning reads the per-segment index files
+  (``sidx.*``: first offset, first timestamp) and walks only the last segment, then makes ONE
+  INPUT PARTITION PER SEGMENT. Offset bounds (``startingOffset``/``endingOffset`` options and
+  pushed-down filters on ``offset``) and timestamp bounds (filters on ``timestamp``) drop
+  whole segments before any task runs; rows are then trimmed exactly, and the filters are
+  still handed back to Spark, so pruning is an optimisation, never a semantic change.
+  Pushed-down filters need ``spark.sql.python.filterPushdown.enabled=true``; without it
+  set ``option("pushdown", "false")`` (the offset options still prune).
+* ``option("uri", "amqp://...")`` reads from a running broker over AMQP with stream offsets
+  (``broker/spark/amqp.py``), split into ``numPartitions`` offset ranges.
+
+Structured Streaming: offsets are ``{"offset": next_offset}``. ``latestOffset`` is the
+stream's current end (capped by ``maxRecordsPerTrigger``), a micro-batch reads exactly
+``[start, end)``; Spark checkpoints those offsets, so a restarted query continues at the
+checkpointed end: no loss and no duplicates, because an offset always names the same message.
+
+Rows are built as Arrow record batches (``rows.py``) for throughput.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pyspark.sql.datasource import (  # type: ignore[import-not-found,unused-ignore]
+    DataSource,
+    DataSourceReader,
+    DataSourceStreamReader,
+    EqualTo,
+    GreaterThan,
+    GreaterThanOrEqual,
+    In,
+    InputPartition,
+    LessThan,
+    LessThanOrEqual,
+)
+
+from broker.spark import amqp
+from broker.spark.rows import SCHEMA_DDL, PropsDecoder, Rec, arrow_schema, to_batch
+from broker.store.paths import queue_dir, vhost_dir
+from broker.store.stream_store import iter_segment, list_segments
+
+_BATCH_ROWS = 8192
+_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
+
+
+@dataclass
+class Bounds:
+    """Half-open offset range and inclusive millisecond timestamp range (None: open)."""
+
+    lo: int = 0
+    hi: int | None = None
+    ts_lo: int | None = None
+    ts_hi: int | None = None
+
+    def cap_hi(self, hi: int) -> None:
+        self.hi = hi if self.hi is None else min(self.hi, hi)
+
+
+class SegmentPartition(InputPartition):  # type: ignore[misc]
+    path: str
+    first_offset: int
+    start: int  # first offset to return
+    stop: int  # offset to stop at (exclusive)
+    ts_lo: int | None
+    ts_hi: int | None
+
+    def __init__(self, path: str, first_offset: int, start: int, stop: int,
+                 ts_lo: int | None = None, ts_hi: int | None = None) -> None:
+        super().__init__(path)
+        self.path, self.first_offset, self.start, self.stop = path, first_offset, start, stop
+        self.ts_lo, self.ts_hi = ts_lo, ts_hi
+
+
+class AmqpPartition(InputPartition):  # type: ignore[misc]
+    start: int
+    stop: int
+
+    def __init__(self, start: int, stop: int) -> None:
+        super().__init__(start)
+        self.start, self.stop = start, stop
+
+
+class _Options:
+    def __init__(self, options: dict[str, str]) -> None:
+        self.uri = options.get("uri")
+        self.queue = options.get("queue") or ""
+        if not self.queue:
+            raise ValueError("skred: option 'queue' is required")
+        self.vhost = options.get("vhost", "/")
+        data_dir = options.get("data_dir") or options.get("path")
+        if not self.uri and not data_dir:
+            raise ValueError("skred: set option 'data_dir' (segment files) or 'uri' (AMQP)")
+        self.dir = queue_dir(vhost_dir(Path(data_dir), self.vhost), self.queue) if data_dir else None
+        self.batch_rows = int(options.get("batchRows", _BATCH_ROWS))
+        self.partitions = max(1, int(options.get("numPartitions", "1")))
+        self.pushdown = options.get("pushdown", "true").lower() != "false"
+        self.starting = options.get("startingOffset", options.get("startingOffsets"))
+        self.ending = options.get("endingOffset")
+        self.max_per_trigger = options.get("maxRecordsPerTrigger")
+        self.timeout = float(options.get("timeout", "30"))
+
+    def extent(self) -> tuple[int, int]:
+        """(first offset, next offset) right now."""
+        if self.uri:
+            return amqp.extent(self.uri, self.queue, self.timeout)
+        assert self.dir is not None
+        infos = [i for i in list_segments(self.dir) if i.count]
+        if not infos:
+            nxt = _next_of(self.dir)
+            return nxt, nxt
+        last = infos[-1]
+        assert infos[0].first_offset is not None and last.first_offset is not None
+        assert last.count is not None
+        return infos[0].first_offset, last.first_offset + last.count
+
+    def plan(self, b: Bounds) -> list[InputPartition]:
+        """Partitions covering ``b`` (segments pruned by offset and timestamp)."""
+        if self.uri:
+            first, nxt = self.extent()
+            lo, hi = max(b.lo, first), nxt if b.hi is None else min(b.hi, nxt)
+            if lo >= hi:
+                return []
+            n = min(self.partitions, hi - lo)
+            step = -(-(hi - lo) // n)
+            return [AmqpPartition(s, min(s + step, hi)) for s in range(lo, hi, step)]
+        assert self.dir is not None
+        infos = list_segments(self.dir)
+        parts: list[InputPartition] = []
+        for k, info in enumerate(infos):
+            if not info.count or info.first_offset is None:
+                continue
+            first, stop = info.first_offset, info.first_offset + info.count
+            start = max(first, b.lo)
+            if b.hi is not None:
+                stop = min(stop, b.hi)
+            if start >= stop:
+                continue
+            seg_ts_lo = info.first_ts
+            seg_ts_hi = infos[k + 1].first_ts if k + 1 < len(infos) else None
+            if b.ts_hi is not None and seg_ts_lo is not None and seg_ts_lo > b.ts_hi:
+                continue
+            if b.ts_lo is not None and seg_ts_hi is not None and seg_ts_hi < b.ts_lo:
+                continue
+            parts.append(SegmentPartition(str(info.path), first, start, stop, b.ts_lo, b.ts_hi))
+        return parts
+
+    def records(self, part: InputPartition) -> Iterator[Rec]:
+        if isinstance(part, AmqpPartition):
+            assert self.uri is not None
+            yield from amqp.read_range(self.uri, self.queue, part.start, part.stop, self.timeout)
+            return
+        assert isinstance(part, SegmentPartition)
+        ts_lo, ts_hi = part.ts_lo, part.ts_hi
+        try:
+            for rec in iter_segment(Path(part.path), part.start, part.first_offset, part.stop):
+                if ts_lo is not None and rec[1] < ts_lo:
+                    continue
+                if ts_hi is not None and rec[1] > ts_hi:
+                    continue
+                yield rec
+        except FileNotFoundError:
+            return  # removed by retention after planning
+
+
+def _next_of(directory: Path) -> int:
+    infos = list_segments(directory)
+    if not infos or infos[-1].first_offset is None:
+        return 0
+    return infos[-1].first_offset + (infos[-1].count or 0)
+
+
+def _batches(opts: _Options, schema: Any, part: InputPartition) -> Iterator[Any]:
+    pa_schema = arrow_schema(schema)
+    columns = schema.fieldNames()
+    decoder = PropsDecoder()
+    buf: list[Rec] = []
+    for rec in opts.records(part):
+        buf.append(rec)
+        if len(buf) >= opts.batch_rows:
+            yield to_batch(buf, pa_schema, decoder, columns)
+            buf = []
+    if buf:
+        yield to_batch(buf, pa_schema, decoder, columns)
+
+
+def _ms(value: Any) -> int | None:
+    """A pushed-down timestamp literal as epoch milliseconds (floor)."""
+    if isinstance(value, datetime.datetime):
+        if value.tzinfo is None:
+            value = value.astimezone()  # naive literals are in the local zone
+        return (value - _EPOCH) // datetime.timedelta(milliseconds=1)
+    if isinstance(value, (int, float)):
+        return int(value)
+    return None
+
+
+def _parse_offset(value: str | None, first: int, nxt: int, default: int) -> int:
+    if value is None:
+        return default
+    v = value.strip().lower()
+    if v in ("earliest", "first"):
+        return first
+    if v in ("latest", "next"):
+        return nxt
+    return int(v)
+
+
+class SkredDataSource(DataSource):  # type: ignore[misc]
+    """``spark.read.format("skred")`` / ``spark.readStream.format("skred")``."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "skred"
+
+    def schema(self) -> str:
+        return SCHEMA_DDL
+
+    def reader(self, schema: Any) -> DataSourceReader:
+        opts = _Options(dict(self.options))
+        if opts.pushdown:
+            return SkredPushdownReader(opts, schema)
+        return SkredBatchReader(opts, schema)
+
+    def streamReader(self, schema: Any) -> DataSourceStreamReader:
+        return SkredStreamReader(_Options(dict(self.options)), schema)
+
+
+class SkredBatchReader(DataSourceReader):  # type: ignore[misc]
+    def __init__(self, opts: _Options, schema: Any) -> None:
+        self.opts = opts
+        self.schema = schema
+        self.bounds = Bounds()
+        if opts.starting is not None and opts.starting.strip().lower() not in ("earliest", "first"):
+            self.bounds.lo = int(opts.starting)
+        if opts.ending is not None and opts.ending.strip().lower() not in ("latest", "next"):
+            self.bounds.cap_hi(int(opts.ending))
+
+    def partitions(self) -> list[InputPartition]:
+        return self.opts.plan(self.bounds)
+
+    def read(self, partition: InputPartition) -> Iterator[Any]:
+        return _batches(self.opts, self.schema, partition)
+
+
+class SkredPushdownReader(SkredBatchReader):
+    def pushFilters(self, filters: list[Any]) -> Iterator[Any]:
+        """Narrow the offset/timestamp bounds; every filter is still returned to Spark."""
+        b = self.bounds
+        for f in filters:
+            col = f.attribute[0] if len(f.attribute) == 1 else None
+            if col == "offset":
+                if isinstance(f, EqualTo):
+                    b.lo = max(b.lo, int(f.value))
+                    b.cap_hi(int(f.value) + 1)
+                elif isinstance(f, GreaterThan):
+                    b.lo = max(b.lo, int(f.value) + 1)
+                elif isinstance(f, GreaterThanOrEqual):
+                    b.lo = max(b.lo, int(f.value))
+                elif isinstance(f, LessThan):
+                    b.cap_hi(int(f.value))
+                elif isinstance(f, LessThanOrEqual):
+                    b.cap_hi(int(f.value) + 1)
+                elif isinstance(f, In) and f.value:
+                    vals = [int(v) for v in f.value if v is not None]
+                    if vals:
+                        b.lo = max(b.lo, min(vals))
+                        b.cap_hi(max(vals) + 1)
+            elif col == "timestamp":
+                ms = _ms(f.value) if not isinstance(f, In) else None
+                if ms is None:
+                    pass
+                elif isinstance(f, (GreaterThan, GreaterThanOrEqual)):
+                    b.ts_lo = ms if b.ts_lo is None else max(b.ts_lo, ms)
+                elif isinstance(f, (LessThan, LessThanOrEqual)):
+                    # ms is floored: a record at ms (< value in microseconds) may still match
+                    b.ts_hi = ms if b.ts_hi is None else min(b.ts_hi, ms)
+                elif isinstance(f, EqualTo):
+                    b.ts_lo = ms if b.ts_lo is None else max(b.ts_lo, ms)
+                    b.ts_hi = ms if b.ts_hi is None else min(b.ts_hi, ms)
+            yield f
+
+
+class SkredStreamReader(DataSourceStreamReader):  # type: ignore[misc]
+    def __init__(self, opts: _Options, schema: Any) -> None:
+        self.opts = opts
+        self.schema = schema
+
+    def initialOffset(self) -> dict[str, int]:
+        first, nxt = self.opts.extent()
+        return {"offset": _parse_offset(self.opts.starting, first, nxt, first)}
+
+    def latestOffset(self, start: dict[str, int] | None = None, limit: Any = None) -> dict[str, int]:
+        _first, nxt = self.opts.extent()
+        cap: int | None = None
+        max_rows = getattr(limit, "max_rows", None)
+        if max_rows is not None:
+            cap = int(max_rows)
+        elif self.opts.max_per_trigger is not None and limit is None:
+            cap = int(self.opts.max_per_trigger)
+        if cap is not None and start is not None:
+            nxt = min(nxt, int(start["offset"]) + cap)
+        if start is not None:
+            nxt = max(nxt, int(start["offset"]))
+        return {"offset": nxt}
+
+    def getDefaultReadLimit(self) -> Any:
+        from pyspark.sql.streaming.datasource import (  # type: ignore[import-not-found,unused-ignore]
+            ReadAllAvailable,
+            ReadMaxRows,
+        )
+        if self.opts.max_per_trigger is not None:
+            return ReadMaxRows(int(self.opts.max_per_trigger))
+        return ReadAllAvailable()
+
+    def partitions(self, start: dict[str, int], end: dict[str, int]) -> list[InputPartition]:
+        return self.opts.plan(Bounds(int(start["offset"]), int(end["offset"])))
+
+    def read(self, partition: InputPartition) -> Iterator[Any]:
+        return _batches(self.opts, self.schema, partition)
+
+    def commit(self, end: dict[str, int]) -> None:
+        pass  # nothing to release: the broker keeps the log, Spark keeps the offsets
