@@ -81,7 +81,7 @@ def violations(layer: str, allowed_broker: tuple[str, ...], banned: tuple[str, .
             if any(is_under(name, b) for b in banned):
                 found.append(f"{rel}:{line} imports {name}")
             elif is_under(name, "broker") and name != "broker":
-                if not any(is_under(name, a) for a in allowed_broker):
+                if not any(is_under(name, a) or a.startswith(name + ".") for a in allowed_broker):
                     found.append(f"{rel}:{line} imports {name}")
     return found
 

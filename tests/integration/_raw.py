@@ -17,9 +17,9 @@ import struct
 import time
 from typing import Any
 
-from pamqp import commands, frame as pframe
+from pamqp import commands
+from pamqp import frame as pframe
 from pamqp.base import Frame
-from pamqp.body import ContentBody
 from pamqp.header import ContentHeader
 
 PROTOCOL_HEADER = b"AMQP\x00\x00\x09\x01"
@@ -138,9 +138,7 @@ class RawConn:
         self.frame_max = tune.frame_max if frame_max is None else frame_max
         self.channel_max = tune.channel_max if channel_max is None else channel_max
         self.heartbeat = heartbeat
-        self.send_method(
-            0, commands.Connection.TuneOk(self.channel_max, self.frame_max, heartbeat)
-        )
+        self.send_method(0, commands.Connection.TuneOk(self.channel_max, self.frame_max, heartbeat))
         self.send_method(0, commands.Connection.Open(virtual_host=vhost))
         self.expect(commands.Connection.OpenOk, 0)
 
@@ -191,7 +189,7 @@ class RawConn:
             self.sock.settimeout(max(0.05, deadline - time.monotonic()))
             try:
                 ftype, channel, payload = self.read_frame()
-            except socket.timeout:
+            except TimeoutError:
                 break
             except (Closed, OSError):
                 return None
@@ -217,7 +215,7 @@ class RawConn:
                 self.sock.settimeout(max(0.05, deadline - time.monotonic()))
                 if not self.sock.recv(65536):
                     return True
-            except socket.timeout:
+            except TimeoutError:
                 return False
             except OSError:
                 return True

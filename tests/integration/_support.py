@@ -88,7 +88,9 @@ class ExternalBroker:
         self.pid: int | None = None
 
     def _skip(self) -> None:
-        pytest.skip("needs to control the Skred process; SKRED_TEST_EXTERNAL_URL points at an external broker")
+        pytest.skip(
+            "needs to control the Skred process; SKRED_TEST_EXTERNAL_URL points at an external broker"
+        )
 
     def start(self) -> None:
         self._skip()
@@ -132,12 +134,19 @@ class SkredProcess:
 
     def argv(self) -> list[str]:
         return [
-            sys.executable, "-m", "broker",
-            "--data-dir", str(self.data_dir),
-            "--amqp-port", str(self.port),
-            "--mgmt-port", str(self.mgmt_port),
-            "--mgmt-metrics-port", str(self.metrics_port),
-            "--amqp-bind", self.host,
+            sys.executable,
+            "-m",
+            "broker",
+            "--data-dir",
+            str(self.data_dir),
+            "--amqp-port",
+            str(self.port),
+            "--mgmt-port",
+            str(self.mgmt_port),
+            "--mgmt-metrics-port",
+            str(self.metrics_port),
+            "--amqp-bind",
+            self.host,
             *self.extra_args,
         ]
 
@@ -275,8 +284,6 @@ def assert_healthy(b: Broker) -> None:
     finally:
         if conn.is_open:
             conn.close()
-
-
 
 
 @contextmanager

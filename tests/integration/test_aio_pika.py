@@ -22,7 +22,7 @@ HEADERS: dict[str, Any] = {
     "t": True,
     "f": False,
     "dec": Decimal("3.14"),
-    "ts": datetime.datetime(2020, 5, 6, 7, 8, 9, tzinfo=datetime.timezone.utc),
+    "ts": datetime.datetime(2020, 5, 6, 7, 8, 9, tzinfo=datetime.UTC),
     "arr": [1, "a", [2, {"k": "v"}]],
     "tbl": {"x": {"y": [Decimal("0.5")]}},
     "none": None,
@@ -72,7 +72,12 @@ def test_confirms_many(shared_broker: Broker) -> None:
             q = await ch.declare_queue(exclusive=True)
             n = 2000
             confirms = await asyncio.gather(
-                *(ch.default_exchange.publish(aio_pika.Message(b"%d" % i, delivery_mode=2), routing_key=q.name) for i in range(n))
+                *(
+                    ch.default_exchange.publish(
+                        aio_pika.Message(b"%d" % i, delivery_mode=2), routing_key=q.name
+                    )
+                    for i in range(n)
+                )
             )
             assert len(confirms) == n
             assert all(isinstance(c, Basic.Ack) for c in confirms)
@@ -88,7 +93,9 @@ def test_confirm_mandatory_unroutable_is_returned(shared_broker: Broker) -> None
         async with conn:
             ch = await conn.channel(publisher_confirms=True, on_return_raises=True)
             with pytest.raises(aio_pika.exceptions.DeliveryError) as ei:
-                await ch.default_exchange.publish(aio_pika.Message(b"x"), routing_key=unique("nowhere"), mandatory=True)
+                await ch.default_exchange.publish(
+                    aio_pika.Message(b"x"), routing_key=unique("nowhere"), mandatory=True
+                )
             assert ei.value.message is not None and ei.value.message.body == b"x"
 
     run_async(scenario())
@@ -152,7 +159,9 @@ def test_direct_reply_to_rpc(shared_broker: Broker) -> None:
                     routing_key=rpc_q.name,
                 )
             got = [await asyncio.wait_for(replies.get(), 5) for _ in range(3)]
-            assert sorted((m.correlation_id, m.body) for m in got) == [(f"c{i}", b"pong:ping%d" % i) for i in range(3)]
+            assert sorted((m.correlation_id, m.body) for m in got) == [
+                (f"c{i}", b"pong:ping%d" % i) for i in range(3)
+            ]
 
     run_async(scenario())
 
@@ -163,7 +172,7 @@ def test_properties_and_headers_round_trip(shared_broker: Broker) -> None:
         async with conn:
             ch = await conn.channel()
             q = await ch.declare_queue(exclusive=True)
-            ts = datetime.datetime(2023, 1, 2, 3, 4, 5, tzinfo=datetime.timezone.utc)
+            ts = datetime.datetime(2023, 1, 2, 3, 4, 5, tzinfo=datetime.UTC)
             sent = aio_pika.Message(
                 body=bytes(range(256)),
                 headers=HEADERS,
@@ -185,8 +194,18 @@ def test_properties_and_headers_round_trip(shared_broker: Broker) -> None:
             await got.ack()
             assert got.body == bytes(range(256))
             assert got.headers == HEADERS
-            for name in ("content_type", "content_encoding", "delivery_mode", "priority", "correlation_id",
-                         "reply_to", "message_id", "type", "user_id", "app_id"):
+            for name in (
+                "content_type",
+                "content_encoding",
+                "delivery_mode",
+                "priority",
+                "correlation_id",
+                "reply_to",
+                "message_id",
+                "type",
+                "user_id",
+                "app_id",
+            ):
                 assert getattr(got, name) == getattr(sent, name), name
             assert got.timestamp == ts
             assert got.expiration is not None and float(got.expiration) == 3600

@@ -13,7 +13,8 @@ import struct
 
 import pika
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from pamqp import commands
 
 from ._raw import PROTOCOL_HEADER, Closed, NoAnswer, RawConn, frame_bytes, header_payload, method_bytes
@@ -29,7 +30,13 @@ def _open(b: Broker, **kw: int) -> RawConn:
 
 @pytest.mark.parametrize(
     "header",
-    [b"AMQP\x00\x00\x09\x00", b"AMQP\x01\x01\x00\x0a", b"AMQP\x00\x01\x00\x00", b"GET / HTTP/1.1\r\n\r\n", b"XXXXXXXX"],
+    [
+        b"AMQP\x00\x00\x09\x00",
+        b"AMQP\x01\x01\x00\x0a",
+        b"AMQP\x00\x01\x00\x00",
+        b"GET / HTTP/1.1\r\n\r\n",
+        b"XXXXXXXX",
+    ],
     ids=["0-9-0", "0-10", "amqp-1.0", "http", "junk"],
 )
 def test_wrong_protocol_header(shared_broker: Broker, header: bytes) -> None:
@@ -61,7 +68,9 @@ def test_bad_credentials_raw_403(shared_broker: Broker) -> None:
             0,
             commands.Connection.StartOk(
                 client_properties={"capabilities": {"authentication_failure_close": True}},
-                mechanism="PLAIN", response="\0guest\0bad", locale="en_US",
+                mechanism="PLAIN",
+                response="\0guest\0bad",
+                locale="en_US",
             ),
         )
         closed = c.wait_connection_close()
@@ -74,7 +83,10 @@ def test_unsupported_mechanism_closes(shared_broker: Broker) -> None:
     with RawConn(shared_broker.host, shared_broker.port) as c:
         c.send(PROTOCOL_HEADER)
         c.expect(commands.Connection.Start, 0)
-        c.send_method(0, commands.Connection.StartOk(client_properties={}, mechanism="NOPE", response="x", locale="en_US"))
+        c.send_method(
+            0,
+            commands.Connection.StartOk(client_properties={}, mechanism="NOPE", response="x", locale="en_US"),
+        )
         # Spec: the server closes the socket; a connection.close (403/503/530/540) first is also fine.
         closed = c.wait_connection_close()
         assert closed is None or closed[0] in (403, 503, 530, 540), closed
@@ -85,7 +97,12 @@ def test_unknown_vhost_530(shared_broker: Broker) -> None:
     with RawConn(shared_broker.host, shared_broker.port) as c:
         c.send(PROTOCOL_HEADER)
         c.expect(commands.Connection.Start, 0)
-        c.send_method(0, commands.Connection.StartOk(client_properties={}, mechanism="PLAIN", response="\0guest\0guest", locale="en_US"))
+        c.send_method(
+            0,
+            commands.Connection.StartOk(
+                client_properties={}, mechanism="PLAIN", response="\0guest\0guest", locale="en_US"
+            ),
+        )
         tune = c.expect(commands.Connection.Tune, 0)
         c.send_method(0, commands.Connection.TuneOk(tune.channel_max, tune.frame_max, 0))
         c.send_method(0, commands.Connection.Open(virtual_host="/no-such-vhost-skredtest"))
@@ -107,20 +124,27 @@ BAD_FRAMES: list[tuple[str, bytes, tuple[int | None, ...]]] = [
     ("header-without-publish", frame_bytes(2, 1, header_payload(5, commands.Basic.Properties())), (505,)),
     (
         "method-instead-of-header",
-        method_bytes(1, commands.Basic.Publish(exchange="", routing_key="x")) + method_bytes(1, commands.Basic.Qos(prefetch_count=1)),
+        method_bytes(1, commands.Basic.Publish(exchange="", routing_key="x"))
+        + method_bytes(1, commands.Basic.Qos(prefetch_count=1)),
         (505,),
     ),
     ("truncated-method-args", frame_bytes(1, 1, struct.pack(">HH", 50, 10) + b"\x00"), (501, 502)),
     ("method-on-unopened-channel", method_bytes(7, commands.Queue.Declare(queue="", exclusive=True)), (504,)),
     ("second-channel-open", method_bytes(1, commands.Channel.Open()), (504,)),
-    ("queue-declare-on-channel-0", method_bytes(0, commands.Queue.Declare(queue="", exclusive=True)), (503, 504)),
+    (
+        "queue-declare-on-channel-0",
+        method_bytes(0, commands.Queue.Declare(queue="", exclusive=True)),
+        (503, 504),
+    ),
     # Spec 4.2.3: heartbeat frames must use channel 0; RabbitMQ answers 505, 501 is also fine.
     ("heartbeat-on-channel-1", frame_bytes(8, 1, b""), (501, 503, 505)),
 ]
 
 
 @pytest.mark.parametrize("name,data,codes", BAD_FRAMES, ids=[b[0] for b in BAD_FRAMES])
-def test_bad_frames_close_connection(shared_broker: Broker, name: str, data: bytes, codes: tuple[int | None, ...]) -> None:
+def test_bad_frames_close_connection(
+    shared_broker: Broker, name: str, data: bytes, codes: tuple[int | None, ...]
+) -> None:
     with _open(shared_broker) as c:
         c.send(data)
         closed = c.wait_connection_close()
@@ -139,7 +163,11 @@ def test_oversized_body_frame_beyond_negotiated_frame_max_501(shared_broker: Bro
     assert_healthy(shared_broker)
 
 
-@pytest.mark.parametrize("cls_method", [(99, 99), (60, 99), (10, 99)], ids=["unknown-class", "unknown-basic-method", "unknown-connection-method"])
+@pytest.mark.parametrize(
+    "cls_method",
+    [(99, 99), (60, 99), (10, 99)],
+    ids=["unknown-class", "unknown-basic-method", "unknown-connection-method"],
+)
 def test_unknown_class_or_method_540(shared_broker: Broker, cls_method: tuple[int, int]) -> None:
     with _open(shared_broker) as c:
         c.send(frame_bytes(1, 1, struct.pack(">HH", *cls_method)))
@@ -172,7 +200,12 @@ def test_frame_max_below_minimum_refused(shared_broker: Broker) -> None:
     with RawConn(shared_broker.host, shared_broker.port) as c:
         c.send(PROTOCOL_HEADER)
         c.expect(commands.Connection.Start, 0)
-        c.send_method(0, commands.Connection.StartOk(client_properties={}, mechanism="PLAIN", response="\0guest\0guest", locale="en_US"))
+        c.send_method(
+            0,
+            commands.Connection.StartOk(
+                client_properties={}, mechanism="PLAIN", response="\0guest\0guest", locale="en_US"
+            ),
+        )
         c.expect(commands.Connection.Tune, 0)
         c.send_method(0, commands.Connection.TuneOk(0, 1024, 0))  # spec minimum is 4096
         c.send_method(0, commands.Connection.Open(virtual_host="/"))
@@ -199,13 +232,22 @@ def test_bad_input_on_one_connection_leaves_others_alone(shared_broker: Broker) 
 
 # ---------------------------------------------------------------- fuzzing
 
+
 def _valid_frames() -> list[bytes]:
-    props = commands.Basic.Properties(content_type="text/plain", headers={"a": 1, "b": [1, "x"]}, delivery_mode=2)
+    props = commands.Basic.Properties(
+        content_type="text/plain", headers={"a": 1, "b": [1, "x"]}, delivery_mode=2
+    )
     return [
         method_bytes(1, commands.Basic.Publish(exchange="", routing_key="fuzz"))
-        + frame_bytes(2, 1, header_payload(5, props)) + frame_bytes(3, 1, b"hello"),
+        + frame_bytes(2, 1, header_payload(5, props))
+        + frame_bytes(3, 1, b"hello"),
         method_bytes(1, commands.Queue.Declare(queue="", exclusive=True, arguments={"x-max-length": 5})),
-        method_bytes(1, commands.Exchange.Declare(exchange="skredtest.fuzz", exchange_type="fanout", auto_delete=True, passive=True)),
+        method_bytes(
+            1,
+            commands.Exchange.Declare(
+                exchange="skredtest.fuzz", exchange_type="fanout", auto_delete=True, passive=True
+            ),
+        ),
         method_bytes(1, commands.Basic.Qos(prefetch_count=3)),
         method_bytes(1, commands.Basic.Consume(queue="", consumer_tag="f")),
         method_bytes(1, commands.Basic.Ack(delivery_tag=1, multiple=True)),

@@ -25,7 +25,11 @@ def _env() -> dict[str, str]:
 def test_help_lists_options_and_env_vars() -> None:
     r = subprocess.run(
         [sys.executable, "-m", "broker", "--help"],
-        cwd=str(REPO_ROOT), env=_env(), capture_output=True, text=True, timeout=30,
+        cwd=str(REPO_ROOT),
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert r.returncode == 0, r.stderr
     assert "--data-dir" in r.stdout
@@ -36,7 +40,15 @@ class _EnvConfigured(SkredProcess):
     """Port and bind address from SKRED_* environment variables instead of flags."""
 
     def argv(self) -> list[str]:
-        return [sys.executable, "-m", "broker", "--data-dir", str(self.data_dir), "--mgmt-port", str(self.mgmt_port)]
+        return [
+            sys.executable,
+            "-m",
+            "broker",
+            "--data-dir",
+            str(self.data_dir),
+            "--mgmt-port",
+            str(self.mgmt_port),
+        ]
 
 
 def test_amqp_port_from_environment(tmp_path: Path) -> None:

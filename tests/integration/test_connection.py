@@ -98,9 +98,21 @@ def test_tune_offers_limits(shared_broker: Broker) -> None:
         assert (start.version_major, start.version_minor) == (0, 9)
         assert "PLAIN" in str(start.mechanisms).split()
         caps = start.server_properties.get("capabilities", {})
-        for cap in ("publisher_confirms", "basic.nack", "consumer_cancel_notify", "exchange_exchange_bindings", "per_consumer_qos", "direct_reply_to"):
+        for cap in (
+            "publisher_confirms",
+            "basic.nack",
+            "consumer_cancel_notify",
+            "exchange_exchange_bindings",
+            "per_consumer_qos",
+            "direct_reply_to",
+        ):
             assert caps.get(cap) is True, f"capability {cap} not advertised"
-        c.send_method(0, commands.Connection.StartOk(client_properties={}, mechanism="PLAIN", response="\0guest\0guest", locale="en_US"))
+        c.send_method(
+            0,
+            commands.Connection.StartOk(
+                client_properties={}, mechanism="PLAIN", response="\0guest\0guest", locale="en_US"
+            ),
+        )
         tune = c.expect(commands.Connection.Tune, 0)
         assert tune.frame_max == 0 or tune.frame_max >= 4096
         assert 0 <= tune.channel_max <= 65535
@@ -137,10 +149,10 @@ def test_channel_above_negotiated_channel_max(shared_broker: Broker) -> None:
 def test_many_channels_are_independent(pika_conn: pika.BlockingConnection) -> None:
     chans = [pika_conn.channel() for _ in range(20)]
     qs = [c.queue_declare("", exclusive=True).method.queue for c in chans]
-    for i, (c, q) in enumerate(zip(chans, qs)):
+    for i, (c, q) in enumerate(zip(chans, qs, strict=False)):
         c.basic_publish("", q, b"%d" % i)
     chans[5].close()
-    for i, (c, q) in enumerate(zip(chans, qs)):
+    for i, (c, q) in enumerate(zip(chans, qs, strict=False)):
         if i != 5:
             assert drain(c, q) == [b"%d" % i]
 

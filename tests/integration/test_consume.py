@@ -341,13 +341,17 @@ def test_direct_reply_to_rpc(pika_conn: pika.BlockingConnection, shared_broker: 
         cch = pika_conn.channel()
         replies = Collector()
         cch.basic_consume("amq.rabbitmq.reply-to", replies, auto_ack=True)
-        cch.basic_publish("", rpc_q, b"ping", pika.BasicProperties(reply_to="amq.rabbitmq.reply-to", correlation_id="c1"))
+        cch.basic_publish(
+            "", rpc_q, b"ping", pika.BasicProperties(reply_to="amq.rabbitmq.reply-to", correlation_id="c1")
+        )
         req: list[Delivery] = []
         sch.basic_consume(rpc_q, lambda c, m, p, b: req.append((m, p, b)), auto_ack=True)
         pump(server, lambda: bool(req), what="rpc request")
         _, rp, rbody = req[0]
         assert rp.reply_to.startswith("amq.rabbitmq.reply-to.")  # rewritten by the broker
-        sch.basic_publish("", rp.reply_to, b"pong:" + rbody, pika.BasicProperties(correlation_id=rp.correlation_id))
+        sch.basic_publish(
+            "", rp.reply_to, b"pong:" + rbody, pika.BasicProperties(correlation_id=rp.correlation_id)
+        )
         pump(pika_conn, lambda: bool(replies.items), what="rpc reply")
         m, p, body = replies.items[0]
         assert body == b"pong:ping" and p.correlation_id == "c1"

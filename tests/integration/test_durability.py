@@ -22,7 +22,8 @@ import pytest
 from ._support import Broker, SkredProcess, amqp_answers, assert_healthy, connect, is_external, unique
 
 pytestmark = pytest.mark.skipif(
-    is_external(), reason="restarts and kills the Skred process; SKRED_TEST_EXTERNAL_URL points at an external broker"
+    is_external(),
+    reason="restarts and kills the Skred process; SKRED_TEST_EXTERNAL_URL points at an external broker",
 )
 
 
@@ -30,7 +31,9 @@ def _persistent(i: int | str) -> tuple[bytes, pika.BasicProperties]:
     return str(i).encode(), pika.BasicProperties(delivery_mode=2, message_id=str(i))
 
 
-def _get_all(ch: pika.adapters.blocking_connection.BlockingChannel, q: str, limit: int = 100_000) -> list[tuple[bytes, bool]]:
+def _get_all(
+    ch: pika.adapters.blocking_connection.BlockingChannel, q: str, limit: int = 100_000
+) -> list[tuple[bytes, bool]]:
     out = []
     for _ in range(limit):
         m, _, body = ch.basic_get(q, auto_ack=True)
@@ -70,8 +73,13 @@ def test_restart_keeps_durable_definitions_and_persistent_messages(broker: Broke
     ch.exchange_declare(dx, "topic", durable=True)  # equivalent redeclare: type and flags kept
     ch.queue_declare(dq, durable=True, arguments={"x-max-length": 1000})  # args kept, no 406
     got = _get_all(ch, dq)
-    assert [b for b, _ in got] == [str(i).encode() for i in range(10)], "persistent messages not back in order"
-    for name, declare in ((tx_, lambda c: c.exchange_declare(tx_, passive=True)), (tq, lambda c: c.queue_declare(tq, passive=True))):
+    assert [b for b, _ in got] == [str(i).encode() for i in range(10)], (
+        "persistent messages not back in order"
+    )
+    for name, declare in (
+        (tx_, lambda c: c.exchange_declare(tx_, passive=True)),
+        (tq, lambda c: c.queue_declare(tq, passive=True)),
+    ):
         c = conn.channel()
         with pytest.raises(pika.exceptions.ChannelClosedByBroker) as ei:
             declare(c)

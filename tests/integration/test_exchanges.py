@@ -8,7 +8,12 @@ import pytest
 from ._support import Cleanup, channel_error, drain, exists_exchange, get_body, unique
 
 
-def _bound_queue(ch: pika.adapters.blocking_connection.BlockingChannel, exchange: str, key: str = "", arguments: dict | None = None) -> str:
+def _bound_queue(
+    ch: pika.adapters.blocking_connection.BlockingChannel,
+    exchange: str,
+    key: str = "",
+    arguments: dict | None = None,
+) -> str:
     q = ch.queue_declare("", exclusive=True).method.queue
     ch.queue_bind(q, exchange, routing_key=key, arguments=arguments)
     return q
@@ -55,7 +60,9 @@ TOPIC_CASES = [
 
 
 @pytest.mark.parametrize("pattern,hits,misses", TOPIC_CASES, ids=[c[0] for c in TOPIC_CASES])
-def test_topic_wildcards(pika_conn: pika.BlockingConnection, cleanup: Cleanup, pattern: str, hits: list[str], misses: list[str]) -> None:
+def test_topic_wildcards(
+    pika_conn: pika.BlockingConnection, cleanup: Cleanup, pattern: str, hits: list[str], misses: list[str]
+) -> None:
     ch = pika_conn.channel()
     x = cleanup.exchange()
     ch.exchange_declare(x, "topic")
@@ -118,7 +125,9 @@ def test_default_exchange_cannot_be_bound_or_deleted(pika_conn: pika.BlockingCon
         ("amq.match", "headers", "", {"x-match": "any", "h": "v"}),
     ],
 )
-def test_builtin_amq_exchanges(pika_conn: pika.BlockingConnection, name: str, kind: str, key: str, args: dict | None) -> None:
+def test_builtin_amq_exchanges(
+    pika_conn: pika.BlockingConnection, name: str, kind: str, key: str, args: dict | None
+) -> None:
     ch = pika_conn.channel()
     ch.exchange_declare(name, kind, passive=True)
     q = _bound_queue(ch, name, key, args)
@@ -126,7 +135,9 @@ def test_builtin_amq_exchanges(pika_conn: pika.BlockingConnection, name: str, ki
     assert drain(ch, q) == [b"m"]
 
 
-def test_exchange_to_exchange_binding_and_unbind(pika_conn: pika.BlockingConnection, cleanup: Cleanup) -> None:
+def test_exchange_to_exchange_binding_and_unbind(
+    pika_conn: pika.BlockingConnection, cleanup: Cleanup
+) -> None:
     ch = pika_conn.channel()
     src, mid, dst = cleanup.exchange(), cleanup.exchange(), cleanup.exchange()
     ch.exchange_declare(src, "topic")
@@ -192,7 +203,9 @@ def test_exchange_passive_missing_is_404_channel_only(pika_conn: pika.BlockingCo
     other.queue_declare("", exclusive=True)
 
 
-def test_exchange_redeclare_different_type_is_406(pika_conn: pika.BlockingConnection, cleanup: Cleanup) -> None:
+def test_exchange_redeclare_different_type_is_406(
+    pika_conn: pika.BlockingConnection, cleanup: Cleanup
+) -> None:
     ch = pika_conn.channel()
     x = cleanup.exchange()
     ch.exchange_declare(x, "direct")

@@ -24,7 +24,7 @@ HEADERS: dict[str, Any] = {
     "bool_t": True,
     "bool_f": False,
     "decimal": Decimal("12.345"),
-    "timestamp": datetime.datetime(2024, 1, 2, 3, 4, 5, tzinfo=datetime.timezone.utc),
+    "timestamp": datetime.datetime(2024, 1, 2, 3, 4, 5, tzinfo=datetime.UTC),
     "void": None,
     "array": [1, "two", True, [3, 4], {"in": "array"}],
     "nested": {"a": {"b": {"c": [Decimal("1.5"), "deep"]}}, "n": 1},
@@ -54,7 +54,9 @@ def _props() -> pika.BasicProperties:
     )
 
 
-def _roundtrip(conn: pika.BlockingConnection, props: pika.BasicProperties, body: bytes) -> tuple[Any, pika.BasicProperties, bytes]:
+def _roundtrip(
+    conn: pika.BlockingConnection, props: pika.BasicProperties, body: bytes
+) -> tuple[Any, pika.BasicProperties, bytes]:
     ch = conn.channel()
     q = ch.queue_declare("", exclusive=True).method.queue
     ch.basic_publish("", q, body, props)
@@ -68,8 +70,18 @@ def test_all_basic_properties_roundtrip(pika_conn: pika.BlockingConnection) -> N
     _, got, body = _roundtrip(pika_conn, sent, b"payload")
     assert body == b"payload"
     for name in (
-        "content_type", "content_encoding", "delivery_mode", "priority", "correlation_id",
-        "reply_to", "expiration", "message_id", "timestamp", "type", "user_id", "app_id",
+        "content_type",
+        "content_encoding",
+        "delivery_mode",
+        "priority",
+        "correlation_id",
+        "reply_to",
+        "expiration",
+        "message_id",
+        "timestamp",
+        "type",
+        "user_id",
+        "app_id",
     ):
         assert getattr(got, name) == getattr(sent, name), name
     assert got.headers == PIKA_HEADERS
@@ -106,14 +118,22 @@ def _handmade_header(body_size: int) -> bytes:
     """
     flags = (1 << 15) | (1 << 13) | (1 << 11) | (1 << 7)
     table = (
-        _shortstr(b"ts") + b"T" + struct.pack(">Q", 0)
-        + _shortstr(b"dec") + b"D" + struct.pack(">BI", 2, 0xFFFFFFFF)
-        + _shortstr(b"raw") + b"x" + struct.pack(">I", 3) + b"\x00\xce\x01"
+        _shortstr(b"ts")
+        + b"T"
+        + struct.pack(">Q", 0)
+        + _shortstr(b"dec")
+        + b"D"
+        + struct.pack(">BI", 2, 0xFFFFFFFF)
+        + _shortstr(b"raw")
+        + b"x"
+        + struct.pack(">I", 3)
+        + b"\x00\xce\x01"
     )
     return (
         struct.pack(">HHQH", 60, 0, body_size, flags)
         + _shortstr(b"")
-        + struct.pack(">I", len(table)) + table
+        + struct.pack(">I", len(table))
+        + table
         + b"\x00"
         + _shortstr(b"m" * 255)
     )
@@ -130,11 +150,19 @@ def test_content_header_bytes_pass_through_exactly(shared_broker: Broker, how: s
         hp = header_payload(
             len(body),
             commands.Basic.Properties(
-                content_type=p.content_type, content_encoding=p.content_encoding, headers=PAMQP_HEADERS,
-                delivery_mode=2, priority=5, correlation_id=p.correlation_id, reply_to=p.reply_to,
-                expiration=p.expiration, message_id=p.message_id,
+                content_type=p.content_type,
+                content_encoding=p.content_encoding,
+                headers=PAMQP_HEADERS,
+                delivery_mode=2,
+                priority=5,
+                correlation_id=p.correlation_id,
+                reply_to=p.reply_to,
+                expiration=p.expiration,
+                message_id=p.message_id,
                 timestamp=datetime.datetime(2023, 11, 14, 22, 13, 20),
-                message_type=p.type, user_id="guest", app_id=p.app_id,
+                message_type=p.type,
+                user_id="guest",
+                app_id=p.app_id,
             ),
         )
     with RawConn(shared_broker.host, shared_broker.port) as c:

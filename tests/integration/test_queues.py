@@ -18,7 +18,9 @@ from ._support import (
 )
 
 
-def test_durable_queue_declare_and_passive_counts(pika_conn: pika.BlockingConnection, cleanup: Cleanup) -> None:
+def test_durable_queue_declare_and_passive_counts(
+    pika_conn: pika.BlockingConnection, cleanup: Cleanup
+) -> None:
     ch = pika_conn.channel()
     q = cleanup.queue()
     ok = ch.queue_declare(q, durable=True)
@@ -66,7 +68,9 @@ def test_exclusive_queue_locked_to_owner_and_deleted_on_close(shared_broker: Bro
                 c.close()
 
 
-def test_auto_delete_after_last_consumer_cancels(pika_conn: pika.BlockingConnection, cleanup: Cleanup) -> None:
+def test_auto_delete_after_last_consumer_cancels(
+    pika_conn: pika.BlockingConnection, cleanup: Cleanup
+) -> None:
     ch = pika_conn.channel()
     q = cleanup.queue()
     ch.queue_declare(q, auto_delete=True)
@@ -78,7 +82,9 @@ def test_auto_delete_after_last_consumer_cancels(pika_conn: pika.BlockingConnect
     wait_until(lambda: not exists_queue(pika_conn, q), what="auto-delete queue removed")
 
 
-def test_auto_delete_queue_without_consumers_stays(pika_conn: pika.BlockingConnection, cleanup: Cleanup) -> None:
+def test_auto_delete_queue_without_consumers_stays(
+    pika_conn: pika.BlockingConnection, cleanup: Cleanup
+) -> None:
     ch = pika_conn.channel()
     q = cleanup.queue()
     ch.queue_declare(q, auto_delete=True)
@@ -102,7 +108,7 @@ def test_passive_missing_queue_404_closes_only_that_channel(pika_conn: pika.Bloc
 def test_purge_returns_count(pika_conn: pika.BlockingConnection) -> None:
     ch = pika_conn.channel()
     q = ch.queue_declare("", exclusive=True).method.queue
-    for i in range(7):
+    for _i in range(7):
         ch.basic_publish("", q, b"m")
     assert ch.queue_purge(q).method.message_count == 7
     assert ch.queue_purge(q).method.message_count == 0
@@ -121,7 +127,9 @@ def test_purge_keeps_unacked(pika_conn: pika.BlockingConnection) -> None:
     assert drain(ch, q) == [b"0"]
 
 
-def test_delete_returns_count_and_if_empty_if_unused(pika_conn: pika.BlockingConnection, cleanup: Cleanup) -> None:
+def test_delete_returns_count_and_if_empty_if_unused(
+    pika_conn: pika.BlockingConnection, cleanup: Cleanup
+) -> None:
     ch = pika_conn.channel()
     q = cleanup.queue()
     ch.queue_declare(q)
