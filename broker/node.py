@@ -27,7 +27,7 @@ from broker.http.state import Mgmt
 from broker.model.vhost import VHost
 from broker.net.broker import Broker
 from broker.net.server import AMQPServer
-from broker.net.syncer import Syncer
+from broker.net.syncer import Syncable, Syncer
 from broker.store.lock import DataDirLock
 from broker.store.sink import NullSink, ReplicationSink
 
@@ -45,7 +45,7 @@ class Node:
         self.amqp: AMQPServer | None = None
         self.amqp_address: tuple[str, int] | None = None
         # Cluster leader: the ISR barrier the Syncer waits for before confirming.
-        self.replicated: Callable[[], asyncio.Future[None]] | None = None
+        self.replicated: Callable[[list[Syncable]], asyncio.Future[None]] | None = None
         self.lock: DataDirLock | None = None
         self.vhost_store: VHostStore | None = None
         self.mgmt: Mgmt | None = None

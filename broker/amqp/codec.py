@@ -126,6 +126,48 @@ def encode_delivery(
     return b"".join(parts)
 
 
+_DELIVER_TAIL = struct.Struct(">QB")
+_HEADER_AFTER_METHOD = struct.Struct(">BBHIHHQ")  # frame end, header frame hdr, class, weight, size
+_BODY_AFTER_HEADER = struct.Struct(">BBHI")  # frame end, body frame hdr
+
+
+def encode_delivery_raw(
+    channel: int,
+    prefix: bytes,
+    delivery_tag: int,
+    redelivered: bool,
+    exrk: bytes,
+    props: bytes,
+    body: bytes,
+    frame_max: int,
+) -> bytes:
+    """basic.deliver + content from a stored record's raw pieces.
+
+    ``exrk`` is the exchange and routing key as the two short strings the
+    store keeps them as, which is exactly their encoding in basic.deliver.
+    One join of precompiled-struct pieces; no per-field slicing.
+    """
+    body_len = len(body)
+    if body_len > frame_max - FRAME_OVERHEAD:
+        ln = exrk[0]
+        return encode_delivery(channel, prefix, delivery_tag, redelivered, exrk[1 : 1 + ln],
+                               exrk[2 + ln :], props, body, frame_max)
+    if body_len:
+        return b"".join((
+            FRAME_HDR.pack(FRAME_METHOD, channel, len(prefix) + 9 + len(exrk)), prefix,
+            _DELIVER_TAIL.pack(delivery_tag, redelivered), exrk,
+            _HEADER_AFTER_METHOD.pack(FRAME_END, FRAME_HEADER, channel, 12 + len(props), BASIC_CLASS, 0,
+                                      body_len),
+            props, _BODY_AFTER_HEADER.pack(FRAME_END, FRAME_BODY, channel, body_len), body, FRAME_END_BYTE,
+        ))
+    return b"".join((
+        FRAME_HDR.pack(FRAME_METHOD, channel, len(prefix) + 9 + len(exrk)), prefix,
+        _DELIVER_TAIL.pack(delivery_tag, redelivered), exrk,
+        _HEADER_AFTER_METHOD.pack(FRAME_END, FRAME_HEADER, channel, 12 + len(props), BASIC_CLASS, 0, 0),
+        props, FRAME_END_BYTE,
+    ))
+
+
 def encode_content(channel: int, method: bytes, props: bytes, body: bytes, frame_max: int) -> bytes:
     """A method payload followed by its content header and body frames."""
     out = [FRAME_HDR.pack(FRAME_METHOD, channel, len(method)), method, b"\xce"]

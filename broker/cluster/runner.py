@@ -274,7 +274,17 @@ class ClusterRunner:
             log.error("lost leadership before serving")
             return None
         node = Node(cfg, sink)
-        node.replicated = sink.barrier
+
+        def replicated(dirty: list[Any]) -> asyncio.Future[None]:
+            # Queue stores report meta and buffered acks to the sink only on flush():
+            # flush the ones this group commit covers, so followers get them too.
+            for obj in dirty:
+                flush = getattr(obj, "flush", None)
+                if flush is not None:
+                    flush()
+            return sink.barrier()
+
+        node.replicated = replicated
         self._unlock()
         try:
             await node.start()

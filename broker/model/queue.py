@@ -49,6 +49,11 @@ class Consumer:
                 body: bytes, redelivered: bool) -> None:
         raise NotImplementedError
 
+    def deliver_raw(self, msgid: int, exrk: bytes, props: bytes, body: bytes, redelivered: bool) -> None:
+        """``deliver`` with exchange and routing key as the stored short-string pair."""
+        ln = exrk[0]
+        self.deliver(msgid, exrk[1 : 1 + ln], exrk[2 + ln :], props, body, redelivered)
+
     def cancelled_by_server(self) -> None:
         """The queue went away; tell the client if it wants to know."""
 
@@ -153,33 +158,40 @@ class Queue:
         self._scheduled = False
         if self.deleted:
             return
-        store = self.store
+        next_delivery = self.store.next_delivery
         consumers = self.consumers
         budget = _PASS_BUDGET
-        while budget and consumers and store.ready_count:
-            n = len(consumers)
-            start = self._rr
-            for i in range(n):
-                c = consumers[(start + i) % n]
-                if c.ready():
-                    self._rr = (start + i + 1) % n
-                    break
-            else:
-                return  # nobody has capacity; whoever frees some reschedules us
-            msgid = store.shift()
-            if msgid is None:
-                return
-            _ts, exchange, routing_key, props, body = store.read(msgid)
-            redelivered = store.is_redelivered(msgid)
-            self.n_delivered += 1
-            if redelivered:
-                self.n_redelivered += 1
-            if c.no_ack:
-                store.ack(msgid)
-            c.deliver(msgid, exchange, routing_key, props, body, redelivered)
-            budget -= 1
-        if not budget:
-            self.schedule_delivery()
+        delivered = redelivered_n = 0
+        try:
+            while budget and consumers and self.store.ready_count:
+                n = len(consumers)
+                if n == 1:
+                    c = consumers[0]
+                    if not c.ready():
+                        return  # no capacity; whoever frees some reschedules us
+                else:
+                    start = self._rr
+                    for i in range(n):
+                        c = consumers[(start + i) % n]
+                        if c.ready():
+                            self._rr = (start + i + 1) % n
+                            break
+                    else:
+                        return  # nobody has capacity; whoever frees some reschedules us
+                got = next_delivery(c.no_ack)
+                if got is None:
+                    return
+                msgid, exrk, props, body, redelivered = got
+                delivered += 1
+                if redelivered:
+                    redelivered_n += 1
+                c.deliver_raw(msgid, exrk, props, body, redelivered)
+                budget -= 1
+            if not budget:
+                self.schedule_delivery()
+        finally:
+            self.n_delivered += delivered
+            self.n_redelivered += redelivered_n
 
     # ------------------------------------------------------------------ get
     def get(self) -> tuple[int, bytes, bytes, bytes, bytes, bool] | None:

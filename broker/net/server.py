@@ -145,11 +145,15 @@ class AMQPProtocol(asyncio.Protocol):
     def wakeup(self) -> None:
         if not self._flush_scheduled:
             self._flush_scheduled = True
+            if self.session is not None:
+                self.session.flush_pending = True
             asyncio.get_running_loop().call_soon(self.flush)
 
     def flush(self) -> None:
         self._flush_scheduled = False
         s = self.session
+        if s is not None:
+            s.flush_pending = False
         t = self.transport
         if s is None or t is None:
             return

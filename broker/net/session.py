@@ -117,6 +117,21 @@ class SessionConsumer(Consumer):
         s.broker.stats.delivered += 1
         s.wakeup()
 
+    def deliver_raw(self, msgid: int, exrk: bytes, props: bytes, body: bytes, redelivered: bool) -> None:
+        chs = self.chs
+        tag = chs.next_tag
+        chs.next_tag = tag + 1
+        if not self.no_ack:
+            chs.unacked[tag] = (self.queue, msgid, self)
+            self.unacked += 1
+            chs.unacked_count += 1
+        s = self.session
+        s.out += codec.encode_delivery_raw(chs.id, self.prefix, tag, redelivered, exrk, props, body,
+                                           s.frame_max)
+        s.stats.delivered += 1
+        if not s.flush_pending:
+            s.wakeup()
+
     def cancelled_by_server(self) -> None:
         s = self.session
         chs = self.chs
@@ -148,6 +163,7 @@ class Session(AMQPConnection):
         self._perm_cache: dict[tuple[str, str], bool] = {}
         self.connected_at = time.time()
         self.batch_publishes = 0  # publishes in the current read batch (fairness)
+        self.flush_pending = False  # a flush of ``out`` is already scheduled
         self.now_ms = 0  # wall clock of the current read batch: message timestamps
         self.stats = broker.stats
         self._write_ok: set[str] = set()  # exchanges this user may publish to (cache)

@@ -14,7 +14,8 @@ starts as soon as the current one ends. With ``enabled=False`` (``sync =
 false``) callbacks run on the next loop turn without any fsync.
 
 In a cluster, ``replicated`` (set by the node to the leader's ISR barrier) is
-called when a sync starts; it returns a future that resolves once every
+called with the dirty set when a sync starts (on the loop thread, so it may
+push pending state to the replication sink first); it returns a future that resolves once every
 in-sync follower acked the bytes written so far. Callbacks then run only
 after both the local fsync and that future, and the next sync waits for them,
 so confirms stay in order. ``sync_started`` (monotonic time of the running
@@ -39,7 +40,7 @@ class Syncable(Protocol):
 
 class Syncer:
     def __init__(self, loop: asyncio.AbstractEventLoop, enabled: bool,
-                 replicated: Callable[[], asyncio.Future[None]] | None = None) -> None:
+                 replicated: Callable[[list[Syncable]], asyncio.Future[None]] | None = None) -> None:
         self.loop = loop
         self.enabled = enabled
         self.replicated = replicated
@@ -68,7 +69,7 @@ class Syncer:
         if self._running or not self._callbacks:
             return
         callbacks, self._callbacks = self._callbacks, []
-        barrier = self.replicated() if self.replicated is not None else None
+        barrier = self.replicated(list(self._dirty)) if self.replicated is not None else None
         if not self.enabled:
             self._dirty.clear()
             if barrier is None:

@@ -73,6 +73,8 @@ _I64_PACK_INTO: Final = fmt.I64.pack_into
 _U32_PACK_INTO: Final = fmt.U32.pack_into
 _U64_PACK_INTO: Final = fmt.U64.pack_into
 _U32_PACK: Final = fmt.U32.pack
+_U32_UNPACK: Final = fmt.U32.unpack_from
+_U64_UNPACK: Final = fmt.U64.unpack_from
 _U64_PACK: Final = fmt.U64.pack
 _BYTE: Final = tuple(bytes((i,)) for i in range(256))
 _ZERO_TS_AND_LEN: Final = tuple(bytes(8) + bytes((i,)) for i in range(256))  # zero timestamp + a length
@@ -233,6 +235,51 @@ class QueueStore:
         if msgid > self._hwm:
             self._hwm = msgid
         return msgid
+
+    def next_delivery(self, autoack: bool) -> tuple[int, bytes, bytes, bytes, bool] | None:
+        """shift() + read() in one pass for the delivery hot path.
+
+        Returns (msgid, exchange and routing key as the two AMQP short strings
+        they are stored as, props, body, redelivered), or None when empty. With
+        ``autoack`` the message is acked at once instead of becoming unacked.
+        The common case (the sequential cursor, nothing requeued) parses the
+        record once and returns slices of the map.
+        """
+        seg = self._segs.get(self._cnum)
+        pos = self._cpos
+        if self._heap or seg is None or pos >= seg.end or seg.mm is None or (seg.acked and pos in seg.acked):
+            msgid = self.shift()
+            if msgid is None:
+                return None
+            _ts, ex, rk, props, body = self.read(msgid)
+            redelivered = self.is_redelivered(msgid)
+            if autoack:
+                self.ack(msgid)
+            return msgid, _BYTE[len(ex)] + ex + _BYTE[len(rk)] + rk, props, body, redelivered
+        mm = seg.mm
+        p = pos + 8
+        rk_at = p + 1 + mm[p]
+        p_at = rk_at + 1 + mm[rk_at]
+        exrk = mm[p:p_at]
+        pend = p_at + 4 + _U32_UNPACK(mm, p_at)[0]
+        props = mm[p_at + 4 : pend]
+        b_len = _U64_UNPACK(mm, pend)[0]
+        bend = pend + 8 + b_len
+        body = mm[pend + 8 : bend]
+        self._cpos = bend
+        self._bytes_ready -= b_len
+        self._ready -= 1
+        msgid = (seg.num << 32) | pos
+        if msgid > self._hwm:
+            self._hwm = msgid
+        redelivered = msgid <= self._recovered_hwm
+        if autoack:
+            self._ack_position(seg, pos)
+            if len(seg.acked) == seg.count and seg is not self._wseg:
+                self._delete_segment(seg)
+        else:
+            self._unacked.add(msgid)
+        return msgid, exrk, props, body, redelivered
 
     def peek(self) -> int | None:
         if self._heap:

@@ -204,7 +204,7 @@ class RawConn:
                     self.send_method(0, commands.Connection.CloseOk())
                 except OSError:
                     pass
-                return m.reply_code, m.reply_text
+                return int(m.reply_code or 0), str(m.reply_text)
         raise NoAnswer(f"neither connection.close nor EOF within {timeout}s")
 
     def wait_eof(self, timeout: float = 5.0) -> bool:

@@ -195,7 +195,6 @@ class SkredProcess:
         except subprocess.TimeoutExpired:
             self._kill_group()
             pytest.fail(f"broker ignored SIGTERM for {STOP_DEADLINE}s:\n{self.log_tail()}")
-        return None
 
     def kill9(self) -> None:
         if self.alive():

@@ -208,7 +208,7 @@ def test_properties_and_headers_round_trip(shared_broker: Broker) -> None:
             ):
                 assert getattr(got, name) == getattr(sent, name), name
             assert got.timestamp == ts
-            assert got.expiration is not None and float(got.expiration) == 3600
+            assert got.expiration is not None and float(str(got.expiration)) == 3600
 
     run_async(scenario())
 

@@ -250,25 +250,24 @@ async def publish(url: str, queue: str, start: int, count: int, confirmed: list[
 
 
 async def consume_all(url: str, queue: str, expect_at_least: int) -> list[int]:
-    """Consume (and ack) until at least ``expect_at_least`` arrived and the queue stays idle for 2s."""
+    """Consume (and ack) until at least ``expect_at_least`` arrived and the queue stays idle."""
     conn = await aio_pika.connect(url, timeout=5)
     got: list[int] = []
     try:
         ch = await conn.channel()
         await ch.set_qos(prefetch_count=1000)
         q = await ch.declare_queue(queue, durable=True)
-        idle_since = time.monotonic()
-        async with q.iterator() as it:
-            while True:
-                try:
-                    msg = await asyncio.wait_for(it.__anext__(), 0.5)
-                except TimeoutError:
-                    if time.monotonic() - idle_since > (2 if len(got) >= expect_at_least else 5):
-                        break
-                    continue
-                idle_since = time.monotonic()
-                got.append(int(msg.body))
-                await msg.ack()
+
+        async def on_message(msg: aio_pika.abc.AbstractIncomingMessage) -> None:
+            got.append(int(msg.body))
+            await msg.ack()
+
+        await q.consume(on_message)
+        seen, idle_since = -1, time.monotonic()
+        while time.monotonic() - idle_since < (2 if len(got) >= expect_at_least else 5):
+            if len(got) != seen:
+                seen, idle_since = len(got), time.monotonic()
+            await asyncio.sleep(0.1)  # progress poll; ends after a bounded idle period
     finally:
         await conn.close()
     return got

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pika
 import pytest
 
@@ -12,11 +14,11 @@ def _bound_queue(
     ch: pika.adapters.blocking_connection.BlockingChannel,
     exchange: str,
     key: str = "",
-    arguments: dict | None = None,
+    arguments: dict[str, Any] | None = None,
 ) -> str:
     q = ch.queue_declare("", exclusive=True).method.queue
     ch.queue_bind(q, exchange, routing_key=key, arguments=arguments)
-    return q
+    return str(q)
 
 
 def test_direct_routes_by_exact_key(pika_conn: pika.BlockingConnection, cleanup: Cleanup) -> None:
@@ -81,7 +83,7 @@ def test_headers_exchange_all_and_any(pika_conn: pika.BlockingConnection, cleanu
     q_default = _bound_queue(ch, x, arguments={"fmt": "pdf", "kind": "report"})  # default is all
     q_int = _bound_queue(ch, x, arguments={"x-match": "all", "n": 7})
 
-    def pub(body: bytes, headers: dict | None) -> None:
+    def pub(body: bytes, headers: dict[str, Any] | None) -> None:
         ch.basic_publish(x, "ignored", body, pika.BasicProperties(headers=headers))
 
     pub(b"both", {"fmt": "pdf", "kind": "report", "extra": 1})
@@ -126,7 +128,7 @@ def test_default_exchange_cannot_be_bound_or_deleted(pika_conn: pika.BlockingCon
     ],
 )
 def test_builtin_amq_exchanges(
-    pika_conn: pika.BlockingConnection, name: str, kind: str, key: str, args: dict | None
+    pika_conn: pika.BlockingConnection, name: str, kind: str, key: str, args: dict[str, Any] | None
 ) -> None:
     ch = pika_conn.channel()
     ch.exchange_declare(name, kind, passive=True)

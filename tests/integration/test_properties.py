@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import struct
+import time
 from decimal import Decimal
 from typing import Any
 
@@ -99,9 +100,10 @@ def test_consume_path_delivers_same_properties(pika_conn: pika.BlockingConnectio
     ch.basic_publish("", q, b"x", _props())
     got: list[pika.BasicProperties] = []
     ch.basic_consume(q, lambda c, m, p, b: got.append(p), auto_ack=True)
-    pika_conn.process_data_events(time_limit=0)
-    while not got:
+    deadline = time.monotonic() + 5
+    while not got and time.monotonic() < deadline:
         pika_conn.process_data_events(time_limit=0.05)
+    assert got, "no delivery within 5 s"
     assert got[0].headers == PIKA_HEADERS and got[0].message_id == "msg-1"
 
 

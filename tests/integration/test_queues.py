@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pika
 import pytest
 
@@ -178,7 +180,7 @@ def test_delete_missing_queue_is_ok_or_404(pika_conn: pika.BlockingConnection) -
     ids=["durable", "auto_delete", "x-max-length", "x-message-ttl-missing"],
 )
 def test_redeclare_with_different_args_is_406_on_that_channel(
-    pika_conn: pika.BlockingConnection, cleanup: Cleanup, first: dict, second: dict
+    pika_conn: pika.BlockingConnection, cleanup: Cleanup, first: dict[str, Any], second: dict[str, Any]
 ) -> None:
     q = cleanup.queue()
     pika_conn.channel().queue_declare(q, **first)
