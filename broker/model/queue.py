@@ -216,6 +216,18 @@ class Queue:
         if self.durable:
             self.on_dirty(self.store)
 
+    def ack_many(self, msgids: list[int]) -> None:
+        if self.deleted:
+            return
+        if self.features is not None:
+            for msgid in msgids:
+                self.ack(msgid)
+            return
+        self.store.ack_many(msgids)
+        self.n_acked += len(msgids)
+        if self.durable:
+            self.on_dirty(self.store)
+
     def reject(self, msgid: int, requeue: bool) -> None:
         if self.deleted:
             return

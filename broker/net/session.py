@@ -463,18 +463,32 @@ class Session(AMQPConnection):
         if dry_run:
             return
         touched: Queue | None = None
-        for t in tags:
-            q, msgid, c = unacked.pop(t)
-            if requeue is None:
-                q.ack(msgid)
-                self.broker.stats.acked += 1
-            else:
+        if requeue is None:
+            # Acks: batch the store work per queue (a multiple ack is nearly always one queue).
+            batch: list[int] = []
+            for t in tags:
+                q, msgid, c = unacked.pop(t)
+                if c is not None:
+                    c.unacked -= 1
+                if touched is not q:
+                    if batch:
+                        touched.ack_many(batch)  # type: ignore[union-attr]
+                        batch = []
+                    touched = q
+                    q.schedule_delivery()
+                batch.append(msgid)
+            if batch and touched is not None:
+                touched.ack_many(batch)
+            self.stats.acked += len(tags)
+        else:
+            for t in tags:
+                q, msgid, c = unacked.pop(t)
                 q.reject(msgid, requeue)
-            if c is not None:
-                c.unacked -= 1
-            if touched is not q:
-                touched = q
-                q.schedule_delivery()
+                if c is not None:
+                    c.unacked -= 1
+                if touched is not q:
+                    touched = q
+                    q.schedule_delivery()
         chs.unacked_count -= len(tags)
         if chs.global_prefetch:
             # capacity shared by the channel: every consumer on it may take more now

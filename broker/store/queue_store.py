@@ -351,6 +351,45 @@ class QueueStore:
         if len(seg.acked) == seg.count and seg is not self._wseg:
             self._delete_segment(seg)
 
+    def ack_many(self, msgids: list[int]) -> None:
+        """ack() for many msgids with one lock round per segment run (multiple=true acks)."""
+        unacked = self._unacked
+        requeued = self._requeued
+        segs = self._segs
+        run_seg: Segment | None = None
+        run: list[int] = []
+        for msgid in msgids:
+            unacked.remove(msgid)
+            if requeued:
+                requeued.discard(msgid)
+            seg = segs[msgid >> 32]
+            if seg is not run_seg:
+                if run_seg is not None:
+                    self._ack_run(run_seg, run)
+                run_seg, run = seg, []
+            run.append(msgid & POS_MASK)
+        if run_seg is not None:
+            self._ack_run(run_seg, run)
+
+    def _ack_run(self, seg: Segment, positions: list[int]) -> None:
+        seg.acked.update(positions)
+        packed = b"".join(map(_U32.pack, positions))
+        created = not seg.ack_exists
+        with self._lock:
+            if created:
+                seg.ack_exists = True
+                seg.ack_buf += HEADER
+            seg.ack_buf += packed
+            self._ack_pending.add(seg.num)
+        self._dirty = True
+        if self._sink.active:
+            if created:
+                self._sink.register_file(seg.ack_path)
+                self._sink.append(seg.ack_path, HEADER)
+            self._sink.append(seg.ack_path, packed)
+        if len(seg.acked) == seg.count and seg is not self._wseg:
+            self._delete_segment(seg)
+
     def _ack_position(self, seg: Segment, pos: int) -> None:
         seg.acked.add(pos)
         packed = _U32.pack(pos)
