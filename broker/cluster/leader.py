@@ -435,7 +435,7 @@ class LeaderSink:
         if self.followers.get(f.node_id) is f:
             del self.followers[f.node_id]
             log.warning("follower %s dropped: %s", f.node_id, why)
-        if f.node_id in self.isr:
+        if f.node_id in self.isr and not self.fenced:
             self._spawn(self._remove_from_isr(f.node_id, why))
 
     async def _remove_from_isr(self, node_id: str, why: str) -> None:

@@ -82,7 +82,7 @@ class SpliceProxy:
                 dst = cwriter.get_extra_info("sockname")
                 upstream.write(proxy_header((str(src[0]), int(src[1])), (str(dst[0]), int(dst[1]))))
             await asyncio.gather(_pump(creader, upstream), _pump(lreader, cwriter))
-        except (TimeoutError, OSError) as exc:
+        except (TimeoutError, OSError, RuntimeError) as exc:
             log.info("%s proxy: %s", self.name, exc or type(exc).__name__)
         finally:
             for w in (cwriter, lwriter):
@@ -94,15 +94,18 @@ class SpliceProxy:
 
 
 async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    # uvloop raises RuntimeError (not OSError) for a write on a transport closed under us.
     try:
         while data := await reader.read(_CHUNK):
+            if writer.is_closing():
+                return
             writer.write(data)
             await writer.drain()
-    except OSError:
+    except (OSError, RuntimeError):
         pass
     finally:
         try:
-            if writer.can_write_eof():
+            if not writer.is_closing() and writer.can_write_eof():
                 writer.write_eof()  # half-close: the other direction may still be talking
-        except OSError:
+        except (OSError, RuntimeError):
             writer.close()

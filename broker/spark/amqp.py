@@ -51,8 +51,8 @@ def extent(uri: str, queue: str, timeout: float = 10.0) -> tuple[int, int]:
         if not count:
             return 0, 0
         ch.basic_qos(prefetch_count=1)
-        for method, props, _body in _consume(conn, ch, queue, {"x-stream-offset": "last"},
-                                             consumer_tag(queue) + ".probe", timeout):
+        for _method, props, _body in _consume(conn, ch, queue, {"x-stream-offset": "last"},
+                                              consumer_tag(queue) + ".probe", timeout):
             return int((props.headers or {})["x-stream-offset"]) + 1 - count, \
                 int((props.headers or {})["x-stream-offset"]) + 1
         raise TimeoutError(f"stream '{queue}' consumer ended")  # pragma: no cover

@@ -17,6 +17,8 @@ from typing import Any
 
 from pamqp import commands
 
+from broker.store.segment import I64, U32, U64
+
 # (offset, timestamp_ms, exchange, routing_key, props, body)
 Rec = tuple[int, int, bytes, bytes, bytes, bytes]
 
@@ -95,28 +97,134 @@ def arrow_schema(schema: Any) -> Any:
     return to_arrow_schema(schema, timezone="UTC")
 
 
-def to_batch(records: Sequence[Rec], pa_schema: Any, decoder: PropsDecoder, columns: Sequence[str]) -> Any:
-    """One ``pyarrow.RecordBatch`` with ``columns`` (in that order) of ``records``."""
+class Columns:
+    """Column buffers of one batch; properties and headers dictionary-encoded by props blob."""
+
+    __slots__ = ("offsets", "stamps", "exchanges", "keys", "prop_idx", "uniq", "bodies", "_text")
+
+    def __init__(self) -> None:
+        self.offsets: list[int] = []
+        self.stamps: list[int] = []  # milliseconds
+        self.exchanges: list[str] = []
+        self.keys: list[str] = []
+        self.prop_idx: list[int] = []
+        self.uniq: dict[bytes, int] = {}
+        self.bodies: list[bytes] = []
+        self._text: dict[bytes, str] = {}
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def text(self, raw: bytes) -> str:
+        s = self._text.get(raw)
+        if s is None:
+            if len(self._text) > _CACHE_MAX:
+                self._text.clear()
+            s = self._text[raw] = raw.decode("utf-8", "replace")
+        return s
+
+    def add(self, rec: Rec) -> None:
+        self.offsets.append(rec[0])
+        self.stamps.append(rec[1])
+        self.exchanges.append(self.text(rec[2]))
+        self.keys.append(self.text(rec[3]))
+        i = self.uniq.get(rec[4])
+        if i is None:
+            i = self.uniq[rec[4]] = len(self.uniq)
+        self.prop_idx.append(i)
+        self.bodies.append(rec[5])
+
+
+def fill_from_segment(cols: Columns, buf: Any, size: int, pos: int, offset: int, start: int, stop: int,
+                      ts_lo: int | None, ts_hi: int | None, max_rows: int) -> tuple[int, int, bool]:
+    """Parse records from ``pos`` (whose offset is ``offset``) into ``cols``.
+
+    Stops after ``max_rows`` rows, at ``stop``, or at the end of complete records. Returns
+    (next position, next offset, finished). Tight loop: this is the batch read hot path.
+    """
+    i64 = I64.unpack_from
+    u32 = U32.unpack_from
+    u64 = U64.unpack_from
+    text = cols.text
+    uniq = cols.uniq
+    add_off = cols.offsets.append
+    add_ts = cols.stamps.append
+    add_ex = cols.exchanges.append
+    add_rk = cols.keys.append
+    add_pi = cols.prop_idx.append
+    add_body = cols.bodies.append
+    n = len(cols.offsets)
+    lo = -(1 << 63) if ts_lo is None else ts_lo
+    hi = (1 << 63) if ts_hi is None else ts_hi
+    while pos + 22 <= size:
+        if offset >= stop:
+            return pos, offset, True
+        if n >= max_rows:
+            return pos, offset, False
+        ts = i64(buf, pos)[0]
+        if ts == 0:
+            return pos, offset, True
+        p = pos + 9
+        q = p + buf[pos + 8]
+        ex = buf[p:q]
+        if q >= size:
+            return pos, offset, True
+        p = q + 1
+        q = p + buf[q]
+        rk = buf[p:q]
+        p = q + 4
+        if p > size:
+            return pos, offset, True
+        q = p + u32(buf, q)[0]
+        props = buf[p:q]
+        p = q + 8
+        if p > size:
+            return pos, offset, True
+        end = p + u64(buf, q)[0]
+        if end > size:
+            return pos, offset, True
+        if offset >= start and lo <= ts <= hi:
+            add_off(offset)
+            add_ts(ts)
+            add_ex(text(ex))
+            add_rk(text(rk))
+            i = uniq.get(props)
+            if i is None:
+                i = uniq[props] = len(uniq)
+            add_pi(i)
+            add_body(buf[p:end])
+            n += 1
+        offset += 1
+        pos = end
+    return pos, offset, True
+
+
+def to_batch(cols: Columns, pa_schema: Any, decoder: PropsDecoder, columns: Sequence[str]) -> Any:
+    """One ``pyarrow.RecordBatch`` with ``columns`` (in that order)."""
     import pyarrow as pa  # type: ignore[import-not-found,unused-ignore]
+    import pyarrow.compute as pc  # type: ignore[import-not-found,unused-ignore]
     arrays: list[Any] = []
-    need_props = "properties" in columns or "headers" in columns
-    decoded = [decoder.decode(r[4]) for r in records] if need_props else []
+    idx: Any = None
+    decoded: list[tuple[dict[str, Any], list[tuple[str, str | None]]]] = []
+    if "properties" in columns or "headers" in columns:
+        decoded = [decoder.decode(p) for p in cols.uniq]  # dict order == index order
+        idx = pa.array(cols.prop_idx, type=pa.int32())
     for name in columns:
         typ = pa_schema.field(name).type
         if name == "offset":
-            arrays.append(pa.array([r[0] for r in records], type=typ))
+            arrays.append(pa.array(cols.offsets, type=typ))
         elif name == "timestamp":
-            arrays.append(pa.array([r[1] * 1000 for r in records], type=pa.int64()).cast(typ))
+            arrays.append(pc.multiply(pa.array(cols.stamps, type=pa.int64()), 1000).cast(typ))
         elif name == "exchange":
-            arrays.append(pa.array([r[2].decode("utf-8", "replace") for r in records], type=typ))
+            arrays.append(pa.array(cols.exchanges, type=typ))
         elif name == "routing_key":
-            arrays.append(pa.array([r[3].decode("utf-8", "replace") for r in records], type=typ))
+            arrays.append(pa.array(cols.keys, type=typ))
         elif name == "properties":
-            arrays.append(_struct_array(pa, [d[0] for d in decoded], typ))
+            arrays.append(_struct_array(pa, [d[0] for d in decoded], typ).take(idx))
         elif name == "headers":
-            arrays.append(pa.array([d[1] for d in decoded], type=typ))
+            arrays.append(pa.array([d[1] for d in decoded], type=typ).take(idx))
         elif name == "body":
-            arrays.append(pa.array([r[5] for r in records], type=typ))
+            arrays.append(pa.array(cols.bodies, type=typ))
         else:
             raise ValueError(f"unknown column {name}")
     return pa.RecordBatch.from_arrays(arrays, schema=pa_schema)

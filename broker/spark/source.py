@@ -28,6 +28,8 @@ Rows are built as Arrow record batches (``rows.py``) for throughput.
 from __future__ import annotations
 
 import datetime
+import mmap
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,9 +49,10 @@ from pyspark.sql.datasource import (  # type: ignore[import-not-found,unused-ign
 )
 
 from broker.spark import amqp
-from broker.spark.rows import SCHEMA_DDL, PropsDecoder, Rec, arrow_schema, to_batch
+from broker.spark.rows import SCHEMA_DDL, Columns, PropsDecoder, arrow_schema, fill_from_segment, to_batch
 from broker.store.paths import queue_dir, vhost_dir
-from broker.store.stream_store import iter_segment, list_segments
+from broker.store.segment import HEADER_SIZE
+from broker.store.stream_store import list_segments
 
 _BATCH_ROWS = 8192
 _EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
@@ -156,22 +159,40 @@ class _Options:
             parts.append(SegmentPartition(str(info.path), first, start, stop, b.ts_lo, b.ts_hi))
         return parts
 
-    def records(self, part: InputPartition) -> Iterator[Rec]:
+    def batches(self, part: InputPartition, schema: Any) -> Iterator[Any]:
+        """Arrow record batches of one partition."""
+        pa_schema = arrow_schema(schema)
+        columns = schema.fieldNames()
+        decoder = PropsDecoder()
         if isinstance(part, AmqpPartition):
             assert self.uri is not None
-            yield from amqp.read_range(self.uri, self.queue, part.start, part.stop, self.timeout)
+            cols = Columns()
+            for rec in amqp.read_range(self.uri, self.queue, part.start, part.stop, self.timeout):
+                cols.add(rec)
+                if len(cols) >= self.batch_rows:
+                    yield to_batch(cols, pa_schema, decoder, columns)
+                    cols = Columns()
+            if len(cols):
+                yield to_batch(cols, pa_schema, decoder, columns)
             return
         assert isinstance(part, SegmentPartition)
-        ts_lo, ts_hi = part.ts_lo, part.ts_hi
         try:
-            for rec in iter_segment(Path(part.path), part.start, part.first_offset, part.stop):
-                if ts_lo is not None and rec[1] < ts_lo:
-                    continue
-                if ts_hi is not None and rec[1] > ts_hi:
-                    continue
-                yield rec
+            f = open(part.path, "rb")  # noqa: SIM115 - closed below
         except FileNotFoundError:
             return  # removed by retention after planning
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            if size <= HEADER_SIZE:
+                return
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                pos, offset, done = HEADER_SIZE, part.first_offset, False
+                while not done:
+                    cols = Columns()
+                    pos, offset, done = fill_from_segment(cols, mm, size, pos, offset, part.start,
+                                                          part.stop, part.ts_lo, part.ts_hi,
+                                                          self.batch_rows)
+                    if len(cols):
+                        yield to_batch(cols, pa_schema, decoder, columns)
 
 
 def _next_of(directory: Path) -> int:
@@ -179,20 +200,6 @@ def _next_of(directory: Path) -> int:
     if not infos or infos[-1].first_offset is None:
         return 0
     return infos[-1].first_offset + (infos[-1].count or 0)
-
-
-def _batches(opts: _Options, schema: Any, part: InputPartition) -> Iterator[Any]:
-    pa_schema = arrow_schema(schema)
-    columns = schema.fieldNames()
-    decoder = PropsDecoder()
-    buf: list[Rec] = []
-    for rec in opts.records(part):
-        buf.append(rec)
-        if len(buf) >= opts.batch_rows:
-            yield to_batch(buf, pa_schema, decoder, columns)
-            buf = []
-    if buf:
-        yield to_batch(buf, pa_schema, decoder, columns)
 
 
 def _ms(value: Any) -> int | None:
@@ -251,7 +258,7 @@ class SkredBatchReader(DataSourceReader):  # type: ignore[misc]
         return self.opts.plan(self.bounds)
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
-        return _batches(self.opts, self.schema, partition)
+        return self.opts.batches(partition, self.schema)
 
 
 class SkredPushdownReader(SkredBatchReader):
@@ -328,7 +335,7 @@ class SkredStreamReader(DataSourceStreamReader):  # type: ignore[misc]
         return self.opts.plan(Bounds(int(start["offset"]), int(end["offset"])))
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
-        return _batches(self.opts, self.schema, partition)
+        return self.opts.batches(partition, self.schema)
 
     def commit(self, end: dict[str, int]) -> None:
         pass  # nothing to release: the broker keeps the log, Spark keeps the offsets

@@ -10,6 +10,7 @@ client keeps publishing and consuming.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 
 import pika
 import pytest
@@ -18,7 +19,7 @@ from hypothesis import strategies as st
 from pamqp import commands
 
 from ._raw import PROTOCOL_HEADER, Closed, NoAnswer, RawConn, frame_bytes, header_payload, method_bytes
-from ._support import Broker, SkredProcess, assert_healthy, connect, is_external
+from ._support import Broker, SkredProcess, assert_healthy, channel_error, connect, is_external
 
 
 def _open(b: Broker, **kw: int) -> RawConn:
@@ -340,3 +341,24 @@ def test_fuzz_frames_do_not_hurt_the_broker(shared_broker: Broker) -> None:
             good.close()
     assert count[0] >= 100
     assert_healthy(shared_broker)
+
+
+def test_publish_over_max_message_size_is_406(broker_factory: Callable[..., Broker]) -> None:
+    if is_external():
+        pytest.skip("needs a broker started with a small --max-message-size (RabbitMQ's is server config)")
+    b = broker_factory(["--max-message-size", "1024"])
+    conn = connect(b)
+    try:
+        ch = conn.channel()
+        q = ch.queue_declare("", exclusive=True).method.queue
+        ch.basic_publish("", q, b"x" * 2000)
+        with channel_error(406):
+            ch.queue_declare(q, passive=True)  # surfaces the asynchronous channel.close
+        assert conn.is_open
+        ch = conn.channel()
+        ch.basic_publish("", q, b"y" * 1024)  # exactly the limit is fine
+        m, _, body = ch.basic_get(q, auto_ack=True)
+        assert body == b"y" * 1024
+    finally:
+        if conn.is_open:
+            conn.close()

@@ -12,6 +12,8 @@ follower answers only once its proxy is up, i.e. after its first sync).
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 import os
 import shutil
 import signal
@@ -19,12 +21,14 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import aio_pika
+import pika
 import pytest
 
 from broker.cluster import codec
@@ -376,7 +380,7 @@ def test_failover_keeps_every_confirmed_message(cluster: Cluster) -> None:
     assert got == [10**6], got  # the one unconsumed message, nothing lost in the hand-over
 
 
-def test_wrong_secret_and_spoofed_proxy_are_refused(cluster: Cluster) -> None:
+def test_wrong_secret_refused_proxy_header_trusted_only_from_members(cluster: Cluster) -> None:
     c = cluster
     leader, followers = start_cluster(c)
     with socket.create_connection((leader.ip, leader.repl_port), timeout=5) as s:
@@ -389,6 +393,21 @@ def test_wrong_secret_and_spoofed_proxy_are_refused(cluster: Cluster) -> None:
             reply += chunk
     assert codec.parse_welcome(reply).status == codec.BAD_SECRET
     wait_for(lambda: "wrong clustering secret" in leader.log_text(), 5, "refusal logged")
+
+    # Through a follower's AMQP proxy the leader sees the real client address (PROXY header), and
+    # the follower's HTTP proxy reaches the leader's management API.
+    follower = followers[0]
+    conn = pika.BlockingConnection(pika.URLParameters(follower.url))
+    try:
+        client = conn._impl._transport._sock.getsockname()  # our end of the socket
+        req = urllib.request.Request(f"http://{follower.ip}:{follower.mgmt_port}/api/connections")
+        req.add_header("Authorization", "Basic " + base64.b64encode(b"guest:guest").decode())
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            rows = json.loads(resp.read())
+        peers = {(r["peer_host"], r["peer_port"]) for r in rows}
+        assert (client[0], client[1]) in peers, (client, peers)
+    finally:
+        conn.close()
 
     # A PROXY header from a non-member address is refused (the connection is closed, no AMQP start).
     src = "127.0.0.9" if _loopback_ok("127.0.0.9") and len({n.ip for n in c.nodes}) == 3 else None
