@@ -17,7 +17,8 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-from pamqp import commands, frame as pframe
+from pamqp import commands
+from pamqp import frame as pframe
 from pamqp.base import Frame as PFrame
 
 FRAME_METHOD = 1

@@ -487,7 +487,7 @@ class AMQPConnection:
         except (IndexError, UnicodeDecodeError):
             return 0
         self.handle_publish(ch, exchange, routing_key, bool(bits & 1), data[h + 19 : hend], body)
-        return after
+        return int(after)
 
     def _header_frame(self, ch: int, data: bytes, start: int, end: int) -> None:
         if self.state == State.CLOSING or self.channels.get(ch) == CH_CLOSING:

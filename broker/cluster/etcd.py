@@ -150,14 +150,20 @@ class Etcd:
             raise EtcdError("clustering secret missing after put-if-absent")
         return value
 
-    async def campaign(self, value: str) -> bool:
-        """Create the leader key bound to our lease if nobody holds it; True if we won."""
+    async def campaign(self, value: str, isr_raw: bytes | None) -> bool:
+        """Create the leader key bound to our lease if nobody holds it; True if we won.
+
+        ``isr_raw`` is the ISR value that told us we may lead (None: no ISR yet); the
+        transaction requires it unchanged, so an ISR update racing the campaign wins.
+        """
         if self.lease_id is None:
             return False
         key = self.key("leader")
         tx = self.client.transactions
+        isr_key = self.key("isr")
+        isr_same = tx.version(isr_key) == 0 if isr_raw is None else tx.value(isr_key) == isr_raw
         ok, _ = await self._call(self.client.transaction(
-            compare=[tx.version(key) == 0],
+            compare=[tx.version(key) == 0, isr_same],
             success=[tx.put(key, value.encode(), lease=self.lease_id)],
             failure=[],
         ))
@@ -179,15 +185,16 @@ class Etcd:
         except EtcdError as exc:
             log.warning("could not resign: %s", exc)
 
-    async def read_isr(self) -> list[str] | None:
+    async def read_isr(self) -> tuple[list[str] | None, bytes | None]:
+        """(ISR members or None if unset/unreadable, the raw value for ``campaign``)."""
         raw = await self.get("isr")
         if raw is None:
-            return None
+            return None, None
         try:
             value = json.loads(raw)
         except ValueError:
-            return None
-        return [str(v) for v in value] if isinstance(value, list) else None
+            return None, raw
+        return ([str(v) for v in value] if isinstance(value, list) else None), raw
 
     async def write_isr(self, members: list[str]) -> bool:
         """Write the ISR, fenced on our leadership (the leader key's create revision)."""

@@ -124,6 +124,7 @@ class FollowerConn:
         self.last_progress = time.monotonic()
         self.synced = False  # BULK_DONE sent and backlog released
         self.wake = asyncio.Event()
+        self.written = asyncio.Event()  # set by the writer whenever ``out`` has been drained
         self.closed = False
 
     def send(self, msg: bytes) -> None:
@@ -377,9 +378,11 @@ class LeaderSink:
                 sent_bytes += len(chunk)
                 if len(chunk) < n:
                     break  # replaced or deleted since the cut: the backlog fixes it
-                # keep the write buffer bounded: wait for the writer loop to catch up
+                # keep memory bounded: one chunk in flight, wait for the writer to drain it
+                f.written.clear()
                 while f.out and not f.closed:
-                    await asyncio.sleep(0.001)
+                    await f.written.wait()
+                    f.written.clear()
                 if f.closed:
                     return
         f.send(codec.encode(codec.BULK_DONE, b""))
@@ -401,6 +404,7 @@ class LeaderSink:
                 f.out.clear()
                 f.writer.write(f.compressor.compress(data))
                 await f.writer.drain()
+                f.written.set()
         except (ConnectionError, OSError) as exc:
             log.warning("follower %s: write failed: %s", f.node_id, exc)
             self._drop(f, "write failed")
@@ -456,6 +460,7 @@ class LeaderSink:
         if not f.closed:
             f.closed = True
             f.wake.set()
+            f.written.set()
             f.writer.close()
 
     async def _watchdog(self) -> None:

@@ -169,9 +169,9 @@ class ClusterRunner:
     async def _step(self) -> int | None:
         leader = await self.etcd.get("leader")
         if leader is None:
-            isr = await self.etcd.read_isr()
+            isr, isr_raw = await self.etcd.read_isr()
             if isr is None or self.node_id in isr:
-                if await self.etcd.campaign(self.uri):
+                if await self.etcd.campaign(self.uri, isr_raw):
                     return await self._lead()
             else:
                 log.info("no leader; not in the ISR %s, waiting", isr)

@@ -342,6 +342,10 @@ class StreamQueue(Queue):
         self._commit(cur)
         self._maybe_forget(cur)
 
+    def ack_many(self, msgids: list[int]) -> None:
+        for msgid in msgids:
+            self.ack(msgid)
+
     def reject(self, msgid: int, requeue: bool) -> None:
         if self.deleted:
             return

@@ -25,7 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pamqp import commands, frame as pframe
+from pamqp import commands
+from pamqp import frame as pframe
 from pamqp.base import Frame as PFrame
 
 from broker import errors
@@ -35,7 +36,7 @@ from broker.model.queue import Queue
 from broker.store.definitions import DefinitionsLog
 from broker.store.paths import queue_dir, vhost_dir
 from broker.store.queue_store import QueueStore
-from broker.store.sink import NullSink, ReplicationSink
+from broker.store.sink import NULL_SINK, ReplicationSink
 
 log = logging.getLogger(__name__)
 
@@ -283,7 +284,7 @@ class VHost:
             tdir = queue_dir(self.transient_dir, name)
             if tdir.exists():
                 shutil.rmtree(tdir, ignore_errors=True)
-            store = QueueStore(tdir, segment_size=self.segment_size, sink=NullSink())
+            store = QueueStore(tdir, segment_size=self.segment_size, sink=NULL_SINK)
         store = features.make_store(store, args_cfg)  # x-max-priority: one store per level
         q = Queue(self.name, name, durable=durable, exclusive_owner=owner if exclusive else None,
                   auto_delete=auto_delete, arguments=arguments, store=store, schedule=self.schedule,

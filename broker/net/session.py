@@ -23,14 +23,15 @@ behind them so the client sees them in order.
 
 from __future__ import annotations
 
+import base64
 import logging
 import os
-import base64
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from pamqp import commands, decode as pdecode
+from pamqp import commands
+from pamqp import decode as pdecode
 from pamqp.base import Frame as PFrame
 
 from broker import errors

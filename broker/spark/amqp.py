@@ -34,7 +34,7 @@ _PROP_NAMES = ("content_type", "content_encoding", "delivery_mode", "priority", 
 
 
 def _connect(uri: str) -> Any:
-    import pika  # type: ignore[import-untyped,unused-ignore]
+    import pika  # type: ignore[import-not-found,import-untyped,unused-ignore]
     return pika.BlockingConnection(pika.URLParameters(uri))
 
 

@@ -45,9 +45,10 @@ def _text(value: Any) -> str | None:
     if isinstance(value, (bytes, bytearray)):
         return bytes(value).decode("utf-8", "replace")
     if isinstance(value, datetime.datetime):
-        if value.tzinfo is None:
-            value = value.replace(tzinfo=datetime.UTC)
-        return value.isoformat()
+        stamp: datetime.datetime = value
+        if stamp.tzinfo is None:
+            stamp = stamp.replace(tzinfo=datetime.UTC)
+        return stamp.isoformat()
     if isinstance(value, bool):
         return "true" if value else "false"
     return str(value)
@@ -56,9 +57,10 @@ def _text(value: Any) -> str | None:
 def _micros(value: Any) -> int | None:
     if not isinstance(value, datetime.datetime):
         return None
-    if value.tzinfo is None:
-        value = value.replace(tzinfo=datetime.UTC)
-    return (value - _EPOCH) // datetime.timedelta(microseconds=1)
+    stamp: datetime.datetime = value
+    if stamp.tzinfo is None:
+        stamp = stamp.replace(tzinfo=datetime.UTC)
+    return (stamp - _EPOCH) // datetime.timedelta(microseconds=1)
 
 
 class PropsDecoder:
@@ -93,7 +95,7 @@ class PropsDecoder:
 
 def arrow_schema(schema: Any) -> Any:
     """The Arrow schema PySpark expects for ``schema`` (a StructType)."""
-    from pyspark.sql.pandas.types import to_arrow_schema  # type: ignore[import-not-found,unused-ignore]
+    from pyspark.sql.pandas.types import to_arrow_schema  # type: ignore[import-not-found,import-untyped,unused-ignore]
     return to_arrow_schema(schema, timezone="UTC")
 
 
@@ -136,11 +138,13 @@ class Columns:
 
 
 def fill_from_segment(cols: Columns, buf: Any, size: int, pos: int, offset: int, start: int, stop: int,
-                      ts_lo: int | None, ts_hi: int | None, max_rows: int) -> tuple[int, int, bool]:
+                      ts_lo: int | None, ts_hi: int | None, max_rows: int,
+                      max_bytes: int = 64 << 20) -> tuple[int, int, bool]:
     """Parse records from ``pos`` (whose offset is ``offset``) into ``cols``.
 
-    Stops after ``max_rows`` rows, at ``stop``, or at the end of complete records. Returns
-    (next position, next offset, finished). Tight loop: this is the batch read hot path.
+    Stops after ``max_rows`` rows or ``max_bytes`` of record bytes, at ``stop``, or at the
+    end of complete records. Returns (next position, next offset, finished).
+    Tight loop: this is the batch read hot path.
     """
     i64 = I64.unpack_from
     u32 = U32.unpack_from
@@ -154,12 +158,13 @@ def fill_from_segment(cols: Columns, buf: Any, size: int, pos: int, offset: int,
     add_pi = cols.prop_idx.append
     add_body = cols.bodies.append
     n = len(cols.offsets)
+    budget = max_bytes
     lo = -(1 << 63) if ts_lo is None else ts_lo
     hi = (1 << 63) if ts_hi is None else ts_hi
     while pos + 22 <= size:
         if offset >= stop:
             return pos, offset, True
-        if n >= max_rows:
+        if n >= max_rows or budget <= 0:
             return pos, offset, False
         ts = i64(buf, pos)[0]
         if ts == 0:
@@ -194,6 +199,7 @@ def fill_from_segment(cols: Columns, buf: Any, size: int, pos: int, offset: int,
             add_pi(i)
             add_body(buf[p:end])
             n += 1
+            budget -= end - pos
         offset += 1
         pos = end
     return pos, offset, True
@@ -201,8 +207,8 @@ def fill_from_segment(cols: Columns, buf: Any, size: int, pos: int, offset: int,
 
 def to_batch(cols: Columns, pa_schema: Any, decoder: PropsDecoder, columns: Sequence[str]) -> Any:
     """One ``pyarrow.RecordBatch`` with ``columns`` (in that order)."""
-    import pyarrow as pa  # type: ignore[import-not-found,unused-ignore]
-    import pyarrow.compute as pc  # type: ignore[import-not-found,unused-ignore]
+    import pyarrow as pa  # type: ignore[import-not-found,import-untyped,unused-ignore]
+    import pyarrow.compute as pc  # type: ignore[import-not-found,import-untyped,unused-ignore]
     arrays: list[Any] = []
     idx: Any = None
     decoded: list[tuple[dict[str, Any], list[tuple[str, str | None]]]] = []

@@ -81,6 +81,43 @@ _ZERO_TS_AND_LEN: Final = tuple(bytes(8) + bytes((i,)) for i in range(256))  # z
 
 
 class QueueStore:
+
+    __slots__ = (
+        "_ack_pending",
+        "_ack_unsynced",
+        "_bytes_ready",
+        "_closed",
+        "_cnum",
+        "_cpos",
+        "_dir_unsynced",
+        "_dirty",
+        "_heap",
+        "_hwm",
+        "_lock",
+        "_meta_fd",
+        "_meta_path",
+        "_meta_sent",
+        "_meta_written",
+        "_next_num",
+        "_order",
+        "_persistent_only",
+        "_ready",
+        "_recovered_hwm",
+        "_requeued",
+        "_seg_unsynced",
+        "_segment_size",
+        "_segs",
+        "_sink",
+        "_sync_lock",
+        "_unacked",
+        "_unsynced_paths",
+        "_wcap",
+        "_wfd",
+        "_wmm",
+        "_wseg",
+        "directory",
+    )
+
     def __init__(self, directory: Path, *, segment_size: int = DEFAULT_SEGMENT_SIZE,
                  sink: ReplicationSink = NULL_SINK, persistent_only: bool = False) -> None:
         if not fmt.FIXED_SIZE + HEADER_SIZE <= segment_size <= fmt.MAX_SEGMENT_SIZE:

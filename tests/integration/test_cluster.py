@@ -427,3 +427,25 @@ def test_wrong_secret_refused_proxy_header_trusted_only_from_members(cluster: Cl
     assert data == b"", data
     # The same header through a follower's proxy is honoured: it is a cluster member.
     assert followers[0].answers()
+
+
+def test_leader_cut_off_from_etcd_stops_serving_and_cluster_recovers(cluster: Cluster) -> None:
+    c = cluster
+    leader, followers = start_cluster(c)
+    ok: list[int] = []
+    asyncio.run(asyncio.wait_for(publish(leader.url, "cut-q", 0, 10, ok), 20))
+    assert len(ok) == 10
+    # Freeze etcd (our own child, by PID): no lease can be refreshed any more.
+    os.kill(c.etcd.proc.pid, signal.SIGSTOP)
+    frozen_at = time.monotonic()
+    try:
+        wait_for(lambda: not leader.answers(), TTL + 6, "the cut-off leader to stop serving")
+        print(f"\ncut-off leader stopped serving {time.monotonic() - frozen_at:.2f}s after etcd froze")
+        assert "stepping down: lease lost" in leader.log_text()
+    finally:
+        os.kill(c.etcd.proc.pid, signal.SIGCONT)
+    # Once etcd is back, an ISR member leads again and every confirmed message is there.
+    now_leader = wait_for(lambda: (n := c.leader()) is not None and n.answers() and n, 30,
+                          "a serving leader after etcd came back")
+    got = asyncio.run(asyncio.wait_for(consume_all(now_leader.url, "cut-q", 10), 30))
+    assert sorted(set(got)) == list(range(10)), got
