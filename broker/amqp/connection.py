@@ -107,6 +107,9 @@ class AMQPConnection:
         self.channels: dict[int, int] = {}
         self._pending: dict[int, PendingContent] = {}
         self._buf = b""
+        self._parts: list[bytes] = []  # reads of one large frame, joined once complete
+        self._have = 0
+        self._need = 0
         self._server_properties = server_properties or {}
 
     # ------------------------------------------------------------------ hooks
@@ -188,7 +191,16 @@ class AMQPConnection:
 
     # ----------------------------------------------------------------- input
     def receive_data(self, data: bytes) -> None:
-        if self._buf:
+        if self._need:
+            # A large frame arrives in many reads: collect them and join once.
+            self._parts.append(data)
+            self._have += len(data)
+            if self._have < self._need:
+                return
+            data = b"".join(self._parts)
+            self._parts = []
+            self._need = 0
+        elif self._buf:
             data = self._buf + data
             self._buf = b""
         if self.state == State.HEADER:
@@ -251,7 +263,15 @@ class AMQPConnection:
             if self.want_close or self.state is State.CLOSED:  # type: ignore[comparison-overlap]
                 return
         if pos < n:
-            self._buf = data[pos:]
+            rest = data[pos:]
+            if len(rest) >= 7:
+                need = 8 + _FRAME_HDR.unpack_from(rest, 0)[2]
+                if need - len(rest) > 65536:
+                    self._parts = [rest]
+                    self._have = len(rest)
+                    self._need = need
+                    return
+            self._buf = rest
 
     def _receive_header(self, data: bytes) -> bytes:
         if len(data) < 8:

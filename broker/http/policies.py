@@ -1,30 +1,35 @@
-"""Policies, persisted in ``policies.json`` (stored and shown; not applied yet).
+"""Policies and operator policies as the management API sees them.
 
-Theory of operation: like the user and vhost stores, the whole (small) file is
-rewritten atomically on every change through ``write_json`` and handed to the
-replication sink. Entries use RabbitMQ's definitions shape (``vhost``, ``name``,
-``pattern``, ``apply-to``, ``definition``, ``priority``) so definitions exports
-carry them unchanged. Applying a policy's definition to queues and exchanges is
-the features issue's job; this store only validates and keeps them.
+Theory of operation: there is no store here. The vhost model owns its policies
+(``VHost.set_policy/delete_policy/policies``, persisted per vhost in its
+``policies.json`` and applied live to existing queues and exchanges); this
+module validates the HTTP/definitions body shape (RabbitMQ's fields
+``pattern``, ``definition``, ``priority``, ``apply-to``) and maps the API's
+calls onto the vhost, so a policy set over HTTP takes effect at once. A
+node-wide ``policies.json`` left by an older version is imported into the
+vhosts once at boot and then removed.
 """
 
 from __future__ import annotations
 
-import re
+import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from broker.errors import StoreError
-from broker.store.jsonstore import read_json, write_json
-from broker.store.sink import NULL_SINK, ReplicationSink
+from broker.model import policy as model_policy
+from broker.store.jsonstore import read_json
 
-FILE_VERSION = 1
-APPLY_TO = ("all", "queues", "exchanges", "classic_queues", "quorum_queues", "streams")
+if TYPE_CHECKING:
+    from broker.net.broker import Broker
+
+log = logging.getLogger(__name__)
+
+APPLY_TO = model_policy.APPLY_TO
 MAX_NAME_BYTES = 255
 
 
 def validate_policy(vhost: str, name: str, body: Any) -> dict[str, Any]:
-    """The stored form of a PUT body; raises ValueError naming the bad field."""
+    """The normalised form of a PUT body; raises ValueError naming the bad field."""
     if not name or len(name.encode()) > MAX_NAME_BYTES:
         raise ValueError("policy name must be 1 to 255 bytes")
     if not isinstance(body, dict):
@@ -32,68 +37,63 @@ def validate_policy(vhost: str, name: str, body: Any) -> dict[str, Any]:
     unknown = set(body) - {"pattern", "definition", "priority", "apply-to", "vhost", "name"}
     if unknown:
         raise ValueError(f"unknown policy fields: {', '.join(sorted(unknown))}")
-    pattern = body.get("pattern")
-    if not isinstance(pattern, str):
-        raise ValueError("'pattern' must be a string")
-    try:
-        re.compile(pattern)
-    except re.error as exc:
-        raise ValueError(f"invalid pattern regex: {exc}") from None
-    definition = body.get("definition")
-    if not isinstance(definition, dict) or not definition:
-        raise ValueError("'definition' must be a non-empty JSON object")
     priority = body.get("priority", 0)
     if isinstance(priority, str) and priority.lstrip("-").isdigit():
         priority = int(priority)
-    if not isinstance(priority, int) or isinstance(priority, bool):
-        raise ValueError("'priority' must be an integer")
-    apply_to = body.get("apply-to", "all")
-    if apply_to not in APPLY_TO:
-        raise ValueError(f"'apply-to' must be one of {', '.join(APPLY_TO)}")
-    return {"vhost": vhost, "name": name, "pattern": pattern, "apply-to": apply_to,
-            "definition": definition, "priority": priority}
+    doc = {"vhost": vhost, "name": name, "pattern": body.get("pattern"),
+           "apply-to": body.get("apply-to", "all"), "definition": body.get("definition"),
+           "priority": priority}
+    # The model's own validation (regex, apply-to, definition keys and values).
+    model_policy.make_policy(name, doc["pattern"], doc["definition"], priority, doc["apply-to"])
+    return doc
 
 
-class PolicyStore:
-    def __init__(self, path: Path, sink: ReplicationSink = NULL_SINK) -> None:
-        self._path = path
-        self._sink = sink
-        data = read_json(path, None)
-        self._policies: dict[tuple[str, str], dict[str, Any]] = {}
-        if data is not None:
-            try:
-                for entry in data["policies"]:
-                    self._policies[(entry["vhost"], entry["name"])] = dict(entry)
-            except (KeyError, TypeError) as exc:
-                raise StoreError(f"{path}: malformed policies file ({exc})") from None
+class PolicyApi:
+    """The management API's view of every vhost's policies (or operator policies)."""
+
+    def __init__(self, broker: Broker, operator: bool = False) -> None:
+        self.broker = broker
+        self.operator = operator
 
     def list(self, vhost: str | None = None) -> list[dict[str, Any]]:
-        return [dict(p) for key, p in sorted(self._policies.items()) if vhost is None or key[0] == vhost]
+        out: list[dict[str, Any]] = []
+        for name in sorted(self.broker.vhosts):
+            if vhost is None or name == vhost:
+                out.extend(self.broker.vhosts[name].policies(self.operator))
+        return out
 
     def get(self, vhost: str, name: str) -> dict[str, Any] | None:
-        found = self._policies.get((vhost, name))
-        return dict(found) if found is not None else None
+        for p in self.list(vhost):
+            if p["name"] == name:
+                return p
+        return None
 
-    def put(self, policy: dict[str, Any]) -> bool:
-        """Store a validated policy; True when it is new."""
-        key = (policy["vhost"], policy["name"])
-        new = key not in self._policies
-        self._policies[key] = dict(policy)
-        self._save()
+    def put(self, doc: dict[str, Any]) -> bool:
+        """Set a validated policy on its vhost (applied live); True when it is new."""
+        vh = self.broker.vhosts[doc["vhost"]]
+        new = self.get(doc["vhost"], doc["name"]) is None
+        vh.set_policy(doc["name"], doc["pattern"], doc["definition"], doc["priority"],
+                      doc["apply-to"], operator=self.operator)
         return new
 
     def delete(self, vhost: str, name: str) -> bool:
-        if self._policies.pop((vhost, name), None) is None:
-            return False
-        self._save()
-        return True
+        vh = self.broker.vhosts.get(vhost)
+        return vh is not None and vh.delete_policy(name, operator=self.operator)
 
     def clear_vhost(self, vhost: str) -> None:
-        gone = [key for key in self._policies if key[0] == vhost]
-        for key in gone:
-            del self._policies[key]
-        if gone:
-            self._save()
+        """Nothing to do: a vhost's policies live (and die) in its own directory."""
 
-    def _save(self) -> None:
-        write_json(self._path, {"version": FILE_VERSION, "policies": self.list()}, self._sink)
+
+def import_legacy(path: Path, api: PolicyApi) -> None:
+    """Move policies from an old node-wide ``policies.json`` into their vhosts, then remove it."""
+    data = read_json(path, None)
+    if data is None:
+        return
+    for entry in data.get("policies", []) if isinstance(data, dict) else []:
+        try:
+            if entry.get("vhost") in api.broker.vhosts:
+                api.put(validate_policy(entry["vhost"], entry["name"],
+                                        {k: v for k, v in entry.items() if k not in ("vhost", "name")}))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            log.warning("dropping legacy policy %r: %s", entry, exc)
+    path.unlink(missing_ok=True)

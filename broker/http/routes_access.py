@@ -26,7 +26,7 @@ from broker.http.common import (
     user_of,
     vhost_param,
 )
-from broker.http.policies import validate_policy
+from broker.http.policies import PolicyApi, validate_policy
 from broker.http.render import rate
 
 routes = web.RouteTableDef()
@@ -266,42 +266,55 @@ def _require_policymaker(request: web.Request, vhost_name: str) -> None:
         raise forbidden(f"access to vhost '{vhost_name}' refused for user '{user.name}'")
 
 
-@routes.get("/api/policies")
-async def policies(request: web.Request) -> web.Response:
+def _policy_api(request: web.Request) -> PolicyApi:
+    """Policies or operator policies, by the route's ``kind`` (both act on the vhost model)."""
     mgmt = request.app[MGMT_KEY]
-    return paginate(request, [p for p in mgmt.policies.list() if can_see_vhost(request, p["vhost"])])
+    return mgmt.operator_policies if request.match_info.get("kind") == "operator-policies" else mgmt.policies
 
 
-@routes.get("/api/policies/{vhost}")
+_KIND = "{kind:policies|operator-policies}"
+
+
+@routes.get(f"/api/{_KIND}")
+async def policies(request: web.Request) -> web.Response:
+    return paginate(request, [p for p in _policy_api(request).list() if can_see_vhost(request, p["vhost"])])
+
+
+@routes.get(f"/api/{_KIND}/{{vhost}}")
 async def vhost_policies(request: web.Request) -> web.Response:
-    return paginate(request, request.app[MGMT_KEY].policies.list(vhost_param(request)))
+    return paginate(request, _policy_api(request).list(vhost_param(request)))
 
 
-@routes.get("/api/policies/{vhost}/{name}")
+@routes.get(f"/api/{_KIND}/{{vhost}}/{{name}}")
 async def policy(request: web.Request) -> web.Response:
-    found = request.app[MGMT_KEY].policies.get(vhost_param(request), request.match_info["name"])
+    found = _policy_api(request).get(vhost_param(request), request.match_info["name"])
     if found is None:
         raise not_found()
     return web.json_response(found)
 
 
-@routes.put("/api/policies/{vhost}/{name}")
+@routes.put(f"/api/{_KIND}/{{vhost}}/{{name}}")
 async def put_policy(request: web.Request) -> web.Response:
     vhost_name = vhost_param(request)
     _require_policymaker(request, vhost_name)
+    if request.match_info["kind"] == "operator-policies":
+        require_admin(request)  # RabbitMQ: operator policies are for administrators
     body = await json_body(request)
     try:
         policy_doc = validate_policy(vhost_name, check_name("policy", request.match_info["name"]), body)
+        was_new = _policy_api(request).put(policy_doc)
     except ValueError as exc:
         raise bad_request(str(exc)) from None
-    return created() if request.app[MGMT_KEY].policies.put(policy_doc) else no_content()
+    return created() if was_new else no_content()
 
 
-@routes.delete("/api/policies/{vhost}/{name}")
+@routes.delete(f"/api/{_KIND}/{{vhost}}/{{name}}")
 async def delete_policy(request: web.Request) -> web.Response:
     vhost_name = vhost_param(request)
     _require_policymaker(request, vhost_name)
-    if not request.app[MGMT_KEY].policies.delete(vhost_name, request.match_info["name"]):
+    if request.match_info["kind"] == "operator-policies":
+        require_admin(request)
+    if not _policy_api(request).delete(vhost_name, request.match_info["name"]):
         raise not_found()
     return no_content()
 

@@ -2,7 +2,7 @@
 
 ``Mgmt`` is built by the node (composition root) and handed to the HTTP app and
 the metrics collector. Besides the live ``Broker`` it holds the persisted vhost
-list, the policy store, the rate sampler and the node's listener addresses, and
+list, the policy views, the rate sampler and the node's listener addresses, and
 it owns the two operations the model has no home for yet: creating a vhost
 (``VHost`` object + ``vhosts.json`` entry) and deleting one (close its
 connections, delete its queues, close its definitions log, remove its
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from broker import errors
 from broker.auth.vhosts import VHostStore
-from broker.http.policies import PolicyStore
+from broker.http.policies import PolicyApi, import_legacy
 from broker.http.rates import RateSampler
 from broker.model.vhost import VHost
 from broker.store.sink import NULL_SINK, ReplicationSink
@@ -46,7 +46,10 @@ class Mgmt:
         self.make_vhost = make_vhost
         self.data_dir = data_dir
         self.transient_root = transient_root
-        self.policies = PolicyStore(data_dir / "policies.json", sink)
+        # Policies live in the vhosts (applied live); the API only maps onto them.
+        self.policies = PolicyApi(broker)
+        self.operator_policies = PolicyApi(broker, operator=True)
+        import_legacy(data_dir / "policies.json", self.policies)
         self.rates = RateSampler(broker)
         self.started_at = time.time()
         self.started_mono = time.monotonic()
