@@ -18,13 +18,20 @@ lost, which Prometheus' ``rate()`` tolerates).
 
 ``render(family=..., vhost=...)`` serves ``/metrics/detailed``: per-queue and
 per-vhost series, selected by RabbitMQ's family names.
+
+Cluster members: ``Mgmt.cluster`` (set by the cluster runner, None on a
+standalone node) is any object with the ``ClusterInfo`` methods;
+``ClusterCollector`` reads it at scrape time for ``skred_is_leader``,
+``skred_connected_followers`` and ``skred_follower_lag_in_bytes{id}``. A
+follower runs no broker, so the runner serves ``cluster_registry(view)`` on the
+metrics port itself.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
@@ -47,6 +54,44 @@ def _g(name: str, doc: str, value: float) -> GaugeMetricFamily:
 
 def _c(name: str, doc: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+
+
+class ClusterInfo(Protocol):
+    """What a cluster member tells metrics and ``GET /api/cluster`` (see broker.cluster.status)."""
+
+    def is_leader(self) -> bool: ...
+
+    def follower_lags(self) -> dict[str, int]: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+
+class ClusterCollector(Collector):
+    """Cluster gauges, read from ``source()`` at scrape time; nothing when it returns None."""
+
+    def __init__(self, source: Callable[[], ClusterInfo | None]) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        info = self.source()
+        if info is None:
+            return
+        lags = info.follower_lags()
+        yield _g("is_leader", "1 if this node is the cluster leader, else 0", 1 if info.is_leader() else 0)
+        yield _g("connected_followers", "Followers connected to this node's replication port", len(lags))
+        lag = GaugeMetricFamily(f"{PREFIX}_follower_lag_in_bytes",
+                                "Replication bytes sent (or held) but not yet acked, per follower",
+                                labels=["id"])
+        for node_id, value in sorted(lags.items()):
+            lag.add_metric([node_id], value)
+        yield lag
+
+
+def cluster_registry(info: ClusterInfo) -> CollectorRegistry:
+    """A registry with only the cluster gauges (a follower's metrics port)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ClusterCollector(lambda: info))
+    return registry
 
 
 class SkredCollector(Collector):
@@ -179,6 +224,7 @@ class Metrics:
         self.mgmt = mgmt
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(SkredCollector(mgmt))
+        self.registry.register(ClusterCollector(lambda: mgmt.cluster))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

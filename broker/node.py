@@ -24,6 +24,7 @@ from broker.config import Config
 from broker.http.definitions import DefinitionsError, import_definitions
 from broker.http.server import MgmtServer
 from broker.http.state import Mgmt
+from broker.metrics import ClusterInfo
 from broker.model.vhost import VHost
 from broker.net.broker import Broker
 from broker.net.server import AMQPServer
@@ -46,6 +47,7 @@ class Node:
         self.amqp_address: tuple[str, int] | None = None
         # Cluster leader: the ISR barrier the Syncer waits for before confirming.
         self.replicated: Callable[[list[Syncable]], asyncio.Future[None]] | None = None
+        self.cluster: ClusterInfo | None = None  # cluster member: handed to Mgmt (metrics, /api/cluster)
         self.lock: DataDirLock | None = None
         self.vhost_store: VHostStore | None = None
         self.mgmt: Mgmt | None = None
@@ -96,6 +98,7 @@ class Node:
             assert self.vhost_store is not None
             mgmt = self.mgmt = Mgmt(broker, self.vhost_store, self.make_vhost, cfg.main.data_dir,
                                     cfg.main.data_dir / "transient", self.sink)
+            mgmt.cluster = self.cluster
             if cfg.main.load_definitions:
                 self.load_definitions(Path(cfg.main.load_definitions))
             self.amqp = AMQPServer(broker)

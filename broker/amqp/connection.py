@@ -266,7 +266,7 @@ class AMQPConnection:
             rest = data[pos:]
             if len(rest) >= 7:
                 need = 8 + _FRAME_HDR.unpack_from(rest, 0)[2]
-                if need - len(rest) > 65536:
+                if need > 16384:
                     self._parts = [rest]
                     self._have = len(rest)
                     self._need = need

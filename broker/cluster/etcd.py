@@ -6,6 +6,9 @@ Every node holds one lease of ``lease_ttl`` seconds, refreshed every TTL/3.
 ``lease_alive()`` is judged locally: if no refresh succeeded for a whole TTL the
 lease must be presumed expired (etcd may already have handed leadership to
 someone else), so a leader stops confirming without waiting for etcd to say so.
+The TTL is counted from when a successful refresh was *sent*: etcd restarted
+its clock somewhere between sending and the reply, so counting from the reply
+could let us believe in a lease etcd has already expired.
 
 Election: ``campaign`` is a transaction "create ``<prefix>/leader`` if it does
 not exist, bound to my lease, value = my advertised URI". The key vanishes when
@@ -18,6 +21,11 @@ names who may take over).
 Secret: ``<prefix>/clustering_secret`` is created put-if-absent with 32 random
 bytes, then read back, so every node ends up with the first one written.
 
+Members: each node puts ``<prefix>/members/<node id>`` (JSON: URI, role, and
+on the leader its followers' lag) bound to its lease, so the key set is the
+set of live nodes; ``skred --cluster-status`` reads it. ``watch`` streams the
+changes of one key (the followers' view of the leader key).
+
 Every call has a deadline (aetcd has none by default); a call that fails or
 times out raises ``EtcdError``.
 """
@@ -29,7 +37,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import aetcd
@@ -96,9 +104,10 @@ class Etcd:
 
     # ---------------------------------------------------------------- lease
     async def grant_lease(self) -> None:
+        sent = time.monotonic()
         lease = await self._call(self.client.lease(self.ttl))
         self.lease_id = int(lease.id)
-        self.last_refresh = time.monotonic()
+        self.last_refresh = sent
         if self._keepalive is not None:
             self._keepalive.cancel()
         self._keepalive = asyncio.ensure_future(self._keep_alive(self.lease_id))
@@ -106,6 +115,7 @@ class Etcd:
     async def _keep_alive(self, lease_id: int) -> None:
         while self.lease_id == lease_id:
             await asyncio.sleep(self.ttl / 3)
+            sent = time.monotonic()
             try:
                 reply = await self._call(self.client.refresh_lease(lease_id), self.ttl / 3)
             except EtcdError as exc:
@@ -116,10 +126,14 @@ class Etcd:
                 if self.lease_id == lease_id:
                     self.lease_id = None
                 return
-            self.last_refresh = time.monotonic()
+            self.last_refresh = max(self.last_refresh, sent)
 
     def lease_alive(self) -> bool:
-        return self.lease_id is not None and time.monotonic() - self.last_refresh < self.ttl
+        return self.lease_id is not None and time.monotonic() < self.lease_deadline()
+
+    def lease_deadline(self) -> float:
+        """Monotonic time at which our lease must be presumed expired, failing a refresh."""
+        return self.last_refresh + self.ttl
 
     async def revoke(self) -> None:
         lease_id, self.lease_id = self.lease_id, None
@@ -211,6 +225,42 @@ class Etcd:
             log.warning("ISR write failed: %s", exc)
             return False
         return bool(ok)
+
+    async def put_member(self, node_id: str, record: dict[str, Any]) -> None:
+        """Publish our member record bound to our lease (it vanishes with us)."""
+        if self.lease_id is None:
+            return
+        await self._call(self.client.put(self.key(f"members/{node_id}"), json.dumps(record).encode(),
+                                         lease=self.lease_id))
+
+    async def members(self) -> dict[str, dict[str, Any]]:
+        """Every live member's record, by node id."""
+        prefix = self.key("members/")
+        got = await self._call(self.client.get_prefix(prefix))
+        out: dict[str, dict[str, Any]] = {}
+        for kv in got:
+            try:
+                record = json.loads(bytes(kv.value))
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                out[bytes(kv.key)[len(prefix):].decode(errors="replace")] = record
+        return out
+
+    async def watch(self, name: str, on_change: Callable[[], None]) -> None:
+        """Call ``on_change`` for every change of ``<prefix>/<name>`` until cancelled.
+
+        Raises EtcdError if the watch cannot be set up; returns if etcd ends the stream.
+        """
+        watch = await self._call(self.client.watch(self.key(name)))
+        try:
+            async for _event in watch:
+                on_change()
+        finally:
+            try:
+                await asyncio.wait_for(watch.cancel(), CALL_TIMEOUT)
+            except Exception:
+                pass  # connection already gone: nothing left to cancel
 
     async def still_leader(self) -> bool:
         got = await self._call(self.client.get(self.key("leader")))

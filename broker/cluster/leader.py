@@ -29,7 +29,10 @@ between); it leaves when it disconnects or has data outstanding and no ack
 progress for ``STALL_TIMEOUT`` — then etcd is updated first and only after
 that do pending confirms stop waiting for it. ``barrier()`` snapshots the
 positions sent to every ISR member; the Syncer runs confirm callbacks when the
-barrier resolves. A fenced leader (lease lost) resolves no barrier ever again.
+barrier resolves. A fenced leader (lease lost) resolves no barrier ever again;
+``lease_valid`` (the runner's local lease clock) is checked before resolving
+any, so confirms stop the moment the lease must be presumed expired, without
+waiting for the runner's next look.
 """
 
 from __future__ import annotations
@@ -164,6 +167,7 @@ class LeaderSink:
         self.flush_stores: Callable[[], None] = lambda: None
         self.client_ports = (0, 0)  # (amqp, http) told to followers for their proxies
         self.fenced = False
+        self.lease_valid: Callable[[], bool] = lambda: True
         self.refused = 0
         self.member_ips: set[str] = set()  # addresses of authenticated followers (PROXY trust)
         self._barriers: list[tuple[dict[FollowerConn, int], asyncio.Future[None]]] = []
@@ -217,6 +221,8 @@ class LeaderSink:
     def barrier(self) -> asyncio.Future[None]:
         """A future resolved once every ISR member acked everything sent to it so far."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if not self.fenced and not self.lease_valid():
+            self.fence()
         if self.fenced:
             return fut  # never: a leader without its lease must not confirm
         targets = {f: f.sent for fid in self.isr if (f := self.followers.get(fid)) is not None
@@ -229,6 +235,9 @@ class LeaderSink:
 
     def _check_barriers(self) -> None:
         if self.fenced or not self._barriers:
+            return
+        if not self.lease_valid():
+            self.fence()
             return
         keep: list[tuple[dict[FollowerConn, int], asyncio.Future[None]]] = []
         for targets, fut in self._barriers:

@@ -94,6 +94,17 @@ async def overview(request: web.Request) -> web.Response:
     })
 
 
+@routes.get("/api/cluster")
+async def cluster_status(request: web.Request) -> web.Response:
+    """Skred's cluster view (not a RabbitMQ endpoint): leader, ISR, followers with lag in bytes.
+
+    Served by the leader; a follower's HTTP port proxies to it. ``{"enabled": false}`` standalone.
+    """
+    require_monitor(request)
+    info = request.app[MGMT_KEY].cluster
+    return web.json_response(info.status() if info is not None else {"enabled": False})
+
+
 @routes.get("/api/cluster-name")
 async def cluster_name(request: web.Request) -> web.Response:
     return web.json_response({"name": request.app[MGMT_KEY].cluster_name})

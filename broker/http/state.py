@@ -27,6 +27,7 @@ from broker.model.vhost import VHost
 from broker.store.sink import NULL_SINK, ReplicationSink
 
 if TYPE_CHECKING:
+    from broker.metrics import ClusterInfo
     from broker.net.broker import Broker
     from broker.net.session import Session
 
@@ -58,6 +59,7 @@ class Mgmt:
         self.amqp_address: tuple[str, int] | None = None
         self.http_address: tuple[str, int] | None = None
         self.metrics_address: tuple[str, int] | None = None
+        self.cluster: ClusterInfo | None = None  # set on a cluster member (metrics, GET /api/cluster)
 
     # ------------------------------------------------------------------ helpers
     def uptime_seconds(self) -> float:

@@ -19,8 +19,9 @@ from collections.abc import Callable
 from typing import Any
 
 from broker import errors
+from broker.model import exchange_features
 
-EXCHANGE_TYPES = ("direct", "fanout", "topic", "headers")
+EXCHANGE_TYPES = ("direct", "fanout", "topic", "headers", *exchange_features.EXTRA_TYPES)
 _TOPIC_CACHE_MAX = 4096
 
 
@@ -95,7 +96,7 @@ class Exchange:
     __slots__ = (
         "name", "type", "durable", "auto_delete", "internal", "arguments",
         "_bindings", "_direct", "_all", "_topic", "_topic_cache", "_headers", "alternate",
-        "_by_dest", "_refs",
+        "_by_dest", "_refs", "kind", "special",
     )
 
     def __init__(
@@ -111,6 +112,10 @@ class Exchange:
             raise errors.CommandInvalid(f"unknown exchange type '{type_}'", 40, 10)
         self.name = name
         self.type = type_
+        # routing type (a delayed exchange routes as its x-delayed-type; 406 if missing)
+        self.kind = exchange_features.routing_kind(type_, arguments or {})
+        # delayed / consistent-hash / dedup: broker/model/exchange_features.py (None: plain)
+        self.special: exchange_features.ExchangeSpecial | None = None
         self.durable = durable
         self.auto_delete = auto_delete
         self.internal = internal
@@ -146,11 +151,13 @@ class Exchange:
         self._refs[dest] = refs + 1
         if not refs:
             self._all = None
-        if self.type == "topic":
+        if self.kind == "topic":
             self._topic.append((topic_regex(routing_key), dest))
             self._topic_cache = {}
-        elif self.type == "headers":
+        elif self.kind == "headers":
             self._headers.append((args, dest))
+        elif self.special is not None:
+            self.special.bindings_changed()
         return True
 
     def unbind(self, dest: object, routing_key: str, args: dict[str, Any] | None = None) -> bool:
@@ -173,13 +180,15 @@ class Exchange:
         else:
             del self._refs[dest]
             self._all = None
-        if self.type == "topic":
+        if self.special is not None:
+            self.special.bindings_changed()
+        if self.kind == "topic":
             for i, (rx, d) in enumerate(self._topic):
                 if d == dest and rx.pattern == topic_regex(routing_key).pattern:
                     del self._topic[i]
                     break
             self._topic_cache = {}
-        elif self.type == "headers":
+        elif self.kind == "headers":
             for i, (a, d) in enumerate(self._headers):
                 if d == dest and a is bound_args:
                     del self._headers[i]
@@ -202,7 +211,7 @@ class Exchange:
     def route(
         self, routing_key: str, headers_of: Callable[[], dict[str, Any] | None]
     ) -> list[object] | tuple[object, ...]:
-        t = self.type
+        t = self.kind
         if t == "direct":
             return self._direct.get(routing_key, ())
         if t == "fanout":
@@ -223,6 +232,8 @@ class Exchange:
                     self._topic_cache.clear()
                 self._topic_cache[routing_key] = hit
             return hit
+        if t == "x-consistent-hash" and self.special is not None:
+            return self.special.route_hash(routing_key, headers_of)
         if not self._headers:
             return ()
         headers = headers_of()

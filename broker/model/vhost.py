@@ -30,7 +30,7 @@ from pamqp import frame as pframe
 from pamqp.base import Frame as PFrame
 
 from broker import errors
-from broker.model import features, policy
+from broker.model import exchange_features, features, policy
 from broker.model.exchange import Exchange
 from broker.model.queue import Queue
 from broker.store.definitions import DefinitionsLog
@@ -199,6 +199,8 @@ class VHost:
                     f"inequivalent arguments for exchange '{name}' in vhost '{self.name}'")
             return ex
         ex = Exchange(name, type_, durable, auto_delete, internal, arguments)
+        if exchange_features.needs_special(ex):
+            exchange_features.attach(self, ex)  # delayed / consistent hash / dedup (406 if bad)
         self.exchanges[name] = ex
         if self.policy_set.policies:
             policy.apply_to_exchange(self, ex)  # alternate-exchange by policy
@@ -217,6 +219,8 @@ class VHost:
         if if_unused and ex.has_bindings():
             raise errors.PreconditionFailed(f"exchange '{name}' in vhost '{self.name}' in use")
         del self.exchanges[name]
+        if ex.special is not None:
+            ex.special.close(delete=True)  # drops held delayed messages with the exchange
         for other in self.exchanges.values():
             other.unbind_all(ex)
         if ex.durable:
@@ -422,6 +426,9 @@ class VHost:
         return [dict(p.to_json(), vhost=self.name) for _, p in sorted(ps.items())]
 
     def close(self) -> None:
+        for ex in self.exchanges.values():
+            if ex.special is not None:
+                ex.special.close()
         for q in self.queues.values():
             try:
                 q.close()

@@ -71,3 +71,36 @@ def publish_special(s: Session, chs: ChannelState, ex: Exchange, exchange: str, 
         if persistent and q.durable and chs.confirm:
             chs.needs_sync = True
     return True
+
+
+def publish_exchange_special(s: Session, chs: ChannelState, ex: Exchange, exchange: str,
+                             routing_key: str, mandatory: bool, props: bytes, body: bytes,
+                             persistent: bool) -> bool:
+    """Publish to an exchange with features (``ex.special``); False: take the ordinary path."""
+    special = ex.special
+    assert special is not None
+    consumed, queues = special.on_publish(s.now_ms, routing_key, props, body, persistent)
+    if consumed:
+        # dropped as a duplicate, or held by a delayed exchange (durably when it is durable)
+        if special.delayed is not None and special.delayed.durable and chs.confirm:
+            chs.needs_sync = True
+        return True
+    if queues is None:
+        return False
+    if not queues:
+        s.stats.unroutable += 1
+        if mandatory:
+            s.out += codec.encode_return(chs.id, 312, b"NO_ROUTE", exchange.encode(),
+                                         routing_key.encode(), props, body, s.frame_max)
+        return True
+    ts = s.now_ms
+    exb = exchange.encode()
+    rkb = routing_key.encode()
+    for q in queues:
+        if q.publish(ts, exb, rkb, props, body, persistent) is False:
+            s.publish_rejected(chs)
+        if q.consumers:
+            s.batch_queues.add(q)
+        if persistent and q.durable and chs.confirm:
+            chs.needs_sync = True
+    return True

@@ -38,7 +38,7 @@ from broker import errors
 from broker.amqp import codec
 from broker.amqp.connection import CH_OPEN, AMQPConnection
 from broker.model.queue import Consumer, Queue
-from broker.net.publish_features import publish_special
+from broker.net.publish_features import publish_exchange_special, publish_special
 
 if TYPE_CHECKING:
     from broker.model.vhost import VHost
@@ -322,6 +322,10 @@ class Session(AMQPConnection):
             self._write_ok.add(exchange)
         # delivery-mode present (flag 0x1000)? only then find its value
         persistent = bool(flags & 0x10) and codec.delivery_mode(props) == 2
+        # delayed / consistent-hash / dedup exchanges: broker/model/exchange_features.py
+        if ex.special is not None and publish_exchange_special(self, chs, ex, exchange, routing_key,
+                                                               mandatory, props, body, persistent):
+            return
         # headers (0x2000: CC/BCC) or expiration (0x0100): broker/net/publish_features.py
         if flags & 0x21 and publish_special(self, chs, ex, exchange, routing_key, mandatory, props,
                                             body, persistent):

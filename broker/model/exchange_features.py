@@ -1,0 +1,394 @@
+"""Exchange features: delayed messages, consistent hashing, message deduplication.
+
+Theory of operation
+-------------------
+A plain exchange has ``special is None`` and pays one attribute test per
+publish. An exchange of type ``x-delayed-message`` or ``x-consistent-hash``,
+or one declared with ``x-message-deduplication``, gets an ``ExchangeSpecial``
+(built by ``attach`` when the vhost declares it), which the session asks first
+(``on_publish``); it returns True when it consumed the message.
+
+Routing types: ``routing_kind`` maps the declared type to the type the
+exchange routes with: a delayed exchange routes as its ``x-delayed-type``
+(direct, fanout, topic or headers) once the message is due.
+
+Delayed messages (``x-delay`` header, ms, > 0) are appended to a store of their
+own (a ``QueueStore`` under ``<vhost>/delayed/<sha1 of the exchange>``; durable
+for a durable exchange, so they survive a restart), in arrival order. Every
+stored message is kept "taken" (shifted) so it can be acked by id in any order.
+Due times live in memory in a heap of (due ms, seq, msgid), rebuilt at boot by
+reading each stored message once; one timer (the vhost's ``call_later``)
+sleeps until the earliest due time, so nothing is scanned per tick. When due,
+a message is routed with the underlying type (plus CC/BCC) and acked in the
+delay store.
+
+Consistent hashing (``x-consistent-hash``): the binding key is an integer
+weight; each destination gets ``weight * POINTS_PER_WEIGHT`` points on a
+64-bit ring (BLAKE2b of the destination name and point number), rebuilt only
+when bindings change. A message goes to the first point at or after the hash
+of its routing key, or of the header named by the ``hash-header`` argument, or
+of the property named by ``hash-property`` (message_id, correlation_id,
+timestamp), as RabbitMQ's plugin. Same key, same destination while the
+bindings stay the same.
+
+Deduplication (``x-message-deduplication`` on an exchange): a message whose
+``x-deduplication-header`` value was seen within the cache (``x-cache-size``
+entries, LRU; ``x-cache-ttl`` ms or the message's own ``x-cache-ttl`` header)
+is dropped before routing.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import heapq
+import itertools
+import logging
+import shutil
+import time
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+from broker import errors
+from broker.amqp import codec
+from broker.store.paths import queue_dir
+from broker.store.queue_store import QueueStore
+from broker.store.sink import NULL_SINK
+
+if TYPE_CHECKING:
+    from broker.model.exchange import Exchange
+    from broker.model.features import TimerHandle
+    from broker.model.queue import Queue
+    from broker.model.vhost import VHost
+
+log = logging.getLogger(__name__)
+
+DELAYED = "x-delayed-message"
+CONSISTENT_HASH = "x-consistent-hash"
+EXTRA_TYPES = (DELAYED, CONSISTENT_HASH)
+BASE_TYPES = ("direct", "fanout", "topic", "headers")
+POINTS_PER_WEIGHT = 64
+DEDUP = "x-message-deduplication"
+DEDUP_HEADER = "x-deduplication-header"
+_HASH_PROPERTIES = ("message_id", "correlation_id", "timestamp", "app_id", "type", "user_id",
+                    "reply_to", "content_type", "priority", "delivery_mode")
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _int_arg(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, (str, bytes)):
+        text = value.decode() if isinstance(value, bytes) else value
+        if text.strip().lstrip("-").isdigit():
+            return int(text)
+    return None
+
+
+def routing_kind(type_: str, arguments: dict[str, Any]) -> str:
+    """The type an exchange routes with; 406 for a delayed exchange without a valid base type."""
+    if type_ != DELAYED:
+        return type_
+    base = arguments.get("x-delayed-type")
+    if isinstance(base, bytes):
+        base = base.decode(errors="replace")
+    if base not in BASE_TYPES:
+        raise errors.PreconditionFailed(
+            "Invalid argument, 'x-delayed-type' must be an existing exchange type", 40, 10)
+    return str(base)
+
+
+def needs_special(ex: Exchange) -> bool:
+    return ex.type in EXTRA_TYPES or bool(ex.arguments.get(DEDUP))
+
+
+def attach(vh: VHost, ex: Exchange) -> None:
+    """Give a newly declared exchange its features (406 on a bad dedup argument)."""
+    if needs_special(ex):
+        ex.special = ExchangeSpecial(vh, ex)
+
+
+def _headers(props: bytes) -> dict[str, Any]:
+    if not props or not props[0] & 0x20:
+        return {}
+    h = codec.decode_properties(props).headers
+    return dict(h) if h else {}
+
+
+def _key_text(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bytes):
+        return value.decode(errors="replace")
+    return str(value)
+
+
+def _h64(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+# ------------------------------------------------------------------ consistent hash
+class HashRing:
+    def __init__(self, bindings: list[tuple[object, str, dict[str, Any]]]) -> None:
+        points: list[tuple[int, int]] = []
+        self.dests: list[object] = []
+        for dest, rk, _args in bindings:
+            weight = _int_arg(rk)
+            if weight is None or weight <= 0:
+                weight = 1
+            idx = len(self.dests)
+            self.dests.append(dest)
+            name = str(getattr(dest, "name", id(dest))).encode()
+            for i in range(weight * POINTS_PER_WEIGHT):
+                points.append((_h64(name + b"\x00" + str(i).encode()), idx))
+        points.sort()
+        self.keys = [p[0] for p in points]
+        self.owner = [p[1] for p in points]
+
+    def pick(self, key: str) -> object | None:
+        if not self.keys:
+            return None
+        i = bisect.bisect_left(self.keys, _h64(key.encode()))
+        if i == len(self.keys):
+            i = 0
+        return self.dests[self.owner[i]]
+
+
+# ------------------------------------------------------------------ dedup cache
+class DedupCache:
+    def __init__(self, size: int, ttl: int | None) -> None:
+        self.size = size
+        self.ttl = ttl
+        self.entries: OrderedDict[str, int | None] = OrderedDict()
+
+    def seen(self, key: str, ttl: int | None) -> bool:
+        """True for a duplicate; otherwise remembers ``key``."""
+        now = _now_ms()
+        exp = self.entries.get(key, 0)
+        if key in self.entries and (exp is None or exp > now):
+            return True
+        ttl = ttl if ttl is not None else self.ttl
+        self.entries[key] = now + ttl if ttl is not None else None
+        self.entries.move_to_end(key)
+        while len(self.entries) > self.size:
+            self.entries.popitem(last=False)
+        return False
+
+
+def dedup_cache(arguments: dict[str, Any], what: str) -> DedupCache:
+    size = _int_arg(arguments.get("x-cache-size"))
+    if size is None or size <= 0:
+        raise errors.PreconditionFailed(
+            f"invalid arg 'x-cache-size' for {what}: must be a positive integer", 40, 10)
+    ttl_raw = arguments.get("x-cache-ttl")
+    ttl = _int_arg(ttl_raw) if ttl_raw is not None else None
+    if ttl_raw is not None and (ttl is None or ttl <= 0):
+        raise errors.PreconditionFailed(
+            f"invalid arg 'x-cache-ttl' for {what}: must be a positive integer", 40, 10)
+    return DedupCache(size, ttl)
+
+
+def dedup_key(headers: dict[str, Any]) -> tuple[str | None, int | None]:
+    key = _key_text(headers.get(DEDUP_HEADER))
+    ttl = _int_arg(headers.get("x-cache-ttl"))
+    return key, (ttl if ttl is not None and ttl > 0 else None)
+
+
+# ------------------------------------------------------------------ the special
+class ExchangeSpecial:
+    def __init__(self, vh: VHost, ex: Exchange) -> None:
+        self.vh = vh
+        self.ex = ex
+        args = ex.arguments
+        what = f"exchange '{ex.name}' in vhost '{vh.name}'"
+        self.dedup = dedup_cache(args, what) if args.get(DEDUP) else None
+        self.hash_header = _key_text(args.get("hash-header")) if ex.type == CONSISTENT_HASH else None
+        prop = _key_text(args.get("hash-property")) if ex.type == CONSISTENT_HASH else None
+        if prop is not None and prop not in _HASH_PROPERTIES:
+            raise errors.PreconditionFailed(f"unsupported hash-property '{prop}'", 40, 10)
+        if prop is not None and self.hash_header is not None:
+            raise errors.PreconditionFailed("hash-header and hash-property are mutually exclusive", 40, 10)
+        self.hash_property = prop
+        self._ring: HashRing | None = None
+        self.delayed = DelayedStore(vh, ex) if ex.type == DELAYED else None
+
+    # --------------------------------------------------------------- routing
+    def bindings_changed(self) -> None:
+        self._ring = None
+
+    def ring(self) -> HashRing:
+        ring = self._ring
+        if ring is None:
+            ring = self._ring = HashRing(self.ex.bindings())
+        return ring
+
+    def route_hash(self, routing_key: str, headers_of: Any) -> tuple[object, ...]:
+        """Consistent-hash routing from ``Exchange.route`` (routing key or hash-header)."""
+        key: str | None = routing_key
+        if self.hash_header is not None:
+            headers = headers_of() or {}
+            key = _key_text(headers.get(self.hash_header))
+            if key is None:
+                return ()
+        dest = self.ring().pick(key or "")
+        return () if dest is None else (dest,)
+
+    # --------------------------------------------------------------- publish
+    def on_publish(self, ts: int, routing_key: str, props: bytes, body: bytes,
+                   persistent: bool) -> tuple[bool, list[Queue] | None]:
+        """(consumed, queues): consumed when dropped or delayed; queues when routed here."""
+        headers: dict[str, Any] | None = None
+        if self.dedup is not None:
+            headers = _headers(props)
+            key, ttl = dedup_key(headers)
+            if key is not None and self.dedup.seen(key, ttl):
+                return True, None
+        if self.delayed is not None:
+            if headers is None:
+                headers = _headers(props)
+            delay = _int_arg(headers.get("x-delay"))
+            if delay is not None and delay > 0:
+                self.delayed.add(ts, ts + delay, routing_key, props, body)
+                return True, None
+        if self.hash_property is not None:
+            value = getattr(codec.decode_properties(props), self.hash_property, None)
+            if value is None:
+                return False, []
+            dest = self.ring().pick(_key_text(value) or "")
+            return False, route_dest(self.vh, dest, routing_key, props)
+        return False, None
+
+    def close(self, delete: bool = False) -> None:
+        if self.delayed is not None:
+            self.delayed.close(delete)
+
+
+def route_dest(vh: VHost, dest: object, routing_key: str, props: bytes) -> list[Queue]:
+    from broker.model.exchange import Exchange
+    from broker.model.queue import Queue as QueueT
+    if isinstance(dest, QueueT):
+        return [dest]
+    if isinstance(dest, Exchange):
+        return vh.route(dest, routing_key, lambda: _headers(props) or None)
+    return []
+
+
+# ------------------------------------------------------------------ delayed store
+class DelayedStore:
+    def __init__(self, vh: VHost, ex: Exchange) -> None:
+        self.vh = vh
+        self.ex = ex
+        self.durable = ex.durable
+        if ex.durable:
+            directory = queue_dir(vh.dir / "delayed", ex.name)
+            self.store = QueueStore(directory, segment_size=vh.segment_size, sink=vh.sink)
+        else:
+            directory = queue_dir(vh.transient_dir / "delayed", ex.name)
+            shutil.rmtree(directory, ignore_errors=True)
+            self.store = QueueStore(directory, segment_size=vh.segment_size, sink=NULL_SINK)
+        self.heap: list[tuple[int, int, int]] = []
+        self._seq = itertools.count()
+        self._timer: TimerHandle | None = None
+        self._timer_at = 0
+        self.closed = False
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        """Boot: every stored message back into the heap by its due time (one read each)."""
+        store = self.store
+        while True:
+            msgid = store.shift()
+            if msgid is None:
+                break
+            ts, _ex, _rk, props, _body = store.read(msgid)
+            try:
+                delay = _int_arg(_headers(props).get("x-delay")) or 0
+            except Exception:  # an unreadable header: deliver now rather than never
+                delay = 0
+            heapq.heappush(self.heap, (ts + max(delay, 0), next(self._seq), msgid))
+        if self.heap:
+            log.info("exchange %r: %d delayed messages recovered", self.ex.name, len(self.heap))
+            self._arm()
+
+    @property
+    def count(self) -> int:
+        return len(self.heap)
+
+    def add(self, ts: int, due: int, routing_key: str, props: bytes, body: bytes) -> None:
+        store = self.store
+        store.append(ts, self.ex.name.encode(), routing_key.encode(), props, body)
+        msgid = store.shift()  # keep every stored message taken: ack by id when due
+        assert msgid is not None
+        if self.durable:
+            self.vh.mark_dirty(store)
+        heapq.heappush(self.heap, (due, next(self._seq), msgid))
+        self._arm()
+
+    def _arm(self) -> None:
+        call_later = self.vh.call_later
+        if not self.heap or call_later is None or self.closed:
+            return
+        due = self.heap[0][0]
+        if self._timer is not None:
+            if self._timer_at <= due:
+                return
+            self._timer.cancel()
+        self._timer_at = due
+        self._timer = call_later(max(0.0, (due - _now_ms()) / 1000.0) + 0.001, self._fire)
+
+    def _fire(self) -> None:
+        self._timer = None
+        if self.closed:
+            return
+        now = _now_ms()
+        heap = self.heap
+        store = self.store
+        budget = 4096  # per timer turn; the rest on the next (immediate) turn
+        while heap and heap[0][0] <= now and budget:
+            budget -= 1
+            _due, _seq, msgid = heapq.heappop(heap)
+            try:
+                _ts, _ex, rk, props, body = store.read(msgid)
+                self.route(rk.decode(errors="replace"), props, body)
+            except Exception:  # one bad message must not stall the rest
+                log.exception("exchange %r: routing a delayed message failed", self.ex.name)
+            store.ack(msgid)
+        if self.durable:
+            self.vh.mark_dirty(store)
+        self._arm()
+
+    def route(self, routing_key: str, props: bytes, body: bytes) -> None:
+        from broker.model import features
+        vh = self.vh
+        if self.vh.exchanges.get(self.ex.name) is not self.ex:
+            return
+        props, extra, has_exp = features.inspect_publish(props) if props and props[0] & 0x21 \
+            else (props, None, False)
+        persistent = bool(props and props[0] & 0x10) and codec.delivery_mode(props) == 2
+        queues: list[Queue] = []
+        for key in (routing_key, *(extra or ())):
+            for q in vh.route(self.ex, key, lambda: _headers(props) or None):
+                if q not in queues:
+                    queues.append(q)
+        exb = self.ex.name.encode()
+        rkb = routing_key.encode()
+        ts = _now_ms()
+        for q in queues:
+            if has_exp:
+                features.ensure(q, vh).msg_ttl_seen = True
+            q.publish(ts, exb, rkb, props, body, persistent)
+
+    def close(self, delete: bool = False) -> None:
+        self.closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if delete:
+            self.store.delete()
+        else:
+            self.store.close()
