@@ -130,7 +130,7 @@ class AMQPConnection:
         raise errors.AMQPNotImplemented(f"{codec.method_name(method)} not implemented")
 
     def handle_publish(
-        self, channel: int, exchange: str, routing_key: str, mandatory: bool, props: bytes, body: bytes
+        self, channel: int, exchange: str, routing_key: str, mandatory: bool, props: bytes, body: bytes | memoryview
     ) -> None:
         pass
 
@@ -497,7 +497,9 @@ class AMQPConnection:
                 if btype != 3 or bch != ch or bfsize != bsize or bfsize > max_size or bend >= n \
                         or data[bend] != 0xCE:
                     return 0
-                body = data[b + 7 : bend]
+                # a large body stays a view of the read buffer: the store writes it with
+                # pwritev, so slicing it out first would be one more full copy
+                body = data[b + 7 : bend] if bfsize < 16384 else memoryview(data)[b + 7 : bend]
                 after = bend + 1
             else:
                 body = b""

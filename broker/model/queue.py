@@ -105,10 +105,12 @@ class Queue:
         self.features: QueueFeatures | None = None
 
     # ------------------------------------------------------------ publishing
-    def publish(self, ts: int, exchange: bytes, routing_key: bytes, props: bytes, body: bytes,
+    def publish(self, ts: int, exchange: bytes, routing_key: bytes, props: bytes, body: bytes | memoryview,
                 persistent: bool) -> bool | None:
         """Append (and wake consumers); False when a length limit refused the message."""
         if self.features is not None:
+            if type(body) is memoryview:  # a large body as a view of the read buffer
+                body = bytes(body)
             return self.features.publish(ts, exchange, routing_key, props, body, persistent)
         self.store.append(ts, exchange, routing_key, props, body)
         self.n_published += 1

@@ -187,8 +187,8 @@ class StreamQueue(Queue):
         self._more = False
 
     # ------------------------------------------------------------ publishing
-    def publish(self, ts: int, exchange: bytes, routing_key: bytes, props: bytes, body: bytes,
-                persistent: bool) -> None:
+    def publish(self, ts: int, exchange: bytes, routing_key: bytes, props: bytes,
+                body: bytes | memoryview, persistent: bool) -> None:
         self.stream.append(ts, exchange, routing_key, props, body)
         self.n_published += 1
         # Every stream message is kept (delivery mode is irrelevant), so confirms wait for fsync.

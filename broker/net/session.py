@@ -55,7 +55,7 @@ class ChannelState:
     __slots__ = (
         "id", "unacked", "next_tag", "consumers", "prefetch", "global_prefetch", "unacked_count",
         "flow", "confirm", "publish_seq", "confirmed", "needs_sync", "sync_waiting", "tx",
-        "deferred", "reply_token", "reply_tag", "open", "nacks",
+        "deferred", "reply_token", "reply_tag", "open", "nacks", "head_tag", "head_since",
     )
 
     def __init__(self, ch: int) -> None:
@@ -78,6 +78,9 @@ class ChannelState:
         self.reply_tag: str | None = None
         self.open = True
         self.nacks: list[int] | None = None  # publish seqs a queue refused (reject-publish)
+        # consumer timeout: oldest unacked tag and since when it is the oldest (broker/net/alarms.py)
+        self.head_tag = 0
+        self.head_since = 0.0
 
 
 class SessionConsumer(Consumer):
@@ -201,6 +204,10 @@ class Session(AMQPConnection):
         vh = self.broker.vhosts.get(vhost)
         if vh is None or not self.broker.users.has_vhost_access(self.username, vhost):
             raise errors.NotAllowed(f"access to vhost '{vhost}' refused for user '{self.username}'")
+        limit = vh.limits.max_connections  # vhost limit (broker/model/limits.py)
+        if limit is not None and sum(1 for c in self.broker.connections if c.vh is vh) >= limit:
+            raise errors.NotAllowed(f"access to vhost '{vhost}' refused for user '{self.username}': "
+                                    f"connection limit ({limit}) is reached")
         self.vh = vh
         self.broker.connection_opened(self)
 
@@ -292,7 +299,7 @@ class Session(AMQPConnection):
 
     # ----------------------------------------------------------------- publish
     def handle_publish(self, channel: int, exchange: str, routing_key: str, mandatory: bool,
-                       props: bytes, body: bytes) -> None:
+                       props: bytes, body: bytes | memoryview) -> None:
         chs = self.chs[channel]
         self.batch_publishes += 1
         if chs.confirm:
@@ -300,12 +307,12 @@ class Session(AMQPConnection):
             self._confirm_dirty.add(chs)
         if chs.tx is not None:
             self.vhost_obj.get_exchange(exchange)
-            chs.tx.append(("publish", exchange, routing_key, mandatory, props, body))
+            chs.tx.append(("publish", exchange, routing_key, mandatory, props, bytes(body)))
             return
         self._publish(chs, exchange, routing_key, mandatory, props, body)
 
     def _publish(self, chs: ChannelState, exchange: str, routing_key: str, mandatory: bool,
-                 props: bytes, body: bytes) -> None:
+                 props: bytes, body: bytes | memoryview) -> None:
         vh = self.vh
         assert vh is not None
         self.stats.published += 1
@@ -324,17 +331,18 @@ class Session(AMQPConnection):
         persistent = bool(flags & 0x10) and codec.delivery_mode(props) == 2
         # delayed / consistent-hash / dedup exchanges: broker/model/exchange_features.py
         if ex.special is not None and publish_exchange_special(self, chs, ex, exchange, routing_key,
-                                                               mandatory, props, body, persistent):
+                                                               mandatory, props, bytes(body),
+                                                               persistent):
             return
         # headers (0x2000: CC/BCC) or expiration (0x0100): broker/net/publish_features.py
         if flags & 0x21 and publish_special(self, chs, ex, exchange, routing_key, mandatory, props,
-                                            body, persistent):
+                                            bytes(body), persistent):
             return
         if exchange == "":
             q = vh.queues.get(routing_key)
             if q is None:
                 if routing_key.startswith(REPLY_TO_PREFIX) and self._direct_reply(
-                        routing_key, exchange, props, body):
+                        routing_key, exchange, props, bytes(body)):
                     return
                 queues: list[Queue] = []
             else:
@@ -356,7 +364,8 @@ class Session(AMQPConnection):
             self.stats.unroutable += 1
             if mandatory:
                 self.out += codec.encode_return(chs.id, 312, b"NO_ROUTE", exchange.encode(),
-                                                routing_key.encode(), props, body, self.frame_max)
+                                                routing_key.encode(), props, bytes(body),
+                                                self.frame_max)
 
     def _rewrite_reply_to(self, chs: ChannelState, props: bytes) -> bytes:
         p = codec.decode_properties(props)
