@@ -18,7 +18,12 @@ walks the segments in order, and each segment keeps only counters and the set of
 positions. Requeued msgids wait in a heap (served before the cursor, lowest first, which
 is publish order); unacked msgids sit in a set (bounded by consumer prefetch). Only the
 write segment and the cursor segment stay mapped; others are mapped on demand and unmapped
-when the cursor moves on.
+when the cursor moves on. Per store (100k declared queues must fit in a few hundred MB):
+the directory is kept as a ``str`` (a ``Path`` costs ~0.5 KB; ``directory`` builds one on
+demand) and the five bookkeeping sets start as one shared, immutable empty set and are
+allocated by ``_allocate_sets`` when the store first gets a segment (the first append,
+or recovery finding one) -- nothing can be unacked, requeued or pending before that, so
+the hot paths keep calling ``.add`` on them without a check.
 
 Acks. ``ack`` buffers the position in memory; ``flush``/``sync``/``close`` write it to the
 ack file. A segment whose records are all acked is deleted (segment file first, then its
@@ -48,12 +53,14 @@ import bisect
 import heapq
 import mmap
 import os
+import time
 import shutil
 import struct
 import threading
 import zlib
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 from broker.errors import StoreError
 from broker.store import segment as fmt
@@ -73,12 +80,34 @@ _I64_PACK_INTO: Final = fmt.I64.pack_into
 _U32_PACK_INTO: Final = fmt.U32.pack_into
 _U64_PACK_INTO: Final = fmt.U64.pack_into
 _U32_PACK: Final = fmt.U32.pack
+_FULL_SYNC_INTERVAL: Final = 1.0  # seconds between fsyncs of ack files and meta
 _PWRITE_MIN: Final = 16 * 1024  # bodies at least this big are written with pwritev, not via the map
 _U32_UNPACK: Final = fmt.U32.unpack_from
 _U64_UNPACK: Final = fmt.U64.unpack_from
 _U64_PACK: Final = fmt.U64.pack
 _BYTE: Final = tuple(bytes((i,)) for i in range(256))
 _ZERO_TS_AND_LEN: Final = tuple(bytes(8) + bytes((i,)) for i in range(256))  # zero timestamp + a length
+
+
+class _Unallocated(set[Any]):
+    """The stand-in for a store's bookkeeping sets until the store has a segment.
+
+    It is always empty, so every read, ``discard``, ``clear`` and ``remove`` (KeyError)
+    behaves as on the real set; ``add``/``update`` (the only other mutators the store
+    uses) raise, so a missing ``_allocate_sets`` is a loud bug, not state shared between
+    stores.
+    """
+
+    __slots__ = ()
+
+    def add(self, element: Any) -> None:
+        raise RuntimeError("QueueStore bookkeeping set used before _allocate_sets()")
+
+    def update(self, *others: Iterable[Any]) -> None:
+        raise RuntimeError("QueueStore bookkeeping set used before _allocate_sets()")
+
+
+_NO_SET: Final[set[Any]] = _Unallocated()
 
 
 class QueueStore:
@@ -90,13 +119,13 @@ class QueueStore:
         "_closed",
         "_cnum",
         "_cpos",
+        "_dir",
         "_dir_unsynced",
         "_dirty",
         "_heap",
         "_hwm",
         "_lock",
         "_meta_fd",
-        "_meta_path",
         "_meta_sent",
         "_meta_written",
         "_next_num",
@@ -110,20 +139,20 @@ class QueueStore:
         "_segs",
         "_sink",
         "_sync_lock",
+        "_last_full_sync",
         "_unacked",
         "_unsynced_paths",
         "_wcap",
         "_wfd",
         "_wmm",
         "_wseg",
-        "directory",
     )
 
-    def __init__(self, directory: Path, *, segment_size: int = DEFAULT_SEGMENT_SIZE,
+    def __init__(self, directory: str | Path, *, segment_size: int = DEFAULT_SEGMENT_SIZE,
                  sink: ReplicationSink = NULL_SINK, persistent_only: bool = False) -> None:
         if not fmt.FIXED_SIZE + HEADER_SIZE <= segment_size <= fmt.MAX_SEGMENT_SIZE:
             raise ValueError(f"segment_size out of range: {segment_size}")
-        self.directory = directory
+        self._dir = os.fspath(directory)
         self._segment_size = segment_size
         self._sink = sink
         self._persistent_only = persistent_only
@@ -140,8 +169,9 @@ class QueueStore:
         self._cnum = 1
         self._cpos = HEADER_SIZE
         self._heap: list[int] = []  # requeued msgids (ready)
-        self._requeued: set[int] = set()  # requeued msgids, ready or unacked again
-        self._unacked: set[int] = set()
+        # The five sets below are _NO_SET until _allocate_sets() (first segment).
+        self._requeued: set[int] = _NO_SET  # requeued msgids, ready or unacked again
+        self._unacked: set[int] = _NO_SET
         self._ready = 0
         self._bytes_ready = 0
         self._hwm = 0  # highest msgid ever returned by shift()
@@ -151,24 +181,42 @@ class QueueStore:
         self._sync_lock = threading.Lock()
         self._closed = False
         self._dirty = False
+        self._last_full_sync = 0.0
         self._seg_unsynced = False  # appended to the write segment since the last sync
-        self._unsynced_paths: set[Path] = set()  # retired write segments awaiting fsync
-        self._ack_pending: set[int] = set()  # segments with buffered ack bytes
-        self._ack_unsynced: set[int] = set()  # segments whose ack file was written
+        self._unsynced_paths: set[Path] = _NO_SET  # retired write segments awaiting fsync
+        self._ack_pending: set[int] = _NO_SET  # segments with buffered ack bytes
+        self._ack_unsynced: set[int] = _NO_SET  # segments whose ack file was written
         self._dir_unsynced = False  # files created/removed since the last sync
-        self._meta_path = directory / META_NAME
         self._meta_fd: int | None = None
         self._meta_written = b""
         self._meta_sent = b""
         try:
-            directory.mkdir(parents=True, exist_ok=True)
+            os.makedirs(self._dir, exist_ok=True)
             self._recover()
         except OSError as exc:
             self._close_files()
-            raise StoreError(f"queue store {directory}: {exc}") from exc
+            raise StoreError(f"queue store {self._dir}: {exc}") from exc
         except BaseException:
             self._close_files()
             raise
+
+    @property
+    def directory(self) -> Path:
+        """The queue directory (built on demand: the store keeps only a ``str``)."""
+        return Path(self._dir)
+
+    @property
+    def _meta_path(self) -> str:
+        return os.path.join(self._dir, META_NAME)
+
+    def _allocate_sets(self) -> None:
+        """Replace the shared empty stand-ins with real sets (under _lock: sync reads some)."""
+        if self._unacked is _NO_SET:
+            self._requeued = set()
+            self._unacked = set()
+            self._unsynced_paths = set()
+            self._ack_pending = set()
+            self._ack_unsynced = set()
 
     # ------------------------------------------------------------------ publishing
 
@@ -219,7 +267,10 @@ class QueueStore:
     def _roll(self, need: int) -> Segment:
         """Start a new write segment with room for a record of ``need`` bytes."""
         if self._closed:  # after close() the write segment is gone, so appends land here
-            raise StoreError(f"queue store {self.directory} is closed")
+            raise StoreError(f"queue store {self._dir} is closed")
+        if self._unacked is _NO_SET:
+            with self._lock:
+                self._allocate_sets()
         cap = max(self._segment_size, need + HEADER_SIZE)
         if cap > fmt.MAX_SEGMENT_SIZE:
             raise StoreError(f"message of {need} bytes is too large for a segment")
@@ -553,7 +604,7 @@ class QueueStore:
             meta = self._meta_bytes()
             if meta != self._meta_sent:
                 self._meta_sent = meta
-                self._sink.replace(self._meta_path, meta)
+                self._sink.replace(Path(self._meta_path), meta)
 
     def _write_acks_locked(self) -> None:
         for num in self._ack_pending:
@@ -566,11 +617,23 @@ class QueueStore:
             self._ack_unsynced.add(num)
         self._ack_pending.clear()
 
-    def sync(self) -> None:
-        """Flush + fsync everything dirty + write meta. Safe to call from a worker thread."""
+    def sync(self, full: bool = False) -> None:
+        """Flush + fsync what confirms need; safe to call from a worker thread.
+
+        Message data (segments) is fsynced every time: publisher confirms wait on
+        it. Ack files and ``meta`` are written every time but fsynced at most once
+        per ``_FULL_SYNC_INTERVAL`` (or with ``full``): losing their tail in a
+        power cut only means redelivering some acked messages (at-least-once) or a
+        missing redelivered flag, and every extra fdatasync in the group commit
+        adds a journal commit to every confirm's latency.
+        """
         with self._sync_lock:
             if self._closed:
                 return
+            now = time.monotonic()
+            if not full and now - self._last_full_sync < _FULL_SYNC_INTERVAL:
+                return self._sync_data()
+            self._last_full_sync = now
             fds: list[int] = []
             try:
                 with self._lock:
@@ -606,7 +669,39 @@ class QueueStore:
             if meta != self._meta_written:
                 dir_unsynced |= self._write_meta(meta)
             if dir_unsynced:
-                fsync_dir(self.directory)
+                fsync_dir(Path(self._dir))
+
+    def _sync_data(self) -> None:
+        """The confirm-path part of sync(): buffered acks written, segment data fsynced."""
+        fds: list[int] = []
+        try:
+            with self._lock:
+                self._dirty = False
+                self._write_acks_locked()
+                if self._seg_unsynced and self._wfd >= 0:
+                    fds.append(os.dup(self._wfd))
+                self._seg_unsynced = False
+                paths = list(self._unsynced_paths) if self._unsynced_paths else []
+                if paths:
+                    self._unsynced_paths.clear()
+                dir_unsynced = self._dir_unsynced
+                self._dir_unsynced = False
+            for fd in fds:
+                datasync(fd)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        for path in paths:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                datasync(fd)
+            finally:
+                os.close(fd)
+        if dir_unsynced:
+            fsync_dir(Path(self._dir))
 
     def _meta_bytes(self) -> bytes:
         head = _META.pack(_META_MAGIC, _META_VERSION, self._hwm, self._next_num)
@@ -616,7 +711,7 @@ class QueueStore:
         """Overwrite meta in place (fixed size, one pwrite) and fsync it; True if created."""
         created = False
         if self._meta_fd is None:
-            created = not self._meta_path.exists()
+            created = not os.path.exists(self._meta_path)
             self._meta_fd = os.open(self._meta_path, os.O_RDWR | os.O_CREAT, 0o644)
         os.pwrite(self._meta_fd, meta, 0)
         datasync(self._meta_fd)
@@ -628,7 +723,7 @@ class QueueStore:
         if self._closed:
             return
         self.flush()
-        self.sync()
+        self.sync(full=True)
         with self._sync_lock, self._lock:
             self._closed = True
             self._close_files()
@@ -657,18 +752,19 @@ class QueueStore:
             if not self._closed:  # no flush or fsync: everything is about to go
                 self._closed = True
                 self._close_files()
-        if self._sink.active and self.directory.is_dir():
-            for entry in sorted(self.directory.iterdir()):
+        directory = self.directory
+        if self._sink.active and directory.is_dir():
+            for entry in sorted(directory.iterdir()):
                 if entry.is_file():
                     self._sink.delete(entry)
-        shutil.rmtree(self.directory, ignore_errors=True)
+        shutil.rmtree(directory, ignore_errors=True)
 
     # ------------------------------------------------------------------ recovery
 
     def _recover(self) -> None:
         seg_nums: list[int] = []
         ack_nums: set[int] = set()
-        for entry in os.scandir(self.directory):
+        for entry in os.scandir(self._dir):
             num = fmt.parse_number(entry.name, "msgs.")
             if num is not None:
                 seg_nums.append(num)
@@ -678,15 +774,18 @@ class QueueStore:
                 ack_nums.add(num)
         hwm, next_num = self._read_meta()
         self._hwm = self._recovered_hwm = hwm
+        directory = self.directory
+        if seg_nums:
+            self._allocate_sets()  # still in the constructor: no sync thread yet
         for num in sorted(seg_nums):
-            seg = self._recover_segment(num, num in ack_nums)
+            seg = self._recover_segment(directory, num, num in ack_nums)
             if seg is None:
                 continue
             self._segs[num] = seg
             self._order.append(num)
         for num in ack_nums:
             if num not in self._segs:  # orphan: its segment was deleted (or dropped above)
-                self._remove_file(self.directory / fmt.ack_name(num))
+                self._remove_file(directory / fmt.ack_name(num))
         # New segments must sort after every msgid ever delivered, even after the segments
         # holding them are gone, or the redelivered mark would cover new messages.
         highest = max(seg_nums, default=0)
@@ -694,8 +793,8 @@ class QueueStore:
         self._cnum = self._order[0] if self._order else self._next_num
         self._cpos = HEADER_SIZE
 
-    def _recover_segment(self, num: int, has_acks: bool) -> Segment | None:
-        seg = Segment(self.directory, num)
+    def _recover_segment(self, directory: Path, num: int, has_acks: bool) -> Segment | None:
+        seg = Segment(directory, num)
         file_acks = self._read_acks(seg.ack_path) if has_acks else set()
         fd = os.open(seg.path, os.O_RDWR)
         try:
@@ -758,7 +857,8 @@ class QueueStore:
     def _read_meta(self) -> tuple[int, int]:
         """(delivered high-water mark, next segment number); defaults if missing or garbage."""
         try:
-            data = self._meta_path.read_bytes()
+            with open(self._meta_path, "rb") as f:
+                data = f.read()
         except FileNotFoundError:
             return 0, 1
         if len(data) != _META.size + _CRC.size:
