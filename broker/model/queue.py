@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from broker.model.features import QueueFeatures
 
 _PASS_BUDGET = 4096  # deliveries per pass before yielding to the loop
+_PASS_BYTES = 4 * 1024 * 1024  # body bytes per pass: flushes run before the next pass
 
 
 class Consumer:
@@ -48,6 +49,10 @@ class Consumer:
     def deliver(self, msgid: int, exchange: bytes, routing_key: bytes, props: bytes,
                 body: bytes, redelivered: bool) -> None:
         raise NotImplementedError
+
+    def capacity(self) -> int:
+        """How many deliveries this consumer takes right now (``ready()`` as a count)."""
+        return 1 if self.ready() else 0
 
     def deliver_raw(self, msgid: int, exrk: bytes, props: bytes, body: bytes, redelivered: bool) -> None:
         """``deliver`` with exchange and routing key as the stored short-string pair."""
@@ -163,14 +168,35 @@ class Queue:
         next_delivery = self.store.next_delivery
         consumers = self.consumers
         budget = _PASS_BUDGET
+        nbytes = 0  # body bytes handed out in this pass: bounds the output buffers
         delivered = redelivered_n = 0
         try:
-            while budget and consumers and self.store.ready_count:
+            while budget > 0 and consumers and self.store.ready_count:
                 n = len(consumers)
                 if n == 1:
+                    # One consumer: ask its capacity once and hand it a run of messages.
                     c = consumers[0]
-                    if not c.ready():
+                    k = c.capacity()
+                    if k <= 0:
                         return  # no capacity; whoever frees some reschedules us
+                    if k > budget:
+                        k = budget
+                    no_ack = c.no_ack
+                    deliver_raw = c.deliver_raw
+                    for _ in range(k):
+                        got = next_delivery(no_ack)
+                        if got is None:
+                            return
+                        delivered += 1
+                        if got[4]:
+                            redelivered_n += 1
+                        deliver_raw(*got)
+                        nbytes += len(got[3])
+                        if nbytes > _PASS_BYTES:
+                            budget = 0  # let the output drain first
+                            break
+                    budget -= k
+                    continue
                 else:
                     start = self._rr
                     for i in range(n):
@@ -189,7 +215,10 @@ class Queue:
                     redelivered_n += 1
                 c.deliver_raw(msgid, exrk, props, body, redelivered)
                 budget -= 1
-            if not budget:
+                nbytes += len(body)
+                if nbytes > _PASS_BYTES:
+                    budget = 0
+            if budget <= 0:
                 self.schedule_delivery()
         finally:
             self.n_delivered += delivered

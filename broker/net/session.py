@@ -121,6 +121,17 @@ class SessionConsumer(Consumer):
         s.broker.stats.delivered += 1
         s.wakeup()
 
+    def capacity(self) -> int:
+        chs = self.chs
+        if not (self.session.writable and chs.flow):
+            return 0
+        if self.no_ack:
+            return 1 << 30
+        k = self.prefetch - self.unacked if self.prefetch else 1 << 30
+        if chs.global_prefetch:
+            k = min(k, chs.global_prefetch - chs.unacked_count)
+        return k
+
     def deliver_raw(self, msgid: int, exrk: bytes, props: bytes, body: bytes, redelivered: bool) -> None:
         chs = self.chs
         tag = chs.next_tag
