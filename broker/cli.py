@@ -11,7 +11,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from broker.config import ConfigError, load_config
+from broker.config import ConfigError, build_parser, load_config
 from broker.errors import DataDirLocked, StoreError
 
 LOG_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
@@ -31,6 +31,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # argparse: --help/--version (0) or a usage error (2), already printed
         return exc.code if isinstance(exc.code, int) else 2
     setup_logging(config.main.log_level)
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))  # parsed fine above
+    if args.cluster_status:
+        from broker.cluster.status import cluster_status_main
+
+        return cluster_status_main(config, args.json)
 
     # Imported here so `skred --help` works without loading the whole broker.
     from broker.node import serve

@@ -120,6 +120,23 @@ class MainConfig:
         default="",
         metadata=_meta("RabbitMQ definitions JSON file imported at boot (empty: none)."),
     )
+    consumer_timeout: int = field(
+        default=1_800_000,
+        metadata=_meta(
+            "Milliseconds a delivery may stay unacknowledged before its channel is closed with 406 "
+            "(RabbitMQ's default, 30 minutes; 0: off). x-consumer-timeout overrides it per consumer/queue.",
+            lo=0,
+        ),
+    )
+    free_disk_min: int = field(
+        default=50 * MiB,
+        metadata=_meta(
+            "Free disk space under the data dir below which publishers are blocked "
+            "(connection.blocked), in bytes (suffixes allowed; RabbitMQ's default is 50 MB; 0: off).",
+            kind="size",
+            lo=0,
+        ),
+    )
 
 
 @dataclass(frozen=True)
@@ -378,6 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"skred {__version__}")
     parser.add_argument("-c", "--config", metavar="FILE", type=Path, help="ini file to read options from")
+    parser.add_argument("--cluster-status", action="store_true",
+                        help="print the cluster's leader, ISR and members (read from etcd) and exit")
+    parser.add_argument("--json", action="store_true", help="with --cluster-status: print JSON")
     groups = {section: parser.add_argument_group(f"[{section}] options") for section in SECTIONS}
     for option in OPTIONS:
         text = (

@@ -35,6 +35,26 @@ from broker.store.sink import NullSink, ReplicationSink
 log = logging.getLogger("skred")
 
 SHUTDOWN_REASON = "broker forced connection closure with reason 'shutdown'"
+_NOFILE_CAP = 1 << 20  # soft limit to ask for when the hard limit is "unlimited"
+
+
+def raise_fd_limit() -> None:
+    """Raise the soft RLIMIT_NOFILE to the hard limit (each AMQP connection holds a socket:
+    the usual default soft limit of 1024 would cap a node at about a thousand clients)."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not POSIX
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, _NOFILE_CAP)
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError) as exc:
+        log.warning("could not raise the open files limit from %d to %d: %s", soft, target, exc)
+        return
+    log.info("raised the open files limit (RLIMIT_NOFILE) from %d to %d", soft, target)
 
 
 class Node:
@@ -90,6 +110,7 @@ class Node:
         """Lock the data dir, load the broker, open the listeners (``release_lock`` undoes the lock)."""
         cfg = self.config
         loop = asyncio.get_running_loop()
+        raise_fd_limit()
         cfg.main.data_dir.mkdir(parents=True, exist_ok=True)
         lock = self.lock = DataDirLock(cfg.main.data_dir)
         lock.acquire()

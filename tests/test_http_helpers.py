@@ -1,16 +1,18 @@
-"""Unit tests (no sockets) for the management API's pure helpers and the policy store."""
+"""Unit tests (no sockets) for the management API's pure helpers and the policy view."""
 
 from __future__ import annotations
 
 import datetime
 import decimal
 import json
+import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from broker.http.common import ApiError, check_name
-from broker.http.policies import PolicyStore, validate_policy
+from broker.http.policies import PolicyApi, validate_policy
 from broker.http.render import jsonable, properties_key
 
 
@@ -56,15 +58,29 @@ def test_validate_policy() -> None:
             validate_policy("/", "p", body)
 
 
-def test_policy_store_persists(tmp_path: Path) -> None:
-    path = tmp_path / "policies.json"
-    store = PolicyStore(path)
-    assert store.put(validate_policy("/", "p1", {"pattern": "a", "definition": {"x": 1}}))
-    assert not store.put(validate_policy("/", "p1", {"pattern": "b", "definition": {"x": 1}}))
-    store.put(validate_policy("v2", "p2", {"pattern": "c", "definition": {"x": 1}}))
-    again = PolicyStore(path)
-    assert [p["name"] for p in again.list()] == ["p1", "p2"]
-    assert again.get("/", "p1")["pattern"] == "b"  # type: ignore[index]
-    again.clear_vhost("v2")
-    assert [p["name"] for p in PolicyStore(path).list()] == ["p1"]
+def _vhosts(tmp_path: Path) -> Any:
+    from broker.model.vhost import VHost
+    from broker.store.sink import NULL_SINK
+
+    def make(name: str) -> VHost:
+        return VHost(name, tmp_path / "data", segment_size=1 << 20, sink=NULL_SINK,
+                     schedule=lambda f: None, mark_dirty=lambda x: None,
+                     transient_root=tmp_path / "transient")
+
+    return types.SimpleNamespace(vhosts={"/": make("/"), "v2": make("v2")}), make
+
+
+def test_policy_api_uses_the_vhost_model(tmp_path: Path) -> None:
+    broker, make = _vhosts(tmp_path)
+    api = PolicyApi(broker)
+    assert api.put(validate_policy("/", "p1", {"pattern": "a", "definition": {"max-length": 1}}))
+    assert not api.put(validate_policy("/", "p1", {"pattern": "b", "definition": {"max-length": 2}}))
+    api.put(validate_policy("v2", "p2", {"pattern": "c", "definition": {"max-length": 1}}))
+    op = PolicyApi(broker, operator=True)
+    op.put(validate_policy("/", "o1", {"pattern": "c", "definition": {"max-length": 1}}))
+    assert [p["name"] for p in api.list()] == ["p1", "p2"] and [p["name"] for p in op.list()] == ["o1"]
+    assert broker.vhosts["/"].policy_set.policies["p1"].pattern == "b"  # the model holds it
+    broker.vhosts = {"/": make("/")}  # reloaded from the vhost's own policies.json
+    again = PolicyApi(broker)
+    assert again.get("/", "p1")["definition"] == {"max-length": 2}  # type: ignore[index]
     assert again.delete("/", "p1") and not again.delete("/", "p1")

@@ -263,7 +263,9 @@ class Etcd:
                 pass  # connection already gone: nothing left to cancel
 
     async def still_leader(self) -> bool:
-        got = await self._call(self.client.get(self.key("leader")))
+        # Never wait past the lease deadline: by then the answer no longer matters.
+        timeout = max(0.05, min(CALL_TIMEOUT, self.lease_deadline() - time.monotonic()))
+        got = await self._call(self.client.get(self.key("leader")), timeout)
         return got is not None and int(got.create_revision) == self.leader_revision
 
 

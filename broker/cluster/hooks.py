@@ -4,6 +4,13 @@ The command runs through the shell with the node's environment plus
 ``SKRED_NODE_ID``, ``SKRED_ADVERTISED_URI`` and ``SKRED_ROLE`` (``leader`` or
 ``follower``). Its exit status is logged; a hook that hangs is killed after
 ``HOOK_TIMEOUT`` so it can never block a failover.
+
+The child is started with ``posix_spawn`` (``subprocess`` picks it for an
+absolute executable with ``close_fds=False`` and nothing to run in between),
+never with a plain ``fork()``: the etcd client's gRPC threads register fork
+handlers, and a child forked while they are busy can crash before it execs
+(we saw hooks die with SIGSEGV). Python opens every descriptor close-on-exec,
+so ``close_fds=False`` leaks nothing. The wait runs in a worker thread.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import subprocess
 
 log = logging.getLogger(__name__)
 
@@ -23,15 +31,17 @@ async def run_hook(command: str, node_id: str, uri: str, role: str) -> int | Non
         return None
     env = dict(os.environ, SKRED_NODE_ID=node_id, SKRED_ADVERTISED_URI=uri, SKRED_ROLE=role)
     try:
-        proc = await asyncio.create_subprocess_shell(command, env=env)
+        proc = subprocess.Popen(["/bin/sh", "-c", command], env=env, close_fds=False,
+                                stdin=subprocess.DEVNULL)
     except OSError as exc:
         log.error("hook %r could not start: %s", command, exc)
         return None
+    loop = asyncio.get_running_loop()
     try:
-        code = await asyncio.wait_for(proc.wait(), HOOK_TIMEOUT)
-    except TimeoutError:
+        code = await loop.run_in_executor(None, proc.wait, HOOK_TIMEOUT)
+    except subprocess.TimeoutExpired:
         proc.kill()
-        await proc.wait()
+        await loop.run_in_executor(None, proc.wait)
         log.error("hook %r killed after %.0fs", command, HOOK_TIMEOUT)
         return None
     log.log(logging.INFO if code == 0 else logging.ERROR, "hook %r (%s) exited with %d", command, role, code)

@@ -11,9 +11,14 @@ creates, put-if-absent) the cluster secret and takes a lease.
   confirmed message, so only it may lead.
 * Someone else leads: we follow. ``follower.follow`` bulk-syncs the data dir,
   then applies the action stream, fsyncing before every ack. After the first
-  completed sync the client ports (AMQP, HTTP) proxy to the leader. The leader
-  key is polled every ``POLL`` seconds; when it changes the replication
-  connection is dropped and the loop starts over (campaign or follow anew).
+  completed sync the client ports (AMQP, HTTP) proxy to the leader. An etcd
+  watch on the leader key tells us at once when it changes (deleted on
+  resign or lease expiry); the replication connection is then dropped and the
+  loop starts over (campaign or follow anew). The key is still read every
+  ``WATCH_BACKSTOP`` seconds (every ``POLL`` if the watch cannot be set up or
+  dies): a watch stream silently cut by a network fault would otherwise leave
+  us following a dead leader forever. The metrics port serves the cluster
+  gauges (``status.FollowerMetrics``) while we are not leading.
 * We won: stop the proxies, run ``on_leader_elected`` (in the background, it
   must not delay service), hash the data dir into the checksum cache, write
   ISR = [us] fenced on our leadership, boot the broker (``Node.start``) from the
@@ -30,6 +35,14 @@ creates, put-if-absent) the cluster secret and takes a lease.
   - the disk: an fsync that has not returned for ``disk_stall_timeout``
     seconds means a zombie leader; fence, revoke the lease and exit(1) so an
     in-sync follower takes over (the stuck fsync thread cannot be joined).
+    Tests simulate a stalled disk with ``SKRED_TEST_FSYNC_STALL_FILE``: while
+    the file it names exists, every group commit blocks in its fsync thread.
+  The watch loop wakes at the lease deadline, and the sink checks the lease
+  clock before resolving any barrier, so no confirm leaves after it.
+
+Every node publishes a lease-bound member record (role, and on the leader its
+followers' lag) for ``skred --cluster-status``; ``ClusterView`` is the live
+status behind the metrics gauges and ``GET /api/cluster``.
 
 The data-dir lock is held by this runner while following and by the ``Node``
 while leading, so two processes can never write the same data dir.
@@ -38,6 +51,7 @@ while leading, so two processes can never write the same data dir.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import secrets
@@ -56,6 +70,7 @@ from broker.cluster.files import NODE_ID_FILE
 from broker.cluster.hooks import run_hook
 from broker.cluster.leader import LeaderSink
 from broker.cluster.proxy import SpliceProxy, Target
+from broker.cluster.status import ClusterView, FollowerMetrics
 from broker.config import Config
 from broker.node import Node
 from broker.store.lock import DataDirLock
@@ -65,6 +80,20 @@ log = logging.getLogger(__name__)
 POLL = 0.2  # seconds between looks at the leader key / lease while following or leading
 DRAIN_TIMEOUT = 10.0  # graceful leader shutdown: longest wait for the ISR to ack everything
 STATUS_EVERY = 10.0  # seconds between cluster status log lines on the leader
+WATCH_BACKSTOP = 2.0  # seconds between reads of the leader key while its watch is healthy
+MEMBER_EVERY = 1.0  # seconds between checks whether our member record in etcd needs rewriting
+STALL_ENV = "SKRED_TEST_FSYNC_STALL_FILE"  # test hook: fsync blocks while this file exists
+
+
+class _StallWhileFileExists:
+    """A Syncable whose sync() blocks while a file exists: simulates a stuck disk in tests."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def sync(self) -> None:
+        while self.path.exists():
+            time.sleep(0.05)  # this runs in the fsync worker thread, like a stuck fsync would
 
 
 def load_node_id(data_dir: Path) -> str:
@@ -111,6 +140,10 @@ class ClusterRunner:
         self.lock: DataDirLock | None = None
         self.apply_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skred-replica")
         self._bg: set[asyncio.Task[Any]] = set()
+        self.view = ClusterView(self.node_id, self.uri)
+        self.follower_metrics = FollowerMetrics(self.view)
+        self._metrics_retry_at = 0.0
+        self._member_written: tuple[int | None, str] = (None, "")
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.ensure_future(coro)
@@ -141,9 +174,11 @@ class ClusterRunner:
         self._lock()
         log.info("cluster node %s (%s) starting, etcd %s prefix %r", self.node_id, self.uri,
                  self.config.clustering.etcd_endpoints, self.etcd.prefix)
+        member_loop = asyncio.ensure_future(self._publish_member_loop())
         try:
             while not self.stopping.is_set():
                 try:
+                    await self._start_follower_metrics()
                     if self.etcd.client is None:
                         await self.etcd.connect()
                         self.secret = await self.etcd.secret()
@@ -159,16 +194,47 @@ class ClusterRunner:
                     await self._pause(1.0)
             return 0
         finally:
+            member_loop.cancel()
             await self._stop_proxies()
+            await self.follower_metrics.stop()
             await self.etcd.revoke()
             await self.etcd.close()
             self._unlock()
             self.apply_executor.shutdown(wait=True)
             log.info("stopped")
 
+    async def _start_follower_metrics(self) -> None:
+        mgmt = self.config.mgmt
+        if not mgmt.enabled or self.follower_metrics.running or time.monotonic() < self._metrics_retry_at:
+            return
+        try:
+            await self.follower_metrics.start(mgmt.metrics_bind, mgmt.metrics_port)
+        except OSError as exc:
+            self._metrics_retry_at = time.monotonic() + 5.0
+            log.error("cannot serve follower metrics on %s:%d: %s", mgmt.metrics_bind, mgmt.metrics_port,
+                      exc.strerror or exc)
+
+    async def _publish_member_loop(self) -> None:
+        """Keep ``<prefix>/members/<id>`` current (rewritten when the record or our lease changes)."""
+        while True:
+            await asyncio.sleep(MEMBER_EVERY)
+            lease = self.etcd.lease_id
+            if lease is None or self.etcd.client is None:
+                continue
+            record = json.dumps(self.view.member_record(), sort_keys=True)
+            if (lease, record) == self._member_written:
+                continue
+            try:
+                await self.etcd.put_member(self.node_id, json.loads(record))
+            except EtcdError as exc:
+                log.debug("member record: %s", exc)
+                continue
+            self._member_written = (lease, record)
+
     async def _step(self) -> int | None:
         leader = await self.etcd.get("leader")
         if leader is None:
+            self.view.set_role("candidate")
             isr, isr_raw = await self.etcd.read_isr()
             if isr is None or self.node_id in isr:
                 if await self.etcd.campaign(self.uri, isr_raw):
@@ -191,6 +257,8 @@ class ClusterRunner:
         parts = urlsplit(uri)
         host, port = parts.hostname or "127.0.0.1", parts.port or 5679
         log.info("following leader %s", uri)
+        self.view.set_role("follower", uri)
+        self.view.synced = self.synced_once
         loop = asyncio.get_running_loop()
 
         def on_welcome(w: codec.Welcome) -> None:
@@ -198,6 +266,7 @@ class ClusterRunner:
             self.http_target.host, self.http_target.port = host, w.http_port
 
         def on_synced() -> None:
+            self.view.synced = True
             if not self.synced_once:
                 self.synced_once = True
                 self._spawn(self._start_proxies())
@@ -205,11 +274,29 @@ class ClusterRunner:
         task = asyncio.ensure_future(follower.follow(
             host, port, self.data_dir, self.secret, self.node_id, on_welcome, on_synced,
             self.apply_executor, _source_ip(self.config.clustering.bind)))
+        changed = asyncio.Event()
+        watch = asyncio.ensure_future(self.etcd.watch("leader", changed.set))
+        signalled = asyncio.ensure_future(changed.wait())
+        watch_ok = True
+        last_read = -WATCH_BACKSTOP  # read the key once right away: it may have moved before the watch
         try:
             while not task.done() and not self.stopping.is_set():
-                await asyncio.wait([task], timeout=POLL)
-                if task.done():
+                await asyncio.wait([task, signalled], timeout=POLL)
+                if task.done() or not self.etcd.lease_alive():
                     break
+                now = time.monotonic()
+                if watch_ok and watch.done():
+                    watch_ok = False
+                    error = None if watch.cancelled() else watch.exception()
+                    log.warning("leader watch ended (%s): polling the key every %.1fs",
+                                error or "stream closed", POLL)
+                backstop = WATCH_BACKSTOP if watch_ok else POLL
+                if not signalled.done() and now - last_read < backstop:
+                    continue
+                if signalled.done():
+                    changed.clear()
+                    signalled = asyncio.ensure_future(changed.wait())
+                last_read = now
                 try:
                     current = await self.etcd.get("leader")
                 except EtcdError as exc:
@@ -218,11 +305,11 @@ class ClusterRunner:
                 if current is None or current.decode() != uri:
                     log.info("leader %s is gone", uri)
                     break
-                if not self.etcd.lease_alive():
-                    break
         finally:
             task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            watch.cancel()
+            signalled.cancel()
+            await asyncio.gather(task, watch, signalled, return_exceptions=True)
             # The single replica worker: wait for any batch still being written.
             await loop.run_in_executor(self.apply_executor, lambda: None)
         if task.cancelled():
@@ -266,14 +353,20 @@ class ClusterRunner:
         started = time.monotonic()
         log.info("elected leader (node %s, %s)", self.node_id, self.uri)
         await self._stop_proxies()
+        await self.follower_metrics.stop()  # the broker serves the metrics port while we lead
         self._spawn(run_hook(c.on_leader_elected, self.node_id, self.uri, "leader"))
         sink = LeaderSink(self.data_dir, self.node_id, self.secret, self.etcd.write_isr)
+        sink.lease_valid = self.etcd.lease_alive
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, sink.index.scan)
         if not await self.etcd.write_isr([self.node_id]):
             log.error("lost leadership before serving")
             return None
+        self.view.set_role("leader", self.uri, sink)
         node = Node(cfg, sink)
+        node.cluster = self.view
+        stall_file = os.environ.get(STALL_ENV)
+        stall = _StallWhileFileExists(Path(stall_file)) if stall_file else None
 
         def replicated(dirty: list[Any]) -> asyncio.Future[None]:
             # Queue stores report meta and buffered acks to the sink only on flush():
@@ -282,6 +375,8 @@ class ClusterRunner:
                 flush = getattr(obj, "flush", None)
                 if flush is not None:
                     flush()
+            if stall is not None and node.broker is not None:
+                node.broker.syncer.mark_dirty(stall)  # called before the Syncer takes its dirty set
             return sink.barrier()
 
         node.replicated = replicated
@@ -319,7 +414,8 @@ class ClusterRunner:
         syncer = node.broker.syncer if node.broker is not None else None
         last_check = last_status = time.monotonic()
         while True:
-            await self._pause(POLL)
+            # Wake at the lease deadline at the latest: stepping down must not wait for a poll.
+            await self._pause(max(0.01, min(POLL, self.etcd.lease_deadline() - time.monotonic())))
             now = time.monotonic()
             if self.stopping.is_set() or node.stopping.is_set():
                 await self._step_down_gracefully(node, sink)
@@ -349,6 +445,7 @@ class ClusterRunner:
         """Stop leading at once (no confirm after this), then rejoin as a follower."""
         log.error("stepping down: %s", why)
         sink.fence()
+        self.view.set_role("candidate")
         self._spawn(run_hook(self.config.clustering.on_leader_lost, self.node_id, self.uri, "follower"))
         await sink.stop()
         await node.shutdown()

@@ -1,4 +1,4 @@
-"""Cluster status: the live view (metrics, ``GET /api/cluster``), a follower's metrics port, ``--cluster-status``.
+"""Cluster status: live view (metrics, ``GET /api/cluster``), follower metrics, ``--cluster-status``.
 
 Theory of operation
 -------------------
@@ -97,7 +97,7 @@ def _coarse(n: int) -> int:
     """``n`` rounded down to two significant digits: a record changes only when lag really moves."""
     if n < 100:
         return n
-    scale = 10 ** (len(str(n)) - 2)
+    scale = int(10 ** (len(str(n)) - 2))
     return n // scale * scale
 
 
@@ -156,8 +156,8 @@ async def read_status(config: Config) -> dict[str, Any]:
         m = members.get(nid, {})
         nodes.append({"node_id": nid, "uri": m.get("uri"), "role": m.get("role", "down"),
                       "in_isr": nid in (isr or []), "lag_bytes": lags.get(nid)})
-    return {"etcd": c.etcd_endpoints, "prefix": etcd.prefix, "leader": {"node_id": leader_id, "uri": leader_uri},
-            "isr": isr or [], "members": nodes}
+    return {"etcd": c.etcd_endpoints, "prefix": etcd.prefix,
+            "leader": {"node_id": leader_id, "uri": leader_uri}, "isr": isr or [], "members": nodes}
 
 
 def format_status(status: dict[str, Any]) -> str:

@@ -257,6 +257,46 @@ async def delete_permission(request: web.Request) -> web.Response:
     return no_content()
 
 
+# ---------------------------------------------------------------- vhost limits
+def _limits_json(request: web.Request, name: str) -> dict[str, Any]:
+    return {"vhost": name, "value": dict(request.app[MGMT_KEY].broker.vhosts[name].limits.values)}
+
+
+@routes.get("/api/vhost-limits")
+async def all_vhost_limits(request: web.Request) -> web.Response:
+    vhosts = request.app[MGMT_KEY].broker.vhosts
+    return web.json_response([_limits_json(request, n) for n in sorted(vhosts)
+                              if can_see_vhost(request, n) and vhosts[n].limits.values])
+
+
+@routes.get("/api/vhost-limits/{vhost}")
+async def vhost_limits(request: web.Request) -> web.Response:
+    name = vhost_param(request)
+    found = request.app[MGMT_KEY].broker.vhosts[name].limits.values
+    return web.json_response([_limits_json(request, name)] if found else [])
+
+
+@routes.put("/api/vhost-limits/{vhost}/{name}")
+async def put_vhost_limit(request: web.Request) -> web.Response:
+    require_admin(request)
+    vhost_name = vhost_param(request)
+    body = await json_body(request, allowed={"value"}, required=("value",))
+    try:
+        request.app[MGMT_KEY].broker.vhosts[vhost_name].limits.set(request.match_info["name"], body["value"])
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
+    return no_content()
+
+
+@routes.delete("/api/vhost-limits/{vhost}/{name}")
+async def delete_vhost_limit(request: web.Request) -> web.Response:
+    require_admin(request)
+    vhost_name = vhost_param(request)
+    if not request.app[MGMT_KEY].broker.vhosts[vhost_name].limits.delete(request.match_info["name"]):
+        raise not_found()
+    return no_content()
+
+
 # ------------------------------------------------------------------- policies
 def _require_policymaker(request: web.Request, vhost_name: str) -> None:
     user = user_of(request)

@@ -32,6 +32,7 @@ from broker.http.common import (
 )
 from broker.http.routes_access import routes as access_routes
 from broker.http.routes_node import routes as node_routes
+from broker.http.routes_streams import routes as stream_routes
 from broker.http.routes_topology import routes as topology_routes
 from broker.http.state import Mgmt
 from broker.metrics import CONTENT_TYPE, Metrics
@@ -131,6 +132,7 @@ def build_app(mgmt: Mgmt, metrics_obj: Metrics) -> web.Application:
     app.add_routes(node_routes)
     app.add_routes(topology_routes)
     app.add_routes(access_routes)
+    app.add_routes(stream_routes)  # GET /api/streams/{vhost}/{queue}/messages
     return app
 
 

@@ -10,6 +10,13 @@ routing key is memoised until the bindings change) or a scan of the header
 bindings (headers; the only type that decodes message properties, and it does
 so lazily through ``headers_of``). Exchange-to-exchange bindings are followed
 by the vhost, which owns loop detection.
+
+The default exchange ("") binds every queue once, under the queue's own name and
+without arguments (the vhost refuses any other binding to it). With 100k queues
+the general bookkeeping (binding tuple, args dict, per-destination lists and
+counts) would cost ~0.7 KB per queue, so it keeps only the routing dict
+``_direct`` (name -> [queue]); ``bindings()`` is synthesised from it in the same
+order and shape, and ``unbind_all`` finds a queue by its ``name`` attribute.
 """
 
 from __future__ import annotations
@@ -96,7 +103,7 @@ class Exchange:
     __slots__ = (
         "name", "type", "durable", "auto_delete", "internal", "arguments",
         "_bindings", "_direct", "_all", "_topic", "_topic_cache", "_headers", "alternate",
-        "_by_dest", "_refs", "kind", "special",
+        "_by_dest", "_refs", "kind", "special", "_default",
     )
 
     def __init__(
@@ -131,11 +138,20 @@ class Exchange:
         self._topic: list[tuple[re.Pattern[str], object]] = []
         self._topic_cache: dict[str, tuple[object, ...]] = {}
         self._headers: list[tuple[dict[str, Any], object]] = []
+        # The default exchange: only _direct is kept (see the module docstring).
+        self._default = name == "" and type_ == "direct"
 
     # --------------------------------------------------------------- bindings
     def bind(self, dest: object, routing_key: str, args: dict[str, Any] | None = None) -> bool:
         """Add a binding in O(1) (O(n) only for topic/headers caches): 100k queues bind to
         the default exchange, so nothing here may rescan all bindings."""
+        if self._default:
+            if args:
+                raise ValueError("the default exchange takes no binding arguments")
+            if routing_key in self._direct:
+                return False
+            self._direct[routing_key] = [dest]
+            return True
         key = (dest, routing_key, args_key(args))
         if key in self._bindings:
             return False
@@ -161,6 +177,12 @@ class Exchange:
         return True
 
     def unbind(self, dest: object, routing_key: str, args: dict[str, Any] | None = None) -> bool:
+        if self._default:
+            lst = self._direct.get(routing_key)
+            if args or lst is None or lst[0] != dest:
+                return False
+            del self._direct[routing_key]
+            return True
         key = (dest, routing_key, args_key(args))
         bound_args = self._bindings.pop(key, None)
         if bound_args is None:
@@ -196,16 +218,27 @@ class Exchange:
         return True
 
     def unbind_all(self, dest: object) -> int:
+        if self._default:
+            name = getattr(dest, "name", None)
+            if isinstance(name, str):  # a queue: bound under its own name, O(1)
+                return int(self.unbind(dest, name))
+            # Any other destination: a scan (never for queues, so deleting 100k stays linear).
+            names = [rk for rk, lst in self._direct.items() if lst[0] == dest]
+            for rk in names:
+                del self._direct[rk]
+            return len(names)
         keys = list(self._by_dest.get(dest, ()))
         for d, rk, _ in keys:
             self.unbind(d, rk, self._bindings[(d, rk, _)])
         return len(keys)
 
     def bindings(self) -> list[tuple[object, str, dict[str, Any]]]:
+        if self._default:
+            return [(lst[0], rk, {}) for rk, lst in self._direct.items()]
         return [(d, rk, a) for (d, rk, _), a in self._bindings.items()]
 
     def has_bindings(self) -> bool:
-        return bool(self._bindings)
+        return bool(self._direct) if self._default else bool(self._bindings)
 
     # ---------------------------------------------------------------- routing
     def route(

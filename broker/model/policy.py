@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 APPLY_TO = ("all", "queues", "exchanges", "classic_queues", "quorum_queues", "streams")
 _QUEUE_KINDS = ("all", "queues", "classic_queues", "quorum_queues")
+_STREAM_KINDS = ("all", "queues", "streams")  # apply-to values that reach stream queues
 FILE_VERSION = 1
 
 
@@ -55,6 +56,8 @@ class Policy:
 
     def applies(self, kind: str, name: str) -> bool:
         if kind == "queue" and self.apply_to not in _QUEUE_KINDS:
+            return False
+        if kind == "stream" and self.apply_to not in _STREAM_KINDS:
             return False
         if kind == "exchange" and self.apply_to not in ("all", "exchanges"):
             return False
@@ -79,6 +82,8 @@ def make_policy(name: str, pattern: str, definition: dict[str, Any], priority: i
     if apply_to not in APPLY_TO:
         raise ValueError(f"'apply-to' must be one of {', '.join(APPLY_TO)}")
     validate_policy_definition(definition)
+    from broker.model.stream import check_policy_definition  # max-age (stream retention)
+    check_policy_definition(definition)
     return Policy(name, pattern, dict(definition), priority, apply_to, regex)
 
 
@@ -115,11 +120,11 @@ class PolicySet:
                 best = p
         return best
 
-    def for_queue(self, name: str) -> tuple[Policy | None, Policy | None]:
-        """(policy, operator policy) in effect for queue ``name``."""
+    def for_queue(self, name: str, kind: str = "queue") -> tuple[Policy | None, Policy | None]:
+        """(policy, operator policy) in effect for queue ``name`` (kind ``stream`` for streams)."""
         if not self.policies and not self.operator:
             return None, None
-        return self._match(self.policies, "queue", name), self._match(self.operator, "queue", name)
+        return self._match(self.policies, kind, name), self._match(self.operator, kind, name)
 
     def for_exchange(self, name: str) -> Policy | None:
         if not self.policies:
@@ -131,6 +136,9 @@ class PolicySet:
 def apply_to_queue(vh: VHost, q: Queue) -> None:
     """Give ``q`` the config its arguments and the vhost's policies add up to."""
     if q.arguments.get("x-queue-type") == "stream":
+        from broker.model.stream import StreamQueue, apply_stream_policies  # retention limits
+        if isinstance(q, StreamQueue):
+            apply_stream_policies(vh, q)
         return
     pol, op = vh.policy_set.for_queue(q.name)
     try:

@@ -29,6 +29,18 @@ Filtering: messages carry ``x-stream-filter-value`` in their headers; a consumer
 ``x-stream-filter`` (a string or a list) only gets messages whose value is in the list, plus
 messages without a value if ``x-stream-match-unfiltered`` is true. Filtering is exact, done
 here, so clients need no post-filtering.
+
+Retention: the limits in force are the stricter (lower) of each of the queue arguments
+(``x-max-length``, ``x-max-length-bytes``, ``x-max-age``), the vhost policy and the operator
+policy (keys ``max-length``, ``max-length-bytes``, ``max-age``), as RabbitMQ does for
+streams. ``apply_policies`` recomputes them at declare (so also at boot, when the
+definitions are replayed) and whenever ``broker/model/policy.py`` re-applies policies after a
+change, then runs retention at once. Length and size limits only change on append, where the
+store enforces them when a segment fills; age changes with the clock, so a stream with a
+``max-age`` keeps one timer (the vhost's ``call_later``) that fires when the oldest removable
+segment expires, and at least every ``RETENTION_CHECK_S`` seconds, so idle streams shrink too.
+While nothing is removable (only the write segment) the timer waits, and the first publish
+that closes a segment re-aims it (one flag test per publish otherwise).
 """
 
 from __future__ import annotations
@@ -48,6 +60,7 @@ from broker.store.queue_store import QueueStore
 from broker.store.stream_store import Record, Retention, StreamPosition, StreamStore, parse_age
 
 if TYPE_CHECKING:
+    from broker.model.features import CallLater, TimerHandle
     from broker.model.vhost import VHost
 
 OFFSET_BITS: Final = 40
@@ -55,6 +68,8 @@ OFFSET_MASK: Final = (1 << OFFSET_BITS) - 1
 _PASS_BUDGET: Final = 4096  # deliveries per pass before yielding to the loop
 _SKIP_BUDGET: Final = 16384  # filtered-out records examined per pass
 _FILTER_VALUE: Final = "x-stream-filter-value"
+RETENTION_CHECK_S: Final = 60.0  # longest wait between age-retention checks of a stream
+_POLICY_INT_KEYS: Final = ("max-length", "max-length-bytes")
 
 
 def is_stream_arguments(arguments: dict[str, Any] | None) -> bool:
@@ -87,6 +102,61 @@ def retention_from_arguments(arguments: dict[str, Any]) -> Retention:
                      max_age_ms)
 
 
+def _policy_age(value: Any) -> int:
+    if isinstance(value, bytes):
+        value = value.decode(errors="replace")
+    if not isinstance(value, str):
+        raise ValueError("expected a string like 7D")
+    return parse_age(value)
+
+
+def check_policy_definition(definition: dict[str, Any]) -> None:
+    """ValueError for a bad ``max-age`` policy value (the integer keys are checked by features)."""
+    if "max-age" in definition:
+        try:
+            _policy_age(definition["max-age"])
+        except ValueError as exc:
+            raise ValueError(f"invalid value for policy key 'max-age': {exc}") from None
+
+
+def _policy_retention(definition: dict[str, Any] | None) -> Retention:
+    """The retention keys of a policy definition; malformed values are ignored."""
+    out = Retention()
+    if not definition:
+        return out
+    ints: list[int | None] = []
+    for key in _POLICY_INT_KEYS:
+        v = definition.get(key)
+        ints.append(v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None)
+    out.max_length, out.max_bytes = ints
+    if "max-age" in definition:
+        try:
+            out.max_age_ms = _policy_age(definition["max-age"])
+        except ValueError:
+            pass
+    return out
+
+
+def _lowest(*values: int | None) -> int | None:
+    present = [v for v in values if v is not None]
+    return min(present) if present else None
+
+
+def effective_retention(arguments: Retention, policy: dict[str, Any] | None,
+                        operator: dict[str, Any] | None) -> Retention:
+    """Arguments + policy + operator policy: for each limit the stricter (lowest) one wins."""
+    pol, op = _policy_retention(policy), _policy_retention(operator)
+    return Retention(_lowest(arguments.max_length, pol.max_length, op.max_length),
+                     _lowest(arguments.max_bytes, pol.max_bytes, op.max_bytes),
+                     _lowest(arguments.max_age_ms, pol.max_age_ms, op.max_age_ms))
+
+
+def apply_stream_policies(vh: VHost, q: StreamQueue) -> None:
+    """Give ``q`` the retention its arguments and the vhost's (operator) policies add up to."""
+    pol, op = vh.policy_set.for_queue(q.name, "stream")
+    q.apply_policies(pol.definition if pol else None, op.definition if op else None)
+
+
 def new_stream_queue(vh: VHost, name: str, *, durable: bool, exclusive: bool, auto_delete: bool,
                      arguments: dict[str, Any]) -> StreamQueue:
     """Build the stream queue for ``VHost.declare_queue`` (406 unless durable, shared, kept)."""
@@ -102,10 +172,10 @@ def new_stream_queue(vh: VHost, name: str, *, durable: bool, exclusive: bool, au
     if not qfile.exists():
         qfile.write_text(name)
         vh.sink.replace(qfile, name.encode())
-    if retention.active:
-        store.apply_retention(int(time.time() * 1000))
-    return StreamQueue(vh.name, name, arguments=arguments, stream=store, schedule=vh.schedule,
-                       on_unused=vh._queue_unused, on_dirty=vh.mark_dirty)
+    q = StreamQueue(vh.name, name, arguments=arguments, stream=store, schedule=vh.schedule,
+                    on_unused=vh._queue_unused, on_dirty=vh.mark_dirty, call_later=vh.call_later)
+    apply_stream_policies(vh, q)  # also runs retention and arms the age timer
+    return q
 
 
 class _Filter:
@@ -170,11 +240,13 @@ def with_offset_header(props: bytes, offset: int, timestamp_ms: int) -> bytes:
 
 
 class StreamQueue(Queue):
-    __slots__ = ("stream", "_cursors", "_by_consumer", "_next_cid", "_more")
+    __slots__ = ("stream", "_cursors", "_by_consumer", "_next_cid", "_more", "arg_retention",
+                 "_call_later", "_retention_timer", "_age_waiting")
 
     def __init__(self, vhost: str, name: str, *, arguments: dict[str, Any], stream: StreamStore,
                  schedule: Callable[[Callable[[], None]], object],
-                 on_unused: Callable[[Queue], None], on_dirty: Callable[[Any], None]) -> None:
+                 on_unused: Callable[[Queue], None], on_dirty: Callable[[Any], None],
+                 call_later: CallLater | None = None) -> None:
         # The session and management API read ``queue.store`` for counters, flush and sync;
         # StreamStore provides that QueueStore surface (ready/unacked/bytes, flush, sync, close).
         super().__init__(vhost, name, durable=True, exclusive_owner=None, auto_delete=False,
@@ -185,12 +257,19 @@ class StreamQueue(Queue):
         self._by_consumer: dict[int, _Cursor] = {}  # id(consumer) -> its live cursor
         self._next_cid = 1
         self._more = False
+        r = stream.retention  # the store was built with the argument limits
+        self.arg_retention = Retention(r.max_length, r.max_bytes, r.max_age_ms)
+        self._call_later = call_later
+        self._retention_timer: TimerHandle | None = None
+        self._age_waiting = False  # age timer armed with nothing removable yet
 
     # ------------------------------------------------------------ publishing
     def publish(self, ts: int, exchange: bytes, routing_key: bytes, props: bytes,
                 body: bytes | memoryview, persistent: bool) -> None:
         self.stream.append(ts, exchange, routing_key, props, body)
         self.n_published += 1
+        if self._age_waiting and self.stream.next_age_expiry() is not None:
+            self._arm_retention()  # a segment was closed: aim the age timer at its expiry
         # Every stream message is kept (delivery mode is irrelevant), so confirms wait for fsync.
         self.on_dirty(self.store)
         if self.consumers and not self._scheduled:
@@ -387,11 +466,49 @@ class StreamQueue(Queue):
         """Apply retention now (idle streams; policies call this after changing limits)."""
         return self.stream.apply_retention(int(time.time() * 1000) if now_ms is None else now_ms)
 
+    def apply_policies(self, policy: dict[str, Any] | None, operator: dict[str, Any] | None) -> None:
+        """Recompute the limits from arguments and policy definitions; enforce them now."""
+        if self.deleted:
+            return
+        self.stream.retention = effective_retention(self.arg_retention, policy, operator)
+        if self.stream.retention.active:
+            self.apply_retention()
+        self._arm_retention()
+
+    def _arm_retention(self) -> None:
+        """(Re)arm the age timer: at the oldest removable segment's expiry, else in 60 s."""
+        self._cancel_retention()
+        if self._call_later is None or self.deleted or self.stream.retention.max_age_ms is None:
+            return
+        delay = RETENTION_CHECK_S
+        due = self.stream.next_age_expiry()
+        self._age_waiting = due is None
+        if due is not None:
+            # +10 ms: the store removes a segment once its successor's first timestamp is
+            # strictly older than the cut-off, so fire just after that instant.
+            delay = min(delay, max(0.0, (due - time.time() * 1000) / 1000.0) + 0.01)
+        self._retention_timer = self._call_later(delay, self._on_retention_timer)
+
+    def _on_retention_timer(self) -> None:
+        self._retention_timer = None
+        if self.deleted:
+            return
+        self.apply_retention()
+        self._arm_retention()
+
+    def _cancel_retention(self) -> None:
+        self._age_waiting = False
+        if self._retention_timer is not None:
+            self._retention_timer.cancel()
+            self._retention_timer = None
+
     def close(self) -> None:
+        self._cancel_retention()
         self.stream.close()
 
     def delete(self) -> None:
         self.deleted = True
+        self._cancel_retention()
         consumers, self.consumers = self.consumers, []
         self._by_consumer.clear()
         self._cursors.clear()

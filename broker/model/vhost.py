@@ -32,6 +32,7 @@ from pamqp.base import Frame as PFrame
 from broker import errors
 from broker.model import exchange_features, features, policy
 from broker.model.exchange import Exchange
+from broker.model.limits import VHostLimits
 from broker.model.queue import Queue
 from broker.store.definitions import DefinitionsLog
 from broker.store.paths import queue_dir, vhost_dir
@@ -88,6 +89,7 @@ class VHost:
         self.definitions = DefinitionsLog(self.dir / "definitions.amqp", sink)
         self.call_later = call_later  # timers for TTL / x-expires (broker/model/features.py)
         self.policy_set = policy.PolicySet(self.dir / "policies.json", sink)
+        self.limits = VHostLimits(self.dir / "limits.json", sink)  # max-connections, max-queues
         self._replaying = False
         self._load()
 
@@ -245,6 +247,12 @@ class VHost:
         arguments = dict(arguments or {})
         if passive:
             return self.get_queue(name, owner), False
+        max_queues = self.limits.max_queues
+        if max_queues is not None and not self._replaying and name not in self.queues \
+                and len(self.queues) >= max_queues:
+            raise errors.PreconditionFailed(
+                f"cannot declare queue '{name}': queue limit in vhost '{self.name}' ({max_queues}) "
+                "is reached", 50, 10)
         if not name:
             name = "amq.gen-" + base64.urlsafe_b64encode(os.urandom(16)).decode().rstrip("=")
         elif name.startswith("amq.") and not self._replaying:

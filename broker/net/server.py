@@ -28,6 +28,7 @@ from typing import Any
 from broker import errors
 from broker.amqp.connection import State
 from broker.net import proxy
+from broker.net.alarms import check_consumer_timeouts
 from broker.net.broker import Broker
 from broker.net.session import Session
 
@@ -129,6 +130,9 @@ class AMQPProtocol(asyncio.Protocol):
         return data[used:]
 
     def _resume_reading(self, turns: int) -> None:
+        if self.broker.alarm.active:
+            self.broker.alarm.parked.add(self)  # disk alarm: a publisher is not read until it clears
+            return
         s = self.session
         if s is not None and s.batch_queues:
             # Consumers of the queues we just fed still have a backlog: give
@@ -141,6 +145,10 @@ class AMQPProtocol(asyncio.Protocol):
         t = self.transport
         if t is not None and not t.is_closing():
             t.resume_reading()
+
+    def unpark(self) -> None:
+        """The disk alarm cleared: read this publisher again."""
+        self._resume_reading(_HOLD_TURNS)
 
     def wakeup(self) -> None:
         if not self._flush_scheduled:
@@ -200,6 +208,8 @@ class AMQPProtocol(asyncio.Protocol):
                 log.info("closing %s: handshake timeout", s.name)
                 t.close()
             return
+        if s.chs and check_consumer_timeouts(s, now, self.broker.config.main.consumer_timeout):
+            self.flush()
         hb = s.heartbeat
         if hb:
             if now - self.last_read > 2 * hb:
@@ -242,6 +252,12 @@ class AMQPServer:
                     p.tick(now)
                 except Exception:
                     log.exception("heartbeat tick failed")
+            try:
+                self.broker.alarm.check([p.session for p in self.protocols if p.session is not None])
+                for p in list(self.protocols):
+                    p.flush()
+            except Exception:
+                log.exception("disk alarm check failed")
 
     async def stop(self, reason: str) -> None:
         """Stop accepting, close every connection with 320, wait briefly for close-ok."""

@@ -12,8 +12,16 @@ Two ways in, same rows:
   pushed-down filters on ``offset``) and timestamp bounds (filters on ``timestamp``) drop
   whole segments before any task runs; rows are then trimmed exactly, and the filters are
   still handed back to Spark, so pruning is an optimisation, never a semantic change.
-  Pushed-down filters need ``option("pushdown", "true")`` and the session setting
-  ``spark.sql.python.filterPushdown.enabled=true`` (the offset options prune regardless).
+  Filter pushdown (``option("pushdown")``) is ``auto`` by default: Spark refuses a reader that
+  implements ``pushFilters`` unless the session sets
+  ``spark.sql.python.filterPushdown.enabled=true`` (off by default), and the data source is
+  not told that setting. So ``reader()`` looks at the Spark planner worker that calls it: the
+  filter-pushdown worker (only run when the setting is on) or the plain planning worker's
+  ``enable_pushdown`` flag. If pushdown is allowed it returns the pushdown reader, otherwise
+  (or when the caller is not recognised, e.g. another Spark version) the plain one, which
+  reads everything correctly and still prunes with the ``startingOffset``/``endingOffset``
+  options. ``true`` forces pushdown (Spark then errors unless the setting is on), ``false``
+  turns it off.
 * ``option("uri", "amqp://...")`` reads from a running broker over AMQP with stream offsets
   (``broker/spark/amqp.py``), split into ``numPartitions`` offset ranges.
 
@@ -30,6 +38,8 @@ from __future__ import annotations
 import datetime
 import mmap
 import os
+import sys
+import types
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,9 +121,10 @@ class _Options:
         self.batch_rows = int(options.get("batchrows", _BATCH_ROWS))
         self.batch_bytes = int(options.get("batchbytes", _BATCH_BYTES))
         self.partitions = max(1, int(options.get("numpartitions", "1")))
-        # Off by default: a reader with pushFilters fails unless the session enables
-        # spark.sql.python.filterPushdown.enabled (off by default in Spark 4.1).
-        self.pushdown = options.get("pushdown", "false").lower() == "true"
+        # auto (default): push filters down when the Spark session allows it (see reader()).
+        self.pushdown = options.get("pushdown", "auto").strip().lower()
+        if self.pushdown not in ("auto", "true", "false"):
+            raise ValueError("skred: option 'pushdown' must be auto, true or false")
         self.starting = options.get("startingoffset", options.get("startingoffsets"))
         self.ending = options.get("endingoffset")
         self.max_per_trigger = options.get("maxrecordspertrigger")
@@ -220,6 +231,33 @@ def _ms(value: Any) -> int | None:
     return None
 
 
+_PUSHDOWN_WORKER = "pyspark.sql.worker.data_source_pushdown_filters"
+_PLAN_WORKER = "pyspark.sql.worker.plan_data_source_read"
+
+
+def spark_allows_pushdown(max_depth: int = 8) -> bool:
+    """Whether the Spark planner calling ``DataSource.reader`` accepts a ``pushFilters`` reader.
+
+    Spark (4.1 to 4.3 at least) plans a Python data source read in a worker process: the
+    filter-pushdown worker runs only when ``spark.sql.python.filterPushdown.enabled`` is on;
+    the plain planning worker holds that setting in its local ``enable_pushdown`` and fails a
+    reader with ``pushFilters`` when it is off. Neither is passed to the data source, so look
+    at the calling frames. Anything unrecognised answers False: the plain reader is always
+    correct, it only prunes less.
+    """
+    frame: types.FrameType | None = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            return False
+        module = frame.f_globals.get("__name__")
+        if module == _PUSHDOWN_WORKER:
+            return True
+        if module == _PLAN_WORKER:
+            return frame.f_locals.get("enable_pushdown") is True
+        frame = frame.f_back
+    return False
+
+
 def _parse_offset(value: str | None, first: int, nxt: int, default: int) -> int:
     if value is None:
         return default
@@ -243,7 +281,8 @@ class SkredDataSource(DataSource):  # type: ignore[misc,unused-ignore]
 
     def reader(self, schema: Any) -> DataSourceReader:
         opts = _Options(dict(self.options))
-        if opts.pushdown:
+        push = opts.pushdown == "true" or (opts.pushdown == "auto" and spark_allows_pushdown())
+        if push:
             return SkredPushdownReader(opts, schema)
         return SkredBatchReader(opts, schema)
 

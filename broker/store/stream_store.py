@@ -322,6 +322,17 @@ class StreamStore:
             deleted += 1
         return deleted
 
+    def next_age_expiry(self) -> int | None:
+        """When (ms) the age limit next removes a segment, or None (no limit, nothing removable).
+
+        The oldest segment goes once its successor's first timestamp (a bound on its newest
+        message) is older than ``max_age``; the write segment is never removed.
+        """
+        age = self.retention.max_age_ms
+        if age is None or len(self._order) < 2 or self._segs[self._order[0]] is self._wseg:
+            return None
+        return self._segs[self._order[1]].first_ts + age
+
     def _delete_oldest(self) -> None:
         seg = self._segs[self._order[0]]
         mm = self._read_maps.pop(seg.num, None)

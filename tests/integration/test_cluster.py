@@ -78,16 +78,20 @@ def wait_for(pred: Any, timeout: float, what: str) -> Any:
 
 
 class Etcd:
-    def __init__(self, tmp: Path) -> None:
-        self.client_port = free_port()
-        self.peer_port = free_port()
-        self.endpoint = f"127.0.0.1:{self.client_port}"
+    """etcd on loopback; ``wrapper`` (e.g. ``ip netns exec NS``) runs it inside a network namespace,
+    where it listens on ``listen`` with fixed ports (the namespace's own port space)."""
+
+    def __init__(self, tmp: Path, host: str = "127.0.0.1", listen: str | None = None,
+                 wrapper: tuple[str, ...] = ()) -> None:
+        self.client_port = 2379 if wrapper else free_port()
+        self.peer_port = 2380 if wrapper else free_port()
+        self.endpoint = f"{host}:{self.client_port}"
         self.data = tmp / "etcd-data"
         self.log = open(tmp / "etcd.log", "wb")
         assert ETCD is not None
         self.proc = subprocess.Popen(
-            [ETCD, "--name", "t", "--data-dir", str(self.data),
-             "--listen-client-urls", f"http://{self.endpoint}",
+            [*wrapper, ETCD, "--name", "t", "--data-dir", str(self.data),
+             "--listen-client-urls", f"http://{listen or host}:{self.client_port}",
              "--advertise-client-urls", f"http://{self.endpoint}",
              "--listen-peer-urls", f"http://127.0.0.1:{self.peer_port}",
              "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_port}",
@@ -109,6 +113,10 @@ class Etcd:
             return None
         return out.stdout.rstrip(b"\n")
 
+    def node_endpoint(self, index: int) -> str:
+        """The endpoint node ``index`` uses (the same for all here; see the partition test)."""
+        return self.endpoint
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGKILL)
@@ -117,7 +125,8 @@ class Etcd:
 
 
 class ClusterNode:
-    def __init__(self, tmp: Path, name: str, ip: str, etcd: Etcd, prefix: str, hook_file: Path) -> None:
+    def __init__(self, tmp: Path, name: str, ip: str, etcd_endpoint: str, prefix: str,
+                 hook_file: Path) -> None:
         self.name = name
         self.ip = ip
         self.data_dir = tmp / f"data-{name}"
@@ -133,20 +142,21 @@ class ClusterNode:
             "--amqp-bind", ip, "--amqp-port", str(self.port),
             "--mgmt-bind", ip, "--mgmt-port", str(self.mgmt_port),
             "--mgmt-metrics-port", str(self.metrics_port),
-            "--clustering", "--clustering-etcd-endpoints", etcd.endpoint,
+            "--clustering", "--clustering-etcd-endpoints", etcd_endpoint,
             "--clustering-etcd-prefix", prefix, "--clustering-bind", ip,
             "--clustering-port", str(self.repl_port), "--clustering-advertised-uri", self.uri,
             "--clustering-lease-ttl", str(TTL),
             "--clustering-on-leader-elected", hook, "--clustering-on-leader-lost", hook,
         ]
         self.proc: subprocess.Popen[bytes] | None = None
+        self.env: dict[str, str] = {}  # extra environment (test hooks)
 
     @property
     def url(self) -> str:
         return f"amqp://guest:guest@{self.ip}:{self.port}/%2F"
 
     def start(self) -> None:
-        env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+        env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), **self.env)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.argv, cwd=str(REPO_ROOT), stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, env=env, start_new_session=True)
@@ -183,14 +193,15 @@ class ClusterNode:
 
 
 class Cluster:
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, etcd: Etcd | None = None) -> None:
         ips = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
         if not all(_loopback_ok(ip) for ip in ips):
             ips = ["127.0.0.1"] * 3
-        self.etcd = Etcd(tmp)
+        self.etcd = etcd or Etcd(tmp)
         self.prefix = "skred-" + uuid.uuid4().hex[:PREFIX_LEN]
         self.hook_file = tmp / "hooks.txt"
-        self.nodes = [ClusterNode(tmp, f"n{i + 1}", ip, self.etcd, self.prefix, self.hook_file)
+        self.nodes = [ClusterNode(tmp, f"n{i + 1}", ip, self.etcd.node_endpoint(i), self.prefix,
+                                  self.hook_file)
                       for i, ip in enumerate(ips)]
 
     def leader(self) -> ClusterNode | None:
@@ -444,6 +455,10 @@ def test_leader_cut_off_from_etcd_stops_serving_and_cluster_recovers(cluster: Cl
         assert "stepping down: lease lost" in leader.log_text()
     finally:
         os.kill(c.etcd.proc.pid, signal.SIGCONT)
+    # The step-down has finished once the old leader follows or leads anew (a client that reached it
+    # while its broker was still shutting down would be closed with CONNECTION_FORCED).
+    wait_for(lambda: any(w in leader.log_text().partition("stepping down: lease lost")[2]
+                         for w in ("following leader", "elected leader")), 30, "the step-down to finish")
     # Once etcd is back, an ISR member leads again and every confirmed message is there.
     now_leader = wait_for(lambda: (n := c.leader()) is not None and n.answers() and n, 30,
                           "a serving leader after etcd came back")

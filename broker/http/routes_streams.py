@@ -1,0 +1,133 @@
+"""Reading a stream queue over the management API: N messages from an offset, as JSON.
+
+Theory of operation
+-------------------
+``GET /api/streams/{vhost}/{queue}/messages?offset=N&count=M`` is a read-only look at the log:
+it positions a private ``StreamPosition`` (``StreamStore.seek``: a binary search over the
+segment index plus a walk of one segment) and reads up to ``count`` records with
+``read_next``. Nothing is consumed, no consumer offset is stored and no delivery is
+counted, so it can be repeated and it never disturbs AMQP consumers. The start is an
+integer offset (clamped to the retained range, like ``x-stream-offset``), ``first``,
+``last`` or ``next``, or ``timestamp=MS`` (first message appended at or after it).
+
+The answer carries the retained range (``first_offset``, ``next_offset``) so a client pages
+with ``offset = last returned offset + 1``. Payloads are UTF-8 strings when they decode
+(``encoding=auto``) else base64 (always with ``encoding=base64``); ``truncate`` caps the
+payload bytes shown. Every request reads at most ``MAX_COUNT`` messages and stops after
+``MAX_BYTES`` of payload (at least one message is returned), so a handler never holds the
+event loop for long.
+
+Authorisation is the management API's (basic auth via the middleware, the vhost must be
+visible to the user) plus the AMQP ``read`` permission on the queue, as for
+``POST /api/queues/{vhost}/{queue}/get``.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any, Final
+
+from aiohttp import web
+from pamqp import commands
+
+from broker.http.common import MGMT_KEY, bad_request, check_perm, not_found, vhost_param
+from broker.http.render import jsonable
+from broker.model.stream import StreamQueue
+
+routes = web.RouteTableDef()
+
+MAX_COUNT: Final = 10_000
+DEFAULT_COUNT: Final = 100
+MAX_BYTES: Final = 16 << 20  # payload bytes per answer (the rest: ask again from the next offset)
+_PROP_NAMES: Final = {"message_type": "type"}  # pamqp attribute -> management API name
+
+
+def _properties(raw: bytes) -> dict[str, Any]:
+    """Basic properties as the management API shows them (only those that are set)."""
+    if len(raw) < 2:
+        return {}
+    p = commands.Basic.Properties()
+    try:
+        p.unmarshal((raw[0] << 8) | raw[1], raw[2:])
+    except Exception:  # noqa: BLE001 - odd properties from a client: show none rather than fail
+        return {}
+    return {_PROP_NAMES.get(k, k): jsonable(v) for k, v in dict(p).items() if v not in (None, "")}
+
+
+def _int_param(request: web.Request, key: str, default: int, lo: int, hi: int) -> int:
+    raw = request.query.get(key)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise bad_request(f"'{key}' must be an integer") from None
+    if not lo <= value <= hi:
+        raise bad_request(f"'{key}' must be between {lo} and {hi}")
+    return value
+
+
+def _start(request: web.Request, q: StreamQueue) -> int:
+    s = q.stream
+    if "timestamp" in request.query:
+        if "offset" in request.query:
+            raise bad_request("give either 'offset' or 'timestamp', not both")
+        return s.offset_for_timestamp(_int_param(request, "timestamp", 0, 0, 1 << 62))
+    spec = request.query.get("offset", "first").strip().lower()
+    if spec == "first":
+        return s.first_offset
+    if spec == "last":
+        return max(s.next_offset - 1, s.first_offset)
+    if spec == "next":
+        return s.next_offset
+    return _int_param(request, "offset", 0, 0, 1 << 62)
+
+
+@routes.get("/api/streams/{vhost}/{name}/messages")
+async def stream_messages(request: web.Request) -> web.Response:
+    vhost = vhost_param(request)
+    vh = request.app[MGMT_KEY].broker.vhosts[vhost]
+    name = request.match_info["name"]
+    q = vh.queues.get(name)
+    if q is None:
+        raise not_found(f"no queue '{name}' in vhost '{vhost}'")
+    if not isinstance(q, StreamQueue):
+        raise bad_request(f"queue '{name}' in vhost '{vhost}' is not a stream")
+    check_perm(request, "read", vhost, name)
+    count = _int_param(request, "count", DEFAULT_COUNT, 1, MAX_COUNT)
+    encoding = request.query.get("encoding", "auto")
+    if encoding not in ("auto", "base64"):
+        raise bad_request("encoding must be 'auto' or 'base64'")
+    truncate = _int_param(request, "truncate", -1, 0, 1 << 31) if "truncate" in request.query else None
+    store = q.stream
+    pos = store.seek(_start(request, q))
+    out: list[dict[str, Any]] = []
+    shown_bytes = 0
+    while len(out) < count and (not out or shown_bytes < MAX_BYTES):
+        rec = store.read_next(pos)
+        if rec is None:
+            break
+        offset, ts, exchange, routing_key, props, body = rec
+        shown = body[:truncate] if truncate is not None else body
+        shown_bytes += len(shown)
+        text: str | None = None
+        if encoding == "auto":
+            try:
+                text = shown.decode("utf-8")
+            except UnicodeDecodeError:
+                text = None
+        out.append({
+            "offset": offset,
+            "timestamp": ts,
+            "exchange": exchange.decode(errors="replace"),
+            "routing_key": routing_key.decode(errors="replace"),
+            "properties": _properties(props),
+            "payload": text if text is not None else base64.b64encode(shown).decode("ascii"),
+            "payload_bytes": len(body),
+            "payload_encoding": "string" if text is not None else "base64",
+        })
+    return web.json_response({
+        "vhost": vhost, "queue": name,
+        "first_offset": store.first_offset, "next_offset": store.next_offset,
+        "messages": out,
+    })
