@@ -130,7 +130,8 @@ class AMQPConnection:
         raise errors.AMQPNotImplemented(f"{codec.method_name(method)} not implemented")
 
     def handle_publish(
-        self, channel: int, exchange: str, routing_key: str, mandatory: bool, props: bytes, body: bytes | memoryview
+        self, channel: int, exchange: str, routing_key: str, mandatory: bool, props: bytes,
+        body: bytes | memoryview,
     ) -> None:
         pass
 

@@ -134,10 +134,10 @@ class PriorityStore:
         for s in list(self._levels.values()):
             s.flush()
 
-    def sync(self) -> None:
+    def sync(self, full: bool = False) -> None:
         # Runs on the syncer's worker thread: iterate over a snapshot of the levels.
         for s in list(self._levels.values()):
-            s.sync()
+            s.sync(full)
 
     def close(self) -> None:
         for s in list(self._levels.values()):

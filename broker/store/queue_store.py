@@ -53,10 +53,10 @@ import bisect
 import heapq
 import mmap
 import os
-import time
 import shutil
 import struct
 import threading
+import time
 import zlib
 from collections.abc import Iterable
 from pathlib import Path
