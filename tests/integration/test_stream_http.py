@@ -117,7 +117,8 @@ def test_http_read_by_offset(mb: SkredProcess) -> None:
         assert _call(mb, "GET", f"/api/streams/%2F/{classic}/messages")[0] == 400
         # a management user without read permission on the queue is refused
         user = unique("u").replace(".", "-")
-        assert _call(mb, "PUT", f"/api/users/{user}", {"password": "pw", "tags": "management"})[0] in (201, 204)
+        made = _call(mb, "PUT", f"/api/users/{user}", {"password": "pw", "tags": "management"})
+        assert made[0] in (201, 204)
         assert _call(mb, "PUT", f"/api/permissions/%2F/{user}",
                      {"configure": "", "write": "", "read": "^nothing$"})[0] in (201, 204)
         assert _call(mb, "GET", f"/api/streams/%2F/{q}/messages", auth=(user, "pw"))[0] == 403
