@@ -65,6 +65,7 @@ class AMQPProtocol(asyncio.Protocol):
                 pass
         transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)  # type: ignore[attr-defined]
         self.session = Session(self.broker, (str(peer[0]), int(peer[1])), self.wakeup)
+        self.session.flush_now = self.flush
         self.protocols.add(self)
 
     def data_received(self, data: bytes) -> None:

@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 REPLY_TO = "amq.rabbitmq.reply-to"
 REPLY_TO_PREFIX = "amq.rabbitmq.reply-to."
 _DEFERRED = object()
+_EAGER_FLUSH = 64 * 1024  # bytes of deliveries after which they are written at once
 
 
 class ChannelState:
@@ -141,10 +142,15 @@ class SessionConsumer(Consumer):
             self.unacked += 1
             chs.unacked_count += 1
         s = self.session
-        s.out += codec.encode_delivery_raw(chs.id, self.prefix, tag, redelivered, exrk, props, body,
-                                           s.frame_max)
+        out = s.out
+        out += codec.encode_delivery_raw(chs.id, self.prefix, tag, redelivered, exrk, props, body,
+                                         s.frame_max)
         s.stats.delivered += 1
-        if not s.flush_pending:
+        if len(out) >= _EAGER_FLUSH and s.flush_now is not None:
+            # Long delivery runs go out while we prepare the rest: the client can ack
+            # the first part of a prefetch window before the last part is written.
+            s.flush_now()
+        elif not s.flush_pending:
             s.wakeup()
 
     def cancelled_by_server(self) -> None:
@@ -179,6 +185,7 @@ class Session(AMQPConnection):
         self.connected_at = time.time()
         self.batch_publishes = 0  # publishes in the current read batch (fairness)
         self.flush_pending = False  # a flush of ``out`` is already scheduled
+        self.flush_now: Callable[[], None] | None = None  # set by the network layer
         self.now_ms = 0  # wall clock of the current read batch: message timestamps
         self.stats = broker.stats
         self._write_ok: set[str] = set()  # exchanges this user may publish to (cache)
