@@ -557,18 +557,19 @@ class Session(AMQPConnection):
             self.reply(chs, commands.Exchange.DeleteOk())
 
     def _exchange_bind(self, chs: ChannelState, m: commands.Exchange.Bind) -> None:
-        self._check("write", m.destination)
-        self._check("read", m.source)
-        self.vhost_obj.bind_exchange(m.destination, m.source, m.routing_key, dict(m.arguments or {}))
-        if not m.nowait:
-            self.reply(chs, commands.Exchange.BindOk())
+        self._exchange_binding(chs, m, True)
 
     def _exchange_unbind(self, chs: ChannelState, m: commands.Exchange.Unbind) -> None:
+        self._exchange_binding(chs, m, False)
+
+    def _exchange_binding(self, chs: ChannelState, m: commands.Exchange.Bind | commands.Exchange.Unbind,
+                          bind: bool) -> None:
         self._check("write", m.destination)
         self._check("read", m.source)
-        self.vhost_obj.unbind_exchange(m.destination, m.source, m.routing_key, dict(m.arguments or {}))
+        op = self.vhost_obj.bind_exchange if bind else self.vhost_obj.unbind_exchange
+        op(m.destination, m.source, m.routing_key, dict(m.arguments or {}))
         if not m.nowait:
-            self.reply(chs, commands.Exchange.UnbindOk())
+            self.reply(chs, commands.Exchange.BindOk() if bind else commands.Exchange.UnbindOk())
 
     # queue.*
     def _queue_declare(self, chs: ChannelState, m: commands.Queue.Declare) -> None:

@@ -276,15 +276,7 @@ class QueueStore:
             raise StoreError(f"message of {need} bytes is too large for a segment")
         num = self._next_num
         seg = Segment(self.directory, num)
-        fd = os.open(seg.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            os.ftruncate(fd, cap)
-            mm = mmap.mmap(fd, cap)
-        except BaseException:
-            os.close(fd)
-            seg.path.unlink(missing_ok=True)
-            raise
-        mm[0:HEADER_SIZE] = HEADER
+        fd, mm = fmt.create_mapped(seg.path, cap)
         seg.mm = mm
         old = self._wseg
         with self._lock:
@@ -472,26 +464,16 @@ class QueueStore:
 
     def _ack_run(self, seg: Segment, positions: list[int]) -> None:
         seg.acked.update(positions)
-        packed = b"".join(map(_U32.pack, positions))
-        created = not seg.ack_exists
-        with self._lock:
-            if created:
-                seg.ack_exists = True
-                seg.ack_buf += HEADER
-            seg.ack_buf += packed
-            self._ack_pending.add(seg.num)
-        self._dirty = True
-        if self._sink.active:
-            if created:
-                self._sink.register_file(seg.ack_path)
-                self._sink.append(seg.ack_path, HEADER)
-            self._sink.append(seg.ack_path, packed)
+        self._append_acks(seg, b"".join(map(_U32.pack, positions)))
         if len(seg.acked) == seg.count and seg is not self._wseg:
             self._delete_segment(seg)
 
     def _ack_position(self, seg: Segment, pos: int) -> None:
         seg.acked.add(pos)
-        packed = _U32.pack(pos)
+        self._append_acks(seg, _U32.pack(pos))
+
+    def _append_acks(self, seg: Segment, packed: bytes) -> None:
+        """Buffer ack positions for ``seg``'s ack file (written at flush/sync) and replicate them."""
         created = not seg.ack_exists
         with self._lock:
             if created:

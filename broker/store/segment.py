@@ -19,6 +19,7 @@ This module only knows bytes; ``QueueStore`` decides what is ready, unacked or a
 from __future__ import annotations
 
 import mmap
+import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +42,21 @@ _U16BE: Final = struct.Struct(">H")
 _U32BE: Final = struct.Struct(">I")
 
 Buffer = bytes | bytearray | memoryview | mmap.mmap
+
+
+def create_mapped(path: Path, cap: int) -> tuple[int, mmap.mmap]:
+    """A new segment file preallocated (sparse) to ``cap`` bytes, mapped read-write, with the
+    format header written. The rest is zeros, which readers take as "end of records"."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.ftruncate(fd, cap)
+        mm = mmap.mmap(fd, cap)
+    except BaseException:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        raise
+    mm[0:HEADER_SIZE] = HEADER
+    return fd, mm
 
 
 def segment_name(num: int) -> str:

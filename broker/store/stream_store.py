@@ -256,15 +256,7 @@ class StreamStore:
             _write_all(fd, index)
         finally:
             os.close(fd)
-        fd = os.open(seg.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            os.ftruncate(fd, cap)
-            mm = mmap.mmap(fd, cap)
-        except BaseException:
-            os.close(fd)
-            seg.path.unlink(missing_ok=True)
-            raise
-        mm[0:HEADER_SIZE] = HEADER
+        fd, mm = fmt.create_mapped(seg.path, cap)
         seg.mm = mm
         old = self._wseg
         with self._lock:
