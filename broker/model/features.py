@@ -35,6 +35,11 @@ Unused queues (``x-expires``): one timer per queue, re-armed from the last use
 a queue with no consumers that has not been used for the whole period, the
 queue is deleted.
 
+Deduplication (``x-message-deduplication``, a boolean argument): the header
+values of the messages in the queue live in a ``QueueDedup``
+(``broker/model/queue_dedup.py``); ``publish`` drops a duplicate (accepted, so
+it is confirmed) and every exit path below reports the message gone.
+
 Timers come from the vhost's ``call_later`` (the model does not import
 asyncio); without one, TTL still applies at delivery and get.
 """
@@ -49,6 +54,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 from broker import errors
 from broker.amqp import codec
 from broker.model import deadletter
+from broker.model.queue_dedup import QueueDedup, key_of
 from broker.store.priority_store import PriorityStore
 from broker.store.queue_store import QueueStore
 
@@ -89,6 +95,7 @@ class QueueConfig:
     delivery_limit: int | None = None
     max_priority: int | None = None
     single_active: bool = False
+    dedup: bool = False
 
     @property
     def limited(self) -> bool:
@@ -112,6 +119,7 @@ _ARGS: dict[str, tuple[str, str, int, int | None]] = {
     "x-dead-letter-exchange": ("dlx", "str", 0, None),
     "x-dead-letter-routing-key": ("dlrk", "str", 0, None),
     "x-single-active-consumer": ("single_active", "bool", 0, None),
+    "x-message-deduplication": ("dedup", "bool", 0, None),
 }
 # policy definition key -> config field (max-priority is not allowed in a policy)
 POLICY_KEYS: dict[str, str] = {
@@ -368,9 +376,14 @@ class QueueFeatures:
         self._prio_consumers = False
         self._sorted: list[Consumer] = []
         self._rr: dict[int, int] = {}
+        # x-message-deduplication: header values of the messages in the queue (argument only,
+        # so it is fixed for the queue's life and reconfigure leaves it alone).
+        self.dedup: QueueDedup | None = QueueDedup() if cfg.dedup else None
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
+        if self.dedup is not None and self.q.store.ready_count:
+            self.dedup.rebuild(self.q.store)  # declared at boot over recovered messages
         self.consumers_changed()
         self._arm_expires()
         self.enforce_limits()
@@ -405,6 +418,12 @@ class QueueFeatures:
         q = self.q
         cfg = self.cfg
         store = q.store
+        dedup = self.dedup
+        key: str | None = None
+        if dedup is not None:
+            key = key_of(props)
+            if key is not None and dedup.is_duplicate(key):
+                return True  # dropped, but accepted: confirmed with an ack, as the plugin does
         if cfg.limited and cfg.overflow != "drop-head":
             ml, mb = cfg.max_length, cfg.max_length_bytes
             if (ml is not None and store.ready_count >= ml) or (
@@ -413,9 +432,11 @@ class QueueFeatures:
                     self._dead_letter(exchange, routing_key, props, body, "maxlen")
                 return False
         if self.pstore is not None:
-            self.pstore.append_priority(priority_of(props), ts, exchange, routing_key, props, body)
+            msgid = self.pstore.append_priority(priority_of(props), ts, exchange, routing_key, props, body)
         else:
-            store.append(ts, exchange, routing_key, props, body)
+            msgid = store.append(ts, exchange, routing_key, props, body)
+        if key is not None and dedup is not None:
+            dedup.added(msgid, key)
         q.n_published += 1
         if persistent and q.durable:
             q.on_dirty(store)
@@ -468,6 +489,8 @@ class QueueFeatures:
         q.store.ack(msgid)
         if self.delivery_counts:
             self.delivery_counts.pop(msgid, None)
+        if self.dedup is not None:
+            self.dedup.removed(msgid)
         if q.durable:
             q.on_dirty(q.store)
 
@@ -653,6 +676,10 @@ class QueueFeatures:
                 store.ack(msgid)
                 if self.delivery_counts:
                     self.delivery_counts.pop(msgid, None)
+                if self.dedup is not None:
+                    self.dedup.removed(msgid)
+            elif self.dedup is not None:
+                self.dedup.taken(msgid)
             c.deliver(msgid, exchange, routing_key, props, body, redelivered)
         if not budget:
             q.schedule_delivery()
@@ -673,6 +700,8 @@ class QueueFeatures:
         props = self._props_for_delivery(msgid, props)
         q.n_delivered += 1
         q.n_redelivered += redelivered
+        if self.dedup is not None:
+            self.dedup.taken(msgid)
         if self.expiring:
             self.arm_expiry()
         return msgid, exchange, routing_key, props, body, redelivered
@@ -680,6 +709,13 @@ class QueueFeatures:
     def acked(self, msgid: int) -> None:
         if self.delivery_counts:
             self.delivery_counts.pop(msgid, None)
+        if self.dedup is not None:
+            self.dedup.removed(msgid)
+
+    def purged(self) -> None:
+        """After ``store.purge()``: the ready messages are gone, unacked ones stay."""
+        if self.dedup is not None:
+            self.dedup.purged()
 
     def reject(self, msgid: int, requeue: bool) -> None:
         q = self.q
@@ -696,6 +732,8 @@ class QueueFeatures:
             reason = "rejected"
         if requeue:
             store.requeue(msgid)
+            if self.dedup is not None:
+                self.dedup.returned(msgid)
             q.schedule_delivery()
             if self.expiring:
                 self.arm_expiry()

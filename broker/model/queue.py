@@ -273,6 +273,8 @@ class Queue:
 
     def purge(self) -> int:
         n = self.store.purge()
+        if self.features is not None:
+            self.features.purged()  # e.g. deduplication forgets the purged messages
         if self.durable:
             self.on_dirty(self.store)
         return n
