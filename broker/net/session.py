@@ -49,7 +49,8 @@ log = logging.getLogger(__name__)
 REPLY_TO = "amq.rabbitmq.reply-to"
 REPLY_TO_PREFIX = "amq.rabbitmq.reply-to."
 _DEFERRED = object()
-_EAGER_FLUSH = 64 * 1024  # bytes of deliveries after which they are written at once
+_EAGER_FLUSH = 16 * 1024  # manual ack: write deliveries this soon, so acks can start flowing
+_EAGER_FLUSH_AUTOACK = 256 * 1024  # autoack: only bound the buffer (fewer, larger writes)
 
 
 class ChannelState:
@@ -146,7 +147,7 @@ class SessionConsumer(Consumer):
         out += codec.encode_delivery_raw(chs.id, self.prefix, tag, redelivered, exrk, props, body,
                                          s.frame_max)
         s.stats.delivered += 1
-        if len(out) >= _EAGER_FLUSH and s.flush_now is not None:
+        if len(out) >= (_EAGER_FLUSH_AUTOACK if self.no_ack else _EAGER_FLUSH) and s.flush_now is not None:
             # Long delivery runs go out while we prepare the rest: the client can ack
             # the first part of a prefetch window before the last part is written.
             s.flush_now()
