@@ -66,6 +66,7 @@ class AMQPProtocol(asyncio.Protocol):
         transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)  # type: ignore[attr-defined]
         self.session = Session(self.broker, (str(peer[0]), int(peer[1])), self.wakeup)
         self.session.flush_now = self.flush
+        self.session.write_now = self.write_now
         self.protocols.add(self)
 
     def data_received(self, data: bytes) -> None:
@@ -176,6 +177,14 @@ class AMQPProtocol(asyncio.Protocol):
             t.close()
         elif s.state == State.CLOSING and not self.closing_since:
             self.closing_since = time.monotonic()
+
+    def write_now(self, data: bytes) -> None:
+        """Write ``data`` after whatever ``out`` holds, keeping the frame order."""
+        self.flush()
+        t = self.transport
+        if t is not None and not t.is_closing():
+            t.write(data)
+            self.last_write = time.monotonic()
 
     def pause_writing(self) -> None:
         if self.session is not None:

@@ -50,6 +50,7 @@ REPLY_TO = "amq.rabbitmq.reply-to"
 REPLY_TO_PREFIX = "amq.rabbitmq.reply-to."
 _DEFERRED = object()
 _EAGER_FLUSH = 16 * 1024  # manual ack: write deliveries this soon, so acks can start flowing
+_DIRECT_WRITE = 32 * 1024  # deliveries this large go to the transport as they are
 _EAGER_FLUSH_AUTOACK = 256 * 1024  # autoack: only bound the buffer (fewer, larger writes)
 
 
@@ -143,10 +144,14 @@ class SessionConsumer(Consumer):
             self.unacked += 1
             chs.unacked_count += 1
         s = self.session
-        out = s.out
-        out += codec.encode_delivery_raw(chs.id, self.prefix, tag, redelivered, exrk, props, body,
+        data = codec.encode_delivery_raw(chs.id, self.prefix, tag, redelivered, exrk, props, body,
                                          s.frame_max)
         s.stats.delivered += 1
+        if len(data) >= _DIRECT_WRITE and s.write_now is not None:
+            s.write_now(data)  # a large delivery skips the copy into ``out``
+            return
+        out = s.out
+        out += data
         if len(out) >= (_EAGER_FLUSH_AUTOACK if self.no_ack else _EAGER_FLUSH) and s.flush_now is not None:
             # Long delivery runs go out while we prepare the rest: the client can ack
             # the first part of a prefetch window before the last part is written.
@@ -187,6 +192,7 @@ class Session(AMQPConnection):
         self.batch_publishes = 0  # publishes in the current read batch (fairness)
         self.flush_pending = False  # a flush of ``out`` is already scheduled
         self.flush_now: Callable[[], None] | None = None  # set by the network layer
+        self.write_now: Callable[[bytes], None] | None = None  # flush ``out``, then write this
         self.now_ms = 0  # wall clock of the current read batch: message timestamps
         self.stats = broker.stats
         self._write_ok: set[str] = set()  # exchanges this user may publish to (cache)
