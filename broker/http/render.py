@@ -46,6 +46,14 @@ def queue_json(mgmt: Mgmt, q: Queue) -> dict[str, Any]:
     unacked = q.store.unacked_count
     r_pub, r_del, r_ack, r_redel, r_ready, r_unacked = mgmt.rates.queue_rates(q)
     exclusive_consumer = next((c.tag for c in q.consumers if c.exclusive), None)
+    policy: str | None = None
+    operator_policy: str | None = None
+    vh = mgmt.broker.vhosts.get(q.vhost)
+    if vh is not None:
+        kind = "stream" if q.arguments.get("x-queue-type") == "stream" else "queue"
+        pol, op = vh.policy_set.for_queue(q.name, kind)
+        policy = pol.name if pol is not None else None
+        operator_policy = op.name if op is not None else None
     out: dict[str, Any] = {
         "name": q.name,
         "vhost": q.vhost,
@@ -56,7 +64,8 @@ def queue_json(mgmt: Mgmt, q: Queue) -> dict[str, Any]:
         "type": "classic",
         "node": mgmt.node_name,
         "state": "running",
-        "policy": None,
+        "policy": policy,
+        "operator_policy": operator_policy,
         "consumers": len(q.consumers),
         "exclusive_consumer_tag": exclusive_consumer,
         "messages": ready + unacked,

@@ -71,6 +71,9 @@ def test_http_policy_applies_live_and_survives_restart(broker: Broker) -> None:
     assert http(broker, "PUT", "/api/operator-policies/%2F/op",
                 {"pattern": "^skredtest", "definition": {"max-length": 1}})[0] == 201
     assert queue_count(conn, q) == 1
+    # The queue shows which policies apply to it.
+    shown = http(broker, "GET", "/api/queues/%2F/" + q)[1]
+    assert (shown["policy"], shown["operator_policy"]) == ("lim", "op")
     assert http(broker, "PUT", "/api/policies/%2F/bad",
                 {"pattern": ".", "definition": {"max-priority": 3}})[0] == 400
     conn.close()
