@@ -33,12 +33,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from broker.amqp import codec
-from broker.store.segment import HEADER_SIZE, U32, record_end
 
 DEDUP_ARG = "x-message-deduplication"
 DEDUP_HEADER = "x-deduplication-header"
 _FLAG_HEADERS = 0x20
-_PRIO_SHIFT = 64  # PriorityStore msgid = level << 64 | inner msgid
 
 
 def key_of(props: bytes | memoryview) -> str | None:
@@ -118,41 +116,9 @@ class QueueDedup:
 
 
 def _stored_props(store: object) -> Iterator[tuple[int, bytes]]:
-    """(msgid, properties) of every unacked record of a freshly recovered store.
-
-    Reads the store's recovered segment table (``_order``/``_segs``, each
-    segment's ``acked`` positions); a ``PriorityStore`` is walked level by
-    level. Only valid before the first delivery, when nothing is requeued.
-    Segments it had to map are unmapped again so a long queue does not stay
-    resident.
-    """
-    levels: dict[int, object] | None = getattr(store, "_levels", None)
-    if levels is not None:
-        for level, inner in list(levels.items()):
-            for msgid, props in _stored_props(inner):
-                yield (level << _PRIO_SHIFT) | msgid, props
-        return
-    order: list[int] = getattr(store, "_order", [])
-    segs: dict[int, Any] = getattr(store, "_segs", {})
-    for num in list(order):
-        seg = segs.get(num)
-        if seg is None or len(seg.acked) >= seg.count:
-            continue
-        mapped_here = seg.mm is None
-        mm = seg.map_read() if mapped_here else seg.mm
-        try:
-            pos = HEADER_SIZE
-            end = seg.end
-            acked = seg.acked
-            while pos < end:
-                if pos not in acked:
-                    # record: i64 ts, u8+exchange, u8+routing key, u32+props, u64+body
-                    p = pos + 8
-                    p_at = p + 1 + mm[p]
-                    p_at += 1 + mm[p_at]
-                    plen = U32.unpack_from(mm, p_at)[0]
-                    yield (num << 32) | pos, bytes(mm[p_at + 4 : p_at + 4 + plen])
-                pos = record_end(mm, pos)[0]
-        finally:
-            if mapped_here:
-                seg.unmap()
+    """(msgid, properties) of every stored message (QueueStore/PriorityStore.stored_props)."""
+    scan = getattr(store, "stored_props", None)
+    if scan is None:
+        return iter(())
+    result: Iterator[tuple[int, bytes]] = scan()
+    return result

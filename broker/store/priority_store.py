@@ -20,6 +20,7 @@ rest of the ``QueueStore`` interface fans out to the sub-stores or sums them.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from broker.store.queue_store import QueueStore
@@ -133,6 +134,12 @@ class PriorityStore:
     def flush(self) -> None:
         for s in list(self._levels.values()):
             s.flush()
+
+    def stored_props(self) -> Iterator[tuple[int, bytes]]:
+        """(msgid, properties) of every stored message, level by level (see QueueStore)."""
+        for level, inner in list(self._levels.items()):
+            for msgid, props in inner.stored_props():
+                yield (level << _SHIFT) | msgid, props
 
     def sync(self, full: bool = False) -> None:
         # Runs on the syncer's worker thread: iterate over a snapshot of the levels.

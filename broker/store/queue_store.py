@@ -58,7 +58,7 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Final
 
@@ -371,6 +371,34 @@ class QueueStore:
         else:
             self._unacked.add(msgid)
         return msgid, exrk, props, body, redelivered
+
+    def stored_props(self) -> Iterator[tuple[int, bytes]]:
+        """(msgid, properties) of every record not acked, in order, without consuming.
+
+        For a scan at boot (e.g. rebuilding a deduplication set) before the first
+        delivery. Segments mapped for the scan are unmapped again, so a long queue
+        does not stay resident.
+        """
+        for num in list(self._order):
+            seg = self._segs.get(num)
+            if seg is None or len(seg.acked) >= seg.count:
+                continue
+            mapped_here = seg.mm is None
+            mm = self._map(seg) if mapped_here else seg.mm
+            assert mm is not None
+            try:
+                pos = HEADER_SIZE
+                acked = seg.acked
+                while pos < seg.end:
+                    if pos not in acked:
+                        p_at = pos + 9 + mm[pos + 8]
+                        p_at += 1 + mm[p_at]
+                        plen = _U32_UNPACK(mm, p_at)[0]
+                        yield (num << 32) | pos, bytes(mm[p_at + 4 : p_at + 4 + plen])
+                    pos = fmt.record_end(mm, pos)[0]
+            finally:
+                if mapped_here and seg is not self._wseg:
+                    seg.unmap()
 
     def peek(self) -> int | None:
         if self._heap:
