@@ -13,12 +13,15 @@ from pamqp import commands
 from broker import __version__
 from broker.http.common import (
     MGMT_KEY,
+    bad_request,
     can_see_vhost,
     forbidden,
     is_admin,
+    json_body,
     no_content,
     not_found,
     paginate,
+    require_admin,
     require_monitor,
     sees_all,
     user_of,
@@ -131,8 +134,8 @@ def _node_json(request: web.Request) -> dict[str, Any]:
         "mem_limit": 0,
         "mem_alarm": False,
         "disk_free": mgmt.disk_free(),
-        "disk_free_limit": 50_000_000,
-        "disk_free_alarm": False,
+        "disk_free_limit": mgmt.broker.alarm.free_disk_min,
+        "disk_free_alarm": mgmt.broker.alarm.active,
         "fd_used": mgmt.open_fds(),
         "fd_total": mgmt.max_fds(),
         "sockets_used": len(mgmt.broker.connections),
@@ -182,7 +185,33 @@ async def aliveness(request: web.Request) -> web.Response:
 
 @routes.get("/api/health/checks/alarms")
 async def health_alarms(request: web.Request) -> web.Response:
+    alarm = request.app[MGMT_KEY].broker.alarm
+    if alarm.active:
+        return web.json_response({"status": "failed", "reason": "resource alarm(s) in effect",
+                                  "alarms": [{"resource": "disk", "node": request.app[MGMT_KEY].node_name}]},
+                                 status=503)
     return web.json_response({"status": "ok"})
+
+
+@routes.get("/api/disk-free-limit")
+async def get_disk_free_limit(request: web.Request) -> web.Response:
+    """The free-disk alarm threshold in force (``[main] free_disk_min``), free space, alarm state."""
+    require_monitor(request)
+    alarm = request.app[MGMT_KEY].broker.alarm
+    return web.json_response({"limit": alarm.free_disk_min, "free": alarm.free(), "alarm": alarm.active})
+
+
+@routes.put("/api/disk-free-limit")
+async def put_disk_free_limit(request: web.Request) -> web.Response:
+    """Change the threshold at runtime (like ``rabbitmqctl set_disk_free_limit``); the next
+    one-second check raises or clears the alarm. Not persisted: the config option is."""
+    require_admin(request)
+    body = await json_body(request, allowed={"limit"}, required=("limit",))
+    limit = body["limit"]
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise bad_request("limit must be a non-negative integer (bytes)")
+    request.app[MGMT_KEY].broker.alarm.free_disk_min = limit
+    return web.Response(status=204)
 
 
 # ---------------------------------------------------------------- connections

@@ -100,9 +100,10 @@ class DiskAlarm:
 
     def check(self, sessions: list[Session]) -> None:
         """One tick: raise or clear the alarm; tell clients that asked for it."""
-        if not self.free_disk_min:
+        if not self.free_disk_min and not self.active:
             return
-        low = self.free() < self.free_disk_min
+        # limit 0 turns the alarm off, which must also clear one in effect
+        low = bool(self.free_disk_min) and self.free() < self.free_disk_min
         if low and not self.active:
             self.active = True
             log.warning("disk alarm: free space under %d bytes in %s; blocking publishers",

@@ -343,4 +343,15 @@ def test_disk_alarm_blocks_publishers(broker_factory: Any) -> None:
     assert queue_count(other, q) == 1
     # A consumer on another connection still gets what is there.
     assert drain(other.channel(), q) == [b"1"]
+    assert http(b, "GET", "/api/health/checks/alarms")[0] == 503
+    # Lowering the threshold at runtime clears the alarm: connection.unblocked, and the
+    # parked publisher is read again.
+    unblocked: list[Any] = []
+    conn.add_on_connection_unblocked_callback(lambda c, m: unblocked.append(m))
+    assert http(b, "PUT", "/api/disk-free-limit", {"limit": 0})[0] == 204
+    wait_until(lambda: (conn.process_data_events(0.05), bool(unblocked))[1], 5, "connection.unblocked")
+    wait_until(lambda: queue_count(other, q) == 2, 5, "parked publishes delivered")
+    assert http(b, "GET", "/api/disk-free-limit")[1]["alarm"] is False
+    assert http(b, "GET", "/api/health/checks/alarms")[0] == 200
+    assert http(b, "PUT", "/api/disk-free-limit", {"limit": "lots"})[0] == 400
     other.close()
