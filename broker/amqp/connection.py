@@ -505,7 +505,7 @@ class AMQPConnection:
             else:
                 body = b""
                 after = b
-            exchange = data[p + 3 : ex_end].decode()
+            exchange = data[p + 3 : ex_end].decode() if ln else ""
             routing_key = data[ex_end + 1 : rk_end].decode()
         except (IndexError, UnicodeDecodeError):
             return 0

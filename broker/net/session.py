@@ -365,6 +365,14 @@ class Session(AMQPConnection):
             return
         if exchange == "":
             q = vh.queues.get(routing_key)
+            if q is not None and q.features is None:
+                # the common case, kept short: one plain queue by name
+                q.publish(self.now_ms, b"", routing_key.encode(), props, body, persistent)
+                if q.consumers:
+                    self.batch_queues.add(q)
+                if persistent and chs.confirm and q.durable:
+                    chs.needs_sync = True
+                return
             if q is None:
                 if routing_key.startswith(REPLY_TO_PREFIX) and self._direct_reply(
                         routing_key, exchange, props, bytes(body)):
