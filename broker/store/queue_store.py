@@ -641,10 +641,11 @@ class QueueStore:
             if self._closed:
                 return
             now = time.monotonic()
-            if not full and now - self._last_full_sync < _FULL_SYNC_INTERVAL:
-                return self._sync_data()
-            self._last_full_sync = now
+            full = full or now - self._last_full_sync >= _FULL_SYNC_INTERVAL
+            if full:
+                self._last_full_sync = now
             fds: list[int] = []
+            meta: bytes | None = None
             try:
                 with self._lock:
                     self._dirty = False
@@ -652,16 +653,18 @@ class QueueStore:
                     if self._seg_unsynced and self._wfd >= 0:
                         fds.append(os.dup(self._wfd))
                     self._seg_unsynced = False
-                    for num in self._ack_unsynced:
-                        fd = self._segs[num].ack_fd
-                        if fd is not None:
-                            fds.append(os.dup(fd))
-                    self._ack_unsynced.clear()
-                    paths = list(self._unsynced_paths)
-                    self._unsynced_paths.clear()
+                    if full:
+                        for num in self._ack_unsynced:
+                            fd = self._segs[num].ack_fd
+                            if fd is not None:
+                                fds.append(os.dup(fd))
+                        self._ack_unsynced.clear()
+                        meta = self._meta_bytes()
+                    paths = list(self._unsynced_paths) if self._unsynced_paths else []
+                    if paths:
+                        self._unsynced_paths.clear()
                     dir_unsynced = self._dir_unsynced
                     self._dir_unsynced = False
-                    meta = self._meta_bytes()
                 for fd in fds:
                     datasync(fd)
             finally:
@@ -676,42 +679,10 @@ class QueueStore:
                     datasync(fd)
                 finally:
                     os.close(fd)
-            if meta != self._meta_written:
+            if meta is not None and meta != self._meta_written:
                 dir_unsynced |= self._write_meta(meta)
             if dir_unsynced:
                 fsync_dir(Path(self._dir))
-
-    def _sync_data(self) -> None:
-        """The confirm-path part of sync(): buffered acks written, segment data fsynced."""
-        fds: list[int] = []
-        try:
-            with self._lock:
-                self._dirty = False
-                self._write_acks_locked()
-                if self._seg_unsynced and self._wfd >= 0:
-                    fds.append(os.dup(self._wfd))
-                self._seg_unsynced = False
-                paths = list(self._unsynced_paths) if self._unsynced_paths else []
-                if paths:
-                    self._unsynced_paths.clear()
-                dir_unsynced = self._dir_unsynced
-                self._dir_unsynced = False
-            for fd in fds:
-                datasync(fd)
-        finally:
-            for fd in fds:
-                os.close(fd)
-        for path in paths:
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                continue
-            try:
-                datasync(fd)
-            finally:
-                os.close(fd)
-        if dir_unsynced:
-            fsync_dir(Path(self._dir))
 
     def _meta_bytes(self) -> bytes:
         head = _META.pack(_META_MAGIC, _META_VERSION, self._hwm, self._next_num)
