@@ -81,12 +81,10 @@ _U32_PACK_INTO: Final = fmt.U32.pack_into
 _U64_PACK_INTO: Final = fmt.U64.pack_into
 _U32_PACK: Final = fmt.U32.pack
 _FULL_SYNC_INTERVAL: Final = 1.0  # seconds between fsyncs of ack files and meta
-_PWRITE_MIN: Final = 16 * 1024  # bodies at least this big are written with pwritev, not via the map
 _U32_UNPACK: Final = fmt.U32.unpack_from
 _U64_UNPACK: Final = fmt.U64.unpack_from
 _U64_PACK: Final = fmt.U64.pack
 _BYTE: Final = tuple(bytes((i,)) for i in range(256))
-_ZERO_TS_AND_LEN: Final = tuple(bytes(8) + bytes((i,)) for i in range(256))  # zero timestamp + a length
 
 
 class _Unallocated(set[Any]):
@@ -236,24 +234,8 @@ class QueueStore:
         assert mm is not None
         pos = seg.end
         end = pos + size
-        # One copy into the map: the record with a zero timestamp (still "end" to a
-        # reader), then the timestamp, which publishes it atomically for kill -9.
-        if b_len < _PWRITE_MIN:
-            rec = b"".join((_ZERO_TS_AND_LEN[ex_len], exchange, _BYTE[rk_len], routing_key,
-                            _U32_PACK(p_len), props, _U64_PACK(b_len), body))
-            if len(rec) != size:  # e.g. a multi-byte-format memoryview: nothing written yet
-                raise ValueError("record size mismatch (non-byte buffer?)")
-            mm[pos:end] = rec
-        else:
-            # Large body: pwrite copies it into the page cache once, without the join
-            # and without a page fault per 4 KiB that first writes through a fresh map
-            # cost; the map sees the same pages.
-            head = b"".join((_ZERO_TS_AND_LEN[ex_len], exchange, _BYTE[rk_len], routing_key,
-                             _U32_PACK(p_len), props, _U64_PACK(b_len)))
-            if len(head) + len(memoryview(body).cast("B")) != size:
-                raise ValueError("record size mismatch (non-byte buffer?)")
-            _pwritev_all(self._wfd, (head, body), pos)
-        _I64_PACK_INTO(mm, pos, timestamp_ms or 1)
+        fmt.write_record(mm, self._wfd, pos, size, exchange, routing_key, props, body)
+        _I64_PACK_INTO(mm, pos, timestamp_ms or 1)  # last: publishes the record atomically
         seg.end = end
         seg.count += 1
         self._ready += 1
@@ -872,17 +854,3 @@ def _all_zero(fd: int, size: int) -> bool:
         if os.pread(fd, chunk, offset).strip(b"\0"):
             return False
     return True
-
-
-def _pwritev_all(fd: int, parts: tuple[bytes | bytearray | memoryview, ...], offset: int) -> None:
-    """pwritev until every byte of ``parts`` is at ``offset`` (short writes are legal)."""
-    views = [memoryview(p).cast("B") for p in parts]
-    while views:
-        n = os.pwritev(fd, views, offset)
-        offset += n
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
-

@@ -72,8 +72,6 @@ _INDEX_MAGIC: Final = b"SKSI"
 _INDEX_VERSION: Final = 1
 _CRC: Final = struct.Struct("<I")
 _I64: Final = fmt.I64
-_U32_PACK_INTO: Final = fmt.U32.pack_into
-_U64_PACK_INTO: Final = fmt.U64.pack_into
 _MAX_READ_MAPS: Final = 16  # read-only segment maps kept open (LRU) for lagging consumers
 
 # (offset, timestamp_ms, exchange, routing_key, props, body)
@@ -209,23 +207,8 @@ class StreamStore:
         mm = self._wmm
         assert mm is not None
         pos = seg.end
-        q = pos + 8
-        mm[q] = ex_len
-        q += 1
-        mm[q:q + ex_len] = exchange
-        q += ex_len
-        mm[q] = rk_len
-        q += 1
-        mm[q:q + rk_len] = routing_key
-        q += rk_len
-        _U32_PACK_INTO(mm, q, p_len)
-        q += 4
-        mm[q:q + p_len] = props
-        q += p_len
-        _U64_PACK_INTO(mm, q, b_len)
-        q += 8
-        mm[q:q + b_len] = body
-        end = q + b_len
+        end = pos + size
+        fmt.write_record(mm, self._wfd, pos, size, exchange, routing_key, props, body)
         # Timestamp last: the record becomes visible (to recovery and readers) atomically.
         _I64.pack_into(mm, pos, timestamp_ms if timestamp_ms else 1)
         seg.end = end
