@@ -220,13 +220,7 @@ class QueueStore:
 
     def append(self, timestamp_ms: int, exchange: bytes, routing_key: bytes,
                props: bytes | memoryview, body: bytes | bytearray | memoryview) -> int:
-        ex_len = len(exchange)
-        rk_len = len(routing_key)
-        p_len = len(props)
-        b_len = len(body)
-        if ex_len > 255 or rk_len > 255:
-            raise ValueError("exchange and routing key are short strings (at most 255 bytes)")
-        size = fmt.FIXED_SIZE + ex_len + rk_len + p_len + b_len
+        size = fmt.record_size(exchange, routing_key, props, body)
         seg = self._wseg
         if seg is None or seg.end + size > self._wcap:
             seg = self._roll(size)
@@ -239,7 +233,7 @@ class QueueStore:
         seg.end = end
         seg.count += 1
         self._ready += 1
-        self._bytes_ready += b_len
+        self._bytes_ready += len(body)
         self._dirty = True
         self._seg_unsynced = True
         if self._sink.active:
@@ -692,14 +686,8 @@ class QueueStore:
             self._close_files()
 
     def _close_files(self) -> None:
-        seg = self._wseg
-        if seg is not None:
-            seg.unmap()
-            self._wmm = None
-            os.ftruncate(self._wfd, seg.end)
-            os.close(self._wfd)
-            self._wfd = -1
-            self._wseg = None
+        if self._wseg is not None:
+            self._retire_write_segment_locked(self._wseg)
         for s in self._segs.values():
             s.unmap()
             if s.ack_fd is not None:

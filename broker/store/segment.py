@@ -239,6 +239,14 @@ _ZERO_TS_AND_LEN: Final = tuple(bytes(8) + bytes((i,)) for i in range(256))  # z
 PWRITE_MIN: Final = 16 * 1024  # bodies at least this big are written with pwritev, not via the map
 
 
+def record_size(exchange: bytes, routing_key: bytes, props: bytes | memoryview,
+                body: bytes | bytearray | memoryview) -> int:
+    """Bytes a record takes; exchange and routing key must be AMQP short strings."""
+    if len(exchange) > 255 or len(routing_key) > 255:
+        raise ValueError("exchange and routing key are short strings (at most 255 bytes)")
+    return FIXED_SIZE + len(exchange) + len(routing_key) + len(props) + len(body)
+
+
 def write_record(mm: mmap.mmap, fd: int, pos: int, size: int, exchange: bytes, routing_key: bytes,
                  props: bytes | memoryview, body: bytes | bytearray | memoryview) -> None:
     """Write a record at ``pos`` with a ZERO timestamp (still "end" to any reader).

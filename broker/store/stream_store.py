@@ -194,13 +194,7 @@ class StreamStore:
     def append(self, timestamp_ms: int, exchange: bytes, routing_key: bytes,
                props: bytes | memoryview, body: bytes | bytearray | memoryview) -> int:
         """Append one record; returns its offset."""
-        ex_len = len(exchange)
-        rk_len = len(routing_key)
-        p_len = len(props)
-        b_len = len(body)
-        if ex_len > 255 or rk_len > 255:
-            raise ValueError("exchange and routing key are short strings (at most 255 bytes)")
-        size = fmt.FIXED_SIZE + ex_len + rk_len + p_len + b_len
+        size = fmt.record_size(exchange, routing_key, props, body)
         seg = self._wseg
         if seg is None or seg.end + size > self._wcap:
             seg = self._roll(size, timestamp_ms)
@@ -530,16 +524,8 @@ class StreamStore:
             self._close_files()
 
     def _close_files(self) -> None:
-        seg = self._wseg
-        if seg is not None:
-            seg.mm = None
-            if self._wmm is not None:
-                self._wmm.close()
-            self._wmm = None
-            os.ftruncate(self._wfd, seg.end)
-            os.close(self._wfd)
-            self._wfd = -1
-            self._wseg = None
+        if self._wseg is not None:
+            self._retire_locked(self._wseg)
         for mm in self._read_maps.values():
             mm.close()
         self._read_maps.clear()
