@@ -52,24 +52,10 @@ def publish_special(s: Session, chs: ChannelState, ex: Exchange, exchange: str, 
         for q in found:
             if q not in queues:
                 queues.append(q)
-    if not queues:
-        s.stats.unroutable += 1
-        if mandatory:
-            s.out += codec.encode_return(chs.id, 312, b"NO_ROUTE", exchange.encode(),
-                                         routing_key.encode(), props, body, s.frame_max)
-        return True
-    ts = s.now_ms
-    exb = exchange.encode()
-    rkb = routing_key.encode()
-    for q in queues:
-        if has_exp:
+    if has_exp:
+        for q in queues:
             features.ensure(q, vh).msg_ttl_seen = True
-        if q.publish(ts, exb, rkb, props, body, persistent) is False:
-            s.publish_rejected(chs)
-        if q.consumers:
-            s.batch_queues.add(q)
-        if persistent and q.durable and chs.confirm:
-            chs.needs_sync = True
+    s.store_routed(chs, exchange, routing_key, mandatory, props, body, persistent, queues)
     return True
 
 
@@ -87,20 +73,5 @@ def publish_exchange_special(s: Session, chs: ChannelState, ex: Exchange, exchan
         return True
     if queues is None:
         return False
-    if not queues:
-        s.stats.unroutable += 1
-        if mandatory:
-            s.out += codec.encode_return(chs.id, 312, b"NO_ROUTE", exchange.encode(),
-                                         routing_key.encode(), props, body, s.frame_max)
-        return True
-    ts = s.now_ms
-    exb = exchange.encode()
-    rkb = routing_key.encode()
-    for q in queues:
-        if q.publish(ts, exb, rkb, props, body, persistent) is False:
-            s.publish_rejected(chs)
-        if q.consumers:
-            s.batch_queues.add(q)
-        if persistent and q.durable and chs.confirm:
-            chs.needs_sync = True
+    s.store_routed(chs, exchange, routing_key, mandatory, props, body, persistent, queues)
     return True

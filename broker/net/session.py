@@ -382,6 +382,13 @@ class Session(AMQPConnection):
                 queues = [q]
         else:
             queues = vh.route(ex, routing_key, lambda: _headers(props))
+        self.store_routed(chs, exchange, routing_key, mandatory, props, body, persistent, queues)
+
+    def store_routed(self, chs: ChannelState, exchange: str, routing_key: str, mandatory: bool,
+                     props: bytes, body: bytes | memoryview, persistent: bool,
+                     queues: list[Queue]) -> None:
+        """Append a routed message to its queues, or count it unroutable (and return it
+        if mandatory). Every publish path ends here once it knows the queues."""
         if queues:
             ts = self.now_ms
             exb = exchange.encode()
