@@ -111,18 +111,9 @@ class SessionConsumer(Consumer):
 
     def deliver(self, msgid: int, exchange: bytes, routing_key: bytes, props: bytes, body: bytes,
                 redelivered: bool) -> None:
-        chs = self.chs
-        tag = chs.next_tag
-        chs.next_tag = tag + 1
-        if not self.no_ack:
-            chs.unacked[tag] = (self.queue, msgid, self)
-            self.unacked += 1
-            chs.unacked_count += 1
-        s = self.session
-        s.out += codec.encode_delivery(chs.id, self.prefix, tag, redelivered, exchange, routing_key,
-                                       props, body, s.frame_max)
-        s.broker.stats.delivered += 1
-        s.wakeup()
+        # exchange and routing key as the short-string pair the hot path takes
+        exrk = codec.shortstr(exchange) + codec.shortstr(routing_key)
+        self.deliver_raw(msgid, exrk, props, body, redelivered)
 
     def capacity(self) -> int:
         chs = self.chs
