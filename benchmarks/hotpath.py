@@ -44,6 +44,10 @@ def handshake(s: Session) -> None:
     s.receive_data(pframe.marshal(commands.Channel.Open(), 1))
 
 
+def report(what: str, seconds: float, n: int) -> None:
+    print(f"{what + ':':34s}{seconds / n * 1e6:6.2f} us/msg  ({n / seconds:,.0f} msg/s)")
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-n", type=int, default=200_000, help="messages per scenario")
@@ -66,18 +70,37 @@ async def main() -> None:
             pub.receive_data(data[i:i + chunk])
             pub.after_batch()
         t1 = time.process_time()
-        print(f"publish:         {(t1 - t0) / args.n * 1e6:6.2f} us/msg  ({args.n / (t1 - t0):,.0f} msg/s)")
+        report("publish", t1 - t0, args.n)
+
+        q = broker.vhosts["/"].queues["hp"]
+
+        def deliver_all(out: bytearray, ack: Session | None = None) -> None:
+            tag = 0
+            while q.message_count:
+                q._deliver()
+                out.clear()
+                if ack is not None:
+                    tag += 500
+                    ack.receive_data(pframe.marshal(commands.Basic.Ack(delivery_tag=tag, multiple=True), 1))
 
         cons = Session(broker, ("127.0.0.1", 2), lambda: None)
         handshake(cons)
-        cons.receive_data(pframe.marshal(commands.Basic.Consume(queue="hp", no_ack=True), 1))
-        q = broker.vhosts["/"].queues["hp"]
+        consume = commands.Basic.Consume(queue="hp", consumer_tag="c1", no_ack=True)
+        cons.receive_data(pframe.marshal(consume, 1))
         t0 = time.process_time()
-        while q.message_count:
-            q._deliver()
+        deliver_all(cons.out)
+        t1 = time.process_time()
+        report("deliver autoack", t1 - t0, args.n)
+
+        # publish while an autoack consumer waits: the direct hand-over, publish + deliver
+        t0 = time.process_time()
+        for i in range(0, len(data), chunk):
+            pub.receive_data(data[i:i + chunk])
+            pub.after_batch()
             cons.out.clear()
         t1 = time.process_time()
-        print(f"deliver autoack: {(t1 - t0) / args.n * 1e6:6.2f} us/msg  ({args.n / (t1 - t0):,.0f} msg/s)")
+        report("publish+deliver autoack (direct)", t1 - t0, args.n)
+        cons.receive_data(pframe.marshal(commands.Basic.Cancel(consumer_tag="c1"), 1))
 
         for i in range(0, len(data), chunk):
             pub.receive_data(data[i:i + chunk])
@@ -85,21 +108,26 @@ async def main() -> None:
         handshake(cons2)
         cons2.receive_data(pframe.marshal(commands.Basic.Qos(prefetch_count=1000), 1))
         cons2.receive_data(pframe.marshal(commands.Basic.Consume(queue="hp", consumer_tag="c2"), 1))
-        cons.receive_data(pframe.marshal(commands.Basic.Cancel(consumer_tag=cons.chs[1].consumers and
-                                                               next(iter(cons.chs[1].consumers)) or ""), 1))
-        tag = 0
         t0 = time.process_time()
-        while q.message_count:
-            q._deliver()
-            cons2.out.clear()
-            tag += 500
-            cons2.receive_data(pframe.marshal(commands.Basic.Ack(delivery_tag=tag, multiple=True), 1))
-            q._deliver()
-            cons2.out.clear()
-            tag += 500
-            cons2.receive_data(pframe.marshal(commands.Basic.Ack(delivery_tag=tag, multiple=True), 1))
+        deliver_all(cons2.out, cons2)
         t1 = time.process_time()
-        print(f"deliver + ack:   {(t1 - t0) / args.n * 1e6:6.2f} us/msg  ({args.n / (t1 - t0):,.0f} msg/s)")
+        report("deliver + ack", t1 - t0, args.n)
+
+        # publish while a manual-ack consumer has room, acking every 500
+        t0 = time.process_time()
+        tag = 0
+        for i in range(0, len(data), chunk):
+            pub.receive_data(data[i:i + chunk])
+            pub.after_batch()
+            cons2.out.clear()
+            while cons2.chs[1].next_tag - 1 > tag:
+                tag = cons2.chs[1].next_tag - 1
+                cons2.receive_data(pframe.marshal(commands.Basic.Ack(delivery_tag=tag, multiple=True), 1))
+                if q.message_count:
+                    q._deliver()
+                    cons2.out.clear()
+        t1 = time.process_time()
+        report("publish+deliver+ack (direct)", t1 - t0, args.n)
         for vh in broker.vhosts.values():
             vh.close()
     finally:

@@ -22,7 +22,7 @@ from pamqp.base import Frame as PFrame
 
 from broker import errors
 from broker.amqp import codec
-from broker.amqp.connection import AMQPConnection, State
+from broker.amqp.connection import AMQPConnection, PublishArgs, State
 
 HYPO = settings(max_examples=40, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 HARD_CODES = {320, 402, 403, 501, 502, 503, 504, 505, 506, 530, 540, 541}
@@ -58,10 +58,9 @@ class Recorder(AMQPConnection):
         if isinstance(method, commands.Queue.Declare) and method.queue in self.fail:
             raise self.fail[method.queue]
 
-    def handle_publish(
-        self, channel: int, exchange: str, routing_key: str, mandatory: bool, props: bytes, body: bytes
-    ) -> None:
-        self.calls.append(("publish", channel, exchange, routing_key, mandatory, bytes(props), bytes(body)))
+    def handle_publish(self, channel: int, args: PublishArgs, props: bytes, body: bytes | memoryview) -> None:
+        self.calls.append(("publish", channel, args.exchange, args.routing_key, args.mandatory, bytes(props),
+                           bytes(body)))
 
     def handle_ack(self, channel: int, delivery_tag: int, multiple: bool) -> None:
         self.calls.append(("ack", channel, delivery_tag, multiple))
@@ -309,6 +308,29 @@ def test_publish_body_in_one_frame() -> None:
     ((name, ch, ex, rk, mandatory, props, body),) = c.calls
     assert (name, ch, ex, rk, mandatory, body) == ("publish", 1, "ex", "rk", False, b"hello")
     assert codec.delivery_mode(props) == 2
+
+
+def test_publish_args_decoded_once_and_cache_stays_bounded() -> None:
+    """Repeated publishes reuse one decoded PublishArgs; many distinct keys stay correct."""
+    seen: list[PublishArgs] = []
+
+    class Keep(Recorder):
+        def handle_publish(self, channel: int, args: PublishArgs, props: bytes,
+                           body: bytes | memoryview) -> None:
+            seen.append(args)
+            super().handle_publish(channel, args, props, body)
+
+    c = opened(1)
+    c.__class__ = Keep
+    c.receive_data(publish(1, b"a") + publish(1, b"b") + publish(1, b"c", mandatory=True))
+    assert seen[0] is seen[1] and seen[2] is not seen[0]
+    assert (seen[2].exchange, seen[2].routing_key, seen[2].mandatory) == ("ex", "rk", True)
+    assert seen[0].exrk == b"\x02ex\x02rk" and seen[0].routing_key_b == b"rk"
+    # more distinct routing keys than the cache holds: every publish still decoded right
+    c.calls.clear()
+    c.receive_data(b"".join(publish(1, b"x", routing_key=f"k{i}") for i in range(700)))
+    assert [call[3] for call in c.calls] == [f"k{i}" for i in range(700)]
+    assert len(c._pub_args) <= 256
 
 
 def test_publish_empty_body_needs_no_body_frame() -> None:

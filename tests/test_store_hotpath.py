@@ -62,6 +62,7 @@ def test_autoack_delivery_acks_durably(tmp_path: Path) -> None:
     for _ in range(20):
         assert s.next_delivery(True) is not None
     assert s.unacked_count == 0 and s.ready_count == 30
+    s.end_pass()  # the delivery pass is over: its acks go to the ack file's buffer
     s.sync()
     del s  # no close: as after kill -9, only what sync() made durable counts
     s2 = QueueStore(d, segment_size=4096)
@@ -85,4 +86,25 @@ def test_large_bodies_written_by_pwrite_recover_after_kill(tmp_path: Path) -> No
     while (item := s2.next_delivery(True)) is not None:
         again.append(bytes(item[3]))
     assert again == bodies
+    s2.close()
+
+
+def test_autoack_runs_across_segments_ack_each_segment(tmp_path: Path) -> None:
+    """A run of autoack deliveries spanning several segments records every ack,
+    deletes the segments it emptied, and close() ends an unfinished run."""
+    d = tmp_path / "q"
+    s = QueueStore(d, segment_size=4096)
+    _fill(s, 400)
+    segs_before = len(list(d.glob("msgs.*")))
+    for _ in range(250):
+        assert s.next_delivery(True) is not None
+    assert len(list(d.glob("msgs.*"))) < segs_before
+    s.end_pass()
+    for _ in range(50):  # a run close() must finish
+        assert s.next_delivery(True) is not None
+    s.close()
+    s2 = QueueStore(d, segment_size=4096)
+    assert s2.ready_count == 100
+    first = s2.next_delivery(False)
+    assert first is not None and first[3] == b"body-300"
     s2.close()

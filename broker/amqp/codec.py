@@ -89,7 +89,7 @@ def encode_delivery(
     exchange: bytes,
     routing_key: bytes,
     props: bytes,
-    body: bytes,
+    body: bytes | memoryview,
     frame_max: int,
 ) -> bytes:
     """Method + header + body frames for basic.deliver or basic.get-ok.
@@ -100,7 +100,7 @@ def encode_delivery(
     """
     method_payload_len = len(method_args_prefix) + 9 + 2 + len(exchange) + len(routing_key)
     body_len = len(body)
-    parts = [
+    parts: list[bytes | memoryview] = [
         FRAME_HDR.pack(FRAME_METHOD, channel, method_payload_len),
         method_args_prefix,
         U64.pack(delivery_tag),
@@ -139,7 +139,7 @@ def encode_delivery_raw(
     redelivered: bool,
     exrk: bytes,
     props: bytes,
-    body: bytes,
+    body: bytes | memoryview,
     frame_max: int,
 ) -> bytes:
     """basic.deliver + content from a stored record's raw pieces.

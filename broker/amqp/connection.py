@@ -30,6 +30,7 @@ buffer; larger bodies are joined once.
 from __future__ import annotations
 
 import enum
+import struct
 from typing import Any
 
 from pamqp import commands
@@ -44,6 +45,7 @@ _FRAME_HDR = codec.FRAME_HDR
 _METHOD_ID = codec.METHOD_ID
 _U64 = codec.U64
 _HEADER_PREFIX = codec.HEADER_PREFIX
+_HEADER_FRAME = struct.Struct(">BHIHHQ")  # frame type, channel, size + class, weight, body size
 _CHANNEL_CLOSE = 0x00140028
 _CHANNEL_CLOSE_OK = 0x00140029
 
@@ -63,15 +65,36 @@ CH_OPEN = 1
 CH_CLOSING = 2  # we sent channel.close; drop frames until close-ok
 
 
-class PendingContent:
-    """A publish waiting for its header and body frames."""
+class PublishArgs:
+    """basic.publish's arguments, decoded once per distinct encoding and then reused.
 
-    __slots__ = ("exchange", "routing_key", "mandatory", "props", "size", "chunks", "got")
+    A connection keeps the ones it has seen by their wire bytes, so a stream of
+    publishes to the same exchange and routing key decodes nothing: the same
+    ``str`` objects (hashes cached) and encoded forms come back every time.
+    """
+
+    __slots__ = ("exchange", "routing_key", "mandatory", "exchange_b", "routing_key_b", "exrk")
 
     def __init__(self, exchange: str, routing_key: str, mandatory: bool) -> None:
         self.exchange = exchange
         self.routing_key = routing_key
         self.mandatory = mandatory
+        self.exchange_b = exchange.encode()
+        self.routing_key_b = routing_key.encode()
+        # the two short strings as basic.deliver and the store carry them
+        self.exrk = codec.shortstr(self.exchange_b) + codec.shortstr(self.routing_key_b)
+
+
+_PUBLISH_ARGS_CACHE = 256  # distinct (exchange, routing key, flags) encodings kept per connection
+
+
+class PendingContent:
+    """A publish waiting for its header and body frames."""
+
+    __slots__ = ("args", "props", "size", "chunks", "got")
+
+    def __init__(self, args: PublishArgs) -> None:
+        self.args = args
         self.props: bytes | None = None
         self.size = 0
         self.chunks: list[bytes] = []
@@ -106,6 +129,7 @@ class AMQPConnection:
         self.vhost = ""
         self.channels: dict[int, int] = {}
         self._pending: dict[int, PendingContent] = {}
+        self._pub_args: dict[bytes, PublishArgs] = {}
         self._buf = b""
         self._parts: list[bytes] = []  # reads of one large frame, joined once complete
         self._have = 0
@@ -129,10 +153,7 @@ class AMQPConnection:
     def handle_method(self, channel: int, method: PFrame) -> None:
         raise errors.AMQPNotImplemented(f"{codec.method_name(method)} not implemented")
 
-    def handle_publish(
-        self, channel: int, exchange: str, routing_key: str, mandatory: bool, props: bytes,
-        body: bytes | memoryview,
-    ) -> None:
+    def handle_publish(self, channel: int, args: PublishArgs, props: bytes, body: bytes | memoryview) -> None:
         pass
 
     def handle_ack(self, channel: int, delivery_tag: int, multiple: bool) -> None:
@@ -358,7 +379,8 @@ class AMQPConnection:
             return  # a stray close-ok for a channel we did not close: ignore
         if isinstance(method, commands.Basic.Publish):
             # Reached only when the fast path did not take it (never in practice).
-            self._pending[ch] = PendingContent(method.exchange, method.routing_key, method.mandatory)
+            args = PublishArgs(method.exchange, method.routing_key, method.mandatory)
+            self._pending[ch] = PendingContent(args)
             return
         try:
             self.handle_method(ch, method)
@@ -445,24 +467,33 @@ class AMQPConnection:
         self.want_close = True
 
     # ------------------------------------------------------------- content
-    def _start_publish(self, ch: int, data: bytes, pos: int, end: int) -> None:
-        # basic.publish args: reserved-1 u16, exchange shortstr, routing-key shortstr, bits
+    def _publish_args(self, raw: bytes) -> PublishArgs:
+        """Decode basic.publish's arguments (``raw``: from reserved-1 to the bits)."""
+        a = self._pub_args.get(raw)
+        if a is not None:
+            return a
+        # reserved-1 u16, exchange shortstr, routing-key shortstr, bits
         try:
-            pos += 2
-            ln = data[pos]
-            exchange = data[pos + 1 : pos + 1 + ln].decode()
+            pos = 2
+            ln = raw[pos]
+            exchange = raw[pos + 1 : pos + 1 + ln].decode()
             pos += 1 + ln
-            ln = data[pos]
-            routing_key = data[pos + 1 : pos + 1 + ln].decode()
+            ln = raw[pos]
+            routing_key = raw[pos + 1 : pos + 1 + ln].decode()
             pos += 1 + ln
-            bits = data[pos]
+            bits = raw[pos]
         except (IndexError, UnicodeDecodeError):
             raise errors.AMQPSyntaxError("malformed basic.publish", 60, 40) from None
-        if pos >= end:
-            raise errors.AMQPSyntaxError("malformed basic.publish", 60, 40)
         if bits & 2:
             raise errors.AMQPNotImplemented("immediate=true", 60, 40)
-        self._pending[ch] = PendingContent(exchange, routing_key, bool(bits & 1))
+        a = PublishArgs(exchange, routing_key, bool(bits & 1))
+        if len(self._pub_args) >= _PUBLISH_ARGS_CACHE:
+            self._pub_args.clear()
+        self._pub_args[raw] = a
+        return a
+
+    def _start_publish(self, ch: int, data: bytes, pos: int, end: int) -> None:
+        self._pending[ch] = PendingContent(self._publish_args(data[pos:end]))
 
     def _fast_publish(self, ch: int, data: bytes, p: int, end: int, n: int, max_size: int) -> int:
         """publish + header + one body frame, all in the buffer: one pass, no PendingContent.
@@ -471,46 +502,39 @@ class AMQPConnection:
         path (content split over several frames or reads, or anything odd,
         which the general path then reports precisely).
         """
-        try:
-            ln = data[p + 2]
-            ex_end = p + 3 + ln
-            rk_len = data[ex_end]
-            rk_end = ex_end + 1 + rk_len
-            if rk_end >= end:
+        a = self._pub_args.get(data[p:end])
+        if a is None:
+            try:
+                a = self._publish_args(data[p:end])
+            except errors.AMQPError:
                 return 0
-            bits = data[rk_end]
-            h = end + 1
-            if n - h < 21 or bits & 2:
-                return 0
-            htype, hch, hsize = _FRAME_HDR.unpack_from(data, h)
-            hend = h + 7 + hsize
-            if htype != 2 or hch != ch or hsize < 14 or hsize > max_size or hend >= n or data[hend] != 0xCE:
-                return 0
-            class_id, _weight, bsize = _HEADER_PREFIX.unpack_from(data, h + 7)
-            if class_id != 60 or bsize > self.max_message_size:
-                return 0
-            b = hend + 1
-            if bsize:
-                if n - b < 7:
-                    return 0
-                btype, bch, bfsize = _FRAME_HDR.unpack_from(data, b)
-                bend = b + 7 + bfsize
-                if btype != 3 or bch != ch or bfsize != bsize or bfsize > max_size or bend >= n \
-                        or data[bend] != 0xCE:
-                    return 0
-                # a large body stays a view of the read buffer: the store writes it with
-                # pwritev, so slicing it out first would be one more full copy
-                body = data[b + 7 : bend] if bfsize < 16384 else memoryview(data)[b + 7 : bend]
-                after = bend + 1
-            else:
-                body = b""
-                after = b
-            exchange = data[p + 3 : ex_end].decode() if ln else ""
-            routing_key = data[ex_end + 1 : rk_end].decode()
-        except (IndexError, UnicodeDecodeError):
+        h = end + 1
+        if n - h < 21:
             return 0
-        self.handle_publish(ch, exchange, routing_key, bool(bits & 1), data[h + 19 : hend], body)
-        return int(after)
+        # header frame: type, channel, size, class, weight, body size in one unpack
+        htype, hch, hsize, class_id, _weight, bsize = _HEADER_FRAME.unpack_from(data, h)
+        hend: int = h + 7 + hsize
+        if htype != 2 or hch != ch or hsize < 14 or hsize > max_size or hend >= n or data[hend] != 0xCE \
+                or class_id != 60 or bsize > self.max_message_size:
+            return 0
+        b = hend + 1
+        if bsize:
+            if n - b < 7:
+                return 0
+            btype, bch, bfsize = _FRAME_HDR.unpack_from(data, b)
+            bend: int = b + 7 + bfsize
+            if btype != 3 or bch != ch or bfsize != bsize or bfsize > max_size or bend >= n \
+                    or data[bend] != 0xCE:
+                return 0
+            # a large body stays a view of the read buffer: the store writes it with
+            # pwritev, so slicing it out first would be one more full copy
+            if bfsize < 16384:
+                self.handle_publish(ch, a, data[h + 19 : hend], data[b + 7 : bend])
+            else:
+                self.handle_publish(ch, a, data[h + 19 : hend], memoryview(data)[b + 7 : bend])
+            return bend + 1
+        self.handle_publish(ch, a, data[h + 19 : hend], b"")
+        return b
 
     def _header_frame(self, ch: int, data: bytes, start: int, end: int) -> None:
         if self.state == State.CLOSING or self.channels.get(ch) == CH_CLOSING:
@@ -532,7 +556,7 @@ class AMQPConnection:
         p.size = size
         if size == 0:
             del self._pending[ch]
-            self.handle_publish(ch, p.exchange, p.routing_key, p.mandatory, p.props, b"")
+            self.handle_publish(ch, p.args, p.props, b"")
 
     def _body_frame(self, ch: int, data: bytes, start: int, end: int) -> None:
         if self.state == State.CLOSING or self.channels.get(ch) == CH_CLOSING:
@@ -553,7 +577,7 @@ class AMQPConnection:
                 return
             body = b"".join(p.chunks)
         del self._pending[ch]
-        self.handle_publish(ch, p.exchange, p.routing_key, p.mandatory, p.props, body)
+        self.handle_publish(ch, p.args, p.props, body)
 
 
 _CONNECTION_TABLE: dict[State, dict[type, Any]] = {

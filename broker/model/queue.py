@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 _PASS_BUDGET = 4096  # deliveries per pass before yielding to the loop
 _PASS_BYTES = 4 * 1024 * 1024  # body bytes per pass: flushes run before the next pass
+_BYTE = [bytes((i,)) for i in range(256)]
 
 
 class Consumer:
@@ -54,10 +55,11 @@ class Consumer:
         """How many deliveries this consumer takes right now (``ready()`` as a count)."""
         return 1 if self.ready() else 0
 
-    def deliver_raw(self, msgid: int, exrk: bytes, props: bytes, body: bytes, redelivered: bool) -> None:
+    def deliver_raw(self, msgid: int, exrk: bytes, props: bytes, body: bytes | memoryview,
+                    redelivered: bool) -> None:
         """``deliver`` with exchange and routing key as the stored short-string pair."""
         ln = exrk[0]
-        self.deliver(msgid, exrk[1 : 1 + ln], exrk[2 + ln :], props, body, redelivered)
+        self.deliver(msgid, exrk[1 : 1 + ln], exrk[2 + ln :], props, bytes(body), redelivered)
 
     def cancelled_by_server(self) -> None:
         """The queue went away; tell the client if it wants to know."""
@@ -111,19 +113,59 @@ class Queue:
 
     # ------------------------------------------------------------ publishing
     def publish(self, ts: int, exchange: bytes, routing_key: bytes, props: bytes, body: bytes | memoryview,
-                persistent: bool) -> bool | None:
-        """Append (and wake consumers); False when a length limit refused the message."""
+                persistent: bool, exrk: bytes | None = None) -> bool | None:
+        """Append (and wake consumers); False when a length limit refused the message.
+
+        ``exrk``: exchange and routing key as two AMQP short strings, if the
+        caller has them already (saves building them for a direct delivery).
+        """
         if self.features is not None:
             if type(body) is memoryview:  # a large body as a view of the read buffer
                 body = bytes(body)
             return self.features.publish(ts, exchange, routing_key, props, body, persistent)
-        self.store.append(ts, exchange, routing_key, props, body)
+        store = self.store
+        if self.consumers and not store.ready_count:
+            # Nothing waits: hand the message straight to a consumer with capacity.
+            c = self._direct_consumer()
+            if c is not None:
+                if exrk is None:
+                    exrk = _BYTE[len(exchange)] + exchange + _BYTE[len(routing_key)] + routing_key
+                if c.no_ack:
+                    # Delivered and settled at once: the store never needs to see it.
+                    msgid = 0
+                else:
+                    # Stored as usual (it may be requeued or the broker may crash before
+                    # the ack), then taken at once: no delivery pass, no re-read.
+                    msgid = store.append(ts, exchange, routing_key, props, body)
+                    store.shift()
+                    if persistent and self.durable:
+                        self.on_dirty(store)
+                self.n_published += 1
+                self.n_delivered += 1
+                c.deliver_raw(msgid, exrk, props, body, False)
+                return None
+        store.append(ts, exchange, routing_key, props, body)
         self.n_published += 1
         if persistent and self.durable:
             self.on_dirty(self.store)
         if self.consumers and not self._scheduled:
             self._scheduled = True
             self._schedule(self._deliver)
+        return None
+
+    def _direct_consumer(self) -> Consumer | None:
+        """The next consumer, round-robin, that takes a delivery now, or None."""
+        consumers = self.consumers
+        n = len(consumers)
+        if n == 1:
+            c = consumers[0]
+            return c if c.capacity() > 0 else None
+        start = self._rr
+        for i in range(n):
+            c = consumers[(start + i) % n]
+            if c.ready():
+                self._rr = (start + i + 1) % n
+                return c
         return None
 
     @property
@@ -221,6 +263,7 @@ class Queue:
             if budget <= 0:
                 self.schedule_delivery()
         finally:
+            self.store.end_pass()
             self.n_delivered += delivered
             self.n_redelivered += redelivered_n
 

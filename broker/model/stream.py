@@ -265,7 +265,7 @@ class StreamQueue(Queue):
 
     # ------------------------------------------------------------ publishing
     def publish(self, ts: int, exchange: bytes, routing_key: bytes, props: bytes,
-                body: bytes | memoryview, persistent: bool) -> None:
+                body: bytes | memoryview, persistent: bool, exrk: bytes | None = None) -> None:
         self.stream.append(ts, exchange, routing_key, props, body)
         self.n_published += 1
         if self._age_waiting and self.stream.next_age_expiry() is not None:

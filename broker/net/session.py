@@ -36,7 +36,7 @@ from pamqp.base import Frame as PFrame
 
 from broker import errors
 from broker.amqp import codec
-from broker.amqp.connection import CH_OPEN, AMQPConnection
+from broker.amqp.connection import CH_OPEN, AMQPConnection, PublishArgs
 from broker.model.queue import Consumer, Queue
 from broker.net.publish_features import publish_exchange_special, publish_special
 
@@ -126,7 +126,8 @@ class SessionConsumer(Consumer):
             k = min(k, chs.global_prefetch - chs.unacked_count)
         return k
 
-    def deliver_raw(self, msgid: int, exrk: bytes, props: bytes, body: bytes, redelivered: bool) -> None:
+    def deliver_raw(self, msgid: int, exrk: bytes, props: bytes, body: bytes | memoryview,
+                    redelivered: bool) -> None:
         chs = self.chs
         tag = chs.next_tag
         chs.next_tag = tag + 1
@@ -314,27 +315,28 @@ class Session(AMQPConnection):
             self.vh.delete_exclusive(self)
 
     # ----------------------------------------------------------------- publish
-    def handle_publish(self, channel: int, exchange: str, routing_key: str, mandatory: bool,
-                       props: bytes, body: bytes | memoryview) -> None:
+    def handle_publish(self, channel: int, args: PublishArgs, props: bytes, body: bytes | memoryview) -> None:
         chs = self.chs[channel]
         self.batch_publishes += 1
         if chs.confirm:
             chs.publish_seq += 1
             self._confirm_dirty.add(chs)
         if chs.tx is not None:
-            self.vhost_obj.get_exchange(exchange)
-            chs.tx.append(("publish", exchange, routing_key, mandatory, props, bytes(body)))
+            self.vhost_obj.get_exchange(args.exchange)
+            chs.tx.append(("publish", args, props, bytes(body)))
             return
-        self._publish(chs, exchange, routing_key, mandatory, props, body)
+        self._publish(chs, args, props, body)
 
-    def _publish(self, chs: ChannelState, exchange: str, routing_key: str, mandatory: bool,
-                 props: bytes, body: bytes | memoryview) -> None:
+    def _publish(self, chs: ChannelState, args: PublishArgs, props: bytes, body: bytes | memoryview) -> None:
         vh = self.vh
         assert vh is not None
         self.stats.published += 1
         flags = props[0] if props else 0
         if flags & 0x02:  # reply-to (flag 0x0200) may need rewriting for direct reply-to
             props = self._rewrite_reply_to(chs, props)
+        exchange = args.exchange
+        routing_key = args.routing_key
+        mandatory = args.mandatory
         ex = vh.exchanges.get(exchange)
         if ex is None:
             raise errors.NotFound(f"no exchange '{exchange}' in vhost '{vh.name}'", 60, 40)
@@ -358,7 +360,7 @@ class Session(AMQPConnection):
             q = vh.queues.get(routing_key)
             if q is not None and q.features is None:
                 # the common case, kept short: one plain queue by name
-                q.publish(self.now_ms, b"", routing_key.encode(), props, body, persistent)
+                q.publish(self.now_ms, b"", args.routing_key_b, props, body, persistent, args.exrk)
                 if q.consumers:
                     self.batch_queues.add(q)
                 if persistent and chs.confirm and q.durable:
@@ -747,7 +749,7 @@ class Session(AMQPConnection):
         ops, chs.tx = chs.tx, []
         for op in ops:
             if op[0] == "publish":
-                self._publish(chs, op[1], op[2], op[3], op[4], op[5])
+                self._publish(chs, op[1], op[2], op[3])
             elif op[0] == "ack":
                 self._settle_lenient(chs, op[1], op[2], None)
             else:

@@ -85,6 +85,8 @@ _U32_UNPACK: Final = fmt.U32.unpack_from
 _U64_UNPACK: Final = fmt.U64.unpack_from
 _U64_PACK: Final = fmt.U64.pack
 _BYTE: Final = tuple(bytes((i,)) for i in range(256))
+_FIXED_SIZE: Final = fmt.FIXED_SIZE
+_NO_POSITIONS: Final[list[int]] = []  # never appended to: next_delivery starts a new list per run
 
 
 class _Unallocated(set[Any]):
@@ -111,6 +113,8 @@ _NO_SET: Final[set[Any]] = _Unallocated()
 class QueueStore:
 
     __slots__ = (
+        "_aa_positions",
+        "_aa_seg",
         "_ack_pending",
         "_ack_unsynced",
         "_bytes_ready",
@@ -167,6 +171,9 @@ class QueueStore:
         self._cnum = 1
         self._cpos = HEADER_SIZE
         self._heap: list[int] = []  # requeued msgids (ready)
+        # autoack deliveries whose ack-file bytes end_pass() still has to write
+        self._aa_seg: Segment | None = None
+        self._aa_positions: list[int] = _NO_POSITIONS
         # The five sets below are _NO_SET until _allocate_sets() (first segment).
         self._requeued: set[int] = _NO_SET  # requeued msgids, ready or unacked again
         self._unacked: set[int] = _NO_SET
@@ -220,7 +227,11 @@ class QueueStore:
 
     def append(self, timestamp_ms: int, exchange: bytes, routing_key: bytes,
                props: bytes | memoryview, body: bytes | bytearray | memoryview) -> int:
-        size = fmt.record_size(exchange, routing_key, props, body)
+        ex_len = len(exchange)
+        rk_len = len(routing_key)
+        if ex_len > 255 or rk_len > 255:
+            fmt.record_size(exchange, routing_key, props, body)  # raises the one error message
+        size = _FIXED_SIZE + ex_len + rk_len + len(props) + len(body)
         seg = self._wseg
         if seg is None or seg.end + size > self._wcap:
             seg = self._roll(size)
@@ -341,12 +352,32 @@ class QueueStore:
             self._hwm = msgid
         redelivered = msgid <= self._recovered_hwm
         if autoack:
-            self._ack_position(seg, pos)
-            if len(seg.acked) == seg.count and seg is not self._wseg:
+            # Acked at once; the ack file bytes are written for the whole run by
+            # end_pass() (or when the run moves on to another segment).
+            acked = seg.acked
+            acked.add(pos)
+            if self._aa_seg is seg:
+                self._aa_positions.append(pos)
+            else:
+                self.end_pass()
+                self._aa_seg = seg
+                self._aa_positions = [pos]
+            if len(acked) == seg.count and seg is not self._wseg:
+                self.end_pass()
                 self._delete_segment(seg)
         else:
             self._unacked.add(msgid)
         return msgid, exrk, props, body, redelivered
+
+    def end_pass(self) -> None:
+        """Record the acks of the autoack deliveries next_delivery() made since the last call."""
+        seg = self._aa_seg
+        if seg is not None:
+            positions = self._aa_positions
+            self._aa_seg = None
+            self._aa_positions = _NO_POSITIONS
+            if positions and self._segs.get(seg.num) is seg:
+                self._append_acks(seg, struct.pack(f"<{len(positions)}I", *positions))
 
     def stored_props(self) -> Iterator[tuple[int, bytes]]:
         """(msgid, properties) of every record not acked, in order, without consuming.
@@ -679,6 +710,7 @@ class QueueStore:
         """Flush, sync, trim the write segment, unmap, close fds. Idempotent."""
         if self._closed:
             return
+        self.end_pass()
         self.flush()
         self.sync(full=True)
         with self._sync_lock, self._lock:

@@ -257,6 +257,12 @@ def write_record(mm: mmap.mmap, fd: int, pos: int, size: int, exchange: bytes, r
     copy into the page cache, without the join and without a page fault per 4 KiB
     that writing through a fresh map costs (the map sees the same pages).
     """
+    if type(body) is bytes and len(body) < PWRITE_MIN:
+        # the common case: one join, one copy into the map (a wrong ``size`` fails the
+        # slice assignment before anything is written)
+        mm[pos : pos + size] = b"".join((_ZERO_TS_AND_LEN[len(exchange)], exchange, _BYTE[len(routing_key)],
+                                         routing_key, U32.pack(len(props)), props, U64.pack(len(body)), body))
+        return
     ex_len = len(exchange)
     head = b"".join((_ZERO_TS_AND_LEN[ex_len], exchange, _BYTE[len(routing_key)], routing_key,
                      U32.pack(len(props)), props, U64.pack(len(body))))
