@@ -108,3 +108,64 @@ def test_autoack_runs_across_segments_ack_each_segment(tmp_path: Path) -> None:
     first = s2.next_delivery(False)
     assert first is not None and first[3] == b"body-300"
     s2.close()
+
+
+def test_deliver_run_matches_next_delivery_across_recovery_and_requeues(tmp_path: Path) -> None:
+    """deliver_run hands out exactly what repeated next_delivery calls would: same
+    records, order, redelivered flags and acks, over segment ends, acked records
+    ahead of the cursor (after recovery) and requeued messages."""
+    def prepare(d: Path) -> QueueStore:
+        s = QueueStore(d, segment_size=4096)
+        _fill(s, 400)
+        ids = [m for m in iter(s.shift, None)]
+        s.ack_many(ids[5:400:3])  # acked records ahead of the cursor once reopened
+        s.close()
+        s = QueueStore(d, segment_size=4096)
+        first = [s.shift() for _ in range(4)]
+        for m in first[:2]:
+            assert m is not None
+            s.requeue(m)
+        return s
+
+    got: list[tuple[int, bytes, bytes, bytes, bool]] = []
+
+    def take(msgid: int, exrk: bytes, props: bytes, body: bytes, red: bool) -> None:
+        got.append((msgid, bytes(exrk), bytes(props), bytes(body), red))
+
+    for autoack in (True, False):
+        a = prepare(tmp_path / f"a{autoack}")
+        b = prepare(tmp_path / f"b{autoack}")
+        got.clear()
+        total = 0
+        while True:
+            n, red, nbytes = a.deliver_run(37, autoack, take, 1 << 20)
+            total += n
+            if n < 37:
+                break
+        a.end_pass()
+        want = []
+        while (d := b.next_delivery(autoack)) is not None:
+            want.append((d[0], bytes(d[1]), bytes(d[2]), bytes(d[3]), d[4]))
+        b.end_pass()
+        assert got == want and total == len(want) > 200
+        assert a.ready_count == b.ready_count == 0
+        assert a.unacked_count == b.unacked_count
+        a.close()
+        b.close()
+        # what is left after reopening (unacked come back) is the same too
+        a2 = QueueStore(tmp_path / f"a{autoack}", segment_size=4096)
+        b2 = QueueStore(tmp_path / f"b{autoack}", segment_size=4096)
+        assert a2.ready_count == b2.ready_count
+        a2.close()
+        b2.close()
+
+
+def test_deliver_run_stops_at_the_byte_budget(tmp_path: Path) -> None:
+    s = QueueStore(tmp_path / "q")
+    for _ in range(100):
+        s.append(1, b"", b"q", b"\x00\x00", bytes(1000))
+    seen: list[int] = []
+    n, red, nbytes = s.deliver_run(100, True, lambda *m: seen.append(m[0]), 4500)
+    assert (n, red, nbytes) == (5, 0, 5000) and len(seen) == 5
+    assert s.ready_count == 95
+    s.close()

@@ -223,20 +223,16 @@ class Queue:
                         return  # no capacity; whoever frees some reschedules us
                     if k > budget:
                         k = budget
-                    no_ack = c.no_ack
-                    deliver_raw = c.deliver_raw
-                    for _ in range(k):
-                        got = next_delivery(no_ack)
-                        if got is None:
-                            return
-                        delivered += 1
-                        if got[4]:
-                            redelivered_n += 1
-                        deliver_raw(*got)
-                        nbytes += len(got[3])
-                        if nbytes > _PASS_BYTES:
-                            budget = 0  # let the output drain first
-                            break
+                    got_n, red_n, nb = self.store.deliver_run(k, c.no_ack, c.deliver_raw,
+                                                              _PASS_BYTES - nbytes)
+                    delivered += got_n
+                    redelivered_n += red_n
+                    nbytes += nb
+                    if nbytes > _PASS_BYTES:
+                        budget = 0  # let the output drain first
+                        break
+                    if got_n < k:
+                        return  # the queue is empty
                     budget -= k
                     continue
                 else:

@@ -58,7 +58,7 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Final
 
@@ -368,6 +368,82 @@ class QueueStore:
         else:
             self._unacked.add(msgid)
         return msgid, exrk, props, body, redelivered
+
+    def deliver_run(self, k: int, autoack: bool, deliver: Callable[[int, bytes, bytes, bytes, bool], None],
+                    max_bytes: int) -> tuple[int, int, int]:
+        """Hand up to ``k`` ready messages, in order, to ``deliver`` (next_delivery's fields).
+
+        Stops early when the queue is empty or once more than ``max_bytes`` of
+        bodies went out. Returns (messages, of which redelivered, body bytes).
+        Consecutive records of the cursor's mapped segment are parsed in one
+        loop with its state in locals; anything else takes next_delivery().
+        """
+        n = red = nbytes = 0
+        while n < k and nbytes <= max_bytes:
+            seg = self._segs.get(self._cnum)
+            pos = self._cpos
+            if self._heap or seg is None or pos >= seg.end or seg.mm is None:
+                got = self.next_delivery(autoack)
+                if got is None:
+                    break
+                n += 1
+                red += got[4]
+                nbytes += len(got[3])
+                deliver(*got)
+                continue
+            mm = seg.mm
+            end = seg.end
+            base = seg.num << 32
+            acked = seg.acked
+            recovered_hwm = self._recovered_hwm
+            positions: list[int] | None = None
+            if autoack:
+                if self._aa_seg is not seg:
+                    self.end_pass()
+                    self._aa_seg = seg
+                    self._aa_positions = []
+                positions = self._aa_positions
+            unacked = self._unacked
+            msgid = 0
+            while n < k and pos < end and nbytes <= max_bytes:
+                if acked and pos in acked:  # only after recovery can acked records lie ahead
+                    break
+                p = pos + 8
+                rk_at = p + 1 + mm[p]
+                p_at = rk_at + 1 + mm[rk_at]
+                pend = p_at + 4 + _U32_UNPACK(mm, p_at)[0]
+                b_len = _U64_UNPACK(mm, pend)[0]
+                bend = pend + 8 + b_len
+                msgid = base | pos
+                if positions is not None:
+                    acked.add(pos)
+                    positions.append(pos)
+                else:
+                    unacked.add(msgid)
+                self._cpos = bend
+                self._ready -= 1
+                self._bytes_ready -= b_len
+                redelivered = msgid <= recovered_hwm
+                n += 1
+                red += redelivered
+                nbytes += b_len
+                deliver(msgid, mm[p:p_at], mm[p_at + 4 : pend], mm[pend + 8 : bend], redelivered)
+                pos = bend
+            if msgid > self._hwm:
+                self._hwm = msgid
+            if positions is not None and len(acked) == seg.count and seg is not self._wseg:
+                self.end_pass()
+                self._delete_segment(seg)
+            elif pos == self._cpos and pos < end and acked and pos in acked:
+                # an acked record ahead of the cursor: step over it the slow way
+                got = self.next_delivery(autoack)
+                if got is None:
+                    break
+                n += 1
+                red += got[4]
+                nbytes += len(got[3])
+                deliver(*got)
+        return n, red, nbytes
 
     def end_pass(self) -> None:
         """Record the acks of the autoack deliveries next_delivery() made since the last call."""
