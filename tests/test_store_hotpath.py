@@ -169,3 +169,29 @@ def test_deliver_run_stops_at_the_byte_budget(tmp_path: Path) -> None:
     assert (n, red, nbytes) == (5, 0, 5000) and len(seen) == 5
     assert s.ready_count == 95
     s.close()
+
+
+def test_append_taken_leaves_nothing_ready_and_survives_reopen(tmp_path: Path) -> None:
+    """append_taken = append + shift of that very record: over segment rolls, after
+    recovery with acked records ahead of the cursor, and durable until acked."""
+    d = tmp_path / "q"
+    s = QueueStore(d, segment_size=4096)
+    _fill(s, 30)
+    ids = [m for m in iter(s.shift, None)]
+    s.ack_many(ids[10:])  # acked records ahead of the cursor once reopened
+    s.close()
+    s = QueueStore(d, segment_size=4096)
+    for m in iter(s.shift, None):
+        s.ack(m)
+    taken = []
+    for i in range(200):  # several segment rolls
+        taken.append(s.append_taken(1, b"", b"q", b"\x00\x00", b"t-%d" % i))
+        assert s.ready_count == 0
+    assert s.unacked_count == 200 and s.next_delivery(False) is None
+    assert [s.read(m)[4] for m in taken[:3]] == [b"t-0", b"t-1", b"t-2"]
+    s.ack_many(taken[:50])
+    s.close()
+    s2 = QueueStore(d, segment_size=4096)
+    back = [d2[3] for d2 in iter(lambda: s2.next_delivery(True), None)]
+    assert back == [b"t-%d" % i for i in range(50, 200)]
+    s2.close()

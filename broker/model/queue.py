@@ -136,8 +136,7 @@ class Queue:
                 else:
                     # Stored as usual (it may be requeued or the broker may crash before
                     # the ack), then taken at once: no delivery pass, no re-read.
-                    msgid = store.append(ts, exchange, routing_key, props, body)
-                    store.shift()
+                    msgid = store.append_taken(ts, exchange, routing_key, props, body)
                     if persistent and self.durable:
                         self.on_dirty(store)
                 self.n_published += 1

@@ -251,6 +251,30 @@ class QueueStore:
             self._sink.append(seg.path, mm[pos:end])
         return (seg.num << 32) | pos
 
+    def append_taken(self, timestamp_ms: int, exchange: bytes, routing_key: bytes,
+                     props: bytes | memoryview, body: bytes | bytearray | memoryview) -> int:
+        """append() a message that goes straight to a consumer: it is unacked at once.
+
+        Only for a store with nothing ready (the caller checks ``ready_count``), so
+        the new record is the one the cursor reaches next.
+        """
+        at = (self._cnum << 32) | self._cpos
+        msgid = self.append(timestamp_ms, exchange, routing_key, props, body)
+        if msgid == at and not self._heap:
+            # the cursor sat right where the record went: step over it
+            seg = self._wseg
+            assert seg is not None
+            self._cpos = seg.end
+            self._ready -= 1
+            self._bytes_ready -= len(body)
+            self._unacked.add(msgid)
+            if msgid > self._hwm:
+                self._hwm = msgid
+            return msgid
+        if self.shift() != msgid:  # e.g. acked records after recovery lay before it
+            raise StoreError(f"append_taken on a queue with ready messages ({self._dir})")
+        return msgid
+
     def _roll(self, need: int) -> Segment:
         """Start a new write segment with room for a record of ``need`` bytes."""
         if self._closed:  # after close() the write segment is gone, so appends land here
