@@ -333,6 +333,37 @@ def test_publish_args_decoded_once_and_cache_stays_bounded() -> None:
     assert len(c._pub_args) <= 256
 
 
+def test_repeated_publishes_take_the_prefix_path_and_stay_exact() -> None:
+    """Publishes that repeat the previous one byte for byte but for the body: every body
+    arrives, in order, across read splits, prop changes and a refused publish that
+    closes the channel (later repeats on it are dropped, other channels go on)."""
+    class Refuse(Recorder):
+        def handle_publish(self, channel: int, args: PublishArgs, props: bytes,
+                           body: bytes | memoryview) -> None:
+            if bytes(body) == b"bad!":
+                raise errors.PreconditionFailed("refused", 60, 40)
+            super().handle_publish(channel, args, props, body)
+
+    c = opened(1, 2)
+    c.__class__ = Refuse
+    other = commands.Basic.Properties(message_id="x")
+    stream = b"".join(publish(1, b"%04d" % i) for i in range(50))
+    stream += publish(1, b"p-01", props=other) + publish(1, b"p-02", props=other)
+    stream += publish(2, b"c2-1") + publish(1, b"0050")
+    stream += publish(1, b"bad!") + publish(1, b"lost") + publish(2, b"c2-2")
+    for cut in (len(stream) // 3, len(stream) // 3 + 5):  # split inside a body and a prefix
+        c.receive_data(stream[:cut])
+        c.receive_data(stream[cut:])
+        got = [(call[1], call[6]) for call in c.calls if call[0] == "publish"]
+        assert got == ([(1, b"%04d" % i) for i in range(50)] + [(1, b"p-01"), (1, b"p-02"), (2, b"c2-1"),
+                                                               (1, b"0050"), (2, b"c2-2")])
+        closes = [fr for ch, fr in decode_out(c.out) if isinstance(fr, commands.Channel.Close)]
+        assert [int(fr.reply_code) for fr in closes] == [406]
+        c.receive_data(m(commands.Channel.CloseOk(), 1) + m(commands.Channel.Open(), 1))
+        c.calls.clear()
+        c.out.clear()
+
+
 def test_publish_empty_body_needs_no_body_frame() -> None:
     c = opened(1)
     c.receive_data(publish(1, b""))

@@ -130,6 +130,9 @@ class AMQPConnection:
         self.channels: dict[int, int] = {}
         self._pending: dict[int, PendingContent] = {}
         self._pub_args: dict[bytes, PublishArgs] = {}
+        # (method frame + header frame + body frame header, channel, args, props, body size,
+        # prefix length) of the last publish parsed in full
+        self._repeat: tuple[bytes, int, PublishArgs, bytes, int, int] | None = None
         self._buf = b""
         self._parts: list[bytes] = []  # reads of one large frame, joined once complete
         self._have = 0
@@ -235,7 +238,26 @@ class AMQPConnection:
         pos = 0
         max_size = self.frame_max - codec.FRAME_OVERHEAD
         unpack_hdr = _FRAME_HDR.unpack_from
+        unpack_mid = _METHOD_ID.unpack_from
+        channel_state = self.channels.get  # both dicts are only ever mutated, never rebound
+        pending = self._pending
+        repeat = self._repeat
         while n - pos >= 7:
+            if repeat is not None and data.startswith(repeat[0], pos):
+                # The same publish, header and body-frame header as the last one that
+                # was parsed in full (byte for byte): only the body is new.
+                ch = repeat[1]
+                b = pos + repeat[5]
+                bend = b + repeat[4]
+                if bend < n and data[bend] == 0xCE and channel_state(ch) == CH_OPEN and ch not in pending:
+                    pos = bend + 1
+                    try:
+                        self.handle_publish(ch, repeat[2], repeat[3], data[b:bend])
+                    except errors.AMQPError as exc:
+                        self._frame_error(ch, exc)
+                    if self.want_close or self.state is State.CLOSED:  # type: ignore[comparison-overlap]
+                        return
+                    continue
             ftype, ch, size = unpack_hdr(data, pos)
             end = pos + 7 + size
             if size > max_size:
@@ -252,12 +274,13 @@ class AMQPConnection:
                 if ftype == 1:
                     if size < 4:
                         raise errors.FrameError("method frame too short")
-                    mid = _METHOD_ID.unpack_from(data, start)[0]
-                    if self.channels.get(ch) == CH_OPEN and ch not in self._pending:
+                    mid = unpack_mid(data, start)[0]
+                    if channel_state(ch) == CH_OPEN and ch not in pending:
                         if mid == _PUBLISH:
                             done = self._fast_publish(ch, data, start + 4, end, n, max_size)
                             if done:
                                 pos = done
+                                repeat = self._repeat
                             else:
                                 self._start_publish(ch, data, start + 4, end)
                             continue
@@ -276,12 +299,7 @@ class AMQPConnection:
                 else:
                     raise errors.FrameError(f"unknown frame type {ftype}")
             except errors.AMQPError as exc:
-                if exc.soft and ch != 0 and self.state == State.OPEN:
-                    self.close_channel(ch, exc)
-                else:
-                    # Framing is intact: keep parsing, the CLOSING state drops
-                    # everything but the close-ok that may follow in this read.
-                    self._hard(exc)
+                self._frame_error(ch, exc)
             if self.want_close or self.state is State.CLOSED:  # type: ignore[comparison-overlap]
                 return
         if pos < n:
@@ -294,6 +312,14 @@ class AMQPConnection:
                     self._need = need
                     return
             self._buf = rest
+
+    def _frame_error(self, ch: int, exc: errors.AMQPError) -> None:
+        if exc.soft and ch != 0 and self.state == State.OPEN:
+            self.close_channel(ch, exc)
+        else:
+            # Framing is intact: keep parsing, the CLOSING state drops
+            # everything but the close-ok that may follow in this read.
+            self._hard(exc)
 
     def _receive_header(self, data: bytes) -> bytes:
         if len(data) < 8:
@@ -529,7 +555,10 @@ class AMQPConnection:
             # a large body stays a view of the read buffer: the store writes it with
             # pwritev, so slicing it out first would be one more full copy
             if bfsize < 16384:
-                self.handle_publish(ch, a, data[h + 19 : hend], data[b + 7 : bend])
+                props = data[h + 19 : hend]
+                # what the next publish repeats if only its body differs (receive_data)
+                self._repeat = (data[p - 11 : b + 7], ch, a, props, bsize, b + 18 - p)
+                self.handle_publish(ch, a, props, data[b + 7 : bend])
             else:
                 self.handle_publish(ch, a, data[h + 19 : hend], memoryview(data)[b + 7 : bend])
             return bend + 1
