@@ -429,3 +429,24 @@ def test_heartbeat_frame_matches_pamqp() -> None:
     from pamqp import heartbeat
 
     assert codec.HEARTBEAT_FRAME == pframe.marshal(heartbeat.Heartbeat(), 0)
+
+
+@given(
+    channel=st.integers(1, 2047),
+    tag=st.integers(1, 2**64 - 1),
+    redelivered=st.booleans(),
+    exchange=st.binary(max_size=20),
+    routing_key=st.binary(max_size=40),
+    props=properties(),
+    body=st.binary(max_size=300),
+)
+def test_delivery_template_matches_encode_delivery_raw(
+    channel: int, tag: int, redelivered: bool, exchange: bytes, routing_key: bytes,
+    props: commands.Basic.Properties, body: bytes,
+) -> None:
+    prefix = codec.METHOD_ID.pack(0x003C003C) + codec.shortstr(b"ctag")
+    exrk = codec.shortstr(exchange) + codec.shortstr(routing_key)
+    raw_props = props.marshal()
+    head, middle, tail = codec.delivery_template(channel, prefix, redelivered, exrk, raw_props, len(body))
+    want = codec.encode_delivery_raw(channel, prefix, tag, redelivered, exrk, raw_props, body, 131072)
+    assert head + codec.U64.pack(tag) + middle + body + tail == want

@@ -169,6 +169,26 @@ def encode_delivery_raw(
     ))
 
 
+def delivery_template(channel: int, prefix: bytes, redelivered: bool, exrk: bytes, props: bytes,
+                      body_len: int) -> tuple[bytes, bytes, bytes]:
+    """(head, middle, tail) of a one-body-frame basic.deliver, for repeating deliveries.
+
+    ``head + U64.pack(delivery_tag) + middle + body + tail`` is exactly what
+    ``encode_delivery_raw`` gives for a body of ``body_len`` bytes that fits one
+    frame: a consumer that delivers the same exchange, routing key, properties
+    and size again packs only the tag.
+    """
+    head = FRAME_HDR.pack(FRAME_METHOD, channel, len(prefix) + 9 + len(exrk)) + prefix
+    middle = b"".join((
+        b"\x01" if redelivered else b"\x00", exrk,
+        _HEADER_AFTER_METHOD.pack(FRAME_END, FRAME_HEADER, channel, 12 + len(props), BASIC_CLASS, 0,
+                                  body_len),
+        props,
+        _BODY_AFTER_HEADER.pack(FRAME_END, FRAME_BODY, channel, body_len) if body_len else FRAME_END_BYTE,
+    ))
+    return head, middle, FRAME_END_BYTE if body_len else b""
+
+
 def encode_content(channel: int, method: bytes, props: bytes, body: bytes, frame_max: int) -> bytes:
     """A method payload followed by its content header and body frames."""
     out = [FRAME_HDR.pack(FRAME_METHOD, channel, len(method)), method, b"\xce"]

@@ -52,6 +52,7 @@ _DEFERRED = object()
 _EAGER_FLUSH = 16 * 1024  # manual ack: write deliveries this soon, so acks can start flowing
 _DIRECT_WRITE = 32 * 1024  # deliveries this large go to the transport as they are
 _EAGER_FLUSH_AUTOACK = 256 * 1024  # autoack: only bound the buffer (fewer, larger writes)
+_U64_PACK = codec.U64.pack
 
 
 class ChannelState:
@@ -87,7 +88,7 @@ class ChannelState:
 
 
 class SessionConsumer(Consumer):
-    __slots__ = ("session", "chs", "prefetch", "unacked", "prefix")
+    __slots__ = ("session", "chs", "prefetch", "unacked", "prefix", "_t_key", "_t_parts")
 
     def __init__(self, session: Session, chs: ChannelState, tag: str, queue: Queue, no_ack: bool,
                  exclusive: bool, arguments: dict[str, Any]) -> None:
@@ -98,6 +99,9 @@ class SessionConsumer(Consumer):
         self.unacked = 0
         # basic.deliver method id + consumer tag, encoded once
         self.prefix = codec.METHOD_ID.pack(0x003C003C) + codec.shortstr(tag.encode())
+        # the last delivery's (exrk, props, body size, redelivered) and its encoded frame parts
+        self._t_key: tuple[bytes, bytes, int, bool] = (b"", b"", -1, False)
+        self._t_parts: tuple[bytes, bytes, bytes] = (b"", b"", b"")
 
     def ready(self) -> bool:
         chs = self.chs
@@ -136,8 +140,20 @@ class SessionConsumer(Consumer):
             self.unacked += 1
             chs.unacked_count += 1
         s = self.session
-        data = codec.encode_delivery_raw(chs.id, self.prefix, tag, redelivered, exrk, props, body,
-                                         s.frame_max)
+        body_len = len(body)
+        key = self._t_key
+        if key[2] == body_len and key[1] == props and key[0] == exrk and key[3] == redelivered:
+            # the same as the last delivery but for tag and body: pack only the tag
+            head, middle, tail = self._t_parts
+            data = b"".join((head, _U64_PACK(tag), middle, body, tail))
+        elif body_len <= s.frame_max - codec.FRAME_OVERHEAD:
+            self._t_key = (bytes(exrk), bytes(props), body_len, redelivered)
+            head, middle, tail = self._t_parts = codec.delivery_template(chs.id, self.prefix, redelivered,
+                                                                         exrk, props, body_len)
+            data = b"".join((head, _U64_PACK(tag), middle, body, tail))
+        else:
+            data = codec.encode_delivery_raw(chs.id, self.prefix, tag, redelivered, exrk, props, body,
+                                             s.frame_max)
         s.stats.delivered += 1
         if len(data) >= _DIRECT_WRITE and s.write_now is not None:
             s.write_now(data)  # a large delivery skips the copy into ``out``

@@ -144,3 +144,47 @@ def test_autoack_direct_counts_publish_and_delivery(shared_broker: Broker) -> No
         assert info["message_stats"]["deliver_get"] == 40
     finally:
         conn.close()
+
+
+def test_one_consumer_gets_every_field_right_when_deliveries_vary(shared_broker: Broker) -> None:
+    """A consumer re-encodes only what changed since its previous delivery. Each message
+    here differs from the one before in exactly one field (properties, exchange, routing
+    key, body size, redelivered) or in none but the body; every field must be exact."""
+    q = unique("dq")
+    x = q + ".x"
+    conn = connect(shared_broker)
+    try:
+        ch = conn.channel()
+        ch.queue_declare(q)
+        ch.exchange_declare(x, "topic", auto_delete=True)
+        ch.queue_bind(q, x, "#")
+        got: list[tuple[str, str, str | None, bytes, bool, int]] = []
+
+        def on_msg(_ch: object, method: pika.spec.Basic.Deliver, props: pika.BasicProperties,
+                   body: bytes) -> None:
+            got.append((method.exchange, method.routing_key, props.message_id, bytes(body),
+                        bool(method.redelivered), int(method.delivery_tag)))
+
+        ch.basic_consume(q, on_msg, auto_ack=False)
+        sent = [
+            ("", q, None, b"aa"),
+            ("", q, "m1", b"aa"),  # properties differ
+            ("", q, "m1", b"bb"),  # only the body differs
+            (x, "k.1", "m1", b"cc"),  # exchange and routing key
+            (x, "k.2", "m1", b"dd"),  # routing key of the same length
+            (x, "k.2", "m1", b"eee"),  # body size
+        ]
+        for ex, rk, mid, body in sent:
+            ch.basic_publish(ex, rk, body, pika.BasicProperties(message_id=mid))
+        deadline = time.monotonic() + 10
+        while len(got) < len(sent) and time.monotonic() < deadline:
+            conn.process_data_events(time_limit=0.05)
+        assert [g[:5] for g in got] == [(*s_, False) for s_ in sent]
+        # the last one again, now redelivered: only that flag differs from the delivery before
+        ch.basic_reject(got[-1][5], requeue=True)
+        deadline = time.monotonic() + 10
+        while len(got) < len(sent) + 1 and time.monotonic() < deadline:
+            conn.process_data_events(time_limit=0.05)
+        assert got[-1][:5] == (*sent[-1], True)
+    finally:
+        conn.close()
