@@ -89,6 +89,11 @@ _FIXED_SIZE: Final = fmt.FIXED_SIZE
 _NO_POSITIONS: Final[list[int]] = []  # never appended to: next_delivery starts a new list per run
 
 
+def _pack_positions(positions: list[int]) -> bytes:
+    """Ack-file bytes for ``positions``: little-endian u32 each, packed in one call."""
+    return struct.pack(f"<{len(positions)}I", *positions)
+
+
 class _Unallocated(set[Any]):
     """The stand-in for a store's bookkeeping sets until the store has a segment.
 
@@ -477,7 +482,7 @@ class QueueStore:
             self._aa_seg = None
             self._aa_positions = _NO_POSITIONS
             if positions and self._segs.get(seg.num) is seg:
-                self._append_acks(seg, struct.pack(f"<{len(positions)}I", *positions))
+                self._append_acks(seg, _pack_positions(positions))
 
     def stored_props(self) -> Iterator[tuple[int, bytes]]:
         """(msgid, properties) of every record not acked, in order, without consuming.
@@ -599,7 +604,7 @@ class QueueStore:
 
     def _ack_run(self, seg: Segment, positions: list[int]) -> None:
         seg.acked.update(positions)
-        self._append_acks(seg, b"".join(map(_U32.pack, positions)))
+        self._append_acks(seg, _pack_positions(positions))
         if len(seg.acked) == seg.count and seg is not self._wseg:
             self._delete_segment(seg)
 
