@@ -205,6 +205,8 @@ class Session(AMQPConnection):
         self.stats = broker.stats
         self._write_ok: set[str] = set()  # exchanges this user may publish to (cache)
         self.batch_queues: set[Queue] = set()  # queues with consumers it published to
+        self._dm_props = b""  # the properties whose delivery mode _dm_persistent holds
+        self._dm_persistent = False
         self.name = f"{peer[0]}:{peer[1]}"
 
     def receive_data(self, data: bytes) -> None:
@@ -361,8 +363,16 @@ class Session(AMQPConnection):
         if exchange not in self._write_ok:
             self._check("write", exchange)
             self._write_ok.add(exchange)
-        # delivery-mode present (flag 0x1000)? only then find its value
-        persistent = bool(flags & 0x10) and codec.delivery_mode(props) == 2
+        # delivery-mode present (flag 0x1000)? only then find its value, once per properties
+        # object (a publisher repeating its properties hands us the very same bytes object)
+        if not flags & 0x10:
+            persistent = False
+        elif props is self._dm_props:
+            persistent = self._dm_persistent
+        else:
+            persistent = codec.delivery_mode(props) == 2
+            self._dm_props = props
+            self._dm_persistent = persistent
         # delayed / consistent-hash / dedup exchanges: broker/model/exchange_features.py
         if ex.special is not None and publish_exchange_special(self, chs, ex, exchange, routing_key,
                                                                mandatory, props, bytes(body),
