@@ -440,13 +440,17 @@ def test_heartbeat_frame_matches_pamqp() -> None:
     props=properties(),
     body=st.binary(max_size=300),
 )
-def test_delivery_template_matches_encode_delivery_raw(
+def test_delivery_template_matches_encode_delivery(
     channel: int, tag: int, redelivered: bool, exchange: bytes, routing_key: bytes,
     props: commands.Basic.Properties, body: bytes,
 ) -> None:
+    """The template (and encode_delivery_raw, built on it) gives exactly the bytes of
+    encode_delivery, which test_encode_delivery_matches_pamqp checks against pamqp."""
     prefix = codec.METHOD_ID.pack(0x003C003C) + codec.shortstr(b"ctag")
     exrk = codec.shortstr(exchange) + codec.shortstr(routing_key)
     raw_props = props.marshal()
     head, middle, tail = codec.delivery_template(channel, prefix, redelivered, exrk, raw_props, len(body))
-    want = codec.encode_delivery_raw(channel, prefix, tag, redelivered, exrk, raw_props, body, 131072)
+    want = codec.encode_delivery(channel, prefix, tag, redelivered, exchange, routing_key, raw_props, body,
+                                 131072)
     assert head + codec.U64.pack(tag) + middle + body + tail == want
+    assert codec.encode_delivery_raw(channel, prefix, tag, redelivered, exrk, raw_props, body, 131072) == want

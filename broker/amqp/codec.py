@@ -127,7 +127,6 @@ def encode_delivery(
     return b"".join(parts)
 
 
-_DELIVER_TAIL = struct.Struct(">QB")
 _HEADER_AFTER_METHOD = struct.Struct(">BBHIHHQ")  # frame end, header frame hdr, class, weight, size
 _BODY_AFTER_HEADER = struct.Struct(">BBHI")  # frame end, body frame hdr
 
@@ -153,30 +152,18 @@ def encode_delivery_raw(
         ln = exrk[0]
         return encode_delivery(channel, prefix, delivery_tag, redelivered, exrk[1 : 1 + ln],
                                exrk[2 + ln :], props, body, frame_max)
-    if body_len:
-        return b"".join((
-            FRAME_HDR.pack(FRAME_METHOD, channel, len(prefix) + 9 + len(exrk)), prefix,
-            _DELIVER_TAIL.pack(delivery_tag, redelivered), exrk,
-            _HEADER_AFTER_METHOD.pack(FRAME_END, FRAME_HEADER, channel, 12 + len(props), BASIC_CLASS, 0,
-                                      body_len),
-            props, _BODY_AFTER_HEADER.pack(FRAME_END, FRAME_BODY, channel, body_len), body, FRAME_END_BYTE,
-        ))
-    return b"".join((
-        FRAME_HDR.pack(FRAME_METHOD, channel, len(prefix) + 9 + len(exrk)), prefix,
-        _DELIVER_TAIL.pack(delivery_tag, redelivered), exrk,
-        _HEADER_AFTER_METHOD.pack(FRAME_END, FRAME_HEADER, channel, 12 + len(props), BASIC_CLASS, 0, 0),
-        props, FRAME_END_BYTE,
-    ))
+    head, middle, tail = delivery_template(channel, prefix, redelivered, exrk, props, body_len)
+    return b"".join((head, U64.pack(delivery_tag), middle, body, tail))
 
 
 def delivery_template(channel: int, prefix: bytes, redelivered: bool, exrk: bytes, props: bytes,
                       body_len: int) -> tuple[bytes, bytes, bytes]:
     """(head, middle, tail) of a one-body-frame basic.deliver, for repeating deliveries.
 
-    ``head + U64.pack(delivery_tag) + middle + body + tail`` is exactly what
-    ``encode_delivery_raw`` gives for a body of ``body_len`` bytes that fits one
-    frame: a consumer that delivers the same exchange, routing key, properties
-    and size again packs only the tag.
+    ``head + U64.pack(delivery_tag) + middle + body + tail`` is the delivery of a
+    body of ``body_len`` bytes that fits one frame (``encode_delivery_raw`` is
+    that join); a consumer that delivers the same exchange, routing key,
+    properties and size again keeps the parts and packs only the tag.
     """
     head = FRAME_HDR.pack(FRAME_METHOD, channel, len(prefix) + 9 + len(exrk)) + prefix
     middle = b"".join((

@@ -528,10 +528,11 @@ class AMQPConnection:
         path (content split over several frames or reads, or anything odd,
         which the general path then reports precisely).
         """
-        a = self._pub_args.get(data[p:end])
+        raw = data[p:end]
+        a = self._pub_args.get(raw)
         if a is None:
             try:
-                a = self._publish_args(data[p:end])
+                a = self._publish_args(raw)
             except errors.AMQPError:
                 return 0
         h = end + 1

@@ -22,13 +22,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from broker.store.queue_store import QueueStore
+from broker.store.segment import short_pair
 
 if TYPE_CHECKING:
     from broker.model.features import QueueFeatures
 
 _PASS_BUDGET = 4096  # deliveries per pass before yielding to the loop
 _PASS_BYTES = 4 * 1024 * 1024  # body bytes per pass: flushes run before the next pass
-_BYTE = [bytes((i,)) for i in range(256)]
 
 
 class Consumer:
@@ -126,10 +126,10 @@ class Queue:
         store = self.store
         if self.consumers and not store.ready_count:
             # Nothing waits: hand the message straight to a consumer with capacity.
-            c = self._direct_consumer()
+            c = self._next_consumer()
             if c is not None:
                 if exrk is None:
-                    exrk = _BYTE[len(exchange)] + exchange + _BYTE[len(routing_key)] + routing_key
+                    exrk = short_pair(exchange, routing_key)
                 if c.no_ack:
                     # Delivered and settled at once: the store never needs to see it.
                     msgid = 0
@@ -152,7 +152,7 @@ class Queue:
             self._schedule(self._deliver)
         return None
 
-    def _direct_consumer(self) -> Consumer | None:
+    def _next_consumer(self) -> Consumer | None:
         """The next consumer, round-robin, that takes a delivery now, or None."""
         consumers = self.consumers
         n = len(consumers)
@@ -213,48 +213,35 @@ class Queue:
         delivered = redelivered_n = 0
         try:
             while budget > 0 and consumers and self.store.ready_count:
-                n = len(consumers)
-                if n == 1:
+                if len(consumers) == 1:
                     # One consumer: ask its capacity once and hand it a run of messages.
                     c = consumers[0]
-                    k = c.capacity()
+                    k = min(c.capacity(), budget)
                     if k <= 0:
                         return  # no capacity; whoever frees some reschedules us
-                    if k > budget:
-                        k = budget
                     got_n, red_n, nb = self.store.deliver_run(k, c.no_ack, c.deliver_raw,
                                                               _PASS_BYTES - nbytes)
                     delivered += got_n
                     redelivered_n += red_n
                     nbytes += nb
-                    if nbytes > _PASS_BYTES:
-                        budget = 0  # let the output drain first
-                        break
-                    if got_n < k:
+                    if got_n < k and nbytes <= _PASS_BYTES:
                         return  # the queue is empty
-                    budget -= k
-                    continue
+                    budget -= got_n
                 else:
-                    start = self._rr
-                    for i in range(n):
-                        c = consumers[(start + i) % n]
-                        if c.ready():
-                            self._rr = (start + i + 1) % n
-                            break
-                    else:
+                    # Several consumers: round-robin, one message each.
+                    rr = self._next_consumer()
+                    if rr is None:
                         return  # nobody has capacity; whoever frees some reschedules us
-                got = next_delivery(c.no_ack)
-                if got is None:
-                    return
-                msgid, exrk, props, body, redelivered = got
-                delivered += 1
-                if redelivered:
-                    redelivered_n += 1
-                c.deliver_raw(msgid, exrk, props, body, redelivered)
-                budget -= 1
-                nbytes += len(body)
+                    got = next_delivery(rr.no_ack)
+                    if got is None:
+                        return
+                    delivered += 1
+                    redelivered_n += got[4]
+                    nbytes += len(got[3])
+                    rr.deliver_raw(*got)
+                    budget -= 1
                 if nbytes > _PASS_BYTES:
-                    budget = 0
+                    budget = 0  # let the output drain first
             if budget <= 0:
                 self.schedule_delivery()
         finally:

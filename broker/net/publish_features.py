@@ -21,19 +21,21 @@ from broker.amqp import codec
 from broker.model import features
 
 if TYPE_CHECKING:
+    from broker.amqp.connection import PublishArgs
     from broker.model.exchange import Exchange
     from broker.model.queue import Queue
     from broker.net.session import ChannelState, Session
 
 
-def publish_special(s: Session, chs: ChannelState, ex: Exchange, exchange: str, routing_key: str,
-                    mandatory: bool, props: bytes, body: bytes, persistent: bool) -> bool:
+def publish_special(s: Session, chs: ChannelState, ex: Exchange, args: PublishArgs, props: bytes,
+                    body: bytes, persistent: bool) -> bool:
     """Publish a message with CC/BCC or an expiration; False when it has neither."""
     props, extra, has_exp = features.inspect_publish(props)
     if extra is None and not has_exp:
         return False
     vh = s.vhost_obj
-    keys = [routing_key, *(extra or ())]
+    exchange = args.exchange
+    keys = [args.routing_key, *(extra or ())]
     queues: list[Queue] = []
     headers: list[dict[str, Any] | None] = []
 
@@ -55,17 +57,16 @@ def publish_special(s: Session, chs: ChannelState, ex: Exchange, exchange: str, 
     if has_exp:
         for q in queues:
             features.ensure(q, vh).msg_ttl_seen = True
-    s.store_routed(chs, exchange, routing_key, mandatory, props, body, persistent, queues)
+    s.store_routed(chs, args, props, body, persistent, queues)
     return True
 
 
-def publish_exchange_special(s: Session, chs: ChannelState, ex: Exchange, exchange: str,
-                             routing_key: str, mandatory: bool, props: bytes, body: bytes,
-                             persistent: bool) -> bool:
+def publish_exchange_special(s: Session, chs: ChannelState, ex: Exchange, args: PublishArgs,
+                             props: bytes, body: bytes, persistent: bool) -> bool:
     """Publish to an exchange with features (``ex.special``); False: take the ordinary path."""
     special = ex.special
     assert special is not None
-    consumed, queues = special.on_publish(s.now_ms, routing_key, props, body, persistent)
+    consumed, queues = special.on_publish(s.now_ms, args.routing_key, props, body, persistent)
     if consumed:
         # dropped as a duplicate, or held by a delayed exchange (durably when it is durable)
         if special.delayed is not None and special.delayed.durable and chs.confirm:
@@ -73,5 +74,5 @@ def publish_exchange_special(s: Session, chs: ChannelState, ex: Exchange, exchan
         return True
     if queues is None:
         return False
-    s.store_routed(chs, exchange, routing_key, mandatory, props, body, persistent, queues)
+    s.store_routed(chs, args, props, body, persistent, queues)
     return True

@@ -142,16 +142,12 @@ class SessionConsumer(Consumer):
         s = self.session
         body_len = len(body)
         key = self._t_key
-        if key[2] == body_len and key[1] == props and key[0] == exrk and key[3] == redelivered:
-            # the same as the last delivery but for tag and body: pack only the tag
+        if (key[2] == body_len and key[1] == props and key[0] == exrk and key[3] == redelivered) \
+                or self._retemplate(exrk, props, body_len, redelivered):
+            # the same kind of delivery as the last one: pack only the tag
             head, middle, tail = self._t_parts
             data = b"".join((head, _U64_PACK(tag), middle, body, tail))
-        elif body_len <= s.frame_max - codec.FRAME_OVERHEAD:
-            self._t_key = (bytes(exrk), bytes(props), body_len, redelivered)
-            head, middle, tail = self._t_parts = codec.delivery_template(chs.id, self.prefix, redelivered,
-                                                                         exrk, props, body_len)
-            data = b"".join((head, _U64_PACK(tag), middle, body, tail))
-        else:
+        else:  # a body over several frames
             data = codec.encode_delivery_raw(chs.id, self.prefix, tag, redelivered, exrk, props, body,
                                              s.frame_max)
         s.stats.delivered += 1
@@ -166,6 +162,15 @@ class SessionConsumer(Consumer):
             s.flush_now()
         elif not s.flush_pending:
             s.wakeup()
+
+    def _retemplate(self, exrk: bytes, props: bytes, body_len: int, redelivered: bool) -> bool:
+        """Encode the fixed frame parts for deliveries like this one; False if its body
+        does not fit one frame (nothing worth keeping then)."""
+        if body_len > self.session.frame_max - codec.FRAME_OVERHEAD:
+            return False
+        self._t_key = (bytes(exrk), bytes(props), body_len, redelivered)
+        self._t_parts = codec.delivery_template(self.chs.id, self.prefix, redelivered, exrk, props, body_len)
+        return True
 
     def cancelled_by_server(self) -> None:
         s = self.session
@@ -354,7 +359,6 @@ class Session(AMQPConnection):
             props = self._rewrite_reply_to(chs, props)
         exchange = args.exchange
         routing_key = args.routing_key
-        mandatory = args.mandatory
         ex = vh.exchanges.get(exchange)
         if ex is None:
             raise errors.NotFound(f"no exchange '{exchange}' in vhost '{vh.name}'", 60, 40)
@@ -374,13 +378,11 @@ class Session(AMQPConnection):
             self._dm_props = props
             self._dm_persistent = persistent
         # delayed / consistent-hash / dedup exchanges: broker/model/exchange_features.py
-        if ex.special is not None and publish_exchange_special(self, chs, ex, exchange, routing_key,
-                                                               mandatory, props, bytes(body),
+        if ex.special is not None and publish_exchange_special(self, chs, ex, args, props, bytes(body),
                                                                persistent):
             return
         # headers (0x2000: CC/BCC) or expiration (0x0100): broker/net/publish_features.py
-        if flags & 0x21 and publish_special(self, chs, ex, exchange, routing_key, mandatory, props,
-                                            bytes(body), persistent):
+        if flags & 0x21 and publish_special(self, chs, ex, args, props, bytes(body), persistent):
             return
         if exchange == "":
             q = vh.queues.get(routing_key)
@@ -401,19 +403,19 @@ class Session(AMQPConnection):
                 queues = [q]
         else:
             queues = vh.route(ex, routing_key, lambda: _headers(props))
-        self.store_routed(chs, exchange, routing_key, mandatory, props, body, persistent, queues)
+        self.store_routed(chs, args, props, body, persistent, queues)
 
-    def store_routed(self, chs: ChannelState, exchange: str, routing_key: str, mandatory: bool,
-                     props: bytes, body: bytes | memoryview, persistent: bool,
-                     queues: list[Queue]) -> None:
+    def store_routed(self, chs: ChannelState, args: PublishArgs, props: bytes, body: bytes | memoryview,
+                     persistent: bool, queues: list[Queue]) -> None:
         """Append a routed message to its queues, or count it unroutable (and return it
         if mandatory). Every publish path ends here once it knows the queues."""
         if queues:
             ts = self.now_ms
-            exb = exchange.encode()
-            rkb = routing_key.encode()
+            exb = args.exchange_b
+            rkb = args.routing_key_b
+            exrk = args.exrk
             for q in queues:
-                if q.publish(ts, exb, rkb, props, body, persistent) is False:
+                if q.publish(ts, exb, rkb, props, body, persistent, exrk) is False:
                     self.publish_rejected(chs)  # x-overflow reject-publish
                 if q.consumers:
                     self.batch_queues.add(q)
@@ -421,10 +423,9 @@ class Session(AMQPConnection):
                     chs.needs_sync = True
         else:
             self.stats.unroutable += 1
-            if mandatory:
-                self.out += codec.encode_return(chs.id, 312, b"NO_ROUTE", exchange.encode(),
-                                                routing_key.encode(), props, bytes(body),
-                                                self.frame_max)
+            if args.mandatory:
+                self.out += codec.encode_return(chs.id, 312, b"NO_ROUTE", args.exchange_b, args.routing_key_b,
+                                                props, bytes(body), self.frame_max)
 
     def _rewrite_reply_to(self, chs: ChannelState, props: bytes) -> bytes:
         p = codec.decode_properties(props)

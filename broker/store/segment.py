@@ -239,6 +239,12 @@ _ZERO_TS_AND_LEN: Final = tuple(bytes(8) + bytes((i,)) for i in range(256))  # z
 PWRITE_MIN: Final = 16 * 1024  # bodies at least this big are written with pwritev, not via the map
 
 
+def short_pair(exchange: bytes, routing_key: bytes) -> bytes:
+    """Exchange and routing key as the two AMQP short strings a record stores them as
+    (which is also their encoding in basic.deliver)."""
+    return _BYTE[len(exchange)] + exchange + _BYTE[len(routing_key)] + routing_key
+
+
 def record_size(exchange: bytes, routing_key: bytes, props: bytes | memoryview,
                 body: bytes | bytearray | memoryview) -> int:
     """Bytes a record takes; exchange and routing key must be AMQP short strings."""
