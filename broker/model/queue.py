@@ -61,6 +61,17 @@ class Consumer:
         ln = exrk[0]
         self.deliver(msgid, exrk[1 : 1 + ln], exrk[2 + ln :], props, bytes(body), redelivered)
 
+    def deliver_same(self, msgids: range | None, exrk: bytes, props: bytes, bodies: list[bytes]) -> None:
+        """``deliver_raw`` for a run of first-time deliveries that differ only in their
+        bodies, all of one length: ``msgids[i]`` goes with ``bodies[i]``. ``msgids``
+        None: autoack deliveries of a publish run that was never stored (msgid 0)."""
+        if msgids is None:
+            for body in bodies:
+                self.deliver_raw(0, exrk, props, body, False)
+        else:
+            for msgid, body in zip(msgids, bodies, strict=True):
+                self.deliver_raw(msgid, exrk, props, body, False)
+
     def cancelled_by_server(self) -> None:
         """The queue went away; tell the client if it wants to know."""
 
@@ -152,6 +163,41 @@ class Queue:
             self._schedule(self._deliver)
         return None
 
+    def publish_run(self, ts: int, exchange: bytes, routing_key: bytes, props: bytes, bodies: list[bytes],
+                    persistent: bool, exrk: bytes) -> None:
+        """``publish`` for several bodies of one length with everything else equal, on a
+        queue without features: what consumers take now is handed over directly, the
+        rest is appended to the store as one run."""
+        store = self.store
+        i = 0
+        k = len(bodies)
+        if self.consumers and not store.ready_count:
+            consumers = self.consumers
+            if len(consumers) == 1 and consumers[0].no_ack:
+                c = consumers[0]
+                if c.capacity() > 0:
+                    # autoack: delivered and settled at once, never stored
+                    self.n_published += k
+                    self.n_delivered += k
+                    c.deliver_same(None, exrk, props, bodies)
+                    return
+            else:
+                # one by one while consumers take them; once one is stored (nobody had
+                # room), the rest follows it into the store as a run
+                while i < k and not store.ready_count:
+                    self.publish(ts, exchange, routing_key, props, bodies[i], persistent, exrk)
+                    i += 1
+                if i == k:
+                    return
+        rest = bodies if i == 0 else bodies[i:]
+        store.append_run(ts, exrk, props, rest)
+        self.n_published += len(rest)
+        if persistent and self.durable:
+            self.on_dirty(store)
+        if self.consumers and not self._scheduled:
+            self._scheduled = True
+            self._schedule(self._deliver)
+
     def _next_consumer(self) -> Consumer | None:
         """The next consumer, round-robin, that takes a delivery now, or None."""
         consumers = self.consumers
@@ -220,7 +266,7 @@ class Queue:
                     if k <= 0:
                         return  # no capacity; whoever frees some reschedules us
                     got_n, red_n, nb = self.store.deliver_run(k, c.no_ack, c.deliver_raw,
-                                                              _PASS_BYTES - nbytes)
+                                                              _PASS_BYTES - nbytes, c.deliver_same)
                     delivered += got_n
                     redelivered_n += red_n
                     nbytes += nb

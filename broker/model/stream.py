@@ -276,6 +276,11 @@ class StreamQueue(Queue):
             self._scheduled = True
             self._schedule(self._deliver)
 
+    def publish_run(self, ts: int, exchange: bytes, routing_key: bytes, props: bytes, bodies: list[bytes],
+                    persistent: bool, exrk: bytes) -> None:
+        for body in bodies:
+            self.publish(ts, exchange, routing_key, props, body, persistent, exrk)
+
     @property
     def message_count(self) -> int:
         return self.stream.count

@@ -151,6 +151,10 @@ class SessionConsumer(Consumer):
             data = codec.encode_delivery_raw(chs.id, self.prefix, tag, redelivered, exrk, props, body,
                                              s.frame_max)
         s.stats.delivered += 1
+        self._send(data)
+
+    def _send(self, data: bytes) -> None:
+        s = self.session
         if len(data) >= _DIRECT_WRITE and s.write_now is not None:
             s.write_now(data)  # a large delivery skips the copy into ``out``
             return
@@ -162,6 +166,33 @@ class SessionConsumer(Consumer):
             s.flush_now()
         elif not s.flush_pending:
             s.wakeup()
+
+    def deliver_same(self, msgids: range | None, exrk: bytes, props: bytes, bodies: list[bytes]) -> None:
+        """A run of deliveries that differ only in their bodies (``Consumer.deliver_same``):
+        the delivery template is checked once and the frames are joined once."""
+        body_len = len(bodies[0])
+        key = self._t_key
+        if not ((key[2] == body_len and key[1] == props and key[0] == exrk and not key[3])
+                or self._retemplate(exrk, props, body_len, False)):
+            super().deliver_same(msgids, exrk, props, bodies)
+            return
+        chs = self.chs
+        tag = chs.next_tag
+        k = len(bodies)
+        chs.next_tag = tag + k
+        if msgids is not None and not self.no_ack:
+            q = self.queue
+            chs.unacked.update(zip(range(tag, tag + k), [(q, msgid, self) for msgid in msgids], strict=True))
+            self.unacked += k
+            chs.unacked_count += k
+        head, middle, tail = self._t_parts
+        parts: list[bytes] = []
+        add = parts.extend
+        for body in bodies:
+            add((head, _U64_PACK(tag), middle, body, tail))
+            tag += 1
+        self.session.stats.delivered += k
+        self._send(b"".join(parts))
 
     def _retemplate(self, exrk: bytes, props: bytes, body_len: int, redelivered: bool) -> bool:
         """Encode the fixed frame parts for deliveries like this one; False if its body
@@ -367,16 +398,7 @@ class Session(AMQPConnection):
         if exchange not in self._write_ok:
             self._check("write", exchange)
             self._write_ok.add(exchange)
-        # delivery-mode present (flag 0x1000)? only then find its value, once per properties
-        # object (a publisher repeating its properties hands us the very same bytes object)
-        if not flags & 0x10:
-            persistent = False
-        elif props is self._dm_props:
-            persistent = self._dm_persistent
-        else:
-            persistent = codec.delivery_mode(props) == 2
-            self._dm_props = props
-            self._dm_persistent = persistent
+        persistent = bool(flags & 0x10) and self._persistent(props)
         # delayed / consistent-hash / dedup exchanges: broker/model/exchange_features.py
         if ex.special is not None and publish_exchange_special(self, chs, ex, args, props, bytes(body),
                                                                persistent):
@@ -404,6 +426,57 @@ class Session(AMQPConnection):
         else:
             queues = vh.route(ex, routing_key, lambda: _headers(props))
         self.store_routed(chs, args, props, body, persistent, queues)
+
+    def _persistent(self, props: bytes) -> bool:
+        """delivery-mode 2? Parsed once per properties object: a publisher repeating its
+        properties hands us the very same bytes object. Only called when the
+        delivery-mode flag (0x1000) is set."""
+        if props is self._dm_props:
+            return self._dm_persistent
+        persistent = codec.delivery_mode(props) == 2
+        self._dm_props = props
+        self._dm_persistent = persistent
+        return persistent
+
+    def handle_publish_run(self, channel: int, args: PublishArgs, props: bytes, bodies: list[bytes]) -> None:
+        """A run of publishes that differ only in their (equal-length) bodies: routed
+        once and handed to each queue as a run, when that is the same as publishing
+        them one by one. Anything unusual (transactions, reply-to, CC/BCC headers,
+        expiration, special exchanges, queues with features, no route, a refused
+        first publish) takes the one-by-one path from the first message on."""
+        chs = self.chs[channel]
+        flags = props[0] if props else 0
+        vh = self.vh
+        exchange = args.exchange
+        ex = None if vh is None or chs.tx is not None or flags & 0x23 else vh.exchanges.get(exchange)
+        if ex is None or ex.internal or ex.special is not None or exchange not in self._write_ok:
+            self.publish_each(channel, args, props, bodies)
+            return
+        if exchange == "":
+            q = vh.queues.get(args.routing_key)  # type: ignore[union-attr]
+            queues = [] if q is None else [q]
+        else:
+            queues = vh.route(ex, args.routing_key, lambda: _headers(props))  # type: ignore[union-attr]
+        if not queues or any(q.features is not None for q in queues):
+            self.publish_each(channel, args, props, bodies)
+            return
+        k = len(bodies)
+        self.batch_publishes += k
+        self.stats.published += k
+        if chs.confirm:
+            chs.publish_seq += k
+            self._confirm_dirty.add(chs)
+        persistent = bool(flags & 0x10) and self._persistent(props)
+        ts = self.now_ms
+        exb = args.exchange_b
+        rkb = args.routing_key_b
+        exrk = args.exrk
+        for q in queues:
+            q.publish_run(ts, exb, rkb, props, bodies, persistent, exrk)
+            if q.consumers:
+                self.batch_queues.add(q)
+            if persistent and q.durable and chs.confirm:
+                chs.needs_sync = True
 
     def store_routed(self, chs: ChannelState, args: PublishArgs, props: bytes, body: bytes | memoryview,
                      persistent: bool, queues: list[Queue]) -> None:

@@ -77,6 +77,7 @@ _META_VERSION: Final = 1
 _CRC: Final = struct.Struct("<I")
 _U32: Final = struct.Struct("<I")
 _I64_PACK_INTO: Final = fmt.I64.pack_into
+_I64_PACK: Final = fmt.I64.pack
 _U32_PACK_INTO: Final = fmt.U32.pack_into
 _U64_PACK_INTO: Final = fmt.U64.pack_into
 _U32_PACK: Final = fmt.U32.pack
@@ -250,6 +251,47 @@ class QueueStore:
             self._sink.append(seg.path, mm[pos:end])
         return (seg.num << 32) | pos
 
+    def append_run(self, timestamp_ms: int, exrk: bytes, props: bytes, bodies: list[bytes]) -> None:
+        """append() for several bodies of ONE length (each under segment.PWRITE_MIN) with
+        the same timestamp, exchange and routing key (``exrk``: the two short strings)
+        and properties: one join and one copy into the map per segment they land in.
+
+        The first record's timestamp is written last, so a reader (recovery after
+        kill -9) sees all of the run's records in a segment or none of them.
+        """
+        k = len(bodies)
+        if not k:
+            return
+        body_len = len(bodies[0])
+        mid = b"".join((exrk, _U32_PACK(len(props)), props, _U64_PACK(body_len)))
+        rec = 8 + len(mid) + body_len
+        sep = _I64_PACK(timestamp_ms or 1) + mid
+        head = len(mid) + 8
+        i = 0
+        while i < k:
+            seg = self._wseg
+            room = 0 if seg is None else (self._wcap - seg.end) // rec
+            if room <= 0:
+                seg = self._roll(rec)
+                continue
+            m = min(room, k - i)
+            mm = self._wmm
+            assert seg is not None and mm is not None
+            pos = seg.end
+            end = pos + m * rec
+            mm[pos + 8 : pos + head] = mid  # the first timestamp stays zero until the end
+            mm[pos + head : end] = sep.join(bodies[i : i + m] if m < k else bodies)
+            _I64_PACK_INTO(mm, pos, timestamp_ms or 1)
+            seg.end = end
+            seg.count += m
+            if self._sink.active:
+                self._sink.append(seg.path, mm[pos:end])
+            i += m
+        self._ready += k
+        self._bytes_ready += k * body_len
+        self._dirty = True
+        self._seg_unsynced = True
+
     def append_taken(self, timestamp_ms: int, exchange: bytes, routing_key: bytes,
                      props: bytes | memoryview, body: bytes | bytearray | memoryview) -> int:
         """append() a message that goes straight to a consumer: it is unacked at once.
@@ -395,7 +437,9 @@ class QueueStore:
         return msgid, exrk, props, body, redelivered
 
     def deliver_run(self, k: int, autoack: bool, deliver: Callable[[int, bytes, bytes, bytes, bool], None],
-                    max_bytes: int) -> tuple[int, int, int]:
+                    max_bytes: int,
+                    deliver_same: Callable[[range, bytes, bytes, list[bytes]], None] | None = None,
+                    ) -> tuple[int, int, int]:
         """Hand up to ``k`` ready messages, in order, to ``deliver`` (next_delivery's fields).
 
         Stops early when the queue is empty or once more than ``max_bytes`` of
@@ -404,6 +448,11 @@ class QueueStore:
         loop with its state in locals; anything else (requeued messages, a
         segment end, an acked record ahead of the cursor after recovery) takes
         next_delivery(). Autoack acks are written to the ack file by end_pass().
+
+        With ``deliver_same``, consecutive first-time records that differ only in
+        their bodies (same exchange, routing key, properties and body size: the
+        bytes between timestamp and body are equal) go to it as one run of
+        (msgids, exrk, props, bodies) instead of one ``deliver`` call each.
         """
         n = red = nbytes = 0
         while n < k and nbytes <= max_bytes:
@@ -443,6 +492,37 @@ class QueueStore:
                 b_len = _U64_UNPACK(mm, pend)[0]
                 bend = pend + 8 + b_len
                 msgid = base | pos
+                if deliver_same is not None and msgid > recovered_hwm and bend < end:
+                    # a run of records like this one? compare the bytes between
+                    # timestamp and body; equal bytes mean an equal record size
+                    rec = bend - pos
+                    stop = pos + rec * min(k - n, (max_bytes - nbytes) // (b_len or 1) + 1)
+                    if stop > end:
+                        stop = end
+                    q = bend
+                    if q + rec <= stop:
+                        hl = pend + 8 - p
+                        hdr = mm[p : p + hl]
+                        while q + rec <= stop and mm[q + 8 : q + 8 + hl] == hdr:
+                            q += rec
+                    if q > bend and not (acked and not acked.isdisjoint(range(pos, q, rec))):
+                        m = (q - pos) // rec
+                        hb = 8 + hl
+                        bodies = [mm[x : x + b_len] for x in range(pos + hb, q, rec)]
+                        if positions is not None:
+                            acked.update(range(pos, q, rec))
+                            positions.extend(range(pos, q, rec))
+                        else:
+                            unacked.update(range(msgid, base | q, rec))
+                        self._cpos = q
+                        self._ready -= m
+                        self._bytes_ready -= m * b_len
+                        n += m
+                        nbytes += m * b_len
+                        deliver_same(range(msgid, base | q, rec), mm[p:p_at], mm[p_at + 4 : pend], bodies)
+                        msgid = base | (q - rec)
+                        pos = q
+                        continue
                 if positions is not None:
                     acked.add(pos)
                     positions.append(pos)
