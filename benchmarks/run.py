@@ -83,6 +83,22 @@ def scenarios(prefill: int) -> dict[str, Scenario]:
             "consume_rate",
             "deliveries/s",
         ),
+        # Not in issue 3's list: (a) and (b) as most client libraries publish, each message
+        # with its own message-id, so consecutive publishes are never one run.
+        Scenario(
+            "a-ids",
+            "(a) with a distinct message-id per message",
+            ("-x", "1", "-y", "1", "-s", "16", "--message-ids"),
+            "consume_rate",
+            "msg/s",
+        ),
+        Scenario(
+            "b-ids",
+            "(b) with a distinct message-id per message",
+            ("-x", "1", "-y", "1", "-s", "16", "-a", "500", "-P", "1000", "--message-ids"),
+            "consume_rate",
+            "msg/s",
+        ),
     ]
     return {s.key: s for s in items}
 

@@ -449,8 +449,9 @@ def test_delivery_template_matches_encode_delivery(
     prefix = codec.METHOD_ID.pack(0x003C003C) + codec.shortstr(b"ctag")
     exrk = codec.shortstr(exchange) + codec.shortstr(routing_key)
     raw_props = props.marshal()
-    head, middle, tail = codec.delivery_template(channel, prefix, redelivered, exrk, raw_props, len(body))
+    head, before, after, tail = codec.delivery_template(channel, prefix, redelivered, exrk, len(raw_props),
+                                                        len(body))
     want = codec.encode_delivery(channel, prefix, tag, redelivered, exchange, routing_key, raw_props, body,
                                  131072)
-    assert head + codec.U64.pack(tag) + middle + body + tail == want
+    assert head + codec.U64.pack(tag) + before + raw_props + after + body + tail == want
     assert codec.encode_delivery_raw(channel, prefix, tag, redelivered, exrk, raw_props, body, 131072) == want

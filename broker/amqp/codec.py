@@ -152,28 +152,28 @@ def encode_delivery_raw(
         ln = exrk[0]
         return encode_delivery(channel, prefix, delivery_tag, redelivered, exrk[1 : 1 + ln],
                                exrk[2 + ln :], props, body, frame_max)
-    head, middle, tail = delivery_template(channel, prefix, redelivered, exrk, props, body_len)
-    return b"".join((head, U64.pack(delivery_tag), middle, body, tail))
+    head, before, after, tail = delivery_template(channel, prefix, redelivered, exrk, len(props), body_len)
+    return b"".join((head, U64.pack(delivery_tag), before, props, after, body, tail))
 
 
-def delivery_template(channel: int, prefix: bytes, redelivered: bool, exrk: bytes, props: bytes,
-                      body_len: int) -> tuple[bytes, bytes, bytes]:
-    """(head, middle, tail) of a one-body-frame basic.deliver, for repeating deliveries.
+def delivery_template(channel: int, prefix: bytes, redelivered: bool, exrk: bytes, props_len: int,
+                      body_len: int) -> tuple[bytes, bytes, bytes, bytes]:
+    """(head, before_props, after_props, tail) of a one-body-frame basic.deliver.
 
-    ``head + U64.pack(delivery_tag) + middle + body + tail`` is the delivery of a
-    body of ``body_len`` bytes that fits one frame (``encode_delivery_raw`` is
-    that join); a consumer that delivers the same exchange, routing key,
-    properties and size again keeps the parts and packs only the tag.
+    ``head + U64.pack(delivery_tag) + before_props + props + after_props + body + tail``
+    is the delivery of ``props`` (``props_len`` bytes) and a body of ``body_len`` bytes
+    that fits one frame (``encode_delivery_raw`` is that join). A consumer delivering
+    the same exchange and routing key with properties and body of the same sizes again
+    keeps the parts and packs only the tag: properties that differ per message (a
+    message-id, a timestamp) do not cost a new template.
     """
     head = FRAME_HDR.pack(FRAME_METHOD, channel, len(prefix) + 9 + len(exrk)) + prefix
-    middle = b"".join((
+    before = b"".join((
         b"\x01" if redelivered else b"\x00", exrk,
-        _HEADER_AFTER_METHOD.pack(FRAME_END, FRAME_HEADER, channel, 12 + len(props), BASIC_CLASS, 0,
-                                  body_len),
-        props,
-        _BODY_AFTER_HEADER.pack(FRAME_END, FRAME_BODY, channel, body_len) if body_len else FRAME_END_BYTE,
+        _HEADER_AFTER_METHOD.pack(FRAME_END, FRAME_HEADER, channel, 12 + props_len, BASIC_CLASS, 0, body_len),
     ))
-    return head, middle, FRAME_END_BYTE if body_len else b""
+    after = _BODY_AFTER_HEADER.pack(FRAME_END, FRAME_BODY, channel, body_len) if body_len else FRAME_END_BYTE
+    return head, before, after, FRAME_END_BYTE if body_len else b""
 
 
 def encode_content(channel: int, method: bytes, props: bytes, body: bytes, frame_max: int) -> bytes:

@@ -99,9 +99,9 @@ class SessionConsumer(Consumer):
         self.unacked = 0
         # basic.deliver method id + consumer tag, encoded once
         self.prefix = codec.METHOD_ID.pack(0x003C003C) + codec.shortstr(tag.encode())
-        # the last delivery's (exrk, props, body size, redelivered) and its encoded frame parts
-        self._t_key: tuple[bytes, bytes, int, bool] = (b"", b"", -1, False)
-        self._t_parts: tuple[bytes, bytes, bytes] = (b"", b"", b"")
+        # the last delivery's (exrk, props size, body size, redelivered) and its encoded frame parts
+        self._t_key: tuple[bytes, int, int, bool] = (b"", -1, -1, False)
+        self._t_parts: tuple[bytes, bytes, bytes, bytes] = (b"", b"", b"", b"")
 
     def ready(self) -> bool:
         chs = self.chs
@@ -142,11 +142,11 @@ class SessionConsumer(Consumer):
         s = self.session
         body_len = len(body)
         key = self._t_key
-        if (key[2] == body_len and key[1] == props and key[0] == exrk and key[3] == redelivered) \
-                or self._retemplate(exrk, props, body_len, redelivered):
+        if (key[2] == body_len and key[1] == len(props) and key[0] == exrk and key[3] == redelivered) \
+                or self._retemplate(exrk, len(props), body_len, redelivered):
             # the same kind of delivery as the last one: pack only the tag
-            head, middle, tail = self._t_parts
-            data = b"".join((head, _U64_PACK(tag), middle, body, tail))
+            head, before, after, tail = self._t_parts
+            data = b"".join((head, _U64_PACK(tag), before, props, after, body, tail))
         else:  # a body over several frames
             data = codec.encode_delivery_raw(chs.id, self.prefix, tag, redelivered, exrk, props, body,
                                              s.frame_max)
@@ -172,8 +172,8 @@ class SessionConsumer(Consumer):
         the delivery template is checked once and the frames are joined once."""
         body_len = len(bodies[0])
         key = self._t_key
-        if not ((key[2] == body_len and key[1] == props and key[0] == exrk and not key[3])
-                or self._retemplate(exrk, props, body_len, False)):
+        if not ((key[2] == body_len and key[1] == len(props) and key[0] == exrk and not key[3])
+                or self._retemplate(exrk, len(props), body_len, False)):
             super().deliver_same(msgids, exrk, props, bodies)
             return
         chs = self.chs
@@ -185,7 +185,8 @@ class SessionConsumer(Consumer):
             chs.unacked.update(zip(range(tag, tag + k), [(q, msgid, self) for msgid in msgids], strict=True))
             self.unacked += k
             chs.unacked_count += k
-        head, middle, tail = self._t_parts
+        head, before, after, tail = self._t_parts
+        middle = b"".join((before, props, after))
         parts: list[bytes] = []
         add = parts.extend
         for body in bodies:
@@ -194,13 +195,14 @@ class SessionConsumer(Consumer):
         self.session.stats.delivered += k
         self._send(b"".join(parts))
 
-    def _retemplate(self, exrk: bytes, props: bytes, body_len: int, redelivered: bool) -> bool:
+    def _retemplate(self, exrk: bytes, props_len: int, body_len: int, redelivered: bool) -> bool:
         """Encode the fixed frame parts for deliveries like this one; False if its body
         does not fit one frame (nothing worth keeping then)."""
         if body_len > self.session.frame_max - codec.FRAME_OVERHEAD:
             return False
-        self._t_key = (bytes(exrk), bytes(props), body_len, redelivered)
-        self._t_parts = codec.delivery_template(self.chs.id, self.prefix, redelivered, exrk, props, body_len)
+        self._t_key = (bytes(exrk), props_len, body_len, redelivered)
+        self._t_parts = codec.delivery_template(self.chs.id, self.prefix, redelivered, exrk, props_len,
+                                                body_len)
         return True
 
     def cancelled_by_server(self) -> None:

@@ -97,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--queue-durable", action="store_true", help="declare the queue(s) durable")
     t.add_argument(
+        "--message-ids",
+        action="store_true",
+        help="give every message its own message-id property, as many client libraries do; "
+        "consecutive publishes then differ in more than their bodies",
+    )
+    t.add_argument(
         "--no-declare",
         action="store_true",
         help="do not declare anything: -u must name an existing queue (passive check)",
@@ -271,6 +277,7 @@ def _throughput(args: argparse.Namespace) -> int:
         idle_stop=args.idle_stop,
         interval=args.interval,
         batch_bytes=max(1, args.batch_bytes),
+        message_ids=args.message_ids,
     )
     return throughput(opts)
 

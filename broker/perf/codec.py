@@ -71,6 +71,8 @@ CONFIRM_SELECT_OK = (85, 11)
 
 # Content-header property flag bits we use (spec order: content-type is bit 15).
 FLAG_DELIVERY_MODE = 0x1000
+FLAG_MESSAGE_ID = 0x0080
+MESSAGE_ID_LEN = 12  # --message-ids: every message of a batch gets its own, of this length
 
 _FRAME_HEAD = struct.Struct(">BHI")
 _CLASS_METHOD = struct.Struct(">HH")
@@ -262,11 +264,11 @@ def confirm_select(channel: int) -> bytes:
     return method(channel, CONFIRM_SELECT, bits(False))
 
 
-def content_header(body_size: int, *, persistent: bool) -> bytes:
-    """Content-header payload for class basic: only delivery-mode is ever set."""
-    if persistent:
-        return _CONTENT_HEADER.pack(60, 0, body_size, FLAG_DELIVERY_MODE) + b"\x02"
-    return _CONTENT_HEADER.pack(60, 0, body_size, 0)
+def content_header(body_size: int, *, persistent: bool, message_id: bytes = b"") -> bytes:
+    """Content-header payload for class basic: delivery-mode and, if given, message-id."""
+    flags = (FLAG_DELIVERY_MODE if persistent else 0) | (FLAG_MESSAGE_ID if message_id else 0)
+    return b"".join((_CONTENT_HEADER.pack(60, 0, body_size, flags), b"\x02" if persistent else b"",
+                     shortstr(message_id) if message_id else b""))
 
 
 def encode_message(
@@ -277,22 +279,27 @@ def encode_message(
     frame_max: int,
     *,
     persistent: bool = False,
+    message_id: bytes = b"",
 ) -> bytes:
     """basic.publish + content header + body frame(s), concatenated, ready to send as is."""
     publish = method(
         channel, BASIC_PUBLISH, b"\x00\x00" + shortstr(exchange) + shortstr(routing_key) + bits(False, False)
     )
-    parts = [publish, frame(FRAME_HEADER, channel, content_header(len(body), persistent=persistent))]
+    parts = [publish, frame(FRAME_HEADER, channel, content_header(len(body), persistent=persistent,
+                                                                    message_id=message_id))]
     chunk = frame_max - 8  # frame_max counts the 7-byte frame header and the end octet
     for offset in range(0, len(body), chunk):
         parts.append(frame(FRAME_BODY, channel, body[offset : offset + chunk]))
     return b"".join(parts)
 
 
-def body_offset(channel: int, exchange: str, routing_key: str, *, persistent: bool) -> int:
+def body_offset(channel: int, exchange: str, routing_key: str, *, persistent: bool,
+                message_id_len: int = 0) -> int:
     """Where the first body byte sits inside :func:`encode_message`'s output."""
     publish_len = 7 + 4 + 2 + 1 + len(exchange.encode()) + 1 + len(routing_key.encode()) + 1 + 1
     header_len = 7 + _CONTENT_HEADER.size + (1 if persistent else 0) + 1
+    if message_id_len:
+        header_len += 1 + message_id_len
     return publish_len + header_len + 7
 
 

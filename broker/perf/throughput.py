@@ -71,6 +71,7 @@ class ThroughputOptions:
     idle_stop: float = 5.0
     interval: float = 1.0
     batch_bytes: int = 65536
+    message_ids: bool = False
 
 
 @dataclass
@@ -203,6 +204,7 @@ class Run:
                     seconds=opts.seconds,
                     latency=opts.latency,
                     batch_bytes=opts.batch_bytes,
+                    message_ids=opts.message_ids,
                 )
             )
         n = 0

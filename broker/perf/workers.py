@@ -66,6 +66,7 @@ class ProducerJob:
     seconds: float  # 0 = no time limit
     latency: bool
     batch_bytes: int = BATCH_BYTES
+    message_ids: bool = False  # a distinct message-id property per message of a batch
 
 
 @dataclass(frozen=True)
@@ -145,14 +146,27 @@ def _produce(
     msg = codec.encode_message(
         CHANNEL, job.exchange, job.routing_key, body, client.frame_max, persistent=job.persistent
     )
+    id_len = codec.MESSAGE_ID_LEN if job.message_ids else 0
+    if id_len:
+        msg = codec.encode_message(CHANNEL, job.exchange, job.routing_key, body, client.frame_max,
+                                   persistent=job.persistent, message_id=b"0" * id_len)
     per_batch = max(1, min(MAX_BATCH_MESSAGES, job.batch_bytes // len(msg)))
     if window:
         per_batch = min(per_batch, max(1, window // 2))
-    batch = bytearray(msg * per_batch)
+    if id_len:
+        # what a client library setting message_id sends: every header differs, so the
+        # broker cannot take consecutive publishes as one run (all of one encoded length)
+        batch = bytearray(b"".join(
+            codec.encode_message(CHANNEL, job.exchange, job.routing_key, body, client.frame_max,
+                                 persistent=job.persistent, message_id=b"%0*d" % (id_len, i))
+            for i in range(per_batch)))
+    else:
+        batch = bytearray(msg * per_batch)
     view = memoryview(batch)
     stamp_at: list[int] = []
     if job.latency:
-        first = codec.body_offset(CHANNEL, job.exchange, job.routing_key, persistent=job.persistent)
+        first = codec.body_offset(CHANNEL, job.exchange, job.routing_key, persistent=job.persistent,
+                                  message_id_len=id_len)
         stamp_at = [i * len(msg) + first for i in range(per_batch)]
     stamp = _STAMP.pack_into
     confirms = client.scanner.confirms

@@ -148,8 +148,9 @@ def test_autoack_direct_counts_publish_and_delivery(shared_broker: Broker) -> No
 
 def test_one_consumer_gets_every_field_right_when_deliveries_vary(shared_broker: Broker) -> None:
     """A consumer re-encodes only what changed since its previous delivery. Each message
-    here differs from the one before in exactly one field (properties, exchange, routing
-    key, body size, redelivered) or in none but the body; every field must be exact."""
+    here differs from the one before in exactly one field (properties of the same or
+    another size, exchange, routing key, body size, redelivered) or in none but the body;
+    every field must be exact."""
     q = unique("dq")
     x = q + ".x"
     conn = connect(shared_broker)
@@ -170,6 +171,9 @@ def test_one_consumer_gets_every_field_right_when_deliveries_vary(shared_broker:
             ("", q, None, b"aa"),
             ("", q, "m1", b"aa"),  # properties differ
             ("", q, "m1", b"bb"),  # only the body differs
+            ("", q, "m2", b"bb"),  # properties of the same size
+            ("", q, "m22", b"bb"),  # properties of another size
+            ("", q, "m1", b"bb"),
             (x, "k.1", "m1", b"cc"),  # exchange and routing key
             (x, "k.2", "m1", b"dd"),  # routing key of the same length
             (x, "k.2", "m1", b"eee"),  # body size
