@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 _HANDSHAKE_TIMEOUT = 10.0  # seconds to finish connection.open
 _CLOSE_TIMEOUT = 2.0  # seconds to wait for close-ok before dropping the socket
 _WRITE_HIGH_WATER = 1024 * 1024
-_HOLD_TURNS = 30  # loop turns a publisher may wait for consumers of its queues to catch up
+_HOLD_SECONDS = 0.005  # how long a publisher may wait for consumers of its queues to catch up
 
 
 class AMQPProtocol(asyncio.Protocol):
@@ -95,7 +95,8 @@ class AMQPProtocol(asyncio.Protocol):
             if t is not None and not t.is_closing() and not self._read_paused:
                 self._read_paused = True
                 t.pause_reading()
-                asyncio.get_running_loop().call_soon(self._resume_reading, 0)
+                loop = asyncio.get_running_loop()
+                loop.call_soon(self._resume_reading, loop.time() + _HOLD_SECONDS)
 
     def _sniff(self, data: bytes) -> bytes:
         """Strip a PROXY v1 header from a trusted peer; refuse one from anyone else."""
@@ -131,17 +132,22 @@ class AMQPProtocol(asyncio.Protocol):
             s.name = f"{src[0]}:{src[1]} (via {s.name})"
         return data[used:]
 
-    def _resume_reading(self, turns: int) -> None:
+    def _resume_reading(self, hold_until: float) -> None:
         if self.broker.alarm.active:
             self.broker.alarm.parked.add(self)  # disk alarm: a publisher is not read until it clears
             return
         s = self.session
         if s is not None and s.batch_queues:
-            # Consumers of the queues we just fed still have a backlog: give
-            # their acks a few loop turns to arrive before reading more.
-            if turns < _HOLD_TURNS and any(q.store.ready_count and q.consumers for q in s.batch_queues):
-                asyncio.get_running_loop().call_soon(self._resume_reading, turns + 1)
-                return
+            # Consumers of the queues we just fed still have a backlog: give their
+            # acks up to _HOLD_SECONDS of loop turns to arrive before reading more, so
+            # the publisher goes at the consumers' pace instead of taking the CPU they
+            # need (1p1c manual ack: 405k/s consumed with a 30-turn hold, 630-680k/s
+            # with this one). The bound is time, not turns: on a busy loop a turn is long.
+            if any(q.store.ready_count and q.consumers for q in s.batch_queues):
+                loop = asyncio.get_running_loop()
+                if loop.time() < hold_until:
+                    loop.call_soon(self._resume_reading, hold_until)
+                    return
             s.batch_queues.clear()
         self._read_paused = False
         t = self.transport
@@ -150,7 +156,7 @@ class AMQPProtocol(asyncio.Protocol):
 
     def unpark(self) -> None:
         """The disk alarm cleared: read this publisher again."""
-        self._resume_reading(_HOLD_TURNS)
+        self._resume_reading(0.0)
 
     def wakeup(self) -> None:
         if not self._flush_scheduled:
