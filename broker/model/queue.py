@@ -173,14 +173,27 @@ class Queue:
         k = len(bodies)
         if self.consumers and not store.ready_count:
             consumers = self.consumers
-            if len(consumers) == 1 and consumers[0].no_ack:
+            if len(consumers) == 1:
                 c = consumers[0]
-                if c.capacity() > 0:
+                room = c.capacity()
+                if room > 0 and c.no_ack:
                     # autoack: delivered and settled at once, never stored
                     self.n_published += k
                     self.n_delivered += k
                     c.deliver_same(None, exrk, props, bodies)
                     return
+                if room > 0:
+                    # manual ack: store what the consumer has room for and hand it over at
+                    # once; nothing else was ready, so those are the records a delivery
+                    # run takes (as runs, without a pass of its own)
+                    i = min(room, k)
+                    store.append_run(ts, exrk, props, bodies if i == k else bodies[:i])
+                    self.n_published += i
+                    if persistent and self.durable:
+                        self.on_dirty(store)
+                    self.n_delivered += store.deliver_run(i, False, c.deliver_raw, 1 << 62, c.deliver_same)[0]
+                    if i == k:
+                        return
             else:
                 # one by one while consumers take them; once one is stored (nobody had
                 # room), the rest follows it into the store as a run
