@@ -694,3 +694,45 @@ def test_timestamp_out_of_range_is_502() -> None:
     c = opened(1)
     c.receive_data(struct.pack(">BHI", 1, 1, len(payload)) + payload + b"\xce")
     assert connection_close_code(c) == 502
+
+
+def test_publish_runs_form_over_repeats_and_per_message_properties() -> None:
+    """After one publish parsed in full, the ones that repeat its method frame come as
+    runs: exact repeats and ones with other properties or body sizes alike (``same``
+    tells which). A run ends at another channel or routing key, an empty or large body,
+    or a publish cut by the end of the read; nothing is lost or reordered."""
+    runs: list[tuple[int, int, bool]] = []
+
+    class Runs(Recorder):
+        def handle_publish_run(self, channel: int, args: PublishArgs, props: list[bytes], bodies: list[bytes],
+                               same: bool) -> None:
+            runs.append((channel, len(bodies), same))
+            super().handle_publish_run(channel, args, props, bodies, same)
+
+    c = opened(1, 2)
+    c.__class__ = Runs
+    ids = [commands.Basic.Properties(message_id=f"m{i}") for i in range(30)]
+    parts = [publish(1, b"first")]
+    parts += [publish(1, b"b%04d" % i) for i in range(20)]  # exact repeats: body size 5
+    parts += [publish(1, b"x%04d" % i, props=ids[i]) for i in range(10)]  # per-message properties
+    parts += [publish(1, b"size-differs")]  # exact otherwise, another body size
+    parts += [publish(2, b"ch2")]  # another channel: parsed in full
+    parts += [publish(1, b"c%04d" % i) for i in range(5)]
+    parts += [publish(1, b"")]  # an empty body: the general path
+    parts += [publish(1, b"d%04d" % i) for i in range(5)]
+    parts += [publish(1, b"L" * 20000)]  # a large body: the general path
+    parts += [publish(1, b"e%04d" % i) for i in range(5)]
+    stream = b"".join(parts)
+    cut = len(stream) - 7  # the last publish arrives in the next read
+    c.receive_data(stream[:cut])
+    c.receive_data(stream[cut:])
+    want_bodies = [b"first"] + [b"b%04d" % i for i in range(20)] + [b"x%04d" % i for i in range(10)] \
+        + [b"size-differs", b"ch2"] + [b"c%04d" % i for i in range(5)] + [b""] \
+        + [b"d%04d" % i for i in range(5)] + [b"L" * 20000] + [b"e%04d" % i for i in range(5)]
+    got = [call for call in c.calls if call[0] == "publish"]
+    assert [call[6] for call in got] == want_bodies
+    ids_seen = [codec.decode_properties(call[5]).message_id for call in got[21:31]]
+    assert ids_seen == [f"m{i}" for i in range(10)]
+    assert runs[0] == (1, 31, False)  # 20 exact + 10 with their own message-id + 1 of another size
+    assert (1, 4, True) in runs and runs[-1] == (1, 4, True)  # e0000-e0003; e0004 came in the next read
+    assert all(r[0] == 1 for r in runs)

@@ -236,3 +236,77 @@ def test_a_run_to_a_manual_ack_consumer_fills_its_window_then_waits_in_the_store
 def _props_bytes() -> bytes:
     raw = pframe.marshal(header.ContentHeader(0, 0, commands.Basic.Properties(content_type="text/plain")), 1)
     return raw[7 + 12 : -1]
+
+
+def _ids_burst(exchange: str, rk: str, n: int, delivery_mode: int | None = None,
+               expire_at: int | None = None) -> bytes:
+    """Publishes whose properties differ every time (a message-id of varying length),
+    like those of most client libraries; ``expire_at``: that one also has an expiration."""
+    out = []
+    for i in range(n):
+        props = commands.Basic.Properties(message_id=f"id-{i}", delivery_mode=delivery_mode,
+                                          expiration="60000" if i == expire_at else None)
+        out.append(_publish(exchange, rk, b"m-%05d" % i, props))
+    return b"".join(out)
+
+
+def test_a_run_with_per_message_properties_is_one_run_too(tmp_path: Path,
+                                                         one_by_one_count: list[int]) -> None:
+    """Properties that change every message (message-id) still make one run: stored with
+    each message's own properties, and delivered straight to an autoack consumer byte for
+    byte as the one-by-one encoder would."""
+    def test(s: Session, broker: Any) -> None:
+        s.receive_data(pframe.marshal(commands.Queue.Declare(queue="iq"), 1))
+        s.receive_data(_ids_burst("", "iq", 300))
+        assert one_by_one_count[0] == 1
+        q = broker.vhosts["/"].queues["iq"]
+        got = []
+        while (m := q.get()) is not None:
+            got.append((codec.decode_properties(m[3]).message_id, m[4]))
+        assert got == [(f"id-{i}", b"m-%05d" % i) for i in range(300)]
+
+        s.receive_data(pframe.marshal(commands.Basic.Consume(queue="iq", consumer_tag="c1", no_ack=True), 1))
+        s.out.clear()
+        s.receive_data(_ids_burst("", "iq", 300))
+        assert one_by_one_count[0] == 1  # the method frame still repeats: no new full parse
+        prefix = codec.METHOD_ID.pack(0x003C003C) + codec.shortstr(b"c1")
+        want = b"".join(
+            codec.encode_delivery(1, prefix, i + 1, False, b"", b"iq", _raw_props(commands.Basic.Properties(
+                message_id=f"id-{i}")), b"m-%05d" % i, 131072) for i in range(300))
+        assert bytes(s.out) == want
+        assert q.message_count == 0 and q.n_delivered == 600  # 300 basic.get, 300 delivered
+
+    _session(tmp_path, test)
+
+
+def test_a_mixed_run_decides_persistence_and_odd_flags_over_all_messages(tmp_path: Path) -> None:
+    def test(s: Session, broker: Any) -> None:
+        s.receive_data(pframe.marshal(commands.Queue.Declare(queue="dq", durable=True), 1))
+        s.receive_data(pframe.marshal(commands.Confirm.Select(), 1))
+        chs = s.chs[1]
+        # transient ones, then one persistent message in the middle of the run
+        burst = b"".join(_publish("", "dq", b"m-%05d" % i, commands.Basic.Properties(
+            message_id=f"id-{i}", delivery_mode=2 if i == 25 else 1)) for i in range(40))
+        chs.needs_sync = False
+        s.receive_data(_ids_burst("", "dq", 1, delivery_mode=1))  # parsed in full: the runs' start
+        chs.needs_sync = False
+        s.receive_data(burst)
+        assert chs.needs_sync
+        chs.needs_sync = False
+        s.receive_data(_ids_burst("", "dq", 40, delivery_mode=1))
+        assert not chs.needs_sync
+        # one message with an expiration sends the whole run one by one: it is honoured
+        s.receive_data(pframe.marshal(commands.Queue.Declare(queue="xq"), 1))
+        s.receive_data(_ids_burst("", "xq", 20, expire_at=7))
+        q = broker.vhosts["/"].queues["xq"]
+        got = []
+        while (m := q.get()) is not None:
+            got.append(codec.decode_properties(m[3]).expiration)
+        assert got == [None] * 7 + ["60000"] + [None] * 12
+
+    _session(tmp_path, test)
+
+
+def _raw_props(props: commands.Basic.Properties) -> bytes:
+    raw = pframe.marshal(header.ContentHeader(0, 0, props), 1)
+    return raw[7 + 12 : -1]

@@ -14,32 +14,40 @@ from broker.store.segment import short_pair
 Delivery = tuple[int, bytes, bytes, bytes, bool]
 
 
-def _groups() -> list[tuple[bytes, bytes, list[bytes]]]:
-    """(routing key, props, bodies of one length) groups: runs of 1 to 40 records, with
-    neighbours that differ in routing key, properties or body size only."""
+def _groups() -> list[tuple[bytes, list[bytes], list[bytes], bool]]:
+    """(routing key, props, bodies, same) groups: runs of 1 to 40 records. A "same" run
+    has one properties object and one body size, with neighbours that differ in routing
+    key, properties or body size only; every fifth run is mixed: properties of varying
+    sizes (a message-id) and bodies of varying sizes."""
     out = []
     for g in range(60):
         rk = b"rk.%d" % (g % 3)
-        props = b"\x00\x00" if g % 4 else b"\x80\x00\x04text"
+        n = 1 + (g * 7) % 40
+        if g % 5 == 4:
+            props = [b"\x00\x80" + bytes([len(b"id-%d" % i)]) + b"id-%d" % i for i in range(n)]
+            bodies = [b"mixed-%d-%d" % (g, i) for i in range(n)]
+            out.append((rk, props, bodies, False))
+            continue
+        p = b"\x00\x00" if g % 4 else b"\x80\x00\x04text"
         size = 6 + g % 5
-        bodies = [(b"%d-%d-" % (g, i)).ljust(size, b"x")[:size] for i in range(1 + (g * 7) % 40)]
-        out.append((rk, props, bodies))
+        bodies = [(b"%d-%d-" % (g, i)).ljust(size, b"x")[:size] for i in range(n)]
+        out.append((rk, [p] * n, bodies, True))
     return out
 
 
 def _fill_runs(store: QueueStore) -> int:
     n = 0
-    for rk, props, bodies in _groups():
-        store.append_run(77, short_pair(b"ex", rk), props, bodies)
+    for rk, props, bodies, same in _groups():
+        store.append_run(77, short_pair(b"ex", rk), props, bodies, same)
         n += len(bodies)
     return n
 
 
 def _fill_single(store: QueueStore) -> int:
     n = 0
-    for rk, props, bodies in _groups():
-        for body in bodies:
-            store.append(77, b"ex", rk, props, body)
+    for rk, props, bodies, _same in _groups():
+        for p, body in zip(props, bodies, strict=True):
+            store.append(77, b"ex", rk, p, body)
             n += 1
     return n
 
@@ -64,12 +72,13 @@ def test_append_run_writes_what_appends_write(tmp_path: Path) -> None:
     b.close()
     a2 = QueueStore(tmp_path / "a", segment_size=1024)
     bodies = [d[3] for d in iter(lambda: a2.next_delivery(True), None)]
-    assert bodies == [body for _rk, _p, group in _groups() for body in group]
+    assert bodies == [body for _rk, _p, group, _s in _groups() for body in group]
     a2.close()
 
 
-def test_append_run_is_invisible_until_its_first_timestamp(tmp_path: Path,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("same", [True, False])
+def test_append_run_is_invisible_until_its_first_timestamp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           same: bool) -> None:
     """The run's first timestamp is written last: interrupted just before it (as kill -9
     could), recovery sees none of the run, and the records before it are intact."""
     d = tmp_path / "q"
@@ -82,7 +91,8 @@ def test_append_run_is_invisible_until_its_first_timestamp(tmp_path: Path,
 
     monkeypatch.setattr(queue_store, "_I64_PACK_INTO", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        s.append_run(6, short_pair(b"", b"q"), b"\x00\x00", [b"run-%03d" % i for i in range(50)])
+        props = [b"\x00\x00"] * 50 if same else [b"\x00\x80\x01" + bytes([65 + i % 26]) for i in range(50)]
+        s.append_run(6, short_pair(b"", b"q"), props, [b"run-%03d" % i for i in range(50)], same)
     monkeypatch.undo()
     s2 = QueueStore(d)  # a second opener sees what the map holds, as recovery after kill -9 would
     got = [m[3] for m in iter(lambda: s2.next_delivery(True), None)]

@@ -131,8 +131,8 @@ class AMQPConnection:
         self._pending: dict[int, PendingContent] = {}
         self._pub_args: dict[bytes, PublishArgs] = {}
         # (method frame + header frame + body frame header, channel, args, props, body size,
-        # prefix length) of the last publish parsed in full
-        self._repeat: tuple[bytes, int, PublishArgs, bytes, int, int] | None = None
+        # prefix length, method frame) of the last publish parsed in full (see _publish_run)
+        self._repeat: tuple[bytes, int, PublishArgs, bytes, int, int, bytes] | None = None
         self._buf = b""
         self._parts: list[bytes] = []  # reads of one large frame, joined once complete
         self._have = 0
@@ -159,22 +159,25 @@ class AMQPConnection:
     def handle_publish(self, channel: int, args: PublishArgs, props: bytes, body: bytes | memoryview) -> None:
         pass
 
-    def handle_publish_run(self, channel: int, args: PublishArgs, props: bytes, bodies: list[bytes]) -> None:
-        """Several publishes in a row on one channel that differ only in their bodies
-        (all of one length, under 16 KiB), parsed from one read.
+    def handle_publish_run(self, channel: int, args: PublishArgs, props: list[bytes], bodies: list[bytes],
+                           same: bool) -> None:
+        """Several publishes in a row on one channel with the same exchange, routing key
+        and flags, parsed from one read: ``props[i]`` and ``bodies[i]`` (each body in
+        one frame, under 16 KiB) are the i-th. ``same``: all properties are equal (the
+        very same object) and all bodies are of one length.
 
-        Same effect as ``handle_publish`` for each body in turn, errors included:
-        a publish that closes the channel or the connection drops the ones after
-        it, as the frames behind a channel.close would be dropped. Subclasses may
-        do the run at once where the outcome is the same.
+        Same effect as ``handle_publish`` for each in turn, errors included: a publish
+        that closes the channel or the connection drops the ones after it, as the
+        frames behind a channel.close would be dropped. Subclasses may do the run at
+        once where the outcome is the same.
         """
         self.publish_each(channel, args, props, bodies)
 
-    def publish_each(self, channel: int, args: PublishArgs, props: bytes, bodies: list[bytes]) -> None:
-        """``handle_publish`` for each body, one by one, stopping at a closing error."""
-        for body in bodies:
+    def publish_each(self, channel: int, args: PublishArgs, props: list[bytes], bodies: list[bytes]) -> None:
+        """``handle_publish`` for each message, one by one, stopping at a closing error."""
+        for p, body in zip(props, bodies, strict=True):
             try:
-                self.handle_publish(channel, args, props, body)
+                self.handle_publish(channel, args, p, body)
             except errors.AMQPError as exc:
                 self._frame_error(channel, exc)
             if self.channels.get(channel) != CH_OPEN or self.state is not State.OPEN:
@@ -264,33 +267,14 @@ class AMQPConnection:
         pending = self._pending
         repeat = self._repeat
         while n - pos >= 7:
-            if repeat is not None and data.startswith(repeat[0], pos):
-                # The same publish, header and body-frame header as the last one that
-                # was parsed in full (byte for byte): only the body is new.
-                ch = repeat[1]
-                b = pos + repeat[5]
-                bend = b + repeat[4]
-                if bend < n and data[bend] == 0xCE and channel_state(ch) == CH_OPEN and ch not in pending:
-                    pos = bend + 1
-                    # and the publishes after it, as long as they repeat it too: one run
-                    prefix = repeat[0]
-                    if data.startswith(prefix, pos):
-                        skip = repeat[5]
-                        bsize = repeat[4]
-                        bodies = [data[b:bend]]
-                        while data.startswith(prefix, pos):
-                            b = pos + skip
-                            bend = b + bsize
-                            if bend >= n or data[bend] != 0xCE:
-                                break  # incomplete or bad: the general path takes it
-                            bodies.append(data[b:bend])
-                            pos = bend + 1
-                        self.handle_publish_run(ch, repeat[2], repeat[3], bodies)
-                    else:
-                        try:
-                            self.handle_publish(ch, repeat[2], repeat[3], data[b:bend])
-                        except errors.AMQPError as exc:
-                            self._frame_error(ch, exc)
+            if repeat is not None and data.startswith(repeat[6], pos) \
+                    and channel_state(repeat[1]) == CH_OPEN and repeat[1] not in pending:
+                # The same basic.publish method frame as the last publish parsed in full:
+                # take it and the ones after it that repeat it as one run.
+                done = self._publish_run(data, pos, n, max_size)
+                if done:
+                    pos = done
+                    repeat = self._repeat
                     if self.want_close or self.state is State.CLOSED:  # type: ignore[comparison-overlap]
                         return
                     continue
@@ -557,6 +541,82 @@ class AMQPConnection:
     def _start_publish(self, ch: int, data: bytes, pos: int, end: int) -> None:
         self._pending[ch] = PendingContent(self._publish_args(data[pos:end]))
 
+    def _publish_run(self, data: bytes, pos: int, n: int, max_size: int) -> int:
+        """Publishes at ``pos`` that repeat the method frame of the last one parsed in full
+        (same channel, exchange, routing key and flags), each with its header and one body
+        frame under 16 KiB complete in ``data``: handed over as one run. Returns the
+        position after the run, or 0 if not even its first publish qualifies.
+
+        A publish whose header frame and body-frame header also repeat the last one's
+        byte for byte costs one ``startswith`` and a body slice; any other is checked
+        frame by frame (``_content_at``) and becomes the one the next must repeat.
+        """
+        exact, ch, args, props, bsize, skip, method = self._repeat  # type: ignore[misc]
+        mlen = len(method)
+        props_l: list[bytes] = []
+        bodies: list[bytes] = []
+        same = True  # every publish of the run with the first one's properties and body size
+        while True:
+            if data.startswith(exact, pos):
+                b = pos + skip
+                bend = b + bsize
+                if bend >= n or data[bend] != 0xCE:
+                    break  # incomplete or bad: the general path takes it
+            elif data.startswith(method, pos):
+                got = self._content_at(data, pos + mlen, ch, n, max_size)
+                if got is None:
+                    break
+                hend, bend = got
+                b = hend + 8
+                if bend == hend or bend - b >= 16384:
+                    break  # an empty or a large body: the general path takes it
+                if bodies:
+                    same = False
+                props = data[pos + mlen + 19 : hend]
+                bsize = bend - b
+                skip = b - pos
+                exact = data[pos:b]
+            else:
+                break
+            props_l.append(props)
+            bodies.append(data[b:bend])
+            pos = bend + 1
+        if not bodies:
+            return 0
+        self._repeat = (exact, ch, args, props, bsize, skip, method)
+        try:
+            if len(bodies) == 1:
+                self.handle_publish(ch, args, props, bodies[0])
+            else:
+                self.handle_publish_run(ch, args, props_l, bodies, same)
+        except errors.AMQPError as exc:
+            self._frame_error(ch, exc)
+        return pos
+
+    def _content_at(self, data: bytes, h: int, ch: int, n: int, max_size: int) -> tuple[int, int] | None:
+        """(header frame end, body frame end) of a basic content header at ``h`` on ``ch``
+        and its body in one frame, both complete in ``data``; (end, end) for an empty
+        body. None for anything else (split content, another channel, a bad frame),
+        which the general path then handles or reports precisely."""
+        if n - h < 21:
+            return None
+        # header frame: type, channel, size, class, weight, body size in one unpack
+        htype, hch, hsize, class_id, _weight, bsize = _HEADER_FRAME.unpack_from(data, h)
+        hend: int = h + 7 + hsize
+        if htype != 2 or hch != ch or hsize < 14 or hsize > max_size or hend >= n or data[hend] != 0xCE \
+                or class_id != 60 or bsize > self.max_message_size:
+            return None
+        if not bsize:
+            return hend, hend
+        b = hend + 1
+        if n - b < 7:
+            return None
+        btype, bch, bfsize = _FRAME_HDR.unpack_from(data, b)
+        bend: int = b + 7 + bfsize
+        if btype != 3 or bch != ch or bfsize != bsize or bfsize > max_size or bend >= n or data[bend] != 0xCE:
+            return None
+        return hend, bend
+
     def _fast_publish(self, ch: int, data: bytes, p: int, end: int, n: int, max_size: int) -> int:
         """publish + header + one body frame, all in the buffer: one pass, no PendingContent.
 
@@ -572,35 +632,25 @@ class AMQPConnection:
             except errors.AMQPError:
                 return 0
         h = end + 1
-        if n - h < 21:
+        got = self._content_at(data, h, ch, n, max_size)
+        if got is None:
             return 0
-        # header frame: type, channel, size, class, weight, body size in one unpack
-        htype, hch, hsize, class_id, _weight, bsize = _HEADER_FRAME.unpack_from(data, h)
-        hend: int = h + 7 + hsize
-        if htype != 2 or hch != ch or hsize < 14 or hsize > max_size or hend >= n or data[hend] != 0xCE \
-                or class_id != 60 or bsize > self.max_message_size:
-            return 0
+        hend, bend = got
+        if bend == hend:
+            self.handle_publish(ch, a, data[h + 19 : hend], b"")
+            return hend + 1
         b = hend + 1
-        if bsize:
-            if n - b < 7:
-                return 0
-            btype, bch, bfsize = _FRAME_HDR.unpack_from(data, b)
-            bend: int = b + 7 + bfsize
-            if btype != 3 or bch != ch or bfsize != bsize or bfsize > max_size or bend >= n \
-                    or data[bend] != 0xCE:
-                return 0
-            # a large body stays a view of the read buffer: the store writes it with
-            # pwritev, so slicing it out first would be one more full copy
-            if bfsize < 16384:
-                props = data[h + 19 : hend]
-                # what the next publish repeats if only its body differs (receive_data)
-                self._repeat = (data[p - 11 : b + 7], ch, a, props, bsize, b + 18 - p)
-                self.handle_publish(ch, a, props, data[b + 7 : bend])
-            else:
-                self.handle_publish(ch, a, data[h + 19 : hend], memoryview(data)[b + 7 : bend])
-            return bend + 1
-        self.handle_publish(ch, a, data[h + 19 : hend], b"")
-        return b
+        # a large body stays a view of the read buffer: the store writes it with
+        # pwritev, so slicing it out first would be one more full copy
+        if bend - b - 7 < 16384:
+            props = data[h + 19 : hend]
+            # what the next publishes repeat (receive_data, _publish_run)
+            self._repeat = (data[p - 11 : b + 7], ch, a, props, bend - b - 7, b + 18 - p,
+                            data[p - 11 : end + 1])
+            self.handle_publish(ch, a, props, data[b + 7 : bend])
+        else:
+            self.handle_publish(ch, a, data[h + 19 : hend], memoryview(data)[b + 7 : bend])
+        return bend + 1
 
     def _header_frame(self, ch: int, data: bytes, start: int, end: int) -> None:
         if self.state == State.CLOSING or self.channels.get(ch) == CH_CLOSING:

@@ -72,6 +72,11 @@ class Consumer:
             for msgid, body in zip(msgids, bodies, strict=True):
                 self.deliver_raw(msgid, exrk, props, body, False)
 
+    def deliver_unstored(self, exrk: bytes, props: list[bytes], bodies: list[bytes]) -> None:
+        """Autoack deliveries of a publish run that was never stored (msgid 0), in order."""
+        for p, body in zip(props, bodies, strict=True):
+            self.deliver_raw(0, exrk, p, body, False)
+
     def cancelled_by_server(self) -> None:
         """The queue went away; tell the client if it wants to know."""
 
@@ -163,11 +168,12 @@ class Queue:
             self._schedule(self._deliver)
         return None
 
-    def publish_run(self, ts: int, exchange: bytes, routing_key: bytes, props: bytes, bodies: list[bytes],
-                    persistent: bool, exrk: bytes) -> None:
-        """``publish`` for several bodies of one length with everything else equal, on a
-        queue without features: what consumers take now is handed over directly, the
-        rest is appended to the store as one run."""
+    def publish_run(self, ts: int, exchange: bytes, routing_key: bytes, props: list[bytes],
+                    bodies: list[bytes], persistent: bool, exrk: bytes, same: bool) -> None:
+        """``publish`` for a run of messages to this queue (``props[i]``, ``bodies[i]``;
+        ``same``: one properties object and one body length for all), on a queue without
+        features: what consumers take now is handed over directly, the rest is appended
+        to the store as one run. ``persistent``: any of them is."""
         store = self.store
         i = 0
         k = len(bodies)
@@ -180,14 +186,20 @@ class Queue:
                     # autoack: delivered and settled at once, never stored
                     self.n_published += k
                     self.n_delivered += k
-                    c.deliver_same(None, exrk, props, bodies)
+                    if same:
+                        c.deliver_same(None, exrk, props[0], bodies)
+                    else:
+                        c.deliver_unstored(exrk, props, bodies)
                     return
                 if room > 0:
                     # manual ack: store what the consumer has room for and hand it over at
                     # once; nothing else was ready, so those are the records a delivery
                     # run takes (as runs, without a pass of its own)
                     i = min(room, k)
-                    store.append_run(ts, exrk, props, bodies if i == k else bodies[:i])
+                    if i == k:
+                        store.append_run(ts, exrk, props, bodies, same)
+                    else:
+                        store.append_run(ts, exrk, props[:i], bodies[:i], same)
                     self.n_published += i
                     if persistent and self.durable:
                         self.on_dirty(store)
@@ -198,13 +210,15 @@ class Queue:
                 # one by one while consumers take them; once one is stored (nobody had
                 # room), the rest follows it into the store as a run
                 while i < k and not store.ready_count:
-                    self.publish(ts, exchange, routing_key, props, bodies[i], persistent, exrk)
+                    self.publish(ts, exchange, routing_key, props[i], bodies[i], persistent, exrk)
                     i += 1
                 if i == k:
                     return
-        rest = bodies if i == 0 else bodies[i:]
-        store.append_run(ts, exrk, props, rest)
-        self.n_published += len(rest)
+        if i:
+            props = props[i:]
+            bodies = bodies[i:]
+        store.append_run(ts, exrk, props, bodies, same)
+        self.n_published += len(bodies)
         if persistent and self.durable:
             self.on_dirty(store)
         if self.consumers and not self._scheduled:

@@ -276,10 +276,10 @@ class StreamQueue(Queue):
             self._scheduled = True
             self._schedule(self._deliver)
 
-    def publish_run(self, ts: int, exchange: bytes, routing_key: bytes, props: bytes, bodies: list[bytes],
-                    persistent: bool, exrk: bytes) -> None:
-        for body in bodies:
-            self.publish(ts, exchange, routing_key, props, body, persistent, exrk)
+    def publish_run(self, ts: int, exchange: bytes, routing_key: bytes, props: list[bytes],
+                    bodies: list[bytes], persistent: bool, exrk: bytes, same: bool) -> None:
+        for p, body in zip(props, bodies, strict=True):
+            self.publish(ts, exchange, routing_key, p, body, persistent, exrk)
 
     @property
     def message_count(self) -> int:

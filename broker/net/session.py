@@ -195,6 +195,35 @@ class SessionConsumer(Consumer):
         self.session.stats.delivered += k
         self._send(b"".join(parts))
 
+    def deliver_unstored(self, exrk: bytes, props: list[bytes], bodies: list[bytes]) -> None:
+        """Autoack deliveries of a publish run that was never stored: one template check
+        per message (sizes only), one joined write for the run."""
+        chs = self.chs
+        tag = chs.next_tag
+        key = self._t_key
+        head, before, after, tail = self._t_parts
+        p_len = key[1]
+        b_len = key[2]
+        ok = key[0] == exrk and not key[3]
+        parts: list[bytes] = []
+        add = parts.extend
+        for p, body in zip(props, bodies, strict=True):
+            if not ok or len(p) != p_len or len(body) != b_len:
+                ok = self._retemplate(exrk, len(p), len(body), False)
+                if not ok:  # a body over several frames (a small frame_max)
+                    add((codec.encode_delivery_raw(chs.id, self.prefix, tag, False, exrk, p, body,
+                                                   self.session.frame_max),))
+                    tag += 1
+                    continue
+                head, before, after, tail = self._t_parts
+                p_len = len(p)
+                b_len = len(body)
+            add((head, _U64_PACK(tag), before, p, after, body, tail))
+            tag += 1
+        chs.next_tag = tag
+        self.session.stats.delivered += len(bodies)
+        self._send(b"".join(parts))
+
     def _retemplate(self, exrk: bytes, props_len: int, body_len: int, redelivered: bool) -> bool:
         """Encode the fixed frame parts for deliveries like this one; False if its body
         does not fit one frame (nothing worth keeping then)."""
@@ -440,17 +469,23 @@ class Session(AMQPConnection):
         self._dm_persistent = persistent
         return persistent
 
-    def handle_publish_run(self, channel: int, args: PublishArgs, props: bytes, bodies: list[bytes]) -> None:
-        """A run of publishes that differ only in their (equal-length) bodies: routed
-        once and handed to each queue as a run, when that is the same as publishing
-        them one by one. Anything unusual (transactions, reply-to, CC/BCC headers,
-        expiration, special exchanges, queues with features, no route, a refused
-        first publish) takes the one-by-one path from the first message on."""
+    def handle_publish_run(self, channel: int, args: PublishArgs, props: list[bytes], bodies: list[bytes],
+                           same: bool) -> None:
+        """A run of publishes to one exchange and routing key: routed once and handed to
+        each queue as a run, when that is the same as publishing them one by one.
+        Anything unusual (transactions, reply-to, CC/BCC headers, expiration, special
+        exchanges, queues with features, no route, a refused first publish) takes the
+        one-by-one path from the first message on."""
         chs = self.chs[channel]
-        flags = props[0] if props else 0
+        p0 = props[0]
+        flags = p0[0]  # a content header holds at least the two flag bytes
+        if same:
+            odd = flags & 0x23
+        else:
+            odd = any(p[0] & 0x23 for p in props)
         vh = self.vh
         exchange = args.exchange
-        ex = None if vh is None or chs.tx is not None or flags & 0x23 else vh.exchanges.get(exchange)
+        ex = None if vh is None or chs.tx is not None or odd else vh.exchanges.get(exchange)
         if ex is None or ex.internal or ex.special is not None or exchange not in self._write_ok:
             self.publish_each(channel, args, props, bodies)
             return
@@ -458,7 +493,8 @@ class Session(AMQPConnection):
             q = vh.queues.get(args.routing_key)  # type: ignore[union-attr]
             queues = [] if q is None else [q]
         else:
-            queues = vh.route(ex, args.routing_key, lambda: _headers(props))  # type: ignore[union-attr]
+            # no message of the run has headers (0x20 sends it one by one), so one route fits all
+            queues = vh.route(ex, args.routing_key, lambda: _headers(p0))  # type: ignore[union-attr]
         if not queues or any(q.features is not None for q in queues):
             self.publish_each(channel, args, props, bodies)
             return
@@ -468,13 +504,16 @@ class Session(AMQPConnection):
         if chs.confirm:
             chs.publish_seq += k
             self._confirm_dirty.add(chs)
-        persistent = bool(flags & 0x10) and self._persistent(props)
+        if same:
+            persistent = bool(flags & 0x10) and self._persistent(p0)
+        else:  # any of them (it only decides whether a sync is needed)
+            persistent = any(p[0] & 0x10 and codec.delivery_mode(p) == 2 for p in props)
         ts = self.now_ms
         exb = args.exchange_b
         rkb = args.routing_key_b
         exrk = args.exrk
         for q in queues:
-            q.publish_run(ts, exb, rkb, props, bodies, persistent, exrk)
+            q.publish_run(ts, exb, rkb, props, bodies, persistent, exrk, same)
             if q.consumers:
                 self.batch_queues.add(q)
             if persistent and q.durable and chs.confirm:

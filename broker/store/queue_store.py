@@ -251,10 +251,12 @@ class QueueStore:
             self._sink.append(seg.path, mm[pos:end])
         return (seg.num << 32) | pos
 
-    def append_run(self, timestamp_ms: int, exrk: bytes, props: bytes, bodies: list[bytes]) -> None:
-        """append() for several bodies of ONE length (each under segment.PWRITE_MIN) with
-        the same timestamp, exchange and routing key (``exrk``: the two short strings)
-        and properties: one join and one copy into the map per segment they land in.
+    def append_run(self, timestamp_ms: int, exrk: bytes, props: list[bytes], bodies: list[bytes],
+                   same: bool) -> None:
+        """append() for a run of messages (``props[i]``, ``bodies[i]``, each body under
+        segment.PWRITE_MIN) with one timestamp, exchange and routing key (``exrk``: the
+        two short strings): one join and one copy into the map per segment they land
+        in. ``same``: all properties are equal and all bodies are of one length.
 
         The first record's timestamp is written last, so a reader (recovery after
         kill -9) sees all of the run's records in a segment or none of them.
@@ -262,8 +264,12 @@ class QueueStore:
         k = len(bodies)
         if not k:
             return
+        if not same:
+            self._append_mixed(timestamp_ms, exrk, props, bodies)
+            return
         body_len = len(bodies[0])
-        mid = b"".join((exrk, _U32_PACK(len(props)), props, _U64_PACK(body_len)))
+        p0 = props[0]
+        mid = b"".join((exrk, _U32_PACK(len(p0)), p0, _U64_PACK(body_len)))
         rec = 8 + len(mid) + body_len
         sep = _I64_PACK(timestamp_ms or 1) + mid
         head = len(mid) + 8
@@ -289,6 +295,36 @@ class QueueStore:
             i += m
         self._ready += k
         self._bytes_ready += k * body_len
+        self._dirty = True
+        self._seg_unsynced = True
+
+    def _append_mixed(self, timestamp_ms: int, exrk: bytes, props: list[bytes], bodies: list[bytes]) -> None:
+        ts = _I64_PACK(timestamp_ms or 1)
+        parts: list[bytes] = []
+        add = parts.extend
+        for p, body in zip(props, bodies, strict=True):
+            add((ts, exrk, _U32_PACK(len(p)), p, _U64_PACK(len(body)), body))
+        blob = b"".join(parts)
+        size = len(blob)
+        seg = self._wseg
+        mm = self._wmm
+        if seg is None or mm is None or seg.end + size > self._wcap:
+            # not all in the write segment: record by record, rolling where needed
+            ln = exrk[0]
+            exchange = exrk[1 : 1 + ln]
+            routing_key = exrk[2 + ln :]
+            for p, body in zip(props, bodies, strict=True):
+                self.append(timestamp_ms, exchange, routing_key, p, body)
+            return
+        pos = seg.end
+        mm[pos + 8 : pos + size] = memoryview(blob)[8:]  # the first timestamp stays zero until the end
+        _I64_PACK_INTO(mm, pos, timestamp_ms or 1)
+        seg.end = pos + size
+        seg.count += len(bodies)
+        if self._sink.active:
+            self._sink.append(seg.path, mm[pos : pos + size])
+        self._ready += len(bodies)
+        self._bytes_ready += sum(map(len, bodies))
         self._dirty = True
         self._seg_unsynced = True
 
