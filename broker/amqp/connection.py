@@ -46,6 +46,9 @@ _METHOD_ID = codec.METHOD_ID
 _U64 = codec.U64
 _HEADER_PREFIX = codec.HEADER_PREFIX
 _HEADER_FRAME = struct.Struct(">BHIHHQ")  # frame type, channel, size + class, weight, body size
+# Bodies below this are sliced out of the read buffer and may join a publish run; larger
+# ones stay views of it (the store writes those with pwritev: segment.PWRITE_MIN).
+_SMALL_BODY = 16 * 1024
 _CHANNEL_CLOSE = 0x00140028
 _CHANNEL_CLOSE_OK = 0x00140029
 
@@ -568,7 +571,7 @@ class AMQPConnection:
                     break
                 hend, bend = got
                 b = hend + 8
-                if bend == hend or bend - b >= 16384:
+                if bend == hend or bend - b >= _SMALL_BODY:
                     break  # an empty or a large body: the general path takes it
                 if bodies:
                     same = False
@@ -642,7 +645,7 @@ class AMQPConnection:
         b = hend + 1
         # a large body stays a view of the read buffer: the store writes it with
         # pwritev, so slicing it out first would be one more full copy
-        if bend - b - 7 < 16384:
+        if bend - b - 7 < _SMALL_BODY:
             props = data[h + 19 : hend]
             # what the next publishes repeat (receive_data, _publish_run)
             self._repeat = (data[p - 11 : b + 7], ch, a, props, bend - b - 7, b + 18 - p,

@@ -622,14 +622,7 @@ class QueueFeatures:
                         return c
                 i = j
             return None
-        n = len(consumers)
-        start = q._rr
-        for i in range(n):
-            c = consumers[(start + i) % n]
-            if c.ready():
-                q._rr = (start + i + 1) % n
-                return c
-        return None
+        return q._next_consumer()
 
     def active_consumer(self) -> Consumer | None:
         """With single active consumer: the one that gets messages."""

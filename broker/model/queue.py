@@ -196,10 +196,7 @@ class Queue:
                     # once; nothing else was ready, so those are the records a delivery
                     # run takes (as runs, without a pass of its own)
                     i = min(room, k)
-                    if i == k:
-                        store.append_run(ts, exrk, props, bodies, same)
-                    else:
-                        store.append_run(ts, exrk, props[:i], bodies[:i], same)
+                    store.append_run(ts, exrk, props[:i], bodies[:i], same)
                     self.n_published += i
                     if persistent and self.durable:
                         self.on_dirty(store)

@@ -287,16 +287,8 @@ class QueueStore:
             end = pos + m * rec
             mm[pos + 8 : pos + head] = mid  # the first timestamp stays zero until the end
             mm[pos + head : end] = sep.join(bodies[i : i + m] if m < k else bodies)
-            _I64_PACK_INTO(mm, pos, timestamp_ms or 1)
-            seg.end = end
-            seg.count += m
-            if self._sink.active:
-                self._sink.append(seg.path, mm[pos:end])
+            self._run_written(seg, mm, pos, end, timestamp_ms, m, m * body_len)
             i += m
-        self._ready += k
-        self._bytes_ready += k * body_len
-        self._dirty = True
-        self._seg_unsynced = True
 
     def _append_mixed(self, timestamp_ms: int, exrk: bytes, props: list[bytes], bodies: list[bytes]) -> None:
         ts = _I64_PACK(timestamp_ms or 1)
@@ -318,13 +310,19 @@ class QueueStore:
             return
         pos = seg.end
         mm[pos + 8 : pos + size] = memoryview(blob)[8:]  # the first timestamp stays zero until the end
+        self._run_written(seg, mm, pos, pos + size, timestamp_ms, len(bodies), sum(map(len, bodies)))
+
+    def _run_written(self, seg: Segment, mm: mmap.mmap, pos: int, end: int, timestamp_ms: int, count: int,
+                     body_bytes: int) -> None:
+        """Publish ``count`` records written at ``pos``..``end`` of the write segment, all
+        complete but the first one's timestamp, which goes in now (last, atomically)."""
         _I64_PACK_INTO(mm, pos, timestamp_ms or 1)
-        seg.end = pos + size
-        seg.count += len(bodies)
+        seg.end = end
+        seg.count += count
         if self._sink.active:
-            self._sink.append(seg.path, mm[pos : pos + size])
-        self._ready += len(bodies)
-        self._bytes_ready += sum(map(len, bodies))
+            self._sink.append(seg.path, mm[pos:end])
+        self._ready += count
+        self._bytes_ready += body_bytes
         self._dirty = True
         self._seg_unsynced = True
 
