@@ -22,6 +22,15 @@ class DataDirLocked(StoreError):
     """Another process holds the data directory lock."""
 
 
+class DiskFull(StoreError):
+    """The store could not get disk space for a write (ENOSPC/EDQUOT).
+
+    Raised by the store *before* anything partial becomes visible: the write did not happen and
+    the store stays usable (reads, acks and deletes still work). Callers that publish answer it in
+    their protocol (AMQP: nack the confirm / block the publisher), never by closing the connection.
+    """
+
+
 class AMQPError(SkredError):
     reply_code: int = 0
     soft: bool = True
