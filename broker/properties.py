@@ -1,0 +1,232 @@
+"""Content properties: the one vocabulary of property flag bits, and validation.
+
+Theory of operation
+-------------------
+A message's properties travel and are stored as the raw AMQP 0-9-1 basic content-header
+property list: ``flags u16 | the present properties in flag order``. The broker keeps
+those bytes as they came and decodes them only where a feature reads a property. This
+module sits beside ``errors`` at the bottom of the package (stdlib only) so that every
+layer, the store included, names the flag bits the same way.
+
+``FLAG_*`` are the bits of the 16-bit flag word; ``HI_*`` are the same bits seen in the
+first octet (``props[0] & HI_HEADERS``), the form the hot path tests with one index.
+
+Validation: a property list a client library cannot decode must never be confirmed,
+stored or delivered (a pika or aiormq consumer dies on it and it blocks the head of its
+queue). ``problem(props)`` walks the list and every field table in it and names the
+first defect; ``valid(props)`` is the hot-path form: a list seen valid before is
+remembered by its bytes (publish runs repeat the same properties), and a headers table
+seen valid before is remembered by its bytes too (per-message ids change the list but
+rarely the table). Refused: lengths that run past their end, unknown field types (the
+0-9-1 errata set RabbitMQ, pika and pamqp share), bytes after the last property, a
+second flag word (class basic has 14 properties), field names and short strings that
+are not UTF-8, tables nested deeper than clients recurse, and timestamps beyond year
+9999 (pamqp turns the timestamp property into a datetime: seconds, or milliseconds when
+above 2**32; pika turns a 'T' field into a datetime of seconds).
+"""
+
+from __future__ import annotations
+
+import struct
+
+FLAG_CONTENT_TYPE = 0x8000
+FLAG_CONTENT_ENCODING = 0x4000
+FLAG_HEADERS = 0x2000
+FLAG_DELIVERY_MODE = 0x1000
+FLAG_PRIORITY = 0x0800
+FLAG_CORRELATION_ID = 0x0400
+FLAG_REPLY_TO = 0x0200
+FLAG_EXPIRATION = 0x0100
+FLAG_MESSAGE_ID = 0x0080
+FLAG_TIMESTAMP = 0x0040
+FLAG_TYPE = 0x0020
+FLAG_USER_ID = 0x0010
+FLAG_APP_ID = 0x0008
+FLAG_CLUSTER_ID = 0x0004
+FLAG_CONTINUATION = 0x0001  # another flag word follows (never for class basic)
+
+HI_CONTENT_TYPE = FLAG_CONTENT_TYPE >> 8
+HI_CONTENT_ENCODING = FLAG_CONTENT_ENCODING >> 8
+HI_HEADERS = FLAG_HEADERS >> 8
+HI_DELIVERY_MODE = FLAG_DELIVERY_MODE >> 8
+HI_PRIORITY = FLAG_PRIORITY >> 8
+HI_CORRELATION_ID = FLAG_CORRELATION_ID >> 8
+HI_REPLY_TO = FLAG_REPLY_TO >> 8
+HI_EXPIRATION = FLAG_EXPIRATION >> 8
+
+EMPTY = b"\x00\x00"  # a property list with no property set
+
+# The largest timestamps the common client decoders turn into a datetime (31 Dec 9999).
+MAX_TIMESTAMP_PROPERTY = 253402300799999  # pamqp: milliseconds above 2**32
+MAX_TIMESTAMP_FIELD = 253402300799  # pika: seconds
+# Field tables nest by recursion in every client decoder; this leaves them ample stack.
+MAX_TABLE_DEPTH = 100
+
+_U32 = struct.Struct(">I").unpack_from
+_U64 = struct.Struct(">Q").unpack_from
+
+_SHORTSTR, _OCTET, _TABLE, _TIMESTAMP = range(4)
+# (flag, kind, name) of the basic class's properties, in wire order.
+_LAYOUT = (
+    (FLAG_CONTENT_TYPE, _SHORTSTR, "content-type"),
+    (FLAG_CONTENT_ENCODING, _SHORTSTR, "content-encoding"),
+    (FLAG_HEADERS, _TABLE, "headers"),
+    (FLAG_DELIVERY_MODE, _OCTET, "delivery-mode"),
+    (FLAG_PRIORITY, _OCTET, "priority"),
+    (FLAG_CORRELATION_ID, _SHORTSTR, "correlation-id"),
+    (FLAG_REPLY_TO, _SHORTSTR, "reply-to"),
+    (FLAG_EXPIRATION, _SHORTSTR, "expiration"),
+    (FLAG_MESSAGE_ID, _SHORTSTR, "message-id"),
+    (FLAG_TIMESTAMP, _TIMESTAMP, "timestamp"),
+    (FLAG_TYPE, _SHORTSTR, "type"),
+    (FLAG_USER_ID, _SHORTSTR, "user-id"),
+    (FLAG_APP_ID, _SHORTSTR, "app-id"),
+    (FLAG_CLUSTER_ID, _SHORTSTR, "cluster-id"),
+)
+_PRESENT: dict[int, tuple[int, ...]] = {}  # flag word -> codes of the properties present
+
+# Field value types (0-9-1 errata): fixed sizes; S, x, F, A carry a u32 length.
+_FIXED = {ord(t): n for t, n in (("t", 1), ("b", 1), ("B", 1), ("s", 2), ("u", 2), ("I", 4), ("i", 4),
+                                  ("l", 8), ("L", 8), ("f", 4), ("d", 8), ("D", 5), ("T", 8), ("V", 0))}
+_T = ord("T")
+_F = ord("F")
+_A = ord("A")
+_SIZED = frozenset((ord("S"), ord("x"), _F, _A))
+
+_CACHE_MAX = 4096  # remembered valid lists and tables (each a few hundred bytes at most)
+_valid_lists: set[bytes] = set()
+_valid_tables: set[bytes] = set()
+
+
+class _Malformed(Exception):
+    pass
+
+
+def valid(props: bytes) -> bool:
+    """Whether a property list is one every client decodes (cheap for lists seen before)."""
+    if props in _valid_lists:
+        return True
+    if problem(props) is not None:
+        return False
+    if len(_valid_lists) >= _CACHE_MAX:
+        _valid_lists.clear()
+    _valid_lists.add(props)
+    return True
+
+
+def problem(props: bytes) -> str | None:
+    """What is wrong with a property list, or None when nothing is."""
+    try:
+        _check_list(props)
+    except _Malformed as exc:
+        return str(exc)
+    return None
+
+
+def _check_list(props: bytes) -> None:
+    n = len(props)
+    if n < 2:
+        raise _Malformed("property flags missing")
+    flags = (props[0] << 8) | props[1]
+    if flags & FLAG_CONTINUATION:
+        raise _Malformed("a second property flag word (class basic has 14 properties)")
+    present = _PRESENT.get(flags)
+    if present is None:
+        present = _PRESENT[flags] = tuple(i << 2 | kind for i, (bit, kind, _) in enumerate(_LAYOUT)
+                                          if flags & bit)
+    ascii_only = props.isascii()  # then every short string and field name is UTF-8
+    pos = 2
+    for code in present:  # (index in _LAYOUT) << 2 | kind
+        kind = code & 3
+        if kind == _SHORTSTR:
+            if pos >= n:
+                raise _Malformed(f"{_name(code)} missing")
+            start = pos + 1
+            pos = start + props[pos]
+            if pos > n:
+                raise _Malformed(f"{_name(code)} runs past the end of the properties")
+            if not ascii_only:
+                _utf8(props, start, pos, _name(code))
+        elif kind == _OCTET:
+            pos += 1
+            if pos > n:
+                raise _Malformed(f"{_name(code)} missing")
+        elif kind == _TIMESTAMP:
+            pos += 8
+            if pos > n:
+                raise _Malformed("timestamp runs past the end of the properties")
+            if _U64(props, pos - 8)[0] > MAX_TIMESTAMP_PROPERTY:
+                raise _Malformed("timestamp beyond year 9999")
+        else:
+            if pos + 4 > n:
+                raise _Malformed("headers length missing")
+            start = pos + 4
+            pos = start + _U32(props, pos)[0]
+            if pos > n:
+                raise _Malformed("headers table length runs past the end of the properties")
+            table = props[start:pos]
+            if table not in _valid_tables:
+                _check_table(table, 0, len(table), 1, table.isascii())
+                if len(_valid_tables) >= _CACHE_MAX:
+                    _valid_tables.clear()
+                _valid_tables.add(table)
+    if pos != n:
+        raise _Malformed(f"{n - pos} bytes after the last property")
+
+
+def _name(code: int) -> str:
+    return _LAYOUT[code >> 2][2]
+
+
+def _utf8(b: bytes, start: int, end: int, what: str) -> None:
+    try:
+        b[start:end].decode()
+    except UnicodeDecodeError:
+        raise _Malformed(f"{what} is not UTF-8") from None
+
+
+def _check_table(b: bytes, pos: int, end: int, depth: int, ascii_only: bool) -> None:
+    if depth > MAX_TABLE_DEPTH:
+        raise _Malformed(f"field tables nested deeper than {MAX_TABLE_DEPTH}")
+    while pos < end:
+        start = pos + 1
+        pos = start + b[pos]
+        if pos >= end:
+            raise _Malformed("field name runs past the end of its table")
+        if not ascii_only:
+            _utf8(b, start, pos, "field name")
+        pos = _check_value(b, pos, end, depth, ascii_only)
+
+
+def _check_array(b: bytes, pos: int, end: int, depth: int, ascii_only: bool) -> None:
+    if depth > MAX_TABLE_DEPTH:
+        raise _Malformed(f"field arrays nested deeper than {MAX_TABLE_DEPTH}")
+    while pos < end:
+        pos = _check_value(b, pos, end, depth, ascii_only)
+
+
+def _check_value(b: bytes, pos: int, end: int, depth: int, ascii_only: bool) -> int:
+    """Check the field value (type octet first) at ``pos``; returns the position after it."""
+    t = b[pos]
+    pos += 1
+    size = _FIXED.get(t)
+    if size is not None:
+        pos += size
+        if pos > end:
+            raise _Malformed(f"field value of type {chr(t)!r} runs past the end of its table")
+        if t == _T and _U64(b, pos - 8)[0] > MAX_TIMESTAMP_FIELD:
+            raise _Malformed("timestamp field beyond year 9999")
+        return pos
+    if t not in _SIZED:
+        raise _Malformed(f"unknown field type {t:#04x}")
+    if pos + 4 > end:
+        raise _Malformed(f"field value of type {chr(t)!r} runs past the end of its table")
+    start = pos + 4
+    stop: int = start + _U32(b, pos)[0]
+    if stop > end:
+        raise _Malformed(f"field value of type {chr(t)!r} runs past the end of its table")
+    if t == _F:
+        _check_table(b, start, stop, depth + 1, ascii_only)
+    elif t == _A:
+        _check_array(b, start, stop, depth + 1, ascii_only)
+    return stop
