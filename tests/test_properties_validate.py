@@ -54,7 +54,8 @@ def test_a_truncated_list_is_refused(headers: dict[str, Any], cut: int) -> None:
 
 def test_refusals_name_the_defect() -> None:
     table = b"\x01aZ"
-    assert properties.problem(b"\x20\x00" + struct.pack(">I", len(table)) + table) == "unknown field type 0x5a"
+    props = b"\x20\x00" + struct.pack(">I", len(table)) + table
+    assert properties.problem(props) == "unknown field type 0x5a"
     assert properties.problem(b"\x20\x00\x00\x00\x00\x09") == \
         "headers table length runs past the end of the properties"
     assert properties.problem(b"\x00\x01\x00\x00") is not None
