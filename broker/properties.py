@@ -1,15 +1,18 @@
-"""Content properties: the one vocabulary of property flag bits, and validation.
+"""Content properties: the one vocabulary of property flag bits, their reads, validation.
 
 Theory of operation
 -------------------
 A message's properties travel and are stored as the raw AMQP 0-9-1 basic content-header
 property list: ``flags u16 | the present properties in flag order``. The broker keeps
 those bytes as they came and decodes them only where a feature reads a property. This
-module sits beside ``errors`` at the bottom of the package (stdlib only) so that every
-layer, the store included, names the flag bits the same way.
+module sits beside ``errors`` at the bottom of the package (it imports nothing of ours)
+so that every layer, the store included, names the flag bits the same way and reads
+the properties the core needs (delivery mode, priority, expiration, headers) one way.
 
 ``FLAG_*`` are the bits of the 16-bit flag word; ``HI_*`` are the same bits seen in the
 first octet (``props[0] & HI_HEADERS``), the form the hot path tests with one index.
+``delivery_mode`` and ``priority`` skip to their octet with a few integer operations;
+``decode``/``encode`` (pamqp) are the cold path for headers, expiration and rewrites.
 
 Validation: a property list a client library cannot decode must never be confirmed,
 stored or delivered (a pika or aiormq consumer dies on it and it blocks the head of its
@@ -28,6 +31,9 @@ above 2**32; pika turns a 'T' field into a datetime of seconds).
 from __future__ import annotations
 
 import struct
+from typing import Any
+
+from pamqp import commands
 
 FLAG_CONTENT_TYPE = 0x8000
 FLAG_CONTENT_ENCODING = 0x4000
@@ -230,3 +236,71 @@ def _check_value(b: bytes, pos: int, end: int, depth: int, ascii_only: bool) -> 
     elif t == _A:
         _check_array(b, start, stop, depth + 1, ascii_only)
     return stop
+
+
+# ------------------------------------------------------------------------ reads
+def _octet_after(props: bytes | memoryview, flags: int) -> int:
+    """Position of the octet property that follows content-type, content-encoding and
+    headers (delivery-mode), given the flag word; assumes a valid list."""
+    pos = 2
+    if flags & FLAG_CONTENT_TYPE:
+        pos += 1 + props[pos]
+    if flags & FLAG_CONTENT_ENCODING:
+        pos += 1 + props[pos]
+    if flags & FLAG_HEADERS:
+        pos += 4 + _U32(props, pos)[0]
+    return pos
+
+
+def delivery_mode(props: bytes | memoryview) -> int:
+    """The delivery-mode octet (0 when absent), without decoding anything else."""
+    if len(props) < 2 or not props[0] & HI_DELIVERY_MODE:
+        return 0
+    return int(props[_octet_after(props, (props[0] << 8) | props[1])])
+
+
+def priority(props: bytes | memoryview) -> int:
+    """The priority octet (0 when absent), without decoding anything else."""
+    if len(props) < 2 or not props[0] & HI_PRIORITY:
+        return 0
+    flags = (props[0] << 8) | props[1]
+    pos = _octet_after(props, flags)
+    return int(props[pos + 1 if flags & FLAG_DELIVERY_MODE else pos])
+
+
+def has_reply_to(props: bytes) -> bool:
+    return len(props) >= 2 and bool(props[0] & HI_REPLY_TO)
+
+
+def decode(props: bytes) -> commands.Basic.Properties:
+    """Every property decoded (cold path: headers, expiration, rewrites)."""
+    p = commands.Basic.Properties()
+    if len(props) >= 2:
+        p.unmarshal((props[0] << 8) | props[1], props[2:])
+    return p
+
+
+def encode(p: commands.Basic.Properties) -> bytes:
+    return bytes(p.marshal())
+
+
+def headers(props: bytes) -> dict[str, Any]:
+    """The headers table as a dict (empty when there is none)."""
+    if len(props) < 2 or not props[0] & HI_HEADERS:
+        return {}
+    h = decode(props).headers
+    return dict(h) if h else {}
+
+
+def expiration_ms(props: bytes) -> int | None:
+    """The per-message TTL (the ``expiration`` property) in ms, or None."""
+    if len(props) < 2 or not props[0] & HI_EXPIRATION:
+        return None
+    exp = decode(props).expiration
+    if exp is None:
+        return None
+    try:
+        value = int(exp)
+    except ValueError:
+        return None
+    return value if value >= 0 else None

@@ -29,7 +29,7 @@ from __future__ import annotations
 import datetime
 from typing import TYPE_CHECKING, Any
 
-from broker.amqp import codec
+from broker import properties
 
 if TYPE_CHECKING:
     from broker.model.queue import Queue
@@ -54,17 +54,17 @@ def cc_keys(headers: dict[str, Any] | None) -> list[str]:
 
 def set_header(props: bytes, key: str, value: Any) -> bytes:
     """``props`` with one header set (decodes and re-encodes the properties)."""
-    p = codec.decode_properties(props)
+    p = properties.decode(props)
     headers = dict(p.headers or {})
     headers[key] = value
     p.headers = headers
-    return codec.encode_properties(p)
+    return properties.encode(p)
 
 
 def x_death_props(props: bytes, queue: str, reason: str, exchange: str,
                   routing_key: str) -> tuple[bytes, list[dict[str, Any]], list[str]]:
     """Rewritten properties, the new x-death list and the message's routing keys."""
-    p = codec.decode_properties(props)
+    p = properties.decode(props)
     headers: dict[str, Any] = dict(p.headers or {})
     routing_keys = [routing_key, *cc_keys(headers)]
     deaths_raw = headers.get("x-death")
@@ -97,7 +97,7 @@ def x_death_props(props: bytes, queue: str, reason: str, exchange: str,
     headers.pop("x-delivery-count", None)
     p.headers = headers
     p.expiration = None
-    return codec.encode_properties(p), deaths, routing_keys
+    return properties.encode(p), deaths, routing_keys
 
 
 def is_cycle(deaths: list[dict[str, Any]], target: str) -> bool:
@@ -128,7 +128,7 @@ def dead_letter(vh: VHost, source: Queue, dlx: str, dlrk: str | None, exchange: 
 
     def headers_of() -> dict[str, Any] | None:
         if not headers_cache:
-            h = codec.decode_properties(new_props).headers
+            h = properties.decode(new_props).headers
             headers_cache.append(dict(h) if h else None)
         return headers_cache[0]
 
@@ -142,7 +142,7 @@ def dead_letter(vh: VHost, source: Queue, dlx: str, dlrk: str | None, exchange: 
         for q in found:
             if q not in targets:
                 targets.append(q)
-    persistent = codec.delivery_mode(new_props) == 2
+    persistent = properties.delivery_mode(new_props) == 2
     exb = dlx.encode()
     rkb = keys[0].encode()
     n = 0

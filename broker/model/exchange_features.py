@@ -49,8 +49,7 @@ import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
-from broker import errors
-from broker.amqp import codec
+from broker import errors, properties
 from broker.store.paths import queue_dir
 from broker.store.queue_store import QueueStore
 from broker.store.sink import NULL_SINK
@@ -113,11 +112,7 @@ def attach(vh: VHost, ex: Exchange) -> None:
         ex.special = ExchangeSpecial(vh, ex)
 
 
-def _headers(props: bytes) -> dict[str, Any]:
-    if not props or not props[0] & 0x20:
-        return {}
-    h = codec.decode_properties(props).headers
-    return dict(h) if h else {}
+_headers = properties.headers
 
 
 def _key_text(value: Any) -> str | None:
@@ -256,7 +251,7 @@ class ExchangeSpecial:
                 self.delayed.add(ts, ts + delay, routing_key, props, body)
                 return True, None
         if self.hash_property is not None:
-            value = getattr(codec.decode_properties(props), self.hash_property, None)
+            value = getattr(properties.decode(props), self.hash_property, None)
             if value is None:
                 return False, []
             dest = self.ring().pick(_key_text(value) or "")
@@ -367,9 +362,10 @@ class DelayedStore:
         vh = self.vh
         if self.vh.exchanges.get(self.ex.name) is not self.ex:
             return
-        props, extra, has_exp = features.inspect_publish(props) if props and props[0] & 0x21 \
-            else (props, None, False)
-        persistent = bool(props and props[0] & 0x10) and codec.delivery_mode(props) == 2
+        flags = props[0] if props else 0
+        props, extra, has_exp = features.inspect_publish(props) \
+            if flags & (properties.HI_HEADERS | properties.HI_EXPIRATION) else (props, None, False)
+        persistent = properties.delivery_mode(props) == 2
         queues: list[Queue] = []
         for key in (routing_key, *(extra or ())):
             for q in vh.route(self.ex, key, lambda: _headers(props) or None):

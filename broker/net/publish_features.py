@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from broker.amqp import codec
+from broker import properties
 from broker.model import features
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ def publish_special(s: Session, chs: ChannelState, ex: Exchange, args: PublishAr
 
     def headers_of() -> dict[str, Any] | None:
         if not headers:
-            h = codec.decode_properties(props).headers
+            h = properties.decode(props).headers
             headers.append(dict(h) if h else None)
         return headers[0]
 

@@ -34,11 +34,12 @@ from pamqp import commands
 from pamqp import decode as pdecode
 from pamqp.base import Frame as PFrame
 
-from broker import errors
+from broker import errors, properties
 from broker.amqp import codec
 from broker.amqp.connection import CH_OPEN, AMQPConnection, PublishArgs
 from broker.model.queue import Consumer, Queue
 from broker.net.publish_features import publish_exchange_special, publish_special
+from broker.properties import HI_DELIVERY_MODE, HI_EXPIRATION, HI_HEADERS, HI_REPLY_TO
 
 if TYPE_CHECKING:
     from broker.model.vhost import VHost
@@ -49,6 +50,9 @@ log = logging.getLogger(__name__)
 REPLY_TO = "amq.rabbitmq.reply-to"
 REPLY_TO_PREFIX = "amq.rabbitmq.reply-to."
 _DEFERRED = object()
+# a run with any of these is published one by one: reply-to, CC/BCC headers, expiration
+_ONE_BY_ONE = HI_REPLY_TO | HI_HEADERS | HI_EXPIRATION
+_CC_OR_TTL = HI_HEADERS | HI_EXPIRATION
 _EAGER_FLUSH = 16 * 1024  # manual ack: write deliveries this soon, so acks can start flowing
 _DIRECT_WRITE = 32 * 1024  # deliveries this large go to the transport as they are
 _EAGER_FLUSH_AUTOACK = 256 * 1024  # autoack: only bound the buffer (fewer, larger writes)
@@ -417,7 +421,7 @@ class Session(AMQPConnection):
         assert vh is not None
         self.stats.published += 1
         flags = props[0] if props else 0
-        if flags & 0x02:  # reply-to (flag 0x0200) may need rewriting for direct reply-to
+        if flags & HI_REPLY_TO:  # may need rewriting for direct reply-to
             props = self._rewrite_reply_to(chs, props)
         exchange = args.exchange
         routing_key = args.routing_key
@@ -429,13 +433,13 @@ class Session(AMQPConnection):
         if exchange not in self._write_ok:
             self._check("write", exchange)
             self._write_ok.add(exchange)
-        persistent = bool(flags & 0x10) and self._persistent(props)
+        persistent = bool(flags & HI_DELIVERY_MODE) and self._persistent(props)
         # delayed / consistent-hash / dedup exchanges: broker/model/exchange_features.py
         if ex.special is not None and publish_exchange_special(self, chs, ex, args, props, bytes(body),
                                                                persistent):
             return
-        # headers (0x2000: CC/BCC) or expiration (0x0100): broker/net/publish_features.py
-        if flags & 0x21 and publish_special(self, chs, ex, args, props, bytes(body), persistent):
+        # headers (CC/BCC) or expiration: broker/net/publish_features.py
+        if flags & _CC_OR_TTL and publish_special(self, chs, ex, args, props, bytes(body), persistent):
             return
         if exchange == "":
             q = vh.queues.get(routing_key)
@@ -461,10 +465,10 @@ class Session(AMQPConnection):
     def _persistent(self, props: bytes) -> bool:
         """delivery-mode 2? Parsed once per properties object: a publisher repeating its
         properties hands us the very same bytes object. Only called when the
-        delivery-mode flag (0x1000) is set."""
+        delivery-mode flag is set."""
         if props is self._dm_props:
             return self._dm_persistent
-        persistent = codec.delivery_mode(props) == 2
+        persistent = properties.delivery_mode(props) == 2
         self._dm_props = props
         self._dm_persistent = persistent
         return persistent
@@ -480,9 +484,9 @@ class Session(AMQPConnection):
         p0 = props[0]
         flags = p0[0]  # a content header holds at least the two flag bytes
         if same:
-            odd = flags & 0x23
+            odd = flags & _ONE_BY_ONE
         else:
-            odd = any(p[0] & 0x23 for p in props)
+            odd = any(p[0] & _ONE_BY_ONE for p in props)
         vh = self.vh
         exchange = args.exchange
         ex = None if vh is None or chs.tx is not None or odd else vh.exchanges.get(exchange)
@@ -493,7 +497,7 @@ class Session(AMQPConnection):
             q = vh.queues.get(args.routing_key)  # type: ignore[union-attr]
             queues = [] if q is None else [q]
         else:
-            # no message of the run has headers (0x20 sends it one by one), so one route fits all
+            # no message of the run has headers (HI_HEADERS sends it one by one), so one route fits all
             queues = vh.route(ex, args.routing_key, lambda: _headers(p0))  # type: ignore[union-attr]
         if not queues or any(q.features is not None for q in queues):
             self.publish_each(channel, args, props, bodies)
@@ -505,9 +509,9 @@ class Session(AMQPConnection):
             chs.publish_seq += k
             self._confirm_dirty.add(chs)
         if same:
-            persistent = bool(flags & 0x10) and self._persistent(p0)
+            persistent = bool(flags & HI_DELIVERY_MODE) and self._persistent(p0)
         else:  # any of them (it only decides whether a sync is needed)
-            persistent = any(p[0] & 0x10 and codec.delivery_mode(p) == 2 for p in props)
+            persistent = any(p[0] & HI_DELIVERY_MODE and properties.delivery_mode(p) == 2 for p in props)
         ts = self.now_ms
         exb = args.exchange_b
         rkb = args.routing_key_b
@@ -542,13 +546,13 @@ class Session(AMQPConnection):
                                                 props, bytes(body), self.frame_max)
 
     def _rewrite_reply_to(self, chs: ChannelState, props: bytes) -> bytes:
-        p = codec.decode_properties(props)
+        p = properties.decode(props)
         if p.reply_to != REPLY_TO:
             return props
         if chs.reply_token is None:
             raise errors.PreconditionFailed("fast reply consumer does not exist", 60, 40)
         p.reply_to = REPLY_TO_PREFIX + chs.reply_token
-        return codec.encode_properties(p)
+        return properties.encode(p)
 
     def _direct_reply(self, routing_key: str, exchange: str, props: bytes, body: bytes) -> bool:
         target = self.broker.reply_to.get(routing_key[len(REPLY_TO_PREFIX):])
@@ -933,7 +937,7 @@ class Session(AMQPConnection):
 
 def _headers(props: bytes) -> dict[str, Any] | None:
     try:
-        h = codec.decode_properties(props).headers
+        h = properties.decode(props).headers
     except Exception:
         return None
     return dict(h) if h else None
