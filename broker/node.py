@@ -118,7 +118,7 @@ class Node:
             broker = self.broker = self.load(loop)
             assert self.vhost_store is not None
             mgmt = self.mgmt = Mgmt(broker, self.vhost_store, self.make_vhost, cfg.main.data_dir,
-                                    cfg.main.data_dir / "transient", self.sink)
+                                    cfg.main.data_dir / "transient")
             mgmt.cluster = self.cluster
             if cfg.main.load_definitions:
                 self.load_definitions(Path(cfg.main.load_definitions))

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from broker.model import policy as model_policy
-from broker.store.jsonstore import read_json
 
 if TYPE_CHECKING:
     from broker.net.broker import Broker
@@ -86,7 +85,7 @@ class PolicyApi:
 
 def import_legacy(path: Path, api: PolicyApi) -> None:
     """Move policies from an old node-wide ``policies.json`` into their vhosts, then remove it."""
-    data = read_json(path, None)
+    data = model_policy.read_legacy(path)
     if data is None:
         return
     for entry in data.get("policies", []) if isinstance(data, dict) else []:

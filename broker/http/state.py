@@ -24,7 +24,6 @@ from broker.auth.vhosts import VHostStore
 from broker.http.policies import PolicyApi, import_legacy
 from broker.http.rates import RateSampler
 from broker.model.vhost import VHost
-from broker.store.sink import NULL_SINK, ReplicationSink
 
 if TYPE_CHECKING:
     from broker.metrics import ClusterInfo
@@ -40,7 +39,6 @@ class Mgmt:
         make_vhost: Callable[[str], VHost],
         data_dir: Path,
         transient_root: Path,
-        sink: ReplicationSink = NULL_SINK,
     ) -> None:
         self.broker = broker
         self.vhost_store = vhost_store
