@@ -23,21 +23,25 @@ Cluster members: ``Mgmt.cluster`` (set by the cluster runner, None on a
 standalone node) is any object with the ``ClusterInfo`` methods;
 ``ClusterCollector`` reads it at scrape time for ``skred_is_leader``,
 ``skred_connected_followers`` and ``skred_follower_lag_in_bytes{id}``. A
-follower runs no broker, so the runner serves ``cluster_registry(view)`` on the
-metrics port itself.
+follower runs no broker: ``FollowerMetrics`` serves ``cluster_registry(view)`` on
+the metrics port while it follows (the node hands it to the cluster runner).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from broker import __version__
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from broker.http.state import Mgmt
@@ -237,3 +241,36 @@ class Metrics:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(DetailedCollector(self.mgmt, families, vhosts))
         return generate_latest(registry)
+
+
+class FollowerMetrics:
+    """The cluster gauges on the metrics port while this node follows (no broker runs here)."""
+
+    def __init__(self, view: ClusterInfo) -> None:
+        self.registry = cluster_registry(view)
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._runner is not None
+
+    async def start(self, bind: str, port: int) -> None:
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, bind, port, reuse_address=True).start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        log.info("follower metrics listening on %s:%d", bind, port)
+
+    async def stop(self) -> None:
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE})

@@ -24,7 +24,7 @@ from broker.config import Config
 from broker.http.definitions import DefinitionsError, import_definitions
 from broker.http.server import MgmtServer
 from broker.http.state import Mgmt
-from broker.metrics import ClusterInfo
+from broker.metrics import ClusterInfo, FollowerMetrics
 from broker.model.vhost import VHost
 from broker.net.broker import Broker
 from broker.net.server import AMQPServer
@@ -142,6 +142,24 @@ class Node:
         if lock is not None:
             lock.release()
 
+    # ------------------------------------------- cluster.host.LeaderBroker (while leading)
+    def amqp_port(self) -> int:
+        assert self.amqp_address is not None, "not started"
+        return self.amqp_address[1]
+
+    def sync_started(self) -> float | None:
+        return None if self.broker is None else self.broker.syncer.sync_started
+
+    def flush_stores(self) -> None:
+        if self.broker is not None:
+            for vh in self.broker.vhosts.values():
+                for q in vh.queues.values():
+                    q.store.flush()
+
+    def trust_proxy_headers_from(self, peers: set[str]) -> None:
+        assert self.broker is not None, "not started"
+        self.broker.trusted_peers = peers
+
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         try:
@@ -188,12 +206,28 @@ class Node:
         broker.syncer.shutdown()
 
 
-def serve(config: Config) -> int:
-    """Run a node until SIGTERM/SIGINT; returns the process exit code."""
+class NodeHost:
+    """The composition root's side of ``broker.cluster.host.Host``: how a cluster member
+    builds its leader broker and its follower metrics server."""
+
+    def leader_broker(self, config: Config, sink: ReplicationSink, cluster: ClusterInfo,
+                      replicated: Callable[[list[Syncable]], asyncio.Future[None]]) -> Node:
+        node = Node(config, sink)
+        node.cluster = cluster
+        node.replicated = replicated
+        return node
+
+    def follower_metrics(self, cluster: ClusterInfo) -> FollowerMetrics:
+        return FollowerMetrics(cluster)
+
+
+def serve(config: Config, host: NodeHost | None = None) -> int:
+    """Run a node until SIGTERM/SIGINT; returns the process exit code. ``host`` builds the
+    brokers of a cluster member (tests pass one that injects faults)."""
     if config.clustering.enabled:
         from broker.cluster.runner import serve_clustered
 
-        return serve_clustered(config)
+        return serve_clustered(config, host or NodeHost())
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows

@@ -152,3 +152,11 @@ def test_import_scanner(
     assert expected in [n for _, n in imports_of(fake / "mod.py")]
     found = violations("amqp", ("broker.errors", "broker.amqp"), NETWORK)
     assert bool(found) is bad, found
+
+
+def test_production_code_reads_no_test_hooks() -> None:
+    """Faults enter through seams the tests own (e.g. broker.cluster.host.Host), never through
+    environment variables the broker reads."""
+    found = [f"{p.relative_to(BROKER.parent)}" for p in BROKER.rglob("*.py")
+             if "SKRED_TEST" in p.read_text(encoding="utf-8")]
+    assert found == []
