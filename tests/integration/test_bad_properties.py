@@ -24,7 +24,7 @@ import time
 import pytest
 from pamqp import commands
 
-from ._raw import Closed, NoAnswer, RawConn, frame_bytes, method_bytes
+from ._raw import RawConn, frame_bytes, method_bytes
 from ._support import Broker, SkredProcess, assert_healthy, connect, is_external, queue_count, unique
 
 _U32 = struct.Struct(">I")
@@ -78,28 +78,19 @@ def _publish(queue: str, props: bytes, body: bytes) -> list[bytes]:
     ]
 
 
-def _answer(c: RawConn, timeout: float = 5.0) -> tuple[list[int], commands.Connection.Close | None]:
-    """Confirms received and the connection.close that follows (None on EOF)."""
+def _answer(c: RawConn) -> tuple[list[int], commands.Connection.Close | None]:
+    """Confirms received (nacks negative) and the connection.close that follows (None on EOF)."""
     acks: list[int] = []
-    deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline:
-            c.sock.settimeout(max(0.05, deadline - time.monotonic()))
-            _ch, m = c.read_method()
-            if isinstance(m, commands.Basic.Ack):
-                acks.append(int(m.delivery_tag))
-            elif isinstance(m, commands.Basic.Nack):
-                acks.append(-int(m.delivery_tag))
-            elif isinstance(m, commands.Connection.Close):
-                c.send_method(0, commands.Connection.CloseOk())
-                return acks, m
-            elif isinstance(m, commands.Channel.Close):
-                raise AssertionError(f"channel.close {m.reply_code} {m.reply_text}, not connection.close")
-    except TimeoutError:
-        pass
-    except (Closed, OSError):
-        return acks, None
-    raise NoAnswer(f"no connection.close within {timeout}s (acks {acks})")
+    while True:
+        kind, m = c.next_answer()
+        if kind == "ack":
+            acks.append(int(m.delivery_tag))
+        elif kind == "nack":
+            acks.append(-int(m.delivery_tag))
+        elif kind == "channel.close":
+            raise AssertionError(f"channel.close {m.reply_code} {m.reply_text}, not connection.close")
+        else:
+            return acks, m
 
 
 @pytest.mark.parametrize("how", ["one-write", "frame-by-frame", "in-a-run"])

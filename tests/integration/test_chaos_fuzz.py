@@ -26,8 +26,6 @@ from __future__ import annotations
 import datetime
 import os
 import struct
-import time
-from typing import Any
 
 import pika.spec
 import pytest
@@ -36,7 +34,7 @@ from hypothesis import strategies as st
 from pamqp import commands
 from pamqp import frame as pframe
 
-from ._raw import Closed, NoAnswer, RawConn, frame_bytes, method_bytes
+from ._raw import RawConn, frame_bytes, method_bytes
 from ._support import Broker, SkredProcess, assert_healthy, connect, is_external, unique
 
 pytestmark = pytest.mark.chaos
@@ -101,27 +99,6 @@ def _clients_decode(props: bytes) -> bool:
     return True
 
 
-def _answer(c: RawConn, timeout: float = 5.0) -> tuple[str, Any]:
-    """("ack", tag), ("connection.close", method), ("channel.close", method) or ("eof", None)."""
-    deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline:
-            c.sock.settimeout(max(0.05, deadline - time.monotonic()))
-            _ch, m = c.read_method()
-            if isinstance(m, commands.Basic.Ack):
-                return "ack", m.delivery_tag
-            if isinstance(m, commands.Connection.Close):
-                c.send_method(0, commands.Connection.CloseOk())
-                return "connection.close", m
-            if isinstance(m, commands.Channel.Close):
-                return "channel.close", m
-    except TimeoutError:
-        pass
-    except (Closed, OSError):
-        return "eof", None
-    raise NoAnswer(f"no answer within {timeout}s")
-
-
 def _opened(b: Broker) -> RawConn:
     c = RawConn(b.host, b.port, timeout=5)
     c.handshake()
@@ -151,7 +128,7 @@ def test_fuzz_message_properties(broker: Broker) -> None:
             c.expect(commands.Confirm.SelectOk, 1)
             c.send(method_bytes(1, commands.Basic.Publish(exchange="", routing_key=queue))
                    + frame_bytes(2, 1, struct.pack(">HHQ", 60, 0, 4) + props) + frame_bytes(3, 1, b"body"))
-            kind, m = _answer(c)
+            kind, m = c.next_answer()
             if kind == "ack":
                 assert decodable, f"confirmed a property list clients cannot decode: {props!r}"
                 c.send_method(1, commands.Basic.Get(queue=queue, no_ack=True))
@@ -254,7 +231,7 @@ def test_fuzz_malformed_frames(broker: Broker) -> None:
         kind, data, codes = case
         with _opened(broker) as c:
             c.send(data)
-            got, m = _answer(c)
+            got, m = c.next_answer()
             if is_external():
                 assert got != "ack", (kind, m)
             else:
