@@ -18,9 +18,10 @@ Validation: a property list a client library cannot decode must never be confirm
 stored or delivered (a pika or aiormq consumer dies on it and it blocks the head of its
 queue). ``problem(props)`` walks the list and every field table in it and names the
 first defect; ``valid(props)`` is the hot-path form: a list seen valid before is
-remembered by its bytes (publish runs repeat the same properties), and a headers table
-seen valid before is remembered by its bytes too (per-message ids change the list but
-rarely the table). Refused: lengths that run past their end, unknown field types (the
+remembered by its bytes (publish runs repeat the same properties), and so is a headers
+table; a table that differs from a valid one only inside its values (a new id in
+the same headers) is recognised by comparing its structural bytes at once
+(``_check_headers``). Refused: lengths that run past their end, unknown field types (the
 0-9-1 errata set RabbitMQ, pika and pamqp share), bytes after the last property, a
 second flag word (class basic has 14 properties), field names and short strings that
 are not UTF-8, tables nested deeper than clients recurse, and timestamps beyond year
@@ -102,6 +103,8 @@ _SIZED = frozenset((ord("S"), ord("x"), _F, _A))
 _CACHE_MAX = 4096  # remembered valid lists and tables (each a few hundred bytes at most)
 _valid_lists: set[bytes] = set()
 _valid_tables: set[bytes] = set()
+# table length -> (mask of its structural bytes, their value, timestamp value positions)
+_layouts: dict[int, tuple[int, int, tuple[int, ...]]] = {}
 
 
 class _Malformed(Exception):
@@ -141,6 +144,7 @@ def _check_list(props: bytes) -> None:
         present = _PRESENT[flags] = tuple(i << 2 | kind for i, (bit, kind, _) in enumerate(_LAYOUT)
                                           if flags & bit)
     ascii_only = props.isascii()  # then every short string and field name is UTF-8
+    strs: list[tuple[int, int, int]] = []  # short strings to check for UTF-8 unless ascii_only
     pos = 2
     for code in present:  # (index in _LAYOUT) << 2 | kind
         kind = code & 3
@@ -152,7 +156,7 @@ def _check_list(props: bytes) -> None:
             if pos > n:
                 raise _Malformed(f"{_name(code)} runs past the end of the properties")
             if not ascii_only:
-                _utf8(props, start, pos, _name(code))
+                strs.append((start, pos, code))
         elif kind == _OCTET:
             pos += 1
             if pos > n:
@@ -170,14 +174,13 @@ def _check_list(props: bytes) -> None:
             pos = start + _U32(props, pos)[0]
             if pos > n:
                 raise _Malformed("headers table length runs past the end of the properties")
-            table = props[start:pos]
-            if table not in _valid_tables:
-                _check_table(table, 0, len(table), 1, table.isascii())
-                if len(_valid_tables) >= _CACHE_MAX:
-                    _valid_tables.clear()
-                _valid_tables.add(table)
+            _check_headers(props[start:pos])
     if pos != n:
         raise _Malformed(f"{n - pos} bytes after the last property")
+    # Usually only a table's length fields make a list non-ASCII: one check of the strings.
+    if strs and not b"".join([props[a:b] for a, b, _ in strs]).isascii():
+        for a, b, code in strs:
+            _utf8(props, a, b, _name(code))
 
 
 def _name(code: int) -> str:
@@ -191,51 +194,82 @@ def _utf8(b: bytes, start: int, end: int, what: str) -> None:
         raise _Malformed(f"{what} is not UTF-8") from None
 
 
-def _check_table(b: bytes, pos: int, end: int, depth: int, ascii_only: bool) -> None:
+def _check_headers(table: bytes) -> None:
+    """Check a headers table. A table seen valid before is remembered by its bytes; one
+    of the same length whose structural bytes (field names, type octets, length fields)
+    equal those of the last valid table of that length is valid too, bar its timestamps:
+    walking it would take the same path, and only string, number and timestamp values
+    differ (a client repeating headers with a new id in them). That comparison is three
+    C-level big-integer operations instead of a Python loop over the fields."""
+    if table in _valid_tables:
+        return
+    n = len(table)
+    layout = _layouts.get(n)
+    if layout is not None:
+        mask, structure, stamps = layout
+        if int.from_bytes(table) & mask == structure:
+            for p in stamps:
+                if _U64(table, p)[0] > MAX_TIMESTAMP_FIELD:
+                    raise _Malformed("timestamp field beyond year 9999")
+            return
+    spans: list[tuple[int, int]] = []
+    stamps_found: list[int] = []
+    _check_fields(table, 0, n, 1, table.isascii(), True, spans, stamps_found)
+    mask = 0
+    for a, b in spans:
+        mask |= ((1 << (8 * (b - a))) - 1) << (8 * (n - b))
+    if len(_layouts) >= _CACHE_MAX:
+        _layouts.clear()
+    _layouts[n] = (mask, int.from_bytes(table) & mask, tuple(stamps_found))
+    if len(_valid_tables) >= _CACHE_MAX:
+        _valid_tables.clear()
+    _valid_tables.add(table)
+
+
+def _check_fields(b: bytes, pos: int, end: int, depth: int, ascii_only: bool, named: bool,
+                  spans: list[tuple[int, int]], stamps: list[int]) -> None:
+    """Check the fields of a table (``named``: each value preceded by its name) or of an
+    array between ``pos`` and ``end``, values inline; note the structural byte ranges in
+    ``spans`` and the positions of timestamp values in ``stamps``."""
     if depth > MAX_TABLE_DEPTH:
         raise _Malformed(f"field tables nested deeper than {MAX_TABLE_DEPTH}")
+    fixed = _FIXED.get
+    span = spans.append
     while pos < end:
-        start = pos + 1
-        pos = start + b[pos]
-        if pos >= end:
-            raise _Malformed("field name runs past the end of its table")
-        if not ascii_only:
-            _utf8(b, start, pos, "field name")
-        pos = _check_value(b, pos, end, depth, ascii_only)
-
-
-def _check_array(b: bytes, pos: int, end: int, depth: int, ascii_only: bool) -> None:
-    if depth > MAX_TABLE_DEPTH:
-        raise _Malformed(f"field arrays nested deeper than {MAX_TABLE_DEPTH}")
-    while pos < end:
-        pos = _check_value(b, pos, end, depth, ascii_only)
-
-
-def _check_value(b: bytes, pos: int, end: int, depth: int, ascii_only: bool) -> int:
-    """Check the field value (type octet first) at ``pos``; returns the position after it."""
-    t = b[pos]
-    pos += 1
-    size = _FIXED.get(t)
-    if size is not None:
-        pos += size
+        field = pos
+        if named:
+            start = pos + 1
+            pos = start + b[pos]
+            if pos >= end:
+                raise _Malformed("field name runs past the end of its table")
+            if not ascii_only:
+                _utf8(b, start, pos, "field name")
+        t = b[pos]
+        pos += 1
+        span((field, pos))  # name and type octet
+        size = fixed(t)
+        if size is not None:
+            pos += size
+            if pos > end:
+                raise _Malformed(f"field value of type {chr(t)!r} runs past the end of its table")
+            if t == _T:
+                if _U64(b, pos - 8)[0] > MAX_TIMESTAMP_FIELD:
+                    raise _Malformed("timestamp field beyond year 9999")
+                stamps.append(pos - 8)
+            continue
+        if t not in _SIZED:
+            raise _Malformed(f"unknown field type {t:#04x}")
+        start = pos + 4
+        if start > end:
+            raise _Malformed(f"field value of type {chr(t)!r} runs past the end of its table")
+        span((start - 4, start))  # the length
+        pos = start + _U32(b, start - 4)[0]
         if pos > end:
             raise _Malformed(f"field value of type {chr(t)!r} runs past the end of its table")
-        if t == _T and _U64(b, pos - 8)[0] > MAX_TIMESTAMP_FIELD:
-            raise _Malformed("timestamp field beyond year 9999")
-        return pos
-    if t not in _SIZED:
-        raise _Malformed(f"unknown field type {t:#04x}")
-    if pos + 4 > end:
-        raise _Malformed(f"field value of type {chr(t)!r} runs past the end of its table")
-    start = pos + 4
-    stop: int = start + _U32(b, pos)[0]
-    if stop > end:
-        raise _Malformed(f"field value of type {chr(t)!r} runs past the end of its table")
-    if t == _F:
-        _check_table(b, start, stop, depth + 1, ascii_only)
-    elif t == _A:
-        _check_array(b, start, stop, depth + 1, ascii_only)
-    return stop
+        if t == _F:
+            _check_fields(b, start, pos, depth + 1, ascii_only, True, spans, stamps)
+        elif t == _A:
+            _check_fields(b, start, pos, depth + 1, ascii_only, False, spans, stamps)
 
 
 # ------------------------------------------------------------------------ reads

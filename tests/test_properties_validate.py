@@ -74,3 +74,34 @@ def test_flag_bits_match_pamqp() -> None:
     for name, flag in commands.Basic.Properties.flags.items():
         name = "type" if name == "message_type" else name
         assert getattr(properties, "FLAG_" + name.upper()) == flag, name
+
+
+def _headers_check(table: bytes) -> str | None:
+    props = b"\x20\x00" + struct.pack(">I", len(table)) + table
+    return properties.problem(props)
+
+
+def _forget() -> None:
+    properties._valid_lists.clear()
+    properties._valid_tables.clear()
+    properties._layouts.clear()
+
+
+@settings(max_examples=300, deadline=None)
+@given(headers=st.dictionaries(_KEYS, _VALUES, min_size=1, max_size=6),
+       flips=st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), min_size=1, max_size=4))
+def test_the_same_structure_shortcut_agrees_with_a_full_walk(headers: dict[str, Any],
+                                                              flips: list[tuple[int, int]]) -> None:
+    """A table checked against the layout of a valid table of the same length gets the verdict
+    a full walk gives it, whatever bytes differ (values only, or structure too)."""
+    table = _encode(commands.Basic.Properties(headers=headers))[6:]
+    other = bytearray(table)
+    for at, value in flips:
+        other[at % len(other)] = value
+    _forget()
+    full = _headers_check(bytes(other))
+    _forget()
+    assert _headers_check(table) is None  # primes the layout of this length
+    shortcut = _headers_check(bytes(other))
+    _forget()
+    assert (shortcut is None) == (full is None), (full, shortcut)
