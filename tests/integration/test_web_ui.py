@@ -29,7 +29,11 @@ from ._support import Broker, connect, is_external
 CHROMEDRIVER = shutil.which("chromedriver")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 webdriver = pytest.importorskip("selenium.webdriver")
-from selenium.common.exceptions import NoSuchElementException, TimeoutException  # noqa: E402
+from selenium.common.exceptions import (  # noqa: E402
+    NoSuchElementException,
+    StaleElementReferenceException,
+    TimeoutException,
+)
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.remote.webdriver import WebDriver  # noqa: E402
 from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
@@ -84,7 +88,9 @@ def browser() -> Iterator[WebDriver]:
 
 def wait(browser: WebDriver, what: str, pred: Any) -> Any:
     try:
-        return WebDriverWait(browser, WAIT).until(lambda d: pred(d), message=what)
+        # Tables are re-rendered by the page's refresh: an element found a moment ago may be gone.
+        ignored = (NoSuchElementException, StaleElementReferenceException)
+        return WebDriverWait(browser, WAIT, ignored_exceptions=ignored).until(lambda d: pred(d), message=what)
     except TimeoutException:
         # Say what the page showed, so a failure in CI can be read without a screenshot.
         page = browser.execute_script("return document.body ? document.body.innerText : ''")
@@ -93,6 +99,16 @@ def wait(browser: WebDriver, what: str, pred: Any) -> Any:
 
 def element(browser: WebDriver, by: str, value: str) -> Any:
     return wait(browser, f"element {value}", lambda d: d.find_element(by, value))
+
+
+def click(browser: WebDriver, by: str, value: str) -> None:
+    """Find and click, again if a refresh replaced the element in between."""
+
+    def clicked(d: WebDriver) -> bool:
+        d.find_element(by, value).click()
+        return True
+
+    wait(browser, f"click on {value}", clicked)
 
 
 def text_of(browser: WebDriver, by: str, value: str) -> str:
@@ -109,7 +125,7 @@ def login(browser: WebDriver, b: Broker, user: str = "guest", password: str = "g
     browser.get(f"http://{b.host}:{b.mgmt_port}/#/overview")
     element(browser, By.ID, "username").send_keys(user)
     browser.find_element(By.ID, "password").send_keys(password)
-    browser.find_element(By.ID, "login-button").click()
+    click(browser, By.ID, "login-button")
     wait(browser, "logged in", lambda d: d.find_element(By.ID, "who").text.startswith(user))
 
 
@@ -131,7 +147,7 @@ def fill(browser: WebDriver, form_id: str, **values: str) -> None:
         else:
             field.clear()
             field.send_keys(value)
-    browser.find_element(By.CSS_SELECTOR, f"#{form_id} button[type=submit]").click()
+    click(browser, By.CSS_SELECTOR, f"#{form_id} button[type=submit]")
 
 
 def browser_errors(browser: WebDriver) -> list[str]:
@@ -150,7 +166,7 @@ def test_login_refuses_wrong_password_and_shows_overview_matching_the_api(
     browser.refresh()
     element(browser, By.ID, "username").send_keys("guest")
     browser.find_element(By.ID, "password").send_keys("wrong")
-    browser.find_element(By.ID, "login-button").click()
+    click(browser, By.ID, "login-button")
     wait(browser, "login refused", lambda d: "Login failed" in d.find_element(By.ID, "login-error").text)
     assert "guest" not in browser.current_url and "wrong" not in browser.current_url
 
@@ -199,7 +215,7 @@ def test_queue_declared_over_amqp_appears_and_round_trips_through_the_page(
         box.send_keys(q)
         wait(browser, "queue listed", lambda d: q in d.find_element(By.ID, "main").text)
         shot(browser, "queues")
-        browser.find_element(By.LINK_TEXT, q).click()
+        click(browser, By.LINK_TEXT, q)
         wait(browser, "queue page", lambda d: d.find_element(By.TAG_NAME, "h1").text == f"Queue {q}")
 
         # Publish from the page, with a header, then get it back on the page (requeued) ...
@@ -249,18 +265,16 @@ def test_bindings_purge_and_delete_from_the_pages(browser: WebDriver, shared_bro
 
         go(browser, b, f"queues/%2F/{q}")
         wait(browser, "queue page", lambda d: text_of(d, By.ID, "queue-ready") == "1")
-        browser.find_element(
-            By.XPATH, "//button[text()='Unbind' and ancestor::tr[contains(., 'a.#')]]"
-        ).click()
+        click(browser, By.XPATH, "//button[text()='Unbind' and ancestor::tr[contains(., 'a.#')]]")
         wait(
             browser,
             "unbound",
             lambda d: not any(bd["source"] == x for bd in api(b, "GET", f"/api/queues/%2F/{q}/bindings")),
         )
         browser.execute_script("window.confirm = () => true")
-        browser.find_element(By.XPATH, "//button[text()='Purge']").click()
+        click(browser, By.XPATH, "//button[text()='Purge']")
         wait(browser, "purged", lambda d: api(b, "GET", f"/api/queues/%2F/{q}")["messages_ready"] == 0)
-        browser.find_element(By.XPATH, "//button[text()='Delete queue']").click()
+        click(browser, By.XPATH, "//button[text()='Delete queue']")
         wait(browser, "back on the list", lambda d: d.current_url.endswith("#/queues"))
 
         def gone() -> bool:
@@ -287,16 +301,20 @@ def test_lists_page_through_many_queues(browser: WebDriver, shared_broker: Broke
         go(browser, b, "queues")
         box = element(browser, By.CSS_SELECTOR, "input[aria-label='Filter by name']")
         box.send_keys("^" + prefix)
-        wait(browser, "first page", lambda d: "Page 1 of 3" in d.find_element(By.ID, "main").text)
+        # The filter is typed a key at a time; wait for the answer to the whole of it.
+        wait(
+            browser,
+            "first page",
+            lambda d: "Page 1 of 3 · 120 matching" in d.find_element(By.ID, "main").text,
+        )
         rows = browser.find_elements(By.CSS_SELECTOR, "#main tbody tr")
         assert len(rows) == 50  # one page, not the whole list
-        assert "120 matching" in browser.find_element(By.ID, "main").text
-        browser.find_element(By.XPATH, "//button[contains(., 'Next')]").click()
+        click(browser, By.XPATH, "//button[contains(., 'Next')]")
         wait(browser, "second page", lambda d: "Page 2 of 3" in d.find_element(By.ID, "main").text)
         assert f"{prefix}050" in browser.find_element(By.ID, "main").text
         # Sorting by a column re-asks the API from page 1: the list is sorted by name, so one
         # click on Name reverses it and the last queue comes first.
-        browser.find_element(By.XPATH, "//th/button[starts-with(., 'Name')]").click()
+        click(browser, By.XPATH, "//th/button[starts-with(., 'Name')]")
         wait(
             browser,
             "sorted descending",
@@ -325,7 +343,7 @@ def test_admin_adds_a_monitoring_user_who_can_look_but_not_change(
         go(browser, b, "admin/permissions")
         fill(browser, "set-permission", user=user, vhost="/", configure="", write="", read=".*")
         wait(browser, "permission listed", lambda d: user in d.find_element(By.ID, "main").text)
-        browser.find_element(By.ID, "logout").click()
+        click(browser, By.ID, "logout")
         wait(browser, "logged out", lambda d: d.find_element(By.ID, "login-button"))
 
         login(browser, b, user, "s3cret-pass")
@@ -333,7 +351,7 @@ def test_admin_adds_a_monitoring_user_who_can_look_but_not_change(
         go(browser, b, f"queues/%2F/{q}")
         wait(browser, "queue visible", lambda d: d.find_element(By.TAG_NAME, "h1").text == f"Queue {q}")
         browser.execute_script("window.confirm = () => true")
-        browser.find_element(By.XPATH, "//button[text()='Delete queue']").click()
+        click(browser, By.XPATH, "//button[text()='Delete queue']")
         wait(browser, "refusal shown", lambda d: "Refused" in d.find_element(By.ID, "toast").text)
         assert api(b, "GET", f"/api/queues/%2F/{q}")["name"] == q  # still there
         go(browser, b, "admin/users")
@@ -364,7 +382,7 @@ def test_definitions_import_from_a_file_shows_its_queues(
     login(browser, b)
     go(browser, b, "admin/definitions")
     element(browser, By.ID, "import-file").send_keys(str(path))
-    browser.find_element(By.ID, "import").click()
+    click(browser, By.ID, "import")
     wait(
         browser, "imported", lambda d: d.find_element(By.ID, "import-result").text == "Definitions imported."
     )
@@ -402,7 +420,7 @@ def test_connection_page_closes_the_connection(browser: WebDriver, shared_broker
         go(browser, b, "connections/" + urllib.request.quote(mine[0]["name"], safe=""))
         wait(browser, "connection page", lambda d: "Close connection" in d.find_element(By.ID, "main").text)
         browser.execute_script("window.confirm = () => true")
-        browser.find_element(By.XPATH, "//button[text()='Close connection']").click()
+        click(browser, By.XPATH, "//button[text()='Close connection']")
         wait(
             browser,
             "closed",
@@ -436,3 +454,29 @@ def test_static_files_are_safe(shared_broker: Broker) -> None:
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(f"http://{b.host}:{b.mgmt_port}/api/whoami", timeout=10)
     assert info.value.code == 401 and "WWW-Authenticate" in info.value.headers
+
+
+def test_overview_names_the_cluster_leader(browser: WebDriver, tmp_path: Path) -> None:
+    from .test_cluster import Cluster, start_cluster, wait_for
+
+    cluster = Cluster(tmp_path)
+    try:
+        leader, followers = start_cluster(cluster)
+        leader_id = wait_for(
+            lambda: (leader.data_dir / ".node_id").exists() and leader.node_id(), 20, "node id"
+        )
+
+        class Node:  # what login() and go() need of a broker
+            host, mgmt_port = leader.ip, leader.mgmt_port
+
+        node = Node()
+        login(browser, node)  # type: ignore[arg-type]
+        wait(browser, "leader shown", lambda d: text_of(d, By.ID, "cluster-leader") == leader_id)
+        wait(
+            browser,
+            "followers listed",
+            lambda d: all(f.node_id() in d.find_element(By.ID, "main").text for f in followers),
+        )
+        shot(browser, "overview-cluster")
+    finally:
+        cluster.close()

@@ -223,16 +223,19 @@
     const size = h("select", { "aria-label": "Rows per page", onchange: () => { s.size = Number(size.value); s.page = 1; refresh(); } },
       PAGE_SIZES.map((n) => h("option", { value: n, selected: n === s.size }, `${n} per page`)));
     const root = h("div", {}, h("div", { class: "bar" }, filter, size), live);
+    let asked = 0; // answers can arrive out of order (typing, auto-refresh): only the newest is shown
     async function refresh() {
+      const mine = ++asked;
       const q = new URLSearchParams({ page: s.page, page_size: s.size, sort: s.sort, sort_reverse: s.reverse });
       if (s.filter) { q.set("name", s.filter); q.set("use_regex", "true"); }
       let data;
       try {
         data = await api("GET", `${path}${path.includes("?") ? "&" : "?"}${q}`);
       } catch (e) {
-        live.replaceChildren(h("p", { class: "error" }, e.message));
+        if (mine === asked) live.replaceChildren(h("p", { class: "error" }, e.message));
         return;
       }
+      if (mine !== asked) return;
       const items = Array.isArray(data) ? data : data.items;
       const rows = opts.where ? items.filter(opts.where) : items;
       const pageCount = data.page_count || 1;
