@@ -480,3 +480,53 @@ def test_overview_names_the_cluster_leader(browser: WebDriver, tmp_path: Path) -
         shot(browser, "overview-cluster")
     finally:
         cluster.close()
+
+
+def test_stream_queue_is_browsed_from_an_offset(browser: WebDriver, shared_broker: Broker) -> None:
+    b = shared_broker
+    q = f"ui-stream-{uuid.uuid4().hex[:6]}"
+    conn = connect(b)
+    try:
+        ch = conn.channel()
+        ch.queue_declare(q, durable=True, arguments={"x-queue-type": "stream"})
+        ch.confirm_delivery()
+        for i in range(5):
+            ch.basic_publish("", q, f"event-{i}".encode())
+        login(browser, b)
+        go(browser, b, f"queues/%2F/{q}")
+        element(browser, By.ID, "browse")
+        fill(browser, "browse", value="2", count="2")
+        wait(
+            browser,
+            "two events from offset 2",
+            lambda d: (
+                "event-2" in d.find_element(By.ID, "main").text
+                and "event-3" in d.find_element(By.ID, "main").text
+            ),
+        )
+        assert "event-1" not in browser.find_element(By.ID, "main").text
+        assert "event-4" not in browser.find_element(By.ID, "main").text
+    finally:
+        conn.channel().queue_delete(q)
+        conn.close()
+
+
+def test_management_user_sees_only_its_vhosts(browser: WebDriver, shared_broker: Broker) -> None:
+    b = shared_broker
+    user, vhost = f"mgr{uuid.uuid4().hex[:4]}", f"ui-vh-{uuid.uuid4().hex[:4]}"
+    hidden = f"ui-hidden-{uuid.uuid4().hex[:6]}"
+    api(b, "PUT", f"/api/vhosts/{vhost}", {})
+    api(b, "PUT", f"/api/users/{user}", {"password": "pw-123456", "tags": "management"})
+    api(b, "PUT", f"/api/permissions/{vhost}/{user}", {"configure": ".*", "write": ".*", "read": ".*"})
+    api(b, "PUT", f"/api/queues/{vhost}/mine", {"durable": True})
+    api(b, "PUT", f"/api/queues/%2F/{hidden}", {"durable": False})
+    try:
+        login(browser, b, user, "pw-123456")
+        go(browser, b, "queues")
+        wait(browser, "own queue listed", lambda d: "mine" in d.find_element(By.ID, "main").text)
+        assert hidden not in browser.find_element(By.ID, "main").text
+        assert not browser.find_element(By.CSS_SELECTOR, "a[data-admin]").is_displayed()
+    finally:
+        api(b, "DELETE", f"/api/queues/%2F/{hidden}")
+        api(b, "DELETE", f"/api/vhosts/{vhost}")
+        api(b, "DELETE", f"/api/users/{user}")

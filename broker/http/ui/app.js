@@ -509,7 +509,7 @@
       const cs = await api("GET", `/api/consumers/${enc(vhost)}`).catch(() => []);
       consumers.replaceChildren(table(LISTS.consumers.cols, cs.filter((c) => c.queue.name === name), { empty: "No consumers." }));
       bindings.replaceChildren(table(BINDING_COLS, await api("GET", `${base}/bindings`)));
-      if (q.type === "stream" && !streamReady) {
+      if ((q.type === "stream" || get(q, "arguments.x-queue-type") === "stream") && !streamReady) {
         streamReady = true;
         const out = h("div");
         streamBox.replaceChildren(form("browse", "Browse the stream", [["from", "From", ["offset", "timestamp"], "offset"],
