@@ -44,7 +44,7 @@ from broker import __version__
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from broker.http.state import Mgmt
+    from broker.views import BrokerView
 
 PREFIX = "skred"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -68,6 +68,29 @@ class ClusterInfo(Protocol):
     def follower_lags(self) -> dict[str, int]: ...
 
     def status(self) -> dict[str, Any]: ...
+
+
+class Source(Protocol):
+    """What the collectors read (the management state, ``broker.http.state.Mgmt``)."""
+
+    @property
+    def broker(self) -> BrokerView: ...
+    @property
+    def node_name(self) -> str: ...
+    @property
+    def cluster_name(self) -> str: ...
+    @property
+    def cluster(self) -> ClusterInfo | None: ...
+
+    def uptime_seconds(self) -> float: ...
+
+    def resident_memory(self) -> int: ...
+
+    def open_fds(self) -> int: ...
+
+    def max_fds(self) -> int: ...
+
+    def disk_free(self) -> int: ...
 
 
 class ClusterCollector(Collector):
@@ -99,7 +122,7 @@ def cluster_registry(info: ClusterInfo) -> CollectorRegistry:
 
 
 class SkredCollector(Collector):
-    def __init__(self, mgmt: Mgmt) -> None:
+    def __init__(self, mgmt: Source) -> None:
         self.mgmt = mgmt
         self._seen_redelivered: dict[int, int] = {}
         self._retired_redelivered = 0
@@ -165,7 +188,7 @@ class SkredCollector(Collector):
 class DetailedCollector(Collector):
     """Per-queue and per-vhost series for ``/metrics/detailed``."""
 
-    def __init__(self, mgmt: Mgmt, families: Sequence[str], vhosts: Sequence[str]) -> None:
+    def __init__(self, mgmt: Source, families: Sequence[str], vhosts: Sequence[str]) -> None:
         self.mgmt = mgmt
         self.families = families
         self.vhosts = vhosts
@@ -224,7 +247,7 @@ class DetailedCollector(Collector):
 
 
 class Metrics:
-    def __init__(self, mgmt: Mgmt) -> None:
+    def __init__(self, mgmt: Source) -> None:
         self.mgmt = mgmt
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(SkredCollector(mgmt))

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from broker.model import policy as model_policy
 
 if TYPE_CHECKING:
-    from broker.net.broker import Broker
+    from broker.views import BrokerView
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def validate_policy(vhost: str, name: str, body: Any) -> dict[str, Any]:
 class PolicyApi:
     """The management API's view of every vhost's policies (or operator policies)."""
 
-    def __init__(self, broker: Broker, operator: bool = False) -> None:
+    def __init__(self, broker: BrokerView, operator: bool = False) -> None:
         self.broker = broker
         self.operator = operator
 

@@ -15,7 +15,7 @@ from broker.model.vhost import VHost
 
 if TYPE_CHECKING:
     from broker.http.state import Mgmt
-    from broker.net.session import ChannelState, Session
+    from broker.views import ChannelView, ConnectionView
 
 
 def jsonable(value: Any) -> Any:
@@ -138,7 +138,7 @@ def vhost_bindings(vh: VHost) -> list[dict[str, Any]]:
     return out
 
 
-def connection_json(mgmt: Mgmt, s: Session) -> dict[str, Any]:
+def connection_json(mgmt: Mgmt, s: ConnectionView) -> dict[str, Any]:
     host, port = mgmt.amqp_address or ("127.0.0.1", 0)
     props = jsonable(s.client_properties)
     return {
@@ -165,7 +165,7 @@ def connection_json(mgmt: Mgmt, s: Session) -> dict[str, Any]:
     }
 
 
-def channel_json(mgmt: Mgmt, s: Session, chs: ChannelState) -> dict[str, Any]:
+def channel_json(mgmt: Mgmt, s: ConnectionView, chs: ChannelView) -> dict[str, Any]:
     conn = mgmt.connection_name(s)
     return {
         "name": f"{conn} ({chs.id})",
@@ -188,7 +188,7 @@ def channel_json(mgmt: Mgmt, s: Session, chs: ChannelState) -> dict[str, Any]:
     }
 
 
-def consumers_json(mgmt: Mgmt, s: Session, chs: ChannelState) -> list[dict[str, Any]]:
+def consumers_json(mgmt: Mgmt, s: ConnectionView, chs: ChannelView) -> list[dict[str, Any]]:
     conn = mgmt.connection_name(s)
     out = []
     for c in chs.consumers.values():

@@ -27,14 +27,13 @@ from broker.model.vhost import VHost
 
 if TYPE_CHECKING:
     from broker.metrics import ClusterInfo
-    from broker.net.broker import Broker
-    from broker.net.session import Session
+    from broker.views import BrokerView, ConnectionView
 
 
 class Mgmt:
     def __init__(
         self,
-        broker: Broker,
+        broker: BrokerView,
         vhost_store: VHostStore,
         make_vhost: Callable[[str], VHost],
         data_dir: Path,
@@ -63,18 +62,18 @@ class Mgmt:
     def uptime_seconds(self) -> float:
         return time.monotonic() - self.started_mono
 
-    def connection_name(self, session: Session) -> str:
+    def connection_name(self, session: ConnectionView) -> str:
         """RabbitMQ's connection name: ``peer:port -> local:port``."""
         host, port = self.amqp_address or ("127.0.0.1", 5672)
         return f"{session.peer[0]}:{session.peer[1]} -> {host}:{port}"
 
-    def find_connection(self, name: str) -> Session | None:
+    def find_connection(self, name: str) -> ConnectionView | None:
         for session in self.broker.connections:
             if name in (self.connection_name(session), session.name):
                 return session
         return None
 
-    def close_connection(self, session: Session, reason: str) -> None:
+    def close_connection(self, session: ConnectionView, reason: str) -> None:
         session.close_connection(errors.ConnectionForced(reason))
         session.wakeup()
 
