@@ -615,10 +615,11 @@ class Session(AMQPConnection):
                     self.out += codec.encode_confirm(chs.id, n, False, True)
             if upto <= chs.confirmed:
                 return
-        multiple = upto - chs.confirmed > 1
+        n = upto - chs.confirmed
         chs.confirmed = upto
-        self.out += codec.encode_confirm(chs.id, upto, multiple, nack)
-        self.broker.stats.confirmed += 1
+        self.out += codec.encode_confirm(chs.id, upto, n > 1, nack)
+        if not nack:
+            self.broker.stats.confirmed += n  # messages, not frames (one ack covers many)
 
     # -------------------------------------------------------------------- acks
     def handle_ack(self, channel: int, delivery_tag: int, multiple: bool) -> None:
