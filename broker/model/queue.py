@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from broker.model.fastpaths import FastPaths
 from broker.store.queue_store import QueueStore
 from broker.store.segment import short_pair
 
@@ -86,7 +87,7 @@ class Queue:
         "vhost", "name", "durable", "exclusive_owner", "auto_delete", "arguments", "store",
         "consumers", "_schedule", "_scheduled", "_rr", "deleted", "had_consumers", "on_unused",
         "name_bytes", "on_dirty", "n_published", "n_delivered", "n_acked", "n_redelivered",
-        "features",
+        "features", "fast",
     )
 
     def __init__(
@@ -102,6 +103,7 @@ class Queue:
         schedule: Callable[[Callable[[], None]], object],
         on_unused: Callable[[Queue], None],
         on_dirty: Callable[[QueueStore], None],
+        fast: FastPaths | None = None,
     ) -> None:
         self.vhost = vhost
         self.name = name
@@ -126,6 +128,8 @@ class Queue:
         self.n_redelivered = 0
         # TTL, limits, DLX, priorities...: None on a plain queue (see broker/model/features.py).
         self.features: QueueFeatures | None = None
+        # direct hand-over and delivery runs on (the vhost's switch; tests turn it off)
+        self.fast = fast if fast is not None else FastPaths()
 
     # ------------------------------------------------------------ publishing
     def publish(self, ts: int, exchange: bytes, routing_key: bytes, props: bytes, body: bytes | memoryview,
@@ -140,7 +144,7 @@ class Queue:
                 body = bytes(body)
             return self.features.publish(ts, exchange, routing_key, props, body, persistent)
         store = self.store
-        if self.consumers and not store.ready_count:
+        if self.consumers and not store.ready_count and self.fast.on:
             # Nothing waits: hand the message straight to a consumer with capacity.
             c = self._next_consumer()
             if c is not None:
@@ -289,8 +293,9 @@ class Queue:
                     k = min(c.capacity(), budget)
                     if k <= 0:
                         return  # no capacity; whoever frees some reschedules us
+                    same = c.deliver_same if self.fast.on else None
                     got_n, red_n, nb = self.store.deliver_run(k, c.no_ack, c.deliver_raw,
-                                                              _PASS_BYTES - nbytes, c.deliver_same)
+                                                              _PASS_BYTES - nbytes, same)
                     delivered += got_n
                     redelivered_n += red_n
                     nbytes += nb
