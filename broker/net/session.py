@@ -429,7 +429,8 @@ class Session(AMQPConnection):
         if flags & 0x02:  # reply-to (flag 0x0200) may need rewriting for direct reply-to
             props = self._rewrite_reply_to(chs, props)
         exchange = args.exchange
-        if exchange not in self._write_ok:
+        ex = vh.exchanges.get(exchange)
+        if ex is None or ex.internal or exchange not in self._write_ok:
             self._may_publish_to(exchange)
         persistent = bool(flags & 0x10) and self._persistent(props)
         out = vh.publish(PublishRequest(exchange, args.routing_key, props, body, self.now_ms, persistent,
@@ -453,8 +454,8 @@ class Session(AMQPConnection):
             chs.needs_sync = True
 
     def _may_publish_to(self, exchange: str) -> None:
-        """404 for a missing exchange, 403 for an internal one or without write permission;
-        remembered once passed (a deleted exchange still fails in the publish operation)."""
+        """404 for a missing exchange, 403 for an internal one or without write permission
+        (the permission is remembered once granted)."""
         vh = self.vhost_obj
         ex = vh.get_exchange(exchange)
         if ex.internal:
@@ -482,14 +483,13 @@ class Session(AMQPConnection):
         chs = self.chs[channel]
         vh = self.vh
         exchange = args.exchange
-        if vh is None or chs.tx is not None or exchange not in self._write_ok \
+        ex = None if vh is None else vh.exchanges.get(exchange)
+        if ex is None or ex.internal or chs.tx is not None or exchange not in self._write_ok \
                 or (props[0][0] & 0x02 if same else any(p[0] & 0x02 for p in props)):
             self.publish_each(channel, args, props, bodies)
             return
-        try:
-            out = vh.publish_run(exchange, args.routing_key, args.exrk, props, bodies, same, self.now_ms)
-        except errors.AMQPError:  # the exchange went away: the first publish reports it
-            out = None
+        out = self.vhost_obj.publish_run(exchange, args.routing_key, args.exrk, props, bodies, same,
+                                         self.now_ms)
         if out is None:
             self.publish_each(channel, args, props, bodies)
             return
