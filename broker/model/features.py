@@ -679,27 +679,23 @@ class QueueFeatures:
         elif expiring and not self._grace:
             self.arm_expiry()
 
-    def get(self) -> tuple[int, bytes, bytes, bytes, bytes, bool] | None:
-        q = self.q
+    # ------------------------------------------------- hooks of Queue.get and settlement
+    def before_get(self) -> None:
         self.touch()
         if self.expiring:
             self.expire_head()
-        store = q.store
-        msgid = store.shift()
-        if msgid is None:
-            return None
-        _ts, exchange, routing_key, props, body = store.read(msgid)
-        redelivered = store.is_redelivered(msgid)
+
+    def taken(self, msgid: int, props: bytes) -> bytes:
+        """A message was taken by basic.get: its properties as delivered."""
         props = self._props_for_delivery(msgid, props)
-        q.n_delivered += 1
-        q.n_redelivered += redelivered
         if self.dedup is not None:
             self.dedup.taken(msgid)
         if self.expiring:
             self.arm_expiry()
-        return msgid, exchange, routing_key, props, body, redelivered
+        return props
 
-    def acked(self, msgid: int) -> None:
+    def forget(self, msgid: int) -> None:
+        """A message left the queue for good (acked, or rejected without requeue)."""
         if self.delivery_counts:
             self.delivery_counts.pop(msgid, None)
         if self.dedup is not None:
@@ -710,28 +706,27 @@ class QueueFeatures:
         if self.dedup is not None:
             self.dedup.purged()
 
-    def reject(self, msgid: int, requeue: bool) -> None:
-        q = self.q
-        store = q.store
+    def may_requeue(self, msgid: int) -> bool:
+        """Count a requeue against ``x-delivery-limit``; False once the limit is passed."""
         limit = self.cfg.delivery_limit
-        if requeue and limit is not None:
-            n = self.delivery_counts.get(msgid, 0) + 1
-            if n <= limit:
-                self.delivery_counts[msgid] = n
-            else:
-                requeue = False
-                reason = "delivery_limit"
-        else:
-            reason = "rejected"
-        if requeue:
-            store.requeue(msgid)
-            if self.dedup is not None:
-                self.dedup.returned(msgid)
-            q.schedule_delivery()
-            if self.expiring:
-                self.arm_expiry()
-            return
-        _ts, exchange, routing_key, props, body = store.read(msgid)
-        self._discard(msgid)
-        q.n_acked += 1
+        if limit is None:
+            return True
+        n = self.delivery_counts.get(msgid, 0) + 1
+        if n > limit:
+            return False
+        self.delivery_counts[msgid] = n
+        return True
+
+    def requeued(self, msgid: int) -> None:
+        if self.dedup is not None:
+            self.dedup.returned(msgid)
+        if self.expiring:
+            self.arm_expiry()
+
+    @property
+    def dead_letters(self) -> bool:
+        return self.cfg.dlx is not None and self.vhost is not None
+
+    def dead_letter(self, exchange: bytes, routing_key: bytes, props: bytes, body: bytes,
+                    reason: str) -> None:
         self._dead_letter(exchange, routing_key, props, body, reason)

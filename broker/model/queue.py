@@ -324,15 +324,23 @@ class Queue:
             self.n_delivered += delivered
             self.n_redelivered += redelivered_n
 
-    # ------------------------------------------------------------------ get
+    # ------------------------------------------------------- get and settlement
+    # One implementation for every queue; a queue with features contributes hooks
+    # (broker/model/features.py): expiry before a get, x-delivery-count and deduplication
+    # bookkeeping when a message is taken, forgotten or requeued, the delivery limit and
+    # dead-lettering when one is rejected.
     def get(self) -> tuple[int, bytes, bytes, bytes, bytes, bool] | None:
-        if self.features is not None:
-            return self.features.get()
-        msgid = self.store.shift()
+        f = self.features
+        if f is not None:
+            f.before_get()
+        store = self.store
+        msgid = store.shift()
         if msgid is None:
             return None
-        _ts, exchange, routing_key, props, body = self.store.read(msgid)
-        redelivered = self.store.is_redelivered(msgid)
+        _ts, exchange, routing_key, props, body = store.read(msgid)
+        redelivered = store.is_redelivered(msgid)
+        if f is not None:
+            props = f.taken(msgid, props)
         self.n_delivered += 1
         self.n_redelivered += redelivered
         return msgid, exchange, routing_key, props, body, redelivered
@@ -343,31 +351,46 @@ class Queue:
         self.store.ack(msgid)
         self.n_acked += 1
         if self.features is not None:
-            self.features.acked(msgid)
+            self.features.forget(msgid)
         if self.durable:
             self.on_dirty(self.store)
 
     def ack_many(self, msgids: list[int]) -> None:
         if self.deleted:
             return
-        if self.features is not None:
+        f = self.features
+        if f is not None and f.pstore is not None:  # one store per priority: acked one by one
             for msgid in msgids:
                 self.ack(msgid)
             return
         self.store.ack_many(msgids)
         self.n_acked += len(msgids)
+        if f is not None:
+            for msgid in msgids:
+                f.forget(msgid)
         if self.durable:
             self.on_dirty(self.store)
 
     def reject(self, msgid: int, requeue: bool) -> None:
+        """basic.reject/nack: requeue, or settle it (dead-lettered when the queue has a
+        dead-letter exchange); over ``x-delivery-limit`` a requeue becomes a dead letter."""
         if self.deleted:
             return
-        if self.features is not None:
-            self.features.reject(msgid, requeue)
-            return
+        f = self.features
+        reason = "rejected"
+        if requeue and f is not None and not f.may_requeue(msgid):
+            requeue = False
+            reason = "delivery_limit"
         if requeue:
             self.store.requeue(msgid)
+            if f is not None:
+                f.requeued(msgid)
             self.schedule_delivery()
+            return
+        if f is not None and f.dead_letters:
+            _ts, exchange, routing_key, props, body = self.store.read(msgid)
+            self.ack(msgid)
+            f.dead_letter(exchange, routing_key, props, body, reason)
         else:
             self.ack(msgid)
 
