@@ -83,6 +83,24 @@ class Raw:
         return await self.method()
 
 
+def frames(buf: bytes) -> tuple[list[tuple[int, int]], bytes]:
+    """The complete frames at the start of ``buf`` as (type, payload offset), and the rest."""
+    found = []
+    pos = 0
+    ln = len(buf)
+    while ln - pos >= 7:
+        ftype, _, size = _FRAME.unpack_from(buf, pos)
+        if ln - pos < size + 8:
+            break
+        found.append((ftype, pos + 7))
+        pos += size + 8
+    return found, buf[pos:]
+
+
+def is_deliver(buf: bytes, ftype: int, at: int) -> bool:
+    return ftype == 1 and buf[at : at + 4] == _DELIVER
+
+
 def encode(rk: str, body: bytes, props: commands.Basic.Properties) -> bytes:
     return (pframe.marshal(commands.Basic.Publish(exchange="", routing_key=rk), 1)
             + pframe.marshal(header.ContentHeader(0, len(body), props), 1)
@@ -106,7 +124,7 @@ def _varied_producer(uri: str, queue: str, seconds: float, out: Any) -> None:
         chunks = [b"".join(msgs[i : i + 100]) for i in range(0, len(msgs), 100)]
         c = await Raw.connect(uri)
         sent = 0
-        end = time.monotonic() + seconds
+        end = time.monotonic() + seconds + 2  # the consumer's window starts at its first delivery
         while time.monotonic() < end:
             for ch in chunks:
                 c.w.write(ch)
@@ -127,8 +145,8 @@ def _varied_consumer(uri: str, queue: str, seconds: float, out: Any) -> None:
         await c.call(commands.Basic.Consume(queue=queue, consumer_tag="v", no_ack=True))
         n = 0
         buf = b""
-        t0 = time.monotonic()
-        end = t0 + seconds + 0.5
+        started = False
+        end = time.monotonic() + 120  # until the first delivery; then ``seconds`` from it
         while time.monotonic() < end:
             try:
                 data = await asyncio.wait_for(c.r.read(1 << 20), 1.0)
@@ -136,17 +154,13 @@ def _varied_consumer(uri: str, queue: str, seconds: float, out: Any) -> None:
                 continue
             if not data:
                 break
+            if not started:
+                started = True
+                end = time.monotonic() + seconds
             buf += data
-            pos = 0
-            ln = len(buf)
-            while ln - pos >= 7:
-                _, _, size = _FRAME.unpack_from(buf, pos)
-                if ln - pos < size + 8:
-                    break
-                if buf[pos] == 1 and buf[pos + 7 : pos + 11] == _DELIVER:
-                    n += 1
-                pos += size + 8
-            buf = buf[pos:]
+            found, rest = frames(buf)
+            n += sum(1 for ftype, at in found if is_deliver(buf, ftype, at))
+            buf = rest
         out.put(n)
         c.w.close()
 
@@ -159,19 +173,20 @@ def varied(uri: str, seconds: float) -> dict[str, Any]:
     conn = pika.BlockingConnection(params)
     ch = conn.channel()
     ch.queue_declare(queue)
-    q: Any = mp.Queue()
-    cons = mp.Process(target=_varied_consumer, args=(uri, queue, seconds, q))
+    cq: Any = mp.Queue()
+    pq: Any = mp.Queue()
+    cons = mp.Process(target=_varied_consumer, args=(uri, queue, seconds, cq))
     cons.start()
-    server = q.get(timeout=30)
-    prod = mp.Process(target=_varied_producer, args=(uri, queue, seconds, q))
+    server = cq.get(timeout=30)
+    prod = mp.Process(target=_varied_producer, args=(uri, queue, seconds, pq))
     prod.start()
-    prod.join(seconds + 120)
-    cons.join(seconds + 120)
-    a, b = q.get(timeout=5), q.get(timeout=5)
-    consumed, published = (a, b) if prod.exitcode is None else sorted((a, b))
+    consumed = cq.get(timeout=seconds + 180)
+    published = pq.get(timeout=seconds + 180)
+    prod.join(30)
+    cons.join(30)
     ch.queue_delete(queue)
     conn.close()
-    return {"server": server, "consume_rate": min(a, b) / seconds, "publish_rate": max(a, b) / seconds}
+    return {"server": server, "consume_rate": consumed / seconds, "publish_rate": published / (seconds + 2)}
 
 
 # ----------------------------------------------------------------------------- latency
@@ -192,20 +207,15 @@ def _latency_consumer(uri: str, queue: str, total: int, ack: bool, out: Any) -> 
                 break
             now = time.time_ns()
             buf += data
-            pos = 0
-            ln = len(buf)
-            while ln - pos >= 7:
-                ftype, _, size = _FRAME.unpack_from(buf, pos)
-                if ln - pos < size + 8:
-                    break
-                if ftype == 1 and buf[pos + 7 : pos + 11] == _DELIVER:
+            found, rest = frames(buf)
+            for ftype, at in found:
+                if is_deliver(buf, ftype, at):
                     tag += 1
                     pending = True
-                elif ftype == 3 and pending:
-                    lat.append((now - struct.unpack_from(">q", buf, pos + 7)[0]) / 1e6)
+                elif ftype == 3 and pending:  # the first body frame starts with the send time
+                    lat.append((now - struct.unpack_from(">q", buf, at)[0]) / 1e6)
                     pending = False
-                pos += size + 8
-            buf = buf[pos:]
+            buf = rest
             if ack and tag:
                 con.w.write(pframe.marshal(commands.Basic.Ack(delivery_tag=tag, multiple=True), 1))
         out.put(lat)

@@ -30,15 +30,21 @@ def _run(tmp_path: Path, test: Callable[[Any], Awaitable[None]], *extra: str) ->
 
 
 # ------------------------------------------------------------------ (a) empty bodies in runs
+def _empty_backlog(node: Any, n: int) -> Client:
+    """A client with channel 1 open and ``n`` equal empty-body messages ready in queue "e"."""
+    c = Client(node)
+    c.open(1)
+    c.method(commands.Queue.Declare(queue="e"))
+    for _ in range(n):
+        c.publish("", "e", b"", Props(content_type="text/plain"))
+    assert node.vhosts["/"].queues["e"].message_count == n
+    return c
+
+
 def test_a_backlog_of_empty_bodies_reaches_an_autoack_consumer_whole(tmp_path: Path) -> None:
     async def test(node: Any) -> None:
-        c = Client(node)
-        c.open(1)
-        c.method(commands.Queue.Declare(queue="e"))
-        for _ in range(100):
-            c.publish("", "e", b"", Props(content_type="text/plain"))
+        c = _empty_backlog(node, 100)
         q = node.vhosts["/"].queues["e"]
-        assert q.message_count == 100
         c.method(commands.Basic.Consume(queue="e", consumer_tag="c", no_ack=True))
         await pump(node)
         got = c.read().deliveries
@@ -50,11 +56,7 @@ def test_a_backlog_of_empty_bodies_reaches_an_autoack_consumer_whole(tmp_path: P
 
 def test_a_backlog_of_empty_bodies_reaches_a_manual_ack_consumer(tmp_path: Path) -> None:
     async def test(node: Any) -> None:
-        c = Client(node)
-        c.open(1)
-        c.method(commands.Queue.Declare(queue="e"))
-        for _ in range(10):
-            c.publish("", "e", b"", Props(content_type="text/plain"))
+        c = _empty_backlog(node, 10)
         c.method(commands.Basic.Qos(prefetch_count=4))
         c.method(commands.Basic.Consume(queue="e", consumer_tag="c"))
         await pump(node)
