@@ -40,7 +40,7 @@ byte for byte.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from broker import errors
 from broker.amqp import codec
@@ -58,21 +58,41 @@ _DELIVERY_MODE = 0x10  # delivery-mode (0x1000)
 _PER_MESSAGE = _HEADERS | _EXPIRATION  # flags that can make one message route unlike the last
 
 
+class EncodedNames(Protocol):
+    """An exchange and routing key in the encodings the store and deliveries use."""
+
+    exchange_b: bytes
+    routing_key_b: bytes
+    exrk: bytes  # both as AMQP short strings, as a stored record and basic.deliver carry them
+
+
+class Names:
+    """``EncodedNames`` from the two strings."""
+
+    __slots__ = ("exchange_b", "routing_key_b", "exrk")
+
+    def __init__(self, exchange: str, routing_key: str) -> None:
+        self.exchange_b = exchange.encode()
+        self.routing_key_b = routing_key.encode()
+        self.exrk = short_pair(self.exchange_b, self.routing_key_b)
+
+
 class PublishRequest:
     """One message to publish, protocol-neutral.
 
     ``props``: the AMQP content-header property bytes (flags first), the store's format for
     every protocol. ``ts``: arrival time in ms. ``persistent``: None to read delivery-mode
-    from ``props``. ``exrk``: exchange and routing key as two short strings, when the
-    caller has them (saves encoding them again). ``exclude``: queues the message must not
-    reach (dead-lettering's cycle rule). ``cc``: False to route by ``routing_key`` alone,
-    ignoring CC/BCC headers (dead-lettering with a dead-letter routing key).
+    from ``props``. ``names``: the exchange and routing key already encoded, when the
+    caller has them (an AMQP session keeps them per publish method frame). ``exclude``:
+    queues the message must not reach (dead-lettering's cycle rule). ``cc``: False to route
+    by ``routing_key`` alone, ignoring CC/BCC headers (dead-lettering with a dead-letter
+    routing key).
     """
 
-    __slots__ = ("exchange", "routing_key", "props", "body", "ts", "persistent", "exrk", "exclude", "cc")
+    __slots__ = ("exchange", "routing_key", "props", "body", "ts", "persistent", "names", "exclude", "cc")
 
     def __init__(self, exchange: str, routing_key: str, props: bytes, body: bytes | memoryview, ts: int,
-                 persistent: bool | None = None, exrk: bytes | None = None,
+                 persistent: bool | None = None, names: EncodedNames | None = None,
                  exclude: Callable[[Queue], bool] | None = None, cc: bool = True) -> None:
         self.exchange = exchange
         self.routing_key = routing_key
@@ -80,7 +100,7 @@ class PublishRequest:
         self.body = body
         self.ts = ts
         self.persistent = persistent
-        self.exrk = exrk
+        self.names = names
         self.exclude = exclude
         self.cc = cc
 
@@ -131,6 +151,10 @@ def _headers_of(props: bytes) -> Callable[[], dict[str, Any] | None]:
     return headers_of
 
 
+def _no_headers() -> dict[str, Any] | None:
+    return None
+
+
 def publish(vh: VHost, req: PublishRequest, first_hop: bool = True) -> PublishOutcome:
     """Route ``req`` and append it to every queue it reaches (see the module doc).
 
@@ -147,32 +171,31 @@ def publish(vh: VHost, req: PublishRequest, first_hop: bool = True) -> PublishOu
         persistent = is_persistent(props)
     routing_key = req.routing_key
     out = PublishOutcome([])
-    if not flags & _PER_MESSAGE and ex.special is None and req.exclude is None:
-        # the common case: one key, no behaviour on the first exchange
-        if req.exchange == "":
-            q = vh.queues.get(routing_key)
-            queues = [] if q is None else [q]
-        else:
-            queues = route(vh, ex, [routing_key], props, req, out, first_hop)
+    extra: list[str] | None = None
+    has_exp = False
+    if flags & _PER_MESSAGE:  # headers or expiration: CC/BCC keys (BCC removed), a valid TTL
+        props, extra, has_exp = features.inspect_publish(props)
+        if not req.cc:
+            extra = None
+    if req.exchange == "" and extra is None and req.exclude is None:
+        q = vh.queues.get(routing_key)  # the common case: one queue by name
+        queues = [] if q is None else [q]
     else:
-        stored, extra, has_exp = features.inspect_publish(props) if flags & _PER_MESSAGE \
-            else (props, None, False)
-        keys = [routing_key, *extra] if extra and req.cc else [routing_key]
-        queues = route(vh, ex, keys, stored, req, out, first_hop)
+        queues = route(vh, ex, [routing_key, *extra] if extra else [routing_key], props, req, out, first_hop)
         if req.exclude is not None:
             queues = [q for q in queues if not req.exclude(q)]
-        if has_exp:
-            for q in queues:
-                features.ensure(q, vh).msg_ttl_seen = True  # its head expiry is checked from now
-        props = stored
+    if has_exp:
+        for q in queues:
+            features.ensure(q, vh).msg_ttl_seen = True  # its head expiry is checked from now
     if queues:
         out.queues = queues
         ts = req.ts
-        exrk = req.exrk
-        if exrk is None:
-            exrk = req.exrk = short_pair(req.exchange.encode(), routing_key.encode())
-        exb = exrk[1 : 1 + exrk[0]]
-        rkb = exrk[2 + exrk[0] :]
+        names = req.names
+        if names is None:
+            names = req.names = Names(req.exchange, routing_key)
+        exb = names.exchange_b
+        rkb = names.routing_key_b
+        exrk = names.exrk
         body = req.body
         for q in queues:
             if q.publish(ts, exb, rkb, props, body, persistent, exrk) is False:
@@ -192,7 +215,16 @@ def route(vh: VHost, ex: Exchange, keys: list[str], props: bytes, req: PublishRe
     """
     from broker.model.queue import Queue as QueueT
 
-    headers_of = _headers_of(props)
+    headers_of = _headers_of(props) if props and props[0] & _HEADERS else _no_headers
+    if len(keys) == 1 and (ex.special is None or not first_hop):
+        # one key into an exchange without a behaviour of its own that reaches only queues
+        first = ex.route(keys[0], headers_of)
+        if first:
+            for d in first:
+                if not isinstance(d, QueueT):
+                    break
+            else:
+                return list(first)  # type: ignore[arg-type]
     queues: list[Queue] = []
     for key in keys:
         seen: set[int] = {id(ex)}
@@ -229,7 +261,7 @@ def route(vh: VHost, ex: Exchange, keys: list[str], props: bytes, req: PublishRe
     return queues
 
 
-def publish_run(vh: VHost, exchange: str, routing_key: str, exrk: bytes, props: list[bytes],
+def publish_run(vh: VHost, exchange: str, routing_key: str, names: EncodedNames, props: list[bytes],
                 bodies: list[bytes], same: bool, ts: int) -> PublishOutcome | None:
     """Publish a run of messages to one exchange and routing key as ``publish`` would one by
     one, when that can be done at once; None when not (the caller then publishes them one by
@@ -260,8 +292,6 @@ def publish_run(vh: VHost, exchange: str, routing_key: str, exrk: bytes, props: 
         persistent = is_persistent(props[0])
     else:  # any of them: it only decides whether a confirm waits for a sync
         persistent = any(is_persistent(p) for p in props)
-    exb = exrk[1 : 1 + exrk[0]]
-    rkb = exrk[2 + exrk[0] :]
     for q in queues:
-        q.publish_run(ts, exb, rkb, props, bodies, persistent, exrk, same)
+        q.publish_run(ts, names.exchange_b, names.routing_key_b, props, bodies, persistent, names.exrk, same)
     return PublishOutcome(queues, sync=persistent and any(q.durable for q in queues))

@@ -397,11 +397,11 @@ class VHost:
         append; the outcome says what happened (broker/model/publish.py)."""
         return publishing.publish(self, req)
 
-    def publish_run(self, exchange: str, routing_key: str, exrk: bytes, props: list[bytes],
+    def publish_run(self, exchange: str, routing_key: str, names: publishing.EncodedNames, props: list[bytes],
                     bodies: list[bytes], same: bool, ts: int) -> publishing.PublishOutcome | None:
         """Several messages to one exchange and routing key at once, or None when they must be
         published one by one (broker/model/publish.py)."""
-        return publishing.publish_run(self, exchange, routing_key, exrk, props, bodies, same, ts)
+        return publishing.publish_run(self, exchange, routing_key, names, props, bodies, same, ts)
 
     # --------------------------------------------------------------- policies
     def set_policy(self, name: str, pattern: str, definition: dict[str, Any], priority: int = 0,

@@ -434,7 +434,7 @@ class Session(AMQPConnection):
             self._may_publish_to(exchange)
         persistent = bool(flags & 0x10) and self._persistent(props)
         out = vh.publish(PublishRequest(exchange, args.routing_key, props, body, self.now_ms, persistent,
-                                        args.exrk))
+                                        args))
         if out.queues:
             for q in out.queues:
                 if q.consumers:
@@ -488,8 +488,7 @@ class Session(AMQPConnection):
                 or (props[0][0] & 0x02 if same else any(p[0] & 0x02 for p in props)):
             self.publish_each(channel, args, props, bodies)
             return
-        out = self.vhost_obj.publish_run(exchange, args.routing_key, args.exrk, props, bodies, same,
-                                         self.now_ms)
+        out = self.vhost_obj.publish_run(exchange, args.routing_key, args, props, bodies, same, self.now_ms)
         if out is None:
             self.publish_each(channel, args, props, bodies)
             return
