@@ -24,11 +24,16 @@ from broker.config import Config
 from broker.http.definitions import DefinitionsError, import_definitions
 from broker.http.server import MgmtServer
 from broker.http.state import Mgmt
+from broker.lmq.engine import LMQ
+from broker.lmq.props import FILE_NAME as LMQ_PROPS_FILE
+from broker.lmq.props import PropsStore
+from broker.lmq.server import LMQServer
 from broker.metrics import ClusterInfo
 from broker.model.vhost import VHost
 from broker.net.broker import Broker
 from broker.net.server import AMQPServer
 from broker.net.syncer import Syncable, Syncer
+from broker.store.jsonstore import read_json, write_json
 from broker.store.lock import DataDirLock
 from broker.store.sink import NullSink, ReplicationSink
 
@@ -72,6 +77,7 @@ class Node:
         self.vhost_store: VHostStore | None = None
         self.mgmt: Mgmt | None = None
         self.http: MgmtServer | None = None
+        self.lmq: LMQServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._syncer: Syncer | None = None
 
@@ -133,9 +139,24 @@ class Node:
                 log.info("management HTTP API listening on %s:%d", *http_addr)
                 if metrics_addr is not None:
                     log.info("Prometheus metrics listening on %s:%d", *metrics_addr)
+            if cfg.lmq.enabled:
+                await self.start_lmq(broker)
         except BaseException:
             self.release_lock()
             raise
+
+    async def start_lmq(self, broker: Broker) -> None:
+        """LMQ's front end on the vhost ``[lmq] vhost`` (created when missing), properties in lmq.json."""
+        cfg = self.config
+        vh = broker.vhosts.get(cfg.lmq.vhost)
+        if vh is None:
+            assert self.mgmt is not None
+            vh = self.mgmt.create_vhost(cfg.lmq.vhost)
+        path = cfg.main.data_dir / LMQ_PROPS_FILE
+        sink = self.sink
+        props = PropsStore(read_json(path, {}), lambda doc: write_json(path, doc, sink))
+        self.lmq = LMQServer(LMQ(vh, props, broker.syncer.after_sync), cfg.lmq, broker.users)
+        await self.lmq.start()
 
     def release_lock(self) -> None:
         lock, self.lock = self.lock, None
@@ -174,6 +195,9 @@ class Node:
         log.info("imported definitions from %s", path)
 
     async def shutdown(self) -> None:
+        if self.lmq is not None:
+            await self.lmq.stop()
+            self.lmq = None
         if self.http is not None:
             await self.http.stop()
             self.http = None
