@@ -128,6 +128,8 @@ class Node:
             mgmt.cluster = self.cluster
             if cfg.main.load_definitions:
                 self.load_definitions(Path(cfg.main.load_definitions))
+            if cfg.lmq.enabled:  # before AMQP: a node that answers AMQP has its LMQ ports open too
+                await self.start_lmq(broker)
             self.amqp = AMQPServer(broker)
             self.amqp_address = mgmt.amqp_address = await self.amqp.start(cfg.amqp.bind, cfg.amqp.port)
             log.info("AMQP listening on %s:%d (data dir %s, sync %s)", *self.amqp_address,
@@ -139,8 +141,6 @@ class Node:
                 log.info("management HTTP API listening on %s:%d", *http_addr)
                 if metrics_addr is not None:
                     log.info("Prometheus metrics listening on %s:%d", *metrics_addr)
-            if cfg.lmq.enabled:
-                await self.start_lmq(broker)
         except BaseException:
             self.release_lock()
             raise

@@ -98,7 +98,8 @@ class _Window:
 
 
 def _props(content_type: str, headers: dict[str, Any]) -> bytes:
-    return bytes(commands.Basic.Properties(content_type=content_type, delivery_mode=2, headers=headers).marshal())
+    props = commands.Basic.Properties(content_type=content_type, delivery_mode=2, headers=headers)
+    return bytes(props.marshal())
 
 
 def _read_props(raw: bytes) -> tuple[str, dict[str, Any]]:
@@ -190,7 +191,8 @@ class LMQ:
             self._store(q, msgpack.packb(window.parts, use_bin_type=True), COMPOUND_TYPE,
                         self.props.resolve(name), compound=True)
         except (LMQError, errors.SkredError) as exc:
-            log.error("LMQ queue '%s': compound message of %d parts not stored: %s", name, len(window.parts), exc)
+            log.error("LMQ queue '%s': compound message of %d parts not stored: %s",
+                      name, len(window.parts), exc)
 
     async def _synced(self) -> None:
         fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
@@ -245,7 +247,8 @@ class LMQ:
     def _find(self, name: str, msg_id: str) -> Taken:
         t = self.taken.get(msg_id)
         if t is None or t.queue.name != name or t.queue.deleted:
-            raise LMQError(404, f"no message '{msg_id}' taken from queue '{name}' (acked, timed out or unknown)")
+            raise LMQError(404, f"no message '{msg_id}' taken from queue '{name}' "
+                                "(acked, timed out or unknown)")
         return t
 
     def _forget(self, t: Taken) -> None:

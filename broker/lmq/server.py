@@ -36,7 +36,8 @@ class LMQServer:
 
     async def start(self) -> None:
         cfg = self.config
-        runner = web.AppRunner(http_api.build_app(self.lmq, self.users), access_log=None, handle_signals=False)
+        app = http_api.build_app(self.lmq, self.users)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
         try:
             site = web.TCPSite(runner, cfg.bind, cfg.http_port, reuse_address=True)
