@@ -204,8 +204,11 @@ def test_compound_messages_in_both_formats(broker: Broker) -> None:
                 body
                 == "".join(
                     f"\r\n--{mid}\r\ncontent-type: {ct}\r\ncontent-transfer-encoding: binary\r\n\r\n{part}"
-                    for ct, part in [("text/plain", "part0"), ("application/json", "part1"),
-                                     ("text/plain", "part2")]
+                    for ct, part in [
+                        ("text/plain", "part0"),
+                        ("application/json", "part1"),
+                        ("text/plain", "part2"),
+                    ]
                 ).encode()
                 + f"\r\n--{mid}--\r\n".encode()
             )
@@ -415,5 +418,37 @@ def test_bad_requests_get_clear_answers(broker: Broker) -> None:
         writer.close()
         async with aiohttp.ClientSession() as http:
             assert (await http.get(f"{base(broker)}/properties")).status == 200
+
+    run_async(main())
+
+
+def test_authentication_when_switched_on(broker_factory: Callable[..., Broker]) -> None:
+    aio_msgpack_rpc = pytest.importorskip("aio_msgpack_rpc")
+    b = broker_factory(["--lmq-auth"])
+
+    async def main() -> None:
+        async with aiohttp.ClientSession() as http:
+            r = await http.post(f"{base(b)}/messages/secured", data=b"x")
+            assert r.status == 401 and "WWW-Authenticate" in r.headers
+            r = await http.post(
+                f"{base(b)}/messages/secured", data=b"x", auth=aiohttp.BasicAuth("guest", "wrong")
+            )
+            assert r.status == 401
+            r = await http.post(
+                f"{base(b)}/messages/secured", data=b"x", auth=aiohttp.BasicAuth("guest", "guest")
+            )
+            assert r.status == 200
+        reader, writer = await asyncio.open_connection(b.host, b.lmq_rpc_port)  # type: ignore[attr-defined]
+        client = aio_msgpack_rpc.Client(reader, writer, response_timeout=10)
+        try:
+            with pytest.raises(aio_msgpack_rpc.error.RPCResponseError):
+                await client.call("pull", "secured", 0)
+            with pytest.raises(aio_msgpack_rpc.error.RPCResponseError):
+                await client.call("authenticate", "guest", "wrong")
+            assert await client.call("authenticate", "guest", "guest") == "ok"
+            got = await client.call("pull", "secured", 1)
+            assert got["content"] == b"x"
+        finally:
+            client.close()
 
     run_async(main())
