@@ -8,7 +8,7 @@
 - ``latency`` (workload 5): end-to-end latency at a fixed publish rate (``--rate``), autoack or
   manual ack (``--ack``); each body carries its send time; reports p50/p99/p99.9 in ms.
 - ``sync`` (workload 6): a pika ``BlockingConnection`` with ``confirm_delivery`` publishing one
-  message at a time into a queue with a backlog (10,000) and a consumer (pika, manual ack,
+  message at a time into a queue with a backlog (50,000: it outlasts the run) and a consumer (pika, manual ack,
   prefetch 100, in a thread); reports the publisher's msg/s.
 
 Each prints one JSON line with ``server`` (product, version) like skred-perf does.
@@ -262,13 +262,13 @@ def latency(uri: str, seconds: float, rate: int, ack: bool) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- sync
-def sync(uri: str, seconds: float, persistent: bool = True) -> dict[str, Any]:
+def sync(uri: str, seconds: float, persistent: bool = True, backlog: int = 50_000) -> dict[str, Any]:
     params = pika.URLParameters(uri)
     queue = "bench-sync-" + uuid.uuid4().hex[:8]
     setup = pika.BlockingConnection(params)
     sch = setup.channel()
     sch.queue_declare(queue, durable=True)
-    for i in range(10000):
+    for i in range(backlog):
         sch.basic_publish("", queue, b"backlog-%d" % i)
     product = setup._impl.server_properties.get("product", b"?")
     version = setup._impl.server_properties.get("version", b"?")
