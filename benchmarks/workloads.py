@@ -8,8 +8,8 @@
 - ``latency`` (workload 5): end-to-end latency at a fixed publish rate (``--rate``), autoack or
   manual ack (``--ack``); each body carries its send time; reports p50/p99/p99.9 in ms.
 - ``sync`` (workload 6): a pika ``BlockingConnection`` with ``confirm_delivery`` publishing one
-  message at a time into a queue with a backlog (50,000: it outlasts the run) and a consumer (pika, manual ack,
-  prefetch 100, in a thread); reports the publisher's msg/s.
+  message at a time into a queue with a backlog (50,000: it outlasts the run) and a consumer
+  (pika, manual ack, prefetch 100, in a thread); reports the publisher's msg/s.
 
 Each prints one JSON line with ``server`` (product, version) like skred-perf does.
 
