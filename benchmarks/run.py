@@ -166,7 +166,7 @@ def fmt(value: float | None, unit: str) -> str:
         return "—"
     if unit == "MiB/s":
         return f"{value:,.1f}"
-    if unit.startswith("ms"):
+    if unit.split()[0] == "ms":
         return f"{value:,.2f}"
     return f"{value:,.0f}"
 
@@ -181,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="", help="comma-separated scenarios, e.g. a,b,f (default all)")
     ap.add_argument("--prefill", type=int, default=1_000_000, help="queue depth for scenario d")
     ap.add_argument("--write", action="store_true", help="write the results to docs/benchmarks.md")
+    ap.add_argument("--note", default="", help="a paragraph for docs/benchmarks.md (who shared the machine)")
     ap.add_argument("--output", default=str(REPO_ROOT / "docs" / "benchmarks.md"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
@@ -195,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     versions: dict[str, str] = {}
     errors: list[str] = []
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    load_start = os.getloadavg()
 
     done: dict[tuple[str, tuple[str, ...], int], dict[str, Any]] = {}  # one run serves p50/p99/p99.9
     for key in keys:
@@ -250,8 +252,12 @@ def main(argv: list[str] | None = None) -> int:
             "",
             f"Run: {started}; {args.runs} runs per broker per scenario, {args.seconds:g} s each, "
             "brokers measured alternately; the table shows medians. Load generator: `skred-perf` "
-            "(one process per client; its own CPU use is in the last column, % of one core).",
+            "(one process per client; its own CPU use is in the last column, % of one core) and "
+            "`benchmarks/workloads.py` for the issue-13 workloads. Load average (1/5/15 min) at the "
+            f"start {'/'.join(f'{x:.1f}' for x in load_start)}, at the end "
+            f"{'/'.join(f'{x:.1f}' for x in os.getloadavg())}.",
             "",
+            *([args.note, ""] if args.note else []),
             "## Machine",
             "",
             *(f"- {k}: {v}" for k, v in m.items()),

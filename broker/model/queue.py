@@ -274,28 +274,33 @@ class Queue:
             self._schedule(self._deliver)
 
     def _deliver(self) -> None:
-        if self.features is not None:
-            self.features.deliver()
-            return
+        """One delivery pass, for every classic queue. Without per-message work (no
+        features, or features that only matter at publish or settlement) a single consumer
+        takes runs straight from the store and several take turns; with it (expiry,
+        delivery counts, deduplication, priorities, single active consumer, consumer
+        priorities) the features pick the consumer and take each message (``take``)."""
         self._scheduled = False
         if self.deleted:
             return
-        next_delivery = self.store.next_delivery
+        f = self.features
+        store = self.store
+        plain = f is None or not f.per_message
         consumers = self.consumers
         budget = _PASS_BUDGET
         nbytes = 0  # body bytes handed out in this pass: bounds the output buffers
         delivered = redelivered_n = 0
+        now = f.pass_started() if f is not None else 0
         try:
-            while budget > 0 and consumers and self.store.ready_count:
-                if len(consumers) == 1:
+            while budget > 0 and consumers and store.ready_count:
+                if plain and len(consumers) == 1:
                     # One consumer: ask its capacity once and hand it a run of messages.
                     c = consumers[0]
                     k = min(c.capacity(), budget)
                     if k <= 0:
                         return  # no capacity; whoever frees some reschedules us
                     same = c.deliver_same if self.fast.on else None
-                    got_n, red_n, nb = self.store.deliver_run(k, c.no_ack, c.deliver_raw,
-                                                              _PASS_BYTES - nbytes, same)
+                    got_n, red_n, nb = store.deliver_run(k, c.no_ack, c.deliver_raw, _PASS_BYTES - nbytes,
+                                                         same)
                     delivered += got_n
                     redelivered_n += red_n
                     nbytes += nb
@@ -303,26 +308,41 @@ class Queue:
                         return  # the queue is empty
                     budget -= got_n
                 else:
-                    # Several consumers: round-robin, one message each.
-                    rr = self._next_consumer()
+                    # Round-robin (or by the features' rules), one message each.
+                    rr = self._next_consumer() if f is None else f.pick()
                     if rr is None:
                         return  # nobody has capacity; whoever frees some reschedules us
-                    got = next_delivery(rr.no_ack)
-                    if got is None:
-                        return
-                    delivered += 1
-                    redelivered_n += got[4]
-                    nbytes += len(got[3])
-                    rr.deliver_raw(*got)
                     budget -= 1
+                    if plain:
+                        got = store.next_delivery(rr.no_ack)
+                        if got is None:
+                            return
+                        delivered += 1
+                        redelivered_n += got[4]
+                        nbytes += len(got[3])
+                        rr.deliver_raw(*got)
+                    else:
+                        assert f is not None
+                        m = f.take(rr.no_ack, now)
+                        if m is None:
+                            return
+                        if m is False:
+                            continue  # an expired head, dead-lettered
+                        delivered += 1
+                        redelivered_n += m[5]
+                        nbytes += len(m[4])
+                        rr.deliver(*m)
                 if nbytes > _PASS_BYTES:
                     budget = 0  # let the output drain first
             if budget <= 0:
                 self.schedule_delivery()
         finally:
-            self.store.end_pass()
+            if plain:
+                store.end_pass()
             self.n_delivered += delivered
             self.n_redelivered += redelivered_n
+            if f is not None:
+                f.pass_done(budget <= 0)
 
     # ------------------------------------------------------- get and settlement
     # One implementation for every queue; a queue with features contributes hooks
