@@ -452,3 +452,32 @@ def test_authentication_when_switched_on(broker_factory: Callable[..., Broker]) 
             client.close()
 
     run_async(main())
+
+
+def test_cluster_followers_proxy_lmq_to_the_leader(tmp_path: Any) -> None:
+    from ._support import free_port
+    from .test_cluster import Cluster, start_cluster
+
+    cluster = Cluster(tmp_path)
+    try:
+        if len({n.ip for n in cluster.nodes}) < 3:
+            pytest.skip("needs 127.0.0.2 and 127.0.0.3 (one LMQ port on three addresses)")
+        http_port, rpc_port = free_port(), free_port()
+        for n in cluster.nodes:
+            n.argv += ["--lmq-bind", n.ip, "--lmq-http-port", str(http_port), "--lmq-rpc-port", str(rpc_port)]
+        leader, followers = start_cluster(cluster)
+        q = qname("clustered")
+
+        async def main() -> None:
+            async with aiohttp.ClientSession() as http:
+                a, b = (f"http://{f.ip}:{http_port}" for f in followers)
+                r = await http.post(f"{a}/messages/{q}", data=b"via a follower")
+                assert r.status == 200 and await r.json() == {"accum": "no"}
+                r = await http.get(f"{b}/messages/{q}?t=5")
+                assert r.status == 200 and await r.read() == b"via a follower"
+                r = await http.post(f"{a}/messages/{q}/{r.headers['x-lmq-message-id']}?reply=ack")
+                assert r.status == 204
+
+        run_async(main())
+    finally:
+        cluster.close()
