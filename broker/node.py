@@ -84,6 +84,7 @@ class Node:
             schedule=self._loop.call_soon, mark_dirty=self._syncer.mark_dirty,
             call_later=self._loop.call_later,
             transient_root=cfg.main.data_dir / "transient",
+            write_through=cfg.main.ack_sync_interval == 0,
         )
 
     def load(self, loop: asyncio.AbstractEventLoop) -> Broker:
@@ -95,7 +96,8 @@ class Node:
         users = UserStore(data_dir / "users.json", self.sink, cfg.main.default_user,
                           cfg.main.default_password)
         vhost_names = self.vhost_store = VHostStore(data_dir / "vhosts.json", self.sink)
-        syncer = self._syncer = Syncer(loop, cfg.main.sync, replicated=self.replicated)
+        syncer = self._syncer = Syncer(loop, cfg.main.sync, replicated=self.replicated,
+                                       window=cfg.main.ack_sync_interval / 1000)
         self._loop = loop
         vhosts: dict[str, VHost] = {}
         for name in vhost_names.list():

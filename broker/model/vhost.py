@@ -68,6 +68,7 @@ class VHost:
         mark_dirty: Callable[[Any], None],
         transient_root: Path,
         call_later: features.CallLater | None = None,
+        write_through: bool = False,
     ) -> None:
         self.name = name
         self.dir = vhost_dir(data_dir, name)
@@ -77,6 +78,7 @@ class VHost:
         self.sink = sink
         self.schedule = schedule
         self.mark_dirty = mark_dirty
+        self.write_through = write_through  # synchronous settlements (ack_sync_interval = 0)
         self.exchanges: dict[str, Exchange] = {}
         self.queues: dict[str, Queue] = {}
         self.closed_queues: dict[str, str] = {}  # name -> why (corrupt store)
@@ -287,7 +289,8 @@ class VHost:
         persistent = durable and not exclusive
         if persistent:
             store = QueueStore(queue_dir(self.dir, name), segment_size=self.segment_size,
-                               sink=self.sink, persistent_only=True)
+                               sink=self.sink, persistent_only=True, notify=self.mark_dirty,
+                               write_through=self.write_through)
             qfile = queue_dir(self.dir, name) / ".queue"
             if not qfile.exists():
                 qfile.write_text(name)

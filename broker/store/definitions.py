@@ -72,7 +72,7 @@ class DefinitionsLog:
         if self._sink.active:
             self._sink.replace(self.path, data)
 
-    def sync(self) -> None:
+    def sync(self, full: bool = False) -> None:
         if self._fd is not None and self._dirty:
             self._dirty = False
             os.fsync(self._fd)

@@ -52,7 +52,8 @@ class PriorityStore:
             b = self._base
             store = QueueStore(self.directory / f"{_PREFIX}{level:03d}",
                                segment_size=b._segment_size, sink=b._sink,
-                               persistent_only=b._persistent_only)
+                               persistent_only=b._persistent_only, notify=b._notify,
+                               write_through=b._through)
             self._levels[level] = store
             self._order = sorted(self._levels, reverse=True)
         return store

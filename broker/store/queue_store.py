@@ -25,19 +25,30 @@ allocated by ``_allocate_sets`` when the store first gets a segment (the first a
 or recovery finding one) -- nothing can be unacked, requeued or pending before that, so
 the hot paths keep calling ``.add`` on them without a check.
 
-Acks. ``ack`` buffers the position in memory; ``flush``/``sync``/``close`` write it to the
-ack file. A segment whose records are all acked is deleted (segment file first, then its
+Acks. ``ack`` buffers the position in memory; every ``sync`` writes the buffer to the ack
+file. A segment whose records are all acked is deleted (segment file first, then its
 ack file, so a crash in between leaves an orphan ack file rather than resurrecting messages),
 except the write segment. ``purge`` acks every ready message (segments entirely past the
 cursor are simply deleted).
 
-Durability and threads. ``sync`` runs on a worker thread while the event loop thread keeps
-appending. Under ``_lock`` it writes the buffered acks and ``dup``s the dirty fds; it fsyncs
-outside the lock (``os.fsync`` releases the GIL). fsync of the segment fd covers the pages
-written through the shared mapping, so a sync covers everything appended before it was
-called. ``_sync_lock`` serialises whole syncs against each other and against close.
-Replication: every mutation is reported to the sink from the owner thread (``append``,
-``ack``, ``purge``, ``flush``, ``close``, ``delete``); ``sync`` never calls the sink.
+Durability window. Settlements (ack, reject, nack, purge, autoack deliveries) and the
+delivered high-water mark (``meta``, which drives ``redelivered`` after a restart) are not
+covered by publisher confirms, so the store tells its owner when it turns dirty
+(``notify``): the node's syncer then runs a *full* sync within ``ack_sync_interval``, which
+writes and fsyncs them. A settlement older than that window therefore survives kill -9 and
+power loss, and a message delivered before it comes back flagged redelivered. With
+``write_through`` (a synchronous interval) acks and the mark are written to their files
+as they happen, before the next frame is read, and fsynced by the group commit that follows
+at once. Ack files and ``meta`` are opened per write and closed again: a queue holds no
+descriptor for them (100k queues must fit a 20k descriptor limit).
+
+Threads. ``sync`` runs on a worker thread while the event loop thread keeps
+appending. Under ``_lock`` it writes the buffered acks and meta and ``dup``s the dirty
+fds; it fsyncs outside the lock (``os.fsync`` releases the GIL). fsync of the segment fd
+covers the pages written through the shared mapping, so a sync covers everything appended
+before it was called. ``_sync_lock`` serialises whole syncs against each other and against
+close. Replication: every mutation is reported to the sink from the owner thread
+(``append``, ``ack``, ``purge``, ``flush``, ``close``, ``delete``); ``sync`` never calls the sink.
 
 Recovery (constructor). Segments are scanned in order, stopping at the first zero or torn
 record; ack positions that are not record starts are dropped; with ``persistent_only``
@@ -56,7 +67,6 @@ import os
 import shutil
 import struct
 import threading
-import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -81,7 +91,6 @@ _I64_PACK: Final = fmt.I64.pack
 _U32_PACK_INTO: Final = fmt.U32.pack_into
 _U64_PACK_INTO: Final = fmt.U64.pack_into
 _U32_PACK: Final = fmt.U32.pack
-_FULL_SYNC_INTERVAL: Final = 1.0  # seconds between fsyncs of ack files and meta
 _U32_UNPACK: Final = fmt.U32.unpack_from
 _U64_UNPACK: Final = fmt.U64.unpack_from
 _U64_PACK: Final = fmt.U64.pack
@@ -131,8 +140,9 @@ class QueueStore:
         "_heap",
         "_hwm",
         "_lock",
-        "_meta_fd",
         "_meta_sent",
+        "_meta_unsynced",
+        "_notify",
         "_meta_written",
         "_next_num",
         "_order",
@@ -145,7 +155,7 @@ class QueueStore:
         "_segs",
         "_sink",
         "_sync_lock",
-        "_last_full_sync",
+        "_through",
         "_unacked",
         "_unsynced_paths",
         "_wcap",
@@ -155,13 +165,19 @@ class QueueStore:
     )
 
     def __init__(self, directory: str | Path, *, segment_size: int = DEFAULT_SEGMENT_SIZE,
-                 sink: ReplicationSink = NULL_SINK, persistent_only: bool = False) -> None:
+                 sink: ReplicationSink = NULL_SINK, persistent_only: bool = False,
+                 notify: Callable[[QueueStore], None] | None = None, write_through: bool = False) -> None:
         if not fmt.FIXED_SIZE + HEADER_SIZE <= segment_size <= fmt.MAX_SEGMENT_SIZE:
             raise ValueError(f"segment_size out of range: {segment_size}")
         self._dir = os.fspath(directory)
         self._segment_size = segment_size
         self._sink = sink
         self._persistent_only = persistent_only
+        # Called (owner thread) when the store goes from clean to dirty, so the node's
+        # syncer can make the change durable within its window; None: nobody syncs it.
+        self._notify = notify
+        # Settlements and the delivered mark go to their files at once (synchronous acks).
+        self._through = write_through
         self._segs: dict[int, Segment] = {}
         self._order: list[int] = []  # segment numbers, ascending
         self._next_num = 1
@@ -190,14 +206,13 @@ class QueueStore:
         self._sync_lock = threading.Lock()
         self._closed = False
         self._dirty = False
-        self._last_full_sync = 0.0
         self._seg_unsynced = False  # appended to the write segment since the last sync
         self._unsynced_paths: set[Path] = _NO_SET  # retired write segments awaiting fsync
         self._ack_pending: set[int] = _NO_SET  # segments with buffered ack bytes
-        self._ack_unsynced: set[int] = _NO_SET  # segments whose ack file was written
+        self._ack_unsynced: set[int] = _NO_SET  # segments whose ack file was written, not fsynced
         self._dir_unsynced = False  # files created/removed since the last sync
-        self._meta_fd: int | None = None
-        self._meta_written = b""
+        self._meta_written = b""  # meta as last written to the file (fsynced or not)
+        self._meta_unsynced = False  # meta written since its last fsync
         self._meta_sent = b""
         try:
             os.makedirs(self._dir, exist_ok=True)
@@ -227,6 +242,19 @@ class QueueStore:
             self._ack_pending = set()
             self._ack_unsynced = set()
 
+    def _set_dirty(self) -> None:
+        """Something not yet durable changed: tell the syncer (once per clean -> dirty)."""
+        self._dirty = True
+        if self._notify is not None:
+            self._notify(self)
+
+    def _hwm_moved(self) -> None:
+        """The delivered high-water mark rose: durable within the window, or at once."""
+        if not self._dirty:
+            self._set_dirty()
+        if self._through:
+            self._write_through()
+
     # ------------------------------------------------------------------ publishing
 
     def append(self, timestamp_ms: int, exchange: bytes, routing_key: bytes,
@@ -245,8 +273,9 @@ class QueueStore:
         seg.count += 1
         self._ready += 1
         self._bytes_ready += len(body)
-        self._dirty = True
         self._seg_unsynced = True
+        if not self._dirty:
+            self._set_dirty()
         if self._sink.active:
             self._sink.append(seg.path, mm[pos:end])
         return (seg.num << 32) | pos
@@ -323,8 +352,9 @@ class QueueStore:
             self._sink.append(seg.path, mm[pos:end])
         self._ready += count
         self._bytes_ready += body_bytes
-        self._dirty = True
         self._seg_unsynced = True
+        if not self._dirty:
+            self._set_dirty()
 
     def append_taken(self, timestamp_ms: int, exchange: bytes, routing_key: bytes,
                      props: bytes | memoryview, body: bytes | bytearray | memoryview) -> int:
@@ -345,6 +375,7 @@ class QueueStore:
             self._unacked.add(msgid)
             if msgid > self._hwm:
                 self._hwm = msgid
+                self._hwm_moved()
             return msgid
         if self.shift() != msgid:  # e.g. acked records after recovery lay before it
             raise StoreError(f"append_taken on a queue with ready messages ({self._dir})")
@@ -411,6 +442,7 @@ class QueueStore:
         self._ready -= 1
         if msgid > self._hwm:
             self._hwm = msgid
+            self._hwm_moved()
         return msgid
 
     def next_delivery(self, autoack: bool) -> tuple[int, bytes, bytes, bytes, bool] | None:
@@ -451,6 +483,8 @@ class QueueStore:
         msgid = (seg.num << 32) | pos
         if msgid > self._hwm:
             self._hwm = msgid
+            if not self._dirty or self._through:
+                self._hwm_moved()
         redelivered = msgid <= self._recovered_hwm
         if autoack:
             # Acked at once; the ack file bytes are written for the whole run by
@@ -573,6 +607,7 @@ class QueueStore:
                 pos = bend
             if msgid > self._hwm:
                 self._hwm = msgid
+                self._hwm_moved()
             if positions is not None and len(acked) == seg.count and seg is not self._wseg:
                 self.end_pass()
                 self._delete_segment(seg)
@@ -587,6 +622,8 @@ class QueueStore:
             self._aa_positions = _NO_POSITIONS
             if positions and self._segs.get(seg.num) is seg:
                 self._append_acks(seg, _pack_positions(positions))
+                if self._through:
+                    self._write_through()
 
     def stored_props(self) -> Iterator[tuple[int, bytes]]:
         """(msgid, properties) of every record not acked, in order, without consuming.
@@ -685,6 +722,8 @@ class QueueStore:
         self._ack_position(seg, msgid & POS_MASK)
         if len(seg.acked) == seg.count and seg is not self._wseg:
             self._delete_segment(seg)
+        if self._through:
+            self._write_through()
 
     def ack_many(self, msgids: list[int]) -> None:
         """ack() for many msgids with one lock round per segment run (multiple=true acks)."""
@@ -705,6 +744,8 @@ class QueueStore:
             run.append(msgid & POS_MASK)
         if run_seg is not None:
             self._ack_run(run_seg, run)
+        if self._through:
+            self._write_through()
 
     def _ack_run(self, seg: Segment, positions: list[int]) -> None:
         seg.acked.update(positions)
@@ -725,7 +766,8 @@ class QueueStore:
                 seg.ack_buf += HEADER
             seg.ack_buf += packed
             self._ack_pending.add(seg.num)
-        self._dirty = True
+        if not self._dirty:
+            self._set_dirty()
         if self._sink.active:
             if created:
                 self._sink.register_file(seg.ack_path)
@@ -778,6 +820,8 @@ class QueueStore:
             self._cnum, self._cpos = self._next_num, HEADER_SIZE
         self._ready = 0
         self._bytes_ready = 0
+        if self._through:
+            self._write_through()
         return purged
 
     def _delete_segment(self, seg: Segment) -> None:
@@ -788,9 +832,6 @@ class QueueStore:
             self._ack_pending.discard(seg.num)
             self._ack_unsynced.discard(seg.num)
             self._unsynced_paths.discard(seg.path)
-            fd, seg.ack_fd = seg.ack_fd, None
-            if fd is not None:
-                os.close(fd)
             seg.ack_buf.clear()
             # Segment first: a crash in between leaves an orphan ack file (harmless, removed
             # at recovery); the other order would bring the acked messages back.
@@ -832,36 +873,46 @@ class QueueStore:
                 self._meta_sent = meta
                 self._sink.replace(Path(self._meta_path), meta)
 
+    def _write_through(self) -> None:
+        """Synchronous settlements: acks and the delivered mark reach their files now
+        (kill -9 can no longer lose them); the syncer's next group commit fsyncs them."""
+        with self._lock:
+            self._write_acks_locked()
+            meta = self._meta_bytes()
+            if meta != self._meta_written:
+                self._dir_unsynced |= self._write_meta(meta, fsync=False)
+
     def _write_acks_locked(self) -> None:
+        """Append every segment's buffered ack bytes to its ack file (open, write, close:
+        no descriptor is held between writes, see ``sync``)."""
         for num in self._ack_pending:
             seg = self._segs[num]
-            if seg.ack_fd is None:
-                seg.ack_fd = os.open(seg.ack_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            fd = os.open(seg.ack_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            try:
+                _write_all(fd, seg.ack_buf)
+            finally:
+                os.close(fd)
+            if not seg.ack_written:
+                seg.ack_written = True
                 self._dir_unsynced = True
-            _write_all(seg.ack_fd, seg.ack_buf)
             seg.ack_buf.clear()
             self._ack_unsynced.add(num)
         self._ack_pending.clear()
 
     def sync(self, full: bool = False) -> None:
-        """Flush + fsync what confirms need; safe to call from a worker thread.
+        """Make what was written durable; safe to call from a worker thread.
 
-        Message data (segments) is fsynced every time: publisher confirms wait on
-        it. Ack files and ``meta`` are written every time but fsynced at most once
-        per ``_FULL_SYNC_INTERVAL`` (or with ``full``): losing their tail in a
-        power cut only means redelivering some acked messages (at-least-once) or a
-        missing redelivered flag, and every extra fdatasync in the group commit
-        adds a journal commit to every confirm's latency.
+        Every sync writes buffered acks and a changed delivered mark (``meta``) to
+        their files, so a kill -9 after it cannot lose them, and fsyncs the message
+        data that publisher confirms wait on. ``full`` (the syncer's window sync,
+        at most ``ack_sync_interval`` after a settlement) fsyncs the ack files and
+        ``meta`` too; a group commit for confirms leaves that to the window sync,
+        since every extra fdatasync adds a journal commit to every confirm's latency.
         """
         with self._sync_lock:
             if self._closed:
                 return
-            now = time.monotonic()
-            full = full or now - self._last_full_sync >= _FULL_SYNC_INTERVAL
-            if full:
-                self._last_full_sync = now
             fds: list[int] = []
-            meta: bytes | None = None
             try:
                 with self._lock:
                     self._dirty = False
@@ -869,16 +920,19 @@ class QueueStore:
                     if self._seg_unsynced and self._wfd >= 0:
                         fds.append(os.dup(self._wfd))
                     self._seg_unsynced = False
-                    if full:
-                        for num in self._ack_unsynced:
-                            fd = self._segs[num].ack_fd
-                            if fd is not None:
-                                fds.append(os.dup(fd))
-                        self._ack_unsynced.clear()
-                        meta = self._meta_bytes()
                     paths = list(self._unsynced_paths) if self._unsynced_paths else []
                     if paths:
                         self._unsynced_paths.clear()
+                    if full and self._ack_unsynced:
+                        paths.extend(self._segs[n].ack_path for n in self._ack_unsynced if n in self._segs)
+                        self._ack_unsynced.clear()
+                    meta = self._meta_bytes()
+                    if meta != self._meta_written:
+                        self._dir_unsynced |= self._write_meta(meta, fsync=False)
+                        self._meta_unsynced = True
+                    if full and self._meta_unsynced:
+                        self._meta_unsynced = False
+                        paths.append(Path(self._meta_path))
                     dir_unsynced = self._dir_unsynced
                     self._dir_unsynced = False
                 for fd in fds:
@@ -895,8 +949,6 @@ class QueueStore:
                     datasync(fd)
                 finally:
                     os.close(fd)
-            if meta is not None and meta != self._meta_written:
-                dir_unsynced |= self._write_meta(meta)
             if dir_unsynced:
                 fsync_dir(Path(self._dir))
 
@@ -904,14 +956,18 @@ class QueueStore:
         head = _META.pack(_META_MAGIC, _META_VERSION, self._hwm, self._next_num)
         return head + _CRC.pack(zlib.crc32(head))
 
-    def _write_meta(self, meta: bytes) -> bool:
-        """Overwrite meta in place (fixed size, one pwrite) and fsync it; True if created."""
-        created = False
-        if self._meta_fd is None:
-            created = not os.path.exists(self._meta_path)
-            self._meta_fd = os.open(self._meta_path, os.O_RDWR | os.O_CREAT, 0o644)
-        os.pwrite(self._meta_fd, meta, 0)
-        datasync(self._meta_fd)
+    def _write_meta(self, meta: bytes, fsync: bool) -> bool:
+        """Overwrite meta in place (fixed size, one pwrite); True if the file was created.
+
+        Opened per write (at most once per sync), so a queue holds no descriptor for it."""
+        created = not self._meta_written and not os.path.exists(self._meta_path)
+        fd = os.open(self._meta_path, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            os.pwrite(fd, meta, 0)
+            if fsync:
+                datasync(fd)
+        finally:
+            os.close(fd)
         self._meta_written = meta
         return created
 
@@ -931,12 +987,6 @@ class QueueStore:
             self._retire_write_segment_locked(self._wseg)
         for s in self._segs.values():
             s.unmap()
-            if s.ack_fd is not None:
-                os.close(s.ack_fd)
-                s.ack_fd = None
-        if self._meta_fd is not None:
-            os.close(self._meta_fd)
-            self._meta_fd = None
 
     def delete(self) -> None:
         """Close and remove the whole queue directory (every file reported to the sink)."""
@@ -1019,7 +1069,7 @@ class QueueStore:
         seg.end = res.end
         seg.count = res.count
         seg.acked = res.acked
-        seg.ack_exists = has_acks
+        seg.ack_exists = seg.ack_written = has_acks
         valid_file_acks = file_acks & res.acked
         if len(valid_file_acks) != len(file_acks):
             # Positions past the data end or off record boundaries: rewrite without them.

@@ -205,8 +205,8 @@ def scan(buf: Buffer, size: int, file_acks: set[int], persistent_only: bool) -> 
 class Segment:
     """In-memory state of one segment: counters, acked positions, lazy mapping, ack buffer."""
 
-    __slots__ = ("num", "path", "ack_path", "end", "count", "acked", "mm", "ack_fd", "ack_buf",
-                 "ack_exists")
+    __slots__ = ("num", "path", "ack_path", "end", "count", "acked", "mm", "ack_buf", "ack_exists",
+                 "ack_written")
 
     def __init__(self, directory: Path, num: int) -> None:
         self.num = num
@@ -217,9 +217,9 @@ class Segment:
         # Acked positions (only for segments that still exist; dropped with the segment).
         self.acked: set[int] = set()
         self.mm: mmap.mmap | None = None
-        self.ack_fd: int | None = None
         self.ack_buf = bytearray()  # ack bytes not yet written to the ack file
         self.ack_exists = False  # ack file created (on disk, or its header is buffered)
+        self.ack_written = False  # ack file exists on disk
 
     def map_read(self) -> mmap.mmap:
         """Map the (complete, never again written) segment read-only."""
