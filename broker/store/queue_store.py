@@ -6,12 +6,12 @@ Files in the queue directory: segments ``msgs.NNNNNNNNNN`` (format in ``segment.
 ack file ``acks.NNNNNNNNNN`` per segment that has acks (u32 version header, then u32
 positions of acked records), and ``meta`` (delivered high-water mark, next segment number).
 
-Writing. The write segment is preallocated with ftruncate(segment_size) and mapped
-read-write; ``append`` copies the record into the map by slice assignment and stores the
-timestamp last, so it becomes visible atomically even if the process dies mid-append (the
-page cache keeps what was written). No syscall per message. A message larger than the
-segment size gets a segment of its own. When a segment is full the next one is created and
-the old one is unmapped and truncated to its used size.
+Writing. The write segment, its disk allocation (space reserved before it is written, so
+a full disk is ``DiskFull``, never SIGBUS), roll-over and retirement are ``SegmentLog``'s
+(``segment_log.py``); ``append`` copies the record into the map by slice assignment and
+stores the timestamp last, so it becomes visible atomically even if the process dies
+mid-append (the page cache keeps what was written). No syscall per message. A message
+larger than the segment size gets a segment of its own.
 
 Memory. No per-message Python object for ready messages: a cursor (segment, position)
 walks the segments in order, and each segment keeps only counters and the set of acked
@@ -61,12 +61,11 @@ high-water mark report ``is_redelivered``.
 from __future__ import annotations
 
 import bisect
+import errno
 import heapq
 import mmap
 import os
-import shutil
 import struct
-import threading
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -74,8 +73,9 @@ from typing import Any, Final
 
 from broker.errors import StoreError
 from broker.store import segment as fmt
-from broker.store.fileio import atomic_write, datasync, fsync_dir
+from broker.store.fileio import atomic_write, datasync
 from broker.store.segment import HEADER, HEADER_SIZE, POS_MASK, Segment, record_end
+from broker.store.segment_log import DiskState, SegmentLog, is_no_space
 from broker.store.sink import NULL_SINK, ReplicationSink
 
 DEFAULT_SEGMENT_SIZE: Final = 8 * 1024 * 1024
@@ -123,7 +123,7 @@ class _Unallocated(set[Any]):
 _NO_SET: Final[set[Any]] = _Unallocated()
 
 
-class QueueStore:
+class QueueStore(SegmentLog[Segment]):
 
     __slots__ = (
         "_aa_positions",
@@ -131,61 +131,33 @@ class QueueStore:
         "_ack_pending",
         "_ack_unsynced",
         "_bytes_ready",
-        "_closed",
         "_cnum",
         "_cpos",
-        "_dir",
-        "_dir_unsynced",
-        "_dirty",
         "_heap",
         "_hwm",
-        "_lock",
         "_meta_sent",
         "_meta_unsynced",
-        "_notify",
         "_meta_written",
-        "_next_num",
-        "_order",
+        "_notify",
         "_persistent_only",
         "_ready",
         "_recovered_hwm",
         "_requeued",
-        "_seg_unsynced",
-        "_segment_size",
-        "_segs",
-        "_sink",
-        "_sync_lock",
         "_through",
         "_unacked",
-        "_unsynced_paths",
-        "_wcap",
-        "_wfd",
-        "_wmm",
-        "_wseg",
     )
 
     def __init__(self, directory: str | Path, *, segment_size: int = DEFAULT_SEGMENT_SIZE,
                  sink: ReplicationSink = NULL_SINK, persistent_only: bool = False,
-                 notify: Callable[[QueueStore], None] | None = None, write_through: bool = False) -> None:
-        if not fmt.FIXED_SIZE + HEADER_SIZE <= segment_size <= fmt.MAX_SEGMENT_SIZE:
-            raise ValueError(f"segment_size out of range: {segment_size}")
-        self._dir = os.fspath(directory)
-        self._segment_size = segment_size
-        self._sink = sink
+                 notify: Callable[[QueueStore], None] | None = None, write_through: bool = False,
+                 disk: DiskState | None = None) -> None:
+        self._init_log(directory, segment_size, sink, disk)
         self._persistent_only = persistent_only
         # Called (owner thread) when the store goes from clean to dirty, so the node's
         # syncer can make the change durable within its window; None: nobody syncs it.
         self._notify = notify
         # Settlements and the delivered mark go to their files at once (synchronous acks).
         self._through = write_through
-        self._segs: dict[int, Segment] = {}
-        self._order: list[int] = []  # segment numbers, ascending
-        self._next_num = 1
-        # Write segment (None until the first append after open).
-        self._wseg: Segment | None = None
-        self._wmm: mmap.mmap | None = None
-        self._wfd = -1
-        self._wcap = 0
         # Cursor: next never-delivered position; (_cnum, _cpos) may name a deleted or
         # not-yet-created segment, in which case it moves to the next existing one.
         self._cnum = 1
@@ -202,15 +174,9 @@ class QueueStore:
         self._hwm = 0  # highest msgid ever returned by shift()
         self._recovered_hwm = 0
         # Sync bookkeeping (shared with the sync thread under _lock).
-        self._lock = threading.Lock()
-        self._sync_lock = threading.Lock()
-        self._closed = False
-        self._dirty = False
-        self._seg_unsynced = False  # appended to the write segment since the last sync
         self._unsynced_paths: set[Path] = _NO_SET  # retired write segments awaiting fsync
         self._ack_pending: set[int] = _NO_SET  # segments with buffered ack bytes
         self._ack_unsynced: set[int] = _NO_SET  # segments whose ack file was written, not fsynced
-        self._dir_unsynced = False  # files created/removed since the last sync
         self._meta_written = b""  # meta as last written to the file (fsynced or not)
         self._meta_unsynced = False  # meta written since its last fsync
         self._meta_sent = b""
@@ -223,11 +189,6 @@ class QueueStore:
         except BaseException:
             self._close_files()
             raise
-
-    @property
-    def directory(self) -> Path:
-        """The queue directory (built on demand: the store keeps only a ``str``)."""
-        return Path(self._dir)
 
     @property
     def _meta_path(self) -> str:
@@ -288,7 +249,9 @@ class QueueStore:
         in. ``same``: all properties are equal and all bodies are of one length.
 
         The first record's timestamp is written last, so a reader (recovery after
-        kill -9) sees all of the run's records in a segment or none of them.
+        kill -9) sees all of the run's records in a segment or none of them. Space is
+        allocated before each segment's share is written; DiskFull from the second
+        share on (a run crossing a segment boundary) leaves the first share stored.
         """
         k = len(bodies)
         if not k:
@@ -307,7 +270,7 @@ class QueueStore:
             seg = self._wseg
             room = 0 if seg is None else (self._wcap - seg.end) // rec
             if room <= 0:
-                seg = self._roll(rec)
+                seg = self._roll(rec, (k - i) * rec)
                 continue
             m = min(room, k - i)
             mm = self._wmm
@@ -329,7 +292,7 @@ class QueueStore:
         size = len(blob)
         seg = self._wseg
         mm = self._wmm
-        if seg is None or mm is None or seg.end + size > self._wcap:
+        if seg is None or mm is None or (seg.end + size > self._wcap and self._grow(size) is None):
             # not all in the write segment: record by record, rolling where needed
             ln = exrk[0]
             exchange = exrk[1 : 1 + ln]
@@ -381,50 +344,20 @@ class QueueStore:
             raise StoreError(f"append_taken on a queue with ready messages ({self._dir})")
         return msgid
 
-    def _roll(self, need: int) -> Segment:
-        """Start a new write segment with room for a record of ``need`` bytes."""
-        if self._closed:  # after close() the write segment is gone, so appends land here
-            raise StoreError(f"queue store {self._dir} is closed")
+    def _roll(self, need: int, want: int = 0) -> Segment:
+        """The write segment with room for a record of ``need`` bytes (``want``: for a run
+        of that many): more of it allocated, or a new segment. DiskFull if no space."""
         if self._unacked is _NO_SET:
             with self._lock:
                 self._allocate_sets()
-        cap = max(self._segment_size, need + HEADER_SIZE)
-        if cap > fmt.MAX_SEGMENT_SIZE:
-            raise StoreError(f"message of {need} bytes is too large for a segment")
-        num = self._next_num
-        seg = Segment(self.directory, num)
-        fd, mm = fmt.create_mapped(seg.path, cap)
-        seg.mm = mm
-        old = self._wseg
-        with self._lock:
-            self._next_num = num + 1
-            self._segs[num] = seg
-            self._order.append(num)
-            if old is not None:
-                self._retire_write_segment_locked(old)
-            self._wseg = seg
-            self._wmm = mm
-            self._wfd = fd
-            self._wcap = cap
-            self._dir_unsynced = True
-        if self._sink.active:
-            self._sink.register_file(seg.path)
-            self._sink.append(seg.path, HEADER)
+        seg = self._grow(need, want)
+        if seg is not None:
+            return seg
+        seg = Segment(self.directory, self._next_num)
+        old = self._start_segment(seg, need, want)
         if old is not None and len(old.acked) == old.count:
             self._delete_segment(old)
         return seg
-
-    def _retire_write_segment_locked(self, seg: Segment) -> None:
-        """Unmap the write segment, trim the preallocated tail, leave the fsync to sync()."""
-        seg.unmap()
-        self._wmm = None
-        os.ftruncate(self._wfd, seg.end)
-        os.close(self._wfd)
-        self._wfd = -1
-        self._wseg = None
-        self._wcap = 0
-        if self._seg_unsynced:
-            self._unsynced_paths.add(seg.path)
 
     # ------------------------------------------------------------------ consuming
 
@@ -880,16 +813,22 @@ class QueueStore:
             self._write_acks_locked()
             meta = self._meta_bytes()
             if meta != self._meta_written:
-                self._dir_unsynced |= self._write_meta(meta, fsync=False)
+                self._write_meta(meta, fsync=False)
 
     def _write_acks_locked(self) -> None:
         """Append every segment's buffered ack bytes to its ack file (open, write, close:
         no descriptor is held between writes, see ``sync``)."""
+        failed: list[int] = []
         for num in self._ack_pending:
             seg = self._segs[num]
             fd = os.open(seg.ack_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             try:
-                _write_all(fd, seg.ack_buf)
+                if not _append_whole(fd, seg.ack_buf):
+                    # Disk full: the acks stay buffered (and in memory) for the next sync;
+                    # deleting fully acked segments is what frees space meanwhile.
+                    self._disk.no_space(seg.ack_path, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+                    failed.append(num)
+                    continue
             finally:
                 os.close(fd)
             if not seg.ack_written:
@@ -898,108 +837,55 @@ class QueueStore:
             seg.ack_buf.clear()
             self._ack_unsynced.add(num)
         self._ack_pending.clear()
+        self._ack_pending.update(failed)
 
-    def sync(self, full: bool = False) -> None:
-        """Make what was written durable; safe to call from a worker thread.
-
-        Every sync writes buffered acks and a changed delivered mark (``meta``) to
-        their files, so a kill -9 after it cannot lose them, and fsyncs the message
-        data that publisher confirms wait on. ``full`` (the syncer's window sync,
-        at most ``ack_sync_interval`` after a settlement) fsyncs the ack files and
-        ``meta`` too; a group commit for confirms leaves that to the window sync,
-        since every extra fdatasync adds a journal commit to every confirm's latency.
-        """
-        with self._sync_lock:
-            if self._closed:
-                return
-            fds: list[int] = []
-            try:
-                with self._lock:
-                    self._dirty = False
-                    self._write_acks_locked()
-                    if self._seg_unsynced and self._wfd >= 0:
-                        fds.append(os.dup(self._wfd))
-                    self._seg_unsynced = False
-                    paths = list(self._unsynced_paths) if self._unsynced_paths else []
-                    if paths:
-                        self._unsynced_paths.clear()
-                    if full and self._ack_unsynced:
-                        paths.extend(self._segs[n].ack_path for n in self._ack_unsynced if n in self._segs)
-                        self._ack_unsynced.clear()
-                    meta = self._meta_bytes()
-                    if meta != self._meta_written:
-                        self._dir_unsynced |= self._write_meta(meta, fsync=False)
-                        self._meta_unsynced = True
-                    if full and self._meta_unsynced:
-                        self._meta_unsynced = False
-                        paths.append(Path(self._meta_path))
-                    dir_unsynced = self._dir_unsynced
-                    self._dir_unsynced = False
-                for fd in fds:
-                    datasync(fd)
-            finally:
-                for fd in fds:
-                    os.close(fd)
-            for path in paths:
-                try:
-                    fd = os.open(path, os.O_RDONLY)
-                except FileNotFoundError:
-                    continue  # deleted since: nothing to make durable
-                try:
-                    datasync(fd)
-                finally:
-                    os.close(fd)
-            if dir_unsynced:
-                fsync_dir(Path(self._dir))
+    def _sync_locked(self, full: bool, paths: list[Path]) -> None:
+        """Every sync writes buffered acks and a changed delivered mark (``meta``) to
+        their files, so a kill -9 after it cannot lose them; the segment data that
+        publisher confirms wait on is fsynced by ``SegmentLog.sync``. ``full`` (the
+        syncer's window sync, at most ``ack_sync_interval`` after a settlement) fsyncs
+        the ack files and ``meta`` too; a group commit for confirms leaves that to the
+        window sync, since every extra fdatasync adds a journal commit to every
+        confirm's latency."""
+        self._write_acks_locked()
+        if full and self._ack_unsynced:
+            paths.extend(self._segs[n].ack_path for n in self._ack_unsynced if n in self._segs)
+            self._ack_unsynced.clear()
+        meta = self._meta_bytes()
+        if meta != self._meta_written and self._write_meta(meta, fsync=False):
+            self._meta_unsynced = True
+        if full and self._meta_unsynced:
+            self._meta_unsynced = False
+            paths.append(Path(self._meta_path))
 
     def _meta_bytes(self) -> bytes:
         head = _META.pack(_META_MAGIC, _META_VERSION, self._hwm, self._next_num)
         return head + _CRC.pack(zlib.crc32(head))
 
     def _write_meta(self, meta: bytes, fsync: bool) -> bool:
-        """Overwrite meta in place (fixed size, one pwrite); True if the file was created.
-
-        Opened per write (at most once per sync), so a queue holds no descriptor for it."""
+        """Overwrite meta in place (fixed size, one pwrite); False if the disk is full (the
+        next sync tries again). Opened per write (at most once per sync), so a queue holds
+        no descriptor for it."""
         created = not self._meta_written and not os.path.exists(self._meta_path)
         fd = os.open(self._meta_path, os.O_WRONLY | os.O_CREAT, 0o644)
         try:
             os.pwrite(fd, meta, 0)
             if fsync:
                 datasync(fd)
+        except OSError as exc:
+            if not is_no_space(exc):
+                raise
+            self._disk.no_space(Path(self._meta_path), exc)
+            return False
         finally:
             os.close(fd)
         self._meta_written = meta
-        return created
+        self._dir_unsynced |= created
+        return True
 
-    def close(self) -> None:
-        """Flush, sync, trim the write segment, unmap, close fds. Idempotent."""
-        if self._closed:
-            return
+    def _before_close(self) -> None:
         self.end_pass()
         self.flush()
-        self.sync(full=True)
-        with self._sync_lock, self._lock:
-            self._closed = True
-            self._close_files()
-
-    def _close_files(self) -> None:
-        if self._wseg is not None:
-            self._retire_write_segment_locked(self._wseg)
-        for s in self._segs.values():
-            s.unmap()
-
-    def delete(self) -> None:
-        """Close and remove the whole queue directory (every file reported to the sink)."""
-        with self._sync_lock, self._lock:
-            if not self._closed:  # no flush or fsync: everything is about to go
-                self._closed = True
-                self._close_files()
-        directory = self.directory
-        if self._sink.active and directory.is_dir():
-            for entry in sorted(directory.iterdir()):
-                if entry.is_file():
-                    self._sink.delete(entry)
-        shutil.rmtree(directory, ignore_errors=True)
 
     # ------------------------------------------------------------------ recovery
 
@@ -1114,17 +1000,22 @@ class QueueStore:
         self._meta_written = data
         return int(hwm), int(next_num)
 
-    def _remove_file(self, path: Path) -> None:
-        path.unlink(missing_ok=True)
-        self._dir_unsynced = True
-        if self._sink.active:
-            self._sink.delete(path)
 
-
-def _write_all(fd: int, data: bytes | bytearray) -> None:
+def _append_whole(fd: int, data: bytes | bytearray) -> bool:
+    """Append all of ``data`` to an O_APPEND file, or nothing: False if the disk is full
+    (a partial write is cut off again, so the file stays whole u32 entries)."""
     view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
+    done = 0
+    try:
+        while done < len(view):
+            done += os.write(fd, view[done:])
+    except OSError as exc:
+        if not is_no_space(exc):
+            raise
+        if done:
+            os.ftruncate(fd, os.fstat(fd).st_size - done)
+        return False
+    return True
 
 
 def _all_zero(fd: int, size: int) -> bool:
