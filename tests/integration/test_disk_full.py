@@ -66,7 +66,8 @@ def tmpfs(tmp_path: Path) -> Iterator[tuple[Path, int]]:
     line = holder.stdout.readline()
     if line.strip() != b"ready":
         holder.kill()
-        pytest.skip(f"cannot mount a tmpfs in a private namespace: {holder.stderr.read() if holder.stderr else ''!r}")
+        why = holder.stderr.read() if holder.stderr else b""
+        pytest.skip(f"cannot mount a tmpfs in a private namespace: {why!r}")
     try:
         yield mnt, holder.pid
     finally:
