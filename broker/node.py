@@ -29,7 +29,9 @@ from broker.model.vhost import VHost
 from broker.net.broker import Broker
 from broker.net.server import AMQPServer
 from broker.net.syncer import Syncable, Syncer
+from broker.store.fileio import syncfs
 from broker.store.lock import DataDirLock
+from broker.store.segment_log import SegmentFiles
 from broker.store.sink import NullSink, ReplicationSink
 
 log = logging.getLogger("skred")
@@ -74,6 +76,7 @@ class Node:
         self.http: MgmtServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._syncer: Syncer | None = None
+        self._files: SegmentFiles | None = None  # made at load(), after the fd limit was raised
 
     def make_vhost(self, name: str) -> VHost:
         """A ``VHost`` wired to this node's store settings (at boot, and when the API creates one)."""
@@ -85,6 +88,7 @@ class Node:
             call_later=self._loop.call_later,
             transient_root=cfg.main.data_dir / "transient",
             write_through=cfg.main.ack_sync_interval == 0,
+            files=self._files,
         )
 
     def load(self, loop: asyncio.AbstractEventLoop) -> Broker:
@@ -96,8 +100,10 @@ class Node:
         users = UserStore(data_dir / "users.json", self.sink, cfg.main.default_user,
                           cfg.main.default_password)
         vhost_names = self.vhost_store = VHostStore(data_dir / "vhosts.json", self.sink)
+        self._files = SegmentFiles()
         syncer = self._syncer = Syncer(loop, cfg.main.sync, replicated=self.replicated,
-                                       window=cfg.main.ack_sync_interval / 1000)
+                                       window=cfg.main.ack_sync_interval / 1000,
+                                       bulk_sync=lambda: syncfs(data_dir))
         self._loop = loop
         vhosts: dict[str, VHost] = {}
         for name in vhost_names.list():
@@ -185,6 +191,8 @@ class Node:
         if broker is None:
             return
         broker.syncer.sync_now()
+        if self._files is not None:
+            self._files.shutting_down = True  # stores close without trimming (fast)
         for vh in broker.vhosts.values():
             vh.close()
         broker.syncer.shutdown()

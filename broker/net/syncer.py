@@ -42,14 +42,21 @@ log = logging.getLogger(__name__)
 
 
 class Syncable(Protocol):
-    def sync(self, full: bool = False) -> None: ...
+    def sync(self, full: bool = False, fsync: bool = True) -> None: ...
+
+# More dirty objects than this in one sync: each writes what it buffers without fsyncing,
+# then one ``bulk_sync`` (syncfs of the data dir) makes all of it durable at once. An fsync
+# costs a journal commit (~5 ms measured on a loaded VM): 3,000 dirty queues took 25 s to
+# stop one by one.
+BULK_SYNC_MIN = 8
 
 
 class Syncer:
     def __init__(self, loop: asyncio.AbstractEventLoop, enabled: bool,
                  replicated: Callable[[list[Syncable]], asyncio.Future[None]] | None = None,
-                 window: float = 1.0) -> None:
+                 window: float = 1.0, bulk_sync: Callable[[], None] | None = None) -> None:
         self.loop = loop
+        self.bulk_sync = bulk_sync
         self.enabled = enabled
         self.window = window
         self._window_timer: asyncio.TimerHandle | asyncio.Handle | None = None
@@ -109,7 +116,7 @@ class Syncer:
         dirty, self._dirty = list(self._dirty), set()
         self._running = True
         self.sync_started = time.monotonic()
-        fut = self.loop.run_in_executor(self._executor, _sync_all, dirty, full)
+        fut = self.loop.run_in_executor(self._executor, _sync_all, dirty, full, self.bulk_sync)
         fut.add_done_callback(lambda f: self._done(f, callbacks, barrier))
 
     def _done(self, fut: asyncio.Future[bool], callbacks: list[Callable[[bool], None]],
@@ -140,7 +147,7 @@ class Syncer:
     def sync_now(self) -> None:
         """Synchronously fsync everything dirty (shutdown)."""
         dirty, self._dirty = list(self._dirty), set()
-        _sync_all(dirty, True)
+        _sync_all(dirty, True, self.bulk_sync)
 
     def shutdown(self) -> None:
         if self._window_timer is not None:
@@ -149,12 +156,20 @@ class Syncer:
         self._executor.shutdown(wait=True)
 
 
-def _sync_all(dirty: list[Syncable], full: bool) -> bool:
+def _sync_all(dirty: list[Syncable], full: bool, bulk_sync: Callable[[], None] | None) -> bool:
     ok = True
+    bulk = bulk_sync is not None and len(dirty) > BULK_SYNC_MIN
     for obj in dirty:
         try:
-            obj.sync(full)
+            obj.sync(full, not bulk)
         except Exception:
             log.exception("fsync failed for %r", obj)
+            ok = False
+    if bulk:
+        assert bulk_sync is not None
+        try:
+            bulk_sync()
+        except Exception:
+            log.exception("syncfs failed")
             ok = False
     return ok

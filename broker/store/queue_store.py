@@ -75,7 +75,7 @@ from broker.errors import StoreError
 from broker.store import segment as fmt
 from broker.store.fileio import atomic_write, datasync
 from broker.store.segment import HEADER, HEADER_SIZE, POS_MASK, Segment, record_end
-from broker.store.segment_log import DiskState, SegmentLog, is_no_space
+from broker.store.segment_log import SegmentFiles, SegmentLog, is_no_space
 from broker.store.sink import NULL_SINK, ReplicationSink
 
 DEFAULT_SEGMENT_SIZE: Final = 8 * 1024 * 1024
@@ -150,8 +150,8 @@ class QueueStore(SegmentLog[Segment]):
     def __init__(self, directory: str | Path, *, segment_size: int = DEFAULT_SEGMENT_SIZE,
                  sink: ReplicationSink = NULL_SINK, persistent_only: bool = False,
                  notify: Callable[[QueueStore], None] | None = None, write_through: bool = False,
-                 disk: DiskState | None = None) -> None:
-        self._init_log(directory, segment_size, sink, disk)
+                 files: SegmentFiles | None = None) -> None:
+        self._init_log(directory, segment_size, sink, files)
         self._persistent_only = persistent_only
         # Called (owner thread) when the store goes from clean to dirty, so the node's
         # syncer can make the change durable within its window; None: nobody syncs it.
@@ -401,6 +401,7 @@ class QueueStore(SegmentLog[Segment]):
                 self.ack(msgid)
             return msgid, fmt.short_pair(ex, rk), props, body, redelivered
         mm = seg.mm
+        seg.used = True  # SegmentFiles: not evicted under this call
         p = pos + 8
         rk_at = p + 1 + mm[p]
         p_at = rk_at + 1 + mm[rk_at]
@@ -470,6 +471,7 @@ class QueueStore(SegmentLog[Segment]):
                 deliver(*got)
                 continue
             mm = seg.mm
+            seg.used = True  # SegmentFiles: not evicted under this run (deliver may publish)
             end = seg.end
             base = seg.num << 32
             acked = seg.acked
@@ -570,7 +572,7 @@ class QueueStore(SegmentLog[Segment]):
             if seg is None or len(seg.acked) >= seg.count:
                 continue
             mapped_here = seg.mm is None
-            mm = self._map(seg) if mapped_here else seg.mm
+            mm = self._map_read(seg) if mapped_here else seg.mm
             assert mm is not None
             try:
                 pos = HEADER_SIZE
@@ -584,7 +586,7 @@ class QueueStore(SegmentLog[Segment]):
                     pos = fmt.record_end(mm, pos)[0]
             finally:
                 if mapped_here and seg is not self._wseg:
-                    seg.unmap()
+                    self._unmap(seg)
 
     def peek(self) -> int | None:
         if self._heap:
@@ -602,7 +604,7 @@ class QueueStore(SegmentLog[Segment]):
                 if not self._next_cursor_segment():
                     return None
                 continue
-            mm = seg.mm if seg.mm is not None else self._map(seg)
+            mm = seg.mm if seg.mm is not None else self._map_read(seg)
             if pos in seg.acked:  # only after recovery can acked positions lie ahead
                 self._cpos = record_end(mm, pos)[0]
                 continue
@@ -621,14 +623,8 @@ class QueueStore(SegmentLog[Segment]):
         # Keep only the write and cursor segments mapped (RSS stays small for long queues).
         for seg in self._segs.values():
             if seg.mm is not None and seg is not self._wseg and seg.num != self._cnum:
-                seg.unmap()
+                self._unmap(seg)
         return True
-
-    def _map(self, seg: Segment) -> mmap.mmap:
-        try:
-            return seg.map_read()
-        except OSError as exc:
-            raise StoreError(f"cannot map {seg.path}: {exc}") from exc
 
     def _segment_of(self, msgid: int) -> Segment:
         seg = self._segs.get(msgid >> 32)
@@ -638,12 +634,12 @@ class QueueStore(SegmentLog[Segment]):
 
     def read(self, msgid: int) -> tuple[int, bytes, bytes, bytes, bytes]:
         seg = self._segment_of(msgid)
-        mm = seg.mm if seg.mm is not None else self._map(seg)
+        mm = seg.mm if seg.mm is not None else self._map_read(seg)
         return fmt.read_record(mm, msgid & POS_MASK)
 
     def read_body_size(self, msgid: int) -> int:
         seg = self._segment_of(msgid)
-        mm = seg.mm if seg.mm is not None else self._map(seg)
+        mm = seg.mm if seg.mm is not None else self._map_read(seg)
         return fmt.body_size_at(mm, msgid & POS_MASK)
 
     def ack(self, msgid: int) -> None:
@@ -736,7 +732,7 @@ class QueueStore(SegmentLog[Segment]):
             if num > self._cnum and seg is not self._wseg:
                 self._delete_segment(seg)
                 continue
-            mm = seg.mm if seg.mm is not None else self._map(seg)
+            mm = seg.mm if seg.mm is not None else self._map_read(seg)
             pos = self._cpos if num == self._cnum else HEADER_SIZE
             while pos < seg.end:
                 if pos not in seg.acked:
@@ -758,7 +754,7 @@ class QueueStore(SegmentLog[Segment]):
         return purged
 
     def _delete_segment(self, seg: Segment) -> None:
-        seg.unmap()
+        self._unmap(seg)
         with self._lock:
             del self._segs[seg.num]
             self._order.remove(seg.num)
@@ -826,7 +822,7 @@ class QueueStore(SegmentLog[Segment]):
                 if not _append_whole(fd, seg.ack_buf):
                     # Disk full: the acks stay buffered (and in memory) for the next sync;
                     # deleting fully acked segments is what frees space meanwhile.
-                    self._disk.no_space(seg.ack_path, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+                    self._files.no_space(seg.ack_path, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
                     failed.append(num)
                     continue
             finally:
@@ -837,7 +833,8 @@ class QueueStore(SegmentLog[Segment]):
             seg.ack_buf.clear()
             self._ack_unsynced.add(num)
         self._ack_pending.clear()
-        self._ack_pending.update(failed)
+        if failed:
+            self._ack_pending.update(failed)
 
     def _sync_locked(self, full: bool, paths: list[Path]) -> None:
         """Every sync writes buffered acks and a changed delivered mark (``meta``) to
@@ -875,7 +872,7 @@ class QueueStore(SegmentLog[Segment]):
         except OSError as exc:
             if not is_no_space(exc):
                 raise
-            self._disk.no_space(Path(self._meta_path), exc)
+            self._files.no_space(Path(self._meta_path), exc)
             return False
         finally:
             os.close(fd)
@@ -945,8 +942,11 @@ class QueueStore(SegmentLog[Segment]):
             with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mm:
                 res = fmt.scan(mm, size, file_acks, self._persistent_only)
                 good = mm[:res.end] if res.garbage and self._sink.active else b""
-            if res.end < size:
-                os.ftruncate(fd, res.end)  # drop the torn tail / preallocated zeros
+            if res.end < size and (res.garbage or self._sink.active):
+                # Drop a torn tail; the zeros a segment was allocated with only where a
+                # replica's copy (its logical bytes) must match: each truncate is a journal
+                # transaction, and 100k queues must boot and stop in reasonable time.
+                os.ftruncate(fd, res.end)
                 if res.garbage and self._sink.active:
                     self._sink.replace(seg.path, good)
         finally:

@@ -190,7 +190,7 @@ def scan(buf: Buffer, size: int, file_acks: set[int], persistent_only: bool) -> 
 class LogSegment:
     """In-memory state of one segment file: number, path, used end, record count, mapping."""
 
-    __slots__ = ("num", "path", "end", "count", "mm")
+    __slots__ = ("num", "path", "end", "count", "mm", "used")
 
     def __init__(self, directory: Path, num: int) -> None:
         self.num = num
@@ -198,6 +198,7 @@ class LogSegment:
         self.end = HEADER_SIZE  # position after the last record
         self.count = 0  # records in the segment
         self.mm: mmap.mmap | None = None
+        self.used = False  # worked on since its mapping last came up for eviction
 
     def map_read(self) -> mmap.mmap:
         """Map the (complete, never again written) segment read-only."""

@@ -50,7 +50,6 @@ import os
 import re
 import struct
 import zlib
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,7 +59,7 @@ from broker.errors import StoreError
 from broker.store import segment as fmt
 from broker.store.fileio import atomic_write
 from broker.store.segment import HEADER, HEADER_SIZE, LogSegment
-from broker.store.segment_log import DiskState, SegmentLog, is_no_space
+from broker.store.segment_log import SegmentFiles, SegmentLog, is_no_space
 from broker.store.sink import NULL_SINK, ReplicationSink
 
 DEFAULT_SEGMENT_SIZE: Final = 8 * 1024 * 1024
@@ -71,7 +70,6 @@ _INDEX_MAGIC: Final = b"SKSI"
 _INDEX_VERSION: Final = 1
 _CRC: Final = struct.Struct("<I")
 _I64: Final = fmt.I64
-_MAX_READ_MAPS: Final = 16  # read-only segment maps kept open (LRU) for lagging consumers
 
 # (offset, timestamp_ms, exchange, routing_key, props, body)
 Record = tuple[int, int, bytes, bytes, bytes, bytes]
@@ -143,19 +141,18 @@ class StreamPosition:
 
 
 class StreamStore(SegmentLog[_Seg]):
-    __slots__ = ("retention", "_firsts", "_next_offset", "_count", "_bytes", "_read_maps", "_offsets",
+    __slots__ = ("retention", "_firsts", "_next_offset", "_count", "_bytes", "_offsets",
                  "_offsets_path", "_offsets_written", "_offsets_sent")
 
     def __init__(self, directory: Path, *, segment_size: int = DEFAULT_SEGMENT_SIZE,
                  sink: ReplicationSink = NULL_SINK, retention: Retention | None = None,
-                 disk: DiskState | None = None) -> None:
-        self._init_log(directory, segment_size, sink, disk)
+                 files: SegmentFiles | None = None) -> None:
+        self._init_log(directory, segment_size, sink, files)
         self.retention = retention or Retention()
         self._firsts: list[int] = []  # first offsets, parallel to _order (bisect)
         self._next_offset = 0
         self._count = 0
         self._bytes = 0  # segment bytes on disk (header + records)
-        self._read_maps: OrderedDict[int, mmap.mmap] = OrderedDict()
         self._offsets: dict[str, int] = {}
         self._offsets_path = directory / OFFSETS_NAME
         self._offsets_written = b""
@@ -211,7 +208,7 @@ class StreamStore(SegmentLog[_Seg]):
         index = encode_index(seg.first_offset, seg.first_ts)
         # Index before the segment: a segment file never exists without its index unless the
         # index write itself was lost (recovery then rebuilds it from the neighbours).
-        _write_new(seg.idx_path, index, self._disk)
+        _write_new(seg.idx_path, index, self._files)
         try:
             old = self._start_segment(seg, need)
         except BaseException:
@@ -260,9 +257,7 @@ class StreamStore(SegmentLog[_Seg]):
 
     def _delete_oldest(self) -> None:
         seg = self._segs[self._order[0]]
-        mm = self._read_maps.pop(seg.num, None)
-        if mm is not None:
-            mm.close()
+        self._unmap(seg)
         with self._lock:
             del self._segs[seg.num]
             del self._order[0]
@@ -319,7 +314,7 @@ class StreamStore(SegmentLog[_Seg]):
             return StreamPosition(self._next_offset, self._next_num, HEADER_SIZE)
         i = bisect.bisect_right(self._firsts, offset) - 1
         seg = self._segs[self._order[i]]
-        mm = self._map(seg)
+        mm = self._map_read(seg)
         pos = HEADER_SIZE
         for _ in range(offset - seg.first_offset):  # walk within ONE segment
             pos = fmt.record_end(mm, pos)[0]
@@ -330,7 +325,7 @@ class StreamStore(SegmentLog[_Seg]):
         j = bisect.bisect_left([self._segs[n].first_ts for n in self._order], ts_ms)
         if j > 0:
             seg = self._segs[self._order[j - 1]]
-            mm = self._map(seg)
+            mm = self._map_read(seg)
             pos = HEADER_SIZE
             for i in range(seg.count):
                 if _I64.unpack_from(mm, pos)[0] >= ts_ms:
@@ -361,7 +356,7 @@ class StreamStore(SegmentLog[_Seg]):
                     return None
                 p.seg, p.pos = self._order[i], HEADER_SIZE
                 continue
-            mm = self._map(seg)
+            mm = self._map_read(seg)
             ts, ex, rk, props, body = fmt.read_record(mm, p.pos)
             offset = p.offset
             p.pos = fmt.record_end(mm, p.pos)[0]
@@ -372,24 +367,6 @@ class StreamStore(SegmentLog[_Seg]):
         if offset < self.first_offset or offset >= self._next_offset:
             return None
         return self.read_next(self.seek(offset))
-
-    def _map(self, seg: _Seg) -> mmap.mmap:
-        if seg.mm is not None:
-            return seg.mm
-        mm = self._read_maps.get(seg.num)
-        if mm is not None:
-            self._read_maps.move_to_end(seg.num)
-            return mm
-        try:
-            with open(seg.path, "rb") as f:
-                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except (OSError, ValueError) as exc:
-            raise StoreError(f"cannot map {seg.path}: {exc}") from exc
-        self._read_maps[seg.num] = mm
-        if len(self._read_maps) > _MAX_READ_MAPS:
-            _num, old = self._read_maps.popitem(last=False)
-            old.close()
-        return mm
 
     # ------------------------------------------------------------------ consumer offsets
 
@@ -447,12 +424,6 @@ class StreamStore(SegmentLog[_Seg]):
 
     def _before_close(self) -> None:
         self.flush()
-
-    def _close_files(self) -> None:
-        super()._close_files()
-        for mm in self._read_maps.values():
-            mm.close()
-        self._read_maps.clear()
 
     # ------------------------------------------------------------------ recovery
 
@@ -623,7 +594,7 @@ def iter_segment(path: Path, start_offset: int, first_offset: int, stop_offset: 
                 pos = end
 
 
-def _write_new(path: Path, data: bytes, disk: DiskState) -> None:
+def _write_new(path: Path, data: bytes, files: SegmentFiles) -> None:
     """Create (or overwrite) a small file with ``data``; DiskFull, and no file, if no space."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -634,6 +605,6 @@ def _write_new(path: Path, data: bytes, disk: DiskState) -> None:
         os.close(fd)
         path.unlink(missing_ok=True)
         if is_no_space(exc):
-            raise disk.no_space(path, exc) from None
+            raise files.no_space(path, exc) from None
         raise
     os.close(fd)
