@@ -15,6 +15,7 @@ import json
 import logging
 import shutil
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -190,12 +191,17 @@ class Node:
         broker = self.broker
         if broker is None:
             return
+        t0 = time.monotonic()
         broker.syncer.sync_now()
+        t1 = time.monotonic()
         if self._files is not None:
             self._files.shutting_down = True  # stores close without trimming (fast)
         for vh in broker.vhosts.values():
             vh.close()
+        t2 = time.monotonic()
         broker.syncer.shutdown()
+        log.info("stores synced in %.2f s, closed in %.2f s, last background sync waited for %.2f s",
+                 t1 - t0, t2 - t1, time.monotonic() - t2)
 
 
 def serve(config: Config) -> int:

@@ -27,6 +27,9 @@ covered by any confirm, so ``mark_dirty`` also arms a timer: at most
 without callbacks waiting), which makes those durable too (``sync(full=True)``).
 The timer fires at half the window so the fsync itself fits inside it. A
 window of 0 means synchronous: the full sync starts on the next loop turn.
+Objects a confirm-only sync took out of the dirty set stay due for the next
+full sync (``_full_pending``). A full sync of more than ``BULK_SYNC_MIN``
+objects writes each one's buffers and then makes a single ``bulk_sync``.
 """
 
 from __future__ import annotations
@@ -61,6 +64,9 @@ class Syncer:
         self.window = window
         self._window_timer: asyncio.TimerHandle | asyncio.Handle | None = None
         self._full_due = False
+        # Synced for confirms only since their last full sync: the next full sync covers
+        # them again (their settlements were written, not fsynced).
+        self._full_pending: set[Syncable] = set()
         self.replicated = replicated
         self.sync_started: float | None = None
         self._dirty: set[Syncable] = set()
@@ -106,6 +112,7 @@ class Syncer:
         callbacks, self._callbacks = self._callbacks, []
         barrier = self.replicated(list(self._dirty)) if self.replicated is not None else None
         if not self.enabled and not full:
+            self._full_pending |= self._dirty  # no fsync for confirms; the window still runs
             self._dirty.clear()
             if barrier is None:
                 self._run(callbacks, True)
@@ -113,6 +120,11 @@ class Syncer:
             self._running = True
             barrier.add_done_callback(lambda _: self._finish(callbacks, True))
             return
+        if full:
+            self._dirty |= self._full_pending
+            self._full_pending = set()
+        else:
+            self._full_pending |= self._dirty
         dirty, self._dirty = list(self._dirty), set()
         self._running = True
         self.sync_started = time.monotonic()
@@ -145,8 +157,12 @@ class Syncer:
                 log.exception("sync callback failed")
 
     def sync_now(self) -> None:
-        """Synchronously fsync everything dirty (shutdown)."""
-        dirty, self._dirty = list(self._dirty), set()
+        """Synchronously fsync everything dirty (shutdown), after the background sync
+        in progress: its dirty set is not ours, and closing its stores meanwhile would
+        fsync them one by one."""
+        self._executor.submit(lambda: None).result()  # one worker: waits for the running sync
+        dirty, self._dirty = list(self._dirty | self._full_pending), set()
+        self._full_pending = set()
         _sync_all(dirty, True, self.bulk_sync)
 
     def shutdown(self) -> None:

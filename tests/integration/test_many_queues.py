@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pika
@@ -32,6 +33,7 @@ QUEUES = int(os.environ.get("SKRED_MANY_QUEUES", "3000"))
 NOFILE = int(os.environ.get("SKRED_MANY_QUEUES_NOFILE", "1024"))
 ACKED = QUEUES // 10
 STOP_WITHIN = 5.0
+FILLERS = 8
 
 
 class LimitedBroker(SkredProcess):
@@ -43,6 +45,17 @@ def _name(i: int) -> str:
     return f"many.{i:06d}"
 
 
+def _fill(b: SkredProcess, numbers: range) -> None:
+    """Declare the queues ``numbers`` and publish one confirmed persistent message to each."""
+    conn = connect(b)
+    ch = conn.channel()
+    ch.confirm_delivery()
+    for i in numbers:
+        ch.queue_declare(_name(i), durable=True)
+        ch.basic_publish("", _name(i), str(i).encode(), pika.BasicProperties(delivery_mode=2))
+    conn.close()
+
+
 def _count(ch: pika.adapters.blocking_connection.BlockingChannel, i: int) -> int:
     return int(ch.queue_declare(_name(i), passive=True).method.message_count)
 
@@ -52,14 +65,13 @@ def test_non_empty_queues_beyond_the_descriptor_limit(tmp_path: Path) -> None:
     b = LimitedBroker(tmp_path / "data")
     try:
         b.start()
+        t0 = time.monotonic()
+        # Several clients at once: durable declares and confirms share group commits.
+        with ThreadPoolExecutor(FILLERS) as pool:
+            list(pool.map(lambda k: _fill(b, range(k, QUEUES, FILLERS)), range(FILLERS)))
+        filled = time.monotonic() - t0
         conn = connect(b)
         ch = conn.channel()
-        ch.confirm_delivery()
-        t0 = time.monotonic()
-        for i in range(QUEUES):
-            ch.queue_declare(_name(i), durable=True)
-            ch.basic_publish("", _name(i), str(i).encode(), pika.BasicProperties(delivery_mode=2))
-        filled = time.monotonic() - t0
         # Settle a slice: basic.get + ack on queues spread over the whole range.
         for i in range(0, QUEUES, QUEUES // ACKED):
             m, _, body = ch.basic_get(_name(i))
