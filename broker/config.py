@@ -105,6 +105,16 @@ class MainConfig:
         default=True,
         metadata=_meta("fsync the store before confirming a publish (off: faster, less durable)."),
     )
+    ack_sync_interval: int = field(
+        default=1000,
+        metadata=_meta(
+            "Milliseconds within which acks, rejects, nacks, purges and the delivered mark "
+            "(redelivered flags) reach the disk (fsynced); 0: synchronously, before the next frame "
+            "is read, fsynced by a group commit at once.",
+            lo=0,
+            hi=60_000,
+        ),
+    )
     log_level: str = field(default="info", metadata=_meta("Log level.", choices=LOG_LEVELS))
     max_message_size: int = field(
         default=128 * MiB,

@@ -91,7 +91,7 @@ class _StallWhileFileExists:
     def __init__(self, path: Path) -> None:
         self.path = path
 
-    def sync(self) -> None:
+    def sync(self, full: bool = False, fsync: bool = True) -> None:
         while self.path.exists():
             time.sleep(0.05)  # this runs in the fsync worker thread, like a stuck fsync would
 
