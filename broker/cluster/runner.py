@@ -247,7 +247,8 @@ class ClusterRunner:
             return None
         uri = leader.decode()
         if uri == self.uri:
-            await self._pause(POLL)  # our own key from before a restart: wait for that lease to end
+            await self.etcd.drop_stale_leader(uri)  # our own key from a previous run: revoke its lease
+            await self._pause(POLL)
             return None
         await self._follow(uri)
         return None
@@ -262,6 +263,8 @@ class ClusterRunner:
         loop = asyncio.get_running_loop()
 
         def on_welcome(w: codec.Welcome) -> None:
+            if (self.amqp_target.host, self.amqp_target.port) != (host, w.amqp_port):
+                self._drop_proxied("the leader changed")  # spliced to a node that no longer leads
             self.amqp_target.host, self.amqp_target.port = host, w.amqp_port
             self.http_target.host, self.http_target.port = host, w.http_port
 
@@ -279,10 +282,14 @@ class ClusterRunner:
         signalled = asyncio.ensure_future(changed.wait())
         watch_ok = True
         last_read = -WATCH_BACKSTOP  # read the key once right away: it may have moved before the watch
+        lost: str | None = None  # why the leader is lost to us, if it is
         try:
             while not task.done() and not self.stopping.is_set():
                 await asyncio.wait([task, signalled], timeout=POLL)
-                if task.done() or not self.etcd.lease_alive():
+                if task.done():
+                    break
+                if not self.etcd.lease_alive():
+                    lost = "our etcd lease expired"
                     break
                 now = time.monotonic()
                 if watch_ok and watch.done():
@@ -304,6 +311,7 @@ class ClusterRunner:
                     continue
                 if current is None or current.decode() != uri:
                     log.info("leader %s is gone", uri)
+                    lost = "the leader is gone"
                     break
         finally:
             task.cancel()
@@ -312,9 +320,13 @@ class ClusterRunner:
             await asyncio.gather(task, watch, signalled, return_exceptions=True)
             # The single replica worker: wait for any batch still being written.
             await loop.run_in_executor(self.apply_executor, lambda: None)
+        error = None if task.cancelled() else task.exception()
+        if isinstance(error, follower.LinkSilent):
+            lost = "the replication link is silent"
+        if lost is not None:
+            self._drop_proxied(lost)
         if task.cancelled():
             return
-        error = task.exception()
         if isinstance(error, follower.AuthRefused):
             log.error("leader %s refused us: %s", uri, error)
             self.secret = await self.etcd.secret()  # re-read: it may have been reset
@@ -340,6 +352,11 @@ class ClusterRunner:
                 continue
             self.proxies.append(p)
 
+    def _drop_proxied(self, why: str) -> None:
+        dropped = sum(p.drop_clients() for p in self.proxies)
+        if dropped:
+            log.warning("closed %d proxied client connections: %s", dropped, why)
+
     async def _stop_proxies(self) -> None:
         proxies, self.proxies = self.proxies, []
         for p in proxies:
@@ -360,7 +377,8 @@ class ClusterRunner:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, sink.index.scan)
         if not await self.etcd.write_isr([self.node_id]):
-            log.error("lost leadership before serving")
+            log.error("could not write the ISR before serving: giving the leadership up")
+            await self.etcd.resign()
             return None
         self.view.set_role("leader", self.uri, sink)
         node = Node(cfg, sink)
