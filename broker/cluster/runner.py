@@ -8,7 +8,15 @@ creates, put-if-absent) the cluster secret and takes a lease.
 
 * No leader key: if the ISR key names us (or does not exist yet: a brand-new
   cluster) we campaign; otherwise we wait — only a member of the ISR has every
-  confirmed message, so only it may lead.
+  confirmed message, so only it may lead. Among ISR members the one with the
+  most complete state must win: a node that has followed in sync or led in
+  this process is *warm* (says so in its member record); a node just
+  (re)started is not — it may have died leading, with acks only in memory
+  that its followers already have on disk, and if it led, bulk sync would
+  hand its older ack files to everyone and bring acked messages back. So a
+  cold node defers while a warm ISR member is alive (has a member record),
+  for at most ``DEFER_LIMIT`` TTLs (a warm member that cannot win for that
+  long is not coming).
 * Someone else leads: we follow. ``follower.follow`` bulk-syncs the data dir,
   then applies the action stream, fsyncing before every ack. After the first
   completed sync the client ports (AMQP, HTTP) proxy to the leader. An etcd
@@ -82,6 +90,7 @@ DRAIN_TIMEOUT = 10.0  # graceful leader shutdown: longest wait for the ISR to ac
 STATUS_EVERY = 10.0  # seconds between cluster status log lines on the leader
 WATCH_BACKSTOP = 2.0  # seconds between reads of the leader key while its watch is healthy
 MEMBER_EVERY = 1.0  # seconds between checks whether our member record in etcd needs rewriting
+DEFER_LIMIT = 3  # lease TTLs a cold node waits for a warm ISR member to take the lead
 STALL_ENV = "SKRED_TEST_FSYNC_STALL_FILE"  # test hook: fsync blocks while this file exists
 
 
@@ -144,6 +153,7 @@ class ClusterRunner:
         self.follower_metrics = FollowerMetrics(self.view)
         self._metrics_retry_at = 0.0
         self._member_written: tuple[int | None, str] = (None, "")
+        self._deferring_since: float | None = None
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.ensure_future(coro)
@@ -237,6 +247,9 @@ class ClusterRunner:
             self.view.set_role("candidate")
             isr, isr_raw = await self.etcd.read_isr()
             if isr is None or self.node_id in isr:
+                if isr is not None and await self._defer_to_warm_member(isr):
+                    await self._pause(POLL)
+                    return None
                 if await self.etcd.campaign(self.uri, isr_raw):
                     return await self._lead()
             else:
@@ -245,6 +258,7 @@ class ClusterRunner:
                 return None
             await self._pause(POLL)
             return None
+        self._deferring_since = None
         uri = leader.decode()
         if uri == self.uri:
             await self.etcd.drop_stale_leader(uri)  # our own key from a previous run: revoke its lease
@@ -252,6 +266,23 @@ class ClusterRunner:
             return None
         await self._follow(uri)
         return None
+
+    async def _defer_to_warm_member(self, isr: list[str]) -> bool:
+        """True while we are cold and a warm ISR member is alive to lead instead."""
+        if self.view.warm:
+            return False
+        members = await self.etcd.members()
+        warm = sorted(m for m, rec in members.items() if m != self.node_id and m in isr and rec.get("warm"))
+        if not warm:
+            return False
+        now = time.monotonic()
+        if self._deferring_since is None:
+            self._deferring_since = now
+            log.info("not campaigning: in-sync members %s have live state, one of them must lead", warm)
+        if now - self._deferring_since > DEFER_LIMIT * self.etcd.ttl:
+            log.warning("in-sync members %s did not take the lead: campaigning", warm)
+            return False
+        return True
 
     # ---------------------------------------------------------------- follower
     async def _follow(self, uri: str) -> None:
@@ -269,7 +300,7 @@ class ClusterRunner:
             self.http_target.host, self.http_target.port = host, w.http_port
 
         def on_synced() -> None:
-            self.view.synced = True
+            self.view.synced = self.view.warm = True
             if not self.synced_once:
                 self.synced_once = True
                 self._spawn(self._start_proxies())
@@ -407,6 +438,7 @@ class ClusterRunner:
             await self.etcd.resign()
             await self.etcd.revoke()
             return 1
+        self.view.warm = True
         broker = node.broker
         assert broker is not None and node.amqp_address is not None
         broker.trusted_peers = sink.member_ips  # proxy connections from followers may send PROXY

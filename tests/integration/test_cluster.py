@@ -146,6 +146,7 @@ class ClusterNode:
         self.log_path = tmp / f"{name}.log"
         hook = f"echo \"$SKRED_ROLE $SKRED_NODE_ID $SKRED_ADVERTISED_URI\" >> {hook_file}"
         self.ttl = ttl
+        self.user = "guest"  # guest may log in from loopback only: nodes on other addresses need another
         self.argv = [
             *wrapper, sys.executable, "-m", "broker", "--data-dir", str(self.data_dir),
             "--amqp-bind", ip, "--amqp-port", str(self.port),
@@ -162,7 +163,7 @@ class ClusterNode:
 
     @property
     def url(self) -> str:
-        return f"amqp://guest:guest@{self.ip}:{self.port}/%2F"
+        return f"amqp://{self.user}:{self.user}@{self.ip}:{self.port}/%2F"
 
     def start(self) -> None:
         env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), **self.env)
