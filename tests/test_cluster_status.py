@@ -72,7 +72,9 @@ def test_follower_view_has_no_followers(tmp_path: Path) -> None:
     assert m["skred_is_leader"] == 0 and m["skred_connected_followers"] == 0
     assert not any(k.startswith("skred_follower_lag_in_bytes") for k in m)
     assert view.status()["leader"] == {"uri": "tcp://127.0.0.1:5679"}
-    assert view.member_record() == {"uri": "tcp://127.0.0.2:5679", "role": "follower"}
+    assert view.member_record() == {"uri": "tcp://127.0.0.2:5679", "role": "follower", "warm": False}
+    view.warm = True  # followed in sync: a cold node defers to it in an election
+    assert view.member_record()["warm"] is True
 
 
 def test_member_record_rounds_lag() -> None:

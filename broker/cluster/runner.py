@@ -79,7 +79,7 @@ from broker.cluster.hooks import run_hook
 from broker.cluster.leader import LeaderSink
 from broker.cluster.proxy import SpliceProxy, Target
 from broker.cluster.status import ClusterView, FollowerMetrics
-from broker.config import Config
+from broker.config import ClusteringConfig, Config
 from broker.node import Node
 from broker.store.lock import DataDirLock
 
@@ -184,6 +184,9 @@ class ClusterRunner:
         self._lock()
         log.info("cluster node %s (%s) starting, etcd %s prefix %r", self.node_id, self.uri,
                  self.config.clustering.etcd_endpoints, self.etcd.prefix)
+        if self.config.clustering.max_unsynced_actions != ClusteringConfig.max_unsynced_actions:
+            log.warning("[clustering] max_unsynced_actions is deprecated and has no effect: a follower "
+                        "leaves the in-sync set when it stops acking")
         member_loop = asyncio.ensure_future(self._publish_member_loop())
         try:
             while not self.stopping.is_set():

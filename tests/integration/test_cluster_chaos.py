@@ -57,7 +57,10 @@ def lab() -> Iterator[NetLab]:
 
 def test_etcd_pause_shorter_than_ttl_keeps_the_leader(make_cluster: Callable[[int], Cluster]) -> None:
     c = make_cluster(8)
+    for n in c.nodes:  # deprecated, accepted with a warning (LavinMQ: no effect)
+        n.argv += ["--clustering-max-unsynced-actions", "4096"]
     leader, _ = start_cluster(c)
+    assert "max_unsynced_actions is deprecated" in leader.log_text()
     trial = etcd_pause(c, "pause-q", 6.0)
     print(f"\n{trial}")
     assert "stepping down" not in leader.log_text(), leader.log_tail()
