@@ -16,19 +16,23 @@ delivered before the fault came back without the redelivered flag, and the failo
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
+import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aio_pika
 
-from .test_cluster import Cluster, ClusterNode, Etcd, publish, start_cluster, wait_for
+from .test_cluster import Cluster, ClusterNode, Etcd, publish, wait_for
 
 
 def ip(*args: str) -> subprocess.CompletedProcess[str]:
@@ -223,66 +227,272 @@ N_ACK = 150
 N_HOLD = 50
 
 
-def quick_restart_of_leader(c: Cluster, queue: str) -> Trial:
-    """Publish, ack some (acks only in the leader's memory + followers' disks), hold some
-    unacked, kill -9 the leader and restart it at once; then count what comes back."""
-    trial = Trial("quick restart of the old leader")
-    leader = wait_for(lambda: serving_leader(c), 30, "a serving leader")
+@dataclass
+class Setup:
+    """The state a trial builds before its fault: a queue with confirmed, acked and held messages."""
+
+    leader: ClusterNode
+    queue: str
+    confirmed: list[int]
+    acked: list[int]
+    held: list[int]
+    holder: aio_pika.abc.AbstractConnection
+    holder_loop: asyncio.AbstractEventLoop  # the loop the held deliveries' connection runs on
+    pub: Publisher
+
+
+class Publisher:
+    """Confirmed publishing from a thread (own asyncio loop) until stopped; timestamps each confirm.
+
+    Numbers start at ``first``, so they never collide with a trial's set-up messages.
+    """
+
+    def __init__(self, url: str, queue: str, limit: float = 60.0, first: int = 0) -> None:
+        self.url, self.queue, self.limit, self.first = url, queue, limit, first
+        self.confirmed: list[int] = []
+        self.confirm_times: list[float] = []
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Publisher:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> Publisher:
+        return self.__enter__()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(self.limit + 10)
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(asyncio.wait_for(self._publish(), self.limit))
+        except BaseException as exc:  # recorded: a test decides whether an error was expected
+            self.error = exc
+
+    async def _publish(self) -> None:
+        conn = await aio_pika.connect(self.url, timeout=5)
+        try:
+            ch = await conn.channel(publisher_confirms=True)
+            await ch.declare_queue(self.queue, durable=True)
+            n = self.first
+            while not self._stop.is_set():
+                async def one(i: int) -> None:
+                    await ch.default_exchange.publish(
+                        aio_pika.Message(str(i).encode(), delivery_mode=aio_pika.DeliveryMode.PERSISTENT),
+                        routing_key=self.queue)
+                    self.confirmed.append(i)
+                    self.confirm_times.append(time.monotonic())
+
+                await asyncio.gather(*(one(i) for i in range(n, n + 20)))
+                n += 20
+        finally:
+            if not conn.is_closed:
+                await asyncio.wait_for(conn.close(), 5)
+
+    def count(self) -> int:
+        return len(self.confirmed)
+
+    def longest_gap(self, since: float) -> float:
+        """Longest time without a confirm from ``since`` to the last confirm (or now, if stalled)."""
+        times = [since, *(t for t in self.confirm_times if t > since)]
+        end = time.monotonic() if self.error is not None or not self._thread.is_alive() else times[-1]
+        return max([b - a for a, b in zip(times, times[1:], strict=False)] + [end - times[-1]])
+
+
+def in_sync(c: Cluster) -> ClusterNode:
+    """Wait until a leader serves, every node answers (followers synced) and all are in the ISR."""
+    wait_for(lambda: serving_leader(c), 60, "a serving leader")
+    for n in c.nodes:
+        wait_for(n.answers, 60, f"{n.name} serving (synced)")
+    wait_for(lambda: len(json.loads(c.etcd.get(f"{c.prefix}/isr") or b"[]")) == len(c.nodes), 60,
+             "every node in the ISR")
+    return wait_for(lambda: serving_leader(c), 60, "a serving leader")
+
+
+def set_up(c: Cluster, queue: str) -> Setup:
+    """Confirmed messages, some acked (on the followers' disks, maybe only in the leader's memory),
+    some delivered and held unacked; then confirmed publishing keeps going during the fault."""
+    leader = in_sync(c)
     followers = [n for n in c.nodes if n is not leader]
-    for f in followers:
-        wait_for(f.answers, 30, f"{f.name} serving (synced)")
     confirmed: list[int] = []
     asyncio.run(asyncio.wait_for(publish(leader.url, queue, 0, N_MSGS, confirmed, batch=100), 60))
     before = [ack_bytes(f) for f in followers]
     acked = asyncio.run(asyncio.wait_for(consume_some(leader.url, queue, N_ACK), 60))
+    loop = asyncio.new_event_loop()
+    holder, held = loop.run_until_complete(asyncio.wait_for(hold_unacked(leader.url, queue, N_HOLD), 30))
+    wait_for(lambda: all(ack_bytes(f) >= b + 4 * N_ACK for f, b in zip(followers, before, strict=True)), 20,
+             "the acks on the followers' disks")
+    pub = Publisher(leader.url, queue, first=10**6).start()
+    wait_for(lambda: pub.count() >= 100 or pub.error is not None, 20, "publishing under way")
+    return Setup(leader, queue, confirmed, acked, held, holder, loop, pub)
 
-    async def hold_and_kill() -> list[int]:
-        conn, held = await hold_unacked(leader.url, queue, N_HOLD)
-        # Every ack is on the followers' disks (they fsync before acking the leader) ...
-        deadline = time.monotonic() + 20
-        while any(ack_bytes(f) < b + 4 * N_ACK for f, b in zip(followers, before, strict=True)):
-            assert time.monotonic() < deadline, "followers never got the acks"
-            await asyncio.sleep(0.05)
-        # ... and the leader dies before a confirm or a timer writes them to its own.
-        leader.kill9()
-        leader.start()
-        await asyncio.gather(conn.close(), return_exceptions=True)
-        return held
 
-    killed = time.monotonic()
-    held = asyncio.run(asyncio.wait_for(hold_and_kill(), 60))
+def finish(c: Cluster, s: Setup, trial: Trial) -> Trial:
+    """Stop publishing, drop the held deliveries, let the cluster settle, then count."""
+    s.pub.stop()
+    try:
+        s.holder_loop.run_until_complete(asyncio.wait_for(s.holder.close(), 5))
+    except Exception:
+        pass  # its node may be gone
+    s.holder_loop.close()
+    leader = in_sync(c)
+    got = asyncio.run(asyncio.wait_for(drain(leader.url, s.queue), 120))
+    score(trial, s.confirmed + s.pub.confirmed, s.acked, s.held, got)
+    return trial
+
+
+# Each fault: inject it into a cluster in ``set_up`` state, wait for the cluster to get over it,
+# heal it; return the failover figure (seconds clients could not get a confirm).
+
+def fault_leader_kill(c: Cluster, s: Setup, lab: NetLab | None) -> float:
+    s.leader.kill9()
+    t0 = time.monotonic()
+    wait_for(lambda: serving_leader(c, exclude=s.leader), c.ttl + 30, "a new leader")
+    took = time.monotonic() - t0
+    s.leader.start()
+    return took
+
+
+def fault_quick_restart(c: Cluster, s: Setup, lab: NetLab | None) -> float:
+    s.leader.kill9()
+    s.leader.start()
+    t0 = time.monotonic()
     new = wait_for(lambda: serving_leader(c), c.ttl + 30, "a leader after the quick restart")
-    trial.failover = time.monotonic() - killed
-    if new is leader:
-        trial.notes.append("the restarted node won the election")
-    got = asyncio.run(asyncio.wait_for(drain(new.url, queue), 60))
-    return score(trial, confirmed, acked, held, got)
+    took = time.monotonic() - t0
+    if new is s.leader:
+        raise AssertionError("the restarted (cold) node won the election over warm in-sync members")
+    return took
 
 
-def etcd_pause(c: Cluster, queue: str, seconds: float) -> Trial:
-    """SIGSTOP etcd for ``seconds`` while publishing to the leader; failover = time without confirms."""
-    from .test_cluster_ops import Publisher
+def fault_etcd_pause(c: Cluster, s: Setup, lab: NetLab | None) -> float:
+    seconds = c.ttl * 0.7
+    os.kill(c.etcd.proc.pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        wait_for(lambda: time.monotonic() - t0 >= seconds, seconds + 5, "the pause")  # the fault's length
+    finally:
+        os.kill(c.etcd.proc.pid, signal.SIGCONT)
+    at = s.pub.count()
+    wait_for(lambda: s.pub.count() >= at + 100 or s.pub.error is not None, 30, "confirms after the pause")
+    if s.pub.error is not None or "stepping down" in s.leader.log_text():
+        raise AssertionError(f"the leader stepped down for an etcd pause under the TTL: {s.pub.error!r}")
+    return s.pub.longest_gap(t0)
 
-    trial = Trial(f"etcd paused {seconds:g}s")
-    leader = wait_for(lambda: serving_leader(c), 30, "a serving leader")
-    with Publisher(leader.url, queue, limit=seconds + 40) as pub:
-        wait_for(lambda: pub.count() >= 100, 20, "publishing under way")
-        os.kill(c.etcd.proc.pid, signal.SIGSTOP)
-        paused = time.monotonic()
+
+def fault_etcd_down(c: Cluster, s: Setup, lab: NetLab | None) -> float:
+    c.etcd.kill9()
+    t0 = time.monotonic()
+    wait_for(lambda: time.monotonic() - t0 >= c.ttl + 2, c.ttl + 10, "an outage longer than the TTL")
+    c.etcd.start()
+    back = time.monotonic()
+    wait_for(lambda: serving_leader(c), c.ttl + 30, "a serving leader after etcd came back")
+    return time.monotonic() - back  # unavailability beyond the outage itself
+
+
+def fault_isr_write_lost(c: Cluster, s: Setup, lab: NetLab | None) -> float:
+    dead = next(n for n in c.nodes if n is not s.leader)
+    os.kill(c.etcd.proc.pid, signal.SIGSTOP)
+    try:
+        dead.kill9()
+        wait_for(lambda: "ISR write failed" in s.leader.log_text(), 15, "the failed ISR write")
+    finally:
+        os.kill(c.etcd.proc.pid, signal.SIGCONT)
+    resumed = time.monotonic()
+    at = s.pub.count()
+    wait_for(lambda: s.pub.count() >= at + 100 or s.pub.error is not None, 15, "confirms after etcd resumed")
+    dead.start()
+    return time.monotonic() - resumed  # the stall beyond the etcd pause
+
+
+def fault_leader_partition(c: Cluster, s: Setup, lab: NetLab | None) -> float:
+    """Also checks that a client spliced through a follower's proxy is disconnected (to reconnect)."""
+    assert lab is not None
+    f = next(n for n in c.nodes if n is not s.leader)
+    with socket.create_connection((f.ip, f.port), timeout=5) as client:
+        client.sendall(b"AMQP\x00\x00\x09\x01")
+        if client.recv(7)[:1] != b"\x01":
+            raise AssertionError("no connection.start through the follower's proxy")
+        lab.isolate(c.nodes.index(s.leader))
+        t0 = time.monotonic()
         try:
-            wait_for(lambda: time.monotonic() - paused >= seconds, seconds + 5, "the pause")
+            wait_for(lambda: serving_leader(c, exclude=s.leader), c.ttl + 30, "a leader on the majority side")
+            took = time.monotonic() - t0
+            client.settimeout(max(0.1, c.ttl + 3 - (time.monotonic() - t0)))
+            try:
+                while client.recv(4096):
+                    pass
+            except TimeoutError:
+                raise AssertionError("a client proxied to the lost leader was not disconnected") from None
+            except ConnectionError:
+                pass  # reset: disconnected too
         finally:
-            os.kill(c.etcd.proc.pid, signal.SIGCONT)
-        resumed = time.monotonic()
-        at = pub.count()
-        wait_for(lambda: pub.count() >= at + 100 or pub.error is not None, 30, "confirms after the pause")
-    if "stepping down" in leader.log_text():
-        trial.notes.append("the leader stepped down")
-    if pub.error is not None:
-        trial.notes.append(f"publisher: {pub.error!r}")
-    times = sorted(pub.confirm_times)
-    gaps = [b - a for a, b in zip(times, times[1:], strict=False) if b > paused - 1 and a < resumed + 30]
-    trial.failover = max(gaps, default=0.0)
-    new = wait_for(lambda: serving_leader(c), 30, "a serving leader")
-    got = asyncio.run(asyncio.wait_for(drain(new.url, queue), 60))
-    return score(trial, pub.confirmed, [], [], got)
+            lab.heal()
+    return took
+
+
+def fault_link_cut(c: Cluster, s: Setup, lab: NetLab | None) -> float:
+    assert lab is not None
+    f = next(n for n in c.nodes if n is not s.leader)
+    lab.cut(c.nodes.index(s.leader), c.nodes.index(f))
+    t0 = time.monotonic()
+    try:
+        fid = f.node_id()
+        wait_for(lambda: fid not in json.loads(c.etcd.get(f"{c.prefix}/isr") or b"[]"), 15,
+                 "the cut-off follower out of the ISR")
+        at = s.pub.count()
+        wait_for(lambda: s.pub.count() >= at + 100 or s.pub.error is not None, 15, "confirms without it")
+        try:  # the follower finds out too, by the missing heartbeats, not a TTL later
+            wait_for(lambda: "replication link silent" in f.log_text(), 10, "the follower noticing")
+        except AssertionError:
+            raise AssertionError("the follower did not notice the cut link") from None
+    finally:
+        lab.heal()
+    return s.pub.longest_gap(t0)
+
+
+@dataclass(frozen=True)
+class Fault:
+    run: Callable[[Cluster, Setup, NetLab | None], float]
+    ttl: int  # lease TTL of the cluster it runs against
+    bound: float  # the most its failover figure may be (seconds)
+    lab: bool = False  # needs the network namespaces
+    what: str = "fault to a leader serving again"  # what the failover figure measures
+
+
+FAULTS: dict[str, Fault] = {
+    "leader kill -9": Fault(fault_leader_kill, 2, 2 + 2),
+    "quick restart of the old leader": Fault(fault_quick_restart, 2, 2 + 2),
+    # A pause shorter than the TTL costs no leadership: confirms wait for etcd, no longer.
+    "etcd paused 0.7 TTL": Fault(fault_etcd_pause, 10, 7 + 2, what="longest confirm gap"),
+    # After an outage longer than the TTL, the old leader key must not outlive it by a TTL.
+    "etcd down TTL + 2 s": Fault(fault_etcd_down, 8, 8, what="etcd back to a leader serving"),
+    "etcd slow while a follower dies": Fault(fault_isr_write_lost, 10, 5, what="etcd back to confirms"),
+    "leader partitioned": Fault(fault_leader_partition, 2, 2 + 2, lab=True),
+    # A dead link costs the ack stall timeout (3 s) plus detection, never the TTL.
+    "replication link cut": Fault(fault_link_cut, 10, 3 + 2, lab=True, what="longest confirm gap"),
+}
+
+
+def make_cluster(tmp: Path, name: str, lab: NetLab | None) -> Cluster:
+    fault = FAULTS[name]
+    if fault.lab:
+        assert lab is not None
+        return lab_cluster(tmp, lab, fault.ttl)
+    return Cluster(tmp, ttl=fault.ttl)
+
+
+def run_trial(c: Cluster, name: str, queue: str, lab: NetLab | None = None) -> Trial:
+    trial = Trial(name)
+    s = set_up(c, queue)
+    try:
+        trial.failover = FAULTS[name].run(c, s, lab)
+    except AssertionError as exc:
+        trial.notes.append(str(exc).splitlines()[0])
+    return finish(c, s, trial)
