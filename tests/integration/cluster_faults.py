@@ -316,9 +316,11 @@ def in_sync(c: Cluster) -> ClusterNode:
     return wait_for(lambda: serving_leader(c), 60, "a serving leader")
 
 
-def set_up(c: Cluster, queue: str) -> Setup:
+def set_up(c: Cluster, queue: str, publishing: bool = True) -> Setup:
     """Confirmed messages, some acked (on the followers' disks, maybe only in the leader's memory),
-    some delivered and held unacked; then confirmed publishing keeps going during the fault."""
+    some delivered and held unacked; then (``publishing``) confirmed publishing keeps going during
+    the fault. Without it, nothing makes the leader write the acks to its own files before the
+    fault: the case where only its followers have them."""
     leader = in_sync(c)
     followers = [n for n in c.nodes if n is not leader]
     confirmed: list[int] = []
@@ -329,8 +331,10 @@ def set_up(c: Cluster, queue: str) -> Setup:
     holder, held = loop.run_until_complete(asyncio.wait_for(hold_unacked(leader.url, queue, N_HOLD), 30))
     wait_for(lambda: all(ack_bytes(f) >= b + 4 * N_ACK for f, b in zip(followers, before, strict=True)), 20,
              "the acks on the followers' disks")
-    pub = Publisher(leader.url, queue, first=10**6).start()
-    wait_for(lambda: pub.count() >= 100 or pub.error is not None, 20, "publishing under way")
+    pub = Publisher(leader.url, queue, first=10**6)
+    if publishing:
+        pub.start()
+        wait_for(lambda: pub.count() >= 100 or pub.error is not None, 20, "publishing under way")
     return Setup(leader, queue, confirmed, acked, held, holder, loop, pub)
 
 
@@ -386,14 +390,27 @@ def fault_etcd_pause(c: Cluster, s: Setup, lab: NetLab | None) -> float:
     return s.pub.longest_gap(t0)
 
 
+def fault_etcd_restart(c: Cluster, s: Setup, lab: NetLab | None) -> float:
+    """etcd killed and back after half a TTL (it renews every lease it finds): nobody steps down."""
+    c.etcd.kill9()
+    t0 = time.monotonic()
+    wait_for(lambda: time.monotonic() - t0 >= c.ttl / 2, c.ttl + 5, "the outage")  # the fault's length
+    c.etcd.start()
+    at = s.pub.count()
+    wait_for(lambda: s.pub.count() >= at + 100 or s.pub.error is not None, 30, "confirms after the restart")
+    if s.pub.error is not None or "stepping down" in s.leader.log_text():
+        raise AssertionError(f"the leader stepped down for an etcd outage under the TTL: {s.pub.error!r}")
+    return s.pub.longest_gap(t0)
+
+
 def fault_etcd_down(c: Cluster, s: Setup, lab: NetLab | None) -> float:
     c.etcd.kill9()
     t0 = time.monotonic()
     wait_for(lambda: time.monotonic() - t0 >= c.ttl + 2, c.ttl + 10, "an outage longer than the TTL")
-    c.etcd.start()
     back = time.monotonic()
+    c.etcd.start()  # returns once etcd answers
     wait_for(lambda: serving_leader(c), c.ttl + 30, "a serving leader after etcd came back")
-    return time.monotonic() - back  # unavailability beyond the outage itself
+    return time.monotonic() - back  # unavailability beyond the outage itself (etcd's start included)
 
 
 def fault_isr_write_lost(c: Cluster, s: Setup, lab: NetLab | None) -> float:
@@ -463,14 +480,16 @@ class Fault:
     ttl: int  # lease TTL of the cluster it runs against
     bound: float  # the most its failover figure may be (seconds)
     lab: bool = False  # needs the network namespaces
+    publishing: bool = True  # confirmed publishing goes on through the fault
     what: str = "fault to a leader serving again"  # what the failover figure measures
 
 
 FAULTS: dict[str, Fault] = {
     "leader kill -9": Fault(fault_leader_kill, 2, 2 + 2),
-    "quick restart of the old leader": Fault(fault_quick_restart, 2, 2 + 2),
+    "quick restart of the old leader": Fault(fault_quick_restart, 2, 2 + 2, publishing=False),
     # A pause shorter than the TTL costs no leadership: confirms wait for etcd, no longer.
     "etcd paused 0.7 TTL": Fault(fault_etcd_pause, 10, 7 + 2, what="longest confirm gap"),
+    "etcd restarted after 0.5 TTL": Fault(fault_etcd_restart, 10, 5 + 4, what="longest confirm gap"),
     # After an outage longer than the TTL, the old leader key must not outlive it by a TTL.
     "etcd down TTL + 2 s": Fault(fault_etcd_down, 8, 8, what="etcd back to a leader serving"),
     "etcd slow while a follower dies": Fault(fault_isr_write_lost, 10, 5, what="etcd back to confirms"),
@@ -490,7 +509,7 @@ def make_cluster(tmp: Path, name: str, lab: NetLab | None) -> Cluster:
 
 def run_trial(c: Cluster, name: str, queue: str, lab: NetLab | None = None) -> Trial:
     trial = Trial(name)
-    s = set_up(c, queue)
+    s = set_up(c, queue, FAULTS[name].publishing)
     try:
         trial.failover = FAULTS[name].run(c, s, lab)
     except AssertionError as exc:
