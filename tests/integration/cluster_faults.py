@@ -181,10 +181,9 @@ async def hold_unacked(url: str, queue: str, count: int) -> tuple[aio_pika.abc.A
     return conn, got
 
 
-async def drain(url: str, queue: str) -> list[tuple[int, bool]]:
-    """Consume (ack) until the queue stays idle: [(number, redelivered)]."""
+async def drain(url: str, queue: str, got: list[tuple[int, bool]]) -> None:
+    """Consume (ack) until the queue is empty, adding (number, redelivered) to ``got``."""
     conn = await aio_pika.connect(url, timeout=5)
-    got: list[tuple[int, bool]] = []
     try:
         ch = await conn.channel()
         await ch.set_qos(prefetch_count=1000)
@@ -195,14 +194,20 @@ async def drain(url: str, queue: str) -> list[tuple[int, bool]]:
             await msg.ack()
 
         await q.consume(on_message)
-        seen, idle_since = -1, time.monotonic()
-        while time.monotonic() - idle_since < 2.0:
+        seen, idle_since, deadline = -1, time.monotonic(), time.monotonic() + 60
+        while True:
             if len(got) != seen:
                 seen, idle_since = len(got), time.monotonic()
-            await asyncio.sleep(0.1)  # progress poll; ends after a bounded idle period
+            if time.monotonic() - idle_since >= 2.0:
+                ready = (await ch.declare_queue(queue, passive=True)).declaration_result.message_count
+                if not ready:
+                    break
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"delivery stalled with {ready} messages ready")
+                idle_since = time.monotonic()
+            await asyncio.sleep(0.1)  # progress poll; bounded by the idle period and the deadline
     finally:
-        await conn.close()
-    return got
+        await asyncio.gather(conn.close(), return_exceptions=True)
 
 
 def ack_bytes(node: ClusterNode) -> int:
@@ -346,8 +351,13 @@ def finish(c: Cluster, s: Setup, trial: Trial) -> Trial:
     except Exception:
         pass  # its node may be gone
     s.holder_loop.close()
-    leader = in_sync(c)
-    got = asyncio.run(asyncio.wait_for(drain(leader.url, s.queue), 120))
+    got: list[tuple[int, bool]] = []
+    for _ in range(3):  # a leader change during the drain closes its connection: go on at the next
+        try:
+            asyncio.run(asyncio.wait_for(drain(in_sync(c).url, s.queue, got), 120))
+            break
+        except (aio_pika.exceptions.AMQPError, RuntimeError, ConnectionError) as exc:  # RuntimeError: closed
+            trial.notes.append(f"drain interrupted ({type(exc).__name__}): leader changed after the fault")
     score(trial, s.confirmed + s.pub.confirmed, s.acked, s.held, got)
     return trial
 
