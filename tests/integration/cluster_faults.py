@@ -47,18 +47,24 @@ def netlab_unavailable() -> str | None:
     return None
 
 
+def free_test_net(first: str) -> str | None:
+    """A ``<first>.x`` /24 (x random) that no local address uses yet, or None."""
+    used = ip("-4", "addr").stdout
+    for _ in range(50):
+        net = f"{first}.{random.randrange(256)}"
+        if f"{net}." not in used:
+            return net
+    return None
+
+
 class NetLab:
     """A bridge here and one namespace per node; ``close`` removes all of it."""
 
     def __init__(self, count: int = 3) -> None:
         tag = uuid.uuid4().hex[:6]
         self.bridge = f"skb{tag}"
-        used = ip("-4", "addr").stdout
-        for _ in range(50):
-            net = f"198.19.{random.randrange(256)}"
-            if f"{net}." not in used:
-                break
-        else:
+        net = free_test_net("198.19")
+        if net is None:
             raise RuntimeError("no free 198.19.x.0/24 test network")
         self.net = net
         self.namespaces = [f"skn{tag}{i}" for i in range(count)]
@@ -385,32 +391,33 @@ def fault_quick_restart(c: Cluster, s: Setup, lab: NetLab | None) -> float:
     return took
 
 
-def fault_etcd_pause(c: Cluster, s: Setup, lab: NetLab | None) -> float:
-    seconds = c.ttl * 0.7
-    os.kill(c.etcd.proc.pid, signal.SIGSTOP)
+def _short_etcd_outage(c: Cluster, s: Setup, seconds: float, pause: bool) -> float:
+    """etcd paused (SIGSTOP) or killed and restarted for ``seconds`` < TTL: nobody may step down."""
+    if pause:
+        os.kill(c.etcd.proc.pid, signal.SIGSTOP)
+    else:
+        c.etcd.kill9()
     t0 = time.monotonic()
     try:
-        wait_for(lambda: time.monotonic() - t0 >= seconds, seconds + 5, "the pause")  # the fault's length
+        wait_for(lambda: time.monotonic() - t0 >= seconds, seconds + 5, "the outage")  # the fault's length
     finally:
-        os.kill(c.etcd.proc.pid, signal.SIGCONT)
+        if pause:
+            os.kill(c.etcd.proc.pid, signal.SIGCONT)
+        else:
+            c.etcd.start()  # a restarted etcd renews every lease it finds
     at = s.pub.count()
-    wait_for(lambda: s.pub.count() >= at + 100 or s.pub.error is not None, 30, "confirms after the pause")
-    if s.pub.error is not None or "stepping down" in s.leader.log_text():
-        raise AssertionError(f"the leader stepped down for an etcd pause under the TTL: {s.pub.error!r}")
-    return s.pub.longest_gap(t0)
-
-
-def fault_etcd_restart(c: Cluster, s: Setup, lab: NetLab | None) -> float:
-    """etcd killed and back after half a TTL (it renews every lease it finds): nobody steps down."""
-    c.etcd.kill9()
-    t0 = time.monotonic()
-    wait_for(lambda: time.monotonic() - t0 >= c.ttl / 2, c.ttl + 5, "the outage")  # the fault's length
-    c.etcd.start()
-    at = s.pub.count()
-    wait_for(lambda: s.pub.count() >= at + 100 or s.pub.error is not None, 30, "confirms after the restart")
+    wait_for(lambda: s.pub.count() >= at + 100 or s.pub.error is not None, 30, "confirms after the outage")
     if s.pub.error is not None or "stepping down" in s.leader.log_text():
         raise AssertionError(f"the leader stepped down for an etcd outage under the TTL: {s.pub.error!r}")
     return s.pub.longest_gap(t0)
+
+
+def fault_etcd_pause(c: Cluster, s: Setup, lab: NetLab | None) -> float:
+    return _short_etcd_outage(c, s, c.ttl * 0.7, pause=True)
+
+
+def fault_etcd_restart(c: Cluster, s: Setup, lab: NetLab | None) -> float:
+    return _short_etcd_outage(c, s, c.ttl * 0.5, pause=False)
 
 
 def fault_etcd_down(c: Cluster, s: Setup, lab: NetLab | None) -> float:

@@ -17,7 +17,6 @@ import asyncio
 import base64
 import json
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -32,7 +31,7 @@ from typing import Any
 import pytest
 
 from ._support import REPO_ROOT
-from .cluster_faults import Publisher
+from .cluster_faults import Publisher, free_test_net
 from .test_cluster import (
     TTL,
     Cluster,
@@ -255,12 +254,8 @@ def _netns_setup() -> tuple[str, str]:
         pytest.skip("partition test needs the ip command")
     tag = uuid.uuid4().hex[:8]
     ns, host_if = f"skt{tag}", f"skh{tag}"
-    used = _ip("-4", "addr").stdout
-    for _ in range(20):
-        net = f"198.18.{random.randrange(256)}"
-        if f"{net}." not in used:
-            break
-    else:
+    net = free_test_net("198.18")
+    if net is None:
         pytest.skip("no free 198.18.x.0/24 test network")
     made = _ip("netns", "add", ns)
     if made.returncode != 0:
