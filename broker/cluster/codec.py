@@ -49,7 +49,7 @@ SECRET_SIZE: Final = 32
 
 # Welcome status codes.
 OK: Final = 0
-BAD_VERSION: Final = 2  # 2: HEARTBEAT
+BAD_VERSION: Final = 1
 BAD_SECRET: Final = 2
 
 # Message kinds, leader -> follower.
