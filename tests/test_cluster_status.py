@@ -124,3 +124,16 @@ def test_barrier_refuses_once_the_lease_clock_ran_out(tmp_path: Path) -> None:
         return first.done(), second.done(), sink.fenced
 
     assert asyncio.run(run()) == (True, False, True)
+
+
+def test_standing_orders_members_by_completeness(tmp_path: Path) -> None:
+    from broker.cluster.standing import Standing, load_last_role, save_last_role
+
+    cold_leader = Standing.of({"last": {"role": "leader", "term": 7}})
+    cold_follower = Standing.of({"last": {"role": "follower", "term": 7}})
+    older = Standing.of({"last": {"role": "follower", "term": 5}})
+    warm = Standing.of({"warm": True})
+    assert warm > cold_follower > cold_leader > older > Standing.of({})
+    assert load_last_role(tmp_path) == {}
+    save_last_role(tmp_path, "follower", 7)
+    assert load_last_role(tmp_path) == {"role": "follower", "term": 7}

@@ -194,6 +194,11 @@ class Etcd:
             log.info("revoked lease %x", lease_id)
 
     # ---------------------------------------------------------------- keys
+    async def get_leader(self) -> tuple[bytes, int] | None:
+        """The leader key's value and create revision (its term), or None."""
+        got = await self._call(self.client.get(self.key("leader")))
+        return None if got is None else (bytes(got.value), int(got.create_revision))
+
     async def get(self, name: str) -> bytes | None:
         got = await self._call(self.client.get(self.key(name)))
         return None if got is None else bytes(got.value)

@@ -9,14 +9,13 @@ creates, put-if-absent) the cluster secret and takes a lease.
 * No leader key: if the ISR key names us (or does not exist yet: a brand-new
   cluster) we campaign; otherwise we wait — only a member of the ISR has every
   confirmed message, so only it may lead. Among ISR members the one with the
-  most complete state must win: a node that has followed in sync or led in
-  this process is *warm* (says so in its member record); a node just
-  (re)started is not — it may have died leading, with acks only in memory
-  that its followers already have on disk, and if it led, bulk sync would
-  hand its older ack files to everyone and bring acked messages back. So a
-  cold node defers while a warm ISR member is alive (has a member record),
-  for at most ``DEFER_LIMIT`` TTLs (a warm member that cannot win for that
-  long is not coming).
+  most complete state must win (``standing.py``): a node defers while a live
+  ISR member (one with a member record) outranks it — warm over cold, then the
+  later term, then a follower over the leader of the same term, which may have
+  died with acks in memory only that its followers have on disk (if it led,
+  bulk sync would hand its older ack files to everyone and bring acked
+  messages back). It defers for at most ``DEFER_LIMIT`` TTLs (a member that
+  cannot win for that long is not coming).
 * Someone else leads: we follow. ``follower.follow`` bulk-syncs the data dir,
   then applies the action stream, fsyncing before every ack. After the first
   completed sync the client ports (AMQP, HTTP) proxy to the leader. An etcd
@@ -78,6 +77,7 @@ from broker.cluster.files import NODE_ID_FILE
 from broker.cluster.hooks import run_hook
 from broker.cluster.leader import LeaderSink
 from broker.cluster.proxy import SpliceProxy, Target
+from broker.cluster.standing import Standing, load_last_role, save_last_role
 from broker.cluster.status import ClusterView, FollowerMetrics
 from broker.config import ClusteringConfig, Config
 from broker.node import Node
@@ -90,7 +90,7 @@ DRAIN_TIMEOUT = 10.0  # graceful leader shutdown: longest wait for the ISR to ac
 STATUS_EVERY = 10.0  # seconds between cluster status log lines on the leader
 WATCH_BACKSTOP = 2.0  # seconds between reads of the leader key while its watch is healthy
 MEMBER_EVERY = 1.0  # seconds between checks whether our member record in etcd needs rewriting
-DEFER_LIMIT = 3  # lease TTLs a cold node waits for a warm ISR member to take the lead
+DEFER_LIMIT = 3  # lease TTLs a node waits for a better-placed ISR member to take the lead
 STALL_ENV = "SKRED_TEST_FSYNC_STALL_FILE"  # test hook: fsync blocks while this file exists
 
 
@@ -150,6 +150,7 @@ class ClusterRunner:
         self.apply_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skred-replica")
         self._bg: set[asyncio.Task[Any]] = set()
         self.view = ClusterView(self.node_id, self.uri)
+        self.view.last = load_last_role(self.data_dir)
         self.follower_metrics = FollowerMetrics(self.view)
         self._metrics_retry_at = 0.0
         self._member_written: tuple[int | None, str] = (None, "")
@@ -230,7 +231,8 @@ class ClusterRunner:
     async def _publish_member_loop(self) -> None:
         """Keep ``<prefix>/members/<id>`` current (rewritten when the record or our lease changes)."""
         while True:
-            await asyncio.sleep(MEMBER_EVERY)
+            # Soon after start (peers rank us by this record before they campaign), then every second.
+            await asyncio.sleep(MEMBER_EVERY if self._member_written[0] is not None else POLL)
             lease = self.etcd.lease_id
             if lease is None or self.etcd.client is None:
                 continue
@@ -245,12 +247,12 @@ class ClusterRunner:
             self._member_written = (lease, record)
 
     async def _step(self) -> int | None:
-        leader = await self.etcd.get("leader")
-        if leader is None:
+        got = await self.etcd.get_leader()
+        if got is None:
             self.view.set_role("candidate")
             isr, isr_raw = await self.etcd.read_isr()
             if isr is None or self.node_id in isr:
-                if isr is not None and await self._defer_to_warm_member(isr):
+                if isr is not None and await self._defer_to_better_member(isr):
                     await self._pause(POLL)
                     return None
                 if await self.etcd.campaign(self.uri, isr_raw):
@@ -262,33 +264,43 @@ class ClusterRunner:
             await self._pause(POLL)
             return None
         self._deferring_since = None
-        uri = leader.decode()
+        uri, term = got[0].decode(), got[1]
         if uri == self.uri:
             await self.etcd.drop_stale_leader(uri)  # our own key from a previous run: revoke its lease
             await self._pause(POLL)
             return None
-        await self._follow(uri)
+        await self._follow(uri, term)
         return None
 
-    async def _defer_to_warm_member(self, isr: list[str]) -> bool:
-        """True while we are cold and a warm ISR member is alive to lead instead."""
-        if self.view.warm:
-            return False
+    def _record_role(self, role: str, term: int) -> None:
+        last = {"role": role, "term": term}
+        if self.view.last != last:
+            save_last_role(self.data_dir, role, term)
+            self.view.last = last
+
+    async def _defer_to_better_member(self, isr: list[str]) -> bool:
+        """True while a live ISR member with a more complete copy than ours should lead instead."""
+        mine = Standing.of(self.view.member_record())
         members = await self.etcd.members()
-        warm = sorted(m for m, rec in members.items() if m != self.node_id and m in isr and rec.get("warm"))
-        if not warm:
+        better = sorted(m for m, rec in members.items()
+                        if m != self.node_id and m in isr and Standing.of(rec) > mine)
+        if not mine.warm and self.view.last.get("role") == "leader":
+            # We may have died leading: an ISR member not up yet may well have more than we do.
+            better += sorted(m for m in isr if m != self.node_id and m not in members)
+        if not better:
             return False
         now = time.monotonic()
         if self._deferring_since is None:
             self._deferring_since = now
-            log.info("not campaigning: in-sync members %s have live state, one of them must lead", warm)
+            log.info("not campaigning: in-sync members %s have a more complete copy, one of them must lead",
+                     better)
         if now - self._deferring_since > DEFER_LIMIT * self.etcd.ttl:
-            log.warning("in-sync members %s did not take the lead: campaigning", warm)
+            log.warning("in-sync members %s did not take the lead: campaigning", better)
             return False
         return True
 
     # ---------------------------------------------------------------- follower
-    async def _follow(self, uri: str) -> None:
+    async def _follow(self, uri: str, term: int) -> None:
         parts = urlsplit(uri)
         host, port = parts.hostname or "127.0.0.1", parts.port or 5679
         log.info("following leader %s", uri)
@@ -304,6 +316,7 @@ class ClusterRunner:
 
         def on_synced() -> None:
             self.view.synced = self.view.warm = True
+            self._record_role("follower", term)
             if not self.synced_once:
                 self.synced_once = True
                 self._spawn(self._start_proxies())
@@ -414,6 +427,7 @@ class ClusterRunner:
             log.error("could not write the ISR before serving: giving the leadership up")
             await self.etcd.resign()
             return None
+        self._record_role("leader", self.etcd.leader_revision)
         self.view.set_role("leader", self.uri, sink)
         node = Node(cfg, sink)
         node.cluster = self.view

@@ -412,6 +412,20 @@ def _short_etcd_outage(c: Cluster, s: Setup, seconds: float, pause: bool) -> flo
     return s.pub.longest_gap(t0)
 
 
+def fault_cluster_kill(c: Cluster, s: Setup, lab: NetLab | None) -> float:
+    """kill -9 every node, start them all again: a follower of the last term must lead."""
+    for n in c.nodes:
+        n.kill9()
+    t0 = time.monotonic()
+    for n in c.nodes:
+        n.start()
+    new = wait_for(lambda: serving_leader(c), c.ttl + 30, "a leader after the whole cluster restarted")
+    took = time.monotonic() - t0
+    if new is s.leader:
+        raise AssertionError("the old leader (acks in memory only) led again over its followers")
+    return took
+
+
 def fault_etcd_pause(c: Cluster, s: Setup, lab: NetLab | None) -> float:
     return _short_etcd_outage(c, s, c.ttl * 0.7, pause=True)
 
@@ -504,6 +518,9 @@ class Fault:
 FAULTS: dict[str, Fault] = {
     "leader kill -9": Fault(fault_leader_kill, 2, 2 + 2),
     "quick restart of the old leader": Fault(fault_quick_restart, 2, 2 + 2, publishing=False),
+    # Three brokers start again (a few seconds of Python start-up under load) before anyone can lead.
+    "whole cluster kill -9": Fault(fault_cluster_kill, 2, 2 + 2 + 5, publishing=False,
+                                   what="kill to a leader serving, restarts included"),
     # A pause shorter than the TTL costs no leadership: confirms wait for etcd, no longer.
     "etcd paused 0.7 TTL": Fault(fault_etcd_pause, 10, 7 + 2, what="longest confirm gap"),
     "etcd restarted after 0.5 TTL": Fault(fault_etcd_restart, 10, 5 + 4, what="longest confirm gap"),
