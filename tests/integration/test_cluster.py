@@ -301,13 +301,16 @@ async def consume_all(url: str, queue: str, expect_at_least: int) -> list[int]:
     return got
 
 
+LOCAL_FILES = (".node_id", ".lock", ".cluster_role")  # node-local: never replicated
+
+
 def logical_equal(leader_dir: Path, follower_dir: Path) -> str | None:
     """None if the follower's files equal the leader's (write segments: up to the zero tail)."""
     def files(d: Path) -> dict[str, Path]:
         out = {}
         for p in d.rglob("*"):
             rel = p.relative_to(d).as_posix()
-            if p.is_file() and not rel.startswith("transient/") and p.name not in (".node_id", ".lock") \
+            if p.is_file() and not rel.startswith("transient/") and p.name not in LOCAL_FILES \
                     and not p.name.endswith(".tmp"):
                 out[rel] = p
         return out
