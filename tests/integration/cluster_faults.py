@@ -413,8 +413,12 @@ def _short_etcd_outage(c: Cluster, s: Setup, seconds: float, pause: bool) -> flo
 
 
 def fault_cluster_kill(c: Cluster, s: Setup, lab: NetLab | None) -> float:
-    """kill -9 every node, start them all again: a follower of the last term must lead."""
-    for n in c.nodes:
+    """kill -9 every node, leader first, start them all again: a follower of the last term must lead.
+
+    (Leader first: killed after its followers, a leader has time to drop them from the ISR and
+    is then rightly the only node allowed to lead; see docs/reliability.md.)
+    """
+    for n in sorted(c.nodes, key=lambda n: n is not s.leader):
         n.kill9()
     t0 = time.monotonic()
     for n in c.nodes:
