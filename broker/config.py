@@ -209,7 +209,9 @@ class ClusteringConfig:
     on_leader_lost: str = field(default="", metadata=_meta("Shell command run when this node stops leading."))
     lease_ttl: int = field(default=10, metadata=_meta("etcd lease TTL, seconds.", lo=1, hi=3600))
     max_unsynced_actions: int = field(
-        default=8192, metadata=_meta("Actions a follower may lag before it leaves the in-sync set.", lo=0)
+        default=8192,
+        metadata=_meta("Deprecated, accepted but has no effect (as in LavinMQ): a follower leaves the "
+                       "in-sync set when it stops acking replicated data for 3 s.", lo=0),
     )
     disk_stall_timeout: int = field(
         default=20,
