@@ -144,6 +144,8 @@ class ClusterRunner:
         self.secret = b""
         self.amqp_target = Target()
         self.http_target = Target()
+        # LMQ's ports: a cluster's nodes share their [lmq] ports, so the leader's are ours.
+        self.lmq_targets = (Target(), Target())
         self.proxies: list[SpliceProxy] = []
         self.synced_once = False
         self.lock: DataDirLock | None = None
@@ -313,6 +315,9 @@ class ClusterRunner:
                 self._drop_proxied("the leader changed")  # spliced to a node that no longer leads
             self.amqp_target.host, self.amqp_target.port = host, w.amqp_port
             self.http_target.host, self.http_target.port = host, w.http_port
+            lmq_ports = (self.config.lmq.http_port, self.config.lmq.rpc_port)
+            for target, lmq_port in zip(self.lmq_targets, lmq_ports, strict=True):
+                target.host, target.port = host, lmq_port
 
         def on_synced() -> None:
             self.view.synced = self.view.warm = True
@@ -390,6 +395,12 @@ class ClusterRunner:
         wanted = [("AMQP", self.amqp_target, True, cfg.amqp.bind, cfg.amqp.port)]
         if cfg.mgmt.enabled:
             wanted.append(("HTTP", self.http_target, False, cfg.mgmt.bind, cfg.mgmt.port))
+        if cfg.lmq.enabled:  # port 0 ("any free port") names no port the leader is known to use
+            http_target, rpc_target = self.lmq_targets
+            if cfg.lmq.http_port:
+                wanted.append(("LMQ HTTP", http_target, False, cfg.lmq.bind, cfg.lmq.http_port))
+            if cfg.lmq.rpc_port:
+                wanted.append(("LMQ RPC", rpc_target, False, cfg.lmq.bind, cfg.lmq.rpc_port))
         for name, target, header, bind, port in wanted:
             p = SpliceProxy(name, target, header, source)
             try:
