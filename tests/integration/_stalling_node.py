@@ -28,7 +28,7 @@ class _StallWhileFileExists:
     def __init__(self, path: Path) -> None:
         self.path = path
 
-    def sync(self) -> None:
+    def sync(self, full: bool = False, fsync: bool = True) -> None:
         while self.path.exists():
             time.sleep(0.05)  # runs in the fsync worker thread, as a stuck fsync would
 
