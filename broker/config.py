@@ -183,7 +183,8 @@ class MainConfig:
 class AmqpConfig:
     bind: str = field(default="127.0.0.1", metadata=_meta("Address the AMQP listener binds to."))
     port: int = field(
-        default=5672, metadata=_meta("AMQP port (0: pick a free port, -1: no plain listener).", lo=-1, hi=65535)
+        default=5672,
+        metadata=_meta("AMQP port (0: pick a free port, -1: no plain listener).", lo=-1, hi=65535),
     )
     tls_port: int = field(
         default=5671,
@@ -263,8 +264,8 @@ class ClusteringConfig:
     )
     tls: bool = field(
         default=True,
-        metadata=_meta("Encrypt the replication link with [main] tls_cert/tls_ca_cert when tls_cert is set "
-                       "(peers verified against tls_ca_cert; the cluster secret then never crosses in clear)."),
+        metadata=_meta("Encrypt the replication link with [main] tls_cert/tls_ca_cert when tls_cert is "
+                       "set (the leader verified against tls_ca_cert; the cluster secret never in clear)."),
     )
     disk_stall_timeout: int = field(
         default=20,

@@ -52,7 +52,7 @@ def _v2(cmd: int, fam: int, addr: bytes, tlvs: bytes = b"") -> bytes:
 
 
 def test_v2_tcp4_and_tcp6_and_tlvs_skipped() -> None:
-    addr4 = bytes([192, 0, 2, 7]) + bytes([127, 0, 0, 1]) + (40000).to_bytes(2, "big") + (5672).to_bytes(2, "big")
+    addr4 = bytes([192, 0, 2, 7, 127, 0, 0, 1]) + (40000).to_bytes(2, "big") + (5672).to_bytes(2, "big")
     data = _v2(1, 0x11, addr4, tlvs=b"\x04\x00\x03abc") + b"AMQP\x00\x00\x09\x01"
     assert proxy.parse(data) == (len(data) - 8, ("192.0.2.7", 40000))
     import ipaddress
