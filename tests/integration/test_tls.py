@@ -85,7 +85,8 @@ def api(b: TLSBroker, pki: PKI, method: str, path: str, body: Any = None,
                                  data=None if body is None else json.dumps(body).encode())
     req.add_header("Authorization", "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode())
     req.add_header("Content-Type", "application/json")
-    with urllib.request.urlopen(req, context=pki.client_context(), timeout=10) as resp:
+    # the HTTPS listener shares [main] tls_*: present the client certificate in case it is required
+    with urllib.request.urlopen(req, context=pki.client_context(cert=pki.client), timeout=10) as resp:
         raw = resp.read()
         return json.loads(raw) if raw else None
 
