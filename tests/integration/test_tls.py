@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import shutil
+import signal
 import socket
 import ssl
 import subprocess
@@ -289,3 +291,71 @@ def test_unusable_certificate_is_a_clear_startup_error(tmp_path: Path, pki: PKI)
     finally:
         p.close()
 
+
+
+# ----------------------------------------------------------------------- SNI, reload
+def _served_cn(port: int, pki: PKI, server_name: str | None) -> str:
+    """The CN of the certificate the broker serves for ``server_name`` (openssl s_client)."""
+    argv = ["openssl", "s_client", "-connect", f"127.0.0.1:{port}", "-CAfile", str(pki.ca.cert_path)]
+    argv += ["-servername", server_name] if server_name else ["-noservername"]
+    out = subprocess.run(argv, input="", capture_output=True, text=True, timeout=20).stdout
+    for line in out.splitlines():
+        if line.startswith("subject="):
+            return line.rsplit("CN", 1)[1].lstrip(" =").strip()
+    raise AssertionError(f"no certificate in openssl s_client output:\n{out}")
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_sni_picks_the_certificate_by_server_name(tls_broker_factory: Any, pki: PKI) -> None:
+    other = issue(pki.ca, pki.dir, "other.test", dns=("other.test",))
+    wild = issue(pki.ca, pki.dir, "*.wild.test", dns=("*.wild.test",))
+    sni = f"other.test={other.cert}:{other.key}, *.wild.test={wild.cert}:{wild.key}"
+    b = tls_broker_factory("--tls-sni", sni)
+    assert _served_cn(b.tls_port, pki, "other.test") == "other.test"
+    assert _served_cn(b.tls_port, pki, "a.wild.test") == "*.wild.test"
+    assert _served_cn(b.tls_port, pki, "localhost") == "localhost"
+    assert _served_cn(b.tls_port, pki, "unknown.test") == "localhost"  # the default certificate
+    assert _served_cn(b.tls_port, pki, None) == "localhost"
+    assert _served_cn(b.https_port, pki, "other.test") == "other.test"  # HTTPS shares the contexts
+
+
+def _peer_cn(port: int, pki: PKI) -> str:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+        with pki.client_context().wrap_socket(raw, server_hostname="localhost") as s:
+            cert = s.getpeercert()
+    return next(v for rdn in cert["subject"] for k, v in rdn if k == "commonName")
+
+
+def test_sighup_reloads_certificates_without_dropping_connections(tls_broker_factory: Any,
+                                                                  pki: PKI, tmp_path: Path) -> None:
+    live = tmp_path / "live"
+    live.mkdir()
+    first = issue(pki.ca, live, "localhost", dns=("localhost",), ips=("127.0.0.1",))
+    b = tls_broker_factory("--tls-cert", str(first.cert), "--tls-key", str(first.key))
+    conn = pika.BlockingConnection(params(b.tls_port, pki.client_context()))
+    try:
+        ch = conn.channel()
+        ch.confirm_delivery()
+        q = ch.queue_declare("", exclusive=True).method.queue
+        ch.basic_publish("", q, b"before")
+        assert _peer_cn(b.tls_port, pki) == "localhost"
+
+        renewed = issue(pki.ca, tmp_path, "localhost renewed", dns=("localhost",), ips=("127.0.0.1",))
+        shutil.copy(renewed.cert, first.cert)
+        shutil.copy(renewed.key, first.key)
+        assert b.proc.pid is not None
+        os.kill(b.proc.pid, signal.SIGHUP)
+        wait_until(lambda: _peer_cn(b.tls_port, pki) == "localhost renewed", 10, "renewed certificate served")
+        assert b.proc.alive()
+        # the connection opened before the reload still works, both ways
+        ch.basic_publish("", q, b"after")
+        got = [ch.basic_get(q, auto_ack=True)[2] for _ in range(2)]
+        assert got == [b"before", b"after"]
+
+        # a reload that cannot load its files keeps serving the previous certificate
+        first.key.write_text("garbage")
+        os.kill(b.proc.pid, signal.SIGHUP)
+        wait_until(lambda: "TLS reload failed" in b.proc.log_text(), 10, "failed reload logged")
+        assert _peer_cn(b.tls_port, pki) == "localhost renewed" and b.proc.alive()
+    finally:
+        conn.close()
