@@ -142,6 +142,21 @@ class ServerTLS:
         return True
 
 
+def replication_contexts(main: MainConfig, on: bool) -> tuple[ssl.SSLContext | None, ssl.SSLContext | None]:
+    """(leader's server context, follower's client context) for the replication link, or
+    (None, None) when it runs in clear (no tls_cert, or ``[clustering] tls = false``).
+
+    The leader does not ask followers for a certificate (the cluster secret, now inside TLS,
+    authenticates them); the follower verifies the leader's certificate and host name against
+    tls_ca_cert, so it never hands the secret to a node that cannot prove it is one of ours.
+    """
+    if not (on and enabled(main)):
+        return None, None
+    server = _base_context(True, main)
+    _load_chain(server, main.tls_cert, main.tls_key, "[main] tls_cert")
+    return server, client_context(main)
+
+
 def client_context(main: MainConfig) -> ssl.SSLContext:
     """For this node's own TLS connections (replication link): verify the peer by tls_ca_cert
     and its host name; present tls_cert so a peer that asks for one gets it."""

@@ -11,15 +11,16 @@ from collections.abc import Callable
 
 
 class Relay:
-    def __init__(self, target: tuple[str, int], *, source: str = "127.0.0.1",
-                 prefix: Callable[[tuple[str, int]], bytes] | None = None, record: bool = False) -> None:
+    def __init__(self, target: tuple[str, int], *, source: str | None = "127.0.0.1",
+                 prefix: Callable[[tuple[str, int]], bytes] | None = None, record: bool = False,
+                 listen: str = "127.0.0.1") -> None:
         self.target = target
         self.source = source
         self.prefix = prefix
         self.record = record
         self.captured = bytearray()  # both directions, in arrival order
         self._lock = threading.Lock()
-        self._sock = socket.create_server(("127.0.0.1", 0))
+        self._sock = socket.create_server((listen, 0))
         self.port = int(self._sock.getsockname()[1])
         self._open: list[socket.socket] = []
         self._closed = False
@@ -32,7 +33,8 @@ class Relay:
             except OSError:
                 return
             try:
-                upstream = socket.create_connection(self.target, timeout=10, source_address=(self.source, 0))
+                source = self.source or str(addr[0])  # None: connect from the client's own address
+                upstream = socket.create_connection(self.target, timeout=10, source_address=(source, 0))
                 upstream.settimeout(None)
             except OSError:
                 client.close()
