@@ -74,6 +74,9 @@ class AmqpUri:
             raise PerfError(f"TLS handshake with {self.host}:{self.port} failed: {exc}") from exc
 
 
+SEND_TIMEOUT = 30.0  # seconds a write may block before the run fails
+
+
 class ConsumerCancelled(PerfError):
     """The broker cancelled our consumer (basic.cancel), e.g. because the queue was deleted."""
 
@@ -205,6 +208,9 @@ class Client:
                 self._scan()
 
     def send(self, data: bytes | memoryview) -> None:
+        # _read leaves whatever timeout its deadline needed (down to 1 ms): a write that has to
+        # wait for a slow broker (TLS records, flow control) gets the full send timeout instead.
+        self.sock.settimeout(SEND_TIMEOUT)
         self.sock.sendall(data)
 
     def _send_quietly(self, data: bytes) -> None:
