@@ -122,6 +122,9 @@ class Listener:
             # a failed TLS handshake (untrusted CA, old protocol version, no client certificate)
             log.info("%s: connection from %s:%d failed: %s", self.name, peer[0], peer[1], exc)
             conn.close()
+        except asyncio.CancelledError:  # the listener stopped before the connection was handed over
+            conn.close()
+            raise
 
     async def _strip_proxy_header(self, loop: asyncio.AbstractEventLoop, conn: socket.socket,
                                   peer: Peer) -> Peer:
