@@ -2,9 +2,9 @@
 
 Startup order: lock the data dir, wipe the scratch dir of transient queues,
 load users and vhosts (each vhost replays its definitions log and recovers its
-queue stores), import ``[main] load_definitions`` if set, then open the AMQP
-listeners (AMQP and, with ``[main] tls_cert``, AMQPS) and the management/metrics
-HTTP(S) listeners. Shutdown (SIGTERM/SIGINT) runs in reverse: stop the HTTP
+queue stores), import ``[main] load_definitions`` if set, then open the
+management/metrics HTTP(S) listeners and the AMQP listeners (AMQP and, with
+``[main] tls_cert``, AMQPS). Shutdown (SIGTERM/SIGINT) runs in reverse: stop the HTTP
 listeners, stop accepting AMQP, close every connection with 320
 CONNECTION_FORCED, fsync and close every store, release the lock. SIGHUP
 reloads the TLS certificates (``reload_tls``) without touching connections.
@@ -132,9 +132,10 @@ class Node:
                 self.load_definitions(Path(cfg.main.load_definitions))
             if tls.enabled(cfg.main):
                 self.tls = tls.ServerTLS(cfg.main)
-            await self.start_amqp(broker, mgmt)
+            # HTTP first: once the AMQP port answers, everything answers (tests and probes rely on it)
             if cfg.mgmt.enabled:
                 await self.start_http(broker, mgmt)
+            await self.start_amqp(broker, mgmt)
         except BaseException:
             self.release_lock()
             raise
