@@ -6,10 +6,13 @@ A follower listens on the client ports (AMQP and, when the management API is
 enabled, HTTP) once its first bulk sync completed, so a client never reaches a
 node that has never been in sync with the cluster. Each accepted connection is
 spliced to the current leader's matching port (the leader announces its
-ports in the replication handshake). AMQP connections are prefixed with a
-PROXY protocol v1 header (``PROXY TCP4 src dst sport dport``) so the leader
-sees, logs and authorises the real client address; the leader only honours it
-because the follower is a cluster member. When the leader changes, new
+plain ports in the replication handshake; its TLS ports are the follower's
+own ``tls_port`` settings). Every connection is prefixed with a PROXY
+protocol v1 header (``PROXY TCP4 src dst sport dport``) so the leader sees,
+logs and authorises the real client address; the leader only honours it
+because the follower is a cluster member. AMQPS and HTTPS connections are
+passed through as they are: the header goes in clear, then TLS runs end to
+end between the client and the leader (client certificates work). When the leader changes, new
 connections go to the new leader; existing ones end with their leader.
 """
 
