@@ -129,6 +129,7 @@ class AMQPConnection:
         self.client_properties: dict[str, Any] = {}
         self.capabilities: dict[str, Any] = {}
         self.username = ""
+        self.mechanisms = "PLAIN AMQPLAIN"  # offered in connection.start (EXTERNAL with a client cert)
         self.vhost = ""
         self.channels: dict[int, int] = {}
         self._pending: dict[int, PendingContent] = {}
@@ -361,7 +362,7 @@ class AMQPConnection:
                     version_major=0,
                     version_minor=9,
                     server_properties=self._server_properties,
-                    mechanisms="PLAIN AMQPLAIN",
+                    mechanisms=self.mechanisms,
                     locales="en_US",
                 ),
             )

@@ -8,7 +8,14 @@ creates, put-if-absent) the cluster secret and takes a lease.
 
 * No leader key: if the ISR key names us (or does not exist yet: a brand-new
   cluster) we campaign; otherwise we wait — only a member of the ISR has every
-  confirmed message, so only it may lead.
+  confirmed message, so only it may lead. Among ISR members the one with the
+  most complete state must win (``standing.py``): a node defers while a live
+  ISR member (one with a member record) outranks it — warm over cold, then the
+  later term, then a follower over the leader of the same term, which may have
+  died with acks in memory only that its followers have on disk (if it led,
+  bulk sync would hand its older ack files to everyone and bring acked
+  messages back). It defers for at most ``DEFER_LIMIT`` TTLs (a member that
+  cannot win for that long is not coming).
 * Someone else leads: we follow. ``follower.follow`` bulk-syncs the data dir,
   then applies the action stream, fsyncing before every ack. After the first
   completed sync the client ports (AMQP, HTTP) proxy to the leader. An etcd
@@ -64,14 +71,16 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from broker import tls
 from broker.cluster import codec, follower
 from broker.cluster.etcd import Etcd, EtcdError
 from broker.cluster.files import NODE_ID_FILE
 from broker.cluster.hooks import run_hook
 from broker.cluster.leader import LeaderSink
 from broker.cluster.proxy import SpliceProxy, Target
+from broker.cluster.standing import Standing, load_last_role, save_last_role
 from broker.cluster.status import ClusterView, FollowerMetrics
-from broker.config import Config
+from broker.config import ClusteringConfig, Config
 from broker.node import Node
 from broker.store.lock import DataDirLock
 
@@ -82,6 +91,7 @@ DRAIN_TIMEOUT = 10.0  # graceful leader shutdown: longest wait for the ISR to ac
 STATUS_EVERY = 10.0  # seconds between cluster status log lines on the leader
 WATCH_BACKSTOP = 2.0  # seconds between reads of the leader key while its watch is healthy
 MEMBER_EVERY = 1.0  # seconds between checks whether our member record in etcd needs rewriting
+DEFER_LIMIT = 3  # lease TTLs a node waits for a better-placed ISR member to take the lead
 STALL_ENV = "SKRED_TEST_FSYNC_STALL_FILE"  # test hook: fsync blocks while this file exists
 
 
@@ -91,7 +101,7 @@ class _StallWhileFileExists:
     def __init__(self, path: Path) -> None:
         self.path = path
 
-    def sync(self) -> None:
+    def sync(self, full: bool = False, fsync: bool = True) -> None:
         while self.path.exists():
             time.sleep(0.05)  # this runs in the fsync worker thread, like a stuck fsync would
 
@@ -135,15 +145,24 @@ class ClusterRunner:
         self.secret = b""
         self.amqp_target = Target()
         self.http_target = Target()
+        # TLS client ports: spliced as they are (TLS end to end) to the leader's same TLS ports
+        self.amqps_target = Target()
+        self.https_target = Target()
+        self.repl_server_tls, self.repl_client_tls = tls.replication_contexts(config.main, c.tls)
+        self.node: Node | None = None  # the broker, while this node leads (SIGHUP reloads its TLS)
+        # LMQ's ports: a cluster's nodes share their [lmq] ports, so the leader's are ours.
+        self.lmq_targets = (Target(), Target())
         self.proxies: list[SpliceProxy] = []
         self.synced_once = False
         self.lock: DataDirLock | None = None
         self.apply_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skred-replica")
         self._bg: set[asyncio.Task[Any]] = set()
         self.view = ClusterView(self.node_id, self.uri)
+        self.view.last = load_last_role(self.data_dir)
         self.follower_metrics = FollowerMetrics(self.view)
         self._metrics_retry_at = 0.0
         self._member_written: tuple[int | None, str] = (None, "")
+        self._deferring_since: float | None = None
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.ensure_future(coro)
@@ -171,9 +190,13 @@ class ClusterRunner:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
+        loop.add_signal_handler(signal.SIGHUP, self.reload_tls)
         self._lock()
         log.info("cluster node %s (%s) starting, etcd %s prefix %r", self.node_id, self.uri,
                  self.config.clustering.etcd_endpoints, self.etcd.prefix)
+        if self.config.clustering.max_unsynced_actions != ClusteringConfig.max_unsynced_actions:
+            log.warning("[clustering] max_unsynced_actions is deprecated and has no effect: a follower "
+                        "leaves the in-sync set when it stops acking")
         member_loop = asyncio.ensure_future(self._publish_member_loop())
         try:
             while not self.stopping.is_set():
@@ -217,7 +240,8 @@ class ClusterRunner:
     async def _publish_member_loop(self) -> None:
         """Keep ``<prefix>/members/<id>`` current (rewritten when the record or our lease changes)."""
         while True:
-            await asyncio.sleep(MEMBER_EVERY)
+            # Soon after start (peers rank us by this record before they campaign), then every second.
+            await asyncio.sleep(MEMBER_EVERY if self._member_written[0] is not None else POLL)
             lease = self.etcd.lease_id
             if lease is None or self.etcd.client is None:
                 continue
@@ -232,11 +256,14 @@ class ClusterRunner:
             self._member_written = (lease, record)
 
     async def _step(self) -> int | None:
-        leader = await self.etcd.get("leader")
-        if leader is None:
+        got = await self.etcd.get_leader()
+        if got is None:
             self.view.set_role("candidate")
             isr, isr_raw = await self.etcd.read_isr()
             if isr is None or self.node_id in isr:
+                if isr is not None and await self._defer_to_better_member(isr):
+                    await self._pause(POLL)
+                    return None
                 if await self.etcd.campaign(self.uri, isr_raw):
                     return await self._lead()
             else:
@@ -245,15 +272,44 @@ class ClusterRunner:
                 return None
             await self._pause(POLL)
             return None
-        uri = leader.decode()
+        self._deferring_since = None
+        uri, term = got[0].decode(), got[1]
         if uri == self.uri:
-            await self._pause(POLL)  # our own key from before a restart: wait for that lease to end
+            await self.etcd.drop_stale_leader(uri)  # our own key from a previous run: revoke its lease
+            await self._pause(POLL)
             return None
-        await self._follow(uri)
+        await self._follow(uri, term)
         return None
 
+    def _record_role(self, role: str, term: int) -> None:
+        last = {"role": role, "term": term}
+        if self.view.last != last:
+            save_last_role(self.data_dir, role, term)
+            self.view.last = last
+
+    async def _defer_to_better_member(self, isr: list[str]) -> bool:
+        """True while a live ISR member with a more complete copy than ours should lead instead."""
+        mine = Standing.of(self.view.member_record())
+        members = await self.etcd.members()
+        better = sorted(m for m, rec in members.items()
+                        if m != self.node_id and m in isr and Standing.of(rec) > mine)
+        if not mine.warm and self.view.last.get("role") == "leader":
+            # We may have died leading: an ISR member not up yet may well have more than we do.
+            better += sorted(m for m in isr if m != self.node_id and m not in members)
+        if not better:
+            return False
+        now = time.monotonic()
+        if self._deferring_since is None:
+            self._deferring_since = now
+            log.info("not campaigning: in-sync members %s have a more complete copy, one of them must lead",
+                     better)
+        if now - self._deferring_since > DEFER_LIMIT * self.etcd.ttl:
+            log.warning("in-sync members %s did not take the lead: campaigning", better)
+            return False
+        return True
+
     # ---------------------------------------------------------------- follower
-    async def _follow(self, uri: str) -> None:
+    async def _follow(self, uri: str, term: int) -> None:
         parts = urlsplit(uri)
         host, port = parts.hostname or "127.0.0.1", parts.port or 5679
         log.info("following leader %s", uri)
@@ -262,27 +318,39 @@ class ClusterRunner:
         loop = asyncio.get_running_loop()
 
         def on_welcome(w: codec.Welcome) -> None:
+            if (self.amqp_target.host, self.amqp_target.port) != (host, w.amqp_port):
+                self._drop_proxied("the leader changed")  # spliced to a node that no longer leads
             self.amqp_target.host, self.amqp_target.port = host, w.amqp_port
             self.http_target.host, self.http_target.port = host, w.http_port
+            self.amqps_target.host, self.amqps_target.port = host, self.config.amqp.tls_port
+            self.https_target.host, self.https_target.port = host, self.config.mgmt.tls_port
+            lmq_ports = (self.config.lmq.http_port, self.config.lmq.rpc_port)
+            for target, lmq_port in zip(self.lmq_targets, lmq_ports, strict=True):
+                target.host, target.port = host, lmq_port
 
         def on_synced() -> None:
-            self.view.synced = True
+            self.view.synced = self.view.warm = True
+            self._record_role("follower", term)
             if not self.synced_once:
                 self.synced_once = True
                 self._spawn(self._start_proxies())
 
         task = asyncio.ensure_future(follower.follow(
             host, port, self.data_dir, self.secret, self.node_id, on_welcome, on_synced,
-            self.apply_executor, _source_ip(self.config.clustering.bind)))
+            self.apply_executor, _source_ip(self.config.clustering.bind), self.repl_client_tls))
         changed = asyncio.Event()
         watch = asyncio.ensure_future(self.etcd.watch("leader", changed.set))
         signalled = asyncio.ensure_future(changed.wait())
         watch_ok = True
         last_read = -WATCH_BACKSTOP  # read the key once right away: it may have moved before the watch
+        lost: str | None = None  # why the leader is lost to us, if it is
         try:
             while not task.done() and not self.stopping.is_set():
                 await asyncio.wait([task, signalled], timeout=POLL)
-                if task.done() or not self.etcd.lease_alive():
+                if task.done():
+                    break
+                if not self.etcd.lease_alive():
+                    lost = "our etcd lease expired"
                     break
                 now = time.monotonic()
                 if watch_ok and watch.done():
@@ -304,6 +372,7 @@ class ClusterRunner:
                     continue
                 if current is None or current.decode() != uri:
                     log.info("leader %s is gone", uri)
+                    lost = "the leader is gone"
                     break
         finally:
             task.cancel()
@@ -312,9 +381,13 @@ class ClusterRunner:
             await asyncio.gather(task, watch, signalled, return_exceptions=True)
             # The single replica worker: wait for any batch still being written.
             await loop.run_in_executor(self.apply_executor, lambda: None)
+        error = None if task.cancelled() else task.exception()
+        if isinstance(error, follower.LinkSilent):
+            lost = "the replication link is silent"
+        if lost is not None:
+            self._drop_proxied(lost)
         if task.cancelled():
             return
-        error = task.exception()
         if isinstance(error, follower.AuthRefused):
             log.error("leader %s refused us: %s", uri, error)
             self.secret = await self.etcd.secret()  # re-read: it may have been reset
@@ -330,8 +403,21 @@ class ClusterRunner:
         source = _source_ip(cfg.clustering.bind)
         wanted = [("AMQP", self.amqp_target, True, cfg.amqp.bind, cfg.amqp.port)]
         if cfg.mgmt.enabled:
-            wanted.append(("HTTP", self.http_target, False, cfg.mgmt.bind, cfg.mgmt.port))
+            wanted.append(("HTTP", self.http_target, True, cfg.mgmt.bind, cfg.mgmt.port))
+        if tls.enabled(cfg.main):
+            # the PROXY header goes in clear before the client's TLS bytes; the leader strips it first
+            wanted.append(("AMQPS", self.amqps_target, True, cfg.amqp.bind, cfg.amqp.tls_port))
+            if cfg.mgmt.enabled:
+                wanted.append(("HTTPS", self.https_target, True, cfg.mgmt.bind, cfg.mgmt.tls_port))
+        if cfg.lmq.enabled:  # port 0 ("any free port") names no port the leader is known to use
+            http_target, rpc_target = self.lmq_targets
+            if cfg.lmq.http_port:
+                wanted.append(("LMQ HTTP", http_target, False, cfg.lmq.bind, cfg.lmq.http_port))
+            if cfg.lmq.rpc_port:
+                wanted.append(("LMQ RPC", rpc_target, False, cfg.lmq.bind, cfg.lmq.rpc_port))
         for name, target, header, bind, port in wanted:
+            if port < 0:
+                continue  # that listener is turned off
             p = SpliceProxy(name, target, header, source)
             try:
                 await p.start(bind, port)
@@ -339,6 +425,11 @@ class ClusterRunner:
                 log.error("%s proxy cannot listen on %s:%d: %s", name, bind, port, exc)
                 continue
             self.proxies.append(p)
+
+    def _drop_proxied(self, why: str) -> None:
+        dropped = sum(p.drop_clients() for p in self.proxies)
+        if dropped:
+            log.warning("closed %d proxied client connections: %s", dropped, why)
 
     async def _stop_proxies(self) -> None:
         proxies, self.proxies = self.proxies, []
@@ -360,10 +451,12 @@ class ClusterRunner:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, sink.index.scan)
         if not await self.etcd.write_isr([self.node_id]):
-            log.error("lost leadership before serving")
+            log.error("could not write the ISR before serving: giving the leadership up")
+            await self.etcd.resign()
             return None
+        self._record_role("leader", self.etcd.leader_revision)
         self.view.set_role("leader", self.uri, sink)
-        node = Node(cfg, sink)
+        node = self.node = Node(cfg, sink)
         node.cluster = self.view
         stall_file = os.environ.get(STALL_ENV)
         stall = _StallWhileFileExists(Path(stall_file)) if stall_file else None
@@ -389,8 +482,9 @@ class ClusterRunner:
             await self.etcd.resign()
             await self.etcd.revoke()
             return 1
+        self.view.warm = True
         broker = node.broker
-        assert broker is not None and node.amqp_address is not None
+        assert broker is not None
         broker.trusted_peers = sink.member_ips  # proxy connections from followers may send PROXY
 
         def flush_stores() -> None:
@@ -399,9 +493,10 @@ class ClusterRunner:
                     q.store.flush()
 
         sink.flush_stores = flush_stores
-        sink.client_ports = (node.amqp_address[1], cfg.mgmt.port if cfg.mgmt.enabled else 0)
+        http = node.mgmt.http_address if node.mgmt is not None else None  # None: plain listener off
+        sink.client_ports = (node.amqp_address[1] if node.amqp_address else 0, http[1] if http else 0)
         try:
-            await sink.start(c.bind, c.port)
+            await sink.start(c.bind, c.port, self.repl_server_tls)
         except OSError as exc:
             log.error("replication port %s:%d: %s", c.bind, c.port, exc)
             await self._abdicate(node, sink, "cannot listen for followers")
@@ -440,6 +535,12 @@ class ClusterRunner:
             if now - last_status >= STATUS_EVERY:
                 last_status = now
                 log.info("cluster status: %s", sink.status())
+
+    def reload_tls(self) -> None:
+        """SIGHUP: reload the client listeners' certificates while leading (a follower's proxy
+        passes TLS through, so it holds none; the replication listener keeps its context)."""
+        if self.node is not None:
+            self.node.reload_tls()
 
     async def _abdicate(self, node: Node, sink: LeaderSink, why: str) -> None:
         """Stop leading at once (no confirm after this), then rejoin as a follower."""

@@ -7,10 +7,13 @@ commit ``Syncer``, live connections, direct reply-to routes and counters.
 
 from __future__ import annotations
 
+import logging
 import platform
+import time
 from typing import TYPE_CHECKING, Any
 
-from broker import __version__
+from broker import __version__, errors
+from broker.auth import sasl
 from broker.auth.users import UserStore
 from broker.config import Config
 from broker.model.vhost import VHost
@@ -19,6 +22,9 @@ from broker.net.syncer import Syncer
 
 if TYPE_CHECKING:
     from broker.net.session import ChannelState, Session
+    from broker.tls import PeerTLS
+
+log = logging.getLogger(__name__)
 
 
 class Stats:
@@ -75,6 +81,38 @@ class Broker:
     def check_login(self, username: str, password: str, peer_ip: str) -> bool:
         user = self.users.authenticate(username, password)
         return user is not None and self.users.allowed_from(user, peer_ip)
+
+    def authenticate(self, mechanism: str, response: bytes, peer_ip: str, name: str,
+                     peer_tls: PeerTLS | None) -> str:
+        """The user a connection.start-ok logs in as, or ConnectionAccessRefused.
+
+        The listener has already waited out this source's login throttle
+        (``broker.auth.throttle``); the outcome is reported to it here. Passwords
+        are never logged, and a source in a burst of failures is logged once.
+        """
+        throttle = self.users.throttle
+        if mechanism == "EXTERNAL":
+            user = peer_tls.login_name(self.config.main.tls_cert_login_from) if peer_tls else None
+            ok = (user is not None and self.users.get(user) is not None
+                  and self.users.allowed_from(user, peer_ip))
+            reason = "no verified client certificate" if user is None else "unknown user"
+        else:
+            try:
+                user, password = sasl.credentials(mechanism, response)
+            except errors.ConnectionAccessRefused:
+                throttle.failed(peer_ip, time.monotonic())
+                raise
+            ok = self.check_login(user, password, peer_ip)
+            reason = "wrong credentials"
+        if ok:
+            assert user is not None
+            throttle.succeeded(peer_ip)
+            return user
+        if throttle.failed(peer_ip, time.monotonic()):
+            log.warning("login refused for user %r from %s (mechanism %s: %s)", user, name, mechanism, reason)
+        raise errors.ConnectionAccessRefused(
+            f"Login was refused using authentication mechanism {mechanism}. "
+            "For details see the broker logfile.")
 
     def connection_opened(self, session: Session) -> None:
         self.connections.add(session)

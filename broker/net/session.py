@@ -31,7 +31,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pamqp import commands
-from pamqp import decode as pdecode
 from pamqp.base import Frame as PFrame
 
 from broker import errors
@@ -43,6 +42,7 @@ from broker.model.queue import Consumer, Queue
 if TYPE_CHECKING:
     from broker.model.vhost import VHost
     from broker.net.broker import Broker
+    from broker.tls import PeerTLS
 
 log = logging.getLogger(__name__)
 
@@ -264,6 +264,8 @@ class Session(AMQPConnection):
         self._confirm_dirty: set[ChannelState] = set()
         self._perm_cache: dict[tuple[str, str], bool] = {}
         self.connected_at = time.time()
+        self.tls: PeerTLS | None = None  # set by the listener for an AMQPS connection
+        self.auth_mechanism = ""
         self.batch_publishes = 0  # publishes in the current read batch (fairness)
         self.flush_pending = False  # a flush of ``out`` is already scheduled
         self.flush_now: Callable[[], None] | None = None  # set by the network layer
@@ -283,24 +285,8 @@ class Session(AMQPConnection):
 
     # ------------------------------------------------------------ negotiation
     def authenticate(self, mechanism: str, response: bytes) -> str:
-        if mechanism == "PLAIN":
-            parts = response.split(b"\x00")
-            if len(parts) != 3:
-                raise errors.ConnectionAccessRefused("malformed PLAIN response")
-            user, password = parts[1].decode(errors="replace"), parts[2].decode(errors="replace")
-        elif mechanism == "AMQPLAIN":
-            try:
-                _, table = pdecode.field_table(codec.U32.pack(len(response)) + response)
-            except Exception:
-                raise errors.ConnectionAccessRefused("malformed AMQPLAIN response") from None
-            user, password = str(table.get("LOGIN", "")), str(table.get("PASSWORD", ""))
-        else:
-            raise errors.ConnectionAccessRefused(f"unsupported mechanism {mechanism}")
-        if not self.broker.check_login(user, password, self.peer[0]):
-            log.warning("login refused for user %r from %s (mechanism %s)", user, self.name, mechanism)
-            raise errors.ConnectionAccessRefused(
-                f"Login was refused using authentication mechanism {mechanism}. "
-                "For details see the broker logfile.")
+        user = self.broker.authenticate(mechanism, response, self.peer[0], self.name, self.tls)
+        self.auth_mechanism = mechanism
         return user
 
     def open_vhost(self, vhost: str) -> None:
@@ -740,7 +726,10 @@ class Session(AMQPConnection):
         q = self.vhost_obj.get_queue(m.queue, self)
         n = q.purge()
         if not m.nowait:
-            self.reply(chs, commands.Queue.PurgeOk(message_count=n))
+            if self.broker.syncer.synchronous:  # purge-ok once the purge is on disk
+                self.reply_after_sync(chs, commands.Queue.PurgeOk(message_count=n))
+            else:
+                self.reply(chs, commands.Queue.PurgeOk(message_count=n))
 
     def _queue_delete(self, chs: ChannelState, m: commands.Queue.Delete) -> None:
         self._check("configure", m.queue)
