@@ -26,8 +26,7 @@ from broker.http.common import (
     error_middleware,
     no_content,
     require_admin,
-    sees_all,
-    user_of,
+    require_monitor,
     vhost_param,
 )
 from broker.http.routes_access import routes as access_routes
@@ -102,14 +101,12 @@ async def metrics_detailed(request: web.Request) -> web.Response:
 
 async def mgmt_metrics(request: web.Request) -> web.Response:
     # On the management port /metrics needs a monitoring (or administrator) user.
-    if not sees_all(user_of(request)):
-        return web.json_response({"error": "access_refused", "reason": "Not monitor user"}, status=403)
+    require_monitor(request)
     return await metrics(request)
 
 
 async def mgmt_metrics_detailed(request: web.Request) -> web.Response:
-    if not sees_all(user_of(request)):
-        return web.json_response({"error": "access_refused", "reason": "Not monitor user"}, status=403)
+    require_monitor(request)
     return await metrics_detailed(request)
 
 

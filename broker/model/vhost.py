@@ -30,10 +30,11 @@ from pamqp import frame as pframe
 from pamqp.base import Frame as PFrame
 
 from broker import errors
-from broker.model import exchange_features, features, policy
+from broker.model import exchange_features, features, policy, queue_types
 from broker.model.exchange import Exchange
 from broker.model.limits import VHostLimits
 from broker.model.queue import Queue
+from broker.model.vhost_meta import VHostMeta
 from broker.store.definitions import DefinitionsLog
 from broker.store.paths import queue_dir, vhost_dir
 from broker.store.queue_store import QueueStore
@@ -90,6 +91,7 @@ class VHost:
         self.call_later = call_later  # timers for TTL / x-expires (broker/model/features.py)
         self.policy_set = policy.PolicySet(self.dir / "policies.json", sink)
         self.limits = VHostLimits(self.dir / "limits.json", sink)  # max-connections, max-queues
+        self.meta = VHostMeta(self.dir / "metadata.json", sink)  # description, default_queue_type
         self._replaying = False
         self._load()
 
@@ -258,6 +260,8 @@ class VHost:
         elif name.startswith("amq.") and not self._replaying:
             raise errors.AccessRefused(
                 f"queue name '{name}' contains reserved prefix 'amq.*'")
+        arguments = queue_types.with_default(arguments, durable=durable, exclusive=exclusive,
+                                             default_type=self.meta.default_queue_type)
         q = self.queues.get(name)
         if q is not None:
             self.get_queue(name, owner)  # exclusivity check
@@ -274,6 +278,9 @@ class VHost:
             if q.features is not None:
                 q.features.touch()  # a redeclare counts as use for x-expires
             return q, False
+        if not self._replaying:  # a queue recovered from the log keeps the type it was created with
+            arguments = queue_types.resolve(arguments, durable=durable, exclusive=exclusive,
+                                            auto_delete=auto_delete, queue=name, vhost=self.name)
         if arguments.get("x-queue-type") == "stream":  # stream queues: broker/model/stream.py
             from broker.model.stream import new_stream_queue
             q = new_stream_queue(self, name, durable=durable, exclusive=exclusive,
