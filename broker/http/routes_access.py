@@ -8,6 +8,7 @@ from aiohttp import web
 
 from broker.auth.passwords import ALGORITHMS, HASHING_ALGORITHM
 from broker.auth.users import User, UserStore
+from broker.http import definitions
 from broker.http.common import (
     MGMT_KEY,
     ApiError,
@@ -28,7 +29,6 @@ from broker.http.common import (
 )
 from broker.http.policies import PolicyApi, validate_policy
 from broker.http.render import rate
-from broker.model import queue_types
 
 routes = web.RouteTableDef()
 
@@ -73,7 +73,7 @@ async def put_vhost(request: web.Request) -> web.Response:
     mgmt = request.app[MGMT_KEY]
     existed = name in mgmt.broker.vhosts
     try:
-        meta = vhost_meta_fields(body)
+        meta = definitions.vhost_meta_fields(body)
         vh = mgmt.broker.vhosts[name] if existed else mgmt.create_vhost(name)
         if meta:
             vh.meta.update(**meta)
@@ -84,22 +84,6 @@ async def put_vhost(request: web.Request) -> web.Response:
     # As RabbitMQ does: the administrator who creates a vhost gets full permissions on it.
     mgmt.broker.users.set_permissions(user.name, name, ".*", ".*", ".*")
     return created()
-
-
-def vhost_meta_fields(body: dict[str, Any]) -> dict[str, Any]:
-    """description / tags / default_queue_type from a vhost body (top level or ``metadata``)."""
-    merged = {**(body.get("metadata") or {}), **body} if isinstance(body.get("metadata"), dict) else body
-    out: dict[str, Any] = {}
-    if "description" in merged:
-        out["description"] = get_str(merged, "description")
-    if "tags" in merged:
-        out["tags"] = _parse_tags(merged["tags"])
-    if merged.get("default_queue_type") is not None:
-        qtype = get_str(merged, "default_queue_type")
-        if qtype not in queue_types.TYPES:
-            raise bad_request(f"unknown default_queue_type '{qtype}' (known: {', '.join(queue_types.TYPES)})")
-        out["default_queue_type"] = qtype
-    return out
 
 
 @routes.delete("/api/vhosts/{vhost}")
