@@ -20,6 +20,13 @@ client rejection happened since (walking ``x-death`` from the most recent
 entry); this stops e.g. a TTL queue dead-lettering into itself, while letting
 a consumer's reject send a message round a retry loop.
 
+At-least-once (quorum queues with ``x-dead-letter-strategy: at-least-once`` and
+``x-overflow: reject-publish``, as RabbitMQ requires): a dead letter that no target
+took stays unacked in the source queue's store and is offered again every
+``DL_RETRY_S`` in order (``QueueFeatures``); only once a target takes it is it
+acked in the source. After a restart such a message is ready again in the source
+(redelivered), never lost.
+
 Properties are only decoded here and in the other feature code, never on the
 plain publish/deliver path.
 """
@@ -30,6 +37,8 @@ import datetime
 from typing import TYPE_CHECKING, Any
 
 from broker.amqp import codec
+
+DL_RETRY_S = 1.0  # at-least-once: how often a refused dead letter is offered to its target again
 
 if TYPE_CHECKING:
     from broker.model.queue import Queue
@@ -117,7 +126,7 @@ def is_cycle(deaths: list[dict[str, Any]], target: str) -> bool:
 
 def dead_letter(vh: VHost, source: Queue, dlx: str, dlrk: str | None, exchange: bytes,
                 routing_key: bytes, props: bytes, body: bytes, reason: str, now_ms: int) -> int:
-    """Republish one dead letter from ``source``; returns the number of queues it reached."""
+    """Republish one dead letter from ``source``; returns the number of queues that took it."""
     ex = vh.exchanges.get(dlx)
     if ex is None:
         return 0  # RabbitMQ: a missing dead-letter exchange drops the message silently
@@ -149,6 +158,6 @@ def dead_letter(vh: VHost, source: Queue, dlx: str, dlrk: str | None, exchange: 
     for q in targets:
         if q.deleted or is_cycle(deaths, q.name):
             continue
-        q.publish(now_ms, exb, rkb, new_props, body, persistent)
-        n += 1
+        if q.publish(now_ms, exb, rkb, new_props, body, persistent) is not False:
+            n += 1  # a length limit with reject-publish refused it otherwise
     return n

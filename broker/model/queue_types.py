@@ -61,6 +61,8 @@ def resolve(arguments: dict[str, Any], *, durable: bool, exclusive: bool, auto_d
     qtype = check_type(arguments["x-queue-type"], queue, vhost)
     if qtype == CLASSIC:
         return arguments
+    if arguments["x-queue-type"] != qtype:
+        arguments = {**arguments, "x-queue-type": qtype}  # bytes from a field table: one spelling
     for bad, prop in ((exclusive, "exclusive-owner"), (not durable, "non-durable"),
                       (auto_delete, "auto-delete")):
         if bad:
@@ -69,7 +71,7 @@ def resolve(arguments: dict[str, Any], *, durable: bool, exclusive: bool, auto_d
     strategy = arguments.get("x-dead-letter-strategy")
     if strategy is not None:
         text = strategy.decode(errors="replace") if isinstance(strategy, bytes) else strategy
-        if qtype != QUORUM or text not in DEAD_LETTER_STRATEGIES:
+        if qtype == QUORUM and text not in DEAD_LETTER_STRATEGIES:  # other types ignore it
             raise errors.PreconditionFailed(
                 f"invalid arg 'x-dead-letter-strategy' for queue '{queue}' in vhost '{vhost}': "
                 f"{{unknown_dead_letter_strategy,{text}}}", 50, 10)
