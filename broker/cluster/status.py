@@ -26,6 +26,7 @@ import json
 import logging
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -104,8 +105,8 @@ def _coarse(n: int) -> int:
 class FollowerMetrics:
     """The cluster gauges on the metrics port while this node follows (no broker runs here)."""
 
-    def __init__(self, view: ClusterView) -> None:
-        self.registry = cluster_registry(view)
+    def __init__(self, view: ClusterView, data_dir: Path | None = None) -> None:
+        self.registry = cluster_registry(view, data_dir)  # with data_dir: this node's own metrics
         self._runner: web.AppRunner | None = None
 
     @property

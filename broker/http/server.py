@@ -99,6 +99,16 @@ async def metrics_detailed(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
+async def metrics_per_object(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[METRICS_KEY].render_per_object(),
+                        headers={"Content-Type": CONTENT_TYPE})
+
+
+async def mgmt_metrics_per_object(request: web.Request) -> web.Response:
+    require_monitor(request)
+    return await metrics_per_object(request)
+
+
 async def mgmt_metrics(request: web.Request) -> web.Response:
     # On the management port /metrics needs a monitoring (or administrator) user.
     require_monitor(request)
@@ -126,6 +136,7 @@ def build_app(mgmt: Mgmt, metrics_obj: Metrics) -> web.Application:
     app.router.add_post("/api/definitions/{vhost}", post_vhost_definitions)
     app.router.add_get("/metrics", mgmt_metrics)
     app.router.add_get("/metrics/detailed", mgmt_metrics_detailed)
+    app.router.add_get("/metrics/per-object", mgmt_metrics_per_object)
     app.add_routes(node_routes)
     app.add_routes(topology_routes)
     app.add_routes(access_routes)
@@ -139,6 +150,7 @@ def build_metrics_app(mgmt: Mgmt, metrics_obj: Metrics) -> web.Application:
     app[METRICS_KEY] = metrics_obj
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/metrics/detailed", metrics_detailed)
+    app.router.add_get("/metrics/per-object", metrics_per_object)
     return app
 
 

@@ -81,6 +81,8 @@ class VHost:
         self.exchanges: dict[str, Exchange] = {}
         self.queues: dict[str, Queue] = {}
         self.closed_queues: dict[str, str] = {}  # name -> why (corrupt store)
+        self.queues_created = 0  # since boot (metrics); replayed queues are not counted
+        self.queues_deleted = 0
         marker = self.dir / ".vhost"
         if not marker.exists():
             marker.write_text(name)
@@ -286,6 +288,7 @@ class VHost:
             q = new_stream_queue(self, name, durable=durable, exclusive=exclusive,
                                  auto_delete=auto_delete, arguments=arguments)
             self.queues[name] = q
+            self.queues_created += not self._replaying
             self.exchanges[""].bind(q, name)
             self._log(commands.Queue.Declare(queue=name, durable=True, auto_delete=auto_delete,
                                              arguments=arguments))
@@ -309,6 +312,7 @@ class VHost:
                   auto_delete=auto_delete, arguments=arguments, store=store, schedule=self.schedule,
                   on_unused=self._queue_unused, on_dirty=self.mark_dirty)
         self.queues[name] = q
+        self.queues_created += not self._replaying
         self.exchanges[""].bind(q, name)
         policy.apply_to_queue(self, q)  # features from arguments and policies (None if plain)
         if persistent:
@@ -332,6 +336,7 @@ class VHost:
             raise errors.PreconditionFailed(f"queue '{name}' in vhost '{self.name}' not empty")
         count = q.message_count
         del self.queues[name]
+        self.queues_deleted += 1
         for ex in list(self.exchanges.values()):
             if ex.unbind_all(q) and ex.auto_delete and not ex.has_bindings():
                 self._auto_delete_exchange(ex)

@@ -369,6 +369,7 @@ class Session(AMQPConnection):
     # --------------------------------------------------------------- channels
     def channel_opened(self, channel: int) -> None:
         self.chs[channel] = ChannelState(channel)
+        self.broker.stats.channels_opened += 1
 
     def channel_closed(self, channel: int) -> None:
         chs = self.chs.pop(channel, None)
@@ -538,6 +539,7 @@ class Session(AMQPConnection):
         else:
             self.stats.unroutable += 1
             if args.mandatory:
+                self.stats.returned += 1
                 self.out += codec.encode_return(chs.id, 312, b"NO_ROUTE", args.exchange_b, args.routing_key_b,
                                                 props, bytes(body), self.frame_max)
 
@@ -827,6 +829,7 @@ class Session(AMQPConnection):
         q = self.vhost_obj.get_queue(m.queue, self)
         got = q.get()
         if got is None:
+            self.broker.stats.gets_empty += 1
             self.reply(chs, commands.Basic.GetEmpty())
             return
         msgid, exchange, routing_key, props, body, redelivered = got
@@ -844,6 +847,7 @@ class Session(AMQPConnection):
         else:
             self.out += data
         self.broker.stats.delivered += 1
+        self.broker.stats.gets += 1
 
     def _basic_reject(self, chs: ChannelState, m: commands.Basic.Reject) -> None:
         if chs.tx is not None:
