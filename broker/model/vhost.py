@@ -367,10 +367,12 @@ class VHost:
 
     def unbind_queue(self, queue: str, exchange: str, routing_key: str, arguments: dict[str, Any],
                      owner: object | None) -> None:
-        q = self.get_queue(queue, owner)
-        ex = self.get_exchange(exchange)
         if exchange == "":
             raise errors.AccessRefused("operation not permitted on the default exchange")
+        if queue not in self.queues or exchange not in self.exchanges:
+            return  # RabbitMQ: unbinding from a queue or exchange that is gone is ok
+        q = self.get_queue(queue, owner)
+        ex = self.get_exchange(exchange)
         if ex.unbind(q, routing_key, arguments):
             if ex.durable and q.durable and q.exclusive_owner is None:
                 self._log(commands.Queue.Unbind(queue=queue, exchange=exchange, routing_key=routing_key,
@@ -390,6 +392,8 @@ class VHost:
 
     def unbind_exchange(self, destination: str, source: str, routing_key: str,
                         arguments: dict[str, Any]) -> None:
+        if destination not in self.exchanges or source not in self.exchanges:
+            return  # as for queues: unbinding from an exchange that is gone is ok
         dst = self.get_exchange(destination)
         src = self.get_exchange(source)
         if src.unbind(dst, routing_key, arguments):
