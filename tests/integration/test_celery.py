@@ -193,7 +193,8 @@ def test_celery_quorum_native_delayed_delivery_restart_acks_late(setup: tuple[Sk
 
     # acks_late: the worker dies mid-task; the message comes back and runs to the end
     wait_until(lambda: consumers_on(api, "celery") == 1, 60, "the worker back after the restart")
-    send(tmp_path, worker, "slow.delay('k', 300)\n" + "".join(f"record.delay('after{i}')\n" for i in range(3)))
+    behind = "".join(f"record.delay('after{i}')\n" for i in range(3))
+    send(tmp_path, worker, "slow.delay('k', 300)\n" + behind)
     wait_until(lambda: any(w[:2] == ["start", "k"] for w in effects(tmp_path)), 30, "slow task started")
     celery_q = api.get("/api/queues/%2F/celery")
     assert celery_q["messages_unacknowledged"] == 1 and celery_q["messages_ready"] == 3  # prefetch 1
