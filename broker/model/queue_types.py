@@ -12,7 +12,8 @@ type only chooses checks and defaults at declare time and hooks in the queue con
   a definitions export and a restart all see the same type. Exclusive or transient queues stay
   classic (RabbitMQ 4 falls back the same way).
 - Quorum and stream queues are durable, never exclusive, never auto-delete: 406 otherwise, with
-  RabbitMQ's ``invalid property`` texts.
+  RabbitMQ's ``invalid property`` texts. Quorum queues refuse ``x-max-priority`` (406) and a
+  consumer on a channel with a global prefetch (540, ``check_consume``), as RabbitMQ does.
 - Quorum queues: a delivery limit of 20 unless the queue or a policy sets one (RabbitMQ 4.0);
   ``x-delivery-count`` is carried on redeliveries by the features layer; ``x-dead-letter-strategy``
   accepts ``at-most-once`` and ``at-least-once``.
@@ -68,14 +69,25 @@ def resolve(arguments: dict[str, Any], *, durable: bool, exclusive: bool, auto_d
         if bad:
             raise errors.PreconditionFailed(
                 f"invalid property '{prop}' for queue '{queue}' in vhost '{vhost}'", 50, 10)
+    if qtype == QUORUM and "x-max-priority" in arguments:
+        raise errors.PreconditionFailed(
+            f"invalid arg 'x-max-priority' for queue '{queue}' in vhost '{vhost}' "
+            "of queue type rabbit_quorum_queue", 50, 10)
     strategy = arguments.get("x-dead-letter-strategy")
     if strategy is not None:
         text = strategy.decode(errors="replace") if isinstance(strategy, bytes) else strategy
         if qtype == QUORUM and text not in DEAD_LETTER_STRATEGIES:  # other types ignore it
             raise errors.PreconditionFailed(
                 f"invalid arg 'x-dead-letter-strategy' for queue '{queue}' in vhost '{vhost}': "
-                f"{{unknown_dead_letter_strategy,{text}}}", 50, 10)
+                "invalid_dlx_strategy", 50, 10)
     return arguments
+
+
+def check_consume(arguments: dict[str, Any], global_prefetch: int, queue: str, vhost: str) -> None:
+    """RabbitMQ: a quorum queue refuses a consumer on a channel with a global prefetch (540)."""
+    if global_prefetch and type_of(arguments) == QUORUM:
+        raise errors.AMQPNotImplemented(f"queue '{queue}' in vhost '{vhost}' does not support global qos",
+                                        60, 20)
 
 
 def default_delivery_limit(arguments: dict[str, Any]) -> int | None:

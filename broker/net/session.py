@@ -37,6 +37,7 @@ from pamqp.base import Frame as PFrame
 from broker import errors
 from broker.amqp import codec
 from broker.amqp.connection import CH_OPEN, AMQPConnection, PublishArgs
+from broker.model import queue_types
 from broker.model.queue import Consumer, Queue
 from broker.net.publish_features import publish_exchange_special, publish_special
 
@@ -828,6 +829,7 @@ class Session(AMQPConnection):
             return
         self._check("read", m.queue)
         q = self.vhost_obj.get_queue(m.queue, self)
+        queue_types.check_consume(q.arguments, chs.global_prefetch, q.name, q.vhost)  # 540 on quorum
         from broker.model.stream import StreamQueue  # stream consumers: manual ack, prefetch, offset
         if isinstance(q, StreamQueue):
             q.check_consume(m.no_ack, chs.prefetch or chs.global_prefetch, dict(m.arguments or {}))

@@ -4,10 +4,12 @@ default queue type, vhost limits and operator policies (both exported by RabbitM
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
 
+import pika
 import pytest
 
 from ._support import unique, wait_until
@@ -145,5 +147,28 @@ def test_export_wipe_import_export_is_identical(tmp_path: Path) -> None:
         b.start()
         wait_until(lambda: http_ready(b.mgmt_port), 10, "management HTTP listener")
         assert api.get("/api/definitions") == first
+    finally:
+        b.close()
+
+
+def test_real_rabbitmq_310_export_imports_whole(tmp_path: Path) -> None:
+    """data/rabbitmq-3.10-definitions.json is GET /api/definitions of a RabbitMQ 3.10.8 (one vhost
+    kept): quorum, stream and classic queues, vhost limits and an operator policy as parameters,
+    topic permissions, a user with RabbitMQ's own password hash."""
+    doc = json.loads((Path(__file__).parent / "data" / "rabbitmq-3.10-definitions.json").read_text())
+    b = start_mgmt_broker(tmp_path)
+    try:
+        api = Api(b.mgmt_port)
+        status, body, _ = api.call("POST", "/api/definitions", doc)
+        assert status == 204, body
+        assert {x["name"]: x["type"] for x in api.get("/api/queues/prod")} == {
+            "dq": "classic", "events": "stream", "legacy": "classic", "tasks": "quorum"}
+        assert api.get("/api/vhost-limits/prod")[0]["value"] == {"max-connections": 50, "max-queues": 200}
+        assert [p["name"] for p in api.get("/api/operator-policies/prod")] == ["cap"]
+        assert {(x["source"], x["destination"]) for x in api.get("/api/bindings/prod")} >= {
+            ("amq.topic", "events"), ("celery", "tasks")}
+        conn = pika.BlockingConnection(pika.ConnectionParameters(
+            "127.0.0.1", b.port, "prod", pika.PlainCredentials("app", "app-pw")))
+        conn.close()
     finally:
         b.close()

@@ -153,3 +153,21 @@ def test_vhost_default_queue_type(mb: SkredProcess, tmp_path: Path) -> None:
         conn.close()
     status, _body, _ = api.call("PUT", f"/api/vhosts/{q(vh)}", {"default_queue_type": "nope"})
     assert status == 400
+
+
+def test_quorum_refuses_global_qos_and_max_priority(mb: SkredProcess) -> None:
+    """As RabbitMQ 3.10/4: 540 for a consumer under a global prefetch, 406 for x-max-priority."""
+    name = unique("gq")
+    err = declare_fails(mb, name, durable=True, arguments={"x-queue-type": "quorum", "x-max-priority": 5})
+    assert err.reply_code == 406 and "x-max-priority" in err.reply_text
+    conn = connect(mb)
+    try:
+        ch = conn.channel()
+        ch.queue_declare(name, durable=True, arguments={"x-queue-type": "quorum"})
+        ch.basic_qos(prefetch_count=5, global_qos=True)
+        with pytest.raises(pika.exceptions.ConnectionClosedByBroker) as info:
+            ch.basic_consume(name, lambda *a: None)
+        assert info.value.reply_code == 540 and "global qos" in info.value.reply_text
+    finally:
+        if conn.is_open:
+            conn.close()
