@@ -165,9 +165,18 @@ def test_celery_quorum_native_delayed_delivery_restart_acks_late(setup: tuple[Sk
     wait_until(lambda: consumers_on(api, "celery") == 1, 60, f"the worker consuming:\n{worker.log()}")
     assert api.get("/api/queues/%2F/celery")["type"] == "quorum"
     assert api.get("/api/queues/%2F/celery_delayed_0")["type"] == "quorum"
-    # kombu sees product "Skred", so it sends basic.qos(global=False): per consumer, as RabbitMQ
+    # Server identity: kombu sees product "Skred", so the spec's qos semantics; Celery sends
+    # basic.qos(global=False), which Skred (like RabbitMQ) applies per consumer: 1 here.
+    from kombu import Connection
+
+    with Connection(worker.env()["SKRED_CELERY_BROKER"]) as kc:
+        kc.connect()
+        assert kc.connection.server_properties["product"] == "Skred"
+        assert kc.qos_semantics_matches_spec is True
     consumer = next(c for c in api.get("/api/consumers") if c["queue"]["name"] == "celery")
     assert consumer["prefetch_count"] == 1, consumer
+    channel = api.get(f"/api/channels/{q(consumer['channel_details']['name'])}")
+    assert channel["global_prefetch_count"] == 0, channel
 
     # groups
     send(tmp_path, worker, "from celery import group\ngroup(record.s(f'g{i}') for i in range(10))()")
