@@ -180,13 +180,16 @@ class NodeCollector(Collector):
         yield build
         memory, fds, limit_fds = resident_memory(), open_fds(), max_fds()
         free = disk_free(self.data_dir)
-        for prefix in (PREFIX, RABBIT):
-            yield GaugeMetricFamily(f"{prefix}_process_resident_memory_bytes",
-                                    "Resident memory of the broker process", value=memory)
-            yield GaugeMetricFamily(f"{prefix}_process_open_fds", "Open file descriptors", value=fds)
-            yield GaugeMetricFamily(f"{prefix}_process_max_fds", "File descriptor limit", value=limit_fds)
-            yield GaugeMetricFamily(f"{prefix}_disk_space_available_bytes",
-                                    "Free bytes on the data directory's file system", value=free)
+        doc_mem = "Resident memory of the broker process"
+        doc_disk = "Free bytes on the data directory's file system"
+        yield _g("process_resident_memory_bytes", doc_mem, memory)  # Skred's names ...
+        yield _g("process_open_fds", "Open file descriptors", fds)
+        yield _g("process_max_fds", "File descriptor limit", limit_fds)
+        yield _g("disk_space_available_bytes", doc_disk, free)
+        yield _rg("process_resident_memory_bytes", doc_mem, memory)  # ... and RabbitMQ's
+        yield _rg("process_open_fds", "Open file descriptors", fds)
+        yield _rg("process_max_fds", "File descriptor limit", limit_fds)
+        yield _rg("disk_space_available_bytes", doc_disk, free)
         yield GaugeMetricFamily(f"{RABBIT}_resident_memory_limit_bytes",
                                 "Memory limit (Skred raises no memory alarm: the machine's RAM)",
                                 value=total_memory())
@@ -198,12 +201,13 @@ class NodeCollector(Collector):
                                 value=limit_fds)
 
 
-def cluster_registry(info: ClusterInfo, data_dir: Path | None = None) -> CollectorRegistry:
+def cluster_registry(info: ClusterInfo, data_dir: Path | None = None,
+                     cluster_name: str = "") -> CollectorRegistry:
     """A follower's metrics port: the cluster gauges and, given its data dir, its own node metrics."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ClusterCollector(lambda: info))
     if data_dir is not None:
-        registry.register(NodeCollector(data_dir, lambda: (node_name(), node_name())))
+        registry.register(NodeCollector(data_dir, lambda: (node_name(), cluster_name or node_name())))
     return registry
 
 

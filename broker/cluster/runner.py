@@ -141,7 +141,7 @@ class ClusterRunner:
         self.apply_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skred-replica")
         self._bg: set[asyncio.Task[Any]] = set()
         self.view = ClusterView(self.node_id, self.uri)
-        self.follower_metrics = FollowerMetrics(self.view, self.data_dir)
+        self.follower_metrics = FollowerMetrics(self.view, self.data_dir, c.etcd_prefix)
         self._metrics_retry_at = 0.0
         self._member_written: tuple[int | None, str] = (None, "")
 

@@ -105,8 +105,9 @@ def _coarse(n: int) -> int:
 class FollowerMetrics:
     """The cluster gauges on the metrics port while this node follows (no broker runs here)."""
 
-    def __init__(self, view: ClusterView, data_dir: Path | None = None) -> None:
-        self.registry = cluster_registry(view, data_dir)  # with data_dir: this node's own metrics
+    def __init__(self, view: ClusterView, data_dir: Path | None = None, cluster_name: str = "") -> None:
+        # with data_dir: this node's own process/disk metrics, labelled with the cluster's name
+        self.registry = cluster_registry(view, data_dir, cluster_name)
         self._runner: web.AppRunner | None = None
 
     @property
