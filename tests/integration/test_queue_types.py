@@ -171,3 +171,25 @@ def test_quorum_refuses_global_qos_and_max_priority(mb: SkredProcess) -> None:
     finally:
         if conn.is_open:
             conn.close()
+
+
+def test_consumer_timeout_from_a_policy(mb: SkredProcess) -> None:
+    """RabbitMQ's ``consumer-timeout`` policy key (quorum queues' per-queue timeout)."""
+    api = Api(mb.mgmt_port)
+    name = unique("ctq")
+    api.ok("PUT", f"/api/policies/%2F/{q(name)}", {"pattern": f"^{name}$", "apply-to": "queues",
+                                                     "definition": {"consumer-timeout": 1000}})
+    conn = connect(mb)
+    try:
+        ch = conn.channel()
+        ch.queue_declare(name, durable=True, arguments={"x-queue-type": "quorum"})
+        ch.basic_publish("", name, b"m")
+        reasons: list[pika.spec.Channel.Close] = []
+        ch._impl.add_on_close_callback(lambda c, reason: reasons.append(reason))
+        ch.basic_consume(name, lambda c, m, p, body: None)
+        wait_until(lambda: (conn.process_data_events(0.05), bool(reasons))[1], 15, "the timeout")
+        assert reasons[0].reply_code == 406 and "timed out" in reasons[0].reply_text
+    finally:
+        if conn.is_open:
+            conn.close()
+        api.ok("DELETE", f"/api/policies/%2F/{q(name)}")
