@@ -143,6 +143,8 @@ class Node:
             mgmt = self.mgmt = Mgmt(broker, self.vhost_store, self.make_vhost, cfg.main.data_dir,
                                     cfg.main.data_dir / "transient", self.sink)
             mgmt.cluster = self.cluster
+            if cfg.clustering.enabled:  # every member reports the same rabbitmq_cluster label
+                mgmt.cluster_name = cfg.clustering.etcd_prefix
             if cfg.main.load_definitions:
                 self.load_definitions(Path(cfg.main.load_definitions))
             if tls.enabled(cfg.main):

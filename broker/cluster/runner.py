@@ -159,7 +159,7 @@ class ClusterRunner:
         self._bg: set[asyncio.Task[Any]] = set()
         self.view = ClusterView(self.node_id, self.uri)
         self.view.last = load_last_role(self.data_dir)
-        self.follower_metrics = FollowerMetrics(self.view)
+        self.follower_metrics = FollowerMetrics(self.view, self.data_dir, c.etcd_prefix)
         self._metrics_retry_at = 0.0
         self._member_written: tuple[int | None, str] = (None, "")
         self._deferring_since: float | None = None

@@ -9,6 +9,7 @@ import hashlib
 import urllib.parse
 from typing import TYPE_CHECKING, Any
 
+from broker.model import queue_types
 from broker.model.exchange import Exchange
 from broker.model.queue import Queue
 from broker.model.vhost import VHost
@@ -51,7 +52,7 @@ def queue_json(mgmt: Mgmt, q: Queue) -> dict[str, Any]:
     operator_policy: str | None = None
     vh = mgmt.broker.vhosts.get(q.vhost)
     if vh is not None:
-        kind = "stream" if q.arguments.get("x-queue-type") == "stream" else "queue"
+        kind = "stream" if queue_types.type_of(q.arguments) == queue_types.STREAM else "queue"
         pol, op = vh.policy_set.for_queue(q.name, kind)
         policy = pol.name if pol is not None else None
         operator_policy = op.name if op is not None else None
@@ -62,7 +63,7 @@ def queue_json(mgmt: Mgmt, q: Queue) -> dict[str, Any]:
         "auto_delete": q.auto_delete,
         "exclusive": q.exclusive_owner is not None,
         "arguments": jsonable(q.arguments),
-        "type": "classic",
+        "type": queue_types.type_of(q.arguments),
         "node": mgmt.node_name,
         "state": "running",
         "policy": policy,

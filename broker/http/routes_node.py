@@ -208,7 +208,7 @@ async def put_disk_free_limit(request: web.Request) -> web.Response:
     """Change the threshold at runtime (like ``rabbitmqctl set_disk_free_limit``); the next
     one-second check raises or clears the alarm. Not persisted: the config option is."""
     require_admin(request)
-    body = await json_body(request, allowed={"limit"}, required=("limit",))
+    body = await json_body(request, required=("limit",))
     limit = body["limit"]
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
         raise bad_request("limit must be a non-negative integer (bytes)")

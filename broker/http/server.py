@@ -29,8 +29,7 @@ from broker.http.common import (
     error_middleware,
     no_content,
     require_admin,
-    sees_all,
-    user_of,
+    require_monitor,
     vhost_param,
 )
 from broker.http.routes_access import routes as access_routes
@@ -103,16 +102,24 @@ async def metrics_detailed(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
+async def metrics_per_object(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[METRICS_KEY].render_per_object(),
+                        headers={"Content-Type": CONTENT_TYPE})
+
+
+async def mgmt_metrics_per_object(request: web.Request) -> web.Response:
+    require_monitor(request)
+    return await metrics_per_object(request)
+
+
 async def mgmt_metrics(request: web.Request) -> web.Response:
     # On the management port /metrics needs a monitoring (or administrator) user.
-    if not sees_all(user_of(request)):
-        return web.json_response({"error": "access_refused", "reason": "Not monitor user"}, status=403)
+    require_monitor(request)
     return await metrics(request)
 
 
 async def mgmt_metrics_detailed(request: web.Request) -> web.Response:
-    if not sees_all(user_of(request)):
-        return web.json_response({"error": "access_refused", "reason": "Not monitor user"}, status=403)
+    require_monitor(request)
     return await metrics_detailed(request)
 
 
@@ -129,6 +136,7 @@ def build_app(mgmt: Mgmt, metrics_obj: Metrics) -> web.Application:
     app.router.add_post("/api/definitions/{vhost}", post_vhost_definitions)
     app.router.add_get("/metrics", mgmt_metrics)
     app.router.add_get("/metrics/detailed", mgmt_metrics_detailed)
+    app.router.add_get("/metrics/per-object", mgmt_metrics_per_object)
     app.add_routes(node_routes)
     app.add_routes(topology_routes)
     app.add_routes(access_routes)
@@ -142,6 +150,7 @@ def build_metrics_app(mgmt: Mgmt, metrics_obj: Metrics) -> web.Application:
     app[METRICS_KEY] = metrics_obj
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/metrics/detailed", metrics_detailed)
+    app.router.add_get("/metrics/per-object", metrics_per_object)
     return app
 
 

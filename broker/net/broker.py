@@ -30,15 +30,20 @@ log = logging.getLogger(__name__)
 class Stats:
     """Plain integer counters: a publish costs one attribute increment."""
 
-    __slots__ = ("published", "delivered", "acked", "confirmed", "unroutable", "connections_opened")
+    __slots__ = ("published", "delivered", "acked", "confirmed", "unroutable", "connections_opened",
+                 "returned", "gets", "gets_empty", "channels_opened")
 
     def __init__(self) -> None:
         self.published = 0
-        self.delivered = 0
+        self.delivered = 0  # consumer deliveries and basic.get-ok
         self.acked = 0
         self.confirmed = 0
-        self.unroutable = 0
+        self.unroutable = 0  # returned ones included
         self.connections_opened = 0
+        self.returned = 0  # unroutable mandatory messages sent back with basic.return
+        self.gets = 0  # basic.get answered get-ok
+        self.gets_empty = 0  # basic.get answered get-empty
+        self.channels_opened = 0
 
 
 class Broker:
@@ -68,7 +73,7 @@ class Broker:
                 "basic.nack": True,
                 "consumer_cancel_notify": True,
                 "connection.blocked": True,
-                "consumer_priorities": False,
+                "consumer_priorities": True,  # x-priority on basic.consume works
                 "authentication_failure_close": True,
                 "per_consumer_qos": True,
                 "direct_reply_to": True,
