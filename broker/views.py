@@ -11,12 +11,15 @@ channel class).
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sized
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from broker.auth.users import UserStore
 from broker.errors import AMQPError
 from broker.model.queue import Queue
 from broker.model.vhost import VHost
+
+if TYPE_CHECKING:
+    from broker.tls import PeerTLS
 
 
 class ConsumerView(Protocol):
@@ -43,6 +46,8 @@ class ChannelView(Protocol):
     def consumers(self) -> Mapping[str, ConsumerView]: ...
     @property
     def unacked(self) -> Sized: ...
+    @property
+    def unacked_count(self) -> int: ...
     @property
     def confirm(self) -> bool: ...
     @property
@@ -78,6 +83,11 @@ class ConnectionView(Protocol):
     def connected_at(self) -> float: ...
     @property
     def client_properties(self) -> dict[str, Any]: ...
+    @property
+    def auth_mechanism(self) -> str: ...
+    @property
+    def tls(self) -> PeerTLS | None:
+        """The TLS session of the connection (None for plain AMQP)."""
 
     def close_connection(self, error: AMQPError) -> None: ...
 
@@ -93,6 +103,10 @@ class StatsView(Protocol):
     confirmed: int
     unroutable: int
     connections_opened: int
+    returned: int
+    gets: int
+    gets_empty: int
+    channels_opened: int
 
 
 class AlarmView(Protocol):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
 
 from broker.config import Config
@@ -41,7 +42,14 @@ class LeaderBroker(Protocol):
 
     def release_lock(self) -> None: ...
 
-    def amqp_port(self) -> int: ...
+    def amqp_port(self) -> int:
+        """The plain AMQP listener's port (0 when only AMQPS listens)."""
+
+    def http_port(self) -> int:
+        """The plain management HTTP port (0 when it does not listen)."""
+
+    def reload_tls(self) -> None:
+        """Reload the client listeners' certificates (SIGHUP)."""
 
     def sync_started(self) -> float | None:
         """Monotonic start of the fsync running now, else None (the stalled-disk watchdog)."""
@@ -71,5 +79,6 @@ class Host(Protocol):
                       replicated: Replicated) -> LeaderBroker:
         """A broker to start as leader: confirms wait for ``replicated(dirty)`` (the ISR)."""
 
-    def follower_metrics(self, cluster: ClusterState) -> MetricsServer:
-        """The cluster gauges on the metrics port while this node follows."""
+    def follower_metrics(self, cluster: ClusterState, data_dir: Path, cluster_name: str) -> MetricsServer:
+        """The cluster gauges (and this node's process and disk metrics, labelled with
+        ``cluster_name``) on the metrics port while this node follows."""
