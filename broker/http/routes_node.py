@@ -134,8 +134,8 @@ def _node_json(request: web.Request) -> dict[str, Any]:
         "mem_limit": 0,
         "mem_alarm": False,
         "disk_free": mgmt.disk_free(),
-        "disk_free_limit": mgmt.broker.alarm.free_disk_min,
-        "disk_free_alarm": mgmt.broker.alarm.active,
+        "disk_free_limit": mgmt.broker.alarm.disk.free_disk_min,
+        "disk_free_alarm": mgmt.broker.alarm.disk.active,
         "fd_used": mgmt.open_fds(),
         "fd_total": mgmt.max_fds(),
         "sockets_used": len(mgmt.broker.connections),
@@ -197,7 +197,7 @@ async def health_alarms(request: web.Request) -> web.Response:
 async def get_disk_free_limit(request: web.Request) -> web.Response:
     """The free-disk alarm threshold in force (``[main] free_disk_min``), free space, alarm state."""
     require_monitor(request)
-    alarm = request.app[MGMT_KEY].broker.alarm
+    alarm = request.app[MGMT_KEY].broker.alarm.disk
     return web.json_response({"limit": alarm.free_disk_min, "free": alarm.free(), "alarm": alarm.active})
 
 
@@ -210,7 +210,7 @@ async def put_disk_free_limit(request: web.Request) -> web.Response:
     limit = body["limit"]
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
         raise bad_request("limit must be a non-negative integer (bytes)")
-    request.app[MGMT_KEY].broker.alarm.free_disk_min = limit
+    request.app[MGMT_KEY].broker.alarm.disk.free_disk_min = limit
     return web.Response(status=204)
 
 

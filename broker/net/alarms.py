@@ -23,8 +23,10 @@ read again. Consumers keep consuming and acking meanwhile, as in RabbitMQ.
 
 from __future__ import annotations
 
+import errno
 import logging
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -84,13 +86,25 @@ def check_consumer_timeouts(s: Session, now: float, default_ms: int) -> bool:
     return closed
 
 
+def no_space(exc: BaseException) -> bool:
+    """Whether a write failed for want of disk space (the store's ``DiskFull``, or a raw
+    ENOSPC/EDQUOT from a write path that does not translate it)."""
+    if isinstance(exc, errors.DiskFull):
+        return True
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
 class DiskAlarm:
+    """Free space under ``data_dir`` against ``free_disk_min``, plus the latch a failed write sets."""
+
     def __init__(self, data_dir: Path, free_disk_min: int) -> None:
         self.data_dir = data_dir
         self.free_disk_min = free_disk_min
         self.active = False
-        self.parked: set[Parked] = set()
-        self.notified: set[Session] = set()
+        # A write that found no space holds the alarm until that many bytes fit above the threshold.
+        self.latched_need = 0
+        # bytes read from clients since the last check (see ``Alarms.note_read``)
+        self.read_since_check = 0
 
     def free(self) -> int:
         try:
@@ -98,19 +112,69 @@ class DiskAlarm:
         except OSError:
             return 0
 
-    def check(self, sessions: list[Session]) -> None:
-        """One tick: raise or clear the alarm; tell clients that asked for it."""
-        if not self.free_disk_min and not self.active:
-            return
-        # limit 0 turns the alarm off, which must also clear one in effect
-        low = bool(self.free_disk_min) and self.free() < self.free_disk_min
-        if low and not self.active:
+    def evaluate(self) -> bool:
+        """Whether the alarm should be in effect now."""
+        if not self.free_disk_min and not self.latched_need:
+            return False  # limit 0 turns the alarm off, which must also clear one in effect
+        free = self.free()
+        if self.latched_need and free >= self.free_disk_min + self.latched_need:
+            self.latched_need = 0
+        return free < self.free_disk_min or bool(self.latched_need)
+
+    def check_every(self) -> int:
+        """Bytes read between two eager checks: an eighth of the margin, at least 1 MiB."""
+        return max(1 << 20, self.free_disk_min >> 3)
+
+
+class Alarms:
+    """The resource alarms (disk, memory) and the one blocked/unblocked state they drive."""
+
+    def __init__(self, disk: DiskAlarm) -> None:
+        self.disk = disk
+        self.parked: set[Parked] = set()
+        self.notified: set[Session] = set()
+        self.active = False  # any alarm in effect: publishers are not read
+
+    def reason(self) -> str:
+        return BLOCK_REASON
+
+    def check(self, sessions: Iterable[Session]) -> None:
+        """One tick: re-evaluate every alarm, then block or unblock clients."""
+        self.disk.read_since_check = 0
+        disk = self.disk.evaluate()
+        if disk != self.disk.active:
+            self.disk.active = disk
+            if disk:
+                log.warning("disk alarm: free space under %d bytes in %s; blocking publishers",
+                            self.disk.free_disk_min + self.disk.latched_need, self.disk.data_dir)
+            else:
+                log.warning("disk alarm cleared")
+        self._apply(sessions)
+
+    def note_read(self, n: int, sessions: Iterable[Session]) -> None:
+        """``n`` bytes were read from a client: check the disk early once enough came in, so
+        a burst of large publishes cannot run through the whole margin between two ticks."""
+        disk = self.disk
+        disk.read_since_check += n
+        if disk.read_since_check >= disk.check_every() and disk.free_disk_min:
+            self.check(sessions)
+
+    def disk_full(self, need: int, sessions: Iterable[Session]) -> None:
+        """A write of ``need`` bytes found no space: alarm now, whatever the threshold says."""
+        self.disk.latched_need = max(self.disk.latched_need, need, 1)
+        if not self.disk.active:
+            self.disk.active = True
+            log.warning("disk full: a write of %d bytes found no space in %s; blocking publishers",
+                        need, self.disk.data_dir)
+        self._apply(sessions)
+
+    def _apply(self, sessions: Iterable[Session]) -> None:
+        active = self.disk.active
+        if active and not self.active:
             self.active = True
-            log.warning("disk alarm: free space under %d bytes in %s; blocking publishers",
-                        self.free_disk_min, self.data_dir)
-        elif not low and self.active:
+        elif not active and self.active:
             self.active = False
-            log.warning("disk alarm cleared; unblocking publishers")
+            log.warning("resource alarms cleared; unblocking publishers")
             for s in self.notified:
                 if _open(s):
                     s.send_method(0, commands.Connection.Unblocked())
@@ -123,7 +187,7 @@ class DiskAlarm:
             for s in sessions:
                 if s not in self.notified and _open(s) and s.capabilities.get("connection.blocked"):
                     self.notified.add(s)
-                    s.send_method(0, commands.Connection.Blocked(reason=BLOCK_REASON))
+                    s.send_method(0, commands.Connection.Blocked(reason=self.reason()))
                     s.wakeup()
 
     def forget(self, s: Session) -> None:

@@ -84,6 +84,7 @@ class AMQPProtocol(asyncio.Protocol):
         except Exception as exc:  # a bug must cost one connection, never the broker
             log.exception("internal error on connection %s", s.name)
             s.close_connection(errors.InternalError(f"internal error: {type(exc).__name__}"))
+        self.broker.alarm.note_read(len(data), self.broker.connections)
         self.flush()
         if s.batch_publishes:
             # Fairness: a publisher gets one read per loop turn. The delivery

@@ -38,6 +38,7 @@ from broker import errors
 from broker.amqp import codec
 from broker.amqp.connection import CH_OPEN, AMQPConnection, PublishArgs
 from broker.model.queue import Consumer, Queue
+from broker.net.alarms import no_space
 from broker.net.publish_features import publish_exchange_special, publish_special
 
 if TYPE_CHECKING:
@@ -410,7 +411,10 @@ class Session(AMQPConnection):
             self.vhost_obj.get_exchange(args.exchange)
             chs.tx.append(("publish", args, props, bytes(body)))
             return
-        self._publish(chs, args, props, body)
+        try:
+            self._publish(chs, args, props, body)
+        except (errors.DiskFull, OSError) as exc:
+            self._not_stored(chs, exc, 1, len(body))
 
     def _publish(self, chs: ChannelState, args: PublishArgs, props: bytes, body: bytes | memoryview) -> None:
         vh = self.vh
@@ -512,12 +516,32 @@ class Session(AMQPConnection):
         exb = args.exchange_b
         rkb = args.routing_key_b
         exrk = args.exrk
-        for q in queues:
-            q.publish_run(ts, exb, rkb, props, bodies, persistent, exrk, same)
-            if q.consumers:
-                self.batch_queues.add(q)
-            if persistent and q.durable and chs.confirm:
-                chs.needs_sync = True
+        try:
+            for q in queues:
+                q.publish_run(ts, exb, rkb, props, bodies, persistent, exrk, same)
+                if q.consumers:
+                    self.batch_queues.add(q)
+                if persistent and q.durable and chs.confirm:
+                    chs.needs_sync = True
+        except (errors.DiskFull, OSError) as exc:
+            self._not_stored(chs, exc, k, sum(map(len, bodies)))
+
+    def _not_stored(self, chs: ChannelState, exc: errors.DiskFull | OSError, k: int, need: int) -> None:
+        """The last ``k`` publishes found no disk space (the store wrote none of them, or
+        some of them to some of their queues): raise the disk alarm at once, which blocks
+        every publisher, and tell this one: a basic.nack for each in confirm mode, else a
+        channel error. Never a connection error: the broker is fine, only the disk is full."""
+        if not no_space(exc):
+            raise exc
+        self.broker.alarm.disk_full(need, self.broker.connections)
+        if chs.confirm:
+            if chs.nacks is None:
+                chs.nacks = []
+            first = max(chs.publish_seq - k + 1, chs.confirmed + 1, chs.nacks[-1] + 1 if chs.nacks else 0)
+            chs.nacks.extend(range(first, chs.publish_seq + 1))
+            return
+        raise errors.PreconditionFailed("disk full: message not stored; publishers are blocked until "
+                                        "space is available", 60, 40) from None
 
     def store_routed(self, chs: ChannelState, args: PublishArgs, props: bytes, body: bytes | memoryview,
                      persistent: bool, queues: list[Queue]) -> None:
@@ -689,7 +713,16 @@ class Session(AMQPConnection):
         handler = _HANDLERS.get(type(method))
         if handler is None:
             raise errors.AMQPNotImplemented(f"{method.name} is not implemented")
-        handler(self, chs, method)
+        try:
+            handler(self, chs, method)
+        except (errors.DiskFull, OSError) as exc:
+            # a durable declare, a tx.commit's publishes...: the channel fails, not the connection
+            if not no_space(exc):
+                raise
+            self.broker.alarm.disk_full(1, self.broker.connections)
+            raise errors.PreconditionFailed(f"disk full: {method.name} failed; publishers are blocked "
+                                            "until space is available", method.index >> 16,
+                                            method.index & 0xFFFF) from None
 
     # exchange.*
     def _exchange_declare(self, chs: ChannelState, m: commands.Exchange.Declare) -> None:

@@ -1,0 +1,266 @@
+"""Flow control against real brokers and pika: a full disk, heartbeats while blocked, memory.
+
+Theory of operation: the full-disk tests run the broker in a private mount namespace
+(``unshare -m``) whose data dir is a small tmpfs, so the disk really fills and nothing
+outside the test sees the mount. The test reaches into that namespace through
+``/proc/<pid>/root`` to read the free space and to write the "other process" filler file.
+Goal checked: publishers are blocked (connection.blocked) or nacked, never disconnected;
+the broker stays up and consumers drain everything that was confirmed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pika
+import pytest
+
+from ._support import SkredProcess, connect, is_external, unique, wait_until
+from .test_features_extra import http, wait_http
+
+pytestmark = pytest.mark.skipif(is_external(), reason="needs Skred's process control")
+
+MiB = 1024 * 1024
+PERSISTENT = pika.BasicProperties(delivery_mode=2)
+
+
+def _can_unshare() -> bool:
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True, timeout=10)
+    return probe.returncode == 0
+
+
+needs_mount_ns = pytest.mark.skipif(not _can_unshare(), reason="needs root and unshare -m (mount namespace)")
+
+
+class TmpfsSkred(SkredProcess):
+    """A broker whose data dir is a tmpfs of ``size`` bytes in its own mount namespace."""
+
+    def __init__(self, data_dir: Path, size: int, extra_args: list[str]) -> None:
+        super().__init__(data_dir, extra_args)
+        self.size = size
+
+    def argv(self) -> list[str]:
+        # unshare and sh exec in place: the broker keeps the PID the harness knows
+        script = 'mount -t tmpfs -o size="$1" skredtest "$2" && shift 2 && exec "$@"'
+        return ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh",
+                str(self.size), str(self.data_dir), *super().argv()]
+
+    def inside(self, name: str = "") -> Path:
+        """A path in the broker's data dir as the broker sees it."""
+        return Path(f"/proc/{self.pid}/root") / str(self.data_dir).lstrip("/") / name
+
+    def free(self) -> int:
+        st = os.statvfs(self.inside())
+        return st.f_bavail * st.f_frsize
+
+    def fill_until_free(self, target: int) -> None:
+        """Another process's file takes the disk until about ``target`` bytes are free."""
+        chunk = b"\0" * MiB
+        with open(self.inside("filler"), "wb") as fh:
+            for _ in range(4096):
+                room = self.free() - target
+                if room <= 0:
+                    return
+                try:
+                    fh.write(chunk[:min(room, MiB)])
+                    fh.flush()
+                except OSError:
+                    return
+        raise AssertionError("filler did not fill the disk")
+
+
+@pytest.fixture
+def tmpfs_broker(tmp_path: Path) -> Any:
+    made: list[TmpfsSkred] = []
+
+    def make(size: int, extra_args: list[str]) -> TmpfsSkred:
+        b = TmpfsSkred(tmp_path / f"data-{uuid.uuid4().hex[:6]}", size, extra_args)
+        made.append(b)
+        b.start()
+        return b
+
+    yield make
+    for b in made:
+        b.close()
+
+
+def _pump(conn: pika.BlockingConnection, flag: list[Any]) -> bool:
+    conn.process_data_events(0.05)
+    return bool(flag)
+
+
+@needs_mount_ns
+def test_full_disk_nacks_and_blocks_never_disconnects(tmpfs_broker: Any) -> None:
+    """Another process fills the disk to just above the alarm threshold, so the one-second
+    check never fires; a large publish then finds no space. It is nacked, the publisher is
+    blocked (not closed), consumers drain, and once space is back publishing resumes."""
+    b = tmpfs_broker(64 * MiB, ["--free-disk-min", "2MiB", "--segment-size", "1MiB"])
+    pub = connect(b, blocked_connection_timeout=None)
+    blocked: list[Any] = []
+    unblocked: list[Any] = []
+    pub.add_on_connection_blocked_callback(lambda c, m: blocked.append(m))
+    pub.add_on_connection_unblocked_callback(lambda c, m: unblocked.append(m))
+    ch = pub.channel()
+    ch.confirm_delivery()
+    q = unique("full")
+    ch.queue_declare(q, durable=True)
+    small = [f"small-{i}".encode() for i in range(10)]
+    for body in small:
+        ch.basic_publish("", q, body, PERSISTENT)  # confirmed (raises on nack)
+
+    b.fill_until_free(4 * MiB)
+    assert b.free() > 2 * MiB  # above the threshold: the alarm has no reason to fire
+    big = os.urandom(6 * MiB)
+    with pytest.raises(pika.exceptions.NackError):
+        ch.basic_publish("", q, big, PERSISTENT)
+    assert pub.is_open and ch.is_open
+    wait_until(lambda: _pump(pub, blocked), 10, "connection.blocked after a write found no space")
+    assert b.alive()
+    assert http(b, "GET", "/api/health/checks/alarms")[0] == 503
+
+    # The broker stays readable: a consumer on another connection drains what was confirmed.
+    cons = connect(b)
+    cch = cons.channel()
+    got = []
+    for _ in range(len(small) + 5):
+        m, _, body = cch.basic_get(q, auto_ack=True)
+        if m is None:
+            break
+        got.append(bytes(body))
+    assert got == small
+
+    # Space comes back: the alarm clears, the publisher is unblocked and may publish again.
+    b.inside("filler").unlink()
+    wait_until(lambda: _pump(pub, unblocked), 15, "connection.unblocked once space is back")
+    ch.basic_publish("", q, big, PERSISTENT)
+    m, _, body = cch.basic_get(q, auto_ack=True)
+    assert m is not None and bytes(body) == big
+    assert b.alive() and pub.is_open
+    cons.close()
+    pub.close()
+
+
+class _Publisher(threading.Thread):
+    """Publishes 2 MiB persistent messages with confirms until blocked, nacked or done."""
+
+    def __init__(self, b: SkredProcess, queue: str, n: int) -> None:
+        super().__init__(daemon=True)
+        self.b = b
+        self.queue = queue
+        self.n = n
+        self.acked: list[bytes] = []
+        self.nacked = 0
+        self.blocked = threading.Event()
+        self.error: BaseException | None = None
+        self.ready = threading.Event()
+
+    def run(self) -> None:
+        try:
+            conn = connect(self.b, blocked_connection_timeout=None)
+            conn.add_on_connection_blocked_callback(lambda c, m: self.blocked.set())
+            ch = conn.channel()
+            ch.confirm_delivery()
+            ch.queue_declare(self.queue, durable=True)
+            self.ready.set()
+            pad = os.urandom(2 * MiB)
+            for i in range(self.n):
+                if self.blocked.is_set():
+                    break
+                body = uuid.uuid4().bytes + pad
+                try:
+                    ch.basic_publish("", self.queue, body, PERSISTENT)
+                    self.acked.append(body[:16])
+                except pika.exceptions.NackError:
+                    self.nacked += 1
+                conn.process_data_events(0)
+                del i
+            conn.close()
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            self.error = exc
+            self.ready.set()
+
+
+@needs_mount_ns
+def test_publishers_filling_the_disk_are_blocked_or_nacked(tmpfs_broker: Any) -> None:
+    """Three publishers write faster than the one-second alarm check: whatever reaches the
+    end of the disk is nacked or waits blocked; no connection is closed, the broker stays up,
+    a consumer drains every confirmed message and the waiting publishers then finish."""
+    b = tmpfs_broker(40 * MiB, ["--free-disk-min", "8MiB", "--segment-size", "1MiB"])
+    q = unique("fill")
+    pubs = [_Publisher(b, q, 30) for _ in range(3)]  # 180 MiB offered to a 40 MiB disk
+    for p in pubs:
+        p.start()
+        assert p.ready.wait(20), "publisher did not connect"
+    wait_until(lambda: all(not p.is_alive() or p.blocked.is_set() for p in pubs), 60,
+               "every publisher done or blocked")
+    assert b.alive(), b.log_tail()
+    assert all(p.error is None for p in pubs), [p.error for p in pubs]
+    assert any(p.blocked.is_set() or p.nacked for p in pubs), "the disk never filled"
+
+    # Drain: acks free segments, the alarm clears, blocked publishers get their confirms.
+    cons = connect(b)
+    cch = cons.channel()
+    seen: set[bytes] = set()
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        m, _, body = cch.basic_get(q, auto_ack=True)
+        if m is not None:
+            seen.add(bytes(body[:16]))
+            continue
+        if not any(p.is_alive() for p in pubs):
+            break
+        cons.process_data_events(0.05)
+    for p in pubs:
+        p.join(10)
+        assert not p.is_alive(), "a publisher never got its confirm"
+        assert p.error is None, p.error
+    while True:  # what the last confirms added
+        m, _, body = cch.basic_get(q, auto_ack=True)
+        if m is None:
+            break
+        seen.add(bytes(body[:16]))
+    acked = [a for p in pubs for a in p.acked]
+    assert acked and set(acked) <= seen, f"{len(set(acked) - seen)} confirmed messages lost"
+    assert b.alive()
+    assert "Traceback" not in b.log_text()
+    cons.close()
+
+
+def test_blocked_connection_is_not_dropped_for_missed_heartbeats(broker_factory: Any) -> None:
+    """A blocked publisher's heartbeats sit unread in the socket (the broker does not read
+    a blocked publisher); that must not count as a dead peer."""
+    b = broker_factory(["--free-disk-min", str(10**18)])  # more than any disk: alarm on
+    wait_http(b)
+    conn = connect(b, heartbeat=1, blocked_connection_timeout=None)
+    assert conn._impl.params.heartbeat == 1  # noqa: SLF001 - negotiated value
+    blocked: list[Any] = []
+    unblocked: list[Any] = []
+    conn.add_on_connection_blocked_callback(lambda c, m: blocked.append(m))
+    conn.add_on_connection_unblocked_callback(lambda c, m: unblocked.append(m))
+    wait_until(lambda: _pump(conn, blocked), 5, "connection.blocked")
+    ch = conn.channel()
+    q = unique("hb")
+    ch.queue_declare(q)
+    ch.basic_publish("", q, b"1")
+    ch.basic_publish("", q, b"2")  # from here on the broker does not read this connection
+    until = time.monotonic() + 5.0  # five heartbeat intervals, over twice the timeout
+    while time.monotonic() < until:
+        conn.process_data_events(0.1)
+    assert conn.is_open, "blocked connection was dropped"
+    assert "missed heartbeats" not in b.log_text()
+    assert http(b, "PUT", "/api/disk-free-limit", {"limit": 0})[0] == 204
+    wait_until(lambda: _pump(conn, unblocked), 10, "connection.unblocked")
+    other = connect(b)
+    wait_until(lambda: other.channel().queue_declare(q, passive=True).method.message_count == 2, 10,
+               "parked publishes stored")
+    other.close()
+    conn.close()
