@@ -14,7 +14,10 @@ report no capacity; ``resume_writing`` reschedules their queues. Reading is
 never paused for that: the client's acks are what frees its capacity.
 
 Heartbeats and handshake/close timeouts run from one periodic tick over all
-connections instead of a timer per connection.
+connections instead of a timer per connection. A connection we are not reading
+(``_read_paused``: held or blocked by an alarm) is never timed out for missed
+heartbeats, as RabbitMQ pauses its heartbeat monitor while a connection is blocked;
+the clock restarts when reading does.
 """
 
 from __future__ import annotations
@@ -229,7 +232,11 @@ class AMQPProtocol(asyncio.Protocol):
             self.flush()
         hb = s.heartbeat
         if hb:
-            if now - self.last_read > 2 * hb:
+            if self._read_paused:
+                # We are not reading it (blocked by an alarm, or held for its consumers): its
+                # heartbeats wait unread in the socket, which says nothing about the peer.
+                self.last_read = now
+            elif now - self.last_read > 2 * hb:
                 log.info("closing %s: missed heartbeats from client (timeout %ss)", s.name, hb)
                 t.close()
                 return
