@@ -348,7 +348,9 @@ class Session(AMQPConnection):
     def _channel(self, ch: int) -> ChannelState:
         return self.chs[ch]
 
-    def _check(self, kind: str, name: str) -> None:
+    def _check(self, kind: str, name: str, resource: str = "queue") -> None:
+        """Raise 403 unless the user has ``kind`` (configure/write/read) permission on ``name``,
+        the ``resource`` ("queue" or "exchange") the refusal text names, as RabbitMQ's does."""
         key = (kind, name)
         ok = self._perm_cache.get(key)
         if ok is None:
@@ -359,7 +361,7 @@ class Session(AMQPConnection):
             self._perm_cache[key] = ok
         if not ok:
             raise errors.AccessRefused(
-                f"access to {'queue' if kind != 'write' else 'exchange'} '{name}' in vhost "
+                f"access to {resource} '{name}' in vhost "
                 f"'{self.vhost}' refused for user '{self.username}'")
 
     @property
@@ -431,7 +433,7 @@ class Session(AMQPConnection):
         if ex.internal:
             raise errors.AccessRefused(f"cannot publish to internal exchange '{exchange}'", 60, 40)
         if exchange not in self._write_ok:
-            self._check("write", exchange)
+            self._check("write", exchange, "exchange")
             self._write_ok.add(exchange)
         persistent = bool(flags & 0x10) and self._persistent(props)
         # delayed / consistent-hash / dedup exchanges: broker/model/exchange_features.py
@@ -728,7 +730,7 @@ class Session(AMQPConnection):
     def _exchange_declare(self, chs: ChannelState, m: commands.Exchange.Declare) -> None:
         vh = self.vhost_obj
         if not m.passive:
-            self._check("configure", m.exchange)
+            self._check("configure", m.exchange, "exchange")
         ex_before = m.exchange in vh.exchanges
         vh.declare_exchange(m.exchange, m.exchange_type, passive=m.passive, durable=m.durable,
                             auto_delete=m.auto_delete, internal=m.internal,
@@ -740,7 +742,7 @@ class Session(AMQPConnection):
                 self.reply(chs, commands.Exchange.DeclareOk())
 
     def _exchange_delete(self, chs: ChannelState, m: commands.Exchange.Delete) -> None:
-        self._check("configure", m.exchange)
+        self._check("configure", m.exchange, "exchange")
         self.vhost_obj.delete_exchange(m.exchange, if_unused=m.if_unused)
         if not m.nowait:
             self.reply(chs, commands.Exchange.DeleteOk())
@@ -753,8 +755,8 @@ class Session(AMQPConnection):
 
     def _exchange_binding(self, chs: ChannelState, m: commands.Exchange.Bind | commands.Exchange.Unbind,
                           bind: bool) -> None:
-        self._check("write", m.destination)
-        self._check("read", m.source)
+        self._check("write", m.destination, "exchange")
+        self._check("read", m.source, "exchange")
         op = self.vhost_obj.bind_exchange if bind else self.vhost_obj.unbind_exchange
         op(m.destination, m.source, m.routing_key, dict(m.arguments or {}))
         if not m.nowait:
@@ -779,14 +781,14 @@ class Session(AMQPConnection):
 
     def _queue_bind(self, chs: ChannelState, m: commands.Queue.Bind) -> None:
         self._check("write", m.queue)
-        self._check("read", m.exchange)
+        self._check("read", m.exchange, "exchange")
         self.vhost_obj.bind_queue(m.queue, m.exchange, m.routing_key, dict(m.arguments or {}), self)
         if not m.nowait:
             self.reply(chs, commands.Queue.BindOk())
 
     def _queue_unbind(self, chs: ChannelState, m: commands.Queue.Unbind) -> None:
         self._check("write", m.queue)
-        self._check("read", m.exchange)
+        self._check("read", m.exchange, "exchange")
         self.vhost_obj.unbind_queue(m.queue, m.exchange, m.routing_key, dict(m.arguments or {}), self)
         self.reply(chs, commands.Queue.UnbindOk())
 
