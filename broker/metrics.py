@@ -155,6 +155,14 @@ class SkredCollector(Collector):
         yield _g("process_max_fds", "File descriptor limit", mgmt.max_fds())
         yield _g("disk_space_available_bytes", "Free bytes on the data directory's file system",
                  mgmt.disk_free())
+        alarm = broker.alarm
+        yield _g("disk_space_available_limit_bytes", "Free disk space under which publishers are blocked",
+                 alarm.disk.free_disk_min)
+        yield _g("resident_memory_limit_bytes", "Memory high watermark (0: off)", alarm.memory.limit)
+        yield _g("alarms_free_disk_space_watermark", "1 while the free disk space alarm is in effect",
+                 int(alarm.disk.active))
+        yield _g("alarms_memory_used_watermark", "1 while the memory alarm is in effect",
+                 int(alarm.memory.active))
         yield _g("process_pid", "Process id", os.getpid())
 
 

@@ -131,8 +131,8 @@ def _node_json(request: web.Request) -> dict[str, Any]:
         "uptime": uptime_ms,
         "processors": os.cpu_count() or 1,
         "mem_used": mgmt.resident_memory(),
-        "mem_limit": 0,
-        "mem_alarm": False,
+        "mem_limit": mgmt.broker.alarm.memory.limit,
+        "mem_alarm": mgmt.broker.alarm.memory.active,
         "disk_free": mgmt.disk_free(),
         "disk_free_limit": mgmt.broker.alarm.disk.free_disk_min,
         "disk_free_alarm": mgmt.broker.alarm.disk.active,
@@ -185,10 +185,11 @@ async def aliveness(request: web.Request) -> web.Response:
 
 @routes.get("/api/health/checks/alarms")
 async def health_alarms(request: web.Request) -> web.Response:
-    alarm = request.app[MGMT_KEY].broker.alarm
-    if alarm.active:
+    mgmt = request.app[MGMT_KEY]
+    resources = mgmt.broker.alarm.resources()
+    if resources:
         return web.json_response({"status": "failed", "reason": "resource alarm(s) in effect",
-                                  "alarms": [{"resource": "disk", "node": request.app[MGMT_KEY].node_name}]},
+                                  "alarms": [{"resource": r, "node": mgmt.node_name} for r in resources]},
                                  status=503)
     return web.json_response({"status": "ok"})
 

@@ -1,4 +1,5 @@
-"""Periodic checks run from the listener's one-second tick: consumer timeouts and the disk alarm.
+"""Periodic checks run from the listener's one-second tick: consumer timeouts and the
+resource alarms (disk, memory).
 
 Theory of operation
 -------------------
@@ -11,14 +12,22 @@ consumer_timeout``; 0 = off) the channel is closed with 406 "delivery
 acknowledgement on channel N timed out", as RabbitMQ. A timeout fires at most
 one tick late and never early.
 
-Disk alarm: each tick compares the free space of the data dir's filesystem with
-``[main] free_disk_min``. While it is below, every connection that publishes
-stops being read: the read pause the listener already takes after each
-publishing read batch is simply not lifted (``AMQPProtocol._resume_reading``
-parks the protocol here). Clients that announced the ``connection.blocked``
-capability get ``connection.blocked`` when the alarm goes on and
-``connection.unblocked`` when it clears, after which parked connections are
-read again. Consumers keep consuming and acking meanwhile, as in RabbitMQ.
+Resource alarms: while any is in effect, every connection that publishes stops
+being read: the read pause the listener already takes after each publishing read
+batch is simply not lifted (``AMQPProtocol._resume_reading`` parks the protocol
+here). Clients that announced the ``connection.blocked`` capability get
+``connection.blocked`` (reason "low on disk" / "low on memory") when the first
+alarm goes on and ``connection.unblocked`` when the last clears, after which
+parked connections are read again. Consumers keep consuming and acking
+meanwhile, as in RabbitMQ.
+
+Disk: the free space of the data dir's filesystem against ``[main]
+free_disk_min``, checked each tick and also as soon as an eighth of that margin
+has been read from clients, so a burst of large publishes cannot run through it
+between two ticks. A write that still finds no space (the store's ``DiskFull``)
+raises the alarm at once and latches it until the failed write would fit above
+the threshold; the session nacks (or refuses) the publish, never closing the
+connection. Memory: see broker/net/memory.py.
 """
 
 from __future__ import annotations
@@ -34,13 +43,12 @@ from pamqp import commands
 
 from broker import errors
 from broker.amqp.connection import State
+from broker.net.memory import MemoryAlarm
 
 if TYPE_CHECKING:
     from broker.net.session import Session
 
 log = logging.getLogger(__name__)
-
-BLOCK_REASON = "low on disk"
 
 
 class Parked(Protocol):
@@ -129,14 +137,16 @@ class DiskAlarm:
 class Alarms:
     """The resource alarms (disk, memory) and the one blocked/unblocked state they drive."""
 
-    def __init__(self, disk: DiskAlarm) -> None:
+    def __init__(self, disk: DiskAlarm, memory: MemoryAlarm) -> None:
         self.disk = disk
+        self.memory = memory
         self.parked: set[Parked] = set()
         self.notified: set[Session] = set()
         self.active = False  # any alarm in effect: publishers are not read
 
-    def reason(self) -> str:
-        return BLOCK_REASON
+    def resources(self) -> list[str]:
+        """The alarms in effect, by RabbitMQ's resource names."""
+        return [name for name, a in (("disk", self.disk), ("memory", self.memory)) if a.active]
 
     def check(self, sessions: Iterable[Session]) -> None:
         """One tick: re-evaluate every alarm, then block or unblock clients."""
@@ -149,6 +159,19 @@ class Alarms:
                             self.disk.free_disk_min + self.disk.latched_need, self.disk.data_dir)
             else:
                 log.warning("disk alarm cleared")
+        self.memory_changed(sessions)
+
+    def memory_changed(self, sessions: Iterable[Session]) -> None:
+        """Measure memory again (a body completed, a connection waits or went away)."""
+        mem = self.memory
+        active = mem.evaluate()
+        if active != mem.active:
+            mem.active = active
+            if active:
+                log.warning("memory alarm: %d bytes used (watermark %d)%s; blocking publishers", mem.used,
+                            mem.limit, f", {len(mem.waiting)} connection(s) waiting" if mem.waiting else "")
+            else:
+                log.warning("memory alarm cleared (%d bytes used, watermark %d)", mem.used, mem.limit)
         self._apply(sessions)
 
     def note_read(self, n: int, sessions: Iterable[Session]) -> None:
@@ -169,7 +192,7 @@ class Alarms:
         self._apply(sessions)
 
     def _apply(self, sessions: Iterable[Session]) -> None:
-        active = self.disk.active
+        active = self.disk.active or self.memory.active
         if active and not self.active:
             self.active = True
         elif not active and self.active:
@@ -187,7 +210,7 @@ class Alarms:
             for s in sessions:
                 if s not in self.notified and _open(s) and s.capabilities.get("connection.blocked"):
                     self.notified.add(s)
-                    s.send_method(0, commands.Connection.Blocked(reason=self.reason()))
+                    s.send_method(0, commands.Connection.Blocked(reason=f"low on {self.resources()[0]}"))
                     s.wakeup()
 
     def forget(self, s: Session) -> None:

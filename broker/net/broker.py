@@ -15,6 +15,7 @@ from broker.auth.users import UserStore
 from broker.config import Config
 from broker.model.vhost import VHost
 from broker.net.alarms import Alarms, DiskAlarm
+from broker.net.memory import MemoryAlarm, watermark
 from broker.net.syncer import Syncer
 
 if TYPE_CHECKING:
@@ -49,7 +50,9 @@ class Broker:
         # guest with full access everywhere is the common case: skip per-name checks then
         self.check_permissions = True
         # resource alarms: block publishers (broker/net/alarms.py; checked by the listener tick)
-        self.alarm = Alarms(DiskAlarm(config.main.data_dir, config.main.free_disk_min))
+        main = config.main
+        self.alarm = Alarms(DiskAlarm(main.data_dir, main.free_disk_min), MemoryAlarm(
+            watermark(main.vm_memory_high_watermark, main.vm_memory_high_watermark_absolute)))
         self._server_properties: dict[str, Any] = {
             "product": "Skred",
             "version": __version__,

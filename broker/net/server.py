@@ -55,6 +55,9 @@ class AMQPProtocol(asyncio.Protocol):
         self._first = b""  # bytes before we know whether a PROXY header comes first
         self._sniffing = True
         self._read_paused = False
+        # memory gate (broker/net/memory.py): body bytes admitted, and whether we wait for more
+        self.reserved = 0
+        self._mem_wait = False
 
     # ---------------------------------------------------------------- events
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -87,7 +90,12 @@ class AMQPProtocol(asyncio.Protocol):
         except Exception as exc:  # a bug must cost one connection, never the broker
             log.exception("internal error on connection %s", s.name)
             s.close_connection(errors.InternalError(f"internal error: {type(exc).__name__}"))
-        self.broker.alarm.note_read(len(data), self.broker.connections)
+        alarm = self.broker.alarm
+        alarm.note_read(len(data), self.broker.connections)
+        if alarm.memory.limit:
+            wanted = s.assembling()
+            if wanted != self.reserved:
+                self._assembling(wanted)
         self.flush()
         if s.batch_publishes:
             # Fairness: a publisher gets one read per loop turn. The delivery
@@ -136,9 +144,43 @@ class AMQPProtocol(asyncio.Protocol):
             s.name = f"{src[0]}:{src[1]} (via {s.name})"
         return data[used:]
 
+    def _assembling(self, wanted: int) -> None:
+        """The bodies this connection is assembling now add up to ``wanted`` bytes: ask the
+        memory gate; if it says wait, stop reading until ``admitted``."""
+        alarm = self.broker.alarm
+        held = self.reserved
+        if alarm.memory.request(self, held, wanted):
+            self.reserved = wanted
+            if wanted < held and (alarm.memory.waiting or alarm.memory.active):
+                alarm.memory_changed(self.broker.connections)  # a body is stored: measure again
+            return
+        self._mem_wait = True
+        self._pause_reading()
+        alarm.memory_changed(self.broker.connections)
+
+    def admitted(self, total: int) -> None:
+        """The memory gate admitted our bodies: read on, whatever alarm is in effect (an
+        admitted body must complete, or its memory is never given back)."""
+        self.reserved = total
+        self._mem_wait = False
+        self._read_paused = False
+        t = self.transport
+        if t is not None and not t.is_closing():
+            t.resume_reading()
+
+    def _pause_reading(self) -> None:
+        t = self.transport
+        if t is not None and not t.is_closing() and not self._read_paused:
+            self._read_paused = True
+            t.pause_reading()
+
     def _resume_reading(self, hold_until: float) -> None:
-        if self.broker.alarm.active:
-            self.broker.alarm.parked.add(self)  # disk alarm: a publisher is not read until it clears
+        if self._mem_wait:
+            return  # the memory gate resumes us (admitted)
+        if self.broker.alarm.active and not self.reserved:
+            # an alarm is on: a publisher is not read until it clears, unless it is in the
+            # middle of an admitted body
+            self.broker.alarm.parked.add(self)
             return
         s = self.session
         if s is not None and s.batch_queues:
@@ -206,6 +248,12 @@ class AMQPProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.protocols.discard(self)
+        if self.reserved or self._mem_wait:
+            alarm = self.broker.alarm
+            alarm.memory.release(self, self.reserved)
+            self.reserved = 0
+            self._mem_wait = False
+            alarm.memory_changed(self.broker.connections)
         if self.session is not None:
             try:
                 self.session.connection_lost()

@@ -254,6 +254,7 @@ class Session(AMQPConnection):
             channel_max=cfg.amqp.channel_max,
             heartbeat=cfg.amqp.heartbeat,
             max_message_size=cfg.main.max_message_size,
+            max_bytes_in_flight=cfg.amqp.max_bytes_in_flight,
             server_properties=broker.server_properties(),
         )
         self.broker = broker

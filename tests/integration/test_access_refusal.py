@@ -35,7 +35,8 @@ def test_refusal_texts_and_passive_declares(broker: Broker) -> None:
     assert http(broker, "PUT", f"/api/users/{uq}", {"password": "pw", "tags": ""})[0] in (201, 204)
     assert http(broker, "PUT", f"/api/permissions/%2F/{uq}",
                 {"configure": "^mine\\.", "write": "^mine\\.", "read": "^mine\\."})[0] in (201, 204)
-    other_q, other_x, mine_q, mine_x = "other.q." + user, "other.x." + user, "mine.q." + user, "mine.x." + user
+    other_q, other_x = "other.q." + user, "other.x." + user
+    mine_q, mine_x = "mine.q." + user, "mine.x." + user
 
     admin = connect(broker)
     ach = admin.channel()

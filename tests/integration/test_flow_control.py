@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import threading
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
@@ -264,3 +265,151 @@ def test_blocked_connection_is_not_dropped_for_missed_heartbeats(broker_factory:
                "parked publishes stored")
     other.close()
     conn.close()
+
+
+def _anon_bytes(pid: int) -> int:
+    """Anonymous resident memory of a process (what message bodies held in memory take)."""
+    with open(f"/proc/{pid}/status", encoding="ascii") as fh:
+        for line in fh:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no RssAnon")
+
+
+class _PeakMemory(threading.Thread):
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.pid = pid
+        self.peak = 0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                self.peak = max(self.peak, _anon_bytes(self.pid))
+            except (OSError, AssertionError):
+                return
+            time.sleep(0.005)  # sampling interval of a bounded monitor, not synchronisation
+
+
+def test_memory_watermark_blocks_large_publishes_then_unblocks(broker_factory: Any) -> None:
+    """Six 48 MiB publishes at once against a 128 MiB watermark: the broker takes them in as
+    memory allows (blocking publishers meanwhile, connection.blocked), never holds all six at
+    once, then unblocks and has stored every one."""
+    body_size, n, watermark = 48 * MiB, 6, 128 * MiB
+    b = broker_factory(["--vm-memory-high-watermark-absolute", str(watermark)])
+    wait_http(b)
+    assert b.pid is not None
+    q = unique("mem")
+    observer = connect(b, blocked_connection_timeout=None)
+    events: list[str] = []
+    observer.add_on_connection_blocked_callback(lambda c, m: events.append("blocked:" + m.method.reason))
+    observer.add_on_connection_unblocked_callback(lambda c, m: events.append("unblocked"))
+    observer.channel().queue_declare(q)
+    monitor = _PeakMemory(b.pid)
+    monitor.start()
+    start = threading.Barrier(n)
+    done: list[bool] = []
+    errors: list[BaseException] = []
+
+    def publish() -> None:
+        try:
+            conn = connect(b, blocked_connection_timeout=None)
+            ch = conn.channel()
+            ch.confirm_delivery()
+            body = os.urandom(body_size)
+            start.wait(30)
+            ch.basic_publish("", q, body)  # returns once confirmed
+            done.append(True)
+            conn.close()
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=publish, daemon=True) for _ in range(n)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 120
+    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+        observer.process_data_events(0.05)
+    monitor.stop.set()
+    assert not errors, errors
+    assert len(done) == n, "publishers still waiting"
+    wait_until(lambda: (observer.process_data_events(0.05), "unblocked" in events)[1], 15,
+               "connection.unblocked")
+    assert "blocked:low on memory" in events
+    assert events.index("blocked:low on memory") < len(events) - 1 - events[::-1].index("unblocked")
+    assert observer.channel().queue_declare(q, passive=True).method.message_count == n
+    # Not all six bodies were in memory at once (unbounded: about 2 x 6 x 48 MiB).
+    assert monitor.peak < watermark + 2 * body_size, f"peak anonymous memory {monitor.peak >> 20} MiB"
+    node = http(b, "GET", "/api/nodes")[1][0]
+    assert node["mem_limit"] == watermark and node["mem_alarm"] is False
+    assert http(b, "GET", "/api/health/checks/alarms")[0] == 200
+    observer.close()
+
+
+def test_memory_alarm_shows_in_api_health_and_metrics(broker_factory: Any) -> None:
+    """A watermark below what the broker already uses: the alarm is on, publishers are
+    blocked, and the API, the health check and the metrics say so."""
+    b = broker_factory(["--vm-memory-high-watermark-absolute", "1MiB"])
+    wait_http(b)
+    conn = connect(b, blocked_connection_timeout=None)
+    blocked: list[Any] = []
+    conn.add_on_connection_blocked_callback(lambda c, m: blocked.append(m.method.reason))
+    wait_until(lambda: _pump(conn, blocked), 10, "connection.blocked")
+    assert blocked == ["low on memory"]
+    node = http(b, "GET", "/api/nodes")[1][0]
+    assert node["mem_alarm"] is True and node["mem_limit"] == MiB and node["disk_free_alarm"] is False
+    status, body = http(b, "GET", "/api/health/checks/alarms")
+    assert status == 503 and [a["resource"] for a in body["alarms"]] == ["memory"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{b.metrics_port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    assert values["skred_alarms_memory_used_watermark"] == 1
+    assert values["skred_alarms_free_disk_space_watermark"] == 0
+    assert values["skred_resident_memory_limit_bytes"] == MiB
+    conn.close()
+
+
+def test_bytes_in_flight_per_connection_are_bounded(broker_factory: Any) -> None:
+    """Bodies a connection has announced but not completed count against
+    max_bytes_in_flight across its channels: a second interleaved large body past the
+    limit closes its channel with 406; the first completes and the connection stays."""
+    from pamqp import commands
+
+    from ._raw import FRAME_BODY, FRAME_HEADER, RawConn, frame_bytes, header_payload, method_bytes
+
+    b = broker_factory(["--amqp-max-bytes-in-flight", "1MiB"])
+    q = unique("inflight")
+    admin = connect(b)
+    admin.channel().queue_declare(q)
+    size = 700 * 1024
+    with RawConn(b.host, b.port) as c:
+        c.handshake()
+        c.open_channel(1)
+        c.open_channel(2)
+
+        def start(ch: int) -> bytes:
+            return (method_bytes(ch, commands.Basic.Publish(exchange="", routing_key=q))
+                    + frame_bytes(FRAME_HEADER, ch, header_payload(size, commands.Basic.Properties())))
+
+        def body(ch: int, data: bytes) -> bytes:
+            step = 128 * 1024 - 8  # frame_max less the frame's own bytes
+            return b"".join(frame_bytes(FRAME_BODY, ch, data[i:i + step]) for i in range(0, len(data), step))
+
+        half = b"a" * (size // 2)
+        c.send(start(1) + body(1, half) + start(2))
+        ch, close = c.read_method()
+        assert ch == 2 and isinstance(close, commands.Channel.Close), (close.reply_code, close.reply_text)
+        assert close.reply_code == 406 and "max_bytes_in_flight" in close.reply_text
+        c.send_method(2, commands.Channel.CloseOk())
+        c.send(body(1, half))
+        c.send_method(1, commands.Basic.Get(queue=q, no_ack=True))
+        c.expect(commands.Basic.GetOk, 1)
+        _, body, _ = c.read_content()
+        assert body == half + half
+        # one body up to the limit is fine on its own
+        c.publish(1, "", q, b"b" * (1024 * 1024))
+        wait_until(lambda: admin.channel().queue_declare(q, passive=True).method.message_count == 1, 10,
+                   "a body of exactly the limit stored")
+    admin.close()
