@@ -111,8 +111,10 @@ class DiskAlarm:
         self.active = False
         # A write that found no space holds the alarm until that many bytes fit above the threshold.
         self.latched_need = 0
-        # bytes read from clients since the last check (see ``Alarms.note_read``)
+        # bytes read from clients since the last check, and how many call for an early one
+        # (``Alarms.note_read``)
         self.read_since_check = 0
+        self.next_check = self.check_every()
 
     def free(self) -> int:
         try:
@@ -150,7 +152,12 @@ class Alarms:
 
     def check(self, sessions: Iterable[Session]) -> None:
         """One tick: re-evaluate every alarm, then block or unblock clients."""
+        self._check_disk()
+        self.memory_changed(sessions)
+
+    def _check_disk(self) -> None:
         self.disk.read_since_check = 0
+        self.disk.next_check = self.disk.check_every()
         disk = self.disk.evaluate()
         if disk != self.disk.active:
             self.disk.active = disk
@@ -159,7 +166,6 @@ class Alarms:
                             self.disk.free_disk_min + self.disk.latched_need, self.disk.data_dir)
             else:
                 log.warning("disk alarm cleared")
-        self.memory_changed(sessions)
 
     def memory_changed(self, sessions: Iterable[Session]) -> None:
         """Measure memory again (a body completed, a connection waits or went away)."""
@@ -174,13 +180,15 @@ class Alarms:
                 log.warning("memory alarm cleared (%d bytes used, watermark %d)", mem.used, mem.limit)
         self._apply(sessions)
 
-    def note_read(self, n: int, sessions: Iterable[Session]) -> None:
-        """``n`` bytes were read from a client: check the disk early once enough came in, so
-        a burst of large publishes cannot run through the whole margin between two ticks."""
-        disk = self.disk
-        disk.read_since_check += n
-        if disk.read_since_check >= disk.check_every() and disk.free_disk_min:
-            self.check(sessions)
+    def note_read(self, sessions: Iterable[Session]) -> None:
+        """``disk.next_check`` bytes were read from clients since the last check: check the
+        disk early, so a burst of large publishes cannot run through the margin between two
+        ticks."""
+        if self.disk.free_disk_min:
+            self._check_disk()
+            self._apply(sessions)
+        else:
+            self.disk.read_since_check = 0
 
     def disk_full(self, need: int, sessions: Iterable[Session]) -> None:
         """A write of ``need`` bytes found no space: alarm now, whatever the threshold says."""

@@ -91,7 +91,10 @@ class AMQPProtocol(asyncio.Protocol):
             log.exception("internal error on connection %s", s.name)
             s.close_connection(errors.InternalError(f"internal error: {type(exc).__name__}"))
         alarm = self.broker.alarm
-        alarm.note_read(len(data), self.broker.connections)
+        disk = alarm.disk
+        disk.read_since_check += len(data)
+        if disk.read_since_check >= disk.next_check:
+            alarm.note_read(self.broker.connections)
         if alarm.memory.limit:
             wanted = s.assembling()
             if wanted != self.reserved:
