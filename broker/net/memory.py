@@ -122,9 +122,11 @@ class MemoryAlarm:
         """``who`` holds ``held`` admitted bytes and now needs ``wanted`` in all. True: it holds
         ``wanted`` now; False: it waits (do not read it) until ``who.admitted`` is called."""
         if wanted <= held:
+            self.waiting.pop(who, None)
             self.admitted -= held - wanted
             return True
-        if who in self.waiting or not self._fits(held, wanted):
+        if self.waiting or not self._fits(held, wanted):
+            # behind whoever waits already (the caller measures again, which may admit it now)
             self.waiting[who] = (held, wanted)
             return False
         self.admitted += wanted - held

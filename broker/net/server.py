@@ -153,6 +153,8 @@ class AMQPProtocol(asyncio.Protocol):
         alarm = self.broker.alarm
         held = self.reserved
         if alarm.memory.request(self, held, wanted):
+            if self._mem_wait:
+                self.admitted(wanted)
             self.reserved = wanted
             if wanted < held and (alarm.memory.waiting or alarm.memory.active):
                 alarm.memory_changed(self.broker.connections)  # a body is stored: measure again
