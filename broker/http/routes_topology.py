@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import binascii
 import datetime
+import errno
 import struct
 import time
 import urllib.parse
@@ -13,6 +14,7 @@ from typing import Any
 from aiohttp import web
 from pamqp import commands
 
+from broker import errors
 from broker.http.common import (
     MGMT_KEY,
     bad_request,
@@ -20,6 +22,7 @@ from broker.http.common import (
     check_name,
     check_perm,
     created,
+    error_response,
     forbidden,
     get_args,
     get_bool,
@@ -198,8 +201,15 @@ async def publish(request: web.Request) -> web.Response:
         props_bytes = bytes(props.marshal())
         persistent = props.delivery_mode == 2
         ts = int(time.time() * 1000)
-        for q in queues:
-            q.publish(ts, ex.name.encode(), routing_key.encode(), props_bytes, data, persistent)
+        try:
+            for q in queues:
+                q.publish(ts, ex.name.encode(), routing_key.encode(), props_bytes, data, persistent)
+        except (errors.DiskFull, OSError) as exc:
+            if not isinstance(exc, errors.DiskFull) and exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            # as for an AMQP publisher: the disk alarm goes on at once, the message is refused
+            broker.alarm.disk_full(len(data), broker.connections)
+            return error_response(503, "disk_full", "disk full: message not stored")
     else:
         broker.stats.unroutable += 1
     return web.json_response({"routed": bool(queues)})
