@@ -128,7 +128,7 @@ def test_full_disk_nacks_and_blocks_never_disconnects(tmpfs_broker: Any) -> None
     assert b.alive()
     assert http(b, "GET", "/api/health/checks/alarms")[0] == 503
     # The HTTP publish API refuses what it cannot store, with a clear answer.
-    status, answer = http(b, "POST", f"/api/exchanges/%2F/amq.default/publish",
+    status, answer = http(b, "POST", "/api/exchanges/%2F/amq.default/publish",
                           {"properties": {"delivery_mode": 2}, "routing_key": q, "payload": "x" * (6 * MiB),
                            "payload_encoding": "string"})
     assert (status, answer["error"]) == (503, "disk_full"), (status, answer)
