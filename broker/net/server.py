@@ -11,13 +11,19 @@ calls ``wakeup()``, which schedules one flush on the next loop turn.
 Backpressure: when the transport's write buffer passes the high-water mark
 (``pause_writing``) the session stops being ``writable`` and its consumers
 report no capacity; ``resume_writing`` reschedules their queues. Reading is
-never paused for that: the client's acks are what frees its capacity.
+not paused for that: the client's acks are what frees its capacity. Only when
+replies it has not read pass ``[amqp] max_bytes_in_flight`` (a client that
+publishes mandatory messages to nowhere or gets large messages and never
+reads) is the client not read until ``resume_writing``. Reading is also paused
+by resource alarms (broker/net/alarms.py) and by the memory gate for bodies
+being assembled (broker/net/memory.py).
 
 Heartbeats and handshake/close timeouts run from one periodic tick over all
 connections instead of a timer per connection. A connection we are not reading
-(``_read_paused``: held or blocked by an alarm) is never timed out for missed
-heartbeats, as RabbitMQ pauses its heartbeat monitor while a connection is blocked;
-the clock restarts when reading does.
+(``_read_paused``: held, blocked by an alarm, waiting for memory) is never timed
+out for missed heartbeats, as RabbitMQ pauses its heartbeat monitor while a
+connection is blocked; the clock restarts when reading does. One that we do not
+read because it does not read us is: its silence is its own.
 """
 
 from __future__ import annotations
@@ -55,9 +61,12 @@ class AMQPProtocol(asyncio.Protocol):
         self._first = b""  # bytes before we know whether a PROXY header comes first
         self._sniffing = True
         self._read_paused = False
+        self._out_limit = _WRITE_HIGH_WATER
         # memory gate (broker/net/memory.py): body bytes admitted, and whether we wait for more
         self.reserved = 0
         self._mem_wait = False
+        # replies the client has not read yet past max_bytes_in_flight: not read until it does
+        self._out_wait = False
 
     # ---------------------------------------------------------------- events
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -70,6 +79,8 @@ class AMQPProtocol(asyncio.Protocol):
             except OSError:
                 pass
         transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)  # type: ignore[attr-defined]
+        # past the high-water mark, so resume_writing is sure to follow
+        self._out_limit = max(self.broker.config.amqp.max_bytes_in_flight, _WRITE_HIGH_WATER)
         self.session = Session(self.broker, (str(peer[0]), int(peer[1])), self.wakeup)
         self.session.flush_now = self.flush
         self.session.write_now = self.write_now
@@ -100,6 +111,11 @@ class AMQPProtocol(asyncio.Protocol):
             if wanted != self.reserved:
                 self._assembling(wanted)
         self.flush()
+        t = self.transport
+        if t is not None and t.get_write_buffer_size() > self._out_limit and not self._out_wait:
+            # A client that does not read what we answer is not read either (resume_writing).
+            self._out_wait = True
+            self._pause_reading()
         if s.batch_publishes:
             # Fairness: a publisher gets one read per loop turn. The delivery
             # passes its publishes scheduled run before we read from it again;
@@ -180,8 +196,8 @@ class AMQPProtocol(asyncio.Protocol):
             t.pause_reading()
 
     def _resume_reading(self, hold_until: float) -> None:
-        if self._mem_wait:
-            return  # the memory gate resumes us (admitted)
+        if self._mem_wait or self._out_wait:
+            return  # the memory gate (admitted) or the client reading its replies resumes us
         if self.broker.alarm.active and not self.reserved:
             # an alarm is on: a publisher is not read until it clears, unless it is in the
             # middle of an admitted body
@@ -250,6 +266,9 @@ class AMQPProtocol(asyncio.Protocol):
     def resume_writing(self) -> None:
         if self.session is not None:
             self.session.set_writable(True)
+        if self._out_wait:
+            self._out_wait = False
+            self._resume_reading(0.0)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.protocols.discard(self)
@@ -285,7 +304,7 @@ class AMQPProtocol(asyncio.Protocol):
             self.flush()
         hb = s.heartbeat
         if hb:
-            if self._read_paused:
+            if self._read_paused and not self._out_wait:
                 # We are not reading it (blocked by an alarm, or held for its consumers): its
                 # heartbeats wait unread in the socket, which says nothing about the peer.
                 self.last_read = now

@@ -418,3 +418,63 @@ def test_bytes_in_flight_per_connection_are_bounded(broker_factory: Any) -> None
         wait_until(lambda: admin.channel().queue_declare(q, passive=True).method.message_count == 1, 10,
                    "a body of exactly the limit stored")
     admin.close()
+
+
+def test_a_client_that_does_not_read_is_not_read_either(broker_factory: Any) -> None:
+    """Replies count as bytes in flight too: a client that publishes mandatory messages to
+    nowhere and never reads its socket gets its basic.returns buffered only up to
+    max_bytes_in_flight; then the broker stops reading it (its sends stall) instead of
+    buffering everything. Once it reads, it gets every return."""
+    import select
+    import socket
+
+    from pamqp import commands
+
+    from ._raw import FRAME_BODY, FRAME_HEADER, RawConn, frame_bytes, header_payload, method_bytes
+
+    b = broker_factory(["--amqp-max-bytes-in-flight", "4MiB"])
+    assert b.pid is not None
+    size, offered = MiB, 256
+    step = 128 * 1024 - 8
+    one = (method_bytes(1, commands.Basic.Publish(exchange="", routing_key=unique("nowhere"), mandatory=True))
+           + frame_bytes(FRAME_HEADER, 1, header_payload(size, commands.Basic.Properties()))
+           + b"".join(frame_bytes(FRAME_BODY, 1, b"r" * min(step, size - i)) for i in range(0, size, step)))
+    with RawConn(b.host, b.port) as c:
+        c.handshake()
+        c.open_channel(1)
+        base = _anon_bytes(b.pid)
+        sock: socket.socket = c.sock
+        sock.setblocking(False)
+        sent = 0
+        stalled_since = time.monotonic()
+        deadline = time.monotonic() + 60
+        while sent < offered * len(one) and time.monotonic() < deadline:
+            if not select.select([], [sock], [], 0.2)[1]:
+                if time.monotonic() - stalled_since > 3.0:
+                    break  # the broker stopped reading us
+                continue
+            try:
+                sent += sock.send(memoryview(one)[sent % len(one):])
+                stalled_since = time.monotonic()
+            except BlockingIOError:
+                continue
+        unit = len(one)
+        assert sent < 64 * unit, f"broker read {sent >> 20} MiB from a client that reads nothing"
+        assert _anon_bytes(b.pid) - base < 64 * MiB
+        # Now read: every publish comes back as a basic.return (a thread finishes the last,
+        # partly sent one while we read).
+        sock.setblocking(True)
+        rest = (len(one) - sent % len(one)) % len(one)
+        finisher = threading.Thread(target=sock.sendall, args=(one[len(one) - rest:],), daemon=True)
+        finisher.start()
+        expected = (sent + rest) // len(one)
+        returns = 0
+        while returns < expected:
+            _ch, m = c.read_method()
+            if isinstance(m, commands.Basic.Return):
+                assert m.reply_code == 312
+                _, body, _ = c.read_content()
+                assert len(body) == size
+                returns += 1
+        finisher.join(10)
+        assert returns == expected
