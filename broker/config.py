@@ -181,9 +181,10 @@ class AmqpConfig:
     max_bytes_in_flight: int = field(
         default=256 * MiB,
         metadata=_meta(
-            "Most bytes of message bodies one connection may have announced and not yet completed "
-            "(across its channels); a content header past it closes that channel with 406. At "
-            "least max_message_size in practice (suffixes allowed).",
+            "Bytes in flight per connection (suffixes allowed): message bodies it has announced "
+            "and not completed, across its channels (a content header past this closes that "
+            "channel with 406; keep it at least max_message_size), and replies it has not read "
+            "(past this the connection is not read until it reads them).",
             kind="size",
             lo=1,
         ),
