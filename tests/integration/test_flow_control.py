@@ -155,6 +155,34 @@ def test_full_disk_nacks_and_blocks_never_disconnects(tmpfs_broker: Any) -> None
     pub.close()
 
 
+@needs_mount_ns
+def test_full_disk_without_confirms_closes_the_channel_not_the_connection(tmpfs_broker: Any) -> None:
+    """A publisher without confirms cannot be nacked: the message it was told nothing about is
+    refused with a channel error (406), the connection stays and is blocked."""
+    b = tmpfs_broker(32 * MiB, ["--free-disk-min", "1MiB", "--segment-size", "1MiB"])
+    pub = connect(b, blocked_connection_timeout=None)
+    blocked: list[Any] = []
+    pub.add_on_connection_blocked_callback(lambda c, m: blocked.append(m))
+    ch = pub.channel()
+    q = unique("full")
+    ch.queue_declare(q, durable=True)
+    b.fill_until_free(3 * MiB)
+    ch.basic_publish("", q, os.urandom(5 * MiB), PERSISTENT)
+    with pytest.raises(pika.exceptions.ChannelClosedByBroker) as ei:
+        ch.queue_declare(q, passive=True)
+    assert ei.value.reply_code == 406 and "disk full" in ei.value.reply_text
+    wait_until(lambda: _pump(pub, blocked), 10, "connection.blocked")
+    assert pub.is_open and b.alive()
+    other = connect(b)  # the blocked publisher is not read now; a consumer's connection is
+    assert other.channel().queue_declare(q, passive=True).method.message_count == 0
+    other.close()
+    unblocked: list[Any] = []
+    pub.add_on_connection_unblocked_callback(lambda c, m: unblocked.append(m))
+    b.inside("filler").unlink()
+    wait_until(lambda: _pump(pub, unblocked), 15, "connection.unblocked once space is back")
+    pub.close()  # a blocked connection is not read, so it can close only now
+
+
 class _Publisher(threading.Thread):
     """Publishes 2 MiB persistent messages with confirms until blocked, nacked or done."""
 
