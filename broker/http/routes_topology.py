@@ -36,6 +36,7 @@ from broker.http.common import (
 )
 from broker.http.render import binding_json, exchange_json, jsonable, queue_json, vhost_bindings
 from broker.model.exchange import EXCHANGE_TYPES, Exchange
+from broker.model.publish import PublishRequest
 from broker.model.queue import Queue
 from broker.model.vhost import VHost
 
@@ -191,26 +192,20 @@ async def publish(request: web.Request) -> web.Response:
     check_perm(request, "write", vh.name, ex.name)
     broker = request.app[MGMT_KEY].broker
     broker.stats.published += 1
-    if ex.name == "":
-        q = vh.queues.get(routing_key)
-        queues = [q] if q is not None else []
-    else:
-        headers = dict(props.headers) if props.headers else None
-        queues = vh.route(ex, routing_key, lambda: headers)
-    if queues:
-        props_bytes = bytes(props.marshal())
-        persistent = props.delivery_mode == 2
-        ts = int(time.time() * 1000)
-        try:
-            for q in queues:
-                q.publish(ts, ex.name.encode(), routing_key.encode(), props_bytes, data, persistent)
-        except (errors.DiskFull, OSError) as exc:
-            if not isinstance(exc, errors.DiskFull) and exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-                raise
-            # as for an AMQP publisher: the disk alarm goes on at once, the message is refused
-            broker.alarm.disk_full(len(data), broker.connections)
-            return error_response(503, "disk_full", "disk full: message not stored")
-    else:
+    props_bytes = bytes(props.marshal())
+    try:
+        out = vh.publish(PublishRequest(ex.name, routing_key, props_bytes, data, int(time.time() * 1000),
+                                        props.delivery_mode == 2))
+    except errors.AMQPError as exc:  # e.g. an expiration that is not a number
+        raise bad_request(exc.text) from None
+    except (errors.DiskFull, OSError) as exc:
+        if not isinstance(exc, errors.DiskFull) and exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        # as for an AMQP publisher: the disk alarm goes on at once, the message is refused
+        broker.alarm.disk_full(len(data), broker.connections)
+        return error_response(503, "disk_full", "disk full: message not stored")
+    queues = out.queues
+    if out.unroutable:
         broker.stats.unroutable += 1
     return web.json_response({"routed": bool(queues)})
 

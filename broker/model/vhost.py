@@ -31,7 +31,9 @@ from pamqp.base import Frame as PFrame
 
 from broker import errors
 from broker.model import exchange_features, features, policy
+from broker.model import publish as publishing
 from broker.model.exchange import Exchange
+from broker.model.fastpaths import FastPaths
 from broker.model.limits import VHostLimits
 from broker.model.queue import Queue
 from broker.store.definitions import DefinitionsLog
@@ -91,6 +93,7 @@ class VHost:
         self.policy_set = policy.PolicySet(self.dir / "policies.json", sink)
         self.limits = VHostLimits(self.dir / "limits.json", sink)  # max-connections, max-queues
         self._replaying = False
+        self.fast = FastPaths()  # publish/delivery runs and direct hand-over (tests switch off)
         self._load()
 
     # ------------------------------------------------------------ definitions
@@ -300,7 +303,7 @@ class VHost:
         store = features.make_store(store, args_cfg)  # x-max-priority: one store per level
         q = Queue(self.name, name, durable=durable, exclusive_owner=owner if exclusive else None,
                   auto_delete=auto_delete, arguments=arguments, store=store, schedule=self.schedule,
-                  on_unused=self._queue_unused, on_dirty=self.mark_dirty)
+                  on_unused=self._queue_unused, on_dirty=self.mark_dirty, fast=self.fast)
         self.queues[name] = q
         self.exchanges[""].bind(q, name)
         policy.apply_to_queue(self, q)  # features from arguments and policies (None if plain)
@@ -388,37 +391,17 @@ class VHost:
             if src.auto_delete and not src.has_bindings():
                 self._auto_delete_exchange(src)
 
-    # ---------------------------------------------------------------- routing
-    def route(self, ex: Exchange, routing_key: str,
-              headers_of: Callable[[], dict[str, Any] | None]) -> list[Queue]:
-        """Queues a message reaches, following exchange-to-exchange bindings once each."""
-        first = ex.route(routing_key, headers_of)
-        if not first and ex.alternate:
-            alt = self.exchanges.get(ex.alternate)
-            if alt is not None and alt is not ex:
-                first = alt.route(routing_key, headers_of)
-        queues: list[Queue] = []
-        nested: list[Exchange] | None = None
-        for d in first:
-            if isinstance(d, Queue):
-                queues.append(d)
-            elif isinstance(d, Exchange):
-                nested = nested or []
-                nested.append(d)
-        if nested:
-            seen: set[int] = {id(ex)}
-            while nested:
-                e = nested.pop()
-                if id(e) in seen:
-                    continue
-                seen.add(id(e))
-                for d in e.route(routing_key, headers_of):
-                    if isinstance(d, Queue):
-                        if d not in queues:
-                            queues.append(d)
-                    elif isinstance(d, Exchange):
-                        nested.append(d)
-        return queues
+    # ---------------------------------------------------------------- publish
+    def publish(self, req: publishing.PublishRequest) -> publishing.PublishOutcome:
+        """THE publish operation: route, apply every exchange's and queue's behaviour,
+        append; the outcome says what happened (broker/model/publish.py)."""
+        return publishing.publish(self, req)
+
+    def publish_run(self, exchange: str, routing_key: str, names: publishing.EncodedNames, props: list[bytes],
+                    bodies: list[bytes], same: bool, ts: int) -> publishing.PublishOutcome | None:
+        """Several messages to one exchange and routing key at once, or None when they must be
+        published one by one (broker/model/publish.py)."""
+        return publishing.publish_run(self, exchange, routing_key, names, props, bodies, same, ts)
 
     # --------------------------------------------------------------- policies
     def set_policy(self, name: str, pattern: str, definition: dict[str, Any], priority: int = 0,

@@ -542,7 +542,7 @@ class QueueStore:
                     if q > bend and not (acked and not acked.isdisjoint(range(pos, q, rec))):
                         m = (q - pos) // rec
                         hb = 8 + hl
-                        bodies = [mm[x : x + b_len] for x in range(pos + hb, q, rec)]
+                        bodies = [mm[x : x + b_len] for x in range(pos + hb, q + hb, rec)]  # m, even if empty
                         if positions is not None:
                             acked.update(range(pos, q, rec))
                             positions.extend(range(pos, q, rec))
