@@ -106,6 +106,16 @@ class MainConfig:
         default=True,
         metadata=_meta("fsync the store before confirming a publish (off: faster, less durable)."),
     )
+    ack_sync_interval: int = field(
+        default=1000,
+        metadata=_meta(
+            "Milliseconds within which acks, rejects, nacks, purges and the delivered mark "
+            "(redelivered flags) reach the disk (fsynced); 0: synchronously, before the next frame "
+            "is read, fsynced by a group commit at once.",
+            lo=0,
+            hi=60_000,
+        ),
+    )
     log_level: str = field(default="info", metadata=_meta("Log level.", choices=LOG_LEVELS))
     max_message_size: int = field(
         default=128 * MiB,
@@ -231,7 +241,9 @@ class ClusteringConfig:
     on_leader_lost: str = field(default="", metadata=_meta("Shell command run when this node stops leading."))
     lease_ttl: int = field(default=10, metadata=_meta("etcd lease TTL, seconds.", lo=1, hi=3600))
     max_unsynced_actions: int = field(
-        default=8192, metadata=_meta("Actions a follower may lag before it leaves the in-sync set.", lo=0)
+        default=8192,
+        metadata=_meta("Deprecated, accepted but has no effect (as in LavinMQ): a follower leaves the "
+                       "in-sync set when it stops acking replicated data for 3 s.", lo=0),
     )
     disk_stall_timeout: int = field(
         default=20,
@@ -241,11 +253,35 @@ class ClusteringConfig:
 
 
 @dataclass(frozen=True)
+class LmqConfig:
+    enabled: bool = field(default=True, metadata=_meta("Serve LMQ's HTTP queue API and MessagePack-RPC."))
+    bind: str = field(default="127.0.0.1", metadata=_meta("Address the LMQ listeners bind to."))
+    http_port: int = field(
+        default=9980, metadata=_meta("LMQ HTTP API port (0: pick a free port).", lo=0, hi=65535)
+    )
+    rpc_port: int = field(
+        default=18800, metadata=_meta("LMQ MessagePack-RPC port (0: pick a free port).", lo=0, hi=65535)
+    )
+    vhost: str = field(default="/", metadata=_meta("Virtual host whose queues LMQ serves."))
+    auth: bool = field(
+        default=False,
+        metadata=_meta("Require a broker user (HTTP basic auth; RPC authenticate call) with access to "
+                       "the LMQ vhost."),
+    )
+    statsd_host: str = field(default="localhost", metadata=_meta("StatsD host for LMQ statistics."))
+    statsd_port: int = field(default=8125, metadata=_meta("StatsD UDP port.", lo=1, hi=65535))
+    stats_interval: int = field(
+        default=0, metadata=_meta("Seconds between LMQ statistics sent to StatsD (0: off).", lo=0, hi=86400)
+    )
+
+
+@dataclass(frozen=True)
 class Config:
     main: MainConfig
     amqp: AmqpConfig = field(default_factory=AmqpConfig)
     mgmt: MgmtConfig = field(default_factory=MgmtConfig)
     clustering: ClusteringConfig = field(default_factory=ClusteringConfig)
+    lmq: LmqConfig = field(default_factory=LmqConfig)
 
 
 SECTIONS: dict[str, type[Any]] = {
@@ -253,6 +289,7 @@ SECTIONS: dict[str, type[Any]] = {
     "amqp": AmqpConfig,
     "mgmt": MgmtConfig,
     "clustering": ClusteringConfig,
+    "lmq": LmqConfig,
 }
 
 _TRUE = frozenset({"true", "yes", "1", "on"})
@@ -423,7 +460,7 @@ _DESCRIPTION = """\
 Skred: a disk-first AMQP 0-9-1 message broker.
 
 Every option can be set, from lowest to highest precedence, by its default, in
-the ini file given with -c (sections [main] [amqp] [mgmt] [clustering], keys as
+the ini file given with -c (sections [main] [amqp] [mgmt] [clustering] [lmq], keys as
 named below), by an environment variable SKRED_<SECTION>_<OPTION>, or by a flag.
 Booleans accept true/false, yes/no, on/off, 1/0; sizes accept bytes or a number
 with KiB/MiB/GiB."""

@@ -15,6 +15,7 @@ import json
 import logging
 import shutil
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,12 +25,19 @@ from broker.config import Config
 from broker.http.definitions import DefinitionsError, import_definitions
 from broker.http.server import MgmtServer
 from broker.http.state import Mgmt
+from broker.lmq.engine import LMQ
+from broker.lmq.props import FILE_NAME as LMQ_PROPS_FILE
+from broker.lmq.props import PropsStore
+from broker.lmq.server import LMQServer
 from broker.metrics import ClusterInfo
 from broker.model.vhost import VHost
 from broker.net.broker import Broker
 from broker.net.server import AMQPServer
 from broker.net.syncer import Syncable, Syncer
+from broker.store.fileio import syncfs
+from broker.store.jsonstore import read_json, write_json
 from broker.store.lock import DataDirLock
+from broker.store.segment_log import SegmentFiles
 from broker.store.sink import NullSink, ReplicationSink
 
 log = logging.getLogger("skred")
@@ -72,8 +80,10 @@ class Node:
         self.vhost_store: VHostStore | None = None
         self.mgmt: Mgmt | None = None
         self.http: MgmtServer | None = None
+        self.lmq: LMQServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._syncer: Syncer | None = None
+        self._files: SegmentFiles | None = None  # made at load(), after the fd limit was raised
 
     def make_vhost(self, name: str) -> VHost:
         """A ``VHost`` wired to this node's store settings (at boot, and when the API creates one)."""
@@ -84,6 +94,8 @@ class Node:
             schedule=self._loop.call_soon, mark_dirty=self._syncer.mark_dirty,
             call_later=self._loop.call_later,
             transient_root=cfg.main.data_dir / "transient",
+            write_through=cfg.main.ack_sync_interval == 0,
+            files=self._files,
         )
 
     def load(self, loop: asyncio.AbstractEventLoop) -> Broker:
@@ -95,7 +107,10 @@ class Node:
         users = UserStore(data_dir / "users.json", self.sink, cfg.main.default_user,
                           cfg.main.default_password)
         vhost_names = self.vhost_store = VHostStore(data_dir / "vhosts.json", self.sink)
-        syncer = self._syncer = Syncer(loop, cfg.main.sync, replicated=self.replicated)
+        self._files = SegmentFiles()
+        syncer = self._syncer = Syncer(loop, cfg.main.sync, replicated=self.replicated,
+                                       window=cfg.main.ack_sync_interval / 1000,
+                                       bulk_sync=lambda: syncfs(data_dir))
         self._loop = loop
         vhosts: dict[str, VHost] = {}
         for name in vhost_names.list():
@@ -122,6 +137,8 @@ class Node:
             mgmt.cluster = self.cluster
             if cfg.main.load_definitions:
                 self.load_definitions(Path(cfg.main.load_definitions))
+            if cfg.lmq.enabled:  # before AMQP: a node that answers AMQP has its LMQ ports open too
+                await self.start_lmq(broker)
             self.amqp = AMQPServer(broker)
             self.amqp_address = mgmt.amqp_address = await self.amqp.start(cfg.amqp.bind, cfg.amqp.port)
             log.info("AMQP listening on %s:%d (data dir %s, sync %s)", *self.amqp_address,
@@ -136,6 +153,19 @@ class Node:
         except BaseException:
             self.release_lock()
             raise
+
+    async def start_lmq(self, broker: Broker) -> None:
+        """LMQ's front end on the vhost ``[lmq] vhost`` (created when missing), properties in lmq.json."""
+        cfg = self.config
+        vh = broker.vhosts.get(cfg.lmq.vhost)
+        if vh is None:
+            assert self.mgmt is not None
+            vh = self.mgmt.create_vhost(cfg.lmq.vhost)
+        path = cfg.main.data_dir / LMQ_PROPS_FILE
+        sink = self.sink
+        props = PropsStore(read_json(path, {}), lambda doc: write_json(path, doc, sink))
+        self.lmq = LMQServer(LMQ(vh, props, broker.syncer.after_sync), cfg.lmq, broker.users)
+        await self.lmq.start()
 
     def release_lock(self) -> None:
         lock, self.lock = self.lock, None
@@ -174,6 +204,9 @@ class Node:
         log.info("imported definitions from %s", path)
 
     async def shutdown(self) -> None:
+        if self.lmq is not None:
+            await self.lmq.stop()
+            self.lmq = None
         if self.http is not None:
             await self.http.stop()
             self.http = None
@@ -182,10 +215,17 @@ class Node:
         broker = self.broker
         if broker is None:
             return
+        t0 = time.monotonic()
         broker.syncer.sync_now()
+        t1 = time.monotonic()
+        if self._files is not None:
+            self._files.shutting_down = True  # stores close without trimming (fast)
         for vh in broker.vhosts.values():
             vh.close()
+        t2 = time.monotonic()
         broker.syncer.shutdown()
+        log.info("stores synced in %.2f s, closed in %.2f s, last background sync waited for %.2f s",
+                 t1 - t0, t2 - t1, time.monotonic() - t2)
 
 
 def serve(config: Config) -> int:

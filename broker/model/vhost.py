@@ -39,6 +39,7 @@ from broker.model.queue import Queue
 from broker.store.definitions import DefinitionsLog
 from broker.store.paths import queue_dir, vhost_dir
 from broker.store.queue_store import QueueStore
+from broker.store.segment_log import SegmentFiles
 from broker.store.sink import NULL_SINK, ReplicationSink
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,8 @@ class VHost:
         mark_dirty: Callable[[Any], None],
         transient_root: Path,
         call_later: features.CallLater | None = None,
+        write_through: bool = False,
+        files: SegmentFiles | None = None,
     ) -> None:
         self.name = name
         self.dir = vhost_dir(data_dir, name)
@@ -79,6 +82,9 @@ class VHost:
         self.sink = sink
         self.schedule = schedule
         self.mark_dirty = mark_dirty
+        self.write_through = write_through  # synchronous settlements (ack_sync_interval = 0)
+        # the node's disk and mapped-segment budget, shared by every store (None: per vhost)
+        self.files = files if files is not None else SegmentFiles()
         self.exchanges: dict[str, Exchange] = {}
         self.queues: dict[str, Queue] = {}
         self.closed_queues: dict[str, str] = {}  # name -> why (corrupt store)
@@ -290,7 +296,8 @@ class VHost:
         persistent = durable and not exclusive
         if persistent:
             store = QueueStore(queue_dir(self.dir, name), segment_size=self.segment_size,
-                               sink=self.sink, persistent_only=True)
+                               sink=self.sink, persistent_only=True, notify=self.mark_dirty,
+                               write_through=self.write_through, files=self.files)
             qfile = queue_dir(self.dir, name) / ".queue"
             if not qfile.exists():
                 qfile.write_text(name)
@@ -299,7 +306,7 @@ class VHost:
             tdir = queue_dir(self.transient_dir, name)
             if tdir.exists():
                 shutil.rmtree(tdir, ignore_errors=True)
-            store = QueueStore(tdir, segment_size=self.segment_size, sink=NULL_SINK)
+            store = QueueStore(tdir, segment_size=self.segment_size, sink=NULL_SINK, files=self.files)
         store = features.make_store(store, args_cfg)  # x-max-priority: one store per level
         q = Queue(self.name, name, durable=durable, exclusive_owner=owner if exclusive else None,
                   auto_delete=auto_delete, arguments=arguments, store=store, schedule=self.schedule,

@@ -777,7 +777,10 @@ class Session(AMQPConnection):
         q = self.vhost_obj.get_queue(m.queue, self)
         n = q.purge()
         if not m.nowait:
-            self.reply(chs, commands.Queue.PurgeOk(message_count=n))
+            if self.broker.syncer.synchronous:  # purge-ok once the purge is on disk
+                self.reply_after_sync(chs, commands.Queue.PurgeOk(message_count=n))
+            else:
+                self.reply(chs, commands.Queue.PurgeOk(message_count=n))
 
     def _queue_delete(self, chs: ChannelState, m: commands.Queue.Delete) -> None:
         self._check("configure", m.queue)
