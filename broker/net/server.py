@@ -188,16 +188,19 @@ class AMQPProtocol(asyncio.Protocol):
         admitted body must complete, or its memory is never given back)."""
         self.reserved = total
         self._mem_wait = False
-        self._read_paused = False
-        t = self.transport
-        if t is not None and not t.is_closing():
-            t.resume_reading()
+        self._read_on()
 
     def _pause_reading(self) -> None:
         t = self.transport
         if t is not None and not t.is_closing() and not self._read_paused:
             self._read_paused = True
             t.pause_reading()
+
+    def _read_on(self) -> None:
+        self._read_paused = False
+        t = self.transport
+        if t is not None and not t.is_closing():
+            t.resume_reading()
 
     def _resume_reading(self, hold_until: float) -> None:
         if self._mem_wait or self._out_wait:
@@ -223,10 +226,7 @@ class AMQPProtocol(asyncio.Protocol):
             s.batch_queues.clear()
         if s is not None:
             s.unanswered = False
-        self._read_paused = False
-        t = self.transport
-        if t is not None and not t.is_closing():
-            t.resume_reading()
+        self._read_on()
 
     def unpark(self) -> None:
         """The disk alarm cleared: read this publisher again."""
