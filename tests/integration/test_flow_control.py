@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import threading
 import time
+import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
@@ -132,6 +133,11 @@ def test_full_disk_nacks_and_blocks_never_disconnects(tmpfs_broker: Any) -> None
                           {"properties": {"delivery_mode": 2}, "routing_key": q, "payload": "x" * (6 * MiB),
                            "payload_encoding": "string"})
     assert (status, answer["error"]) == (503, "disk_full"), (status, answer)
+    lmq_put = urllib.request.Request(f"http://127.0.0.1:{b.lmq_http_port}/messages/{q}", data=big,
+                                     method="POST")
+    with pytest.raises(urllib.error.HTTPError) as he:
+        urllib.request.urlopen(lmq_put, timeout=10)
+    assert he.value.code == 503
 
     # The broker stays readable: a consumer on another connection drains what was confirmed.
     cons = connect(b)
