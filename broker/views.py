@@ -109,13 +109,35 @@ class StatsView(Protocol):
     channels_opened: int
 
 
-class AlarmView(Protocol):
+class DiskAlarmView(Protocol):
     free_disk_min: int  # settable: PUT /api/node/disk-limit
 
     @property
     def active(self) -> bool: ...
 
     def free(self) -> int: ...
+
+
+class MemoryAlarmView(Protocol):
+    @property
+    def limit(self) -> int: ...
+    @property
+    def active(self) -> bool: ...
+
+
+class AlarmView(Protocol):
+    @property
+    def disk(self) -> DiskAlarmView: ...
+    @property
+    def memory(self) -> MemoryAlarmView: ...
+    @property
+    def active(self) -> bool: ...
+
+    def resources(self) -> list[str]: ...
+
+    def disk_full(self, need: int, sessions: Any) -> None:
+        """A write found the disk full: raise the disk alarm at once (``sessions``: the
+        broker's ``connections``, which the alarm blocks)."""
 
 
 class SyncerView(Protocol):
