@@ -5,7 +5,8 @@ Theory of operation
 Each option is a field of one of the frozen section dataclasses below
 (``MainConfig``, ``AmqpConfig``, ``MgmtConfig``, ``ClusteringConfig``). The field
 carries its default and, in its metadata, its help text, its value kind (``size``
-for byte counts that accept suffixes, ``networks`` for CIDR lists) and its
+for byte counts that accept suffixes, ``fraction`` for a number from 0 to 1,
+``networks`` for CIDR lists) and its
 allowed range or choices. ``OPTIONS`` is derived from those fields, and from
 ``OPTIONS`` are derived:
 
@@ -147,12 +148,80 @@ class MainConfig:
             lo=0,
         ),
     )
+    vm_memory_high_watermark: float = field(
+        default=0.4,
+        metadata=_meta(
+            "Memory high watermark as a fraction of total memory (the smaller of RAM and the "
+            "cgroup limit): above it publishers are blocked (connection.blocked) until memory falls "
+            "below it again, RabbitMQ's vm_memory_high_watermark (0: off).",
+            kind="fraction",
+            lo=0,
+            hi=1,
+        ),
+    )
+    vm_memory_high_watermark_absolute: int = field(
+        default=0,
+        metadata=_meta(
+            "Memory high watermark in bytes (suffixes allowed); when set it replaces "
+            "vm_memory_high_watermark (0: use the fraction).",
+            kind="size",
+            lo=0,
+        ),
+    )
+    # TLS (AMQPS, HTTPS, the replication link); the names are LavinMQ's. See docs/tls.md.
+    tls_cert: str = field(
+        default="",
+        metadata=_meta("PEM certificate (chain) of this node; setting it opens the TLS listeners "
+                       "([amqp] tls_port, [mgmt] tls_port) and encrypts the replication link."),
+    )
+    tls_key: str = field(default="", metadata=_meta("PEM private key of tls_cert (empty: in tls_cert)."))
+    tls_ca_cert: str = field(
+        default="",
+        metadata=_meta("PEM CA bundle that client certificates (tls_verify_peer) and cluster peers "
+                       "are verified against (empty: the system's)."),
+    )
+    tls_min_version: str = field(
+        default="1.2", metadata=_meta("Oldest TLS version accepted.", choices=("1.2", "1.3"))
+    )
+    tls_ciphers: str = field(
+        default="",
+        metadata=_meta("OpenSSL cipher list for TLS 1.2 (empty: OpenSSL's defaults; TLS 1.3 suites "
+                       "are OpenSSL's)."),
+    )
+    tls_verify_peer: bool = field(
+        default=False,
+        metadata=_meta("Ask TLS clients for a certificate and verify it against tls_ca_cert "
+                       "(RabbitMQ's verify_peer); a verified certificate allows EXTERNAL login."),
+    )
+    tls_fail_if_no_peer_cert: bool = field(
+        default=False,
+        metadata=_meta("With tls_verify_peer: refuse TLS clients that present no certificate."),
+    )
+    tls_cert_login_from: str = field(
+        default="common_name",
+        metadata=_meta("Where the EXTERNAL mechanism takes the user name from in the client "
+                       "certificate: its CN, its first DNS/email SAN, or its whole subject DN.",
+                       choices=("common_name", "subject_alternative_name", "distinguished_name")),
+    )
+    tls_sni: str = field(
+        default="",
+        metadata=_meta("More certificates chosen by the client's server name (SNI): comma-separated "
+                       "NAME=CERT_FILE:KEY_FILE (NAME may start with '*.'); other names get tls_cert."),
+    )
 
 
 @dataclass(frozen=True)
 class AmqpConfig:
     bind: str = field(default="127.0.0.1", metadata=_meta("Address the AMQP listener binds to."))
-    port: int = field(default=5672, metadata=_meta("AMQP port (0: pick a free port).", lo=0, hi=65535))
+    port: int = field(
+        default=5672,
+        metadata=_meta("AMQP port (0: pick a free port, -1: no plain listener).", lo=-1, hi=65535),
+    )
+    tls_port: int = field(
+        default=5671,
+        metadata=_meta("AMQPS port, opened when [main] tls_cert is set (0: pick a free port, -1: off).",
+                       lo=-1, hi=65535),
+    )
     heartbeat: int = field(
         default=300,
         metadata=_meta("Heartbeat interval proposed to clients, seconds (0: off).", lo=0, hi=65535),
@@ -167,6 +236,17 @@ class AmqpConfig:
         default=2048, metadata=_meta("Most channels per connection (0: no limit).", lo=0, hi=65535)
     )
     tcp_nodelay: bool = field(default=True, metadata=_meta("Set TCP_NODELAY on client sockets."))
+    max_bytes_in_flight: int = field(
+        default=256 * MiB,
+        metadata=_meta(
+            "Bytes in flight per connection (suffixes allowed): message bodies it has announced "
+            "and not completed, across its channels (a content header past this closes that "
+            "channel with 406; keep it at least max_message_size), and replies it has not read "
+            "(past this the connection is not read until it reads them).",
+            kind="size",
+            lo=1,
+        ),
+    )
     trusted_proxies: tuple[str, ...] = field(
         default=(),
         metadata=_meta(
@@ -180,7 +260,20 @@ class MgmtConfig:
     enabled: bool = field(default=True, metadata=_meta("Serve the management HTTP API and /metrics."))
     bind: str = field(default="127.0.0.1", metadata=_meta("Address the management listener binds to."))
     port: int = field(
-        default=15672, metadata=_meta("Management HTTP port (0: pick a free port).", lo=0, hi=65535)
+        default=15672,
+        metadata=_meta("Management HTTP port (0: pick a free port, -1: no plain listener).", lo=-1, hi=65535),
+    )
+    tls_port: int = field(
+        default=15671,
+        metadata=_meta("Management HTTPS port, opened when [main] tls_cert is set (0: pick a free port, "
+                       "-1: off).", lo=-1, hi=65535),
+    )
+    trusted_proxies: tuple[str, ...] = field(
+        default=(),
+        metadata=_meta(
+            "Comma-separated addresses/CIDRs allowed to send a PROXY protocol header to the "
+            "management listeners.", kind="networks"
+        ),
     )
     metrics_port: int = field(
         default=15692,
@@ -212,6 +305,11 @@ class ClusteringConfig:
         default=8192,
         metadata=_meta("Deprecated, accepted but has no effect (as in LavinMQ): a follower leaves the "
                        "in-sync set when it stops acking replicated data for 3 s.", lo=0),
+    )
+    tls: bool = field(
+        default=True,
+        metadata=_meta("Encrypt the replication link with [main] tls_cert/tls_ca_cert when tls_cert is "
+                       "set (the leader verified against tls_ca_cert; the cluster secret never in clear)."),
     )
     disk_stall_timeout: int = field(
         default=20,
@@ -276,7 +374,8 @@ class Option:
     """One option, derived from a section dataclass field.
 
     ``kind`` is one of ``str``, ``int``, ``size`` (int accepting unit suffixes),
-    ``bool``, ``path``, ``networks`` (tuple of CIDRs). ``default`` is None only
+    ``fraction`` (float from lo to hi), ``bool``, ``path``, ``networks`` (tuple of
+    CIDRs). ``default`` is None only
     for ``data_dir``, whose default depends on the user (``default_data_dir``).
     """
 
@@ -333,6 +432,14 @@ class Option:
             if lowered in _FALSE:
                 return False
             raise ValueError(f"{text!r} is not a boolean (use true/false, yes/no, on/off, 1/0)")
+        if self.kind == "fraction":
+            try:
+                value = float(text.strip())
+            except ValueError:
+                raise ValueError(f"{text!r} is not a number") from None
+            if not (self.lo or 0) <= value <= (1 if self.hi is None else self.hi):
+                raise ValueError(f"{value} is not between {self.lo} and {self.hi}")
+            return value
         if self.kind in ("int", "size"):
             value = _parse_size(text) if self.kind == "size" else _parse_int(text)
             if self.lo is not None and value < self.lo:

@@ -2,10 +2,12 @@
 
 Startup order: lock the data dir, wipe the scratch dir of transient queues,
 load users and vhosts (each vhost replays its definitions log and recovers its
-queue stores), import ``[main] load_definitions`` if set, then open the AMQP
-listener and the management/metrics HTTP listeners. Shutdown (SIGTERM/SIGINT)
-runs in reverse: stop the HTTP listeners, stop accepting AMQP, close every
-connection with 320 CONNECTION_FORCED, fsync and close every store, release the lock.
+queue stores), import ``[main] load_definitions`` if set, then open the
+management/metrics HTTP(S) listeners and the AMQP listeners (AMQP and, with
+``[main] tls_cert``, AMQPS). Shutdown (SIGTERM/SIGINT) runs in reverse: stop the HTTP
+listeners, stop accepting AMQP, close every connection with 320
+CONNECTION_FORCED, fsync and close every store, release the lock. SIGHUP
+reloads the TLS certificates (``reload_tls``) without touching connections.
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ import json
 import logging
 import shutil
 import signal
+import ssl
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from broker import tls
 from broker.auth.users import UserStore
 from broker.auth.vhosts import VHostStore
 from broker.config import Config
@@ -31,7 +35,9 @@ from broker.lmq.props import PropsStore
 from broker.lmq.server import LMQServer
 from broker.metrics import ClusterInfo
 from broker.model.vhost import VHost
+from broker.net import proxy
 from broker.net.broker import Broker
+from broker.net.listener import Listener, keep_peer
 from broker.net.server import AMQPServer
 from broker.net.syncer import Syncable, Syncer
 from broker.store.fileio import syncfs
@@ -80,6 +86,8 @@ class Node:
         self.vhost_store: VHostStore | None = None
         self.mgmt: Mgmt | None = None
         self.http: MgmtServer | None = None
+        self.http_listeners: list[Listener] = []
+        self.tls: tls.ServerTLS | None = None
         self.lmq: LMQServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._syncer: Syncer | None = None
@@ -139,22 +147,59 @@ class Node:
                 mgmt.cluster_name = cfg.clustering.etcd_prefix
             if cfg.main.load_definitions:
                 self.load_definitions(Path(cfg.main.load_definitions))
+            if tls.enabled(cfg.main):
+                self.tls = tls.ServerTLS(cfg.main)
             if cfg.lmq.enabled:  # before AMQP: a node that answers AMQP has its LMQ ports open too
                 await self.start_lmq(broker)
-            self.amqp = AMQPServer(broker)
-            self.amqp_address = mgmt.amqp_address = await self.amqp.start(cfg.amqp.bind, cfg.amqp.port)
-            log.info("AMQP listening on %s:%d (data dir %s, sync %s)", *self.amqp_address,
-                     cfg.main.data_dir, "on" if cfg.main.sync else "off")
+            # HTTP before AMQP too: once the AMQP port answers, everything answers
             if cfg.mgmt.enabled:
-                self.http = MgmtServer(mgmt)
-                http_addr, metrics_addr = await self.http.start(
-                    cfg.mgmt.bind, cfg.mgmt.port, cfg.mgmt.metrics_bind, cfg.mgmt.metrics_port)
-                log.info("management HTTP API listening on %s:%d", *http_addr)
-                if metrics_addr is not None:
-                    log.info("Prometheus metrics listening on %s:%d", *metrics_addr)
+                await self.start_http(broker, mgmt)
+            await self.start_amqp(broker, mgmt)
         except BaseException:
             self.release_lock()
             raise
+
+    def tls_context(self) -> ssl.SSLContext:
+        """The current server context (read per accepted connection, so a reload applies)."""
+        assert self.tls is not None
+        return self.tls.context
+
+    def reload_tls(self) -> None:
+        """SIGHUP: re-read the TLS certificates; new connections get them, open ones keep theirs."""
+        if self.tls is not None:
+            self.tls.reload()
+
+    async def start_amqp(self, broker: Broker, mgmt: Mgmt) -> None:
+        cfg = self.config
+        self.amqp = AMQPServer(broker)
+        if cfg.amqp.port >= 0:
+            self.amqp_address = mgmt.amqp_address = await self.amqp.start(cfg.amqp.bind, cfg.amqp.port)
+            log.info("AMQP listening on %s:%d", *self.amqp_address)
+        if self.tls is not None and cfg.amqp.tls_port >= 0:
+            mgmt.amqps_address = await self.amqp.start(cfg.amqp.bind, cfg.amqp.tls_port, self.tls_context)
+            log.info("AMQPS listening on %s:%d", *mgmt.amqps_address)
+        log.info("data dir %s, sync %s", cfg.main.data_dir, "on" if cfg.main.sync else "off")
+
+    async def start_http(self, broker: Broker, mgmt: Mgmt) -> None:
+        cfg = self.config
+        self.http = MgmtServer(mgmt)
+        factory = keep_peer(await self.http.start(cfg.mgmt.metrics_bind, cfg.mgmt.metrics_port))
+
+        def trusted(ip: str) -> bool:
+            return proxy.is_trusted(ip, cfg.mgmt.trusted_proxies, broker.trusted_peers)
+
+        if cfg.mgmt.port >= 0:
+            listener = Listener("HTTP", factory, trusted)
+            self.http_listeners.append(listener)
+            mgmt.http_address = await listener.start(cfg.mgmt.bind, cfg.mgmt.port)
+            log.info("management HTTP API listening on %s:%d", *mgmt.http_address)
+        if self.tls is not None and cfg.mgmt.tls_port >= 0:
+            listener = Listener("HTTPS", factory, trusted, tls=self.tls_context)
+            self.http_listeners.append(listener)
+            mgmt.https_address = await listener.start(cfg.mgmt.bind, cfg.mgmt.tls_port)
+            log.info("management HTTPS API listening on %s:%d", *mgmt.https_address)
+        if mgmt.metrics_address is not None:
+            log.info("Prometheus metrics listening on %s:%d", *mgmt.metrics_address)
 
     async def start_lmq(self, broker: Broker) -> None:
         """LMQ's front end on the vhost ``[lmq] vhost`` (created when missing), properties in lmq.json."""
@@ -184,6 +229,7 @@ class Node:
         try:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.stopping.set)
+            loop.add_signal_handler(signal.SIGHUP, self.reload_tls)
             await self.stopping.wait()
             log.info("shutting down")
             await self.shutdown()
@@ -209,6 +255,9 @@ class Node:
         if self.lmq is not None:
             await self.lmq.stop()
             self.lmq = None
+        listeners, self.http_listeners = self.http_listeners, []
+        for listener in listeners:
+            await listener.stop()
         if self.http is not None:
             await self.http.stop()
             self.http = None

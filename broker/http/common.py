@@ -25,11 +25,14 @@ List endpoints share ``paginate``: ``sort``/``sort_reverse`` always apply,
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import json
+import logging
 import math
 import re
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +44,8 @@ from broker.http.state import Mgmt
 
 if TYPE_CHECKING:
     from broker.net.session import Session
+
+log = logging.getLogger(__name__)
 
 MGMT_TAGS = frozenset({"administrator", "monitoring", "management", "policymaker"})
 MAX_NAME_BYTES = 255
@@ -119,15 +124,25 @@ def _credentials(request: web.Request) -> tuple[str, str] | None:
     return (user, password) if sep else None
 
 
-def authenticate(request: web.Request) -> User:
+async def authenticate(request: web.Request) -> User:
+    """The request's user, after this source's login throttle (``broker.auth.throttle``)."""
     mgmt = request.app[MGMT_KEY]
     creds = _credentials(request)
     if creds is None:
         raise ApiError(401, "not_authorized", "Login failed")
     users = mgmt.broker.users
+    source = request.remote or ""
+    wait = users.throttle.admit(source, time.monotonic())
+    if wait is None:
+        raise ApiError(429, "too_many_requests", "Too many failed logins from this address; retry later")
+    if wait:
+        await asyncio.sleep(wait)
     user = users.authenticate(*creds)
-    if user is None or not users.allowed_from(user, request.remote or ""):
+    if user is None or not users.allowed_from(user, source):
+        if users.throttle.failed(source, time.monotonic()):
+            log.warning("HTTP login refused for user %r from %s", creds[0], source)
         raise ApiError(401, "not_authorized", "Login failed")
+    users.throttle.succeeded(source)
     if not MGMT_TAGS & set(user.tags):
         raise ApiError(401, "not_authorized", "Not management user")
     return user
@@ -136,7 +151,7 @@ def authenticate(request: web.Request) -> User:
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     if request.path.startswith("/api/") or request.path.startswith("/metrics"):
-        request[USER_KEY] = authenticate(request)
+        request[USER_KEY] = await authenticate(request)
     return await handler(request)
 
 

@@ -13,6 +13,7 @@ from broker.model import queue_types
 from broker.model.exchange import Exchange
 from broker.model.queue import Queue
 from broker.model.vhost import VHost
+from broker.tls import NO_TLS_FIELDS
 
 if TYPE_CHECKING:
     from broker.http.state import Mgmt
@@ -140,8 +141,9 @@ def vhost_bindings(vh: VHost) -> list[dict[str, Any]]:
 
 
 def connection_json(mgmt: Mgmt, s: Session) -> dict[str, Any]:
-    host, port = mgmt.amqp_address or ("127.0.0.1", 0)
+    host, port = mgmt.local_address(s)
     props = jsonable(s.client_properties)
+    tls_fields = s.tls.api_fields() if s.tls is not None else NO_TLS_FIELDS
     return {
         "name": mgmt.connection_name(s),
         "node": mgmt.node_name,
@@ -151,8 +153,8 @@ def connection_json(mgmt: Mgmt, s: Session) -> dict[str, Any]:
         "state": "running",
         "type": "network",
         "protocol": "AMQP 0-9-1",
-        "auth_mechanism": "PLAIN",
-        "ssl": False,
+        "auth_mechanism": s.auth_mechanism or "PLAIN",
+        **tls_fields,
         "peer_host": s.peer[0],
         "peer_port": s.peer[1],
         "host": host,

@@ -55,7 +55,9 @@ class Mgmt:
         self.node_name = metrics.node_name()
         self.cluster_name = self.node_name
         self.amqp_address: tuple[str, int] | None = None
+        self.amqps_address: tuple[str, int] | None = None
         self.http_address: tuple[str, int] | None = None
+        self.https_address: tuple[str, int] | None = None
         self.metrics_address: tuple[str, int] | None = None
         self.cluster: ClusterInfo | None = None  # set on a cluster member (metrics, GET /api/cluster)
 
@@ -65,8 +67,14 @@ class Mgmt:
 
     def connection_name(self, session: Session) -> str:
         """RabbitMQ's connection name: ``peer:port -> local:port``."""
-        host, port = self.amqp_address or ("127.0.0.1", 5672)
+        host, port = self.local_address(session)
         return f"{session.peer[0]}:{session.peer[1]} -> {host}:{port}"
+
+    def local_address(self, session: Session) -> tuple[str, int]:
+        """The listener a connection came in on (AMQPS when it speaks TLS)."""
+        if session.tls is not None and self.amqps_address is not None:
+            return self.amqps_address
+        return self.amqp_address or ("127.0.0.1", 5672)
 
     def find_connection(self, name: str) -> Session | None:
         for session in self.broker.connections:

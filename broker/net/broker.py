@@ -7,18 +7,25 @@ commit ``Syncer``, live connections, direct reply-to routes and counters.
 
 from __future__ import annotations
 
+import logging
 import platform
+import time
 from typing import TYPE_CHECKING, Any
 
-from broker import __version__
+from broker import __version__, errors
+from broker.auth import sasl
 from broker.auth.users import UserStore
 from broker.config import Config
 from broker.model.vhost import VHost
-from broker.net.alarms import DiskAlarm
+from broker.net.alarms import Alarms, DiskAlarm
+from broker.net.memory import MemoryAlarm, watermark
 from broker.net.syncer import Syncer
 
 if TYPE_CHECKING:
     from broker.net.session import ChannelState, Session
+    from broker.tls import PeerTLS
+
+log = logging.getLogger(__name__)
 
 
 class Stats:
@@ -53,8 +60,10 @@ class Broker:
         self.trusted_peers: set[str] = set()
         # guest with full access everywhere is the common case: skip per-name checks then
         self.check_permissions = True
-        # free_disk_min alarm: blocks publishers (broker/net/alarms.py; checked by the listener tick)
-        self.alarm = DiskAlarm(config.main.data_dir, config.main.free_disk_min)
+        # resource alarms: block publishers (broker/net/alarms.py; checked by the listener tick)
+        main = config.main
+        self.alarm = Alarms(DiskAlarm(main.data_dir, main.free_disk_min), MemoryAlarm(
+            watermark(main.vm_memory_high_watermark, main.vm_memory_high_watermark_absolute)))
         self._server_properties: dict[str, Any] = {
             "product": "Skred",
             "version": __version__,
@@ -80,6 +89,38 @@ class Broker:
     def check_login(self, username: str, password: str, peer_ip: str) -> bool:
         user = self.users.authenticate(username, password)
         return user is not None and self.users.allowed_from(user, peer_ip)
+
+    def authenticate(self, mechanism: str, response: bytes, peer_ip: str, name: str,
+                     peer_tls: PeerTLS | None) -> str:
+        """The user a connection.start-ok logs in as, or ConnectionAccessRefused.
+
+        The listener has already waited out this source's login throttle
+        (``broker.auth.throttle``); the outcome is reported to it here. Passwords
+        are never logged, and a source in a burst of failures is logged once.
+        """
+        throttle = self.users.throttle
+        if mechanism == "EXTERNAL":
+            user = peer_tls.login_name(self.config.main.tls_cert_login_from) if peer_tls else None
+            ok = (user is not None and self.users.get(user) is not None
+                  and self.users.allowed_from(user, peer_ip))
+            reason = "no verified client certificate" if user is None else "unknown user"
+        else:
+            try:
+                user, password = sasl.credentials(mechanism, response)
+            except errors.ConnectionAccessRefused:
+                throttle.failed(peer_ip, time.monotonic())
+                raise
+            ok = self.check_login(user, password, peer_ip)
+            reason = "wrong credentials"
+        if ok:
+            assert user is not None
+            throttle.succeeded(peer_ip)
+            return user
+        if throttle.failed(peer_ip, time.monotonic()):
+            log.warning("login refused for user %r from %s (mechanism %s: %s)", user, name, mechanism, reason)
+        raise errors.ConnectionAccessRefused(
+            f"Login was refused using authentication mechanism {mechanism}. "
+            "For details see the broker logfile.")
 
     def connection_opened(self, session: Session) -> None:
         self.connections.add(session)

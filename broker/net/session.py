@@ -31,7 +31,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pamqp import commands
-from pamqp import decode as pdecode
 from pamqp.base import Frame as PFrame
 
 from broker import errors
@@ -40,10 +39,12 @@ from broker.amqp.connection import CH_OPEN, AMQPConnection, PublishArgs
 from broker.model import queue_types
 from broker.model.publish import PublishRequest
 from broker.model.queue import Consumer, Queue
+from broker.net.alarms import no_space
 
 if TYPE_CHECKING:
     from broker.model.vhost import VHost
     from broker.net.broker import Broker
+    from broker.tls import PeerTLS
 
 log = logging.getLogger(__name__)
 
@@ -258,6 +259,7 @@ class Session(AMQPConnection):
             channel_max=cfg.amqp.channel_max,
             heartbeat=cfg.amqp.heartbeat,
             max_message_size=cfg.main.max_message_size,
+            max_bytes_in_flight=cfg.amqp.max_bytes_in_flight,
             server_properties=broker.server_properties(),
         )
         self.broker = broker
@@ -269,6 +271,8 @@ class Session(AMQPConnection):
         self._confirm_dirty: set[ChannelState] = set()
         self._perm_cache: dict[tuple[str, str], bool] = {}
         self.connected_at = time.time()
+        self.tls: PeerTLS | None = None  # set by the listener for an AMQPS connection
+        self.auth_mechanism = ""
         self.batch_publishes = 0  # publishes in the current read batch (fairness)
         self.flush_pending = False  # a flush of ``out`` is already scheduled
         self.flush_now: Callable[[], None] | None = None  # set by the network layer
@@ -303,24 +307,8 @@ class Session(AMQPConnection):
 
     # ------------------------------------------------------------ negotiation
     def authenticate(self, mechanism: str, response: bytes) -> str:
-        if mechanism == "PLAIN":
-            parts = response.split(b"\x00")
-            if len(parts) != 3:
-                raise errors.ConnectionAccessRefused("malformed PLAIN response")
-            user, password = parts[1].decode(errors="replace"), parts[2].decode(errors="replace")
-        elif mechanism == "AMQPLAIN":
-            try:
-                _, table = pdecode.field_table(codec.U32.pack(len(response)) + response)
-            except Exception:
-                raise errors.ConnectionAccessRefused("malformed AMQPLAIN response") from None
-            user, password = str(table.get("LOGIN", "")), str(table.get("PASSWORD", ""))
-        else:
-            raise errors.ConnectionAccessRefused(f"unsupported mechanism {mechanism}")
-        if not self.broker.check_login(user, password, self.peer[0]):
-            log.warning("login refused for user %r from %s (mechanism %s)", user, self.name, mechanism)
-            raise errors.ConnectionAccessRefused(
-                f"Login was refused using authentication mechanism {mechanism}. "
-                "For details see the broker logfile.")
+        user = self.broker.authenticate(mechanism, response, self.peer[0], self.name, self.tls)
+        self.auth_mechanism = mechanism
         return user
 
     def open_vhost(self, vhost: str) -> None:
@@ -368,7 +356,9 @@ class Session(AMQPConnection):
     def _channel(self, ch: int) -> ChannelState:
         return self.chs[ch]
 
-    def _check(self, kind: str, name: str) -> None:
+    def _check(self, kind: str, name: str, resource: str = "queue") -> None:
+        """Raise 403 unless the user has ``kind`` (configure/write/read) permission on ``name``,
+        the ``resource`` ("queue" or "exchange") the refusal text names, as RabbitMQ's does."""
         key = (kind, name)
         ok = self._perm_cache.get(key)
         if ok is None:
@@ -379,7 +369,7 @@ class Session(AMQPConnection):
             self._perm_cache[key] = ok
         if not ok:
             raise errors.AccessRefused(
-                f"access to {'queue' if kind != 'write' else 'exchange'} '{name}' in vhost "
+                f"access to {resource} '{name}' in vhost "
                 f"'{self.vhost}' refused for user '{self.username}'")
 
     @property
@@ -440,6 +430,8 @@ class Session(AMQPConnection):
             if not exc.class_id:  # the failing method is basic.publish, whichever path parsed it
                 exc.class_id, exc.method_id = 60, 40
             raise
+        except (errors.DiskFull, OSError) as exc:
+            self._not_stored(chs, exc, len(body))
 
     def _publish(self, chs: ChannelState, args: PublishArgs, props: bytes, body: bytes | memoryview) -> None:
         """One publish through the model's publish operation, answered in AMQP."""
@@ -482,7 +474,7 @@ class Session(AMQPConnection):
         ex = vh.get_exchange(exchange)
         if ex.internal:
             raise errors.AccessRefused(f"cannot publish to internal exchange '{exchange}'", 60, 40)
-        self._check("write", exchange)
+        self._check("write", exchange, "exchange")
         self._write_ok.add(exchange)
 
     def _persistent(self, props: bytes) -> bool:
@@ -510,7 +502,15 @@ class Session(AMQPConnection):
                 or (props[0][0] & 0x02 if same else any(p[0] & 0x02 for p in props)):
             self.publish_each(channel, args, props, bodies)
             return
-        out = self.vhost_obj.publish_run(exchange, args.routing_key, args, props, bodies, same, self.now_ms)
+        try:
+            out = self.vhost_obj.publish_run(exchange, args.routing_key, args, props, bodies, same,
+                                             self.now_ms)
+        except (errors.DiskFull, OSError) as exc:
+            if not no_space(exc):
+                raise
+            # one by one then: each is refused (nacked) or stored on its own; a queue that did
+            # take the run before another found no space may hold a copy of a nacked message
+            out = None
         if out is None:
             self.publish_each(channel, args, props, bodies)
             return
@@ -527,6 +527,20 @@ class Session(AMQPConnection):
                 self.batch_queues.add(q)
         if out.sync and chs.confirm:
             chs.needs_sync = True
+
+    def _not_stored(self, chs: ChannelState, exc: errors.DiskFull | OSError, need: int) -> None:
+        """The current publish found no disk space (the store wrote it nowhere, or to some of
+        its queues only): raise the disk alarm at once, which blocks every publisher, and tell
+        this one: a basic.nack in confirm mode, else a channel error. Never a connection
+        error: the broker is fine, only the disk is full."""
+        if not no_space(exc):
+            raise exc
+        self.broker.alarm.disk_full(need, self.broker.connections)
+        if chs.confirm:
+            self.publish_rejected(chs)
+            return
+        raise errors.PreconditionFailed("disk full: message not stored; publishers are blocked until "
+                                        "space is available", 60, 40) from None
 
     def publishes_in_flight(self) -> bool:
         """Whether this client may be sending more publishes while we work: it published
@@ -689,13 +703,22 @@ class Session(AMQPConnection):
         handler = _HANDLERS.get(type(method))
         if handler is None:
             raise errors.AMQPNotImplemented(f"{method.name} is not implemented")
-        handler(self, chs, method)
+        try:
+            handler(self, chs, method)
+        except (errors.DiskFull, OSError) as exc:
+            # a durable declare, a tx.commit's publishes...: the channel fails, not the connection
+            if not no_space(exc):
+                raise
+            self.broker.alarm.disk_full(1, self.broker.connections)
+            raise errors.PreconditionFailed(f"disk full: {method.name} failed; publishers are blocked "
+                                            "until space is available", method.index >> 16,
+                                            method.index & 0xFFFF) from None
 
     # exchange.*
     def _exchange_declare(self, chs: ChannelState, m: commands.Exchange.Declare) -> None:
         vh = self.vhost_obj
         if not m.passive:
-            self._check("configure", m.exchange)
+            self._check("configure", m.exchange, "exchange")
         ex_before = m.exchange in vh.exchanges
         vh.declare_exchange(m.exchange, m.exchange_type, passive=m.passive, durable=m.durable,
                             auto_delete=m.auto_delete, internal=m.internal,
@@ -707,7 +730,7 @@ class Session(AMQPConnection):
                 self.reply(chs, commands.Exchange.DeclareOk())
 
     def _exchange_delete(self, chs: ChannelState, m: commands.Exchange.Delete) -> None:
-        self._check("configure", m.exchange)
+        self._check("configure", m.exchange, "exchange")
         self.vhost_obj.delete_exchange(m.exchange, if_unused=m.if_unused)
         if not m.nowait:
             self.reply(chs, commands.Exchange.DeleteOk())
@@ -720,8 +743,8 @@ class Session(AMQPConnection):
 
     def _exchange_binding(self, chs: ChannelState, m: commands.Exchange.Bind | commands.Exchange.Unbind,
                           bind: bool) -> None:
-        self._check("write", m.destination)
-        self._check("read", m.source)
+        self._check("write", m.destination, "exchange")
+        self._check("read", m.source, "exchange")
         op = self.vhost_obj.bind_exchange if bind else self.vhost_obj.unbind_exchange
         op(m.destination, m.source, m.routing_key, dict(m.arguments or {}))
         if not m.nowait:
@@ -746,14 +769,14 @@ class Session(AMQPConnection):
 
     def _queue_bind(self, chs: ChannelState, m: commands.Queue.Bind) -> None:
         self._check("write", m.queue)
-        self._check("read", m.exchange)
+        self._check("read", m.exchange, "exchange")
         self.vhost_obj.bind_queue(m.queue, m.exchange, m.routing_key, dict(m.arguments or {}), self)
         if not m.nowait:
             self.reply(chs, commands.Queue.BindOk())
 
     def _queue_unbind(self, chs: ChannelState, m: commands.Queue.Unbind) -> None:
         self._check("write", m.queue)
-        self._check("read", m.exchange)
+        self._check("read", m.exchange, "exchange")
         self.vhost_obj.unbind_queue(m.queue, m.exchange, m.routing_key, dict(m.arguments or {}), self)
         self.reply(chs, commands.Queue.UnbindOk())
 
