@@ -77,7 +77,7 @@
       const reason = (data && data.reason) || resp.statusText || `HTTP ${resp.status}`;
       // The API answers a refusal with 401 as RabbitMQ does, but challenges (WWW-Authenticate)
       // only bad credentials: an unchallenged 401 is a refusal, shown like a 403.
-      const challenged = resp.status === 401 && resp.headers.has("WWW-Authenticate");
+      const challenged = resp.status === 401 && (resp.headers.has("X-Skred-Challenge") || resp.headers.has("WWW-Authenticate"));
       if (challenged && state.user) logout("Your login is no longer accepted; log in again.");
       throw new ApiError(resp.status === 401 && !challenged ? 403 : resp.status, reason);
     }
