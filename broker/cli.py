@@ -42,6 +42,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return serve(config)
+    except ConfigError as exc:  # e.g. a TLS certificate or key that does not load
+        print(f"skred: error: {exc}", file=sys.stderr)
+        return 2
     except DataDirLocked as exc:
         print(
             f"skred: error: data directory {config.main.data_dir} is in use by another skred process ({exc})",

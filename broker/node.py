@@ -2,10 +2,12 @@
 
 Startup order: lock the data dir, wipe the scratch dir of transient queues,
 load users and vhosts (each vhost replays its definitions log and recovers its
-queue stores), import ``[main] load_definitions`` if set, then open the AMQP
-listener and the management/metrics HTTP listeners. Shutdown (SIGTERM/SIGINT)
-runs in reverse: stop the HTTP listeners, stop accepting AMQP, close every
-connection with 320 CONNECTION_FORCED, fsync and close every store, release the lock.
+queue stores), import ``[main] load_definitions`` if set, then open the
+management/metrics HTTP(S) listeners and the AMQP listeners (AMQP and, with
+``[main] tls_cert``, AMQPS). Shutdown (SIGTERM/SIGINT) runs in reverse: stop the HTTP
+listeners, stop accepting AMQP, close every connection with 320
+CONNECTION_FORCED, fsync and close every store, release the lock. SIGHUP
+reloads the TLS certificates (``reload_tls``) without touching connections.
 """
 
 from __future__ import annotations
@@ -15,21 +17,33 @@ import json
 import logging
 import shutil
 import signal
+import ssl
+import time
 from collections.abc import Callable
 from pathlib import Path
 
+from broker import tls
 from broker.auth.users import UserStore
 from broker.auth.vhosts import VHostStore
 from broker.config import Config
 from broker.http.definitions import DefinitionsError, import_definitions
 from broker.http.server import MgmtServer
 from broker.http.state import Mgmt
+from broker.lmq.engine import LMQ
+from broker.lmq.props import FILE_NAME as LMQ_PROPS_FILE
+from broker.lmq.props import PropsStore
+from broker.lmq.server import LMQServer
 from broker.metrics import ClusterInfo
 from broker.model.vhost import VHost
+from broker.net import proxy
 from broker.net.broker import Broker
+from broker.net.listener import Listener, keep_peer
 from broker.net.server import AMQPServer
 from broker.net.syncer import Syncable, Syncer
+from broker.store.fileio import syncfs
+from broker.store.jsonstore import read_json, write_json
 from broker.store.lock import DataDirLock
+from broker.store.segment_log import SegmentFiles
 from broker.store.sink import NullSink, ReplicationSink
 
 log = logging.getLogger("skred")
@@ -72,8 +86,12 @@ class Node:
         self.vhost_store: VHostStore | None = None
         self.mgmt: Mgmt | None = None
         self.http: MgmtServer | None = None
+        self.http_listeners: list[Listener] = []
+        self.tls: tls.ServerTLS | None = None
+        self.lmq: LMQServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._syncer: Syncer | None = None
+        self._files: SegmentFiles | None = None  # made at load(), after the fd limit was raised
 
     def make_vhost(self, name: str) -> VHost:
         """A ``VHost`` wired to this node's store settings (at boot, and when the API creates one)."""
@@ -84,6 +102,8 @@ class Node:
             schedule=self._loop.call_soon, mark_dirty=self._syncer.mark_dirty,
             call_later=self._loop.call_later,
             transient_root=cfg.main.data_dir / "transient",
+            write_through=cfg.main.ack_sync_interval == 0,
+            files=self._files,
         )
 
     def load(self, loop: asyncio.AbstractEventLoop) -> Broker:
@@ -95,7 +115,10 @@ class Node:
         users = UserStore(data_dir / "users.json", self.sink, cfg.main.default_user,
                           cfg.main.default_password)
         vhost_names = self.vhost_store = VHostStore(data_dir / "vhosts.json", self.sink)
-        syncer = self._syncer = Syncer(loop, cfg.main.sync, replicated=self.replicated)
+        self._files = SegmentFiles()
+        syncer = self._syncer = Syncer(loop, cfg.main.sync, replicated=self.replicated,
+                                       window=cfg.main.ack_sync_interval / 1000,
+                                       bulk_sync=lambda: syncfs(data_dir))
         self._loop = loop
         vhosts: dict[str, VHost] = {}
         for name in vhost_names.list():
@@ -120,22 +143,76 @@ class Node:
             mgmt = self.mgmt = Mgmt(broker, self.vhost_store, self.make_vhost, cfg.main.data_dir,
                                     cfg.main.data_dir / "transient", self.sink)
             mgmt.cluster = self.cluster
+            if cfg.clustering.enabled:  # every member reports the same rabbitmq_cluster label
+                mgmt.cluster_name = cfg.clustering.etcd_prefix
             if cfg.main.load_definitions:
                 self.load_definitions(Path(cfg.main.load_definitions))
-            self.amqp = AMQPServer(broker)
-            self.amqp_address = mgmt.amqp_address = await self.amqp.start(cfg.amqp.bind, cfg.amqp.port)
-            log.info("AMQP listening on %s:%d (data dir %s, sync %s)", *self.amqp_address,
-                     cfg.main.data_dir, "on" if cfg.main.sync else "off")
+            if tls.enabled(cfg.main):
+                self.tls = tls.ServerTLS(cfg.main)
+            if cfg.lmq.enabled:  # before AMQP: a node that answers AMQP has its LMQ ports open too
+                await self.start_lmq(broker)
+            # HTTP before AMQP too: once the AMQP port answers, everything answers
             if cfg.mgmt.enabled:
-                self.http = MgmtServer(mgmt)
-                http_addr, metrics_addr = await self.http.start(
-                    cfg.mgmt.bind, cfg.mgmt.port, cfg.mgmt.metrics_bind, cfg.mgmt.metrics_port)
-                log.info("management HTTP API listening on %s:%d", *http_addr)
-                if metrics_addr is not None:
-                    log.info("Prometheus metrics listening on %s:%d", *metrics_addr)
+                await self.start_http(broker, mgmt)
+            await self.start_amqp(broker, mgmt)
         except BaseException:
             self.release_lock()
             raise
+
+    def tls_context(self) -> ssl.SSLContext:
+        """The current server context (read per accepted connection, so a reload applies)."""
+        assert self.tls is not None
+        return self.tls.context
+
+    def reload_tls(self) -> None:
+        """SIGHUP: re-read the TLS certificates; new connections get them, open ones keep theirs."""
+        if self.tls is not None:
+            self.tls.reload()
+
+    async def start_amqp(self, broker: Broker, mgmt: Mgmt) -> None:
+        cfg = self.config
+        self.amqp = AMQPServer(broker)
+        if cfg.amqp.port >= 0:
+            self.amqp_address = mgmt.amqp_address = await self.amqp.start(cfg.amqp.bind, cfg.amqp.port)
+            log.info("AMQP listening on %s:%d", *self.amqp_address)
+        if self.tls is not None and cfg.amqp.tls_port >= 0:
+            mgmt.amqps_address = await self.amqp.start(cfg.amqp.bind, cfg.amqp.tls_port, self.tls_context)
+            log.info("AMQPS listening on %s:%d", *mgmt.amqps_address)
+        log.info("data dir %s, sync %s", cfg.main.data_dir, "on" if cfg.main.sync else "off")
+
+    async def start_http(self, broker: Broker, mgmt: Mgmt) -> None:
+        cfg = self.config
+        self.http = MgmtServer(mgmt)
+        factory = keep_peer(await self.http.start(cfg.mgmt.metrics_bind, cfg.mgmt.metrics_port))
+
+        def trusted(ip: str) -> bool:
+            return proxy.is_trusted(ip, cfg.mgmt.trusted_proxies, broker.trusted_peers)
+
+        if cfg.mgmt.port >= 0:
+            listener = Listener("HTTP", factory, trusted)
+            self.http_listeners.append(listener)
+            mgmt.http_address = await listener.start(cfg.mgmt.bind, cfg.mgmt.port)
+            log.info("management HTTP API listening on %s:%d", *mgmt.http_address)
+        if self.tls is not None and cfg.mgmt.tls_port >= 0:
+            listener = Listener("HTTPS", factory, trusted, tls=self.tls_context)
+            self.http_listeners.append(listener)
+            mgmt.https_address = await listener.start(cfg.mgmt.bind, cfg.mgmt.tls_port)
+            log.info("management HTTPS API listening on %s:%d", *mgmt.https_address)
+        if mgmt.metrics_address is not None:
+            log.info("Prometheus metrics listening on %s:%d", *mgmt.metrics_address)
+
+    async def start_lmq(self, broker: Broker) -> None:
+        """LMQ's front end on the vhost ``[lmq] vhost`` (created when missing), properties in lmq.json."""
+        cfg = self.config
+        vh = broker.vhosts.get(cfg.lmq.vhost)
+        if vh is None:
+            assert self.mgmt is not None
+            vh = self.mgmt.create_vhost(cfg.lmq.vhost)
+        path = cfg.main.data_dir / LMQ_PROPS_FILE
+        sink = self.sink
+        props = PropsStore(read_json(path, {}), lambda doc: write_json(path, doc, sink))
+        self.lmq = LMQServer(LMQ(vh, props, broker.syncer.after_sync), cfg.lmq, broker.users)
+        await self.lmq.start()
 
     def release_lock(self) -> None:
         lock, self.lock = self.lock, None
@@ -152,6 +229,7 @@ class Node:
         try:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.stopping.set)
+            loop.add_signal_handler(signal.SIGHUP, self.reload_tls)
             await self.stopping.wait()
             log.info("shutting down")
             await self.shutdown()
@@ -174,6 +252,12 @@ class Node:
         log.info("imported definitions from %s", path)
 
     async def shutdown(self) -> None:
+        if self.lmq is not None:
+            await self.lmq.stop()
+            self.lmq = None
+        listeners, self.http_listeners = self.http_listeners, []
+        for listener in listeners:
+            await listener.stop()
         if self.http is not None:
             await self.http.stop()
             self.http = None
@@ -182,10 +266,17 @@ class Node:
         broker = self.broker
         if broker is None:
             return
+        t0 = time.monotonic()
         broker.syncer.sync_now()
+        t1 = time.monotonic()
+        if self._files is not None:
+            self._files.shutting_down = True  # stores close without trimming (fast)
         for vh in broker.vhosts.values():
             vh.close()
+        t2 = time.monotonic()
         broker.syncer.shutdown()
+        log.info("stores synced in %.2f s, closed in %.2f s, last background sync waited for %.2f s",
+                 t1 - t0, t2 - t1, time.monotonic() - t2)
 
 
 def serve(config: Config) -> int:

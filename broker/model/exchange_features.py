@@ -277,11 +277,11 @@ class DelayedStore:
         self.durable = ex.durable
         if ex.durable:
             directory = queue_dir(vh.dir / "delayed", ex.name)
-            self.store = QueueStore(directory, segment_size=vh.segment_size, sink=vh.sink)
+            self.store = QueueStore(directory, segment_size=vh.segment_size, sink=vh.sink, files=vh.files)
         else:
             directory = queue_dir(vh.transient_dir / "delayed", ex.name)
             shutil.rmtree(directory, ignore_errors=True)
-            self.store = QueueStore(directory, segment_size=vh.segment_size, sink=NULL_SINK)
+            self.store = QueueStore(directory, segment_size=vh.segment_size, sink=NULL_SINK, files=vh.files)
         self.heap: list[tuple[int, int, int]] = []
         self._seq = itertools.count()
         self._timer: TimerHandle | None = None

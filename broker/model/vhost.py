@@ -30,15 +30,17 @@ from pamqp import frame as pframe
 from pamqp.base import Frame as PFrame
 
 from broker import errors
-from broker.model import exchange_features, features, policy
+from broker.model import exchange_features, features, policy, queue_types
 from broker.model import publish as publishing
 from broker.model.exchange import Exchange
 from broker.model.fastpaths import FastPaths
 from broker.model.limits import VHostLimits
 from broker.model.queue import Queue
+from broker.model.vhost_meta import VHostMeta
 from broker.store.definitions import DefinitionsLog
 from broker.store.paths import queue_dir, vhost_dir
 from broker.store.queue_store import QueueStore
+from broker.store.segment_log import SegmentFiles
 from broker.store.sink import NULL_SINK, ReplicationSink
 
 log = logging.getLogger(__name__)
@@ -70,6 +72,8 @@ class VHost:
         mark_dirty: Callable[[Any], None],
         transient_root: Path,
         call_later: features.CallLater | None = None,
+        write_through: bool = False,
+        files: SegmentFiles | None = None,
     ) -> None:
         self.name = name
         self.dir = vhost_dir(data_dir, name)
@@ -79,9 +83,14 @@ class VHost:
         self.sink = sink
         self.schedule = schedule
         self.mark_dirty = mark_dirty
+        self.write_through = write_through  # synchronous settlements (ack_sync_interval = 0)
+        # the node's disk and mapped-segment budget, shared by every store (None: per vhost)
+        self.files = files if files is not None else SegmentFiles()
         self.exchanges: dict[str, Exchange] = {}
         self.queues: dict[str, Queue] = {}
         self.closed_queues: dict[str, str] = {}  # name -> why (corrupt store)
+        self.queues_created = 0  # since boot (metrics); replayed queues are not counted
+        self.queues_deleted = 0
         marker = self.dir / ".vhost"
         if not marker.exists():
             marker.write_text(name)
@@ -92,6 +101,7 @@ class VHost:
         self.call_later = call_later  # timers for TTL / x-expires (broker/model/features.py)
         self.policy_set = policy.PolicySet(self.dir / "policies.json", sink)
         self.limits = VHostLimits(self.dir / "limits.json", sink)  # max-connections, max-queues
+        self.meta = VHostMeta(self.dir / "metadata.json", sink)  # description, default_queue_type
         self._replaying = False
         self.fast = FastPaths()  # publish/delivery runs and direct hand-over (tests switch off)
         self._load()
@@ -261,6 +271,8 @@ class VHost:
         elif name.startswith("amq.") and not self._replaying:
             raise errors.AccessRefused(
                 f"queue name '{name}' contains reserved prefix 'amq.*'")
+        arguments = queue_types.with_default(arguments, durable=durable, exclusive=exclusive,
+                                             default_type=self.meta.default_queue_type)
         q = self.queues.get(name)
         if q is not None:
             self.get_queue(name, owner)  # exclusivity check
@@ -277,11 +289,15 @@ class VHost:
             if q.features is not None:
                 q.features.touch()  # a redeclare counts as use for x-expires
             return q, False
+        if not self._replaying:  # a queue recovered from the log keeps the type it was created with
+            arguments = queue_types.resolve(arguments, durable=durable, exclusive=exclusive,
+                                            auto_delete=auto_delete, queue=name, vhost=self.name)
         if arguments.get("x-queue-type") == "stream":  # stream queues: broker/model/stream.py
             from broker.model.stream import new_stream_queue
             q = new_stream_queue(self, name, durable=durable, exclusive=exclusive,
                                  auto_delete=auto_delete, arguments=arguments)
             self.queues[name] = q
+            self.queues_created += not self._replaying
             self.exchanges[""].bind(q, name)
             self._log(commands.Queue.Declare(queue=name, durable=True, auto_delete=auto_delete,
                                              arguments=arguments))
@@ -290,7 +306,8 @@ class VHost:
         persistent = durable and not exclusive
         if persistent:
             store = QueueStore(queue_dir(self.dir, name), segment_size=self.segment_size,
-                               sink=self.sink, persistent_only=True)
+                               sink=self.sink, persistent_only=True, notify=self.mark_dirty,
+                               write_through=self.write_through, files=self.files)
             qfile = queue_dir(self.dir, name) / ".queue"
             if not qfile.exists():
                 qfile.write_text(name)
@@ -299,12 +316,13 @@ class VHost:
             tdir = queue_dir(self.transient_dir, name)
             if tdir.exists():
                 shutil.rmtree(tdir, ignore_errors=True)
-            store = QueueStore(tdir, segment_size=self.segment_size, sink=NULL_SINK)
+            store = QueueStore(tdir, segment_size=self.segment_size, sink=NULL_SINK, files=self.files)
         store = features.make_store(store, args_cfg)  # x-max-priority: one store per level
         q = Queue(self.name, name, durable=durable, exclusive_owner=owner if exclusive else None,
                   auto_delete=auto_delete, arguments=arguments, store=store, schedule=self.schedule,
                   on_unused=self._queue_unused, on_dirty=self.mark_dirty, fast=self.fast)
         self.queues[name] = q
+        self.queues_created += not self._replaying
         self.exchanges[""].bind(q, name)
         policy.apply_to_queue(self, q)  # features from arguments and policies (None if plain)
         if persistent:
@@ -328,6 +346,7 @@ class VHost:
             raise errors.PreconditionFailed(f"queue '{name}' in vhost '{self.name}' not empty")
         count = q.message_count
         del self.queues[name]
+        self.queues_deleted += 1
         for ex in list(self.exchanges.values()):
             if ex.unbind_all(q) and ex.auto_delete and not ex.has_bindings():
                 self._auto_delete_exchange(ex)
@@ -358,10 +377,12 @@ class VHost:
 
     def unbind_queue(self, queue: str, exchange: str, routing_key: str, arguments: dict[str, Any],
                      owner: object | None) -> None:
-        q = self.get_queue(queue, owner)
-        ex = self.get_exchange(exchange)
         if exchange == "":
             raise errors.AccessRefused("operation not permitted on the default exchange")
+        if queue not in self.queues or exchange not in self.exchanges:
+            return  # RabbitMQ: unbinding from a queue or exchange that is gone is ok
+        q = self.get_queue(queue, owner)
+        ex = self.get_exchange(exchange)
         if ex.unbind(q, routing_key, arguments):
             if ex.durable and q.durable and q.exclusive_owner is None:
                 self._log(commands.Queue.Unbind(queue=queue, exchange=exchange, routing_key=routing_key,
@@ -381,6 +402,8 @@ class VHost:
 
     def unbind_exchange(self, destination: str, source: str, routing_key: str,
                         arguments: dict[str, Any]) -> None:
+        if destination not in self.exchanges or source not in self.exchanges:
+            return  # as for queues: unbinding from an exchange that is gone is ok
         dst = self.get_exchange(destination)
         src = self.get_exchange(source)
         if src.unbind(dst, routing_key, arguments):
