@@ -5,7 +5,8 @@ Theory of operation
 Each option is a field of one of the frozen section dataclasses below
 (``MainConfig``, ``AmqpConfig``, ``MgmtConfig``, ``ClusteringConfig``). The field
 carries its default and, in its metadata, its help text, its value kind (``size``
-for byte counts that accept suffixes, ``networks`` for CIDR lists) and its
+for byte counts that accept suffixes, ``fraction`` for a number from 0 to 1,
+``networks`` for CIDR lists) and its
 allowed range or choices. ``OPTIONS`` is derived from those fields, and from
 ``OPTIONS`` are derived:
 
@@ -147,6 +148,26 @@ class MainConfig:
             lo=0,
         ),
     )
+    vm_memory_high_watermark: float = field(
+        default=0.4,
+        metadata=_meta(
+            "Memory high watermark as a fraction of total memory (the smaller of RAM and the "
+            "cgroup limit): above it publishers are blocked (connection.blocked) until memory falls "
+            "below it again, RabbitMQ's vm_memory_high_watermark (0: off).",
+            kind="fraction",
+            lo=0,
+            hi=1,
+        ),
+    )
+    vm_memory_high_watermark_absolute: int = field(
+        default=0,
+        metadata=_meta(
+            "Memory high watermark in bytes (suffixes allowed); when set it replaces "
+            "vm_memory_high_watermark (0: use the fraction).",
+            kind="size",
+            lo=0,
+        ),
+    )
     # TLS (AMQPS, HTTPS, the replication link); the names are LavinMQ's. See docs/tls.md.
     tls_cert: str = field(
         default="",
@@ -215,6 +236,17 @@ class AmqpConfig:
         default=2048, metadata=_meta("Most channels per connection (0: no limit).", lo=0, hi=65535)
     )
     tcp_nodelay: bool = field(default=True, metadata=_meta("Set TCP_NODELAY on client sockets."))
+    max_bytes_in_flight: int = field(
+        default=256 * MiB,
+        metadata=_meta(
+            "Bytes in flight per connection (suffixes allowed): message bodies it has announced "
+            "and not completed, across its channels (a content header past this closes that "
+            "channel with 406; keep it at least max_message_size), and replies it has not read "
+            "(past this the connection is not read until it reads them).",
+            kind="size",
+            lo=1,
+        ),
+    )
     trusted_proxies: tuple[str, ...] = field(
         default=(),
         metadata=_meta(
@@ -342,7 +374,8 @@ class Option:
     """One option, derived from a section dataclass field.
 
     ``kind`` is one of ``str``, ``int``, ``size`` (int accepting unit suffixes),
-    ``bool``, ``path``, ``networks`` (tuple of CIDRs). ``default`` is None only
+    ``fraction`` (float from lo to hi), ``bool``, ``path``, ``networks`` (tuple of
+    CIDRs). ``default`` is None only
     for ``data_dir``, whose default depends on the user (``default_data_dir``).
     """
 
@@ -399,6 +432,14 @@ class Option:
             if lowered in _FALSE:
                 return False
             raise ValueError(f"{text!r} is not a boolean (use true/false, yes/no, on/off, 1/0)")
+        if self.kind == "fraction":
+            try:
+                value = float(text.strip())
+            except ValueError:
+                raise ValueError(f"{text!r} is not a number") from None
+            if not (self.lo or 0) <= value <= (1 if self.hi is None else self.hi):
+                raise ValueError(f"{value} is not between {self.lo} and {self.hi}")
+            return value
         if self.kind in ("int", "size"):
             value = _parse_size(text) if self.kind == "size" else _parse_int(text)
             if self.lo is not None and value < self.lo:

@@ -41,8 +41,8 @@ answers both Skred's ``skred_detailed_*`` and RabbitMQ's ``rabbitmq_detailed_*``
 names for the families RabbitMQ defines there. Skred does not count consumer
 deliveries by ack mode, so ``rabbitmq_channel_messages_delivered_ack_total``
 carries every consume delivery and ``..._delivered_total`` (auto-ack) stays 0;
-the memory "limit" is the machine's RAM, as Skred raises no memory alarm
-(docs/compatibility.md).
+the memory "limit" is the memory high watermark (the machine's RAM when the
+memory alarm is off; docs/flow-control.md).
 """
 
 from __future__ import annotations
@@ -158,11 +158,13 @@ class NodeCollector(Collector):
     """This node's identity, build, process, memory and disk, in RabbitMQ's names and Skred's."""
 
     def __init__(self, data_dir: Path, identity: Callable[[], tuple[str, str]],
-                 disk_limit: Callable[[], int] = lambda: 0, sockets: Callable[[], int] = lambda: 0) -> None:
+                 disk_limit: Callable[[], int] = lambda: 0, sockets: Callable[[], int] = lambda: 0,
+                 memory_limit: Callable[[], int] = lambda: 0) -> None:
         self.data_dir = data_dir
         self.identity = identity  # -> (node name, cluster name), read at scrape time
         self.disk_limit = disk_limit
         self.sockets = sockets
+        self.memory_limit = memory_limit  # the memory high watermark (0: off)
 
     def collect(self) -> Iterator[Metric]:
         node, cluster = self.identity()
@@ -191,8 +193,8 @@ class NodeCollector(Collector):
         yield _rg("process_max_fds", "File descriptor limit", limit_fds)
         yield _rg("disk_space_available_bytes", doc_disk, free)
         yield GaugeMetricFamily(f"{RABBIT}_resident_memory_limit_bytes",
-                                "Memory limit (Skred raises no memory alarm: the machine's RAM)",
-                                value=total_memory())
+                                "Memory high watermark (the machine's RAM when off)",
+                                value=self.memory_limit() or total_memory())
         yield GaugeMetricFamily(f"{RABBIT}_disk_space_available_limit_bytes",
                                 "Free disk space below which publishers are blocked", value=self.disk_limit())
         yield GaugeMetricFamily(f"{RABBIT}_process_open_tcp_sockets", "Open client sockets",
@@ -266,6 +268,16 @@ class SkredCollector(Collector):
         yield _c("connections_opened", "AMQP connections opened", stats.connections_opened)
         yield _c("connections_closed", "AMQP connections closed",
                  max(0, stats.connections_opened - len(sessions)))
+        alarm = broker.alarm
+        yield _g("disk_space_available_limit_bytes", "Free disk space under which publishers are blocked",
+                 alarm.disk.free_disk_min)
+        yield _g("resident_memory_limit_bytes", "Memory high watermark (0: off)", alarm.memory.limit)
+        for prefix in (PREFIX, RABBIT):  # RabbitMQ's alarm series, under both names
+            yield GaugeMetricFamily(f"{prefix}_alarms_free_disk_space_watermark",
+                                    "1 while the free disk space alarm is in effect",
+                                    value=int(alarm.disk.active))
+            yield GaugeMetricFamily(f"{prefix}_alarms_memory_used_watermark",
+                                    "1 while the memory alarm is in effect", value=int(alarm.memory.active))
         yield _g("process_pid", "Process id", os.getpid())
 
 
@@ -442,7 +454,8 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=False)
         skred = SkredCollector(mgmt)
         node = NodeCollector(mgmt.data_dir, lambda: (mgmt.node_name, mgmt.cluster_name),
-                             lambda: mgmt.broker.alarm.free_disk_min, lambda: len(mgmt.broker.connections))
+                             lambda: mgmt.broker.alarm.disk.free_disk_min,
+                             lambda: len(mgmt.broker.connections), lambda: mgmt.broker.alarm.memory.limit)
         self.registry.register(skred)
         self.registry.register(ClusterCollector(lambda: mgmt.cluster))
         self.registry.register(node)

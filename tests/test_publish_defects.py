@@ -212,7 +212,7 @@ def test_a_publisher_waiting_for_its_confirm_is_not_held(tmp_path: Path) -> None
                 if s is not None and s.chs.get(1) is not None and s.stats.published:
                     held.append((s.chs[1].confirm, self._read_paused))
 
-        server = await loop.create_server(lambda: Probe(node, protocols), "127.0.0.1", 0)
+        server = await loop.create_server(lambda: Probe(node, protocols, ("127.0.0.1", 0)), "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         try:
             setup = Client(node)

@@ -114,6 +114,7 @@ class AMQPConnection:
         channel_max: int = 2048,
         heartbeat: int = 60,
         max_message_size: int = 128 * 1024 * 1024,
+        max_bytes_in_flight: int = 0,
         server_properties: dict[str, Any] | None = None,
     ) -> None:
         self.out = bytearray()
@@ -123,6 +124,7 @@ class AMQPConnection:
         self.server_channel_max = channel_max
         self.server_heartbeat = heartbeat
         self.max_message_size = max_message_size
+        self.max_bytes_in_flight = max_bytes_in_flight  # body bytes being assembled, all channels
         self.frame_max = codec.FRAME_MIN_SIZE  # until tune-ok
         self.channel_max = channel_max
         self.heartbeat = 0
@@ -351,6 +353,12 @@ class AMQPConnection:
                     self._need = need
                     return
             self._buf = rest
+
+    def assembling(self) -> int:
+        """Body bytes announced by the content headers of publishes not yet complete."""
+        if not self._pending:
+            return 0
+        return sum(p.size for p in self._pending.values())
 
     def _frame_error(self, ch: int, exc: errors.AMQPError) -> None:
         if exc.soft and ch != 0 and self.state == State.OPEN:
@@ -696,6 +704,11 @@ class AMQPConnection:
             raise errors.PreconditionFailed(
                 f"message size {size} is larger than configured max size {self.max_message_size}", 60, 40
             )
+        if self.max_bytes_in_flight and size + self.assembling() > self.max_bytes_in_flight:
+            del self._pending[ch]
+            raise errors.PreconditionFailed(
+                f"message of {size} bytes would take the bodies in flight on this connection past "
+                f"max_bytes_in_flight ({self.max_bytes_in_flight})", 60, 40)
         p.props = data[start + 12 : end]
         p.size = size
         if size == 0:
@@ -720,6 +733,7 @@ class AMQPConnection:
             if got < p.size:
                 return
             body = b"".join(p.chunks)
+            p.chunks = []  # the parts go now, not after the publish: one copy of the body at a time
         del self._pending[ch]
         self.handle_publish(ch, p.args, p.props, body)
 

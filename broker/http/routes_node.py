@@ -133,11 +133,11 @@ def _node_json(request: web.Request) -> dict[str, Any]:
         "uptime": uptime_ms,
         "processors": os.cpu_count() or 1,
         "mem_used": mgmt.resident_memory(),
-        "mem_limit": 0,
-        "mem_alarm": False,
+        "mem_limit": mgmt.broker.alarm.memory.limit,
+        "mem_alarm": mgmt.broker.alarm.memory.active,
         "disk_free": mgmt.disk_free(),
-        "disk_free_limit": mgmt.broker.alarm.free_disk_min,
-        "disk_free_alarm": mgmt.broker.alarm.active,
+        "disk_free_limit": mgmt.broker.alarm.disk.free_disk_min,
+        "disk_free_alarm": mgmt.broker.alarm.disk.active,
         "fd_used": mgmt.open_fds(),
         "fd_total": mgmt.max_fds(),
         "sockets_used": len(mgmt.broker.connections),
@@ -187,10 +187,11 @@ async def aliveness(request: web.Request) -> web.Response:
 
 @routes.get("/api/health/checks/alarms")
 async def health_alarms(request: web.Request) -> web.Response:
-    alarm = request.app[MGMT_KEY].broker.alarm
-    if alarm.active:
+    mgmt = request.app[MGMT_KEY]
+    resources = mgmt.broker.alarm.resources()
+    if resources:
         return web.json_response({"status": "failed", "reason": "resource alarm(s) in effect",
-                                  "alarms": [{"resource": "disk", "node": request.app[MGMT_KEY].node_name}]},
+                                  "alarms": [{"resource": r, "node": mgmt.node_name} for r in resources]},
                                  status=503)
     return web.json_response({"status": "ok"})
 
@@ -199,7 +200,7 @@ async def health_alarms(request: web.Request) -> web.Response:
 async def get_disk_free_limit(request: web.Request) -> web.Response:
     """The free-disk alarm threshold in force (``[main] free_disk_min``), free space, alarm state."""
     require_monitor(request)
-    alarm = request.app[MGMT_KEY].broker.alarm
+    alarm = request.app[MGMT_KEY].broker.alarm.disk
     return web.json_response({"limit": alarm.free_disk_min, "free": alarm.free(), "alarm": alarm.active})
 
 
@@ -212,7 +213,7 @@ async def put_disk_free_limit(request: web.Request) -> web.Response:
     limit = body["limit"]
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
         raise bad_request("limit must be a non-negative integer (bytes)")
-    request.app[MGMT_KEY].broker.alarm.free_disk_min = limit
+    request.app[MGMT_KEY].broker.alarm.disk.free_disk_min = limit
     return web.Response(status=204)
 
 

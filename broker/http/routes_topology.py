@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import binascii
 import datetime
+import errno
 import struct
 import time
 import urllib.parse
@@ -13,7 +14,7 @@ from typing import Any
 from aiohttp import web
 from pamqp import commands
 
-from broker.errors import AMQPError
+from broker import errors
 from broker.http.common import (
     MGMT_KEY,
     bad_request,
@@ -21,6 +22,7 @@ from broker.http.common import (
     check_name,
     check_perm,
     created,
+    error_response,
     forbidden,
     get_args,
     get_bool,
@@ -190,8 +192,14 @@ async def publish(request: web.Request) -> web.Response:
     try:
         out = vh.publish(PublishRequest(ex.name, routing_key, props_bytes, data, int(time.time() * 1000),
                                         props.delivery_mode == 2))
-    except AMQPError as exc:  # e.g. an expiration that is not a number
+    except errors.AMQPError as exc:  # e.g. an expiration that is not a number
         raise bad_request(exc.text) from None
+    except (errors.DiskFull, OSError) as exc:
+        if not isinstance(exc, errors.DiskFull) and exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        # as for an AMQP publisher: the disk alarm goes on at once, the message is refused
+        broker.alarm.disk_full(len(data), broker.connections)
+        return error_response(503, "disk_full", "disk full: message not stored")
     queues = out.queues
     if out.unroutable:
         broker.stats.unroutable += 1

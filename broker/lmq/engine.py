@@ -177,7 +177,10 @@ class LMQ:
         if compound:
             headers["x-lmq-type"] = "compound"
         req = PublishRequest("", q.name, _props(content_type, headers), body, int(time.time() * 1000), True)
-        out = self.vhost.publish(req)
+        try:
+            out = self.vhost.publish(req)
+        except errors.DiskFull:
+            raise LMQError(503, f"disk full: message for queue '{q.name}' not stored") from None
         if out.rejected:
             raise LMQError(503, f"queue '{q.name}' refused the message (length limit)")
         self._arrived.set()

@@ -1,4 +1,5 @@
-"""Periodic checks run from the listener's one-second tick: consumer timeouts and the disk alarm.
+"""Periodic checks run from the listener's one-second tick: consumer timeouts and the
+resource alarms (disk, memory).
 
 Theory of operation
 -------------------
@@ -12,20 +13,30 @@ else ``[main] consumer_timeout``; 0 = off) the channel is closed with 406 "deliv
 acknowledgement on channel N timed out", as RabbitMQ. A timeout fires at most
 one tick late and never early.
 
-Disk alarm: each tick compares the free space of the data dir's filesystem with
-``[main] free_disk_min``. While it is below, every connection that publishes
-stops being read: the read pause the listener already takes after each
-publishing read batch is simply not lifted (``AMQPProtocol._resume_reading``
-parks the protocol here). Clients that announced the ``connection.blocked``
-capability get ``connection.blocked`` when the alarm goes on and
-``connection.unblocked`` when it clears, after which parked connections are
-read again. Consumers keep consuming and acking meanwhile, as in RabbitMQ.
+Resource alarms: while any is in effect, every connection that publishes stops
+being read: the read pause the listener already takes after each publishing read
+batch is simply not lifted (``AMQPProtocol._resume_reading`` parks the protocol
+here). Clients that announced the ``connection.blocked`` capability get
+``connection.blocked`` (reason "low on disk" / "low on memory") when the first
+alarm goes on and ``connection.unblocked`` when the last clears, after which
+parked connections are read again. Consumers keep consuming and acking
+meanwhile, as in RabbitMQ.
+
+Disk: the free space of the data dir's filesystem against ``[main]
+free_disk_min``, checked each tick and also as soon as an eighth of that margin
+has been read from clients, so a burst of large publishes cannot run through it
+between two ticks. A write that still finds no space (the store's ``DiskFull``)
+raises the alarm at once and latches it until the failed write would fit above
+the threshold; the session nacks (or refuses) the publish, never closing the
+connection. Memory: see broker/net/memory.py.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -33,13 +44,12 @@ from pamqp import commands
 
 from broker import errors
 from broker.amqp.connection import State
+from broker.net.memory import MemoryAlarm
 
 if TYPE_CHECKING:
     from broker.net.session import Session
 
 log = logging.getLogger(__name__)
-
-BLOCK_REASON = "low on disk"
 
 
 class Parked(Protocol):
@@ -87,6 +97,14 @@ def check_consumer_timeouts(s: Session, now: float, default_ms: int) -> bool:
     return closed
 
 
+def no_space(exc: BaseException) -> bool:
+    """Whether a write failed for want of disk space (the store's ``DiskFull``, or a raw
+    ENOSPC/EDQUOT from a write path that does not translate it)."""
+    if isinstance(exc, errors.DiskFull):
+        return True
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
 def _policy_timeout(policies: tuple[Any, Any]) -> int | None:
     """The lower ``consumer-timeout`` of a (policy, operator policy) pair, if either sets one."""
     found = [t for p in policies if p is not None
@@ -95,12 +113,18 @@ def _policy_timeout(policies: tuple[Any, Any]) -> int | None:
 
 
 class DiskAlarm:
+    """Free space under ``data_dir`` against ``free_disk_min``, plus the latch a failed write sets."""
+
     def __init__(self, data_dir: Path, free_disk_min: int) -> None:
         self.data_dir = data_dir
         self.free_disk_min = free_disk_min
         self.active = False
-        self.parked: set[Parked] = set()
-        self.notified: set[Session] = set()
+        # A write that found no space holds the alarm until that many bytes fit above the threshold.
+        self.latched_need = 0
+        # bytes read from clients since the last check, and how many call for an early one
+        # (``Alarms.note_read``)
+        self.read_since_check = 0
+        self.next_check = self.check_every()
 
     def free(self) -> int:
         try:
@@ -108,19 +132,90 @@ class DiskAlarm:
         except OSError:
             return 0
 
-    def check(self, sessions: list[Session]) -> None:
-        """One tick: raise or clear the alarm; tell clients that asked for it."""
-        if not self.free_disk_min and not self.active:
-            return
-        # limit 0 turns the alarm off, which must also clear one in effect
-        low = bool(self.free_disk_min) and self.free() < self.free_disk_min
-        if low and not self.active:
+    def evaluate(self) -> bool:
+        """Whether the alarm should be in effect now."""
+        if not self.free_disk_min and not self.latched_need:
+            return False  # limit 0 turns the alarm off, which must also clear one in effect
+        free = self.free()
+        if self.latched_need and free >= self.free_disk_min + self.latched_need:
+            self.latched_need = 0
+        return free < self.free_disk_min or bool(self.latched_need)
+
+    def check_every(self) -> int:
+        """Bytes read between two eager checks: an eighth of the margin, at least 1 MiB."""
+        return max(1 << 20, self.free_disk_min >> 3)
+
+
+class Alarms:
+    """The resource alarms (disk, memory) and the one blocked/unblocked state they drive."""
+
+    def __init__(self, disk: DiskAlarm, memory: MemoryAlarm) -> None:
+        self.disk = disk
+        self.memory = memory
+        self.parked: set[Parked] = set()
+        self.notified: set[Session] = set()
+        self.active = False  # any alarm in effect: publishers are not read
+
+    def resources(self) -> list[str]:
+        """The alarms in effect, by RabbitMQ's resource names."""
+        return [name for name, a in (("disk", self.disk), ("memory", self.memory)) if a.active]
+
+    def check(self, sessions: Iterable[Session]) -> None:
+        """One tick: re-evaluate every alarm, then block or unblock clients."""
+        self._check_disk()
+        self.memory_changed(sessions)
+
+    def _check_disk(self) -> None:
+        self.disk.read_since_check = 0
+        self.disk.next_check = self.disk.check_every()
+        disk = self.disk.evaluate()
+        if disk != self.disk.active:
+            self.disk.active = disk
+            if disk:
+                log.warning("disk alarm: free space under %d bytes in %s; blocking publishers",
+                            self.disk.free_disk_min + self.disk.latched_need, self.disk.data_dir)
+            else:
+                log.warning("disk alarm cleared")
+
+    def memory_changed(self, sessions: Iterable[Session]) -> None:
+        """Measure memory again (a body completed, a connection waits or went away)."""
+        mem = self.memory
+        active = mem.evaluate()
+        if active != mem.active:
+            mem.active = active
+            if active:
+                log.warning("memory alarm: %d bytes used (watermark %d)%s; blocking publishers", mem.used,
+                            mem.limit, f", {len(mem.waiting)} connection(s) waiting" if mem.waiting else "")
+            else:
+                log.warning("memory alarm cleared (%d bytes used, watermark %d)", mem.used, mem.limit)
+        self._apply(sessions)
+
+    def note_read(self, sessions: Iterable[Session]) -> None:
+        """``disk.next_check`` bytes were read from clients since the last check: check the
+        disk early, so a burst of large publishes cannot run through the margin between two
+        ticks."""
+        if self.disk.free_disk_min:
+            self._check_disk()
+            self._apply(sessions)
+        else:
+            self.disk.read_since_check = 0
+
+    def disk_full(self, need: int, sessions: Iterable[Session]) -> None:
+        """A write of ``need`` bytes found no space: alarm now, whatever the threshold says."""
+        self.disk.latched_need = max(self.disk.latched_need, need, 1)
+        if not self.disk.active:
+            self.disk.active = True
+            log.warning("disk full: a write of %d bytes found no space in %s; blocking publishers",
+                        need, self.disk.data_dir)
+        self._apply(sessions)
+
+    def _apply(self, sessions: Iterable[Session]) -> None:
+        active = self.disk.active or self.memory.active
+        if active and not self.active:
             self.active = True
-            log.warning("disk alarm: free space under %d bytes in %s; blocking publishers",
-                        self.free_disk_min, self.data_dir)
-        elif not low and self.active:
+        elif not active and self.active:
             self.active = False
-            log.warning("disk alarm cleared; unblocking publishers")
+            log.warning("resource alarms cleared; unblocking publishers")
             for s in self.notified:
                 if _open(s):
                     s.send_method(0, commands.Connection.Unblocked())
@@ -133,7 +228,7 @@ class DiskAlarm:
             for s in sessions:
                 if s not in self.notified and _open(s) and s.capabilities.get("connection.blocked"):
                     self.notified.add(s)
-                    s.send_method(0, commands.Connection.Blocked(reason=BLOCK_REASON))
+                    s.send_method(0, commands.Connection.Blocked(reason=f"low on {self.resources()[0]}"))
                     s.wakeup()
 
     def forget(self, s: Session) -> None:

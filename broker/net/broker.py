@@ -17,7 +17,8 @@ from broker.auth import sasl
 from broker.auth.users import UserStore
 from broker.config import Config
 from broker.model.vhost import VHost
-from broker.net.alarms import DiskAlarm
+from broker.net.alarms import Alarms, DiskAlarm
+from broker.net.memory import MemoryAlarm, watermark
 from broker.net.syncer import Syncer
 
 if TYPE_CHECKING:
@@ -59,8 +60,10 @@ class Broker:
         self.trusted_peers: set[str] = set()
         # guest with full access everywhere is the common case: skip per-name checks then
         self.check_permissions = True
-        # free_disk_min alarm: blocks publishers (broker/net/alarms.py; checked by the listener tick)
-        self.alarm = DiskAlarm(config.main.data_dir, config.main.free_disk_min)
+        # resource alarms: block publishers (broker/net/alarms.py; checked by the listener tick)
+        main = config.main
+        self.alarm = Alarms(DiskAlarm(main.data_dir, main.free_disk_min), MemoryAlarm(
+            watermark(main.vm_memory_high_watermark, main.vm_memory_high_watermark_absolute)))
         self._server_properties: dict[str, Any] = {
             "product": "Skred",
             "version": __version__,

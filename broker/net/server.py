@@ -11,10 +11,19 @@ calls ``wakeup()``, which schedules one flush on the next loop turn.
 Backpressure: when the transport's write buffer passes the high-water mark
 (``pause_writing``) the session stops being ``writable`` and its consumers
 report no capacity; ``resume_writing`` reschedules their queues. Reading is
-never paused for that: the client's acks are what frees its capacity.
+not paused for that: the client's acks are what frees its capacity. Only when
+replies it has not read pass ``[amqp] max_bytes_in_flight`` (a client that
+publishes mandatory messages to nowhere or gets large messages and never
+reads) is the client not read until ``resume_writing``. Reading is also paused
+by resource alarms (broker/net/alarms.py) and by the memory gate for bodies
+being assembled (broker/net/memory.py).
 
 Heartbeats and handshake/close timeouts run from one periodic tick over all
-connections instead of a timer per connection.
+connections instead of a timer per connection. A connection we are not reading
+(``_read_paused``: held, blocked by an alarm, waiting for memory) is never timed
+out for missed heartbeats, as RabbitMQ pauses its heartbeat monitor while a
+connection is blocked; the clock restarts when reading does. One that we do not
+read because it does not read us is: its silence is its own.
 
 Listeners (``broker.net.listener``): the plain AMQP port and the AMQPS port
 share one ``AMQPServer`` (one set of connections, one tick); the listener has
@@ -60,11 +69,19 @@ class AMQPProtocol(asyncio.Protocol):
         self._read_paused = False
         self._header_fed = 0  # protocol-header bytes given to the session before connection.start
         self._admitted = False  # the login throttle let this connection's start-ok through
+        self._out_limit = _WRITE_HIGH_WATER
+        # memory gate (broker/net/memory.py): body bytes admitted, and whether we wait for more
+        self.reserved = 0
+        self._mem_wait = False
+        # replies the client has not read yet past max_bytes_in_flight: not read until it does
+        self._out_wait = False
 
     # ---------------------------------------------------------------- events
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
         transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)  # type: ignore[attr-defined]
+        # past the high-water mark, so resume_writing is sure to follow
+        self._out_limit = max(self.broker.config.amqp.max_bytes_in_flight, _WRITE_HIGH_WATER)
         self.session = Session(self.broker, self.peer, self.wakeup)
         peer_tls = tls.PeerTLS.of(transport.get_extra_info("ssl_object"))
         if peer_tls is not None:
@@ -90,7 +107,21 @@ class AMQPProtocol(asyncio.Protocol):
         except Exception as exc:  # a bug must cost one connection, never the broker
             log.exception("internal error on connection %s", s.name)
             s.close_connection(errors.InternalError(f"internal error: {type(exc).__name__}"))
+        alarm = self.broker.alarm
+        disk = alarm.disk
+        disk.read_since_check += len(data)
+        if disk.read_since_check >= disk.next_check:
+            alarm.note_read(self.broker.connections)
+        if alarm.memory.limit:
+            wanted = s.assembling()
+            if wanted != self.reserved:
+                self._assembling(wanted)
         self.flush()
+        t = self.transport
+        if t is not None and t.get_write_buffer_size() > self._out_limit and not self._out_wait:
+            # A client that does not read what we answer is not read either (resume_writing).
+            self._out_wait = True
+            self._pause_reading()
         if s.batch_publishes:
             # Fairness: a publisher gets one read per loop turn. The delivery
             # passes its publishes scheduled run before we read from it again;
@@ -147,9 +178,48 @@ class AMQPProtocol(asyncio.Protocol):
         t.resume_reading()
         self.data_received(held)
 
+    def _assembling(self, wanted: int) -> None:
+        """The bodies this connection is assembling now add up to ``wanted`` bytes: ask the
+        memory gate; if it says wait, stop reading until ``admitted``."""
+        alarm = self.broker.alarm
+        held = self.reserved
+        if alarm.memory.request(self, held, wanted):
+            if self._mem_wait:
+                self.admitted(wanted)
+            self.reserved = wanted
+            if wanted < held and (alarm.memory.waiting or alarm.memory.active):
+                alarm.memory_changed(self.broker.connections)  # a body is stored: measure again
+            return
+        self._mem_wait = True
+        self._pause_reading()
+        alarm.memory_changed(self.broker.connections)
+
+    def admitted(self, total: int) -> None:
+        """The memory gate admitted our bodies: read on, whatever alarm is in effect (an
+        admitted body must complete, or its memory is never given back)."""
+        self.reserved = total
+        self._mem_wait = False
+        self._read_on()
+
+    def _pause_reading(self) -> None:
+        t = self.transport
+        if t is not None and not t.is_closing() and not self._read_paused:
+            self._read_paused = True
+            t.pause_reading()
+
+    def _read_on(self) -> None:
+        self._read_paused = False
+        t = self.transport
+        if t is not None and not t.is_closing():
+            t.resume_reading()
+
     def _resume_reading(self, hold_until: float) -> None:
-        if self.broker.alarm.active:
-            self.broker.alarm.parked.add(self)  # disk alarm: a publisher is not read until it clears
+        if self._mem_wait or self._out_wait:
+            return  # the memory gate (admitted) or the client reading its replies resumes us
+        if self.broker.alarm.active and not self.reserved:
+            # an alarm is on: a publisher is not read until it clears, unless it is in the
+            # middle of an admitted body
+            self.broker.alarm.parked.add(self)
             return
         s = self.session
         if s is not None and s.batch_queues:
@@ -167,10 +237,7 @@ class AMQPProtocol(asyncio.Protocol):
             s.batch_queues.clear()
         if s is not None:
             s.unanswered = False
-        self._read_paused = False
-        t = self.transport
-        if t is not None and not t.is_closing():
-            t.resume_reading()
+        self._read_on()
 
     def unpark(self) -> None:
         """The disk alarm cleared: read this publisher again."""
@@ -217,9 +284,18 @@ class AMQPProtocol(asyncio.Protocol):
     def resume_writing(self) -> None:
         if self.session is not None:
             self.session.set_writable(True)
+        if self._out_wait:
+            self._out_wait = False
+            self._resume_reading(0.0)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.protocols.discard(self)
+        if self.reserved or self._mem_wait:
+            alarm = self.broker.alarm
+            alarm.memory.release(self, self.reserved)
+            self.reserved = 0
+            self._mem_wait = False
+            alarm.memory_changed(self.broker.connections)
         if self.session is not None:
             try:
                 self.session.connection_lost()
@@ -246,7 +322,11 @@ class AMQPProtocol(asyncio.Protocol):
             self.flush()
         hb = s.heartbeat
         if hb:
-            if now - self.last_read > 2 * hb:
+            if self._read_paused and not self._out_wait:
+                # We are not reading it (blocked by an alarm, or held for its consumers): its
+                # heartbeats wait unread in the socket, which says nothing about the peer.
+                self.last_read = now
+            elif now - self.last_read > 2 * hb:
                 log.info("closing %s: missed heartbeats from client (timeout %ss)", s.name, hb)
                 t.close()
                 return

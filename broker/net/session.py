@@ -39,6 +39,7 @@ from broker.amqp.connection import CH_OPEN, AMQPConnection, PublishArgs
 from broker.model import queue_types
 from broker.model.publish import PublishRequest
 from broker.model.queue import Consumer, Queue
+from broker.net.alarms import no_space
 
 if TYPE_CHECKING:
     from broker.model.vhost import VHost
@@ -258,6 +259,7 @@ class Session(AMQPConnection):
             channel_max=cfg.amqp.channel_max,
             heartbeat=cfg.amqp.heartbeat,
             max_message_size=cfg.main.max_message_size,
+            max_bytes_in_flight=cfg.amqp.max_bytes_in_flight,
             server_properties=broker.server_properties(),
         )
         self.broker = broker
@@ -354,7 +356,9 @@ class Session(AMQPConnection):
     def _channel(self, ch: int) -> ChannelState:
         return self.chs[ch]
 
-    def _check(self, kind: str, name: str) -> None:
+    def _check(self, kind: str, name: str, resource: str = "queue") -> None:
+        """Raise 403 unless the user has ``kind`` (configure/write/read) permission on ``name``,
+        the ``resource`` ("queue" or "exchange") the refusal text names, as RabbitMQ's does."""
         key = (kind, name)
         ok = self._perm_cache.get(key)
         if ok is None:
@@ -365,7 +369,7 @@ class Session(AMQPConnection):
             self._perm_cache[key] = ok
         if not ok:
             raise errors.AccessRefused(
-                f"access to {'queue' if kind != 'write' else 'exchange'} '{name}' in vhost "
+                f"access to {resource} '{name}' in vhost "
                 f"'{self.vhost}' refused for user '{self.username}'")
 
     @property
@@ -426,6 +430,8 @@ class Session(AMQPConnection):
             if not exc.class_id:  # the failing method is basic.publish, whichever path parsed it
                 exc.class_id, exc.method_id = 60, 40
             raise
+        except (errors.DiskFull, OSError) as exc:
+            self._not_stored(chs, exc, len(body))
 
     def _publish(self, chs: ChannelState, args: PublishArgs, props: bytes, body: bytes | memoryview) -> None:
         """One publish through the model's publish operation, answered in AMQP."""
@@ -468,7 +474,7 @@ class Session(AMQPConnection):
         ex = vh.get_exchange(exchange)
         if ex.internal:
             raise errors.AccessRefused(f"cannot publish to internal exchange '{exchange}'", 60, 40)
-        self._check("write", exchange)
+        self._check("write", exchange, "exchange")
         self._write_ok.add(exchange)
 
     def _persistent(self, props: bytes) -> bool:
@@ -496,7 +502,15 @@ class Session(AMQPConnection):
                 or (props[0][0] & 0x02 if same else any(p[0] & 0x02 for p in props)):
             self.publish_each(channel, args, props, bodies)
             return
-        out = self.vhost_obj.publish_run(exchange, args.routing_key, args, props, bodies, same, self.now_ms)
+        try:
+            out = self.vhost_obj.publish_run(exchange, args.routing_key, args, props, bodies, same,
+                                             self.now_ms)
+        except (errors.DiskFull, OSError) as exc:
+            if not no_space(exc):
+                raise
+            # one by one then: each is refused (nacked) or stored on its own; a queue that did
+            # take the run before another found no space may hold a copy of a nacked message
+            out = None
         if out is None:
             self.publish_each(channel, args, props, bodies)
             return
@@ -513,6 +527,20 @@ class Session(AMQPConnection):
                 self.batch_queues.add(q)
         if out.sync and chs.confirm:
             chs.needs_sync = True
+
+    def _not_stored(self, chs: ChannelState, exc: errors.DiskFull | OSError, need: int) -> None:
+        """The current publish found no disk space (the store wrote it nowhere, or to some of
+        its queues only): raise the disk alarm at once, which blocks every publisher, and tell
+        this one: a basic.nack in confirm mode, else a channel error. Never a connection
+        error: the broker is fine, only the disk is full."""
+        if not no_space(exc):
+            raise exc
+        self.broker.alarm.disk_full(need, self.broker.connections)
+        if chs.confirm:
+            self.publish_rejected(chs)
+            return
+        raise errors.PreconditionFailed("disk full: message not stored; publishers are blocked until "
+                                        "space is available", 60, 40) from None
 
     def publishes_in_flight(self) -> bool:
         """Whether this client may be sending more publishes while we work: it published
@@ -675,13 +703,22 @@ class Session(AMQPConnection):
         handler = _HANDLERS.get(type(method))
         if handler is None:
             raise errors.AMQPNotImplemented(f"{method.name} is not implemented")
-        handler(self, chs, method)
+        try:
+            handler(self, chs, method)
+        except (errors.DiskFull, OSError) as exc:
+            # a durable declare, a tx.commit's publishes...: the channel fails, not the connection
+            if not no_space(exc):
+                raise
+            self.broker.alarm.disk_full(1, self.broker.connections)
+            raise errors.PreconditionFailed(f"disk full: {method.name} failed; publishers are blocked "
+                                            "until space is available", method.index >> 16,
+                                            method.index & 0xFFFF) from None
 
     # exchange.*
     def _exchange_declare(self, chs: ChannelState, m: commands.Exchange.Declare) -> None:
         vh = self.vhost_obj
         if not m.passive:
-            self._check("configure", m.exchange)
+            self._check("configure", m.exchange, "exchange")
         ex_before = m.exchange in vh.exchanges
         vh.declare_exchange(m.exchange, m.exchange_type, passive=m.passive, durable=m.durable,
                             auto_delete=m.auto_delete, internal=m.internal,
@@ -693,7 +730,7 @@ class Session(AMQPConnection):
                 self.reply(chs, commands.Exchange.DeclareOk())
 
     def _exchange_delete(self, chs: ChannelState, m: commands.Exchange.Delete) -> None:
-        self._check("configure", m.exchange)
+        self._check("configure", m.exchange, "exchange")
         self.vhost_obj.delete_exchange(m.exchange, if_unused=m.if_unused)
         if not m.nowait:
             self.reply(chs, commands.Exchange.DeleteOk())
@@ -706,8 +743,8 @@ class Session(AMQPConnection):
 
     def _exchange_binding(self, chs: ChannelState, m: commands.Exchange.Bind | commands.Exchange.Unbind,
                           bind: bool) -> None:
-        self._check("write", m.destination)
-        self._check("read", m.source)
+        self._check("write", m.destination, "exchange")
+        self._check("read", m.source, "exchange")
         op = self.vhost_obj.bind_exchange if bind else self.vhost_obj.unbind_exchange
         op(m.destination, m.source, m.routing_key, dict(m.arguments or {}))
         if not m.nowait:
@@ -732,14 +769,14 @@ class Session(AMQPConnection):
 
     def _queue_bind(self, chs: ChannelState, m: commands.Queue.Bind) -> None:
         self._check("write", m.queue)
-        self._check("read", m.exchange)
+        self._check("read", m.exchange, "exchange")
         self.vhost_obj.bind_queue(m.queue, m.exchange, m.routing_key, dict(m.arguments or {}), self)
         if not m.nowait:
             self.reply(chs, commands.Queue.BindOk())
 
     def _queue_unbind(self, chs: ChannelState, m: commands.Queue.Unbind) -> None:
         self._check("write", m.queue)
-        self._check("read", m.exchange)
+        self._check("read", m.exchange, "exchange")
         self.vhost_obj.unbind_queue(m.queue, m.exchange, m.routing_key, dict(m.arguments or {}), self)
         self.reply(chs, commands.Queue.UnbindOk())
 

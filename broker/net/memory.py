@@ -1,0 +1,151 @@
+"""The memory high watermark: RabbitMQ's ``vm_memory_high_watermark`` and an admission gate
+for message bodies being assembled.
+
+Theory of operation
+-------------------
+What the broker holds in memory is anonymous memory: segments are files, mapped or written,
+and live in the page cache. So "memory used" is the process's anonymous resident set
+(``/proc/self/statm``: resident minus file-backed pages), and the watermark is
+``vm_memory_high_watermark_absolute`` bytes, or else ``vm_memory_high_watermark`` times total
+memory (the smaller of RAM and the cgroup's limit), as RabbitMQ computes it.
+
+Above the watermark the alarm is on: like the disk alarm, every publisher is sent
+``connection.blocked`` and is not read until it clears (broker/net/alarms.py).
+
+Measuring once a second is not enough for large messages: ten connections that each begin
+a 100 MiB body at once hold a gigabyte before the next measurement. So every body being
+assembled is admitted first. A connection whose content headers announce more body bytes
+than it already holds asks the gate; the gate admits the bytes if memory used at the last
+measurement plus everything admitted plus the request stays under the watermark, or if
+nothing else is admitted (one body at a time always goes through, so the gate never
+deadlocks: admitted connections are always read until their bodies are complete). A
+connection that is not admitted is not read (and the alarm is on) until earlier bodies are
+complete and memory is measured again; waiting connections are admitted in arrival order.
+
+Freed memory only counts once the allocator gives it back, so while the alarm is on each
+measurement first asks glibc to return free heap pages (``malloc_trim``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+from collections.abc import Callable
+from typing import Protocol
+
+log = logging.getLogger(__name__)
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def _libc_trim() -> Callable[[], object]:
+    """glibc's ``malloc_trim(0)`` (give free heap pages back to the OS), or a no-op."""
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        trim = None
+    if trim is None:
+        return lambda: None
+    trim.argtypes = [ctypes.c_size_t]
+    return lambda: trim(0)
+
+
+release_free_memory = _libc_trim()
+
+
+def anon_memory() -> int:
+    """Anonymous resident bytes of this process (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm", "rb") as fh:
+            fields = fh.read().split()
+        return (int(fields[1]) - int(fields[2])) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def total_memory() -> int:
+    """RAM, or the cgroup's memory limit if that is smaller."""
+    total = 0
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * _PAGE
+    except (ValueError, OSError, AttributeError):
+        pass
+    for path in _CGROUP_LIMITS:
+        try:
+            with open(path, encoding="ascii") as fh:
+                text = fh.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) > 0:
+            total = min(total, int(text)) if total else int(text)
+    return total
+
+
+def watermark(relative: float, absolute: int) -> int:
+    """The limit in bytes: ``absolute`` if set, else ``relative`` of total memory; 0 = off."""
+    if absolute:
+        return absolute
+    return int(relative * total_memory())
+
+
+class Waiter(Protocol):
+    def admitted(self, total: int) -> None:
+        """The gate admitted this connection's bodies (``total`` bytes): read it again."""
+
+
+class MemoryAlarm:
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.active = False
+        self.used = anon_memory() if limit else 0  # at the last measurement
+        self.admitted = 0  # body bytes admitted and not yet complete, all connections
+        self.waiting: dict[Waiter, tuple[int, int]] = {}  # arrival order: (held, wanted)
+
+    def measure(self) -> None:
+        if self.active:
+            release_free_memory()
+        self.used = anon_memory()
+
+    def evaluate(self) -> bool:
+        """Whether the alarm should be in effect now (measures first)."""
+        if not self.limit:
+            return False
+        self.measure()
+        self._admit_waiting()
+        return self.used >= self.limit or bool(self.waiting)
+
+    def request(self, who: Waiter, held: int, wanted: int) -> bool:
+        """``who`` holds ``held`` admitted bytes and now needs ``wanted`` in all. True: it holds
+        ``wanted`` now; False: it waits (do not read it) until ``who.admitted`` is called."""
+        if wanted <= held:
+            self.waiting.pop(who, None)
+            self.admitted -= held - wanted
+            return True
+        if self.waiting or not self._fits(held, wanted):
+            # behind whoever waits already (the caller measures again, which may admit it now)
+            self.waiting[who] = (held, wanted)
+            return False
+        self.admitted += wanted - held
+        return True
+
+    def release(self, who: Waiter, held: int) -> None:
+        """``who`` is gone (connection closed): give back what it held or waited for."""
+        self.waiting.pop(who, None)
+        self.admitted -= held
+
+    def _fits(self, held: int, wanted: int) -> bool:
+        others = self.admitted - held
+        return others <= 0 or self.used + self.admitted + (wanted - held) <= self.limit
+
+    def _admit_waiting(self) -> None:
+        while self.waiting:
+            who, (held, wanted) = next(iter(self.waiting.items()))
+            if not self._fits(held, wanted):
+                return
+            del self.waiting[who]
+            self.admitted += wanted - held
+            who.admitted(wanted)
