@@ -9,8 +9,9 @@ sessionStorage and travel in the Authorization header, never in a URL.
 
 The API answers a failed login with ``WWW-Authenticate: Basic`` (RabbitMQ clients expect it), which
 would make a browser pop up its own login dialog over the UI's. Requests made by the UI carry
-``X-Requested-With: XMLHttpRequest``; for those the header is dropped, so the UI shows its own
-"login failed" line instead.
+``X-Requested-With: XMLHttpRequest``; for those the header is renamed ``X-Skred-Challenge``, so
+the UI shows its own "login failed" line instead, and still tells a refused login (challenged)
+from a refused action (a 401 without a challenge, as RabbitMQ answers a missing privilege).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ SECURITY_HEADERS = {
     "Cache-Control": "no-cache",
 }
 _FILES = resources.files("broker.http") / "ui"
+UI_CHALLENGE = "X-Skred-Challenge"  # WWW-Authenticate under a name browsers do not act on
 
 
 def _static(name: str) -> web.Response:
@@ -56,7 +58,9 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 async def no_browser_login_dialog(request: web.Request, handler: Handler) -> web.StreamResponse:
     response = await handler(request)
     if response.status == 401 and request.headers.get("X-Requested-With") == "XMLHttpRequest":
-        response.headers.pop("WWW-Authenticate", None)
+        challenge = response.headers.pop("WWW-Authenticate", None)
+        if challenge is not None:  # the UI still learns that its credentials were refused
+            response.headers[UI_CHALLENGE] = challenge
     return response
 
 

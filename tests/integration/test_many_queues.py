@@ -7,7 +7,8 @@ allows descriptors, so a store that keeps a descriptor per queue runs out), acks
 them, and checks the broker still accepts connections and publishes, stops gracefully within
 5 s (SIGTERM), and after a restart holds exactly the unacked messages. CI runs 3,000 queues
 under 1,024 descriptors; ``SKRED_MANY_QUEUES`` / ``SKRED_MANY_QUEUES_NOFILE`` scale it up
-(the issue's figure: 100,000 under 20,000).
+(the issue's figure: 100,000 under 20,000, measured once: filled from 16 clients in
+13 min on a loaded machine, stopped in 0.5-3.9 s, booted in 40 s, 0 of 100,000 wrong).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 import pika
 import pytest
 
+from . import _support
 from ._support import SkredProcess, amqp_answers, connect, is_external
 
 pytestmark = pytest.mark.skipif(
@@ -33,7 +35,7 @@ QUEUES = int(os.environ.get("SKRED_MANY_QUEUES", "3000"))
 NOFILE = int(os.environ.get("SKRED_MANY_QUEUES_NOFILE", "1024"))
 ACKED = QUEUES // 10
 STOP_WITHIN = 5.0
-FILLERS = 8
+FILLERS = 8 if QUEUES <= 10_000 else 16
 
 
 class LimitedBroker(SkredProcess):
@@ -60,8 +62,11 @@ def _count(ch: pika.adapters.blocking_connection.BlockingChannel, i: int) -> int
     return int(ch.queue_declare(_name(i), passive=True).method.message_count)
 
 
-@pytest.mark.timeout(600 + QUEUES // 100)
-def test_non_empty_queues_beyond_the_descriptor_limit(tmp_path: Path) -> None:
+@pytest.mark.timeout(600 + QUEUES // 30)
+def test_non_empty_queues_beyond_the_descriptor_limit(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # Recovery opens every queue: 100,000 took 40 s to boot on a loaded 2-vCPU machine.
+    monkeypatch.setattr(_support, "READY_DEADLINE", max(_support.READY_DEADLINE, QUEUES / 1000))
     b = LimitedBroker(tmp_path / "data")
     try:
         b.start()

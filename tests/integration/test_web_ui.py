@@ -451,6 +451,7 @@ def test_static_files_are_safe(shared_broker: Broker) -> None:
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(req, timeout=10)
     assert info.value.code == 401 and "WWW-Authenticate" not in info.value.headers
+    assert info.value.headers["X-Skred-Challenge"].startswith("Basic")
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(f"http://{b.host}:{b.mgmt_port}/api/whoami", timeout=10)
     assert info.value.code == 401 and "WWW-Authenticate" in info.value.headers

@@ -75,8 +75,11 @@
     if (text) { try { data = JSON.parse(text); } catch { data = text; } }
     if (!resp.ok) {
       const reason = (data && data.reason) || resp.statusText || `HTTP ${resp.status}`;
-      if (resp.status === 401 && state.user) logout("Your login is no longer accepted; log in again.");
-      throw new ApiError(resp.status, reason);
+      // The API answers a refusal with 401 as RabbitMQ does, but challenges (WWW-Authenticate)
+      // only bad credentials: an unchallenged 401 is a refusal, shown like a 403.
+      const challenged = resp.status === 401 && (resp.headers.has("X-Skred-Challenge") || resp.headers.has("WWW-Authenticate"));
+      if (challenged && state.user) logout("Your login is no longer accepted; log in again.");
+      throw new ApiError(resp.status === 401 && !challenged ? 403 : resp.status, reason);
     }
     return data;
   }
