@@ -10,9 +10,13 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from broker.config import ConfigError, build_parser, load_config
 from broker.errors import DataDirLocked, StoreError
+
+if TYPE_CHECKING:
+    from broker.node import NodeHost
 
 LOG_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
 
@@ -22,7 +26,8 @@ def setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format=LOG_FORMAT, stream=sys.stderr, force=True)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, host: NodeHost | None = None) -> int:
+    """``host``: how a cluster member builds its brokers (tests pass one that injects faults)."""
     try:
         config = load_config(argv)
     except ConfigError as exc:
@@ -41,7 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from broker.node import serve
 
     try:
-        return serve(config)
+        return serve(config, host)
     except ConfigError as exc:  # e.g. a TLS certificate or key that does not load
         print(f"skred: error: {exc}", file=sys.stderr)
         return 2

@@ -23,9 +23,10 @@ Cluster members: ``Mgmt.cluster`` (set by the cluster runner, None on a
 standalone node) is any object with the ``ClusterInfo`` methods;
 ``ClusterCollector`` reads it at scrape time for ``skred_is_leader``,
 ``skred_connected_followers`` and ``skred_follower_lag_in_bytes{id}``. A
-follower runs no broker, so the runner serves ``cluster_registry(view)`` on the
-metrics port itself; it holds the ``NodeCollector`` too, so every node exports
-its own process, memory and disk metrics.
+follower runs no broker: ``FollowerMetrics`` serves ``cluster_registry(view)`` on
+the metrics port while it follows (the node hands it to the cluster runner); it
+holds the ``NodeCollector`` too, so every node exports its own process, memory and
+disk metrics.
 
 RabbitMQ's names, alongside Skred's own
 ---------------------------------------
@@ -47,6 +48,7 @@ memory alarm is off; docs/flow-control.md).
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 import shutil
@@ -55,14 +57,17 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from broker import __version__
 
+log = logging.getLogger(__name__)
+
 if TYPE_CHECKING:
-    from broker.http.state import Mgmt
+    from broker.views import BrokerView
 
 PREFIX = "skred"
 RABBIT = "rabbitmq"
@@ -131,6 +136,31 @@ class ClusterInfo(Protocol):
     def follower_lags(self) -> dict[str, int]: ...
 
     def status(self) -> dict[str, Any]: ...
+
+
+class Source(Protocol):
+    """What the collectors read (the management state, ``broker.http.state.Mgmt``)."""
+
+    @property
+    def broker(self) -> BrokerView: ...
+    @property
+    def node_name(self) -> str: ...
+    @property
+    def cluster_name(self) -> str: ...
+    @property
+    def cluster(self) -> ClusterInfo | None: ...
+    @property
+    def data_dir(self) -> Path: ...
+
+    def uptime_seconds(self) -> float: ...
+
+    def resident_memory(self) -> int: ...
+
+    def open_fds(self) -> int: ...
+
+    def max_fds(self) -> int: ...
+
+    def disk_free(self) -> int: ...
 
 
 class ClusterCollector(Collector):
@@ -214,7 +244,7 @@ def cluster_registry(info: ClusterInfo, data_dir: Path | None = None,
 
 
 class SkredCollector(Collector):
-    def __init__(self, mgmt: Mgmt) -> None:
+    def __init__(self, mgmt: Source) -> None:
         self.mgmt = mgmt
         self._seen_redelivered: dict[int, int] = {}
         self._retired_redelivered = 0
@@ -292,7 +322,7 @@ def _rc(name: str, doc: str, value: float) -> CounterMetricFamily:
 class RabbitCollector(Collector):
     """The aggregated ``rabbitmq_*`` series of RabbitMQ's ``GET /metrics`` (one value per node)."""
 
-    def __init__(self, mgmt: Mgmt, redelivered: Callable[[], int]) -> None:
+    def __init__(self, mgmt: Source, redelivered: Callable[[], int]) -> None:
         self.mgmt = mgmt
         self.redelivered = redelivered
 
@@ -366,7 +396,7 @@ _PER_QUEUE: tuple[tuple[str, str, str, Callable[[Any], float]], ...] = (
 class PerObjectCollector(Collector):
     """``/metrics/per-object``: RabbitMQ's per-queue series, labelled ``vhost`` and ``queue``."""
 
-    def __init__(self, mgmt: Mgmt) -> None:
+    def __init__(self, mgmt: Source) -> None:
         self.mgmt = mgmt
 
     def collect(self) -> Iterator[Metric]:
@@ -385,7 +415,7 @@ class PerObjectCollector(Collector):
 class DetailedCollector(Collector):
     """Per-queue and per-vhost series for ``/metrics/detailed``."""
 
-    def __init__(self, mgmt: Mgmt, families: Sequence[str], vhosts: Sequence[str]) -> None:
+    def __init__(self, mgmt: Source, families: Sequence[str], vhosts: Sequence[str]) -> None:
         self.mgmt = mgmt
         self.families = families
         self.vhosts = vhosts
@@ -449,7 +479,7 @@ class DetailedCollector(Collector):
 
 
 class Metrics:
-    def __init__(self, mgmt: Mgmt) -> None:
+    def __init__(self, mgmt: Source) -> None:
         self.mgmt = mgmt
         self.registry = CollectorRegistry(auto_describe=False)
         skred = SkredCollector(mgmt)
@@ -478,3 +508,37 @@ class Metrics:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(DetailedCollector(self.mgmt, families, vhosts))
         return generate_latest(registry)
+
+
+class FollowerMetrics:
+    """The cluster gauges on the metrics port while this node follows (no broker runs here)."""
+
+    def __init__(self, view: ClusterInfo, data_dir: Path | None = None, cluster_name: str = "") -> None:
+        # with data_dir: this node's own process/disk metrics, labelled with the cluster's name
+        self.registry = cluster_registry(view, data_dir, cluster_name)
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._runner is not None
+
+    async def start(self, bind: str, port: int) -> None:
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, bind, port, reuse_address=True).start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        log.info("follower metrics listening on %s:%d", bind, port)
+
+    async def stop(self) -> None:
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE})

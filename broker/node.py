@@ -33,7 +33,7 @@ from broker.lmq.engine import LMQ
 from broker.lmq.props import FILE_NAME as LMQ_PROPS_FILE
 from broker.lmq.props import PropsStore
 from broker.lmq.server import LMQServer
-from broker.metrics import ClusterInfo
+from broker.metrics import ClusterInfo, FollowerMetrics
 from broker.model.vhost import VHost
 from broker.net import proxy
 from broker.net.broker import Broker
@@ -141,7 +141,7 @@ class Node:
             broker = self.broker = self.load(loop)
             assert self.vhost_store is not None
             mgmt = self.mgmt = Mgmt(broker, self.vhost_store, self.make_vhost, cfg.main.data_dir,
-                                    cfg.main.data_dir / "transient", self.sink)
+                                    cfg.main.data_dir / "transient")
             mgmt.cluster = self.cluster
             if cfg.clustering.enabled:  # every member reports the same rabbitmq_cluster label
                 mgmt.cluster_name = cfg.clustering.etcd_prefix
@@ -219,6 +219,27 @@ class Node:
         if lock is not None:
             lock.release()
 
+    # ------------------------------------------- cluster.host.LeaderBroker (while leading)
+    def amqp_port(self) -> int:
+        return self.amqp_address[1] if self.amqp_address else 0
+
+    def http_port(self) -> int:
+        http = self.mgmt.http_address if self.mgmt is not None else None  # None: plain listener off
+        return http[1] if http else 0
+
+    def sync_started(self) -> float | None:
+        return None if self.broker is None else self.broker.syncer.sync_started
+
+    def flush_stores(self) -> None:
+        if self.broker is not None:
+            for vh in self.broker.vhosts.values():
+                for q in vh.queues.values():
+                    q.store.flush()
+
+    def trust_proxy_headers_from(self, peers: set[str]) -> None:
+        assert self.broker is not None, "not started"
+        self.broker.trusted_peers = peers
+
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         try:
@@ -279,12 +300,28 @@ class Node:
                  t1 - t0, t2 - t1, time.monotonic() - t2)
 
 
-def serve(config: Config) -> int:
-    """Run a node until SIGTERM/SIGINT; returns the process exit code."""
+class NodeHost:
+    """The composition root's side of ``broker.cluster.host.Host``: how a cluster member
+    builds its leader broker and its follower metrics server."""
+
+    def leader_broker(self, config: Config, sink: ReplicationSink, cluster: ClusterInfo,
+                      replicated: Callable[[list[Syncable]], asyncio.Future[None]]) -> Node:
+        node = Node(config, sink)
+        node.cluster = cluster
+        node.replicated = replicated
+        return node
+
+    def follower_metrics(self, cluster: ClusterInfo, data_dir: Path, cluster_name: str) -> FollowerMetrics:
+        return FollowerMetrics(cluster, data_dir, cluster_name)
+
+
+def serve(config: Config, host: NodeHost | None = None) -> int:
+    """Run a node until SIGTERM/SIGINT; returns the process exit code. ``host`` builds the
+    brokers of a cluster member (tests pass one that injects faults)."""
     if config.clustering.enabled:
         from broker.cluster.runner import serve_clustered
 
-        return serve_clustered(config)
+        return serve_clustered(config, host or NodeHost())
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows

@@ -2,7 +2,7 @@
 
 Everything the fast encoders produce is decoded with ``pamqp.frame.unmarshal``
 and compared field by field; raw property bytes are built by pamqp and read
-back with ``codec.delivery_mode`` / ``decode_properties``.
+back with ``props_mod.delivery_mode`` / ``props_mod.decode``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pamqp import frame as pframe
 from pamqp import header as pheader
 from pamqp.base import Frame as PFrame
 
+from broker import properties as props_mod
 from broker.amqp import codec
 
 FRAME_MAX_MIN = codec.FRAME_MIN_SIZE
@@ -210,7 +211,7 @@ def test_encode_delivery_matches_pamqp(
     body: bytes,
     frame_max: int,
 ) -> None:
-    raw_props = codec.encode_properties(props)
+    raw_props = props_mod.encode(props)
     data = codec.encode_delivery(
         channel,
         deliver_prefix(ctag.encode()),
@@ -236,7 +237,7 @@ def test_encode_delivery_matches_pamqp(
     assert data[: len(expected)] == expected
     # The properties the client sees are the ones encoded.
     hdr = unmarshal_all(data)[1][1]
-    assert codec.encode_properties(hdr.properties) == raw_props
+    assert props_mod.encode(hdr.properties) == raw_props
 
 
 # ------------------------------------------------------------- get-ok
@@ -261,7 +262,7 @@ def test_encode_get_ok_matches_pamqp(
     body: bytes,
     frame_max: int,
 ) -> None:
-    raw_props = codec.encode_properties(props)
+    raw_props = props_mod.encode(props)
     data = codec.encode_get_ok(
         3, tag, redelivered, exchange.encode(), routing_key.encode(), count, raw_props, body, frame_max
     )
@@ -282,8 +283,8 @@ def test_encode_get_ok_matches_pamqp(
 def test_encode_get_ok_exact_multiples(mult: int) -> None:
     max_payload = FRAME_MAX_MIN - codec.FRAME_OVERHEAD
     body = b"\xab" * (mult * max_payload)
-    data = codec.encode_get_ok(1, 9, False, b"", b"q", 0, codec.EMPTY_PROPS, body, FRAME_MAX_MIN)
-    check_content(data, 1, commands.Basic.GetOk, codec.EMPTY_PROPS, body, FRAME_MAX_MIN)
+    data = codec.encode_get_ok(1, 9, False, b"", b"q", 0, props_mod.EMPTY, body, FRAME_MAX_MIN)
+    check_content(data, 1, commands.Basic.GetOk, props_mod.EMPTY, body, FRAME_MAX_MIN)
     assert len(split_frames(data)) == 2 + mult
 
 
@@ -307,7 +308,7 @@ def test_encode_return_matches_pamqp(
     body: bytes,
     frame_max: int,
 ) -> None:
-    raw_props = codec.encode_properties(props)
+    raw_props = props_mod.encode(props)
     data = codec.encode_return(
         11, code, text.encode(), exchange.encode(), routing_key.encode(), raw_props, body, frame_max
     )
@@ -317,7 +318,7 @@ def test_encode_return_matches_pamqp(
 
 
 def test_encode_return_empty_body_has_no_body_frames() -> None:
-    data = codec.encode_return(1, 312, b"NO_ROUTE", b"ex", b"rk", codec.EMPTY_PROPS, b"", 131072)
+    data = codec.encode_return(1, 312, b"NO_ROUTE", b"ex", b"rk", props_mod.EMPTY, b"", 131072)
     frames = unmarshal_all(data)
     assert len(frames) == 2
     assert frames[1][1].body_size == 0
@@ -388,41 +389,41 @@ def test_delivery_mode_combinations(
         reply_to="r",
         app_id="app",
     )
-    expected = codec.decode_properties(raw).delivery_mode or 0
+    expected = props_mod.decode(raw).delivery_mode or 0
     assert expected == (dm or 0)
-    assert codec.delivery_mode(raw) == expected
-    assert codec.delivery_mode(memoryview(raw)) == expected
+    assert props_mod.delivery_mode(raw) == expected
+    assert props_mod.delivery_mode(memoryview(raw)) == expected
 
 
 def test_delivery_mode_empty_and_short() -> None:
-    assert codec.delivery_mode(b"") == 0
-    assert codec.delivery_mode(codec.EMPTY_PROPS) == 0
+    assert props_mod.delivery_mode(b"") == 0
+    assert props_mod.delivery_mode(props_mod.EMPTY) == 0
 
 
 @HYPO
 @given(props=properties())
 def test_delivery_mode_matches_pamqp(props: commands.Basic.Properties) -> None:
-    raw = codec.encode_properties(props)
-    assert codec.delivery_mode(raw) == (codec.decode_properties(raw).delivery_mode or 0)
-    assert codec.has_reply_to(raw) == (props.reply_to is not None)
+    raw = props_mod.encode(props)
+    assert props_mod.delivery_mode(raw) == (props_mod.decode(raw).delivery_mode or 0)
+    assert props_mod.has_reply_to(raw) == (props.reply_to is not None)
 
 
 @HYPO
 @given(props=properties())
 def test_properties_round_trip_byte_exact(props: commands.Basic.Properties) -> None:
-    raw = codec.encode_properties(props)
+    raw = props_mod.encode(props)
     assert raw == bytes(props.marshal())
-    decoded = codec.decode_properties(raw)
-    assert codec.encode_properties(decoded) == raw
+    decoded = props_mod.decode(raw)
+    assert props_mod.encode(decoded) == raw
     for name in ("content_type", "content_encoding", "delivery_mode", "priority", "reply_to", "app_id"):
         assert getattr(decoded, name) == getattr(props, name)
     assert decoded.headers == props.headers
 
 
 def test_has_reply_to_flag_bit() -> None:
-    assert codec.has_reply_to(props_bytes(reply_to="amq.rabbitmq.reply-to"))
-    assert not codec.has_reply_to(props_bytes(correlation_id="c", expiration="100", delivery_mode=2))
-    assert not codec.has_reply_to(b"")
+    assert props_mod.has_reply_to(props_bytes(reply_to="amq.rabbitmq.reply-to"))
+    assert not props_mod.has_reply_to(props_bytes(correlation_id="c", expiration="100", delivery_mode=2))
+    assert not props_mod.has_reply_to(b"")
 
 
 def test_heartbeat_frame_matches_pamqp() -> None:

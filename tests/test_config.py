@@ -283,7 +283,7 @@ def test_cli_hands_config_to_serve(
 ) -> None:
     seen: list[Config] = []
 
-    def serve(config: Config) -> int:
+    def serve(config: Config, host: object = None) -> int:
         seen.append(config)
         return 7
 
@@ -305,7 +305,7 @@ def test_cli_store_errors_exit_1(
     error: Exception,
     fragment: str,
 ) -> None:
-    def serve(config: Config) -> int:
+    def serve(config: Config, host: object = None) -> int:
         raise error
 
     monkeypatch.setattr(fake_node, "serve", serve, raising=False)

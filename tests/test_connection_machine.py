@@ -20,7 +20,7 @@ from pamqp import header as pheader
 from pamqp import heartbeat as pheartbeat
 from pamqp.base import Frame as PFrame
 
-from broker import errors
+from broker import errors, properties
 from broker.amqp import codec
 from broker.amqp.connection import AMQPConnection, PublishArgs, State
 
@@ -307,7 +307,7 @@ def test_publish_body_in_one_frame() -> None:
     c.receive_data(publish(1, b"hello"))
     ((name, ch, ex, rk, mandatory, props, body),) = c.calls
     assert (name, ch, ex, rk, mandatory, body) == ("publish", 1, "ex", "rk", False, b"hello")
-    assert codec.delivery_mode(props) == 2
+    assert properties.delivery_mode(props) == 2
 
 
 def test_publish_args_decoded_once_and_cache_stays_bounded() -> None:
@@ -732,7 +732,7 @@ def test_publish_runs_form_over_repeats_and_per_message_properties() -> None:
         + [b"d%04d" % i for i in range(5)] + [b"L" * 20000] + [b"e%04d" % i for i in range(5)]
     got = [call for call in c.calls if call[0] == "publish"]
     assert [call[6] for call in got] == want_bodies
-    ids_seen = [codec.decode_properties(call[5]).message_id for call in got[21:31]]
+    ids_seen = [properties.decode(call[5]).message_id for call in got[21:31]]
     assert ids_seen == [f"m{i}" for i in range(10)]
     assert runs[0] == (1, 31, False)  # 20 exact + 10 with their own message-id + 1 of another size
     assert (1, 4, True) in runs and runs[-1] == (1, 4, True)  # e0000-e0003; e0004 came in the next read

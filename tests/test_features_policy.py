@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from broker import errors
+from broker import errors, properties
 from broker.model import features
 from broker.model.publish import PublishRequest
 from broker.model.vhost import VHost
@@ -122,9 +122,8 @@ def test_bad_arguments(tmp_path: Path, args: dict[str, Any]) -> None:
 def test_priority_of_raw_props() -> None:
     from pamqp import commands
 
-    from broker.amqp import codec
 
     for kw in ({"priority": 7}, {"priority": 3, "content_type": "a/b", "headers": {"x": 1},
                                  "delivery_mode": 2}, {}):
-        props = codec.encode_properties(commands.Basic.Properties(**kw))
-        assert features.priority_of(props) == kw.get("priority", 0)
+        props = properties.encode(commands.Basic.Properties(**kw))
+        assert properties.priority(props) == kw.get("priority", 0)

@@ -17,6 +17,7 @@ from pamqp import body as pbody
 from pamqp import commands, header
 from pamqp import frame as pframe
 
+from broker import properties
 from broker.amqp import codec
 from broker.amqp.connection import PublishArgs
 from broker.config import load_config
@@ -284,7 +285,7 @@ def test_a_run_with_per_message_properties_is_one_run_too(tmp_path: Path,
         q = broker.vhosts["/"].queues["iq"]
         got = []
         while (m := q.get()) is not None:
-            got.append((codec.decode_properties(m[3]).message_id, m[4]))
+            got.append((properties.decode(m[3]).message_id, m[4]))
         assert got == [(f"id-{i}", b"m-%05d" % i) for i in range(300)]
 
         s.receive_data(pframe.marshal(commands.Basic.Consume(queue="iq", consumer_tag="c1", no_ack=True), 1))
@@ -323,7 +324,7 @@ def test_a_mixed_run_decides_persistence_and_odd_flags_over_all_messages(tmp_pat
         q = broker.vhosts["/"].queues["xq"]
         got = []
         while (m := q.get()) is not None:
-            got.append(codec.decode_properties(m[3]).expiration)
+            got.append(properties.decode(m[3]).expiration)
         assert got == [None] * 7 + ["60000"] + [None] * 12
 
     _session(tmp_path, test)

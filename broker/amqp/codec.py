@@ -7,7 +7,7 @@ methods (basic.publish, basic.ack, and on the way out basic.deliver, basic.ack
 for confirms) are encoded and decoded here with precompiled ``struct.Struct``
 objects working in place on a memoryview; message properties stay the raw
 bytes of the content header (property flags + property list) and are never
-decoded unless a feature needs a header. Every other method goes through
+decoded unless a feature needs a header (``broker/properties.py`` reads them). Every other method goes through
 pamqp, which is slower but complete, so the long tail of the spec costs no
 code of ours. ``tests/test_codec.py`` checks both halves against pamqp.
 """
@@ -20,6 +20,8 @@ from typing import Any
 from pamqp import commands
 from pamqp import frame as pframe
 from pamqp.base import Frame as PFrame
+
+from broker import properties
 
 FRAME_METHOD = 1
 FRAME_HEADER = 2
@@ -45,14 +47,7 @@ ACK_ARGS = struct.Struct(">QB")
 CONFIRM_ACK = struct.Struct(">BHIIQBB")  # full basic.ack frame incl. frame end
 HEARTBEAT_FRAME = b"\x08\x00\x00\x00\x00\x00\x00\xce"
 
-# Property flag bits that precede delivery-mode in the property list.
-_CONTENT_TYPE = 0x8000
-_CONTENT_ENCODING = 0x4000
-_HEADERS = 0x2000
-_DELIVERY_MODE = 0x1000
-_REPLY_TO = 0x0200
-
-EMPTY_PROPS = b"\x00\x00"
+EMPTY_PROPS = properties.EMPTY
 
 
 def encode_method(channel: int, method: PFrame) -> bytes:
@@ -239,49 +234,6 @@ def encode_confirm(channel: int, delivery_tag: int, multiple: bool, nack: bool =
     if nack:
         return CONFIRM_ACK.pack(1, channel, 13, 0x003C0078, delivery_tag, 1 if multiple else 0, FRAME_END)
     return CONFIRM_ACK.pack(1, channel, 13, ACK, delivery_tag, 1 if multiple else 0, FRAME_END)
-
-
-def delivery_mode(props: bytes | memoryview) -> int:
-    """The delivery-mode octet of raw properties (0 when absent).
-
-    Only the fields before delivery-mode are skipped, so this costs a few
-    integer operations per message, no decoding.
-    """
-    if len(props) < 2:
-        return 0
-    flags = (props[0] << 8) | props[1]
-    if not flags & _DELIVERY_MODE:
-        return 0
-    pos = 2
-    if flags & 1:  # a continuation flag word; skip any further words
-        while True:
-            more = (props[pos] << 8) | props[pos + 1]
-            pos += 2
-            if not more & 1:
-                break
-    if flags & _CONTENT_TYPE:
-        pos += 1 + props[pos]
-    if flags & _CONTENT_ENCODING:
-        pos += 1 + props[pos]
-    if flags & _HEADERS:
-        pos += 4 + U32.unpack_from(props, pos)[0]
-    return int(props[pos])
-
-
-def decode_properties(props: bytes) -> commands.Basic.Properties:
-    """Fully decode raw properties (cold path: headers exchange, reply-to)."""
-    p = commands.Basic.Properties()
-    flags = U16.unpack_from(props, 0)[0]
-    p.unmarshal(flags, props[2:])
-    return p
-
-
-def encode_properties(p: commands.Basic.Properties) -> bytes:
-    return bytes(p.marshal())
-
-
-def has_reply_to(props: bytes) -> bool:
-    return len(props) >= 2 and bool(((props[0] << 8) | props[1]) & _REPLY_TO)
 
 
 def method_name(method: Any) -> str:

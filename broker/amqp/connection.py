@@ -36,7 +36,7 @@ from typing import Any
 from pamqp import commands
 from pamqp.base import Frame as PFrame
 
-from broker import errors
+from broker import errors, properties
 from broker.amqp import codec
 
 _PUBLISH = codec.PUBLISH
@@ -49,6 +49,7 @@ _HEADER_FRAME = struct.Struct(">BHIHHQ")  # frame type, channel, size + class, w
 # Bodies below this are sliced out of the read buffer and may join a publish run; larger
 # ones stay views of it (the store writes those with pwritev: segment.PWRITE_MIN).
 _SMALL_BODY = 16 * 1024
+_props_valid = properties.valid
 _CHANNEL_CLOSE = 0x00140028
 _CHANNEL_CLOSE_OK = 0x00140029
 
@@ -606,9 +607,12 @@ class AMQPConnection:
                 b = hend + 8
                 if bend == hend or bend - b >= _SMALL_BODY:
                     break  # an empty or a large body: the general path takes it
+                p = data[pos + mlen + 19 : hend]
+                if not _props_valid(p):
+                    break  # the general path refuses it
                 if bodies:
                     same = False
-                props = data[pos + mlen + 19 : hend]
+                props = p
                 bsize = bend - b
                 skip = b - pos
                 exact = data[pos:b]
@@ -672,20 +676,22 @@ class AMQPConnection:
         if got is None:
             return 0
         hend, bend = got
+        props = data[h + 19 : hend]
+        if not _props_valid(props):
+            return 0  # the general path refuses it
         if bend == hend:
-            self.handle_publish(ch, a, data[h + 19 : hend], b"")
+            self.handle_publish(ch, a, props, b"")
             return hend + 1
         b = hend + 1
         # a large body stays a view of the read buffer: the store writes it with
         # pwritev, so slicing it out first would be one more full copy
         if bend - b - 7 < _SMALL_BODY:
-            props = data[h + 19 : hend]
             # what the next publishes repeat (receive_data, _publish_run)
             self._repeat = (data[p - 11 : b + 7], ch, a, props, bend - b - 7, b + 18 - p,
                             data[p - 11 : end + 1])
             self.handle_publish(ch, a, props, data[b + 7 : bend])
         else:
-            self.handle_publish(ch, a, data[h + 19 : hend], memoryview(data)[b + 7 : bend])
+            self.handle_publish(ch, a, props, memoryview(data)[b + 7 : bend])
         return bend + 1
 
     def _header_frame(self, ch: int, data: bytes, start: int, end: int) -> None:
@@ -709,7 +715,10 @@ class AMQPConnection:
             raise errors.PreconditionFailed(
                 f"message of {size} bytes would take the bodies in flight on this connection past "
                 f"max_bytes_in_flight ({self.max_bytes_in_flight})", 60, 40)
-        p.props = data[start + 12 : end]
+        props = data[start + 12 : end]
+        if not _props_valid(props):
+            raise errors.AMQPSyntaxError(f"malformed message properties: {properties.problem(props)}", 60, 40)
+        p.props = props
         p.size = size
         if size == 0:
             del self._pending[ch]

@@ -25,10 +25,10 @@ creates, put-if-absent) the cluster secret and takes a lease.
   ``WATCH_BACKSTOP`` seconds (every ``POLL`` if the watch cannot be set up or
   dies): a watch stream silently cut by a network fault would otherwise leave
   us following a dead leader forever. The metrics port serves the cluster
-  gauges (``status.FollowerMetrics``) while we are not leading.
+  gauges (the host's ``follower_metrics``) while we are not leading.
 * We won: stop the proxies, run ``on_leader_elected`` (in the background, it
   must not delay service), hash the data dir into the checksum cache, write
-  ISR = [us] fenced on our leadership, boot the broker (``Node.start``) from the
+  ISR = [us] fenced on our leadership, boot the broker (``LeaderBroker.start``) from the
   replicated files with the ``LeaderSink`` as its replication sink and the
   sink's ISR barrier in its Syncer, then serve followers on the replication
   port. While leading we watch three things:
@@ -42,8 +42,6 @@ creates, put-if-absent) the cluster secret and takes a lease.
   - the disk: an fsync that has not returned for ``disk_stall_timeout``
     seconds means a zombie leader; fence, revoke the lease and exit(1) so an
     in-sync follower takes over (the stuck fsync thread cannot be joined).
-    Tests simulate a stalled disk with ``SKRED_TEST_FSYNC_STALL_FILE``: while
-    the file it names exists, every group commit blocks in its fsync thread.
   The watch loop wakes at the lease deadline, and the sink checks the lease
   clock before resolving any barrier, so no confirm leaves after it.
 
@@ -51,8 +49,12 @@ Every node publishes a lease-bound member record (role, and on the leader its
 followers' lag) for ``skred --cluster-status``; ``ClusterView`` is the live
 status behind the metrics gauges and ``GET /api/cluster``.
 
-The data-dir lock is held by this runner while following and by the ``Node``
-while leading, so two processes can never write the same data dir.
+The data-dir lock is held by this runner while following and by the leader
+broker while leading, so two processes can never write the same data dir.
+
+The runner imports no broker: the composition root hands ``serve_clustered`` a
+``Host`` (``broker/cluster/host.py``) that builds the leader broker and the
+follower metrics server.
 """
 
 from __future__ import annotations
@@ -76,12 +78,12 @@ from broker.cluster import codec, follower
 from broker.cluster.etcd import Etcd, EtcdError
 from broker.cluster.files import NODE_ID_FILE
 from broker.cluster.hooks import run_hook
+from broker.cluster.host import Host, LeaderBroker
 from broker.cluster.leader import LeaderSink
 from broker.cluster.proxy import SpliceProxy, Target
 from broker.cluster.standing import Standing, load_last_role, save_last_role
-from broker.cluster.status import ClusterView, FollowerMetrics
+from broker.cluster.status import ClusterView
 from broker.config import ClusteringConfig, Config
-from broker.node import Node
 from broker.store.lock import DataDirLock
 
 log = logging.getLogger(__name__)
@@ -92,18 +94,6 @@ STATUS_EVERY = 10.0  # seconds between cluster status log lines on the leader
 WATCH_BACKSTOP = 2.0  # seconds between reads of the leader key while its watch is healthy
 MEMBER_EVERY = 1.0  # seconds between checks whether our member record in etcd needs rewriting
 DEFER_LIMIT = 3  # lease TTLs a node waits for a better-placed ISR member to take the lead
-STALL_ENV = "SKRED_TEST_FSYNC_STALL_FILE"  # test hook: fsync blocks while this file exists
-
-
-class _StallWhileFileExists:
-    """A Syncable whose sync() blocks while a file exists: simulates a stuck disk in tests."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def sync(self, full: bool = False, fsync: bool = True) -> None:
-        while self.path.exists():
-            time.sleep(0.05)  # this runs in the fsync worker thread, like a stuck fsync would
 
 
 def load_node_id(data_dir: Path) -> str:
@@ -133,8 +123,9 @@ def _source_ip(bind: str) -> str | None:
 
 
 class ClusterRunner:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, host: Host) -> None:
         self.config = config
+        self.host = host
         self.data_dir = config.main.data_dir
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.node_id = load_node_id(self.data_dir)
@@ -149,7 +140,7 @@ class ClusterRunner:
         self.amqps_target = Target()
         self.https_target = Target()
         self.repl_server_tls, self.repl_client_tls = tls.replication_contexts(config.main, c.tls)
-        self.node: Node | None = None  # the broker, while this node leads (SIGHUP reloads its TLS)
+        self.node: LeaderBroker | None = None  # the broker, while this node leads (SIGHUP reloads its TLS)
         # LMQ's ports: a cluster's nodes share their [lmq] ports, so the leader's are ours.
         self.lmq_targets = (Target(), Target())
         self.proxies: list[SpliceProxy] = []
@@ -159,7 +150,7 @@ class ClusterRunner:
         self._bg: set[asyncio.Task[Any]] = set()
         self.view = ClusterView(self.node_id, self.uri)
         self.view.last = load_last_role(self.data_dir)
-        self.follower_metrics = FollowerMetrics(self.view, self.data_dir, c.etcd_prefix)
+        self.follower_metrics = host.follower_metrics(self.view, self.data_dir, c.etcd_prefix)
         self._metrics_retry_at = 0.0
         self._member_written: tuple[int | None, str] = (None, "")
         self._deferring_since: float | None = None
@@ -456,10 +447,6 @@ class ClusterRunner:
             return None
         self._record_role("leader", self.etcd.leader_revision)
         self.view.set_role("leader", self.uri, sink)
-        node = self.node = Node(cfg, sink)
-        node.cluster = self.view
-        stall_file = os.environ.get(STALL_ENV)
-        stall = _StallWhileFileExists(Path(stall_file)) if stall_file else None
 
         def replicated(dirty: list[Any]) -> asyncio.Future[None]:
             # Queue stores report meta and buffered acks to the sink only on flush():
@@ -468,11 +455,9 @@ class ClusterRunner:
                 flush = getattr(obj, "flush", None)
                 if flush is not None:
                     flush()
-            if stall is not None and node.broker is not None:
-                node.broker.syncer.mark_dirty(stall)  # called before the Syncer takes its dirty set
             return sink.barrier()
 
-        node.replicated = replicated
+        node = self.node = self.host.leader_broker(cfg, sink, self.view, replicated)
         self._unlock()
         try:
             await node.start()
@@ -483,18 +468,9 @@ class ClusterRunner:
             await self.etcd.revoke()
             return 1
         self.view.warm = True
-        broker = node.broker
-        assert broker is not None
-        broker.trusted_peers = sink.member_ips  # proxy connections from followers may send PROXY
-
-        def flush_stores() -> None:
-            for vh in broker.vhosts.values():
-                for q in vh.queues.values():
-                    q.store.flush()
-
-        sink.flush_stores = flush_stores
-        http = node.mgmt.http_address if node.mgmt is not None else None  # None: plain listener off
-        sink.client_ports = (node.amqp_address[1] if node.amqp_address else 0, http[1] if http else 0)
+        node.trust_proxy_headers_from(sink.member_ips)  # followers' proxies send PROXY headers
+        sink.flush_stores = node.flush_stores
+        sink.client_ports = (node.amqp_port(), node.http_port())
         try:
             await sink.start(c.bind, c.port, self.repl_server_tls)
         except OSError as exc:
@@ -504,9 +480,8 @@ class ClusterRunner:
         log.info("leading: serving clients %.2fs after election", time.monotonic() - started)
         return await self._watch_leadership(node, sink)
 
-    async def _watch_leadership(self, node: Node, sink: LeaderSink) -> int | None:
+    async def _watch_leadership(self, node: LeaderBroker, sink: LeaderSink) -> int | None:
         c = self.config.clustering
-        syncer = node.broker.syncer if node.broker is not None else None
         last_check = last_status = time.monotonic()
         while True:
             # Wake at the lease deadline at the latest: stepping down must not wait for a poll.
@@ -515,9 +490,9 @@ class ClusterRunner:
             if self.stopping.is_set() or node.stopping.is_set():
                 await self._step_down_gracefully(node, sink)
                 return 0
-            if syncer is not None and syncer.sync_started is not None \
-                    and now - syncer.sync_started > c.disk_stall_timeout:
-                log.critical("fsync stalled for %.0fs: giving up the lease", now - syncer.sync_started)
+            sync_started = node.sync_started()
+            if sync_started is not None and now - sync_started > c.disk_stall_timeout:
+                log.critical("fsync stalled for %.0fs: giving up the lease", now - sync_started)
                 sink.fence()
                 await self.etcd.revoke()
                 await run_hook(c.on_leader_lost, self.node_id, self.uri, "follower")
@@ -542,7 +517,7 @@ class ClusterRunner:
         if self.node is not None:
             self.node.reload_tls()
 
-    async def _abdicate(self, node: Node, sink: LeaderSink, why: str) -> None:
+    async def _abdicate(self, node: LeaderBroker, sink: LeaderSink, why: str) -> None:
         """Stop leading at once (no confirm after this), then rejoin as a follower."""
         log.error("stepping down: %s", why)
         sink.fence()
@@ -554,7 +529,7 @@ class ClusterRunner:
         self._lock()
         await self.etcd.revoke()
 
-    async def _step_down_gracefully(self, node: Node, sink: LeaderSink) -> None:
+    async def _step_down_gracefully(self, node: LeaderBroker, sink: LeaderSink) -> None:
         log.info("shutting down: stopping the broker, then draining replication")
         await node.shutdown()  # closes every store: their last bytes go through the sink
         if not await sink.drain(DRAIN_TIMEOUT):
@@ -568,10 +543,10 @@ class ClusterRunner:
         await run_hook(self.config.clustering.on_leader_lost, self.node_id, self.uri, "follower")
 
 
-def serve_clustered(config: Config) -> int:
+def serve_clustered(config: Config, host: Host) -> int:
     """Run a cluster member until SIGTERM/SIGINT; returns the process exit code."""
     try:
         import uvloop
     except ImportError:  # pragma: no cover
-        return asyncio.run(ClusterRunner(config).run())
-    return int(uvloop.run(ClusterRunner(config).run()))
+        return asyncio.run(ClusterRunner(config, host).run())
+    return int(uvloop.run(ClusterRunner(config, host).run()))

@@ -6,13 +6,13 @@ Theory of operation
 it reads everything else live (the leader's ``LeaderSink``: connected
 followers, their lag in bytes sent-or-held but not acked, the ISR) so a scrape
 or an API call never sees a stale copy. It implements ``broker.metrics.ClusterInfo``;
-the runner hands it to the ``Node`` it boots as leader, whose metrics and
+the runner hands it to the leader broker it boots, whose metrics and
 management API read it.
 
 A follower runs no broker and its management port is a proxy to the leader, so
 ``GET /api/cluster`` on any node shows the leader's view. Its metrics port,
-however, is its own: ``FollowerMetrics`` serves the cluster gauges there
-(``skred_is_leader 0``) while the node follows.
+however, is its own: the host's follower metrics server (``broker.metrics.FollowerMetrics``)
+serves the cluster gauges there (``skred_is_leader 0``) while the node follows.
 
 ``skred --cluster-status`` asks etcd only (it works while no node serves):
 the leader key, the ISR key, and the lease-bound member records every node
@@ -26,15 +26,10 @@ import json
 import logging
 import sys
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-from aiohttp import web
-from prometheus_client import generate_latest
 
 from broker.cluster.etcd import Etcd, EtcdError
 from broker.config import Config
-from broker.metrics import CONTENT_TYPE, cluster_registry
 
 if TYPE_CHECKING:
     from broker.cluster.leader import LeaderSink
@@ -104,40 +99,6 @@ def _coarse(n: int) -> int:
         return n
     scale = int(10 ** (len(str(n)) - 2))
     return n // scale * scale
-
-
-class FollowerMetrics:
-    """The cluster gauges on the metrics port while this node follows (no broker runs here)."""
-
-    def __init__(self, view: ClusterView, data_dir: Path | None = None, cluster_name: str = "") -> None:
-        # with data_dir: this node's own process/disk metrics, labelled with the cluster's name
-        self.registry = cluster_registry(view, data_dir, cluster_name)
-        self._runner: web.AppRunner | None = None
-
-    @property
-    def running(self) -> bool:
-        return self._runner is not None
-
-    async def start(self, bind: str, port: int) -> None:
-        app = web.Application()
-        app.router.add_get("/metrics", self._metrics)
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
-        await runner.setup()
-        try:
-            await web.TCPSite(runner, bind, port, reuse_address=True).start()
-        except BaseException:
-            await runner.cleanup()
-            raise
-        self._runner = runner
-        log.info("follower metrics listening on %s:%d", bind, port)
-
-    async def stop(self) -> None:
-        runner, self._runner = self._runner, None
-        if runner is not None:
-            await runner.cleanup()
-
-    async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE})
 
 
 # ------------------------------------------------------------ skred --cluster-status

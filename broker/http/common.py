@@ -43,7 +43,7 @@ from broker.auth.users import User
 from broker.http.state import Mgmt
 
 if TYPE_CHECKING:
-    from broker.net.session import Session
+    from broker.views import ConnectionView
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +189,7 @@ def can_see_vhost(request: web.Request, vhost: str) -> bool:
     return sees_all(user) or request.app[MGMT_KEY].broker.users.has_vhost_access(user, vhost)
 
 
-def visible_sessions(request: web.Request) -> list[Session]:
+def visible_sessions(request: web.Request) -> list[ConnectionView]:
     """Every connection for administrators and monitoring users; a user's own otherwise."""
     user = user_of(request)
     sessions = [s for s in request.app[MGMT_KEY].broker.connections if s.vhost]

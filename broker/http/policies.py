@@ -17,10 +17,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from broker.model import policy as model_policy
-from broker.store.jsonstore import read_json
 
 if TYPE_CHECKING:
-    from broker.net.broker import Broker
+    from broker.views import BrokerView
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +50,7 @@ def validate_policy(vhost: str, name: str, body: Any) -> dict[str, Any]:
 class PolicyApi:
     """The management API's view of every vhost's policies (or operator policies)."""
 
-    def __init__(self, broker: Broker, operator: bool = False) -> None:
+    def __init__(self, broker: BrokerView, operator: bool = False) -> None:
         self.broker = broker
         self.operator = operator
 
@@ -86,7 +85,7 @@ class PolicyApi:
 
 def import_legacy(path: Path, api: PolicyApi) -> None:
     """Move policies from an old node-wide ``policies.json`` into their vhosts, then remove it."""
-    data = read_json(path, None)
+    data = model_policy.read_legacy(path)
     if data is None:
         return
     for entry in data.get("policies", []) if isinstance(data, dict) else []:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from broker.model.queue import Queue
 
 if TYPE_CHECKING:
-    from broker.net.broker import Broker
+    from broker.views import BrokerView
 
 INTERVAL = 5.0  # seconds between samples; RabbitMQ's default collect_statistics_interval
 
@@ -34,7 +34,7 @@ def _queue_counters(q: Queue) -> tuple[int, ...]:
 
 
 class RateSampler:
-    def __init__(self, broker: Broker) -> None:
+    def __init__(self, broker: BrokerView) -> None:
         self.broker = broker
         self._last_global: tuple[float, tuple[int, ...]] | None = None
         self.global_rates: dict[str, float] = {f: 0.0 for f in GLOBAL_FIELDS}

@@ -17,7 +17,7 @@ from broker.tls import NO_TLS_FIELDS
 
 if TYPE_CHECKING:
     from broker.http.state import Mgmt
-    from broker.net.session import ChannelState, Session
+    from broker.views import ChannelView, ConnectionView
 
 
 def jsonable(value: Any) -> Any:
@@ -140,7 +140,7 @@ def vhost_bindings(vh: VHost) -> list[dict[str, Any]]:
     return out
 
 
-def connection_json(mgmt: Mgmt, s: Session) -> dict[str, Any]:
+def connection_json(mgmt: Mgmt, s: ConnectionView) -> dict[str, Any]:
     host, port = mgmt.local_address(s)
     props = jsonable(s.client_properties)
     tls_fields = s.tls.api_fields() if s.tls is not None else NO_TLS_FIELDS
@@ -168,7 +168,7 @@ def connection_json(mgmt: Mgmt, s: Session) -> dict[str, Any]:
     }
 
 
-def channel_json(mgmt: Mgmt, s: Session, chs: ChannelState) -> dict[str, Any]:
+def channel_json(mgmt: Mgmt, s: ConnectionView, chs: ChannelView) -> dict[str, Any]:
     conn = mgmt.connection_name(s)
     return {
         "name": f"{conn} ({chs.id})",
@@ -191,7 +191,7 @@ def channel_json(mgmt: Mgmt, s: Session, chs: ChannelState) -> dict[str, Any]:
     }
 
 
-def consumers_json(mgmt: Mgmt, s: Session, chs: ChannelState) -> list[dict[str, Any]]:
+def consumers_json(mgmt: Mgmt, s: ConnectionView, chs: ChannelView) -> list[dict[str, Any]]:
     conn = mgmt.connection_name(s)
     out = []
     for c in chs.consumers.values():

@@ -28,8 +28,8 @@ import base64
 from typing import Any, Final
 
 from aiohttp import web
-from pamqp import commands
 
+from broker import properties
 from broker.http.common import MGMT_KEY, bad_request, check_perm, not_found, vhost_param
 from broker.http.render import jsonable
 from broker.model.stream import StreamQueue
@@ -46,9 +46,8 @@ def _properties(raw: bytes) -> dict[str, Any]:
     """Basic properties as the management API shows them (only those that are set)."""
     if len(raw) < 2:
         return {}
-    p = commands.Basic.Properties()
     try:
-        p.unmarshal((raw[0] << 8) | raw[1], raw[2:])
+        p = properties.decode(raw)
     except Exception:  # noqa: BLE001 - odd properties from a client: show none rather than fail
         return {}
     return {_PROP_NAMES.get(k, k): jsonable(v) for k, v in dict(p).items() if v not in (None, "")}

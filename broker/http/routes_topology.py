@@ -14,7 +14,7 @@ from typing import Any
 from aiohttp import web
 from pamqp import commands
 
-from broker import errors
+from broker import errors, properties
 from broker.http.common import (
     MGMT_KEY,
     bad_request,
@@ -183,6 +183,10 @@ async def publish(request: web.Request) -> web.Response:
     else:
         raise bad_request("payload_encoding must be 'string' or 'base64'")
     props = _properties(body["properties"])
+    props_bytes = properties.encode(props)
+    problem = properties.problem(props_bytes)
+    if problem is not None:
+        raise bad_request(f"invalid message properties: {problem}")
     if ex.internal:
         raise forbidden(f"cannot publish to internal exchange '{ex.name}'")
     check_perm(request, "write", vh.name, ex.name)
@@ -277,9 +281,8 @@ ACK_MODES = ("ack_requeue_true", "ack_requeue_false", "reject_requeue_true", "re
 def _decode_props(raw: bytes) -> dict[str, Any]:
     if len(raw) < 2:
         return {}
-    p = commands.Basic.Properties()
     try:
-        p.unmarshal(struct.unpack_from(">H", raw, 0)[0], raw[2:])
+        p = properties.decode(raw)
     except Exception:  # noqa: BLE001 - a client sent odd properties; show none rather than fail
         return {}
     names = {v: k for k, v in PROPERTY_FIELDS.items()}

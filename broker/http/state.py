@@ -22,23 +22,20 @@ from broker.auth.vhosts import VHostStore
 from broker.http.policies import PolicyApi, import_legacy
 from broker.http.rates import RateSampler
 from broker.model.vhost import VHost
-from broker.store.sink import NULL_SINK, ReplicationSink
 
 if TYPE_CHECKING:
     from broker.metrics import ClusterInfo
-    from broker.net.broker import Broker
-    from broker.net.session import Session
+    from broker.views import BrokerView, ConnectionView
 
 
 class Mgmt:
     def __init__(
         self,
-        broker: Broker,
+        broker: BrokerView,
         vhost_store: VHostStore,
         make_vhost: Callable[[str], VHost],
         data_dir: Path,
         transient_root: Path,
-        sink: ReplicationSink = NULL_SINK,
     ) -> None:
         self.broker = broker
         self.vhost_store = vhost_store
@@ -65,24 +62,24 @@ class Mgmt:
     def uptime_seconds(self) -> float:
         return time.monotonic() - self.started_mono
 
-    def connection_name(self, session: Session) -> str:
+    def connection_name(self, session: ConnectionView) -> str:
         """RabbitMQ's connection name: ``peer:port -> local:port``."""
         host, port = self.local_address(session)
         return f"{session.peer[0]}:{session.peer[1]} -> {host}:{port}"
 
-    def local_address(self, session: Session) -> tuple[str, int]:
+    def local_address(self, session: ConnectionView) -> tuple[str, int]:
         """The listener a connection came in on (AMQPS when it speaks TLS)."""
         if session.tls is not None and self.amqps_address is not None:
             return self.amqps_address
         return self.amqp_address or ("127.0.0.1", 5672)
 
-    def find_connection(self, name: str) -> Session | None:
+    def find_connection(self, name: str) -> ConnectionView | None:
         for session in self.broker.connections:
             if name in (self.connection_name(session), session.name):
                 return session
         return None
 
-    def close_connection(self, session: Session, reason: str) -> None:
+    def close_connection(self, session: ConnectionView, reason: str) -> None:
         session.close_connection(errors.ConnectionForced(reason))
         session.wakeup()
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 import datetime
 from typing import TYPE_CHECKING, Any
 
-from broker.amqp import codec
+from broker import properties
 
 DL_RETRY_S = 1.0  # at-least-once: how often a refused dead letter is offered to its target again
 
@@ -63,17 +63,17 @@ def cc_keys(headers: dict[str, Any] | None) -> list[str]:
 
 def set_header(props: bytes, key: str, value: Any) -> bytes:
     """``props`` with one header set (decodes and re-encodes the properties)."""
-    p = codec.decode_properties(props)
+    p = properties.decode(props)
     headers = dict(p.headers or {})
     headers[key] = value
     p.headers = headers
-    return codec.encode_properties(p)
+    return properties.encode(p)
 
 
 def x_death_props(props: bytes, queue: str, reason: str, exchange: str,
                   routing_key: str) -> tuple[bytes, list[dict[str, Any]], list[str]]:
     """Rewritten properties, the new x-death list and the message's routing keys."""
-    p = codec.decode_properties(props)
+    p = properties.decode(props)
     headers: dict[str, Any] = dict(p.headers or {})
     routing_keys = [routing_key, *cc_keys(headers)]
     deaths_raw = headers.get("x-death")
@@ -106,7 +106,7 @@ def x_death_props(props: bytes, queue: str, reason: str, exchange: str,
     headers.pop("x-delivery-count", None)
     p.headers = headers
     p.expiration = None
-    return codec.encode_properties(p), deaths, routing_keys
+    return properties.encode(p), deaths, routing_keys
 
 
 def is_cycle(deaths: list[dict[str, Any]], target: str) -> bool:

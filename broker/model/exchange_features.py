@@ -49,8 +49,7 @@ import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
-from broker import errors
-from broker.amqp import codec
+from broker import errors, properties
 from broker.store.paths import queue_dir
 from broker.store.queue_store import QueueStore
 from broker.store.sink import NULL_SINK
@@ -112,11 +111,7 @@ def attach(vh: VHost, ex: Exchange) -> None:
         ex.special = ExchangeSpecial(vh, ex)
 
 
-def _headers(props: bytes) -> dict[str, Any]:
-    if not props or not props[0] & 0x20:
-        return {}
-    h = codec.decode_properties(props).headers
-    return dict(h) if h else {}
+_headers = properties.headers
 
 
 def _key_text(value: Any) -> str | None:
@@ -257,7 +252,7 @@ class ExchangeSpecial:
                 self.delayed.add(ts, ts + delay, routing_key, props, bytes(body))
                 return True, None
         if self.hash_property is not None:
-            value = getattr(codec.decode_properties(props), self.hash_property, None)
+            value = getattr(properties.decode(props), self.hash_property, None)
             if value is None:
                 return False, []
             dest = self.ring().pick(_key_text(value) or "")

@@ -51,8 +51,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
-from broker import errors
-from broker.amqp import codec
+from broker import errors, properties
 from broker.model import deadletter, queue_types
 from broker.model.queue_dedup import QueueDedup, key_of
 from broker.store.priority_store import PriorityStore
@@ -64,12 +63,6 @@ if TYPE_CHECKING:
 
 _PASS_BUDGET = 4096
 OVERFLOW_MODES = ("drop-head", "reject-publish", "reject-publish-dlx")
-
-# Raw property flag bits (first flag byte) the publish hook looks at.
-FLAG_HEADERS = 0x20
-FLAG_EXPIRATION = 0x01
-FLAG_PRIORITY = 0x08
-
 
 class TimerHandle(Protocol):
     def cancel(self) -> None: ...
@@ -250,32 +243,18 @@ def effective_config(args_cfg: QueueConfig, policy: dict[str, Any] | None,
 
 
 # ------------------------------------------------------------------- publish hook
-def expiration_ms(props: bytes) -> int | None:
-    """A message's per-message TTL (the ``expiration`` property) or None."""
-    if len(props) < 2 or not props[0] & FLAG_EXPIRATION:
-        return None
-    exp = codec.decode_properties(props).expiration
-    if exp is None:
-        return None
-    try:
-        value = int(exp)
-    except ValueError:
-        return None
-    return value if value >= 0 else None
-
-
 def inspect_publish(props: bytes) -> tuple[bytes, list[str] | None, bool]:
     """Validate/strip what a publish carries: (props, CC+BCC routing keys, has expiration).
 
     Only called when the expiration or headers flag is set. 406 for an
     expiration that is not a non-negative integer, as RabbitMQ.
     """
-    has_exp = bool(props[0] & FLAG_EXPIRATION)
+    has_exp = bool(props[0] & properties.HI_EXPIRATION)
     extra: list[str] | None = None
-    wants_headers = props[0] & FLAG_HEADERS and (b"\x02CC" in props or b"\x03BCC" in props)
+    wants_headers = props[0] & properties.HI_HEADERS and (b"\x02CC" in props or b"\x03BCC" in props)
     if not has_exp and not wants_headers:
         return props, None, False
-    p = codec.decode_properties(props)
+    p = properties.decode(props)
     if has_exp:
         exp = p.expiration
         try:
@@ -291,34 +270,10 @@ def inspect_publish(props: bytes) -> tuple[bytes, list[str] | None, bool]:
         if bcc is not None:
             extra += deadletter.cc_keys({"CC": bcc})
             p.headers = headers
-            props = codec.encode_properties(p)
+            props = properties.encode(p)
     return props, extra or None, has_exp
 
 
-def priority_of(props: bytes) -> int:
-    """The priority octet of raw properties (0 when absent), without a full decode."""
-    if len(props) < 2 or not props[0] & FLAG_PRIORITY:
-        return 0
-    flags = (props[0] << 8) | props[1]
-    pos = 2
-    if flags & 1:
-        while True:
-            more = (props[pos] << 8) | props[pos + 1]
-            pos += 2
-            if not more & 1:
-                break
-    if flags & 0x8000:
-        pos += 1 + props[pos]
-    if flags & 0x4000:
-        pos += 1 + props[pos]
-    if flags & 0x2000:
-        pos += 4 + codec.U32.unpack_from(props, pos)[0]
-    if flags & 0x1000:
-        pos += 1
-    return int(props[pos])
-
-
-# ------------------------------------------------------------------- attaching
 def make_store(store: QueueStore, args_cfg: QueueConfig) -> QueueStore:
     """Wrap a new queue's store for priorities when ``x-max-priority`` asks for them."""
     if args_cfg.max_priority:
@@ -442,7 +397,8 @@ class QueueFeatures:
                     self._dead_letter(exchange, routing_key, props, body, "maxlen")
                 return False
         if self.pstore is not None:
-            msgid = self.pstore.append_priority(priority_of(props), ts, exchange, routing_key, props, body)
+            level = properties.priority(props)
+            msgid = self.pstore.append_priority(level, ts, exchange, routing_key, props, body)
         else:
             msgid = store.append(ts, exchange, routing_key, props, body)
         if key is not None and dedup is not None:
@@ -453,7 +409,7 @@ class QueueFeatures:
         if cfg.limited:
             self.enforce_limits()
         if self.expiring:
-            if cfg.message_ttl == 0 or (props[0] & FLAG_EXPIRATION and expiration_ms(props) == 0):
+            if cfg.message_ttl == 0 or properties.expiration_ms(props) == 0:
                 self._deliver_ttl0()
             elif self._timer is None:
                 self.arm_expiry()
@@ -550,8 +506,8 @@ class QueueFeatures:
         ttl = self.cfg.message_ttl
         if ttl is not None:
             exp = ts + ttl
-        if self.msg_ttl_seen and len(props) >= 2 and props[0] & FLAG_EXPIRATION:
-            m = expiration_ms(props)
+        if self.msg_ttl_seen and len(props) >= 2 and props[0] & properties.HI_EXPIRATION:
+            m = properties.expiration_ms(props)
             if m is not None and (exp is None or ts + m < exp):
                 exp = ts + m
         return exp

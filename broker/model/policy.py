@@ -133,6 +133,11 @@ class PolicySet:
 
 
 # ------------------------------------------------------------------ applying
+def read_legacy(path: Path) -> Any:
+    """The parsed node-wide ``policies.json`` of older releases, or None when there is none."""
+    return read_json(path, None)
+
+
 def apply_to_queue(vh: VHost, q: Queue) -> None:
     """Give ``q`` the config its arguments and the vhost's policies add up to."""
     if q.arguments.get("x-queue-type") == "stream":

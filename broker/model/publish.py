@@ -42,8 +42,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from broker import errors
-from broker.amqp import codec
+from broker import errors, properties
 from broker.model import features
 from broker.store.segment import short_pair
 
@@ -52,10 +51,10 @@ if TYPE_CHECKING:
     from broker.model.queue import Queue
     from broker.model.vhost import VHost
 
-_HEADERS = 0x20  # first property flag byte: headers (0x2000)
-_EXPIRATION = 0x01  # expiration (0x0100)
-_DELIVERY_MODE = 0x10  # delivery-mode (0x1000)
-_PER_MESSAGE = _HEADERS | _EXPIRATION  # flags that can make one message route unlike the last
+_HEADERS = properties.HI_HEADERS
+_DELIVERY_MODE = properties.HI_DELIVERY_MODE
+# flags that can make one message route unlike the last: headers (CC/BCC) and expiration
+_PER_MESSAGE = properties.HI_HEADERS | properties.HI_EXPIRATION
 
 
 class EncodedNames(Protocol):
@@ -133,7 +132,7 @@ class PublishOutcome:
 
 
 def is_persistent(props: bytes) -> bool:
-    return bool(props and props[0] & _DELIVERY_MODE) and codec.delivery_mode(props) == 2
+    return bool(props and props[0] & _DELIVERY_MODE) and properties.delivery_mode(props) == 2
 
 
 def _headers_of(props: bytes) -> Callable[[], dict[str, Any] | None]:
@@ -142,7 +141,7 @@ def _headers_of(props: bytes) -> Callable[[], dict[str, Any] | None]:
     def headers_of() -> dict[str, Any] | None:
         if not cache:
             try:
-                h = codec.decode_properties(props).headers if props and props[0] & _HEADERS else None
+                h = properties.decode(props).headers if props and props[0] & _HEADERS else None
             except Exception:
                 h = None
             cache.append(dict(h) if h else None)

@@ -32,21 +32,20 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from broker.amqp import codec
+from broker import properties
 
 DEDUP_ARG = "x-message-deduplication"
 DEDUP_HEADER = "x-deduplication-header"
-_FLAG_HEADERS = 0x20
 
 
 def key_of(props: bytes | memoryview) -> str | None:
     """The message's ``x-deduplication-header`` value as text, or None."""
-    if len(props) < 2 or not props[0] & _FLAG_HEADERS:
+    if len(props) < 2 or not props[0] & properties.HI_HEADERS:
         return None
     raw = bytes(props)
     if b"x-deduplication-header" not in raw:
         return None  # the common case: headers, but not ours; no decode
-    headers = codec.decode_properties(raw).headers
+    headers = properties.decode(raw).headers
     if not headers:
         return None
     value: Any = headers.get(DEDUP_HEADER)

@@ -51,9 +51,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, cast
 
-from pamqp import commands
-
-from broker import errors
+from broker import errors, properties
 from broker.model.queue import Consumer, Queue
 from broker.store.paths import queue_dir
 from broker.store.queue_store import QueueStore
@@ -223,11 +221,7 @@ class _Cursor:
         return low
 
 
-def _decode(props: bytes) -> commands.Basic.Properties:
-    p = commands.Basic.Properties()
-    if len(props) >= 2:
-        p.unmarshal((props[0] << 8) | props[1], props[2:])
-    return p
+_decode = properties.decode
 
 
 def with_offset_header(props: bytes, offset: int, timestamp_ms: int) -> bytes:

@@ -33,13 +33,14 @@ from typing import TYPE_CHECKING, Any
 from pamqp import commands
 from pamqp.base import Frame as PFrame
 
-from broker import errors
+from broker import errors, properties
 from broker.amqp import codec
 from broker.amqp.connection import CH_OPEN, AMQPConnection, PublishArgs
 from broker.model import queue_types
 from broker.model.publish import PublishRequest
 from broker.model.queue import Consumer, Queue
 from broker.net.alarms import no_space
+from broker.properties import HI_DELIVERY_MODE, HI_REPLY_TO
 
 if TYPE_CHECKING:
     from broker.model.vhost import VHost
@@ -439,13 +440,13 @@ class Session(AMQPConnection):
         assert vh is not None
         self.stats.published += 1
         flags = props[0] if props else 0
-        if flags & 0x02:  # reply-to (flag 0x0200) may need rewriting for direct reply-to
+        if flags & HI_REPLY_TO:  # may need rewriting for direct reply-to
             props = self._rewrite_reply_to(chs, props)
         exchange = args.exchange
         ex = vh.exchanges.get(exchange)
         if ex is None or ex.internal or exchange not in self._write_ok:
             self._may_publish_to(exchange)
-        persistent = bool(flags & 0x10) and self._persistent(props)
+        persistent = bool(flags & HI_DELIVERY_MODE) and self._persistent(props)
         out = vh.publish(PublishRequest(exchange, args.routing_key, props, body, self.now_ms, persistent,
                                         args))
         if out.queues:
@@ -480,10 +481,10 @@ class Session(AMQPConnection):
     def _persistent(self, props: bytes) -> bool:
         """delivery-mode 2? Parsed once per properties object: a publisher repeating its
         properties hands us the very same bytes object. Only called when the
-        delivery-mode flag (0x1000) is set."""
+        delivery-mode flag is set."""
         if props is self._dm_props:
             return self._dm_persistent
-        persistent = codec.delivery_mode(props) == 2
+        persistent = properties.delivery_mode(props) == 2
         self._dm_props = props
         self._dm_persistent = persistent
         return persistent
@@ -499,7 +500,7 @@ class Session(AMQPConnection):
         exchange = args.exchange
         ex = None if vh is None else vh.exchanges.get(exchange)
         if ex is None or ex.internal or chs.tx is not None or exchange not in self._write_ok \
-                or (props[0][0] & 0x02 if same else any(p[0] & 0x02 for p in props)):
+                or (props[0][0] & HI_REPLY_TO if same else any(p[0] & HI_REPLY_TO for p in props)):
             self.publish_each(channel, args, props, bodies)
             return
         try:
@@ -555,13 +556,13 @@ class Session(AMQPConnection):
         return False
 
     def _rewrite_reply_to(self, chs: ChannelState, props: bytes) -> bytes:
-        p = codec.decode_properties(props)
+        p = properties.decode(props)
         if p.reply_to != REPLY_TO:
             return props
         if chs.reply_token is None:
             raise errors.PreconditionFailed("fast reply consumer does not exist", 60, 40)
         p.reply_to = REPLY_TO_PREFIX + chs.reply_token
-        return codec.encode_properties(p)
+        return properties.encode(p)
 
     def _direct_reply(self, routing_key: str, exchange: str, props: bytes, body: bytes) -> bool:
         target = self.broker.reply_to.get(routing_key[len(REPLY_TO_PREFIX):])

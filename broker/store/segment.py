@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
+from broker.properties import FLAG_CONTENT_ENCODING, FLAG_CONTENT_TYPE, FLAG_DELIVERY_MODE, FLAG_HEADERS
+
 VERSION: Final = 1
 HEADER: Final = struct.pack("<I", VERSION)
 HEADER_SIZE: Final = 4
@@ -95,9 +97,9 @@ def read_record(buf: Buffer, pos: int) -> tuple[int, bytes, bytes, bytes, bytes]
 def is_persistent(buf: Buffer, at: int, length: int) -> bool:
     """Whether AMQP basic properties (u16 flags + property list) say delivery-mode 2.
 
-    Property lists are big-endian (AMQP wire order). delivery-mode (flag 0x1000) follows
-    content-type (0x8000, shortstr), content-encoding (0x4000, shortstr) and headers
-    (0x2000, u32-length table). Anything malformed counts as not persistent.
+    Property lists are big-endian (AMQP wire order). delivery-mode follows content-type
+    (shortstr), content-encoding (shortstr) and headers (u32-length table); the flag bits
+    are ``broker.properties``'. Anything malformed counts as not persistent.
     """
     end = at + length
     if length < 2:
@@ -110,14 +112,14 @@ def is_persistent(buf: Buffer, at: int, length: int) -> bool:
             return False
         word = _U16BE.unpack_from(buf, p)[0]
         p += 2
-    if not flags & 0x1000:
+    if not flags & FLAG_DELIVERY_MODE:
         return False
-    for bit in (0x8000, 0x4000):
+    for bit in (FLAG_CONTENT_TYPE, FLAG_CONTENT_ENCODING):
         if flags & bit:
             if p >= end:
                 return False
             p += 1 + buf[p]
-    if flags & 0x2000:
+    if flags & FLAG_HEADERS:
         if p + 4 > end:
             return False
         p += 4 + _U32BE.unpack_from(buf, p)[0]

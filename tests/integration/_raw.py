@@ -211,6 +211,28 @@ class RawConn:
                 return int(m.reply_code or 0), str(m.reply_text)
         raise NoAnswer(f"neither connection.close nor EOF within {timeout}s")
 
+    def next_answer(self, timeout: float = 5.0) -> tuple[str, Any]:
+        """The broker's next answer to what was sent: ("ack" | "nack" | "connection.close" |
+        "channel.close", method) or ("eof", None); a connection.close is answered with
+        close-ok. Other frames are skipped; raises NoAnswer after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        kinds = ((commands.Basic.Ack, "ack"), (commands.Basic.Nack, "nack"),
+                 (commands.Connection.Close, "connection.close"), (commands.Channel.Close, "channel.close"))
+        try:
+            while time.monotonic() < deadline:
+                self.sock.settimeout(max(0.05, deadline - time.monotonic()))
+                _ch, m = self.read_method()
+                for cls, kind in kinds:
+                    if isinstance(m, cls):
+                        if kind == "connection.close":
+                            self.send_method(0, commands.Connection.CloseOk())
+                        return kind, m
+        except TimeoutError:
+            pass
+        except (Closed, OSError):
+            return "eof", None
+        raise NoAnswer(f"no answer within {timeout}s")
+
     def wait_eof(self, timeout: float = 5.0) -> bool:
         """True when the server closes the socket within the timeout (data is discarded)."""
         deadline = time.monotonic() + timeout

@@ -187,8 +187,10 @@ def test_leader_with_stalled_disk_gives_up_lease(cluster: Cluster, tmp_path: Pat
     c = cluster
     stall_timeout = 2
     for n in c.nodes:
+        # the test's own composition root: fsync blocks while stall-<name> exists
+        assert n.argv[1:3] == ["-m", "broker"]
+        n.argv[1:3] = [str(Path(__file__).with_name("_stalling_node.py")), str(tmp_path / f"stall-{n.name}")]
         n.argv += ["--clustering-disk-stall-timeout", str(stall_timeout)]
-        n.env["SKRED_TEST_FSYNC_STALL_FILE"] = str(tmp_path / f"stall-{n.name}")
     leader, _followers = start_cluster(c)
     ok: list[int] = []
     asyncio.run(asyncio.wait_for(publish(leader.url, "disk-q", 0, 50, ok), 20))

@@ -1,0 +1,84 @@
+"""What the cluster runner needs from the composition root, as a small interface.
+
+The runner decides *when* this node serves (elected, fenced, stepping down); the
+composition root (``broker.node``) knows *how* a broker is built. The runner never
+imports the node: ``serve_clustered(config, host)`` receives a ``Host`` that builds a
+``LeaderBroker`` on the replicated data dir and a ``MetricsServer`` for the cluster gauges
+while following. A test that needs a fault (a disk whose fsync stalls) supplies its own
+host wrapping the real one: the fault seam belongs to the test, not to production code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from broker.config import Config
+from broker.store.sink import ReplicationSink
+
+
+class ClusterState(Protocol):
+    """The live cluster view the leader's metrics and ``GET /api/cluster`` read."""
+
+    def is_leader(self) -> bool: ...
+
+    def follower_lags(self) -> dict[str, int]: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+
+class LeaderBroker(Protocol):
+    """A broker serving clients from the data dir while this node leads."""
+
+    stopping: asyncio.Event  # set when the broker wants to stop (SIGTERM)
+
+    async def start(self) -> None:
+        """Lock the data dir, load it, open the client listeners."""
+
+    async def shutdown(self) -> None:
+        """Close the listeners and every store (their last bytes go through the sink)."""
+
+    def release_lock(self) -> None: ...
+
+    def amqp_port(self) -> int:
+        """The plain AMQP listener's port (0 when only AMQPS listens)."""
+
+    def http_port(self) -> int:
+        """The plain management HTTP port (0 when it does not listen)."""
+
+    def reload_tls(self) -> None:
+        """Reload the client listeners' certificates (SIGHUP)."""
+
+    def sync_started(self) -> float | None:
+        """Monotonic start of the fsync running now, else None (the stalled-disk watchdog)."""
+
+    def flush_stores(self) -> None:
+        """Push every queue store's buffered acks and meta to the sink."""
+
+    def trust_proxy_headers_from(self, peers: set[str]) -> None:
+        """Accept PROXY protocol headers from the addresses in ``peers`` (a live set: the
+        followers that authenticated, whose proxies splice clients to us)."""
+
+
+class MetricsServer(Protocol):
+    @property
+    def running(self) -> bool: ...
+
+    async def start(self, bind: str, port: int) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+Replicated = Callable[[list[Any]], "asyncio.Future[None]"]
+
+
+class Host(Protocol):
+    def leader_broker(self, config: Config, sink: ReplicationSink, cluster: ClusterState,
+                      replicated: Replicated) -> LeaderBroker:
+        """A broker to start as leader: confirms wait for ``replicated(dirty)`` (the ISR)."""
+
+    def follower_metrics(self, cluster: ClusterState, data_dir: Path, cluster_name: str) -> MetricsServer:
+        """The cluster gauges (and this node's process and disk metrics, labelled with
+        ``cluster_name``) on the metrics port while this node follows."""

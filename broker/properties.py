@@ -1,0 +1,340 @@
+"""Content properties: the one vocabulary of property flag bits, their reads, validation.
+
+Theory of operation
+-------------------
+A message's properties travel and are stored as the raw AMQP 0-9-1 basic content-header
+property list: ``flags u16 | the present properties in flag order``. The broker keeps
+those bytes as they came and decodes them only where a feature reads a property. This
+module sits beside ``errors`` at the bottom of the package (it imports nothing of ours)
+so that every layer, the store included, names the flag bits the same way and reads
+the properties the core needs (delivery mode, priority, expiration, headers) one way.
+
+``FLAG_*`` are the bits of the 16-bit flag word; ``HI_*`` are the same bits seen in the
+first octet (``props[0] & HI_HEADERS``), the form the hot path tests with one index.
+``delivery_mode`` and ``priority`` skip to their octet with a few integer operations;
+``decode``/``encode`` (pamqp) are the cold path for headers, expiration and rewrites.
+
+Validation: a property list a client library cannot decode must never be confirmed,
+stored or delivered (a pika or aiormq consumer dies on it and it blocks the head of its
+queue). ``problem(props)`` walks the list and every field table in it and names the
+first defect; ``valid(props)`` is the hot-path form: a list seen valid before is
+remembered by its bytes (publish runs repeat the same properties), and so is a headers
+table; a table that differs from a valid one only inside its values (a new id in
+the same headers) is recognised by comparing its structural bytes at once
+(``_check_headers``). Refused: lengths that run past their end, unknown field types (the
+0-9-1 errata set RabbitMQ, pika and pamqp share), bytes after the last property, a
+second flag word (class basic has 14 properties), field names and short strings that
+are not UTF-8, tables nested deeper than clients recurse, and timestamps beyond year
+9999 (pamqp turns the timestamp property into a datetime: seconds, or milliseconds when
+above 2**32; pika turns a 'T' field into a datetime of seconds).
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+from pamqp import commands
+
+FLAG_CONTENT_TYPE = 0x8000
+FLAG_CONTENT_ENCODING = 0x4000
+FLAG_HEADERS = 0x2000
+FLAG_DELIVERY_MODE = 0x1000
+FLAG_PRIORITY = 0x0800
+FLAG_CORRELATION_ID = 0x0400
+FLAG_REPLY_TO = 0x0200
+FLAG_EXPIRATION = 0x0100
+FLAG_MESSAGE_ID = 0x0080
+FLAG_TIMESTAMP = 0x0040
+FLAG_TYPE = 0x0020
+FLAG_USER_ID = 0x0010
+FLAG_APP_ID = 0x0008
+FLAG_CLUSTER_ID = 0x0004
+FLAG_CONTINUATION = 0x0001  # another flag word follows (never for class basic)
+
+HI_CONTENT_TYPE = FLAG_CONTENT_TYPE >> 8
+HI_CONTENT_ENCODING = FLAG_CONTENT_ENCODING >> 8
+HI_HEADERS = FLAG_HEADERS >> 8
+HI_DELIVERY_MODE = FLAG_DELIVERY_MODE >> 8
+HI_PRIORITY = FLAG_PRIORITY >> 8
+HI_CORRELATION_ID = FLAG_CORRELATION_ID >> 8
+HI_REPLY_TO = FLAG_REPLY_TO >> 8
+HI_EXPIRATION = FLAG_EXPIRATION >> 8
+
+EMPTY = b"\x00\x00"  # a property list with no property set
+
+# The largest timestamps the common client decoders turn into a datetime (31 Dec 9999).
+MAX_TIMESTAMP_PROPERTY = 253402300799999  # pamqp: milliseconds above 2**32
+MAX_TIMESTAMP_FIELD = 253402300799  # pika: seconds
+# Field tables nest by recursion in every client decoder; this leaves them ample stack.
+MAX_TABLE_DEPTH = 100
+
+_U32 = struct.Struct(">I").unpack_from
+_U64 = struct.Struct(">Q").unpack_from
+
+_SHORTSTR, _OCTET, _TABLE, _TIMESTAMP = range(4)
+# (flag, kind, name) of the basic class's properties, in wire order.
+_LAYOUT = (
+    (FLAG_CONTENT_TYPE, _SHORTSTR, "content-type"),
+    (FLAG_CONTENT_ENCODING, _SHORTSTR, "content-encoding"),
+    (FLAG_HEADERS, _TABLE, "headers"),
+    (FLAG_DELIVERY_MODE, _OCTET, "delivery-mode"),
+    (FLAG_PRIORITY, _OCTET, "priority"),
+    (FLAG_CORRELATION_ID, _SHORTSTR, "correlation-id"),
+    (FLAG_REPLY_TO, _SHORTSTR, "reply-to"),
+    (FLAG_EXPIRATION, _SHORTSTR, "expiration"),
+    (FLAG_MESSAGE_ID, _SHORTSTR, "message-id"),
+    (FLAG_TIMESTAMP, _TIMESTAMP, "timestamp"),
+    (FLAG_TYPE, _SHORTSTR, "type"),
+    (FLAG_USER_ID, _SHORTSTR, "user-id"),
+    (FLAG_APP_ID, _SHORTSTR, "app-id"),
+    (FLAG_CLUSTER_ID, _SHORTSTR, "cluster-id"),
+)
+_PRESENT: dict[int, tuple[int, ...]] = {}  # flag word -> codes of the properties present
+
+# Field value types (0-9-1 errata): fixed sizes; S, x, F, A carry a u32 length.
+_FIXED = {ord(t): n for t, n in (("t", 1), ("b", 1), ("B", 1), ("s", 2), ("u", 2), ("I", 4), ("i", 4),
+                                  ("l", 8), ("L", 8), ("f", 4), ("d", 8), ("D", 5), ("T", 8), ("V", 0))}
+_T = ord("T")
+_F = ord("F")
+_A = ord("A")
+_SIZED = frozenset((ord("S"), ord("x"), _F, _A))
+
+_CACHE_MAX = 4096  # remembered valid lists and tables (each a few hundred bytes at most)
+_valid_lists: set[bytes] = set()
+_valid_tables: set[bytes] = set()
+# table length -> (mask of its structural bytes, their value, timestamp value positions)
+_layouts: dict[int, tuple[int, int, tuple[int, ...]]] = {}
+
+
+class _Malformed(Exception):
+    pass
+
+
+def valid(props: bytes) -> bool:
+    """Whether a property list is one every client decodes (cheap for lists seen before)."""
+    if props in _valid_lists:
+        return True
+    if problem(props) is not None:
+        return False
+    if len(_valid_lists) >= _CACHE_MAX:
+        _valid_lists.clear()
+    _valid_lists.add(props)
+    return True
+
+
+def problem(props: bytes) -> str | None:
+    """What is wrong with a property list, or None when nothing is."""
+    try:
+        _check_list(props)
+    except _Malformed as exc:
+        return str(exc)
+    return None
+
+
+def _check_list(props: bytes) -> None:
+    n = len(props)
+    if n < 2:
+        raise _Malformed("property flags missing")
+    flags = (props[0] << 8) | props[1]
+    if flags & FLAG_CONTINUATION:
+        raise _Malformed("a second property flag word (class basic has 14 properties)")
+    present = _PRESENT.get(flags)
+    if present is None:
+        present = _PRESENT[flags] = tuple(i << 2 | kind for i, (bit, kind, _) in enumerate(_LAYOUT)
+                                          if flags & bit)
+    ascii_only = props.isascii()  # then every short string and field name is UTF-8
+    strs: list[tuple[int, int, int]] = []  # short strings to check for UTF-8 unless ascii_only
+    pos = 2
+    for code in present:  # (index in _LAYOUT) << 2 | kind
+        kind = code & 3
+        if kind == _SHORTSTR:
+            if pos >= n:
+                raise _Malformed(f"{_name(code)} missing")
+            start = pos + 1
+            pos = start + props[pos]
+            if pos > n:
+                raise _Malformed(f"{_name(code)} runs past the end of the properties")
+            if not ascii_only:
+                strs.append((start, pos, code))
+        elif kind == _OCTET:
+            pos += 1
+            if pos > n:
+                raise _Malformed(f"{_name(code)} missing")
+        elif kind == _TIMESTAMP:
+            pos += 8
+            if pos > n:
+                raise _Malformed("timestamp runs past the end of the properties")
+            if _U64(props, pos - 8)[0] > MAX_TIMESTAMP_PROPERTY:
+                raise _Malformed("timestamp beyond year 9999")
+        else:
+            if pos + 4 > n:
+                raise _Malformed("headers length missing")
+            start = pos + 4
+            pos = start + _U32(props, pos)[0]
+            if pos > n:
+                raise _Malformed("headers table length runs past the end of the properties")
+            _check_headers(props[start:pos])
+    if pos != n:
+        raise _Malformed(f"{n - pos} bytes after the last property")
+    # Usually only a table's length fields make a list non-ASCII: one check of the strings.
+    if strs and not b"".join([props[a:b] for a, b, _ in strs]).isascii():
+        for a, b, code in strs:
+            _utf8(props, a, b, _name(code))
+
+
+def _name(code: int) -> str:
+    return _LAYOUT[code >> 2][2]
+
+
+def _utf8(b: bytes, start: int, end: int, what: str) -> None:
+    try:
+        b[start:end].decode()
+    except UnicodeDecodeError:
+        raise _Malformed(f"{what} is not UTF-8") from None
+
+
+def _check_headers(table: bytes) -> None:
+    """Check a headers table. A table seen valid before is remembered by its bytes; one
+    of the same length whose structural bytes (field names, type octets, length fields)
+    equal those of the last valid table of that length is valid too, bar its timestamps:
+    walking it would take the same path, and only string, number and timestamp values
+    differ (a client repeating headers with a new id in them). That comparison is three
+    C-level big-integer operations instead of a Python loop over the fields."""
+    if table in _valid_tables:
+        return
+    n = len(table)
+    layout = _layouts.get(n)
+    if layout is not None:
+        mask, structure, stamps = layout
+        if int.from_bytes(table) & mask == structure:
+            for p in stamps:
+                if _U64(table, p)[0] > MAX_TIMESTAMP_FIELD:
+                    raise _Malformed("timestamp field beyond year 9999")
+            return
+    spans: list[tuple[int, int]] = []
+    stamps_found: list[int] = []
+    _check_fields(table, 0, n, 1, table.isascii(), True, spans, stamps_found)
+    mask = 0
+    for a, b in spans:
+        mask |= ((1 << (8 * (b - a))) - 1) << (8 * (n - b))
+    if len(_layouts) >= _CACHE_MAX:
+        _layouts.clear()
+    _layouts[n] = (mask, int.from_bytes(table) & mask, tuple(stamps_found))
+    if len(_valid_tables) >= _CACHE_MAX:
+        _valid_tables.clear()
+    _valid_tables.add(table)
+
+
+def _check_fields(b: bytes, pos: int, end: int, depth: int, ascii_only: bool, named: bool,
+                  spans: list[tuple[int, int]], stamps: list[int]) -> None:
+    """Check the fields of a table (``named``: each value preceded by its name) or of an
+    array between ``pos`` and ``end``, values inline; note the structural byte ranges in
+    ``spans`` and the positions of timestamp values in ``stamps``."""
+    if depth > MAX_TABLE_DEPTH:
+        raise _Malformed(f"field tables nested deeper than {MAX_TABLE_DEPTH}")
+    fixed = _FIXED.get
+    span = spans.append
+    while pos < end:
+        field = pos
+        if named:
+            start = pos + 1
+            pos = start + b[pos]
+            if pos >= end:
+                raise _Malformed("field name runs past the end of its table")
+            if not ascii_only:
+                _utf8(b, start, pos, "field name")
+        t = b[pos]
+        pos += 1
+        span((field, pos))  # name and type octet
+        size = fixed(t)
+        if size is not None:
+            pos += size
+            if pos > end:
+                raise _Malformed(f"field value of type {chr(t)!r} runs past the end of its table")
+            if t == _T:
+                if _U64(b, pos - 8)[0] > MAX_TIMESTAMP_FIELD:
+                    raise _Malformed("timestamp field beyond year 9999")
+                stamps.append(pos - 8)
+            continue
+        if t not in _SIZED:
+            raise _Malformed(f"unknown field type {t:#04x}")
+        start = pos + 4
+        if start > end:
+            raise _Malformed(f"field value of type {chr(t)!r} runs past the end of its table")
+        span((start - 4, start))  # the length
+        pos = start + _U32(b, start - 4)[0]
+        if pos > end:
+            raise _Malformed(f"field value of type {chr(t)!r} runs past the end of its table")
+        if t == _F:
+            _check_fields(b, start, pos, depth + 1, ascii_only, True, spans, stamps)
+        elif t == _A:
+            _check_fields(b, start, pos, depth + 1, ascii_only, False, spans, stamps)
+
+
+# ------------------------------------------------------------------------ reads
+def _octet_after(props: bytes | memoryview, flags: int) -> int:
+    """Position of the octet property that follows content-type, content-encoding and
+    headers (delivery-mode), given the flag word; assumes a valid list."""
+    pos = 2
+    if flags & FLAG_CONTENT_TYPE:
+        pos += 1 + props[pos]
+    if flags & FLAG_CONTENT_ENCODING:
+        pos += 1 + props[pos]
+    if flags & FLAG_HEADERS:
+        pos += 4 + _U32(props, pos)[0]
+    return pos
+
+
+def delivery_mode(props: bytes | memoryview) -> int:
+    """The delivery-mode octet (0 when absent), without decoding anything else."""
+    if len(props) < 2 or not props[0] & HI_DELIVERY_MODE:
+        return 0
+    return int(props[_octet_after(props, (props[0] << 8) | props[1])])
+
+
+def priority(props: bytes | memoryview) -> int:
+    """The priority octet (0 when absent), without decoding anything else."""
+    if len(props) < 2 or not props[0] & HI_PRIORITY:
+        return 0
+    flags = (props[0] << 8) | props[1]
+    pos = _octet_after(props, flags)
+    return int(props[pos + 1 if flags & FLAG_DELIVERY_MODE else pos])
+
+
+def has_reply_to(props: bytes) -> bool:
+    return len(props) >= 2 and bool(props[0] & HI_REPLY_TO)
+
+
+def decode(props: bytes) -> commands.Basic.Properties:
+    """Every property decoded (cold path: headers, expiration, rewrites)."""
+    p = commands.Basic.Properties()
+    if len(props) >= 2:
+        p.unmarshal((props[0] << 8) | props[1], props[2:])
+    return p
+
+
+def encode(p: commands.Basic.Properties) -> bytes:
+    return bytes(p.marshal())
+
+
+def headers(props: bytes) -> dict[str, Any]:
+    """The headers table as a dict (empty when there is none)."""
+    if len(props) < 2 or not props[0] & HI_HEADERS:
+        return {}
+    h = decode(props).headers
+    return dict(h) if h else {}
+
+
+def expiration_ms(props: bytes) -> int | None:
+    """The per-message TTL (the ``expiration`` property) in ms, or None."""
+    if len(props) < 2 or not props[0] & HI_EXPIRATION:
+        return None
+    exp = decode(props).expiration
+    if exp is None:
+        return None
+    try:
+        value = int(exp)
+    except ValueError:
+        return None
+    return value if value >= 0 else None

@@ -1,0 +1,159 @@
+"""What the management API and the metrics read of the running broker, as protocols.
+
+The node hands ``Mgmt`` the live broker object of the AMQP front end; the management
+API only reads and counts through the members below, so it never imports ``net`` (the
+layer rule: front ends are siblings). Any protocol front end whose connections should
+show in ``/api/connections`` implements ``ConnectionView``. Read-only members are
+properties, so the implementing classes may use narrower types (a ``dict`` of their own
+channel class).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sized
+from typing import TYPE_CHECKING, Any, Protocol
+
+from broker.auth.users import UserStore
+from broker.errors import AMQPError
+from broker.model.queue import Queue
+from broker.model.vhost import VHost
+
+if TYPE_CHECKING:
+    from broker.tls import PeerTLS
+
+
+class ConsumerView(Protocol):
+    @property
+    def tag(self) -> str: ...
+    @property
+    def queue(self) -> Queue: ...
+    @property
+    def no_ack(self) -> bool: ...
+    @property
+    def exclusive(self) -> bool: ...
+    @property
+    def prefetch(self) -> int: ...
+    @property
+    def arguments(self) -> dict[str, Any]: ...
+
+
+class ChannelView(Protocol):
+    @property
+    def id(self) -> int: ...
+    @property
+    def flow(self) -> bool: ...
+    @property
+    def consumers(self) -> Mapping[str, ConsumerView]: ...
+    @property
+    def unacked(self) -> Sized: ...
+    @property
+    def unacked_count(self) -> int: ...
+    @property
+    def confirm(self) -> bool: ...
+    @property
+    def publish_seq(self) -> int: ...
+    @property
+    def confirmed(self) -> int: ...
+    @property
+    def tx(self) -> list[tuple[Any, ...]] | None: ...
+    @property
+    def prefetch(self) -> int: ...
+    @property
+    def global_prefetch(self) -> int: ...
+
+
+class ConnectionView(Protocol):
+    @property
+    def name(self) -> str: ...
+    @property
+    def vhost(self) -> str: ...
+    @property
+    def username(self) -> str: ...
+    @property
+    def peer(self) -> tuple[Any, ...]: ...
+    @property
+    def chs(self) -> Mapping[int, ChannelView]: ...
+    @property
+    def channel_max(self) -> int: ...
+    @property
+    def frame_max(self) -> int: ...
+    @property
+    def heartbeat(self) -> int: ...
+    @property
+    def connected_at(self) -> float: ...
+    @property
+    def client_properties(self) -> dict[str, Any]: ...
+    @property
+    def auth_mechanism(self) -> str: ...
+    @property
+    def tls(self) -> PeerTLS | None:
+        """The TLS session of the connection (None for plain AMQP)."""
+
+    def close_connection(self, error: AMQPError) -> None: ...
+
+    def wakeup(self) -> None: ...
+
+
+class StatsView(Protocol):
+    """Global counters; the HTTP publish and get count themselves in."""
+
+    published: int
+    delivered: int
+    acked: int
+    confirmed: int
+    unroutable: int
+    connections_opened: int
+    returned: int
+    gets: int
+    gets_empty: int
+    channels_opened: int
+
+
+class DiskAlarmView(Protocol):
+    free_disk_min: int  # settable: PUT /api/node/disk-limit
+
+    @property
+    def active(self) -> bool: ...
+
+    def free(self) -> int: ...
+
+
+class MemoryAlarmView(Protocol):
+    @property
+    def limit(self) -> int: ...
+    @property
+    def active(self) -> bool: ...
+
+
+class AlarmView(Protocol):
+    @property
+    def disk(self) -> DiskAlarmView: ...
+    @property
+    def memory(self) -> MemoryAlarmView: ...
+    @property
+    def active(self) -> bool: ...
+
+    def resources(self) -> list[str]: ...
+
+    def disk_full(self, need: int, sessions: Any) -> None:
+        """A write found the disk full: raise the disk alarm at once (``sessions``: the
+        broker's ``connections``, which the alarm blocks)."""
+
+
+class SyncerView(Protocol):
+    def discard(self, obj: Any) -> None: ...
+
+
+class BrokerView(Protocol):
+    @property
+    def vhosts(self) -> dict[str, VHost]: ...
+    @property
+    def users(self) -> UserStore: ...
+    @property
+    def stats(self) -> StatsView: ...
+    @property
+    def connections(self) -> Collection[ConnectionView]: ...
+    @property
+    def alarm(self) -> AlarmView: ...
+    @property
+    def syncer(self) -> SyncerView: ...
