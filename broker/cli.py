@@ -38,10 +38,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cluster_status_main(config, args.json)
 
     # Imported here so `skred --help` works without loading the whole broker.
-    from broker.node import serve
+    from broker.node import StartupError, serve
 
     try:
         return serve(config)
+    except StartupError as exc:
+        print(f"skred: error: {exc}", file=sys.stderr)
+        return 1
     except DataDirLocked as exc:
         print(
             f"skred: error: data directory {config.main.data_dir} is in use by another skred process ({exc})",

@@ -188,10 +188,23 @@ class Node:
         broker.syncer.shutdown()
 
 
+class StartupError(Exception):
+    """A node cannot start for a reason the operator can fix; the message is one line naming the
+    option or path (``skred`` prints it as ``skred: error: ...`` and exits 1)."""
+
+
 def serve(config: Config) -> int:
     """Run a node until SIGTERM/SIGINT; returns the process exit code."""
     if config.clustering.enabled:
-        from broker.cluster.runner import serve_clustered
+        try:
+            from broker.cluster.runner import serve_clustered
+        except ImportError as exc:
+            if exc.name != "aetcd":
+                raise
+            raise StartupError(
+                "clustering is enabled ([clustering] enabled / --clustering) but the etcd client "
+                "'aetcd' is not installed: pip install aetcd"
+            ) from None
 
         return serve_clustered(config)
     try:
