@@ -6,7 +6,9 @@ so the test turns the rendering into what ``podman kube play`` runs, each change
 
 * the StatefulSet becomes its first Pod (``<name>-0``) with the template's spec unchanged
   (image, args, env, ports, probes, security contexts, ConfigMap volumes);
-* ``secretKeyRef`` env values are replaced by the values in the rendered Secret;
+* ``secretKeyRef`` env values are replaced by the values in the rendered Secret, and
+  ``$(VAR)`` references to earlier variables expanded as Kubernetes does (podman 4.3 does not;
+  ``fieldRef: metadata.name`` gives the pod name);
 * the ``data`` volumeClaimTemplate becomes a hostPath dir owned by the pod's fsGroup user;
 * the ``tmp`` emptyDir becomes a hostPath dir too (podman's emptyDir support varies);
 * an etcd container (``ETCD_IMAGE``) joins the pod, standing in for the etcd Service: the pod
@@ -26,6 +28,7 @@ from __future__ import annotations
 import base64
 import copy
 import os
+import re
 import socket
 import subprocess
 from collections.abc import Iterator
@@ -75,12 +78,20 @@ def kube_manifest(rendered: str, data_dir: Path, tmp_dir: Path, amqp_port: int
     template = copy.deepcopy(sts["spec"]["template"])
     spec = template["spec"]
     (container,) = spec["containers"]
+    pod_name = f"{sts['metadata']['name']}-0"
+    known: dict[str, str] = {}
     for env in container["env"]:
         ref = env.get("valueFrom", {}).get("secretKeyRef")
         if ref is not None:
             assert ref["name"] == secret["metadata"]["name"], f"env {env['name']} names another Secret"
             env.pop("valueFrom")
             env["value"] = secret_data[ref["key"]]
+        field = env.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+        if field == "metadata.name":
+            known[env["name"]] = pod_name
+        if "value" in env:
+            env["value"] = re.sub(r"\$\((\w+)\)", lambda m: known.get(m.group(1), m.group(0)), env["value"])
+            known[env["name"]] = env["value"]
     for port in container["ports"]:
         if port["name"] == "amqp":
             port.update(hostPort=amqp_port, hostIP="127.0.0.1")
@@ -98,7 +109,7 @@ def kube_manifest(rendered: str, data_dir: Path, tmp_dir: Path, amqp_port: int
                     "--listen-peer-urls=http://127.0.0.1:2380"],
     })
     pod = {"apiVersion": "v1", "kind": "Pod",
-           "metadata": {"name": f"{sts['metadata']['name']}-0", "labels": template["metadata"]["labels"]},
+           "metadata": {"name": pod_name, "labels": template["metadata"]["labels"]},
            "spec": spec}
     configmaps = [d for d in docs if d["kind"] == "ConfigMap"]
     return [*configmaps, pod], pod, secret_data
@@ -161,6 +172,12 @@ def test_probes_pass(pod: Pod) -> None:
     poll(lambda: podman("exec", pod.container, *command, check=False).returncode == 0,
          READY_DEADLINE, "the readinessProbe command to exit 0 inside the container", 2.0)
     assert running(pod)
+
+
+def test_the_node_advertises_its_stable_dns_name(pod: Pod) -> None:
+    poll(lambda: running(pod), READY_DEADLINE, "the skred container to run", 1.0)
+    log = podman("logs", pod.container, check=False).stderr
+    assert f"tcp://{pod.name}.{RELEASE}-skred-headless.default.svc.cluster.local:5679" in log, log[-2000:]
 
 
 def test_the_secrets_user_publishes_and_reads(pod: Pod) -> None:
