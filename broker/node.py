@@ -6,21 +6,34 @@ queue stores), import ``[main] load_definitions`` if set, then open the AMQP
 listener and the management/metrics HTTP listeners. Shutdown (SIGTERM/SIGINT)
 runs in reverse: stop the HTTP listeners, stop accepting AMQP, close every
 connection with 320 CONNECTION_FORCED, fsync and close every store, release the lock.
+
+SIGHUP (``Reloader``) re-reads the configuration from the same sources (ini file,
+environment, flags) and applies what can change at runtime: the log level, the
+trusted PROXY sources, the definitions file (imported again) and, where the
+listeners offer ``reload_tls()``, TLS certificates. It logs what it reloaded and
+which changed options need a restart; a config that no longer loads is logged and
+the running one kept. SIGHUP is per process, so one ``Reloader`` per process
+knows the node currently serving (in a cluster: the leader's; a follower reloads
+the log level only).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import errno
 import json
 import logging
 import shutil
 import signal
 from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 
 from broker.auth.users import UserStore
 from broker.auth.vhosts import VHostStore
-from broker.config import Config
+from broker.config import Config, ConfigError
+from broker.errors import ListenError
 from broker.http.definitions import DefinitionsError, import_definitions
 from broker.http.server import MgmtServer
 from broker.http.state import Mgmt
@@ -111,9 +124,11 @@ class Node:
         cfg = self.config
         loop = asyncio.get_running_loop()
         raise_fd_limit()
-        cfg.main.data_dir.mkdir(parents=True, exist_ok=True)
+        check_data_dir(cfg.main.data_dir)
         lock = self.lock = DataDirLock(cfg.main.data_dir)
         lock.acquire()
+        if RELOADER is not None:
+            RELOADER.node = self
         try:
             broker = self.broker = self.load(loop)
             assert self.vhost_store is not None
@@ -123,7 +138,11 @@ class Node:
             if cfg.main.load_definitions:
                 self.load_definitions(Path(cfg.main.load_definitions))
             self.amqp = AMQPServer(broker)
-            self.amqp_address = mgmt.amqp_address = await self.amqp.start(cfg.amqp.bind, cfg.amqp.port)
+            try:
+                self.amqp_address = mgmt.amqp_address = await self.amqp.start(cfg.amqp.bind, cfg.amqp.port)
+            except OSError as exc:
+                raise ListenError("amqp.bind/amqp.port, --amqp-bind/--amqp-port", cfg.amqp.bind,
+                                  cfg.amqp.port, exc) from None
             log.info("AMQP listening on %s:%d (data dir %s, sync %s)", *self.amqp_address,
                      cfg.main.data_dir, "on" if cfg.main.sync else "off")
             if cfg.mgmt.enabled:
@@ -138,6 +157,8 @@ class Node:
             raise
 
     def release_lock(self) -> None:
+        if RELOADER is not None and RELOADER.node is self:
+            RELOADER.node = None
         lock, self.lock = self.lock, None
         if lock is not None:
             lock.release()
@@ -193,8 +214,101 @@ class StartupError(Exception):
     option or path (``skred`` prints it as ``skred: error: ...`` and exits 1)."""
 
 
-def serve(config: Config) -> int:
-    """Run a node until SIGTERM/SIGINT; returns the process exit code."""
+def check_data_dir(path: Path) -> None:
+    """Create the data directory if needed; ``StartupError`` naming it if it is unusable."""
+    where = "([main] data_dir / --data-dir)"
+    if path.exists() and not path.is_dir():
+        raise StartupError(f"data directory {path} {where} is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        why = f"is not writable: {exc.strerror}"
+        if exc.errno == errno.EROFS:
+            why = "is on a read-only file system"
+        elif exc.errno in (errno.EACCES, errno.EPERM):
+            why = "is not writable (permission denied)"
+        raise StartupError(f"data directory {path} {where} {why}") from None
+
+
+class Reloader:
+    """SIGHUP for this process: re-read the config, apply what can change, log what changed."""
+
+    def __init__(self, config: Config, load: Callable[[], Config]) -> None:
+        self.config = config
+        self.load = load
+        self.node: Node | None = None  # the node serving clients now (set by Node.start)
+
+    def install(self) -> None:
+        signal.signal(signal.SIGHUP, self._signalled)
+
+    def _signalled(self, signum: int, frame: FrameType | None) -> None:
+        # A Python-level handler runs in the main thread between bytecodes: hand the work to the
+        # event loop when one runs (asyncio and uvloop both), else do it right here.
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.reload()
+            return
+        loop.call_soon(self.reload)
+
+    def reload(self) -> None:
+        try:
+            new = self.load()
+        except (ConfigError, SystemExit) as exc:
+            log.error("SIGHUP: configuration not reloaded, keeping the running one: %s", exc)
+            return
+        old, done = self.config, []
+        if new.main.log_level != old.main.log_level:
+            logging.getLogger().setLevel(new.main.log_level.upper())
+            done.append(f"log level {old.main.log_level} -> {new.main.log_level}")
+        node = self.node
+        broker = node.broker if node is not None else None
+        if broker is not None and new.amqp.trusted_proxies != old.amqp.trusted_proxies:
+            amqp = dataclasses.replace(broker.config.amqp, trusted_proxies=new.amqp.trusted_proxies)
+            broker.config = dataclasses.replace(broker.config, amqp=amqp)
+            done.append(f"trusted proxies: {', '.join(new.amqp.trusted_proxies) or 'none'}")
+        if node is not None and new.main.load_definitions:
+            try:
+                node.load_definitions(Path(new.main.load_definitions))
+                done.append(f"definitions from {new.main.load_definitions}")
+            except DefinitionsError as exc:
+                log.error("SIGHUP: %s", exc)
+        for server in (node.amqp, node.http) if node is not None else ():
+            reload_tls = getattr(server, "reload_tls", None)
+            if callable(reload_tls):
+                reload_tls()
+                done.append(f"TLS certificates of {type(server).__name__}")
+        applied = {"main.log_level", "amqp.trusted_proxies", "main.load_definitions"}
+        restart = [f"{section}.{f.name}"
+                   for section in ("main", "amqp", "mgmt", "clustering")
+                   for f in dataclasses.fields(getattr(new, section))
+                   if f"{section}.{f.name}" not in applied
+                   and getattr(getattr(new, section), f.name) != getattr(getattr(old, section), f.name)]
+        self.config = dataclasses.replace(
+            old, main=dataclasses.replace(old.main, log_level=new.main.log_level,
+                                          load_definitions=new.main.load_definitions),
+            amqp=dataclasses.replace(old.amqp, trusted_proxies=new.amqp.trusted_proxies))
+        log.info("SIGHUP: reloaded %s", "; ".join(done) if done else "nothing (no runtime option changed)")
+        if restart:
+            log.warning("SIGHUP: changed options that need a restart to apply: %s", ", ".join(restart))
+
+
+# SIGHUP is process-wide state by nature: the one Reloader of this process (set by ``serve``).
+RELOADER: Reloader | None = None
+
+
+def serve(config: Config, load: Callable[[], Config] | None = None) -> int:
+    """Run a node until SIGTERM/SIGINT; returns the process exit code.
+
+    ``load`` re-reads the configuration from its sources: with it, SIGHUP reloads (``Reloader``)."""
+    global RELOADER
+    if load is not None:
+        RELOADER = Reloader(config, load)
+        RELOADER.install()
+    check_data_dir(config.main.data_dir)
     if config.clustering.enabled:
         try:
             from broker.cluster.runner import serve_clustered

@@ -4,9 +4,8 @@
 Prometheus port (``[mgmt] metrics_bind/metrics_port``) on the running event
 loop, and starts the rate sampler; ``stop()`` closes both. Port 0 picks a free
 port; the bound addresses are returned and kept on ``Mgmt`` for the overview.
-Failing to bind the management port is fatal (an operator asked for it); failing
-to bind the metrics port is logged and the node runs on, since the same metrics
-are served on the management port.
+Failing to bind either port is fatal (an operator asked for it): ``ListenError``
+names the option, and the node exits instead of running without a listener.
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
+from broker.errors import ListenError
 from broker.http import definitions
 from broker.http.common import (
     MAX_BODY,
@@ -173,19 +173,26 @@ class MgmtServer:
     async def start(self, bind: str, port: int, metrics_bind: str,
                     metrics_port: int | None) -> tuple[tuple[str, int], tuple[str, int] | None]:
         mgmt = self.mgmt
-        mgmt.http_address = await self._serve(build_app(mgmt, self.metrics), bind, port)
+        try:
+            mgmt.http_address = await self._serve(build_app(mgmt, self.metrics), bind, port)
+        except OSError as exc:
+            raise ListenError("mgmt.bind/mgmt.port, --mgmt-bind/--mgmt-port", bind, port, exc) from None
         if metrics_port is not None:
             try:
                 mgmt.metrics_address = await self._serve(build_metrics_app(mgmt, self.metrics),
                                                          metrics_bind, metrics_port)
             except OSError as exc:
-                log.error("cannot serve Prometheus metrics on %s:%d: %s (still served on the "
-                          "management port)", metrics_bind, metrics_port, exc.strerror or exc)
+                await self.stop_runners()
+                raise ListenError("mgmt.metrics_bind/mgmt.metrics_port, --mgmt-metrics-bind/"
+                                  "--mgmt-metrics-port", metrics_bind, metrics_port, exc) from None
         mgmt.rates.start()
         return mgmt.http_address, mgmt.metrics_address
 
     async def stop(self) -> None:
         await self.mgmt.rates.stop()
+        await self.stop_runners()
+
+    async def stop_runners(self) -> None:
         runners, self._runners = self._runners, []
         for runner in runners:
             await runner.cleanup()

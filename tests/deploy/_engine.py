@@ -32,7 +32,8 @@ def engine_reason() -> str | None:
         client.ping()
         client.close()
     except Exception as exc:  # docker-py raises many kinds for "nothing there"
-        return f"no container engine answers at {os.environ.get('DOCKER_HOST') or 'the default socket'}: {exc}"
+        where = os.environ.get("DOCKER_HOST") or "the default socket"
+        return f"no container engine answers at {where}: {exc}"
     return None
 
 

@@ -26,7 +26,6 @@ import re
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import pika
 import pytest
@@ -125,7 +124,8 @@ def test_every_node_serves_the_default_user(cluster: Cluster) -> None:
 
 def test_one_leader_and_its_hook_ran(cluster: Cluster) -> None:
     leader = poll(lambda: the_leader(list(cluster.nodes.values())), READY_DEADLINE, "exactly one leader", 1.0)
-    poll(lambda: hook_lines(cluster, leader) >= 1, 60.0, f"the on_leader_elected hook in {leader.service}'s log")
+    poll(lambda: hook_lines(cluster, leader) >= 1, 60.0,
+         f"the on_leader_elected hook in {leader.service}'s log")
     for node in cluster.nodes.values():
         if node is not leader:
             assert hook_lines(cluster, node) == 0, f"{node.service} ran on_leader_elected but does not lead"
@@ -160,7 +160,8 @@ def test_confirmed_messages_survive_killing_the_leaders_container(cluster: Clust
 
     cluster.compose.run("kill", "-s", "SIGKILL", leader.service)
     survivors = [node for node in cluster.nodes.values() if node is not leader]
-    new_leader = poll(lambda: the_leader(survivors), FAILOVER_DEADLINE, "a new leader among the survivors", 1.0)
+    new_leader = poll(lambda: the_leader(survivors), FAILOVER_DEADLINE,
+                      "a new leader among the survivors", 1.0)
     poll(lambda: hook_lines(cluster, new_leader) >= 1, 60.0,
          f"the on_leader_elected hook in {new_leader.service}'s log")
 
@@ -175,4 +176,5 @@ def test_confirmed_messages_survive_killing_the_leaders_container(cluster: Clust
                 break
             received.append(body)
     missing_bodies = set(confirmed) - set(received)
-    assert not missing_bodies, f"{len(missing_bodies)} confirmed messages lost, e.g. {sorted(missing_bodies)[:5]}"
+    lost = sorted(missing_bodies)
+    assert not lost, f"{len(lost)} confirmed messages lost, e.g. {lost[:5]}"

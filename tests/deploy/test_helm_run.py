@@ -159,7 +159,8 @@ def connects(port: int) -> bool:
 def running(pod: Pod) -> bool:
     state = podman("inspect", "--format", "{{.State.Status}}", pod.container, check=False).stdout.strip()
     assert state in ("running", "created", "configured", "initialized"), (
-        f"the chart's skred container is {state!r}:\n" + podman("logs", pod.container, check=False).stderr[-3000:])
+        f"the chart's skred container is {state!r}:\n"
+        + podman("logs", pod.container, check=False).stderr[-3000:])
     return state == "running"
 
 
@@ -188,7 +189,8 @@ def test_the_secrets_user_publishes_and_reads(pod: Pod) -> None:
     def login() -> pika.BlockingConnection | None:
         try:
             return pika.BlockingConnection(pika.ConnectionParameters(
-                "127.0.0.1", pod.amqp_port, credentials=credentials, socket_timeout=10, connection_attempts=1))
+                "127.0.0.1", pod.amqp_port, credentials=credentials, socket_timeout=10,
+                connection_attempts=1))
         except pika.exceptions.AMQPError:
             return None
 

@@ -8,13 +8,15 @@ must be exactly one line on stderr, never a traceback.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from ._support import REPO_ROOT, is_external
+from ._support import REPO_ROOT, SkredProcess, is_external
 
 pytestmark = pytest.mark.skipif(
     is_external(), reason="tests the Skred command line; SKRED_TEST_EXTERNAL_URL points at another broker"
@@ -56,3 +58,79 @@ def test_clustering_without_the_etcd_client_is_one_line(tmp_path: Path) -> None:
     line = one_error_line(result)
     assert "aetcd" in line and "clustering" in line, line
     assert result.returncode == 1
+
+
+def test_unknown_flag_is_one_line_without_the_usage() -> None:
+    result = run_skred(["--no-such-flag"])
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "skred: error: unrecognized arguments: --no-such-flag (see skred --help)"], result.stderr
+
+
+def test_unresolvable_amqp_bind_names_the_option(tmp_path: Path) -> None:
+    result = run_skred(["--data-dir", str(tmp_path / "d"), "--amqp-bind", "no-such-host.invalid",
+                        "--amqp-port", "0", "--mgmt-port", "0", "--mgmt-metrics-port", "0"])
+    line = one_error_line(result)
+    assert "amqp.bind" in line and "no-such-host.invalid" in line, line
+
+
+def test_data_dir_that_is_a_file_names_the_path(tmp_path: Path) -> None:
+    data = tmp_path / "not-a-dir"
+    data.write_text("")
+    result = run_skred(["--data-dir", str(data), "--amqp-port", "0", "--mgmt-port", "0",
+                        "--mgmt-metrics-port", "0"])
+    line = one_error_line(result)
+    assert str(data) in line and "not a directory" in line, line
+
+
+def test_read_only_data_dir_names_the_path(tmp_path: Path) -> None:
+    data = tmp_path / "ro"
+    data.mkdir()
+    args = ["--data-dir", str(data), "--amqp-port", "0", "--mgmt-port", "0", "--mgmt-metrics-port", "0"]
+    code = "import sys\nfrom broker.cli import main\nsys.exit(main(sys.argv[1:]))"
+    if os.geteuid() == 0:
+        # root writes through permission bits: make the directory a read-only mount instead.
+        argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                f'mount -t tmpfs -o ro tmpfs "{data}" && exec "$@"', "sh", sys.executable, "-c", code, *args]
+    else:
+        data.chmod(0o555)
+        argv = [sys.executable, "-c", code, *args]
+    result = subprocess.run(argv, cwd=str(REPO_ROOT), env=_env(), capture_output=True, text=True,
+                            timeout=RUN_TIMEOUT)
+    line = one_error_line(result)
+    assert str(data) in line and ("read-only" in line or "permission denied" in line), line
+
+
+def test_data_dir_in_use_is_said_once(broker_factory: Callable[..., SkredProcess]) -> None:
+    first = broker_factory()
+    assert first.data_dir is not None
+    result = run_skred(["--data-dir", str(first.data_dir), "--amqp-port", "0", "--mgmt-port", "0",
+                        "--mgmt-metrics-port", "0"])
+    line = one_error_line(result)
+    assert line.count(str(first.data_dir)) == 1 and line.count("in use") == 1, line
+
+
+def test_metrics_port_in_use_exits_naming_the_option(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_skred(["--data-dir", str(tmp_path / "d"), "--amqp-port", "0", "--mgmt-port", "0",
+                            "--mgmt-metrics-port", str(port)])
+    line = one_error_line(result)
+    assert "mgmt.metrics_port" in line and str(port) in line, line
+
+
+def test_skredctl_into_a_closed_pipe_is_quiet(shared_broker: SkredProcess) -> None:
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # like `skredctl ... | head` after head exited
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "broker.ctl", "--url", f"http://127.0.0.1:{shared_broker.mgmt_port}",
+             "list", "exchanges"],
+            cwd=str(REPO_ROOT), env=_env(), stdout=write_end, stderr=subprocess.PIPE, text=True,
+            timeout=RUN_TIMEOUT)
+    finally:
+        os.close(write_end)
+    assert "Traceback" not in result.stderr and "BrokenPipeError" not in result.stderr, result.stderr
+    assert result.returncode == 141, result.returncode  # 128 + SIGPIPE, as `head` pipelines expect
