@@ -295,8 +295,10 @@ class Session(AMQPConnection):
             user, password = str(table.get("LOGIN", "")), str(table.get("PASSWORD", ""))
         else:
             raise errors.ConnectionAccessRefused(f"unsupported mechanism {mechanism}")
-        if not self.broker.check_login(user, password, self.peer[0]):
-            log.warning("login refused for user %r from %s (mechanism %s)", user, self.name, mechanism)
+        refusal = self.broker.users.login_refusal(user, password, self.peer[0])
+        if refusal is not None:
+            log.warning("login refused for user %r from %s (mechanism %s): %s", user, self.name, mechanism,
+                        refusal)
             raise errors.ConnectionAccessRefused(
                 f"Login was refused using authentication mechanism {mechanism}. "
                 "For details see the broker logfile.")

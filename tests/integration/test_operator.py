@@ -7,13 +7,18 @@ must be exactly one line on stderr, never a traceback.
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import pika
 import pytest
 
 from ._support import REPO_ROOT, SkredProcess, is_external
@@ -134,3 +139,77 @@ def test_skredctl_into_a_closed_pipe_is_quiet(shared_broker: SkredProcess) -> No
         os.close(write_end)
     assert "Traceback" not in result.stderr and "BrokenPipeError" not in result.stderr, result.stderr
     assert result.returncode == 141, result.returncode  # 128 + SIGPIPE, as `head` pipelines expect
+
+
+def wait_for(predicate: Callable[[], object], what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)  # poll interval of a readiness loop with a deadline
+    pytest.fail(f"timed out after {timeout}s waiting for {what}")
+
+
+def json_lines(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def messages(path: Path) -> list[str]:
+    return [entry["message"] for entry in json_lines(path)]
+
+
+def test_operator_log_lines_as_json_in_a_file(broker_factory: Callable[..., SkredProcess],
+                                              tmp_path: Path) -> None:
+    log_file = tmp_path / "skred.jsonl"
+    b = broker_factory(["--log-format", "json", "--log-file", str(log_file), "--log-level", "debug"])
+    wait_for(lambda: log_file.exists() and any("AMQP listening" in m for m in messages(log_file)),
+             "the AMQP listening line in the log file")
+    entries = json_lines(log_file)  # every line is a JSON object (json.loads would raise)
+    assert {"time", "level", "logger", "message"} <= set(entries[0])
+    assert any(m.startswith("skred 0.1.0 starting") for m in messages(log_file))
+    assert any("created default user 'guest'" in m for m in messages(log_file))
+
+    params = pika.URLParameters(b.url)
+    params.client_properties = {"connection_name": "operator-test"}
+    conn = pika.BlockingConnection(params)
+    wait_for(lambda: any("opened" in m and "operator-test" in m for m in messages(log_file)),
+             "a connection-opened line naming the client")
+    opened = next(m for m in messages(log_file) if "opened" in m and "operator-test" in m)
+    assert "user 'guest'" in opened and "vhost '/'" in opened and "127.0.0.1:" in opened, opened
+    conn.close()
+    wait_for(lambda: any("closed" in m and "operator-test" in m for m in messages(log_file)),
+             "a connection-closed line")
+    assert any(e["level"] == "debug" for e in json_lines(log_file)), "--log-level debug adds nothing"
+
+    bad = pika.URLParameters(b.url.replace("guest:guest", "guest:wrong"))
+    with pytest.raises(pika.exceptions.ProbableAuthenticationError):
+        pika.BlockingConnection(bad)
+    wait_for(lambda: any("login refused" in m and "wrong password" in m for m in messages(log_file)),
+             "a login-refused line saying why")
+
+
+def test_sighup_reloads_and_keeps_serving(broker_factory: Callable[..., SkredProcess],
+                                          tmp_path: Path) -> None:
+    ini = tmp_path / "skred.ini"
+    ini.write_text("[main]\nlog_level = info\n")
+    b = broker_factory(["-c", str(ini)])
+    assert b.pid is not None
+    definitions = tmp_path / "definitions.json"
+    definitions.write_text(json.dumps({"queues": [
+        {"name": "from-sighup", "vhost": "/", "durable": True, "auto_delete": False, "arguments": {}}]}))
+    ini.write_text(f"[main]\nlog_level = debug\nload_definitions = {definitions}\n"
+                   "[amqp]\ntrusted_proxies = 10.0.0.0/8\n")
+    os.kill(b.pid, signal.SIGHUP)
+    wait_for(lambda: "SIGHUP: reloaded" in b.log_text(), "the SIGHUP reload line")
+    line = next(x for x in b.log_text().splitlines() if "SIGHUP: reloaded" in x)
+    assert "log level info -> debug" in line and "10.0.0.0/8" in line and str(definitions) in line, line
+    assert b.alive(), "SIGHUP must not stop the broker"
+    conn = pika.BlockingConnection(pika.URLParameters(b.url))
+    with conn:
+        conn.channel().queue_declare("from-sighup", passive=True)  # imported by the reload
+
+    ini.write_text("[main]\nlog_level = loud\n")
+    os.kill(b.pid, signal.SIGHUP)
+    wait_for(lambda: "configuration not reloaded" in b.log_text(), "the refused reload line")
+    assert b.alive()
+    assert b.stop() == 0
