@@ -213,3 +213,35 @@ def test_sighup_reloads_and_keeps_serving(broker_factory: Callable[..., SkredPro
     wait_for(lambda: "configuration not reloaded" in b.log_text(), "the refused reload line")
     assert b.alive()
     assert b.stop() == 0
+
+
+def test_perf_stops_when_the_broker_goes_away_and_removes_its_queue(
+        broker_factory: Callable[..., SkredProcess], tmp_path: Path) -> None:
+    b = broker_factory()
+    out_path = tmp_path / "perf.out"
+    with open(out_path, "w") as out:
+        perf = subprocess.Popen(
+            [sys.executable, "-m", "broker.perf", "throughput", "--uri", b.url, "-z", "120",
+             "--queue-durable", "-s", "16"],
+            cwd=str(REPO_ROOT), env=_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for(lambda: "published" in out_path.read_text(), "skred-perf's first rate line", 30.0)
+        declared = [line.split("declared queue ", 1)[1].split()[0]
+                    for line in out_path.read_text().splitlines() if "declared queue " in line]
+        assert declared, out_path.read_text()
+        b.kill9()
+        b.start()  # the broker comes back (same data dir and port); the durable queue with it
+        assert perf.wait(60) == 1, out_path.read_text()
+    finally:
+        if perf.poll() is None:
+            os.killpg(perf.pid, signal.SIGKILL)
+            perf.wait(10)
+    text = out_path.read_text()
+    assert "Traceback" not in text, text
+    assert "connection to the broker lost" in text, text
+    assert f"deleted queue {declared[0]}" in text, text
+    conn = pika.BlockingConnection(pika.URLParameters(b.url))
+    with conn:
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as err:
+            conn.channel().queue_declare(declared[0], passive=True)
+    assert err.value.reply_code == 404
