@@ -17,7 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from broker.errors import ListenError
-from broker.http import definitions
+from broker.http import definitions, ui
 from broker.http.common import (
     MAX_BODY,
     MGMT_KEY,
@@ -113,16 +113,13 @@ async def mgmt_metrics_detailed(request: web.Request) -> web.Response:
     return await metrics_detailed(request)
 
 
-async def index(request: web.Request) -> web.Response:
-    return web.Response(text="Skred management API: see /api/overview\n")
-
-
 # ----------------------------------------------------------------------- apps
 def build_app(mgmt: Mgmt, metrics_obj: Metrics) -> web.Application:
-    app = web.Application(middlewares=[error_middleware, auth_middleware], client_max_size=MAX_BODY)
+    app = web.Application(middlewares=[ui.no_browser_login_dialog, error_middleware, auth_middleware],
+                          client_max_size=MAX_BODY)
     app[MGMT_KEY] = mgmt
     app[METRICS_KEY] = metrics_obj
-    app.router.add_get("/", index)
+    ui.add_routes(app)  # the web UI: "/" and its static files under /ui/
     app.router.add_get("/api/definitions", get_definitions)
     app.router.add_post("/api/definitions", post_definitions)
     app.router.add_get("/api/definitions/{vhost}", get_vhost_definitions)
