@@ -12,10 +12,11 @@ from __future__ import annotations
 import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from ._tools import COMPOSE_FILE, missing, tool
+from ._tools import COMPOSE_FILE, missing, poll, tool
 
 ENGINE_HOW = "run .ci/run as root (podman system service, DOCKER_HOST) or start a Docker engine"
 UP_TIMEOUT = 900.0  # seconds for `up --build`: image build (pip install of the dependencies) included
@@ -76,3 +77,37 @@ class Compose:
         path = self.log_dir / f"{self.project}.log"
         path.write_text(self.run("logs", "--no-color", "-t", check=False, timeout=60).stdout)
         return path
+
+
+def amqp_login(port: int, user: str, password: str) -> Any:
+    """A pika connection to 127.0.0.1:port, or None while the node does not serve that user."""
+    import pika
+
+    try:
+        return pika.BlockingConnection(pika.ConnectionParameters(
+            host="127.0.0.1", port=port, credentials=pika.PlainCredentials(user, password),
+            socket_timeout=10, blocked_connection_timeout=30, connection_attempts=1))
+    except pika.exceptions.AMQPError:
+        return None
+
+
+def serves(port: int, user: str, password: str) -> bool:
+    conn = amqp_login(port, user, password)
+    if conn is None:
+        return False
+    conn.close()
+    return True
+
+
+def confirmed_round_trip(port: int, user: str, password: str, queue: str, body: bytes) -> bytes | None:
+    """Publish ``body`` persistent with a confirm to a durable ``queue``, then get it back."""
+    import pika
+
+    conn = poll(lambda: amqp_login(port, user, password), 120.0, f"an AMQP login as {user!r}", 1.0)
+    with conn:
+        channel = conn.channel()
+        channel.confirm_delivery()
+        channel.queue_declare(queue, durable=True)
+        channel.basic_publish("", queue, body, pika.BasicProperties(delivery_mode=2))
+        method, _, got = channel.basic_get(queue, auto_ack=True)
+    return got if method is not None else None

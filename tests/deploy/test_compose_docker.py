@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import pika
 import pytest
 
-from ._engine import UP_TIMEOUT, Compose, image_env, require_engine
+from ._engine import UP_TIMEOUT, Compose, amqp_login, image_env, require_engine, serves
 from ._tools import free_port, poll
 
 pytestmark = pytest.mark.timeout(UP_TIMEOUT + 300)
@@ -81,18 +81,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 
 def connect(port: int) -> pika.BlockingConnection:
-    return pika.BlockingConnection(pika.ConnectionParameters(
-        host="127.0.0.1", port=port, credentials=pika.PlainCredentials(USER, PASSWORD),
-        socket_timeout=10, blocked_connection_timeout=30, connection_attempts=1,
-    ))
-
-
-def serves(port: int) -> bool:
-    try:
-        connect(port).close()
-    except pika.exceptions.AMQPError:
-        return False
-    return True
+    conn = amqp_login(port, USER, PASSWORD)
+    assert conn is not None, f"no AMQP login on port {port}"
+    return conn
 
 
 def is_leader(node: Node) -> bool | None:
@@ -119,7 +110,8 @@ def hook_lines(cluster: Cluster, node: Node) -> int:
 
 def test_every_node_serves_the_default_user(cluster: Cluster) -> None:
     for node in cluster.nodes.values():
-        poll(lambda node=node: serves(node.amqp_port), READY_DEADLINE, f"{node.service} to serve AMQP", 1.0)
+        poll(lambda node=node: serves(node.amqp_port, USER, PASSWORD), READY_DEADLINE,
+             f"{node.service} to serve AMQP", 1.0)
 
 
 def test_one_leader_and_its_hook_ran(cluster: Cluster) -> None:
@@ -166,7 +158,8 @@ def test_confirmed_messages_survive_killing_the_leaders_container(cluster: Clust
          f"the on_leader_elected hook in {new_leader.service}'s log")
 
     reader = next(node for node in survivors if node is not new_leader)  # proxies to the new leader
-    poll(lambda: serves(reader.amqp_port), FAILOVER_DEADLINE, f"{reader.service} to serve again", 1.0)
+    poll(lambda: serves(reader.amqp_port, USER, PASSWORD), FAILOVER_DEADLINE,
+         f"{reader.service} to serve again", 1.0)
     received: list[bytes] = []
     with connect(reader.amqp_port) as conn:
         channel = conn.channel()

@@ -36,11 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pika
 import pytest
 import yaml
 
-from ._engine import UP_TIMEOUT, require_engine
+from ._engine import UP_TIMEOUT, confirmed_round_trip, require_engine
 from ._tools import CHART_DIR, REPO_ROOT, free_port, helm, poll, run, tool
 
 pytestmark = pytest.mark.timeout(UP_TIMEOUT + 180)
@@ -182,23 +181,7 @@ def test_the_node_advertises_its_stable_dns_name(pod: Pod) -> None:
 
 
 def test_the_secrets_user_publishes_and_reads(pod: Pod) -> None:
-    poll(lambda: connects(pod.amqp_port), READY_DEADLINE, "the AMQP port", 1.0)
-    credentials = pika.PlainCredentials(pod.secret["username"], pod.secret["password"])
     assert pod.secret["password"] == PASSWORD
-
-    def login() -> pika.BlockingConnection | None:
-        try:
-            return pika.BlockingConnection(pika.ConnectionParameters(
-                "127.0.0.1", pod.amqp_port, credentials=credentials, socket_timeout=10,
-                connection_attempts=1))
-        except pika.exceptions.AMQPError:
-            return None
-
-    conn = poll(login, READY_DEADLINE, "an AMQP login with the Secret's user", 1.0)
-    with conn:
-        channel = conn.channel()
-        channel.confirm_delivery()
-        channel.queue_declare("kube-play", durable=True)
-        channel.basic_publish("", "kube-play", b"from the chart", pika.BasicProperties(delivery_mode=2))
-        method, _, body = channel.basic_get("kube-play", auto_ack=True)
-    assert method is not None and body == b"from the chart"
+    body = confirmed_round_trip(pod.amqp_port, pod.secret["username"], pod.secret["password"],
+                                "kube-play", b"from the chart")
+    assert body == b"from the chart"

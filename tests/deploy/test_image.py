@@ -13,10 +13,9 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-import pika
 import pytest
 
-from ._engine import UP_TIMEOUT, require_engine
+from ._engine import UP_TIMEOUT, confirmed_round_trip, require_engine, serves
 from ._tools import REPO_ROOT, free_port, poll
 from .test_dockerfile import healthcheck_argv
 
@@ -43,35 +42,14 @@ def container() -> Iterator[tuple[Any, int]]:
             yield node, amqp_port
 
 
-def connect(port: int) -> pika.BlockingConnection:
-    return pika.BlockingConnection(pika.ConnectionParameters(
-        host="127.0.0.1", port=port, credentials=pika.PlainCredentials(USER, PASSWORD),
-        socket_timeout=10, connection_attempts=1))
-
-
-def serves(port: int) -> bool:
-    try:
-        connect(port).close()
-    except pika.exceptions.AMQPError:
-        return False
-    return True
-
-
 def test_persistent_message_with_confirm_through_the_published_port(container: tuple[Any, int]) -> None:
     _, port = container
-    poll(lambda: serves(port), 60.0, "the container to serve AMQP", 0.5)
-    with connect(port) as conn:
-        channel = conn.channel()
-        channel.confirm_delivery()
-        channel.queue_declare("image-test", durable=True)
-        channel.basic_publish("", "image-test", b"from the image", pika.BasicProperties(delivery_mode=2))
-        method, _, body = channel.basic_get("image-test", auto_ack=True)
-    assert method is not None and body == b"from the image"
+    assert confirmed_round_trip(port, USER, PASSWORD, "image-test", b"from the image") == b"from the image"
 
 
 def test_runs_unprivileged_and_its_healthcheck_passes(container: tuple[Any, int]) -> None:
     node, port = container
-    poll(lambda: serves(port), 60.0, "the container to serve AMQP", 0.5)
+    poll(lambda: serves(port, USER, PASSWORD), 60.0, "the container to serve AMQP", 0.5)
     uid = node.exec(["id", "-u"])
     assert uid.exit_code == 0 and uid.output.decode().strip() == "10001"
     health = node.exec(healthcheck_argv())
