@@ -95,4 +95,8 @@ def spark(spark_session: dict[str, Any]) -> Any:
     if session.sparkContext._jsc is None or session.sparkContext._jsc.sc().isStopped():
         session.stop()
         spark_session["session"] = session = _start_session()
+    # The active session is per thread (py4j pins each Python thread to a JVM thread, and Spark
+    # reads session settings such as filterPushdown through the thread's active session): the
+    # session was started in another thread, so make it the active one of this thread too.
+    session._jvm.SparkSession.setActiveSession(session._jsparkSession)
     return session
