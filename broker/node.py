@@ -124,7 +124,9 @@ class Node:
         cfg = self.config
         loop = asyncio.get_running_loop()
         raise_fd_limit()
-        check_data_dir(cfg.main.data_dir)
+        # serve() checked it is a writable directory; no probe file here: in a cluster this data
+        # dir is being replicated.
+        cfg.main.data_dir.mkdir(parents=True, exist_ok=True)
         lock = self.lock = DataDirLock(cfg.main.data_dir)
         lock.acquire()
         if RELOADER is not None:
