@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
+import random
 import shutil
 import tempfile
 import time
@@ -26,7 +28,20 @@ from broker.net.session import Session
 from broker.node import Node
 
 
-def publish_frames(n: int, size: int, queue: str) -> bytes:
+def publish_frames(n: int, size: int, queue: str, varied: bool = False) -> bytes:
+    if varied:  # every message different: 200 B-2 KiB, message-id, timestamp, three headers
+        rnd = random.Random(7)
+        out = []
+        for i in range(n):
+            body = rnd.randbytes(rnd.randint(200, 2048))
+            props = commands.Basic.Properties(
+                content_type="application/json", message_id=f"{rnd.getrandbits(128):032x}",
+                timestamp=datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC) + datetime.timedelta(seconds=i),
+                headers={"task": f"tasks.t{i % 17}", "id": str(i), "retries": i % 3})
+            out.append(pframe.marshal(commands.Basic.Publish(exchange="", routing_key=queue), 1)
+                       + pframe.marshal(header.ContentHeader(0, len(body), props), 1)
+                       + pframe.marshal(pbody.ContentBody(body), 1))
+        return b"".join(out)
     one = (
         pframe.marshal(commands.Basic.Publish(exchange="", routing_key=queue), 1)
         + pframe.marshal(header.ContentHeader(0, size, commands.Basic.Properties()), 1)
@@ -52,6 +67,7 @@ async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-n", type=int, default=200_000, help="messages per scenario")
     ap.add_argument("-s", type=int, default=16, help="body size")
+    ap.add_argument("--varied", action="store_true", help="every message different (-s ignored)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="skred-hotpath-"))
     try:
@@ -63,7 +79,7 @@ async def main() -> None:
         handshake(pub)
         pub.receive_data(pframe.marshal(commands.Queue.Declare(queue="hp"), 1))
         pub.out.clear()
-        data = publish_frames(args.n, args.s, "hp")
+        data = publish_frames(args.n, args.s, "hp", args.varied)
         chunk = 65536
         t0 = time.process_time()
         for i in range(0, len(data), chunk):

@@ -36,6 +36,7 @@ class Scenario:
     args: tuple[str, ...]
     metric: str  # key of skred-perf's JSON summary
     unit: str
+    tool: str = "perf"  # "perf": skred-perf throughput; "workload": benchmarks/workloads.py
 
 
 def scenarios(prefill: int) -> dict[str, Scenario]:
@@ -99,23 +100,31 @@ def scenarios(prefill: int) -> dict[str, Scenario]:
             "consume_rate",
             "msg/s",
         ),
+        # Issue 13: the workloads users run (benchmarks/workloads.py).
+        Scenario("1", "every message different: 200 B-2 KiB, message-id, timestamp, 3 headers; 1p1c autoack",
+                 ("varied",), "consume_rate", "msg/s", "workload"),
+        *(Scenario(f"5-{mode}-{rate // 1000}k-{label}",
+                   f"latency {label} at {rate:,} msg/s, " + ("manual ack (prefetch 100)" if mode == "ack"
+                                                             else "autoack"),
+                   ("latency", "--rate", str(rate), *(("--ack",) if mode == "ack" else ())), metric,
+                   "ms (lower is better)", "workload")
+          for mode in ("auto", "ack") for rate in (5000, 20000)
+          for label, metric in (("p50", "p50_ms"), ("p99", "p99_ms"), ("p99.9", "p999_ms"))),
+        Scenario("6", "synchronous pika publisher, confirm per message, persistent, into a backlogged "
+                 "durable queue with a consumer", ("sync",), "publish_rate", "msg/s", "workload"),
+        Scenario("6-transient", "(6) with transient messages", ("sync", "--transient"), "publish_rate",
+                 "msg/s", "workload"),
     ]
     return {s.key: s for s in items}
 
 
 def run_perf(uri: str, scenario: Scenario, seconds: float, prefill: int) -> dict[str, Any]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "broker.perf",
-        "throughput",
-        "--uri",
-        uri,
-        "-z",
-        f"{seconds:g}",
-        *scenario.args,
-        "-j",
-    ]
+    if scenario.tool == "workload":
+        cmd = [sys.executable, str(REPO_ROOT / "benchmarks" / "workloads.py"), *scenario.args, "--uri", uri,
+               "-z", f"{seconds:g}"]
+    else:
+        cmd = [sys.executable, "-m", "broker.perf", "throughput", "--uri", uri, "-z", f"{seconds:g}",
+               *scenario.args, "-j"]
     budget = seconds * 3 + 60 + (prefill / 20000 if "--prefill" in scenario.args else 0)
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     try:
@@ -157,6 +166,8 @@ def fmt(value: float | None, unit: str) -> str:
         return "—"
     if unit == "MiB/s":
         return f"{value:,.1f}"
+    if unit.split()[0] == "ms":
+        return f"{value:,.2f}"
     return f"{value:,.0f}"
 
 
@@ -170,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="", help="comma-separated scenarios, e.g. a,b,f (default all)")
     ap.add_argument("--prefill", type=int, default=1_000_000, help="queue depth for scenario d")
     ap.add_argument("--write", action="store_true", help="write the results to docs/benchmarks.md")
+    ap.add_argument("--note", default="", help="a paragraph for docs/benchmarks.md (who shared the machine)")
     ap.add_argument("--output", default=str(REPO_ROOT / "docs" / "benchmarks.md"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
@@ -184,12 +196,16 @@ def main(argv: list[str] | None = None) -> int:
     versions: dict[str, str] = {}
     errors: list[str] = []
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    load_start = os.getloadavg()
 
+    done: dict[tuple[str, tuple[str, ...], int], dict[str, Any]] = {}  # one run serves p50/p99/p99.9
     for key in keys:
         sc = all_scenarios[key]
         for run in range(args.runs):
             for name, uri in targets:  # alternate brokers run by run
-                r = run_perf(uri, sc, args.seconds, args.prefill)
+                r = done.get((name, sc.args, run))
+                if r is None:
+                    r = done[(name, sc.args, run)] = run_perf(uri, sc, args.seconds, args.prefill)
                 if "error" in r or r.get("errors"):
                     msg = r.get("error") or "; ".join(r["errors"])
                     errors.append(f"({key}) {name} run {run + 1}: {msg}")
@@ -200,13 +216,8 @@ def main(argv: list[str] | None = None) -> int:
                 cpu.setdefault((key, name), []).append(float(r.get("tool_cpu_percent", 0.0)))
                 server = r.get("server", {})
                 versions[name] = f"{server.get('product', '?')} {server.get('version', '?')}".strip()
-                print(
-                    f"  ({key}) {name:5} run {run + 1}: {fmt(value, sc.unit)} {sc.unit}"
-                    f"  (pub {r['publish_rate']:,.0f}/s, cons {r['consume_rate']:,.0f}/s,"
-                    f" tool cpu {r['tool_cpu_percent']:.0f}%)",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                print(f"  ({key}) {name:5} run {run + 1}: {fmt(value, sc.unit)} {sc.unit}", file=sys.stderr,
+                      flush=True)
 
     peer_label = args.peer_name or versions.get("peer", "peer").split(" ")[0] or "peer"
     head = ["scenario", "what", "unit", "Skred (median)"]
@@ -241,8 +252,12 @@ def main(argv: list[str] | None = None) -> int:
             "",
             f"Run: {started}; {args.runs} runs per broker per scenario, {args.seconds:g} s each, "
             "brokers measured alternately; the table shows medians. Load generator: `skred-perf` "
-            "(one process per client; its own CPU use is in the last column, % of one core).",
+            "(one process per client; its own CPU use is in the last column, % of one core) and "
+            "`benchmarks/workloads.py` for the issue-13 workloads. Load average (1/5/15 min) at the "
+            f"start {'/'.join(f'{x:.1f}' for x in load_start)}, at the end "
+            f"{'/'.join(f'{x:.1f}' for x in os.getloadavg())}.",
             "",
+            *([args.note, ""] if args.note else []),
             "## Machine",
             "",
             *(f"- {k}: {v}" for k, v in m.items()),

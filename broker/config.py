@@ -106,6 +106,16 @@ class MainConfig:
         default=True,
         metadata=_meta("fsync the store before confirming a publish (off: faster, less durable)."),
     )
+    ack_sync_interval: int = field(
+        default=1000,
+        metadata=_meta(
+            "Milliseconds within which acks, rejects, nacks, purges and the delivered mark "
+            "(redelivered flags) reach the disk (fsynced); 0: synchronously, before the next frame "
+            "is read, fsynced by a group commit at once.",
+            lo=0,
+            hi=60_000,
+        ),
+    )
     log_level: str = field(
         default="info", metadata=_meta("Log level (SIGHUP re-reads it).", choices=LOG_LEVELS)
     )
@@ -209,7 +219,9 @@ class ClusteringConfig:
     on_leader_lost: str = field(default="", metadata=_meta("Shell command run when this node stops leading."))
     lease_ttl: int = field(default=10, metadata=_meta("etcd lease TTL, seconds.", lo=1, hi=3600))
     max_unsynced_actions: int = field(
-        default=8192, metadata=_meta("Actions a follower may lag before it leaves the in-sync set.", lo=0)
+        default=8192,
+        metadata=_meta("Deprecated, accepted but has no effect (as in LavinMQ): a follower leaves the "
+                       "in-sync set when it stops acking replicated data for 3 s.", lo=0),
     )
     disk_stall_timeout: int = field(
         default=20,

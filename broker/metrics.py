@@ -143,7 +143,7 @@ class SkredCollector(Collector):
         yield _c("global_messages_redelivered", "Messages delivered again after a requeue",
                  self._redelivered_total())
         yield _c("global_messages_acknowledged", "Messages acknowledged by consumers", stats.acked)
-        yield _c("global_messages_confirmed", "Publisher confirms sent", stats.confirmed)
+        yield _c("global_messages_confirmed", "Messages confirmed to publishers", stats.confirmed)
         yield _c("global_messages_unroutable_dropped", "Published messages that reached no queue",
                  stats.unroutable)
         yield _c("connections_opened", "AMQP connections opened", stats.connections_opened)

@@ -26,6 +26,7 @@ import json
 import logging
 import shutil
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
@@ -42,7 +43,9 @@ from broker.model.vhost import VHost
 from broker.net.broker import Broker
 from broker.net.server import AMQPServer
 from broker.net.syncer import Syncable, Syncer
+from broker.store.fileio import syncfs
 from broker.store.lock import DataDirLock
+from broker.store.segment_log import SegmentFiles
 from broker.store.sink import NullSink, ReplicationSink
 
 log = logging.getLogger("skred")
@@ -87,6 +90,7 @@ class Node:
         self.http: MgmtServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._syncer: Syncer | None = None
+        self._files: SegmentFiles | None = None  # made at load(), after the fd limit was raised
 
     def make_vhost(self, name: str) -> VHost:
         """A ``VHost`` wired to this node's store settings (at boot, and when the API creates one)."""
@@ -97,6 +101,8 @@ class Node:
             schedule=self._loop.call_soon, mark_dirty=self._syncer.mark_dirty,
             call_later=self._loop.call_later,
             transient_root=cfg.main.data_dir / "transient",
+            write_through=cfg.main.ack_sync_interval == 0,
+            files=self._files,
         )
 
     def load(self, loop: asyncio.AbstractEventLoop) -> Broker:
@@ -108,7 +114,10 @@ class Node:
         users = UserStore(data_dir / "users.json", self.sink, cfg.main.default_user,
                           cfg.main.default_password)
         vhost_names = self.vhost_store = VHostStore(data_dir / "vhosts.json", self.sink)
-        syncer = self._syncer = Syncer(loop, cfg.main.sync, replicated=self.replicated)
+        self._files = SegmentFiles()
+        syncer = self._syncer = Syncer(loop, cfg.main.sync, replicated=self.replicated,
+                                       window=cfg.main.ack_sync_interval / 1000,
+                                       bulk_sync=lambda: syncfs(data_dir))
         self._loop = loop
         vhosts: dict[str, VHost] = {}
         for name in vhost_names.list():
@@ -205,10 +214,17 @@ class Node:
         broker = self.broker
         if broker is None:
             return
+        t0 = time.monotonic()
         broker.syncer.sync_now()
+        t1 = time.monotonic()
+        if self._files is not None:
+            self._files.shutting_down = True  # stores close without trimming (fast)
         for vh in broker.vhosts.values():
             vh.close()
+        t2 = time.monotonic()
         broker.syncer.shutdown()
+        log.info("stores synced in %.2f s, closed in %.2f s, last background sync waited for %.2f s",
+                 t1 - t0, t2 - t1, time.monotonic() - t2)
 
 
 class StartupError(Exception):

@@ -170,3 +170,16 @@ def test_follower_bulk_sync_and_stream_reproduce_the_leader(tmp_path: Path) -> N
     applier = Applier(follower_dir)
     assert _apply_all(applier, codec.encode_file_list(index.snapshot())) == []
     applier.close()
+
+
+def test_welcome_status_codes_are_distinct() -> None:
+    assert len({codec.OK, codec.BAD_VERSION, codec.BAD_SECRET}) == 3
+    for status in (codec.OK, codec.BAD_VERSION, codec.BAD_SECRET):
+        assert codec.parse_welcome(codec.encode_welcome(status)).status == status
+
+
+def test_heartbeat_is_a_counted_message() -> None:
+    """A heartbeat is acked like data (so a silent link shows as missing acks on the leader)."""
+    msg = codec.encode(codec.HEARTBEAT, b"")
+    [m] = codec.MessageReader().feed(msg)
+    assert m.kind == codec.HEARTBEAT and m.size == len(msg) > 0

@@ -72,7 +72,9 @@ def test_follower_view_has_no_followers(tmp_path: Path) -> None:
     assert m["skred_is_leader"] == 0 and m["skred_connected_followers"] == 0
     assert not any(k.startswith("skred_follower_lag_in_bytes") for k in m)
     assert view.status()["leader"] == {"uri": "tcp://127.0.0.1:5679"}
-    assert view.member_record() == {"uri": "tcp://127.0.0.2:5679", "role": "follower"}
+    assert view.member_record() == {"uri": "tcp://127.0.0.2:5679", "role": "follower", "warm": False}
+    view.warm = True  # followed in sync: a cold node defers to it in an election
+    assert view.member_record()["warm"] is True
 
 
 def test_member_record_rounds_lag() -> None:
@@ -122,3 +124,16 @@ def test_barrier_refuses_once_the_lease_clock_ran_out(tmp_path: Path) -> None:
         return first.done(), second.done(), sink.fenced
 
     assert asyncio.run(run()) == (True, False, True)
+
+
+def test_standing_orders_members_by_completeness(tmp_path: Path) -> None:
+    from broker.cluster.standing import Standing, load_last_role, save_last_role
+
+    cold_leader = Standing.of({"last": {"role": "leader", "term": 7}})
+    cold_follower = Standing.of({"last": {"role": "follower", "term": 7}})
+    older = Standing.of({"last": {"role": "follower", "term": 5}})
+    warm = Standing.of({"warm": True})
+    assert warm > cold_follower > cold_leader > older > Standing.of({})
+    assert load_last_role(tmp_path) == {}
+    save_last_role(tmp_path, "follower", 7)
+    assert load_last_role(tmp_path) == {"role": "follower", "term": 7}

@@ -10,6 +10,7 @@ import pytest
 
 from broker import errors
 from broker.model import features
+from broker.model.publish import PublishRequest
 from broker.model.vhost import VHost
 from broker.store.sink import NullSink
 
@@ -103,9 +104,10 @@ def test_alternate_exchange_by_policy(tmp_path: Path) -> None:
     vh.declare_queue("catch", owner=None)
     vh.bind_queue("catch", "ae", "", {}, owner=None)
     vh.set_policy("ae", "^main$", {"alternate-exchange": "ae"}, apply_to="exchanges")
-    assert [q.name for q in vh.route(ex, "nobody", lambda: None)] == ["catch"]
+    assert [q.name for q in vh.publish(PublishRequest(ex.name, "nobody", b"\x00\x00", b"m", 0)).queues] \
+        == ["catch"]
     vh.delete_policy("ae")
-    assert vh.route(ex, "nobody", lambda: None) == []
+    assert vh.publish(PublishRequest(ex.name, "nobody", b"\x00\x00", b"m", 0)).unroutable
 
 
 @pytest.mark.parametrize("args", [{"x-max-priority": 256}, {"x-expires": 0}, {"x-overflow": 1},

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from broker.model.exchange import Exchange
+from broker.model.publish import PublishRequest
 from broker.model.vhost import VHost
 from broker.store.queue_store import QueueStore
 from broker.store.sink import NullSink
@@ -185,8 +186,8 @@ def test_vhost_default_exchange_lists_every_queue(tmp_path: Path) -> None:
     assert listed == [("one", "one", {}), ("two", "two", {}), ("three", "three", {})]
     vh.delete_queue("two", owner=None)
     assert [rk for _, rk, _ in vh.exchanges[""].bindings()] == ["one", "three"]
-    assert [q.name for q in vh.route(vh.exchanges[""], "three", lambda: None)] == ["three"]
-    assert vh.route(vh.exchanges[""], "two", lambda: None) == []
+    assert [q.name for q in vh.publish(PublishRequest("", "three", b"\x00\x00", b"m", 0)).queues] == ["three"]
+    assert vh.publish(PublishRequest("", "two", b"\x00\x00", b"m", 0)).unroutable
     vh.declare_queue("two", durable=False, owner=None)  # same name again: bound again, last
     assert [rk for _, rk, _ in vh.exchanges[""].bindings()] == ["one", "three", "two"]
     vh.close()

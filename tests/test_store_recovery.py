@@ -105,8 +105,8 @@ def test_torn_append_is_dropped(tmp_path: Path) -> None:
         f.write(b"\0" * 8)
     store = QueueStore(qdir)
     assert store.ready_count == 2
-    # The torn bytes are trimmed, and new messages are never written after them.
-    assert seg.stat().st_size == ids[2] & 0xFFFFFFFF
+    # New messages are never written after the torn bytes (a fresh segment); on a single
+    # node the tail is left in place (recovery stops at the zero timestamp every time).
     new = fill(store, 2, start=10)
     store.close()
     store = QueueStore(qdir)

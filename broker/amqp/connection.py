@@ -141,6 +141,9 @@ class AMQPConnection:
         self._have = 0
         self._need = 0
         self._server_properties = server_properties or {}
+        # The one-pass publish parse and publish runs; off, every publish is assembled frame
+        # by frame (PendingContent). Same outcome either way: tests switch it off to compare.
+        self.fast_paths = True
 
     # ------------------------------------------------------------------ hooks
     def authenticate(self, mechanism: str, response: bytes) -> str:
@@ -269,6 +272,7 @@ class AMQPConnection:
         channel_state = self.channels.get  # both dicts are only ever mutated, never rebound
         pending = self._pending
         repeat = self._repeat
+        fast = self.fast_paths
         while n - pos >= 7:
             if repeat is not None and data.startswith(repeat[6], pos) \
                     and channel_state(repeat[1]) == CH_OPEN and repeat[1] not in pending:
@@ -300,7 +304,7 @@ class AMQPConnection:
                     mid = unpack_mid(data, start)[0]
                     if channel_state(ch) == CH_OPEN and ch not in pending:
                         if mid == _PUBLISH:
-                            done = self._fast_publish(ch, data, start + 4, end, n, max_size)
+                            done = self._fast_publish(ch, data, start + 4, end, n, max_size) if fast else 0
                             if done:
                                 pos = done
                                 repeat = self._repeat

@@ -18,7 +18,10 @@ messages. A message is
 Leader -> follower: ``FILE_LIST`` (the bulk-sync index: path, logical length,
 SHA-1), ``FILE_DATA`` (a chunk of a requested file; flag ``TRUNCATE`` on the
 first chunk), ``BULK_DONE``, then the stream of actions ``APPEND`` (path,
-bytes), ``REPLACE`` (path, whole content) and ``DELETE`` (path).
+bytes), ``REPLACE`` (path, whole content) and ``DELETE`` (path); ``HEARTBEAT``
+(empty) whenever the leader has sent nothing for a second. Heartbeats count
+like any message, so the follower's ack of one is the heartbeat back: a link
+that carries neither is dead within seconds on both sides (version 2).
 Follower -> leader: ``REQUEST`` (paths the follower lacks or has different) and
 ``ACK`` (u64: total uncompressed message bytes applied and fsynced so far).
 
@@ -41,7 +44,7 @@ from typing import Final, NamedTuple
 import lz4.frame
 
 MAGIC: Final = b"SKREPL"
-VERSION: Final = 1
+VERSION: Final = 2  # 2: HEARTBEAT
 SECRET_SIZE: Final = 32
 
 # Welcome status codes.
@@ -56,6 +59,7 @@ BULK_DONE: Final = 3
 APPEND: Final = 4
 REPLACE: Final = 5
 DELETE: Final = 6
+HEARTBEAT: Final = 7
 # Message kinds, follower -> leader.
 REQUEST: Final = 10
 ACK: Final = 11

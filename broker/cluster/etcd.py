@@ -2,13 +2,24 @@
 
 Theory of operation
 -------------------
-Every node holds one lease of ``lease_ttl`` seconds, refreshed every TTL/3.
-``lease_alive()`` is judged locally: if no refresh succeeded for a whole TTL the
-lease must be presumed expired (etcd may already have handed leadership to
-someone else), so a leader stops confirming without waiting for etcd to say so.
-The TTL is counted from when a successful refresh was *sent*: etcd restarted
-its clock somewhere between sending and the reply, so counting from the reply
-could let us believe in a lease etcd has already expired.
+Every node holds one lease of ``lease_ttl`` seconds, refreshed every
+``refresh_every`` (TTL/3, at most a second) and, after a failed refresh, again
+every ``RETRY`` seconds: an etcd outage shorter than the TTL must cost nobody
+their lease, so the first refresh after etcd answers again has to come at once,
+not a whole interval later. The keep-alive survives reconnects (it uses
+whichever client is current). ``lease_alive()`` is judged locally: if no
+refresh succeeded for a whole TTL the lease must be presumed expired (etcd may
+already have handed leadership to someone else), so a leader stops confirming
+without waiting for etcd to say so. The TTL is counted from when a successful
+refresh was *sent*: etcd restarted its clock somewhere between sending and the
+reply, so counting from the reply could let us believe in a lease etcd has
+already expired.
+
+A lease we gave up is revoked; if etcd cannot be reached then, its id is kept
+in ``_to_revoke`` and revoked as soon as etcd answers again
+(``revoke_pending``). Otherwise a restarted etcd, which renews every lease it
+finds for a full TTL, would keep our old leader key alive for one more TTL with
+nobody behind it.
 
 Election: ``campaign`` is a transaction "create ``<prefix>/leader`` if it does
 not exist, bound to my lease, value = my advertised URI". The key vanishes when
@@ -46,6 +57,11 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 CALL_TIMEOUT = 2.0
+RETRY = 0.25  # seconds between keep-alive attempts after a failed one
+# gRPC reconnects with exponential backoff (up to 2 minutes by default): cap it, so a restarted
+# etcd is used within a second or so.
+CHANNEL_OPTIONS = {"grpc.initial_reconnect_backoff_ms": 100, "grpc.min_reconnect_backoff_ms": 100,
+                   "grpc.max_reconnect_backoff_ms": 1000}
 
 
 class EtcdError(Exception):
@@ -62,7 +78,12 @@ class Etcd:
         self.last_refresh = 0.0
         self.leader_revision = 0
         self._keepalive: asyncio.Task[None] | None = None
+        self._to_revoke: set[int] = set()
         self._endpoint = 0
+
+    @property
+    def refresh_every(self) -> float:
+        return min(self.ttl / 3, 1.0)
 
     def key(self, name: str) -> bytes:
         return f"{self.prefix}/{name}".encode()
@@ -81,7 +102,8 @@ class Etcd:
         for _ in range(len(self.endpoints)):
             host, _, port = self.endpoints[self._endpoint].rpartition(":")
             self._endpoint = (self._endpoint + 1) % len(self.endpoints)
-            client = aetcd.Client(host=host or "127.0.0.1", port=int(port or 2379), timeout=int(CALL_TIMEOUT))
+            client = aetcd.Client(host=host or "127.0.0.1", port=int(port or 2379), timeout=int(CALL_TIMEOUT),
+                                  options=CHANNEL_OPTIONS)
             try:
                 await self._call(client.connect())
                 await self._call(client.status())
@@ -91,16 +113,15 @@ class Etcd:
                 continue
             await self.close()
             self.client = client
+            await self.revoke_pending()
             return
         raise EtcdError(f"no etcd endpoint reachable ({last})")
 
     async def close(self) -> None:
-        if self._keepalive is not None:
-            self._keepalive.cancel()
-            self._keepalive = None
+        """Drop the connection (the lease and its keep-alive stay: a reconnect carries on)."""
         if self.client is not None:
-            await _quiet_close(self.client)
-            self.client = None
+            client, self.client = self.client, None
+            await _quiet_close(client)
 
     # ---------------------------------------------------------------- lease
     async def grant_lease(self) -> None:
@@ -113,14 +134,23 @@ class Etcd:
         self._keepalive = asyncio.ensure_future(self._keep_alive(self.lease_id))
 
     async def _keep_alive(self, lease_id: int) -> None:
+        failed = False
         while self.lease_id == lease_id:
-            await asyncio.sleep(self.ttl / 3)
+            await asyncio.sleep(RETRY if failed else self.refresh_every)
             sent = time.monotonic()
             try:
-                reply = await self._call(self.client.refresh_lease(lease_id), self.ttl / 3)
+                if self.client is None:
+                    raise EtcdError("not connected")
+                reply = await self._call(self.client.refresh_lease(lease_id),
+                                         min(CALL_TIMEOUT, self.ttl / 3))
             except EtcdError as exc:
-                log.warning("lease keepalive failed: %s", exc)
+                if not failed:
+                    log.warning("lease keepalive failed (retrying every %.2fs): %s", RETRY, exc)
+                failed = True
                 continue
+            if failed:
+                log.info("lease keepalive works again")
+            failed = False
             if reply is None or int(reply.TTL) <= 0:
                 log.error("etcd says our lease %x expired", lease_id)
                 if self.lease_id == lease_id:
@@ -136,17 +166,39 @@ class Etcd:
         return self.last_refresh + self.ttl
 
     async def revoke(self) -> None:
+        """Give up our lease: revoked now if etcd answers, else as soon as it does."""
         lease_id, self.lease_id = self.lease_id, None
         if self._keepalive is not None:
             self._keepalive.cancel()
             self._keepalive = None
-        if lease_id is not None and self.client is not None:
+        if lease_id is not None:
+            self._to_revoke.add(lease_id)
+        await self.revoke_pending()
+
+    def forget_lease(self, lease_id: int) -> None:
+        """Revoke a lease that is not ours to keep (a predecessor's, read from a key)."""
+        if lease_id and lease_id != self.lease_id:
+            self._to_revoke.add(lease_id)
+
+    async def revoke_pending(self) -> None:
+        for lease_id in sorted(self._to_revoke):
+            if self.client is None:
+                return
             try:
                 await self._call(self.client.revoke_lease(lease_id))
             except EtcdError as exc:
-                log.warning("could not revoke lease: %s", exc)
+                if "not found" not in str(exc):  # already expired: nothing left to revoke
+                    log.warning("could not revoke lease %x (will retry): %s", lease_id, exc)
+                    return
+            self._to_revoke.discard(lease_id)
+            log.info("revoked lease %x", lease_id)
 
     # ---------------------------------------------------------------- keys
+    async def get_leader(self) -> tuple[bytes, int] | None:
+        """The leader key's value and create revision (its term), or None."""
+        got = await self._call(self.client.get(self.key("leader")))
+        return None if got is None else (bytes(got.value), int(got.create_revision))
+
     async def get(self, name: str) -> bytes | None:
         got = await self._call(self.client.get(self.key(name)))
         return None if got is None else bytes(got.value)
@@ -210,10 +262,16 @@ class Etcd:
             return None, raw
         return ([str(v) for v in value] if isinstance(value, list) else None), raw
 
-    async def write_isr(self, members: list[str]) -> bool:
-        """Write the ISR, fenced on our leadership (the leader key's create revision)."""
+    async def write_isr(self, members: list[str]) -> bool | None:
+        """Write the ISR, fenced on our leadership (the leader key's create revision).
+
+        True: written. False: we are not the leader any more. None: etcd did not answer
+        (the write may or may not have happened): try again.
+        """
         if not self.lease_alive():
             return False
+        if self.client is None:
+            return None
         tx = self.client.transactions
         try:
             ok, _ = await self._call(self.client.transaction(
@@ -223,8 +281,20 @@ class Etcd:
             ))
         except EtcdError as exc:
             log.warning("ISR write failed: %s", exc)
-            return False
+            return None
         return bool(ok)
+
+    async def drop_stale_leader(self, value: str) -> None:
+        """Our own URI on a leader key we do not hold: a previous run of this node died leading.
+
+        Revoke that lease now instead of waiting a TTL for it (this data dir is locked by us,
+        so nobody can be leading with it).
+        """
+        got = await self._call(self.client.get(self.key("leader")))
+        if got is not None and bytes(got.value) == value.encode() and int(got.lease) != self.lease_id:
+            log.info("leader key is a previous run's: revoking its lease %x", int(got.lease))
+            self.forget_lease(int(got.lease))
+            await self.revoke_pending()
 
     async def put_member(self, node_id: str, record: dict[str, Any]) -> None:
         """Publish our member record bound to our lease (it vanishes with us)."""

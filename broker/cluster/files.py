@@ -1,7 +1,7 @@
 """Which files of the data directory are replicated, and their names on the wire.
 
 Everything under the data directory is replicated except node-local files: the
-node id, the data-dir lock, the scratch directory of transient queues and
+node id, its last cluster role, the data-dir lock, the scratch directory of transient queues and
 temporary files of an atomic write in progress.
 """
 
@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 NODE_ID_FILE = ".node_id"
-_LOCAL_NAMES = frozenset({NODE_ID_FILE, ".lock"})
+ROLE_FILE = ".cluster_role"  # our role in the last term (see standing.py): about this node only
+_LOCAL_NAMES = frozenset({NODE_ID_FILE, ROLE_FILE, ".lock"})
 _LOCAL_DIRS = frozenset({"transient"})
 
 

@@ -14,9 +14,11 @@ thread, fsync included, so the event loop keeps serving the proxy.
 
 ``follow`` is the asyncio driver: handshake (secret, node id), then read ->
 LZ4-decompress -> split into messages -> apply the batch -> send
-``ACK(total bytes applied)`` (and ``REQUEST`` after the file list). It returns
-when the connection ends; the runner decides whether to reconnect, campaign or
-stop.
+``ACK(total bytes applied)`` (and ``REQUEST`` after the file list). The leader
+sends a heartbeat every second it has nothing else to send; nothing at all for
+``LINK_TIMEOUT`` seconds means the link is dead (a cut network shows no
+reset), and ``LinkSilent`` is raised. It returns when the connection ends; the
+runner decides whether to reconnect, campaign or stop.
 """
 
 from __future__ import annotations
@@ -36,10 +38,15 @@ from broker.cluster.files import is_replicated, relative
 log = logging.getLogger(__name__)
 
 MAX_OPEN_FILES = 128
+LINK_TIMEOUT = 4.0  # seconds without a byte from the leader (it heartbeats every second)
 
 
 class AuthRefused(Exception):
     """The leader refused our secret or protocol version."""
+
+
+class LinkSilent(ConnectionError):
+    """Nothing, not even a heartbeat, came from the leader for ``LINK_TIMEOUT`` seconds."""
 
 
 class Applier:
@@ -83,7 +90,7 @@ class Applier:
             self._write(path, data, truncate=truncate)
         elif kind == codec.FILE_LIST:
             request = self._compare(codec.parse_file_list(m.payload))
-        elif kind != codec.BULK_DONE:
+        elif kind not in (codec.BULK_DONE, codec.HEARTBEAT):
             raise codec.CodecError(f"unexpected message kind {kind} from leader")
         self.applied += m.size
         return request
@@ -206,7 +213,11 @@ async def follow(host: str, port: int, data_dir: Path, secret: bytes, node_id: s
         decomp = codec.StreamDecompressor()
         msgs = codec.MessageReader()
         while True:
-            data = await reader.read(1 << 20)
+            try:
+                data = await asyncio.wait_for(reader.read(1 << 20), LINK_TIMEOUT)
+            except TimeoutError:
+                log.warning("replication link silent for %.0fs: presumed dead", LINK_TIMEOUT)
+                raise LinkSilent(f"nothing from the leader for {LINK_TIMEOUT:.0f}s") from None
             if not data:
                 log.info("leader closed the replication connection")
                 return

@@ -26,8 +26,12 @@ Each follower gets an LZ4-compressed stream (a frame per batch); positions count
 bytes. ISR: a follower joins the in-sync set once it has acked everything sent
 (it is added locally *before* the etcd write, so no confirm can skip it in
 between); it leaves when it disconnects or has data outstanding and no ack
-progress for ``STALL_TIMEOUT`` — then etcd is updated first and only after
-that do pending confirms stop waiting for it. ``barrier()`` snapshots the
+progress for ``STALL_TIMEOUT`` (a heartbeat after each idle second is data
+too, so a silently dead link is found that way) — then etcd is updated first and only after
+that do pending confirms stop waiting for it. A removal etcd did not take is
+retried (backing off up to a second) until it is written or we stop leading:
+a member etcd no longer lists must never hold confirms, and one it still lists
+must not be skipped. ``barrier()`` snapshots the
 positions sent to every ISR member; the Syncer runs confirm callbacks when the
 barrier resolves. A fenced leader (lease lost) resolves no barrier ever again;
 ``lease_valid`` (the runner's local lease clock) is checked before resolving
@@ -54,6 +58,9 @@ log = logging.getLogger(__name__)
 
 STALL_TIMEOUT = 3.0  # seconds without ack progress (with data outstanding) before a follower is dropped
 HANDSHAKE_TIMEOUT = 5.0
+HEARTBEAT_EVERY = 1.0  # seconds of silence after which a follower is sent a heartbeat
+_HEARTBEAT = codec.encode(codec.HEARTBEAT, b"")
+ISR_RETRY_MAX = 1.0  # seconds: longest pause between attempts to write an ISR removal
 CACHE_LIMIT = 64 * 1024  # replaced files up to this size are kept in memory for bulk sync
 
 
@@ -148,7 +155,8 @@ class FollowerConn:
         return self.sent - self.acked + sum(len(m) for m in self.backlog or ())
 
 
-IsrPublisher = Callable[[list[str]], Awaitable[bool]]
+# True: written; False: we are not the leader any more; None: etcd did not answer, try again.
+IsrPublisher = Callable[[list[str]], Awaitable[bool | None]]
 
 
 class LeaderSink:
@@ -405,7 +413,10 @@ class LeaderSink:
     async def _write_loop(self, f: FollowerConn) -> None:
         try:
             while not f.closed:
-                await f.wake.wait()
+                try:
+                    await asyncio.wait_for(f.wake.wait(), HEARTBEAT_EVERY)
+                except TimeoutError:
+                    f.send(_HEARTBEAT)  # acked like data: the watchdog sees a dead link too
                 f.wake.clear()
                 if not f.out:
                     continue
@@ -452,16 +463,26 @@ class LeaderSink:
             self._spawn(self._remove_from_isr(f.node_id, why))
 
     async def _remove_from_isr(self, node_id: str, why: str) -> None:
+        delay = 0.1
         async with self._isr_lock:
-            if node_id not in self.isr:
-                return
-            members = sorted([self.node_id, *(i for i in self.isr if i != node_id)])
-            # etcd first: only once the ISR no longer names it may confirms skip it.
-            if not await self.publish_isr(members):
-                log.error("could not remove %s from the ISR: leadership lost?", node_id)
-                return
-            self.isr.discard(node_id)
-            log.warning("ISR is now %s (%s left: %s)", members, node_id, why)
+            while node_id in self.isr and not self.fenced:
+                if not self.lease_valid():
+                    self.fence()
+                    break
+                members = sorted([self.node_id, *(i for i in self.isr if i != node_id)])
+                # etcd first: only once the ISR no longer names it may confirms skip it.
+                written = await self.publish_isr(members)
+                if written:
+                    self.isr.discard(node_id)
+                    log.warning("ISR is now %s (%s left: %s)", members, node_id, why)
+                    break
+                if written is False:
+                    log.error("could not remove %s from the ISR: not the leader any more", node_id)
+                    self.fence()
+                    break
+                log.warning("could not remove %s from the ISR yet: retrying in %.1fs", node_id, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, ISR_RETRY_MAX)
         self._check_barriers()
 
     @staticmethod

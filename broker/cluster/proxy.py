@@ -9,8 +9,11 @@ spliced to the current leader's matching port (the leader announces its
 ports in the replication handshake). AMQP connections are prefixed with a
 PROXY protocol v1 header (``PROXY TCP4 src dst sport dport``) so the leader
 sees, logs and authorises the real client address; the leader only honours it
-because the follower is a cluster member. When the leader changes, new
-connections go to the new leader; existing ones end with their leader.
+because the follower is a cluster member. When the leader changes or is lost
+(its key gone, our lease gone, the replication link silent) the runner calls
+``drop_clients``: every spliced connection is closed, so clients reconnect
+(to the new leader) instead of waiting on a leader that may be partitioned
+away and will never send the FIN itself.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class SpliceProxy:
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._writers: set[asyncio.StreamWriter] = set()
+        self._clients: set[asyncio.StreamWriter] = set()
 
     async def start(self, bind: str, port: int) -> None:
         self._server = await asyncio.start_server(self._handle, bind, port, reuse_address=True)
@@ -62,11 +66,20 @@ class SpliceProxy:
         for t in list(self._tasks):
             t.cancel()
 
+    def drop_clients(self) -> int:
+        """Close every spliced connection (both ends); returns how many client sockets."""
+        clients = 0
+        for w in list(self._writers):
+            clients += w in self._clients
+            w.close()
+        return clients
+
     async def _handle(self, creader: asyncio.StreamReader, cwriter: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         if task is not None:
             self._tasks.add(task)
         self._writers.add(cwriter)
+        self._clients.add(cwriter)
         lwriter: asyncio.StreamWriter | None = None
         try:
             host, port = self.target.host, self.target.port
@@ -89,6 +102,7 @@ class SpliceProxy:
                 if w is not None:
                     w.close()
                     self._writers.discard(w)
+                    self._clients.discard(w)
             if task is not None:
                 self._tasks.discard(task)
 

@@ -8,7 +8,14 @@ creates, put-if-absent) the cluster secret and takes a lease.
 
 * No leader key: if the ISR key names us (or does not exist yet: a brand-new
   cluster) we campaign; otherwise we wait — only a member of the ISR has every
-  confirmed message, so only it may lead.
+  confirmed message, so only it may lead. Among ISR members the one with the
+  most complete state must win (``standing.py``): a node defers while a live
+  ISR member (one with a member record) outranks it — warm over cold, then the
+  later term, then a follower over the leader of the same term, which may have
+  died with acks in memory only that its followers have on disk (if it led,
+  bulk sync would hand its older ack files to everyone and bring acked
+  messages back). It defers for at most ``DEFER_LIMIT`` TTLs (a member that
+  cannot win for that long is not coming).
 * Someone else leads: we follow. ``follower.follow`` bulk-syncs the data dir,
   then applies the action stream, fsyncing before every ack. After the first
   completed sync the client ports (AMQP, HTTP) proxy to the leader. An etcd
@@ -70,8 +77,9 @@ from broker.cluster.files import NODE_ID_FILE
 from broker.cluster.hooks import run_hook
 from broker.cluster.leader import LeaderSink
 from broker.cluster.proxy import SpliceProxy, Target
+from broker.cluster.standing import Standing, load_last_role, save_last_role
 from broker.cluster.status import ClusterView, FollowerMetrics
-from broker.config import Config
+from broker.config import ClusteringConfig, Config
 from broker.node import Node
 from broker.store.lock import DataDirLock
 
@@ -82,6 +90,7 @@ DRAIN_TIMEOUT = 10.0  # graceful leader shutdown: longest wait for the ISR to ac
 STATUS_EVERY = 10.0  # seconds between cluster status log lines on the leader
 WATCH_BACKSTOP = 2.0  # seconds between reads of the leader key while its watch is healthy
 MEMBER_EVERY = 1.0  # seconds between checks whether our member record in etcd needs rewriting
+DEFER_LIMIT = 3  # lease TTLs a node waits for a better-placed ISR member to take the lead
 STALL_ENV = "SKRED_TEST_FSYNC_STALL_FILE"  # test hook: fsync blocks while this file exists
 
 
@@ -91,7 +100,7 @@ class _StallWhileFileExists:
     def __init__(self, path: Path) -> None:
         self.path = path
 
-    def sync(self) -> None:
+    def sync(self, full: bool = False, fsync: bool = True) -> None:
         while self.path.exists():
             time.sleep(0.05)  # this runs in the fsync worker thread, like a stuck fsync would
 
@@ -141,9 +150,11 @@ class ClusterRunner:
         self.apply_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skred-replica")
         self._bg: set[asyncio.Task[Any]] = set()
         self.view = ClusterView(self.node_id, self.uri)
+        self.view.last = load_last_role(self.data_dir)
         self.follower_metrics = FollowerMetrics(self.view)
         self._metrics_retry_at = 0.0
         self._member_written: tuple[int | None, str] = (None, "")
+        self._deferring_since: float | None = None
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.ensure_future(coro)
@@ -174,6 +185,9 @@ class ClusterRunner:
         self._lock()
         log.info("cluster node %s (%s) starting, etcd %s prefix %r", self.node_id, self.uri,
                  self.config.clustering.etcd_endpoints, self.etcd.prefix)
+        if self.config.clustering.max_unsynced_actions != ClusteringConfig.max_unsynced_actions:
+            log.warning("[clustering] max_unsynced_actions is deprecated and has no effect: a follower "
+                        "leaves the in-sync set when it stops acking")
         member_loop = asyncio.ensure_future(self._publish_member_loop())
         try:
             while not self.stopping.is_set():
@@ -217,7 +231,8 @@ class ClusterRunner:
     async def _publish_member_loop(self) -> None:
         """Keep ``<prefix>/members/<id>`` current (rewritten when the record or our lease changes)."""
         while True:
-            await asyncio.sleep(MEMBER_EVERY)
+            # Soon after start (peers rank us by this record before they campaign), then every second.
+            await asyncio.sleep(MEMBER_EVERY if self._member_written[0] is not None else POLL)
             lease = self.etcd.lease_id
             if lease is None or self.etcd.client is None:
                 continue
@@ -232,11 +247,14 @@ class ClusterRunner:
             self._member_written = (lease, record)
 
     async def _step(self) -> int | None:
-        leader = await self.etcd.get("leader")
-        if leader is None:
+        got = await self.etcd.get_leader()
+        if got is None:
             self.view.set_role("candidate")
             isr, isr_raw = await self.etcd.read_isr()
             if isr is None or self.node_id in isr:
+                if isr is not None and await self._defer_to_better_member(isr):
+                    await self._pause(POLL)
+                    return None
                 if await self.etcd.campaign(self.uri, isr_raw):
                     return await self._lead()
             else:
@@ -245,15 +263,44 @@ class ClusterRunner:
                 return None
             await self._pause(POLL)
             return None
-        uri = leader.decode()
+        self._deferring_since = None
+        uri, term = got[0].decode(), got[1]
         if uri == self.uri:
-            await self._pause(POLL)  # our own key from before a restart: wait for that lease to end
+            await self.etcd.drop_stale_leader(uri)  # our own key from a previous run: revoke its lease
+            await self._pause(POLL)
             return None
-        await self._follow(uri)
+        await self._follow(uri, term)
         return None
 
+    def _record_role(self, role: str, term: int) -> None:
+        last = {"role": role, "term": term}
+        if self.view.last != last:
+            save_last_role(self.data_dir, role, term)
+            self.view.last = last
+
+    async def _defer_to_better_member(self, isr: list[str]) -> bool:
+        """True while a live ISR member with a more complete copy than ours should lead instead."""
+        mine = Standing.of(self.view.member_record())
+        members = await self.etcd.members()
+        better = sorted(m for m, rec in members.items()
+                        if m != self.node_id and m in isr and Standing.of(rec) > mine)
+        if not mine.warm and self.view.last.get("role") == "leader":
+            # We may have died leading: an ISR member not up yet may well have more than we do.
+            better += sorted(m for m in isr if m != self.node_id and m not in members)
+        if not better:
+            return False
+        now = time.monotonic()
+        if self._deferring_since is None:
+            self._deferring_since = now
+            log.info("not campaigning: in-sync members %s have a more complete copy, one of them must lead",
+                     better)
+        if now - self._deferring_since > DEFER_LIMIT * self.etcd.ttl:
+            log.warning("in-sync members %s did not take the lead: campaigning", better)
+            return False
+        return True
+
     # ---------------------------------------------------------------- follower
-    async def _follow(self, uri: str) -> None:
+    async def _follow(self, uri: str, term: int) -> None:
         parts = urlsplit(uri)
         host, port = parts.hostname or "127.0.0.1", parts.port or 5679
         log.info("following leader %s", uri)
@@ -262,11 +309,14 @@ class ClusterRunner:
         loop = asyncio.get_running_loop()
 
         def on_welcome(w: codec.Welcome) -> None:
+            if (self.amqp_target.host, self.amqp_target.port) != (host, w.amqp_port):
+                self._drop_proxied("the leader changed")  # spliced to a node that no longer leads
             self.amqp_target.host, self.amqp_target.port = host, w.amqp_port
             self.http_target.host, self.http_target.port = host, w.http_port
 
         def on_synced() -> None:
-            self.view.synced = True
+            self.view.synced = self.view.warm = True
+            self._record_role("follower", term)
             if not self.synced_once:
                 self.synced_once = True
                 self._spawn(self._start_proxies())
@@ -279,10 +329,14 @@ class ClusterRunner:
         signalled = asyncio.ensure_future(changed.wait())
         watch_ok = True
         last_read = -WATCH_BACKSTOP  # read the key once right away: it may have moved before the watch
+        lost: str | None = None  # why the leader is lost to us, if it is
         try:
             while not task.done() and not self.stopping.is_set():
                 await asyncio.wait([task, signalled], timeout=POLL)
-                if task.done() or not self.etcd.lease_alive():
+                if task.done():
+                    break
+                if not self.etcd.lease_alive():
+                    lost = "our etcd lease expired"
                     break
                 now = time.monotonic()
                 if watch_ok and watch.done():
@@ -304,6 +358,7 @@ class ClusterRunner:
                     continue
                 if current is None or current.decode() != uri:
                     log.info("leader %s is gone", uri)
+                    lost = "the leader is gone"
                     break
         finally:
             task.cancel()
@@ -312,9 +367,13 @@ class ClusterRunner:
             await asyncio.gather(task, watch, signalled, return_exceptions=True)
             # The single replica worker: wait for any batch still being written.
             await loop.run_in_executor(self.apply_executor, lambda: None)
+        error = None if task.cancelled() else task.exception()
+        if isinstance(error, follower.LinkSilent):
+            lost = "the replication link is silent"
+        if lost is not None:
+            self._drop_proxied(lost)
         if task.cancelled():
             return
-        error = task.exception()
         if isinstance(error, follower.AuthRefused):
             log.error("leader %s refused us: %s", uri, error)
             self.secret = await self.etcd.secret()  # re-read: it may have been reset
@@ -340,6 +399,11 @@ class ClusterRunner:
                 continue
             self.proxies.append(p)
 
+    def _drop_proxied(self, why: str) -> None:
+        dropped = sum(p.drop_clients() for p in self.proxies)
+        if dropped:
+            log.warning("closed %d proxied client connections: %s", dropped, why)
+
     async def _stop_proxies(self) -> None:
         proxies, self.proxies = self.proxies, []
         for p in proxies:
@@ -360,8 +424,10 @@ class ClusterRunner:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, sink.index.scan)
         if not await self.etcd.write_isr([self.node_id]):
-            log.error("lost leadership before serving")
+            log.error("could not write the ISR before serving: giving the leadership up")
+            await self.etcd.resign()
             return None
+        self._record_role("leader", self.etcd.leader_revision)
         self.view.set_role("leader", self.uri, sink)
         node = Node(cfg, sink)
         node.cluster = self.view
@@ -389,6 +455,7 @@ class ClusterRunner:
             await self.etcd.resign()
             await self.etcd.revoke()
             return 1
+        self.view.warm = True
         broker = node.broker
         assert broker is not None and node.amqp_address is not None
         broker.trusted_peers = sink.member_ips  # proxy connections from followers may send PROXY

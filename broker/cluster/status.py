@@ -49,6 +49,8 @@ class ClusterView:
         self.leader_uri: str | None = None
         self.sink: LeaderSink | None = None  # set while leading
         self.synced = False  # follower: first bulk sync completed
+        self.warm = False  # this process has followed in sync or led: its files are complete
+        self.last: dict[str, Any] = {}  # our role and term when we last followed or led (standing.py)
         self.since = time.time()
 
     def set_role(self, role: str, leader_uri: str | None = None, sink: LeaderSink | None = None) -> None:
@@ -86,7 +88,9 @@ class ClusterView:
 
     def member_record(self) -> dict[str, Any]:
         """What this node publishes under ``<prefix>/members/<id>`` (lag rounded: fewer etcd writes)."""
-        record: dict[str, Any] = {"uri": self.uri, "role": self.role}
+        record: dict[str, Any] = {"uri": self.uri, "role": self.role, "warm": self.warm}
+        if self.last:
+            record["last"] = self.last
         lags = self.follower_lags()
         if lags:
             record["lag_bytes"] = {k: _coarse(v) for k, v in lags.items()}

@@ -30,6 +30,7 @@ from broker.http.common import (
 )
 from broker.http.render import channel_json, connection_json, consumers_json, rate
 from broker.model.exchange import EXCHANGE_TYPES
+from broker.model.publish import PublishRequest
 
 routes = web.RouteTableDef()
 
@@ -174,8 +175,8 @@ async def aliveness(request: web.Request) -> web.Response:
     q, _ = vh.declare_queue(ALIVENESS_QUEUE, durable=False, owner=None)
     q.purge()
     body = b"test_message"
-    q.publish(int(time.time() * 1000), b"", ALIVENESS_QUEUE.encode(),
-              commands.Basic.Properties().marshal(), body, False)
+    vh.publish(PublishRequest("", ALIVENESS_QUEUE, bytes(commands.Basic.Properties().marshal()), body,
+                              int(time.time() * 1000), False))
     got = q.get()
     if got is None or got[4] != body:
         return web.json_response({"status": "failed", "reason": "message not returned"}, status=503)

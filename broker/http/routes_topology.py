@@ -13,6 +13,7 @@ from typing import Any
 from aiohttp import web
 from pamqp import commands
 
+from broker.errors import AMQPError
 from broker.http.common import (
     MGMT_KEY,
     bad_request,
@@ -33,6 +34,7 @@ from broker.http.common import (
 )
 from broker.http.render import binding_json, exchange_json, jsonable, queue_json, vhost_bindings
 from broker.model.exchange import EXCHANGE_TYPES, Exchange
+from broker.model.publish import PublishRequest
 from broker.model.queue import Queue
 from broker.model.vhost import VHost
 
@@ -188,19 +190,14 @@ async def publish(request: web.Request) -> web.Response:
     check_perm(request, "write", vh.name, ex.name)
     broker = request.app[MGMT_KEY].broker
     broker.stats.published += 1
-    if ex.name == "":
-        q = vh.queues.get(routing_key)
-        queues = [q] if q is not None else []
-    else:
-        headers = dict(props.headers) if props.headers else None
-        queues = vh.route(ex, routing_key, lambda: headers)
-    if queues:
-        props_bytes = bytes(props.marshal())
-        persistent = props.delivery_mode == 2
-        ts = int(time.time() * 1000)
-        for q in queues:
-            q.publish(ts, ex.name.encode(), routing_key.encode(), props_bytes, data, persistent)
-    else:
+    props_bytes = bytes(props.marshal())
+    try:
+        out = vh.publish(PublishRequest(ex.name, routing_key, props_bytes, data, int(time.time() * 1000),
+                                        props.delivery_mode == 2))
+    except AMQPError as exc:  # e.g. an expiration that is not a number
+        raise bad_request(exc.text) from None
+    queues = out.queues
+    if out.unroutable:
         broker.stats.unroutable += 1
     return web.json_response({"routed": bool(queues)})
 

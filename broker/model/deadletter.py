@@ -117,38 +117,20 @@ def is_cycle(deaths: list[dict[str, Any]], target: str) -> bool:
 
 def dead_letter(vh: VHost, source: Queue, dlx: str, dlrk: str | None, exchange: bytes,
                 routing_key: bytes, props: bytes, body: bytes, reason: str, now_ms: int) -> int:
-    """Republish one dead letter from ``source``; returns the number of queues it reached."""
-    ex = vh.exchanges.get(dlx)
-    if ex is None:
+    """Republish one dead letter from ``source`` through the publish operation (so the
+    dead-letter exchange's own behaviour applies, e.g. a delay); returns the number of
+    queues it reached."""
+    from broker.model.publish import PublishRequest
+
+    if dlx not in vh.exchanges:
         return 0  # RabbitMQ: a missing dead-letter exchange drops the message silently
     new_props, deaths, keys = x_death_props(props, source.name, reason, _s(exchange), _s(routing_key))
-    if dlrk is not None:
-        keys = [dlrk]
-    headers_cache: list[dict[str, Any] | None] = []
 
-    def headers_of() -> dict[str, Any] | None:
-        if not headers_cache:
-            h = codec.decode_properties(new_props).headers
-            headers_cache.append(dict(h) if h else None)
-        return headers_cache[0]
+    def skip(q: Queue) -> bool:
+        return q.deleted or is_cycle(deaths, q.name)
 
-    targets: list[Queue] = []
-    for key in keys:
-        if dlx == "":
-            q = vh.queues.get(key)
-            found = [q] if q is not None else []
-        else:
-            found = vh.route(ex, key, headers_of)
-        for q in found:
-            if q not in targets:
-                targets.append(q)
-    persistent = codec.delivery_mode(new_props) == 2
-    exb = dlx.encode()
-    rkb = keys[0].encode()
-    n = 0
-    for q in targets:
-        if q.deleted or is_cycle(deaths, q.name):
-            continue
-        q.publish(now_ms, exb, rkb, new_props, body, persistent)
-        n += 1
-    return n
+    # with a dead-letter routing key, that key alone routes it; otherwise its routing key and
+    # its CC header, as when it was first published
+    req = PublishRequest(dlx, dlrk if dlrk is not None else keys[0], new_props, body, now_ms,
+                         exclude=skip, cc=dlrk is None)
+    return len(vh.publish(req).queues)

@@ -58,7 +58,6 @@ from broker.store.sink import NULL_SINK
 if TYPE_CHECKING:
     from broker.model.exchange import Exchange
     from broker.model.features import TimerHandle
-    from broker.model.queue import Queue
     from broker.model.vhost import VHost
 
 log = logging.getLogger(__name__)
@@ -239,9 +238,11 @@ class ExchangeSpecial:
         return () if dest is None else (dest,)
 
     # --------------------------------------------------------------- publish
-    def on_publish(self, ts: int, routing_key: str, props: bytes, body: bytes,
-                   persistent: bool) -> tuple[bool, list[Queue] | None]:
-        """(consumed, queues): consumed when dropped or delayed; queues when routed here."""
+    def on_publish(self, ts: int, routing_key: str, props: bytes, body: bytes | memoryview,
+                   persistent: bool) -> tuple[bool, list[object] | None]:
+        """(kept, destinations): kept when dropped as a duplicate or held for a delay;
+        destinations when this exchange picks them itself (hash-property), else None for
+        routing by type. Called by the publish operation at every hop (broker/model/publish.py)."""
         headers: dict[str, Any] | None = None
         if self.dedup is not None:
             headers = _headers(props)
@@ -253,29 +254,19 @@ class ExchangeSpecial:
                 headers = _headers(props)
             delay = _int_arg(headers.get("x-delay"))
             if delay is not None and delay > 0:
-                self.delayed.add(ts, ts + delay, routing_key, props, body)
+                self.delayed.add(ts, ts + delay, routing_key, props, bytes(body))
                 return True, None
         if self.hash_property is not None:
             value = getattr(codec.decode_properties(props), self.hash_property, None)
             if value is None:
                 return False, []
             dest = self.ring().pick(_key_text(value) or "")
-            return False, route_dest(self.vh, dest, routing_key, props)
+            return False, [] if dest is None else [dest]
         return False, None
 
     def close(self, delete: bool = False) -> None:
         if self.delayed is not None:
             self.delayed.close(delete)
-
-
-def route_dest(vh: VHost, dest: object, routing_key: str, props: bytes) -> list[Queue]:
-    from broker.model.exchange import Exchange
-    from broker.model.queue import Queue as QueueT
-    if isinstance(dest, QueueT):
-        return [dest]
-    if isinstance(dest, Exchange):
-        return vh.route(dest, routing_key, lambda: _headers(props) or None)
-    return []
 
 
 # ------------------------------------------------------------------ delayed store
@@ -286,11 +277,11 @@ class DelayedStore:
         self.durable = ex.durable
         if ex.durable:
             directory = queue_dir(vh.dir / "delayed", ex.name)
-            self.store = QueueStore(directory, segment_size=vh.segment_size, sink=vh.sink)
+            self.store = QueueStore(directory, segment_size=vh.segment_size, sink=vh.sink, files=vh.files)
         else:
             directory = queue_dir(vh.transient_dir / "delayed", ex.name)
             shutil.rmtree(directory, ignore_errors=True)
-            self.store = QueueStore(directory, segment_size=vh.segment_size, sink=NULL_SINK)
+            self.store = QueueStore(directory, segment_size=vh.segment_size, sink=NULL_SINK, files=vh.files)
         self.heap: list[tuple[int, int, int]] = []
         self._seq = itertools.count()
         self._timer: TimerHandle | None = None
@@ -363,25 +354,12 @@ class DelayedStore:
         self._arm()
 
     def route(self, routing_key: str, props: bytes, body: bytes) -> None:
-        from broker.model import features
-        vh = self.vh
+        """A due message: published again from this exchange, which now routes it by its
+        underlying type (its delay is not applied again; exchanges after it apply theirs)."""
+        from broker.model.publish import PublishRequest, publish
         if self.vh.exchanges.get(self.ex.name) is not self.ex:
             return
-        props, extra, has_exp = features.inspect_publish(props) if props and props[0] & 0x21 \
-            else (props, None, False)
-        persistent = bool(props and props[0] & 0x10) and codec.delivery_mode(props) == 2
-        queues: list[Queue] = []
-        for key in (routing_key, *(extra or ())):
-            for q in vh.route(self.ex, key, lambda: _headers(props) or None):
-                if q not in queues:
-                    queues.append(q)
-        exb = self.ex.name.encode()
-        rkb = routing_key.encode()
-        ts = _now_ms()
-        for q in queues:
-            if has_exp:
-                features.ensure(q, vh).msg_ttl_seen = True
-            q.publish(ts, exb, rkb, props, body, persistent)
+        publish(self.vh, PublishRequest(self.ex.name, routing_key, props, body, _now_ms()), first_hop=False)
 
     def close(self, delete: bool = False) -> None:
         self.closed = True

@@ -49,7 +49,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 from broker import errors
 from broker.amqp import codec
@@ -76,6 +76,7 @@ class TimerHandle(Protocol):
 
 
 CallLater = Callable[[float, Callable[[], None]], TimerHandle]
+Taken = tuple[int, bytes, bytes, bytes, bytes, bool]  # msgid, exchange, routing key, props, body, redelivered
 
 
 def now_ms() -> int:
@@ -456,7 +457,7 @@ class QueueFeatures:
         if self.q.consumers:
             self._grace = True
             try:
-                self.deliver()
+                self.q._deliver()
             finally:
                 self._grace = False
         self.arm_expiry()
@@ -638,68 +639,63 @@ class QueueFeatures:
                 return deadletter.set_header(props, "x-delivery-count", n)
         return props
 
-    def deliver(self) -> None:
-        q = self.q
-        q._scheduled = False
-        if q.deleted:
-            return
-        store = q.store
-        budget = _PASS_BUDGET
-        expiring = self.expiring
-        now = now_ms()
-        while budget and q.consumers and store.ready_count:
-            c = self._pick()
-            if c is None:
-                break
-            msgid = store.shift()
-            if msgid is None:
-                break
-            ts, exchange, routing_key, props, body = store.read(msgid)
-            budget -= 1
-            if expiring and self._is_expired(ts, props, now):
-                self._discard(msgid)
-                self._dead_letter(exchange, routing_key, props, body, "expired")
-                continue
-            redelivered = store.is_redelivered(msgid)
-            props = self._props_for_delivery(msgid, props)
-            q.n_delivered += 1
-            if redelivered:
-                q.n_redelivered += 1
-            if c.no_ack:
-                store.ack(msgid)
-                if self.delivery_counts:
-                    self.delivery_counts.pop(msgid, None)
-                if self.dedup is not None:
-                    self.dedup.removed(msgid)
-            elif self.dedup is not None:
-                self.dedup.taken(msgid)
-            c.deliver(msgid, exchange, routing_key, props, body, redelivered)
-        if not budget:
-            q.schedule_delivery()
-        elif expiring and not self._grace:
-            self.arm_expiry()
+    # ------------------------------------------------- hooks of Queue._deliver
+    @property
+    def per_message(self) -> bool:
+        """Whether deliveries need this queue's per-message work; without it the queue
+        delivers as a plain one (store runs included)."""
+        return (self.expiring or bool(self.delivery_counts) or self.dedup is not None
+                or self.pstore is not None or self.cfg.single_active or self._prio_consumers)
 
-    def get(self) -> tuple[int, bytes, bytes, bytes, bytes, bool] | None:
-        q = self.q
-        self.touch()
-        if self.expiring:
-            self.expire_head()
-        store = q.store
+    def pass_started(self) -> int:
+        return now_ms()
+
+    def pick(self) -> Consumer | None:
+        return self._pick()
+
+    def take(self, autoack: bool, now: int) -> Taken | Literal[False] | None:
+        """The head message for a delivery as ``Consumer.deliver`` takes it, settled at once
+        for an autoack consumer; False when the head had expired (dead-lettered instead);
+        None when nothing is ready."""
+        store = self.q.store
         msgid = store.shift()
         if msgid is None:
             return None
-        _ts, exchange, routing_key, props, body = store.read(msgid)
+        ts, exchange, routing_key, props, body = store.read(msgid)
+        if self.expiring and self._is_expired(ts, props, now):
+            self._discard(msgid)
+            self._dead_letter(exchange, routing_key, props, body, "expired")
+            return False
         redelivered = store.is_redelivered(msgid)
         props = self._props_for_delivery(msgid, props)
-        q.n_delivered += 1
-        q.n_redelivered += redelivered
+        if autoack:
+            store.ack(msgid)
+            self.forget(msgid)
+        elif self.dedup is not None:
+            self.dedup.taken(msgid)
+        return msgid, exchange, routing_key, props, body, redelivered
+
+    def pass_done(self, more: bool) -> None:
+        if not more and self.expiring and not self._grace:
+            self.arm_expiry()
+
+    # ------------------------------------------------- hooks of Queue.get and settlement
+    def before_get(self) -> None:
+        self.touch()
+        if self.expiring:
+            self.expire_head()
+
+    def taken(self, msgid: int, props: bytes) -> bytes:
+        """A message was taken by basic.get: its properties as delivered."""
+        props = self._props_for_delivery(msgid, props)
         if self.dedup is not None:
             self.dedup.taken(msgid)
         if self.expiring:
             self.arm_expiry()
-        return msgid, exchange, routing_key, props, body, redelivered
+        return props
 
-    def acked(self, msgid: int) -> None:
+    def forget(self, msgid: int) -> None:
+        """A message left the queue for good (acked, or rejected without requeue)."""
         if self.delivery_counts:
             self.delivery_counts.pop(msgid, None)
         if self.dedup is not None:
@@ -710,28 +706,27 @@ class QueueFeatures:
         if self.dedup is not None:
             self.dedup.purged()
 
-    def reject(self, msgid: int, requeue: bool) -> None:
-        q = self.q
-        store = q.store
+    def may_requeue(self, msgid: int) -> bool:
+        """Count a requeue against ``x-delivery-limit``; False once the limit is passed."""
         limit = self.cfg.delivery_limit
-        if requeue and limit is not None:
-            n = self.delivery_counts.get(msgid, 0) + 1
-            if n <= limit:
-                self.delivery_counts[msgid] = n
-            else:
-                requeue = False
-                reason = "delivery_limit"
-        else:
-            reason = "rejected"
-        if requeue:
-            store.requeue(msgid)
-            if self.dedup is not None:
-                self.dedup.returned(msgid)
-            q.schedule_delivery()
-            if self.expiring:
-                self.arm_expiry()
-            return
-        _ts, exchange, routing_key, props, body = store.read(msgid)
-        self._discard(msgid)
-        q.n_acked += 1
+        if limit is None:
+            return True
+        n = self.delivery_counts.get(msgid, 0) + 1
+        if n > limit:
+            return False
+        self.delivery_counts[msgid] = n
+        return True
+
+    def requeued(self, msgid: int) -> None:
+        if self.dedup is not None:
+            self.dedup.returned(msgid)
+        if self.expiring:
+            self.arm_expiry()
+
+    @property
+    def dead_letters(self) -> bool:
+        return self.cfg.dlx is not None and self.vhost is not None
+
+    def dead_letter(self, exchange: bytes, routing_key: bytes, props: bytes, body: bytes,
+                    reason: str) -> None:
         self._dead_letter(exchange, routing_key, props, body, reason)

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from broker.model.fastpaths import FastPaths
 from broker.store.queue_store import QueueStore
 from broker.store.segment import short_pair
 
@@ -86,7 +87,7 @@ class Queue:
         "vhost", "name", "durable", "exclusive_owner", "auto_delete", "arguments", "store",
         "consumers", "_schedule", "_scheduled", "_rr", "deleted", "had_consumers", "on_unused",
         "name_bytes", "on_dirty", "n_published", "n_delivered", "n_acked", "n_redelivered",
-        "features",
+        "features", "fast",
     )
 
     def __init__(
@@ -102,6 +103,7 @@ class Queue:
         schedule: Callable[[Callable[[], None]], object],
         on_unused: Callable[[Queue], None],
         on_dirty: Callable[[QueueStore], None],
+        fast: FastPaths | None = None,
     ) -> None:
         self.vhost = vhost
         self.name = name
@@ -126,6 +128,8 @@ class Queue:
         self.n_redelivered = 0
         # TTL, limits, DLX, priorities...: None on a plain queue (see broker/model/features.py).
         self.features: QueueFeatures | None = None
+        # direct hand-over and delivery runs on (the vhost's switch; tests turn it off)
+        self.fast = fast if fast is not None else FastPaths()
 
     # ------------------------------------------------------------ publishing
     def publish(self, ts: int, exchange: bytes, routing_key: bytes, props: bytes, body: bytes | memoryview,
@@ -140,7 +144,7 @@ class Queue:
                 body = bytes(body)
             return self.features.publish(ts, exchange, routing_key, props, body, persistent)
         store = self.store
-        if self.consumers and not store.ready_count:
+        if self.consumers and not store.ready_count and self.fast.on:
             # Nothing waits: hand the message straight to a consumer with capacity.
             c = self._next_consumer()
             if c is not None:
@@ -270,27 +274,33 @@ class Queue:
             self._schedule(self._deliver)
 
     def _deliver(self) -> None:
-        if self.features is not None:
-            self.features.deliver()
-            return
+        """One delivery pass, for every classic queue. Without per-message work (no
+        features, or features that only matter at publish or settlement) a single consumer
+        takes runs straight from the store and several take turns; with it (expiry,
+        delivery counts, deduplication, priorities, single active consumer, consumer
+        priorities) the features pick the consumer and take each message (``take``)."""
         self._scheduled = False
         if self.deleted:
             return
-        next_delivery = self.store.next_delivery
+        f = self.features
+        store = self.store
+        plain = f is None or not f.per_message
         consumers = self.consumers
         budget = _PASS_BUDGET
         nbytes = 0  # body bytes handed out in this pass: bounds the output buffers
         delivered = redelivered_n = 0
+        now = f.pass_started() if f is not None else 0
         try:
-            while budget > 0 and consumers and self.store.ready_count:
-                if len(consumers) == 1:
+            while budget > 0 and consumers and store.ready_count:
+                if plain and len(consumers) == 1:
                     # One consumer: ask its capacity once and hand it a run of messages.
                     c = consumers[0]
                     k = min(c.capacity(), budget)
                     if k <= 0:
                         return  # no capacity; whoever frees some reschedules us
-                    got_n, red_n, nb = self.store.deliver_run(k, c.no_ack, c.deliver_raw,
-                                                              _PASS_BYTES - nbytes, c.deliver_same)
+                    same = c.deliver_same if self.fast.on else None
+                    got_n, red_n, nb = store.deliver_run(k, c.no_ack, c.deliver_raw, _PASS_BYTES - nbytes,
+                                                         same)
                     delivered += got_n
                     redelivered_n += red_n
                     nbytes += nb
@@ -298,36 +308,59 @@ class Queue:
                         return  # the queue is empty
                     budget -= got_n
                 else:
-                    # Several consumers: round-robin, one message each.
-                    rr = self._next_consumer()
+                    # Round-robin (or by the features' rules), one message each.
+                    rr = self._next_consumer() if f is None else f.pick()
                     if rr is None:
                         return  # nobody has capacity; whoever frees some reschedules us
-                    got = next_delivery(rr.no_ack)
-                    if got is None:
-                        return
-                    delivered += 1
-                    redelivered_n += got[4]
-                    nbytes += len(got[3])
-                    rr.deliver_raw(*got)
                     budget -= 1
+                    if plain:
+                        got = store.next_delivery(rr.no_ack)
+                        if got is None:
+                            return
+                        delivered += 1
+                        redelivered_n += got[4]
+                        nbytes += len(got[3])
+                        rr.deliver_raw(*got)
+                    else:
+                        assert f is not None
+                        m = f.take(rr.no_ack, now)
+                        if m is None:
+                            return
+                        if m is False:
+                            continue  # an expired head, dead-lettered
+                        delivered += 1
+                        redelivered_n += m[5]
+                        nbytes += len(m[4])
+                        rr.deliver(*m)
                 if nbytes > _PASS_BYTES:
                     budget = 0  # let the output drain first
             if budget <= 0:
                 self.schedule_delivery()
         finally:
-            self.store.end_pass()
+            if plain:
+                store.end_pass()
             self.n_delivered += delivered
             self.n_redelivered += redelivered_n
+            if f is not None:
+                f.pass_done(budget <= 0)
 
-    # ------------------------------------------------------------------ get
+    # ------------------------------------------------------- get and settlement
+    # One implementation for every queue; a queue with features contributes hooks
+    # (broker/model/features.py): expiry before a get, x-delivery-count and deduplication
+    # bookkeeping when a message is taken, forgotten or requeued, the delivery limit and
+    # dead-lettering when one is rejected.
     def get(self) -> tuple[int, bytes, bytes, bytes, bytes, bool] | None:
-        if self.features is not None:
-            return self.features.get()
-        msgid = self.store.shift()
+        f = self.features
+        if f is not None:
+            f.before_get()
+        store = self.store
+        msgid = store.shift()
         if msgid is None:
             return None
-        _ts, exchange, routing_key, props, body = self.store.read(msgid)
-        redelivered = self.store.is_redelivered(msgid)
+        _ts, exchange, routing_key, props, body = store.read(msgid)
+        redelivered = store.is_redelivered(msgid)
+        if f is not None:
+            props = f.taken(msgid, props)
         self.n_delivered += 1
         self.n_redelivered += redelivered
         return msgid, exchange, routing_key, props, body, redelivered
@@ -338,31 +371,46 @@ class Queue:
         self.store.ack(msgid)
         self.n_acked += 1
         if self.features is not None:
-            self.features.acked(msgid)
+            self.features.forget(msgid)
         if self.durable:
             self.on_dirty(self.store)
 
     def ack_many(self, msgids: list[int]) -> None:
         if self.deleted:
             return
-        if self.features is not None:
+        f = self.features
+        if f is not None and f.pstore is not None:  # one store per priority: acked one by one
             for msgid in msgids:
                 self.ack(msgid)
             return
         self.store.ack_many(msgids)
         self.n_acked += len(msgids)
+        if f is not None:
+            for msgid in msgids:
+                f.forget(msgid)
         if self.durable:
             self.on_dirty(self.store)
 
     def reject(self, msgid: int, requeue: bool) -> None:
+        """basic.reject/nack: requeue, or settle it (dead-lettered when the queue has a
+        dead-letter exchange); over ``x-delivery-limit`` a requeue becomes a dead letter."""
         if self.deleted:
             return
-        if self.features is not None:
-            self.features.reject(msgid, requeue)
-            return
+        f = self.features
+        reason = "rejected"
+        if requeue and f is not None and not f.may_requeue(msgid):
+            requeue = False
+            reason = "delivery_limit"
         if requeue:
             self.store.requeue(msgid)
+            if f is not None:
+                f.requeued(msgid)
             self.schedule_delivery()
+            return
+        if f is not None and f.dead_letters:
+            _ts, exchange, routing_key, props, body = self.store.read(msgid)
+            self.ack(msgid)
+            f.dead_letter(exchange, routing_key, props, body, reason)
         else:
             self.ack(msgid)
 

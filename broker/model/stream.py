@@ -167,7 +167,8 @@ def new_stream_queue(vh: VHost, name: str, *, durable: bool, exclusive: bool, au
     retention = retention_from_arguments(arguments)
     seg_size = _int_arg(arguments, "x-stream-max-segment-size-bytes") or vh.segment_size
     directory = queue_dir(vh.dir, name)
-    store = StreamStore(directory, segment_size=max(seg_size, 64), sink=vh.sink, retention=retention)
+    store = StreamStore(directory, segment_size=max(seg_size, 64), sink=vh.sink, retention=retention,
+                        files=vh.files)
     qfile = directory / ".queue"
     if not qfile.exists():
         qfile.write_text(name)

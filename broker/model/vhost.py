@@ -31,12 +31,15 @@ from pamqp.base import Frame as PFrame
 
 from broker import errors
 from broker.model import exchange_features, features, policy
+from broker.model import publish as publishing
 from broker.model.exchange import Exchange
+from broker.model.fastpaths import FastPaths
 from broker.model.limits import VHostLimits
 from broker.model.queue import Queue
 from broker.store.definitions import DefinitionsLog
 from broker.store.paths import queue_dir, vhost_dir
 from broker.store.queue_store import QueueStore
+from broker.store.segment_log import SegmentFiles
 from broker.store.sink import NULL_SINK, ReplicationSink
 
 log = logging.getLogger(__name__)
@@ -68,6 +71,8 @@ class VHost:
         mark_dirty: Callable[[Any], None],
         transient_root: Path,
         call_later: features.CallLater | None = None,
+        write_through: bool = False,
+        files: SegmentFiles | None = None,
     ) -> None:
         self.name = name
         self.dir = vhost_dir(data_dir, name)
@@ -77,6 +82,9 @@ class VHost:
         self.sink = sink
         self.schedule = schedule
         self.mark_dirty = mark_dirty
+        self.write_through = write_through  # synchronous settlements (ack_sync_interval = 0)
+        # the node's disk and mapped-segment budget, shared by every store (None: per vhost)
+        self.files = files if files is not None else SegmentFiles()
         self.exchanges: dict[str, Exchange] = {}
         self.queues: dict[str, Queue] = {}
         self.closed_queues: dict[str, str] = {}  # name -> why (corrupt store)
@@ -91,6 +99,7 @@ class VHost:
         self.policy_set = policy.PolicySet(self.dir / "policies.json", sink)
         self.limits = VHostLimits(self.dir / "limits.json", sink)  # max-connections, max-queues
         self._replaying = False
+        self.fast = FastPaths()  # publish/delivery runs and direct hand-over (tests switch off)
         self._load()
 
     # ------------------------------------------------------------ definitions
@@ -287,7 +296,8 @@ class VHost:
         persistent = durable and not exclusive
         if persistent:
             store = QueueStore(queue_dir(self.dir, name), segment_size=self.segment_size,
-                               sink=self.sink, persistent_only=True)
+                               sink=self.sink, persistent_only=True, notify=self.mark_dirty,
+                               write_through=self.write_through, files=self.files)
             qfile = queue_dir(self.dir, name) / ".queue"
             if not qfile.exists():
                 qfile.write_text(name)
@@ -296,11 +306,11 @@ class VHost:
             tdir = queue_dir(self.transient_dir, name)
             if tdir.exists():
                 shutil.rmtree(tdir, ignore_errors=True)
-            store = QueueStore(tdir, segment_size=self.segment_size, sink=NULL_SINK)
+            store = QueueStore(tdir, segment_size=self.segment_size, sink=NULL_SINK, files=self.files)
         store = features.make_store(store, args_cfg)  # x-max-priority: one store per level
         q = Queue(self.name, name, durable=durable, exclusive_owner=owner if exclusive else None,
                   auto_delete=auto_delete, arguments=arguments, store=store, schedule=self.schedule,
-                  on_unused=self._queue_unused, on_dirty=self.mark_dirty)
+                  on_unused=self._queue_unused, on_dirty=self.mark_dirty, fast=self.fast)
         self.queues[name] = q
         self.exchanges[""].bind(q, name)
         policy.apply_to_queue(self, q)  # features from arguments and policies (None if plain)
@@ -388,37 +398,17 @@ class VHost:
             if src.auto_delete and not src.has_bindings():
                 self._auto_delete_exchange(src)
 
-    # ---------------------------------------------------------------- routing
-    def route(self, ex: Exchange, routing_key: str,
-              headers_of: Callable[[], dict[str, Any] | None]) -> list[Queue]:
-        """Queues a message reaches, following exchange-to-exchange bindings once each."""
-        first = ex.route(routing_key, headers_of)
-        if not first and ex.alternate:
-            alt = self.exchanges.get(ex.alternate)
-            if alt is not None and alt is not ex:
-                first = alt.route(routing_key, headers_of)
-        queues: list[Queue] = []
-        nested: list[Exchange] | None = None
-        for d in first:
-            if isinstance(d, Queue):
-                queues.append(d)
-            elif isinstance(d, Exchange):
-                nested = nested or []
-                nested.append(d)
-        if nested:
-            seen: set[int] = {id(ex)}
-            while nested:
-                e = nested.pop()
-                if id(e) in seen:
-                    continue
-                seen.add(id(e))
-                for d in e.route(routing_key, headers_of):
-                    if isinstance(d, Queue):
-                        if d not in queues:
-                            queues.append(d)
-                    elif isinstance(d, Exchange):
-                        nested.append(d)
-        return queues
+    # ---------------------------------------------------------------- publish
+    def publish(self, req: publishing.PublishRequest) -> publishing.PublishOutcome:
+        """THE publish operation: route, apply every exchange's and queue's behaviour,
+        append; the outcome says what happened (broker/model/publish.py)."""
+        return publishing.publish(self, req)
+
+    def publish_run(self, exchange: str, routing_key: str, names: publishing.EncodedNames, props: list[bytes],
+                    bodies: list[bytes], same: bool, ts: int) -> publishing.PublishOutcome | None:
+        """Several messages to one exchange and routing key at once, or None when they must be
+        published one by one (broker/model/publish.py)."""
+        return publishing.publish_run(self, exchange, routing_key, names, props, bodies, same, ts)
 
     # --------------------------------------------------------------- policies
     def set_policy(self, name: str, pattern: str, definition: dict[str, Any], priority: int = 0,

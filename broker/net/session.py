@@ -37,8 +37,8 @@ from pamqp.base import Frame as PFrame
 from broker import errors
 from broker.amqp import codec
 from broker.amqp.connection import CH_OPEN, AMQPConnection, PublishArgs
+from broker.model.publish import PublishRequest
 from broker.model.queue import Consumer, Queue
-from broker.net.publish_features import publish_exchange_special, publish_special
 
 if TYPE_CHECKING:
     from broker.model.vhost import VHost
@@ -272,6 +272,7 @@ class Session(AMQPConnection):
         self.stats = broker.stats
         self._write_ok: set[str] = set()  # exchanges this user may publish to (cache)
         self.batch_queues: set[Queue] = set()  # queues with consumers it published to
+        self.unanswered = False  # published without confirms since the network layer last looked
         self._dm_props = b""  # the properties whose delivery mode _dm_persistent holds
         self._dm_persistent = False
         self.name = f"{peer[0]}:{peer[1]}"
@@ -408,13 +409,21 @@ class Session(AMQPConnection):
         if chs.confirm:
             chs.publish_seq += 1
             self._confirm_dirty.add(chs)
-        if chs.tx is not None:
-            self.vhost_obj.get_exchange(args.exchange)
-            chs.tx.append(("publish", args, props, bytes(body)))
-            return
-        self._publish(chs, args, props, body)
+        else:
+            self.unanswered = True
+        try:
+            if chs.tx is not None:
+                self.vhost_obj.get_exchange(args.exchange)
+                chs.tx.append(("publish", args, props, bytes(body)))
+                return
+            self._publish(chs, args, props, body)
+        except errors.AMQPError as exc:
+            if not exc.class_id:  # the failing method is basic.publish, whichever path parsed it
+                exc.class_id, exc.method_id = 60, 40
+            raise
 
     def _publish(self, chs: ChannelState, args: PublishArgs, props: bytes, body: bytes | memoryview) -> None:
+        """One publish through the model's publish operation, answered in AMQP."""
         vh = self.vh
         assert vh is not None
         self.stats.published += 1
@@ -422,43 +431,39 @@ class Session(AMQPConnection):
         if flags & 0x02:  # reply-to (flag 0x0200) may need rewriting for direct reply-to
             props = self._rewrite_reply_to(chs, props)
         exchange = args.exchange
-        routing_key = args.routing_key
         ex = vh.exchanges.get(exchange)
-        if ex is None:
-            raise errors.NotFound(f"no exchange '{exchange}' in vhost '{vh.name}'", 60, 40)
-        if ex.internal:
-            raise errors.AccessRefused(f"cannot publish to internal exchange '{exchange}'", 60, 40)
-        if exchange not in self._write_ok:
-            self._check("write", exchange)
-            self._write_ok.add(exchange)
+        if ex is None or ex.internal or exchange not in self._write_ok:
+            self._may_publish_to(exchange)
         persistent = bool(flags & 0x10) and self._persistent(props)
-        # delayed / consistent-hash / dedup exchanges: broker/model/exchange_features.py
-        if ex.special is not None and publish_exchange_special(self, chs, ex, args, props, bytes(body),
-                                                               persistent):
-            return
-        # headers (0x2000: CC/BCC) or expiration (0x0100): broker/net/publish_features.py
-        if flags & 0x21 and publish_special(self, chs, ex, args, props, bytes(body), persistent):
-            return
-        if exchange == "":
-            q = vh.queues.get(routing_key)
-            if q is not None and q.features is None:
-                # the common case, kept short: one plain queue by name
-                q.publish(self.now_ms, b"", args.routing_key_b, props, body, persistent, args.exrk)
+        out = vh.publish(PublishRequest(exchange, args.routing_key, props, body, self.now_ms, persistent,
+                                        args))
+        if out.queues:
+            for q in out.queues:
                 if q.consumers:
                     self.batch_queues.add(q)
-                if persistent and chs.confirm and q.durable:
-                    chs.needs_sync = True
+            if out.rejected:
+                self.publish_rejected(chs)  # x-overflow reject-publish: a nack
+        elif not out.held:
+            routing_key = args.routing_key
+            if exchange == "" and routing_key.startswith(REPLY_TO_PREFIX) and self._direct_reply(
+                    routing_key, exchange, props, bytes(body)):
                 return
-            if q is None:
-                if routing_key.startswith(REPLY_TO_PREFIX) and self._direct_reply(
-                        routing_key, exchange, props, bytes(body)):
-                    return
-                queues: list[Queue] = []
-            else:
-                queues = [q]
-        else:
-            queues = vh.route(ex, routing_key, lambda: _headers(props))
-        self.store_routed(chs, args, props, body, persistent, queues)
+            self.stats.unroutable += 1
+            if args.mandatory:
+                self.out += codec.encode_return(chs.id, 312, b"NO_ROUTE", args.exchange_b, args.routing_key_b,
+                                                props, bytes(body), self.frame_max)
+        if out.sync and chs.confirm:
+            chs.needs_sync = True
+
+    def _may_publish_to(self, exchange: str) -> None:
+        """404 for a missing exchange, 403 for an internal one or without write permission
+        (the permission is remembered once granted)."""
+        vh = self.vhost_obj
+        ex = vh.get_exchange(exchange)
+        if ex.internal:
+            raise errors.AccessRefused(f"cannot publish to internal exchange '{exchange}'", 60, 40)
+        self._check("write", exchange)
+        self._write_ok.add(exchange)
 
     def _persistent(self, props: bytes) -> bool:
         """delivery-mode 2? Parsed once per properties object: a publisher repeating its
@@ -473,31 +478,20 @@ class Session(AMQPConnection):
 
     def handle_publish_run(self, channel: int, args: PublishArgs, props: list[bytes], bodies: list[bytes],
                            same: bool) -> None:
-        """A run of publishes to one exchange and routing key: routed once and handed to
-        each queue as a run, when that is the same as publishing them one by one.
-        Anything unusual (transactions, reply-to, CC/BCC headers, expiration, special
-        exchanges, queues with features, no route, a refused first publish) takes the
-        one-by-one path from the first message on."""
+        """A run of publishes to one exchange and routing key: the publish operation takes it
+        as a run when that is the same as publishing them one by one (its decision,
+        ``VHost.publish_run``); otherwise, and for what is AMQP's own (transactions,
+        direct reply-to, a first publish to an exchange), one by one from the first on."""
         chs = self.chs[channel]
-        p0 = props[0]
-        flags = p0[0]  # a content header holds at least the two flag bytes
-        if same:
-            odd = flags & 0x23
-        else:
-            odd = any(p[0] & 0x23 for p in props)
         vh = self.vh
         exchange = args.exchange
-        ex = None if vh is None or chs.tx is not None or odd else vh.exchanges.get(exchange)
-        if ex is None or ex.internal or ex.special is not None or exchange not in self._write_ok:
+        ex = None if vh is None else vh.exchanges.get(exchange)
+        if ex is None or ex.internal or chs.tx is not None or exchange not in self._write_ok \
+                or (props[0][0] & 0x02 if same else any(p[0] & 0x02 for p in props)):
             self.publish_each(channel, args, props, bodies)
             return
-        if exchange == "":
-            q = vh.queues.get(args.routing_key)  # type: ignore[union-attr]
-            queues = [] if q is None else [q]
-        else:
-            # no message of the run has headers (0x20 sends it one by one), so one route fits all
-            queues = vh.route(ex, args.routing_key, lambda: _headers(p0))  # type: ignore[union-attr]
-        if not queues or any(q.features is not None for q in queues):
+        out = self.vhost_obj.publish_run(exchange, args.routing_key, args, props, bodies, same, self.now_ms)
+        if out is None:
             self.publish_each(channel, args, props, bodies)
             return
         k = len(bodies)
@@ -506,42 +500,25 @@ class Session(AMQPConnection):
         if chs.confirm:
             chs.publish_seq += k
             self._confirm_dirty.add(chs)
-        if same:
-            persistent = bool(flags & 0x10) and self._persistent(p0)
-        else:  # any of them (it only decides whether a sync is needed)
-            persistent = any(p[0] & 0x10 and codec.delivery_mode(p) == 2 for p in props)
-        ts = self.now_ms
-        exb = args.exchange_b
-        rkb = args.routing_key_b
-        exrk = args.exrk
-        for q in queues:
-            q.publish_run(ts, exb, rkb, props, bodies, persistent, exrk, same)
+        else:
+            self.unanswered = True
+        for q in out.queues:
             if q.consumers:
                 self.batch_queues.add(q)
-            if persistent and q.durable and chs.confirm:
-                chs.needs_sync = True
+        if out.sync and chs.confirm:
+            chs.needs_sync = True
 
-    def store_routed(self, chs: ChannelState, args: PublishArgs, props: bytes, body: bytes | memoryview,
-                     persistent: bool, queues: list[Queue]) -> None:
-        """Append a routed message to its queues, or count it unroutable (and return it
-        if mandatory). Every publish path ends here once it knows the queues."""
-        if queues:
-            ts = self.now_ms
-            exb = args.exchange_b
-            rkb = args.routing_key_b
-            exrk = args.exrk
-            for q in queues:
-                if q.publish(ts, exb, rkb, props, body, persistent, exrk) is False:
-                    self.publish_rejected(chs)  # x-overflow reject-publish
-                if q.consumers:
-                    self.batch_queues.add(q)
-                if persistent and q.durable and chs.confirm:
-                    chs.needs_sync = True
-        else:
-            self.stats.unroutable += 1
-            if args.mandatory:
-                self.out += codec.encode_return(chs.id, 312, b"NO_ROUTE", args.exchange_b, args.routing_key_b,
-                                                props, bytes(body), self.frame_max)
+    def publishes_in_flight(self) -> bool:
+        """Whether this client may be sending more publishes while we work: it published
+        without confirms in this read batch (we cannot see where such a stream ends), or it
+        waits for confirms or a deferred reply (tx.commit-ok). A client with nothing in flight
+        waits for us, so holding its reads back (net/server.py) would only add latency."""
+        if self.unanswered:
+            return True
+        for chs in self.chs.values():
+            if chs.publish_seq != chs.confirmed or chs.deferred is not None:
+                return True
+        return False
 
     def _rewrite_reply_to(self, chs: ChannelState, props: bytes) -> bytes:
         p = codec.decode_properties(props)
@@ -617,10 +594,11 @@ class Session(AMQPConnection):
                     self.out += codec.encode_confirm(chs.id, n, False, True)
             if upto <= chs.confirmed:
                 return
-        multiple = upto - chs.confirmed > 1
+        n = upto - chs.confirmed
         chs.confirmed = upto
-        self.out += codec.encode_confirm(chs.id, upto, multiple, nack)
-        self.broker.stats.confirmed += 1
+        self.out += codec.encode_confirm(chs.id, upto, n > 1, nack)
+        if not nack:
+            self.broker.stats.confirmed += n  # messages, not frames (one ack covers many)
 
     # -------------------------------------------------------------------- acks
     def handle_ack(self, channel: int, delivery_tag: int, multiple: bool) -> None:
@@ -764,7 +742,10 @@ class Session(AMQPConnection):
         q = self.vhost_obj.get_queue(m.queue, self)
         n = q.purge()
         if not m.nowait:
-            self.reply(chs, commands.Queue.PurgeOk(message_count=n))
+            if self.broker.syncer.synchronous:  # purge-ok once the purge is on disk
+                self.reply_after_sync(chs, commands.Queue.PurgeOk(message_count=n))
+            else:
+                self.reply(chs, commands.Queue.PurgeOk(message_count=n))
 
     def _queue_delete(self, chs: ChannelState, m: commands.Queue.Delete) -> None:
         self._check("configure", m.queue)
@@ -931,14 +912,6 @@ class Session(AMQPConnection):
 
     def channel_is_open(self, ch: int) -> bool:
         return self.channels.get(ch) == CH_OPEN
-
-
-def _headers(props: bytes) -> dict[str, Any] | None:
-    try:
-        h = codec.decode_properties(props).headers
-    except Exception:
-        return None
-    return dict(h) if h else None
 
 
 _HANDLERS: dict[type, Callable[[Session, ChannelState, Any], None]] = {

@@ -72,10 +72,11 @@ class DefinitionsLog:
         if self._sink.active:
             self._sink.replace(self.path, data)
 
-    def sync(self) -> None:
+    def sync(self, full: bool = False, fsync: bool = True) -> None:
         if self._fd is not None and self._dirty:
             self._dirty = False
-            os.fsync(self._fd)
+            if fsync:  # else the caller's syncfs covers it
+                os.fsync(self._fd)
 
     def close(self) -> None:
         self.sync()

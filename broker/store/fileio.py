@@ -7,8 +7,11 @@ reader therefore sees either the old or the new content, never a mix, even after
 
 from __future__ import annotations
 
+import ctypes
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Final
 
 
 def fsync_dir(directory: Path) -> None:
@@ -31,6 +34,31 @@ def atomic_write(path: Path, data: bytes) -> None:
         os.close(fd)
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def syncfs(directory: Path) -> None:
+    """Flush every dirty page and inode of the filesystem holding ``directory`` (syncfs(2);
+    sync(2) where the C library lacks it): one call instead of an fsync per file."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if _SYNCFS is None:  # pragma: no cover - not Linux
+            os.sync()
+        elif _SYNCFS(fd) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err), str(directory))
+    finally:
+        os.close(fd)
+
+
+def _load_syncfs() -> Callable[[int], int] | None:
+    try:
+        fn: Callable[[int], int] = ctypes.CDLL(None, use_errno=True).syncfs
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        return None
+    return fn
+
+
+_SYNCFS: Final = _load_syncfs()
 
 
 def datasync(fd: int) -> None:

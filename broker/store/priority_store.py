@@ -52,7 +52,8 @@ class PriorityStore:
             b = self._base
             store = QueueStore(self.directory / f"{_PREFIX}{level:03d}",
                                segment_size=b._segment_size, sink=b._sink,
-                               persistent_only=b._persistent_only)
+                               persistent_only=b._persistent_only, notify=b._notify,
+                               write_through=b._through, files=b._files)
             self._levels[level] = store
             self._order = sorted(self._levels, reverse=True)
         return store
@@ -141,10 +142,10 @@ class PriorityStore:
             for msgid, props in inner.stored_props():
                 yield (level << _SHIFT) | msgid, props
 
-    def sync(self, full: bool = False) -> None:
+    def sync(self, full: bool = False, fsync: bool = True) -> None:
         # Runs on the syncer's worker thread: iterate over a snapshot of the levels.
         for s in list(self._levels.values()):
-            s.sync(full)
+            s.sync(full, fsync)
 
     def close(self) -> None:
         for s in list(self._levels.values()):

@@ -6,12 +6,12 @@ Files in the queue directory: segments ``msgs.NNNNNNNNNN`` (format in ``segment.
 ack file ``acks.NNNNNNNNNN`` per segment that has acks (u32 version header, then u32
 positions of acked records), and ``meta`` (delivered high-water mark, next segment number).
 
-Writing. The write segment is preallocated with ftruncate(segment_size) and mapped
-read-write; ``append`` copies the record into the map by slice assignment and stores the
-timestamp last, so it becomes visible atomically even if the process dies mid-append (the
-page cache keeps what was written). No syscall per message. A message larger than the
-segment size gets a segment of its own. When a segment is full the next one is created and
-the old one is unmapped and truncated to its used size.
+Writing. The write segment, its disk allocation (space reserved before it is written, so
+a full disk is ``DiskFull``, never SIGBUS), roll-over and retirement are ``SegmentLog``'s
+(``segment_log.py``); ``append`` copies the record into the map by slice assignment and
+stores the timestamp last, so it becomes visible atomically even if the process dies
+mid-append (the page cache keeps what was written). No syscall per message. A message
+larger than the segment size gets a segment of its own.
 
 Memory. No per-message Python object for ready messages: a cursor (segment, position)
 walks the segments in order, and each segment keeps only counters and the set of acked
@@ -25,19 +25,30 @@ allocated by ``_allocate_sets`` when the store first gets a segment (the first a
 or recovery finding one) -- nothing can be unacked, requeued or pending before that, so
 the hot paths keep calling ``.add`` on them without a check.
 
-Acks. ``ack`` buffers the position in memory; ``flush``/``sync``/``close`` write it to the
-ack file. A segment whose records are all acked is deleted (segment file first, then its
+Acks. ``ack`` buffers the position in memory; every ``sync`` writes the buffer to the ack
+file. A segment whose records are all acked is deleted (segment file first, then its
 ack file, so a crash in between leaves an orphan ack file rather than resurrecting messages),
 except the write segment. ``purge`` acks every ready message (segments entirely past the
 cursor are simply deleted).
 
-Durability and threads. ``sync`` runs on a worker thread while the event loop thread keeps
-appending. Under ``_lock`` it writes the buffered acks and ``dup``s the dirty fds; it fsyncs
-outside the lock (``os.fsync`` releases the GIL). fsync of the segment fd covers the pages
-written through the shared mapping, so a sync covers everything appended before it was
-called. ``_sync_lock`` serialises whole syncs against each other and against close.
-Replication: every mutation is reported to the sink from the owner thread (``append``,
-``ack``, ``purge``, ``flush``, ``close``, ``delete``); ``sync`` never calls the sink.
+Durability window. Settlements (ack, reject, nack, purge, autoack deliveries) and the
+delivered high-water mark (``meta``, which drives ``redelivered`` after a restart) are not
+covered by publisher confirms, so the store tells its owner when it turns dirty
+(``notify``): the node's syncer then runs a *full* sync within ``ack_sync_interval``, which
+writes and fsyncs them. A settlement older than that window therefore survives kill -9 and
+power loss, and a message delivered before it comes back flagged redelivered. With
+``write_through`` (a synchronous interval) acks and the mark are written to their files
+as they happen, before the next frame is read, and fsynced by the group commit that follows
+at once. Ack files and ``meta`` are opened per write and closed again: a queue holds no
+descriptor for them (100k queues must fit a 20k descriptor limit).
+
+Threads. ``sync`` runs on a worker thread while the event loop thread keeps
+appending. Under ``_lock`` it writes the buffered acks and meta and ``dup``s the dirty
+fds; it fsyncs outside the lock (``os.fsync`` releases the GIL). fsync of the segment fd
+covers the pages written through the shared mapping, so a sync covers everything appended
+before it was called. ``_sync_lock`` serialises whole syncs against each other and against
+close. Replication: every mutation is reported to the sink from the owner thread
+(``append``, ``ack``, ``purge``, ``flush``, ``close``, ``delete``); ``sync`` never calls the sink.
 
 Recovery (constructor). Segments are scanned in order, stopping at the first zero or torn
 record; ack positions that are not record starts are dropped; with ``persistent_only``
@@ -50,13 +61,11 @@ high-water mark report ``is_redelivered``.
 from __future__ import annotations
 
 import bisect
+import errno
 import heapq
 import mmap
 import os
-import shutil
 import struct
-import threading
-import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -64,8 +73,9 @@ from typing import Any, Final
 
 from broker.errors import StoreError
 from broker.store import segment as fmt
-from broker.store.fileio import atomic_write, datasync, fsync_dir
+from broker.store.fileio import atomic_write, datasync
 from broker.store.segment import HEADER, HEADER_SIZE, POS_MASK, Segment, record_end
+from broker.store.segment_log import SegmentFiles, SegmentLog, is_no_space
 from broker.store.sink import NULL_SINK, ReplicationSink
 
 DEFAULT_SEGMENT_SIZE: Final = 8 * 1024 * 1024
@@ -81,7 +91,6 @@ _I64_PACK: Final = fmt.I64.pack
 _U32_PACK_INTO: Final = fmt.U32.pack_into
 _U64_PACK_INTO: Final = fmt.U64.pack_into
 _U32_PACK: Final = fmt.U32.pack
-_FULL_SYNC_INTERVAL: Final = 1.0  # seconds between fsyncs of ack files and meta
 _U32_UNPACK: Final = fmt.U32.unpack_from
 _U64_UNPACK: Final = fmt.U64.unpack_from
 _U64_PACK: Final = fmt.U64.pack
@@ -114,7 +123,7 @@ class _Unallocated(set[Any]):
 _NO_SET: Final[set[Any]] = _Unallocated()
 
 
-class QueueStore:
+class QueueStore(SegmentLog[Segment]):
 
     __slots__ = (
         "_aa_positions",
@@ -122,54 +131,33 @@ class QueueStore:
         "_ack_pending",
         "_ack_unsynced",
         "_bytes_ready",
-        "_closed",
         "_cnum",
         "_cpos",
-        "_dir",
-        "_dir_unsynced",
-        "_dirty",
         "_heap",
         "_hwm",
-        "_lock",
-        "_meta_fd",
         "_meta_sent",
+        "_meta_unsynced",
         "_meta_written",
-        "_next_num",
-        "_order",
+        "_notify",
         "_persistent_only",
         "_ready",
         "_recovered_hwm",
         "_requeued",
-        "_seg_unsynced",
-        "_segment_size",
-        "_segs",
-        "_sink",
-        "_sync_lock",
-        "_last_full_sync",
+        "_through",
         "_unacked",
-        "_unsynced_paths",
-        "_wcap",
-        "_wfd",
-        "_wmm",
-        "_wseg",
     )
 
     def __init__(self, directory: str | Path, *, segment_size: int = DEFAULT_SEGMENT_SIZE,
-                 sink: ReplicationSink = NULL_SINK, persistent_only: bool = False) -> None:
-        if not fmt.FIXED_SIZE + HEADER_SIZE <= segment_size <= fmt.MAX_SEGMENT_SIZE:
-            raise ValueError(f"segment_size out of range: {segment_size}")
-        self._dir = os.fspath(directory)
-        self._segment_size = segment_size
-        self._sink = sink
+                 sink: ReplicationSink = NULL_SINK, persistent_only: bool = False,
+                 notify: Callable[[QueueStore], None] | None = None, write_through: bool = False,
+                 files: SegmentFiles | None = None) -> None:
+        self._init_log(directory, segment_size, sink, files)
         self._persistent_only = persistent_only
-        self._segs: dict[int, Segment] = {}
-        self._order: list[int] = []  # segment numbers, ascending
-        self._next_num = 1
-        # Write segment (None until the first append after open).
-        self._wseg: Segment | None = None
-        self._wmm: mmap.mmap | None = None
-        self._wfd = -1
-        self._wcap = 0
+        # Called (owner thread) when the store goes from clean to dirty, so the node's
+        # syncer can make the change durable within its window; None: nobody syncs it.
+        self._notify = notify
+        # Settlements and the delivered mark go to their files at once (synchronous acks).
+        self._through = write_through
         # Cursor: next never-delivered position; (_cnum, _cpos) may name a deleted or
         # not-yet-created segment, in which case it moves to the next existing one.
         self._cnum = 1
@@ -186,18 +174,11 @@ class QueueStore:
         self._hwm = 0  # highest msgid ever returned by shift()
         self._recovered_hwm = 0
         # Sync bookkeeping (shared with the sync thread under _lock).
-        self._lock = threading.Lock()
-        self._sync_lock = threading.Lock()
-        self._closed = False
-        self._dirty = False
-        self._last_full_sync = 0.0
-        self._seg_unsynced = False  # appended to the write segment since the last sync
         self._unsynced_paths: set[Path] = _NO_SET  # retired write segments awaiting fsync
         self._ack_pending: set[int] = _NO_SET  # segments with buffered ack bytes
-        self._ack_unsynced: set[int] = _NO_SET  # segments whose ack file was written
-        self._dir_unsynced = False  # files created/removed since the last sync
-        self._meta_fd: int | None = None
-        self._meta_written = b""
+        self._ack_unsynced: set[int] = _NO_SET  # segments whose ack file was written, not fsynced
+        self._meta_written = b""  # meta as last written to the file (fsynced or not)
+        self._meta_unsynced = False  # meta written since its last fsync
         self._meta_sent = b""
         try:
             os.makedirs(self._dir, exist_ok=True)
@@ -208,11 +189,6 @@ class QueueStore:
         except BaseException:
             self._close_files()
             raise
-
-    @property
-    def directory(self) -> Path:
-        """The queue directory (built on demand: the store keeps only a ``str``)."""
-        return Path(self._dir)
 
     @property
     def _meta_path(self) -> str:
@@ -226,6 +202,19 @@ class QueueStore:
             self._unsynced_paths = set()
             self._ack_pending = set()
             self._ack_unsynced = set()
+
+    def _set_dirty(self) -> None:
+        """Something not yet durable changed: tell the syncer (once per clean -> dirty)."""
+        self._dirty = True
+        if self._notify is not None:
+            self._notify(self)
+
+    def _hwm_moved(self) -> None:
+        """The delivered high-water mark rose: durable within the window, or at once."""
+        if not self._dirty:
+            self._set_dirty()
+        if self._through:
+            self._write_through()
 
     # ------------------------------------------------------------------ publishing
 
@@ -245,8 +234,9 @@ class QueueStore:
         seg.count += 1
         self._ready += 1
         self._bytes_ready += len(body)
-        self._dirty = True
         self._seg_unsynced = True
+        if not self._dirty:
+            self._set_dirty()
         if self._sink.active:
             self._sink.append(seg.path, mm[pos:end])
         return (seg.num << 32) | pos
@@ -259,7 +249,9 @@ class QueueStore:
         in. ``same``: all properties are equal and all bodies are of one length.
 
         The first record's timestamp is written last, so a reader (recovery after
-        kill -9) sees all of the run's records in a segment or none of them.
+        kill -9) sees all of the run's records in a segment or none of them. Space is
+        allocated before each segment's share is written; DiskFull from the second
+        share on (a run crossing a segment boundary) leaves the first share stored.
         """
         k = len(bodies)
         if not k:
@@ -278,7 +270,7 @@ class QueueStore:
             seg = self._wseg
             room = 0 if seg is None else (self._wcap - seg.end) // rec
             if room <= 0:
-                seg = self._roll(rec)
+                seg = self._roll(rec, (k - i) * rec)
                 continue
             m = min(room, k - i)
             mm = self._wmm
@@ -300,7 +292,7 @@ class QueueStore:
         size = len(blob)
         seg = self._wseg
         mm = self._wmm
-        if seg is None or mm is None or seg.end + size > self._wcap:
+        if seg is None or mm is None or (seg.end + size > self._wcap and self._grow(size) is None):
             # not all in the write segment: record by record, rolling where needed
             ln = exrk[0]
             exchange = exrk[1 : 1 + ln]
@@ -323,8 +315,9 @@ class QueueStore:
             self._sink.append(seg.path, mm[pos:end])
         self._ready += count
         self._bytes_ready += body_bytes
-        self._dirty = True
         self._seg_unsynced = True
+        if not self._dirty:
+            self._set_dirty()
 
     def append_taken(self, timestamp_ms: int, exchange: bytes, routing_key: bytes,
                      props: bytes | memoryview, body: bytes | bytearray | memoryview) -> int:
@@ -345,55 +338,26 @@ class QueueStore:
             self._unacked.add(msgid)
             if msgid > self._hwm:
                 self._hwm = msgid
+                self._hwm_moved()
             return msgid
         if self.shift() != msgid:  # e.g. acked records after recovery lay before it
             raise StoreError(f"append_taken on a queue with ready messages ({self._dir})")
         return msgid
 
-    def _roll(self, need: int) -> Segment:
-        """Start a new write segment with room for a record of ``need`` bytes."""
-        if self._closed:  # after close() the write segment is gone, so appends land here
-            raise StoreError(f"queue store {self._dir} is closed")
+    def _roll(self, need: int, want: int = 0) -> Segment:
+        """The write segment with room for a record of ``need`` bytes (``want``: for a run
+        of that many): more of it allocated, or a new segment. DiskFull if no space."""
         if self._unacked is _NO_SET:
             with self._lock:
                 self._allocate_sets()
-        cap = max(self._segment_size, need + HEADER_SIZE)
-        if cap > fmt.MAX_SEGMENT_SIZE:
-            raise StoreError(f"message of {need} bytes is too large for a segment")
-        num = self._next_num
-        seg = Segment(self.directory, num)
-        fd, mm = fmt.create_mapped(seg.path, cap)
-        seg.mm = mm
-        old = self._wseg
-        with self._lock:
-            self._next_num = num + 1
-            self._segs[num] = seg
-            self._order.append(num)
-            if old is not None:
-                self._retire_write_segment_locked(old)
-            self._wseg = seg
-            self._wmm = mm
-            self._wfd = fd
-            self._wcap = cap
-            self._dir_unsynced = True
-        if self._sink.active:
-            self._sink.register_file(seg.path)
-            self._sink.append(seg.path, HEADER)
+        seg = self._grow(need, want)
+        if seg is not None:
+            return seg
+        seg = Segment(self.directory, self._next_num)
+        old = self._start_segment(seg, need, want)
         if old is not None and len(old.acked) == old.count:
             self._delete_segment(old)
         return seg
-
-    def _retire_write_segment_locked(self, seg: Segment) -> None:
-        """Unmap the write segment, trim the preallocated tail, leave the fsync to sync()."""
-        seg.unmap()
-        self._wmm = None
-        os.ftruncate(self._wfd, seg.end)
-        os.close(self._wfd)
-        self._wfd = -1
-        self._wseg = None
-        self._wcap = 0
-        if self._seg_unsynced:
-            self._unsynced_paths.add(seg.path)
 
     # ------------------------------------------------------------------ consuming
 
@@ -411,6 +375,7 @@ class QueueStore:
         self._ready -= 1
         if msgid > self._hwm:
             self._hwm = msgid
+            self._hwm_moved()
         return msgid
 
     def next_delivery(self, autoack: bool) -> tuple[int, bytes, bytes, bytes, bool] | None:
@@ -436,6 +401,7 @@ class QueueStore:
                 self.ack(msgid)
             return msgid, fmt.short_pair(ex, rk), props, body, redelivered
         mm = seg.mm
+        seg.used = True  # SegmentFiles: not evicted under this call
         p = pos + 8
         rk_at = p + 1 + mm[p]
         p_at = rk_at + 1 + mm[rk_at]
@@ -451,6 +417,8 @@ class QueueStore:
         msgid = (seg.num << 32) | pos
         if msgid > self._hwm:
             self._hwm = msgid
+            if not self._dirty or self._through:
+                self._hwm_moved()
         redelivered = msgid <= self._recovered_hwm
         if autoack:
             # Acked at once; the ack file bytes are written for the whole run by
@@ -503,6 +471,7 @@ class QueueStore:
                 deliver(*got)
                 continue
             mm = seg.mm
+            seg.used = True  # SegmentFiles: not evicted under this run (deliver may publish)
             end = seg.end
             base = seg.num << 32
             acked = seg.acked
@@ -542,7 +511,7 @@ class QueueStore:
                     if q > bend and not (acked and not acked.isdisjoint(range(pos, q, rec))):
                         m = (q - pos) // rec
                         hb = 8 + hl
-                        bodies = [mm[x : x + b_len] for x in range(pos + hb, q, rec)]
+                        bodies = [mm[x : x + b_len] for x in range(pos + hb, q + hb, rec)]  # m, even if empty
                         if positions is not None:
                             acked.update(range(pos, q, rec))
                             positions.extend(range(pos, q, rec))
@@ -573,6 +542,7 @@ class QueueStore:
                 pos = bend
             if msgid > self._hwm:
                 self._hwm = msgid
+                self._hwm_moved()
             if positions is not None and len(acked) == seg.count and seg is not self._wseg:
                 self.end_pass()
                 self._delete_segment(seg)
@@ -587,6 +557,8 @@ class QueueStore:
             self._aa_positions = _NO_POSITIONS
             if positions and self._segs.get(seg.num) is seg:
                 self._append_acks(seg, _pack_positions(positions))
+                if self._through:
+                    self._write_through()
 
     def stored_props(self) -> Iterator[tuple[int, bytes]]:
         """(msgid, properties) of every record not acked, in order, without consuming.
@@ -600,7 +572,7 @@ class QueueStore:
             if seg is None or len(seg.acked) >= seg.count:
                 continue
             mapped_here = seg.mm is None
-            mm = self._map(seg) if mapped_here else seg.mm
+            mm = self._map_read(seg) if mapped_here else seg.mm
             assert mm is not None
             try:
                 pos = HEADER_SIZE
@@ -614,7 +586,7 @@ class QueueStore:
                     pos = fmt.record_end(mm, pos)[0]
             finally:
                 if mapped_here and seg is not self._wseg:
-                    seg.unmap()
+                    self._unmap(seg)
 
     def peek(self) -> int | None:
         if self._heap:
@@ -632,7 +604,7 @@ class QueueStore:
                 if not self._next_cursor_segment():
                     return None
                 continue
-            mm = seg.mm if seg.mm is not None else self._map(seg)
+            mm = seg.mm if seg.mm is not None else self._map_read(seg)
             if pos in seg.acked:  # only after recovery can acked positions lie ahead
                 self._cpos = record_end(mm, pos)[0]
                 continue
@@ -651,14 +623,8 @@ class QueueStore:
         # Keep only the write and cursor segments mapped (RSS stays small for long queues).
         for seg in self._segs.values():
             if seg.mm is not None and seg is not self._wseg and seg.num != self._cnum:
-                seg.unmap()
+                self._unmap(seg)
         return True
-
-    def _map(self, seg: Segment) -> mmap.mmap:
-        try:
-            return seg.map_read()
-        except OSError as exc:
-            raise StoreError(f"cannot map {seg.path}: {exc}") from exc
 
     def _segment_of(self, msgid: int) -> Segment:
         seg = self._segs.get(msgid >> 32)
@@ -668,12 +634,12 @@ class QueueStore:
 
     def read(self, msgid: int) -> tuple[int, bytes, bytes, bytes, bytes]:
         seg = self._segment_of(msgid)
-        mm = seg.mm if seg.mm is not None else self._map(seg)
+        mm = seg.mm if seg.mm is not None else self._map_read(seg)
         return fmt.read_record(mm, msgid & POS_MASK)
 
     def read_body_size(self, msgid: int) -> int:
         seg = self._segment_of(msgid)
-        mm = seg.mm if seg.mm is not None else self._map(seg)
+        mm = seg.mm if seg.mm is not None else self._map_read(seg)
         return fmt.body_size_at(mm, msgid & POS_MASK)
 
     def ack(self, msgid: int) -> None:
@@ -685,6 +651,8 @@ class QueueStore:
         self._ack_position(seg, msgid & POS_MASK)
         if len(seg.acked) == seg.count and seg is not self._wseg:
             self._delete_segment(seg)
+        if self._through:
+            self._write_through()
 
     def ack_many(self, msgids: list[int]) -> None:
         """ack() for many msgids with one lock round per segment run (multiple=true acks)."""
@@ -705,6 +673,8 @@ class QueueStore:
             run.append(msgid & POS_MASK)
         if run_seg is not None:
             self._ack_run(run_seg, run)
+        if self._through:
+            self._write_through()
 
     def _ack_run(self, seg: Segment, positions: list[int]) -> None:
         seg.acked.update(positions)
@@ -725,7 +695,8 @@ class QueueStore:
                 seg.ack_buf += HEADER
             seg.ack_buf += packed
             self._ack_pending.add(seg.num)
-        self._dirty = True
+        if not self._dirty:
+            self._set_dirty()
         if self._sink.active:
             if created:
                 self._sink.register_file(seg.ack_path)
@@ -761,7 +732,7 @@ class QueueStore:
             if num > self._cnum and seg is not self._wseg:
                 self._delete_segment(seg)
                 continue
-            mm = seg.mm if seg.mm is not None else self._map(seg)
+            mm = seg.mm if seg.mm is not None else self._map_read(seg)
             pos = self._cpos if num == self._cnum else HEADER_SIZE
             while pos < seg.end:
                 if pos not in seg.acked:
@@ -778,19 +749,18 @@ class QueueStore:
             self._cnum, self._cpos = self._next_num, HEADER_SIZE
         self._ready = 0
         self._bytes_ready = 0
+        if self._through:
+            self._write_through()
         return purged
 
     def _delete_segment(self, seg: Segment) -> None:
-        seg.unmap()
+        self._unmap(seg)
         with self._lock:
             del self._segs[seg.num]
             self._order.remove(seg.num)
             self._ack_pending.discard(seg.num)
             self._ack_unsynced.discard(seg.num)
             self._unsynced_paths.discard(seg.path)
-            fd, seg.ack_fd = seg.ack_fd, None
-            if fd is not None:
-                os.close(fd)
             seg.ack_buf.clear()
             # Segment first: a crash in between leaves an orphan ack file (harmless, removed
             # at recovery); the other order would bring the acked messages back.
@@ -832,124 +802,87 @@ class QueueStore:
                 self._meta_sent = meta
                 self._sink.replace(Path(self._meta_path), meta)
 
+    def _write_through(self) -> None:
+        """Synchronous settlements: acks and the delivered mark reach their files now
+        (kill -9 can no longer lose them); the syncer's next group commit fsyncs them."""
+        with self._lock:
+            self._write_acks_locked()
+            meta = self._meta_bytes()
+            if meta != self._meta_written:
+                self._write_meta(meta, fsync=False)
+
     def _write_acks_locked(self) -> None:
+        """Append every segment's buffered ack bytes to its ack file (open, write, close:
+        no descriptor is held between writes, see ``sync``)."""
+        failed: list[int] = []
         for num in self._ack_pending:
             seg = self._segs[num]
-            if seg.ack_fd is None:
-                seg.ack_fd = os.open(seg.ack_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            fd = os.open(seg.ack_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            try:
+                if not _append_whole(fd, seg.ack_buf):
+                    # Disk full: the acks stay buffered (and in memory) for the next sync;
+                    # deleting fully acked segments is what frees space meanwhile.
+                    self._files.no_space(seg.ack_path, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+                    failed.append(num)
+                    continue
+            finally:
+                os.close(fd)
+            if not seg.ack_written:
+                seg.ack_written = True
                 self._dir_unsynced = True
-            _write_all(seg.ack_fd, seg.ack_buf)
             seg.ack_buf.clear()
             self._ack_unsynced.add(num)
         self._ack_pending.clear()
+        if failed:
+            self._ack_pending.update(failed)
 
-    def sync(self, full: bool = False) -> None:
-        """Flush + fsync what confirms need; safe to call from a worker thread.
-
-        Message data (segments) is fsynced every time: publisher confirms wait on
-        it. Ack files and ``meta`` are written every time but fsynced at most once
-        per ``_FULL_SYNC_INTERVAL`` (or with ``full``): losing their tail in a
-        power cut only means redelivering some acked messages (at-least-once) or a
-        missing redelivered flag, and every extra fdatasync in the group commit
-        adds a journal commit to every confirm's latency.
-        """
-        with self._sync_lock:
-            if self._closed:
-                return
-            now = time.monotonic()
-            full = full or now - self._last_full_sync >= _FULL_SYNC_INTERVAL
-            if full:
-                self._last_full_sync = now
-            fds: list[int] = []
-            meta: bytes | None = None
-            try:
-                with self._lock:
-                    self._dirty = False
-                    self._write_acks_locked()
-                    if self._seg_unsynced and self._wfd >= 0:
-                        fds.append(os.dup(self._wfd))
-                    self._seg_unsynced = False
-                    if full:
-                        for num in self._ack_unsynced:
-                            fd = self._segs[num].ack_fd
-                            if fd is not None:
-                                fds.append(os.dup(fd))
-                        self._ack_unsynced.clear()
-                        meta = self._meta_bytes()
-                    paths = list(self._unsynced_paths) if self._unsynced_paths else []
-                    if paths:
-                        self._unsynced_paths.clear()
-                    dir_unsynced = self._dir_unsynced
-                    self._dir_unsynced = False
-                for fd in fds:
-                    datasync(fd)
-            finally:
-                for fd in fds:
-                    os.close(fd)
-            for path in paths:
-                try:
-                    fd = os.open(path, os.O_RDONLY)
-                except FileNotFoundError:
-                    continue  # deleted since: nothing to make durable
-                try:
-                    datasync(fd)
-                finally:
-                    os.close(fd)
-            if meta is not None and meta != self._meta_written:
-                dir_unsynced |= self._write_meta(meta)
-            if dir_unsynced:
-                fsync_dir(Path(self._dir))
+    def _sync_locked(self, full: bool, paths: list[Path]) -> None:
+        """Every sync writes buffered acks and a changed delivered mark (``meta``) to
+        their files, so a kill -9 after it cannot lose them; the segment data that
+        publisher confirms wait on is fsynced by ``SegmentLog.sync``. ``full`` (the
+        syncer's window sync, at most ``ack_sync_interval`` after a settlement) fsyncs
+        the ack files and ``meta`` too; a group commit for confirms leaves that to the
+        window sync, since every extra fdatasync adds a journal commit to every
+        confirm's latency."""
+        self._write_acks_locked()
+        if full and self._ack_unsynced:
+            paths.extend(self._segs[n].ack_path for n in self._ack_unsynced if n in self._segs)
+            self._ack_unsynced.clear()
+        meta = self._meta_bytes()
+        if meta != self._meta_written and self._write_meta(meta, fsync=False):
+            self._meta_unsynced = True
+        if full and self._meta_unsynced:
+            self._meta_unsynced = False
+            paths.append(Path(self._meta_path))
 
     def _meta_bytes(self) -> bytes:
         head = _META.pack(_META_MAGIC, _META_VERSION, self._hwm, self._next_num)
         return head + _CRC.pack(zlib.crc32(head))
 
-    def _write_meta(self, meta: bytes) -> bool:
-        """Overwrite meta in place (fixed size, one pwrite) and fsync it; True if created."""
-        created = False
-        if self._meta_fd is None:
-            created = not os.path.exists(self._meta_path)
-            self._meta_fd = os.open(self._meta_path, os.O_RDWR | os.O_CREAT, 0o644)
-        os.pwrite(self._meta_fd, meta, 0)
-        datasync(self._meta_fd)
+    def _write_meta(self, meta: bytes, fsync: bool) -> bool:
+        """Overwrite meta in place (fixed size, one pwrite); False if the disk is full (the
+        next sync tries again). Opened per write (at most once per sync), so a queue holds
+        no descriptor for it."""
+        created = not self._meta_written and not os.path.exists(self._meta_path)
+        fd = os.open(self._meta_path, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            os.pwrite(fd, meta, 0)
+            if fsync:
+                datasync(fd)
+        except OSError as exc:
+            if not is_no_space(exc):
+                raise
+            self._files.no_space(Path(self._meta_path), exc)
+            return False
+        finally:
+            os.close(fd)
         self._meta_written = meta
-        return created
+        self._dir_unsynced |= created
+        return True
 
-    def close(self) -> None:
-        """Flush, sync, trim the write segment, unmap, close fds. Idempotent."""
-        if self._closed:
-            return
+    def _before_close(self) -> None:
         self.end_pass()
         self.flush()
-        self.sync(full=True)
-        with self._sync_lock, self._lock:
-            self._closed = True
-            self._close_files()
-
-    def _close_files(self) -> None:
-        if self._wseg is not None:
-            self._retire_write_segment_locked(self._wseg)
-        for s in self._segs.values():
-            s.unmap()
-            if s.ack_fd is not None:
-                os.close(s.ack_fd)
-                s.ack_fd = None
-        if self._meta_fd is not None:
-            os.close(self._meta_fd)
-            self._meta_fd = None
-
-    def delete(self) -> None:
-        """Close and remove the whole queue directory (every file reported to the sink)."""
-        with self._sync_lock, self._lock:
-            if not self._closed:  # no flush or fsync: everything is about to go
-                self._closed = True
-                self._close_files()
-        directory = self.directory
-        if self._sink.active and directory.is_dir():
-            for entry in sorted(directory.iterdir()):
-                if entry.is_file():
-                    self._sink.delete(entry)
-        shutil.rmtree(directory, ignore_errors=True)
 
     # ------------------------------------------------------------------ recovery
 
@@ -1009,8 +942,11 @@ class QueueStore:
             with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mm:
                 res = fmt.scan(mm, size, file_acks, self._persistent_only)
                 good = mm[:res.end] if res.garbage and self._sink.active else b""
-            if res.end < size:
-                os.ftruncate(fd, res.end)  # drop the torn tail / preallocated zeros
+            if res.end < size and (res.garbage or self._sink.active):
+                # Drop a torn tail; the zeros a segment was allocated with only where a
+                # replica's copy (its logical bytes) must match: each truncate is a journal
+                # transaction, and 100k queues must boot and stop in reasonable time.
+                os.ftruncate(fd, res.end)
                 if res.garbage and self._sink.active:
                     self._sink.replace(seg.path, good)
         finally:
@@ -1019,7 +955,7 @@ class QueueStore:
         seg.end = res.end
         seg.count = res.count
         seg.acked = res.acked
-        seg.ack_exists = has_acks
+        seg.ack_exists = seg.ack_written = has_acks
         valid_file_acks = file_acks & res.acked
         if len(valid_file_acks) != len(file_acks):
             # Positions past the data end or off record boundaries: rewrite without them.
@@ -1064,17 +1000,22 @@ class QueueStore:
         self._meta_written = data
         return int(hwm), int(next_num)
 
-    def _remove_file(self, path: Path) -> None:
-        path.unlink(missing_ok=True)
-        self._dir_unsynced = True
-        if self._sink.active:
-            self._sink.delete(path)
 
-
-def _write_all(fd: int, data: bytes | bytearray) -> None:
+def _append_whole(fd: int, data: bytes | bytearray) -> bool:
+    """Append all of ``data`` to an O_APPEND file, or nothing: False if the disk is full
+    (a partial write is cut off again, so the file stays whole u32 entries)."""
     view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
+    done = 0
+    try:
+        while done < len(view):
+            done += os.write(fd, view[done:])
+    except OSError as exc:
+        if not is_no_space(exc):
+            raise
+        if done:
+            os.ftruncate(fd, os.fstat(fd).st_size - done)
+        return False
+    return True
 
 
 def _all_zero(fd: int, size: int) -> bool:

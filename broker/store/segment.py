@@ -44,21 +44,6 @@ _U32BE: Final = struct.Struct(">I")
 Buffer = bytes | bytearray | memoryview | mmap.mmap
 
 
-def create_mapped(path: Path, cap: int) -> tuple[int, mmap.mmap]:
-    """A new segment file preallocated (sparse) to ``cap`` bytes, mapped read-write, with the
-    format header written. The rest is zeros, which readers take as "end of records"."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        os.ftruncate(fd, cap)
-        mm = mmap.mmap(fd, cap)
-    except BaseException:
-        os.close(fd)
-        path.unlink(missing_ok=True)
-        raise
-    mm[0:HEADER_SIZE] = HEADER
-    return fd, mm
-
-
 def segment_name(num: int) -> str:
     return f"msgs.{num:010d}"
 
@@ -202,24 +187,18 @@ def scan(buf: Buffer, size: int, file_acks: set[int], persistent_only: bool) -> 
     return res
 
 
-class Segment:
-    """In-memory state of one segment: counters, acked positions, lazy mapping, ack buffer."""
+class LogSegment:
+    """In-memory state of one segment file: number, path, used end, record count, mapping."""
 
-    __slots__ = ("num", "path", "ack_path", "end", "count", "acked", "mm", "ack_fd", "ack_buf",
-                 "ack_exists")
+    __slots__ = ("num", "path", "end", "count", "mm", "used")
 
     def __init__(self, directory: Path, num: int) -> None:
         self.num = num
         self.path = directory / segment_name(num)
-        self.ack_path = directory / ack_name(num)
         self.end = HEADER_SIZE  # position after the last record
         self.count = 0  # records in the segment
-        # Acked positions (only for segments that still exist; dropped with the segment).
-        self.acked: set[int] = set()
         self.mm: mmap.mmap | None = None
-        self.ack_fd: int | None = None
-        self.ack_buf = bytearray()  # ack bytes not yet written to the ack file
-        self.ack_exists = False  # ack file created (on disk, or its header is buffered)
+        self.used = False  # worked on since its mapping last came up for eviction
 
     def map_read(self) -> mmap.mmap:
         """Map the (complete, never again written) segment read-only."""
@@ -232,6 +211,21 @@ class Segment:
         mm, self.mm = self.mm, None
         if mm is not None:
             mm.close()
+
+
+class Segment(LogSegment):
+    """A queue's segment: plus its acked positions and ack file buffer."""
+
+    __slots__ = ("ack_path", "acked", "ack_buf", "ack_exists", "ack_written")
+
+    def __init__(self, directory: Path, num: int) -> None:
+        super().__init__(directory, num)
+        self.ack_path = directory / ack_name(num)
+        # Acked positions (only for segments that still exist; dropped with the segment).
+        self.acked: set[int] = set()
+        self.ack_buf = bytearray()  # ack bytes not yet written to the ack file
+        self.ack_exists = False  # ack file created (on disk, or its header is buffered)
+        self.ack_written = False  # ack file exists on disk
 
 
 _BYTE: Final = tuple(bytes((i,)) for i in range(256))

@@ -10,8 +10,8 @@ Files in the queue directory:
 
 * ``msgs.NNNNNNNNNN``: segments in the same record format as classic queues (``segment.py``),
   so the replication layer, recovery rules (zero timestamp = end, torn tail dropped) and
-  readers are shared. Written exactly as ``QueueStore`` does: preallocated, mapped, timestamp
-  stored last, trimmed when retired.
+  readers are shared. Written through the same ``SegmentLog`` as ``QueueStore``: space
+  allocated before it is written, mapped, timestamp stored last, trimmed when retired.
 * ``sidx.NNNNNNNNNN``: the segment index, written when the segment is created: magic,
   version, offset of its first record, timestamp of its first record, crc32. Locating an
   offset or a timestamp is a binary search over these (in memory) plus a walk of ONE segment;
@@ -48,20 +48,18 @@ import json
 import mmap
 import os
 import re
-import shutil
 import struct
-import threading
 import zlib
-from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
 from broker.errors import StoreError
 from broker.store import segment as fmt
-from broker.store.fileio import atomic_write, datasync, fsync_dir
-from broker.store.segment import HEADER, HEADER_SIZE
+from broker.store.fileio import atomic_write
+from broker.store.segment import HEADER, HEADER_SIZE, LogSegment
+from broker.store.segment_log import SegmentFiles, SegmentLog, is_no_space
 from broker.store.sink import NULL_SINK, ReplicationSink
 
 DEFAULT_SEGMENT_SIZE: Final = 8 * 1024 * 1024
@@ -72,7 +70,6 @@ _INDEX_MAGIC: Final = b"SKSI"
 _INDEX_VERSION: Final = 1
 _CRC: Final = struct.Struct("<I")
 _I64: Final = fmt.I64
-_MAX_READ_MAPS: Final = 16  # read-only segment maps kept open (LRU) for lagging consumers
 
 # (offset, timestamp_ms, exchange, routing_key, props, body)
 Record = tuple[int, int, bytes, bytes, bytes, bytes]
@@ -122,18 +119,14 @@ class Retention:
         return not (self.max_length is None and self.max_bytes is None and self.max_age_ms is None)
 
 
-class _Seg:
-    __slots__ = ("num", "path", "idx_path", "first_offset", "first_ts", "count", "end", "mm")
+class _Seg(LogSegment):
+    __slots__ = ("idx_path", "first_offset", "first_ts")
 
     def __init__(self, directory: Path, num: int, first_offset: int, first_ts: int) -> None:
-        self.num = num
-        self.path = directory / fmt.segment_name(num)
+        super().__init__(directory, num)
         self.idx_path = directory / index_name(num)
         self.first_offset = first_offset
         self.first_ts = first_ts
-        self.count = 0
-        self.end = HEADER_SIZE
-        self.mm: mmap.mmap | None = None
 
 
 class StreamPosition:
@@ -147,38 +140,24 @@ class StreamPosition:
         self.pos = pos
 
 
-class StreamStore:
+class StreamStore(SegmentLog[_Seg]):
+    __slots__ = ("retention", "_firsts", "_next_offset", "_count", "_bytes", "_offsets",
+                 "_offsets_path", "_offsets_written", "_offsets_sent")
+
     def __init__(self, directory: Path, *, segment_size: int = DEFAULT_SEGMENT_SIZE,
-                 sink: ReplicationSink = NULL_SINK, retention: Retention | None = None) -> None:
-        if not fmt.FIXED_SIZE + HEADER_SIZE <= segment_size <= fmt.MAX_SEGMENT_SIZE:
-            raise ValueError(f"segment_size out of range: {segment_size}")
-        self.directory = directory
+                 sink: ReplicationSink = NULL_SINK, retention: Retention | None = None,
+                 files: SegmentFiles | None = None) -> None:
+        self._init_log(directory, segment_size, sink, files)
         self.retention = retention or Retention()
-        self._segment_size = segment_size
-        self._sink = sink
-        self._segs: dict[int, _Seg] = {}
-        self._order: list[int] = []  # segment numbers, ascending
         self._firsts: list[int] = []  # first offsets, parallel to _order (bisect)
-        self._next_num = 1
         self._next_offset = 0
         self._count = 0
         self._bytes = 0  # segment bytes on disk (header + records)
-        self._wseg: _Seg | None = None
-        self._wmm: mmap.mmap | None = None
-        self._wfd = -1
-        self._wcap = 0
-        self._read_maps: OrderedDict[int, mmap.mmap] = OrderedDict()
         self._offsets: dict[str, int] = {}
         self._offsets_path = directory / OFFSETS_NAME
         self._offsets_written = b""
         self._offsets_sent = b""
-        self._lock = threading.Lock()
-        self._sync_lock = threading.Lock()
-        self._closed = False
-        self._dirty = False
-        self._seg_unsynced = False
         self._unsynced_paths: set[Path] = set()
-        self._dir_unsynced = False
         try:
             directory.mkdir(parents=True, exist_ok=True)
             self._recover()
@@ -218,58 +197,32 @@ class StreamStore:
         return offset
 
     def _roll(self, need: int, first_ts: int) -> _Seg:
+        """The write segment with room for ``need`` bytes: more of it allocated, or a new
+        segment (index file first) starting with a record stamped ``first_ts``."""
+        seg = self._grow(need)
+        if seg is not None:
+            return seg
         if self._closed:
             raise StoreError(f"stream store {self.directory} is closed")
-        cap = max(self._segment_size, need + HEADER_SIZE)
-        if cap > fmt.MAX_SEGMENT_SIZE:
-            raise StoreError(f"message of {need} bytes is too large for a segment")
-        num = self._next_num
-        seg = _Seg(self.directory, num, self._next_offset, first_ts if first_ts else 1)
+        seg = _Seg(self.directory, self._next_num, self._next_offset, first_ts if first_ts else 1)
         index = encode_index(seg.first_offset, seg.first_ts)
         # Index before the segment: a segment file never exists without its index unless the
         # index write itself was lost (recovery then rebuilds it from the neighbours).
-        fd = os.open(seg.idx_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        _write_new(seg.idx_path, index, self._files)
         try:
-            _write_all(fd, index)
-        finally:
-            os.close(fd)
-        fd, mm = fmt.create_mapped(seg.path, cap)
-        seg.mm = mm
-        old = self._wseg
+            old = self._start_segment(seg, need)
+        except BaseException:
+            seg.idx_path.unlink(missing_ok=True)
+            raise
         with self._lock:
-            self._next_num = num + 1
-            self._segs[num] = seg
-            self._order.append(num)
             self._firsts.append(seg.first_offset)
             self._bytes += HEADER_SIZE
-            if old is not None:
-                self._retire_locked(old)
-            self._wseg = seg
-            self._wmm = mm
-            self._wfd = fd
-            self._wcap = cap
             self._unsynced_paths.add(seg.idx_path)
-            self._dir_unsynced = True
         if self._sink.active:
             self._sink.replace(seg.idx_path, index)
-            self._sink.register_file(seg.path)
-            self._sink.append(seg.path, HEADER)
         if old is not None and self.retention.active:
             self.apply_retention(first_ts)
         return seg
-
-    def _retire_locked(self, seg: _Seg) -> None:
-        seg.mm = None
-        if self._wmm is not None:
-            self._wmm.close()
-        self._wmm = None
-        os.ftruncate(self._wfd, seg.end)
-        os.close(self._wfd)
-        self._wfd = -1
-        self._wseg = None
-        self._wcap = 0
-        if self._seg_unsynced:
-            self._unsynced_paths.add(seg.path)
 
     # ------------------------------------------------------------------ retention
 
@@ -304,9 +257,7 @@ class StreamStore:
 
     def _delete_oldest(self) -> None:
         seg = self._segs[self._order[0]]
-        mm = self._read_maps.pop(seg.num, None)
-        if mm is not None:
-            mm.close()
+        self._unmap(seg)
         with self._lock:
             del self._segs[seg.num]
             del self._order[0]
@@ -363,7 +314,7 @@ class StreamStore:
             return StreamPosition(self._next_offset, self._next_num, HEADER_SIZE)
         i = bisect.bisect_right(self._firsts, offset) - 1
         seg = self._segs[self._order[i]]
-        mm = self._map(seg)
+        mm = self._map_read(seg)
         pos = HEADER_SIZE
         for _ in range(offset - seg.first_offset):  # walk within ONE segment
             pos = fmt.record_end(mm, pos)[0]
@@ -374,7 +325,7 @@ class StreamStore:
         j = bisect.bisect_left([self._segs[n].first_ts for n in self._order], ts_ms)
         if j > 0:
             seg = self._segs[self._order[j - 1]]
-            mm = self._map(seg)
+            mm = self._map_read(seg)
             pos = HEADER_SIZE
             for i in range(seg.count):
                 if _I64.unpack_from(mm, pos)[0] >= ts_ms:
@@ -405,7 +356,7 @@ class StreamStore:
                     return None
                 p.seg, p.pos = self._order[i], HEADER_SIZE
                 continue
-            mm = self._map(seg)
+            mm = self._map_read(seg)
             ts, ex, rk, props, body = fmt.read_record(mm, p.pos)
             offset = p.offset
             p.pos = fmt.record_end(mm, p.pos)[0]
@@ -416,24 +367,6 @@ class StreamStore:
         if offset < self.first_offset or offset >= self._next_offset:
             return None
         return self.read_next(self.seek(offset))
-
-    def _map(self, seg: _Seg) -> mmap.mmap:
-        if seg.mm is not None:
-            return seg.mm
-        mm = self._read_maps.get(seg.num)
-        if mm is not None:
-            self._read_maps.move_to_end(seg.num)
-            return mm
-        try:
-            with open(seg.path, "rb") as f:
-                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except (OSError, ValueError) as exc:
-            raise StoreError(f"cannot map {seg.path}: {exc}") from exc
-        self._read_maps[seg.num] = mm
-        if len(self._read_maps) > _MAX_READ_MAPS:
-            _num, old = self._read_maps.popitem(last=False)
-            old.close()
-        return mm
 
     # ------------------------------------------------------------------ consumer offsets
 
@@ -477,69 +410,20 @@ class StreamStore:
                 self._offsets_sent = data
                 self._sink.replace(self._offsets_path, data)
 
-    def sync(self) -> None:
-        """fsync appended records, new index files and changed offsets. Worker-thread safe."""
-        with self._sync_lock:
-            if self._closed:
-                return
-            fds: list[int] = []
-            try:
-                with self._lock:
-                    self._dirty = False
-                    if self._seg_unsynced and self._wfd >= 0:
-                        fds.append(os.dup(self._wfd))
-                    self._seg_unsynced = False
-                    paths = list(self._unsynced_paths)
-                    self._unsynced_paths.clear()
-                    dir_unsynced = self._dir_unsynced
-                    self._dir_unsynced = False
-                    offsets = self._offsets_bytes() if self._offsets else b""
-                for fd in fds:
-                    datasync(fd)
-            finally:
-                for fd in fds:
-                    os.close(fd)
-            for path in paths:
-                try:
-                    fd = os.open(path, os.O_RDONLY)
-                except FileNotFoundError:
-                    continue
-                try:
-                    datasync(fd)
-                finally:
-                    os.close(fd)
-            if offsets and offsets != self._offsets_written:
-                atomic_write(self._offsets_path, offsets)
-                self._offsets_written = offsets
-            if dir_unsynced:
-                fsync_dir(self.directory)
+    def _sync_locked(self, full: bool, paths: list[Path]) -> Callable[[], None] | None:
+        """Changed consumer offsets are rewritten (atomically) after the fsyncs."""
+        offsets = self._offsets_bytes() if self._offsets else b""
+        if not offsets or offsets == self._offsets_written:
+            return None
 
-    def close(self) -> None:
-        if self._closed:
-            return
+        def write_offsets() -> None:
+            atomic_write(self._offsets_path, offsets)
+            self._offsets_written = offsets
+
+        return write_offsets
+
+    def _before_close(self) -> None:
         self.flush()
-        self.sync()
-        with self._sync_lock, self._lock:
-            self._closed = True
-            self._close_files()
-
-    def _close_files(self) -> None:
-        if self._wseg is not None:
-            self._retire_locked(self._wseg)
-        for mm in self._read_maps.values():
-            mm.close()
-        self._read_maps.clear()
-
-    def delete(self) -> None:
-        with self._sync_lock, self._lock:
-            if not self._closed:
-                self._closed = True
-                self._close_files()
-        if self._sink.active and self.directory.is_dir():
-            for entry in sorted(self.directory.iterdir()):
-                if entry.is_file():
-                    self._sink.delete(entry)
-        shutil.rmtree(self.directory, ignore_errors=True)
 
     # ------------------------------------------------------------------ recovery
 
@@ -594,12 +478,6 @@ class StreamStore:
             pass
         except (ValueError, AttributeError, TypeError) as exc:
             raise StoreError(f"{self._offsets_path}: unreadable consumer offsets: {exc}") from exc
-
-    def _remove_file(self, path: Path) -> None:
-        path.unlink(missing_ok=True)
-        self._dir_unsynced = True
-        if self._sink.active:
-            self._sink.delete(path)
 
 
 # ---------------------------------------------------------------------- read-only access
@@ -716,7 +594,17 @@ def iter_segment(path: Path, start_offset: int, first_offset: int, stop_offset: 
                 pos = end
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
+def _write_new(path: Path, data: bytes, files: SegmentFiles) -> None:
+    """Create (or overwrite) a small file with ``data``; DiskFull, and no file, if no space."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    except OSError as exc:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        if is_no_space(exc):
+            raise files.no_space(path, exc) from None
+        raise
+    os.close(fd)

@@ -89,14 +89,18 @@ class Etcd:
         self.data = tmp / "etcd-data"
         self.log = open(tmp / "etcd.log", "wb")
         assert ETCD is not None
-        self.proc = subprocess.Popen(
-            [*wrapper, ETCD, "--name", "t", "--data-dir", str(self.data),
+        self.argv = [*wrapper, ETCD, "--name", "t", "--data-dir", str(self.data),
              "--listen-client-urls", f"http://{listen or host}:{self.client_port}",
              "--advertise-client-urls", f"http://{self.endpoint}",
              "--listen-peer-urls", f"http://127.0.0.1:{self.peer_port}",
              "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_port}",
-             "--initial-cluster", f"t=http://127.0.0.1:{self.peer_port}"],
-            stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+             "--initial-cluster", f"t=http://127.0.0.1:{self.peer_port}"]
+        self.start()
+
+    def start(self) -> None:
+        """Start (or restart, with the same ports and data) and wait until it answers."""
+        self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
         wait_for(lambda: self.get("probe") is not None or self._healthy(), 20, "etcd")
 
     def _healthy(self) -> bool:
@@ -117,16 +121,20 @@ class Etcd:
         """The endpoint node ``index`` uses (the same for all here; see the partition test)."""
         return self.endpoint
 
-    def stop(self) -> None:
+    def kill9(self) -> None:
         if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)  # a paused etcd must not stay behind
             os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
+
+    def stop(self) -> None:
+        self.kill9()
         self.log.close()
 
 
 class ClusterNode:
     def __init__(self, tmp: Path, name: str, ip: str, etcd_endpoint: str, prefix: str,
-                 hook_file: Path) -> None:
+                 hook_file: Path, ttl: int = TTL, wrapper: tuple[str, ...] = ()) -> None:
         self.name = name
         self.ip = ip
         self.data_dir = tmp / f"data-{name}"
@@ -137,15 +145,17 @@ class ClusterNode:
         self.uri = f"tcp://{ip}:{self.repl_port}"
         self.log_path = tmp / f"{name}.log"
         hook = f"echo \"$SKRED_ROLE $SKRED_NODE_ID $SKRED_ADVERTISED_URI\" >> {hook_file}"
+        self.ttl = ttl
+        self.user = "guest"  # guest may log in from loopback only: nodes on other addresses need another
         self.argv = [
-            sys.executable, "-m", "broker", "--data-dir", str(self.data_dir),
+            *wrapper, sys.executable, "-m", "broker", "--data-dir", str(self.data_dir),
             "--amqp-bind", ip, "--amqp-port", str(self.port),
             "--mgmt-bind", ip, "--mgmt-port", str(self.mgmt_port),
             "--mgmt-metrics-port", str(self.metrics_port),
             "--clustering", "--clustering-etcd-endpoints", etcd_endpoint,
             "--clustering-etcd-prefix", prefix, "--clustering-bind", ip,
             "--clustering-port", str(self.repl_port), "--clustering-advertised-uri", self.uri,
-            "--clustering-lease-ttl", str(TTL),
+            "--clustering-lease-ttl", str(ttl),
             "--clustering-on-leader-elected", hook, "--clustering-on-leader-lost", hook,
         ]
         self.proc: subprocess.Popen[bytes] | None = None
@@ -153,7 +163,7 @@ class ClusterNode:
 
     @property
     def url(self) -> str:
-        return f"amqp://guest:guest@{self.ip}:{self.port}/%2F"
+        return f"amqp://{self.user}:{self.user}@{self.ip}:{self.port}/%2F"
 
     def start(self) -> None:
         env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), **self.env)
@@ -193,15 +203,18 @@ class ClusterNode:
 
 
 class Cluster:
-    def __init__(self, tmp: Path, etcd: Etcd | None = None) -> None:
-        ips = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
-        if not all(_loopback_ok(ip) for ip in ips):
-            ips = ["127.0.0.1"] * 3
+    def __init__(self, tmp: Path, etcd: Etcd | None = None, ttl: int = TTL,
+                 ips: list[str] | None = None, wrappers: list[tuple[str, ...]] | None = None) -> None:
+        if ips is None:
+            ips = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
+            if not all(_loopback_ok(ip) for ip in ips):
+                ips = ["127.0.0.1"] * 3
         self.etcd = etcd or Etcd(tmp)
         self.prefix = "skred-" + uuid.uuid4().hex[:PREFIX_LEN]
         self.hook_file = tmp / "hooks.txt"
+        self.ttl = ttl
         self.nodes = [ClusterNode(tmp, f"n{i + 1}", ip, self.etcd.node_endpoint(i), self.prefix,
-                                  self.hook_file)
+                                  self.hook_file, ttl, wrappers[i] if wrappers else ())
                       for i, ip in enumerate(ips)]
 
     def leader(self) -> ClusterNode | None:
@@ -288,13 +301,16 @@ async def consume_all(url: str, queue: str, expect_at_least: int) -> list[int]:
     return got
 
 
+LOCAL_FILES = (".node_id", ".lock", ".cluster_role")  # node-local: never replicated
+
+
 def logical_equal(leader_dir: Path, follower_dir: Path) -> str | None:
     """None if the follower's files equal the leader's (write segments: up to the zero tail)."""
     def files(d: Path) -> dict[str, Path]:
         out = {}
         for p in d.rglob("*"):
             rel = p.relative_to(d).as_posix()
-            if p.is_file() and not rel.startswith("transient/") and p.name not in (".node_id", ".lock") \
+            if p.is_file() and not rel.startswith("transient/") and p.name not in LOCAL_FILES \
                     and not p.name.endswith(".tmp"):
                 out[rel] = p
         return out

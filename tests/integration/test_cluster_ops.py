@@ -17,12 +17,10 @@ import asyncio
 import base64
 import json
 import os
-import random
 import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 import uuid
@@ -30,10 +28,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import aio_pika
 import pytest
 
 from ._support import REPO_ROOT
+from .cluster_faults import Publisher, free_test_net
 from .test_cluster import (
     TTL,
     Cluster,
@@ -86,60 +84,6 @@ def scrape(node: ClusterNode) -> dict[str, float]:
 def isr(c: Cluster) -> list[str]:
     raw = c.etcd.get(f"{c.prefix}/isr")
     return list(json.loads(raw)) if raw else []
-
-
-class Publisher:
-    """Publish with confirms from a thread until stopped (or ``limit`` seconds); timestamps confirms."""
-
-    def __init__(self, url: str, queue: str, limit: float = 40.0) -> None:
-        self.url = url
-        self.queue = queue
-        self.limit = limit
-        self.confirmed: list[int] = []
-        self.confirm_times: list[float] = []
-        self.error: BaseException | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> Publisher:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(self.limit + 10)
-
-    def _run(self) -> None:
-        try:
-            asyncio.run(asyncio.wait_for(self._publish(), self.limit))
-        except BaseException as exc:  # recorded: a test decides whether an error was expected
-            self.error = exc
-
-    async def _publish(self) -> None:
-        conn = await aio_pika.connect(self.url, timeout=5)
-        try:
-            ch = await conn.channel(publisher_confirms=True)
-            await ch.declare_queue(self.queue, durable=True)
-            n = 0
-            while not self._stop.is_set():
-                async def one(i: int) -> None:
-                    await ch.default_exchange.publish(
-                        aio_pika.Message(str(i).encode(), delivery_mode=aio_pika.DeliveryMode.PERSISTENT),
-                        routing_key=self.queue)
-                    self.confirmed.append(i)
-                    self.confirm_times.append(time.monotonic())
-
-                await asyncio.gather(*(one(i) for i in range(n, n + 20)))
-                n += 20
-        finally:
-            if not conn.is_closed:
-                await asyncio.wait_for(conn.close(), 5)
-
-    def count(self) -> int:
-        return len(self.confirmed)
 
 
 # ------------------------------------------------------------------ tests
@@ -310,12 +254,8 @@ def _netns_setup() -> tuple[str, str]:
         pytest.skip("partition test needs the ip command")
     tag = uuid.uuid4().hex[:8]
     ns, host_if = f"skt{tag}", f"skh{tag}"
-    used = _ip("-4", "addr").stdout
-    for _ in range(20):
-        net = f"198.18.{random.randrange(256)}"
-        if f"{net}." not in used:
-            break
-    else:
+    net = free_test_net("198.18")
+    if net is None:
         pytest.skip("no free 198.18.x.0/24 test network")
     made = _ip("netns", "add", ns)
     if made.returncode != 0:

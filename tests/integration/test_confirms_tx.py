@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pika
 import pytest
 
-from ._support import channel_error, drain, queue_count, unique, wait_until
+from ._support import channel_error, connect, drain, queue_count, unique, wait_until
 
 
 def test_confirms_many_messages(pika_conn: pika.BlockingConnection) -> None:
@@ -102,3 +104,29 @@ def test_confirm_and_tx_are_exclusive(pika_conn: pika.BlockingConnection) -> Non
     with channel_error(406):
         ch.tx_select()
     assert pika_conn.is_open
+
+
+def test_a_synchronous_confirm_publisher_into_a_backlogged_queue_with_a_consumer(broker: Any) -> None:
+    """pika ``confirm_delivery`` waits for each confirm; the queue has a backlog and a consumer
+    (at its prefetch, not acking). Every publish is confirmed and stored in order; the broker's
+    publisher hold (net/server.py) must not apply to such a publisher (the mechanism is tested
+    in tests/test_publish_defects.py; benchmarks/run.py scenario 6 measures the rate)."""
+    setup = connect(broker)
+    q = unique("backlog")
+    sch = setup.channel()
+    sch.queue_declare(q)
+    for i in range(2000):
+        sch.basic_publish("", q, b"backlog-%d" % i)
+    cons = connect(broker)
+    cch = cons.channel()
+    cch.basic_qos(prefetch_count=10)
+    cch.basic_consume(q, lambda *a: None)  # takes 10, never acks: the backlog stays
+    cons.process_data_events(time_limit=0.2)
+    pub = connect(broker)
+    pch = pub.channel()
+    pch.confirm_delivery()
+    for i in range(300):
+        pch.basic_publish("", q, b"sync-%d" % i, pika.BasicProperties(delivery_mode=2))
+    wait_until(lambda: queue_count(setup, q) == 2300 - 10, what="backlog + sync publishes queued")
+    for c in (pub, cons, setup):
+        c.close()

@@ -1,0 +1,455 @@
+"""SegmentLog: the numbered, append-only segment files under a queue store and a stream store.
+
+Theory of operation
+-------------------
+A log is a directory of segments ``msgs.NNNNNNNNNN`` (record format in ``segment.py``). Only
+the newest one, the *write segment*, is written. It is created with its full size
+(``segment_size``, or more for a larger record) as a sparse file and mapped read-write;
+records are copied into the map, so an append costs no system call.
+
+Disk space is allocated for real before it is written (``posix_fallocate``): first a small
+chunk, then chunks that double up to 1 MiB as the segment fills. A page of a shared file
+mapping without a block behind it is filled on first touch, and if the disk is full then
+the kernel can only answer with SIGBUS, killing the broker. With the space reserved first,
+a full disk is ``posix_fallocate`` failing with ENOSPC: the store raises ``DiskFull``
+before anything of the record is written, logs it once (until space comes back), and
+stays usable (reads, acks and deletes need no new space; deleted segments free some).
+The hot path compares the append's end with ``_wcap``, the *allocated* end, so growing the
+allocation is the same slow branch as rolling to a new segment (``_roll`` in the stores).
+
+Rolling creates the next segment, then retires the old write segment: unmapped and
+truncated to its used size (which also returns the unused allocation). A segment's data is
+fsynced by ``sync`` through a ``dup`` of the write fd taken under ``_lock`` (the fsync itself
+runs outside the lock, on the syncer's worker thread); retired segments written since the
+last sync are fsynced by path. Files created or removed mark the directory for an fsync.
+
+The subclasses add what their records mean: ``QueueStore`` acks and the delivered mark,
+``StreamStore`` offsets, the segment index and retention. Both report every file mutation to
+the replication sink from the owner (event loop) thread; ``sync`` never calls the sink.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import resource
+import shutil
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Final, Generic, TypeVar
+
+from broker.errors import DiskFull, StoreError
+from broker.store import segment as fmt
+from broker.store.fileio import datasync, fsync_dir
+from broker.store.segment import HEADER, HEADER_SIZE, LogSegment
+from broker.store.sink import ReplicationSink
+
+log = logging.getLogger(__name__)
+
+ALLOC_FIRST: Final = 16 * 1024  # first allocation of a segment: small queues stay small on disk
+ALLOC_STEP_MAX: Final = 1024 * 1024  # allocation chunks double up to this
+MIN_MAPS: Final = 64  # mapped segments a node may always keep, whatever its limits
+_PAGE: Final = 4096
+_NO_SPACE: Final = (errno.ENOSPC, errno.EDQUOT)
+
+S = TypeVar("S", bound=LogSegment)
+
+
+def default_max_maps() -> int:
+    """How many segments a node keeps mapped: a mapped write segment costs two descriptors
+    (ours and the one CPython's mmap keeps) and one of the kernel's ``vm.max_map_count``
+    mappings, and both must leave room for sockets and everything else."""
+    try:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (OSError, ValueError):  # pragma: no cover - no such limit
+        soft = 1024
+    if soft == resource.RLIM_INFINITY or soft <= 0:
+        soft = 1 << 20
+    try:
+        with open("/proc/sys/vm/max_map_count", "rb") as f:
+            max_maps = int(f.read())
+    except (OSError, ValueError):
+        max_maps = 65530
+    return max(MIN_MAPS, min(soft // 4, max_maps // 2))
+
+
+class SegmentFiles:
+    """What the segment logs of one node share: the disk (a full disk is logged once per
+    episode) and a bound on mapped segments.
+
+    Every mapping a log makes is registered here; past ``max_maps`` the oldest mapping is
+    given back to its log (``SegmentLog._evict``: a read map is simply unmapped, the write
+    segment is unmapped and its descriptor closed, to be mapped again by the next append
+    or read). Eviction is a clock: a log marks a segment ``used`` where it works on it,
+    and such a segment gets a second round before it goes, so a mapping held by the call
+    in progress is not evicted under it (that would take ``max_maps`` other mappings made
+    within one call). A store given none has its own.
+    """
+
+    __slots__ = ("full", "max_maps", "_maps", "evictions", "shutting_down")
+
+    def __init__(self, max_maps: int | None = None) -> None:
+        self.full = False
+        # Set by the node before it closes every store: closing logs leave their last
+        # segment's zero tail in place (recovery stops at zeros) instead of trimming it,
+        # since one truncate per queue (a journal transaction each) made stopping 3,000
+        # queues take 16 s.
+        self.shutting_down = False
+        self.max_maps = max(MIN_MAPS, max_maps if max_maps is not None else default_max_maps())
+        self._maps: OrderedDict[LogSegment, SegmentLog[Any]] = OrderedDict()
+        self.evictions = 0
+
+    @property
+    def mapped(self) -> int:
+        return len(self._maps)
+
+    def add(self, seg: LogSegment, owner: SegmentLog[Any]) -> None:
+        """``seg`` of ``owner`` was just mapped; evict others if that is one too many."""
+        maps = self._maps
+        maps[seg] = owner
+        seg.used = True
+        while len(maps) > self.max_maps:
+            old, log_ = maps.popitem(last=False)
+            if old.used:
+                old.used = False
+                maps[old] = log_
+                continue
+            self.evictions += 1
+            log_._evict(old)
+
+    def forget(self, seg: LogSegment) -> None:
+        self._maps.pop(seg, None)
+
+    def no_space(self, path: Path, exc: OSError) -> DiskFull:
+        if not self.full:
+            self.full = True
+            log.warning("disk full: cannot allocate space for %s (%s); publishes are refused "
+                        "until space is freed", path, exc.strerror)
+        return DiskFull(f"disk full: no space for {path.name}")
+
+    def space(self) -> None:
+        if self.full:
+            self.full = False
+            log.info("disk space available again")
+
+
+def is_no_space(exc: OSError) -> bool:
+    return exc.errno in _NO_SPACE
+
+
+def _round_up(n: int) -> int:
+    return -(-n // _PAGE) * _PAGE
+
+
+def allocate(fd: int, start: int, end: int, path: Path, disk: SegmentFiles) -> None:
+    """Reserve blocks for bytes [start, end) of ``fd``; DiskFull if the disk has none."""
+    try:
+        os.posix_fallocate(fd, start, end - start)
+    except OSError as exc:
+        if is_no_space(exc):
+            raise disk.no_space(path, exc) from None
+        raise
+    disk.space()
+
+
+def create_mapped(path: Path, cap: int, alloc: int, files: SegmentFiles) -> tuple[int, mmap.mmap]:
+    """A new segment file of ``cap`` bytes (sparse) with its first ``alloc`` bytes allocated,
+    mapped read-write, with the format header written. Nothing is left behind on failure."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.ftruncate(fd, cap)
+        allocate(fd, 0, alloc, path, files)
+        # The header goes in with pwrite, not through the map: the first write fault on a
+        # page the page cache does not hold yet costs milliseconds on ext4 (measured 5-10 ms
+        # under load, and it stalls the event loop); after a pwrite the page is there.
+        if os.pwrite(fd, HEADER, 0) != HEADER_SIZE:
+            raise StoreError(f"{path}: short write of the segment header")
+        mm = mmap.mmap(fd, cap)
+    except BaseException:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        raise
+    return fd, mm
+
+
+class SegmentLog(Generic[S]):
+    """The write segment, its allocation, roll-over, retirement and the fsync protocol."""
+
+    __slots__ = (
+        "_closed", "_dir", "_dir_unsynced", "_dirty", "_files", "_retired", "_lock", "_next_num", "_order",
+        "_seg_unsynced", "_segment_size", "_segs", "_sink", "_sync_lock", "_unsynced_paths",
+        "_walloc", "_wcap", "_wfd", "_wlimit", "_wmm", "_wseg",
+    )
+    # Retired segments (and other files) written since the last sync, fsynced by path.
+    # Set by the subclass (QueueStore allocates it lazily).
+    _unsynced_paths: set[Path]
+
+    def _init_log(self, directory: str | Path, segment_size: int, sink: ReplicationSink,
+                  files: SegmentFiles | None) -> None:
+        if not fmt.FIXED_SIZE + HEADER_SIZE <= segment_size <= fmt.MAX_SEGMENT_SIZE:
+            raise ValueError(f"segment_size out of range: {segment_size}")
+        self._dir = os.fspath(directory)
+        self._segment_size = segment_size
+        self._sink = sink
+        self._files = files if files is not None else SegmentFiles()
+        self._segs: dict[int, S] = {}
+        self._order: list[int] = []  # segment numbers, ascending
+        self._next_num = 1
+        # Write segment (None until the first append after open).
+        self._wseg: S | None = None
+        self._wmm: mmap.mmap | None = None
+        self._wfd = -1
+        self._wcap = 0  # allocated end of the write segment while mapped (else 0): appends
+        # up to here need no syscall
+        self._walloc = 0  # allocated end of the write segment, mapped or not
+        self._wlimit = 0  # size of the write segment file (and of its mapping)
+        self._lock = threading.Lock()  # state shared with the sync thread
+        self._sync_lock = threading.Lock()  # whole syncs against each other and close
+        self._closed = False
+        self._dirty = False
+        self._seg_unsynced = False  # appended to the write segment since the last sync
+        self._dir_unsynced = False  # files created/removed since the last sync
+        # Write segments retired since the last sync: (fd or -1, path, used end, unsynced data).
+        # The sync thread trims, fsyncs and closes them, off the event loop.
+        self._retired: list[tuple[int, Path, int, bool]] = []
+
+    @property
+    def directory(self) -> Path:
+        """The log's directory (built on demand: the log keeps only a ``str``)."""
+        return Path(self._dir)
+
+    # ------------------------------------------------------------------ writing
+
+    def _grow(self, need: int, want: int = 0) -> S | None:
+        """The write segment with at least ``need`` (ideally ``want``) more bytes allocated,
+        or None if it cannot take ``need`` more (none, or its mapping is too small)."""
+        seg = self._wseg
+        if seg is None or seg.end + need > self._wlimit:
+            return None
+        if self._wmm is None:
+            self._remap_write_segment(seg)
+            if seg.end + need <= self._walloc:
+                return seg
+        have = self._walloc
+        step = min(max(have, ALLOC_FIRST), ALLOC_STEP_MAX)
+        end = min(self._wlimit, _round_up(max(seg.end + need, seg.end + want, have + step)))
+        allocate(self._wfd, have, end, seg.path, self._files)
+        self._wcap = self._walloc = end
+        return seg
+
+    def _remap_write_segment(self, seg: S) -> None:
+        """Map the write segment again after ``_evict`` gave its mapping back."""
+        self._unmap(seg)  # a read-only map made meanwhile by a reader
+        fd = os.open(seg.path, os.O_RDWR)
+        try:
+            mm = mmap.mmap(fd, self._wlimit)
+        except BaseException:
+            os.close(fd)
+            raise
+        with self._lock:
+            seg.mm = self._wmm = mm
+            self._wfd = fd
+            self._wcap = self._walloc
+        self._files.add(seg, self)
+
+    def _evict(self, seg: S) -> None:
+        """Give ``seg``'s mapping back (SegmentFiles over budget). The write segment stays
+        the write segment: unmapped, descriptor closed, its unsynced data fsynced by path;
+        the next append maps it again (``_grow``)."""
+        fd = -1
+        with self._lock:
+            mm, seg.mm = seg.mm, None
+            if mm is not None and mm is self._wmm:
+                self._wmm = None
+                self._wcap = 0  # the next append takes the slow path
+                fd, self._wfd = self._wfd, -1
+                if self._seg_unsynced:
+                    self._seg_unsynced = False
+                    self._unsynced_paths.add(seg.path)
+        if mm is not None:
+            mm.close()
+        if fd >= 0:
+            os.close(fd)
+
+    def _unmap(self, seg: S) -> None:
+        seg.unmap()
+        self._files.forget(seg)
+
+    def _map_read(self, seg: S) -> mmap.mmap:
+        """``seg`` mapped (read-only unless it is the mapped write segment), registered."""
+        mm = seg.mm
+        if mm is not None:
+            seg.used = True
+            return mm
+        try:
+            mm = seg.map_read()
+        except (OSError, ValueError) as exc:
+            raise StoreError(f"cannot map {seg.path}: {exc}") from exc
+        self._files.add(seg, self)
+        return mm
+
+    def _start_segment(self, seg: S, need: int, want: int = 0) -> S | None:
+        """Create ``seg`` (the next number) as the write segment with room for ``need`` bytes;
+        retire the previous one, which is returned. DiskFull leaves everything as it was."""
+        if self._closed:  # after close() the write segment is gone, so appends land here
+            raise StoreError(f"store {self._dir} is closed")
+        cap = max(self._segment_size, need + HEADER_SIZE)
+        if cap > fmt.MAX_SEGMENT_SIZE:
+            raise StoreError(f"message of {need} bytes is too large for a segment")
+        alloc = min(cap, _round_up(max(HEADER_SIZE + need, HEADER_SIZE + want, ALLOC_FIRST)))
+        fd, mm = create_mapped(seg.path, cap, alloc, self._files)
+        seg.mm = mm
+        self._files.add(seg, self)
+        old = self._wseg
+        with self._lock:
+            self._next_num = seg.num + 1
+            self._segs[seg.num] = seg
+            self._order.append(seg.num)
+            if old is not None:
+                self._retire_write_segment_locked(old)
+            self._wseg = seg
+            self._wmm = mm
+            self._wfd = fd
+            self._wcap = self._walloc = alloc
+            self._wlimit = cap
+            self._dir_unsynced = True
+        if self._sink.active:
+            self._sink.register_file(seg.path)
+            self._sink.append(seg.path, HEADER)
+        return old
+
+    def _retire_write_segment_locked(self, seg: S) -> None:
+        """Unmap the write segment and hand it to the next sync, which trims it to its
+        records (returning the unused allocation) and fsyncs it: a truncate is a journal
+        transaction (1-2 ms measured under load), which the event loop must not wait for."""
+        self._unmap(seg)
+        self._wmm = None
+        self._retired.append((self._wfd, seg.path, seg.end, self._seg_unsynced))
+        self._wfd = -1  # now owned by the _retired entry
+        self._wseg = None
+        self._wcap = self._walloc = self._wlimit = 0
+
+    # ------------------------------------------------------------------ durability
+
+    def sync(self, full: bool = False, fsync: bool = True) -> None:
+        """fsync what was appended (and, per subclass, what else ``full`` covers).
+
+        Safe on a worker thread: ``_sync_locked`` snapshots under ``_lock`` and may
+        add paths to fsync and return work to run after them. ``fsync=False`` writes
+        what is buffered but leaves the fsyncs to the caller's one ``syncfs`` over the
+        whole data dir (many dirty logs: one flush instead of one per file)."""
+        with self._sync_lock:
+            if self._closed:
+                return
+            fds: list[int] = []
+            try:
+                with self._lock:
+                    self._dirty = False
+                    if self._seg_unsynced and self._wfd >= 0 and fsync:
+                        fds.append(os.dup(self._wfd))
+                    self._seg_unsynced = False
+                    paths: list[Path] = list(self._unsynced_paths)
+                    self._unsynced_paths.clear()
+                    retired, self._retired = self._retired, []
+                    after = self._sync_locked(full, paths)
+                    dir_unsynced = self._dir_unsynced
+                    self._dir_unsynced = False
+                if not fsync:
+                    paths.clear()
+                    dir_unsynced = False
+                for fd in fds:
+                    datasync(fd)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            for fd, path, end, unsynced in retired:
+                _trim(fd, path, end, unsynced and fsync)
+            for path in paths:
+                datasync_path(path)
+            if after is not None:
+                after()
+            if dir_unsynced:
+                fsync_dir(self.directory)
+
+    def _sync_locked(self, full: bool, paths: list[Path]) -> Callable[[], None] | None:
+        """Subclass hook, under ``_lock``: write what ``sync`` covers, add paths to fsync."""
+        return None
+
+    def _close_files(self) -> None:
+        """Unmap everything, trim retired segments and close their descriptors. At node
+        shutdown (``SegmentFiles.shutting_down``) the trim is skipped: the zero tail is
+        harmless (recovery stops at the first zero record)."""
+        if self._wseg is not None:
+            self._retire_write_segment_locked(self._wseg)
+        for seg in self._segs.values():
+            self._unmap(seg)
+        retired, self._retired = self._retired, []
+        for fd, path, end, _unsynced in retired:
+            if not self._files.shutting_down:
+                _trim(fd, path, end, False)
+            elif fd >= 0:
+                os.close(fd)
+
+    def _before_close(self) -> None:
+        """Subclass hook: settle what is buffered before the final sync."""
+
+    def close(self) -> None:
+        """Settle, sync everything, trim the write segment, unmap. Idempotent."""
+        if self._closed:
+            return
+        self._before_close()
+        self.sync(True)
+        with self._sync_lock, self._lock:
+            self._closed = True
+            self._close_files()
+
+    def delete(self) -> None:
+        """Close and remove the whole directory (every file reported to the sink)."""
+        with self._sync_lock, self._lock:
+            if not self._closed:  # no flush or fsync: everything is about to go
+                self._closed = True
+                self._close_files()
+        directory = self.directory
+        if self._sink.active and directory.is_dir():
+            for entry in sorted(directory.iterdir()):
+                if entry.is_file():
+                    self._sink.delete(entry)
+        shutil.rmtree(directory, ignore_errors=True)
+
+    def _remove_file(self, path: Path) -> None:
+        path.unlink(missing_ok=True)
+        self._dir_unsynced = True
+        if self._sink.active:
+            self._sink.delete(path)
+
+
+def _trim(fd: int, path: Path, end: int, fsync: bool) -> None:
+    """Truncate a retired segment to ``end`` (fsync it if asked), then close it; ``fd`` -1:
+    by path (its mapping was evicted, or it is gone already)."""
+    if fd < 0:
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            return
+    try:
+        os.ftruncate(fd, end)
+        if fsync:
+            datasync(fd)
+    finally:
+        os.close(fd)
+
+
+def datasync_path(path: Path) -> None:
+    """fdatasync a file by name; a file deleted since has nothing left to make durable."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        datasync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,164 @@
+"""A full disk is an error the broker handles, never SIGBUS (issue 14, item 2).
+
+Theory of operation: a holder process enters a private mount namespace
+(``unshare -m``) and mounts a small tmpfs over an empty directory; the broker is
+started inside that namespace (``nsenter -m``) with its data dir on the tmpfs and
+the disk alarm off, so nothing stops publishers before the store meets ENOSPC. The
+test then fills the tmpfs two ways: with confirmed 64 KiB publishes, and with a
+file written by another process while the broker's write segment has room left in
+its mapping. Each time the broker must stay up (no SIGBUS), say so in its log,
+answer new connections, let consumers drain what it holds and keep every confirmed
+message across kill -9 and restart. Whether a publisher is nacked, blocked or
+closed on a full disk is the flow-control layer's business; this test only counts
+what was confirmed. Needs root (mount) and util-linux; skips otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pika
+import pytest
+
+from ._support import SkredProcess, amqp_answers, connect, is_external, unique, wait_until
+
+pytestmark = pytest.mark.skipif(
+    is_external() or os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("nsenter"),
+    reason="needs root, unshare and nsenter (private mount namespace with a tmpfs)",
+)
+
+TMPFS_SIZE = 24 * 1024 * 1024
+SMALL = 8 * 1024  # written through the segment's mapping
+LARGE = 64 * 1024  # written with pwritev
+
+
+class NamespacedBroker(SkredProcess):
+    """A broker process started inside the holder's mount namespace."""
+
+    def __init__(self, data_dir: Path, holder: int, extra_args: list[str]) -> None:
+        self.holder = holder
+        super().__init__(data_dir, extra_args)
+        # SkredProcess puts its log next to the data dir, which is on the tmpfs only
+        # inside the namespace: the outside directory stays empty, so this is fine.
+
+    def argv(self) -> list[str]:
+        return ["nsenter", "-t", str(self.holder), "-m", "--", *super().argv()]
+
+    def run_inside(self, *cmd: str) -> subprocess.CompletedProcess[bytes]:
+        return subprocess.run(["nsenter", "-t", str(self.holder), "-m", "--", *cmd],
+                              capture_output=True, timeout=60, check=False)
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[tuple[Path, int]]:
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    holder = subprocess.Popen(
+        ["unshare", "-m", "--propagation", "private", "--", "sh", "-c",
+         f"mount -t tmpfs -o size={TMPFS_SIZE} skredtest '{mnt}' && echo ready && exec sleep 900"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    assert holder.stdout is not None
+    line = holder.stdout.readline()
+    if line.strip() != b"ready":
+        holder.kill()
+        why = holder.stderr.read() if holder.stderr else b""
+        pytest.skip(f"cannot mount a tmpfs in a private namespace: {why!r}")
+    try:
+        yield mnt, holder.pid
+    finally:
+        os.killpg(holder.pid, signal.SIGKILL)
+        holder.wait(10)
+
+
+def _publish_until_refused(b: SkredProcess, queue: str, limit: int, size: int = SMALL) -> list[int]:
+    """Confirmed publishes of ``size`` bytes until the broker refuses one (nack, channel or
+    connection closed); returns the ids it confirmed."""
+    confirmed: list[int] = []
+    try:
+        conn = connect(b)
+    except pika.exceptions.AMQPError:
+        return confirmed
+    try:
+        ch = conn.channel()
+        ch.confirm_delivery()
+        ch.queue_declare(queue, durable=True)
+        body = b"x" * (size - 8)
+        for i in range(limit):
+            ch.basic_publish("", queue, i.to_bytes(8, "big") + body,
+                             pika.BasicProperties(delivery_mode=2), mandatory=True)
+            confirmed.append(i)
+    except (pika.exceptions.AMQPError, OSError):
+        pass
+    finally:
+        try:
+            if conn.is_open:
+                conn.close()
+        except (pika.exceptions.AMQPError, OSError):
+            pass
+    return confirmed
+
+
+def _drain_ids(b: SkredProcess, queue: str) -> set[int]:
+    conn = connect(b)
+    ch = conn.channel()
+    got: set[int] = set()
+    for _ in range(10_000):
+        m, _, body = ch.basic_get(queue, auto_ack=True)
+        if m is None:
+            break
+        got.add(int.from_bytes(body[:8], "big"))
+    conn.close()
+    return got
+
+
+def _assert_up(b: SkredProcess) -> None:
+    assert b.alive(), f"broker died (exit {b.proc.returncode if b.proc else None}):\n{b.log_tail()}"
+    assert b.proc is not None and b.proc.returncode != -signal.SIGBUS
+    assert amqp_answers(b.host, b.port), "broker no longer answers new connections"
+
+
+@pytest.mark.timeout(240)
+def test_full_disk_is_an_error_not_sigbus(tmpfs: tuple[Path, int], tmp_path: Path) -> None:
+    mnt, holder = tmpfs
+    b = NamespacedBroker(mnt / "data", holder, ["--free-disk-min", "0", "--segment-size", "4MiB"])
+    b.log_path = tmp_path / "broker.log"  # outside the tmpfs: readable from here
+    try:
+        b.start()
+        # 1. Fill the tmpfs with confirmed publishes.
+        q = unique("full")
+        confirmed = _publish_until_refused(b, q, limit=2 * TMPFS_SIZE // SMALL)
+        assert len(confirmed) < 2 * TMPFS_SIZE // SMALL, "the 24 MiB tmpfs never filled up"
+        assert confirmed, "nothing was confirmed before the disk filled"
+        _assert_up(b)
+        wait_until(lambda: "disk full" in b.log_text().lower(), 10, "a disk-full log line")
+        # 2. kill -9 and restart on the full disk: every confirmed message is back.
+        b.kill9()
+        b.start()
+        got = _drain_ids(b, q)
+        lost = set(confirmed) - got
+        assert not lost, f"{len(lost)} confirmed messages lost after a full disk and kill -9"
+        # 3. Another process fills the disk while the broker has a mapped write segment.
+        q2 = unique("filler")
+        first = _publish_until_refused(b, q2, limit=1)
+        assert first == [0], "a publish on a drained disk was not confirmed"
+        filled = b.run_inside("dd", "if=/dev/zero", f"of={mnt}/filler", "bs=1M")
+        assert b"No space left" in filled.stderr, filled.stderr
+        more = _publish_until_refused(b, q2, limit=2 * TMPFS_SIZE // LARGE, size=LARGE)
+        _assert_up(b)
+        assert _drain_ids(b, q2) >= set(first) | set(more)
+        # 4. Space back: publishing works again, and what is confirmed survives kill -9.
+        assert b.run_inside("rm", f"{mnt}/filler").returncode == 0
+        q3 = unique("after")
+        again = _publish_until_refused(b, q3, limit=50)
+        assert again == list(range(50)), f"after freeing space only {len(again)} of 50 confirmed"
+        b.kill9()
+        b.start()
+        assert _drain_ids(b, q3) == set(again)
+        assert b.log_text().lower().count("disk full: cannot allocate") <= 3, "disk full logged repeatedly"
+    finally:
+        b.close()
