@@ -1,6 +1,6 @@
 """deploy/docker-compose.yml brought up for real in a container engine, the way a user would.
 
-Theory of operation: ``docker-compose up --build`` (with the ``monitoring`` profile) builds
+Theory of operation: ``docker-compose build`` then ``up`` (with the ``monitoring`` profile) builds
 the image from the Dockerfile (``pip install .``, nothing else) and starts etcd, three
 clustered nodes and Prometheus, every host port moved to a free loopback port through the
 compose file's ``*_HOST_PORT`` variables and the project named after this process, so runs
@@ -63,6 +63,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         if os.environ.get(var):
             pytest.skip(f"{var} is set in the environment; this test logs in with the compose defaults")
     env = image_env()
+    compose = Compose(f"skredtest{os.getpid()}", env, tmp_path_factory.mktemp("compose"))
+    # Build first, then pick the host ports: a free port picked minutes before `up` binds it
+    # may have been taken meanwhile (they are ephemeral ports, used by every outgoing connection).
+    compose.run("build", timeout=UP_TIMEOUT)
     nodes = {}
     for index, service in enumerate(NODES, start=1):
         node = Node(service, free_port(), free_port())
@@ -71,9 +75,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         env[f"SKRED_{index}_MGMT_HOST_PORT"] = str(free_port())
         nodes[service] = node
     env["PROMETHEUS_HOST_PORT"] = prometheus_port = str(free_port())
-    compose = Compose(f"skredtest{os.getpid()}", env, tmp_path_factory.mktemp("compose"))
+    compose.env.update(env)
     try:
-        compose.run("up", "-d", "--build", timeout=UP_TIMEOUT)
+        compose.run("up", "-d", timeout=UP_TIMEOUT)
         yield Cluster(compose, nodes, int(prometheus_port))
     finally:
         print(f"compose logs: {compose.save_logs()}")

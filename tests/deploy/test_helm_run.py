@@ -130,6 +130,7 @@ def pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pod]:
     for directory in (data_dir, tmp_dir):
         directory.mkdir()
         os.chown(directory, 10001, 10001)  # what fsGroup/the PVC provisioner do in Kubernetes
+    # The host port is picked after the build: picked before, it may be taken by the time it binds.
     docs, pod_doc, secret = kube_manifest(rendered, data_dir, tmp_dir, free_port())
     manifest = work / "pod.yaml"
     manifest.write_text(yaml.safe_dump_all(docs))

@@ -32,9 +32,9 @@ def container() -> Iterator[tuple[Any, int]]:
     from testcontainers.core.image import DockerImage
 
     base = os.environ.get("SKRED_BASE_IMAGE", "python:3.11-slim")
-    amqp_port = free_port()
     with DockerImage(path=REPO_ROOT, tag=f"localhost/skred-image-test:{os.getpid()}",
                      buildargs={"BASE_IMAGE": base}) as image:
+        amqp_port = free_port()  # after the build: a port picked minutes earlier may be taken
         node = DockerContainer(str(image), env={
             "SKRED_MAIN_DEFAULT_USER": USER, "SKRED_MAIN_DEFAULT_PASSWORD": PASSWORD})
         node.ports["5672/tcp"] = ("127.0.0.1", amqp_port)  # docker-py form: loopback only
