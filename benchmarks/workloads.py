@@ -9,7 +9,7 @@
   manual ack (``--ack``); each body carries its send time; reports p50/p99/p99.9 in ms.
 - ``sync`` (workload 6): a pika ``BlockingConnection`` with ``confirm_delivery`` publishing one
   message at a time into a queue with a backlog (50,000: it outlasts the run) and a consumer
-  (pika, manual ack, prefetch 100, in a thread); reports the publisher's msg/s.
+  (pika, manual ack, prefetch 100, its own process); reports the publisher's msg/s.
 
 Each prints one JSON line with ``server`` (product, version) like skred-perf does.
 
@@ -28,7 +28,6 @@ import random
 import statistics
 import struct
 import sys
-import threading
 import time
 import uuid
 from typing import Any
@@ -265,6 +264,20 @@ def latency(uri: str, seconds: float, rate: int, ack: bool) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- sync
+def _sync_consumer(uri: str, queue: str, stop: Any) -> None:
+    conn = pika.BlockingConnection(pika.URLParameters(uri))
+    ch = conn.channel()
+    ch.basic_qos(prefetch_count=100)
+
+    def on(chx: Any, method: Any, _p: Any, _b: bytes) -> None:
+        chx.basic_ack(method.delivery_tag)
+
+    ch.basic_consume(queue, on)
+    while not stop.is_set():
+        conn.process_data_events(time_limit=0.05)
+    conn.close()
+
+
 def sync(uri: str, seconds: float, persistent: bool = True, backlog: int = 50_000) -> dict[str, Any]:
     params = pika.URLParameters(uri)
     queue = "bench-sync-" + uuid.uuid4().hex[:8]
@@ -275,22 +288,10 @@ def sync(uri: str, seconds: float, persistent: bool = True, backlog: int = 50_00
         sch.basic_publish("", queue, b"backlog-%d" % i)
     product = setup._impl.server_properties.get("product", b"?")
     version = setup._impl.server_properties.get("version", b"?")
-    stop = threading.Event()
-
-    def consume() -> None:
-        conn = pika.BlockingConnection(params)
-        ch = conn.channel()
-        ch.basic_qos(prefetch_count=100)
-
-        def on(chx: Any, method: Any, _p: Any, _b: bytes) -> None:
-            chx.basic_ack(method.delivery_tag)
-
-        ch.basic_consume(queue, on)
-        while not stop.is_set():
-            conn.process_data_events(time_limit=0.05)
-        conn.close()
-
-    t = threading.Thread(target=consume, daemon=True)
+    # the consumer is another process: in a thread it would take the publisher's GIL, and
+    # the faster a broker delivers, the slower its publisher would look
+    stop = mp.Event()
+    t = mp.Process(target=_sync_consumer, args=(uri, queue, stop), daemon=True)
     t.start()
     pub = pika.BlockingConnection(params)
     pch = pub.channel()

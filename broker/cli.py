@@ -91,6 +91,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     log_start(config)
     try:
         return serve(config, lambda: load_config(args_list))
+    except ConfigError as exc:  # e.g. a TLS certificate or key that does not load
+        print(f"skred: error: {exc}", file=sys.stderr)
+        return 2
     except (StartupError, DataDirLocked, ListenError) as exc:  # their messages name path or option
         print(f"skred: error: {exc}", file=sys.stderr)
         return 1

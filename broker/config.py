@@ -157,12 +157,60 @@ class MainConfig:
             lo=0,
         ),
     )
+    # TLS (AMQPS, HTTPS, the replication link); the names are LavinMQ's. See docs/tls.md.
+    tls_cert: str = field(
+        default="",
+        metadata=_meta("PEM certificate (chain) of this node; setting it opens the TLS listeners "
+                       "([amqp] tls_port, [mgmt] tls_port) and encrypts the replication link."),
+    )
+    tls_key: str = field(default="", metadata=_meta("PEM private key of tls_cert (empty: in tls_cert)."))
+    tls_ca_cert: str = field(
+        default="",
+        metadata=_meta("PEM CA bundle that client certificates (tls_verify_peer) and cluster peers "
+                       "are verified against (empty: the system's)."),
+    )
+    tls_min_version: str = field(
+        default="1.2", metadata=_meta("Oldest TLS version accepted.", choices=("1.2", "1.3"))
+    )
+    tls_ciphers: str = field(
+        default="",
+        metadata=_meta("OpenSSL cipher list for TLS 1.2 (empty: OpenSSL's defaults; TLS 1.3 suites "
+                       "are OpenSSL's)."),
+    )
+    tls_verify_peer: bool = field(
+        default=False,
+        metadata=_meta("Ask TLS clients for a certificate and verify it against tls_ca_cert "
+                       "(RabbitMQ's verify_peer); a verified certificate allows EXTERNAL login."),
+    )
+    tls_fail_if_no_peer_cert: bool = field(
+        default=False,
+        metadata=_meta("With tls_verify_peer: refuse TLS clients that present no certificate."),
+    )
+    tls_cert_login_from: str = field(
+        default="common_name",
+        metadata=_meta("Where the EXTERNAL mechanism takes the user name from in the client "
+                       "certificate: its CN, its first DNS/email SAN, or its whole subject DN.",
+                       choices=("common_name", "subject_alternative_name", "distinguished_name")),
+    )
+    tls_sni: str = field(
+        default="",
+        metadata=_meta("More certificates chosen by the client's server name (SNI): comma-separated "
+                       "NAME=CERT_FILE:KEY_FILE (NAME may start with '*.'); other names get tls_cert."),
+    )
 
 
 @dataclass(frozen=True)
 class AmqpConfig:
     bind: str = field(default="127.0.0.1", metadata=_meta("Address the AMQP listener binds to."))
-    port: int = field(default=5672, metadata=_meta("AMQP port (0: pick a free port).", lo=0, hi=65535))
+    port: int = field(
+        default=5672,
+        metadata=_meta("AMQP port (0: pick a free port, -1: no plain listener).", lo=-1, hi=65535),
+    )
+    tls_port: int = field(
+        default=5671,
+        metadata=_meta("AMQPS port, opened when [main] tls_cert is set (0: pick a free port, -1: off).",
+                       lo=-1, hi=65535),
+    )
     heartbeat: int = field(
         default=300,
         metadata=_meta("Heartbeat interval proposed to clients, seconds (0: off).", lo=0, hi=65535),
@@ -190,7 +238,20 @@ class MgmtConfig:
     enabled: bool = field(default=True, metadata=_meta("Serve the management HTTP API and /metrics."))
     bind: str = field(default="127.0.0.1", metadata=_meta("Address the management listener binds to."))
     port: int = field(
-        default=15672, metadata=_meta("Management HTTP port (0: pick a free port).", lo=0, hi=65535)
+        default=15672,
+        metadata=_meta("Management HTTP port (0: pick a free port, -1: no plain listener).", lo=-1, hi=65535),
+    )
+    tls_port: int = field(
+        default=15671,
+        metadata=_meta("Management HTTPS port, opened when [main] tls_cert is set (0: pick a free port, "
+                       "-1: off).", lo=-1, hi=65535),
+    )
+    trusted_proxies: tuple[str, ...] = field(
+        default=(),
+        metadata=_meta(
+            "Comma-separated addresses/CIDRs allowed to send a PROXY protocol header to the "
+            "management listeners.", kind="networks"
+        ),
     )
     metrics_port: int = field(
         default=15692,
@@ -223,10 +284,38 @@ class ClusteringConfig:
         metadata=_meta("Deprecated, accepted but has no effect (as in LavinMQ): a follower leaves the "
                        "in-sync set when it stops acking replicated data for 3 s.", lo=0),
     )
+    tls: bool = field(
+        default=True,
+        metadata=_meta("Encrypt the replication link with [main] tls_cert/tls_ca_cert when tls_cert is "
+                       "set (the leader verified against tls_ca_cert; the cluster secret never in clear)."),
+    )
     disk_stall_timeout: int = field(
         default=20,
         metadata=_meta("A leader whose fsync has not returned for this many seconds gives up its lease.",
                        lo=1, hi=3600),
+    )
+
+
+@dataclass(frozen=True)
+class LmqConfig:
+    enabled: bool = field(default=True, metadata=_meta("Serve LMQ's HTTP queue API and MessagePack-RPC."))
+    bind: str = field(default="127.0.0.1", metadata=_meta("Address the LMQ listeners bind to."))
+    http_port: int = field(
+        default=9980, metadata=_meta("LMQ HTTP API port (0: pick a free port).", lo=0, hi=65535)
+    )
+    rpc_port: int = field(
+        default=18800, metadata=_meta("LMQ MessagePack-RPC port (0: pick a free port).", lo=0, hi=65535)
+    )
+    vhost: str = field(default="/", metadata=_meta("Virtual host whose queues LMQ serves."))
+    auth: bool = field(
+        default=False,
+        metadata=_meta("Require a broker user (HTTP basic auth; RPC authenticate call) with access to "
+                       "the LMQ vhost."),
+    )
+    statsd_host: str = field(default="localhost", metadata=_meta("StatsD host for LMQ statistics."))
+    statsd_port: int = field(default=8125, metadata=_meta("StatsD UDP port.", lo=1, hi=65535))
+    stats_interval: int = field(
+        default=0, metadata=_meta("Seconds between LMQ statistics sent to StatsD (0: off).", lo=0, hi=86400)
     )
 
 
@@ -236,6 +325,7 @@ class Config:
     amqp: AmqpConfig = field(default_factory=AmqpConfig)
     mgmt: MgmtConfig = field(default_factory=MgmtConfig)
     clustering: ClusteringConfig = field(default_factory=ClusteringConfig)
+    lmq: LmqConfig = field(default_factory=LmqConfig)
 
 
 SECTIONS: dict[str, type[Any]] = {
@@ -243,6 +333,7 @@ SECTIONS: dict[str, type[Any]] = {
     "amqp": AmqpConfig,
     "mgmt": MgmtConfig,
     "clustering": ClusteringConfig,
+    "lmq": LmqConfig,
 }
 
 _TRUE = frozenset({"true", "yes", "1", "on"})
@@ -404,7 +495,7 @@ _DESCRIPTION = """\
 Skred: a disk-first AMQP 0-9-1 message broker.
 
 Every option can be set, from lowest to highest precedence, by its default, in
-the ini file given with -c (sections [main] [amqp] [mgmt] [clustering], keys as
+the ini file given with -c (sections [main] [amqp] [mgmt] [clustering] [lmq], keys as
 named below), by an environment variable SKRED_<SECTION>_<OPTION>, or by a flag.
 Booleans accept true/false, yes/no, on/off, 1/0; sizes accept bytes or a number
 with KiB/MiB/GiB."""

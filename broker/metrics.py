@@ -24,13 +24,35 @@ standalone node) is any object with the ``ClusterInfo`` methods;
 ``ClusterCollector`` reads it at scrape time for ``skred_is_leader``,
 ``skred_connected_followers`` and ``skred_follower_lag_in_bytes{id}``. A
 follower runs no broker, so the runner serves ``cluster_registry(view)`` on the
-metrics port itself.
+metrics port itself; it holds the ``NodeCollector`` too, so every node exports
+its own process, memory and disk metrics.
+
+RabbitMQ's names, alongside Skred's own
+---------------------------------------
+RabbitMQ users' dashboards and alerts query the ``rabbitmq_prometheus`` plugin's
+names and join every series on ``instance`` with ``rabbitmq_identity_info``
+(labels ``rabbitmq_node``, ``rabbitmq_cluster``). The same scrape therefore also
+yields those: ``NodeCollector`` (identity, build info, process, memory and disk
+of this node, on leaders, followers and standalone nodes alike) and
+``RabbitCollector`` (the aggregated object and channel counters of
+``GET /metrics``). ``/metrics/per-object`` adds one series per queue with
+``vhost``/``queue`` labels, and ``/metrics/detailed?family=...&vhost=...``
+answers both Skred's ``skred_detailed_*`` and RabbitMQ's ``rabbitmq_detailed_*``
+names for the families RabbitMQ defines there. Skred does not count consumer
+deliveries by ack mode, so ``rabbitmq_channel_messages_delivered_ack_total``
+carries every consume delivery and ``..._delivered_total`` (auto-ack) stays 0;
+the memory "limit" is the machine's RAM, as Skred raises no memory alarm
+(docs/compatibility.md).
 """
 
 from __future__ import annotations
 
 import os
+import platform
+import shutil
+import socket
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -43,9 +65,54 @@ if TYPE_CHECKING:
     from broker.http.state import Mgmt
 
 PREFIX = "skred"
+RABBIT = "rabbitmq"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 DETAILED_FAMILIES = ("queue_coarse_metrics", "queue_consumer_count", "queue_delivery_metrics",
                      "vhost_status", "vhost_coarse_metrics")
+RABBITMQ_VERSION = "3.13.7"  # the RabbitMQ release whose plugin names these series follow
+
+
+# ------------------------------------------------------------------- process facts
+def node_name() -> str:
+    return "skred@" + socket.gethostname()
+
+
+def disk_free(path: Path) -> int:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return 0
+
+
+def resident_memory() -> int:
+    try:
+        with open("/proc/self/statm", encoding="ascii") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def total_memory() -> int:
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (OSError, ValueError):
+        return 0
+
+
+def open_fds() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return 0
+
+
+def max_fds() -> int:
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
 
 
 def _g(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -87,10 +154,60 @@ class ClusterCollector(Collector):
         yield lag
 
 
-def cluster_registry(info: ClusterInfo) -> CollectorRegistry:
-    """A registry with only the cluster gauges (a follower's metrics port)."""
+class NodeCollector(Collector):
+    """This node's identity, build, process, memory and disk, in RabbitMQ's names and Skred's."""
+
+    def __init__(self, data_dir: Path, identity: Callable[[], tuple[str, str]],
+                 disk_limit: Callable[[], int] = lambda: 0, sockets: Callable[[], int] = lambda: 0) -> None:
+        self.data_dir = data_dir
+        self.identity = identity  # -> (node name, cluster name), read at scrape time
+        self.disk_limit = disk_limit
+        self.sockets = sockets
+
+    def collect(self) -> Iterator[Metric]:
+        node, cluster = self.identity()
+        ident = InfoMetricFamily(
+            f"{RABBIT}_identity", "RabbitMQ-style node identity: join on instance",
+            labels=["rabbitmq_node", "rabbitmq_cluster", "rabbitmq_cluster_permanent_id"])
+        ident.add_metric([node, cluster, cluster], {})
+        yield ident
+        build = InfoMetricFamily(f"{RABBIT}_build", "Versions (RabbitMQ's label names)",
+                                 labels=["rabbitmq_version", "prometheus_plugin_version",
+                                         "prometheus_client_version", "erlang_version", "product",
+                                         "product_version", "python_version"])
+        build.add_metric([RABBITMQ_VERSION, __version__, __version__, "none", "Skred", __version__,
+                          platform.python_version()], {})
+        yield build
+        memory, fds, limit_fds = resident_memory(), open_fds(), max_fds()
+        free = disk_free(self.data_dir)
+        doc_mem = "Resident memory of the broker process"
+        doc_disk = "Free bytes on the data directory's file system"
+        yield _g("process_resident_memory_bytes", doc_mem, memory)  # Skred's names ...
+        yield _g("process_open_fds", "Open file descriptors", fds)
+        yield _g("process_max_fds", "File descriptor limit", limit_fds)
+        yield _g("disk_space_available_bytes", doc_disk, free)
+        yield _rg("process_resident_memory_bytes", doc_mem, memory)  # ... and RabbitMQ's
+        yield _rg("process_open_fds", "Open file descriptors", fds)
+        yield _rg("process_max_fds", "File descriptor limit", limit_fds)
+        yield _rg("disk_space_available_bytes", doc_disk, free)
+        yield GaugeMetricFamily(f"{RABBIT}_resident_memory_limit_bytes",
+                                "Memory limit (Skred raises no memory alarm: the machine's RAM)",
+                                value=total_memory())
+        yield GaugeMetricFamily(f"{RABBIT}_disk_space_available_limit_bytes",
+                                "Free disk space below which publishers are blocked", value=self.disk_limit())
+        yield GaugeMetricFamily(f"{RABBIT}_process_open_tcp_sockets", "Open client sockets",
+                                value=self.sockets())
+        yield GaugeMetricFamily(f"{RABBIT}_process_max_tcp_sockets", "Socket limit (the fd limit)",
+                                value=limit_fds)
+
+
+def cluster_registry(info: ClusterInfo, data_dir: Path | None = None,
+                     cluster_name: str = "") -> CollectorRegistry:
+    """A follower's metrics port: the cluster gauges and, given its data dir, its own node metrics."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ClusterCollector(lambda: info))
+    if data_dir is not None:
+        registry.register(NodeCollector(data_dir, lambda: (node_name(), cluster_name or node_name())))
     return registry
 
 
@@ -100,7 +217,7 @@ class SkredCollector(Collector):
         self._seen_redelivered: dict[int, int] = {}
         self._retired_redelivered = 0
 
-    def _redelivered_total(self) -> int:
+    def redelivered_total(self) -> int:
         current: dict[int, int] = {}
         for vh in self.mgmt.broker.vhosts.values():
             for q in vh.queues.values():
@@ -141,7 +258,7 @@ class SkredCollector(Collector):
         yield _c("global_messages_received", "Messages published to the broker", stats.published)
         yield _c("global_messages_delivered", "Messages delivered to consumers or basic.get", stats.delivered)
         yield _c("global_messages_redelivered", "Messages delivered again after a requeue",
-                 self._redelivered_total())
+                 self.redelivered_total())
         yield _c("global_messages_acknowledged", "Messages acknowledged by consumers", stats.acked)
         yield _c("global_messages_confirmed", "Messages confirmed to publishers", stats.confirmed)
         yield _c("global_messages_unroutable_dropped", "Published messages that reached no queue",
@@ -149,13 +266,108 @@ class SkredCollector(Collector):
         yield _c("connections_opened", "AMQP connections opened", stats.connections_opened)
         yield _c("connections_closed", "AMQP connections closed",
                  max(0, stats.connections_opened - len(sessions)))
-        yield _g("process_resident_memory_bytes", "Resident memory of the broker process",
-                 mgmt.resident_memory())
-        yield _g("process_open_fds", "Open file descriptors", mgmt.open_fds())
-        yield _g("process_max_fds", "File descriptor limit", mgmt.max_fds())
-        yield _g("disk_space_available_bytes", "Free bytes on the data directory's file system",
-                 mgmt.disk_free())
         yield _g("process_pid", "Process id", os.getpid())
+
+
+def _rg(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(f"{RABBIT}_{name}", doc, value=value)
+
+
+def _rc(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(f"{RABBIT}_{name}", doc, value=value)
+
+
+class RabbitCollector(Collector):
+    """The aggregated ``rabbitmq_*`` series of RabbitMQ's ``GET /metrics`` (one value per node)."""
+
+    def __init__(self, mgmt: Mgmt, redelivered: Callable[[], int]) -> None:
+        self.mgmt = mgmt
+        self.redelivered = redelivered
+
+    def collect(self) -> Iterator[Metric]:
+        broker = self.mgmt.broker
+        st = broker.stats
+        sessions = list(broker.connections)
+        channels = [chs for s in sessions for chs in s.chs.values()]
+        vhs = list(broker.vhosts.values())
+        queues = [q for vh in vhs for q in vh.queues.values()]
+        consumers = sum(len(q.consumers) for q in queues)
+        yield _rg("connections", "Open connections", len(sessions))
+        yield _rc("connections_opened", "Connections opened", st.connections_opened)
+        yield _rc("connections_closed", "Connections closed", max(0, st.connections_opened - len(sessions)))
+        yield _rg("channels", "Open channels", len(channels))
+        yield _rc("channels_opened", "Channels opened", st.channels_opened)
+        yield _rc("channels_closed", "Channels closed", max(0, st.channels_opened - len(channels)))
+        yield _rg("channel_consumers", "Consumers on all channels", consumers)
+        yield _rg("consumers", "Consumers", consumers)
+        yield _rg("channel_messages_unacked", "Delivered, not yet acknowledged",
+                  sum(chs.unacked_count for chs in channels))
+        yield _rg("channel_messages_unconfirmed", "Published, not yet confirmed",
+                  sum(chs.publish_seq - chs.confirmed for chs in channels if chs.confirm))
+        yield _rg("channel_prefetch", "Prefetch limits of all channels",
+                  sum(chs.prefetch for chs in channels))
+        yield _rc("channel_messages_published", "Messages published", st.published)
+        yield _rc("channel_messages_confirmed", "Publisher confirms sent", st.confirmed)
+        yield _rc("channel_messages_unroutable_dropped", "Unroutable messages dropped",
+                  max(0, st.unroutable - st.returned))
+        yield _rc("channel_messages_unroutable_returned", "Unroutable messages returned", st.returned)
+        yield _rc("channel_messages_delivered_ack", "Consumer deliveries (every ack mode)",
+                  max(0, st.delivered - st.gets))
+        yield _rc("channel_messages_delivered", "Auto-ack consumer deliveries (not counted apart: 0)", 0)
+        yield _rc("channel_messages_redelivered", "Messages delivered again", self.redelivered())
+        yield _rc("channel_messages_acked", "Messages acknowledged", st.acked)
+        yield _rc("channel_get_ack", "basic.get answered (every ack mode)", st.gets)
+        yield _rc("channel_get", "Auto-ack basic.get (not counted apart: 0)", 0)
+        yield _rc("channel_get_empty", "basic.get answered get-empty", st.gets_empty)
+        yield _rg("queues", "Queues", len(queues))
+        created = sum(vh.queues_created for vh in vhs)
+        yield _rc("queues_declared", "Queues declared (created) since boot", created)
+        yield _rc("queues_created", "Queues created since boot", created)
+        yield _rc("queues_deleted", "Queues deleted since boot", sum(vh.queues_deleted for vh in vhs))
+        yield _rc("queue_messages_published", "Messages routed to queues", sum(q.n_published for q in queues))
+        ready = sum(q.message_count for q in queues)
+        unacked = sum(q.store.unacked_count for q in queues)
+        yield _rg("queue_messages_ready", "Ready messages", ready)
+        yield _rg("queue_messages_unacked", "Unacknowledged messages", unacked)
+        yield _rg("queue_messages", "Ready plus unacknowledged messages", ready + unacked)
+        yield _rg("queue_messages_ready_bytes", "Body bytes of ready messages",
+                  sum(q.store.bytes_ready for q in queues))
+        yield _rg("queue_consumers", "Consumers on queues", consumers)
+        yield _rg("erlang_uptime_seconds", "Seconds since the node started (no Erlang VM: the process)",
+                  self.mgmt.uptime_seconds())
+
+
+_PER_QUEUE: tuple[tuple[str, str, str, Callable[[Any], float]], ...] = (
+    ("queue_messages_ready", "gauge", "Ready messages", lambda q: q.message_count),
+    ("queue_messages_unacked", "gauge", "Unacknowledged messages", lambda q: q.store.unacked_count),
+    ("queue_messages", "gauge", "Ready plus unacknowledged",
+     lambda q: q.message_count + q.store.unacked_count),
+    ("queue_messages_ready_bytes", "gauge", "Body bytes of ready messages", lambda q: q.store.bytes_ready),
+    ("queue_consumers", "gauge", "Consumers", lambda q: len(q.consumers)),
+    ("queue_messages_published", "counter", "Messages routed to the queue", lambda q: q.n_published),
+    ("queue_messages_delivered", "counter", "Deliveries (consume and get)", lambda q: q.n_delivered),
+    ("queue_messages_acked", "counter", "Acknowledged", lambda q: q.n_acked),
+    ("queue_messages_redelivered", "counter", "Redelivered", lambda q: q.n_redelivered),
+)
+
+
+class PerObjectCollector(Collector):
+    """``/metrics/per-object``: RabbitMQ's per-queue series, labelled ``vhost`` and ``queue``."""
+
+    def __init__(self, mgmt: Mgmt) -> None:
+        self.mgmt = mgmt
+
+    def collect(self) -> Iterator[Metric]:
+        queues = [q for _n, vh in sorted(self.mgmt.broker.vhosts.items()) for q in vh.queues.values()]
+        for name, kind, doc, value in _PER_QUEUE:
+            fam: GaugeMetricFamily | CounterMetricFamily
+            if kind == "gauge":
+                fam = GaugeMetricFamily(f"{RABBIT}_{name}", doc, labels=["vhost", "queue"])
+            else:
+                fam = CounterMetricFamily(f"{RABBIT}_{name}", doc, labels=["vhost", "queue"])
+            for q in queues:
+                fam.add_metric([q.vhost, q.name], value(q))
+            yield fam
 
 
 class DetailedCollector(Collector):
@@ -169,8 +381,13 @@ class DetailedCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         broker = self.mgmt.broker
         vhs = [vh for name, vh in sorted(broker.vhosts.items()) if not self.vhosts or name in self.vhosts]
+        out: list[Metric] = []
+        for prefix in (PREFIX, RABBIT):
+            out += self._families(vhs, f"{prefix}_detailed")
+        return out
+
+    def _families(self, vhs: list[Any], p: str) -> list[Metric]:
         labels = ["vhost", "queue"]
-        p = f"{PREFIX}_detailed"
         out: list[Metric] = []
         if "queue_coarse_metrics" in self.families:
             ready = GaugeMetricFamily(f"{p}_queue_messages_ready", "Ready messages", labels=labels)
@@ -223,11 +440,22 @@ class Metrics:
     def __init__(self, mgmt: Mgmt) -> None:
         self.mgmt = mgmt
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(SkredCollector(mgmt))
+        skred = SkredCollector(mgmt)
+        node = NodeCollector(mgmt.data_dir, lambda: (mgmt.node_name, mgmt.cluster_name),
+                             lambda: mgmt.broker.alarm.free_disk_min, lambda: len(mgmt.broker.connections))
+        self.registry.register(skred)
         self.registry.register(ClusterCollector(lambda: mgmt.cluster))
+        self.registry.register(node)
+        self.registry.register(RabbitCollector(mgmt, skred.redelivered_total))
+        self.per_object = CollectorRegistry(auto_describe=False)
+        self.per_object.register(node)
+        self.per_object.register(PerObjectCollector(mgmt))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def render_per_object(self) -> bytes:
+        return generate_latest(self.per_object)
 
     def render_detailed(self, families: Sequence[str], vhosts: Sequence[str]) -> bytes:
         unknown = [f for f in families if f not in DETAILED_FAMILIES]

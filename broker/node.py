@@ -2,19 +2,20 @@
 
 Startup order: lock the data dir, wipe the scratch dir of transient queues,
 load users and vhosts (each vhost replays its definitions log and recovers its
-queue stores), import ``[main] load_definitions`` if set, then open the AMQP
-listener and the management/metrics HTTP listeners. Shutdown (SIGTERM/SIGINT)
-runs in reverse: stop the HTTP listeners, stop accepting AMQP, close every
-connection with 320 CONNECTION_FORCED, fsync and close every store, release the lock.
+queue stores), import ``[main] load_definitions`` if set, then open the
+management/metrics HTTP(S) listeners and the AMQP listeners (AMQP and, with
+``[main] tls_cert``, AMQPS). Shutdown (SIGTERM/SIGINT) runs in reverse: stop the HTTP
+listeners, stop accepting AMQP, close every connection with 320
+CONNECTION_FORCED, fsync and close every store, release the lock.
 
 SIGHUP (``Reloader``) re-reads the configuration from the same sources (ini file,
 environment, flags) and applies what can change at runtime: the log level, the
-trusted PROXY sources, the definitions file (imported again) and, where the
-listeners offer ``reload_tls()``, TLS certificates. It logs what it reloaded and
-which changed options need a restart; a config that no longer loads is logged and
-the running one kept. SIGHUP is per process, so one ``Reloader`` per process
-knows the node currently serving (in a cluster: the leader's; a follower reloads
-the log level only).
+trusted PROXY sources, the definitions file (imported again) and the TLS
+certificates (``reload_tls``: new connections get them, open ones keep theirs). It
+logs what it reloaded and which changed options
+need a restart; a config that no longer loads is logged and the running one kept.
+SIGHUP is per process, so one ``Reloader`` per process knows the node currently
+serving (in a cluster: the leader's; a follower reloads the log level only).
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ import json
 import logging
 import shutil
 import signal
+import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import FrameType
 
+from broker import tls
 from broker.auth.users import UserStore
 from broker.auth.vhosts import VHostStore
 from broker.config import Config, ConfigError
@@ -38,12 +41,19 @@ from broker.errors import ListenError
 from broker.http.definitions import DefinitionsError, import_definitions
 from broker.http.server import MgmtServer
 from broker.http.state import Mgmt
+from broker.lmq.engine import LMQ
+from broker.lmq.props import FILE_NAME as LMQ_PROPS_FILE
+from broker.lmq.props import PropsStore
+from broker.lmq.server import LMQServer
 from broker.metrics import ClusterInfo
 from broker.model.vhost import VHost
+from broker.net import proxy
 from broker.net.broker import Broker
+from broker.net.listener import Listener, keep_peer
 from broker.net.server import AMQPServer
 from broker.net.syncer import Syncable, Syncer
 from broker.store.fileio import syncfs
+from broker.store.jsonstore import read_json, write_json
 from broker.store.lock import DataDirLock
 from broker.store.segment_log import SegmentFiles
 from broker.store.sink import NullSink, ReplicationSink
@@ -88,6 +98,9 @@ class Node:
         self.vhost_store: VHostStore | None = None
         self.mgmt: Mgmt | None = None
         self.http: MgmtServer | None = None
+        self.http_listeners: list[Listener] = []
+        self.tls: tls.ServerTLS | None = None
+        self.lmq: LMQServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._syncer: Syncer | None = None
         self._files: SegmentFiles | None = None  # made at load(), after the fd limit was raised
@@ -146,26 +159,84 @@ class Node:
             mgmt = self.mgmt = Mgmt(broker, self.vhost_store, self.make_vhost, cfg.main.data_dir,
                                     cfg.main.data_dir / "transient", self.sink)
             mgmt.cluster = self.cluster
+            if cfg.clustering.enabled:  # every member reports the same rabbitmq_cluster label
+                mgmt.cluster_name = cfg.clustering.etcd_prefix
             if cfg.main.load_definitions:
                 self.load_definitions(Path(cfg.main.load_definitions))
-            self.amqp = AMQPServer(broker)
-            try:
-                self.amqp_address = mgmt.amqp_address = await self.amqp.start(cfg.amqp.bind, cfg.amqp.port)
-            except OSError as exc:
-                raise ListenError("amqp.bind/amqp.port, --amqp-bind/--amqp-port", cfg.amqp.bind,
-                                  cfg.amqp.port, exc) from None
-            log.info("AMQP listening on %s:%d (data dir %s, sync %s)", *self.amqp_address,
-                     cfg.main.data_dir, "on" if cfg.main.sync else "off")
+            if tls.enabled(cfg.main):
+                self.tls = tls.ServerTLS(cfg.main)
+            if cfg.lmq.enabled:  # before AMQP: a node that answers AMQP has its LMQ ports open too
+                await self.start_lmq(broker)
+            # HTTP before AMQP too: once the AMQP port answers, everything answers
             if cfg.mgmt.enabled:
-                self.http = MgmtServer(mgmt)
-                http_addr, metrics_addr = await self.http.start(
-                    cfg.mgmt.bind, cfg.mgmt.port, cfg.mgmt.metrics_bind, cfg.mgmt.metrics_port)
-                log.info("management HTTP API listening on %s:%d", *http_addr)
-                if metrics_addr is not None:
-                    log.info("Prometheus metrics listening on %s:%d", *metrics_addr)
+                await self.start_http(broker, mgmt)
+            await self.start_amqp(broker, mgmt)
         except BaseException:
             self.release_lock()
             raise
+
+    def tls_context(self) -> ssl.SSLContext:
+        """The current server context (read per accepted connection, so a reload applies)."""
+        assert self.tls is not None
+        return self.tls.context
+
+    def reload_tls(self) -> None:
+        """SIGHUP: re-read the TLS certificates; new connections get them, open ones keep theirs."""
+        if self.tls is not None:
+            self.tls.reload()
+
+    async def start_amqp(self, broker: Broker, mgmt: Mgmt) -> None:
+        cfg = self.config
+        self.amqp = AMQPServer(broker)
+        options = "amqp.bind/amqp.port, --amqp-bind/--amqp-port"
+        if cfg.amqp.port >= 0:
+            self.amqp_address = mgmt.amqp_address = await listening(
+                options, cfg.amqp.bind, cfg.amqp.port, self.amqp.start(cfg.amqp.bind, cfg.amqp.port))
+            log.info("AMQP listening on %s:%d", *self.amqp_address)
+        if self.tls is not None and cfg.amqp.tls_port >= 0:
+            mgmt.amqps_address = await listening(
+                "amqp.bind/amqp.tls_port, --amqp-bind/--amqp-tls-port", cfg.amqp.bind, cfg.amqp.tls_port,
+                self.amqp.start(cfg.amqp.bind, cfg.amqp.tls_port, self.tls_context))
+            log.info("AMQPS listening on %s:%d", *mgmt.amqps_address)
+        log.info("data dir %s, sync %s", cfg.main.data_dir, "on" if cfg.main.sync else "off")
+
+    async def start_http(self, broker: Broker, mgmt: Mgmt) -> None:
+        cfg = self.config
+        self.http = MgmtServer(mgmt)
+        factory = keep_peer(await self.http.start(cfg.mgmt.metrics_bind, cfg.mgmt.metrics_port))
+
+        def trusted(ip: str) -> bool:
+            return proxy.is_trusted(ip, cfg.mgmt.trusted_proxies, broker.trusted_peers)
+
+        if cfg.mgmt.port >= 0:
+            listener = Listener("HTTP", factory, trusted)
+            self.http_listeners.append(listener)
+            mgmt.http_address = await listening(
+                "mgmt.bind/mgmt.port, --mgmt-bind/--mgmt-port", cfg.mgmt.bind, cfg.mgmt.port,
+                listener.start(cfg.mgmt.bind, cfg.mgmt.port))
+            log.info("management HTTP API listening on %s:%d", *mgmt.http_address)
+        if self.tls is not None and cfg.mgmt.tls_port >= 0:
+            listener = Listener("HTTPS", factory, trusted, tls=self.tls_context)
+            self.http_listeners.append(listener)
+            mgmt.https_address = await listening(
+                "mgmt.bind/mgmt.tls_port, --mgmt-bind/--mgmt-tls-port", cfg.mgmt.bind, cfg.mgmt.tls_port,
+                listener.start(cfg.mgmt.bind, cfg.mgmt.tls_port))
+            log.info("management HTTPS API listening on %s:%d", *mgmt.https_address)
+        if mgmt.metrics_address is not None:
+            log.info("Prometheus metrics listening on %s:%d", *mgmt.metrics_address)
+
+    async def start_lmq(self, broker: Broker) -> None:
+        """LMQ's front end on the vhost ``[lmq] vhost`` (created when missing), properties in lmq.json."""
+        cfg = self.config
+        vh = broker.vhosts.get(cfg.lmq.vhost)
+        if vh is None:
+            assert self.mgmt is not None
+            vh = self.mgmt.create_vhost(cfg.lmq.vhost)
+        path = cfg.main.data_dir / LMQ_PROPS_FILE
+        sink = self.sink
+        props = PropsStore(read_json(path, {}), lambda doc: write_json(path, doc, sink))
+        self.lmq = LMQServer(LMQ(vh, props, broker.syncer.after_sync), cfg.lmq, broker.users)
+        await self.lmq.start()
 
     def release_lock(self) -> None:
         if RELOADER is not None and RELOADER.node is self:
@@ -184,6 +255,8 @@ class Node:
         try:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.stopping.set)
+            if RELOADER is None:  # without one (Node used directly), SIGHUP reloads TLS only
+                loop.add_signal_handler(signal.SIGHUP, self.reload_tls)
             await self.stopping.wait()
             log.info("shutting down")
             await self.shutdown()
@@ -206,6 +279,12 @@ class Node:
         log.info("imported definitions from %s", path)
 
     async def shutdown(self) -> None:
+        if self.lmq is not None:
+            await self.lmq.stop()
+            self.lmq = None
+        listeners, self.http_listeners = self.http_listeners, []
+        for listener in listeners:
+            await listener.stop()
         if self.http is not None:
             await self.http.stop()
             self.http = None
@@ -225,6 +304,14 @@ class Node:
         broker.syncer.shutdown()
         log.info("stores synced in %.2f s, closed in %.2f s, last background sync waited for %.2f s",
                  t1 - t0, t2 - t1, time.monotonic() - t2)
+
+
+async def listening(options: str, host: str, port: int, start: Awaitable[tuple[str, int]]) -> tuple[str, int]:
+    """The bound address of a listener's ``start``; ``ListenError`` naming ``options`` if it fails."""
+    try:
+        return await start
+    except OSError as exc:
+        raise ListenError(options, host, port, exc) from None
 
 
 class StartupError(Exception):
@@ -294,11 +381,8 @@ class Reloader:
                 done.append(f"definitions from {new.main.load_definitions}")
             except DefinitionsError as exc:
                 log.error("SIGHUP: %s", exc)
-        for server in (node.amqp, node.http) if node is not None else ():
-            reload_tls = getattr(server, "reload_tls", None)
-            if callable(reload_tls):
-                reload_tls()
-                done.append(f"TLS certificates of {type(server).__name__}")
+        if node is not None and node.tls is not None and node.tls.reload():  # it logs a failure itself
+            done.append("TLS certificates")
         applied = {"main.log_level", "amqp.trusted_proxies", "main.load_definitions"}
         restart = [f"{section}.{f.name}"
                    for section in ("main", "amqp", "mgmt", "clustering")

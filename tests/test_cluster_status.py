@@ -77,6 +77,17 @@ def test_follower_view_has_no_followers(tmp_path: Path) -> None:
     assert view.member_record()["warm"] is True
 
 
+def test_follower_exports_its_own_process_memory_and_disk(tmp_path: Path) -> None:
+    view = ClusterView("F", "tcp://127.0.0.2:5679")
+    view.set_role("follower", "tcp://127.0.0.1:5679")
+    m = _series(generate_latest(cluster_registry(view, tmp_path)).decode())
+    for prefix in ("skred", "rabbitmq"):
+        assert m[f"{prefix}_process_resident_memory_bytes"] > 0
+        assert m[f"{prefix}_disk_space_available_bytes"] > 0
+        assert m[f"{prefix}_process_open_fds"] > 0
+    assert any(k.startswith("rabbitmq_identity_info{") for k in m)
+
+
 def test_member_record_rounds_lag() -> None:
     assert [_coarse(n) for n in (0, 99, 100, 1234, 98765)] == [0, 99, 100, 1200, 98000]
 

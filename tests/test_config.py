@@ -161,7 +161,7 @@ def test_hook_commands_keep_percent_signs(tmp_path: Path) -> None:
         ([], {"SKRED_MAIN_SYNC": "maybe"}, ["main.sync", "SKRED_MAIN_SYNC", "maybe"]),
         ([], {"SKRED_AMQP_PORT": "abc"}, ["amqp.port", "SKRED_AMQP_PORT", "not an integer"]),
         ([], {"SKRED_AMQP_PORT": "70000"}, ["amqp.port", "maximum"]),
-        (["--amqp-port", "-1"], {}, ["amqp.port", "--amqp-port", "minimum"]),
+        (["--amqp-port", "-2"], {}, ["amqp.port", "--amqp-port", "minimum"]),  # -1: listener off
         (["--segment-size", "8 parsecs"], {}, ["main.segment_size", "--segment-size"]),
         (["--log-level", "loud"], {}, ["main.log_level", "loud"]),
         (["--amqp-trusted-proxies", "not-an-ip"], {}, ["amqp.trusted_proxies", "not-an-ip"]),

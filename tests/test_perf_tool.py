@@ -411,3 +411,12 @@ def test_cli_help_explains_every_option(capsys: pytest.CaptureFixture[str]) -> N
         "-j",
     ):
         assert flag in text
+
+
+def test_amqps_uri_with_rabbitmq_query_parameters() -> None:
+    from broker.perf.client import AmqpUri
+
+    uri = AmqpUri.parse("amqps://u:p@localhost/v?cacertfile=/tmp/ca.crt")
+    assert (uri.tls, uri.port, uri.cafile, uri.verify, uri.vhost) == (True, 5671, "/tmp/ca.crt", True, "v")
+    assert not AmqpUri.parse("amqps://h:1/?verify=verify_none").verify
+    assert not AmqpUri.parse("amqp://h").tls and AmqpUri.parse("amqp://h").port == 5672

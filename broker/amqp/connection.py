@@ -129,6 +129,7 @@ class AMQPConnection:
         self.client_properties: dict[str, Any] = {}
         self.capabilities: dict[str, Any] = {}
         self.username = ""
+        self.mechanisms = "PLAIN AMQPLAIN"  # offered in connection.start (EXTERNAL with a client cert)
         self.vhost = ""
         self.channels: dict[int, int] = {}
         self._pending: dict[int, PendingContent] = {}
@@ -195,6 +196,13 @@ class AMQPConnection:
     def connection_closing(self) -> None:
         """Called once when the connection starts closing for any reason."""
 
+    def closed_by_server(self, channel: int, error: errors.AMQPError) -> None:
+        """The server is closing ``channel`` (0: the connection) with ``error`` (for the log)."""
+
+    def update_secret(self, secret: bytes, reason: str) -> None:
+        """connection.update-secret: raise an AMQPError to refuse the new secret."""
+        raise errors.NotAllowed("secret update is not supported", 10, 70)
+
     # ---------------------------------------------------------------- output
     def send_method(self, channel: int, method: PFrame) -> None:
         self.out += codec.encode_method(channel, method)
@@ -208,6 +216,7 @@ class AMQPConnection:
             return
         self.channels[channel] = CH_CLOSING
         self._pending.pop(channel, None)
+        self.closed_by_server(channel, error)
         self.send_method(
             channel,
             commands.Channel.Close(error.reply_code, error.reply_text, error.class_id, error.method_id),
@@ -224,6 +233,7 @@ class AMQPConnection:
             return
         self.state = State.CLOSING
         self._pending.clear()
+        self.closed_by_server(0, error)
         self.send_method(
             0, commands.Connection.Close(error.reply_code, error.reply_text, error.class_id, error.method_id)
         )
@@ -266,7 +276,9 @@ class AMQPConnection:
             return
         n = len(data)
         pos = 0
-        max_size = self.frame_max - codec.FRAME_OVERHEAD
+        # RabbitMQ checks a frame's payload, not the whole frame, against frame_max: clients
+        # that cut bodies into frame_max-sized pieces send frames 8 bytes over, and work there.
+        max_size = self.frame_max
         unpack_hdr = _FRAME_HDR.unpack_from
         unpack_mid = _METHOD_ID.unpack_from
         channel_state = self.channels.get  # both dicts are only ever mutated, never rebound
@@ -361,7 +373,7 @@ class AMQPConnection:
                     version_major=0,
                     version_minor=9,
                     server_properties=self._server_properties,
-                    mechanisms="PLAIN AMQPLAIN",
+                    mechanisms=self.mechanisms,
                     locales="en_US",
                 ),
             )
@@ -498,6 +510,15 @@ class AMQPConnection:
         self.vhost = m.virtual_host
         self.state = State.OPEN
         self.send_method(0, commands.Connection.OpenOk())
+
+    def _on_update_secret(self, m: commands.Connection.UpdateSecret) -> None:
+        raw = m.new_secret or b""
+        secret = raw.encode("latin-1") if isinstance(raw, str) else bytes(raw)
+        try:
+            self.update_secret(secret, str(m.reason or ""))
+        except errors.AMQPError as exc:
+            raise errors.NotAllowed(exc.text, 10, 70) from None
+        self.send_method(0, commands.Connection.UpdateSecretOk())
 
     def _on_close(self, m: PFrame) -> None:
         self._release_all_if_open()
@@ -707,7 +728,8 @@ _CONNECTION_TABLE: dict[State, dict[type, Any]] = {
     State.START_OK: {commands.Connection.StartOk: AMQPConnection._on_start_ok},
     State.TUNE_OK: {commands.Connection.TuneOk: AMQPConnection._on_tune_ok},
     State.OPEN_WAIT: {commands.Connection.Open: AMQPConnection._on_open},
-    State.OPEN: {commands.Connection.Close: AMQPConnection._on_close},
+    State.OPEN: {commands.Connection.Close: AMQPConnection._on_close,
+                 commands.Connection.UpdateSecret: AMQPConnection._on_update_secret},
     State.CLOSING: {
         commands.Connection.CloseOk: AMQPConnection._on_close_ok,
         commands.Connection.Close: AMQPConnection._on_close_while_closing,

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from broker.auth.passwords import HASHING_ALGORITHM, check_password, hash_password
+from broker.auth.throttle import LoginThrottle
 from broker.errors import StoreError
 from broker.store.jsonstore import read_json, write_json
 from broker.store.sink import ReplicationSink
@@ -143,6 +144,8 @@ class UserStore:
         self._path = path
         self._sink = sink
         self._loopback_users = frozenset(loopback_users)
+        # failed logins per source address (AMQP and HTTP share it); runtime only, not persisted
+        self.throttle = LoginThrottle()
         self._users: dict[str, User] = {}
         data = read_json(path, None)
         if data is None:

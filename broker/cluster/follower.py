@@ -27,6 +27,7 @@ import asyncio
 import hashlib
 import logging
 import os
+import ssl
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -193,14 +194,17 @@ class Applier:
 async def follow(host: str, port: int, data_dir: Path, secret: bytes, node_id: str,
                  on_welcome: Callable[[codec.Welcome], None],
                  on_synced: Callable[[], None], executor: Executor,
-                 source_ip: str | None = None) -> None:
+                 source_ip: str | None = None, tls: ssl.SSLContext | None = None) -> None:
     """Replicate from the leader at host:port until the connection ends.
 
     File work runs on ``executor``, which must have ONE worker: the caller waits
     for it to drain before anything else touches the data directory.
     """
     local = (source_ip, 0) if source_ip else None
-    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, local_addr=local), 5.0)
+    # With ``tls`` (broker.tls.replication_contexts) the leader's certificate is verified before
+    # the Hello: the cluster secret never crosses the network in clear.
+    reader, writer = await asyncio.wait_for(
+        asyncio.open_connection(host, port, local_addr=local, ssl=tls), 5.0)
     applier = Applier(data_dir)
     loop = asyncio.get_running_loop()
     try:

@@ -46,6 +46,7 @@ import hashlib
 import hmac
 import logging
 import os
+import ssl
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -270,8 +271,9 @@ class LeaderSink:
             return False
 
     # ------------------------------------------------------------ server
-    async def start(self, bind: str, port: int) -> tuple[str, int]:
-        self._server = await asyncio.start_server(self._handle, bind, port)
+    async def start(self, bind: str, port: int, tls: ssl.SSLContext | None = None) -> tuple[str, int]:
+        """Listen for followers (over TLS with ``tls``: see ``broker.tls.replication_contexts``)."""
+        self._server = await asyncio.start_server(self._handle, bind, port, ssl=tls)
         self._spawn(self._watchdog())
         sock = self._server.sockets[0].getsockname()
         return str(sock[0]), int(sock[1])

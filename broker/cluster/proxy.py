@@ -6,10 +6,14 @@ A follower listens on the client ports (AMQP and, when the management API is
 enabled, HTTP) once its first bulk sync completed, so a client never reaches a
 node that has never been in sync with the cluster. Each accepted connection is
 spliced to the current leader's matching port (the leader announces its
-ports in the replication handshake). AMQP connections are prefixed with a
-PROXY protocol v1 header (``PROXY TCP4 src dst sport dport``) so the leader
-sees, logs and authorises the real client address; the leader only honours it
-because the follower is a cluster member. When the leader changes or is lost
+plain ports in the replication handshake; its TLS ports are the follower's
+own ``tls_port`` settings). AMQP and management HTTP connections are prefixed
+with a PROXY protocol v1 header (``PROXY TCP4 src dst sport dport``) so the
+leader sees, logs and authorises the real client address; the leader only
+honours it because the follower is a cluster member. AMQPS and HTTPS
+connections get the header too, in clear, and are then passed through as they
+are: TLS runs end to end between the client and the leader (client
+certificates work). When the leader changes or is lost
 (its key gone, our lease gone, the replication link silent) the runner calls
 ``drop_clients``: every spliced connection is closed, so clients reconnect
 (to the new leader) instead of waiting on a leader that may be partitioned

@@ -71,6 +71,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from broker import tls
 from broker.cluster import codec, follower
 from broker.cluster.etcd import Etcd, EtcdError
 from broker.cluster.files import NODE_ID_FILE
@@ -144,6 +145,13 @@ class ClusterRunner:
         self.secret = b""
         self.amqp_target = Target()
         self.http_target = Target()
+        # TLS client ports: spliced as they are (TLS end to end) to the leader's same TLS ports
+        self.amqps_target = Target()
+        self.https_target = Target()
+        self.repl_server_tls, self.repl_client_tls = tls.replication_contexts(config.main, c.tls)
+        self.node: Node | None = None  # the broker, while this node leads (SIGHUP reloads its TLS)
+        # LMQ's ports: a cluster's nodes share their [lmq] ports, so the leader's are ours.
+        self.lmq_targets = (Target(), Target())
         self.proxies: list[SpliceProxy] = []
         self.synced_once = False
         self.lock: DataDirLock | None = None
@@ -151,7 +159,7 @@ class ClusterRunner:
         self._bg: set[asyncio.Task[Any]] = set()
         self.view = ClusterView(self.node_id, self.uri)
         self.view.last = load_last_role(self.data_dir)
-        self.follower_metrics = FollowerMetrics(self.view)
+        self.follower_metrics = FollowerMetrics(self.view, self.data_dir, c.etcd_prefix)
         self._metrics_retry_at = 0.0
         self._member_written: tuple[int | None, str] = (None, "")
         self._deferring_since: float | None = None
@@ -182,6 +190,7 @@ class ClusterRunner:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
+        loop.add_signal_handler(signal.SIGHUP, self.reload_tls)
         self._lock()
         log.info("cluster node %s (%s) starting, etcd %s prefix %r", self.node_id, self.uri,
                  self.config.clustering.etcd_endpoints, self.etcd.prefix)
@@ -313,6 +322,11 @@ class ClusterRunner:
                 self._drop_proxied("the leader changed")  # spliced to a node that no longer leads
             self.amqp_target.host, self.amqp_target.port = host, w.amqp_port
             self.http_target.host, self.http_target.port = host, w.http_port
+            self.amqps_target.host, self.amqps_target.port = host, self.config.amqp.tls_port
+            self.https_target.host, self.https_target.port = host, self.config.mgmt.tls_port
+            lmq_ports = (self.config.lmq.http_port, self.config.lmq.rpc_port)
+            for target, lmq_port in zip(self.lmq_targets, lmq_ports, strict=True):
+                target.host, target.port = host, lmq_port
 
         def on_synced() -> None:
             self.view.synced = self.view.warm = True
@@ -323,7 +337,7 @@ class ClusterRunner:
 
         task = asyncio.ensure_future(follower.follow(
             host, port, self.data_dir, self.secret, self.node_id, on_welcome, on_synced,
-            self.apply_executor, _source_ip(self.config.clustering.bind)))
+            self.apply_executor, _source_ip(self.config.clustering.bind), self.repl_client_tls))
         changed = asyncio.Event()
         watch = asyncio.ensure_future(self.etcd.watch("leader", changed.set))
         signalled = asyncio.ensure_future(changed.wait())
@@ -389,8 +403,21 @@ class ClusterRunner:
         source = _source_ip(cfg.clustering.bind)
         wanted = [("AMQP", self.amqp_target, True, cfg.amqp.bind, cfg.amqp.port)]
         if cfg.mgmt.enabled:
-            wanted.append(("HTTP", self.http_target, False, cfg.mgmt.bind, cfg.mgmt.port))
+            wanted.append(("HTTP", self.http_target, True, cfg.mgmt.bind, cfg.mgmt.port))
+        if tls.enabled(cfg.main):
+            # the PROXY header goes in clear before the client's TLS bytes; the leader strips it first
+            wanted.append(("AMQPS", self.amqps_target, True, cfg.amqp.bind, cfg.amqp.tls_port))
+            if cfg.mgmt.enabled:
+                wanted.append(("HTTPS", self.https_target, True, cfg.mgmt.bind, cfg.mgmt.tls_port))
+        if cfg.lmq.enabled:  # port 0 ("any free port") names no port the leader is known to use
+            http_target, rpc_target = self.lmq_targets
+            if cfg.lmq.http_port:
+                wanted.append(("LMQ HTTP", http_target, False, cfg.lmq.bind, cfg.lmq.http_port))
+            if cfg.lmq.rpc_port:
+                wanted.append(("LMQ RPC", rpc_target, False, cfg.lmq.bind, cfg.lmq.rpc_port))
         for name, target, header, bind, port in wanted:
+            if port < 0:
+                continue  # that listener is turned off
             p = SpliceProxy(name, target, header, source)
             try:
                 await p.start(bind, port)
@@ -429,7 +456,7 @@ class ClusterRunner:
             return None
         self._record_role("leader", self.etcd.leader_revision)
         self.view.set_role("leader", self.uri, sink)
-        node = Node(cfg, sink)
+        node = self.node = Node(cfg, sink)
         node.cluster = self.view
         stall_file = os.environ.get(STALL_ENV)
         stall = _StallWhileFileExists(Path(stall_file)) if stall_file else None
@@ -457,7 +484,7 @@ class ClusterRunner:
             return 1
         self.view.warm = True
         broker = node.broker
-        assert broker is not None and node.amqp_address is not None
+        assert broker is not None
         broker.trusted_peers = sink.member_ips  # proxy connections from followers may send PROXY
 
         def flush_stores() -> None:
@@ -466,9 +493,10 @@ class ClusterRunner:
                     q.store.flush()
 
         sink.flush_stores = flush_stores
-        sink.client_ports = (node.amqp_address[1], cfg.mgmt.port if cfg.mgmt.enabled else 0)
+        http = node.mgmt.http_address if node.mgmt is not None else None  # None: plain listener off
+        sink.client_ports = (node.amqp_address[1] if node.amqp_address else 0, http[1] if http else 0)
         try:
-            await sink.start(c.bind, c.port)
+            await sink.start(c.bind, c.port, self.repl_server_tls)
         except OSError as exc:
             log.error("replication port %s:%d: %s", c.bind, c.port, exc)
             await self._abdicate(node, sink, "cannot listen for followers")
@@ -507,6 +535,12 @@ class ClusterRunner:
             if now - last_status >= STATUS_EVERY:
                 last_status = now
                 log.info("cluster status: %s", sink.status())
+
+    def reload_tls(self) -> None:
+        """SIGHUP: reload the client listeners' certificates while leading (a follower's proxy
+        passes TLS through, so it holds none; the replication listener keeps its context)."""
+        if self.node is not None:
+            self.node.reload_tls()
 
     async def _abdicate(self, node: Node, sink: LeaderSink, why: str) -> None:
         """Stop leading at once (no confirm after this), then rejoin as a follower."""

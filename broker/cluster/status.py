@@ -26,6 +26,7 @@ import json
 import logging
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -108,8 +109,9 @@ def _coarse(n: int) -> int:
 class FollowerMetrics:
     """The cluster gauges on the metrics port while this node follows (no broker runs here)."""
 
-    def __init__(self, view: ClusterView) -> None:
-        self.registry = cluster_registry(view)
+    def __init__(self, view: ClusterView, data_dir: Path | None = None, cluster_name: str = "") -> None:
+        # with data_dir: this node's own process/disk metrics, labelled with the cluster's name
+        self.registry = cluster_registry(view, data_dir, cluster_name)
         self._runner: web.AppRunner | None = None
 
     @property

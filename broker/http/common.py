@@ -8,7 +8,13 @@ error body ``{"error": ..., "reason": ...}``. The auth middleware checks HTTP
 basic credentials against the user store on every request (a salted SHA-256,
 cheap) and stores the ``User`` on the request; a user with none of the
 management tags is refused like a bad password (401), as RabbitMQ does.
-Privilege checks inside handlers (administrator-only, vhost access) answer 403.
+Privilege checks inside handlers (administrator-only, vhost access, AMQP
+permissions) answer 401 ``not_authorized`` too, as RabbitMQ's API does (its
+rabbitmqadmin prints "Access refused" for a 401 and a traceback for a 403), but
+without the ``WWW-Authenticate`` challenge, so a browser does not ask again.
+
+Bodies: like RabbitMQ, fields a handler does not use are ignored (rabbitmqadmin
+sends ``name``, ``vhost`` and friends along with every declare).
 
 List endpoints share ``paginate``: ``sort``/``sort_reverse`` always apply,
 ``name`` filters (substring, or regex with ``use_regex=true``), and with
@@ -19,11 +25,14 @@ List endpoints share ``paginate``: ``sort``/``sort_reverse`` always apply,
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import json
+import logging
 import math
 import re
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +44,8 @@ from broker.http.state import Mgmt
 
 if TYPE_CHECKING:
     from broker.net.session import Session
+
+log = logging.getLogger(__name__)
 
 MGMT_TAGS = frozenset({"administrator", "monitoring", "management", "policymaker"})
 MAX_NAME_BYTES = 255
@@ -49,11 +60,12 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, error: str, reason: str) -> None:
+    def __init__(self, status: int, error: str, reason: str, challenge: bool = True) -> None:
         super().__init__(reason)
         self.status = status
         self.error = error
         self.reason = reason
+        self.challenge = challenge  # a 401 asks for credentials (WWW-Authenticate)
 
 
 def not_found(reason: str = "Not Found") -> ApiError:
@@ -65,17 +77,18 @@ def bad_request(reason: str) -> ApiError:
 
 
 def forbidden(reason: str) -> ApiError:
-    return ApiError(403, "access_refused", reason)
+    """A privilege refusal: 401 as RabbitMQ answers it, with no credentials challenge."""
+    return ApiError(401, "not_authorized", reason, challenge=False)
 
 
-def error_response(status: int, error: str, reason: str) -> web.Response:
+def error_response(status: int, error: str, reason: str, challenge: bool = True) -> web.Response:
     resp = web.json_response({"error": error, "reason": reason}, status=status)
-    if status == 401:
+    if status == 401 and challenge:
         resp.headers["WWW-Authenticate"] = REALM
     return resp
 
 
-_AMQP_STATUS = {404: 404, 403: 403, 405: 405, 406: 400, 530: 400, 503: 400, 540: 501}
+_AMQP_STATUS = {404: 404, 403: 401, 405: 405, 406: 400, 530: 400, 503: 400, 540: 501}
 
 
 @web.middleware
@@ -83,11 +96,11 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except ApiError as exc:
-        return error_response(exc.status, exc.error, exc.reason)
+        return error_response(exc.status, exc.error, exc.reason, exc.challenge)
     except errors.AMQPError as exc:
         status = _AMQP_STATUS.get(exc.reply_code, 400)
-        error = "Object Not Found" if status == 404 else "bad_request" if status == 400 else "error"
-        return error_response(status, error, exc.reply_text)
+        error = {404: "Object Not Found", 400: "bad_request", 401: "not_authorized"}.get(status, "error")
+        return error_response(status, error, exc.reply_text, challenge=False)
     except web.HTTPNotFound:
         return error_response(404, "Object Not Found", "Not Found")
     except web.HTTPMethodNotAllowed as exc:
@@ -111,15 +124,25 @@ def _credentials(request: web.Request) -> tuple[str, str] | None:
     return (user, password) if sep else None
 
 
-def authenticate(request: web.Request) -> User:
+async def authenticate(request: web.Request) -> User:
+    """The request's user, after this source's login throttle (``broker.auth.throttle``)."""
     mgmt = request.app[MGMT_KEY]
     creds = _credentials(request)
     if creds is None:
         raise ApiError(401, "not_authorized", "Login failed")
     users = mgmt.broker.users
+    source = request.remote or ""
+    wait = users.throttle.admit(source, time.monotonic())
+    if wait is None:
+        raise ApiError(429, "too_many_requests", "Too many failed logins from this address; retry later")
+    if wait:
+        await asyncio.sleep(wait)
     user = users.authenticate(*creds)
-    if user is None or not users.allowed_from(user, request.remote or ""):
+    if user is None or not users.allowed_from(user, source):
+        if users.throttle.failed(source, time.monotonic()):
+            log.warning("HTTP login refused for user %r from %s", creds[0], source)
         raise ApiError(401, "not_authorized", "Login failed")
+    users.throttle.succeeded(source)
     if not MGMT_TAGS & set(user.tags):
         raise ApiError(401, "not_authorized", "Not management user")
     return user
@@ -128,7 +151,7 @@ def authenticate(request: web.Request) -> User:
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     if request.path.startswith("/api/") or request.path.startswith("/metrics"):
-        request[USER_KEY] = authenticate(request)
+        request[USER_KEY] = await authenticate(request)
     return await handler(request)
 
 
@@ -205,16 +228,18 @@ def match(request: web.Request, key: str) -> str:
 
 
 def vhost_param(request: web.Request, key: str = "vhost") -> str:
-    """The vhost named in the path; 404 when it does not exist or is not visible."""
+    """The vhost named in the path; 404 when it does not exist, 401 when the user may not use it."""
     name = request.match_info[key]
-    if name not in request.app[MGMT_KEY].broker.vhosts or not can_see_vhost(request, name):
+    if name not in request.app[MGMT_KEY].broker.vhosts:
         raise not_found(f"vhost '{name}' not found")
+    if not can_see_vhost(request, name):
+        raise forbidden(f"access to vhost '{name}' refused for user '{user_of(request).name}'")
     return name
 
 
-async def json_body(request: web.Request, *, allowed: set[str] | None = None,
-                    required: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The request body as a JSON object (empty body: {}); 400 on anything else."""
+async def json_body(request: web.Request, *, required: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The request body as a JSON object (empty body: {}); 400 on anything else. Fields the
+    caller does not read are ignored, as RabbitMQ ignores them."""
     raw = await request.read()
     if not raw.strip():
         body: Any = {}
@@ -225,10 +250,6 @@ async def json_body(request: web.Request, *, allowed: set[str] | None = None,
             raise bad_request(f"body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise bad_request("body must be a JSON object")
-    if allowed is not None:
-        unknown = set(body) - allowed
-        if unknown:
-            raise bad_request(f"unknown fields: {', '.join(sorted(unknown))}")
     missing = [k for k in required if k not in body]
     if missing:
         raise bad_request(f"missing fields: {', '.join(missing)}")

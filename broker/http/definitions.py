@@ -5,8 +5,12 @@ Theory of operation
 Export walks the live state: users and permissions (from the user store, with
 their RabbitMQ-compatible password hashes), vhosts, policies and the durable
 topology (durable exchanges other than the default and ``amq.*`` ones, durable
-non-exclusive queues, and bindings between two exported ends). That is what a
-restart would keep, and what RabbitMQ's own export holds.
+non-exclusive queues of every type, and bindings between two exported ends). That
+is what a restart would keep, and what RabbitMQ's own export holds. Vhost
+metadata (description, tags, ``default_queue_type``) rides on the vhost entries;
+vhost limits and operator policies go out as RabbitMQ writes them, as runtime
+``parameters`` of the components ``vhost-limits`` and ``operator_policy``. Lists
+are sorted, so export -> wipe -> import -> export gives the identical document.
 
 Import runs in two passes so that a bad document changes nothing: ``validate``
 checks every entry's shape and types, that every vhost an entry names exists
@@ -17,27 +21,33 @@ permissions, policies, exchanges, queues and bindings, in that order. Entries
 that already exist identically are left alone, so importing twice is a no-op.
 A per-vhost document (``/api/definitions/{vhost}``) has no ``vhost`` fields; the
 vhost comes from the URL and its ``users``/``vhosts``/``permissions`` are ignored.
+As RabbitMQ does, unknown top-level keys are ignored; parameters of components
+Skred has no plugin for (federation, shovel) and topic permissions are skipped
+with a warning in the log rather than refusing the whole document.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 
-from broker import __version__
+from broker import __version__, errors
 from broker.auth.passwords import ALGORITHMS, HASHING_ALGORITHM
 from broker.http.policies import validate_policy
 from broker.http.render import jsonable
 from broker.http.state import Mgmt
+from broker.model import queue_types
 from broker.model.exchange import EXCHANGE_TYPES
+from broker.model.limits import NAMES as LIMIT_NAMES
 from broker.model.queue import Queue
+from broker.model.vhost import DEFAULT_EXCHANGES
 
-TOP_LEVEL = frozenset({
-    "rabbit_version", "rabbitmq_version", "product_name", "product_version", "users", "vhosts",
-    "permissions", "topic_permissions", "parameters", "global_parameters", "policies", "queues",
-    "exchanges", "bindings",
-})
+log = logging.getLogger(__name__)
+
 MAX_NAME_BYTES = 255
+LIMITS_COMPONENT, OPERATOR_POLICY_COMPONENT = "vhost-limits", "operator_policy"
+DEFAULT_EXCHANGE_NAMES = frozenset(name for name, _ in DEFAULT_EXCHANGES)  # every new vhost has them
 
 
 class DefinitionsError(ValueError):
@@ -46,6 +56,45 @@ class DefinitionsError(ValueError):
 
 def _exported_exchange(name: str, durable: bool) -> bool:
     return durable and name != "" and not name.startswith("amq.")
+
+
+def vhost_meta_fields(body: dict[str, Any]) -> dict[str, Any]:
+    """description / tags / default_queue_type of a vhost body or definitions entry (top level
+    or under ``metadata``), ready for ``VHostMeta.update``; ValueError when malformed."""
+    meta = body.get("metadata")
+    merged = {**meta, **body} if isinstance(meta, dict) else body
+    out: dict[str, Any] = {}
+    if "description" in merged:
+        if not isinstance(merged["description"], str):
+            raise ValueError("'description' must be a string")
+        out["description"] = merged["description"]
+    tags = merged.get("tags")
+    if isinstance(tags, str):
+        tags = [t.strip() for t in tags.split(",") if t.strip()]
+    if tags is not None:
+        if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+            raise ValueError("'tags' must be a list of strings or a comma-separated string")
+        out["tags"] = tags
+    qtype = merged.get("default_queue_type")
+    if qtype is not None:
+        if qtype not in queue_types.TYPES:
+            raise ValueError(f"unknown default_queue_type {qtype!r} (known: {', '.join(queue_types.TYPES)})")
+        out["default_queue_type"] = qtype
+    return out
+
+
+def _parameters(mgmt: Mgmt, vhost_names: list[str]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for name in vhost_names:
+        limits = mgmt.broker.vhosts[name].limits.values
+        if limits:
+            out.append({"vhost": name, "component": LIMITS_COMPONENT, "name": "limits",
+                        "value": dict(sorted(limits.items()))})
+    for p in mgmt.operator_policies.list():
+        if p["vhost"] in vhost_names:
+            out.append({"vhost": p["vhost"], "component": OPERATOR_POLICY_COMPONENT, "name": p["name"],
+                        "value": {k: p[k] for k in ("pattern", "definition", "priority", "apply-to")}})
+    return out
 
 
 def export(mgmt: Mgmt, vhost: str | None = None) -> dict[str, Any]:
@@ -79,11 +128,16 @@ def export(mgmt: Mgmt, vhost: str | None = None) -> dict[str, Any]:
                 bindings.append({"source": ex.name, "vhost": name, "destination": dest_name,
                                  "destination_type": kind, "routing_key": rk, "arguments": jsonable(args)})
     policies = [p for p in mgmt.policies.list() if p["vhost"] in vhost_names]
+    parameters = _parameters(mgmt, vhost_names)
+    queues.sort(key=lambda e: (e["vhost"], e["name"]))
+    exchanges.sort(key=lambda e: (e["vhost"], e["name"]))
+    bindings.sort(key=lambda e: (e["vhost"], e["source"], e["destination_type"], e["destination"],
+                                 e["routing_key"], repr(e["arguments"])))
     if vhost is not None:
-        for entry in (*queues, *exchanges, *bindings, *policies):
+        for entry in (*queues, *exchanges, *bindings, *policies, *parameters):
             entry.pop("vhost", None)
         return {"rabbit_version": "3.10.0", "rabbitmq_version": "3.10.0", "product_name": "Skred",
-                "product_version": __version__, "parameters": [], "policies": policies,
+                "product_version": __version__, "parameters": parameters, "policies": policies,
                 "queues": queues, "exchanges": exchanges, "bindings": bindings}
     users = broker.users.list()
     return {
@@ -93,12 +147,12 @@ def export(mgmt: Mgmt, vhost: str | None = None) -> dict[str, Any]:
         "product_version": __version__,
         "users": [{"name": u.name, "password_hash": u.password_hash, "hashing_algorithm": u.hashing_algorithm,
                    "tags": list(u.tags), "limits": {}} for u in users],
-        "vhosts": [{"name": n, "description": "", "tags": [], "metadata": {"description": "", "tags": []},
+        "vhosts": [{"name": n, **broker.vhosts[n].meta.to_json(), "metadata": broker.vhosts[n].meta.to_json(),
                     "limits": []} for n in vhost_names],
         "permissions": [{"user": u.name, "vhost": v, "configure": p.configure, "write": p.write,
                          "read": p.read} for u in users for v, p in sorted(u.permissions.items())],
         "topic_permissions": [],
-        "parameters": [],
+        "parameters": parameters,
         "global_parameters": [],
         "policies": policies,
         "queues": queues,
@@ -147,6 +201,9 @@ class Plan:
 
     def __init__(self) -> None:
         self.vhosts: list[str] = []
+        self.vhost_meta: dict[str, dict[str, Any]] = {}
+        self.limits: list[tuple[str, str, int]] = []
+        self.operator_policies: list[dict[str, Any]] = []
         self.users: list[tuple[str, dict[str, Any]]] = []
         self.permissions: list[tuple[str, str, str, str, str]] = []
         self.policies: list[dict[str, Any]] = []
@@ -158,9 +215,6 @@ class Plan:
 def validate(mgmt: Mgmt, doc: Any, vhost: str | None = None) -> Plan:
     if not isinstance(doc, dict):
         raise DefinitionsError("definitions must be a JSON object")
-    unknown = set(doc) - TOP_LEVEL
-    if unknown:
-        raise DefinitionsError(f"unknown top-level keys: {', '.join(sorted(unknown))}")
     broker = mgmt.broker
     plan = Plan()
     if vhost is None:
@@ -168,6 +222,10 @@ def validate(mgmt: Mgmt, doc: Any, vhost: str | None = None) -> Plan:
             name = _name(f"vhosts[{i}]", e)
             if name not in broker.vhosts and name not in plan.vhosts:
                 plan.vhosts.append(name)
+            try:
+                plan.vhost_meta[name] = vhost_meta_fields(e)
+            except ValueError as exc:
+                raise _fail(f"vhosts[{i}]", str(exc)) from None
         for i, e in enumerate(_list(doc, "users")):
             where = f"users[{i}]"
             name = _name(where, e)
@@ -196,6 +254,13 @@ def validate(mgmt: Mgmt, doc: Any, vhost: str | None = None) -> Plan:
             raise _fail(where, f"vhost '{name}' does not exist")
         return name
 
+    def default_type(vh_name: str) -> str:
+        meta = plan.vhost_meta.get(vh_name, {})
+        if "default_queue_type" in meta:
+            return str(meta["default_queue_type"])
+        vh = broker.vhosts.get(vh_name)
+        return vh.meta.default_queue_type if vh is not None else queue_types.CLASSIC
+
     if vhost is None:
         for i, e in enumerate(_list(doc, "permissions")):
             where = f"permissions[{i}]"
@@ -223,6 +288,10 @@ def validate(mgmt: Mgmt, doc: Any, vhost: str | None = None) -> Plan:
             plan.policies.append(validate_policy(vh_name, _name(where, e), body))
         except ValueError as exc:
             raise _fail(where, str(exc)) from None
+    if _list(doc, "topic_permissions"):
+        log.warning("definitions: topic permissions are not supported; skipped")
+    for i, e in enumerate(_list(doc, "parameters")):
+        _parameter(plan, f"parameters[{i}]", vhost_of(f"parameters[{i}]", e), e)
     declared: dict[tuple[str, str, str], bool] = {}
     for i, e in enumerate(_list(doc, "exchanges")):
         where = f"exchanges[{i}]"
@@ -251,13 +320,11 @@ def validate(mgmt: Mgmt, doc: Any, vhost: str | None = None) -> Plan:
         name = _name(where, e)
         durable = _bool(where, e, "durable", True)
         auto_delete = _bool(where, e, "auto_delete", False)
-        args = _args(where, e)
-        qtype = args.get("x-queue-type", e.get("type", "classic"))
-        if qtype != "classic":
-            raise _fail(where, f"queue type {qtype!r} is not supported")
+        args = _queue_args(where, e, name, vh_name, durable, auto_delete, default_type(vh_name))
         current_q = broker.vhosts[vh_name].queues.get(name) if vh_name in broker.vhosts else None
         if current_q is not None:
-            if (current_q.durable, current_q.auto_delete) != (durable, auto_delete):
+            if (current_q.durable, current_q.auto_delete, queue_types.type_of(current_q.arguments)) != (
+                    durable, auto_delete, queue_types.type_of(args)):
                 raise _fail(where, f"queue '{name}' in vhost '{vh_name}' exists with other properties")
         elif name.startswith("amq."):
             raise _fail(where, f"queue name '{name}' uses the reserved prefix 'amq.'")
@@ -278,7 +345,8 @@ def validate(mgmt: Mgmt, doc: Any, vhost: str | None = None) -> Plan:
         if source == "":
             continue  # the default exchange's implicit bindings are never imported
         vh = broker.vhosts.get(vh_name)
-        if (vh_name, "exchange", source) not in declared and (vh is None or source not in vh.exchanges):
+        if (vh_name, "exchange", source) not in declared and source not in (
+                vh.exchanges if vh is not None else DEFAULT_EXCHANGE_NAMES):
             raise _fail(where, f"source exchange '{source}' does not exist")
         pool = (vh.queues if kind == "queue" else vh.exchanges) if vh is not None else {}
         if (vh_name, str(kind), dest) not in declared and dest not in pool:
@@ -287,11 +355,48 @@ def validate(mgmt: Mgmt, doc: Any, vhost: str | None = None) -> Plan:
     return plan
 
 
+def _queue_args(where: str, e: dict[str, Any], name: str, vh_name: str, durable: bool,
+                auto_delete: bool, default_type: str) -> dict[str, Any]:
+    """The queue's arguments with its type settled as a declare would settle it."""
+    args = _args(where, e)
+    if "x-queue-type" not in args and isinstance(e.get("type"), str):
+        args = {**args, "x-queue-type": e["type"]}
+    args = queue_types.with_default(args, durable=durable, exclusive=False, default_type=default_type)
+    try:
+        return queue_types.resolve(args, durable=durable, exclusive=False, auto_delete=auto_delete,
+                                   queue=name, vhost=vh_name)
+    except errors.AMQPError as exc:
+        raise _fail(where, exc.reply_text) from None
+
+
+def _parameter(plan: Plan, where: str, vh_name: str, e: dict[str, Any]) -> None:
+    component, value = e.get("component"), e.get("value")
+    if component == LIMITS_COMPONENT:
+        if not isinstance(value, dict):
+            raise _fail(where, "'value' must be an object of limits")
+        for key, limit in value.items():
+            if key not in LIMIT_NAMES or isinstance(limit, bool) or not isinstance(limit, int):
+                raise _fail(where, f"bad vhost limit {key!r}: {limit!r}")
+            plan.limits.append((vh_name, key, limit))
+    elif component == OPERATOR_POLICY_COMPONENT:
+        try:
+            plan.operator_policies.append(validate_policy(vh_name, _name(where, e), value))
+        except ValueError as exc:
+            raise _fail(where, str(exc)) from None
+    else:
+        log.warning("definitions: %s: no plugin provides component %r; skipped", where, component)
+
+
 def apply(mgmt: Mgmt, plan: Plan) -> None:
     broker = mgmt.broker
     users = broker.users
     for name in plan.vhosts:
         mgmt.create_vhost(name)
+    for name, meta in plan.vhost_meta.items():
+        if meta:
+            broker.vhosts[name].meta.update(**meta)
+    for vh_name, key, limit in plan.limits:
+        broker.vhosts[vh_name].limits.set(key, limit)
     for name, e in plan.users:
         existing = users.get(name)
         tags = e["tags"]
@@ -311,6 +416,8 @@ def apply(mgmt: Mgmt, plan: Plan) -> None:
         users.set_permissions(user, vh_name, configure, write, read)
     for policy in plan.policies:
         mgmt.policies.put(policy)
+    for policy in plan.operator_policies:
+        mgmt.operator_policies.put(policy)
     for vh_name, name, type_, durable, auto_delete, internal, args in plan.exchanges:
         broker.vhosts[vh_name].declare_exchange(name, type_, durable=durable, auto_delete=auto_delete,
                                                 internal=internal, arguments=args)

@@ -9,9 +9,11 @@ import hashlib
 import urllib.parse
 from typing import TYPE_CHECKING, Any
 
+from broker.model import queue_types
 from broker.model.exchange import Exchange
 from broker.model.queue import Queue
 from broker.model.vhost import VHost
+from broker.tls import NO_TLS_FIELDS
 
 if TYPE_CHECKING:
     from broker.http.state import Mgmt
@@ -50,7 +52,7 @@ def queue_json(mgmt: Mgmt, q: Queue) -> dict[str, Any]:
     operator_policy: str | None = None
     vh = mgmt.broker.vhosts.get(q.vhost)
     if vh is not None:
-        kind = "stream" if q.arguments.get("x-queue-type") == "stream" else "queue"
+        kind = "stream" if queue_types.type_of(q.arguments) == queue_types.STREAM else "queue"
         pol, op = vh.policy_set.for_queue(q.name, kind)
         policy = pol.name if pol is not None else None
         operator_policy = op.name if op is not None else None
@@ -61,7 +63,7 @@ def queue_json(mgmt: Mgmt, q: Queue) -> dict[str, Any]:
         "auto_delete": q.auto_delete,
         "exclusive": q.exclusive_owner is not None,
         "arguments": jsonable(q.arguments),
-        "type": "classic",
+        "type": queue_types.type_of(q.arguments),
         "node": mgmt.node_name,
         "state": "running",
         "policy": policy,
@@ -139,8 +141,9 @@ def vhost_bindings(vh: VHost) -> list[dict[str, Any]]:
 
 
 def connection_json(mgmt: Mgmt, s: Session) -> dict[str, Any]:
-    host, port = mgmt.amqp_address or ("127.0.0.1", 0)
+    host, port = mgmt.local_address(s)
     props = jsonable(s.client_properties)
+    tls_fields = s.tls.api_fields() if s.tls is not None else NO_TLS_FIELDS
     return {
         "name": mgmt.connection_name(s),
         "node": mgmt.node_name,
@@ -150,8 +153,8 @@ def connection_json(mgmt: Mgmt, s: Session) -> dict[str, Any]:
         "state": "running",
         "type": "network",
         "protocol": "AMQP 0-9-1",
-        "auth_mechanism": "PLAIN",
-        "ssl": False,
+        "auth_mechanism": s.auth_mechanism or "PLAIN",
+        **tls_fields,
         "peer_host": s.peer[0],
         "peer_port": s.peer[1],
         "host": host,

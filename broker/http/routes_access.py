@@ -8,6 +8,7 @@ from aiohttp import web
 
 from broker.auth.passwords import ALGORITHMS, HASHING_ALGORITHM
 from broker.auth.users import User, UserStore
+from broker.http import definitions
 from broker.http.common import (
     MGMT_KEY,
     ApiError,
@@ -41,9 +42,10 @@ def _vhost_json(request: web.Request, name: str) -> dict[str, Any]:
     published = sum(q.n_published for q in vh.queues.values())
     delivered = sum(q.n_delivered for q in vh.queues.values())
     acked = sum(q.n_acked for q in vh.queues.values())
+    meta = vh.meta.to_json()
     return {
-        "name": name, "description": "", "tags": [], "tracing": False,
-        "default_queue_type": "classic", "metadata": {"description": "", "tags": []},
+        "name": name, "description": meta["description"], "tags": meta["tags"], "tracing": False,
+        "default_queue_type": meta["default_queue_type"], "metadata": meta,
         "cluster_state": {mgmt.node_name: "running"},
         "messages": ready + unacked, "messages_details": rate(0.0),
         "messages_ready": ready, "messages_ready_details": rate(0.0),
@@ -67,15 +69,18 @@ async def vhost(request: web.Request) -> web.Response:
 async def put_vhost(request: web.Request) -> web.Response:
     user = require_admin(request)
     name = check_name("vhost", request.match_info["vhost"])
-    await json_body(request, allowed={"description", "tags", "tracing", "name", "default_queue_type",
-                                      "metadata"})
+    body = await json_body(request)
     mgmt = request.app[MGMT_KEY]
-    if name in mgmt.broker.vhosts:
-        return no_content()
+    existed = name in mgmt.broker.vhosts
     try:
-        mgmt.create_vhost(name)
+        meta = definitions.vhost_meta_fields(body)
+        vh = mgmt.broker.vhosts[name] if existed else mgmt.create_vhost(name)
+        if meta:
+            vh.meta.update(**meta)
     except ValueError as exc:
         raise bad_request(str(exc)) from None
+    if existed:
+        return no_content()
     # As RabbitMQ does: the administrator who creates a vhost gets full permissions on it.
     mgmt.broker.users.set_permissions(user.name, name, ".*", ".*", ".*")
     return created()
@@ -180,8 +185,7 @@ def _set_hash(store: UserStore, name: str, password_hash: str, algorithm: str) -
 @routes.put("/api/users/{user}")
 async def put_user(request: web.Request) -> web.Response:
     require_admin(request)
-    body = await json_body(request, allowed={"password", "password_hash", "hashing_algorithm", "tags",
-                                             "name", "limits"})
+    body = await json_body(request)
     was_created = apply_user(request, request.match_info["user"], body)
     return created() if was_created else no_content()
 
@@ -234,8 +238,7 @@ async def put_permission(request: web.Request) -> web.Response:
     require_admin(request)
     vhost_name = vhost_param(request)
     target = _user(request)
-    body = await json_body(request, allowed={"configure", "write", "read", "user", "vhost"},
-                           required=("configure", "write", "read"))
+    body = await json_body(request, required=("configure", "write", "read"))
     values = [get_str(body, k) for k in ("configure", "write", "read")]
     store = request.app[MGMT_KEY].broker.users
     existed = vhost_name in target.permissions
@@ -280,7 +283,7 @@ async def vhost_limits(request: web.Request) -> web.Response:
 async def put_vhost_limit(request: web.Request) -> web.Response:
     require_admin(request)
     vhost_name = vhost_param(request)
-    body = await json_body(request, allowed={"value"}, required=("value",))
+    body = await json_body(request, required=("value",))
     try:
         request.app[MGMT_KEY].broker.vhosts[vhost_name].limits.set(request.match_info["name"], body["value"])
     except ValueError as exc:
@@ -295,6 +298,35 @@ async def delete_vhost_limit(request: web.Request) -> web.Response:
     if not request.app[MGMT_KEY].broker.vhosts[vhost_name].limits.delete(request.match_info["name"]):
         raise not_found()
     return no_content()
+
+
+# ------------------------------------------------------- runtime parameters
+# Skred has no plugin that registers a runtime-parameter component (federation, shovel), so
+# every list is empty, as on a RabbitMQ without those plugins, and a PUT names an unknown one.
+@routes.get("/api/parameters")
+@routes.get("/api/parameters/{component}")
+@routes.get("/api/global-parameters")
+async def parameters(request: web.Request) -> web.Response:
+    return paginate(request, [])
+
+
+@routes.get("/api/parameters/{component}/{vhost}")
+async def vhost_parameters(request: web.Request) -> web.Response:
+    vhost_param(request)
+    return paginate(request, [])
+
+
+@routes.get("/api/parameters/{component}/{vhost}/{name}")
+@routes.get("/api/global-parameters/{name}")
+async def parameter(request: web.Request) -> web.Response:
+    raise not_found()
+
+
+@routes.put("/api/parameters/{component}/{vhost}/{name}")
+async def put_parameter(request: web.Request) -> web.Response:
+    vhost_param(request)
+    require_admin(request)
+    raise bad_request(f"component '{request.match_info['component']}' not found")
 
 
 # ------------------------------------------------------------------- policies

@@ -60,7 +60,8 @@ async def overview(request: web.Request) -> web.Response:
     r = mgmt.rates.global_rates
     t = _totals(request)
     listeners = []
-    for proto, addr in (("amqp", mgmt.amqp_address), ("http", mgmt.http_address),
+    for proto, addr in (("amqp", mgmt.amqp_address), ("amqp/ssl", mgmt.amqps_address),
+                        ("http", mgmt.http_address), ("https", mgmt.https_address),
                         ("http/prometheus", mgmt.metrics_address)):
         if addr is not None:
             listeners.append({"node": mgmt.node_name, "protocol": proto, "ip_address": addr[0],
@@ -94,7 +95,7 @@ async def overview(request: web.Request) -> web.Response:
         "statistics_db_event_queue": 0,
         "listeners": listeners,
         "contexts": [{"node": mgmt.node_name, "description": "Skred Management", "path": "/",
-                      "port": str(mgmt.http_address[1]) if mgmt.http_address else ""}],
+                      "port": str((mgmt.http_address or mgmt.https_address or ("", ""))[1])}],
     })
 
 
@@ -207,7 +208,7 @@ async def put_disk_free_limit(request: web.Request) -> web.Response:
     """Change the threshold at runtime (like ``rabbitmqctl set_disk_free_limit``); the next
     one-second check raises or clears the alarm. Not persisted: the config option is."""
     require_admin(request)
-    body = await json_body(request, allowed={"limit"}, required=("limit",))
+    body = await json_body(request, required=("limit",))
     limit = body["limit"]
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
         raise bad_request("limit must be a non-negative integer (bytes)")

@@ -96,9 +96,7 @@ async def exchange(request: web.Request) -> web.Response:
 async def put_exchange(request: web.Request) -> web.Response:
     vh = _vh(request)
     name = check_name("exchange", request.match_info["name"])
-    body = await json_body(request, allowed={"type", "durable", "auto_delete", "internal", "arguments",
-                                             "name", "vhost", "user_who_performed_action"},
-                           required=("type",))
+    body = await json_body(request, required=("type",))
     type_ = get_str(body, "type")
     if type_ not in EXCHANGE_TYPES:
         raise bad_request(f"unknown exchange type '{type_}'")
@@ -167,9 +165,7 @@ def _properties(raw: Any) -> commands.Basic.Properties:
 async def publish(request: web.Request) -> web.Response:
     vh = _vh(request)
     ex = _exchange(request, vh)
-    body = await json_body(request, allowed={"properties", "routing_key", "payload", "payload_encoding",
-                                             "name", "vhost", "props", "delivery_mode", "headers"},
-                           required=("properties", "routing_key", "payload", "payload_encoding"))
+    body = await json_body(request, required=("properties", "routing_key", "payload", "payload_encoding"))
     routing_key = get_str(body, "routing_key")
     if len(routing_key.encode()) > 255:
         raise bad_request("routing_key is longer than 255 bytes")
@@ -227,14 +223,13 @@ async def queue(request: web.Request) -> web.Response:
 async def put_queue(request: web.Request) -> web.Response:
     vh = _vh(request)
     name = check_name("queue", request.match_info["name"])
-    body = await json_body(request, allowed={"durable", "auto_delete", "arguments", "node", "name",
-                                             "vhost", "type"})
+    body = await json_body(request)
     durable = get_bool(body, "durable", True)
     auto_delete = get_bool(body, "auto_delete", False)
     arguments = get_args(body)
-    qtype = body.get("type", arguments.get("x-queue-type", "classic"))
-    if qtype != "classic":
-        raise bad_request(f"queue type '{qtype}' is not supported")
+    qtype = body.get("type")  # RabbitMQ's own field; x-queue-type in the arguments wins
+    if qtype is not None and "x-queue-type" not in arguments:
+        arguments["x-queue-type"] = qtype
     check_perm(request, "configure", vh.name, name)
     _q, was_created = vh.declare_queue(name, durable=durable, auto_delete=auto_delete,
                                        arguments=arguments, owner=None)
@@ -287,8 +282,7 @@ def _decode_props(raw: bytes) -> dict[str, Any]:
 async def get_messages(request: web.Request) -> web.Response:
     vh = _vh(request)
     q = _queue(request, vh)
-    body = await json_body(request, allowed={"count", "ackmode", "encoding", "truncate", "requeue",
-                                             "name", "vhost"}, required=("count", "ackmode", "encoding"))
+    body = await json_body(request, required=("count", "ackmode", "encoding"))
     count = get_int(body, "count", 1, 1, 10_000)
     ackmode = get_str(body, "ackmode")
     if ackmode not in ACK_MODES:
@@ -374,8 +368,7 @@ async def pair_bindings(request: web.Request) -> web.Response:
 @routes.post("/api/bindings/{vhost}/e/{source}/{kind:[qe]}/{dest}")
 async def create_binding(request: web.Request) -> web.Response:
     vh, source, dest = _ends(request)
-    body = await json_body(request, allowed={"routing_key", "arguments", "vhost", "source",
-                                             "destination", "destination_type"})
+    body = await json_body(request)
     routing_key = get_str(body, "routing_key")
     if len(routing_key.encode()) > 255:
         raise bad_request("routing_key is longer than 255 bytes")

@@ -1,10 +1,12 @@
-"""The management HTTP listener (API + authenticated /metrics) and the open metrics listener.
+"""The management HTTP application (API + authenticated /metrics) and the open metrics listener.
 
-``MgmtServer.start()`` binds the management port (``[mgmt] bind/port``) and the
-Prometheus port (``[mgmt] metrics_bind/metrics_port``) on the running event
-loop, and starts the rate sampler; ``stop()`` closes both. Port 0 picks a free
-port; the bound addresses are returned and kept on ``Mgmt`` for the overview.
-Failing to bind either port is fatal (an operator asked for it): ``ListenError``
+``MgmtServer.start()`` sets up the management application and returns its
+protocol factory: the node opens the management listeners with it (plain
+``[mgmt] port`` and HTTPS ``[mgmt] tls_port``, with PROXY-header support: see
+``broker.net.listener``) and records their addresses on ``Mgmt``. ``start``
+also binds the Prometheus port (``[mgmt] metrics_bind/metrics_port``) and
+starts the rate sampler; ``stop()`` closes everything. Failing to bind a
+management or metrics port is fatal (an operator asked for it): ``ListenError``
 names the option, and the node exits instead of running without a listener.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -26,8 +29,7 @@ from broker.http.common import (
     error_middleware,
     no_content,
     require_admin,
-    sees_all,
-    user_of,
+    require_monitor,
     vhost_param,
 )
 from broker.http.routes_access import routes as access_routes
@@ -100,16 +102,24 @@ async def metrics_detailed(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
+async def metrics_per_object(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[METRICS_KEY].render_per_object(),
+                        headers={"Content-Type": CONTENT_TYPE})
+
+
+async def mgmt_metrics_per_object(request: web.Request) -> web.Response:
+    require_monitor(request)
+    return await metrics_per_object(request)
+
+
 async def mgmt_metrics(request: web.Request) -> web.Response:
     # On the management port /metrics needs a monitoring (or administrator) user.
-    if not sees_all(user_of(request)):
-        return web.json_response({"error": "access_refused", "reason": "Not monitor user"}, status=403)
+    require_monitor(request)
     return await metrics(request)
 
 
 async def mgmt_metrics_detailed(request: web.Request) -> web.Response:
-    if not sees_all(user_of(request)):
-        return web.json_response({"error": "access_refused", "reason": "Not monitor user"}, status=403)
+    require_monitor(request)
     return await metrics_detailed(request)
 
 
@@ -126,6 +136,7 @@ def build_app(mgmt: Mgmt, metrics_obj: Metrics) -> web.Application:
     app.router.add_post("/api/definitions/{vhost}", post_vhost_definitions)
     app.router.add_get("/metrics", mgmt_metrics)
     app.router.add_get("/metrics/detailed", mgmt_metrics_detailed)
+    app.router.add_get("/metrics/per-object", mgmt_metrics_per_object)
     app.add_routes(node_routes)
     app.add_routes(topology_routes)
     app.add_routes(access_routes)
@@ -139,6 +150,7 @@ def build_metrics_app(mgmt: Mgmt, metrics_obj: Metrics) -> web.Application:
     app[METRICS_KEY] = metrics_obj
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/metrics/detailed", metrics_detailed)
+    app.router.add_get("/metrics/per-object", metrics_per_object)
     return app
 
 
@@ -167,13 +179,13 @@ class MgmtServer:
         self._runners.append(runner)
         return _bound(site)
 
-    async def start(self, bind: str, port: int, metrics_bind: str,
-                    metrics_port: int | None) -> tuple[tuple[str, int], tuple[str, int] | None]:
+    async def start(self, metrics_bind: str, metrics_port: int | None) -> Callable[[], Any]:
+        """Set up the management app and the metrics port; returns the app's protocol factory."""
         mgmt = self.mgmt
-        try:
-            mgmt.http_address = await self._serve(build_app(mgmt, self.metrics), bind, port)
-        except OSError as exc:
-            raise ListenError("mgmt.bind/mgmt.port, --mgmt-bind/--mgmt-port", bind, port, exc) from None
+        runner = web.AppRunner(build_app(mgmt, self.metrics), access_log=None, handle_signals=False)
+        await runner.setup()
+        self._runners.append(runner)
+        assert runner.server is not None
         if metrics_port is not None:
             try:
                 mgmt.metrics_address = await self._serve(build_metrics_app(mgmt, self.metrics),
@@ -183,7 +195,7 @@ class MgmtServer:
                 raise ListenError("mgmt.metrics_bind/mgmt.metrics_port, --mgmt-metrics-bind/"
                                   "--mgmt-metrics-port", metrics_bind, metrics_port, exc) from None
         mgmt.rates.start()
-        return mgmt.http_address, mgmt.metrics_address
+        return runner.server
 
     async def stop(self) -> None:
         await self.mgmt.rates.stop()

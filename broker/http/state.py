@@ -11,15 +11,13 @@ directories, drop permissions and policies).
 
 from __future__ import annotations
 
-import os
 import shutil
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from broker import errors
+from broker import errors, metrics
 from broker.auth.vhosts import VHostStore
 from broker.http.policies import PolicyApi, import_legacy
 from broker.http.rates import RateSampler
@@ -54,10 +52,12 @@ class Mgmt:
         self.rates = RateSampler(broker)
         self.started_at = time.time()
         self.started_mono = time.monotonic()
-        self.node_name = "skred@" + socket.gethostname()
+        self.node_name = metrics.node_name()
         self.cluster_name = self.node_name
         self.amqp_address: tuple[str, int] | None = None
+        self.amqps_address: tuple[str, int] | None = None
         self.http_address: tuple[str, int] | None = None
+        self.https_address: tuple[str, int] | None = None
         self.metrics_address: tuple[str, int] | None = None
         self.cluster: ClusterInfo | None = None  # set on a cluster member (metrics, GET /api/cluster)
 
@@ -67,8 +67,14 @@ class Mgmt:
 
     def connection_name(self, session: Session) -> str:
         """RabbitMQ's connection name: ``peer:port -> local:port``."""
-        host, port = self.amqp_address or ("127.0.0.1", 5672)
+        host, port = self.local_address(session)
         return f"{session.peer[0]}:{session.peer[1]} -> {host}:{port}"
+
+    def local_address(self, session: Session) -> tuple[str, int]:
+        """The listener a connection came in on (AMQPS when it speaks TLS)."""
+        if session.tls is not None and self.amqps_address is not None:
+            return self.amqps_address
+        return self.amqp_address or ("127.0.0.1", 5672)
 
     def find_connection(self, name: str) -> Session | None:
         for session in self.broker.connections:
@@ -113,31 +119,8 @@ class Mgmt:
 
     # ---------------------------------------------------------------- process
     def disk_free(self) -> int:
-        try:
-            return shutil.disk_usage(self.data_dir).free
-        except OSError:
-            return 0
+        return metrics.disk_free(self.data_dir)
 
-    @staticmethod
-    def resident_memory() -> int:
-        try:
-            with open("/proc/self/statm", encoding="ascii") as fh:
-                return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ValueError, IndexError):
-            import resource
-
-            return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-    @staticmethod
-    def open_fds() -> int:
-        try:
-            return len(os.listdir("/proc/self/fd"))
-        except OSError:
-            return 0
-
-    @staticmethod
-    def max_fds() -> int:
-        import resource
-
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        return soft if soft != resource.RLIM_INFINITY else 1 << 20
+    resident_memory = staticmethod(metrics.resident_memory)
+    open_fds = staticmethod(metrics.open_fds)
+    max_fds = staticmethod(metrics.max_fds)

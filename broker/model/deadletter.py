@@ -20,6 +20,13 @@ client rejection happened since (walking ``x-death`` from the most recent
 entry); this stops e.g. a TTL queue dead-lettering into itself, while letting
 a consumer's reject send a message round a retry loop.
 
+At-least-once (quorum queues with ``x-dead-letter-strategy: at-least-once`` and
+``x-overflow: reject-publish``, as RabbitMQ requires): a dead letter that no target
+took stays unacked in the source queue's store and is offered again every
+``DL_RETRY_S`` in order (``QueueFeatures``); only once a target takes it is it
+acked in the source. After a restart such a message is ready again in the source
+(redelivered), never lost.
+
 Properties are only decoded here and in the other feature code, never on the
 plain publish/deliver path.
 """
@@ -30,6 +37,8 @@ import datetime
 from typing import TYPE_CHECKING, Any
 
 from broker.amqp import codec
+
+DL_RETRY_S = 1.0  # at-least-once: how often a refused dead letter is offered to its target again
 
 if TYPE_CHECKING:
     from broker.model.queue import Queue
@@ -119,7 +128,7 @@ def dead_letter(vh: VHost, source: Queue, dlx: str, dlrk: str | None, exchange: 
                 routing_key: bytes, props: bytes, body: bytes, reason: str, now_ms: int) -> int:
     """Republish one dead letter from ``source`` through the publish operation (so the
     dead-letter exchange's own behaviour applies, e.g. a delay); returns the number of
-    queues it reached."""
+    queues that took it (0 when one refused it; an exchange holding it counts as one)."""
     from broker.model.publish import PublishRequest
 
     if dlx not in vh.exchanges:
@@ -133,4 +142,7 @@ def dead_letter(vh: VHost, source: Queue, dlx: str, dlrk: str | None, exchange: 
     # its CC header, as when it was first published
     req = PublishRequest(dlx, dlrk if dlrk is not None else keys[0], new_props, body, now_ms,
                          exclude=skip, cc=dlrk is None)
-    return len(vh.publish(req).queues)
+    out = vh.publish(req)
+    if out.rejected:
+        return 0  # a target refused it (reject-publish): at-least-once offers it again later
+    return len(out.queues) + out.held

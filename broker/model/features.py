@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 from broker import errors
 from broker.amqp import codec
-from broker.model import deadletter
+from broker.model import deadletter, queue_types
 from broker.model.queue_dedup import QueueDedup, key_of
 from broker.store.priority_store import PriorityStore
 from broker.store.queue_store import QueueStore
@@ -97,6 +97,7 @@ class QueueConfig:
     max_priority: int | None = None
     single_active: bool = False
     dedup: bool = False
+    dl_strategy: str = "at-most-once"
 
     @property
     def limited(self) -> bool:
@@ -121,6 +122,7 @@ _ARGS: dict[str, tuple[str, str, int, int | None]] = {
     "x-dead-letter-routing-key": ("dlrk", "str", 0, None),
     "x-single-active-consumer": ("single_active", "bool", 0, None),
     "x-message-deduplication": ("dedup", "bool", 0, None),
+    "x-dead-letter-strategy": ("dl_strategy", "str", 0, None),
 }
 # policy definition key -> config field (max-priority is not allowed in a policy)
 POLICY_KEYS: dict[str, str] = {
@@ -132,10 +134,12 @@ POLICY_KEYS: dict[str, str] = {
     "dead-letter-exchange": "dlx",
     "dead-letter-routing-key": "dlrk",
     "delivery-limit": "delivery_limit",
+    "dead-letter-strategy": "dl_strategy",
 }
 _POLICY_KIND = {"message_ttl": ("int", 0), "expires": ("int", 1), "max_length": ("int", 0),
                 "max_length_bytes": ("int", 0), "delivery_limit": ("int", 0),
-                "overflow": ("overflow", 0), "dlx": ("str", 0), "dlrk": ("str", 0)}
+                "overflow": ("overflow", 0), "dlx": ("str", 0), "dlrk": ("str", 0),
+                "dl_strategy": ("str", 0)}
 # Numeric limits where the stricter (lower) of argument and policies wins.
 _STRICTER = ("message_ttl", "expires", "max_length", "max_length_bytes", "delivery_limit")
 
@@ -233,7 +237,7 @@ def effective_config(args_cfg: QueueConfig, policy: dict[str, Any] | None,
         values = [v for v in (getattr(args_cfg, field), pol.get(field), op.get(field)) if v is not None]
         if values:
             fields[field] = min(values)
-    for field in ("overflow", "dlx", "dlrk"):
+    for field in ("overflow", "dlx", "dlrk", "dl_strategy"):
         default = getattr(_PLAIN, field)
         cur = getattr(args_cfg, field)
         if cur != default:
@@ -380,6 +384,8 @@ class QueueFeatures:
         # x-message-deduplication: header values of the messages in the queue (argument only,
         # so it is fixed for the queue's life and reconfigure leaves it alone).
         self.dedup: QueueDedup | None = QueueDedup() if cfg.dedup else None
+        self.dl_pending: dict[int, str] = {}  # at-least-once: msgid -> reason, refused by the target
+        self._dl_timer: TimerHandle | None = None
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -407,6 +413,9 @@ class QueueFeatures:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._dl_timer is not None:
+            self._dl_timer.cancel()
+            self._dl_timer = None
         self._cancel_expires()
 
     @property
@@ -481,8 +490,7 @@ class QueueFeatures:
         if msgid is None:
             return False
         _ts, exchange, routing_key, props, body = store.read(msgid)
-        self._discard(msgid)
-        self._dead_letter(exchange, routing_key, props, body, reason)
+        self._dead_letter_taken(msgid, exchange, routing_key, props, body, reason)
         return True
 
     def _discard(self, msgid: int) -> None:
@@ -496,12 +504,45 @@ class QueueFeatures:
             q.on_dirty(q.store)
 
     def _dead_letter(self, exchange: bytes, routing_key: bytes, props: bytes, body: bytes,
-                     reason: str) -> None:
+                     reason: str) -> bool:
+        """Republish a dead letter; True when some queue took it."""
         cfg = self.cfg
         if cfg.dlx is None or self.vhost is None:
+            return False
+        return deadletter.dead_letter(self.vhost, self.q, cfg.dlx, cfg.dlrk, exchange, routing_key,
+                                      props, body, reason, now_ms()) > 0
+
+    def _dead_letter_taken(self, msgid: int, exchange: bytes, routing_key: bytes, props: bytes,
+                           body: bytes, reason: str, discard: Callable[[int], None] | None = None) -> None:
+        """Message ``msgid``, taken off the queue, dies (``discard`` settles it in the store).
+        At-least-once (see deadletter.py): it stays unacked in the store until a target takes it."""
+        cfg = self.cfg
+        settle = discard or self._discard
+        if not (cfg.dl_strategy == "at-least-once" and cfg.overflow == "reject-publish"
+                and cfg.dlx is not None and queue_types.type_of(self.q.arguments) == queue_types.QUORUM):
+            settle(msgid)
+            self._dead_letter(exchange, routing_key, props, body, reason)
+        elif not self.dl_pending and self._dead_letter(exchange, routing_key, props, body, reason):
+            settle(msgid)
+        else:
+            self.dl_pending[msgid] = reason
+            self._arm_dl_retry()
+
+    def _arm_dl_retry(self) -> None:
+        if self.dl_pending and self._dl_timer is None and self.call_later is not None:
+            self._dl_timer = self.call_later(deadletter.DL_RETRY_S, self._retry_dead_letters)
+
+    def _retry_dead_letters(self) -> None:
+        self._dl_timer = None
+        if self.q.deleted:
             return
-        deadletter.dead_letter(self.vhost, self.q, cfg.dlx, cfg.dlrk, exchange, routing_key,
-                               props, body, reason, now_ms())
+        for msgid, reason in list(self.dl_pending.items()):  # in order: the rest wait behind the head
+            _ts, exchange, routing_key, props, body = self.q.store.read(msgid)
+            if not self._dead_letter(exchange, routing_key, props, body, reason):
+                break
+            del self.dl_pending[msgid]
+            self._discard(msgid)
+        self._arm_dl_retry()
 
     # ------------------------------------------------------------ expiry
     def _expiry_of(self, ts: int, props: bytes) -> int | None:
@@ -663,8 +704,7 @@ class QueueFeatures:
             return None
         ts, exchange, routing_key, props, body = store.read(msgid)
         if self.expiring and self._is_expired(ts, props, now):
-            self._discard(msgid)
-            self._dead_letter(exchange, routing_key, props, body, "expired")
+            self._dead_letter_taken(msgid, exchange, routing_key, props, body, "expired")
             return False
         redelivered = store.is_redelivered(msgid)
         props = self._props_for_delivery(msgid, props)
@@ -727,6 +767,8 @@ class QueueFeatures:
     def dead_letters(self) -> bool:
         return self.cfg.dlx is not None and self.vhost is not None
 
-    def dead_letter(self, exchange: bytes, routing_key: bytes, props: bytes, body: bytes,
-                    reason: str) -> None:
-        self._dead_letter(exchange, routing_key, props, body, reason)
+    def dead_letter(self, msgid: int, exchange: bytes, routing_key: bytes, props: bytes, body: bytes,
+                    reason: str, settle: Callable[[int], None]) -> None:
+        """A rejected (or over-limit) message dies; ``settle`` acks it in the store, at once or,
+        at-least-once, when a dead-letter target takes it."""
+        self._dead_letter_taken(msgid, exchange, routing_key, props, body, reason, settle)

@@ -19,13 +19,13 @@ exchange right after a change, so policies act live.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from broker import errors
 from broker.errors import StoreError
-from broker.model import features
+from broker.model import features, queue_types
 from broker.model.features import validate_policy_definition
 from broker.store.jsonstore import read_json, write_json
 from broker.store.sink import ReplicationSink
@@ -145,6 +145,10 @@ def apply_to_queue(vh: VHost, q: Queue) -> None:
         args_cfg = features.parse_arguments(q.arguments, q.name, vh.name)
     except errors.PreconditionFailed:
         args_cfg = features.QueueConfig()
+    default_limit = queue_types.default_delivery_limit(q.arguments)  # quorum: 20 unless set
+    if default_limit is not None and args_cfg.delivery_limit is None and not any(
+            p is not None and "delivery-limit" in p.definition for p in (pol, op)):
+        args_cfg = replace(args_cfg, delivery_limit=default_limit)
     features.attach(vh, q, args_cfg, pol.definition if pol else None,
                     op.definition if op else None, vh.call_later)
 

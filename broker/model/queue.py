@@ -409,8 +409,7 @@ class Queue:
             return
         if f is not None and f.dead_letters:
             _ts, exchange, routing_key, props, body = self.store.read(msgid)
-            self.ack(msgid)
-            f.dead_letter(exchange, routing_key, props, body, reason)
+            f.dead_letter(msgid, exchange, routing_key, props, body, reason, self.ack)
         else:
             self.ack(msgid)
 

@@ -30,12 +30,13 @@ from pamqp import frame as pframe
 from pamqp.base import Frame as PFrame
 
 from broker import errors
-from broker.model import exchange_features, features, policy
+from broker.model import exchange_features, features, policy, queue_types
 from broker.model import publish as publishing
 from broker.model.exchange import Exchange
 from broker.model.fastpaths import FastPaths
 from broker.model.limits import VHostLimits
 from broker.model.queue import Queue
+from broker.model.vhost_meta import VHostMeta
 from broker.store.definitions import DefinitionsLog
 from broker.store.paths import queue_dir, vhost_dir
 from broker.store.queue_store import QueueStore
@@ -88,6 +89,8 @@ class VHost:
         self.exchanges: dict[str, Exchange] = {}
         self.queues: dict[str, Queue] = {}
         self.closed_queues: dict[str, str] = {}  # name -> why (corrupt store)
+        self.queues_created = 0  # since boot (metrics); replayed queues are not counted
+        self.queues_deleted = 0
         marker = self.dir / ".vhost"
         if not marker.exists():
             marker.write_text(name)
@@ -98,6 +101,7 @@ class VHost:
         self.call_later = call_later  # timers for TTL / x-expires (broker/model/features.py)
         self.policy_set = policy.PolicySet(self.dir / "policies.json", sink)
         self.limits = VHostLimits(self.dir / "limits.json", sink)  # max-connections, max-queues
+        self.meta = VHostMeta(self.dir / "metadata.json", sink)  # description, default_queue_type
         self._replaying = False
         self.fast = FastPaths()  # publish/delivery runs and direct hand-over (tests switch off)
         self._load()
@@ -267,6 +271,8 @@ class VHost:
         elif name.startswith("amq.") and not self._replaying:
             raise errors.AccessRefused(
                 f"queue name '{name}' contains reserved prefix 'amq.*'")
+        arguments = queue_types.with_default(arguments, durable=durable, exclusive=exclusive,
+                                             default_type=self.meta.default_queue_type)
         q = self.queues.get(name)
         if q is not None:
             self.get_queue(name, owner)  # exclusivity check
@@ -283,11 +289,15 @@ class VHost:
             if q.features is not None:
                 q.features.touch()  # a redeclare counts as use for x-expires
             return q, False
+        if not self._replaying:  # a queue recovered from the log keeps the type it was created with
+            arguments = queue_types.resolve(arguments, durable=durable, exclusive=exclusive,
+                                            auto_delete=auto_delete, queue=name, vhost=self.name)
         if arguments.get("x-queue-type") == "stream":  # stream queues: broker/model/stream.py
             from broker.model.stream import new_stream_queue
             q = new_stream_queue(self, name, durable=durable, exclusive=exclusive,
                                  auto_delete=auto_delete, arguments=arguments)
             self.queues[name] = q
+            self.queues_created += not self._replaying
             self.exchanges[""].bind(q, name)
             self._log(commands.Queue.Declare(queue=name, durable=True, auto_delete=auto_delete,
                                              arguments=arguments))
@@ -312,6 +322,7 @@ class VHost:
                   auto_delete=auto_delete, arguments=arguments, store=store, schedule=self.schedule,
                   on_unused=self._queue_unused, on_dirty=self.mark_dirty, fast=self.fast)
         self.queues[name] = q
+        self.queues_created += not self._replaying
         self.exchanges[""].bind(q, name)
         policy.apply_to_queue(self, q)  # features from arguments and policies (None if plain)
         if persistent:
@@ -335,6 +346,7 @@ class VHost:
             raise errors.PreconditionFailed(f"queue '{name}' in vhost '{self.name}' not empty")
         count = q.message_count
         del self.queues[name]
+        self.queues_deleted += 1
         for ex in list(self.exchanges.values()):
             if ex.unbind_all(q) and ex.auto_delete and not ex.has_bindings():
                 self._auto_delete_exchange(ex)
@@ -365,10 +377,12 @@ class VHost:
 
     def unbind_queue(self, queue: str, exchange: str, routing_key: str, arguments: dict[str, Any],
                      owner: object | None) -> None:
-        q = self.get_queue(queue, owner)
-        ex = self.get_exchange(exchange)
         if exchange == "":
             raise errors.AccessRefused("operation not permitted on the default exchange")
+        if queue not in self.queues or exchange not in self.exchanges:
+            return  # RabbitMQ: unbinding from a queue or exchange that is gone is ok
+        q = self.get_queue(queue, owner)
+        ex = self.get_exchange(exchange)
         if ex.unbind(q, routing_key, arguments):
             if ex.durable and q.durable and q.exclusive_owner is None:
                 self._log(commands.Queue.Unbind(queue=queue, exchange=exchange, routing_key=routing_key,
@@ -388,6 +402,8 @@ class VHost:
 
     def unbind_exchange(self, destination: str, source: str, routing_key: str,
                         arguments: dict[str, Any]) -> None:
+        if destination not in self.exchanges or source not in self.exchanges:
+            return  # as for queues: unbinding from an exchange that is gone is ok
         dst = self.get_exchange(destination)
         src = self.get_exchange(source)
         if src.unbind(dst, routing_key, arguments):

@@ -6,8 +6,9 @@ Consumer timeout: nothing is recorded per delivery. Each tick looks at every
 channel's oldest unacked delivery (the first key of the insertion-ordered
 ``unacked`` dict) and remembers since when that same tag has been the oldest
 (``ChannelState.head_tag/head_since``). Once that age passes the timeout (the
-consumer's ``x-consumer-timeout`` argument, else the queue's, else ``[main]
-consumer_timeout``; 0 = off) the channel is closed with 406 "delivery
+consumer's ``x-consumer-timeout`` argument, else the queue's, else the
+``consumer-timeout`` key of the queue's policy or operator policy (the lower),
+else ``[main] consumer_timeout``; 0 = off) the channel is closed with 406 "delivery
 acknowledgement on channel N timed out", as RabbitMQ. A timeout fires at most
 one tick late and never early.
 
@@ -72,16 +73,25 @@ def check_consumer_timeouts(s: Session, now: float, default_ms: int) -> bool:
         timeout = _int(c.arguments.get("x-consumer-timeout")) if c is not None else None
         if timeout is None:
             timeout = _int(q.arguments.get("x-consumer-timeout"))
+        if timeout is None and s.vh is not None:
+            timeout = _policy_timeout(s.vh.policy_set.for_queue(q.name))
         if timeout is None:
             timeout = default_ms
         if timeout > 0 and (now - chs.head_since) * 1000.0 >= timeout:
-            log.warning("closing channel %d of %s: consumer ack timed out (%d ms)", chs.id, s.name, timeout)
+            # the session logs the close with its reply code and text
             s.close_channel(chs.id, errors.PreconditionFailed(
                 f"delivery acknowledgement on channel {chs.id} timed out. Timeout value used: "
                 f"{timeout} ms. This timeout value can be configured, see consumers doc guide to "
                 "learn more"))
             closed = True
     return closed
+
+
+def _policy_timeout(policies: tuple[Any, Any]) -> int | None:
+    """The lower ``consumer-timeout`` of a (policy, operator policy) pair, if either sets one."""
+    found = [t for p in policies if p is not None
+             and (t := _int(p.definition.get("consumer-timeout"))) is not None]
+    return min(found) if found else None
 
 
 class DiskAlarm:

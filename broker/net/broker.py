@@ -12,7 +12,8 @@ import platform
 import time
 from typing import TYPE_CHECKING, Any
 
-from broker import __version__
+from broker import __version__, errors
+from broker.auth import sasl
 from broker.auth.users import UserStore
 from broker.config import Config
 from broker.model.vhost import VHost
@@ -21,20 +22,28 @@ from broker.net.syncer import Syncer
 
 if TYPE_CHECKING:
     from broker.net.session import ChannelState, Session
+    from broker.tls import PeerTLS
+
+log = logging.getLogger(__name__)
 
 
 class Stats:
     """Plain integer counters: a publish costs one attribute increment."""
 
-    __slots__ = ("published", "delivered", "acked", "confirmed", "unroutable", "connections_opened")
+    __slots__ = ("published", "delivered", "acked", "confirmed", "unroutable", "connections_opened",
+                 "returned", "gets", "gets_empty", "channels_opened")
 
     def __init__(self) -> None:
         self.published = 0
-        self.delivered = 0
+        self.delivered = 0  # consumer deliveries and basic.get-ok
         self.acked = 0
         self.confirmed = 0
-        self.unroutable = 0
+        self.unroutable = 0  # returned ones included
         self.connections_opened = 0
+        self.returned = 0  # unroutable mandatory messages sent back with basic.return
+        self.gets = 0  # basic.get answered get-ok
+        self.gets_empty = 0  # basic.get answered get-empty
+        self.channels_opened = 0
 
 
 log = logging.getLogger("skred")
@@ -76,7 +85,7 @@ class Broker:
                 "basic.nack": True,
                 "consumer_cancel_notify": True,
                 "connection.blocked": True,
-                "consumer_priorities": False,
+                "consumer_priorities": True,  # x-priority on basic.consume works
                 "authentication_failure_close": True,
                 "per_consumer_qos": True,
                 "direct_reply_to": True,
@@ -85,6 +94,42 @@ class Broker:
 
     def server_properties(self) -> dict[str, Any]:
         return self._server_properties
+
+    def check_login(self, username: str, password: str, peer_ip: str) -> bool:
+        return self.users.login_refusal(username, password, peer_ip) is None
+
+    def authenticate(self, mechanism: str, response: bytes, peer_ip: str, name: str,
+                     peer_tls: PeerTLS | None) -> str:
+        """The user a connection.start-ok logs in as, or ConnectionAccessRefused.
+
+        The listener has already waited out this source's login throttle
+        (``broker.auth.throttle``); the outcome is reported to it here. Passwords
+        are never logged, and a source in a burst of failures is logged once.
+        """
+        throttle = self.users.throttle
+        if mechanism == "EXTERNAL":
+            user = peer_tls.login_name(self.config.main.tls_cert_login_from) if peer_tls else None
+            ok = (user is not None and self.users.get(user) is not None
+                  and self.users.allowed_from(user, peer_ip))
+            reason = "no verified client certificate" if user is None else "unknown user"
+        else:
+            try:
+                user, password = sasl.credentials(mechanism, response)
+            except errors.ConnectionAccessRefused:
+                throttle.failed(peer_ip, time.monotonic())
+                raise
+            refusal = self.users.login_refusal(user, password, peer_ip)
+            ok = refusal is None
+            reason = refusal or ""
+        if ok:
+            assert user is not None
+            throttle.succeeded(peer_ip)
+            return user
+        if throttle.failed(peer_ip, time.monotonic()):
+            log.warning("login refused for user %r from %s (mechanism %s: %s)", user, name, mechanism, reason)
+        raise errors.ConnectionAccessRefused(
+            f"Login was refused using authentication mechanism {mechanism}. "
+            "For details see the broker logfile.")
 
     def connection_opened(self, session: Session) -> None:
         self.connections.add(session)

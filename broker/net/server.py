@@ -15,21 +15,28 @@ never paused for that: the client's acks are what frees its capacity.
 
 Heartbeats and handshake/close timeouts run from one periodic tick over all
 connections instead of a timer per connection.
+
+Listeners (``broker.net.listener``): the plain AMQP port and the AMQPS port
+share one ``AMQPServer`` (one set of connections, one tick); the listener has
+already stripped any PROXY header and finished the TLS handshake when it
+creates an ``AMQPProtocol``, and hands it the effective peer address.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import socket
+import ssl
 import time
-from typing import Any
+from collections.abc import Callable
 
-from broker import errors
+from broker import errors, tls
+from broker.amqp import codec
 from broker.amqp.connection import State
 from broker.net import proxy
 from broker.net.alarms import check_consumer_timeouts
 from broker.net.broker import Broker
+from broker.net.listener import Listener, Peer
 from broker.net.session import Session
 
 log = logging.getLogger(__name__)
@@ -41,30 +48,29 @@ _HOLD_SECONDS = 0.005  # how long a publisher may wait for consumers of its queu
 
 
 class AMQPProtocol(asyncio.Protocol):
-    def __init__(self, broker: Broker, protocols: set[AMQPProtocol]) -> None:
+    def __init__(self, broker: Broker, protocols: set[AMQPProtocol], peer: Peer) -> None:
         self.broker = broker
         self.protocols = protocols
+        self.peer = peer
         self.transport: asyncio.Transport | None = None
         self.session: Session | None = None
         self._flush_scheduled = False
         self.last_read = self.last_write = self.started = time.monotonic()
         self.closing_since = 0.0
-        self._first = b""  # bytes before we know whether a PROXY header comes first
-        self._sniffing = True
         self._read_paused = False
+        self._header_fed = 0  # protocol-header bytes given to the session before connection.start
+        self._admitted = False  # the login throttle let this connection's start-ok through
 
     # ---------------------------------------------------------------- events
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
-        peer: Any = transport.get_extra_info("peername") or ("?", 0)
-        sock = transport.get_extra_info("socket")
-        if sock is not None and self.broker.config.amqp.tcp_nodelay:
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:
-                pass
         transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)  # type: ignore[attr-defined]
-        self.session = Session(self.broker, (str(peer[0]), int(peer[1])), self.wakeup)
+        self.session = Session(self.broker, self.peer, self.wakeup)
+        peer_tls = tls.PeerTLS.of(transport.get_extra_info("ssl_object"))
+        if peer_tls is not None:
+            self.session.tls = peer_tls
+            if peer_tls.cert:  # a verified client certificate: EXTERNAL may log in with it
+                self.session.mechanisms = "EXTERNAL PLAIN AMQPLAIN"
         self.session.flush_now = self.flush
         self.session.write_now = self.write_now
         self.protocols.add(self)
@@ -74,8 +80,8 @@ class AMQPProtocol(asyncio.Protocol):
         if s is None:
             return
         self.last_read = time.monotonic()
-        if self._sniffing:
-            data = self._sniff(data)
+        if not self._admitted:
+            data = self._before_login(s, data)
             if not data:
                 return
         try:
@@ -102,39 +108,44 @@ class AMQPProtocol(asyncio.Protocol):
                 loop = asyncio.get_running_loop()
                 loop.call_soon(self._resume_reading, loop.time() + _HOLD_SECONDS)
 
-    def _sniff(self, data: bytes) -> bytes:
-        """Strip a PROXY v1 header from a trusted peer; refuse one from anyone else."""
-        s = self.session
-        assert s is not None and self.transport is not None
-        data = self._first + data
-        if len(data) < len(proxy.PREFIX) and proxy.PREFIX.startswith(data):
-            self._first = data
-            return b""
-        self._first = b""
-        self._sniffing = False
-        if not data.startswith(proxy.PREFIX):
+    def _before_login(self, s: Session, data: bytes) -> bytes:
+        """Hold connection.start-ok until this source's login throttle admits it.
+
+        The protocol header goes to the session on its own first (so a start-ok
+        sent in the same read cannot skip the throttle); what follows it waits
+        out ``LoginThrottle.admit``, with reading paused, or the connection is
+        closed when its source has piled up more attempts than the throttle
+        takes (``broker.auth.throttle``).
+        """
+        t = self.transport
+        assert t is not None
+        if s.state == State.HEADER:
+            take = len(codec.PROTOCOL_HEADER) - self._header_fed
+            self._header_fed += min(take, len(data))
+            s.receive_data(data[:take])
+            self.flush()
+            data = data[take:]
+        if not data or s.state != State.START_OK:
             return data
-        trusted = proxy.is_trusted(s.peer[0], self.broker.config.amqp.trusted_proxies,
-                                   self.broker.trusted_peers)
-        if not trusted:
-            log.warning("refused PROXY header from untrusted peer %s", s.name)
-            self.transport.close()
+        wait = self.broker.users.throttle.admit(s.peer[0], time.monotonic())
+        if wait is None:
+            log.info("closing %s: too many failed logins from its address, try again later", s.name)
+            t.close()
             return b""
-        try:
-            parsed = proxy.parse_v1(data)
-        except proxy.ProxyHeaderError as exc:
-            log.warning("bad PROXY header from %s: %s", s.name, exc)
-            self.transport.close()
+        if wait > 0:
+            t.pause_reading()
+            asyncio.get_running_loop().call_later(wait, self._admit, data)
             return b""
-        if parsed is None:
-            self._first = data
-            self._sniffing = True
-            return b""
-        used, src = parsed
-        if src is not None:
-            s.peer = src
-            s.name = f"{src[0]}:{src[1]} (via {s.name})"
-        return data[used:]
+        self._admitted = True
+        return data
+
+    def _admit(self, held: bytes) -> None:
+        t = self.transport
+        if t is None or t.is_closing():
+            return
+        self._admitted = True
+        t.resume_reading()
+        self.data_received(held)
 
     def _resume_reading(self, hold_until: float) -> None:
         if self.broker.alarm.active:
@@ -253,18 +264,24 @@ class AMQPServer:
     def __init__(self, broker: Broker) -> None:
         self.broker = broker
         self.protocols: set[AMQPProtocol] = set()
-        self.server: asyncio.AbstractServer | None = None
+        self.listeners: list[Listener] = []
         self._ticker: asyncio.Task[None] | None = None
 
-    async def start(self, host: str, port: int) -> tuple[str, int]:
-        loop = asyncio.get_running_loop()
-        self.server = await loop.create_server(
-            lambda: AMQPProtocol(self.broker, self.protocols), host, port, reuse_address=True, backlog=1024
-        )
-        self._ticker = asyncio.create_task(self._tick_loop())
-        sock = self.server.sockets[0]
-        addr = sock.getsockname()
-        return str(addr[0]), int(addr[1])
+    def trusted(self, ip: str) -> bool:
+        """May ``ip`` send a PROXY header? Configured proxies and cluster members."""
+        return proxy.is_trusted(ip, self.broker.config.amqp.trusted_proxies, self.broker.trusted_peers)
+
+    async def start(self, host: str, port: int,
+                    tls_context: Callable[[], ssl.SSLContext] | None = None) -> tuple[str, int]:
+        """Open one listener (plain, or AMQPS with ``tls_context``); returns its bound address."""
+        listener = Listener("AMQPS" if tls_context else "AMQP",
+                            lambda peer: AMQPProtocol(self.broker, self.protocols, peer),
+                            self.trusted, tls=tls_context, nodelay=self.broker.config.amqp.tcp_nodelay)
+        address = await listener.start(host, port)
+        self.listeners.append(listener)
+        if self._ticker is None:
+            self._ticker = asyncio.create_task(self._tick_loop())
+        return address
 
     async def _tick_loop(self) -> None:
         while True:
@@ -284,8 +301,8 @@ class AMQPServer:
 
     async def stop(self, reason: str) -> None:
         """Stop accepting, close every connection with 320, wait briefly for close-ok."""
-        if self.server is not None:
-            self.server.close()
+        for listener in self.listeners:
+            await listener.stop()
         if self._ticker is not None:
             self._ticker.cancel()
         for p in list(self.protocols):

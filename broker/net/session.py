@@ -31,18 +31,19 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pamqp import commands
-from pamqp import decode as pdecode
 from pamqp.base import Frame as PFrame
 
 from broker import errors
 from broker.amqp import codec
 from broker.amqp.connection import CH_OPEN, AMQPConnection, PublishArgs
+from broker.model import queue_types
 from broker.model.publish import PublishRequest
 from broker.model.queue import Consumer, Queue
 
 if TYPE_CHECKING:
     from broker.model.vhost import VHost
     from broker.net.broker import Broker
+    from broker.tls import PeerTLS
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +240,11 @@ class SessionConsumer(Consumer):
         chs = self.chs
         chs.consumers.pop(self.tag, None)
         if chs.open and s.capabilities.get("consumer_cancel_notify"):
-            s.reply(chs, commands.Basic.Cancel(consumer_tag=self.tag, nowait=True))
+            cancel = commands.Basic.Cancel(consumer_tag=self.tag, nowait=True)
+            if s.held_cancels is not None:  # queue.delete on this connection: after its delete-ok
+                s.held_cancels.append((chs, cancel))
+                return
+            s.reply(chs, cancel)
             s.wakeup()
 
 
@@ -264,6 +269,8 @@ class Session(AMQPConnection):
         self._confirm_dirty: set[ChannelState] = set()
         self._perm_cache: dict[tuple[str, str], bool] = {}
         self.connected_at = time.time()
+        self.tls: PeerTLS | None = None  # set by the listener for an AMQPS connection
+        self.auth_mechanism = ""
         self.batch_publishes = 0  # publishes in the current read batch (fairness)
         self.flush_pending = False  # a flush of ``out`` is already scheduled
         self.flush_now: Callable[[], None] | None = None  # set by the network layer
@@ -276,33 +283,30 @@ class Session(AMQPConnection):
         self._dm_props = b""  # the properties whose delivery mode _dm_persistent holds
         self._dm_persistent = False
         self.name = f"{peer[0]}:{peer[1]}"
+        # basic.cancel notices held back while this connection deletes a queue (RabbitMQ order)
+        self.held_cancels: list[tuple[ChannelState, commands.Basic.Cancel]] | None = None
 
     def receive_data(self, data: bytes) -> None:
         self.now_ms = int(time.time() * 1000)
         super().receive_data(data)
 
+    def closed_by_server(self, channel: int, error: errors.AMQPError) -> None:
+        what = f"channel {channel}" if channel else "connection"
+        level = logging.INFO if error.reply_code in (200, 320) else logging.WARNING
+        log.log(level, "closing %s of %s (user %r, vhost %r): %d %s", what, self.name, self.username,
+                self.vhost, error.reply_code, error.reply_text)
+
+    def update_secret(self, secret: bytes, reason: str) -> None:
+        """A token refresh: the new secret must log the same user in (the user store's check)."""
+        if not self.broker.check_login(self.username, secret.decode(errors="replace"), self.peer[0]):
+            log.warning("secret update refused for user %r from %s", self.username, self.name)
+            raise errors.NotAllowed(f"Secret update was refused for user '{self.username}'")
+        log.info("secret updated for user %r from %s (%s)", self.username, self.name, reason)
+
     # ------------------------------------------------------------ negotiation
     def authenticate(self, mechanism: str, response: bytes) -> str:
-        if mechanism == "PLAIN":
-            parts = response.split(b"\x00")
-            if len(parts) != 3:
-                raise errors.ConnectionAccessRefused("malformed PLAIN response")
-            user, password = parts[1].decode(errors="replace"), parts[2].decode(errors="replace")
-        elif mechanism == "AMQPLAIN":
-            try:
-                _, table = pdecode.field_table(codec.U32.pack(len(response)) + response)
-            except Exception:
-                raise errors.ConnectionAccessRefused("malformed AMQPLAIN response") from None
-            user, password = str(table.get("LOGIN", "")), str(table.get("PASSWORD", ""))
-        else:
-            raise errors.ConnectionAccessRefused(f"unsupported mechanism {mechanism}")
-        refusal = self.broker.users.login_refusal(user, password, self.peer[0])
-        if refusal is not None:
-            log.warning("login refused for user %r from %s (mechanism %s): %s", user, self.name, mechanism,
-                        refusal)
-            raise errors.ConnectionAccessRefused(
-                f"Login was refused using authentication mechanism {mechanism}. "
-                "For details see the broker logfile.")
+        user = self.broker.authenticate(mechanism, response, self.peer[0], self.name, self.tls)
+        self.auth_mechanism = mechanism
         return user
 
     def open_vhost(self, vhost: str) -> None:
@@ -372,6 +376,7 @@ class Session(AMQPConnection):
     # --------------------------------------------------------------- channels
     def channel_opened(self, channel: int) -> None:
         self.chs[channel] = ChannelState(channel)
+        self.broker.stats.channels_opened += 1
 
     def channel_closed(self, channel: int) -> None:
         chs = self.chs.pop(channel, None)
@@ -450,6 +455,7 @@ class Session(AMQPConnection):
                 return
             self.stats.unroutable += 1
             if args.mandatory:
+                self.stats.returned += 1
                 self.out += codec.encode_return(chs.id, 312, b"NO_ROUTE", args.exchange_b, args.routing_key_b,
                                                 props, bytes(body), self.frame_max)
         if out.sync and chs.confirm:
@@ -749,9 +755,17 @@ class Session(AMQPConnection):
 
     def _queue_delete(self, chs: ChannelState, m: commands.Queue.Delete) -> None:
         self._check("configure", m.queue)
-        n = self.vhost_obj.delete_queue(m.queue, if_unused=m.if_unused, if_empty=m.if_empty, owner=self)
+        held: list[tuple[ChannelState, commands.Basic.Cancel]] = []
+        self.held_cancels = held
+        try:
+            n = self.vhost_obj.delete_queue(m.queue, if_unused=m.if_unused, if_empty=m.if_empty, owner=self)
+        finally:
+            self.held_cancels = None
         if not m.nowait:
             self.reply(chs, commands.Queue.DeleteOk(message_count=n))
+        for cchs, cancel in held:  # RabbitMQ: delete-ok first, then the consumers' basic.cancel
+            if cchs.open:
+                self.reply(cchs, cancel)
 
     # basic.*
     def _basic_qos(self, chs: ChannelState, m: commands.Basic.Qos) -> None:
@@ -782,6 +796,7 @@ class Session(AMQPConnection):
             return
         self._check("read", m.queue)
         q = self.vhost_obj.get_queue(m.queue, self)
+        queue_types.check_consume(q.arguments, chs.global_prefetch, q.name, q.vhost)  # 540 on quorum
         from broker.model.stream import StreamQueue  # stream consumers: manual ack, prefetch, offset
         if isinstance(q, StreamQueue):
             q.check_consume(m.no_ack, chs.prefetch or chs.global_prefetch, dict(m.arguments or {}))
@@ -810,6 +825,7 @@ class Session(AMQPConnection):
         q = self.vhost_obj.get_queue(m.queue, self)
         got = q.get()
         if got is None:
+            self.broker.stats.gets_empty += 1
             self.reply(chs, commands.Basic.GetEmpty())
             return
         msgid, exchange, routing_key, props, body, redelivered = got
@@ -827,6 +843,7 @@ class Session(AMQPConnection):
         else:
             self.out += data
         self.broker.stats.delivered += 1
+        self.broker.stats.gets += 1
 
     def _basic_reject(self, chs: ChannelState, m: commands.Basic.Reject) -> None:
         if chs.tx is not None:

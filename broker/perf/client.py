@@ -12,9 +12,10 @@ methods such as basic.cancel or channel.flow are handled in one place (:meth:`Cl
 from __future__ import annotations
 
 import socket
+import ssl
 import time
 from dataclasses import dataclass
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 from broker.perf import codec
 from broker.perf.handshake import DEFAULT_FRAME_MAX, Handshake, PerfError, close_reason
@@ -34,21 +35,46 @@ class AmqpUri:
     user: str
     password: str
     vhost: str
+    tls: bool = False  # amqps://
+    cafile: str = ""  # ?cacertfile=PATH (RabbitMQ's URI query parameter)
+    verify: bool = True  # ?verify=verify_none turns certificate checks off
 
     @classmethod
     def parse(cls, uri: str) -> AmqpUri:
         parts = urlsplit(uri)
-        if parts.scheme != "amqp":
-            raise PerfError(f"only amqp:// URIs are supported, got {uri!r}")
+        if parts.scheme not in ("amqp", "amqps"):
+            raise PerfError(f"only amqp:// and amqps:// URIs are supported, got {uri!r}")
         path = parts.path
         vhost = "/" if path in ("", "/") else unquote(path[1:])
+        query = parse_qs(parts.query)
+        tls = parts.scheme == "amqps"
         return cls(
             host=parts.hostname or "127.0.0.1",
-            port=parts.port or 5672,
+            port=parts.port or (5671 if tls else 5672),
             user=unquote(parts.username or "guest"),
             password=unquote(parts.password or "guest"),
             vhost=vhost,
+            tls=tls,
+            cafile=query.get("cacertfile", [""])[0],
+            verify=query.get("verify", ["verify_peer"])[0] != "verify_none",
         )
+
+    def wrap(self, sock: socket.socket) -> socket.socket:
+        """The socket as the URI wants it: TLS for amqps://."""
+        if not self.tls:
+            return sock
+        ctx = ssl.create_default_context(cafile=self.cafile or None)
+        if not self.verify:
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE
+        try:
+            return ctx.wrap_socket(sock, server_hostname=self.host)
+        except (OSError, ssl.SSLError) as exc:
+            sock.close()
+            raise PerfError(f"TLS handshake with {self.host}:{self.port} failed: {exc}") from exc
+
+
+SEND_TIMEOUT = 30.0  # seconds a write may block before the run fails
 
 
 class ConsumerCancelled(PerfError):
@@ -72,6 +98,7 @@ class Client:
         except OSError as exc:
             raise PerfError(f"cannot connect to {uri.host}:{uri.port}: {exc}") from exc
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = uri.wrap(self.sock)
         deadline = time.monotonic() + timeout
         hs = Handshake(uri.user, uri.password, uri.vhost, client_name=name)
         self.sock.sendall(hs.initial())
@@ -181,6 +208,9 @@ class Client:
                 self._scan()
 
     def send(self, data: bytes | memoryview) -> None:
+        # _read leaves whatever timeout its deadline needed (down to 1 ms): a write that has to
+        # wait for a slow broker (TLS records, flow control) gets the full send timeout instead.
+        self.sock.settimeout(SEND_TIMEOUT)
         self.sock.sendall(data)
 
     def _send_quietly(self, data: bytes) -> None:

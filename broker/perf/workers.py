@@ -194,7 +194,7 @@ def _produce(
                 counters[base + SLOT_SETTLED] = confirms.settled
             if _stopped(stop):
                 break
-        elif select.select((sock,), (), (), 0)[0]:
+        elif _readable(sock):
             client.pump(1.0)
         if stamp_at:
             now = time.monotonic_ns()
@@ -277,3 +277,9 @@ def _consume(
         "latency": scanner.latency,
         "cancelled": cancelled,
     }
+
+
+def _readable(sock: Any) -> bool:
+    """Bytes to read now: in the TLS layer's buffer (which select cannot see) or the socket's."""
+    pending = getattr(sock, "pending", None)
+    return bool(pending is not None and pending()) or bool(select.select((sock,), (), (), 0)[0])

@@ -94,7 +94,7 @@ def test_ports_are_loopback_only_and_distinct() -> None:
             seen[int(host_port)] = name
     for name, svc in skred_nodes(data).items():
         published = {str(p).rsplit(":", 1)[1] for p in svc["ports"]}
-        assert published == {"5672", "15672", "15692"}, name
+        assert published == {"5672", "5671", "15672", "15671", "15692"}, name  # TLS ports: docs/tls.md
 
 
 def test_each_node_has_its_own_data_volume_and_the_hooks() -> None:

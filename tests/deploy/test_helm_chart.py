@@ -35,6 +35,7 @@ VARIANTS: dict[str, list[str]] = {
         "--set", "auth.password=fixed-password",
         "--set", "clustering.hooks.onLeaderLost=",
         "--set", "config.extra.amqp.channel_max=256",
+        "--set", "tls.enabled=true", "--set", "tls.secretName=skred-tls", "--set", "tls.verifyPeer=true",
     ],
 }
 
@@ -144,6 +145,18 @@ def test_broker_accepts_the_rendered_ini(variant: str, tmp_path: Path) -> None:
     if variant == "everything":
         assert config.amqp.channel_max == 256
         assert config.clustering.on_leader_lost == ""
+        # TLS: the certificate files come from the Secret, mounted where the ini points
+        assert (config.main.tls_cert, config.main.tls_key, config.main.tls_ca_cert) == (
+            "/etc/skred/tls/tls.crt", "/etc/skred/tls/tls.key", "/etc/skred/tls/ca.crt")
+        assert config.main.tls_verify_peer and (config.amqp.tls_port, config.mgmt.tls_port) == (5671, 15671)
+        pod = objects(variant)[("StatefulSet", "rel-skred")]["spec"]["template"]["spec"]
+        assert {"name": "tls", "secret": {"secretName": "skred-tls", "defaultMode": 0o440}} in pod["volumes"]
+        mounts = pod["containers"][0]["volumeMounts"]
+        assert {"name": "tls", "mountPath": "/etc/skred/tls", "readOnly": True} in mounts
+        client = objects(variant)[("Service", "rel-skred")]["spec"]["ports"]
+        assert {p["name"] for p in client} >= {"amqps", "https"}
+    else:
+        assert not config.main.tls_cert
 
 
 def test_hook_scripts_in_the_configmap_are_valid_shell(tmp_path: Path) -> None:

@@ -121,14 +121,18 @@ class RawConn:
         frame_max: int | None = None,
         channel_max: int | None = None,
         heartbeat: int = 0,
+        capabilities: dict[str, Any] | None = None,
     ) -> None:
         """Negotiate up to open-ok; None for frame_max/channel_max means 'accept the server's'."""
         self.send(PROTOCOL_HEADER)
         self.expect(commands.Connection.Start, 0)
+        props: dict[str, Any] = {"product": "skred-raw-test"}
+        if capabilities:
+            props["capabilities"] = capabilities
         self.send_method(
             0,
             commands.Connection.StartOk(
-                client_properties={"product": "skred-raw-test"},
+                client_properties=props,
                 mechanism="PLAIN",
                 response=f"\0{user}\0{password}",
                 locale="en_US",

@@ -126,6 +126,8 @@ class SkredProcess:
         self.port = free_port()
         self.mgmt_port = free_port()
         self.metrics_port = free_port()
+        self.lmq_http_port = free_port()  # LMQ's listeners, so brokers of one run never share a port
+        self.lmq_rpc_port = free_port()
         self.url = f"amqp://guest:guest@{self.host}:{self.port}/%2F"
         self.log_path = data_dir.parent / f"{data_dir.name}.broker.log"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -147,6 +149,10 @@ class SkredProcess:
             str(self.metrics_port),
             "--amqp-bind",
             self.host,
+            "--lmq-http-port",
+            str(self.lmq_http_port),
+            "--lmq-rpc-port",
+            str(self.lmq_rpc_port),
             *self.extra_args,
         ]
 

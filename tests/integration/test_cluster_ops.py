@@ -103,6 +103,13 @@ def test_metrics_api_and_cluster_status(cluster: Cluster) -> None:
         fm = wait_for(lambda f=f: scrape(f), 10, f"{f.name}'s metrics port")
         assert fm["skred_is_leader"] == 0, fm
         assert fm["skred_connected_followers"] == 0
+        # every node exports its own process, memory and disk, under the cluster's one name
+        for series in ("skred_process_resident_memory_bytes", "rabbitmq_disk_space_available_bytes",
+                       "rabbitmq_process_open_fds"):
+            assert fm.get(series, 0) > 0, (series, fm)
+        assert any(k.startswith("rabbitmq_identity_info{") and f'rabbitmq_cluster="{c.prefix}"' in k
+                   for k in fm), fm
+    assert any(k.startswith("rabbitmq_identity_info{") and f'rabbitmq_cluster="{c.prefix}"' in k for k in m)
 
     # GET /api/cluster: on the leader, and through a follower's HTTP proxy (the leader's view too).
     for node in (leader, followers[0]):

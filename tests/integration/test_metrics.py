@@ -90,7 +90,7 @@ def test_metrics_auth_on_management_port(mb: SkredProcess) -> None:
     assert status == 400 and body["error"] == "bad_request"
     user = unique("u")
     api.ok("PUT", f"/api/users/{user}", {"password": "pw", "tags": "management"})
-    assert api.as_user(user, "pw").call("GET", "/metrics")[0] == 403
+    assert api.as_user(user, "pw").call("GET", "/metrics")[0] == 401
     api.ok("PUT", f"/api/users/{user}", {"password": "pw", "tags": "monitoring"})
     assert api.as_user(user, "pw").call("GET", "/metrics")[0] == 200
     api.ok("DELETE", f"/api/users/{user}")

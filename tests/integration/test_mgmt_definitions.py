@@ -84,7 +84,8 @@ def test_bad_definitions_change_nothing(tmp_path: Path) -> None:
         good_queue = {"name": qn, "vhost": "/", "durable": True, "auto_delete": False, "arguments": {}}
         bad_docs: list[Any] = [
             [1, 2],
-            {"bogus_key": []},
+            {"queues": [good_queue, {**good_queue, "name": "t", "arguments": {"x-queue-type": "bogus"}}]},
+            {"queues": [{**good_queue, "durable": False, "arguments": {"x-queue-type": "quorum"}}]},
             {"queues": [good_queue, {"name": "x", "vhost": "no-such-vhost", "durable": True}]},
             {"queues": [good_queue], "exchanges": [{"name": "e", "vhost": "/", "type": "nope"}]},
             {"queues": [good_queue], "bindings": [{"source": "missing", "vhost": "/", "destination": qn,
@@ -100,7 +101,7 @@ def test_bad_definitions_change_nothing(tmp_path: Path) -> None:
         assert topology(api) == before
         # and a bad file at boot stops the broker with a clear log line
         path = tmp_path / "bad.json"
-        path.write_text(json.dumps(bad_docs[2]))
+        path.write_text(json.dumps(bad_docs[3]))
         b.close()
         bad = SkredProcess(tmp_path / "data-bad", ["--load-definitions", str(path)])
         proc = bad.spawn()

@@ -1,0 +1,34 @@
+"""SASL responses of AMQP's connection.start-ok, sans-IO.
+
+``PLAIN`` (RFC 4616: ``authzid NUL user NUL password``) and RabbitMQ's
+``AMQPLAIN`` (a field table with ``LOGIN`` and ``PASSWORD``) carry a password;
+``EXTERNAL`` carries nothing we use: the user is the one the verified TLS
+client certificate names (see ``broker.tls.PeerTLS.login_name``).
+"""
+
+from __future__ import annotations
+
+import struct
+
+from pamqp import decode as pdecode
+
+from broker import errors
+
+PASSWORD_MECHANISMS = ("PLAIN", "AMQPLAIN")
+_U32 = struct.Struct(">I")
+
+
+def credentials(mechanism: str, response: bytes) -> tuple[str, str]:
+    """(user, password) from a PLAIN or AMQPLAIN response; ConnectionAccessRefused otherwise."""
+    if mechanism == "PLAIN":
+        parts = response.split(b"\x00")
+        if len(parts) != 3:
+            raise errors.ConnectionAccessRefused("malformed PLAIN response")
+        return parts[1].decode(errors="replace"), parts[2].decode(errors="replace")
+    if mechanism == "AMQPLAIN":
+        try:
+            _, table = pdecode.field_table(_U32.pack(len(response)) + response)
+        except Exception:
+            raise errors.ConnectionAccessRefused("malformed AMQPLAIN response") from None
+        return str(table.get("LOGIN", "")), str(table.get("PASSWORD", ""))
+    raise errors.ConnectionAccessRefused(f"unsupported mechanism {mechanism}")

@@ -1,0 +1,135 @@
+"""Failed-login throttling per source address: a delay that grows, never a lockout.
+
+Theory of operation
+-------------------
+Every login attempt (AMQP ``connection.start-ok``, an HTTP basic-auth request)
+first asks ``admit(source, now)`` and gets back how long to wait before its
+credentials may be checked; ``failed`` or ``succeeded`` reports the outcome.
+Per source address we count attempts that did not succeed (failures, plus
+attempts still in flight: a client that opens many connections at once is
+counted for each of them). The first ``free`` cost nothing; after that each
+attempt reserves the next slot, ``interval`` after the previous one, with the
+interval doubling from ``base`` up to ``max_interval``. So however many
+connections a guesser opens, its passwords are checked at most once per
+interval, and a burst of wrong passwords slows down to a bounded rate instead
+of the 320 attempts/s a loop achieves without it.
+
+It is never a lockout: the state is per source, so a stranger elsewhere cannot
+slow a real user down; an attempt that would have to wait longer than
+``max_wait`` (a source that keeps piling up parallel attempts) is refused
+without checking its credentials, so at most ``max_wait`` after a guesser
+stops its address is served normally again, and everything is forgotten
+``quiet`` seconds after its last attempt. Successful logins undo their own
+count, so a client that authenticates every request is never slowed.
+
+Logging: a source's failures are logged one by one up to ``free``; crossing it
+logs one line ("slowing down"), and the end of the burst logs one summary. No
+password ever reaches this module. The table of sources is bounded
+(``max_sources``, oldest first out). The clock is passed in: no IO here.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Source:
+    attempts: int = 0  # failures + attempts admitted but not yet reported
+    failures: int = 0  # failures in this burst (for the log lines)
+    next_at: float = 0.0  # the earliest moment the next attempt may be checked
+    first_failure: float = 0.0
+    last_failure: float = 0.0
+    last_seen: float = 0.0
+    announced: bool = False
+
+
+class LoginThrottle:
+    def __init__(self, *, free: int = 5, base: float = 0.05, max_interval: float = 2.0,
+                 max_wait: float = 8.0, quiet: float = 60.0, max_sources: int = 10_000) -> None:
+        self.free = free
+        self.base = base
+        self.max_interval = max_interval
+        self.max_wait = max_wait  # below the AMQP handshake timeout, so a waiting client is served
+        self.quiet = quiet
+        self.max_sources = max_sources
+        self._sources: dict[str, _Source] = {}
+        # accounting, for tests and metrics: attempts delayed, total delay handed out, refusals
+        self.delayed = 0
+        self.delay_seconds = 0.0
+        self.refused = 0
+
+    def interval(self, attempts: int) -> float:
+        over = attempts - self.free
+        if over <= 0:
+            return 0.0
+        return min(self.max_interval, self.base * 2.0 ** min(over - 1, 60))
+
+    def sources(self) -> int:
+        return len(self._sources)
+
+    def admit(self, source: str, now: float) -> float | None:
+        """Seconds to wait before checking this attempt's credentials; None: refuse it unchecked."""
+        entry = self._sources.get(source)
+        if entry is not None and now - entry.last_seen > self.quiet:
+            self._forget(source, entry)
+            entry = None
+        if entry is None:
+            if len(self._sources) >= self.max_sources:
+                self._evict(now)
+            entry = self._sources[source] = _Source()
+        slot = max(now, entry.next_at)
+        wait = slot - now
+        if wait > self.max_wait:
+            self.refused += 1
+            return None
+        entry.attempts += 1
+        entry.last_seen = now
+        entry.next_at = slot + self.interval(entry.attempts)
+        if wait > 0:
+            self.delayed += 1
+            self.delay_seconds += wait
+        return wait
+
+    def failed(self, source: str, now: float) -> bool:
+        """Record a failed login; True when it should be logged on its own (not mid-burst)."""
+        entry = self._sources.get(source)
+        if entry is None:  # admitted before an eviction: count it afresh
+            entry = self._sources[source] = _Source(attempts=1)
+        if not entry.failures:
+            entry.first_failure = now
+        entry.failures += 1
+        entry.last_failure = entry.last_seen = now
+        if entry.failures <= self.free:
+            return True
+        if not entry.announced:
+            entry.announced = True
+            log.warning("%d failed logins from %s in %.1fs: slowing down further attempts from it "
+                        "(one check per %.2fs and growing, up to %.1fs)", entry.failures, source,
+                        now - entry.first_failure, self.interval(entry.attempts + 1), self.max_interval)
+        return False
+
+    def succeeded(self, source: str) -> None:
+        entry = self._sources.get(source)
+        if entry is None:
+            return
+        entry.attempts = max(0, entry.attempts - 1)
+        if not entry.attempts and not entry.failures:
+            del self._sources[source]
+
+    def _forget(self, source: str, entry: _Source) -> None:
+        del self._sources[source]
+        if entry.announced:
+            log.warning("burst of failed logins from %s ended: %d failed logins in %.1fs", source,
+                        entry.failures, entry.last_failure - entry.first_failure)
+
+    def _evict(self, now: float) -> None:
+        for source, entry in list(self._sources.items()):
+            if now - entry.last_seen > self.quiet:
+                self._forget(source, entry)
+        while len(self._sources) >= self.max_sources:  # still full: the oldest entry goes
+            source = next(iter(self._sources))
+            self._forget(source, self._sources[source])

@@ -1,0 +1,305 @@
+"""LMQ's semantics over the broker's queues: put, take, visibility timeout, retry, accumulation.
+
+Theory of operation
+-------------------
+An LMQ queue is an ordinary durable queue of the vhost (created on first use). A **put** stores
+the body with its content type and, in headers, the queue's effective ``retry`` and ``timeout``
+at that moment (``x-lmq-retry``, ``x-lmq-timeout``), through the one publish operation
+(``VHost.publish``), and is answered only after the group commit (``after_sync``), like a
+publisher confirm: an answered put survives kill -9.
+
+A **take** is the queue's own ``get``: the message becomes unacknowledged in the queue (so it
+comes back after a crash, as any unacked message does) and gets a fresh UUID and a timer of
+``timeout`` seconds. ``ack`` settles it; ``ext`` restarts the timer; ``nack`` and the timer's
+expiry count one retry and requeue it, or, past ``retry`` retries, settle it as rejected (the
+queue dead-letters it if it has a dead-letter exchange). A requeued message is taken again with a
+new id, so the old id answers 404, as LMQ's does. Retry counts are kept per stored message in
+memory: after a restart a message starts counting again (it is never lost for it).
+
+**Accumulation**: with ``accum`` > 0, the first put opens a window of that many seconds
+(``{"accum": "new"}``), later puts join it (``"yes"``), and when it closes every part is stored as
+one compound message (content type ``application/x-msgpack``, body ``[[{metadata}, body], ...]``,
+header ``x-lmq-type: compound``), taken, acked and retried as one. Parts wait in memory until the
+window closes: a put answered ``new``/``yes`` is durable only from then on (documented).
+
+Long polls wait on an event set by every put and requeue, re-checking at least every 100 ms so
+messages that arrive over AMQP are seen too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+from pamqp import commands
+
+from broker import errors
+from broker.lmq.props import PropsStore
+from broker.model.publish import PublishRequest
+from broker.model.queue import Queue
+from broker.model.vhost import VHost
+
+log = logging.getLogger(__name__)
+
+COMPOUND_TYPE = "application/x-msgpack"
+DEFAULT_TYPE = "application/octet-stream"
+POLL_MAX = 0.1  # seconds between re-checks of a long poll (messages put over AMQP wake no event)
+
+
+class LMQError(Exception):
+    """A request LMQ refuses; ``status`` is the HTTP status the HTTP API answers with."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+
+
+@dataclass
+class Taken:
+    """A message handed to a client and not yet settled."""
+
+    id: str
+    queue: Queue
+    msgid: int
+    retry: int
+    timeout: float
+    timer: asyncio.TimerHandle | None = None
+
+
+@dataclass
+class Message:
+    """What a take returns to a protocol front end."""
+
+    queue: str
+    id: str
+    compound: bool
+    content_type: str
+    body: bytes
+    retry_remaining: int
+
+    def parts(self) -> list[tuple[dict[str, str], bytes]]:
+        """A compound message's parts: (metadata, body) pairs in put order."""
+        return [(dict(md), bytes(b)) for md, b in msgpack.unpackb(self.body, raw=False)]
+
+
+@dataclass
+class _Window:
+    parts: list[list[Any]]
+    timer: asyncio.TimerHandle
+
+
+def _props(content_type: str, headers: dict[str, Any]) -> bytes:
+    props = commands.Basic.Properties(content_type=content_type, delivery_mode=2, headers=headers)
+    return bytes(props.marshal())
+
+
+def _read_props(raw: bytes) -> tuple[str, dict[str, Any]]:
+    if len(raw) < 2:
+        return DEFAULT_TYPE, {}
+    p = commands.Basic.Properties()
+    try:
+        p.unmarshal(int.from_bytes(raw[:2], "big"), raw[2:])
+    except Exception:  # noqa: BLE001 - a message from another protocol with odd properties
+        return DEFAULT_TYPE, {}
+    return p.content_type or DEFAULT_TYPE, dict(p.headers or {})
+
+
+class LMQ:
+    def __init__(self, vhost: VHost, props: PropsStore,
+                 after_sync: Callable[[Callable[[bool], None]], None]) -> None:
+        self.vhost = vhost
+        self.props = props
+        self.after_sync = after_sync
+        self.taken: dict[str, Taken] = {}
+        self.retries: dict[tuple[int, int], int] = {}  # (id(queue), msgid) -> retries so far
+        self.windows: dict[str, _Window] = {}
+        self.counters: Counter[tuple[str, str]] = Counter()  # (queue, put|get|ack) for StatsD
+        self._arrived = asyncio.Event()
+
+    # ------------------------------------------------------------------ queues
+    def ensure(self, name: str) -> Queue:
+        """The queue ``name``, created (durable) on first use as LMQ does."""
+        q = self.vhost.queues.get(name)
+        if q is None:
+            if not name or len(name.encode()) > 255:
+                raise LMQError(400, "a queue name is 1 to 255 bytes")
+            q, _ = self.vhost.declare_queue(name, durable=True, owner=None)
+        return q
+
+    def matching(self, regex: str) -> list[Queue]:
+        try:
+            pattern = re.compile(regex)
+        except re.error as exc:
+            raise LMQError(400, f"bad regex {regex!r}: {exc}") from None
+        return [q for name, q in sorted(self.vhost.queues.items())
+                if q.exclusive_owner is None and pattern.search(name)]
+
+    def delete(self, name: str) -> None:
+        if name in self.vhost.queues:
+            self.vhost.delete_queue(name, owner=None)
+        window = self.windows.pop(name, None)
+        if window is not None:
+            window.timer.cancel()
+        for t in [t for t in self.taken.values() if t.queue.name == name]:
+            self._forget(t)
+
+    # ------------------------------------------------------------------ put
+    async def put(self, name: str, body: bytes, content_type: str | None) -> str:
+        """Store one message; answer LMQ's accumulation flag: "no", "new" or "yes"."""
+        q = self.ensure(name)
+        props = self.props.resolve(name)
+        self.counters[(name, "put")] += 1
+        meta = {"content-type": content_type or DEFAULT_TYPE}
+        if props["accum"] > 0:
+            window = self.windows.get(name)
+            if window is not None:
+                window.parts.append([meta, body])
+                return "yes"
+            loop = asyncio.get_running_loop()
+            timer = loop.call_later(props["accum"], self._close_window, name)
+            self.windows[name] = _Window([[meta, body]], timer)
+            return "new"
+        self._store(q, body, meta["content-type"], props, compound=False)
+        await self._synced()
+        return "no"
+
+    def _store(self, q: Queue, body: bytes, content_type: str, props: dict[str, Any], compound: bool) -> None:
+        headers: dict[str, Any] = {"x-lmq-retry": props["retry"], "x-lmq-timeout": props["timeout"]}
+        if compound:
+            headers["x-lmq-type"] = "compound"
+        req = PublishRequest("", q.name, _props(content_type, headers), body, int(time.time() * 1000), True)
+        out = self.vhost.publish(req)
+        if out.rejected:
+            raise LMQError(503, f"queue '{q.name}' refused the message (length limit)")
+        self._arrived.set()
+
+    def _close_window(self, name: str) -> None:
+        window = self.windows.pop(name, None)
+        q = self.vhost.queues.get(name)
+        if window is None or q is None:
+            return
+        try:
+            self._store(q, msgpack.packb(window.parts, use_bin_type=True), COMPOUND_TYPE,
+                        self.props.resolve(name), compound=True)
+        except (LMQError, errors.SkredError) as exc:
+            log.error("LMQ queue '%s': compound message of %d parts not stored: %s",
+                      name, len(window.parts), exc)
+
+    async def _synced(self) -> None:
+        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+
+        def done(ok: bool) -> None:
+            if not fut.done():
+                fut.set_result(ok)
+
+        self.after_sync(done)
+        if not await fut:
+            raise LMQError(503, "the message could not be made durable (disk or replication failure)")
+
+    # ------------------------------------------------------------------ take
+    async def take(self, queues: Callable[[], Iterable[Queue]], timeout: float | None) -> Message | None:
+        """One message from the first of ``queues()`` that has one, waiting up to ``timeout``
+        seconds (None: until one comes); None when the wait ran out."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while True:
+            for q in queues():
+                if q.deleted:
+                    continue
+                got = q.get()
+                if got is not None:
+                    return self._hand_out(q, got)
+            left = POLL_MAX if deadline is None else min(POLL_MAX, deadline - loop.time())
+            if left <= 0:
+                return None
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), left)
+            except TimeoutError:
+                pass
+
+    def _hand_out(self, q: Queue, got: tuple[int, bytes, bytes, bytes, bytes, bool]) -> Message:
+        msgid, _exchange, _rk, raw_props, body, _redelivered = got
+        content_type, headers = _read_props(raw_props)
+        current = self.props.resolve(q.name)
+        retry = headers.get("x-lmq-retry", current["retry"])
+        timeout = headers.get("x-lmq-timeout", current["timeout"])
+        retry = int(retry) if isinstance(retry, int | float) else current["retry"]
+        timeout = float(timeout) if isinstance(timeout, int | float) and timeout > 0 else current["timeout"]
+        t = Taken(str(uuid.uuid4()), q, msgid, retry, timeout)
+        t.timer = asyncio.get_running_loop().call_later(timeout, self._expired, t.id)
+        self.taken[t.id] = t
+        self.counters[(q.name, "get")] += 1
+        done = self.retries.get((id(q), msgid), 0)
+        return Message(q.name, t.id, headers.get("x-lmq-type") == "compound", content_type, bytes(body),
+                       max(0, retry - done))
+
+    # ------------------------------------------------------------------ replies
+    def _find(self, name: str, msg_id: str) -> Taken:
+        t = self.taken.get(msg_id)
+        if t is None or t.queue.name != name or t.queue.deleted:
+            raise LMQError(404, f"no message '{msg_id}' taken from queue '{name}' "
+                                "(acked, timed out or unknown)")
+        return t
+
+    def _forget(self, t: Taken) -> None:
+        self.taken.pop(t.id, None)
+        if t.timer is not None:
+            t.timer.cancel()
+
+    def ack(self, name: str, msg_id: str) -> None:
+        t = self._find(name, msg_id)
+        self._forget(t)
+        self.retries.pop((id(t.queue), t.msgid), None)
+        t.queue.ack(t.msgid)
+        self.counters[(name, "ack")] += 1
+
+    def nack(self, name: str, msg_id: str) -> None:
+        t = self._find(name, msg_id)
+        self._forget(t)
+        self._retry(t)
+
+    def extend(self, name: str, msg_id: str) -> None:
+        t = self._find(name, msg_id)
+        if t.timer is not None:
+            t.timer.cancel()
+        t.timer = asyncio.get_running_loop().call_later(t.timeout, self._expired, t.id)
+
+    def _expired(self, msg_id: str) -> None:
+        t = self.taken.pop(msg_id, None)
+        if t is not None:
+            self._retry(t)
+
+    def _retry(self, t: Taken) -> None:
+        """One more retry: back to the queue (a new id when taken again), or past ``retry``
+        retries settled as rejected (dead-lettered when the queue has a dead-letter exchange)."""
+        if t.queue.deleted:
+            return
+        key = (id(t.queue), t.msgid)
+        done = self.retries.get(key, 0) + 1
+        if done > t.retry:
+            self.retries.pop(key, None)
+            t.queue.reject(t.msgid, requeue=False)
+            log.info("LMQ queue '%s': message discarded after %d retries", t.queue.name, t.retry)
+        else:
+            self.retries[key] = done
+            t.queue.reject(t.msgid, requeue=True)
+            self._arrived.set()
+
+    def close(self) -> None:
+        """Stop the timers (shutdown): unsettled messages stay unacked and come back on restart."""
+        for t in list(self.taken.values()):
+            if t.timer is not None:
+                t.timer.cancel()
+        for name in list(self.windows):
+            self.windows[name].timer.cancel()
+            self._close_window(name)

@@ -1,0 +1,75 @@
+"""Starts and stops LMQ's listeners (HTTP, MessagePack-RPC) and its StatsD sender.
+
+A port that cannot be bound is logged and that listener stays off while the node runs on: LMQ is
+a second front end, and AMQP clients must not lose their broker because, say, 9980 is taken.
+Port 0 picks a free port; the bound addresses are kept for the management overview and tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+from typing import Any
+
+from aiohttp import web
+
+from broker.auth.users import UserStore
+from broker.config import LmqConfig
+from broker.lmq import http_api, rpc, statsd
+from broker.lmq.engine import LMQ
+
+log = logging.getLogger(__name__)
+
+
+class LMQServer:
+    def __init__(self, lmq: LMQ, config: LmqConfig, users: UserStore) -> None:
+        self.lmq = lmq
+        self.config = config
+        self.users = users if config.auth else None
+        self.http_address: tuple[str, int] | None = None
+        self.rpc_address: tuple[str, int] | None = None
+        self._runner: web.AppRunner | None = None
+        self._rpc: asyncio.Server | None = None
+        self._stats: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        cfg = self.config
+        app = http_api.build_app(self.lmq, self.users)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, cfg.bind, cfg.http_port, reuse_address=True)
+            await site.start()
+            self._runner = runner
+            sockets: Any = getattr(site._server, "sockets", None) or []
+            self.http_address = sockets[0].getsockname()[:2]
+            log.info("LMQ HTTP API on %s:%d", *self.http_address)
+        except OSError as exc:
+            await runner.cleanup()
+            log.error("LMQ HTTP API not started: cannot bind %s:%d: %s", cfg.bind, cfg.http_port,
+                      exc.strerror or exc)
+        try:
+            self._rpc = await asyncio.start_server(
+                functools.partial(rpc.serve_connection, self.lmq, self.users), cfg.bind, cfg.rpc_port,
+                reuse_address=True)
+            self.rpc_address = self._rpc.sockets[0].getsockname()[:2]
+            log.info("LMQ MessagePack-RPC on %s:%d", *self.rpc_address)
+        except OSError as exc:
+            log.error("LMQ MessagePack-RPC not started: cannot bind %s:%d: %s", cfg.bind, cfg.rpc_port,
+                      exc.strerror or exc)
+        if cfg.stats_interval > 0:
+            self._stats = asyncio.get_running_loop().create_task(
+                statsd.run(self.lmq, cfg.statsd_host, cfg.statsd_port, cfg.stats_interval))
+
+    async def stop(self) -> None:
+        if self._stats is not None:
+            self._stats.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._stats
+        if self._rpc is not None:
+            self._rpc.close()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        self.lmq.close()

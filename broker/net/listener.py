@@ -1,0 +1,239 @@
+"""Client listeners: accept, strip a PROXY header from trusted peers, start TLS, hand over.
+
+Theory of operation
+-------------------
+Every client port (AMQP, AMQPS, management HTTP and HTTPS) is a ``Listener``:
+an accept loop on a non-blocking socket. For each accepted connection it
+*peeks* (``MSG_PEEK``) at the first bytes without consuming them:
+
+* protocol bytes (``AMQP``, a TLS ClientHello, an HTTP request line): nothing
+  is consumed, the socket goes to the event loop as it is;
+* a PROXY v1/v2 header (``broker.net.proxy``) from a trusted peer: exactly the
+  header's bytes are read off the socket, and the address it carries becomes
+  the connection's peer; from anyone else the connection is closed and logged.
+
+Then the socket is handed to ``loop.connect_accepted_socket`` with the
+listener's current TLS context, if any: the header travels in clear before
+the TLS handshake (as HAProxy sends it), and the loop's own TLS transport
+does the rest. Because the header is consumed before that hand-over, one code
+path serves plain and TLS listeners, and AMQP and HTTP alike.
+
+Peeking leaves the bytes in the kernel, so a peer that sends part of a header
+and stops would make the socket readable forever: that case waits in short
+sleeps instead, all within ``HEADER_TIMEOUT`` (the TLS handshake has its own
+timeout). The protocol factory receives the effective peer address.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import socket
+import ssl
+from collections.abc import Callable
+from typing import Any
+
+from broker.net import proxy
+
+log = logging.getLogger(__name__)
+
+Peer = tuple[str, int]
+ProtocolFactory = Callable[[Peer], asyncio.BaseProtocol]
+HEADER_TIMEOUT = 10.0  # seconds for the first bytes (and a PROXY header) to arrive
+TLS_HANDSHAKE_TIMEOUT = 10.0
+_PARTIAL_WAIT = 0.01  # poll interval while only part of a PROXY header has arrived
+_PEEK = proxy.V2_MAX
+
+
+class Listener:
+    """One listening socket serving one protocol, optionally over TLS."""
+
+    def __init__(self, name: str, factory: ProtocolFactory, trusted: Callable[[str], bool], *,
+                 tls: Callable[[], ssl.SSLContext] | None = None, nodelay: bool = True) -> None:
+        self.name = name
+        self.factory = factory
+        self.trusted = trusted
+        self.tls = tls  # called per connection: a SIGHUP reload applies to the next accept
+        self.nodelay = nodelay
+        self.sock: socket.socket | None = None
+        self.address: Peer = ("", 0)
+        self._accepting: asyncio.Task[None] | None = None
+        self._pending: set[asyncio.Task[None]] = set()
+
+    async def start(self, host: str, port: int) -> Peer:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.create_server((host, port), family=family, backlog=1024)
+        sock.setblocking(False)
+        self.sock = sock
+        addr = sock.getsockname()
+        self.address = (str(addr[0]), int(addr[1]))
+        self._accepting = asyncio.create_task(self._accept_loop(sock))
+        return self.address
+
+    async def stop(self) -> None:
+        """Stop accepting; connections already handed over are their owner's to close."""
+        if self._accepting is not None:
+            self._accepting.cancel()
+            await asyncio.gather(self._accepting, return_exceptions=True)
+            self._accepting = None
+        for task in list(self._pending):
+            task.cancel()
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+    async def _accept_loop(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, addr = await loop.sock_accept(sock)
+            except OSError as exc:
+                # EMFILE and friends: keep the listener, give the process a moment.
+                log.warning("%s listener: accept failed: %s", self.name, exc.strerror or exc)
+                await asyncio.sleep(0.1 if exc.errno in (errno.EMFILE, errno.ENFILE) else 0)
+                continue
+            task = asyncio.create_task(self._serve(conn, (str(addr[0]), int(addr[1]))))
+            self._pending.add(task)
+            task.add_done_callback(self._pending.discard)
+
+    async def _serve(self, conn: socket.socket, peer: Peer) -> None:
+        loop = asyncio.get_running_loop()
+        conn.setblocking(False)
+        if self.nodelay:
+            try:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+        try:
+            peer = await asyncio.wait_for(self._strip_proxy_header(loop, conn, peer), HEADER_TIMEOUT)
+            ctx = self.tls() if self.tls is not None else None
+            real = peer
+            await loop.connect_accepted_socket(
+                lambda: self.factory(real), conn, ssl=ctx,
+                ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT if ctx is not None else None)
+        except _Refused as exc:
+            log.warning("%s: closed connection from %s:%d: %s", self.name, peer[0], peer[1], exc)
+            conn.close()
+        except TimeoutError:
+            log.info("%s: connection from %s:%d sent nothing in time", self.name, peer[0], peer[1])
+            conn.close()
+        except (OSError, ssl.SSLError, ConnectionError) as exc:
+            # a failed TLS handshake (untrusted CA, old protocol version, no client certificate)
+            log.info("%s: connection from %s:%d failed: %s", self.name, peer[0], peer[1], exc)
+            conn.close()
+        except asyncio.CancelledError:  # the listener stopped before the connection was handed over
+            conn.close()
+            raise
+
+    async def _strip_proxy_header(self, loop: asyncio.AbstractEventLoop, conn: socket.socket,
+                                  peer: Peer) -> Peer:
+        """Consume a trusted PROXY header and return the address it names (else ``peer``)."""
+        while True:
+            await _readable(loop, conn)
+            try:
+                data = conn.recv(_PEEK, socket.MSG_PEEK)
+            except BlockingIOError:
+                continue
+            if not data:
+                return peer  # closed before a byte: the protocol sees the EOF
+            kind = proxy.sniff(data)
+            if kind is proxy.Sniff.NONE:
+                return peer
+            if kind is proxy.Sniff.MORE:
+                await asyncio.sleep(_PARTIAL_WAIT)
+                continue
+            if not self.trusted(peer[0]):
+                raise _Refused("PROXY header from an untrusted peer")
+            try:
+                parsed = proxy.parse(data)
+            except proxy.ProxyHeaderError as exc:
+                raise _Refused(f"bad PROXY header: {exc}") from None
+            if parsed is None:
+                await asyncio.sleep(_PARTIAL_WAIT)
+                continue
+            used, src = parsed
+            _consume(conn, used)
+            return src if src is not None else peer
+
+
+class _Refused(Exception):
+    pass
+
+
+def _consume(conn: socket.socket, n: int) -> None:
+    """Read exactly ``n`` bytes that a peek showed are already in the socket buffer."""
+    while n > 0:
+        got = conn.recv(n)
+        if not got:
+            raise ConnectionResetError("closed while reading the PROXY header")
+        n -= len(got)
+
+
+async def _readable(loop: asyncio.AbstractEventLoop, conn: socket.socket) -> None:
+    fut: asyncio.Future[None] = loop.create_future()
+    fd = conn.fileno()
+
+    def ready() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    loop.add_reader(fd, ready)
+    try:
+        await fut
+    finally:
+        loop.remove_reader(fd)
+
+
+class PeerTransport:
+    """A transport that reports a PROXY header's address as its peer (for aiohttp's
+    ``request.remote``), delegating everything else to the real transport."""
+
+    def __init__(self, transport: Any, peer: Peer) -> None:
+        self._transport = transport
+        self._peer = peer
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        if name == "peername":
+            return self._peer
+        return self._transport.get_extra_info(name, default)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+class PeerProtocol(asyncio.Protocol):
+    """Wraps a protocol so it sees ``PeerTransport`` instead of the socket's transport."""
+
+    def __init__(self, inner: Any, peer: Peer) -> None:
+        self.inner = inner
+        self.peer = peer
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.inner.connection_made(PeerTransport(transport, self.peer))
+
+    def data_received(self, data: bytes) -> None:
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        result: bool | None = self.inner.eof_received()
+        return result
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+
+def keep_peer(factory: Callable[[], Any]) -> ProtocolFactory:
+    """A listener factory for a protocol that learns its peer from the transport (aiohttp's):
+    the wrapped transport reports the listener's peer, i.e. a PROXY header's address."""
+
+    def make(peer: Peer) -> asyncio.BaseProtocol:
+        return PeerProtocol(factory(), peer)
+
+    return make

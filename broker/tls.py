@@ -1,0 +1,232 @@
+"""TLS contexts built from ``[main] tls_*``: listeners, SNI, reload, peer identity.
+
+Theory of operation
+-------------------
+``ServerTLS`` owns the server-side ``ssl.SSLContext`` every TLS listener (AMQPS,
+HTTPS, the replication port) hands to each connection it accepts: a default
+context with ``tls_cert``/``tls_key`` plus one context per ``tls_sni`` name.
+The default context's ``sni_callback`` moves a handshake to the context of
+the server name the client asked for (an exact name first, then a ``*.``
+wildcard one label deep); an unknown or absent name keeps the default.
+
+``reload()`` (SIGHUP) builds every context afresh from the files and swaps
+them in only when all of them load, so a typo in a renewed key never leaves
+the node without TLS. Listeners read ``ServerTLS.context`` per accepted
+connection: new connections get the new certificates, established ones keep
+the session they negotiated, nothing is dropped.
+
+Client certificates (``tls_verify_peer``): verified against ``tls_ca_cert``;
+with ``tls_fail_if_no_peer_cert`` a client without one fails the handshake.
+Python's ``getpeercert()`` only reports a certificate that verified, so
+``PeerTLS.login_name`` (the EXTERNAL mechanism's user name, as RabbitMQ's
+``rabbitmq_auth_mechanism_ssl`` derives it) can only come from a trusted one.
+
+This module is a leaf next to ``config``: it imports ``ssl`` and ``config``
+only, so the network, HTTP and cluster layers may all use it.
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+from dataclasses import dataclass
+from typing import Any
+
+from broker.config import ConfigError, MainConfig
+
+log = logging.getLogger(__name__)
+
+_VERSIONS = {"1.2": ssl.TLSVersion.TLSv1_2, "1.3": ssl.TLSVersion.TLSv1_3}
+# getpeercert() attribute names -> the short names of RFC 4514 distinguished names
+_DN_NAMES = {
+    "commonName": "CN", "organizationName": "O", "organizationalUnitName": "OU", "countryName": "C",
+    "stateOrProvinceName": "ST", "localityName": "L", "domainComponent": "DC", "userId": "UID",
+    "streetAddress": "STREET", "emailAddress": "emailAddress",
+}  # fmt: skip
+
+
+def enabled(main: MainConfig) -> bool:
+    return bool(main.tls_cert)
+
+
+def parse_sni(text: str) -> dict[str, tuple[str, str]]:
+    """``NAME=CERT:KEY, ...`` -> {name: (cert, key)}; raises ConfigError naming the bad entry."""
+    out: dict[str, tuple[str, str]] = {}
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        name, eq, files = item.partition("=")
+        cert, colon, key = files.partition(":")
+        if not eq or not name.strip() or not cert.strip():
+            raise ConfigError(f"[main] tls_sni: {item!r} is not NAME=CERT_FILE:KEY_FILE")
+        out[name.strip().lower()] = (cert.strip(), key.strip() if colon else "")
+    return out
+
+
+def _base_context(purpose_server: bool, main: MainConfig) -> ssl.SSLContext:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if purpose_server else ssl.PROTOCOL_TLS_CLIENT)
+    ctx.minimum_version = _VERSIONS[main.tls_min_version]
+    if main.tls_ciphers:
+        try:
+            ctx.set_ciphers(main.tls_ciphers)
+        except ssl.SSLError as exc:
+            raise ConfigError(f"[main] tls_ciphers {main.tls_ciphers!r}: {exc}") from None
+    return ctx
+
+
+def _load_chain(ctx: ssl.SSLContext, cert: str, key: str, what: str) -> None:
+    try:
+        ctx.load_cert_chain(cert, key or None)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"{what}: cannot load certificate {cert!r} / key {key or cert!r}: {exc}") from None
+
+
+def _load_ca(ctx: ssl.SSLContext, main: MainConfig, purpose: ssl.Purpose) -> None:
+    if main.tls_ca_cert:
+        try:
+            ctx.load_verify_locations(cafile=main.tls_ca_cert)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"[main] tls_ca_cert: cannot load {main.tls_ca_cert!r}: {exc}") from None
+    else:
+        ctx.load_default_certs(purpose)
+
+
+def _server_context(main: MainConfig, cert: str, key: str, what: str) -> ssl.SSLContext:
+    ctx = _base_context(True, main)
+    ctx.options |= ssl.OP_CIPHER_SERVER_PREFERENCE
+    _load_chain(ctx, cert, key, what)
+    if main.tls_verify_peer:
+        _load_ca(ctx, main, ssl.Purpose.CLIENT_AUTH)
+        ctx.verify_mode = ssl.CERT_REQUIRED if main.tls_fail_if_no_peer_cert else ssl.CERT_OPTIONAL
+    return ctx
+
+
+class ServerTLS:
+    """The current server contexts; ``context`` is read once per accepted connection."""
+
+    def __init__(self, main: MainConfig) -> None:
+        self.main = main
+        self.context, self._by_name = self._build()
+
+    def _build(self) -> tuple[ssl.SSLContext, dict[str, ssl.SSLContext]]:
+        main = self.main
+        by_name = {
+            name: _server_context(main, cert, key, f"[main] tls_sni {name}")
+            for name, (cert, key) in parse_sni(main.tls_sni).items()
+        }
+        default = _server_context(main, main.tls_cert, main.tls_key, "[main] tls_cert")
+        if by_name:
+            default.sni_callback = self._pick
+        return default, by_name
+
+    def _pick(self, sslobj: ssl.SSLObject | ssl.SSLSocket, name: str | None,
+              ctx: ssl.SSLContext) -> int | None:
+        if name:
+            name = name.lower()
+            chosen = self._by_name.get(name)
+            if chosen is None and "." in name:
+                chosen = self._by_name.get("*." + name.split(".", 1)[1])
+            if chosen is not None:
+                sslobj.context = chosen
+        return None
+
+    def reload(self) -> bool:
+        """Re-read every certificate and key; keep the old contexts if any fails to load."""
+        try:
+            context, by_name = self._build()
+        except ConfigError as exc:
+            log.error("TLS reload failed, still serving the previous certificates: %s", exc)
+            return False
+        self.context, self._by_name = context, by_name
+        log.info("TLS certificates reloaded (%d SNI name(s))", len(by_name))
+        return True
+
+
+def replication_contexts(main: MainConfig, on: bool) -> tuple[ssl.SSLContext | None, ssl.SSLContext | None]:
+    """(leader's server context, follower's client context) for the replication link, or
+    (None, None) when it runs in clear (no tls_cert, or ``[clustering] tls = false``).
+
+    The leader does not ask followers for a certificate (the cluster secret, now inside TLS,
+    authenticates them); the follower verifies the leader's certificate and host name against
+    tls_ca_cert, so it never hands the secret to a node that cannot prove it is one of ours.
+    """
+    if not (on and enabled(main)):
+        return None, None
+    server = _base_context(True, main)
+    _load_chain(server, main.tls_cert, main.tls_key, "[main] tls_cert")
+    return server, client_context(main)
+
+
+def client_context(main: MainConfig) -> ssl.SSLContext:
+    """For this node's own TLS connections (replication link): verify the peer by tls_ca_cert
+    and its host name; present tls_cert so a peer that asks for one gets it."""
+    ctx = _base_context(False, main)
+    _load_ca(ctx, main, ssl.Purpose.SERVER_AUTH)
+    _load_chain(ctx, main.tls_cert, main.tls_key, "[main] tls_cert")
+    return ctx
+
+
+def _dn(rdns: Any) -> str:
+    """A getpeercert() subject/issuer as an RFC 4514 string (last RDN first)."""
+    parts = []
+    for rdn in reversed(rdns or ()):
+        parts.append("+".join(f"{_DN_NAMES.get(k, k)}={_escape(v)}" for k, v in rdn))
+    return ",".join(parts)
+
+
+def _escape(value: str) -> str:
+    out = "".join("\\" + c if c in ',+"\\<>;=' else c for c in value)
+    if out[:1] in ("#", " "):
+        out = "\\" + out
+    return out
+
+
+@dataclass(frozen=True)
+class PeerTLS:
+    """What a finished server-side handshake tells about the connection."""
+
+    protocol: str  # "TLSv1.3"
+    cipher: str  # OpenSSL name, e.g. TLS_AES_256_GCM_SHA384
+    cert: dict[str, Any]  # getpeercert(): empty unless the client sent a certificate that verified
+
+    @classmethod
+    def of(cls, sslobj: Any) -> PeerTLS | None:
+        if sslobj is None:
+            return None
+        cipher = sslobj.cipher()
+        return cls(sslobj.version() or "", cipher[0] if cipher else "", sslobj.getpeercert() or {})
+
+    def login_name(self, source: str) -> str | None:
+        """The EXTERNAL user name by ``[main] tls_cert_login_from``; None without a verified cert."""
+        if not self.cert:
+            return None
+        if source == "distinguished_name":
+            return _dn(self.cert.get("subject")) or None
+        if source == "subject_alternative_name":
+            for kind, value in self.cert.get("subjectAltName", ()):
+                if kind in ("DNS", "email"):
+                    return str(value)
+            return None
+        for rdn in self.cert.get("subject", ()):
+            for key, value in rdn:
+                if key == "commonName":
+                    return str(value)
+        return None
+
+    def api_fields(self) -> dict[str, Any]:
+        """The TLS fields of a RabbitMQ /api/connections entry."""
+        cert = self.cert
+        return {
+            "ssl": True,
+            "ssl_protocol": self.protocol.lower(),
+            "ssl_cipher": self.cipher,
+            "peer_cert_subject": _dn(cert.get("subject")) if cert else None,
+            "peer_cert_issuer": _dn(cert.get("issuer")) if cert else None,
+            "peer_cert_validity": f"{cert['notBefore']} - {cert['notAfter']}" if cert else None,
+        }
+
+
+NO_TLS_FIELDS: dict[str, Any] = {
+    "ssl": False, "ssl_protocol": None, "ssl_cipher": None,
+    "peer_cert_subject": None, "peer_cert_issuer": None, "peer_cert_validity": None,
+}  # fmt: skip
