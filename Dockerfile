@@ -43,7 +43,8 @@ ENV SKRED_MAIN_DATA_DIR=/var/lib/skred \
     SKRED_AMQP_BIND=0.0.0.0 \
     SKRED_MGMT_BIND=0.0.0.0 \
     SKRED_MGMT_METRICS_BIND=0.0.0.0 \
-    SKRED_CLUSTERING_BIND=0.0.0.0
+    SKRED_CLUSTERING_BIND=0.0.0.0 \
+    SKRED_LMQ_BIND=0.0.0.0
 
 # AMQP, management HTTP API, Prometheus /metrics (no auth), cluster replication.
 EXPOSE 5672 15672 15692 5679
