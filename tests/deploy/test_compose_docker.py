@@ -72,7 +72,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         node = Node(service, free_port(), free_port())
         env[f"SKRED_{index}_AMQP_HOST_PORT"] = str(node.amqp_port)
         env[f"SKRED_{index}_METRICS_HOST_PORT"] = str(node.metrics_port)
-        env[f"SKRED_{index}_MGMT_HOST_PORT"] = str(free_port())
+        for port in ("MGMT", "AMQPS", "HTTPS"):
+            env[f"SKRED_{index}_{port}_HOST_PORT"] = str(free_port())
         nodes[service] = node
     env["PROMETHEUS_HOST_PORT"] = prometheus_port = str(free_port())
     compose.env.update(env)

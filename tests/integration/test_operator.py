@@ -40,6 +40,8 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
 def run_skred(args: list[str], *, preamble: str = "",
               env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run ``skred ARGS`` to completion; ``preamble`` is Python run first in the same process."""
+    if "--data-dir" in args:  # a node start: LMQ's fixed default ports are not what these tests check
+        args = [*args, "--no-lmq"]
     code = f"{preamble}\nimport sys\nfrom broker.cli import main\nsys.exit(main(sys.argv[1:]))"
     return subprocess.run(
         [sys.executable, "-c", code, *args], cwd=str(REPO_ROOT), env=_env(env),
@@ -91,7 +93,8 @@ def test_data_dir_that_is_a_file_names_the_path(tmp_path: Path) -> None:
 def test_read_only_data_dir_names_the_path(tmp_path: Path) -> None:
     data = tmp_path / "ro"
     data.mkdir()
-    args = ["--data-dir", str(data), "--amqp-port", "0", "--mgmt-port", "0", "--mgmt-metrics-port", "0"]
+    args = ["--data-dir", str(data), "--amqp-port", "0", "--mgmt-port", "0", "--mgmt-metrics-port", "0",
+            "--no-lmq"]
     code = "import sys\nfrom broker.cli import main\nsys.exit(main(sys.argv[1:]))"
     if os.geteuid() == 0:
         # root writes through permission bits: make the directory a read-only mount instead.
