@@ -7,7 +7,13 @@
 # Configuration is by SKRED_<SECTION>_<OPTION> environment variables or an ini
 # file passed with `-c` (see `skred --help`). The listeners bind 0.0.0.0 here
 # because a container's loopback is not reachable from outside it.
-FROM python:3.11-slim
+#
+# BASE_IMAGE is any image with Python 3.11+ (and its venv module), groupadd and
+# useradd: the official python:3.11-slim by default; CI, which reaches no image
+# registry, builds a Debian one with debootstrap (.ci/images.sh) and passes
+# --build-arg BASE_IMAGE=localhost/skred-base:bookworm.
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
 
 # No .pyc files in the read-only image layers, unbuffered logs for `docker logs`.
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -24,9 +30,12 @@ RUN groupadd --system --gid 10001 skred \
 
 WORKDIR /src
 # Only what `pip install .` needs (see .dockerignore); the source tree is removed after.
+# A virtualenv, so the install never mixes with (or is refused by) the base image's own
+# Python packages; its bin directory comes first on PATH (skred, skredctl, python).
 COPY pyproject.toml README.md ./
 COPY broker ./broker
-RUN pip install . && rm -rf /src
+RUN python3 -m venv /opt/skred && /opt/skred/bin/pip install . && rm -rf /src
+ENV PATH=/opt/skred/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 
 WORKDIR /var/lib/skred
 
@@ -34,7 +43,8 @@ ENV SKRED_MAIN_DATA_DIR=/var/lib/skred \
     SKRED_AMQP_BIND=0.0.0.0 \
     SKRED_MGMT_BIND=0.0.0.0 \
     SKRED_MGMT_METRICS_BIND=0.0.0.0 \
-    SKRED_CLUSTERING_BIND=0.0.0.0
+    SKRED_CLUSTERING_BIND=0.0.0.0 \
+    SKRED_LMQ_BIND=0.0.0.0
 
 # AMQP, management HTTP API, Prometheus /metrics (no auth), cluster replication.
 EXPOSE 5672 15672 15692 5679

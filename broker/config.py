@@ -51,6 +51,7 @@ GiB = 1024 * MiB
 # The smallest frame_max a peer may ask for (AMQP 0-9-1 section 4.2.3, frame-min-size).
 AMQP_FRAME_MIN_SIZE = 4096
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+LOG_FORMATS = ("text", "json")
 
 
 class ConfigError(ValueError):
@@ -116,7 +117,16 @@ class MainConfig:
             hi=60_000,
         ),
     )
-    log_level: str = field(default="info", metadata=_meta("Log level.", choices=LOG_LEVELS))
+    log_level: str = field(
+        default="info", metadata=_meta("Log level (SIGHUP re-reads it).", choices=LOG_LEVELS)
+    )
+    log_format: str = field(
+        default="text",
+        metadata=_meta("Log line format: text, or json (one JSON object per line).", choices=LOG_FORMATS),
+    )
+    log_file: str = field(
+        default="", metadata=_meta("File to append log lines to (empty: standard error).")
+    )
     max_message_size: int = field(
         default=128 * MiB,
         metadata=_meta(
@@ -532,9 +542,17 @@ Booleans accept true/false, yes/no, on/off, 1/0; sizes accept bytes or a number
 with KiB/MiB/GiB."""
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors are one line (``PROG: error: ... (see PROG --help)``)
+    and exit 2, instead of the whole usage text first."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``skred`` argument parser; every flag defaults to None meaning "not given"."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog="skred", description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--version", action="version", version=f"skred {__version__}")

@@ -21,6 +21,8 @@ import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
+from broker.config import OneLineErrorParser
+
 DEFAULT_URL = "http://127.0.0.1:15672"
 TIMEOUT = 10.0
 
@@ -105,7 +107,7 @@ def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="skredctl", description="Manage a Skred broker over its HTTP API.")
+    p = OneLineErrorParser(prog="skredctl", description="Manage a Skred broker over its HTTP API.")
     p.add_argument("--url", default=os.environ.get("SKREDCTL_URL", DEFAULT_URL),
                    help=f"management API base URL (default {DEFAULT_URL}; env SKREDCTL_URL)")
     p.add_argument("-u", "--user", default=os.environ.get("SKREDCTL_USER", "guest"))
@@ -235,13 +237,23 @@ def run(args: argparse.Namespace, out: Any) -> None:
         print(json.dumps({"ok": True, "message": done}) if args.json else done, file=out)
 
 
+BROKEN_PIPE_STATUS = 128 + 13  # what a shell reports for a process killed by SIGPIPE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         run(args, sys.stdout)
+        sys.stdout.flush()
     except CtlError as exc:
         print(f"skredctl: error: {exc}", file=sys.stderr)
         return exc.status
+    except BrokenPipeError:
+        # The reader went away (`skredctl list queues | head`): stop quietly, as `cat` would.
+        # Point stdout at /dev/null so the interpreter's final flush does not raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return BROKEN_PIPE_STATUS
     return 0
 
 

@@ -18,6 +18,13 @@ class StoreError(SkredError):
     """A persistent file is unusable (corrupt, wrong version, locked)."""
 
 
+class ListenError(SkredError, OSError):
+    """A listener could not bind; the message names the option(s) that set its address."""
+
+    def __init__(self, options: str, host: str, port: int, exc: OSError) -> None:
+        super().__init__(f"cannot listen on {host}:{port} ({options}): {exc.strerror or exc}")
+
+
 class DataDirLocked(StoreError):
     """Another process holds the data directory lock."""
 

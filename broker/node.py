@@ -6,26 +6,38 @@ queue stores), import ``[main] load_definitions`` if set, then open the
 management/metrics HTTP(S) listeners and the AMQP listeners (AMQP and, with
 ``[main] tls_cert``, AMQPS). Shutdown (SIGTERM/SIGINT) runs in reverse: stop the HTTP
 listeners, stop accepting AMQP, close every connection with 320
-CONNECTION_FORCED, fsync and close every store, release the lock. SIGHUP
-reloads the TLS certificates (``reload_tls``) without touching connections.
+CONNECTION_FORCED, fsync and close every store, release the lock.
+
+SIGHUP (``Reloader``) re-reads the configuration from the same sources (ini file,
+environment, flags) and applies what can change at runtime: the log level, the
+trusted PROXY sources, the definitions file (imported again) and the TLS
+certificates (``reload_tls``: new connections get them, open ones keep theirs). It
+logs what it reloaded and which changed options
+need a restart; a config that no longer loads is logged and the running one kept.
+SIGHUP is per process, so one ``Reloader`` per process knows the node currently
+serving (in a cluster: the leader's; a follower reloads the log level only).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import errno
 import json
 import logging
 import shutil
 import signal
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from types import FrameType
 
 from broker import tls
 from broker.auth.users import UserStore
 from broker.auth.vhosts import VHostStore
-from broker.config import Config
+from broker.config import Config, ConfigError
+from broker.errors import ListenError
 from broker.http.definitions import DefinitionsError, import_definitions
 from broker.http.server import MgmtServer
 from broker.http.state import Mgmt
@@ -134,9 +146,13 @@ class Node:
         cfg = self.config
         loop = asyncio.get_running_loop()
         raise_fd_limit()
+        # serve() checked it is a writable directory; no probe file here: in a cluster this data
+        # dir is being replicated.
         cfg.main.data_dir.mkdir(parents=True, exist_ok=True)
         lock = self.lock = DataDirLock(cfg.main.data_dir)
         lock.acquire()
+        if RELOADER is not None:
+            RELOADER.node = self
         try:
             broker = self.broker = self.load(loop)
             assert self.vhost_store is not None
@@ -172,11 +188,15 @@ class Node:
     async def start_amqp(self, broker: Broker, mgmt: Mgmt) -> None:
         cfg = self.config
         self.amqp = AMQPServer(broker)
+        options = "amqp.bind/amqp.port, --amqp-bind/--amqp-port"
         if cfg.amqp.port >= 0:
-            self.amqp_address = mgmt.amqp_address = await self.amqp.start(cfg.amqp.bind, cfg.amqp.port)
+            self.amqp_address = mgmt.amqp_address = await listening(
+                options, cfg.amqp.bind, cfg.amqp.port, self.amqp.start(cfg.amqp.bind, cfg.amqp.port))
             log.info("AMQP listening on %s:%d", *self.amqp_address)
         if self.tls is not None and cfg.amqp.tls_port >= 0:
-            mgmt.amqps_address = await self.amqp.start(cfg.amqp.bind, cfg.amqp.tls_port, self.tls_context)
+            mgmt.amqps_address = await listening(
+                "amqp.bind/amqp.tls_port, --amqp-bind/--amqp-tls-port", cfg.amqp.bind, cfg.amqp.tls_port,
+                self.amqp.start(cfg.amqp.bind, cfg.amqp.tls_port, self.tls_context))
             log.info("AMQPS listening on %s:%d", *mgmt.amqps_address)
         log.info("data dir %s, sync %s", cfg.main.data_dir, "on" if cfg.main.sync else "off")
 
@@ -191,12 +211,16 @@ class Node:
         if cfg.mgmt.port >= 0:
             listener = Listener("HTTP", factory, trusted)
             self.http_listeners.append(listener)
-            mgmt.http_address = await listener.start(cfg.mgmt.bind, cfg.mgmt.port)
+            mgmt.http_address = await listening(
+                "mgmt.bind/mgmt.port, --mgmt-bind/--mgmt-port", cfg.mgmt.bind, cfg.mgmt.port,
+                listener.start(cfg.mgmt.bind, cfg.mgmt.port))
             log.info("management HTTP API listening on %s:%d", *mgmt.http_address)
         if self.tls is not None and cfg.mgmt.tls_port >= 0:
             listener = Listener("HTTPS", factory, trusted, tls=self.tls_context)
             self.http_listeners.append(listener)
-            mgmt.https_address = await listener.start(cfg.mgmt.bind, cfg.mgmt.tls_port)
+            mgmt.https_address = await listening(
+                "mgmt.bind/mgmt.tls_port, --mgmt-bind/--mgmt-tls-port", cfg.mgmt.bind, cfg.mgmt.tls_port,
+                listener.start(cfg.mgmt.bind, cfg.mgmt.tls_port))
             log.info("management HTTPS API listening on %s:%d", *mgmt.https_address)
         if mgmt.metrics_address is not None:
             log.info("Prometheus metrics listening on %s:%d", *mgmt.metrics_address)
@@ -215,6 +239,8 @@ class Node:
         await self.lmq.start()
 
     def release_lock(self) -> None:
+        if RELOADER is not None and RELOADER.node is self:
+            RELOADER.node = None
         lock, self.lock = self.lock, None
         if lock is not None:
             lock.release()
@@ -250,7 +276,8 @@ class Node:
         try:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.stopping.set)
-            loop.add_signal_handler(signal.SIGHUP, self.reload_tls)
+            if RELOADER is None:  # without one (Node used directly), SIGHUP reloads TLS only
+                loop.add_signal_handler(signal.SIGHUP, self.reload_tls)
             await self.stopping.wait()
             log.info("shutting down")
             await self.shutdown()
@@ -315,11 +342,122 @@ class NodeHost:
         return FollowerMetrics(cluster, data_dir, cluster_name)
 
 
-def serve(config: Config, host: NodeHost | None = None) -> int:
-    """Run a node until SIGTERM/SIGINT; returns the process exit code. ``host`` builds the
-    brokers of a cluster member (tests pass one that injects faults)."""
+async def listening(options: str, host: str, port: int, start: Awaitable[tuple[str, int]]) -> tuple[str, int]:
+    """The bound address of a listener's ``start``; ``ListenError`` naming ``options`` if it fails."""
+    try:
+        return await start
+    except OSError as exc:
+        raise ListenError(options, host, port, exc) from None
+
+
+class StartupError(Exception):
+    """A node cannot start for a reason the operator can fix; the message is one line naming the
+    option or path (``skred`` prints it as ``skred: error: ...`` and exits 1)."""
+
+
+def check_data_dir(path: Path) -> None:
+    """Create the data directory if needed; ``StartupError`` naming it if it is unusable."""
+    where = "([main] data_dir / --data-dir)"
+    if path.exists() and not path.is_dir():
+        raise StartupError(f"data directory {path} {where} is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        why = f"is not writable: {exc.strerror}"
+        if exc.errno == errno.EROFS:
+            why = "is on a read-only file system"
+        elif exc.errno in (errno.EACCES, errno.EPERM):
+            why = "is not writable (permission denied)"
+        raise StartupError(f"data directory {path} {where} {why}") from None
+
+
+class Reloader:
+    """SIGHUP for this process: re-read the config, apply what can change, log what changed."""
+
+    def __init__(self, config: Config, load: Callable[[], Config]) -> None:
+        self.config = config
+        self.load = load
+        self.node: Node | None = None  # the node serving clients now (set by Node.start)
+
+    def install(self) -> None:
+        signal.signal(signal.SIGHUP, self._signalled)
+
+    def _signalled(self, signum: int, frame: FrameType | None) -> None:
+        # A Python-level handler runs in the main thread between bytecodes: hand the work to the
+        # event loop when one runs (asyncio and uvloop both), else do it right here.
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.reload()
+            return
+        loop.call_soon(self.reload)
+
+    def reload(self) -> None:
+        try:
+            new = self.load()
+        except (ConfigError, SystemExit) as exc:
+            log.error("SIGHUP: configuration not reloaded, keeping the running one: %s", exc)
+            return
+        old, done = self.config, []
+        if new.main.log_level != old.main.log_level:
+            logging.getLogger().setLevel(new.main.log_level.upper())
+            done.append(f"log level {old.main.log_level} -> {new.main.log_level}")
+        node = self.node
+        broker = node.broker if node is not None else None
+        if broker is not None and new.amqp.trusted_proxies != old.amqp.trusted_proxies:
+            amqp = dataclasses.replace(broker.config.amqp, trusted_proxies=new.amqp.trusted_proxies)
+            broker.config = dataclasses.replace(broker.config, amqp=amqp)
+            done.append(f"trusted proxies: {', '.join(new.amqp.trusted_proxies) or 'none'}")
+        if node is not None and new.main.load_definitions:
+            try:
+                node.load_definitions(Path(new.main.load_definitions))
+                done.append(f"definitions from {new.main.load_definitions}")
+            except DefinitionsError as exc:
+                log.error("SIGHUP: %s", exc)
+        if node is not None and node.tls is not None and node.tls.reload():  # it logs a failure itself
+            done.append("TLS certificates")
+        applied = {"main.log_level", "amqp.trusted_proxies", "main.load_definitions"}
+        restart = [f"{section}.{f.name}"
+                   for section in ("main", "amqp", "mgmt", "clustering", "lmq")
+                   for f in dataclasses.fields(getattr(new, section))
+                   if f"{section}.{f.name}" not in applied
+                   and getattr(getattr(new, section), f.name) != getattr(getattr(old, section), f.name)]
+        self.config = dataclasses.replace(
+            old, main=dataclasses.replace(old.main, log_level=new.main.log_level,
+                                          load_definitions=new.main.load_definitions),
+            amqp=dataclasses.replace(old.amqp, trusted_proxies=new.amqp.trusted_proxies))
+        log.info("SIGHUP: reloaded %s", "; ".join(done) if done else "nothing (no runtime option changed)")
+        if restart:
+            log.warning("SIGHUP: changed options that need a restart to apply: %s", ", ".join(restart))
+
+
+# SIGHUP is process-wide state by nature: the one Reloader of this process (set by ``serve``).
+RELOADER: Reloader | None = None
+
+
+def serve(config: Config, host: NodeHost | None = None, load: Callable[[], Config] | None = None) -> int:
+    """Run a node until SIGTERM/SIGINT; returns the process exit code.
+
+    ``host`` builds the brokers of a cluster member (tests pass one that injects faults);
+    ``load`` re-reads the configuration from its sources: with it, SIGHUP reloads (``Reloader``)."""
+    global RELOADER
+    if load is not None:
+        RELOADER = Reloader(config, load)
+        RELOADER.install()
+    check_data_dir(config.main.data_dir)
     if config.clustering.enabled:
-        from broker.cluster.runner import serve_clustered
+        try:
+            from broker.cluster.runner import serve_clustered
+        except ImportError as exc:
+            if exc.name != "aetcd":
+                raise
+            raise StartupError(
+                "clustering is enabled ([clustering] enabled / --clustering) but the etcd client "
+                "'aetcd' is not installed: pip install aetcd"
+            ) from None
 
         return serve_clustered(config, host or NodeHost())
     try:

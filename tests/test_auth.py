@@ -261,3 +261,12 @@ def test_vhost_changes_go_to_the_sink(tmp_path: Path) -> None:
         [{"name": "/"}],
         [{"name": "/"}, {"name": "a"}],
     ]
+
+
+def test_login_refusal_says_why(tmp_path: Path) -> None:
+    store = UserStore(tmp_path / "users.json", NullSink())
+    assert store.login_refusal("guest", "guest", "127.0.0.1") is None
+    assert store.login_refusal("guest", "nope", "127.0.0.1") == "wrong password"
+    assert store.login_refusal("nobody", "guest", "127.0.0.1") == "unknown user"
+    remote = store.login_refusal("guest", "guest", "192.0.2.7")
+    assert remote is not None and "loopback" in remote and "192.0.2.7" in remote

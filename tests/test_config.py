@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -268,6 +268,7 @@ def test_config_is_frozen() -> None:
 def fake_node(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.ModuleType]:
     """A stand-in ``broker.node`` whose ``serve`` the test sets; restores root logging after."""
     module = types.ModuleType("broker.node")
+    module.StartupError = type("StartupError", (Exception,), {})  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "broker.node", module)
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
@@ -283,8 +284,9 @@ def test_cli_hands_config_to_serve(
 ) -> None:
     seen: list[Config] = []
 
-    def serve(config: Config, host: object = None) -> int:
+    def serve(config: Config, host: object = None, load: Callable[[], Config] | None = None) -> int:
         seen.append(config)
+        assert load().main.data_dir == tmp_path  # SIGHUP re-reads the same sources
         return 7
 
     monkeypatch.setattr(fake_node, "serve", serve, raising=False)
@@ -295,7 +297,8 @@ def test_cli_hands_config_to_serve(
 
 @pytest.mark.parametrize(
     ("error", "fragment"),
-    [(DataDirLocked("held by pid 42"), "in use by another skred process"), (StoreError("bad"), "unusable")],
+    [(DataDirLocked("data directory {} is in use by another process (pid 42)"), "in use by another"),
+     (StoreError("bad"), "unusable")],
 )
 def test_cli_store_errors_exit_1(
     fake_node: types.ModuleType,
@@ -305,8 +308,8 @@ def test_cli_store_errors_exit_1(
     error: Exception,
     fragment: str,
 ) -> None:
-    def serve(config: Config, host: object = None) -> int:
-        raise error
+    def serve(config: Config, host: object = None, load: Callable[[], Config] | None = None) -> int:
+        raise type(error)(str(error).format(tmp_path))
 
     monkeypatch.setattr(fake_node, "serve", serve, raising=False)
     assert cli.main(["--data-dir", str(tmp_path)]) == 1

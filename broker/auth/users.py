@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import logging
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -155,6 +156,10 @@ class UserStore:
                 permissions={DEFAULT_VHOST: FULL_ACCESS},
             )
             self._save()
+            logging.getLogger("skred").info(
+                "created default user %r (tag administrator, full access to vhost %r)%s", default_user,
+                DEFAULT_VHOST, "; it may log in from loopback only" if default_user in self._loopback_users
+                else "")
         else:
             self._users = _users_from_json(path, data)
 
@@ -176,6 +181,15 @@ class UserStore:
             check_password(password, _DUMMY_HASH)
             return None
         return user if check_password(password, user.password_hash, user.hashing_algorithm) else None
+
+    def login_refusal(self, username: str, password: str, peer_ip: str) -> str | None:
+        """Why a login is refused (None: accepted): for the log, never for the client."""
+        user = self.authenticate(username, password)
+        if user is None:
+            return "unknown user" if username not in self._users else "wrong password"
+        if not self.allowed_from(user, peer_ip):
+            return f"user {username!r} may only log in from a loopback address, not {peer_ip}"
+        return None
 
     def allowed_from(self, user: User | str, peer_ip: str) -> bool:
         """False when a loopback-only user (``guest``) connects from a non-loopback address."""

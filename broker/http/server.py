@@ -6,9 +6,8 @@ protocol factory: the node opens the management listeners with it (plain
 ``broker.net.listener``) and records their addresses on ``Mgmt``. ``start``
 also binds the Prometheus port (``[mgmt] metrics_bind/metrics_port``) and
 starts the rate sampler; ``stop()`` closes everything. Failing to bind a
-management port is fatal (an operator asked for it); failing to bind the
-metrics port is logged and the node runs on, since the same metrics are served
-on the management port.
+management or metrics port is fatal (an operator asked for it): ``ListenError``
+names the option, and the node exits instead of running without a listener.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
+from broker.errors import ListenError
 from broker.http import definitions, ui
 from broker.http.common import (
     MAX_BODY,
@@ -191,13 +191,17 @@ class MgmtServer:
                 mgmt.metrics_address = await self._serve(build_metrics_app(mgmt, self.metrics),
                                                          metrics_bind, metrics_port)
             except OSError as exc:
-                log.error("cannot serve Prometheus metrics on %s:%d: %s (still served on the "
-                          "management port)", metrics_bind, metrics_port, exc.strerror or exc)
+                await self.stop_runners()
+                raise ListenError("mgmt.metrics_bind/mgmt.metrics_port, --mgmt-metrics-bind/"
+                                  "--mgmt-metrics-port", metrics_bind, metrics_port, exc) from None
         mgmt.rates.start()
         return runner.server
 
     async def stop(self) -> None:
         await self.mgmt.rates.stop()
+        await self.stop_runners()
+
+    async def stop_runners(self) -> None:
         runners, self._runners = self._runners, []
         for runner in runners:
             await runner.cleanup()

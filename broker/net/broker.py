@@ -47,6 +47,18 @@ class Stats:
         self.channels_opened = 0
 
 
+log = logging.getLogger("skred")
+
+
+def client_name(properties: dict[str, Any]) -> str:
+    """What a client calls itself: its connection_name, else its product (and version)."""
+    name = properties.get("connection_name")
+    if name:
+        return str(name)
+    product = properties.get("product")
+    version = properties.get("version")
+    return f"{product} {version}" if product and version else str(product or "")
+
 class Broker:
     def __init__(self, config: Config, users: UserStore, vhosts: dict[str, VHost], syncer: Syncer) -> None:
         self.config = config
@@ -87,8 +99,7 @@ class Broker:
         return self._server_properties
 
     def check_login(self, username: str, password: str, peer_ip: str) -> bool:
-        user = self.users.authenticate(username, password)
-        return user is not None and self.users.allowed_from(user, peer_ip)
+        return self.users.login_refusal(username, password, peer_ip) is None
 
     def authenticate(self, mechanism: str, response: bytes, peer_ip: str, name: str,
                      peer_tls: PeerTLS | None) -> str:
@@ -110,8 +121,9 @@ class Broker:
             except errors.ConnectionAccessRefused:
                 throttle.failed(peer_ip, time.monotonic())
                 raise
-            ok = self.check_login(user, password, peer_ip)
-            reason = "wrong credentials"
+            refusal = self.users.login_refusal(user, password, peer_ip)
+            ok = refusal is None
+            reason = refusal or ""
         if ok:
             assert user is not None
             throttle.succeeded(peer_ip)
@@ -125,7 +137,15 @@ class Broker:
     def connection_opened(self, session: Session) -> None:
         self.connections.add(session)
         self.stats.connections_opened += 1
+        vhost = session.vh.name if session.vh is not None else session.vhost  # set before the Open-Ok
+        log.info("connection %s opened: user %r, vhost %r, client %r", session.name, session.username,
+                 vhost, client_name(session.client_properties))
+        log.debug("connection %s: client properties %r", session.name, session.client_properties)
 
     def connection_closed(self, session: Session) -> None:
+        if session in self.connections:
+            log.info("connection %s closed: user %r, vhost %r, client %r, open %.1f s", session.name,
+                     session.username, session.vhost, client_name(session.client_properties),
+                     time.time() - session.connected_at)
         self.connections.discard(session)
         self.alarm.forget(session)

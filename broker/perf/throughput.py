@@ -11,9 +11,13 @@ counters and prints a rate line with the tool's own CPU use (children from /proc
 Stopping: ``-z`` is a hard limit for everyone. Producers also stop after ``-C`` messages each.
 When the number of messages to expect is known (``-C`` or ``--prefill``), consumers stop as soon
 as they have them all, or when nothing arrived for ``--idle-stop`` seconds after the producers
-finished. Ctrl-C stops everyone and still prints the summary.
+finished. Ctrl-C stops everyone and still prints the summary. A client that fails (typically:
+the broker went away) stops the whole run at once, saying why; the numbers after that would
+measure nothing.
 Rates are ``count / (time of the side's last useful work - t0)``, as amqp-perf does; the
-per-second medians are printed too. Queues and exchanges the tool named itself are deleted.
+per-second medians are printed too. Queues and exchanges the tool named itself are deleted, also
+after the broker went away: the control connection is re-opened (for up to ``RECONNECT_FOR``
+seconds) if it was lost, and what could not be deleted is named.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from broker.perf.workers import (
 )
 
 MIB = 1024 * 1024
+RECONNECT_FOR = 30.0  # seconds teardown keeps trying to reach a broker that went away
 
 
 @dataclass(frozen=True)
@@ -177,11 +182,37 @@ def prefill(ctl: Client, opts: ThroughputOptions, topo: Topology, log: TextIO) -
         print(f"prefilled {opts.prefill} messages in {took:.1f} s", file=log)
 
 
-def teardown(ctl: Client, topo: Topology) -> None:
+def _delete_own(ctl: Client, topo: Topology, log: TextIO) -> None:
     for q in topo.own_queues:
         ctl.rpc(codec.queue_delete(CHANNEL, q), codec.QUEUE_DELETE_OK, timeout=120.0)
+        print(f"deleted queue {q}", file=log)
     if topo.own_exchange:
         ctl.rpc(codec.exchange_delete(CHANNEL, topo.own_exchange), codec.EXCHANGE_DELETE_OK)
+        print(f"deleted exchange {topo.own_exchange}", file=log)
+
+
+def teardown(ctl: Client, topo: Topology, log: TextIO) -> Client:
+    """Delete what the run declared; returns the control client (a new one if it reconnected)."""
+    try:
+        _delete_own(ctl, topo, log)
+        return ctl
+    except (PerfError, codec.CodecError, OSError) as exc:
+        print(f"connection to the broker lost ({exc}); reconnecting to delete what this run declared",
+              file=log)
+    deadline = time.monotonic() + RECONNECT_FOR
+    while True:
+        try:
+            fresh = Client(ctl.uri, name="skred-perf cleanup")
+        except (PerfError, codec.CodecError, OSError) as exc:
+            if time.monotonic() >= deadline:
+                names = ", ".join([*topo.own_queues, *filter(None, [topo.own_exchange])])
+                print(f"could not delete {names}: broker unreachable ({exc})", file=log)
+                return ctl
+            time.sleep(0.5)  # retry interval of a bounded reconnect loop
+            continue
+        ctl.close()
+        _delete_own(fresh, topo, log)
+        return fresh
 
 
 class Run:
@@ -319,6 +350,8 @@ def throughput(opts: ThroughputOptions, out: TextIO = sys.stdout) -> int:
     run_id = f"{os.getpid()}-{uuid.uuid4().hex[:6]}"
     ctl = Client(uri, name="skred-perf control")
     topo = setup(ctl, opts, run_id)
+    for q in topo.own_queues:
+        print(f"declared queue {q}", file=log)
     run: Run | None = None
     interrupted = False
     try:
@@ -335,7 +368,7 @@ def throughput(opts: ThroughputOptions, out: TextIO = sys.stdout) -> int:
         if run is not None:
             run.shutdown()
         try:
-            teardown(ctl, topo)
+            ctl = teardown(ctl, topo, log)
         finally:
             ctl.close()
     if summary is None:
@@ -393,6 +426,10 @@ def _measure(run: Run, opts: ThroughputOptions, log: TextIO) -> tuple[dict[str, 
             if now >= deadline:
                 run.stop_producers.value = 1
             run.collect(0)
+            failed = [r["error"] for r in run.results if r and "error" in r]
+            if failed:
+                print(f"stopping: a client failed ({failed[0]}); connection to the broker lost?", file=log)
+                break
             producers_running = has_producers and run.producers_alive()
             # Consumers stop at the deadline, or once they have every message we know to expect
             # (or, when producers are finished, after --idle-stop seconds without progress).

@@ -88,7 +88,7 @@ def test_ports_are_loopback_only_and_distinct() -> None:
     seen: dict[int, str] = {}
     for name, svc in data["services"].items():
         for spec in svc.get("ports", []):
-            host_ip, host_port, container_port = str(spec).split(":")
+            host_ip, host_port, container_port = interpolate(str(spec), {}).split(":")
             assert host_ip == "127.0.0.1", f"{name} publishes {spec} beyond loopback"
             assert int(host_port) not in seen, f"{name} and {seen.get(int(host_port))} share {host_port}"
             seen[int(host_port)] = name

@@ -1,84 +1,178 @@
-"""deploy/docker-compose.yml brought up for real with testcontainers, where a Docker engine
-answers (``docker info`` succeeds) and ``docker compose`` (v2) exists; skipped with the reason
-everywhere else (CI here has no engine). Builds the image from the Dockerfile, waits for every
-healthcheck (``up --wait``), then checks the cluster the way a user would: the mounted
-on_leader_elected hook ran on exactly one node, every published AMQP port accepts the default
-user, and a message published through one node is read through another."""
+"""deploy/docker-compose.yml brought up for real in a container engine, the way a user would.
+
+Theory of operation: ``docker-compose build`` then ``up`` (with the ``monitoring`` profile) builds
+the image from the Dockerfile (``pip install .``, nothing else) and starts etcd, three
+clustered nodes and Prometheus, every host port moved to a free loopback port through the
+compose file's ``*_HOST_PORT`` variables and the project named after this process, so runs
+never collide. Then, in file order:
+
+1. every node accepts the compose default user over AMQP (followers after their first sync);
+2. exactly one node is leader (``skred_is_leader`` on each metrics port) and the example
+   on_leader_elected hook ran there (its line in that container's log);
+3. Prometheus scrapes all three nodes (its targets API says ``up`` for each);
+4. persistent messages published with confirms through the leader survive ``SIGKILL`` of the
+   leader's container: another node is elected (its hook runs) and every confirmed message is
+   read back through a surviving node.
+
+The engine comes from ``_engine`` (CI: podman's API service); without one the module skips
+with the reason, in CI it fails. ``down -v`` removes containers, network and volumes.
+"""
 
 from __future__ import annotations
 
+import json
 import os
-import shutil
-import subprocess
+import re
+import urllib.request
 from collections.abc import Iterator
-from typing import Any
+from dataclasses import dataclass
 
 import pika
 import pytest
 
-from ._tools import COMPOSE_FILE, DEPLOY_DIR, poll
+from ._engine import UP_TIMEOUT, Compose, amqp_login, image_env, require_engine, serves
+from ._tools import free_port, poll
 
-AMQP_PORTS = {"skred-1": 5672, "skred-2": 5673, "skred-3": 5674}
+pytestmark = pytest.mark.timeout(UP_TIMEOUT + 300)
+
+NODES = ("skred-1", "skred-2", "skred-3")
 USER = PASSWORD = "skred"  # the compose file's defaults (SKRED_DEFAULT_USER/PASSWORD unset)
+READY_DEADLINE = 180.0  # seconds from `up` returning to every node serving AMQP (first sync included)
+FAILOVER_DEADLINE = 90.0  # lease TTL 10 s + election + the survivors' re-sync, under load
+MESSAGES = 300
 
 
-def docker_unavailable_reason() -> str | None:
-    docker = shutil.which("docker")
-    if docker is None:
-        return "no docker CLI on PATH, so no Docker engine to run the compose file"
-    try:
-        info = subprocess.run([docker, "info"], capture_output=True, text=True, timeout=20)
-    except subprocess.TimeoutExpired:
-        return "`docker info` timed out: no Docker engine answers"
-    if info.returncode != 0:
-        return f"`docker info` failed, no Docker engine answers: {info.stderr.strip()[:200]}"
-    compose = subprocess.run([docker, "compose", "version"], capture_output=True, text=True, timeout=20)
-    if compose.returncode != 0:
-        return "the Docker engine answers but `docker compose` (v2, used by testcontainers) is missing"
-    return None
+@dataclass
+class Node:
+    service: str
+    amqp_port: int
+    metrics_port: int
 
 
-_reason = docker_unavailable_reason()
-pytestmark = pytest.mark.skipif(_reason is not None, reason=_reason or "")
+@dataclass
+class Cluster:
+    compose: Compose
+    nodes: dict[str, Node]
+    prometheus_port: int
 
 
 @pytest.fixture(scope="module")
-def compose_cluster() -> Iterator[Any]:
-    from testcontainers.compose import DockerCompose
-
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    require_engine()
     for var in ("SKRED_DEFAULT_USER", "SKRED_DEFAULT_PASSWORD"):
         if os.environ.get(var):
             pytest.skip(f"{var} is set in the environment; this test logs in with the compose defaults")
-    compose = DockerCompose(str(DEPLOY_DIR), compose_file_name=COMPOSE_FILE.name, build=True, wait=True)
-    with compose:
-        yield compose
+    env = image_env()
+    compose = Compose(f"skredtest{os.getpid()}", env, tmp_path_factory.mktemp("compose"))
+    # Build first, then pick the host ports: a free port picked minutes before `up` binds it
+    # may have been taken meanwhile (they are ephemeral ports, used by every outgoing connection).
+    compose.run("build", timeout=UP_TIMEOUT)
+    nodes = {}
+    for index, service in enumerate(NODES, start=1):
+        node = Node(service, free_port(), free_port())
+        env[f"SKRED_{index}_AMQP_HOST_PORT"] = str(node.amqp_port)
+        env[f"SKRED_{index}_METRICS_HOST_PORT"] = str(node.metrics_port)
+        for port in ("MGMT", "AMQPS", "HTTPS"):
+            env[f"SKRED_{index}_{port}_HOST_PORT"] = str(free_port())
+        nodes[service] = node
+    env["PROMETHEUS_HOST_PORT"] = prometheus_port = str(free_port())
+    compose.env.update(env)
+    try:
+        compose.run("up", "-d", timeout=UP_TIMEOUT)
+        yield Cluster(compose, nodes, int(prometheus_port))
+    finally:
+        print(f"compose logs: {compose.save_logs()}")
+        compose.run("down", "-v", "--timeout", "10", timeout=300, check=False)
 
 
 def connect(port: int) -> pika.BlockingConnection:
-    return pika.BlockingConnection(pika.ConnectionParameters(
-        host="127.0.0.1", port=port, credentials=pika.PlainCredentials(USER, PASSWORD),
-        socket_timeout=5, connection_attempts=1,
-    ))
+    conn = amqp_login(port, USER, PASSWORD)
+    assert conn is not None, f"no AMQP login on port {port}"
+    return conn
 
 
-def test_the_example_hook_ran_on_exactly_one_node(compose_cluster: Any) -> None:
-    def electing_nodes() -> list[str] | None:
-        found = [name for name in AMQP_PORTS
-                 if "leader-elected" in "".join(compose_cluster.get_logs(name))]
-        return found or None
+def is_leader(node: Node) -> bool | None:
+    """The node's ``skred_is_leader`` gauge (None while its metrics port does not answer)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    match = re.search(r"^skred_is_leader (\S+)$", text, re.MULTILINE)
+    return match is not None and float(match.group(1)) == 1.0
 
-    assert len(poll(electing_nodes, 60.0, "the on_leader_elected hook in a node's log", 1.0)) == 1
+
+def the_leader(nodes: list[Node]) -> Node | None:
+    leaders = [node for node in nodes if is_leader(node)]
+    return leaders[0] if len(leaders) == 1 else None
 
 
-def test_every_node_serves_and_they_share_queues(compose_cluster: Any) -> None:
-    for port in AMQP_PORTS.values():
-        connect(port).close()
-    queue = "compose-docker-test"
-    with connect(AMQP_PORTS["skred-2"]) as conn:
+def hook_lines(cluster: Cluster, node: Node) -> int:
+    """Lines deploy/hooks/on-leader-elected.sh wrote to the node's container log."""
+    return sum("skred hook:" in line and "leader-elected" in line
+               for line in cluster.compose.logs(node.service).splitlines())
+
+
+def test_every_node_serves_the_default_user(cluster: Cluster) -> None:
+    for node in cluster.nodes.values():
+        poll(lambda node=node: serves(node.amqp_port, USER, PASSWORD), READY_DEADLINE,
+             f"{node.service} to serve AMQP", 1.0)
+
+
+def test_one_leader_and_its_hook_ran(cluster: Cluster) -> None:
+    leader = poll(lambda: the_leader(list(cluster.nodes.values())), READY_DEADLINE, "exactly one leader", 1.0)
+    poll(lambda: hook_lines(cluster, leader) >= 1, 60.0,
+         f"the on_leader_elected hook in {leader.service}'s log")
+    for node in cluster.nodes.values():
+        if node is not leader:
+            assert hook_lines(cluster, node) == 0, f"{node.service} ran on_leader_elected but does not lead"
+
+
+def test_prometheus_scrapes_every_node(cluster: Cluster) -> None:
+    def healthy_targets() -> set[str] | None:
+        url = f"http://127.0.0.1:{cluster.prometheus_port}/api/v1/targets"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                targets = json.loads(r.read())["data"]["activeTargets"]
+        except (OSError, ValueError, KeyError):
+            return None
+        up = {t["labels"]["instance"] for t in targets if t["health"] == "up"}
+        return up if up == {f"{name}:15692" for name in NODES} else None
+
+    poll(healthy_targets, 120.0, "Prometheus to scrape skred-1, skred-2 and skred-3", 2.0)
+
+
+def test_confirmed_messages_survive_killing_the_leaders_container(cluster: Cluster) -> None:
+    leader = poll(lambda: the_leader(list(cluster.nodes.values())), READY_DEADLINE, "exactly one leader", 1.0)
+    queue = "compose-failover"
+    confirmed: list[bytes] = []
+    with connect(leader.amqp_port) as conn:
         channel = conn.channel()
-        channel.confirm_delivery()
+        channel.confirm_delivery()  # basic_publish now waits for the broker's ack (raises on nack)
         channel.queue_declare(queue, durable=True)
-        channel.basic_publish("", queue, b"hello", pika.BasicProperties(delivery_mode=2))
-    with connect(AMQP_PORTS["skred-3"]) as conn:
-        method, _, body = conn.channel().basic_get(queue, auto_ack=True)
-    assert method is not None and body == b"hello"
+        for i in range(MESSAGES):
+            body = f"message {i}".encode()
+            channel.basic_publish("", queue, body, pika.BasicProperties(delivery_mode=2))
+            confirmed.append(body)
+
+    cluster.compose.run("kill", "-s", "SIGKILL", leader.service)
+    survivors = [node for node in cluster.nodes.values() if node is not leader]
+    new_leader = poll(lambda: the_leader(survivors), FAILOVER_DEADLINE,
+                      "a new leader among the survivors", 1.0)
+    poll(lambda: hook_lines(cluster, new_leader) >= 1, 60.0,
+         f"the on_leader_elected hook in {new_leader.service}'s log")
+
+    reader = next(node for node in survivors if node is not new_leader)  # proxies to the new leader
+    poll(lambda: serves(reader.amqp_port, USER, PASSWORD), FAILOVER_DEADLINE,
+         f"{reader.service} to serve again", 1.0)
+    received: list[bytes] = []
+    with connect(reader.amqp_port) as conn:
+        channel = conn.channel()
+        for _ in range(MESSAGES + 1):  # bounded: one get per message, then one that finds the queue empty
+            method, _, body = channel.basic_get(queue, auto_ack=True)
+            if method is None:
+                break
+            received.append(body)
+    missing_bodies = set(confirmed) - set(received)
+    lost = sorted(missing_bodies)
+    assert not lost, f"{len(lost)} confirmed messages lost, e.g. {lost[:5]}"

@@ -253,3 +253,11 @@ def test_dashboard_queries_metrics_that_exist() -> None:
     assert {"skred_connections", "skred_queue_messages_ready"} <= known, "metric parser found nothing"
     unknown = used - known - DESIGN_CLUSTER_METRICS
     assert not unknown, f"dashboard queries metrics the broker does not expose: {sorted(unknown)}"
+
+
+def test_a_numeric_image_tag_renders_as_written() -> None:
+    # `--set image.tag=2024` makes the value an integer; the image reference must still be "repo:2024".
+    argv = [helm(), "template", RELEASE, str(CHART_DIR), "--set", "image.repository=reg/skred",
+            "--set", "image.tag=2024", "--show-only", "templates/statefulset.yaml"]
+    sts = yaml.safe_load(run(argv).stdout)
+    assert sts["spec"]["template"]["spec"]["containers"][0]["image"] == "reg/skred:2024"

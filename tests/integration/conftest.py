@@ -85,8 +85,10 @@ def aio_run() -> Callable[[Coroutine[Any, Any, T]], T]:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # pytest passes every collected item of the session, not only this directory's.
+    here = Path(__file__).parent
     for item in items:
-        if item.get_closest_marker("timeout") is None:
+        if item.path.is_relative_to(here) and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(DEFAULT_TEST_TIMEOUT))
 
 

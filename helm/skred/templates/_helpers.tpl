@@ -72,7 +72,7 @@ app.kubernetes.io/component: etcd
 {{- end }}
 
 {{- define "skred.image" -}}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag | toString) }}
 {{- end }}
 
 {{/* etcd client endpoints: the bundled etcd's client Service, or etcd.endpoints. */}}
