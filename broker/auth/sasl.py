@@ -3,11 +3,15 @@
 ``PLAIN`` (RFC 4616: ``authzid NUL user NUL password``) and RabbitMQ's
 ``AMQPLAIN`` (a field table with ``LOGIN`` and ``PASSWORD``) carry a password;
 ``EXTERNAL`` carries nothing we use: the user is the one the verified TLS
-client certificate names (see ``broker.tls.PeerTLS.login_name``).
+client certificate names (see ``broker.tls.PeerTLS.login_name``). HTTP's
+``Authorization: Basic`` header (``basic_credentials``) carries the same pair for the
+management API and LMQ's HTTP API.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import struct
 
 from pamqp import decode as pdecode
@@ -32,3 +36,16 @@ def credentials(mechanism: str, response: bytes) -> tuple[str, str]:
             raise errors.ConnectionAccessRefused("malformed AMQPLAIN response") from None
         return str(table.get("LOGIN", "")), str(table.get("PASSWORD", ""))
     raise errors.ConnectionAccessRefused(f"unsupported mechanism {mechanism}")
+
+
+def basic_credentials(header: str) -> tuple[str, str] | None:
+    """(user, password) from an HTTP ``Authorization: Basic`` header value; None when absent or malformed."""
+    scheme, _, value = header.partition(" ")
+    if scheme.lower() != "basic" or not value:
+        return None
+    try:
+        decoded = base64.b64decode(value.strip(), validate=True).decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+    user, sep, password = decoded.partition(":")
+    return (user, password) if sep else None

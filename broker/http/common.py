@@ -26,8 +26,6 @@ List endpoints share ``paginate``: ``sort``/``sort_reverse`` always apply,
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import json
 import logging
 import math
@@ -39,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from broker import errors
+from broker.auth.sasl import basic_credentials
 from broker.auth.users import User
 from broker.http.state import Mgmt
 
@@ -112,16 +111,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 
 def _credentials(request: web.Request) -> tuple[str, str] | None:
-    header = request.headers.get("Authorization", "")
-    scheme, _, value = header.partition(" ")
-    if scheme.lower() != "basic" or not value:
-        return None
-    try:
-        decoded = base64.b64decode(value.strip(), validate=True).decode("utf-8")
-    except (binascii.Error, UnicodeDecodeError):
-        return None
-    user, sep, password = decoded.partition(":")
-    return (user, password) if sep else None
+    return basic_credentials(request.headers.get("Authorization", ""))
 
 
 async def authenticate(request: web.Request) -> User:

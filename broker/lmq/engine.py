@@ -41,7 +41,8 @@ from typing import Any
 import msgpack
 from pamqp import commands
 
-from broker import errors
+from broker import errors, properties
+from broker.auth.users import UserStore
 from broker.lmq.props import PropsStore
 from broker.model.publish import PublishRequest
 from broker.model.queue import Queue
@@ -98,19 +99,23 @@ class _Window:
 
 
 def _props(content_type: str, headers: dict[str, Any]) -> bytes:
-    props = commands.Basic.Properties(content_type=content_type, delivery_mode=2, headers=headers)
-    return bytes(props.marshal())
+    return properties.encode(commands.Basic.Properties(content_type=content_type, delivery_mode=2,
+                                                       headers=headers))
 
 
 def _read_props(raw: bytes) -> tuple[str, dict[str, Any]]:
-    if len(raw) < 2:
-        return DEFAULT_TYPE, {}
-    p = commands.Basic.Properties()
     try:
-        p.unmarshal(int.from_bytes(raw[:2], "big"), raw[2:])
+        p = properties.decode(raw)
     except Exception:  # noqa: BLE001 - a message from another protocol with odd properties
         return DEFAULT_TYPE, {}
     return p.content_type or DEFAULT_TYPE, dict(p.headers or {})
+
+
+def admitted(users: UserStore, name: str, password: str, peer: str, vhost: str) -> bool:
+    """Whether ``name``/``password`` log in from ``peer`` with access to LMQ's ``vhost``
+    (the one rule of both LMQ front ends when ``[lmq] auth`` is on)."""
+    user = users.authenticate(name, password)
+    return user is not None and users.allowed_from(user, peer) and users.has_vhost_access(user, vhost)
 
 
 class LMQ:

@@ -11,8 +11,6 @@ of a broker user with read and write permission on the LMQ vhost.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -20,8 +18,9 @@ from typing import Any
 
 from aiohttp import web
 
+from broker.auth.sasl import basic_credentials
 from broker.auth.users import UserStore
-from broker.lmq.engine import LMQ, LMQError, Message
+from broker.lmq.engine import LMQ, LMQError, Message, admitted
 from broker.lmq.props import PropsError, validate, validate_defaults
 
 log = logging.getLogger(__name__)
@@ -54,15 +53,9 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     users = request.app[AUTH_KEY]
     if users is not None:
-        scheme, _, value = request.headers.get("Authorization", "").partition(" ")
-        try:
-            name, sep, password = base64.b64decode(value, validate=True).decode().partition(":")
-        except (binascii.Error, UnicodeDecodeError):
-            sep = ""
-        user = users.authenticate(name, password) if scheme.lower() == "basic" and sep else None
+        creds = basic_credentials(request.headers.get("Authorization", ""))
         vhost = request.app[LMQ_KEY].vhost.name
-        if user is None or not users.allowed_from(user, request.remote or "") \
-                or not users.has_vhost_access(user, vhost):
+        if creds is None or not admitted(users, *creds, request.remote or "", vhost):
             resp = _error(401, "login failed")
             resp.headers["WWW-Authenticate"] = 'Basic realm="Skred LMQ"'
             return resp

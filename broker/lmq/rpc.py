@@ -20,7 +20,7 @@ from typing import Any
 import msgpack
 
 from broker.auth.users import UserStore
-from broker.lmq.engine import COMPOUND_TYPE, LMQ, LMQError, Message
+from broker.lmq.engine import COMPOUND_TYPE, LMQ, LMQError, Message, admitted
 from broker.lmq.props import PropsError, validate, validate_defaults
 
 log = logging.getLogger(__name__)
@@ -85,10 +85,9 @@ class Session:
             if method != "authenticate":
                 raise RPCError("not authenticated: call authenticate(user, password) first")
             assert self.users is not None
-            user = self.users.authenticate(_str(params, 0, "user"), _str(params, 1, "password"))
             peer = self.writer.get_extra_info("peername") or ("",)
-            if user is None or not self.users.allowed_from(user, str(peer[0])) \
-                    or not self.users.has_vhost_access(user, lmq.vhost.name):
+            if not admitted(self.users, _str(params, 0, "user"), _str(params, 1, "password"), str(peer[0]),
+                            lmq.vhost.name):
                 raise RPCError("login failed")
             self.authenticated = True
             return "ok"
