@@ -39,10 +39,9 @@ of this node, on leaders, followers and standalone nodes alike) and
 ``GET /metrics``). ``/metrics/per-object`` adds one series per queue with
 ``vhost``/``queue`` labels, and ``/metrics/detailed?family=...&vhost=...``
 answers both Skred's ``skred_detailed_*`` and RabbitMQ's ``rabbitmq_detailed_*``
-names for the families RabbitMQ defines there. Skred does not count consumer
-deliveries by ack mode, so ``rabbitmq_channel_messages_delivered_ack_total``
-carries every consume delivery and ``..._delivered_total`` (auto-ack) stays 0;
-the memory "limit" is the memory high watermark (the machine's RAM when the
+names for the families RabbitMQ defines there. Deliveries and gets are counted
+by ack mode as RabbitMQ does (``..._delivered_total`` / ``..._get_total`` without
+acknowledgement, the ``_ack_total`` variants with it); the memory "limit" is the memory high watermark (the machine's RAM when the
 memory alarm is off; docs/flow-control.md).
 """
 
@@ -353,13 +352,15 @@ class RabbitCollector(Collector):
         yield _rc("channel_messages_unroutable_dropped", "Unroutable messages dropped",
                   max(0, st.unroutable - st.returned))
         yield _rc("channel_messages_unroutable_returned", "Unroutable messages returned", st.returned)
-        yield _rc("channel_messages_delivered_ack", "Consumer deliveries (every ack mode)",
-                  max(0, st.delivered - st.gets))
-        yield _rc("channel_messages_delivered", "Auto-ack consumer deliveries (not counted apart: 0)", 0)
+        yield _rc("channel_messages_delivered_ack", "Consumer deliveries in manual acknowledgement mode",
+                  max(0, st.delivered - st.gets - st.delivered_autoack))
+        yield _rc("channel_messages_delivered", "Consumer deliveries in automatic acknowledgement mode",
+                  st.delivered_autoack)
         yield _rc("channel_messages_redelivered", "Messages delivered again", self.redelivered())
         yield _rc("channel_messages_acked", "Messages acknowledged", st.acked)
-        yield _rc("channel_get_ack", "basic.get answered (every ack mode)", st.gets)
-        yield _rc("channel_get", "Auto-ack basic.get (not counted apart: 0)", 0)
+        yield _rc("channel_get_ack", "basic.get answered in manual acknowledgement mode",
+                  st.gets - st.gets_autoack)
+        yield _rc("channel_get", "basic.get answered in automatic acknowledgement mode", st.gets_autoack)
         yield _rc("channel_get_empty", "basic.get answered get-empty", st.gets_empty)
         yield _rg("queues", "Queues", len(queues))
         created = sum(vh.queues_created for vh in vhs)

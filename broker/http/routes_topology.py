@@ -333,6 +333,7 @@ async def get_messages(request: web.Request) -> web.Response:
     requeue = ackmode.endswith("_true")
     stats = request.app[MGMT_KEY].broker.stats
     stats.delivered += len(taken)
+    stats.gets += len(taken)  # RabbitMQ: the management plugin's basic.get (manual ack)
     for msgid, *_rest in taken:
         if requeue:
             q.reject(msgid, True)

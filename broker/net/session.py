@@ -138,11 +138,13 @@ class SessionConsumer(Consumer):
         chs = self.chs
         tag = chs.next_tag
         chs.next_tag = tag + 1
+        s = self.session
         if not self.no_ack:
             chs.unacked[tag] = (self.queue, msgid, self)
             self.unacked += 1
             chs.unacked_count += 1
-        s = self.session
+        else:
+            s.stats.delivered_autoack += 1
         body_len = len(body)
         key = self._t_key
         if (key[2] == body_len and key[1] == len(props) and key[0] == exrk and key[3] == redelivered) \
@@ -195,7 +197,10 @@ class SessionConsumer(Consumer):
         for body in bodies:
             add((head, _U64_PACK(tag), middle, body, tail))
             tag += 1
-        self.session.stats.delivered += k
+        stats = self.session.stats
+        stats.delivered += k
+        if self.no_ack:
+            stats.delivered_autoack += k
         self._send(b"".join(parts))
 
     def deliver_unstored(self, exrk: bytes, props: list[bytes], bodies: list[bytes]) -> None:
@@ -224,7 +229,9 @@ class SessionConsumer(Consumer):
             add((head, _U64_PACK(tag), before, p, after, body, tail))
             tag += 1
         chs.next_tag = tag
-        self.session.stats.delivered += len(bodies)
+        stats = self.session.stats
+        stats.delivered += len(bodies)
+        stats.delivered_autoack += len(bodies)  # only autoack consumers get unstored runs
         self._send(b"".join(parts))
 
     def _retemplate(self, exrk: bytes, props_len: int, body_len: int, redelivered: bool) -> bool:
@@ -871,6 +878,7 @@ class Session(AMQPConnection):
         chs.next_tag += 1
         if m.no_ack:
             q.ack(msgid)
+            self.broker.stats.gets_autoack += 1
         else:
             chs.unacked[tag] = (q, msgid, None)
             chs.unacked_count += 1

@@ -204,3 +204,45 @@ def test_per_object_detailed_and_capabilities(mb: SkredProcess) -> None:
         assert api.call("GET", "/metrics/per-object")[0] == 200
     finally:
         conn.close()
+
+
+def _counter(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in the scrape")
+
+
+def test_deliveries_and_gets_counted_by_ack_mode(mb: SkredProcess) -> None:
+    """As RabbitMQ: autoack consumer deliveries and gets in ``..._delivered_total`` and
+    ``..._get_total``, manual-ack ones in the ``_ack_total`` variants."""
+    names = ("rabbitmq_channel_messages_delivered_total", "rabbitmq_channel_messages_delivered_ack_total",
+             "rabbitmq_channel_get_total", "rabbitmq_channel_get_ack_total")
+    before = {n: _counter(_scrape(mb, "/metrics"), n) for n in names}
+    conn = connect(mb)
+    try:
+        ch = conn.channel()
+        qn = unique("am")
+        ch.queue_declare(qn)
+        for _ in range(10):
+            ch.basic_publish("", qn, b"x")
+        for no_ack in (True, True, True, False):  # 3 autoack gets, 1 manual
+            method, _props, _body = ch.basic_get(qn, auto_ack=no_ack)
+            if not no_ack:
+                ch.basic_ack(method.delivery_tag)
+        got: list[int] = []
+        tag = ch.basic_consume(qn, lambda c, m, p, body: got.append(1), auto_ack=True)
+        wait_until(lambda: (conn.process_data_events(0.05), len(got) == 6)[1], 15, "6 autoack deliveries")
+        ch.basic_cancel(tag)
+        for _ in range(2):
+            ch.basic_publish("", qn, b"y")
+        acked: list[int] = []
+        ch.basic_consume(qn, lambda c, m, p, body: (c.basic_ack(m.delivery_tag), acked.append(1)))
+        wait_until(lambda: (conn.process_data_events(0.05), len(acked) == 2)[1], 15, "2 acked deliveries")
+        after = {n: _counter(_scrape(mb, "/metrics"), n) for n in names}
+    finally:
+        conn.close()
+    delta = {n: after[n] - before[n] for n in names}
+    assert delta == {"rabbitmq_channel_messages_delivered_total": 6,
+                     "rabbitmq_channel_messages_delivered_ack_total": 2,
+                     "rabbitmq_channel_get_total": 3, "rabbitmq_channel_get_ack_total": 1}, delta
