@@ -41,8 +41,9 @@ of this node, on leaders, followers and standalone nodes alike) and
 answers both Skred's ``skred_detailed_*`` and RabbitMQ's ``rabbitmq_detailed_*``
 names for the families RabbitMQ defines there. Deliveries and gets are counted
 by ack mode as RabbitMQ does (``..._delivered_total`` / ``..._get_total`` without
-acknowledgement, the ``_ack_total`` variants with it); the memory "limit" is the memory high watermark (the machine's RAM when the
-memory alarm is off; docs/flow-control.md).
+acknowledgement, the ``_ack_total`` variants with it); the memory "limit" is the
+memory high watermark (the machine's RAM when the memory alarm is off;
+docs/flow-control.md).
 """
 
 from __future__ import annotations

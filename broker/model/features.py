@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 from broker import errors, properties
 from broker.model import deadletter, queue_types
 from broker.model.queue_dedup import QueueDedup, key_of
-from broker.store.priority_store import PriorityStore
+from broker.store.priority_store import PriorityStore, QuorumPriorityStore
 from broker.store.queue_store import QueueStore
 
 if TYPE_CHECKING:
@@ -274,10 +274,13 @@ def inspect_publish(props: bytes) -> tuple[bytes, list[str] | None, bool]:
     return props, extra or None, has_exp
 
 
-def make_store(store: QueueStore, args_cfg: QueueConfig) -> QueueStore:
-    """Wrap a new queue's store for priorities when ``x-max-priority`` asks for them."""
+def make_store(store: QueueStore, args_cfg: QueueConfig, arguments: dict[str, Any]) -> QueueStore:
+    """Wrap a new queue's store for priorities: ``x-max-priority`` levels, or a quorum
+    queue's two (RabbitMQ 4: always on, see ``QuorumPriorityStore``)."""
     if args_cfg.max_priority:
         return cast(QueueStore, PriorityStore(store, args_cfg.max_priority))
+    if queue_types.type_of(arguments) == queue_types.QUORUM:
+        return cast(QueueStore, QuorumPriorityStore(store))
     return store
 
 
@@ -287,7 +290,7 @@ def attach(vh: VHost | None, q: Queue, args_cfg: QueueConfig, policy: dict[str, 
     cfg = effective_config(args_cfg, policy, operator)
     f = q.features
     if f is None:
-        if cfg.is_plain():
+        if cfg.is_plain() and not isinstance(q.store, PriorityStore):
             return
         f = QueueFeatures(q, vh, cfg, call_later)
         q.features = f
@@ -397,8 +400,8 @@ class QueueFeatures:
                     self._dead_letter(exchange, routing_key, props, body, "maxlen")
                 return False
         if self.pstore is not None:
-            level = properties.priority(props)
-            msgid = self.pstore.append_priority(level, ts, exchange, routing_key, props, body)
+            msgid = self.pstore.append_priority(properties.priority(props), ts, exchange, routing_key,
+                                                props, body)
         else:
             msgid = store.append(ts, exchange, routing_key, props, body)
         if key is not None and dedup is not None:
@@ -642,7 +645,8 @@ class QueueFeatures:
         """Whether deliveries need this queue's per-message work; without it the queue
         delivers as a plain one (store runs included)."""
         return (self.expiring or bool(self.delivery_counts) or self.dedup is not None
-                or self.pstore is not None or self.cfg.single_active or self._prio_consumers)
+                or (self.pstore is not None and not self.pstore.single_level)
+                or self.cfg.single_active or self._prio_consumers)
 
     def pass_started(self) -> int:
         return now_ms()

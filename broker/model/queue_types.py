@@ -14,7 +14,8 @@ type only chooses checks and defaults at declare time and hooks in the queue con
 - Quorum and stream queues are durable, never exclusive, never auto-delete: 406 otherwise, with
   RabbitMQ's ``invalid property`` texts. Quorum queues refuse ``x-max-priority`` (406) and a
   consumer on a channel with a global prefetch (540, ``check_consume``), as RabbitMQ does.
-- Quorum queues: a delivery limit of 20 unless the queue or a policy sets one (RabbitMQ 4.0);
+- Quorum queues: two message-priority levels, always on (``QuorumPriorityStore``, chosen by
+  ``features.make_store``); a delivery limit of 20 unless the queue or a policy sets one (RabbitMQ 4.0);
   ``x-delivery-count`` is carried on redeliveries by the features layer; ``x-dead-letter-strategy``
   accepts ``at-most-once`` and ``at-least-once``.
 """

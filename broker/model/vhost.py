@@ -317,7 +317,7 @@ class VHost:
             if tdir.exists():
                 shutil.rmtree(tdir, ignore_errors=True)
             store = QueueStore(tdir, segment_size=self.segment_size, sink=NULL_SINK, files=self.files)
-        store = features.make_store(store, args_cfg)  # x-max-priority: one store per level
+        store = features.make_store(store, args_cfg, arguments)  # priorities: one store per level
         q = Queue(self.name, name, durable=durable, exclusive_owner=owner if exclusive else None,
                   auto_delete=auto_delete, arguments=arguments, store=store, schedule=self.schedule,
                   on_unused=self._queue_unused, on_dirty=self.mark_dirty, fast=self.fast)

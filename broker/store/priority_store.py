@@ -20,7 +20,7 @@ rest of the ``QueueStore`` interface fans out to the sub-stores or sums them.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from broker.store.queue_store import QueueStore
@@ -66,30 +66,57 @@ class PriorityStore:
                props: bytes | memoryview, body: bytes | bytearray | memoryview) -> int:
         return self.append_priority(0, timestamp_ms, exchange, routing_key, props, body)
 
-    def append_priority(self, level: int, timestamp_ms: int, exchange: bytes, routing_key: bytes,
+    def level_of(self, priority: int) -> int:
+        """The level a message with this ``priority`` property is stored at."""
+        return max(0, min(priority, self.max_priority))
+
+    def append_priority(self, priority: int, timestamp_ms: int, exchange: bytes, routing_key: bytes,
                         props: bytes | memoryview, body: bytes | bytearray | memoryview) -> int:
-        level = max(0, min(level, self.max_priority))
+        level = self.level_of(priority)
         store = self._levels.get(level) or self._open(level)
         return (level << _SHIFT) | store.append(timestamp_ms, exchange, routing_key, props, body)
 
     # ------------------------------------------------------------------ consuming
-    def shift(self) -> int | None:
+    def head_level(self) -> int | None:
+        """The level the next ``shift`` takes from (None: nothing is ready)."""
         for level in self._order:
-            store = self._levels[level]
-            if store.ready_count:
-                inner = store.shift()
-                if inner is not None:
-                    return (level << _SHIFT) | inner
+            if self._levels[level].ready_count:
+                return level
         return None
 
+    def shift(self) -> int | None:
+        level = self.head_level()
+        if level is None:
+            return None
+        inner = self._levels[level].shift()
+        return None if inner is None else (level << _SHIFT) | inner
+
     def peek(self) -> int | None:
-        for level in self._order:
-            store = self._levels[level]
-            if store.ready_count:
-                inner = store.peek()
-                if inner is not None:
-                    return (level << _SHIFT) | inner
-        return None
+        level = self.head_level()
+        if level is None:
+            return None
+        inner = self._levels[level].peek()
+        return None if inner is None else (level << _SHIFT) | inner
+
+    @property
+    def single_level(self) -> bool:
+        """Nothing ready above level 0: the queue is its base store's FIFO for now, and
+        deliveries may take the base store's runs (``deliver_run``, ``next_delivery``,
+        ``end_pass``: level 0 msgids are the base store's own)."""
+        levels = self._levels
+        return len(levels) == 1 or not any(s.ready_count for level, s in levels.items() if level)
+
+    def deliver_run(self, k: int, autoack: bool, deliver: Callable[[int, bytes, bytes, bytes, bool], None],
+                    max_bytes: int,
+                    deliver_same: Callable[[range, bytes, bytes, list[bytes]], None] | None = None,
+                    ) -> tuple[int, int, int]:
+        return self._base.deliver_run(k, autoack, deliver, max_bytes, deliver_same)
+
+    def next_delivery(self, autoack: bool) -> tuple[int, bytes, bytes, bytes, bool] | None:
+        return self._base.next_delivery(autoack)
+
+    def end_pass(self) -> None:
+        self._base.end_pass()
 
     def read(self, msgid: int) -> tuple[int, bytes, bytes, bytes, bytes]:
         store, inner = self._of(msgid)
@@ -156,6 +183,40 @@ class PriorityStore:
             if level:
                 s.delete()
         self._base.delete()
+
+
+class QuorumPriorityStore(PriorityStore):
+    HIGH_ABOVE = 4  # AMQP 1.0 / RabbitMQ 4: priorities 0-4 are normal, 5 and up high
+    WEIGHT = 2  # high deliveries per normal one while both levels wait
+
+    def __init__(self, base: QueueStore) -> None:
+        super().__init__(base, 1)
+        self._turn = 0  # deliveries since the last "older head" turn
+
+    def level_of(self, priority: int) -> int:
+        return 1 if priority > self.HIGH_ABOVE else 0
+
+    def head_level(self) -> int | None:
+        normal = self._base
+        high = self._levels.get(1)
+        has_high = high is not None and high.ready_count > 0
+        if not normal.ready_count:
+            return 1 if has_high else None
+        if not has_high:
+            return 0
+        assert high is not None
+        if self._turn < self.WEIGHT:
+            return 1
+        n_head, h_head = normal.peek(), high.peek()
+        if n_head is None or h_head is None:
+            return 1 if n_head is None else 0
+        return 0 if normal.read_timestamp(n_head) <= high.read_timestamp(h_head) else 1
+
+    def shift(self) -> int | None:
+        msgid = super().shift()
+        if msgid is not None:
+            self._turn = 0 if self._turn >= self.WEIGHT else self._turn + 1
+        return msgid
 
 
 def sub_directory(directory: Path, level: int) -> Path:

@@ -94,6 +94,7 @@ _U32_PACK: Final = fmt.U32.pack
 _U32_UNPACK: Final = fmt.U32.unpack_from
 _U64_UNPACK: Final = fmt.U64.unpack_from
 _U64_PACK: Final = fmt.U64.pack
+_I64_UNPACK: Final = fmt.I64.unpack_from
 _NO_POSITIONS: Final[list[int]] = []  # never appended to: each autoack run starts a new list
 
 
@@ -636,6 +637,13 @@ class QueueStore(SegmentLog[Segment]):
         seg = self._segment_of(msgid)
         mm = seg.mm if seg.mm is not None else self._map_read(seg)
         return fmt.read_record(mm, msgid & POS_MASK)
+
+    def read_timestamp(self, msgid: int) -> int:
+        """The publish time (ms) of ``msgid``, without copying the record."""
+        seg = self._segment_of(msgid)
+        mm = seg.mm if seg.mm is not None else self._map_read(seg)
+        ts: int = _I64_UNPACK(mm, msgid & POS_MASK)[0]
+        return ts
 
     def read_body_size(self, msgid: int) -> int:
         seg = self._segment_of(msgid)
