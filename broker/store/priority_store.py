@@ -138,6 +138,22 @@ class PriorityStore:
         store, inner = self._of(msgid)
         return store.is_redelivered(inner)
 
+    @property
+    def counting(self) -> bool:
+        return any(s.counting for s in self._levels.values())
+
+    def count_of(self, msgid: int) -> int:
+        store, inner = self._of(msgid)
+        return store.count_of(inner)
+
+    def set_count(self, msgid: int, count: int) -> None:
+        store, inner = self._of(msgid)
+        store.set_count(inner, count)
+
+    def forget_count(self, msgid: int) -> None:
+        store, inner = self._of(msgid)
+        store.forget_count(inner)
+
     def purge(self) -> int:
         return sum(s.purge() for s in list(self._levels.values()))
 

@@ -257,3 +257,55 @@ def test_quorum_priorities_survive_a_restart(tmp_path: Path) -> None:
         conn.close()
     finally:
         b.close()
+
+
+@pytest.mark.parametrize("sync_interval", [None, 0], ids=["window", "synchronous"])
+def test_quorum_delivery_count_survives_kill9(tmp_path: Path, sync_interval: int | None) -> None:
+    """The delivery count is durable like an ack (RabbitMQ keeps it in the Raft log): after
+    kill -9 the message comes back with its count, and the limit counts on from there."""
+    extra = [] if sync_interval is None else ["--ack-sync-interval", str(sync_interval)]
+    b = start_mgmt_broker(tmp_path, extra)
+    try:
+        conn = connect(b)
+        ch = conn.channel()
+        ch.confirm_delivery()
+        name, dlq = unique("qq"), unique("dlq")
+        ch.queue_declare(dlq, durable=True)
+        ch.queue_declare(name, durable=True, arguments={
+            "x-queue-type": "quorum", "x-delivery-limit": 4, "x-dead-letter-exchange": "",
+            "x-dead-letter-routing-key": dlq})
+        ch.basic_publish("", name, b"m", pika.BasicProperties(delivery_mode=2))
+        ch.basic_publish("", name, b"other", pika.BasicProperties(delivery_mode=2))
+        for _ in range(3):
+            method, _props, _body = _get(ch, name)
+            assert _body == b"m"
+            ch.basic_nack(method.delivery_tag, requeue=True)
+        ch.queue_declare(name, passive=True)  # a round trip after the last nack
+        if sync_interval is None:
+            time.sleep(2.5)  # the property under test: the ack window (1 s) has passed
+        conn.close()
+        b.kill9()
+        b.start()
+        conn = connect(b)
+        ch = conn.channel()
+        method, props, body = _get(ch, name)
+        assert body == b"m" and method.redelivered
+        assert (props.headers or {}).get("x-delivery-count") == 3, props.headers
+        ch.basic_nack(method.delivery_tag, requeue=True)  # the 4th return: at the limit
+        method, props, body = _get(ch, name)
+        assert body == b"m" and props.headers["x-delivery-count"] == 4
+        ch.basic_nack(method.delivery_tag, requeue=True)  # the 5th: over it, dead-lettered
+        method, props, body = _get(ch, dlq)
+        assert body == b"m" and props.headers["x-death"][0]["reason"] == "delivery_limit"
+        method, props, body = _get(ch, name)
+        assert body == b"other" and "x-delivery-count" not in (props.headers or {})
+        conn.close()  # returns "other", unacked: a return counts (RabbitMQ 4.0-4.2)
+        b.restart()
+        conn = connect(b)
+        ch = conn.channel()
+        method, props, body = _get(ch, name)
+        assert body == b"other" and props.headers["x-delivery-count"] == 1
+        ch.basic_ack(method.delivery_tag)
+        conn.close()
+    finally:
+        b.close()
