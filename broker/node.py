@@ -33,7 +33,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import FrameType
 
-from broker import tls
+from broker import metrics, tls
 from broker.auth.users import UserStore
 from broker.auth.vhosts import VHostStore
 from broker.config import Config, ConfigError
@@ -159,6 +159,7 @@ class Node:
             mgmt = self.mgmt = Mgmt(broker, self.vhost_store, self.make_vhost, cfg.main.data_dir,
                                     cfg.main.data_dir / "transient")
             mgmt.cluster = self.cluster
+            mgmt.node_name = metrics.node_name(cfg.main.node_name, cfg.amqp.port)
             if cfg.clustering.enabled:  # every member reports the same rabbitmq_cluster label
                 mgmt.cluster_name = cfg.clustering.etcd_prefix
             if cfg.main.load_definitions:
@@ -193,6 +194,8 @@ class Node:
             self.amqp_address = mgmt.amqp_address = await listening(
                 options, cfg.amqp.bind, cfg.amqp.port, self.amqp.start(cfg.amqp.bind, cfg.amqp.port))
             log.info("AMQP listening on %s:%d", *self.amqp_address)
+            if cfg.amqp.port == 0:  # the name tells nodes on one host apart by the port they got
+                mgmt.node_name = metrics.node_name(cfg.main.node_name, self.amqp_address[1])
         if self.tls is not None and cfg.amqp.tls_port >= 0:
             mgmt.amqps_address = await listening(
                 "amqp.bind/amqp.tls_port, --amqp-bind/--amqp-tls-port", cfg.amqp.bind, cfg.amqp.tls_port,
@@ -338,8 +341,13 @@ class NodeHost:
         node.replicated = replicated
         return node
 
+    def __init__(self, config: Config | None = None) -> None:
+        self.config = config
+
     def follower_metrics(self, cluster: ClusterInfo, data_dir: Path, cluster_name: str) -> FollowerMetrics:
-        return FollowerMetrics(cluster, data_dir, cluster_name)
+        name = "" if self.config is None else metrics.node_name(self.config.main.node_name,
+                                                                 self.config.amqp.port)
+        return FollowerMetrics(cluster, data_dir, cluster_name, name)
 
 
 async def listening(options: str, host: str, port: int, start: Awaitable[tuple[str, int]]) -> tuple[str, int]:
@@ -459,7 +467,7 @@ def serve(config: Config, host: NodeHost | None = None, load: Callable[[], Confi
                 "'aetcd' is not installed: pip install aetcd"
             ) from None
 
-        return serve_clustered(config, host or NodeHost())
+        return serve_clustered(config, host or NodeHost(config))
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
