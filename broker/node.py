@@ -15,7 +15,12 @@ certificates (``reload_tls``: new connections get them, open ones keep theirs). 
 logs what it reloaded and which changed options
 need a restart; a config that no longer loads is logged and the running one kept.
 SIGHUP is per process, so one ``Reloader`` per process knows the node currently
-serving (in a cluster: the leader's; a follower reloads the log level only).
+serving. In a cluster the runner hands SIGHUP to it too (``NodeHost.reload``): the
+leader applies all of the above; a follower applies the log level at once and keeps
+the rest (trusted PROXY sources, definitions file) for when it leads, as the broker it
+then starts is built from the reloaded config and reads the TLS certificates afresh
+(a follower's proxies pass TLS through: it holds no certificate). Ports, addresses and
+the replication TLS settings need a restart on every node.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from broker import metrics, tls
 from broker.auth.users import UserStore
@@ -57,6 +63,9 @@ from broker.store.jsonstore import read_json, write_json
 from broker.store.lock import DataDirLock
 from broker.store.segment_log import SegmentFiles
 from broker.store.sink import NullSink, ReplicationSink
+
+if TYPE_CHECKING:
+    from broker.cluster.host import LeaderBroker
 
 log = logging.getLogger("skred")
 
@@ -303,6 +312,8 @@ class Node:
         log.info("imported definitions from %s", path)
 
     async def shutdown(self) -> None:
+        if RELOADER is not None and RELOADER.node is self:
+            RELOADER.node = None  # a SIGHUP from now on must not touch this stopped broker
         if self.lmq is not None:
             await self.lmq.stop()
             self.lmq = None
@@ -336,13 +347,26 @@ class NodeHost:
 
     def leader_broker(self, config: Config, sink: ReplicationSink, cluster: ClusterInfo,
                       replicated: Callable[[list[Syncable]], asyncio.Future[None]]) -> Node:
+        if RELOADER is not None:  # what SIGHUP reloaded while this node followed applies now
+            config = RELOADER.config
         node = Node(config, sink)
         node.cluster = cluster
         node.replicated = replicated
         return node
 
+    config: Config | None = None  # node names of the follower metrics (subclasses may not set it)
+
     def __init__(self, config: Config | None = None) -> None:
         self.config = config
+
+    def reload(self, leader: LeaderBroker | None) -> None:
+        """SIGHUP in a cluster member: the process's ``Reloader`` (log level at once; what a
+        leading node applies through ``RELOADER.node``; the rest is read when this node next
+        leads, see ``leader_broker``), else the leader's TLS certificates only."""
+        if RELOADER is not None:
+            RELOADER.reload()
+        elif leader is not None:
+            leader.reload_tls()
 
     def follower_metrics(self, cluster: ClusterInfo, data_dir: Path, cluster_name: str) -> FollowerMetrics:
         name = "" if self.config is None else metrics.node_name(self.config.main.node_name,

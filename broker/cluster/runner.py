@@ -83,7 +83,8 @@ from broker.cluster.leader import LeaderSink
 from broker.cluster.proxy import SpliceProxy, Target
 from broker.cluster.standing import Standing, load_last_role, save_last_role
 from broker.cluster.status import ClusterView
-from broker.config import ClusteringConfig, Config
+from broker.config import ClusteringConfig, Config, ConfigError
+from broker.errors import SkredError
 from broker.store.lock import DataDirLock
 
 log = logging.getLogger(__name__)
@@ -140,7 +141,7 @@ class ClusterRunner:
         self.amqps_target = Target()
         self.https_target = Target()
         self.repl_server_tls, self.repl_client_tls = tls.replication_contexts(config.main, c.tls)
-        self.node: LeaderBroker | None = None  # the broker, while this node leads (SIGHUP reloads its TLS)
+        self.node: LeaderBroker | None = None  # the broker, while this node leads (SIGHUP reloads it)
         # LMQ's ports: a cluster's nodes share their [lmq] ports, so the leader's are ours.
         self.lmq_targets = (Target(), Target())
         self.proxies: list[SpliceProxy] = []
@@ -154,6 +155,8 @@ class ClusterRunner:
         self._metrics_retry_at = 0.0
         self._member_written: tuple[int | None, str] = (None, "")
         self._deferring_since: float | None = None
+        self._followed: str | None = None  # the leader last logged as followed
+        self._repl_error = ""  # the replication failure last logged
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.ensure_future(coro)
@@ -181,7 +184,7 @@ class ClusterRunner:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
-        loop.add_signal_handler(signal.SIGHUP, self.reload_tls)
+        loop.add_signal_handler(signal.SIGHUP, self.reload)
         self._lock()
         log.info("cluster node %s (%s) starting, etcd %s prefix %r", self.node_id, self.uri,
                  self.config.clustering.etcd_endpoints, self.etcd.prefix)
@@ -303,7 +306,10 @@ class ClusterRunner:
     async def _follow(self, uri: str, term: int) -> None:
         parts = urlsplit(uri)
         host, port = parts.hostname or "127.0.0.1", parts.port or 5679
-        log.info("following leader %s", uri)
+        if uri != self._followed:  # on change only: a dead leader's key is retried every POLL
+            self._followed = uri
+            self._repl_error = ""
+            log.info("following leader %s", uri)
         self.view.set_role("follower", uri)
         self.view.synced = self.synced_once
         loop = asyncio.get_running_loop()
@@ -320,6 +326,7 @@ class ClusterRunner:
                 target.host, target.port = host, lmq_port
 
         def on_synced() -> None:
+            self._repl_error = ""  # the link works: the next failure is news again
             self.view.synced = self.view.warm = True
             self._record_role("follower", term)
             if not self.synced_once:
@@ -364,6 +371,7 @@ class ClusterRunner:
                 if current is None or current.decode() != uri:
                     log.info("leader %s is gone", uri)
                     lost = "the leader is gone"
+                    self._followed = None  # whoever leads next is news, even the same node
                     break
         finally:
             task.cancel()
@@ -384,7 +392,10 @@ class ClusterRunner:
             self.secret = await self.etcd.secret()  # re-read: it may have been reset
             await self._pause(1.0)
         elif error is not None:
-            log.warning("replication from %s ended: %s", uri, error or type(error).__name__)
+            text = str(error) or type(error).__name__
+            if text != self._repl_error:  # the same failure, retried every POLL: said once
+                self._repl_error = text
+                log.warning("replication from %s ended: %s", uri, text)
             await self._pause(POLL)
 
     async def _start_proxies(self) -> None:
@@ -434,6 +445,7 @@ class ClusterRunner:
         c = cfg.clustering
         started = time.monotonic()
         log.info("elected leader (node %s, %s)", self.node_id, self.uri)
+        self._followed = None
         await self._stop_proxies()
         await self.follower_metrics.stop()  # the broker serves the metrics port while we lead
         self._spawn(run_hook(c.on_leader_elected, self.node_id, self.uri, "leader"))
@@ -461,8 +473,13 @@ class ClusterRunner:
         self._unlock()
         try:
             await node.start()
-        except Exception:
-            log.exception("broker failed to start as leader")
+        except Exception as exc:
+            # one line: the errors a start meets (a port in use, an unusable data dir, a bad
+            # certificate) name the option or path; anything else is a bug, traced at debug
+            known = isinstance(exc, SkredError | ConfigError | OSError)
+            log.error("broker failed to start as leader: %s",
+                      exc if known else f"{type(exc).__name__}: {exc}")
+            log.debug("leader start failure", exc_info=not known)
             sink.fence()
             await self.etcd.resign()
             await self.etcd.revoke()
@@ -511,11 +528,13 @@ class ClusterRunner:
                 last_status = now
                 log.info("cluster status: %s", sink.status())
 
-    def reload_tls(self) -> None:
-        """SIGHUP: reload the client listeners' certificates while leading (a follower's proxy
-        passes TLS through, so it holds none; the replication listener keeps its context)."""
-        if self.node is not None:
-            self.node.reload_tls()
+    def reload(self) -> None:
+        """SIGHUP: the host re-reads the configuration. A leader applies what a single node
+        does (log level, trusted PROXY sources, definitions file, client TLS certificates); a
+        follower applies the log level, and the rest when it leads (the broker it then starts
+        reads them; its proxies pass TLS through and hold no certificate). Replication TLS,
+        ports and addresses need a restart."""
+        self.host.reload(self.node)
 
     async def _abdicate(self, node: LeaderBroker, sink: LeaderSink, why: str) -> None:
         """Stop leading at once (no confirm after this), then rejoin as a follower."""

@@ -1,0 +1,72 @@
+"""What a cluster member's operator reads: one line when the leader cannot start, a follower's
+"following leader" and replication failures logged on change (not every retry), and SIGHUP on a
+follower reloading what can change at runtime (the log level at once).
+
+Reuses ``test_cluster``'s real etcd and ``skred --clustering`` processes (skips without etcd).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .test_cluster import Cluster, wait_for
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    c = Cluster(tmp_path)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def test_leader_that_cannot_start_says_why_in_one_line(cluster: Cluster) -> None:
+    n1 = cluster.nodes[0]
+    with socket.socket() as taken:  # its AMQP port is in use: the broker cannot listen
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        taken.bind((n1.ip, n1.port))
+        taken.listen()
+        n1.start()
+        assert n1.proc is not None
+        assert n1.proc.wait(60) == 1, n1.log_tail()
+    text = n1.log_text()
+    lines = [x for x in text.splitlines() if "broker failed to start as leader" in x]
+    assert len(lines) == 1 and str(n1.port) in lines[0], text
+    assert "Traceback" not in text, text
+
+
+def test_follower_logs_on_change_and_reloads_on_sighup(cluster: Cluster, tmp_path: Path) -> None:
+    inis = []
+    for n in cluster.nodes[:2]:
+        ini = tmp_path / f"{n.name}.ini"
+        ini.write_text("[main]\nlog_level = info\n")
+        n.argv += ["-c", str(ini)]
+        inis.append(ini)
+        n.start()
+    leader = wait_for(cluster.leader, 30, "a leader in etcd")
+    wait_for(leader.answers, 30, "the leader's AMQP port")
+    i = 1 if leader is cluster.nodes[0] else 0
+    follower = cluster.nodes[i]
+    wait_for(follower.answers, 30, "the follower's proxy (first sync done)")
+    # SIGHUP on the follower: the log level applies at once (it went to the runner only before)
+    inis[i].write_text("[main]\nlog_level = debug\n")
+    assert follower.proc is not None
+    os.kill(follower.proc.pid, signal.SIGHUP)
+    wait_for(lambda: "SIGHUP: reloaded log level info -> debug" in follower.log_text(), 20,
+             "the follower's SIGHUP reload line")
+    # the leader dies: its key lives on for the lease TTL while the follower retries
+    leader.kill9()
+    wait_for(lambda: cluster.leader() is follower, 30, "the follower to take over")
+    wait_for(follower.answers, 30, "the new leader's AMQP port")
+    text = follower.log_text()
+    assert text.count(f"following leader {leader.uri}") == 1, text
+    assert text.count(f"replication from {leader.uri} ended") <= 1, text
