@@ -643,7 +643,7 @@ class QueueFeatures:
         """Whether deliveries need this queue's per-message work; without it the queue
         delivers as a plain one (store runs included)."""
         return (self.expiring or self.q.store.counting or self.dedup is not None
-                or (self.pstore is not None and not self.pstore.single_level)
+                or (self.pstore is not None and not (self.pstore.single_level and self.q.fast.on))
                 or self.cfg.single_active or self._prio_consumers)
 
     def pass_started(self) -> int:
