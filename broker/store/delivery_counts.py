@@ -36,7 +36,7 @@ from typing import Final
 
 from broker.errors import StoreError
 from broker.store.fileio import atomic_write
-from broker.store.segment_log import SegmentFiles, is_no_space
+from broker.store.segment_log import SegmentFiles, append_whole, is_no_space
 from broker.store.sink import ReplicationSink
 
 NAME: Final = "counts"
@@ -113,20 +113,9 @@ class DeliveryCounts:
             return
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
-            done = 0
-            view = memoryview(self._buf)
-            try:
-                while done < len(view):
-                    done += os.write(fd, view[done:])
-            except OSError as exc:
-                if not is_no_space(exc):
-                    raise
-                if done:  # whole records or nothing: the rest is tried again at the next sync
-                    os.ftruncate(fd, os.fstat(fd).st_size - done)
+            if not append_whole(fd, self._buf):  # whole records or nothing: tried again next sync
                 self._files.no_space(self.path, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
                 return
-            finally:
-                view.release()
         finally:
             os.close(fd)
         self._buf.clear()

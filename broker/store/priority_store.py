@@ -85,17 +85,17 @@ class PriorityStore:
         return None
 
     def shift(self) -> int | None:
-        level = self.head_level()
-        if level is None:
-            return None
-        inner = self._levels[level].shift()
-        return None if inner is None else (level << _SHIFT) | inner
+        return self._head(True)
 
     def peek(self) -> int | None:
+        return self._head(False)
+
+    def _head(self, take: bool) -> int | None:
         level = self.head_level()
         if level is None:
             return None
-        inner = self._levels[level].peek()
+        store = self._levels[level]
+        inner = store.shift() if take else store.peek()
         return None if inner is None else (level << _SHIFT) | inner
 
     @property

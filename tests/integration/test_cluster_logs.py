@@ -10,23 +10,15 @@ from __future__ import annotations
 import os
 import signal
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from .test_cluster import Cluster, wait_for
+from .test_cluster import Cluster, cluster, wait_for
+
+__all__ = ["cluster"]  # test_cluster's fixture: etcd and three nodes, stopped by PID
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path)
-    try:
-        yield c
-    finally:
-        c.close()
 
 
 def test_leader_that_cannot_start_says_why_in_one_line(cluster: Cluster) -> None:
