@@ -1,6 +1,7 @@
 """What a cluster member's operator reads: one line when the leader cannot start, a follower's
 "following leader" and replication failures logged on change (not every retry), and SIGHUP on a
-follower reloading what can change at runtime (the log level at once).
+follower reloading what can change at runtime (the log level at once); and a quorum queue's
+delivery count surviving the leader's kill -9.
 
 Reuses ``test_cluster``'s real etcd and ``skred --clustering`` processes (skips without etcd).
 """
@@ -11,10 +12,12 @@ import os
 import signal
 import socket
 from pathlib import Path
+from typing import Any
 
+import pika
 import pytest
 
-from .test_cluster import Cluster, cluster, wait_for
+from .test_cluster import Cluster, cluster, start_cluster, wait_for
 
 __all__ = ["cluster"]  # test_cluster's fixture: etcd and three nodes, stopped by PID
 
@@ -62,3 +65,36 @@ def test_follower_logs_on_change_and_reloads_on_sighup(cluster: Cluster, tmp_pat
     text = follower.log_text()
     assert text.count(f"following leader {leader.uri}") == 1, text
     assert text.count(f"replication from {leader.uri} ended") <= 1, text
+
+
+def test_quorum_delivery_count_survives_failover(cluster: Cluster) -> None:
+    """The delivery count is replicated with the queue (RabbitMQ: in the Raft log): after the
+    leader's kill -9 the new leader delivers the message with the count it had."""
+    leader, _followers = start_cluster(cluster)
+    conn = pika.BlockingConnection(pika.URLParameters(leader.url))
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.queue_declare("qq", durable=True, arguments={"x-queue-type": "quorum"})
+    ch.basic_publish("", "qq", b"m", pika.BasicProperties(delivery_mode=2))
+    for _ in range(3):
+        method, _props, _body = ch.basic_get("qq")
+        assert method is not None
+        ch.basic_nack(method.delivery_tag, requeue=True)
+    ch.queue_declare("marker", durable=True)
+    # confirmed, so the ISR acked every byte before it, the counts included
+    ch.basic_publish("", "marker", b"x", pika.BasicProperties(delivery_mode=2))
+    conn.close()
+    leader.kill9()
+
+    def successor() -> Any:
+        n = cluster.leader()
+        return n if n is not None and n is not leader and n.answers() else None
+    new = wait_for(successor, 30, "a new leader serving clients")
+    conn = pika.BlockingConnection(pika.URLParameters(new.url))
+    try:
+        ch = conn.channel()
+        method, props, body = ch.basic_get("qq")
+        assert method is not None and body == b"m"
+        assert (props.headers or {}).get("x-delivery-count") == 3, props.headers
+    finally:
+        conn.close()
