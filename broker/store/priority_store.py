@@ -229,8 +229,11 @@ class QuorumPriorityStore(PriorityStore):
         return 0 if normal.read_timestamp(n_head) <= high.read_timestamp(h_head) else 1
 
     def shift(self) -> int | None:
+        high = self._levels.get(1)
+        both = self._base.ready_count > 0 and high is not None and high.ready_count > 0
         msgid = super().shift()
-        if msgid is not None:
+        if both:  # the turn counts only while both levels wait, so deliveries taken as runs
+            # from the base store (``single_level``) leave it where a one-by-one pass would
             self._turn = 0 if self._turn >= self.WEIGHT else self._turn + 1
         return msgid
 
