@@ -29,7 +29,7 @@ persistent message reached a durable place, so a confirm must wait for the group
 Runs. ``publish_run`` takes several messages to one exchange and routing key at once
 (what the AMQP parser finds when a client repeats a publish). It is an optimisation of
 ``publish`` decided here, in one place: a run whose messages need nothing per message
-(no headers, no expiration, only plain queues reached, runs switched on) is routed once
+(no headers, no expiration, only queues that take runs reached, runs switched on) is routed once
 and handed to each queue as a run; otherwise it returns None and the caller publishes the
 messages one by one, which is the reference behaviour. ``FastPaths.on``
 (broker/model/fastpaths.py) switches every such shortcut off (runs here, direct hand-over
@@ -43,7 +43,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from broker import errors, properties
-from broker.model import features
+from broker.model import features, queue_featured
+from broker.model.queue import ClassicQueue
 from broker.store.segment import short_pair
 
 if TYPE_CHECKING:
@@ -185,7 +186,8 @@ def publish(vh: VHost, req: PublishRequest, first_hop: bool = True) -> PublishOu
             queues = [q for q in queues if not req.exclude(q)]
     if has_exp:
         for q in queues:
-            features.ensure(q, vh).msg_ttl_seen = True  # its head expiry is checked from now
+            if isinstance(q, ClassicQueue):  # its head expiry is checked from now
+                queue_featured.featured(q, vh).msg_ttl_seen = True
     if queues:
         out.queues = queues
         ts = req.ts
@@ -267,7 +269,7 @@ def publish_run(vh: VHost, exchange: str, routing_key: str, names: EncodedNames,
     one). ``same``: one properties object and one body length for the whole run.
 
     At once means: fast paths on, no message with headers or an expiration, an exchange
-    without a behaviour of its own, and only queues without features reached.
+    without a behaviour of its own, and only queues that take runs (``takes_runs``) reached.
     """
     if not vh.fast.on:
         return None
@@ -285,7 +287,7 @@ def publish_run(vh: VHost, exchange: str, routing_key: str, names: EncodedNames,
     else:
         probe = PublishRequest(exchange, routing_key, props[0], b"", ts)
         queues = route(vh, ex, [routing_key], props[0], probe, PublishOutcome([]), True)
-    if not queues or any(q.features is not None for q in queues):
+    if not queues or any(not q.takes_runs for q in queues):
         return None
     if same:
         persistent = is_persistent(props[0])
