@@ -168,6 +168,9 @@ class Queue:
     def _consumers_changed(self, added: Consumer | None) -> None:
         """A consumer came (``added``) or went: a type that orders consumers hears of it."""
 
+    def touch(self) -> None:
+        """A use that restarts an ``x-expires`` queue's idle clock (a redeclare)."""
+
     def schedule_delivery(self) -> None:
         if not self._scheduled and self.consumers and not self.deleted:
             self._scheduled = True

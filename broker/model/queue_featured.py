@@ -82,6 +82,9 @@ class FeaturedQueue(ClassicQueue):
     def _consumers_changed(self, added: Consumer | None) -> None:
         self.features.consumers_changed()
 
+    def touch(self) -> None:
+        self.features.touch()
+
     # ------------------------------------------------------- get and settlement
     def get(self) -> tuple[int, bytes, bytes, bytes, bytes, bool] | None:
         f = self.features

@@ -288,8 +288,7 @@ class VHost:
             if not _equivalent(q.arguments, arguments):
                 raise errors.PreconditionFailed(
                     f"inequivalent arguments for queue '{name}' in vhost '{self.name}'")
-            if q.features is not None:
-                q.features.touch()  # a redeclare counts as use for x-expires
+            q.touch()  # a redeclare counts as use for x-expires
             return q, False
         if not self._replaying:  # a queue recovered from the log keeps the type it was created with
             arguments = queue_types.resolve(arguments, durable=durable, exclusive=exclusive,
