@@ -165,6 +165,10 @@ class Queue:
         if not self.consumers and self.auto_delete and self.had_consumers and not self.deleted:
             self.on_unused(self)
 
+    def check_consume(self, no_ack: bool, prefetch: int, global_prefetch: int,
+                      arguments: dict[str, Any]) -> None:
+        """Refuse a consumer this queue type does not take (before it is accepted)."""
+
     def _consumers_changed(self, added: Consumer | None) -> None:
         """A consumer came (``added``) or went: a type that orders consumers hears of it."""
 

@@ -138,6 +138,10 @@ class QuorumQueue(FeaturedQueue):
     __slots__ = ()
     at_least_once_dead_letters = True  # x-dead-letter-strategy at-least-once applies
 
+    def check_consume(self, no_ack: bool, prefetch: int, global_prefetch: int,
+                      arguments: dict[str, Any]) -> None:
+        queue_types.check_consume(self.arguments, global_prefetch, self.name, self.vhost)  # 540
+
 
 def _featured_type(q: ClassicQueue) -> type[FeaturedQueue]:
     return QuorumQueue if queue_types.type_of(q.arguments) == queue_types.QUORUM else FeaturedQueue

@@ -276,8 +276,10 @@ class StreamQueue(Queue):
         return self.stream.count
 
     # ------------------------------------------------------------- consumers
-    def check_consume(self, no_ack: bool, prefetch: int, arguments: dict[str, Any]) -> None:
-        """Validate a basic.consume before it is accepted (406 like RabbitMQ)."""
+    def check_consume(self, no_ack: bool, prefetch: int, global_prefetch: int,
+                      arguments: dict[str, Any]) -> None:
+        """Stream consumers: manual ack, a prefetch, a valid offset and filter (406 like RabbitMQ)."""
+        prefetch = prefetch or global_prefetch
         if no_ack:
             raise errors.PreconditionFailed(
                 "stream queues only support consumers with manual acknowledgement", 60, 20)
