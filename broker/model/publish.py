@@ -29,7 +29,7 @@ persistent message reached a durable place, so a confirm must wait for the group
 Runs. ``publish_run`` takes several messages to one exchange and routing key at once
 (what the AMQP parser finds when a client repeats a publish). It is an optimisation of
 ``publish`` decided here, in one place: a run whose messages need nothing per message
-(no headers, no expiration, only queues that take runs reached, runs switched on) is routed once
+(no headers, no expiration, only plain queues reached, runs switched on) is routed once
 and handed to each queue as a run; otherwise it returns None and the caller publishes the
 messages one by one, which is the reference behaviour. ``FastPaths.on``
 (broker/model/fastpaths.py) switches every such shortcut off (runs here, direct hand-over
@@ -269,7 +269,7 @@ def publish_run(vh: VHost, exchange: str, routing_key: str, names: EncodedNames,
     one). ``same``: one properties object and one body length for the whole run.
 
     At once means: fast paths on, no message with headers or an expiration, an exchange
-    without a behaviour of its own, and only queues that take runs (``takes_runs``) reached.
+    without a behaviour of its own, and only queues without features reached.
     """
     if not vh.fast.on:
         return None
