@@ -61,7 +61,6 @@ def test_declare_chooses_the_type(tmp_path: Path) -> None:
     assert quorum.features.cfg.delivery_limit == 20  # RabbitMQ 4's quorum default
     assert type(stream) is StreamQueue
     assert isinstance(plain.store, QueueStore)
-    assert not FeaturedQueue.takes_runs and ClassicQueue.takes_runs
 
 
 def test_a_policy_changes_the_type_in_place(tmp_path: Path) -> None:

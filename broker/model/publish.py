@@ -287,7 +287,7 @@ def publish_run(vh: VHost, exchange: str, routing_key: str, names: EncodedNames,
     else:
         probe = PublishRequest(exchange, routing_key, props[0], b"", ts)
         queues = route(vh, ex, [routing_key], props[0], probe, PublishOutcome([]), True)
-    if not queues or any(not q.takes_runs for q in queues):
+    if not queues or any(q.features is not None for q in queues):
         return None
     if same:
         persistent = is_persistent(props[0])

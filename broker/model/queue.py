@@ -181,8 +181,6 @@ class Queue:
             self._schedule(self._deliver)
 
     # ------------------------------------------- what each type implements
-    takes_runs = True  # publish_run may hand this queue a run (broker/model/publish.py)
-
     def publish(self, ts: int, exchange: bytes, routing_key: bytes, props: bytes, body: bytes | memoryview,
                 persistent: bool, exrk: bytes | None = None) -> bool | None:
         """Append (and wake consumers); False when the queue refused the message."""

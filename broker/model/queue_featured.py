@@ -41,8 +41,7 @@ class FeaturedQueue(ClassicQueue):
     features: QueueFeatures
 
     # ------------------------------------------------------------ publishing
-    takes_runs = False  # admission and after-effects are per message
-
+    # (publish_run hands a featured queue no runs: admission and after-effects are per message)
     def publish(self, ts: int, exchange: bytes, routing_key: bytes, props: bytes, body: bytes | memoryview,
                 persistent: bool, exrk: bytes | None = None) -> bool | None:
         """Append unless the features refuse or drop it; False when refused."""
