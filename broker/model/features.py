@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from broker import errors, properties
 from broker.model import deadletter
 from broker.model.queue_dedup import QueueDedup, key_of
+from broker.store.priority_store import PriorityStore
 
 if TYPE_CHECKING:
     from broker.model.queue import ClassicQueue, Consumer
@@ -286,6 +287,7 @@ class QueueFeatures:
         self.vhost = vh
         self.cfg = cfg
         self.call_later = call_later
+        self.pstore: PriorityStore | None = q.store if isinstance(q.store, PriorityStore) else None
         self.msg_ttl_seen = False  # a message with an expiration property was published
         self.delivery_counts: dict[int, int] = {}
         self._timer: TimerHandle | None = None
@@ -596,8 +598,11 @@ class QueueFeatures:
     @property
     def per_message(self) -> bool:
         """Whether deliveries need this queue's per-message work; without it the queue
-        delivers as a plain one (store runs included)."""
+        delivers as a plain one (store runs included). A priority store delivers its runs
+        (level by level) only with the fast paths on; off, it is taken one by one, which is
+        what the differential test compares them with."""
         return (self.expiring or bool(self.delivery_counts) or self.dedup is not None
+                or (self.pstore is not None and not self.q.fast.on)
                 or self.cfg.single_active or self._prio_consumers)
 
     def pass_started(self) -> int:

@@ -63,29 +63,39 @@ class PriorityStore:
     def _of(self, msgid: int) -> tuple[QueueStore, int]:
         return self._levels[msgid >> _SHIFT], msgid & _INNER
 
-    def _level_of(self, props: bytes | memoryview) -> tuple[int, QueueStore]:
-        """The level a message with ``props`` goes to (its priority, capped), and its store."""
-        level = min(properties.priority(props), self.max_priority)
+    def _store_for(self, props: bytes | memoryview) -> tuple[int, QueueStore]:
+        """The level a message with ``props`` goes to, and that level's store."""
+        level = self.level_of(properties.priority(props))
         return level, self._levels.get(level) or self._open(level)
 
     # ------------------------------------------------------------------ publishing
     def append(self, timestamp_ms: int, exchange: bytes, routing_key: bytes,
                props: bytes | memoryview, body: bytes | bytearray | memoryview) -> int:
-        level, store = self._level_of(props)
+        return self.append_priority(properties.priority(props), timestamp_ms, exchange, routing_key,
+                                    props, body)
+
+    def level_of(self, priority: int) -> int:
+        """The level a message with this ``priority`` property is stored at."""
+        return max(0, min(priority, self.max_priority))
+
+    def append_priority(self, priority: int, timestamp_ms: int, exchange: bytes, routing_key: bytes,
+                        props: bytes | memoryview, body: bytes | bytearray | memoryview) -> int:
+        level = self.level_of(priority)
+        store = self._levels.get(level) or self._open(level)
         return (level << _SHIFT) | store.append(timestamp_ms, exchange, routing_key, props, body)
 
     def append_taken(self, timestamp_ms: int, exchange: bytes, routing_key: bytes,
                      props: bytes | memoryview, body: bytes | bytearray | memoryview) -> int:
-        level, store = self._level_of(props)
+        level, store = self._store_for(props)
         return (level << _SHIFT) | store.append_taken(timestamp_ms, exchange, routing_key, props, body)
 
     def append_run(self, timestamp_ms: int, exrk: bytes, props: list[bytes], bodies: list[bytes],
                    same: bool) -> None:
         if same:
-            self._level_of(props[0])[1].append_run(timestamp_ms, exrk, props, bodies, True)
+            self._store_for(props[0])[1].append_run(timestamp_ms, exrk, props, bodies, True)
             return
         for p, body in zip(props, bodies, strict=True):
-            self._level_of(p)[1].append_run(timestamp_ms, exrk, [p], [body], True)
+            self._store_for(p)[1].append_run(timestamp_ms, exrk, [p], [body], True)
 
     # ------------------------------------------------------------------ consuming
     def shift(self) -> int | None:
