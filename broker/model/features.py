@@ -52,7 +52,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from broker import errors, properties
-from broker.model import deadletter
+from broker.model import deadletter, queue_types
 from broker.model.queue_dedup import QueueDedup, key_of
 from broker.store.priority_store import PriorityStore
 
@@ -433,7 +433,7 @@ class QueueFeatures:
         cfg = self.cfg
         settle = discard or self._discard
         if not (cfg.dl_strategy == "at-least-once" and cfg.overflow == "reject-publish"
-                and cfg.dlx is not None and self.q.at_least_once_dead_letters):
+                and cfg.dlx is not None and queue_types.type_of(self.q.arguments) == queue_types.QUORUM):
             settle(msgid)
             self._dead_letter(exchange, routing_key, props, body, reason)
         elif not self.dl_pending and self._dead_letter(exchange, routing_key, props, body, reason):

@@ -43,8 +43,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from broker import errors, properties
-from broker.model import features, queue_featured
-from broker.model.queue import ClassicQueue
+from broker.model import features
 from broker.store.segment import short_pair
 
 if TYPE_CHECKING:
@@ -186,8 +185,7 @@ def publish(vh: VHost, req: PublishRequest, first_hop: bool = True) -> PublishOu
             queues = [q for q in queues if not req.exclude(q)]
     if has_exp:
         for q in queues:
-            if isinstance(q, ClassicQueue):  # its head expiry is checked from now
-                queue_featured.featured(q, vh).msg_ttl_seen = True
+            q.expiration_seen(vh)  # its head expiry is checked from now
     if queues:
         out.queues = queues
         ts = req.ts

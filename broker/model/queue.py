@@ -39,6 +39,7 @@ from broker.store.segment import short_pair
 
 if TYPE_CHECKING:
     from broker.model.features import QueueFeatures, Taken
+    from broker.model.vhost import VHost
 
 _PASS_BUDGET = 4096  # deliveries per pass before yielding to the loop
 _PASS_BYTES = 4 * 1024 * 1024  # body bytes per pass: flushes run before the next pass
@@ -175,6 +176,9 @@ class Queue:
     def touch(self) -> None:
         """A use that restarts an ``x-expires`` queue's idle clock (a redeclare)."""
 
+    def expiration_seen(self, vh: VHost) -> None:
+        """A message with an ``expiration`` property reached this queue (``vh``: its vhost)."""
+
     def schedule_delivery(self) -> None:
         if not self._scheduled and self.consumers and not self.deleted:
             self._scheduled = True
@@ -227,7 +231,6 @@ class ClassicQueue(Queue):
 
     __slots__ = ()
     store: MessageStore
-    at_least_once_dead_letters = False  # quorum queues only (x-dead-letter-strategy)
 
     # ------------------------------------------------------------ publishing
     def publish(self, ts: int, exchange: bytes, routing_key: bytes, props: bytes, body: bytes | memoryview,
@@ -476,6 +479,11 @@ class ClassicQueue(Queue):
         for c in consumers:
             c.cancelled_by_server()
         self.store.delete()
+
+    def expiration_seen(self, vh: VHost) -> None:
+        # per-message TTLs: the featured engine checks the head's expiry from now on
+        from broker.model import queue_featured
+        queue_featured.featured(self, vh).msg_ttl_seen = True
 
     def _consumers_changed(self, added: Consumer | None) -> None:
         if added is not None and "x-priority" in added.arguments:
