@@ -4,35 +4,19 @@ the same object changes class in place, so whoever holds it keeps it, and a plai
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from pamqp import commands
+from test_features_policy import _vhost
 
 from broker import errors, properties
 from broker.model.publish import PublishRequest
 from broker.model.queue import ClassicQueue, Consumer, Queue
 from broker.model.queue_featured import FeaturedQueue, QuorumQueue
 from broker.model.stream import StreamQueue
-from broker.model.vhost import VHost
 from broker.store.priority_store import PriorityStore
 from broker.store.queue_store import QueueStore
-from broker.store.sink import NullSink
-
-
-class _Timer:
-    def cancel(self) -> None:
-        pass
-
-
-def _vhost(tmp: Path) -> VHost:
-    def call_later(delay: float, cb: Callable[[], None]) -> _Timer:
-        return _Timer()
-
-    return VHost("/", tmp / "data", segment_size=64 * 1024, sink=NullSink(),
-                 schedule=lambda cb: cb(), mark_dirty=lambda _obj: None,
-                 transient_root=tmp / "transient", call_later=call_later)
 
 
 class _Sink(Consumer):
