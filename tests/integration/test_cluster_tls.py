@@ -13,6 +13,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
+import shutil
+import signal
+import socket
 import ssl
 import urllib.request
 from collections.abc import Iterator
@@ -25,7 +29,7 @@ import pytest
 
 from ._relay import Relay
 from ._support import free_port
-from ._tls import make_pki, tls_args
+from ._tls import SERVER_IPS, issue, make_pki, tls_args
 from .test_cluster import Cluster, start_cluster, wait_for
 
 pytestmark = pytest.mark.timeout(240)
@@ -191,3 +195,45 @@ def test_follower_proxies_every_client_port_to_the_leader_encrypted(
         return
     assert MARKER not in captured
     assert b"guest" not in captured and b"Authorization" not in captured
+
+
+def _repl_cn(ip: str, port: int, ca: Path) -> str:
+    ctx = ssl.create_default_context(cafile=str(ca))
+    with socket.create_connection((ip, port), timeout=5) as raw:
+        with ctx.wrap_socket(raw, server_hostname="localhost") as s:
+            cert = s.getpeercert()
+    return str(next(v for rdn in cert["subject"] for k, v in rdn if k == "commonName"))
+
+
+def test_sighup_reloads_the_replication_certificate(tmp_path: Path) -> None:
+    """A renewed certificate is served on the leader's replication port after SIGHUP, while the
+    replication links already open carry on (no follower reconnects; confirms still need them)."""
+    pki = make_pki(tmp_path / "pki")
+    live = tmp_path / "live"
+    live.mkdir()
+    first = issue(pki.ca, live, "localhost", dns=("localhost",), ips=SERVER_IPS)
+    c = Cluster(tmp_path)
+    try:
+        for n in c.nodes:
+            n.argv += ["--tls-cert", str(first.cert), "--tls-key", str(first.key), "--tls-ca-cert",
+                       str(pki.ca.cert_path), "--amqp-tls-port", "-1", "--mgmt-tls-port", "-1"]
+        leader, followers = start_cluster(c)
+        wait_for(lambda: all(n.node_id() in (c.etcd.get(f"{c.prefix}/isr") or b"").decode() for n in c.nodes),
+                 30, "every node in the ISR")
+        assert _repl_cn(leader.ip, leader.repl_port, pki.ca.cert_path) == "localhost"
+        connects = leader.log_text().count("starting bulk sync")
+
+        renewed = issue(pki.ca, tmp_path, "localhost renewed", dns=("localhost",), ips=SERVER_IPS)
+        shutil.copy(renewed.cert, first.cert)
+        shutil.copy(renewed.key, first.key)
+        assert leader.proc is not None
+        os.kill(leader.proc.pid, signal.SIGHUP)
+        wait_for(lambda: _repl_cn(leader.ip, leader.repl_port, pki.ca.cert_path) == "localhost renewed", 15,
+                 "the renewed certificate on the replication port")
+        # the open links carry on: confirms (which wait for both followers) keep coming
+        asyncio.run(asyncio.wait_for(_publish(leader.url, "after-reload", 20), 60))
+        isr = (c.etcd.get(f"{c.prefix}/isr") or b"").decode()
+        assert all(f.node_id() in isr for f in followers), isr
+        assert leader.log_text().count("starting bulk sync") == connects, leader.log_tail()
+    finally:
+        c.close()
