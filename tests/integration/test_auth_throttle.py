@@ -130,7 +130,8 @@ def test_lmq_logins_share_the_throttle_and_its_limits_are_options(broker_factory
         conn = http.client.HTTPConnection("127.0.0.1", http_port, timeout=20, source_address=(source, 0))
         try:
             token = base64.b64encode(f"guest:{password}".encode()).decode()
-            conn.request("POST", "/messages/throttled", body=b"x", headers={"Authorization": f"Basic {token}"})
+            conn.request("POST", "/messages/throttled", body=b"x",
+                         headers={"Authorization": f"Basic {token}"})
             return int(conn.getresponse().status)
         finally:
             conn.close()
