@@ -6,12 +6,18 @@ Each node advertises a relay's address as its replication URI, so every byte bet
 and the leader crosses the relay, which records it. The relay connects from the follower's own
 address, so the leader still knows its members by address. With ``--no-clustering-tls`` the same
 capture shows the magic and the bodies: the capture works, and the check can fail.
+
+The follower proxy's plain client ports (AMQP, HTTP, LMQ) tunnel over the same replication
+port, so the same capture shows whether client bytes cross between nodes in clear; the nodes
+there use different port numbers each (the leader announces its own). And SIGHUP reloads the
+replication listener's certificate without dropping the open links.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import os
 import shutil
@@ -42,15 +48,24 @@ def tls_cluster(tmp_path: Path,
     pki = make_pki(tmp_path / "pki")
     c = Cluster(tmp_path)
     amqps = free_port()  # the same TLS port on every node (each binds its own loopback address)
+    for n in c.nodes:
+        n.argv += tls_args(pki, "--amqp-tls-port", str(amqps), "--mgmt-tls-port", "-1", *request.param)
+    with _relayed(c) as relays:
+        yield c, relays, amqps
+
+
+@contextlib.contextmanager
+def _relayed(c: Cluster) -> Iterator[list[Relay]]:
+    """Each node advertises a recording relay in front of its replication port; the cluster and
+    the relays are closed on exit."""
     relays = []
     for n in c.nodes:
         relay = Relay((n.ip, n.repl_port), source=None, record=True, listen=n.ip)
         relays.append(relay)
         n.uri = f"tcp://{n.ip}:{relay.port}"
         n.argv[n.argv.index("--clustering-advertised-uri") + 1] = n.uri
-        n.argv += tls_args(pki, "--amqp-tls-port", str(amqps), "--mgmt-tls-port", "-1", *request.param)
     try:
-        yield c, relays, amqps
+        yield relays
     finally:
         c.close()
         for r in relays:
@@ -110,22 +125,13 @@ def proxy_cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tu
     included), each advertising a recording relay in front of its replication port."""
     pki = make_pki(tmp_path / "pki")
     c = Cluster(tmp_path)
-    relays = []
     for n in c.nodes:
-        relay = Relay((n.ip, n.repl_port), source=None, record=True, listen=n.ip)
-        relays.append(relay)
-        n.uri = f"tcp://{n.ip}:{relay.port}"
-        n.argv[n.argv.index("--clustering-advertised-uri") + 1] = n.uri
         n.tls_port, n.https_port, n.lmq_port = free_port(), free_port(), free_port()
         n.argv += tls_args(pki, "--amqp-tls-port", str(n.tls_port), "--mgmt-tls-port", str(n.https_port),
                            "--lmq-bind", n.ip, "--lmq-http-port", str(n.lmq_port),
                            "--lmq-rpc-port", str(free_port()), *request.param)
-    try:
+    with _relayed(c) as relays:
         yield c, relays
-    finally:
-        c.close()
-        for r in relays:
-            r.close()
 
 
 def _api(url: str, ctx: ssl.SSLContext | None = None) -> Any:
