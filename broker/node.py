@@ -19,8 +19,9 @@ serving. In a cluster the runner hands SIGHUP to it too (``NodeHost.reload``): t
 leader applies all of the above; a follower applies the log level at once and keeps
 the rest (trusted PROXY sources, definitions file) for when it leads, as the broker it
 then starts is built from the reloaded config and reads the TLS certificates afresh
-(a follower's proxies pass TLS through: it holds no certificate). Ports, addresses and
-the replication TLS settings need a restart on every node.
+(a follower's proxies pass client TLS through: it holds no client certificate). The
+runner reloads the replication link's certificates itself; ports and addresses need a
+restart on every node.
 """
 
 from __future__ import annotations
@@ -41,9 +42,10 @@ from typing import TYPE_CHECKING
 
 from broker import metrics, tls
 from broker.amqp.broker import Broker
+from broker.auth.throttle import LoginThrottle
 from broker.auth.users import UserStore
 from broker.auth.vhosts import VHostStore
-from broker.config import Config, ConfigError
+from broker.config import Config, ConfigError, MainConfig
 from broker.errors import ListenError
 from broker.http.definitions import DefinitionsError, import_definitions
 from broker.http.server import MgmtServer
@@ -71,6 +73,13 @@ log = logging.getLogger("skred")
 
 SHUTDOWN_REASON = "broker forced connection closure with reason 'shutdown'"
 _NOFILE_CAP = 1 << 20  # soft limit to ask for when the hard limit is "unlimited"
+
+
+def login_throttle(main: MainConfig) -> LoginThrottle:
+    """The failed-login throttle of ``[main] login_throttle_*`` (broker.auth.throttle)."""
+    return LoginThrottle(free=main.login_throttle_free, base=main.login_throttle_delay / 1000,
+                         max_interval=main.login_throttle_max_delay / 1000,
+                         max_wait=main.login_throttle_max_wait / 1000, quiet=main.login_throttle_forget)
 
 
 def raise_fd_limit() -> None:
@@ -134,7 +143,7 @@ class Node:
         shutil.rmtree(transient_root, ignore_errors=True)
         transient_root.mkdir(parents=True, exist_ok=True)
         users = UserStore(data_dir / "users.json", self.sink, cfg.main.default_user,
-                          cfg.main.default_password)
+                          cfg.main.default_password, throttle=login_throttle(cfg.main))
         vhost_names = self.vhost_store = VHostStore(data_dir / "vhosts.json", self.sink)
         self._files = SegmentFiles()
         syncer = self._syncer = Syncer(loop, cfg.main.sync, replicated=self.replicated,
@@ -221,7 +230,7 @@ class Node:
             return proxy.is_trusted(ip, cfg.mgmt.trusted_proxies, broker.trusted_peers)
 
         if cfg.mgmt.port >= 0:
-            listener = Listener("HTTP", factory, trusted)
+            listener = Listener("HTTP", factory, trusted, remap=broker.proxied_peers)
             self.http_listeners.append(listener)
             mgmt.http_address = await listening(
                 "mgmt.bind/mgmt.port, --mgmt-bind/--mgmt-port", cfg.mgmt.bind, cfg.mgmt.port,
@@ -247,7 +256,8 @@ class Node:
         path = cfg.main.data_dir / LMQ_PROPS_FILE
         sink = self.sink
         props = PropsStore(read_json(path, {}), lambda doc: write_json(path, doc, sink))
-        self.lmq = LMQServer(LMQ(vh, props, broker.syncer.after_sync), cfg.lmq, broker.users)
+        self.lmq = LMQServer(LMQ(vh, props, broker.syncer.after_sync), cfg.lmq, broker.users,
+                             broker.proxied_peers)
         await self.lmq.start()
 
     def release_lock(self) -> None:
@@ -258,12 +268,22 @@ class Node:
             lock.release()
 
     # ------------------------------------------- cluster.host.LeaderBroker (while leading)
-    def amqp_port(self) -> int:
-        return self.amqp_address[1] if self.amqp_address else 0
+    def client_addresses(self) -> dict[str, tuple[str, int]]:
+        mgmt, lmq = self.mgmt, self.lmq
+        found = {
+            "amqp": self.amqp_address,
+            "http": mgmt.http_address if mgmt is not None else None,
+            "amqps": mgmt.amqps_address if mgmt is not None else None,
+            "https": mgmt.https_address if mgmt is not None else None,
+            "lmq_http": lmq.http_address if lmq is not None else None,
+            "lmq_rpc": lmq.rpc_address if lmq is not None else None,
+        }
+        return {name: (str(a[0]), int(a[1])) for name, a in found.items() if a}
 
-    def http_port(self) -> int:
-        http = self.mgmt.http_address if self.mgmt is not None else None  # None: plain listener off
-        return http[1] if http else 0
+    @property
+    def proxied_peers(self) -> dict[tuple[str, int], tuple[str, int]]:
+        assert self.broker is not None, "not started"
+        return self.broker.proxied_peers
 
     def sync_started(self) -> float | None:
         return None if self._syncer is None else self._syncer.sync_started
@@ -312,8 +332,6 @@ class Node:
         log.info("imported definitions from %s", path)
 
     async def shutdown(self) -> None:
-        if RELOADER is not None and RELOADER.node is self:
-            RELOADER.node = None  # a SIGHUP from now on must not touch this stopped broker
         if self.lmq is not None:
             await self.lmq.stop()
             self.lmq = None

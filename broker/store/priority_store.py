@@ -15,14 +15,25 @@ A msgid is ``level << 64 | inner msgid``; the inner msgid is the sub-store's
 table. ``shift``/``peek`` serve the highest non-empty level first; within a
 level the order is the sub-store's (requeued first, then publish order). The
 rest of the ``QueueStore`` interface fans out to the sub-stores or sums them.
+
+``QuorumPriorityStore`` is RabbitMQ 4's message priority for quorum queues: always on, no
+``x-max-priority``, exactly two levels (a ``priority`` property above 4 is high, anything
+else, absent included, normal). While both levels hold ready messages, two of every three
+deliveries take the high head and every third takes the *older* of the two heads (by
+publish time; a tie goes to the normal one), so normal messages are never starved: a
+backlog of normal messages followed by high ones drains at two high per normal, while high
+messages published first are not overtaken by younger normal ones. The turn counts only
+deliveries made while both levels wait; while one level does, deliveries take its runs.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
+from broker import properties
+from broker.store.api import DeliverOne, DeliverSame, Delivery
 from broker.store.queue_store import QueueStore
 
 _SHIFT = 64
@@ -61,10 +72,16 @@ class PriorityStore:
     def _of(self, msgid: int) -> tuple[QueueStore, int]:
         return self._levels[msgid >> _SHIFT], msgid & _INNER
 
+    def _store_for(self, props: bytes | memoryview) -> tuple[int, QueueStore]:
+        """The level a message with ``props`` goes to, and that level's store."""
+        level = self.level_of(properties.priority(props))
+        return level, self._levels.get(level) or self._open(level)
+
     # ------------------------------------------------------------------ publishing
     def append(self, timestamp_ms: int, exchange: bytes, routing_key: bytes,
                props: bytes | memoryview, body: bytes | bytearray | memoryview) -> int:
-        return self.append_priority(0, timestamp_ms, exchange, routing_key, props, body)
+        return self.append_priority(properties.priority(props), timestamp_ms, exchange, routing_key,
+                                    props, body)
 
     def level_of(self, priority: int) -> int:
         """The level a message with this ``priority`` property is stored at."""
@@ -76,47 +93,67 @@ class PriorityStore:
         store = self._levels.get(level) or self._open(level)
         return (level << _SHIFT) | store.append(timestamp_ms, exchange, routing_key, props, body)
 
+    def append_taken(self, timestamp_ms: int, exchange: bytes, routing_key: bytes,
+                     props: bytes | memoryview, body: bytes | bytearray | memoryview) -> int:
+        level, store = self._store_for(props)
+        return (level << _SHIFT) | store.append_taken(timestamp_ms, exchange, routing_key, props, body)
+
+    def append_run(self, timestamp_ms: int, exrk: bytes, props: list[bytes], bodies: list[bytes],
+                   same: bool) -> None:
+        if same:
+            self._store_for(props[0])[1].append_run(timestamp_ms, exrk, props, bodies, True)
+            return
+        for p, body in zip(props, bodies, strict=True):
+            self._store_for(p)[1].append_run(timestamp_ms, exrk, [p], [body], True)
+
     # ------------------------------------------------------------------ consuming
-    def head_level(self) -> int | None:
-        """The level the next ``shift`` takes from (None: nothing is ready)."""
+    def shift(self) -> int | None:
         for level in self._order:
-            if self._levels[level].ready_count:
-                return level
+            store = self._levels[level]
+            if store.ready_count:
+                inner = store.shift()
+                if inner is not None:
+                    return (level << _SHIFT) | inner
         return None
 
-    def shift(self) -> int | None:
-        return self._head(True)
+    def next_delivery(self, autoack: bool) -> Delivery | None:
+        for level in self._order:
+            store = self._levels[level]
+            if store.ready_count:
+                got = store.next_delivery(autoack)
+                if got is not None:
+                    return (level << _SHIFT) | got[0], got[1], got[2], got[3], got[4]
+        return None
 
-    def peek(self) -> int | None:
-        return self._head(False)
-
-    def _head(self, take: bool) -> int | None:
-        level = self.head_level()
-        if level is None:
-            return None
-        store = self._levels[level]
-        inner = store.shift() if take else store.peek()
-        return None if inner is None else (level << _SHIFT) | inner
-
-    @property
-    def single_level(self) -> bool:
-        """Nothing ready above level 0: the queue is its base store's FIFO for now, and
-        deliveries may take the base store's runs (``deliver_run``, ``next_delivery``,
-        ``end_pass``: level 0 msgids are the base store's own)."""
-        levels = self._levels
-        return len(levels) == 1 or not any(s.ready_count for level, s in levels.items() if level)
-
-    def deliver_run(self, k: int, autoack: bool, deliver: Callable[[int, bytes, bytes, bytes, bool], None],
-                    max_bytes: int,
-                    deliver_same: Callable[[range, bytes, bytes, list[bytes]], None] | None = None,
-                    ) -> tuple[int, int, int]:
-        return self._base.deliver_run(k, autoack, deliver, max_bytes, deliver_same)
-
-    def next_delivery(self, autoack: bool) -> tuple[int, bytes, bytes, bytes, bool] | None:
-        return self._base.next_delivery(autoack)
+    def deliver_run(self, k: int, autoack: bool, deliver: DeliverOne, max_bytes: int,
+                    deliver_same: DeliverSame | None = None) -> tuple[int, int, int]:
+        """``QueueStore.deliver_run`` level by level, highest first, with the level in every msgid."""
+        n = red = nbytes = 0
+        for level in self._order:
+            store = self._levels[level]
+            if n >= k or nbytes > max_bytes:
+                break
+            if not store.ready_count:
+                continue
+            one, same = _at_level(level, deliver, deliver_same) if level else (deliver, deliver_same)
+            got = store.deliver_run(k - n, autoack, one, max_bytes - nbytes, same)
+            n += got[0]
+            red += got[1]
+            nbytes += got[2]
+        return n, red, nbytes
 
     def end_pass(self) -> None:
-        self._base.end_pass()
+        for s in self._levels.values():
+            s.end_pass()
+
+    def peek(self) -> int | None:
+        for level in self._order:
+            store = self._levels[level]
+            if store.ready_count:
+                inner = store.peek()
+                if inner is not None:
+                    return (level << _SHIFT) | inner
+        return None
 
     def read(self, msgid: int) -> tuple[int, bytes, bytes, bytes, bytes]:
         store, inner = self._of(msgid)
@@ -130,6 +167,13 @@ class PriorityStore:
         store, inner = self._of(msgid)
         store.ack(inner)
 
+    def ack_many(self, msgids: list[int]) -> None:
+        by_level: dict[int, list[int]] = {}
+        for msgid in msgids:
+            by_level.setdefault(msgid >> _SHIFT, []).append(msgid & _INNER)
+        for level, inner in by_level.items():
+            self._levels[level].ack_many(inner)
+
     def requeue(self, msgid: int) -> None:
         store, inner = self._of(msgid)
         store.requeue(inner)
@@ -138,6 +182,7 @@ class PriorityStore:
         store, inner = self._of(msgid)
         return store.is_redelivered(inner)
 
+    # delivery counts (x-delivery-count, delivery_counts.py): kept by the level's store
     @property
     def counting(self) -> bool:
         return any(s.counting for s in self._levels.values())
@@ -207,35 +252,97 @@ class QuorumPriorityStore(PriorityStore):
 
     def __init__(self, base: QueueStore) -> None:
         super().__init__(base, 1)
-        self._turn = 0  # deliveries since the last "older head" turn
+        self._turn = 0  # deliveries (while both levels waited) since the last "older head" turn
 
     def level_of(self, priority: int) -> int:
         return 1 if priority > self.HIGH_ABOVE else 0
 
-    def head_level(self) -> int | None:
+    def _both_wait(self) -> bool:
+        high = self._levels.get(1)
+        return self._base.ready_count > 0 and high is not None and high.ready_count > 0
+
+    def _head_level(self) -> int | None:
+        """The level the next delivery takes from; advances the turn when both levels wait."""
         normal = self._base
         high = self._levels.get(1)
-        has_high = high is not None and high.ready_count > 0
+        if not (high is not None and high.ready_count):
+            return 0 if normal.ready_count else None
         if not normal.ready_count:
-            return 1 if has_high else None
-        if not has_high:
-            return 0
-        assert high is not None
-        if self._turn < self.WEIGHT:
             return 1
-        n_head, h_head = normal.peek(), high.peek()
-        if n_head is None or h_head is None:
-            return 1 if n_head is None else 0
-        return 0 if normal.read_timestamp(n_head) <= high.read_timestamp(h_head) else 1
+        level = 1
+        if self._turn >= self.WEIGHT:
+            n_head, h_head = normal.peek(), high.peek()
+            if n_head is not None and (h_head is None or normal.read_timestamp(n_head)
+                                       <= high.read_timestamp(h_head)):
+                level = 0
+            self._turn = 0
+        else:
+            self._turn += 1
+        return level
+
+    def _peek_level(self) -> int | None:
+        turn = self._turn
+        level = self._head_level()
+        self._turn = turn
+        return level
 
     def shift(self) -> int | None:
-        high = self._levels.get(1)
-        both = self._base.ready_count > 0 and high is not None and high.ready_count > 0
-        msgid = super().shift()
-        if both:  # the turn counts only while both levels wait, so deliveries taken as runs
-            # from the base store (``single_level``) leave it where a one-by-one pass would
-            self._turn = 0 if self._turn >= self.WEIGHT else self._turn + 1
-        return msgid
+        level = self._head_level()
+        if level is None:
+            return None
+        inner = self._levels[level].shift()
+        return None if inner is None else (level << _SHIFT) | inner
+
+    def peek(self) -> int | None:
+        level = self._peek_level()
+        if level is None:
+            return None
+        inner = self._levels[level].peek()
+        return None if inner is None else (level << _SHIFT) | inner
+
+    def next_delivery(self, autoack: bool) -> Delivery | None:
+        level = self._head_level()
+        if level is None:
+            return None
+        got = self._levels[level].next_delivery(autoack)
+        if got is None:
+            return None
+        return (level << _SHIFT) | got[0], got[1], got[2], got[3], got[4]
+
+    def deliver_run(self, k: int, autoack: bool, deliver: DeliverOne, max_bytes: int,
+                    deliver_same: DeliverSame | None = None) -> tuple[int, int, int]:
+        """One by one while both levels wait (the weighted order), then the one level's runs."""
+        n = red = nbytes = 0
+        while n < k and nbytes <= max_bytes and self._both_wait():
+            got = self.next_delivery(autoack)
+            if got is None:
+                break
+            n += 1
+            red += got[4]
+            nbytes += len(got[3])
+            deliver(*got)
+        if n < k and nbytes <= max_bytes:
+            more = super().deliver_run(k - n, autoack, deliver, max_bytes - nbytes, deliver_same)
+            n, red, nbytes = n + more[0], red + more[1], nbytes + more[2]
+        return n, red, nbytes
+
+
+def _at_level(level: int, deliver: DeliverOne,
+              deliver_same: DeliverSame | None) -> tuple[DeliverOne, DeliverSame | None]:
+    """``deliver``/``deliver_same`` for a sub-store's msgids: the level goes into each msgid."""
+    top = level << _SHIFT
+
+    def one(msgid: int, exrk: bytes, props: bytes, body: bytes, redelivered: bool) -> None:
+        deliver(top | msgid, exrk, props, body, redelivered)
+
+    if deliver_same is None:
+        return one, None
+    run = deliver_same
+
+    def same(msgids: range, exrk: bytes, props: bytes, bodies: list[bytes]) -> None:
+        run(range(top | msgids.start, top | msgids.stop, msgids.step), exrk, props, bodies)
+
+    return one, same
 
 
 def sub_directory(directory: Path, level: int) -> Path:
