@@ -277,7 +277,11 @@ class LeaderSink:
     # ------------------------------------------------------------ server
     async def start(self, bind: str, port: int, tls: ssl.SSLContext | None = None) -> tuple[str, int]:
         """Listen for followers (over TLS with ``tls``: see ``broker.tls.ReplicationTLS``)."""
-        self._server = await asyncio.start_server(self._handle, bind, port, ssl=tls)
+        # a peer that never completes the TLS handshake goes as soon as a silent hello would,
+        # not after asyncio's default of 60 s
+        self._server = await asyncio.start_server(
+            self._handle, bind, port, ssl=tls,
+            ssl_handshake_timeout=HANDSHAKE_TIMEOUT if tls is not None else None)
         self._spawn(self._watchdog())
         sock = self._server.sockets[0].getsockname()
         return str(sock[0]), int(sock[1])
