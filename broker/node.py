@@ -180,6 +180,8 @@ class Node:
             mgmt.node_name = metrics.node_name(cfg.main.node_name, cfg.amqp.port)
             if cfg.clustering.enabled:  # every member reports the same rabbitmq_cluster label
                 mgmt.cluster_name = cfg.clustering.etcd_prefix
+            else:  # a lone node's cluster is named after it (RabbitMQ's default)
+                mgmt.cluster_name = mgmt.node_name
             if cfg.main.load_definitions:
                 self.load_definitions(Path(cfg.main.load_definitions))
             if tls.enabled(cfg.main):
@@ -214,6 +216,8 @@ class Node:
             log.info("AMQP listening on %s:%d", *self.amqp_address)
             if cfg.amqp.port == 0:  # the name tells nodes on one host apart by the port they got
                 mgmt.node_name = metrics.node_name(cfg.main.node_name, self.amqp_address[1])
+                if not cfg.clustering.enabled:
+                    mgmt.cluster_name = mgmt.node_name
         if self.tls is not None and cfg.amqp.tls_port >= 0:
             mgmt.amqps_address = await listening(
                 "amqp.bind/amqp.tls_port, --amqp-bind/--amqp-tls-port", cfg.amqp.bind, cfg.amqp.tls_port,

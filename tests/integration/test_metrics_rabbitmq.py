@@ -273,6 +273,8 @@ def test_nodes_on_one_host_have_unique_names(mb: SkredProcess, tmp_path: Path) -
             assert api.get(f"/api/nodes/{urllib.parse.quote(overview, safe='')}")["name"] == overview
             assert api.get(f"/api/queues/%2F/{qn}")["node"] == overview
             assert _identity(b) == overview
+            # a lone node's cluster is named after the node (RabbitMQ's default cluster_name)
+            assert api.get("/api/cluster-name")["name"] == overview
             conn.close()
             names.append(overview)
         host = names[0].split("@", 1)[1]
