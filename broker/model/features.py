@@ -592,7 +592,7 @@ class QueueFeatures:
             return deadletter.set_header(props, "x-delivery-count", n)
         return props
 
-    # ------------------------------------------------- hooks of Queue._deliver
+    # ------------------------------------------ hooks of ClassicQueue._deliver
     @property
     def per_message(self) -> bool:
         """Whether deliveries need this queue's per-message work; without it the queue
@@ -634,7 +634,7 @@ class QueueFeatures:
         if not more and self.expiring and not self._grace:
             self.arm_expiry()
 
-    # ------------------------------------------------- hooks of Queue.get and settlement
+    # ------------------------------------------ hooks of ClassicQueue.get and settlement
     def before_get(self) -> None:
         self.touch()
         if self.expiring:
