@@ -14,7 +14,8 @@ an accept loop on a non-blocking socket. For each accepted connection it
 
 A peer found in ``remap`` (a cluster leader's own end of a follower's client
 tunnel, recorded before its first byte was sent) is reported as the client
-address that map names.
+address that map names; a PROXY header on such a leg was written by that
+client, so the client's address, not the leg's, decides whether it is trusted.
 
 Then the socket is handed to ``loop.connect_accepted_socket`` with the
 listener's current TLS context, if any: the header travels in clear before
@@ -120,7 +121,8 @@ class Listener:
                 lambda: self.factory(real), conn, ssl=ctx,
                 ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT if ctx is not None else None)
         except _Refused as exc:
-            log.warning("%s: closed connection from %s:%d: %s", self.name, peer[0], peer[1], exc)
+            who = self.remap.get(peer, peer)
+            log.warning("%s: closed connection from %s:%d: %s", self.name, who[0], who[1], exc)
             conn.close()
         except TimeoutError:
             log.info("%s: connection from %s:%d sent nothing in time", self.name, peer[0], peer[1])
@@ -150,7 +152,8 @@ class Listener:
             if kind is proxy.Sniff.MORE:
                 await asyncio.sleep(_PARTIAL_WAIT)
                 continue
-            if not self.trusted(peer[0]):
+            # on a tunnel leg the client wrote the header: its address decides, not the leg's
+            if not self.trusted(self.remap.get(peer, peer)[0]):
                 raise _Refused("PROXY header from an untrusted peer")
             try:
                 parsed = proxy.parse(data)
