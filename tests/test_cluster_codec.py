@@ -200,3 +200,11 @@ def test_heartbeat_is_a_counted_message() -> None:
     msg = codec.encode(codec.HEARTBEAT, b"")
     [m] = codec.MessageReader().feed(msg)
     assert m.kind == codec.HEARTBEAT and m.size == len(msg) > 0
+
+
+@pytest.mark.parametrize("host", ["not-an-ip", "10.0.0.1\nforged log line", ""])
+def test_tunnel_hello_names_its_client_by_an_ip_address(host: str) -> None:
+    """The client address becomes the connection's peer on the leader (logs, the loopback rule
+    of guest): anything but an IP address is refused before any of that sees it."""
+    with pytest.raises(codec.CodecError):
+        codec.parse_opening(codec.encode_tunnel_hello(b"s" * 32, codec.AMQP_PORT, (host, 1)))

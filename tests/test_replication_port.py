@@ -167,3 +167,19 @@ def test_a_member_tunnel_is_spliced_and_forgotten_when_it_ends(tmp_path: Path) -
             listener.close()
 
     _run(tmp_path, body)
+
+
+def test_a_refused_version_logs_the_peers_strings_escaped(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Whoever connects chooses the node id of a hello: a refusal must not let it write lines
+    of its own into the log."""
+    async def body(sink: LeaderSink, port: int) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(codec.encode_hello(b"x" * 32, "n1\nWARNING forged line", version=codec.VERSION + 1))
+        assert codec.parse_welcome(await _until_closed(reader)).status == codec.BAD_VERSION
+        writer.close()
+
+    with caplog.at_level(logging.WARNING, logger="broker.cluster.leader"):
+        _run(tmp_path, body)
+    assert "protocol version" in caplog.text
+    assert "\nWARNING forged line" not in caplog.text

@@ -44,6 +44,7 @@ a follower write outside its data directory.
 
 from __future__ import annotations
 
+import ipaddress
 import struct
 from dataclasses import dataclass
 from typing import Final, NamedTuple
@@ -216,8 +217,9 @@ def parse_opening(buf: bytes) -> tuple[Hello | TunnelHello, int] | None:
         raise CodecError(f"tunnel to unknown client port {port}")
     try:
         client = (host.decode("ascii"), _U16.unpack(client_port)[0])
-    except UnicodeDecodeError:
-        raise CodecError("client address is not ASCII") from None
+        ipaddress.ip_address(client[0])  # as the follower saw it, unchanged; nothing else
+    except (UnicodeDecodeError, ValueError):
+        raise CodecError("client address is not an IP address") from None
     return TunnelHello(version, secret, port, client), cur.pos
 
 

@@ -324,7 +324,7 @@ class LeaderSink:
         kind = "follower" if isinstance(hello, codec.Hello) else "tunnel"
         who = hello.node_id if isinstance(hello, codec.Hello) else f"from {hello.client[0]}"
         if hello.version != codec.VERSION:
-            log.warning("refused %s %s at %s: protocol version %d", kind, who, peer, hello.version)
+            log.warning("refused %s %r at %s: protocol version %d", kind, who, peer, hello.version)
             writer.write(self._refusal(hello, codec.BAD_VERSION))
             writer.close()
             return
