@@ -145,14 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     tls = p.add_argument_group("TLS (with an https:// URL)")
     tls.add_argument("--cacert", "--ssl-ca-cert-file", "--tls-ca-cert-file", metavar="FILE",
-                     default=os.environ.get("SKREDCTL_CACERT"),
                      help="PEM CA bundle that verifies the broker's certificate (default: the system's; "
                           "env SKREDCTL_CACERT)")
     tls.add_argument("--cert", "--ssl-cert-file", "--tls-cert-file", metavar="FILE",
-                     default=os.environ.get("SKREDCTL_CERT"),
                      help="PEM client certificate (chain) to present (env SKREDCTL_CERT)")
     tls.add_argument("--key", "--ssl-key-file", "--tls-key-file", metavar="FILE",
-                     default=os.environ.get("SKREDCTL_KEY"),
                      help="PEM private key of --cert (default: in the --cert file; env SKREDCTL_KEY)")
     tls.add_argument("-k", "--insecure", action="store_true",
                      help="do not verify the broker's certificate or host name (testing only)")
@@ -197,9 +194,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _tls_files(args: argparse.Namespace) -> tuple[str | None, str | None, str | None]:
+    """--cacert, --cert, --key; for an https:// URL, SKREDCTL_CACERT/_CERT/_KEY fill in the ones not
+    given (a shell set up for an HTTPS broker still runs commands against a plain one)."""
+    if urllib.parse.urlsplit(args.url).scheme != "https":
+        return args.cacert, args.cert, args.key
+    env = os.environ
+    return (args.cacert or env.get("SKREDCTL_CACERT"), args.cert or env.get("SKREDCTL_CERT"),
+            args.key or env.get("SKREDCTL_KEY"))
+
+
 def run(args: argparse.Namespace, out: Any) -> None:
-    c = Client(args.url, args.user, args.password,
-               tls_context(args.url, args.cacert, args.cert, args.key, args.insecure))
+    c = Client(args.url, args.user, args.password, tls_context(args.url, *_tls_files(args), args.insecure))
     cmd = args.command
     done: str | None = None
     if cmd == "status":
