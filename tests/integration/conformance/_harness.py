@@ -1,0 +1,81 @@
+"""Run one scenario against the reference (RabbitMQ) and Skred, and diff what the client saw.
+
+Theory of operation: a ``Target`` names a broker's host and ports. ``run`` executes a scenario
+against one target and returns its ``Run`` (transcript, close texts); an exception inside the
+scenario (a read that timed out, a socket error) is recorded as the transcript's last entry, so
+it is diffed like any other observation. ``compare`` runs both targets at once on two threads
+(the brokers are independent; a scenario's own steps stay sequential) and returns a ``Result``
+whose ``diff`` is a unified diff of the pretty-printed transcripts, or ``""`` when equal.
+"""
+
+from __future__ import annotations
+
+import difflib
+import pprint
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from .allowlist import FIELDS
+from ._wire import Record, Run
+
+Scenario = Any  # Callable[[Run], None]; HTTP scenarios take the same Run
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    host: str
+    port: int
+    mgmt_port: int
+
+
+@dataclass
+class Result:
+    reference: Run
+    skred: Run
+    diff: str
+
+    @property
+    def reference_error(self) -> str | None:
+        last = self.reference.transcript[-1] if self.reference.transcript else ()
+        return str(last) if last and last[0] == "error" else None
+
+    def report(self) -> str:
+        texts = "\n".join(f"  rabbitmq: {t}" for t in self.reference.texts)
+        texts += "\n" + "\n".join(f"  skred:    {t}" for t in self.skred.texts)
+        return f"{self.diff}\nclose texts:\n{texts}"
+
+
+def run(scn: Scenario, target: Target) -> Run:
+    r = Run(target.name, target.host, target.port, target.mgmt_port)
+    try:
+        scn(r)
+    except Exception as exc:  # noqa: BLE001 - the failure is the observation, diffed like others
+        r.transcript.append(("error", type(exc).__name__, r.norm(str(exc))[:300]))
+    finally:
+        r.close()
+    return r
+
+
+def allowlisted(rec: Record) -> Record:
+    """The record with the fields ``allowlist.FIELDS`` names for its method replaced."""
+    if len(rec) == 4 and isinstance(rec[3], dict):
+        hidden = {f for (m, f) in FIELDS if m == rec[2]}
+        if hidden:
+            return (*rec[:3], {k: ("<allowlisted>" if k in hidden else v) for k, v in rec[3].items()})
+    return rec
+
+
+def render(r: Run) -> list[str]:
+    return [pprint.pformat(allowlisted(rec), width=110, sort_dicts=True) for rec in r.transcript]
+
+
+def compare(scn: Scenario, reference: Target, skred: Target) -> Result:
+    with ThreadPoolExecutor(2) as pool:
+        fa, fb = pool.submit(run, scn, reference), pool.submit(run, scn, skred)
+        a, b = fa.result(), fb.result()
+    ra, rb = render(a), render(b)
+    diff = "" if ra == rb else "\n".join(
+        difflib.unified_diff(ra, rb, reference.name, skred.name, lineterm="", n=3))
+    return Result(a, b, diff)
