@@ -164,6 +164,11 @@ def parse_arguments(arguments: dict[str, Any], queue: str, vhost: str) -> QueueC
     """The queue-argument part of the config; 406 PRECONDITION_FAILED on a bad argument."""
     if not arguments:
         return _PLAIN
+    mode = arguments.get("x-queue-mode", "default")
+    if mode not in ("default", "lazy", b"default", b"lazy"):  # RabbitMQ's two; lazy is a no-op here
+        raise errors.PreconditionFailed(
+            f"invalid arg 'x-queue-mode' for queue '{queue}' in vhost '{vhost}': "
+            f"\"unsupported queue mode '{mode}'\"", 50, 10)
     fields: dict[str, Any] = {}
     for key, value in arguments.items():
         spec = _ARGS.get(key)

@@ -227,7 +227,9 @@ class VHost:
 
     def delete_exchange(self, name: str, if_unused: bool = False) -> None:
         if name == "" or name.startswith("amq."):
-            raise errors.AccessRefused(f"operation not permitted on the default exchange '{name}'")
+            raise errors.AccessRefused("operation not permitted on the default exchange" if not name
+                                       else f"deletion of system exchange '{name}' in vhost "
+                                       f"'{self.name}' refused")
         ex = self.exchanges.get(name)
         if ex is None:
             return  # RabbitMQ: deleting a missing exchange is ok
@@ -247,10 +249,7 @@ class VHost:
         if q is None:
             raise errors.NotFound(f"no queue '{name}' in vhost '{self.name}'")
         if q.exclusive_owner is not None and q.exclusive_owner is not owner:
-            raise errors.ResourceLocked(
-                f"cannot obtain exclusive access to locked queue '{name}' in vhost '{self.name}'. "
-                "It could be originally declared on another connection or the exclusive property "
-                "value does not match that of the original declaration.")
+            raise errors.ResourceLocked(_locked(name, self.name))
         return q
 
     def declare_queue(
@@ -279,6 +278,8 @@ class VHost:
             for what, cur, new in (("durable", q.durable, durable),
                                    ("exclusive", q.exclusive_owner is not None, exclusive),
                                    ("auto_delete", q.auto_delete, auto_delete)):
+                if cur != new and what == "exclusive":  # RabbitMQ: 405, as for another's queue
+                    raise errors.ResourceLocked(_locked(name, self.name))
                 if cur != new:
                     raise errors.PreconditionFailed(
                         f"inequivalent arg '{what}' for queue '{name}' in vhost '{self.name}': "
@@ -381,6 +382,8 @@ class VHost:
             raise errors.AccessRefused("operation not permitted on the default exchange")
         if queue not in self.queues or exchange not in self.exchanges:
             return  # RabbitMQ: unbinding from a queue or exchange that is gone is ok
+        if not self.exchanges[exchange].is_bound(self.queues[queue], routing_key, arguments):
+            return  # ... and so is a binding that does not exist, before any exclusivity check
         q = self.get_queue(queue, owner)
         ex = self.get_exchange(exchange)
         if ex.unbind(q, routing_key, arguments):
@@ -449,3 +452,9 @@ class VHost:
             except Exception:  # keep closing the rest
                 log.exception("closing queue %s", q.name)
         self.definitions.close()
+
+
+def _locked(queue: str, vhost: str) -> str:
+    return (f"cannot obtain exclusive access to locked queue '{queue}' in vhost '{vhost}'. It could "
+            "be originally declared on another connection or the exclusive property value does not "
+            "match that of the original declaration.")

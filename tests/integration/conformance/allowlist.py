@@ -23,4 +23,29 @@ FIELDS: dict[tuple[str, str], str] = {
         "clients ignore it",
 }
 
-SCENARIOS: dict[str, str] = {}
+SCENARIOS: dict[str, str] = {
+    "amqp.conn_channel_above_channel_max":
+        "the spec's channel-max is the highest channel number: Skred refuses channel 6 of 5 with "
+        "504; RabbitMQ counts open channels and opens it",
+    "amqp.conn_frame_max_below_minimum":
+        "a bad tune-ok: Skred says why (530 NOT_ALLOWED, 'frame_max 1024 below minimum 4096') "
+        "before closing; RabbitMQ closes the socket without a word",
+    "amqp.conn_frame_max_above_server":
+        "a bad tune-ok: Skred answers 530 with the reason; RabbitMQ closes the socket silently",
+    "amqp.conn_heartbeat_on_channel":
+        "the spec: a heartbeat on a non-zero channel is 501 FRAME_ERROR (RabbitMQ: 505)",
+    "amqp.conn_unknown_method":
+        "an unknown method: Skred closes with 540 NOT_IMPLEMENTED naming it; RabbitMQ drops the "
+        "socket",
+    "amqp.conn_unknown_class":
+        "an unknown class: 540 NOT_IMPLEMENTED naming it; RabbitMQ drops the socket",
+    "amqp.conn_truncated_method":
+        "undecodable method arguments: the spec's 502 SYNTAX_ERROR (RabbitMQ: 501 FRAME_ERROR); the "
+        "class/method ids agree",
+    "amqp.channel_flow":
+        "channel.flow(active=false) is implemented (deliveries pause, flow-ok); RabbitMQ answers "
+        "540 NOT_IMPLEMENTED",
+    "amqp.basic_recover":
+        "basic.recover(requeue=false) redelivers to the same channel as the spec says; RabbitMQ "
+        "answers 540 NOT_IMPLEMENTED",
+}

@@ -1,0 +1,47 @@
+"""The conformance harness: every scenario against RabbitMQ 3.10 and Skred, transcripts diffed.
+
+A scenario passes when both brokers showed the client the same thing (after ``_wire``'s
+normalisation and ``allowlist.FIELDS``). A scenario in ``allowlist.SCENARIOS`` must still differ
+(a stale entry fails). A scenario that errors against RabbitMQ itself is a broken scenario and
+fails. At the end of the session a summary line counts equal / allowlisted / different.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+
+from . import allowlist
+from ._harness import Target, compare
+from .scenarios_amqp import SCENARIOS as AMQP
+from .scenarios_http import SCENARIOS as HTTP
+
+ALL = {**{f"amqp.{k}": v for k, v in AMQP.items()}, **{f"http.{k}": v for k, v in HTTP.items()}}
+TALLY: Counter[str] = Counter()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def summary() -> Iterator[None]:
+    yield
+    print(f"\nconformance: {sum(TALLY.values())} scenarios, {TALLY['equal']} equal, "
+          f"{TALLY['allowlisted']} allowlisted, {TALLY['different']} different")
+
+
+def test_allowlist_names_real_scenarios() -> None:
+    assert set(allowlist.SCENARIOS) <= set(ALL), set(allowlist.SCENARIOS) - set(ALL)
+
+
+@pytest.mark.parametrize("name", sorted(ALL))
+def test_scenario(name: str, targets: tuple[Target, Target]) -> None:
+    res = compare(ALL[name], *targets)
+    assert res.reference_error is None, (
+        f"scenario {name} fails against RabbitMQ itself: {res.reference_error}")
+    reason = allowlist.SCENARIOS.get(name)
+    if reason is not None:
+        TALLY["allowlisted"] += 1
+        assert res.diff, f"{name} now agrees with RabbitMQ: remove its allowlist entry ({reason})"
+        return
+    TALLY["equal" if not res.diff else "different"] += 1
+    assert not res.diff, f"{name}: Skred differs from RabbitMQ\n{res.report()}"
