@@ -185,17 +185,6 @@ async def aliveness(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
-@routes.get("/api/health/checks/alarms")
-async def health_alarms(request: web.Request) -> web.Response:
-    mgmt = request.app[MGMT_KEY]
-    resources = mgmt.broker.alarm.resources()
-    if resources:
-        return web.json_response({"status": "failed", "reason": "resource alarm(s) in effect",
-                                  "alarms": [{"resource": r, "node": mgmt.node_name} for r in resources]},
-                                 status=503)
-    return web.json_response({"status": "ok"})
-
-
 @routes.get("/api/disk-free-limit")
 async def get_disk_free_limit(request: web.Request) -> web.Response:
     """The free-disk alarm threshold in force (``[main] free_disk_min``), free space, alarm state."""

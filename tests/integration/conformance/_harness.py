@@ -11,14 +11,16 @@ whose ``diff`` is a unified diff of the pretty-printed transcripts, or ``""`` wh
 from __future__ import annotations
 
 import difflib
+import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from .allowlist import FIELDS
+from .allowlist import FIELDS, HTTP_KEYS
 from ._wire import Record, Run
 
 Scenario = Any  # Callable[[Run], None]; HTTP scenarios take the same Run
+HTTP_KEY_PATTERNS = [re.compile(p) for p in HTTP_KEYS]
 
 
 @dataclass(frozen=True)
@@ -71,11 +73,18 @@ def render(r: Run) -> list[str]:
 
 
 def reconcile(a: Run, b: Run) -> None:
-    """HTTP key sets compare one way: Skred's set is cut to the keys RabbitMQ sent, so only a
-    key RabbitMQ has and Skred lacks shows in the diff (keys only Skred has are no difference)."""
+    """HTTP key sets compare one way: RabbitMQ's keys less those ``allowlist.HTTP_KEYS`` names,
+    and Skred's set cut to them, so only a key RabbitMQ has and Skred lacks shows in the diff.
+    Where either side sent no key set (an empty list, no JSON body) only the status is compared."""
     for i, (ra, rb) in enumerate(zip(a.transcript, b.transcript, strict=False)):
-        if ra[0] == rb[0] == "http" and isinstance(ra[4], list) and isinstance(rb[4], list):
-            b.transcript[i] = (*rb[:4], [k for k in rb[4] if k in set(ra[4])])
+        if not ra[0] == rb[0] == "http":
+            continue
+        if not (isinstance(ra[4], list) and isinstance(rb[4], list)):
+            a.transcript[i], b.transcript[i] = (*ra[:4], None), (*rb[:4], None)
+            continue
+        wanted = [k for k in ra[4] if not any(p.fullmatch(k) for p in HTTP_KEY_PATTERNS)]
+        a.transcript[i] = (*ra[:4], wanted)
+        b.transcript[i] = (*rb[:4], [k for k in rb[4] if k in set(wanted)])
 
 
 def compare(scn: Scenario, reference: Target, skred: Target) -> Result:

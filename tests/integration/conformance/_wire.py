@@ -60,6 +60,7 @@ class Run:
         self.transcript: list[Record] = []
         self.texts: list[str] = []
         self.conns: list[Conn] = []
+        self.node_names: list[str] = []  # the broker's node names, hidden in HTTP paths
 
     def name(self, logical: str) -> str:
         """A name unique to this run for the scenario's logical name ``logical``."""
@@ -75,6 +76,7 @@ class Run:
         if isinstance(value, str):
             for logical, real in self.names.items():
                 value = value.replace(real, f"<{logical}>")
+            value = value.replace(self.tag, "<tag>")
             return _CTAG.sub("amq.ctag-*", _GEN.sub("amq.gen-*", value))
         if isinstance(value, bytes):
             return value
