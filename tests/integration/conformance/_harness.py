@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import re
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ from ._wire import Record, Run
 
 Scenario = Any  # Callable[[Run], None]; HTTP scenarios take the same Run
 HTTP_KEY_PATTERNS = [re.compile(p) for p in HTTP_KEYS]
+TALLY: Counter[str] = Counter()  # scenario outcomes of this session: equal / allowlisted / different
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import pytest
 
 from .._support import SkredProcess, free_port, is_external, wait_until
 from ..test_mgmt_api import http_ready
-from ._harness import Target
+from ._harness import TALLY, Target
 from ._rabbit import RabbitProcess, missing
 
 
@@ -45,3 +45,10 @@ def targets(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Target, 
     finally:
         skred.close()
         rabbit.close()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if TALLY:
+        terminalreporter.write_line(
+            f"conformance vs RabbitMQ: {sum(TALLY.values())} scenarios, {TALLY['equal']} equal, "
+            f"{TALLY['allowlisted']} allowlisted (deliberate), {TALLY['different']} different")

@@ -3,30 +3,19 @@
 A scenario passes when both brokers showed the client the same thing (after ``_wire``'s
 normalisation and ``allowlist.FIELDS``). A scenario in ``allowlist.SCENARIOS`` must still differ
 (a stale entry fails). A scenario that errors against RabbitMQ itself is a broken scenario and
-fails. At the end of the session a summary line counts equal / allowlisted / different.
+fails. The terminal summary counts equal / allowlisted / different (conftest.py).
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Iterator
-
 import pytest
 
 from . import allowlist
-from ._harness import Target, compare
+from ._harness import TALLY, Target, compare
 from .scenarios_amqp import SCENARIOS as AMQP
 from .scenarios_http import SCENARIOS as HTTP
 
 ALL = {**{f"amqp.{k}": v for k, v in AMQP.items()}, **{f"http.{k}": v for k, v in HTTP.items()}}
-TALLY: Counter[str] = Counter()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def summary() -> Iterator[None]:
-    yield
-    print(f"\nconformance: {sum(TALLY.values())} scenarios, {TALLY['equal']} equal, "
-          f"{TALLY['allowlisted']} allowlisted, {TALLY['different']} different")
 
 
 def test_allowlist_names_real_scenarios() -> None:
