@@ -1030,4 +1030,4 @@ def _expand_empty_queue(chs: ChannelState, method: PFrame) -> None:
         raise errors.NotFound("no previously declared queue")
     if isinstance(method, commands.Queue.Bind) and not method.routing_key:
         method.routing_key = chs.last_queue  # an empty key with it: the queue's name (RabbitMQ)
-    method.queue = chs.last_queue  # type: ignore[union-attr]
+    method.queue = chs.last_queue  # type: ignore[attr-defined]

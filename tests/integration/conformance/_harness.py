@@ -17,8 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from .allowlist import FIELDS, HTTP_KEYS
 from ._wire import Record, Run
+from .allowlist import FIELDS, HTTP_KEYS
 
 Scenario = Any  # Callable[[Run], None]; HTTP scenarios take the same Run
 HTTP_KEY_PATTERNS = [re.compile(p) for p in HTTP_KEYS]

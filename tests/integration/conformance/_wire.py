@@ -154,8 +154,8 @@ class Conn:
             try:
                 _, ch, m = pframe.unmarshal(frame_bytes(ftype, channel, payload))
             except Exception:  # noqa: BLE001 - a method pamqp does not know (access.request-ok)
-                ids = int.from_bytes(payload[0:2], "big"), int.from_bytes(payload[2:4], "big")
-                return (self.cid, channel, "method-%d-%d" % ids, payload[4:])
+                cls, mth = int.from_bytes(payload[0:2], "big"), int.from_bytes(payload[2:4], "big")
+                return (self.cid, channel, f"method-{cls}-{mth}", payload[4:])
             assert isinstance(m, Frame)
             rec = _method_record(self.run, self.cid, ch, m)
             if isinstance(m, commands.Channel.Close):

@@ -13,9 +13,8 @@ from collections.abc import Callable
 
 from pamqp import commands as C
 
-from .._raw import FRAME_BODY, FRAME_HEADER, FRAME_HEARTBEAT, FRAME_METHOD, frame_bytes, method_bytes
+from .._raw import FRAME_BODY, FRAME_HEADER, FRAME_HEARTBEAT, FRAME_METHOD, RawConn, frame_bytes, method_bytes
 from .._raw import header_payload as hp
-from .._raw import RawConn
 from ._wire import READ_TIMEOUT, Conn, Run
 
 Scenario = Callable[[Run], None]

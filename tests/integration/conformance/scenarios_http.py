@@ -259,8 +259,8 @@ def pagination_and_sorting(r: Run) -> None:
                         "&sort=name")
     if isinstance(page, dict):
         r.note("page 2", [x.get("name") for x in page.get("items", [])])
-    call(r, "GET", f"/api/queues?page=0&page_size=2")
-    call(r, "GET", f"/api/queues?page=1&page_size=1000")
+    call(r, "GET", "/api/queues?page=0&page_size=2")
+    call(r, "GET", "/api/queues?page=1&page_size=1000")
     call(r, "GET", f"/api/queues/{vh}?columns=name,messages&name={flt}&use_regex=true")
     for n in names:
         call(r, "DELETE", f"/api/queues/{vh}/{q(n)}")
