@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from . import allowlist
+from . import allowlist, scenarios_basic, scenarios_connection, scenarios_topology  # noqa: F401 - they register
 from ._harness import TALLY, Target, compare
-from .scenarios_amqp import SCENARIOS as AMQP
+from ._steps import SCENARIOS as AMQP
 from .scenarios_http import SCENARIOS as HTTP
 
 ALL = {**{f"amqp.{k}": v for k, v in AMQP.items()}, **{f"http.{k}": v for k, v in HTTP.items()}}

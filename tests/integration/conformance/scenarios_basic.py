@@ -1,0 +1,379 @@
+"""AMQP scenarios: publish, get, consume, acks, recover, qos, transactions and confirms."""
+
+from __future__ import annotations
+
+from pamqp import commands as C
+
+from .._raw import FRAME_HEADER, frame_bytes
+from .._raw import header_payload as hp
+from ._steps import declare_q, deliveries, fill, get, scenario
+from ._wire import Run
+
+
+# -- basic ---------------------------------------------------------------------------------------
+@scenario
+def basic_publish_get_roundtrip(r: Run) -> None:
+    c = r.conn()
+    q = r.name("q")
+    declare_q(c, q, exclusive=True)
+    props = C.Basic.Properties(
+        content_type="text/plain", content_encoding="utf-8", headers={"h": "v", "n": 1, "t": True},
+        delivery_mode=2, priority=3, correlation_id="cid", reply_to="rt", expiration="60000",
+        message_id="mid", timestamp=None, message_type="type", user_id="guest", app_id="app")
+    c.publish(1, "", q, b"all properties", props)
+    c.publish(1, "", q, b"")
+    get(c, q)
+    get(c, q)
+    get(c, q)
+    c.close()
+
+
+@scenario
+def basic_large_body_frames(r: Run) -> None:
+    c = r.conn(frame_max=4096)
+    q = r.name("q")
+    declare_q(c, q, exclusive=True)
+    c.publish(1, "", q, bytes(range(256)) * 40)  # 10240 bytes: 3 body frames each way
+    get(c, q)
+    c.close()
+
+
+@scenario
+def basic_publish_wrong_user_id(r: Run) -> None:
+    c = r.conn()
+    c.publish(1, "", "x", b"x", C.Basic.Properties(user_id="someone-else"))
+    c.until("Channel.Close")
+    c.close()
+
+
+@scenario
+def basic_publish_missing_exchange(r: Run) -> None:
+    c = r.conn()
+    c.publish(1, r.name("missing"), "k", b"x")
+    c.until("Channel.Close")
+    c.close()
+
+
+@scenario
+def basic_mandatory_return_and_confirm(r: Run) -> None:
+    c = r.conn()
+    c.call(1, C.Confirm.Select())
+    c.publish(1, "amq.direct", "nobody", b"returned", mandatory=True)
+    deliveries(c, 2)  # basic.return (+content), then basic.ack
+    c.publish(1, "amq.direct", "nobody", b"dropped")
+    c.recv(1)
+    c.close()
+
+
+@scenario
+def basic_immediate(r: Run) -> None:
+    c = r.conn()
+    c.send(1, C.Basic.Publish(exchange="", routing_key="x", immediate=True))
+    c.send_bytes(frame_bytes(FRAME_HEADER, 1, hp(0, C.Basic.Properties())))
+    c.until("Connection.Close")
+
+
+@scenario
+def basic_get_empty_and_missing(r: Run) -> None:
+    c = r.conn()
+    declare_q(c, r.name("q"), exclusive=True)
+    get(c, r.name("q"))
+    get(c, r.name("missing"))
+    c.close()
+
+
+@scenario
+def basic_consume_cancel(r: Run) -> None:
+    c = r.conn()
+    q = r.name("q")
+    declare_q(c, q, exclusive=True)
+    fill(c, q, 2)
+    c.call(1, C.Basic.Consume(queue=q, consumer_tag="t1", no_ack=True))
+    deliveries(c, 2)
+    c.call(1, C.Basic.Cancel(consumer_tag="t1"))
+    c.call(1, C.Basic.Cancel(consumer_tag="never"))
+    c.call(1, C.Basic.Consume(queue=q, consumer_tag=""))  # server-named tag
+    c.close()
+
+
+@scenario
+def basic_consume_errors(r: Run) -> None:
+    c = r.conn()
+    q = r.name("q")
+    declare_q(c, q, exclusive=True)
+    c.call(1, C.Basic.Consume(queue=r.name("missing")))
+    c.call(1, C.Channel.Open())
+    c.call(1, C.Basic.Consume(queue=q, consumer_tag="t", exclusive=True))
+    c.call(2, C.Channel.Open())
+    c.call(2, C.Basic.Consume(queue=q, consumer_tag="t2"))
+    c.call(1, C.Basic.Consume(queue=q, consumer_tag="t"))
+    c.until("Connection.Close")
+
+
+@scenario
+def basic_consume_exclusive_after_other(r: Run) -> None:
+    c = r.conn()
+    q = r.name("q")
+    declare_q(c, q, exclusive=True)
+    c.call(1, C.Basic.Consume(queue=q, consumer_tag="t"))
+    c.call(2, C.Channel.Open())
+    c.call(2, C.Basic.Consume(queue=q, consumer_tag="t2", exclusive=True))
+    c.close()
+
+
+@scenario
+def basic_ack_errors(r: Run) -> None:
+    c = r.conn()
+    q = r.name("q")
+    declare_q(c, q, exclusive=True)
+    fill(c, q, 2)
+    get(c, q, no_ack=False)
+    c.send(1, C.Basic.Ack(delivery_tag=1))
+    c.send(1, C.Basic.Ack(delivery_tag=1))
+    c.until("Channel.Close")
+    c.call(1, C.Channel.Open())
+    c.send(1, C.Basic.Ack(delivery_tag=7))
+    c.until("Channel.Close")
+    c.call(1, C.Channel.Open())
+    c.send(1, C.Basic.Reject(delivery_tag=3))
+    c.until("Channel.Close")
+    c.call(1, C.Channel.Open())
+    c.send(1, C.Basic.Nack(delivery_tag=0, multiple=False))
+    c.until("Channel.Close")
+    c.close()
+
+
+@scenario
+def basic_ack_multiple_zero(r: Run) -> None:
+    c = r.conn()
+    q = r.name("q")
+    declare_q(c, q, exclusive=True)
+    fill(c, q, 3)
+    for _ in range(3):
+        get(c, q, no_ack=False)
+    c.send(1, C.Basic.Ack(delivery_tag=0, multiple=True))
+    c.call(1, C.Basic.Recover(requeue=True))
+    get(c, q)
+    c.close()
+
+
+@scenario
+def basic_nack_requeue_order(r: Run) -> None:
+    c = r.conn()
+    q = r.name("q")
+    declare_q(c, q, exclusive=True)
+    fill(c, q, 4)
+    for _ in range(3):
+        get(c, q, no_ack=False)
+    c.send(1, C.Basic.Nack(delivery_tag=2, multiple=True, requeue=True))
+    c.send(1, C.Basic.Reject(delivery_tag=3, requeue=True))
+    for _ in range(5):
+        get(c, q)
+    c.close()
+
+
+@scenario
+def basic_reject_requeue_head(r: Run) -> None:
+    c = r.conn()
+    q = r.name("q")
+    declare_q(c, q, exclusive=True)
+    fill(c, q, 3)
+    get(c, q, no_ack=False)
+    get(c, q, no_ack=False)
+    c.send(1, C.Basic.Reject(delivery_tag=2, requeue=True))
+    c.send(1, C.Basic.Nack(delivery_tag=1, requeue=False))
+    for _ in range(3):
+        get(c, q)
+    c.close()
+
+
+@scenario
+def basic_recover(r: Run) -> None:
+    c = r.conn()
+    q = r.name("q")
+    declare_q(c, q, exclusive=True)
+    fill(c, q, 2)
+    get(c, q, no_ack=False)
+    get(c, q, no_ack=False)
+    c.call(1, C.Basic.Recover(requeue=True))
+    get(c, q, no_ack=False)
+    c.send(1, C.Basic.Ack(delivery_tag=3))
+    get(c, q, no_ack=False)
+    c.call(1, C.Basic.Recover(requeue=False))
+    c.close()
+
+
+@scenario
+def basic_recover_consumer_redelivers(r: Run) -> None:
+    c = r.conn()
+    q = r.name("q")
+    declare_q(c, q, exclusive=True)
+    fill(c, q, 2)
+    c.call(1, C.Basic.Consume(queue=q, consumer_tag="t"))
+    deliveries(c, 2)
+    c.call(1, C.Basic.Recover(requeue=True))
+    deliveries(c, 2)
+    c.close()
+
+
+@scenario
+def basic_recover_async(r: Run) -> None:
+    c = r.conn()
+    q = r.name("q")
+    declare_q(c, q, exclusive=True)
+    fill(c, q, 1)
+    get(c, q, no_ack=False)
+    c.send(1, C.Basic.RecoverAsync(requeue=True))
+    get(c, q)
+    c.close()
+
+
+@scenario
+def basic_qos_prefetch(r: Run) -> None:
+    c = r.conn()
+    q = r.name("q")
+    declare_q(c, q, exclusive=True)
+    fill(c, q, 5)
+    c.call(1, C.Basic.Qos(prefetch_count=2))
+    c.call(1, C.Basic.Consume(queue=q, consumer_tag="t"))
+    deliveries(c, 2)
+    c.send(1, C.Basic.Ack(delivery_tag=1))
+    deliveries(c, 1)
+    c.send(1, C.Basic.Ack(delivery_tag=3, multiple=True))
+    deliveries(c, 2)
+    c.close()
+
+
+@scenario
+def basic_qos_prefetch_size(r: Run) -> None:
+    c = r.conn()
+    c.call(1, C.Basic.Qos(prefetch_size=1000))
+    c.close()
+
+
+@scenario
+def basic_qos_global(r: Run) -> None:
+    c = r.conn()
+    q1, q2 = r.name("q1"), r.name("q2")
+    declare_q(c, q1, exclusive=True)
+    declare_q(c, q2, exclusive=True)
+    fill(c, q1, 2)
+    fill(c, q2, 2)
+    c.call(1, C.Basic.Qos(prefetch_count=1, global_=True))
+    c.call(1, C.Basic.Consume(queue=q1, consumer_tag="t1"))
+    deliveries(c, 1)
+    c.call(1, C.Basic.Cancel(consumer_tag="t1"))
+    c.call(1, C.Basic.Consume(queue=q2, consumer_tag="t2"))  # the channel's one credit is taken
+    c.send(1, C.Basic.Ack(delivery_tag=1))
+    deliveries(c, 1)
+    c.close()
+
+
+@scenario
+def basic_cancel_notification_on_delete(r: Run) -> None:
+    c, other = r.conn(), r.conn()
+    q = r.name("q")
+    declare_q(c, q)
+    c.call(1, C.Basic.Consume(queue=q, consumer_tag="t"))
+    other.call(1, C.Queue.Delete(queue=q))
+    c.recv(1)
+    c.call(1, C.Basic.Cancel(consumer_tag="t"))
+    other.close()
+    c.close()
+
+
+@scenario
+def basic_unacked_requeued_on_channel_close(r: Run) -> None:
+    c = r.conn()
+    q = r.name("q")
+    declare_q(c, q, exclusive=True)
+    fill(c, q, 2)
+    c.call(2, C.Channel.Open())
+    get(c, q, ch=2, no_ack=False)
+    get(c, q, ch=2, no_ack=False)
+    c.call(2, C.Channel.Close(200, "bye", 0, 0))
+    get(c, q)
+    get(c, q)
+    c.close()
+
+
+@scenario
+def basic_priority_queue(r: Run) -> None:
+    c = r.conn()
+    q = r.name("q")
+    declare_q(c, q, exclusive=True, arguments={"x-max-priority": 5})
+    for p in (1, 9, 3, 0):
+        c.publish(1, "", q, f"p{p}".encode(), C.Basic.Properties(priority=p))
+    for _ in range(4):
+        get(c, q)
+    c.close()
+
+
+# -- tx and confirm ------------------------------------------------------------------------------
+@scenario
+def tx_commit_rollback(r: Run) -> None:
+    c = r.conn()
+    q = r.name("q")
+    declare_q(c, q, exclusive=True)
+    c.call(1, C.Tx.Select())
+    c.publish(1, "", q, b"committed")
+    c.call(1, C.Queue.Declare(queue=q, passive=True))
+    c.call(1, C.Tx.Commit())
+    c.publish(1, "", q, b"rolled back")
+    c.call(1, C.Tx.Rollback())
+    get(c, q, no_ack=False)
+    c.send(1, C.Basic.Ack(delivery_tag=1))
+    c.call(1, C.Tx.Rollback())  # the ack is undone: the message stays unacked
+    c.call(1, C.Queue.Declare(queue=q, passive=True))
+    c.call(1, C.Basic.Recover(requeue=True))
+    get(c, q)
+    c.close()
+
+
+@scenario
+def tx_without_select(r: Run) -> None:
+    c = r.conn()
+    c.call(1, C.Tx.Commit())
+    c.call(1, C.Channel.Open())
+    c.call(1, C.Tx.Rollback())
+    c.close()
+
+
+@scenario
+def tx_and_confirm_exclusive(r: Run) -> None:
+    c = r.conn()
+    c.call(1, C.Tx.Select())
+    c.call(1, C.Confirm.Select())
+    c.call(2, C.Channel.Open())
+    c.call(2, C.Confirm.Select())
+    c.call(2, C.Tx.Select())
+    c.close()
+
+
+@scenario
+def confirm_sequence(r: Run) -> None:
+    c = r.conn()
+    q = r.name("q")
+    declare_q(c, q, exclusive=True)
+    c.call(1, C.Confirm.Select())
+    c.call(1, C.Confirm.Select())  # twice is fine
+    for i in range(3):
+        c.publish(1, "", q, f"c{i}".encode())
+        c.recv(1)
+    c.send(1, C.Confirm.Select(nowait=True))
+    c.publish(1, "", r.name("nowhere"), b"unroutable is confirmed too")
+    c.recv(1)
+    c.close()
+
+
+@scenario
+def confirm_tx_rollback_publish(r: Run) -> None:
+    c = r.conn()
+    q = r.name("q")
+    declare_q(c, q, exclusive=True)
+    c.call(1, C.Tx.Select())
+    c.call(1, C.Basic.Qos(prefetch_count=1))
+    c.publish(1, "", q, b"x")
+    c.call(1, C.Tx.Commit())
+    c.call(1, C.Queue.Declare(queue=q, passive=True))
+    c.close()
