@@ -186,6 +186,7 @@ def channel_json(mgmt: Mgmt, s: ConnectionView, chs: ChannelView) -> dict[str, A
         "acks_uncommitted": sum(1 for op in chs.tx or () if op[0] != "publish"),
         "prefetch_count": chs.prefetch,
         "global_prefetch_count": chs.global_prefetch,
+        "pending_raft_commands": 0,  # RabbitMQ's quorum-queue commands in flight: no Raft here
         "confirm": chs.confirm,
         "transactional": chs.tx is not None,
     }

@@ -19,6 +19,7 @@ a frame is the behaviour under test. A ``channel.close`` from the broker is answ
 
 from __future__ import annotations
 
+import datetime
 import re
 import time
 import uuid
@@ -41,12 +42,14 @@ from .._raw import (
     header_payload,
     method_bytes,
 )
+from .allowlist import HEADERS
 
 READ_TIMEOUT = 15.0  # a shared 2-core machine can be slow; a scenario that hangs fails here
 Record = tuple[Any, ...]
 
 _GEN = re.compile(r"amq\.gen-[A-Za-z0-9_\-]+")
 _CTAG = re.compile(r"amq\.ctag-[A-Za-z0-9_\-]+")
+_REPLY_TO = re.compile(r"amq\.rabbitmq\.reply-to\.[A-Za-z0-9_\-+/=.]+")
 
 
 class Run:
@@ -77,11 +80,15 @@ class Run:
             for logical, real in self.names.items():
                 value = value.replace(real, f"<{logical}>")
             value = value.replace(self.tag, "<tag>")
+            value = _REPLY_TO.sub("amq.rabbitmq.reply-to.*", value)
             return _CTAG.sub("amq.ctag-*", _GEN.sub("amq.gen-*", value))
+        if isinstance(value, datetime.datetime):
+            return "<timestamp>"
         if isinstance(value, bytes):
             return value
         if isinstance(value, dict):
-            return {self.norm(k): self.norm(v) for k, v in sorted(value.items())}
+            return {self.norm(k): self.norm(v) for k, v in sorted(value.items())
+                    if k not in HEADERS}
         if isinstance(value, (list, tuple)):
             return type(value)(self.norm(v) for v in value)
         return value
@@ -111,6 +118,20 @@ def _method_record(run: Run, cid: str, channel: int, m: Frame) -> Record:
     return (cid, channel, m.name, run.norm(fields))
 
 
+def _confirm_record(conn: Conn, channel: int, rec: Record, m: Frame) -> Record:
+    """A broker's ack/nack of publishes: ``multiple`` is normalised to what it means (a multiple
+    ack of the next unconfirmed tag alone is a single ack; brokers coalesce differently) and a
+    nack's ``requeue`` bit is dropped (it means nothing from the broker, spec 1.8.3.13)."""
+    tag = int(m.delivery_tag)
+    last = conn.confirmed.get(channel, 0)
+    fields = dict(rec[3])
+    if fields.get("multiple") and tag == last + 1:
+        fields["multiple"] = False
+    fields.pop("requeue", None)
+    conn.confirmed[channel] = max(last, tag)
+    return (*rec[:3], fields)
+
+
 class Conn:
     """One raw AMQP connection whose every received frame lands in the run's transcript."""
 
@@ -118,6 +139,8 @@ class Conn:
         self.run, self.cid = run, cid
         self.raw = RawConn(run.host, run.port, timeout=READ_TIMEOUT)
         self.closed = False
+        self.confirmed: dict[int, int] = {}  # channel -> highest publish tag the broker confirmed
+        self.last_props: dict[str, Any] = {}  # the last content header's properties, as sent
 
     # -- sending -------------------------------------------------------------------------
     def send(self, channel: int, method: Frame) -> None:
@@ -158,6 +181,8 @@ class Conn:
                 return (self.cid, channel, f"method-{cls}-{mth}", payload[4:])
             assert isinstance(m, Frame)
             rec = _method_record(self.run, self.cid, ch, m)
+            if isinstance(m, (commands.Basic.Ack, commands.Basic.Nack)):
+                rec = _confirm_record(self, ch, rec, m)
             if isinstance(m, commands.Channel.Close):
                 self.send(ch, commands.Channel.CloseOk())
             elif isinstance(m, commands.Connection.Close):
@@ -168,6 +193,7 @@ class Conn:
             hdr = pframe.unmarshal(frame_bytes(ftype, channel, payload))[2]
             assert isinstance(hdr, ContentHeader)
             props = {k: v for k, v in dict(hdr.properties).items() if v not in (None, "")}
+            self.last_props = props
             return (self.cid, channel, "header", hdr.body_size, self.run.norm(props))
         if ftype == FRAME_BODY:
             return (self.cid, channel, "body", bytes(payload))

@@ -8,6 +8,7 @@ Two kinds:
 - ``SCENARIOS``: a scenario whose transcript differs by design. It must still differ: an entry
   whose scenario has come to agree with RabbitMQ fails, so the list never outlives the difference.
 
+- ``HEADERS``: message headers the broker adds that differ by design; dropped from both sides.
 - ``HTTP_KEYS``: keys of RabbitMQ's management API answers that Skred does not send (regular
   expressions over ``key`` or ``parent.key``). Status codes are never allowlisted this way.
 
@@ -24,6 +25,12 @@ FIELDS: dict[tuple[str, str], str] = {
     ("Channel.OpenOk", "channel_id"):
         "a reserved field: Skred sends '0' (what pamqp, its codec, insists on), RabbitMQ ''; "
         "clients ignore it",
+}
+
+HEADERS: dict[str, str] = {
+    key: "dead-lettering adds x-last-death-{exchange,queue,reason} as RabbitMQ 3.13+ and 4.x do "
+         "(3.10 has only x-first-death-*)"
+    for key in ("x-last-death-exchange", "x-last-death-queue", "x-last-death-reason")
 }
 
 SCENARIOS: dict[str, str] = {
@@ -80,4 +87,8 @@ HTTP_KEYS: dict[str, str] = {
     r"consumer_details|consumer_capacity|consumer_utilisation|effective_policy_definition|"
     r"single_active_consumer_tag|head_message_timestamp|idle_since": _NOT_SAMPLED,
     r"recv_oct|send_oct": _NOT_SAMPLED + " (per-vhost network bytes)",
+    r"recv_cnt|send_cnt|send_pend": _NOT_SAMPLED + " (per-connection frame counts)",
+    r"ssl_hash|ssl_key_exchange": "TLS details Python's ssl module does not report separately "
+                                  "(ssl_cipher and ssl_protocol are there)",
+    r"leader|members|online": "quorum queues have no per-queue Raft group in Skred (see Queue types)",
 }

@@ -6,7 +6,7 @@ from pamqp import commands as C
 
 from .._raw import FRAME_HEADER, frame_bytes
 from .._raw import header_payload as hp
-from ._steps import declare_q, deliveries, fill, get, scenario
+from ._steps import declare_q, declare_x, deliveries, fill, get, scenario
 from ._wire import Run
 
 
@@ -376,4 +376,114 @@ def confirm_tx_rollback_publish(r: Run) -> None:
     c.publish(1, "", q, b"x")
     c.call(1, C.Tx.Commit())
     c.call(1, C.Queue.Declare(queue=q, passive=True))
+    c.close()
+
+
+# -- message features clients see in headers and order ---------------------------------------
+@scenario
+def dead_letter_on_reject_with_x_death(r: Run) -> None:
+    c = r.conn()
+    q, dlq = r.name("q"), r.name("dlq")
+    declare_q(c, dlq, exclusive=True)
+    declare_q(c, q, exclusive=True, arguments={"x-dead-letter-exchange": "",
+                                               "x-dead-letter-routing-key": dlq})
+    fill(c, q, 2)
+    get(c, q, no_ack=False)
+    c.send(1, C.Basic.Reject(delivery_tag=1, requeue=False))
+    get(c, q, no_ack=False)
+    c.send(1, C.Basic.Nack(delivery_tag=2, requeue=False))
+    c.call(1, C.Basic.Consume(queue=dlq, consumer_tag="d", no_ack=True))
+    deliveries(c, 2)
+    c.close()
+
+
+@scenario
+def dead_letter_on_expiry(r: Run) -> None:
+    c = r.conn()
+    q, dlq = r.name("q"), r.name("dlq")
+    declare_q(c, dlq, exclusive=True)
+    c.call(1, C.Basic.Consume(queue=dlq, consumer_tag="d", no_ack=True))
+    declare_q(c, q, exclusive=True, arguments={"x-message-ttl": 50, "x-dead-letter-exchange": "",
+                                               "x-dead-letter-routing-key": dlq})
+    c.publish(1, "", q, b"expires", C.Basic.Properties(message_id="m1"))
+    c.publish(1, "", q, b"expires-too", C.Basic.Properties(expiration="10"))
+    deliveries(c, 2)
+    c.close()
+
+
+@scenario
+def max_length_drop_head_and_reject_publish(r: Run) -> None:
+    c = r.conn()
+    q1, q2 = r.name("drop"), r.name("reject")
+    declare_q(c, q1, exclusive=True, arguments={"x-max-length": 2})
+    declare_q(c, q2, exclusive=True, arguments={"x-max-length": 1, "x-overflow": "reject-publish"})
+    c.call(1, C.Confirm.Select())
+    for i in range(3):
+        c.publish(1, "", q1, f"d{i}".encode())
+        c.recv(1)
+    for i in range(2):
+        c.publish(1, "", q2, f"r{i}".encode())
+        c.recv(1)  # ack, then nack
+    for qn in (q1, q1, q1, q2, q2):
+        get(c, qn)
+    c.close()
+
+
+@scenario
+def alternate_exchange(r: Run) -> None:
+    c = r.conn()
+    x, ae, q = r.name("x"), r.name("ae"), r.name("q")
+    declare_x(c, ae, "fanout", auto_delete=True)
+    declare_x(c, x, "direct", auto_delete=True, arguments={"alternate-exchange": ae})
+    declare_q(c, q, exclusive=True)
+    c.call(1, C.Queue.Bind(queue=q, exchange=ae))
+    c.call(1, C.Confirm.Select())
+    c.publish(1, x, "unrouted", b"to the alternate", mandatory=True)
+    c.recv(1)  # ack, no basic.return: the alternate exchange routed it
+    get(c, q)
+    c.close()
+
+
+@scenario
+def direct_reply_to(r: Run) -> None:
+    c = r.conn()
+    q = r.name("rpc")
+    declare_q(c, q, exclusive=True)
+    c.call(1, C.Basic.Consume(queue="amq.rabbitmq.reply-to", consumer_tag="rt", no_ack=True))
+    c.publish(1, "", q, b"request", C.Basic.Properties(reply_to="amq.rabbitmq.reply-to",
+                                                         correlation_id="c1"))
+    get(c, q)
+    reply_to = str(c.last_props.get("reply_to", ""))
+    c.publish(1, "", reply_to, b"response", C.Basic.Properties(correlation_id="c1"))
+    deliveries(c, 1)
+    c.call(2, C.Channel.Open())
+    c.call(2, C.Basic.Consume(queue="amq.rabbitmq.reply-to", consumer_tag="x"))  # needs no_ack
+    c.close()
+
+
+@scenario
+def consumer_priorities(r: Run) -> None:
+    c = r.conn()
+    q = r.name("q")
+    declare_q(c, q, exclusive=True)
+    c.call(1, C.Basic.Qos(prefetch_count=1))
+    c.call(1, C.Basic.Consume(queue=q, consumer_tag="low", arguments={"x-priority": 1}))
+    c.call(1, C.Basic.Consume(queue=q, consumer_tag="high", arguments={"x-priority": 10}))
+    fill(c, q, 3)
+    deliveries(c, 2)  # one each: high first, then low (high is at its prefetch)
+    c.close()
+
+
+@scenario
+def single_active_consumer(r: Run) -> None:
+    c = r.conn()
+    q = r.name("q")
+    declare_q(c, q, exclusive=True, arguments={"x-single-active-consumer": True})
+    c.call(1, C.Basic.Consume(queue=q, consumer_tag="first", no_ack=True))
+    c.call(1, C.Basic.Consume(queue=q, consumer_tag="second", no_ack=True))
+    fill(c, q, 2)
+    deliveries(c, 2)
+    c.call(1, C.Basic.Cancel(consumer_tag="first"))
+    fill(c, q, 1)
+    deliveries(c, 1)
     c.close()

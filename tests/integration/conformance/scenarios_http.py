@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from typing import Any
+
+from pamqp import commands as C
 
 from ._wire import Run
 
@@ -56,8 +59,8 @@ def keys_of(body: Any) -> list[str] | None:
 
 
 def call(r: Run, method: str, path: str, body: Any = None, auth: tuple[str, str] | None = GUEST,
-         raw: bytes | None = None, keys: bool = True) -> tuple[int, Any]:
-    """One request, recorded; returns (status, parsed JSON or text)."""
+         raw: bytes | None = None, keys: bool = True, record: bool = True) -> tuple[int, Any]:
+    """One request, recorded unless ``record`` is False; returns (status, parsed JSON or text)."""
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
     req = urllib.request.Request(f"http://{r.host}:{r.mgmt_port}{path}", data=data, method=method)
     if auth:
@@ -73,7 +76,12 @@ def call(r: Run, method: str, path: str, body: Any = None, auth: tuple[str, str]
         parsed: Any = json.loads(text) if text.strip() else None
     except ValueError:
         parsed = text.decode(errors="replace")
-    shown = path.replace(str(r.port), "<amqp-port>")
+    if not record:
+        return status, parsed
+    shown = path
+    for logical, real in r.names.items():
+        shown = shown.replace(q(real), f"<{logical}>")
+    shown = shown.replace(str(r.port), "<amqp-port>")
     for node in r.node_names:
         shown = shown.replace(q(node), "<node>")
     r.note("http", method, shown, status, keys_of(parsed) if keys else None)
@@ -264,3 +272,56 @@ def pagination_and_sorting(r: Run) -> None:
     call(r, "GET", f"/api/queues/{vh}?columns=name,messages&name={flt}&use_regex=true")
     for n in names:
         call(r, "DELETE", f"/api/queues/{vh}/{q(n)}")
+
+
+@scenario
+def connections_channels_consumers(r: Run) -> None:
+    """A live AMQP connection as the API lists it, and closed through the API."""
+    c = r.conn()
+    qn = r.name("q")
+    c.call(1, C.Queue.Declare(queue=qn, exclusive=True))
+    c.call(1, C.Basic.Consume(queue=qn, consumer_tag="t"))
+    name = ""
+    for _ in range(200):  # the API lists a connection after its first stats emission
+        _, conns = call(r, "GET", "/api/connections", keys=False, record=False)
+        mine = [x for x in conns or [] if x.get("peer_port") == c.raw.sock.getsockname()[1]]
+        _, consumers = call(r, "GET", "/api/consumers", keys=False, record=False)
+        if mine and any(x.get("consumer_tag") == "t" for x in consumers or []):
+            name = str(mine[0]["name"])
+            break
+        time.sleep(0.05)  # poll interval, bounded by the loop count
+    r.note("listed", bool(name))
+    r.names["conn"] = name
+    call(r, "GET", "/api/connections")
+    call(r, "GET", f"/api/connections/{q(name)}")
+    call(r, "GET", f"/api/connections/{q(name)}/channels")
+    call(r, "GET", "/api/channels")
+    call(r, "GET", "/api/consumers")
+    call(r, "GET", "/api/consumers/%2F")
+    call(r, "GET", "/api/vhosts/%2F/connections")
+    call(r, "DELETE", f"/api/connections/{q(name)}")
+    c.until("Connection.Close")
+    call(r, "DELETE", f"/api/connections/{q(name)}")
+
+
+@scenario
+def definitions_import(r: Run) -> None:
+    vh = r.name("vh")
+    doc = {"vhosts": [{"name": vh}],
+           "queues": [{"name": "q1", "vhost": vh, "durable": True, "auto_delete": False,
+                       "arguments": {"x-queue-type": "quorum"}}],
+           "exchanges": [{"name": "x1", "vhost": vh, "type": "topic", "durable": True,
+                          "auto_delete": False, "internal": False, "arguments": {}}],
+           "bindings": [{"source": "x1", "vhost": vh, "destination": "q1", "destination_type": "queue",
+                         "routing_key": "#", "arguments": {}}],
+           "policies": [{"vhost": vh, "name": "p", "pattern": "^q", "apply-to": "queues",
+                         "definition": {"max-length": 10}, "priority": 0}]}
+    call(r, "POST", "/api/definitions", doc)
+    call(r, "GET", f"/api/definitions/{q(vh)}")
+    call(r, "GET", f"/api/queues/{q(vh)}/q1")
+    call(r, "GET", f"/api/bindings/{q(vh)}")
+    call(r, "POST", f"/api/definitions/{q(vh)}", {"queues": [{"name": "q2", "durable": True,
+                                                             "auto_delete": False, "arguments": {}}]})
+    call(r, "GET", f"/api/queues/{q(vh)}/q2")
+    call(r, "POST", "/api/definitions", raw=b"{not json")
+    call(r, "DELETE", f"/api/vhosts/{q(vh)}")
