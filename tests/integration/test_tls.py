@@ -15,6 +15,7 @@ import signal
 import socket
 import ssl
 import subprocess
+import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
@@ -359,3 +360,18 @@ def test_sighup_reloads_certificates_without_dropping_connections(tls_broker_fac
         assert _peer_cn(b.tls_port, pki) == "localhost renewed" and b.proc.alive()
     finally:
         conn.close()
+
+
+def test_health_checks_see_tls_certificates_and_listeners(tls_broker_factory: Any, pki: PKI) -> None:
+    """certificate-expiration reads the configured certificate (valid one more day here);
+    port- and protocol-listener know the TLS listeners (RabbitMQ's shapes)."""
+    b = tls_broker_factory()
+    assert api(b, pki, "GET", "/api/health/checks/certificate-expiration/0/days") == {"status": "ok"}
+    with pytest.raises(urllib.error.HTTPError) as ei:
+        api(b, pki, "GET", "/api/health/checks/certificate-expiration/2/days")
+    assert ei.value.code == 503
+    failed = json.loads(ei.value.read())
+    assert failed["status"] == "failed" and failed["expired"][0]["certfile"] == str(pki.server.cert)
+    assert api(b, pki, "GET", f"/api/health/checks/port-listener/{b.tls_port}")["status"] == "ok"
+    for proto in ("amqps", "https"):
+        assert api(b, pki, "GET", f"/api/health/checks/protocol-listener/{proto}")["status"] == "ok"
