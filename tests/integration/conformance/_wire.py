@@ -141,6 +141,7 @@ class Conn:
         self.closed = False
         self.confirmed: dict[int, int] = {}  # channel -> highest publish tag the broker confirmed
         self.last_props: dict[str, Any] = {}  # the last content header's properties, as sent
+        self.last_fields: dict[str, Any] = {}  # the last method's fields, as sent (not normalised)
 
     # -- sending -------------------------------------------------------------------------
     def send(self, channel: int, method: Frame) -> None:
@@ -180,6 +181,7 @@ class Conn:
                 cls, mth = int.from_bytes(payload[0:2], "big"), int.from_bytes(payload[2:4], "big")
                 return (self.cid, channel, f"method-{cls}-{mth}", payload[4:])
             assert isinstance(m, Frame)
+            self.last_fields = dict(m)
             rec = _method_record(self.run, self.cid, ch, m)
             if isinstance(m, (commands.Basic.Ack, commands.Basic.Nack)):
                 rec = _confirm_record(self, ch, rec, m)

@@ -487,3 +487,85 @@ def single_active_consumer(r: Run) -> None:
     fill(c, q, 1)
     deliveries(c, 1)
     c.close()
+
+
+@scenario
+def unacked_requeued_when_connection_closes(r: Run) -> None:
+    c, other = r.conn(), r.conn()
+    q = r.name("q")
+    declare_q(other, q, auto_delete=False)
+    fill(other, q, 2)
+    c.call(1, C.Basic.Consume(queue=q, consumer_tag="t"))
+    deliveries(c, 2)
+    c.send(1, C.Basic.Ack(delivery_tag=1))
+    c.close()
+    get(other, q)
+    get(other, q)
+    other.call(1, C.Queue.Delete(queue=q))
+    other.close()
+
+
+@scenario
+def ack_of_autoack_delivery_and_no_local(r: Run) -> None:
+    c = r.conn()
+    q = r.name("q")
+    declare_q(c, q, exclusive=True)
+    c.call(1, C.Basic.Consume(queue=q, consumer_tag="t", no_local=True, no_ack=True))
+    c.publish(1, "", q, b"no_local is ignored by RabbitMQ")
+    deliveries(c, 1)
+    c.send(1, C.Basic.Ack(delivery_tag=1))
+    c.until("Channel.Close")
+    c.close()
+
+
+@scenario
+def qos_changed_while_consuming(r: Run) -> None:
+    c = r.conn()
+    q = r.name("q")
+    declare_q(c, q, exclusive=True)
+    fill(c, q, 4)
+    c.call(1, C.Basic.Qos(prefetch_count=1))
+    c.call(1, C.Basic.Consume(queue=q, consumer_tag="t"))
+    deliveries(c, 1)
+    c.call(1, C.Basic.Qos(prefetch_count=3))  # applies to consumers created after it (RabbitMQ)
+    c.send(1, C.Basic.Ack(delivery_tag=1))
+    deliveries(c, 1)
+    c.call(1, C.Basic.Cancel(consumer_tag="t"))
+    c.call(1, C.Basic.Recover(requeue=True))
+    c.call(1, C.Basic.Consume(queue=q, consumer_tag="t2"))
+    deliveries(c, 3)
+    c.close()
+
+
+@scenario
+def tx_acks_and_multiple(r: Run) -> None:
+    c = r.conn()
+    q = r.name("q")
+    declare_q(c, q, exclusive=True)
+    fill(c, q, 3)
+    c.call(1, C.Tx.Select())
+    for _ in range(3):
+        get(c, q, no_ack=False)
+    c.send(1, C.Basic.Ack(delivery_tag=2, multiple=True))
+    c.send(1, C.Basic.Reject(delivery_tag=3, requeue=True))
+    c.call(1, C.Queue.Declare(queue=q, passive=True))  # nothing settled before commit
+    c.call(1, C.Tx.Commit())
+    c.call(1, C.Queue.Declare(queue=q, passive=True))
+    get(c, q)
+    c.close()
+
+
+@scenario
+def message_ttl_zero_and_per_message_expiry(r: Run) -> None:
+    c = r.conn()
+    q = r.name("q")
+    declare_q(c, q, exclusive=True, arguments={"x-message-ttl": 0})
+    c.publish(1, "", q, b"no consumer: expires at once")
+    c.call(1, C.Queue.Declare(queue=q, passive=True))
+    get(c, q)
+    c.call(1, C.Basic.Consume(queue=q, consumer_tag="t", no_ack=True))
+    c.publish(1, "", q, b"consumer waiting: delivered")
+    deliveries(c, 1)
+    c.publish(1, "", q, b"bad expiration", C.Basic.Properties(expiration="soon"))
+    c.until("Channel.Close")
+    c.close()

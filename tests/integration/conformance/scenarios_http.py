@@ -59,8 +59,10 @@ def keys_of(body: Any) -> list[str] | None:
 
 
 def call(r: Run, method: str, path: str, body: Any = None, auth: tuple[str, str] | None = GUEST,
-         raw: bytes | None = None, keys: bool = True, record: bool = True) -> tuple[int, Any]:
-    """One request, recorded unless ``record`` is False; returns (status, parsed JSON or text)."""
+         raw: bytes | None = None, keys: bool = True, record: bool = True,
+         values: bool = False) -> tuple[int, Any]:
+    """One request, recorded unless ``record`` is False; returns (status, parsed JSON or text).
+    With ``values`` the whole body is recorded (normalised) and compared, not only its keys."""
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
     req = urllib.request.Request(f"http://{r.host}:{r.mgmt_port}{path}", data=data, method=method)
     if auth:
@@ -84,7 +86,10 @@ def call(r: Run, method: str, path: str, body: Any = None, auth: tuple[str, str]
     shown = shown.replace(str(r.port), "<amqp-port>")
     for node in r.node_names:
         shown = shown.replace(q(node), "<node>")
-    r.note("http", method, shown, status, keys_of(parsed) if keys else None)
+    if values:
+        r.note("http", method, shown, status, "body", parsed)
+    else:
+        r.note("http", method, shown, status, keys_of(parsed) if keys else None)
     return status, parsed
 
 
@@ -125,14 +130,27 @@ def exchanges_and_queues(r: Run) -> None:
     call(r, "PUT", f"/api/queues/{vh}/{q(qn)}", {"durable": False, "auto_delete": True,
                                                   "arguments": {"x-max-length": 10}})
     call(r, "PUT", f"/api/queues/{vh}/{q(qn)}", {"durable": True})  # inequivalent
+    call(r, "PUT", f"/api/bindings/{vh}/e/amq.direct/q/{q(qn)}", {"routing_key": qn})  # 405: POST
+    call(r, "POST", f"/api/bindings/{vh}/e/amq.direct/q/{q(qn)}", {"routing_key": qn})
     call(r, "POST", f"/api/exchanges/{vh}/amq.direct/publish",
-         {"routing_key": qn, "payload": "hello", "payload_encoding": "string", "properties": {}})
+         {"routing_key": qn, "payload": "hello", "payload_encoding": "string",
+          "properties": {"content_type": "text/plain", "headers": {"h": 1}, "delivery_mode": 2}},
+         values=True)
     call(r, "POST", f"/api/exchanges/{vh}/amq.direct/publish",
-         {"routing_key": "nowhere", "payload": "x", "payload_encoding": "string", "properties": {}})
+         {"routing_key": "nowhere", "payload": "x", "payload_encoding": "string", "properties": {}},
+         values=True)
     call(r, "POST", f"/api/exchanges/{vh}/amq.default/publish",
-         {"routing_key": qn, "payload": "aGk=", "payload_encoding": "base64", "properties": {}})
+         {"routing_key": qn, "payload": "aGk=", "payload_encoding": "base64", "properties": {}},
+         values=True)
+    call(r, "POST", f"/api/exchanges/{vh}/amq.default/publish",
+         {"routing_key": qn, "payload": "\u00ff\u0000", "payload_encoding": "string",
+          "properties": {}}, values=True)
     call(r, "POST", f"/api/queues/{vh}/{q(qn)}/get",
-         {"count": 5, "ackmode": "ack_requeue_true", "encoding": "auto"})
+         {"count": 5, "ackmode": "ack_requeue_true", "encoding": "auto"}, values=True)
+    call(r, "POST", f"/api/queues/{vh}/{q(qn)}/get",
+         {"count": 1, "ackmode": "reject_requeue_true", "encoding": "base64", "truncate": 2},
+         values=True)
+    # an unknown ackmode: Skred 400, RabbitMQ 3.10 crashes with 500 (its bug), so not compared
     call(r, "GET", f"/api/queues/{vh}/{q(qn)}")
     call(r, "GET", f"/api/queues/{vh}")
     call(r, "GET", f"/api/exchanges/{vh}")

@@ -400,3 +400,49 @@ def queue_exclusive_unbind_from_other_connection(r: Run) -> None:
     owner.call(1, C.Queue.Declare(queue=q, passive=True))
     other.close()
     owner.close()
+
+
+@scenario
+def headers_any_and_with_x(r: Run) -> None:
+    c = r.conn()
+    q = r.name("q")
+    declare_q(c, q, exclusive=True)
+    c.call(1, C.Queue.Bind(queue=q, exchange="amq.headers", routing_key="any",
+                           arguments={"x-match": "any", "a": 1, "b": 2}))
+    c.call(1, C.Queue.Bind(queue=q, exchange="amq.headers", routing_key="x",
+                           arguments={"x-match": "all-with-x", "x-k": "v"}))
+    for body, headers in ((b"any-hit", {"b": 2}), (b"any-miss", {"a": "1"}),
+                          (b"with-x-hit", {"x-k": "v"}), (b"typed-miss", {"a": True})):
+        c.publish(1, "amq.headers", "", body, C.Basic.Properties(headers=headers))
+    for _ in range(3):
+        get(c, q)
+    c.close()
+
+
+@scenario
+def topic_edge_patterns(r: Run) -> None:
+    c = r.conn()
+    q = r.name("q")
+    declare_q(c, q, exclusive=True)
+    for key in ("#", "a.#.b", "*.*", ""):
+        c.call(1, C.Queue.Bind(queue=q, exchange="amq.topic",
+                               routing_key=f"{r.tag}.{key}" if key else r.tag))
+    for rk in ("", "x", "x.y", "a.b", "a..b", "a.x.y.b", ".", "z.z.z"):
+        c.publish(1, "amq.topic", f"{r.tag}.{rk}" if rk else r.tag, rk.encode() or b"<empty>")
+    for _ in range(9):
+        get(c, q)
+    c.close()
+
+
+@scenario
+def queue_delete_counts_and_server_named_exclusive(r: Run) -> None:
+    owner, other = r.conn(), r.conn()
+    q = r.name("q")
+    declare_q(owner, q, exclusive=True)
+    fill(owner, q, 3)
+    owner.call(1, C.Queue.Delete(queue=q))
+    owner.call(1, C.Queue.Declare(queue="", exclusive=True))
+    generated = str(owner.last_fields["queue"])
+    other.call(1, C.Queue.Declare(queue=generated, passive=True))
+    other.close()
+    owner.close()
