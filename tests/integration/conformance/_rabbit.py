@@ -29,14 +29,17 @@ from typing import IO
 
 from .._support import amqp_answers, free_port
 
-SERVER = "/usr/lib/rabbitmq/bin/rabbitmq-server"  # Debian's real script (the /usr/sbin one su's)
+# Debian's real start script (the /usr/sbin one su's to the rabbitmq user); another install (a
+# generic-unix tarball) can be named with SKRED_RABBITMQ_SERVER.
+SERVER = os.environ.get("SKRED_RABBITMQ_SERVER", "/usr/lib/rabbitmq/bin/rabbitmq-server")
 BOOT_DEADLINE = 90.0  # a node boots in 5-15 s on an idle machine; CI machines are shared
 STOP_DEADLINE = 20.0
 
 
 def missing() -> str | None:
     if not os.access(SERVER, os.X_OK) or shutil.which("epmd") is None:
-        return f"RabbitMQ is not installed ({SERVER} and epmd; Debian package rabbitmq-server)"
+        return (f"RabbitMQ is not installed ({SERVER} and epmd; Debian package rabbitmq-server, "
+                "or SKRED_RABBITMQ_SERVER naming its rabbitmq-server script)")
     return None
 
 

@@ -15,6 +15,10 @@ from ._harness import TALLY, Target, compare
 from ._steps import SCENARIOS as AMQP
 from .scenarios_http import SCENARIOS as HTTP
 
+# The first test also waits for RabbitMQ to boot (5-15 s idle, BOOT_DEADLINE under load).
+pytestmark = [pytest.mark.timeout(180),
+              pytest.mark.filterwarnings("ignore:This command is deprecated:DeprecationWarning")]
+
 ALL = {**{f"amqp.{k}": v for k, v in AMQP.items()}, **{f"http.{k}": v for k, v in HTTP.items()}}
 
 
