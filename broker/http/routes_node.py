@@ -85,6 +85,9 @@ async def overview(request: web.Request) -> web.Response:
             "ack": stats.acked, "ack_details": rate(r["acked"]),
             "confirm": stats.confirmed, "confirm_details": rate(r["confirmed"]),
             "return_unroutable": stats.unroutable, "return_unroutable_details": rate(r["unroutable"]),
+            # counters without a sampled rate (yet)
+            "deliver": stats.delivered - stats.gets, "get": stats.gets, "get_empty": stats.gets_empty,
+            "drop_unroutable": stats.unroutable - stats.returned,
         },
         "churn_rates": {"connection_created": stats.connections_opened},
         "queue_totals": {

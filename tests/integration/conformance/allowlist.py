@@ -84,8 +84,8 @@ HTTP_KEYS: dict[str, str] = {
     r"message_stats": _NOT_SAMPLED + " (exchanges have no message_stats)",
     r"incoming|outgoing|deliveries":
         "per channel/exchange/queue pair statistics (RabbitMQ's detailed stats): not kept",
-    r"consumer_details|consumer_capacity|consumer_utilisation|effective_policy_definition|"
-    r"single_active_consumer_tag|head_message_timestamp|idle_since": _NOT_SAMPLED,
+    r"consumer_capacity|consumer_utilisation|single_active_consumer_tag|head_message_timestamp|"
+    r"idle_since": _NOT_SAMPLED,
     r"recv_oct|send_oct": _NOT_SAMPLED + " (per-vhost network bytes)",
     r"recv_cnt|send_cnt|send_pend": _NOT_SAMPLED + " (per-connection frame counts)",
     r"ssl_hash|ssl_key_exchange": "TLS details Python's ssl module does not report separately "

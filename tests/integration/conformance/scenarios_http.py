@@ -232,6 +232,20 @@ def policies(r: Run) -> None:
     call(r, "PUT", f"/api/policies/{vh}/{q(pn)}",
          {"pattern": f"^{r.tag}$", "definition": {"max-length": 5}, "priority": 1, "apply-to": "queues"})
     call(r, "GET", f"/api/policies/{vh}/{q(pn)}")
+    call(r, "PUT", f"/api/queues/{vh}/{q(r.tag)}", {"durable": False})
+    call(r, "PUT", f"/api/operator-policies/{vh}/{q(pn)}",
+         {"pattern": f"^{r.tag}$", "definition": {"max-length": 3, "message-ttl": 1000},
+          "apply-to": "queues"})
+    status, detail = call(r, "GET", f"/api/queues/{vh}/{q(r.tag)}")
+    for _ in range(100):  # RabbitMQ applies policies to a queue asynchronously
+        if isinstance(detail, dict) and detail.get("operator_policy"):
+            break
+        time.sleep(0.05)  # poll interval, bounded by the loop count
+        status, detail = call(r, "GET", f"/api/queues/{vh}/{q(r.tag)}", record=False)
+    r.note("effective", detail.get("policy"), detail.get("operator_policy"),
+           detail.get("effective_policy_definition"))
+    call(r, "DELETE", f"/api/operator-policies/{vh}/{q(pn)}")
+    call(r, "DELETE", f"/api/queues/{vh}/{q(r.tag)}")
     call(r, "PUT", f"/api/policies/{vh}/{q(pn)}",
          {"pattern": "x", "definition": {"no-such-key": 5}, "apply-to": "queues"})
     call(r, "PUT", f"/api/policies/{vh}/{q(pn)}", {"pattern": "x"})
@@ -316,6 +330,7 @@ def connections_channels_consumers(r: Run) -> None:
     call(r, "GET", "/api/channels")
     call(r, "GET", "/api/consumers")
     call(r, "GET", "/api/consumers/%2F")
+    call(r, "GET", f"/api/queues/%2F/{q(qn)}")  # consumer_details
     call(r, "GET", "/api/vhosts/%2F/connections")
     call(r, "DELETE", f"/api/connections/{q(name)}")
     c.until("Connection.Close")
