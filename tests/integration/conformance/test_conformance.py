@@ -10,7 +10,13 @@ from __future__ import annotations
 
 import pytest
 
-from . import allowlist, scenarios_basic, scenarios_connection, scenarios_topology  # noqa: F401 - they register
+from . import (  # noqa: F401 - the scenario modules register their scenarios
+    allowlist,
+    scenarios_access,
+    scenarios_basic,
+    scenarios_connection,
+    scenarios_topology,
+)
 from ._harness import TALLY, Target, compare
 from ._steps import SCENARIOS as AMQP
 from .scenarios_http import SCENARIOS as HTTP
