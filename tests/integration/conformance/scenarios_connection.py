@@ -196,3 +196,10 @@ def access_request(r: Run) -> None:
     c.close()
 
 
+
+
+@scenario
+def conn_missed_heartbeats(r: Run) -> None:
+    """A client that negotiates heartbeat 1 s and then sends nothing is dropped."""
+    c = r.conn(heartbeat=1)
+    c.until("Connection.Close")
