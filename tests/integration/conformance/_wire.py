@@ -121,7 +121,7 @@ def _method_record(run: Run, cid: str, channel: int, m: Frame) -> Record:
 def _confirm_record(conn: Conn, channel: int, rec: Record, m: Frame) -> Record:
     """A broker's ack/nack of publishes: ``multiple`` is normalised to what it means (a multiple
     ack of the next unconfirmed tag alone is a single ack; brokers coalesce differently) and a
-    nack's ``requeue`` bit is dropped (it means nothing from the broker, spec 1.8.3.13)."""
+    nack's ``requeue`` bit is dropped (the spec gives it a meaning only in a client's nack)."""
     tag = int(m.delivery_tag)
     last = conn.confirmed.get(channel, 0)
     fields = dict(rec[3])
@@ -185,6 +185,8 @@ class Conn:
             rec = _method_record(self.run, self.cid, ch, m)
             if isinstance(m, (commands.Basic.Ack, commands.Basic.Nack)):
                 rec = _confirm_record(self, ch, rec, m)
+            elif isinstance(m, commands.Channel.OpenOk):
+                self.confirmed.pop(ch, None)  # a reopened channel numbers its publishes from 1
             if isinstance(m, commands.Channel.Close):
                 self.send(ch, commands.Channel.CloseOk())
             elif isinstance(m, commands.Connection.Close):
