@@ -37,7 +37,6 @@ from broker import errors, properties
 from broker.amqp import codec
 from broker.amqp.alarms import no_space
 from broker.amqp.connection import CH_OPEN, AMQPConnection, PublishArgs
-from broker.model import queue_types
 from broker.model.publish import PublishRequest
 from broker.model.queue import Consumer, Queue
 from broker.properties import FLAG_USER_ID, HI_DELIVERY_MODE, HI_REPLY_TO
@@ -140,11 +139,13 @@ class SessionConsumer(Consumer):
         chs = self.chs
         tag = chs.next_tag
         chs.next_tag = tag + 1
+        s = self.session
         if not self.no_ack:
             chs.unacked[tag] = (self.queue, msgid, self)
             self.unacked += 1
             chs.unacked_count += 1
-        s = self.session
+        else:
+            s.stats.delivered_autoack += 1
         body_len = len(body)
         key = self._t_key
         if (key[2] == body_len and key[1] == len(props) and key[0] == exrk and key[3] == redelivered) \
@@ -197,7 +198,10 @@ class SessionConsumer(Consumer):
         for body in bodies:
             add((head, _U64_PACK(tag), middle, body, tail))
             tag += 1
-        self.session.stats.delivered += k
+        stats = self.session.stats
+        stats.delivered += k
+        if self.no_ack:
+            stats.delivered_autoack += k
         self._send(b"".join(parts))
 
     def deliver_unstored(self, exrk: bytes, props: list[bytes], bodies: list[bytes]) -> None:
@@ -226,7 +230,9 @@ class SessionConsumer(Consumer):
             add((head, _U64_PACK(tag), before, p, after, body, tail))
             tag += 1
         chs.next_tag = tag
-        self.session.stats.delivered += len(bodies)
+        stats = self.session.stats
+        stats.delivered += len(bodies)
+        stats.delivered_autoack += len(bodies)  # only autoack consumers get unstored runs
         self._send(b"".join(parts))
 
     def _retemplate(self, exrk: bytes, props_len: int, body_len: int, redelivered: bool) -> bool:
@@ -851,10 +857,8 @@ class Session(AMQPConnection):
             return
         self._check("read", m.queue)
         q = self.vhost_obj.get_queue(m.queue, self)
-        queue_types.check_consume(q.arguments, chs.global_prefetch, q.name, q.vhost)  # 540 on quorum
-        from broker.model.stream import StreamQueue  # stream consumers: manual ack, prefetch, offset
-        if isinstance(q, StreamQueue):
-            q.check_consume(m.no_ack, chs.prefetch or chs.global_prefetch, dict(m.arguments or {}))
+        # the queue type's own rules: 540 for a global prefetch on quorum, a stream's 406s
+        q.check_consume(m.no_ack, chs.prefetch, chs.global_prefetch, dict(m.arguments or {}))
         if m.exclusive and q.consumers:
             raise errors.AccessRefused(f"queue '{q.name}' in vhost '{q.vhost}' in exclusive use")
         if any(c.exclusive for c in q.consumers):
@@ -888,6 +892,7 @@ class Session(AMQPConnection):
         chs.next_tag += 1
         if m.no_ack:
             q.ack(msgid)
+            self.broker.stats.gets_autoack += 1
         else:
             chs.unacked[tag] = (q, msgid, None)
             chs.unacked_count += 1
