@@ -83,9 +83,9 @@ def call(r: Run, method: str, path: str, body: Any = None, auth: tuple[str, str]
     shown = path
     for logical, real in r.names.items():
         shown = shown.replace(q(real), f"<{logical}>")
-    shown = shown.replace(str(r.port), "<amqp-port>")
-    for node in r.node_names:
+    for node in r.node_names:  # before the port: a node name may contain it
         shown = shown.replace(q(node), "<node>")
+    shown = shown.replace(str(r.port), "<amqp-port>")
     if values:
         r.note("http", method, shown, status, "body", parsed)
     else:
