@@ -40,8 +40,10 @@ RABBITMQ_POLICY_KEYS = frozenset((
 ))
 
 
-def validate_policy(vhost: str, name: str, body: Any) -> dict[str, Any]:
-    """The normalised form of a PUT body; raises ValueError naming the bad field."""
+def validate_policy(vhost: str, name: str, body: Any, known_keys_only: bool = False) -> dict[str, Any]:
+    """The normalised form of a PUT body; raises ValueError naming the bad field. With
+    ``known_keys_only`` (the API's PUT, as RabbitMQ's) a definition key no RabbitMQ knows is
+    refused too; a definitions import keeps what a plugin's policy may carry."""
     if not name or len(name.encode()) > MAX_NAME_BYTES:
         raise ValueError("policy name must be 1 to 255 bytes")
     if not isinstance(body, dict):
@@ -56,7 +58,7 @@ def validate_policy(vhost: str, name: str, body: Any) -> dict[str, Any]:
            "apply-to": body.get("apply-to", "all"), "definition": body.get("definition"),
            "priority": priority}
     definition = doc["definition"]
-    if isinstance(definition, dict):
+    if known_keys_only and isinstance(definition, dict):
         unknown_keys = sorted(set(definition) - RABBITMQ_POLICY_KEYS)
         if unknown_keys:
             raise ValueError(f"{', '.join(unknown_keys)} are not recognised policy keys")

@@ -409,7 +409,8 @@ async def put_policy(request: web.Request) -> web.Response:
         require_admin(request)  # RabbitMQ: operator policies are for administrators
     body = await json_body(request)
     try:
-        policy_doc = validate_policy(vhost_name, check_name("policy", request.match_info["name"]), body)
+        policy_doc = validate_policy(vhost_name, check_name("policy", request.match_info["name"]), body,
+                                     known_keys_only=True)
         was_new = _policy_api(request).put(policy_doc)
     except ValueError as exc:
         raise bad_request(str(exc)) from None

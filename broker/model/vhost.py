@@ -32,7 +32,7 @@ from pamqp.base import Frame as PFrame
 from broker import errors
 from broker.model import exchange_features, features, policy, queue_types
 from broker.model import publish as publishing
-from broker.model.exchange import Exchange
+from broker.model.exchange import Exchange, check_x_match
 from broker.model.fastpaths import FastPaths
 from broker.model.limits import VHostLimits
 from broker.model.queue import ClassicQueue, Queue
@@ -294,6 +294,7 @@ class VHost:
         if not self._replaying:  # a queue recovered from the log keeps the type it was created with
             arguments = queue_types.resolve(arguments, durable=durable, exclusive=exclusive,
                                             auto_delete=auto_delete, queue=name, vhost=self.name)
+            features.check_queue_mode(arguments, name, self.name)
         if arguments.get("x-queue-type") == "stream":  # stream queues: broker/model/stream.py
             from broker.model.stream import new_stream_queue
             q = new_stream_queue(self, name, durable=durable, exclusive=exclusive,
@@ -377,6 +378,8 @@ class VHost:
         ex = self.get_exchange(exchange)
         if exchange == "":
             raise errors.AccessRefused("operation not permitted on the default exchange")
+        if ex.kind == "headers" and arguments and not self._replaying:  # not on recovery: a
+            check_x_match(arguments)  # binding stored before this check must not stop a start
         if ex.bind(q, routing_key, arguments) and ex.durable and q.durable and q.exclusive_owner is None:
             self._log(commands.Queue.Bind(queue=queue, exchange=exchange, routing_key=routing_key,
                                           arguments=arguments))
@@ -404,6 +407,8 @@ class VHost:
         src = self.get_exchange(source)
         if source == "" or destination == "":
             raise errors.AccessRefused("operation not permitted on the default exchange")
+        if src.kind == "headers" and arguments and not self._replaying:
+            check_x_match(arguments)
         if src.bind(dst, routing_key, arguments) and src.durable and dst.durable:
             self._log(commands.Exchange.Bind(destination=destination, source=source,
                                              routing_key=routing_key, arguments=arguments))
