@@ -569,3 +569,18 @@ def message_ttl_zero_and_per_message_expiry(r: Run) -> None:
     c.publish(1, "", q, b"bad expiration", C.Basic.Properties(expiration="soon"))
     c.until("Channel.Close")
     c.close()
+
+
+@scenario
+def consume_and_cancel_nowait(r: Run) -> None:
+    c = r.conn()
+    q = r.name("q")
+    declare_q(c, q, exclusive=True)
+    fill(c, q, 1)
+    c.send(1, C.Basic.Consume(queue=q, consumer_tag="t", no_ack=True, nowait=True))
+    deliveries(c, 1)  # the delivery, no consume-ok
+    c.send(1, C.Basic.Cancel(consumer_tag="t", nowait=True))
+    c.call(1, C.Queue.Declare(queue=q, passive=True))  # no cancel-ok before this answer
+    c.send(1, C.Basic.Consume(queue=r.name("missing"), nowait=True))
+    c.until("Channel.Close")
+    c.close()
