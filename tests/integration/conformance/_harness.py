@@ -23,6 +23,7 @@ from .allowlist import FIELDS, HTTP_KEYS
 Scenario = Any  # Callable[[Run], None]; HTTP scenarios take the same Run
 HTTP_KEY_PATTERNS = [re.compile(p) for p in HTTP_KEYS]
 TALLY: Counter[str] = Counter()  # scenario outcomes of this session: equal / allowlisted / different
+HIDDEN: Counter[str] = Counter()  # HTTP_KEYS pattern -> RabbitMQ keys it hid that Skred lacks
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,13 @@ def reconcile(a: Run, b: Run) -> None:
         if not (isinstance(ra[4], list) and isinstance(rb[4], list)):
             a.transcript[i], b.transcript[i] = (*ra[:4], None), (*rb[:4], None)
             continue
-        wanted = [k for k in ra[4] if not any(p.fullmatch(k) for p in HTTP_KEY_PATTERNS)]
+        wanted = []
+        for k in ra[4]:
+            hiding = next((p for p in HTTP_KEY_PATTERNS if p.fullmatch(k)), None)
+            if hiding is None:
+                wanted.append(k)
+            elif k not in rb[4]:
+                HIDDEN[hiding.pattern] += 1
         a.transcript[i] = (*ra[:4], wanted)
         b.transcript[i] = (*rb[:4], [k for k in rb[4] if k in set(wanted)])
 

@@ -17,7 +17,7 @@ import pytest
 
 from .._support import SkredProcess, free_port, is_external, wait_until
 from ..test_mgmt_api import http_ready
-from ._harness import TALLY, Target
+from ._harness import HIDDEN, HTTP_KEY_PATTERNS, TALLY, Target
 from ._rabbit import RabbitProcess, missing
 
 
@@ -52,3 +52,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.write_line(
             f"conformance vs RabbitMQ: {sum(TALLY.values())} scenarios, {TALLY['equal']} equal, "
             f"{TALLY['allowlisted']} allowlisted (deliberate), {TALLY['different']} different")
+        idle = [p.pattern for p in HTTP_KEY_PATTERNS if not HIDDEN[p.pattern]]
+        if idle and TALLY["different"] == 0 and sum(TALLY.values()) > 100:  # a whole run only
+            terminalreporter.write_line(f"conformance: allowlist.HTTP_KEYS patterns that hid no "
+                                        f"missing key (remove them?): {idle}")
