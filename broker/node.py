@@ -186,6 +186,7 @@ class Node:
                 self.load_definitions(Path(cfg.main.load_definitions))
             if tls.enabled(cfg.main):
                 self.tls = tls.ServerTLS(cfg.main)
+                mgmt.tls_certs = [str(cfg.main.tls_cert)]
             if cfg.lmq.enabled:  # before AMQP: a node that answers AMQP has its LMQ ports open too
                 await self.start_lmq(broker)
             # HTTP before AMQP too: once the AMQP port answers, everything answers

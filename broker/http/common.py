@@ -136,7 +136,8 @@ async def authenticate(request: web.Request) -> User:
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    if request.path.startswith("/api/") or request.path.startswith("/metrics"):
+    if (request.path.startswith("/api/") and request.path != "/api/auth") \
+            or request.path.startswith("/metrics"):  # /api/auth: the UI reads it before login
         request[USER_KEY] = await authenticate(request)
     return await handler(request)
 

@@ -35,8 +35,16 @@ from broker.http.common import (
     paginate,
     paginate_objects,
     vhost_param,
+    visible_sessions,
 )
-from broker.http.render import binding_json, exchange_json, jsonable, queue_json, vhost_bindings
+from broker.http.render import (
+    binding_json,
+    consumers_json,
+    exchange_json,
+    jsonable,
+    queue_json,
+    vhost_bindings,
+)
 from broker.model.exchange import EXCHANGE_TYPES, Exchange
 from broker.model.publish import PublishRequest
 from broker.model.queue import Queue
@@ -244,7 +252,13 @@ def _queue_page(request: web.Request, queues: list[Queue]) -> web.Response:
 @routes.get("/api/queues/{vhost}/{name}")
 async def queue(request: web.Request) -> web.Response:
     vh = _vh(request)
-    return web.json_response(queue_json(request.app[MGMT_KEY], _queue(request, vh)))
+    mgmt = request.app[MGMT_KEY]
+    q = _queue(request, vh)
+    out = queue_json(mgmt, q)
+    out["consumer_details"] = [c for s in visible_sessions(request) for chs in s.chs.values()
+                               for c in consumers_json(mgmt, s, chs)
+                               if c["queue"] == {"name": q.name, "vhost": q.vhost}]
+    return web.json_response(out)
 
 
 @routes.put("/api/queues/{vhost}/{name}")

@@ -159,6 +159,15 @@ def _check_value(kind: str, low: int, high: int | None, value: Any) -> Any:
     return value
 
 
+def check_queue_mode(arguments: dict[str, Any], queue: str, vhost: str) -> None:
+    """x-queue-mode is RabbitMQ's default or lazy (lazy changes nothing here): 406 otherwise."""
+    mode = arguments.get("x-queue-mode", "default")
+    if mode not in ("default", "lazy", b"default", b"lazy"):
+        raise errors.PreconditionFailed(
+            f"invalid arg 'x-queue-mode' for queue '{queue}' in vhost '{vhost}': "
+            f"\"unsupported queue mode '{mode}'\"", 50, 10)
+
+
 def parse_arguments(arguments: dict[str, Any], queue: str, vhost: str) -> QueueConfig:
     """The queue-argument part of the config; 406 PRECONDITION_FAILED on a bad argument."""
     if not arguments:
