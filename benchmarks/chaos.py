@@ -83,7 +83,7 @@ def table(results: dict[str, list[Trial]]) -> str:
         times = [t.failover for t in trials if t.failover is not None]
         span = (f"{min(times):.2f} / {statistics.median(times):.2f} / {max(times):.2f}"
                 if times else "-")
-        missed = [t for t in trials if t.notes or t.lost or t.resurrected
+        missed = [t for t in trials if t.notes or t.lost or t.resurrected or t.missing_redelivered
                   or (t.failover is not None and t.failover > fault.bound)]
         why = f"{len(missed)}" + (f" ({missed[0].notes[0]})" if missed and missed[0].notes else "")
         rows.append(f"| {name} ({fault.what}) | {fault.ttl} | {len(trials)} "

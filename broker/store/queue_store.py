@@ -80,10 +80,12 @@ from broker.store.sink import NULL_SINK, ReplicationSink
 
 DEFAULT_SEGMENT_SIZE: Final = 8 * 1024 * 1024
 META_NAME: Final = "meta"
-# magic, version, delivered high-water mark, next segment number; then a crc32 of those.
-_META: Final = struct.Struct("<4sIQQ")
+# magic, version, delivered high-water mark, next segment number, flags; then a crc32 of those.
+_META: Final = struct.Struct("<4sIQQI")
 _META_MAGIC: Final = b"SKQM"
-_META_VERSION: Final = 1
+_META_VERSION: Final = 2  # 1 had no flags (read as "not closed cleanly")
+_META_V1_SIZE: Final = struct.calcsize("<4sIQQ")
+_META_CLEAN: Final = 1  # flags: written by close(); the mark is exact
 _CRC: Final = struct.Struct("<I")
 _U32: Final = struct.Struct("<I")
 _I64_PACK_INTO: Final = fmt.I64.pack_into
@@ -127,6 +129,8 @@ class QueueStore(SegmentLog[Segment]):
 
     __slots__ = (
         "_aa_positions",
+        "_clean_on_disk",
+        "_closing",
         "_aa_seg",
         "_ack_pending",
         "_ack_unsynced",
@@ -180,6 +184,8 @@ class QueueStore(SegmentLog[Segment]):
         self._meta_written = b""  # meta as last written to the file (fsynced or not)
         self._meta_unsynced = False  # meta written since its last fsync
         self._meta_sent = b""
+        self._closing = False  # close() runs: the meta it writes says "closed cleanly"
+        self._clean_on_disk = False  # the meta file says "closed cleanly" (see _set_dirty)
         try:
             os.makedirs(self._dir, exist_ok=True)
             self._recover()
@@ -204,7 +210,14 @@ class QueueStore(SegmentLog[Segment]):
             self._ack_unsynced = set()
 
     def _set_dirty(self) -> None:
-        """Something not yet durable changed: tell the syncer (once per clean -> dirty)."""
+        """Something not yet durable changed: tell the syncer (once per clean -> dirty).
+
+        The first change after opening a cleanly closed store (an append, or a delivery
+        past the mark) first overwrites its "closed cleanly" meta, so a crash from here
+        on is seen as one."""
+        if self._clean_on_disk:
+            with self._lock:
+                self._mark_open()
         self._dirty = True
         if self._notify is not None:
             self._notify(self)
@@ -856,8 +869,25 @@ class QueueStore(SegmentLog[Segment]):
             paths.append(Path(self._meta_path))
 
     def _meta_bytes(self) -> bytes:
-        head = _META.pack(_META_MAGIC, _META_VERSION, self._hwm, self._next_num)
+        flags = _META_CLEAN if self._closing else 0
+        head = _META.pack(_META_MAGIC, _META_VERSION, self._hwm, self._next_num, flags)
         return head + _CRC.pack(zlib.crc32(head))
+
+    def _mark_open(self) -> None:
+        """Replace a "closed cleanly" meta with an open one, on disk and on the replicas,
+        before anything is delivered: from now on the mark on disk may lag deliveries.
+        (Owner thread, under ``_lock``; fsynced by the next full sync. On a full disk the
+        file goes: no meta reads as "not closed cleanly" too.)"""
+        self._clean_on_disk = False
+        meta = self._meta_bytes()
+        if not self._write_meta(meta, fsync=False):
+            self._remove_file(Path(self._meta_path))  # tells the replicas too
+            self._meta_written = self._meta_sent = b""
+            return
+        self._meta_unsynced = True
+        if self._sink.active:
+            self._meta_sent = meta
+            self._sink.replace(Path(self._meta_path), meta)
 
     def _write_meta(self, meta: bytes, fsync: bool) -> bool:
         """Overwrite meta in place (fixed size, one pwrite); False if the disk is full (the
@@ -882,6 +912,7 @@ class QueueStore(SegmentLog[Segment]):
 
     def _before_close(self) -> None:
         self.end_pass()
+        self._closing = True  # the meta flush() and the final sync write says "closed cleanly"
         self.flush()
 
     # ------------------------------------------------------------------ recovery
@@ -897,8 +928,7 @@ class QueueStore(SegmentLog[Segment]):
             num = fmt.parse_number(entry.name, "acks.")
             if num is not None:
                 ack_nums.add(num)
-        hwm, next_num = self._read_meta()
-        self._hwm = self._recovered_hwm = hwm
+        hwm, next_num, clean = self._read_meta()
         directory = self.directory
         if seg_nums:
             self._allocate_sets()  # still in the constructor: no sync thread yet
@@ -914,7 +944,17 @@ class QueueStore(SegmentLog[Segment]):
         # New segments must sort after every msgid ever delivered, even after the segments
         # holding them are gone, or the redelivered mark would cover new messages.
         highest = max(seg_nums, default=0)
+        if not clean and self._order:
+            # Not closed cleanly: the mark on disk may lag what was delivered (it is written
+            # within the sync window), so every recovered message may have been delivered and
+            # comes back flagged (as RabbitMQ does after an unclean shutdown).
+            hwm = max(hwm, (self._order[-1] << 32) | POS_MASK)
+        self._hwm = self._recovered_hwm = hwm
         self._next_num = max(next_num, highest + 1, (hwm >> 32) + 1, 1)
+        if clean and self._order:
+            self._mark_open()  # before anything is delivered (replicas: before anyone serves)
+        else:
+            self._clean_on_disk = clean
         self._cnum = self._order[0] if self._order else self._next_num
         self._cpos = HEADER_SIZE
 
@@ -982,23 +1022,26 @@ class QueueStore(SegmentLog[Segment]):
         usable = HEADER_SIZE + (len(data) - HEADER_SIZE) // 4 * 4  # drop a torn last entry
         return {p for (p,) in _U32.iter_unpack(data[HEADER_SIZE:usable])}
 
-    def _read_meta(self) -> tuple[int, int]:
-        """(delivered high-water mark, next segment number); defaults if missing or garbage."""
+    def _read_meta(self) -> tuple[int, int, bool]:
+        """(delivered high-water mark, next segment number, closed cleanly); defaults (not
+        clean) if missing or garbage."""
         try:
             with open(self._meta_path, "rb") as f:
                 data = f.read()
         except FileNotFoundError:
-            return 0, 1
-        if len(data) != _META.size + _CRC.size:
-            return 0, 1
-        head = data[:_META.size]
-        if _CRC.unpack_from(data, _META.size)[0] != zlib.crc32(head):
-            return 0, 1
-        magic, version, hwm, next_num = _META.unpack(head)
-        if magic != _META_MAGIC or version != _META_VERSION:
-            return 0, 1
+            return 0, 1, False
+        size = len(data) - _CRC.size
+        if size not in (_META.size, _META_V1_SIZE):
+            return 0, 1, False
+        head = data[:size]
+        if _CRC.unpack_from(data, size)[0] != zlib.crc32(head):
+            return 0, 1, False
+        magic, version, hwm, next_num = struct.unpack_from("<4sIQQ", head)
+        if magic != _META_MAGIC or version not in (1, _META_VERSION):
+            return 0, 1, False
+        flags = _META.unpack(head)[4] if version == _META_VERSION and size == _META.size else 0
         self._meta_written = data
-        return int(hwm), int(next_num)
+        return int(hwm), int(next_num), bool(flags & _META_CLEAN)
 
 
 def _append_whole(fd: int, data: bytes | bytearray) -> bool:
