@@ -44,7 +44,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from broker import errors, properties
 from broker.model import features
-from broker.store.segment import short_pair
+from broker.store.queue_store import QueueStore
+from broker.store.segment import record_size, short_pair
 
 if TYPE_CHECKING:
     from broker.model.exchange import Exchange
@@ -196,6 +197,13 @@ def publish(vh: VHost, req: PublishRequest, first_hop: bool = True) -> PublishOu
         rkb = names.routing_key_b
         exrk = names.exrk
         body = req.body
+        if len(queues) > 1:
+            # A full disk stores a message everywhere or nowhere: room first in every plain
+            # queue (a queue with features, e.g. priorities, may still fail on its own).
+            size = record_size(exb, rkb, props, body)
+            for q in queues:
+                if q.features is None:
+                    q.store.reserve(size)
         for q in queues:
             if q.publish(ts, exb, rkb, props, body, persistent, exrk) is False:
                 out.rejected = True
@@ -291,6 +299,9 @@ def publish_run(vh: VHost, exchange: str, routing_key: str, names: EncodedNames,
         persistent = is_persistent(props[0])
     else:  # any of them: it only decides whether a confirm waits for a sync
         persistent = any(is_persistent(p) for p in props)
+    size = QueueStore.run_size(names.exrk, props, bodies, same)
+    for q in queues:  # a full disk stores the run everywhere or nowhere (DiskFull before any)
+        q.store.reserve(size)
     for q in queues:
         q.publish_run(ts, names.exchange_b, names.routing_key_b, props, bodies, persistent, names.exrk, same)
     return PublishOutcome(queues, sync=persistent and any(q.durable for q in queues))

@@ -509,8 +509,8 @@ class Session(AMQPConnection):
         except (errors.DiskFull, OSError) as exc:
             if not no_space(exc):
                 raise
-            # one by one then: each is refused (nacked) or stored on its own; a queue that did
-            # take the run before another found no space may hold a copy of a nacked message
+            # one by one then: each is refused (nacked) or stored on its own (the run reserved
+            # its room in every queue first, so none of it is stored yet)
             out = None
         if out is None:
             self.publish_each(channel, args, props, bodies)

@@ -262,9 +262,9 @@ class QueueStore(SegmentLog[Segment]):
         in. ``same``: all properties are equal and all bodies are of one length.
 
         The first record's timestamp is written last, so a reader (recovery after
-        kill -9) sees all of the run's records in a segment or none of them. Space is
-        allocated before each segment's share is written; DiskFull from the second
-        share on (a run crossing a segment boundary) leaves the first share stored.
+        kill -9) sees all of the run's records or none of them. All or nothing: the run
+        goes into one segment, whose space is allocated before anything is written, so
+        DiskFull leaves nothing of it stored.
         """
         k = len(bodies)
         if not k:
@@ -278,22 +278,32 @@ class QueueStore(SegmentLog[Segment]):
         rec = 8 + len(mid) + body_len
         sep = _I64_PACK(timestamp_ms or 1) + mid
         head = len(mid) + 8
-        i = 0
-        while i < k:
-            seg = self._wseg
-            room = 0 if seg is None else (self._wcap - seg.end) // rec
-            if room <= 0:
-                seg = self._roll(rec, (k - i) * rec)
-                continue
-            m = min(room, k - i)
-            mm = self._wmm
-            assert seg is not None and mm is not None
-            pos = seg.end
-            end = pos + m * rec
-            mm[pos + 8 : pos + head] = mid  # the first timestamp stays zero until the end
-            mm[pos + head : end] = sep.join(bodies[i : i + m] if m < k else bodies)
-            self._run_written(seg, mm, pos, end, timestamp_ms, m, m * body_len)
-            i += m
+        seg = self.reserve(k * rec)
+        mm = self._wmm
+        assert mm is not None
+        pos = seg.end
+        end = pos + k * rec
+        mm[pos + 8 : pos + head] = mid  # the first timestamp stays zero until the end
+        mm[pos + head : end] = sep.join(bodies)
+        self._run_written(seg, mm, pos, end, timestamp_ms, k, k * body_len)
+
+    def reserve(self, size: int) -> Segment:
+        """The write segment, with ``size`` bytes of records' room allocated: DiskFull (or
+        StoreError) now, before anything is written. A run of records, or one message
+        routed to several queues, reserves first, so a full disk stores all of it or none."""
+        seg = self._wseg
+        if seg is None or self._wmm is None or seg.end + size > self._wcap:
+            seg = self._roll(size)
+        return seg
+
+    @staticmethod
+    def run_size(exrk: bytes, props: list[bytes], bodies: list[bytes], same: bool) -> int:
+        """Bytes ``append_run`` needs for this run (what to ``reserve``)."""
+        k = len(bodies)
+        fixed = fmt.FIXED_SIZE - 2 + len(exrk)  # FIXED_SIZE counts the two length octets
+        if same:
+            return k * (fixed + len(props[0]) + len(bodies[0]))
+        return k * fixed + sum(map(len, props)) + sum(map(len, bodies))
 
     def _append_mixed(self, timestamp_ms: int, exrk: bytes, props: list[bytes], bodies: list[bytes]) -> None:
         ts = _I64_PACK(timestamp_ms or 1)
@@ -303,16 +313,9 @@ class QueueStore(SegmentLog[Segment]):
             add((ts, exrk, _U32_PACK(len(p)), p, _U64_PACK(len(body)), body))
         blob = b"".join(parts)
         size = len(blob)
-        seg = self._wseg
+        seg = self.reserve(size)
         mm = self._wmm
-        if seg is None or mm is None or (seg.end + size > self._wcap and self._grow(size) is None):
-            # not all in the write segment: record by record, rolling where needed
-            ln = exrk[0]
-            exchange = exrk[1 : 1 + ln]
-            routing_key = exrk[2 + ln :]
-            for p, body in zip(props, bodies, strict=True):
-                self.append(timestamp_ms, exchange, routing_key, p, body)
-            return
+        assert mm is not None
         pos = seg.end
         mm[pos + 8 : pos + size] = memoryview(blob)[8:]  # the first timestamp stays zero until the end
         self._run_written(seg, mm, pos, pos + size, timestamp_ms, len(bodies), sum(map(len, bodies)))

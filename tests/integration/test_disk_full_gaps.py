@@ -1,0 +1,130 @@
+"""What a full disk must not do beyond SIGBUS (issue 14): half-store a run of publishes, lose
+or crash on a timer's write, or corrupt the definitions log and JSON stores.
+
+Theory of operation: a broker on a small tmpfs in a private mount namespace (``_tmpfs.py``),
+the disk alarm off so that the store itself meets ENOSPC.
+
+- Runs: a raw AMQP client pipelines batches of confirmed publishes to a fanout exchange
+  with two queues (so the broker stores them as runs, crossing segment boundaries) until
+  nacks come. Every message is answered once (ack or nack); acked ones are in both queues
+  after kill -9, nacked ones in neither.
+- Timers: delayed messages (``x-delayed-message``) and TTL dead letters fall due while the
+  disk is full. The broker stays up with no traceback; once space is back they arrive.
+- Definitions: a durable declare, a user, a vhost and a policy on a full disk get a clean
+  error (AMQP 406 on the channel; HTTP 503); the files stay readable: after kill -9 the
+  broker starts with every definition made before.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pika
+import pytest
+import requests
+from pamqp import commands
+
+from ._raw import RawConn, frame_bytes, header_payload, method_bytes
+from ._support import connect, unique, wait_until
+from ._tmpfs import NEEDS, NamespacedBroker, mount_tmpfs
+
+pytestmark = [NEEDS, pytest.mark.timeout(240)]
+
+SIZE = 12 * 1024 * 1024
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[tuple[Path, int]]:
+    yield from mount_tmpfs(tmp_path, SIZE)
+
+
+@pytest.fixture
+def broker(tmpfs: tuple[Path, int], tmp_path: Path) -> Iterator[NamespacedBroker]:
+    mnt, holder = tmpfs
+    b = NamespacedBroker(mnt / "data", holder, ["--free-disk-min", "0", "--segment-size", "256KiB"])
+    b.log_path = tmp_path / "broker.log"  # outside the tmpfs: readable from here
+    try:
+        b.start()
+        yield b
+    finally:
+        b.close()
+
+
+def _fill_disk(b: NamespacedBroker, mnt: Path, leave: int = 0) -> None:
+    """Another process takes the space (``leave`` bytes free, roughly)."""
+    b.run_inside("dd", "if=/dev/zero", f"of={mnt}/filler", "bs=64K")
+    if leave:
+        b.run_inside("truncate", "-s", f"-{leave}", f"{mnt}/filler")
+
+
+def _free_disk(b: NamespacedBroker, mnt: Path) -> None:
+    assert b.run_inside("rm", "-f", f"{mnt}/filler").returncode == 0
+
+
+def _ids(b: NamespacedBroker, queue: str) -> list[int]:
+    conn = connect(b)
+    ch = conn.channel()
+    got: list[int] = []
+    for _ in range(100_000):
+        m, _, body = ch.basic_get(queue, auto_ack=True)
+        if m is None:
+            break
+        got.append(int.from_bytes(body[:8], "big"))
+    conn.close()
+    return got
+
+
+def test_runs_on_a_full_disk_are_all_or_nothing(broker: NamespacedBroker, tmpfs: tuple[Path, int]) -> None:
+    b = broker
+    mnt, _ = tmpfs
+    ex, qa, qb = unique("fan"), unique("qa"), unique("qb")
+    conn = connect(b)
+    ch = conn.channel()
+    ch.exchange_declare(ex, "fanout", durable=True)
+    for q in (qa, qb):
+        ch.queue_declare(q, durable=True)
+        ch.queue_bind(q, ex)
+    conn.close()
+    _fill_disk(b, mnt, leave=3 * 1024 * 1024)
+    acked: set[int] = set()
+    nacked: set[int] = set()
+    props = header_payload(0, commands.Basic.Properties(delivery_mode=2))[12:]
+    body_len = 6000
+    with RawConn(b.host, b.port, timeout=10) as c:
+        c.handshake()
+        c.open_channel(1)
+        c.send_method(1, commands.Confirm.Select())
+        c.expect(commands.Confirm.SelectOk, 1)
+        publish = method_bytes(1, commands.Basic.Publish(exchange=ex, routing_key=""))
+        header = frame_bytes(2, 1, struct.pack(">HHQ", 60, 0, body_len) + props)
+        seq = 0
+        for _batch in range(60):
+            out = []
+            for _ in range(100):
+                seq += 1
+                out.append(publish + header + frame_bytes(3, 1, seq.to_bytes(8, "big") + b"x" * (body_len - 8)))
+            c.send(b"".join(out))
+            answered_to = max(acked | nacked, default=0)
+            while answered_to < seq:  # every publish answered, ack or nack (multiple or not)
+                kind, m = c.next_answer(timeout=30)
+                assert kind in ("ack", "nack"), (kind, m)
+                tags = range(answered_to + 1, m.delivery_tag + 1) if m.multiple else [m.delivery_tag]
+                (acked if kind == "ack" else nacked).update(tags)
+                answered_to = max(answered_to, m.delivery_tag)
+            if nacked:
+                break
+    assert acked and nacked, f"{len(acked)} acked, {len(nacked)} nacked: the disk never filled"
+    assert not acked & nacked
+    b.kill9()
+    _free_disk(b, mnt)
+    b.start()
+    for q in (qa, qb):
+        got = _ids(b, q)
+        assert len(got) == len(set(got)), f"{q}: duplicates"
+        stored = set(got)
+        assert acked <= stored, f"{q}: {len(acked - stored)} confirmed messages lost"
+        assert not stored & nacked, f"{q}: {len(stored & nacked)} nacked messages stored"
+    assert "Traceback" not in b.log_text()
