@@ -39,7 +39,6 @@ from broker.amqp.connection import CH_OPEN, AMQPConnection, PublishArgs
 from broker.model import queue_types
 from broker.model.publish import PublishRequest
 from broker.model.queue import Consumer, Queue
-from broker.net.alarms import no_space
 from broker.properties import HI_DELIVERY_MODE, HI_REPLY_TO
 
 if TYPE_CHECKING:
@@ -507,7 +506,7 @@ class Session(AMQPConnection):
             out = self.vhost_obj.publish_run(exchange, args.routing_key, args, props, bodies, same,
                                              self.now_ms)
         except (errors.DiskFull, OSError) as exc:
-            if not no_space(exc):
+            if not errors.no_space(exc):
                 raise
             # one by one then: each is refused (nacked) or stored on its own (the run reserved
             # its room in every queue first, so none of it is stored yet)
@@ -534,7 +533,7 @@ class Session(AMQPConnection):
         its queues only): raise the disk alarm at once, which blocks every publisher, and tell
         this one: a basic.nack in confirm mode, else a channel error. Never a connection
         error: the broker is fine, only the disk is full."""
-        if not no_space(exc):
+        if not errors.no_space(exc):
             raise exc
         self.broker.alarm.disk_full(need, self.broker.connections)
         if chs.confirm:
@@ -708,7 +707,7 @@ class Session(AMQPConnection):
             handler(self, chs, method)
         except (errors.DiskFull, OSError) as exc:
             # a durable declare, a tx.commit's publishes...: the channel fails, not the connection
-            if not no_space(exc):
+            if not errors.no_space(exc):
                 raise
             self.broker.alarm.disk_full(1, self.broker.connections)
             raise errors.PreconditionFailed(f"disk full: {method.name} failed; publishers are blocked "

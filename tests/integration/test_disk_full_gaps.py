@@ -24,7 +24,6 @@ from pathlib import Path
 
 import pika
 import pytest
-import requests
 from pamqp import commands
 
 from ._raw import RawConn, frame_bytes, header_payload, method_bytes
@@ -127,4 +126,48 @@ def test_runs_on_a_full_disk_are_all_or_nothing(broker: NamespacedBroker, tmpfs:
         stored = set(got)
         assert acked <= stored, f"{q}: {len(acked - stored)} confirmed messages lost"
         assert not stored & nacked, f"{q}: {len(stored & nacked)} nacked messages stored"
+    assert "Traceback" not in b.log_text()
+
+
+def _count(b: NamespacedBroker, queue: str) -> int:
+    conn = connect(b)
+    try:
+        return int(conn.channel().queue_declare(queue, passive=True).method.message_count)
+    finally:
+        conn.close()
+
+
+def test_timer_writes_wait_for_space(broker: NamespacedBroker, tmpfs: tuple[Path, int]) -> None:
+    """Delayed messages and TTL dead letters that fall due on a full disk are neither lost
+    nor a traceback: they wait, and arrive once there is space again."""
+    b = broker
+    mnt, _ = tmpfs
+    n, body = 150, b"d" * 4000
+    dx, qd, qttl, qdl = unique("dx"), unique("qd"), unique("qttl"), unique("qdl")
+    conn = connect(b)
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.exchange_declare(dx, "x-delayed-message", durable=True, arguments={"x-delayed-type": "direct"})
+    ch.queue_declare(qd, durable=True)
+    ch.queue_bind(qd, dx, routing_key="k")
+    ch.queue_declare(qdl, durable=True)
+    ch.queue_declare(qttl, durable=True, arguments={"x-message-ttl": 2500, "x-dead-letter-exchange": "",
+                                                    "x-dead-letter-routing-key": qdl})
+    persistent = pika.BasicProperties(delivery_mode=2, headers={"x-delay": 2500})
+    for _ in range(n):
+        ch.basic_publish(dx, "k", body, persistent)
+        ch.basic_publish("", qttl, body, pika.BasicProperties(delivery_mode=2))
+    conn.close()
+    _fill_disk(b, mnt)
+    wait_until(lambda: "due delayed messages wait" in b.log_text(), 30, "the delayed messages waiting")
+    wait_until(lambda: "dead letters wait" in b.log_text(), 30, "the dead letters waiting")
+    assert b.alive() and "Traceback" not in b.log_text(), b.log_tail()
+    assert _count(b, qd) < n and _count(b, qdl) < n  # the full disk held some back
+    _free_disk(b, mnt)
+    wait_until(lambda: _count(b, qd) == n and _count(b, qdl) == n, 30, "every message, once space is back")
+    assert _count(b, qttl) == 0
+    time.sleep(2.0)  # the settlements' durability window (ack_sync_interval, 1 s) passes: the property
+    b.kill9()  # and none of them twice after a crash: the sources were settled
+    b.start()
+    assert (_count(b, qd), _count(b, qdl), _count(b, qttl)) == (n, n, 0)
     assert "Traceback" not in b.log_text()
