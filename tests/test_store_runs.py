@@ -77,7 +77,8 @@ def test_append_run_writes_what_appends_write(tmp_path: Path) -> None:
 
     got = deliveries(a2)
     assert got == deliveries(b2)
-    assert [body for _exrk, _props, body in got] == [body for _rk, _p, group, _s in _groups() for body in group]
+    expected = [body for _rk, _p, group, _s in _groups() for body in group]
+    assert [body for _exrk, _props, body in got] == expected
     a2.close()
     b2.close()
 

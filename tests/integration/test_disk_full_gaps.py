@@ -104,7 +104,8 @@ def test_runs_on_a_full_disk_are_all_or_nothing(broker: NamespacedBroker, tmpfs:
             out = []
             for _ in range(100):
                 seq += 1
-                out.append(publish + header + frame_bytes(3, 1, seq.to_bytes(8, "big") + b"x" * (body_len - 8)))
+                body = seq.to_bytes(8, "big") + b"x" * (body_len - 8)
+                out.append(publish + header + frame_bytes(3, 1, body))
             c.send(b"".join(out))
             answered_to = max(acked | nacked, default=0)
             while answered_to < seq:  # every publish answered, ack or nack (multiple or not)
