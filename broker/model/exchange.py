@@ -176,6 +176,12 @@ class Exchange:
             self.special.bindings_changed()
         return True
 
+    def is_bound(self, dest: object, routing_key: str, args: dict[str, Any] | None = None) -> bool:
+        if self._default:
+            lst = self._direct.get(routing_key)
+            return not args and lst is not None and lst[0] == dest
+        return (dest, routing_key, args_key(args)) in self._bindings
+
     def unbind(self, dest: object, routing_key: str, args: dict[str, Any] | None = None) -> bool:
         if self._default:
             lst = self._direct.get(routing_key)

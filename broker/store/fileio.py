@@ -13,6 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
+from broker.errors import DiskFull, no_space
+
 
 def fsync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
@@ -23,16 +25,24 @@ def fsync_dir(directory: Path) -> None:
 
 
 def atomic_write(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data``, or (DiskFull, OSError) leave it as it was: the temp
+    file is removed again, so a full disk costs the write, never the old content."""
     tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if no_space(exc):
+            raise DiskFull(f"disk full: cannot write {path.name}") from None
+        raise
     fsync_dir(path.parent)
 
 

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pika
 import pytest
+import requests
 from pamqp import commands
 
 from ._raw import RawConn, frame_bytes, header_payload, method_bytes
@@ -171,4 +172,62 @@ def test_timer_writes_wait_for_space(broker: NamespacedBroker, tmpfs: tuple[Path
     b.kill9()  # and none of them twice after a crash: the sources were settled
     b.start()
     assert (_count(b, qd), _count(b, qdl), _count(b, qttl)) == (n, n, 0)
+    assert "Traceback" not in b.log_text()
+
+
+Channel = pika.adapters.blocking_connection.BlockingChannel
+
+
+def _refused(b: NamespacedBroker, declare: Callable[[Channel], object]) -> int:
+    """The reply code of a channel error ``declare`` gets (0: none)."""
+    conn = connect(b)
+    try:
+        declare(conn.channel())
+    except pika.exceptions.ChannelClosedByBroker as exc:
+        return int(exc.reply_code)
+    finally:
+        if conn.is_open:
+            conn.close()
+    return 0
+
+
+def test_definitions_on_a_full_disk(broker: NamespacedBroker, tmpfs: tuple[Path, int]) -> None:
+    """A declare, a binding, a delete, a user, a vhost and a policy on a full disk get a clean
+    error and change nothing, in memory or on disk; what is declared once space is back
+    survives kill -9 (a torn record in the definitions log would hide it)."""
+    b = broker
+    mnt, _ = tmpfs
+    api = f"http://{b.host}:{b.mgmt_port}/api"
+    auth = ("guest", "guest")
+    ex0, q0, ex1, ex2 = unique("ex0"), unique("q0"), unique("ex1"), unique("ex2")
+    conn = connect(b)
+    ch = conn.channel()
+    ch.exchange_declare(ex0, "direct", durable=True)
+    ch.queue_declare(q0, durable=True)
+    ch.queue_bind(q0, ex0, "k0")
+    conn.close()
+    _fill_disk(b, mnt)
+    pad = {"pad": "x" * 20000}  # more than the slack in the log's last page: a partial write
+    assert _refused(b, lambda c: c.exchange_declare(ex1, "direct", durable=True, arguments=pad)) == 406
+    assert _refused(b, lambda c: c.exchange_declare(ex1, "direct", passive=True)) == 404
+    assert _refused(b, lambda c: c.queue_bind(q0, ex0, "k1", arguments=pad)) == 406
+    assert _refused(b, lambda c: c.queue_unbind(q0, ex0, "k1", arguments=pad)) == 0  # it was never bound
+    for what, body in (("users/u1", {"password": "p", "tags": ""}), ("vhosts/v1", {}),
+                       ("policies/%2F/p1", {"pattern": "^zz", "definition": {"max-length": 1}})):
+        r = requests.put(f"{api}/{what}", json=body, auth=auth, timeout=30)
+        assert r.status_code == 503 and r.json()["error"] == "disk_full", (what, r.status_code, r.text)
+        assert requests.get(f"{api}/{what}", auth=auth, timeout=30).status_code == 404, what
+    assert b.alive() and "Traceback" not in b.log_text(), b.log_tail()
+    _free_disk(b, mnt)
+    conn = connect(b)
+    conn.channel().exchange_declare(ex2, "fanout", durable=True)
+    conn.close()
+    b.kill9()
+    b.start()
+    assert _refused(b, lambda c: c.exchange_declare(ex2, "fanout", passive=True)) == 0, "lost after kill -9"
+    assert _refused(b, lambda c: c.exchange_declare(ex1, "direct", passive=True)) == 404
+    assert _refused(b, lambda c: c.queue_declare(q0, passive=True)) == 0
+    assert requests.get(f"{api}/users/guest", auth=auth, timeout=30).status_code == 200
+    binds = requests.get(f"{api}/exchanges/%2F/{ex0}/bindings/source", auth=auth, timeout=30).json()
+    assert sorted(x["routing_key"] for x in binds) == ["k0"]
     assert "Traceback" not in b.log_text()
