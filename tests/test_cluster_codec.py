@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import struct
 from pathlib import Path
 
 import pytest
@@ -183,3 +184,13 @@ def test_heartbeat_is_a_counted_message() -> None:
     msg = codec.encode(codec.HEARTBEAT, b"")
     [m] = codec.MessageReader().feed(msg)
     assert m.kind == codec.HEARTBEAT and m.size == len(msg) > 0
+
+
+def test_merge_acks_round_trip() -> None:
+    positions = struct.pack("<3I", 8, 100, 4000)
+    msg = codec.encode_merge_acks("vh/q/acks.0000000001", 5000, b"h" * 20, positions)
+    [m] = codec.MessageReader().feed(msg)
+    assert m.kind == codec.MERGE_ACKS
+    assert codec.parse_merge_acks(m.payload) == ("vh/q/acks.0000000001", 5000, b"h" * 20, [8, 100, 4000])
+    with pytest.raises(codec.CodecError):
+        codec.parse_merge_acks(m.payload[:-1])  # not whole u32 entries

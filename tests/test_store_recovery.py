@@ -337,3 +337,27 @@ def test_persistent_only_drops_transient_messages(tmp_path: Path) -> None:
     store = QueueStore(qdir)
     assert store.ready_count == 6
     store.close()
+
+
+def test_merge_acks_from_a_replica(tmp_path: Path) -> None:
+    """Acks another copy of the store holds: ready messages (at the cursor, ahead of it,
+    requeued) go; a held one stays with its consumer; the result survives a restart."""
+    qdir = tmp_path / "q"
+    store = QueueStore(qdir, segment_size=4096)
+    ids = fill(store, 10)
+    first = store.shift()
+    second = store.shift()
+    assert (first, second) == (ids[0], ids[1])
+    store.requeue(second)  # ready again, in the requeue heap
+    num = ids[0] >> 32
+    pos = [m & 0xFFFFFFFF for m in ids]
+    assert store.merge_acks(num, [pos[0], pos[1], pos[4], pos[5], pos[5], 3, 10**6]) == 3
+    assert store.ready_count == 10 - 1 - 3
+    assert store.bytes_ready == sum(len(b"body-%d" % i) for i in (2, 3, 6, 7, 8, 9))
+    assert store.merge_acks(num, [pos[4]]) == 0  # once
+    assert drain(store) == [ids[2], ids[3], ids[6], ids[7], ids[8], ids[9]]
+    store.ack(first)
+    store.close()
+    store = QueueStore(qdir, segment_size=4096)
+    assert drain(store) == [ids[2], ids[3], ids[6], ids[7], ids[8], ids[9]]
+    store.close()

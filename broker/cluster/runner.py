@@ -470,6 +470,7 @@ class ClusterRunner:
         self.view.warm = True
         node.trust_proxy_headers_from(sink.member_ips)  # followers' proxies send PROXY headers
         sink.flush_stores = node.flush_stores
+        sink.merge_acks = node.merge_acks
         sink.client_ports = (node.amqp_port(), node.http_port())
         try:
             await sink.start(c.bind, c.port, self.repl_server_tls)

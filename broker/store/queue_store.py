@@ -719,6 +719,44 @@ class QueueStore(SegmentLog[Segment]):
                 self._sink.append(seg.ack_path, HEADER)
             self._sink.append(seg.ack_path, packed)
 
+    def merge_acks(self, num: int, positions: Iterable[int]) -> int:
+        """Ack, in segment ``num``, the ready messages at ``positions``: acks another copy of
+        this store has on disk (a replica, whose segment holds the very same bytes: the caller
+        checked). A message a consumer holds is left to its ack or requeue. Returns how many
+        were acked here."""
+        seg = self._segs.get(num)
+        if seg is None:
+            return 0
+        mm = seg.mm if seg.mm is not None else self._map_read(seg)
+        heap_hit = False
+        n = 0
+        for pos in sorted(set(positions)):
+            if pos < HEADER_SIZE or pos >= seg.end or pos in seg.acked:
+                continue
+            msgid = (num << 32) | pos
+            if msgid in self._unacked:
+                continue
+            if msgid in self._requeued:
+                self._heap.remove(msgid)
+                self._requeued.discard(msgid)
+                heap_hit = True
+            elif num < self._cnum or (num == self._cnum and pos < self._cpos):
+                continue  # behind the cursor and not held: settled already
+            self._ack_position(seg, pos)
+            self._ready -= 1
+            self._bytes_ready -= fmt.body_size_at(mm, pos)
+            n += 1
+        if heap_hit:
+            heapq.heapify(self._heap)
+        if n:
+            if len(seg.acked) == seg.count and seg is not self._wseg:
+                self._delete_segment(seg)
+            if not self._dirty:
+                self._set_dirty()
+            if self._through:
+                self._write_through()
+        return n
+
     def requeue(self, msgid: int) -> None:
         """Unacked -> ready again (served before new messages, in msgid order)."""
         self._unacked.remove(msgid)
