@@ -36,8 +36,9 @@ def test_acks_only_followers_had_stay_acked(tmp_path: Path) -> None:
         asyncio.run(asyncio.wait_for(publish(leader.url, "merge-q", 0, 200, confirmed, batch=50), 60))
         before = [ack_bytes(f) for f in followers]
         acked = asyncio.run(asyncio.wait_for(consume_some(leader.url, "merge-q", 100), 60))
-        wait_for(lambda: all(ack_bytes(f) >= b + 4 * len(acked) for f, b in zip(followers, before, strict=True)),
-                 20, "the acks on the followers' disks")
+        pairs = list(zip(followers, before, strict=True))
+        wait_for(lambda: all(ack_bytes(f) >= b + 4 * len(acked) for f, b in pairs), 20,
+                 "the acks on the followers' disks")
         for f in followers:
             f.kill9()
         lid = leader.node_id()
