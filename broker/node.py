@@ -34,6 +34,7 @@ from pathlib import Path
 from types import FrameType
 
 from broker import tls
+from broker.amqp.broker import Broker
 from broker.auth.users import UserStore
 from broker.auth.vhosts import VHostStore
 from broker.config import Config, ConfigError
@@ -48,10 +49,8 @@ from broker.lmq.server import LMQServer
 from broker.metrics import ClusterInfo, FollowerMetrics
 from broker.model.vhost import VHost
 from broker.net import proxy
-from broker.net.broker import Broker
 from broker.net.listener import Listener, keep_peer
 from broker.net.server import AMQPServer
-from broker.net.syncer import Syncable, Syncer
 from broker.store.fileio import syncfs
 from broker.store.jsonstore import read_json, write_json
 from broker.store.lock import DataDirLock
@@ -59,6 +58,7 @@ from broker.store.queue_store import QueueStore
 from broker.store.segment import parse_number
 from broker.store.segment_log import SegmentFiles
 from broker.store.sink import NullSink, ReplicationSink
+from broker.syncer import Syncable, Syncer
 
 log = logging.getLogger("skred")
 
@@ -256,7 +256,7 @@ class Node:
         return http[1] if http else 0
 
     def sync_started(self) -> float | None:
-        return None if self.broker is None else self.broker.syncer.sync_started
+        return None if self._syncer is None else self._syncer.sync_started
 
     def flush_stores(self) -> None:
         if self.broker is not None:
@@ -327,18 +327,18 @@ class Node:
             self.http = None
         if self.amqp is not None:
             await self.amqp.stop(SHUTDOWN_REASON)
-        broker = self.broker
-        if broker is None:
+        broker, syncer = self.broker, self._syncer
+        if broker is None or syncer is None:
             return
         t0 = time.monotonic()
-        broker.syncer.sync_now()
+        syncer.sync_now()
         t1 = time.monotonic()
         if self._files is not None:
             self._files.shutting_down = True  # stores close without trimming (fast)
         for vh in broker.vhosts.values():
             vh.close()
         t2 = time.monotonic()
-        broker.syncer.shutdown()
+        syncer.shutdown()
         log.info("stores synced in %.2f s, closed in %.2f s, last background sync waited for %.2f s",
                  t1 - t0, t2 - t1, time.monotonic() - t2)
 

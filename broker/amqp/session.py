@@ -35,6 +35,7 @@ from pamqp.base import Frame as PFrame
 
 from broker import errors, properties
 from broker.amqp import codec
+from broker.amqp.alarms import no_space
 from broker.amqp.connection import CH_OPEN, AMQPConnection, PublishArgs
 from broker.model import queue_types
 from broker.model.publish import PublishRequest
@@ -42,8 +43,8 @@ from broker.model.queue import Consumer, Queue
 from broker.properties import HI_DELIVERY_MODE, HI_REPLY_TO
 
 if TYPE_CHECKING:
+    from broker.amqp.broker import Broker
     from broker.model.vhost import VHost
-    from broker.net.broker import Broker
     from broker.tls import PeerTLS
 
 log = logging.getLogger(__name__)
@@ -84,7 +85,7 @@ class ChannelState:
         self.reply_tag: str | None = None
         self.open = True
         self.nacks: list[int] | None = None  # publish seqs a queue refused (reject-publish)
-        # consumer timeout: oldest unacked tag and since when it is the oldest (broker/net/alarms.py)
+        # consumer timeout: oldest unacked tag and since when it is the oldest (broker/amqp/alarms.py)
         self.head_tag = 0
         self.head_since = 0.0
 
