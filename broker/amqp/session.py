@@ -35,7 +35,6 @@ from pamqp.base import Frame as PFrame
 
 from broker import errors, properties
 from broker.amqp import codec
-from broker.amqp.alarms import no_space
 from broker.amqp.connection import CH_OPEN, AMQPConnection, PublishArgs
 from broker.model import queue_types
 from broker.model.publish import PublishRequest
