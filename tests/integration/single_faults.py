@@ -61,7 +61,7 @@ class Trial:
     notes: list[str] = field(default_factory=list)
 
 
-def _drain(b: SkredProcess, queue: str) -> list[tuple[int, bool]]:
+def drain(b: SkredProcess, queue: str) -> list[tuple[int, bool]]:
     """(id, redelivered) of everything in ``queue``, consumed with autoack."""
     conn = connect(b)
     ch = conn.channel()
@@ -159,7 +159,7 @@ def trial_live(b: SkredProcess, rng: random.Random) -> Trial:
     pub.join(10)
     acker.join(10)
     b.start()
-    got = _drain(b, q)
+    got = drain(b, q)
     back = {n for n, _ in got}
     acked_ids = {n for n, _ in acker.acked}
     old = {n for n, t in acker.acked if t < killed_at - WINDOW - MARGIN}
@@ -226,8 +226,8 @@ def trial_settled(b: SkredProcess, rng: random.Random, synchronous: bool = False
         time.sleep(WINDOW + MARGIN)  # the window passes: the property under test
     _restart_after_kill(b, trial)
     trial.settled = 4 * N_SETTLE
-    trial.resurrected = sum(len(_drain(b, names[k])) for k in ("ack", "reject", "nack", "purge"))
-    got = _drain(b, names["held"])
+    trial.resurrected = sum(len(drain(b, names[k])) for k in ("ack", "reject", "nack", "purge"))
+    got = drain(b, names["held"])
     trial.delivered = len(held)
     trial.missing_redelivered = len({i for i, r in got if not r} & set(held))
     trial.lost = len(set(held) - {i for i, _ in got})
@@ -236,11 +236,47 @@ def trial_settled(b: SkredProcess, rng: random.Random, synchronous: bool = False
 
 # ------------------------------------------------------------------ full disk
 
-def trial_full_disk(b: SkredProcess, rng: random.Random, mnt: Path,
-                    run_inside: Callable[..., object]) -> Trial:
-    """Pipelined confirmed publishes (fanout to two queues) until nacks, on a disk another
-    process filled to a random few MiB; kill -9, free the space, restart."""
-    trial = Trial("full disk")
+def confirm_pipelined(b: SkredProcess, exchange: str, size: int, batch: Callable[[], int],
+                      max_batches: int = 2000) -> tuple[set[int], set[int], str | None]:
+    """Confirmed persistent publishes of ``size`` bytes (8-byte id first) to ``exchange``,
+    sent in batches of ``batch()`` in one write each (so the broker takes them as runs),
+    every one answered before the next batch, until the first nack. Returns (acked ids,
+    nacked ids, what went wrong or None)."""
+    acked: set[int] = set()
+    nacked: set[int] = set()
+    props = header_payload(0, commands.Basic.Properties(delivery_mode=2))[12:]
+    try:
+        with RawConn(b.host, b.port, timeout=10) as c:
+            c.handshake()
+            c.open_channel(1)
+            c.send_method(1, commands.Confirm.Select())
+            c.expect(commands.Confirm.SelectOk, 1)
+            publish = method_bytes(1, commands.Basic.Publish(exchange=exchange, routing_key=""))
+            header = frame_bytes(2, 1, struct.pack(">HHQ", 60, 0, size) + props)
+            seq = 0
+            for _ in range(max_batches):
+                out = []
+                for _ in range(batch()):
+                    seq += 1
+                    out.append(publish + header + frame_bytes(3, 1, _msg(seq, size)))
+                c.send(b"".join(out))
+                answered = max(acked | nacked, default=0)
+                while answered < seq:  # every publish answered, ack or nack (multiple or not)
+                    kind, m = c.next_answer(timeout=30)
+                    if kind not in ("ack", "nack"):
+                        return acked, nacked, f"publisher got {kind} on a full disk"
+                    tags = range(answered + 1, m.delivery_tag + 1) if m.multiple else [m.delivery_tag]
+                    (acked if kind == "ack" else nacked).update(tags)
+                    answered = max(answered, m.delivery_tag)
+                if nacked:
+                    break
+    except (NoAnswer, OSError) as exc:
+        return acked, nacked, f"publisher: {type(exc).__name__}"
+    return acked, nacked, None
+
+
+def fanout_pair(b: SkredProcess) -> tuple[str, str, str]:
+    """A durable fanout exchange and the two durable queues bound to it: (ex, qa, qb)."""
     ex, qa, qb = unique("fan"), unique("qa"), unique("qb")
     conn = connect(b)
     ch = conn.channel()
@@ -249,40 +285,21 @@ def trial_full_disk(b: SkredProcess, rng: random.Random, mnt: Path,
         ch.queue_declare(q, durable=True)
         ch.queue_bind(q, ex)
     conn.close()
+    return ex, qa, qb
+
+
+def trial_full_disk(b: SkredProcess, rng: random.Random, mnt: Path,
+                    run_inside: Callable[..., object]) -> Trial:
+    """Pipelined confirmed publishes (fanout to two queues) until nacks, on a disk another
+    process filled to a random few MiB; kill -9, free the space, restart."""
+    trial = Trial("full disk")
+    ex, qa, qb = fanout_pair(b)
     run_inside("dd", "if=/dev/zero", f"of={mnt}/filler", "bs=64K")
     run_inside("truncate", "-s", f"-{rng.randint(1, 4)}M", f"{mnt}/filler")
-    acked: set[int] = set()
-    nacked: set[int] = set()
     size = rng.choice([200, 3000, 9000])
-    props = header_payload(0, commands.Basic.Properties(delivery_mode=2))[12:]
-    try:
-        with RawConn(b.host, b.port, timeout=10) as c:
-            c.handshake()
-            c.open_channel(1)
-            c.send_method(1, commands.Confirm.Select())
-            c.expect(commands.Confirm.SelectOk, 1)
-            publish = method_bytes(1, commands.Basic.Publish(exchange=ex, routing_key=""))
-            header = frame_bytes(2, 1, struct.pack(">HHQ", 60, 0, size) + props)
-            seq = 0
-            for _batch in range(2000):
-                out = []
-                for _ in range(rng.randint(20, 200)):
-                    seq += 1
-                    out.append(publish + header + frame_bytes(3, 1, _msg(seq, size)))
-                c.send(b"".join(out))
-                answered = max(acked | nacked, default=0)
-                while answered < seq:
-                    kind, m = c.next_answer(timeout=30)
-                    if kind not in ("ack", "nack"):
-                        trial.notes.append(f"publisher got {kind} on a full disk")
-                        break
-                    tags = range(answered + 1, m.delivery_tag + 1) if m.multiple else [m.delivery_tag]
-                    (acked if kind == "ack" else nacked).update(tags)
-                    answered = max(answered, m.delivery_tag)
-                if nacked or trial.notes:
-                    break
-    except (NoAnswer, OSError) as exc:
-        trial.notes.append(f"publisher: {type(exc).__name__}")
+    acked, nacked, note = confirm_pipelined(b, ex, size, lambda: rng.randint(20, 200))
+    if note:
+        trial.notes.append(note)
     if not nacked and not trial.notes:
         trial.notes.append("the disk never filled")
     trial.confirmed = len(acked)
@@ -292,7 +309,7 @@ def trial_full_disk(b: SkredProcess, rng: random.Random, mnt: Path,
     run_inside("rm", "-f", f"{mnt}/filler")
     b.start()
     for q in (qa, qb):
-        got = [i for i, _ in _drain(b, q)]
+        got = [i for i, _ in drain(b, q)]
         stored = set(got)
         trial.lost += len(acked - stored)
         trial.wrong += len(stored & nacked) + len(got) - len(stored)

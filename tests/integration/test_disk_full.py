@@ -24,6 +24,7 @@ import pytest
 
 from ._support import SkredProcess, amqp_answers, connect, unique, wait_until
 from ._tmpfs import NEEDS, TMPFS_SIZE, NamespacedBroker, mount_tmpfs
+from .single_faults import drain
 
 pytestmark = NEEDS
 
@@ -65,16 +66,7 @@ def _publish_until_refused(b: SkredProcess, queue: str, limit: int, size: int = 
 
 
 def _drain_ids(b: SkredProcess, queue: str) -> set[int]:
-    conn = connect(b)
-    ch = conn.channel()
-    got: set[int] = set()
-    for _ in range(10_000):
-        m, _, body = ch.basic_get(queue, auto_ack=True)
-        if m is None:
-            break
-        got.add(int.from_bytes(body[:8], "big"))
-    conn.close()
-    return got
+    return {i for i, _ in drain(b, queue)}
 
 
 def _assert_up(b: SkredProcess) -> None:

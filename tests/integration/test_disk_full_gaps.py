@@ -17,7 +17,6 @@ the disk alarm off so that the store itself meets ENOSPC.
 
 from __future__ import annotations
 
-import struct
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,11 +24,10 @@ from pathlib import Path
 import pika
 import pytest
 import requests
-from pamqp import commands
 
-from ._raw import RawConn, frame_bytes, header_payload, method_bytes
 from ._support import connect, unique, wait_until
 from ._tmpfs import NEEDS, NamespacedBroker, mount_tmpfs
+from .single_faults import confirm_pipelined, drain, fanout_pair
 
 pytestmark = [NEEDS, pytest.mark.timeout(240)]
 
@@ -65,58 +63,16 @@ def _free_disk(b: NamespacedBroker, mnt: Path) -> None:
 
 
 def _ids(b: NamespacedBroker, queue: str) -> list[int]:
-    conn = connect(b)
-    ch = conn.channel()
-    got: list[int] = []
-    for _ in range(100_000):
-        m, _, body = ch.basic_get(queue, auto_ack=True)
-        if m is None:
-            break
-        got.append(int.from_bytes(body[:8], "big"))
-    conn.close()
-    return got
+    return [i for i, _ in drain(b, queue)]
 
 
 def test_runs_on_a_full_disk_are_all_or_nothing(broker: NamespacedBroker, tmpfs: tuple[Path, int]) -> None:
     b = broker
     mnt, _ = tmpfs
-    ex, qa, qb = unique("fan"), unique("qa"), unique("qb")
-    conn = connect(b)
-    ch = conn.channel()
-    ch.exchange_declare(ex, "fanout", durable=True)
-    for q in (qa, qb):
-        ch.queue_declare(q, durable=True)
-        ch.queue_bind(q, ex)
-    conn.close()
+    ex, qa, qb = fanout_pair(b)
     _fill_disk(b, mnt, leave=3 * 1024 * 1024)
-    acked: set[int] = set()
-    nacked: set[int] = set()
-    props = header_payload(0, commands.Basic.Properties(delivery_mode=2))[12:]
-    body_len = 6000
-    with RawConn(b.host, b.port, timeout=10) as c:
-        c.handshake()
-        c.open_channel(1)
-        c.send_method(1, commands.Confirm.Select())
-        c.expect(commands.Confirm.SelectOk, 1)
-        publish = method_bytes(1, commands.Basic.Publish(exchange=ex, routing_key=""))
-        header = frame_bytes(2, 1, struct.pack(">HHQ", 60, 0, body_len) + props)
-        seq = 0
-        for _batch in range(60):
-            out = []
-            for _ in range(100):
-                seq += 1
-                body = seq.to_bytes(8, "big") + b"x" * (body_len - 8)
-                out.append(publish + header + frame_bytes(3, 1, body))
-            c.send(b"".join(out))
-            answered_to = max(acked | nacked, default=0)
-            while answered_to < seq:  # every publish answered, ack or nack (multiple or not)
-                kind, m = c.next_answer(timeout=30)
-                assert kind in ("ack", "nack"), (kind, m)
-                tags = range(answered_to + 1, m.delivery_tag + 1) if m.multiple else [m.delivery_tag]
-                (acked if kind == "ack" else nacked).update(tags)
-                answered_to = max(answered_to, m.delivery_tag)
-            if nacked:
-                break
+    acked, nacked, note = confirm_pipelined(b, ex, 6000, lambda: 100, max_batches=60)
+    assert note is None, note
     assert acked and nacked, f"{len(acked)} acked, {len(nacked)} nacked: the disk never filled"
     assert not acked & nacked
     b.kill9()
