@@ -4,7 +4,8 @@ Theory of operation
 -------------------
 Files in the queue directory: segments ``msgs.NNNNNNNNNN`` (format in ``segment.py``), one
 ack file ``acks.NNNNNNNNNN`` per segment that has acks (u32 version header, then u32
-positions of acked records), and ``meta`` (delivered high-water mark, next segment number).
+positions of acked records), and ``meta`` (delivered high-water mark, next segment number,
+and whether the store was closed cleanly).
 
 Writing. The write segment, its disk allocation (space reserved before it is written, so
 a full disk is ``DiskFull``, never SIGBUS), roll-over and retirement are ``SegmentLog``'s
@@ -49,6 +50,13 @@ covers the pages written through the shared mapping, so a sync covers everything
 before it was called. ``_sync_lock`` serialises whole syncs against each other and against
 close. Replication: every mutation is reported to the sink from the owner thread
 (``append``, ``ack``, ``purge``, ``flush``, ``close``, ``delete``); ``sync`` never calls the sink.
+
+Redelivered after a crash. The mark on disk lags deliveries by up to the window, so only a
+cleanly closed store (``close`` writes meta flagged so) can trust it; the first change after
+opening one (an append, a delivery past the mark, or at once when it holds messages)
+overwrites that meta, and replicates it, before anything is delivered. A store recovered
+without the flag (kill -9, a replica's copy, no meta) counts every recovered message as
+delivered: RabbitMQ's rule after an unclean shutdown.
 
 Recovery (constructor). Segments are scanned in order, stopping at the first zero or torn
 record; ack positions that are not record starts are dropped; with ``persistent_only``
