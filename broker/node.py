@@ -337,6 +337,8 @@ class Node:
             self._files.shutting_down = True  # stores close without trimming (fast)
         for vh in broker.vhosts.values():
             vh.close()
+        if self._files is not None and syncer.enabled:
+            syncfs(self.config.main.data_dir)  # what the stores wrote while closing (not fsynced)
         t2 = time.monotonic()
         syncer.shutdown()
         log.info("stores synced in %.2f s, closed in %.2f s, last background sync waited for %.2f s",

@@ -401,11 +401,14 @@ class SegmentLog(Generic[S]):
         """Subclass hook: settle what is buffered before the final sync."""
 
     def close(self) -> None:
-        """Settle, sync everything, trim the write segment, unmap. Idempotent."""
+        """Settle, sync everything, trim the write segment, unmap. Idempotent. At node
+        shutdown (``SegmentFiles.shutting_down``) what is left is written, not fsynced: the
+        node's one syncfs after closing every store covers all of them (a queue store's
+        closed-cleanly meta is an fsync per queue otherwise)."""
         if self._closed:
             return
         self._before_close()
-        self.sync(True)
+        self.sync(True, fsync=not self._files.shutting_down)
         with self._sync_lock, self._lock:
             self._closed = True
             self._close_files()
