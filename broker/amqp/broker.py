@@ -84,6 +84,8 @@ class Broker:
         self.reply_to: dict[str, tuple[Session, ChannelState]] = {}
         # cluster members' addresses: they may send PROXY protocol headers
         self.trusted_peers: set[str] = set()
+        # a cluster leader's own legs of follower tunnels -> the real client (broker.cluster.tunnel)
+        self.proxied_peers: dict[tuple[str, int], tuple[str, int]] = {}
         # guest with full access everywhere is the common case: skip per-name checks then
         self.check_permissions = True
         # resource alarms: block publishers (broker/amqp/alarms.py; checked by the listener tick)

@@ -36,7 +36,6 @@ from pamqp.base import Frame as PFrame
 from broker import errors, properties
 from broker.amqp import codec
 from broker.amqp.connection import CH_OPEN, AMQPConnection, PublishArgs
-from broker.model import queue_types
 from broker.model.publish import PublishRequest
 from broker.model.queue import Consumer, Queue
 from broker.properties import HI_DELIVERY_MODE, HI_REPLY_TO
@@ -833,10 +832,8 @@ class Session(AMQPConnection):
             return
         self._check("read", m.queue)
         q = self.vhost_obj.get_queue(m.queue, self)
-        queue_types.check_consume(q.arguments, chs.global_prefetch, q.name, q.vhost)  # 540 on quorum
-        from broker.model.stream import StreamQueue  # stream consumers: manual ack, prefetch, offset
-        if isinstance(q, StreamQueue):
-            q.check_consume(m.no_ack, chs.prefetch or chs.global_prefetch, dict(m.arguments or {}))
+        # the queue type's own rules: 540 for a global prefetch on quorum, a stream's 406s
+        q.check_consume(m.no_ack, chs.prefetch, chs.global_prefetch, dict(m.arguments or {}))
         if m.exclusive and q.consumers:
             raise errors.AccessRefused(f"queue '{q.name}' in vhost '{q.vhost}' in exclusive use")
         if any(c.exclusive for c in q.consumers):

@@ -25,12 +25,10 @@ List endpoints share ``paginate``: ``sort``/``sort_reverse`` always apply,
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import math
 import re
-import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +36,7 @@ from aiohttp import web
 
 from broker import errors
 from broker.auth.sasl import basic_credentials
+from broker.auth.throttle import TooManyFailures, check_login
 from broker.auth.users import User
 from broker.http.state import Mgmt
 
@@ -126,19 +125,13 @@ async def authenticate(request: web.Request) -> User:
     creds = _credentials(request)
     if creds is None:
         raise ApiError(401, "not_authorized", "Login failed")
-    users = mgmt.broker.users
-    source = request.remote or ""
-    wait = users.throttle.admit(source, time.monotonic())
-    if wait is None:
-        raise ApiError(429, "too_many_requests", "Too many failed logins from this address; retry later")
-    if wait:
-        await asyncio.sleep(wait)
-    user = users.authenticate(*creds)
-    if user is None or not users.allowed_from(user, source):
-        if users.throttle.failed(source, time.monotonic()):
-            log.warning("HTTP login refused for user %r from %s", creds[0], source)
+    try:
+        user = await check_login(mgmt.broker.users, *creds, request.remote or "", "HTTP")
+    except TooManyFailures:
+        raise ApiError(429, "too_many_requests", "Too many failed logins from this address; retry later") \
+            from None
+    if user is None:
         raise ApiError(401, "not_authorized", "Login failed")
-    users.throttle.succeeded(source)
     if not MGMT_TAGS & set(user.tags):
         raise ApiError(401, "not_authorized", "Not management user")
     return user

@@ -3,12 +3,12 @@ priorities, single active consumer and consumer priorities.
 
 Theory of operation
 -------------------
-A plain queue has ``features is None`` and pays nothing: ``Queue`` checks that
-one attribute per publish, delivery pass, get, ack and reject and otherwise
-runs its own tight loop. A queue whose arguments or policies ask for any
-feature (or that received a message with a per-message ``expiration``, or a
-consumer with ``x-priority``) gets a ``QueueFeatures``, which takes over those
-operations with a loop that knows about them. The effective configuration
+A plain queue is a ``ClassicQueue`` and pays nothing. A queue whose arguments or
+policies ask for any feature (or that received a message with a per-message
+``expiration``, or a consumer with ``x-priority``) becomes a ``FeaturedQueue``
+(broker/model/queue_featured.py) holding a ``QueueFeatures``: this state and the
+hooks the shared engine calls (admission and after-effects of publish, picking
+and taking for a delivery pass, settlement bookkeeping). The effective configuration
 (``QueueConfig``) is computed from the queue arguments, the vhost's policy and
 operator policy at declare time and again whenever a policy changes, so
 nothing is looked up per message.
@@ -23,7 +23,7 @@ count as expired) and expire otherwise.
 
 Length limits count ready messages and their body bytes (the store's
 counters): ``drop-head`` drops (dead-letters) from the head after the append,
-``reject-publish`` refuses the message (``Queue.publish`` returns False, the
+``reject-publish`` refuses the message (``publish`` returns False, the
 session nacks it under confirms), ``reject-publish-dlx`` also dead-letters it.
 
 ``x-delivery-limit``: requeues are counted per msgid in memory; a redelivered
@@ -37,7 +37,7 @@ queue is deleted.
 
 Deduplication (``x-message-deduplication``, a boolean argument): the header
 values of the messages in the queue live in a ``QueueDedup``
-(``broker/model/queue_dedup.py``); ``publish`` drops a duplicate (accepted, so
+(``broker/model/queue_dedup.py``); ``admit`` drops a duplicate (accepted, so
 it is confirmed) and every exit path below reports the message gone.
 
 Timers come from the vhost's ``call_later`` (the model does not import
@@ -50,21 +50,19 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from broker import errors, properties
 from broker.model import deadletter, queue_types
 from broker.model.queue_dedup import QueueDedup, key_of
 from broker.store.priority_store import PriorityStore
-from broker.store.queue_store import QueueStore
 
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from broker.model.queue import Consumer, Queue
+    from broker.model.queue import ClassicQueue, Consumer
     from broker.model.vhost import VHost
 
-_PASS_BUDGET = 4096
 OVERFLOW_MODES = ("drop-head", "reject-publish", "reject-publish-dlx")
 
 class TimerHandle(Protocol):
@@ -277,42 +275,6 @@ def inspect_publish(props: bytes) -> tuple[bytes, list[str] | None, bool]:
     return props, extra or None, has_exp
 
 
-def make_store(store: QueueStore, args_cfg: QueueConfig) -> QueueStore:
-    """Wrap a new queue's store for priorities when ``x-max-priority`` asks for them."""
-    if args_cfg.max_priority:
-        return cast(QueueStore, PriorityStore(store, args_cfg.max_priority))
-    return store
-
-
-def attach(vh: VHost | None, q: Queue, args_cfg: QueueConfig, policy: dict[str, Any] | None,
-           operator: dict[str, Any] | None, call_later: CallLater | None) -> None:
-    """(Re)compute a queue's effective config; give it features when it needs any."""
-    cfg = effective_config(args_cfg, policy, operator)
-    f = q.features
-    if f is None:
-        if cfg.is_plain():
-            return
-        f = QueueFeatures(q, vh, cfg, call_later)
-        q.features = f
-        f.start()
-    else:
-        if vh is not None:
-            f.vhost = vh
-        f.reconfigure(cfg)
-
-
-def ensure(q: Queue, vh: VHost | None = None) -> QueueFeatures:
-    """The queue's features, created (plain config) if it has none yet."""
-    f = q.features
-    if f is None:
-        f = QueueFeatures(q, vh, _PLAIN, vh.call_later if vh is not None else None)
-        q.features = f
-        f.start()
-    elif vh is not None and f.vhost is None:
-        f.vhost = vh
-    return f
-
-
 def consumer_priority(c: Consumer) -> int:
     v = c.arguments.get("x-priority") if c.arguments else None
     if isinstance(v, int) and not isinstance(v, bool):
@@ -322,7 +284,7 @@ def consumer_priority(c: Consumer) -> int:
 
 # ------------------------------------------------------------------- features
 class QueueFeatures:
-    def __init__(self, q: Queue, vh: VHost | None, cfg: QueueConfig,
+    def __init__(self, q: ClassicQueue, vh: VHost | None, cfg: QueueConfig,
                  call_later: CallLater | None) -> None:
         self.q = q
         self.vhost = vh
@@ -384,34 +346,33 @@ class QueueFeatures:
         return self.cfg.message_ttl is not None or self.msg_ttl_seen
 
     # ------------------------------------------------------------ publishing
-    def publish(self, ts: int, exchange: bytes, routing_key: bytes, props: bytes, body: bytes,
-                persistent: bool) -> bool:
-        q = self.q
+    def admit(self, exchange: bytes, routing_key: bytes, props: bytes,
+              body: bytes) -> tuple[bool | None, str | None]:
+        """Before the append: (None, dedup key) to take the message; (True, None) to drop it
+        as a duplicate (accepted, so it is confirmed with an ack, as the plugin does);
+        (False, None) to refuse it (a length limit with reject-publish[-dlx])."""
         cfg = self.cfg
-        store = q.store
         dedup = self.dedup
         key: str | None = None
         if dedup is not None:
             key = key_of(props)
             if key is not None and dedup.is_duplicate(key):
-                return True  # dropped, but accepted: confirmed with an ack, as the plugin does
+                return True, None
         if cfg.limited and cfg.overflow != "drop-head":
+            store = self.q.store
             ml, mb = cfg.max_length, cfg.max_length_bytes
             if (ml is not None and store.ready_count >= ml) or (
                     mb is not None and store.bytes_ready + len(body) > mb):
                 if cfg.overflow == "reject-publish-dlx":
                     self._dead_letter(exchange, routing_key, props, body, "maxlen")
-                return False
-        if self.pstore is not None:
-            level = properties.priority(props)
-            msgid = self.pstore.append_priority(level, ts, exchange, routing_key, props, body)
-        else:
-            msgid = store.append(ts, exchange, routing_key, props, body)
-        if key is not None and dedup is not None:
-            dedup.added(msgid, key)
-        q.n_published += 1
-        if persistent and q.durable:
-            q.on_dirty(store)
+                return False, None
+        return None, key
+
+    def appended(self, msgid: int, key: str | None, props: bytes) -> None:
+        """After the append: remember its dedup key, apply drop-head, TTL."""
+        if key is not None and self.dedup is not None:
+            self.dedup.added(msgid, key)
+        cfg = self.cfg
         if cfg.limited:
             self.enforce_limits()
         if self.expiring:
@@ -419,9 +380,6 @@ class QueueFeatures:
                 self._deliver_ttl0()
             elif self._timer is None:
                 self.arm_expiry()
-        if q.consumers:
-            q.schedule_delivery()
-        return True
 
     def _deliver_ttl0(self) -> None:
         """TTL 0: deliver now if a consumer can take it, else it expires right away."""
@@ -664,9 +622,12 @@ class QueueFeatures:
     @property
     def per_message(self) -> bool:
         """Whether deliveries need this queue's per-message work; without it the queue
-        delivers as a plain one (store runs included)."""
+        delivers as a plain one (store runs included). A priority store delivers its runs
+        (level by level) only with the fast paths on; off, it is taken one by one, which is
+        what the differential test compares them with."""
         return (self.expiring or bool(self.delivery_counts) or self.dedup is not None
-                or self.pstore is not None or self.cfg.single_active or self._prio_consumers)
+                or (self.pstore is not None and not self.q.fast.on)
+                or self.cfg.single_active or self._prio_consumers)
 
     def pass_started(self) -> int:
         return now_ms()

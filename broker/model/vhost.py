@@ -35,10 +35,12 @@ from broker.model import publish as publishing
 from broker.model.exchange import Exchange
 from broker.model.fastpaths import FastPaths
 from broker.model.limits import VHostLimits
-from broker.model.queue import Queue
+from broker.model.queue import ClassicQueue, Queue
 from broker.model.vhost_meta import VHostMeta
+from broker.store.api import MessageStore
 from broker.store.definitions import DefinitionsLog
 from broker.store.paths import queue_dir, vhost_dir
+from broker.store.priority_store import PriorityStore
 from broker.store.queue_store import QueueStore
 from broker.store.segment_log import SegmentFiles
 from broker.store.sink import NULL_SINK, ReplicationSink
@@ -305,8 +307,7 @@ class VHost:
             if not _equivalent(q.arguments, arguments):
                 raise errors.PreconditionFailed(
                     f"inequivalent arguments for queue '{name}' in vhost '{self.name}'")
-            if q.features is not None:
-                q.features.touch()  # a redeclare counts as use for x-expires
+            q.touch()  # a redeclare counts as use for x-expires
             return q, False
         if not self._replaying:  # a queue recovered from the log keeps the type it was created with
             arguments = queue_types.resolve(arguments, durable=durable, exclusive=exclusive,
@@ -335,14 +336,16 @@ class VHost:
             if tdir.exists():
                 shutil.rmtree(tdir, ignore_errors=True)
             store = QueueStore(tdir, segment_size=self.segment_size, sink=NULL_SINK, files=self.files)
-        store = features.make_store(store, args_cfg)  # x-max-priority: one store per level
-        q = Queue(self.name, name, durable=durable, exclusive_owner=owner if exclusive else None,
-                  auto_delete=auto_delete, arguments=arguments, store=store, schedule=self.schedule,
+        messages: MessageStore = store
+        if args_cfg.max_priority:  # x-max-priority: one store per level
+            messages = PriorityStore(store, args_cfg.max_priority)
+        q = ClassicQueue(self.name, name, durable=durable, exclusive_owner=owner if exclusive else None,
+                  auto_delete=auto_delete, arguments=arguments, store=messages, schedule=self.schedule,
                   on_unused=self._queue_unused, on_dirty=self.mark_dirty, fast=self.fast)
         self.queues[name] = q
         self.queues_created += not self._replaying
         self.exchanges[""].bind(q, name)
-        policy.apply_to_queue(self, q)  # features from arguments and policies (None if plain)
+        policy.apply_to_queue(self, q)  # its type, from arguments and policies (plain: stays classic)
         if persistent:
             self._log_new_queue(q, arguments)
         return q, True

@@ -356,7 +356,8 @@ class AMQPServer:
         """Open one listener (plain, or AMQPS with ``tls_context``); returns its bound address."""
         listener = Listener("AMQPS" if tls_context else "AMQP",
                             lambda peer: AMQPProtocol(self.broker, self.protocols, peer),
-                            self.trusted, tls=tls_context, nodelay=self.broker.config.amqp.tcp_nodelay)
+                            self.trusted, tls=tls_context, nodelay=self.broker.config.amqp.tcp_nodelay,
+                            remap=self.broker.proxied_peers)
         address = await listener.start(host, port)
         self.listeners.append(listener)
         if self._ticker is None:

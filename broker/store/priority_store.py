@@ -23,6 +23,8 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from broker import properties
+from broker.store.api import DeliverOne, DeliverSame, Delivery
 from broker.store.queue_store import QueueStore
 
 _SHIFT = 64
@@ -61,16 +63,39 @@ class PriorityStore:
     def _of(self, msgid: int) -> tuple[QueueStore, int]:
         return self._levels[msgid >> _SHIFT], msgid & _INNER
 
+    def _store_for(self, props: bytes | memoryview) -> tuple[int, QueueStore]:
+        """The level a message with ``props`` goes to, and that level's store."""
+        level = self.level_of(properties.priority(props))
+        return level, self._levels.get(level) or self._open(level)
+
     # ------------------------------------------------------------------ publishing
     def append(self, timestamp_ms: int, exchange: bytes, routing_key: bytes,
                props: bytes | memoryview, body: bytes | bytearray | memoryview) -> int:
-        return self.append_priority(0, timestamp_ms, exchange, routing_key, props, body)
+        return self.append_priority(properties.priority(props), timestamp_ms, exchange, routing_key,
+                                    props, body)
 
-    def append_priority(self, level: int, timestamp_ms: int, exchange: bytes, routing_key: bytes,
+    def level_of(self, priority: int) -> int:
+        """The level a message with this ``priority`` property is stored at."""
+        return max(0, min(priority, self.max_priority))
+
+    def append_priority(self, priority: int, timestamp_ms: int, exchange: bytes, routing_key: bytes,
                         props: bytes | memoryview, body: bytes | bytearray | memoryview) -> int:
-        level = max(0, min(level, self.max_priority))
+        level = self.level_of(priority)
         store = self._levels.get(level) or self._open(level)
         return (level << _SHIFT) | store.append(timestamp_ms, exchange, routing_key, props, body)
+
+    def append_taken(self, timestamp_ms: int, exchange: bytes, routing_key: bytes,
+                     props: bytes | memoryview, body: bytes | bytearray | memoryview) -> int:
+        level, store = self._store_for(props)
+        return (level << _SHIFT) | store.append_taken(timestamp_ms, exchange, routing_key, props, body)
+
+    def append_run(self, timestamp_ms: int, exrk: bytes, props: list[bytes], bodies: list[bytes],
+                   same: bool) -> None:
+        if same:
+            self._store_for(props[0])[1].append_run(timestamp_ms, exrk, props, bodies, True)
+            return
+        for p, body in zip(props, bodies, strict=True):
+            self._store_for(p)[1].append_run(timestamp_ms, exrk, [p], [body], True)
 
     # ------------------------------------------------------------------ consuming
     def shift(self) -> int | None:
@@ -81,6 +106,36 @@ class PriorityStore:
                 if inner is not None:
                     return (level << _SHIFT) | inner
         return None
+
+    def next_delivery(self, autoack: bool) -> Delivery | None:
+        for level in self._order:
+            store = self._levels[level]
+            if store.ready_count:
+                got = store.next_delivery(autoack)
+                if got is not None:
+                    return (level << _SHIFT) | got[0], got[1], got[2], got[3], got[4]
+        return None
+
+    def deliver_run(self, k: int, autoack: bool, deliver: DeliverOne, max_bytes: int,
+                    deliver_same: DeliverSame | None = None) -> tuple[int, int, int]:
+        """``QueueStore.deliver_run`` level by level, highest first, with the level in every msgid."""
+        n = red = nbytes = 0
+        for level in self._order:
+            store = self._levels[level]
+            if n >= k or nbytes > max_bytes:
+                break
+            if not store.ready_count:
+                continue
+            one, same = _at_level(level, deliver, deliver_same) if level else (deliver, deliver_same)
+            got = store.deliver_run(k - n, autoack, one, max_bytes - nbytes, same)
+            n += got[0]
+            red += got[1]
+            nbytes += got[2]
+        return n, red, nbytes
+
+    def end_pass(self) -> None:
+        for s in self._levels.values():
+            s.end_pass()
 
     def peek(self) -> int | None:
         for level in self._order:
@@ -102,6 +157,13 @@ class PriorityStore:
     def ack(self, msgid: int) -> None:
         store, inner = self._of(msgid)
         store.ack(inner)
+
+    def ack_many(self, msgids: list[int]) -> None:
+        by_level: dict[int, list[int]] = {}
+        for msgid in msgids:
+            by_level.setdefault(msgid >> _SHIFT, []).append(msgid & _INNER)
+        for level, inner in by_level.items():
+            self._levels[level].ack_many(inner)
 
     def requeue(self, msgid: int) -> None:
         store, inner = self._of(msgid)
@@ -156,6 +218,24 @@ class PriorityStore:
             if level:
                 s.delete()
         self._base.delete()
+
+
+def _at_level(level: int, deliver: DeliverOne,
+              deliver_same: DeliverSame | None) -> tuple[DeliverOne, DeliverSame | None]:
+    """``deliver``/``deliver_same`` for a sub-store's msgids: the level goes into each msgid."""
+    top = level << _SHIFT
+
+    def one(msgid: int, exrk: bytes, props: bytes, body: bytes, redelivered: bool) -> None:
+        deliver(top | msgid, exrk, props, body, redelivered)
+
+    if deliver_same is None:
+        return one, None
+    run = deliver_same
+
+    def same(msgids: range, exrk: bytes, props: bytes, bodies: list[bytes]) -> None:
+        run(range(top | msgids.start, top | msgids.stop, msgids.step), exrk, props, bodies)
+
+    return one, same
 
 
 def sub_directory(directory: Path, level: int) -> Path:
