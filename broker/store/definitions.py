@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Final
 
 from broker.errors import DiskFull, StoreError, no_space
-from broker.store.fileio import atomic_write, fsync_dir
+from broker.store.fileio import append_whole, atomic_write, fsync_dir
 from broker.store.sink import NULL_SINK, ReplicationSink
 
 VERSION: Final = 1
@@ -53,17 +53,8 @@ class DefinitionsLog:
         record is cut off again, so the log stays a sequence of whole records."""
         fd = self._open()
         framed = _U32.pack(len(record)) + record
-        view = memoryview(framed)
-        done = 0
-        try:
-            while done < len(framed):
-                done += os.write(fd, view[done:])
-        except OSError as exc:
-            if done:
-                os.ftruncate(fd, os.fstat(fd).st_size - done)
-            if no_space(exc):
-                raise DiskFull(f"disk full: cannot append to {self.path.name}") from None
-            raise
+        if not append_whole(fd, framed):
+            raise DiskFull(f"disk full: cannot append to {self.path.name}")
         self._dirty = True
         self.appended_since_compact += 1
         if self._sink.active:

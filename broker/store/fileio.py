@@ -46,6 +46,23 @@ def atomic_write(path: Path, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
+def append_whole(fd: int, data: bytes | bytearray) -> bool:
+    """Append all of ``data`` to an O_APPEND file, or nothing: False if the disk is full
+    (a partial write is cut off again, so the file keeps only whole entries)."""
+    view = memoryview(data)
+    done = 0
+    try:
+        while done < len(view):
+            done += os.write(fd, view[done:])
+    except OSError as exc:
+        if not no_space(exc):
+            raise
+        if done:
+            os.ftruncate(fd, os.fstat(fd).st_size - done)
+        return False
+    return True
+
+
 def syncfs(directory: Path) -> None:
     """Flush every dirty page and inode of the filesystem holding ``directory`` (syncfs(2);
     sync(2) where the C library lacks it): one call instead of an fsync per file."""

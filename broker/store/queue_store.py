@@ -81,7 +81,7 @@ from typing import Any, Final
 
 from broker.errors import StoreError
 from broker.store import segment as fmt
-from broker.store.fileio import atomic_write, datasync
+from broker.store.fileio import append_whole, atomic_write, datasync
 from broker.store.segment import HEADER, HEADER_SIZE, POS_MASK, Segment, record_end
 from broker.store.segment_log import SegmentFiles, SegmentLog, is_no_space
 from broker.store.sink import NULL_SINK, ReplicationSink
@@ -881,7 +881,7 @@ class QueueStore(SegmentLog[Segment]):
             seg = self._segs[num]
             fd = os.open(seg.ack_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             try:
-                if not _append_whole(fd, seg.ack_buf):
+                if not append_whole(fd, seg.ack_buf):
                     # Disk full: the acks stay buffered (and in memory) for the next sync;
                     # deleting fully acked segments is what frees space meanwhile.
                     self._files.no_space(seg.ack_path, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
@@ -1091,23 +1091,6 @@ class QueueStore(SegmentLog[Segment]):
         flags = _META.unpack(head)[4] if version == _META_VERSION and size == _META.size else 0
         self._meta_written = data
         return int(hwm), int(next_num), bool(flags & _META_CLEAN)
-
-
-def _append_whole(fd: int, data: bytes | bytearray) -> bool:
-    """Append all of ``data`` to an O_APPEND file, or nothing: False if the disk is full
-    (a partial write is cut off again, so the file stays whole u32 entries)."""
-    view = memoryview(data)
-    done = 0
-    try:
-        while done < len(view):
-            done += os.write(fd, view[done:])
-    except OSError as exc:
-        if not is_no_space(exc):
-            raise
-        if done:
-            os.ftruncate(fd, os.fstat(fd).st_size - done)
-        return False
-    return True
 
 
 def _all_zero(fd: int, size: int) -> bool:
