@@ -117,6 +117,14 @@ class MainConfig:
             hi=60_000,
         ),
     )
+    node_name: str = field(
+        default="",
+        metadata=_meta(
+            "This node's name, RabbitMQ style name@host, in the management API and metric labels "
+            "(without '@': the host name is appended; empty: skred@HOST, or skred-PORT@HOST when "
+            "the AMQP port is not 5672, so nodes on one host differ)."
+        ),
+    )
     log_level: str = field(
         default="info", metadata=_meta("Log level (SIGHUP re-reads it).", choices=LOG_LEVELS)
     )

@@ -15,7 +15,13 @@ certificates (``reload_tls``: new connections get them, open ones keep theirs). 
 logs what it reloaded and which changed options
 need a restart; a config that no longer loads is logged and the running one kept.
 SIGHUP is per process, so one ``Reloader`` per process knows the node currently
-serving (in a cluster: the leader's; a follower reloads the log level only).
+serving. In a cluster the runner hands SIGHUP to it too (``NodeHost.reload``): the
+leader applies all of the above; a follower applies the log level at once and keeps
+the rest (trusted PROXY sources, definitions file) for when it leads, as the broker it
+then starts is built from the reloaded config and reads the TLS certificates afresh
+(a follower's proxies pass client TLS through: it holds no client certificate). The
+runner reloads the replication link's certificates itself; ports and addresses need a
+restart on every node.
 """
 
 from __future__ import annotations
@@ -32,8 +38,9 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
-from broker import tls
+from broker import metrics, tls
 from broker.amqp.broker import Broker
 from broker.auth.throttle import LoginThrottle
 from broker.auth.users import UserStore
@@ -60,6 +67,9 @@ from broker.store.segment import parse_number
 from broker.store.segment_log import SegmentFiles
 from broker.store.sink import NullSink, ReplicationSink
 from broker.syncer import Syncable, Syncer
+
+if TYPE_CHECKING:
+    from broker.cluster.host import LeaderBroker
 
 log = logging.getLogger("skred")
 
@@ -169,12 +179,14 @@ class Node:
             mgmt = self.mgmt = Mgmt(broker, self.vhost_store, self.make_vhost, cfg.main.data_dir,
                                     cfg.main.data_dir / "transient")
             mgmt.cluster = self.cluster
+            mgmt.node_name = metrics.node_name(cfg.main.node_name, cfg.amqp.port)
             if cfg.clustering.enabled:  # every member reports the same rabbitmq_cluster label
                 mgmt.cluster_name = cfg.clustering.etcd_prefix
             if cfg.main.load_definitions:
                 self.load_definitions(Path(cfg.main.load_definitions))
             if tls.enabled(cfg.main):
                 self.tls = tls.ServerTLS(cfg.main)
+                mgmt.tls_certs = [str(cfg.main.tls_cert)]
             if cfg.lmq.enabled:  # before AMQP: a node that answers AMQP has its LMQ ports open too
                 await self.start_lmq(broker)
             # HTTP before AMQP too: once the AMQP port answers, everything answers
@@ -203,6 +215,8 @@ class Node:
             self.amqp_address = mgmt.amqp_address = await listening(
                 options, cfg.amqp.bind, cfg.amqp.port, self.amqp.start(cfg.amqp.bind, cfg.amqp.port))
             log.info("AMQP listening on %s:%d", *self.amqp_address)
+            if cfg.amqp.port == 0:  # the name tells nodes on one host apart by the port they got
+                mgmt.node_name = metrics.node_name(cfg.main.node_name, self.amqp_address[1])
         if self.tls is not None and cfg.amqp.tls_port >= 0:
             mgmt.amqps_address = await listening(
                 "amqp.bind/amqp.tls_port, --amqp-bind/--amqp-tls-port", cfg.amqp.bind, cfg.amqp.tls_port,
@@ -370,13 +384,31 @@ class NodeHost:
 
     def leader_broker(self, config: Config, sink: ReplicationSink, cluster: ClusterInfo,
                       replicated: Callable[[list[Syncable]], asyncio.Future[None]]) -> Node:
+        if RELOADER is not None:  # what SIGHUP reloaded while this node followed applies now
+            config = RELOADER.config
         node = Node(config, sink)
         node.cluster = cluster
         node.replicated = replicated
         return node
 
+    config: Config | None = None  # node names of the follower metrics (subclasses may not set it)
+
+    def __init__(self, config: Config | None = None) -> None:
+        self.config = config
+
+    def reload(self, leader: LeaderBroker | None) -> None:
+        """SIGHUP in a cluster member: the process's ``Reloader`` (log level at once; what a
+        leading node applies through ``RELOADER.node``; the rest is read when this node next
+        leads, see ``leader_broker``), else the leader's TLS certificates only."""
+        if RELOADER is not None:
+            RELOADER.reload()
+        elif leader is not None:
+            leader.reload_tls()
+
     def follower_metrics(self, cluster: ClusterInfo, data_dir: Path, cluster_name: str) -> FollowerMetrics:
-        return FollowerMetrics(cluster, data_dir, cluster_name)
+        name = "" if self.config is None else metrics.node_name(self.config.main.node_name,
+                                                                 self.config.amqp.port)
+        return FollowerMetrics(cluster, data_dir, cluster_name, name)
 
 
 async def listening(options: str, host: str, port: int, start: Awaitable[tuple[str, int]]) -> tuple[str, int]:
@@ -496,7 +528,7 @@ def serve(config: Config, host: NodeHost | None = None, load: Callable[[], Confi
                 "'aetcd' is not installed: pip install aetcd"
             ) from None
 
-        return serve_clustered(config, host or NodeHost())
+        return serve_clustered(config, host or NodeHost(config))
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows

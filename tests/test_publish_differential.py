@@ -3,9 +3,9 @@
 Hypothesis draws a sequence of read batches: publishes with varying properties (none, a
 message-id per message, headers, an expiration, a priority), empty bodies, bodies around the
 frame_max boundary, mandatory to nowhere, on several channels in plain, confirm and tx mode,
-into a plain queue, queues with features (with and without per-message work) and a priority
-queue (directly and through a fanout exchange), with autoack and manual-ack consumers at varying
-prefetch that ack after each batch.
+into a plain queue, queues with features (with and without per-message work), a priority queue
+and a quorum queue (directly and through a fanout exchange), with autoack and manual-ack
+consumers at varying prefetch that ack after each batch.
 Each sequence runs twice on a fresh broker: once as shipped (one-pass parse, publish runs,
 direct hand-over, delivery runs) and once with all of that forced off (the parser's
 ``fast_paths`` and the vhost's ``FastPaths`` switch, both owned by this test). What the clients
@@ -34,6 +34,7 @@ QUEUES = {
     "feat": {"x-message-ttl": 3_600_000},
     "prio": {"x-max-priority": 5},
     "lim": {"x-max-length": 100_000},  # featured, without per-message work: delivered in runs
+    "quorum": {"x-queue-type": "quorum"},  # two priority levels: runs while one level waits
 }
 PROPS = ("none", "ids", "headers", "expiration", "priority")
 BODIES = ("empty", "small", "frame-1", "frame", "frame+1", "two-frames")
@@ -85,7 +86,7 @@ async def _play(node: Any, sc: dict[str, Any], fast: bool) -> dict[str, Any]:
         c.session.fast_paths = fast
     pub.open(1)
     for name, args in QUEUES.items():
-        pub.method(commands.Queue.Declare(queue=name, arguments=args))
+        pub.method(commands.Queue.Declare(queue=name, durable=name == "quorum", arguments=args))
     pub.method(commands.Exchange.Declare(exchange="fan", exchange_type="fanout"))
     for name in QUEUES:
         pub.method(commands.Queue.Bind(queue=name, exchange="fan"))
@@ -233,7 +234,7 @@ def test_fast_paths_change_nothing_a_client_sees(sc: dict[str, Any]) -> None:
         delivered[d[2]].append(d[7])
     for name in QUEUES:
         got = delivered[name] + fast["remaining"][name]
-        if name == "prio":
+        if name in ("prio", "quorum"):
             assert sorted(got) == sorted(fast["expected"][name])
         else:
             assert got == fast["expected"][name], name

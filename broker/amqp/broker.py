@@ -45,7 +45,7 @@ class Stats:
     """Plain integer counters: a publish costs one attribute increment."""
 
     __slots__ = ("published", "delivered", "acked", "confirmed", "unroutable", "connections_opened",
-                 "returned", "gets", "gets_empty", "channels_opened")
+                 "returned", "gets", "gets_empty", "channels_opened", "delivered_autoack", "gets_autoack")
 
     def __init__(self) -> None:
         self.published = 0
@@ -58,6 +58,10 @@ class Stats:
         self.gets = 0  # basic.get answered get-ok
         self.gets_empty = 0  # basic.get answered get-empty
         self.channels_opened = 0
+        # of ``delivered`` and ``gets``: those without acknowledgement (RabbitMQ counts
+        # deliveries and gets by ack mode)
+        self.delivered_autoack = 0
+        self.gets_autoack = 0
 
 
 log = logging.getLogger("skred")

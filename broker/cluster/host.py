@@ -86,6 +86,10 @@ class Host(Protocol):
                       replicated: Replicated) -> LeaderBroker:
         """A broker to start as leader: confirms wait for ``replicated(dirty)`` (the ISR)."""
 
+    def reload(self, leader: LeaderBroker | None) -> None:
+        """SIGHUP: re-read the configuration and apply what can change at runtime (``leader``:
+        the broker this node runs while it leads, else None)."""
+
     def follower_metrics(self, cluster: ClusterState, data_dir: Path, cluster_name: str) -> MetricsServer:
         """The cluster gauges (and this node's process and disk metrics, labelled with
         ``cluster_name``) on the metrics port while this node follows."""

@@ -84,7 +84,8 @@ from broker.cluster.leader import LeaderSink
 from broker.cluster.proxy import SpliceProxy, Target, Tunnelled
 from broker.cluster.standing import Standing, load_last_role, save_last_role
 from broker.cluster.status import ClusterView
-from broker.config import ClusteringConfig, Config
+from broker.config import ClusteringConfig, Config, ConfigError
+from broker.errors import SkredError
 from broker.store.lock import DataDirLock
 
 log = logging.getLogger(__name__)
@@ -140,7 +141,7 @@ class ClusterRunner:
         # replication port for the plain ones (tunnels), its own TLS ports for AMQPS and HTTPS.
         self.targets = [Target() for _ in codec.PORT_NAMES]
         self.repl_tls = tls.replication_tls(config.main, c.tls)
-        self.node: LeaderBroker | None = None  # the broker, while this node leads (SIGHUP reloads its TLS)
+        self.node: LeaderBroker | None = None  # the broker, while this node leads (SIGHUP reloads it)
         self.proxies: list[SpliceProxy] = []
         self.synced_once = False
         self.lock: DataDirLock | None = None
@@ -152,6 +153,8 @@ class ClusterRunner:
         self._metrics_retry_at = 0.0
         self._member_written: tuple[int | None, str] = (None, "")
         self._deferring_since: float | None = None
+        self._followed: str | None = None  # the leader last logged as followed
+        self._repl_error = ""  # the replication failure last logged
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.ensure_future(coro)
@@ -179,7 +182,7 @@ class ClusterRunner:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
-        loop.add_signal_handler(signal.SIGHUP, self.reload_tls)
+        loop.add_signal_handler(signal.SIGHUP, self.reload)
         self._lock()
         log.info("cluster node %s (%s) starting, etcd %s prefix %r", self.node_id, self.uri,
                  self.config.clustering.etcd_endpoints, self.etcd.prefix)
@@ -301,7 +304,10 @@ class ClusterRunner:
     async def _follow(self, uri: str, term: int) -> None:
         parts = urlsplit(uri)
         host, port = parts.hostname or "127.0.0.1", parts.port or 5679
-        log.info("following leader %s", uri)
+        if uri != self._followed:  # on change only: a dead leader's key is retried every POLL
+            self._followed = uri
+            self._repl_error = ""
+            log.info("following leader %s", uri)
         self.view.set_role("follower", uri)
         self.view.synced = self.synced_once
         loop = asyncio.get_running_loop()
@@ -315,6 +321,7 @@ class ClusterRunner:
                 target.host, target.port = thost, tport  # port 0: the leader does not serve it
 
         def on_synced() -> None:
+            self._repl_error = ""  # the link works: the next failure is news again
             self.view.synced = self.view.warm = True
             self._record_role("follower", term)
             if not self.synced_once:
@@ -360,6 +367,7 @@ class ClusterRunner:
                 if current is None or current.decode() != uri:
                     log.info("leader %s is gone", uri)
                     lost = "the leader is gone"
+                    self._followed = None  # whoever leads next is news, even the same node
                     break
         finally:
             task.cancel()
@@ -380,7 +388,10 @@ class ClusterRunner:
             self.secret = await self.etcd.secret()  # re-read: it may have been reset
             await self._pause(1.0)
         elif error is not None:
-            log.warning("replication from %s ended: %s", uri, error or type(error).__name__)
+            text = str(error) or type(error).__name__
+            if text != self._repl_error:  # the same failure, retried every POLL: said once
+                self._repl_error = text
+                log.warning("replication from %s ended: %s", uri, text)
             await self._pause(POLL)
 
     async def _start_proxies(self) -> None:
@@ -433,6 +444,7 @@ class ClusterRunner:
         c = cfg.clustering
         started = time.monotonic()
         log.info("elected leader (node %s, %s)", self.node_id, self.uri)
+        self._followed = None
         await self._stop_proxies()
         await self.follower_metrics.stop()  # the broker serves the metrics port while we lead
         self._spawn(run_hook(c.on_leader_elected, self.node_id, self.uri, "leader"))
@@ -460,8 +472,13 @@ class ClusterRunner:
         self._unlock()
         try:
             await node.start()
-        except Exception:
-            log.exception("broker failed to start as leader")
+        except Exception as exc:
+            # one line: the errors a start meets (a port in use, an unusable data dir, a bad
+            # certificate) name the option or path; anything else is a bug, traced at debug
+            known = isinstance(exc, SkredError | ConfigError | OSError)
+            log.error("broker failed to start as leader: %s",
+                      exc if known else f"{type(exc).__name__}: {exc}")
+            log.debug("leader start failure", exc_info=not known)
             sink.fence()
             await self.etcd.resign()
             await self.etcd.revoke()
@@ -512,14 +529,16 @@ class ClusterRunner:
                 last_status = now
                 log.info("cluster status: %s", sink.status())
 
-    def reload_tls(self) -> None:
+    def reload(self) -> None:
         """SIGHUP: reload the replication link's certificates (the listener's, and the client
-        context of our links and tunnels to a leader) and, while leading, the client listeners'.
-        New connections get them; established ones keep their session."""
+        context of our links and tunnels to a leader; new connections get them, established
+        ones keep their session), then the host re-reads the configuration. A leader applies
+        what a single node does (log level, trusted PROXY sources, definitions file, client TLS
+        certificates); a follower applies the log level, and the rest when it leads (the
+        broker it then starts reads them). Ports and addresses need a restart."""
         if self.repl_tls is not None:
             self.repl_tls.reload()
-        if self.node is not None:
-            self.node.reload_tls()
+        self.host.reload(self.node)
 
     def _client_tls(self) -> ssl.SSLContext | None:
         return self.repl_tls.client if self.repl_tls is not None else None

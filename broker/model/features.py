@@ -26,9 +26,10 @@ counters): ``drop-head`` drops (dead-letters) from the head after the append,
 ``reject-publish`` refuses the message (``publish`` returns False, the
 session nacks it under confirms), ``reject-publish-dlx`` also dead-letters it.
 
-``x-delivery-limit``: requeues are counted per msgid in memory; a redelivered
-message carries ``x-delivery-count``; once the count exceeds the limit the
-message is dead-lettered with reason ``delivery_limit`` instead of requeued.
+``x-delivery-limit``: requeues are counted per msgid by the queue's store, which
+keeps the counts durable like acks (``broker/store/delivery_counts.py``); a
+redelivered message carries ``x-delivery-count``; once the count exceeds the limit
+the message is dead-lettered with reason ``delivery_limit`` instead of requeued.
 
 Unused queues (``x-expires``): one timer per queue, re-armed from the last use
 (consume, cancel of the last consumer, basic.get, redeclare); when it fires on
@@ -159,6 +160,15 @@ def _check_value(kind: str, low: int, high: int | None, value: Any) -> Any:
     if kind == "overflow" and value not in OVERFLOW_MODES:
         raise ValueError(f"{{unknown_overflow_mode,{value}}}")
     return value
+
+
+def check_queue_mode(arguments: dict[str, Any], queue: str, vhost: str) -> None:
+    """x-queue-mode is RabbitMQ's default or lazy (lazy changes nothing here): 406 otherwise."""
+    mode = arguments.get("x-queue-mode", "default")
+    if mode not in ("default", "lazy", b"default", b"lazy"):
+        raise errors.PreconditionFailed(
+            f"invalid arg 'x-queue-mode' for queue '{queue}' in vhost '{vhost}': "
+            f"\"unsupported queue mode '{mode}'\"", 50, 10)
 
 
 def parse_arguments(arguments: dict[str, Any], queue: str, vhost: str) -> QueueConfig:
@@ -292,7 +302,6 @@ class QueueFeatures:
         self.call_later = call_later
         self.pstore: PriorityStore | None = q.store if isinstance(q.store, PriorityStore) else None
         self.msg_ttl_seen = False  # a message with an expiration property was published
-        self.delivery_counts: dict[int, int] = {}
         self._timer: TimerHandle | None = None
         self._timer_at = 0
         self._expires_timer: TimerHandle | None = None
@@ -416,8 +425,7 @@ class QueueFeatures:
     def _discard(self, msgid: int) -> None:
         q = self.q
         q.store.ack(msgid)
-        if self.delivery_counts:
-            self.delivery_counts.pop(msgid, None)
+        q.store.forget_count(msgid)
         if self.dedup is not None:
             self.dedup.removed(msgid)
         if q.durable:
@@ -612,10 +620,9 @@ class QueueFeatures:
 
     # ------------------------------------------------------------ delivering
     def _props_for_delivery(self, msgid: int, props: bytes) -> bytes:
-        if self.delivery_counts:
-            n = self.delivery_counts.get(msgid)
-            if n:
-                return deadletter.set_header(props, "x-delivery-count", n)
+        n = self.q.store.count_of(msgid)  # kept by the store: survives restarts
+        if n:
+            return deadletter.set_header(props, "x-delivery-count", n)
         return props
 
     # ------------------------------------------------- hooks of Queue._deliver
@@ -625,7 +632,7 @@ class QueueFeatures:
         delivers as a plain one (store runs included). A priority store delivers its runs
         (level by level) only with the fast paths on; off, it is taken one by one, which is
         what the differential test compares them with."""
-        return (self.expiring or bool(self.delivery_counts) or self.dedup is not None
+        return (self.expiring or self.q.store.counting or self.dedup is not None
                 or (self.pstore is not None and not self.q.fast.on)
                 or self.cfg.single_active or self._prio_consumers)
 
@@ -677,8 +684,7 @@ class QueueFeatures:
 
     def forget(self, msgid: int) -> None:
         """A message left the queue for good (acked, or rejected without requeue)."""
-        if self.delivery_counts:
-            self.delivery_counts.pop(msgid, None)
+        self.q.store.forget_count(msgid)
         if self.dedup is not None:
             self.dedup.removed(msgid)
 
@@ -692,10 +698,11 @@ class QueueFeatures:
         limit = self.cfg.delivery_limit
         if limit is None:
             return True
-        n = self.delivery_counts.get(msgid, 0) + 1
+        store = self.q.store
+        n = store.count_of(msgid) + 1
         if n > limit:
             return False
-        self.delivery_counts[msgid] = n
+        store.set_count(msgid, n)
         return True
 
     def requeued(self, msgid: int) -> None:

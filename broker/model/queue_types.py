@@ -16,7 +16,8 @@ type chooses checks and defaults at declare time and the queue's class (``Stream
   RabbitMQ's ``invalid property`` texts. Quorum queues refuse ``x-max-priority`` (406) and a
   consumer on a channel with a global prefetch (540, ``check_consume``, asked by
   ``QuorumQueue.check_consume``), as RabbitMQ does.
-- Quorum queues: a delivery limit of 20 unless the queue or a policy sets one (RabbitMQ 4.0);
+- Quorum queues: two message-priority levels, always on (``QuorumPriorityStore``, chosen at
+  declare by the vhost); a delivery limit of 20 unless the queue or a policy sets one (RabbitMQ 4.0);
   ``x-delivery-count`` is carried on redeliveries by the features layer; ``x-dead-letter-strategy``
   accepts ``at-most-once`` and ``at-least-once``.
 """

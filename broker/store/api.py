@@ -8,7 +8,8 @@ these protocols instead of casting one store to another's type:
   ``PriorityStore`` and ``StreamStore`` provide it.
 - ``MessageStore``: the ordered store the classic queue engine (``broker.model.queue``)
   runs on: append (one, a run, or taken by a consumer at once), take from the head
-  (``shift``/``next_delivery``/``deliver_run``), read, settle (ack, requeue, purge).
+  (``shift``/``next_delivery``/``deliver_run``), read, settle (ack, requeue, purge), and
+  keep the messages' delivery counts.
   ``QueueStore`` (one FIFO) and ``PriorityStore`` (one FIFO per priority level, highest
   first) provide it; the stream's append-only log does not (a stream reads by offset).
 """
@@ -80,3 +81,14 @@ class MessageStore(QueueCounters, Protocol):
     def requeue(self, msgid: int) -> None: ...
 
     def purge(self) -> int: ...
+
+    # ---------------------------------------------------------------- delivery counts
+    # (x-delivery-count and the delivery limit: durable like acks, see delivery_counts.py)
+    @property
+    def counting(self) -> bool: ...
+
+    def count_of(self, msgid: int) -> int: ...
+
+    def set_count(self, msgid: int, count: int) -> None: ...
+
+    def forget_count(self, msgid: int) -> None: ...

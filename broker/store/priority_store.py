@@ -15,6 +15,15 @@ A msgid is ``level << 64 | inner msgid``; the inner msgid is the sub-store's
 table. ``shift``/``peek`` serve the highest non-empty level first; within a
 level the order is the sub-store's (requeued first, then publish order). The
 rest of the ``QueueStore`` interface fans out to the sub-stores or sums them.
+
+``QuorumPriorityStore`` is RabbitMQ 4's message priority for quorum queues: always on, no
+``x-max-priority``, exactly two levels (a ``priority`` property above 4 is high, anything
+else, absent included, normal). While both levels hold ready messages, two of every three
+deliveries take the high head and every third takes the *older* of the two heads (by
+publish time; a tie goes to the normal one), so normal messages are never starved: a
+backlog of normal messages followed by high ones drains at two high per normal, while high
+messages published first are not overtaken by younger normal ones. The turn counts only
+deliveries made while both levels wait; while one level does, deliveries take its runs.
 """
 
 from __future__ import annotations
@@ -173,6 +182,23 @@ class PriorityStore:
         store, inner = self._of(msgid)
         return store.is_redelivered(inner)
 
+    # delivery counts (x-delivery-count, delivery_counts.py): kept by the level's store
+    @property
+    def counting(self) -> bool:
+        return any(s.counting for s in self._levels.values())
+
+    def count_of(self, msgid: int) -> int:
+        store, inner = self._of(msgid)
+        return store.count_of(inner)
+
+    def set_count(self, msgid: int, count: int) -> None:
+        store, inner = self._of(msgid)
+        store.set_count(inner, count)
+
+    def forget_count(self, msgid: int) -> None:
+        store, inner = self._of(msgid)
+        store.forget_count(inner)
+
     def purge(self) -> int:
         return sum(s.purge() for s in list(self._levels.values()))
 
@@ -218,6 +244,87 @@ class PriorityStore:
             if level:
                 s.delete()
         self._base.delete()
+
+
+class QuorumPriorityStore(PriorityStore):
+    HIGH_ABOVE = 4  # AMQP 1.0 / RabbitMQ 4: priorities 0-4 are normal, 5 and up high
+    WEIGHT = 2  # high deliveries per normal one while both levels wait
+
+    def __init__(self, base: QueueStore) -> None:
+        super().__init__(base, 1)
+        self._turn = 0  # deliveries (while both levels waited) since the last "older head" turn
+
+    def level_of(self, priority: int) -> int:
+        return 1 if priority > self.HIGH_ABOVE else 0
+
+    def _both_wait(self) -> bool:
+        high = self._levels.get(1)
+        return self._base.ready_count > 0 and high is not None and high.ready_count > 0
+
+    def _head_level(self) -> int | None:
+        """The level the next delivery takes from; advances the turn when both levels wait."""
+        normal = self._base
+        high = self._levels.get(1)
+        if not (high is not None and high.ready_count):
+            return 0 if normal.ready_count else None
+        if not normal.ready_count:
+            return 1
+        level = 1
+        if self._turn >= self.WEIGHT:
+            n_head, h_head = normal.peek(), high.peek()
+            if n_head is not None and (h_head is None or normal.read_timestamp(n_head)
+                                       <= high.read_timestamp(h_head)):
+                level = 0
+            self._turn = 0
+        else:
+            self._turn += 1
+        return level
+
+    def _peek_level(self) -> int | None:
+        turn = self._turn
+        level = self._head_level()
+        self._turn = turn
+        return level
+
+    def shift(self) -> int | None:
+        level = self._head_level()
+        if level is None:
+            return None
+        inner = self._levels[level].shift()
+        return None if inner is None else (level << _SHIFT) | inner
+
+    def peek(self) -> int | None:
+        level = self._peek_level()
+        if level is None:
+            return None
+        inner = self._levels[level].peek()
+        return None if inner is None else (level << _SHIFT) | inner
+
+    def next_delivery(self, autoack: bool) -> Delivery | None:
+        level = self._head_level()
+        if level is None:
+            return None
+        got = self._levels[level].next_delivery(autoack)
+        if got is None:
+            return None
+        return (level << _SHIFT) | got[0], got[1], got[2], got[3], got[4]
+
+    def deliver_run(self, k: int, autoack: bool, deliver: DeliverOne, max_bytes: int,
+                    deliver_same: DeliverSame | None = None) -> tuple[int, int, int]:
+        """One by one while both levels wait (the weighted order), then the one level's runs."""
+        n = red = nbytes = 0
+        while n < k and nbytes <= max_bytes and self._both_wait():
+            got = self.next_delivery(autoack)
+            if got is None:
+                break
+            n += 1
+            red += got[4]
+            nbytes += len(got[3])
+            deliver(*got)
+        if n < k and nbytes <= max_bytes:
+            more = super().deliver_run(k - n, autoack, deliver, max_bytes - nbytes, deliver_same)
+            n, red, nbytes = n + more[0], red + more[1], nbytes + more[2]
+        return n, red, nbytes
 
 
 def _at_level(level: int, deliver: DeliverOne,

@@ -4,8 +4,9 @@ Theory of operation
 -------------------
 Files in the queue directory: segments ``msgs.NNNNNNNNNN`` (format in ``segment.py``), one
 ack file ``acks.NNNNNNNNNN`` per segment that has acks (u32 version header, then u32
-positions of acked records), and ``meta`` (delivered high-water mark, next segment number,
-and whether the store was closed cleanly).
+positions of acked records), ``meta`` (delivered high-water mark, next segment number, and
+whether the store was closed cleanly), and for queues that count returns, ``counts``
+(``delivery_counts.py``).
 
 Writing. The write segment, its disk allocation (space reserved before it is written, so
 a full disk is ``DiskFull``, never SIGBUS), roll-over and retirement are ``SegmentLog``'s
@@ -81,6 +82,8 @@ from typing import Any, Final
 
 from broker.errors import StoreError
 from broker.store import segment as fmt
+from broker.store.delivery_counts import NAME as COUNTS_NAME
+from broker.store.delivery_counts import DeliveryCounts
 from broker.store.fileio import append_whole, atomic_write, datasync
 from broker.store.segment import HEADER, HEADER_SIZE, POS_MASK, Segment, record_end
 from broker.store.segment_log import SegmentFiles, SegmentLog, is_no_space
@@ -104,6 +107,7 @@ _U32_PACK: Final = fmt.U32.pack
 _U32_UNPACK: Final = fmt.U32.unpack_from
 _U64_UNPACK: Final = fmt.U64.unpack_from
 _U64_PACK: Final = fmt.U64.pack
+_I64_UNPACK: Final = fmt.I64.unpack_from
 _NO_POSITIONS: Final[list[int]] = []  # never appended to: each autoack run starts a new list
 
 
@@ -144,6 +148,7 @@ class QueueStore(SegmentLog[Segment]):
         "_ack_unsynced",
         "_bytes_ready",
         "_cnum",
+        "_counts",
         "_cpos",
         "_heap",
         "_hwm",
@@ -194,6 +199,7 @@ class QueueStore(SegmentLog[Segment]):
         self._meta_sent = b""
         self._closing = False  # close() runs: the meta it writes says "closed cleanly"
         self._clean_on_disk = False  # the meta file says "closed cleanly" (see _set_dirty)
+        self._counts: DeliveryCounts | None = None  # delivery_counts.py: only queues that count
         try:
             os.makedirs(self._dir, exist_ok=True)
             self._recover()
@@ -661,6 +667,13 @@ class QueueStore(SegmentLog[Segment]):
         mm = seg.mm if seg.mm is not None else self._map_read(seg)
         return fmt.read_record(mm, msgid & POS_MASK)
 
+    def read_timestamp(self, msgid: int) -> int:
+        """The publish time (ms) of ``msgid``, without copying the record."""
+        seg = self._segment_of(msgid)
+        mm = seg.mm if seg.mm is not None else self._map_read(seg)
+        ts: int = _I64_UNPACK(mm, msgid & POS_MASK)[0]
+        return ts
+
     def read_body_size(self, msgid: int) -> int:
         seg = self._segment_of(msgid)
         mm = seg.mm if seg.mm is not None else self._map_read(seg)
@@ -776,6 +789,28 @@ class QueueStore(SegmentLog[Segment]):
     def is_redelivered(self, msgid: int) -> bool:
         return msgid in self._requeued or msgid <= self._recovered_hwm
 
+    # Delivery counts (x-delivery-count): durable like acks, see delivery_counts.py.
+    @property
+    def counting(self) -> bool:
+        """Whether any message in the store has a delivery count."""
+        return self._counts is not None and bool(self._counts.counts)
+
+    def count_of(self, msgid: int) -> int:
+        return 0 if self._counts is None else self._counts.counts.get(msgid, 0)
+
+    def set_count(self, msgid: int, count: int) -> None:
+        if self._counts is None:
+            self._counts = DeliveryCounts(self._dir, self._lock, self._sink, self._files)
+        self._counts.set(msgid, count)
+        if not self._dirty:
+            self._set_dirty()
+        if self._through:
+            self._write_through()
+
+    def forget_count(self, msgid: int) -> None:
+        if self._counts is not None:
+            self._counts.forget(msgid)
+
     def purge(self) -> int:
         """Drop every READY message (acked on disk); unacked ones stay. Returns the count."""
         purged = self._ready
@@ -811,6 +846,8 @@ class QueueStore(SegmentLog[Segment]):
             self._cnum, self._cpos = self._next_num, HEADER_SIZE
         self._ready = 0
         self._bytes_ready = 0
+        if self._counts is not None:
+            self._counts.keep_only(self._unacked)
         if self._through:
             self._write_through()
         return purged
@@ -858,6 +895,8 @@ class QueueStore(SegmentLog[Segment]):
         """Write buffered ack bytes to the ack files (no fsync); send a changed meta to the sink."""
         with self._lock:
             self._write_acks_locked()
+            if self._counts is not None:
+                self._counts.write_locked()
         if self._sink.active:
             meta = self._meta_bytes()
             if meta != self._meta_sent:
@@ -869,6 +908,8 @@ class QueueStore(SegmentLog[Segment]):
         (kill -9 can no longer lose them); the syncer's next group commit fsyncs them."""
         with self._lock:
             self._write_acks_locked()
+            if self._counts is not None:
+                self._counts.write_locked()
             meta = self._meta_bytes()
             if meta != self._meta_written:
                 self._write_meta(meta, fsync=False)
@@ -907,6 +948,11 @@ class QueueStore(SegmentLog[Segment]):
         window sync, since every extra fdatasync adds a journal commit to every
         confirm's latency."""
         self._write_acks_locked()
+        counts = self._counts
+        if counts is not None:
+            counts.write_locked()
+            if full and counts.take_unsynced():
+                paths.append(counts.path)
         if full and self._ack_unsynced:
             paths.extend(self._segs[n].ack_path for n in self._ack_unsynced if n in self._segs)
             self._ack_unsynced.clear()
@@ -969,7 +1015,11 @@ class QueueStore(SegmentLog[Segment]):
     def _recover(self) -> None:
         seg_nums: list[int] = []
         ack_nums: set[int] = set()
+        has_counts = False
         for entry in os.scandir(self._dir):
+            if entry.name == COUNTS_NAME:
+                has_counts = True
+                continue
             num = fmt.parse_number(entry.name, "msgs.")
             if num is not None:
                 seg_nums.append(num)
@@ -1006,6 +1056,15 @@ class QueueStore(SegmentLog[Segment]):
             self._clean_on_disk = clean
         self._cnum = self._order[0] if self._order else self._next_num
         self._cpos = HEADER_SIZE
+        if has_counts:
+            self._counts = DeliveryCounts.load(self._dir, self._lock, self._sink, self._files,
+                                               self._is_stored, self._remove_file)
+
+    def _is_stored(self, msgid: int) -> bool:
+        """Whether ``msgid`` names a recovered record that is not acked."""
+        seg = self._segs.get(msgid >> 32)
+        pos = msgid & POS_MASK
+        return seg is not None and HEADER_SIZE <= pos < seg.end and pos not in seg.acked
 
     def _recover_segment(self, directory: Path, num: int, has_acks: bool) -> Segment | None:
         seg = Segment(directory, num)

@@ -16,6 +16,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
@@ -399,3 +400,18 @@ def test_skredctl_over_https_with_a_client_certificate(tls_broker_factory: Any, 
     plain = subprocess.run([sys.executable, "-m", "broker.ctl", "--url", "http://127.0.0.1:1", "--insecure",
                             "status"], capture_output=True, text=True, timeout=30, cwd=str(REPO_ROOT))
     assert plain.returncode == 2 and "https://" in plain.stderr
+
+
+def test_health_checks_see_tls_certificates_and_listeners(tls_broker_factory: Any, pki: PKI) -> None:
+    """certificate-expiration reads the configured certificate (valid one more day here);
+    port- and protocol-listener know the TLS listeners (RabbitMQ's shapes)."""
+    b = tls_broker_factory()
+    assert api(b, pki, "GET", "/api/health/checks/certificate-expiration/0/days") == {"status": "ok"}
+    with pytest.raises(urllib.error.HTTPError) as ei:
+        api(b, pki, "GET", "/api/health/checks/certificate-expiration/2/days")
+    assert ei.value.code == 503
+    failed = json.loads(ei.value.read())
+    assert failed["status"] == "failed" and failed["expired"][0]["certfile"] == str(pki.server.cert)
+    assert api(b, pki, "GET", f"/api/health/checks/port-listener/{b.tls_port}")["status"] == "ok"
+    for proto in ("amqps", "https"):
+        assert api(b, pki, "GET", f"/api/health/checks/protocol-listener/{proto}")["status"] == "ok"
