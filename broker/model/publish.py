@@ -198,7 +198,7 @@ def publish(vh: VHost, req: PublishRequest, first_hop: bool = True) -> PublishOu
         exrk = names.exrk
         body = req.body
         if len(queues) > 1:
-            reserve(queues, record_size(exb, rkb, props, body))
+            reserve(queues, record_size(exb, rkb, props, body), props, ts)
         for q in queues:
             if q.publish(ts, exb, rkb, props, body, persistent, exrk) is False:
                 out.rejected = True
@@ -207,14 +207,12 @@ def publish(vh: VHost, req: PublishRequest, first_hop: bool = True) -> PublishOu
     return out
 
 
-def reserve(queues: list[Queue], size: int) -> None:
+def reserve(queues: list[Queue], size: int, props: bytes, ts: int) -> None:
     """A full disk stores a message (or a run) everywhere or nowhere: room for ``size`` bytes
-    first in the write segment of every plain queue (DiskFull before anything is written). A
-    queue with a store of its own kind (priorities, a stream) may still fail on its own."""
+    first in the write segment of every queue it reaches, whatever its store's kind (a
+    priority queue's level, a stream's log), so DiskFull comes before anything is written."""
     for q in queues:
-        store = q.store
-        if q.features is None and type(store) is QueueStore:
-            store.reserve(size)
+        q.store.make_room(size, props, ts)
 
 
 def route(vh: VHost, ex: Exchange, keys: list[str], props: bytes, req: PublishRequest,
@@ -304,7 +302,7 @@ def publish_run(vh: VHost, exchange: str, routing_key: str, names: EncodedNames,
         persistent = is_persistent(props[0])
     else:  # any of them: it only decides whether a confirm waits for a sync
         persistent = any(is_persistent(p) for p in props)
-    reserve(queues, QueueStore.run_size(names.exrk, props, bodies, same))
+    reserve(queues, QueueStore.run_size(names.exrk, props, bodies, same), props[0], ts)
     for q in queues:
         q.publish_run(ts, names.exchange_b, names.routing_key_b, props, bodies, persistent, names.exrk, same)
     return PublishOutcome(queues, sync=persistent and any(q.durable for q in queues))

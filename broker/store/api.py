@@ -35,6 +35,10 @@ class QueueCounters(Protocol):
     @property
     def bytes_ready(self) -> int: ...
 
+    def make_room(self, size: int, props: bytes | memoryview, timestamp_ms: int) -> None:
+        """Allocate ``size`` bytes of records' room where a message with ``props`` goes
+        (DiskFull before anything is written): the full-disk all-or-nothing rule."""
+
     def flush(self) -> None: ...
 
     def sync(self, full: bool = False, fsync: bool = True) -> None: ...

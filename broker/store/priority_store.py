@@ -106,6 +106,11 @@ class PriorityStore:
         for p, body in zip(props, bodies, strict=True):
             self._store_for(p)[1].append_run(timestamp_ms, exrk, [p], [body], True)
 
+    def make_room(self, size: int, props: bytes | memoryview, timestamp_ms: int) -> None:
+        """Room for ``size`` bytes in the level ``props`` go to (a run reaching a priority queue
+        is published one message at a time, so one level is all it needs)."""
+        self._store_for(props)[1].reserve(size)
+
     # ------------------------------------------------------------------ consuming
     def shift(self) -> int | None:
         for level in self._order:

@@ -310,6 +310,11 @@ class QueueStore(SegmentLog[Segment]):
             seg = self._roll(size)
         return seg
 
+    def make_room(self, size: int, props: bytes | memoryview, timestamp_ms: int) -> None:
+        """``reserve`` as every store kind offers it (``api.QueueCounters``): a message or run
+        routed to several queues has room in all of them before any of them is written."""
+        self.reserve(size)
+
     @staticmethod
     def run_size(exrk: bytes, props: list[bytes], bodies: list[bytes], same: bool) -> int:
         """Bytes ``append_run`` needs for this run (what to ``reserve``)."""

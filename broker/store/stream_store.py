@@ -196,6 +196,14 @@ class StreamStore(SegmentLog[_Seg]):
             self._sink.append(seg.path, mm[pos:end])
         return offset
 
+    def make_room(self, size: int, props: bytes | memoryview, timestamp_ms: int) -> None:
+        """The write segment with ``size`` bytes of room allocated (a new one, stamped
+        ``timestamp_ms``, if need be): DiskFull now, before a message or run routed to several
+        queues is written anywhere. The appends that follow fit without rolling."""
+        seg = self._wseg
+        if seg is None or seg.end + size > self._wcap:
+            self._roll(size, timestamp_ms)
+
     def _roll(self, need: int, first_ts: int) -> _Seg:
         """The write segment with room for ``need`` bytes: more of it allocated, or a new
         segment (index file first) starting with a record stamped ``first_ts``."""
