@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import array
 import gc
+import os
 import struct
 from pathlib import Path
 
 import pytest
 
 from broker.errors import StoreError
-from broker.store.queue_store import QueueStore
+from broker.store import fileio
+from broker.store.queue_store import META_NAME, QueueStore
+from broker.store.segment_log import SegmentFiles
 
 PERSISTENT = struct.pack(">HB", 0x1000, 2)
 TRANSIENT = struct.pack(">HB", 0x1000, 1)
@@ -361,3 +364,94 @@ def test_merge_acks_from_a_replica(tmp_path: Path) -> None:
     store = QueueStore(qdir, segment_size=4096)
     assert drain(store) == [ids[2], ids[3], ids[6], ids[7], ids[8], ids[9]]
     store.close()
+
+
+class PowerCut:
+    """What a power cut would leave of every ``meta`` file under ``root``: its bytes at the
+    last fsync that covered it (an fsync or fdatasync of it, or a syncfs). Spies on the
+    system calls (a power cut cannot be had for real in a unit test) and calls through."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, root: Path) -> None:
+        self.root = root
+        self.durable: dict[str, bytes] = {}
+        self.fsyncs = 0
+        self.syncfs_calls = 0
+        real_datasync, real_fsync = os.fdatasync, os.fsync
+        real_syncfs = fileio._SYNCFS
+        assert real_syncfs is not None
+
+        def note(fd: int) -> None:
+            path = os.readlink(f"/proc/self/fd/{fd}")
+            if os.path.basename(path) == META_NAME:
+                self.fsyncs += 1
+                with open(path, "rb") as f:
+                    self.durable[path] = f.read()
+
+        def datasync(fd: int) -> None:
+            real_datasync(fd)
+            note(fd)
+
+        def fsync(fd: int) -> None:
+            real_fsync(fd)
+            note(fd)
+
+        def syncfs(fd: int) -> int:
+            self.syncfs_calls += 1
+            for p in root.rglob(META_NAME):
+                self.durable[str(p)] = p.read_bytes()
+            return real_syncfs(fd)
+
+        monkeypatch.setattr(os, "fdatasync", datasync)
+        monkeypatch.setattr(os, "fsync", fsync)
+        monkeypatch.setattr(fileio, "_SYNCFS", syncfs)
+
+    def says_clean(self, qdir: Path) -> bool:
+        """Whether the meta a power cut would leave in ``qdir`` says "closed cleanly"."""
+        meta = self.durable.get(str(qdir / META_NAME))
+        return meta is not None and len(meta) >= 28 and bool(struct.unpack_from("<I", meta, 24)[0] & 1)
+
+
+def test_open_meta_is_durable_before_the_first_delivery(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a clean restart the store's "not closed cleanly" meta must be on disk before it
+    delivers a message past the mark: else a power cut leaves the old "closed cleanly" meta
+    and the messages delivered since come back without the redelivered flag. A store holding
+    messages overwrites it at open; an empty one at its first append."""
+    cut = PowerCut(monkeypatch, tmp_path)
+    full, empty = tmp_path / "full", tmp_path / "empty"
+    store = QueueStore(full, segment_size=4096)
+    fill(store, 3)
+    store.close()
+    QueueStore(empty, segment_size=4096).close()
+    assert cut.says_clean(full) and cut.says_clean(empty)
+    store = QueueStore(full, segment_size=4096)
+    assert store.shift() is not None
+    assert not cut.says_clean(full), "delivered while a power cut would leave 'closed cleanly'"
+    store.close()
+    store = QueueStore(empty, segment_size=4096)
+    fill(store, 2)
+    assert store.next_delivery(False) is not None
+    assert not cut.says_clean(empty), "delivered while a power cut would leave 'closed cleanly'"
+    store.close()
+
+
+def test_open_metas_of_a_boot_take_one_syncfs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Thousands of queues open at boot: their open metas are made durable by one syncfs
+    (``SegmentFiles.sync_opened``), not one fsync each, and then deliveries need none."""
+    dirs = [tmp_path / f"q{i}" for i in range(20)]
+    for d in dirs:
+        s = QueueStore(d, segment_size=4096)
+        fill(s, 2)
+        s.close()
+    cut = PowerCut(monkeypatch, tmp_path)
+    files = SegmentFiles()
+    stores = [QueueStore(d, segment_size=4096, files=files) for d in dirs]
+    assert files.sync_opened(tmp_path) == len(dirs)
+    assert cut.syncfs_calls == 1
+    for d, s in zip(dirs, stores, strict=True):
+        assert s.shift() is not None
+        assert not cut.says_clean(d)
+    assert cut.fsyncs == 0
+    assert files.sync_opened(tmp_path) == 0 and cut.syncfs_calls == 1  # nothing left to sync
+    for s in stores:
+        s.close()
