@@ -20,7 +20,8 @@ Due times live in memory in a heap of (due ms, seq, msgid), rebuilt at boot by
 reading each stored message once; one timer (the vhost's ``call_later``)
 sleeps until the earliest due time, so nothing is scanned per tick. When due,
 a message is routed with the underlying type (plus CC/BCC) and acked in the
-delay store.
+delay store, and that ack is written to its file at once (not a sync window
+later): a message routed before a kill -9 is not routed again at boot.
 
 Consistent hashing (``x-consistent-hash``): the binding key is an integer
 weight; each destination gets ``weight * POINTS_PER_WEIGHT`` points on a
@@ -360,6 +361,12 @@ class DelayedStore:
             except Exception:  # one bad message must not stall the rest
                 log.exception("exchange %r: routing a delayed message failed", self.ex.name)
             store.ack(msgid)
+            if self.durable:
+                # Routed means settled here, on disk (and on the replicas) now rather than a
+                # sync window later: a kill -9 in that window would route it again at boot,
+                # and in a cluster the restarted leader would do so before any follower
+                # could merge its copy of this ack.
+                store.flush()
             self._disk_wait = False
         else:
             self._arm()

@@ -156,3 +156,33 @@ def test_synchronous_settlements_survive_an_immediate_kill9(
     unacked, _held = _deliver_unacked(broker)
     settled = _settle_all(broker)
     _after_kill9(broker, settled, unacked)
+
+
+def test_delayed_messages_routed_before_kill9_are_not_routed_again(
+        broker_factory: Callable[..., Broker]) -> None:
+    """A delayed message that fell due was routed to its queues, then settled in the
+    exchange's store. That settlement must reach its file with the routing, not a window
+    later (here 30 s): else a kill -9 in between routes it again at boot, a duplicate in
+    every queue (and in a cluster the old leader does so before any follower could tell it)."""
+    broker = broker_factory(["--ack-sync-interval", "30000"])
+    dx, q = unique("dx"), unique("dq")
+    n = 100
+    conn = connect(broker)
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.exchange_declare(dx, "x-delayed-message", durable=True, arguments={"x-delayed-type": "direct"})
+    ch.queue_declare(q, durable=True)
+    ch.queue_bind(q, dx, routing_key="k")
+    for i in range(n):
+        ch.basic_publish(dx, "k", str(i).encode(), pika.BasicProperties(delivery_mode=2, headers={"x-delay": 300}))
+    deadline = time.monotonic() + 30
+    while (queue_count(conn, q) or 0) < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert queue_count(conn, q) == n, "the delayed messages never fell due"
+    broker.kill9()
+    broker.start()
+    assert "delayed messages recovered" not in broker.log_text().rsplit("starting (Python", 1)[-1], \
+        "delayed messages already routed were recovered, to be routed again"
+    conn = connect(broker)
+    assert queue_count(conn, q) == n
+    conn.close()
