@@ -62,7 +62,6 @@ from broker.net.server import AMQPServer
 from broker.store.fileio import syncfs
 from broker.store.jsonstore import read_json, write_json
 from broker.store.lock import DataDirLock
-from broker.store.queue_store import QueueStore
 from broker.store.segment import parse_number
 from broker.store.segment_log import SegmentFiles
 from broker.store.sink import NullSink, ReplicationSink
@@ -313,14 +312,10 @@ class Node:
         num = parse_number(path.name, "acks.")
         if self.broker is None or num is None:
             return 0
-        directory = path.parent
         for vh in self.broker.vhosts.values():
-            for q in vh.queues.values():
-                store = q.store
-                if isinstance(store, QueueStore) and store.directory == directory:
-                    n = store.merge_acks(num, positions)
-                    q.n_acked += n
-                    return n
+            n = vh.merge_acks(path.parent, num, positions)
+            if n is not None:
+                return n
         return 0
 
     def trust_proxy_headers_from(self, peers: set[str]) -> None:

@@ -503,6 +503,25 @@ class VHost:
         ps = self.policy_set.operator if operator else self.policy_set.policies
         return [dict(p.to_json(), vhost=self.name) for _, p in sorted(ps.items())]
 
+    def merge_acks(self, directory: Path, num: int, positions: list[int]) -> int | None:
+        """Acks another copy of one of this vhost's queue stores has on disk (a follower's
+        ack file for segment ``num`` of the store in ``directory``; ``QueueStore.merge_acks``):
+        how many were acked here, or None if no queue store of this vhost lives there. Each
+        level of a priority queue (quorum queues' two included) is a store of its own."""
+        for q in self.queues.values():
+            store = q.store
+            if isinstance(store, PriorityStore):
+                target = store.level_in(directory)
+            elif isinstance(store, QueueStore) and store.directory == directory:
+                target = store
+            else:
+                continue
+            if target is not None:
+                n = target.merge_acks(num, positions)
+                q.n_acked += n
+                return n
+        return None
+
     def close(self) -> None:
         for ex in self.exchanges.values():
             if ex.special is not None:

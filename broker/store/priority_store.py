@@ -69,6 +69,13 @@ class PriorityStore:
             self._order = sorted(self._levels, reverse=True)
         return store
 
+    def level_in(self, directory: Path) -> QueueStore | None:
+        """The level whose store lives in ``directory`` (level 0: the queue's own), if any."""
+        for store in self._levels.values():
+            if store.directory == directory:
+                return store
+        return None
+
     def _of(self, msgid: int) -> tuple[QueueStore, int]:
         return self._levels[msgid >> _SHIFT], msgid & _INNER
 

@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
+from typing import Any
 
+import aio_pika
 import pytest
 
 from .cluster_faults import ack_bytes, consume_some, drain, in_sync
@@ -56,6 +59,111 @@ def test_acks_only_followers_had_stay_acked(tmp_path: Path) -> None:
         numbers = {n for n, _ in got}
         assert not numbers & set(acked), f"{len(numbers & set(acked))} acked messages delivered again"
         assert numbers == set(confirmed) - set(acked)
+    except BaseException:
+        print(c.diag())
+        raise
+    finally:
+        c.close()
+
+
+# A priority queue keeps one store per priority level (``prio.NNN`` directories), a quorum
+# queue two: the acks of every level are merged, not only the queue's own directory's.
+KINDS: dict[str, tuple[dict[str, Any], int]] = {
+    "merge-prio": ({"x-max-priority": 5}, 3),  # level 3: a store in prio.003
+    "merge-quorum": ({"x-queue-type": "quorum"}, 7),  # quorum's high level
+}
+
+
+async def _publish_kinds(url: str, n: int) -> dict[str, list[int]]:
+    confirmed: dict[str, list[int]] = {q: [] for q in KINDS}
+    conn = await aio_pika.connect(url, timeout=5)
+    try:
+        ch = await conn.channel(publisher_confirms=True)
+        for q, (args, prio) in KINDS.items():
+            await ch.declare_queue(q, durable=True, arguments=args)
+
+            async def one(i: int, q: str = q, prio: int = prio) -> None:
+                await ch.default_exchange.publish(aio_pika.Message(
+                    str(i).encode(), delivery_mode=aio_pika.DeliveryMode.PERSISTENT, priority=prio),
+                    routing_key=q)
+                confirmed[q].append(i)
+
+            await asyncio.gather(*(one(i) for i in range(n)))
+    finally:
+        await conn.close()
+    return confirmed
+
+
+async def _ack_some(url: str, queue: str, count: int) -> list[int]:
+    """Ack ``count`` messages one by one (each its own ack-file entry)."""
+    conn = await aio_pika.connect(url, timeout=5)
+    got: list[int] = []
+    try:
+        ch = await conn.channel()
+        await ch.set_qos(prefetch_count=20)
+        q = await ch.declare_queue(queue, passive=True)
+        async with q.iterator() as it:
+            async for msg in it:
+                got.append(int(msg.body))
+                await msg.ack()
+                if len(got) >= count:
+                    break
+    finally:
+        await conn.close()
+    return got
+
+
+async def _drain(url: str, queue: str) -> list[int]:
+    """basic.get with ack until the queue is empty."""
+    conn = await aio_pika.connect(url, timeout=5)
+    got: list[int] = []
+    try:
+        ch = await conn.channel()
+        q = await ch.declare_queue(queue, passive=True)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            msg = await q.get(fail=False)
+            if msg is None:
+                return got
+            got.append(int(msg.body))
+            await msg.ack()
+        raise AssertionError(f"{queue}: not drained in 60 s")
+    finally:
+        await conn.close()
+
+
+def test_acks_of_priority_levels_only_followers_had_stay_acked(tmp_path: Path) -> None:
+    """The same for a priority queue (acks in a level's own store) and a quorum queue."""
+    c = Cluster(tmp_path, ttl=2)
+    try:
+        for n in c.nodes:
+            n.argv += ["--ack-sync-interval", "30000"]
+            n.start()
+        leader = in_sync(c)
+        followers = [n for n in c.nodes if n is not leader]
+        confirmed = asyncio.run(asyncio.wait_for(_publish_kinds(leader.url, 100), 60))
+        before = [ack_bytes(f) for f in followers]
+        acked = {q: asyncio.run(asyncio.wait_for(_ack_some(leader.url, q, 50), 60)) for q in KINDS}
+        total = sum(map(len, acked.values()))
+        pairs = list(zip(followers, before, strict=True))
+        wait_for(lambda: all(ack_bytes(f) >= b + 4 * total for f, b in pairs), 20,
+                 "the acks on the followers' disks")
+        for f in followers:
+            f.kill9()
+        lid = leader.node_id()
+        wait_for(lambda: json.loads(c.etcd.get(f"{c.prefix}/isr") or b"[]") == [lid], 30,
+                 "the leader alone in the ISR")
+        assert ack_bytes(leader) < 4 * total, "the leader wrote its acks: the case is not set up"
+        leader.kill9()
+        for n in c.nodes:
+            n.start()
+        new = in_sync(c)
+        assert new is leader, "only the old leader was in sync"
+        wait_for(lambda: leader.log_text().count("merged") >= len(KINDS), 30, "the followers' acks merged")
+        for q in KINDS:
+            got = asyncio.run(asyncio.wait_for(_drain(new.url, q), 90))
+            assert not set(got) & set(acked[q]), f"{q}: {len(set(got) & set(acked[q]))} acked delivered again"
+            assert sorted(got) == sorted(set(confirmed[q]) - set(acked[q])), q
     except BaseException:
         print(c.diag())
         raise
