@@ -58,3 +58,17 @@ def mount_tmpfs(tmp_path: Path, size: int = TMPFS_SIZE) -> Iterator[tuple[Path, 
     finally:
         os.killpg(holder.pid, signal.SIGKILL)
         holder.wait(10)
+
+
+def tmpfs_broker(tmpfs: tuple[Path, int], tmp_path: Path,
+                 extra_args: list[str]) -> Iterator[NamespacedBroker]:
+    """A started broker with its data on the tmpfs and its log outside (readable from here);
+    for a fixture to yield from."""
+    mnt, holder = tmpfs
+    b = NamespacedBroker(mnt / "data", holder, extra_args)
+    b.log_path = tmp_path / "broker.log"
+    try:
+        b.start()
+        yield b
+    finally:
+        b.close()

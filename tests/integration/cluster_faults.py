@@ -149,14 +149,16 @@ def serving_leader(c: Cluster, exclude: ClusterNode | None = None) -> ClusterNod
     return n if n is not None and n is not exclude and n.answers() else None
 
 
-async def consume_some(url: str, queue: str, count: int) -> list[int]:
-    """Ack ``count`` messages (one by one, so every ack is its own ack-file entry)."""
+async def consume_some(url: str, queue: str, count: int,
+                       arguments: dict[str, object] | None = None) -> list[int]:
+    """Ack ``count`` messages (one by one, so every ack is its own ack-file entry); the
+    queue is declared with ``arguments``."""
     conn = await aio_pika.connect(url, timeout=5)
     got: list[int] = []
     try:
         ch = await conn.channel()
         await ch.set_qos(prefetch_count=100)
-        q = await ch.declare_queue(queue, durable=True)
+        q = await ch.declare_queue(queue, durable=True, arguments=arguments)
         async with q.iterator() as it:
             async for msg in it:
                 got.append(int(msg.body))

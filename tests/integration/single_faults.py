@@ -275,6 +275,14 @@ def confirm_pipelined(b: SkredProcess, exchange: str, size: int, batch: Callable
     return acked, nacked, None
 
 
+def delayed_to_queue(ch: pika.adapters.blocking_connection.BlockingChannel, exchange: str,
+                     queue: str) -> None:
+    """A durable delayed-message exchange (direct underneath) routing key ``k`` to a durable queue."""
+    ch.exchange_declare(exchange, "x-delayed-message", durable=True, arguments={"x-delayed-type": "direct"})
+    ch.queue_declare(queue, durable=True)
+    ch.queue_bind(queue, exchange, routing_key="k")
+
+
 def fanout_pair(b: SkredProcess) -> tuple[str, str, str]:
     """A durable fanout exchange and the two durable queues bound to it: (ex, qa, qb)."""
     ex, qa, qb = unique("fan"), unique("qa"), unique("qb")

@@ -20,7 +20,8 @@ from collections.abc import Callable
 import pika
 import pytest
 
-from ._support import Broker, connect, is_external, queue_count, unique
+from ._support import Broker, connect, is_external, queue_count, unique, wait_until
+from .single_faults import delayed_to_queue
 
 pytestmark = pytest.mark.skipif(
     is_external(),
@@ -170,15 +171,11 @@ def test_delayed_messages_routed_before_kill9_are_not_routed_again(
     conn = connect(broker)
     ch = conn.channel()
     ch.confirm_delivery()
-    ch.exchange_declare(dx, "x-delayed-message", durable=True, arguments={"x-delayed-type": "direct"})
-    ch.queue_declare(q, durable=True)
-    ch.queue_bind(q, dx, routing_key="k")
+    delayed_to_queue(ch, dx, q)
+    delayed = pika.BasicProperties(delivery_mode=2, headers={"x-delay": 300})
     for i in range(n):
-        ch.basic_publish(dx, "k", str(i).encode(), pika.BasicProperties(delivery_mode=2, headers={"x-delay": 300}))
-    deadline = time.monotonic() + 30
-    while (queue_count(conn, q) or 0) < n and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert queue_count(conn, q) == n, "the delayed messages never fell due"
+        ch.basic_publish(dx, "k", str(i).encode(), delayed)
+    wait_until(lambda: queue_count(conn, q) == n, 30, "the delayed messages falling due")
     broker.kill9()
     broker.start()
     assert "delayed messages recovered" not in broker.log_text().rsplit("starting (Python", 1)[-1], \

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,38 +23,60 @@ import aio_pika
 import pytest
 
 from .cluster_faults import ack_bytes, consume_some, drain, in_sync
-from .test_cluster import Cluster, publish, wait_for
+from .test_cluster import Cluster, ClusterNode, publish, wait_for
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.chaos]
+
+
+# A priority queue keeps one store per priority level (``prio.NNN`` directories), a quorum
+# queue two: the acks of every level are merged, not only those of the queue's own directory.
+KINDS: dict[str, tuple[dict[str, Any], int]] = {
+    "merge-prio": ({"x-max-priority": 5}, 3),  # level 3: a store in prio.003
+    "merge-quorum": ({"x-queue-type": "quorum"}, 7),  # quorum's high level
+}
+
+
+def _leader_loses_its_acks(c: Cluster, settle: Callable[[ClusterNode], int], merges: int) -> ClusterNode:
+    """Start the cluster with a 30 s ack window; ``settle`` acks messages on the leader (returns
+    how many); once the followers have them on disk they are killed, then the leader; all
+    restart and the old leader leads again. Returns it once ``merges`` ack files were merged."""
+    for n in c.nodes:
+        n.argv += ["--ack-sync-interval", "30000"]
+        n.start()
+    leader = in_sync(c)
+    followers = [n for n in c.nodes if n is not leader]
+    before = [ack_bytes(f) for f in followers]
+    total = settle(leader)
+    pairs = list(zip(followers, before, strict=True))
+    wait_for(lambda: all(ack_bytes(f) >= b + 4 * total for f, b in pairs), 20,
+             "the acks on the followers' disks")
+    for f in followers:
+        f.kill9()
+    lid = leader.node_id()
+    wait_for(lambda: json.loads(c.etcd.get(f"{c.prefix}/isr") or b"[]") == [lid], 30,
+             "the leader alone in the ISR")
+    assert ack_bytes(leader) < 4 * total, "the leader wrote its acks: the case is not set up"
+    leader.kill9()
+    for n in c.nodes:
+        n.start()
+    new = in_sync(c)
+    assert new is leader, "only the old leader was in sync"
+    wait_for(lambda: leader.log_text().count("merged") >= merges, 30, "the followers' acks merged")
+    return new
 
 
 def test_acks_only_followers_had_stay_acked(tmp_path: Path) -> None:
     c = Cluster(tmp_path, ttl=2)
     try:
-        for n in c.nodes:
-            n.argv += ["--ack-sync-interval", "30000"]
-            n.start()
-        leader = in_sync(c)
-        followers = [n for n in c.nodes if n is not leader]
         confirmed: list[int] = []
-        asyncio.run(asyncio.wait_for(publish(leader.url, "merge-q", 0, 200, confirmed, batch=50), 60))
-        before = [ack_bytes(f) for f in followers]
-        acked = asyncio.run(asyncio.wait_for(consume_some(leader.url, "merge-q", 100), 60))
-        pairs = list(zip(followers, before, strict=True))
-        wait_for(lambda: all(ack_bytes(f) >= b + 4 * len(acked) for f, b in pairs), 20,
-                 "the acks on the followers' disks")
-        for f in followers:
-            f.kill9()
-        lid = leader.node_id()
-        wait_for(lambda: json.loads(c.etcd.get(f"{c.prefix}/isr") or b"[]") == [lid], 30,
-                 "the leader alone in the ISR")
-        assert ack_bytes(leader) < 4 * len(acked), "the leader wrote its acks: the case is not set up"
-        leader.kill9()
-        for n in c.nodes:
-            n.start()
-        new = in_sync(c)
-        assert new is leader, "only the old leader was in sync"
-        wait_for(lambda: "merged" in leader.log_text(), 30, "the followers' acks merged")
+        acked: list[int] = []
+
+        def settle(leader: ClusterNode) -> int:
+            asyncio.run(asyncio.wait_for(publish(leader.url, "merge-q", 0, 200, confirmed, batch=50), 60))
+            acked.extend(asyncio.run(asyncio.wait_for(consume_some(leader.url, "merge-q", 100), 60)))
+            return len(acked)
+
+        new = _leader_loses_its_acks(c, settle, 1)
         got: list[tuple[int, bool]] = []
         asyncio.run(asyncio.wait_for(drain(new.url, "merge-q", got), 120))
         numbers = {n for n, _ in got}
@@ -66,15 +89,33 @@ def test_acks_only_followers_had_stay_acked(tmp_path: Path) -> None:
         c.close()
 
 
-# A priority queue keeps one store per priority level (``prio.NNN`` directories), a quorum
-# queue two: the acks of every level are merged, not only the queue's own directory's.
-KINDS: dict[str, tuple[dict[str, Any], int]] = {
-    "merge-prio": ({"x-max-priority": 5}, 3),  # level 3: a store in prio.003
-    "merge-quorum": ({"x-queue-type": "quorum"}, 7),  # quorum's high level
-}
+def test_acks_of_priority_levels_only_followers_had_stay_acked(tmp_path: Path) -> None:
+    """The same for a priority queue (acks in a level's own store) and a quorum queue."""
+    c = Cluster(tmp_path, ttl=2)
+    try:
+        confirmed: dict[str, list[int]] = {}
+        acked: dict[str, list[int]] = {}
+
+        def settle(leader: ClusterNode) -> int:
+            confirmed.update(asyncio.run(asyncio.wait_for(_publish_kinds(leader.url, 100), 60)))
+            for q, (args, _) in KINDS.items():
+                acked[q] = asyncio.run(asyncio.wait_for(consume_some(leader.url, q, 50, args), 60))
+            return sum(map(len, acked.values()))
+
+        new = _leader_loses_its_acks(c, settle, len(KINDS))
+        for q in KINDS:
+            got = asyncio.run(asyncio.wait_for(_drain(new.url, q), 90))
+            assert not set(got) & set(acked[q]), f"{q}: {len(set(got) & set(acked[q]))} acked delivered again"
+            assert sorted(got) == sorted(set(confirmed[q]) - set(acked[q])), q
+    except BaseException:
+        print(c.diag())
+        raise
+    finally:
+        c.close()
 
 
 async def _publish_kinds(url: str, n: int) -> dict[str, list[int]]:
+    """``n`` confirmed persistent messages to each queue of ``KINDS``, at its priority."""
     confirmed: dict[str, list[int]] = {q: [] for q in KINDS}
     conn = await aio_pika.connect(url, timeout=5)
     try:
@@ -94,25 +135,6 @@ async def _publish_kinds(url: str, n: int) -> dict[str, list[int]]:
     return confirmed
 
 
-async def _ack_some(url: str, queue: str, count: int) -> list[int]:
-    """Ack ``count`` messages one by one (each its own ack-file entry)."""
-    conn = await aio_pika.connect(url, timeout=5)
-    got: list[int] = []
-    try:
-        ch = await conn.channel()
-        await ch.set_qos(prefetch_count=20)
-        q = await ch.declare_queue(queue, passive=True)
-        async with q.iterator() as it:
-            async for msg in it:
-                got.append(int(msg.body))
-                await msg.ack()
-                if len(got) >= count:
-                    break
-    finally:
-        await conn.close()
-    return got
-
-
 async def _drain(url: str, queue: str) -> list[int]:
     """basic.get with ack until the queue is empty."""
     conn = await aio_pika.connect(url, timeout=5)
@@ -130,42 +152,3 @@ async def _drain(url: str, queue: str) -> list[int]:
         raise AssertionError(f"{queue}: not drained in 60 s")
     finally:
         await conn.close()
-
-
-def test_acks_of_priority_levels_only_followers_had_stay_acked(tmp_path: Path) -> None:
-    """The same for a priority queue (acks in a level's own store) and a quorum queue."""
-    c = Cluster(tmp_path, ttl=2)
-    try:
-        for n in c.nodes:
-            n.argv += ["--ack-sync-interval", "30000"]
-            n.start()
-        leader = in_sync(c)
-        followers = [n for n in c.nodes if n is not leader]
-        confirmed = asyncio.run(asyncio.wait_for(_publish_kinds(leader.url, 100), 60))
-        before = [ack_bytes(f) for f in followers]
-        acked = {q: asyncio.run(asyncio.wait_for(_ack_some(leader.url, q, 50), 60)) for q in KINDS}
-        total = sum(map(len, acked.values()))
-        pairs = list(zip(followers, before, strict=True))
-        wait_for(lambda: all(ack_bytes(f) >= b + 4 * total for f, b in pairs), 20,
-                 "the acks on the followers' disks")
-        for f in followers:
-            f.kill9()
-        lid = leader.node_id()
-        wait_for(lambda: json.loads(c.etcd.get(f"{c.prefix}/isr") or b"[]") == [lid], 30,
-                 "the leader alone in the ISR")
-        assert ack_bytes(leader) < 4 * total, "the leader wrote its acks: the case is not set up"
-        leader.kill9()
-        for n in c.nodes:
-            n.start()
-        new = in_sync(c)
-        assert new is leader, "only the old leader was in sync"
-        wait_for(lambda: leader.log_text().count("merged") >= len(KINDS), 30, "the followers' acks merged")
-        for q in KINDS:
-            got = asyncio.run(asyncio.wait_for(_drain(new.url, q), 90))
-            assert not set(got) & set(acked[q]), f"{q}: {len(set(got) & set(acked[q]))} acked delivered again"
-            assert sorted(got) == sorted(set(confirmed[q]) - set(acked[q])), q
-    except BaseException:
-        print(c.diag())
-        raise
-    finally:
-        c.close()

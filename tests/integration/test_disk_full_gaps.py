@@ -26,8 +26,8 @@ import pytest
 import requests
 
 from ._support import connect, unique, wait_until
-from ._tmpfs import NEEDS, NamespacedBroker, mount_tmpfs
-from .single_faults import confirm_pipelined, drain, fanout_pair
+from ._tmpfs import NEEDS, NamespacedBroker, mount_tmpfs, tmpfs_broker
+from .single_faults import confirm_pipelined, delayed_to_queue, drain, fanout_pair
 
 pytestmark = [NEEDS, pytest.mark.timeout(240)]
 
@@ -41,14 +41,7 @@ def tmpfs(tmp_path: Path) -> Iterator[tuple[Path, int]]:
 
 @pytest.fixture
 def broker(tmpfs: tuple[Path, int], tmp_path: Path) -> Iterator[NamespacedBroker]:
-    mnt, holder = tmpfs
-    b = NamespacedBroker(mnt / "data", holder, ["--free-disk-min", "0", "--segment-size", "256KiB"])
-    b.log_path = tmp_path / "broker.log"  # outside the tmpfs: readable from here
-    try:
-        b.start()
-        yield b
-    finally:
-        b.close()
+    yield from tmpfs_broker(tmpfs, tmp_path, ["--free-disk-min", "0", "--segment-size", "256KiB"])
 
 
 def _fill_disk(b: NamespacedBroker, mnt: Path, leave: int = 0) -> None:
@@ -105,9 +98,7 @@ def test_timer_writes_wait_for_space(broker: NamespacedBroker, tmpfs: tuple[Path
     conn = connect(b)
     ch = conn.channel()
     ch.confirm_delivery()
-    ch.exchange_declare(dx, "x-delayed-message", durable=True, arguments={"x-delayed-type": "direct"})
-    ch.queue_declare(qd, durable=True)
-    ch.queue_bind(qd, dx, routing_key="k")
+    delayed_to_queue(ch, dx, qd)
     ch.queue_declare(qdl, durable=True)
     ch.queue_declare(qttl, durable=True, arguments={"x-message-ttl": 2500, "x-dead-letter-exchange": "",
                                                     "x-dead-letter-routing-key": qdl})

@@ -22,7 +22,7 @@ import pika
 import pytest
 
 from ._support import connect, unique
-from ._tmpfs import NEEDS, NamespacedBroker, mount_tmpfs
+from ._tmpfs import NEEDS, NamespacedBroker, mount_tmpfs, tmpfs_broker
 from .single_faults import confirm_pipelined
 
 pytestmark = [NEEDS, pytest.mark.timeout(240)]
@@ -39,14 +39,7 @@ def tmpfs(tmp_path: Path) -> Iterator[tuple[Path, int]]:
 
 @pytest.fixture
 def broker(tmpfs: tuple[Path, int], tmp_path: Path) -> Iterator[NamespacedBroker]:
-    mnt, holder = tmpfs
-    b = NamespacedBroker(mnt / "data", holder, ["--free-disk-min", "0", "--segment-size", str(SEGMENT)])
-    b.log_path = tmp_path / "broker.log"  # outside the tmpfs: readable from here
-    try:
-        b.start()
-        yield b
-    finally:
-        b.close()
+    yield from tmpfs_broker(tmpfs, tmp_path, ["--free-disk-min", "0", "--segment-size", str(SEGMENT)])
 
 
 def _counts(b: NamespacedBroker, queues: dict[str, dict[str, object]]) -> dict[str, int]:
