@@ -59,6 +59,10 @@ _NO_SPACE: Final = (errno.ENOSPC, errno.EDQUOT)
 S = TypeVar("S", bound=LogSegment)
 
 
+# Retired write segments waiting for the next sync keep at most this many descriptors open.
+RETIRED_OPEN = 16
+
+
 def default_max_maps() -> int:
     """How many segments a node keeps mapped: a mapped write segment costs two descriptors
     (ours and the one CPython's mmap keeps) and one of the kernel's ``vm.max_map_count``
@@ -331,8 +335,16 @@ class SegmentLog(Generic[S]):
         once the sync wrote the pages back (or the budget, a cursor move or the deletion
         of the segment gives it back)."""
         self._wmm = None
-        self._retired.append((self._wfd, seg.path, seg.end, self._seg_unsynced))
+        retired = self._retired
+        retired.append((self._wfd, seg.path, seg.end, self._seg_unsynced))
         self._wfd = -1  # now owned by the _retired entry
+        if len(retired) > RETIRED_OPEN:
+            # Rolling faster than syncs come (a starved syncer, tiny segments): keep only the
+            # newest descriptors; the sync trims and fsyncs the others by path.
+            fd, path, end, unsynced = retired[-RETIRED_OPEN - 1]
+            if fd >= 0:
+                os.close(fd)
+                retired[-RETIRED_OPEN - 1] = (-1, path, end, unsynced)
         self._wseg = None
         self._wcap = self._walloc = self._wlimit = 0
 
