@@ -390,7 +390,8 @@ def test_a_run_reaching_a_delayed_exchange_through_a_binding_is_delayed_whole(tm
         s.receive_data(pframe.marshal(commands.Queue.Declare(queue="dq"), 1))
         s.receive_data(pframe.marshal(commands.Queue.Bind(queue="dq", exchange="dx", routing_key="k"), 1))
         s.receive_data(pframe.marshal(commands.Exchange.Declare(exchange="src", exchange_type="direct"), 1))
-        s.receive_data(pframe.marshal(commands.Exchange.Bind(destination="dx", source="src", routing_key="k"), 1))
+        s.receive_data(pframe.marshal(commands.Exchange.Bind(destination="dx", source="src",
+                                                             routing_key="k"), 1))
         for props in (commands.Basic.Properties(headers={"x-delay": 60_000}), None):
             s.receive_data(_burst("src", "k", 30, props))
         assert vh.exchanges["dx"].special.delayed.count == 30
