@@ -123,7 +123,7 @@ class _Shape:
 # timestamp property position or -1, header timestamp positions): ``valid`` of a list that
 # differs from a valid one of its length only in its values (a new message-id, timestamp
 # and task id on every message) costs three big-integer operations and the value checks.
-_list_layouts: dict[int, tuple[int, int, tuple[tuple[int, int], ...], int, tuple[int, ...]]] = {}
+_list_layouts: dict[int, tuple[int, int, tuple[slice, ...], int, tuple[int, ...]]] = {}
 
 
 class _Malformed(Exception):
@@ -151,7 +151,7 @@ def valid(props: bytes) -> bool:
         mask |= ((1 << (8 * (b - a))) - 1) << (8 * (n - b))
     if len(_list_layouts) >= _CACHE_MAX:
         _list_layouts.clear()
-    _list_layouts[n] = (mask, int.from_bytes(props) & mask, tuple((a, b) for a, b, _ in shape.strs),
+    _list_layouts[n] = (mask, int.from_bytes(props) & mask, tuple(slice(a, b) for a, b, _ in shape.strs),
                         shape.stamp, tuple(shape.stamps))
     if len(_valid_lists) >= _CACHE_MAX:
         _valid_lists.clear()
@@ -159,15 +159,17 @@ def valid(props: bytes) -> bool:
     return True
 
 
-def _values_ok(props: bytes, strs: tuple[tuple[int, int], ...], stamp: int, stamps: tuple[int, ...]) -> bool:
+def _values_ok(props: bytes, strs: tuple[slice, ...], stamp: int, stamps: tuple[int, ...]) -> bool:
     """The value checks of a list whose structure is that of a valid one: short strings are
     UTF-8, timestamps within the years clients decode."""
-    if strs and not props.isascii() and not b"".join([props[a:b] for a, b in strs]).isascii():
-        try:
-            for a, b in strs:
-                props[a:b].decode()
-        except UnicodeDecodeError:
-            return False
+    if strs and not props.isascii():
+        values = list(map(props.__getitem__, strs))
+        if not b"".join(values).isascii():
+            try:
+                for v in values:
+                    v.decode()
+            except UnicodeDecodeError:
+                return False
     if stamp >= 0 and _U64(props, stamp)[0] > MAX_TIMESTAMP_PROPERTY:
         return False
     for p in stamps:

@@ -55,6 +55,7 @@ if TYPE_CHECKING:
 
 _HEADERS = properties.HI_HEADERS
 _DELIVERY_MODE = properties.HI_DELIVERY_MODE
+_EXPIRATION = properties.HI_EXPIRATION
 # flags that can make one message route unlike the last: headers (CC/BCC) and expiration
 _PER_MESSAGE = properties.HI_HEADERS | properties.HI_EXPIRATION
 
@@ -296,9 +297,10 @@ def publish_run(vh: VHost, exchange: str, routing_key: str, names: EncodedNames,
         if props[0][0] & _PER_MESSAGE and features.routes_alone(props[0]):
             return None
     else:
-        routes_alone = features.routes_alone
+        may_carry_cc = features.may_carry_cc
         for p in props:
-            if p[0] & _PER_MESSAGE and routes_alone(p):
+            f = p[0]
+            if f & _EXPIRATION or (f & _HEADERS and b"CC" in p and may_carry_cc(p)):
                 return None
     if exchange == "":
         q = vh.queues.get(routing_key)
