@@ -162,14 +162,12 @@ def valid(props: bytes) -> bool:
 def _values_ok(props: bytes, strs: tuple[slice, ...], stamp: int, stamps: tuple[int, ...]) -> bool:
     """The value checks of a list whose structure is that of a valid one: short strings are
     UTF-8, timestamps within the years clients decode."""
-    if strs and not props.isascii():
-        values = list(map(props.__getitem__, strs))
-        if not b"".join(values).isascii():
-            try:
-                for v in values:
-                    v.decode()
-            except UnicodeDecodeError:
-                return False
+    if strs and not props.isascii() and not b"".join(map(props.__getitem__, strs)).isascii():
+        try:
+            for v in map(props.__getitem__, strs):
+                v.decode()
+        except UnicodeDecodeError:
+            return False
     if stamp >= 0 and _U64(props, stamp)[0] > MAX_TIMESTAMP_PROPERTY:
         return False
     for p in stamps:

@@ -314,10 +314,13 @@ def publish_run(vh: VHost, exchange: str, routing_key: str, names: EncodedNames,
             return None
     if not queues or any(q.features is not None for q in queues):
         return None
-    if same:
+    # persistence only decides whether a durable queue must sync before a confirm
+    if not any(q.durable for q in queues):
+        persistent = False
+    elif same:
         persistent = is_persistent(props[0])
-    else:  # any of them: it only decides whether a confirm waits for a sync
+    else:  # any of them
         persistent = any(is_persistent(p) for p in props)
     for q in queues:
         q.publish_run(ts, names.exchange_b, names.routing_key_b, props, bodies, persistent, names.exrk, same)
-    return PublishOutcome(queues, sync=persistent and any(q.durable for q in queues))
+    return PublishOutcome(queues, sync=persistent)
