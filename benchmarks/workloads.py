@@ -131,8 +131,8 @@ def _acks_seen(buf: bytes, found: list[tuple[int, int]]) -> int:
     """The highest basic.ack delivery tag among ``found`` frames (0 if none)."""
     top = 0
     for ftype, at in found:
-        if ftype == 1 and buf[at + 4 : at + 8] == b"\x00\x3c\x00\x50":
-            top = max(top, struct.unpack_from(">Q", buf, at + 8)[0])
+        if ftype == 1 and buf[at : at + 4] == b"\x00\x3c\x00\x50":
+            top = max(top, struct.unpack_from(">Q", buf, at + 4)[0])
     return top
 
 
@@ -620,16 +620,21 @@ def rss(uri: str, count: int, pid: int, size: int = 1024) -> dict[str, Any]:
             confirmed = max(confirmed, _acks_seen(buf, found))
             buf = rest
         elapsed = time.monotonic() - t0
-        mib = 0.0
+        mem: dict[str, float] = {}
         if pid:
             time.sleep(2)  # let the broker settle (write-back, GC)
             with open(f"/proc/{pid}/status") as f:
                 for line in f:
-                    if line.startswith("VmRSS:"):
-                        mib = int(line.split()[1]) / 1024
+                    key = line.split(":")[0]
+                    if key in ("VmRSS", "RssAnon", "RssFile"):
+                        mem[key] = int(line.split()[1]) / 1024
         c.w.write(pframe.marshal(commands.Queue.Delete(queue=queue), 1))
         await asyncio.wait_for(c.method(), 600)
-        return {"server": c.server, "fill_rate": sent / elapsed, "rss_mib": mib, "messages": sent}
+        # RssAnon: the broker's own memory; RssFile: mapped file pages (segments the kernel
+        # may drop at any time, clean once written back)
+        return {"server": c.server, "fill_rate": sent / elapsed, "rss_mib": mem.get("VmRSS", 0.0),
+                "rss_anon_mib": mem.get("RssAnon", 0.0), "rss_file_mib": mem.get("RssFile", 0.0),
+                "messages": sent}
 
     return asyncio.run(run())
 
