@@ -617,7 +617,10 @@ class Session(AMQPConnection):
                     return
                 self._send_confirm(chs, target, nack=not ok)
                 self._flush_confirms(chs)
-                self.wakeup()
+                if self.flush_now is not None:
+                    self.flush_now()  # now: a synchronous publisher waits for nothing else
+                else:
+                    self.wakeup()
 
             self.broker.syncer.after_sync(done)
             return
