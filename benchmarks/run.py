@@ -152,8 +152,10 @@ def run_perf(uri: str, scenario: Scenario, seconds: float, prefill: int, pid: in
         cmd = [sys.executable, "-m", "broker.perf", "throughput", "--uri", uri, "-z", f"{seconds:g}",
                *scenario.args, "-j"]
     budget = seconds * 3 + 60 + (prefill / 20000 if "--prefill" in scenario.args else 0)
-    if scenario.args[0] in ("rss", "queues"):
+    if scenario.args[0] == "rss":
         budget += 1800
+    elif scenario.args[0] == "queues":
+        budget += 240
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     try:
         proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=budget, env=env)
