@@ -27,8 +27,8 @@ import json
 import logging
 import shutil
 import signal
-import sys
 import ssl
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path

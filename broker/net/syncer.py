@@ -12,7 +12,8 @@ serving) and then runs the callbacks registered before it started, in
 order; the worker hands the result straight to the loop
 (``call_soon_threadsafe``). Every loop turn between a publish and its
 confirm costs a synchronous publisher a whole turn of everybody else's work
-(milliseconds on a busy loop), so the path has no turn it does not need. Callbacks registered while a sync runs wait for the next one, which
+(milliseconds on a busy loop), so the path has no turn it does not need.
+Callbacks registered while a sync runs wait for the next one, which
 starts as soon as the current one ends. With ``enabled=False`` (``sync =
 false``) callbacks run on the next loop turn without any fsync.
 
