@@ -6,15 +6,14 @@ Anything that wrote persistent data (a queue store, the definitions log)
 registers itself with ``mark_dirty``; anything that must not be acknowledged
 before that data is on disk registers a callback with ``after_sync``. The
 first callback starts a sync at once (it comes after a read batch, so that
-whole batch is covered). The sync takes the dirty set, fsyncs each
-member in a worker thread (fsync releases the GIL; the event loop keeps
-serving) and then runs the callbacks registered before it started, in
-order; the worker hands the result straight to the loop
-(``call_soon_threadsafe``). Every loop turn between a publish and its
-confirm costs a synchronous publisher a whole turn of everybody else's work
-(milliseconds on a busy loop), so the path has no turn it does not need.
-Callbacks registered while a sync runs wait for the next one, which
-starts as soon as the current one ends. With ``enabled=False`` (``sync =
+whole batch is covered). The sync takes the dirty set, fsyncs each member in
+a worker thread (fsync releases the GIL; the event loop keeps serving) and
+then runs the callbacks registered before it started, in order; the worker
+hands the result straight to the loop (``call_soon_threadsafe``). Every loop
+turn between a publish and its confirm costs a synchronous publisher a whole
+turn of everybody else's work (milliseconds on a busy loop), so the path has
+no turn it does not need. Callbacks registered while a sync runs wait for the
+next one, which starts as soon as the current one ends. With ``enabled=False`` (``sync =
 false``) callbacks run on the next loop turn without any fsync.
 
 In a cluster, ``replicated`` (set by the node to the leader's ISR barrier) is
@@ -105,7 +104,11 @@ class Syncer:
     def after_sync(self, callback: Callable[[bool], None]) -> None:
         self._callbacks.append(callback)
         if not self._running and not self._scheduled:
-            self._start()
+            if self.enabled:
+                self._start()
+            else:  # nothing to wait for: the callbacks run on the next turn, never inside this call
+                self._scheduled = True
+                self.loop.call_soon(self._start)
 
     def _start(self) -> None:
         self._scheduled = False
