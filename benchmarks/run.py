@@ -303,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
             f"Run: {started}; {args.runs} runs per broker per scenario, {args.seconds:g} s each, "
             "brokers measured alternately; the table shows medians. Load generator: `skred-perf` "
             "(one process per client; its own CPU use is in the column 'tool CPU', % of one core) and "
-            "`benchmarks/workloads.py` for the issue-13 workloads (8 runs once per broker). Load average (1/5/15 min) at the "
+            "`benchmarks/workloads.py` for the issue-13 workloads (8 runs once per broker). Load average "
+            "(1/5/15 min) at the "
             f"start {'/'.join(f'{x:.1f}' for x in load_start)}, at the end "
             f"{'/'.join(f'{x:.1f}' for x in os.getloadavg())}.",
             "",
