@@ -30,6 +30,7 @@ import struct
 import sys
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 from urllib.parse import urlparse
 
@@ -98,6 +99,30 @@ def frames(buf: bytes) -> tuple[list[tuple[int, int]], bytes]:
 
 def is_deliver(buf: bytes, ftype: int, at: int) -> bool:
     return ftype == 1 and buf[at : at + 4] == _DELIVER
+
+
+async def first_bodies(r: asyncio.StreamReader, timeout: float | None = None
+                       ) -> AsyncIterator[tuple[int, bytes, list[int]]]:
+    """Per read: (its arrival time in ns, the buffer, the offsets of the first body frame of
+    each delivery completed in it); ends at EOF."""
+    buf = b""
+    pending = False
+    while True:
+        data = await asyncio.wait_for(r.read(1 << 16), timeout)
+        if not data:
+            return
+        now = time.time_ns()
+        buf += data
+        found, rest = frames(buf)
+        ats = []
+        for ftype, at in found:
+            if is_deliver(buf, ftype, at):
+                pending = True
+            elif ftype == 3 and pending:
+                pending = False
+                ats.append(at)
+        yield now, buf, ats
+        buf = rest
 
 
 def encode(rk: str, body: bytes, props: commands.Basic.Properties, exchange: str = "") -> bytes:
@@ -292,26 +317,15 @@ def _latency_consumer(uri: str, queue: str, total: int, ack: bool, out: Any) -> 
         await con.call(commands.Basic.Consume(queue=queue, consumer_tag="l", no_ack=not ack))
         out.put("ready")
         lat: list[float] = []
-        buf = b""
         tag = 0
-        pending = False
-        while len(lat) < total:
-            data = await asyncio.wait_for(con.r.read(1 << 16), 60)
-            if not data:
-                break
-            now = time.time_ns()
-            buf += data
-            found, rest = frames(buf)
-            for ftype, at in found:
-                if is_deliver(buf, ftype, at):
-                    tag += 1
-                    pending = True
-                elif ftype == 3 and pending:  # the first body frame starts with the send time
-                    lat.append((now - struct.unpack_from(">q", buf, at)[0]) / 1e6)
-                    pending = False
-            buf = rest
-            if ack and tag:
+        async for now, buf, ats in first_bodies(con.r, 60):
+            for at in ats:  # each body starts with its send time
+                lat.append((now - struct.unpack_from(">q", buf, at)[0]) / 1e6)
+            tag += len(ats)
+            if ack and ats:
                 con.w.write(pframe.marshal(commands.Basic.Ack(delivery_tag=tag, multiple=True), 1))
+            if len(lat) >= total:
+                break
         out.put(lat)
         con.w.close()
 
@@ -383,47 +397,16 @@ def _prefill(ch: Any, queue: str, backlog: int) -> None:
         time.sleep(0.05)
 
 
-def sync(uri: str, seconds: float, persistent: bool = True, backlog: int = 50_000) -> dict[str, Any]:
-    params = pika.URLParameters(uri)
+Publisher = tuple[Callable[[int], None], Callable[[], None]]  # publish message n, close
+
+
+def _against_backlog(uri: str, seconds: float, backlog: int, publisher: Callable[[str], Publisher]
+                     ) -> dict[str, Any]:
+    """Time a synchronous publisher into a durable queue holding ``backlog`` messages with a
+    consumer (pika, manual ack, prefetch 100, its own process: in a thread it would take the
+    publisher's GIL, and the faster a broker delivered, the slower its publisher would look).
+    ``publisher(queue)`` returns (publish message n, close); reports publishes per second."""
     queue = "bench-sync-" + uuid.uuid4().hex[:8]
-    setup = pika.BlockingConnection(params)
-    sch = setup.channel()
-    sch.queue_declare(queue, durable=True)
-    _prefill(sch, queue, backlog)
-    product = setup._impl.server_properties.get("product", b"?")
-    version = setup._impl.server_properties.get("version", b"?")
-    # the consumer is another process: in a thread it would take the publisher's GIL, and
-    # the faster a broker delivers, the slower its publisher would look
-    stop = mp.Event()
-    t = mp.Process(target=_sync_consumer, args=(uri, queue, stop), daemon=True)
-    t.start()
-    pub = pika.BlockingConnection(params)
-    pch = pub.channel()
-    pch.confirm_delivery()
-    n = 0
-    t0 = time.monotonic()
-    end = t0 + seconds
-    props = pika.BasicProperties(delivery_mode=2 if persistent else 1, content_type="application/json")
-    while time.monotonic() < end:
-        pch.basic_publish("", queue, b'{"task": "x", "n": %d}' % n, props)
-        n += 1
-    elapsed = time.monotonic() - t0
-    stop.set()
-    t.join(10)
-    pub.close()
-    sch.queue_delete(queue)
-    setup.close()
-    as_text = lambda v: v.decode() if isinstance(v, bytes) else str(v)  # noqa: E731
-    return {"server": {"product": as_text(product), "version": as_text(version)}, "publish_rate": n / elapsed}
-
-
-# ----------------------------------------------------------------------------- celery
-def celery_delay(uri: str, seconds: float, backlog: int = 50_000) -> dict[str, Any]:
-    """Workload 6 as Celery users meet it: ``task.delay()`` with publisher confirms
-    (``confirm_publish``) into a backlogged queue with a consumer; reports delay() calls/s."""
-    from celery import Celery
-
-    queue = "bench-celery-" + uuid.uuid4().hex[:8]
     setup = pika.BlockingConnection(pika.URLParameters(uri))
     sch = setup.channel()
     sch.queue_declare(queue, durable=True)
@@ -433,28 +416,53 @@ def celery_delay(uri: str, seconds: float, backlog: int = 50_000) -> dict[str, A
     stop = mp.Event()
     t = mp.Process(target=_sync_consumer, args=(uri, queue, stop), daemon=True)
     t.start()
-    app = Celery("bench", broker=uri.replace("amqp://", "pyamqp://", 1))
-    app.conf.broker_transport_options = {"confirm_publish": True}
-    app.conf.task_default_queue = queue
-
-    @app.task(name="bench.add")  # type: ignore[untyped-decorator]
-    def add(x: int, y: int) -> int:
-        return x + y
-
-    add.delay(0, 0)  # connect and declare before the clock starts
+    publish, close = publisher(queue)
     n = 0
     t0 = time.monotonic()
     end = t0 + seconds
     while time.monotonic() < end:
-        add.delay(n, 1)
+        publish(n)
         n += 1
     elapsed = time.monotonic() - t0
     stop.set()
     t.join(10)
-    app.close()
+    close()
     sch.queue_delete(queue)
     setup.close()
     return {"server": server, "publish_rate": n / elapsed}
+
+
+def sync(uri: str, seconds: float, persistent: bool = True, backlog: int = 50_000) -> dict[str, Any]:
+    """Workload 6: a pika ``BlockingConnection`` with ``confirm_delivery``."""
+    def publisher(queue: str) -> Publisher:
+        pub = pika.BlockingConnection(pika.URLParameters(uri))
+        pch = pub.channel()
+        pch.confirm_delivery()
+        props = pika.BasicProperties(delivery_mode=2 if persistent else 1, content_type="application/json")
+        return (lambda n: pch.basic_publish("", queue, b'{"task": "x", "n": %d}' % n, props)), pub.close
+
+    return _against_backlog(uri, seconds, backlog, publisher)
+
+
+# ----------------------------------------------------------------------------- celery
+def celery_delay(uri: str, seconds: float, backlog: int = 50_000) -> dict[str, Any]:
+    """Workload 6 as Celery users meet it: ``task.delay()`` with publisher confirms
+    (``confirm_publish``) into a backlogged queue with a consumer; reports delay() calls/s."""
+    from celery import Celery
+
+    def publisher(queue: str) -> Publisher:
+        app = Celery("bench", broker=uri.replace("amqp://", "pyamqp://", 1))
+        app.conf.broker_transport_options = {"confirm_publish": True}
+        app.conf.task_default_queue = queue
+
+        @app.task(name="bench.add")  # type: ignore[untyped-decorator]
+        def add(x: int, y: int) -> int:
+            return x + y
+
+        add.delay(0, 0)  # connect and declare before the clock starts
+        return (lambda n: add.delay(n, 1)), app.close
+
+    return _against_backlog(uri, seconds, backlog, publisher)
 
 
 # ----------------------------------------------------------------------------- many queues
@@ -470,27 +478,15 @@ def _pairs(uri: str, names: list[str], warm: int, go: Any, out: Any) -> None:
         need = len(names) * (1 + warm)
 
         async def consume(c: Raw) -> None:
-            buf = b""
-            pending = False
-            while got[0] < need:
-                data = await c.r.read(1 << 16)
-                if not data:
-                    return
-                now = time.time_ns()
-                buf += data
-                found, rest = frames(buf)
-                for ftype, at in found:
-                    if is_deliver(buf, ftype, at):
-                        pending = True
-                    elif ftype == 3 and pending:
-                        pending = False
-                        got[0] += 1
-                        sent, first = struct.unpack_from(">qB", buf, at)
-                        if first:
-                            lat.append((now - sent) / 1e9)
-                buf = rest
+            async for now, buf, ats in first_bodies(c.r):
+                for at in ats:
+                    got[0] += 1
+                    sent, first = struct.unpack_from(">qB", buf, at)
+                    if first:
+                        lat.append((now - sent) / 1e9)
                 if got[0] >= need:
                     done.set()
+                    return
 
         tasks = []
         for name in names:
@@ -570,22 +566,9 @@ def _bystander(uri: str, queue: str, stop: Any, out: Any) -> None:
 
         async def consume() -> None:
             nonlocal worst
-            buf = b""
-            pending = False
-            while True:
-                data = await con.r.read(1 << 16)
-                if not data:
-                    return
-                now = time.time_ns()
-                buf += data
-                found, rest = frames(buf)
-                for ftype, at in found:
-                    if is_deliver(buf, ftype, at):
-                        pending = True
-                    elif ftype == 3 and pending:
-                        pending = False
-                        worst = max(worst, (now - struct.unpack_from(">q", buf, at)[0]) / 1e6)
-                buf = rest
+            async for now, buf, ats in first_bodies(con.r):
+                for at in ats:
+                    worst = max(worst, (now - struct.unpack_from(">q", buf, at)[0]) / 1e6)
 
         task = asyncio.ensure_future(consume())
         while not stop.is_set():
