@@ -23,8 +23,8 @@ from pamqp import body as pbody
 from pamqp import commands, header
 from pamqp import frame as pframe
 
+from broker.amqp.session import Session
 from broker.config import load_config
-from broker.net.session import Session
 from broker.node import Node
 
 

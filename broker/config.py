@@ -117,6 +117,14 @@ class MainConfig:
             hi=60_000,
         ),
     )
+    node_name: str = field(
+        default="",
+        metadata=_meta(
+            "This node's name, RabbitMQ style name@host, in the management API and metric labels "
+            "(without '@': the host name is appended; empty: skred@HOST, or skred-PORT@HOST when "
+            "the AMQP port is not 5672, so nodes on one host differ)."
+        ),
+    )
     log_level: str = field(
         default="info", metadata=_meta("Log level (SIGHUP re-reads it).", choices=LOG_LEVELS)
     )
@@ -177,6 +185,32 @@ class MainConfig:
             kind="size",
             lo=0,
         ),
+    )
+    # Failed-login throttling per source address (AMQP, management HTTP, LMQ). See docs/tls.md.
+    login_throttle_free: int = field(
+        default=5,
+        metadata=_meta("Failed logins a source address may make before its attempts are slowed down.",
+                       lo=0, hi=1_000_000),
+    )
+    login_throttle_delay: int = field(
+        default=50,
+        metadata=_meta("Milliseconds between checks of a throttled address's logins at first; doubles "
+                       "with each further failure up to login_throttle_max_delay.", lo=1, hi=600_000),
+    )
+    login_throttle_max_delay: int = field(
+        default=2000,
+        metadata=_meta("Longest interval, in milliseconds, between checks of a throttled address's "
+                       "logins.", lo=1, hi=600_000),
+    )
+    login_throttle_max_wait: int = field(
+        default=8000,
+        metadata=_meta("Milliseconds a login may wait for its turn; beyond that it is refused unchecked "
+                       "(keep it below the clients' handshake timeouts).", lo=0, hi=600_000),
+    )
+    login_throttle_forget: int = field(
+        default=60,
+        metadata=_meta("Seconds after its last attempt that an address's failed logins are forgotten.",
+                       lo=1, hi=86_400),
     )
     # TLS (AMQPS, HTTPS, the replication link); the names are LavinMQ's. See docs/tls.md.
     tls_cert: str = field(

@@ -6,6 +6,13 @@ Connection and auth failures end with one line on stderr and exit status 2
 (cannot reach the broker) or 1 (the broker refused: 401/403/4xx), never a
 traceback. Credentials come from ``--user/--password`` or the environment
 (``SKREDCTL_USER``, ``SKREDCTL_PASSWORD``, ``SKREDCTL_URL``).
+
+HTTPS: an ``https://`` URL verifies the broker's certificate and host name
+against ``--cacert`` (else the system's CAs); ``--cert``/``--key`` present a
+client certificate (for ``tls_verify_peer`` brokers). The names of
+rabbitmqadmin (``--ssl-ca-cert-file``, ``--ssl-cert-file``, ``--ssl-key-file``)
+and of its successor (``--tls-...``) are accepted too. Verification is only
+turned off by an explicit ``--insecure``.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import argparse
 import base64
 import json
 import os
+import ssl
 import sys
 import urllib.error
 import urllib.parse
@@ -52,10 +60,32 @@ def q(name: str) -> str:
     return urllib.parse.quote(name, safe="")
 
 
+def tls_context(url: str, cacert: str | None, cert: str | None, key: str | None,
+                insecure: bool) -> ssl.SSLContext | None:
+    """The client TLS context for ``url`` (None for http://); CtlError for unusable files."""
+    if urllib.parse.urlsplit(url).scheme != "https":
+        if cacert or cert or key or insecure:
+            raise CtlError("--cacert, --cert, --key and --insecure need an https:// --url", status=2)
+        return None
+    if key and not cert:
+        raise CtlError("--key needs --cert", status=2)
+    try:
+        ctx = ssl.create_default_context(cafile=cacert or None)
+        if cert:
+            ctx.load_cert_chain(cert, key or None)
+    except (OSError, ssl.SSLError) as exc:
+        raise CtlError(f"cannot load TLS files: {exc}", status=2) from None
+    if insecure:
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
 class Client:
-    def __init__(self, url: str, user: str, password: str) -> None:
+    def __init__(self, url: str, user: str, password: str, tls: ssl.SSLContext | None = None) -> None:
         self.url = url.rstrip("/")
         self.user = user
+        self.tls = tls
         token = base64.b64encode(f"{user}:{password}".encode()).decode()
         self.auth = f"Basic {token}"
 
@@ -66,7 +96,7 @@ class Client:
         if data is not None:
             req.add_header("Content-Type", "application/json")
         try:
-            with urllib.request.urlopen(req, timeout=TIMEOUT) as resp:
+            with urllib.request.urlopen(req, timeout=TIMEOUT, context=self.tls) as resp:
                 raw = resp.read()
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode(errors="replace")
@@ -113,6 +143,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-u", "--user", default=os.environ.get("SKREDCTL_USER", "guest"))
     p.add_argument("-p", "--password", default=os.environ.get("SKREDCTL_PASSWORD", "guest"))
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    tls = p.add_argument_group("TLS (with an https:// URL)")
+    tls.add_argument("--cacert", "--ssl-ca-cert-file", "--tls-ca-cert-file", metavar="FILE",
+                     help="PEM CA bundle that verifies the broker's certificate (default: the system's; "
+                          "env SKREDCTL_CACERT)")
+    tls.add_argument("--cert", "--ssl-cert-file", "--tls-cert-file", metavar="FILE",
+                     help="PEM client certificate (chain) to present (env SKREDCTL_CERT)")
+    tls.add_argument("--key", "--ssl-key-file", "--tls-key-file", metavar="FILE",
+                     help="PEM private key of --cert (default: in the --cert file; env SKREDCTL_KEY)")
+    tls.add_argument("-k", "--insecure", action="store_true",
+                     help="do not verify the broker's certificate or host name (testing only)")
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("status", help="node overview")
     ls = sub.add_parser("list", help="list objects")
@@ -154,8 +194,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _tls_files(args: argparse.Namespace) -> tuple[str | None, str | None, str | None]:
+    """--cacert, --cert, --key; for an https:// URL, SKREDCTL_CACERT/_CERT/_KEY fill in the ones not
+    given (a shell set up for an HTTPS broker still runs commands against a plain one)."""
+    if urllib.parse.urlsplit(args.url).scheme != "https":
+        return args.cacert, args.cert, args.key
+    env = os.environ
+    return (args.cacert or env.get("SKREDCTL_CACERT"), args.cert or env.get("SKREDCTL_CERT"),
+            args.key or env.get("SKREDCTL_KEY"))
+
+
 def run(args: argparse.Namespace, out: Any) -> None:
-    c = Client(args.url, args.user, args.password)
+    c = Client(args.url, args.user, args.password, tls_context(args.url, *_tls_files(args), args.insecure))
     cmd = args.command
     done: str | None = None
     if cmd == "status":

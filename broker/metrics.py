@@ -39,11 +39,11 @@ of this node, on leaders, followers and standalone nodes alike) and
 ``GET /metrics``). ``/metrics/per-object`` adds one series per queue with
 ``vhost``/``queue`` labels, and ``/metrics/detailed?family=...&vhost=...``
 answers both Skred's ``skred_detailed_*`` and RabbitMQ's ``rabbitmq_detailed_*``
-names for the families RabbitMQ defines there. Skred does not count consumer
-deliveries by ack mode, so ``rabbitmq_channel_messages_delivered_ack_total``
-carries every consume delivery and ``..._delivered_total`` (auto-ack) stays 0;
-the memory "limit" is the memory high watermark (the machine's RAM when the
-memory alarm is off; docs/flow-control.md).
+names for the families RabbitMQ defines there. Deliveries and gets are counted
+by ack mode as RabbitMQ does (``..._delivered_total`` / ``..._get_total`` without
+acknowledgement, the ``_ack_total`` variants with it); the memory "limit" is the
+memory high watermark (the machine's RAM when the memory alarm is off;
+docs/flow-control.md).
 """
 
 from __future__ import annotations
@@ -78,8 +78,20 @@ RABBITMQ_VERSION = "3.13.7"  # the RabbitMQ release whose plugin names these ser
 
 
 # ------------------------------------------------------------------- process facts
-def node_name() -> str:
-    return "skred@" + socket.gethostname()
+DEFAULT_AMQP_PORT = 5672
+
+
+def node_name(configured: str = "", amqp_port: int = DEFAULT_AMQP_PORT) -> str:
+    """This node's name as RabbitMQ writes node names, ``name@host``: the configured one
+    (``[main] node_name``; the host is appended when it has no ``@``), else ``skred@HOST``,
+    or ``skred-PORT@HOST`` when the AMQP port is not the default one: two nodes on one host
+    cannot share an AMQP port, so their names differ, and the name survives restarts."""
+    host = socket.gethostname()
+    if configured:
+        return configured if "@" in configured else f"{configured}@{host}"
+    if amqp_port in (DEFAULT_AMQP_PORT, 0) or amqp_port < 0:
+        return "skred@" + host
+    return f"skred-{amqp_port}@{host}"
 
 
 def disk_free(path: Path) -> int:
@@ -234,12 +246,14 @@ class NodeCollector(Collector):
 
 
 def cluster_registry(info: ClusterInfo, data_dir: Path | None = None,
-                     cluster_name: str = "") -> CollectorRegistry:
-    """A follower's metrics port: the cluster gauges and, given its data dir, its own node metrics."""
+                     cluster_name: str = "", name: str = "") -> CollectorRegistry:
+    """A follower's metrics port: the cluster gauges and, given its data dir, its own node
+    metrics (labelled ``name``, the node's name, see ``node_name``)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ClusterCollector(lambda: info))
     if data_dir is not None:
-        registry.register(NodeCollector(data_dir, lambda: (node_name(), cluster_name or node_name())))
+        me = name or node_name()
+        registry.register(NodeCollector(data_dir, lambda: (me, cluster_name or me)))
     return registry
 
 
@@ -353,13 +367,15 @@ class RabbitCollector(Collector):
         yield _rc("channel_messages_unroutable_dropped", "Unroutable messages dropped",
                   max(0, st.unroutable - st.returned))
         yield _rc("channel_messages_unroutable_returned", "Unroutable messages returned", st.returned)
-        yield _rc("channel_messages_delivered_ack", "Consumer deliveries (every ack mode)",
-                  max(0, st.delivered - st.gets))
-        yield _rc("channel_messages_delivered", "Auto-ack consumer deliveries (not counted apart: 0)", 0)
+        yield _rc("channel_messages_delivered_ack", "Consumer deliveries in manual acknowledgement mode",
+                  max(0, st.delivered - st.gets - st.delivered_autoack))
+        yield _rc("channel_messages_delivered", "Consumer deliveries in automatic acknowledgement mode",
+                  st.delivered_autoack)
         yield _rc("channel_messages_redelivered", "Messages delivered again", self.redelivered())
         yield _rc("channel_messages_acked", "Messages acknowledged", st.acked)
-        yield _rc("channel_get_ack", "basic.get answered (every ack mode)", st.gets)
-        yield _rc("channel_get", "Auto-ack basic.get (not counted apart: 0)", 0)
+        yield _rc("channel_get_ack", "basic.get answered in manual acknowledgement mode",
+                  st.gets - st.gets_autoack)
+        yield _rc("channel_get", "basic.get answered in automatic acknowledgement mode", st.gets_autoack)
         yield _rc("channel_get_empty", "basic.get answered get-empty", st.gets_empty)
         yield _rg("queues", "Queues", len(queues))
         created = sum(vh.queues_created for vh in vhs)
@@ -513,9 +529,11 @@ class Metrics:
 class FollowerMetrics:
     """The cluster gauges on the metrics port while this node follows (no broker runs here)."""
 
-    def __init__(self, view: ClusterInfo, data_dir: Path | None = None, cluster_name: str = "") -> None:
-        # with data_dir: this node's own process/disk metrics, labelled with the cluster's name
-        self.registry = cluster_registry(view, data_dir, cluster_name)
+    def __init__(self, view: ClusterInfo, data_dir: Path | None = None, cluster_name: str = "",
+                 name: str = "") -> None:
+        # with data_dir: this node's own process/disk metrics, labelled with the cluster's and
+        # this node's names
+        self.registry = cluster_registry(view, data_dir, cluster_name, name)
         self._runner: web.AppRunner | None = None
 
     @property

@@ -15,7 +15,13 @@ certificates (``reload_tls``: new connections get them, open ones keep theirs). 
 logs what it reloaded and which changed options
 need a restart; a config that no longer loads is logged and the running one kept.
 SIGHUP is per process, so one ``Reloader`` per process knows the node currently
-serving (in a cluster: the leader's; a follower reloads the log level only).
+serving. In a cluster the runner hands SIGHUP to it too (``NodeHost.reload``): the
+leader applies all of the above; a follower applies the log level at once and keeps
+the rest (trusted PROXY sources, definitions file) for when it leads, as the broker it
+then starts is built from the reloaded config and reads the TLS certificates afresh
+(a follower's proxies pass client TLS through: it holds no client certificate). The
+runner reloads the replication link's certificates itself; ports and addresses need a
+restart on every node.
 """
 
 from __future__ import annotations
@@ -33,11 +39,14 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
-from broker import tls
+from broker import metrics, tls
+from broker.amqp.broker import Broker
+from broker.auth.throttle import LoginThrottle
 from broker.auth.users import UserStore
 from broker.auth.vhosts import VHostStore
-from broker.config import Config, ConfigError
+from broker.config import Config, ConfigError, MainConfig
 from broker.errors import ListenError
 from broker.http.definitions import DefinitionsError, import_definitions
 from broker.http.server import MgmtServer
@@ -49,20 +58,29 @@ from broker.lmq.server import LMQServer
 from broker.metrics import ClusterInfo, FollowerMetrics
 from broker.model.vhost import VHost
 from broker.net import proxy
-from broker.net.broker import Broker
 from broker.net.listener import Listener, keep_peer
 from broker.net.server import AMQPServer
-from broker.net.syncer import Syncable, Syncer
 from broker.store.fileio import syncfs
 from broker.store.jsonstore import read_json, write_json
 from broker.store.lock import DataDirLock
 from broker.store.segment_log import SegmentFiles
 from broker.store.sink import NullSink, ReplicationSink
+from broker.syncer import Syncable, Syncer
+
+if TYPE_CHECKING:
+    from broker.cluster.host import LeaderBroker
 
 log = logging.getLogger("skred")
 
 SHUTDOWN_REASON = "broker forced connection closure with reason 'shutdown'"
 _NOFILE_CAP = 1 << 20  # soft limit to ask for when the hard limit is "unlimited"
+
+
+def login_throttle(main: MainConfig) -> LoginThrottle:
+    """The failed-login throttle of ``[main] login_throttle_*`` (broker.auth.throttle)."""
+    return LoginThrottle(free=main.login_throttle_free, base=main.login_throttle_delay / 1000,
+                         max_interval=main.login_throttle_max_delay / 1000,
+                         max_wait=main.login_throttle_max_wait / 1000, quiet=main.login_throttle_forget)
 
 
 def raise_fd_limit() -> None:
@@ -126,7 +144,7 @@ class Node:
         shutil.rmtree(transient_root, ignore_errors=True)
         transient_root.mkdir(parents=True, exist_ok=True)
         users = UserStore(data_dir / "users.json", self.sink, cfg.main.default_user,
-                          cfg.main.default_password)
+                          cfg.main.default_password, throttle=login_throttle(cfg.main))
         vhost_names = self.vhost_store = VHostStore(data_dir / "vhosts.json", self.sink)
         self._files = SegmentFiles()
         syncer = self._syncer = Syncer(loop, cfg.main.sync, replicated=self.replicated,
@@ -160,12 +178,16 @@ class Node:
             mgmt = self.mgmt = Mgmt(broker, self.vhost_store, self.make_vhost, cfg.main.data_dir,
                                     cfg.main.data_dir / "transient")
             mgmt.cluster = self.cluster
+            mgmt.node_name = metrics.node_name(cfg.main.node_name, cfg.amqp.port)
             if cfg.clustering.enabled:  # every member reports the same rabbitmq_cluster label
                 mgmt.cluster_name = cfg.clustering.etcd_prefix
+            else:  # a lone node's cluster is named after it (RabbitMQ's default)
+                mgmt.cluster_name = mgmt.node_name
             if cfg.main.load_definitions:
                 self.load_definitions(Path(cfg.main.load_definitions))
             if tls.enabled(cfg.main):
                 self.tls = tls.ServerTLS(cfg.main)
+                mgmt.tls_certs = [str(cfg.main.tls_cert)]
             if cfg.lmq.enabled:  # before AMQP: a node that answers AMQP has its LMQ ports open too
                 await self.start_lmq(broker)
             # HTTP before AMQP too: once the AMQP port answers, everything answers
@@ -194,6 +216,10 @@ class Node:
             self.amqp_address = mgmt.amqp_address = await listening(
                 options, cfg.amqp.bind, cfg.amqp.port, self.amqp.start(cfg.amqp.bind, cfg.amqp.port))
             log.info("AMQP listening on %s:%d", *self.amqp_address)
+            if cfg.amqp.port == 0:  # the name tells nodes on one host apart by the port they got
+                mgmt.node_name = metrics.node_name(cfg.main.node_name, self.amqp_address[1])
+                if not cfg.clustering.enabled:
+                    mgmt.cluster_name = mgmt.node_name
         if self.tls is not None and cfg.amqp.tls_port >= 0:
             mgmt.amqps_address = await listening(
                 "amqp.bind/amqp.tls_port, --amqp-bind/--amqp-tls-port", cfg.amqp.bind, cfg.amqp.tls_port,
@@ -210,7 +236,7 @@ class Node:
             return proxy.is_trusted(ip, cfg.mgmt.trusted_proxies, broker.trusted_peers)
 
         if cfg.mgmt.port >= 0:
-            listener = Listener("HTTP", factory, trusted)
+            listener = Listener("HTTP", factory, trusted, remap=broker.proxied_peers)
             self.http_listeners.append(listener)
             mgmt.http_address = await listening(
                 "mgmt.bind/mgmt.port, --mgmt-bind/--mgmt-port", cfg.mgmt.bind, cfg.mgmt.port,
@@ -236,7 +262,8 @@ class Node:
         path = cfg.main.data_dir / LMQ_PROPS_FILE
         sink = self.sink
         props = PropsStore(read_json(path, {}), lambda doc: write_json(path, doc, sink))
-        self.lmq = LMQServer(LMQ(vh, props, broker.syncer.after_sync), cfg.lmq, broker.users)
+        self.lmq = LMQServer(LMQ(vh, props, broker.syncer.after_sync), cfg.lmq, broker.users,
+                             broker.proxied_peers)
         await self.lmq.start()
 
     def release_lock(self) -> None:
@@ -247,15 +274,25 @@ class Node:
             lock.release()
 
     # ------------------------------------------- cluster.host.LeaderBroker (while leading)
-    def amqp_port(self) -> int:
-        return self.amqp_address[1] if self.amqp_address else 0
+    def client_addresses(self) -> dict[str, tuple[str, int]]:
+        mgmt, lmq = self.mgmt, self.lmq
+        found = {
+            "amqp": self.amqp_address,
+            "http": mgmt.http_address if mgmt is not None else None,
+            "amqps": mgmt.amqps_address if mgmt is not None else None,
+            "https": mgmt.https_address if mgmt is not None else None,
+            "lmq_http": lmq.http_address if lmq is not None else None,
+            "lmq_rpc": lmq.rpc_address if lmq is not None else None,
+        }
+        return {name: (str(a[0]), int(a[1])) for name, a in found.items() if a}
 
-    def http_port(self) -> int:
-        http = self.mgmt.http_address if self.mgmt is not None else None  # None: plain listener off
-        return http[1] if http else 0
+    @property
+    def proxied_peers(self) -> dict[tuple[str, int], tuple[str, int]]:
+        assert self.broker is not None, "not started"
+        return self.broker.proxied_peers
 
     def sync_started(self) -> float | None:
-        return None if self.broker is None else self.broker.syncer.sync_started
+        return None if self._syncer is None else self._syncer.sync_started
 
     def flush_stores(self) -> None:
         if self.broker is not None:
@@ -312,18 +349,18 @@ class Node:
             self.http = None
         if self.amqp is not None:
             await self.amqp.stop(SHUTDOWN_REASON)
-        broker = self.broker
-        if broker is None:
+        broker, syncer = self.broker, self._syncer
+        if broker is None or syncer is None:
             return
         t0 = time.monotonic()
-        broker.syncer.sync_now()
+        syncer.sync_now()
         t1 = time.monotonic()
         if self._files is not None:
             self._files.shutting_down = True  # stores close without trimming (fast)
         for vh in broker.vhosts.values():
             vh.close()
         t2 = time.monotonic()
-        broker.syncer.shutdown()
+        syncer.shutdown()
         log.info("stores synced in %.2f s, closed in %.2f s, last background sync waited for %.2f s",
                  t1 - t0, t2 - t1, time.monotonic() - t2)
 
@@ -334,13 +371,31 @@ class NodeHost:
 
     def leader_broker(self, config: Config, sink: ReplicationSink, cluster: ClusterInfo,
                       replicated: Callable[[list[Syncable]], asyncio.Future[None]]) -> Node:
+        if RELOADER is not None:  # what SIGHUP reloaded while this node followed applies now
+            config = RELOADER.config
         node = Node(config, sink)
         node.cluster = cluster
         node.replicated = replicated
         return node
 
+    config: Config | None = None  # node names of the follower metrics (subclasses may not set it)
+
+    def __init__(self, config: Config | None = None) -> None:
+        self.config = config
+
+    def reload(self, leader: LeaderBroker | None) -> None:
+        """SIGHUP in a cluster member: the process's ``Reloader`` (log level at once; what a
+        leading node applies through ``RELOADER.node``; the rest is read when this node next
+        leads, see ``leader_broker``), else the leader's TLS certificates only."""
+        if RELOADER is not None:
+            RELOADER.reload()
+        elif leader is not None:
+            leader.reload_tls()
+
     def follower_metrics(self, cluster: ClusterInfo, data_dir: Path, cluster_name: str) -> FollowerMetrics:
-        return FollowerMetrics(cluster, data_dir, cluster_name)
+        name = "" if self.config is None else metrics.node_name(self.config.main.node_name,
+                                                                 self.config.amqp.port)
+        return FollowerMetrics(cluster, data_dir, cluster_name, name)
 
 
 async def listening(options: str, host: str, port: int, start: Awaitable[tuple[str, int]]) -> tuple[str, int]:
@@ -464,7 +519,7 @@ def serve(config: Config, host: NodeHost | None = None, load: Callable[[], Confi
                 "'aetcd' is not installed: pip install aetcd"
             ) from None
 
-        return serve_clustered(config, host or NodeHost())
+        return serve_clustered(config, host or NodeHost(config))
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows

@@ -142,19 +142,49 @@ class ServerTLS:
         return True
 
 
-def replication_contexts(main: MainConfig, on: bool) -> tuple[ssl.SSLContext | None, ssl.SSLContext | None]:
-    """(leader's server context, follower's client context) for the replication link, or
-    (None, None) when it runs in clear (no tls_cert, or ``[clustering] tls = false``).
+class ReplicationTLS:
+    """The replication link's contexts, reloadable (SIGHUP) like the client listeners'.
 
-    The leader does not ask followers for a certificate (the cluster secret, now inside TLS,
-    authenticates them); the follower verifies the leader's certificate and host name against
-    tls_ca_cert, so it never hands the secret to a node that cannot prove it is one of ours.
+    The leader does not ask followers for a certificate (the cluster secret, inside TLS,
+    authenticates them); a follower (and its proxy's tunnels) verifies the leader's certificate
+    and host name against tls_ca_cert, so it never hands the secret to a node that cannot prove
+    it is one of ours. asyncio's server keeps the one ``server`` context it was started with:
+    its SNI callback, run for every ClientHello, hands the handshake to the current one.
     """
-    if not (on and enabled(main)):
-        return None, None
-    server = _base_context(True, main)
-    _load_chain(server, main.tls_cert, main.tls_key, "[main] tls_cert")
-    return server, client_context(main)
+
+    def __init__(self, main: MainConfig) -> None:
+        self.main = main
+        self.current, self.client = self._build()
+        self.server = _base_context(True, main)
+        _load_chain(self.server, main.tls_cert, main.tls_key, "[main] tls_cert")
+        self.server.sni_callback = self._pick
+
+    def _build(self) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+        server = _base_context(True, self.main)
+        _load_chain(server, self.main.tls_cert, self.main.tls_key, "[main] tls_cert")
+        return server, client_context(self.main)
+
+    def _pick(self, sslobj: ssl.SSLObject | ssl.SSLSocket, name: str | None,
+              ctx: ssl.SSLContext) -> int | None:
+        sslobj.context = self.current
+        return None
+
+    def reload(self) -> bool:
+        """Re-read the certificate, key and CA; keep the old contexts if any fails to load.
+        New connections (either side) use the new ones; established links keep their session."""
+        try:
+            self.current, self.client = self._build()
+        except ConfigError as exc:
+            log.error("replication TLS reload failed, still using the previous certificates: %s", exc)
+            return False
+        log.info("replication TLS certificates reloaded")
+        return True
+
+
+def replication_tls(main: MainConfig, on: bool) -> ReplicationTLS | None:
+    """The replication link's TLS, or None when it runs in clear (no tls_cert, or
+    ``[clustering] tls = false``)."""
+    return ReplicationTLS(main) if on and enabled(main) else None
 
 
 def client_context(main: MainConfig) -> ssl.SSLContext:

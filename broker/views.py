@@ -107,6 +107,8 @@ class StatsView(Protocol):
     gets: int
     gets_empty: int
     channels_opened: int
+    delivered_autoack: int  # of ``delivered``: without acknowledgement
+    gets_autoack: int  # of ``gets``: without acknowledgement
 
 
 class DiskAlarmView(Protocol):

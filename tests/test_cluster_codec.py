@@ -33,9 +33,26 @@ def test_hello_with_wrong_magic_is_refused() -> None:
 
 
 def test_welcome_round_trip() -> None:
-    w = codec.parse_welcome(codec.encode_welcome(codec.OK, 5672, 15672))
-    assert w == codec.Welcome(codec.OK, 5672, 15672)
+    ports = (5672, 15672, 5671, 15671, 9980, 18800)
+    w = codec.parse_welcome(codec.encode_welcome(codec.OK, ports))
+    assert w == codec.Welcome(codec.OK, ports)
+    assert w.ports[codec.LMQ_RPC_PORT] == 18800 and codec.PORT_NAMES[codec.AMQPS_PORT] == "amqps"
     assert codec.parse_welcome(codec.encode_welcome(codec.BAD_SECRET)).status == codec.BAD_SECRET
+
+
+def test_tunnel_hello_round_trip_partial_input_and_dispatch() -> None:
+    raw = codec.encode_tunnel_hello(b"s" * 32, codec.LMQ_HTTP_PORT, ("2001:db8::7", 40000))
+    for cut in range(len(raw)):
+        assert codec.parse_opening(raw[:cut]) is None
+    hello, used = codec.parse_opening(raw + b"client bytes") or (None, 0)
+    assert hello == codec.TunnelHello(codec.VERSION, b"s" * 32, codec.LMQ_HTTP_PORT, ("2001:db8::7", 40000))
+    assert used == len(raw)
+    with pytest.raises(codec.CodecError):  # a replication follower's parser refuses a tunnel
+        codec.parse_hello(raw)
+    opened = codec.parse_opening(codec.encode_hello(b"s" * 32, "n1"))
+    assert opened is not None and opened[0] == codec.Hello(codec.VERSION, b"s" * 32, "n1")
+    with pytest.raises(codec.CodecError):
+        codec.parse_opening(codec.encode_tunnel_hello(b"s", codec.CLIENT_PORTS, ("1.2.3.4", 1)))
 
 
 def test_messages_split_at_every_byte_boundary() -> None:
@@ -183,3 +200,11 @@ def test_heartbeat_is_a_counted_message() -> None:
     msg = codec.encode(codec.HEARTBEAT, b"")
     [m] = codec.MessageReader().feed(msg)
     assert m.kind == codec.HEARTBEAT and m.size == len(msg) > 0
+
+
+@pytest.mark.parametrize("host", ["not-an-ip", "10.0.0.1\nforged log line", ""])
+def test_tunnel_hello_names_its_client_by_an_ip_address(host: str) -> None:
+    """The client address becomes the connection's peer on the leader (logs, the loopback rule
+    of guest): anything but an IP address is refused before any of that sees it."""
+    with pytest.raises(codec.CodecError):
+        codec.parse_opening(codec.encode_tunnel_hello(b"s" * 32, codec.AMQP_PORT, (host, 1)))

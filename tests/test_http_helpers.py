@@ -84,3 +84,35 @@ def test_policy_api_uses_the_vhost_model(tmp_path: Path) -> None:
     again = PolicyApi(broker)
     assert again.get("/", "p1")["definition"] == {"max-length": 2}  # type: ignore[index]
     assert again.delete("/", "p1") and not again.delete("/", "p1")
+
+
+def _page(path: str, objects: list[Any], rendered: list[str]) -> Any:
+    from aiohttp.test_utils import make_mocked_request
+
+    from broker.http.common import paginate_objects
+
+    def render(o: Any) -> dict[str, Any]:
+        rendered.append(o.name)
+        return {"name": o.name, "vhost": o.vhost, "messages": o.messages}
+    resp = paginate_objects(make_mocked_request("GET", path), objects, render,
+                            lambda o: o.name, {"name": lambda o: o.name, "vhost": lambda o: o.vhost})
+    return json.loads(resp.body)
+
+
+def test_paging_renders_only_the_page() -> None:
+    """Filter and page on the objects: a page of a 10k-queue list renders that page only
+    (sorting by a rendered field renders the filtered ones, no more)."""
+    objects = [types.SimpleNamespace(name=f"q{i:05d}", vhost="/", messages=i % 7) for i in range(10_000)]
+    rendered: list[str] = []
+    doc = _page("/api/queues?page=2&page_size=50&sort=name&sort_reverse=true&name=q0.*5$&use_regex=true",
+                objects, rendered)
+    matching = [o.name for o in objects if o.name.startswith("q0") and o.name.endswith("5")]
+    assert doc["total_count"] == 10_000 and doc["filtered_count"] == len(matching)
+    assert [i["name"] for i in doc["items"]] == sorted(matching, reverse=True)[50:100]
+    assert sorted(rendered) == sorted(i["name"] for i in doc["items"])  # the page, nothing else
+    rendered.clear()
+    doc = _page("/api/queues?page=1&page_size=10&sort=messages&name=q000", objects, rendered)
+    assert len(rendered) == 100 and [i["messages"] for i in doc["items"]] == [0] * 10
+    rendered.clear()
+    doc = _page("/api/queues?name=q0000&columns=name", objects, rendered)  # no page: every match
+    assert doc == [{"name": f"q0000{i}"} for i in range(10)] and len(rendered) == 10

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -90,3 +91,17 @@ def test_table_is_bounded() -> None:
     for i in range(1000):
         attempt(t, f"10.0.{i // 256}.{i % 256}", 1.0)
     assert t.sources() <= 100
+
+
+def test_limits_come_from_the_options(tmp_path: Path) -> None:
+    from broker.config import load_config
+    from broker.node import login_throttle
+
+    ini = tmp_path / "skred.ini"
+    ini.write_text("[main]\nlogin_throttle_free = 2\nlogin_throttle_max_wait = 3000\n")
+    cfg = load_config(["-c", str(ini), "--data-dir", str(tmp_path), "--login-throttle-delay", "250"],
+                      {"SKRED_MAIN_LOGIN_THROTTLE_MAX_DELAY": "750",
+                       "SKRED_MAIN_LOGIN_THROTTLE_FORGET": "30"})
+    t = login_throttle(cfg.main)
+    assert (t.free, t.base, t.max_interval, t.max_wait, t.quiet) == (2, 0.25, 0.75, 3.0, 30)
+    assert [t.interval(n) for n in (2, 3, 4, 5)] == [0.0, 0.25, 0.5, 0.75]

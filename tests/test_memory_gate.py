@@ -1,4 +1,4 @@
-"""The memory gate's admission rule (broker/net/memory.py), without sockets.
+"""The memory gate's admission rule (broker/amqp/memory.py), without sockets.
 
 Memory "used" is pinned by the test instead of measured, so each step is exact: a body is
 admitted while used + admitted + its size stays under the watermark, or when nothing else is
@@ -8,8 +8,8 @@ earlier bodies complete.
 
 from __future__ import annotations
 
+from broker.amqp.memory import MemoryAlarm, watermark
 from broker.config import load_config
-from broker.net.memory import MemoryAlarm, watermark
 
 MiB = 1 << 20
 

@@ -3,8 +3,9 @@
 Hypothesis draws a sequence of read batches: publishes with varying properties (none, a
 message-id per message, headers, a CC header, an expiration, a priority), empty bodies, bodies around the
 frame_max boundary, mandatory to nowhere, on several channels in plain, confirm and tx mode,
-into a plain queue, a queue with features and a priority queue (directly and through a fanout
-exchange), with autoack and manual-ack consumers at varying prefetch that ack after each batch.
+into a plain queue, queues with features (with and without per-message work), a priority queue
+and a quorum queue (directly and through a fanout exchange), with autoack and manual-ack
+consumers at varying prefetch that ack after each batch.
 Each sequence runs twice on a fresh broker: once as shipped (one-pass parse, publish runs,
 direct hand-over, delivery runs) and once with all of that forced off (the parser's
 ``fast_paths`` and the vhost's ``FastPaths`` switch, both owned by this test). What the clients
@@ -32,6 +33,8 @@ QUEUES = {
     "plain": {},
     "feat": {"x-message-ttl": 3_600_000},
     "prio": {"x-max-priority": 5},
+    "lim": {"x-max-length": 100_000},  # featured, without per-message work: delivered in runs
+    "quorum": {"x-queue-type": "quorum"},  # two priority levels: runs while one level waits
 }
 PROPS = ("none", "ids", "headers", "cc", "expiration", "priority")
 BODIES = ("empty", "small", "frame-1", "frame", "frame+1", "two-frames")
@@ -39,7 +42,7 @@ MODES = ("plain", "confirm", "tx")
 
 publish_st = st.tuples(
     st.integers(1, 3),  # channel
-    st.sampled_from(("plain", "feat", "prio", "fan", "nowhere")),  # target
+    st.sampled_from(("plain", "feat", "prio", "lim", "fan", "nowhere")),  # target
     st.sampled_from(PROPS),
     st.sampled_from(BODIES),
     st.booleans(),  # mandatory
@@ -85,7 +88,7 @@ async def _play(node: Any, sc: dict[str, Any], fast: bool) -> dict[str, Any]:
         c.session.fast_paths = fast
     pub.open(1)
     for name, args in QUEUES.items():
-        pub.method(commands.Queue.Declare(queue=name, arguments=args))
+        pub.method(commands.Queue.Declare(queue=name, durable=name == "quorum", arguments=args))
     pub.method(commands.Exchange.Declare(exchange="fan", exchange_type="fanout"))
     for name in QUEUES:
         pub.method(commands.Queue.Bind(queue=name, exchange="fan"))
@@ -207,14 +210,22 @@ def _run(sc: dict[str, Any], fast: bool) -> dict[str, Any]:
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenario_st)
 @example({  # a backlog of equal empty-body messages, then an autoack consumer (issue 13)
-    "modes": ("plain", "plain", "plain"), "consumers": {"plain": "autoack", "feat": None, "prio": None},
+    "modes": ("plain", "plain", "plain"),
+    "consumers": {"plain": "autoack", "feat": None, "prio": None, "lim": None},
     "consume_after": 1, "rollback": False,
     "batches": [[(1, "plain", "none", "empty", False, 3)], [(1, "plain", "none", "small", False, 1)]],
 })
 @example({  # the same to a manual-ack consumer with a prefetch over 1
-    "modes": ("confirm", "plain", "plain"), "consumers": {"plain": 3, "feat": None, "prio": None},
+    "modes": ("confirm", "plain", "plain"),
+    "consumers": {"plain": 3, "feat": None, "prio": None, "lim": None},
     "consume_after": 1, "rollback": False,
     "batches": [[(1, "plain", "none", "empty", False, 5)], [(1, "fan", "none", "empty", False, 2)]],
+})
+@example({  # a priority backlog with equal messages per level, then runs to one consumer of each
+    "modes": ("plain", "confirm", "plain"),
+    "consumers": {"plain": None, "feat": None, "prio": 10, "lim": 4},
+    "consume_after": 3, "rollback": False,
+    "batches": [[(1, "prio", "priority", "empty", False, 6), (2, "lim", "none", "small", False, 5)]] * 3,
 })
 def test_fast_paths_change_nothing_a_client_sees(sc: dict[str, Any]) -> None:
     fast = _run(sc, True)
@@ -227,7 +238,7 @@ def test_fast_paths_change_nothing_a_client_sees(sc: dict[str, Any]) -> None:
         delivered[d[2]].append(d[7])
     for name in QUEUES:
         got = delivered[name] + fast["remaining"][name]
-        if name == "prio":
+        if name in ("prio", "quorum"):
             assert sorted(got) == sorted(fast["expected"][name])
         else:
             assert got == fast["expected"][name], name

@@ -20,9 +20,9 @@ from pamqp import frame as pframe
 from broker import properties
 from broker.amqp import codec
 from broker.amqp.connection import PublishArgs
+from broker.amqp.session import Session
 from broker.config import load_config
 from broker.model.queue import Queue
-from broker.net.session import Session
 from broker.node import Node
 
 

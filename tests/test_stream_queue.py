@@ -68,17 +68,17 @@ def test_offset_specs(tmp_path: Path) -> None:
         assert [g[2] for g in c.got] == [b"%d" % i for i in range(start, 10)]
         q.remove_consumer(c)
     with pytest.raises(errors.PreconditionFailed):
-        q.check_consume(False, 10, {"x-stream-offset": "sometime"})
+        q.check_consume(False, 10, 0, {"x-stream-offset": "sometime"})
     q.close()
 
 
 def test_prefetch_manual_ack_get_purge_are_enforced(tmp_path: Path) -> None:
     q, _ = _queue(tmp_path)
     with pytest.raises(errors.PreconditionFailed):
-        q.check_consume(False, 0, {})
+        q.check_consume(False, 0, 0, {})
     with pytest.raises(errors.PreconditionFailed):
-        q.check_consume(True, 10, {})
-    q.check_consume(False, 10, {"x-stream-offset": "first"})
+        q.check_consume(True, 10, 0, {})
+    q.check_consume(False, 10, 0, {"x-stream-offset": "first"})
     with pytest.raises(errors.PreconditionFailed):
         q.get()
     with pytest.raises(errors.PreconditionFailed):

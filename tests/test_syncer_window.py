@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from broker.net.syncer import BULK_SYNC_MIN, Syncer
+from broker.syncer import BULK_SYNC_MIN, Syncer
 
 
 class Rec:

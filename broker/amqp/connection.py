@@ -52,6 +52,10 @@ _SMALL_BODY = 16 * 1024
 _props_valid = properties.valid
 _CHANNEL_CLOSE = 0x00140028
 _CHANNEL_CLOSE_OK = 0x00140029
+# access.request (class 30, AMQP 0-8, dropped in 0-9-1 but still sent by old clients): RabbitMQ
+# answers access.request-ok with ticket 1, so does Skred. pamqp has no class 30, hence raw bytes.
+_ACCESS_REQUEST = 0x001E000A
+_ACCESS_REQUEST_OK = b"\x00\x00\x00\x06\x00\x1e\x00\x0b\x00\x01\xce"  # size, 30/11, ticket 1, end
 
 
 class State(enum.Enum):
@@ -407,6 +411,9 @@ class AMQPConnection:
         if ch and (self.state == State.CLOSING or self.channels.get(ch) == CH_CLOSING) \
                 and mid not in (_CHANNEL_CLOSE, _CHANNEL_CLOSE_OK):
             return  # closing: whatever else arrives is dropped undecoded
+        if mid == _ACCESS_REQUEST and ch and self.channels.get(ch) == CH_OPEN:
+            self.out += b"\x01" + ch.to_bytes(2, "big") + _ACCESS_REQUEST_OK
+            return
         try:
             method = codec.decode_method(payload)
         except KeyError:
@@ -440,10 +447,8 @@ class AMQPConnection:
             return
         if chstate is None:
             raise errors.ChannelError(f"expected channel.open on channel {ch}", mid >> 16, mid & 0xFFFF)
-        if ch in self._pending:
-            raise errors.UnexpectedFrame(
-                f"expected content header on channel {ch}, got {method.name}", mid >> 16, mid & 0xFFFF
-            )
+        if ch in self._pending:  # RabbitMQ names the publish whose content is incomplete
+            raise errors.UnexpectedFrame(f"expected content on channel {ch}, got {method.name}", 60, 40)
         if isinstance(method, commands.Channel.Close):
             del self.channels[ch]
             self.channel_closed(ch)
@@ -472,6 +477,8 @@ class AMQPConnection:
                 handler = AMQPConnection._on_close
             elif isinstance(method, (commands.Connection.Blocked, commands.Connection.Unblocked)):
                 return
+            elif mid >> 16 != 10 and self.state == State.OPEN:  # a channel's method on channel 0
+                raise errors.ChannelError(f"{method.name} on channel 0", mid >> 16, mid & 0xFFFF)
             else:
                 raise errors.CommandInvalid(
                     f"{method.name} not allowed while {self.state.value}", mid >> 16, mid & 0xFFFF
@@ -486,7 +493,7 @@ class AMQPConnection:
         try:
             self.username = self.authenticate(m.mechanism, response)
         except errors.AMQPError as exc:
-            raise errors.ConnectionAccessRefused(exc.text, 10, 11) from None
+            raise errors.ConnectionAccessRefused(exc.text, 0, 0) from None  # as RabbitMQ
         self.state = State.TUNE_OK
         self.send_method(
             0,
@@ -699,7 +706,8 @@ class AMQPConnection:
             return
         p = self._pending.get(ch)
         if p is None or p.props is not None:
-            raise errors.UnexpectedFrame(f"unexpected content header frame on channel {ch}")
+            raise errors.UnexpectedFrame(f"unexpected content header frame on channel {ch}",
+                                         *((0, 0) if p is None else (60, 40)))
         if end - start < 14:
             raise errors.FrameError("content header frame too short")
         class_id, _weight, size = _HEADER_PREFIX.unpack_from(data, start)
@@ -729,7 +737,8 @@ class AMQPConnection:
             return
         p = self._pending.get(ch)
         if p is None or p.props is None:
-            raise errors.UnexpectedFrame(f"unexpected content body frame on channel {ch}")
+            raise errors.UnexpectedFrame(f"unexpected content body frame on channel {ch}",
+                                         *((0, 0) if p is None else (60, 40)))
         ln = end - start
         got = p.got + ln
         if got > p.size:

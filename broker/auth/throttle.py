@@ -2,8 +2,9 @@
 
 Theory of operation
 -------------------
-Every login attempt (AMQP ``connection.start-ok``, an HTTP basic-auth request)
-first asks ``admit(source, now)`` and gets back how long to wait before its
+Every login attempt (AMQP ``connection.start-ok``, a management or LMQ HTTP
+basic-auth request, an LMQ RPC ``authenticate``; the last three through
+``check_login``) first asks ``admit(source, now)`` and gets back how long to wait before its
 credentials may be checked; ``failed`` or ``succeeded`` reports the outcome.
 Per source address we count attempts that did not succeed (failures, plus
 attempts still in flight: a client that opens many connections at once is
@@ -25,15 +26,46 @@ count, so a client that authenticates every request is never slowed.
 Logging: a source's failures are logged one by one up to ``free``; crossing it
 logs one line ("slowing down"), and the end of the burst logs one summary. No
 password ever reaches this module. The table of sources is bounded
-(``max_sources``, oldest first out). The clock is passed in: no IO here.
+(``max_sources``, oldest first out). The clock is passed in: no IO here,
+except in ``check_login``, which sleeps out the wait. The limits are options
+(``[main] login_throttle_*``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from broker.auth.users import User, UserStore
 
 log = logging.getLogger(__name__)
+
+
+class TooManyFailures(Exception):
+    """The source has piled up more waiting attempts than the throttle takes: refused unchecked."""
+
+
+async def check_login(users: UserStore, name: str, password: str, source: str, what: str) -> User | None:
+    """The user ``name`` if ``password`` is right and the user may log in from ``source``, else
+    None, after waiting out ``source``'s turn; raises TooManyFailures. ``what`` names the front
+    end in the log line of a refusal (logged while the source is not mid-burst)."""
+    throttle = users.throttle
+    wait = throttle.admit(source, time.monotonic())
+    if wait is None:
+        raise TooManyFailures(f"too many failed logins from {source}; retry later")
+    if wait:
+        await asyncio.sleep(wait)
+    user = users.authenticate(name, password)
+    if user is None or not users.allowed_from(user, source):
+        if throttle.failed(source, time.monotonic()):
+            log.warning("%s login refused for user %r from %s", what, name, source)
+        return None
+    throttle.succeeded(source)
+    return user
 
 
 @dataclass

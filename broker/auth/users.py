@@ -140,12 +140,13 @@ class UserStore:
         default_user: str = "guest",
         default_password: str = "guest",
         loopback_users: Iterable[str] = LOOPBACK_USERS,
+        throttle: LoginThrottle | None = None,
     ) -> None:
         self._path = path
         self._sink = sink
         self._loopback_users = frozenset(loopback_users)
         # failed logins per source address (AMQP and HTTP share it); runtime only, not persisted
-        self.throttle = LoginThrottle()
+        self.throttle = throttle if throttle is not None else LoginThrottle()
         self._users: dict[str, User] = {}
         data = read_json(path, None)
         if data is None:

@@ -6,8 +6,15 @@ A follower opens a TCP connection to the leader's replication port and sends a
 ``Hello``: the magic ``SKREPL``, a protocol version byte, the cluster secret
 (length-prefixed) and its node id (length-prefixed). The leader answers with one
 ``Welcome``: a status byte (``OK``, ``BAD_VERSION``, ``BAD_SECRET``) and, on
-success, the leader's AMQP and HTTP ports (so a follower's proxy knows where to
-splice clients) — 5 bytes, uncompressed.
+success, the leader's client ports — AMQP, HTTP, AMQPS, HTTPS, LMQ HTTP, LMQ
+RPC, 0 for one that does not listen — so a follower's proxy knows where the
+leader serves each of them whatever its own port numbers are: 13 bytes,
+uncompressed (version 3).
+
+The same port also carries the follower proxy's tunnels: a ``TunnelHello``
+(magic ``SKTUNL``, version, secret, which client port, the client's address)
+answered by one status byte; after ``OK`` the connection carries one client's
+bytes both ways, unframed (``broker.cluster.tunnel``).
 
 After that, leader -> follower carries messages LZ4-compressed: each write
 batch is one LZ4 frame prefixed with its u32 length (``StreamCompressor``), so
@@ -37,6 +44,7 @@ a follower write outside its data directory.
 
 from __future__ import annotations
 
+import ipaddress
 import struct
 from dataclasses import dataclass
 from typing import Final, NamedTuple
@@ -44,13 +52,25 @@ from typing import Final, NamedTuple
 import lz4.frame
 
 MAGIC: Final = b"SKREPL"
-VERSION: Final = 2  # 2: HEARTBEAT
+TUNNEL_MAGIC: Final = b"SKTUNL"
+VERSION: Final = 3  # 2: HEARTBEAT; 3: every client port in the Welcome, tunnels
 SECRET_SIZE: Final = 32
 
 # Welcome status codes.
 OK: Final = 0
 BAD_VERSION: Final = 1
 BAD_SECRET: Final = 2
+UNAVAILABLE: Final = 3  # tunnel: the leader does not serve that port
+
+# Client ports, in Welcome order; a TunnelHello names one of them.
+AMQP_PORT: Final = 0
+HTTP_PORT: Final = 1
+AMQPS_PORT: Final = 2
+HTTPS_PORT: Final = 3
+LMQ_HTTP_PORT: Final = 4
+LMQ_RPC_PORT: Final = 5
+CLIENT_PORTS: Final = 6
+PORT_NAMES: Final = ("amqp", "http", "amqps", "https", "lmq_http", "lmq_rpc")
 
 # Message kinds, leader -> follower.
 FILE_LIST: Final = 1
@@ -73,7 +93,7 @@ _U8: Final = struct.Struct(">B")
 _U16: Final = struct.Struct(">H")
 _U32: Final = struct.Struct(">I")
 _U64: Final = struct.Struct(">Q")
-_WELCOME: Final = struct.Struct(">BHH")
+_WELCOME: Final = struct.Struct(">B6H")
 _ENTRY_TAIL: Final = struct.Struct(">Q20s")
 
 
@@ -97,8 +117,15 @@ class Hello:
 @dataclass(frozen=True)
 class Welcome:
     status: int
-    amqp_port: int
-    http_port: int
+    ports: tuple[int, ...] = (0,) * CLIENT_PORTS  # indexed by AMQP_PORT .. LMQ_RPC_PORT; 0: off
+
+
+@dataclass(frozen=True)
+class TunnelHello:
+    version: int
+    secret: bytes
+    port: int  # AMQP_PORT .. LMQ_RPC_PORT
+    client: tuple[str, int]  # the address the follower's proxy accepted the client from
 
 
 @dataclass(frozen=True)
@@ -126,43 +153,88 @@ def encode_hello(secret: bytes, node_id: str, version: int = VERSION) -> bytes:
 
 def parse_hello(buf: bytes) -> tuple[Hello, int] | None:
     """(hello, bytes consumed), or None if more bytes are needed."""
-    n = len(MAGIC)
-    if len(buf) < n:
-        if not MAGIC.startswith(buf):
-            raise CodecError("not a skred replication client")
-        return None
-    if buf[:n] != MAGIC:
+    parsed = parse_opening(buf)
+    if parsed is not None and not isinstance(parsed[0], Hello):
         raise CodecError("not a skred replication client")
-    if len(buf) < n + 2:
+    return parsed  # type: ignore[return-value]
+
+
+def encode_tunnel_hello(secret: bytes, port: int, client: tuple[str, int], version: int = VERSION) -> bytes:
+    host = client[0].encode()
+    if len(secret) > 255 or len(host) > 255:
+        raise ValueError("secret and client address are at most 255 bytes")
+    return (TUNNEL_MAGIC + _U8.pack(version) + _U8.pack(len(secret)) + secret + _U8.pack(port)
+            + _U8.pack(len(host)) + host + _U16.pack(client[1]))
+
+
+class _Cursor:
+    """Reads length-prefixed fields off a buffer; ``None`` from any read: more bytes needed."""
+
+    def __init__(self, buf: bytes, pos: int) -> None:
+        self.buf, self.pos = buf, pos
+
+    def take(self, n: int) -> bytes | None:
+        if len(self.buf) < self.pos + n:
+            return None
+        out = self.buf[self.pos:self.pos + n]
+        self.pos += n
+        return bytes(out)
+
+    def u8(self) -> int | None:
+        raw = self.take(1)
+        return None if raw is None else raw[0]
+
+    def prefixed(self) -> bytes | None:
+        n = self.u8()
+        return None if n is None else self.take(n)
+
+
+def parse_opening(buf: bytes) -> tuple[Hello | TunnelHello, int] | None:
+    """The first message on the replication port: a follower's ``Hello`` or a proxy's
+    ``TunnelHello``, with the bytes consumed; None if more bytes are needed."""
+    n = len(MAGIC)
+    magic = bytes(buf[:n])
+    if not (MAGIC.startswith(magic) or TUNNEL_MAGIC.startswith(magic)):
+        raise CodecError("not a skred replication client")
+    if len(buf) < n:
         return None
-    version, slen = buf[n], buf[n + 1]
-    pos = n + 2
-    if len(buf) < pos + slen + 1:
+    cur = _Cursor(buf, n)
+    version, secret = cur.u8(), cur.prefixed()
+    if version is None or secret is None:
         return None
-    secret = buf[pos:pos + slen]
-    pos += slen
-    ilen = buf[pos]
-    pos += 1
-    if len(buf) < pos + ilen:
+    if magic == MAGIC:
+        nid = cur.prefixed()
+        if nid is None:
+            return None
+        try:
+            return Hello(version, secret, nid.decode()), cur.pos
+        except UnicodeDecodeError:
+            raise CodecError("node id is not UTF-8") from None
+    port, host, client_port = cur.u8(), cur.prefixed(), cur.take(2)
+    if port is None or host is None or client_port is None:
         return None
+    if port >= CLIENT_PORTS:
+        raise CodecError(f"tunnel to unknown client port {port}")
     try:
-        node_id = buf[pos:pos + ilen].decode()
-    except UnicodeDecodeError:
-        raise CodecError("node id is not UTF-8") from None
-    return Hello(version, bytes(secret), node_id), pos + ilen
+        client = (host.decode("ascii"), _U16.unpack(client_port)[0])
+        ipaddress.ip_address(client[0])  # as the follower saw it, unchanged; nothing else
+    except (UnicodeDecodeError, ValueError):
+        raise CodecError("client address is not an IP address") from None
+    return TunnelHello(version, secret, port, client), cur.pos
 
 
 WELCOME_SIZE: Final = _WELCOME.size
 
 
-def encode_welcome(status: int, amqp_port: int = 0, http_port: int = 0) -> bytes:
-    return _WELCOME.pack(status, amqp_port, http_port)
+def encode_welcome(status: int, ports: tuple[int, ...] = (0,) * CLIENT_PORTS) -> bytes:
+    return _WELCOME.pack(status, *ports)
 
 
 def parse_welcome(buf: bytes) -> Welcome:
     if len(buf) != _WELCOME.size:
         raise CodecError("short welcome")
-    return Welcome(*_WELCOME.unpack(buf))
+    status, *ports = _WELCOME.unpack(buf)
+    return Welcome(status, tuple(ports))
 
 
 # ---------------------------------------------------------------- messages

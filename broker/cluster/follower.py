@@ -201,7 +201,7 @@ async def follow(host: str, port: int, data_dir: Path, secret: bytes, node_id: s
     for it to drain before anything else touches the data directory.
     """
     local = (source_ip, 0) if source_ip else None
-    # With ``tls`` (broker.tls.replication_contexts) the leader's certificate is verified before
+    # With ``tls`` (``broker.tls.ReplicationTLS.client``) the leader's certificate is verified before
     # the Hello: the cluster secret never crosses the network in clear.
     reader, writer = await asyncio.wait_for(
         asyncio.open_connection(host, port, local_addr=local, ssl=tls), 5.0)

@@ -11,7 +11,7 @@ host wrapping the real one: the fault seam belongs to the test, not to productio
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -42,11 +42,14 @@ class LeaderBroker(Protocol):
 
     def release_lock(self) -> None: ...
 
-    def amqp_port(self) -> int:
-        """The plain AMQP listener's port (0 when only AMQPS listens)."""
+    def client_addresses(self) -> dict[str, tuple[str, int]]:
+        """The bound address of every client listener that listens, by ``codec.PORT_NAMES``
+        (``amqp``, ``http``, ``amqps``, ``https``, ``lmq_http``, ``lmq_rpc``)."""
 
-    def http_port(self) -> int:
-        """The plain management HTTP port (0 when it does not listen)."""
+    @property
+    def proxied_peers(self) -> MutableMapping[tuple[str, int], tuple[str, int]]:
+        """A live map the listeners read: a local connection's address -> the client it carries
+        (the leader's own legs of follower tunnels, ``broker.cluster.tunnel``)."""
 
     def reload_tls(self) -> None:
         """Reload the client listeners' certificates (SIGHUP)."""
@@ -78,6 +81,10 @@ class Host(Protocol):
     def leader_broker(self, config: Config, sink: ReplicationSink, cluster: ClusterState,
                       replicated: Replicated) -> LeaderBroker:
         """A broker to start as leader: confirms wait for ``replicated(dirty)`` (the ISR)."""
+
+    def reload(self, leader: LeaderBroker | None) -> None:
+        """SIGHUP: re-read the configuration and apply what can change at runtime (``leader``:
+        the broker this node runs while it leads, else None)."""
 
     def follower_metrics(self, cluster: ClusterState, data_dir: Path, cluster_name: str) -> MetricsServer:
         """The cluster gauges (and this node's process and disk metrics, labelled with

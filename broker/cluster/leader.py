@@ -48,11 +48,11 @@ import logging
 import os
 import ssl
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, MutableMapping
 from pathlib import Path
 from typing import Any
 
-from broker.cluster import codec
+from broker.cluster import codec, tunnel
 from broker.cluster.files import is_replicated, relative
 
 log = logging.getLogger(__name__)
@@ -174,7 +174,10 @@ class LeaderSink:
         self.followers: dict[str, FollowerConn] = {}
         self.isr: set[str] = set()  # follower ids confirms wait for
         self.flush_stores: Callable[[], None] = lambda: None
-        self.client_ports = (0, 0)  # (amqp, http) told to followers for their proxies
+        # our client listeners by codec.PORT_NAMES (ports told to followers, tunnel targets)
+        self.client_addresses: Callable[[], dict[str, tuple[str, int]]] = dict
+        # leg of a tunnel to our own listener -> the client's address (the broker's listeners read it)
+        self.proxied_peers: MutableMapping[tuple[str, int], tuple[str, int]] = {}
         self.fenced = False
         self.lease_valid: Callable[[], bool] = lambda: True
         self.refused = 0
@@ -183,6 +186,7 @@ class LeaderSink:
         self._isr_lock = asyncio.Lock()
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._tunnels: set[asyncio.StreamWriter] = set()  # follower proxies' client tunnels
 
     # ------------------------------------------------------------ ReplicationSink
     def register_file(self, path: Path) -> None:
@@ -272,8 +276,12 @@ class LeaderSink:
 
     # ------------------------------------------------------------ server
     async def start(self, bind: str, port: int, tls: ssl.SSLContext | None = None) -> tuple[str, int]:
-        """Listen for followers (over TLS with ``tls``: see ``broker.tls.replication_contexts``)."""
-        self._server = await asyncio.start_server(self._handle, bind, port, ssl=tls)
+        """Listen for followers (over TLS with ``tls``: see ``broker.tls.ReplicationTLS``)."""
+        # a peer that never completes the TLS handshake goes as soon as a silent hello would,
+        # not after asyncio's default of 60 s
+        self._server = await asyncio.start_server(
+            self._handle, bind, port, ssl=tls,
+            ssl_handshake_timeout=HANDSHAKE_TIMEOUT if tls is not None else None)
         self._spawn(self._watchdog())
         sock = self._server.sockets[0].getsockname()
         return str(sock[0]), int(sock[1])
@@ -284,6 +292,8 @@ class LeaderSink:
         for f in list(self.followers.values()):
             self._close(f)
         self.followers.clear()
+        for w in list(self._tunnels):
+            w.close()
         for t in list(self._tasks):
             t.cancel()
         self._tasks.clear()
@@ -311,21 +321,32 @@ class LeaderSink:
             log.warning("replication handshake from %s failed: %s", peer, exc or type(exc).__name__)
             writer.close()
             return
+        kind = "follower" if isinstance(hello, codec.Hello) else "tunnel"
+        who = hello.node_id if isinstance(hello, codec.Hello) else f"from {hello.client[0]}"
         if hello.version != codec.VERSION:
-            log.warning("refused follower %s at %s: protocol version %d", hello.node_id, peer, hello.version)
-            writer.write(codec.encode_welcome(codec.BAD_VERSION))
+            log.warning("refused %s %r at %s: protocol version %d", kind, who, peer, hello.version)
+            writer.write(self._refusal(hello, codec.BAD_VERSION))
             writer.close()
             return
         if not hmac.compare_digest(hello.secret, self.secret):
             self.refused += 1
-            log.warning("refused follower %r at %s: wrong clustering secret", hello.node_id, peer)
-            writer.write(codec.encode_welcome(codec.BAD_SECRET))
+            log.warning("refused %s %r at %s: wrong clustering secret", kind, who, peer)
+            writer.write(self._refusal(hello, codec.BAD_SECRET))
             writer.close()
             return
         if self.fenced:
             writer.close()
             return
-        writer.write(codec.encode_welcome(codec.OK, *self.client_ports))
+        if isinstance(hello, codec.TunnelHello):
+            self._tunnels.add(writer)
+            try:
+                await tunnel.serve_tunnel(hello, reader, writer, self.client_addresses, self.proxied_peers)
+            finally:
+                self._tunnels.discard(writer)
+            return
+        addresses = self.client_addresses()
+        writer.write(codec.encode_welcome(codec.OK, tuple(addresses[name][1] if name in addresses else 0
+                                                          for name in codec.PORT_NAMES)))
         self.member_ips.add(str(peer_info[0]))
         old = self.followers.get(hello.node_id)
         if old is not None:
@@ -348,10 +369,14 @@ class LeaderSink:
             self._drop(f, "disconnected")
 
     @staticmethod
-    async def _read_hello(reader: asyncio.StreamReader) -> codec.Hello:
+    def _refusal(hello: codec.Hello | codec.TunnelHello, status: int) -> bytes:
+        return codec.encode_welcome(status) if isinstance(hello, codec.Hello) else bytes([status])
+
+    @staticmethod
+    async def _read_hello(reader: asyncio.StreamReader) -> codec.Hello | codec.TunnelHello:
         buf = b""
         while True:
-            parsed = codec.parse_hello(buf)
+            parsed = codec.parse_opening(buf)
             if parsed is not None:
                 return parsed[0]
             chunk = await reader.read(512)

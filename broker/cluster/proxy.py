@@ -3,21 +3,27 @@
 Theory of operation
 -------------------
 A follower listens on the client ports (AMQP and, when the management API is
-enabled, HTTP) once its first bulk sync completed, so a client never reaches a
-node that has never been in sync with the cluster. Each accepted connection is
-spliced to the current leader's matching port (the leader announces its
-plain ports in the replication handshake; its TLS ports are the follower's
-own ``tls_port`` settings). AMQP and management HTTP connections are prefixed
-with a PROXY protocol v1 header (``PROXY TCP4 src dst sport dport``) so the
-leader sees, logs and authorises the real client address; the leader only
-honours it because the follower is a cluster member. AMQPS and HTTPS
-connections get the header too, in clear, and are then passed through as they
-are: TLS runs end to end between the client and the leader (client
-certificates work). When the leader changes or is lost
-(its key gone, our lease gone, the replication link silent) the runner calls
-``drop_clients``: every spliced connection is closed, so clients reconnect
-(to the new leader) instead of waiting on a leader that may be partitioned
-away and will never send the FIN itself.
+enabled, HTTP; AMQPS and HTTPS with a certificate; LMQ's HTTP and RPC) once its
+first bulk sync completed, so a client never reaches a node that has never been
+in sync with the cluster. Each accepted connection is spliced to the current
+leader, which announces the number of each of its client ports in the
+replication welcome (a node's port numbers need not match its peers'):
+
+* plain ports (AMQP, HTTP, LMQ): through a tunnel on the leader's replication
+  port (``broker.cluster.tunnel``), TLS whenever the replication link is, so no
+  client byte crosses the network between nodes in clear; the tunnel names the
+  client's address, and the leader reports it as the connection's peer;
+* AMQPS and HTTPS: to the leader's own TLS port, prefixed with a PROXY protocol
+  v1 header (``PROXY TCP4 src dst sport dport``, in clear before the client's
+  TLS bytes; the leader honours it only because we are a cluster member), then
+  passed through as they are: TLS runs end to end between the client and the
+  leader, so client certificates and EXTERNAL work through any node.
+
+When the leader changes or is lost (its key gone, our lease gone, the
+replication link silent) the runner calls ``drop_clients``: every spliced
+connection is closed, so clients reconnect (to the new leader) instead of
+waiting on a leader that may be partitioned away and will never send the FIN
+itself.
 """
 
 from __future__ import annotations
@@ -25,11 +31,15 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import ssl
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
+
+from broker.cluster.tunnel import open_tunnel, pump
 
 log = logging.getLogger(__name__)
 
-_CHUNK = 65536
 
 
 def proxy_header(src: tuple[str, int], dst: tuple[str, int]) -> bytes:
@@ -45,12 +55,23 @@ class Target:
         self.port = 0
 
 
+@dataclass(frozen=True)
+class Tunnelled:
+    """A proxy whose target is the leader's replication port: each client gets a tunnel."""
+
+    which: int  # codec.AMQP_PORT ...
+    secret: Callable[[], bytes]  # read per connection: the runner re-reads it from etcd
+    tls: Callable[[], ssl.SSLContext | None]  # the replication link's client context (None: clear)
+
+
 class SpliceProxy:
-    def __init__(self, name: str, target: Target, send_proxy_header: bool, source_ip: str | None) -> None:
+    def __init__(self, name: str, target: Target, send_proxy_header: bool, source_ip: str | None,
+                 tunnel: Tunnelled | None = None) -> None:
         self.name = name
         self.target = target
         self.send_proxy_header = send_proxy_header
         self.source_ip = source_ip
+        self.tunnel = tunnel
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._writers: set[asyncio.StreamWriter] = set()
@@ -89,17 +110,24 @@ class SpliceProxy:
             host, port = self.target.host, self.target.port
             if host is None or not port:
                 return
-            local = (self.source_ip, 0) if self.source_ip else None
-            lreader, upstream = await asyncio.wait_for(
-                asyncio.open_connection(host, port, local_addr=local), 5.0)
+            src = cwriter.get_extra_info("peername")
+            client = (str(src[0]), int(src[1]))
+            if self.tunnel is not None:
+                t = self.tunnel
+                lreader, upstream = await open_tunnel(
+                    host, port, which=t.which, client=client, secret=t.secret(), tls=t.tls(),
+                    source_ip=self.source_ip)
+            else:
+                local = (self.source_ip, 0) if self.source_ip else None
+                lreader, upstream = await asyncio.wait_for(
+                    asyncio.open_connection(host, port, local_addr=local), 5.0)
             lwriter = upstream
             self._writers.add(upstream)
             if self.send_proxy_header:
-                src = cwriter.get_extra_info("peername")
                 dst = cwriter.get_extra_info("sockname")
-                upstream.write(proxy_header((str(src[0]), int(src[1])), (str(dst[0]), int(dst[1]))))
-            await asyncio.gather(_pump(creader, upstream), _pump(lreader, cwriter))
-        except (TimeoutError, OSError, RuntimeError) as exc:
+                upstream.write(proxy_header(client, (str(dst[0]), int(dst[1]))))
+            await asyncio.gather(pump(creader, upstream), pump(lreader, cwriter))
+        except (TimeoutError, OSError, RuntimeError, asyncio.IncompleteReadError) as exc:
             log.info("%s proxy: %s", self.name, exc or type(exc).__name__)
         finally:
             for w in (cwriter, lwriter):
@@ -109,21 +137,3 @@ class SpliceProxy:
                     self._clients.discard(w)
             if task is not None:
                 self._tasks.discard(task)
-
-
-async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    # uvloop raises RuntimeError (not OSError) for a write on a transport closed under us.
-    try:
-        while data := await reader.read(_CHUNK):
-            if writer.is_closing():
-                return
-            writer.write(data)
-            await writer.drain()
-    except (OSError, RuntimeError):
-        pass
-    finally:
-        try:
-            if not writer.is_closing() and writer.can_write_eof():
-                writer.write_eof()  # half-close: the other direction may still be talking
-        except (OSError, RuntimeError):
-            writer.close()

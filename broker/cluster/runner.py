@@ -66,6 +66,7 @@ import os
 import secrets
 import signal
 import socket
+import ssl
 import time
 from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
@@ -80,10 +81,11 @@ from broker.cluster.files import NODE_ID_FILE
 from broker.cluster.hooks import run_hook
 from broker.cluster.host import Host, LeaderBroker
 from broker.cluster.leader import LeaderSink
-from broker.cluster.proxy import SpliceProxy, Target
+from broker.cluster.proxy import SpliceProxy, Target, Tunnelled
 from broker.cluster.standing import Standing, load_last_role, save_last_role
 from broker.cluster.status import ClusterView
-from broker.config import ClusteringConfig, Config
+from broker.config import ClusteringConfig, Config, ConfigError
+from broker.errors import SkredError
 from broker.store.lock import DataDirLock
 
 log = logging.getLogger(__name__)
@@ -94,6 +96,7 @@ STATUS_EVERY = 10.0  # seconds between cluster status log lines on the leader
 WATCH_BACKSTOP = 2.0  # seconds between reads of the leader key while its watch is healthy
 MEMBER_EVERY = 1.0  # seconds between checks whether our member record in etcd needs rewriting
 DEFER_LIMIT = 3  # lease TTLs a node waits for a better-placed ISR member to take the lead
+_DIRECT = (codec.AMQPS_PORT, codec.HTTPS_PORT)  # proxied to the leader's port, not tunnelled
 
 
 def load_node_id(data_dir: Path) -> str:
@@ -134,15 +137,11 @@ class ClusterRunner:
         self.etcd = Etcd(c.etcd_endpoints, c.etcd_prefix, c.lease_ttl)
         self.stopping = asyncio.Event()
         self.secret = b""
-        self.amqp_target = Target()
-        self.http_target = Target()
-        # TLS client ports: spliced as they are (TLS end to end) to the leader's same TLS ports
-        self.amqps_target = Target()
-        self.https_target = Target()
-        self.repl_server_tls, self.repl_client_tls = tls.replication_contexts(config.main, c.tls)
-        self.node: LeaderBroker | None = None  # the broker, while this node leads (SIGHUP reloads its TLS)
-        # LMQ's ports: a cluster's nodes share their [lmq] ports, so the leader's are ours.
-        self.lmq_targets = (Target(), Target())
+        # Where the proxy of each client port (codec.AMQP_PORT ...) splices to: the leader's
+        # replication port for the plain ones (tunnels), its own TLS ports for AMQPS and HTTPS.
+        self.targets = [Target() for _ in codec.PORT_NAMES]
+        self.repl_tls = tls.replication_tls(config.main, c.tls)
+        self.node: LeaderBroker | None = None  # the broker, while this node leads (SIGHUP reloads it)
         self.proxies: list[SpliceProxy] = []
         self.synced_once = False
         self.lock: DataDirLock | None = None
@@ -154,6 +153,8 @@ class ClusterRunner:
         self._metrics_retry_at = 0.0
         self._member_written: tuple[int | None, str] = (None, "")
         self._deferring_since: float | None = None
+        self._followed: str | None = None  # the leader last logged as followed
+        self._repl_error = ""  # the replication failure last logged
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.ensure_future(coro)
@@ -181,7 +182,7 @@ class ClusterRunner:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
-        loop.add_signal_handler(signal.SIGHUP, self.reload_tls)
+        loop.add_signal_handler(signal.SIGHUP, self.reload)
         self._lock()
         log.info("cluster node %s (%s) starting, etcd %s prefix %r", self.node_id, self.uri,
                  self.config.clustering.etcd_endpoints, self.etcd.prefix)
@@ -303,32 +304,34 @@ class ClusterRunner:
     async def _follow(self, uri: str, term: int) -> None:
         parts = urlsplit(uri)
         host, port = parts.hostname or "127.0.0.1", parts.port or 5679
-        log.info("following leader %s", uri)
+        if uri != self._followed:  # on change only: a dead leader's key is retried every POLL
+            self._followed = uri
+            self._repl_error = ""
+            log.info("following leader %s", uri)
         self.view.set_role("follower", uri)
         self.view.synced = self.synced_once
         loop = asyncio.get_running_loop()
 
         def on_welcome(w: codec.Welcome) -> None:
-            if (self.amqp_target.host, self.amqp_target.port) != (host, w.amqp_port):
+            wanted = [(host, port if which in _DIRECT else (port and repl_port))
+                      for which, port in enumerate(w.ports)]
+            if [(t.host, t.port) for t in self.targets] != wanted:
                 self._drop_proxied("the leader changed")  # spliced to a node that no longer leads
-            self.amqp_target.host, self.amqp_target.port = host, w.amqp_port
-            self.http_target.host, self.http_target.port = host, w.http_port
-            self.amqps_target.host, self.amqps_target.port = host, self.config.amqp.tls_port
-            self.https_target.host, self.https_target.port = host, self.config.mgmt.tls_port
-            lmq_ports = (self.config.lmq.http_port, self.config.lmq.rpc_port)
-            for target, lmq_port in zip(self.lmq_targets, lmq_ports, strict=True):
-                target.host, target.port = host, lmq_port
+            for target, (thost, tport) in zip(self.targets, wanted, strict=True):
+                target.host, target.port = thost, tport  # port 0: the leader does not serve it
 
         def on_synced() -> None:
+            self._repl_error = ""  # the link works: the next failure is news again
             self.view.synced = self.view.warm = True
             self._record_role("follower", term)
             if not self.synced_once:
                 self.synced_once = True
                 self._spawn(self._start_proxies())
 
+        repl_port = port
         task = asyncio.ensure_future(follower.follow(
             host, port, self.data_dir, self.secret, self.node_id, on_welcome, on_synced,
-            self.apply_executor, _source_ip(self.config.clustering.bind), self.repl_client_tls))
+            self.apply_executor, _source_ip(self.config.clustering.bind), self._client_tls()))
         changed = asyncio.Event()
         watch = asyncio.ensure_future(self.etcd.watch("leader", changed.set))
         signalled = asyncio.ensure_future(changed.wait())
@@ -364,6 +367,7 @@ class ClusterRunner:
                 if current is None or current.decode() != uri:
                     log.info("leader %s is gone", uri)
                     lost = "the leader is gone"
+                    self._followed = None  # whoever leads next is news, even the same node
                     break
         finally:
             task.cancel()
@@ -384,7 +388,10 @@ class ClusterRunner:
             self.secret = await self.etcd.secret()  # re-read: it may have been reset
             await self._pause(1.0)
         elif error is not None:
-            log.warning("replication from %s ended: %s", uri, error or type(error).__name__)
+            text = str(error) or type(error).__name__
+            if text != self._repl_error:  # the same failure, retried every POLL: said once
+                self._repl_error = text
+                log.warning("replication from %s ended: %s", uri, text)
             await self._pause(POLL)
 
     async def _start_proxies(self) -> None:
@@ -392,24 +399,27 @@ class ClusterRunner:
             return
         cfg = self.config
         source = _source_ip(cfg.clustering.bind)
-        wanted = [("AMQP", self.amqp_target, True, cfg.amqp.bind, cfg.amqp.port)]
+        wanted = [(codec.AMQP_PORT, "AMQP", cfg.amqp.bind, cfg.amqp.port)]
         if cfg.mgmt.enabled:
-            wanted.append(("HTTP", self.http_target, True, cfg.mgmt.bind, cfg.mgmt.port))
+            wanted.append((codec.HTTP_PORT, "HTTP", cfg.mgmt.bind, cfg.mgmt.port))
         if tls.enabled(cfg.main):
-            # the PROXY header goes in clear before the client's TLS bytes; the leader strips it first
-            wanted.append(("AMQPS", self.amqps_target, True, cfg.amqp.bind, cfg.amqp.tls_port))
+            wanted.append((codec.AMQPS_PORT, "AMQPS", cfg.amqp.bind, cfg.amqp.tls_port))
             if cfg.mgmt.enabled:
-                wanted.append(("HTTPS", self.https_target, True, cfg.mgmt.bind, cfg.mgmt.tls_port))
-        if cfg.lmq.enabled:  # port 0 ("any free port") names no port the leader is known to use
-            http_target, rpc_target = self.lmq_targets
+                wanted.append((codec.HTTPS_PORT, "HTTPS", cfg.mgmt.bind, cfg.mgmt.tls_port))
+        if cfg.lmq.enabled:  # port 0 ("any free port") names no port clients would know
             if cfg.lmq.http_port:
-                wanted.append(("LMQ HTTP", http_target, False, cfg.lmq.bind, cfg.lmq.http_port))
+                wanted.append((codec.LMQ_HTTP_PORT, "LMQ HTTP", cfg.lmq.bind, cfg.lmq.http_port))
             if cfg.lmq.rpc_port:
-                wanted.append(("LMQ RPC", rpc_target, False, cfg.lmq.bind, cfg.lmq.rpc_port))
-        for name, target, header, bind, port in wanted:
+                wanted.append((codec.LMQ_RPC_PORT, "LMQ RPC", cfg.lmq.bind, cfg.lmq.rpc_port))
+        for which, name, bind, port in wanted:
             if port < 0:
                 continue  # that listener is turned off
-            p = SpliceProxy(name, target, header, source)
+            if which in _DIRECT:
+                # TLS end to end; the PROXY header goes in clear before the client's TLS bytes
+                p = SpliceProxy(name, self.targets[which], True, source)
+            else:
+                p = SpliceProxy(name, self.targets[which], False, source,
+                                Tunnelled(which, lambda: self.secret, self._client_tls))
             try:
                 await p.start(bind, port)
             except OSError as exc:
@@ -434,6 +444,7 @@ class ClusterRunner:
         c = cfg.clustering
         started = time.monotonic()
         log.info("elected leader (node %s, %s)", self.node_id, self.uri)
+        self._followed = None
         await self._stop_proxies()
         await self.follower_metrics.stop()  # the broker serves the metrics port while we lead
         self._spawn(run_hook(c.on_leader_elected, self.node_id, self.uri, "leader"))
@@ -461,8 +472,13 @@ class ClusterRunner:
         self._unlock()
         try:
             await node.start()
-        except Exception:
-            log.exception("broker failed to start as leader")
+        except Exception as exc:
+            # one line: the errors a start meets (a port in use, an unusable data dir, a bad
+            # certificate) name the option or path; anything else is a bug, traced at debug
+            known = isinstance(exc, SkredError | ConfigError | OSError)
+            log.error("broker failed to start as leader: %s",
+                      exc if known else f"{type(exc).__name__}: {exc}")
+            log.debug("leader start failure", exc_info=not known)
             sink.fence()
             await self.etcd.resign()
             await self.etcd.revoke()
@@ -470,9 +486,10 @@ class ClusterRunner:
         self.view.warm = True
         node.trust_proxy_headers_from(sink.member_ips)  # followers' proxies send PROXY headers
         sink.flush_stores = node.flush_stores
-        sink.client_ports = (node.amqp_port(), node.http_port())
+        sink.client_addresses = node.client_addresses
+        sink.proxied_peers = node.proxied_peers
         try:
-            await sink.start(c.bind, c.port, self.repl_server_tls)
+            await sink.start(c.bind, c.port, self.repl_tls.server if self.repl_tls is not None else None)
         except OSError as exc:
             log.error("replication port %s:%d: %s", c.bind, c.port, exc)
             await self._abdicate(node, sink, "cannot listen for followers")
@@ -511,11 +528,19 @@ class ClusterRunner:
                 last_status = now
                 log.info("cluster status: %s", sink.status())
 
-    def reload_tls(self) -> None:
-        """SIGHUP: reload the client listeners' certificates while leading (a follower's proxy
-        passes TLS through, so it holds none; the replication listener keeps its context)."""
-        if self.node is not None:
-            self.node.reload_tls()
+    def reload(self) -> None:
+        """SIGHUP: reload the replication link's certificates (the listener's, and the client
+        context of our links and tunnels to a leader; new connections get them, established
+        ones keep their session), then the host re-reads the configuration. A leader applies
+        what a single node does (log level, trusted PROXY sources, definitions file, client TLS
+        certificates); a follower applies the log level, and the rest when it leads (the
+        broker it then starts reads them). Ports and addresses need a restart."""
+        if self.repl_tls is not None:
+            self.repl_tls.reload()
+        self.host.reload(self.node)
+
+    def _client_tls(self) -> ssl.SSLContext | None:
+        return self.repl_tls.client if self.repl_tls is not None else None
 
     async def _abdicate(self, node: LeaderBroker, sink: LeaderSink, why: str) -> None:
         """Stop leading at once (no confirm after this), then rejoin as a follower."""

@@ -16,28 +16,29 @@ without the ``WWW-Authenticate`` challenge, so a browser does not ask again.
 Bodies: like RabbitMQ, fields a handler does not use are ignored (rabbitmqadmin
 sends ``name``, ``vhost`` and friends along with every declare).
 
-List endpoints share ``paginate``: ``sort``/``sort_reverse`` always apply,
+List endpoints share ``paginate_objects``: ``sort``/``sort_reverse`` always apply,
 ``name`` filters (substring, or regex with ``use_regex=true``), and with
 ``page`` the answer becomes RabbitMQ's paged envelope (``items``,
 ``page_count``, ``filtered_count``...). ``columns`` keeps only the named
-(dotted) fields.
+(dotted) fields. Long lists (queues, exchanges) hand it their objects and a
+renderer, so the filter, a sort by name and the paging run on the objects and
+only the page is rendered.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import math
 import re
-import time
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiohttp import web
 
 from broker import errors
 from broker.auth.sasl import basic_credentials
+from broker.auth.throttle import TooManyFailures, check_login
 from broker.auth.users import User
 from broker.http.state import Mgmt
 
@@ -56,6 +57,7 @@ MGMT_KEY: web.AppKey[Mgmt] = web.AppKey("mgmt", Mgmt)
 USER_KEY = "skred_user"
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+T = TypeVar("T")
 
 
 class ApiError(Exception):
@@ -120,19 +122,13 @@ async def authenticate(request: web.Request) -> User:
     creds = _credentials(request)
     if creds is None:
         raise ApiError(401, "not_authorized", "Login failed")
-    users = mgmt.broker.users
-    source = request.remote or ""
-    wait = users.throttle.admit(source, time.monotonic())
-    if wait is None:
-        raise ApiError(429, "too_many_requests", "Too many failed logins from this address; retry later")
-    if wait:
-        await asyncio.sleep(wait)
-    user = users.authenticate(*creds)
-    if user is None or not users.allowed_from(user, source):
-        if users.throttle.failed(source, time.monotonic()):
-            log.warning("HTTP login refused for user %r from %s", creds[0], source)
+    try:
+        user = await check_login(mgmt.broker.users, *creds, request.remote or "", "HTTP")
+    except TooManyFailures:
+        raise ApiError(429, "too_many_requests", "Too many failed logins from this address; retry later") \
+            from None
+    if user is None:
         raise ApiError(401, "not_authorized", "Login failed")
-    users.throttle.succeeded(source)
     if not MGMT_TAGS & set(user.tags):
         raise ApiError(401, "not_authorized", "Not management user")
     return user
@@ -140,7 +136,8 @@ async def authenticate(request: web.Request) -> User:
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    if request.path.startswith("/api/") or request.path.startswith("/metrics"):
+    if (request.path.startswith("/api/") and request.path != "/api/auth") \
+            or request.path.startswith("/metrics"):  # /api/auth: the UI reads it before login
         request[USER_KEY] = await authenticate(request)
     return await handler(request)
 
@@ -312,26 +309,53 @@ def _columns(items: list[dict[str, Any]], columns: str) -> list[dict[str, Any]]:
 
 
 def paginate(request: web.Request, items: list[dict[str, Any]]) -> web.Response:
+    """``paginate_objects`` for items that are rendered already."""
+    return paginate_objects(request, items, _same, _item_name, {})
+
+
+def _same(item: dict[str, Any]) -> dict[str, Any]:
+    return item
+
+
+def _item_name(item: dict[str, Any]) -> str:
+    return str(item.get("name", ""))
+
+
+def paginate_objects(request: web.Request, objects: Sequence[T], render: Callable[[T], dict[str, Any]],
+                     name: Callable[[T], str], keys: Mapping[str, Callable[[T], Any]]) -> web.Response:
+    """A list endpoint's answer: the ``name`` filter (substring, or ``use_regex``), ``sort``,
+    ``columns`` and ``page``/``page_size`` applied to ``objects``, each ``render``ed to its JSON.
+
+    The filter takes ``name(obj)`` and a sort by one of ``keys`` takes the object's own value,
+    so both run before anything is rendered and a page renders only its own items (a page of
+    10,000 queues renders 50 of them). Sorting by any other field renders the filtered objects
+    first."""
     q = request.query
-    name = q.get("name")
-    total = len(items)
-    if name:
+    total = len(objects)
+    pattern = q.get("name")
+    if pattern:
         if q.get("use_regex", "false").lower() == "true":
             try:
-                rx = re.compile(name)
+                rx = re.compile(pattern)
             except re.error as exc:
                 raise bad_request(f"invalid name regex: {exc}") from None
-            items = [i for i in items if rx.search(str(i.get("name", "")))]
+            objects = [o for o in objects if rx.search(name(o))]
         else:
-            items = [i for i in items if name.lower() in str(i.get("name", "")).lower()]
+            low = pattern.lower()
+            objects = [o for o in objects if low in name(o).lower()]
+    rendered: list[dict[str, Any]] | None = None
     sort = q.get("sort")
     if sort:
         reverse = q.get("sort_reverse", "false").lower() == "true"
-        items = sorted(items, key=lambda i: _sort_key(_lookup(i, sort)), reverse=reverse)
-    if "columns" in q:
-        items = _columns(items, q["columns"])
+        key = keys.get(sort)
+        if key is not None:
+            objects = sorted(objects, key=lambda o: _sort_key(key(o)), reverse=reverse)
+        else:
+            rendered = sorted((render(o) for o in objects), key=lambda i: _sort_key(_lookup(i, sort)),
+                              reverse=reverse)
     if "page" not in q:
-        return web.json_response(items)
+        items = rendered if rendered is not None else [render(o) for o in objects]
+        return web.json_response(_columns(items, q["columns"]) if "columns" in q else items)
     try:
         page = int(q["page"])
         page_size = int(q.get("page_size", "100"))
@@ -341,11 +365,14 @@ def paginate(request: web.Request, items: list[dict[str, Any]]) -> web.Response:
         raise bad_request("page and page_size must be at least 1")
     if page_size > MAX_PAGE_SIZE:
         raise bad_request(f"page_size must be at most {MAX_PAGE_SIZE}")
-    filtered = len(items)
+    filtered = len(objects) if rendered is None else len(rendered)
     page_count = max(1, math.ceil(filtered / page_size))
     if page > page_count:
         raise bad_request(f"page {page} is out of range (page_count {page_count})")
-    chunk = items[(page - 1) * page_size: page * page_size]
+    lo, hi = (page - 1) * page_size, page * page_size
+    chunk = rendered[lo:hi] if rendered is not None else [render(o) for o in objects[lo:hi]]
+    if "columns" in q:
+        chunk = _columns(chunk, q["columns"])
     return web.json_response({
         "filtered_count": filtered, "item_count": len(chunk), "items": chunk, "page": page,
         "page_count": page_count, "page_size": page_size, "total_count": total,

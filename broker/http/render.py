@@ -50,12 +50,14 @@ def queue_json(mgmt: Mgmt, q: Queue) -> dict[str, Any]:
     exclusive_consumer = next((c.tag for c in q.consumers if c.exclusive), None)
     policy: str | None = None
     operator_policy: str | None = None
+    effective: dict[str, Any] = {}
     vh = mgmt.broker.vhosts.get(q.vhost)
     if vh is not None:
         kind = "stream" if queue_types.type_of(q.arguments) == queue_types.STREAM else "queue"
         pol, op = vh.policy_set.for_queue(q.name, kind)
         policy = pol.name if pol is not None else None
         operator_policy = op.name if op is not None else None
+        effective = effective_definition(pol.definition if pol else {}, op.definition if op else {})
     out: dict[str, Any] = {
         "name": q.name,
         "vhost": q.vhost,
@@ -68,6 +70,7 @@ def queue_json(mgmt: Mgmt, q: Queue) -> dict[str, Any]:
         "state": "running",
         "policy": policy,
         "operator_policy": operator_policy,
+        "effective_policy_definition": jsonable(effective),
         "consumers": len(q.consumers),
         "exclusive_consumer_tag": exclusive_consumer,
         "messages": ready + unacked,
@@ -89,6 +92,17 @@ def queue_json(mgmt: Mgmt, q: Queue) -> dict[str, Any]:
     if owner is not None and hasattr(owner, "peer"):
         out["owner_pid_details"] = {"name": mgmt.connection_name(owner),  # type: ignore[arg-type]
                                     "peer_host": owner.peer[0], "peer_port": owner.peer[1]}
+    return out
+
+
+def effective_definition(policy: dict[str, Any], operator: dict[str, Any]) -> dict[str, Any]:
+    """A queue's policy and operator policy merged as RabbitMQ reports it: the operator's keys
+    are added, and where both set a number the lower (stricter) one is in effect."""
+    out = dict(policy)
+    for key, value in operator.items():
+        mine = out.get(key)
+        both_numbers = all(isinstance(v, int) and not isinstance(v, bool) for v in (mine, value))
+        out[key] = min(mine, value) if both_numbers else value
     return out
 
 
@@ -186,6 +200,7 @@ def channel_json(mgmt: Mgmt, s: ConnectionView, chs: ChannelView) -> dict[str, A
         "acks_uncommitted": sum(1 for op in chs.tx or () if op[0] != "publish"),
         "prefetch_count": chs.prefetch,
         "global_prefetch_count": chs.global_prefetch,
+        "pending_raft_commands": 0,  # RabbitMQ's quorum-queue commands in flight: no Raft here
         "confirm": chs.confirm,
         "transactional": chs.tx is not None,
     }

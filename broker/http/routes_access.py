@@ -125,6 +125,40 @@ async def users(request: web.Request) -> web.Response:
     return paginate(request, [_user_json(u) for u in request.app[MGMT_KEY].broker.users.list()])
 
 
+@routes.get("/api/users/without-permissions")
+async def users_without_permissions(request: web.Request) -> web.Response:
+    require_admin(request)
+    return paginate(request, [_user_json(u) for u in request.app[MGMT_KEY].broker.users.list()
+                              if not u.permissions])
+
+
+@routes.post("/api/users/bulk-delete")
+async def bulk_delete_users(request: web.Request) -> web.Response:
+    """RabbitMQ's bulk delete: every named user that exists is deleted; a name that does not
+    exist makes the answer 400 (after the others are gone), as RabbitMQ does."""
+    require_admin(request)
+    body = await json_body(request, required=("users",))
+    names = body["users"]
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise bad_request("'users' must be a list of user names")
+    store = request.app[MGMT_KEY].broker.users
+    missing = [n for n in names if store.get(n) is None]
+    for n in names:
+        u = store.get(n)
+        if u is not None and not (is_admin(u) and _admins(request) == [n]):  # keep the last admin
+            store.delete_user(n)
+    if missing:
+        raise bad_request(f"no_such_user: {missing[0]}")
+    return no_content()
+
+
+@routes.get("/api/topic-permissions")
+async def topic_permissions(request: web.Request) -> web.Response:
+    """Topic permissions are not enforced by Skred (definitions import skips them): none."""
+    require_admin(request)
+    return web.json_response([])
+
+
 def _user(request: web.Request) -> User:
     user = request.app[MGMT_KEY].broker.users.get(request.match_info["user"])
     if user is None:
@@ -237,7 +271,9 @@ async def permission(request: web.Request) -> web.Response:
 async def put_permission(request: web.Request) -> web.Response:
     require_admin(request)
     vhost_name = vhost_param(request)
-    target = _user(request)
+    target = request.app[MGMT_KEY].broker.users.get(request.match_info["user"])
+    if target is None:  # RabbitMQ: 400, not 404, for a permission of a user that does not exist
+        raise bad_request(f"no_such_user: {request.match_info['user']}")
     body = await json_body(request, required=("configure", "write", "read"))
     values = [get_str(body, k) for k in ("configure", "write", "read")]
     store = request.app[MGMT_KEY].broker.users
@@ -373,7 +409,8 @@ async def put_policy(request: web.Request) -> web.Response:
         require_admin(request)  # RabbitMQ: operator policies are for administrators
     body = await json_body(request)
     try:
-        policy_doc = validate_policy(vhost_name, check_name("policy", request.match_info["name"]), body)
+        policy_doc = validate_policy(vhost_name, check_name("policy", request.match_info["name"]), body,
+                                     known_keys_only=True)
         was_new = _policy_api(request).put(policy_doc)
     except ValueError as exc:
         raise bad_request(str(exc)) from None

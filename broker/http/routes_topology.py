@@ -9,6 +9,7 @@ import errno
 import struct
 import time
 import urllib.parse
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -32,9 +33,18 @@ from broker.http.common import (
     no_content,
     not_found,
     paginate,
+    paginate_objects,
     vhost_param,
+    visible_sessions,
 )
-from broker.http.render import binding_json, exchange_json, jsonable, queue_json, vhost_bindings
+from broker.http.render import (
+    binding_json,
+    consumers_json,
+    exchange_json,
+    jsonable,
+    queue_json,
+    vhost_bindings,
+)
 from broker.model.exchange import EXCHANGE_TYPES, Exchange
 from broker.model.publish import PublishRequest
 from broker.model.queue import Queue
@@ -76,16 +86,25 @@ def _visible_vhosts(request: web.Request) -> list[VHost]:
 # ------------------------------------------------------------------ exchanges
 @routes.get("/api/exchanges")
 async def exchanges(request: web.Request) -> web.Response:
-    mgmt = request.app[MGMT_KEY]
-    return paginate(request, [exchange_json(mgmt, vh.name, ex) for vh in _visible_vhosts(request)
-                              for ex in vh.exchanges.values()])
+    return _exchange_page(request, [(vh.name, ex) for vh in _visible_vhosts(request)
+                                    for ex in vh.exchanges.values()])
 
 
 @routes.get("/api/exchanges/{vhost}")
 async def vhost_exchanges(request: web.Request) -> web.Response:
     vh = _vh(request)
+    return _exchange_page(request, [(vh.name, ex) for ex in vh.exchanges.values()])
+
+
+_EXCHANGE_KEYS: dict[str, Callable[[tuple[str, Exchange]], Any]] = {
+    "name": lambda e: e[1].name, "vhost": lambda e: e[0]}
+
+
+def _exchange_page(request: web.Request, exchanges: list[tuple[str, Exchange]]) -> web.Response:
+    """Filtered, sorted and paged before rendering: only the page is rendered."""
     mgmt = request.app[MGMT_KEY]
-    return paginate(request, [exchange_json(mgmt, vh.name, ex) for ex in vh.exchanges.values()])
+    return paginate_objects(request, exchanges, lambda e: exchange_json(mgmt, e[0], e[1]),
+                            lambda e: e[1].name, _EXCHANGE_KEYS)
 
 
 @routes.get("/api/exchanges/{vhost}/{name}")
@@ -213,22 +232,33 @@ async def publish(request: web.Request) -> web.Response:
 # --------------------------------------------------------------------- queues
 @routes.get("/api/queues")
 async def queues(request: web.Request) -> web.Response:
-    mgmt = request.app[MGMT_KEY]
-    return paginate(request, [queue_json(mgmt, q) for vh in _visible_vhosts(request)
-                              for q in vh.queues.values()])
+    return _queue_page(request, [q for vh in _visible_vhosts(request) for q in vh.queues.values()])
 
 
 @routes.get("/api/queues/{vhost}")
 async def vhost_queues(request: web.Request) -> web.Response:
-    vh = _vh(request)
+    return _queue_page(request, list(_vh(request).queues.values()))
+
+
+_QUEUE_KEYS: dict[str, Callable[[Queue], Any]] = {"name": lambda q: q.name, "vhost": lambda q: q.vhost}
+
+
+def _queue_page(request: web.Request, queues: list[Queue]) -> web.Response:
+    """Filtered, sorted and paged before rendering: a page of 10,000 queues renders its own."""
     mgmt = request.app[MGMT_KEY]
-    return paginate(request, [queue_json(mgmt, q) for q in vh.queues.values()])
+    return paginate_objects(request, queues, lambda q: queue_json(mgmt, q), lambda q: q.name, _QUEUE_KEYS)
 
 
 @routes.get("/api/queues/{vhost}/{name}")
 async def queue(request: web.Request) -> web.Response:
     vh = _vh(request)
-    return web.json_response(queue_json(request.app[MGMT_KEY], _queue(request, vh)))
+    mgmt = request.app[MGMT_KEY]
+    q = _queue(request, vh)
+    out = queue_json(mgmt, q)
+    out["consumer_details"] = [c for s in visible_sessions(request) for chs in s.chs.values()
+                               for c in consumers_json(mgmt, s, chs)
+                               if c["queue"] == {"name": q.name, "vhost": q.vhost}]
+    return web.json_response(out)
 
 
 @routes.put("/api/queues/{vhost}/{name}")
@@ -333,6 +363,7 @@ async def get_messages(request: web.Request) -> web.Response:
     requeue = ackmode.endswith("_true")
     stats = request.app[MGMT_KEY].broker.stats
     stats.delivered += len(taken)
+    stats.gets += len(taken)  # RabbitMQ: the management plugin's basic.get (manual ack)
     for msgid, *_rest in taken:
         if requeue:
             q.reject(msgid, True)

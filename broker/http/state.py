@@ -56,6 +56,7 @@ class Mgmt:
         self.http_address: tuple[str, int] | None = None
         self.https_address: tuple[str, int] | None = None
         self.metrics_address: tuple[str, int] | None = None
+        self.tls_certs: list[str] = []  # certificate files, for the certificate-expiration check
         self.cluster: ClusterInfo | None = None  # set on a cluster member (metrics, GET /api/cluster)
 
     # ------------------------------------------------------------------ helpers

@@ -34,7 +34,7 @@ import re
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +42,7 @@ import msgpack
 from pamqp import commands
 
 from broker import errors, properties
+from broker.auth.throttle import check_login
 from broker.auth.users import UserStore
 from broker.lmq.props import PropsStore
 from broker.model.publish import PublishRequest
@@ -111,11 +112,25 @@ def _read_props(raw: bytes) -> tuple[str, dict[str, Any]]:
     return p.content_type or DEFAULT_TYPE, dict(p.headers or {})
 
 
-def admitted(users: UserStore, name: str, password: str, peer: str, vhost: str) -> bool:
+Peer = tuple[str, int]
+
+
+def client_address(peers: Mapping[Peer, Peer], transport: Any) -> str:
+    """The client's address of a connection: its peer, or, for a cluster leader's own end of a
+    follower's client tunnel, the client the tunnel carries (``broker.cluster.tunnel``)."""
+    info = transport.get_extra_info("peername") if transport is not None else None
+    if not info:
+        return ""
+    peer = (str(info[0]), int(info[1]))
+    return peers.get(peer, peer)[0]
+
+
+async def admitted(users: UserStore, name: str, password: str, peer: str, vhost: str, what: str) -> bool:
     """Whether ``name``/``password`` log in from ``peer`` with access to LMQ's ``vhost``
-    (the one rule of both LMQ front ends when ``[lmq] auth`` is on)."""
-    user = users.authenticate(name, password)
-    return user is not None and users.allowed_from(user, peer) and users.has_vhost_access(user, vhost)
+    (the one rule of both LMQ front ends when ``[lmq] auth`` is on), after ``peer``'s turn in
+    the login throttle; raises ``TooManyFailures`` when the throttle refuses it unchecked."""
+    user = await check_login(users, name, password, peer, what)
+    return user is not None and users.has_vhost_access(user, vhost)
 
 
 class LMQ:

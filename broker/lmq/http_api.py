@@ -13,20 +13,22 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from aiohttp import web
 
 from broker.auth.sasl import basic_credentials
+from broker.auth.throttle import TooManyFailures
 from broker.auth.users import UserStore
-from broker.lmq.engine import LMQ, LMQError, Message, admitted
+from broker.lmq.engine import LMQ, LMQError, Message, Peer, admitted, client_address
 from broker.lmq.props import PropsError, validate, validate_defaults
 
 log = logging.getLogger(__name__)
 
 LMQ_KEY: web.AppKey[LMQ] = web.AppKey("lmq", LMQ)
 AUTH_KEY: web.AppKey[UserStore | None] = web.AppKey("lmq_auth", object)  # type: ignore[arg-type]
+PEERS_KEY: web.AppKey[Mapping[Peer, Peer]] = web.AppKey("lmq_peers", object)  # type: ignore[arg-type]
 MAX_BODY = 128 * 1024 * 1024
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -55,7 +57,12 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     if users is not None:
         creds = basic_credentials(request.headers.get("Authorization", ""))
         vhost = request.app[LMQ_KEY].vhost.name
-        if creds is None or not admitted(users, *creds, request.remote or "", vhost):
+        source = client_address(request.app[PEERS_KEY], request.transport)
+        try:
+            ok = creds is not None and await admitted(users, *creds, source, vhost, "LMQ HTTP")
+        except TooManyFailures:
+            return _error(429, "too many failed logins from this address; retry later")
+        if not ok:
             resp = _error(401, "login failed")
             resp.headers["WWW-Authenticate"] = 'Basic realm="Skred LMQ"'
             return resp
@@ -210,10 +217,11 @@ async def delete_props(request: web.Request) -> web.Response:
     return web.Response(status=204)
 
 
-def build_app(lmq: LMQ, users: UserStore | None) -> web.Application:
+def build_app(lmq: LMQ, users: UserStore | None, peers: Mapping[Peer, Peer]) -> web.Application:
     app = web.Application(middlewares=[errors_middleware, auth_middleware], client_max_size=MAX_BODY)
     app[LMQ_KEY] = lmq
     app[AUTH_KEY] = users
+    app[PEERS_KEY] = peers
     r = app.router
     r.add_get("/messages", get_any)
     r.add_post("/messages", post_all)

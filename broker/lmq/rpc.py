@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import msgpack
 
+from broker.auth.throttle import TooManyFailures
 from broker.auth.users import UserStore
-from broker.lmq.engine import COMPOUND_TYPE, LMQ, LMQError, Message, admitted
+from broker.lmq.engine import COMPOUND_TYPE, LMQ, LMQError, Message, Peer, admitted, client_address
 from broker.lmq.props import PropsError, validate, validate_defaults
 
 log = logging.getLogger(__name__)
@@ -72,10 +74,12 @@ def _str(params: list[Any], i: int, what: str) -> str:
 
 
 class Session:
-    def __init__(self, lmq: LMQ, users: UserStore | None, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, lmq: LMQ, users: UserStore | None, writer: asyncio.StreamWriter,
+                 peers: Mapping[Peer, Peer]) -> None:
         self.lmq = lmq
         self.users = users
         self.writer = writer
+        self.peers = peers
         self.authenticated = users is None
         self.tasks: set[asyncio.Task[None]] = set()
 
@@ -85,9 +89,13 @@ class Session:
             if method != "authenticate":
                 raise RPCError("not authenticated: call authenticate(user, password) first")
             assert self.users is not None
-            peer = self.writer.get_extra_info("peername") or ("",)
-            if not admitted(self.users, _str(params, 0, "user"), _str(params, 1, "password"), str(peer[0]),
-                            lmq.vhost.name):
+            source = client_address(self.peers, self.writer.transport)
+            try:
+                ok = await admitted(self.users, _str(params, 0, "user"), _str(params, 1, "password"), source,
+                                    lmq.vhost.name, "LMQ RPC")
+            except TooManyFailures as exc:
+                raise RPCError(str(exc)) from None
+            if not ok:
                 raise RPCError("login failed")
             self.authenticated = True
             return "ok"
@@ -164,9 +172,9 @@ class Session:
         task.add_done_callback(self.tasks.discard)
 
 
-async def serve_connection(lmq: LMQ, users: UserStore | None, reader: asyncio.StreamReader,
-                           writer: asyncio.StreamWriter) -> None:
-    session = Session(lmq, users, writer)
+async def serve_connection(lmq: LMQ, users: UserStore | None, peers: Mapping[Peer, Peer],
+                           reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    session = Session(lmq, users, writer, peers)
     unpacker = msgpack.Unpacker(raw=False, max_buffer_size=MAX_BUFFER)
     try:
         while data := await reader.read(65536):

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from aiohttp import web
@@ -24,8 +25,10 @@ log = logging.getLogger(__name__)
 
 
 class LMQServer:
-    def __init__(self, lmq: LMQ, config: LmqConfig, users: UserStore) -> None:
+    def __init__(self, lmq: LMQ, config: LmqConfig, users: UserStore,
+                 peers: Mapping[tuple[str, int], tuple[str, int]] | None = None) -> None:
         self.lmq = lmq
+        self.peers = peers if peers is not None else {}  # tunnel legs -> clients (a cluster leader)
         self.config = config
         self.users = users if config.auth else None
         self.http_address: tuple[str, int] | None = None
@@ -36,7 +39,7 @@ class LMQServer:
 
     async def start(self) -> None:
         cfg = self.config
-        app = http_api.build_app(self.lmq, self.users)
+        app = http_api.build_app(self.lmq, self.users, self.peers)
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
         try:
@@ -52,8 +55,8 @@ class LMQServer:
                       exc.strerror or exc)
         try:
             self._rpc = await asyncio.start_server(
-                functools.partial(rpc.serve_connection, self.lmq, self.users), cfg.bind, cfg.rpc_port,
-                reuse_address=True)
+                functools.partial(rpc.serve_connection, self.lmq, self.users, self.peers), cfg.bind,
+                cfg.rpc_port, reuse_address=True)
             self.rpc_address = self._rpc.sockets[0].getsockname()[:2]
             log.info("LMQ MessagePack-RPC on %s:%d", *self.rpc_address)
         except OSError as exc:

@@ -97,6 +97,19 @@ def headers_match(binding_args: dict[str, Any], headers: dict[str, Any] | None) 
     return want_all
 
 
+X_MATCH_MODES = ("all", "any", "all-with-x", "any-with-x")
+
+
+def check_x_match(args: dict[str, Any]) -> None:
+    """A headers binding's x-match must be one of RabbitMQ's four modes: 406 otherwise."""
+    mode = args.get("x-match", "all")
+    if isinstance(mode, bytes):
+        mode = mode.decode(errors="replace")
+    if mode not in X_MATCH_MODES:
+        raise errors.PreconditionFailed(
+            f"Invalid x-match field value {mode!r}; expected all, any, all-with-x, or any-with-x")
+
+
 class Exchange:
     """One exchange and its bindings. Destinations are opaque hashable objects."""
 
@@ -175,6 +188,12 @@ class Exchange:
         elif self.special is not None:
             self.special.bindings_changed()
         return True
+
+    def is_bound(self, dest: object, routing_key: str, args: dict[str, Any] | None = None) -> bool:
+        if self._default:
+            lst = self._direct.get(routing_key)
+            return not args and lst is not None and lst[0] is dest
+        return (dest, routing_key, args_key(args)) in self._bindings
 
     def unbind(self, dest: object, routing_key: str, args: dict[str, Any] | None = None) -> bool:
         if self._default:

@@ -3,12 +3,12 @@ priorities, single active consumer and consumer priorities.
 
 Theory of operation
 -------------------
-A plain queue has ``features is None`` and pays nothing: ``Queue`` checks that
-one attribute per publish, delivery pass, get, ack and reject and otherwise
-runs its own tight loop. A queue whose arguments or policies ask for any
-feature (or that received a message with a per-message ``expiration``, or a
-consumer with ``x-priority``) gets a ``QueueFeatures``, which takes over those
-operations with a loop that knows about them. The effective configuration
+A plain queue is a ``ClassicQueue`` and pays nothing. A queue whose arguments or
+policies ask for any feature (or that received a message with a per-message
+``expiration``, or a consumer with ``x-priority``) becomes a ``FeaturedQueue``
+(broker/model/queue_featured.py) holding a ``QueueFeatures``: this state and the
+hooks the shared engine calls (admission and after-effects of publish, picking
+and taking for a delivery pass, settlement bookkeeping). The effective configuration
 (``QueueConfig``) is computed from the queue arguments, the vhost's policy and
 operator policy at declare time and again whenever a policy changes, so
 nothing is looked up per message.
@@ -23,12 +23,13 @@ count as expired) and expire otherwise.
 
 Length limits count ready messages and their body bytes (the store's
 counters): ``drop-head`` drops (dead-letters) from the head after the append,
-``reject-publish`` refuses the message (``Queue.publish`` returns False, the
+``reject-publish`` refuses the message (``publish`` returns False, the
 session nacks it under confirms), ``reject-publish-dlx`` also dead-letters it.
 
-``x-delivery-limit``: requeues are counted per msgid in memory; a redelivered
-message carries ``x-delivery-count``; once the count exceeds the limit the
-message is dead-lettered with reason ``delivery_limit`` instead of requeued.
+``x-delivery-limit``: requeues are counted per msgid by the queue's store, which
+keeps the counts durable like acks (``broker/store/delivery_counts.py``); a
+redelivered message carries ``x-delivery-count``; once the count exceeds the limit
+the message is dead-lettered with reason ``delivery_limit`` instead of requeued.
 
 Unused queues (``x-expires``): one timer per queue, re-armed from the last use
 (consume, cancel of the last consumer, basic.get, redeclare); when it fires on
@@ -37,7 +38,7 @@ queue is deleted.
 
 Deduplication (``x-message-deduplication``, a boolean argument): the header
 values of the messages in the queue live in a ``QueueDedup``
-(``broker/model/queue_dedup.py``); ``publish`` drops a duplicate (accepted, so
+(``broker/model/queue_dedup.py``); ``admit`` drops a duplicate (accepted, so
 it is confirmed) and every exit path below reports the message gone.
 
 Timers come from the vhost's ``call_later`` (the model does not import
@@ -49,19 +50,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from broker import errors, properties
 from broker.model import deadletter, queue_types
 from broker.model.queue_dedup import QueueDedup, key_of
 from broker.store.priority_store import PriorityStore
-from broker.store.queue_store import QueueStore
 
 if TYPE_CHECKING:
-    from broker.model.queue import Consumer, Queue
+    from broker.model.queue import ClassicQueue, Consumer
     from broker.model.vhost import VHost
 
-_PASS_BUDGET = 4096
 OVERFLOW_MODES = ("drop-head", "reject-publish", "reject-publish-dlx")
 
 class TimerHandle(Protocol):
@@ -158,6 +157,15 @@ def _check_value(kind: str, low: int, high: int | None, value: Any) -> Any:
     if kind == "overflow" and value not in OVERFLOW_MODES:
         raise ValueError(f"{{unknown_overflow_mode,{value}}}")
     return value
+
+
+def check_queue_mode(arguments: dict[str, Any], queue: str, vhost: str) -> None:
+    """x-queue-mode is RabbitMQ's default or lazy (lazy changes nothing here): 406 otherwise."""
+    mode = arguments.get("x-queue-mode", "default")
+    if mode not in ("default", "lazy", b"default", b"lazy"):
+        raise errors.PreconditionFailed(
+            f"invalid arg 'x-queue-mode' for queue '{queue}' in vhost '{vhost}': "
+            f"\"unsupported queue mode '{mode}'\"", 50, 10)
 
 
 def parse_arguments(arguments: dict[str, Any], queue: str, vhost: str) -> QueueConfig:
@@ -288,42 +296,6 @@ def inspect_publish(props: bytes) -> tuple[bytes, list[str] | None, bool]:
     return props, extra or None, has_exp
 
 
-def make_store(store: QueueStore, args_cfg: QueueConfig) -> QueueStore:
-    """Wrap a new queue's store for priorities when ``x-max-priority`` asks for them."""
-    if args_cfg.max_priority:
-        return cast(QueueStore, PriorityStore(store, args_cfg.max_priority))
-    return store
-
-
-def attach(vh: VHost | None, q: Queue, args_cfg: QueueConfig, policy: dict[str, Any] | None,
-           operator: dict[str, Any] | None, call_later: CallLater | None) -> None:
-    """(Re)compute a queue's effective config; give it features when it needs any."""
-    cfg = effective_config(args_cfg, policy, operator)
-    f = q.features
-    if f is None:
-        if cfg.is_plain():
-            return
-        f = QueueFeatures(q, vh, cfg, call_later)
-        q.features = f
-        f.start()
-    else:
-        if vh is not None:
-            f.vhost = vh
-        f.reconfigure(cfg)
-
-
-def ensure(q: Queue, vh: VHost | None = None) -> QueueFeatures:
-    """The queue's features, created (plain config) if it has none yet."""
-    f = q.features
-    if f is None:
-        f = QueueFeatures(q, vh, _PLAIN, vh.call_later if vh is not None else None)
-        q.features = f
-        f.start()
-    elif vh is not None and f.vhost is None:
-        f.vhost = vh
-    return f
-
-
 def consumer_priority(c: Consumer) -> int:
     v = c.arguments.get("x-priority") if c.arguments else None
     if isinstance(v, int) and not isinstance(v, bool):
@@ -333,7 +305,7 @@ def consumer_priority(c: Consumer) -> int:
 
 # ------------------------------------------------------------------- features
 class QueueFeatures:
-    def __init__(self, q: Queue, vh: VHost | None, cfg: QueueConfig,
+    def __init__(self, q: ClassicQueue, vh: VHost | None, cfg: QueueConfig,
                  call_later: CallLater | None) -> None:
         self.q = q
         self.vhost = vh
@@ -341,7 +313,6 @@ class QueueFeatures:
         self.call_later = call_later
         self.pstore: PriorityStore | None = q.store if isinstance(q.store, PriorityStore) else None
         self.msg_ttl_seen = False  # a message with an expiration property was published
-        self.delivery_counts: dict[int, int] = {}
         self._timer: TimerHandle | None = None
         self._timer_at = 0
         self._expires_timer: TimerHandle | None = None
@@ -392,34 +363,33 @@ class QueueFeatures:
         return self.cfg.message_ttl is not None or self.msg_ttl_seen
 
     # ------------------------------------------------------------ publishing
-    def publish(self, ts: int, exchange: bytes, routing_key: bytes, props: bytes, body: bytes,
-                persistent: bool) -> bool:
-        q = self.q
+    def admit(self, exchange: bytes, routing_key: bytes, props: bytes,
+              body: bytes) -> tuple[bool | None, str | None]:
+        """Before the append: (None, dedup key) to take the message; (True, None) to drop it
+        as a duplicate (accepted, so it is confirmed with an ack, as the plugin does);
+        (False, None) to refuse it (a length limit with reject-publish[-dlx])."""
         cfg = self.cfg
-        store = q.store
         dedup = self.dedup
         key: str | None = None
         if dedup is not None:
             key = key_of(props)
             if key is not None and dedup.is_duplicate(key):
-                return True  # dropped, but accepted: confirmed with an ack, as the plugin does
+                return True, None
         if cfg.limited and cfg.overflow != "drop-head":
+            store = self.q.store
             ml, mb = cfg.max_length, cfg.max_length_bytes
             if (ml is not None and store.ready_count >= ml) or (
                     mb is not None and store.bytes_ready + len(body) > mb):
                 if cfg.overflow == "reject-publish-dlx":
                     self._dead_letter(exchange, routing_key, props, body, "maxlen")
-                return False
-        if self.pstore is not None:
-            level = properties.priority(props)
-            msgid = self.pstore.append_priority(level, ts, exchange, routing_key, props, body)
-        else:
-            msgid = store.append(ts, exchange, routing_key, props, body)
-        if key is not None and dedup is not None:
-            dedup.added(msgid, key)
-        q.n_published += 1
-        if persistent and q.durable:
-            q.on_dirty(store)
+                return False, None
+        return None, key
+
+    def appended(self, msgid: int, key: str | None, props: bytes) -> None:
+        """After the append: remember its dedup key, apply drop-head, TTL."""
+        if key is not None and self.dedup is not None:
+            self.dedup.added(msgid, key)
+        cfg = self.cfg
         if cfg.limited:
             self.enforce_limits()
         if self.expiring:
@@ -427,9 +397,6 @@ class QueueFeatures:
                 self._deliver_ttl0()
             elif self._timer is None:
                 self.arm_expiry()
-        if q.consumers:
-            q.schedule_delivery()
-        return True
 
     def _deliver_ttl0(self) -> None:
         """TTL 0: deliver now if a consumer can take it, else it expires right away."""
@@ -466,8 +433,7 @@ class QueueFeatures:
     def _discard(self, msgid: int) -> None:
         q = self.q
         q.store.ack(msgid)
-        if self.delivery_counts:
-            self.delivery_counts.pop(msgid, None)
+        q.store.forget_count(msgid)
         if self.dedup is not None:
             self.dedup.removed(msgid)
         if q.durable:
@@ -644,19 +610,21 @@ class QueueFeatures:
 
     # ------------------------------------------------------------ delivering
     def _props_for_delivery(self, msgid: int, props: bytes) -> bytes:
-        if self.delivery_counts:
-            n = self.delivery_counts.get(msgid)
-            if n:
-                return deadletter.set_header(props, "x-delivery-count", n)
+        n = self.q.store.count_of(msgid)  # kept by the store: survives restarts
+        if n:
+            return deadletter.set_header(props, "x-delivery-count", n)
         return props
 
-    # ------------------------------------------------- hooks of Queue._deliver
+    # ------------------------------------------ hooks of ClassicQueue._deliver
     @property
     def per_message(self) -> bool:
         """Whether deliveries need this queue's per-message work; without it the queue
-        delivers as a plain one (store runs included)."""
-        return (self.expiring or bool(self.delivery_counts) or self.dedup is not None
-                or self.pstore is not None or self.cfg.single_active or self._prio_consumers)
+        delivers as a plain one (store runs included). A priority store delivers its runs
+        (level by level) only with the fast paths on; off, it is taken one by one, which is
+        what the differential test compares them with."""
+        return (self.expiring or self.q.store.counting or self.dedup is not None
+                or (self.pstore is not None and not self.q.fast.on)
+                or self.cfg.single_active or self._prio_consumers)
 
     def pass_started(self) -> int:
         return now_ms()
@@ -689,7 +657,7 @@ class QueueFeatures:
         if not more and self.expiring and not self._grace:
             self.arm_expiry()
 
-    # ------------------------------------------------- hooks of Queue.get and settlement
+    # ------------------------------------------ hooks of ClassicQueue.get and settlement
     def before_get(self) -> None:
         self.touch()
         if self.expiring:
@@ -706,8 +674,7 @@ class QueueFeatures:
 
     def forget(self, msgid: int) -> None:
         """A message left the queue for good (acked, or rejected without requeue)."""
-        if self.delivery_counts:
-            self.delivery_counts.pop(msgid, None)
+        self.q.store.forget_count(msgid)
         if self.dedup is not None:
             self.dedup.removed(msgid)
 
@@ -721,10 +688,11 @@ class QueueFeatures:
         limit = self.cfg.delivery_limit
         if limit is None:
             return True
-        n = self.delivery_counts.get(msgid, 0) + 1
+        store = self.q.store
+        n = store.count_of(msgid) + 1
         if n > limit:
             return False
-        self.delivery_counts[msgid] = n
+        store.set_count(msgid, n)
         return True
 
     def requeued(self, msgid: int) -> None:

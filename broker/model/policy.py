@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 from broker import errors
 from broker.errors import StoreError
-from broker.model import features, queue_types
+from broker.model import features, queue_featured, queue_types
 from broker.model.features import validate_policy_definition
+from broker.model.queue import ClassicQueue
 from broker.store.jsonstore import read_json, write_json
 from broker.store.sink import ReplicationSink
 
@@ -145,6 +146,8 @@ def apply_to_queue(vh: VHost, q: Queue) -> None:
         if isinstance(q, StreamQueue):
             apply_stream_policies(vh, q)
         return
+    if not isinstance(q, ClassicQueue):
+        return
     pol, op = vh.policy_set.for_queue(q.name)
     try:
         args_cfg = features.parse_arguments(q.arguments, q.name, vh.name)
@@ -154,7 +157,7 @@ def apply_to_queue(vh: VHost, q: Queue) -> None:
     if default_limit is not None and args_cfg.delivery_limit is None and not any(
             p is not None and "delivery-limit" in p.definition for p in (pol, op)):
         args_cfg = replace(args_cfg, delivery_limit=default_limit)
-    features.attach(vh, q, args_cfg, pol.definition if pol else None,
+    queue_featured.attach(vh, q, args_cfg, pol.definition if pol else None,
                     op.definition if op else None, vh.call_later)
 
 

@@ -192,7 +192,7 @@ def publish(vh: VHost, req: PublishRequest, first_hop: bool = True) -> PublishOu
             queues = [q for q in queues if not req.exclude(q)]
     if has_exp:
         for q in queues:
-            features.ensure(q, vh).msg_ttl_seen = True  # its head expiry is checked from now
+            q.expiration_seen(vh)  # its head expiry is checked from now
     if queues:
         out.queues = queues
         ts = req.ts

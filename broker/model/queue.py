@@ -14,19 +14,32 @@ ack, a cancel, a drained socket) calls ``schedule_delivery()`` again.
 
 A consumer is anything with ``ready()`` and ``deliver(...)``: the AMQP
 session implements it; MQTT or HTTP could too.
+
+One engine, several types. ``Queue`` is what every queue is to the rest of the
+broker (identity, consumers, counters, the operations a protocol calls);
+``ClassicQueue`` is the engine on an ordered ``MessageStore``
+(broker/store/api.py): publish with direct hand-over and runs, the delivery pass,
+get and settlement. Variants are subclasses chosen when the queue is declared or
+a policy changes (broker/model/queue_featured.py): ``FeaturedQueue`` adds
+admission and after-effects to publish (limits, deduplication, TTL) and per-message
+hooks to the same delivery pass and settlement; ``QuorumQueue`` its type's
+defaults; a priority queue is a featured queue on a ``PriorityStore``; a stream
+(broker/model/stream.py) reads an append-only log by offset. A plain queue checks
+nothing per message: the variant is its class.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from broker.model.fastpaths import FastPaths
-from broker.store.queue_store import QueueStore
+from broker.store.api import MessageStore, QueueCounters
 from broker.store.segment import short_pair
 
 if TYPE_CHECKING:
-    from broker.model.features import QueueFeatures
+    from broker.model.features import QueueFeatures, Taken
+    from broker.model.vhost import VHost
 
 _PASS_BUDGET = 4096  # deliveries per pass before yielding to the loop
 _PASS_BYTES = 4 * 1024 * 1024  # body bytes per pass: flushes run before the next pass
@@ -83,6 +96,8 @@ class Consumer:
 
 
 class Queue:
+    """What every queue type is to the rest of the broker (see the module doc)."""
+
     __slots__ = (
         "vhost", "name", "durable", "exclusive_owner", "auto_delete", "arguments", "store",
         "consumers", "_schedule", "_scheduled", "_rr", "deleted", "had_consumers", "on_unused",
@@ -99,10 +114,10 @@ class Queue:
         exclusive_owner: object | None,
         auto_delete: bool,
         arguments: dict[str, Any] | None,
-        store: QueueStore,
+        store: QueueCounters,
         schedule: Callable[[Callable[[], None]], object],
         on_unused: Callable[[Queue], None],
-        on_dirty: Callable[[QueueStore], None],
+        on_dirty: Callable[[Any], None],
         fast: FastPaths | None = None,
     ) -> None:
         self.vhost = vhost
@@ -126,23 +141,105 @@ class Queue:
         self.n_delivered = 0
         self.n_acked = 0
         self.n_redelivered = 0
-        # TTL, limits, DLX, priorities...: None on a plain queue (see broker/model/features.py).
+        # TTL, limits, DLX, priorities...: a FeaturedQueue's state (broker/model/features.py)
         self.features: QueueFeatures | None = None
         # direct hand-over and delivery runs on (the vhost's switch; tests turn it off)
         self.fast = fast if fast is not None else FastPaths()
 
+    @property
+    def consumer_count(self) -> int:
+        return len(self.consumers)
+
+    # ------------------------------------------------------------- consumers
+    def add_consumer(self, consumer: Consumer) -> None:
+        self.consumers.append(consumer)
+        self.had_consumers = True
+        self._consumers_changed(consumer)
+        self.schedule_delivery()
+
+    def remove_consumer(self, consumer: Consumer) -> None:
+        try:
+            self.consumers.remove(consumer)
+        except ValueError:
+            return
+        self._consumers_changed(None)
+        if not self.consumers and self.auto_delete and self.had_consumers and not self.deleted:
+            self.on_unused(self)
+
+    def check_consume(self, no_ack: bool, prefetch: int, global_prefetch: int,
+                      arguments: dict[str, Any]) -> None:
+        """Refuse a consumer this queue type does not take (before it is accepted)."""
+
+    def _consumers_changed(self, added: Consumer | None) -> None:
+        """A consumer came (``added``) or went: a type that orders consumers hears of it."""
+
+    def touch(self) -> None:
+        """A use that restarts an ``x-expires`` queue's idle clock (a redeclare)."""
+
+    def expiration_seen(self, vh: VHost) -> None:
+        """A message with an ``expiration`` property reached this queue (``vh``: its vhost)."""
+
+    def schedule_delivery(self) -> None:
+        if not self._scheduled and self.consumers and not self.deleted:
+            self._scheduled = True
+            self._schedule(self._deliver)
+
+    # ------------------------------------------- what each type implements
+    def publish(self, ts: int, exchange: bytes, routing_key: bytes, props: bytes, body: bytes | memoryview,
+                persistent: bool, exrk: bytes | None = None) -> bool | None:
+        """Append (and wake consumers); False when the queue refused the message."""
+        raise NotImplementedError
+
+    def publish_run(self, ts: int, exchange: bytes, routing_key: bytes, props: list[bytes],
+                    bodies: list[bytes], persistent: bool, exrk: bytes, same: bool) -> None:
+        """``publish`` for each message of a run (a type with a faster way overrides it)."""
+        for p, body in zip(props, bodies, strict=True):
+            self.publish(ts, exchange, routing_key, p, body, persistent, exrk)
+
+    @property
+    def message_count(self) -> int:
+        return self.store.ready_count
+
+    def _deliver(self) -> None:
+        raise NotImplementedError
+
+    def get(self) -> tuple[int, bytes, bytes, bytes, bytes, bool] | None:
+        raise NotImplementedError
+
+    def ack(self, msgid: int) -> None:
+        raise NotImplementedError
+
+    def ack_many(self, msgids: list[int]) -> None:
+        for msgid in msgids:
+            self.ack(msgid)
+
+    def reject(self, msgid: int, requeue: bool) -> None:
+        raise NotImplementedError
+
+    def purge(self) -> int:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.store.close()
+
+    def delete(self) -> None:
+        raise NotImplementedError
+
+
+class ClassicQueue(Queue):
+    """The engine on an ordered store: a plain classic queue, and the base of its variants."""
+
+    __slots__ = ()
+    store: MessageStore
+
     # ------------------------------------------------------------ publishing
     def publish(self, ts: int, exchange: bytes, routing_key: bytes, props: bytes, body: bytes | memoryview,
                 persistent: bool, exrk: bytes | None = None) -> bool | None:
-        """Append (and wake consumers); False when a length limit refused the message.
+        """Append (and wake consumers).
 
         ``exrk``: exchange and routing key as two AMQP short strings, if the
         caller has them already (saves building them for a direct delivery).
         """
-        if self.features is not None:
-            if type(body) is memoryview:  # a large body as a view of the read buffer
-                body = bytes(body)
-            return self.features.publish(ts, exchange, routing_key, props, body, persistent)
         store = self.store
         if self.consumers and not store.ready_count and self.fast.on:
             # Nothing waits: hand the message straight to a consumer with capacity.
@@ -175,9 +272,9 @@ class Queue:
     def publish_run(self, ts: int, exchange: bytes, routing_key: bytes, props: list[bytes],
                     bodies: list[bytes], persistent: bool, exrk: bytes, same: bool) -> None:
         """``publish`` for a run of messages to this queue (``props[i]``, ``bodies[i]``;
-        ``same``: one properties object and one body length for all), on a queue without
-        features: what consumers take now is handed over directly, the rest is appended
-        to the store as one run. ``persistent``: any of them is."""
+        ``same``: one properties object and one body length for all): what consumers
+        take now is handed over directly, the rest is appended to the store as one run.
+        ``persistent``: any of them is."""
         store = self.store
         i = 0
         k = len(bodies)
@@ -241,55 +338,42 @@ class Queue:
                 return c
         return None
 
+    _pick = _next_consumer  # the consumer for the next message (a variant may order them)
+
+    # ------------------------------------------------------------- delivery
     @property
-    def message_count(self) -> int:
-        return self.store.ready_count
+    def per_message(self) -> bool:
+        """Whether deliveries need per-message work (``_take``); a plain queue's never do."""
+        return False
 
-    @property
-    def consumer_count(self) -> int:
-        return len(self.consumers)
+    def _pass_started(self) -> int:
+        """A delivery pass begins: the time its expiry checks use (ms; 0 when none)."""
+        return 0
 
-    # ------------------------------------------------------------- consumers
-    def add_consumer(self, consumer: Consumer) -> None:
-        self.consumers.append(consumer)
-        self.had_consumers = True
-        if self.features is not None or "x-priority" in consumer.arguments:
-            from broker.model import features
-            features.ensure(self).consumers_changed()
-        self.schedule_delivery()
+    def _take(self, autoack: bool, now: int) -> Taken | Literal[False] | None:
+        """The head for a delivery with per-message work (only when ``per_message``)."""
+        raise NotImplementedError
 
-    def remove_consumer(self, consumer: Consumer) -> None:
-        try:
-            self.consumers.remove(consumer)
-        except ValueError:
-            return
-        if self.features is not None:
-            self.features.consumers_changed()
-        if not self.consumers and self.auto_delete and self.had_consumers and not self.deleted:
-            self.on_unused(self)
-
-    def schedule_delivery(self) -> None:
-        if not self._scheduled and self.consumers and not self.deleted:
-            self._scheduled = True
-            self._schedule(self._deliver)
+    def _pass_done(self, more: bool) -> None:
+        """A delivery pass ended (``more``: it ran out of budget and rescheduled itself)."""
 
     def _deliver(self) -> None:
-        """One delivery pass, for every classic queue. Without per-message work (no
-        features, or features that only matter at publish or settlement) a single consumer
-        takes runs straight from the store and several take turns; with it (expiry,
-        delivery counts, deduplication, priorities, single active consumer, consumer
-        priorities) the features pick the consumer and take each message (``take``)."""
+        """One delivery pass, for every classic queue type. Without per-message work (a
+        plain queue, or features that only matter at publish or settlement) a single
+        consumer takes runs straight from the store and several take turns; with it
+        (expiry, delivery counts, deduplication, single active consumer, consumer
+        priorities) the type picks the consumer (``_pick``) and takes each message
+        (``_take``)."""
         self._scheduled = False
         if self.deleted:
             return
-        f = self.features
         store = self.store
-        plain = f is None or not f.per_message
+        plain = not self.per_message
         consumers = self.consumers
         budget = _PASS_BUDGET
         nbytes = 0  # body bytes handed out in this pass: bounds the output buffers
         delivered = redelivered_n = 0
-        now = f.pass_started() if f is not None else 0
+        now = self._pass_started()
         try:
             while budget > 0 and consumers and store.ready_count:
                 if plain and len(consumers) == 1:
@@ -309,7 +393,7 @@ class Queue:
                     budget -= got_n
                 else:
                     # Round-robin (or by the features' rules), one message each.
-                    rr = self._next_consumer() if f is None else f.pick()
+                    rr = self._pick()
                     if rr is None:
                         return  # nobody has capacity; whoever frees some reschedules us
                     budget -= 1
@@ -322,8 +406,7 @@ class Queue:
                         nbytes += len(got[3])
                         rr.deliver_raw(*got)
                     else:
-                        assert f is not None
-                        m = f.take(rr.no_ack, now)
+                        m = self._take(rr.no_ack, now)
                         if m is None:
                             return
                         if m is False:
@@ -341,26 +424,18 @@ class Queue:
                 store.end_pass()
             self.n_delivered += delivered
             self.n_redelivered += redelivered_n
-            if f is not None:
-                f.pass_done(budget <= 0)
+            self._pass_done(budget <= 0)
 
     # ------------------------------------------------------- get and settlement
-    # One implementation for every queue; a queue with features contributes hooks
-    # (broker/model/features.py): expiry before a get, x-delivery-count and deduplication
-    # bookkeeping when a message is taken, forgotten or requeued, the delivery limit and
-    # dead-lettering when one is rejected.
+    # One implementation for every classic queue type; a variant adds its bookkeeping
+    # around these (broker/model/queue_featured.py).
     def get(self) -> tuple[int, bytes, bytes, bytes, bytes, bool] | None:
-        f = self.features
-        if f is not None:
-            f.before_get()
         store = self.store
         msgid = store.shift()
         if msgid is None:
             return None
         _ts, exchange, routing_key, props, body = store.read(msgid)
         redelivered = store.is_redelivered(msgid)
-        if f is not None:
-            props = f.taken(msgid, props)
         self.n_delivered += 1
         self.n_redelivered += redelivered
         return msgid, exchange, routing_key, props, body, redelivered
@@ -370,66 +445,48 @@ class Queue:
             return
         self.store.ack(msgid)
         self.n_acked += 1
-        if self.features is not None:
-            self.features.forget(msgid)
         if self.durable:
             self.on_dirty(self.store)
 
     def ack_many(self, msgids: list[int]) -> None:
         if self.deleted:
             return
-        f = self.features
-        if f is not None and f.pstore is not None:  # one store per priority: acked one by one
-            for msgid in msgids:
-                self.ack(msgid)
-            return
         self.store.ack_many(msgids)
         self.n_acked += len(msgids)
-        if f is not None:
-            for msgid in msgids:
-                f.forget(msgid)
         if self.durable:
             self.on_dirty(self.store)
 
     def reject(self, msgid: int, requeue: bool) -> None:
-        """basic.reject/nack: requeue, or settle it (dead-lettered when the queue has a
-        dead-letter exchange); over ``x-delivery-limit`` a requeue becomes a dead letter."""
+        """basic.reject/nack: requeue, or settle it."""
         if self.deleted:
             return
-        f = self.features
-        reason = "rejected"
-        if requeue and f is not None and not f.may_requeue(msgid):
-            requeue = False
-            reason = "delivery_limit"
         if requeue:
             self.store.requeue(msgid)
-            if f is not None:
-                f.requeued(msgid)
             self.schedule_delivery()
             return
-        if f is not None and f.dead_letters:
-            _ts, exchange, routing_key, props, body = self.store.read(msgid)
-            f.dead_letter(msgid, exchange, routing_key, props, body, reason, self.ack)
-        else:
-            self.ack(msgid)
+        self.ack(msgid)
 
     def purge(self) -> int:
         n = self.store.purge()
-        if self.features is not None:
-            self.features.purged()  # e.g. deduplication forgets the purged messages
         if self.durable:
             self.on_dirty(self.store)
         return n
 
-    def close(self) -> None:
-        self.store.close()
-
     def delete(self) -> None:
         """Remove the queue and its files; consumers get a server-side cancel."""
         self.deleted = True
-        if self.features is not None:
-            self.features.close()
         consumers, self.consumers = self.consumers, []
         for c in consumers:
             c.cancelled_by_server()
         self.store.delete()
+
+    def expiration_seen(self, vh: VHost) -> None:
+        # per-message TTLs: the featured engine checks the head's expiry from now on
+        from broker.model import queue_featured
+        queue_featured.featured(self, vh).msg_ttl_seen = True
+
+    def _consumers_changed(self, added: Consumer | None) -> None:
+        if added is not None and "x-priority" in added.arguments:
+            # consumer priorities order the consumers: the featured engine does that
+            from broker.model import queue_featured
+            queue_featured.featured(self).consumers_changed()

@@ -4,7 +4,8 @@ Theory of operation
 -------------------
 A queue's type is its ``x-queue-type`` argument, checked and completed once at declare time by
 ``resolve``; everything after that reads ``type_of(q.arguments)``. There is one queue engine: a
-type only chooses checks and defaults at declare time and hooks in the queue config.
+type chooses checks and defaults at declare time and the queue's class (``StreamQueue``,
+``QuorumQueue``: broker/model/queue_featured.py), which shares delivery and settlement.
 
 - Unknown types are refused with 406 PRECONDITION_FAILED (AMQP and the HTTP API alike).
 - Without ``x-queue-type``, a durable, non-exclusive queue gets its vhost's
@@ -13,8 +14,10 @@ type only chooses checks and defaults at declare time and hooks in the queue con
   classic (RabbitMQ 4 falls back the same way).
 - Quorum and stream queues are durable, never exclusive, never auto-delete: 406 otherwise, with
   RabbitMQ's ``invalid property`` texts. Quorum queues refuse ``x-max-priority`` (406) and a
-  consumer on a channel with a global prefetch (540, ``check_consume``), as RabbitMQ does.
-- Quorum queues: a delivery limit of 20 unless the queue or a policy sets one (RabbitMQ 4.0);
+  consumer on a channel with a global prefetch (540, ``check_consume``, asked by
+  ``QuorumQueue.check_consume``), as RabbitMQ does.
+- Quorum queues: two message-priority levels, always on (``QuorumPriorityStore``, chosen at
+  declare by the vhost); a delivery limit of 20 unless the queue or a policy sets one (RabbitMQ 4.0);
   ``x-delivery-count`` is carried on redeliveries by the features layer; ``x-dead-letter-strategy``
   accepts ``at-most-once`` and ``at-least-once``.
 """

@@ -49,12 +49,11 @@ import datetime
 import heapq
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Final, cast
+from typing import TYPE_CHECKING, Any, Final
 
 from broker import errors, properties
 from broker.model.queue import Consumer, Queue
 from broker.store.paths import queue_dir
-from broker.store.queue_store import QueueStore
 from broker.store.stream_store import Record, Retention, StreamPosition, StreamStore, parse_age
 
 if TYPE_CHECKING:
@@ -235,6 +234,7 @@ def with_offset_header(props: bytes, offset: int, timestamp_ms: int) -> bytes:
 
 
 class StreamQueue(Queue):
+    store: StreamStore
     __slots__ = ("stream", "_cursors", "_by_consumer", "_next_cid", "_more", "arg_retention",
                  "_call_later", "_retention_timer", "_age_waiting")
 
@@ -242,10 +242,10 @@ class StreamQueue(Queue):
                  schedule: Callable[[Callable[[], None]], object],
                  on_unused: Callable[[Queue], None], on_dirty: Callable[[Any], None],
                  call_later: CallLater | None = None) -> None:
-        # The session and management API read ``queue.store`` for counters, flush and sync;
-        # StreamStore provides that QueueStore surface (ready/unacked/bytes, flush, sync, close).
+        # The session and management API read ``queue.store`` for counters, flush and sync:
+        # the ``QueueCounters`` every queue's store provides (broker/store/api.py).
         super().__init__(vhost, name, durable=True, exclusive_owner=None, auto_delete=False,
-                         arguments=arguments, store=cast(QueueStore, stream), schedule=schedule,
+                         arguments=arguments, store=stream, schedule=schedule,
                          on_unused=on_unused, on_dirty=on_dirty)
         self.stream = stream
         self._cursors: dict[int, _Cursor] = {}
@@ -271,18 +271,15 @@ class StreamQueue(Queue):
             self._scheduled = True
             self._schedule(self._deliver)
 
-    def publish_run(self, ts: int, exchange: bytes, routing_key: bytes, props: list[bytes],
-                    bodies: list[bytes], persistent: bool, exrk: bytes, same: bool) -> None:
-        for p, body in zip(props, bodies, strict=True):
-            self.publish(ts, exchange, routing_key, p, body, persistent, exrk)
-
     @property
     def message_count(self) -> int:
         return self.stream.count
 
     # ------------------------------------------------------------- consumers
-    def check_consume(self, no_ack: bool, prefetch: int, arguments: dict[str, Any]) -> None:
-        """Validate a basic.consume before it is accepted (406 like RabbitMQ)."""
+    def check_consume(self, no_ack: bool, prefetch: int, global_prefetch: int,
+                      arguments: dict[str, Any]) -> None:
+        """Stream consumers: manual ack, a prefetch, a valid offset and filter (406 like RabbitMQ)."""
+        prefetch = prefetch or global_prefetch
         if no_ack:
             raise errors.PreconditionFailed(
                 "stream queues only support consumers with manual acknowledgement", 60, 20)
@@ -420,10 +417,6 @@ class StreamQueue(Queue):
         self.n_acked += 1
         self._commit(cur)
         self._maybe_forget(cur)
-
-    def ack_many(self, msgids: list[int]) -> None:
-        for msgid in msgids:
-            self.ack(msgid)
 
     def reject(self, msgid: int, requeue: bool) -> None:
         if self.deleted:

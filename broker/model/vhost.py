@@ -32,13 +32,15 @@ from pamqp.base import Frame as PFrame
 from broker import errors
 from broker.model import exchange_features, features, policy, queue_types
 from broker.model import publish as publishing
-from broker.model.exchange import Exchange
+from broker.model.exchange import Exchange, check_x_match
 from broker.model.fastpaths import FastPaths
 from broker.model.limits import VHostLimits
-from broker.model.queue import Queue
+from broker.model.queue import ClassicQueue, Queue
 from broker.model.vhost_meta import VHostMeta
+from broker.store.api import MessageStore
 from broker.store.definitions import DefinitionsLog
 from broker.store.paths import queue_dir, vhost_dir
+from broker.store.priority_store import PriorityStore, QuorumPriorityStore
 from broker.store.queue_store import QueueStore
 from broker.store.segment_log import SegmentFiles
 from broker.store.sink import NULL_SINK, ReplicationSink
@@ -227,7 +229,9 @@ class VHost:
 
     def delete_exchange(self, name: str, if_unused: bool = False) -> None:
         if name == "" or name.startswith("amq."):
-            raise errors.AccessRefused(f"operation not permitted on the default exchange '{name}'")
+            raise errors.AccessRefused("operation not permitted on the default exchange" if not name
+                                       else f"deletion of system exchange '{name}' in vhost "
+                                       f"'{self.name}' refused")
         ex = self.exchanges.get(name)
         if ex is None:
             return  # RabbitMQ: deleting a missing exchange is ok
@@ -247,10 +251,7 @@ class VHost:
         if q is None:
             raise errors.NotFound(f"no queue '{name}' in vhost '{self.name}'")
         if q.exclusive_owner is not None and q.exclusive_owner is not owner:
-            raise errors.ResourceLocked(
-                f"cannot obtain exclusive access to locked queue '{name}' in vhost '{self.name}'. "
-                "It could be originally declared on another connection or the exclusive property "
-                "value does not match that of the original declaration.")
+            raise errors.ResourceLocked(_locked(name, self.name))
         return q
 
     def declare_queue(
@@ -279,6 +280,8 @@ class VHost:
             for what, cur, new in (("durable", q.durable, durable),
                                    ("exclusive", q.exclusive_owner is not None, exclusive),
                                    ("auto_delete", q.auto_delete, auto_delete)):
+                if cur != new and what == "exclusive":  # RabbitMQ: 405, as for another's queue
+                    raise errors.ResourceLocked(_locked(name, self.name))
                 if cur != new:
                     raise errors.PreconditionFailed(
                         f"inequivalent arg '{what}' for queue '{name}' in vhost '{self.name}': "
@@ -286,12 +289,12 @@ class VHost:
             if not _equivalent(q.arguments, arguments):
                 raise errors.PreconditionFailed(
                     f"inequivalent arguments for queue '{name}' in vhost '{self.name}'")
-            if q.features is not None:
-                q.features.touch()  # a redeclare counts as use for x-expires
+            q.touch()  # a redeclare counts as use for x-expires
             return q, False
         if not self._replaying:  # a queue recovered from the log keeps the type it was created with
             arguments = queue_types.resolve(arguments, durable=durable, exclusive=exclusive,
                                             auto_delete=auto_delete, queue=name, vhost=self.name)
+            features.check_queue_mode(arguments, name, self.name)
         if arguments.get("x-queue-type") == "stream":  # stream queues: broker/model/stream.py
             from broker.model.stream import new_stream_queue
             q = new_stream_queue(self, name, durable=durable, exclusive=exclusive,
@@ -317,14 +320,18 @@ class VHost:
             if tdir.exists():
                 shutil.rmtree(tdir, ignore_errors=True)
             store = QueueStore(tdir, segment_size=self.segment_size, sink=NULL_SINK, files=self.files)
-        store = features.make_store(store, args_cfg)  # x-max-priority: one store per level
-        q = Queue(self.name, name, durable=durable, exclusive_owner=owner if exclusive else None,
-                  auto_delete=auto_delete, arguments=arguments, store=store, schedule=self.schedule,
+        messages: MessageStore = store
+        if args_cfg.max_priority:  # x-max-priority: one store per level
+            messages = PriorityStore(store, args_cfg.max_priority)
+        elif queue_types.type_of(arguments) == queue_types.QUORUM:  # RabbitMQ 4: two levels, always on
+            messages = QuorumPriorityStore(store)
+        q = ClassicQueue(self.name, name, durable=durable, exclusive_owner=owner if exclusive else None,
+                  auto_delete=auto_delete, arguments=arguments, store=messages, schedule=self.schedule,
                   on_unused=self._queue_unused, on_dirty=self.mark_dirty, fast=self.fast)
         self.queues[name] = q
         self.queues_created += not self._replaying
         self.exchanges[""].bind(q, name)
-        policy.apply_to_queue(self, q)  # features from arguments and policies (None if plain)
+        policy.apply_to_queue(self, q)  # its type, from arguments and policies (plain: stays classic)
         if persistent:
             self._log(commands.Queue.Declare(queue=name, durable=True, auto_delete=auto_delete,
                                              arguments=arguments))
@@ -371,6 +378,8 @@ class VHost:
         ex = self.get_exchange(exchange)
         if exchange == "":
             raise errors.AccessRefused("operation not permitted on the default exchange")
+        if ex.kind == "headers" and arguments and not self._replaying:  # not on recovery: a
+            check_x_match(arguments)  # binding stored before this check must not stop a start
         if ex.bind(q, routing_key, arguments) and ex.durable and q.durable and q.exclusive_owner is None:
             self._log(commands.Queue.Bind(queue=queue, exchange=exchange, routing_key=routing_key,
                                           arguments=arguments))
@@ -381,6 +390,8 @@ class VHost:
             raise errors.AccessRefused("operation not permitted on the default exchange")
         if queue not in self.queues or exchange not in self.exchanges:
             return  # RabbitMQ: unbinding from a queue or exchange that is gone is ok
+        if not self.exchanges[exchange].is_bound(self.queues[queue], routing_key, arguments):
+            return  # ... and so is a binding that does not exist, before any exclusivity check
         q = self.get_queue(queue, owner)
         ex = self.get_exchange(exchange)
         if ex.unbind(q, routing_key, arguments):
@@ -396,6 +407,8 @@ class VHost:
         src = self.get_exchange(source)
         if source == "" or destination == "":
             raise errors.AccessRefused("operation not permitted on the default exchange")
+        if src.kind == "headers" and arguments and not self._replaying:
+            check_x_match(arguments)
         if src.bind(dst, routing_key, arguments) and src.durable and dst.durable:
             self._log(commands.Exchange.Bind(destination=destination, source=source,
                                              routing_key=routing_key, arguments=arguments))
@@ -449,3 +462,9 @@ class VHost:
             except Exception:  # keep closing the rest
                 log.exception("closing queue %s", q.name)
         self.definitions.close()
+
+
+def _locked(queue: str, vhost: str) -> str:
+    return (f"cannot obtain exclusive access to locked queue '{queue}' in vhost '{vhost}'. It could "
+            "be originally declared on another connection or the exclusive property value does not "
+            "match that of the original declaration.")

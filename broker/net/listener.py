@@ -12,6 +12,11 @@ an accept loop on a non-blocking socket. For each accepted connection it
   header's bytes are read off the socket, and the address it carries becomes
   the connection's peer; from anyone else the connection is closed and logged.
 
+A peer found in ``remap`` (a cluster leader's own end of a follower's client
+tunnel, recorded before its first byte was sent) is reported as the client
+address that map names; a PROXY header on such a leg was written by that
+client, so the client's address, not the leg's, decides whether it is trusted.
+
 Then the socket is handed to ``loop.connect_accepted_socket`` with the
 listener's current TLS context, if any: the header travels in clear before
 the TLS handshake (as HAProxy sends it), and the loop's own TLS transport
@@ -31,7 +36,7 @@ import errno
 import logging
 import socket
 import ssl
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from broker.net import proxy
@@ -50,8 +55,10 @@ class Listener:
     """One listening socket serving one protocol, optionally over TLS."""
 
     def __init__(self, name: str, factory: ProtocolFactory, trusted: Callable[[str], bool], *,
-                 tls: Callable[[], ssl.SSLContext] | None = None, nodelay: bool = True) -> None:
+                 tls: Callable[[], ssl.SSLContext] | None = None, nodelay: bool = True,
+                 remap: Mapping[Peer, Peer] | None = None) -> None:
         self.name = name
+        self.remap = remap if remap is not None else {}
         self.factory = factory
         self.trusted = trusted
         self.tls = tls  # called per connection: a SIGHUP reload applies to the next accept
@@ -107,13 +114,15 @@ class Listener:
                 pass
         try:
             peer = await asyncio.wait_for(self._strip_proxy_header(loop, conn, peer), HEADER_TIMEOUT)
+            peer = self.remap.get(peer, peer)
             ctx = self.tls() if self.tls is not None else None
             real = peer
             await loop.connect_accepted_socket(
                 lambda: self.factory(real), conn, ssl=ctx,
                 ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT if ctx is not None else None)
         except _Refused as exc:
-            log.warning("%s: closed connection from %s:%d: %s", self.name, peer[0], peer[1], exc)
+            who = self.remap.get(peer, peer)
+            log.warning("%s: closed connection from %s:%d: %s", self.name, who[0], who[1], exc)
             conn.close()
         except TimeoutError:
             log.info("%s: connection from %s:%d sent nothing in time", self.name, peer[0], peer[1])
@@ -143,7 +152,8 @@ class Listener:
             if kind is proxy.Sniff.MORE:
                 await asyncio.sleep(_PARTIAL_WAIT)
                 continue
-            if not self.trusted(peer[0]):
+            # on a tunnel leg the client wrote the header: its address decides, not the leg's
+            if not self.trusted(self.remap.get(peer, peer)[0]):
                 raise _Refused("PROXY header from an untrusted peer")
             try:
                 parsed = proxy.parse(data)

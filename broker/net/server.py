@@ -15,8 +15,8 @@ not paused for that: the client's acks are what frees its capacity. Only when
 replies it has not read pass ``[amqp] max_bytes_in_flight`` (a client that
 publishes mandatory messages to nowhere or gets large messages and never
 reads) is the client not read until ``resume_writing``. Reading is also paused
-by resource alarms (broker/net/alarms.py) and by the memory gate for bodies
-being assembled (broker/net/memory.py).
+by resource alarms (broker/amqp/alarms.py) and by the memory gate for bodies
+being assembled (broker/amqp/memory.py).
 
 Heartbeats and handshake/close timeouts run from one periodic tick over all
 connections instead of a timer per connection. A connection we are not reading
@@ -41,12 +41,12 @@ from collections.abc import Callable
 
 from broker import errors, tls
 from broker.amqp import codec
+from broker.amqp.alarms import check_consumer_timeouts
+from broker.amqp.broker import Broker
 from broker.amqp.connection import State
+from broker.amqp.session import Session
 from broker.net import proxy
-from broker.net.alarms import check_consumer_timeouts
-from broker.net.broker import Broker
 from broker.net.listener import Listener, Peer
-from broker.net.session import Session
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class AMQPProtocol(asyncio.Protocol):
         self._header_fed = 0  # protocol-header bytes given to the session before connection.start
         self._admitted = False  # the login throttle let this connection's start-ok through
         self._out_limit = _WRITE_HIGH_WATER
-        # memory gate (broker/net/memory.py): body bytes admitted, and whether we wait for more
+        # memory gate (broker/amqp/memory.py): body bytes admitted, and whether we wait for more
         self.reserved = 0
         self._mem_wait = False
         # replies the client has not read yet past max_bytes_in_flight: not read until it does
@@ -356,7 +356,8 @@ class AMQPServer:
         """Open one listener (plain, or AMQPS with ``tls_context``); returns its bound address."""
         listener = Listener("AMQPS" if tls_context else "AMQP",
                             lambda peer: AMQPProtocol(self.broker, self.protocols, peer),
-                            self.trusted, tls=tls_context, nodelay=self.broker.config.amqp.tcp_nodelay)
+                            self.trusted, tls=tls_context, nodelay=self.broker.config.amqp.tcp_nodelay,
+                            remap=self.broker.proxied_peers)
         address = await listener.start(host, port)
         self.listeners.append(listener)
         if self._ticker is None:

@@ -18,6 +18,8 @@ import struct
 from collections.abc import Mapping
 from typing import Union
 
+from broker.properties import FLAG_DELIVERY_MODE, FLAG_MESSAGE_ID
+
 FRAME_METHOD = 1
 FRAME_HEADER = 2
 FRAME_BODY = 3
@@ -69,9 +71,7 @@ BASIC_NACK = (60, 120)
 CONFIRM_SELECT = (85, 10)
 CONFIRM_SELECT_OK = (85, 11)
 
-# Content-header property flag bits we use (spec order: content-type is bit 15).
-FLAG_DELIVERY_MODE = 0x1000
-FLAG_MESSAGE_ID = 0x0080
+# Content-header property flag bits: broker.properties' (the one vocabulary).
 MESSAGE_ID_LEN = 12  # --message-ids: every message of a batch gets its own, of this length
 
 _FRAME_HEAD = struct.Struct(">BHI")

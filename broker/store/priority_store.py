@@ -15,6 +15,15 @@ A msgid is ``level << 64 | inner msgid``; the inner msgid is the sub-store's
 table. ``shift``/``peek`` serve the highest non-empty level first; within a
 level the order is the sub-store's (requeued first, then publish order). The
 rest of the ``QueueStore`` interface fans out to the sub-stores or sums them.
+
+``QuorumPriorityStore`` is RabbitMQ 4's message priority for quorum queues: always on, no
+``x-max-priority``, exactly two levels (a ``priority`` property above 4 is high, anything
+else, absent included, normal). While both levels hold ready messages, two of every three
+deliveries take the high head and every third takes the *older* of the two heads (by
+publish time; a tie goes to the normal one), so normal messages are never starved: a
+backlog of normal messages followed by high ones drains at two high per normal, while high
+messages published first are not overtaken by younger normal ones. The turn counts only
+deliveries made while both levels wait; while one level does, deliveries take its runs.
 """
 
 from __future__ import annotations
@@ -23,6 +32,8 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from broker import properties
+from broker.store.api import DeliverOne, DeliverSame, Delivery
 from broker.store.queue_store import QueueStore
 
 _SHIFT = 64
@@ -61,16 +72,39 @@ class PriorityStore:
     def _of(self, msgid: int) -> tuple[QueueStore, int]:
         return self._levels[msgid >> _SHIFT], msgid & _INNER
 
+    def _store_for(self, props: bytes | memoryview) -> tuple[int, QueueStore]:
+        """The level a message with ``props`` goes to, and that level's store."""
+        level = self.level_of(properties.priority(props))
+        return level, self._levels.get(level) or self._open(level)
+
     # ------------------------------------------------------------------ publishing
     def append(self, timestamp_ms: int, exchange: bytes, routing_key: bytes,
                props: bytes | memoryview, body: bytes | bytearray | memoryview) -> int:
-        return self.append_priority(0, timestamp_ms, exchange, routing_key, props, body)
+        return self.append_priority(properties.priority(props), timestamp_ms, exchange, routing_key,
+                                    props, body)
 
-    def append_priority(self, level: int, timestamp_ms: int, exchange: bytes, routing_key: bytes,
+    def level_of(self, priority: int) -> int:
+        """The level a message with this ``priority`` property is stored at."""
+        return max(0, min(priority, self.max_priority))
+
+    def append_priority(self, priority: int, timestamp_ms: int, exchange: bytes, routing_key: bytes,
                         props: bytes | memoryview, body: bytes | bytearray | memoryview) -> int:
-        level = max(0, min(level, self.max_priority))
+        level = self.level_of(priority)
         store = self._levels.get(level) or self._open(level)
         return (level << _SHIFT) | store.append(timestamp_ms, exchange, routing_key, props, body)
+
+    def append_taken(self, timestamp_ms: int, exchange: bytes, routing_key: bytes,
+                     props: bytes | memoryview, body: bytes | bytearray | memoryview) -> int:
+        level, store = self._store_for(props)
+        return (level << _SHIFT) | store.append_taken(timestamp_ms, exchange, routing_key, props, body)
+
+    def append_run(self, timestamp_ms: int, exrk: bytes, props: list[bytes], bodies: list[bytes],
+                   same: bool) -> None:
+        if same:
+            self._store_for(props[0])[1].append_run(timestamp_ms, exrk, props, bodies, True)
+            return
+        for p, body in zip(props, bodies, strict=True):
+            self._store_for(p)[1].append_run(timestamp_ms, exrk, [p], [body], True)
 
     # ------------------------------------------------------------------ consuming
     def shift(self) -> int | None:
@@ -81,6 +115,36 @@ class PriorityStore:
                 if inner is not None:
                     return (level << _SHIFT) | inner
         return None
+
+    def next_delivery(self, autoack: bool) -> Delivery | None:
+        for level in self._order:
+            store = self._levels[level]
+            if store.ready_count:
+                got = store.next_delivery(autoack)
+                if got is not None:
+                    return (level << _SHIFT) | got[0], got[1], got[2], got[3], got[4]
+        return None
+
+    def deliver_run(self, k: int, autoack: bool, deliver: DeliverOne, max_bytes: int,
+                    deliver_same: DeliverSame | None = None) -> tuple[int, int, int]:
+        """``QueueStore.deliver_run`` level by level, highest first, with the level in every msgid."""
+        n = red = nbytes = 0
+        for level in self._order:
+            store = self._levels[level]
+            if n >= k or nbytes > max_bytes:
+                break
+            if not store.ready_count:
+                continue
+            one, same = _at_level(level, deliver, deliver_same) if level else (deliver, deliver_same)
+            got = store.deliver_run(k - n, autoack, one, max_bytes - nbytes, same)
+            n += got[0]
+            red += got[1]
+            nbytes += got[2]
+        return n, red, nbytes
+
+    def end_pass(self) -> None:
+        for s in self._levels.values():
+            s.end_pass()
 
     def peek(self) -> int | None:
         for level in self._order:
@@ -103,6 +167,13 @@ class PriorityStore:
         store, inner = self._of(msgid)
         store.ack(inner)
 
+    def ack_many(self, msgids: list[int]) -> None:
+        by_level: dict[int, list[int]] = {}
+        for msgid in msgids:
+            by_level.setdefault(msgid >> _SHIFT, []).append(msgid & _INNER)
+        for level, inner in by_level.items():
+            self._levels[level].ack_many(inner)
+
     def requeue(self, msgid: int) -> None:
         store, inner = self._of(msgid)
         store.requeue(inner)
@@ -110,6 +181,23 @@ class PriorityStore:
     def is_redelivered(self, msgid: int) -> bool:
         store, inner = self._of(msgid)
         return store.is_redelivered(inner)
+
+    # delivery counts (x-delivery-count, delivery_counts.py): kept by the level's store
+    @property
+    def counting(self) -> bool:
+        return any(s.counting for s in self._levels.values())
+
+    def count_of(self, msgid: int) -> int:
+        store, inner = self._of(msgid)
+        return store.count_of(inner)
+
+    def set_count(self, msgid: int, count: int) -> None:
+        store, inner = self._of(msgid)
+        store.set_count(inner, count)
+
+    def forget_count(self, msgid: int) -> None:
+        store, inner = self._of(msgid)
+        store.forget_count(inner)
 
     def purge(self) -> int:
         return sum(s.purge() for s in list(self._levels.values()))
@@ -156,6 +244,105 @@ class PriorityStore:
             if level:
                 s.delete()
         self._base.delete()
+
+
+class QuorumPriorityStore(PriorityStore):
+    HIGH_ABOVE = 4  # AMQP 1.0 / RabbitMQ 4: priorities 0-4 are normal, 5 and up high
+    WEIGHT = 2  # high deliveries per normal one while both levels wait
+
+    def __init__(self, base: QueueStore) -> None:
+        super().__init__(base, 1)
+        self._turn = 0  # deliveries (while both levels waited) since the last "older head" turn
+
+    def level_of(self, priority: int) -> int:
+        return 1 if priority > self.HIGH_ABOVE else 0
+
+    def _both_wait(self) -> bool:
+        high = self._levels.get(1)
+        return self._base.ready_count > 0 and high is not None and high.ready_count > 0
+
+    def _head_level(self) -> int | None:
+        """The level the next delivery takes from; advances the turn when both levels wait."""
+        normal = self._base
+        high = self._levels.get(1)
+        if not (high is not None and high.ready_count):
+            return 0 if normal.ready_count else None
+        if not normal.ready_count:
+            return 1
+        level = 1
+        if self._turn >= self.WEIGHT:
+            n_head, h_head = normal.peek(), high.peek()
+            if n_head is not None and (h_head is None or normal.read_timestamp(n_head)
+                                       <= high.read_timestamp(h_head)):
+                level = 0
+            self._turn = 0
+        else:
+            self._turn += 1
+        return level
+
+    def _peek_level(self) -> int | None:
+        turn = self._turn
+        level = self._head_level()
+        self._turn = turn
+        return level
+
+    def shift(self) -> int | None:
+        level = self._head_level()
+        if level is None:
+            return None
+        inner = self._levels[level].shift()
+        return None if inner is None else (level << _SHIFT) | inner
+
+    def peek(self) -> int | None:
+        level = self._peek_level()
+        if level is None:
+            return None
+        inner = self._levels[level].peek()
+        return None if inner is None else (level << _SHIFT) | inner
+
+    def next_delivery(self, autoack: bool) -> Delivery | None:
+        level = self._head_level()
+        if level is None:
+            return None
+        got = self._levels[level].next_delivery(autoack)
+        if got is None:
+            return None
+        return (level << _SHIFT) | got[0], got[1], got[2], got[3], got[4]
+
+    def deliver_run(self, k: int, autoack: bool, deliver: DeliverOne, max_bytes: int,
+                    deliver_same: DeliverSame | None = None) -> tuple[int, int, int]:
+        """One by one while both levels wait (the weighted order), then the one level's runs."""
+        n = red = nbytes = 0
+        while n < k and nbytes <= max_bytes and self._both_wait():
+            got = self.next_delivery(autoack)
+            if got is None:
+                break
+            n += 1
+            red += got[4]
+            nbytes += len(got[3])
+            deliver(*got)
+        if n < k and nbytes <= max_bytes:
+            more = super().deliver_run(k - n, autoack, deliver, max_bytes - nbytes, deliver_same)
+            n, red, nbytes = n + more[0], red + more[1], nbytes + more[2]
+        return n, red, nbytes
+
+
+def _at_level(level: int, deliver: DeliverOne,
+              deliver_same: DeliverSame | None) -> tuple[DeliverOne, DeliverSame | None]:
+    """``deliver``/``deliver_same`` for a sub-store's msgids: the level goes into each msgid."""
+    top = level << _SHIFT
+
+    def one(msgid: int, exrk: bytes, props: bytes, body: bytes, redelivered: bool) -> None:
+        deliver(top | msgid, exrk, props, body, redelivered)
+
+    if deliver_same is None:
+        return one, None
+    run = deliver_same
+
+    def same(msgids: range, exrk: bytes, props: bytes, bodies: list[bytes]) -> None:
+        run(range(top | msgids.start, top | msgids.stop, msgids.step), exrk, props, bodies)
+
+    return one, same
 
 
 def sub_directory(directory: Path, level: int) -> Path:

@@ -4,7 +4,8 @@ Theory of operation
 -------------------
 Files in the queue directory: segments ``msgs.NNNNNNNNNN`` (format in ``segment.py``), one
 ack file ``acks.NNNNNNNNNN`` per segment that has acks (u32 version header, then u32
-positions of acked records), and ``meta`` (delivered high-water mark, next segment number).
+positions of acked records), ``meta`` (delivered high-water mark, next segment number), and
+for queues that count returns, ``counts`` (``delivery_counts.py``).
 
 Writing. The write segment, its disk allocation (space reserved before it is written, so
 a full disk is ``DiskFull``, never SIGBUS), roll-over and retirement are ``SegmentLog``'s
@@ -73,9 +74,11 @@ from typing import Any, Final
 
 from broker.errors import StoreError
 from broker.store import segment as fmt
+from broker.store.delivery_counts import NAME as COUNTS_NAME
+from broker.store.delivery_counts import DeliveryCounts
 from broker.store.fileio import atomic_write, datasync
 from broker.store.segment import HEADER, HEADER_SIZE, POS_MASK, Segment, record_end
-from broker.store.segment_log import SegmentFiles, SegmentLog, is_no_space
+from broker.store.segment_log import SegmentFiles, SegmentLog, append_whole, is_no_space
 from broker.store.sink import NULL_SINK, ReplicationSink
 
 DEFAULT_SEGMENT_SIZE: Final = 8 * 1024 * 1024
@@ -94,6 +97,7 @@ _U32_PACK: Final = fmt.U32.pack
 _U32_UNPACK: Final = fmt.U32.unpack_from
 _U64_UNPACK: Final = fmt.U64.unpack_from
 _U64_PACK: Final = fmt.U64.pack
+_I64_UNPACK: Final = fmt.I64.unpack_from
 _NO_POSITIONS: Final[list[int]] = []  # never appended to: each autoack run starts a new list
 
 
@@ -132,6 +136,7 @@ class QueueStore(SegmentLog[Segment]):
         "_ack_unsynced",
         "_bytes_ready",
         "_cnum",
+        "_counts",
         "_cpos",
         "_heap",
         "_hwm",
@@ -180,6 +185,7 @@ class QueueStore(SegmentLog[Segment]):
         self._meta_written = b""  # meta as last written to the file (fsynced or not)
         self._meta_unsynced = False  # meta written since its last fsync
         self._meta_sent = b""
+        self._counts: DeliveryCounts | None = None  # delivery_counts.py: only queues that count
         try:
             os.makedirs(self._dir, exist_ok=True)
             self._recover()
@@ -637,6 +643,13 @@ class QueueStore(SegmentLog[Segment]):
         mm = seg.mm if seg.mm is not None else self._map_read(seg)
         return fmt.read_record(mm, msgid & POS_MASK)
 
+    def read_timestamp(self, msgid: int) -> int:
+        """The publish time (ms) of ``msgid``, without copying the record."""
+        seg = self._segment_of(msgid)
+        mm = seg.mm if seg.mm is not None else self._map_read(seg)
+        ts: int = _I64_UNPACK(mm, msgid & POS_MASK)[0]
+        return ts
+
     def read_body_size(self, msgid: int) -> int:
         seg = self._segment_of(msgid)
         mm = seg.mm if seg.mm is not None else self._map_read(seg)
@@ -714,6 +727,28 @@ class QueueStore(SegmentLog[Segment]):
     def is_redelivered(self, msgid: int) -> bool:
         return msgid in self._requeued or msgid <= self._recovered_hwm
 
+    # Delivery counts (x-delivery-count): durable like acks, see delivery_counts.py.
+    @property
+    def counting(self) -> bool:
+        """Whether any message in the store has a delivery count."""
+        return self._counts is not None and bool(self._counts.counts)
+
+    def count_of(self, msgid: int) -> int:
+        return 0 if self._counts is None else self._counts.counts.get(msgid, 0)
+
+    def set_count(self, msgid: int, count: int) -> None:
+        if self._counts is None:
+            self._counts = DeliveryCounts(self._dir, self._lock, self._sink, self._files)
+        self._counts.set(msgid, count)
+        if not self._dirty:
+            self._set_dirty()
+        if self._through:
+            self._write_through()
+
+    def forget_count(self, msgid: int) -> None:
+        if self._counts is not None:
+            self._counts.forget(msgid)
+
     def purge(self) -> int:
         """Drop every READY message (acked on disk); unacked ones stay. Returns the count."""
         purged = self._ready
@@ -749,6 +784,8 @@ class QueueStore(SegmentLog[Segment]):
             self._cnum, self._cpos = self._next_num, HEADER_SIZE
         self._ready = 0
         self._bytes_ready = 0
+        if self._counts is not None:
+            self._counts.keep_only(self._unacked)
         if self._through:
             self._write_through()
         return purged
@@ -796,6 +833,8 @@ class QueueStore(SegmentLog[Segment]):
         """Write buffered ack bytes to the ack files (no fsync); send a changed meta to the sink."""
         with self._lock:
             self._write_acks_locked()
+            if self._counts is not None:
+                self._counts.write_locked()
         if self._sink.active:
             meta = self._meta_bytes()
             if meta != self._meta_sent:
@@ -807,6 +846,8 @@ class QueueStore(SegmentLog[Segment]):
         (kill -9 can no longer lose them); the syncer's next group commit fsyncs them."""
         with self._lock:
             self._write_acks_locked()
+            if self._counts is not None:
+                self._counts.write_locked()
             meta = self._meta_bytes()
             if meta != self._meta_written:
                 self._write_meta(meta, fsync=False)
@@ -819,7 +860,7 @@ class QueueStore(SegmentLog[Segment]):
             seg = self._segs[num]
             fd = os.open(seg.ack_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             try:
-                if not _append_whole(fd, seg.ack_buf):
+                if not append_whole(fd, seg.ack_buf):
                     # Disk full: the acks stay buffered (and in memory) for the next sync;
                     # deleting fully acked segments is what frees space meanwhile.
                     self._files.no_space(seg.ack_path, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
@@ -845,6 +886,11 @@ class QueueStore(SegmentLog[Segment]):
         window sync, since every extra fdatasync adds a journal commit to every
         confirm's latency."""
         self._write_acks_locked()
+        counts = self._counts
+        if counts is not None:
+            counts.write_locked()
+            if full and counts.take_unsynced():
+                paths.append(counts.path)
         if full and self._ack_unsynced:
             paths.extend(self._segs[n].ack_path for n in self._ack_unsynced if n in self._segs)
             self._ack_unsynced.clear()
@@ -889,7 +935,11 @@ class QueueStore(SegmentLog[Segment]):
     def _recover(self) -> None:
         seg_nums: list[int] = []
         ack_nums: set[int] = set()
+        has_counts = False
         for entry in os.scandir(self._dir):
+            if entry.name == COUNTS_NAME:
+                has_counts = True
+                continue
             num = fmt.parse_number(entry.name, "msgs.")
             if num is not None:
                 seg_nums.append(num)
@@ -917,6 +967,15 @@ class QueueStore(SegmentLog[Segment]):
         self._next_num = max(next_num, highest + 1, (hwm >> 32) + 1, 1)
         self._cnum = self._order[0] if self._order else self._next_num
         self._cpos = HEADER_SIZE
+        if has_counts:
+            self._counts = DeliveryCounts.load(self._dir, self._lock, self._sink, self._files,
+                                               self._is_stored, self._remove_file)
+
+    def _is_stored(self, msgid: int) -> bool:
+        """Whether ``msgid`` names a recovered record that is not acked."""
+        seg = self._segs.get(msgid >> 32)
+        pos = msgid & POS_MASK
+        return seg is not None and HEADER_SIZE <= pos < seg.end and pos not in seg.acked
 
     def _recover_segment(self, directory: Path, num: int, has_acks: bool) -> Segment | None:
         seg = Segment(directory, num)
@@ -999,23 +1058,6 @@ class QueueStore(SegmentLog[Segment]):
             return 0, 1
         self._meta_written = data
         return int(hwm), int(next_num)
-
-
-def _append_whole(fd: int, data: bytes | bytearray) -> bool:
-    """Append all of ``data`` to an O_APPEND file, or nothing: False if the disk is full
-    (a partial write is cut off again, so the file stays whole u32 entries)."""
-    view = memoryview(data)
-    done = 0
-    try:
-        while done < len(view):
-            done += os.write(fd, view[done:])
-    except OSError as exc:
-        if not is_no_space(exc):
-            raise
-        if done:
-            os.ftruncate(fd, os.fstat(fd).st_size - done)
-        return False
-    return True
 
 
 def _all_zero(fd: int, size: int) -> bool:

@@ -150,6 +150,23 @@ def is_no_space(exc: OSError) -> bool:
     return exc.errno in _NO_SPACE
 
 
+def append_whole(fd: int, data: bytes | bytearray) -> bool:
+    """Append all of ``data`` to an O_APPEND file, or nothing: False if the disk is full
+    (a partial write is cut off again, so the file keeps whole records)."""
+    view = memoryview(data)
+    done = 0
+    try:
+        while done < len(view):
+            done += os.write(fd, view[done:])
+    except OSError as exc:
+        if not is_no_space(exc):
+            raise
+        if done:
+            os.ftruncate(fd, os.fstat(fd).st_size - done)
+        return False
+    return True
+
+
 def _round_up(n: int) -> int:
     return -(-n // _PAGE) * _PAGE
 

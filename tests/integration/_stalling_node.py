@@ -19,9 +19,9 @@ from pathlib import Path
 from broker import cli
 from broker.config import Config
 from broker.metrics import ClusterInfo
-from broker.net.syncer import Syncable
 from broker.node import Node, NodeHost
 from broker.store.sink import ReplicationSink
+from broker.syncer import Syncable
 
 
 class _StallWhileFileExists:

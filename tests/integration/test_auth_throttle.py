@@ -9,12 +9,16 @@ for the source that must not be delayed, so machine load cannot make them flaky.
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import http.client
 import socket
 import struct
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from pamqp import commands
@@ -106,3 +110,60 @@ def test_http_basic_auth_is_throttled_too(broker: SkredProcess) -> None:
     assert codes == [401] * 10
     assert burst >= 0.7, f"10 wrong HTTP passwords took only {burst:.2f}s"  # waits 0.05+0.1+0.2+0.4
     assert WRONG not in broker.log_text()
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    t0 = time.monotonic()
+    out = fn()
+    return out, time.monotonic() - t0
+
+
+def test_lmq_logins_share_the_throttle_and_its_limits_are_options(broker_factory: Callable[..., Any]) -> None:
+    """LMQ's HTTP basic auth and RPC authenticate are throttled like AMQP and the management
+    API, with the limits of --login-throttle-*: one free failure, then 0.3 s doubling."""
+    aio_msgpack_rpc = pytest.importorskip("aio_msgpack_rpc")
+    b = broker_factory(["--lmq-auth", "--login-throttle-free", "1", "--login-throttle-delay", "300",
+                        "--login-throttle-max-delay", "1000"])
+    http_port, rpc_port = b.lmq_http_port, b.lmq_rpc_port
+
+    def post(password: str, source: str = "127.0.0.1") -> int:
+        conn = http.client.HTTPConnection("127.0.0.1", http_port, timeout=20, source_address=(source, 0))
+        try:
+            token = base64.b64encode(f"guest:{password}".encode()).decode()
+            conn.request("POST", "/messages/throttled", body=b"x",
+                         headers={"Authorization": f"Basic {token}"})
+            return int(conn.getresponse().status)
+        finally:
+            conn.close()
+
+    # HTTP from 127.0.0.1: one free failure, then waits of 0, 0.3, 0.6, 1.0 (capped) s (by the
+    # defaults, 5 free failures, these 5 attempts would not wait at all)
+    codes, took = _timed(lambda: [post(WRONG) for _ in range(5)])
+    assert codes == [401] * 5
+    assert took >= 1.8, f"5 wrong LMQ HTTP passwords took only {took:.2f}s: not throttled by the options"
+
+    async def rpc_burst() -> tuple[list[str], float, str]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", rpc_port, local_addr=("127.0.0.2", 0))
+        client = aio_msgpack_rpc.Client(reader, writer, response_timeout=30)
+        try:
+            t0 = time.monotonic()
+            errors = []
+            for _ in range(4):
+                with pytest.raises(aio_msgpack_rpc.error.RPCResponseError) as exc:
+                    await client.call("authenticate", "guest", WRONG)
+                errors.append(str(exc.value))
+            took = time.monotonic() - t0
+            return errors, took, await client.call("authenticate", "guest", "guest")
+        finally:
+            client.close()
+
+    # RPC from another source (127.0.0.2): its own count, throttled the same way
+    errors, took, ok = asyncio.run(asyncio.wait_for(rpc_burst(), 60))
+    assert all("login failed" in e for e in errors), errors
+    assert took >= 0.8, f"4 wrong RPC passwords took only {took:.2f}s"  # 0 + 0 + 0.3 + 0.6
+    assert ok == "ok"  # the right password still gets in, after its turn
+    log = b.log_text()
+    assert "LMQ HTTP login refused for user 'guest' from 127.0.0.1" in log
+    assert "LMQ RPC login refused for user 'guest' from 127.0.0.2" in log
+    assert log.count("slowing down further attempts from it") == 2
+    assert WRONG not in log

@@ -136,6 +136,11 @@ def test_fuzz_message_properties(broker: Broker) -> None:
                 hp, body, _ = c.read_content()
                 assert (hp[12:], body) == (props, b"body")
                 seen["confirmed"] += 1
+            elif kind == "channel.close":  # a valid list with a value RabbitMQ refuses (406): an
+                # expiration that is no number, a user-id that is not the connection's user
+                assert decodable and props[1] & 0x10 | props[0] & 0x01, f"{m!r} for {props!r}"
+                assert (m.reply_code, m.class_id, m.method_id) == (406, 60, 40), (m.reply_text, props)
+                seen["refused"] += 1
             elif is_external():
                 assert kind in ("connection.close", "eof"), (kind, m)
             else:

@@ -421,8 +421,8 @@ def test_wrong_secret_refused_proxy_header_trusted_only_from_members(cluster: Cl
     assert codec.parse_welcome(reply).status == codec.BAD_SECRET
     wait_for(lambda: "wrong clustering secret" in leader.log_text(), 5, "refusal logged")
 
-    # Through a follower's AMQP proxy the leader sees the real client address (PROXY header), and
-    # the follower's HTTP proxy reaches the leader's management API.
+    # Through a follower's AMQP proxy the leader sees the real client address (the follower's
+    # tunnel names it), and the follower's HTTP proxy reaches the leader's management API.
     follower = followers[0]
     conn = pika.BlockingConnection(pika.URLParameters(follower.url))
     try:
@@ -452,7 +452,7 @@ def test_wrong_secret_refused_proxy_header_trusted_only_from_members(cluster: Cl
         except OSError:
             pass
     assert data == b"", data
-    # The same header through a follower's proxy is honoured: it is a cluster member.
+    # Clients of a follower still get in: its tunnels are no stranger's connections.
     assert followers[0].answers()
 
 

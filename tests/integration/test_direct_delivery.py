@@ -1,7 +1,7 @@
 """The direct hand-over: a publish to an empty plain queue goes straight to a waiting consumer.
 
 Theory of operation: with nothing ready in the queue and a consumer with room,
-``Queue.publish`` delivers at once. For an autoack consumer the message never
+``ClassicQueue.publish`` delivers at once. For an autoack consumer the message never
 touches the store; for a manual-ack consumer it is stored and taken in the
 same step, so it must still survive kill -9 until acked, come back on channel
 close, and keep its order against a backlog. These tests drive that path with

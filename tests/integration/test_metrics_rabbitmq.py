@@ -166,7 +166,7 @@ def test_rabbitmq_overview_dashboard_queries_return_data(mb: SkredProcess, tmp_p
         assert not empty, f"{len(empty)} of {len(DASHBOARD)} dashboard queries return nothing: {empty}"
         nodes = prom.query(f"sum(rabbitmq_queue_messages_ready {NODE_JOIN.replace('$namespace', '')}"
                            .replace("$rabbitmq_cluster", clusters[0]) + ") by(rabbitmq_node)")
-        assert nodes[0]["metric"]["rabbitmq_node"].startswith("skred@")
+        assert nodes[0]["metric"]["rabbitmq_node"] == Api(mb.mgmt_port).get("/api/overview")["node"]
         published = prom.query("rabbitmq_channel_messages_published_total")
         assert float(published[0]["value"][1]) >= 5
     finally:
@@ -204,3 +204,81 @@ def test_per_object_detailed_and_capabilities(mb: SkredProcess) -> None:
         assert api.call("GET", "/metrics/per-object")[0] == 200
     finally:
         conn.close()
+
+
+def _counter(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in the scrape")
+
+
+def test_deliveries_and_gets_counted_by_ack_mode(mb: SkredProcess) -> None:
+    """As RabbitMQ: autoack consumer deliveries and gets in ``..._delivered_total`` and
+    ``..._get_total``, manual-ack ones in the ``_ack_total`` variants."""
+    names = ("rabbitmq_channel_messages_delivered_total", "rabbitmq_channel_messages_delivered_ack_total",
+             "rabbitmq_channel_get_total", "rabbitmq_channel_get_ack_total")
+    before = {n: _counter(_scrape(mb, "/metrics"), n) for n in names}
+    conn = connect(mb)
+    try:
+        ch = conn.channel()
+        qn = unique("am")
+        ch.queue_declare(qn)
+        for _ in range(10):
+            ch.basic_publish("", qn, b"x")
+        for no_ack in (True, True, True, False):  # 3 autoack gets, 1 manual
+            method, _props, _body = ch.basic_get(qn, auto_ack=no_ack)
+            if not no_ack:
+                ch.basic_ack(method.delivery_tag)
+        got: list[int] = []
+        tag = ch.basic_consume(qn, lambda c, m, p, body: got.append(1), auto_ack=True)
+        wait_until(lambda: (conn.process_data_events(0.05), len(got) == 6)[1], 15, "6 autoack deliveries")
+        ch.basic_cancel(tag)
+        for _ in range(2):
+            ch.basic_publish("", qn, b"y")
+        acked: list[int] = []
+        ch.basic_consume(qn, lambda c, m, p, body: (c.basic_ack(m.delivery_tag), acked.append(1)))
+        wait_until(lambda: (conn.process_data_events(0.05), len(acked) == 2)[1], 15, "2 acked deliveries")
+        after = {n: _counter(_scrape(mb, "/metrics"), n) for n in names}
+    finally:
+        conn.close()
+    delta = {n: after[n] - before[n] for n in names}
+    assert delta == {"rabbitmq_channel_messages_delivered_total": 6,
+                     "rabbitmq_channel_messages_delivered_ack_total": 2,
+                     "rabbitmq_channel_get_total": 3, "rabbitmq_channel_get_ack_total": 1}, delta
+
+
+def _identity(b: SkredProcess) -> str:
+    for line in _scrape(b, "/metrics").splitlines():
+        if line.startswith("rabbitmq_identity_info{"):
+            labels = dict(part.split("=", 1) for part in line[line.index("{") + 1:line.index("}")].split(","))
+            return labels["rabbitmq_node"].strip('"')
+    raise AssertionError("no rabbitmq_identity_info")
+
+
+def test_nodes_on_one_host_have_unique_names(mb: SkredProcess, tmp_path: Path) -> None:
+    """RabbitMQ-style ``name@host`` node names, unique per node on one host (by AMQP port unless
+    configured), the same in /api/nodes, /api/overview, the queue listing and metric labels."""
+    other = start_mgmt_broker(tmp_path / "other", ["--node-name", "rabbit-b"])
+    try:
+        names = []
+        for b in (mb, other):
+            api = Api(b.mgmt_port)
+            conn = connect(b)
+            qn = unique("nn")
+            conn.channel().queue_declare(qn)
+            overview = api.get("/api/overview")["node"]
+            nodes = [n["name"] for n in api.get("/api/nodes")]
+            assert nodes == [overview]
+            assert api.get(f"/api/nodes/{urllib.parse.quote(overview, safe='')}")["name"] == overview
+            assert api.get(f"/api/queues/%2F/{qn}")["node"] == overview
+            assert _identity(b) == overview
+            # a lone node's cluster is named after the node (RabbitMQ's default cluster_name)
+            assert api.get("/api/cluster-name")["name"] == overview
+            conn.close()
+            names.append(overview)
+        host = names[0].split("@", 1)[1]
+        assert names[0] == f"skred-{mb.port}@{host}"  # not the default port: the port tells them apart
+        assert names[1] == f"rabbit-b@{host}"
+    finally:
+        other.close()

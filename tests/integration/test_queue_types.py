@@ -5,6 +5,7 @@ at-least-once`` keeping what the dead-letter target refuses, and the vhost ``def
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -193,3 +194,118 @@ def test_consumer_timeout_from_a_policy(mb: SkredProcess) -> None:
         if conn.is_open:
             conn.close()
         api.ok("DELETE", f"/api/policies/%2F/{q(name)}")
+
+
+def _publish_levels(ch: pika.adapters.blocking_connection.BlockingChannel, name: str,
+                    batches: list[tuple[str, int | None, int]]) -> None:
+    """Publish ``(label, priority, count)`` batches in order; a later batch is younger by at
+    least one clock millisecond (publish times order the two levels' heads)."""
+    for label, prio, count in batches:
+        start = time.time()
+        for i in range(count):
+            ch.basic_publish("", name, f"{label}{i}".encode(),
+                             pika.BasicProperties(priority=prio, delivery_mode=2))
+        ch.queue_declare(name, passive=True)  # a round trip: the batch is in the queue
+        wait_until(lambda start=start: time.time() > start + 0.002, 5, "the clock to move on")
+
+
+def test_quorum_two_priority_levels(mb: SkredProcess) -> None:
+    """RabbitMQ 4 quorum queues: priority above 4 is high, anything else normal (no
+    x-max-priority); with both waiting, two high for every normal, so a normal backlog is not
+    starved; high messages published first are not overtaken by younger normal ones."""
+    conn = connect(mb)
+    try:
+        ch = conn.channel()
+        name = unique("qprio")
+        ch.queue_declare(name, durable=True, arguments={"x-queue-type": "quorum"})
+        _publish_levels(ch, name, [("n", None, 3), ("n", 4, 3), ("h", 5, 3), ("h", 9, 3)])
+        got = [_get(ch, name)[2].decode() for _ in range(12)]
+        assert [b[0] for b in got] == list("hhnhhnhhnnnn"), got
+        assert [b for b in got if b[0] == "n"] == ["n0", "n1", "n2", "n0", "n1", "n2"]  # FIFO per level
+        # high first, then normal: nothing overtakes, to a consumer as well as to basic.get
+        _publish_levels(ch, name, [("h", 7, 4), ("n", 0, 4)])
+        ch.basic_qos(prefetch_count=1)
+        seen: list[str] = []
+
+        def on_message(c: pika.adapters.blocking_connection.BlockingChannel, m: pika.spec.Basic.Deliver,
+                       p: pika.BasicProperties, body: bytes) -> None:
+            seen.append(body.decode())
+            c.basic_ack(m.delivery_tag)
+        ch.basic_consume(name, on_message)
+        wait_until(lambda: (conn.process_data_events(0.05), len(seen) == 8)[1], 20, "8 deliveries")
+        assert [b[0] for b in seen] == list("hhhhnnnn"), seen
+    finally:
+        conn.close()
+
+
+def test_quorum_priorities_survive_a_restart(tmp_path: Path) -> None:
+    b = start_mgmt_broker(tmp_path)
+    try:
+        conn = connect(b)
+        ch = conn.channel()
+        ch.confirm_delivery()
+        name = unique("qprio")
+        ch.queue_declare(name, durable=True, arguments={"x-queue-type": "quorum"})
+        _publish_levels(ch, name, [("n", None, 2), ("h", 8, 2)])
+        conn.close()
+        b.kill9()
+        b.start()
+        conn = connect(b)
+        ch = conn.channel()
+        got = [_get(ch, name)[2].decode()[0] for _ in range(4)]
+        assert got == list("hhnn"), got
+        conn.close()
+    finally:
+        b.close()
+
+
+@pytest.mark.parametrize("sync_interval", [None, 0], ids=["window", "synchronous"])
+def test_quorum_delivery_count_survives_kill9(tmp_path: Path, sync_interval: int | None) -> None:
+    """The delivery count is durable like an ack (RabbitMQ keeps it in the Raft log): after
+    kill -9 the message comes back with its count, and the limit counts on from there."""
+    extra = [] if sync_interval is None else ["--ack-sync-interval", str(sync_interval)]
+    b = start_mgmt_broker(tmp_path, extra)
+    try:
+        conn = connect(b)
+        ch = conn.channel()
+        ch.confirm_delivery()
+        name, dlq = unique("qq"), unique("dlq")
+        ch.queue_declare(dlq, durable=True)
+        ch.queue_declare(name, durable=True, arguments={
+            "x-queue-type": "quorum", "x-delivery-limit": 4, "x-dead-letter-exchange": "",
+            "x-dead-letter-routing-key": dlq})
+        ch.basic_publish("", name, b"m", pika.BasicProperties(delivery_mode=2))
+        ch.basic_publish("", name, b"other", pika.BasicProperties(delivery_mode=2))
+        for _ in range(3):
+            method, _props, _body = _get(ch, name)
+            assert _body == b"m"
+            ch.basic_nack(method.delivery_tag, requeue=True)
+        ch.queue_declare(name, passive=True)  # a round trip after the last nack
+        if sync_interval is None:
+            time.sleep(2.5)  # the property under test: the ack window (1 s) has passed
+        conn.close()
+        b.kill9()
+        b.start()
+        conn = connect(b)
+        ch = conn.channel()
+        method, props, body = _get(ch, name)
+        assert body == b"m" and method.redelivered
+        assert (props.headers or {}).get("x-delivery-count") == 3, props.headers
+        ch.basic_nack(method.delivery_tag, requeue=True)  # the 4th return: at the limit
+        method, props, body = _get(ch, name)
+        assert body == b"m" and props.headers["x-delivery-count"] == 4
+        ch.basic_nack(method.delivery_tag, requeue=True)  # the 5th: over it, dead-lettered
+        method, props, body = _get(ch, dlq)
+        assert body == b"m" and props.headers["x-death"][0]["reason"] == "delivery_limit"
+        method, props, body = _get(ch, name)
+        assert body == b"other" and "x-delivery-count" not in (props.headers or {})
+        conn.close()  # returns "other", unacked: a return counts (RabbitMQ 4.0-4.2)
+        b.restart()
+        conn = connect(b)
+        ch = conn.channel()
+        method, props, body = _get(ch, name)
+        assert body == b"other" and props.headers["x-delivery-count"] == 1
+        ch.basic_ack(method.delivery_tag)
+        conn.close()
+    finally:
+        b.close()

@@ -102,3 +102,52 @@ def test_broker_closes_are_logged_with_code_and_text(broker: Broker) -> None:
         return (f"404 NOT_FOUND - no queue '{missing}'" in text and "channel 1" in text
                 and "501" in text and "frame" in text)
     wait_until(logged, 10, "both closes in the broker log")
+
+
+# Found by the conformance harness (tests/integration/conformance), pinned here too so they hold
+# where no RabbitMQ is installed to diff against.
+def test_empty_queue_name_means_the_channels_last_declared_queue(pika_conn: pika.BlockingConnection) -> None:
+    ch = pika_conn.channel()
+    qn = ch.queue_declare("", exclusive=True).method.queue
+    ch.queue_bind("", "amq.fanout")
+    ch.basic_publish("amq.fanout", "", b"to the last declared queue")
+    assert ch.basic_get("", auto_ack=True)[2] == b"to the last declared queue"
+    assert ch.queue_purge("").method.message_count == 0
+    ch.queue_delete("")
+    with pytest.raises(pika.exceptions.ChannelClosedByBroker) as ei:
+        pika_conn.channel().queue_declare(qn, passive=True)
+    assert ei.value.reply_code == 404
+    with pytest.raises(pika.exceptions.ChannelClosedByBroker) as ei:
+        pika_conn.channel().queue_purge("")  # a fresh channel has declared nothing
+    assert ei.value.reply_code == 404
+
+
+def test_user_id_must_be_the_connections_user(pika_conn: pika.BlockingConnection) -> None:
+    ch = pika_conn.channel()
+    qn = ch.queue_declare("", exclusive=True).method.queue
+    ch.basic_publish("", qn, b"mine", pika.BasicProperties(user_id="guest"))
+    assert ch.basic_get(qn, auto_ack=True)[2] == b"mine"
+    with pytest.raises(pika.exceptions.ChannelClosedByBroker) as ei:
+        ch.basic_publish("", qn, b"forged", pika.BasicProperties(user_id="someone-else"))
+        ch.basic_get(qn)
+    assert ei.value.reply_code == 406, ei.value
+    assert "user_id property set to 'someone-else'" in ei.value.reply_text
+
+
+def test_access_request_and_headers_x_match_and_queue_mode(shared_broker: Broker) -> None:
+    with RawConn(shared_broker.host, shared_broker.port) as c:
+        c.handshake()
+        c.open_channel(1)
+        c.send(frame_bytes(1, 1, b"\x00\x1e\x00\x0a\x05/data\x00"))  # access.request (0-8)
+        assert c.read_frame() == (1, 1, b"\x00\x1e\x00\x0b\x00\x01")  # access.request-ok, ticket 1
+        qn = unique("xm")
+        c.send_method(1, commands.Queue.Declare(queue=qn, exclusive=True))
+        c.expect(commands.Queue.DeclareOk, 1)
+        c.send_method(1, commands.Queue.Bind(queue=qn, exchange="amq.headers",
+                                             arguments={"x-match": "bogus"}))
+        closed = c.expect(commands.Channel.Close, 1)
+        assert (closed.reply_code, closed.class_id, closed.method_id) == (406, 50, 20)
+        c.send_method(1, commands.Channel.CloseOk())
+        c.open_channel(1)
+        c.send_method(1, commands.Queue.Declare(queue=unique("qm"), arguments={"x-queue-mode": "fast"}))
+        assert c.expect(commands.Channel.Close, 1).reply_code == 406

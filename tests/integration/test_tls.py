@@ -15,6 +15,8 @@ import signal
 import socket
 import ssl
 import subprocess
+import sys
+import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
@@ -24,7 +26,7 @@ import aio_pika
 import pika
 import pytest
 
-from ._support import SkredProcess, free_port, run_async, wait_until
+from ._support import REPO_ROOT, SkredProcess, free_port, run_async, wait_until
 from ._tls import PKI, issue, make_ca, make_pki, tls_args
 
 pytestmark = pytest.mark.timeout(120)
@@ -359,3 +361,57 @@ def test_sighup_reloads_certificates_without_dropping_connections(tls_broker_fac
         assert _peer_cn(b.tls_port, pki) == "localhost renewed" and b.proc.alive()
     finally:
         conn.close()
+
+
+def test_skredctl_over_https_with_a_client_certificate(tls_broker_factory: Any, pki: PKI,
+                                                       tmp_path: Path) -> None:
+    """skredctl against an HTTPS-only broker that requires client certificates: --cacert verifies
+    the broker, --cert/--key present ours; an unknown CA fails unless --insecure is explicit."""
+    b = tls_broker_factory("--mgmt-port", "-1", "--tls-verify-peer", "--tls-fail-if-no-peer-cert",
+                           plain=False)
+    url = f"https://localhost:{b.https_port}"
+
+    def ctl(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "broker.ctl", "--url", url, *args],
+                              capture_output=True, text=True, timeout=30, cwd=str(REPO_ROOT))
+
+    good = ctl("--cacert", str(pki.ca.cert_path), "--cert", str(pki.client.cert), "--key",
+               str(pki.client.key), "--json", "list", "vhosts")
+    assert good.returncode == 0, good.stderr
+    assert "/" in {v["name"] for v in json.loads(good.stdout)}
+    # rabbitmqadmin's option names work too
+    same = ctl("--ssl-ca-cert-file", str(pki.ca.cert_path), "--ssl-cert-file", str(pki.client.cert),
+               "--ssl-key-file", str(pki.client.key), "status")
+    assert same.returncode == 0 and "node:" in same.stdout, same.stderr
+
+    # the broker's certificate is verified: another CA refuses it, with one line and status 2
+    other = make_ca(tmp_path / "other", "Other CA")
+    refused = ctl("--cacert", str(other.cert_path), "--cert", str(pki.client.cert), "--key",
+                  str(pki.client.key), "status")
+    assert refused.returncode == 2 and "CERTIFICATE_VERIFY_FAILED" in refused.stderr, refused.stderr
+    assert "Traceback" not in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+    insecure = ctl("--cacert", str(other.cert_path), "--insecure", "--cert", str(pki.client.cert), "--key",
+                   str(pki.client.key), "status")
+    assert insecure.returncode == 0, insecure.stderr
+    # without a client certificate the broker refuses the handshake
+    no_cert = ctl("--cacert", str(pki.ca.cert_path), "status")
+    assert no_cert.returncode == 2 and "cannot connect" in no_cert.stderr, no_cert.stderr
+    # TLS options with a plain URL are a usage error, not silently ignored
+    plain = subprocess.run([sys.executable, "-m", "broker.ctl", "--url", "http://127.0.0.1:1", "--insecure",
+                            "status"], capture_output=True, text=True, timeout=30, cwd=str(REPO_ROOT))
+    assert plain.returncode == 2 and "https://" in plain.stderr
+
+
+def test_health_checks_see_tls_certificates_and_listeners(tls_broker_factory: Any, pki: PKI) -> None:
+    """certificate-expiration reads the configured certificate (valid one more day here);
+    port- and protocol-listener know the TLS listeners (RabbitMQ's shapes)."""
+    b = tls_broker_factory()
+    assert api(b, pki, "GET", "/api/health/checks/certificate-expiration/0/days") == {"status": "ok"}
+    with pytest.raises(urllib.error.HTTPError) as ei:
+        api(b, pki, "GET", "/api/health/checks/certificate-expiration/2/days")
+    assert ei.value.code == 503
+    failed = json.loads(ei.value.read())
+    assert failed["status"] == "failed" and failed["expired"][0]["certfile"] == str(pki.server.cert)
+    assert api(b, pki, "GET", f"/api/health/checks/port-listener/{b.tls_port}")["status"] == "ok"
+    for proto in ("amqps", "https"):
+        assert api(b, pki, "GET", f"/api/health/checks/protocol-listener/{proto}")["status"] == "ok"

@@ -10,7 +10,7 @@ and live in the page cache. So "memory used" is the process's anonymous resident
 memory (the smaller of RAM and the cgroup's limit), as RabbitMQ computes it.
 
 Above the watermark the alarm is on: like the disk alarm, every publisher is sent
-``connection.blocked`` and is not read until it clears (broker/net/alarms.py).
+``connection.blocked`` and is not read until it clears (broker/amqp/alarms.py).
 
 Measuring once a second is not enough for large messages: ten connections that each begin
 a 100 MiB body at once hold a gigabyte before the next measurement. So every body being

@@ -10,29 +10,42 @@ from __future__ import annotations
 import logging
 import platform
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from broker import __version__, errors
+from broker.amqp.alarms import Alarms, DiskAlarm
+from broker.amqp.memory import MemoryAlarm, watermark
 from broker.auth import sasl
 from broker.auth.users import UserStore
 from broker.config import Config
 from broker.model.vhost import VHost
-from broker.net.alarms import Alarms, DiskAlarm
-from broker.net.memory import MemoryAlarm, watermark
-from broker.net.syncer import Syncer
 
 if TYPE_CHECKING:
-    from broker.net.session import ChannelState, Session
+    from broker.amqp.session import ChannelState, Session
     from broker.tls import PeerTLS
 
 log = logging.getLogger(__name__)
+
+
+class GroupCommit(Protocol):
+    """What the AMQP glue needs of the node's group commit (``broker.syncer.Syncer``)."""
+
+    enabled: bool
+
+    @property
+    def synchronous(self) -> bool: ...
+
+    def after_sync(self, callback: Callable[[bool], None]) -> None: ...
+
+    def discard(self, obj: Any) -> None: ...
 
 
 class Stats:
     """Plain integer counters: a publish costs one attribute increment."""
 
     __slots__ = ("published", "delivered", "acked", "confirmed", "unroutable", "connections_opened",
-                 "returned", "gets", "gets_empty", "channels_opened")
+                 "returned", "gets", "gets_empty", "channels_opened", "delivered_autoack", "gets_autoack")
 
     def __init__(self) -> None:
         self.published = 0
@@ -45,6 +58,10 @@ class Stats:
         self.gets = 0  # basic.get answered get-ok
         self.gets_empty = 0  # basic.get answered get-empty
         self.channels_opened = 0
+        # of ``delivered`` and ``gets``: those without acknowledgement (RabbitMQ counts
+        # deliveries and gets by ack mode)
+        self.delivered_autoack = 0
+        self.gets_autoack = 0
 
 
 log = logging.getLogger("skred")
@@ -60,7 +77,8 @@ def client_name(properties: dict[str, Any]) -> str:
     return f"{product} {version}" if product and version else str(product or "")
 
 class Broker:
-    def __init__(self, config: Config, users: UserStore, vhosts: dict[str, VHost], syncer: Syncer) -> None:
+    def __init__(self, config: Config, users: UserStore, vhosts: dict[str, VHost],
+                 syncer: GroupCommit) -> None:
         self.config = config
         self.users = users
         self.vhosts = vhosts
@@ -70,9 +88,11 @@ class Broker:
         self.reply_to: dict[str, tuple[Session, ChannelState]] = {}
         # cluster members' addresses: they may send PROXY protocol headers
         self.trusted_peers: set[str] = set()
+        # a cluster leader's own legs of follower tunnels -> the real client (broker.cluster.tunnel)
+        self.proxied_peers: dict[tuple[str, int], tuple[str, int]] = {}
         # guest with full access everywhere is the common case: skip per-name checks then
         self.check_permissions = True
-        # resource alarms: block publishers (broker/net/alarms.py; checked by the listener tick)
+        # resource alarms: block publishers (broker/amqp/alarms.py; checked by the listener tick)
         main = config.main
         self.alarm = Alarms(DiskAlarm(main.data_dir, main.free_disk_min), MemoryAlarm(
             watermark(main.vm_memory_high_watermark, main.vm_memory_high_watermark_absolute)))

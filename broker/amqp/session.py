@@ -35,16 +35,15 @@ from pamqp.base import Frame as PFrame
 
 from broker import errors, properties
 from broker.amqp import codec
+from broker.amqp.alarms import no_space
 from broker.amqp.connection import CH_OPEN, AMQPConnection, PublishArgs
-from broker.model import queue_types
 from broker.model.publish import PublishRequest
 from broker.model.queue import Consumer, Queue
-from broker.net.alarms import no_space
-from broker.properties import HI_DELIVERY_MODE, HI_REPLY_TO
+from broker.properties import FLAG_USER_ID, HI_DELIVERY_MODE, HI_REPLY_TO
 
 if TYPE_CHECKING:
+    from broker.amqp.broker import Broker
     from broker.model.vhost import VHost
-    from broker.net.broker import Broker
     from broker.tls import PeerTLS
 
 log = logging.getLogger(__name__)
@@ -67,6 +66,7 @@ class ChannelState:
         "id", "unacked", "next_tag", "consumers", "prefetch", "global_prefetch", "unacked_count",
         "flow", "confirm", "publish_seq", "confirmed", "needs_sync", "sync_waiting", "tx",
         "deferred", "reply_token", "reply_tag", "open", "nacks", "head_tag", "head_since",
+        "last_queue",
     )
 
     def __init__(self, ch: int) -> None:
@@ -89,9 +89,10 @@ class ChannelState:
         self.reply_tag: str | None = None
         self.open = True
         self.nacks: list[int] | None = None  # publish seqs a queue refused (reject-publish)
-        # consumer timeout: oldest unacked tag and since when it is the oldest (broker/net/alarms.py)
+        # consumer timeout: oldest unacked tag and since when it is the oldest (broker/amqp/alarms.py)
         self.head_tag = 0
         self.head_since = 0.0
+        self.last_queue = ""  # the channel's last declared queue: what an empty queue name means
 
 
 class SessionConsumer(Consumer):
@@ -142,11 +143,13 @@ class SessionConsumer(Consumer):
         chs = self.chs
         tag = chs.next_tag
         chs.next_tag = tag + 1
+        s = self.session
         if not self.no_ack:
             chs.unacked[tag] = (self.queue, msgid, self)
             self.unacked += 1
             chs.unacked_count += 1
-        s = self.session
+        else:
+            s.stats.delivered_autoack += 1
         body_len = len(body)
         key = self._t_key
         if key[2] == body_len and key[1] == len(props) and key[0] == exrk and key[3] == redelivered:
@@ -207,7 +210,10 @@ class SessionConsumer(Consumer):
         for body in bodies:
             add((head, _U64_PACK(tag), middle, body, tail))
             tag += 1
-        self.session.stats.delivered += k
+        stats = self.session.stats
+        stats.delivered += k
+        if self.no_ack:
+            stats.delivered_autoack += k
         self._send(b"".join(parts))
 
     def deliver_unstored(self, exrk: bytes, props: list[bytes], bodies: list[bytes]) -> None:
@@ -240,7 +246,9 @@ class SessionConsumer(Consumer):
                 add((codec.encode_delivery_raw(ch, self.prefix, tag, False, exrk, p, body, frame_max),))
             tag += 1
         chs.next_tag = tag
-        self.session.stats.delivered += len(bodies)
+        stats = self.session.stats
+        stats.delivered += len(bodies)
+        stats.delivered_autoack += len(bodies)  # only autoack consumers get unstored runs
         self._send(b"".join(parts))
 
     def _retemplate(self, exrk: bytes, props_len: int, body_len: int, redelivered: bool) -> bool:
@@ -438,6 +446,8 @@ class Session(AMQPConnection):
         else:
             self.unanswered = True
         try:
+            if props[1] & FLAG_USER_ID:
+                self._check_user_id(props)
             if chs.tx is not None:
                 self.vhost_obj.get_exchange(args.exchange)
                 chs.tx.append(("publish", args, props, bytes(body)))
@@ -484,6 +494,13 @@ class Session(AMQPConnection):
         if out.sync and chs.confirm:
             chs.needs_sync = True
 
+    def _check_user_id(self, props: bytes) -> None:
+        """RabbitMQ's validated user-id: a user_id property must name the connection's user."""
+        uid = properties.decode(props).user_id
+        if uid is not None and uid != self.username:
+            raise errors.PreconditionFailed(f"user_id property set to '{uid}' but authenticated user "
+                                            f"was '{self.username}'", 60, 40)
+
     def _may_publish_to(self, exchange: str) -> None:
         """404 for a missing exchange, 403 for an internal one or without write permission
         (the permission is remembered once granted)."""
@@ -516,7 +533,8 @@ class Session(AMQPConnection):
         exchange = args.exchange
         ex = None if vh is None else vh.exchanges.get(exchange)
         if ex is None or ex.internal or chs.tx is not None or exchange not in self._write_ok \
-                or (props[0][0] & HI_REPLY_TO if same else any(p[0] & HI_REPLY_TO for p in props)):
+                or (props[0][0] & HI_REPLY_TO or props[0][1] & FLAG_USER_ID if same
+                    else any(p[0] & HI_REPLY_TO or p[1] & FLAG_USER_ID for p in props)):
             self.publish_each(channel, args, props, bodies)
             return
         try:
@@ -677,10 +695,10 @@ class Session(AMQPConnection):
                         break
                     tags.append(t)
             if tag and not tags and tag >= chs.next_tag:
-                raise errors.PreconditionFailed(f"unknown delivery tag {tag}", 60, 80)
+                raise errors.PreconditionFailed(f"unknown delivery tag {tag}", *_settle_ids(requeue))
         else:
             if tag not in unacked:
-                raise errors.PreconditionFailed(f"unknown delivery tag {tag}", 60, 80)
+                raise errors.PreconditionFailed(f"unknown delivery tag {tag}", *_settle_ids(requeue))
             tags = [tag]
         if dry_run:
             return
@@ -723,6 +741,8 @@ class Session(AMQPConnection):
         handler = _HANDLERS.get(type(method))
         if handler is None:
             raise errors.AMQPNotImplemented(f"{method.name} is not implemented")
+        if type(method) in _QUEUE_NAMED and not getattr(method, "queue", "x"):
+            _expand_empty_queue(chs, method)
         try:
             handler(self, chs, method)
         except (errors.DiskFull, OSError) as exc:
@@ -737,6 +757,8 @@ class Session(AMQPConnection):
     # exchange.*
     def _exchange_declare(self, chs: ChannelState, m: commands.Exchange.Declare) -> None:
         vh = self.vhost_obj
+        if not m.exchange:  # even a passive declare, as RabbitMQ
+            raise errors.AccessRefused("operation not permitted on the default exchange")
         if not m.passive:
             self._check("configure", m.exchange, "exchange")
         ex_before = m.exchange in vh.exchanges
@@ -778,6 +800,7 @@ class Session(AMQPConnection):
         q, created = vh.declare_queue(m.queue, passive=m.passive, durable=m.durable,
                                       exclusive=m.exclusive, auto_delete=m.auto_delete,
                                       arguments=dict(m.arguments or {}), owner=self)
+        chs.last_queue = q.name
         if m.nowait:
             return
         ok = commands.Queue.DeclareOk(queue=q.name, message_count=q.message_count,
@@ -853,10 +876,8 @@ class Session(AMQPConnection):
             return
         self._check("read", m.queue)
         q = self.vhost_obj.get_queue(m.queue, self)
-        queue_types.check_consume(q.arguments, chs.global_prefetch, q.name, q.vhost)  # 540 on quorum
-        from broker.model.stream import StreamQueue  # stream consumers: manual ack, prefetch, offset
-        if isinstance(q, StreamQueue):
-            q.check_consume(m.no_ack, chs.prefetch or chs.global_prefetch, dict(m.arguments or {}))
+        # the queue type's own rules: 540 for a global prefetch on quorum, a stream's 406s
+        q.check_consume(m.no_ack, chs.prefetch, chs.global_prefetch, dict(m.arguments or {}))
         if m.exclusive and q.consumers:
             raise errors.AccessRefused(f"queue '{q.name}' in vhost '{q.vhost}' in exclusive use")
         if any(c.exclusive for c in q.consumers):
@@ -890,6 +911,7 @@ class Session(AMQPConnection):
         chs.next_tag += 1
         if m.no_ack:
             q.ack(msgid)
+            self.broker.stats.gets_autoack += 1
         else:
             chs.unacked[tag] = (q, msgid, None)
             chs.unacked_count += 1
@@ -1014,3 +1036,22 @@ _HANDLERS: dict[type, Callable[[Session, ChannelState, Any], None]] = {
     commands.Channel.Flow: Session._channel_flow,
     commands.Channel.FlowOk: Session._channel_flow_ok,
 }
+
+
+def _settle_ids(requeue: bool | None) -> tuple[int, int]:
+    """Class/method ids for an unknown-tag refusal: basic.ack's for an ack (its fast path has no
+    method to name), else none, so handle_method names the reject or nack that failed."""
+    return (60, 80) if requeue is None else (0, 0)
+
+
+# Methods whose empty queue name means the channel's last declared queue (spec; RabbitMQ too).
+_QUEUE_NAMED = (commands.Queue.Bind, commands.Queue.Unbind, commands.Queue.Purge, commands.Queue.Delete,
+                commands.Basic.Consume, commands.Basic.Get)
+
+
+def _expand_empty_queue(chs: ChannelState, method: PFrame) -> None:
+    if not chs.last_queue:
+        raise errors.NotFound("no previously declared queue")
+    if isinstance(method, commands.Queue.Bind) and not method.routing_key:
+        method.routing_key = chs.last_queue  # an empty key with it: the queue's name (RabbitMQ)
+    method.queue = chs.last_queue  # type: ignore[attr-defined]

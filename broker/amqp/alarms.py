@@ -28,7 +28,7 @@ has been read from clients, so a burst of large publishes cannot run through it
 between two ticks. A write that still finds no space (the store's ``DiskFull``)
 raises the alarm at once and latches it until the failed write would fit above
 the threshold; the session nacks (or refuses) the publish, never closing the
-connection. Memory: see broker/net/memory.py.
+connection. Memory: see broker/amqp/memory.py.
 """
 
 from __future__ import annotations
@@ -44,10 +44,10 @@ from pamqp import commands
 
 from broker import errors
 from broker.amqp.connection import State
-from broker.net.memory import MemoryAlarm
+from broker.amqp.memory import MemoryAlarm
 
 if TYPE_CHECKING:
-    from broker.net.session import Session
+    from broker.amqp.session import Session
 
 log = logging.getLogger(__name__)
 

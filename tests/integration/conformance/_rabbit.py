@@ -1,0 +1,164 @@
+"""A private RabbitMQ node for the conformance harness.
+
+Theory of operation: Debian's ``rabbitmq-server`` package is installed by ``.ci/run`` without its
+service running. ``RabbitProcess`` boots a node of its own under a temp directory: its own mnesia,
+log and plugin-expansion directories, a node name nobody else uses, the AMQP listener, the
+management plugin, the Erlang distribution port and an ``epmd`` of its own all on free ports
+(found by binding port 0), and ``HOME`` in the temp dir so the Erlang cookie is private too. The
+``epmd`` is started by us in the foreground (``epmd -port N``) before the node, so the node never
+daemonises one we could not stop. Readiness is polled (AMQP ``connection.start`` and an HTTP 200
+from ``/api/overview``) under a deadline; a node that dies first fails with its log tail. ``close``
+sends SIGTERM to the node's process group (RabbitMQ stops cleanly on it), escalates to SIGKILL
+after a deadline, then stops that epmd by its PID.
+
+When RabbitMQ is not installed, ``missing()`` says why; the fixture skips with that reason, or
+fails when ``SKRED_REQUIRE_RABBITMQ`` is set (``.ci/run`` sets it, so CI can never skip).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import IO
+
+from .._support import amqp_answers, free_port
+
+# Debian's real start script (the /usr/sbin one su's to the rabbitmq user); another install (a
+# generic-unix tarball) can be named with SKRED_RABBITMQ_SERVER.
+SERVER = os.environ.get("SKRED_RABBITMQ_SERVER", "/usr/lib/rabbitmq/bin/rabbitmq-server")
+BOOT_DEADLINE = 90.0  # a node boots in 5-15 s on an idle machine; CI machines are shared
+STOP_DEADLINE = 20.0
+
+
+def missing() -> str | None:
+    if not os.access(SERVER, os.X_OK) or shutil.which("epmd") is None:
+        return (f"RabbitMQ is not installed ({SERVER} and epmd; Debian package rabbitmq-server, "
+                "or SKRED_RABBITMQ_SERVER naming its rabbitmq-server script)")
+    return None
+
+
+class RabbitProcess:
+    """One RabbitMQ node with the management plugin, bound to 127.0.0.1 on free ports."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.host = "127.0.0.1"
+        self.port = free_port()
+        self.mgmt_port = free_port()
+        self.dist_port = free_port()
+        self.epmd_port = free_port()
+        self.node = f"skredconf{uuid.uuid4().hex[:8]}@localhost"
+        self.log_path = root / "rabbitmq.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.epmd: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    def _write_config(self) -> dict[str, str]:
+        for d in ("home", "mnesia", "log", "expand"):
+            (self.root / d).mkdir(parents=True, exist_ok=True)
+        (self.root / "enabled_plugins").write_text("[rabbitmq_management].\n")
+        (self.root / "rabbitmq-env.conf").write_text("")
+        (self.root / "rabbitmq.conf").write_text(
+            f"listeners.tcp.1 = {self.host}:{self.port}\n"
+            f"management.tcp.ip = {self.host}\n"
+            f"management.tcp.port = {self.mgmt_port}\n"
+            # stats keys ("messages", "consumers") appear in the API after the first emission
+            "collect_statistics_interval = 500\n"
+        )
+        env = dict(os.environ)
+        env.update({
+            "HOME": str(self.root / "home"),
+            "ERL_EPMD_PORT": str(self.epmd_port),
+            "RABBITMQ_NODENAME": self.node,
+            "RABBITMQ_DIST_PORT": str(self.dist_port),
+            "RABBITMQ_MNESIA_BASE": str(self.root / "mnesia"),
+            "RABBITMQ_LOG_BASE": str(self.root / "log"),
+            "RABBITMQ_LOGS": "-",
+            "RABBITMQ_PLUGINS_EXPAND_DIR": str(self.root / "expand"),
+            "RABBITMQ_ENABLED_PLUGINS_FILE": str(self.root / "enabled_plugins"),
+            "RABBITMQ_CONFIG_FILE": str(self.root / "rabbitmq.conf"),
+            "RABBITMQ_ADVANCED_CONFIG_FILE": str(self.root / "advanced.config"),
+            "RABBITMQ_CONF_ENV_FILE": str(self.root / "rabbitmq-env.conf"),
+            "RABBITMQ_PID_FILE": str(self.root / "rabbitmq.pid"),
+        })
+        return env
+
+    def spawn(self) -> None:
+        """Start epmd and the node; ``wait_ready`` polls for readiness."""
+        env = self._write_config()
+        self._log = open(self.log_path, "ab")
+        self.epmd = subprocess.Popen(
+            ["epmd", "-port", str(self.epmd_port)], stdout=self._log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [SERVER], cwd=str(self.root), env=env, stdout=self._log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def _http_ready(self) -> bool:
+        req = urllib.request.Request(f"http://{self.host}:{self.mgmt_port}/api/overview")
+        req.add_header("Authorization", "Basic Z3Vlc3Q6Z3Vlc3Q=")  # guest:guest
+        try:
+            with urllib.request.urlopen(req, timeout=2) as resp:
+                return int(resp.status) == 200
+        except OSError:
+            return False
+
+    def wait_ready(self) -> str | None:
+        """None when the node answers AMQP and HTTP, else why not (with the log tail)."""
+        assert self.proc is not None
+        deadline = time.monotonic() + BOOT_DEADLINE
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return f"RabbitMQ exited with {self.proc.returncode} while booting:\n{self.log_tail()}"
+            if amqp_answers(self.host, self.port) and self._http_ready():
+                return None
+            time.sleep(0.2)  # poll interval of a readiness loop with a deadline
+        return f"RabbitMQ not ready within {BOOT_DEADLINE}s:\n{self.log_tail()}"
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    @staticmethod
+    def _group_alive(pgid: int) -> bool:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    @classmethod
+    def _stop_group(cls, proc: subprocess.Popen[bytes] | None) -> None:
+        """SIGTERM the process group we started, SIGKILL it after a deadline; wait until it is gone
+        (the node's beam outlives its shell script by a moment)."""
+        if proc is None:
+            return
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            if not cls._group_alive(proc.pid):
+                break
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + STOP_DEADLINE
+            while cls._group_alive(proc.pid) and time.monotonic() < deadline:
+                proc.poll()  # reap the group leader so it stops counting as alive
+                time.sleep(0.05)  # poll interval, bounded by the deadline
+        proc.poll()
+
+    def close(self) -> None:
+        self._stop_group(self.proc)
+        self._stop_group(self.epmd)
+        if self._log is not None:
+            self._log.close()
+            self._log = None

@@ -1,0 +1,94 @@
+"""Deliberate differences from RabbitMQ 3.10, each with its reason (docs/compatibility.md lists them).
+
+Two kinds:
+
+- ``FIELDS``: a field of one method that differs by design wherever it appears (e.g. a configured
+  default proposed in every ``connection.tune``). Both transcripts have the value replaced by
+  ``<allowlisted>`` before the diff; nothing else in the scenario is hidden.
+- ``SCENARIOS``: a scenario whose transcript differs by design. It must still differ: an entry
+  whose scenario has come to agree with RabbitMQ fails, so the list never outlives the difference.
+
+- ``HEADERS``: message headers the broker adds that differ by design; dropped from both sides.
+- ``HTTP_KEYS``: keys of RabbitMQ's management API answers that Skred does not send (regular
+  expressions over ``key`` or ``parent.key``). Status codes are never allowlisted this way.
+
+A difference that is in none of them fails the harness.
+"""
+
+from __future__ import annotations
+
+FIELDS: dict[tuple[str, str], str] = {
+    ("Connection.Tune", "heartbeat"):
+        "configured default: Skred proposes 300 s (LavinMQ's default, [amqp] heartbeat), RabbitMQ 60 s",
+    ("Connection.Tune", "channel_max"):
+        "configured default: Skred 2048 (LavinMQ's, [amqp] channel_max), RabbitMQ 2047",
+    ("Channel.OpenOk", "channel_id"):
+        "a reserved field: Skred sends '0' (what pamqp, its codec, insists on), RabbitMQ ''; "
+        "clients ignore it",
+}
+
+HEADERS: dict[str, str] = {
+    key: "dead-lettering adds x-last-death-{exchange,queue,reason} as RabbitMQ 3.13+ and 4.x do "
+         "(3.10 has only x-first-death-*)"
+    for key in ("x-last-death-exchange", "x-last-death-queue", "x-last-death-reason")
+}
+
+SCENARIOS: dict[str, str] = {
+    "amqp.conn_channel_above_channel_max":
+        "the spec's channel-max is the highest channel number: Skred refuses channel 6 of 5 with "
+        "504; RabbitMQ counts open channels and opens it",
+    "amqp.conn_frame_max_below_minimum":
+        "a bad tune-ok: Skred says why (530 NOT_ALLOWED, 'frame_max 1024 below minimum 4096') "
+        "before closing; RabbitMQ closes the socket without a word",
+    "amqp.conn_frame_max_above_server":
+        "a bad tune-ok: Skred answers 530 with the reason; RabbitMQ closes the socket silently",
+    "amqp.conn_heartbeat_on_channel":
+        "the spec: a heartbeat on a non-zero channel is 501 FRAME_ERROR (RabbitMQ: 505)",
+    "amqp.conn_unknown_method":
+        "an unknown method: Skred closes with 540 NOT_IMPLEMENTED naming it; RabbitMQ drops the "
+        "socket",
+    "amqp.conn_unknown_class":
+        "an unknown class: 540 NOT_IMPLEMENTED naming it; RabbitMQ drops the socket",
+    "amqp.conn_truncated_method":
+        "undecodable method arguments: the spec's 502 SYNTAX_ERROR (RabbitMQ: 501 FRAME_ERROR); the "
+        "class/method ids agree",
+    "amqp.channel_flow":
+        "channel.flow(active=false) is implemented (deliveries pause, flow-ok); RabbitMQ answers "
+        "540 NOT_IMPLEMENTED",
+    "amqp.basic_recover":
+        "basic.recover(requeue=false) redelivers to the same channel as the spec says; RabbitMQ "
+        "answers 540 NOT_IMPLEMENTED",
+}
+
+_ERLANG = "Erlang VM and RabbitMQ-internal detail with no Skred equivalent"
+_NOT_SAMPLED = ("not kept by Skred yet: the counter or its rate; the management UI shows such a "
+                "field as absent (docs/compatibility.md)")
+HTTP_KEYS: dict[str, str] = {
+    r"garbage_collection(\..*)?": _ERLANG,
+    r"reductions(_details)?(\..*)?": _ERLANG,
+    r"backing_queue_status(\..*)?": _ERLANG,
+    r"metrics_gc_queue_length(\..*)?": _ERLANG,
+    r"ra_open_file_metrics(\..*)?": _ERLANG,
+    r"(mnesia|msg_store|queue_index|io|gc)_[a-z_]+(_details)?(\.rate)?": _ERLANG,
+    r"context_switches(_details)?(\.rate)?": _ERLANG,
+    r"(net_ticktime|mem_calculation_strategy|contexts|config_files|log_files|db_dir|"
+    r"enabled_plugins|cluster_links|auth_mechanisms|exchange_types|recoverable_slaves|memory)": _ERLANG,
+    r"(messages|message_bytes)_(ram|paged_out|persistent)|messages_(ready|unacknowledged)_ram|"
+    r"message_bytes(_ready|_unacknowledged)?": _ERLANG + " (how a classic queue pages messages)",
+    r"sample_retention_policies(\..*)?|release_series_support_status":
+        "management-plugin configuration with no Skred equivalent",
+    r"([a-z_]+\.)?[a-z_]+_details(\.rate)?": _NOT_SAMPLED,
+    r"churn_rates\..*|(channel|connection|queue)_(closed|created|declared|deleted)": _NOT_SAMPLED,
+    r"message_stats\.(deliver|deliver_no_ack|get|get_no_ack|get_empty|redeliver|drop_unroutable|"
+    r"disk_reads|disk_writes|return_unroutable|confirm|publish_in|publish_out)(_details)?": _NOT_SAMPLED,
+    r"message_stats": _NOT_SAMPLED + " (exchanges have no message_stats)",
+    r"incoming|outgoing|deliveries":
+        "per channel/exchange/queue pair statistics (RabbitMQ's detailed stats): not kept",
+    r"consumer_capacity|consumer_utilisation|single_active_consumer_tag|head_message_timestamp|"
+    r"idle_since": _NOT_SAMPLED,
+    r"recv_oct|send_oct": _NOT_SAMPLED + " (per-vhost network bytes)",
+    r"recv_cnt|send_cnt|send_pend": _NOT_SAMPLED + " (per-connection frame counts)",
+    r"ssl_hash|ssl_key_exchange": "TLS details Python's ssl module does not report separately "
+                                  "(ssl_cipher and ssl_protocol are there)",
+    r"leader|members|online": "quorum queues have no per-queue Raft group in Skred (see Queue types)",
+}

@@ -1,0 +1,185 @@
+"""The leader's replication port against peers that are not members: a tunnel hello with a
+wrong secret, garbage, nothing at all (in clear and over TLS), and a member's tunnel that ends.
+
+A real ``LeaderSink`` listens on 127.0.0.1 in this process; the peers are real sockets. Every
+wait polls with a deadline far above the (shortened) handshake timeout and far below asyncio's
+own 60 s TLS handshake default, so a connection the leader forgets to bound fails the test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from broker.cluster import codec, leader
+from broker.cluster.leader import LeaderSink
+from tests.integration._tls import make_pki
+
+SECRET = b"s" * 32
+DEADLINE = 15.0  # seconds: generous under load, well below asyncio's 60 s TLS default
+
+
+async def _no_isr(members: list[str]) -> bool:
+    return True
+
+
+def _run(tmp_path: Path, body: Callable[[LeaderSink, int], Awaitable[Any]],
+         tls: ssl.SSLContext | None = None) -> Any:
+    async def main() -> Any:
+        sink = LeaderSink(tmp_path, "L", SECRET, _no_isr)
+        _host, port = await sink.start("127.0.0.1", 0, tls)
+        try:
+            return await asyncio.wait_for(body(sink, port), 2 * DEADLINE)
+        finally:
+            await sink.stop()
+    return asyncio.run(main())
+
+
+async def _until_closed(reader: asyncio.StreamReader) -> bytes:
+    """Everything the leader sends until it closes the connection (within DEADLINE)."""
+    got = b""
+    deadline = time.monotonic() + DEADLINE
+    while time.monotonic() < deadline:
+        try:
+            chunk = await asyncio.wait_for(reader.read(4096), deadline - time.monotonic())
+        except (ConnectionError, ssl.SSLError):
+            return got
+        except TimeoutError:
+            break
+        if not chunk:
+            return got
+        got += chunk
+    raise AssertionError(f"the leader kept the connection open for {DEADLINE} s")
+
+
+@pytest.fixture
+def short_handshake(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(leader, "HANDSHAKE_TIMEOUT", 0.5)
+
+
+def test_tunnel_hello_with_a_wrong_secret_is_refused_and_logged(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    async def body(sink: LeaderSink, port: int) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(codec.encode_tunnel_hello(b"x" * 32, codec.AMQP_PORT, ("10.1.2.3", 4000)))
+        assert await _until_closed(reader) == bytes([codec.BAD_SECRET])
+        writer.close()
+        assert sink.refused == 1
+        assert not sink.proxied_peers and not sink._tunnels
+
+    with caplog.at_level(logging.WARNING, logger="broker.cluster.leader"):
+        _run(tmp_path, body)
+    assert "wrong clustering secret" in caplog.text
+
+
+def test_garbage_is_closed_at_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    async def body(sink: LeaderSink, port: int) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET / HTTP/1.1\r\n\r\n")
+        t0 = time.monotonic()
+        assert await _until_closed(reader) == b""
+        assert time.monotonic() - t0 < DEADLINE
+        writer.close()
+        assert sink.refused == 0
+
+    with caplog.at_level(logging.WARNING, logger="broker.cluster.leader"):
+        _run(tmp_path, body)
+    assert "not a skred replication client" in caplog.text
+
+
+def test_a_silent_peer_is_dropped_after_the_handshake_timeout(tmp_path: Path, short_handshake: None) -> None:
+    async def body(sink: LeaderSink, port: int) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(codec.TUNNEL_MAGIC[:3])  # a partial hello, then nothing
+        assert await _until_closed(reader) == b""
+        writer.close()
+
+    _run(tmp_path, body)
+
+
+def test_a_silent_peer_on_the_tls_port_is_dropped_after_the_handshake_timeout(
+        tmp_path: Path, short_handshake: None) -> None:
+    """A peer that opens TCP to the TLS replication port and never starts the TLS handshake
+    holds a descriptor: it must go after the handshake timeout, not asyncio's 60 s."""
+    pki = make_pki(tmp_path / "pki")
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server.load_cert_chain(pki.server.cert, pki.server.key)
+
+    async def body(sink: LeaderSink, port: int) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)  # no ClientHello
+        assert await _until_closed(reader) == b""
+        writer.close()
+
+    data = tmp_path / "data"
+    data.mkdir()
+    _run(data, body, server)
+
+
+def test_a_member_tunnel_is_spliced_and_forgotten_when_it_ends(tmp_path: Path) -> None:
+    """The right secret: the leader splices to its own listener, reports the client's address
+    for the leg while it lives, and drops the entry (and the tunnel) when the client leaves;
+    a port it does not serve is refused with UNAVAILABLE."""
+    async def body(sink: LeaderSink, port: int) -> None:
+        seen: list[tuple[str, int]] = []
+
+        async def echo(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            peer = w.get_extra_info("peername")
+            first = True
+            while data := await r.read(4096):
+                if first:  # like the broker's listeners: looked up once the client's bytes came
+                    seen.append(sink.proxied_peers.get((peer[0], peer[1]), ("?", 0)))
+                    first = False
+                w.write(data)
+                await w.drain()
+            w.close()
+
+        listener = await asyncio.start_server(echo, "127.0.0.1", 0)
+        lport = listener.sockets[0].getsockname()[1]
+        sink.client_addresses = lambda: {"amqp": ("127.0.0.1", lport)}
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(codec.encode_tunnel_hello(SECRET, codec.HTTP_PORT, ("10.1.2.3", 4000)))
+            assert await _until_closed(reader) == bytes([codec.UNAVAILABLE])
+            writer.close()
+
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(codec.encode_tunnel_hello(SECRET, codec.AMQP_PORT, ("10.1.2.3", 4000)))
+            assert await asyncio.wait_for(reader.readexactly(1), DEADLINE) == bytes([codec.OK])
+            writer.write(b"ping")
+            assert await asyncio.wait_for(reader.readexactly(4), DEADLINE) == b"ping"
+            assert seen == [("10.1.2.3", 4000)]
+            assert len(sink.proxied_peers) == 1 and len(sink._tunnels) == 1
+            writer.write_eof()
+            assert await _until_closed(reader) == b""
+            writer.close()
+            deadline = time.monotonic() + DEADLINE
+            while (sink.proxied_peers or sink._tunnels) and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            assert not sink.proxied_peers and not sink._tunnels
+        finally:
+            listener.close()
+
+    _run(tmp_path, body)
+
+
+def test_a_refused_version_logs_the_peers_strings_escaped(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Whoever connects chooses the node id of a hello: a refusal must not let it write lines
+    of its own into the log."""
+    async def body(sink: LeaderSink, port: int) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(codec.encode_hello(b"x" * 32, "n1\nWARNING forged line", version=codec.VERSION + 1))
+        assert codec.parse_welcome(await _until_closed(reader)).status == codec.BAD_VERSION
+        writer.close()
+
+    with caplog.at_level(logging.WARNING, logger="broker.cluster.leader"):
+        _run(tmp_path, body)
+    assert "protocol version" in caplog.text
+    assert "\nWARNING forged line" not in caplog.text
