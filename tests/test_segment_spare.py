@@ -1,6 +1,6 @@
 """The next segment is prepared off the event loop (issue 13: roll-over blocked every
 connection for 0.1-20 ms): once the write segment is half allocated a worker thread creates
-``msgs.spare``, and the roll renames it instead of creating a file. Real files, no sockets."""
+``next-segment.tmp``, and the roll renames it instead of creating a file. Real files, no sockets."""
 
 from __future__ import annotations
 

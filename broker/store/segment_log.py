@@ -21,10 +21,11 @@ Rolling creates the next segment, then retires the old write segment: unmapped a
 truncated to its used size (which also returns the unused allocation). Creating a file,
 allocating its first blocks and mapping it costs 0.1 ms and up to 20 ms under load, which
 would stall every connection: once the write segment is half allocated, a worker thread
-prepares a *spare* (``msgs.spare``: created, allocated, header written, mapped), and the
+prepares a *spare* (``next-segment.tmp``: created, allocated, header written, mapped), and the
 roll renames it to the next segment's name, one metadata operation on the event loop. The
-spare holds no record, and recovery ignores its name, so a crash leaves at most an unused
-file that the next spare replaces; the directory is fsynced for the rename as for a
+spare holds no record, and recovery ignores its name (and replication its ``.tmp``: a
+follower hears of the segment when it is adopted, as of a created one), so a crash
+leaves at most an unused file that the next spare replaces; the directory is fsynced for the rename as for a
 creation. Without a spare ready (or one too small for a large record) the roll creates the
 segment itself, as before. A segment's data is
 fsynced by ``sync`` through a ``dup`` of the write fd taken under ``_lock`` (the fsync itself
@@ -182,7 +183,7 @@ def allocate(fd: int, start: int, end: int, path: Path, disk: SegmentFiles) -> N
     disk.space()
 
 
-SPARE_NAME: Final = "msgs.spare"  # a segment prepared ahead of a roll (not a segment name)
+SPARE_NAME: Final = "next-segment.tmp"  # prepared ahead of a roll; .tmp: never replicated
 SPARE_ALLOC: Final = ALLOC_STEP_MAX  # allocated with a spare: it follows a segment that filled
 _spare_pool: ThreadPoolExecutor | None = None
 
