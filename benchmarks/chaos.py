@@ -1,5 +1,15 @@
 #!/usr/bin/env python3
-"""Cluster chaos trials: every fault of ``tests/integration/cluster_faults.py``, N times each.
+"""Chaos trials: every fault of ``tests/integration/cluster_faults.py`` and of
+``tests/integration/single_faults.py``, N times each.
+
+Single node (one broker process per fault, killed with SIGKILL and restarted on its data dir):
+kill -9 under live traffic, after settlements (acks, rejects, nacks, purges, held deliveries)
+with the default sync window and with synchronous acks, a full disk (a small tmpfs in a
+private mount namespace; needs root), and a bounded fuzz of malformed frames and property
+lists. Printed as a second table: confirmed lost, settlements older than the window that came
+back, missing redelivered flags, broker deaths, tracebacks, wrong answers.
+
+Cluster:
 
 Runs the same trials as ``tests/integration/test_cluster_chaos.py`` (real etcd, three real
 ``skred --clustering`` processes, real kill -9, SIGSTOP, network namespaces), each fault
@@ -11,22 +21,29 @@ min/median/max, and trials that missed a goal (with the first reason). Needs roo
 namespace faults (they are skipped otherwise).
 
     python benchmarks/chaos.py --trials 20
-    python benchmarks/chaos.py --trials 3 --only "leader kill -9,etcd paused 0.7 TTL"
+    python benchmarks/chaos.py --trials 3 --only "leader kill -9,etcd paused 0.7 TTL" --single none
+    python benchmarks/chaos.py --trials 20 --only none --single "live,full disk"
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import random
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from tests.integration import single_faults as sf  # noqa: E402
+from tests.integration._support import SkredProcess  # noqa: E402
+from tests.integration._tmpfs import NamespacedBroker, mount_tmpfs  # noqa: E402
 from tests.integration.cluster_faults import (  # noqa: E402  (needs the repo root on sys.path)
     FAULTS,
     NetLab,
@@ -35,6 +52,79 @@ from tests.integration.cluster_faults import (  # noqa: E402  (needs the repo ro
     netlab_unavailable,
     run_trial,
 )
+
+SingleRun = Callable[[SkredProcess, random.Random], sf.Trial]
+
+
+def _full_disk(b: SkredProcess, rng: random.Random) -> sf.Trial:
+    assert isinstance(b, NamespacedBroker)
+    return sf.trial_full_disk(b, rng, b.data_dir.parent, b.run_inside)  # data dir: <tmpfs>/data
+
+SINGLE: dict[str, tuple[SingleRun, list[str]]] = {
+    "live": (sf.trial_live, []),
+    "settled": (sf.trial_settled, []),
+    "settled, synchronous": (lambda b, rng: sf.trial_settled(b, rng, synchronous=True),
+                             ["--ack-sync-interval", "0"]),
+    "full disk": (lambda b, rng: _full_disk(b, rng), ["--free-disk-min", "0", "--segment-size", "256KiB"]),
+    "fuzz frames": (lambda b, rng: sf.trial_fuzz(b, rng, "frames"), []),
+    "fuzz properties": (lambda b, rng: sf.trial_fuzz(b, rng, "properties"), []),
+}
+SINGLE_WHAT = {
+    "live": "kill -9 at a random moment under confirmed publishing and acking",
+    "settled": "kill -9 1.5 s after acks, rejects, nacks, a purge and held deliveries",
+    "settled, synchronous": "the same with ack_sync_interval = 0, kill -9 at once",
+    "full disk": "pipelined confirmed publishes to two queues until nacks, kill -9",
+    "fuzz frames": "25 malformed frames per trial",
+    "fuzz properties": "25 malformed property lists per trial",
+}
+
+
+def run_single(name: str, trials: int, tmp: Path) -> list[sf.Trial]:
+    run, args = SINGLE[name]
+    rng = random.Random()
+    tmpfs = None
+    if name == "full disk":
+        if os.geteuid() != 0:
+            print(f"skipping {name!r}: needs root", file=sys.stderr)
+            return []
+        tmpfs = mount_tmpfs(tmp, 16 * 1024 * 1024)
+        mnt, holder = next(tmpfs)
+        b: SkredProcess = NamespacedBroker(mnt / "data", holder, args)
+        b.log_path = tmp / "broker.log"
+    else:
+        b = SkredProcess(tmp / "data", args)
+    out: list[sf.Trial] = []
+    try:
+        b.start()
+        for i in range(trials):
+            t0 = time.monotonic()
+            t = run(b, rng)
+            out.append(t)
+            print(f"  {name} #{i + 1}: {t} ({time.monotonic() - t0:.0f}s)", file=sys.stderr)
+    finally:
+        b.close()
+        if tmpfs is not None:
+            tmpfs.close()
+    return out
+
+
+def single_table(results: dict[str, list[sf.Trial]]) -> str:
+    rows = ["| fault | trials | confirmed | confirmed lost | settled before the window | resurrected "
+            "| settled inside the window, back (allowed) | delivered | missing redelivered "
+            "| fuzz inputs | broker deaths | tracebacks | wrong answers | goal missed |",
+            "| --- " + "| ---: " * 12 + "| --- |"]
+    for name, trials in results.items():
+        def total(attr: str, ts: list[sf.Trial] = trials) -> int:
+            return sum(getattr(t, attr) for t in ts)
+        missed = [t for t in trials if t.notes or t.lost or t.resurrected or t.missing_redelivered
+                  or t.deaths or t.tracebacks or t.wrong]
+        why = f"{len(missed)}" + (f" ({missed[0].notes[0]})" if missed and missed[0].notes else "")
+        rows.append(f"| {name} ({SINGLE_WHAT[name]}) | {len(trials)} | {total('confirmed')} "
+                    f"| {total('lost')} "
+                    f"| {total('settled')} | {total('resurrected')} | {total('recent_back')} "
+                    f"| {total('delivered')} | {total('missing_redelivered')} | {total('inputs')} "
+                    f"| {total('deaths')} | {total('tracebacks')} | {total('wrong')} | {why} |")
+    return "\n".join(rows)
 
 
 def run_fault(name: str, trials: int, tmp: Path) -> list[Trial]:
@@ -83,7 +173,7 @@ def table(results: dict[str, list[Trial]]) -> str:
         times = [t.failover for t in trials if t.failover is not None]
         span = (f"{min(times):.2f} / {statistics.median(times):.2f} / {max(times):.2f}"
                 if times else "-")
-        missed = [t for t in trials if t.notes or t.lost or t.resurrected
+        missed = [t for t in trials if t.notes or t.lost or t.resurrected or t.missing_redelivered
                   or (t.failover is not None and t.failover > fault.bound)]
         why = f"{len(missed)}" + (f" ({missed[0].notes[0]})" if missed and missed[0].notes else "")
         rows.append(f"| {name} ({fault.what}) | {fault.ttl} | {len(trials)} "
@@ -96,22 +186,44 @@ def table(results: dict[str, list[Trial]]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trials", type=int, default=20, help="trials per fault (default 20)")
-    ap.add_argument("--only", default="", help="comma-separated fault names (default: all)")
+    ap.add_argument("--only", default="", help="comma-separated cluster fault names (default: all; none)")
+    ap.add_argument("--single", default="", help="comma-separated single-node fault names "
+                    "(default: all; none)")
     args = ap.parse_args()
-    for noisy in ("aiormq", "aio_pika"):  # clients cut off by a fault log tracebacks: expected here
+    for noisy in ("aiormq", "aio_pika", "pika"):  # clients cut off by a fault log tracebacks: expected here
         logging.getLogger(noisy).setLevel(logging.CRITICAL)
-    names = [n.strip() for n in args.only.split(",") if n.strip()] or list(FAULTS)
-    unknown = [n for n in names if n not in FAULTS]
-    if unknown:
-        ap.error(f"unknown fault(s) {unknown}; known: {list(FAULTS)}")
-    results: dict[str, list[Trial]] = {}
+
+    def pick(arg: str, known: list[str]) -> list[str]:
+        if arg.strip() == "none":
+            return []
+        names = [n.strip() for n in arg.split(",") if n.strip()] or known
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            ap.error(f"unknown fault(s) {unknown}; known: {known}")
+        return names
+
+    cluster_names = pick(args.only, list(FAULTS))
+    single_names = pick(args.single, list(SINGLE))
     started = time.monotonic()
-    for name in names:
+    load = os.getloadavg()
+    singles: dict[str, list[sf.Trial]] = {}
+    for name in single_names:
+        with tempfile.TemporaryDirectory(prefix="skred-chaos-") as tmp:
+            print(f"{name}: {args.trials} trials", file=sys.stderr)
+            singles[name] = run_single(name, args.trials, Path(tmp))
+    results: dict[str, list[Trial]] = {}
+    for name in cluster_names:
         with tempfile.TemporaryDirectory(prefix="skred-chaos-") as tmp:
             print(f"{name}: {args.trials} trials", file=sys.stderr)
             results[name] = run_fault(name, args.trials, Path(tmp))
-    print(table(results))
-    print(f"\n{sum(len(t) for t in results.values())} trials in {time.monotonic() - started:.0f}s")
+    if singles:
+        print(single_table(singles) + "\n")
+    if results:
+        print(table(results) + "\n")
+    n = sum(len(t) for t in results.values()) + sum(len(t) for t in singles.values())
+    end = os.getloadavg()
+    print(f"{n} trials in {time.monotonic() - started:.0f}s; load average (1 min) {load[0]:.1f} at the "
+          f"start, {end[0]:.1f} at the end, on {os.cpu_count()} CPUs")
     return 0
 
 

@@ -9,6 +9,8 @@ as peers report codes and the cluster/http layers re-raise them.
 
 from __future__ import annotations
 
+import errno
+
 
 class SkredError(Exception):
     """Base of every error Skred raises on purpose."""
@@ -36,6 +38,14 @@ class DiskFull(StoreError):
     the store stays usable (reads, acks and deletes still work). Callers that publish answer it in
     their protocol (AMQP: nack the confirm / block the publisher), never by closing the connection.
     """
+
+
+def no_space(exc: BaseException) -> bool:
+    """Whether a write failed for want of disk space (the store's ``DiskFull``, or a raw
+    ENOSPC/EDQUOT from a write path that does not translate it)."""
+    if isinstance(exc, DiskFull):
+        return True
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 class AMQPError(SkredError):

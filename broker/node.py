@@ -63,6 +63,8 @@ from broker.net.server import AMQPServer
 from broker.store.fileio import syncfs
 from broker.store.jsonstore import read_json, write_json
 from broker.store.lock import DataDirLock
+from broker.store.queue_store import QueueStore
+from broker.store.segment import parse_number
 from broker.store.segment_log import SegmentFiles
 from broker.store.sink import NullSink, ReplicationSink
 from broker.syncer import Syncable, Syncer
@@ -300,6 +302,20 @@ class Node:
                 for q in vh.queues.values():
                     q.store.flush()
 
+    def merge_acks(self, path: Path, positions: list[int]) -> int:
+        num = parse_number(path.name, "acks.")
+        if self.broker is None or num is None:
+            return 0
+        directory = path.parent
+        for vh in self.broker.vhosts.values():
+            for q in vh.queues.values():
+                store = q.store
+                if isinstance(store, QueueStore) and store.directory == directory:
+                    n = store.merge_acks(num, positions)
+                    q.n_acked += n
+                    return n
+        return 0
+
     def trust_proxy_headers_from(self, peers: set[str]) -> None:
         assert self.broker is not None, "not started"
         self.broker.trusted_peers = peers
@@ -359,6 +375,8 @@ class Node:
             self._files.shutting_down = True  # stores close without trimming (fast)
         for vh in broker.vhosts.values():
             vh.close()
+        if self._files is not None and syncer.enabled:
+            syncfs(self.config.main.data_dir)  # what the stores wrote while closing (not fsynced)
         t2 = time.monotonic()
         syncer.shutdown()
         log.info("stores synced in %.2f s, closed in %.2f s, last background sync waited for %.2f s",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import struct
 from pathlib import Path
 
 import pytest
@@ -208,3 +209,13 @@ def test_tunnel_hello_names_its_client_by_an_ip_address(host: str) -> None:
     of guest): anything but an IP address is refused before any of that sees it."""
     with pytest.raises(codec.CodecError):
         codec.parse_opening(codec.encode_tunnel_hello(b"s" * 32, codec.AMQP_PORT, (host, 1)))
+
+
+def test_merge_acks_round_trip() -> None:
+    positions = struct.pack("<3I", 8, 100, 4000)
+    msg = codec.encode_merge_acks("vh/q/acks.0000000001", 5000, b"h" * 20, positions)
+    [m] = codec.MessageReader().feed(msg)
+    assert m.kind == codec.MERGE_ACKS
+    assert codec.parse_merge_acks(m.payload) == ("vh/q/acks.0000000001", 5000, b"h" * 20, [8, 100, 4000])
+    with pytest.raises(codec.CodecError):
+        codec.parse_merge_acks(m.payload[:-1])  # not whole u32 entries

@@ -197,7 +197,7 @@ def test_missing_or_garbage_meta(tmp_path: Path) -> None:
     (qdir / "meta").unlink()
     store = QueueStore(qdir)
     assert drain(store) == ids
-    assert not store.is_redelivered(ids[0])
+    assert store.is_redelivered(ids[2])  # no meta: not closed cleanly, any may have been delivered
     store.close()
     (qdir / "meta").write_bytes(b"\xffgarbage" * 5)
     store = QueueStore(qdir)
@@ -211,8 +211,7 @@ def test_redelivered_after_restart(tmp_path: Path) -> None:
     ids = fill(store, 6)
     store.shift()
     store.shift()
-    store.sync()
-    kill(store)  # the mark was made durable by sync()
+    store.close()  # closed cleanly: the mark is exact
     store = QueueStore(qdir, segment_size=4096)
     assert drain(store) == ids
     assert [store.is_redelivered(m) for m in ids] == [True, True, False, False, False, False]
@@ -227,6 +226,39 @@ def test_redelivered_after_restart(tmp_path: Path) -> None:
     store = QueueStore(qdir, segment_size=4096)
     assert drain(store) == new
     assert not any(store.is_redelivered(m) for m in new)
+    store.close()
+
+
+@pytest.mark.parametrize("synced", [False, True])
+def test_delivered_before_a_kill_come_back_redelivered(tmp_path: Path, synced: bool) -> None:
+    """The mark on disk lags deliveries by up to the sync window, so after a crash every
+    recovered message counts as delivered; and a store that was closed cleanly stops
+    saying so on disk before it delivers anything again."""
+    qdir = tmp_path / "q"
+    store = QueueStore(qdir, segment_size=4096)
+    ids = fill(store, 6)
+    store.close()
+    store = QueueStore(qdir, segment_size=4096)
+    assert not store.is_redelivered(ids[0])
+    assert store.shift() == ids[0]  # delivered; the mark is not written (no sync) ...
+    if synced:
+        store.sync()
+    kill(store)  # ... and the process dies
+    store = QueueStore(qdir, segment_size=4096)
+    assert drain(store) == ids
+    assert all(store.is_redelivered(m) for m in ids)
+    new = fill(store, 2, start=6)  # new messages sort after the recovered ones
+    assert not any(store.is_redelivered(m) for m in new)
+    store.close()
+    # A store never closed cleanly (a replica's copy, a crash before any sync) likewise.
+    other = tmp_path / "r"
+    store = QueueStore(other, segment_size=4096)
+    more = fill(store, 3)
+    store.sync()
+    kill(store)
+    store = QueueStore(other, segment_size=4096)
+    assert all(store.is_redelivered(m) for m in drain(store)) and drain(store) == []
+    assert more
     store.close()
 
 
@@ -304,4 +336,28 @@ def test_persistent_only_drops_transient_messages(tmp_path: Path) -> None:
     # The same files opened without the flag still hold everything.
     store = QueueStore(qdir)
     assert store.ready_count == 6
+    store.close()
+
+
+def test_merge_acks_from_a_replica(tmp_path: Path) -> None:
+    """Acks another copy of the store holds: ready messages (at the cursor, ahead of it,
+    requeued) go; a held one stays with its consumer; the result survives a restart."""
+    qdir = tmp_path / "q"
+    store = QueueStore(qdir, segment_size=4096)
+    ids = fill(store, 10)
+    first = store.shift()
+    second = store.shift()
+    assert (first, second) == (ids[0], ids[1])
+    store.requeue(second)  # ready again, in the requeue heap
+    num = ids[0] >> 32
+    pos = [m & 0xFFFFFFFF for m in ids]
+    assert store.merge_acks(num, [pos[0], pos[1], pos[4], pos[5], pos[5], 3, 10**6]) == 3
+    assert store.ready_count == 10 - 1 - 3
+    assert store.bytes_ready == sum(len(b"body-%d" % i) for i in (2, 3, 6, 7, 8, 9))
+    assert store.merge_acks(num, [pos[4]]) == 0  # once
+    assert drain(store) == [ids[2], ids[3], ids[6], ids[7], ids[8], ids[9]]
+    store.ack(first)
+    store.close()
+    store = QueueStore(qdir, segment_size=4096)
+    assert drain(store) == [ids[2], ids[3], ids[6], ids[7], ids[8], ids[9]]
     store.close()

@@ -33,7 +33,6 @@ connection. Memory: see broker/amqp/memory.py.
 
 from __future__ import annotations
 
-import errno
 import logging
 import shutil
 from collections.abc import Iterable
@@ -95,14 +94,6 @@ def check_consumer_timeouts(s: Session, now: float, default_ms: int) -> bool:
                 "learn more"))
             closed = True
     return closed
-
-
-def no_space(exc: BaseException) -> bool:
-    """Whether a write failed for want of disk space (the store's ``DiskFull``, or a raw
-    ENOSPC/EDQUOT from a write path that does not translate it)."""
-    if isinstance(exc, errors.DiskFull):
-        return True
-    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def _policy_timeout(policies: tuple[Any, Any]) -> int | None:

@@ -35,7 +35,6 @@ from pamqp.base import Frame as PFrame
 
 from broker import errors, properties
 from broker.amqp import codec
-from broker.amqp.alarms import no_space
 from broker.amqp.connection import CH_OPEN, AMQPConnection, PublishArgs
 from broker.model.publish import PublishRequest
 from broker.model.queue import Consumer, Queue
@@ -541,10 +540,10 @@ class Session(AMQPConnection):
             out = self.vhost_obj.publish_run(exchange, args.routing_key, args, props, bodies, same,
                                              self.now_ms)
         except (errors.DiskFull, OSError) as exc:
-            if not no_space(exc):
+            if not errors.no_space(exc):
                 raise
-            # one by one then: each is refused (nacked) or stored on its own; a queue that did
-            # take the run before another found no space may hold a copy of a nacked message
+            # one by one then: each is refused (nacked) or stored on its own (the run reserved
+            # its room in every queue first, so none of it is stored yet)
             out = None
         if out is None:
             self.publish_each(channel, args, props, bodies)
@@ -568,7 +567,7 @@ class Session(AMQPConnection):
         its queues only): raise the disk alarm at once, which blocks every publisher, and tell
         this one: a basic.nack in confirm mode, else a channel error. Never a connection
         error: the broker is fine, only the disk is full."""
-        if not no_space(exc):
+        if not errors.no_space(exc):
             raise exc
         self.broker.alarm.disk_full(need, self.broker.connections)
         if chs.confirm:
@@ -747,7 +746,7 @@ class Session(AMQPConnection):
             handler(self, chs, method)
         except (errors.DiskFull, OSError) as exc:
             # a durable declare, a tx.commit's publishes...: the channel fails, not the connection
-            if not no_space(exc):
+            if not errors.no_space(exc):
                 raise
             self.broker.alarm.disk_full(1, self.broker.connections)
             raise errors.PreconditionFailed(f"disk full: {method.name} failed; publishers are blocked "

@@ -228,14 +228,12 @@ class UserStore:
         if password is not None:
             password_hash = hash_password(password)
         user = User(name=name, password_hash=password_hash or "", tags=_normalise_tags(tags))
-        self._users[name] = user
-        self._save()
+        self._commit({**self._users, name: user})
         return user
 
     def delete_user(self, name: str) -> None:
         self._require(name)
-        del self._users[name]
-        self._save()
+        self._commit({k: u for k, u in self._users.items() if k != name})
 
     def set_password(self, name: str, password: str) -> User:
         return self._replace(name, password_hash=hash_password(password), hashing_algorithm=HASHING_ALGORITHM)
@@ -258,14 +256,15 @@ class UserStore:
 
     def clear_vhost(self, vhost: str) -> None:
         """Drop every user's permissions on ``vhost`` (called when the vhost is deleted)."""
+        users = dict(self._users)
         changed = False
-        for name, user in list(self._users.items()):
+        for name, user in self._users.items():
             if vhost in user.permissions:
                 permissions = {k: v for k, v in user.permissions.items() if k != vhost}
-                self._users[name] = dataclasses.replace(user, permissions=permissions)
+                users[name] = dataclasses.replace(user, permissions=permissions)
                 changed = True
         if changed:
-            self._save()
+            self._commit(users)
 
     # -- internals ----------------------------------------------------------------------------
     def _resolve(self, user: User | str) -> User | None:
@@ -287,9 +286,13 @@ class UserStore:
 
     def _replace(self, name: str, **changes: Any) -> User:
         user = dataclasses.replace(self._require(name), **changes)
-        self._users[name] = user
-        self._save()
+        self._commit({**self._users, name: user})
         return user
+
+    def _commit(self, users: dict[str, User]) -> None:
+        """users.json first, then memory: a full disk (DiskFull) changes neither."""
+        write_json(self._path, users_to_json(users.values()), self._sink)
+        self._users = users
 
     def _save(self) -> None:
         write_json(self._path, users_to_json(self._users.values()), self._sink)

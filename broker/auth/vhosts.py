@@ -59,18 +59,19 @@ class VHostStore:
             raise ValueError(f"vhost name {name!r} contains control characters")
         if name in self._names:
             raise ValueError(f"vhost {name!r} already exists")
-        self._names.add(name)
-        self._save()
+        self._save(self._names | {name})
 
     def delete(self, name: str) -> None:
         if name not in self._names:
             raise KeyError(f"no vhost {name!r}")
-        self._names.remove(name)
-        self._save()
+        self._save(self._names - {name})
 
-    def _save(self) -> None:
-        document = {"version": FILE_VERSION, "vhosts": [{"name": name} for name in sorted(self._names)]}
+    def _save(self, names: set[str] | None = None) -> None:
+        """vhosts.json first, then memory: a full disk (DiskFull) changes neither."""
+        names = self._names if names is None else names
+        document = {"version": FILE_VERSION, "vhosts": [{"name": name} for name in sorted(names)]}
         write_json(self._path, document, self._sink)
+        self._names = names
 
 
 def _names_from_json(path: Path, data: Any) -> set[str]:

@@ -29,8 +29,13 @@ bytes), ``REPLACE`` (path, whole content) and ``DELETE`` (path); ``HEARTBEAT``
 (empty) whenever the leader has sent nothing for a second. Heartbeats count
 like any message, so the follower's ack of one is the heartbeat back: a link
 that carries neither is dead within seconds on both sides (version 2).
-Follower -> leader: ``REQUEST`` (paths the follower lacks or has different) and
-``ACK`` (u64: total uncompressed message bytes applied and fsynced so far).
+Follower -> leader: ``REQUEST`` (paths the follower lacks or has different),
+``ACK`` (u64: total uncompressed message bytes applied and fsynced so far) and, during bulk
+sync, ``MERGE_ACKS`` (version 4): an ack file of the follower's that differs from the
+leader's or that the leader lacks, with the length and SHA-1 of the follower's copy of its
+segment; the leader acks the same positions in its store when its segment starts with those
+very bytes. An ack known on any in-sync copy thus stays acked, even if the leader's own
+copy lost it (a leader that crashed inside its ack sync window after its followers died).
 
 Ack accounting: both sides count the encoded size (header included) of every
 leader -> follower message after the ``Welcome``; the leader's count when it
@@ -53,7 +58,7 @@ import lz4.frame
 
 MAGIC: Final = b"SKREPL"
 TUNNEL_MAGIC: Final = b"SKTUNL"
-VERSION: Final = 3  # 2: HEARTBEAT; 3: every client port in the Welcome, tunnels
+VERSION: Final = 4  # 2: HEARTBEAT; 3: every client port in the Welcome, tunnels; 4: MERGE_ACKS
 SECRET_SIZE: Final = 32
 
 # Welcome status codes.
@@ -83,6 +88,7 @@ HEARTBEAT: Final = 7
 # Message kinds, follower -> leader.
 REQUEST: Final = 10
 ACK: Final = 11
+MERGE_ACKS: Final = 12
 
 TRUNCATE: Final = 1  # FILE_DATA flag: first chunk of a file, start from empty
 MAX_PAYLOAD: Final = 64 * 1024 * 1024  # larger than any segment chunk we send; guards a bad peer
@@ -278,6 +284,22 @@ def encode_request(paths: list[str]) -> bytes:
 
 def encode_ack(applied: int) -> bytes:
     return encode(ACK, _U64.pack(applied))
+
+
+def encode_merge_acks(path: str, segment_length: int, segment_sha1: bytes, positions: bytes) -> bytes:
+    """``path``: the ack file; ``positions``: its u32 little-endian entries (no header)."""
+    return encode(MERGE_ACKS, _path_bytes(path) + _ENTRY_TAIL.pack(segment_length, segment_sha1) + positions)
+
+
+def parse_merge_acks(payload: bytes) -> tuple[str, int, bytes, list[int]]:
+    """-> (ack file path, segment length, segment SHA-1, positions)."""
+    path, pos = _take_path(payload, 0)
+    if pos + _ENTRY_TAIL.size > len(payload) or (len(payload) - pos - _ENTRY_TAIL.size) % 4:
+        raise CodecError("bad merge-acks message")
+    length, sha1 = _ENTRY_TAIL.unpack_from(payload, pos)
+    pos += _ENTRY_TAIL.size
+    positions = [p for (p,) in struct.iter_unpack("<I", payload[pos:])]
+    return path, int(length), bytes(sha1), positions
 
 
 def _take_path(payload: bytes, pos: int) -> tuple[str, int]:

@@ -54,6 +54,7 @@ class Applier:
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
         self.applied = 0  # bytes of leader messages applied (the ack counter)
+        self.merges: list[bytes] = []  # MERGE_ACKS messages to send before the REQUEST
         self._fds: OrderedDict[str, int] = OrderedDict()
         self._touched: set[str] = set()
         self._dirs: set[Path] = set()
@@ -98,11 +99,32 @@ class Applier:
 
     def _compare(self, files: list[codec.FileInfo]) -> list[str]:
         local = self.local_files()
-        wanted = {f.path for f in files}
+        leader = {f.path: (f.length, f.sha1) for f in files}
+        wanted = set(leader)
+        self.merges = self._merges(local, leader)
         for rel in local:
             if rel not in wanted:
                 self._delete(rel)
         return [f.path for f in files if local.get(f.path) != (f.length, f.sha1)]
+
+    def _merges(self, local: dict[str, tuple[int, bytes]],
+                leader: dict[str, tuple[int, bytes]]) -> list[bytes]:
+        """Our ack files the leader lacks or has different, for segments the leader still
+        has: sent to it before they are replaced, so their acks are merged, not lost."""
+        out: list[bytes] = []
+        for rel, info in local.items():
+            head, _, name = rel.rpartition("/")
+            if not name.startswith("acks.") or leader.get(rel) == info:
+                continue
+            seg_rel = f"{head}/msgs.{name[5:]}" if head else f"msgs.{name[5:]}"
+            if seg_rel not in leader or seg_rel not in local:
+                continue
+            data = (self.data_dir / rel).read_bytes()
+            usable = len(data) - (len(data) - 4) % 4 if len(data) >= 4 else 4
+            if usable > 4:
+                seg_len, seg_sha1 = local[seg_rel]
+                out.append(codec.encode_merge_acks(rel, seg_len, seg_sha1, data[4:usable]))
+        return out
 
     def _fd(self, rel: str) -> int:
         fd = self._fds.get(rel)
@@ -230,6 +252,10 @@ async def follow(host: str, port: int, data_dir: Path, secret: bytes, node_id: s
             if not batch:
                 continue
             request, done = await loop.run_in_executor(executor, applier.run_batch, batch)
+            if applier.merges:
+                log.info("bulk sync: offering the acks of %d ack files to the leader", len(applier.merges))
+                writer.write(b"".join(applier.merges))
+                applier.merges = []
             if request is not None:
                 log.info("bulk sync: requesting %d files", len(request))
                 writer.write(codec.encode_request(request))

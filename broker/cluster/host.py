@@ -60,6 +60,10 @@ class LeaderBroker(Protocol):
     def flush_stores(self) -> None:
         """Push every queue store's buffered acks and meta to the sink."""
 
+    def merge_acks(self, path: Path, positions: list[int]) -> int:
+        """Ack the ready messages a follower's ack file ``path`` (ours: same data dir layout)
+        names; returns how many were acked."""
+
     def trust_proxy_headers_from(self, peers: set[str]) -> None:
         """Accept PROXY protocol headers from the addresses in ``peers`` (a live set: the
         followers that authenticated, whose proxies splice clients to us)."""

@@ -174,6 +174,9 @@ class LeaderSink:
         self.followers: dict[str, FollowerConn] = {}
         self.isr: set[str] = set()  # follower ids confirms wait for
         self.flush_stores: Callable[[], None] = lambda: None
+        # Ack positions a follower has for one of our segments (path of the ack file): acked in
+        # our store too; returns how many were new. Set by the runner to the broker's.
+        self.merge_acks: Callable[[Path, list[int]], int] = lambda path, positions: 0
         # our client listeners by codec.PORT_NAMES (ports told to followers, tunnel targets)
         self.client_addresses: Callable[[], dict[str, tuple[str, int]]] = dict
         # leg of a tunnel to our own listener -> the client's address (the broker's listeners read it)
@@ -396,8 +399,28 @@ class LeaderSink:
                     self._on_ack(f, codec.parse_ack(m.payload))
                 elif m.kind == codec.REQUEST:
                     self._spawn(self._send_files(f, codec.parse_request(m.payload), lengths))
+                elif m.kind == codec.MERGE_ACKS:
+                    self._spawn(self._merge_acks(f, *codec.parse_merge_acks(m.payload)))
                 else:
                     raise codec.CodecError(f"unexpected message kind {m.kind} from follower")
+
+    async def _merge_acks(self, f: FollowerConn, rel: str, seg_length: int, seg_sha1: bytes,
+                          positions: list[int]) -> None:
+        """A follower's acks for one of our segments: merged when our segment starts with the
+        very bytes the follower's copy holds (else the queue was deleted and made again since,
+        and the positions name other messages)."""
+        head, _, name = rel.rpartition("/")
+        seg = self.data_dir / head / f"msgs.{name[5:]}" if name.startswith("acks.") else None
+        if seg is None or not positions:
+            return
+        loop = asyncio.get_running_loop()
+        same = await loop.run_in_executor(None, _starts_with, seg, seg_length, seg_sha1)
+        if not same:
+            log.info("follower %s: acks of %s not merged (the segment differs)", f.node_id, rel)
+            return
+        n = self.merge_acks(self.data_dir / rel, [p for p in positions if p < seg_length])
+        if n:
+            log.warning("follower %s had %d acks for %s that this node had lost: merged", f.node_id, n, rel)
 
     async def _send_files(self, f: FollowerConn, paths: list[str], lengths: dict[str, int]) -> None:
         loop = asyncio.get_running_loop()
@@ -538,3 +561,20 @@ def _read_at(path: Path, offset: int, n: int) -> bytes:
             return fh.read(n)
     except FileNotFoundError:
         return b""
+
+
+def _starts_with(path: Path, length: int, sha1: bytes) -> bool:
+    """Whether the file at ``path`` is at least ``length`` bytes and they hash to ``sha1``."""
+    h = hashlib.sha1(usedforsecurity=False)
+    left = length
+    try:
+        with open(path, "rb") as fh:
+            while left:
+                chunk = fh.read(min(left, 1 << 20))
+                if not chunk:
+                    return False
+                h.update(chunk)
+                left -= len(chunk)
+    except FileNotFoundError:
+        return False
+    return h.digest() == sha1

@@ -486,6 +486,7 @@ class ClusterRunner:
         self.view.warm = True
         node.trust_proxy_headers_from(sink.member_ips)  # followers' proxies send PROXY headers
         sink.flush_stores = node.flush_stores
+        sink.merge_acks = node.merge_acks
         sink.client_addresses = node.client_addresses
         sink.proxied_peers = node.proxied_peers
         try:

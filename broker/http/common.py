@@ -110,6 +110,12 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return resp
     except web.HTTPRequestEntityTooLarge:
         return error_response(413, "bad_request", "request body too large")
+    except (errors.DiskFull, OSError) as exc:
+        if not errors.no_space(exc):
+            raise
+        # The stores changed nothing (a definition or JSON file is written before memory).
+        log.warning("disk full: %s %s refused", request.method, request.path)
+        return error_response(503, "disk_full", "disk full: nothing was changed")
 
 
 def _credentials(request: web.Request) -> tuple[str, str] | None:

@@ -97,21 +97,25 @@ class Mgmt:
         return vh
 
     def delete_vhost(self, name: str) -> None:
-        vh = self.broker.vhosts.pop(name, None)
+        vh = self.broker.vhosts.get(name)
         if vh is None:
             raise KeyError(name)
+        self.vhost_store.delete(name)  # first: on a full disk (DiskFull) nothing is deleted
+        del self.broker.vhosts[name]
         for session in list(self.broker.connections):
             if session.vhost == name:
                 self.close_connection(session, f"vhost '{name}' is deleted")
         syncer = self.broker.syncer
         for q in list(vh.queues.values()):
             syncer.discard(q.store)
-            vh.delete_queue(q.name, owner=q.exclusive_owner)
+            try:
+                vh.delete_queue(q.name, owner=q.exclusive_owner)
+            except errors.DiskFull:  # not logged: the definitions log goes with the vhost
+                q.delete()
         syncer.discard(vh.definitions)
         vh.close()
         shutil.rmtree(vh.dir, ignore_errors=True)
         shutil.rmtree(vh.transient_dir, ignore_errors=True)
-        self.vhost_store.delete(name)
         self.broker.users.clear_vhost(name)
         self.policies.clear_vhost(name)
 

@@ -66,6 +66,7 @@ CONSISTENT_HASH = "x-consistent-hash"
 EXTRA_TYPES = (DELAYED, CONSISTENT_HASH)
 BASE_TYPES = ("direct", "fanout", "topic", "headers")
 POINTS_PER_WEIGHT = 64
+DISK_RETRY_S = 1.0  # a due delayed message that found the disk full is routed again this much later
 DEDUP = "x-message-deduplication"
 DEDUP_HEADER = "x-deduplication-header"
 _HASH_PROPERTIES = ("message_id", "correlation_id", "timestamp", "app_id", "type", "user_id",
@@ -281,6 +282,7 @@ class DelayedStore:
         self._seq = itertools.count()
         self._timer: TimerHandle | None = None
         self._timer_at = 0
+        self._disk_wait = False  # due messages wait for disk space (logged once)
         self.closed = False
         self._rebuild()
 
@@ -337,16 +339,38 @@ class DelayedStore:
         budget = 4096  # per timer turn; the rest on the next (immediate) turn
         while heap and heap[0][0] <= now and budget:
             budget -= 1
-            _due, _seq, msgid = heapq.heappop(heap)
+            entry = heapq.heappop(heap)
+            msgid = entry[2]
             try:
                 _ts, _ex, rk, props, body = store.read(msgid)
                 self.route(rk.decode(errors="replace"), props, body)
+            except (errors.DiskFull, OSError) as exc:
+                if not errors.no_space(exc):
+                    log.exception("exchange %r: routing a delayed message failed", self.ex.name)
+                else:
+                    # Not stored anywhere (a message is stored in all its queues or none):
+                    # it stays held, and this one and those due after it are tried again.
+                    heapq.heappush(heap, entry)
+                    if not self._disk_wait:
+                        self._disk_wait = True
+                        log.warning("exchange %r: disk full, due delayed messages wait (retried "
+                                    "every %.0f s)", self.ex.name, DISK_RETRY_S)
+                    self._retry_later()
+                    break
             except Exception:  # one bad message must not stall the rest
                 log.exception("exchange %r: routing a delayed message failed", self.ex.name)
             store.ack(msgid)
+            self._disk_wait = False
+        else:
+            self._arm()
         if self.durable:
             self.vh.mark_dirty(store)
-        self._arm()
+
+    def _retry_later(self) -> None:
+        call_later = self.vh.call_later
+        if call_later is not None:
+            self._timer_at = _now_ms() + int(DISK_RETRY_S * 1000)
+            self._timer = call_later(DISK_RETRY_S, self._fire)
 
     def route(self, routing_key: str, props: bytes, body: bytes) -> None:
         """A due message: published again from this exchange, which now routes it by its

@@ -47,6 +47,7 @@ asyncio); without one, TTL still applies at delivery and get.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -56,6 +57,8 @@ from broker import errors, properties
 from broker.model import deadletter, queue_types
 from broker.model.queue_dedup import QueueDedup, key_of
 from broker.store.priority_store import PriorityStore
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from broker.model.queue import ClassicQueue, Consumer
@@ -324,7 +327,10 @@ class QueueFeatures:
         # x-message-deduplication: header values of the messages in the queue (argument only,
         # so it is fixed for the queue's life and reconfigure leaves it alone).
         self.dedup: QueueDedup | None = QueueDedup() if cfg.dedup else None
-        self.dl_pending: dict[int, str] = {}  # at-least-once: msgid -> reason, refused by the target
+        # msgid -> reason: dead letters kept (unacked, off the ready list) to be offered again
+        # every DL_RETRY_S: refused by the target (at-least-once), or not written for want of
+        # disk space (any strategy: a full disk never loses a dead letter)
+        self.dl_pending: dict[int, str] = {}
         self._dl_timer: TimerHandle | None = None
 
     # ------------------------------------------------------------ lifecycle
@@ -452,17 +458,29 @@ class QueueFeatures:
                            body: bytes, reason: str, discard: Callable[[int], None] | None = None) -> None:
         """Message ``msgid``, taken off the queue, dies (``discard`` settles it in the store).
         At-least-once (see deadletter.py): it stays unacked in the store until a target takes it."""
-        cfg = self.cfg
         settle = discard or self._discard
-        if not (cfg.dl_strategy == "at-least-once" and cfg.overflow == "reject-publish"
-                and cfg.dlx is not None and queue_types.type_of(self.q.arguments) == queue_types.QUORUM):
-            settle(msgid)
-            self._dead_letter(exchange, routing_key, props, body, reason)
-        elif not self.dl_pending and self._dead_letter(exchange, routing_key, props, body, reason):
-            settle(msgid)
-        else:
-            self.dl_pending[msgid] = reason
-            self._arm_dl_retry()
+        if not self.dl_pending:  # else it waits behind those, in order
+            try:
+                taken = self._dead_letter(exchange, routing_key, props, body, reason)
+            except (errors.DiskFull, OSError) as exc:
+                if not errors.no_space(exc):
+                    raise
+                log.warning("queue '%s': disk full, dead letters wait (retried every %.0f s)",
+                            self.q.name, deadletter.DL_RETRY_S)
+            else:
+                if taken or not self._at_least_once:
+                    settle(msgid)
+                    return
+        self.dl_pending[msgid] = reason
+        self._arm_dl_retry()
+
+    @property
+    def _at_least_once(self) -> bool:
+        """Dead letters stay until a target takes them (else: at most once, but never lost
+        for want of disk space)."""
+        cfg = self.cfg
+        return (cfg.dl_strategy == "at-least-once" and cfg.overflow == "reject-publish"
+                and cfg.dlx is not None and queue_types.type_of(self.q.arguments) == queue_types.QUORUM)
 
     def _arm_dl_retry(self) -> None:
         if self.dl_pending and self._dl_timer is None and self.call_later is not None:
@@ -474,7 +492,13 @@ class QueueFeatures:
             return
         for msgid, reason in list(self.dl_pending.items()):  # in order: the rest wait behind the head
             _ts, exchange, routing_key, props, body = self.q.store.read(msgid)
-            if not self._dead_letter(exchange, routing_key, props, body, reason):
+            try:
+                taken = self._dead_letter(exchange, routing_key, props, body, reason)
+            except (errors.DiskFull, OSError) as exc:
+                if not errors.no_space(exc):
+                    raise
+                break
+            if not taken and self._at_least_once:
                 break
             del self.dl_pending[msgid]
             self._discard(msgid)

@@ -43,18 +43,21 @@ class VHostLimits:
             raise ValueError(f"unknown vhost limit '{name}' (known: {', '.join(NAMES)})")
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"limit '{name}' must be an integer")
+        values = dict(self.values)
         if value < 0:
-            self.values.pop(name, None)
+            values.pop(name, None)
         else:
-            self.values[name] = value
-        self._save()
+            values[name] = value
+        self._save(values)
 
     def delete(self, name: str) -> bool:
-        if self.values.pop(name, None) is None:
+        if name not in self.values:
             return False
-        self._save()
+        self._save({k: v for k, v in self.values.items() if k != name})
         return True
 
-    def _save(self) -> None:
+    def _save(self, values: dict[str, int]) -> None:
+        """The file first, then memory: a full disk (DiskFull) changes neither."""
+        write_json(self.path, {"version": 1, "limits": values}, self.sink)
+        self.values = values
         self._cache()
-        write_json(self.path, {"version": 1, "limits": self.values}, self.sink)

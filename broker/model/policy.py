@@ -183,15 +183,29 @@ def apply_all(vh: VHost) -> None:
 def set_policy(vh: VHost, name: str, pattern: str, definition: dict[str, Any], priority: int = 0,
                apply_to: str = "all", operator: bool = False) -> None:
     p = make_policy(name, pattern, definition, priority, apply_to)
-    (vh.policy_set.operator if operator else vh.policy_set.policies)[name] = p
-    vh.policy_set.save()
+    target = vh.policy_set.operator if operator else vh.policy_set.policies
+    old = target.get(name)
+    target[name] = p
+    try:
+        vh.policy_set.save()
+    except errors.DiskFull:  # nothing changed: the file first, then what applies
+        if old is None:
+            del target[name]
+        else:
+            target[name] = old
+        raise
     apply_all(vh)
 
 
 def delete_policy(vh: VHost, name: str, operator: bool = False) -> bool:
     target = vh.policy_set.operator if operator else vh.policy_set.policies
-    if target.pop(name, None) is None:
+    old = target.pop(name, None)
+    if old is None:
         return False
-    vh.policy_set.save()
+    try:
+        vh.policy_set.save()
+    except errors.DiskFull:
+        target[name] = old
+        raise
     apply_all(vh)
     return True

@@ -46,7 +46,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from broker import errors, properties
 from broker.model import features
-from broker.store.segment import short_pair
+from broker.store.queue_store import QueueStore
+from broker.store.segment import record_size, short_pair
 
 if TYPE_CHECKING:
     from broker.model.exchange import Exchange
@@ -203,6 +204,8 @@ def publish(vh: VHost, req: PublishRequest, first_hop: bool = True) -> PublishOu
         rkb = names.routing_key_b
         exrk = names.exrk
         body = req.body
+        if len(queues) > 1:
+            reserve(queues, record_size(exb, rkb, props, body))
         for q in queues:
             if q.publish(ts, exb, rkb, props, body, persistent, exrk) is False:
                 out.rejected = True
@@ -213,6 +216,16 @@ def publish(vh: VHost, req: PublishRequest, first_hop: bool = True) -> PublishOu
 
 def _probe_headers() -> dict[str, Any] | None:
     raise _NotARun
+
+
+def reserve(queues: list[Queue], size: int) -> None:
+    """A full disk stores a message (or a run) everywhere or nowhere: room for ``size`` bytes
+    first in the write segment of every plain queue (DiskFull before anything is written). A
+    queue with a store of its own kind (priorities, a stream) may still fail on its own."""
+    for q in queues:
+        store = q.store
+        if q.features is None and type(store) is QueueStore:
+            store.reserve(size)
 
 
 def route(vh: VHost, ex: Exchange, keys: list[str], props: bytes, req: PublishRequest,
@@ -321,6 +334,7 @@ def publish_run(vh: VHost, exchange: str, routing_key: str, names: EncodedNames,
         persistent = is_persistent(props[0])
     else:  # any of them
         persistent = any(is_persistent(p) for p in props)
+    reserve(queues, QueueStore.run_size(names.exrk, props, bodies, same))
     for q in queues:
         q.publish_run(ts, names.exchange_b, names.routing_key_b, props, bodies, persistent, names.exrk, same)
     return PublishOutcome(queues, sync=persistent)

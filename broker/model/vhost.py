@@ -151,12 +151,23 @@ class VHost:
                 self.unbind_exchange(m.destination, m.source, m.routing_key, m.arguments or {})
 
     def _log(self, method: PFrame, is_delete: bool = False) -> None:
+        """Append a durable change to the definitions log. DiskFull leaves the log as it was:
+        declares call this after the change and undo it, deletes before it, so a client
+        refused for want of disk space finds nothing changed."""
         if self._replaying:
             return
         self.definitions.append(pframe.marshal(method, 0))
         self.mark_dirty(self.definitions)
-        if is_delete and self.definitions.appended_since_compact > _COMPACT_AFTER:
+        if is_delete:
+            self._compact_after_delete()
+
+    def _compact_after_delete(self) -> None:
+        if self._replaying or self.definitions.appended_since_compact <= _COMPACT_AFTER:
+            return
+        try:
             self.compact()
+        except errors.DiskFull:
+            log.warning("vhost '%s': disk full, definitions log not compacted", self.name)
 
     def compact(self) -> None:
         records: list[bytes] = []
@@ -222,9 +233,15 @@ class VHost:
         if self.policy_set.policies:
             policy.apply_to_exchange(self, ex)  # alternate-exchange by policy
         if durable:
-            self._log(commands.Exchange.Declare(exchange=name, exchange_type=type_, durable=True,
-                                                auto_delete=auto_delete, internal=internal,
-                                                arguments=arguments))
+            try:
+                self._log(commands.Exchange.Declare(exchange=name, exchange_type=type_, durable=True,
+                                                    auto_delete=auto_delete, internal=internal,
+                                                    arguments=arguments))
+            except errors.DiskFull:
+                del self.exchanges[name]
+                if ex.special is not None:
+                    ex.special.close(delete=True)
+                raise
         return ex
 
     def delete_exchange(self, name: str, if_unused: bool = False) -> None:
@@ -237,13 +254,15 @@ class VHost:
             return  # RabbitMQ: deleting a missing exchange is ok
         if if_unused and ex.has_bindings():
             raise errors.PreconditionFailed(f"exchange '{name}' in vhost '{self.name}' in use")
+        if ex.durable:
+            self._log(commands.Exchange.Delete(exchange=name))  # first: DiskFull changes nothing
         del self.exchanges[name]
         if ex.special is not None:
             ex.special.close(delete=True)  # drops held delayed messages with the exchange
         for other in self.exchanges.values():
             other.unbind_all(ex)
         if ex.durable:
-            self._log(commands.Exchange.Delete(exchange=name), is_delete=True)
+            self._compact_after_delete()
 
     # ----------------------------------------------------------------- queues
     def get_queue(self, name: str, owner: object | None) -> Queue:
@@ -302,8 +321,7 @@ class VHost:
             self.queues[name] = q
             self.queues_created += not self._replaying
             self.exchanges[""].bind(q, name)
-            self._log(commands.Queue.Declare(queue=name, durable=True, auto_delete=auto_delete,
-                                             arguments=arguments))
+            self._log_new_queue(q, arguments)
             return q, True
         args_cfg = features.parse_arguments(arguments, name, self.name)  # 406 on a bad x-arg
         persistent = durable and not exclusive
@@ -333,13 +351,27 @@ class VHost:
         self.exchanges[""].bind(q, name)
         policy.apply_to_queue(self, q)  # its type, from arguments and policies (plain: stays classic)
         if persistent:
-            self._log(commands.Queue.Declare(queue=name, durable=True, auto_delete=auto_delete,
-                                             arguments=arguments))
+            self._log_new_queue(q, arguments)
         return q, True
+
+    def _log_new_queue(self, q: Queue, arguments: dict[str, Any]) -> None:
+        """Log a new durable queue; on a full disk it goes again (DiskFull is raised on)."""
+        try:
+            self._log(commands.Queue.Declare(queue=q.name, durable=True, auto_delete=q.auto_delete,
+                                             arguments=arguments))
+        except errors.DiskFull:
+            del self.queues[q.name]
+            self.queues_created -= 1
+            self.exchanges[""].unbind_all(q)
+            q.delete()
+            raise
 
     def _queue_unused(self, q: Queue) -> None:
         if self.queues.get(q.name) is q:
-            self.delete_queue(q.name, owner=q.exclusive_owner)
+            try:
+                self.delete_queue(q.name, owner=q.exclusive_owner)
+            except errors.DiskFull:
+                log.warning("vhost '%s': disk full, auto-delete queue '%s' kept", self.name, q.name)
 
     def delete_queue(self, name: str, *, if_unused: bool = False, if_empty: bool = False,
                      owner: object | None) -> int:
@@ -352,20 +384,25 @@ class VHost:
         if if_empty and q.message_count:
             raise errors.PreconditionFailed(f"queue '{name}' in vhost '{self.name}' not empty")
         count = q.message_count
+        persistent = q.durable and q.exclusive_owner is None
+        if persistent:
+            self._log(commands.Queue.Delete(queue=name))  # first: DiskFull changes nothing
         del self.queues[name]
         self.queues_deleted += 1
         for ex in list(self.exchanges.values()):
             if ex.unbind_all(q) and ex.auto_delete and not ex.has_bindings():
                 self._auto_delete_exchange(ex)
-        persistent = q.durable and q.exclusive_owner is None
         q.delete()
         if persistent:
-            self._log(commands.Queue.Delete(queue=name), is_delete=True)
+            self._compact_after_delete()
         return count
 
     def _auto_delete_exchange(self, ex: Exchange) -> None:
         if self.exchanges.get(ex.name) is ex:
-            self.delete_exchange(ex.name)
+            try:
+                self.delete_exchange(ex.name)
+            except errors.DiskFull:
+                log.warning("vhost '%s': disk full, auto-delete exchange '%s' kept", self.name, ex.name)
 
     def delete_exclusive(self, owner: object) -> None:
         for q in [q for q in self.queues.values() if q.exclusive_owner is owner]:
@@ -381,8 +418,12 @@ class VHost:
         if ex.kind == "headers" and arguments and not self._replaying:  # not on recovery: a
             check_x_match(arguments)  # binding stored before this check must not stop a start
         if ex.bind(q, routing_key, arguments) and ex.durable and q.durable and q.exclusive_owner is None:
-            self._log(commands.Queue.Bind(queue=queue, exchange=exchange, routing_key=routing_key,
-                                          arguments=arguments))
+            try:
+                self._log(commands.Queue.Bind(queue=queue, exchange=exchange, routing_key=routing_key,
+                                              arguments=arguments))
+            except errors.DiskFull:
+                ex.unbind(q, routing_key, arguments)
+                raise
 
     def unbind_queue(self, queue: str, exchange: str, routing_key: str, arguments: dict[str, Any],
                      owner: object | None) -> None:
@@ -394,10 +435,14 @@ class VHost:
             return  # ... and so is a binding that does not exist, before any exclusivity check
         q = self.get_queue(queue, owner)
         ex = self.get_exchange(exchange)
+        logged = (ex.durable and q.durable and q.exclusive_owner is None
+                  and ex.is_bound(q, routing_key, arguments))
+        if logged:  # first: DiskFull changes nothing
+            self._log(commands.Queue.Unbind(queue=queue, exchange=exchange, routing_key=routing_key,
+                                            arguments=arguments))
         if ex.unbind(q, routing_key, arguments):
-            if ex.durable and q.durable and q.exclusive_owner is None:
-                self._log(commands.Queue.Unbind(queue=queue, exchange=exchange, routing_key=routing_key,
-                                                arguments=arguments), is_delete=True)
+            if logged:
+                self._compact_after_delete()
             if ex.auto_delete and not ex.has_bindings():
                 self._auto_delete_exchange(ex)
 
@@ -410,8 +455,12 @@ class VHost:
         if src.kind == "headers" and arguments and not self._replaying:
             check_x_match(arguments)
         if src.bind(dst, routing_key, arguments) and src.durable and dst.durable:
-            self._log(commands.Exchange.Bind(destination=destination, source=source,
-                                             routing_key=routing_key, arguments=arguments))
+            try:
+                self._log(commands.Exchange.Bind(destination=destination, source=source,
+                                                 routing_key=routing_key, arguments=arguments))
+            except errors.DiskFull:
+                src.unbind(dst, routing_key, arguments)
+                raise
 
     def unbind_exchange(self, destination: str, source: str, routing_key: str,
                         arguments: dict[str, Any]) -> None:
@@ -419,11 +468,13 @@ class VHost:
             return  # as for queues: unbinding from an exchange that is gone is ok
         dst = self.get_exchange(destination)
         src = self.get_exchange(source)
+        logged = src.durable and dst.durable and src.is_bound(dst, routing_key, arguments)
+        if logged:  # first: DiskFull changes nothing
+            self._log(commands.Exchange.Unbind(destination=destination, source=source,
+                                               routing_key=routing_key, arguments=arguments))
         if src.unbind(dst, routing_key, arguments):
-            if src.durable and dst.durable:
-                self._log(commands.Exchange.Unbind(destination=destination, source=source,
-                                                   routing_key=routing_key, arguments=arguments),
-                          is_delete=True)
+            if logged:
+                self._compact_after_delete()
             if src.auto_delete and not src.has_bindings():
                 self._auto_delete_exchange(src)
 

@@ -38,13 +38,18 @@ class VHostMeta:
         if default_queue_type is not None and default_queue_type not in TYPES:
             raise ValueError(f"unknown default_queue_type '{default_queue_type}' "
                              f"(known: {', '.join(TYPES)})")
+        old = (self.description, self.tags, self.default_queue_type)
         if description is not None:
             self.description = description
         if tags is not None:
             self.tags = list(tags)
         if default_queue_type is not None:
             self.default_queue_type = default_queue_type
-        write_json(self.path, self.to_json() | {"version": 1}, self.sink)
+        try:
+            write_json(self.path, self.to_json() | {"version": 1}, self.sink)
+        except Exception:  # DiskFull: nothing changed
+            self.description, self.tags, self.default_queue_type = old
+            raise
 
     def to_json(self) -> dict[str, Any]:
         return {"description": self.description, "tags": list(self.tags),

@@ -14,13 +14,14 @@ durable and the broker acknowledges a durable declaration only after it.
 
 from __future__ import annotations
 
+import errno
 import os
 import struct
 from pathlib import Path
 from typing import Final
 
-from broker.errors import StoreError
-from broker.store.fileio import atomic_write, fsync_dir
+from broker.errors import DiskFull, StoreError, no_space
+from broker.store.fileio import append_whole, atomic_write, fsync_dir
 from broker.store.sink import NULL_SINK, ReplicationSink
 
 VERSION: Final = 1
@@ -48,11 +49,12 @@ class DefinitionsLog:
         return records
 
     def append(self, record: bytes) -> None:
+        """Append one record, or none of it: on a full disk (DiskFull) a partly written
+        record is cut off again, so the log stays a sequence of whole records."""
         fd = self._open()
         framed = _U32.pack(len(record)) + record
-        view = memoryview(framed)
-        while view:
-            view = view[os.write(fd, view):]
+        if not append_whole(fd, framed):
+            raise DiskFull(f"disk full: cannot append to {self.path.name}")
         self._dirty = True
         self.appended_since_compact += 1
         if self._sink.active:
@@ -100,8 +102,16 @@ class DefinitionsLog:
             # create). The header goes in with the creation, so a reader never sees a
             # non-empty file without one.
             fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
-            os.write(fd, _HEADER)
-            os.fsync(fd)
+            try:
+                if os.write(fd, _HEADER) != len(_HEADER):
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                os.fsync(fd)
+            except OSError as exc:
+                os.close(fd)
+                self.path.unlink(missing_ok=True)  # no file is a new log; a torn header is not
+                if no_space(exc):
+                    raise DiskFull(f"disk full: cannot create {self.path.name}") from None
+                raise
             fsync_dir(self.path.parent)
             if self._sink.active:
                 self._sink.register_file(self.path)

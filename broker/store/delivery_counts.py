@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Final
 
 from broker.errors import StoreError
-from broker.store.fileio import atomic_write
-from broker.store.segment_log import SegmentFiles, append_whole, is_no_space
+from broker.store.fileio import append_whole, atomic_write
+from broker.store.segment_log import SegmentFiles, is_no_space
 from broker.store.sink import ReplicationSink
 
 NAME: Final = "counts"

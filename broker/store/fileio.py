@@ -13,6 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
+from broker.errors import DiskFull, no_space
+
 
 def fsync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
@@ -23,17 +25,42 @@ def fsync_dir(directory: Path) -> None:
 
 
 def atomic_write(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data``, or (DiskFull, OSError) leave it as it was: the temp
+    file is removed again, so a full disk costs the write, never the old content."""
     tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if no_space(exc):
+            raise DiskFull(f"disk full: cannot write {path.name}") from None
+        raise
     fsync_dir(path.parent)
+
+
+def append_whole(fd: int, data: bytes | bytearray) -> bool:
+    """Append all of ``data`` to an O_APPEND file, or nothing: False if the disk is full
+    (a partial write is cut off again, so the file keeps only whole entries)."""
+    view = memoryview(data)
+    done = 0
+    try:
+        while done < len(view):
+            done += os.write(fd, view[done:])
+    except OSError as exc:
+        if not no_space(exc):
+            raise
+        if done:
+            os.ftruncate(fd, os.fstat(fd).st_size - done)
+        return False
+    return True
 
 
 def syncfs(directory: Path) -> None:

@@ -4,8 +4,9 @@ Theory of operation
 -------------------
 Files in the queue directory: segments ``msgs.NNNNNNNNNN`` (format in ``segment.py``), one
 ack file ``acks.NNNNNNNNNN`` per segment that has acks (u32 version header, then u32
-positions of acked records), ``meta`` (delivered high-water mark, next segment number), and
-for queues that count returns, ``counts`` (``delivery_counts.py``).
+positions of acked records), ``meta`` (delivered high-water mark, next segment number, and
+whether the store was closed cleanly), and for queues that count returns, ``counts``
+(``delivery_counts.py``).
 
 Writing. The write segment, its disk allocation (space reserved before it is written, so
 a full disk is ``DiskFull``, never SIGBUS), roll-over and retirement are ``SegmentLog``'s
@@ -51,6 +52,13 @@ before it was called. ``_sync_lock`` serialises whole syncs against each other a
 close. Replication: every mutation is reported to the sink from the owner thread
 (``append``, ``ack``, ``purge``, ``flush``, ``close``, ``delete``); ``sync`` never calls the sink.
 
+Redelivered after a crash. The mark on disk lags deliveries by up to the window, so only a
+cleanly closed store (``close`` writes meta flagged so) can trust it; the first change after
+opening one (an append, a delivery past the mark, or at once when it holds messages)
+overwrites that meta, and replicates it, before anything is delivered. A store recovered
+without the flag (kill -9, a replica's copy, no meta) counts every recovered message as
+delivered: RabbitMQ's rule after an unclean shutdown.
+
 Recovery (constructor). Segments are scanned in order, stopping at the first zero or torn
 record; ack positions that are not record starts are dropped; with ``persistent_only``
 transient messages count as acked; fully acked segments are deleted; every other message is
@@ -76,17 +84,19 @@ from broker.errors import StoreError
 from broker.store import segment as fmt
 from broker.store.delivery_counts import NAME as COUNTS_NAME
 from broker.store.delivery_counts import DeliveryCounts
-from broker.store.fileio import atomic_write, datasync
+from broker.store.fileio import append_whole, atomic_write, datasync
 from broker.store.segment import HEADER, HEADER_SIZE, POS_MASK, Segment, record_end
-from broker.store.segment_log import SegmentFiles, SegmentLog, append_whole, is_no_space
+from broker.store.segment_log import SegmentFiles, SegmentLog, is_no_space
 from broker.store.sink import NULL_SINK, ReplicationSink
 
 DEFAULT_SEGMENT_SIZE: Final = 8 * 1024 * 1024
 META_NAME: Final = "meta"
-# magic, version, delivered high-water mark, next segment number; then a crc32 of those.
-_META: Final = struct.Struct("<4sIQQ")
+# magic, version, delivered high-water mark, next segment number, flags; then a crc32 of those.
+_META: Final = struct.Struct("<4sIQQI")
 _META_MAGIC: Final = b"SKQM"
-_META_VERSION: Final = 1
+_META_VERSION: Final = 2  # 1 had no flags (read as "not closed cleanly")
+_META_V1_SIZE: Final = struct.calcsize("<4sIQQ")
+_META_CLEAN: Final = 1  # flags: written by close(); the mark is exact
 _CRC: Final = struct.Struct("<I")
 _U32: Final = struct.Struct("<I")
 _I64_PACK_INTO: Final = fmt.I64.pack_into
@@ -131,6 +141,8 @@ class QueueStore(SegmentLog[Segment]):
 
     __slots__ = (
         "_aa_positions",
+        "_clean_on_disk",
+        "_closing",
         "_aa_seg",
         "_ack_pending",
         "_ack_unsynced",
@@ -185,6 +197,8 @@ class QueueStore(SegmentLog[Segment]):
         self._meta_written = b""  # meta as last written to the file (fsynced or not)
         self._meta_unsynced = False  # meta written since its last fsync
         self._meta_sent = b""
+        self._closing = False  # close() runs: the meta it writes says "closed cleanly"
+        self._clean_on_disk = False  # the meta file says "closed cleanly" (see _set_dirty)
         self._counts: DeliveryCounts | None = None  # delivery_counts.py: only queues that count
         try:
             os.makedirs(self._dir, exist_ok=True)
@@ -210,7 +224,14 @@ class QueueStore(SegmentLog[Segment]):
             self._ack_unsynced = set()
 
     def _set_dirty(self) -> None:
-        """Something not yet durable changed: tell the syncer (once per clean -> dirty)."""
+        """Something not yet durable changed: tell the syncer (once per clean -> dirty).
+
+        The first change after opening a cleanly closed store (an append, or a delivery
+        past the mark) first overwrites its "closed cleanly" meta, so a crash from here
+        on is seen as one."""
+        if self._clean_on_disk:
+            with self._lock:
+                self._mark_open()
         self._dirty = True
         if self._notify is not None:
             self._notify(self)
@@ -255,9 +276,9 @@ class QueueStore(SegmentLog[Segment]):
         in. ``same``: all properties are equal and all bodies are of one length.
 
         The first record's timestamp is written last, so a reader (recovery after
-        kill -9) sees all of the run's records in a segment or none of them. Space is
-        allocated before each segment's share is written; DiskFull from the second
-        share on (a run crossing a segment boundary) leaves the first share stored.
+        kill -9) sees all of the run's records or none of them. All or nothing: the run
+        goes into one segment, whose space is allocated before anything is written, so
+        DiskFull leaves nothing of it stored.
         """
         k = len(bodies)
         if not k:
@@ -271,22 +292,32 @@ class QueueStore(SegmentLog[Segment]):
         rec = 8 + len(mid) + body_len
         sep = _I64_PACK(timestamp_ms or 1) + mid
         head = len(mid) + 8
-        i = 0
-        while i < k:
-            seg = self._wseg
-            room = 0 if seg is None else (self._wcap - seg.end) // rec
-            if room <= 0:
-                seg = self._roll(rec, (k - i) * rec)
-                continue
-            m = min(room, k - i)
-            mm = self._wmm
-            assert seg is not None and mm is not None
-            pos = seg.end
-            end = pos + m * rec
-            mm[pos + 8 : pos + head] = mid  # the first timestamp stays zero until the end
-            mm[pos + head : end] = sep.join(bodies[i : i + m] if m < k else bodies)
-            self._run_written(seg, mm, pos, end, timestamp_ms, m, m * body_len)
-            i += m
+        seg = self.reserve(k * rec)
+        mm = self._wmm
+        assert mm is not None
+        pos = seg.end
+        end = pos + k * rec
+        mm[pos + 8 : pos + head] = mid  # the first timestamp stays zero until the end
+        mm[pos + head : end] = sep.join(bodies)
+        self._run_written(seg, mm, pos, end, timestamp_ms, k, k * body_len)
+
+    def reserve(self, size: int) -> Segment:
+        """The write segment, with ``size`` bytes of records' room allocated: DiskFull (or
+        StoreError) now, before anything is written. A run of records, or one message
+        routed to several queues, reserves first, so a full disk stores all of it or none."""
+        seg = self._wseg
+        if seg is None or self._wmm is None or seg.end + size > self._wcap:
+            seg = self._roll(size)
+        return seg
+
+    @staticmethod
+    def run_size(exrk: bytes, props: list[bytes], bodies: list[bytes], same: bool) -> int:
+        """Bytes ``append_run`` needs for this run (what to ``reserve``)."""
+        k = len(bodies)
+        fixed = fmt.FIXED_SIZE - 2 + len(exrk)  # FIXED_SIZE counts the two length octets
+        if same:
+            return k * (fixed + len(props[0]) + len(bodies[0]))
+        return k * fixed + sum(map(len, props)) + sum(map(len, bodies))
 
     def _append_mixed(self, timestamp_ms: int, exrk: bytes, props: list[bytes], bodies: list[bytes]) -> None:
         ts = _I64_PACK(timestamp_ms or 1)
@@ -296,16 +327,9 @@ class QueueStore(SegmentLog[Segment]):
             add((ts, exrk, _U32_PACK(len(p)), p, _U64_PACK(len(body)), body))
         blob = b"".join(parts)
         size = len(blob)
-        seg = self._wseg
+        seg = self.reserve(size)
         mm = self._wmm
-        if seg is None or mm is None or (seg.end + size > self._wcap and self._grow(size) is None):
-            # not all in the write segment: record by record, rolling where needed
-            ln = exrk[0]
-            exchange = exrk[1 : 1 + ln]
-            routing_key = exrk[2 + ln :]
-            for p, body in zip(props, bodies, strict=True):
-                self.append(timestamp_ms, exchange, routing_key, p, body)
-            return
+        assert mm is not None
         pos = seg.end
         mm[pos + 8 : pos + size] = memoryview(blob)[8:]  # the first timestamp stays zero until the end
         self._run_written(seg, mm, pos, pos + size, timestamp_ms, len(bodies), sum(map(len, bodies)))
@@ -716,6 +740,44 @@ class QueueStore(SegmentLog[Segment]):
                 self._sink.append(seg.ack_path, HEADER)
             self._sink.append(seg.ack_path, packed)
 
+    def merge_acks(self, num: int, positions: Iterable[int]) -> int:
+        """Ack, in segment ``num``, the ready messages at ``positions``: acks another copy of
+        this store has on disk (a replica, whose segment holds the very same bytes: the caller
+        checked). A message a consumer holds is left to its ack or requeue. Returns how many
+        were acked here."""
+        seg = self._segs.get(num)
+        if seg is None:
+            return 0
+        mm = seg.mm if seg.mm is not None else self._map_read(seg)
+        heap_hit = False
+        n = 0
+        for pos in sorted(set(positions)):
+            if pos < HEADER_SIZE or pos >= seg.end or pos in seg.acked:
+                continue
+            msgid = (num << 32) | pos
+            if msgid in self._unacked:
+                continue
+            if msgid in self._requeued:
+                self._heap.remove(msgid)
+                self._requeued.discard(msgid)
+                heap_hit = True
+            elif num < self._cnum or (num == self._cnum and pos < self._cpos):
+                continue  # behind the cursor and not held: settled already
+            self._ack_position(seg, pos)
+            self._ready -= 1
+            self._bytes_ready -= fmt.body_size_at(mm, pos)
+            n += 1
+        if heap_hit:
+            heapq.heapify(self._heap)
+        if n:
+            if len(seg.acked) == seg.count and seg is not self._wseg:
+                self._delete_segment(seg)
+            if not self._dirty:
+                self._set_dirty()
+            if self._through:
+                self._write_through()
+        return n
+
     def requeue(self, msgid: int) -> None:
         """Unacked -> ready again (served before new messages, in msgid order)."""
         self._unacked.remove(msgid)
@@ -902,8 +964,25 @@ class QueueStore(SegmentLog[Segment]):
             paths.append(Path(self._meta_path))
 
     def _meta_bytes(self) -> bytes:
-        head = _META.pack(_META_MAGIC, _META_VERSION, self._hwm, self._next_num)
+        flags = _META_CLEAN if self._closing else 0
+        head = _META.pack(_META_MAGIC, _META_VERSION, self._hwm, self._next_num, flags)
         return head + _CRC.pack(zlib.crc32(head))
+
+    def _mark_open(self) -> None:
+        """Replace a "closed cleanly" meta with an open one, on disk and on the replicas,
+        before anything is delivered: from now on the mark on disk may lag deliveries.
+        (Owner thread, under ``_lock``; fsynced by the next full sync. On a full disk the
+        file goes: no meta reads as "not closed cleanly" too.)"""
+        self._clean_on_disk = False
+        meta = self._meta_bytes()
+        if not self._write_meta(meta, fsync=False):
+            self._remove_file(Path(self._meta_path))  # tells the replicas too
+            self._meta_written = self._meta_sent = b""
+            return
+        self._meta_unsynced = True
+        if self._sink.active:
+            self._meta_sent = meta
+            self._sink.replace(Path(self._meta_path), meta)
 
     def _write_meta(self, meta: bytes, fsync: bool) -> bool:
         """Overwrite meta in place (fixed size, one pwrite); False if the disk is full (the
@@ -928,6 +1007,7 @@ class QueueStore(SegmentLog[Segment]):
 
     def _before_close(self) -> None:
         self.end_pass()
+        self._closing = True  # the meta flush() and the final sync write says "closed cleanly"
         self.flush()
 
     # ------------------------------------------------------------------ recovery
@@ -947,8 +1027,7 @@ class QueueStore(SegmentLog[Segment]):
             num = fmt.parse_number(entry.name, "acks.")
             if num is not None:
                 ack_nums.add(num)
-        hwm, next_num = self._read_meta()
-        self._hwm = self._recovered_hwm = hwm
+        hwm, next_num, clean = self._read_meta()
         directory = self.directory
         if seg_nums:
             self._allocate_sets()  # still in the constructor: no sync thread yet
@@ -964,7 +1043,17 @@ class QueueStore(SegmentLog[Segment]):
         # New segments must sort after every msgid ever delivered, even after the segments
         # holding them are gone, or the redelivered mark would cover new messages.
         highest = max(seg_nums, default=0)
+        if not clean and self._order:
+            # Not closed cleanly: the mark on disk may lag what was delivered (it is written
+            # within the sync window), so every recovered message may have been delivered and
+            # comes back flagged (as RabbitMQ does after an unclean shutdown).
+            hwm = max(hwm, (self._order[-1] << 32) | POS_MASK)
+        self._hwm = self._recovered_hwm = hwm
         self._next_num = max(next_num, highest + 1, (hwm >> 32) + 1, 1)
+        if clean and self._order:
+            self._mark_open()  # before anything is delivered (replicas: before anyone serves)
+        else:
+            self._clean_on_disk = clean
         self._cnum = self._order[0] if self._order else self._next_num
         self._cpos = HEADER_SIZE
         if has_counts:
@@ -1041,23 +1130,26 @@ class QueueStore(SegmentLog[Segment]):
         usable = HEADER_SIZE + (len(data) - HEADER_SIZE) // 4 * 4  # drop a torn last entry
         return {p for (p,) in _U32.iter_unpack(data[HEADER_SIZE:usable])}
 
-    def _read_meta(self) -> tuple[int, int]:
-        """(delivered high-water mark, next segment number); defaults if missing or garbage."""
+    def _read_meta(self) -> tuple[int, int, bool]:
+        """(delivered high-water mark, next segment number, closed cleanly); defaults (not
+        clean) if missing or garbage."""
         try:
             with open(self._meta_path, "rb") as f:
                 data = f.read()
         except FileNotFoundError:
-            return 0, 1
-        if len(data) != _META.size + _CRC.size:
-            return 0, 1
-        head = data[:_META.size]
-        if _CRC.unpack_from(data, _META.size)[0] != zlib.crc32(head):
-            return 0, 1
-        magic, version, hwm, next_num = _META.unpack(head)
-        if magic != _META_MAGIC or version != _META_VERSION:
-            return 0, 1
+            return 0, 1, False
+        size = len(data) - _CRC.size
+        if size not in (_META.size, _META_V1_SIZE):
+            return 0, 1, False
+        head = data[:size]
+        if _CRC.unpack_from(data, size)[0] != zlib.crc32(head):
+            return 0, 1, False
+        magic, version, hwm, next_num = struct.unpack_from("<4sIQQ", head)
+        if magic != _META_MAGIC or version not in (1, _META_VERSION):
+            return 0, 1, False
+        flags = _META.unpack(head)[4] if version == _META_VERSION and size == _META.size else 0
         self._meta_written = data
-        return int(hwm), int(next_num)
+        return int(hwm), int(next_num), bool(flags & _META_CLEAN)
 
 
 def _all_zero(fd: int, size: int) -> bool:

@@ -151,23 +151,6 @@ def is_no_space(exc: OSError) -> bool:
     return exc.errno in _NO_SPACE
 
 
-def append_whole(fd: int, data: bytes | bytearray) -> bool:
-    """Append all of ``data`` to an O_APPEND file, or nothing: False if the disk is full
-    (a partial write is cut off again, so the file keeps whole records)."""
-    view = memoryview(data)
-    done = 0
-    try:
-        while done < len(view):
-            done += os.write(fd, view[done:])
-    except OSError as exc:
-        if not is_no_space(exc):
-            raise
-        if done:
-            os.ftruncate(fd, os.fstat(fd).st_size - done)
-        return False
-    return True
-
-
 def _round_up(n: int) -> int:
     return -(-n // _PAGE) * _PAGE
 
@@ -498,11 +481,14 @@ class SegmentLog(Generic[S]):
         """Subclass hook: settle what is buffered before the final sync."""
 
     def close(self) -> None:
-        """Settle, sync everything, trim the write segment, unmap. Idempotent."""
+        """Settle, sync everything, trim the write segment, unmap. Idempotent. At node
+        shutdown (``SegmentFiles.shutting_down``) what is left is written, not fsynced: the
+        node's one syncfs after closing every store covers all of them (a queue store's
+        closed-cleanly meta is an fsync per queue otherwise)."""
         if self._closed:
             return
         self._before_close()
-        self.sync(True)
+        self.sync(True, fsync=not self._files.shutting_down)
         with self._sync_lock, self._lock:
             self._closed = True
             self._close_files()

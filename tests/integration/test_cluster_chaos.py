@@ -6,7 +6,8 @@ while etcd is too slow to record it, the leader partitioned from everyone and on
 replication link cut, the last two with network namespaces). A trial builds confirmed,
 acked and delivered-but-unacked messages, keeps publishing with confirms through the
 fault, then drains the queue from whichever node leads. Goals: no confirmed message lost,
-no acked message back, the fault's own bound on the failover figure, and no note (a
+no acked message back, every message delivered before the fault back flagged
+redelivered, the fault's own bound on the failover figure, and no note (a
 stepped-down leader, a stale node elected, a proxied client left hanging, a cut link
 unnoticed). ``benchmarks/chaos.py`` runs the same trials many times and prints a table.
 """
@@ -55,6 +56,7 @@ def test_fault(tmp_path: Path, name: str, lab: NetLab | None) -> None:
         assert not trial.notes, f"{trial}\n{c.diag()}"
         assert trial.lost == 0, trial
         assert trial.resurrected == 0, trial
+        assert trial.missing_redelivered == 0, trial
         assert trial.failover is not None and trial.failover <= fault.bound, trial
     finally:
         if lab is not None:

@@ -15,64 +15,26 @@ what was confirmed. Needs root (mount) and util-linux; skips otherwise.
 
 from __future__ import annotations
 
-import os
-import shutil
 import signal
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pika
 import pytest
 
-from ._support import SkredProcess, amqp_answers, connect, is_external, unique, wait_until
+from ._support import SkredProcess, amqp_answers, connect, unique, wait_until
+from ._tmpfs import NEEDS, TMPFS_SIZE, NamespacedBroker, mount_tmpfs
+from .single_faults import drain
 
-pytestmark = pytest.mark.skipif(
-    is_external() or os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("nsenter"),
-    reason="needs root, unshare and nsenter (private mount namespace with a tmpfs)",
-)
+pytestmark = NEEDS
 
-TMPFS_SIZE = 24 * 1024 * 1024
 SMALL = 8 * 1024  # written through the segment's mapping
 LARGE = 64 * 1024  # written with pwritev
 
 
-class NamespacedBroker(SkredProcess):
-    """A broker process started inside the holder's mount namespace."""
-
-    def __init__(self, data_dir: Path, holder: int, extra_args: list[str]) -> None:
-        self.holder = holder
-        super().__init__(data_dir, extra_args)
-        # SkredProcess puts its log next to the data dir, which is on the tmpfs only
-        # inside the namespace: the outside directory stays empty, so this is fine.
-
-    def argv(self) -> list[str]:
-        return ["nsenter", "-t", str(self.holder), "-m", "--", *super().argv()]
-
-    def run_inside(self, *cmd: str) -> subprocess.CompletedProcess[bytes]:
-        return subprocess.run(["nsenter", "-t", str(self.holder), "-m", "--", *cmd],
-                              capture_output=True, timeout=60, check=False)
-
-
 @pytest.fixture
 def tmpfs(tmp_path: Path) -> Iterator[tuple[Path, int]]:
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    holder = subprocess.Popen(
-        ["unshare", "-m", "--propagation", "private", "--", "sh", "-c",
-         f"mount -t tmpfs -o size={TMPFS_SIZE} skredtest '{mnt}' && echo ready && exec sleep 900"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    assert holder.stdout is not None
-    line = holder.stdout.readline()
-    if line.strip() != b"ready":
-        holder.kill()
-        why = holder.stderr.read() if holder.stderr else b""
-        pytest.skip(f"cannot mount a tmpfs in a private namespace: {why!r}")
-    try:
-        yield mnt, holder.pid
-    finally:
-        os.killpg(holder.pid, signal.SIGKILL)
-        holder.wait(10)
+    yield from mount_tmpfs(tmp_path)
 
 
 def _publish_until_refused(b: SkredProcess, queue: str, limit: int, size: int = SMALL) -> list[int]:
@@ -104,16 +66,7 @@ def _publish_until_refused(b: SkredProcess, queue: str, limit: int, size: int = 
 
 
 def _drain_ids(b: SkredProcess, queue: str) -> set[int]:
-    conn = connect(b)
-    ch = conn.channel()
-    got: set[int] = set()
-    for _ in range(10_000):
-        m, _, body = ch.basic_get(queue, auto_ack=True)
-        if m is None:
-            break
-        got.add(int.from_bytes(body[:8], "big"))
-    conn.close()
-    return got
+    return {i for i, _ in drain(b, queue)}
 
 
 def _assert_up(b: SkredProcess) -> None:

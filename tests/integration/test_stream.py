@@ -192,3 +192,24 @@ def test_many_messages_two_consumers(pika_conn: pika.BlockingConnection, cleanup
     a = _consume(pika_conn, q, n, args={"x-stream-offset": "first"}, prefetch=200, timeout=30)
     b = _consume(pika_conn, q, n, args={"x-stream-offset": 0}, prefetch=7, timeout=30)
     assert [o for o, _, _ in a] == list(range(n)) == [o for o, _, _ in b]
+
+
+def test_fanout_to_a_stream_and_a_classic_queue(pika_conn: pika.BlockingConnection, cleanup: Cleanup) -> None:
+    """One message routed to a stream and a classic queue (the full-disk reservation must
+    leave a stream's store alone), one by one and as a pipelined run."""
+    s, q, ex = cleanup.queue(), cleanup.queue(), cleanup.exchange()
+    ch = pika_conn.channel()
+    ch.exchange_declare(ex, "fanout", durable=True)
+    ch.queue_declare(s, durable=True, arguments=STREAM)
+    ch.queue_declare(q, durable=True)
+    ch.queue_bind(s, ex)
+    ch.queue_bind(q, ex)
+    ch.confirm_delivery()
+    ch.basic_publish(ex, "", b"one", pika.BasicProperties(delivery_mode=2))
+    run = pika_conn.channel()  # no confirms: the publishes reach the broker in one read, as a run
+    for i in range(50):
+        run.basic_publish(ex, "", b"run-%d" % i, pika.BasicProperties(delivery_mode=2))
+    ch.queue_declare(q, passive=True)  # a round trip after the run on the same connection
+    expected = [b"one"] + [b"run-%d" % i for i in range(50)]
+    assert [b for _o, b, _h in _consume(pika_conn, s, 51, args={"x-stream-offset": "first"})] == expected
+    assert ch.queue_declare(q, passive=True).method.message_count == 51
