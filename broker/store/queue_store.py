@@ -55,7 +55,9 @@ close. Replication: every mutation is reported to the sink from the owner thread
 Redelivered after a crash. The mark on disk lags deliveries by up to the window, so only a
 cleanly closed store (``close`` writes meta flagged so) can trust it; the first change after
 opening one (an append, a delivery past the mark, or at once when it holds messages)
-overwrites that meta, and replicates it, before anything is delivered. A store recovered
+overwrites that meta, and replicates it, before anything is delivered; and it is on disk
+before the first delivery: the stores a boot reopens share one syncfs
+(``SegmentFiles.sync_opened``), and one still unsynced at a delivery fdatasyncs it first. A store recovered
 without the flag (kill -9, a replica's copy, no meta) counts every recovered message as
 delivered: RabbitMQ's rule after an unclean shutdown.
 
