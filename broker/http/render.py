@@ -46,7 +46,7 @@ def rate(value: float) -> dict[str, float]:
 def queue_json(mgmt: Mgmt, q: Queue) -> dict[str, Any]:
     ready = q.message_count
     unacked = q.store.unacked_count
-    r_pub, r_del, r_ack, r_redel, r_ready, r_unacked = mgmt.rates.queue_rates(q)
+    r = mgmt.rates.queue_rates(q)
     exclusive_consumer = next((c.tag for c in q.consumers if c.exclusive), None)
     policy: str | None = None
     operator_policy: str | None = None
@@ -74,24 +74,36 @@ def queue_json(mgmt: Mgmt, q: Queue) -> dict[str, Any]:
         "consumers": len(q.consumers),
         "exclusive_consumer_tag": exclusive_consumer,
         "messages": ready + unacked,
-        "messages_details": rate(r_ready + r_unacked),
-        "messages_ready": ready,
-        "messages_ready_details": rate(r_ready),
-        "messages_unacknowledged": unacked,
-        "messages_unacknowledged_details": rate(r_unacked),
+        **message_totals(ready, unacked, r),
         "message_bytes_ready": q.store.bytes_ready,
-        "message_stats": {
-            "publish": q.n_published, "publish_details": rate(r_pub),
-            "deliver_get": q.n_delivered, "deliver_get_details": rate(r_del),
-            "deliver": q.n_delivered, "deliver_details": rate(r_del),
-            "ack": q.n_acked, "ack_details": rate(r_ack),
-            "redeliver": q.n_redelivered, "redeliver_details": rate(r_redel),
-        },
+        "message_stats": queue_message_stats(q.n_published, q.n_delivered, q.n_gets, q.n_acked,
+                                             q.n_redelivered, r),
     }
     owner = q.exclusive_owner
     if owner is not None and hasattr(owner, "peer"):
         out["owner_pid_details"] = {"name": mgmt.connection_name(owner),  # type: ignore[arg-type]
                                     "peer_host": owner.peer[0], "peer_port": owner.peer[1]}
+    return out
+
+
+def message_totals(ready: int, unacked: int, r: dict[str, float]) -> dict[str, Any]:
+    """A queue's, vhost's or the node's message counts with their rates (``RateSampler``)."""
+    return {"messages": ready + unacked, "messages_details": rate(r["ready"] + r["unacked"]),
+            "messages_ready": ready, "messages_ready_details": rate(r["ready"]),
+            "messages_unacknowledged": unacked, "messages_unacknowledged_details": rate(r["unacked"])}
+
+
+def queue_message_stats(published: int, delivered: int, gets: int, acked: int, redelivered: int,
+                        r: dict[str, float]) -> dict[str, Any]:
+    """``message_stats`` of a queue or vhost (sums over its queues) with their rates."""
+    out: dict[str, Any] = {}
+    for key, value, speed in (("publish", published, r["publish"]),
+                              ("deliver_get", delivered, r["deliver_get"]),
+                              ("deliver", delivered - gets, r["deliver_get"] - r["get"]),
+                              ("get", gets, r["get"]), ("ack", acked, r["ack"]),
+                              ("redeliver", redelivered, r["redeliver"])):
+        out[key] = value
+        out[f"{key}_details"] = rate(speed)
     return out
 
 
@@ -107,6 +119,7 @@ def effective_definition(policy: dict[str, Any], operator: dict[str, Any]) -> di
 
 
 def exchange_json(mgmt: Mgmt, vhost: str, ex: Exchange) -> dict[str, Any]:
+    r = mgmt.rates.exchange_rates(ex)
     return {
         "name": ex.name,
         "vhost": vhost,
@@ -116,6 +129,8 @@ def exchange_json(mgmt: Mgmt, vhost: str, ex: Exchange) -> dict[str, Any]:
         "internal": ex.internal,
         "arguments": jsonable(ex.arguments),
         "policy": None,
+        "message_stats": {"publish_in": ex.n_in, "publish_in_details": rate(r["publish_in"]),
+                          "publish_out": ex.n_out, "publish_out_details": rate(r["publish_out"])},
         "user_who_performed_action": "rmq-internal" if ex.name in ("",) or ex.name.startswith("amq.")
         else "",
     }

@@ -101,7 +101,7 @@ class Queue:
     __slots__ = (
         "vhost", "name", "durable", "exclusive_owner", "auto_delete", "arguments", "store",
         "consumers", "_schedule", "_scheduled", "_rr", "deleted", "had_consumers", "on_unused",
-        "name_bytes", "on_dirty", "n_published", "n_delivered", "n_acked", "n_redelivered",
+        "name_bytes", "on_dirty", "n_published", "n_delivered", "n_acked", "n_redelivered", "n_gets",
         "features", "fast",
     )
 
@@ -141,6 +141,7 @@ class Queue:
         self.n_delivered = 0
         self.n_acked = 0
         self.n_redelivered = 0
+        self.n_gets = 0  # of n_delivered: basic.get
         # TTL, limits, DLX, priorities...: a FeaturedQueue's state (broker/model/features.py)
         self.features: QueueFeatures | None = None
         # direct hand-over and delivery runs on (the vhost's switch; tests turn it off)
@@ -437,6 +438,7 @@ class ClassicQueue(Queue):
         _ts, exchange, routing_key, props, body = store.read(msgid)
         redelivered = store.is_redelivered(msgid)
         self.n_delivered += 1
+        self.n_gets += 1
         self.n_redelivered += redelivered
         return msgid, exchange, routing_key, props, body, redelivered
 
