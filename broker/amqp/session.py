@@ -279,6 +279,9 @@ class Session(AMQPConnection):
         self._confirm_dirty: set[ChannelState] = set()
         self._perm_cache: dict[tuple[str, str], bool] = {}
         self.connected_at = time.time()
+        # socket reads and writes, and their bytes (the network layer counts them; the API's
+        # recv_cnt/recv_oct/send_cnt/send_oct)
+        self.recv_cnt = self.recv_oct = self.send_cnt = self.send_oct = 0
         self.tls: PeerTLS | None = None  # set by the listener for an AMQPS connection
         self.auth_mechanism = ""
         self.batch_publishes = 0  # publishes in the current read batch (fairness)

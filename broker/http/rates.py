@@ -23,7 +23,7 @@ from broker.model.exchange import Exchange
 from broker.model.queue import Queue
 
 if TYPE_CHECKING:
-    from broker.views import BrokerView
+    from broker.views import BrokerView, ConnectionView
 
 INTERVAL = 1.0  # seconds between samples
 WINDOW = 5.0  # seconds a rate is taken over (RabbitMQ: the last few samples, 5 s by default)
@@ -34,6 +34,7 @@ GLOBAL_FIELDS = ("published", "delivered", "acked", "confirmed", "unroutable", "
                  "queues_deleted", "redelivered")
 QUEUE_FIELDS = ("publish", "deliver_get", "ack", "redeliver", "ready", "unacked", "get")
 EXCHANGE_FIELDS = ("publish_in", "publish_out")
+CONNECTION_FIELDS = ("recv_oct", "send_oct")
 GAUGE_FIELDS = ("mem_used", "disk_free", "fd_used", "sockets_used", "proc_used")
 
 Sample = tuple[float, tuple[int, ...]]
@@ -72,6 +73,7 @@ class RateSampler:
         self._node = Ring()
         self._queues: dict[int, Ring] = {}
         self._exchanges: dict[int, Ring] = {}
+        self._connections: dict[int, Ring] = {}
         self._previous: float | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -118,6 +120,8 @@ class RateSampler:
             exchanges.extend((id(ex), (ex.n_in, ex.n_out)) for ex in vh.exchanges.values())
         self._queues = self._advance(self._queues, queues, now)
         self._exchanges = self._advance(self._exchanges, exchanges, now)
+        self._connections = self._advance(
+            self._connections, ((id(s), (s.recv_oct, s.send_oct)) for s in self.broker.connections), now)
         self._previous = now
 
     def _advance(self, rings: dict[int, Ring], current: Iterable[tuple[int, tuple[int, ...]]],
@@ -157,3 +161,9 @@ class RateSampler:
         ring = self._exchanges.get(id(ex))
         values = ring.rates(len(EXCHANGE_FIELDS)) if ring else (0.0,) * len(EXCHANGE_FIELDS)
         return dict(zip(EXCHANGE_FIELDS, values, strict=True))
+
+    def connection_rates(self, s: ConnectionView) -> dict[str, float]:
+        """Bytes per second received and sent over the window."""
+        ring = self._connections.get(id(s))
+        values = ring.rates(len(CONNECTION_FIELDS)) if ring else (0.0,) * len(CONNECTION_FIELDS)
+        return dict(zip(CONNECTION_FIELDS, values, strict=True))

@@ -193,8 +193,21 @@ def connection_json(mgmt: Mgmt, s: ConnectionView) -> dict[str, Any]:
         "frame_max": s.frame_max,
         "timeout": s.heartbeat,
         "connected_at": int(s.connected_at * 1000),
+        **network_stats([s], mgmt),
+        "recv_cnt": s.recv_cnt,
+        "send_cnt": s.send_cnt,
         "client_properties": props,
     }
+
+
+def network_stats(sessions: list[ConnectionView], mgmt: Mgmt) -> dict[str, Any]:
+    """recv_oct/send_oct with their rates: of one connection, or summed over a vhost's live
+    connections (RabbitMQ also keeps the bytes of closed ones; Skred does not)."""
+    out: dict[str, Any] = {}
+    for key in ("recv_oct", "send_oct"):
+        out[key] = sum(getattr(s, key) for s in sessions)
+        out[f"{key}_details"] = rate(sum(mgmt.rates.connection_rates(s)[key] for s in sessions))
+    return out
 
 
 def channel_json(mgmt: Mgmt, s: ConnectionView, chs: ChannelView) -> dict[str, Any]:
