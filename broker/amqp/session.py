@@ -481,11 +481,17 @@ class Session(AMQPConnection):
             chs.needs_sync = True
 
     def _check_user_id(self, props: bytes) -> None:
-        """RabbitMQ's validated user-id: a user_id property must name the connection's user."""
+        """RabbitMQ's validated user-id: a user_id property must name the connection's user,
+        unless the user has the ``impersonator`` tag (looked up now: a tag change applies to
+        open connections, as in RabbitMQ)."""
         uid = properties.decode(props).user_id
-        if uid is not None and uid != self.username:
+        if uid is not None and uid != self.username and not self._impersonator():
             raise errors.PreconditionFailed(f"user_id property set to '{uid}' but authenticated user "
                                             f"was '{self.username}'", 60, 40)
+
+    def _impersonator(self) -> bool:
+        user = self.broker.users.get(self.username)
+        return user is not None and "impersonator" in user.tags
 
     def _may_publish_to(self, exchange: str) -> None:
         """404 for a missing exchange, 403 for an internal one or without write permission
