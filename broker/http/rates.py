@@ -9,6 +9,12 @@ divided by the time between them; it is computed when an answer is rendered. Not
 message. Objects are keyed by identity, so a queue or exchange deleted and re-declared under the
 same name starts from zero (one first seen counts as zero at the previous sample, so its first
 interval has a rate); rings of objects that no longer exist are dropped at the next sample.
+
+``consumer_utilisation`` (RabbitMQ: the fraction of time the queue could deliver to a consumer at
+once, i.e. its consumers were not held back by prefetch limits or a full socket) is approximated
+from the same samples: at each sample a queue with a consumer that is ``ready()`` counts the
+seconds since the previous sample as able, and the utilisation is the share of able time over
+the window. A queue without consumers has none (``null``, as RabbitMQ).
 """
 
 from __future__ import annotations
@@ -32,17 +38,23 @@ GLOBAL_FIELDS = ("published", "delivered", "acked", "confirmed", "unroutable", "
                  "returned", "delivered_autoack", "gets_autoack", "connections_opened",
                  "channels_opened", "connections_closed", "channels_closed", "queues_created",
                  "queues_deleted", "redelivered")
-QUEUE_FIELDS = ("publish", "deliver_get", "ack", "redeliver", "ready", "unacked", "get")
+QUEUE_FIELDS = ("publish", "deliver_get", "ack", "redeliver", "ready", "unacked", "get", "utilisation")
 EXCHANGE_FIELDS = ("publish_in", "publish_out")
 CONNECTION_FIELDS = ("recv_oct", "send_oct")
 GAUGE_FIELDS = ("mem_used", "disk_free", "fd_used", "sockets_used", "proc_used")
 
-Sample = tuple[float, tuple[int, ...]]
+Sample = tuple[float, tuple[float, ...]]
 
 
-def _queue_counters(q: Queue) -> tuple[int, ...]:
+def _queue_counters(q: Queue, ring: Ring | None, now: float) -> tuple[float, ...]:
+    """The queue's counters, and the seconds (summed over samples) during which one of its
+    consumers could take a delivery: its rate over the window is ``consumer_utilisation``."""
+    able = 0.0
+    if ring is not None and ring.samples:
+        t, last = ring.samples[-1]
+        able = last[-1] + (now - t if any(c.ready() for c in q.consumers) else 0.0)
     return (q.n_published, q.n_delivered, q.n_acked, q.n_redelivered, q.message_count,
-            q.store.unacked_count, q.n_gets)
+            q.store.unacked_count, q.n_gets, able)
 
 
 class Ring:
@@ -53,7 +65,7 @@ class Ring:
     def __init__(self) -> None:
         self.samples: deque[Sample] = deque(maxlen=int(WINDOW / INTERVAL) + 1)
 
-    def add(self, t: float, values: tuple[int, ...]) -> None:
+    def add(self, t: float, values: tuple[float, ...]) -> None:
         self.samples.append((t, values))
 
     def rates(self, n: int) -> tuple[float, ...]:
@@ -113,10 +125,11 @@ class RateSampler:
         now = time.monotonic()
         self._global.add(now, self.global_counters())
         self._node.add(now, self.gauges())
-        queues: list[tuple[int, tuple[int, ...]]] = []
-        exchanges: list[tuple[int, tuple[int, ...]]] = []
+        queues: list[tuple[int, tuple[float, ...]]] = []
+        exchanges: list[tuple[int, tuple[float, ...]]] = []
+        rings = self._queues
         for vh in self.broker.vhosts.values():
-            queues.extend((id(q), _queue_counters(q)) for q in vh.queues.values())
+            queues.extend((id(q), _queue_counters(q, rings.get(id(q)), now)) for q in vh.queues.values())
             exchanges.extend((id(ex), (ex.n_in, ex.n_out)) for ex in vh.exchanges.values())
         self._queues = self._advance(self._queues, queues, now)
         self._exchanges = self._advance(self._exchanges, exchanges, now)
@@ -124,7 +137,7 @@ class RateSampler:
             self._connections, ((id(s), (s.recv_oct, s.send_oct)) for s in self.broker.connections), now)
         self._previous = now
 
-    def _advance(self, rings: dict[int, Ring], current: Iterable[tuple[int, tuple[int, ...]]],
+    def _advance(self, rings: dict[int, Ring], current: Iterable[tuple[int, tuple[float, ...]]],
                  now: float) -> dict[int, Ring]:
         out: dict[int, Ring] = {}
         for key, values in current:
@@ -167,3 +180,11 @@ class RateSampler:
         ring = self._connections.get(id(s))
         values = ring.rates(len(CONNECTION_FIELDS)) if ring else (0.0,) * len(CONNECTION_FIELDS)
         return dict(zip(CONNECTION_FIELDS, values, strict=True))
+
+    def consumer_utilisation(self, q: Queue) -> float | None:
+        if not q.consumers:
+            return None
+        ring = self._queues.get(id(q))
+        if ring is None or len(ring.samples) < 2:
+            return 1.0 if any(c.ready() for c in q.consumers) else 0.0
+        return min(1.0, max(0.0, ring.rates(len(QUEUE_FIELDS))[-1]))

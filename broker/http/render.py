@@ -47,6 +47,7 @@ def queue_json(mgmt: Mgmt, q: Queue) -> dict[str, Any]:
     ready = q.message_count
     unacked = q.store.unacked_count
     r = mgmt.rates.queue_rates(q)
+    utilisation = mgmt.rates.consumer_utilisation(q)
     exclusive_consumer = next((c.tag for c in q.consumers if c.exclusive), None)
     policy: str | None = None
     operator_policy: str | None = None
@@ -72,6 +73,8 @@ def queue_json(mgmt: Mgmt, q: Queue) -> dict[str, Any]:
         "operator_policy": operator_policy,
         "effective_policy_definition": jsonable(effective),
         "consumers": len(q.consumers),
+        "consumer_utilisation": utilisation,
+        "consumer_capacity": utilisation or 0.0,
         "exclusive_consumer_tag": exclusive_consumer,
         "messages": ready + unacked,
         **message_totals(ready, unacked, r),
@@ -79,6 +82,11 @@ def queue_json(mgmt: Mgmt, q: Queue) -> dict[str, Any]:
         "message_stats": queue_message_stats(q.n_published, q.n_delivered, q.n_gets, q.n_acked,
                                              q.n_redelivered, r),
     }
+    if out["type"] in (queue_types.QUORUM, queue_types.STREAM):
+        # RabbitMQ's replica set of a quorum queue or stream; in Skred every durable queue is
+        # replicated to the cluster's ISR (docs/compatibility.md, Queue types)
+        members = mgmt.replica_members()
+        out.update(leader=mgmt.node_name, members=members, online=members)
     owner = q.exclusive_owner
     if owner is not None and hasattr(owner, "peer"):
         out["owner_pid_details"] = {"name": mgmt.connection_name(owner),  # type: ignore[arg-type]

@@ -60,6 +60,16 @@ class Mgmt:
         self.cluster: ClusterInfo | None = None  # set on a cluster member (metrics, GET /api/cluster)
 
     # ------------------------------------------------------------------ helpers
+    def replica_members(self) -> list[str]:
+        """A replicated queue's members as the API lists them: this node (the leader), then the
+        other in-sync replicas of a cluster by their cluster node id (a follower's
+        ``name@host`` node name is not known to the leader)."""
+        members = [self.node_name]
+        if self.cluster is not None and self.cluster.is_leader():
+            status = self.cluster.status()
+            members.extend(str(n) for n in status.get("isr", ()) if n != status.get("node_id"))
+        return members
+
     def node_gauges(self) -> tuple[int, ...]:
         """``rates.GAUGE_FIELDS`` now, sampled every second for their ``*_details`` rates."""
         return (self.resident_memory(), self.disk_free(), self.open_fds(),

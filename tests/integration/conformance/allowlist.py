@@ -83,11 +83,9 @@ HTTP_KEYS: dict[str, str] = {
         _NOT_SAMPLED + " (per queue / per vhost: kept only for the node, in the overview)",
     r"incoming|outgoing|deliveries":
         "per channel/exchange/queue pair statistics (RabbitMQ's detailed stats): not kept",
-    r"consumer_capacity|consumer_utilisation|single_active_consumer_tag|head_message_timestamp|"
-    r"idle_since": _NOT_SAMPLED,
+    r"single_active_consumer_tag|head_message_timestamp|idle_since": _NOT_SAMPLED,
     r"send_pend": "bytes waiting in the socket's send buffer: not reported by the event loop's "
                   "transport per connection",
     r"ssl_hash|ssl_key_exchange": "TLS details Python's ssl module does not report separately "
                                   "(ssl_cipher and ssl_protocol are there)",
-    r"leader|members|online": "quorum queues have no per-queue Raft group in Skred (see Queue types)",
 }
