@@ -473,8 +473,10 @@ class Session(AMQPConnection):
                     routing_key, exchange, props, bytes(body)):
                 return
             self.stats.unroutable += 1
+            vh.n_unroutable += 1
             if args.mandatory:
                 self.stats.returned += 1
+                vh.n_returned += 1
                 self.out += codec.encode_return(chs.id, 312, b"NO_ROUTE", args.exchange_b, args.routing_key_b,
                                                 props, bytes(body), self.frame_max)
         if out.sync and chs.confirm:
@@ -660,6 +662,8 @@ class Session(AMQPConnection):
         self.out += codec.encode_confirm(chs.id, upto, n > 1, nack)
         if not nack:
             self.broker.stats.confirmed += n  # messages, not frames (one ack covers many)
+            if self.vh is not None:
+                self.vh.n_confirmed += n
 
     # -------------------------------------------------------------------- acks
     def handle_ack(self, channel: int, delivery_tag: int, multiple: bool) -> None:
@@ -900,6 +904,7 @@ class Session(AMQPConnection):
         chs.next_tag += 1
         if m.no_ack:
             q.ack(msgid)
+            q.n_gets_no_ack += 1
             self.broker.stats.gets_autoack += 1
         else:
             chs.unacked[tag] = (q, msgid, None)

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from broker.model.exchange import Exchange
 from broker.model.queue import Queue
+from broker.model.vhost import VHost
 
 if TYPE_CHECKING:
     from broker.views import BrokerView, ConnectionView
@@ -38,7 +39,9 @@ GLOBAL_FIELDS = ("published", "delivered", "acked", "confirmed", "unroutable", "
                  "returned", "delivered_autoack", "gets_autoack", "connections_opened",
                  "channels_opened", "connections_closed", "channels_closed", "queues_created",
                  "queues_deleted", "redelivered")
-QUEUE_FIELDS = ("publish", "deliver_get", "ack", "redeliver", "ready", "unacked", "get", "utilisation")
+QUEUE_FIELDS = ("publish", "deliver_get", "ack", "redeliver", "ready", "unacked", "get", "get_no_ack",
+                "get_empty", "utilisation")
+VHOST_FIELDS = ("confirm", "unroutable", "returned")
 EXCHANGE_FIELDS = ("publish_in", "publish_out")
 CONNECTION_FIELDS = ("recv_oct", "send_oct")
 GAUGE_FIELDS = ("mem_used", "disk_free", "fd_used", "sockets_used", "proc_used")
@@ -54,7 +57,7 @@ def _queue_counters(q: Queue, ring: Ring | None, now: float) -> tuple[float, ...
         t, last = ring.samples[-1]
         able = last[-1] + (now - t if any(c.ready() for c in q.consumers) else 0.0)
     return (q.n_published, q.n_delivered, q.n_acked, q.n_redelivered, q.message_count,
-            q.store.unacked_count, q.n_gets, able)
+            q.store.unacked_count, q.n_gets, q.n_gets_no_ack, q.n_get_empty, able)
 
 
 class Ring:
@@ -86,6 +89,7 @@ class RateSampler:
         self._queues: dict[int, Ring] = {}
         self._exchanges: dict[int, Ring] = {}
         self._connections: dict[int, Ring] = {}
+        self._vhosts: dict[int, Ring] = {}
         self._previous: float | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -133,6 +137,9 @@ class RateSampler:
             exchanges.extend((id(ex), (ex.n_in, ex.n_out)) for ex in vh.exchanges.values())
         self._queues = self._advance(self._queues, queues, now)
         self._exchanges = self._advance(self._exchanges, exchanges, now)
+        self._vhosts = self._advance(self._vhosts, (
+            (id(vh), (vh.n_confirmed, vh.n_unroutable, vh.n_returned))
+            for vh in self.broker.vhosts.values()), now)
         self._connections = self._advance(
             self._connections, ((id(s), (s.recv_oct, s.send_oct)) for s in self.broker.connections), now)
         self._previous = now
@@ -188,3 +195,9 @@ class RateSampler:
         if ring is None or len(ring.samples) < 2:
             return 1.0 if any(c.ready() for c in q.consumers) else 0.0
         return min(1.0, max(0.0, ring.rates(len(QUEUE_FIELDS))[-1]))
+
+    def vhost_rates(self, vh: VHost) -> dict[str, float]:
+        """``VHOST_FIELDS`` per second (the vhost's own counters; queue sums: ``queues_rates``)."""
+        ring = self._vhosts.get(id(vh))
+        values = ring.rates(len(VHOST_FIELDS)) if ring else (0.0,) * len(VHOST_FIELDS)
+        return dict(zip(VHOST_FIELDS, values, strict=True))

@@ -79,8 +79,7 @@ def queue_json(mgmt: Mgmt, q: Queue) -> dict[str, Any]:
         "messages": ready + unacked,
         **message_totals(ready, unacked, r),
         "message_bytes_ready": q.store.bytes_ready,
-        "message_stats": queue_message_stats(q.n_published, q.n_delivered, q.n_gets, q.n_acked,
-                                             q.n_redelivered, r),
+        "message_stats": queue_message_stats([q], r),
     }
     if out["type"] in (queue_types.QUORUM, queue_types.STREAM):
         # RabbitMQ's replica set of a quorum queue or stream; in Skred every durable queue is
@@ -94,6 +93,15 @@ def queue_json(mgmt: Mgmt, q: Queue) -> dict[str, Any]:
     return out
 
 
+def with_rates(counters: dict[str, tuple[int, float]]) -> dict[str, Any]:
+    """``{key: (count, rate)}`` as RabbitMQ writes it: ``key: count, key_details: {"rate": r}``."""
+    out: dict[str, Any] = {}
+    for key, (value, speed) in counters.items():
+        out[key] = value
+        out[f"{key}_details"] = rate(speed)
+    return out
+
+
 def message_totals(ready: int, unacked: int, r: dict[str, float]) -> dict[str, Any]:
     """A queue's, vhost's or the node's message counts with their rates (``RateSampler``)."""
     return {"messages": ready + unacked, "messages_details": rate(r["ready"] + r["unacked"]),
@@ -101,18 +109,28 @@ def message_totals(ready: int, unacked: int, r: dict[str, float]) -> dict[str, A
             "messages_unacknowledged": unacked, "messages_unacknowledged_details": rate(r["unacked"])}
 
 
-def queue_message_stats(published: int, delivered: int, gets: int, acked: int, redelivered: int,
-                        r: dict[str, float]) -> dict[str, Any]:
+def queue_message_stats(queues: list[Queue], r: dict[str, float]) -> dict[str, Any]:
     """``message_stats`` of a queue or vhost (sums over its queues) with their rates."""
-    out: dict[str, Any] = {}
-    for key, value, speed in (("publish", published, r["publish"]),
+    delivered = sum(q.n_delivered for q in queues)
+    gets = sum(q.n_gets for q in queues)
+    no_ack = sum(q.n_gets_no_ack for q in queues)
+    return with_rates({key: (value, speed) for key, value, speed in (
+                              ("publish", sum(q.n_published for q in queues), r["publish"]),
                               ("deliver_get", delivered, r["deliver_get"]),
                               ("deliver", delivered - gets, r["deliver_get"] - r["get"]),
-                              ("get", gets, r["get"]), ("ack", acked, r["ack"]),
-                              ("redeliver", redelivered, r["redeliver"])):
-        out[key] = value
-        out[f"{key}_details"] = rate(speed)
-    return out
+                              ("get", gets - no_ack, r["get"] - r["get_no_ack"]),
+                              ("get_no_ack", no_ack, r["get_no_ack"]),
+                              ("get_empty", sum(q.n_get_empty for q in queues), r["get_empty"]),
+                              ("ack", sum(q.n_acked for q in queues), r["ack"]),
+                              ("redeliver", sum(q.n_redelivered for q in queues), r["redeliver"]))})
+
+
+def vhost_message_stats(vh: VHost, mgmt: Mgmt) -> dict[str, Any]:
+    """A vhost's own publisher-side counters with their rates."""
+    r = mgmt.rates.vhost_rates(vh)
+    return with_rates({"confirm": (vh.n_confirmed, r["confirm"]),
+                       "return_unroutable": (vh.n_returned, r["returned"]),
+                       "drop_unroutable": (vh.n_unroutable - vh.n_returned, r["unroutable"] - r["returned"])})
 
 
 def effective_definition(policy: dict[str, Any], operator: dict[str, Any]) -> dict[str, Any]:

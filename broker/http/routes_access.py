@@ -28,7 +28,7 @@ from broker.http.common import (
     vhost_param,
 )
 from broker.http.policies import PolicyApi, validate_policy
-from broker.http.render import message_totals, network_stats, queue_message_stats
+from broker.http.render import message_totals, network_stats, queue_message_stats, vhost_message_stats
 
 routes = web.RouteTableDef()
 
@@ -47,10 +47,7 @@ def _vhost_json(request: web.Request, name: str) -> dict[str, Any]:
         **message_totals(sum(q.message_count for q in queues),
                          sum(q.store.unacked_count for q in queues), r),
         **network_stats([s for s in mgmt.broker.connections if s.vhost == name], mgmt),
-        "message_stats": queue_message_stats(
-            sum(q.n_published for q in queues), sum(q.n_delivered for q in queues),
-            sum(q.n_gets for q in queues), sum(q.n_acked for q in queues),
-            sum(q.n_redelivered for q in queues), r),
+        "message_stats": {**queue_message_stats(queues, r), **vhost_message_stats(vh, mgmt)},
     }
 
 

@@ -29,7 +29,7 @@ from broker.http.common import (
     visible_sessions,
 )
 from broker.http.rates import GLOBAL_FIELDS
-from broker.http.render import channel_json, connection_json, consumers_json, message_totals, rate
+from broker.http.render import channel_json, connection_json, consumers_json, message_totals, rate, with_rates
 from broker.http.state import Mgmt
 from broker.model.exchange import EXCHANGE_TYPES
 from broker.model.publish import PublishRequest
@@ -55,14 +55,6 @@ def _totals(request: web.Request) -> dict[str, Any]:
             "channels": sum(len(s.chs) for s in sessions)}
 
 
-def _with_rates(counters: dict[str, tuple[int, float]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, (value, speed) in counters.items():
-        out[key] = value
-        out[f"{key}_details"] = rate(speed)
-    return out
-
-
 def _node_message_stats(mgmt: Mgmt) -> dict[str, Any]:
     """The node's message counters (consumer deliveries and gets by ack mode, as RabbitMQ
     counts them) with their sampled rates."""
@@ -74,7 +66,7 @@ def _node_message_stats(mgmt: Mgmt) -> dict[str, Any]:
         return (sum(now[f] for f in fields) - sum(now[f] for f in minus),
                 sum(r[f] for f in fields) - sum(r[f] for f in minus))
 
-    return _with_rates({
+    return with_rates({
         "publish": both("published"), "confirm": both("confirmed"), "ack": both("acked"),
         "deliver_get": both("delivered"),
         "deliver": both("delivered", minus=("gets", "delivered_autoack")),
@@ -90,7 +82,7 @@ def _churn(mgmt: Mgmt) -> dict[str, Any]:
     declare that created nothing is not counted (``queue_declared`` counts creations)."""
     now = dict(zip(GLOBAL_FIELDS, mgmt.rates.global_counters(), strict=True))
     r = mgmt.rates.global_rates()
-    return _with_rates({key: (now[field], r[field]) for key, field in (
+    return with_rates({key: (now[field], r[field]) for key, field in (
         ("connection_created", "connections_opened"), ("connection_closed", "connections_closed"),
         ("channel_created", "channels_opened"), ("channel_closed", "channels_closed"),
         ("queue_declared", "queues_created"), ("queue_created", "queues_created"),

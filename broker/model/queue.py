@@ -102,6 +102,7 @@ class Queue:
         "vhost", "name", "durable", "exclusive_owner", "auto_delete", "arguments", "store",
         "consumers", "_schedule", "_scheduled", "_rr", "deleted", "had_consumers", "on_unused",
         "name_bytes", "on_dirty", "n_published", "n_delivered", "n_acked", "n_redelivered", "n_gets",
+        "n_gets_no_ack", "n_get_empty",
         "features", "fast",
     )
 
@@ -142,6 +143,8 @@ class Queue:
         self.n_acked = 0
         self.n_redelivered = 0
         self.n_gets = 0  # of n_delivered: basic.get
+        self.n_gets_no_ack = 0  # of n_gets: without acknowledgement (counted by the protocol)
+        self.n_get_empty = 0  # a get that found the queue empty
         # TTL, limits, DLX, priorities...: a FeaturedQueue's state (broker/model/features.py)
         self.features: QueueFeatures | None = None
         # direct hand-over and delivery runs on (the vhost's switch; tests turn it off)
@@ -434,6 +437,7 @@ class ClassicQueue(Queue):
         store = self.store
         msgid = store.shift()
         if msgid is None:
+            self.n_get_empty += 1
             return None
         _ts, exchange, routing_key, props, body = store.read(msgid)
         redelivered = store.is_redelivered(msgid)

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import pika
+import pika.exceptions
 import pytest
 
 from ._support import SkredProcess, connect, unique, wait_until
@@ -52,6 +54,7 @@ def test_counters_and_rates(sb: SkredProcess) -> None:
         for name in ("a", "b"):
             ch.queue_declare(name)
             ch.queue_bind(name, "fan")
+        ch.queue_declare("empty-one")
         for _ in range(10):
             ch.basic_publish("fan", "", b"x" * 100)
         ch.basic_publish("fan", "", b"y")
@@ -62,6 +65,11 @@ def test_counters_and_rates(sb: SkredProcess) -> None:
         m2, _, _ = ch.basic_get("a", auto_ack=True)
         assert m2 is not None and m2.redelivered
         assert ch.basic_get("b", auto_ack=True)[0] is not None
+        assert ch.basic_get("empty-one", auto_ack=True)[0] is None
+        ch.confirm_delivery()
+        ch.basic_publish("amq.direct", "nowhere", b"dropped")
+        with pytest.raises(pika.exceptions.UnroutableError):
+            ch.basic_publish("amq.direct", "nowhere", b"returned", mandatory=True)
 
         ex = api.get(f"/api/exchanges/{q(vh)}/fan")["message_stats"]
         assert ex["publish_in"] == 11 and ex["publish_out"] == 22, ex
@@ -74,10 +82,13 @@ def test_counters_and_rates(sb: SkredProcess) -> None:
         assert ex["publish_out_details"]["rate"] == pytest.approx(2 * rate_in, abs=0.02)
 
         stats = api.get(f"/api/vhosts/{q(vh)}")["message_stats"]
-        assert (stats["publish"], stats["get"], stats["redeliver"], stats["deliver_get"]) == (22, 3, 1, 3)
-        assert stats["deliver"] == 0
+        assert (stats["publish"], stats["get"], stats["get_no_ack"], stats["redeliver"],
+                stats["deliver_get"], stats["deliver"]) == (22, 1, 2, 1, 3, 0), stats
+        assert (stats["confirm"], stats["drop_unroutable"], stats["return_unroutable"]) == (2, 1, 1)
+        assert api.get(f"/api/queues/{q(vh)}/empty-one")["message_stats"]["get_empty"] == 1
         qa = api.get(f"/api/queues/{q(vh)}/a")
-        assert qa["message_stats"]["get"] == 2 and qa["message_stats"]["redeliver"] == 1
+        assert (qa["message_stats"]["get"], qa["message_stats"]["get_no_ack"],
+                qa["message_stats"]["redeliver"]) == (1, 1, 1)
         assert qa["messages"] == 10 and "rate" in qa["messages_details"]
         node = api.get("/api/overview")["message_stats"]
         assert node["redeliver"] >= 1 and node["get"] >= 1 and node["get_no_ack"] >= 2

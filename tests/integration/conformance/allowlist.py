@@ -78,9 +78,8 @@ HTTP_KEYS: dict[str, str] = {
     r"sample_retention_policies(\..*)?|release_series_support_status":
         "management-plugin configuration with no Skred equivalent",
     r"message_stats\.(disk_reads|disk_writes)(_details)?": _NOT_SAMPLED + " (message store I/O)",
-    r"message_stats\.(deliver_no_ack|get_no_ack|get_empty|confirm|drop_unroutable|"
-    r"return_unroutable)(_details)?":
-        _NOT_SAMPLED + " (per queue / per vhost: kept only for the node, in the overview)",
+    r"message_stats\.deliver_no_ack(_details)?":
+        _NOT_SAMPLED + " (per queue and vhost: kept only for the node, in the overview)",
     r"incoming|outgoing|deliveries":
         "per channel/exchange/queue pair statistics (RabbitMQ's detailed stats): not kept",
     r"single_active_consumer_tag|head_message_timestamp|idle_since": _NOT_SAMPLED,
