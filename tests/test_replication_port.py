@@ -18,8 +18,9 @@ from typing import Any
 
 import pytest
 
-from broker.cluster import codec, leader
+from broker.cluster import codec, leader, tunnel
 from broker.cluster.leader import LeaderSink
+from broker.cluster.proxy import SpliceProxy, Target, Tunnelled
 from tests.integration._tls import make_pki
 
 SECRET = b"s" * 32
@@ -152,12 +153,12 @@ def test_a_member_tunnel_is_spliced_and_forgotten_when_it_ends(tmp_path: Path) -
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(codec.encode_tunnel_hello(SECRET, codec.AMQP_PORT, ("10.1.2.3", 4000)))
             assert await asyncio.wait_for(reader.readexactly(1), DEADLINE) == bytes([codec.OK])
-            writer.write(b"ping")
-            assert await asyncio.wait_for(reader.readexactly(4), DEADLINE) == b"ping"
+            writer.write(b"\0\0\0\4ping")  # framed: u32 length, bytes
+            assert await asyncio.wait_for(reader.readexactly(8), DEADLINE) == b"\0\0\0\4ping"
             assert seen == [("10.1.2.3", 4000)]
             assert len(sink.proxied_peers) == 1 and len(sink._tunnels) == 1
-            writer.write_eof()
-            assert await _until_closed(reader) == b""
+            writer.write(tunnel.END)  # our end: the listener's EOF comes back as its end marker
+            assert await _until_closed(reader) == tunnel.END
             writer.close()
             deadline = time.monotonic() + DEADLINE
             while (sink.proxied_peers or sink._tunnels) and time.monotonic() < deadline:
@@ -183,3 +184,51 @@ def test_a_refused_version_logs_the_peers_strings_escaped(
         _run(tmp_path, body)
     assert "protocol version" in caplog.text
     assert "\nWARNING forged line" not in caplog.text
+
+
+async def _http10_server(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+    """Answers once the client has sent everything (its EOF), like an HTTP/1.0 exchange with a
+    client that half-closes: a big body, so the answer outlives the client's EOF by many writes."""
+    request = await r.read()  # until EOF
+    w.write(b"HTTP/1.0 200 OK\r\n\r\n" + request + b"." * 500_000)
+    await w.drain()
+    w.close()
+
+
+@pytest.mark.parametrize("tls", [True, False], ids=["tls", "clear"])
+def test_a_client_that_half_closes_gets_the_whole_answer_through_a_tunnel(tmp_path: Path, tls: bool) -> None:
+    """A plain client of a follower's proxy shuts down its sending side after its request: the
+    leader's listener sees the EOF, and its answer still comes back in full, through a TLS
+    tunnel too (a TLS transport cannot half-close: the tunnel carries the end of the stream)."""
+    pki = make_pki(tmp_path / "pki")
+    server_ctx: ssl.SSLContext | None = None
+    client_ctx: ssl.SSLContext | None = None
+    if tls:
+        server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        server_ctx.load_cert_chain(pki.server.cert, pki.server.key)
+        client_ctx = pki.client_context()
+    data = tmp_path / "data"
+    data.mkdir()
+
+    async def body(sink: LeaderSink, port: int) -> None:
+        listener = await asyncio.start_server(_http10_server, "127.0.0.1", 0)
+        sink.client_addresses = lambda: {"http": ("127.0.0.1", listener.sockets[0].getsockname()[1])}
+        target = Target()
+        target.host, target.port = "localhost", port
+        proxy = SpliceProxy("HTTP", target, False, None,
+                            Tunnelled(codec.HTTP_PORT, lambda: SECRET, lambda: client_ctx))
+        await proxy.start("127.0.0.1", 0)
+        assert proxy._server is not None
+        pport = proxy._server.sockets[0].getsockname()[1]
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", pport)
+            writer.write(b"GET / HTTP/1.0\r\n\r\n")
+            writer.write_eof()
+            got = await _until_closed(reader)
+            writer.close()
+            assert got == b"HTTP/1.0 200 OK\r\n\r\nGET / HTTP/1.0\r\n\r\n" + b"." * 500_000
+        finally:
+            await proxy.stop()
+            listener.close()
+
+    _run(data, body, server_ctx)

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from broker.cluster.tunnel import open_tunnel, pump
+from broker.cluster.tunnel import frame, open_tunnel, pump, unframe
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,10 @@ class SpliceProxy:
             if self.send_proxy_header:
                 dst = cwriter.get_extra_info("sockname")
                 upstream.write(proxy_header(client, (str(dst[0]), int(dst[1]))))
-            await asyncio.gather(pump(creader, upstream), pump(lreader, cwriter))
+            if self.tunnel is not None:
+                await asyncio.gather(frame(creader, upstream), unframe(lreader, cwriter))
+            else:
+                await asyncio.gather(pump(creader, upstream), pump(lreader, cwriter))
         except (TimeoutError, OSError, RuntimeError, asyncio.IncompleteReadError) as exc:
             log.info("%s proxy: %s", self.name, exc or type(exc).__name__)
         finally:
