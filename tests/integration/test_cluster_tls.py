@@ -177,6 +177,7 @@ def test_follower_proxies_every_client_port_to_the_leader_encrypted(
     # HTTP/1.0 through the follower from a client that shuts down its sending side after the
     # request (nc -N, HTTP/1.0 scripts): the whole response still comes back, TLS tunnel or not
     assert _http10_half_closed(f.ip, f.mgmt_port, "/api/overview").startswith(b"HTTP/1.")
+    assert _http10_half_closed(leader.ip, leader.mgmt_port, "/api/overview").startswith(b"HTTP/1.")
 
     # LMQ HTTP through the follower
     req = urllib.request.Request(f"http://{f.ip}:{f.lmq_port}/messages/lmq-q", data=MARKER + b"lmq",
