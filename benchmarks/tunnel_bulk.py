@@ -59,7 +59,8 @@ async def main(total: int, tls: bool, workdir: Path) -> None:
     sink.client_addresses = lambda: {"amqp": ("127.0.0.1", listener.sockets[0].getsockname()[1])}
     target = Target()
     target.host, target.port = "localhost", port
-    proxy = SpliceProxy("AMQP", target, False, None, Tunnelled(codec.AMQP_PORT, lambda: SECRET, lambda: client_ctx))
+    proxy = SpliceProxy("AMQP", target, False, None,
+                        Tunnelled(codec.AMQP_PORT, lambda: SECRET, lambda: client_ctx))
     await proxy.start("127.0.0.1", 0)
     assert proxy._server is not None
     pport = proxy._server.sockets[0].getsockname()[1]
