@@ -1,5 +1,6 @@
 """Bulk transfer through a follower proxy's client tunnel, in this process: a client on the
-proxy, a real LeaderSink, a listener on the leader side; MB/s up (client -> listener) and down.
+proxy, a real LeaderSink, a listener on the leader side; MB/s up (client -> listener) and down,
+and the process's CPU time per GB (steadier than a rate on a shared machine).
 
     python benchmarks/tunnel_bulk.py [--mb 200] [--tls]
 """
@@ -66,7 +67,7 @@ async def main(total: int, tls: bool, workdir: Path) -> None:
     pport = proxy._server.sockets[0].getsockname()[1]
     for mode in (b"u", b"d"):
         r, w = await asyncio.open_connection("127.0.0.1", pport)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         w.write(mode)
         if mode == b"u":
             for _ in range(total // len(BLOCK)):
@@ -77,8 +78,9 @@ async def main(total: int, tls: bool, workdir: Path) -> None:
             left = total
             while left:
                 left -= len(await r.read(1 << 20))
-        dt = time.perf_counter() - t0
-        print(f"{'tls' if tls else 'clear'} {'up' if mode == b'u' else 'down'}: {total / dt / 1e6:.0f} MB/s")
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+        print(f"{'tls' if tls else 'clear'} {'up' if mode == b'u' else 'down'}: {total / dt / 1e6:.0f} MB/s, "
+              f"{cpu / total * 1e9:.2f} CPU s/GB (every hop in this one process)")
         w.close()
     await proxy.stop()
     await sink.stop()

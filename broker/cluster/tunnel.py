@@ -145,10 +145,14 @@ async def unframe(tunnel: asyncio.StreamReader, writer: asyncio.StreamWriter) ->
                 break
             if n > CHUNK:
                 raise codec.CodecError(f"tunnel frame of {n} bytes")
-            data = await tunnel.readexactly(n)
-            if writer.is_closing():
-                return
-            writer.write(data)
+            while n:  # pass on what has come (a TLS record or so), as a plain splice would
+                data = await tunnel.read(n)
+                if not data:
+                    raise asyncio.IncompleteReadError(b"", n)
+                if writer.is_closing():
+                    return
+                writer.write(data)
+                n -= len(data)
             await writer.drain()
     except (OSError, RuntimeError, asyncio.IncompleteReadError, codec.CodecError):
         writer.transport.abort()  # cut: a reset, so nobody takes it for the whole answer
