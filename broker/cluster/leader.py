@@ -37,6 +37,12 @@ barrier resolves. A fenced leader (lease lost) resolves no barrier ever again;
 ``lease_valid`` (the runner's local lease clock) is checked before resolving
 any, so confirms stop the moment the lease must be presumed expired, without
 waiting for the runner's next look.
+
+The server is our own accept loop: ``HandshakeGate`` (``broker.cluster.gate``)
+sees each connection's address before its TLS handshake, bounds the
+connections per address that have not yet proved they know the secret, and
+logs refusals once per burst. The hello is read to its last byte and no
+further, so bytes a peer sends right behind it stay in the stream.
 """
 
 from __future__ import annotations
@@ -336,13 +342,17 @@ class LeaderSink:
 
     async def _accept(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
+        failing = False
         while True:
             try:
                 conn, addr = await loop.sock_accept(sock)
             except OSError as exc:  # out of descriptors, say: the connection waits in the backlog
-                log.warning("replication port: accept failed: %s", exc)
+                if not failing:  # once per run of failures
+                    log.warning("replication port: accept failed: %s", exc)
+                failing = True
                 await asyncio.sleep(0.1)
                 continue
+            failing = False
             source = str(addr[0])
             if not self.gate.enter(source):
                 self._refusal(source, "too many unfinished connections", "refused a connection from %s: "
