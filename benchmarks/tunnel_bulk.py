@@ -58,13 +58,9 @@ async def main(total: int, tls: bool, workdir: Path) -> None:
     sink = LeaderSink(workdir, "L", SECRET, _no_isr)
     _h, port = await sink.start("127.0.0.1", 0, server_ctx)
     sink.client_addresses = lambda: {"amqp": ("127.0.0.1", listener.sockets[0].getsockname()[1])}
-    target = Target()
-    target.host, target.port = "localhost", port
-    proxy = SpliceProxy("AMQP", target, False, None,
-                        Tunnelled(codec.AMQP_PORT, lambda: SECRET, lambda: client_ctx))
-    await proxy.start("127.0.0.1", 0)
-    assert proxy._server is not None
-    pport = proxy._server.sockets[0].getsockname()[1]
+    tunnelled = Tunnelled(codec.AMQP_PORT, lambda: SECRET, lambda: client_ctx)
+    proxy = SpliceProxy("AMQP", Target("localhost", port), False, None, tunnelled)
+    pport = await proxy.start("127.0.0.1", 0)
     for mode in (b"u", b"d"):
         r, w = await asyncio.open_connection("127.0.0.1", pport)
         t0, c0 = time.perf_counter(), time.process_time()

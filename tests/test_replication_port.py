@@ -213,13 +213,9 @@ def test_a_client_that_half_closes_gets_the_whole_answer_through_a_tunnel(tmp_pa
     async def body(sink: LeaderSink, port: int) -> None:
         listener = await asyncio.start_server(_http10_server, "127.0.0.1", 0)
         sink.client_addresses = lambda: {"http": ("127.0.0.1", listener.sockets[0].getsockname()[1])}
-        target = Target()
-        target.host, target.port = "localhost", port
-        proxy = SpliceProxy("HTTP", target, False, None,
-                            Tunnelled(codec.HTTP_PORT, lambda: SECRET, lambda: client_ctx))
-        await proxy.start("127.0.0.1", 0)
-        assert proxy._server is not None
-        pport = proxy._server.sockets[0].getsockname()[1]
+        tunnelled = Tunnelled(codec.HTTP_PORT, lambda: SECRET, lambda: client_ctx)
+        proxy = SpliceProxy("HTTP", Target("localhost", port), False, None, tunnelled)
+        pport = await proxy.start("127.0.0.1", 0)
         try:
             reader, writer = await asyncio.open_connection("127.0.0.1", pport)
             writer.write(b"GET / HTTP/1.0\r\n\r\n")
