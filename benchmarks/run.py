@@ -37,9 +37,10 @@ class Scenario:
     metric: str  # key of skred-perf's JSON summary
     unit: str
     tool: str = "perf"  # "perf": skred-perf throughput; "workload": benchmarks/workloads.py
+    runs: int = 0  # runs per broker when not --runs (0: --runs)
 
 
-def scenarios(prefill: int) -> dict[str, Scenario]:
+def scenarios(prefill: int, rss_count: int = 1_000_000) -> dict[str, Scenario]:
     items = [
         Scenario(
             "a",
@@ -103,6 +104,14 @@ def scenarios(prefill: int) -> dict[str, Scenario]:
         # Issue 13: the workloads users run (benchmarks/workloads.py).
         Scenario("1", "every message different: 200 B-2 KiB, message-id, timestamp, 3 headers; 1p1c autoack",
                  ("varied",), "consume_rate", "msg/s", "workload"),
+        Scenario("2", "(1) with 4 producers and 4 consumers on 4 queues", ("varied", "--pairs", "4"),
+                 "consume_rate", "msg/s", "workload"),
+        Scenario("3", "(1) into a topic exchange with 50 bound queues, routing keys in turn, one consumer "
+                 "each (one connection)", ("varied", "--topic", "50"), "consume_rate", "deliveries/s",
+                 "workload"),
+        Scenario("4", "(1) persistent, durable queue, confirms (window 1000), manual ack, prefetch 100",
+                 ("varied", "--persistent", "--confirm", "1000", "--prefetch", "100"), "consume_rate",
+                 "msg/s", "workload"),
         *(Scenario(f"5-{mode}-{rate // 1000}k-{label}",
                    f"latency {label} at {rate:,} msg/s, " + ("manual ack (prefetch 100)" if mode == "ack"
                                                              else "autoack"),
@@ -114,18 +123,39 @@ def scenarios(prefill: int) -> dict[str, Scenario]:
                  "durable queue with a consumer", ("sync",), "publish_rate", "msg/s", "workload"),
         Scenario("6-transient", "(6) with transient messages", ("sync", "--transient"), "publish_rate",
                  "msg/s", "workload"),
+        Scenario("6-celery", "(6) as Celery's task.delay() with confirm_publish", ("celery",), "publish_rate",
+                 "msg/s", "workload"),
+        *(Scenario(f"7-{key}", title, ("queues",), metric, unit, "workload")
+          for key, title, metric, unit in (
+              ("cold", "1,000 new queues, a producer and a consumer connection each: until the first "
+               "message into every one was delivered", "cold_s", "s (lower is better)"),
+              ("cold-p50", "(7) median latency of those first messages", "cold_p50_ms",
+               "ms (lower is better)"),
+              ("stall", "(7) worst latency of a bystander on a warm queue (1 msg/ms) meanwhile",
+               "bystander_max_ms", "ms (lower is better)"),
+              ("warm", "(7) then 100 more per queue, all at once", "warm_rate", "msg/s"))),
+        Scenario("8-fill", f"{rss_count:,} persistent 1 KiB messages into a durable queue, confirms "
+                 "(window 1000): fill rate", ("rss", "--count", str(rss_count)), "fill_rate", "msg/s",
+                 "workload", 1),
+        Scenario("8-rss", f"(8) broker memory with {rss_count:,} messages queued (anonymous RSS; mapped "
+                 "segment pages not counted)", ("rss", "--count", str(rss_count)), "rss_anon_mib",
+                 "MiB (lower is better)", "workload", 1),
     ]
     return {s.key: s for s in items}
 
 
-def run_perf(uri: str, scenario: Scenario, seconds: float, prefill: int) -> dict[str, Any]:
+def run_perf(uri: str, scenario: Scenario, seconds: float, prefill: int, pid: int = 0) -> dict[str, Any]:
     if scenario.tool == "workload":
         cmd = [sys.executable, str(REPO_ROOT / "benchmarks" / "workloads.py"), *scenario.args, "--uri", uri,
-               "-z", f"{seconds:g}"]
+               "-z", f"{seconds:g}", "--pid", str(pid)]
     else:
         cmd = [sys.executable, "-m", "broker.perf", "throughput", "--uri", uri, "-z", f"{seconds:g}",
                *scenario.args, "-j"]
     budget = seconds * 3 + 60 + (prefill / 20000 if "--prefill" in scenario.args else 0)
+    if scenario.args[0] == "rss":
+        budget += 1800
+    elif scenario.args[0] == "queues":
+        budget += 240
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     try:
         proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=budget, env=env)
@@ -166,8 +196,10 @@ def fmt(value: float | None, unit: str) -> str:
         return "—"
     if unit == "MiB/s":
         return f"{value:,.1f}"
-    if unit.split()[0] == "ms":
+    if unit.split()[0] in ("ms", "s"):
         return f"{value:,.2f}"
+    if unit.split()[0] == "MiB":
+        return f"{value:,.0f}"
     return f"{value:,.0f}"
 
 
@@ -180,19 +212,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=5.0, help="duration of each run (default 5)")
     ap.add_argument("--only", default="", help="comma-separated scenarios, e.g. a,b,f (default all)")
     ap.add_argument("--prefill", type=int, default=1_000_000, help="queue depth for scenario d")
+    ap.add_argument("--rss-count", type=int, default=1_000_000, help="messages queued for scenario 8")
+    ap.add_argument("--skred-pid", type=int, default=0, help="Skred's pid: broker CPU per message, RSS")
+    ap.add_argument("--peer-pid", type=int, default=0, help="the peer's pid (RabbitMQ: beam.smp)")
     ap.add_argument("--write", action="store_true", help="write the results to docs/benchmarks.md")
     ap.add_argument("--note", default="", help="a paragraph for docs/benchmarks.md (who shared the machine)")
     ap.add_argument("--output", default=str(REPO_ROOT / "docs" / "benchmarks.md"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
-    all_scenarios = scenarios(args.prefill)
+    all_scenarios = scenarios(args.prefill, args.rss_count)
     keys = [k.strip() for k in args.only.split(",") if k.strip()] or list(all_scenarios)
     unknown = [k for k in keys if k not in all_scenarios]
     if unknown:
         ap.error(f"unknown scenario(s) {unknown}; choose from {','.join(all_scenarios)}")
-    targets = [("skred", args.skred)] + ([("peer", args.peer)] if args.peer else [])
+    targets = [("skred", args.skred, args.skred_pid)]
+    if args.peer:
+        targets.append(("peer", args.peer, args.peer_pid))
     values: dict[tuple[str, str], list[float]] = {}
     cpu: dict[tuple[str, str], list[float]] = {}
+    broker_cpu: dict[tuple[str, str], list[float]] = {}  # broker CPU us per message
+    loads: dict[str, list[float]] = {}  # 1-minute load average at the start of each run
     versions: dict[str, str] = {}
     errors: list[str] = []
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
@@ -201,11 +240,12 @@ def main(argv: list[str] | None = None) -> int:
     done: dict[tuple[str, tuple[str, ...], int], dict[str, Any]] = {}  # one run serves p50/p99/p99.9
     for key in keys:
         sc = all_scenarios[key]
-        for run in range(args.runs):
-            for name, uri in targets:  # alternate brokers run by run
+        for run in range(sc.runs or args.runs):
+            for name, uri, pid in targets:  # alternate brokers run by run
+                loads.setdefault(key, []).append(os.getloadavg()[0])
                 r = done.get((name, sc.args, run))
                 if r is None:
-                    r = done[(name, sc.args, run)] = run_perf(uri, sc, args.seconds, args.prefill)
+                    r = done[(name, sc.args, run)] = run_perf(uri, sc, args.seconds, args.prefill, pid)
                 if "error" in r or r.get("errors"):
                     msg = r.get("error") or "; ".join(r["errors"])
                     errors.append(f"({key}) {name} run {run + 1}: {msg}")
@@ -214,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
                 value = float(r.get(sc.metric, 0.0))
                 values.setdefault((key, name), []).append(value)
                 cpu.setdefault((key, name), []).append(float(r.get("tool_cpu_percent", 0.0)))
+                if "cpu_us_per_msg" in r:
+                    broker_cpu.setdefault((key, name), []).append(float(r["cpu_us_per_msg"]))
                 server = r.get("server", {})
                 versions[name] = f"{server.get('product', '?')} {server.get('version', '?')}".strip()
                 print(f"  ({key}) {name:5} run {run + 1}: {fmt(value, sc.unit)} {sc.unit}", file=sys.stderr,
@@ -224,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.peer:
         head += [f"{peer_label} (median)", "Skred / " + peer_label]
     head.append("tool CPU % (skred runs)")
+    head.append("broker CPU µs/msg" + (f" (Skred / {peer_label})" if args.peer else ""))
+    head.append("load avg (1 min) min-max")
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for key in keys:
         sc = all_scenarios[key]
@@ -237,6 +281,12 @@ def main(argv: list[str] | None = None) -> int:
             row += [fmt(p_med, sc.unit), ratio]
         c_vals = cpu.get((key, "skred"), [])
         row.append(f"{statistics.median(c_vals):.0f}" if c_vals else "—")
+        b_meds = [statistics.median(v) if (v := broker_cpu.get((key, name))) else None
+                  for name in (("skred", "peer") if args.peer else ("skred",))]
+        row.append(" / ".join("—" if m is None else f"{m:.1f}" for m in b_meds)
+                   if any(m is not None for m in b_meds) else "—")
+        ld = loads.get(key, [])
+        row.append(f"{min(ld):.1f}-{max(ld):.1f}" if ld else "—")
         rows.append("| " + " | ".join(row) + " |")
     table = "\n".join(rows)
     print(table)
@@ -252,8 +302,9 @@ def main(argv: list[str] | None = None) -> int:
             "",
             f"Run: {started}; {args.runs} runs per broker per scenario, {args.seconds:g} s each, "
             "brokers measured alternately; the table shows medians. Load generator: `skred-perf` "
-            "(one process per client; its own CPU use is in the last column, % of one core) and "
-            "`benchmarks/workloads.py` for the issue-13 workloads. Load average (1/5/15 min) at the "
+            "(one process per client; its own CPU use is in the column 'tool CPU', % of one core) and "
+            "`benchmarks/workloads.py` for the issue-13 workloads (8 runs once per broker). Load average "
+            "(1/5/15 min) at the "
             f"start {'/'.join(f'{x:.1f}' for x in load_start)}, at the end "
             f"{'/'.join(f'{x:.1f}' for x in os.getloadavg())}.",
             "",

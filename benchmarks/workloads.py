@@ -30,6 +30,7 @@ import struct
 import sys
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 from urllib.parse import urlparse
 
@@ -100,48 +101,121 @@ def is_deliver(buf: bytes, ftype: int, at: int) -> bool:
     return ftype == 1 and buf[at : at + 4] == _DELIVER
 
 
-def encode(rk: str, body: bytes, props: commands.Basic.Properties) -> bytes:
-    return (pframe.marshal(commands.Basic.Publish(exchange="", routing_key=rk), 1)
+async def first_bodies(r: asyncio.StreamReader, timeout: float | None = None
+                       ) -> AsyncIterator[tuple[int, bytes, list[int]]]:
+    """Per read: (its arrival time in ns, the buffer, the offsets of the first body frame of
+    each delivery completed in it); ends at EOF."""
+    buf = b""
+    pending = False
+    while True:
+        data = await asyncio.wait_for(r.read(1 << 16), timeout)
+        if not data:
+            return
+        now = time.time_ns()
+        buf += data
+        found, rest = frames(buf)
+        ats = []
+        for ftype, at in found:
+            if is_deliver(buf, ftype, at):
+                pending = True
+            elif ftype == 3 and pending:
+                pending = False
+                ats.append(at)
+        yield now, buf, ats
+        buf = rest
+
+
+def encode(rk: str, body: bytes, props: commands.Basic.Properties, exchange: str = "") -> bytes:
+    return (pframe.marshal(commands.Basic.Publish(exchange=exchange, routing_key=rk), 1)
             + pframe.marshal(header.ContentHeader(0, len(body), props), 1)
             + (pframe.marshal(pbody.ContentBody(body), 1) if body else b""))
 
 
-def varied_message(rk: str, rnd: random.Random, i: int) -> bytes:
+def varied_message(rk: str, rnd: random.Random, i: int, exchange: str = "",
+                   persistent: bool = False) -> bytes:
+    """Workload 1's message: body 200 B-2 KiB, a message-id, a timestamp, three headers."""
     body = rnd.randbytes(rnd.randint(200, 2048))
     props = commands.Basic.Properties(
-        content_type="application/json", delivery_mode=1, message_id=str(uuid.UUID(int=rnd.getrandbits(128))),
-        timestamp=_EPOCH + datetime.timedelta(seconds=i),
+        content_type="application/json", delivery_mode=2 if persistent else 1,
+        message_id=str(uuid.UUID(int=rnd.getrandbits(128))), timestamp=_EPOCH + datetime.timedelta(seconds=i),
         headers={"task": f"tasks.t{i % 17}", "id": str(i), "retries": i % 3})
-    return encode(rk, body, props)
+    return encode(rk, body, props, exchange)
 
 
 # ----------------------------------------------------------------------------- varied
-def _varied_producer(uri: str, queue: str, seconds: float, out: Any) -> None:
+def broker_cpu(pid: int) -> float:
+    """CPU seconds the broker process ``pid`` used so far (0.0 without a pid)."""
+    if not pid:
+        return 0.0
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _acks_seen(buf: bytes, found: list[tuple[int, int]]) -> int:
+    """The highest basic.ack delivery tag among ``found`` frames (0 if none)."""
+    top = 0
+    for ftype, at in found:
+        if ftype == 1 and buf[at : at + 4] == b"\x00\x3c\x00\x50":
+            top = max(top, struct.unpack_from(">Q", buf, at + 4)[0])
+    return top
+
+
+def _producer(uri: str, exchange: str, keys: list[str], seconds: float, persistent: bool, window: int,
+              out: Any) -> None:
+    """Publish varied messages (``keys`` in turn as routing keys) for ``seconds`` + 2 s; with
+    ``window``, in confirm mode with at most that many unconfirmed."""
     async def run() -> None:
-        rnd = random.Random(7)
-        msgs = [varied_message(queue, rnd, i) for i in range(20000)]
+        rnd = random.Random(hash(tuple(keys)) & 0xFFFF)
+        msgs = [varied_message(keys[i % len(keys)], rnd, i, exchange, persistent) for i in range(20000)]
         chunks = [b"".join(msgs[i : i + 100]) for i in range(0, len(msgs), 100)]
         c = await Raw.connect(uri)
+        confirmed = 0
+        if window:
+            await c.call(commands.Confirm.Select())
+
+            async def read_acks() -> None:
+                nonlocal confirmed
+                buf = b""
+                while True:
+                    data = await c.r.read(1 << 16)
+                    if not data:
+                        return
+                    buf += data
+                    found, rest = frames(buf)
+                    confirmed = max(confirmed, _acks_seen(buf, found))
+                    buf = rest
+
+            reader = asyncio.ensure_future(read_acks())
         sent = 0
-        end = time.monotonic() + seconds + 2  # the consumer's window starts at its first delivery
+        end = time.monotonic() + seconds + 2  # the consumers' windows start at their first delivery
         while time.monotonic() < end:
             for ch in chunks:
+                while window and sent - confirmed >= window and time.monotonic() < end:
+                    await asyncio.sleep(0.0005)
                 c.w.write(ch)
                 sent += 100
                 await c.w.drain()
                 if time.monotonic() >= end:
                     break
-        out.put(sent)
+        out.put((sent, confirmed))
+        if window:
+            reader.cancel()
         c.w.close()
 
     asyncio.run(run())
 
 
-def _varied_consumer(uri: str, queue: str, seconds: float, out: Any) -> None:
+def _consumer(uri: str, queues: list[str], seconds: float, prefetch: int, out: Any) -> None:
+    """Consume from ``queues`` (one consumer each, one channel), autoack or, with ``prefetch``,
+    manual ack (one multiple ack per read); count deliveries for ``seconds`` from the first."""
     async def run() -> None:
         c = await Raw.connect(uri)
         out.put(c.server)
-        await c.call(commands.Basic.Consume(queue=queue, consumer_tag="v", no_ack=True))
+        if prefetch:
+            await c.call(commands.Basic.Qos(prefetch_count=prefetch))
+        for i, q in enumerate(queues):
+            await c.call(commands.Basic.Consume(queue=q, consumer_tag=f"v{i}", no_ack=not prefetch))
         n = 0
         buf = b""
         started = False
@@ -155,37 +229,83 @@ def _varied_consumer(uri: str, queue: str, seconds: float, out: Any) -> None:
                 break
             if not started:
                 started = True
+                out.put("started")
                 end = time.monotonic() + seconds
             buf += data
             found, rest = frames(buf)
-            n += sum(1 for ftype, at in found if is_deliver(buf, ftype, at))
+            got = sum(1 for ftype, at in found if is_deliver(buf, ftype, at))
+            n += got
             buf = rest
+            if prefetch and got:
+                c.w.write(pframe.marshal(commands.Basic.Ack(delivery_tag=n, multiple=True), 1))
         out.put(n)
         c.w.close()
 
     asyncio.run(run())
 
 
-def varied(uri: str, seconds: float) -> dict[str, Any]:
-    queue = "bench-varied-" + uuid.uuid4().hex[:8]
-    params = pika.URLParameters(uri)
-    conn = pika.BlockingConnection(params)
+def varied(uri: str, seconds: float, pairs: int = 1, topic: int = 0, persistent: bool = False,
+           window: int = 0, prefetch: int = 0, pid: int = 0) -> dict[str, Any]:
+    """``pairs`` producers and consumers, each pair on its own queue (workloads 1, 2, 4); or,
+    with ``topic``, one producer into a topic exchange with that many bound queues, routing
+    keys in turn, all consumed by one consumer (workload 3). Reports consumed msg/s (all
+    consumers) and, with ``pid``, the broker's CPU per consumed message over the window."""
+    tag = uuid.uuid4().hex[:8]
+    conn = pika.BlockingConnection(pika.URLParameters(uri))
     ch = conn.channel()
-    ch.queue_declare(queue)
+    if topic:
+        exchange = "bench-topic-" + tag
+        ch.exchange_declare(exchange, "topic", auto_delete=False)
+        queues = [f"bench-t{j}-{tag}" for j in range(topic)]
+        # queue j takes the keys of region j % 10 and kind j // 10: "*.r3.k2"
+        keys = [f"orders.r{j % 10}.k{j // 10}" for j in range(topic)]
+        for j, q in enumerate(queues):
+            ch.queue_declare(q, durable=persistent)
+            ch.queue_bind(q, exchange, f"*.r{j % 10}.k{j // 10}")
+        plan = [(queues, [keys])]  # one consumer for all queues, one producer for all keys
+    else:
+        exchange = ""
+        queues = [f"bench-varied{j}-{tag}" for j in range(pairs)]
+        for q in queues:
+            ch.queue_declare(q, durable=persistent)
+        plan = [([q], [[q]]) for q in queues]
     cq: Any = mp.Queue()
     pq: Any = mp.Queue()
-    cons = mp.Process(target=_varied_consumer, args=(uri, queue, seconds, cq))
-    cons.start()
-    server = cq.get(timeout=30)
-    prod = mp.Process(target=_varied_producer, args=(uri, queue, seconds, pq))
-    prod.start()
-    consumed = cq.get(timeout=seconds + 180)
-    published = pq.get(timeout=seconds + 180)
-    prod.join(30)
-    cons.join(30)
-    ch.queue_delete(queue)
+    cons = [mp.Process(target=_consumer, args=(uri, qs, seconds, prefetch, cq)) for qs, _ in plan]
+    for p in cons:
+        p.start()
+    server = {}
+    for _ in cons:
+        server = cq.get(timeout=30)
+    prods = [mp.Process(target=_producer, args=(uri, exchange, keys, seconds, persistent, window, pq))
+             for _, ks in plan for keys in ks]
+    for p in prods:
+        p.start()
+    assert cq.get(timeout=60) == "started"
+    cpu0 = broker_cpu(pid)
+    time.sleep(seconds)
+    cpu1 = broker_cpu(pid)
+    counts = []
+    while len(counts) < len(cons):
+        v = cq.get(timeout=seconds + 180)
+        if v != "started":
+            counts.append(v)
+    sent = [pq.get(timeout=seconds + 180) for _ in prods]
+    for p in prods + cons:
+        p.join(30)
+    for q in queues:
+        ch.queue_delete(q)
+    if topic:
+        ch.exchange_delete(exchange)
     conn.close()
-    return {"server": server, "consume_rate": consumed / seconds, "publish_rate": published / (seconds + 2)}
+    consumed = sum(counts)
+    r: dict[str, Any] = {"server": server, "consume_rate": consumed / seconds,
+                         "publish_rate": sum(s for s, _ in sent) / (seconds + 2)}
+    if window:
+        r["confirm_rate"] = sum(c for _, c in sent) / (seconds + 2)
+    if pid and consumed:
+        r["cpu_us_per_msg"] = (cpu1 - cpu0) / consumed * 1e6
+    return r
 
 
 # ----------------------------------------------------------------------------- latency
@@ -197,26 +317,15 @@ def _latency_consumer(uri: str, queue: str, total: int, ack: bool, out: Any) -> 
         await con.call(commands.Basic.Consume(queue=queue, consumer_tag="l", no_ack=not ack))
         out.put("ready")
         lat: list[float] = []
-        buf = b""
         tag = 0
-        pending = False
-        while len(lat) < total:
-            data = await asyncio.wait_for(con.r.read(1 << 16), 60)
-            if not data:
-                break
-            now = time.time_ns()
-            buf += data
-            found, rest = frames(buf)
-            for ftype, at in found:
-                if is_deliver(buf, ftype, at):
-                    tag += 1
-                    pending = True
-                elif ftype == 3 and pending:  # the first body frame starts with the send time
-                    lat.append((now - struct.unpack_from(">q", buf, at)[0]) / 1e6)
-                    pending = False
-            buf = rest
-            if ack and tag:
+        async for now, buf, ats in first_bodies(con.r, 60):
+            for at in ats:  # each body starts with its send time
+                lat.append((now - struct.unpack_from(">q", buf, at)[0]) / 1e6)
+            tag += len(ats)
+            if ack and ats:
                 con.w.write(pframe.marshal(commands.Basic.Ack(delivery_tag=tag, multiple=True), 1))
+            if len(lat) >= total:
+                break
         out.put(lat)
         con.w.close()
 
@@ -278,54 +387,276 @@ def _sync_consumer(uri: str, queue: str, stop: Any) -> None:
     conn.close()
 
 
-def sync(uri: str, seconds: float, persistent: bool = True, backlog: int = 50_000) -> dict[str, Any]:
-    params = pika.URLParameters(uri)
+def _prefill(ch: Any, queue: str, backlog: int) -> None:
+    """``backlog`` messages into ``queue``, all of them in it before the clock starts (a
+    broker still taking in the backlog would be measured doing that too)."""
+    for i in range(backlog):
+        ch.basic_publish("", queue, b"backlog-%d" % i)
+    end = time.monotonic() + 300
+    while ch.queue_declare(queue, passive=True).method.message_count < backlog and time.monotonic() < end:
+        time.sleep(0.05)
+
+
+Publisher = tuple[Callable[[int], None], Callable[[], None]]  # publish message n, close
+
+
+def _against_backlog(uri: str, seconds: float, backlog: int, publisher: Callable[[str], Publisher]
+                     ) -> dict[str, Any]:
+    """Time a synchronous publisher into a durable queue holding ``backlog`` messages with a
+    consumer (pika, manual ack, prefetch 100, its own process: in a thread it would take the
+    publisher's GIL, and the faster a broker delivered, the slower its publisher would look).
+    ``publisher(queue)`` returns (publish message n, close); reports publishes per second."""
     queue = "bench-sync-" + uuid.uuid4().hex[:8]
-    setup = pika.BlockingConnection(params)
+    setup = pika.BlockingConnection(pika.URLParameters(uri))
     sch = setup.channel()
     sch.queue_declare(queue, durable=True)
-    for i in range(backlog):
-        sch.basic_publish("", queue, b"backlog-%d" % i)
-    product = setup._impl.server_properties.get("product", b"?")
-    version = setup._impl.server_properties.get("version", b"?")
-    # the consumer is another process: in a thread it would take the publisher's GIL, and
-    # the faster a broker delivers, the slower its publisher would look
+    _prefill(sch, queue, backlog)
+    server = {k: (v.decode() if isinstance(v, bytes) else str(v)) for k, v in
+              setup._impl.server_properties.items() if k in ("product", "version")}
     stop = mp.Event()
     t = mp.Process(target=_sync_consumer, args=(uri, queue, stop), daemon=True)
     t.start()
-    pub = pika.BlockingConnection(params)
-    pch = pub.channel()
-    pch.confirm_delivery()
+    publish, close = publisher(queue)
     n = 0
     t0 = time.monotonic()
     end = t0 + seconds
-    props = pika.BasicProperties(delivery_mode=2 if persistent else 1, content_type="application/json")
     while time.monotonic() < end:
-        pch.basic_publish("", queue, b'{"task": "x", "n": %d}' % n, props)
+        publish(n)
         n += 1
     elapsed = time.monotonic() - t0
     stop.set()
     t.join(10)
-    pub.close()
+    close()
     sch.queue_delete(queue)
     setup.close()
-    as_text = lambda v: v.decode() if isinstance(v, bytes) else str(v)  # noqa: E731
-    return {"server": {"product": as_text(product), "version": as_text(version)}, "publish_rate": n / elapsed}
+    return {"server": server, "publish_rate": n / elapsed}
+
+
+def sync(uri: str, seconds: float, persistent: bool = True, backlog: int = 50_000) -> dict[str, Any]:
+    """Workload 6: a pika ``BlockingConnection`` with ``confirm_delivery``."""
+    def publisher(queue: str) -> Publisher:
+        pub = pika.BlockingConnection(pika.URLParameters(uri))
+        pch = pub.channel()
+        pch.confirm_delivery()
+        props = pika.BasicProperties(delivery_mode=2 if persistent else 1, content_type="application/json")
+        return (lambda n: pch.basic_publish("", queue, b'{"task": "x", "n": %d}' % n, props)), pub.close
+
+    return _against_backlog(uri, seconds, backlog, publisher)
+
+
+# ----------------------------------------------------------------------------- celery
+def celery_delay(uri: str, seconds: float, backlog: int = 50_000) -> dict[str, Any]:
+    """Workload 6 as Celery users meet it: ``task.delay()`` with publisher confirms
+    (``confirm_publish``) into a backlogged queue with a consumer; reports delay() calls/s."""
+    from celery import Celery
+
+    def publisher(queue: str) -> Publisher:
+        app = Celery("bench", broker=uri.replace("amqp://", "pyamqp://", 1))
+        app.conf.broker_transport_options = {"confirm_publish": True}
+        app.conf.task_default_queue = queue
+
+        @app.task(name="bench.add")  # type: ignore[untyped-decorator]
+        def add(x: int, y: int) -> int:
+            return x + y
+
+        add.delay(0, 0)  # connect and declare before the clock starts
+        return (lambda n: add.delay(n, 1)), app.close
+
+    return _against_backlog(uri, seconds, backlog, publisher)
+
+
+# ----------------------------------------------------------------------------- many queues
+def _pairs(uri: str, names: list[str], warm: int, go: Any, out: Any) -> None:
+    """A producer and a consumer connection per queue. Cold: every queue is declared and
+    consumed, then (on ``go``) every producer sends its first message; each consumer notes
+    its latency. Warm: then every producer sends ``warm`` more; time until all arrived."""
+    async def run() -> None:
+        prods = []
+        lat: list[float] = []
+        got = [0]
+        done = asyncio.Event()
+        need = len(names) * (1 + warm)
+
+        async def consume(c: Raw) -> None:
+            async for now, buf, ats in first_bodies(c.r):
+                for at in ats:
+                    got[0] += 1
+                    sent, first = struct.unpack_from(">qB", buf, at)
+                    if first:
+                        lat.append((now - sent) / 1e9)
+                if got[0] >= need:
+                    done.set()
+                    return
+
+        tasks = []
+        for name in names:
+            c = await Raw.connect(uri)
+            await c.call(commands.Queue.Declare(queue=name, auto_delete=False))
+            await c.call(commands.Basic.Consume(queue=name, consumer_tag="p", no_ack=True))
+            tasks.append(asyncio.ensure_future(consume(c)))
+            prods.append(await Raw.connect(uri))
+        out.put("ready")
+        await asyncio.get_running_loop().run_in_executor(None, go.wait)
+        for name, p in zip(names, prods, strict=True):
+            p.w.write(encode(name, struct.pack(">qB", time.time_ns(), 1) + b"x" * 55,
+                             commands.Basic.Properties()))
+        while len(lat) < len(names):
+            await asyncio.sleep(0.005)
+        t0 = time.monotonic()
+        for name, p in zip(names, prods, strict=True):
+            p.w.write(b"".join(encode(name, struct.pack(">qB", time.time_ns(), 0) + b"x" * 55,
+                                      commands.Basic.Properties()) for _ in range(warm)))
+        try:
+            await asyncio.wait_for(done.wait(), 300)
+        except TimeoutError:
+            pass
+        out.put((lat, time.monotonic() - t0, got[0] - len(names)))
+        for name, p in zip(names, prods, strict=True):
+            p.w.write(pframe.marshal(commands.Queue.Delete(queue=name), 1))
+            await p.method()
+        for t in tasks:
+            t.cancel()
+
+    asyncio.run(run())
+
+
+def many_queues(uri: str, queues: int = 1000, warm: int = 100, procs: int = 4) -> dict[str, Any]:
+    """Workload 7: ``queues`` new queues, each with its own producer and consumer connection
+    (``procs`` client processes). Reports the time until the first message into every new
+    queue was delivered (cold, s), its median, a bystander's worst latency meanwhile (a
+    producer/consumer pair on a warm queue publishing every millisecond: does a cold queue
+    stall other connections?), and the warm rate (``warm`` more per queue, msg/s)."""
+    tag = uuid.uuid4().hex[:8]
+    names = [f"bench-mq{i}-{tag}" for i in range(queues)]
+    go = mp.Event()
+    out: Any = mp.Queue()
+    ps = [mp.Process(target=_pairs, args=(uri, names[i::procs], warm, go, out)) for i in range(procs)]
+    for p in ps:
+        p.start()
+    for _ in ps:
+        assert out.get(timeout=300) == "ready"
+    by: Any = mp.Queue()
+    stop = mp.Event()
+    bystander = mp.Process(target=_bystander, args=(uri, "bench-by-" + tag, stop, by))
+    bystander.start()
+    server = by.get(timeout=60)
+    time.sleep(0.5)  # the bystander's queue is warm
+    go.set()
+    results = [out.get(timeout=600) for _ in ps]
+    stop.set()
+    worst, sent = by.get(timeout=60)
+    for p in [*ps, bystander]:
+        p.join(30)
+    lat = sorted(x for r in results for x in r[0])
+    warm_n = sum(r[2] for r in results)
+    return {"server": server, "cold_s": lat[-1], "cold_p50_ms": lat[len(lat) // 2] * 1e3,
+            "bystander_max_ms": worst, "bystander_sent": sent,
+            "warm_rate": warm_n / max(r[1] for r in results)}
+
+
+def _bystander(uri: str, queue: str, stop: Any, out: Any) -> None:
+    async def run() -> None:
+        pub = await Raw.connect(uri)
+        con = await Raw.connect(uri)
+        await con.call(commands.Queue.Declare(queue=queue))
+        await con.call(commands.Basic.Consume(queue=queue, consumer_tag="b", no_ack=True))
+        out.put(pub.server)
+        worst = 0.0
+        sent = 0
+
+        async def consume() -> None:
+            nonlocal worst
+            async for now, buf, ats in first_bodies(con.r):
+                for at in ats:
+                    worst = max(worst, (now - struct.unpack_from(">q", buf, at)[0]) / 1e6)
+
+        task = asyncio.ensure_future(consume())
+        while not stop.is_set():
+            body = struct.pack(">q", time.time_ns()) + b"y" * 56
+            pub.w.write(encode(queue, body, commands.Basic.Properties()))
+            sent += 1
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.5)
+        task.cancel()
+        await pub.call(commands.Queue.Delete(queue=queue))
+        out.put((worst, sent))
+
+    asyncio.run(run())
+
+
+# ----------------------------------------------------------------------------- rss
+def rss(uri: str, count: int, pid: int, size: int = 1024) -> dict[str, Any]:
+    """Workload 8: ``count`` persistent ``size``-byte messages into a durable queue with
+    confirms (window 1000); reports the fill rate and, with ``pid``, the broker's RSS (MiB)
+    once all are confirmed."""
+    queue = "bench-rss-" + uuid.uuid4().hex[:8]
+
+    async def run() -> dict[str, Any]:
+        c = await Raw.connect(uri)
+        await c.call(commands.Queue.Declare(queue=queue, durable=True))
+        await c.call(commands.Confirm.Select())
+        one = encode(queue, b"r" * size, commands.Basic.Properties(delivery_mode=2))
+        chunk = one * 100
+        confirmed = 0
+        sent = 0
+        buf = b""
+        t0 = time.monotonic()
+        while confirmed < count:
+            while sent < count and sent - confirmed < 1000:
+                c.w.write(chunk)
+                sent += 100
+            data = await asyncio.wait_for(c.r.read(1 << 16), 120)
+            buf += data
+            found, rest = frames(buf)
+            confirmed = max(confirmed, _acks_seen(buf, found))
+            buf = rest
+        elapsed = time.monotonic() - t0
+        mem: dict[str, float] = {}
+        if pid:
+            time.sleep(2)  # let the broker settle (write-back, GC)
+            with open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    key = line.split(":")[0]
+                    if key in ("VmRSS", "RssAnon", "RssFile"):
+                        mem[key] = int(line.split()[1]) / 1024
+        c.w.write(pframe.marshal(commands.Queue.Delete(queue=queue), 1))
+        await asyncio.wait_for(c.method(), 600)
+        # RssAnon: the broker's own memory; RssFile: mapped file pages (segments the kernel
+        # may drop at any time, clean once written back)
+        return {"server": c.server, "fill_rate": sent / elapsed, "rss_mib": mem.get("VmRSS", 0.0),
+                "rss_anon_mib": mem.get("RssAnon", 0.0), "rss_file_mib": mem.get("RssFile", 0.0),
+                "messages": sent}
+
+    return asyncio.run(run())
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("workload", choices=("varied", "latency", "sync"))
+    ap.add_argument("workload", choices=("varied", "latency", "sync", "celery", "queues", "rss"))
     ap.add_argument("--uri", default="amqp://guest:guest@127.0.0.1:5672/")
     ap.add_argument("-z", "--seconds", type=float, default=5.0)
+    ap.add_argument("--pid", type=int, default=0, help="the broker's pid: its CPU per message, its RSS")
     ap.add_argument("--rate", type=int, default=5000, help="latency: messages per second")
     ap.add_argument("--ack", action="store_true", help="latency: manual ack (prefetch 100)")
     ap.add_argument("--transient", action="store_true", help="sync: delivery mode 1 (default: persistent)")
+    ap.add_argument("--pairs", type=int, default=1, help="varied: producer/consumer pairs, a queue each")
+    ap.add_argument("--topic", type=int, default=0, help="varied: a topic exchange with this many queues")
+    ap.add_argument("--persistent", action="store_true", help="varied: persistent, durable queues")
+    ap.add_argument("--confirm", type=int, default=0, help="varied: confirms, at most N unconfirmed")
+    ap.add_argument("--prefetch", type=int, default=0, help="varied: manual ack with this prefetch")
+    ap.add_argument("--queues", type=int, default=1000, help="queues: how many new queues")
+    ap.add_argument("--count", type=int, default=1_000_000, help="rss: messages to queue")
     a = ap.parse_args(argv)
     if a.workload == "varied":
-        r = varied(a.uri, a.seconds)
+        r = varied(a.uri, a.seconds, a.pairs, a.topic, a.persistent, a.confirm, a.prefetch, a.pid)
     elif a.workload == "latency":
         r = latency(a.uri, a.seconds, a.rate, a.ack)
+    elif a.workload == "celery":
+        r = celery_delay(a.uri, a.seconds)
+    elif a.workload == "queues":
+        r = many_queues(a.uri, a.queues)
+    elif a.workload == "rss":
+        r = rss(a.uri, a.count, a.pid)
     else:
         r = sync(a.uri, a.seconds, not a.transient)
     print(json.dumps(r))

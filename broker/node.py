@@ -34,6 +34,7 @@ import logging
 import shutil
 import signal
 import ssl
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -521,6 +522,10 @@ def serve(config: Config, host: NodeHost | None = None, load: Callable[[], Confi
         RELOADER = Reloader(config, load)
         RELOADER.install()
     check_data_dir(config.main.data_dir)
+    # The group-commit worker needs the GIL for a few lines around each fsync; by default the
+    # event loop keeps it for up to 5 ms before handing it over, and a publisher waiting for
+    # its confirm waits that long too. 0.5 ms bounds that wait.
+    sys.setswitchinterval(0.0005)
     if config.clustering.enabled:
         try:
             from broker.cluster.runner import serve_clustered

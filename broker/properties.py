@@ -107,19 +107,72 @@ _valid_tables: set[bytes] = set()
 _layouts: dict[int, tuple[int, int, tuple[int, ...]]] = {}
 
 
+class _Shape:
+    """What a full walk of a valid property list learnt about it, for ``_list_layouts``."""
+
+    __slots__ = ("spans", "strs", "stamps", "stamp")
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[int, int]] = []  # structural bytes: flags, lengths, names, types
+        self.strs: list[tuple[int, int, int]] = []  # short-string values (must be UTF-8)
+        self.stamps: list[int] = []  # timestamp fields in the headers
+        self.stamp = -1  # the timestamp property
+
+
+# list length -> (mask of its structural bytes, their value, short-string value spans,
+# timestamp property position or -1, header timestamp positions): ``valid`` of a list that
+# differs from a valid one of its length only in its values (a new message-id, timestamp
+# and task id on every message) costs three big-integer operations and the value checks.
+_list_layouts: dict[int, tuple[int, int, tuple[slice, ...], int, tuple[int, ...]]] = {}
+
+
 class _Malformed(Exception):
     pass
 
 
 def valid(props: bytes) -> bool:
-    """Whether a property list is one every client decodes (cheap for lists seen before)."""
+    """Whether a property list is one every client decodes (cheap for lists seen before,
+    and for lists with the structure of one seen before: see ``_list_layouts``)."""
     if props in _valid_lists:
         return True
-    if problem(props) is not None:
+    n = len(props)
+    layout = _list_layouts.get(n)
+    if layout is not None:
+        mask, structure, strs, stamp, stamps = layout
+        if int.from_bytes(props) & mask == structure and _values_ok(props, strs, stamp, stamps):
+            return True
+    shape = _Shape()
+    try:
+        _check_list(props, shape)
+    except _Malformed:
         return False
+    mask = 0
+    for a, b in shape.spans:
+        mask |= ((1 << (8 * (b - a))) - 1) << (8 * (n - b))
+    if len(_list_layouts) >= _CACHE_MAX:
+        _list_layouts.clear()
+    _list_layouts[n] = (mask, int.from_bytes(props) & mask, tuple(slice(a, b) for a, b, _ in shape.strs),
+                        shape.stamp, tuple(shape.stamps))
     if len(_valid_lists) >= _CACHE_MAX:
         _valid_lists.clear()
     _valid_lists.add(props)
+    return True
+
+
+def _values_ok(props: bytes, strs: tuple[slice, ...], stamp: int, stamps: tuple[int, ...]) -> bool:
+    """The value checks of a list whose structure is that of a valid one: short strings are
+    UTF-8, timestamps within the years clients decode."""
+    if strs and not props.isascii() and not b"".join(map(props.__getitem__, strs)).isascii():
+        try:
+            for v in map(props.__getitem__, strs):
+                v.decode()
+        except UnicodeDecodeError:
+            return False
+    if stamp >= 0 and _U64(props, stamp)[0] > MAX_TIMESTAMP_PROPERTY:
+        return False
+    for p in stamps:
+        if _U64(props, p)[0] > MAX_TIMESTAMP_FIELD:
+            return False
     return True
 
 
@@ -132,7 +185,10 @@ def problem(props: bytes) -> str | None:
     return None
 
 
-def _check_list(props: bytes) -> None:
+def _check_list(props: bytes, shape: _Shape | None = None) -> None:
+    """Walk a property list; raise ``_Malformed`` at its first defect. With ``shape``,
+    note its structure there (headers are then walked in place, not through the table
+    caches)."""
     n = len(props)
     if n < 2:
         raise _Malformed("property flags missing")
@@ -144,7 +200,11 @@ def _check_list(props: bytes) -> None:
         present = _PRESENT[flags] = tuple(i << 2 | kind for i, (bit, kind, _) in enumerate(_LAYOUT)
                                           if flags & bit)
     ascii_only = props.isascii()  # then every short string and field name is UTF-8
-    strs: list[tuple[int, int, int]] = []  # short strings to check for UTF-8 unless ascii_only
+    # short strings to check for UTF-8 unless ascii_only (all of them for a shape)
+    strs: list[tuple[int, int, int]] = [] if shape is None else shape.strs
+    spans = None if shape is None else shape.spans
+    if spans is not None:
+        spans.append((0, 2))
     pos = 2
     for code in present:  # (index in _LAYOUT) << 2 | kind
         kind = code & 3
@@ -155,7 +215,10 @@ def _check_list(props: bytes) -> None:
             pos = start + props[pos]
             if pos > n:
                 raise _Malformed(f"{_name(code)} runs past the end of the properties")
-            if not ascii_only:
+            if spans is not None:
+                spans.append((start - 1, start))
+                strs.append((start, pos, code))
+            elif not ascii_only:
                 strs.append((start, pos, code))
         elif kind == _OCTET:
             pos += 1
@@ -167,6 +230,8 @@ def _check_list(props: bytes) -> None:
                 raise _Malformed("timestamp runs past the end of the properties")
             if _U64(props, pos - 8)[0] > MAX_TIMESTAMP_PROPERTY:
                 raise _Malformed("timestamp beyond year 9999")
+            if shape is not None:
+                shape.stamp = pos - 8
         else:
             if pos + 4 > n:
                 raise _Malformed("headers length missing")
@@ -174,7 +239,11 @@ def _check_list(props: bytes) -> None:
             pos = start + _U32(props, pos)[0]
             if pos > n:
                 raise _Malformed("headers table length runs past the end of the properties")
-            _check_headers(props[start:pos])
+            if shape is None:
+                _check_headers(props[start:pos])
+            else:
+                shape.spans.append((start - 4, start))
+                _check_fields(props, start, pos, 1, ascii_only, True, shape.spans, shape.stamps)
     if pos != n:
         raise _Malformed(f"{n - pos} bytes after the last property")
     # Usually only a table's length fields make a list non-ASCII: one check of the strings.

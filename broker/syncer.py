@@ -5,12 +5,15 @@ Theory of operation
 Anything that wrote persistent data (a queue store, the definitions log)
 registers itself with ``mark_dirty``; anything that must not be acknowledged
 before that data is on disk registers a callback with ``after_sync``. The
-first callback schedules a sync on the next loop turn, so every publish in
-the current read batch is covered. The sync takes the dirty set, fsyncs each
-member in a worker thread (fsync releases the GIL; the event loop keeps
-serving) and then runs the callbacks registered before it started, in
-order. Callbacks registered while a sync runs wait for the next one, which
-starts as soon as the current one ends. With ``enabled=False`` (``sync =
+first callback starts a sync at once (it comes after a read batch, so that
+whole batch is covered). The sync takes the dirty set, fsyncs each member in
+a worker thread (fsync releases the GIL; the event loop keeps serving) and
+then runs the callbacks registered before it started, in order; the worker
+hands the result straight to the loop (``call_soon_threadsafe``). Every loop
+turn between a publish and its confirm costs a synchronous publisher a whole
+turn of everybody else's work (milliseconds on a busy loop), so the path has
+no turn it does not need. Callbacks registered while a sync runs wait for the
+next one, which starts as soon as the current one ends. With ``enabled=False`` (``sync =
 false``) callbacks run on the next loop turn without any fsync.
 
 In a cluster, ``replicated`` (set by the node to the leader's ISR barrier) is
@@ -101,8 +104,11 @@ class Syncer:
     def after_sync(self, callback: Callable[[bool], None]) -> None:
         self._callbacks.append(callback)
         if not self._running and not self._scheduled:
-            self._scheduled = True
-            self.loop.call_soon(self._start)
+            if self.enabled:
+                self._start()
+            else:  # nothing to wait for: the callbacks run on the next turn, never inside this call
+                self._scheduled = True
+                self.loop.call_soon(self._start)
 
     def _start(self) -> None:
         self._scheduled = False
@@ -128,14 +134,25 @@ class Syncer:
         dirty, self._dirty = list(self._dirty), set()
         self._running = True
         self.sync_started = time.monotonic()
-        fut = self.loop.run_in_executor(self._executor, _sync_all, dirty, full, self.bulk_sync)
-        fut.add_done_callback(lambda f: self._done(f, callbacks, barrier))
+        self._executor.submit(self._sync_then_report, dirty, full, callbacks, barrier)
 
-    def _done(self, fut: asyncio.Future[bool], callbacks: list[Callable[[bool], None]],
+    def _sync_then_report(self, dirty: list[Syncable], full: bool, callbacks: list[Callable[[bool], None]],
+                          barrier: asyncio.Future[None] | None) -> None:
+        """On the worker thread: sync, then hand the result to the loop (one turn)."""
+        try:
+            ok = _sync_all(dirty, full, self.bulk_sync)
+        except Exception:
+            log.exception("sync failed")
+            ok = False
+        try:
+            self.loop.call_soon_threadsafe(self._done, ok, callbacks, barrier)
+        except RuntimeError:  # the loop is closed: shutting down, nobody waits any more
+            pass
+
+    def _done(self, ok: bool, callbacks: list[Callable[[bool], None]],
               barrier: asyncio.Future[None] | None) -> None:
         self.sync_started = None
         self.syncs += 1
-        ok = not fut.cancelled() and fut.exception() is None and bool(fut.result())
         if barrier is not None and not barrier.done():
             barrier.add_done_callback(lambda _: self._finish(callbacks, ok))
             return

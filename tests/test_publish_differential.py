@@ -1,7 +1,7 @@
 """Differential property test of the publish and delivery fast paths (issue 13).
 
 Hypothesis draws a sequence of read batches: publishes with varying properties (none, a
-message-id per message, headers, an expiration, a priority), empty bodies, bodies around the
+message-id per message, headers, a CC header, an expiration, a priority), empty bodies, bodies around the
 frame_max boundary, mandatory to nowhere, on several channels in plain, confirm and tx mode,
 into a plain queue, queues with features (with and without per-message work), a priority queue
 and a quorum queue (directly and through a fanout exchange), with autoack and manual-ack
@@ -36,7 +36,7 @@ QUEUES = {
     "lim": {"x-max-length": 100_000},  # featured, without per-message work: delivered in runs
     "quorum": {"x-queue-type": "quorum"},  # two priority levels: runs while one level waits
 }
-PROPS = ("none", "ids", "headers", "expiration", "priority")
+PROPS = ("none", "ids", "headers", "cc", "expiration", "priority")
 BODIES = ("empty", "small", "frame-1", "frame", "frame+1", "two-frames")
 MODES = ("plain", "confirm", "tx")
 
@@ -71,6 +71,8 @@ def _props(kind: str, n: int) -> commands.Basic.Properties:
         return commands.Basic.Properties(message_id=f"id-{n}", content_type="text/plain")
     if kind == "headers":
         return commands.Basic.Properties(headers={"n": n % 3, "tag": "x"})
+    if kind == "cc":  # also routed to the plain queue
+        return commands.Basic.Properties(headers={"n": n, "CC": ["plain"]})
     if kind == "expiration":
         return commands.Basic.Properties(expiration="3600000")
     if kind == "priority":
@@ -138,7 +140,9 @@ async def _play(node: Any, sc: dict[str, Any], fast: bool) -> dict[str, Any]:
                 body = _body(bkind, n if pkind != "none" else 0)
                 exchange, rk = ("fan", "") if target == "fan" else ("", target)
                 data.append(publish_frames(exchange, rk, body, _props(pkind, n), ch, mandatory, FRAME_MAX))
-                into = QUEUES if target == "fan" else ([target] if target in QUEUES else [])
+                into = list(QUEUES) if target == "fan" else ([target] if target in QUEUES else [])
+                if pkind == "cc" and "plain" not in into:
+                    into.append("plain")
                 for name in into:
                     (pending_tx[ch] if sc["modes"][ch - 1] == "tx" else expected)[name].append(body)
         for ch, mode in zip((1, 2, 3), sc["modes"], strict=True):

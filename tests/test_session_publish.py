@@ -333,3 +333,71 @@ def test_a_mixed_run_decides_persistence_and_odd_flags_over_all_messages(tmp_pat
 def _raw_props(props: commands.Basic.Properties) -> bytes:
     raw = pframe.marshal(header.ContentHeader(0, 0, props), 1)
     return raw[7 + 12 : -1]
+
+
+def _headers_burst(exchange: str, rk: str, n: int, headers: Callable[[int], dict[str, Any]]) -> bytes:
+    return b"".join(_publish(exchange, rk, b"m-%05d" % i, commands.Basic.Properties(
+        message_id=f"id-{i}", headers=headers(i))) for i in range(n))
+
+
+def test_headers_without_cc_make_one_run(tmp_path: Path, one_by_one_count: list[int]) -> None:
+    """Most client libraries send headers with every message (Celery: task, id, retries):
+    they do not route, so they do not split a run; a CC header does, and is honoured."""
+    def test(s: Session, broker: Any) -> None:
+        vh = broker.vhosts["/"]
+        for name in ("hq", "other"):
+            s.receive_data(pframe.marshal(commands.Queue.Declare(queue=name), 1))
+        s.receive_data(_headers_burst("", "hq", 200, lambda i: {"task": f"t{i % 7}", "id": str(i)}))
+        assert one_by_one_count[0] == 1
+        got = []
+        while (m := vh.queues["hq"].get()) is not None:
+            got.append(dict(properties.decode(m[3]).headers))
+        assert got == [{"task": f"t{i % 7}", "id": str(i)} for i in range(200)]
+        # a value that merely contains "CC" costs a one-by-one publish, nothing else
+        s.receive_data(_headers_burst("", "hq", 20, lambda i: {"x": "\x02CC", "n": i}))
+        assert vh.queues["hq"].message_count == 20 and vh.queues["other"].message_count == 0
+        s.receive_data(_headers_burst("", "hq", 20, lambda i: {"CC": ["other"]} if i == 13 else {"n": i}))
+        assert vh.queues["hq"].message_count == 40 and vh.queues["other"].message_count == 1
+
+    _session(tmp_path, test)
+
+
+def test_a_run_through_a_headers_exchange_routes_each_message_by_its_headers(tmp_path: Path) -> None:
+    def test(s: Session, broker: Any) -> None:
+        vh = broker.vhosts["/"]
+        s.receive_data(pframe.marshal(commands.Exchange.Declare(exchange="hx", exchange_type="headers"), 1))
+        for name, colour in (("red", "r"), ("blue", "b")):
+            s.receive_data(pframe.marshal(commands.Queue.Declare(queue=name), 1))
+            s.receive_data(pframe.marshal(commands.Queue.Bind(queue=name, exchange="hx", arguments={
+                "x-match": "all", "colour": colour}), 1))
+        s.receive_data(_headers_burst("hx", "", 90, lambda i: {"colour": "rb"[i % 3 == 0]}))
+        assert _drain(vh.queues["blue"]) == [b"m-%05d" % i for i in range(0, 90, 3)]
+        assert _drain(vh.queues["red"]) == [b"m-%05d" % i for i in range(90) if i % 3]
+        # equal headers in a run are routed once and for all
+        s.receive_data(_burst("hx", "", 50, commands.Basic.Properties(headers={"colour": "r"})))
+        assert _drain(vh.queues["red"]) == _bodies(50) and vh.queues["blue"].message_count == 0
+
+    _session(tmp_path, test)
+
+
+def test_a_run_reaching_a_delayed_exchange_through_a_binding_is_delayed_whole(tmp_path: Path) -> None:
+    """An exchange behaviour on the route (here a delay) applies to each message of a run,
+    bodies and all; routing the run once must not feed it a stand-in."""
+    def test(s: Session, broker: Any) -> None:
+        vh = broker.vhosts["/"]
+        s.receive_data(pframe.marshal(commands.Exchange.Declare(
+            exchange="dx", exchange_type="x-delayed-message", arguments={"x-delayed-type": "direct"}), 1))
+        s.receive_data(pframe.marshal(commands.Queue.Declare(queue="dq"), 1))
+        s.receive_data(pframe.marshal(commands.Queue.Bind(queue="dq", exchange="dx", routing_key="k"), 1))
+        s.receive_data(pframe.marshal(commands.Exchange.Declare(exchange="src", exchange_type="direct"), 1))
+        s.receive_data(pframe.marshal(commands.Exchange.Bind(destination="dx", source="src",
+                                                             routing_key="k"), 1))
+        for props in (commands.Basic.Properties(headers={"x-delay": 60_000}), None):
+            s.receive_data(_burst("src", "k", 30, props))
+        assert vh.exchanges["dx"].special.delayed.count == 30
+        assert _drain(vh.queues["dq"]) == _bodies(30)
+        s.receive_data(_headers_burst("src", "k", 30, lambda i: {"x-delay": 60_000 + i}))
+        assert vh.exchanges["dx"].special.delayed.count == 60
+        assert vh.queues["dq"].message_count == 0
+
+    _session(tmp_path, test)

@@ -122,8 +122,11 @@ def encode_delivery(
     return b"".join(parts)
 
 
-_HEADER_AFTER_METHOD = struct.Struct(">BBHIHHQ")  # frame end, header frame hdr, class, weight, size
-_BODY_AFTER_HEADER = struct.Struct(">BBHI")  # frame end, body frame hdr
+# The size-dependent pieces of a one-body-frame delivery (``delivery_template``): the end of
+# the method frame and the header frame's head (props size, body size), and the end of the
+# header frame and the body frame's head (body size).
+HEADER_AFTER_METHOD = struct.Struct(">BBHIHHQ")  # frame end, header frame hdr, class, weight, size
+BODY_AFTER_HEADER = struct.Struct(">BBHI")  # frame end, body frame hdr
 
 
 def encode_delivery_raw(
@@ -165,9 +168,9 @@ def delivery_template(channel: int, prefix: bytes, redelivered: bool, exrk: byte
     head = FRAME_HDR.pack(FRAME_METHOD, channel, len(prefix) + 9 + len(exrk)) + prefix
     before = b"".join((
         b"\x01" if redelivered else b"\x00", exrk,
-        _HEADER_AFTER_METHOD.pack(FRAME_END, FRAME_HEADER, channel, 12 + props_len, BASIC_CLASS, 0, body_len),
+        HEADER_AFTER_METHOD.pack(FRAME_END, FRAME_HEADER, channel, 12 + props_len, BASIC_CLASS, 0, body_len),
     ))
-    after = _BODY_AFTER_HEADER.pack(FRAME_END, FRAME_BODY, channel, body_len) if body_len else FRAME_END_BYTE
+    after = BODY_AFTER_HEADER.pack(FRAME_END, FRAME_BODY, channel, body_len) if body_len else FRAME_END_BYTE
     return head, before, after, FRAME_END_BYTE if body_len else b""
 
 

@@ -54,6 +54,10 @@ _EAGER_FLUSH = 16 * 1024  # manual ack: write deliveries this soon, so acks can 
 _DIRECT_WRITE = 32 * 1024  # deliveries this large go to the transport as they are
 _EAGER_FLUSH_AUTOACK = 256 * 1024  # autoack: only bound the buffer (fewer, larger writes)
 _U64_PACK = codec.U64.pack
+_SIZES_HEAD = codec.HEADER_AFTER_METHOD.pack  # the size-dependent pieces of a delivery
+_SIZES_BODY = codec.BODY_AFTER_HEADER.pack
+_END, _HEADER, _BODY, _END_BYTE = codec.FRAME_END, codec.FRAME_HEADER, codec.FRAME_BODY, codec.FRAME_END_BYTE
+_FRAME_OVERHEAD = codec.FRAME_OVERHEAD
 
 
 class ChannelState:
@@ -147,9 +151,17 @@ class SessionConsumer(Consumer):
             s.stats.delivered_autoack += 1
         body_len = len(body)
         key = self._t_key
-        if (key[2] == body_len and key[1] == len(props) and key[0] == exrk and key[3] == redelivered) \
-                or self._retemplate(exrk, len(props), body_len, redelivered):
+        if key[2] == body_len and key[1] == len(props) and key[0] == exrk and key[3] == redelivered:
             # the same kind of delivery as the last one: pack only the tag
+            head, before, after, tail = self._t_parts
+            data = b"".join((head, _U64_PACK(tag), before, props, after, body, tail))
+        elif key[0] == exrk and key[3] == redelivered and 0 < body_len <= s.frame_max - _FRAME_OVERHEAD:
+            # other sizes (a message-id, headers, a body that differ every message): pack the sizes
+            ch = chs.id
+            data = b"".join((self._t_parts[0], _U64_PACK(tag), b"\x01" if redelivered else b"\x00", exrk,
+                             _SIZES_HEAD(_END, _HEADER, ch, 12 + len(props), 60, 0, body_len), props,
+                             _SIZES_BODY(_END, _BODY, ch, body_len), body, _END_BYTE))
+        elif self._retemplate(exrk, len(props), body_len, redelivered):
             head, before, after, tail = self._t_parts
             data = b"".join((head, _U64_PACK(tag), before, props, after, body, tail))
         else:  # a body over several frames
@@ -209,24 +221,28 @@ class SessionConsumer(Consumer):
         chs = self.chs
         tag = chs.next_tag
         key = self._t_key
+        frame_max = self.session.frame_max
+        if key[0] != exrk or key[3]:
+            self._retemplate(exrk, len(props[0]), len(bodies[0]), False)
+            key = self._t_key
         head, before, after, tail = self._t_parts
         p_len = key[1]
         b_len = key[2]
         ok = key[0] == exrk and not key[3]
+        pre = b"\x00" + exrk
+        ch = chs.id
+        max_body = frame_max - _FRAME_OVERHEAD
         parts: list[bytes] = []
         add = parts.extend
         for p, body in zip(props, bodies, strict=True):
-            if not ok or len(p) != p_len or len(body) != b_len:
-                ok = self._retemplate(exrk, len(p), len(body), False)
-                if not ok:  # a body over several frames (a small frame_max)
-                    add((codec.encode_delivery_raw(chs.id, self.prefix, tag, False, exrk, p, body,
-                                                   self.session.frame_max),))
-                    tag += 1
-                    continue
-                head, before, after, tail = self._t_parts
-                p_len = len(p)
-                b_len = len(body)
-            add((head, _U64_PACK(tag), before, p, after, body, tail))
+            bl = len(body)
+            if ok and bl == b_len and len(p) == p_len:
+                add((head, _U64_PACK(tag), before, p, after, body, tail))
+            elif ok and 0 < bl <= max_body:  # other sizes: pack them
+                add((head, _U64_PACK(tag), pre, _SIZES_HEAD(_END, _HEADER, ch, 12 + len(p), 60, 0, bl), p,
+                     _SIZES_BODY(_END, _BODY, ch, bl), body, _END_BYTE))
+            else:  # an empty body, or one over several frames (a small frame_max)
+                add((codec.encode_delivery_raw(ch, self.prefix, tag, False, exrk, p, body, frame_max),))
             tag += 1
         chs.next_tag = tag
         stats = self.session.stats
@@ -618,7 +634,10 @@ class Session(AMQPConnection):
                     return
                 self._send_confirm(chs, target, nack=not ok)
                 self._flush_confirms(chs)
-                self.wakeup()
+                if self.flush_now is not None:
+                    self.flush_now()  # now: a synchronous publisher waits for nothing else
+                else:
+                    self.wakeup()
 
             self.broker.syncer.after_sync(done)
             return

@@ -254,6 +254,20 @@ def effective_config(args_cfg: QueueConfig, policy: dict[str, Any] | None,
 
 
 # ------------------------------------------------------------------- publish hook
+def may_carry_cc(props: bytes) -> bool:
+    """Whether a property list may hold a ``CC`` or ``BCC`` header (which add routing keys).
+    A byte search: a table key is a short string, so such a header has its length octet and
+    name in the bytes; a value that merely contains them only costs a decode."""
+    return bool(props[0] & properties.HI_HEADERS) and b"CC" in props and (b"\x02CC" in props
+                                                                          or b"\x03BCC" in props)
+
+
+def routes_alone(props: bytes) -> bool:
+    """Whether a message must be published on its own, not in a run: an expiration (its
+    queues check TTLs from then on, and it may be refused) or CC/BCC headers."""
+    return bool(props[0] & properties.HI_EXPIRATION) or may_carry_cc(props)
+
+
 def inspect_publish(props: bytes) -> tuple[bytes, list[str] | None, bool]:
     """Validate/strip what a publish carries: (props, CC+BCC routing keys, has expiration).
 
@@ -262,7 +276,7 @@ def inspect_publish(props: bytes) -> tuple[bytes, list[str] | None, bool]:
     """
     has_exp = bool(props[0] & properties.HI_EXPIRATION)
     extra: list[str] | None = None
-    wants_headers = props[0] & properties.HI_HEADERS and (b"\x02CC" in props or b"\x03BCC" in props)
+    wants_headers = may_carry_cc(props)
     if not has_exp and not wants_headers:
         return props, None, False
     p = properties.decode(props)

@@ -29,9 +29,11 @@ persistent message reached a durable place, so a confirm must wait for the group
 Runs. ``publish_run`` takes several messages to one exchange and routing key at once
 (what the AMQP parser finds when a client repeats a publish). It is an optimisation of
 ``publish`` decided here, in one place: a run whose messages need nothing per message
-(no headers, no expiration, only plain queues reached, runs switched on) is routed once
-and handed to each queue as a run; otherwise it returns None and the caller publishes the
-messages one by one, which is the reference behaviour. ``FastPaths.on``
+(no expiration, no CC/BCC header, only plain queues reached, no exchange on the way with
+a behaviour of its own or routing by headers that differ from message to message, runs
+switched on) is routed once and handed to each queue as a run; otherwise it returns None
+and the caller publishes the messages one by one, which is the reference behaviour.
+Headers alone do not split a run: most client libraries send some on every message. ``FastPaths.on``
 (broker/model/fastpaths.py) switches every such shortcut off (runs here, direct hand-over
 to consumers and delivery runs in the queue); the differential tests compare both settings
 byte for byte.
@@ -54,8 +56,13 @@ if TYPE_CHECKING:
 
 _HEADERS = properties.HI_HEADERS
 _DELIVERY_MODE = properties.HI_DELIVERY_MODE
+_EXPIRATION = properties.HI_EXPIRATION
 # flags that can make one message route unlike the last: headers (CC/BCC) and expiration
 _PER_MESSAGE = properties.HI_HEADERS | properties.HI_EXPIRATION
+
+
+class _NotARun(Exception):
+    """A probe route met what decides per message (see ``publish_run``)."""
 
 
 class EncodedNames(Protocol):
@@ -207,6 +214,10 @@ def publish(vh: VHost, req: PublishRequest, first_hop: bool = True) -> PublishOu
     return out
 
 
+def _probe_headers() -> dict[str, Any] | None:
+    raise _NotARun
+
+
 def reserve(queues: list[Queue], size: int) -> None:
     """A full disk stores a message (or a run) everywhere or nowhere: room for ``size`` bytes
     first in the write segment of every plain queue (DiskFull before anything is written). A
@@ -218,16 +229,21 @@ def reserve(queues: list[Queue], size: int) -> None:
 
 
 def route(vh: VHost, ex: Exchange, keys: list[str], props: bytes, req: PublishRequest,
-          out: PublishOutcome, first_hop: bool) -> list[Queue]:
+          out: PublishOutcome, first_hop: bool, probe: bool = False, varied: bool = False) -> list[Queue]:
     """The queues a message reaches from ``ex`` with routing keys ``keys``, applying each
     exchange's behaviour once (sets ``out.held``/``out.sync`` when one keeps the message).
 
     ``props`` are the properties as stored (BCC removed); an exchange's behaviour sees the
     message as published (``req.props``), so a delayed message keeps its BCC for later.
+    ``probe``: route for a whole run: raises ``_NotARun`` instead of applying an exchange's
+    behaviour, and with ``varied`` (the run's properties differ) instead of reading headers.
     """
     from broker.model.queue import Queue as QueueT
 
-    headers_of = _headers_of(props) if props and props[0] & _HEADERS else _no_headers
+    if varied:
+        headers_of = _probe_headers
+    else:
+        headers_of = _headers_of(props) if props and props[0] & _HEADERS else _no_headers
     if len(keys) == 1 and (ex.special is None or not first_hop):
         # one key into an exchange without a behaviour of its own that reaches only queues
         first = ex.route(keys[0], headers_of)
@@ -248,6 +264,8 @@ def route(vh: VHost, ex: Exchange, keys: list[str], props: bytes, req: PublishRe
             special = e.special
             dests: Any = None
             if special is not None and (e is not ex or first_hop):
+                if probe:
+                    raise _NotARun
                 if key is not keys[0]:
                     continue  # an exchange with a behaviour takes a message once, by its routing key
                 persistent = req.persistent if req.persistent is not None else is_persistent(req.props)
@@ -279,8 +297,9 @@ def publish_run(vh: VHost, exchange: str, routing_key: str, names: EncodedNames,
     one, when that can be done at once; None when not (the caller then publishes them one by
     one). ``same``: one properties object and one body length for the whole run.
 
-    At once means: fast paths on, no message with headers or an expiration, an exchange
-    without a behaviour of its own, and only queues without features reached.
+    At once means: fast paths on, no message with an expiration or CC/BCC headers, no
+    exchange on the route with a behaviour of its own, no routing by headers unless every
+    message has the same properties, and only queues without features reached.
     """
     if not vh.fast.on:
         return None
@@ -288,23 +307,34 @@ def publish_run(vh: VHost, exchange: str, routing_key: str, names: EncodedNames,
     if ex is None or ex.special is not None:
         return None
     if same:
-        if props[0][0] & _PER_MESSAGE:
+        if props[0][0] & _PER_MESSAGE and features.routes_alone(props[0]):
             return None
-    elif any(p[0] & _PER_MESSAGE for p in props):
-        return None
+    else:
+        may_carry_cc = features.may_carry_cc
+        for p in props:
+            f = p[0]
+            if f & _EXPIRATION or (f & _HEADERS and b"CC" in p and may_carry_cc(p)):
+                return None
     if exchange == "":
         q = vh.queues.get(routing_key)
         queues = [] if q is None else [q]
     else:
-        probe = PublishRequest(exchange, routing_key, props[0], b"", ts)
-        queues = route(vh, ex, [routing_key], props[0], probe, PublishOutcome([]), True)
+        req = PublishRequest(exchange, routing_key, props[0], b"", ts)
+        try:
+            queues = route(vh, ex, [routing_key], props[0], req, PublishOutcome([]), True, probe=True,
+                           varied=not same)
+        except _NotARun:
+            return None
     if not queues or any(q.features is not None for q in queues):
         return None
-    if same:
+    # persistence only decides whether a durable queue must sync before a confirm
+    if not any(q.durable for q in queues):
+        persistent = False
+    elif same:
         persistent = is_persistent(props[0])
-    else:  # any of them: it only decides whether a confirm waits for a sync
+    else:  # any of them
         persistent = any(is_persistent(p) for p in props)
     reserve(queues, QueueStore.run_size(names.exrk, props, bodies, same))
     for q in queues:
         q.publish_run(ts, names.exchange_b, names.routing_key_b, props, bodies, persistent, names.exrk, same)
-    return PublishOutcome(queues, sync=persistent and any(q.durable for q in queues))
+    return PublishOutcome(queues, sync=persistent)

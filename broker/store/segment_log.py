@@ -18,7 +18,16 @@ The hot path compares the append's end with ``_wcap``, the *allocated* end, so g
 allocation is the same slow branch as rolling to a new segment (``_roll`` in the stores).
 
 Rolling creates the next segment, then retires the old write segment: unmapped and
-truncated to its used size (which also returns the unused allocation). A segment's data is
+truncated to its used size (which also returns the unused allocation). Creating a file,
+allocating its first blocks and mapping it costs 0.1 ms and up to 20 ms under load, which
+would stall every connection: once the write segment is half allocated, a worker thread
+prepares a *spare* (``next-segment.tmp``: created, allocated, header written, mapped), and the
+roll renames it to the next segment's name, one metadata operation on the event loop. The
+spare holds no record, and recovery ignores its name (and replication its ``.tmp``: a
+follower hears of the segment when it is adopted, as of a created one), so a crash
+leaves at most an unused file that the next spare replaces; the directory is fsynced for the rename as for a
+creation. Without a spare ready (or one too small for a large record) the roll creates the
+segment itself, as before. A segment's data is
 fsynced by ``sync`` through a ``dup`` of the write fd taken under ``_lock`` (the fsync itself
 runs outside the lock, on the syncer's worker thread); retired segments written since the
 last sync are fsynced by path. Files created or removed mark the directory for an fsync.
@@ -39,6 +48,7 @@ import shutil
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Final, Generic, TypeVar
 
@@ -57,6 +67,10 @@ _PAGE: Final = 4096
 _NO_SPACE: Final = (errno.ENOSPC, errno.EDQUOT)
 
 S = TypeVar("S", bound=LogSegment)
+
+
+# Retired write segments waiting for the next sync keep at most this many descriptors open.
+RETIRED_OPEN = 16
 
 
 def default_max_maps() -> int:
@@ -156,6 +170,35 @@ def allocate(fd: int, start: int, end: int, path: Path, disk: SegmentFiles) -> N
     disk.space()
 
 
+SPARE_NAME: Final = "next-segment.tmp"  # prepared ahead of a roll; .tmp: never replicated
+SPARE_ALLOC: Final = ALLOC_STEP_MAX  # allocated with a spare: it follows a segment that filled
+_spare_pool: ThreadPoolExecutor | None = None
+
+
+def _spare_worker() -> ThreadPoolExecutor:
+    global _spare_pool
+    if _spare_pool is None:
+        _spare_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skred-segment")
+    return _spare_pool
+
+
+def _make_spare(path: Path, cap: int, alloc: int, files: SegmentFiles) -> tuple[int, mmap.mmap]:
+    """``create_mapped`` for a spare (on the worker thread), replacing one left by a crash."""
+    path.unlink(missing_ok=True)
+    return create_mapped(path, cap, alloc, files)
+
+
+def _drop_spare(fut: Future[tuple[int, mmap.mmap]], path: Path) -> None:
+    """Wait for a spare's creation, then close and remove it."""
+    try:
+        fd, mm = fut.result()
+    except Exception:
+        return  # nothing was left behind (create_mapped cleans up after itself)
+    mm.close()
+    os.close(fd)
+    path.unlink(missing_ok=True)
+
+
 def create_mapped(path: Path, cap: int, alloc: int, files: SegmentFiles) -> tuple[int, mmap.mmap]:
     """A new segment file of ``cap`` bytes (sparse) with its first ``alloc`` bytes allocated,
     mapped read-write, with the format header written. Nothing is left behind on failure."""
@@ -181,7 +224,7 @@ class SegmentLog(Generic[S]):
 
     __slots__ = (
         "_closed", "_dir", "_dir_unsynced", "_dirty", "_files", "_retired", "_lock", "_next_num", "_order",
-        "_seg_unsynced", "_segment_size", "_segs", "_sink", "_sync_lock", "_unsynced_paths",
+        "_seg_unsynced", "_segment_size", "_segs", "_sink", "_spare", "_sync_lock", "_unsynced_paths",
         "_walloc", "_wcap", "_wfd", "_wlimit", "_wmm", "_wseg",
     )
     # Retired segments (and other files) written since the last sync, fsynced by path.
@@ -216,6 +259,7 @@ class SegmentLog(Generic[S]):
         # Write segments retired since the last sync: (fd or -1, path, used end, unsynced data).
         # The sync thread trims, fsyncs and closes them, off the event loop.
         self._retired: list[tuple[int, Path, int, bool]] = []
+        self._spare: Future[tuple[int, mmap.mmap]] | None = None  # the next segment, being prepared
 
     @property
     def directory(self) -> Path:
@@ -239,7 +283,39 @@ class SegmentLog(Generic[S]):
         end = min(self._wlimit, _round_up(max(seg.end + need, seg.end + want, have + step)))
         allocate(self._wfd, have, end, seg.path, self._files)
         self._wcap = self._walloc = end
+        if end * 2 >= self._wlimit and self._spare is None and not self._closed \
+                and self._files.mapped * 2 < self._files.max_maps:
+            # half way: prepare the next segment off the event loop (see the module doc)
+            self._spare = _spare_worker().submit(_make_spare, Path(self._dir, SPARE_NAME), self._segment_size,
+                                                 self._spare_alloc, self._files)
         return seg
+
+    @property
+    def _spare_alloc(self) -> int:
+        return min(self._segment_size, SPARE_ALLOC)
+
+    def _take_spare(self, path: Path, cap: int, alloc: int) -> tuple[int, mmap.mmap] | None:
+        """The spare, renamed to ``path``, when it is ready and has ``cap`` bytes (``alloc`` of
+        them allocated now); None when there is none to take (it is kept if only too small)."""
+        fut = self._spare
+        if fut is None or not fut.done() or cap > self._segment_size:
+            return None
+        self._spare = None
+        try:
+            fd, mm = fut.result()
+        except Exception:  # a full disk, say: the roll creates the segment itself and reports it
+            return None
+        spare = Path(self._dir, SPARE_NAME)
+        try:
+            if alloc > self._spare_alloc:
+                allocate(fd, self._spare_alloc, alloc, path, self._files)
+            os.rename(spare, path)
+        except BaseException:
+            mm.close()
+            os.close(fd)
+            spare.unlink(missing_ok=True)
+            raise
+        return fd, mm
 
     def _remap_write_segment(self, seg: S) -> None:
         """Map the write segment again after ``_evict`` gave its mapping back."""
@@ -301,7 +377,12 @@ class SegmentLog(Generic[S]):
         if cap > fmt.MAX_SEGMENT_SIZE:
             raise StoreError(f"message of {need} bytes is too large for a segment")
         alloc = min(cap, _round_up(max(HEADER_SIZE + need, HEADER_SIZE + want, ALLOC_FIRST)))
-        fd, mm = create_mapped(seg.path, cap, alloc, self._files)
+        taken = self._take_spare(seg.path, cap, alloc)
+        if taken is not None:
+            fd, mm = taken
+            alloc = max(alloc, self._spare_alloc)
+        else:
+            fd, mm = create_mapped(seg.path, cap, alloc, self._files)
         seg.mm = mm
         self._files.add(seg, self)
         old = self._wseg
@@ -331,8 +412,16 @@ class SegmentLog(Generic[S]):
         once the sync wrote the pages back (or the budget, a cursor move or the deletion
         of the segment gives it back)."""
         self._wmm = None
-        self._retired.append((self._wfd, seg.path, seg.end, self._seg_unsynced))
+        retired = self._retired
+        retired.append((self._wfd, seg.path, seg.end, self._seg_unsynced))
         self._wfd = -1  # now owned by the _retired entry
+        if len(retired) > RETIRED_OPEN:
+            # Rolling faster than syncs come (a starved syncer, tiny segments): keep only the
+            # newest descriptors; the sync trims and fsyncs the others by path.
+            fd, path, end, unsynced = retired[-RETIRED_OPEN - 1]
+            if fd >= 0:
+                os.close(fd)
+                retired[-RETIRED_OPEN - 1] = (-1, path, end, unsynced)
         self._wseg = None
         self._wcap = self._walloc = self._wlimit = 0
 
@@ -388,6 +477,9 @@ class SegmentLog(Generic[S]):
         harmless (recovery stops at the first zero record)."""
         if self._wseg is not None:
             self._retire_write_segment_locked(self._wseg)
+        if self._spare is not None:
+            _drop_spare(self._spare, Path(self._dir, SPARE_NAME))
+            self._spare = None
         for seg in self._segs.values():
             self._unmap(seg)
         retired, self._retired = self._retired, []

@@ -46,10 +46,23 @@ def is_external() -> bool:
     return bool(EXTERNAL_URL)
 
 
+_GIVEN: dict[int, None] = {}  # ports handed out lately, oldest first
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port nothing listens on now and that this process has not handed out lately: the
+    kernel may give a just-released port to the next ``bind(0)``, and a broker took the same
+    number for two of its listeners once."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _GIVEN:
+            break
+    _GIVEN[port] = None
+    if len(_GIVEN) > 4096:
+        del _GIVEN[next(iter(_GIVEN))]
+    return port
 
 
 def amqp_answers(host: str, port: int, timeout: float = 1.0) -> bool:
