@@ -18,8 +18,9 @@ from typing import Any
 
 import pytest
 
-from broker.cluster import codec, leader
+from broker.cluster import codec, leader, tunnel
 from broker.cluster.leader import LeaderSink
+from broker.cluster.proxy import SpliceProxy, Target, Tunnelled
 from tests.integration._tls import make_pki
 
 SECRET = b"s" * 32
@@ -152,12 +153,12 @@ def test_a_member_tunnel_is_spliced_and_forgotten_when_it_ends(tmp_path: Path) -
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(codec.encode_tunnel_hello(SECRET, codec.AMQP_PORT, ("10.1.2.3", 4000)))
             assert await asyncio.wait_for(reader.readexactly(1), DEADLINE) == bytes([codec.OK])
-            writer.write(b"ping")
-            assert await asyncio.wait_for(reader.readexactly(4), DEADLINE) == b"ping"
+            writer.write(b"\0\0\0\4ping")  # framed: u32 length, bytes
+            assert await asyncio.wait_for(reader.readexactly(8), DEADLINE) == b"\0\0\0\4ping"
             assert seen == [("10.1.2.3", 4000)]
             assert len(sink.proxied_peers) == 1 and len(sink._tunnels) == 1
-            writer.write_eof()
-            assert await _until_closed(reader) == b""
+            writer.write(tunnel.END)  # our end: the listener's EOF comes back as its end marker
+            assert await _until_closed(reader) == tunnel.END
             writer.close()
             deadline = time.monotonic() + DEADLINE
             while (sink.proxied_peers or sink._tunnels) and time.monotonic() < deadline:
@@ -183,3 +184,145 @@ def test_a_refused_version_logs_the_peers_strings_escaped(
         _run(tmp_path, body)
     assert "protocol version" in caplog.text
     assert "\nWARNING forged line" not in caplog.text
+
+
+async def _http10_server(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+    """Answers once the client has sent everything (its EOF), like an HTTP/1.0 exchange with a
+    client that half-closes: a big body, so the answer outlives the client's EOF by many writes."""
+    request = await r.read()  # until EOF
+    w.write(b"HTTP/1.0 200 OK\r\n\r\n" + request + b"." * 500_000)
+    await w.drain()
+    w.close()
+
+
+@pytest.mark.parametrize("tls", [True, False], ids=["tls", "clear"])
+def test_a_client_that_half_closes_gets_the_whole_answer_through_a_tunnel(tmp_path: Path, tls: bool) -> None:
+    """A plain client of a follower's proxy shuts down its sending side after its request: the
+    leader's listener sees the EOF, and its answer still comes back in full, through a TLS
+    tunnel too (a TLS transport cannot half-close: the tunnel carries the end of the stream)."""
+    pki = make_pki(tmp_path / "pki")
+    server_ctx: ssl.SSLContext | None = None
+    client_ctx: ssl.SSLContext | None = None
+    if tls:
+        server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        server_ctx.load_cert_chain(pki.server.cert, pki.server.key)
+        client_ctx = pki.client_context()
+    data = tmp_path / "data"
+    data.mkdir()
+
+    async def body(sink: LeaderSink, port: int) -> None:
+        listener = await asyncio.start_server(_http10_server, "127.0.0.1", 0)
+        sink.client_addresses = lambda: {"http": ("127.0.0.1", listener.sockets[0].getsockname()[1])}
+        tunnelled = Tunnelled(codec.HTTP_PORT, lambda: SECRET, lambda: client_ctx)
+        proxy = SpliceProxy("HTTP", Target("localhost", port), False, None, tunnelled)
+        pport = await proxy.start("127.0.0.1", 0)
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", pport)
+            writer.write(b"GET / HTTP/1.0\r\n\r\n")
+            writer.write_eof()
+            got = await _until_closed(reader)
+            writer.close()
+            assert got == b"HTTP/1.0 200 OK\r\n\r\nGET / HTTP/1.0\r\n\r\n" + b"." * 500_000
+        finally:
+            await proxy.stop()
+            listener.close()
+
+    _run(data, body, server_ctx)
+
+
+def test_bytes_sent_right_behind_a_tunnel_hello_reach_the_listener(tmp_path: Path) -> None:
+    """The leader reads exactly the hello: a first frame pipelined in the same write is not
+    swallowed with it."""
+    async def body(sink: LeaderSink, port: int) -> None:
+        got: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+
+        async def first_bytes(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            got.set_result(await r.read(100))
+            w.close()
+
+        listener = await asyncio.start_server(first_bytes, "127.0.0.1", 0)
+        sink.client_addresses = lambda: {"amqp": ("127.0.0.1", listener.sockets[0].getsockname()[1])}
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(codec.encode_tunnel_hello(SECRET, codec.AMQP_PORT, ("10.1.2.3", 4000))
+                         + b"\0\0\0\x08AMQP\0\0\x09\x01")
+            assert await asyncio.wait_for(reader.readexactly(1), DEADLINE) == bytes([codec.OK])
+            assert await asyncio.wait_for(got, DEADLINE) == b"AMQP\0\0\x09\x01"
+            writer.close()
+        finally:
+            listener.close()
+
+    _run(tmp_path, body)
+
+
+def test_refusals_are_logged_once_per_burst_with_a_count(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A flood of wrong-secret tunnels logs one line when it starts and one sum when it has
+    gone quiet, not a line per connection; every refusal is still counted."""
+    async def body(sink: LeaderSink, port: int) -> None:
+        sink.gate.quiet = 0.5
+        for _ in range(20):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(codec.encode_tunnel_hello(b"x" * 32, codec.AMQP_PORT, ("10.1.2.3", 4000)))
+            assert await _until_closed(reader) == bytes([codec.BAD_SECRET])
+            writer.close()
+        assert sink.refused == 20
+        assert caplog.text.count("wrong clustering secret") == 1
+        deadline = time.monotonic() + DEADLINE
+        while "refused 20 connections" not in caplog.text and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert "refused 20 connections to the replication port from 127.0.0.1" in caplog.text
+
+    with caplog.at_level(logging.WARNING, logger="broker.cluster.leader"):
+        _run(tmp_path, body)
+
+
+def test_unfinished_connections_are_bounded_per_source_but_not_a_members_tunnels(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A stranger (127.0.0.2) holding its limit of silent connections has the next one closed
+    at once (long before the handshake timeout); a member's address (127.0.0.3: it presented
+    the secret once) opening many tunnels at once, as after a failover, has none refused."""
+    monkeypatch.setattr(leader, "HANDSHAKE_TIMEOUT", 60.0)  # silence alone would not end them
+
+    async def body(sink: LeaderSink, port: int) -> None:
+        sink.gate.per_source = 4
+        held = [await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.2", 0))
+                for _ in range(4)]
+        deadline = time.monotonic() + DEADLINE
+        while sink.gate.pending.get("127.0.0.2", 0) < 4 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.2", 0))
+        assert await _until_closed(reader) == b""  # within DEADLINE, far below the 60 s
+        writer.close()
+        assert sink.gate.turned_away == 1
+
+        async def echo(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            while data := await r.read(4096):
+                w.write(data)
+            w.close()
+
+        listener = await asyncio.start_server(echo, "127.0.0.1", 0)
+        sink.client_addresses = lambda: {"amqp": ("127.0.0.1", listener.sockets[0].getsockname()[1])}
+        hello = codec.encode_tunnel_hello(SECRET, codec.AMQP_PORT, ("10.1.2.3", 4000))
+        try:
+            r, w = await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.3", 0))
+            w.write(hello)  # a member's link (or a first tunnel) from this address
+            assert await asyncio.wait_for(r.readexactly(1), DEADLINE) == bytes([codec.OK])
+            storm = [await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.3", 0))
+                     for _ in range(40)]
+            while sink.gate.pending.get("127.0.0.3", 0) < 40 and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            assert sink.gate.pending.get("127.0.0.3", 0) == 40  # all unfinished at once
+            for _r, sw in storm:
+                sw.write(hello)
+            for sr, _w in storm:
+                assert await asyncio.wait_for(sr.readexactly(1), DEADLINE) == bytes([codec.OK])
+            assert sink.gate.turned_away == 1
+            for _r, sw in [*storm, (r, w), *held]:
+                sw.close()
+        finally:
+            listener.close()
+
+    with caplog.at_level(logging.WARNING, logger="broker.cluster.leader"):
+        _run(tmp_path, body)
+    assert "4 unfinished connections from it already" in caplog.text

@@ -295,6 +295,9 @@ class Session(AMQPConnection):
         self._confirm_dirty: set[ChannelState] = set()
         self._perm_cache: dict[tuple[str, str], bool] = {}
         self.connected_at = time.time()
+        # socket reads and writes, and their bytes (the network layer counts them; the API's
+        # recv_cnt/recv_oct/send_cnt/send_oct)
+        self.recv_cnt = self.recv_oct = self.send_cnt = self.send_oct = 0
         self.tls: PeerTLS | None = None  # set by the listener for an AMQPS connection
         self.auth_mechanism = ""
         self.batch_publishes = 0  # publishes in the current read batch (fairness)
@@ -486,19 +489,27 @@ class Session(AMQPConnection):
                     routing_key, exchange, props, bytes(body)):
                 return
             self.stats.unroutable += 1
+            vh.n_unroutable += 1
             if args.mandatory:
                 self.stats.returned += 1
+                vh.n_returned += 1
                 self.out += codec.encode_return(chs.id, 312, b"NO_ROUTE", args.exchange_b, args.routing_key_b,
                                                 props, bytes(body), self.frame_max)
         if out.sync and chs.confirm:
             chs.needs_sync = True
 
     def _check_user_id(self, props: bytes) -> None:
-        """RabbitMQ's validated user-id: a user_id property must name the connection's user."""
+        """RabbitMQ's validated user-id: a user_id property must name the connection's user,
+        unless the user has the ``impersonator`` tag (looked up now: a tag change applies to
+        open connections, as in RabbitMQ)."""
         uid = properties.decode(props).user_id
-        if uid is not None and uid != self.username:
+        if uid is not None and uid != self.username and not self._impersonator():
             raise errors.PreconditionFailed(f"user_id property set to '{uid}' but authenticated user "
                                             f"was '{self.username}'", 60, 40)
+
+    def _impersonator(self) -> bool:
+        user = self.broker.users.get(self.username)
+        return user is not None and "impersonator" in user.tags
 
     def _may_publish_to(self, exchange: str) -> None:
         """404 for a missing exchange, 403 for an internal one or without write permission
@@ -670,6 +681,8 @@ class Session(AMQPConnection):
         self.out += codec.encode_confirm(chs.id, upto, n > 1, nack)
         if not nack:
             self.broker.stats.confirmed += n  # messages, not frames (one ack covers many)
+            if self.vh is not None:
+                self.vh.n_confirmed += n
 
     # -------------------------------------------------------------------- acks
     def handle_ack(self, channel: int, delivery_tag: int, multiple: bool) -> None:
@@ -910,6 +923,7 @@ class Session(AMQPConnection):
         chs.next_tag += 1
         if m.no_ack:
             q.ack(msgid)
+            q.n_gets_no_ack += 1
             self.broker.stats.gets_autoack += 1
         else:
             chs.unacked[tag] = (q, msgid, None)

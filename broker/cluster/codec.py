@@ -14,7 +14,7 @@ uncompressed (version 3).
 The same port also carries the follower proxy's tunnels: a ``TunnelHello``
 (magic ``SKTUNL``, version, secret, which client port, the client's address)
 answered by one status byte; after ``OK`` the connection carries one client's
-bytes both ways, unframed (``broker.cluster.tunnel``).
+bytes both ways, framed so each direction's end can be told (``broker.cluster.tunnel``).
 
 After that, leader -> follower carries messages LZ4-compressed: each write
 batch is one LZ4 frame prefixed with its u32 length (``StreamCompressor``), so
@@ -58,7 +58,8 @@ import lz4.frame
 
 MAGIC: Final = b"SKREPL"
 TUNNEL_MAGIC: Final = b"SKTUNL"
-VERSION: Final = 4  # 2: HEARTBEAT; 3: every client port in the Welcome, tunnels; 4: MERGE_ACKS
+VERSION: Final = 5  # 2: HEARTBEAT; 3: every client port in the Welcome, tunnels; 4: MERGE_ACKS;
+# 5: tunnels framed (an end-of-stream marker each way)
 SECRET_SIZE: Final = 32
 
 # Welcome status codes.

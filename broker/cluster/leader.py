@@ -37,6 +37,12 @@ barrier resolves. A fenced leader (lease lost) resolves no barrier ever again;
 ``lease_valid`` (the runner's local lease clock) is checked before resolving
 any, so confirms stop the moment the lease must be presumed expired, without
 waiting for the runner's next look.
+
+The server is our own accept loop: ``HandshakeGate`` (``broker.cluster.gate``)
+sees each connection's address before its TLS handshake, bounds the
+connections per address that have not yet proved they know the secret, and
+logs refusals once per burst. The hello is read to its last byte and no
+further, so bytes a peer sends right behind it stay in the stream.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ import hashlib
 import hmac
 import logging
 import os
+import socket
 import ssl
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -54,6 +61,7 @@ from typing import Any
 
 from broker.cluster import codec, tunnel
 from broker.cluster.files import is_replicated, relative
+from broker.cluster.gate import HandshakeGate
 
 log = logging.getLogger(__name__)
 
@@ -187,9 +195,11 @@ class LeaderSink:
         self.member_ips: set[str] = set()  # addresses of authenticated followers (PROXY trust)
         self._barriers: list[tuple[dict[FollowerConn, int], asyncio.Future[None]]] = []
         self._isr_lock = asyncio.Lock()
-        self._server: asyncio.Server | None = None
+        self._listening: socket.socket | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._tunnels: set[asyncio.StreamWriter] = set()  # follower proxies' client tunnels
+        self._tls: ssl.SSLContext | None = None
+        self.gate = HandshakeGate()  # unfinished connections per source, refusals logged per burst
 
     # ------------------------------------------------------------ ReplicationSink
     def register_file(self, path: Path) -> None:
@@ -279,19 +289,34 @@ class LeaderSink:
 
     # ------------------------------------------------------------ server
     async def start(self, bind: str, port: int, tls: ssl.SSLContext | None = None) -> tuple[str, int]:
-        """Listen for followers (over TLS with ``tls``: see ``broker.tls.ReplicationTLS``)."""
-        # a peer that never completes the TLS handshake goes as soon as a silent hello would,
-        # not after asyncio's default of 60 s
-        self._server = await asyncio.start_server(
-            self._handle, bind, port, ssl=tls,
-            ssl_handshake_timeout=HANDSHAKE_TIMEOUT if tls is not None else None)
+        """Listen for followers (over TLS with ``tls``: see ``broker.tls.ReplicationTLS``).
+
+        Our own accept loop, not ``asyncio.start_server``: the gate sees a connection's address
+        before its TLS handshake starts, so a stranger over its limit costs no handshake, and the
+        handshake shares HANDSHAKE_TIMEOUT with the hello (not asyncio's default of 60 s)."""
+        self._tls = tls
+        loop = asyncio.get_running_loop()
+        infos = await loop.getaddrinfo(bind or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _name, address = infos[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+            sock.listen(1024)
+            sock.setblocking(False)
+        except OSError:
+            sock.close()
+            raise
+        self._listening = sock
+        self._spawn(self._accept(sock))
         self._spawn(self._watchdog())
-        sock = self._server.sockets[0].getsockname()
-        return str(sock[0]), int(sock[1])
+        name = sock.getsockname()
+        return str(name[0]), int(name[1])
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
+        if self._listening is not None:
+            self._listening.close()
+            self._listening = None
         for f in list(self.followers.values()):
             self._close(f)
         self.followers.clear()
@@ -315,28 +340,37 @@ class LeaderSink:
                           for f in self.followers.values()},
         }
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer_info = writer.get_extra_info("peername") or ("?", 0)
-        peer = f"{peer_info[0]}:{peer_info[1]}"
+    async def _accept(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        failing = False
+        while True:
+            try:
+                conn, addr = await loop.sock_accept(sock)
+            except OSError as exc:  # out of descriptors, say: the connection waits in the backlog
+                if not failing:  # once per run of failures
+                    log.warning("replication port: accept failed: %s", exc)
+                failing = True
+                await asyncio.sleep(0.1)
+                continue
+            failing = False
+            source = str(addr[0])
+            if not self.gate.enter(source):
+                self._refusal(source, "too many unfinished connections", "refused a connection from %s: "
+                              "%d unfinished connections from it already", source, self.gate.pending[source])
+                conn.close()
+                continue
+            self._spawn(self._handle(conn, (source, int(addr[1]))))
+
+    async def _handle(self, conn: socket.socket, peer_info: tuple[str, int]) -> None:
+        source = peer_info[0]
         try:
-            hello = await asyncio.wait_for(self._read_hello(reader), HANDSHAKE_TIMEOUT)
-        except (TimeoutError, codec.CodecError, ConnectionError, asyncio.IncompleteReadError) as exc:
-            log.warning("replication handshake from %s failed: %s", peer, exc or type(exc).__name__)
-            writer.close()
+            opened = await self._authenticate(conn, source, f"{peer_info[0]}:{peer_info[1]}")
+        finally:
+            self.gate.leave(source)
+        if opened is None:
             return
-        kind = "follower" if isinstance(hello, codec.Hello) else "tunnel"
-        who = hello.node_id if isinstance(hello, codec.Hello) else f"from {hello.client[0]}"
-        if hello.version != codec.VERSION:
-            log.warning("refused %s %r at %s: protocol version %d", kind, who, peer, hello.version)
-            writer.write(self._refusal(hello, codec.BAD_VERSION))
-            writer.close()
-            return
-        if not hmac.compare_digest(hello.secret, self.secret):
-            self.refused += 1
-            log.warning("refused %s %r at %s: wrong clustering secret", kind, who, peer)
-            writer.write(self._refusal(hello, codec.BAD_SECRET))
-            writer.close()
-            return
+        hello, reader, writer = opened
+        peer = f"{peer_info[0]}:{peer_info[1]}"
         if self.fenced:
             writer.close()
             return
@@ -371,21 +405,73 @@ class LeaderSink:
             writer_task.cancel()
             self._drop(f, "disconnected")
 
+    async def _authenticate(self, conn: socket.socket, source: str, peer: str) -> tuple[
+            codec.Hello | codec.TunnelHello, asyncio.StreamReader, asyncio.StreamWriter] | None:
+        """TLS (if on) and the hello within HANDSHAKE_TIMEOUT, the version and the secret
+        checked; None (and the connection closed) if any of it fails."""
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader()
+        protocol = asyncio.StreamReaderProtocol(reader)
+        writer: asyncio.StreamWriter | None = None
+
+        async def opening() -> codec.Hello | codec.TunnelHello:
+            nonlocal writer
+            transport, _ = await loop.connect_accepted_socket(
+                lambda: protocol, conn, ssl=self._tls,
+                ssl_handshake_timeout=HANDSHAKE_TIMEOUT if self._tls is not None else None)
+            writer = asyncio.StreamWriter(transport, protocol, reader, loop)
+            return await self._read_hello(reader)
+
+        try:
+            hello = await asyncio.wait_for(opening(), HANDSHAKE_TIMEOUT)
+        except (TimeoutError, codec.CodecError, OSError, asyncio.IncompleteReadError) as exc:
+            why = str(exc) or type(exc).__name__
+            self._refusal(source, why, "replication handshake from %s failed: %s", peer, why)
+            if writer is not None:
+                writer.close()
+            else:
+                conn.close()
+            return None
+        assert writer is not None
+        kind = "follower" if isinstance(hello, codec.Hello) else "tunnel"
+        who = hello.node_id if isinstance(hello, codec.Hello) else f"from {hello.client[0]}"
+        if hello.version != codec.VERSION:
+            self._refusal(source, f"protocol version {hello.version}",
+                          "refused %s %r at %s: protocol version %d", kind, who, peer, hello.version)
+            writer.write(self._status(hello, codec.BAD_VERSION))
+            writer.close()
+            return None
+        if not hmac.compare_digest(hello.secret, self.secret):
+            self.refused += 1
+            self._refusal(source, "wrong clustering secret", "refused %s %r at %s: wrong clustering secret",
+                          kind, who, peer)
+            writer.write(self._status(hello, codec.BAD_SECRET))
+            writer.close()
+            return None
+        self.gate.authenticated(source)
+        return hello, reader, writer
+
+    def _refusal(self, source: str, why: str, msg: str, *args: object) -> None:
+        """Log a refusal from ``source`` if it starts a burst (the gate counts the rest)."""
+        if self.gate.refused(source, why, time.monotonic()):
+            log.warning(msg, *args)
+
     @staticmethod
-    def _refusal(hello: codec.Hello | codec.TunnelHello, status: int) -> bytes:
+    def _status(hello: codec.Hello | codec.TunnelHello, status: int) -> bytes:
         return codec.encode_welcome(status) if isinstance(hello, codec.Hello) else bytes([status])
 
     @staticmethod
     async def _read_hello(reader: asyncio.StreamReader) -> codec.Hello | codec.TunnelHello:
+        """The opening message, read a byte at a time (from the stream's buffer: no system call
+        each) so not one byte past it is taken: whatever the peer sent right behind it (a
+        tunnel's first frame) stays in ``reader`` for the tunnel or the follower's read loop.
+        At most the hello's size (~520 bytes) parses of a buffer that small."""
         buf = b""
         while True:
             parsed = codec.parse_opening(buf)
             if parsed is not None:
                 return parsed[0]
-            chunk = await reader.read(512)
-            if not chunk:
-                raise ConnectionError("closed during handshake")
-            buf += chunk
+            buf += await reader.readexactly(1)
 
     async def _read_loop(self, f: FollowerConn, reader: asyncio.StreamReader,
                          lengths: dict[str, int]) -> None:
@@ -547,6 +633,7 @@ class LeaderSink:
         while True:
             await asyncio.sleep(0.5)
             now = time.monotonic()
+            self.gate.sweep(now)
             for f in list(self.followers.values()):
                 self._maybe_join(f)
                 if f.sent > f.acked and now - f.last_progress > STALL_TIMEOUT:

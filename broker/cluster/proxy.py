@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from broker.cluster.tunnel import open_tunnel, pump
+from broker.cluster.tunnel import frame, open_tunnel, pump, unframe
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +50,9 @@ def proxy_header(src: tuple[str, int], dst: tuple[str, int]) -> bytes:
 class Target:
     """Where clients are spliced to; updated by the runner as the leader changes."""
 
-    def __init__(self) -> None:
-        self.host: str | None = None
-        self.port = 0
+    def __init__(self, host: str | None = None, port: int = 0) -> None:
+        self.host = host
+        self.port = port
 
 
 @dataclass(frozen=True)
@@ -77,9 +77,11 @@ class SpliceProxy:
         self._writers: set[asyncio.StreamWriter] = set()
         self._clients: set[asyncio.StreamWriter] = set()
 
-    async def start(self, bind: str, port: int) -> None:
+    async def start(self, bind: str, port: int) -> int:
+        """Listen; returns the port bound (``port`` 0: any free one)."""
         self._server = await asyncio.start_server(self._handle, bind, port, reuse_address=True)
         log.info("%s proxy listening on %s:%d", self.name, bind, port)
+        return int(self._server.sockets[0].getsockname()[1])
 
     async def stop(self) -> None:
         if self._server is not None:
@@ -126,7 +128,10 @@ class SpliceProxy:
             if self.send_proxy_header:
                 dst = cwriter.get_extra_info("sockname")
                 upstream.write(proxy_header(client, (str(dst[0]), int(dst[1]))))
-            await asyncio.gather(pump(creader, upstream), pump(lreader, cwriter))
+            if self.tunnel is not None:
+                await asyncio.gather(frame(creader, upstream), unframe(lreader, cwriter))
+            else:
+                await asyncio.gather(pump(creader, upstream), pump(lreader, cwriter))
         except (TimeoutError, OSError, RuntimeError, asyncio.IncompleteReadError) as exc:
             log.info("%s proxy: %s", self.name, exc or type(exc).__name__)
         finally:

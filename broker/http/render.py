@@ -46,7 +46,8 @@ def rate(value: float) -> dict[str, float]:
 def queue_json(mgmt: Mgmt, q: Queue) -> dict[str, Any]:
     ready = q.message_count
     unacked = q.store.unacked_count
-    r_pub, r_del, r_ack, r_redel, r_ready, r_unacked = mgmt.rates.queue_rates(q)
+    r = mgmt.rates.queue_rates(q)
+    utilisation = mgmt.rates.consumer_utilisation(q)
     exclusive_consumer = next((c.tag for c in q.consumers if c.exclusive), None)
     policy: str | None = None
     operator_policy: str | None = None
@@ -72,27 +73,64 @@ def queue_json(mgmt: Mgmt, q: Queue) -> dict[str, Any]:
         "operator_policy": operator_policy,
         "effective_policy_definition": jsonable(effective),
         "consumers": len(q.consumers),
+        "consumer_utilisation": utilisation,
+        "consumer_capacity": utilisation or 0.0,
         "exclusive_consumer_tag": exclusive_consumer,
         "messages": ready + unacked,
-        "messages_details": rate(r_ready + r_unacked),
-        "messages_ready": ready,
-        "messages_ready_details": rate(r_ready),
-        "messages_unacknowledged": unacked,
-        "messages_unacknowledged_details": rate(r_unacked),
+        **message_totals(ready, unacked, r),
         "message_bytes_ready": q.store.bytes_ready,
-        "message_stats": {
-            "publish": q.n_published, "publish_details": rate(r_pub),
-            "deliver_get": q.n_delivered, "deliver_get_details": rate(r_del),
-            "deliver": q.n_delivered, "deliver_details": rate(r_del),
-            "ack": q.n_acked, "ack_details": rate(r_ack),
-            "redeliver": q.n_redelivered, "redeliver_details": rate(r_redel),
-        },
+        "message_stats": queue_message_stats([q], r),
     }
+    if out["type"] in (queue_types.QUORUM, queue_types.STREAM):
+        # RabbitMQ's replica set of a quorum queue or stream; in Skred every durable queue is
+        # replicated to the cluster's ISR (docs/compatibility.md, Queue types)
+        members = mgmt.replica_members()
+        out.update(leader=mgmt.node_name, members=members, online=members)
     owner = q.exclusive_owner
     if owner is not None and hasattr(owner, "peer"):
         out["owner_pid_details"] = {"name": mgmt.connection_name(owner),  # type: ignore[arg-type]
                                     "peer_host": owner.peer[0], "peer_port": owner.peer[1]}
     return out
+
+
+def with_rates(counters: dict[str, tuple[int, float]]) -> dict[str, Any]:
+    """``{key: (count, rate)}`` as RabbitMQ writes it: ``key: count, key_details: {"rate": r}``."""
+    out: dict[str, Any] = {}
+    for key, (value, speed) in counters.items():
+        out[key] = value
+        out[f"{key}_details"] = rate(speed)
+    return out
+
+
+def message_totals(ready: int, unacked: int, r: dict[str, float]) -> dict[str, Any]:
+    """A queue's, vhost's or the node's message counts with their rates (``RateSampler``)."""
+    return {"messages": ready + unacked, "messages_details": rate(r["ready"] + r["unacked"]),
+            "messages_ready": ready, "messages_ready_details": rate(r["ready"]),
+            "messages_unacknowledged": unacked, "messages_unacknowledged_details": rate(r["unacked"])}
+
+
+def queue_message_stats(queues: list[Queue], r: dict[str, float]) -> dict[str, Any]:
+    """``message_stats`` of a queue or vhost (sums over its queues) with their rates."""
+    delivered = sum(q.n_delivered for q in queues)
+    gets = sum(q.n_gets for q in queues)
+    no_ack = sum(q.n_gets_no_ack for q in queues)
+    return with_rates({key: (value, speed) for key, value, speed in (
+                              ("publish", sum(q.n_published for q in queues), r["publish"]),
+                              ("deliver_get", delivered, r["deliver_get"]),
+                              ("deliver", delivered - gets, r["deliver_get"] - r["get"]),
+                              ("get", gets - no_ack, r["get"] - r["get_no_ack"]),
+                              ("get_no_ack", no_ack, r["get_no_ack"]),
+                              ("get_empty", sum(q.n_get_empty for q in queues), r["get_empty"]),
+                              ("ack", sum(q.n_acked for q in queues), r["ack"]),
+                              ("redeliver", sum(q.n_redelivered for q in queues), r["redeliver"]))})
+
+
+def vhost_message_stats(vh: VHost, mgmt: Mgmt) -> dict[str, Any]:
+    """A vhost's own publisher-side counters with their rates."""
+    r = mgmt.rates.vhost_rates(vh)
+    return with_rates({"confirm": (vh.n_confirmed, r["confirm"]),
+                       "return_unroutable": (vh.n_returned, r["returned"]),
+                       "drop_unroutable": (vh.n_unroutable - vh.n_returned, r["unroutable"] - r["returned"])})
 
 
 def effective_definition(policy: dict[str, Any], operator: dict[str, Any]) -> dict[str, Any]:
@@ -107,6 +145,7 @@ def effective_definition(policy: dict[str, Any], operator: dict[str, Any]) -> di
 
 
 def exchange_json(mgmt: Mgmt, vhost: str, ex: Exchange) -> dict[str, Any]:
+    r = mgmt.rates.exchange_rates(ex)
     return {
         "name": ex.name,
         "vhost": vhost,
@@ -116,6 +155,8 @@ def exchange_json(mgmt: Mgmt, vhost: str, ex: Exchange) -> dict[str, Any]:
         "internal": ex.internal,
         "arguments": jsonable(ex.arguments),
         "policy": None,
+        "message_stats": {"publish_in": ex.n_in, "publish_in_details": rate(r["publish_in"]),
+                          "publish_out": ex.n_out, "publish_out_details": rate(r["publish_out"])},
         "user_who_performed_action": "rmq-internal" if ex.name in ("",) or ex.name.startswith("amq.")
         else "",
     }
@@ -178,8 +219,21 @@ def connection_json(mgmt: Mgmt, s: ConnectionView) -> dict[str, Any]:
         "frame_max": s.frame_max,
         "timeout": s.heartbeat,
         "connected_at": int(s.connected_at * 1000),
+        **network_stats([s], mgmt),
+        "recv_cnt": s.recv_cnt,
+        "send_cnt": s.send_cnt,
         "client_properties": props,
     }
+
+
+def network_stats(sessions: list[ConnectionView], mgmt: Mgmt) -> dict[str, Any]:
+    """recv_oct/send_oct with their rates: of one connection, or summed over a vhost's live
+    connections (RabbitMQ also keeps the bytes of closed ones; Skred does not)."""
+    out: dict[str, Any] = {}
+    for key in ("recv_oct", "send_oct"):
+        out[key] = sum(getattr(s, key) for s in sessions)
+        out[f"{key}_details"] = rate(sum(mgmt.rates.connection_rates(s)[key] for s in sessions))
+    return out
 
 
 def channel_json(mgmt: Mgmt, s: ConnectionView, chs: ChannelView) -> dict[str, Any]:

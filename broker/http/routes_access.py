@@ -28,7 +28,7 @@ from broker.http.common import (
     vhost_param,
 )
 from broker.http.policies import PolicyApi, validate_policy
-from broker.http.render import rate
+from broker.http.render import message_totals, network_stats, queue_message_stats, vhost_message_stats
 
 routes = web.RouteTableDef()
 
@@ -37,20 +37,17 @@ routes = web.RouteTableDef()
 def _vhost_json(request: web.Request, name: str) -> dict[str, Any]:
     mgmt = request.app[MGMT_KEY]
     vh = mgmt.broker.vhosts[name]
-    ready = sum(q.message_count for q in vh.queues.values())
-    unacked = sum(q.store.unacked_count for q in vh.queues.values())
-    published = sum(q.n_published for q in vh.queues.values())
-    delivered = sum(q.n_delivered for q in vh.queues.values())
-    acked = sum(q.n_acked for q in vh.queues.values())
+    queues = list(vh.queues.values())
+    r = mgmt.rates.queues_rates(queues)
     meta = vh.meta.to_json()
     return {
         "name": name, "description": meta["description"], "tags": meta["tags"], "tracing": False,
         "default_queue_type": meta["default_queue_type"], "metadata": meta,
         "cluster_state": {mgmt.node_name: "running"},
-        "messages": ready + unacked, "messages_details": rate(0.0),
-        "messages_ready": ready, "messages_ready_details": rate(0.0),
-        "messages_unacknowledged": unacked, "messages_unacknowledged_details": rate(0.0),
-        "message_stats": {"publish": published, "deliver_get": delivered, "ack": acked},
+        **message_totals(sum(q.message_count for q in queues),
+                         sum(q.store.unacked_count for q in queues), r),
+        **network_stats([s for s in mgmt.broker.connections if s.vhost == name], mgmt),
+        "message_stats": {**queue_message_stats(queues, r), **vhost_message_stats(vh, mgmt)},
     }
 
 

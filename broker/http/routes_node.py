@@ -28,7 +28,9 @@ from broker.http.common import (
     vhost_param,
     visible_sessions,
 )
-from broker.http.render import channel_json, connection_json, consumers_json, rate
+from broker.http.rates import GLOBAL_FIELDS
+from broker.http.render import channel_json, connection_json, consumers_json, message_totals, rate, with_rates
+from broker.http.state import Mgmt
 from broker.model.exchange import EXCHANGE_TYPES
 from broker.model.publish import PublishRequest
 
@@ -53,11 +55,43 @@ def _totals(request: web.Request) -> dict[str, Any]:
             "channels": sum(len(s.chs) for s in sessions)}
 
 
+def _node_message_stats(mgmt: Mgmt) -> dict[str, Any]:
+    """The node's message counters (consumer deliveries and gets by ack mode, as RabbitMQ
+    counts them) with their sampled rates."""
+    names = GLOBAL_FIELDS
+    now = dict(zip(names, mgmt.rates.global_counters(), strict=True))
+    r = mgmt.rates.global_rates()
+
+    def both(*fields: str, minus: tuple[str, ...] = ()) -> tuple[int, float]:
+        return (sum(now[f] for f in fields) - sum(now[f] for f in minus),
+                sum(r[f] for f in fields) - sum(r[f] for f in minus))
+
+    return with_rates({
+        "publish": both("published"), "confirm": both("confirmed"), "ack": both("acked"),
+        "deliver_get": both("delivered"),
+        "deliver": both("delivered", minus=("gets", "delivered_autoack")),
+        "deliver_no_ack": both("delivered_autoack"),
+        "get": both("gets", minus=("gets_autoack",)), "get_no_ack": both("gets_autoack"),
+        "get_empty": both("gets_empty"), "redeliver": both("redelivered"),
+        "return_unroutable": both("returned"), "drop_unroutable": both("unroutable", minus=("returned",)),
+    })
+
+
+def _churn(mgmt: Mgmt) -> dict[str, Any]:
+    """RabbitMQ's churn counters: objects created and closed/deleted, with rates. A queue
+    declare that created nothing is not counted (``queue_declared`` counts creations)."""
+    now = dict(zip(GLOBAL_FIELDS, mgmt.rates.global_counters(), strict=True))
+    r = mgmt.rates.global_rates()
+    return with_rates({key: (now[field], r[field]) for key, field in (
+        ("connection_created", "connections_opened"), ("connection_closed", "connections_closed"),
+        ("channel_created", "channels_opened"), ("channel_closed", "channels_closed"),
+        ("queue_declared", "queues_created"), ("queue_created", "queues_created"),
+        ("queue_deleted", "queues_deleted"))})
+
+
 @routes.get("/api/overview")
 async def overview(request: web.Request) -> web.Response:
     mgmt = request.app[MGMT_KEY]
-    stats = mgmt.broker.stats
-    r = mgmt.rates.global_rates
     t = _totals(request)
     listeners = []
     for proto, addr in (("amqp", mgmt.amqp_address), ("amqp/ssl", mgmt.amqps_address),
@@ -79,21 +113,11 @@ async def overview(request: web.Request) -> web.Response:
         "disable_stats": False,
         "enable_queue_totals": True,
         "exchange_types": [{"name": t_, "description": "", "enabled": True} for t_ in EXCHANGE_TYPES],
-        "message_stats": {
-            "publish": stats.published, "publish_details": rate(r["published"]),
-            "deliver_get": stats.delivered, "deliver_get_details": rate(r["delivered"]),
-            "ack": stats.acked, "ack_details": rate(r["acked"]),
-            "confirm": stats.confirmed, "confirm_details": rate(r["confirmed"]),
-            "return_unroutable": stats.unroutable, "return_unroutable_details": rate(r["unroutable"]),
-            # counters without a sampled rate (yet)
-            "deliver": stats.delivered - stats.gets, "get": stats.gets, "get_empty": stats.gets_empty,
-            "drop_unroutable": stats.unroutable - stats.returned,
-        },
-        "churn_rates": {"connection_created": stats.connections_opened},
-        "queue_totals": {
-            "messages": t["ready"] + t["unacked"], "messages_ready": t["ready"],
-            "messages_unacknowledged": t["unacked"],
-        },
+        "message_stats": _node_message_stats(mgmt),
+        "churn_rates": _churn(mgmt),
+        "queue_totals": message_totals(t["ready"], t["unacked"], mgmt.rates.queues_rates(
+            q for name, vh in mgmt.broker.vhosts.items() if can_see_vhost(request, name)
+            for q in vh.queues.values())),
         "object_totals": {k: t[k] for k in ("channels", "connections", "consumers", "exchanges", "queues")},
         "statistics_db_event_queue": 0,
         "listeners": listeners,
@@ -147,6 +171,8 @@ def _node_json(request: web.Request) -> dict[str, Any]:
         "sockets_total": mgmt.max_fds(),
         "proc_used": 1,
         "proc_total": 1,
+        **{f"{k}_details": rate(v) for k, v in mgmt.rates.node_rates().items()},
+        **_churn(mgmt),
         "run_queue": 0,
         "rates_mode": "basic",
         "applications": [{"name": "skred", "description": "Skred broker", "version": __version__}],

@@ -226,6 +226,7 @@ async def publish(request: web.Request) -> web.Response:
     queues = out.queues
     if out.unroutable:
         broker.stats.unroutable += 1
+        vh.n_unroutable += 1
     return web.json_response({"routed": bool(queues)})
 
 

@@ -46,7 +46,7 @@ class Mgmt:
         self.policies = PolicyApi(broker)
         self.operator_policies = PolicyApi(broker, operator=True)
         import_legacy(data_dir / "policies.json", self.policies)
-        self.rates = RateSampler(broker)
+        self.rates = RateSampler(broker, self.node_gauges)
         self.started_at = time.time()
         self.started_mono = time.monotonic()
         self.node_name = metrics.node_name()
@@ -60,6 +60,21 @@ class Mgmt:
         self.cluster: ClusterInfo | None = None  # set on a cluster member (metrics, GET /api/cluster)
 
     # ------------------------------------------------------------------ helpers
+    def replica_members(self) -> list[str]:
+        """A replicated queue's members as the API lists them: this node (the leader), then the
+        other in-sync replicas of a cluster by their cluster node id (a follower's
+        ``name@host`` node name is not known to the leader)."""
+        members = [self.node_name]
+        if self.cluster is not None and self.cluster.is_leader():
+            status = self.cluster.status()
+            members.extend(str(n) for n in status.get("isr", ()) if n != status.get("node_id"))
+        return members
+
+    def node_gauges(self) -> tuple[int, ...]:
+        """``rates.GAUGE_FIELDS`` now, sampled every second for their ``*_details`` rates."""
+        return (self.resident_memory(), self.disk_free(), self.open_fds(),
+                len(self.broker.connections), 1)
+
     def uptime_seconds(self) -> float:
         return time.monotonic() - self.started_mono
 

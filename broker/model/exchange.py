@@ -116,7 +116,7 @@ class Exchange:
     __slots__ = (
         "name", "type", "durable", "auto_delete", "internal", "arguments",
         "_bindings", "_direct", "_all", "_topic", "_topic_cache", "_headers", "alternate",
-        "_by_dest", "_refs", "kind", "special", "_default",
+        "_by_dest", "_refs", "kind", "special", "_default", "n_in", "n_out",
     )
 
     def __init__(
@@ -131,6 +131,10 @@ class Exchange:
         if type_ not in EXCHANGE_TYPES:
             raise errors.CommandInvalid(f"unknown exchange type '{type_}'", 40, 10)
         self.name = name
+        # messages published to it, and routed out of it (one per queue reached): the API's
+        # publish_in / publish_out, read at sample time
+        self.n_in = 0
+        self.n_out = 0
         self.type = type_
         # routing type (a delayed exchange routes as its x-delayed-type; 406 if missing)
         self.kind = exchange_features.routing_kind(type_, arguments or {})

@@ -191,10 +191,12 @@ def publish(vh: VHost, req: PublishRequest, first_hop: bool = True) -> PublishOu
         queues = route(vh, ex, [routing_key, *extra] if extra else [routing_key], props, req, out, first_hop)
         if req.exclude is not None:
             queues = [q for q in queues if not req.exclude(q)]
+    ex.n_in += 1
     if has_exp:
         for q in queues:
             q.expiration_seen(vh)  # its head expiry is checked from now
     if queues:
+        ex.n_out += len(queues)
         out.queues = queues
         ts = req.ts
         names = req.names
@@ -333,6 +335,9 @@ def publish_run(vh: VHost, exchange: str, routing_key: str, names: EncodedNames,
     else:  # any of them
         persistent = any(is_persistent(p) for p in props)
     reserve(queues, QueueStore.run_size(names.exrk, props, bodies, same), props[0], ts)
+    k = len(bodies)
+    ex.n_in += k
+    ex.n_out += k * len(queues)
     for q in queues:
         q.publish_run(ts, names.exchange_b, names.routing_key_b, props, bodies, persistent, names.exrk, same)
     return PublishOutcome(queues, sync=persistent)

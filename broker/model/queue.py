@@ -101,7 +101,8 @@ class Queue:
     __slots__ = (
         "vhost", "name", "durable", "exclusive_owner", "auto_delete", "arguments", "store",
         "consumers", "_schedule", "_scheduled", "_rr", "deleted", "had_consumers", "on_unused",
-        "name_bytes", "on_dirty", "n_published", "n_delivered", "n_acked", "n_redelivered",
+        "name_bytes", "on_dirty", "n_published", "n_delivered", "n_acked", "n_redelivered", "n_gets",
+        "n_gets_no_ack", "n_get_empty",
         "features", "fast",
     )
 
@@ -141,6 +142,9 @@ class Queue:
         self.n_delivered = 0
         self.n_acked = 0
         self.n_redelivered = 0
+        self.n_gets = 0  # of n_delivered: basic.get
+        self.n_gets_no_ack = 0  # of n_gets: without acknowledgement (counted by the protocol)
+        self.n_get_empty = 0  # a get that found the queue empty
         # TTL, limits, DLX, priorities...: a FeaturedQueue's state (broker/model/features.py)
         self.features: QueueFeatures | None = None
         # direct hand-over and delivery runs on (the vhost's switch; tests turn it off)
@@ -433,10 +437,12 @@ class ClassicQueue(Queue):
         store = self.store
         msgid = store.shift()
         if msgid is None:
+            self.n_get_empty += 1
             return None
         _ts, exchange, routing_key, props, body = store.read(msgid)
         redelivered = store.is_redelivered(msgid)
         self.n_delivered += 1
+        self.n_gets += 1
         self.n_redelivered += redelivered
         return msgid, exchange, routing_key, props, body, redelivered
 

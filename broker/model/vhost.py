@@ -93,6 +93,9 @@ class VHost:
         self.closed_queues: dict[str, str] = {}  # name -> why (corrupt store)
         self.queues_created = 0  # since boot (metrics); replayed queues are not counted
         self.queues_deleted = 0
+        # messages confirmed to publishers, unroutable ones, and of those the ones returned
+        # (counted by the protocol; the API's per-vhost message_stats)
+        self.n_confirmed = self.n_unroutable = self.n_returned = 0
         marker = self.dir / ".vhost"
         if not marker.exists():
             marker.write_text(name)

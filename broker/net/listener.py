@@ -218,8 +218,10 @@ class PeerProtocol(asyncio.Protocol):
     def __init__(self, inner: Any, peer: Peer) -> None:
         self.inner = inner
         self.peer = peer
+        self.plain = True
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.plain = transport.get_extra_info("sslcontext") is None
         self.inner.connection_made(PeerTransport(transport, self.peer))
 
     def data_received(self, data: bytes) -> None:
@@ -227,7 +229,11 @@ class PeerProtocol(asyncio.Protocol):
 
     def eof_received(self) -> bool | None:
         result: bool | None = self.inner.eof_received()
-        return result
+        # A client that shuts down its sending side after its request (HTTP/1.0 tools, nc -N)
+        # still waits for the answer: keep our side open (aiohttp would let the transport close
+        # it at once and drop the answer). aiohttp closes after a response that is not keep-alive,
+        # and its keep-alive timeout closes an idle connection. TLS cannot half-close.
+        return True if self.plain else result
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.inner.connection_lost(exc)

@@ -97,6 +97,8 @@ class AMQPProtocol(asyncio.Protocol):
         if s is None:
             return
         self.last_read = time.monotonic()
+        s.recv_cnt += 1
+        s.recv_oct += len(data)
         if not self._admitted:
             data = self._before_login(s, data)
             if not data:
@@ -263,6 +265,8 @@ class AMQPProtocol(asyncio.Protocol):
             s.out = bytearray()
             if not t.is_closing():
                 t.write(data)
+                s.send_cnt += 1
+                s.send_oct += len(data)
                 self.last_write = time.monotonic()
         if s.want_close:
             t.close()
@@ -275,6 +279,9 @@ class AMQPProtocol(asyncio.Protocol):
         t = self.transport
         if t is not None and not t.is_closing():
             t.write(data)
+            if self.session is not None:
+                self.session.send_cnt += 1
+                self.session.send_oct += len(data)
             self.last_write = time.monotonic()
 
     def pause_writing(self) -> None:

@@ -174,6 +174,11 @@ def test_follower_proxies_every_client_port_to_the_leader_encrypted(
     finally:
         conn.close()
 
+    # HTTP/1.0 through the follower from a client that shuts down its sending side after the
+    # request (nc -N, HTTP/1.0 scripts): the whole response still comes back, TLS tunnel or not
+    assert _http10_half_closed(f.ip, f.mgmt_port, "/api/overview").startswith(b"HTTP/1.")
+    assert _http10_half_closed(leader.ip, leader.mgmt_port, "/api/overview").startswith(b"HTTP/1.")
+
     # LMQ HTTP through the follower
     req = urllib.request.Request(f"http://{f.ip}:{f.lmq_port}/messages/lmq-q", data=MARKER + b"lmq",
                                  method="POST")
@@ -201,6 +206,22 @@ def test_follower_proxies_every_client_port_to_the_leader_encrypted(
         return
     assert MARKER not in captured
     assert b"guest" not in captured and b"Authorization" not in captured
+
+
+def _http10_half_closed(ip: str, port: int, path: str) -> bytes:
+    """An HTTP/1.0 GET whose client half-closes right after the request; the whole response
+    (headers and a complete JSON body), read until the server closes."""
+    auth = base64.b64encode(b"guest:guest").decode()
+    with socket.create_connection((ip, port), timeout=15) as s:
+        s.sendall(f"GET {path} HTTP/1.0\r\nHost: {ip}\r\nAuthorization: Basic {auth}\r\n\r\n".encode())
+        s.shutdown(socket.SHUT_WR)
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert b" 200 " in head.split(b"\r\n")[0], got[:200]
+    json.loads(body)  # complete, not cut off
+    return got
 
 
 def _repl_cn(ip: str, port: int, ca: Path) -> str:

@@ -77,18 +77,14 @@ HTTP_KEYS: dict[str, str] = {
     r"message_bytes(_ready|_unacknowledged)?": _ERLANG + " (how a classic queue pages messages)",
     r"sample_retention_policies(\..*)?|release_series_support_status":
         "management-plugin configuration with no Skred equivalent",
-    r"([a-z_]+\.)?[a-z_]+_details(\.rate)?": _NOT_SAMPLED,
-    r"churn_rates\..*|(channel|connection|queue)_(closed|created|declared|deleted)": _NOT_SAMPLED,
-    r"message_stats\.(deliver|deliver_no_ack|get|get_no_ack|get_empty|redeliver|drop_unroutable|"
-    r"disk_reads|disk_writes|return_unroutable|confirm|publish_in|publish_out)(_details)?": _NOT_SAMPLED,
-    r"message_stats": _NOT_SAMPLED + " (exchanges have no message_stats)",
+    r"message_stats\.(disk_reads|disk_writes)(_details)?": _NOT_SAMPLED + " (message store I/O)",
+    r"message_stats\.deliver_no_ack(_details)?":
+        _NOT_SAMPLED + " (per queue and vhost: kept only for the node, in the overview)",
     r"incoming|outgoing|deliveries":
         "per channel/exchange/queue pair statistics (RabbitMQ's detailed stats): not kept",
-    r"consumer_capacity|consumer_utilisation|single_active_consumer_tag|head_message_timestamp|"
-    r"idle_since": _NOT_SAMPLED,
-    r"recv_oct|send_oct": _NOT_SAMPLED + " (per-vhost network bytes)",
-    r"recv_cnt|send_cnt|send_pend": _NOT_SAMPLED + " (per-connection frame counts)",
+    r"single_active_consumer_tag|head_message_timestamp|idle_since": _NOT_SAMPLED,
+    r"send_pend": "bytes waiting in the socket's send buffer: not reported by the event loop's "
+                  "transport per connection",
     r"ssl_hash|ssl_key_exchange": "TLS details Python's ssl module does not report separately "
                                   "(ssl_cipher and ssl_protocol are there)",
-    r"leader|members|online": "quorum queues have no per-queue Raft group in Skred (see Queue types)",
 }

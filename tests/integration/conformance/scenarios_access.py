@@ -18,11 +18,11 @@ from .scenarios_http import call, q
 
 @contextmanager
 def tenant(r: Run, configure: str, write: str, read: str,
-           limits: dict[str, int] | None = None) -> Iterator[tuple[str, str]]:
+           limits: dict[str, int] | None = None, tags: str = "") -> Iterator[tuple[str, str]]:
     """A fresh vhost and user with these permissions (and vhost limits); removed afterwards."""
     vh, user = r.name("vh"), r.name("user")
     call(r, "PUT", f"/api/vhosts/{q(vh)}", {}, record=False)
-    call(r, "PUT", f"/api/users/{q(user)}", {"password": "pw", "tags": ""}, record=False)
+    call(r, "PUT", f"/api/users/{q(user)}", {"password": "pw", "tags": tags}, record=False)
     call(r, "PUT", f"/api/permissions/{q(vh)}/{q(user)}",
          {"configure": configure, "write": write, "read": read}, record=False)
     for name, value in (limits or {}).items():
@@ -88,4 +88,16 @@ def vhost_limits(r: Run) -> None:
         if not second.closed:
             second.until("Connection.Close")
         c.call(1, C.Queue.Delete(queue="q1"))
+        c.close()
+
+
+@scenario
+def access_impersonator_user_id(r: Run) -> None:
+    """A user tagged ``impersonator`` may publish with another user's user_id (the property is
+    kept); the same publish from an untagged user is 406 (``basic_publish_wrong_user_id``)."""
+    with tenant(r, ".*", ".*", ".*", tags="impersonator") as (vh, user):
+        c = r.conn(user=user, password="pw", vhost=vh)
+        declare_q(c, "imp.q")
+        c.publish(1, "", "imp.q", b"on behalf", C.Basic.Properties(user_id="someone-else"))
+        get(c, "imp.q")
         c.close()
