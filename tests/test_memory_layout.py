@@ -77,10 +77,11 @@ def test_declared_queue_costs_under_2200_bytes(tmp_path: Path, traced: None, dur
     vh.close()
 
 
-def test_empty_queue_store_costs_under_1200_bytes(tmp_path: Path, traced: None) -> None:
+def test_empty_queue_store_costs_under_1300_bytes(tmp_path: Path, traced: None) -> None:
     n = 500
     grown, stores = _heap_growth(lambda: [QueueStore(tmp_path / f"q{i}") for i in range(n)])
-    assert grown / n < 1200, f"{grown / n:.0f} bytes per empty QueueStore"
+    # 1,222 B with the crash-recovery state (clean-close flag, open-meta fsync, delivery counts)
+    assert grown / n < 1300, f"{grown / n:.0f} bytes per empty QueueStore"
     for s in stores:
         s.close()
 
