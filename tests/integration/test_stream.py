@@ -23,7 +23,9 @@ def _publish(ch: Any, q: str, bodies: list[bytes], headers: dict[str, Any] | Non
 def _consume(conn: pika.BlockingConnection, q: str, n: int, *, args: dict[str, Any] | None = None,
              tag: str = "", ack: bool = True, prefetch: int = 50,
              timeout: float = 10.0) -> list[tuple[int, bytes, dict[str, Any]]]:
-    """Take ``n`` deliveries (offset, body, headers), acking each if ``ack``; then cancel."""
+    """Take ``n`` deliveries (offset, body, headers), acking each if ``ack``; then cancel.
+    Deliveries past the n-th (the broker may send more before the cancel arrives) are kept in
+    the result but never acked, so a consumer tag's stored offset is exactly n on."""
     ch = conn.channel()
     ch.basic_qos(prefetch_count=prefetch)
     got: list[tuple[int, bytes, dict[str, Any]]] = []
@@ -31,7 +33,7 @@ def _consume(conn: pika.BlockingConnection, q: str, n: int, *, args: dict[str, A
     def on_msg(c: Any, m: Any, p: Any, b: bytes) -> None:
         headers = dict(p.headers or {})
         got.append((int(headers["x-stream-offset"]), b, headers))
-        if ack:
+        if ack and len(got) <= n:
             c.basic_ack(m.delivery_tag)
 
     ctag = ch.basic_consume(q, on_msg, arguments=args, consumer_tag=tag or None)
