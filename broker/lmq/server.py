@@ -35,6 +35,7 @@ class LMQServer:
         self.rpc_address: tuple[str, int] | None = None
         self._runner: web.AppRunner | None = None
         self._rpc: asyncio.Server | None = None
+        self._http: asyncio.Server | None = None
         self._stats: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -43,11 +44,11 @@ class LMQServer:
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
         try:
-            site = web.TCPSite(runner, cfg.bind, cfg.http_port, reuse_address=True)
-            await site.start()
+            handler: Any = runner.server
+            self._http = await asyncio.get_running_loop().create_server(
+                lambda: _AnswerAfterEOF(handler()), cfg.bind, cfg.http_port, reuse_address=True)
             self._runner = runner
-            sockets: Any = getattr(site._server, "sockets", None) or []
-            self.http_address = sockets[0].getsockname()[:2]
+            self.http_address = self._http.sockets[0].getsockname()[:2]
             log.info("LMQ HTTP API on %s:%d", *self.http_address)
         except OSError as exc:
             await runner.cleanup()
@@ -73,6 +74,37 @@ class LMQServer:
                 await self._stats
         if self._rpc is not None:
             self._rpc.close()
+        if self._http is not None:
+            self._http.close()
         if self._runner is not None:
             await self._runner.cleanup()
         self.lmq.close()
+
+
+class _AnswerAfterEOF(asyncio.Protocol):
+    """aiohttp's request handler, except that a client shutting down its sending side after
+    the request (HTTP/1.0 tools, ``nc -N``) keeps our side open until the answer is written:
+    aiohttp closes after an answer that is not keep-alive, and its keep-alive timeout closes
+    an idle connection."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool:
+        self.inner.eof_received()
+        return True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()

@@ -10,6 +10,7 @@ fraction of a second), waited for by polling with a deadline.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import socket
 import time
@@ -420,6 +421,19 @@ def test_bad_requests_get_clear_answers(broker: Broker) -> None:
             assert (await http.get(f"{base(broker)}/properties")).status == 200
 
     run_async(main())
+
+
+def test_a_client_that_half_closes_gets_its_answer(broker: Broker) -> None:
+    """An HTTP/1.0 client that shuts down its sending side after the request (nc -N, some
+    scripts) still gets the whole answer."""
+    with socket.create_connection((broker.host, broker.lmq_http_port), timeout=10) as s:  # type: ignore[attr-defined]
+        s.sendall(b"GET /properties HTTP/1.0\r\nHost: x\r\n\r\n")
+        s.shutdown(socket.SHUT_WR)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.") and b" 200 " in answer.split(b"\r\n", 1)[0], answer[:200]
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1]) is not None  # the whole body
 
 
 def test_authentication_when_switched_on(broker_factory: Callable[..., Broker]) -> None:
