@@ -12,6 +12,7 @@ serves, the hook wrote its log, a message published through one node is read thr
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -47,9 +48,18 @@ def test_the_readme_cluster_works_as_written() -> None:
     start = "\n".join(line for line in start.splitlines() if not line.startswith("pip install"))
     driver = REPO_ROOT / "tests" / "deploy" / "readme_cluster_driver.py"
     script = 'ip link set lo up && mount -t tmpfs tmpfs /tmp && exec "$@"'
+    if REPO_ROOT.resolve().is_relative_to("/tmp"):
+        # The private /tmp would hide a checkout that lives under /tmp: carry it across the mount.
+        keep = "/mnt/.skred-readme-checkout"
+        script = (f'ip link set lo up && mkdir -p {keep} && mount --bind "{REPO_ROOT}" {keep} && '
+                  f'mount -t tmpfs tmpfs /tmp && mkdir -p "{REPO_ROOT}" && '
+                  f'mount --bind {keep} "{REPO_ROOT}" && exec "$@"')
     proc = subprocess.run(
         ["unshare", "--net", "--mount", "--propagation", "private", "sh", "-c", script, "sh",
          sys.executable, str(driver), str(REPO_ROOT), start, stop],
         capture_output=True, text=True, timeout=240,
     )
+    if REPO_ROOT.resolve().is_relative_to("/tmp"):
+        with contextlib.suppress(OSError):
+            os.rmdir("/mnt/.skred-readme-checkout")
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
