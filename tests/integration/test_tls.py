@@ -300,10 +300,12 @@ def _served_cn(port: int, pki: PKI, server_name: str | None) -> str:
     """The CN of the certificate the broker serves for ``server_name`` (openssl s_client)."""
     argv = ["openssl", "s_client", "-connect", f"127.0.0.1:{port}", "-CAfile", str(pki.ca.cert_path)]
     argv += ["-servername", server_name] if server_name else ["-noservername"]
-    out = subprocess.run(argv, input="", capture_output=True, text=True, timeout=20).stdout
-    for line in out.splitlines():
-        if line.startswith("subject="):
-            return line.rsplit("CN", 1)[1].lstrip(" =").strip()
+    out = ""
+    for _ in range(3):  # s_client may quit on its empty stdin before a slow handshake ends
+        out = subprocess.run(argv, input="", capture_output=True, text=True, timeout=20).stdout
+        for line in out.splitlines():
+            if line.startswith("subject="):
+                return line.rsplit("CN", 1)[1].lstrip(" =").strip()
     raise AssertionError(f"no certificate in openssl s_client output:\n{out}")
 
 
