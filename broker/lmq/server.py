@@ -16,6 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
+from broker.aio import AnswerAfterEOF
 from broker.auth.users import UserStore
 from broker.config import LmqConfig
 from broker.lmq import http_api, rpc, statsd
@@ -46,7 +47,7 @@ class LMQServer:
         try:
             handler: Any = runner.server
             self._http = await asyncio.get_running_loop().create_server(
-                lambda: _AnswerAfterEOF(handler()), cfg.bind, cfg.http_port, reuse_address=True)
+                lambda: AnswerAfterEOF(handler()), cfg.bind, cfg.http_port, reuse_address=True)
             self._runner = runner
             self.http_address = self._http.sockets[0].getsockname()[:2]
             log.info("LMQ HTTP API on %s:%d", *self.http_address)
@@ -79,32 +80,3 @@ class LMQServer:
         if self._runner is not None:
             await self._runner.cleanup()
         self.lmq.close()
-
-
-class _AnswerAfterEOF(asyncio.Protocol):
-    """aiohttp's request handler, except that a client shutting down its sending side after
-    the request (HTTP/1.0 tools, ``nc -N``) keeps our side open until the answer is written:
-    aiohttp closes after an answer that is not keep-alive, and its keep-alive timeout closes
-    an idle connection."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.inner.connection_made(transport)
-
-    def data_received(self, data: bytes) -> None:
-        self.inner.data_received(data)
-
-    def eof_received(self) -> bool:
-        self.inner.eof_received()
-        return True
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.inner.connection_lost(exc)
-
-    def pause_writing(self) -> None:
-        self.inner.pause_writing()
-
-    def resume_writing(self) -> None:
-        self.inner.resume_writing()

@@ -39,6 +39,7 @@ import ssl
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from broker.aio import AnswerAfterEOF
 from broker.net import proxy
 
 log = logging.getLogger(__name__)
@@ -212,37 +213,16 @@ class PeerTransport:
         return getattr(self._transport, name)
 
 
-class PeerProtocol(asyncio.Protocol):
-    """Wraps a protocol so it sees ``PeerTransport`` instead of the socket's transport."""
+class PeerProtocol(AnswerAfterEOF):
+    """Wraps a protocol so it sees ``PeerTransport`` instead of the socket's transport (and gets
+    its answer out to a client that half-closed, as ``AnswerAfterEOF`` does)."""
 
     def __init__(self, inner: Any, peer: Peer) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.peer = peer
-        self.plain = True
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.plain = transport.get_extra_info("sslcontext") is None
-        self.inner.connection_made(PeerTransport(transport, self.peer))
-
-    def data_received(self, data: bytes) -> None:
-        self.inner.data_received(data)
-
-    def eof_received(self) -> bool | None:
-        result: bool | None = self.inner.eof_received()
-        # A client that shuts down its sending side after its request (HTTP/1.0 tools, nc -N)
-        # still waits for the answer: keep our side open (aiohttp would let the transport close
-        # it at once and drop the answer). aiohttp closes after a response that is not keep-alive,
-        # and its keep-alive timeout closes an idle connection. TLS cannot half-close.
-        return True if self.plain else result
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.inner.connection_lost(exc)
-
-    def pause_writing(self) -> None:
-        self.inner.pause_writing()
-
-    def resume_writing(self) -> None:
-        self.inner.resume_writing()
+        super().connection_made(PeerTransport(transport, self.peer))
 
 
 def keep_peer(factory: Callable[[], Any]) -> ProtocolFactory:
