@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import pytest
+from integration._support import free_port as free_port  # one picker for every test: no repeats
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEPLOY_DIR = REPO_ROOT / "deploy"
@@ -84,12 +84,6 @@ def run(argv: list[str], *, cwd: Path = REPO_ROOT, env: Mapping[str, str] | None
             f"stderr:\n{proc.stderr[-3000:]}"
         )
     return proc
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def poll(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
