@@ -47,19 +47,19 @@ def test_the_readme_cluster_works_as_written() -> None:
     start, stop = section_blocks()
     start = "\n".join(line for line in start.splitlines() if not line.startswith("pip install"))
     driver = REPO_ROOT / "tests" / "deploy" / "readme_cluster_driver.py"
-    script = 'ip link set lo up && mount -t tmpfs tmpfs /tmp && exec "$@"'
-    if REPO_ROOT.resolve().is_relative_to("/tmp"):
-        # The private /tmp would hide a checkout that lives under /tmp: carry it across the mount.
-        keep = "/mnt/.skred-readme-checkout"
-        script = (f'ip link set lo up && mkdir -p {keep} && mount --bind "{REPO_ROOT}" {keep} && '
-                  f'mount -t tmpfs tmpfs /tmp && mkdir -p "{REPO_ROOT}" && '
-                  f'mount --bind {keep} "{REPO_ROOT}" && exec "$@"')
+    # The private /tmp would hide a checkout that lives under /tmp: carry it across the mount.
+    keep = "/mnt/.skred-readme-checkout"
+    under_tmp = REPO_ROOT.resolve().is_relative_to("/tmp")
+    before, after = ((f'mkdir -p {keep} && mount --bind "{REPO_ROOT}" {keep} && ',
+                      f' && mkdir -p "{REPO_ROOT}" && mount --bind {keep} "{REPO_ROOT}"')
+                     if under_tmp else ("", ""))
+    script = f'ip link set lo up && {before}mount -t tmpfs tmpfs /tmp{after} && exec "$@"'
     proc = subprocess.run(
         ["unshare", "--net", "--mount", "--propagation", "private", "sh", "-c", script, "sh",
          sys.executable, str(driver), str(REPO_ROOT), start, stop],
         capture_output=True, text=True, timeout=240,
     )
-    if REPO_ROOT.resolve().is_relative_to("/tmp"):
+    if under_tmp:
         with contextlib.suppress(OSError):
-            os.rmdir("/mnt/.skred-readme-checkout")
+            os.rmdir(keep)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
