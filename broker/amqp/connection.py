@@ -627,7 +627,7 @@ class AMQPConnection:
                 hend = h + 4 + hsize
                 b = hend + 8
                 bend = b + bs
-                if class_weight != _BASIC_CLASS_WEIGHT or hsize < 14 or hsize > max_size or not 0 < bs < small \
+                if class_weight != _BASIC_CLASS_WEIGHT or not 14 <= hsize <= max_size or not 0 < bs < small \
                         or bend >= n or data[bend] != 0xCE or unpack_tail(data, hend) != (tail, bs):
                     break
                 p = data[h + 16 : hend]
