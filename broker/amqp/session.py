@@ -230,6 +230,7 @@ class SessionConsumer(Consumer):
         b_len = key[2]
         ok = key[0] == exrk and not key[3]
         pre = b"\x00" + exrk
+        sized = codec.tag_to_body_size(len(pre))
         ch = chs.id
         max_body = frame_max - _FRAME_OVERHEAD
         parts: list[bytes] = []
@@ -239,7 +240,7 @@ class SessionConsumer(Consumer):
             if ok and bl == b_len and len(p) == p_len:
                 add((head, _U64_PACK(tag), before, p, after, body, tail))
             elif ok and 0 < bl <= max_body:  # other sizes: pack them
-                add((head, _U64_PACK(tag), pre, _SIZES_HEAD(_END, _HEADER, ch, 12 + len(p), 60, 0, bl), p,
+                add((head, sized(tag, pre, _END, _HEADER, ch, 12 + len(p), 60, 0, bl), p,
                      _SIZES_BODY(_END, _BODY, ch, bl), body, _END_BYTE))
             else:  # an empty body, or one over several frames (a small frame_max)
                 add((codec.encode_delivery_raw(ch, self.prefix, tag, False, exrk, p, body, frame_max),))
