@@ -100,6 +100,9 @@ _META_VERSION: Final = 2  # 1 had no flags (read as "not closed cleanly")
 _META_V1_SIZE: Final = struct.calcsize("<4sIQQ")
 _META_CLEAN: Final = 1  # flags: written by close(); the mark is exact
 _CRC: Final = struct.Struct("<I")
+# A delivery pass that found a record unlike the next one looks for runs of equal records again
+# this many deliveries later (the probe copies and compares two record heads).
+_PROBE_AFTER_MISS: Final = 16
 _U32: Final = struct.Struct("<I")
 _I64_PACK_INTO: Final = fmt.I64.pack_into
 _I64_PACK: Final = fmt.I64.pack
@@ -297,14 +300,13 @@ class QueueStore(SegmentLog[Segment]):
         mid = b"".join((exrk, _U32_PACK(len(p0)), p0, _U64_PACK(body_len)))
         rec = 8 + len(mid) + body_len
         sep = _I64_PACK(timestamp_ms or 1) + mid
-        head = len(mid) + 8
         seg = self.reserve(k * rec)
         mm = self._wmm
         assert mm is not None
         pos = seg.end
         end = pos + k * rec
-        mm[pos + 8 : pos + head] = mid  # the first timestamp stays zero until the end
-        mm[pos + head : end] = sep.join(bodies)
+        # the first timestamp stays zero until the end
+        fmt.write_at(self._wfd, mm, pos + 8, (mid, sep.join(bodies)))
         self._run_written(seg, mm, pos, end, timestamp_ms, k, k * body_len)
 
     def reserve(self, size: int) -> Segment:
@@ -342,7 +344,7 @@ class QueueStore(SegmentLog[Segment]):
         mm = self._wmm
         assert mm is not None
         pos = seg.end
-        mm[pos + 8 : pos + size] = memoryview(blob)[8:]  # the first timestamp stays zero until the end
+        fmt.write_at(self._wfd, mm, pos + 8, (memoryview(blob)[8:],))  # the first timestamp stays zero until the end
         self._run_written(seg, mm, pos, pos + size, timestamp_ms, len(bodies), sum(map(len, bodies)))
 
     def _run_written(self, seg: Segment, mm: mmap.mmap, pos: int, end: int, timestamp_ms: int, count: int,
@@ -530,6 +532,7 @@ class QueueStore(SegmentLog[Segment]):
                 positions = self._aa_positions
             unacked = self._unacked
             msgid = 0
+            probe_at = 0  # records that differ from the next one: look for runs again from the n-th
             while n < k and pos < end and nbytes <= max_bytes:
                 if acked and pos in acked:  # only after recovery can acked records lie ahead
                     break
@@ -540,7 +543,7 @@ class QueueStore(SegmentLog[Segment]):
                 b_len = _U64_UNPACK(mm, pend)[0]
                 bend = pend + 8 + b_len
                 msgid = base | pos
-                if deliver_same is not None and msgid > recovered_hwm and bend < end:
+                if deliver_same is not None and msgid > recovered_hwm and bend < end and n >= probe_at:
                     # a run of records like this one? compare the bytes between
                     # timestamp and body; equal bytes mean an equal record size
                     rec = bend - pos
@@ -571,6 +574,7 @@ class QueueStore(SegmentLog[Segment]):
                         msgid = base | (q - rec)
                         pos = q
                         continue
+                    probe_at = n + _PROBE_AFTER_MISS  # messages that differ (ids, headers, sizes)
                 if positions is not None:
                     acked.add(pos)
                     positions.append(pos)
