@@ -344,7 +344,8 @@ class QueueStore(SegmentLog[Segment]):
         mm = self._wmm
         assert mm is not None
         pos = seg.end
-        fmt.write_at(self._wfd, mm, pos + 8, (memoryview(blob)[8:],))  # the first timestamp stays zero until the end
+        # the first timestamp stays zero until the end
+        fmt.write_at(self._wfd, mm, pos + 8, (memoryview(blob)[8:],))
         self._run_written(seg, mm, pos, pos + size, timestamp_ms, len(bodies), sum(map(len, bodies)))
 
     def _run_written(self, seg: Segment, mm: mmap.mmap, pos: int, end: int, timestamp_ms: int, count: int,
