@@ -84,6 +84,7 @@ from typing import Any, Final
 
 from broker.errors import StoreError
 from broker.store import segment as fmt
+from broker.store.api import DeliverMany, DeliverOne, DeliverSame
 from broker.store.delivery_counts import NAME as COUNTS_NAME
 from broker.store.delivery_counts import DeliveryCounts
 from broker.store.fileio import append_whole, atomic_write, datasync, fsync_dir
@@ -484,9 +485,8 @@ class QueueStore(SegmentLog[Segment]):
             self._unacked.add(msgid)
         return msgid, exrk, props, body, redelivered
 
-    def deliver_run(self, k: int, autoack: bool, deliver: Callable[[int, bytes, bytes, bytes, bool], None],
-                    max_bytes: int,
-                    deliver_same: Callable[[range, bytes, bytes, list[bytes]], None] | None = None,
+    def deliver_run(self, k: int, autoack: bool, deliver: DeliverOne, max_bytes: int,
+                    deliver_same: DeliverSame | None = None, deliver_many: DeliverMany | None = None,
                     ) -> tuple[int, int, int]:
         """Hand up to ``k`` ready messages, in order, to ``deliver`` (next_delivery's fields).
 
@@ -500,16 +500,33 @@ class QueueStore(SegmentLog[Segment]):
         With ``deliver_same``, consecutive first-time records that differ only in
         their bodies (same exchange, routing key, properties and body size: the
         bytes between timestamp and body are equal) go to it as one run of
-        (msgids, exrk, props, bodies) instead of one ``deliver`` call each.
+        (msgids, exrk, props, bodies) instead of one ``deliver`` call each. With
+        ``deliver_many``, the other consecutive first-time records with the same exchange
+        and routing key go to it as lists (msgids, exrk, props, bodies), so that they are
+        framed and written in one go; nothing is handed on out of order.
         """
         if self._open_unsynced:
             self._sync_open_meta()
         n = red = nbytes = 0
+        b_ids: list[int] = []  # the batch for deliver_many
+        b_props: list[bytes] = []
+        b_bodies: list[bytes] = []
+        b_exrk = b""
+
+        def flush() -> None:
+            nonlocal b_ids, b_props, b_bodies
+            if b_ids:
+                assert deliver_many is not None
+                ids, props, bodies = b_ids, b_props, b_bodies
+                b_ids, b_props, b_bodies = [], [], []
+                deliver_many(ids, b_exrk, props, bodies)
+
         while n < k and nbytes <= max_bytes:
             seg = self._segs.get(self._cnum)
             pos = self._cpos
             if self._heap or seg is None or pos >= seg.end or seg.mm is None \
                     or (seg.acked and pos in seg.acked):
+                flush()
                 got = self.next_delivery(autoack)
                 if got is None:
                     break
@@ -571,6 +588,7 @@ class QueueStore(SegmentLog[Segment]):
                         self._bytes_ready -= m * b_len
                         n += m
                         nbytes += m * b_len
+                        flush()
                         deliver_same(range(msgid, base | q, rec), mm[p:p_at], mm[p_at + 4 : pend], bodies)
                         msgid = base | (q - rec)
                         pos = q
@@ -588,8 +606,19 @@ class QueueStore(SegmentLog[Segment]):
                 n += 1
                 red += redelivered
                 nbytes += b_len
-                deliver(msgid, mm[p:p_at], mm[p_at + 4 : pend], mm[pend + 8 : bend], redelivered)
                 pos = bend
+                exrk = mm[p:p_at]
+                if deliver_many is not None and not redelivered:
+                    if exrk != b_exrk:
+                        flush()
+                        b_exrk = exrk
+                    b_ids.append(msgid)
+                    b_props.append(mm[p_at + 4 : pend])
+                    b_bodies.append(mm[pend + 8 : bend])
+                    continue
+                flush()
+                deliver(msgid, exrk, mm[p_at + 4 : pend], mm[pend + 8 : bend], redelivered)
+            flush()
             if msgid > self._hwm:
                 self._hwm = msgid
                 self._hwm_moved()
