@@ -311,11 +311,20 @@ class ClassicQueue(Queue):
                     # once; nothing else was ready, so those are the records a delivery
                     # run takes (as runs, without a pass of its own)
                     i = min(room, k)
-                    store.append_run(ts, exrk, props[:i], bodies[:i], same)
+                    fast = self.fast.on
+                    taken = store.append_run_taken(ts, exrk, props[:i], bodies[:i], same) if fast else None
+                    if taken is None and not fast:
+                        store.append_run(ts, exrk, props[:i], bodies[:i], same)
                     self.n_published += i
                     if persistent and self.durable:
                         self.on_dirty(store)
-                    self.n_delivered += store.deliver_run(i, False, c.deliver_raw, 1 << 62, c.deliver_same)[0]
+                    if taken is not None:  # handed over with the bytes in hand
+                        self.n_delivered += i
+                        c.deliver_many(taken, exrk, props[:i], bodies[:i])
+                    else:
+                        self.n_delivered += store.deliver_run(i, False, c.deliver_raw, 1 << 62,
+                                                              c.deliver_same if fast else None,
+                                                              c.deliver_many if fast else None)[0]
                     if i == k:
                         return
             else:

@@ -60,6 +60,9 @@ class MessageStore(QueueCounters, Protocol):
     def append_taken(self, timestamp_ms: int, exchange: bytes, routing_key: bytes,
                      props: bytes | memoryview, body: bytes | bytearray | memoryview) -> int: ...
 
+    def append_run_taken(self, timestamp_ms: int, exrk: bytes, props: list[bytes], bodies: list[bytes],
+                         same: bool) -> list[int] | None: ...
+
     # ---------------------------------------------------------------- take
     def shift(self) -> int | None: ...
 

@@ -113,6 +113,12 @@ class PriorityStore:
         for p, body in zip(props, bodies, strict=True):
             self._store_for(p)[1].append_run(timestamp_ms, exrk, [p], [body], True)
 
+    def append_run_taken(self, timestamp_ms: int, exrk: bytes, props: list[bytes], bodies: list[bytes],
+                         same: bool) -> list[int] | None:
+        """append_run(); the run stays ready (levels decide the order: deliver_run hands it on)."""
+        self.append_run(timestamp_ms, exrk, props, bodies, same)
+        return None
+
     def make_room(self, size: int, props: bytes | memoryview, timestamp_ms: int) -> None:
         """Room for ``size`` bytes in the level ``props`` go to (a run reaching a priority queue
         is published one message at a time, so one level is all it needs)."""

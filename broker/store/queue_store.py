@@ -389,6 +389,40 @@ class QueueStore(SegmentLog[Segment]):
             raise StoreError(f"append_taken on a queue with ready messages ({self._dir})")
         return msgid
 
+    def append_run_taken(self, timestamp_ms: int, exrk: bytes, props: list[bytes], bodies: list[bytes],
+                         same: bool) -> list[int] | None:
+        """append_run() for messages that go straight to one consumer: their msgids, unacked
+        at once (the consumer gets the bytes in hand; nothing is read back from the map).
+        None when the cursor was not where the run went (it then stays ready for
+        deliver_run). Only for a store with nothing ready (the caller checks)."""
+        at = (self._cnum << 32) | self._cpos
+        self.append_run(timestamp_ms, exrk, props, bodies, same)
+        seg = self._wseg
+        assert seg is not None
+        fixed = fmt.FIXED_SIZE - 2 + len(exrk)  # FIXED_SIZE counts the two length octets
+        size = QueueStore.run_size(exrk, props, bodies, same)
+        pos = seg.end - size
+        base = seg.num << 32
+        if base | pos != at or self._heap:
+            return None
+        if same:
+            msgids = list(range(base | pos, base | seg.end, fixed + len(props[0]) + len(bodies[0])))
+        else:
+            msgids = []
+            add = msgids.append
+            for p, body in zip(props, bodies, strict=True):
+                add(base | pos)
+                pos += fixed + len(p) + len(body)
+        k = len(bodies)
+        self._cpos = seg.end
+        self._ready -= k
+        self._bytes_ready -= sum(map(len, bodies))
+        self._unacked.update(msgids)
+        if msgids[-1] > self._hwm:
+            self._hwm = msgids[-1]
+            self._hwm_moved()
+        return msgids
+
     def _roll(self, need: int, want: int = 0) -> Segment:
         """The write segment with room for a record of ``need`` bytes (``want``: for a run
         of that many): more of it allocated, or a new segment. DiskFull if no space."""
