@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from cryptography import x509
@@ -79,8 +80,10 @@ class Broker:
     """A started broker: its PID (for CPU time), plain and TLS AMQP URIs."""
 
     def __init__(self, name: str, proc: subprocess.Popen[bytes], port: int, tls_port: int, ca: Path,
-                 extra: list[subprocess.Popen[bytes]] | None = None) -> None:
+                 extra: list[subprocess.Popen[bytes]] | None = None,
+                 relaunch: Callable[[], Broker] | None = None) -> None:
         self.name = name
+        self.relaunch = relaunch  # the same broker again: same data dir, node name and ports
         self.proc = proc
         self.port = port
         self.tls_port = tls_port
@@ -102,35 +105,43 @@ class Broker:
             time.sleep(0.5)
         raise RuntimeError(f"{self.name} not ready after {timeout:.0f}s")
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 60) -> None:
         for proc in [self.proc, *self.extra]:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
                 try:
-                    proc.wait(60)
+                    proc.wait(timeout)
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)  # its own session: only what it started
                     proc.wait(10)
 
 
-def start_skred(work: Path, ca: Path, cert: Path, key: Path) -> Broker:
-    port, tls_port = free_port(), free_port()
+def start_skred(work: Path, ca: Path, cert: Path, key: Path,
+                ports: tuple[int, int, int, int] | None = None) -> Broker:
+    """A Skred on ``ports`` (AMQP, AMQPS, management, metrics; default: free ones)."""
+    ports = ports or (free_port(), free_port(), free_port(), free_port())
+    port, tls_port, mgmt_port, metrics_port = ports
     argv = [sys.executable, "-m", "broker", "--data-dir", str(work / "skred-data"),
             "--amqp-bind", "127.0.0.1", "--amqp-port", str(port), "--amqp-tls-port", str(tls_port),
-            "--mgmt-port", str(free_port()),
-            "--mgmt-tls-port", "-1", "--mgmt-metrics-port", str(free_port()), "--no-lmq",
+            "--mgmt-port", str(mgmt_port),
+            "--mgmt-tls-port", "-1", "--mgmt-metrics-port", str(metrics_port), "--no-lmq",
             "--tls-cert", str(cert), "--tls-key", str(key), "--tls-ca-cert", str(ca)]
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     with open(work / "skred.log", "ab") as log:
         proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
-    return Broker("Skred", proc, port, tls_port, ca)
+    return Broker("Skred", proc, port, tls_port, ca,
+                  relaunch=lambda: start_skred(work, ca, cert, key, ports))
 
 
-def start_rabbitmq(work: Path, ca: Path, cert: Path, key: Path) -> Broker:
+def start_rabbitmq(work: Path, ca: Path, cert: Path, key: Path,
+                   ports: tuple[int, int, int, int] | None = None) -> Broker:
+    """A RabbitMQ on ``ports`` (AMQP, AMQPS, distribution, epmd; default: free ones); the
+    node name follows the epmd port, so the same ports find the same data again."""
     base = work / "rabbitmq"
     base.mkdir(parents=True, exist_ok=True)
-    port, tls_port, dist, epmd_port = free_port(), free_port(), free_port(), free_port()
+    ports = ports or (free_port(), free_port(), free_port(), free_port())
+    port, tls_port, dist, epmd_port = ports
     conf = base / "rabbitmq.conf"
     conf.write_text(
         f"listeners.tcp.default = 127.0.0.1:{port}\n"
@@ -157,7 +168,8 @@ def start_rabbitmq(work: Path, ca: Path, cert: Path, key: Path) -> Broker:
     with open(base / "stdout.log", "ab") as log:
         proc = subprocess.Popen([RABBITMQ], cwd=base, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
-    return Broker("RabbitMQ", proc, port, tls_port, ca, extra=[epmd])
+    return Broker("RabbitMQ", proc, port, tls_port, ca, extra=[epmd],
+                  relaunch=lambda: start_rabbitmq(work, ca, cert, key, ports))
 
 
 def beam_pid(shell_pid: int) -> int:
