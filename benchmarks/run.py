@@ -413,6 +413,8 @@ def measure(args: argparse.Namespace, keys: list[str], all_scenarios: dict[str, 
                     r = done[(name, sc.args, run)] = (
                         run_rss(target, sc, args.rss_drain, args.rss_cap) if sc.args[0] == "rss"
                         else run_perf(target.uri, sc, args.seconds, args.prefill, target.pid))
+                    if sc.args[0] == "rss":
+                        print(f"  ({key}) {name} run {run + 1}: {json.dumps(r)}", file=sys.stderr, flush=True)
                 if "error" in r or r.get("errors"):
                     msg = r.get("error") or "; ".join(r["errors"])
                     errors.append(f"({key}) {name} run {run + 1}: {msg}")
