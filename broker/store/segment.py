@@ -140,6 +140,13 @@ def scan(buf: Buffer, size: int, file_acks: set[int], persistent_only: bool) -> 
 
     A position is acked when ``file_acks`` holds it, or (``persistent_only``) when the
     message is transient. Ack positions that are not record starts are simply never hit.
+
+    Runs: the records that follow one with equal bytes from the exchange length to the body
+    size (same exchange, routing key, properties and body size: what a publisher of alike
+    messages writes, and ``append_run``) have its size and its fate, so they cost one
+    compare and a timestamp check each (a restart with 10 M queued messages took 12 s,
+    nearly all of it parsing every record); each must still fit in ``size`` and have a
+    timestamp, as a record parsed on its own must.
     """
     res = ScanResult()
     acked = res.acked
@@ -167,18 +174,32 @@ def scan(buf: Buffer, size: int, file_acks: set[int], persistent_only: bool) -> 
             res.garbage = True
             break
         body = u64(buf, p)[0]
-        p += 8 + body
+        head_end = p + 8
+        p = head_end + body
         if p > size:
             res.garbage = True
             break
         count += 1
-        if pos in file_acks:
-            acked.add(pos)
-        elif persistent_only and not is_persistent(buf, props_at, props_len):
+        transient = persistent_only and not is_persistent(buf, props_at, props_len)
+        if pos in file_acks or transient:
             acked.add(pos)
         else:
             ready_bytes += body
-        pos = p
+        rec = p - pos
+        hdr = buf[pos + 8 : head_end]
+        q = p
+        while q + rec <= size and buf[q + 8 : q - pos + head_end] == hdr and i64(buf, q)[0] != 0:
+            q += rec
+        if q > p:
+            run = range(p, q, rec)
+            count += len(run)
+            if transient:
+                acked.update(run)
+            else:
+                hit = file_acks.intersection(run) if file_acks else ()
+                acked.update(hit)
+                ready_bytes += (len(run) - len(hit)) * body
+        pos = q
     else:
         # Fewer than FIXED_SIZE bytes left: garbage unless they are (preallocated) zeros.
         if pos < size and bytes(buf[pos:size]).strip(b"\0"):
