@@ -156,8 +156,10 @@ def scenarios(prefill: int, rss_count: int = 1_000_000, rss_drain: int = 300_000
                "counted)", "rss_anon_mib", "MiB (lower is better)"),
               ("8-vmrss", "(8) the same as VmRSS (mapped segment pages counted)", "rss_mib",
                "MiB (lower is better)"),
-              ("8-restart", "(8) restart with that backlog (private brokers): from starting the process "
-               "to the queue answering with its depth", "restart_s", "s (lower is better)"),
+              ("8-stop", "(8) clean stop with that backlog (SIGTERM until the process exited; private "
+               "brokers)", "stop_s", "s (lower is better)"),
+              ("8-restart", "(8) restart with that backlog: from starting the process to the queue "
+               "answering with its depth", "restart_s", "s (lower is better)"),
               ("8-rss-restart", "(8) broker memory right after that restart", "restart_rss_anon_mib",
                "MiB (lower is better)"),
               ("8-drain", f"(8) then a consumer drains {rss_drain:,} of them: manual ack, prefetch 1000",
@@ -212,8 +214,10 @@ def run_rss(target: Target, scenario: Scenario, drain: int, cap: float) -> dict[
         from tls_brokers import beam_pid
         from workloads import memory_mib, passive_depth
 
+        stopping = time.monotonic()
         target.broker.stop(timeout=900)  # a clean shutdown, however long it takes
         started = time.monotonic()
+        result["stop_s"] = started - stopping
         broker = target.broker = target.broker.relaunch() if target.broker.relaunch else None
         assert broker is not None
         target.uri = broker.plain_uri
