@@ -17,29 +17,31 @@ KINDS = [(b"", b"q", PERSISTENT, 5), (b"", b"q", PERSISTENT, 6), (b"x", b"q", PE
          (b"", b"q", TRANSIENT, 5), (b"", b"q", b"", 0)]
 
 
+def _fields(buf: bytes, pos: int, size: int) -> tuple[int, int, int, int]:
+    """(record end, props offset, props length, body size) of the record at ``pos``;
+    IndexError if any of it lies past ``size``."""
+    def field(at: int, n: int) -> int:
+        if at + n > size:
+            raise IndexError(at)
+        return at + n
+
+    at = field(pos + 8, 1)
+    at = field(at, 1 + buf[at - 1])  # exchange, then the routing key's length byte
+    at = field(at, buf[at - 1])
+    props_len = fmt.U32.unpack_from(buf, field(at, 4) - 4)[0]
+    props_at = at + 4
+    body = fmt.U64.unpack_from(buf, field(props_at + props_len, 8) - 8)[0]
+    return field(props_at + props_len + 8, body), props_at, props_len, body
+
+
 def reference(buf: bytes, size: int, file_acks: set[int], persistent_only: bool) -> fmt.ScanResult:
     """One record at a time, as scan did before runs."""
     res = fmt.ScanResult()
     pos = fmt.HEADER_SIZE
-    while pos + fmt.FIXED_SIZE <= size:
-        if fmt.I64.unpack_from(buf, pos)[0] == 0:
-            break
-        p = pos + 9 + buf[pos + 8]
-        if p + 13 > size:
-            res.garbage = True
-            break
-        p += 1 + buf[p]
-        if p + 12 > size:
-            res.garbage = True
-            break
-        props_at, props_len = p + 4, fmt.U32.unpack_from(buf, p)[0]
-        p = props_at + props_len
-        if p + 8 > size:
-            res.garbage = True
-            break
-        body = fmt.U64.unpack_from(buf, p)[0]
-        p += 8 + body
-        if p > size:
+    while pos + fmt.FIXED_SIZE <= size and fmt.I64.unpack_from(buf, pos)[0] != 0:
+        try:
+            end, props_at, props_len, body = _fields(buf, pos, size)
+        except IndexError:
             res.garbage = True
             break
         res.count += 1
@@ -47,10 +49,9 @@ def reference(buf: bytes, size: int, file_acks: set[int], persistent_only: bool)
             res.acked.add(pos)
         else:
             res.ready_bytes += body
-        pos = p
-    else:
-        if pos < size and buf[pos:size].strip(b"\0"):
-            res.garbage = True
+        pos = end
+    if pos + fmt.FIXED_SIZE > size and buf[pos:size].strip(b"\0"):
+        res.garbage = True
     res.end = pos
     return res
 
