@@ -211,7 +211,6 @@ def run_rss(target: Target, scenario: Scenario, drain: int, cap: float) -> dict[
     queue = str(fill["queue"])
     result = dict(fill)
     if target.broker is not None:
-        from tls_brokers import beam_pid
         from workloads import memory_mib, passive_depth
 
         stopping = time.monotonic()
@@ -232,7 +231,7 @@ def run_rss(target: Target, scenario: Scenario, drain: int, cap: float) -> dict[
             except (OSError, TimeoutError, EOFError, asyncio.IncompleteReadError):
                 time.sleep(0.2)
         result["restart_s"] = time.monotonic() - started
-        target.pid = beam_pid(broker.pid) if broker.name == "RabbitMQ" else broker.pid
+        target.pid = broker.pid  # RabbitMQ: its Erlang VM
         mem = memory_mib(target.pid)
         result["restart_rss_mib"] = mem.get("VmRSS", 0.0)
         result["restart_rss_anon_mib"] = mem.get("RssAnon", 0.0)
@@ -374,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def with_private_brokers(work: Path, args: argparse.Namespace, body: Any) -> int:
     """Run ``body(targets)`` against a Skred and a RabbitMQ started here, then stop both."""
-    from tls_brokers import beam_pid, make_certs, start_rabbitmq, start_skred
+    from tls_brokers import make_certs, start_rabbitmq, start_skred
 
     certs = make_certs(work / "certs")
     brokers = [start_skred(work, *certs)]
@@ -383,7 +382,7 @@ def with_private_brokers(work: Path, args: argparse.Namespace, body: Any) -> int
         for b in brokers:
             b.wait_ready(300)
         targets = [Target("skred", brokers[0].plain_uri, brokers[0].pid, brokers[0]),
-                   Target("peer", brokers[1].plain_uri, beam_pid(brokers[1].pid), brokers[1])]
+                   Target("peer", brokers[1].plain_uri, brokers[1].pid, brokers[1])]
         args.peer = targets[1].uri
         try:
             return int(body(targets))

@@ -597,35 +597,46 @@ class AMQPConnection:
         """
         exact, ch, args, props, bsize, skip, method = self._repeat  # type: ignore[misc]
         mlen = len(method)
+        unpack_header = _HEADER_FRAME.unpack_from
+        unpack_frame = _FRAME_HDR.unpack_from
+        small = min(_SMALL_BODY, self.max_message_size + 1, max_size + 1)  # body sizes taken here
         props_l: list[bytes] = []
         bodies: list[bytes] = []
         same = True  # every publish of the run with the first one's properties and body size
         while True:
-            if data.startswith(exact, pos):
+            if same and data.startswith(exact, pos):
                 b = pos + skip
                 bend = b + bsize
                 if bend >= n or data[bend] != 0xCE:
                     break  # incomplete or bad: the general path takes it
+                p = props
             elif data.startswith(method, pos):
-                got = self._content_at(data, pos + mlen, ch, n, max_size)
-                if got is None:
+                # a header frame and one body frame on this channel, complete: the checks of
+                # ``_content_at`` inlined, with empty and large bodies left to the general path
+                h = pos + mlen
+                if n - h < 21:
                     break
-                hend, bend = got
+                htype, hch, hsize, class_id, _weight, bs = unpack_header(data, h)
+                hend = h + 7 + hsize
                 b = hend + 8
-                if bend == hend or bend - b >= _SMALL_BODY:
-                    break  # an empty or a large body: the general path takes it
-                p = data[pos + mlen + 19 : hend]
+                bend = b + bs
+                if htype != 2 or hch != ch or class_id != 60 or hsize < 14 or hsize > max_size \
+                        or not 0 < bs < small or bend >= n or data[hend] != 0xCE or data[bend] != 0xCE \
+                        or unpack_frame(data, hend + 1) != (3, ch, bs):
+                    break
+                p = data[h + 19 : hend]
                 if not _props_valid(p):
                     break  # the general path refuses it
                 if bodies:
-                    same = False
-                props = p
-                bsize = bend - b
-                skip = b - pos
-                exact = data[pos:b]
+                    same = False  # no exact repeats are looked for in this run from now on
+                else:  # the first of the run: what the ones after it may repeat
+                    props = p
+                    bsize = bend - b
+                    skip = b - pos
+                    exact = data[pos:b]
             else:
                 break
-            props_l.append(props)
+            props_l.append(p)
             bodies.append(data[b:bend])
             pos = bend + 1
         if not bodies:

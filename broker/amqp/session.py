@@ -38,7 +38,7 @@ from broker.amqp import codec
 from broker.amqp.connection import CH_OPEN, AMQPConnection, PublishArgs
 from broker.model.publish import PublishRequest
 from broker.model.queue import Consumer, Queue
-from broker.properties import FLAG_USER_ID, HI_DELIVERY_MODE, HI_REPLY_TO
+from broker.properties import FLAG_REPLY_TO, FLAG_USER_ID, HI_DELIVERY_MODE, HI_REPLY_TO
 
 if TYPE_CHECKING:
     from broker.amqp.broker import Broker
@@ -544,7 +544,7 @@ class Session(AMQPConnection):
         ex = None if vh is None else vh.exchanges.get(exchange)
         if ex is None or ex.internal or chs.tx is not None or exchange not in self._write_ok \
                 or (props[0][0] & HI_REPLY_TO or props[0][1] & FLAG_USER_ID if same
-                    else any(p[0] & HI_REPLY_TO or p[1] & FLAG_USER_ID for p in props)):
+                    else properties.run_flags(props) & (FLAG_REPLY_TO | FLAG_USER_ID)):
             self.publish_each(channel, args, props, bodies)
             return
         try:
