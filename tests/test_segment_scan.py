@@ -13,8 +13,12 @@ from broker.store import segment as fmt
 
 PERSISTENT = b"\x10\x00\x02"  # delivery-mode 2
 TRANSIENT = b"\x10\x00\x01"
+LONG = b"\x90\x00" + bytes([70]) + b"a" * 70  # content-type, then delivery-mode: a header > 64 bytes
 KINDS = [(b"", b"q", PERSISTENT, 5), (b"", b"q", PERSISTENT, 6), (b"x", b"q", PERSISTENT, 5),
-         (b"", b"q", TRANSIENT, 5), (b"", b"q", b"", 0)]
+         (b"", b"q", TRANSIENT, 5), (b"", b"q", b"", 0), (b"", b"q", LONG + b"\x02", 5),
+         (b"", b"q", LONG + b"\x01", 5)]
+# timestamps whose low byte is zero make the scan look at the whole timestamp
+STAMPS = [1, 256, 1 << 40, 1_790_000_000_000]
 
 
 def _fields(buf: bytes, pos: int, size: int) -> tuple[int, int, int, int]:
@@ -57,20 +61,23 @@ def reference(buf: bytes, size: int, file_acks: set[int], persistent_only: bool)
 
 
 @settings(max_examples=400, deadline=None)
-@given(runs=st.lists(st.tuples(st.integers(0, len(KINDS) - 1), st.integers(1, 12)), min_size=0, max_size=8),
+@given(runs=st.lists(st.tuples(st.integers(0, len(KINDS) - 1), st.integers(1, 12)), min_size=0, max_size=10),
        ack_picks=st.lists(st.integers(0, 10_000), max_size=20),
-       cut=st.integers(0, 400), zero_ts=st.integers(-1, 60), tail=st.sampled_from([b"", b"\0" * 40, b"\x07"]),
-       persistent_only=st.booleans())
+       cut=st.integers(0, 1500), zero_ts=st.integers(-1, 60),
+       tail=st.sampled_from([b"", b"\0" * 40, b"\x07"]),
+       persistent_only=st.booleans(), stamps=st.lists(st.sampled_from(STAMPS), min_size=1, max_size=5))
 def test_scan_matches_record_by_record(runs: list[tuple[int, int]], ack_picks: list[int], cut: int,
-                                       zero_ts: int, tail: bytes, persistent_only: bool) -> None:
+                                       zero_ts: int, tail: bytes, persistent_only: bool,
+                                       stamps: list[int]) -> None:
     buf = bytearray(fmt.HEADER)
     starts = []
     for kind, n in runs:
         ex, rk, props, body_len = KINDS[kind]
         for _ in range(n):
             starts.append(len(buf))
-            buf += (struct.pack("<q", 1) + bytes([len(ex)]) + ex + bytes([len(rk)]) + rk
-                    + struct.pack("<I", len(props)) + props + struct.pack("<Q", body_len) + b"b" * body_len)
+            buf += (struct.pack("<q", stamps[len(starts) % len(stamps)]) + bytes([len(ex)]) + ex
+                    + bytes([len(rk)]) + rk + struct.pack("<I", len(props)) + props
+                    + struct.pack("<Q", body_len) + b"b" * body_len)
     if 0 <= zero_ts < len(starts):  # a torn record: its timestamp never written
         buf[starts[zero_ts] : starts[zero_ts] + 8] = bytes(8)
     buf += tail

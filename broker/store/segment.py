@@ -186,10 +186,7 @@ def scan(buf: Buffer, size: int, file_acks: set[int], persistent_only: bool) -> 
         else:
             ready_bytes += body
         rec = p - pos
-        hdr = buf[pos + 8 : head_end]
-        q = p
-        while q + rec <= size and buf[q + 8 : q - pos + head_end] == hdr and i64(buf, q)[0] != 0:
-            q += rec
+        q = p + rec * _run_length(buf, p, rec, buf[pos + 8 : head_end], size)
         if q > p:
             run = range(p, q, rec)
             count += len(run)
@@ -208,6 +205,46 @@ def scan(buf: Buffer, size: int, file_acks: set[int], persistent_only: bool) -> 
     res.count = count
     res.ready_bytes = ready_bytes
     return res
+
+
+_STRIDED_MAX: Final = 64  # longest header compared byte column by byte column (see _run_length)
+
+
+def _run_length(buf: Buffer, q: int, rec: int, hdr: bytes, size: int) -> int:
+    """How many records of ``rec`` bytes from ``q`` on lie within ``size``, have a timestamp
+    and carry ``hdr`` (the bytes from the exchange length to the body size).
+
+    A short header is checked a byte column at a time: a strided slice takes byte ``j`` of
+    every record's header at C speed, and its run of leading bytes equal to ``hdr[j]`` bounds
+    the run; timestamps are looked at only where their low byte is zero (one record in 256
+    of real millisecond clocks). That is about a third of a record-by-record compare."""
+    n = (size - q) // rec
+    if n <= 0:
+        return 0
+    if len(hdr) > _STRIDED_MAX:
+        i64 = I64.unpack_from
+        hl = len(hdr)
+        m = 0
+        while m < n and buf[q + 8 : q + 8 + hl] == hdr and i64(buf, q)[0] != 0:
+            q += rec
+            m += 1
+        return m
+    stop = q + n * rec
+    for j, b in enumerate(hdr):
+        column = buf[q + 8 + j : stop : rec]
+        same = n - len(column.lstrip(bytes((b,))))
+        if same < n:
+            n = same
+            if n == 0:
+                return 0
+            stop = q + n * rec
+    low = buf[q:stop:rec]  # each record's timestamp's low byte
+    i = low.find(0)
+    while i != -1:
+        if I64.unpack_from(buf, q + i * rec)[0] == 0:
+            return i
+        i = low.find(0, i + 1)
+    return n
 
 
 class LogSegment:
