@@ -186,7 +186,7 @@ def scan(buf: Buffer, size: int, file_acks: set[int], persistent_only: bool) -> 
         else:
             ready_bytes += body
         rec = p - pos
-        q = p + rec * _run_length(buf, p, rec, buf[pos + 8 : head_end], size)
+        q = p + rec * _run_length(buf, p, rec, bytes(buf[pos + 8 : head_end]), size)
         if q > p:
             run = range(p, q, rec)
             count += len(run)
@@ -231,14 +231,14 @@ def _run_length(buf: Buffer, q: int, rec: int, hdr: bytes, size: int) -> int:
         return m
     stop = q + n * rec
     for j, b in enumerate(hdr):
-        column = buf[q + 8 + j : stop : rec]
+        column = bytes(buf[q + 8 + j : stop : rec])  # no copy when buf is an mmap or bytes
         same = n - len(column.lstrip(bytes((b,))))
         if same < n:
             n = same
             if n == 0:
                 return 0
             stop = q + n * rec
-    low = buf[q:stop:rec]  # each record's timestamp's low byte
+    low = bytes(buf[q:stop:rec])  # each record's timestamp's low byte
     i = low.find(0)
     while i != -1:
         if I64.unpack_from(buf, q + i * rec)[0] == 0:
