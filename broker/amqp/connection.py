@@ -46,6 +46,10 @@ _METHOD_ID = codec.METHOD_ID
 _U64 = codec.U64
 _HEADER_PREFIX = codec.HEADER_PREFIX
 _HEADER_FRAME = struct.Struct(">BHIHHQ")  # frame type, channel, size + class, weight, body size
+_HEADER_START = struct.Struct(">BH").pack  # frame type, channel
+_HEADER_REST = struct.Struct(">IIQ")  # a header frame's size, class + weight, body size
+_HEADER_TAIL = struct.Struct(">II")  # frame end, frame type + channel of the next frame; its size
+_BASIC_CLASS_WEIGHT = 60 << 16
 # Bodies below this are sliced out of the read buffer and may join a publish run; larger
 # ones stay views of it (the store writes those with pwritev: segment.PWRITE_MIN).
 _SMALL_BODY = 16 * 1024
@@ -596,9 +600,12 @@ class AMQPConnection:
         frame by frame (``_content_at``) and becomes the one the next must repeat.
         """
         exact, ch, args, props, bsize, skip, method = self._repeat  # type: ignore[misc]
-        mlen = len(method)
-        unpack_header = _HEADER_FRAME.unpack_from
-        unpack_frame = _FRAME_HDR.unpack_from
+        # the method frame and the start of a header frame on the same channel
+        method_h = method + _HEADER_START(2, ch)
+        mlen = len(method_h)
+        unpack_header = _HEADER_REST.unpack_from
+        unpack_tail = _HEADER_TAIL.unpack_from
+        tail = 0xCE03 << 16 | ch  # a header frame's end octet, then a body frame on ``ch``
         small = min(_SMALL_BODY, self.max_message_size + 1, max_size + 1)  # body sizes taken here
         props_l: list[bytes] = []
         bodies: list[bytes] = []
@@ -610,21 +617,20 @@ class AMQPConnection:
                 if bend >= n or data[bend] != 0xCE:
                     break  # incomplete or bad: the general path takes it
                 p = props
-            elif data.startswith(method, pos):
+            elif data.startswith(method_h, pos):
                 # a header frame and one body frame on this channel, complete: the checks of
                 # ``_content_at`` inlined, with empty and large bodies left to the general path
                 h = pos + mlen
-                if n - h < 21:
+                if n - h < 16:
                     break
-                htype, hch, hsize, class_id, _weight, bs = unpack_header(data, h)
-                hend = h + 7 + hsize
+                hsize, class_weight, bs = unpack_header(data, h)
+                hend = h + 4 + hsize
                 b = hend + 8
                 bend = b + bs
-                if htype != 2 or hch != ch or class_id != 60 or hsize < 14 or hsize > max_size \
-                        or not 0 < bs < small or bend >= n or data[hend] != 0xCE or data[bend] != 0xCE \
-                        or unpack_frame(data, hend + 1) != (3, ch, bs):
+                if class_weight != _BASIC_CLASS_WEIGHT or not 14 <= hsize <= max_size or not 0 < bs < small \
+                        or bend >= n or data[bend] != 0xCE or unpack_tail(data, hend) != (tail, bs):
                     break
-                p = data[h + 19 : hend]
+                p = data[h + 16 : hend]
                 if not _props_valid(p):
                     break  # the general path refuses it
                 if bodies:

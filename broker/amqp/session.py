@@ -215,11 +215,19 @@ class SessionConsumer(Consumer):
             stats.delivered_autoack += k
         self._send(b"".join(parts))
 
-    def deliver_unstored(self, exrk: bytes, props: list[bytes], bodies: list[bytes]) -> None:
-        """Autoack deliveries of a publish run that was never stored: one template check
-        per message (sizes only), one joined write for the run."""
+    def deliver_many(self, msgids: list[int] | None, exrk: bytes, props: list[bytes],
+                     bodies: list[bytes]) -> None:
+        """First-time deliveries with one exchange and routing key (``Consumer.deliver_many``;
+        ``msgids`` None: autoack deliveries of a publish run that was never stored): one
+        template check per message (sizes only), one joined write for all of them."""
         chs = self.chs
         tag = chs.next_tag
+        k = len(bodies)
+        if msgids is not None and not self.no_ack:
+            q = self.queue
+            chs.unacked.update(zip(range(tag, tag + k), [(q, msgid, self) for msgid in msgids], strict=True))
+            self.unacked += k
+            chs.unacked_count += k
         key = self._t_key
         frame_max = self.session.frame_max
         if key[0] != exrk or key[3]:
@@ -230,6 +238,7 @@ class SessionConsumer(Consumer):
         b_len = key[2]
         ok = key[0] == exrk and not key[3]
         pre = b"\x00" + exrk
+        sized = codec.tag_to_body_size(len(pre))
         ch = chs.id
         max_body = frame_max - _FRAME_OVERHEAD
         parts: list[bytes] = []
@@ -239,15 +248,16 @@ class SessionConsumer(Consumer):
             if ok and bl == b_len and len(p) == p_len:
                 add((head, _U64_PACK(tag), before, p, after, body, tail))
             elif ok and 0 < bl <= max_body:  # other sizes: pack them
-                add((head, _U64_PACK(tag), pre, _SIZES_HEAD(_END, _HEADER, ch, 12 + len(p), 60, 0, bl), p,
+                add((head, sized(tag, pre, _END, _HEADER, ch, 12 + len(p), 60, 0, bl), p,
                      _SIZES_BODY(_END, _BODY, ch, bl), body, _END_BYTE))
             else:  # an empty body, or one over several frames (a small frame_max)
                 add((codec.encode_delivery_raw(ch, self.prefix, tag, False, exrk, p, body, frame_max),))
             tag += 1
         chs.next_tag = tag
         stats = self.session.stats
-        stats.delivered += len(bodies)
-        stats.delivered_autoack += len(bodies)  # only autoack consumers get unstored runs
+        stats.delivered += k
+        if self.no_ack:
+            stats.delivered_autoack += k
         self._send(b"".join(parts))
 
     def _retemplate(self, exrk: bytes, props_len: int, body_len: int, redelivered: bool) -> bool:

@@ -88,8 +88,15 @@ class Consumer:
 
     def deliver_unstored(self, exrk: bytes, props: list[bytes], bodies: list[bytes]) -> None:
         """Autoack deliveries of a publish run that was never stored (msgid 0), in order."""
-        for p, body in zip(props, bodies, strict=True):
-            self.deliver_raw(0, exrk, p, body, False)
+        self.deliver_many(None, exrk, props, bodies)
+
+    def deliver_many(self, msgids: list[int] | None, exrk: bytes, props: list[bytes],
+                     bodies: list[bytes]) -> None:
+        """``deliver_raw`` for first-time deliveries with one exchange and routing key, in
+        order: ``msgids[i]`` goes with ``props[i]`` and ``bodies[i]`` (None: msgid 0, a publish
+        run never stored, autoack)."""
+        for msgid, p, body in zip(msgids or [0] * len(bodies), props, bodies, strict=True):
+            self.deliver_raw(msgid, exrk, p, body, False)
 
     def cancelled_by_server(self) -> None:
         """The queue went away; tell the client if it wants to know."""
@@ -389,9 +396,10 @@ class ClassicQueue(Queue):
                     k = min(c.capacity(), budget)
                     if k <= 0:
                         return  # no capacity; whoever frees some reschedules us
-                    same = c.deliver_same if self.fast.on else None
+                    fast = self.fast.on
                     got_n, red_n, nb = store.deliver_run(k, c.no_ack, c.deliver_raw, _PASS_BYTES - nbytes,
-                                                         same)
+                                                         c.deliver_same if fast else None,
+                                                         c.deliver_many if fast else None)
                     delivered += got_n
                     redelivered_n += red_n
                     nbytes += nb
