@@ -19,8 +19,9 @@ Memory. No per-message Python object for ready messages: a cursor (segment, posi
 walks the segments in order, and each segment keeps only counters and the set of acked
 positions. Requeued msgids wait in a heap (served before the cursor, lowest first, which
 is publish order); unacked msgids sit in a set (bounded by consumer prefetch). Only the
-write segment and the cursor segment stay mapped; others are mapped on demand and unmapped
-when the cursor moves on. Per store (100k declared queues must fit in a few hundred MB):
+write segment, the one retired last and the cursor segment stay mapped (a backlog
+nobody reads is not resident); others are mapped on demand and unmapped when the cursor
+moves on. Per store (100k declared queues must fit in a few hundred MB):
 the directory is kept as a ``str`` (a ``Path`` costs ~0.5 KB; ``directory`` builds one on
 demand) and the five bookkeeping sets start as one shared, immutable empty set and are
 allocated by ``_allocate_sets`` when the store first gets a segment (the first append,
@@ -726,6 +727,9 @@ class QueueStore(SegmentLog[Segment]):
                 self._cpos = end
                 self._bytes_ready -= body_size
             return (seg.num << 32) | pos
+
+    def _keep_mapped(self, seg: Segment) -> bool:
+        return seg.num == self._cnum
 
     def _next_cursor_segment(self) -> bool:
         i = bisect.bisect_right(self._order, self._cnum)

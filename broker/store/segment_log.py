@@ -415,7 +415,25 @@ class SegmentLog(Generic[S]):
         if self._sink.active:
             self._sink.register_file(seg.path)
             self._sink.append(seg.path, HEADER)
+        if old is not None:
+            self._unmap_older_retired()
         return old
+
+    def _unmap_older_retired(self) -> None:
+        """Give back the mapping of the segment retired at the previous roll: written back
+        by now, so its unmap is cheap (0.25 ms for 8 MiB), and otherwise a backlog nobody
+        reads stays mapped whole (10 GB of RSS at 10 M queued 1 KiB messages). The segment
+        retired just now keeps its mapping (a caught-up consumer reads it next), and a
+        reader's segment (``_keep_mapped``) too; a reader maps the others again when it
+        gets there. Older ones were unmapped at earlier rolls."""
+        if len(self._order) >= 3:
+            seg = self._segs.get(self._order[-3])
+            if seg is not None and seg.mm is not None and not self._keep_mapped(seg):
+                self._unmap(seg)
+
+    def _keep_mapped(self, seg: S) -> bool:
+        """Subclass hook: ``seg`` is being read (stays mapped when the log rolls)."""
+        return False
 
     def _retire_write_segment_locked(self, seg: S) -> None:
         """Unmap the write segment and hand it to the next sync, which trims it to its
@@ -423,8 +441,9 @@ class SegmentLog(Generic[S]):
         transaction (1-2 ms measured under load), which the event loop must not wait for.
         The mapping stays as the segment's read map (consumers usually read it next): an
         unmap of a freshly written 8 MiB mapping costs 1-25 ms, and it is cheaper later,
-        once the sync wrote the pages back (or the budget, a cursor move or the deletion
-        of the segment gives it back)."""
+        once the sync wrote the pages back: the next roll gives it back
+        (``_unmap_older_retired``), if the budget, a cursor move or the deletion of the
+        segment did not do so first."""
         self._wmm = None
         retired = self._retired
         retired.append((self._wfd, seg.path, seg.end, self._seg_unsynced))
