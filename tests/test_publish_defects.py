@@ -215,21 +215,9 @@ def test_a_publisher_waiting_for_its_confirm_is_not_held(tmp_path: Path) -> None
         server = await loop.create_server(lambda: Probe(node, protocols, ("127.0.0.1", 0)), "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         try:
-            setup = Client(node)
-            setup.open(1)
-            setup.method(commands.Queue.Declare(queue="bq"))
-            for i in range(2000):
-                setup.publish("", "bq", b"backlog-%d" % i)
-            setup.method(commands.Basic.Qos(prefetch_count=1))
-            setup.method(commands.Basic.Consume(queue="bq", consumer_tag="slow"))  # never acks
+            _lagging_consumer(node, "bq", 2000)
             assert node.vhosts["/"].queues["bq"].message_count > 1000
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(b"AMQP\x00\x00\x09\x01")
-            writer.write(pframe.marshal(commands.Connection.StartOk(
-                client_properties={}, mechanism="PLAIN", response="\x00guest\x00guest"), 0))
-            writer.write(pframe.marshal(commands.Connection.TuneOk(2047, 131072, 0), 0))
-            writer.write(pframe.marshal(commands.Connection.Open("/"), 0))
-            writer.write(pframe.marshal(commands.Channel.Open(), 1))
+            reader, writer = await _open_channel(port)
             writer.write(pframe.marshal(commands.Confirm.Select(), 1))
             await _read_until(reader, b"\x00\x55\x00\x0b")  # confirm.select-ok
             for i in range(1, 6):
@@ -245,6 +233,29 @@ def test_a_publisher_waiting_for_its_confirm_is_not_held(tmp_path: Path) -> None
             await server.wait_closed()
 
     _run(tmp_path, test)
+
+
+def _lagging_consumer(node: Any, queue: str, backlog: int) -> None:
+    """``queue`` with a backlog and a consumer (prefetch 1) that never acks."""
+    setup = Client(node)
+    setup.open(1)
+    setup.method(commands.Queue.Declare(queue=queue))
+    for i in range(backlog):
+        setup.publish("", queue, b"backlog-%d" % i)
+    setup.method(commands.Basic.Qos(prefetch_count=1))
+    setup.method(commands.Basic.Consume(queue=queue, consumer_tag="slow"))
+
+
+async def _open_channel(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A raw AMQP connection to ``port`` with channel 1 opened (its replies unread)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"AMQP\x00\x00\x09\x01")
+    writer.write(pframe.marshal(commands.Connection.StartOk(
+        client_properties={}, mechanism="PLAIN", response="\x00guest\x00guest"), 0))
+    writer.write(pframe.marshal(commands.Connection.TuneOk(2047, 131072, 0), 0))
+    writer.write(pframe.marshal(commands.Connection.Open("/"), 0))
+    writer.write(pframe.marshal(commands.Channel.Open(), 1))
+    return reader, writer
 
 
 async def _read_until(reader: asyncio.StreamReader, marker: bytes) -> bytes:
@@ -281,20 +292,8 @@ def test_a_held_publisher_does_not_keep_the_loop_spinning(tmp_path: Path) -> Non
         server = await loop.create_server(lambda: Probe(node, protocols, ("127.0.0.1", 0)), "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         try:
-            setup = Client(node)
-            setup.open(1)
-            setup.method(commands.Queue.Declare(queue="lag"))
-            for i in range(200):
-                setup.publish("", "lag", b"backlog-%d" % i)
-            setup.method(commands.Basic.Qos(prefetch_count=1))
-            setup.method(commands.Basic.Consume(queue="lag", consumer_tag="slow"))  # never acks
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(b"AMQP\x00\x00\x09\x01")
-            writer.write(pframe.marshal(commands.Connection.StartOk(
-                client_properties={}, mechanism="PLAIN", response="\x00guest\x00guest"), 0))
-            writer.write(pframe.marshal(commands.Connection.TuneOk(2047, 131072, 0), 0))
-            writer.write(pframe.marshal(commands.Connection.Open("/"), 0))
-            writer.write(pframe.marshal(commands.Channel.Open(), 1))
+            _lagging_consumer(node, "lag", 200)
+            reader, writer = await _open_channel(port)
             await _read_until(reader, b"\x00\x14\x00\x0b")  # channel.open-ok
             for i in range(20):
                 writer.write(publish_frames("", "lag", b"more-%d" % i))
