@@ -5,7 +5,8 @@ itself is what is tested."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -201,7 +202,6 @@ def test_a_publisher_waiting_for_its_confirm_is_not_held(tmp_path: Path) -> None
     on reading it instead of parking it for the consumers' sake. A fire-and-forget publisher
     (whose next publishes may already be in the socket) is still held."""
     async def test(node: Any) -> None:
-        loop = asyncio.get_running_loop()
         protocols: set[AMQPProtocol] = set()
         held: list[tuple[bool, bool]] = []  # (confirm mode, reading paused after a batch)
 
@@ -212,9 +212,7 @@ def test_a_publisher_waiting_for_its_confirm_is_not_held(tmp_path: Path) -> None
                 if s is not None and s.chs.get(1) is not None and s.stats.published:
                     held.append((s.chs[1].confirm, self._read_paused))
 
-        server = await loop.create_server(lambda: Probe(node, protocols, ("127.0.0.1", 0)), "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        try:
+        async with _serving(node, Probe, protocols) as port:
             _lagging_consumer(node, "bq", 2000)
             assert node.vhosts["/"].queues["bq"].message_count > 1000
             reader, writer = await _open_channel(port)
@@ -225,14 +223,23 @@ def test_a_publisher_waiting_for_its_confirm_is_not_held(tmp_path: Path) -> None
                 await _read_until(reader, b"\x00\x3c\x00\x50")  # basic.ack
             assert len(held) >= 5 and not any(paused for _, paused in held), held
             writer.close()
-        finally:
-            server.close()
-            for p in list(protocols):
-                if p.transport is not None:
-                    p.transport.close()
-            await server.wait_closed()
 
     _run(tmp_path, test)
+
+
+@contextlib.asynccontextmanager
+async def _serving(node: Any, cls: type[AMQPProtocol], protocols: set[AMQPProtocol]) -> AsyncIterator[int]:
+    """A listener on loopback serving ``cls`` connections; its port. Closed with them."""
+    server = await asyncio.get_running_loop().create_server(
+        lambda: cls(node, protocols, ("127.0.0.1", 0)), "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        server.close()
+        for p in list(protocols):
+            if p.transport is not None:
+                p.transport.close()
+        await server.wait_closed()
 
 
 def _lagging_consumer(node: Any, queue: str, backlog: int) -> None:
@@ -289,9 +296,7 @@ def test_a_held_publisher_does_not_keep_the_loop_spinning(tmp_path: Path) -> Non
                 looks.append(loop.time())
                 super()._resume_reading(hold_until)
 
-        server = await loop.create_server(lambda: Probe(node, protocols, ("127.0.0.1", 0)), "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        try:
+        async with _serving(node, Probe, protocols) as port:
             _lagging_consumer(node, "lag", 200)
             reader, writer = await _open_channel(port)
             await _read_until(reader, b"\x00\x14\x00\x0b")  # channel.open-ok
@@ -303,11 +308,5 @@ def test_a_held_publisher_does_not_keep_the_loop_spinning(tmp_path: Path) -> Non
             # every hold lasts at most _HOLD_SECONDS (5 ms): a few looks each, not one per turn
             assert len(looks) <= 20 * len(holds), (len(looks), len(holds))
             writer.close()
-        finally:
-            server.close()
-            for p in list(protocols):
-                if p.transport is not None:
-                    p.transport.close()
-            await server.wait_closed()
 
     _run(tmp_path, test)
