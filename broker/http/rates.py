@@ -12,7 +12,9 @@ rendered. Nothing is done per message.
 
 What a pass keeps, so that many idle queues cost little time and RAM:
 
-- every object's last values (one tuple; idle queues that never counted anything share one);
+- nothing for an object that never counted anything (most idle queues);
+- the last values of one that did (one tuple), kept in place: an unchanged object costs a lookup
+  and a compare, no write;
 - a ring of snapshots only for an object that changed within the window (or a queue with
   consumers, for its utilisation): an object without one has a rate of zero, which is what its
   ring would say. A ring whose oldest and newest snapshots are equal is dropped;
@@ -20,8 +22,8 @@ What a pass keeps, so that many idle queues cost little time and RAM:
   the node's redelivered count) are rates of those sums, never a walk over the queues when an
   answer is rendered.
 
-Objects are keyed by identity (the pass holds the object until the next pass has not seen it),
-so a queue or exchange deleted and re-declared under the same name starts from zero: one first
+Objects are keyed by identity (what is kept for one holds it until a pass finds it gone), so a
+queue or exchange deleted and re-declared under the same name starts from zero: one first
 seen counts as zero at the previous pass, so its first interval has a rate. A queue deleted
 between passes keeps what it counted in the sums; only its last interval is not seen.
 
@@ -35,6 +37,7 @@ A queue without consumers has none (``null``, as RabbitMQ).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -64,6 +67,8 @@ VHOST_FIELDS = ("confirm", "unroutable", "returned")
 EXCHANGE_FIELDS = ("publish_in", "publish_out")
 CONNECTION_FIELDS = ("recv_oct", "send_oct")
 GAUGE_FIELDS = ("mem_used", "disk_free", "fd_used", "sockets_used", "proc_used")
+
+log = logging.getLogger(__name__)
 
 Values = tuple[float, ...]
 Sample = tuple[float, Values]
@@ -190,8 +195,11 @@ class RateSampler:
     async def _run(self) -> None:
         while True:
             started = self.clock()
-            for _ in self.steps():
-                await asyncio.sleep(0)  # the loop's other callbacks and its IO poll run here
+            try:
+                for _ in self.steps():
+                    await asyncio.sleep(0)  # the loop's other callbacks and its IO poll run here
+            except Exception as exc:  # noqa: BLE001 - one bad pass must not end the sampling
+                log.error("statistics pass failed: %r", exc)
             await asyncio.sleep(max(0.0, started + INTERVAL - self.clock()))
 
     def sample(self) -> None:
@@ -287,7 +295,7 @@ class RateSampler:
         for q in part:
             store = q.store
             delta = queues.see(q, (q.n_published, q.n_delivered, q.n_acked, q.n_redelivered,
-                                   store.ready_count, store.unacked_count, q.n_gets,
+                                   q.message_count, store.unacked_count, q.n_gets,
                                    q.n_gets_no_ack, q.n_get_empty), now, previous)
             if delta is not None:
                 for i, d in enumerate(delta):
