@@ -1,11 +1,11 @@
 """Private brokers with TLS for benchmarks/tls_cost.py ``--both``: a test CA, a Skred and a
 RabbitMQ 3.10 instance of our own (private data dirs, free ports, own epmd), stopped by PID.
 
-RabbitMQ runs from the distribution's package (``/usr/lib/rabbitmq/bin/rabbitmq-server``, the
-script behind ``/usr/sbin/rabbitmq-server``) with every directory, the node name, the AMQP, AMQPS
-and distribution ports and ``ERL_EPMD_PORT`` its own, so it never meets a system RabbitMQ.
-We start epmd ourselves on that port (in the foreground, our child), so both it and the broker
-are stopped by the PIDs we hold.
+RabbitMQ is the conformance harness's private node (tests/integration/conformance/_rabbit.py,
+``RabbitProcess``: the distribution's package with every directory, the node name, the ports and
+``ERL_EPMD_PORT`` its own, so it never meets a system RabbitMQ; epmd and the node are our
+children, stopped by the PIDs we hold), here without the management plugin and with an AMQPS
+listener. Its CPU time is read from the Erlang VM under the start script (``beam_pid``).
 """
 
 from __future__ import annotations
@@ -26,22 +26,15 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-RABBITMQ = "/usr/lib/rabbitmq/bin/rabbitmq-server"
+sys.path.insert(0, str(REPO_ROOT))
+
+from tests.integration._support import amqp_answers, free_port  # noqa: E402  (needs the repo root)
+from tests.integration.conformance._rabbit import RabbitProcess  # noqa: E402
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _answers(port: int, probe: bool = True) -> bool:
-    """Something accepts on the port (and, with ``probe``, answers the AMQP header)."""
+def _accepts(port: int) -> bool:
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
-            if probe:
-                s.sendall(b"AMQP\x00\x00\x09\x01")
-                return bool(s.recv(8))
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
             return True
     except OSError:
         return False
@@ -78,13 +71,12 @@ def make_certs(dir: Path) -> tuple[Path, Path, Path]:
 class Broker:
     """A started broker: its PID (for CPU time), plain and TLS AMQP URIs."""
 
-    def __init__(self, name: str, proc: subprocess.Popen[bytes], port: int, tls_port: int, ca: Path,
-                 extra: list[subprocess.Popen[bytes]] | None = None) -> None:
-        self.name = name
+    name = "Skred"
+
+    def __init__(self, proc: subprocess.Popen[bytes], port: int, tls_port: int, ca: Path) -> None:
         self.proc = proc
         self.port = port
         self.tls_port = tls_port
-        self.extra = extra or []
         self.plain_uri = f"amqp://guest:guest@127.0.0.1:{port}/"
         self.tls_uri = f"amqps://guest:guest@localhost:{tls_port}/?cacertfile={ca}"
 
@@ -97,20 +89,42 @@ class Broker:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}")
-            if _answers(self.port) and _answers(self.tls_port, probe=False):
+            if amqp_answers("127.0.0.1", self.port) and _accepts(self.tls_port):
                 return
             time.sleep(0.5)
         raise RuntimeError(f"{self.name} not ready after {timeout:.0f}s")
 
     def stop(self) -> None:
-        for proc in [self.proc, *self.extra]:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(60)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)  # its own session: only what it started
-                    proc.wait(10)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: only what it started
+                self.proc.wait(10)
+
+
+class RabbitBroker(Broker):
+    """The private RabbitMQ node behind the same face; ``pid`` is its Erlang VM."""
+
+    name = "RabbitMQ"
+
+    def __init__(self, node: RabbitProcess, ca: Path) -> None:
+        assert node.proc is not None and node.tls_port is not None
+        super().__init__(node.proc, node.port, node.tls_port, ca)
+        self.node = node
+
+    @property
+    def pid(self) -> int:
+        return self.node.beam_pid()
+
+    def wait_ready(self, timeout: float) -> None:
+        problem = self.node.wait_ready(timeout)
+        if problem:
+            raise RuntimeError(problem)
+
+    def stop(self) -> None:
+        self.node.close()
 
 
 def start_skred(work: Path, ca: Path, cert: Path, key: Path) -> Broker:
@@ -124,49 +138,10 @@ def start_skred(work: Path, ca: Path, cert: Path, key: Path) -> Broker:
     with open(work / "skred.log", "ab") as log:
         proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
-    return Broker("Skred", proc, port, tls_port, ca)
+    return Broker(proc, port, tls_port, ca)
 
 
 def start_rabbitmq(work: Path, ca: Path, cert: Path, key: Path) -> Broker:
-    base = work / "rabbitmq"
-    base.mkdir(parents=True, exist_ok=True)
-    port, tls_port, dist, epmd_port = free_port(), free_port(), free_port(), free_port()
-    conf = base / "rabbitmq.conf"
-    conf.write_text(
-        f"listeners.tcp.default = 127.0.0.1:{port}\n"
-        f"listeners.ssl.default = 127.0.0.1:{tls_port}\n"
-        f"ssl_options.cacertfile = {ca}\nssl_options.certfile = {cert}\nssl_options.keyfile = {key}\n"
-        "ssl_options.verify = verify_none\nssl_options.fail_if_no_peer_cert = false\n"
-        "loopback_users = none\n")
-    (base / "enabled_plugins").write_text("[].\n")
-    (base / "rabbitmq-env.conf").write_text("")
-    (base / "advanced.config").write_text("[].\n")
-    env = dict(os.environ, HOME=str(base), ERL_EPMD_PORT=str(epmd_port),
-               RABBITMQ_NODENAME=f"tlscost{epmd_port}@localhost", RABBITMQ_DIST_PORT=str(dist),
-               RABBITMQ_CONFIG_FILE=str(conf), RABBITMQ_ADVANCED_CONFIG_FILE=str(base / "advanced.config"),
-               RABBITMQ_CONF_ENV_FILE=str(base / "rabbitmq-env.conf"),
-               RABBITMQ_ENABLED_PLUGINS_FILE=str(base / "enabled_plugins"),
-               RABBITMQ_MNESIA_BASE=str(base / "mnesia"), RABBITMQ_LOG_BASE=str(base / "log"),
-               RABBITMQ_PID_FILE=str(base / "rabbitmq.pid"),
-               RABBITMQ_PLUGINS_EXPAND_DIR=str(base / "plugins"),
-               RABBITMQ_FEATURE_FLAGS_FILE=str(base / "feature_flags"),
-               RABBITMQ_LOGS=str(base / "rabbit.log"))
-    with open(base / "epmd.log", "ab") as log:
-        epmd = subprocess.Popen(["epmd", "-port", str(epmd_port)], env=env, stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-    with open(base / "stdout.log", "ab") as log:
-        proc = subprocess.Popen([RABBITMQ], cwd=base, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-    return Broker("RabbitMQ", proc, port, tls_port, ca, extra=[epmd])
-
-
-def beam_pid(shell_pid: int) -> int:
-    """The Erlang VM under the rabbitmq-server script (whose CPU time is the broker's)."""
-    for _ in range(3):
-        children = Path(f"/proc/{shell_pid}/task/{shell_pid}/children").read_text().split()
-        for child in children:
-            if "beam" in Path(f"/proc/{child}/comm").read_text():
-                return int(child)
-        if children:
-            shell_pid = int(children[0])
-    return shell_pid
+    node = RabbitProcess(work / "rabbitmq", management=False, tls=(ca, cert, key), name="tlscost")
+    node.spawn()
+    return RabbitBroker(node, ca)

@@ -77,7 +77,7 @@ HEADER = ["| broker | scenario | unit | plain (median) | TLS (median) | TLS / pl
 
 def both(keys: list[str], runs: int, seconds: float, work: Path) -> list[str]:
     """Start a private Skred and a private RabbitMQ with TLS, measure both, stop both."""
-    from tls_brokers import beam_pid, make_certs, start_rabbitmq, start_skred
+    from tls_brokers import make_certs, start_rabbitmq, start_skred
 
     ca, cert, key = make_certs(work / "certs")
     rows = []
@@ -85,8 +85,7 @@ def both(keys: list[str], runs: int, seconds: float, work: Path) -> list[str]:
         broker = start(work, ca, cert, key)
         try:
             broker.wait_ready(120)
-            pid = beam_pid(broker.pid) if broker.name == "RabbitMQ" else broker.pid
-            rows += measure(broker.name, pid, broker.plain_uri, broker.tls_uri, keys, runs, seconds)
+            rows += measure(broker.name, broker.pid, broker.plain_uri, broker.tls_uri, keys, runs, seconds)
         finally:
             broker.stop()
     return rows

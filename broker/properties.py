@@ -21,8 +21,10 @@ first defect; ``valid(props)`` is the hot-path form: a list seen valid before is
 remembered by its bytes (publish runs repeat the same properties), and so is a headers
 table; a table that differs from a valid one only inside its values (a new id in
 the same headers) is recognised by comparing its structural bytes at once
-(``_check_headers``). Refused: lengths that run past their end, unknown field types (the
-0-9-1 errata set RabbitMQ, pika and pamqp share), bytes after the last property, a
+(``_check_headers``); a whole list likewise, with its short strings' ASCII and its
+timestamps' range in the same masked compare (``_list_layouts``). Refused: lengths that
+run past their end, unknown field types (the 0-9-1 errata set RabbitMQ, pika and pamqp
+share), bytes after the last property, a
 second flag word (class basic has 14 properties), field names and short strings that
 are not UTF-8, tables nested deeper than clients recurse, and timestamps beyond year
 9999 (pamqp turns the timestamp property into a datetime: seconds, or milliseconds when
@@ -32,6 +34,7 @@ above 2**32; pika turns a 'T' field into a datetime of seconds).
 from __future__ import annotations
 
 import struct
+from operator import itemgetter
 from typing import Any
 
 from pamqp import commands
@@ -119,11 +122,20 @@ class _Shape:
         self.stamp = -1  # the timestamp property
 
 
-# list length -> (mask of its structural bytes, their value, short-string value spans,
-# timestamp property position or -1, header timestamp positions): ``valid`` of a list that
-# differs from a valid one of its length only in its values (a new message-id, timestamp
-# and task id on every message) costs three big-integer operations and the value checks.
-_list_layouts: dict[int, tuple[int, int, tuple[slice, ...], int, tuple[int, ...]]] = {}
+# list length -> (strict mask, strict value, loose mask, loose value, short-string value spans,
+# timestamp property position or -1, header timestamp positions), learnt from the last valid
+# list of that length. ``valid`` of a list that differs from it only in its values (a new
+# message-id, timestamp and task id on every message) is three C-level big-integer operations:
+# ``int.from_bytes(props) & mask == value``. The strict mask covers the structural bytes (flags,
+# lengths, field names and types: equal), the top bit of every short-string octet (clear: ASCII,
+# so UTF-8) and the top bits of every timestamp (clear: certainly within the limits). The loose
+# mask covers the structural bytes only; a list that passes it but not the strict one has its
+# values checked one by one (``_values_ok``: UTF-8 short strings, exact timestamp limits).
+_Layout = tuple[int, int, int, int, tuple[slice, ...], int, tuple[int, ...]]
+_list_layouts: dict[int, _Layout] = {}
+# The top bits that, clear, put a timestamp safely below its limit (see the masks above).
+_STAMP_PROPERTY_SAFE = 0xFFFF80 << 40  # < 2**47 ms (year 6429) < MAX_TIMESTAMP_PROPERTY
+_STAMP_FIELD_SAFE = 0xFFFFFFE0 << 32  # < 2**37 s (year 6325) < MAX_TIMESTAMP_FIELD
 
 
 class _Malformed(Exception):
@@ -133,30 +145,52 @@ class _Malformed(Exception):
 def valid(props: bytes) -> bool:
     """Whether a property list is one every client decodes (cheap for lists seen before,
     and for lists with the structure of one seen before: see ``_list_layouts``)."""
-    if props in _valid_lists:
-        return True
     n = len(props)
     layout = _list_layouts.get(n)
     if layout is not None:
-        mask, structure, strs, stamp, stamps = layout
-        if int.from_bytes(props) & mask == structure and _values_ok(props, strs, stamp, stamps):
+        x = int.from_bytes(props)
+        if x & layout[0] == layout[1]:
+            return True
+    if props in _valid_lists:
+        return True
+    if layout is not None:
+        _, _, loose, structure, strs, stamp, stamps = layout
+        if x & loose == structure and _values_ok(props, strs, stamp, stamps):
             return True
     shape = _Shape()
     try:
         _check_list(props, shape)
     except _Malformed:
         return False
-    mask = 0
-    for a, b in shape.spans:
-        mask |= ((1 << (8 * (b - a))) - 1) << (8 * (n - b))
     if len(_list_layouts) >= _CACHE_MAX:
         _list_layouts.clear()
-    _list_layouts[n] = (mask, int.from_bytes(props) & mask, tuple(slice(a, b) for a, b, _ in shape.strs),
-                        shape.stamp, tuple(shape.stamps))
+    _list_layouts[n] = _layout_of(props, shape)
     if len(_valid_lists) >= _CACHE_MAX:
         _valid_lists.clear()
     _valid_lists.add(props)
     return True
+
+
+def _layout_of(props: bytes, shape: _Shape) -> _Layout:
+    """The masks of lists with the structure of ``props`` (see ``_list_layouts``)."""
+    n = len(props)
+
+    def at(bits: int, start: int, length: int) -> int:  # ``bits`` over bytes start..start+length
+        return bits << (8 * (n - start - length))
+
+    loose = 0
+    for a, b in shape.spans:
+        loose |= at((1 << (8 * (b - a))) - 1, a, b - a)
+    strict = loose
+    for a, b, _ in shape.strs:
+        strict |= at(int.from_bytes(b"\x80" * (b - a)), a, b - a)
+    if shape.stamp >= 0:
+        strict |= at(_STAMP_PROPERTY_SAFE, shape.stamp, 8)
+    for p in shape.stamps:
+        strict |= at(_STAMP_FIELD_SAFE, p, 8)
+    x = int.from_bytes(props)
+    return (strict, x & loose, loose, x & loose, tuple(slice(a, b) for a, b, _ in shape.strs),
+            shape.stamp, tuple(shape.stamps))
 
 
 def _values_ok(props: bytes, strs: tuple[slice, ...], stamp: int, stamps: tuple[int, ...]) -> bool:
@@ -369,6 +403,21 @@ def priority(props: bytes | memoryview) -> int:
     flags = (props[0] << 8) | props[1]
     pos = _octet_after(props, flags)
     return int(props[pos + 1 if flags & FLAG_DELIVERY_MODE else pos])
+
+
+_FIRST_OCTET = itemgetter(0)
+_SECOND_OCTET = itemgetter(1)
+
+
+def run_flags(props: list[bytes]) -> int:
+    """The flag words of a run of (valid) property lists ORed together: which properties any
+    of them has. The distinct octets are collected at C speed; a run has only a few."""
+    hi = lo = 0
+    for v in set(map(_FIRST_OCTET, props)):
+        hi |= v
+    for v in set(map(_SECOND_OCTET, props)):
+        lo |= v
+    return hi << 8 | lo
 
 
 def has_reply_to(props: bytes) -> bool:

@@ -10,10 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pamqp import commands
 
+from broker import properties
 from broker.http.common import ApiError, check_name
 from broker.http.policies import PolicyApi, validate_policy
-from broker.http.render import jsonable, properties_key
+from broker.http.render import jsonable, payload_json, properties_json, properties_key
 
 
 def test_properties_key_is_rabbitmq_style() -> None:
@@ -116,3 +118,15 @@ def test_paging_renders_only_the_page() -> None:
     rendered.clear()
     doc = _page("/api/queues?name=q0000&columns=name", objects, rendered)  # no page: every match
     assert doc == [{"name": f"q0000{i}"} for i in range(10)] and len(rendered) == 10
+
+
+def test_messages_render_alike_for_queue_get_and_the_stream_reader() -> None:
+    """One rendering of a message's properties and payload for ``POST .../get`` and the stream
+    reader: management API property names, only those set, UTF-8 text or base64."""
+    raw = properties.encode(commands.Basic.Properties(
+        message_type="order", content_type="text/plain", headers={"k": "v"}))
+    assert properties_json(raw) == {"type": "order", "content_type": "text/plain", "headers": {"k": "v"}}
+    assert properties_json(b"\x00\x00") == {} and properties_json(b"\xff\xff\x01") == {}
+    assert payload_json("é".encode(), "auto") == {"payload": "é", "payload_encoding": "string"}
+    assert payload_json(b"\xff", "auto") == {"payload": "/w==", "payload_encoding": "base64"}
+    assert payload_json(b"hi", "base64") == {"payload": "aGk=", "payload_encoding": "base64"}

@@ -130,3 +130,27 @@ def test_the_same_list_structure_shortcut_agrees_with_a_full_walk(
     assert properties.valid(props)  # primes the layout of this length
     assert properties.valid(bytes(other)) == (full is None), full
     _forget()
+
+
+def test_the_list_shortcut_keeps_the_exact_limits() -> None:
+    """Lists learnt once and then seen with other values: timestamps at and just beyond the
+    limits clients decode, and short strings that are UTF-8 or not, get a full walk's verdict
+    (the masked compare only takes values certainly inside the limits)."""
+    def props(ts: int, stamp: int, message_id: bytes) -> bytes:
+        table = b"\x01tT" + struct.pack(">Q", stamp)
+        return (b"\x20\xc0" + struct.pack(">I", len(table)) + table + bytes([len(message_id)]) + message_id
+                + struct.pack(">Q", ts))
+
+    _forget()
+    assert properties.valid(props(1_700_000_000, 1_700_000_000, b"abcd"))
+    top_p, top_f = properties.MAX_TIMESTAMP_PROPERTY, properties.MAX_TIMESTAMP_FIELD
+    cases = [(top_p, 1, b"abcd"), (top_p + 1, 1, b"abcd"), (1, top_f, b"abcd"), (1, top_f + 1, b"abcd"),
+             (2**63, 1, b"abcd"), (1, 2**63, b"abcd"), (1, 1, "\u00e9\u00e9".encode()),
+             (1, 1, b"\xff\xfe\xfd\xfc")]
+    for ts, stamp, mid in cases:
+        p = props(ts, stamp, mid)
+        full = properties.problem(p)
+        assert properties.valid(p) == (full is None), (ts, stamp, mid, full)
+    assert not properties.valid(props(properties.MAX_TIMESTAMP_PROPERTY + 1, 1, b"abcd"))
+    assert properties.valid(props(properties.MAX_TIMESTAMP_PROPERTY, properties.MAX_TIMESTAMP_FIELD, b"abcd"))
+    _forget()

@@ -83,3 +83,24 @@ def test_quorum_refuses_a_global_prefetch_stream_a_no_ack_consumer(tmp_path: Pat
         stream.check_consume(True, 10, 0, {})
     plain.check_consume(True, 0, 10, {})
     quorum.check_consume(False, 10, 0, {})
+
+
+@pytest.mark.parametrize("qtype,kept", [("quorum", True), ("classic", False)])
+def test_the_dead_letter_strategy_is_the_queue_types(tmp_path: Path, qtype: str, kept: bool) -> None:
+    """``x-dead-letter-strategy: at-least-once`` is a quorum queue's: a dead letter that the target
+    refuses stays in the source until a retry places it; a classic queue ignores the argument
+    and drops it (at most once), as RabbitMQ does."""
+    vh = _vhost(tmp_path)
+    target, _ = vh.declare_queue("target", owner=None, durable=True,
+                                 arguments={"x-max-length": 1, "x-overflow": "reject-publish"})
+    target.publish(1, b"", b"target", b"\x00\x00", b"filler", False)
+    src, _ = vh.declare_queue("src", owner=None, durable=True, arguments={
+        "x-queue-type": qtype, "x-dead-letter-exchange": "", "x-dead-letter-routing-key": "target",
+        "x-dead-letter-strategy": "at-least-once", "x-overflow": "reject-publish"})
+    src.publish(1, b"", b"src", b"\x00\x00", b"a", False)
+    got = src.get()
+    assert got is not None
+    src.reject(got[0], False)  # the full target refuses the dead letter
+    assert target.message_count == 1
+    assert src.features is not None and bool(src.features.dl_pending) is kept
+    assert (src.store.unacked_count == 1) is kept

@@ -14,7 +14,9 @@ code of ours. ``tests/test_codec.py`` checks both halves against pamqp.
 
 from __future__ import annotations
 
+import functools
 import struct
+from collections.abc import Callable
 from typing import Any
 
 from pamqp import commands
@@ -127,6 +129,14 @@ def encode_delivery(
 # header frame and the body frame's head (body size).
 HEADER_AFTER_METHOD = struct.Struct(">BBHIHHQ")  # frame end, header frame hdr, class, weight, size
 BODY_AFTER_HEADER = struct.Struct(">BBHI")  # frame end, body frame hdr
+
+
+@functools.cache
+def tag_to_body_size(between: int) -> Callable[..., bytes]:
+    """``pack(tag, between_bytes, *HEADER_AFTER_METHOD fields)``: a delivery's tag, the
+    ``between`` octets after it (redelivered, exchange, routing key) and the sizes that follow,
+    in one call (a run of deliveries of differing sizes packs this once per message)."""
+    return struct.Struct(f">Q{between}sBBHIHHQ").pack
 
 
 def encode_delivery_raw(

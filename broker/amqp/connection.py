@@ -46,6 +46,10 @@ _METHOD_ID = codec.METHOD_ID
 _U64 = codec.U64
 _HEADER_PREFIX = codec.HEADER_PREFIX
 _HEADER_FRAME = struct.Struct(">BHIHHQ")  # frame type, channel, size + class, weight, body size
+_HEADER_START = struct.Struct(">BH").pack  # frame type, channel
+_HEADER_REST = struct.Struct(">IIQ")  # a header frame's size, class + weight, body size
+_HEADER_TAIL = struct.Struct(">II")  # frame end, frame type + channel of the next frame; its size
+_BASIC_CLASS_WEIGHT = 60 << 16
 # Bodies below this are sliced out of the read buffer and may join a publish run; larger
 # ones stay views of it (the store writes those with pwritev: segment.PWRITE_MIN).
 _SMALL_BODY = 16 * 1024
@@ -596,36 +600,49 @@ class AMQPConnection:
         frame by frame (``_content_at``) and becomes the one the next must repeat.
         """
         exact, ch, args, props, bsize, skip, method = self._repeat  # type: ignore[misc]
-        mlen = len(method)
+        # the method frame and the start of a header frame on the same channel
+        method_h = method + _HEADER_START(2, ch)
+        mlen = len(method_h)
+        unpack_header = _HEADER_REST.unpack_from
+        unpack_tail = _HEADER_TAIL.unpack_from
+        tail = 0xCE03 << 16 | ch  # a header frame's end octet, then a body frame on ``ch``
+        small = min(_SMALL_BODY, self.max_message_size + 1, max_size + 1)  # body sizes taken here
         props_l: list[bytes] = []
         bodies: list[bytes] = []
         same = True  # every publish of the run with the first one's properties and body size
         while True:
-            if data.startswith(exact, pos):
+            if same and data.startswith(exact, pos):
                 b = pos + skip
                 bend = b + bsize
                 if bend >= n or data[bend] != 0xCE:
                     break  # incomplete or bad: the general path takes it
-            elif data.startswith(method, pos):
-                got = self._content_at(data, pos + mlen, ch, n, max_size)
-                if got is None:
+                p = props
+            elif data.startswith(method_h, pos):
+                # a header frame and one body frame on this channel, complete: the checks of
+                # ``_content_at`` inlined, with empty and large bodies left to the general path
+                h = pos + mlen
+                if n - h < 16:
                     break
-                hend, bend = got
+                hsize, class_weight, bs = unpack_header(data, h)
+                hend = h + 4 + hsize
                 b = hend + 8
-                if bend == hend or bend - b >= _SMALL_BODY:
-                    break  # an empty or a large body: the general path takes it
-                p = data[pos + mlen + 19 : hend]
+                bend = b + bs
+                if class_weight != _BASIC_CLASS_WEIGHT or not 14 <= hsize <= max_size or not 0 < bs < small \
+                        or bend >= n or data[bend] != 0xCE or unpack_tail(data, hend) != (tail, bs):
+                    break
+                p = data[h + 16 : hend]
                 if not _props_valid(p):
                     break  # the general path refuses it
                 if bodies:
-                    same = False
-                props = p
-                bsize = bend - b
-                skip = b - pos
-                exact = data[pos:b]
+                    same = False  # no exact repeats are looked for in this run from now on
+                else:  # the first of the run: what the ones after it may repeat
+                    props = p
+                    bsize = bend - b
+                    skip = b - pos
+                    exact = data[pos:b]
             else:
                 break
-            props_l.append(props)
+            props_l.append(p)
             bodies.append(data[b:bend])
             pos = bend + 1
         if not bodies:

@@ -38,7 +38,7 @@ from broker.amqp import codec
 from broker.amqp.connection import CH_OPEN, AMQPConnection, PublishArgs
 from broker.model.publish import PublishRequest
 from broker.model.queue import Consumer, Queue
-from broker.properties import FLAG_USER_ID, HI_DELIVERY_MODE, HI_REPLY_TO
+from broker.properties import FLAG_REPLY_TO, FLAG_USER_ID, HI_DELIVERY_MODE, HI_REPLY_TO
 
 if TYPE_CHECKING:
     from broker.amqp.broker import Broker
@@ -230,6 +230,7 @@ class SessionConsumer(Consumer):
         b_len = key[2]
         ok = key[0] == exrk and not key[3]
         pre = b"\x00" + exrk
+        sized = codec.tag_to_body_size(len(pre))
         ch = chs.id
         max_body = frame_max - _FRAME_OVERHEAD
         parts: list[bytes] = []
@@ -239,7 +240,7 @@ class SessionConsumer(Consumer):
             if ok and bl == b_len and len(p) == p_len:
                 add((head, _U64_PACK(tag), before, p, after, body, tail))
             elif ok and 0 < bl <= max_body:  # other sizes: pack them
-                add((head, _U64_PACK(tag), pre, _SIZES_HEAD(_END, _HEADER, ch, 12 + len(p), 60, 0, bl), p,
+                add((head, sized(tag, pre, _END, _HEADER, ch, 12 + len(p), 60, 0, bl), p,
                      _SIZES_BODY(_END, _BODY, ch, bl), body, _END_BYTE))
             else:  # an empty body, or one over several frames (a small frame_max)
                 add((codec.encode_delivery_raw(ch, self.prefix, tag, False, exrk, p, body, frame_max),))
@@ -544,7 +545,7 @@ class Session(AMQPConnection):
         ex = None if vh is None else vh.exchanges.get(exchange)
         if ex is None or ex.internal or chs.tx is not None or exchange not in self._write_ok \
                 or (props[0][0] & HI_REPLY_TO or props[0][1] & FLAG_USER_ID if same
-                    else any(p[0] & HI_REPLY_TO or p[1] & FLAG_USER_ID for p in props)):
+                    else properties.run_flags(props) & (FLAG_REPLY_TO | FLAG_USER_ID)):
             self.publish_each(channel, args, props, bodies)
             return
         try:

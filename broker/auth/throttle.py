@@ -25,9 +25,10 @@ count, so a client that authenticates every request is never slowed.
 
 Logging: a source's failures are logged one by one up to ``free``; crossing it
 logs one line ("slowing down"), and the end of the burst logs one summary. No
-password ever reaches this module. The table of sources is bounded
-(``max_sources``, oldest first out). The clock is passed in: no IO here,
-except in ``check_login``, which sleeps out the wait. The limits are options
+password ever reaches this module. The table of sources is a
+``broker.bursts.Bursts``: bounded (``max_sources``; quiet entries, then the
+oldest, go first). The clock is passed in: no IO here, except in
+``check_login``, which sleeps out the wait. The limits are options
 (``[main] login_throttle_*``).
 """
 
@@ -38,6 +39,8 @@ import logging
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from broker.bursts import Bursts
 
 if TYPE_CHECKING:
     from broker.auth.users import User, UserStore
@@ -75,20 +78,18 @@ class _Source:
     next_at: float = 0.0  # the earliest moment the next attempt may be checked
     first_failure: float = 0.0
     last_failure: float = 0.0
-    last_seen: float = 0.0
+    last: float = 0.0  # the last attempt or failure: the source is forgotten ``quiet`` after it
     announced: bool = False
 
 
-class LoginThrottle:
+class LoginThrottle(Bursts[_Source]):
     def __init__(self, *, free: int = 5, base: float = 0.05, max_interval: float = 2.0,
                  max_wait: float = 8.0, quiet: float = 60.0, max_sources: int = 10_000) -> None:
+        super().__init__(quiet=quiet, max_sources=max_sources)
         self.free = free
         self.base = base
         self.max_interval = max_interval
         self.max_wait = max_wait  # below the AMQP handshake timeout, so a waiting client is served
-        self.quiet = quiet
-        self.max_sources = max_sources
-        self._sources: dict[str, _Source] = {}
         # accounting, for tests and metrics: attempts delayed, total delay handed out, refusals
         self.delayed = 0
         self.delay_seconds = 0.0
@@ -100,26 +101,18 @@ class LoginThrottle:
             return 0.0
         return min(self.max_interval, self.base * 2.0 ** min(over - 1, 60))
 
-    def sources(self) -> int:
-        return len(self._sources)
-
     def admit(self, source: str, now: float) -> float | None:
         """Seconds to wait before checking this attempt's credentials; None: refuse it unchecked."""
-        entry = self._sources.get(source)
-        if entry is not None and now - entry.last_seen > self.quiet:
-            self._forget(source, entry)
-            entry = None
+        entry = self.current(source, now)
         if entry is None:
-            if len(self._sources) >= self.max_sources:
-                self._evict(now)
-            entry = self._sources[source] = _Source()
+            entry = self.start(source, _Source(), now)
         slot = max(now, entry.next_at)
         wait = slot - now
         if wait > self.max_wait:
             self.refused += 1
             return None
         entry.attempts += 1
-        entry.last_seen = now
+        entry.last = now
         entry.next_at = slot + self.interval(entry.attempts)
         if wait > 0:
             self.delayed += 1
@@ -128,13 +121,13 @@ class LoginThrottle:
 
     def failed(self, source: str, now: float) -> bool:
         """Record a failed login; True when it should be logged on its own (not mid-burst)."""
-        entry = self._sources.get(source)
+        entry = self._entries.get(source)
         if entry is None:  # admitted before an eviction: count it afresh
-            entry = self._sources[source] = _Source(attempts=1)
+            entry = self._entries[source] = _Source(attempts=1)
         if not entry.failures:
             entry.first_failure = now
         entry.failures += 1
-        entry.last_failure = entry.last_seen = now
+        entry.last_failure = entry.last = now
         if entry.failures <= self.free:
             return True
         if not entry.announced:
@@ -145,23 +138,14 @@ class LoginThrottle:
         return False
 
     def succeeded(self, source: str) -> None:
-        entry = self._sources.get(source)
+        entry = self._entries.get(source)
         if entry is None:
             return
         entry.attempts = max(0, entry.attempts - 1)
         if not entry.attempts and not entry.failures:
-            del self._sources[source]
+            del self._entries[source]
 
-    def _forget(self, source: str, entry: _Source) -> None:
-        del self._sources[source]
+    def ended(self, source: str, entry: _Source) -> None:
         if entry.announced:
             log.warning("burst of failed logins from %s ended: %d failed logins in %.1fs", source,
                         entry.failures, entry.last_failure - entry.first_failure)
-
-    def _evict(self, now: float) -> None:
-        for source, entry in list(self._sources.items()):
-            if now - entry.last_seen > self.quiet:
-                self._forget(source, entry)
-        while len(self._sources) >= self.max_sources:  # still full: the oldest entry goes
-            source = next(iter(self._sources))
-            self._forget(source, self._sources[source])

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from broker.auth.names import check_name
 from broker.auth.passwords import HASHING_ALGORITHM, check_password, hash_password
 from broker.auth.throttle import LoginThrottle
 from broker.errors import StoreError
@@ -44,19 +45,8 @@ FILE_VERSION = 1
 KNOWN_TAGS = ("administrator", "monitoring", "management", "policymaker", "impersonator")
 DEFAULT_VHOST = "/"
 LOOPBACK_USERS = ("guest",)
-# AMQP short strings carry at most 255 bytes; user and vhost names travel in them.
-MAX_NAME_BYTES = 255
 # Compared against when the user does not exist, so a miss costs the same time as a hit.
 _DUMMY_HASH = hash_password("", b"\x00\x00\x00\x00")
-
-
-def _check_name(kind: str, name: str) -> None:
-    if not name:
-        raise ValueError(f"{kind} name must not be empty")
-    if len(name.encode("utf-8")) > MAX_NAME_BYTES:
-        raise ValueError(f"{kind} name {name[:32]!r}... is longer than {MAX_NAME_BYTES} bytes")
-    if any(ord(ch) < 32 or ord(ch) == 127 for ch in name):
-        raise ValueError(f"{kind} name {name!r} contains control characters")
 
 
 def _compile(kind: str, pattern: str) -> re.Pattern[str]:
@@ -220,7 +210,7 @@ class UserStore:
         password_hash: str | None = None,
     ) -> User:
         """Create a user from a password or an existing RabbitMQ-style hash (neither: no login)."""
-        _check_name("user", name)
+        check_name("user", name)
         if name in self._users:
             raise ValueError(f"user {name!r} already exists")
         if password is not None and password_hash is not None:
@@ -242,7 +232,7 @@ class UserStore:
         return self._replace(name, tags=_normalise_tags(tags))
 
     def set_permissions(self, user: str, vhost: str, configure: str, write: str, read: str) -> User:
-        _check_name("vhost", vhost)
+        check_name("vhost", vhost)
         permission = Permission(configure, write, read)  # raises ValueError on a bad regex
         permissions = dict(self._require(user).permissions)
         permissions[vhost] = permission

@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from broker.auth.names import check_name
 from broker.errors import StoreError
 from broker.store.jsonstore import read_json, write_json
 from broker.store.sink import ReplicationSink
@@ -23,8 +24,6 @@ from broker.store.sink import ReplicationSink
 FILE_NAME = "vhosts.json"
 FILE_VERSION = 1
 DEFAULT_VHOST = "/"
-# AMQP short strings carry at most 255 bytes; vhost names travel in connection.open.
-MAX_NAME_BYTES = 255
 
 
 class VHostStore:
@@ -51,12 +50,7 @@ class VHostStore:
         return sorted(self._names)
 
     def add(self, name: str) -> None:
-        if not name:
-            raise ValueError("vhost name must not be empty")
-        if len(name.encode("utf-8")) > MAX_NAME_BYTES:
-            raise ValueError(f"vhost name is longer than {MAX_NAME_BYTES} bytes")
-        if any(ord(ch) < 32 or ord(ch) == 127 for ch in name):
-            raise ValueError(f"vhost name {name!r} contains control characters")
+        check_name("vhost", name)
         if name in self._names:
             raise ValueError(f"vhost {name!r} already exists")
         self._save(self._names | {name})

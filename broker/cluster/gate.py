@@ -27,14 +27,16 @@ limit) is logged on its own the first time an address is refused; later
 refusals from it are counted, and once it has been quiet for ``quiet``
 seconds one line sums the burst up (``sweep``, run by the leader's
 watchdog, or the address's next refusal). The table of addresses in a
-burst is bounded (``max_sources``; the oldest burst is summed up first).
-No IO here; the clock is passed in.
+burst is a ``broker.bursts.Bursts``, bounded (``max_sources``; the oldest
+burst is summed up first). No IO here; the clock is passed in.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+
+from broker.bursts import Bursts
 
 log = logging.getLogger("broker.cluster.leader")
 
@@ -51,17 +53,15 @@ class _Burst:
     why: str = ""  # the last reason
 
 
-class HandshakeGate:
+class HandshakeGate(Bursts[_Burst]):
     def __init__(self, *, per_source: int = PER_SOURCE, per_member: int = PER_MEMBER,
                  quiet: float = QUIET, max_sources: int = 10_000) -> None:
+        super().__init__(quiet=quiet, max_sources=max_sources)
         self.per_source = per_source
         self.per_member = per_member
-        self.quiet = quiet
-        self.max_sources = max_sources
         self.known: set[str] = set()  # addresses that presented the secret
         self.pending: dict[str, int] = {}
         self.turned_away = 0  # connections closed for being over the limit
-        self._bursts: dict[str, _Burst] = {}
 
     def enter(self, source: str) -> bool:
         n = self.pending.get(source, 0)
@@ -83,31 +83,16 @@ class HandshakeGate:
 
     def refused(self, source: str, why: str, now: float) -> bool:
         """Count a refusal; True when it is the first of a burst and should be logged."""
-        burst = self._bursts.get(source)
-        if burst is not None and now - burst.last > self.quiet:
-            self._end(source, burst)
-            burst = None
+        burst = self.current(source, now)
         if burst is None:
-            if len(self._bursts) >= self.max_sources:
-                self.sweep(now)
-                while len(self._bursts) >= self.max_sources:
-                    oldest = next(iter(self._bursts))
-                    self._end(oldest, self._bursts[oldest])
-            self._bursts[source] = _Burst(now, now, why=why)
+            self.start(source, _Burst(now, now, why=why), now)
             return True
         burst.count += 1
         burst.last = now
         burst.why = why
         return False
 
-    def sweep(self, now: float) -> None:
-        """Sum up every burst that has gone quiet."""
-        for source, burst in list(self._bursts.items()):
-            if now - burst.last > self.quiet:
-                self._end(source, burst)
-
-    def _end(self, source: str, burst: _Burst) -> None:
-        del self._bursts[source]
+    def ended(self, source: str, burst: _Burst) -> None:
         if burst.count > 1:
             log.warning("refused %d connections to the replication port from %s in %.1fs (last: %s)",
                         burst.count, source, burst.last - burst.first, burst.why)

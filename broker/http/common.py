@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from aiohttp import web
 
 from broker import errors
+from broker.auth.names import name_problem
 from broker.auth.sasl import basic_credentials
 from broker.auth.throttle import TooManyFailures, check_login
 from broker.auth.users import User
@@ -48,7 +49,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MGMT_TAGS = frozenset({"administrator", "monitoring", "management", "policymaker"})
-MAX_NAME_BYTES = 255
 MAX_PAGE_SIZE = 500
 MAX_BODY = 64 * 1024 * 1024  # definitions of a large broker fit; aiohttp refuses anything bigger
 REALM = 'Basic realm="Skred Management"'
@@ -203,12 +203,9 @@ def check_perm(request: web.Request, kind: str, vhost: str, resource: str) -> No
 
 # ------------------------------------------------------------ names and bodies
 def check_name(kind: str, name: str) -> str:
-    if not name:
-        raise bad_request(f"{kind} name must not be empty")
-    if len(name.encode("utf-8")) > MAX_NAME_BYTES:
-        raise bad_request(f"{kind} name is longer than {MAX_NAME_BYTES} bytes")
-    if any(ord(ch) < 32 or ord(ch) == 127 for ch in name):
-        raise bad_request(f"{kind} name contains control characters")
+    problem = name_problem(kind, name)
+    if problem is not None:
+        raise bad_request(problem)
     # Names never become file paths (the store hashes them), but a '.'/'..' path segment in a
     # name is a traversal attempt or a client bug; refuse it rather than store it.
     if any(part in (".", "..") for part in name.split("/")):

@@ -33,6 +33,7 @@ import re
 from typing import Any
 
 from broker import __version__, errors
+from broker.auth.names import MAX_NAME_BYTES, name_problem
 from broker.auth.passwords import ALGORITHMS, HASHING_ALGORITHM
 from broker.http.policies import validate_policy
 from broker.http.render import jsonable
@@ -45,7 +46,6 @@ from broker.model.vhost import DEFAULT_EXCHANGES
 
 log = logging.getLogger(__name__)
 
-MAX_NAME_BYTES = 255
 LIMITS_COMPONENT, OPERATOR_POLICY_COMPONENT = "vhost-limits", "operator_policy"
 DEFAULT_EXCHANGE_NAMES = frozenset(name for name, _ in DEFAULT_EXCHANGES)  # every new vhost has them
 
@@ -177,7 +177,7 @@ def _name(where: str, entry: dict[str, Any], key: str = "name", allow_empty: boo
     value = entry.get(key)
     if not isinstance(value, str) or (not value and not allow_empty):
         raise _fail(where, f"'{key}' must be a non-empty string")
-    if len(value.encode()) > MAX_NAME_BYTES or any(ord(c) < 32 or ord(c) == 127 for c in value):
+    if value and name_problem(key, value):
         raise _fail(where, f"'{key}' is too long or contains control characters")
     return value
 

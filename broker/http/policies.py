@@ -16,6 +16,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from broker.auth.names import MAX_NAME_BYTES
 from broker.model import policy as model_policy
 
 if TYPE_CHECKING:
@@ -24,7 +25,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 APPLY_TO = model_policy.APPLY_TO
-MAX_NAME_BYTES = 255
 # Every policy key RabbitMQ 3.10-4.x (with its bundled plugins) recognises; the API refuses others
 # with 400 as RabbitMQ does, so a typo is not silently ignored. Skred applies a subset (the rest are
 # accepted and stored, as on a RabbitMQ without the plugin that acts on them).

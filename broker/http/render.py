@@ -9,6 +9,7 @@ import hashlib
 import urllib.parse
 from typing import TYPE_CHECKING, Any
 
+from broker import properties
 from broker.model import queue_types
 from broker.model.exchange import Exchange
 from broker.model.queue import Queue
@@ -37,6 +38,37 @@ def jsonable(value: Any) -> Any:
     if isinstance(value, datetime.datetime):
         return int(value.timestamp())
     return value
+
+
+# Basic properties: management API name -> pamqp attribute (what a publish takes, a get shows)
+PROPERTY_FIELDS = {"content_type": "content_type", "content_encoding": "content_encoding",
+                   "headers": "headers", "delivery_mode": "delivery_mode", "priority": "priority",
+                   "correlation_id": "correlation_id", "reply_to": "reply_to",
+                   "expiration": "expiration", "message_id": "message_id", "timestamp": "timestamp",
+                   "type": "message_type", "user_id": "user_id", "app_id": "app_id"}
+_API_NAMES = {v: k for k, v in PROPERTY_FIELDS.items()}
+
+
+def properties_json(raw: bytes) -> dict[str, Any]:
+    """A message's basic properties as the management API shows them (only those that are set)."""
+    if len(raw) < 2:
+        return {}
+    try:
+        p = properties.decode(raw)
+    except Exception:  # noqa: BLE001 - odd properties from a client: show none rather than fail
+        return {}
+    return {_API_NAMES[k]: jsonable(v) for k, v in dict(p).items() if k in _API_NAMES and v not in (None, "")}
+
+
+def payload_json(shown: bytes, encoding: str) -> dict[str, str]:
+    """A (truncated) body as the management API shows it: a UTF-8 string when it decodes and
+    ``encoding`` is ``auto``, else base64."""
+    if encoding == "auto":
+        try:
+            return {"payload": shown.decode("utf-8"), "payload_encoding": "string"}
+        except UnicodeDecodeError:
+            pass
+    return {"payload": base64.b64encode(shown).decode("ascii"), "payload_encoding": "base64"}
 
 
 def rate(value: float) -> dict[str, float]:

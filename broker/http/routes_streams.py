@@ -24,33 +24,19 @@ visible to the user) plus the AMQP ``read`` permission on the queue, as for
 
 from __future__ import annotations
 
-import base64
 from typing import Any, Final
 
 from aiohttp import web
 
-from broker import properties
 from broker.http.common import MGMT_KEY, bad_request, check_perm, not_found, vhost_param
-from broker.http.render import jsonable
-from broker.model.stream import StreamQueue
+from broker.http.render import payload_json, properties_json
+from broker.model.stream import StreamQueue, named_offset
 
 routes = web.RouteTableDef()
 
 MAX_COUNT: Final = 10_000
 DEFAULT_COUNT: Final = 100
 MAX_BYTES: Final = 16 << 20  # payload bytes per answer (the rest: ask again from the next offset)
-_PROP_NAMES: Final = {"message_type": "type"}  # pamqp attribute -> management API name
-
-
-def _properties(raw: bytes) -> dict[str, Any]:
-    """Basic properties as the management API shows them (only those that are set)."""
-    if len(raw) < 2:
-        return {}
-    try:
-        p = properties.decode(raw)
-    except Exception:  # noqa: BLE001 - odd properties from a client: show none rather than fail
-        return {}
-    return {_PROP_NAMES.get(k, k): jsonable(v) for k, v in dict(p).items() if v not in (None, "")}
 
 
 def _int_param(request: web.Request, key: str, default: int, lo: int, hi: int) -> int:
@@ -72,14 +58,8 @@ def _start(request: web.Request, q: StreamQueue) -> int:
         if "offset" in request.query:
             raise bad_request("give either 'offset' or 'timestamp', not both")
         return s.offset_for_timestamp(_int_param(request, "timestamp", 0, 0, 1 << 62))
-    spec = request.query.get("offset", "first").strip().lower()
-    if spec == "first":
-        return s.first_offset
-    if spec == "last":
-        return max(s.next_offset - 1, s.first_offset)
-    if spec == "next":
-        return s.next_offset
-    return _int_param(request, "offset", 0, 0, 1 << 62)
+    named = named_offset(s, request.query.get("offset", "first").strip().lower())
+    return named if named is not None else _int_param(request, "offset", 0, 0, 1 << 62)
 
 
 @routes.get("/api/streams/{vhost}/{name}/messages")
@@ -109,21 +89,14 @@ async def stream_messages(request: web.Request) -> web.Response:
         offset, ts, exchange, routing_key, props, body = rec
         shown = body[:truncate] if truncate is not None else body
         shown_bytes += len(shown)
-        text: str | None = None
-        if encoding == "auto":
-            try:
-                text = shown.decode("utf-8")
-            except UnicodeDecodeError:
-                text = None
         out.append({
             "offset": offset,
             "timestamp": ts,
             "exchange": exchange.decode(errors="replace"),
             "routing_key": routing_key.decode(errors="replace"),
-            "properties": _properties(props),
-            "payload": text if text is not None else base64.b64encode(shown).decode("ascii"),
+            "properties": properties_json(props),
             "payload_bytes": len(body),
-            "payload_encoding": "string" if text is not None else "base64",
+            **payload_json(shown, encoding),
         })
     return web.json_response({
         "vhost": vhost, "queue": name,

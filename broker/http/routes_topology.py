@@ -38,10 +38,12 @@ from broker.http.common import (
     visible_sessions,
 )
 from broker.http.render import (
+    PROPERTY_FIELDS,
     binding_json,
     consumers_json,
     exchange_json,
-    jsonable,
+    payload_json,
+    properties_json,
     queue_json,
     vhost_bindings,
 )
@@ -154,13 +156,6 @@ async def exchange_bindings_destination(request: web.Request) -> web.Response:
     ex = _exchange(request, vh)
     return paginate(request, [b for b in vhost_bindings(vh)
                               if b["destination_type"] == "exchange" and b["destination"] == ex.name])
-
-
-PROPERTY_FIELDS = {"content_type": "content_type", "content_encoding": "content_encoding",
-                   "headers": "headers", "delivery_mode": "delivery_mode", "priority": "priority",
-                   "correlation_id": "correlation_id", "reply_to": "reply_to",
-                   "expiration": "expiration", "message_id": "message_id", "timestamp": "timestamp",
-                   "type": "message_type", "user_id": "user_id", "app_id": "app_id"}
 
 
 def _properties(raw: Any) -> commands.Basic.Properties:
@@ -309,17 +304,6 @@ async def queue_bindings(request: web.Request) -> web.Response:
 ACK_MODES = ("ack_requeue_true", "ack_requeue_false", "reject_requeue_true", "reject_requeue_false")
 
 
-def _decode_props(raw: bytes) -> dict[str, Any]:
-    if len(raw) < 2:
-        return {}
-    try:
-        p = properties.decode(raw)
-    except Exception:  # noqa: BLE001 - a client sent odd properties; show none rather than fail
-        return {}
-    names = {v: k for k, v in PROPERTY_FIELDS.items()}
-    return {names[k]: jsonable(v) for k, v in dict(p).items() if k in names and v not in (None, "")}
-
-
 @routes.post("/api/queues/{vhost}/{name}/get")
 async def get_messages(request: web.Request) -> web.Response:
     vh = _vh(request)
@@ -344,21 +328,14 @@ async def get_messages(request: web.Request) -> web.Response:
     remaining = q.message_count
     for _msgid, exchange_b, rk, props, payload, redelivered in taken:
         shown = payload[:truncate] if truncate is not None else payload
-        text: str | None = None
-        if encoding == "auto":
-            try:
-                text = shown.decode("utf-8")
-            except UnicodeDecodeError:
-                text = None
         out.append({
             "payload_bytes": len(payload),
             "redelivered": redelivered,
             "exchange": exchange_b.decode(errors="replace"),
             "routing_key": rk.decode(errors="replace"),
             "message_count": remaining,
-            "properties": _decode_props(props),
-            "payload": text if text is not None else base64.b64encode(shown).decode(),
-            "payload_encoding": "string" if text is not None else "base64",
+            "properties": properties_json(props),
+            **payload_json(shown, encoding),
         })
     # Settle after taking them all, so a requeued message is not fetched twice in one request.
     requeue = ackmode.endswith("_true")

@@ -54,7 +54,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from broker import errors, properties
-from broker.model import deadletter, queue_types
+from broker.model import deadletter
 from broker.model.queue_dedup import QueueDedup, key_of
 from broker.store.priority_store import PriorityStore
 
@@ -477,10 +477,10 @@ class QueueFeatures:
     @property
     def _at_least_once(self) -> bool:
         """Dead letters stay until a target takes them (else: at most once, but never lost
-        for want of disk space)."""
+        for want of disk space). Whether the strategy applies at all is the queue type's."""
         cfg = self.cfg
         return (cfg.dl_strategy == "at-least-once" and cfg.overflow == "reject-publish"
-                and cfg.dlx is not None and queue_types.type_of(self.q.arguments) == queue_types.QUORUM)
+                and cfg.dlx is not None and self.q.at_least_once_dead_letters)
 
     def _arm_dl_retry(self) -> None:
         if self.dl_pending and self._dl_timer is None and self.call_later is not None:

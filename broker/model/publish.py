@@ -310,11 +310,10 @@ def publish_run(vh: VHost, exchange: str, routing_key: str, names: EncodedNames,
         if props[0][0] & _PER_MESSAGE and features.routes_alone(props[0]):
             return None
     else:
-        may_carry_cc = features.may_carry_cc
-        for p in props:
-            f = p[0]
-            if f & _EXPIRATION or (f & _HEADERS and b"CC" in p and may_carry_cc(p)):
-                return None
+        hi = properties.run_flags(props) >> 8
+        if hi & _EXPIRATION or (hi & _HEADERS and b"CC" in b"".join(props)
+                                 and any(map(features.may_carry_cc, props))):
+            return None
     if exchange == "":
         q = vh.queues.get(routing_key)
         queues = [] if q is None else [q]

@@ -31,7 +31,7 @@ nothing per message: the variant is its class.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from broker.model.fastpaths import FastPaths
 from broker.store.api import MessageStore, QueueCounters
@@ -235,6 +235,9 @@ class ClassicQueue(Queue):
 
     __slots__ = ()
     store: MessageStore
+    # The type honours ``x-dead-letter-strategy: at-least-once`` (quorum queues, as in RabbitMQ);
+    # the others dead-letter at most once whatever the argument says (broker/model/features.py).
+    at_least_once_dead_letters: ClassVar[bool] = False
 
     # ------------------------------------------------------------ publishing
     def publish(self, ts: int, exchange: bytes, routing_key: bytes, props: bytes, body: bytes | memoryview,

@@ -16,7 +16,8 @@ becomes one of these types, for the rest of its life:
   (broker/model/features.py). A priority queue is a featured queue whose store is a
   ``PriorityStore`` (chosen at declare by ``x-max-priority``, which no policy sets).
 - ``QuorumQueue``: a featured queue (its delivery limit of 20 unless set makes it one,
-  broker/model/queue_types.py) with its type's consumer rule (no global prefetch).
+  broker/model/queue_types.py) with its type's consumer rule (no global prefetch) and
+  its dead-letter strategy (``at-least-once`` is honoured).
 
 A type change is a class change of the same object (``__class__``; the types share
 one slot layout), so sessions, consumers and bindings that hold the queue keep it.
@@ -135,6 +136,8 @@ class FeaturedQueue(ClassicQueue):
 
 class QuorumQueue(FeaturedQueue):
     __slots__ = ()
+    at_least_once_dead_letters = True  # x-dead-letter-strategy: at-least-once applies
+
     def check_consume(self, no_ack: bool, prefetch: int, global_prefetch: int,
                       arguments: dict[str, Any]) -> None:
         queue_types.check_consume(self.arguments, global_prefetch, self.name, self.vhost)  # 540

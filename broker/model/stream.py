@@ -223,6 +223,18 @@ class _Cursor:
 _decode = properties.decode
 
 
+def named_offset(s: StreamStore, name: str) -> int | None:
+    """The offset ``first``, ``last`` or ``next`` names in ``s`` (``x-stream-offset`` and the
+    management API's stream reader take the same names); None for any other string."""
+    if name == "first":
+        return s.first_offset
+    if name == "last":
+        return max(s.next_offset - 1, s.first_offset)
+    if name == "next":
+        return s.next_offset
+    return None
+
+
 def with_offset_header(props: bytes, offset: int, timestamp_ms: int) -> bytes:
     """``props`` with ``x-stream-offset`` (and the append time, ``x-stream-timestamp`` in ms)."""
     p = _decode(props)
@@ -307,12 +319,9 @@ class StreamQueue(Queue):
                 spec = spec.replace(tzinfo=datetime.UTC)
             return s.offset_for_timestamp(int(spec.timestamp() * 1000))
         if isinstance(spec, str):
-            if spec == "first":
-                return s.first_offset
-            if spec == "last":
-                return max(s.next_offset - 1, s.first_offset)
-            if spec == "next":
-                return s.next_offset
+            named = named_offset(s, spec)
+            if named is not None:
+                return named
             try:
                 ago = parse_age(spec)
             except ValueError:

@@ -3,8 +3,6 @@ deduplication, vhost limits and the disk alarm (real broker, pika)."""
 
 from __future__ import annotations
 
-import base64
-import json
 import time
 import urllib.error
 import urllib.parse
@@ -15,23 +13,14 @@ import pika
 import pytest
 
 from ._support import Broker, connect, drain, is_external, queue_count, unique, wait_until
+from .test_mgmt_api import Api
 
 pytestmark = pytest.mark.skipif(is_external(), reason="needs Skred's management API / process control")
 
 
 def http(b: Broker, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-    port = b.mgmt_port  # type: ignore[union-attr]
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method=method)
-    req.add_header("Authorization", "Basic " + base64.b64encode(b"guest:guest").decode())
-    if data is not None:
-        req.add_header("Content-Type", "application/json")
-    try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            status, text = resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        status, text = exc.code, exc.read()
-    return status, (json.loads(text) if text.strip() else None)
+    status, parsed, _headers = Api(b.mgmt_port).call(method, path, body)  # type: ignore[union-attr]
+    return status, parsed
 
 
 def wait_http(b: Broker) -> None:

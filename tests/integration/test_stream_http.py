@@ -4,18 +4,17 @@ retention set by an HTTP policy, and age retention on an idle stream."""
 from __future__ import annotations
 
 import base64
-import json
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pika
 import pytest
 
-from ._support import SkredProcess, connect, free_port, is_external, unique, wait_until
+from ._support import SkredProcess, connect, is_external, unique, wait_until
+from .test_mgmt_api import Api, start_mgmt_broker
 
 pytestmark = pytest.mark.skipif(is_external(), reason="needs Skred's management API on a known port")
 
@@ -24,35 +23,15 @@ SEG = {"x-queue-type": "stream", "x-stream-max-segment-size-bytes": 512}
 
 def _call(b: SkredProcess, method: str, path: str, body: Any = None,
           auth: tuple[str, str] | None = ("guest", "guest")) -> tuple[int, Any]:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{b.mgmt_port}{path}", data=data, method=method)
-    if auth is not None:
-        req.add_header("Authorization", "Basic " + base64.b64encode(":".join(auth).encode()).decode())
-    if data is not None:
-        req.add_header("Content-Type", "application/json")
-    try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            status, text = resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        status, text = exc.code, exc.read()
-    return status, json.loads(text) if text.strip() else None
-
-
-def _http_ready(b: SkredProcess) -> bool:
-    try:
-        urllib.request.urlopen(f"http://127.0.0.1:{b.mgmt_port}/", timeout=1).read()
-        return True
-    except (urllib.error.URLError, OSError):
-        return False
+    api = Api(b.mgmt_port, *auth) if auth is not None else Api(b.mgmt_port)
+    status, parsed, _headers = api.call(method, path, body, auth=auth is not None)
+    return status, parsed
 
 
 @pytest.fixture(scope="module")
 def mb(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SkredProcess]:
-    tmp: Path = tmp_path_factory.mktemp("stream-http")
-    b = SkredProcess(tmp / "data", ["--mgmt-metrics-port", str(free_port())])
+    b = start_mgmt_broker(tmp_path_factory.mktemp("stream-http"))
     try:
-        b.start()
-        wait_until(lambda: _http_ready(b), 10, "management HTTP listener")
         yield b
     finally:
         b.close()

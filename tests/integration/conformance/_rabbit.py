@@ -1,4 +1,5 @@
-"""A private RabbitMQ node for the conformance harness.
+"""A private RabbitMQ node: for the conformance harness and for benchmarks/tls_cost.py (the one
+place a RabbitMQ of our own is started; benchmarks/tls_brokers.py imports it).
 
 Theory of operation: Debian's ``rabbitmq-server`` package is installed by ``.ci/run`` without its
 service running. ``RabbitProcess`` boots a node of its own under a temp directory: its own mnesia,
@@ -11,6 +12,12 @@ from ``/api/overview``) under a deadline; a node that dies first fails with its 
 sends SIGTERM to the node's process group (RabbitMQ stops cleanly on it), escalates to SIGKILL
 after a deadline, then stops that epmd by its PID.
 
+Options: ``management=False`` leaves the management plugin out (a benchmark measuring the node's
+CPU time does not want its statistics collection; ``mgmt_port`` is then None); ``tls`` (CA,
+certificate and key files) adds an AMQPS listener on ``tls_port`` that does not ask clients for
+certificates, and readiness then waits for it to accept too. ``beam_pid`` is the Erlang VM's PID
+under the start script: the process whose CPU time is the broker's.
+
 When RabbitMQ is not installed, ``missing()`` says why; the fixture skips with that reason, or
 fails when ``SKRED_REQUIRE_RABBITMQ`` is set (``.ci/run`` sets it, so CI can never skip).
 """
@@ -20,6 +27,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import time
 import urllib.request
@@ -44,16 +52,20 @@ def missing() -> str | None:
 
 
 class RabbitProcess:
-    """One RabbitMQ node with the management plugin, bound to 127.0.0.1 on free ports."""
+    """One RabbitMQ node (with the management plugin unless told otherwise), bound to 127.0.0.1
+    on free ports."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, management: bool = True, tls: tuple[Path, Path, Path] | None = None,
+                 name: str = "skredconf") -> None:
         self.root = root
         self.host = "127.0.0.1"
         self.port = free_port()
-        self.mgmt_port = free_port()
+        self.mgmt_port = free_port() if management else None
+        self.tls = tls  # (CA, certificate, key)
+        self.tls_port = free_port() if tls else None
         self.dist_port = free_port()
         self.epmd_port = free_port()
-        self.node = f"skredconf{uuid.uuid4().hex[:8]}@localhost"
+        self.node = f"{name}{uuid.uuid4().hex[:8]}@localhost"
         self.log_path = root / "rabbitmq.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.epmd: subprocess.Popen[bytes] | None = None
@@ -62,15 +74,22 @@ class RabbitProcess:
     def _write_config(self) -> dict[str, str]:
         for d in ("home", "mnesia", "log", "expand"):
             (self.root / d).mkdir(parents=True, exist_ok=True)
-        (self.root / "enabled_plugins").write_text("[rabbitmq_management].\n")
+        conf = f"listeners.tcp.1 = {self.host}:{self.port}\n"
+        if self.mgmt_port is not None:
+            conf += (f"management.tcp.ip = {self.host}\n"
+                     f"management.tcp.port = {self.mgmt_port}\n"
+                     # stats keys ("messages", "consumers") appear in the API after the first emission
+                     "collect_statistics_interval = 500\n")
+        if self.tls is not None:
+            ca, cert, key = self.tls
+            conf += (f"listeners.ssl.1 = {self.host}:{self.tls_port}\n"
+                     f"ssl_options.cacertfile = {ca}\nssl_options.certfile = {cert}\n"
+                     f"ssl_options.keyfile = {key}\n"
+                     "ssl_options.verify = verify_none\nssl_options.fail_if_no_peer_cert = false\n")
+        plugins = "rabbitmq_management" if self.mgmt_port is not None else ""
+        (self.root / "enabled_plugins").write_text(f"[{plugins}].\n")
         (self.root / "rabbitmq-env.conf").write_text("")
-        (self.root / "rabbitmq.conf").write_text(
-            f"listeners.tcp.1 = {self.host}:{self.port}\n"
-            f"management.tcp.ip = {self.host}\n"
-            f"management.tcp.port = {self.mgmt_port}\n"
-            # stats keys ("messages", "consumers") appear in the API after the first emission
-            "collect_statistics_interval = 500\n"
-        )
+        (self.root / "rabbitmq.conf").write_text(conf)
         env = dict(os.environ)
         env.update({
             "HOME": str(self.root / "home"),
@@ -101,6 +120,8 @@ class RabbitProcess:
             stdin=subprocess.DEVNULL, start_new_session=True)
 
     def _http_ready(self) -> bool:
+        if self.mgmt_port is None:
+            return True
         req = urllib.request.Request(f"http://{self.host}:{self.mgmt_port}/api/overview")
         req.add_header("Authorization", "Basic Z3Vlc3Q6Z3Vlc3Q=")  # guest:guest
         try:
@@ -109,17 +130,40 @@ class RabbitProcess:
         except OSError:
             return False
 
-    def wait_ready(self) -> str | None:
-        """None when the node answers AMQP and HTTP, else why not (with the log tail)."""
+    def _tls_ready(self) -> bool:
+        if self.tls_port is None:
+            return True
+        try:
+            with socket.create_connection((self.host, self.tls_port), timeout=1):
+                return True
+        except OSError:
+            return False
+
+    def wait_ready(self, timeout: float = BOOT_DEADLINE) -> str | None:
+        """None when the node answers AMQP (and HTTP, and accepts on the TLS port, when it has
+        them), else why not (with the log tail)."""
         assert self.proc is not None
-        deadline = time.monotonic() + BOOT_DEADLINE
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 return f"RabbitMQ exited with {self.proc.returncode} while booting:\n{self.log_tail()}"
-            if amqp_answers(self.host, self.port) and self._http_ready():
+            if amqp_answers(self.host, self.port) and self._http_ready() and self._tls_ready():
                 return None
             time.sleep(0.2)  # poll interval of a readiness loop with a deadline
-        return f"RabbitMQ not ready within {BOOT_DEADLINE}s:\n{self.log_tail()}"
+        return f"RabbitMQ not ready within {timeout:.0f}s:\n{self.log_tail()}"
+
+    def beam_pid(self) -> int:
+        """The Erlang VM under the rabbitmq-server script (whose CPU time is the broker's)."""
+        assert self.proc is not None
+        pid = self.proc.pid
+        for _ in range(3):  # the script, a shell it runs the VM from, the VM
+            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+            for child in children:
+                if "beam" in Path(f"/proc/{child}/comm").read_text():
+                    return int(child)
+            if children:
+                pid = int(children[0])
+        return pid
 
     def log_tail(self, lines: int = 30) -> str:
         try:
