@@ -5,7 +5,8 @@ In-process: a real ``VHost`` with ``N`` classic queues (declared in a temp dir),
 ``RateSampler`` over it, and passes run step by step as the event loop would run them. For each
 ``N`` it prints the event-loop time of one whole pass (median of ``--passes``), the longest single
 step (the longest stall the sampler puts on every connection) and the memory the sampler keeps
-(tracemalloc, after the passes). Times are the thread's CPU time, so that another process taking
+(tracemalloc, after the passes). ``--with-message`` puts one message in each queue first (idle
+queues that have counted something). Times are the thread's CPU time, so that another process taking
 the core away mid-step (a shared machine) does not count as the sampler's.
 
     python benchmarks/rates_sampler.py 10000 20000 100000
@@ -41,12 +42,14 @@ class _Broker:
         self.connections: set[Any] = set()
 
 
-def measure(n: int, passes: int) -> None:
+def measure(n: int, passes: int, with_message: bool) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="rates-bench-"))
     try:
         vh = _vhost(tmp)
         for i in range(n):
-            vh.declare_queue(f"q{i}", owner=None)
+            q, _ = vh.declare_queue(f"q{i}", owner=None)
+            if with_message:  # then it has counted something: the sampler keeps its last values
+                q.publish(1, b"", q.name_bytes, b"\x00\x00", b"m", False)
         sampler = RateSampler(_Broker({"/": vh}))  # type: ignore[arg-type]
         totals, longest = [], 0.0
         for _ in range(passes):
@@ -80,9 +83,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("queues", type=int, nargs="+")
     ap.add_argument("--passes", type=int, default=7)
+    ap.add_argument("--with-message", action="store_true", help="one message in each queue")
     args = ap.parse_args()
     for n in args.queues:
-        measure(n, args.passes)
+        measure(n, args.passes, args.with_message)
 
 
 if __name__ == "__main__":

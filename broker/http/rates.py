@@ -135,11 +135,13 @@ class Tracked(Generic[K]):
         self.last[obj] = values
         self.known += 1
         ring = self.rings.get(obj)
-        if ring is None:
+        if ring is None and previous is not None:
+            # born or woken since the last pass: it was `before` then (the node's first pass has
+            # no rate to give, and makes no rings: a restart with 100k non-empty queues)
             ring = self.rings[obj] = Ring()
-            if previous is not None:  # born or woken since the last pass: it was `before` then
-                ring.add(previous, before)
-        ring.add(now, values)
+            ring.add(previous, before)
+        if ring is not None:
+            ring.add(now, values)
         return tuple(b - a for a, b in zip(before, values, strict=True))
 
     def stale(self) -> bool:
