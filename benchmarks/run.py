@@ -15,6 +15,7 @@ both brokers.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import platform
@@ -22,7 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,18 @@ class Scenario:
     runs: int = 0  # runs per broker when not --runs (0: --runs)
 
 
-def scenarios(prefill: int, rss_count: int = 1_000_000) -> dict[str, Scenario]:
+@dataclass
+class Target:
+    """One broker under test; ``broker`` when run.py started it (``--private``), so that
+    workload 8 can restart it (which changes ``uri`` and ``pid``)."""
+
+    name: str
+    uri: str
+    pid: int
+    broker: Any = field(default=None)
+
+
+def scenarios(prefill: int, rss_count: int = 1_000_000, rss_drain: int = 300_000) -> dict[str, Scenario]:
     items = [
         Scenario(
             "a",
@@ -134,25 +146,42 @@ def scenarios(prefill: int, rss_count: int = 1_000_000) -> dict[str, Scenario]:
               ("stall", "(7) worst latency of a bystander on a warm queue (1 msg/ms) meanwhile",
                "bystander_max_ms", "ms (lower is better)"),
               ("warm", "(7) then 100 more per queue, all at once", "warm_rate", "msg/s"))),
-        Scenario("8-fill", f"{rss_count:,} persistent 1 KiB messages into a durable queue, confirms "
-                 "(window 1000): fill rate", ("rss", "--count", str(rss_count)), "fill_rate", "msg/s",
-                 "workload", 1),
-        Scenario("8-rss", f"(8) broker memory with {rss_count:,} messages queued (anonymous RSS; mapped "
-                 "segment pages not counted)", ("rss", "--count", str(rss_count)), "rss_anon_mib",
-                 "MiB (lower is better)", "workload", 1),
+        *(Scenario(key, title.replace("{n}", f"{rss_count:,}"), ("rss", "--count", str(rss_count)), metric,
+                   unit, "workload", 1)
+          for key, title, metric, unit in (
+              ("8-fill", "{n} persistent 1 KiB messages into a durable queue, confirms (window 1000): "
+               "fill rate (the fill stops after --rss-cap s or a 2-minute stall)", "fill_rate", "msg/s"),
+              ("8-queued", "(8) messages confirmed into the queue", "messages", "messages"),
+              ("8-rss", "(8) broker memory with them queued (anonymous RSS; mapped segment pages not "
+               "counted)", "rss_anon_mib", "MiB (lower is better)"),
+              ("8-vmrss", "(8) the same as VmRSS (mapped segment pages counted)", "rss_mib",
+               "MiB (lower is better)"),
+              ("8-stop", "(8) clean stop with that backlog (SIGTERM until the process exited; private "
+               "brokers)", "stop_s", "s (lower is better)"),
+              ("8-restart", "(8) restart with that backlog: from starting the process to the queue "
+               "answering with its depth", "restart_s", "s (lower is better)"),
+              ("8-rss-restart", "(8) broker memory right after that restart", "restart_rss_anon_mib",
+               "MiB (lower is better)"),
+              ("8-drain", f"(8) then a consumer drains {rss_drain:,} of them: manual ack, prefetch 1000",
+               "drain_rate", "msg/s"),
+              ("8-drain-slowest", "(8) the slowest tenth of that drain (steady if close to the rate)",
+               "drain_tenth_min", "msg/s"),
+              ("8-rss-drain", "(8) highest broker memory while draining", "drain_rss_anon_mib",
+               "MiB (lower is better)"))),
     ]
     return {s.key: s for s in items}
 
 
-def run_perf(uri: str, scenario: Scenario, seconds: float, prefill: int, pid: int = 0) -> dict[str, Any]:
+def run_perf(uri: str, scenario: Scenario, seconds: float, prefill: int, pid: int = 0,
+             budget: float = 0) -> dict[str, Any]:
     if scenario.tool == "workload":
         cmd = [sys.executable, str(REPO_ROOT / "benchmarks" / "workloads.py"), *scenario.args, "--uri", uri,
                "-z", f"{seconds:g}", "--pid", str(pid)]
     else:
         cmd = [sys.executable, "-m", "broker.perf", "throughput", "--uri", uri, "-z", f"{seconds:g}",
                *scenario.args, "-j"]
-    budget = seconds * 3 + 60 + (prefill / 20000 if "--prefill" in scenario.args else 0)
-    if scenario.args[0] == "rss":
+    budget = budget or seconds * 3 + 60 + (prefill / 20000 if "--prefill" in scenario.args else 0)
+    if scenario.args[0] == "rss" and "--cap" not in scenario.args:
         budget += 1800
     elif scenario.args[0] == "queues":
         budget += 240
@@ -167,6 +196,51 @@ def run_perf(uri: str, scenario: Scenario, seconds: float, prefill: int, pid: in
         return {"error": f"exit {proc.returncode}: {' | '.join(tail)}"}
     result: dict[str, Any] = json.loads(lines[-1])
     return result
+
+
+def run_rss(target: Target, scenario: Scenario, drain: int, cap: float) -> dict[str, Any]:
+    """Workload 8 on one broker: fill (``workloads.py rss --keep``); if ``target`` holds a
+    broker we started, restart it and time the recovery of the backlog, then drain ``drain``
+    messages (``workloads.py drain``, which deletes the queue). The restarted broker replaces
+    the one in ``target``."""
+    fill = run_perf(target.uri, Scenario(scenario.key, scenario.title, (*scenario.args, "--keep", "--cap",
+                                                                        f"{cap:g}"), scenario.metric,
+                                         scenario.unit, scenario.tool), 0, 0, target.pid, budget=cap + 900)
+    if "error" in fill:
+        return fill
+    queue = str(fill["queue"])
+    result = dict(fill)
+    if target.broker is not None:
+        from workloads import memory_mib, passive_depth
+
+        stopping = time.monotonic()
+        target.broker.stop(timeout=900)  # a clean shutdown, however long it takes
+        started = time.monotonic()
+        result["stop_s"] = started - stopping
+        broker = target.broker = target.broker.relaunch() if target.broker.relaunch else None
+        assert broker is not None
+        target.uri = broker.plain_uri
+        while True:
+            if broker.proc.poll() is not None:
+                return {**result, "error": f"{broker.name} exited with {broker.proc.returncode} on restart"}
+            if time.monotonic() - started > 1800:
+                return {**result, "error": f"{broker.name} not back with the queue after 1800 s"}
+            try:
+                result["restart_depth"] = passive_depth(target.uri, queue)
+                break
+            except (OSError, TimeoutError, EOFError, asyncio.IncompleteReadError):
+                time.sleep(0.2)
+        result["restart_s"] = time.monotonic() - started
+        target.pid = broker.pid  # RabbitMQ: its Erlang VM
+        mem = memory_mib(target.pid)
+        result["restart_rss_mib"] = mem.get("VmRSS", 0.0)
+        result["restart_rss_anon_mib"] = mem.get("RssAnon", 0.0)
+    cmd = ["drain", "--queue", queue, "--count", str(drain), "--cap", "600"]
+    drained = run_perf(target.uri, Scenario(scenario.key, scenario.title, tuple(cmd), "drain_rate", "msg/s",
+                                            "workload"), 0, 0, target.pid, budget=600 + 960)
+    if "error" in drained:
+        return {**result, "error": f"drain: {drained['error']}"}
+    return {**result, **{k: v for k, v in drained.items() if k != "server"}}
 
 
 def machine() -> dict[str, str]:
@@ -203,9 +277,62 @@ def fmt(value: float | None, unit: str) -> str:
     return f"{value:,.0f}"
 
 
+def _sections(text: str) -> tuple[str, dict[str, list[str]]]:
+    """The text before the first ``## `` heading, and each ``## `` section's lines by heading."""
+    head, _, rest = text.partition("\n## ")
+    sections: dict[str, list[str]] = {}
+    for chunk in rest.split("\n## ") if rest else []:
+        title, *body = chunk.split("\n")
+        sections[title.strip()] = body
+    return head, sections
+
+
+def merge_results(old: str, rows: list[str], rerun: str, errors: list[str]) -> str:
+    """``old`` (a docs/benchmarks.md) with the scenario rows of ``rows`` (this run's table:
+    header, separator, rows) replacing its rows of the same scenarios; new scenarios go after
+    their predecessor in ``rows``' order (or at the end). Other rows, the machine description and
+    other sections stay. ``rerun`` is noted under "Partial reruns" (replacing notes of earlier
+    reruns of a subset of these scenarios); errors of these scenarios are replaced by ``errors``."""
+    head, sections = _sections(old)
+    table = [line for line in sections.get("Results", []) if line.startswith("|")]
+    if not table or table[0] != rows[0]:
+        raise ValueError("docs/benchmarks.md has other columns than this run (a peer or not): "
+                         "rerun every scenario to rewrite it")
+
+    def key(line: str) -> str:
+        return line.split("|")[1].strip()
+
+    merged = table[2:]
+    new = rows[2:]
+    keys = [key(r) for r in new]
+    prev = ""
+    for r in new:
+        k = key(r)
+        at = [i for i, line in enumerate(merged) if key(line) == k]
+        if at:
+            merged[at[0]] = r
+        else:
+            after = [i for i, line in enumerate(merged) if key(line) == prev]
+            merged.insert(after[0] + 1 if after else len(merged), r)
+        prev = k
+    notes = [line for line in sections.get("Partial reruns", []) if line.startswith("- ")
+             and not set(line[2:].split(":", 1)[0].split(", ")) <= set(keys)]
+    notes.append(f"- {', '.join(keys)}: {rerun}")
+    errs = [line for line in sections.get("Errors", []) if line.startswith("- ")
+            and line[2:].split(")", 1)[0].lstrip("(") not in keys] + [f"- {e}" for e in errors]
+    out = [head.rstrip("\n"), ""]
+    for title, body in sections.items():
+        if title not in ("Results", "Partial reruns", "Errors"):
+            out += [f"## {title}", *body]
+    out += ["## Results", "", *table[:2], *merged, "", "## Partial reruns", "", *notes, ""]
+    if errs:
+        out += ["## Errors", "", *errs, ""]
+    return "\n".join(line for line in out)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--skred", required=True, help="Skred AMQP URL")
+    ap.add_argument("--skred", default="", help="Skred AMQP URL (required unless --private)")
     ap.add_argument("--peer", default="", help="peer broker AMQP URL (e.g. a RabbitMQ), measured alternately")
     ap.add_argument("--peer-name", default="", help="label for the peer (default: its product name)")
     ap.add_argument("--runs", type=int, default=3, help="runs per scenario and broker (default 3)")
@@ -215,19 +342,59 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rss-count", type=int, default=1_000_000, help="messages queued for scenario 8")
     ap.add_argument("--skred-pid", type=int, default=0, help="Skred's pid: broker CPU per message, RSS")
     ap.add_argument("--peer-pid", type=int, default=0, help="the peer's pid (RabbitMQ: beam.smp)")
-    ap.add_argument("--write", action="store_true", help="write the results to docs/benchmarks.md")
+    ap.add_argument("--rss-drain", type=int, default=300_000, help="messages scenario 8 drains after filling")
+    ap.add_argument("--rss-cap", type=float, default=1200.0, help="scenario 8: stop each fill after N s")
+    ap.add_argument("--private", default="", metavar="DIR",
+                    help="start a Skred and a RabbitMQ of our own (benchmarks/tls_brokers.py) with their "
+                    "data in DIR, measure those (scenario 8 also restarts them) and stop them at the end")
+    ap.add_argument("--write", action="store_true", help="write the results to docs/benchmarks.md (with "
+                    "--only: replace those scenarios' rows, keep the others)")
     ap.add_argument("--note", default="", help="a paragraph for docs/benchmarks.md (who shared the machine)")
     ap.add_argument("--output", default=str(REPO_ROOT / "docs" / "benchmarks.md"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
-    all_scenarios = scenarios(args.prefill, args.rss_count)
-    keys = [k.strip() for k in args.only.split(",") if k.strip()] or list(all_scenarios)
+    all_scenarios = scenarios(args.prefill, args.rss_count, args.rss_drain)
+    keys = [k for part in args.only.split(",") if (k0 := part.strip())  # "8": every 8-* scenario
+            for k in ([k0] if k0 in all_scenarios else [s for s in all_scenarios if s.startswith(k0 + "-")]
+                      or [k0])] or list(all_scenarios)
     unknown = [k for k in keys if k not in all_scenarios]
     if unknown:
         ap.error(f"unknown scenario(s) {unknown}; choose from {','.join(all_scenarios)}")
-    targets = [("skred", args.skred, args.skred_pid)]
+    if not args.skred and not args.private:
+        ap.error("--skred or --private is required")
+    if args.private:
+        return with_private_brokers(Path(args.private), args,
+                                    lambda targets: measure(args, keys, all_scenarios, targets))
+    targets = [Target("skred", args.skred, args.skred_pid)]
     if args.peer:
-        targets.append(("peer", args.peer, args.peer_pid))
+        targets.append(Target("peer", args.peer, args.peer_pid))
+    return measure(args, keys, all_scenarios, targets)
+
+
+def with_private_brokers(work: Path, args: argparse.Namespace, body: Any) -> int:
+    """Run ``body(targets)`` against a Skred and a RabbitMQ started here, then stop both."""
+    from tls_brokers import make_certs, start_rabbitmq, start_skred
+
+    certs = make_certs(work / "certs")
+    brokers = [start_skred(work, *certs)]
+    try:
+        brokers.append(start_rabbitmq(work, *certs))
+        for b in brokers:
+            b.wait_ready(300)
+        targets = [Target("skred", brokers[0].plain_uri, brokers[0].pid, brokers[0]),
+                   Target("peer", brokers[1].plain_uri, brokers[1].pid, brokers[1])]
+        args.peer = targets[1].uri
+        try:
+            return int(body(targets))
+        finally:
+            brokers = [t.broker for t in targets]  # workload 8 replaced them
+    finally:
+        for b in brokers:
+            b.stop(timeout=900)
+
+
+def measure(args: argparse.Namespace, keys: list[str], all_scenarios: dict[str, Scenario],
+            targets: list[Target]) -> int:
     values: dict[tuple[str, str], list[float]] = {}
     cpu: dict[tuple[str, str], list[float]] = {}
     broker_cpu: dict[tuple[str, str], list[float]] = {}  # broker CPU us per message
@@ -241,16 +408,23 @@ def main(argv: list[str] | None = None) -> int:
     for key in keys:
         sc = all_scenarios[key]
         for run in range(sc.runs or args.runs):
-            for name, uri, pid in targets:  # alternate brokers run by run
+            for target in targets:  # alternate brokers run by run
+                name = target.name
                 loads.setdefault(key, []).append(os.getloadavg()[0])
                 r = done.get((name, sc.args, run))
                 if r is None:
-                    r = done[(name, sc.args, run)] = run_perf(uri, sc, args.seconds, args.prefill, pid)
+                    r = done[(name, sc.args, run)] = (
+                        run_rss(target, sc, args.rss_drain, args.rss_cap) if sc.args[0] == "rss"
+                        else run_perf(target.uri, sc, args.seconds, args.prefill, target.pid))
+                    if sc.args[0] == "rss":
+                        print(f"  ({key}) {name} run {run + 1}: {json.dumps(r)}", file=sys.stderr, flush=True)
                 if "error" in r or r.get("errors"):
                     msg = r.get("error") or "; ".join(r["errors"])
                     errors.append(f"({key}) {name} run {run + 1}: {msg}")
                     print(f"  ({key}) {name:5} run {run + 1}: ERROR {msg}", file=sys.stderr)
                     continue
+                if sc.metric not in r and sc.tool == "workload":
+                    continue  # e.g. no restart time from a broker we did not start
                 value = float(r.get(sc.metric, 0.0))
                 values.setdefault((key, name), []).append(value)
                 cpu.setdefault((key, name), []).append(float(r.get("tool_cpu_percent", 0.0)))
@@ -294,36 +468,42 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}")
 
     if args.write:
-        m = machine()
-        lines = [
-            "# Benchmarks",
-            "",
-            "Written by `benchmarks/run.py` — do not edit by hand; rerun it instead.",
-            "",
-            f"Run: {started}; {args.runs} runs per broker per scenario, {args.seconds:g} s each, "
-            "brokers measured alternately; the table shows medians. Load generator: `skred-perf` "
-            "(one process per client; its own CPU use is in the column 'tool CPU', % of one core) and "
-            "`benchmarks/workloads.py` for the issue-13 workloads (8 runs once per broker). Load average "
-            "(1/5/15 min) at the "
-            f"start {'/'.join(f'{x:.1f}' for x in load_start)}, at the end "
-            f"{'/'.join(f'{x:.1f}' for x in os.getloadavg())}.",
-            "",
-            *([args.note, ""] if args.note else []),
-            "## Machine",
-            "",
-            *(f"- {k}: {v}" for k, v in m.items()),
-            *(f"- {name} broker: {v}" for name, v in versions.items()),
-            "",
-            "## Results",
-            "",
-            table,
-            "",
-        ]
-        if errors:
-            lines += ["## Errors", "", *(f"- {e}" for e in errors), ""]
         out = Path(args.output)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text("\n".join(lines))
+        load = (f"load average (1/5/15 min) at the start {'/'.join(f'{x:.1f}' for x in load_start)}, at the "
+                f"end {'/'.join(f'{x:.1f}' for x in os.getloadavg())}")
+        if args.only and out.exists():  # a partial rerun: replace only these scenarios' rows
+            rerun = (f"run {started}; {args.runs} runs per broker per scenario (8: once), "
+                     f"{args.seconds:g} s each; {load}." + (f" {args.note}" if args.note else ""))
+            text = merge_results(out.read_text(), rows, rerun, errors)
+        else:
+            m = machine()
+            lines = [
+                "# Benchmarks",
+                "",
+                "Written by `benchmarks/run.py` — do not edit by hand; rerun it instead.",
+                "",
+                f"Run: {started}; {args.runs} runs per broker per scenario, {args.seconds:g} s each, "
+                "brokers measured alternately; the table shows medians. Load generator: `skred-perf` "
+                "(one process per client; its own CPU use is in the column 'tool CPU', % of one core) and "
+                "`benchmarks/workloads.py` for the issue-13 workloads (8 runs once per broker). "
+                f"{load[0].upper()}{load[1:]}.",
+                "",
+                *([args.note, ""] if args.note else []),
+                "## Machine",
+                "",
+                *(f"- {k}: {v}" for k, v in m.items()),
+                *(f"- {name} broker: {v}" for name, v in versions.items()),
+                "",
+                "## Results",
+                "",
+                table,
+                "",
+            ]
+            if errors:
+                lines += ["## Errors", "", *(f"- {e}" for e in errors), ""]
+            text = "\n".join(lines)
+        out.write_text(text)
         print(f"wrote {out}", file=sys.stderr)
     return 1 if errors else 0
 

@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from cryptography import x509
@@ -69,12 +70,15 @@ def make_certs(dir: Path) -> tuple[Path, Path, Path]:
 
 
 class Broker:
-    """A started broker: its PID (for CPU time), plain and TLS AMQP URIs."""
+    """A started broker: its PID (for CPU time), plain and TLS AMQP URIs; ``relaunch`` starts
+    the same broker again (same data, node name and ports) once it is stopped."""
 
     name = "Skred"
 
-    def __init__(self, proc: subprocess.Popen[bytes], port: int, tls_port: int, ca: Path) -> None:
+    def __init__(self, proc: subprocess.Popen[bytes], port: int, tls_port: int, ca: Path,
+                 relaunch: Callable[[], Broker] | None = None) -> None:
         self.proc = proc
+        self.relaunch = relaunch
         self.port = port
         self.tls_port = tls_port
         self.plain_uri = f"amqp://guest:guest@127.0.0.1:{port}/"
@@ -94,11 +98,11 @@ class Broker:
             time.sleep(0.5)
         raise RuntimeError(f"{self.name} not ready after {timeout:.0f}s")
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 60) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(60)
+                self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: only what it started
                 self.proc.wait(10)
@@ -111,8 +115,13 @@ class RabbitBroker(Broker):
 
     def __init__(self, node: RabbitProcess, ca: Path) -> None:
         assert node.proc is not None and node.tls_port is not None
-        super().__init__(node.proc, node.port, node.tls_port, ca)
+        super().__init__(node.proc, node.port, node.tls_port, ca, relaunch=self._respawn)
         self.node = node
+        self.ca = ca
+
+    def _respawn(self) -> Broker:
+        self.node.spawn()  # same node name, ports and mnesia dir: the same data
+        return RabbitBroker(self.node, self.ca)
 
     @property
     def pid(self) -> int:
@@ -123,22 +132,25 @@ class RabbitBroker(Broker):
         if problem:
             raise RuntimeError(problem)
 
-    def stop(self) -> None:
-        self.node.close()
+    def stop(self, timeout: float = 60) -> None:
+        self.node.close(timeout)
 
 
-def start_skred(work: Path, ca: Path, cert: Path, key: Path) -> Broker:
-    port, tls_port = free_port(), free_port()
+def start_skred(work: Path, ca: Path, cert: Path, key: Path,
+                ports: tuple[int, int, int, int] | None = None) -> Broker:
+    """A Skred on ``ports`` (AMQP, AMQPS, management, metrics; default: free ones)."""
+    ports = ports or (free_port(), free_port(), free_port(), free_port())
+    port, tls_port, mgmt_port, metrics_port = ports
     argv = [sys.executable, "-m", "broker", "--data-dir", str(work / "skred-data"),
             "--amqp-bind", "127.0.0.1", "--amqp-port", str(port), "--amqp-tls-port", str(tls_port),
-            "--mgmt-port", str(free_port()),
-            "--mgmt-tls-port", "-1", "--mgmt-metrics-port", str(free_port()), "--no-lmq",
+            "--mgmt-port", str(mgmt_port),
+            "--mgmt-tls-port", "-1", "--mgmt-metrics-port", str(metrics_port), "--no-lmq",
             "--tls-cert", str(cert), "--tls-key", str(key), "--tls-ca-cert", str(ca)]
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     with open(work / "skred.log", "ab") as log:
         proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
-    return Broker(proc, port, tls_port, ca)
+    return Broker(proc, port, tls_port, ca, relaunch=lambda: start_skred(work, ca, cert, key, ports))
 
 
 def start_rabbitmq(work: Path, ca: Path, cert: Path, key: Path) -> Broker:

@@ -585,10 +585,26 @@ def _bystander(uri: str, queue: str, stop: Any, out: Any) -> None:
 
 
 # ----------------------------------------------------------------------------- rss
-def rss(uri: str, count: int, pid: int, size: int = 1024) -> dict[str, Any]:
+def memory_mib(pid: int) -> dict[str, float]:
+    """The broker's VmRSS, RssAnon and RssFile in MiB (empty without a pid)."""
+    mem: dict[str, float] = {}
+    if pid:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                key = line.split(":")[0]
+                if key in ("VmRSS", "RssAnon", "RssFile"):
+                    mem[key] = int(line.split()[1]) / 1024
+    return mem
+
+
+def rss(uri: str, count: int, pid: int, size: int = 1024, cap: float = 1200.0, stall: float = 120.0,
+        keep: bool = False) -> dict[str, Any]:
     """Workload 8: ``count`` persistent ``size``-byte messages into a durable queue with
     confirms (window 1000); reports the fill rate and, with ``pid``, the broker's RSS (MiB)
-    once all are confirmed."""
+    once all are confirmed. The fill stops after ``cap`` seconds, or when no confirm came for
+    ``stall`` seconds (a broker blocking publishers, e.g. on a memory alarm): ``messages`` is
+    then the confirmed count and ``capped``/``blocked`` say why. With ``keep`` the queue stays
+    (for ``drain``), else it is deleted."""
     queue = "bench-rss-" + uuid.uuid4().hex[:8]
 
     async def run() -> dict[str, Any]:
@@ -600,39 +616,121 @@ def rss(uri: str, count: int, pid: int, size: int = 1024) -> dict[str, Any]:
         confirmed = 0
         sent = 0
         buf = b""
+        capped = blocked = False
         t0 = time.monotonic()
+        deadline = t0 + cap
         while confirmed < count:
-            while sent < count and sent - confirmed < 1000:
+            while sent < count and sent - confirmed < 1000 and time.monotonic() < deadline:
                 c.w.write(chunk)
                 sent += 100
-            data = await asyncio.wait_for(c.r.read(1 << 16), 120)
-            buf += data
-            found, rest = frames(buf)
-            confirmed = max(confirmed, _acks_seen(buf, found))
-            buf = rest
+            wait = min(stall, max(1.0, deadline - time.monotonic()))
+            try:
+                data = await asyncio.wait_for(c.r.read(1 << 16), wait)
+            except TimeoutError:
+                data = None
+            now = time.monotonic()
+            if data == b"":
+                raise ConnectionError(f"broker closed the connection after {confirmed:,} confirms")
+            if data:
+                buf += data
+                found, rest = frames(buf)
+                confirmed = max(confirmed, _acks_seen(buf, found))
+                buf = rest
+            elif wait >= stall:
+                blocked = True
+                break
+            if now >= deadline and (sent == confirmed or now >= deadline + stall):
+                capped = True
+                break
         elapsed = time.monotonic() - t0
-        mem: dict[str, float] = {}
         if pid:
             time.sleep(2)  # let the broker settle (write-back, GC)
-            with open(f"/proc/{pid}/status") as f:
-                for line in f:
-                    key = line.split(":")[0]
-                    if key in ("VmRSS", "RssAnon", "RssFile"):
-                        mem[key] = int(line.split()[1]) / 1024
-        c.w.write(pframe.marshal(commands.Queue.Delete(queue=queue), 1))
-        await asyncio.wait_for(c.method(), 600)
+        mem = memory_mib(pid)
+        if not keep:
+            c.w.write(pframe.marshal(commands.Queue.Delete(queue=queue), 1))
+            await asyncio.wait_for(c.method(), 600)
+        c.w.close()
         # RssAnon: the broker's own memory; RssFile: mapped file pages (segments the kernel
         # may drop at any time, clean once written back)
-        return {"server": c.server, "fill_rate": sent / elapsed, "rss_mib": mem.get("VmRSS", 0.0),
+        return {"server": c.server, "fill_rate": confirmed / elapsed, "rss_mib": mem.get("VmRSS", 0.0),
                 "rss_anon_mib": mem.get("RssAnon", 0.0), "rss_file_mib": mem.get("RssFile", 0.0),
-                "messages": sent}
+                "messages": confirmed, "sent": sent, "fill_s": elapsed, "capped": capped,
+                "blocked": blocked, "queue": queue}
+
+    return asyncio.run(run())
+
+
+def passive_depth(uri: str, queue: str, timeout: float = 10.0) -> int:
+    """The queue's message count, from a passive declare on a new connection (raises OSError
+    while the broker does not listen yet)."""
+    async def ask() -> int:
+        c = await Raw.connect(uri)
+        try:
+            ok = await c.call(commands.Queue.Declare(queue=queue, passive=True))
+        finally:
+            c.w.close()
+        return int(ok.message_count)
+
+    return asyncio.run(asyncio.wait_for(ask(), timeout))
+
+
+def drain(uri: str, queue: str, count: int, pid: int, cap: float = 600.0, delete: bool = True
+          ) -> dict[str, Any]:
+    """Consume ``count`` messages of ``queue`` (manual ack, prefetch 1000, one multiple ack per
+    read) and report the drain rate overall and per tenth of ``count`` (slowest and fastest
+    tenth: a steady drain has them close), the queue depth before, and the broker's highest
+    RSS meanwhile (sampled each second). Stops after ``cap`` seconds; then deletes the queue."""
+    async def run() -> dict[str, Any]:
+        c = await Raw.connect(uri)
+        ok = await c.call(commands.Queue.Declare(queue=queue, passive=True))
+        depth = int(ok.message_count)
+        await c.call(commands.Basic.Qos(prefetch_count=1000))
+        await c.call(commands.Basic.Consume(queue=queue, consumer_tag="drain"))
+        n = 0
+        buf = b""
+        tenth = max(1, count // 10)
+        marks: list[float] = []
+        peak: dict[str, float] = {}
+        t0 = time.monotonic()
+        sample = t0
+        while n < count and time.monotonic() - t0 < cap:
+            try:
+                data = await asyncio.wait_for(c.r.read(1 << 20), 5.0)
+            except TimeoutError:
+                continue
+            if not data:
+                raise ConnectionError(f"broker closed the connection after {n:,} deliveries")
+            buf += data
+            found, rest = frames(buf)
+            got = sum(1 for ftype, at in found if is_deliver(buf, ftype, at))
+            buf = rest
+            if got:
+                n += got
+                c.w.write(pframe.marshal(commands.Basic.Ack(delivery_tag=n, multiple=True), 1))
+                now = time.monotonic()
+                while len(marks) < 10 and n >= tenth * (len(marks) + 1):
+                    marks.append(now)
+            if time.monotonic() >= sample:
+                sample += 1.0
+                for k, v in memory_mib(pid).items():
+                    peak[k] = max(peak.get(k, 0.0), v)
+        elapsed = time.monotonic() - t0
+        rates = [tenth / (b - a) for a, b in zip([t0, *marks], marks, strict=False) if b > a]
+        c.w.close()  # deliveries still in flight: delete from a fresh connection
+        if delete:
+            d = await Raw.connect(uri)
+            await asyncio.wait_for(d.call(commands.Queue.Delete(queue=queue)), 900)
+            d.w.close()
+        return {"server": c.server, "drained": n, "depth_before": depth, "drain_rate": n / elapsed,
+                "drain_tenth_min": min(rates, default=0.0), "drain_tenth_max": max(rates, default=0.0),
+                "drain_rss_anon_mib": peak.get("RssAnon", 0.0), "drain_rss_mib": peak.get("VmRSS", 0.0)}
 
     return asyncio.run(run())
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("workload", choices=("varied", "latency", "sync", "celery", "queues", "rss"))
+    ap.add_argument("workload", choices=("varied", "latency", "sync", "celery", "queues", "rss", "drain"))
     ap.add_argument("--uri", default="amqp://guest:guest@127.0.0.1:5672/")
     ap.add_argument("-z", "--seconds", type=float, default=5.0)
     ap.add_argument("--pid", type=int, default=0, help="the broker's pid: its CPU per message, its RSS")
@@ -645,7 +743,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--confirm", type=int, default=0, help="varied: confirms, at most N unconfirmed")
     ap.add_argument("--prefetch", type=int, default=0, help="varied: manual ack with this prefetch")
     ap.add_argument("--queues", type=int, default=1000, help="queues: how many new queues")
-    ap.add_argument("--count", type=int, default=1_000_000, help="rss: messages to queue")
+    ap.add_argument("--count", type=int, default=1_000_000, help="rss: messages to queue; drain: to consume")
+    ap.add_argument("--cap", type=float, default=1200.0, help="rss, drain: stop after this many seconds")
+    ap.add_argument("--keep", action="store_true", help="rss: keep the queue (for drain)")
+    ap.add_argument("--queue", default="", help="drain: the queue")
     a = ap.parse_args(argv)
     if a.workload == "varied":
         r = varied(a.uri, a.seconds, a.pairs, a.topic, a.persistent, a.confirm, a.prefetch, a.pid)
@@ -656,7 +757,9 @@ def main(argv: list[str] | None = None) -> int:
     elif a.workload == "queues":
         r = many_queues(a.uri, a.queues)
     elif a.workload == "rss":
-        r = rss(a.uri, a.count, a.pid)
+        r = rss(a.uri, a.count, a.pid, cap=a.cap, keep=a.keep)
+    elif a.workload == "drain":
+        r = drain(a.uri, a.queue, a.count, a.pid, a.cap)
     else:
         r = sync(a.uri, a.seconds, not a.transient)
     print(json.dumps(r))

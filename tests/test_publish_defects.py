@@ -254,3 +254,61 @@ async def _read_until(reader: asyncio.StreamReader, marker: bytes) -> bytes:
         assert chunk, "connection closed"
         data += chunk
     return data
+
+
+def test_a_held_publisher_does_not_keep_the_loop_spinning(tmp_path: Path) -> None:
+    """A fire-and-forget publisher into a queue whose consumer lags is held for a few
+    milliseconds so that the consumer's acks come first. While held, its reading is looked at
+    again now and then, not on every loop turn: a loop turned for that alone would burn the CPU
+    the consumers need (each look re-arms itself)."""
+    async def test(node: Any) -> None:
+        loop = asyncio.get_running_loop()
+        protocols: set[AMQPProtocol] = set()
+        looks: list[float] = []
+        holds: list[float] = []
+
+        class Probe(AMQPProtocol):
+            def data_received(self, data: bytes) -> None:
+                paused = self._read_paused
+                super().data_received(data)
+                if self._read_paused and not paused:
+                    holds.append(loop.time())
+
+            def _resume_reading(self, hold_until: float) -> None:
+                looks.append(loop.time())
+                super()._resume_reading(hold_until)
+
+        server = await loop.create_server(lambda: Probe(node, protocols, ("127.0.0.1", 0)), "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            setup = Client(node)
+            setup.open(1)
+            setup.method(commands.Queue.Declare(queue="lag"))
+            for i in range(200):
+                setup.publish("", "lag", b"backlog-%d" % i)
+            setup.method(commands.Basic.Qos(prefetch_count=1))
+            setup.method(commands.Basic.Consume(queue="lag", consumer_tag="slow"))  # never acks
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"AMQP\x00\x00\x09\x01")
+            writer.write(pframe.marshal(commands.Connection.StartOk(
+                client_properties={}, mechanism="PLAIN", response="\x00guest\x00guest"), 0))
+            writer.write(pframe.marshal(commands.Connection.TuneOk(2047, 131072, 0), 0))
+            writer.write(pframe.marshal(commands.Connection.Open("/"), 0))
+            writer.write(pframe.marshal(commands.Channel.Open(), 1))
+            await _read_until(reader, b"\x00\x14\x00\x0b")  # channel.open-ok
+            for i in range(20):
+                writer.write(publish_frames("", "lag", b"more-%d" % i))
+                await writer.drain()
+                await asyncio.sleep(0.01)  # longer than a hold: each publish is held anew
+            assert len(holds) >= 5, holds
+            # every hold lasts at most _HOLD_SECONDS (5 ms): a few looks each, not one per turn
+            assert len(looks) <= 20 * len(holds), (len(looks), len(holds))
+            writer.close()
+        finally:
+            server.close()
+            for p in list(protocols):
+                if p.transport is not None:
+                    p.transport.close()
+            await server.wait_closed()
+
+    _run(tmp_path, test)

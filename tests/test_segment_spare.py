@@ -5,13 +5,12 @@ connection for 0.1-20 ms): once the write segment is half allocated a worker thr
 from __future__ import annotations
 
 import os
-import struct
 import time
 from pathlib import Path
 
 import pytest
 
-from broker.store import fileio, segment_log
+from broker.store import segment_log
 from broker.store.queue_store import QueueStore
 from broker.store.segment import segment_name
 
@@ -88,43 +87,4 @@ def test_a_spare_left_by_a_crash_is_ignored_and_replaced(tmp_path: Path) -> None
     while (m := s.next_delivery(True)) is not None:
         bodies.append(m[3][:8])
     assert bodies == [b"%08d" % i for i in range(n)]
-    s.close()
-
-
-def _mapped(address: int, length: int) -> list[bool]:
-    """Which pages of our mapping have a page table entry (the present bit of
-    /proc/self/pagemap): faulted in, so a write into them takes no fault."""
-    with open("/proc/self/pagemap", "rb") as f:
-        f.seek(address // 4096 * 8)
-        data = f.read((length + 4095) // 4096 * 8)
-    return [bool(v >> 63 & 1) for v in struct.unpack(f"<{len(data) // 8}Q", data)]
-
-
-def test_new_allocation_chunks_are_faulted_in_ahead_of_the_appends(tmp_path: Path) -> None:
-    """A filling queue's next allocation chunk is brought into memory by the worker before
-    the appends reach it (the first write into a never written page of an allocated extent
-    costs microseconds per page on ext4: on the event loop otherwise); contents unchanged."""
-    s = QueueStore(tmp_path / "q", segment_size=8 * 1024 * 1024, persistent_only=True)
-    body = b"b" * 1000
-    n = 0
-    while s._walloc < 256 * 1024:  # grown past the small first chunks
-        s.append(1, b"", b"q", PROPS, body)
-        n += 1
-    assert s._wseg is not None
-    written, alloc = s._wseg.end, s._walloc
-    ahead = -(-written // 4096) * 4096 + 4096  # from the page after the one being written
-    assert alloc - ahead >= 64 * 1024
-    deadline = time.monotonic() + 30
-    while not all(_mapped(s._waddr + ahead, alloc - ahead)) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    if not fileio._populate_works:
-        pytest.skip("kernel without MADV_POPULATE_WRITE")
-    assert all(_mapped(s._waddr + ahead, alloc - ahead))
-    assert s._wmm is not None and s._wmm[ahead:alloc] == bytes(alloc - ahead)  # still zeros
-    s.close()
-    s = QueueStore(tmp_path / "q", segment_size=8 * 1024 * 1024, persistent_only=True)
-    got = 0
-    while s.next_delivery(True) is not None:
-        got += 1
-    assert got == n
     s.close()

@@ -167,3 +167,41 @@ def test_deliver_same_matches_one_by_one(tmp_path: Path, autoack: bool, k: int, 
     assert a2.ready_count == b2.ready_count == (20 if autoack else len(want) + 20)
     a2.close()
     b2.close()
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_a_run_taken_at_once_is_what_a_delivery_run_would_have_taken(tmp_path: Path, same: bool) -> None:
+    """append_run_taken (a run handed to a consumer with the bytes in hand) leaves the store
+    as append_run + deliver_run does: the same msgids unacked, nothing ready; acks settle
+    them and a restart finds none of them."""
+    exrk = short_pair(b"", b"q")
+    props = [b"\x00\x80" + bytes([4 + i % 3]) + b"id-" + b"x" * (i % 3) for i in range(40)]
+    bodies = [bytes([i]) * (10 + (0 if same else i)) for i in range(40)]
+    if same:
+        props = [props[0]] * 40
+    a = QueueStore(tmp_path / "a")
+    b = QueueStore(tmp_path / "b")
+    for s in (a, b):
+        s.append(1, b"", b"q", props[0], b"first")
+        s.next_delivery(False)  # the cursor stands at the end: nothing ready
+    taken = a.append_run_taken(7, exrk, props, bodies, same)
+    b.append_run(7, exrk, props, bodies, same)
+    got: list[int] = []
+    b.deliver_run(100, False, lambda m, *_: got.append(m), 1 << 40)
+    assert taken == got
+    assert (a.ready_count, a.unacked_count) == (b.ready_count, b.unacked_count) == (0, 41)
+    a.ack_many(taken)
+    a.close()
+    a = QueueStore(tmp_path / "a")
+    assert a.ready_count == 1  # only the first message, never acked, comes back
+    a.close()
+    b.close()
+
+
+def test_a_run_taken_behind_ready_messages_stays_ready(tmp_path: Path) -> None:
+    s = QueueStore(tmp_path / "q")
+    exrk = short_pair(b"", b"q")
+    s.append(1, b"", b"q", b"\x00\x00", b"ready")
+    assert s.append_run_taken(7, exrk, [b"\x00\x00"] * 3, [b"a", b"bb", b"c"], False) is None
+    assert s.ready_count == 4
+    s.close()

@@ -215,11 +215,19 @@ class SessionConsumer(Consumer):
             stats.delivered_autoack += k
         self._send(b"".join(parts))
 
-    def deliver_unstored(self, exrk: bytes, props: list[bytes], bodies: list[bytes]) -> None:
-        """Autoack deliveries of a publish run that was never stored: one template check
-        per message (sizes only), one joined write for the run."""
+    def deliver_many(self, msgids: list[int] | None, exrk: bytes, props: list[bytes],
+                     bodies: list[bytes]) -> None:
+        """First-time deliveries with one exchange and routing key (``Consumer.deliver_many``;
+        ``msgids`` None: autoack deliveries of a publish run that was never stored): one
+        template check per message (sizes only), one joined write for all of them."""
         chs = self.chs
         tag = chs.next_tag
+        k = len(bodies)
+        if msgids is not None and not self.no_ack:
+            q = self.queue
+            chs.unacked.update(zip(range(tag, tag + k), [(q, msgid, self) for msgid in msgids], strict=True))
+            self.unacked += k
+            chs.unacked_count += k
         key = self._t_key
         frame_max = self.session.frame_max
         if key[0] != exrk or key[3]:
@@ -247,8 +255,9 @@ class SessionConsumer(Consumer):
             tag += 1
         chs.next_tag = tag
         stats = self.session.stats
-        stats.delivered += len(bodies)
-        stats.delivered_autoack += len(bodies)  # only autoack consumers get unstored runs
+        stats.delivered += k
+        if self.no_ack:
+            stats.delivered_autoack += k
         self._send(b"".join(parts))
 
     def _retemplate(self, exrk: bytes, props_len: int, body_len: int, redelivered: bool) -> bool:

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from broker import errors, properties
 from broker.model import features
+from broker.model.queue import Queue as QueueT
 from broker.store.queue_store import QueueStore
 from broker.store.segment import record_size, short_pair
 
@@ -180,7 +181,8 @@ def publish(vh: VHost, req: PublishRequest, first_hop: bool = True) -> PublishOu
     out = PublishOutcome([])
     extra: list[str] | None = None
     has_exp = False
-    if flags & _PER_MESSAGE:  # headers or expiration: CC/BCC keys (BCC removed), a valid TTL
+    if flags & _EXPIRATION or (flags & _HEADERS and b"CC" in props):
+        # an expiration (a valid TTL) or headers that may hold CC/BCC (keys added, BCC removed)
         props, extra, has_exp = features.inspect_publish(props)
         if not req.cc:
             extra = None
@@ -238,8 +240,6 @@ def route(vh: VHost, ex: Exchange, keys: list[str], props: bytes, req: PublishRe
     ``probe``: route for a whole run: raises ``_NotARun`` instead of applying an exchange's
     behaviour, and with ``varied`` (the run's properties differ) instead of reading headers.
     """
-    from broker.model.queue import Queue as QueueT
-
     if varied:
         headers_of = _probe_headers
     else:

@@ -88,8 +88,15 @@ class Consumer:
 
     def deliver_unstored(self, exrk: bytes, props: list[bytes], bodies: list[bytes]) -> None:
         """Autoack deliveries of a publish run that was never stored (msgid 0), in order."""
-        for p, body in zip(props, bodies, strict=True):
-            self.deliver_raw(0, exrk, p, body, False)
+        self.deliver_many(None, exrk, props, bodies)
+
+    def deliver_many(self, msgids: list[int] | None, exrk: bytes, props: list[bytes],
+                     bodies: list[bytes]) -> None:
+        """``deliver_raw`` for first-time deliveries with one exchange and routing key, in
+        order: ``msgids[i]`` goes with ``props[i]`` and ``bodies[i]`` (None: msgid 0, a publish
+        run never stored, autoack)."""
+        for msgid, p, body in zip(msgids or [0] * len(bodies), props, bodies, strict=True):
+            self.deliver_raw(msgid, exrk, p, body, False)
 
     def cancelled_by_server(self) -> None:
         """The queue went away; tell the client if it wants to know."""
@@ -304,11 +311,20 @@ class ClassicQueue(Queue):
                     # once; nothing else was ready, so those are the records a delivery
                     # run takes (as runs, without a pass of its own)
                     i = min(room, k)
-                    store.append_run(ts, exrk, props[:i], bodies[:i], same)
+                    fast = self.fast.on
+                    taken = store.append_run_taken(ts, exrk, props[:i], bodies[:i], same) if fast else None
+                    if taken is None and not fast:
+                        store.append_run(ts, exrk, props[:i], bodies[:i], same)
                     self.n_published += i
                     if persistent and self.durable:
                         self.on_dirty(store)
-                    self.n_delivered += store.deliver_run(i, False, c.deliver_raw, 1 << 62, c.deliver_same)[0]
+                    if taken is not None:  # handed over with the bytes in hand
+                        self.n_delivered += i
+                        c.deliver_many(taken, exrk, props[:i], bodies[:i])
+                    else:
+                        self.n_delivered += store.deliver_run(i, False, c.deliver_raw, 1 << 62,
+                                                              c.deliver_same if fast else None,
+                                                              c.deliver_many if fast else None)[0]
                     if i == k:
                         return
             else:
@@ -389,9 +405,10 @@ class ClassicQueue(Queue):
                     k = min(c.capacity(), budget)
                     if k <= 0:
                         return  # no capacity; whoever frees some reschedules us
-                    same = c.deliver_same if self.fast.on else None
+                    fast = self.fast.on
                     got_n, red_n, nb = store.deliver_run(k, c.no_ack, c.deliver_raw, _PASS_BYTES - nbytes,
-                                                         same)
+                                                         c.deliver_same if fast else None,
+                                                         c.deliver_many if fast else None)
                     delivered += got_n
                     redelivered_n += red_n
                     nbytes += nb

@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 _HANDSHAKE_TIMEOUT = 10.0  # seconds to finish connection.open
 _CLOSE_TIMEOUT = 2.0  # seconds to wait for close-ok before dropping the socket
 _WRITE_HIGH_WATER = 1024 * 1024
+_HOLD_POLL = 0.0005  # seconds between looks at a held publisher's consumers
 _HOLD_SECONDS = 0.005  # how long a publisher may wait for consumers of its queues to catch up
 
 
@@ -233,8 +234,11 @@ class AMQPProtocol(asyncio.Protocol):
             # A publisher whose confirms have all gone out meanwhile is let go at once.
             if any(q.store.ready_count and q.consumers for q in s.batch_queues) and s.publishes_in_flight():
                 loop = asyncio.get_running_loop()
-                if loop.time() < hold_until:
-                    loop.call_soon(self._resume_reading, hold_until)
+                now = loop.time()
+                if now < hold_until:
+                    # look again shortly, not every loop turn: a loop kept spinning for
+                    # this would burn the CPU the consumers need
+                    loop.call_later(min(hold_until - now, _HOLD_POLL), self._resume_reading, hold_until)
                     return
             s.batch_queues.clear()
         if s is not None:

@@ -23,6 +23,7 @@ from typing import Protocol
 Delivery = tuple[int, bytes, bytes, bytes, bool]
 DeliverOne = Callable[[int, bytes, bytes, bytes, bool], None]
 DeliverSame = Callable[[range, bytes, bytes, list[bytes]], None]
+DeliverMany = Callable[[list[int], bytes, list[bytes], list[bytes]], None]
 
 
 class QueueCounters(Protocol):
@@ -59,6 +60,9 @@ class MessageStore(QueueCounters, Protocol):
     def append_taken(self, timestamp_ms: int, exchange: bytes, routing_key: bytes,
                      props: bytes | memoryview, body: bytes | bytearray | memoryview) -> int: ...
 
+    def append_run_taken(self, timestamp_ms: int, exrk: bytes, props: list[bytes], bodies: list[bytes],
+                         same: bool) -> list[int] | None: ...
+
     # ---------------------------------------------------------------- take
     def shift(self) -> int | None: ...
 
@@ -67,7 +71,8 @@ class MessageStore(QueueCounters, Protocol):
     def next_delivery(self, autoack: bool) -> Delivery | None: ...
 
     def deliver_run(self, k: int, autoack: bool, deliver: DeliverOne, max_bytes: int,
-                    deliver_same: DeliverSame | None = None) -> tuple[int, int, int]: ...
+                    deliver_same: DeliverSame | None = None,
+                    deliver_many: DeliverMany | None = None) -> tuple[int, int, int]: ...
 
     def end_pass(self) -> None: ...
 

@@ -8,8 +8,6 @@ reader therefore sees either the old or the new content, never a mix, even after
 from __future__ import annotations
 
 import ctypes
-import errno
-import mmap
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -96,48 +94,3 @@ def datasync(fd: int) -> None:
         os.fdatasync(fd)
     else:  # pragma: no cover - macOS
         os.fsync(fd)
-
-
-# ------------------------------------------------------------------ prefaulting a mapping
-MADV_POPULATE_WRITE: Final = 23  # Linux 5.14: fault pages in writable, contents unchanged
-
-
-def _load_madvise() -> Callable[[int, int, int], int] | None:
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):  # pragma: no cover - not Linux
-        return None
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    fn.restype = ctypes.c_int
-    madvise: Callable[[int, int, int], int] = fn
-    return madvise
-
-
-_MADVISE = _load_madvise()
-_populate_works = _MADVISE is not None
-
-
-def map_address(mm: mmap.mmap) -> int:
-    """The address of a writable mapping (for ``populate``; no buffer export is kept)."""
-    view = ctypes.c_char.from_buffer(mm)
-    try:
-        return ctypes.addressof(view)
-    finally:
-        del view
-
-
-def populate(address: int, length: int) -> bool:
-    """Fault ``length`` bytes of a shared file mapping in, writable, without changing them
-    (MADV_POPULATE_WRITE), with the GIL released: what a first write into each page would
-    cost (on ext4, several microseconds per page of an allocated, never written extent) is
-    paid here instead. ``address`` must be page aligned and the range allocated on disk (a
-    hole on a full disk fails here, with EFAULT, instead of a SIGBUS). False, and no more
-    attempts, where the kernel lacks it."""
-    global _populate_works
-    if not _populate_works or _MADVISE is None:
-        return False
-    if _MADVISE(address, length, MADV_POPULATE_WRITE) == 0:
-        return True
-    if ctypes.get_errno() == errno.EINVAL:  # an older kernel
-        _populate_works = False
-    return False

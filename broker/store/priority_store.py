@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from broker import properties
-from broker.store.api import DeliverOne, DeliverSame, Delivery
+from broker.store.api import DeliverMany, DeliverOne, DeliverSame, Delivery
 from broker.store.queue_store import QueueStore
 
 _SHIFT = 64
@@ -113,6 +113,12 @@ class PriorityStore:
         for p, body in zip(props, bodies, strict=True):
             self._store_for(p)[1].append_run(timestamp_ms, exrk, [p], [body], True)
 
+    def append_run_taken(self, timestamp_ms: int, exrk: bytes, props: list[bytes], bodies: list[bytes],
+                         same: bool) -> list[int] | None:
+        """append_run(); the run stays ready (levels decide the order: deliver_run hands it on)."""
+        self.append_run(timestamp_ms, exrk, props, bodies, same)
+        return None
+
     def make_room(self, size: int, props: bytes | memoryview, timestamp_ms: int) -> None:
         """Room for ``size`` bytes in the level ``props`` go to (a run reaching a priority queue
         is published one message at a time, so one level is all it needs)."""
@@ -138,8 +144,10 @@ class PriorityStore:
         return None
 
     def deliver_run(self, k: int, autoack: bool, deliver: DeliverOne, max_bytes: int,
-                    deliver_same: DeliverSame | None = None) -> tuple[int, int, int]:
-        """``QueueStore.deliver_run`` level by level, highest first, with the level in every msgid."""
+                    deliver_same: DeliverSame | None = None,
+                    deliver_many: DeliverMany | None = None) -> tuple[int, int, int]:
+        """``QueueStore.deliver_run`` level by level, highest first, with the level in every msgid
+        (``deliver_many`` is not used: each record goes to ``deliver`` or a run)."""
         n = red = nbytes = 0
         for level in self._order:
             store = self._levels[level]
@@ -322,7 +330,8 @@ class QuorumPriorityStore(PriorityStore):
         return (level << _SHIFT) | got[0], got[1], got[2], got[3], got[4]
 
     def deliver_run(self, k: int, autoack: bool, deliver: DeliverOne, max_bytes: int,
-                    deliver_same: DeliverSame | None = None) -> tuple[int, int, int]:
+                    deliver_same: DeliverSame | None = None,
+                    deliver_many: DeliverMany | None = None) -> tuple[int, int, int]:
         """One by one while both levels wait (the weighted order), then the one level's runs."""
         n = red = nbytes = 0
         while n < k and nbytes <= max_bytes and self._both_wait():
@@ -334,7 +343,8 @@ class QuorumPriorityStore(PriorityStore):
             nbytes += len(got[3])
             deliver(*got)
         if n < k and nbytes <= max_bytes:
-            more = super().deliver_run(k - n, autoack, deliver, max_bytes - nbytes, deliver_same)
+            more = super().deliver_run(k - n, autoack, deliver, max_bytes - nbytes, deliver_same,
+                                       deliver_many)
             n, red, nbytes = n + more[0], red + more[1], nbytes + more[2]
         return n, red, nbytes
 

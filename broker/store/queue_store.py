@@ -19,8 +19,9 @@ Memory. No per-message Python object for ready messages: a cursor (segment, posi
 walks the segments in order, and each segment keeps only counters and the set of acked
 positions. Requeued msgids wait in a heap (served before the cursor, lowest first, which
 is publish order); unacked msgids sit in a set (bounded by consumer prefetch). Only the
-write segment and the cursor segment stay mapped; others are mapped on demand and unmapped
-when the cursor moves on. Per store (100k declared queues must fit in a few hundred MB):
+write segment, the one retired last and the cursor segment stay mapped (a backlog
+nobody reads is not resident); others are mapped on demand and unmapped when the cursor
+moves on. Per store (100k declared queues must fit in a few hundred MB):
 the directory is kept as a ``str`` (a ``Path`` costs ~0.5 KB; ``directory`` builds one on
 demand) and the five bookkeeping sets start as one shared, immutable empty set and are
 allocated by ``_allocate_sets`` when the store first gets a segment (the first append,
@@ -84,6 +85,7 @@ from typing import Any, Final
 
 from broker.errors import StoreError
 from broker.store import segment as fmt
+from broker.store.api import DeliverMany, DeliverOne, DeliverSame
 from broker.store.delivery_counts import NAME as COUNTS_NAME
 from broker.store.delivery_counts import DeliveryCounts
 from broker.store.fileio import append_whole, atomic_write, datasync, fsync_dir
@@ -100,6 +102,9 @@ _META_VERSION: Final = 2  # 1 had no flags (read as "not closed cleanly")
 _META_V1_SIZE: Final = struct.calcsize("<4sIQQ")
 _META_CLEAN: Final = 1  # flags: written by close(); the mark is exact
 _CRC: Final = struct.Struct("<I")
+# A delivery pass that found a record unlike the next one looks for runs of equal records again
+# this many deliveries later (the probe copies and compares two record heads).
+_PROBE_AFTER_MISS: Final = 16
 _U32: Final = struct.Struct("<I")
 _I64_PACK_INTO: Final = fmt.I64.pack_into
 _I64_PACK: Final = fmt.I64.pack
@@ -297,14 +302,13 @@ class QueueStore(SegmentLog[Segment]):
         mid = b"".join((exrk, _U32_PACK(len(p0)), p0, _U64_PACK(body_len)))
         rec = 8 + len(mid) + body_len
         sep = _I64_PACK(timestamp_ms or 1) + mid
-        head = len(mid) + 8
         seg = self.reserve(k * rec)
         mm = self._wmm
         assert mm is not None
         pos = seg.end
         end = pos + k * rec
-        mm[pos + 8 : pos + head] = mid  # the first timestamp stays zero until the end
-        mm[pos + head : end] = sep.join(bodies)
+        # the first timestamp stays zero until the end
+        fmt.write_at(self._wfd, mm, pos + 8, (mid, sep.join(bodies)))
         self._run_written(seg, mm, pos, end, timestamp_ms, k, k * body_len)
 
     def reserve(self, size: int) -> Segment:
@@ -342,7 +346,8 @@ class QueueStore(SegmentLog[Segment]):
         mm = self._wmm
         assert mm is not None
         pos = seg.end
-        mm[pos + 8 : pos + size] = memoryview(blob)[8:]  # the first timestamp stays zero until the end
+        # the first timestamp stays zero until the end
+        fmt.write_at(self._wfd, mm, pos + 8, (memoryview(blob)[8:],))
         self._run_written(seg, mm, pos, pos + size, timestamp_ms, len(bodies), sum(map(len, bodies)))
 
     def _run_written(self, seg: Segment, mm: mmap.mmap, pos: int, end: int, timestamp_ms: int, count: int,
@@ -384,6 +389,40 @@ class QueueStore(SegmentLog[Segment]):
         if self.shift() != msgid:  # e.g. acked records after recovery lay before it
             raise StoreError(f"append_taken on a queue with ready messages ({self._dir})")
         return msgid
+
+    def append_run_taken(self, timestamp_ms: int, exrk: bytes, props: list[bytes], bodies: list[bytes],
+                         same: bool) -> list[int] | None:
+        """append_run() for messages that go straight to one consumer: their msgids, unacked
+        at once (the consumer gets the bytes in hand; nothing is read back from the map).
+        None when the cursor was not where the run went (it then stays ready for
+        deliver_run). Only for a store with nothing ready (the caller checks)."""
+        at = (self._cnum << 32) | self._cpos
+        self.append_run(timestamp_ms, exrk, props, bodies, same)
+        seg = self._wseg
+        assert seg is not None
+        fixed = fmt.FIXED_SIZE - 2 + len(exrk)  # FIXED_SIZE counts the two length octets
+        size = QueueStore.run_size(exrk, props, bodies, same)
+        pos = seg.end - size
+        base = seg.num << 32
+        if base | pos != at or self._heap:
+            return None
+        if same:
+            msgids = list(range(base | pos, base | seg.end, fixed + len(props[0]) + len(bodies[0])))
+        else:
+            msgids = []
+            add = msgids.append
+            for p, body in zip(props, bodies, strict=True):
+                add(base | pos)
+                pos += fixed + len(p) + len(body)
+        k = len(bodies)
+        self._cpos = seg.end
+        self._ready -= k
+        self._bytes_ready -= sum(map(len, bodies))
+        self._unacked.update(msgids)
+        if msgids[-1] > self._hwm:
+            self._hwm = msgids[-1]
+            self._hwm_moved()
+        return msgids
 
     def _roll(self, need: int, want: int = 0) -> Segment:
         """The write segment with room for a record of ``need`` bytes (``want``: for a run
@@ -481,9 +520,8 @@ class QueueStore(SegmentLog[Segment]):
             self._unacked.add(msgid)
         return msgid, exrk, props, body, redelivered
 
-    def deliver_run(self, k: int, autoack: bool, deliver: Callable[[int, bytes, bytes, bytes, bool], None],
-                    max_bytes: int,
-                    deliver_same: Callable[[range, bytes, bytes, list[bytes]], None] | None = None,
+    def deliver_run(self, k: int, autoack: bool, deliver: DeliverOne, max_bytes: int,
+                    deliver_same: DeliverSame | None = None, deliver_many: DeliverMany | None = None,
                     ) -> tuple[int, int, int]:
         """Hand up to ``k`` ready messages, in order, to ``deliver`` (next_delivery's fields).
 
@@ -497,16 +535,33 @@ class QueueStore(SegmentLog[Segment]):
         With ``deliver_same``, consecutive first-time records that differ only in
         their bodies (same exchange, routing key, properties and body size: the
         bytes between timestamp and body are equal) go to it as one run of
-        (msgids, exrk, props, bodies) instead of one ``deliver`` call each.
+        (msgids, exrk, props, bodies) instead of one ``deliver`` call each. With
+        ``deliver_many``, the other consecutive first-time records with the same exchange
+        and routing key go to it as lists (msgids, exrk, props, bodies), so that they are
+        framed and written in one go; nothing is handed on out of order.
         """
         if self._open_unsynced:
             self._sync_open_meta()
         n = red = nbytes = 0
+        b_ids: list[int] = []  # the batch for deliver_many
+        b_props: list[bytes] = []
+        b_bodies: list[bytes] = []
+        b_exrk = b""
+
+        def flush() -> None:
+            nonlocal b_ids, b_props, b_bodies
+            if b_ids:
+                assert deliver_many is not None
+                ids, props, bodies = b_ids, b_props, b_bodies
+                b_ids, b_props, b_bodies = [], [], []
+                deliver_many(ids, b_exrk, props, bodies)
+
         while n < k and nbytes <= max_bytes:
             seg = self._segs.get(self._cnum)
             pos = self._cpos
             if self._heap or seg is None or pos >= seg.end or seg.mm is None \
                     or (seg.acked and pos in seg.acked):
+                flush()
                 got = self.next_delivery(autoack)
                 if got is None:
                     break
@@ -530,6 +585,7 @@ class QueueStore(SegmentLog[Segment]):
                 positions = self._aa_positions
             unacked = self._unacked
             msgid = 0
+            probe_at = 0  # records that differ from the next one: look for runs again from the n-th
             while n < k and pos < end and nbytes <= max_bytes:
                 if acked and pos in acked:  # only after recovery can acked records lie ahead
                     break
@@ -540,7 +596,7 @@ class QueueStore(SegmentLog[Segment]):
                 b_len = _U64_UNPACK(mm, pend)[0]
                 bend = pend + 8 + b_len
                 msgid = base | pos
-                if deliver_same is not None and msgid > recovered_hwm and bend < end:
+                if deliver_same is not None and msgid > recovered_hwm and bend < end and n >= probe_at:
                     # a run of records like this one? compare the bytes between
                     # timestamp and body; equal bytes mean an equal record size
                     rec = bend - pos
@@ -567,10 +623,12 @@ class QueueStore(SegmentLog[Segment]):
                         self._bytes_ready -= m * b_len
                         n += m
                         nbytes += m * b_len
+                        flush()
                         deliver_same(range(msgid, base | q, rec), mm[p:p_at], mm[p_at + 4 : pend], bodies)
                         msgid = base | (q - rec)
                         pos = q
                         continue
+                    probe_at = n + _PROBE_AFTER_MISS  # messages that differ (ids, headers, sizes)
                 if positions is not None:
                     acked.add(pos)
                     positions.append(pos)
@@ -583,8 +641,19 @@ class QueueStore(SegmentLog[Segment]):
                 n += 1
                 red += redelivered
                 nbytes += b_len
-                deliver(msgid, mm[p:p_at], mm[p_at + 4 : pend], mm[pend + 8 : bend], redelivered)
                 pos = bend
+                exrk = mm[p:p_at]
+                if deliver_many is not None and not redelivered:
+                    if exrk != b_exrk:
+                        flush()
+                        b_exrk = exrk
+                    b_ids.append(msgid)
+                    b_props.append(mm[p_at + 4 : pend])
+                    b_bodies.append(mm[pend + 8 : bend])
+                    continue
+                flush()
+                deliver(msgid, exrk, mm[p_at + 4 : pend], mm[pend + 8 : bend], redelivered)
+            flush()
             if msgid > self._hwm:
                 self._hwm = msgid
                 self._hwm_moved()
@@ -658,6 +727,9 @@ class QueueStore(SegmentLog[Segment]):
                 self._cpos = end
                 self._bytes_ready -= body_size
             return (seg.num << 32) | pos
+
+    def _keep_mapped(self, seg: Segment) -> bool:
+        return seg.num == self._cnum
 
     def _next_cursor_segment(self) -> bool:
         i = bisect.bisect_right(self._order, self._cnum)

@@ -182,7 +182,7 @@ class RabbitProcess:
         return True
 
     @classmethod
-    def _stop_group(cls, proc: subprocess.Popen[bytes] | None) -> None:
+    def _stop_group(cls, proc: subprocess.Popen[bytes] | None, deadline_s: float = STOP_DEADLINE) -> None:
         """SIGTERM the process group we started, SIGKILL it after a deadline; wait until it is gone
         (the node's beam outlives its shell script by a moment)."""
         if proc is None:
@@ -194,14 +194,16 @@ class RabbitProcess:
                 os.killpg(proc.pid, sig)
             except ProcessLookupError:
                 break
-            deadline = time.monotonic() + STOP_DEADLINE
+            deadline = time.monotonic() + deadline_s
             while cls._group_alive(proc.pid) and time.monotonic() < deadline:
                 proc.poll()  # reap the group leader so it stops counting as alive
                 time.sleep(0.05)  # poll interval, bounded by the deadline
         proc.poll()
 
-    def close(self) -> None:
-        self._stop_group(self.proc)
+    def close(self, deadline_s: float = STOP_DEADLINE) -> None:
+        """Stop the node (``deadline_s`` for a clean stop before SIGKILL: a benchmark with a
+        backlog of millions gives it minutes) and its epmd. ``spawn`` starts it again."""
+        self._stop_group(self.proc, deadline_s)
         self._stop_group(self.epmd)
         if self._log is not None:
             self._log.close()
