@@ -2,28 +2,47 @@
 
 Theory of operation: the hot path only increments integers (``Broker.stats``, each queue's
 ``n_published``/``n_delivered``/..., each exchange's ``n_in``/``n_out``). Every ``INTERVAL``
-(one second) a task on the event loop snapshots those counters, and the node's gauges, into a
-short ring per object covering the last ``WINDOW`` seconds. A rate is, as RabbitMQ's
-sample-based ``{"rate": r}``, the change between the oldest and newest snapshot in the ring
-divided by the time between them; it is computed when an answer is rendered. Nothing is done per
-message. Objects are keyed by identity, so a queue or exchange deleted and re-declared under the
-same name starts from zero (one first seen counts as zero at the previous sample, so its first
-interval has a rate); rings of objects that no longer exist are dropped at the next sample.
+(RabbitMQ's ``collect_statistics_interval``, 5 s) a task on the event loop makes one pass over the
+node: it reads every queue's, exchange's and connection's counters, ``CHUNK`` objects at a time,
+and gives the event loop back between chunks, so a node with 100k queues never stalls its
+connections for more than one chunk's work. A rate is, as RabbitMQ's sample-based
+``{"rate": r}``, the change between the oldest and newest snapshot kept for the object over the
+last ``WINDOW`` seconds, divided by the time between them; it is computed when an answer is
+rendered. Nothing is done per message.
+
+What a pass keeps, so that many idle queues cost little time and RAM:
+
+- nothing for an object that never counted anything (most idle queues);
+- the last values of one that did (one tuple), kept in place: an unchanged object costs a lookup
+  and a compare, no write;
+- a ring of snapshots only for an object that changed within the window (or a queue with
+  consumers, for its utilisation): an object without one has a rate of zero, which is what its
+  ring would say. A ring whose oldest and newest snapshots are equal is dropped;
+- per vhost, running sums of its queues' changes: the vhost's and the node's queue totals (and
+  the node's redelivered count) are rates of those sums, never a walk over the queues when an
+  answer is rendered.
+
+Objects are keyed by identity (what is kept for one holds it until a pass finds it gone), so a
+queue or exchange deleted and re-declared under the same name starts from zero: one first
+seen counts as zero at the previous pass, so its first interval has a rate. A queue deleted
+between passes keeps what it counted in the sums; only its last interval is not seen.
 
 ``consumer_utilisation`` (RabbitMQ: the fraction of time the queue could deliver to a consumer at
 once, i.e. its consumers were not held back by prefetch limits or a full socket) is approximated
-from the same samples: at each sample a queue with a consumer that is ``ready()`` counts the
-seconds since the previous sample as able, and the utilisation is the share of able time over
-the window. A queue without consumers has none (``null``, as RabbitMQ).
+from the same passes: at each pass a queue with a consumer that is ``ready()`` counts the seconds
+since the previous pass as able, and the utilisation is the share of able time over the window.
+A queue without consumers has none (``null``, as RabbitMQ).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from functools import partial
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from broker.model.exchange import Exchange
 from broker.model.queue import Queue
@@ -32,32 +51,29 @@ from broker.model.vhost import VHost
 if TYPE_CHECKING:
     from broker.views import BrokerView, ConnectionView
 
-INTERVAL = 1.0  # seconds between samples
-WINDOW = 5.0  # seconds a rate is taken over (RabbitMQ: the last few samples, 5 s by default)
+INTERVAL = 5.0  # seconds between passes: RabbitMQ's default collect_statistics_interval
+WINDOW = 5.0  # seconds a rate is taken over (RabbitMQ: the last sample interval by default)
+# objects read between two returns to the event loop: about 0.5 ms of work on this machine
+CHUNK = 500
 
 GLOBAL_FIELDS = ("published", "delivered", "acked", "confirmed", "unroutable", "gets", "gets_empty",
                  "returned", "delivered_autoack", "gets_autoack", "connections_opened",
                  "channels_opened", "connections_closed", "channels_closed", "queues_created",
                  "queues_deleted", "redelivered")
 QUEUE_FIELDS = ("publish", "deliver_get", "ack", "redeliver", "ready", "unacked", "get", "get_no_ack",
-                "get_empty", "utilisation")
+                "get_empty")
+REDELIVER = QUEUE_FIELDS.index("redeliver")
 VHOST_FIELDS = ("confirm", "unroutable", "returned")
 EXCHANGE_FIELDS = ("publish_in", "publish_out")
 CONNECTION_FIELDS = ("recv_oct", "send_oct")
 GAUGE_FIELDS = ("mem_used", "disk_free", "fd_used", "sockets_used", "proc_used")
 
-Sample = tuple[float, tuple[float, ...]]
+log = logging.getLogger(__name__)
 
-
-def _queue_counters(q: Queue, ring: Ring | None, now: float) -> tuple[float, ...]:
-    """The queue's counters, and the seconds (summed over samples) during which one of its
-    consumers could take a delivery: its rate over the window is ``consumer_utilisation``."""
-    able = 0.0
-    if ring is not None and ring.samples:
-        t, last = ring.samples[-1]
-        able = last[-1] + (now - t if any(c.ready() for c in q.consumers) else 0.0)
-    return (q.n_published, q.n_delivered, q.n_acked, q.n_redelivered, q.message_count,
-            q.store.unacked_count, q.n_gets, q.n_gets_no_ack, q.n_get_empty, able)
+Values = tuple[float, ...]
+Sample = tuple[float, Values]
+K = TypeVar("K")
+T = TypeVar("T")
 
 
 class Ring:
@@ -68,10 +84,14 @@ class Ring:
     def __init__(self) -> None:
         self.samples: deque[Sample] = deque(maxlen=int(WINDOW / INTERVAL) + 1)
 
-    def add(self, t: float, values: tuple[float, ...]) -> None:
+    def add(self, t: float, values: Values) -> None:
         self.samples.append((t, values))
 
-    def rates(self, n: int) -> tuple[float, ...]:
+    def flat(self) -> bool:
+        """No change over the window: every rate is zero."""
+        return self.samples[0][1] == self.samples[-1][1]
+
+    def rates(self, n: int) -> Values:
         if len(self.samples) < 2:
             return (0.0,) * n
         (t0, first), (t1, last) = self.samples[0], self.samples[-1]
@@ -79,22 +99,90 @@ class Ring:
         return tuple((b - a) / dt for a, b in zip(first, last, strict=True))
 
 
+class Tracked(Generic[K]):
+    """One kind of object (queues, exchanges, connections): the last values of those that ever
+    counted something, and rings of those that changed within the window.
+
+    Kept in place from pass to pass, so that an idle object costs a lookup and a compare and no
+    write. A pass calls ``see`` for each live object; when fewer were seen than are kept, some
+    went away, and ``drop`` forgets those (with their rings)."""
+
+    __slots__ = ("last", "rings", "zeros", "known")
+
+    def __init__(self, width: int) -> None:
+        self.zeros: Values = (0,) * width
+        self.last: dict[K, Values] = {}
+        self.rings: dict[K, Ring] = {}
+        self.known = 0  # objects seen by this pass that have an entry in ``last``
+
+    def see(self, obj: K, values: Values, now: float, previous: float | None) -> Values | None:
+        """Record ``obj``'s values at ``now``; the change since the last pass, None if none."""
+        kept = self.last.get(obj)
+        if kept is None:
+            if values == self.zeros:  # never counted anything: nothing kept
+                return None
+            before = self.zeros
+        else:
+            before = kept
+            if values == before:
+                ring = self.rings.get(obj)
+                if ring is not None:
+                    ring.add(now, values)
+                    if ring.flat():
+                        del self.rings[obj]
+                self.known += 1
+                return None
+        self.last[obj] = values
+        self.known += 1
+        ring = self.rings.get(obj)
+        if ring is None and previous is not None:
+            # born or woken since the last pass: it was `before` then (the node's first pass has
+            # no rate to give, and makes no rings: a restart with 100k non-empty queues)
+            ring = self.rings[obj] = Ring()
+            ring.add(previous, before)
+        if ring is not None:
+            ring.add(now, values)
+        return tuple(b - a for a, b in zip(before, values, strict=True))
+
+    def stale(self) -> bool:
+        """Some kept object was not seen by this pass (it was deleted or closed)."""
+        return len(self.last) > self.known
+
+    def drop(self, objs: Iterable[K], gone: Callable[[K], bool]) -> None:
+        for obj in objs:
+            if gone(obj):
+                self.last.pop(obj, None)
+                self.rings.pop(obj, None)
+
+    def rates(self, obj: K, fields: Sequence[str]) -> dict[str, float]:
+        ring = self.rings.get(obj)
+        values = ring.rates(len(fields)) if ring else (0.0,) * len(fields)
+        return dict(zip(fields, values, strict=True))
+
+
 class RateSampler:
     def __init__(self, broker: BrokerView,
-                 gauges: Callable[[], tuple[int, ...]] = lambda: (0,) * len(GAUGE_FIELDS)) -> None:
+                 gauges: Callable[[], tuple[int, ...]] = lambda: (0,) * len(GAUGE_FIELDS),
+                 clock: Callable[[], float] = time.monotonic, chunk: int = CHUNK) -> None:
         self.broker = broker
         self.gauges = gauges
+        self.clock = clock
+        self.chunk = chunk
         self._global = Ring()
         self._node = Ring()
-        self._queues: dict[int, Ring] = {}
-        self._exchanges: dict[int, Ring] = {}
-        self._connections: dict[int, Ring] = {}
-        self._vhosts: dict[int, Ring] = {}
+        self._queues: Tracked[Queue] = Tracked(len(QUEUE_FIELDS))
+        self._exchanges: Tracked[Exchange] = Tracked(len(EXCHANGE_FIELDS))
+        self._connections: Tracked[ConnectionView] = Tracked(len(CONNECTION_FIELDS))
+        self._able: dict[Queue, Ring] = {}  # seconds a queue's consumers could take a delivery
+        # per vhost: its own counters, then the running sums of its queues' QUEUE_FIELDS
+        self._vhosts: dict[VHost, Ring] = {}
+        self._sums: dict[VHost, list[float]] = {}
+        self._redelivered = 0  # every queue's redeliveries, the deleted ones' included
         self._previous: float | None = None
+        self._room = chunk  # objects the current pass may still read before it yields
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        self.sample()
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
@@ -108,11 +196,22 @@ class RateSampler:
 
     async def _run(self) -> None:
         while True:
-            await asyncio.sleep(INTERVAL)
-            self.sample()
+            started = self.clock()
+            try:
+                for _ in self.steps():
+                    await asyncio.sleep(0)  # the loop's other callbacks and its IO poll run here
+            except Exception as exc:  # noqa: BLE001 - one bad pass must not end the sampling
+                log.error("statistics pass failed: %r", exc)
+            await asyncio.sleep(max(0.0, started + INTERVAL - self.clock()))
+
+    def sample(self) -> None:
+        """One whole pass at once (tests, and a caller that wants fresh numbers now)."""
+        for _ in self.steps():
+            pass
 
     def global_counters(self) -> tuple[int, ...]:
-        """``GLOBAL_FIELDS`` now: the broker's counters and the ones derived from the model."""
+        """``GLOBAL_FIELDS`` now: the broker's counters and the ones derived from the model (the
+        redelivered count as of the last pass, which sums it from the queues)."""
         b = self.broker
         st = b.stats
         vhs = list(b.vhosts.values())
@@ -123,39 +222,98 @@ class RateSampler:
                 st.connections_opened, st.channels_opened,
                 max(0, st.connections_opened - len(sessions)), max(0, st.channels_opened - channels),
                 sum(vh.queues_created for vh in vhs), sum(vh.queues_deleted for vh in vhs),
-                sum(q.n_redelivered for vh in vhs for q in vh.queues.values()))
+                self._redelivered)
 
-    def sample(self) -> None:
-        now = time.monotonic()
-        self._global.add(now, self.global_counters())
-        self._node.add(now, self.gauges())
-        queues: list[tuple[int, tuple[float, ...]]] = []
-        exchanges: list[tuple[int, tuple[float, ...]]] = []
-        rings = self._queues
-        for vh in self.broker.vhosts.values():
-            queues.extend((id(q), _queue_counters(q, rings.get(id(q)), now)) for q in vh.queues.values())
-            exchanges.extend((id(ex), (ex.n_in, ex.n_out)) for ex in vh.exchanges.values())
-        self._queues = self._advance(self._queues, queues, now)
-        self._exchanges = self._advance(self._exchanges, exchanges, now)
-        self._vhosts = self._advance(self._vhosts, (
-            (id(vh), (vh.n_confirmed, vh.n_unroutable, vh.n_returned))
-            for vh in self.broker.vhosts.values()), now)
-        self._connections = self._advance(
-            self._connections, ((id(s), (s.recv_oct, s.send_oct)) for s in self.broker.connections), now)
-        self._previous = now
+    def steps(self) -> Iterator[None]:
+        """One pass, yielding after each ``chunk`` objects read (the caller returns to the loop)."""
+        now = self.clock()
+        previous = self._previous
+        self._room = self.chunk
+        for tracked in (self._queues, self._exchanges, self._connections):
+            tracked.known = 0
+        walked = list(self.broker.vhosts.values())
+        exchanges: list[Exchange] = []
+        for vh in walked:
+            sums = self._sums.setdefault(vh, [0.0] * len(QUEUE_FIELDS))
+            yield from self._paced(list(vh.queues.values()),
+                                   partial(self._read_queues, sums=sums, now=now, previous=previous))
+            exchanges.extend(vh.exchanges.values())
+        yield from self._paced(exchanges, lambda part: [
+            self._exchanges.see(ex, (ex.n_in, ex.n_out), now, previous) for ex in part])
+        connections = self.broker.connections
+        yield from self._paced(list(connections), lambda part: [
+            self._connections.see(s, (s.recv_oct, s.send_oct), now, previous) for s in part])
+        # forget what went away since the last pass: deleted queues and exchanges, closed
+        # connections, and the utilisation of queues that lost their consumers
+        vhosts = self.broker.vhosts
+        if self._queues.stale():
+            yield from self._paced(list(self._queues.last), partial(self._queues.drop, gone=lambda q: (
+                (vh := vhosts.get(q.vhost)) is None or vh.queues.get(q.name) is not q)))
+        if self._exchanges.stale():
+            live = set(exchanges)
+            yield from self._paced(list(self._exchanges.last),
+                                   partial(self._exchanges.drop, gone=lambda ex: ex not in live))
+        if self._connections.stale():
+            yield from self._paced(list(self._connections.last), partial(
+                self._connections.drop, gone=lambda s: s not in connections))
+        able = self._able
+        yield from self._paced(list(able.items()), lambda part: [
+            able.pop(q) for q, ring in part if ring.samples[-1][0] != now])
+        self._end(walked, now, previous)
 
-    def _advance(self, rings: dict[int, Ring], current: Iterable[tuple[int, tuple[float, ...]]],
-                 now: float) -> dict[int, Ring]:
-        out: dict[int, Ring] = {}
-        for key, values in current:
-            ring = rings.get(key)
+    def _end(self, walked: list[VHost], now: float, previous: float | None) -> None:
+        """The few node- and vhost-level samples that close a pass."""
+        rings: dict[VHost, Ring] = {}
+        for vh in walked:
+            ring = self._vhosts.get(vh)
             if ring is None:
                 ring = Ring()
-                if self._previous is not None:  # born since the last sample: it started from zero
-                    ring.add(self._previous, (0,) * len(values))
-            ring.add(now, values)
-            out[key] = ring
-        return out
+                if previous is not None:
+                    ring.add(previous, (0,) * (len(VHOST_FIELDS) + len(QUEUE_FIELDS)))
+            ring.add(now, (vh.n_confirmed, vh.n_unroutable, vh.n_returned, *self._sums[vh]))
+            rings[vh] = ring
+        self._vhosts = rings
+        self._sums = {vh: self._sums[vh] for vh in walked}
+        end = self.clock()
+        self._global.add(end, self.global_counters())
+        self._node.add(end, self.gauges())
+        self._previous = now
+
+    def _paced(self, items: list[T], read: Callable[[list[T]], object]) -> Iterator[None]:
+        """``read`` the items in parts; yield each time ``chunk`` objects were read since the last."""
+        start = 0
+        while start < len(items):
+            part = items[start:start + self._room]
+            start += len(part)
+            read(part)
+            self._room -= len(part)
+            if self._room <= 0:
+                self._room = self.chunk
+                yield
+
+    def _read_queues(self, part: list[Queue], sums: list[float], now: float,
+                     previous: float | None) -> None:
+        queues = self._queues
+        for q in part:
+            store = q.store
+            delta = queues.see(q, (q.n_published, q.n_delivered, q.n_acked, q.n_redelivered,
+                                   q.message_count, store.unacked_count, q.n_gets,
+                                   q.n_gets_no_ack, q.n_get_empty), now, previous)
+            if delta is not None:
+                for i, d in enumerate(delta):
+                    sums[i] += d
+                self._redelivered += int(delta[REDELIVER])
+            if q.consumers:
+                self._see_able(q, now)
+
+    def _see_able(self, q: Queue, now: float) -> None:
+        ring = self._able.get(q)
+        if ring is None:  # its first able time is counted from the next pass
+            ring = self._able[q] = Ring()
+            ring.add(now, (0.0,))
+            return
+        t, (able,) = ring.samples[-1]
+        ring.add(now, (able + (now - t if any(c.ready() for c in q.consumers) else 0.0),))
 
     def global_rates(self) -> dict[str, float]:
         return dict(zip(GLOBAL_FIELDS, self._global.rates(len(GLOBAL_FIELDS)), strict=True))
@@ -165,39 +323,36 @@ class RateSampler:
 
     def queue_rates(self, q: Queue) -> dict[str, float]:
         """``QUEUE_FIELDS`` per second over the window, zeros before two samples."""
-        ring = self._queues.get(id(q))
-        values = ring.rates(len(QUEUE_FIELDS)) if ring else (0.0,) * len(QUEUE_FIELDS)
-        return dict(zip(QUEUE_FIELDS, values, strict=True))
+        return self._queues.rates(q, QUEUE_FIELDS)
 
-    def queues_rates(self, queues: Iterable[Queue]) -> dict[str, float]:
-        """The sum of ``queue_rates`` (a vhost's or the node's queues)."""
-        total = dict.fromkeys(QUEUE_FIELDS, 0.0)
-        for q in queues:
-            for k, v in self.queue_rates(q).items():
-                total[k] += v
-        return total
+    def queue_totals_rates(self, vhosts: Iterable[VHost]) -> dict[str, float]:
+        """The sum of ``queue_rates`` over the queues of ``vhosts`` (a vhost's or the node's)."""
+        total = [0.0] * len(QUEUE_FIELDS)
+        for vh in vhosts:
+            ring = self._vhosts.get(vh)
+            if ring is not None:
+                for i, r in enumerate(ring.rates(len(VHOST_FIELDS) + len(QUEUE_FIELDS))[len(VHOST_FIELDS):]):
+                    total[i] += r
+        return dict(zip(QUEUE_FIELDS, total, strict=True))
 
     def exchange_rates(self, ex: Exchange) -> dict[str, float]:
-        ring = self._exchanges.get(id(ex))
-        values = ring.rates(len(EXCHANGE_FIELDS)) if ring else (0.0,) * len(EXCHANGE_FIELDS)
-        return dict(zip(EXCHANGE_FIELDS, values, strict=True))
+        return self._exchanges.rates(ex, EXCHANGE_FIELDS)
 
     def connection_rates(self, s: ConnectionView) -> dict[str, float]:
         """Bytes per second received and sent over the window."""
-        ring = self._connections.get(id(s))
-        values = ring.rates(len(CONNECTION_FIELDS)) if ring else (0.0,) * len(CONNECTION_FIELDS)
-        return dict(zip(CONNECTION_FIELDS, values, strict=True))
+        return self._connections.rates(s, CONNECTION_FIELDS)
 
     def consumer_utilisation(self, q: Queue) -> float | None:
         if not q.consumers:
             return None
-        ring = self._queues.get(id(q))
+        ring = self._able.get(q)
         if ring is None or len(ring.samples) < 2:
             return 1.0 if any(c.ready() for c in q.consumers) else 0.0
-        return min(1.0, max(0.0, ring.rates(len(QUEUE_FIELDS))[-1]))
+        return min(1.0, max(0.0, ring.rates(1)[0]))
 
     def vhost_rates(self, vh: VHost) -> dict[str, float]:
-        """``VHOST_FIELDS`` per second (the vhost's own counters; queue sums: ``queues_rates``)."""
-        ring = self._vhosts.get(id(vh))
-        values = ring.rates(len(VHOST_FIELDS)) if ring else (0.0,) * len(VHOST_FIELDS)
+        """``VHOST_FIELDS`` per second (the vhost's own counters; queue sums: ``queue_totals_rates``)."""
+        ring = self._vhosts.get(vh)
+        n = len(VHOST_FIELDS)
+        values = ring.rates(n + len(QUEUE_FIELDS))[:n] if ring else (0.0,) * n
         return dict(zip(VHOST_FIELDS, values, strict=True))

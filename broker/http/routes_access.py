@@ -38,7 +38,7 @@ def _vhost_json(request: web.Request, name: str) -> dict[str, Any]:
     mgmt = request.app[MGMT_KEY]
     vh = mgmt.broker.vhosts[name]
     queues = list(vh.queues.values())
-    r = mgmt.rates.queues_rates(queues)
+    r = mgmt.rates.queue_totals_rates([vh])
     meta = vh.meta.to_json()
     return {
         "name": name, "description": meta["description"], "tags": meta["tags"], "tracing": False,

@@ -115,9 +115,8 @@ async def overview(request: web.Request) -> web.Response:
         "exchange_types": [{"name": t_, "description": "", "enabled": True} for t_ in EXCHANGE_TYPES],
         "message_stats": _node_message_stats(mgmt),
         "churn_rates": _churn(mgmt),
-        "queue_totals": message_totals(t["ready"], t["unacked"], mgmt.rates.queues_rates(
-            q for name, vh in mgmt.broker.vhosts.items() if can_see_vhost(request, name)
-            for q in vh.queues.values())),
+        "queue_totals": message_totals(t["ready"], t["unacked"], mgmt.rates.queue_totals_rates(
+            vh for name, vh in mgmt.broker.vhosts.items() if can_see_vhost(request, name))),
         "object_totals": {k: t[k] for k in ("channels", "connections", "consumers", "exchanges", "queues")},
         "statistics_db_event_queue": 0,
         "listeners": listeners,

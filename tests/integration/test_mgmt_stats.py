@@ -1,7 +1,7 @@
 """Values of the management API's statistics (the conformance harness compares only their keys).
 
 A real broker and real pika clients: exchange publish_in/publish_out, per-vhost and node
-get/redeliver, ``*_details`` rates sampled every second over a 5 s window, churn rates, connection
+get/redeliver, ``*_details`` rates sampled every 5 s (RabbitMQ's default interval), churn rates, connection
 byte and packet counters, consumer utilisation, quorum queue leader/members/online.
 """
 
@@ -73,7 +73,7 @@ def test_counters_and_rates(sb: SkredProcess) -> None:
 
         ex = api.get(f"/api/exchanges/{q(vh)}/fan")["message_stats"]
         assert ex["publish_in"] == 11 and ex["publish_out"] == 22, ex
-        # the rate: 11 messages within the 5 s window, shown after the next one-second sample
+        # the rate: 11 messages within the 5 s window, shown after the next sample
         ex = _eventually(api, f"/api/exchanges/{q(vh)}/fan",
                          lambda e: e["message_stats"]["publish_in_details"]["rate"] > 0,
                          "a publish_in rate")["message_stats"]
@@ -90,8 +90,10 @@ def test_counters_and_rates(sb: SkredProcess) -> None:
         assert (qa["message_stats"]["get"], qa["message_stats"]["get_no_ack"],
                 qa["message_stats"]["redeliver"]) == (1, 1, 1)
         assert qa["messages"] == 10 and "rate" in qa["messages_details"]
-        node = api.get("/api/overview")["message_stats"]
-        assert node["redeliver"] >= 1 and node["get"] >= 1 and node["get_no_ack"] >= 2
+        # the node's redelivered count is summed from the queues by the sampler's pass
+        node = _eventually(api, "/api/overview", lambda o: o["message_stats"]["redeliver"] >= 1,
+                           "the node's redeliver count")["message_stats"]
+        assert node["get"] >= 1 and node["get_no_ack"] >= 2
 
         # a rate falls back to 0 once the window has passed without traffic
         _eventually(api, f"/api/exchanges/{q(vh)}/fan",

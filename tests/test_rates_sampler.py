@@ -1,0 +1,173 @@
+"""The management statistics sampler (broker/http/rates.py) over real queues in a real vhost.
+
+What it must not do with many queues: read them all between two turns of the event loop (every
+AMQP connection would wait), or keep per-queue snapshots of queues that never change. What it
+must still do: the rates the API shows, per queue and summed per vhost, and the node's
+redelivered count, from the same pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_features_policy import _vhost
+
+from broker.amqp.broker import Stats
+from broker.http import rates
+from broker.http.rates import RateSampler
+from broker.model.vhost import VHost
+
+# The promise: a pass never reads more than this many queues between two returns to the loop
+# (about half a millisecond of work); today's chunk is rates.CHUNK.
+MOST_BETWEEN_YIELDS = 500
+
+
+class _Broker:
+    """What the sampler reads of the broker: vhosts, node counters, connections."""
+
+    def __init__(self, vhosts: dict[str, VHost]) -> None:
+        self.vhosts = vhosts
+        self.stats = Stats()
+        self.connections: set[Any] = set()
+
+
+class _Reads:
+    """The test's seam: a queue's real store, counting how often its ready count is read."""
+
+    count = 0
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    @property
+    def ready_count(self) -> int:
+        _Reads.count += 1
+        return int(self._inner.ready_count)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def _queues(vh: VHost, n: int, prefix: str = "q") -> None:
+    for i in range(n):
+        vh.declare_queue(f"{prefix}{i}", owner=None)
+
+
+def test_a_pass_gives_the_event_loop_back_between_chunks(tmp_path: Path) -> None:
+    n = 4 * MOST_BETWEEN_YIELDS + 123
+    vh = _vhost(tmp_path)
+    _queues(vh, n)
+    for q in vh.queues.values():
+        q.store = _Reads(q.store)  # type: ignore[assignment]
+    _Reads.count = 0
+    most = 0
+    turns = 0
+
+    async def main() -> None:
+        nonlocal most, turns
+        loop = asyncio.get_running_loop()
+        last = 0
+
+        def tick() -> None:  # runs once per turn of the loop
+            nonlocal last, most, turns
+            most = max(most, _Reads.count - last)
+            last = _Reads.count
+            turns += 1
+            loop.call_soon(tick)
+
+        loop.call_soon(tick)
+        await asyncio.sleep(0)
+        sampler = RateSampler(_Broker({"/": vh}))  # type: ignore[arg-type]
+        sampler.start()
+        deadline = time.monotonic() + 60
+        while _Reads.count < n and time.monotonic() < deadline:  # one whole pass
+            await asyncio.sleep(0.01)
+        await sampler.stop()
+        tick()
+
+    asyncio.run(main())
+    assert _Reads.count >= n, "the sampler never read every queue"
+    assert 0 < most <= MOST_BETWEEN_YIELDS, f"{most} queues read in one turn of the loop"
+    assert turns > n // MOST_BETWEEN_YIELDS
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _publish(vh: VHost, name: str, n: int) -> None:
+    q = vh.queues[name]
+    for i in range(n):
+        q.publish(1, b"", name.encode(), b"\x00\x00", b"%d" % i, False)
+
+
+def test_idle_queues_keep_nothing_and_busy_ones_have_rates(tmp_path: Path) -> None:
+    vh = _vhost(tmp_path)
+    _queues(vh, 1000)
+    clock = _Clock()
+    sampler = RateSampler(_Broker({"/": vh}), clock=clock, chunk=64)  # type: ignore[arg-type]
+    for _ in range(3):
+        sampler.sample()
+        clock.t += rates.INTERVAL
+    # nothing kept per queue that never counted anything: no values, no rings
+    kept = sampler._queues  # noqa: SLF001 - the mechanism under test
+    assert (len(kept.last), len(kept.rings)) == (0, 0)
+
+    _publish(vh, "q7", 10)
+    sampler.sample()
+    assert (len(kept.last), len(kept.rings)) == (1, 1)
+    per_second = 10 / rates.INTERVAL
+    assert sampler.queue_rates(vh.queues["q7"])["publish"] == pytest.approx(per_second)
+    assert sampler.queue_rates(vh.queues["q7"])["ready"] == pytest.approx(per_second)
+    assert sampler.queue_rates(vh.queues["q8"])["publish"] == 0
+    totals = sampler.queue_totals_rates([vh])
+    assert totals["publish"] == pytest.approx(per_second) and totals["ready"] == pytest.approx(per_second)
+
+    # a message got, given back and got again: a redelivery, counted for the node in the same pass
+    q7 = vh.queues["q7"]
+    got = q7.get()
+    assert got is not None
+    q7.reject(got[0], requeue=True)
+    again = q7.get()
+    assert again is not None and again[5]
+    clock.t += rates.INTERVAL
+    sampler.sample()
+    redelivered = rates.GLOBAL_FIELDS.index("redelivered")
+    assert sampler.global_counters()[redelivered] == 1
+    assert sampler.queue_rates(q7)["redeliver"] == pytest.approx(1 / rates.INTERVAL)
+    assert sampler.queue_rates(q7)["publish"] == 0  # nothing published in this window
+
+    # idle again for a window: its ring goes, its last values stay (the next change is a delta)
+    clock.t += rates.INTERVAL
+    sampler.sample()
+    assert (len(kept.last), len(kept.rings)) == (1, 0)
+    assert sampler.queue_totals_rates([vh])["publish"] == 0
+
+    # deleted: forgotten by the next pass, the node's redelivered count does not go back
+    vh.delete_queue("q7", owner=None)
+    clock.t += rates.INTERVAL
+    sampler.sample()
+    assert (len(kept.last), len(kept.rings)) == (0, 0)
+    assert sampler.global_counters()[redelivered] == 1
+    assert all(r >= 0 for r in sampler.queue_totals_rates([vh]).values())
+
+
+def test_a_queue_declared_between_passes_counts_from_zero(tmp_path: Path) -> None:
+    vh = _vhost(tmp_path)
+    clock = _Clock()
+    sampler = RateSampler(_Broker({"/": vh}), clock=clock)  # type: ignore[arg-type]
+    sampler.sample()
+    vh.declare_queue("new", owner=None)
+    _publish(vh, "new", 5)
+    clock.t += rates.INTERVAL
+    sampler.sample()  # its first pass already has a rate: it was empty at the previous one
+    assert sampler.queue_rates(vh.queues["new"])["publish"] == pytest.approx(5 / rates.INTERVAL)
+    assert sampler.queue_totals_rates([vh])["publish"] == pytest.approx(5 / rates.INTERVAL)
