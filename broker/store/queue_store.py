@@ -266,7 +266,7 @@ class QueueStore(SegmentLog[Segment]):
         assert mm is not None
         pos = seg.end
         end = pos + size
-        fmt.write_record(mm, self._wfd, pos, size, exchange, routing_key, props, body)
+        fmt.write_record(self._wfd, pos, size, exchange, routing_key, props, body)
         _I64_PACK_INTO(mm, pos, timestamp_ms or 1)  # last: publishes the record atomically
         seg.end = end
         seg.count += 1
@@ -308,7 +308,7 @@ class QueueStore(SegmentLog[Segment]):
         pos = seg.end
         end = pos + k * rec
         # the first timestamp stays zero until the end
-        fmt.write_at(self._wfd, mm, pos + 8, (mid, sep.join(bodies)))
+        fmt.write_at(self._wfd, pos + 8, (mid, sep.join(bodies)), end - pos - 8)
         self._run_written(seg, mm, pos, end, timestamp_ms, k, k * body_len)
 
     def reserve(self, size: int) -> Segment:
@@ -347,7 +347,7 @@ class QueueStore(SegmentLog[Segment]):
         assert mm is not None
         pos = seg.end
         # the first timestamp stays zero until the end
-        fmt.write_at(self._wfd, mm, pos + 8, (memoryview(blob)[8:],))
+        fmt.write_at(self._wfd, pos + 8, (memoryview(blob)[8:],), size - 8)
         self._run_written(seg, mm, pos, pos + size, timestamp_ms, len(bodies), sum(map(len, bodies)))
 
     def _run_written(self, seg: Segment, mm: mmap.mmap, pos: int, end: int, timestamp_ms: int, count: int,

@@ -309,7 +309,7 @@ class Segment(LogSegment):
 
 _BYTE: Final = tuple(bytes((i,)) for i in range(256))
 _ZERO_TS_AND_LEN: Final = tuple(bytes(8) + bytes((i,)) for i in range(256))  # zero timestamp + a length
-PWRITE_MIN: Final = 16 * 1024  # bodies at least this big are written with pwritev, not via the map
+PWRITE_MIN: Final = 16 * 1024  # bodies at least this big are written beside their head, not joined to it
 
 
 def short_pair(exchange: bytes, routing_key: bytes) -> bytes:
@@ -326,65 +326,48 @@ def record_size(exchange: bytes, routing_key: bytes, props: bytes | memoryview,
     return FIXED_SIZE + len(exchange) + len(routing_key) + len(props) + len(body)
 
 
-def write_record(mm: mmap.mmap, fd: int, pos: int, size: int, exchange: bytes, routing_key: bytes,
+def write_record(fd: int, pos: int, size: int, exchange: bytes, routing_key: bytes,
                  props: bytes | memoryview, body: bytes | bytearray | memoryview) -> None:
-    """Write a record at ``pos`` with a ZERO timestamp (still "end" to any reader).
+    """Write a record at ``pos`` of a segment file with a ZERO timestamp (still "end" to
+    any reader), checked against ``size`` before anything is written.
 
     The caller writes the timestamp afterwards, which publishes the record atomically
-    (kill -9 between the two leaves a record recovery ignores). Small records are one
-    join and one pwrite; a large body goes in with pwritev, without the join. Both copy
-    into the page cache without the page fault that a first write through the map into
-    each 4 KiB costs (measured several microseconds on ext4, more than the system call);
-    the map sees the same pages.
+    (kill -9 between the two leaves a record recovery ignores). A small record is joined
+    into one buffer; a large body goes in with the head in one pwritev, without the join.
     """
-    if type(body) is bytes and len(body) < PWRITE_MIN:
-        # the common case: one join, one pwrite (checked against ``size`` before anything
-        # is written)
-        rec = b"".join((_ZERO_TS_AND_LEN[len(exchange)], exchange, _BYTE[len(routing_key)],
-                        routing_key, U32.pack(len(props)), props, U64.pack(len(body)), body))
+    head = (_ZERO_TS_AND_LEN[len(exchange)], exchange, _BYTE[len(routing_key)], routing_key,
+            U32.pack(len(props)), props, U64.pack(len(body)))
+    if type(body) is bytes and len(body) < PWRITE_MIN:  # the common case
+        rec = b"".join((*head, body))
         if len(rec) != size:
             raise ValueError("record size mismatch")
-        done = os.pwrite(fd, rec, pos)
-        if done != size:  # a short write (legal, rare): the rest
-            _pwritev_all(fd, (memoryview(rec)[done:],), pos + done)
+        write_at(fd, pos, (rec,), size)
         return
-    ex_len = len(exchange)
-    head = b"".join((_ZERO_TS_AND_LEN[ex_len], exchange, _BYTE[len(routing_key)], routing_key,
-                     U32.pack(len(props)), props, U64.pack(len(body))))
-    body_bytes = len(memoryview(body).cast("B"))
-    if len(head) + body_bytes != size:  # e.g. a multi-byte-format memoryview: nothing written yet
+    joined = b"".join(head)
+    if len(joined) + len(memoryview(body).cast("B")) != size:  # e.g. a multi-byte-format memoryview
         raise ValueError("record size mismatch (non-byte buffer?)")
-    if body_bytes < PWRITE_MIN:
-        h = len(head)
-        mm[pos : pos + h] = head
-        mm[pos + h : pos + size] = body
-    else:
-        _pwritev_all(fd, (head, body), pos)
+    write_at(fd, pos, (joined, body), size)
 
 
-def write_at(fd: int, mm: mmap.mmap, pos: int, parts: tuple[bytes | memoryview, ...]) -> None:
-    """Write ``parts`` one after the other at ``pos`` of a mapped segment: through the map when
-    they are small, else with pwritev (what a run of records writes): the first write through
-    a map into each page of a never written extent costs a page fault that is several times
-    the copy (measured: 0.9 us per 1.3 KiB record, 0.3 us with pwritev for a run of them)."""
-    size = sum(map(len, parts))
-    if size < PWRITE_MIN:
-        for part in parts:
-            mm[pos : pos + len(part)] = part
-            pos += len(part)
-    else:
-        _pwritev_all(fd, parts, pos)
-
-
-def _pwritev_all(fd: int, parts: tuple[bytes | bytearray | memoryview, ...], offset: int) -> None:
-    """pwritev until every byte of ``parts`` is at ``offset`` (short writes are legal)."""
+def write_at(fd: int, pos: int, parts: tuple[bytes | bytearray | memoryview, ...], size: int) -> None:
+    """Write ``parts`` (``size`` bytes in all) one after the other at ``pos`` of a segment
+    file: one pwrite or pwritev, and more while a write comes up short (legal, rare).
+    Records never go in through the segment's map: the first write through a map into each
+    page of a never written extent costs a page fault several times the copy on ext4
+    (measured 0.9 us per 1.3 KiB record in a run, 0.3 us with pwritev; a single record
+    likewise), and the map sees the same pages."""
+    done = os.pwrite(fd, parts[0], pos) if len(parts) == 1 else os.pwritev(fd, parts, pos)
+    if done == size:
+        return
     views = [memoryview(p).cast("B") for p in parts]
-    while views:
-        n = os.pwritev(fd, views, offset)
-        offset += n
-        while views and n >= len(views[0]):
-            n -= len(views[0])
+    while True:
+        pos += done
+        while views and done >= len(views[0]):
+            done -= len(views[0])
             views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
+        if not views:
+            return
+        if done:
+            views[0] = views[0][done:]
+        done = os.pwritev(fd, views, pos)
 

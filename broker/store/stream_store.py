@@ -181,7 +181,7 @@ class StreamStore(SegmentLog[_Seg]):
         assert mm is not None
         pos = seg.end
         end = pos + size
-        fmt.write_record(mm, self._wfd, pos, size, exchange, routing_key, props, body)
+        fmt.write_record(self._wfd, pos, size, exchange, routing_key, props, body)
         # Timestamp last: the record becomes visible (to recovery and readers) atomically.
         _I64.pack_into(mm, pos, timestamp_ms if timestamp_ms else 1)
         seg.end = end
