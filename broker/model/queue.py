@@ -86,10 +86,6 @@ class Consumer:
             for msgid, body in zip(msgids, bodies, strict=True):
                 self.deliver_raw(msgid, exrk, props, body, False)
 
-    def deliver_unstored(self, exrk: bytes, props: list[bytes], bodies: list[bytes]) -> None:
-        """Autoack deliveries of a publish run that was never stored (msgid 0), in order."""
-        self.deliver_many(None, exrk, props, bodies)
-
     def deliver_many(self, msgids: list[int] | None, exrk: bytes, props: list[bytes],
                      bodies: list[bytes]) -> None:
         """``deliver_raw`` for first-time deliveries with one exchange and routing key, in
@@ -304,23 +300,26 @@ class ClassicQueue(Queue):
                     if same:
                         c.deliver_same(None, exrk, props[0], bodies)
                     else:
-                        c.deliver_unstored(exrk, props, bodies)
+                        c.deliver_many(None, exrk, props, bodies)
                     return
                 if room > 0:
                     # manual ack: store what the consumer has room for and hand it over at
                     # once; nothing else was ready, so those are the records a delivery
                     # run takes (as runs, without a pass of its own)
                     i = min(room, k)
+                    handed_p, handed_b = props[:i], bodies[:i]
                     fast = self.fast.on
-                    taken = store.append_run_taken(ts, exrk, props[:i], bodies[:i], same) if fast else None
-                    if taken is None and not fast:
-                        store.append_run(ts, exrk, props[:i], bodies[:i], same)
+                    taken = None
+                    if fast:  # their msgids, unless they stay ready for deliver_run
+                        taken = store.append_run_taken(ts, exrk, handed_p, handed_b, same)
+                    else:
+                        store.append_run(ts, exrk, handed_p, handed_b, same)
                     self.n_published += i
                     if persistent and self.durable:
                         self.on_dirty(store)
                     if taken is not None:  # handed over with the bytes in hand
                         self.n_delivered += i
-                        c.deliver_many(taken, exrk, props[:i], bodies[:i])
+                        c.deliver_many(taken, exrk, handed_p, handed_b)
                     else:
                         self.n_delivered += store.deliver_run(i, False, c.deliver_raw, 1 << 62,
                                                               c.deliver_same if fast else None,
