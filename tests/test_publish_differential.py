@@ -4,7 +4,8 @@ Hypothesis draws a sequence of read batches: publishes with varying properties (
 message-id per message, headers, a CC header, an expiration, a priority), empty bodies, bodies around the
 frame_max boundary, mandatory to nowhere, on several channels in plain, confirm and tx mode,
 into a plain queue, queues with features (with and without per-message work), a priority queue
-and a quorum queue (directly and through a fanout exchange), with autoack and manual-ack
+and a quorum queue (directly, through a fanout exchange, and through a topic exchange with
+routing keys that change from publish to publish), with autoack and manual-ack
 consumers at varying prefetch that ack after each batch.
 Each sequence runs twice on a fresh broker: once as shipped (one-pass parse, publish runs,
 direct hand-over, delivery runs) and once with all of that forced off (the parser's
@@ -36,13 +37,18 @@ QUEUES = {
     "lim": {"x-max-length": 100_000},  # featured, without per-message work: delivered in runs
     "quorum": {"x-queue-type": "quorum"},  # two priority levels: runs while one level waits
 }
+# topic exchange "top": target -> (routing key, the queues it reaches); publishes in a row to it
+# with other keys are a batch (one exchange, keys of their own)
+TOPIC = {"top-a": ("a.x", ["plain"]), "top-ab": ("a.b", ["plain", "lim"]), "top-p": ("p.q", ["prio"]),
+         "top-f": ("f.x", ["feat"]), "top-none": ("z.z", [])}
+TOPIC_BINDINGS = (("plain", "a.*"), ("lim", "*.b"), ("prio", "p.#"), ("feat", "f.*"))
 PROPS = ("none", "ids", "headers", "cc", "expiration", "priority")
 BODIES = ("empty", "small", "frame-1", "frame", "frame+1", "two-frames")
 MODES = ("plain", "confirm", "tx")
 
 publish_st = st.tuples(
     st.integers(1, 3),  # channel
-    st.sampled_from(("plain", "feat", "prio", "lim", "fan", "nowhere")),  # target
+    st.sampled_from(("plain", "feat", "prio", "lim", "fan", "nowhere", *TOPIC)),  # target
     st.sampled_from(PROPS),
     st.sampled_from(BODIES),
     st.booleans(),  # mandatory
@@ -56,6 +62,7 @@ scenario_st = st.fixed_dictionaries({
     "consume_after": st.integers(0, 3),  # consumers start after this many batches
     "batches": st.lists(st.lists(publish_st, min_size=1, max_size=6), min_size=1, max_size=5),
     "rollback": st.booleans(),  # tx channels roll back their last batch instead of committing
+    "one_channel": st.booleans(),  # every publish on channel 1: publishes in a row to one exchange
 })
 
 
@@ -92,6 +99,9 @@ async def _play(node: Any, sc: dict[str, Any], fast: bool) -> dict[str, Any]:
     pub.method(commands.Exchange.Declare(exchange="fan", exchange_type="fanout"))
     for name in QUEUES:
         pub.method(commands.Queue.Bind(queue=name, exchange="fan"))
+    pub.method(commands.Exchange.Declare(exchange="top", exchange_type="topic"))
+    for name, key in TOPIC_BINDINGS:
+        pub.method(commands.Queue.Bind(queue=name, exchange="top", routing_key=key))
     for ch, mode in zip((1, 2, 3), sc["modes"], strict=True):
         if ch != 1:
             pub.open(ch)
@@ -135,13 +145,19 @@ async def _play(node: Any, sc: dict[str, Any], fast: bool) -> dict[str, Any]:
         pending_tx: dict[int, dict[str, list[bytes]]] = {ch: {name: [] for name in QUEUES}
                                                          for ch in (1, 2, 3)}
         for ch, target, pkind, bkind, mandatory, times in batch:
+            if sc.get("one_channel"):
+                ch = 1
             for _ in range(times):
                 n += 1
                 body = _body(bkind, n if pkind != "none" else 0)
-                exchange, rk = ("fan", "") if target == "fan" else ("", target)
+                if target in TOPIC:
+                    exchange, (rk, into) = "top", TOPIC[target]
+                    into = list(into)
+                else:
+                    exchange, rk = ("fan", "") if target == "fan" else ("", target)
+                    into = list(QUEUES) if target == "fan" else ([target] if target in QUEUES else [])
                 data.append(publish_frames(exchange, rk, body, _props(pkind, n), ch, mandatory, FRAME_MAX))
-                into = list(QUEUES) if target == "fan" else ([target] if target in QUEUES else [])
-                if pkind == "cc" and "plain" not in into:
+                if pkind == "cc" and "plain" not in into and exchange != "top":  # "plain" binds no key there
                     into.append("plain")
                 for name in into:
                     (pending_tx[ch] if sc["modes"][ch - 1] == "tx" else expected)[name].append(body)
@@ -209,6 +225,18 @@ def _run(sc: dict[str, Any], fast: bool) -> dict[str, Any]:
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenario_st)
+@example({  # publishes in a row to one exchange with routing keys of their own: batches
+    "modes": ("plain", "confirm", "plain"),
+    "consumers": {"plain": "autoack", "feat": None, "prio": 10, "lim": 4, "quorum": None},
+    "consume_after": 0, "rollback": False,
+    "batches": [[(1, "top-a", "ids", "small", True, 1), (1, "top-ab", "ids", "small", True, 1),
+                 (1, "top-none", "ids", "small", True, 1), (1, "top-p", "ids", "small", False, 1),
+                 (2, "top-a", "ids", "small", True, 1), (2, "top-ab", "ids", "small", True, 2),
+                 (2, "top-none", "headers", "small", True, 1), (2, "top-f", "ids", "small", False, 1),
+                 (2, "top-a", "expiration", "small", False, 1), (2, "top-ab", "cc", "small", True, 1),
+                 (3, "plain", "none", "small", True, 1), (3, "lim", "none", "small", True, 1),
+                 (3, "nowhere", "none", "small", True, 1), (3, "prio", "priority", "small", True, 1)]] * 2,
+})
 @example({  # a backlog of equal empty-body messages, then an autoack consumer (issue 13)
     "modes": ("plain", "plain", "plain"),
     "consumers": {"plain": "autoack", "feat": None, "prio": None, "lim": None},

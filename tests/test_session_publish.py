@@ -401,3 +401,55 @@ def test_a_run_reaching_a_delayed_exchange_through_a_binding_is_delayed_whole(tm
         assert vh.queues["dq"].message_count == 0
 
     _session(tmp_path, test)
+
+
+def test_a_batch_of_routing_keys_keeps_each_queues_order_and_syncs_per_queue(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Publishes in a row to one exchange with routing keys of their own are one batch
+    (``publish_batch``): each queue gets its part in publish order, and a confirm waits for
+    the group commit only when a persistent message reached a durable queue."""
+    from broker.model import publish as publishing
+    batches: list[int] = []
+    real = publishing.publish_batch
+
+    def counting(*a: Any, **k: Any) -> Any:
+        out = real(*a, **k)
+        batches.append(out.done - (a[6] if len(a) > 6 else 0))
+        return out
+
+    monkeypatch.setattr(publishing, "publish_batch", counting)
+
+    def props(i: int, mode: int) -> commands.Basic.Properties:
+        return commands.Basic.Properties(message_id=f"id-{i}", delivery_mode=mode)
+
+    def test(s: Session, broker: Any) -> None:
+        s.receive_data(pframe.marshal(commands.Exchange.Declare(exchange="t", exchange_type="topic"), 1))
+        for name, key, durable in (("dq", "d.*", True), ("tq", "t.*", False)):
+            s.receive_data(pframe.marshal(commands.Queue.Declare(queue=name, durable=durable), 1))
+            s.receive_data(pframe.marshal(commands.Queue.Bind(queue=name, exchange="t", routing_key=key), 1))
+        s.receive_data(pframe.marshal(commands.Confirm.Select(), 1))
+        s.receive_data(_publish("t", "t.0", b"first", props(0, 1)))  # the exchange's first: alone
+        chs = s.chs[1]
+        # persistent only into the transient queue: no sync
+        chs.needs_sync = False
+        s.receive_data(_publish("t", "t.1", b"a", props(1, 2)) + _publish("t", "d.1", b"b", props(2, 1))
+                       + _publish("t", "t.2", b"c", props(3, 2)))
+        assert not chs.needs_sync and batches == [3]
+        # one persistent message into the durable queue, behind a key it shares with others
+        s.receive_data(_publish("t", "d.1", b"d", props(4, 1)) + _publish("t", "t.1", b"e", props(5, 1))
+                       + _publish("t", "d.1", b"f", props(6, 2)) + _publish("t", "x.1", b"g", props(7, 2))
+                       + _publish("t", "d.1", b"h", props(8, 1)))
+        assert chs.needs_sync and batches == [3, 5]
+        chs.needs_sync = False  # and alone in its queue's part of the batch
+        s.receive_data(_publish("t", "d.2", b"i", props(9, 2)) + _publish("t", "t.3", b"j", props(10, 1)))
+        assert chs.needs_sync and batches == [3, 5, 2]
+        vh = broker.vhosts["/"]
+        want_in = {"dq": [b"b", b"d", b"f", b"h", b"i"], "tq": [b"first", b"a", b"c", b"e", b"j"]}
+        for name, want in want_in.items():
+            got = []
+            while (m := vh.queues[name].get()) is not None:
+                got.append(m[4])
+            assert got == want, name
+        assert vh.n_unroutable == 1 and s.stats.published == 11
+
+    _session(tmp_path, test)

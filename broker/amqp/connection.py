@@ -191,15 +191,26 @@ class AMQPConnection:
         """
         self.publish_each(channel, args, props, bodies)
 
-    def publish_each(self, channel: int, args: PublishArgs, props: list[bytes], bodies: list[bytes]) -> None:
-        """``handle_publish`` for each message, one by one, stopping at a closing error."""
-        for p, body in zip(props, bodies, strict=True):
+    def handle_publish_batch(self, channel: int, args: list[PublishArgs], props: list[bytes],
+                             bodies: list[bytes]) -> None:
+        """Several publishes in a row on one channel to one exchange, each with its own
+        routing key and flags (``args[i]``), parsed from one read; otherwise as
+        ``handle_publish_run`` (each body in one frame, under 16 KiB; the same effect as
+        ``handle_publish`` for each in turn, errors included)."""
+        self.publish_each(channel, args, props, bodies)
+
+    def publish_each(self, channel: int, args: PublishArgs | list[PublishArgs], props: list[bytes],
+                     bodies: list[bytes], first: int = 0, stop: int | None = None) -> bool:
+        """``handle_publish`` for messages ``first`` to ``stop`` (default: all), one by one,
+        with ``args`` or ``args[i]``; stops at a closing error and returns False then."""
+        for i in range(first, len(bodies) if stop is None else stop):
             try:
-                self.handle_publish(channel, args, p, body)
+                self.handle_publish(channel, args[i] if isinstance(args, list) else args, props[i], bodies[i])
             except errors.AMQPError as exc:
                 self._frame_error(channel, exc)
             if self.channels.get(channel) != CH_OPEN or self.state is not State.OPEN:
-                return
+                return False
+        return True
 
     def handle_ack(self, channel: int, delivery_tag: int, multiple: bool) -> None:
         pass
@@ -331,6 +342,8 @@ class AMQPConnection:
                             if done:
                                 pos = done
                                 repeat = self._repeat
+                                if self.want_close or self.state is State.CLOSED:  # type: ignore[comparison-overlap]
+                                    return  # a batch of publishes met an error
                             else:
                                 self._start_publish(ch, data, start + 4, end)
                             continue
@@ -709,14 +722,83 @@ class AMQPConnection:
         b = hend + 1
         # a large body stays a view of the read buffer: the store writes it with
         # pwritev, so slicing it out first would be one more full copy
-        if bend - b - 7 < _SMALL_BODY:
-            # what the next publishes repeat (receive_data, _publish_run)
-            self._repeat = (data[p - 11 : b + 7], ch, a, props, bend - b - 7, b + 18 - p,
-                            data[p - 11 : end + 1])
-            self.handle_publish(ch, a, props, data[b + 7 : bend])
-        else:
+        if bend - b - 7 >= _SMALL_BODY:
             self.handle_publish(ch, a, props, memoryview(data)[b + 7 : bend])
-        return bend + 1
+            return bend + 1
+        method = data[p - 11 : end + 1]
+        # what the next publishes repeat (receive_data, _publish_run)
+        self._repeat = (data[p - 11 : b + 7], ch, a, props, bend - b - 7, b + 18 - p, method)
+        body = data[b + 7 : bend]
+        nxt = bend + 1
+        if n - nxt > 20 and data[nxt] == 1 and data[nxt + 1 : nxt + 3] == method[1:3] \
+                and data[nxt + 7 : nxt + 11] == method[7:11] and not data.startswith(method, nxt):
+            # another publish on this channel, not a repeat: a batch if it is to the same exchange
+            sig = method[7 : 14 + method[13]]  # method id, reserved-1, exchange
+            if data.startswith(sig, nxt + 7):
+                return self._publish_batch(ch, a, props, body, data, nxt, n, max_size, sig)
+        self.handle_publish(ch, a, props, body)
+        return nxt
+
+    def _publish_batch(self, ch: int, a: PublishArgs, props: bytes, body: bytes, data: bytes, pos: int,
+                       n: int, max_size: int, sig: bytes) -> int:
+        """The publish just parsed (``a``, ``props``, ``body``) and those at ``pos`` after it
+        on channel ``ch`` to the same exchange (``sig``: their method frames' bytes from the
+        method id to the exchange name), each with a routing key or flags of its own and one
+        body frame under 16 KiB, complete in ``data``: handed over as one batch. Stops at a
+        publish that repeats the one before it (the run parser's) and at anything else.
+        Returns the position after the batch."""
+        pub_args = self._pub_args
+        unpack_hdr = _FRAME_HDR.unpack_from
+        content_at = self._content_at
+        args_l = [a]
+        props_l = [props]
+        bodies = [body]
+        last = a
+        repeat = None
+        while n - pos >= 7:
+            ftype, fch, size = unpack_hdr(data, pos)
+            end = pos + 7 + size
+            if ftype != 1 or fch != ch or size > max_size or end >= n or data[end] != 0xCE \
+                    or not data.startswith(sig, pos + 7):
+                break
+            raw = data[pos + 11 : end]
+            got_args = pub_args.get(raw)
+            if got_args is None:
+                try:
+                    got_args = self._publish_args(raw)
+                except errors.AMQPError:
+                    break  # the general path reports it
+            a = got_args
+            if a is last:
+                break  # repeats the last one: a run (_publish_run)
+            got = content_at(data, end + 1, ch, n, max_size)
+            if got is None:
+                break
+            hend, bend = got
+            b = hend + 1
+            if not 0 < bend - b - 7 < _SMALL_BODY:
+                break
+            p = data[end + 20 : hend]
+            if not _props_valid(p):
+                break  # the general path refuses it
+            args_l.append(a)
+            props_l.append(p)
+            bodies.append(data[b + 7 : bend])
+            repeat = (pos, b, end, bend)
+            last = a
+            pos = bend + 1
+        if repeat is not None:
+            at, b, end, bend = repeat
+            self._repeat = (data[at : b + 7], ch, last, props_l[-1], bend - b - 7, b + 7 - at,
+                            data[at : end + 1])
+        try:
+            if len(bodies) == 1:
+                self.handle_publish(ch, args_l[0], props, body)
+            else:
+                self.handle_publish_batch(ch, args_l, props_l, bodies)
+        except errors.AMQPError as exc:
+            self._frame_error(ch, exc)
+        return pos
 
     def _header_frame(self, ch: int, data: bytes, start: int, end: int) -> None:
         if self.state == State.CLOSING or self.channels.get(ch) == CH_CLOSING:

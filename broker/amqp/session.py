@@ -494,19 +494,27 @@ class Session(AMQPConnection):
             if out.rejected:
                 self.publish_rejected(chs)  # x-overflow reject-publish: a nack
         elif not out.held:
-            routing_key = args.routing_key
-            if exchange == "" and routing_key.startswith(REPLY_TO_PREFIX) and self._direct_reply(
-                    routing_key, exchange, props, bytes(body)):
-                return
-            self.stats.unroutable += 1
-            vh.n_unroutable += 1
-            if args.mandatory:
-                self.stats.returned += 1
-                vh.n_returned += 1
-                self.out += codec.encode_return(chs.id, 312, b"NO_ROUTE", args.exchange_b, args.routing_key_b,
-                                                props, bytes(body), self.frame_max)
+            self._unroutable(chs, args, props, body)
         if out.sync and chs.confirm:
             chs.needs_sync = True
+
+    def _unroutable(self, chs: ChannelState, args: PublishArgs, props: bytes,
+                    body: bytes | memoryview) -> None:
+        """A publish that reached no queue: a direct reply-to, or counted and, if mandatory,
+        returned (basic.return, 312 NO_ROUTE)."""
+        vh = self.vh
+        assert vh is not None
+        routing_key = args.routing_key
+        if args.exchange == "" and routing_key.startswith(REPLY_TO_PREFIX) and self._direct_reply(
+                routing_key, "", props, bytes(body)):
+            return
+        self.stats.unroutable += 1
+        vh.n_unroutable += 1
+        if args.mandatory:
+            self.stats.returned += 1
+            vh.n_returned += 1
+            self.out += codec.encode_return(chs.id, 312, b"NO_ROUTE", args.exchange_b, args.routing_key_b,
+                                            props, bytes(body), self.frame_max)
 
     def _check_user_id(self, props: bytes) -> None:
         """RabbitMQ's validated user-id: a user_id property must name the connection's user,
@@ -582,6 +590,58 @@ class Session(AMQPConnection):
                 self.batch_queues.add(q)
         if out.sync and chs.confirm:
             chs.needs_sync = True
+
+    def handle_publish_batch(self, channel: int, args: list[PublishArgs], props: list[bytes],
+                             bodies: list[bytes]) -> None:
+        """Publishes in a row to one exchange with routing keys of their own: the publish
+        operation takes them at once as far as that is the same as one by one
+        (``VHost.publish_batch``); a message it leaves, and whatever is AMQP's own (as for
+        ``handle_publish_run``), is published alone, in its place in the order."""
+        chs = self.chs[channel]
+        vh = self.vh
+        if vh is None or chs.tx is not None or properties.run_flags(props) & (FLAG_REPLY_TO | FLAG_USER_ID):
+            self.publish_each(channel, args, props, bodies)
+            return
+        exchange = args[0].exchange
+        ex = vh.exchanges.get(exchange)
+        i = 0
+        if ex is None or ex.internal or exchange not in self._write_ok:
+            # the first on its own: it finds the exchange and the permission to write to it,
+            # or fails (and the channel closes)
+            if not self.publish_each(channel, args, props, bodies, 0, 1):
+                return
+            i = 1
+        k = len(bodies)
+        while i < k:
+            try:
+                out = vh.publish_batch(exchange, args, props, bodies, self.now_ms, i)  # type: ignore[arg-type]
+            except (errors.DiskFull, OSError) as exc:
+                if not errors.no_space(exc):
+                    raise
+                # nothing of it is stored yet (room first): one by one, each refused or stored
+                self.publish_each(channel, args, props, bodies, i)
+                return
+            done = out.done - i
+            if done:
+                self.batch_publishes += done
+                self.stats.published += done
+                if chs.confirm:
+                    chs.publish_seq += done
+                    self._confirm_dirty.add(chs)
+                else:
+                    self.unanswered = True
+                for q in out.queues:
+                    if q.consumers:
+                        self.batch_queues.add(q)
+                for j in out.unroutable:
+                    self._unroutable(chs, args[j], props[j], bodies[j])
+                if out.sync and chs.confirm:
+                    chs.needs_sync = True
+                i = out.done
+            if i < k:  # the next one on its own
+                if not self.publish_each(channel, args, props, bodies, i, i + 1):
+                    return
+                i += 1
 
     def _not_stored(self, chs: ChannelState, exc: errors.DiskFull | OSError, need: int) -> None:
         """The current publish found no disk space (the store wrote it nowhere, or to some of

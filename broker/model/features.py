@@ -258,8 +258,9 @@ def may_carry_cc(props: bytes) -> bool:
     """Whether a property list may hold a ``CC`` or ``BCC`` header (which add routing keys).
     A byte search: a table key is a short string, so such a header has its length octet and
     name in the bytes; a value that merely contains them only costs a decode."""
-    return bool(props[0] & properties.HI_HEADERS) and b"CC" in props and (b"\x02CC" in props
-                                                                          or b"\x03BCC" in props)
+    # ``67 in`` (a "C") is a memchr, ten times cheaper than the first substring search
+    return bool(props[0] & properties.HI_HEADERS) and 67 in props and b"CC" in props \
+        and (b"\x02CC" in props or b"\x03BCC" in props)
 
 
 def routes_alone(props: bytes) -> bool:

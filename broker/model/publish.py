@@ -47,8 +47,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 from broker import errors, properties
 from broker.model import features
 from broker.model.queue import Queue as QueueT
+from broker.store.priority_store import PriorityStore
 from broker.store.queue_store import QueueStore
-from broker.store.segment import record_size, short_pair
+from broker.store.segment import FIXED_SIZE, record_size, short_pair
 
 if TYPE_CHECKING:
     from broker.model.exchange import Exchange
@@ -181,7 +182,7 @@ def publish(vh: VHost, req: PublishRequest, first_hop: bool = True) -> PublishOu
     out = PublishOutcome([])
     extra: list[str] | None = None
     has_exp = False
-    if flags & _EXPIRATION or (flags & _HEADERS and b"CC" in props):
+    if flags & _EXPIRATION or (flags & _HEADERS and 67 in props and b"CC" in props):  # 67: "C" (memchr)
         # an expiration (a valid TTL) or headers that may hold CC/BCC (keys added, BCC removed)
         props, extra, has_exp = features.inspect_publish(props)
         if not req.cc:
@@ -291,6 +292,147 @@ def route(vh: VHost, ex: Exchange, keys: list[str], props: bytes, req: PublishRe
     return queues
 
 
+class KeyedNames(EncodedNames, Protocol):
+    """``EncodedNames`` with the routing key as a string (what routes)."""
+
+    routing_key: str
+
+
+class BatchOutcome:
+    """What ``publish_batch`` did: it published messages ``first`` to ``done - 1``;
+    ``queues``: the queues they reached; ``unroutable``: the indices of those that reached
+    none; ``sync``: a persistent one reached a durable queue (a confirm waits for the
+    group commit)."""
+
+    __slots__ = ("done", "queues", "unroutable", "sync")
+
+    def __init__(self, done: int) -> None:
+        self.done = done
+        self.queues: list[Queue] = []
+        self.unroutable: list[int] = []
+        self.sync = False
+
+
+_UNSEEN: Any = object()
+
+
+def publish_batch(vh: VHost, exchange: str, keys: list[KeyedNames], props: list[bytes],
+                  bodies: list[bytes], ts: int, first: int = 0) -> BatchOutcome:
+    """Publish messages to one exchange, each with its own routing key (``keys[i]``), as
+    ``publish`` would one by one, from ``first`` for as long as that can be done at once:
+    ``done`` in the outcome is the index of the first message not published (the caller
+    publishes it through ``publish`` and calls again after it), ``first`` when not even
+    that one qualifies.
+
+    At once means what it means for ``publish_run`` (fast paths on, no expiration or CC/BCC
+    header, no exchange with a behaviour of its own on the route, no routing by headers,
+    only queues without features), with the route looked up once per routing key. Each
+    queue takes its messages in their order, as runs of one routing key (``publish_run``
+    of the queue): a topic exchange fed keys in turn still hands every queue its part of
+    the batch at once. A full disk raises before anything is written: every queue reached
+    has room for its whole part first.
+    """
+    out = BatchOutcome(first)
+    if not vh.fast.on:
+        return out
+    ex = vh.exchanges.get(exchange)
+    if ex is None or ex.special is not None:
+        return out
+    by_name = exchange == ""
+    routes: dict[str, Any] = {}  # routing key -> the queues it reaches, or None: not at once
+    parts: dict[Queue, list[int]] = {}  # each queue's messages, in order
+    unroutable = out.unroutable
+    n = len(bodies)
+    i = first
+    while i < n:
+        p = props[i]
+        if p[0] & _PER_MESSAGE and features.routes_alone(p):
+            break
+        rk = keys[i].routing_key
+        queues = routes.get(rk, _UNSEEN)
+        if queues is _UNSEEN:
+            queues = routes[rk] = _batch_route(vh, ex, by_name, rk, p, ts)
+        if queues is None:
+            break
+        if not queues:
+            unroutable.append(i)
+        for q in queues:
+            part = parts.get(q)
+            if part is None:
+                parts[q] = [i]
+            else:
+                part.append(i)
+        i += 1
+    if i == first:
+        return out
+    # room in every queue for its whole part first (a full disk: nothing written)
+    fixed = FIXED_SIZE - 2  # FIXED_SIZE counts the length octets that exrk holds
+    for q, part in parts.items():
+        if len(part) == 1:
+            j = part[0]
+            q.store.make_room(fixed + len(keys[j].exrk) + len(props[j]) + len(bodies[j]), props[j], ts)
+        else:
+            q.store.make_room(sum([fixed + len(keys[j].exrk) + len(props[j]) + len(bodies[j]) for j in part]),
+                              props[part[0]], ts)
+    ex.n_in += i - first
+    for q, part in parts.items():
+        durable = q.durable
+        ex.n_out += len(part)
+        if len(part) == 1:  # a delivery of its own: no run to set up
+            j = part[0]
+            names = keys[j]
+            persistent = durable and is_persistent(props[j])
+            q.publish(ts, names.exchange_b, names.routing_key_b, props[j], bodies[j], persistent, names.exrk)
+            if persistent:
+                out.sync = True
+        else:  # runs of one routing key
+            at = 0
+            while at < len(part):
+                names = keys[part[at]]
+                exrk = names.exrk
+                upto = at + 1
+                while upto < len(part) and keys[part[upto]].exrk == exrk:
+                    upto += 1
+                ps = [props[j] for j in part[at:upto]]
+                bs = [bodies[j] for j in part[at:upto]]
+                persistent = durable and any(map(is_persistent, ps))
+                q.publish_run(ts, names.exchange_b, names.routing_key_b, ps, bs, persistent, exrk, False)
+                if persistent:
+                    out.sync = True
+                at = upto
+    out.queues = list(parts)
+    out.done = i
+    return out
+
+
+def _batch_route(vh: VHost, ex: Exchange, by_name: bool, rk: str, props: bytes, ts: int) -> Any:
+    """The queues a message with routing key ``rk`` reaches from ``ex`` (no behaviour of its
+    own), or None when ``publish_batch`` cannot take it: routing by headers, an exchange
+    with a behaviour on the way, a queue with features or priorities (a batch's room is
+    made per queue, a priority queue would need it per level)."""
+    if by_name:
+        q = vh.queues.get(rk)
+        queues: Any = () if q is None else (q,)
+    else:
+        try:
+            queues = ex.route(rk, _probe_headers)
+            if queues:
+                for d in queues:
+                    if not isinstance(d, QueueT):  # exchange-to-exchange: the whole way
+                        queues = route(vh, ex, [rk], props, PublishRequest(ex.name, rk, props, b"", ts),
+                                       PublishOutcome([]), True, probe=True, varied=True)
+                        break
+            elif ex.alternate:
+                queues = route(vh, ex, [rk], props, PublishRequest(ex.name, rk, props, b"", ts),
+                               PublishOutcome([]), True, probe=True, varied=True)
+        except _NotARun:
+            return None
+    for q in queues:
+        if q.features is not None or isinstance(q.store, PriorityStore):
+            return None
+    return queues
+
+
 def publish_run(vh: VHost, exchange: str, routing_key: str, names: EncodedNames, props: list[bytes],
                 bodies: list[bytes], same: bool, ts: int) -> PublishOutcome | None:
     """Publish a run of messages to one exchange and routing key as ``publish`` would one by
@@ -299,7 +441,8 @@ def publish_run(vh: VHost, exchange: str, routing_key: str, names: EncodedNames,
 
     At once means: fast paths on, no message with an expiration or CC/BCC headers, no
     exchange on the route with a behaviour of its own, no routing by headers unless every
-    message has the same properties, and only queues without features reached.
+    message has the same properties, only queues without features reached, and no
+    priority queue unless every message has the same properties.
     """
     if not vh.fast.on:
         return None
@@ -325,6 +468,10 @@ def publish_run(vh: VHost, exchange: str, routing_key: str, names: EncodedNames,
         except _NotARun:
             return None
     if not queues or any(q.features is not None for q in queues):
+        return None
+    if not same and any(isinstance(q.store, PriorityStore) for q in queues):
+        # messages of several priorities: room in each level they go to would have to come
+        # first (a full disk must store all of the run or none of it)
         return None
     # persistence only decides whether a durable queue must sync before a confirm
     if not any(q.durable for q in queues):

@@ -493,6 +493,12 @@ class VHost:
         published one by one (broker/model/publish.py)."""
         return publishing.publish_run(self, exchange, routing_key, names, props, bodies, same, ts)
 
+    def publish_batch(self, exchange: str, keys: list[publishing.KeyedNames], props: list[bytes],
+                      bodies: list[bytes], ts: int, first: int = 0) -> publishing.BatchOutcome:
+        """Messages to one exchange with routing keys of their own, at once as far as that
+        goes (broker/model/publish.py)."""
+        return publishing.publish_batch(self, exchange, keys, props, bodies, ts, first)
+
     # --------------------------------------------------------------- policies
     def set_policy(self, name: str, pattern: str, definition: dict[str, Any], priority: int = 0,
                    apply_to: str = "all", operator: bool = False) -> None:
