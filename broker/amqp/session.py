@@ -560,14 +560,15 @@ class Session(AMQPConnection):
         vh = self.vh
         exchange = args.exchange
         ex = None if vh is None else vh.exchanges.get(exchange)
+        flags = None if same else properties.run_flags(props)
         if ex is None or ex.internal or chs.tx is not None or exchange not in self._write_ok \
-                or (props[0][0] & HI_REPLY_TO or props[0][1] & FLAG_USER_ID if same
-                    else properties.run_flags(props) & (FLAG_REPLY_TO | FLAG_USER_ID)):
+                or (props[0][0] & HI_REPLY_TO or props[0][1] & FLAG_USER_ID if flags is None
+                    else flags & (FLAG_REPLY_TO | FLAG_USER_ID)):
             self.publish_each(channel, args, props, bodies)
             return
         try:
             out = self.vhost_obj.publish_run(exchange, args.routing_key, args, props, bodies, same,
-                                             self.now_ms)
+                                             self.now_ms, flags)
         except (errors.DiskFull, OSError) as exc:
             if not errors.no_space(exc):
                 raise

@@ -488,10 +488,11 @@ class VHost:
         return publishing.publish(self, req)
 
     def publish_run(self, exchange: str, routing_key: str, names: publishing.EncodedNames, props: list[bytes],
-                    bodies: list[bytes], same: bool, ts: int) -> publishing.PublishOutcome | None:
+                    bodies: list[bytes], same: bool, ts: int, flags: int | None = None
+                    ) -> publishing.PublishOutcome | None:
         """Several messages to one exchange and routing key at once, or None when they must be
         published one by one (broker/model/publish.py)."""
-        return publishing.publish_run(self, exchange, routing_key, names, props, bodies, same, ts)
+        return publishing.publish_run(self, exchange, routing_key, names, props, bodies, same, ts, flags)
 
     def publish_batch(self, exchange: str, keys: list[publishing.KeyedNames], props: list[bytes],
                       bodies: list[bytes], ts: int, first: int = 0) -> publishing.BatchOutcome:
