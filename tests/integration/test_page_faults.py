@@ -35,7 +35,8 @@ def _varied(queue: str, n: int) -> bytes:
     for i in range(n):
         body = rnd.randbytes(rnd.randint(200, 2048))
         props = commands.Basic.Properties(message_id=f"m-{i}-{rnd.getrandbits(64):x}",
-                                          content_type="application/json", headers={"task": f"t{i % 17}", "n": i})
+                                          content_type="application/json",
+                                          headers={"task": f"t{i % 17}", "n": i})
         out.append(method_bytes(1, commands.Basic.Publish(routing_key=queue))
                    + frame_bytes(FRAME_HEADER, 1, header_payload(len(body), props))
                    + frame_bytes(FRAME_BODY, 1, body))
