@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from broker import errors, properties
 from broker.model import features
+from broker.model.queue import ClassicQueue
 from broker.model.queue import Queue as QueueT
 from broker.store.priority_store import PriorityStore
 from broker.store.queue_store import QueueStore
@@ -484,7 +485,9 @@ def publish_run(vh: VHost, exchange: str, routing_key: str, names: EncodedNames,
         persistent = is_persistent(props[0])
     else:  # any of them
         persistent = any(is_persistent(p) for p in props)
-    reserve(queues, QueueStore.run_size(names.exrk, props, bodies, same), props[0], ts)
+    if len(queues) > 1 or not isinstance(queues[0], ClassicQueue):
+        # (one classic queue makes room itself, when it stores: not for a direct hand-over)
+        reserve(queues, QueueStore.run_size(names.exrk, props, bodies, same), props[0], ts)
     k = len(bodies)
     ex.n_in += k
     ex.n_out += k * len(queues)

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from broker.model.fastpaths import FastPaths
 from broker.store.api import MessageStore, QueueCounters
+from broker.store.queue_store import QueueStore
 from broker.store.segment import short_pair
 
 if TYPE_CHECKING:
@@ -284,7 +285,8 @@ class ClassicQueue(Queue):
         """``publish`` for a run of messages to this queue (``props[i]``, ``bodies[i]``;
         ``same``: one properties object and one body length for all): what consumers
         take now is handed over directly, the rest is appended to the store as one run.
-        ``persistent``: any of them is."""
+        ``persistent``: any of them is. Whatever of it is stored has room made for all of it
+        first (a full disk: DiskFull before anything is stored)."""
         store = self.store
         i = 0
         k = len(bodies)
@@ -302,6 +304,7 @@ class ClassicQueue(Queue):
                     else:
                         c.deliver_many(None, exrk, props, bodies)
                     return
+                store.make_room(QueueStore.run_size(exrk, props, bodies, same), props[0], ts)
                 if room > 0:
                     # manual ack: store what the consumer has room for and hand it over at
                     # once; nothing else was ready, so those are the records a delivery
@@ -327,6 +330,7 @@ class ClassicQueue(Queue):
                     if i == k:
                         return
             else:
+                store.make_room(QueueStore.run_size(exrk, props, bodies, same), props[0], ts)
                 # one by one while consumers take them; once one is stored (nobody had
                 # room), the rest follows it into the store as a run
                 while i < k and not store.ready_count:
@@ -337,6 +341,8 @@ class ClassicQueue(Queue):
         if i:
             props = props[i:]
             bodies = bodies[i:]
+        else:
+            store.make_room(QueueStore.run_size(exrk, props, bodies, same), props[0], ts)
         store.append_run(ts, exrk, props, bodies, same)
         self.n_published += len(bodies)
         if persistent and self.durable:
