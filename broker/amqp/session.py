@@ -38,7 +38,7 @@ from broker.amqp import codec
 from broker.amqp.connection import CH_OPEN, AMQPConnection, PublishArgs
 from broker.model.publish import PublishRequest
 from broker.model.queue import Consumer, Queue
-from broker.properties import FLAG_REPLY_TO, FLAG_USER_ID, HI_DELIVERY_MODE, HI_REPLY_TO
+from broker.properties import FLAG_REPLY_TO, FLAG_USER_ID, HI_REPLY_TO
 
 if TYPE_CHECKING:
     from broker.amqp.broker import Broker
@@ -319,8 +319,6 @@ class Session(AMQPConnection):
         self._write_ok: set[str] = set()  # exchanges this user may publish to (cache)
         self.batch_queues: set[Queue] = set()  # queues with consumers it published to
         self.unanswered = False  # published without confirms since the network layer last looked
-        self._dm_props = b""  # the properties whose delivery mode _dm_persistent holds
-        self._dm_persistent = False
         self.name = f"{peer[0]}:{peer[1]}"
         # basic.cancel notices held back while this connection deletes a queue (RabbitMQ order)
         self.held_cancels: list[tuple[ChannelState, commands.Basic.Cancel]] | None = None
@@ -484,9 +482,8 @@ class Session(AMQPConnection):
         ex = vh.exchanges.get(exchange)
         if ex is None or ex.internal or exchange not in self._write_ok:
             self._may_publish_to(exchange)
-        persistent = bool(flags & HI_DELIVERY_MODE) and self._persistent(props)
-        out = vh.publish(PublishRequest(exchange, args.routing_key, props, body, self.now_ms, persistent,
-                                        args))
+        # persistence (delivery-mode) is read by the publish operation, only if a durable queue is reached
+        out = vh.publish(PublishRequest(exchange, args.routing_key, props, body, self.now_ms, None, args))
         if out.queues:
             for q in out.queues:
                 if q.consumers:
@@ -538,17 +535,6 @@ class Session(AMQPConnection):
             raise errors.AccessRefused(f"cannot publish to internal exchange '{exchange}'", 60, 40)
         self._check("write", exchange, "exchange")
         self._write_ok.add(exchange)
-
-    def _persistent(self, props: bytes) -> bool:
-        """delivery-mode 2? Parsed once per properties object: a publisher repeating its
-        properties hands us the very same bytes object. Only called when the
-        delivery-mode flag is set."""
-        if props is self._dm_props:
-            return self._dm_persistent
-        persistent = properties.delivery_mode(props) == 2
-        self._dm_props = props
-        self._dm_persistent = persistent
-        return persistent
 
     def handle_publish_run(self, channel: int, args: PublishArgs, props: list[bytes], bodies: list[bytes],
                            same: bool) -> None:

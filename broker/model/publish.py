@@ -142,8 +142,18 @@ class PublishOutcome:
                 f"held={self.held}, sync={self.sync})")
 
 
+_last_read: list[Any] = [b"", False]  # the properties is_persistent read last, and its answer
+
+
 def is_persistent(props: bytes) -> bool:
-    return bool(props and props[0] & _DELIVERY_MODE) and properties.delivery_mode(props) == 2
+    """delivery-mode 2? Read once per properties object: a publisher repeating its
+    properties hands over the very same bytes object every time."""
+    if props is _last_read[0]:
+        return bool(_last_read[1])
+    persistent = bool(props and props[0] & _DELIVERY_MODE) and properties.delivery_mode(props) == 2
+    _last_read[0] = props
+    _last_read[1] = persistent
+    return persistent
 
 
 def _headers_of(props: bytes) -> Callable[[], dict[str, Any] | None]:
@@ -177,8 +187,6 @@ def publish(vh: VHost, req: PublishRequest, first_hop: bool = True) -> PublishOu
     props = req.props
     flags = props[0] if props else 0
     persistent = req.persistent
-    if persistent is None:
-        persistent = is_persistent(props)
     routing_key = req.routing_key
     out = PublishOutcome([])
     extra: list[str] | None = None
@@ -210,6 +218,8 @@ def publish(vh: VHost, req: PublishRequest, first_hop: bool = True) -> PublishOu
         rkb = names.routing_key_b
         exrk = names.exrk
         body = req.body
+        if persistent is None:  # read from the properties only where it matters: a durable queue
+            persistent = is_persistent(props) if any(q.durable for q in queues) else False
         if len(queues) > 1:
             reserve(queues, record_size(exb, rkb, props, body), props, ts)
         for q in queues:
