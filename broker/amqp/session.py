@@ -564,7 +564,11 @@ class Session(AMQPConnection):
         if out is None:
             self.publish_each(channel, args, props, bodies)
             return
-        k = len(bodies)
+        self._published(chs, len(bodies), out.queues, out.sync)
+
+    def _published(self, chs: ChannelState, k: int, queues: list[Queue], sync: bool) -> None:
+        """Count ``k`` publishes on ``chs`` that the publish operation took at once (a run or
+        a batch): statistics, confirm sequence numbers, the queues to wake, the sync flag."""
         self.batch_publishes += k
         self.stats.published += k
         if chs.confirm:
@@ -572,10 +576,10 @@ class Session(AMQPConnection):
             self._confirm_dirty.add(chs)
         else:
             self.unanswered = True
-        for q in out.queues:
+        for q in queues:
             if q.consumers:
                 self.batch_queues.add(q)
-        if out.sync and chs.confirm:
+        if sync and chs.confirm:
             chs.needs_sync = True
 
     def handle_publish_batch(self, channel: int, args: list[PublishArgs], props: list[bytes],
@@ -601,29 +605,17 @@ class Session(AMQPConnection):
         k = len(bodies)
         while i < k:
             try:
-                out = vh.publish_batch(exchange, args, props, bodies, self.now_ms, i)  # type: ignore[arg-type]
+                out = vh.publish_batch(exchange, args, props, bodies, self.now_ms, i)
             except (errors.DiskFull, OSError) as exc:
                 if not errors.no_space(exc):
                     raise
                 # nothing of it is stored yet (room first): one by one, each refused or stored
                 self.publish_each(channel, args, props, bodies, i)
                 return
-            done = out.done - i
-            if done:
-                self.batch_publishes += done
-                self.stats.published += done
-                if chs.confirm:
-                    chs.publish_seq += done
-                    self._confirm_dirty.add(chs)
-                else:
-                    self.unanswered = True
-                for q in out.queues:
-                    if q.consumers:
-                        self.batch_queues.add(q)
+            if out.done > i:
+                self._published(chs, out.done - i, out.queues, out.sync)
                 for j in out.unroutable:
                     self._unroutable(chs, args[j], props[j], bodies[j])
-                if out.sync and chs.confirm:
-                    chs.needs_sync = True
                 i = out.done
             if i < k:  # the next one on its own
                 if not self.publish_each(channel, args, props, bodies, i, i + 1):

@@ -41,7 +41,7 @@ byte for byte.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from broker import errors, properties
@@ -327,7 +327,7 @@ class BatchOutcome:
 _UNSEEN: Any = object()
 
 
-def publish_batch(vh: VHost, exchange: str, keys: list[KeyedNames], props: list[bytes],
+def publish_batch(vh: VHost, exchange: str, keys: Sequence[KeyedNames], props: list[bytes],
                   bodies: list[bytes], ts: int, first: int = 0) -> BatchOutcome:
     """Publish messages to one exchange, each with its own routing key (``keys[i]``), as
     ``publish`` would one by one, from ``first`` for as long as that can be done at once:

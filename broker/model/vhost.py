@@ -21,7 +21,7 @@ import base64
 import logging
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -494,7 +494,7 @@ class VHost:
         published one by one (broker/model/publish.py)."""
         return publishing.publish_run(self, exchange, routing_key, names, props, bodies, same, ts, flags)
 
-    def publish_batch(self, exchange: str, keys: list[publishing.KeyedNames], props: list[bytes],
+    def publish_batch(self, exchange: str, keys: Sequence[publishing.KeyedNames], props: list[bytes],
                       bodies: list[bytes], ts: int, first: int = 0) -> publishing.BatchOutcome:
         """Messages to one exchange with routing keys of their own, at once as far as that
         goes (broker/model/publish.py)."""
