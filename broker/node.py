@@ -532,7 +532,7 @@ def keep_buffers_on_the_heap() -> bool:
     system once 128 KiB are free there, so each turn starts on fresh pages, one page fault
     per 4 KiB: 1.25 M faults in 8 s of workload (1) in benchmarks/, a third of the
     broker's CPU, and enough to make it fall behind a fast consumer for good. With blocks
-    under 16 MiB on the heap and up to 32 MiB of free heap kept, the same run takes 15,000.
+    under 16 MiB on the heap and up to 32 MiB of free heap kept, 5 s of it take about 4,500.
     (1 MiB and 4 MiB were not enough: the heap top still went back and forth with scenario
     (a)'s 16-byte deliveries, 28 % slower than with glibc's defaults.)
     """

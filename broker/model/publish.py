@@ -191,7 +191,7 @@ def publish(vh: VHost, req: PublishRequest, first_hop: bool = True) -> PublishOu
     out = PublishOutcome([])
     extra: list[str] | None = None
     has_exp = False
-    if flags & _EXPIRATION or (flags & _HEADERS and 67 in props and b"CC" in props):  # 67: "C" (memchr)
+    if flags & _PER_MESSAGE and features.routes_alone(props):
         # an expiration (a valid TTL) or headers that may hold CC/BCC (keys added, BCC removed)
         props, extra, has_exp = features.inspect_publish(props)
         if not req.cc:

@@ -290,59 +290,59 @@ class ClassicQueue(Queue):
         store = self.store
         i = 0
         k = len(bodies)
-        if self.consumers and not store.ready_count:
-            consumers = self.consumers
-            if len(consumers) == 1:
-                c = consumers[0]
-                room = c.capacity()
-                if room > 0 and c.no_ack:
-                    # autoack: delivered and settled at once, never stored
-                    self.n_published += k
-                    self.n_delivered += k
-                    if same:
-                        c.deliver_same(None, exrk, props[0], bodies)
-                    else:
-                        c.deliver_many(None, exrk, props, bodies)
-                    return
-                store.make_room(QueueStore.run_size(exrk, props, bodies, same), props[0], ts)
-                if room > 0:
-                    # manual ack: store what the consumer has room for and hand it over at
-                    # once; nothing else was ready, so those are the records a delivery
-                    # run takes (as runs, without a pass of its own)
-                    i = min(room, k)
-                    handed_p, handed_b = props[:i], bodies[:i]
-                    fast = self.fast.on
-                    taken = None
-                    if fast:  # their msgids, unless they stay ready for deliver_run
-                        taken = store.append_run_taken(ts, exrk, handed_p, handed_b, same)
-                    else:
-                        store.append_run(ts, exrk, handed_p, handed_b, same)
-                    self.n_published += i
-                    if persistent and self.durable:
-                        self.on_dirty(store)
-                    if taken is not None:  # handed over with the bytes in hand
-                        self.n_delivered += i
-                        c.deliver_many(taken, exrk, handed_p, handed_b)
-                    else:
-                        self.n_delivered += store.deliver_run(i, False, c.deliver_raw, 1 << 62,
-                                                              c.deliver_same if fast else None,
-                                                              c.deliver_many if fast else None)[0]
-                    if i == k:
-                        return
+        consumers = self.consumers
+        single = None  # the one consumer that may take some of it now
+        room = 0
+        if consumers and not store.ready_count and len(consumers) == 1:
+            single = consumers[0]
+            room = single.capacity()
+            if room > 0 and single.no_ack:
+                # autoack: delivered and settled at once, never stored
+                self.n_published += k
+                self.n_delivered += k
+                if same:
+                    single.deliver_same(None, exrk, props[0], bodies)
+                else:
+                    single.deliver_many(None, exrk, props, bodies)
+                return
+        # some of it is stored: room for all of it first
+        store.make_room(QueueStore.run_size(exrk, props, bodies, same), props[0], ts)
+        if single is not None and room > 0:
+            # manual ack: store what the consumer has room for and hand it over at once;
+            # nothing else was ready, so those are the records a delivery run takes (as
+            # runs, without a pass of its own)
+            c = single
+            i = min(room, k)
+            handed_p, handed_b = props[:i], bodies[:i]
+            fast = self.fast.on
+            taken = None
+            if fast:  # their msgids, unless they stay ready for deliver_run
+                taken = store.append_run_taken(ts, exrk, handed_p, handed_b, same)
             else:
-                store.make_room(QueueStore.run_size(exrk, props, bodies, same), props[0], ts)
-                # one by one while consumers take them; once one is stored (nobody had
-                # room), the rest follows it into the store as a run
-                while i < k and not store.ready_count:
-                    self.publish(ts, exchange, routing_key, props[i], bodies[i], persistent, exrk)
-                    i += 1
-                if i == k:
-                    return
+                store.append_run(ts, exrk, handed_p, handed_b, same)
+            self.n_published += i
+            if persistent and self.durable:
+                self.on_dirty(store)
+            if taken is not None:  # handed over with the bytes in hand
+                self.n_delivered += i
+                c.deliver_many(taken, exrk, handed_p, handed_b)
+            else:
+                self.n_delivered += store.deliver_run(i, False, c.deliver_raw, 1 << 62,
+                                                      c.deliver_same if fast else None,
+                                                      c.deliver_many if fast else None)[0]
+            if i == k:
+                return
+        elif len(consumers) > 1 and not store.ready_count:
+            # one by one while consumers take them; once one is stored (nobody had room),
+            # the rest follows it into the store as a run
+            while i < k and not store.ready_count:
+                self.publish(ts, exchange, routing_key, props[i], bodies[i], persistent, exrk)
+                i += 1
+            if i == k:
+                return
         if i:
             props = props[i:]
             bodies = bodies[i:]
-        else:
-            store.make_room(QueueStore.run_size(exrk, props, bodies, same), props[0], ts)
         store.append_run(ts, exrk, props, bodies, same)
         self.n_published += len(bodies)
         if persistent and self.durable:
