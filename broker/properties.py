@@ -133,6 +133,9 @@ class _Shape:
 # values checked one by one (``_values_ok``: UTF-8 short strings, exact timestamp limits).
 _Layout = tuple[int, int, int, int, tuple[slice, ...], int, tuple[int, ...]]
 _list_layouts: dict[int, _Layout] = {}
+# For a caller that inlines ``valid``'s first check (the publish-run parser): a layout's first
+# two items are the strict mask and value (cleared in place, never rebound).
+LIST_LAYOUTS = _list_layouts
 # The top bits that, clear, put a timestamp safely below its limit (see the masks above).
 _STAMP_PROPERTY_SAFE = 0xFFFF80 << 40  # < 2**47 ms (year 6429) < MAX_TIMESTAMP_PROPERTY
 _STAMP_FIELD_SAFE = 0xFFFFFFE0 << 32  # < 2**37 s (year 6325) < MAX_TIMESTAMP_FIELD

@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
 from pamqp import body as pbody
 from pamqp import commands, header
 from pamqp import frame as pframe
@@ -22,6 +24,7 @@ from broker.amqp import codec
 from broker.amqp.connection import PublishArgs
 from broker.amqp.session import Session
 from broker.config import load_config
+from broker.model import features
 from broker.model.queue import Queue
 from broker.node import Node
 
@@ -358,6 +361,27 @@ def test_headers_without_cc_make_one_run(tmp_path: Path, one_by_one_count: list[
         assert vh.queues["hq"].message_count == 20 and vh.queues["other"].message_count == 0
         s.receive_data(_headers_burst("", "hq", 20, lambda i: {"CC": ["other"]} if i == 13 else {"n": i}))
         assert vh.queues["hq"].message_count == 40 and vh.queues["other"].message_count == 1
+
+    _session(tmp_path, test)
+
+
+@given(st.lists(st.sampled_from([b"C", b"CC", b"\x02", b"x", b"BCC", b"C\x00"]), max_size=40))
+@example([b"C\x00"] * 9 + [b"CC"])  # past the lone "C"s looked at one by one
+def test_holds_cc_says_what_a_substring_search_says(parts: list[bytes]) -> None:
+    data = b"".join(parts)
+    assert features.holds_cc(data) == (b"CC" in data)
+
+
+def test_a_cc_header_after_many_single_cs_is_found_in_a_run(tmp_path: Path) -> None:
+    """The run's CC check looks at each "C" on its own only up to a point: a CC header
+    behind many lone "C"s (values, timestamps) still takes its message out of the run."""
+    def test(s: Session, broker: Any) -> None:
+        vh = broker.vhosts["/"]
+        for name in ("hq", "other"):
+            s.receive_data(pframe.marshal(commands.Queue.Declare(queue=name), 1))
+        s.receive_data(_headers_burst("", "hq", 30, lambda i: {"a": "CxCxCxCxCxCxCxCxCxCx", "n": i,
+                                                               **({"CC": ["other"]} if i == 29 else {})}))
+        assert vh.queues["hq"].message_count == 30 and vh.queues["other"].message_count == 1
 
     _session(tmp_path, test)
 

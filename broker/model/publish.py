@@ -469,8 +469,7 @@ def publish_run(vh: VHost, exchange: str, routing_key: str, names: EncodedNames,
         if hi & _EXPIRATION:
             return None
         if hi & _HEADERS:
-            joined = b"".join(props)  # 67: a "C" (memchr) before the substring search
-            if 67 in joined and b"CC" in joined and any(map(features.may_carry_cc, props)):
+            if features.holds_cc(b"".join(props)) and any(map(features.may_carry_cc, props)):
                 return None
     if exchange == "":
         q = vh.queues.get(routing_key)
