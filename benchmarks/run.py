@@ -131,6 +131,16 @@ def scenarios(prefill: int, rss_count: int = 1_000_000, rss_drain: int = 300_000
                    "ms (lower is better)", "workload")
           for mode in ("auto", "ack") for rate in (5000, 20000)
           for label, metric in (("p50", "p50_ms"), ("p99", "p99_ms"), ("p99.9", "p999_ms"))),
+        # The floor of the rows above: the same two client processes with no broker between
+        # them (the producer writes the deliveries). Measured in each broker's turn, so its two
+        # columns show how much the floor itself moves between turns.
+        *(Scenario(f"5-floor-{rate // 1000}k-{label}",
+                   f"(5) floor: no broker, the latency clients connected directly, manual ack, "
+                   f"{rate:,} msg/s, {label}, measured in each broker's turn",
+                   ("latency", "--direct", "--ack", "--rate", str(rate)), metric, "ms (lower is better)",
+                   "workload")
+          for rate in (5000, 20000)
+          for label, metric in (("p50", "p50_ms"), ("p99", "p99_ms"), ("p99.9", "p999_ms"))),
         Scenario("6", "synchronous pika publisher, confirm per message, persistent, into a backlogged "
                  "durable queue with a consumer", ("sync",), "publish_rate", "msg/s", "workload"),
         Scenario("6-transient", "(6) with transient messages", ("sync", "--transient"), "publish_rate",

@@ -7,6 +7,7 @@
   reports consumed msg/s.
 - ``latency`` (workload 5): end-to-end latency at a fixed publish rate (``--rate``), autoack or
   manual ack (``--ack``); each body carries its send time; reports p50/p99/p99.9 in ms.
+  ``--direct``: the same clients with no broker between them, the floor of the numbers above.
 - ``sync`` (workload 6): a pika ``BlockingConnection`` with ``confirm_delivery`` publishing one
   message at a time into a queue with a backlog (50,000: it outlasts the run) and a consumer
   (pika, manual ack, prefetch 100, its own process); reports the publisher's msg/s.
@@ -309,44 +310,78 @@ def varied(uri: str, seconds: float, pairs: int = 1, topic: int = 0, persistent:
 
 
 # ----------------------------------------------------------------------------- latency
-def _latency_consumer(uri: str, queue: str, total: int, ack: bool, out: Any) -> None:
+async def _drain_reader(r: asyncio.StreamReader) -> None:
+    while await r.read(1 << 16):
+        pass
+
+
+def _latency_consumer(uri: str, queue: str, total: int, ack: bool, out: Any, direct: bool = False) -> None:
     async def run() -> None:
-        con = await Raw.connect(uri)
-        if ack:
-            await con.call(commands.Basic.Qos(prefetch_count=100))
-        await con.call(commands.Basic.Consume(queue=queue, consumer_tag="l", no_ack=not ack))
-        out.put("ready")
+        if direct:  # the publisher connects to us and sends the deliveries itself: no broker
+            accepted: asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = \
+                asyncio.get_running_loop().create_future()
+            server = await asyncio.start_server(lambda r, w: accepted.set_result((r, w)), "127.0.0.1", 0)
+            out.put(("ready", server.sockets[0].getsockname()[1]))
+            r, w = await accepted
+        else:
+            con = await Raw.connect(uri)
+            if ack:
+                await con.call(commands.Basic.Qos(prefetch_count=100))
+            await con.call(commands.Basic.Consume(queue=queue, consumer_tag="l", no_ack=not ack))
+            out.put(("ready", 0))
+            r, w = con.r, con.w
         lat: list[float] = []
         tag = 0
-        async for now, buf, ats in first_bodies(con.r, 60):
+        async for now, buf, ats in first_bodies(r, 60):
             for at in ats:  # each body starts with its send time
                 lat.append((now - struct.unpack_from(">q", buf, at)[0]) / 1e6)
             tag += len(ats)
             if ack and ats:
-                con.w.write(pframe.marshal(commands.Basic.Ack(delivery_tag=tag, multiple=True), 1))
+                w.write(pframe.marshal(commands.Basic.Ack(delivery_tag=tag, multiple=True), 1))
             if len(lat) >= total:
                 break
         out.put(lat)
-        con.w.close()
+        w.close()
 
     asyncio.run(run())
 
 
-def latency(uri: str, seconds: float, rate: int, ack: bool) -> dict[str, Any]:
+def latency(uri: str, seconds: float, rate: int, ack: bool, direct: bool = False) -> dict[str, Any]:
     """The producer (this process) publishes at ``rate`` msg/s, each body starting with its send
-    time; the consumer (another process) records receive time minus send time."""
+    time; the consumer (another process) records receive time minus send time.
+
+    ``direct``: no broker. The producer connects to the consumer and writes it the deliveries a
+    broker would (the consumer's acks are read and dropped): the same two processes, the same
+    reads and writes, so what is left is the floor that this machine and these clients set
+    (a client process that the machine stalls for some milliseconds delays every message due
+    meanwhile; at 5,000 msg/s the 25 slowest of 25,000 are such a stall)."""
     total = int(rate * seconds)
     queue = "bench-lat-" + uuid.uuid4().hex[:8]
     q: Any = mp.Queue()
 
     async def run() -> dict[str, Any]:
-        pub = await Raw.connect(uri)
-        await pub.call(commands.Queue.Declare(queue=queue))
-        cons = mp.Process(target=_latency_consumer, args=(uri, queue, total, ack, q))
-        cons.start()
-        assert q.get(timeout=30) == "ready"
-        # one encoding; per message only the send time (the body's first 8 bytes) changes
-        one = encode(queue, b"\x00" * 64, commands.Basic.Properties(content_type="text/plain"))
+        cons = mp.Process(target=_latency_consumer, args=(uri, queue, total, ack, q, direct))
+        pub = None
+        if direct:
+            cons.start()
+            ready, port = q.get(timeout=30)
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            drop = asyncio.create_task(_drain_reader(r))
+            server = {"product": "none (the clients connected directly)", "version": ""}
+            props = commands.Basic.Properties(content_type="text/plain")
+            one = (pframe.marshal(commands.Basic.Deliver("l", 1, False, "", queue), 1)
+                   + pframe.marshal(header.ContentHeader(0, 64, props), 1)
+                   + pframe.marshal(pbody.ContentBody(b"\x00" * 64), 1))
+        else:
+            pub = await Raw.connect(uri)
+            await pub.call(commands.Queue.Declare(queue=queue))
+            cons.start()
+            ready, _ = q.get(timeout=30)
+            w = pub.w
+            server = pub.server
+            # one encoding; per message only the send time (the body's first 8 bytes) changes
+            one = encode(queue, b"\x00" * 64, commands.Basic.Properties(content_type="text/plain"))
+        assert ready == "ready"
         head, tail = one[:-65], one[-57:]  # body frame: 7-byte header, 64 bytes, frame end
         start = time.monotonic()
         i = 0
@@ -358,15 +393,19 @@ def latency(uri: str, seconds: float, rate: int, ack: bool) -> dict[str, Any]:
                 batch.append(head + struct.pack(">q", time.time_ns()) + tail)
                 i += 1
             if batch:
-                pub.w.write(b"".join(batch))
+                w.write(b"".join(batch))
             await asyncio.sleep(max(0.0, start + i / rate - time.monotonic()))
         sent_rate = total / (time.monotonic() - start)  # below ``rate``: the client could not keep up
         lat: list[float] = await asyncio.get_running_loop().run_in_executor(None, q.get, True, seconds + 120)
         cons.join(30)
-        await pub.call(commands.Queue.Delete(queue=queue))
+        if pub is not None:
+            await pub.call(commands.Queue.Delete(queue=queue))
+        else:
+            drop.cancel()
+            w.close()
         lat.sort()
         pick = lambda p: lat[min(len(lat) - 1, int(p * len(lat)))]  # noqa: E731
-        return {"server": pub.server, "p50_ms": pick(0.5), "p99_ms": pick(0.99), "p999_ms": pick(0.999),
+        return {"server": server, "p50_ms": pick(0.5), "p99_ms": pick(0.99), "p999_ms": pick(0.999),
                 "mean_ms": statistics.fmean(lat), "messages": len(lat), "sent_rate": sent_rate}
 
     return asyncio.run(run())
@@ -736,6 +775,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pid", type=int, default=0, help="the broker's pid: its CPU per message, its RSS")
     ap.add_argument("--rate", type=int, default=5000, help="latency: messages per second")
     ap.add_argument("--ack", action="store_true", help="latency: manual ack (prefetch 100)")
+    ap.add_argument("--direct", action="store_true",
+                    help="latency: no broker, the producer writes deliveries to the consumer (the floor)")
     ap.add_argument("--transient", action="store_true", help="sync: delivery mode 1 (default: persistent)")
     ap.add_argument("--pairs", type=int, default=1, help="varied: producer/consumer pairs, a queue each")
     ap.add_argument("--topic", type=int, default=0, help="varied: a topic exchange with this many queues")
@@ -751,7 +792,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.workload == "varied":
         r = varied(a.uri, a.seconds, a.pairs, a.topic, a.persistent, a.confirm, a.prefetch, a.pid)
     elif a.workload == "latency":
-        r = latency(a.uri, a.seconds, a.rate, a.ack)
+        r = latency(a.uri, a.seconds, a.rate, a.ack, a.direct)
     elif a.workload == "celery":
         r = celery_delay(a.uri, a.seconds)
     elif a.workload == "queues":
