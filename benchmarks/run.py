@@ -39,6 +39,9 @@ class Scenario:
     unit: str
     tool: str = "perf"  # "perf": skred-perf throughput; "workload": benchmarks/workloads.py
     runs: int = 0  # runs per broker when not --runs (0: --runs)
+    # at least this many runs: a latency percentile of one run moves with the few stalls the
+    # machine itself gives a client process (see the 5-floor-* rows)
+    min_runs: int = 0
 
 
 @dataclass
@@ -128,7 +131,7 @@ def scenarios(prefill: int, rss_count: int = 1_000_000, rss_drain: int = 300_000
                    f"latency {label} at {rate:,} msg/s, " + ("manual ack (prefetch 100)" if mode == "ack"
                                                              else "autoack"),
                    ("latency", "--rate", str(rate), *(("--ack",) if mode == "ack" else ())), metric,
-                   "ms (lower is better)", "workload")
+                   "ms (lower is better)", "workload", min_runs=5)
           for mode in ("auto", "ack") for rate in (5000, 20000)
           for label, metric in (("p50", "p50_ms"), ("p99", "p99_ms"), ("p99.9", "p999_ms"))),
         # The floor of the rows above: the same two client processes with no broker between
@@ -138,7 +141,7 @@ def scenarios(prefill: int, rss_count: int = 1_000_000, rss_drain: int = 300_000
                    f"(5) floor: no broker, the latency clients connected directly, manual ack, "
                    f"{rate:,} msg/s, {label}, measured in each broker's turn",
                    ("latency", "--direct", "--ack", "--rate", str(rate)), metric, "ms (lower is better)",
-                   "workload")
+                   "workload", min_runs=5)
           for rate in (5000, 20000)
           for label, metric in (("p50", "p50_ms"), ("p99", "p99_ms"), ("p99.9", "p999_ms"))),
         Scenario("6", "synchronous pika publisher, confirm per message, persistent, into a backlogged "
@@ -417,7 +420,7 @@ def measure(args: argparse.Namespace, keys: list[str], all_scenarios: dict[str, 
     done: dict[tuple[str, tuple[str, ...], int], dict[str, Any]] = {}  # one run serves p50/p99/p99.9
     for key in keys:
         sc = all_scenarios[key]
-        for run in range(sc.runs or args.runs):
+        for run in range(sc.runs or max(args.runs, sc.min_runs)):
             for target in targets:  # alternate brokers run by run
                 name = target.name
                 loads.setdefault(key, []).append(os.getloadavg()[0])
@@ -483,7 +486,7 @@ def measure(args: argparse.Namespace, keys: list[str], all_scenarios: dict[str, 
         load = (f"load average (1/5/15 min) at the start {'/'.join(f'{x:.1f}' for x in load_start)}, at the "
                 f"end {'/'.join(f'{x:.1f}' for x in os.getloadavg())}")
         if args.only and out.exists():  # a partial rerun: replace only these scenarios' rows
-            rerun = (f"run {started}; {args.runs} runs per broker per scenario (8: once), "
+            rerun = (f"run {started}; {args.runs} runs per broker per scenario (8: once; 5-*: at least 5), "
                      f"{args.seconds:g} s each; {load}." + (f" {args.note}" if args.note else ""))
             text = merge_results(out.read_text(), rows, rerun, errors)
         else:
@@ -493,7 +496,8 @@ def measure(args: argparse.Namespace, keys: list[str], all_scenarios: dict[str, 
                 "",
                 "Written by `benchmarks/run.py` — do not edit by hand; rerun it instead.",
                 "",
-                f"Run: {started}; {args.runs} runs per broker per scenario, {args.seconds:g} s each, "
+                f"Run: {started}; {args.runs} runs per broker per scenario (5-*: at least 5), "
+                f"{args.seconds:g} s each, "
                 "brokers measured alternately; the table shows medians. Load generator: `skred-perf` "
                 "(one process per client; its own CPU use is in the column 'tool CPU', % of one core) and "
                 "`benchmarks/workloads.py` for the issue-13 workloads (8 runs once per broker). "
