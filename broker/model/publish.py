@@ -362,7 +362,7 @@ def publish_batch(vh: VHost, exchange: str, keys: Sequence[KeyedNames], props: l
         rk = keys[i].routing_key
         queues = routes.get(rk, _UNSEEN)
         if queues is _UNSEEN:
-            queues = routes[rk] = _batch_route(vh, ex, by_name, rk, p, ts)
+            queues = routes[rk] = _batch_route(vh, ex, by_name, rk, p)
         if queues is None:
             break
         if not queues:
@@ -416,7 +416,20 @@ def publish_batch(vh: VHost, exchange: str, keys: Sequence[KeyedNames], props: l
     return out
 
 
-def _batch_route(vh: VHost, ex: Exchange, by_name: bool, rk: str, props: bytes, ts: int) -> Any:
+# What a probe hands ``route`` for the message and the outcome: a probe raises ``_NotARun``
+# before an exchange's behaviour would read or set either.
+_PROBE_REQUEST = PublishRequest("", "", b"", b"", 0)
+_PROBE_OUTCOME = PublishOutcome([])
+
+
+def _probe_route(vh: VHost, ex: Exchange, routing_key: str, props: bytes, varied: bool) -> list[Queue]:
+    """``route`` for messages taken together (a run, or a batch's messages with this routing
+    key): the queues each of them reaches; ``_NotARun`` where that could differ per message."""
+    return route(vh, ex, [routing_key], props, _PROBE_REQUEST, _PROBE_OUTCOME, True, probe=True,
+                 varied=varied)
+
+
+def _batch_route(vh: VHost, ex: Exchange, by_name: bool, rk: str, props: bytes) -> Any:
     """The queues a message with routing key ``rk`` reaches from ``ex`` (no behaviour of its
     own), or None when ``publish_batch`` cannot take it: routing by headers, an exchange
     with a behaviour on the way, a queue with features or priorities (a batch's room is
@@ -426,16 +439,7 @@ def _batch_route(vh: VHost, ex: Exchange, by_name: bool, rk: str, props: bytes, 
         queues: Any = () if q is None else (q,)
     else:
         try:
-            queues = ex.route(rk, _probe_headers)
-            if queues:
-                for d in queues:
-                    if not isinstance(d, QueueT):  # exchange-to-exchange: the whole way
-                        queues = route(vh, ex, [rk], props, PublishRequest(ex.name, rk, props, b"", ts),
-                                       PublishOutcome([]), True, probe=True, varied=True)
-                        break
-            elif ex.alternate:
-                queues = route(vh, ex, [rk], props, PublishRequest(ex.name, rk, props, b"", ts),
-                               PublishOutcome([]), True, probe=True, varied=True)
+            queues = _probe_route(vh, ex, rk, props, True)
         except _NotARun:
             return None
     for q in queues:
@@ -475,10 +479,8 @@ def publish_run(vh: VHost, exchange: str, routing_key: str, names: EncodedNames,
         q = vh.queues.get(routing_key)
         queues = [] if q is None else [q]
     else:
-        req = PublishRequest(exchange, routing_key, props[0], b"", ts)
         try:
-            queues = route(vh, ex, [routing_key], props[0], req, PublishOutcome([]), True, probe=True,
-                           varied=not same)
+            queues = _probe_route(vh, ex, routing_key, props[0], not same)
         except _NotARun:
             return None
     if not queues or any(q.features is not None for q in queues):
