@@ -276,7 +276,9 @@ def may_carry_cc(props: bytes) -> bool:
     """Whether a property list may hold a ``CC`` or ``BCC`` header (which add routing keys).
     A byte search: a table key is a short string, so such a header has its length octet and
     name in the bytes; a value that merely contains them only costs a decode."""
-    return bool(props[0] & properties.HI_HEADERS) and holds_cc(props) \
+    # ``67 in`` (a "C", one memchr) first: most single lists hold none, and it costs less
+    # than the call
+    return bool(props[0] & properties.HI_HEADERS) and 67 in props and holds_cc(props) \
         and (b"\x02CC" in props or b"\x03BCC" in props)
 
 
