@@ -256,8 +256,7 @@ class AMQPProtocol(asyncio.Protocol):
                 self.session.flush_pending = True
             asyncio.get_running_loop().call_soon(self.flush)
 
-    def flush(self, more: bytes | None = None) -> None:
-        """Write what ``out`` holds, then ``more`` (``write_now``), in one system call."""
+    def flush(self) -> None:
         self._flush_scheduled = False
         s = self.session
         if s is not None:
@@ -265,24 +264,13 @@ class AMQPProtocol(asyncio.Protocol):
         t = self.transport
         if s is None or t is None:
             return
-        if s.want_close:
-            more = None  # nothing goes out after what closes the connection
-        if s.out or more is not None:
+        if s.out:
             data = s.out
             s.out = bytearray()
             if not t.is_closing():
-                if more is None:
-                    t.write(data)
-                    s.send_oct += len(data)
-                elif data:
-                    # a delivery run after smaller output (a cut publish's delivery, a
-                    # confirm): one writev, not a write for each
-                    t.writelines((data, more))
-                    s.send_oct += len(data) + len(more)
-                else:
-                    t.write(more)
-                    s.send_oct += len(more)
+                t.write(data)
                 s.send_cnt += 1
+                s.send_oct += len(data)
                 self.last_write = time.monotonic()
         if s.want_close:
             t.close()
@@ -291,7 +279,14 @@ class AMQPProtocol(asyncio.Protocol):
 
     def write_now(self, data: bytes) -> None:
         """Write ``data`` after whatever ``out`` holds, keeping the frame order."""
-        self.flush(data)
+        self.flush()
+        t = self.transport
+        if t is not None and not t.is_closing():
+            t.write(data)
+            if self.session is not None:
+                self.session.send_cnt += 1
+                self.session.send_oct += len(data)
+            self.last_write = time.monotonic()
 
     def pause_writing(self) -> None:
         if self.session is not None:
