@@ -22,7 +22,7 @@ remembered by its bytes (publish runs repeat the same properties), and so is a h
 table; a table that differs from a valid one only inside its values (a new id in
 the same headers) is recognised by comparing its structural bytes at once
 (``_check_headers``); a whole list likewise, with its short strings' ASCII and its
-timestamps' range in the same masked compare (``_list_layouts``). Refused: lengths that
+timestamps' range in the same masked compare (``LIST_LAYOUTS``). Refused: lengths that
 run past their end, unknown field types (the 0-9-1 errata set RabbitMQ, pika and pamqp
 share), bytes after the last property, a
 second flag word (class basic has 14 properties), field names and short strings that
@@ -111,7 +111,7 @@ _layouts: dict[int, tuple[int, int, tuple[int, ...]]] = {}
 
 
 class _Shape:
-    """What a full walk of a valid property list learnt about it, for ``_list_layouts``."""
+    """What a full walk of a valid property list learnt about it, for ``LIST_LAYOUTS``."""
 
     __slots__ = ("spans", "strs", "stamps", "stamp")
 
@@ -132,10 +132,9 @@ class _Shape:
 # mask covers the structural bytes only; a list that passes it but not the strict one has its
 # values checked one by one (``_values_ok``: UTF-8 short strings, exact timestamp limits).
 _Layout = tuple[int, int, int, int, tuple[slice, ...], int, tuple[int, ...]]
-_list_layouts: dict[int, _Layout] = {}
-# For a caller that inlines ``valid``'s first check (the publish-run parser): a layout's first
-# two items are the strict mask and value (cleared in place, never rebound).
-LIST_LAYOUTS = _list_layouts
+# Public for a caller that inlines ``valid``'s first check (the publish-run parser): a
+# layout's first two items are the strict mask and value (cleared in place, never rebound).
+LIST_LAYOUTS: dict[int, _Layout] = {}
 # The top bits that, clear, put a timestamp safely below its limit (see the masks above).
 _STAMP_PROPERTY_SAFE = 0xFFFF80 << 40  # < 2**47 ms (year 6429) < MAX_TIMESTAMP_PROPERTY
 _STAMP_FIELD_SAFE = 0xFFFFFFE0 << 32  # < 2**37 s (year 6325) < MAX_TIMESTAMP_FIELD
@@ -147,9 +146,9 @@ class _Malformed(Exception):
 
 def valid(props: bytes) -> bool:
     """Whether a property list is one every client decodes (cheap for lists seen before,
-    and for lists with the structure of one seen before: see ``_list_layouts``)."""
+    and for lists with the structure of one seen before: see ``LIST_LAYOUTS``)."""
     n = len(props)
-    layout = _list_layouts.get(n)
+    layout = LIST_LAYOUTS.get(n)
     if layout is not None:
         x = int.from_bytes(props)
         if x & layout[0] == layout[1]:
@@ -165,9 +164,9 @@ def valid(props: bytes) -> bool:
         _check_list(props, shape)
     except _Malformed:
         return False
-    if len(_list_layouts) >= _CACHE_MAX:
-        _list_layouts.clear()
-    _list_layouts[n] = _layout_of(props, shape)
+    if len(LIST_LAYOUTS) >= _CACHE_MAX:
+        LIST_LAYOUTS.clear()
+    LIST_LAYOUTS[n] = _layout_of(props, shape)
     if len(_valid_lists) >= _CACHE_MAX:
         _valid_lists.clear()
     _valid_lists.add(props)
@@ -175,7 +174,7 @@ def valid(props: bytes) -> bool:
 
 
 def _layout_of(props: bytes, shape: _Shape) -> _Layout:
-    """The masks of lists with the structure of ``props`` (see ``_list_layouts``)."""
+    """The masks of lists with the structure of ``props`` (see ``LIST_LAYOUTS``)."""
     n = len(props)
 
     def at(bits: int, start: int, length: int) -> int:  # ``bits`` over bytes start..start+length

@@ -85,7 +85,7 @@ def _forget() -> None:
     properties._valid_lists.clear()
     properties._valid_tables.clear()
     properties._layouts.clear()
-    properties._list_layouts.clear()
+    properties.LIST_LAYOUTS.clear()
 
 
 @settings(max_examples=300, deadline=None)
