@@ -126,10 +126,14 @@ async def first_bodies(r: asyncio.StreamReader, timeout: float | None = None
         buf = rest
 
 
-def encode(rk: str, body: bytes, props: commands.Basic.Properties, exchange: str = "") -> bytes:
-    return (pframe.marshal(commands.Basic.Publish(exchange=exchange, routing_key=rk), 1)
-            + pframe.marshal(header.ContentHeader(0, len(body), props), 1)
+def content(body: bytes, props: commands.Basic.Properties) -> bytes:
+    """A message's header frame and body frame on channel 1 (what follows publish or deliver)."""
+    return (pframe.marshal(header.ContentHeader(0, len(body), props), 1)
             + (pframe.marshal(pbody.ContentBody(body), 1) if body else b""))
+
+
+def encode(rk: str, body: bytes, props: commands.Basic.Properties, exchange: str = "") -> bytes:
+    return pframe.marshal(commands.Basic.Publish(exchange=exchange, routing_key=rk), 1) + content(body, props)
 
 
 def varied_message(rk: str, rnd: random.Random, i: int, exchange: str = "",
@@ -362,16 +366,15 @@ def latency(uri: str, seconds: float, rate: int, ack: bool, direct: bool = False
     async def run() -> dict[str, Any]:
         cons = mp.Process(target=_latency_consumer, args=(uri, queue, total, ack, q, direct))
         pub = None
+        # one encoding; per message only the send time (the body's first 8 bytes) changes
+        frames = content(b"\x00" * 64, commands.Basic.Properties(content_type="text/plain"))
         if direct:
             cons.start()
             ready, port = q.get(timeout=30)
             r, w = await asyncio.open_connection("127.0.0.1", port)
             drop = asyncio.create_task(_drain_reader(r))
             server = {"product": "none (the clients connected directly)", "version": ""}
-            props = commands.Basic.Properties(content_type="text/plain")
-            one = (pframe.marshal(commands.Basic.Deliver("l", 1, False, "", queue), 1)
-                   + pframe.marshal(header.ContentHeader(0, 64, props), 1)
-                   + pframe.marshal(pbody.ContentBody(b"\x00" * 64), 1))
+            one = pframe.marshal(commands.Basic.Deliver("l", 1, False, "", queue), 1) + frames
         else:
             pub = await Raw.connect(uri)
             await pub.call(commands.Queue.Declare(queue=queue))
@@ -379,8 +382,7 @@ def latency(uri: str, seconds: float, rate: int, ack: bool, direct: bool = False
             ready, _ = q.get(timeout=30)
             w = pub.w
             server = pub.server
-            # one encoding; per message only the send time (the body's first 8 bytes) changes
-            one = encode(queue, b"\x00" * 64, commands.Basic.Properties(content_type="text/plain"))
+            one = pframe.marshal(commands.Basic.Publish(exchange="", routing_key=queue), 1) + frames
         assert ready == "ready"
         head, tail = one[:-65], one[-57:]  # body frame: 7-byte header, 64 bytes, frame end
         start = time.monotonic()
