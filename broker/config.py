@@ -355,6 +355,12 @@ class ClusteringConfig:
         metadata=_meta("Encrypt the replication link with [main] tls_cert/tls_ca_cert when tls_cert is "
                        "set (the leader verified against tls_ca_cert; the cluster secret never in clear)."),
     )
+    tunnel_keepalive: int = field(
+        default=6,
+        metadata=_meta("Seconds of silence after which a client tunnel between a follower's proxy and the "
+                       "leader is presumed dead and closed at both ends (pings every third of it).",
+                       lo=3, hi=3600),
+    )
     disk_stall_timeout: int = field(
         default=20,
         metadata=_meta("A leader whose fsync has not returned for this many seconds gives up its lease.",

@@ -12,9 +12,12 @@ leader serves each of them whatever its own port numbers are: 13 bytes,
 uncompressed (version 3).
 
 The same port also carries the follower proxy's tunnels: a ``TunnelHello``
-(magic ``SKTUNL``, version, secret, which client port, the client's address)
-answered by one status byte; after ``OK`` the connection carries one client's
-bytes both ways, framed so each direction's end can be told (``broker.cluster.tunnel``).
+(magic ``SKTUNL``, version, secret, which client port, the client's address,
+and since version 6 the follower's node id and the tunnel's keepalive in
+milliseconds) answered by one status byte; after ``OK`` the connection carries
+one client's bytes both ways, framed so each direction's end can be told and a
+silent link found (``broker.cluster.tunnel``). The node id lets the leader close
+a follower's tunnels when it drops that follower.
 
 After that, leader -> follower carries messages LZ4-compressed: each write
 batch is one LZ4 frame prefixed with its u32 length (``StreamCompressor``), so
@@ -58,8 +61,8 @@ import lz4.frame
 
 MAGIC: Final = b"SKREPL"
 TUNNEL_MAGIC: Final = b"SKTUNL"
-VERSION: Final = 5  # 2: HEARTBEAT; 3: every client port in the Welcome, tunnels; 4: MERGE_ACKS;
-# 5: tunnels framed (an end-of-stream marker each way)
+VERSION: Final = 6  # 2: HEARTBEAT; 3: every client port in the Welcome, tunnels; 4: MERGE_ACKS;
+# 5: tunnels framed (an end-of-stream marker each way); 6: tunnel keepalive, the follower's id in TunnelHello
 SECRET_SIZE: Final = 32
 
 # Welcome status codes.
@@ -133,6 +136,8 @@ class TunnelHello:
     secret: bytes
     port: int  # AMQP_PORT .. LMQ_RPC_PORT
     client: tuple[str, int]  # the address the follower's proxy accepted the client from
+    node_id: str = ""  # the follower whose proxy opened it
+    keepalive_ms: int = 0  # silence after which either end presumes the link dead (0: none)
 
 
 @dataclass(frozen=True)
@@ -166,12 +171,14 @@ def parse_hello(buf: bytes) -> tuple[Hello, int] | None:
     return parsed  # type: ignore[return-value]
 
 
-def encode_tunnel_hello(secret: bytes, port: int, client: tuple[str, int], version: int = VERSION) -> bytes:
-    host = client[0].encode()
-    if len(secret) > 255 or len(host) > 255:
-        raise ValueError("secret and client address are at most 255 bytes")
+def encode_tunnel_hello(secret: bytes, port: int, client: tuple[str, int], version: int = VERSION, *,
+                        node_id: str = "", keepalive_ms: int = 0) -> bytes:
+    host, nid = client[0].encode(), node_id.encode()
+    if len(secret) > 255 or len(host) > 255 or len(nid) > 255:
+        raise ValueError("secret, client address and node id are at most 255 bytes")
     return (TUNNEL_MAGIC + _U8.pack(version) + _U8.pack(len(secret)) + secret + _U8.pack(port)
-            + _U8.pack(len(host)) + host + _U16.pack(client[1]))
+            + _U8.pack(len(host)) + host + _U16.pack(client[1])
+            + _U8.pack(len(nid)) + nid + _U32.pack(keepalive_ms))
 
 
 class _Cursor:
@@ -220,6 +227,11 @@ def parse_opening(buf: bytes) -> tuple[Hello | TunnelHello, int] | None:
     port, host, client_port = cur.u8(), cur.prefixed(), cur.take(2)
     if port is None or host is None or client_port is None:
         return None
+    if version != VERSION:  # an older proxy: the leader refuses it by its version alone
+        return TunnelHello(version, secret, port, ("0.0.0.0", 0)), cur.pos
+    nid, keepalive = cur.prefixed(), cur.take(4)
+    if nid is None or keepalive is None:
+        return None
     if port >= CLIENT_PORTS:
         raise CodecError(f"tunnel to unknown client port {port}")
     try:
@@ -227,7 +239,11 @@ def parse_opening(buf: bytes) -> tuple[Hello | TunnelHello, int] | None:
         ipaddress.ip_address(client[0])  # as the follower saw it, unchanged; nothing else
     except (UnicodeDecodeError, ValueError):
         raise CodecError("client address is not an IP address") from None
-    return TunnelHello(version, secret, port, client), cur.pos
+    try:
+        node_id = nid.decode()
+    except UnicodeDecodeError:
+        raise CodecError("node id is not UTF-8") from None
+    return TunnelHello(version, secret, port, client, node_id, _U32.unpack(keepalive)[0]), cur.pos
 
 
 WELCOME_SIZE: Final = _WELCOME.size

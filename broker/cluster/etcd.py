@@ -38,7 +38,11 @@ set of live nodes; ``skred --cluster-status`` reads it. ``watch`` streams the
 changes of one key (the followers' view of the leader key).
 
 Every call has a deadline (aetcd has none by default); a call that fails or
-times out raises ``EtcdError``.
+times out raises ``EtcdError``. The loops that retry on it report it through
+``Outage``: the first failure is a warning, then while etcd keeps failing one
+line every ``WARN_EVERY`` seconds counts the failures since (the loops retry
+every 0.2 s: a line each time buried everything else), and the first call that
+succeeds again says how long it lasted.
 """
 
 from __future__ import annotations
@@ -64,8 +68,39 @@ CHANNEL_OPTIONS = {"grpc.initial_reconnect_backoff_ms": 100, "grpc.min_reconnect
                    "grpc.max_reconnect_backoff_ms": 1000}
 
 
+WARN_EVERY = 30.0  # seconds between reminders while etcd keeps failing
+
+
 class EtcdError(Exception):
     pass
+
+
+class Outage:
+    """Rate-limited warnings of one etcd outage (see the module's theory of operation)."""
+
+    def __init__(self, every: float = WARN_EVERY, clock: Callable[[], float] = time.monotonic) -> None:
+        self.every = every
+        self.clock = clock
+        self.since: float | None = None  # the first failure of the current outage
+        self.warned = 0.0
+        self.unreported = 0  # failures since the last line
+
+    def failed(self, exc: Exception) -> None:
+        now = self.clock()
+        if self.since is None:
+            self.since = self.warned = now
+            log.warning("etcd: %s", exc)
+            return
+        self.unreported += 1
+        if now - self.warned >= self.every:
+            log.warning("etcd still failing after %.0fs (%d more failures, the last: %s)",
+                        now - self.since, self.unreported, exc)
+            self.warned, self.unreported = now, 0
+
+    def answered(self) -> None:
+        if self.since is not None:
+            log.warning("etcd answers again after %.1fs", self.clock() - self.since)
+            self.since, self.unreported = None, 0
 
 
 class Etcd:
@@ -80,6 +115,7 @@ class Etcd:
         self._keepalive: asyncio.Task[None] | None = None
         self._to_revoke: set[int] = set()
         self._endpoint = 0
+        self.outage = Outage()
 
     @property
     def refresh_every(self) -> float:
@@ -90,11 +126,13 @@ class Etcd:
 
     async def _call(self, aw: Awaitable[T], timeout: float = CALL_TIMEOUT) -> T:
         try:
-            return await asyncio.wait_for(aw, timeout)
+            result = await asyncio.wait_for(aw, timeout)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             raise EtcdError(f"{type(exc).__name__}: {exc}") from exc
+        self.outage.answered()
+        return result
 
     async def connect(self) -> None:
         """Connect to the first endpoint that answers (rotating through the list)."""

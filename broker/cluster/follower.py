@@ -46,6 +46,10 @@ class AuthRefused(Exception):
     """The leader refused our secret or protocol version."""
 
 
+class ApplyFailed(Exception):
+    """Our own disk refused the leader's data (full, read-only, failing): not the link's fault."""
+
+
 class LinkSilent(ConnectionError):
     """Nothing, not even a heartbeat, came from the leader for ``LINK_TIMEOUT`` seconds."""
 
@@ -251,7 +255,10 @@ async def follow(host: str, port: int, data_dir: Path, secret: bytes, node_id: s
             batch = msgs.feed(plain)
             if not batch:
                 continue
-            request, done = await loop.run_in_executor(executor, applier.run_batch, batch)
+            try:
+                request, done = await loop.run_in_executor(executor, applier.run_batch, batch)
+            except OSError as exc:
+                raise ApplyFailed(f"{exc.strerror or exc} ({exc.filename or 'data dir'})") from exc
             if applier.merges:
                 log.info("bulk sync: offering the acks of %d ack files to the leader", len(applier.merges))
                 writer.write(b"".join(applier.merges))

@@ -197,7 +197,8 @@ class LeaderSink:
         self._isr_lock = asyncio.Lock()
         self._listening: socket.socket | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._tunnels: set[asyncio.StreamWriter] = set()  # follower proxies' client tunnels
+        # follower proxies' client tunnels, by the id of the follower that opened them
+        self._tunnels: dict[str, set[asyncio.StreamWriter]] = {}
         self._tls: ssl.SSLContext | None = None
         self.gate = HandshakeGate()  # unfinished connections per source, refusals logged per burst
 
@@ -320,8 +321,8 @@ class LeaderSink:
         for f in list(self.followers.values()):
             self._close(f)
         self.followers.clear()
-        for w in list(self._tunnels):
-            w.close()
+        for node_id in list(self._tunnels):
+            self._cut_tunnels(node_id)
         for t in list(self._tasks):
             t.cancel()
         self._tasks.clear()
@@ -375,11 +376,14 @@ class LeaderSink:
             writer.close()
             return
         if isinstance(hello, codec.TunnelHello):
-            self._tunnels.add(writer)
+            tunnels = self._tunnels.setdefault(hello.node_id, set())
+            tunnels.add(writer)
             try:
                 await tunnel.serve_tunnel(hello, reader, writer, self.client_addresses, self.proxied_peers)
             finally:
-                self._tunnels.discard(writer)
+                tunnels.discard(writer)
+                if not tunnels and self._tunnels.get(hello.node_id) is tunnels:
+                    del self._tunnels[hello.node_id]
             return
         addresses = self.client_addresses()
         writer.write(codec.encode_welcome(codec.OK, tuple(addresses[name][1] if name in addresses else 0
@@ -401,6 +405,7 @@ class LeaderSink:
         except (ConnectionError, asyncio.IncompleteReadError, codec.CodecError, OSError) as exc:
             if not f.closed:
                 log.warning("follower %s: %s", f.node_id, exc or type(exc).__name__)
+                self._drop(f, str(exc) or type(exc).__name__, link_lost=True)
         finally:
             writer_task.cancel()
             self._drop(f, "disconnected")
@@ -563,7 +568,7 @@ class LeaderSink:
                 f.written.set()
         except (ConnectionError, OSError) as exc:
             log.warning("follower %s: write failed: %s", f.node_id, exc)
-            self._drop(f, "write failed")
+            self._drop(f, "write failed", link_lost=True)
 
     def _on_ack(self, f: FollowerConn, acked: int) -> None:
         if acked > f.sent:
@@ -590,11 +595,20 @@ class LeaderSink:
                 log.error("could not write the ISR (%s): leadership lost?", why)
         self._check_barriers()
 
-    def _drop(self, f: FollowerConn, why: str) -> None:
+    def _drop(self, f: FollowerConn, why: str, link_lost: bool = False) -> None:
+        """Forget a follower; ``link_lost``: its link failed (silent, reset, a write failed), so
+        its proxy's clients are cut off from us too: their tunnels are cut with it, and their
+        connections here close now, their deliveries back in their queues. (A follower that
+        ends its link itself drops its proxy's clients itself when it must.)"""
+        live = not f.closed  # the first drop of this connection (it may be dropped again on its way out)
         self._close(f)
         if self.followers.get(f.node_id) is f:
             del self.followers[f.node_id]
             log.warning("follower %s dropped: %s", f.node_id, why)
+        if live and link_lost:
+            cut = self._cut_tunnels(f.node_id)
+            if cut:
+                log.warning("closed %d client tunnels of follower %s with it", cut, f.node_id)
         if f.node_id in self.isr and not self.fenced:
             self._spawn(self._remove_from_isr(f.node_id, why))
 
@@ -621,6 +635,13 @@ class LeaderSink:
                 delay = min(delay * 2, ISR_RETRY_MAX)
         self._check_barriers()
 
+    def _cut_tunnels(self, node_id: str) -> int:
+        """Close (abort: no end marker, a cut) every tunnel ``node_id``'s proxy opened."""
+        tunnels = self._tunnels.pop(node_id, set())
+        for w in tunnels:
+            w.transport.abort()
+        return len(tunnels)
+
     @staticmethod
     def _close(f: FollowerConn) -> None:
         if not f.closed:
@@ -638,7 +659,7 @@ class LeaderSink:
                 self._maybe_join(f)
                 if f.sent > f.acked and now - f.last_progress > STALL_TIMEOUT:
                     self._drop(f, f"no ack for {now - f.last_progress:.1f}s with "
-                                  f"{f.sent - f.acked} bytes outstanding")
+                                  f"{f.sent - f.acked} bytes outstanding", link_lost=True)
 
 
 def _read_at(path: Path, offset: int, n: int) -> bytes:

@@ -23,7 +23,12 @@ When the leader changes or is lost (its key gone, our lease gone, the
 replication link silent) the runner calls ``drop_clients``: every spliced
 connection is closed, so clients reconnect (to the new leader) instead of
 waiting on a leader that may be partitioned away and will never send the FIN
-itself.
+itself, and clears the targets: until a leader welcomes us again, and whenever
+the leader cannot be reached, a client is answered in its own protocol that
+there is no leader yet (``broker.cluster.unavailable``: an AMQP
+``connection.close`` 320, an HTTP 503), never just dropped. A tunnel carries
+a keepalive (``broker.cluster.tunnel``), so a dead link closes its client on
+both nodes within ``[clustering] tunnel_keepalive`` seconds.
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from broker.cluster.tunnel import frame, open_tunnel, pump, unframe
+from broker.cluster import codec, unavailable
+from broker.cluster.tunnel import TunnelRefused, open_tunnel, pump, splice
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +68,8 @@ class Tunnelled:
     which: int  # codec.AMQP_PORT ...
     secret: Callable[[], bytes]  # read per connection: the runner re-reads it from etcd
     tls: Callable[[], ssl.SSLContext | None]  # the replication link's client context (None: clear)
+    node_id: str = ""  # ours: the leader cuts our tunnels when it drops us
+    keepalive: float = 0.0  # seconds of silence after which a tunnel is presumed dead (0: never)
 
 
 class SpliceProxy:
@@ -93,6 +101,15 @@ class SpliceProxy:
         for t in list(self._tasks):
             t.cancel()
 
+    async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, why: str) -> None:
+        """No leader to splice to: say so in the client's protocol (``broker.cluster.unavailable``),
+        within ANSWER_TIMEOUT, then close. TLS ports (end to end to the leader) are just closed."""
+        which = self.tunnel.which if self.tunnel is not None else None
+        try:
+            await asyncio.wait_for(_answer(which, reader, writer, why), unavailable.ANSWER_TIMEOUT)
+        except (TimeoutError, OSError, RuntimeError):
+            pass
+
     def drop_clients(self) -> int:
         """Close every spliced connection (both ends); returns how many client sockets."""
         clients = 0
@@ -110,26 +127,35 @@ class SpliceProxy:
         lwriter: asyncio.StreamWriter | None = None
         try:
             host, port = self.target.host, self.target.port
-            if host is None or not port:
-                return
             src = cwriter.get_extra_info("peername")
             client = (str(src[0]), int(src[1]))
-            if self.tunnel is not None:
-                t = self.tunnel
-                lreader, upstream = await open_tunnel(
-                    host, port, which=t.which, client=client, secret=t.secret(), tls=t.tls(),
-                    source_ip=self.source_ip)
-            else:
-                local = (self.source_ip, 0) if self.source_ip else None
-                lreader, upstream = await asyncio.wait_for(
-                    asyncio.open_connection(host, port, local_addr=local), 5.0)
+            if host is None or not port:
+                await self._refuse(creader, cwriter, "no cluster leader yet" if host is None
+                                   else "the cluster leader does not serve this port")
+                return
+            try:
+                if self.tunnel is not None:
+                    t = self.tunnel
+                    lreader, upstream = await open_tunnel(
+                        host, port, which=t.which, client=client, secret=t.secret(), tls=t.tls(),
+                        source_ip=self.source_ip, node_id=t.node_id, keepalive=t.keepalive)
+                else:
+                    local = (self.source_ip, 0) if self.source_ip else None
+                    lreader, upstream = await asyncio.wait_for(
+                        asyncio.open_connection(host, port, local_addr=local), 5.0)
+            except (TimeoutError, OSError) as exc:  # TunnelRefused is a ConnectionError
+                log.info("%s proxy: cannot reach the leader at %s:%d: %s", self.name, host, port,
+                         exc or type(exc).__name__)
+                why = str(exc) if isinstance(exc, TunnelRefused) else "the cluster leader cannot be reached"
+                await self._refuse(creader, cwriter, f"no cluster leader yet: {why}")
+                return
             lwriter = upstream
             self._writers.add(upstream)
             if self.send_proxy_header:
                 dst = cwriter.get_extra_info("sockname")
                 upstream.write(proxy_header(client, (str(dst[0]), int(dst[1]))))
             if self.tunnel is not None:
-                await asyncio.gather(frame(creader, upstream), unframe(lreader, cwriter))
+                await splice((creader, cwriter), (lreader, upstream), self.tunnel.keepalive)
             else:
                 await asyncio.gather(pump(creader, upstream), pump(lreader, cwriter))
         except (TimeoutError, OSError, RuntimeError, asyncio.IncompleteReadError) as exc:
@@ -142,3 +168,25 @@ class SpliceProxy:
                     self._clients.discard(w)
             if task is not None:
                 self._tasks.discard(task)
+
+
+async def _answer(which: int | None, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                  why: str) -> None:
+    if which == codec.AMQP_PORT:
+        amqp = unavailable.AmqpRefusal(why)
+        while not amqp.done:
+            data = await reader.read(unavailable.MAX_INPUT)
+            if not data:
+                return
+            if out := amqp.receive(data):
+                writer.write(out)
+                await writer.drain()
+    elif which in (codec.HTTP_PORT, codec.LMQ_HTTP_PORT):
+        head = b""
+        while not unavailable.http_head_complete(head):
+            data = await reader.read(unavailable.MAX_INPUT)
+            if not data or len(head) + len(data) > unavailable.MAX_INPUT:
+                break
+            head += data
+        writer.write(unavailable.http_response(why))
+        await writer.drain()

@@ -92,9 +92,11 @@ log = logging.getLogger(__name__)
 
 POLL = 0.2  # seconds between looks at the leader key / lease while following or leading
 DRAIN_TIMEOUT = 10.0  # graceful leader shutdown: longest wait for the ISR to ack everything
-STATUS_EVERY = 10.0  # seconds between cluster status log lines on the leader
+STATUS_EVERY = 10.0  # seconds between cluster status lines on the leader (debug level: routine)
 WATCH_BACKSTOP = 2.0  # seconds between reads of the leader key while its watch is healthy
 MEMBER_EVERY = 1.0  # seconds between checks whether our member record in etcd needs rewriting
+APPLY_RETRY_FIRST = 1.0  # seconds before syncing again after our disk failed one (doubling)
+APPLY_RETRY_MAX = 30.0  # ... at most: a full disk freed is synced again within this
 DEFER_LIMIT = 3  # lease TTLs a node waits for a better-placed ISR member to take the lead
 _DIRECT = (codec.AMQPS_PORT, codec.HTTPS_PORT)  # proxied to the leader's port, not tunnelled
 
@@ -155,6 +157,7 @@ class ClusterRunner:
         self._deferring_since: float | None = None
         self._followed: str | None = None  # the leader last logged as followed
         self._repl_error = ""  # the replication failure last logged
+        self._apply_retry = APPLY_RETRY_FIRST  # next pause after our disk failed a sync
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.ensure_future(coro)
@@ -204,7 +207,7 @@ class ClusterRunner:
                     if code is not None:
                         return code
                 except EtcdError as exc:
-                    log.warning("etcd: %s", exc)
+                    self.etcd.outage.failed(exc)
                     await self.etcd.close()
                     await self._pause(1.0)
             return 0
@@ -251,6 +254,7 @@ class ClusterRunner:
         got = await self.etcd.get_leader()
         if got is None:
             self.view.set_role("candidate")
+            self._clear_targets()  # no leader: our proxies say so to every client
             isr, isr_raw = await self.etcd.read_isr()
             if isr is None or self.node_id in isr:
                 if isr is not None and await self._defer_to_better_member(isr):
@@ -322,6 +326,7 @@ class ClusterRunner:
 
         def on_synced() -> None:
             self._repl_error = ""  # the link works: the next failure is news again
+            self._apply_retry = APPLY_RETRY_FIRST
             self.view.synced = self.view.warm = True
             self._record_role("follower", term)
             if not self.synced_once:
@@ -362,7 +367,7 @@ class ClusterRunner:
                 try:
                     current = await self.etcd.get("leader")
                 except EtcdError as exc:
-                    log.warning("etcd: %s", exc)
+                    self.etcd.outage.failed(exc)
                     continue
                 if current is None or current.decode() != uri:
                     log.info("leader %s is gone", uri)
@@ -381,12 +386,25 @@ class ClusterRunner:
             lost = "the replication link is silent"
         if lost is not None:
             self._drop_proxied(lost)
+            self._clear_targets()  # until a leader welcomes us, clients hear there is none
         if task.cancelled():
             return
         if isinstance(error, follower.AuthRefused):
             log.error("leader %s refused us: %s", uri, error)
             self.secret = await self.etcd.secret()  # re-read: it may have been reset
             await self._pause(1.0)
+        elif isinstance(error, follower.ApplyFailed):
+            # Our own disk refused the leader's files (full, read-only): each retry is a whole
+            # bulk sync for the leader and a hash of our data dir, so back off until one works.
+            pause, self._apply_retry = self._apply_retry, min(self._apply_retry * 2, APPLY_RETRY_MAX)
+            text = str(error)
+            if text != self._repl_error:
+                self._repl_error = text
+                log.error("replication from %s failed on this node's disk: %s (retrying in %.1fs, "
+                          "backing off up to %.0fs)", uri, text, pause, APPLY_RETRY_MAX)
+            else:
+                log.debug("replication from %s failed again: %s (next try in %.1fs)", uri, text, pause)
+            await self._pause(pause)
         elif error is not None:
             text = str(error) or type(error).__name__
             if text != self._repl_error:  # the same failure, retried every POLL: said once
@@ -419,13 +437,18 @@ class ClusterRunner:
                 p = SpliceProxy(name, self.targets[which], True, source)
             else:
                 p = SpliceProxy(name, self.targets[which], False, source,
-                                Tunnelled(which, lambda: self.secret, self._client_tls))
+                                Tunnelled(which, lambda: self.secret, self._client_tls, self.node_id,
+                                          cfg.clustering.tunnel_keepalive))
             try:
                 await p.start(bind, port)
             except OSError as exc:
                 log.error("%s proxy cannot listen on %s:%d: %s", name, bind, port, exc)
                 continue
             self.proxies.append(p)
+
+    def _clear_targets(self) -> None:
+        for t in self.targets:
+            t.host, t.port = None, 0
 
     def _drop_proxied(self, why: str) -> None:
         dropped = sum(p.drop_clients() for p in self.proxies)
@@ -521,13 +544,13 @@ class ClusterRunner:
                 try:
                     lost = not await self.etcd.still_leader()
                 except EtcdError as exc:
-                    log.warning("etcd: %s", exc)  # judged by lease_alive() once the TTL is up
+                    self.etcd.outage.failed(exc)  # judged by lease_alive() once the TTL is up
             if lost:
                 await self._abdicate(node, sink, "lease lost")
                 return None
             if now - last_status >= STATUS_EVERY:
                 last_status = now
-                log.info("cluster status: %s", sink.status())
+                log.debug("cluster status: %s", sink.status())
 
     def reload(self) -> None:
         """SIGHUP: reload the replication link's certificates (the listener's, and the client

@@ -27,6 +27,21 @@ client takes a cut answer for a complete one. Framing costs 4 bytes per read of
 up to 64 KiB and one copy; ``benchmarks/tunnel_bulk.py`` measures a bulk
 transfer through a tunnel.
 
+Keepalive (version 6): a client connection through a tunnel may be idle for
+hours (a consumer waiting), and a cut network shows no reset, so without one a
+tunnel over a dead link would hold the client's connection on the leader — and
+its unacked messages — for as long as the cut lasts. Each end writes a ping (a
+frame of length ``PING_LEN``, no data frame is that long) whenever it has
+written nothing for a third of the keepalive, also after its end marker, and
+reads pings after the other end's marker; an end that has read nothing at all
+for the whole keepalive presumes the link dead and cuts the tunnel (the plain
+socket is reset). The follower names the keepalive (``[clustering]
+tunnel_keepalive``) in its ``TunnelHello`` and the leader uses that value, so
+the two ends always agree. The leader also cuts every tunnel of a follower it
+drops (``LeaderSink``): a link that stopped carrying replication acks carries no
+client either, and the proxied clients' deliveries return to their queues
+within the follower's ack timeout, not a keepalive later.
+
 The real client address: the leader's leg to its own listener is a local
 connection; before a byte is written on it, the leader records
 ``leg address -> client address`` in the broker's ``proxied_peers`` map, and
@@ -43,6 +58,7 @@ import asyncio
 import logging
 import ssl
 import struct
+import time
 from collections.abc import Callable, MutableMapping
 
 from broker.cluster import codec
@@ -52,6 +68,8 @@ log = logging.getLogger(__name__)
 CHUNK = 65536
 _LEN = struct.Struct(">I")
 END = _LEN.pack(0)  # the end of one direction of a tunnel
+PING_LEN = 0xFFFFFFFF  # a frame length no data frame has (CHUNK bounds them): a keepalive ping
+PING = _LEN.pack(PING_LEN)
 CONNECT_TIMEOUT = 5.0
 Address = tuple[str, int]
 
@@ -61,14 +79,16 @@ class TunnelRefused(ConnectionError):
 
 
 async def open_tunnel(host: str, port: int, *, which: int, client: Address, secret: bytes,
-                      tls: ssl.SSLContext | None, source_ip: str | None
-                      ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """Follower side: a tunnel to the leader's client port ``which`` (codec.AMQP_PORT...)."""
+                      tls: ssl.SSLContext | None, source_ip: str | None, node_id: str = "",
+                      keepalive: float = 0.0) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Follower side: a tunnel to the leader's client port ``which`` (codec.AMQP_PORT...), named
+    as ours (``node_id``), with ``keepalive`` seconds of silence after which either end closes it."""
     local = (source_ip, 0) if source_ip else None
     reader, writer = await asyncio.wait_for(
         asyncio.open_connection(host, port, local_addr=local, ssl=tls), CONNECT_TIMEOUT)
     try:
-        writer.write(codec.encode_tunnel_hello(secret, which, client))
+        writer.write(codec.encode_tunnel_hello(secret, which, client, node_id=node_id,
+                                               keepalive_ms=round(keepalive * 1000)))
         status = await asyncio.wait_for(reader.readexactly(1), CONNECT_TIMEOUT)
     except BaseException:
         writer.close()
@@ -113,50 +133,140 @@ async def serve_tunnel(hello: codec.TunnelHello, reader: asyncio.StreamReader, w
     peers[key] = hello.client  # before the first byte reaches the listener
     try:
         writer.write(bytes([codec.OK]))
-        await asyncio.gather(unframe(reader, lwriter), frame(lreader, writer))
+        await splice((lreader, lwriter), (reader, writer), hello.keepalive_ms / 1000)
     finally:
         peers.pop(key, None)
         lwriter.close()
         writer.close()
 
 
-async def frame(reader: asyncio.StreamReader, tunnel: asyncio.StreamWriter) -> None:
-    """Plain socket -> tunnel: each read as one frame, then the end marker on EOF."""
+class _Ends:
+    """What one end of a tunnel knows of it: both directions' end markers and the clock of the
+    link (the last frame read, the last frame written) its keeper watches."""
+
+    def __init__(self, tunnel: asyncio.StreamWriter, keepalive: float) -> None:
+        self.tunnel = tunnel
+        self.keepalive = keepalive
+        self.sent_end = False
+        self.got_end = False
+        self.finished = asyncio.Event()  # both directions ended with their markers
+        now = time.monotonic()
+        self.last_read = self.last_write = now
+        self.silent = False  # nothing came for ``keepalive`` seconds: the link is presumed dead
+
+    def write(self, data: bytes) -> None:
+        self.tunnel.write(data)
+        self.last_write = time.monotonic()
+
+    def ended(self, sent: bool) -> None:
+        if sent:
+            self.sent_end = True
+        else:
+            self.got_end = True
+        if self.sent_end and self.got_end:
+            self.finished.set()
+
+    async def keep(self) -> None:
+        """Send a ping whenever we have written nothing for a third of the keepalive, and
+        return when nothing at all was read for the whole keepalive (the link is dead)."""
+        every = self.keepalive / 3
+        while True:
+            await asyncio.sleep(every)
+            now = time.monotonic()
+            if now - self.last_read > self.keepalive:
+                self.silent = True
+                return
+            if now - self.last_write >= every and not self.tunnel.is_closing():
+                self.write(PING)
+
+
+async def splice(plain: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+                 tunnel: tuple[asyncio.StreamReader, asyncio.StreamWriter], keepalive: float) -> bool:
+    """Carry a plain connection over a framed tunnel until both directions ended (True), or the
+    tunnel was cut or went silent for ``keepalive`` seconds (0: never presumed dead); on a cut
+    the plain socket is reset. The caller closes both writers afterwards."""
+    (preader, pwriter), (treader, twriter) = plain, tunnel
+    ends = _Ends(twriter, keepalive)
+    sending = asyncio.ensure_future(frame(preader, ends))
+    receiving = asyncio.ensure_future(unframe(treader, pwriter, ends))
+    finished = asyncio.ensure_future(ends.finished.wait())
+    keeper = asyncio.ensure_future(ends.keep()) if keepalive > 0 else None
+    tasks = [sending, receiving, finished, *([keeper] if keeper is not None else [])]
+    watched = set(tasks)
+    try:
+        while True:
+            done, _ = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+            if done == {sending} and sending.result():
+                watched.discard(sending)  # our direction ended: wait for the other one
+                continue
+            # both directions ended; or the far end went (after its end marker, or cut); or the
+            # tunnel failed under a write; or the link is silent
+            break
+    finally:
+        for t in tasks:
+            t.cancel()
+    if ends.silent:
+        log.warning("tunnel silent for %.0fs: presumed dead, closing its client connection", keepalive)
+    clean = ends.finished.is_set()
+    if not clean:
+        pwriter.transport.abort()  # cut: a reset, so nobody takes it for the whole answer
+    return clean
+
+
+async def frame(reader: asyncio.StreamReader, ends: _Ends) -> bool:
+    """Plain socket -> tunnel: each read as one frame, then the end marker on EOF. False when
+    the tunnel failed under us (closed: the far side sees a cut tunnel)."""
+    tunnel = ends.tunnel
     try:
         while data := await reader.read(CHUNK):
             if tunnel.is_closing():
-                return
-            tunnel.write(_LEN.pack(len(data)) + data)  # one write: one TLS record, not two
+                return False
+            ends.write(_LEN.pack(len(data)) + data)  # one write: one TLS record, not two
             await tunnel.drain()
         if not tunnel.is_closing():
-            tunnel.write(END)  # the other direction may still be talking: the tunnel stays open
+            ends.write(END)  # the other direction may still be talking: the tunnel stays open
             await tunnel.drain()
+            ends.ended(sent=True)
+            return True
     except (OSError, RuntimeError):
-        tunnel.close()  # no end marker: the far side sees a cut tunnel
+        pass
+    tunnel.close()
+    return False
 
 
-async def unframe(tunnel: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """Tunnel -> plain socket, until the end marker (then half-close it) or a cut (abort it)."""
+async def unframe(tunnel: asyncio.StreamReader, writer: asyncio.StreamWriter, ends: _Ends) -> None:
+    """Tunnel -> plain socket, until the end marker (then half-close it) and, after it, only
+    pings until the far end closes; returns at the far end's close or a cut."""
     # uvloop raises RuntimeError (not OSError) for a write on a transport closed under us.
     try:
         while True:
             n = _LEN.unpack(await tunnel.readexactly(4))[0]
+            ends.last_read = time.monotonic()
+            if n == PING_LEN:
+                continue
+            if ends.got_end:
+                raise codec.CodecError("tunnel data after its end marker")
             if not n:
-                break
+                _half_close(writer)
+                ends.ended(sent=False)
+                continue
             if n > CHUNK:
                 raise codec.CodecError(f"tunnel frame of {n} bytes")
             while n:  # pass on what has come (a TLS record or so), as a plain splice would
                 data = await tunnel.read(n)
                 if not data:
                     raise asyncio.IncompleteReadError(b"", n)
+                ends.last_read = time.monotonic()
                 if writer.is_closing():
                     return
                 writer.write(data)
                 n -= len(data)
             await writer.drain()
     except (OSError, RuntimeError, asyncio.IncompleteReadError, codec.CodecError):
-        writer.transport.abort()  # cut: a reset, so nobody takes it for the whole answer
         return
+
+
+def _half_close(writer: asyncio.StreamWriter) -> None:
     try:
         if not writer.is_closing():
             writer.write_eof()
