@@ -326,3 +326,62 @@ def test_unfinished_connections_are_bounded_per_source_but_not_a_members_tunnels
     with caplog.at_level(logging.WARNING, logger="broker.cluster.leader"):
         _run(tmp_path, body)
     assert "4 unfinished connections from it already" in caplog.text
+
+
+def test_a_tunnel_over_a_link_gone_silent_is_closed_at_both_ends_within_its_keepalive(tmp_path: Path) -> None:
+    """A follower's proxy (keepalive 3 s) tunnels a client to the leader through a relay. Idle
+    for longer than the keepalive, the tunnel stays up (pings); once the relay drops every byte
+    (a cut network: no reset, no FIN) the leader's leg to its own listener and the client's
+    socket both close within the keepalive and a tick, not whenever TCP gives up."""
+    from tests.integration._relay import Relay
+
+    keepalive = 3.0
+
+    async def body(sink: LeaderSink, port: int) -> None:
+        legs: list[asyncio.Future[float]] = []
+
+        async def backend(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            ended: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+            legs.append(ended)
+            try:
+                while data := await r.read(4096):
+                    w.write(data)
+            except ConnectionError:
+                pass
+            ended.set_result(time.monotonic())
+            w.close()
+
+        listener = await asyncio.start_server(backend, "127.0.0.1", 0)
+        sink.client_addresses = lambda: {"amqp": ("127.0.0.1", listener.sockets[0].getsockname()[1])}
+        relay = Relay(("127.0.0.1", port))
+        proxy = SpliceProxy("AMQP", Target("127.0.0.1", relay.port), False, None,
+                            Tunnelled(codec.AMQP_PORT, lambda: SECRET, lambda: None, "F", keepalive))
+        proxy_port = await proxy.start("127.0.0.1", 0)
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", proxy_port)
+            writer.write(b"ping?")
+            assert await asyncio.wait_for(reader.readexactly(5), DEADLINE) == b"ping?"
+            assert set(sink._tunnels) == {"F"}  # the leader knows whose tunnel it is
+            idle = time.monotonic()
+            while time.monotonic() - idle < keepalive + 1.5:  # idle, longer than the keepalive
+                await asyncio.sleep(0.25)
+                assert not legs[0].done(), "an idle tunnel was closed: pings did not keep it"
+            writer.write(b"still")
+            assert await asyncio.wait_for(reader.readexactly(5), DEADLINE) == b"still"
+            relay.freeze()
+            cut = time.monotonic()
+            closed_at = await asyncio.wait_for(legs[0], DEADLINE)
+            assert closed_at - cut <= keepalive + keepalive / 3 + 1.5, closed_at - cut
+            try:
+                tail = await asyncio.wait_for(reader.read(100), DEADLINE)
+            except ConnectionError:
+                tail = b""  # reset: closed too
+            assert tail == b""
+            assert time.monotonic() - cut <= keepalive + keepalive / 3 + 2.5
+            writer.close()
+        finally:
+            await proxy.stop()
+            relay.close()
+            listener.close()
+
+    _run(tmp_path, body)

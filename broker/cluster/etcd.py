@@ -124,14 +124,17 @@ class Etcd:
     def key(self, name: str) -> bytes:
         return f"{self.prefix}/{name}".encode()
 
-    async def _call(self, aw: Awaitable[T], timeout: float = CALL_TIMEOUT) -> T:
+    async def _call(self, aw: Awaitable[T], timeout: float = CALL_TIMEOUT, *, answer: bool = True) -> T:
+        """``aw`` within ``timeout``, its failure an EtcdError; ``answer``: its success means
+        etcd answered (not so a channel's set-up, which never talks to it)."""
         try:
             result = await asyncio.wait_for(aw, timeout)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             raise EtcdError(f"{type(exc).__name__}: {exc}") from exc
-        self.outage.answered()
+        if answer:
+            self.outage.answered()
         return result
 
     async def connect(self) -> None:
@@ -143,7 +146,7 @@ class Etcd:
             client = aetcd.Client(host=host or "127.0.0.1", port=int(port or 2379), timeout=int(CALL_TIMEOUT),
                                   options=CHANNEL_OPTIONS)
             try:
-                await self._call(client.connect())
+                await self._call(client.connect(), answer=False)
                 await self._call(client.status())
             except EtcdError as exc:
                 last = exc

@@ -101,7 +101,7 @@ class AmqpRefusal:
         return out
 
     def _on(self, value: object) -> bytes:
-        if isinstance(value, heartbeat.Heartbeat | header.ProtocolHeader):
+        if isinstance(value, heartbeat.Heartbeat | header.ProtocolHeader | commands.Connection.TuneOk):
             return b""
         if isinstance(value, commands.Connection.StartOk):
             tune = commands.Connection.Tune(channel_max=1, frame_max=_FRAME_MAX, heartbeat=0)

@@ -1,6 +1,8 @@
 """A TCP relay for tests: splices each accepted connection to a target, optionally sending a
 prefix first (a PROXY header) from a chosen source address, and optionally recording the bytes
-that cross it (to check a link is not plaintext). Threads, blocking sockets, loopback only.
+that cross it (to check a link is not plaintext), and optionally going silent (``freeze``:
+every byte from then on is dropped, no connection closed, as over a cut network). Threads,
+blocking sockets, loopback only.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class Relay:
         self.port = int(self._sock.getsockname()[1])
         self._open: list[socket.socket] = []
         self._closed = False
+        self._frozen = threading.Event()
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -49,6 +52,8 @@ class Relay:
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         try:
             while data := src.recv(65536):
+                if self._frozen.is_set():
+                    continue  # a cut link: dropped, and nobody told
                 if self.record:
                     with self._lock:
                         self.captured += data
@@ -61,6 +66,10 @@ class Relay:
                     s.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+
+    def freeze(self) -> None:
+        """From now on drop every byte both ways, closing nothing (a silent, cut link)."""
+        self._frozen.set()
 
     def close(self) -> None:
         self._closed = True

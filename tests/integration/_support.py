@@ -66,19 +66,21 @@ def free_port() -> int:
 
 
 def amqp_answers(host: str, port: int, timeout: float = 1.0) -> bool:
-    """True when something on host:port answers the AMQP header with a connection.start frame."""
+    """True when something on host:port answers the AMQP header with a connection.start frame
+    (and not a follower's "no cluster leader yet" one: that node serves nobody yet)."""
     try:
         with socket.create_connection((host, port), timeout=timeout) as s:
             s.settimeout(timeout)
             s.sendall(b"AMQP\x00\x00\x09\x01")
             data = b""
-            while len(data) < 11:
+            while len(data) < 7 or len(data) < 8 + int.from_bytes(data[3:7], "big"):
                 chunk = s.recv(4096)
                 if not chunk:
                     return False
                 data += chunk
             # method frame (1) on channel 0, class 10 (connection) method 10 (start)
-            return data[0] == 1 and data[1:3] == b"\x00\x00" and data[7:11] == b"\x00\x0a\x00\x0a"
+            return data[0] == 1 and data[1:3] == b"\x00\x00" and data[7:11] == b"\x00\x0a\x00\x0a" \
+                and b"no cluster leader" not in data
     except OSError:
         return False
 
