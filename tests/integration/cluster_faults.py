@@ -124,7 +124,7 @@ class NetLab:
 
 def lab_cluster(tmp: Path, lab: NetLab, ttl: int) -> Cluster:
     etcd = Etcd(tmp, host=lab.host)
-    c = Cluster(tmp, etcd, ttl=ttl, ips=lab.ips, wrappers=[lab.wrapper(i) for i in range(3)])
+    c = Cluster(tmp, etcd, ttl=ttl, ips=lab.ips, wrappers=[lab.wrapper(i) for i in range(len(lab.ips))])
     for n in c.nodes:  # clients reach these nodes from a non-loopback address
         n.user = "chaos"
         n.argv += ["--default-user", n.user, "--default-password", n.user]
