@@ -31,7 +31,11 @@ too, so a silently dead link is found that way) — then etcd is updated first a
 that do pending confirms stop waiting for it. A removal etcd did not take is
 retried (backing off up to a second) until it is written or we stop leading:
 a member etcd no longer lists must never hold confirms, and one it still lists
-must not be skipped. ``barrier()`` snapshots the
+must not be skipped. A follower dropped because its link failed (silent,
+reset, a failed write) takes its proxy's client tunnels with it (each names
+its follower): those clients are cut off from us as surely as its link, and
+closing their connections here now returns their unacked deliveries to their
+queues instead of holding them for as long as the cut lasts. ``barrier()`` snapshots the
 positions sent to every ISR member; the Syncer runs confirm callbacks when the
 barrier resolves. A fenced leader (lease lost) resolves no barrier ever again;
 ``lease_valid`` (the runner's local lease clock) is checked before resolving
