@@ -26,7 +26,7 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -120,6 +120,23 @@ class NetLab:
         for ns in self.namespaces:
             ip("netns", "del", ns)  # takes its veth pair with it
         ip("link", "del", self.bridge)
+
+
+def open_lab(count: int = 3) -> Iterator[NetLab]:
+    """A ``NetLab`` for a pytest fixture to yield from; skips the test where it cannot exist."""
+    import pytest  # only tests call this (benchmarks/chaos.py builds its own)
+
+    why = netlab_unavailable()
+    if why:
+        pytest.skip(why)
+    try:
+        net = NetLab(count)
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    try:
+        yield net
+    finally:
+        net.close()
 
 
 def lab_cluster(tmp: Path, lab: NetLab, ttl: int) -> Cluster:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from .cluster_faults import FAULTS, NetLab, make_cluster, netlab_unavailable, run_trial
+from .cluster_faults import FAULTS, NetLab, make_cluster, open_lab, run_trial
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.chaos]
 
@@ -29,17 +29,7 @@ def lab(request: pytest.FixtureRequest) -> Iterator[NetLab | None]:
     if not FAULTS[request.param].lab:
         yield None
         return
-    why = netlab_unavailable()
-    if why:
-        pytest.skip(why)
-    try:
-        net = NetLab()
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
-    try:
-        yield net
-    finally:
-        net.close()
+    yield from open_lab()
 
 
 @pytest.mark.parametrize(("name", "lab"), [(n, n) for n in FAULTS], indirect=["lab"])

@@ -21,7 +21,7 @@ from pathlib import Path
 import aio_pika
 import pytest
 
-from .cluster_faults import NetLab, hold_unacked, lab_cluster, netlab_unavailable
+from .cluster_faults import NetLab, hold_unacked, lab_cluster, open_lab
 from .test_cluster import publish, wait_for
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.chaos]
@@ -32,17 +32,7 @@ BOUND = 15.0  # seconds from the cut to every held delivery redelivered on the l
 
 @pytest.fixture
 def lab() -> Iterator[NetLab]:
-    why = netlab_unavailable()
-    if why:
-        pytest.skip(why)
-    try:
-        net = NetLab(count=2)
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
-    try:
-        yield net
-    finally:
-        net.close()
+    yield from open_lab(count=2)
 
 
 async def redelivered(url: str, queue: str, count: int, deadline: float) -> list[tuple[int, bool]]:
