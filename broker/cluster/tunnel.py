@@ -71,6 +71,8 @@ END = _LEN.pack(0)  # the end of one direction of a tunnel
 PING_LEN = 0xFFFFFFFF  # a frame length no data frame has (CHUNK bounds them): a keepalive ping
 PING = _LEN.pack(PING_LEN)
 CONNECT_TIMEOUT = 5.0
+MIN_KEEPALIVE = 1.0  # seconds: a peer asking for less would have us ping all the time
+MAX_KEEPALIVE = 3600.0
 Address = tuple[str, int]
 
 
@@ -133,11 +135,18 @@ async def serve_tunnel(hello: codec.TunnelHello, reader: asyncio.StreamReader, w
     peers[key] = hello.client  # before the first byte reaches the listener
     try:
         writer.write(bytes([codec.OK]))
-        await splice((lreader, lwriter), (reader, writer), hello.keepalive_ms / 1000)
+        await splice((lreader, lwriter), (reader, writer), keepalive_of(hello))
     finally:
         peers.pop(key, None)
         lwriter.close()
         writer.close()
+
+
+def keepalive_of(hello: codec.TunnelHello) -> float:
+    """The keepalive the follower asked for, in seconds (0: none), kept within sane bounds."""
+    if not hello.keepalive_ms:
+        return 0.0
+    return min(max(hello.keepalive_ms / 1000, MIN_KEEPALIVE), MAX_KEEPALIVE)
 
 
 class _Ends:
