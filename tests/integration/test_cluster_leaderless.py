@@ -53,6 +53,7 @@ def test_a_follower_without_a_leader_says_so_over_amqp_and_http(tmp_path: Path) 
         with pytest.raises(pika.exceptions.AMQPConnectionError) as refused:
             pika.BlockingConnection(params)
         text = repr(refused.value)
+        print(f"\npika: {text}")
         assert "320" in text and "no cluster leader" in text, text
 
         req = urllib.request.Request(f"http://{follower.ip}:{follower.mgmt_port}/api/overview",
@@ -81,6 +82,7 @@ def test_etcd_down_is_one_warning_not_one_per_retry(tmp_path: Path) -> None:
             new = n.log_text()[len(before):]
             warnings = [line for line in new.splitlines()
                         if re.search(r"WARNING broker[.\w]*: etcd(:| still failing)", line)]
+            print(f"\n{n.name}: {len(warnings)} etcd warnings in {down:.0f}s of outage")
             assert 1 <= len(warnings) <= 3, f"{n.name}: {len(warnings)} etcd warnings in {down}s:\n" + \
                 "\n".join(warnings[:10])
         wait_for(lambda: all("etcd answers again" in n.log_text() for n in (leader, follower)), 30,
@@ -130,6 +132,7 @@ def test_a_follower_whose_disk_is_full_backs_off_its_bulk_sync(tmp_path: Path,
         before = leader.log_text().count("starting bulk sync")
         wait_for(lambda: time.monotonic() - t0 >= 10, 15, "ten seconds of retries")  # the window measured
         syncs = leader.log_text().count("starting bulk sync") - before
+        print(f"\n{syncs} bulk syncs in 10 s for a follower on a full disk")
         assert 1 <= syncs <= 5, f"{syncs} bulk syncs in 10 s: not backing off\n{spare.log_tail()}"
         assert spare.log_text().count("No space left on device") == 1  # said once, not per retry
     finally:
