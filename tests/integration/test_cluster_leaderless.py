@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -113,7 +114,8 @@ def test_a_follower_whose_disk_is_full_backs_off_its_bulk_sync(tmp_path: Path,
                                                                 tmpfs: tuple[Path, int]) -> None:
     """The leader holds 4 MiB of messages; the follower's data dir is a 2 MiB tmpfs, so every
     bulk sync fails on its disk. Retries must back off (1 s, 2 s, 4 s ...), not come every
-    0.4 s: over 10 s the leader sees at most a handful of bulk syncs."""
+    0.4 s: over 10 s the leader sees at most a handful of bulk syncs. Once the disk has room,
+    the next retry syncs."""
     mnt, holder = tmpfs
     c = Cluster(tmp_path)
     try:
@@ -135,5 +137,10 @@ def test_a_follower_whose_disk_is_full_backs_off_its_bulk_sync(tmp_path: Path,
         print(f"\n{syncs} bulk syncs in 10 s for a follower on a full disk")
         assert 1 <= syncs <= 5, f"{syncs} bulk syncs in 10 s: not backing off\n{spare.log_tail()}"
         assert spare.log_text().count("No space left on device") == 1  # said once, not per retry
+        # Space freed (the tmpfs grown): the next retry, at most one back-off step away, syncs.
+        grown = subprocess.run(["nsenter", "-t", str(holder), "-m", "--", "mount", "-o", "remount,size=32m",
+                                str(mnt)], capture_output=True, timeout=30)
+        assert grown.returncode == 0, grown.stderr
+        wait_for(spare.answers, 45, "the follower synced once its disk had room")
     finally:
         c.close()
