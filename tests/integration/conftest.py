@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import pika
 import pytest
 
+from ._cluster_modes import MODES, ClusterTarget, SessionCluster
 from ._support import (
     DEFAULT_TEST_TIMEOUT,
     EXTERNAL_URL,
@@ -62,9 +63,41 @@ def broker(broker_factory: Callable[..., Broker]) -> Broker:
     return broker_factory()
 
 
+@pytest.fixture(scope="session")
+def session_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SessionCluster]:
+    """The session's 3-node cluster (real etcd), booted on first use; see ``_cluster_modes``.
+    Its teardown fails the session when the tests left any node unable to serve durable work."""
+    if EXTERNAL_URL:
+        pytest.skip("cluster modes start their own cluster")
+    c = SessionCluster(tmp_path_factory.mktemp("session-cluster"))
+    try:
+        yield c
+        problems = c.problems()
+        assert not problems, "the cluster-mode tests left the cluster broken:\n" + "\n".join(problems)
+    finally:
+        c.close()
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Tests marked ``cluster_modes`` that use the module's shared broker run once per mode."""
+    if "shared_broker" in metafunc.fixturenames and metafunc.definition.get_closest_marker("cluster_modes"):
+        metafunc.parametrize("broker_mode", MODES, indirect=True, scope="module")
+
+
 @pytest.fixture(scope="module")
-def shared_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
-    """One broker for a whole module; tests using it must not stop or restart it."""
+def broker_mode(request: pytest.FixtureRequest) -> str:
+    """``single`` unless the test is parametrized over ``_cluster_modes.MODES``."""
+    return str(getattr(request, "param", "single"))
+
+
+@pytest.fixture(scope="module")
+def shared_broker(tmp_path_factory: pytest.TempPathFactory, broker_mode: str,
+                  request: pytest.FixtureRequest) -> Iterator[Broker | ClusterTarget]:
+    """One broker for a whole module; tests using it must not stop or restart it. In a cluster
+    mode it is the session cluster's leader or a follower."""
+    if broker_mode != "single":
+        yield request.getfixturevalue("session_cluster").target(broker_mode)
+        return
     b = _make(tmp_path_factory.mktemp("shared"))
     yield b
     b.close()

@@ -14,6 +14,9 @@ from pamqp.commands import Basic
 
 from ._support import Broker, run_async, unique
 
+# Durable state: also against a cluster leader and through a follower (_cluster_modes.py).
+pytestmark = pytest.mark.cluster_modes
+
 HEADERS: dict[str, Any] = {
     "s": "text ✓",
     "i": 123456789,

@@ -9,6 +9,9 @@ import pytest
 
 from ._support import channel_error, connect, drain, queue_count, unique, wait_until
 
+# Durable state: also against a cluster leader and through a follower (_cluster_modes.py).
+pytestmark = pytest.mark.cluster_modes
+
 
 def test_confirms_many_messages(pika_conn: pika.BlockingConnection) -> None:
     ch = pika_conn.channel()

@@ -6,9 +6,13 @@ import time
 from typing import Any
 
 import pika
+import pytest
 from pika.adapters.blocking_connection import BlockingChannel
 
 from ._support import Broker, channel_error, connect, drain, queue_count, unique, wait_until
+
+# Durable state: also against a cluster leader and through a follower (_cluster_modes.py).
+pytestmark = pytest.mark.cluster_modes
 
 Delivery = tuple[Any, Any, bytes]
 

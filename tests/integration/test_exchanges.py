@@ -9,6 +9,9 @@ import pytest
 
 from ._support import Cleanup, channel_error, drain, exists_exchange, get_body, unique
 
+# Durable state: also against a cluster leader and through a follower (_cluster_modes.py).
+pytestmark = pytest.mark.cluster_modes
+
 
 def _bound_queue(
     ch: pika.adapters.blocking_connection.BlockingChannel,

@@ -15,6 +15,9 @@ from pamqp import commands
 from ._raw import RawConn, header_payload
 from ._support import Broker
 
+# Durable state: also against a cluster leader and through a follower (_cluster_modes.py).
+pytestmark = pytest.mark.cluster_modes
+
 HEADERS: dict[str, Any] = {
     "str": "héllo wörld",
     "empty": "",

@@ -19,6 +19,9 @@ from ._support import (
     wait_until,
 )
 
+# Durable state: also against a cluster leader and through a follower (_cluster_modes.py).
+pytestmark = pytest.mark.cluster_modes
+
 
 def test_durable_queue_declare_and_passive_counts(
     pika_conn: pika.BlockingConnection, cleanup: Cleanup

@@ -8,6 +8,8 @@ Two kinds:
 - ``SCENARIOS``: a scenario whose transcript differs by design. It must still differ: an entry
   whose scenario has come to agree with RabbitMQ fails, so the list never outlives the difference.
 
+- ``MODE_SCENARIOS``: like ``SCENARIOS``, for one Skred mode of ``_cluster_modes.MODES`` only
+  (a scenario that differs where the Skred side is a cluster node, by the cluster's design).
 - ``HEADERS``: message headers the broker adds that differ by design; dropped from both sides.
 - ``HTTP_KEYS``: keys of RabbitMQ's management API answers that Skred does not send (regular
   expressions over ``key`` or ``parent.key``). Status codes are never allowlisted this way.
@@ -63,6 +65,13 @@ SCENARIOS: dict[str, str] = {
 _ERLANG = "Erlang VM and RabbitMQ-internal detail with no Skred equivalent"
 _NOT_SAMPLED = ("not kept by Skred yet: the counter or its rate; the management UI shows such a "
                 "field as absent (docs/compatibility.md)")
+MODE_SCENARIOS: dict[tuple[str, str], str] = {
+    ("http.health_checks", "follower"):
+        "a follower forwards its management API to the leader, which checks its own listeners: the "
+        "port-listener check of the follower's AMQP port answers 503 in the test, where every node "
+        "has a port of its own (in a deployment all nodes use one port, and it answers 200)",
+}
+
 HTTP_KEYS: dict[str, str] = {
     r"garbage_collection(\..*)?": _ERLANG,
     r"reductions(_details)?(\..*)?": _ERLANG,
