@@ -1,0 +1,128 @@
+"""The MQTT packet parser and encoders (broker/mqtt/packets.py): no sockets."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from broker.mqtt import packets as P
+from broker.mqtt.session import split_username, to_routing_key, to_topic
+
+
+def feed_all(data: bytes, chunk: int = 0, max_packet: int = 1 << 20) -> tuple[list[P.Packet], P.Parser]:
+    p = P.Parser(max_packet)
+    out: list[P.Packet] = []
+    if chunk:
+        for i in range(0, len(data), chunk):
+            out += p.feed(data[i:i + chunk])
+    else:
+        out = p.feed(data)
+    return out, p
+
+
+CONNECT = P.Connect("MQTT", 4, False, 30, "dev-1", P.Will("dev/1/status", b"gone", 1, True), "u", b"pw")
+
+
+@pytest.mark.parametrize("chunk", [0, 1, 3])
+def test_packets_round_trip_whole_and_split(chunk: int) -> None:
+    data = (P.encode_connect(CONNECT)
+            + P.encode_publish("a/b", b"x" * 300, 1, True, True, 9)
+            + P.encode_subscribe(P.Subscribe(5, (("a/+", 1), ("#", 0))))
+            + P.encode_unsubscribe(P.Unsubscribe(6, ("a/+",)))
+            + P.encode_packet_id(P.PUBACK, 7) + P.encode_packet_id(P.PUBREL, 8)
+            + bytes((P.PINGREQ << 4, 0, P.DISCONNECT << 4, 0)))
+    out, parser = feed_all(data, chunk)
+    assert parser.error is None
+    assert out == [CONNECT, P.Publish("a/b", b"x" * 300, 1, True, True, 9),
+                   P.Subscribe(5, (("a/+", 1), ("#", 0))), P.Unsubscribe(6, ("a/+",)),
+                   P.PacketId(P.PUBACK, 7), P.PacketId(P.PUBREL, 8), P.Bare(P.PINGREQ), P.Bare(P.DISCONNECT)]
+
+
+def test_mqtt_3_1_connect_and_5_recognised() -> None:
+    out, _ = feed_all(P.encode_connect(P.Connect("MQIsdp", 3, True, 0, "c", None, "u", b"p")))
+    assert out[0] == P.Connect("MQIsdp", 3, True, 0, "c", None, "u", b"p")
+    v5 = P.encode_connect(P.Connect("MQTT", 5, True, 0, "c", None, None, None))
+    out, parser = feed_all(v5)
+    assert parser.error is None and isinstance(out[0], P.Connect) and out[0].level == 5
+
+
+BAD = {
+    "reserved connect flag": bytes((0x10, 12)) + b"\x00\x04MQTT\x04\x03\x00\x3c\x00\x00",
+    "wrong protocol name": bytes((0x10, 12)) + b"\x00\x04MQXT\x04\x02\x00\x3c\x00\x00",
+    "publish qos 3": bytes((0x36, 5)) + b"\x00\x01a\x00\x01",
+    "dup on qos 0": bytes((0x38, 3)) + b"\x00\x01a",
+    "wildcard in topic name": bytes((0x30, 3)) + b"\x00\x01+",
+    "packet id 0": bytes((0x32, 5)) + b"\x00\x01a\x00\x00",
+    "subscribe wrong flags": bytes((0x80, 6)) + b"\x00\x01\x00\x01a\x00",
+    "subscribe no filters": bytes((0x82, 2)) + b"\x00\x01",
+    "subscribe qos 3": bytes((0x82, 6)) + b"\x00\x01\x00\x01a\x03",
+    "misplaced #": bytes((0x82, 8)) + b"\x00\x01\x00\x03a#b\x00",
+    "misplaced +": bytes((0x82, 8)) + b"\x00\x01\x00\x03a+/\x00",
+    "string ends early": bytes((0x30, 3)) + b"\x00\x09a",
+    "NUL in a string": bytes((0x30, 4)) + b"\x00\x02a\x00",
+    "bad utf-8": bytes((0x30, 4)) + b"\x00\x02\xc3\x28",
+    "surrogate": bytes((0x30, 5)) + b"\x00\x03\xed\xa0\x80",
+    "pingreq with body": bytes((0xC0, 1)) + b"\x00",
+    "puback with extra": bytes((0x40, 3)) + b"\x00\x01\x00",
+    "connack from a client": bytes((0x20, 2)) + b"\x00\x00",
+    "five-byte length": bytes((0x30, 0xFF, 0xFF, 0xFF, 0xFF, 0x01)),
+    "type 0": bytes((0x00, 0)),
+    "type 15": bytes((0xF0, 0)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_malformed_input_sets_the_error_and_keeps_earlier_packets(name: str) -> None:
+    good = P.encode_publish("ok", b"1", 0, False, False, 0)
+    out, parser = feed_all(good + BAD[name])
+    assert out == [P.Publish("ok", b"1", 0, False, False, 0)]
+    assert isinstance(parser.error, P.MalformedPacket)
+    assert parser.feed(good) == []  # nothing after the violation
+
+
+def test_a_packet_over_the_limit_is_refused_before_it_is_buffered() -> None:
+    p = P.Parser(1000)
+    assert p.feed(bytes((0x30,)) + bytes((0xE8, 0x07))) == []  # announces 1000 bytes + 3 header
+    assert p.error is not None and "over the limit" in str(p.error)
+    assert len(p.buf) == 0
+
+
+def test_need_more_bytes_is_an_empty_list() -> None:
+    p = P.Parser(1 << 20)
+    data = P.encode_publish("a", b"x" * 200, 0, False, False, 0)
+    for i in range(len(data) - 1):
+        assert p.feed(data[i:i + 1]) == []
+    assert p.feed(data[-1:]) == [P.Publish("a", b"x" * 200, 0, False, False, 0)]
+    assert p.error is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=300), st.integers(min_value=1, max_value=40))
+def test_random_bytes_never_raise(data: bytes, chunk: int) -> None:
+    """Whatever arrives, the parser returns packets or sets its error: nothing else escapes."""
+    feed_all(data, chunk, max_packet=4096)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00+#"), min_size=1,
+               max_size=60), st.binary(max_size=100), st.integers(0, 1), st.integers(1, 65535))
+def test_publish_encoding_round_trips(topic: str, payload: bytes, qos: int, pid: int) -> None:
+    out, parser = feed_all(P.encode_publish(topic, payload, qos, False, False, pid if qos else 0))
+    assert parser.error is None
+    assert out == [P.Publish(topic, payload, qos, False, False, pid if qos else 0)]
+
+
+def test_connack_suback_encodings() -> None:
+    assert P.encode_connack(True, P.ACCEPTED) == b"\x20\x02\x01\x00"
+    assert P.encode_connack(True, P.BAD_CREDENTIALS) == b"\x20\x02\x00\x04"  # never present on refusal
+    assert P.encode_suback(10, [1, 0x80]) == b"\x90\x04\x00\x0a\x01\x80"
+    assert P.encode_packet_id(P.PUBREL, 3) == b"\x62\x02\x00\x03"
+
+
+def test_topics_map_to_routing_keys_as_rabbitmq_maps_them() -> None:
+    assert to_routing_key("a/b.c/+/#") == "a.b/c.*.#"
+    assert to_topic("a.b/c") == "a/b.c"
+    assert to_topic(to_routing_key("x/y.z")) == "x/y.z"
+    assert split_username("vh:alice", "/") == ("vh", "alice")
+    assert split_username("alice", "/") == ("/", "alice")
