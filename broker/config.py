@@ -414,6 +414,9 @@ class MqttConfig:
     connect_timeout: int = field(
         default=10, metadata=_meta("Seconds a new connection has to send CONNECT.", lo=1, hi=3600)
     )
+    max_retained: int = field(
+        default=100_000, metadata=_meta("Retained messages the node keeps, over all vhosts.", lo=0)
+    )
 
 
 @dataclass(frozen=True)

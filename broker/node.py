@@ -61,6 +61,7 @@ from broker.mqtt.server import MQTTServer
 from broker.net import proxy
 from broker.net.listener import Listener, keep_peer
 from broker.net.server import AMQPServer
+from broker.store.blobs import BlobDir
 from broker.store.fileio import syncfs
 from broker.store.jsonstore import read_json, write_json
 from broker.store.lock import DataDirLock
@@ -68,6 +69,8 @@ from broker.store.segment import parse_number
 from broker.store.segment_log import SegmentFiles
 from broker.store.sink import NullSink, ReplicationSink
 from broker.syncer import Syncable, Syncer
+
+RETAINED_DIR = "mqtt-retained"  # MQTT's retained messages (broker/mqtt/retained.py)
 
 if TYPE_CHECKING:
     from broker.cluster.host import LeaderBroker
@@ -285,7 +288,9 @@ class Node:
         if not cfg.mqtt.max_packet_size:
             cfg = dataclasses.replace(cfg, mqtt=dataclasses.replace(
                 cfg.mqtt, max_packet_size=cfg.main.max_message_size + 64 * 1024))
-        self.mqtt = MQTTServer(cfg.mqtt, broker.vhosts, broker.users, broker.syncer.after_sync,
+        assert self._syncer is not None
+        retained = BlobDir(cfg.main.data_dir / RETAINED_DIR, self._syncer.mark_dirty, self.sink)
+        self.mqtt = MQTTServer(cfg.mqtt, broker.vhosts, broker.users, broker.syncer.after_sync, retained,
                                peers=broker.proxied_peers)
         await self.mqtt.start(self.tls_context if self.tls is not None else None)
 

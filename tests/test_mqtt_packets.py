@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from broker.mqtt import packets as P
+from broker.mqtt.retained import Retained, topic_matches
 from broker.mqtt.session import split_username, to_routing_key, to_topic
 
 
@@ -126,3 +127,39 @@ def test_topics_map_to_routing_keys_as_rabbitmq_maps_them() -> None:
     assert to_topic(to_routing_key("x/y.z")) == "x/y.z"
     assert split_username("vh:alice", "/") == ("vh", "alice")
     assert split_username("alice", "/") == ("/", "alice")
+
+
+@pytest.mark.parametrize(("f", "topic", "match"), [
+    ("a/b", "a/b", True), ("a/+", "a/b", True), ("a/+", "a/b/c", False), ("a/#", "a", True),
+    ("a/#", "a/b/c", True), ("#", "a/b", True), ("+/+", "/x", True), ("+", "/x", False),
+    ("#", "$SYS/x", False), ("+/x", "$SYS/x", False), ("$SYS/#", "$SYS/x", True), ("a/+/c", "a//c", True),
+])
+def test_topic_matches_as_the_spec_says(f: str, topic: str, match: bool) -> None:
+    assert topic_matches(f, topic) is match
+
+
+class _Files:
+    def __init__(self) -> None:
+        self.d: dict[str, bytes] = {}
+
+    def put(self, name: str, data: bytes) -> None:
+        self.d[name] = data
+
+    def delete(self, name: str) -> None:
+        self.d.pop(name, None)
+
+    def items(self):  # type: ignore[no-untyped-def]
+        return iter(list(self.d.items()))
+
+
+def test_retained_store_keeps_clears_bounds_and_reloads() -> None:
+    files = _Files()
+    r = Retained(files, max_messages=2)
+    assert r.set("/", "a/b", 1, b"1") and r.set("v", "a/b", 0, b"2")
+    assert not r.set("/", "a/c", 1, b"3")  # the bound: 2 messages on the node
+    assert r.set("/", "a/b", 0, b"4")  # replacing one is always fine
+    assert r.matching("/", "a/#") == [("a/b", 0, b"4")]
+    files.d["junk"] = b"\x00"
+    again = Retained(files, max_messages=2)  # what a restart or a new leader reads
+    assert again.matching("v", "+/b") == [("a/b", 0, b"2")] and again.count == 2
+    assert again.set("/", "a/b", 1, b"") and again.matching("/", "#") == [] and again.count == 1

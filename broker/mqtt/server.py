@@ -27,6 +27,7 @@ from broker.auth.users import UserStore
 from broker.config import MqttConfig
 from broker.model.vhost import VHost
 from broker.mqtt import packets as P
+from broker.mqtt.retained import Files, Retained
 from broker.mqtt.session import MQTTSession, Registry, Settings, split_username
 
 log = logging.getLogger(__name__)
@@ -222,14 +223,14 @@ class MQTTServer:
     """The MQTT listeners (plain and TLS) of one node, over its vhosts and users."""
 
     def __init__(self, config: MqttConfig, vhosts: dict[str, VHost], users: UserStore,
-                 after_sync: Callable[[Callable[[bool], None]], None], prefetch_default: int = 0,
+                 after_sync: Callable[[Callable[[bool], None]], None], retained: Files,
                  peers: Mapping[Peer, Peer] | None = None) -> None:
         self.config = config
         self.vhosts = vhosts
         self.users = users
         self.after_sync = after_sync
-        self.settings = Settings(config.exchange, config.prefetch or prefetch_default or 10)
-        self.registry = Registry()
+        self.settings = Settings(config.exchange, config.prefetch)
+        self.registry = Registry(Retained(retained, config.max_retained))
         self.peers = peers if peers is not None else {}
         self.connections: set[MQTTProtocol] = set()
         self.servers: list[asyncio.Server] = []

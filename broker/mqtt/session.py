@@ -29,6 +29,10 @@ MQTT is mapped onto the core the way RabbitMQ maps it, so AMQP and MQTT clients 
   ``vhost:user`` picks the vhost. Publishing needs write on the exchange; a subscription needs
   configure on its queue, write on the queue and read on the exchange (to bind), read on the queue
   (to consume), checked per filter: a refused filter gets SUBACK's failure code, the others work.
+- **Retained messages** (``retained.py``): a PUBLISH with the retain flag is stored as its
+  topic's retained message before it is published (an empty payload clears it), durable by the
+  same group commit its PUBACK waits for; a subscription is sent the retained messages its filter
+  matches, wildcards included, right after SUBACK, with the retain flag set.
 - **Endings.** DISCONNECT ends a connection normally: the will is discarded. Any other end (a
   lost socket, keepalive expiry, a protocol violation, a takeover by the same client id) publishes
   the will. Unacked QoS 1 deliveries go back to their queues either way.
@@ -54,6 +58,7 @@ from broker.model.publish import PublishRequest
 from broker.model.queue import Consumer, Queue
 from broker.model.vhost import VHost
 from broker.mqtt import packets as P
+from broker.mqtt.retained import Retained
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +83,12 @@ class Settings:
 
 
 class Registry:
-    """The connected sessions by (vhost, client id), for takeover."""
+    """What the sessions of one node share: the connected sessions by (vhost, client id), for
+    takeover, and the retained messages."""
 
-    def __init__(self) -> None:
+    def __init__(self, retained: Retained) -> None:
         self.sessions: dict[tuple[str, str], MQTTSession] = {}
+        self.retained = retained
 
 
 def to_routing_key(topic: str) -> str:
@@ -160,7 +167,8 @@ class MQTTSession:
         self.clean = True
         self.will: P.Will | None = None
         self.consumers: dict[int, MQTTConsumer] = {}  # queue QoS level -> consumer
-        self.inflight: dict[int, tuple[Queue, int]] = {}  # packet id -> (queue, msgid)
+        # packet id -> (queue, msgid); None: a retained message, nothing to settle
+        self.inflight: dict[int, tuple[Queue, int] | None] = {}
         self.next_id = 1
         self.qos2_received: set[int] = set()  # QoS 2 packet ids stored, awaiting PUBREL
         self.acks_waiting = 0  # PUBACK/PUBREC answers queued behind the group commit
@@ -242,6 +250,10 @@ class MQTTSession:
         if p.qos == 2 and p.packet_id in self.qos2_received:
             self.out.write(P.encode_packet_id(P.PUBREC, p.packet_id))  # a resend: stored already
             return
+        if p.retain and not self._retain(p):
+            self.end(normal=False)
+            self.out.close()
+            return
         if not self._publish(p.topic, p.payload, p.qos):
             self.end(normal=False)
             self.out.close()
@@ -267,6 +279,18 @@ class MQTTSession:
 
         self.after_sync(synced)
 
+    def _retain(self, p: P.Publish) -> bool:
+        assert self.vhost is not None
+        try:
+            if self.registry.retained.set(self.vhost.name, p.topic, p.qos, p.payload):
+                return True
+            log.warning("MQTT client '%s': retained message for '%s' refused: the node holds the "
+                        "most retained messages it may ([mqtt] max_retained)", self.client_id, p.topic)
+        except OSError as exc:
+            log.warning("MQTT client '%s': retained message for '%s' not stored: %s", self.client_id,
+                        p.topic, exc)
+        return False
+
     def _publish(self, topic: str, payload: bytes, qos: int) -> bool:
         """Through the one publish operation; False when it did not happen (the caller closes)."""
         assert self.vhost is not None
@@ -282,8 +306,18 @@ class MQTTSession:
 
     # ------------------------------------------------------------------ subscribe
     def subscribe(self, p: P.Subscribe) -> None:
+        assert self.vhost is not None
         codes = [self._subscribe_one(f, qos) for f, qos in p.filters]
         self.out.write(P.encode_suback(p.packet_id, codes))
+        for (f, _), granted in zip(p.filters, codes, strict=True):
+            if granted == P.SUBACK_FAILURE:
+                continue
+            for topic, qos, payload in self.registry.retained.matching(self.vhost.name, f):
+                qos = min(qos, granted)
+                pid = self._packet_id() if qos else 0
+                if qos:
+                    self.inflight[pid] = None
+                self.out.write(P.encode_publish(topic, payload, qos, True, False, pid))
 
     def _subscribe_one(self, topic_filter: str, qos: int) -> int:
         assert self.vhost is not None and self.user is not None
@@ -354,9 +388,11 @@ class MQTTSession:
         return pid
 
     def puback(self, pid: int) -> None:
-        got = self.inflight.pop(pid, None)
-        if got is None:
+        if pid not in self.inflight:
             return  # an unknown identifier (a duplicate PUBACK): nothing to settle
+        got = self.inflight.pop(pid)
+        if got is None:
+            return  # a retained message: nothing in a queue
         q, msgid = got
         if not q.deleted:
             q.ack(msgid)
@@ -381,9 +417,9 @@ class MQTTSession:
             del self.registry.sessions[(vh.name, self.client_id)]
         for c in self.consumers.values():
             c.queue.remove_consumer(c)
-        for q, msgid in self.inflight.values():
-            if not q.deleted:
-                q.reject(msgid, requeue=True)
+        for got in self.inflight.values():
+            if got is not None and not got[0].deleted:
+                got[0].reject(got[1], requeue=True)
         self.inflight.clear()
         if not normal and self.will is not None:
             w = self.will

@@ -248,6 +248,38 @@ def test_persistent_session_survives_kill9(mq: SkredProcess) -> None:
     conn.close()
 
 
+def test_retained_messages_match_wildcards_clear_and_survive_kill9(mq: SkredProcess) -> None:
+    pub = Paho(mq.host, mq.mqtt_port, cid())
+    for topic, body in (("r/a", b"A"), ("r/b", b"B"), ("r/b/deep", b"D"), ("$SYS/x", b"S")):
+        info = pub.c.publish(topic, body, 1, retain=True)
+        info.wait_for_publish(10)
+    pub.c.publish("r/c", b"not kept", 1, retain=False).wait_for_publish(10)
+    sub = Paho(mq.host, mq.mqtt_port, cid())
+    try:
+        assert sub.subscribe("r/+", 1) == [1]
+        got = sorted((m.topic, m.payload, m.retain, m.qos) for m in sub.take(2))
+        assert got == [("r/a", b"A", True, 1), ("r/b", b"B", True, 1)]
+        assert sub.subscribe("#", 0) == [0]  # '#' does not match $SYS/..., as the spec says
+        got = sorted((m.topic, m.payload, m.qos) for m in sub.take(3))
+        assert got == [("r/a", b"A", 0), ("r/b", b"B", 0), ("r/b/deep", b"D", 0)]
+        time.sleep(0.3)
+        assert sub.got.empty()
+        pub.c.publish("r/a", b"", 1, retain=True).wait_for_publish(10)  # clears r/a
+        live = sorted(m.topic for m in sub.take(2))  # delivered normally, to both filters
+        assert live == ["r/a", "r/a"]
+    finally:
+        sub.close()
+        pub.close()
+    mq.kill9()
+    mq.start()
+    sub = Paho(mq.host, mq.mqtt_port, cid())
+    try:
+        assert sub.subscribe("r/#", 1) == [1]
+        assert sorted((m.topic, m.payload) for m in sub.take(2)) == [("r/b", b"B"), ("r/b/deep", b"D")]
+    finally:
+        sub.close()
+
+
 def test_will_goes_out_on_an_abnormal_end_only(mq: SkredProcess) -> None:
     watcher = Paho(mq.host, mq.mqtt_port, cid())
     try:
@@ -352,6 +384,7 @@ def test_through_a_follower_and_after_failover(tmp_path: Path) -> None:
         pub = Paho(f.ip, f.mqtt_port, cid())
         for i in range(30):
             pub.publish(f"fo/{i}", str(i).encode(), 1)
+        pub.c.publish("status/fo", b"kept", 1, retain=True).wait_for_publish(10)
         pub.close()
         leader.kill9()
         new = wait_for(lambda: (n := c.leader()) is not None and n is not leader and n, 30, "a new leader")
@@ -360,6 +393,9 @@ def test_through_a_follower_and_after_failover(tmp_path: Path) -> None:
         try:
             assert a.present is True
             assert sorted(int(m.payload) for m in a.take(30, timeout=30)) == list(range(30))
+            assert a.subscribe("status/+", 1) == [1]  # the retained message moved with the leader
+            m = a.take(1)[0]
+            assert (m.topic, m.payload, m.retain) == ("status/fo", b"kept", True)
         finally:
             a.close()
     finally:
