@@ -293,6 +293,9 @@ class Node:
         self.mqtt = MQTTServer(cfg.mqtt, broker.vhosts, broker.users, broker.syncer.after_sync, retained,
                                peers=broker.proxied_peers)
         await self.mqtt.start(self.tls_context if self.tls is not None else None)
+        assert self.mgmt is not None
+        self.mgmt.other_listeners.update(
+            {"mqtt/ssl" if name == "mqtts" else name: addr for name, addr in self.mqtt.addresses.items()})
 
     def release_lock(self) -> None:
         if RELOADER is not None and RELOADER.node is self:

@@ -176,6 +176,16 @@ def test_credentials_are_required_and_checked(mq: SkredProcess) -> None:
     r.close()
 
 
+def test_the_listener_shows_in_the_management_api(mq: SkredProcess) -> None:
+    wait_http(mq)
+    status, overview = http(mq, "GET", "/api/overview")
+    assert status == 200
+    assert {"node": overview["node"], "protocol": "mqtt", "ip_address": "127.0.0.1",
+            "port": mq.mqtt_port} in overview["listeners"]
+    assert http(mq, "GET", "/api/health/checks/protocol-listener/mqtt")[0] == 200
+    assert http(mq, "GET", f"/api/health/checks/port-listener/{mq.mqtt_port}")[0] == 200
+
+
 def test_mqtt_and_amqp_meet_on_amq_topic(mq: SkredProcess) -> None:
     sub = Paho(mq.host, mq.mqtt_port, cid())
     conn = connect(mq)
