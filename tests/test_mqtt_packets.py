@@ -7,8 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from broker.mqtt import packets as P
+from broker.mqtt import props as PR
+from broker.mqtt.mapping import to_routing_key, to_topic
 from broker.mqtt.retained import Retained, topic_matches
-from broker.mqtt.session import split_username, to_routing_key, to_topic
+from broker.mqtt.session import split_username
 
 
 def feed_all(data: bytes, chunk: int = 0, max_packet: int = 1 << 20) -> tuple[list[P.Packet], P.Parser]:
@@ -37,15 +39,75 @@ def test_packets_round_trip_whole_and_split(chunk: int) -> None:
     assert parser.error is None
     assert out == [CONNECT, P.Publish("a/b", b"x" * 300, 1, True, True, 9),
                    P.Subscribe(5, (("a/+", 1), ("#", 0))), P.Unsubscribe(6, ("a/+",)),
-                   P.PacketId(P.PUBACK, 7), P.PacketId(P.PUBREL, 8), P.Bare(P.PINGREQ), P.Bare(P.DISCONNECT)]
+                   P.PacketId(P.PUBACK, 7), P.PacketId(P.PUBREL, 8), P.Bare(P.PINGREQ), P.Disconnect()]
 
 
-def test_mqtt_3_1_connect_and_5_recognised() -> None:
+def test_mqtt_3_1_connect() -> None:
     out, _ = feed_all(P.encode_connect(P.Connect("MQIsdp", 3, True, 0, "c", None, "u", b"p")))
     assert out[0] == P.Connect("MQIsdp", 3, True, 0, "c", None, "u", b"p")
-    v5 = P.encode_connect(P.Connect("MQTT", 5, True, 0, "c", None, None, None))
-    out, parser = feed_all(v5)
-    assert parser.error is None and isinstance(out[0], P.Connect) and out[0].level == 5
+
+
+CONNECT5 = P.Connect("MQTT", 5, False, 30, "d5", P.Will("w/t", b"bye", 1, False, {PR.WILL_DELAY: 5,
+                     PR.USER_PROPERTY: [("a", "1"), ("a", "2")]}), None, b"token",
+                     {PR.SESSION_EXPIRY: 3600, PR.RECEIVE_MAXIMUM: 20, PR.MAXIMUM_PACKET_SIZE: 4096})
+
+
+@pytest.mark.parametrize("chunk", [0, 1])
+def test_mqtt5_packets_round_trip(chunk: int) -> None:
+    """After a level-5 CONNECT every packet is read as MQTT 5: properties, reason codes, options."""
+    pub_props = {PR.TOPIC_ALIAS: 2, PR.CORRELATION_DATA: b"\x00c", PR.CONTENT_TYPE: "t"}
+    sub = P.Subscribe(4, (("x/#", 1 | P.NO_LOCAL | 2 << 4),), {PR.SUBSCRIPTION_ID: 300})
+    pub_props = {PR.TOPIC_ALIAS: 2, PR.CORRELATION_DATA: b"\x00c", PR.CONTENT_TYPE: "t"}
+    sub = P.Subscribe(4, (("x/#", 1 | P.NO_LOCAL | 2 << 4),), {PR.SUBSCRIPTION_ID: 300})
+    data = (P.encode_connect(CONNECT5)
+            + P.encode_publish("", b"p", 1, False, False, 3, pub_props, v5=True)
+            + P.encode_subscribe(sub, v5=True)
+            + P.encode_unsubscribe(P.Unsubscribe(5, ("x/#",), {PR.USER_PROPERTY: [("k", "v")]}), v5=True)
+            + P.encode_packet_id(P.PUBACK, 6) + P.encode_packet_id(P.PUBREC, 7, 0x10, {PR.REASON_STRING: "r"})
+            + P.encode_disconnect(0x04, {PR.SESSION_EXPIRY: 0}) + bytes((P.AUTH << 4, 0)))
+    out, parser = feed_all(data, chunk)
+    assert parser.error is None, parser.error
+    assert out == [CONNECT5,
+                   P.Publish("", b"p", 1, False, False, 3, pub_props), sub,
+                   P.Unsubscribe(5, ("x/#",), {PR.USER_PROPERTY: [("k", "v")]}),
+                   P.PacketId(P.PUBACK, 6), P.PacketId(P.PUBREC, 7, 0x10, {PR.REASON_STRING: "r"}),
+                   P.Disconnect(0x04, {PR.SESSION_EXPIRY: 0}), P.Auth()]
+    assert parser.level == 5
+
+
+V5_BAD = {
+    "property not allowed in CONNECT": (PR.TOPIC_ALIAS, 1, P.RC_PROTOCOL_ERROR),
+    "property twice": (PR.SESSION_EXPIRY, 2, P.RC_PROTOCOL_ERROR),
+    "receive maximum 0": (PR.RECEIVE_MAXIMUM, 0, P.RC_PROTOCOL_ERROR),
+}
+
+
+@pytest.mark.parametrize("name", sorted(V5_BAD))
+def test_mqtt5_bad_properties_are_protocol_errors(name: str) -> None:
+    ident, value, code = V5_BAD[name]
+    raw = PR.varint(ident) + (bytes((0, value)) if PR.TYPES[ident] == "h" else (0).to_bytes(4, "big"))
+    if name == "property twice":
+        raw = raw + raw
+    if name == "property not allowed in CONNECT":
+        raw = PR.varint(ident) + b"\x00\x01"
+    body = b"\x00\x04MQTT\x05\x02\x00\x1e" + PR.varint(len(raw)) + raw + b"\x00\x01c"
+    out, parser = feed_all(bytes((0x10,)) + PR.varint(len(body)) + body)
+    assert out == [] and parser.error is not None and parser.error.code == code
+
+
+def test_mqtt5_subscription_options_are_checked() -> None:
+    head = P.encode_connect(P.Connect("MQTT", 5, True, 0, "c", None, "u", b"p"))
+    for options in (0x03, 0x30, 0x40):  # QoS 3, retain handling 3, a reserved bit
+        out, parser = feed_all(head + P.encode_subscribe(P.Subscribe(1, (("a", options),)), v5=True))
+        assert len(out) == 1 and parser.error is not None, options
+
+
+def test_a_topic_alias_makes_an_empty_topic_valid_only_in_mqtt5() -> None:
+    v5 = P.encode_connect(P.Connect("MQTT", 5, True, 0, "c", None, "u", b"p"))
+    _, parser = feed_all(v5 + P.encode_publish("", b"x", 0, False, False, 0, {}, v5=True))
+    assert parser.error is not None and parser.error.code == P.RC_TOPIC_NAME_INVALID
+    out, parser = feed_all(v5 + P.encode_publish("", b"x", 0, False, False, 0, {PR.TOPIC_ALIAS: 1}, v5=True))
+    assert parser.error is None and len(out) == 2
 
 
 BAD = {
@@ -103,6 +165,14 @@ def test_need_more_bytes_is_an_empty_list() -> None:
 def test_random_bytes_never_raise(data: bytes, chunk: int) -> None:
     """Whatever arrives, the parser returns packets or sets its error: nothing else escapes."""
     feed_all(data, chunk, max_packet=4096)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=300), st.integers(min_value=1, max_value=40))
+def test_random_bytes_after_an_mqtt5_connect_never_raise(data: bytes, chunk: int) -> None:
+    v5 = P.encode_connect(P.Connect("MQTT", 5, True, 0, "c", None, "u", b"p"))
+    out, _ = feed_all(v5 + data, chunk, max_packet=4096)
+    assert out and isinstance(out[0], P.Connect)
 
 
 @settings(max_examples=200, deadline=None)

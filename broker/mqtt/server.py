@@ -27,6 +27,7 @@ from broker.auth.users import UserStore
 from broker.config import MqttConfig
 from broker.model.vhost import VHost
 from broker.mqtt import packets as P
+from broker.mqtt import props as PR
 from broker.mqtt.retained import Files, Retained
 from broker.mqtt.session import MQTTSession, Registry, Settings, split_username
 
@@ -79,7 +80,7 @@ class MQTTProtocol(asyncio.Protocol):
         if self.parser.error is not None and self.state != "closed":
             log.warning("MQTT connection from %s: protocol violation: %s: closing", self.peer,
                         self.parser.error)
-            self._abort()
+            self.abort(self.parser.error.code)
 
     def _packet(self, p: P.Packet) -> None:
         if self.state == "open":
@@ -89,14 +90,14 @@ class MQTTProtocol(asyncio.Protocol):
             except P.MalformedPacket as exc:
                 log.warning("MQTT client '%s' from %s: protocol violation: %s: closing",
                             self.session.client_id, self.peer, exc)
-                self._abort()
+                self.abort(exc.code)
             except Exception:  # a bug must cost one connection, never the broker
                 log.exception("internal error on MQTT connection from %s", self.peer)
-                self._abort()
+                self.abort(P.RC_IMPLEMENTATION_SPECIFIC)
         elif self.state == "new":
             if not isinstance(p, P.Connect):
                 log.warning("MQTT connection from %s: first packet is not CONNECT: closing", self.peer)
-                self._abort()
+                self.abort()
                 return
             self.state = "login"
             self.server.spawn(self._login(p))
@@ -104,12 +105,13 @@ class MQTTProtocol(asyncio.Protocol):
             if len(self.pending) >= _PENDING_MAX:
                 log.warning("MQTT connection from %s: %d packets before CONNACK: closing", self.peer,
                             len(self.pending))
-                self._abort()
+                self.abort()
                 return
             self.pending.append(p)
 
     async def _login(self, c: P.Connect) -> None:
         srv = self.server
+        v5 = c.level == 5
         code = self._refusal(c)
         user = vh = None
         if code == P.ACCEPTED:
@@ -119,20 +121,20 @@ class MQTTProtocol(asyncio.Protocol):
             try:
                 user = await check_login(srv.users, name, password, self.peer, "MQTT")
             except TooManyFailures:
-                code = P.SERVER_UNAVAILABLE
+                code = P.RC_SERVER_UNAVAILABLE if v5 else P.SERVER_UNAVAILABLE
             else:
                 vh = srv.vhosts.get(vhost_name)
                 if user is None:
-                    code = P.BAD_CREDENTIALS
+                    code = P.RC_BAD_CREDENTIALS if v5 else P.BAD_CREDENTIALS
                 elif vh is None or not srv.users.has_vhost_access(user, vhost_name):
                     log.warning("MQTT client from %s: user '%s' has no access to vhost '%s'", self.peer,
                                 name, vhost_name)
-                    code = P.NOT_AUTHORIZED
+                    code = P.RC_NOT_AUTHORIZED if v5 else P.NOT_AUTHORIZED
         if self.state != "login":
             return  # the socket went while the login waited
         if code != P.ACCEPTED or user is None or vh is None:
-            self.write(P.encode_connack(False, code))
-            self._abort()
+            self.write(P.encode_connack(False, code, None, v5))
+            self.abort()
             return
         session = self.session = MQTTSession(srv.vhosts, srv.users, srv.settings, srv.after_sync,
                                              srv.registry, self, self.peer)
@@ -141,7 +143,7 @@ class MQTTProtocol(asyncio.Protocol):
             session.start(c, user, vh)
         except Exception:  # noqa: BLE001 - one connection's failure, logged with its traceback
             log.exception("internal error starting the MQTT session of %s", self.peer)
-            self._abort()
+            self.abort()
             return
         self.keepalive = c.keepalive * 1.5
         self._arm(self.keepalive)
@@ -152,12 +154,16 @@ class MQTTProtocol(asyncio.Protocol):
             self._packet(p)
 
     def _refusal(self, c: P.Connect) -> int:
-        if c.level not in (3, 4):
+        """The CONNACK code of a CONNECT refused before its credentials are checked, or 0."""
+        if c.level not in (3, 4, 5):
             return P.BAD_PROTOCOL_VERSION
-        if not c.client_id and not c.clean_session:
+        v5 = c.level == 5
+        if not c.client_id and not c.clean_session and not v5:
             return P.IDENTIFIER_REJECTED  # a persistent session needs a name to come back to
-        if c.username is None:
-            return P.NOT_AUTHORIZED  # no anonymous logins: the same users as AMQP
+        if v5 and PR.AUTH_METHOD in c.props:
+            return P.RC_BAD_AUTH_METHOD  # no enhanced authentication (AUTH) yet
+        if c.username is None:  # no anonymous logins: the same users as AMQP
+            return P.RC_BAD_CREDENTIALS if v5 else P.NOT_AUTHORIZED
         return P.ACCEPTED
 
     # ------------------------------------------------------------------ timers
@@ -174,21 +180,21 @@ class MQTTProtocol(asyncio.Protocol):
             return
         if self.state != "open":
             log.warning("MQTT connection from %s: no CONNECT within %.0f s: closing", self.peer, seconds)
-            self._abort()
+            self.abort()
             return
         idle = time.monotonic() - self.last_seen
         if idle >= seconds:
             log.warning("MQTT client '%s' from %s: silent for %.0f s (keepalive %.0f s): closing",
                         self.session.client_id if self.session else "", self.peer, idle, seconds / 1.5)
-            self._abort()
+            self.abort(P.RC_KEEP_ALIVE_TIMEOUT)
             return
         self.timer = asyncio.get_running_loop().call_later(seconds - idle, self._check_alive, seconds)
 
     # ------------------------------------------------------------------ endings
-    def _abort(self) -> None:
-        """An abnormal end: the will goes out, the socket closes."""
+    def abort(self, reason: int = P.RC_UNSPECIFIED) -> None:
+        """An abnormal end: MQTT 5 hears why, the will goes out, the socket closes."""
         if self.session is not None:
-            self.session.end(normal=False)
+            self.session.disconnect(reason)
         self.state = "closed"
         self.close()
 
@@ -229,8 +235,9 @@ class MQTTServer:
         self.vhosts = vhosts
         self.users = users
         self.after_sync = after_sync
-        self.settings = Settings(config.exchange, config.prefetch)
-        self.registry = Registry(Retained(retained, config.max_retained))
+        self.settings = Settings(config.exchange, config.prefetch, config.max_packet_size)
+        self.registry = Registry(Retained(retained, config.max_retained),
+                                 lambda delay, fn: asyncio.get_running_loop().call_later(delay, fn))
         self.peers = peers if peers is not None else {}
         self.connections: set[MQTTProtocol] = set()
         self.servers: list[asyncio.Server] = []
@@ -266,7 +273,7 @@ class MQTTServer:
         for server in self.servers:
             server.close()
         for conn in list(self.connections):
-            conn.close()
+            conn.abort(P.RC_SERVER_SHUTTING_DOWN)
         for task in list(self._tasks):
             task.cancel()
         self.servers.clear()

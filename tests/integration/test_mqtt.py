@@ -168,7 +168,7 @@ def test_credentials_are_required_and_checked(mq: SkredProcess) -> None:
         if code != P.ACCEPTED:
             assert r.closed_within(5)
         r.close()
-    r = Raw(mq.host, mq.mqtt_port, P.Connect("MQTT", 5, True, 30, "v5", None, "guest", b"guest"))
+    r = Raw(mq.host, mq.mqtt_port, P.Connect("MQTT", 6, True, 30, "v6", None, "guest", b"guest"))
     assert r.connack() == (0, P.BAD_PROTOCOL_VERSION)
     r.close()
     r = Raw(mq.host, mq.mqtt_port, login("", clean=False))
