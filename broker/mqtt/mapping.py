@@ -29,6 +29,7 @@ CORRELATION_HEADER = "x-correlation-id"
 
 _TO_AMQP = str.maketrans({"/": ".", ".": "/", "+": "*"})
 _TO_MQTT = str.maketrans({".": "/", "/": "."})
+_TO_FILTER = str.maketrans({".": "/", "/": ".", "*": "+"})
 
 
 def to_routing_key(topic: str) -> str:
@@ -38,6 +39,11 @@ def to_routing_key(topic: str) -> str:
 
 def to_topic(routing_key: str) -> str:
     return routing_key.translate(_TO_MQTT)
+
+
+def to_filter(binding_key: str) -> str:
+    """A binding key back to the MQTT filter it was made from."""
+    return binding_key.translate(_TO_FILTER)
 
 
 def amqp_props(qos: int, retain: bool, mqtt: Props | None = None, origin: str | None = None) -> bytes:

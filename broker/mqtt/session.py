@@ -57,7 +57,7 @@ from broker.model.queue import Consumer, Queue
 from broker.model.vhost import VHost
 from broker.mqtt import packets as P
 from broker.mqtt import props as PR
-from broker.mqtt.mapping import Delivered, amqp_props, to_routing_key, to_topic
+from broker.mqtt.mapping import Delivered, amqp_props, to_filter, to_routing_key, to_topic
 from broker.mqtt.retained import Retained, topic_matches
 
 log = logging.getLogger(__name__)
@@ -100,6 +100,26 @@ class Registry:
         self.delayed_wills: dict[tuple[str, str], Cancellable] = {}
 
 
+OPTIONS_ARG = "x-mqtt-subscription-options"
+SUBSCRIPTION_ID_ARG = "x-mqtt-subscription-id"
+
+
+def binding_args(options: int, sub_id: int) -> dict[str, Any]:
+    """What a subscription's binding carries beyond its key: MQTT 5 options and identifier, so a
+    resumed session gets them back (none for a plain subscription, as RabbitMQ binds)."""
+    if not options & ~3 and not sub_id:
+        return {}
+    return {OPTIONS_ARG: options, SUBSCRIPTION_ID_ARG: sub_id}
+
+
+def shared_group(topic_filter: str) -> tuple[str, str] | None:
+    """``$share/group/filter`` as (group, filter); None for any other filter."""
+    if not topic_filter.startswith("$share/"):
+        return None
+    _, group, inner = (topic_filter.split("/", 2) + [""])[:3]
+    return group, inner
+
+
 def split_username(username: str, default_vhost: str) -> tuple[str, str]:
     """``vhost:user`` (RabbitMQ's form) or a plain user name on the default vhost."""
     if ":" in username:
@@ -109,14 +129,17 @@ def split_username(username: str, default_vhost: str) -> tuple[str, str]:
 
 
 class MQTTConsumer(Consumer):
-    """A session's consumer on one of its queues (``qos``: 0 or 1, the queue's level)."""
+    """A session's consumer on one of its queues (``qos``: 0 or 1, the subscription's level;
+    ``shared_filter``: the ``$share/...`` filter of a shared subscription's queue)."""
 
-    __slots__ = ("session", "qos")
+    __slots__ = ("session", "qos", "shared_filter")
 
-    def __init__(self, session: MQTTSession, queue: Queue, qos: int) -> None:
+    def __init__(self, session: MQTTSession, queue: Queue, qos: int,
+                 shared_filter: str | None = None) -> None:
         super().__init__(f"mqtt.{session.client_id}.qos{qos}", queue, no_ack=qos == 0, exclusive=False)
         self.session = session
         self.qos = qos
+        self.shared_filter = shared_filter
 
     def ready(self) -> bool:
         return self.capacity() > 0
@@ -152,7 +175,7 @@ class MQTTSession:
         self.durable = False  # the session outlives the connection
         self.session_expiry = 0  # MQTT 5, seconds
         self.will: P.Will | None = None
-        self.consumers: dict[int, MQTTConsumer] = {}  # queue QoS level -> consumer
+        self.consumers: dict[str, MQTTConsumer] = {}  # queue name -> consumer
         # packet id -> (queue, msgid); None: a retained message, nothing to settle
         self.inflight: dict[int, tuple[Queue, int] | None] = {}
         self.in_flight_max = settings.prefetch
@@ -202,10 +225,11 @@ class MQTTSession:
                 vhost.delete_queue(name, owner=q.exclusive_owner)
                 continue
             present = True
+            self._restore_filters(q, qos)
             self._consume(q, qos)
         props: PR.Props = {}
         if self.v5:
-            props = {PR.TOPIC_ALIAS_MAXIMUM: TOPIC_ALIAS_MAXIMUM, PR.SHARED_AVAILABLE: 0,
+            props = {PR.TOPIC_ALIAS_MAXIMUM: TOPIC_ALIAS_MAXIMUM,
                      PR.MAXIMUM_PACKET_SIZE: self.settings.max_packet}
             if assigned:
                 props[PR.ASSIGNED_CLIENT_ID] = self.client_id
@@ -364,8 +388,8 @@ class MQTTSession:
         results = [self._bind(f, options, sub_id) for f, options in p.filters]
         self.out.write(P.encode_suback(p.packet_id, [code for code, _ in results], self.v5))
         for (f, options), (granted, existed) in zip(p.filters, results, strict=True):
-            if granted >= P.SUBACK_FAILURE:
-                continue
+            if granted >= P.SUBACK_FAILURE or shared_group(f) is not None:
+                continue  # no retained messages for a shared subscription (section 4.8.2)
             handling = P.retain_handling(options)
             if handling == 2 or (handling == 1 and existed):
                 continue
@@ -378,58 +402,95 @@ class MQTTSession:
         assert self.vhost is not None and self.user is not None
         vh, user, ex = self.vhost, self.user, self.settings.exchange
         existed = topic_filter in self.filters
-        if topic_filter.startswith("$share/"):
-            return (P.RC_SHARED_NOT_SUPPORTED if self.v5 else P.SUBACK_FAILURE), existed
+        fail = P.RC_UNSPECIFIED if self.v5 else P.SUBACK_FAILURE
         granted = min(options & 3, 1)
-        name = self.queue_name(granted)
+        shared = shared_group(topic_filter)
+        if shared is not None:
+            if options & P.NO_LOCAL:
+                raise P.MalformedPacket("no-local on a shared subscription", P.RC_PROTOCOL_ERROR)
+            group, inner = shared
+            name = f"mqtt-shared-{group}-{inner}"
+            if not group or "+" in group or "#" in group or len(name.encode()) > 255:
+                return (P.RC_TOPIC_FILTER_INVALID if self.v5 else fail), existed
+        else:
+            inner, name = topic_filter, self.queue_name(granted)
         if not (self.users.can_configure(user, vh.name, name) and self.users.can_write(user, vh.name, name)
                 and self.users.can_read(user, vh.name, name) and self.users.can_read(user, vh.name, ex)):
             log.warning("MQTT client '%s' (user '%s'): subscription to '%s' refused: no permission",
                         self.client_id, user.name, topic_filter)
             return (P.RC_NOT_AUTHORIZED if self.v5 else P.SUBACK_FAILURE), existed
-        key = to_routing_key(topic_filter)
+        key = to_routing_key(inner)
         try:
             q = vh.queues.get(name)
             if q is None:
                 args: dict[str, Any] = {}
                 if self.durable and self.v5 and self.session_expiry != NEVER_EXPIRES:
                     args["x-expires"] = self.session_expiry * 1000
-                q, _ = vh.declare_queue(name, durable=self.durable, exclusive=not self.durable,
-                                        auto_delete=False, arguments=args, owner=self)
-            vh.bind_queue(name, ex, key, {}, owner=self)
-            other = vh.queues.get(self.queue_name(1 - granted))
-            if other is not None:  # a resubscription at the other QoS replaces the binding
-                vh.unbind_queue(other.name, ex, key, {}, owner=self)
+                q, _ = vh.declare_queue(name, durable=self.durable,
+                                        exclusive=not self.durable and shared is None,
+                                        auto_delete=shared is not None, arguments=args, owner=self)
+            if shared is None:
+                self._unbind(topic_filter)  # a resubscription replaces the binding (QoS, options)
+                vh.bind_queue(name, ex, key, binding_args(options, sub_id), owner=self)
+            else:  # the group's members share one binding and one queue; options are per member
+                vh.bind_queue(name, ex, key, {}, owner=self)
         except errors.SkredError as exc:
             log.warning("MQTT client '%s': subscription to '%s' failed: %s", self.client_id,
                         topic_filter, exc)
-            return (P.RC_UNSPECIFIED if self.v5 else P.SUBACK_FAILURE), existed
+            return fail, existed
         self.filters[topic_filter] = (options, sub_id)
-        if granted not in self.consumers:
-            self._consume(q, granted)
+        if name not in self.consumers:
+            self._consume(q, granted, topic_filter if shared is not None else None)
         return granted, existed
 
-    def unsubscribe(self, p: P.Unsubscribe) -> None:
+    def _unbind(self, topic_filter: str) -> bool:
+        """Remove a (non-shared) subscription's binding; whether there was one."""
+        old = self.filters.get(topic_filter)
+        if old is None:
+            return False
         assert self.vhost is not None
+        key, args = to_routing_key(topic_filter), binding_args(*old)
+        for qos in (0, 1):
+            q = self.vhost.queues.get(self.queue_name(qos))
+            if q is not None:
+                try:
+                    self.vhost.unbind_queue(q.name, self.settings.exchange, key, args, owner=self)
+                except errors.SkredError:
+                    pass  # bound to the other queue
+        return True
+
+    def unsubscribe(self, p: P.Unsubscribe) -> None:
         codes = []
         for f in p.filters:
-            key = to_routing_key(f)
-            found = self.filters.pop(f, None) is not None
-            for qos in (0, 1):
-                q = self.vhost.queues.get(self.queue_name(qos))
-                if q is not None:
-                    try:
-                        self.vhost.unbind_queue(q.name, self.settings.exchange, key, {}, owner=self)
-                        found = True
-                    except errors.SkredError:
-                        pass  # not bound there
+            if shared_group(f) is not None:
+                found = f in self.filters
+                for name, c in list(self.consumers.items()):
+                    if c.shared_filter == f:  # leave the group: its queue goes with its last member
+                        del self.consumers[name]
+                        c.queue.remove_consumer(c)
+            else:
+                found = self._unbind(f)
+            self.filters.pop(f, None)
             codes.append(0 if found else 0x11)  # 0x11: no subscription existed
         self.out.write(P.encode_unsuback(p.packet_id, codes, self.v5))
 
-    def _consume(self, q: Queue, qos: int) -> None:
-        c = MQTTConsumer(self, q, qos)
-        self.consumers[qos] = c
+    def _consume(self, q: Queue, qos: int, shared_filter: str | None = None) -> None:
+        c = MQTTConsumer(self, q, qos, shared_filter)
+        self.consumers[q.name] = c
         q.add_consumer(c)
+
+    def _restore_filters(self, q: Queue, qos: int) -> None:
+        """A resumed session's subscriptions, from its queue's bindings (options and identifiers
+        travel in the binding arguments)."""
+        assert self.vhost is not None
+        ex = self.vhost.exchanges.get(self.settings.exchange)
+        if ex is None:
+            return
+        for key, args in ex.bindings_of(q):
+            options = args.get(OPTIONS_ARG, qos)
+            sub_id = args.get(SUBSCRIPTION_ID_ARG, 0)
+            self.filters[to_filter(key)] = (options if isinstance(options, int) else qos,
+                                           sub_id if isinstance(sub_id, int) else 0)
 
     # ------------------------------------------------------------------ deliver
     def deliver(self, c: MQTTConsumer, msgid: int, routing_key: str, props: bytes, body: bytes,
@@ -438,14 +499,16 @@ class MQTTSession:
         topic = to_topic(routing_key)
         retain = False
         out_props = m.props
-        if self.v5 and self.filters:
-            # this queue's filters (one copy per queue: QoS 0 and QoS 1 subscriptions overlap)
-            matched = [(o, i) for f, (o, i) in self.filters.items()
-                       if min(o & 3, 1) == c.qos and topic_matches(f, topic)]
-            if matched and m.origin == self.client_id and all(o & P.NO_LOCAL for o, _ in matched):
-                if not c.no_ack:
-                    c.queue.ack(msgid)  # the client's own message on a no-local subscription
-                return
+        if self.v5:
+            if c.shared_filter is not None:
+                matched = [self.filters.get(c.shared_filter, (c.qos, 0))]
+            else:  # this queue's filters (one copy per queue: QoS 0 and 1 subscriptions overlap)
+                matched = [(o, i) for f, (o, i) in self.filters.items() if min(o & 3, 1) == c.qos
+                           and not f.startswith("$share/") and topic_matches(f, topic)]
+                if matched and m.origin == self.client_id and all(o & P.NO_LOCAL for o, _ in matched):
+                    if not c.no_ack:
+                        c.queue.ack(msgid)  # the client's own message on a no-local subscription
+                    return
             retain = m.retain and any(o & P.RETAIN_AS_PUBLISHED for o, _ in matched)
             ids = sorted({i for _, i in matched if i})
             if ids:

@@ -99,7 +99,7 @@ def test_connack_properties_and_an_assigned_client_id(mq: SkredProcess) -> None:
     try:
         props = c.connack_props
         assert props.AssignedClientIdentifier.startswith("skred-")
-        assert props.TopicAliasMaximum == 64 and props.SharedSubscriptionAvailable == 0
+        assert props.TopicAliasMaximum == 64
         assert props.MaximumPacketSize > 1_000_000
     finally:
         c.close()
@@ -149,7 +149,7 @@ def test_reason_codes_answer_refusals(mq: SkredProcess) -> None:
         info = c.c.publish("a/b", b"x", 1)
         mid, rc = c.acks.get(timeout=10)
         assert mid == info.mid and rc.value == P.RC_NOT_AUTHORIZED
-        assert c.subscribe("$share/g/a/#", 1)[0].value == P.RC_SHARED_NOT_SUPPORTED
+        assert c.subscribe("$share/g/a/#", 1)[0].value == P.RC_NOT_AUTHORIZED
     finally:
         c.close()
     c = Paho5(mq, cid())
@@ -186,6 +186,46 @@ def test_subscription_options_and_identifiers(mq: SkredProcess) -> None:
         pub.close()
 
 
+def test_shared_subscriptions_balance_over_the_group(mq: SkredProcess) -> None:
+    members = [Paho5(mq, cid()) for _ in range(3)]
+    loner = Paho5(mq, cid())
+    pub = Paho5(mq, cid())
+    try:
+        for m in members:
+            assert m.subscribe("$share/workers/jobs/#", 1, sub_id=5) == [1]
+        assert loner.subscribe("jobs/#", 1) == [1]  # a plain subscription gets every message
+        for i in range(30):
+            pub.publish(f"jobs/{i}", str(i).encode(), 1)
+        assert sorted(int(m.payload) for m in loner.take(30)) == list(range(30))
+        counts = []
+        got: list[int] = []
+        deadline = time.monotonic() + 15
+        while len(got) < 30 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            got = []
+            counts = []
+            for m in members:
+                seen = list(m.got.queue)
+                counts.append(len(seen))
+                got += [int(x.payload) for x in seen]
+        assert sorted(got) == list(range(30)), "each message to exactly one member of the group"
+        assert all(n >= 5 for n in counts), counts  # load-balanced (round robin: 10 each)
+        first = members[0].got.queue[0]
+        assert first.properties.SubscriptionIdentifier == [5]
+        members[0].close()  # the group goes on without it
+        for m in members[1:]:
+            m.got = queue.Queue()
+        pub.publish("jobs/after", b"x", 1)
+        wait_until(lambda: sum(m.got.qsize() for m in members[1:]) == 1, 10, "one member to get it")
+        time.sleep(0.3)
+        assert sum(m.got.qsize() for m in members[1:]) == 1
+        members[1].c.subscribe(("$share/workers/more", mqtt.SubscribeOptions(qos=1, noLocal=True)))
+        assert members[1].disconnects.get(timeout=10).value == P.RC_PROTOCOL_ERROR  # no-local: refused
+    finally:
+        for c in (*members[1:], loner, pub):
+            c.close()
+
+
 def test_topic_aliases_in(mq: SkredProcess) -> None:
     sub = Paho5(mq, cid())
     r = Raw(mq.host, mq.mqtt_port, P.Connect("MQTT", 5, True, 30, cid(), None, "guest", b"guest"))
@@ -210,7 +250,18 @@ def test_topic_aliases_in(mq: SkredProcess) -> None:
 def test_session_expiry_is_the_queues_expiry(mq: SkredProcess) -> None:
     client_id = cid()
     c = Paho5(mq, client_id, clean_start=False, expiry=3600)
-    assert c.subscribe("exp/#", 1) == [1]
+    assert c.subscribe("exp/#", 1, sub_id=11, retainAsPublished=True) == [1]
+    c.close()
+    mq.kill9()  # the subscription's options and identifier live in its binding: they come back
+    mq.start()
+    c = Paho5(mq, client_id, clean_start=False, expiry=3600)
+    assert c.flags.session_present
+    pub = Paho5(mq, cid())
+    pub.publish("exp/x", b"kept", 1, retain=True)
+    pub.publish("exp/x", b"", 1, retain=True)
+    pub.close()
+    m = c.take(1)[0]
+    assert (m.payload, m.retain, m.properties.SubscriptionIdentifier) == (b"kept", 1, [11])
     c.close()
     conn = connect(mq)
     ch = conn.channel()
