@@ -392,12 +392,47 @@ class LmqConfig:
 
 
 @dataclass(frozen=True)
+class MqttConfig:
+    enabled: bool = field(default=True, metadata=_meta("Serve MQTT 3.1 and 3.1.1 (broker/mqtt)."))
+    bind: str = field(default="127.0.0.1", metadata=_meta("Address the MQTT listeners bind to."))
+    port: int = field(
+        default=1883,
+        metadata=_meta("MQTT port (0: pick a free port, -1: no plain listener).", lo=-1, hi=65535),
+    )
+    tls_port: int = field(
+        default=8883,
+        metadata=_meta("MQTTS port, opened when [main] tls_cert is set (0: pick a free port, -1: off).",
+                       lo=-1, hi=65535),
+    )
+    vhost: str = field(default="/", metadata=_meta("Vhost of a user name without 'vhost:'."))
+    exchange: str = field(
+        default="amq.topic", metadata=_meta("Topic exchange MQTT publishes to and subscriptions bind to.")
+    )
+    prefetch: int = field(
+        default=10,
+        metadata=_meta("QoS 1 deliveries in flight per connection, unacknowledged.", lo=1, hi=65535),
+    )
+    max_packet_size: int = field(
+        default=0,
+        metadata=_meta("Largest MQTT packet accepted, bytes (0: [main] max_message_size plus 64 KiB for the "
+                       "topic and header).", kind="size", lo=0, hi=268_435_460),
+    )
+    connect_timeout: int = field(
+        default=10, metadata=_meta("Seconds a new connection has to send CONNECT.", lo=1, hi=3600)
+    )
+    max_retained: int = field(
+        default=100_000, metadata=_meta("Retained messages the node keeps, over all vhosts.", lo=0)
+    )
+
+
+@dataclass(frozen=True)
 class Config:
     main: MainConfig
     amqp: AmqpConfig = field(default_factory=AmqpConfig)
     mgmt: MgmtConfig = field(default_factory=MgmtConfig)
     clustering: ClusteringConfig = field(default_factory=ClusteringConfig)
     lmq: LmqConfig = field(default_factory=LmqConfig)
+    mqtt: MqttConfig = field(default_factory=MqttConfig)
 
 
 SECTIONS: dict[str, type[Any]] = {
@@ -406,6 +441,7 @@ SECTIONS: dict[str, type[Any]] = {
     "mgmt": MgmtConfig,
     "clustering": ClusteringConfig,
     "lmq": LmqConfig,
+    "mqtt": MqttConfig,
 }
 
 _TRUE = frozenset({"true", "yes", "1", "on"})
@@ -576,7 +612,7 @@ _DESCRIPTION = """\
 Skred: a disk-first AMQP 0-9-1 message broker.
 
 Every option can be set, from lowest to highest precedence, by its default, in
-the ini file given with -c (sections [main] [amqp] [mgmt] [clustering] [lmq], keys as
+the ini file given with -c (sections [main] [amqp] [mgmt] [clustering] [lmq] [mqtt], keys as
 named below), by an environment variable SKRED_<SECTION>_<OPTION>, or by a flag.
 Booleans accept true/false, yes/no, on/off, 1/0; sizes accept bytes or a number
 with KiB/MiB/GiB."""

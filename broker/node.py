@@ -57,9 +57,11 @@ from broker.lmq.props import PropsStore
 from broker.lmq.server import LMQServer
 from broker.metrics import ClusterInfo, FollowerMetrics
 from broker.model.vhost import VHost
+from broker.mqtt.server import MQTTServer
 from broker.net import proxy
 from broker.net.listener import Listener, keep_peer
 from broker.net.server import AMQPServer
+from broker.store.blobs import BlobDir
 from broker.store.fileio import syncfs
 from broker.store.jsonstore import read_json, write_json
 from broker.store.lock import DataDirLock
@@ -67,6 +69,8 @@ from broker.store.segment import parse_number
 from broker.store.segment_log import SegmentFiles
 from broker.store.sink import NullSink, ReplicationSink
 from broker.syncer import Syncable, Syncer
+
+RETAINED_DIR = "mqtt-retained"  # MQTT's retained messages (broker/mqtt/retained.py)
 
 if TYPE_CHECKING:
     from broker.cluster.host import LeaderBroker
@@ -121,6 +125,7 @@ class Node:
         self.http_listeners: list[Listener] = []
         self.tls: tls.ServerTLS | None = None
         self.lmq: LMQServer | None = None
+        self.mqtt: MQTTServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._syncer: Syncer | None = None
         self._files: SegmentFiles | None = None  # made at load(), after the fd limit was raised
@@ -199,6 +204,8 @@ class Node:
                 mgmt.tls_certs = [str(cfg.main.tls_cert)]
             if cfg.lmq.enabled:  # before AMQP: a node that answers AMQP has its LMQ ports open too
                 await self.start_lmq(broker)
+            if cfg.mqtt.enabled:  # the same: MQTT answers once AMQP does
+                await self.start_mqtt(broker)
             # HTTP before AMQP too: once the AMQP port answers, everything answers
             if cfg.mgmt.enabled:
                 await self.start_http(broker, mgmt)
@@ -275,6 +282,21 @@ class Node:
                              broker.proxied_peers)
         await self.lmq.start()
 
+    async def start_mqtt(self, broker: Broker) -> None:
+        """MQTT's listeners over the broker's vhosts and users (broker/mqtt)."""
+        cfg = self.config
+        if not cfg.mqtt.max_packet_size:
+            cfg = dataclasses.replace(cfg, mqtt=dataclasses.replace(
+                cfg.mqtt, max_packet_size=cfg.main.max_message_size + 64 * 1024))
+        assert self._syncer is not None
+        retained = BlobDir(cfg.main.data_dir / RETAINED_DIR, self._syncer.mark_dirty, self.sink)
+        self.mqtt = MQTTServer(cfg.mqtt, broker.vhosts, broker.users, broker.syncer.after_sync, retained,
+                               peers=broker.proxied_peers)
+        await self.mqtt.start(self.tls_context if self.tls is not None else None)
+        assert self.mgmt is not None
+        self.mgmt.other_listeners.update(
+            {"mqtt/ssl" if name == "mqtts" else name: addr for name, addr in self.mqtt.addresses.items()})
+
     def release_lock(self) -> None:
         if RELOADER is not None and RELOADER.node is self:
             RELOADER.node = None
@@ -292,6 +314,7 @@ class Node:
             "https": mgmt.https_address if mgmt is not None else None,
             "lmq_http": lmq.http_address if lmq is not None else None,
             "lmq_rpc": lmq.rpc_address if lmq is not None else None,
+            "mqtt": self.mqtt.addresses.get("mqtt") if self.mqtt is not None else None,
         }
         return {name: (str(a[0]), int(a[1])) for name, a in found.items() if a}
 
@@ -357,6 +380,9 @@ class Node:
         log.info("imported definitions from %s", path)
 
     async def shutdown(self) -> None:
+        if self.mqtt is not None:
+            await self.mqtt.stop()
+            self.mqtt = None
         if self.lmq is not None:
             await self.lmq.stop()
             self.lmq = None
@@ -498,7 +524,7 @@ class Reloader:
             done.append("TLS certificates")
         applied = {"main.log_level", "amqp.trusted_proxies", "main.load_definitions"}
         restart = [f"{section}.{f.name}"
-                   for section in ("main", "amqp", "mgmt", "clustering", "lmq")
+                   for section in ("main", "amqp", "mgmt", "clustering", "lmq", "mqtt")
                    for f in dataclasses.fields(getattr(new, section))
                    if f"{section}.{f.name}" not in applied
                    and getattr(getattr(new, section), f.name) != getattr(getattr(old, section), f.name)]

@@ -7,9 +7,9 @@ A follower opens a TCP connection to the leader's replication port and sends a
 (length-prefixed) and its node id (length-prefixed). The leader answers with one
 ``Welcome``: a status byte (``OK``, ``BAD_VERSION``, ``BAD_SECRET``) and, on
 success, the leader's client ports — AMQP, HTTP, AMQPS, HTTPS, LMQ HTTP, LMQ
-RPC, 0 for one that does not listen — so a follower's proxy knows where the
-leader serves each of them whatever its own port numbers are: 13 bytes,
-uncompressed (version 3).
+RPC, MQTT, 0 for one that does not listen — so a follower's proxy knows where the
+leader serves each of them whatever its own port numbers are: 15 bytes,
+uncompressed (version 6).
 
 The same port also carries the follower proxy's tunnels: a ``TunnelHello``
 (magic ``SKTUNL``, version, secret, which client port, the client's address,
@@ -62,7 +62,8 @@ import lz4.frame
 MAGIC: Final = b"SKREPL"
 TUNNEL_MAGIC: Final = b"SKTUNL"
 VERSION: Final = 6  # 2: HEARTBEAT; 3: every client port in the Welcome, tunnels; 4: MERGE_ACKS;
-# 5: tunnels framed (an end-of-stream marker each way); 6: tunnel keepalive, the follower's id in TunnelHello
+# 5: tunnels framed (an end-of-stream marker each way); 6: tunnel keepalive, the follower's id in
+# TunnelHello, the MQTT port in the Welcome
 SECRET_SIZE: Final = 32
 
 # Welcome status codes.
@@ -78,8 +79,9 @@ AMQPS_PORT: Final = 2
 HTTPS_PORT: Final = 3
 LMQ_HTTP_PORT: Final = 4
 LMQ_RPC_PORT: Final = 5
-CLIENT_PORTS: Final = 6
-PORT_NAMES: Final = ("amqp", "http", "amqps", "https", "lmq_http", "lmq_rpc")
+MQTT_PORT: Final = 6
+CLIENT_PORTS: Final = 7
+PORT_NAMES: Final = ("amqp", "http", "amqps", "https", "lmq_http", "lmq_rpc", "mqtt")
 
 # Message kinds, leader -> follower.
 FILE_LIST: Final = 1
@@ -103,7 +105,7 @@ _U8: Final = struct.Struct(">B")
 _U16: Final = struct.Struct(">H")
 _U32: Final = struct.Struct(">I")
 _U64: Final = struct.Struct(">Q")
-_WELCOME: Final = struct.Struct(">B6H")
+_WELCOME: Final = struct.Struct(">B7H")
 _ENTRY_TAIL: Final = struct.Struct(">Q20s")
 
 
@@ -127,14 +129,14 @@ class Hello:
 @dataclass(frozen=True)
 class Welcome:
     status: int
-    ports: tuple[int, ...] = (0,) * CLIENT_PORTS  # indexed by AMQP_PORT .. LMQ_RPC_PORT; 0: off
+    ports: tuple[int, ...] = (0,) * CLIENT_PORTS  # indexed by AMQP_PORT .. MQTT_PORT; 0: off
 
 
 @dataclass(frozen=True)
 class TunnelHello:
     version: int
     secret: bytes
-    port: int  # AMQP_PORT .. LMQ_RPC_PORT
+    port: int  # AMQP_PORT .. MQTT_PORT
     client: tuple[str, int]  # the address the follower's proxy accepted the client from
     node_id: str = ""  # the follower whose proxy opened it
     keepalive_ms: int = 0  # silence after which either end presumes the link dead (0: none)

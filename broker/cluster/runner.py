@@ -429,6 +429,8 @@ class ClusterRunner:
                 wanted.append((codec.LMQ_HTTP_PORT, "LMQ HTTP", cfg.lmq.bind, cfg.lmq.http_port))
             if cfg.lmq.rpc_port:
                 wanted.append((codec.LMQ_RPC_PORT, "LMQ RPC", cfg.lmq.bind, cfg.lmq.rpc_port))
+        if cfg.mqtt.enabled and cfg.mqtt.port:
+            wanted.append((codec.MQTT_PORT, "MQTT", cfg.mqtt.bind, cfg.mqtt.port))
         for which, name, bind, port in wanted:
             if port < 0:
                 continue  # that listener is turned off

@@ -44,14 +44,7 @@ def _failed(reason: str, **extra: Any) -> web.Response:
 
 
 def _listeners(request: web.Request) -> list[tuple[str, int]]:
-    mgmt = request.app[MGMT_KEY]
-    out = []
-    for proto, addr in (("amqp", mgmt.amqp_address), ("amqp/ssl", mgmt.amqps_address),
-                        ("http", mgmt.http_address), ("https", mgmt.https_address),
-                        ("http/prometheus", mgmt.metrics_address)):
-        if addr is not None:
-            out.append((proto, int(addr[1])))
-    return out
+    return [(proto, int(addr[1])) for proto, addr in request.app[MGMT_KEY].listeners()]
 
 
 @routes.get("/api/health/checks/alarms")

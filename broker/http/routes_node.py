@@ -93,13 +93,8 @@ def _churn(mgmt: Mgmt) -> dict[str, Any]:
 async def overview(request: web.Request) -> web.Response:
     mgmt = request.app[MGMT_KEY]
     t = _totals(request)
-    listeners = []
-    for proto, addr in (("amqp", mgmt.amqp_address), ("amqp/ssl", mgmt.amqps_address),
-                        ("http", mgmt.http_address), ("https", mgmt.https_address),
-                        ("http/prometheus", mgmt.metrics_address)):
-        if addr is not None:
-            listeners.append({"node": mgmt.node_name, "protocol": proto, "ip_address": addr[0],
-                              "port": addr[1]})
+    listeners = [{"node": mgmt.node_name, "protocol": proto, "ip_address": addr[0], "port": addr[1]}
+                 for proto, addr in mgmt.listeners()]
     return web.json_response({
         "management_version": __version__,
         "product_name": "Skred",

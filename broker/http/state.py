@@ -56,10 +56,18 @@ class Mgmt:
         self.http_address: tuple[str, int] | None = None
         self.https_address: tuple[str, int] | None = None
         self.metrics_address: tuple[str, int] | None = None
+        self.other_listeners: dict[str, tuple[str, int]] = {}  # other front ends: "mqtt", "mqtt/ssl"
         self.tls_certs: list[str] = []  # certificate files, for the certificate-expiration check
         self.cluster: ClusterInfo | None = None  # set on a cluster member (metrics, GET /api/cluster)
 
     # ------------------------------------------------------------------ helpers
+    def listeners(self) -> list[tuple[str, tuple[str, int]]]:
+        """Every client listener that listens, as (RabbitMQ's protocol name, address)."""
+        found = [("amqp", self.amqp_address), ("amqp/ssl", self.amqps_address), ("http", self.http_address),
+                 ("https", self.https_address), ("http/prometheus", self.metrics_address),
+                 *self.other_listeners.items()]
+        return [(proto, addr) for proto, addr in found if addr is not None]
+
     def replica_members(self) -> list[str]:
         """A replicated queue's members as the API lists them: this node (the leader), then the
         other in-sync replicas of a cluster by their cluster node id (a follower's

@@ -260,6 +260,13 @@ class Exchange:
             return [(lst[0], rk, {}) for rk, lst in self._direct.items()]
         return [(d, rk, a) for (d, rk, _), a in self._bindings.items()]
 
+    def bindings_of(self, dest: object) -> list[tuple[str, dict[str, Any]]]:
+        """The routing keys and arguments ``dest`` is bound with, in O(its bindings)."""
+        if self._default:
+            name = getattr(dest, "name", None)
+            return [(name, {})] if isinstance(name, str) and self.is_bound(dest, name) else []
+        return [(rk, self._bindings[(d, rk, a)]) for d, rk, a in self._by_dest.get(dest, ())]
+
     def has_bindings(self) -> bool:
         return bool(self._direct) if self._default else bool(self._bindings)
 

@@ -143,6 +143,7 @@ class SkredProcess:
         self.metrics_port = free_port()
         self.lmq_http_port = free_port()  # LMQ's listeners, so brokers of one run never share a port
         self.lmq_rpc_port = free_port()
+        self.mqtt_port = free_port()
         self.url = f"amqp://guest:guest@{self.host}:{self.port}/%2F"
         self.log_path = data_dir.parent / f"{data_dir.name}.broker.log"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -168,6 +169,8 @@ class SkredProcess:
             str(self.lmq_http_port),
             "--lmq-rpc-port",
             str(self.lmq_rpc_port),
+            "--mqtt-port",
+            str(self.mqtt_port),
             *self.extra_args,
         ]
 

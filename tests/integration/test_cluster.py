@@ -142,6 +142,7 @@ class ClusterNode:
         self.mgmt_port = free_port()
         self.metrics_port = free_port()
         self.repl_port = free_port()
+        self.mqtt_port = free_port()
         self.uri = f"tcp://{ip}:{self.repl_port}"
         self.log_path = tmp / f"{name}.log"
         hook = f"echo \"$SKRED_ROLE $SKRED_NODE_ID $SKRED_ADVERTISED_URI\" >> {hook_file}"
@@ -152,6 +153,7 @@ class ClusterNode:
             "--amqp-bind", ip, "--amqp-port", str(self.port),
             "--mgmt-bind", ip, "--mgmt-port", str(self.mgmt_port),
             "--mgmt-metrics-port", str(self.metrics_port),
+            "--mqtt-bind", ip, "--mqtt-port", str(self.mqtt_port),
             "--clustering", "--clustering-etcd-endpoints", etcd_endpoint,
             "--clustering-etcd-prefix", prefix, "--clustering-bind", ip,
             "--clustering-port", str(self.repl_port), "--clustering-advertised-uri", self.uri,

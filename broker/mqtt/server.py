@@ -1,0 +1,279 @@
+"""The MQTT listener: an asyncio Protocol that moves bytes between a socket and an ``MQTTSession``.
+
+Theory of operation
+-------------------
+Bytes go to the sans-IO parser (``packets.Parser``); packets to the session. The first packet must
+be CONNECT, within ``connect_timeout`` seconds of the connection (a silent socket is closed). Its
+credentials are checked asynchronously (the login throttle may make it wait); packets that arrive
+meanwhile wait in a short list (at most ``_PENDING_MAX``: a client that floods before its CONNACK
+is closed). Reading stops while the socket's write buffer is full (``pause_writing``), and the
+session's consumers have no capacity then, so a slow reader holds neither its input nor its
+deliveries in memory beyond one buffer. Keepalive: a client silent for 1.5 times its keepalive is
+closed (MQTT 3.1.1 section 3.1.2.10) and its will published. A protocol violation or a bug closes
+that one connection; the broker goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, cast
+
+from broker.auth.throttle import TooManyFailures, check_login
+from broker.auth.users import UserStore
+from broker.config import MqttConfig
+from broker.model.vhost import VHost
+from broker.mqtt import packets as P
+from broker.mqtt import props as PR
+from broker.mqtt.retained import Files, Retained
+from broker.mqtt.session import MQTTSession, Registry, Settings, split_username
+
+log = logging.getLogger(__name__)
+
+_PENDING_MAX = 64  # packets a client may send before its CONNACK
+Peer = tuple[str, int]
+
+
+class MQTTProtocol(asyncio.Protocol):
+    def __init__(self, server: MQTTServer) -> None:
+        self.server = server
+        cfg = server.config
+        self.parser = P.Parser(cfg.max_packet_size)
+        self.transport: asyncio.Transport | None = None
+        self.peer = ""
+        self.session: MQTTSession | None = None
+        self.state = "new"  # new -> login -> open -> closed
+        self.pending: list[P.Packet] = []
+        self.writable = True
+        self.last_seen = time.monotonic()
+        self.keepalive = 0.0
+        self.timer: asyncio.TimerHandle | None = None
+
+    # ------------------------------------------------------------------ Output
+    def write(self, data: bytes) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    # ------------------------------------------------------------------ asyncio
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
+        info = transport.get_extra_info("peername")
+        if info:
+            peer = (str(info[0]), int(info[1]))
+            self.peer = self.server.peers.get(peer, peer)[0]
+        self.server.connections.add(self)
+        self._arm(self.server.config.connect_timeout)
+
+    def data_received(self, data: bytes) -> None:
+        self.last_seen = time.monotonic()
+        for p in self.parser.feed(data):
+            if self.state == "closed":
+                return
+            self._packet(p)
+        if self.parser.error is not None and self.state != "closed":
+            log.warning("MQTT connection from %s: protocol violation: %s: closing", self.peer,
+                        self.parser.error)
+            self.abort(self.parser.error.code)
+
+    def _packet(self, p: P.Packet) -> None:
+        if self.state == "open":
+            assert self.session is not None
+            try:
+                self.session.handle(p)
+            except P.MalformedPacket as exc:
+                log.warning("MQTT client '%s' from %s: protocol violation: %s: closing",
+                            self.session.client_id, self.peer, exc)
+                self.abort(exc.code)
+            except Exception:  # a bug must cost one connection, never the broker
+                log.exception("internal error on MQTT connection from %s", self.peer)
+                self.abort(P.RC_IMPLEMENTATION_SPECIFIC)
+        elif self.state == "new":
+            if not isinstance(p, P.Connect):
+                log.warning("MQTT connection from %s: first packet is not CONNECT: closing", self.peer)
+                self.abort()
+                return
+            self.state = "login"
+            self.server.spawn(self._login(p))
+        elif self.state == "login":
+            if len(self.pending) >= _PENDING_MAX:
+                log.warning("MQTT connection from %s: %d packets before CONNACK: closing", self.peer,
+                            len(self.pending))
+                self.abort()
+                return
+            self.pending.append(p)
+
+    async def _login(self, c: P.Connect) -> None:
+        srv = self.server
+        v5 = c.level == 5
+        code = self._refusal(c)
+        user = vh = None
+        if code == P.ACCEPTED:
+            assert c.username is not None
+            vhost_name, name = split_username(c.username, srv.config.vhost)
+            password = (c.password or b"").decode("utf-8", errors="replace")
+            try:
+                user = await check_login(srv.users, name, password, self.peer, "MQTT")
+            except TooManyFailures:
+                code = P.RC_SERVER_UNAVAILABLE if v5 else P.SERVER_UNAVAILABLE
+            else:
+                vh = srv.vhosts.get(vhost_name)
+                if user is None:
+                    code = P.RC_BAD_CREDENTIALS if v5 else P.BAD_CREDENTIALS
+                elif vh is None or not srv.users.has_vhost_access(user, vhost_name):
+                    log.warning("MQTT client from %s: user '%s' has no access to vhost '%s'", self.peer,
+                                name, vhost_name)
+                    code = P.RC_NOT_AUTHORIZED if v5 else P.NOT_AUTHORIZED
+        if self.state != "login":
+            return  # the socket went while the login waited
+        if code != P.ACCEPTED or user is None or vh is None:
+            self.write(P.encode_connack(False, code, None, v5))
+            self.abort()
+            return
+        session = self.session = MQTTSession(srv.vhosts, srv.users, srv.settings, srv.after_sync,
+                                             srv.registry, self, self.peer)
+        self.state = "open"
+        try:
+            session.start(c, user, vh)
+        except Exception:  # noqa: BLE001 - one connection's failure, logged with its traceback
+            log.exception("internal error starting the MQTT session of %s", self.peer)
+            self.abort()
+            return
+        self.keepalive = c.keepalive * 1.5
+        self._arm(self.keepalive)
+        pending, self.pending = self.pending, []
+        for p in pending:
+            if self.state != "open":
+                break
+            self._packet(p)
+
+    def _refusal(self, c: P.Connect) -> int:
+        """The CONNACK code of a CONNECT refused before its credentials are checked, or 0."""
+        if c.level not in (3, 4, 5):
+            return P.BAD_PROTOCOL_VERSION
+        v5 = c.level == 5
+        if not c.client_id and not c.clean_session and not v5:
+            return P.IDENTIFIER_REJECTED  # a persistent session needs a name to come back to
+        if v5 and PR.AUTH_METHOD in c.props:
+            return P.RC_BAD_AUTH_METHOD  # no enhanced authentication (AUTH) yet
+        if c.username is None:  # no anonymous logins: the same users as AMQP
+            return P.RC_BAD_CREDENTIALS if v5 else P.NOT_AUTHORIZED
+        return P.ACCEPTED
+
+    # ------------------------------------------------------------------ timers
+    def _arm(self, seconds: float) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if seconds > 0:
+            self.timer = asyncio.get_running_loop().call_later(seconds, self._check_alive, seconds)
+
+    def _check_alive(self, seconds: float) -> None:
+        self.timer = None
+        if self.state == "closed":
+            return
+        if self.state != "open":
+            log.warning("MQTT connection from %s: no CONNECT within %.0f s: closing", self.peer, seconds)
+            self.abort()
+            return
+        idle = time.monotonic() - self.last_seen
+        if idle >= seconds:
+            log.warning("MQTT client '%s' from %s: silent for %.0f s (keepalive %.0f s): closing",
+                        self.session.client_id if self.session else "", self.peer, idle, seconds / 1.5)
+            self.abort(P.RC_KEEP_ALIVE_TIMEOUT)
+            return
+        self.timer = asyncio.get_running_loop().call_later(seconds - idle, self._check_alive, seconds)
+
+    # ------------------------------------------------------------------ endings
+    def abort(self, reason: int = P.RC_UNSPECIFIED) -> None:
+        """An abnormal end: MQTT 5 hears why, the will goes out, the socket closes."""
+        if self.session is not None:
+            self.session.disconnect(reason)
+        self.state = "closed"
+        self.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.session is not None and not self.session.closed:
+            log.warning("MQTT client '%s' from %s closed the connection unexpectedly",
+                        self.session.client_id, self.peer)
+            try:
+                self.session.end(normal=False)
+            except Exception:  # noqa: BLE001 - logged; the connection is gone either way
+                log.exception("internal error ending the MQTT session of %s", self.peer)
+        self.state = "closed"
+        self.server.connections.discard(self)
+
+    def pause_writing(self) -> None:
+        self.writable = False
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self.writable = True
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
+        if self.session is not None and not self.session.closed:
+            self.session.resume()
+
+
+class MQTTServer:
+    """The MQTT listeners (plain and TLS) of one node, over its vhosts and users."""
+
+    def __init__(self, config: MqttConfig, vhosts: dict[str, VHost], users: UserStore,
+                 after_sync: Callable[[Callable[[bool], None]], None], retained: Files,
+                 peers: Mapping[Peer, Peer] | None = None) -> None:
+        self.config = config
+        self.vhosts = vhosts
+        self.users = users
+        self.after_sync = after_sync
+        self.settings = Settings(config.exchange, config.prefetch, config.max_packet_size)
+        self.registry = Registry(Retained(retained, config.max_retained),
+                                 lambda delay, fn: asyncio.get_running_loop().call_later(delay, fn))
+        self.peers = peers if peers is not None else {}
+        self.connections: set[MQTTProtocol] = set()
+        self.servers: list[asyncio.Server] = []
+        self.addresses: dict[str, tuple[str, int]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def start(self, tls: Callable[[], ssl.SSLContext] | None = None) -> None:
+        cfg = self.config
+        wanted: list[tuple[str, int, ssl.SSLContext | None]] = []
+        if cfg.port >= 0:
+            wanted.append(("mqtt", cfg.port, None))
+        if tls is not None and cfg.tls_port >= 0:
+            wanted.append(("mqtts", cfg.tls_port, tls()))
+        for name, port, ctx in wanted:
+            try:
+                server = await asyncio.get_running_loop().create_server(
+                    lambda: MQTTProtocol(self), cfg.bind, port, ssl=ctx, reuse_address=True)
+            except OSError as exc:
+                log.error("%s listener not started: cannot bind %s:%d: %s", name.upper(), cfg.bind, port,
+                          exc.strerror or exc)
+                continue
+            self.servers.append(server)
+            addr = server.sockets[0].getsockname()
+            self.addresses[name] = (str(addr[0]), int(addr[1]))
+            log.info("%s listening on %s:%d", name.upper(), *self.addresses[name])
+
+    async def stop(self) -> None:
+        for server in self.servers:
+            server.close()
+        for conn in list(self.connections):
+            conn.abort(P.RC_SERVER_SHUTTING_DOWN)
+        for task in list(self._tasks):
+            task.cancel()
+        self.servers.clear()

@@ -1,0 +1,620 @@
+"""One MQTT connection turned into the model's operations: publish, queues, consume, settle.
+
+Theory of operation
+-------------------
+MQTT is mapped onto the core the way RabbitMQ maps it (names and properties: ``mapping.py``),
+so AMQP and MQTT clients meet:
+
+- **Publish.** A PUBLISH goes through the one publish operation (``VHost.publish``) to the
+  MQTT exchange (``[mqtt] exchange``, default ``amq.topic``). A QoS 1 PUBLISH is answered
+  (PUBACK) only once the message is as durable as an AMQP publisher confirm makes it (the group
+  commit, the in-sync followers in a cluster): the answers wait in the syncer's queue of
+  callbacks, which keeps them in order. A QoS 2 PUBLISH is stored once and answered with PUBREC;
+  its packet identifier is remembered until PUBREL, so a resent PUBLISH is not stored twice.
+- **Subscriptions are queues.** A session's subscriptions are bindings of its queues to the MQTT
+  exchange: ``mqtt-subscription-<client id>qos0`` for QoS 0 filters, ``...qos1`` for QoS 1 and 2
+  (QoS 2 is granted as 1, as RabbitMQ does), named as RabbitMQ names them. A session that ends
+  with the connection (3.1.1 clean session, MQTT 5 session expiry 0) has exclusive queues; one
+  that outlives it has durable queues (MQTT 5: with ``x-expires`` of its session expiry), so its
+  subscriptions and QoS 1 messages survive the client's absence, a restart, kill -9 and a
+  failover, and CONNACK says ``session present`` when they exist.
+- **Delivery.** The session consumes from its queues with ``MQTTConsumer``: QoS 0 deliveries are
+  settled when written; QoS 1 deliveries take a packet identifier and stay unacked in the queue
+  until PUBACK, at most ``[mqtt] prefetch`` at a time (and the client's receive maximum), and come
+  back to the queue when the connection ends. The delivered QoS is the lower of the queue's and
+  the message's. MQTT 5 options are applied per delivery against the session's filters that
+  match the topic: subscription identifiers, no-local, retain-as-published; a message larger
+  than the client's maximum packet size is dropped, as the spec says.
+- **Retained messages** (``retained.py``): a PUBLISH with the retain flag is stored as its
+  topic's retained message before it is published (an empty payload clears it), durable by the
+  same group commit its PUBACK waits for; a subscription is sent the retained messages its filter
+  matches, wildcards included, right after SUBACK (MQTT 5 retain handling decides whether).
+- **Authentication and permissions** are AMQP's: the adapter logs the CONNECT's user in through
+  the same users and login throttle before ``start``; a user name ``vhost:user`` picks the vhost.
+  Publishing needs write on the exchange; a subscription needs configure, write and read on its
+  queue and read on the exchange, checked per filter.
+- **Endings.** DISCONNECT (MQTT 5: reason 0) ends a connection normally and discards the will.
+  Any other end publishes the will, after MQTT 5's will delay unless the client comes back first.
+  Unacked QoS 1 deliveries go back to their queues either way.
+
+The session does no IO: ``Output`` (the network adapter) writes bytes, closes, and runs timers.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from broker import errors
+from broker.auth.users import User, UserStore
+from broker.model.publish import PublishRequest
+from broker.model.queue import Consumer, Queue
+from broker.model.vhost import VHost
+from broker.mqtt import packets as P
+from broker.mqtt import props as PR
+from broker.mqtt.mapping import Delivered, amqp_props, to_filter, to_routing_key, to_topic
+from broker.mqtt.retained import Retained, topic_matches
+
+log = logging.getLogger(__name__)
+
+_MAX_PACKET_ID = 65535
+NEVER_EXPIRES = 0xFFFFFFFF
+TOPIC_ALIAS_MAXIMUM = 64  # inbound topic aliases a client may set up per connection
+
+
+class Output(Protocol):
+    """What the network adapter gives the session."""
+
+    writable: bool
+
+    def write(self, data: bytes) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Cancellable(Protocol):
+    def cancel(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Settings:
+    exchange: str  # where MQTT publishes go and subscriptions bind
+    prefetch: int  # QoS 1 deliveries in flight per connection
+    max_packet: int  # the largest packet a client may send
+
+
+class Registry:
+    """What the sessions of one node share: the connected sessions by (vhost, client id), for
+    takeover, the retained messages and the wills waiting out their delay."""
+
+    def __init__(self, retained: Retained,
+                 call_later: Callable[[float, Callable[[], None]], Cancellable]) -> None:
+        self.sessions: dict[tuple[str, str], MQTTSession] = {}
+        self.retained = retained
+        self.call_later = call_later
+        self.delayed_wills: dict[tuple[str, str], Cancellable] = {}
+
+
+OPTIONS_ARG = "x-mqtt-subscription-options"
+SUBSCRIPTION_ID_ARG = "x-mqtt-subscription-id"
+
+
+def binding_args(options: int, sub_id: int) -> dict[str, Any]:
+    """What a subscription's binding carries beyond its key: MQTT 5 options and identifier, so a
+    resumed session gets them back (none for a plain subscription, as RabbitMQ binds)."""
+    if not options & ~3 and not sub_id:
+        return {}
+    return {OPTIONS_ARG: options, SUBSCRIPTION_ID_ARG: sub_id}
+
+
+def shared_group(topic_filter: str) -> tuple[str, str] | None:
+    """``$share/group/filter`` as (group, filter); None for any other filter."""
+    if not topic_filter.startswith("$share/"):
+        return None
+    _, group, inner = (topic_filter.split("/", 2) + [""])[:3]
+    return group, inner
+
+
+def split_username(username: str, default_vhost: str) -> tuple[str, str]:
+    """``vhost:user`` (RabbitMQ's form) or a plain user name on the default vhost."""
+    if ":" in username:
+        vhost, _, user = username.partition(":")
+        return vhost, user
+    return default_vhost, username
+
+
+class MQTTConsumer(Consumer):
+    """A session's consumer on one of its queues (``qos``: 0 or 1, the subscription's level;
+    ``shared_filter``: the ``$share/...`` filter of a shared subscription's queue)."""
+
+    __slots__ = ("session", "qos", "shared_filter")
+
+    def __init__(self, session: MQTTSession, queue: Queue, qos: int,
+                 shared_filter: str | None = None) -> None:
+        super().__init__(f"mqtt.{session.client_id}.qos{qos}", queue, no_ack=qos == 0, exclusive=False)
+        self.session = session
+        self.qos = qos
+        self.shared_filter = shared_filter
+
+    def ready(self) -> bool:
+        return self.capacity() > 0
+
+    def capacity(self) -> int:
+        s = self.session
+        if not s.out.writable or s.closed:
+            return 0
+        if self.qos == 0:
+            return 1 << 30
+        return max(0, s.in_flight_max - len(s.inflight))
+
+    def deliver(self, msgid: int, exchange: bytes, routing_key: bytes, props: bytes, body: bytes,
+                redelivered: bool) -> None:
+        self.session.deliver(self, msgid, routing_key.decode(errors="replace"), props, body, redelivered)
+
+
+class MQTTSession:
+    def __init__(self, vhosts: dict[str, VHost], users: UserStore, settings: Settings,
+                 after_sync: Callable[[Callable[[bool], None]], None], registry: Registry,
+                 out: Output, peer: str) -> None:
+        self.vhosts = vhosts
+        self.users = users
+        self.settings = settings
+        self.after_sync = after_sync
+        self.registry = registry
+        self.out = out
+        self.peer = peer
+        self.client_id = ""
+        self.user: User | None = None
+        self.vhost: VHost | None = None
+        self.v5 = False
+        self.durable = False  # the session outlives the connection
+        self.session_expiry = 0  # MQTT 5, seconds
+        self.will: P.Will | None = None
+        self.consumers: dict[str, MQTTConsumer] = {}  # queue name -> consumer
+        # packet id -> (queue, msgid); None: a retained message, nothing to settle
+        self.inflight: dict[int, tuple[Queue, int] | None] = {}
+        self.in_flight_max = settings.prefetch
+        self.client_max_packet = 0  # MQTT 5: the largest packet the client takes (0: no limit)
+        self.next_id = 1
+        self.qos2_received: set[int] = set()  # QoS 2 packet ids stored, awaiting PUBREL
+        self.aliases: dict[int, str] = {}  # MQTT 5 inbound topic aliases
+        self.filters: dict[str, tuple[int, int]] = {}  # filter -> (options, subscription id or 0)
+        self.closed = False
+        self.published = 0
+        self.delivered = 0
+
+    # ------------------------------------------------------------------ connect
+    def start(self, connect: P.Connect, user: User, vhost: VHost) -> None:
+        """A CONNECT the adapter authenticated: take over the client id, resume or start the
+        session, answer CONNACK, consume."""
+        self.user, self.vhost, self.will = user, vhost, connect.will
+        self.v5 = connect.level == 5
+        cp = connect.props
+        if self.v5:
+            self.session_expiry = cp.get(PR.SESSION_EXPIRY, 0)
+            self.durable = self.session_expiry > 0
+            self.in_flight_max = min(self.settings.prefetch, cp.get(PR.RECEIVE_MAXIMUM, 65535))
+            self.client_max_packet = cp.get(PR.MAXIMUM_PACKET_SIZE, 0)
+        else:
+            self.durable = not connect.clean_session
+        assigned = not connect.client_id
+        self.client_id = connect.client_id or "skred-" + base64.urlsafe_b64encode(
+            os.urandom(12)).decode().rstrip("=")
+        key = (vhost.name, self.client_id)
+        old = self.registry.sessions.get(key)
+        if old is not None:
+            log.info("MQTT client id '%s' in vhost '%s' taken over by %s: closing %s",
+                     self.client_id, vhost.name, self.peer, old.peer)
+            old.disconnect(P.RC_SESSION_TAKEN_OVER)
+        pending_will = self.registry.delayed_wills.pop(key, None)
+        if pending_will is not None:  # back within the will delay: the will is not sent
+            pending_will.cancel()
+        self.registry.sessions[key] = self
+        present = False
+        for qos in (0, 1):
+            name = self.queue_name(qos)
+            q = vhost.queues.get(name)
+            if q is None:
+                continue
+            if connect.clean_session:  # clean session / clean start: what was left behind goes
+                vhost.delete_queue(name, owner=q.exclusive_owner)
+                continue
+            present = True
+            self._restore_filters(q, qos)
+            self._consume(q, qos)
+        props: PR.Props = {}
+        if self.v5:
+            props = {PR.TOPIC_ALIAS_MAXIMUM: TOPIC_ALIAS_MAXIMUM,
+                     PR.MAXIMUM_PACKET_SIZE: self.settings.max_packet}
+            if assigned:
+                props[PR.ASSIGNED_CLIENT_ID] = self.client_id
+        self.out.write(P.encode_connack(present, P.ACCEPTED, props, self.v5))
+
+    def queue_name(self, qos: int) -> str:
+        return f"mqtt-subscription-{self.client_id}qos{qos}"
+
+    # ------------------------------------------------------------------ packets
+    def handle(self, p: P.Packet) -> None:
+        """One packet after CONNECT. Raises ``P.MalformedPacket`` for a protocol violation."""
+        if self.closed:
+            return
+        if isinstance(p, P.Publish):
+            self.publish(p)
+        elif isinstance(p, P.PacketId):
+            if p.type == P.PUBACK:
+                self.puback(p.packet_id)
+            elif p.type == P.PUBREL:
+                known = p.packet_id in self.qos2_received
+                self.qos2_received.discard(p.packet_id)
+                reason = 0 if known or not self.v5 else P.RC_PACKET_ID_NOT_FOUND
+                self.out.write(P.encode_packet_id(P.PUBCOMP, p.packet_id, reason))
+            elif p.type in (P.PUBREC, P.PUBCOMP):
+                pass  # the broker sends QoS 2 as QoS 1: a client has no reason to send these
+            else:
+                raise P.MalformedPacket(f"packet type {p.type} from a client", P.RC_PROTOCOL_ERROR)
+        elif isinstance(p, P.Subscribe):
+            self.subscribe(p)
+        elif isinstance(p, P.Unsubscribe):
+            self.unsubscribe(p)
+        elif isinstance(p, P.Bare) and p.type == P.PINGREQ:
+            self.out.write(P.PINGRESP_BYTES)
+        elif isinstance(p, P.Disconnect):
+            self.client_disconnect(p)
+        else:
+            raise P.MalformedPacket("a second CONNECT" if isinstance(p, P.Connect) else f"unexpected {p}",
+                                    P.RC_PROTOCOL_ERROR)
+
+    def client_disconnect(self, p: P.Disconnect) -> None:
+        expiry = p.props.get(PR.SESSION_EXPIRY)
+        if expiry is not None:
+            if self.session_expiry == 0 and expiry:
+                raise P.MalformedPacket("session expiry set on DISCONNECT after 0 on CONNECT",
+                                        P.RC_PROTOCOL_ERROR)
+            self.session_expiry = expiry
+            if not expiry:
+                self.durable = False
+        # MQTT 5: "disconnect with will message" (0x04) sends the will as an abnormal end would
+        self.end(normal=p.reason != 0x04)
+        self.out.close()
+
+    # ------------------------------------------------------------------ publish
+    def publish(self, p: P.Publish) -> None:
+        assert self.vhost is not None and self.user is not None
+        topic = self._topic(p)
+        ex = self.settings.exchange
+        if not self.users.can_write(self.user, self.vhost.name, ex):
+            log.warning("MQTT client '%s' (user '%s'): no write permission on exchange '%s' in vhost "
+                        "'%s'", self.client_id, self.user.name, ex, self.vhost.name)
+            if self.v5 and p.qos:
+                self._answer(p, P.RC_NOT_AUTHORIZED, sync=False)
+                return
+            self.disconnect(P.RC_NOT_AUTHORIZED)
+            return
+        if p.qos == 2 and p.packet_id in self.qos2_received:
+            self.out.write(P.encode_packet_id(P.PUBREC, p.packet_id))  # a resend: stored already
+            return
+        if p.retain and not self._retain(topic, p):
+            if self.v5 and p.qos:
+                self._answer(p, P.RC_QUOTA_EXCEEDED, sync=False)
+            else:
+                self.disconnect(P.RC_QUOTA_EXCEEDED)
+            return
+        origin = self.client_id if any(o & P.NO_LOCAL for o, _ in self.filters.values()) else None
+        routed = self._publish(topic, p.payload, p.qos, p.retain, p.props, origin)
+        if routed is None:
+            if self.v5 and p.qos:
+                self._answer(p, P.RC_UNSPECIFIED, sync=False)
+            else:
+                self.disconnect(P.RC_UNSPECIFIED)
+            return
+        if p.qos:
+            if p.qos == 2:
+                self.qos2_received.add(p.packet_id)
+            self._answer(p, 0 if routed or not self.v5 else P.RC_NO_MATCHING_SUBSCRIBERS, sync=True)
+
+    def _topic(self, p: P.Publish) -> str:
+        alias = p.props.get(PR.TOPIC_ALIAS)
+        if alias is None:
+            return p.topic
+        if alias > TOPIC_ALIAS_MAXIMUM:
+            raise P.MalformedPacket(f"topic alias {alias} above the maximum {TOPIC_ALIAS_MAXIMUM}",
+                                    P.RC_TOPIC_ALIAS_INVALID)
+        if p.topic:
+            self.aliases[alias] = p.topic
+            return p.topic
+        topic = self.aliases.get(alias)
+        if topic is None:
+            raise P.MalformedPacket(f"topic alias {alias} was never set", P.RC_PROTOCOL_ERROR)
+        return topic
+
+    def _answer(self, p: P.Publish, reason: int, sync: bool) -> None:
+        """PUBACK or PUBREC, after the group commit when ``sync`` (the message was stored)."""
+        answer = P.encode_packet_id(P.PUBACK if p.qos == 1 else P.PUBREC, p.packet_id, reason)
+        if not sync:
+            self.after_sync(lambda ok: None if self.closed else self.out.write(answer))  # in order
+            return
+
+        def synced(ok: bool) -> None:
+            if self.closed:
+                return
+            if ok:
+                self.out.write(answer)
+            else:  # not durable: no ack; the client sends it again on its next connection
+                log.warning("MQTT client '%s': a message could not be made durable: closing",
+                            self.client_id)
+                self.disconnect(P.RC_UNSPECIFIED)
+
+        self.after_sync(synced)
+
+    def _retain(self, topic: str, p: P.Publish) -> bool:
+        assert self.vhost is not None
+        try:
+            if self.registry.retained.set(self.vhost.name, topic, p.qos, p.payload):
+                return True
+            log.warning("MQTT client '%s': retained message for '%s' refused: the node holds the "
+                        "most retained messages it may ([mqtt] max_retained)", self.client_id, topic)
+        except OSError as exc:
+            log.warning("MQTT client '%s': retained message for '%s' not stored: %s", self.client_id,
+                        topic, exc)
+        return False
+
+    def _publish(self, topic: str, payload: bytes, qos: int, retain: bool, props: PR.Props,
+                 origin: str | None = None) -> bool | None:
+        """Through the one publish operation: whether a queue took it; None when it did not
+        happen (refused: the client is told so)."""
+        assert self.vhost is not None
+        req = PublishRequest(self.settings.exchange, to_routing_key(topic),
+                             amqp_props(qos, retain, props, origin), payload, int(time.time() * 1000),
+                             persistent=qos > 0)
+        try:
+            out = self.vhost.publish(req)
+        except errors.SkredError as exc:
+            log.warning("MQTT client '%s': publish to '%s' refused: %s", self.client_id, topic, exc)
+            return None
+        if out.rejected:
+            return None
+        self.published += 1
+        return not out.unroutable
+
+    # ------------------------------------------------------------------ subscribe
+    def subscribe(self, p: P.Subscribe) -> None:
+        assert self.vhost is not None
+        sub_id = p.props.get(PR.SUBSCRIPTION_ID, 0)
+        results = [self._bind(f, options, sub_id) for f, options in p.filters]
+        self.out.write(P.encode_suback(p.packet_id, [code for code, _ in results], self.v5))
+        for (f, options), (granted, existed) in zip(p.filters, results, strict=True):
+            if granted >= P.SUBACK_FAILURE or shared_group(f) is not None:
+                continue  # no retained messages for a shared subscription (section 4.8.2)
+            handling = P.retain_handling(options)
+            if handling == 2 or (handling == 1 and existed):
+                continue
+            props: PR.Props = {PR.SUBSCRIPTION_ID: sub_id} if sub_id and self.v5 else {}
+            for topic, qos, payload in self.registry.retained.matching(self.vhost.name, f):
+                self._send(topic, payload, min(qos, granted), True, props, None)
+
+    def _bind(self, topic_filter: str, options: int, sub_id: int) -> tuple[int, bool]:
+        """One filter of a SUBSCRIBE: (the granted QoS or a failure code, whether it existed)."""
+        assert self.vhost is not None and self.user is not None
+        vh, user, ex = self.vhost, self.user, self.settings.exchange
+        existed = topic_filter in self.filters
+        fail = P.RC_UNSPECIFIED if self.v5 else P.SUBACK_FAILURE
+        granted = min(options & 3, 1)
+        shared = shared_group(topic_filter)
+        if shared is not None:
+            if options & P.NO_LOCAL:
+                raise P.MalformedPacket("no-local on a shared subscription", P.RC_PROTOCOL_ERROR)
+            group, inner = shared
+            name = f"mqtt-shared-{group}-{inner}"
+            if not group or "+" in group or "#" in group or len(name.encode()) > 255:
+                return (P.RC_TOPIC_FILTER_INVALID if self.v5 else fail), existed
+        else:
+            inner, name = topic_filter, self.queue_name(granted)
+        if not (self.users.can_configure(user, vh.name, name) and self.users.can_write(user, vh.name, name)
+                and self.users.can_read(user, vh.name, name) and self.users.can_read(user, vh.name, ex)):
+            log.warning("MQTT client '%s' (user '%s'): subscription to '%s' refused: no permission",
+                        self.client_id, user.name, topic_filter)
+            return (P.RC_NOT_AUTHORIZED if self.v5 else P.SUBACK_FAILURE), existed
+        key = to_routing_key(inner)
+        try:
+            q = vh.queues.get(name)
+            if q is None:
+                args: dict[str, Any] = {}
+                if self.durable and self.v5 and self.session_expiry != NEVER_EXPIRES:
+                    args["x-expires"] = self.session_expiry * 1000
+                q, _ = vh.declare_queue(name, durable=self.durable,
+                                        exclusive=not self.durable and shared is None,
+                                        auto_delete=shared is not None, arguments=args, owner=self)
+            if shared is None:
+                self._unbind(topic_filter)  # a resubscription replaces the binding (QoS, options)
+                vh.bind_queue(name, ex, key, binding_args(options, sub_id), owner=self)
+            else:  # the group's members share one binding and one queue; options are per member
+                vh.bind_queue(name, ex, key, {}, owner=self)
+        except errors.SkredError as exc:
+            log.warning("MQTT client '%s': subscription to '%s' failed: %s", self.client_id,
+                        topic_filter, exc)
+            return fail, existed
+        self.filters[topic_filter] = (options, sub_id)
+        if name not in self.consumers:
+            self._consume(q, granted, topic_filter if shared is not None else None)
+        return granted, existed
+
+    def _unbind(self, topic_filter: str) -> bool:
+        """Remove a (non-shared) subscription's binding; whether there was one."""
+        old = self.filters.get(topic_filter)
+        if old is None:
+            return False
+        assert self.vhost is not None
+        key, args = to_routing_key(topic_filter), binding_args(*old)
+        for qos in (0, 1):
+            q = self.vhost.queues.get(self.queue_name(qos))
+            if q is not None:
+                try:
+                    self.vhost.unbind_queue(q.name, self.settings.exchange, key, args, owner=self)
+                except errors.SkredError:
+                    pass  # bound to the other queue
+        return True
+
+    def unsubscribe(self, p: P.Unsubscribe) -> None:
+        codes = []
+        for f in p.filters:
+            if shared_group(f) is not None:
+                found = f in self.filters
+                for name, c in list(self.consumers.items()):
+                    if c.shared_filter == f:  # leave the group: its queue goes with its last member
+                        del self.consumers[name]
+                        c.queue.remove_consumer(c)
+            else:
+                found = self._unbind(f)
+            self.filters.pop(f, None)
+            codes.append(0 if found else 0x11)  # 0x11: no subscription existed
+        self.out.write(P.encode_unsuback(p.packet_id, codes, self.v5))
+
+    def _consume(self, q: Queue, qos: int, shared_filter: str | None = None) -> None:
+        c = MQTTConsumer(self, q, qos, shared_filter)
+        self.consumers[q.name] = c
+        q.add_consumer(c)
+
+    def _restore_filters(self, q: Queue, qos: int) -> None:
+        """A resumed session's subscriptions, from its queue's bindings (options and identifiers
+        travel in the binding arguments)."""
+        assert self.vhost is not None
+        ex = self.vhost.exchanges.get(self.settings.exchange)
+        if ex is None:
+            return
+        for key, args in ex.bindings_of(q):
+            options = args.get(OPTIONS_ARG, qos)
+            sub_id = args.get(SUBSCRIPTION_ID_ARG, 0)
+            self.filters[to_filter(key)] = (options if isinstance(options, int) else qos,
+                                           sub_id if isinstance(sub_id, int) else 0)
+
+    # ------------------------------------------------------------------ deliver
+    def deliver(self, c: MQTTConsumer, msgid: int, routing_key: str, props: bytes, body: bytes,
+                redelivered: bool) -> None:
+        m = Delivered(props, self.v5)
+        topic = to_topic(routing_key)
+        retain = False
+        out_props = m.props
+        if self.v5:
+            if c.shared_filter is not None:
+                matched = [self.filters.get(c.shared_filter, (c.qos, 0))]
+            else:  # this queue's filters (one copy per queue: QoS 0 and 1 subscriptions overlap)
+                matched = [(o, i) for f, (o, i) in self.filters.items() if min(o & 3, 1) == c.qos
+                           and not f.startswith("$share/") and topic_matches(f, topic)]
+                if matched and m.origin == self.client_id and all(o & P.NO_LOCAL for o, _ in matched):
+                    if not c.no_ack:
+                        c.queue.ack(msgid)  # the client's own message on a no-local subscription
+                    return
+            retain = m.retain and any(o & P.RETAIN_AS_PUBLISHED for o, _ in matched)
+            ids = sorted({i for _, i in matched if i})
+            if ids:
+                out_props = {**out_props, PR.SUBSCRIPTION_ID: ids}
+        qos = min(c.qos, m.qos)
+        self._send(topic, body, qos, retain, out_props, (c.queue, msgid) if not c.no_ack else None,
+                   redelivered)
+
+    def _send(self, topic: str, body: bytes, qos: int, retain: bool, props: PR.Props,
+              settle: tuple[Queue, int] | None, dup: bool = False) -> None:
+        pid = self._packet_id() if qos else 0
+        data = P.encode_publish(topic, body, qos, retain, dup and qos > 0, pid, props, self.v5)
+        if self.client_max_packet and len(data) > self.client_max_packet:
+            log.info("MQTT client '%s': a message of %d bytes for '%s' dropped: over the client's "
+                     "maximum packet size %d", self.client_id, len(data), topic, self.client_max_packet)
+            if settle is not None:
+                settle[0].ack(settle[1])
+            return
+        self.delivered += 1
+        if qos:
+            self.inflight[pid] = settle
+        elif settle is not None:  # a QoS 0 message in the QoS 1 queue: settled once written
+            settle[0].ack(settle[1])
+        self.out.write(data)
+
+    def _packet_id(self) -> int:
+        pid = self.next_id
+        while pid in self.inflight:
+            pid = pid % _MAX_PACKET_ID + 1
+        self.next_id = pid % _MAX_PACKET_ID + 1
+        return pid
+
+    def puback(self, pid: int) -> None:
+        if pid not in self.inflight:
+            return  # an unknown identifier (a duplicate PUBACK): nothing to settle
+        got = self.inflight.pop(pid)
+        if got is not None and not got[0].deleted:
+            got[0].ack(got[1])
+        self.resume()
+
+    def resume(self) -> None:
+        """Capacity came back (an ack, a drained socket): let the queues deliver."""
+        for c in self.consumers.values():
+            c.queue.schedule_delivery()
+
+    # ------------------------------------------------------------------ end
+    def disconnect(self, reason: int) -> None:
+        """The server ends the connection: MQTT 5 says why first; the will goes out."""
+        if self.closed:
+            return
+        if self.v5:
+            self.out.write(P.encode_disconnect(reason))
+        self.end(normal=False)
+        self.out.close()
+
+    def end(self, normal: bool) -> None:
+        """The connection ends: requeue what is in flight, publish the will unless ``normal``,
+        let a session that ends with its connection go. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        vh = self.vhost
+        if vh is None:
+            return
+        key = (vh.name, self.client_id)
+        if self.registry.sessions.get(key) is self:
+            del self.registry.sessions[key]
+        for c in self.consumers.values():
+            c.queue.remove_consumer(c)
+        for got in self.inflight.values():
+            if got is not None and not got[0].deleted:
+                got[0].reject(got[1], requeue=True)
+        self.inflight.clear()
+        if not normal and self.will is not None:
+            self._will(vh, key)
+        if not self.durable:
+            for qos in (0, 1):
+                q = vh.queues.get(self.queue_name(qos))
+                if q is not None:
+                    try:
+                        vh.delete_queue(q.name, owner=q.exclusive_owner)
+                    except errors.SkredError as exc:
+                        log.warning("MQTT client '%s': its session's queue '%s' stays: %s",
+                                    self.client_id, q.name, exc)
+
+    def _will(self, vh: VHost, key: tuple[str, str]) -> None:
+        w, user = self.will, self.user
+        assert w is not None and user is not None
+        if not self.users.can_write(user, vh.name, self.settings.exchange):
+            return
+        delay = min(w.props.get(PR.WILL_DELAY, 0), self.session_expiry) if self.v5 else 0
+
+        def send() -> None:
+            self.registry.delayed_wills.pop(key, None)
+            if w.retain:
+                try:
+                    self.registry.retained.set(vh.name, w.topic, w.qos, w.message)
+                except OSError as exc:
+                    log.warning("MQTT will of '%s' not retained: %s", self.client_id, exc)
+            self._publish(w.topic, w.message, w.qos, w.retain, w.props)
+
+        if delay <= 0:
+            send()
+        else:
+            self.registry.delayed_wills[key] = self.registry.call_later(delay, send)
+
+    def stats(self) -> dict[str, Any]:
+        return {"client_id": self.client_id, "published": self.published, "delivered": self.delivered,
+                "inflight": len(self.inflight)}
