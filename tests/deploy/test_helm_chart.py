@@ -95,7 +95,9 @@ def test_statefulset_shape() -> None:
     container = pod["containers"][0]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert probe in container, probe
-    assert "/api/aliveness-test/" in " ".join(container["readinessProbe"]["exec"]["command"])
+    # The image's health command (skredctl aliveness, as its HEALTHCHECK) on the management port.
+    assert container["readinessProbe"]["exec"]["command"] == [
+        "skredctl", "--url=http://127.0.0.1:15672", "aliveness"]
     assert container["resources"]["requests"] and container["resources"]["limits"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
