@@ -143,6 +143,8 @@ def pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pod]:
     name = pod_doc["metadata"]["name"]
     container = pod_doc["spec"]["containers"][0]
     host_ports = {p["name"]: p["hostPort"] for p in container["ports"]}
+    configmaps = [d["metadata"]["name"] for d in docs if d["kind"] == "ConfigMap"]
+    podman("volume", "rm", "-f", *configmaps, check=False)  # left by a run that was killed
     held = [p["containerPort"] for c in pod_doc["spec"]["containers"] for p in c.get("ports", [])]
     try:
         with holding(held):  # another process on 15672 & co. must not matter
@@ -153,6 +155,8 @@ def pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pod]:
         (work / "skred.log").write_text(logs)
         print(f"kube play pod log: {work / 'skred.log'}")
         podman("pod", "rm", "-f", name, check=False)
+        # podman kube play leaves a volume named after each ConfigMap behind: remove it with the pod.
+        podman("volume", "rm", "-f", *configmaps, check=False)
         podman("rmi", "-f", tag, check=False)
 
 
