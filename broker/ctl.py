@@ -13,7 +13,7 @@ where skredctl runs next to the node, as in its container (``SKRED_MAIN_DEFAULT_
 file's healthcheck, the Helm chart's readiness probe): one word-safe argv that needs no shell
 and no quoting, so an engine that splits a healthcheck command into words (docker-compose 1.29
 on podman's API does) still runs it unchanged. It exits 0 when the aliveness test passes and
-1 on every failure, unreachable broker included (a healthcheck's exit status 2 is reserved).
+1 when it fails or the broker cannot be reached (a healthcheck's exit status 2 is reserved).
 
 HTTPS: an ``https://`` URL verifies the broker's certificate and host name
 against ``--cacert`` (else the system's CAs); ``--cert``/``--key`` present a
