@@ -53,13 +53,15 @@ VOLUME ["/var/lib/skred"]
 USER 10001:10001
 
 # The RabbitMQ-compatible aliveness test (declares, publishes to and consumes from
-# a test queue in vhost "/"). It runs inside the container, so it talks to
-# 127.0.0.1, where even the loopback-only default user "guest" may log in; it
-# uses SKRED_MAIN_DEFAULT_USER/PASSWORD when set. Python's urllib: the slim
-# image has no curl. A follower answers only after its first sync with the
-# leader, which is what "healthy" should mean in a cluster.
+# a test queue in vhost "/"), by `skredctl aliveness`: it runs inside the container,
+# so it talks to 127.0.0.1 (SKRED_MGMT_PORT, else 15672), where even the
+# loopback-only default user "guest" may log in; it uses SKRED_MAIN_DEFAULT_USER/
+# PASSWORD when set. Plain words, no shell and no quoting: engines that split a
+# healthcheck into words (podman's Docker API) run it unchanged. A follower
+# answers only after its first sync with the leader, which is what "healthy"
+# should mean in a cluster.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=3 \
-    CMD ["python", "-c", "import base64,os,sys,urllib.request as u; e=os.environ.get; a=base64.b64encode((e('SKRED_MAIN_DEFAULT_USER','guest')+':'+e('SKRED_MAIN_DEFAULT_PASSWORD','guest')).encode()).decode(); r=u.urlopen(u.Request('http://127.0.0.1:'+e('SKRED_MGMT_PORT','15672')+'/api/aliveness-test/%2F',headers={'Authorization':'Basic '+a}),timeout=4); sys.exit(0 if b'\"ok\"' in r.read() else 1)"]
+    CMD ["skredctl", "aliveness"]
 
 ENTRYPOINT ["skred"]
 CMD []

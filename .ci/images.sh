@@ -7,8 +7,9 @@
 #   localhost/skred-prometheus:bookworm  Debian's prometheus (deploy/images/prometheus)
 #
 # The base trusts the CA certificates this machine adds locally (/usr/local/share/ca-certificates),
-# so builds on it reach the package registries exactly as the host does. An image that already
-# exists is kept (delete it with `podman rmi` to rebuild). Needs root, podman and debootstrap.
+# so builds on it reach the package registries exactly as the host does. A base image that already
+# exists is kept (delete it with `podman rmi` to rebuild); etcd and Prometheus are rebuilt when
+# their Containerfile changed. Needs root, podman and debootstrap.
 # Prints `export NAME=image` lines for the tests (SKRED_BASE_IMAGE, ETCD_IMAGE, PROMETHEUS_IMAGE).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,8 +33,16 @@ if ! podman image exists "$BASE"; then
     rm -rf "$rootfs"
     trap - EXIT
 fi
-podman image exists "$ETCD" || podman build --build-arg BASE_IMAGE="$BASE" -t "$ETCD" deploy/images/etcd >&2
-podman image exists "$PROMETHEUS" ||
-    podman build --build-arg BASE_IMAGE="$BASE" -t "$PROMETHEUS" deploy/images/prometheus >&2
+# etcd and Prometheus are rebuilt when their Containerfile changed since the image was built
+# (a label holds its checksum): a kept image must not miss what the tests rely on, such as the
+# wget of the Prometheus healthcheck.
+build_current() {  # IMAGE DIR
+    local sum
+    sum="$(sha256sum "$2/Containerfile" | cut -d' ' -f1)"
+    [ "$(podman image inspect --format '{{index .Labels "skred.containerfile"}}' "$1" 2>/dev/null)" = "$sum" ] ||
+        podman build --build-arg BASE_IMAGE="$BASE" --label "skred.containerfile=$sum" -t "$1" "$2" >&2
+}
+build_current "$ETCD" deploy/images/etcd
+build_current "$PROMETHEUS" deploy/images/prometheus
 
 echo "export SKRED_BASE_IMAGE=$BASE ETCD_IMAGE=$ETCD PROMETHEUS_IMAGE=$PROMETHEUS"

@@ -5,7 +5,15 @@ Output is a plain table by default and the API's JSON with ``--json``.
 Connection and auth failures end with one line on stderr and exit status 2
 (cannot reach the broker) or 1 (the broker refused: 401/403/4xx), never a
 traceback. Credentials come from ``--user/--password`` or the environment
-(``SKREDCTL_USER``, ``SKREDCTL_PASSWORD``, ``SKREDCTL_URL``).
+(``SKREDCTL_USER``, ``SKREDCTL_PASSWORD``, ``SKREDCTL_URL``), else the node's own settings
+where skredctl runs next to the node, as in its container (``SKRED_MAIN_DEFAULT_USER``,
+``SKRED_MAIN_DEFAULT_PASSWORD``, ``SKRED_MGMT_PORT`` on 127.0.0.1), else guest on 15672.
+
+``skredctl aliveness`` is the container health command (the image's HEALTHCHECK, the compose
+file's healthcheck, the Helm chart's readiness probe): one word-safe argv that needs no shell
+and no quoting, so an engine that splits a healthcheck command into words (docker-compose 1.29
+on podman's API does) still runs it unchanged. It exits 0 when the aliveness test passes and
+1 when it fails or the broker cannot be reached (a healthcheck's exit status 2 is reserved).
 
 HTTPS: an ``https://`` URL verifies the broker's certificate and host name
 against ``--cacert`` (else the system's CAs); ``--cert``/``--key`` present a
@@ -32,6 +40,7 @@ from typing import Any
 from broker.config import OneLineErrorParser
 
 DEFAULT_URL = "http://127.0.0.1:15672"
+UNHEALTHY = 1  # the one failure status of a container healthcheck (Docker reserves 2)
 TIMEOUT = 10.0
 
 LIST_COLUMNS: dict[str, tuple[str, list[str]]] = {
@@ -136,12 +145,26 @@ def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
+def env_defaults() -> tuple[str, str, str]:
+    """(url, user, password) defaults: SKREDCTL_*, else the local node's settings, else guest."""
+    env = os.environ
+    port = env.get("SKRED_MGMT_PORT")
+    url = env.get("SKREDCTL_URL") or (f"http://127.0.0.1:{port}" if port else DEFAULT_URL)
+    user = env.get("SKREDCTL_USER") or env.get("SKRED_MAIN_DEFAULT_USER") or "guest"
+    password = env.get("SKREDCTL_PASSWORD") or env.get("SKRED_MAIN_DEFAULT_PASSWORD") or "guest"
+    return url, user, password
+
+
 def build_parser() -> argparse.ArgumentParser:
+    url, user, password = env_defaults()
     p = OneLineErrorParser(prog="skredctl", description="Manage a Skred broker over its HTTP API.")
-    p.add_argument("--url", default=os.environ.get("SKREDCTL_URL", DEFAULT_URL),
-                   help=f"management API base URL (default {DEFAULT_URL}; env SKREDCTL_URL)")
-    p.add_argument("-u", "--user", default=os.environ.get("SKREDCTL_USER", "guest"))
-    p.add_argument("-p", "--password", default=os.environ.get("SKREDCTL_PASSWORD", "guest"))
+    p.add_argument("--url", default=url,
+                   help=f"management API base URL (default {DEFAULT_URL}; env SKREDCTL_URL, else "
+                        "SKRED_MGMT_PORT on 127.0.0.1)")
+    p.add_argument("-u", "--user", default=user,
+                   help="user (env SKREDCTL_USER, else SKRED_MAIN_DEFAULT_USER, else guest)")
+    p.add_argument("-p", "--password", default=password,
+                   help="password (env SKREDCTL_PASSWORD, else SKRED_MAIN_DEFAULT_PASSWORD, else guest)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     tls = p.add_argument_group("TLS (with an https:// URL)")
     tls.add_argument("--cacert", "--ssl-ca-cert-file", "--tls-ca-cert-file", metavar="FILE",
@@ -155,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="do not verify the broker's certificate or host name (testing only)")
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("status", help="node overview")
+    al = sub.add_parser("aliveness", help="the aliveness test (declare, publish, get) in a vhost; "
+                                          "exit 0 when it passes, 1 otherwise: a container health command")
+    al.add_argument("--vhost", default="/")
     ls = sub.add_parser("list", help="list objects")
     ls.add_argument("what", choices=sorted(LIST_COLUMNS))
     ls.add_argument("--vhost", help="only this vhost")
@@ -223,6 +249,15 @@ def run(args: argparse.Namespace, out: Any) -> None:
               f"unacked {qt.get('messages_unacknowledged', 0)})", file=out)
         for lst in ov.get("listeners", []):
             print(f"listener: {lst.get('protocol')} {lst.get('ip_address')}:{lst.get('port')}", file=out)
+        return
+    if cmd == "aliveness":
+        try:
+            result = c.request("GET", f"/api/aliveness-test/{q(args.vhost)}")
+        except CtlError as exc:
+            raise CtlError(str(exc), status=UNHEALTHY) from None
+        if not isinstance(result, dict) or result.get("status") != "ok":
+            raise CtlError(f"aliveness test of vhost '{args.vhost}' failed: {result!r}", status=UNHEALTHY)
+        print(json.dumps(result) if args.json else "ok", file=out)
         return
     if cmd == "list":
         path, columns = LIST_COLUMNS[args.what]

@@ -12,6 +12,7 @@ import yaml
 from broker.config import OPTIONS
 
 from ._tools import COMPOSE_FILE, DEPLOY_DIR, REPO_ROOT, dockerfile_env, interpolate, run, tool
+from .test_dockerfile import healthcheck_argv
 
 OPTIONS_BY_ENV = {option.env: option for option in OPTIONS}
 
@@ -69,9 +70,34 @@ def test_one_etcd_and_three_clustered_nodes() -> None:
             assert env[listener] == "0.0.0.0", f"{name}: {listener} must listen on the container network"
         assert env["SKRED_MAIN_DEFAULT_USER"] != "guest", "guest may only log in from loopback"
         assert svc["depends_on"]["etcd"]["condition"] == "service_healthy"
-        assert svc["healthcheck"]["test"][0] in ("CMD", "CMD-SHELL")
-        assert "/api/aliveness-test/" in " ".join(svc["healthcheck"]["test"])
+        # One health command for the image and the compose file: skredctl's aliveness test.
+        assert svc["healthcheck"]["test"] == ["CMD", *healthcheck_argv()], name
     assert data["services"]["etcd"]["healthcheck"]["test"]
+
+
+def podman_compat_healthcheck(test: list[str]) -> list[str]:
+    """The healthcheck podman 4's Docker-compatible API stores for a create request's ``test``.
+
+    The compat handler joins the list with spaces into one CLI string; a ``CMD`` string is then
+    split again on whitespace (so an argument with spaces falls apart into words), while a
+    ``CMD-SHELL`` string is split once, after its first word, and keeps its command whole.
+    docker-compose 1.29 sends the list as written; Docker itself stores it unchanged.
+    """
+    joined = " ".join(test)
+    if test[0].upper() == "CMD-SHELL":
+        return joined.split(" ", 1)
+    return joined.split()
+
+
+def test_every_service_has_a_healthcheck_podman_runs_as_written() -> None:
+    # The class of bug: a healthcheck that is correct in Docker but arrives in podman split into
+    # words (`python -c "<script with spaces>"` became `python -c import ...`: unhealthy forever).
+    # tests/deploy/test_compose_docker.py runs them for real and waits for every service healthy.
+    for name, svc in compose()["services"].items():
+        assert "healthcheck" in svc, f"{name} has no healthcheck: 'healthy' could not be asserted"
+        test = svc["healthcheck"]["test"]
+        assert isinstance(test, list) and test[0] in ("CMD", "CMD-SHELL"), f"{name}: {test!r}"
+        assert podman_compat_healthcheck(test) == test, f"{name}: podman would run {test!r} split into words"
 
 
 def test_every_skred_variable_is_a_real_option_with_a_valid_value() -> None:

@@ -6,7 +6,9 @@ clustered nodes and Prometheus, every host port moved to a free loopback port th
 compose file's ``*_HOST_PORT`` variables and the project named after this process, so runs
 never collide. Then, in file order:
 
-1. every node accepts the compose default user over AMQP (followers after their first sync);
+1. every node accepts the compose default user over AMQP (followers after their first sync),
+   and every service (etcd, the nodes, Prometheus) reports ``healthy``: its healthcheck runs in
+   this engine as written (docker-compose 1.29 on podman's API once split it into words);
 2. exactly one node is leader (``skred_is_leader`` on each metrics port) and the example
    on_leader_elected hook ran there (its line in that container's log);
 3. Prometheus scrapes all three nodes (its targets API says ``up`` for each);
@@ -38,6 +40,7 @@ pytestmark = pytest.mark.timeout(UP_TIMEOUT + 300)
 NODES = ("skred-1", "skred-2", "skred-3")
 USER = PASSWORD = "skred"  # the compose file's defaults (SKRED_DEFAULT_USER/PASSWORD unset)
 READY_DEADLINE = 180.0  # seconds from `up` returning to every node serving AMQP (first sync included)
+HEALTHY_DEADLINE = 240.0  # every service healthy: start_period 60 s, 10 s intervals, a loaded machine
 FAILOVER_DEADLINE = 90.0  # lease TTL 10 s + election + the survivors' re-sync, under load
 MESSAGES = 300
 
@@ -117,6 +120,51 @@ def test_every_node_serves_the_default_user(cluster: Cluster) -> None:
     for node in cluster.nodes.values():
         poll(lambda node=node: serves(node.amqp_port, USER, PASSWORD), READY_DEADLINE,
              f"{node.service} to serve AMQP", 1.0)
+
+
+def health(cluster: Cluster) -> dict[str, str]:
+    """Each service's container health: its status, with the last check's output unless healthy.
+
+    'no container' / 'no healthcheck' where there is nothing to report; read through the same
+    engine API docker-compose uses (DOCKER_HOST), so Docker and podman are asked alike.
+    """
+    import docker
+
+    services = cluster.compose.run("config", "--services").stdout.split()
+    assert set(services) >= {"etcd", *NODES, "prometheus"}, services
+    client = docker.from_env(timeout=20)
+    try:
+        result = {}
+        for service in services:
+            ids = cluster.compose.run("ps", "-q", service).stdout.split()
+            if len(ids) != 1:
+                result[service] = f"{len(ids)} containers"
+                continue
+            state = client.api.inspect_container(ids[0])["State"]
+            checked = state.get("Health") or state.get("Healthcheck") or {}
+            status = checked.get("Status") or "no healthcheck"
+            log = checked.get("Log") or []
+            if status != "healthy" and log:
+                output = str(log[-1].get("Output", ""))[-300:]
+                status += f" (last check: exit {log[-1].get('ExitCode')}, {output!r})"
+            result[service] = status
+        return result
+    finally:
+        client.close()
+
+
+def test_every_service_becomes_healthy(cluster: Cluster) -> None:
+    last: dict[str, str] = {}
+
+    def all_healthy() -> bool:
+        last.clear()
+        last.update(health(cluster))
+        return all(status == "healthy" for status in last.values())
+
+    try:
+        poll(all_healthy, HEALTHY_DEADLINE, "every service healthy", 3.0)
+    except pytest.fail.Exception:
+        pytest.fail(f"not every service became healthy in {HEALTHY_DEADLINE:.0f} s: {last}")
 
 
 def test_one_leader_and_its_hook_ran(cluster: Cluster) -> None:

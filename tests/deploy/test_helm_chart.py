@@ -54,6 +54,30 @@ def objects(variant: str) -> dict[tuple[str, str], dict[str, Any]]:
     return {(d["kind"], d["metadata"]["name"]): d for d in docs}
 
 
+def pod_specs(variant: str) -> list[tuple[str, dict[str, Any]]]:
+    """(object name, pod spec) of every workload in a rendering."""
+    found = []
+    for (kind, name), obj in objects(variant).items():
+        if kind in ("StatefulSet", "Deployment", "DaemonSet", "Job"):
+            found.append((name, obj["spec"]["template"]["spec"]))
+        elif kind == "Pod":
+            found.append((name, obj["spec"]))
+    return found
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_no_pod_binds_a_port_of_its_node(variant: str) -> None:
+    # Clients reach the pods through the Services; a hostPort (or the node's network) would fail
+    # whenever another process on the Kubernetes node holds 5672 or 15672.
+    specs = pod_specs(variant)
+    assert specs
+    for name, spec in specs:
+        assert not spec.get("hostNetwork"), name
+        for container in [*spec.get("initContainers", []), *spec["containers"]]:
+            for port in container.get("ports", []):
+                assert "hostPort" not in port and "hostIP" not in port, f"{name}: {port}"
+
+
 def test_helm_lint_strict() -> None:
     run([helm(), "lint", "--strict", str(CHART_DIR)])
     run([helm(), "lint", "--strict", str(CHART_DIR), *VARIANTS["external-etcd"]])
@@ -95,7 +119,9 @@ def test_statefulset_shape() -> None:
     container = pod["containers"][0]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert probe in container, probe
-    assert "/api/aliveness-test/" in " ".join(container["readinessProbe"]["exec"]["command"])
+    # The image's health command (skredctl aliveness, as its HEALTHCHECK) on the management port.
+    assert container["readinessProbe"]["exec"]["command"] == [
+        "skredctl", "--url=http://127.0.0.1:15672", "aliveness"]
     assert container["resources"]["requests"] and container["resources"]["limits"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert container["securityContext"]["allowPrivilegeEscalation"] is False

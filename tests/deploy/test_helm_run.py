@@ -13,7 +13,11 @@ so the test turns the rendering into what ``podman kube play`` runs, each change
 * the ``tmp`` emptyDir becomes a hostPath dir too (podman's emptyDir support varies);
 * an etcd container (``ETCD_IMAGE``) joins the pod, standing in for the etcd Service: the pod
   shares one network namespace, so 127.0.0.1:2379 reaches it;
-* the AMQP port gets a free host port on 127.0.0.1;
+* every container port gets a free host port on 127.0.0.1 (the test connects to AMQP's): podman
+  4.3 publishes a ``containerPort`` without ``hostPort`` on the same host port (15672, 5679, ...)
+  on every address, which Kubernetes never does, and which fails whenever another process
+  holds one of them. While the pod runs, the test holds each of the chart's container port
+  numbers itself, and the pod must publish exactly the host ports picked here;
 * the pod's annotations (config checksums that roll the StatefulSet) are dropped: podman 4.3
   wrongly applies the 63-character label-value limit to annotations.
 
@@ -26,6 +30,7 @@ cannot start a node fails here.
 from __future__ import annotations
 
 import base64
+import contextlib
 import copy
 import os
 import re
@@ -56,6 +61,7 @@ class Pod:
     spec: dict[str, Any]
     amqp_port: int
     secret: dict[str, str]
+    host_ports: dict[str, int]  # port name -> the free host port the test picked for it
 
 
 def podman(*args: str, timeout: float = 120.0, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -66,7 +72,7 @@ def podman(*args: str, timeout: float = 120.0, check: bool = True) -> subprocess
     return proc
 
 
-def kube_manifest(rendered: str, data_dir: Path, tmp_dir: Path, amqp_port: int
+def kube_manifest(rendered: str, data_dir: Path, tmp_dir: Path
                   ) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, str]]:
     """(documents for podman kube play, the pod, the Secret's decoded data) per the rules above."""
     docs = [d for d in yaml.safe_load_all(rendered) if d]
@@ -92,8 +98,8 @@ def kube_manifest(rendered: str, data_dir: Path, tmp_dir: Path, amqp_port: int
             env["value"] = re.sub(r"\$\((\w+)\)", lambda m: known.get(m.group(1), m.group(0)), env["value"])
             known[env["name"]] = env["value"]
     for port in container["ports"]:
-        if port["name"] == "amqp":
-            port.update(hostPort=amqp_port, hostIP="127.0.0.1")
+        assert "hostPort" not in port, f"the chart binds a host port: {port}"
+        port.update(hostPort=free_port(), hostIP="127.0.0.1")
     for volume in spec["volumes"]:
         if volume["name"] == "tmp":
             volume.pop("emptyDir")
@@ -130,22 +136,53 @@ def pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pod]:
     for directory in (data_dir, tmp_dir):
         directory.mkdir()
         os.chown(directory, 10001, 10001)  # what fsGroup/the PVC provisioner do in Kubernetes
-    # The host port is picked after the build: picked before, it may be taken by the time it binds.
-    docs, pod_doc, secret = kube_manifest(rendered, data_dir, tmp_dir, free_port())
+    # The host ports are picked after the build: picked before, one may be taken by the time it binds.
+    docs, pod_doc, secret = kube_manifest(rendered, data_dir, tmp_dir)
     manifest = work / "pod.yaml"
     manifest.write_text(yaml.safe_dump_all(docs))
     name = pod_doc["metadata"]["name"]
     container = pod_doc["spec"]["containers"][0]
-    amqp_port = next(p["hostPort"] for p in container["ports"] if p["name"] == "amqp")
+    host_ports = {p["name"]: p["hostPort"] for p in container["ports"]}
+    configmaps = [d["metadata"]["name"] for d in docs if d["kind"] == "ConfigMap"]
+    podman("volume", "rm", "-f", *configmaps, check=False)  # left by a run that was killed
+    held = [p["containerPort"] for c in pod_doc["spec"]["containers"] for p in c.get("ports", [])]
     try:
-        podman("kube", "play", str(manifest), timeout=UP_TIMEOUT)
-        yield Pod(name, f"{name}-{container['name']}", container, amqp_port, secret)
+        with holding(held):  # another process on 15672 & co. must not matter
+            podman("kube", "play", str(manifest), timeout=UP_TIMEOUT)
+            yield Pod(name, f"{name}-{container['name']}", container, host_ports["amqp"], secret, host_ports)
     finally:
         logs = podman("logs", f"{name}-{container['name']}", check=False).stderr
         (work / "skred.log").write_text(logs)
         print(f"kube play pod log: {work / 'skred.log'}")
         podman("pod", "rm", "-f", name, check=False)
+        # podman kube play leaves a volume named after each ConfigMap behind: remove it with the pod.
+        podman("volume", "rm", "-f", *configmaps, check=False)
         podman("rmi", "-f", tag, check=False)
+
+
+@contextlib.contextmanager
+def holding(ports: list[int]) -> Iterator[None]:
+    """Listen on each port on all addresses, as another process would (one held already is fine)."""
+    with contextlib.ExitStack() as stack:
+        for port in ports:
+            sock = stack.enter_context(socket.socket())
+            try:
+                sock.bind(("0.0.0.0", port))
+            except OSError:
+                continue  # somebody else holds it: just as good
+            sock.listen()
+        yield
+
+
+def published(pod: Pod) -> set[tuple[str, int]]:
+    """(host address, host port) of every port the pod publishes, as podman reports them."""
+    out = podman("port", pod.container).stdout
+    found = set()
+    for line in out.splitlines():  # "5672/tcp -> 127.0.0.1:40123"
+        _, _, host = line.partition(" -> ")
+        address, _, port = host.rpartition(":")
+        found.add((address, int(port)))
+    return found
 
 
 def connects(port: int) -> bool:
@@ -173,6 +210,11 @@ def test_probes_pass(pod: Pod) -> None:
     poll(lambda: podman("exec", pod.container, *command, check=False).returncode == 0,
          READY_DEADLINE, "the readinessProbe command to exit 0 inside the container", 2.0)
     assert running(pod)
+
+
+def test_publishes_only_the_free_ports_it_was_given(pod: Pod) -> None:
+    poll(lambda: running(pod), READY_DEADLINE, "the skred container to run", 1.0)
+    assert published(pod) == {("127.0.0.1", port) for port in pod.host_ports.values()}
 
 
 def test_the_node_advertises_its_stable_dns_name(pod: Pod) -> None:

@@ -89,15 +89,12 @@ app.kubernetes.io/component: etcd
 {{- end }}
 
 {{/*
-The aliveness check used by the readiness probe: the same Python one-liner as the
-image's HEALTHCHECK (the slim image has no curl). Credentials come from the env.
+The aliveness check used by the readiness probe: the image's health command
+(`skredctl aliveness`, as its HEALTHCHECK), pointed at the configured management
+port. Credentials come from the env (SKRED_MAIN_DEFAULT_USER/PASSWORD).
 */}}
 {{- define "skred.alivenessCommand" -}}
-- python
-- -c
-- >-
-  import base64,os,sys,urllib.request as u; e=os.environ.get;
-  a=base64.b64encode((e('SKRED_MAIN_DEFAULT_USER','guest')+':'+e('SKRED_MAIN_DEFAULT_PASSWORD','guest')).encode()).decode();
-  r=u.urlopen(u.Request('http://127.0.0.1:{{ .Values.ports.management }}/api/aliveness-test/%2F',headers={'Authorization':'Basic '+a}),timeout=5);
-  sys.exit(0 if b'"ok"' in r.read() else 1)
+- skredctl
+- --url=http://127.0.0.1:{{ .Values.ports.management }}
+- aliveness
 {{- end }}
