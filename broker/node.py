@@ -57,10 +57,10 @@ from broker.lmq.props import PropsStore
 from broker.lmq.server import LMQServer
 from broker.metrics import ClusterInfo, FollowerMetrics
 from broker.model.vhost import VHost
-from broker.mqtt.server import MQTTServer
+from broker.mqtt.server import MQTTProtocol, MQTTServer
 from broker.net import proxy
 from broker.net.listener import Listener, keep_peer
-from broker.net.server import AMQPServer
+from broker.net.server import AMQPProtocol, AMQPServer
 from broker.store.blobs import BlobDir
 from broker.store.fileio import syncfs
 from broker.store.jsonstore import read_json, write_json
@@ -226,7 +226,9 @@ class Node:
 
     async def start_amqp(self, broker: Broker, mgmt: Mgmt) -> None:
         cfg = self.config
-        self.amqp = AMQPServer(broker)
+        amqp = self.amqp = AMQPServer(broker)
+        mgmt.websocket_protocols["amqp"] = lambda peer: AMQPProtocol(broker, amqp.protocols, peer)
+        mgmt.websocket_max_message = cfg.amqp.frame_max + cfg.main.max_message_size
         options = "amqp.bind/amqp.port, --amqp-bind/--amqp-port"
         if cfg.amqp.port >= 0:
             self.amqp_address = mgmt.amqp_address = await listening(
@@ -294,6 +296,9 @@ class Node:
                                peers=broker.proxied_peers)
         await self.mqtt.start(self.tls_context if self.tls is not None else None)
         assert self.mgmt is not None
+        mqtt = self.mqtt
+        self.mgmt.websocket_protocols["mqtt"] = lambda _peer: MQTTProtocol(mqtt)
+        self.mgmt.websocket_max_message = max(self.mgmt.websocket_max_message, cfg.mqtt.max_packet_size)
         self.mgmt.other_listeners.update(
             {"mqtt/ssl" if name == "mqtts" else name: addr for name, addr in self.mqtt.addresses.items()})
 

@@ -20,7 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from broker.errors import ListenError
-from broker.http import definitions, ui
+from broker.http import definitions, ui, websocket
 from broker.http.common import (
     MAX_BODY,
     MGMT_KEY,
@@ -125,9 +125,23 @@ async def mgmt_metrics_detailed(request: web.Request) -> web.Response:
 
 
 # ----------------------------------------------------------------------- apps
+@web.middleware
+async def websocket_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """A WebSocket upgrade on any path is AMQP or MQTT (``broker/http/websocket.py``); the
+    protocol inside authenticates as on its own port."""
+    if not websocket.wants_websocket(request):
+        response: web.StreamResponse = await handler(request)
+        return response
+    mgmt = request.app[MGMT_KEY]
+    kind = websocket.choose(request, mgmt.websocket_protocols)
+    if kind is None:
+        raise bad_request("no protocol this broker serves over WebSocket was asked for (amqp, mqtt)")
+    return await websocket.serve(request, kind, mgmt.websocket_protocols[kind], mgmt.websocket_max_message)
+
+
 def build_app(mgmt: Mgmt, metrics_obj: Metrics) -> web.Application:
-    app = web.Application(middlewares=[ui.no_browser_login_dialog, error_middleware, auth_middleware],
-                          client_max_size=MAX_BODY)
+    app = web.Application(middlewares=[ui.no_browser_login_dialog, error_middleware, websocket_middleware,
+                                       auth_middleware], client_max_size=MAX_BODY)
     app[MGMT_KEY] = mgmt
     app[METRICS_KEY] = metrics_obj
     ui.add_routes(app)  # the web UI: "/" and its static files under /ui/

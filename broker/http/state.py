@@ -11,6 +11,7 @@ directories, drop permissions and policies).
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import time
 from collections.abc import Callable
@@ -57,6 +58,9 @@ class Mgmt:
         self.https_address: tuple[str, int] | None = None
         self.metrics_address: tuple[str, int] | None = None
         self.other_listeners: dict[str, tuple[str, int]] = {}  # other front ends: "mqtt", "mqtt/ssl"
+        # stream protocols served over WebSocket on this port ("amqp", "mqtt"), set by the node
+        self.websocket_protocols: dict[str, Callable[[tuple[str, int]], asyncio.Protocol]] = {}
+        self.websocket_max_message = 1 << 20
         self.tls_certs: list[str] = []  # certificate files, for the certificate-expiration check
         self.cluster: ClusterInfo | None = None  # set on a cluster member (metrics, GET /api/cluster)
 
