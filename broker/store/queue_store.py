@@ -979,8 +979,13 @@ class QueueStore(SegmentLog[Segment]):
     # ------------------------------------------------------------------ durability
 
     def flush(self) -> None:
-        """Write buffered ack bytes to the ack files (no fsync); send a changed meta to the sink."""
+        """Write buffered ack bytes to the ack files (no fsync); send a changed meta to the sink.
+        A closed store has nothing left to flush (``close`` flushed first; a deleted one's
+        files are gone), as ``sync`` has nothing left to sync: the group commit may still hold
+        it when its queue is deleted."""
         with self._lock:
+            if self._closed:
+                return
             self._write_acks_locked()
             if self._counts is not None:
                 self._counts.write_locked()
@@ -994,6 +999,8 @@ class QueueStore(SegmentLog[Segment]):
         """Synchronous settlements: acks and the delivered mark reach their files now
         (kill -9 can no longer lose them); the syncer's next group commit fsyncs them."""
         with self._lock:
+            if self._closed:
+                return
             self._write_acks_locked()
             if self._counts is not None:
                 self._counts.write_locked()
