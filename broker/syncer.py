@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
@@ -65,6 +66,31 @@ log = logging.getLogger(__name__)
 
 class Syncable(Protocol):
     def sync(self, full: bool = False, fsync: bool = True) -> None: ...
+
+
+FAILURE_LOG_EVERY = 10.0  # seconds: a store that keeps failing is retried by every commit
+
+
+class _Throttled:
+    """Logs a failure with its traceback at most once per ``FAILURE_LOG_EVERY``; the ones in
+    between are counted and the count goes with the next line (the loop and the worker
+    thread both report here)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._next = 0.0
+        self._skipped = 0
+
+    def exception(self, what: str, obj: object) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now < self._next:
+                self._skipped += 1
+                return
+            self._next = now + FAILURE_LOG_EVERY
+            skipped, self._skipped = self._skipped, 0
+        more = f" ({skipped} more failures since the last report)" if skipped else ""
+        log.exception("%s %r failed; its waiters are refused and it is retried%s", what, obj, more)
 
 
 # What a waiter depends on: these objects (a priority store stands for its ``parts`` too),
@@ -120,6 +146,7 @@ class Syncer:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skred-fsync")
         self.syncs = 0
         self.failures = 0  # objects that failed a push or a sync (each time)
+        self._errors = _Throttled()
 
     @property
     def synchronous(self) -> bool:
@@ -195,7 +222,7 @@ class Syncer:
             try:
                 flush()
             except Exception:
-                log.exception("could not push %r to the replicas", obj)
+                self._errors.exception("pushing to the replicas", obj)
                 failed.add(obj)
         try:
             return self.replicated(dirty)
@@ -209,7 +236,7 @@ class Syncer:
                           barrier: asyncio.Future[None] | None, failed: set[Syncable]) -> None:
         """On the worker thread: sync, then hand the result to the loop (one turn)."""
         try:
-            synced = _sync_all(dirty, full, self.bulk_sync)
+            synced = _sync_all(dirty, full, self.bulk_sync, self._errors)
         except Exception:  # pragma: no cover - _sync_all catches per object
             log.exception("sync failed")
             synced = set(dirty)
@@ -229,20 +256,26 @@ class Syncer:
 
     def _finish(self, waiters: list[_Waiter], failed: set[Syncable],
                 barrier: asyncio.Future[None] | None = None) -> None:
-        self._running = False
         whole = barrier is not None and (barrier.cancelled() or barrier.exception() is not None)
+        before = len(self._callbacks)
+        # Still running while the callbacks run: a waiter one of them registers (a channel's
+        # next confirm) joins the pending ones, is tainted with them, and starts the next
+        # commit right after this loop.
         for w in waiters:
             try:
                 w.callback(not whole and w.ok(failed))
             except Exception:
                 log.exception("sync callback failed")
+        self._running = False
         if failed:
             self.failures += len(failed)
             for w in self._callbacks:  # registered while this commit ran: see the module doc
                 w.tainted = failed if w.tainted is None else w.tainted | failed
             for obj in failed:
                 self.mark_dirty(obj)  # the next commit retries it
-        if (self._callbacks or self._full_due) and not self._scheduled:
+        if self.enabled and len(self._callbacks) > before:
+            self._start()  # no loop turn a synchronous publisher would wait for
+        elif (self._callbacks or self._full_due) and not self._scheduled:
             self._scheduled = True
             self.loop.call_soon(self._start)
 
@@ -253,7 +286,7 @@ class Syncer:
         self._executor.submit(lambda: None).result()  # one worker: waits for the running sync
         dirty, self._dirty = list(self._dirty | self._full_pending), set()
         self._full_pending = set()
-        _sync_all(dirty, True, self.bulk_sync)
+        _sync_all(dirty, True, self.bulk_sync, self._errors)
 
     def shutdown(self) -> None:
         if self._window_timer is not None:
@@ -262,7 +295,8 @@ class Syncer:
         self._executor.shutdown(wait=True)
 
 
-def _sync_all(dirty: list[Syncable], full: bool, bulk_sync: Callable[[], None] | None) -> set[Syncable]:
+def _sync_all(dirty: list[Syncable], full: bool, bulk_sync: Callable[[], None] | None,
+              errors: _Throttled) -> set[Syncable]:
     """Sync every object; the ones that failed (all of them if the one ``bulk_sync`` did)."""
     failed: set[Syncable] = set()
     bulk = bulk_sync is not None and len(dirty) > BULK_SYNC_MIN
@@ -270,13 +304,13 @@ def _sync_all(dirty: list[Syncable], full: bool, bulk_sync: Callable[[], None] |
         try:
             obj.sync(full, not bulk)
         except Exception:
-            log.exception("fsync failed for %r", obj)
+            errors.exception("syncing", obj)
             failed.add(obj)
     if bulk:
         assert bulk_sync is not None
         try:
             bulk_sync()
         except Exception:
-            log.exception("syncfs failed")
+            errors.exception("syncfs for", dirty[0] if len(dirty) == 1 else f"{len(dirty)} objects")
             return set(dirty)
     return failed

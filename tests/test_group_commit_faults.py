@@ -137,7 +137,8 @@ def test_deleted_store_in_the_dirty_set_fails_nobody(tmp_path: Path) -> None:
     _run(main)
 
 
-def test_fsync_error_nacks_its_waiters_and_is_retried(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fsync_error_nacks_its_waiters_and_is_retried(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """An fsync that fails once: that commit's waiters on the store fail; the store keeps its
     data due, so the next commit fsyncs it again (and then succeeds)."""
     fail = {"left": 0}
