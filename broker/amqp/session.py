@@ -1045,6 +1045,13 @@ class Session(AMQPConnection):
     def _tx_commit(self, chs: ChannelState, m: commands.Tx.Commit) -> None:
         if chs.tx is None:
             raise errors.PreconditionFailed("channel is not transactional")
+        vh = self.vhost_obj
+        for op in chs.tx:  # refusals first (an exchange deleted since, a revoked permission):
+            if op[0] == "publish":  # an error must leave the whole commit undone
+                exchange = op[1].exchange
+                ex = vh.exchanges.get(exchange)
+                if ex is None or ex.internal or exchange not in self._write_ok:
+                    self._may_publish_to(exchange)
         ops, chs.tx = chs.tx, []
         stores: set[Any] | None = set()  # what the commit wrote: only their failure fails it
         for op in ops:

@@ -207,3 +207,27 @@ def test_cluster_failing_store_fails_only_its_own(cluster2: Cluster) -> None:
     except BaseException:
         print(cluster2.diag())
         raise
+
+
+def test_tx_commit_refused_leaves_nothing_applied(broker_factory: Callable[..., Broker]) -> None:
+    """A commit whose second publish names an exchange deleted since is refused (404) before
+    its first publish is applied: an error answered means the commit did not happen."""
+    b = broker_factory()
+    conn = _connect(b.url)
+    try:
+        q, gone = unique("tx-target"), unique("tx-gone")
+        admin = conn.channel()
+        admin.queue_declare(q, durable=True)
+        admin.exchange_declare(gone, "fanout")
+        tx = conn.channel()
+        tx.tx_select()
+        tx.basic_publish("", q, b"first", PERSISTENT)
+        tx.basic_publish(gone, "", b"second", PERSISTENT)
+        admin.exchange_delete(gone)
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as ei:
+            tx.tx_commit()
+        assert ei.value.reply_code == 404, ei.value
+        assert _drain(admin, q) == [], "the refused commit's first publish was applied"
+    finally:
+        if conn.is_open:
+            conn.close()
