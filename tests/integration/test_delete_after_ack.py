@@ -1,4 +1,4 @@
-"""The group commit on a real broker: a deleted queue and a failing store (issue 26, item 1).
+"""The group commit on a real broker: a deleted queue, a failing store, a refused commit (issue 26, item 1).
 
 Theory of operation. Instance: declare a durable queue, publish a persistent message with a
 confirm, ``basic.get`` it, ack it and delete the queue, all inside the ack-sync window (set to
@@ -14,9 +14,10 @@ real: with an ack of queue D buffered, the test makes a directory where D's ack 
 so writing it fails (``IsADirectoryError``) in every commit until the directory is removed.
 Meanwhile confirms for D are nacked, a tx.commit on D is refused (541), and confirms and a
 tx.commit on queue F, in the very same commits, succeed; after the fault the next confirm
-for D succeeds. Everything runs on a single node, through a follower (proxied to the leader)
-and on the leader itself; the single node is then killed -9 and restarted: every confirmed
-message is there.
+for D succeeds. And a tx.commit refused (an exchange of its second publish deleted since)
+applied nothing. Everything runs on a single node, through a follower (proxied to the
+leader) and on the leader itself; the single node is then killed -9 and restarted: every
+confirmed message is there.
 """
 
 from __future__ import annotations
@@ -146,11 +147,35 @@ def _fault_scenario(url: str, data_dir: Path) -> tuple[str, str]:
     return doomed, fine
 
 
+def _refused_commit_leaves_nothing(url: str) -> None:
+    """A commit whose second publish names an exchange deleted since is refused (404) before
+    its first publish is applied: an error answered means the commit did not happen."""
+    conn = _connect(url)
+    try:
+        q, gone = unique("tx-target"), unique("tx-gone")
+        admin = conn.channel()
+        admin.queue_declare(q, durable=True)
+        admin.exchange_declare(gone, "fanout")
+        tx = conn.channel()
+        tx.tx_select()
+        tx.basic_publish("", q, b"first", PERSISTENT)
+        tx.basic_publish(gone, "", b"second", PERSISTENT)
+        admin.exchange_delete(gone)
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as ei:
+            tx.tx_commit()
+        assert ei.value.reply_code == 404, ei.value
+        assert _drain(admin, q) == [], "the refused commit's first publish was applied"
+    finally:
+        if conn.is_open:
+            conn.close()
+
+
 def test_single_node(broker_factory: Callable[..., Broker]) -> None:
     b = broker_factory(WINDOW)
     if b.data_dir is None:
         pytest.skip("needs the broker's data directory")
     _delete_scenario(b.url)
+    _refused_commit_leaves_nothing(b.url)
     doomed, _ = _fault_scenario(b.url, b.data_dir)
     b.kill9()
     b.start()
@@ -193,6 +218,7 @@ def test_cluster_durable_work_after_ack_then_delete(cluster2: Cluster) -> None:
         _delete_scenario(follower.url)
         _delete_scenario(leader.url)
         _delete_scenario(follower.url)
+        _refused_commit_leaves_nothing(follower.url)
         assert "FileNotFoundError" not in leader.log_text(), leader.log_tail(60)
     except BaseException:
         print(cluster2.diag())
@@ -208,26 +234,3 @@ def test_cluster_failing_store_fails_only_its_own(cluster2: Cluster) -> None:
         print(cluster2.diag())
         raise
 
-
-def test_tx_commit_refused_leaves_nothing_applied(broker_factory: Callable[..., Broker]) -> None:
-    """A commit whose second publish names an exchange deleted since is refused (404) before
-    its first publish is applied: an error answered means the commit did not happen."""
-    b = broker_factory()
-    conn = _connect(b.url)
-    try:
-        q, gone = unique("tx-target"), unique("tx-gone")
-        admin = conn.channel()
-        admin.queue_declare(q, durable=True)
-        admin.exchange_declare(gone, "fanout")
-        tx = conn.channel()
-        tx.tx_select()
-        tx.basic_publish("", q, b"first", PERSISTENT)
-        tx.basic_publish(gone, "", b"second", PERSISTENT)
-        admin.exchange_delete(gone)
-        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as ei:
-            tx.tx_commit()
-        assert ei.value.reply_code == 404, ei.value
-        assert _drain(admin, q) == [], "the refused commit's first publish was applied"
-    finally:
-        if conn.is_open:
-            conn.close()
