@@ -33,14 +33,6 @@ def _run(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
     asyncio.run(asyncio.wait_for(main(), 20))
 
 
-async def _until(pred: Callable[[], bool], timeout: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not pred():
-        assert loop.time() < deadline, "timed out"
-        await asyncio.sleep(0.01)  # poll interval, bounded by the deadline
-
-
 async def _commit(s: Syncer, deps: list[Syncable] | None) -> bool:
     """One waiter for the next group commit; its ``ok``."""
     fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
