@@ -38,15 +38,16 @@ Failure is per object. A waiter names what it waits for (``after_sync(cb, deps)`
 stores a channel's confirmed publishes reached, the definitions log of a declare; None:
 everything). An object whose push to the replication sink (``flush``) or whose sync raises
 fails the waiters that depend on it (``cb(False)``: a basic.nack, an error for tx.commit)
-and no other; every other object of the same group commit is still pushed and synced, the
-dirty set is taken before anything can raise, and the failed object is marked dirty again
-so the next commit retries it. Waiters registered while that commit ran may have written
-to the failed object before it started (a channel whose previous confirm was in flight
-registers late), so they fail with it too; a waiter registered after it ended starts clean:
-the next commit succeeds. A closed or deleted store has nothing left to sync or push (its
-``sync`` and ``flush`` return at once), so a queue deleted while its acks were buffered
-cannot fail anyone. Only a failed barrier or ``bulk_sync`` (the syncfs that stands for
-every object's fsync) fails a whole commit. Nothing here raises into ``after_sync``'s
+and no other; each push and sync is caught on its own, so every other object of the same
+group commit is still pushed and synced and the dirty set is always taken, and the failed
+object is marked dirty again so the next commit retries it. Waiters registered while that
+commit ran may have written to the failed object before it started (a channel whose
+previous confirm was in flight registers late), so they fail with it too; a waiter
+registered after it ended starts clean: the next commit succeeds. A closed or deleted
+store has nothing left to sync or push (its ``sync`` and ``flush`` return at once), so a
+queue deleted while its acks were buffered cannot fail anyone. A failed ``bulk_sync`` (the
+syncfs that stands for every object's fsync) fails every object of its commit; a barrier
+that cannot be taken fails the whole commit. Nothing here raises into ``after_sync``'s
 caller: an error answered to a client must mean that its own operation failed, never that
 someone else's store did.
 """

@@ -577,6 +577,9 @@ class SegmentLog(Generic[S]):
                     self._sink.delete(entry)
         shutil.rmtree(directory, ignore_errors=True)
 
+    def __repr__(self) -> str:  # names the store in the group commit's failure log
+        return f"{type(self).__name__}({self._dir})"
+
     def _remove_file(self, path: Path) -> None:
         path.unlink(missing_ok=True)
         self._dir_unsynced = True
