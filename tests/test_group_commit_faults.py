@@ -236,3 +236,26 @@ def test_priority_store_waiter_fails_with_its_level(tmp_path: Path) -> None:
         s.shutdown()
 
     _run(main)
+
+
+def test_synchronous_settlement_that_cannot_be_written_is_left_to_the_commit(tmp_path: Path) -> None:
+    """With ``ack_sync_interval = 0`` an ack is written at once; if that write fails the ack
+    is done all the same (no error for the client that sent it) and stays buffered: the
+    group commit tries it again, refuses the waiters on that store while it fails, and
+    writes it once it can."""
+    async def main() -> None:
+        s = Syncer(asyncio.get_running_loop(), True, window=0)
+        store = QueueStore(tmp_path / "sync", notify=s.mark_dirty, write_through=True)
+        _publish(store, s)
+        assert await _commit(s, [store])
+        blocked = _block_ack_file(store)
+        _take_and_ack(store)  # raised IsADirectoryError into the acking session
+        assert not await _commit(s, [store])
+        blocked.rmdir()
+        assert await _commit(s, [store])
+        assert (store.directory / ack_name(1)).stat().st_size > 0, "the ack was written"
+        assert store.ready_count == 0
+        store.close()
+        s.shutdown()
+
+    _run(main)

@@ -997,16 +997,23 @@ class QueueStore(SegmentLog[Segment]):
 
     def _write_through(self) -> None:
         """Synchronous settlements: acks and the delivered mark reach their files now
-        (kill -9 can no longer lose them); the syncer's next group commit fsyncs them."""
+        (kill -9 can no longer lose them); the syncer's next group commit fsyncs them.
+        A write that fails leaves them buffered in this dirty store: that commit writes them
+        again and, if it fails too, refuses the waiters that depend on this store (a
+        purge-ok) and logs it. The settlement itself is done; the client that sent it is
+        not told otherwise."""
         with self._lock:
             if self._closed:
                 return
-            self._write_acks_locked()
-            if self._counts is not None:
-                self._counts.write_locked()
-            meta = self._meta_bytes()
-            if meta != self._meta_written:
-                self._write_meta(meta, fsync=False)
+            try:
+                self._write_acks_locked()
+                if self._counts is not None:
+                    self._counts.write_locked()
+                meta = self._meta_bytes()
+                if meta != self._meta_written:
+                    self._write_meta(meta, fsync=False)
+            except OSError:
+                pass  # the callers marked the store dirty first: the syncer has it
 
     def _write_acks_locked(self) -> None:
         """Append every segment's buffered ack bytes to its ack file (open, write, close:
