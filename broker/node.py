@@ -332,10 +332,16 @@ class Node:
         return None if self._syncer is None else self._syncer.sync_started
 
     def flush_stores(self) -> None:
+        """Push every store's buffered acks and meta to the sink (a follower's bulk sync). One
+        that cannot is logged and skipped: its own waiters learn it from the group commit,
+        and it must not stop the others, nor the bulk sync."""
         if self.broker is not None:
             for vh in self.broker.vhosts.values():
                 for q in vh.queues.values():
-                    q.store.flush()
+                    try:
+                        q.store.flush()
+                    except Exception:
+                        log.exception("could not push queue %r in vhost %r to the replicas", q.name, vh.name)
 
     def merge_acks(self, path: Path, positions: list[int]) -> int:
         num = parse_number(path.name, "acks.")

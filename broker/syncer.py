@@ -33,14 +33,32 @@ window of 0 means synchronous: the full sync starts on the next loop turn.
 Objects a confirm-only sync took out of the dirty set stay due for the next
 full sync (``_full_pending``). A full sync of more than ``BULK_SYNC_MIN``
 objects writes each one's buffers and then makes a single ``bulk_sync``.
+
+Failure is per object. A waiter names what it waits for (``after_sync(cb, deps)``: the
+stores a channel's confirmed publishes reached, the definitions log of a declare; None:
+everything). An object whose push to the replication sink (``flush``) or whose sync raises
+fails the waiters that depend on it (``cb(False)``: a basic.nack, an error for tx.commit)
+and no other; each push and sync is caught on its own, so every other object of the same
+group commit is still pushed and synced and the dirty set is always taken, and the failed
+object is marked dirty again so the next commit retries it. Waiters registered while that
+commit ran may have written to the failed object before it started (a channel whose
+previous confirm was in flight registers late), so they fail with it too; a waiter
+registered after it ended starts clean: the next commit succeeds. A closed or deleted
+store has nothing left to sync or push (its ``sync`` and ``flush`` return at once), so a
+queue deleted while its acks were buffered cannot fail anyone. A failed ``bulk_sync`` (the
+syncfs that stands for every object's fsync) fails every object of its commit; a barrier
+that cannot be taken fails the whole commit. Nothing here raises into ``after_sync``'s
+caller: an error answered to a client must mean that its own operation failed, never that
+someone else's store did.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
@@ -49,6 +67,56 @@ log = logging.getLogger(__name__)
 
 class Syncable(Protocol):
     def sync(self, full: bool = False, fsync: bool = True) -> None: ...
+
+
+FAILURE_LOG_EVERY = 10.0  # seconds: a store that keeps failing is retried by every commit
+
+
+class _Throttled:
+    """Logs a failure with its traceback at most once per ``FAILURE_LOG_EVERY``; the ones in
+    between are counted and the count goes with the next line (the loop and the worker
+    thread both report here)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._next = 0.0
+        self._skipped = 0
+
+    def exception(self, what: str, obj: object) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now < self._next:
+                self._skipped += 1
+                return
+            self._next = now + FAILURE_LOG_EVERY
+            skipped, self._skipped = self._skipped, 0
+        more = f" ({skipped} more failures since the last report)" if skipped else ""
+        log.exception("%s %r failed; its waiters are refused and it is retried%s", what, obj, more)
+
+
+# What a waiter depends on: these objects (a priority store stands for its ``parts`` too),
+# or None for everything.
+Deps = Collection[Syncable] | None
+
+
+class _Waiter:
+    """A callback waiting for a group commit, what it depends on, and the objects that failed
+    in a commit that ended while it waited (``tainted``)."""
+
+    __slots__ = ("callback", "deps", "tainted")
+
+    def __init__(self, callback: Callable[[bool], None], deps: Deps) -> None:
+        self.callback = callback
+        self.deps = deps
+        self.tainted: set[Syncable] | None = None
+
+    def ok(self, failed: set[Syncable]) -> bool:
+        bad = failed if self.tainted is None else failed | self.tainted
+        if not bad:
+            return True
+        if self.deps is None:
+            return False
+        return not any(d is f or f in getattr(d, "parts", ()) for d in self.deps for f in bad)
 
 # More dirty objects than this in one sync: each writes what it buffers without fsyncing,
 # then one ``bulk_sync`` (syncfs of the data dir) makes all of it durable at once. An fsync
@@ -73,11 +141,13 @@ class Syncer:
         self.replicated = replicated
         self.sync_started: float | None = None
         self._dirty: set[Syncable] = set()
-        self._callbacks: list[Callable[[bool], None]] = []
+        self._callbacks: list[_Waiter] = []
         self._running = False
         self._scheduled = False
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skred-fsync")
         self.syncs = 0
+        self.failures = 0  # objects that failed a push or a sync (each time)
+        self._errors = _Throttled()
 
     @property
     def synchronous(self) -> bool:
@@ -100,9 +170,12 @@ class Syncer:
 
     def discard(self, obj: Syncable) -> None:
         self._dirty.discard(obj)
+        self._full_pending.discard(obj)
 
-    def after_sync(self, callback: Callable[[bool], None]) -> None:
-        self._callbacks.append(callback)
+    def after_sync(self, callback: Callable[[bool], None], deps: Deps = None) -> None:
+        """Call ``callback(ok)`` once everything written so far is durable (and replicated);
+        ``ok`` is False if one of ``deps`` (None: any object) failed to get there."""
+        self._callbacks.append(_Waiter(callback, deps))
         if not self._running and not self._scheduled:
             if self.enabled:
                 self._start()
@@ -115,16 +188,17 @@ class Syncer:
         if self._running or not (self._callbacks or self._full_due):
             return
         full, self._full_due = self._full_due, False
-        callbacks, self._callbacks = self._callbacks, []
-        barrier = self.replicated(list(self._dirty)) if self.replicated is not None else None
+        waiters, self._callbacks = self._callbacks, []
+        failed: set[Syncable] = set()
+        barrier = self._replicate(failed) if self.replicated is not None else None
         if not self.enabled and not full:
             self._full_pending |= self._dirty  # no fsync for confirms; the window still runs
             self._dirty.clear()
-            if barrier is None:
-                self._run(callbacks, True)
-                return
             self._running = True
-            barrier.add_done_callback(lambda _: self._finish(callbacks, True))
+            if barrier is None:
+                self._finish(waiters, failed)
+            else:
+                barrier.add_done_callback(lambda b: self._finish(waiters, failed, b))
             return
         if full:
             self._dirty |= self._full_pending
@@ -134,44 +208,77 @@ class Syncer:
         dirty, self._dirty = list(self._dirty), set()
         self._running = True
         self.sync_started = time.monotonic()
-        self._executor.submit(self._sync_then_report, dirty, full, callbacks, barrier)
+        self._executor.submit(self._sync_then_report, dirty, full, waiters, barrier, failed)
 
-    def _sync_then_report(self, dirty: list[Syncable], full: bool, callbacks: list[Callable[[bool], None]],
-                          barrier: asyncio.Future[None] | None) -> None:
+    def _replicate(self, failed: set[Syncable]) -> asyncio.Future[None] | None:
+        """Push each dirty object's pending state to the replication sink (``flush``; one that
+        raises joins ``failed``), then take the ISR barrier. A barrier that cannot be taken
+        fails the whole commit: a future that never resolves would wedge it."""
+        assert self.replicated is not None
+        dirty = list(self._dirty)
+        for obj in dirty:
+            flush = getattr(obj, "flush", None)
+            if flush is None:
+                continue
+            try:
+                flush()
+            except Exception:
+                self._errors.exception("pushing to the replicas", obj)
+                failed.add(obj)
+        try:
+            return self.replicated(dirty)
+        except Exception:
+            log.exception("replication barrier failed")
+            fut: asyncio.Future[None] = self.loop.create_future()
+            fut.set_exception(RuntimeError("no replication barrier"))
+            return fut
+
+    def _sync_then_report(self, dirty: list[Syncable], full: bool, waiters: list[_Waiter],
+                          barrier: asyncio.Future[None] | None, failed: set[Syncable]) -> None:
         """On the worker thread: sync, then hand the result to the loop (one turn)."""
         try:
-            ok = _sync_all(dirty, full, self.bulk_sync)
-        except Exception:
+            synced = _sync_all(dirty, full, self.bulk_sync, self._errors)
+        except Exception:  # pragma: no cover - _sync_all catches per object
             log.exception("sync failed")
-            ok = False
+            synced = set(dirty)
         try:
-            self.loop.call_soon_threadsafe(self._done, ok, callbacks, barrier)
+            self.loop.call_soon_threadsafe(self._done, waiters, barrier, failed | synced)
         except RuntimeError:  # the loop is closed: shutting down, nobody waits any more
             pass
 
-    def _done(self, ok: bool, callbacks: list[Callable[[bool], None]],
-              barrier: asyncio.Future[None] | None) -> None:
+    def _done(self, waiters: list[_Waiter], barrier: asyncio.Future[None] | None,
+              failed: set[Syncable]) -> None:
         self.sync_started = None
         self.syncs += 1
         if barrier is not None and not barrier.done():
-            barrier.add_done_callback(lambda _: self._finish(callbacks, ok))
+            barrier.add_done_callback(lambda b: self._finish(waiters, failed, b))
             return
-        self._finish(callbacks, ok)
+        self._finish(waiters, failed, barrier)
 
-    def _finish(self, callbacks: list[Callable[[bool], None]], ok: bool) -> None:
-        self._running = False
-        self._run(callbacks, ok)
-        if (self._callbacks or self._full_due) and not self._scheduled:
-            self._scheduled = True
-            self.loop.call_soon(self._start)
-
-    @staticmethod
-    def _run(callbacks: list[Callable[[bool], None]], ok: bool) -> None:
-        for cb in callbacks:
+    def _finish(self, waiters: list[_Waiter], failed: set[Syncable],
+                barrier: asyncio.Future[None] | None = None) -> None:
+        whole = barrier is not None and (barrier.cancelled() or barrier.exception() is not None)
+        before = len(self._callbacks)
+        # Still running while the callbacks run: a waiter one of them registers (a channel's
+        # next confirm) joins the pending ones, is tainted with them, and starts the next
+        # commit right after this loop.
+        for w in waiters:
             try:
-                cb(ok)
+                w.callback(not whole and w.ok(failed))
             except Exception:
                 log.exception("sync callback failed")
+        self._running = False
+        if failed:
+            self.failures += len(failed)
+            for w in self._callbacks:  # registered while this commit ran: see the module doc
+                w.tainted = failed if w.tainted is None else w.tainted | failed
+            for obj in failed:
+                self.mark_dirty(obj)  # the next commit retries it
+        if self.enabled and len(self._callbacks) > before:
+            self._start()  # no loop turn a synchronous publisher would wait for
+        elif (self._callbacks or self._full_due) and not self._scheduled:
+            self._scheduled = True
+            self.loop.call_soon(self._start)
 
     def sync_now(self) -> None:
         """Synchronously fsync everything dirty (shutdown), after the background sync
@@ -180,7 +287,7 @@ class Syncer:
         self._executor.submit(lambda: None).result()  # one worker: waits for the running sync
         dirty, self._dirty = list(self._dirty | self._full_pending), set()
         self._full_pending = set()
-        _sync_all(dirty, True, self.bulk_sync)
+        _sync_all(dirty, True, self.bulk_sync, self._errors)
 
     def shutdown(self) -> None:
         if self._window_timer is not None:
@@ -189,20 +296,22 @@ class Syncer:
         self._executor.shutdown(wait=True)
 
 
-def _sync_all(dirty: list[Syncable], full: bool, bulk_sync: Callable[[], None] | None) -> bool:
-    ok = True
+def _sync_all(dirty: list[Syncable], full: bool, bulk_sync: Callable[[], None] | None,
+              errors: _Throttled) -> set[Syncable]:
+    """Sync every object; the ones that failed (all of them if the one ``bulk_sync`` did)."""
+    failed: set[Syncable] = set()
     bulk = bulk_sync is not None and len(dirty) > BULK_SYNC_MIN
     for obj in dirty:
         try:
             obj.sync(full, not bulk)
         except Exception:
-            log.exception("fsync failed for %r", obj)
-            ok = False
+            errors.exception("syncing", obj)
+            failed.add(obj)
     if bulk:
         assert bulk_sync is not None
         try:
             bulk_sync()
         except Exception:
-            log.exception("syncfs failed")
-            ok = False
-    return ok
+            errors.exception("syncfs for", dirty[0] if len(dirty) == 1 else f"{len(dirty)} objects")
+            return set(dirty)
+    return failed

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any, Protocol
 
 from broker import __version__, errors
@@ -36,7 +36,9 @@ class GroupCommit(Protocol):
     @property
     def synchronous(self) -> bool: ...
 
-    def after_sync(self, callback: Callable[[bool], None]) -> None: ...
+    def after_sync(self, callback: Callable[[bool], None], deps: Collection[Any] | None = None) -> None:
+        """``callback(ok)`` once what was written is durable; ``ok`` False if one of ``deps``
+        (None: any object) failed to get there."""
 
     def discard(self, obj: Any) -> None: ...
 

@@ -27,7 +27,7 @@ import base64
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pamqp import commands
@@ -36,7 +36,7 @@ from pamqp.base import Frame as PFrame
 from broker import errors, properties
 from broker.amqp import codec
 from broker.amqp.connection import CH_OPEN, AMQPConnection, PublishArgs
-from broker.model.publish import PublishRequest
+from broker.model.publish import PublishOutcome, PublishRequest
 from broker.model.queue import Consumer, Queue
 from broker.properties import FLAG_REPLY_TO, FLAG_USER_ID, HI_REPLY_TO
 
@@ -63,7 +63,7 @@ _FRAME_OVERHEAD = codec.FRAME_OVERHEAD
 class ChannelState:
     __slots__ = (
         "id", "unacked", "next_tag", "consumers", "prefetch", "global_prefetch", "unacked_count",
-        "flow", "confirm", "publish_seq", "confirmed", "needs_sync", "sync_waiting", "tx",
+        "flow", "confirm", "publish_seq", "confirmed", "needs_sync", "sync_deps", "sync_waiting", "tx",
         "deferred", "reply_token", "reply_tag", "open", "nacks", "head_tag", "head_since",
         "last_queue",
     )
@@ -81,6 +81,9 @@ class ChannelState:
         self.publish_seq = 0
         self.confirmed = 0
         self.needs_sync = False
+        # The stores the confirms waiting for the next group commit depend on (None: unknown,
+        # every store): only their failure to sync nacks them (broker.syncer).
+        self.sync_deps: set[Any] | None = set()
         self.sync_waiting = False
         self.tx: list[tuple[Any, ...]] | None = None
         self.deferred: list[Any] | None = None
@@ -365,8 +368,11 @@ class Session(AMQPConnection):
         else:
             self.out += data
 
-    def reply_after_sync(self, chs: ChannelState, method: PFrame) -> None:
-        """Send ``method`` once everything written so far is on disk."""
+    def reply_after_sync(self, chs: ChannelState, method: PFrame, deps: Collection[Any] | None) -> None:
+        """Send ``method`` once everything written so far is on disk; if one of ``deps`` (the
+        stores the operation wrote; None: any) failed to get there, the connection is closed
+        with 541 instead: the client must not take a commit or declare it was never told is
+        durable for one that is."""
         entry = [codec.encode_method(chs.id, method)]
         if chs.deferred is None:
             chs.deferred = []
@@ -374,6 +380,11 @@ class Session(AMQPConnection):
 
         def done(ok: bool) -> None:
             if not chs.open or chs.deferred is None:
+                return
+            if not ok:
+                self.close_connection(errors.InternalError(
+                    f"{_answer_of(method)} failed: its data could not be written to disk"))
+                self.wakeup()
                 return
             # Emit our entry and everything queued behind it up to the next deferred one.
             while chs.deferred and chs.deferred[0] is not entry:
@@ -386,7 +397,7 @@ class Session(AMQPConnection):
                 chs.deferred = None
             self.wakeup()
 
-        self.broker.syncer.after_sync(done)
+        self.broker.syncer.after_sync(done, deps)
 
     def _channel(self, ch: int) -> ChannelState:
         return self.chs[ch]
@@ -470,7 +481,8 @@ class Session(AMQPConnection):
         except (errors.DiskFull, OSError) as exc:
             self._not_stored(chs, exc, len(body))
 
-    def _publish(self, chs: ChannelState, args: PublishArgs, props: bytes, body: bytes | memoryview) -> None:
+    def _publish(self, chs: ChannelState, args: PublishArgs, props: bytes,
+                 body: bytes | memoryview) -> PublishOutcome:
         """One publish through the model's publish operation, answered in AMQP."""
         vh = self.vh
         assert vh is not None
@@ -494,6 +506,8 @@ class Session(AMQPConnection):
             self._unroutable(chs, args, props, body)
         if out.sync and chs.confirm:
             chs.needs_sync = True
+            _depend_on(chs, out.queues, out.held)
+        return out
 
     def _unroutable(self, chs: ChannelState, args: PublishArgs, props: bytes,
                     body: bytes | memoryview) -> None:
@@ -581,6 +595,7 @@ class Session(AMQPConnection):
                 self.batch_queues.add(q)
         if sync and chs.confirm:
             chs.needs_sync = True
+            _depend_on(chs, queues, False)
 
     def handle_publish_batch(self, channel: int, args: list[PublishArgs], props: list[bytes],
                              bodies: list[bytes]) -> None:
@@ -687,6 +702,7 @@ class Session(AMQPConnection):
             chs.needs_sync = False
             chs.sync_waiting = True
             target = chs.publish_seq
+            deps, chs.sync_deps = chs.sync_deps, set()
 
             def done(ok: bool) -> None:
                 chs.sync_waiting = False
@@ -699,9 +715,10 @@ class Session(AMQPConnection):
                 else:
                     self.wakeup()
 
-            self.broker.syncer.after_sync(done)
+            self.broker.syncer.after_sync(done, deps)
             return
         chs.needs_sync = False
+        chs.sync_deps = set()
         self._send_confirm(chs, chs.publish_seq)
 
     def publish_rejected(self, chs: ChannelState) -> None:
@@ -828,7 +845,7 @@ class Session(AMQPConnection):
                             arguments=dict(m.arguments or {}))
         if not m.nowait:
             if m.durable and not ex_before and not m.passive:
-                self.reply_after_sync(chs, commands.Exchange.DeclareOk())
+                self.reply_after_sync(chs, commands.Exchange.DeclareOk(), (vh.definitions,))
             else:
                 self.reply(chs, commands.Exchange.DeclareOk())
 
@@ -867,7 +884,7 @@ class Session(AMQPConnection):
         ok = commands.Queue.DeclareOk(queue=q.name, message_count=q.message_count,
                                       consumer_count=q.consumer_count)
         if created and q.durable and q.exclusive_owner is None:
-            self.reply_after_sync(chs, ok)
+            self.reply_after_sync(chs, ok, (vh.definitions,))
         else:
             self.reply(chs, ok)
 
@@ -890,7 +907,7 @@ class Session(AMQPConnection):
         n = q.purge()
         if not m.nowait:
             if self.broker.syncer.synchronous:  # purge-ok once the purge is on disk
-                self.reply_after_sync(chs, commands.Queue.PurgeOk(message_count=n))
+                self.reply_after_sync(chs, commands.Queue.PurgeOk(message_count=n), (q.store,))
             else:
                 self.reply(chs, commands.Queue.PurgeOk(message_count=n))
 
@@ -1028,15 +1045,27 @@ class Session(AMQPConnection):
     def _tx_commit(self, chs: ChannelState, m: commands.Tx.Commit) -> None:
         if chs.tx is None:
             raise errors.PreconditionFailed("channel is not transactional")
+        vh = self.vhost_obj
+        for op in chs.tx:  # refusals first (an exchange deleted since, a revoked permission):
+            if op[0] == "publish":  # an error must leave the whole commit undone
+                exchange = op[1].exchange
+                ex = vh.exchanges.get(exchange)
+                if ex is None or ex.internal or exchange not in self._write_ok:
+                    self._may_publish_to(exchange)
         ops, chs.tx = chs.tx, []
+        stores: set[Any] | None = set()  # what the commit wrote: only their failure fails it
         for op in ops:
             if op[0] == "publish":
-                self._publish(chs, op[1], op[2], op[3])
-            elif op[0] == "ack":
-                self._settle_lenient(chs, op[1], op[2], None)
+                out = self._publish(chs, op[1], op[2], op[3])
+                if out.held:
+                    stores = None
+                elif stores is not None:
+                    stores.update(q.store for q in out.queues)
             else:
-                self._settle_lenient(chs, op[1], op[2], op[3])
-        self.reply_after_sync(chs, commands.Tx.CommitOk())
+                if stores is not None:  # every queue the channel holds messages of: a superset
+                    stores.update(q.store for q, _m, _c in chs.unacked.values())
+                self._settle_lenient(chs, op[1], op[2], None if op[0] == "ack" else op[3])
+        self.reply_after_sync(chs, commands.Tx.CommitOk(), stores)
 
     def _settle_lenient(self, chs: ChannelState, tag: int, multiple: bool, requeue: bool | None) -> None:
         try:
@@ -1117,3 +1146,22 @@ def _expand_empty_queue(chs: ChannelState, method: PFrame) -> None:
     if isinstance(method, commands.Queue.Bind) and not method.routing_key:
         method.routing_key = chs.last_queue  # an empty key with it: the queue's name (RabbitMQ)
     method.queue = chs.last_queue  # type: ignore[attr-defined]
+
+
+def _depend_on(chs: ChannelState, queues: Sequence[Queue], held: bool) -> None:
+    """The confirms waiting on ``chs`` depend on these queues' stores too; a message an
+    exchange holds (delayed) on its own store, which the channel does not see: on any."""
+    deps = chs.sync_deps
+    if deps is None:
+        return
+    if held:
+        chs.sync_deps = None
+        return
+    for q in queues:
+        deps.add(q.store)
+
+
+def _answer_of(method: PFrame) -> str:
+    """The method a deferred answer answers (``Tx.CommitOk`` -> ``tx.commit``), for an error."""
+    name = str(method.name)
+    return (name[:-2] if name.endswith("Ok") else name).lower()

@@ -485,12 +485,9 @@ class ClusterRunner:
         self.view.set_role("leader", self.uri, sink)
 
         def replicated(dirty: list[Any]) -> asyncio.Future[None]:
-            # Queue stores report meta and buffered acks to the sink only on flush():
-            # flush the ones this group commit covers, so followers get them too.
-            for obj in dirty:
-                flush = getattr(obj, "flush", None)
-                if flush is not None:
-                    flush()
+            # The syncer has flushed the stores this group commit covers (their meta and
+            # buffered acks reach the sink only then), each on its own: one that fails
+            # fails its own waiters only (broker.syncer).
             return sink.barrier()
 
         node = self.node = self.host.leader_broker(cfg, sink, self.view, replicated)

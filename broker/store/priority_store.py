@@ -240,6 +240,11 @@ class PriorityStore:
         return any(s.dirty for s in list(self._levels.values()))
 
     # ------------------------------------------------------------------ durability
+    @property
+    def parts(self) -> list[QueueStore]:
+        """The level stores, each of which the group commit may sync on its own."""
+        return list(self._levels.values())
+
     def flush(self) -> None:
         for s in list(self._levels.values()):
             s.flush()

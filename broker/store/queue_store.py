@@ -979,8 +979,13 @@ class QueueStore(SegmentLog[Segment]):
     # ------------------------------------------------------------------ durability
 
     def flush(self) -> None:
-        """Write buffered ack bytes to the ack files (no fsync); send a changed meta to the sink."""
+        """Write buffered ack bytes to the ack files (no fsync); send a changed meta to the sink.
+        A closed store has nothing left to flush (``close`` flushed first; a deleted one's
+        files are gone), as ``sync`` has nothing left to sync: the group commit may still hold
+        it when its queue is deleted."""
         with self._lock:
+            if self._closed:
+                return
             self._write_acks_locked()
             if self._counts is not None:
                 self._counts.write_locked()
@@ -992,14 +997,23 @@ class QueueStore(SegmentLog[Segment]):
 
     def _write_through(self) -> None:
         """Synchronous settlements: acks and the delivered mark reach their files now
-        (kill -9 can no longer lose them); the syncer's next group commit fsyncs them."""
+        (kill -9 can no longer lose them); the syncer's next group commit fsyncs them.
+        A write that fails leaves them buffered in this dirty store: that commit writes them
+        again and, if it fails too, refuses the waiters that depend on this store (a
+        purge-ok) and logs it. The settlement itself is done; the client that sent it is
+        not told otherwise."""
         with self._lock:
-            self._write_acks_locked()
-            if self._counts is not None:
-                self._counts.write_locked()
-            meta = self._meta_bytes()
-            if meta != self._meta_written:
-                self._write_meta(meta, fsync=False)
+            if self._closed:
+                return
+            try:
+                self._write_acks_locked()
+                if self._counts is not None:
+                    self._counts.write_locked()
+                meta = self._meta_bytes()
+                if meta != self._meta_written:
+                    self._write_meta(meta, fsync=False)
+            except OSError:
+                pass  # the callers marked the store dirty first: the syncer has it
 
     def _write_acks_locked(self) -> None:
         """Append every segment's buffered ack bytes to its ack file (open, write, close:

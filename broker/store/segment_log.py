@@ -471,34 +471,60 @@ class SegmentLog(Generic[S]):
             if self._closed:
                 return
             fds: list[int] = []
+            seg_unsynced = False
+            paths: list[Path] = []
+            retired: list[tuple[int, Path, int, bool]] = []
+            trimmed = 0  # retired segments done
+            trimming = False  # _trim raised: it closed that segment's descriptor
             try:
-                with self._lock:
-                    self._dirty = False
-                    if self._seg_unsynced and self._wfd >= 0 and fsync:
-                        fds.append(os.dup(self._wfd))
-                    self._seg_unsynced = False
-                    paths: list[Path] = list(self._unsynced_paths)
-                    self._unsynced_paths.clear()
-                    retired, self._retired = self._retired, []
-                    after = self._sync_locked(full, paths)
-                    dir_unsynced = self._dir_unsynced
-                    self._dir_unsynced = False
-                if not fsync:
-                    paths.clear()
-                    dir_unsynced = False
-                for fd in fds:
-                    datasync(fd)
-            finally:
-                for fd in fds:
-                    os.close(fd)
-            for fd, path, end, unsynced in retired:
-                _trim(fd, path, end, unsynced and fsync)
-            for path in paths:
-                datasync_path(path)
-            if after is not None:
-                after()
-            if dir_unsynced:
-                fsync_dir(self.directory)
+                try:
+                    with self._lock:
+                        self._dirty = False
+                        seg_unsynced = self._seg_unsynced
+                        if seg_unsynced and self._wfd >= 0 and fsync:
+                            fds.append(os.dup(self._wfd))
+                        self._seg_unsynced = False
+                        paths = list(self._unsynced_paths)
+                        self._unsynced_paths.clear()
+                        retired, self._retired = self._retired, []
+                        after = self._sync_locked(full, paths)
+                        dir_unsynced = self._dir_unsynced
+                        self._dir_unsynced = False
+                    synced = paths if fsync else []
+                    for fd in fds:
+                        datasync(fd)
+                finally:
+                    for fd in fds:
+                        os.close(fd)
+                trimming = True
+                for fd, path, end, unsynced in retired:
+                    _trim(fd, path, end, unsynced and fsync)
+                    trimmed += 1
+                trimming = False
+                for path in synced:
+                    datasync_path(path)
+                if after is not None:
+                    after()
+                if dir_unsynced and fsync:
+                    fsync_dir(self.directory)
+            except BaseException:
+                left = retired[trimmed:]
+                if trimming and left:
+                    _fd, path, end, unsynced = left[0]
+                    left[0] = (-1, path, end, unsynced)
+                self._sync_failed(seg_unsynced, paths, left)
+                raise
+
+    def _sync_failed(self, seg_unsynced: bool, paths: list[Path],
+                     retired: list[tuple[int, Path, int, bool]]) -> None:
+        """A sync raised: everything it took stays due, so the next sync (the group commit
+        retries a store that failed) does it again instead of finding nothing to do."""
+        with self._lock:
+            self._dirty = True
+            self._seg_unsynced |= seg_unsynced
+            self._unsynced_paths.update(paths)
+            self._retired[:0] = retired
+            self._dir_unsynced = True
 
     def _sync_locked(self, full: bool, paths: list[Path]) -> Callable[[], None] | None:
         """Subclass hook, under ``_lock``: write what ``sync`` covers, add paths to fsync."""
@@ -550,6 +576,9 @@ class SegmentLog(Generic[S]):
                 if entry.is_file():
                     self._sink.delete(entry)
         shutil.rmtree(directory, ignore_errors=True)
+
+    def __repr__(self) -> str:  # names the store in the group commit's failure log
+        return f"{type(self).__name__}({self._dir})"
 
     def _remove_file(self, path: Path) -> None:
         path.unlink(missing_ok=True)

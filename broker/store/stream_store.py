@@ -411,8 +411,9 @@ class StreamStore(SegmentLog[_Seg]):
     # ------------------------------------------------------------------ durability
 
     def flush(self) -> None:
-        """Hand a changed offsets file to the sink (owner thread)."""
-        if self._sink.active:
+        """Hand a changed offsets file to the sink (owner thread); a closed or deleted stream
+        has nothing left to hand over (see ``QueueStore.flush``)."""
+        if self._sink.active and not self._closed:
             data = self._offsets_bytes()
             if data != self._offsets_sent:
                 self._offsets_sent = data
