@@ -29,7 +29,7 @@ from broker.model.vhost import VHost
 from broker.mqtt import packets as P
 from broker.mqtt import props as PR
 from broker.mqtt.retained import Files, Retained
-from broker.mqtt.session import MQTTSession, Registry, Settings, split_username
+from broker.mqtt.session import AfterSync, MQTTSession, Registry, Settings, split_username
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +229,7 @@ class MQTTServer:
     """The MQTT listeners (plain and TLS) of one node, over its vhosts and users."""
 
     def __init__(self, config: MqttConfig, vhosts: dict[str, VHost], users: UserStore,
-                 after_sync: Callable[[Callable[[bool], None]], None], retained: Files,
+                 after_sync: AfterSync, retained: Files,
                  peers: Mapping[Peer, Peer] | None = None) -> None:
         self.config = config
         self.vhosts = vhosts

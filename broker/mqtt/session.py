@@ -52,7 +52,7 @@ from typing import Any, Protocol
 
 from broker import errors
 from broker.auth.users import User, UserStore
-from broker.model.publish import PublishRequest
+from broker.model.publish import PublishOutcome, PublishRequest
 from broker.model.queue import Consumer, Queue
 from broker.model.vhost import VHost
 from broker.mqtt import packets as P
@@ -75,6 +75,13 @@ class Output(Protocol):
     def write(self, data: bytes) -> None: ...
 
     def close(self) -> None: ...
+
+
+class AfterSync(Protocol):
+    """The group commit's ``after_sync``: ``callback(ok)`` once durable; ``deps`` the stores it
+    waits for (None: any)."""
+
+    def __call__(self, callback: Callable[[bool], None], deps: Any = None) -> None: ...
 
 
 class Cancellable(Protocol):
@@ -159,7 +166,7 @@ class MQTTConsumer(Consumer):
 
 class MQTTSession:
     def __init__(self, vhosts: dict[str, VHost], users: UserStore, settings: Settings,
-                 after_sync: Callable[[Callable[[bool], None]], None], registry: Registry,
+                 after_sync: AfterSync, registry: Registry,
                  out: Output, peer: str) -> None:
         self.vhosts = vhosts
         self.users = users
@@ -305,8 +312,8 @@ class MQTTSession:
                 self.disconnect(P.RC_QUOTA_EXCEEDED)
             return
         origin = self.client_id if any(o & P.NO_LOCAL for o, _ in self.filters.values()) else None
-        routed = self._publish(topic, p.payload, p.qos, p.retain, p.props, origin)
-        if routed is None:
+        out = self._publish(topic, p.payload, p.qos, p.retain, p.props, origin)
+        if out is None:
             if self.v5 and p.qos:
                 self._answer(p, P.RC_UNSPECIFIED, sync=False)
             else:
@@ -315,7 +322,12 @@ class MQTTSession:
         if p.qos:
             if p.qos == 2:
                 self.qos2_received.add(p.packet_id)
-            self._answer(p, 0 if routed or not self.v5 else P.RC_NO_MATCHING_SUBSCRIBERS, sync=True)
+            # the answer waits for the stores the message reached (and the retained file)
+            deps: set[Any] | None = None if out.held else {q.store for q in out.queues}
+            if deps is not None and p.retain:
+                deps.add(self.registry.retained.files)
+            reason = 0 if not out.unroutable or not self.v5 else P.RC_NO_MATCHING_SUBSCRIBERS
+            self._answer(p, reason, sync=True, deps=deps)
 
     def _topic(self, p: P.Publish) -> str:
         alias = p.props.get(PR.TOPIC_ALIAS)
@@ -332,7 +344,7 @@ class MQTTSession:
             raise P.MalformedPacket(f"topic alias {alias} was never set", P.RC_PROTOCOL_ERROR)
         return topic
 
-    def _answer(self, p: P.Publish, reason: int, sync: bool) -> None:
+    def _answer(self, p: P.Publish, reason: int, sync: bool, deps: set[Any] | None = None) -> None:
         """PUBACK or PUBREC, after the group commit when ``sync`` (the message was stored)."""
         answer = P.encode_packet_id(P.PUBACK if p.qos == 1 else P.PUBREC, p.packet_id, reason)
         if not sync:
@@ -349,7 +361,7 @@ class MQTTSession:
                             self.client_id)
                 self.disconnect(P.RC_UNSPECIFIED)
 
-        self.after_sync(synced)
+        self.after_sync(synced, deps)
 
     def _retain(self, topic: str, p: P.Publish) -> bool:
         assert self.vhost is not None
@@ -364,9 +376,9 @@ class MQTTSession:
         return False
 
     def _publish(self, topic: str, payload: bytes, qos: int, retain: bool, props: PR.Props,
-                 origin: str | None = None) -> bool | None:
-        """Through the one publish operation: whether a queue took it; None when it did not
-        happen (refused: the client is told so)."""
+                 origin: str | None = None) -> PublishOutcome | None:
+        """Through the one publish operation: what happened; None when it did not happen
+        (refused: the client is told so)."""
         assert self.vhost is not None
         req = PublishRequest(self.settings.exchange, to_routing_key(topic),
                              amqp_props(qos, retain, props, origin), payload, int(time.time() * 1000),
@@ -379,7 +391,7 @@ class MQTTSession:
         if out.rejected:
             return None
         self.published += 1
-        return not out.unroutable
+        return out
 
     # ------------------------------------------------------------------ subscribe
     def subscribe(self, p: P.Subscribe) -> None:
