@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -42,6 +41,7 @@ from broker.auth.sasl import basic_credentials
 from broker.auth.throttle import TooManyFailures, check_login
 from broker.auth.users import User
 from broker.http.state import Mgmt
+from broker.patterns import PatternError, compile_pattern
 
 if TYPE_CHECKING:
     from broker.views import ConnectionView
@@ -339,8 +339,8 @@ def paginate_objects(request: web.Request, objects: Sequence[T], render: Callabl
     if pattern:
         if q.get("use_regex", "false").lower() == "true":
             try:
-                rx = re.compile(pattern)
-            except re.error as exc:
+                rx = compile_pattern(pattern)
+            except PatternError as exc:
                 raise bad_request(f"invalid name regex: {exc}") from None
             objects = [o for o in objects if rx.search(name(o))]
         else:

@@ -18,7 +18,6 @@ exchange right after a change, so policies act live.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,6 +27,7 @@ from broker.errors import StoreError
 from broker.model import features, queue_featured, queue_types
 from broker.model.features import validate_policy_definition
 from broker.model.queue import ClassicQueue
+from broker.patterns import Pattern, PatternError, compile_pattern
 from broker.store.jsonstore import read_json, write_json
 from broker.store.sink import ReplicationSink
 
@@ -49,7 +49,7 @@ class Policy:
     definition: dict[str, Any]
     priority: int
     apply_to: str
-    regex: re.Pattern[str]
+    regex: Pattern
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "pattern": self.pattern, "definition": self.definition,
@@ -62,7 +62,7 @@ class Policy:
             return False
         if kind == "exchange" and self.apply_to not in ("all", "exchanges"):
             return False
-        return self.regex.search(name) is not None
+        return self.regex.search(name)
 
 
 def make_policy(name: str, pattern: str, definition: dict[str, Any], priority: int = 0,
@@ -73,8 +73,8 @@ def make_policy(name: str, pattern: str, definition: dict[str, Any], priority: i
     if not isinstance(pattern, str):
         raise ValueError("'pattern' must be a string")
     try:
-        regex = re.compile(pattern)
-    except re.error as exc:
+        regex = compile_pattern(pattern)
+    except PatternError as exc:
         raise ValueError(f"invalid pattern regex: {exc}") from None
     if not isinstance(definition, dict) or not definition:
         raise ValueError("'definition' must be a non-empty object")
