@@ -27,7 +27,6 @@ only the page is rendered.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -35,7 +34,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiohttp import web
 
-from broker import errors
+from broker import errors, jsonbody
 from broker.auth.names import name_problem
 from broker.auth.sasl import basic_credentials
 from broker.auth.throttle import TooManyFailures, check_login
@@ -89,7 +88,6 @@ def error_response(status: int, error: str, reason: str, challenge: bool = True)
     return resp
 
 
-_AMQP_STATUS = {404: 404, 403: 401, 405: 405, 406: 400, 530: 400, 503: 400, 540: 501}
 
 
 @web.middleware
@@ -99,7 +97,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except ApiError as exc:
         return error_response(exc.status, exc.error, exc.reason, exc.challenge)
     except errors.AMQPError as exc:
-        status = _AMQP_STATUS.get(exc.reply_code, 400)
+        status = errors.http_status(exc)
+        status = 401 if status == 403 else status  # RabbitMQ's API answers a refusal 401
         error = {404: "Object Not Found", 400: "bad_request", 401: "not_authorized"}.get(status, "error")
         return error_response(status, error, exc.reply_text, challenge=False)
     except web.HTTPNotFound:
@@ -235,9 +234,9 @@ async def json_body(request: web.Request, *, required: tuple[str, ...] = ()) -> 
         body: Any = {}
     else:
         try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise bad_request(f"body is not valid JSON: {exc}") from None
+            body = jsonbody.loads(raw)
+        except jsonbody.JSONBodyError as exc:
+            raise bad_request(str(exc)) from None
     if not isinstance(body, dict):
         raise bad_request("body must be a JSON object")
     missing = [k for k in required if k not in body]
