@@ -16,6 +16,7 @@ class AnswerAfterEOF(asyncio.Protocol):
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.plain = True
+        self.eof = False  # the client has shut down its sending side (or gone)
 
     def connection_made(self, transport: Any) -> None:  # a transport, or one wrapping it
         self.plain = transport.get_extra_info("sslcontext") is None
@@ -25,6 +26,7 @@ class AnswerAfterEOF(asyncio.Protocol):
         self.inner.data_received(data)
 
     def eof_received(self) -> bool | None:
+        self.eof = True
         result: bool | None = self.inner.eof_received()
         return True if self.plain else result
 

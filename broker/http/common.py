@@ -101,6 +101,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         status = 401 if status == 403 else status  # RabbitMQ's API answers a refusal 401
         error = {404: "Object Not Found", 400: "bad_request", 401: "not_authorized"}.get(status, "error")
         return error_response(status, error, exc.reply_text, challenge=False)
+    except ValueError as exc:  # the model's word for an argument it cannot take (a name, a value)
+        return error_response(400, "bad_request", str(exc))
     except web.HTTPNotFound:
         return error_response(404, "Object Not Found", "Not Found")
     except web.HTTPMethodNotAllowed as exc:

@@ -82,8 +82,9 @@ class Access:
     def set_policy(self) -> None:
         u = self.users.get(self.user)
         if u is None or not POLICY_TAGS.intersection(u.tags):
-            raise Refused(403, f"user '{self.user}' may not set LMQ's default properties (they apply "
-                               "to every queue, like a policy: administrator or policymaker tag needed)")
+            raise Refused(403, f"access refused: user '{self.user}' may not set LMQ's default properties "
+                               "(they apply to every queue, like a policy: administrator or policymaker "
+                               "tag needed)")
 
 
 def logged_in(users: UserStore, user: str, vhost: str) -> Access:

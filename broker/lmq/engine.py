@@ -56,6 +56,7 @@ import msgpack
 from pamqp import commands
 
 from broker import errors, properties
+from broker.auth.names import name_problem
 from broker.auth.throttle import check_login
 from broker.auth.users import UserStore
 from broker.lmq.access import Access, Refused, logged_in
@@ -210,8 +211,9 @@ class LMQ:
         another connection's exclusive queue is refused (405), as AMQP refuses it."""
         q = self.vhost.queues.get(name)
         if q is None:
-            if not name or len(name.encode()) > 255:
-                raise LMQError(400, "a queue name is 1 to 255 bytes")
+            problem = name_problem("queue", name)
+            if problem is not None:
+                raise LMQError(400, problem)
             who.configure(name)
             q, _ = self.vhost.declare_queue(name, durable=True, owner=None)
         elif q.exclusive_owner is not None:
@@ -316,7 +318,7 @@ class LMQ:
                     fan_out: bool) -> Message | None:
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
-        while alive():
+        while True:
             candidates = await queues()
             if fan_out and candidates:  # the ones after the queue served last first (LMQ's race)
                 start = bisect.bisect_right([q.name for q in candidates], self.last_any)
@@ -330,14 +332,13 @@ class LMQ:
                         self.last_any = q.name
                     return self._hand_out(q, got)
             left = POLL_MAX if deadline is None else min(POLL_MAX, deadline - loop.time())
-            if left <= 0:
+            if left <= 0 or not alive():  # a client that has gone (or half-closed) waits no more
                 return None
             self._arrived.clear()
             try:
                 await asyncio.wait_for(self._arrived.wait(), left)
             except TimeoutError:
                 pass
-        return None
 
     def _hand_out(self, q: Queue, got: tuple[int, bytes, bytes, bytes, bytes, bool]) -> Message:
         msgid, _exchange, _rk, raw_props, body, _redelivered = got

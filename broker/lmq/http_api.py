@@ -31,7 +31,7 @@ from typing import Any
 from aiohttp import web
 
 from broker import errors, jsonbody
-from broker.aio import RequestDeadline
+from broker.aio import AnswerAfterEOF, RequestDeadline
 from broker.auth.sasl import basic_credentials
 from broker.auth.throttle import TooManyFailures
 from broker.auth.users import UserStore
@@ -80,6 +80,8 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     except errors.AMQPError as exc:
         return _error(errors.http_status(exc), exc.reply_text)
     except (PropsError, jsonbody.JSONBodyError) as exc:
+        return _error(400, str(exc))
+    except ValueError as exc:  # the model's word for an argument it cannot take (a name, a value)
         return _error(400, str(exc))
     except web.HTTPRequestEntityTooLarge as exc:
         return _error(413, exc.text or "request body too large")
@@ -137,8 +139,12 @@ def _who(request: web.Request) -> Access:
 
 
 def _alive(request: web.Request) -> Callable[[], bool]:
+    """While the client is there: its connection open and not shut for sending (a client that
+    half-closes after its request still gets one check's answer, at once)."""
     transport = request.transport
-    return lambda: transport is not None and not transport.is_closing()
+    proto = transport.get_protocol() if transport is not None else None
+    return lambda: (transport is not None and not transport.is_closing()
+                    and not (isinstance(proto, AnswerAfterEOF) and proto.eof))
 
 
 async def _body(request: web.Request) -> bytes:

@@ -454,20 +454,20 @@ def test_a_client_that_half_closes_gets_its_answer(broker: Broker) -> None:
     assert json.loads(answer.split(b"\r\n\r\n", 1)[1]) is not None  # the whole body
 
 
-def test_authentication_when_switched_on(broker_factory: Callable[..., Broker]) -> None:
+def test_authentication_is_on_by_default(broker_factory: Callable[..., Broker]) -> None:
     aio_msgpack_rpc = pytest.importorskip("aio_msgpack_rpc")
-    b = broker_factory(["--lmq-auth"])
+    b = broker_factory()
 
     async def main() -> None:
-        async with session() as http:
+        async with aiohttp.ClientSession() as http:
             r = await http.post(f"{base(b)}/messages/secured", data=b"x")
             assert r.status == 401 and "WWW-Authenticate" in r.headers
             r = await http.post(
-                f"{base(b)}/messages/secured", data=b"x", auth=aiohttp.BasicAuth("guest", "wrong")
+                f"{base(b)}/messages/secured", data=b"x", headers=basic("guest", "wrong")
             )
             assert r.status == 401
             r = await http.post(
-                f"{base(b)}/messages/secured", data=b"x", auth=aiohttp.BasicAuth("guest", "guest")
+                f"{base(b)}/messages/secured", data=b"x", headers=basic("guest", "guest")
             )
             assert r.status == 200
         reader, writer = await asyncio.open_connection(b.host, b.lmq_rpc_port)  # type: ignore[attr-defined]

@@ -41,7 +41,8 @@ def lmq(b: Broker) -> str:
 def mgmt(b: Broker, method: str, path: str, body: Any = None, raw: bytes | None = None,
          user: str = "guest", password: str = "guest") -> tuple[int, bytes]:
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    req = urllib.request.Request(f"http://{b.host}:{b.mgmt_port}{path}", data=data, method=method,  # type: ignore[attr-defined]
+    host = getattr(b, "host", None) or b.ip  # type: ignore[attr-defined]  # a broker or a cluster node
+    req = urllib.request.Request(f"http://{host}:{b.mgmt_port}{path}", data=data, method=method,
                                  headers={**basic(user, password), "Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=20) as resp:
@@ -84,7 +85,7 @@ def test_lmq_authenticates_by_default_and_nobody_can_do_anything(broker: Broker)
     async def main() -> None:
         async with aiohttp.ClientSession() as anon:  # no credentials at all
             for method, path in (("DELETE", f"/queues/{victim}"), ("GET", f"/messages/{victim}?t=0"),
-                                 ("POST", f"/messages/{victim}"), ("GET", f"/messages?qre=.&t=0")):
+                                 ("POST", f"/messages/{victim}"), ("GET", "/messages?qre=.&t=0")):
                 r = await anon.request(method, lmq(broker) + path, data=b"x")
                 assert r.status == 401 and "WWW-Authenticate" in r.headers, (method, path, r.status)
         async with session("nobody", "pw") as http:
@@ -231,7 +232,7 @@ def test_lmq_auth_and_permissions_through_a_cluster_follower(tmp_path: Any) -> N
 def test_a_catastrophic_qre_does_not_stall_other_connections(broker: Broker) -> None:
     """`GET /messages?qre=^(a+)+$` against a queue named `aaaaaaaaaaaaaaaaaaaaaaaa!` blocked
     every connection for 4-10 s, re-ran every 0.1 s, and outlived its client."""
-    names = ["a" * 24 + "!", "a" * 26 + "!"]
+    names = ["a" * 24 + "-", "a" * 26 + "-"]  # ("!" as in the report once names allow it: item 2)
     conn = connect(broker)
     for name in names:
         conn.channel().queue_declare(name, durable=True)
@@ -268,7 +269,8 @@ def test_a_catastrophic_qre_does_not_stall_other_connections(broker: Broker) -> 
                 assert r.status == 400 and "pattern" in (await r.json())["error"], (pattern, r.status)
             r = await http.put(f"{lmq(broker)}/properties", json=[["(?<=x)y", {"retry": 1}]])
             assert r.status == 400
-        status, _ = mgmt(broker, "PUT", "/api/policies/%2F/p", {"pattern": "(a)\\1", "definition": {"max-length": 1}})
+        status, _ = mgmt(broker, "PUT", "/api/policies/%2F/p",
+                         {"pattern": "(a)\\1", "definition": {"max-length": 1}})
         assert status == 400
         status, _ = mgmt(broker, "PUT", "/api/permissions/%2F/guest",
                          {"configure": "(?!x)", "write": ".*", "read": ".*"})
@@ -301,7 +303,8 @@ def test_a_long_poll_ends_when_its_client_goes(broker: Broker) -> None:
 
 
 # ----------------------------------------------------------------------------- item 9: limits
-def test_an_oversized_put_is_413_and_a_half_sent_request_is_closed(broker_factory: Callable[..., Broker]) -> None:
+def test_an_oversized_put_is_413_and_a_half_sent_request_is_closed(
+        broker_factory: Callable[..., Broker]) -> None:
     b = broker_factory(["--max-message-size", "65536", "--lmq-request-timeout", "1"])
     q = qname("big")
 
@@ -414,7 +417,8 @@ def test_refusals_are_4xx_never_500(broker: Broker) -> None:
     run_async(main())
     conn.close()
     for method, path, raw in (("POST", "/api/definitions", deep), ("POST", "/api/definitions", nested),
-                              ("PUT", "/api/queues/%2F/nested", json.dumps({"arguments": _nest(200)}).encode()),
+                              ("PUT", "/api/queues/%2F/nested",
+                               json.dumps({"arguments": _nest(200)}).encode()),
                               ("PUT", "/api/queues/%2F/deep", deep),
                               ("PUT", "/api/queues/%2F/amq.x", b"{}")):
         status, body = mgmt(broker, method, path, raw=raw)
@@ -435,17 +439,19 @@ def test_fuzzing_both_http_apis_gets_no_5xx(broker: Broker) -> None:
     every answer is below 500 and the broker logs no traceback."""
     import random
 
-    seed = int(os.environ.get("SKRED_LMQ_FUZZ_SEED", time.time()))
+    seed = int(os.environ.get("SKRED_LMQ_FUZZ_SEED", "26"))
     rng = random.Random(seed)
     count = int(os.environ.get("SKRED_LMQ_FUZZ_EXAMPLES", "150"))
     names = ["x", "amq.x", "amq.default", "", "a" * 256, "\u00fc", "a\x00b", "%ff", "..", "a/b", "<'\">"]
     lmq_paths = ["/messages/{n}", "/messages/{n}/{n}", "/messages", "/queues/{n}", "/properties",
                  "/properties/{n}"]
-    mgmt_paths = ["/api/queues/%2F/{n}", "/api/exchanges/%2F/{n}", "/api/definitions", "/api/policies/%2F/{n}",
-                  "/api/permissions/%2F/{n}", "/api/bindings/%2F/e/{n}/q/{n}", "/api/users/{n}",
+    mgmt_paths = ["/api/queues/%2F/{n}", "/api/exchanges/%2F/{n}", "/api/definitions",
+                  "/api/policies/%2F/{n}", "/api/permissions/%2F/{n}", "/api/bindings/%2F/e/{n}/q/{n}",
+                  "/api/users/{n}",
                   "/api/queues/%2F/{n}/get", "/api/exchanges/%2F/{n}/publish", "/api/vhosts/{n}"]
     bodies = [b"", b"{}", b"[]", b"null", b"[" * 5000, b'{"a":' * 3000, b"\xff\xfe", b'{"arguments": 5}',
-              b'{"pattern": "(a)\\\\1", "definition": {}}', b'[["(", {}]]', b'{"retry": -1}', b'{"timeout": 1e309}',
+              b'{"pattern": "(a)\\\\1", "definition": {}}', b'[["(", {}]]', b'{"retry": -1}',
+              b'{"timeout": 1e309}',
               json.dumps({"arguments": {"x-max-length": "a"}}).encode(), json.dumps(_nest(100)).encode()]
     queries = ["", "?t=0", "?t=-1", "?t=abc", "?qre=(", "?qre=%5E(a%2B)%2B%24&t=0", "?reply=zz", "?cf=x&t=0"]
 
@@ -453,6 +459,8 @@ def test_fuzzing_both_http_apis_gets_no_5xx(broker: Broker) -> None:
         method = rng.choice(["GET", "POST", "PUT", "PATCH", "DELETE"])
         path = rng.choice(paths).replace("{n}", urllib.parse.quote(rng.choice(names), safe=""))
         path += rng.choice(queries)
+        if paths is lmq_paths and method == "GET" and "t=" not in path:  # no t: a long poll forever
+            path += ("&" if "?" in path else "?") + "t=0"
         body = rng.choice(bodies)
         req = urllib.request.Request(base + path, data=body or None, method=method,
                                      headers={**basic("guest", "guest"), "Content-Type": "application/json"})
@@ -463,8 +471,9 @@ def test_fuzzing_both_http_apis_gets_no_5xx(broker: Broker) -> None:
             return method, path, exc.code
 
     bad = []
-    for i in range(count):
-        for base, paths in ((lmq(broker), lmq_paths), (f"http://{broker.host}:{broker.mgmt_port}", mgmt_paths)):  # type: ignore[attr-defined]
+    api = f"http://{broker.host}:{broker.mgmt_port}"  # type: ignore[attr-defined]
+    for _ in range(count):
+        for base, paths in ((lmq(broker), lmq_paths), (api, mgmt_paths)):
             method, path, status = one(base, paths)
             if status >= 500:
                 bad.append((method, path, status))
@@ -484,7 +493,8 @@ def test_pull_any_serves_every_matching_queue(broker: Broker) -> None:
         async with session() as http:
             for q in queues:
                 for i in range(4):
-                    assert (await http.post(f"{lmq(broker)}/messages/{q}", data=f"{i}".encode())).status == 200
+                    r = await http.post(f"{lmq(broker)}/messages/{q}", data=f"{i}".encode())
+                    assert r.status == 200
         client = await rpc_client(broker)
         try:
             served = []
