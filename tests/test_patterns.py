@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
 from broker import jsonbody
 from broker.auth.throttle import login_key
-from broker.auth.users import Permission
+from broker.auth.users import Permission, UserStore
+from broker.model.policy import PolicySet
 from broker.patterns import MAX_PATTERN, PatternError, compile_pattern
+from broker.store.sink import NullSink
 
 
 def test_a_catastrophic_pattern_runs_in_linear_time() -> None:
@@ -59,3 +62,26 @@ def test_login_key_is_per_source_and_user_with_unknown_users_pooled() -> None:
     assert login_key("10.0.0.1", "guest", True) != login_key("10.0.0.1", "alice", True)
     assert login_key("10.0.0.1", "guest", True) != login_key("10.0.0.2", "guest", True)
     assert login_key("10.0.0.1", "x1", False) == login_key("10.0.0.1", "x2", False)
+
+
+def test_stored_patterns_re2_refuses_load_without_granting_or_crashing(tmp_path: Path) -> None:
+    """A users.json or policies.json written before RE2 may hold a lookahead: the broker still
+    starts; the permission grants nothing and the policy is not applied, and both stay in their
+    files (re-exported unchanged)."""
+    users = UserStore(tmp_path / "users.json", NullSink())
+    users.set_permissions("guest", "/", ".*", ".*", ".*")
+    doc = json.loads((tmp_path / "users.json").read_text())
+    doc["permissions"][0]["read"] = "^(?!amq\\.).*"
+    (tmp_path / "users.json").write_text(json.dumps(doc))
+    again = UserStore(tmp_path / "users.json", NullSink())
+    assert not again.can_read("guest", "/", "q") and not again.can_write("guest", "/", "q")
+    again.add_user("other", "pw")  # rewrites the file: the refused text is kept
+    assert "^(?!amq\\\\.).*" in (tmp_path / "users.json").read_text()
+
+    (tmp_path / "policies.json").write_text(json.dumps({"version": 1, "policies": [
+        {"name": "p", "pattern": "(?=x)", "definition": {"max-length": 1}, "priority": 0,
+         "apply-to": "all"}]}))
+    ps = PolicySet(tmp_path / "policies.json", NullSink())
+    assert ps.policies == {}
+    ps.save()
+    assert "(?=x)" in (tmp_path / "policies.json").read_text()

@@ -41,6 +41,8 @@ from broker.patterns import Pattern, PatternError, compile_pattern
 from broker.store.jsonstore import read_json, write_json
 from broker.store.sink import ReplicationSink
 
+log = logging.getLogger(__name__)
+
 FILE_NAME = "users.json"
 FILE_VERSION = 1
 KNOWN_TAGS = ("administrator", "monitoring", "management", "policymaker", "impersonator")
@@ -48,6 +50,9 @@ DEFAULT_VHOST = "/"
 LOOPBACK_USERS = ("guest",)
 # Compared against when the user does not exist, so a miss costs the same time as a hit.
 _DUMMY_HASH = hash_password("", b"\x00\x00\x00\x00")
+
+
+_NOTHING = "[^\\s\\S]"  # a pattern that matches no name
 
 
 def _compile(kind: str, pattern: str) -> Pattern:
@@ -74,11 +79,24 @@ class Permission:
         object.__setattr__(self, "_write_re", _compile("write", self.write))
         object.__setattr__(self, "_read_re", _compile("read", self.read))
 
+    @classmethod
+    def loaded(cls, configure: str, write: str, read: str, where: str) -> Permission:
+        """A permission read from users.json: one whose regexes RE2 cannot run (a lookaround set
+        before patterns moved to RE2) keeps its text but grants nothing, logged; never a crash."""
+        try:
+            return cls(configure, write, read)
+        except ValueError as exc:
+            log.error("%s: permission grants nothing until it is set again: %s", where, exc)
+            perm = cls(_NOTHING, _NOTHING, _NOTHING)
+            for key, value in (("configure", configure), ("write", write), ("read", read)):
+                object.__setattr__(perm, key, value)
+            return perm
+
     def allows(self, action: str, resource: str) -> bool:
         pattern = {"configure": self._configure_re, "write": self._write_re, "read": self._read_re}[action]
         # RabbitMQ semantics: an empty pattern grants nothing; otherwise the regex may match
         # anywhere in the name (anchor it with ^...$ to match whole names).
-        if not pattern.pattern:
+        if not pattern.pattern or not getattr(self, action):
             return False
         return pattern.search(resource or "amq.default")
 
@@ -330,9 +348,9 @@ def _users_from_json(path: Path, data: Any) -> dict[str, User]:
             )
         grants: dict[str, dict[str, Permission]] = {}
         for entry in data.get("permissions", []):
-            grants.setdefault(entry["user"], {})[entry["vhost"]] = Permission(
-                str(entry["configure"]), str(entry["write"]), str(entry["read"])
-            )
+            grants.setdefault(entry["user"], {})[entry["vhost"]] = Permission.loaded(
+                str(entry["configure"]), str(entry["write"]), str(entry["read"]),
+                f"{path}: user {entry['user']!r} on vhost {entry['vhost']!r}")
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise StoreError(f"{path}: malformed users file ({type(exc).__name__}: {exc})") from None
     for name, permissions in grants.items():

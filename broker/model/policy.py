@@ -18,6 +18,7 @@ exchange right after a change, so policies act live.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,8 @@ from broker.model.queue import ClassicQueue
 from broker.patterns import Pattern, PatternError, compile_pattern
 from broker.store.jsonstore import read_json, write_json
 from broker.store.sink import ReplicationSink
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from broker.model.exchange import Exchange
@@ -94,12 +97,21 @@ class PolicySet:
         self.sink = sink
         self.policies: dict[str, Policy] = {}
         self.operator: dict[str, Policy] = {}
+        self.unrunnable: dict[str, list[Any]] = {}  # entries whose pattern RE2 refuses, as read
         data = read_json(path, None)
         if data is None:
             return
         try:
             for key, target in (("policies", self.policies), ("operator_policies", self.operator)):
                 for e in data.get(key, []):
+                    if isinstance(e.get("pattern"), str):
+                        try:
+                            compile_pattern(e["pattern"])
+                        except PatternError as exc:  # set before patterns moved to RE2
+                            log.error("%s: %s '%s' not applied (set it again with a pattern RE2 "
+                                      "runs): %s", path, key[:-3] + "y", e.get("name"), exc)
+                            self.unrunnable.setdefault(key, []).append(e)  # kept in the file
+                            continue
                     target[e["name"]] = make_policy(e["name"], e["pattern"], e["definition"],
                                                     int(e.get("priority", 0)), e.get("apply-to", "all"))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -108,8 +120,10 @@ class PolicySet:
     def save(self) -> None:
         write_json(self.path, {
             "version": FILE_VERSION,
-            "policies": [p.to_json() for _, p in sorted(self.policies.items())],
-            "operator_policies": [p.to_json() for _, p in sorted(self.operator.items())],
+            "policies": [p.to_json() for _, p in sorted(self.policies.items())]
+            + [e for e in self.unrunnable.get("policies", []) if e["name"] not in self.policies],
+            "operator_policies": [p.to_json() for _, p in sorted(self.operator.items())]
+            + [e for e in self.unrunnable.get("operator_policies", []) if e["name"] not in self.operator],
         }, self.sink)
 
     @staticmethod
