@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -34,28 +33,14 @@ from broker import errors, jsonbody
 from broker.aio import AnswerAfterEOF, RequestDeadline
 from broker.auth.sasl import basic_credentials
 from broker.auth.throttle import TooManyFailures
-from broker.auth.users import UserStore
 from broker.lmq.access import Access, Refused, anonymous
-from broker.lmq.engine import LMQ, LMQError, Message, Peer, client_address, login
-from broker.lmq.limits import BodyGate, admitted_bytes
+from broker.lmq.engine import LMQ, LMQError, Message, client_address, login
+from broker.lmq.limits import Settings, admitted_bytes
 from broker.lmq.props import PropsError, validate, validate_defaults
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-@dataclass(frozen=True)
-class Settings:
-    """What the HTTP API needs besides the engine: the users (and whether credentials are
-    required), the tunnel map of a cluster leader, the memory gate and the request timeout."""
-
-    users: UserStore
-    auth: bool
-    anonymous_user: str
-    peers: Mapping[Peer, Peer]
-    gate: BodyGate | None
-    request_timeout: float
 
 
 LMQ_KEY: web.AppKey[LMQ] = web.AppKey("lmq", LMQ)

@@ -1,4 +1,5 @@
-"""LMQ's share of the broker's memory budget: bodies pass the memory gate AMQP bodies pass.
+"""LMQ's front-end settings and its share of the broker's memory budget: bodies pass the memory
+gate AMQP bodies pass.
 
 Theory of operation
 -------------------
@@ -15,11 +16,13 @@ progress per connection and the request timeout, a client's memory is bounded.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-from broker.lmq.engine import LMQError
+from broker.auth.users import UserStore
+from broker.lmq.engine import LMQError, Peer
 
 
 class BodyGate(Protocol):
@@ -30,6 +33,22 @@ class BodyGate(Protocol):
     def request(self, who: Any, held: int, wanted: int) -> bool: ...
 
     def release(self, who: Any, held: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What both LMQ front ends need besides the engine: the users (and whether credentials are
+    required, or whom a request without them acts as), the tunnel map of a cluster leader, the
+    memory gate, and the limits (seconds for a request, RPC requests and bytes in progress)."""
+
+    users: UserStore
+    auth: bool
+    anonymous_user: str
+    peers: Mapping[Peer, Peer]
+    gate: BodyGate | None
+    request_timeout: float
+    max_pipelined: int = 128
+    max_bytes_in_flight: int = 256 << 20
 
 
 class _Waiter:

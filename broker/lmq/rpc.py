@@ -31,18 +31,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 
 from broker import errors
 from broker.auth.throttle import TooManyFailures
-from broker.auth.users import UserStore
 from broker.lmq.access import Access, Refused, anonymous
-from broker.lmq.engine import COMPOUND_TYPE, LMQ, LMQError, Message, Peer, client_address, login
-from broker.lmq.limits import BodyGate, admitted_bytes
+from broker.lmq.engine import COMPOUND_TYPE, LMQ, LMQError, Message, client_address, login
+from broker.lmq.limits import Settings, admitted_bytes
 from broker.lmq.props import PropsError, validate, validate_defaults
 
 log = logging.getLogger(__name__)
@@ -54,20 +51,6 @@ FRAMING = 64 * 1024  # a request's bytes besides its content: method, name, msgi
 
 class RPCError(Exception):
     pass
-
-
-@dataclass(frozen=True)
-class Settings:
-    """What the RPC front end needs besides the engine (see the module's docstring)."""
-
-    users: UserStore
-    auth: bool
-    anonymous_user: str
-    peers: Mapping[Peer, Peer]
-    gate: BodyGate | None
-    request_timeout: float
-    max_pipelined: int
-    max_bytes_in_flight: int
 
 
 def _content(msg: Message) -> Any:

@@ -21,7 +21,7 @@ from broker.auth.users import UserStore
 from broker.config import LmqConfig
 from broker.lmq import http_api, rpc, statsd
 from broker.lmq.engine import LMQ
-from broker.lmq.limits import BodyGate
+from broker.lmq.limits import BodyGate, Settings
 
 log = logging.getLogger(__name__)
 
@@ -45,15 +45,16 @@ class LMQServer:
 
     async def start(self) -> None:
         cfg = self.config
-        timeout = float(cfg.request_timeout)
-        app = http_api.build_app(self.lmq, http_api.Settings(
-            self.users, cfg.auth, cfg.anonymous_user, self.peers, self.gate, timeout))
+        settings = Settings(self.users, cfg.auth, cfg.anonymous_user, self.peers, self.gate,
+                            float(cfg.request_timeout), cfg.max_pipelined, self.max_bytes_in_flight)
+        app = http_api.build_app(self.lmq, settings)
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
         try:
             handler: Any = runner.server
             self._http = await asyncio.get_running_loop().create_server(
-                lambda: RequestDeadline(handler(), timeout), cfg.bind, cfg.http_port, reuse_address=True)
+                lambda: RequestDeadline(handler(), settings.request_timeout), cfg.bind, cfg.http_port,
+                reuse_address=True)
             self._runner = runner
             self.http_address = self._http.sockets[0].getsockname()[:2]
             log.info("LMQ HTTP API on %s:%d", *self.http_address)
@@ -63,10 +64,8 @@ class LMQServer:
                       exc.strerror or exc)
         try:
             self._rpc = await asyncio.start_server(
-                functools.partial(rpc.serve_connection, self.lmq, rpc.Settings(
-                    self.users, cfg.auth, cfg.anonymous_user, self.peers, self.gate, timeout,
-                    cfg.max_pipelined, self.max_bytes_in_flight)),
-                cfg.bind, cfg.rpc_port, reuse_address=True)
+                functools.partial(rpc.serve_connection, self.lmq, settings), cfg.bind, cfg.rpc_port,
+                reuse_address=True)
             self.rpc_address = self._rpc.sockets[0].getsockname()[:2]
             log.info("LMQ MessagePack-RPC on %s:%d", *self.rpc_address)
         except OSError as exc:

@@ -498,9 +498,18 @@ def test_cluster_followers_proxy_lmq_to_the_leader(tmp_path: Any) -> None:
         for n in cluster.nodes:
             n.argv += ["--lmq-bind", n.ip, "--lmq-http-port", str(http_port), "--lmq-rpc-port", str(rpc_port)]
         leader, followers = start_cluster(cluster)
+        from .test_lmq_access import add_user
+
+        add_user(leader, "nobody", "^$", "^$", "^$")  # through a follower, permissions apply too
         q = qname("clustered")
 
         async def main() -> None:
+            async with aiohttp.ClientSession() as anon:
+                r = await anon.post(f"http://{followers[0].ip}:{http_port}/messages/{q}", data=b"x")
+                assert r.status == 401
+            async with session("nobody", "pw") as http:
+                r = await http.post(f"http://{followers[0].ip}:{http_port}/messages/{q}", data=b"x")
+                assert r.status == 403
             async with session() as http:
                 a, b = (f"http://{f.ip}:{http_port}" for f in followers)
                 r = await http.post(f"{a}/messages/{q}", data=b"via a follower")
