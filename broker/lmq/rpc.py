@@ -96,12 +96,7 @@ class Session:
         self.cfg = cfg
         self.writer = writer
         self.source = client_address(cfg.peers, writer.transport)
-        self.who: Access | None = None
-        if not cfg.auth:
-            try:
-                self.who = anonymous(cfg.users, cfg.anonymous_user, self.source, lmq.vhost.name)
-            except Refused:
-                pass  # no anonymous user for this address: authenticate first
+        self.who: Access | None = None  # logged in with authenticate()
         self.tasks: set[asyncio.Task[None]] = set()
         self.in_flight = 0  # bytes of the requests in progress
         self.room = asyncio.Event()  # set while another request may be read
@@ -120,6 +115,11 @@ class Session:
                 raise RPCError(str(exc)) from None
             return "ok"
         who = self.who
+        if who is None and not self.cfg.auth:  # anonymous mode: the configured user, looked up now
+            try:
+                who = anonymous(self.cfg.users, self.cfg.anonymous_user, self.source, lmq.vhost.name)
+            except Refused:
+                who = None
         if who is None:
             raise RPCError("not authenticated: call authenticate(user, password) first")
         if method == "push":
