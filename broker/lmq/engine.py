@@ -20,7 +20,9 @@ memory: after a restart a message starts counting again (it is never lost for it
 (``{"accum": "new"}``), later puts join it (``"yes"``), and when it closes every part is stored as
 one compound message (content type ``application/x-msgpack``, body ``[[{metadata}, body], ...]``,
 header ``x-lmq-type: compound``), taken, acked and retried as one. Parts wait in memory until the
-window closes: a put answered ``new``/``yes`` is durable only from then on (documented).
+window closes: a put answered ``new``/``yes`` is durable only from then on (documented). A window
+closes early when the next part would take it past ``max_message_size`` (the compound message is
+one message, under the same limit as any other), which also bounds the memory a window holds.
 
 Long polls wait on an event set by every put and requeue, re-checking at least every 100 ms so
 messages that arrive over AMQP are seen too, and end as soon as their client has gone
@@ -71,6 +73,7 @@ log = logging.getLogger(__name__)
 COMPOUND_TYPE = "application/x-msgpack"
 DEFAULT_TYPE = "application/octet-stream"
 POLL_MAX = 0.1  # seconds between re-checks of a long poll (messages put over AMQP wake no event)
+PART_OVERHEAD = 64  # bytes a compound message spends per part besides its body (metadata, framing)
 SCAN_CHUNK = 2000  # queue names a fan-out scan matches before it lets other connections run
 
 
@@ -115,6 +118,7 @@ class Message:
 class _Window:
     parts: list[list[Any]]
     timer: asyncio.TimerHandle
+    size: int = 0  # bytes the compound message will take, about (bodies plus PART_OVERHEAD each)
 
 
 def _props(content_type: str, headers: dict[str, Any]) -> bytes:
@@ -247,13 +251,19 @@ class LMQ:
         self.counters[(name, "put")] += 1
         meta = {"content-type": content_type or DEFAULT_TYPE}
         if props["accum"] > 0:
+            size = len(body) + PART_OVERHEAD
             window = self.windows.get(name)
+            if window is not None and window.size + size > self.max_message_size:
+                window.timer.cancel()  # full: it closes now (one message stays within the limit)
+                self._close_window(name)
+                window = None
             if window is not None:
                 window.parts.append([meta, body])
+                window.size += size
                 return "yes"
             loop = asyncio.get_running_loop()
             timer = loop.call_later(props["accum"], self._close_window, name)
-            self.windows[name] = _Window([[meta, body]], timer)
+            self.windows[name] = _Window([[meta, body]], timer, size)
             return "new"
         self._store(q, body, meta["content-type"], props, compound=False)
         await self._synced()

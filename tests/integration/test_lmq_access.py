@@ -288,6 +288,15 @@ def test_an_oversized_put_is_413_and_a_half_sent_request_is_closed(
             assert r.status == 413, r.status
             r = await http.post(f"{lmq(b)}/messages/{q}", data=b"x" * 65536)  # exactly the limit
             assert r.status == 200
+            # an accumulation window is one message: it closes before it would pass the limit
+            acc = qname("acc")
+            assert (await http.patch(f"{lmq(b)}/properties/{acc}", json={"accum": 30})).status == 204
+            flags = [(await (await http.post(f"{lmq(b)}/messages/{acc}", data=b"y" * 30000)).json())["accum"]
+                     for _ in range(3)]
+            assert flags == ["new", "yes", "new"], flags
+            r = await http.get(f"{lmq(b)}/messages/{acc}?t=5&cf=msgpack")  # the first, closed early
+            assert r.status == 200 and r.headers["x-lmq-message-type"] == "compound"
+            assert len(msgpack.unpackb(await r.read())) == 2
     run_async(main())
     # headers that never end, a body that never comes, and an idle keep-alive: all closed
     for request in (b"GET /properties HTTP/1.1\r\nHost: x\r\n",
