@@ -3,8 +3,9 @@
 Theory of operation
 -------------------
 Handlers raise ``ApiError(status, error, reason)``; the error middleware turns
-it (and aiohttp's own 404/405, and a model ``AMQPError``) into RabbitMQ's JSON
-error body ``{"error": ..., "reason": ...}``. The auth middleware checks HTTP
+it (and aiohttp's own 404/405, a model ``AMQPError`` through ``errors.http_status``,
+the mapping LMQ uses too, and a model ``ValueError``: 400) into RabbitMQ's JSON
+error body ``{"error": ..., "reason": ...}``; a refusal is never a 500. The auth middleware checks HTTP
 basic credentials against the user store on every request (a salted SHA-256,
 cheap) and stores the ``User`` on the request; a user with none of the
 management tags is refused like a bad password (401), as RabbitMQ does.
@@ -86,8 +87,6 @@ def error_response(status: int, error: str, reason: str, challenge: bool = True)
     if status == 401 and challenge:
         resp.headers["WWW-Authenticate"] = REALM
     return resp
-
-
 
 
 @web.middleware
