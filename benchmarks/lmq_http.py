@@ -19,10 +19,11 @@ import aiohttp
 import pika
 
 
-async def lmq_rounds(base: str, count: int, seconds: float, body: bytes) -> float:
+async def lmq_rounds(base: str, count: int, seconds: float, body: bytes, user: str, password: str) -> float:
     q = f"bench-lmq-{uuid.uuid4().hex[:6]}"
     done = 0
-    async with aiohttp.ClientSession() as http:
+    auth = {"Authorization": aiohttp.encode_basic_auth(user, password)}  # LMQ authenticates like AMQP
+    async with aiohttp.ClientSession(headers=auth) as http:
         t0 = time.perf_counter()
         while done < count and time.perf_counter() - t0 < seconds:
             await (await http.post(f"{base}/messages/{q}", data=body)).read()
@@ -62,7 +63,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=10.0)
     args = ap.parse_args()
     body = b"x" * 200
-    http = asyncio.run(lmq_rounds(args.lmq, args.count, args.seconds, body))
+    amqp = pika.URLParameters(args.amqp).credentials  # the same user logs in to LMQ
+    http = asyncio.run(lmq_rounds(args.lmq, args.count, args.seconds, body, amqp.username, amqp.password))
     amqp = amqp_rounds(args.amqp, args.count, args.seconds, body)
     print(f"{'path':<40} {'rounds/s':>10}")
     print(f"{'LMQ HTTP put+get+ack (keep-alive)':<40} {http:>10.0f}")

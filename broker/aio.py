@@ -16,6 +16,7 @@ class AnswerAfterEOF(asyncio.Protocol):
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.plain = True
+        self.eof = False  # the client has shut down its sending side (or gone)
 
     def connection_made(self, transport: Any) -> None:  # a transport, or one wrapping it
         self.plain = transport.get_extra_info("sslcontext") is None
@@ -25,6 +26,7 @@ class AnswerAfterEOF(asyncio.Protocol):
         self.inner.data_received(data)
 
     def eof_received(self) -> bool | None:
+        self.eof = True
         result: bool | None = self.inner.eof_received()
         return True if self.plain else result
 
@@ -36,3 +38,48 @@ class AnswerAfterEOF(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.inner.resume_writing()
+
+
+class RequestDeadline(AnswerAfterEOF):
+    """``AnswerAfterEOF`` that also closes a connection which has had no request in progress
+    for ``timeout`` seconds: idle keep-alive connections and half-sent requests (headers that
+    never end) alike. The app marks a request in progress with ``started``/``finished`` (a long
+    poll is not idle); a body that stalls is the handler's to time out."""
+
+    def __init__(self, inner: Any, timeout: float) -> None:
+        super().__init__(inner)
+        self.timeout = timeout
+        self.busy = 0
+        self.idle_since = 0.0
+        self._transport: Any = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: Any) -> None:
+        self._transport = transport
+        loop = asyncio.get_running_loop()
+        self.idle_since = loop.time()
+        self._timer = loop.call_later(self.timeout, self._check)
+        super().connection_made(transport)
+
+    def started(self) -> None:
+        self.busy += 1
+
+    def finished(self) -> None:
+        self.busy -= 1
+        self.idle_since = asyncio.get_running_loop().time()
+
+    def _check(self) -> None:
+        loop = asyncio.get_running_loop()
+        due = self.idle_since + self.timeout
+        if not self.busy and loop.time() >= due:
+            self._timer = None
+            self._transport.close()
+            return
+        self._timer = loop.call_later(max(0.05, due - loop.time()) if not self.busy else self.timeout,
+                                      self._check)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        super().connection_lost(exc)

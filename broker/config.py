@@ -380,14 +380,33 @@ class LmqConfig:
     )
     vhost: str = field(default="/", metadata=_meta("Virtual host whose queues LMQ serves."))
     auth: bool = field(
-        default=False,
-        metadata=_meta("Require a broker user (HTTP basic auth; RPC authenticate call) with access to "
-                       "the LMQ vhost."),
+        default=True,
+        metadata=_meta("Require a broker user (HTTP basic auth; RPC authenticate call) and check its "
+                       "configure/write/read permissions on every request, as AMQP does; off: LMQ's "
+                       "anonymous mode, requests act as anonymous_user."),
+    )
+    anonymous_user: str = field(
+        default="guest",
+        metadata=_meta("With auth off, the user every request without credentials acts as: its "
+                       "permissions (and loopback_users) apply (empty: refuse such requests)."),
     )
     statsd_host: str = field(default="localhost", metadata=_meta("StatsD host for LMQ statistics."))
     statsd_port: int = field(default=8125, metadata=_meta("StatsD UDP port.", lo=1, hi=65535))
     stats_interval: int = field(
-        default=0, metadata=_meta("Seconds between LMQ statistics sent to StatsD (0: off).", lo=0, hi=86400)
+        default=0,
+        metadata=_meta("Milliseconds between LMQ statistics sent to StatsD, as LMQ's; '10s' reads as "
+                       "seconds (0: off).", kind="millis", lo=0, hi=86_400_000),
+    )
+    request_timeout: int = field(
+        default=30,
+        metadata=_meta("Seconds an LMQ HTTP request may take to arrive (headers and body) and an idle "
+                       "keep-alive or RPC connection may stay silent before it is closed.", lo=1,
+                       hi=86400),
+    )
+    max_pipelined: int = field(
+        default=128,
+        metadata=_meta("MessagePack-RPC requests one connection may have in progress; past it the "
+                       "connection is not read until answers go out.", lo=1, hi=65536),
     )
 
 
@@ -447,6 +466,7 @@ SECTIONS: dict[str, type[Any]] = {
 _TRUE = frozenset({"true", "yes", "1", "on"})
 _FALSE = frozenset({"false", "no", "0", "off"})
 _SIZE_RE = re.compile(r"\s*(\d+)\s*([kmg]i?b?|b)?\s*", re.IGNORECASE)
+_MILLIS_RE = re.compile(r"\s*(\d+)\s*(ms|s)?\s*", re.IGNORECASE)
 _SIZE_UNITS = {
     "": 1, "b": 1,
     "k": KiB, "ki": KiB, "kib": KiB, "kb": 1000,
@@ -459,7 +479,8 @@ _SIZE_UNITS = {
 class Option:
     """One option, derived from a section dataclass field.
 
-    ``kind`` is one of ``str``, ``int``, ``size`` (int accepting unit suffixes),
+    ``kind`` is one of ``str``, ``int``, ``size`` (int accepting unit suffixes), ``millis``
+    (int milliseconds; a number with ``s`` is seconds),
     ``fraction`` (float from lo to hi), ``bool``, ``path``, ``networks`` (tuple of
     CIDRs). ``default`` is None only
     for ``data_dir``, whose default depends on the user (``default_data_dir``).
@@ -526,8 +547,8 @@ class Option:
             if not (self.lo or 0) <= value <= (1 if self.hi is None else self.hi):
                 raise ValueError(f"{value} is not between {self.lo} and {self.hi}")
             return value
-        if self.kind in ("int", "size"):
-            value = _parse_size(text) if self.kind == "size" else _parse_int(text)
+        if self.kind in ("int", "size", "millis"):
+            value = {"size": _parse_size, "millis": _parse_millis}.get(self.kind, _parse_int)(text)
             if self.lo is not None and value < self.lo:
                 raise ValueError(f"{value} is below the minimum {self.lo}")
             if self.hi is not None and value > self.hi:
@@ -565,6 +586,13 @@ def _parse_size(text: str) -> int:
     if match is None:
         raise ValueError(f"{text!r} is not a size (bytes, or a number with KiB/MiB/GiB)")
     return int(match.group(1)) * _SIZE_UNITS[(match.group(2) or "").lower()]
+
+
+def _parse_millis(text: str) -> int:
+    match = _MILLIS_RE.fullmatch(text)
+    if match is None:
+        raise ValueError(f"{text!r} is not a duration (milliseconds, or a number with ms or s)")
+    return int(match.group(1)) * (1000 if (match.group(2) or "").lower() == "s" else 1)
 
 
 def _format_size(value: int) -> str:

@@ -185,6 +185,18 @@ for _cls in (
 _BY_CODE.setdefault((403, False), ConnectionAccessRefused)
 
 
+# The one mapping of the model's refusals to HTTP statuses, for every HTTP front end (the
+# management API, LMQ): a refusal is the client's error (4xx), never a 500. (The management API
+# then answers 403 as 401, as RabbitMQ's does.) Codes not listed are refusals of a request: 400.
+HTTP_STATUS: dict[int, int] = {311: 413, 403: 403, 404: 404, 405: 405, 406: 400, 530: 400, 503: 400,
+                               540: 501}
+
+
+def http_status(exc: AMQPError) -> int:
+    """The HTTP status that answers the model's refusal ``exc``."""
+    return HTTP_STATUS.get(exc.reply_code, 400)
+
+
 def for_code(code: int, soft: bool | None = None) -> type[AMQPError]:
     """The error class for a reply code (403 is soft unless ``soft=False``)."""
     if soft is not None and (code, soft) in _BY_CODE:

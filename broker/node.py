@@ -280,8 +280,9 @@ class Node:
         path = cfg.main.data_dir / LMQ_PROPS_FILE
         sink = self.sink
         props = PropsStore(read_json(path, {}), lambda doc: write_json(path, doc, sink))
-        self.lmq = LMQServer(LMQ(vh, props, broker.syncer.after_sync), cfg.lmq, broker.users,
-                             broker.proxied_peers)
+        self.lmq = LMQServer(LMQ(vh, props, broker.syncer.after_sync, cfg.main.max_message_size), cfg.lmq,
+                             broker.users, broker.proxied_peers, broker.alarm.memory,
+                             cfg.amqp.max_bytes_in_flight)
         await self.lmq.start()
 
     async def start_mqtt(self, broker: Broker) -> None:

@@ -15,7 +15,7 @@ HYPO = settings(max_examples=150, deadline=None, database=None, suppress_health_
 
 
 def regex_match(pattern: str, key: str) -> bool:
-    return topic_regex(pattern).match("." + key) is not None
+    return topic_regex(pattern).fullmatch("." + key)
 
 
 def no_headers() -> dict[str, Any] | None:
@@ -343,3 +343,15 @@ def test_exchange_attributes() -> None:
     )
     assert (ex.durable, ex.auto_delete, ex.internal, ex.alternate) == (False, True, True, "ae")
     assert Exchange("e", "direct").alternate is None
+
+
+def test_a_binding_key_cannot_make_routing_backtrack() -> None:
+    """A binding key is client input run on every publish: `#.#.#.#.#.x` against a 60-word key
+    took 1.5 s per publish with Python's backtracking `re`; on RE2 it is linear."""
+    import time
+
+    key = ".".join(["a"] * 250)[:255]
+    t0 = time.process_time()
+    for _ in range(100):
+        assert not regex_match("#.#.#.#.#.#.#.#.x", key)
+    assert time.process_time() - t0 < 1.0

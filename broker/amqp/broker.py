@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import logging
 import platform
+import struct
 import time
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any, Protocol
 
+from pamqp import commands
+
 from broker import __version__, errors
+from broker.amqp import codec
 from broker.amqp.alarms import Alarms, DiskAlarm
 from broker.amqp.memory import MemoryAlarm, watermark
 from broker.auth import sasl
@@ -27,6 +31,33 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+
+
+NEED_MORE = None  # start_ok_user: the start-ok frame is not complete yet
+
+
+def start_ok_user(data: bytes) -> str | None:
+    """The user name a connection.start-ok frame at the start of ``data`` logs in as ("" when it
+    names none or is not a start-ok), or None when the frame is not complete yet; for the login
+    throttle, which must know the user before the credentials are checked. Frames longer than the
+    spec's pre-tune limit are not waited for ("")."""
+    if len(data) < codec.FRAME_HDR.size:
+        return NEED_MORE
+    kind, _channel, size = codec.FRAME_HDR.unpack_from(data)
+    if kind != codec.FRAME_METHOD or size > codec.FRAME_MIN_SIZE:
+        return ""
+    end = codec.FRAME_HDR.size + size
+    if len(data) < end + 1:
+        return NEED_MORE
+    try:
+        method = codec.decode_method(data[codec.FRAME_HDR.size:end])
+        response = method.response if isinstance(method, commands.Connection.StartOk) else None
+        raw = response.encode("latin-1") if isinstance(response, str) else bytes(response or b"")
+    except (KeyError, ValueError, struct.error):
+        return ""
+    if not isinstance(method, commands.Connection.StartOk):
+        return ""
+    return sasl.login_name(str(method.mechanism), raw)
 
 class GroupCommit(Protocol):
     """What the AMQP glue needs of the node's group commit (``broker.syncer.Syncer``)."""
@@ -132,6 +163,7 @@ class Broker:
         are never logged, and a source in a burst of failures is logged once.
         """
         throttle = self.users.throttle
+        key = self.users.throttle_key(peer_ip, sasl.login_name(mechanism, response))
         if mechanism == "EXTERNAL":
             user = peer_tls.login_name(self.config.main.tls_cert_login_from) if peer_tls else None
             ok = (user is not None and self.users.get(user) is not None
@@ -141,16 +173,16 @@ class Broker:
             try:
                 user, password = sasl.credentials(mechanism, response)
             except errors.ConnectionAccessRefused:
-                throttle.failed(peer_ip, time.monotonic())
+                throttle.failed(key, time.monotonic())
                 raise
             refusal = self.users.login_refusal(user, password, peer_ip)
             ok = refusal is None
             reason = refusal or ""
         if ok:
             assert user is not None
-            throttle.succeeded(peer_ip)
+            throttle.succeeded(key)
             return user
-        if throttle.failed(peer_ip, time.monotonic()):
+        if throttle.failed(key, time.monotonic()):
             log.warning("login refused for user %r from %s (mechanism %s: %s)", user, name, mechanism, reason)
         raise errors.ConnectionAccessRefused(
             f"Login was refused using authentication mechanism {mechanism}. "

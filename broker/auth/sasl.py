@@ -38,6 +38,15 @@ def credentials(mechanism: str, response: bytes) -> tuple[str, str]:
     raise errors.ConnectionAccessRefused(f"unsupported mechanism {mechanism}")
 
 
+def login_name(mechanism: str, response: bytes) -> str:
+    """The user name a start-ok response logs in as, for the login throttle's key ("" when it
+    names none: EXTERNAL, or malformed)."""
+    try:
+        return credentials(mechanism, response)[0]
+    except errors.ConnectionAccessRefused:
+        return ""
+
+
 def basic_credentials(header: str) -> tuple[str, str] | None:
     """(user, password) from an HTTP ``Authorization: Basic`` header value; None when absent or malformed."""
     scheme, _, value = header.partition(" ")

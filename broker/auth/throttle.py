@@ -1,12 +1,21 @@
-"""Failed-login throttling per source address: a delay that grows, never a lockout.
+"""Failed-login throttling per source address and user: a delay that grows, never a lockout.
 
 Theory of operation
 -------------------
 Every login attempt (AMQP ``connection.start-ok``, a management or LMQ HTTP
 basic-auth request, an LMQ RPC ``authenticate``; the last three through
-``check_login``) first asks ``admit(source, now)`` and gets back how long to wait before its
+``check_login``) first asks ``admit(key, now)`` and gets back how long to wait before its
 credentials may be checked; ``failed`` or ``succeeded`` reports the outcome.
-Per source address we count attempts that did not succeed (failures, plus
+
+The key is the source address AND the user name the attempt logs in as (``login_key``), so a
+client hammering wrong passwords slows down only its own guesses: a good client on the same
+address (a shared NAT, a sidecar, the same host) logging in as another user is served at once.
+All names that are not users share one key per source, so a guesser cannot earn fresh free
+attempts by inventing names. (Guesses at the very user a good client logs in as, from its own
+address, do slow that client: its password cannot be told right without checking it, and
+checking is what is rationed.)
+
+Per key we count attempts that did not succeed (failures, plus
 attempts still in flight: a client that opens many connections at once is
 counted for each of them). The first ``free`` cost nothing; after that each
 attempt reserves the next slot, ``interval`` after the previous one, with the
@@ -52,22 +61,28 @@ class TooManyFailures(Exception):
     """The source has piled up more waiting attempts than the throttle takes: refused unchecked."""
 
 
+def login_key(source: str, name: str, known: bool) -> str:
+    """The throttle's key of a login as ``name`` (``known``: a user of the store) from ``source``."""
+    return f"{source} as {name!r}" if known else f"{source} as an unknown user"
+
+
 async def check_login(users: UserStore, name: str, password: str, source: str, what: str) -> User | None:
     """The user ``name`` if ``password`` is right and the user may log in from ``source``, else
-    None, after waiting out ``source``'s turn; raises TooManyFailures. ``what`` names the front
-    end in the log line of a refusal (logged while the source is not mid-burst)."""
+    None, after waiting out the turn of ``source`` and ``name``; raises TooManyFailures. ``what``
+    names the front end in the log line of a refusal (logged while the key is not mid-burst)."""
     throttle = users.throttle
-    wait = throttle.admit(source, time.monotonic())
+    key = users.throttle_key(source, name)
+    wait = throttle.admit(key, time.monotonic())
     if wait is None:
-        raise TooManyFailures(f"too many failed logins from {source}; retry later")
+        raise TooManyFailures(f"too many failed logins from {key}; retry later")
     if wait:
         await asyncio.sleep(wait)
     user = users.authenticate(name, password)
     if user is None or not users.allowed_from(user, source):
-        if throttle.failed(source, time.monotonic()):
+        if throttle.failed(key, time.monotonic()):
             log.warning("%s login refused for user %r from %s", what, name, source)
         return None
-    throttle.succeeded(source)
+    throttle.succeeded(key)
     return user
 
 

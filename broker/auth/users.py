@@ -15,8 +15,9 @@ with the ``administrator`` tag and ``.*`` permissions on vhost ``/``.
 
 Permissions follow RabbitMQ's model: per user and vhost, three regular
 expressions (configure, write, read) matched against a resource name. Here the
-whole name must match (``re.fullmatch``). Each pattern is compiled once, when
-the permission is set or loaded. The default exchange ``""`` is checked under
+pattern may match anywhere in the name (anchor it with ``^...$``), as in RabbitMQ. Each pattern
+is compiled once, when the permission is set or loaded, with RE2 (``broker.patterns``: linear
+time, no backreferences or lookaround). The default exchange ``""`` is checked under
 the name ``amq.default``, as RabbitMQ does, so a pattern of ``""`` grants
 nothing. Users in ``loopback_users`` (``guest`` by default, as in RabbitMQ)
 may log in only from a loopback address.
@@ -27,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import logging
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,10 +35,13 @@ from typing import Any
 
 from broker.auth.names import check_name
 from broker.auth.passwords import HASHING_ALGORITHM, check_password, hash_password
-from broker.auth.throttle import LoginThrottle
+from broker.auth.throttle import LoginThrottle, login_key
 from broker.errors import StoreError
+from broker.patterns import Pattern, PatternError, compile_pattern
 from broker.store.jsonstore import read_json, write_json
 from broker.store.sink import ReplicationSink
+
+log = logging.getLogger(__name__)
 
 FILE_NAME = "users.json"
 FILE_VERSION = 1
@@ -49,11 +52,14 @@ LOOPBACK_USERS = ("guest",)
 _DUMMY_HASH = hash_password("", b"\x00\x00\x00\x00")
 
 
-def _compile(kind: str, pattern: str) -> re.Pattern[str]:
+_NOTHING = "[^\\s\\S]"  # a pattern that matches no name
+
+
+def _compile(kind: str, pattern: str) -> Pattern:
     try:
-        return re.compile(pattern)
-    except re.error as exc:
-        raise ValueError(f"invalid {kind} regex {pattern!r}: {exc}") from None
+        return compile_pattern(pattern)
+    except PatternError as exc:
+        raise ValueError(f"invalid {kind} regex: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -63,9 +69,9 @@ class Permission:
     configure: str
     write: str
     read: str
-    _configure_re: re.Pattern[str] = field(init=False, repr=False, compare=False)
-    _write_re: re.Pattern[str] = field(init=False, repr=False, compare=False)
-    _read_re: re.Pattern[str] = field(init=False, repr=False, compare=False)
+    _configure_re: Pattern = field(init=False, repr=False, compare=False)
+    _write_re: Pattern = field(init=False, repr=False, compare=False)
+    _read_re: Pattern = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Frozen dataclass: the cached compiled patterns are set through object.__setattr__.
@@ -73,13 +79,26 @@ class Permission:
         object.__setattr__(self, "_write_re", _compile("write", self.write))
         object.__setattr__(self, "_read_re", _compile("read", self.read))
 
+    @classmethod
+    def loaded(cls, configure: str, write: str, read: str, where: str) -> Permission:
+        """A permission read from users.json: one whose regexes RE2 cannot run (a lookaround set
+        before patterns moved to RE2) keeps its text but grants nothing, logged; never a crash."""
+        try:
+            return cls(configure, write, read)
+        except ValueError as exc:
+            log.error("%s: permission grants nothing until it is set again: %s", where, exc)
+            perm = cls(_NOTHING, _NOTHING, _NOTHING)
+            for key, value in (("configure", configure), ("write", write), ("read", read)):
+                object.__setattr__(perm, key, value)
+            return perm
+
     def allows(self, action: str, resource: str) -> bool:
         pattern = {"configure": self._configure_re, "write": self._write_re, "read": self._read_re}[action]
         # RabbitMQ semantics: an empty pattern grants nothing; otherwise the regex may match
         # anywhere in the name (anchor it with ^...$ to match whole names).
-        if not pattern.pattern:
+        if not pattern.pattern or not getattr(self, action):
             return False
-        return pattern.search(resource or "amq.default") is not None
+        return pattern.search(resource or "amq.default")
 
 
 FULL_ACCESS = Permission(".*", ".*", ".*")
@@ -181,6 +200,10 @@ class UserStore:
         if not self.allowed_from(user, peer_ip):
             return f"user {username!r} may only log in from a loopback address, not {peer_ip}"
         return None
+
+    def throttle_key(self, peer_ip: str, username: str) -> str:
+        """The login throttle's key of a login as ``username`` from ``peer_ip``."""
+        return login_key(peer_ip, username, username in self._users)
 
     def allowed_from(self, user: User | str, peer_ip: str) -> bool:
         """False when a loopback-only user (``guest``) connects from a non-loopback address."""
@@ -325,9 +348,9 @@ def _users_from_json(path: Path, data: Any) -> dict[str, User]:
             )
         grants: dict[str, dict[str, Permission]] = {}
         for entry in data.get("permissions", []):
-            grants.setdefault(entry["user"], {})[entry["vhost"]] = Permission(
-                str(entry["configure"]), str(entry["write"]), str(entry["read"])
-            )
+            grants.setdefault(entry["user"], {})[entry["vhost"]] = Permission.loaded(
+                str(entry["configure"]), str(entry["write"]), str(entry["read"]),
+                f"{path}: user {entry['user']!r} on vhost {entry['vhost']!r}")
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise StoreError(f"{path}: malformed users file ({type(exc).__name__}: {exc})") from None
     for name, permissions in grants.items():

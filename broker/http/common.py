@@ -3,8 +3,9 @@
 Theory of operation
 -------------------
 Handlers raise ``ApiError(status, error, reason)``; the error middleware turns
-it (and aiohttp's own 404/405, and a model ``AMQPError``) into RabbitMQ's JSON
-error body ``{"error": ..., "reason": ...}``. The auth middleware checks HTTP
+it (and aiohttp's own 404/405, a model ``AMQPError`` through ``errors.http_status``,
+the mapping LMQ uses too, and a model ``ValueError``: 400) into RabbitMQ's JSON
+error body ``{"error": ..., "reason": ...}``; a refusal is never a 500. The auth middleware checks HTTP
 basic credentials against the user store on every request (a salted SHA-256,
 cheap) and stores the ``User`` on the request; a user with none of the
 management tags is refused like a bad password (401), as RabbitMQ does.
@@ -27,21 +28,20 @@ only the page is rendered.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiohttp import web
 
-from broker import errors
+from broker import errors, jsonbody
 from broker.auth.names import name_problem
 from broker.auth.sasl import basic_credentials
 from broker.auth.throttle import TooManyFailures, check_login
 from broker.auth.users import User
 from broker.http.state import Mgmt
+from broker.patterns import PatternError, compile_pattern
 
 if TYPE_CHECKING:
     from broker.views import ConnectionView
@@ -89,9 +89,6 @@ def error_response(status: int, error: str, reason: str, challenge: bool = True)
     return resp
 
 
-_AMQP_STATUS = {404: 404, 403: 401, 405: 405, 406: 400, 530: 400, 503: 400, 540: 501}
-
-
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
@@ -99,9 +96,12 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except ApiError as exc:
         return error_response(exc.status, exc.error, exc.reason, exc.challenge)
     except errors.AMQPError as exc:
-        status = _AMQP_STATUS.get(exc.reply_code, 400)
+        status = errors.http_status(exc)
+        status = 401 if status == 403 else status  # RabbitMQ's API answers a refusal 401
         error = {404: "Object Not Found", 400: "bad_request", 401: "not_authorized"}.get(status, "error")
         return error_response(status, error, exc.reply_text, challenge=False)
+    except ValueError as exc:  # the model's word for an argument it cannot take (a name, a value)
+        return error_response(400, "bad_request", str(exc))
     except web.HTTPNotFound:
         return error_response(404, "Object Not Found", "Not Found")
     except web.HTTPMethodNotAllowed as exc:
@@ -235,9 +235,9 @@ async def json_body(request: web.Request, *, required: tuple[str, ...] = ()) -> 
         body: Any = {}
     else:
         try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise bad_request(f"body is not valid JSON: {exc}") from None
+            body = jsonbody.loads(raw)
+        except jsonbody.JSONBodyError as exc:
+            raise bad_request(str(exc)) from None
     if not isinstance(body, dict):
         raise bad_request("body must be a JSON object")
     missing = [k for k in required if k not in body]
@@ -339,8 +339,8 @@ def paginate_objects(request: web.Request, objects: Sequence[T], render: Callabl
     if pattern:
         if q.get("use_regex", "false").lower() == "true":
             try:
-                rx = re.compile(pattern)
-            except re.error as exc:
+                rx = compile_pattern(pattern)
+            except PatternError as exc:
                 raise bad_request(f"invalid name regex: {exc}") from None
             objects = [o for o in objects if rx.search(name(o))]
         else:

@@ -29,7 +29,6 @@ with a warning in the log rather than refusing the whole document.
 from __future__ import annotations
 
 import logging
-import re
 from typing import Any
 
 from broker import __version__, errors
@@ -43,6 +42,7 @@ from broker.model.exchange import EXCHANGE_TYPES
 from broker.model.limits import NAMES as LIMIT_NAMES
 from broker.model.queue import Queue
 from broker.model.vhost import DEFAULT_EXCHANGES
+from broker.patterns import PatternError, compile_pattern
 
 log = logging.getLogger(__name__)
 
@@ -276,8 +276,8 @@ def validate(mgmt: Mgmt, doc: Any, vhost: str | None = None) -> Plan:
                 regexes.append(value)
             try:
                 for rx in regexes:
-                    re.compile(rx)
-            except re.error as exc:
+                    compile_pattern(rx)
+            except PatternError as exc:
                 raise _fail(where, f"invalid regex: {exc}") from None
             plan.permissions.append((user, vh_name, regexes[0], regexes[1], regexes[2]))
     for i, e in enumerate(_list(doc, "policies")):

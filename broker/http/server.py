@@ -19,6 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
+from broker import jsonbody
 from broker.errors import ListenError
 from broker.http import definitions, ui, websocket
 from broker.http.common import (
@@ -58,9 +59,9 @@ def _definitions_response(request: web.Request, doc: dict[str, Any]) -> web.Resp
 async def _import(request: web.Request, vhost: str | None) -> web.Response:
     raw = await request.read()
     try:
-        doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise bad_request(f"body is not valid JSON: {exc}") from None
+        doc = jsonbody.loads(raw)
+    except jsonbody.JSONBodyError as exc:
+        raise bad_request(str(exc)) from None
     try:
         definitions.import_definitions(request.app[MGMT_KEY], doc, vhost)
     except definitions.DefinitionsError as exc:

@@ -20,21 +20,37 @@ memory: after a restart a message starts counting again (it is never lost for it
 (``{"accum": "new"}``), later puts join it (``"yes"``), and when it closes every part is stored as
 one compound message (content type ``application/x-msgpack``, body ``[[{metadata}, body], ...]``,
 header ``x-lmq-type: compound``), taken, acked and retried as one. Parts wait in memory until the
-window closes: a put answered ``new``/``yes`` is durable only from then on (documented).
+window closes: a put answered ``new``/``yes`` is durable only from then on (documented). A window
+closes early when the next part would take it past ``max_message_size`` (the compound message is
+one message, under the same limit as any other), which also bounds the memory a window holds.
 
 Long polls wait on an event set by every put and requeue, re-checking at least every 100 ms so
-messages that arrive over AMQP are seen too.
+messages that arrive over AMQP are seen too, and end as soon as their client has gone
+(``alive``). Every operation takes the ``Access`` of the user it acts for and checks the AMQP
+permission it needs before it changes anything (``broker.lmq.access``).
+
+**Regex fan-out** (``qre``, ``pull_any``, ``push_all``): the pattern runs on RE2
+(``broker.patterns``, linear time), each queue name is matched once per request (``Matcher``
+remembers the answers, so the 100 ms re-checks of a long poll cost a dictionary lookup per
+queue), and a scan yields the event loop every ``SCAN_CHUNK`` queues, so a vhost of 50,000
+queues never holds up other connections. A take from several queues serves, as LMQ's
+``pull_any`` does, whichever queue could hand a message out first: LMQ races one pull per
+queue; here the matching queues are tried in name order starting after the queue a fan-out
+take served last, so with messages waiting in several, each is served in turn (none starves).
+
+**Limits**: a message body is at most the broker's ``max_message_size`` (413 / an RPC error),
+as over AMQP.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
-import re
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,18 +58,23 @@ import msgpack
 from pamqp import commands
 
 from broker import errors, properties
+from broker.auth.names import name_problem
 from broker.auth.throttle import check_login
 from broker.auth.users import UserStore
+from broker.lmq.access import Access, Refused, logged_in
 from broker.lmq.props import PropsStore
 from broker.model.publish import PublishRequest
 from broker.model.queue import Queue
 from broker.model.vhost import VHost
+from broker.patterns import PatternError, compile_pattern
 
 log = logging.getLogger(__name__)
 
 COMPOUND_TYPE = "application/x-msgpack"
 DEFAULT_TYPE = "application/octet-stream"
 POLL_MAX = 0.1  # seconds between re-checks of a long poll (messages put over AMQP wake no event)
+PART_OVERHEAD = 64  # bytes a compound message spends per part besides its body (metadata, framing)
+SCAN_CHUNK = 2000  # queue names a fan-out scan matches before it lets other connections run
 
 
 class LMQError(Exception):
@@ -97,6 +118,7 @@ class Message:
 class _Window:
     parts: list[list[Any]]
     timer: asyncio.TimerHandle
+    size: int = 0  # bytes the compound message will take, about (bodies plus PART_OVERHEAD each)
 
 
 def _props(content_type: str, headers: dict[str, Any]) -> bytes:
@@ -125,20 +147,62 @@ def client_address(peers: Mapping[Peer, Peer], transport: Any) -> str:
     return peers.get(peer, peer)[0]
 
 
-async def admitted(users: UserStore, name: str, password: str, peer: str, vhost: str, what: str) -> bool:
-    """Whether ``name``/``password`` log in from ``peer`` with access to LMQ's ``vhost``
-    (the one rule of both LMQ front ends when ``[lmq] auth`` is on), after ``peer``'s turn in
-    the login throttle; raises ``TooManyFailures`` when the throttle refuses it unchecked."""
+async def login(users: UserStore, name: str, password: str, peer: str, vhost: str, what: str) -> Access:
+    """The access of ``name``/``password`` logging in from ``peer`` to LMQ's ``vhost`` (the one
+    rule of both LMQ front ends), after their turn in the login throttle: Refused (401 bad
+    credentials, 403 no vhost access); ``TooManyFailures`` when the throttle refuses it unchecked."""
     user = await check_login(users, name, password, peer, what)
-    return user is not None and users.has_vhost_access(user, vhost)
+    if user is None:
+        raise Refused(401, "login failed")
+    return logged_in(users, user.name, vhost)
+
+
+Alive = Callable[[], bool]
+
+
+def _always() -> bool:
+    return True
+
+
+class Matcher:
+    """The queues of a vhost whose names a client's pattern matches (RE2, each name matched
+    once), for one request; ``queues`` yields the event loop every ``SCAN_CHUNK`` names."""
+
+    def __init__(self, vhost: VHost, regex: str, who: Access) -> None:
+        try:
+            self.pattern = compile_pattern(regex)
+        except PatternError as exc:
+            raise LMQError(400, str(exc)) from None
+        self.vhost = vhost
+        self.who = who
+        self.known: dict[str, bool] = {}
+
+    async def queues(self) -> list[Queue]:
+        out: list[Queue] = []
+        known, search = self.known, self.pattern.search
+        for i, (name, q) in enumerate(list(self.vhost.queues.items())):
+            if i and not i % SCAN_CHUNK:
+                await asyncio.sleep(0)
+            hit = known.get(name)
+            if hit is None:
+                hit = known[name] = search(name) and self.who.may_read(name)
+            if hit and q.exclusive_owner is None and not q.deleted:
+                out.append(q)
+        if len(known) > 2 * len(self.vhost.queues) + SCAN_CHUNK:  # deleted queues: forget them
+            self.known = {n: known[n] for n in self.vhost.queues if n in known}
+        out.sort(key=lambda q: q.name)
+        return out
 
 
 class LMQ:
     def __init__(self, vhost: VHost, props: PropsStore,
-                 after_sync: Callable[[Callable[[bool], None]], None]) -> None:
+                 after_sync: Callable[[Callable[[bool], None]], None],
+                 max_message_size: int = 128 << 20) -> None:
         self.vhost = vhost
         self.props = props
         self.after_sync = after_sync
+        self.max_message_size = max_message_size
+        self.last_any = ""  # the queue a fan-out take served last: the next one starts after it
         self.taken: dict[str, Taken] = {}
         self.retries: dict[tuple[int, int], int] = {}  # (id(queue), msgid) -> retries so far
         self.windows: dict[str, _Window] = {}
@@ -146,24 +210,27 @@ class LMQ:
         self._arrived = asyncio.Event()
 
     # ------------------------------------------------------------------ queues
-    def ensure(self, name: str) -> Queue:
-        """The queue ``name``, created (durable) on first use as LMQ does."""
+    def ensure(self, name: str, who: Access) -> Queue:
+        """The queue ``name``, created (durable) on first use as LMQ does (configure permission);
+        another connection's exclusive queue is refused (405), as AMQP refuses it."""
         q = self.vhost.queues.get(name)
         if q is None:
-            if not name or len(name.encode()) > 255:
-                raise LMQError(400, "a queue name is 1 to 255 bytes")
+            problem = name_problem("queue", name)
+            if problem is not None:
+                raise LMQError(400, problem)
+            who.configure(name)
             q, _ = self.vhost.declare_queue(name, durable=True, owner=None)
+        elif q.exclusive_owner is not None:
+            raise LMQError(405, f"queue '{name}' in vhost '{self.vhost.name}' is exclusive to another "
+                                "connection")
         return q
 
-    def matching(self, regex: str) -> list[Queue]:
-        try:
-            pattern = re.compile(regex)
-        except re.error as exc:
-            raise LMQError(400, f"bad regex {regex!r}: {exc}") from None
-        return [q for name, q in sorted(self.vhost.queues.items())
-                if q.exclusive_owner is None and pattern.search(name)]
+    def matcher(self, regex: str, who: Access) -> Matcher:
+        """The queues ``regex`` picks for ``who`` (400 for a pattern RE2 cannot run)."""
+        return Matcher(self.vhost, regex, who)
 
-    def delete(self, name: str) -> None:
+    def delete(self, name: str, who: Access) -> None:
+        who.configure(name)
         if name in self.vhost.queues:
             self.vhost.delete_queue(name, owner=None)
         window = self.windows.pop(name, None)
@@ -173,20 +240,30 @@ class LMQ:
             self._forget(t)
 
     # ------------------------------------------------------------------ put
-    async def put(self, name: str, body: bytes, content_type: str | None) -> str:
+    async def put(self, name: str, body: bytes, content_type: str | None, who: Access) -> str:
         """Store one message; answer LMQ's accumulation flag: "no", "new" or "yes"."""
-        q = self.ensure(name)
+        if len(body) > self.max_message_size:
+            raise LMQError(413, f"message of {len(body)} bytes is larger than max_message_size "
+                                f"({self.max_message_size} bytes)")
+        who.write()
+        q = self.ensure(name, who)
         props = self.props.resolve(name)
         self.counters[(name, "put")] += 1
         meta = {"content-type": content_type or DEFAULT_TYPE}
         if props["accum"] > 0:
+            size = len(body) + PART_OVERHEAD
             window = self.windows.get(name)
+            if window is not None and window.size + size > self.max_message_size:
+                window.timer.cancel()  # full: it closes now (one message stays within the limit)
+                self._close_window(name)
+                window = None
             if window is not None:
                 window.parts.append([meta, body])
+                window.size += size
                 return "yes"
             loop = asyncio.get_running_loop()
             timer = loop.call_later(props["accum"], self._close_window, name)
-            self.windows[name] = _Window([[meta, body]], timer)
+            self.windows[name] = _Window([[meta, body]], timer, size)
             return "new"
         self._store(q, body, meta["content-type"], props, compound=False)
         await self._synced()
@@ -229,20 +306,43 @@ class LMQ:
             raise LMQError(503, "the message could not be made durable (disk or replication failure)")
 
     # ------------------------------------------------------------------ take
-    async def take(self, queues: Callable[[], Iterable[Queue]], timeout: float | None) -> Message | None:
-        """One message from the first of ``queues()`` that has one, waiting up to ``timeout``
-        seconds (None: until one comes); None when the wait ran out."""
+    async def take(self, name: str, timeout: float | None, who: Access,
+                   alive: Alive = _always) -> Message | None:
+        """One message from queue ``name`` (created on first use), as ``take_any``."""
+        who.read(name)
+        q = self.ensure(name, who)
+
+        async def one() -> list[Queue]:
+            return [q]
+
+        return await self._take(one, timeout, alive, fan_out=False)
+
+    async def take_any(self, regex: str, timeout: float | None, who: Access,
+                       alive: Alive = _always) -> Message | None:
+        """One message from the queues ``regex`` matches that ``who`` may read, waiting up to
+        ``timeout`` seconds (None: until one comes) while ``alive()``; None when the wait ran out
+        or the client went away."""
+        return await self._take(self.matcher(regex, who).queues, timeout, alive, fan_out=True)
+
+    async def _take(self, queues: Callable[[], Awaitable[list[Queue]]], timeout: float | None, alive: Alive,
+                    fan_out: bool) -> Message | None:
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         while True:
-            for q in queues():
+            candidates = await queues()
+            if fan_out and candidates:  # the ones after the queue served last first (LMQ's race)
+                start = bisect.bisect_right([q.name for q in candidates], self.last_any)
+                candidates = candidates[start:] + candidates[:start]
+            for q in candidates:
                 if q.deleted:
                     continue
                 got = q.get()
                 if got is not None:
+                    if fan_out:
+                        self.last_any = q.name
                     return self._hand_out(q, got)
             left = POLL_MAX if deadline is None else min(POLL_MAX, deadline - loop.time())
-            if left <= 0:
+            if left <= 0 or not alive():  # a client that has gone (or half-closed) waits no more
                 return None
             self._arrived.clear()
             try:
@@ -278,6 +378,11 @@ class LMQ:
         self.taken.pop(t.id, None)
         if t.timer is not None:
             t.timer.cancel()
+
+    def settle(self, kind: str, name: str, msg_id: str, who: Access) -> None:
+        """LMQ's reply to a taken message: ``ack``, ``nack`` or ``ext`` (read permission)."""
+        who.read(name)
+        {"ack": self.ack, "nack": self.nack, "ext": self.extend}[kind](name, msg_id)
 
     def ack(self, name: str, msg_id: str) -> None:
         t = self._find(name, msg_id)

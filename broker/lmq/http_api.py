@@ -5,68 +5,146 @@ takes (``t=`` seconds to wait, none: wait until a message comes; 204 when the wa
 ``cf=multipart|msgpack`` for compound messages), ``POST /messages/:name/:id?reply=ack|nack|ext``
 (204, or 404 for an unknown or expired id), ``GET|POST /messages?qre=REGEX`` take from any / put
 to every matching queue, ``DELETE /queues/:name``, and ``/properties`` (the default rules) and
-``/properties/:name`` (one queue's). With ``[lmq] auth`` on, every request needs HTTP basic auth
-of a broker user with read and write permission on the LMQ vhost.
+``/properties/:name`` (one queue's).
+
+Every request logs in with HTTP basic auth as a broker user (``[lmq] auth``, on by default; off:
+a request without credentials acts as ``[lmq] anonymous_user``), and each operation needs the
+AMQP permission ``broker.lmq.access`` maps it to (403 without it).
+
+Errors: every refusal is a 4xx with a JSON body ``{"error": reason}``: LMQ's own (``LMQError``),
+the model's (``errors.AMQPError``, through the one mapping ``errors.http_status``: a reserved
+``amq.*`` name 403, another connection's exclusive queue 405...), bad properties, patterns and
+JSON 400, a body over ``max_message_size`` 413. Anything else is a bug: logged once, answered
+500 without a traceback. Limits: a body is admitted through the broker's memory gate (the one
+AMQP bodies pass) before it is read, must arrive within ``[lmq] request_timeout`` (408), and a
+connection with no request in progress for that long is closed (``broker.aio.RequestDeadline``).
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
+from broker import errors, jsonbody
+from broker.aio import AnswerAfterEOF, RequestDeadline
 from broker.auth.sasl import basic_credentials
 from broker.auth.throttle import TooManyFailures
-from broker.auth.users import UserStore
-from broker.lmq.engine import LMQ, LMQError, Message, Peer, admitted, client_address
+from broker.lmq.access import Access, Refused, anonymous
+from broker.lmq.engine import LMQ, LMQError, Message, client_address, login
+from broker.lmq.limits import Settings, admitted_bytes
 from broker.lmq.props import PropsError, validate, validate_defaults
 
 log = logging.getLogger(__name__)
 
-LMQ_KEY: web.AppKey[LMQ] = web.AppKey("lmq", LMQ)
-AUTH_KEY: web.AppKey[UserStore | None] = web.AppKey("lmq_auth", object)  # type: ignore[arg-type]
-PEERS_KEY: web.AppKey[Mapping[Peer, Peer]] = web.AppKey("lmq_peers", object)  # type: ignore[arg-type]
-MAX_BODY = 128 * 1024 * 1024
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+LMQ_KEY: web.AppKey[LMQ] = web.AppKey("lmq", LMQ)
+SETTINGS_KEY: web.AppKey[Settings] = web.AppKey("lmq_settings", Settings)
+ACCESS = "lmq_access"
+
+
 def _error(status: int, reason: str) -> web.Response:
-    return web.json_response({"error": reason}, status=status)
+    resp = web.json_response({"error": reason}, status=status)
+    if status == 401:
+        resp.headers["WWW-Authenticate"] = 'Basic realm="Skred LMQ"'
+    return resp
 
 
 @web.middleware
 async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The one place refusals become statuses (see the module's docstring)."""
     try:
         return await handler(request)
-    except LMQError as exc:
+    except (LMQError, Refused) as exc:
         return _error(exc.status, exc.reason)
-    except PropsError as exc:
+    except errors.AMQPError as exc:
+        return _error(errors.http_status(exc), exc.reply_text)
+    except (PropsError, jsonbody.JSONBodyError) as exc:
         return _error(400, str(exc))
+    except ValueError as exc:  # the model's word for an argument it cannot take (a name, a value)
+        return _error(400, str(exc))
+    except web.HTTPRequestEntityTooLarge as exc:
+        return _error(413, exc.text or "request body too large")
     except web.HTTPException as exc:
         if exc.status >= 400:
-            return _error(exc.status, exc.reason)
+            resp = _error(exc.status, exc.reason)
+            if exc.status == 405 and "Allow" in exc.headers:
+                resp.headers["Allow"] = exc.headers["Allow"]
+            return resp
         raise
+    except errors.DiskFull:
+        return _error(503, "disk full: nothing was stored")
+    except (asyncio.CancelledError, ConnectionError):
+        raise
+    except Exception:  # a bug: the client gets a 500 without internals, the log gets the traceback
+        log.exception("LMQ HTTP %s %s failed", request.method, request.path)
+        return _error(500, "internal error (logged by the broker)")
+
+
+@web.middleware
+async def deadline_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Marks the request in progress for the connection's idle deadline."""
+    proto = request.transport.get_protocol() if request.transport is not None else None
+    if not isinstance(proto, RequestDeadline):
+        return await handler(request)
+    proto.started()
+    try:
+        return await handler(request)
+    finally:
+        proto.finished()
 
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    users = request.app[AUTH_KEY]
-    if users is not None:
-        creds = basic_credentials(request.headers.get("Authorization", ""))
-        vhost = request.app[LMQ_KEY].vhost.name
-        source = client_address(request.app[PEERS_KEY], request.transport)
-        try:
-            ok = creds is not None and await admitted(users, *creds, source, vhost, "LMQ HTTP")
-        except TooManyFailures:
-            return _error(429, "too many failed logins from this address; retry later")
-        if not ok:
-            resp = _error(401, "login failed")
-            resp.headers["WWW-Authenticate"] = 'Basic realm="Skred LMQ"'
-            return resp
+    cfg = request.app[SETTINGS_KEY]
+    vhost = request.app[LMQ_KEY].vhost.name
+    source = client_address(cfg.peers, request.transport)
+    creds = basic_credentials(request.headers.get("Authorization", ""))
+    try:
+        if creds is not None:
+            who = await login(cfg.users, *creds, source, vhost, "LMQ HTTP")
+        elif cfg.auth:
+            raise Refused(401, "login required (HTTP basic auth)")
+        else:
+            who = anonymous(cfg.users, cfg.anonymous_user, source, vhost)
+    except TooManyFailures:
+        return _error(429, "too many failed logins from this address; retry later")
+    request[ACCESS] = who
     return await handler(request)
+
+
+def _who(request: web.Request) -> Access:
+    who: Access = request[ACCESS]
+    return who
+
+
+def _alive(request: web.Request) -> Callable[[], bool]:
+    """While the client is there: its connection open and not shut for sending (a client that
+    half-closes after its request still gets one check's answer, at once)."""
+    transport = request.transport
+    proto = transport.get_protocol() if transport is not None else None
+    return lambda: (transport is not None and not transport.is_closing()
+                    and not (isinstance(proto, AnswerAfterEOF) and proto.eof))
+
+
+async def _body(request: web.Request) -> bytes:
+    """The request body, within the size limit, admitted by the memory gate, and arrived within
+    the request timeout."""
+    lmq, cfg = request.app[LMQ_KEY], request.app[SETTINGS_KEY]
+    size = request.content_length
+    if size is not None and size > lmq.max_message_size:
+        raise LMQError(413, f"body of {size} bytes is larger than max_message_size "
+                            f"({lmq.max_message_size} bytes)")
+    async with admitted_bytes(cfg.gate, size or 0, cfg.request_timeout):
+        try:
+            return await asyncio.wait_for(request.read(), cfg.request_timeout)
+        except TimeoutError:
+            raise LMQError(408, f"the body did not arrive within {cfg.request_timeout:g} s") from None
 
 
 def _timeout(request: web.Request) -> float | None:
@@ -119,16 +197,16 @@ def _response(msg: Message | None, cf: str) -> web.Response:
 
 async def get_message(request: web.Request) -> web.Response:
     lmq = request.app[LMQ_KEY]
-    name = request.match_info["name"]
     timeout, cf = _timeout(request), _format(request)
-    q = lmq.ensure(name)  # created on first use, as LMQ does
-    return _response(await lmq.take(lambda: [q], timeout), cf)
+    msg = await lmq.take(request.match_info["name"], timeout, _who(request), _alive(request))
+    return _response(msg, cf)
 
 
 async def post_message(request: web.Request) -> web.Response:
     lmq = request.app[LMQ_KEY]
-    body = await request.read()
-    flag = await lmq.put(request.match_info["name"], body, request.headers.get("Content-Type"))
+    body = await _body(request)
+    flag = await lmq.put(request.match_info["name"], body, request.headers.get("Content-Type"),
+                         _who(request))
     return web.json_response({"accum": flag})
 
 
@@ -136,18 +214,19 @@ async def get_any(request: web.Request) -> web.Response:
     lmq = request.app[LMQ_KEY]
     regex = _regex(request)
     timeout, cf = _timeout(request), _format(request)
-    lmq.matching(regex)  # a bad regex is a 400 before any wait
-    return _response(await lmq.take(lambda: lmq.matching(regex), timeout), cf)
+    return _response(await lmq.take_any(regex, timeout, _who(request), _alive(request)), cf)
 
 
 async def post_all(request: web.Request) -> web.Response:
     lmq = request.app[LMQ_KEY]
-    regex = _regex(request)
-    body = await request.read()
+    who = _who(request)
+    matcher = lmq.matcher(_regex(request), who)  # a bad pattern is a 400 before the body is read
+    who.write()
+    body = await _body(request)
     content_type = request.headers.get("Content-Type")
     out: dict[str, Any] = {}
-    for q in lmq.matching(regex):
-        out[q.name] = {"accum": await lmq.put(q.name, body, content_type)}
+    for q in await matcher.queues():
+        out[q.name] = {"accum": await lmq.put(q.name, body, content_type, who)}
     return web.json_response(out)
 
 
@@ -159,30 +238,20 @@ def _regex(request: web.Request) -> str:
 
 
 async def reply(request: web.Request) -> web.Response:
-    lmq = request.app[LMQ_KEY]
-    name, msg_id = request.match_info["name"], request.match_info["id"]
     kind = request.query.get("reply")
-    if kind == "ack":
-        lmq.ack(name, msg_id)
-    elif kind == "nack":
-        lmq.nack(name, msg_id)
-    elif kind == "ext":
-        lmq.extend(name, msg_id)
-    else:
+    if kind not in ("ack", "nack", "ext"):
         raise LMQError(400, "reply must be ack, nack or ext")
+    request.app[LMQ_KEY].settle(kind, request.match_info["name"], request.match_info["id"], _who(request))
     return web.Response(status=204)
 
 
 async def delete_queue(request: web.Request) -> web.Response:
-    request.app[LMQ_KEY].delete(request.match_info["name"])
+    request.app[LMQ_KEY].delete(request.match_info["name"], _who(request))
     return web.Response(status=204)
 
 
 async def _json(request: web.Request) -> Any:
-    try:
-        return json.loads(await request.read())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise LMQError(400, f"body is not valid JSON: {exc}") from None
+    return jsonbody.loads(await _body(request))
 
 
 async def get_defaults(request: web.Request) -> web.Response:
@@ -190,11 +259,13 @@ async def get_defaults(request: web.Request) -> web.Response:
 
 
 async def put_defaults(request: web.Request) -> web.Response:
+    _who(request).set_policy()
     request.app[LMQ_KEY].props.set_defaults(validate_defaults(await _json(request)))
     return web.Response(status=204)
 
 
 async def delete_defaults(request: web.Request) -> web.Response:
+    _who(request).set_policy()
     request.app[LMQ_KEY].props.set_defaults([])
     return web.Response(status=204)
 
@@ -204,24 +275,28 @@ async def get_props(request: web.Request) -> web.Response:
 
 
 async def patch_props(request: web.Request) -> web.Response:
-    lmq = request.app[LMQ_KEY]
+    lmq, who = request.app[LMQ_KEY], _who(request)
     name = request.match_info["name"]
+    who.configure(name)
     props = validate(await _json(request))
-    lmq.ensure(name)
+    lmq.ensure(name, who)
     lmq.props.update_queue(name, props)
     return web.Response(status=204)
 
 
 async def delete_props(request: web.Request) -> web.Response:
-    request.app[LMQ_KEY].props.reset_queue(request.match_info["name"])
+    name = request.match_info["name"]
+    _who(request).configure(name)
+    request.app[LMQ_KEY].props.reset_queue(name)
     return web.Response(status=204)
 
 
-def build_app(lmq: LMQ, users: UserStore | None, peers: Mapping[Peer, Peer]) -> web.Application:
-    app = web.Application(middlewares=[errors_middleware, auth_middleware], client_max_size=MAX_BODY)
+def build_app(lmq: LMQ, settings: Settings) -> web.Application:
+    # aiohttp refuses a body over client_max_size itself (413) when it comes without a length
+    app = web.Application(middlewares=[errors_middleware, deadline_middleware, auth_middleware],
+                          client_max_size=lmq.max_message_size)
     app[LMQ_KEY] = lmq
-    app[AUTH_KEY] = users
-    app[PEERS_KEY] = peers
+    app[SETTINGS_KEY] = settings
     r = app.router
     r.add_get("/messages", get_any)
     r.add_post("/messages", post_all)

@@ -16,22 +16,26 @@ from typing import Any
 
 from aiohttp import web
 
-from broker.aio import AnswerAfterEOF
+from broker.aio import RequestDeadline
 from broker.auth.users import UserStore
 from broker.config import LmqConfig
 from broker.lmq import http_api, rpc, statsd
 from broker.lmq.engine import LMQ
+from broker.lmq.limits import BodyGate, Settings
 
 log = logging.getLogger(__name__)
 
 
 class LMQServer:
     def __init__(self, lmq: LMQ, config: LmqConfig, users: UserStore,
-                 peers: Mapping[tuple[str, int], tuple[str, int]] | None = None) -> None:
+                 peers: Mapping[tuple[str, int], tuple[str, int]] | None = None,
+                 gate: BodyGate | None = None, max_bytes_in_flight: int = 256 << 20) -> None:
         self.lmq = lmq
         self.peers = peers if peers is not None else {}  # tunnel legs -> clients (a cluster leader)
         self.config = config
-        self.users = users if config.auth else None
+        self.users = users
+        self.gate = gate  # the broker's memory gate (broker/amqp/memory.py), shared with AMQP
+        self.max_bytes_in_flight = max_bytes_in_flight
         self.http_address: tuple[str, int] | None = None
         self.rpc_address: tuple[str, int] | None = None
         self._runner: web.AppRunner | None = None
@@ -41,13 +45,16 @@ class LMQServer:
 
     async def start(self) -> None:
         cfg = self.config
-        app = http_api.build_app(self.lmq, self.users, self.peers)
+        settings = Settings(self.users, cfg.auth, cfg.anonymous_user, self.peers, self.gate,
+                            float(cfg.request_timeout), cfg.max_pipelined, self.max_bytes_in_flight)
+        app = http_api.build_app(self.lmq, settings)
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
         try:
             handler: Any = runner.server
             self._http = await asyncio.get_running_loop().create_server(
-                lambda: AnswerAfterEOF(handler()), cfg.bind, cfg.http_port, reuse_address=True)
+                lambda: RequestDeadline(handler(), settings.request_timeout), cfg.bind, cfg.http_port,
+                reuse_address=True)
             self._runner = runner
             self.http_address = self._http.sockets[0].getsockname()[:2]
             log.info("LMQ HTTP API on %s:%d", *self.http_address)
@@ -57,8 +64,8 @@ class LMQServer:
                       exc.strerror or exc)
         try:
             self._rpc = await asyncio.start_server(
-                functools.partial(rpc.serve_connection, self.lmq, self.users, self.peers), cfg.bind,
-                cfg.rpc_port, reuse_address=True)
+                functools.partial(rpc.serve_connection, self.lmq, settings), cfg.bind, cfg.rpc_port,
+                reuse_address=True)
             self.rpc_address = self._rpc.sockets[0].getsockname()[:2]
             log.info("LMQ MessagePack-RPC on %s:%d", *self.rpc_address)
         except OSError as exc:
@@ -66,7 +73,7 @@ class LMQServer:
                       exc.strerror or exc)
         if cfg.stats_interval > 0:
             self._stats = asyncio.get_running_loop().create_task(
-                statsd.run(self.lmq, cfg.statsd_host, cfg.statsd_port, cfg.stats_interval))
+                statsd.run(self.lmq, cfg.statsd_host, cfg.statsd_port, cfg.stats_interval / 1000))
 
     async def stop(self) -> None:
         if self._stats is not None:

@@ -1,9 +1,9 @@
 """LMQ statistics to StatsD over UDP: queue lengths (gauges) and put/get/ack counts (counters).
 
-Every ``interval`` seconds one datagram per batch of lines, ``lmq.<queue>.length:<n>|g`` and
-``lmq.<queue>.<put|get|ack>:<n>|c`` (the counts since the last send). Characters StatsD treats
-specially in a queue name (``.:|@`` and white space) become ``_``. UDP: a missing StatsD server
-costs nothing and is never an error.
+Every ``[lmq] stats_interval`` milliseconds (LMQ's unit; ``run`` takes seconds) one datagram per
+batch of lines, ``lmq.<queue>.length:<n>|g`` and ``lmq.<queue>.<put|get|ack>:<n>|c`` (the counts
+since the last send). Characters StatsD treats specially in a queue name (``.:|@`` and white
+space) become ``_``. UDP: a missing StatsD server costs nothing and is never an error.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ exchange right after a change, so policies act live.
 
 from __future__ import annotations
 
-import re
+import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,8 +28,11 @@ from broker.errors import StoreError
 from broker.model import features, queue_featured, queue_types
 from broker.model.features import validate_policy_definition
 from broker.model.queue import ClassicQueue
+from broker.patterns import Pattern, PatternError, compile_pattern
 from broker.store.jsonstore import read_json, write_json
 from broker.store.sink import ReplicationSink
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from broker.model.exchange import Exchange
@@ -49,7 +52,7 @@ class Policy:
     definition: dict[str, Any]
     priority: int
     apply_to: str
-    regex: re.Pattern[str]
+    regex: Pattern
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "pattern": self.pattern, "definition": self.definition,
@@ -62,7 +65,7 @@ class Policy:
             return False
         if kind == "exchange" and self.apply_to not in ("all", "exchanges"):
             return False
-        return self.regex.search(name) is not None
+        return self.regex.search(name)
 
 
 def make_policy(name: str, pattern: str, definition: dict[str, Any], priority: int = 0,
@@ -73,8 +76,8 @@ def make_policy(name: str, pattern: str, definition: dict[str, Any], priority: i
     if not isinstance(pattern, str):
         raise ValueError("'pattern' must be a string")
     try:
-        regex = re.compile(pattern)
-    except re.error as exc:
+        regex = compile_pattern(pattern)
+    except PatternError as exc:
         raise ValueError(f"invalid pattern regex: {exc}") from None
     if not isinstance(definition, dict) or not definition:
         raise ValueError("'definition' must be a non-empty object")
@@ -94,12 +97,21 @@ class PolicySet:
         self.sink = sink
         self.policies: dict[str, Policy] = {}
         self.operator: dict[str, Policy] = {}
+        self.unrunnable: dict[str, list[Any]] = {}  # entries whose pattern RE2 refuses, as read
         data = read_json(path, None)
         if data is None:
             return
         try:
             for key, target in (("policies", self.policies), ("operator_policies", self.operator)):
                 for e in data.get(key, []):
+                    if isinstance(e.get("pattern"), str):
+                        try:
+                            compile_pattern(e["pattern"])
+                        except PatternError as exc:  # set before patterns moved to RE2
+                            log.error("%s: %s '%s' not applied (set it again with a pattern RE2 "
+                                      "runs): %s", path, key[:-3] + "y", e.get("name"), exc)
+                            self.unrunnable.setdefault(key, []).append(e)  # kept in the file
+                            continue
                     target[e["name"]] = make_policy(e["name"], e["pattern"], e["definition"],
                                                     int(e.get("priority", 0)), e.get("apply-to", "all"))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -108,8 +120,10 @@ class PolicySet:
     def save(self) -> None:
         write_json(self.path, {
             "version": FILE_VERSION,
-            "policies": [p.to_json() for _, p in sorted(self.policies.items())],
-            "operator_policies": [p.to_json() for _, p in sorted(self.operator.items())],
+            "policies": [p.to_json() for _, p in sorted(self.policies.items())]
+            + [e for e in self.unrunnable.get("policies", []) if e["name"] not in self.policies],
+            "operator_policies": [p.to_json() for _, p in sorted(self.operator.items())]
+            + [e for e in self.unrunnable.get("operator_policies", []) if e["name"] not in self.operator],
         }, self.sink)
 
     @staticmethod

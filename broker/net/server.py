@@ -42,7 +42,7 @@ from collections.abc import Callable
 from broker import errors, tls
 from broker.amqp import codec
 from broker.amqp.alarms import check_consumer_timeouts
-from broker.amqp.broker import Broker
+from broker.amqp.broker import NEED_MORE, Broker, start_ok_user
 from broker.amqp.connection import State
 from broker.amqp.session import Session
 from broker.net import proxy
@@ -70,6 +70,7 @@ class AMQPProtocol(asyncio.Protocol):
         self._read_paused = False
         self._header_fed = 0  # protocol-header bytes given to the session before connection.start
         self._admitted = False  # the login throttle let this connection's start-ok through
+        self._login_held = b""  # a start-ok arriving in pieces, held until whole (its user name)
         self._out_limit = _WRITE_HIGH_WATER
         # memory gate (broker/amqp/memory.py): body bytes admitted, and whether we wait for more
         self.reserved = 0
@@ -143,12 +144,12 @@ class AMQPProtocol(asyncio.Protocol):
                 loop.call_soon(self._resume_reading, loop.time() + _HOLD_SECONDS)
 
     def _before_login(self, s: Session, data: bytes) -> bytes:
-        """Hold connection.start-ok until this source's login throttle admits it.
+        """Hold connection.start-ok until the login throttle admits its source and user.
 
         The protocol header goes to the session on its own first (so a start-ok
         sent in the same read cannot skip the throttle); what follows it waits
         out ``LoginThrottle.admit``, with reading paused, or the connection is
-        closed when its source has piled up more attempts than the throttle
+        closed when that source and user have piled up more attempts than the throttle
         takes (``broker.auth.throttle``).
         """
         t = self.transport
@@ -161,7 +162,14 @@ class AMQPProtocol(asyncio.Protocol):
             data = data[take:]
         if not data or s.state != State.START_OK:
             return data
-        wait = self.broker.users.throttle.admit(s.peer[0], time.monotonic())
+        data = self._login_held + data
+        user = start_ok_user(data)
+        if user is NEED_MORE:  # the throttle's key needs the user name: wait for the whole frame
+            self._login_held = data
+            return b""
+        self._login_held = b""
+        users = self.broker.users
+        wait = users.throttle.admit(users.throttle_key(s.peer[0], user), time.monotonic())
         if wait is None:
             log.info("closing %s: too many failed logins from its address, try again later", s.name)
             t.close()

@@ -167,3 +167,40 @@ def test_lmq_logins_share_the_throttle_and_its_limits_are_options(broker_factory
     assert "LMQ RPC login refused for user 'guest' from 127.0.0.2" in log
     assert log.count("slowing down further attempts from it") == 2
     assert WRONG not in log
+
+
+def test_a_bad_client_does_not_refuse_good_logins_from_its_own_address(broker: SkredProcess) -> None:
+    """The throttle keys on source AND user: while one client on 127.0.0.1 hammers wrong
+    passwords (in parallel, for made-up users, so its waits pile up to refusals), good logins
+    from the same address as another user keep getting in at once (issue 26 item 7: 57 of 59
+    refused in a fuzz run)."""
+    import concurrent.futures
+    import threading
+
+    stop = threading.Event()
+    bad_done = [0]
+
+    def bad() -> None:
+        deadline = time.monotonic() + 30  # bounded however the broker behaves
+        while not stop.is_set() and time.monotonic() < deadline:
+            try:
+                amqp_login(broker.port, f"mallory{bad_done[0] % 3}", WRONG, timeout=10)
+            except OSError:
+                pass  # refused unchecked and closed: what the throttle does to it
+            bad_done[0] += 1
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        bads = [pool.submit(bad) for _ in range(6)]
+        try:
+            wait_until(lambda: bad_done[0] >= 30, 30, "the bad client's first 30 attempts")
+            took = []
+            for _ in range(10):
+                ok, t = _timed(lambda: amqp_login(broker.port, "guest", "guest", timeout=15))
+                assert ok, "a good login was refused because another client on its address failed"
+                took.append(t)
+        finally:
+            stop.set()
+            for f in bads:
+                f.result()
+    assert max(took) < 1.5, f"good logins waited for the bad client's turn: {took}"
+    assert "slowing down further attempts from it" in broker.log_text()

@@ -180,11 +180,13 @@ def test_follower_proxies_every_client_port_to_the_leader_encrypted(
     assert _http10_half_closed(leader.ip, leader.mgmt_port, "/api/overview").startswith(b"HTTP/1.")
 
     # LMQ HTTP through the follower
+    guest = {"Authorization": "Basic Z3Vlc3Q6Z3Vlc3Q="}  # guest:guest: LMQ authenticates
     req = urllib.request.Request(f"http://{f.ip}:{f.lmq_port}/messages/lmq-q", data=MARKER + b"lmq",
-                                 method="POST")
+                                 method="POST", headers=guest)
     with urllib.request.urlopen(req, timeout=10) as resp:
         assert resp.status in (200, 201, 202, 204)
-    with urllib.request.urlopen(f"http://{f.ip}:{f.lmq_port}/messages/lmq-q?t=5", timeout=15) as resp:
+    req = urllib.request.Request(f"http://{f.ip}:{f.lmq_port}/messages/lmq-q?t=5", headers=guest)
+    with urllib.request.urlopen(req, timeout=15) as resp:
         assert MARKER + b"lmq" in resp.read()
 
     # AMQPS and HTTPS through the follower's own TLS ports reach the leader's (other) TLS ports

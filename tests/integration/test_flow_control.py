@@ -134,7 +134,8 @@ def test_full_disk_nacks_and_blocks_never_disconnects(tmpfs_broker: Any) -> None
                            "payload_encoding": "string"})
     assert (status, answer["error"]) == (503, "disk_full"), (status, answer)
     lmq_put = urllib.request.Request(f"http://127.0.0.1:{b.lmq_http_port}/messages/{q}", data=big,
-                                     method="POST")
+                                     method="POST",
+                                     headers={"Authorization": "Basic Z3Vlc3Q6Z3Vlc3Q="})  # guest:guest
     with pytest.raises(urllib.error.HTTPError) as he:
         urllib.request.urlopen(lmq_put, timeout=10)
     assert he.value.code == 503

@@ -32,6 +32,25 @@ def base(b: Broker) -> str:
     return f"http://{b.host}:{b.lmq_http_port}"  # type: ignore[attr-defined]
 
 
+def basic(user: str, password: str) -> dict[str, str]:
+    return {"Authorization": aiohttp.encode_basic_auth(user, password)}
+
+
+def session(user: str = "guest", password: str = "guest") -> aiohttp.ClientSession:
+    """An HTTP client logged in as ``user`` (LMQ authenticates by default)."""
+    return aiohttp.ClientSession(headers=basic(user, password))
+
+
+async def rpc_client(b: Broker, user: str = "guest", password: str = "guest") -> Any:
+    """A MessagePack-RPC client of ``b``'s LMQ, logged in."""
+    import aio_msgpack_rpc
+
+    reader, writer = await asyncio.open_connection(b.host, b.lmq_rpc_port)  # type: ignore[attr-defined]
+    client = aio_msgpack_rpc.Client(reader, writer, response_timeout=10)
+    assert await client.call("authenticate", user, password) == "ok"
+    return client
+
+
 def qname(prefix: str = "lmq") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:8]}"
 
@@ -48,7 +67,7 @@ async def wait_until(pred: Callable[[], Any], timeout: float, what: str) -> Any:
 
 def test_readme_session_put_get_ack_and_the_404_after_a_timeout(broker: Broker) -> None:
     async def main() -> None:
-        async with aiohttp.ClientSession() as http:
+        async with session() as http:
             # $ curl -i -XPOST localhost:9980/messages/myqueue -H 'content-type: text/plain' -d 'hello world!'
             r = await http.post(
                 f"{base(broker)}/messages/myqueue",
@@ -113,7 +132,7 @@ def test_readme_session_put_get_ack_and_the_404_after_a_timeout(broker: Broker) 
 
 def test_properties_precedence_and_defaults(broker: Broker) -> None:
     async def main() -> None:
-        async with aiohttp.ClientSession() as http:
+        async with session() as http:
             u = base(broker)
             assert await (await http.get(f"{u}/properties")).json() == []
             assert (await http.patch(f"{u}/properties/foo", json={"accum": 15})).status == 204
@@ -149,7 +168,7 @@ def test_properties_precedence_and_defaults(broker: Broker) -> None:
 
 def test_changed_properties_apply_to_messages_put_after_the_change(broker: Broker) -> None:
     async def main() -> None:
-        async with aiohttp.ClientSession() as http:
+        async with session() as http:
             u, q = base(broker), qname()
             await http.patch(f"{u}/properties/{q}", json={"retry": 0})
             await http.post(f"{u}/messages/{q}", data=b"old")
@@ -165,7 +184,7 @@ def test_changed_properties_apply_to_messages_put_after_the_change(broker: Broke
 
 def test_long_poll_waits_for_a_put(broker: Broker) -> None:
     async def main() -> None:
-        async with aiohttp.ClientSession() as http:
+        async with session() as http:
             u, q = base(broker), qname()
             getter = asyncio.ensure_future(http.get(f"{u}/messages/{q}?t=20"))
             await asyncio.sleep(0.3)
@@ -185,7 +204,7 @@ def test_long_poll_waits_for_a_put(broker: Broker) -> None:
 
 def test_compound_messages_in_both_formats(broker: Broker) -> None:
     async def main() -> None:
-        async with aiohttp.ClientSession() as http:
+        async with session() as http:
             u, q = base(broker), qname()
             await http.patch(f"{u}/properties/{q}", json={"accum": 0.5})
             flags = []
@@ -232,7 +251,7 @@ def test_compound_messages_in_both_formats(broker: Broker) -> None:
 
 def test_regex_fan_out_and_pull_any(broker: Broker) -> None:
     async def main() -> None:
-        async with aiohttp.ClientSession() as http:
+        async with session() as http:
             u, tag = base(broker), uuid.uuid4().hex[:6]
             names = [f"fan-{tag}-a", f"fan-{tag}-b", f"other-{tag}"]
             for n in names:
@@ -261,7 +280,7 @@ def test_amqp_and_http_interoperate(broker: Broker) -> None:
     q = qname()
 
     async def put_get() -> None:
-        async with aiohttp.ClientSession() as http:
+        async with session() as http:
             r = await http.post(
                 f"{base(broker)}/messages/{q}", data=b"from http", headers={"content-type": "text/plain"}
             )
@@ -278,7 +297,7 @@ def test_amqp_and_http_interoperate(broker: Broker) -> None:
         conn.close()
 
     async def take() -> None:
-        async with aiohttp.ClientSession() as http:
+        async with session() as http:
             r = await http.get(f"{base(broker)}/messages/{q}?t=5")
             assert r.status == 200 and await r.read() == b"from amqp"
             assert r.headers["Content-Type"].startswith("application/x-amqp")
@@ -293,8 +312,7 @@ def test_messagepack_rpc_client(broker: Broker) -> None:
     aio_msgpack_rpc = pytest.importorskip("aio_msgpack_rpc")
 
     async def main() -> None:
-        reader, writer = await asyncio.open_connection(broker.host, broker.lmq_rpc_port)  # type: ignore[attr-defined]
-        client = aio_msgpack_rpc.Client(reader, writer, response_timeout=10)
+        client = await rpc_client(broker)
         try:
             q = qname("rpc")
             assert await client.call("update_props", q, {"timeout": 0.4, "retry": 1}) == "ok"
@@ -343,12 +361,12 @@ def test_statsd_receives_queue_lengths_and_counters(broker_factory: Callable[...
     listener.settimeout(10)
     port = listener.getsockname()[1]
     b = broker_factory(
-        ["--lmq-statsd-host", "127.0.0.1", "--lmq-statsd-port", str(port), "--lmq-stats-interval", "1"]
+        ["--lmq-statsd-host", "127.0.0.1", "--lmq-statsd-port", str(port), "--lmq-stats-interval", "1000"]
     )
     q = qname("stats")
 
     async def main() -> None:
-        async with aiohttp.ClientSession() as http:
+        async with session() as http:
             for _ in range(3):
                 await http.post(f"{base(b)}/messages/{q}", data=b"x")
             r = await http.get(f"{base(b)}/messages/{q}?t=1")
@@ -373,7 +391,7 @@ def test_taken_but_not_acked_messages_survive_kill_9(broker: Broker) -> None:
     q = qname("durable")
 
     async def put_and_take() -> None:
-        async with aiohttp.ClientSession() as http:
+        async with session() as http:
             for i in range(5):
                 r = await http.post(f"{base(broker)}/messages/{q}", data=f"m{i}".encode())
                 assert r.status == 200  # answered after the group commit
@@ -386,7 +404,7 @@ def test_taken_but_not_acked_messages_survive_kill_9(broker: Broker) -> None:
 
     async def drain() -> list[bytes]:
         out = []
-        async with aiohttp.ClientSession() as http:
+        async with session() as http:
             while True:
                 r = await http.get(f"{base(broker)}/messages/{q}?t=0")
                 if r.status == 204:
@@ -405,7 +423,7 @@ def test_taken_but_not_acked_messages_survive_kill_9(broker: Broker) -> None:
 
 def test_bad_requests_get_clear_answers(broker: Broker) -> None:
     async def main() -> None:
-        async with aiohttp.ClientSession() as http:
+        async with session() as http:
             u = base(broker)
             assert (await http.put(f"{u}/messages/x")).status == 405
             assert (await http.get(f"{u}/nope")).status == 404
@@ -417,7 +435,7 @@ def test_bad_requests_get_clear_answers(broker: Broker) -> None:
         await writer.drain()
         assert await asyncio.wait_for(reader.read(), 5) == b""
         writer.close()
-        async with aiohttp.ClientSession() as http:
+        async with session() as http:
             assert (await http.get(f"{base(broker)}/properties")).status == 200
 
     run_async(main())
@@ -427,7 +445,7 @@ def test_a_client_that_half_closes_gets_its_answer(broker: Broker) -> None:
     """An HTTP/1.0 client that shuts down its sending side after the request (nc -N, some
     scripts) still gets the whole answer."""
     with socket.create_connection((broker.host, broker.lmq_http_port), timeout=10) as s:  # type: ignore[attr-defined]
-        s.sendall(b"GET /properties HTTP/1.0\r\nHost: x\r\n\r\n")
+        s.sendall(b"GET /properties HTTP/1.0\r\nHost: x\r\nAuthorization: Basic Z3Vlc3Q6Z3Vlc3Q=\r\n\r\n")
         s.shutdown(socket.SHUT_WR)
         answer = b""
         while chunk := s.recv(65536):
@@ -436,20 +454,20 @@ def test_a_client_that_half_closes_gets_its_answer(broker: Broker) -> None:
     assert json.loads(answer.split(b"\r\n\r\n", 1)[1]) is not None  # the whole body
 
 
-def test_authentication_when_switched_on(broker_factory: Callable[..., Broker]) -> None:
+def test_authentication_is_on_by_default(broker_factory: Callable[..., Broker]) -> None:
     aio_msgpack_rpc = pytest.importorskip("aio_msgpack_rpc")
-    b = broker_factory(["--lmq-auth"])
+    b = broker_factory()
 
     async def main() -> None:
         async with aiohttp.ClientSession() as http:
             r = await http.post(f"{base(b)}/messages/secured", data=b"x")
             assert r.status == 401 and "WWW-Authenticate" in r.headers
             r = await http.post(
-                f"{base(b)}/messages/secured", data=b"x", auth=aiohttp.BasicAuth("guest", "wrong")
+                f"{base(b)}/messages/secured", data=b"x", headers=basic("guest", "wrong")
             )
             assert r.status == 401
             r = await http.post(
-                f"{base(b)}/messages/secured", data=b"x", auth=aiohttp.BasicAuth("guest", "guest")
+                f"{base(b)}/messages/secured", data=b"x", headers=basic("guest", "guest")
             )
             assert r.status == 200
         reader, writer = await asyncio.open_connection(b.host, b.lmq_rpc_port)  # type: ignore[attr-defined]
@@ -480,10 +498,19 @@ def test_cluster_followers_proxy_lmq_to_the_leader(tmp_path: Any) -> None:
         for n in cluster.nodes:
             n.argv += ["--lmq-bind", n.ip, "--lmq-http-port", str(http_port), "--lmq-rpc-port", str(rpc_port)]
         leader, followers = start_cluster(cluster)
+        from .test_lmq_access import add_user
+
+        add_user(leader, "nobody", "^$", "^$", "^$")  # through a follower, permissions apply too
         q = qname("clustered")
 
         async def main() -> None:
-            async with aiohttp.ClientSession() as http:
+            async with aiohttp.ClientSession() as anon:
+                r = await anon.post(f"http://{followers[0].ip}:{http_port}/messages/{q}", data=b"x")
+                assert r.status == 401
+            async with session("nobody", "pw") as http:
+                r = await http.post(f"http://{followers[0].ip}:{http_port}/messages/{q}", data=b"x")
+                assert r.status == 403
+            async with session() as http:
                 a, b = (f"http://{f.ip}:{http_port}" for f in followers)
                 r = await http.post(f"{a}/messages/{q}", data=b"via a follower")
                 assert r.status == 200 and await r.json() == {"accum": "no"}
