@@ -213,6 +213,11 @@ class MainConfig:
                        lo=1, hi=86_400),
     )
     # TLS (AMQPS, HTTPS, the replication link); the names are LavinMQ's. See docs/tls.md.
+    unix_mode: str = field(
+        default="0660",
+        metadata=_meta("File mode (octal) of the Unix sockets ([amqp], [mqtt], [mgmt] unix_path): who may "
+                       "connect is who may open the file; the protocols still authenticate."),
+    )
     tls_cert: str = field(
         default="",
         metadata=_meta("PEM certificate (chain) of this node; setting it opens the TLS listeners "
@@ -257,6 +262,9 @@ class MainConfig:
 @dataclass(frozen=True)
 class AmqpConfig:
     bind: str = field(default="127.0.0.1", metadata=_meta("Address the AMQP listener binds to."))
+    unix_path: str = field(
+        default="", metadata=_meta("Also serve AMQP on this Unix socket ('': none; see [main] unix_mode).")
+    )
     port: int = field(
         default=5672,
         metadata=_meta("AMQP port (0: pick a free port, -1: no plain listener).", lo=-1, hi=65535),
@@ -302,6 +310,9 @@ class AmqpConfig:
 @dataclass(frozen=True)
 class MgmtConfig:
     enabled: bool = field(default=True, metadata=_meta("Serve the management HTTP API and /metrics."))
+    unix_path: str = field(
+        default="", metadata=_meta("Also serve HTTP on this Unix socket ('': none; see [main] unix_mode).")
+    )
     bind: str = field(default="127.0.0.1", metadata=_meta("Address the management listener binds to."))
     port: int = field(
         default=15672,
@@ -412,7 +423,10 @@ class LmqConfig:
 
 @dataclass(frozen=True)
 class MqttConfig:
-    enabled: bool = field(default=True, metadata=_meta("Serve MQTT 3.1 and 3.1.1 (broker/mqtt)."))
+    enabled: bool = field(default=True, metadata=_meta("Serve MQTT 3.1, 3.1.1 and 5.0 (broker/mqtt)."))
+    unix_path: str = field(
+        default="", metadata=_meta("Also serve MQTT on this Unix socket ('': none; see [main] unix_mode).")
+    )
     bind: str = field(default="127.0.0.1", metadata=_meta("Address the MQTT listeners bind to."))
     port: int = field(
         default=1883,

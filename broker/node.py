@@ -243,6 +243,10 @@ class Node:
                 "amqp.bind/amqp.tls_port, --amqp-bind/--amqp-tls-port", cfg.amqp.bind, cfg.amqp.tls_port,
                 self.amqp.start(cfg.amqp.bind, cfg.amqp.tls_port, self.tls_context))
             log.info("AMQPS listening on %s:%d", *mgmt.amqps_address)
+        if cfg.amqp.unix_path:
+            await listening("amqp.unix_path, --amqp-unix-path", cfg.amqp.unix_path, 0,
+                            amqp.start_unix(cfg.amqp.unix_path, unix_mode(cfg.main)))
+            log.info("AMQP listening on Unix socket %s", cfg.amqp.unix_path)
         log.info("data dir %s, sync %s", cfg.main.data_dir, "on" if cfg.main.sync else "off")
 
     async def start_http(self, broker: Broker, mgmt: Mgmt) -> None:
@@ -260,6 +264,12 @@ class Node:
                 "mgmt.bind/mgmt.port, --mgmt-bind/--mgmt-port", cfg.mgmt.bind, cfg.mgmt.port,
                 listener.start(cfg.mgmt.bind, cfg.mgmt.port))
             log.info("management HTTP API listening on %s:%d", *mgmt.http_address)
+        if cfg.mgmt.unix_path:
+            listener = Listener("HTTP (Unix socket)", factory, trusted)
+            self.http_listeners.append(listener)
+            await listening("mgmt.unix_path, --mgmt-unix-path", cfg.mgmt.unix_path, 0,
+                            listener.start_unix(cfg.mgmt.unix_path, unix_mode(cfg.main)))
+            log.info("management HTTP API listening on Unix socket %s", cfg.mgmt.unix_path)
         if self.tls is not None and cfg.mgmt.tls_port >= 0:
             listener = Listener("HTTPS", factory, trusted, tls=self.tls_context)
             self.http_listeners.append(listener)
@@ -295,7 +305,7 @@ class Node:
         retained = BlobDir(cfg.main.data_dir / RETAINED_DIR, self._syncer.mark_dirty, self.sink)
         self.mqtt = MQTTServer(cfg.mqtt, broker.vhosts, broker.users, broker.syncer.after_sync, retained,
                                peers=broker.proxied_peers)
-        await self.mqtt.start(self.tls_context if self.tls is not None else None)
+        await self.mqtt.start(self.tls_context if self.tls is not None else None, unix_mode(cfg.main))
         assert self.mgmt is not None
         mqtt = self.mqtt
         self.mgmt.websocket_protocols["mqtt"] = lambda _peer: MQTTProtocol(mqtt)
@@ -463,6 +473,18 @@ async def listening(options: str, host: str, port: int, start: Awaitable[tuple[s
         return await start
     except OSError as exc:
         raise ListenError(options, host, port, exc) from None
+
+
+def unix_mode(main: MainConfig) -> int:
+    """``[main] unix_mode`` as a file mode; ``StartupError`` when it is not octal."""
+    try:
+        mode = int(main.unix_mode, 8)
+    except ValueError:
+        raise StartupError(f"[main] unix_mode / --unix-mode: {main.unix_mode!r} is not an octal file mode") \
+            from None
+    if not 0 <= mode <= 0o777:
+        raise StartupError(f"[main] unix_mode / --unix-mode: {main.unix_mode!r} is not a file mode")
+    return mode
 
 
 class StartupError(Exception):

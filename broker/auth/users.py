@@ -128,8 +128,13 @@ def _normalise_tags(tags: Iterable[str]) -> tuple[str, ...]:
     return tuple(result)
 
 
+UNIX_PEER = "unix"  # the peer address of a client on a Unix socket (local by nature)
+
+
 def is_loopback(peer_ip: str) -> bool:
-    """True for 127.0.0.0/8, ::1 and IPv4-mapped loopback (``::ffff:127.0.0.1``)."""
+    """True for 127.0.0.0/8, ::1, IPv4-mapped loopback (``::ffff:127.0.0.1``) and a Unix socket."""
+    if peer_ip == UNIX_PEER:
+        return True
     try:
         address = ipaddress.ip_address(peer_ip.split("%", 1)[0])  # drop an IPv6 zone id
     except ValueError:

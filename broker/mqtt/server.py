@@ -16,14 +16,16 @@ that one connection; the broker goes on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import ssl
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 from broker.auth.throttle import TooManyFailures, check_login
-from broker.auth.users import UserStore
+from broker.auth.users import UNIX_PEER, UserStore
 from broker.config import MqttConfig
 from broker.model.vhost import VHost
 from broker.mqtt import packets as P
@@ -38,8 +40,9 @@ Peer = tuple[str, int]
 
 
 class MQTTProtocol(asyncio.Protocol):
-    def __init__(self, server: MQTTServer) -> None:
+    def __init__(self, server: MQTTServer, unix: bool = False) -> None:
         self.server = server
+        self.unix = unix  # on the Unix socket: the peer is UNIX_PEER
         cfg = server.config
         self.parser = P.Parser(cfg.max_packet_size)
         self.transport: asyncio.Transport | None = None
@@ -65,7 +68,9 @@ class MQTTProtocol(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
         info = transport.get_extra_info("peername")
-        if info:
+        if self.unix:
+            self.peer = UNIX_PEER
+        elif info:
             peer = (str(info[0]), int(info[1]))
             self.peer = self.server.peers.get(peer, peer)[0]
         self.server.connections.add(self)
@@ -249,7 +254,7 @@ class MQTTServer:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def start(self, tls: Callable[[], ssl.SSLContext] | None = None) -> None:
+    async def start(self, tls: Callable[[], ssl.SSLContext] | None = None, unix_mode: int = 0o660) -> None:
         cfg = self.config
         wanted: list[tuple[str, int, ssl.SSLContext | None]] = []
         if cfg.port >= 0:
@@ -268,6 +273,17 @@ class MQTTServer:
             addr = server.sockets[0].getsockname()
             self.addresses[name] = (str(addr[0]), int(addr[1]))
             log.info("%s listening on %s:%d", name.upper(), *self.addresses[name])
+        if cfg.unix_path:
+            try:
+                server = await asyncio.get_running_loop().create_unix_server(
+                    lambda: MQTTProtocol(self, unix=True), cfg.unix_path)
+                os.chmod(cfg.unix_path, unix_mode)
+            except OSError as exc:
+                log.error("MQTT Unix socket not started: cannot bind %s: %s", cfg.unix_path,
+                          exc.strerror or exc)
+            else:
+                self.servers.append(server)
+                log.info("MQTT listening on Unix socket %s", cfg.unix_path)
 
     async def stop(self) -> None:
         for server in self.servers:
@@ -277,3 +293,6 @@ class MQTTServer:
         for task in list(self._tasks):
             task.cancel()
         self.servers.clear()
+        if self.config.unix_path:
+            with contextlib.suppress(OSError):
+                os.unlink(self.config.unix_path)

@@ -32,14 +32,18 @@ timeout). The protocol factory receives the effective peer address.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
+import os
 import socket
 import ssl
+import stat
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from broker.aio import AnswerAfterEOF
+from broker.auth.users import UNIX_PEER
 from broker.net import proxy
 
 log = logging.getLogger(__name__)
@@ -68,6 +72,7 @@ class Listener:
         self.address: Peer = ("", 0)
         self._accepting: asyncio.Task[None] | None = None
         self._pending: set[asyncio.Task[None]] = set()
+        self.unix_path: str | None = None
 
     async def start(self, host: str, port: int) -> Peer:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -76,6 +81,29 @@ class Listener:
         self.sock = sock
         addr = sock.getsockname()
         self.address = (str(addr[0]), int(addr[1]))
+        self._accepting = asyncio.create_task(self._accept_loop(sock))
+        return self.address
+
+    async def start_unix(self, path: str, mode: int) -> Peer:
+        """Listen on a Unix socket at ``path`` (a stale socket file there is replaced; any other
+        file is an error), with file mode ``mode``: the file's permissions decide who may
+        connect. Its clients' peer is ``UNIX_PEER``; no PROXY header is taken on it."""
+        if os.path.exists(path):
+            if not stat.S_ISSOCK(os.stat(path).st_mode):
+                raise OSError(errno.EEXIST, f"{path} exists and is not a socket")
+            os.unlink(path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(path)
+            os.chmod(path, mode)
+            sock.listen(1024)
+        except OSError:
+            sock.close()
+            raise
+        sock.setblocking(False)
+        self.sock = sock
+        self.unix_path = path
+        self.address = (path, 0)
         self._accepting = asyncio.create_task(self._accept_loop(sock))
         return self.address
 
@@ -90,6 +118,10 @@ class Listener:
         if self.sock is not None:
             self.sock.close()
             self.sock = None
+        if self.unix_path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.unix_path)
+            self.unix_path = None
 
     async def _accept_loop(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
@@ -101,7 +133,8 @@ class Listener:
                 log.warning("%s listener: accept failed: %s", self.name, exc.strerror or exc)
                 await asyncio.sleep(0.1 if exc.errno in (errno.EMFILE, errno.ENFILE) else 0)
                 continue
-            task = asyncio.create_task(self._serve(conn, (str(addr[0]), int(addr[1]))))
+            peer = (UNIX_PEER, 0) if conn.family == socket.AF_UNIX else (str(addr[0]), int(addr[1]))
+            task = asyncio.create_task(self._serve(conn, peer))
             self._pending.add(task)
             task.add_done_callback(self._pending.discard)
 
@@ -114,7 +147,8 @@ class Listener:
             except OSError:
                 pass
         try:
-            peer = await asyncio.wait_for(self._strip_proxy_header(loop, conn, peer), HEADER_TIMEOUT)
+            if peer[0] != UNIX_PEER:
+                peer = await asyncio.wait_for(self._strip_proxy_header(loop, conn, peer), HEADER_TIMEOUT)
             peer = self.remap.get(peer, peer)
             ctx = self.tls() if self.tls is not None else None
             real = peer

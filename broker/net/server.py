@@ -383,6 +383,17 @@ class AMQPServer:
             self._ticker = asyncio.create_task(self._tick_loop())
         return address
 
+    async def start_unix(self, path: str, mode: int) -> tuple[str, int]:
+        """A listener on a Unix socket (``[amqp] unix_path``)."""
+        listener = Listener("AMQP (Unix socket)",
+                            lambda peer: AMQPProtocol(self.broker, self.protocols, peer),
+                            self.trusted, nodelay=False)
+        address = await listener.start_unix(path, mode)
+        self.listeners.append(listener)
+        if self._ticker is None:
+            self._ticker = asyncio.create_task(self._tick_loop())
+        return address
+
     async def _tick_loop(self) -> None:
         while True:
             await asyncio.sleep(1.0)
