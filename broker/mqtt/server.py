@@ -36,6 +36,7 @@ from broker.mqtt.session import AfterSync, MQTTSession, Registry, Settings, spli
 log = logging.getLogger(__name__)
 
 _PENDING_MAX = 64  # packets a client may send before its CONNACK
+UNAUTHENTICATED_MAX_PACKET = 256 * 1024  # bytes of one packet before the login succeeded
 Peer = tuple[str, int]
 
 
@@ -44,7 +45,8 @@ class MQTTProtocol(asyncio.Protocol):
         self.server = server
         self.unix = unix  # on the Unix socket: the peer is UNIX_PEER
         cfg = server.config
-        self.parser = P.Parser(cfg.max_packet_size)
+        # before its CONNACK a client may send little: a CONNECT with its will, and a few packets
+        self.parser = P.Parser(min(cfg.max_packet_size, UNAUTHENTICATED_MAX_PACKET))
         self.transport: asyncio.Transport | None = None
         self.peer = ""
         self.session: MQTTSession | None = None
@@ -144,6 +146,7 @@ class MQTTProtocol(asyncio.Protocol):
         session = self.session = MQTTSession(srv.vhosts, srv.users, srv.settings, srv.after_sync,
                                              srv.registry, self, self.peer)
         self.state = "open"
+        self.parser.max_packet = srv.config.max_packet_size
         try:
             session.start(c, user, vh)
         except Exception:  # noqa: BLE001 - one connection's failure, logged with its traceback

@@ -24,6 +24,7 @@ import pika
 import pytest
 
 from broker.mqtt import packets as P
+from broker.mqtt import props as PR
 
 from ._support import Broker, SkredProcess, assert_healthy, connect, is_external, unique, wait_until
 from .test_features_extra import http, wait_http
@@ -351,6 +352,18 @@ def test_bad_input_closes_one_connection_and_timeouts_hold(mq: SkredProcess) -> 
         r.s.sendall(b"\x82\x02\x00\x01")  # SUBSCRIBE without a filter
         assert r.closed_within(5)
         r.close()
+        big = Raw(mq.host, mq.mqtt_port)  # before its login a client may send 256 KiB at most
+        try:
+            big.s.sendall(P.encode_connect(login(cid(), will=P.Will("w", b"x" * 300_000, 0, False))))
+        except OSError:
+            pass  # closed while it still sent: refused too
+        assert big.closed_within(5)
+        big.close()
+        r = Raw(mq.host, mq.mqtt_port, login(cid()))  # after it, the configured maximum holds
+        assert r.connack() == (0, 0)
+        r.s.sendall(P.encode_publish("alive", b"y" * 300_000, 0, False, False, 0))
+        assert bystander.take(1)[0].payload == b"y" * 300_000
+        r.close()
         silent = Raw(mq.host, mq.mqtt_port)  # no CONNECT within --mqtt-connect-timeout 2
         assert silent.closed_within(8)
         idle = Raw(mq.host, mq.mqtt_port, login(cid(), keepalive=1))
@@ -410,3 +423,46 @@ def test_through_a_follower_and_after_failover(tmp_path: Path) -> None:
             a.close()
     finally:
         c.close()
+
+
+@pytest.mark.chaos
+def test_mutated_packets_of_both_versions_never_take_the_broker_down(mq: SkredProcess) -> None:
+    """Valid sessions of 3.1.1 and 5 with bytes flipped, cut and repeated: each connection gets
+    an answer or a close, the broker logs no traceback and keeps serving."""
+    import random
+
+    rng = random.Random(28)
+    v5 = {PR.USER_PROPERTY: [("k", "v")], PR.CONTENT_TYPE: "t"}
+    fuzzer = add_user(mq, ".*", ".*", ".*")  # its mangled logins slow only itself in the throttle
+    for level in (4, 5):
+        is5 = level == 5
+        will = P.Will("w", b"x", 1, False)
+        script = (P.encode_connect(P.Connect("MQTT", level, True, 30, "fz", will, fuzzer, b"pw"))
+                  + P.encode_subscribe(P.Subscribe(1, (("a/#", 1), ("+/b", 0))), v5=is5)
+                  + P.encode_publish("a/b", b"payload", 1, True, False, 2, v5 if is5 else None, v5=is5)
+                  + P.encode_unsubscribe(P.Unsubscribe(3, ("a/#",)), v5=is5)
+                  + bytes((P.PINGREQ << 4, 0)))
+        for _ in range(60):
+            data = bytearray(script)
+            for _ in range(rng.randint(1, 6)):
+                i = rng.randrange(len(data))
+                op = rng.randrange(3)
+                if op == 0:
+                    data[i] = rng.randrange(256)
+                elif op == 1:
+                    del data[i:i + rng.randint(1, 8)]
+                else:
+                    data[i:i] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 8)))
+            r = Raw(mq.host, mq.mqtt_port)
+            try:
+                r.s.sendall(bytes(data))
+                r.s.shutdown(socket.SHUT_WR)
+                assert r.closed_within(10), "a connection that sent garbage and EOF stays open"
+            except OSError:
+                pass  # reset by the broker: an answer too
+            finally:
+                r.close()
+    assert_healthy(mq)
+    ok = Paho(mq.host, mq.mqtt_port, cid())
+    ok.close()
+    assert "Traceback" not in mq.log_text()
