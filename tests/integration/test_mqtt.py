@@ -359,6 +359,7 @@ def test_bad_input_closes_one_connection_and_timeouts_hold(mq: SkredProcess) -> 
             pass  # closed while it still sent: refused too
         assert big.closed_within(5)
         big.close()
+        wait_until(lambda: "over the limit of 262144" in mq.log_text(), 5, "the refusal in the log")
         r = Raw(mq.host, mq.mqtt_port, login(cid()))  # after it, the configured maximum holds
         assert r.connack() == (0, 0)
         r.s.sendall(P.encode_publish("alive", b"y" * 300_000, 0, False, False, 0))
