@@ -30,7 +30,7 @@ from pamqp import frame as pframe
 from pamqp.base import Frame as PFrame
 
 from broker import errors
-from broker.model import exchange_features, features, policy, queue_types
+from broker.model import exchange_features, features, methods, policy, queue_types
 from broker.model import publish as publishing
 from broker.model.exchange import Exchange, check_x_match
 from broker.model.fastpaths import FastPaths
@@ -39,7 +39,7 @@ from broker.model.queue import ClassicQueue, Queue
 from broker.model.vhost_meta import VHostMeta
 from broker.store.api import MessageStore
 from broker.store.definitions import DefinitionsLog
-from broker.store.paths import queue_dir, vhost_dir
+from broker.store.paths import queue_dir, vhost_dir, write_name
 from broker.store.priority_store import PriorityStore, QuorumPriorityStore
 from broker.store.queue_store import QueueStore
 from broker.store.segment_log import SegmentFiles
@@ -96,10 +96,7 @@ class VHost:
         # messages confirmed to publishers, unroutable ones, and of those the ones returned
         # (counted by the protocol; the API's per-vhost message_stats)
         self.n_confirmed = self.n_unroutable = self.n_returned = 0
-        marker = self.dir / ".vhost"
-        if not marker.exists():
-            marker.write_text(name)
-            sink.replace(marker, name.encode())
+        write_name(self.dir / ".vhost", name, sink)
         for ename, etype in DEFAULT_EXCHANGES:
             self.exchanges[ename] = Exchange(ename, etype, durable=True)
         self.definitions = DefinitionsLog(self.dir / "definitions.amqp", sink)
@@ -176,22 +173,22 @@ class VHost:
         records: list[bytes] = []
         for ex in self.exchanges.values():
             if ex.durable and not ex.name.startswith("amq.") and ex.name:
-                records.append(pframe.marshal(commands.Exchange.Declare(
+                records.append(pframe.marshal(methods.ExchangeDeclare(
                     exchange=ex.name, exchange_type=ex.type, durable=True, auto_delete=ex.auto_delete,
                     internal=ex.internal, arguments=ex.arguments), 0))
         for q in self.queues.values():
             if q.durable and q.exclusive_owner is None:
-                records.append(pframe.marshal(commands.Queue.Declare(
+                records.append(pframe.marshal(methods.QueueDeclare(
                     queue=q.name, durable=True, auto_delete=q.auto_delete, arguments=q.arguments), 0))
         for ex in self.exchanges.values():
             if not ex.durable:
                 continue
             for dest, rk, args in ex.bindings():
                 if isinstance(dest, Queue) and dest.durable and dest.exclusive_owner is None:
-                    records.append(pframe.marshal(commands.Queue.Bind(
+                    records.append(pframe.marshal(methods.QueueBind(
                         queue=dest.name, exchange=ex.name, routing_key=rk, arguments=args), 0))
                 elif isinstance(dest, Exchange) and dest.durable:
-                    records.append(pframe.marshal(commands.Exchange.Bind(
+                    records.append(pframe.marshal(methods.ExchangeBind(
                         destination=dest.name, source=ex.name, routing_key=rk, arguments=args), 0))
         self.definitions.compact(records)
 
@@ -237,10 +234,10 @@ class VHost:
             policy.apply_to_exchange(self, ex)  # alternate-exchange by policy
         if durable:
             try:
-                self._log(commands.Exchange.Declare(exchange=name, exchange_type=type_, durable=True,
-                                                    auto_delete=auto_delete, internal=internal,
-                                                    arguments=arguments))
-            except errors.DiskFull:
+                self._log(methods.ExchangeDeclare(exchange=name, exchange_type=type_, durable=True,
+                                                  auto_delete=auto_delete, internal=internal,
+                                                  arguments=arguments))
+            except BaseException:  # DiskFull or any other failure: a refused declare leaves nothing
                 del self.exchanges[name]
                 if ex.special is not None:
                     ex.special.close(delete=True)
@@ -258,7 +255,7 @@ class VHost:
         if if_unused and ex.has_bindings():
             raise errors.PreconditionFailed(f"exchange '{name}' in vhost '{self.name}' in use")
         if ex.durable:
-            self._log(commands.Exchange.Delete(exchange=name))  # first: DiskFull changes nothing
+            self._log(methods.ExchangeDelete(exchange=name))  # first: DiskFull changes nothing
         del self.exchanges[name]
         if ex.special is not None:
             ex.special.close(delete=True)  # drops held delayed messages with the exchange
@@ -332,10 +329,11 @@ class VHost:
             store = QueueStore(queue_dir(self.dir, name), segment_size=self.segment_size,
                                sink=self.sink, persistent_only=True, notify=self.mark_dirty,
                                write_through=self.write_through, files=self.files)
-            qfile = queue_dir(self.dir, name) / ".queue"
-            if not qfile.exists():
-                qfile.write_text(name)
-                self.sink.replace(qfile, name.encode())
+            try:
+                write_name(queue_dir(self.dir, name) / ".queue", name, self.sink)
+            except BaseException:
+                store.delete()  # a refused declare leaves no directory behind either
+                raise
         else:
             tdir = queue_dir(self.transient_dir, name)
             if tdir.exists():
@@ -358,11 +356,12 @@ class VHost:
         return q, True
 
     def _log_new_queue(self, q: Queue, arguments: dict[str, Any]) -> None:
-        """Log a new durable queue; on a full disk it goes again (DiskFull is raised on)."""
+        """Log a new durable queue; if that fails (a full disk, any error) the queue goes again,
+        store and all, and the error is raised on: a refused declare leaves nothing behind."""
         try:
-            self._log(commands.Queue.Declare(queue=q.name, durable=True, auto_delete=q.auto_delete,
-                                             arguments=arguments))
-        except errors.DiskFull:
+            self._log(methods.QueueDeclare(queue=q.name, durable=True, auto_delete=q.auto_delete,
+                                           arguments=arguments))
+        except BaseException:
             del self.queues[q.name]
             self.queues_created -= 1
             self.exchanges[""].unbind_all(q)
@@ -389,7 +388,7 @@ class VHost:
         count = q.message_count
         persistent = q.durable and q.exclusive_owner is None
         if persistent:
-            self._log(commands.Queue.Delete(queue=name))  # first: DiskFull changes nothing
+            self._log(methods.QueueDelete(queue=name))  # first: DiskFull changes nothing
         del self.queues[name]
         self.queues_deleted += 1
         for ex in list(self.exchanges.values()):
@@ -422,9 +421,9 @@ class VHost:
             check_x_match(arguments)  # binding stored before this check must not stop a start
         if ex.bind(q, routing_key, arguments) and ex.durable and q.durable and q.exclusive_owner is None:
             try:
-                self._log(commands.Queue.Bind(queue=queue, exchange=exchange, routing_key=routing_key,
+                self._log(methods.QueueBind(queue=queue, exchange=exchange, routing_key=routing_key,
                                               arguments=arguments))
-            except errors.DiskFull:
+            except BaseException:  # a refused bind leaves nothing behind
                 ex.unbind(q, routing_key, arguments)
                 raise
 
@@ -441,7 +440,7 @@ class VHost:
         logged = (ex.durable and q.durable and q.exclusive_owner is None
                   and ex.is_bound(q, routing_key, arguments))
         if logged:  # first: DiskFull changes nothing
-            self._log(commands.Queue.Unbind(queue=queue, exchange=exchange, routing_key=routing_key,
+            self._log(methods.QueueUnbind(queue=queue, exchange=exchange, routing_key=routing_key,
                                             arguments=arguments))
         if ex.unbind(q, routing_key, arguments):
             if logged:
@@ -459,9 +458,9 @@ class VHost:
             check_x_match(arguments)
         if src.bind(dst, routing_key, arguments) and src.durable and dst.durable:
             try:
-                self._log(commands.Exchange.Bind(destination=destination, source=source,
+                self._log(methods.ExchangeBind(destination=destination, source=source,
                                                  routing_key=routing_key, arguments=arguments))
-            except errors.DiskFull:
+            except BaseException:  # a refused bind leaves nothing behind
                 src.unbind(dst, routing_key, arguments)
                 raise
 
@@ -473,7 +472,7 @@ class VHost:
         src = self.get_exchange(source)
         logged = src.durable and dst.durable and src.is_bound(dst, routing_key, arguments)
         if logged:  # first: DiskFull changes nothing
-            self._log(commands.Exchange.Unbind(destination=destination, source=source,
+            self._log(methods.ExchangeUnbind(destination=destination, source=source,
                                                routing_key=routing_key, arguments=arguments))
         if src.unbind(dst, routing_key, arguments):
             if logged:
