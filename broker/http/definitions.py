@@ -173,12 +173,16 @@ def _list(doc: dict[str, Any], key: str) -> list[dict[str, Any]]:
     return value
 
 
-def _name(where: str, entry: dict[str, Any], key: str = "name", allow_empty: bool = False) -> str:
+def _name(where: str, entry: dict[str, Any], key: str = "name", allow_empty: bool = False,
+          kind: str | None = None) -> str:
+    """``entry[key]`` as a name of ``kind`` (default: ``key``; "queue" and "exchange" names are
+    as free as in RabbitMQ, see ``broker.auth.names``)."""
     value = entry.get(key)
     if not isinstance(value, str) or (not value and not allow_empty):
         raise _fail(where, f"'{key}' must be a non-empty string")
-    if value and name_problem(key, value):
-        raise _fail(where, f"'{key}' is too long or contains control characters")
+    problem = name_problem(kind or key, value) if value else None
+    if problem:
+        raise _fail(where, f"'{key}': {problem}")
     return value
 
 
@@ -296,7 +300,7 @@ def validate(mgmt: Mgmt, doc: Any, vhost: str | None = None) -> Plan:
     for i, e in enumerate(_list(doc, "exchanges")):
         where = f"exchanges[{i}]"
         vh_name = vhost_of(where, e)
-        name = _name(where, e)
+        name = _name(where, e, kind="exchange")
         type_ = e.get("type")
         if type_ not in EXCHANGE_TYPES:
             raise _fail(where, f"unknown exchange type {type_!r}")
@@ -317,7 +321,7 @@ def validate(mgmt: Mgmt, doc: Any, vhost: str | None = None) -> Plan:
     for i, e in enumerate(_list(doc, "queues")):
         where = f"queues[{i}]"
         vh_name = vhost_of(where, e)
-        name = _name(where, e)
+        name = _name(where, e, kind="queue")
         durable = _bool(where, e, "durable", True)
         auto_delete = _bool(where, e, "auto_delete", False)
         args = _queue_args(where, e, name, vh_name, durable, auto_delete, default_type(vh_name))
@@ -334,11 +338,11 @@ def validate(mgmt: Mgmt, doc: Any, vhost: str | None = None) -> Plan:
     for i, e in enumerate(_list(doc, "bindings")):
         where = f"bindings[{i}]"
         vh_name = vhost_of(where, e)
-        source = _name(where, e, "source", allow_empty=True)
-        dest = _name(where, e, "destination")
+        source = _name(where, e, "source", allow_empty=True, kind="exchange")
         kind = e.get("destination_type")
         if kind not in ("queue", "exchange"):
             raise _fail(where, "'destination_type' must be 'queue' or 'exchange'")
+        dest = _name(where, e, "destination", kind=str(kind))
         rk = e.get("routing_key", "")
         if not isinstance(rk, str) or len(rk.encode()) > MAX_NAME_BYTES:
             raise _fail(where, "'routing_key' must be a string of at most 255 bytes")

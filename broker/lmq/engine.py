@@ -42,6 +42,7 @@ import msgpack
 from pamqp import commands
 
 from broker import errors, properties
+from broker.auth.names import name_problem
 from broker.auth.throttle import check_login
 from broker.auth.users import UserStore
 from broker.lmq.props import PropsStore
@@ -150,8 +151,9 @@ class LMQ:
         """The queue ``name``, created (durable) on first use as LMQ does."""
         q = self.vhost.queues.get(name)
         if q is None:
-            if not name or len(name.encode()) > 255:
-                raise LMQError(400, "a queue name is 1 to 255 bytes")
+            problem = name_problem("queue", name)  # any UTF-8 name of 1 to 255 bytes
+            if problem:
+                raise LMQError(400, problem)
             q, _ = self.vhost.declare_queue(name, durable=True, owner=None)
         return q
 
