@@ -65,9 +65,9 @@ def q(name: str) -> str:
     return urllib.parse.quote(name, safe="")
 
 
-def http(port: int, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+def http(port: int, method: str, path: str, body: Any = None, host: str = "127.0.0.1") -> tuple[int, Any]:
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method=method)
+    req = urllib.request.Request(f"http://{host}:{port}{path}", data=data, method=method)
     req.add_header("Authorization", AUTH)
     if data is not None:
         req.add_header("Content-Type", "application/json")
@@ -95,10 +95,12 @@ class Expect:
 
 
 class Doors:
-    """The four ways a name gets in, against one node (``amqp_host``/ports may be a follower's)."""
+    """The four ways a name gets in, against one node (it may be a cluster follower)."""
 
-    def __init__(self, amqp_url: str, mgmt_port: int, lmq_port: int | None, expect: Expect) -> None:
+    def __init__(self, amqp_url: str, mgmt_port: int, lmq_port: int | None, expect: Expect,
+                 host: str = "127.0.0.1") -> None:
         self.url = amqp_url
+        self.host = host
         self.mgmt_port = mgmt_port
         self.lmq_port = lmq_port
         self.expect = expect
@@ -155,27 +157,27 @@ class Doors:
 
     def api(self, name: str) -> None:
         e = self.expect
-        port = self.mgmt_port
-        status, why = http(port, "PUT", f"/api/queues/{VHOST}/{q(name)}", {"durable": True})
+        port, host = self.mgmt_port, self.host
+        status, why = http(port, "PUT", f"/api/queues/{VHOST}/{q(name)}", {"durable": True}, host)
         if not http_accepted(name):
             assert 400 <= status < 500, (name, status, why)
             status_x, why_x = http(port, "PUT", f"/api/exchanges/{VHOST}/{q(name)}",
-                                   {"type": "fanout", "durable": True})
+                                   {"type": "fanout", "durable": True}, host)
             assert 400 <= status_x < 500, (name, status_x, why_x)
             e.refused.add(name)
             e.note(f"api refused {name!r}: {status} {status_x}")
             return
         assert status in (201, 204), (name, status, why)
         status, why = http(port, "PUT", f"/api/exchanges/{VHOST}/{q(name)}",
-                           {"type": "fanout", "durable": True})
+                           {"type": "fanout", "durable": True}, host)
         assert status in (201, 204), (name, status, why)
         status, why = http(port, "POST", f"/api/bindings/{VHOST}/e/{q(name)}/q/{q(name)}",
-                           {"routing_key": "k"})
+                           {"routing_key": "k"}, host)
         assert status in (201, 204), (name, status, why)
         body = self.body("api")
         status, out = http(port, "POST", f"/api/exchanges/{VHOST}/{q(name)}/publish",
                            {"properties": {"delivery_mode": 2}, "routing_key": "k",
-                            "payload": body.decode(), "payload_encoding": "string"})
+                            "payload": body.decode(), "payload_encoding": "string"}, host)
         assert status == 200 and out == {"routed": True}, (name, status, out)
         e.queues.setdefault(name, []).append(body)
         e.exchanges.add(name)
@@ -212,7 +214,7 @@ class Doors:
                               "auto_delete": False, "internal": False, "arguments": {}} for n in names],
                "bindings": [{"source": n, "vhost": "/", "destination": n, "destination_type": "queue",
                              "routing_key": "#", "arguments": {}} for n in names]}
-        status, why = http(self.mgmt_port, "POST", "/api/definitions", doc)
+        status, why = http(self.mgmt_port, "POST", "/api/definitions", doc, self.host)
         if not all(accepted(n) for n in names):
             assert status == 400, (names, status, why)
             e.refused.update(n for n in names if n not in e.queues and n not in e.exchanges)
@@ -228,21 +230,21 @@ class Doors:
         e.note(f"definitions imported {names!r}")
 
 
-def check(mgmt_port: int, amqp_url: str, expect: Expect) -> None:
+def check(mgmt_port: int, amqp_url: str, expect: Expect, host: str = "127.0.0.1") -> None:
     """The vhost holds exactly what ``expect`` says (queues, their messages, exchanges, bindings)."""
     trail = "\n".join(expect.journal[-60:])
-    status, queues = http(mgmt_port, "GET", f"/api/queues/{VHOST}?columns=name,durable")
+    status, queues = http(mgmt_port, "GET", f"/api/queues/{VHOST}?columns=name,durable", None, host)
     assert status == 200, queues
     names = {x["name"] for x in queues}
     assert names == set(expect.queues), (
         f"missing {sorted(set(expect.queues) - names)!r}, unexpected {sorted(names - set(expect.queues))!r}\n"
         + trail)
-    status, exchanges = http(mgmt_port, "GET", f"/api/exchanges/{VHOST}?columns=name")
+    status, exchanges = http(mgmt_port, "GET", f"/api/exchanges/{VHOST}?columns=name", None, host)
     got_x = {x["name"] for x in exchanges} - {"", "amq.direct", "amq.fanout", "amq.topic", "amq.headers",
                                                "amq.match", "amq.rabbitmq.trace"}
     assert got_x == expect.exchanges, (sorted(expect.exchanges - got_x), sorted(got_x - expect.exchanges),
                                        trail)
-    status, bindings = http(mgmt_port, "GET", f"/api/bindings/{VHOST}")
+    status, bindings = http(mgmt_port, "GET", f"/api/bindings/{VHOST}", None, host)
     got_b = {(b["source"], b["destination"], b["routing_key"]) for b in bindings if b["source"]}
     assert got_b == expect.bindings, (sorted(expect.bindings - got_b), sorted(got_b - expect.bindings), trail)
     assert not (expect.refused & (names | got_x)), (expect.refused & (names | got_x), trail)
