@@ -57,7 +57,7 @@ from broker.model import features, queue_types
 from broker.model.exchange import EXCHANGE_TYPES, Exchange, check_x_match
 from broker.model.limits import NAMES as LIMIT_NAMES
 from broker.model.queue import Queue
-from broker.model.vhost import DEFAULT_EXCHANGES
+from broker.model.vhost import DEFAULT_EXCHANGES, VHost
 
 log = logging.getLogger(__name__)
 
@@ -505,18 +505,21 @@ def apply(mgmt: Mgmt, plan: Plan, undo: _Undo | None = None) -> None:
         _put_policy(mgmt.policies, policy, undo)
     for policy in plan.operator_policies:
         _put_policy(mgmt.operator_policies, policy, undo)
+    # Topology is undone without delete records (``VHost.unlogged``): ``import_definitions``
+    # cuts the records this import appended off each definitions log instead, which needs no
+    # disk space (a full disk is the likely reason to undo).
     for vh_name, name, type_, durable, auto_delete, internal, args in plan.exchanges:
         vh = broker.vhosts[vh_name]
         if name not in vh.exchanges:
             vh.declare_exchange(name, type_, durable=durable, auto_delete=auto_delete,
                                 internal=internal, arguments=args)
-            undo.add(lambda vh=vh, name=name: vh.delete_exchange(name))  # type: ignore[misc]
+            undo.add(lambda vh=vh, name=name: _unlogged(vh, vh.delete_exchange, name))  # type: ignore[misc]
     for vh_name, name, durable, auto_delete, args in plan.queues:
         vh = broker.vhosts[vh_name]
         _q, created = vh.declare_queue(name, durable=durable, auto_delete=auto_delete, arguments=args,
                                        owner=None)
         if created:
-            undo.add(lambda vh=vh, name=name: vh.delete_queue(name, owner=None))  # type: ignore[misc]
+            undo.add(lambda vh=vh, name=name: _unlogged(vh, vh.delete_queue, name, owner=None))  # type: ignore[misc]
     for vh_name, source, dest, kind, rk, args in plan.bindings:
         vh = broker.vhosts[vh_name]
         target: object = vh.queues[dest] if kind == "queue" else vh.exchanges[dest]
@@ -525,11 +528,16 @@ def apply(mgmt: Mgmt, plan: Plan, undo: _Undo | None = None) -> None:
         if kind == "queue":
             vh.bind_queue(dest, source, rk, args, owner=None)
             undo.add(lambda vh=vh, d=dest, s=source, rk=rk, a=args:  # type: ignore[misc]
-                     vh.unbind_queue(d, s, rk, a, owner=None))
+                     _unlogged(vh, vh.unbind_queue, d, s, rk, a, owner=None))
         else:
             vh.bind_exchange(dest, source, rk, args)
             undo.add(lambda vh=vh, d=dest, s=source, rk=rk, a=args:  # type: ignore[misc]
-                     vh.unbind_exchange(d, s, rk, a))
+                     _unlogged(vh, vh.unbind_exchange, d, s, rk, a))
+
+
+def _unlogged(vh: VHost, change: Callable[..., object], *args: Any, **kw: Any) -> None:
+    with vh.unlogged():
+        change(*args, **kw)
 
 
 def import_definitions(mgmt: Mgmt, doc: Any, vhost: str | None = None) -> None:
@@ -539,15 +547,21 @@ def import_definitions(mgmt: Mgmt, doc: Any, vhost: str | None = None) -> None:
     if plan.users:  # written down with the passwords validate hashed
         doc = {**doc, "users": [e for _, e in plan.users]}
     intent = mgmt.import_intent
+    vhosts = mgmt.broker.vhosts
+    touched = {e[0] for e in (*plan.exchanges, *plan.queues, *plan.bindings) if e[0] in vhosts}
+    marks = {name: vhosts[name].definitions.size() for name in touched}  # where the import's records start
     intent.begin({"vhost": vhost, "definitions": doc})
     undo = _Undo()
     try:
         apply(mgmt, plan, undo)
-        for vh in mgmt.broker.vhosts.values():
+        for vh in vhosts.values():
             vh.definitions.sync()  # durable before the intent goes (JSON stores are fsynced)
     except BaseException:
         try:
             undo.run()
+            for name, mark in marks.items():
+                if name in vhosts:
+                    vhosts[name].definitions.cut(mark)
         except BaseException:
             log.exception("definitions import failed and could not be undone: it is completed "
                           "when the node restarts")

@@ -21,7 +21,8 @@ import base64
 import logging
 import os
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +150,17 @@ class VHost:
         elif isinstance(m, commands.Exchange.Unbind):
             if m.destination in self.exchanges and m.source in self.exchanges:
                 self.unbind_exchange(m.destination, m.source, m.routing_key, m.arguments or {})
+
+    @contextmanager
+    def unlogged(self) -> Iterator[None]:
+        """Changes made inside are not written to the definitions log: for undoing changes whose
+        records the caller cuts off the log itself (``DefinitionsLog.cut``), which needs no disk
+        space where a delete record would."""
+        was, self._replaying = self._replaying, True
+        try:
+            yield
+        finally:
+            self._replaying = was
 
     def _log(self, method: PFrame, is_delete: bool = False) -> None:
         """Append a durable change to the definitions log. DiskFull leaves the log as it was:

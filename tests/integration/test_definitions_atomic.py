@@ -13,6 +13,12 @@ before the document was written down), never a prefix. Which of the two each tri
 of the failure message. ``SKRED_DEFS_KILL_TRIALS`` scales the number of trials (default 2). A
 full import spends most of its time creating queue directories (a few ms each on a loaded disk),
 which is what gives the kills a window to land in.
+
+A second test runs the import on a broker whose data dir is a small tmpfs that another process
+has nearly filled (``_tmpfs.py``): the import fails half-way for want of space, is answered with
+an error, and what it did so far is undone (the definitions log cut back, users and the rest
+restored), so nothing of it exists, neither at once nor after space is back and the broker is
+killed and restarted.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from typing import Any
 import pytest
 
 from ._support import SkredProcess, is_external
+from ._tmpfs import NEEDS, mount_tmpfs, tmpfs_broker
 from .test_names import http
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300),
@@ -125,3 +132,29 @@ def test_import_killed_at_random_moments_is_all_or_nothing(tmp_path: Path) -> No
             assert got in (ALL, NONE), "\n".join(seen)
         finally:
             b.close()
+
+
+@NEEDS
+def test_import_that_runs_out_of_disk_half_way_changes_nothing(tmp_path: Path) -> None:
+    doc = document()
+    tmpfs_gen = mount_tmpfs(tmp_path, 12 * 1024 * 1024)
+    mnt, holder = next(tmpfs_gen)
+    brokers = tmpfs_broker((mnt, holder), tmp_path, ["--free-disk-min", "0", "--segment-size", "256KiB"])
+    b = next(brokers)
+    try:
+        b.run_inside("dd", "if=/dev/zero", f"of={mnt}/filler", "bs=64K")
+        b.run_inside("truncate", "-s", "-1M", f"{mnt}/filler")  # room for the intent, not the import
+        status, why = http(b.mgmt_port, "POST", "/api/definitions", doc)
+        assert status == 503 and isinstance(why, dict) and why.get("error") == "disk_full", (status, why)
+        assert what_exists(b.mgmt_port) == NONE
+        assert b.alive() and "Traceback" not in b.log_text(), b.log_tail()
+        assert b.run_inside("rm", "-f", f"{mnt}/filler").returncode == 0
+        b.kill9()
+        b.start()
+        assert what_exists(b.mgmt_port) == NONE
+        status, why = http(b.mgmt_port, "POST", "/api/definitions", doc)  # with room, all of it
+        assert status in (201, 204), (status, why)
+        assert what_exists(b.mgmt_port) == ALL
+    finally:
+        brokers.close()
+        tmpfs_gen.close()
