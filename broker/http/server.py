@@ -12,6 +12,7 @@ names the option, and the node exits instead of running without a listener.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from broker.http import definitions, ui
 from broker.http.common import (
     MAX_BODY,
     MGMT_KEY,
+    ApiError,
     auth_middleware,
     bad_request,
     error_middleware,
@@ -61,10 +63,23 @@ async def _import(request: web.Request, vhost: str | None) -> web.Response:
         doc = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad_request(f"body is not valid JSON: {exc}") from None
+    mgmt = request.app[MGMT_KEY]
     try:
-        definitions.import_definitions(request.app[MGMT_KEY], doc, vhost)
+        definitions.import_definitions(mgmt, doc, vhost)
     except definitions.DefinitionsError as exc:
         raise bad_request(str(exc)) from None
+    # Answered once the group commit covered it: fsynced here (import_definitions did that
+    # already) and acked by every in-sync follower, like a durable declare over AMQP.
+    synced: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+
+    def done(ok: bool) -> None:
+        if not synced.done():  # the client may have gone (the handler was cancelled)
+            synced.set_result(ok)
+
+    mgmt.broker.syncer.after_sync(done)
+    if not await synced:
+        raise ApiError(503, "not_durable", "definitions applied, but the sync that makes them durable "
+                       "failed; see the broker log")
     return no_content()
 
 
