@@ -12,6 +12,7 @@ from broker.auth.names import name_problem
 from broker.auth.users import UserStore
 from broker.auth.vhosts import VHostStore
 from broker.http.common import ApiError, check_name
+from broker.model.vhost import VHost
 from broker.store.sink import NullSink
 
 
@@ -43,3 +44,50 @@ def test_queue_and_exchange_names_are_as_free_as_rabbitmqs() -> None:
     for name in ("ü", "a<b", "q'\"", "a/b", "%2F", "\U0001F600", "\x00", "a\nb", " ", "amq.x"):
         assert name_problem("queue", name) is None and name_problem("exchange", name) is None
     assert name_problem("user", "a\nb") is not None
+
+
+HARD = ["ü", "a<b>", "q'\"", "a/b", "%2F", "\U0001F600", "nul\x00in", "a\nb", "x" * 255, "é" * 127]
+
+
+def _vhost(tmp: Path) -> VHost:
+    return VHost("/", tmp / "data", segment_size=64 * 1024, sink=NullSink(), schedule=lambda cb: cb(),
+                 mark_dirty=lambda _obj: None, transient_root=tmp / "transient")
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_any_name_goes_through_the_definitions_log_and_its_compaction(tmp_path: Path, compact: bool) -> None:
+    """pamqp's name grammar once made every such declare fail after the queue was in memory."""
+    vh = _vhost(tmp_path)
+    for name in HARD:
+        vh.declare_exchange(name, "topic", durable=True)
+        vh.declare_queue(name, durable=True, owner=None)
+        vh.bind_queue(name, name, name[:10], {}, owner=None)
+    if compact:
+        vh.compact()
+    vh.close()
+    again = _vhost(tmp_path)
+    assert set(again.queues) == set(HARD)
+    assert set(HARD) <= set(again.exchanges)
+    for name in HARD:
+        assert again.exchanges[name].is_bound(again.queues[name], name[:10], {})
+    assert {(d / ".queue").read_bytes().decode() for d in again.dir.iterdir() if d.is_dir()} == set(HARD)
+    again.close()
+
+
+def test_a_cut_log_and_unlogged_undo_leave_the_state_before(tmp_path: Path) -> None:
+    """How a definitions import that failed half-way is taken back (broker/http/definitions.py)."""
+    vh = _vhost(tmp_path)
+    vh.declare_queue("kept", durable=True, owner=None)
+    mark = vh.definitions.size()
+    vh.declare_exchange("gone-x", "direct", durable=True)
+    vh.declare_queue("gone-q", durable=True, owner=None)
+    vh.bind_queue("gone-q", "gone-x", "k", {}, owner=None)
+    with vh.unlogged():
+        vh.delete_queue("gone-q", owner=None)
+        vh.delete_exchange("gone-x")
+    vh.definitions.cut(mark)
+    assert vh.definitions.size() == mark
+    vh.close()
+    again = _vhost(tmp_path)
+    assert set(again.queues) == {"kept"} and "gone-x" not in again.exchanges
+    again.close()
