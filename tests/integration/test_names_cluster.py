@@ -13,11 +13,13 @@ confirmed: the same queues, messages, exchanges and bindings, nothing refused.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from .test_cluster import TTL, Cluster, ClusterNode, start_cluster, wait_for
+from .cluster_faults import serving_leader
+from .test_cluster import TTL, Cluster, start_cluster, wait_for
 from .test_names import Doors, Expect, check
 
 pytestmark = pytest.mark.timeout(180)
@@ -28,7 +30,7 @@ IMPORTED = ["imported ü", "imported <\"'>", "imported /%2F%", "é" * 120 + "!"]
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Cluster:  # type: ignore[misc]
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
     c = Cluster(tmp_path)
     try:
         yield c
@@ -57,12 +59,9 @@ def test_names_and_an_import_through_leader_and_follower_survive_leader_kill9(cl
 
     leader.kill9()
 
-    def new_leader() -> ClusterNode | None:
-        n = c.leader()
-        return n if n is not None and n is not leader and n.answers() else None
-
     try:
-        successor = wait_for(new_leader, TTL + 15, "a new leader serving clients")
+        successor = wait_for(lambda: serving_leader(c, exclude=leader), TTL + 15,
+                             "a new leader serving clients")
     except AssertionError:
         raise AssertionError(c.diag()) from None
     check(successor.mgmt_port, successor.url, expect, successor.ip)
