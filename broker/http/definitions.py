@@ -32,7 +32,8 @@ full, before the node serves anything (importing is idempotent, so a prefix of
 it already applied changes nothing). If a step of ``apply`` fails (a full disk),
 what it did so far is undone, newest first, and the file removed: the client
 is refused and nothing changed. Only if that undo fails too does the file stay,
-and the restart completes the import instead of leaving a prefix.
+and the restart completes the import instead of leaving a prefix. A restart that
+cannot complete it (a full disk) stops with the error rather than serve a prefix.
 A per-vhost document (``/api/definitions/{vhost}``) has no ``vhost`` fields; the
 vhost comes from the URL and its ``users``/``vhosts``/``permissions`` are ignored.
 As RabbitMQ does, unknown top-level keys are ignored; parameters of components
@@ -540,9 +541,12 @@ def _unlogged(vh: VHost, change: Callable[..., object], *args: Any, **kw: Any) -
         change(*args, **kw)
 
 
-def import_definitions(mgmt: Mgmt, doc: Any, vhost: str | None = None) -> None:
+def import_definitions(mgmt: Mgmt, doc: Any, vhost: str | None = None, *, resuming: bool = False) -> None:
     """Validate, write down, apply, make durable, forget: all or nothing, across a crash too
-    (module docstring). Raises DefinitionsError (nothing changed) on a bad document."""
+    (module docstring). Raises DefinitionsError (nothing changed) on a bad document.
+    ``resuming``: completing an import written down before a crash; if that fails, the state
+    holds a prefix from before the crash that no undo here can take back, so the import stays
+    written down for the next start and the error goes up."""
     plan = validate(mgmt, doc, vhost)
     if plan.users:  # written down with the passwords validate hashed
         doc = {**doc, "users": [e for _, e in plan.users]}
@@ -550,13 +554,16 @@ def import_definitions(mgmt: Mgmt, doc: Any, vhost: str | None = None) -> None:
     vhosts = mgmt.broker.vhosts
     touched = {e[0] for e in (*plan.exchanges, *plan.queues, *plan.bindings) if e[0] in vhosts}
     marks = {name: vhosts[name].definitions.size() for name in touched}  # where the import's records start
-    intent.begin({"vhost": vhost, "definitions": doc})
+    if not resuming:
+        intent.begin({"vhost": vhost, "definitions": doc})
     undo = _Undo()
     try:
         apply(mgmt, plan, undo)
         for vh in vhosts.values():
             vh.definitions.sync()  # durable before the intent goes (JSON stores are fsynced)
     except BaseException:
+        if resuming:
+            raise
         try:
             undo.run()
             for name, mark in marks.items():
@@ -572,7 +579,8 @@ def import_definitions(mgmt: Mgmt, doc: Any, vhost: str | None = None) -> None:
 
 
 def resume_import(mgmt: Mgmt) -> None:
-    """Complete an import a crash cut off (module docstring); called before the node serves."""
+    """Complete an import a crash cut off (module docstring); called before the node serves.
+    If it cannot be completed (a full disk) the node does not start: it never serves a prefix."""
     pending = mgmt.import_intent.pending()
     if pending is None:
         return
@@ -581,7 +589,7 @@ def resume_import(mgmt: Mgmt) -> None:
         return
     log.warning("completing a definitions import that a crash cut off")
     try:
-        import_definitions(mgmt, pending["definitions"], pending.get("vhost"))
+        import_definitions(mgmt, pending["definitions"], pending.get("vhost"), resuming=True)
     except DefinitionsError as exc:  # cannot happen to a document it accepted before; say so
         log.error("a definitions import cut off by a crash cannot be completed (%s); dropped", exc)
         mgmt.import_intent.done()
