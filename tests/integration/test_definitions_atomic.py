@@ -63,10 +63,10 @@ def document() -> dict[str, Any]:
             "exchanges": exchanges, "queues": queues, "bindings": bindings}
 
 
-def what_exists(port: int) -> dict[str, int]:
+def what_exists(port: int, host: str = "127.0.0.1") -> dict[str, int]:
     """How much of ``document()`` the broker holds."""
     def get(path: str) -> Any:
-        status, body = http(port, "GET", path)
+        status, body = http(port, "GET", path, None, host)
         assert status == 200, (path, status, body)
         return body
 
@@ -90,10 +90,10 @@ ALL = {"vhost": 1, "users": N_USERS, "permissions": 2 * N_USERS, "policies": 1, 
 NONE = dict.fromkeys(ALL, 0)
 
 
-def post_in_thread(port: int, doc: dict[str, Any]) -> threading.Thread:
+def post_in_thread(port: int, doc: dict[str, Any], host: str = "127.0.0.1") -> threading.Thread:
     def run() -> None:
         try:
-            http(port, "POST", "/api/definitions", doc)
+            http(port, "POST", "/api/definitions", doc, host)
         except OSError:
             pass  # the broker was killed under it: that is the experiment
 
