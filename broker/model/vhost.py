@@ -330,10 +330,7 @@ class VHost:
             from broker.model.stream import new_stream_queue
             q = new_stream_queue(self, name, durable=durable, exclusive=exclusive,
                                  auto_delete=auto_delete, arguments=arguments)
-            self.queues[name] = q
-            self.queues_created += not self._replaying
-            self.exchanges[""].bind(q, name)
-            self._log_new_queue(q, arguments)
+            self._admit_new_queue(q, arguments, log=True)
             return q, True
         args_cfg = features.parse_arguments(arguments, name, self.name)  # 406 on a bad x-arg
         persistent = durable and not exclusive
@@ -351,31 +348,40 @@ class VHost:
             if tdir.exists():
                 shutil.rmtree(tdir, ignore_errors=True)
             store = QueueStore(tdir, segment_size=self.segment_size, sink=NULL_SINK, files=self.files)
-        messages: MessageStore = store
-        if args_cfg.max_priority:  # x-max-priority: one store per level
-            messages = PriorityStore(store, args_cfg.max_priority)
-        elif queue_types.type_of(arguments) == queue_types.QUORUM:  # RabbitMQ 4: two levels, always on
-            messages = QuorumPriorityStore(store)
-        q = ClassicQueue(self.name, name, durable=durable, exclusive_owner=owner if exclusive else None,
-                  auto_delete=auto_delete, arguments=arguments, store=messages, schedule=self.schedule,
-                  on_unused=self._queue_unused, on_dirty=self.mark_dirty, fast=self.fast)
-        self.queues[name] = q
-        self.queues_created += not self._replaying
-        self.exchanges[""].bind(q, name)
-        policy.apply_to_queue(self, q)  # its type, from arguments and policies (plain: stays classic)
-        if persistent:
-            self._log_new_queue(q, arguments)
+        try:
+            messages: MessageStore = store
+            if args_cfg.max_priority:  # x-max-priority: one store per level
+                messages = PriorityStore(store, args_cfg.max_priority)
+            elif queue_types.type_of(arguments) == queue_types.QUORUM:  # RabbitMQ 4: two levels, always on
+                messages = QuorumPriorityStore(store)
+            q = ClassicQueue(self.name, name, durable=durable, exclusive_owner=owner if exclusive else None,
+                             auto_delete=auto_delete, arguments=arguments, store=messages,
+                             schedule=self.schedule, on_unused=self._queue_unused, on_dirty=self.mark_dirty,
+                             fast=self.fast)
+        except BaseException:
+            store.delete()  # a refused declare leaves no directory behind
+            raise
+        # its type, from arguments and policies (plain: stays classic)
+        self._admit_new_queue(q, arguments, log=persistent, policies=True)
         return q, True
 
-    def _log_new_queue(self, q: Queue, arguments: dict[str, Any]) -> None:
-        """Log a new durable queue; if that fails (a full disk, any error) the queue goes again,
-        store and all, and the error is raised on: a refused declare leaves nothing behind."""
+    def _admit_new_queue(self, q: Queue, arguments: dict[str, Any], *, log: bool,
+                         policies: bool = False) -> None:
+        """Make a new queue known: registered, bound to the default exchange, its policies
+        applied, logged if durable. If any of that fails (a full disk, any error) the queue goes
+        again, store and all, and the error is raised on: a refused declare leaves nothing."""
+        self.queues[q.name] = q
+        self.queues_created += not self._replaying
+        self.exchanges[""].bind(q, q.name)
         try:
-            self._log(methods.QueueDeclare(queue=q.name, durable=True, auto_delete=q.auto_delete,
-                                           arguments=arguments))
+            if policies:
+                policy.apply_to_queue(self, q)
+            if log:
+                self._log(methods.QueueDeclare(queue=q.name, durable=True, auto_delete=q.auto_delete,
+                                               arguments=arguments))
         except BaseException:
             del self.queues[q.name]
-            self.queues_created -= 1
+            self.queues_created -= not self._replaying
             self.exchanges[""].unbind_all(q)
             q.delete()
             raise
