@@ -91,3 +91,24 @@ def test_a_cut_log_and_unlogged_undo_leave_the_state_before(tmp_path: Path) -> N
     again = _vhost(tmp_path)
     assert set(again.queues) == {"kept"} and "gone-x" not in again.exchanges
     again.close()
+
+
+def test_a_declare_the_log_refuses_for_any_reason_leaves_nothing(tmp_path: Path) -> None:
+    """Not only DiskFull: any failure to log a durable declare takes it back (queue, store,
+    exchange, binding), so no queue lives on in memory to confirm messages a restart loses."""
+    vh = _vhost(tmp_path)
+    vh.declare_exchange("x", "direct", durable=True)
+    vh.declare_queue("q", durable=True, owner=None)
+    vh.definitions.close()
+    vh.definitions.path.unlink()
+    vh.definitions.path.mkdir()  # a real failure that is not ENOSPC: the log cannot be opened
+    before = sorted(p.name for p in vh.dir.iterdir())
+    with pytest.raises(OSError):
+        vh.declare_queue("new-q", durable=True, owner=None)
+    with pytest.raises(OSError):
+        vh.declare_exchange("new-x", "fanout", durable=True)
+    with pytest.raises(OSError):
+        vh.bind_queue("q", "x", "k", {}, owner=None)
+    assert "new-q" not in vh.queues and "new-x" not in vh.exchanges
+    assert not vh.exchanges["x"].is_bound(vh.queues["q"], "k", {})
+    assert sorted(p.name for p in vh.dir.iterdir()) == before
