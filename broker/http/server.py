@@ -12,7 +12,6 @@ names the option, and the node exits instead of running without a listener.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from collections.abc import Callable
@@ -25,9 +24,9 @@ from broker.http import definitions, ui
 from broker.http.common import (
     MAX_BODY,
     MGMT_KEY,
-    ApiError,
     auth_middleware,
     bad_request,
+    committed,
     error_middleware,
     no_content,
     require_admin,
@@ -68,18 +67,7 @@ async def _import(request: web.Request, vhost: str | None) -> web.Response:
         definitions.import_definitions(mgmt, doc, vhost)
     except definitions.DefinitionsError as exc:
         raise bad_request(str(exc)) from None
-    # Answered once the group commit covered it: fsynced here (import_definitions did that
-    # already) and acked by every in-sync follower, like a durable declare over AMQP.
-    synced: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-
-    def done(ok: bool) -> None:
-        if not synced.done():  # the client may have gone (the handler was cancelled)
-            synced.set_result(ok)
-
-    mgmt.broker.syncer.after_sync(done)
-    if not await synced:
-        raise ApiError(503, "not_durable", "definitions applied, but the sync that makes them durable "
-                       "failed; see the broker log")
+    await committed(mgmt)  # fsynced and acked by every in-sync follower, like a durable declare
     return no_content()
 
 
