@@ -45,7 +45,7 @@ HARD_NAMES = [
     "ü", "a<b>&c", "q'\"`", "a/b", "/", "%2F", "50%", "%", "\U0001F600 party", "x" * 255,
     "é" * 127, "é" * 128, "y" * 256, "\x00", "nul\x00in", "tab\tand\nnewline", " ", "\x7f",
     "amq.x", "amq.", "Amq.y", "amq", "amq.gen-abc", ".", "..", "a/../b", "\u202eright-to-left",
-    "\ufeffbom", "日本語のキュー",
+    "\ufeffbom", "日本語のキュー", "a{b}c", "{name}", "?x=1#frag", "a+b c", "~!@$&*()[];,=",
 ]
 AUTH = "Basic " + base64.b64encode(b"guest:guest").decode()
 VHOST = "%2F"
