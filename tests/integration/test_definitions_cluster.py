@@ -18,30 +18,20 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from broker.store.paths import vhost_dir
 
 from .cluster_faults import serving_leader
-from .test_cluster import TTL, Cluster, start_cluster, wait_for
+from .test_cluster import TTL, Cluster, cluster, start_cluster, wait_for  # noqa: F401 (fixture)
 from .test_definitions_atomic import ALL, NONE, document, post_in_thread, what_exists
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(240)]
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path)
-    try:
-        yield c
-    finally:
-        c.close()
-
-
-def test_import_cut_off_by_the_leaders_kill9_is_all_or_nothing_on_the_new_leader(cluster: Cluster) -> None:
+def test_import_cut_off_by_the_leaders_kill9_is_all_or_nothing_on_the_new_leader(
+        cluster: Cluster) -> None:  # noqa: F811 (the fixture imported above)
     c = cluster
     leader, followers = start_cluster(c)
     root = vhost_dir(leader.data_dir, "/")

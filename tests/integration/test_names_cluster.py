@@ -13,13 +13,10 @@ confirmed: the same queues, messages, exchanges and bindings, nothing refused.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 
 from .cluster_faults import serving_leader
-from .test_cluster import TTL, Cluster, start_cluster, wait_for
+from .test_cluster import TTL, Cluster, cluster, start_cluster, wait_for  # noqa: F401 (fixture)
 from .test_names import Doors, Expect, check
 
 pytestmark = pytest.mark.timeout(180)
@@ -29,16 +26,8 @@ NAMES = ["ü", "a<b>&c", "q'\"`", "a/b", "%2F", "50%", "\U0001F600 party", "x" *
 IMPORTED = ["imported ü", "imported <\"'>", "imported /%2F%", "é" * 120 + "!"]
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path)
-    try:
-        yield c
-    finally:
-        c.close()
-
-
-def test_names_and_an_import_through_leader_and_follower_survive_leader_kill9(cluster: Cluster) -> None:
+def test_names_and_an_import_through_leader_and_follower_survive_leader_kill9(
+        cluster: Cluster) -> None:  # noqa: F811 (the fixture imported above)
     c = cluster
     leader, followers = start_cluster(c)
     expect = Expect()
