@@ -4,7 +4,9 @@ Theory of operation
 -------------------
 Every durable declaration (exchange, non-exclusive queue, binding between two
 durable ends) and every delete of one is appended to ``definitions.amqp`` as
-the AMQP method frame that describes it (pamqp-encoded, channel 0). On boot
+the AMQP method frame that describes it (pamqp-encoded, channel 0; built
+without pamqp's name grammar, ``model/methods.py``, so any name RabbitMQ takes
+is stored). A declare that cannot be logged is taken back whole. On boot
 the log is replayed in order; after many deletes it is compacted to the
 current state (written aside, fsynced, renamed). Exclusive queues are never
 written: like RabbitMQ, they die with their connection and with the broker.
