@@ -3,7 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import re
+from typing import Any, Final
+
+# One path segment with any characters in it. aiohttp's default for a bare ``{var}`` is
+# ``[^{}/]+``, which answers 404 for a queue or exchange named ``a{b}`` (RabbitMQ takes any
+# UTF-8 name); ``/`` inside a name arrives as ``%2F`` and stays in its segment.
+_BARE_VAR: Final = re.compile(r"\{([_a-zA-Z][_a-zA-Z0-9]*)\}")
+
+
+def any_segment(path: str) -> str:
+    """``path`` with every bare ``{var}`` matching any characters of its segment."""
+    return _BARE_VAR.sub(r"{\1:[^/]+}", path)
 
 
 class AnswerAfterEOF(asyncio.Protocol):

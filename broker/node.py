@@ -48,7 +48,7 @@ from broker.auth.users import UserStore
 from broker.auth.vhosts import VHostStore
 from broker.config import Config, ConfigError, MainConfig
 from broker.errors import ListenError
-from broker.http.definitions import DefinitionsError, import_definitions
+from broker.http.definitions import IMPORT_INTENT_FILE, DefinitionsError, import_definitions, resume_import
 from broker.http.server import MgmtServer
 from broker.http.state import Mgmt
 from broker.lmq.engine import LMQ
@@ -63,6 +63,7 @@ from broker.net.listener import Listener, keep_peer
 from broker.net.server import AMQPProtocol, AMQPServer
 from broker.store.blobs import BlobDir
 from broker.store.fileio import syncfs
+from broker.store.intent import IntentFile
 from broker.store.jsonstore import read_json, write_json
 from broker.store.lock import DataDirLock
 from broker.store.segment import parse_number
@@ -190,7 +191,9 @@ class Node:
             broker = self.broker = self.load(loop)
             assert self.vhost_store is not None
             mgmt = self.mgmt = Mgmt(broker, self.vhost_store, self.make_vhost, cfg.main.data_dir,
-                                    cfg.main.data_dir / "transient")
+                                    cfg.main.data_dir / "transient",
+                                    IntentFile(cfg.main.data_dir / IMPORT_INTENT_FILE, self.sink))
+            resume_import(mgmt)  # an import a crash cut off comes back whole, before anything serves
             mgmt.cluster = self.cluster
             mgmt.node_name = metrics.node_name(cfg.main.node_name, cfg.amqp.port)
             if cfg.clustering.enabled:  # every member reports the same rabbitmq_cluster label

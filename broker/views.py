@@ -10,7 +10,7 @@ channel class).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sized
+from collections.abc import Callable, Collection, Mapping, Sized
 from typing import TYPE_CHECKING, Any, Protocol
 
 from broker.auth.users import UserStore
@@ -152,6 +152,8 @@ class AlarmView(Protocol):
 
 class SyncerView(Protocol):
     def discard(self, obj: Any) -> None: ...
+
+    def after_sync(self, callback: Callable[[bool], None]) -> None: ...
 
 
 class BrokerView(Protocol):

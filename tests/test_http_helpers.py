@@ -36,11 +36,17 @@ def test_jsonable_converts_amqp_values() -> None:
     assert out["bin"] == "/wA="
 
 
-@pytest.mark.parametrize("bad", ["", "x" * 256, "a\x00b", "..", "a/../b", "./x"])
+@pytest.mark.parametrize("bad", ["", "x" * 256, "..", "a/../b", "./x"])
 def test_check_name_rejects(bad: str) -> None:
     with pytest.raises(ApiError) as ei:
         check_name("queue", bad)
     assert ei.value.status == 400
+
+
+def test_check_name_takes_control_characters_in_queue_names_only() -> None:
+    assert check_name("queue", "a\x00b") == "a\x00b"  # RabbitMQ takes them (tests/test_names.py)
+    with pytest.raises(ApiError):
+        check_name("vhost", "a\x00b")
 
 
 def test_check_name_accepts_slashes_and_unicode() -> None:

@@ -36,6 +36,7 @@ from pamqp.base import Frame as PFrame
 from broker import errors, properties
 from broker.amqp import codec
 from broker.amqp.connection import CH_OPEN, AMQPConnection, PublishArgs
+from broker.model import methods
 from broker.model.publish import PublishOutcome, PublishRequest
 from broker.model.queue import Consumer, Queue
 from broker.properties import FLAG_REPLY_TO, FLAG_USER_ID, HI_REPLY_TO
@@ -881,8 +882,8 @@ class Session(AMQPConnection):
         chs.last_queue = q.name
         if m.nowait:
             return
-        ok = commands.Queue.DeclareOk(queue=q.name, message_count=q.message_count,
-                                      consumer_count=q.consumer_count)
+        ok = methods.QueueDeclareOk(queue=q.name, message_count=q.message_count,  # any UTF-8 name
+                                    consumer_count=q.consumer_count)
         if created and q.durable and q.exclusive_owner is None:
             self.reply_after_sync(chs, ok, (vh.definitions,))
         else:

@@ -302,6 +302,10 @@ class UserStore:
             raise KeyError(f"no user {name!r}")
         return user
 
+    def restore(self, users: Iterable[User]) -> None:
+        """Put back the users ``list()`` returned before (undoing a failed import)."""
+        self._commit({u.name: u for u in users})
+
     def _replace(self, name: str, **changes: Any) -> User:
         user = dataclasses.replace(self._require(name), **changes)
         self._commit({**self._users, name: user})

@@ -28,6 +28,7 @@ only the page is rendered.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -199,6 +200,23 @@ def check_perm(request: web.Request, kind: str, vhost: str, resource: str) -> No
     if not check(user, vhost, resource):
         raise forbidden(f"access to '{resource or 'amq.default'}' in vhost '{vhost}' refused "
                         f"for user '{user.name}' ({kind})")
+
+
+# ------------------------------------------------------------ durability
+async def committed(mgmt: Mgmt) -> None:
+    """Return once the group commit covered what this request changed: fsynced and, in a
+    cluster, acked by every in-sync follower. A durable declare or a definitions import is
+    answered only then, as a durable declare is over AMQP (``broker/syncer.py``)."""
+    synced: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+
+    def done(ok: bool) -> None:
+        if not synced.done():  # the client may have gone (the handler was cancelled)
+            synced.set_result(ok)
+
+    mgmt.broker.syncer.after_sync(done)
+    if not await synced:
+        raise ApiError(503, "not_durable", "the change was made, but the sync that makes it durable "
+                       "failed; see the broker log")
 
 
 # ------------------------------------------------------------ names and bodies

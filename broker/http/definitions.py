@@ -16,9 +16,24 @@ Import runs in two passes so that a bad document changes nothing: ``validate``
 checks every entry's shape and types, that every vhost an entry names exists
 or is created by the same document, that every binding's ends exist or are
 declared by it, and that no queue or exchange contradicts an existing one
-(``durable``/``type``/...); only then does ``apply`` create vhosts, users,
-permissions, policies, exchanges, queues and bindings, in that order. Entries
-that already exist identically are left alone, so importing twice is a no-op.
+(``durable``/``type``/...), and what a declare would refuse later (a bad queue
+argument, a queue limit, a headers binding's ``x-match``) is refused here too;
+only then does ``apply`` create vhosts, users, permissions, policies, exchanges,
+queues and bindings, in that order. Entries that already exist identically are
+left alone, so importing twice is a no-op.
+
+All or nothing, across kill -9 and leader loss too: before ``apply`` touches
+anything, the validated document (clear-text passwords already hashed) is
+written down whole in ``definitions-import.json`` (``Mgmt.import_intent``, the
+store's ``IntentFile``: tmp + fsync + rename, replicated); when every write of
+the import is applied and the definitions logs are fsynced, the file is removed.
+At start-up ``resume_import`` applies a document still written down again, in
+full, before the node serves anything (importing is idempotent, so a prefix of
+it already applied changes nothing). If a step of ``apply`` fails (a full disk),
+what it did so far is undone, newest first, and the file removed: the client
+is refused and nothing changed. Only if that undo fails too does the file stay,
+and the restart completes the import instead of leaving a prefix. A restart that
+cannot complete it (a full disk) stops with the error rather than serve a prefix.
 A per-vhost document (``/api/definitions/{vhost}``) has no ``vhost`` fields; the
 vhost comes from the URL and its ``users``/``vhosts``/``permissions`` are ignored.
 As RabbitMQ does, unknown top-level keys are ignored; parameters of components
@@ -29,24 +44,26 @@ with a warning in the log rather than refusing the whole document.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from broker import __version__, errors
 from broker.auth.names import MAX_NAME_BYTES, name_problem
-from broker.auth.passwords import ALGORITHMS, HASHING_ALGORITHM
-from broker.http.policies import validate_policy
+from broker.auth.passwords import ALGORITHMS, HASHING_ALGORITHM, hash_password
+from broker.http.policies import PolicyApi, validate_policy
 from broker.http.render import jsonable
 from broker.http.state import Mgmt
-from broker.model import queue_types
-from broker.model.exchange import EXCHANGE_TYPES
+from broker.model import features, queue_types
+from broker.model.exchange import EXCHANGE_TYPES, Exchange, check_x_match
 from broker.model.limits import NAMES as LIMIT_NAMES
 from broker.model.queue import Queue
-from broker.model.vhost import DEFAULT_EXCHANGES
+from broker.model.vhost import DEFAULT_EXCHANGES, VHost
 from broker.patterns import PatternError, compile_pattern
 
 log = logging.getLogger(__name__)
 
 LIMITS_COMPONENT, OPERATOR_POLICY_COMPONENT = "vhost-limits", "operator_policy"
+IMPORT_INTENT_FILE = "definitions-import.json"  # an import being applied (module docstring)
 DEFAULT_EXCHANGE_NAMES = frozenset(name for name, _ in DEFAULT_EXCHANGES)  # every new vhost has them
 
 
@@ -173,12 +190,16 @@ def _list(doc: dict[str, Any], key: str) -> list[dict[str, Any]]:
     return value
 
 
-def _name(where: str, entry: dict[str, Any], key: str = "name", allow_empty: bool = False) -> str:
+def _name(where: str, entry: dict[str, Any], key: str = "name", allow_empty: bool = False,
+          kind: str | None = None) -> str:
+    """``entry[key]`` as a name of ``kind`` (default: ``key``; "queue" and "exchange" names are
+    as free as in RabbitMQ, see ``broker.auth.names``)."""
     value = entry.get(key)
     if not isinstance(value, str) or (not value and not allow_empty):
         raise _fail(where, f"'{key}' must be a non-empty string")
-    if value and name_problem(key, value):
-        raise _fail(where, f"'{key}' is too long or contains control characters")
+    problem = name_problem(kind or key, value) if value else None
+    if problem:
+        raise _fail(where, f"'{key}': {problem}")
     return value
 
 
@@ -242,7 +263,12 @@ def validate(mgmt: Mgmt, doc: Any, vhost: str | None = None) -> Plan:
                 tags = [t for t in tags.split(",") if t.strip()]
             if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
                 raise _fail(where, "'tags' must be a list of strings or a comma-separated string")
-            plan.users.append((name, {**e, "tags": tags, "hashing_algorithm": algorithm}))
+            entry = {**e, "tags": tags, "hashing_algorithm": algorithm}
+            if "password" in entry:  # never written down in clear (the intent file)
+                password = entry.pop("password")
+                if "password_hash" not in entry:
+                    entry.update(password_hash=hash_password(password), hashing_algorithm=HASHING_ALGORITHM)
+            plan.users.append((name, entry))
     known_vhosts = set(broker.vhosts) | set(plan.vhosts)
     user_names = {u.name for u in broker.users.list()} | {n for n, _ in plan.users}
 
@@ -293,10 +319,11 @@ def validate(mgmt: Mgmt, doc: Any, vhost: str | None = None) -> Plan:
     for i, e in enumerate(_list(doc, "parameters")):
         _parameter(plan, f"parameters[{i}]", vhost_of(f"parameters[{i}]", e), e)
     declared: dict[tuple[str, str, str], bool] = {}
+    kinds: dict[tuple[str, str], str] = {}  # (vhost, exchange) -> type, for the document's own
     for i, e in enumerate(_list(doc, "exchanges")):
         where = f"exchanges[{i}]"
         vh_name = vhost_of(where, e)
-        name = _name(where, e)
+        name = _name(where, e, kind="exchange")
         type_ = e.get("type")
         if type_ not in EXCHANGE_TYPES:
             raise _fail(where, f"unknown exchange type {type_!r}")
@@ -312,12 +339,17 @@ def validate(mgmt: Mgmt, doc: Any, vhost: str | None = None) -> Plan:
         elif name.startswith("amq."):
             raise _fail(where, f"exchange name '{name}' uses the reserved prefix 'amq.'")
         else:
+            try:  # what the declare would refuse (a delayed exchange without its x-delayed-type)
+                Exchange(name, str(type_), durable, auto_delete, internal, args)
+            except errors.AMQPError as exc:
+                raise _fail(where, exc.reply_text) from None
             plan.exchanges.append((vh_name, name, str(type_), durable, auto_delete, internal, args))
         declared[(vh_name, "exchange", name)] = True
+        kinds[(vh_name, name)] = str(type_)
     for i, e in enumerate(_list(doc, "queues")):
         where = f"queues[{i}]"
         vh_name = vhost_of(where, e)
-        name = _name(where, e)
+        name = _name(where, e, kind="queue")
         durable = _bool(where, e, "durable", True)
         auto_delete = _bool(where, e, "auto_delete", False)
         args = _queue_args(where, e, name, vh_name, durable, auto_delete, default_type(vh_name))
@@ -329,16 +361,20 @@ def validate(mgmt: Mgmt, doc: Any, vhost: str | None = None) -> Plan:
         elif name.startswith("amq."):
             raise _fail(where, f"queue name '{name}' uses the reserved prefix 'amq.'")
         else:
+            try:  # a bad x-argument: the declare's 406, refused before anything is applied
+                features.parse_arguments(args, name, vh_name)
+            except errors.AMQPError as exc:
+                raise _fail(where, exc.reply_text) from None
             plan.queues.append((vh_name, name, durable, auto_delete, args))
         declared[(vh_name, "queue", name)] = True
     for i, e in enumerate(_list(doc, "bindings")):
         where = f"bindings[{i}]"
         vh_name = vhost_of(where, e)
-        source = _name(where, e, "source", allow_empty=True)
-        dest = _name(where, e, "destination")
+        source = _name(where, e, "source", allow_empty=True, kind="exchange")
         kind = e.get("destination_type")
         if kind not in ("queue", "exchange"):
             raise _fail(where, "'destination_type' must be 'queue' or 'exchange'")
+        dest = _name(where, e, "destination", kind=str(kind))
         rk = e.get("routing_key", "")
         if not isinstance(rk, str) or len(rk.encode()) > MAX_NAME_BYTES:
             raise _fail(where, "'routing_key' must be a string of at most 255 bytes")
@@ -351,8 +387,35 @@ def validate(mgmt: Mgmt, doc: Any, vhost: str | None = None) -> Plan:
         pool = (vh.queues if kind == "queue" else vh.exchanges) if vh is not None else {}
         if (vh_name, str(kind), dest) not in declared and dest not in pool:
             raise _fail(where, f"destination {kind} '{dest}' does not exist")
-        plan.bindings.append((vh_name, source, dest, str(kind), rk, _args(where, e)))
+        args = _args(where, e)
+        source_type = kinds.get((vh_name, source)) or (
+            vh.exchanges[source].type if vh is not None and source in vh.exchanges else None)
+        if source_type == "headers" and args:
+            try:
+                check_x_match(args)
+            except errors.AMQPError as exc:
+                raise _fail(where, exc.reply_text) from None
+        plan.bindings.append((vh_name, source, dest, str(kind), rk, args))
+    _check_queue_limits(mgmt, plan)
     return plan
+
+
+def _check_queue_limits(mgmt: Mgmt, plan: Plan) -> None:
+    """A vhost's max-queues (as the document leaves it) must hold the queues it adds."""
+    limits: dict[str, int | None] = {n: vh.limits.max_queues for n, vh in mgmt.broker.vhosts.items()}
+    for vh_name, key, limit in plan.limits:
+        if key == "max-queues":
+            limits[vh_name] = limit if limit >= 0 else None
+    added: dict[str, set[str]] = {}
+    for vh_name, name, *_ in plan.queues:
+        added.setdefault(vh_name, set()).add(name)
+    for vh_name, names in added.items():
+        cap = limits.get(vh_name)
+        vh = mgmt.broker.vhosts.get(vh_name)
+        now = len(vh.queues) if vh is not None else 0
+        if cap is not None and now + len(names) > cap:
+            raise _fail("queues", f"vhost '{vh_name}' allows {cap} queues: the document adds "
+                        f"{len(names)} to {now}")
 
 
 def _queue_args(where: str, e: dict[str, Any], name: str, vh_name: str, durable: bool,
@@ -387,51 +450,146 @@ def _parameter(plan: Plan, where: str, vh_name: str, e: dict[str, Any]) -> None:
         log.warning("definitions: %s: no plugin provides component %r; skipped", where, component)
 
 
-def apply(mgmt: Mgmt, plan: Plan) -> None:
+class _Undo:
+    """What ``apply`` changed so far, as steps that take it back, run newest first."""
+
+    def __init__(self) -> None:
+        self.steps: list[Callable[[], object]] = []
+
+    def add(self, step: Callable[[], object]) -> None:
+        self.steps.append(step)
+
+    def run(self) -> None:
+        for step in reversed(self.steps):
+            step()
+
+
+def _put_policy(api: PolicyApi, doc: dict[str, Any], undo: _Undo) -> None:
+    before = api.get(doc["vhost"], doc["name"])
+    api.put(doc)
+    undo.add(lambda: api.put(before) if before is not None else api.delete(doc["vhost"], doc["name"]))
+
+
+def apply(mgmt: Mgmt, plan: Plan, undo: _Undo | None = None) -> None:
+    undo = undo if undo is not None else _Undo()
     broker = mgmt.broker
     users = broker.users
     for name in plan.vhosts:
         mgmt.create_vhost(name)
+        undo.add(lambda name=name: mgmt.delete_vhost(name))  # type: ignore[misc]
     for name, meta in plan.vhost_meta.items():
         if meta:
-            broker.vhosts[name].meta.update(**meta)
+            vmeta = broker.vhosts[name].meta
+            before = vmeta.to_json()
+            vmeta.update(**meta)
+            undo.add(lambda vmeta=vmeta, before=before: vmeta.update(**before))  # type: ignore[misc]
     for vh_name, key, limit in plan.limits:
-        broker.vhosts[vh_name].limits.set(key, limit)
+        limits = broker.vhosts[vh_name].limits
+        old = limits.values.get(key, -1)
+        limits.set(key, limit)
+        undo.add(lambda limits=limits, key=key, old=old: limits.set(key, old))  # type: ignore[misc]
+    users_before = users.list()
+    undo.add(lambda: users.restore(users_before))
     for name, e in plan.users:
         existing = users.get(name)
         tags = e["tags"]
         if existing is None:
-            if "password" in e and "password_hash" not in e:
-                users.add_user(name, e["password"], tags)
-            else:
-                users.add_user(name, None, tags, password_hash=e.get("password_hash", ""))
+            users.add_user(name, None, tags, password_hash=e.get("password_hash", ""))
         else:
             users.set_tags(name, tags)
-            if "password" in e and "password_hash" not in e:
-                users.set_password(name, e["password"])
         if "password_hash" in e and (existing is not None or e["hashing_algorithm"] != HASHING_ALGORITHM):
             # No public setter for an imported hash yet; _replace is UserStore's single write path.
             users._replace(name, password_hash=e["password_hash"], hashing_algorithm=e["hashing_algorithm"])
     for user, vh_name, configure, write, read in plan.permissions:
         users.set_permissions(user, vh_name, configure, write, read)
     for policy in plan.policies:
-        mgmt.policies.put(policy)
+        _put_policy(mgmt.policies, policy, undo)
     for policy in plan.operator_policies:
-        mgmt.operator_policies.put(policy)
+        _put_policy(mgmt.operator_policies, policy, undo)
+    # Topology is undone without delete records (``VHost.unlogged``): ``import_definitions``
+    # cuts the records this import appended off each definitions log instead, which needs no
+    # disk space (a full disk is the likely reason to undo).
     for vh_name, name, type_, durable, auto_delete, internal, args in plan.exchanges:
-        broker.vhosts[vh_name].declare_exchange(name, type_, durable=durable, auto_delete=auto_delete,
-                                                internal=internal, arguments=args)
+        vh = broker.vhosts[vh_name]
+        if name not in vh.exchanges:
+            vh.declare_exchange(name, type_, durable=durable, auto_delete=auto_delete,
+                                internal=internal, arguments=args)
+            undo.add(lambda vh=vh, name=name: _unlogged(vh, vh.delete_exchange, name))  # type: ignore[misc]
     for vh_name, name, durable, auto_delete, args in plan.queues:
-        broker.vhosts[vh_name].declare_queue(name, durable=durable, auto_delete=auto_delete, arguments=args,
-                                             owner=None)
+        vh = broker.vhosts[vh_name]
+        _q, created = vh.declare_queue(name, durable=durable, auto_delete=auto_delete, arguments=args,
+                                       owner=None)
+        if created:
+            undo.add(lambda vh=vh, name=name: _unlogged(vh, vh.delete_queue, name, owner=None))  # type: ignore[misc]
     for vh_name, source, dest, kind, rk, args in plan.bindings:
         vh = broker.vhosts[vh_name]
+        target: object = vh.queues[dest] if kind == "queue" else vh.exchanges[dest]
+        if vh.exchanges[source].is_bound(target, rk, args):
+            continue
         if kind == "queue":
             vh.bind_queue(dest, source, rk, args, owner=None)
+            undo.add(lambda vh=vh, d=dest, s=source, rk=rk, a=args:  # type: ignore[misc]
+                     _unlogged(vh, vh.unbind_queue, d, s, rk, a, owner=None))
         else:
             vh.bind_exchange(dest, source, rk, args)
+            undo.add(lambda vh=vh, d=dest, s=source, rk=rk, a=args:  # type: ignore[misc]
+                     _unlogged(vh, vh.unbind_exchange, d, s, rk, a))
 
 
-def import_definitions(mgmt: Mgmt, doc: Any, vhost: str | None = None) -> None:
-    """Validate then apply; raises DefinitionsError (nothing changed) on a bad document."""
-    apply(mgmt, validate(mgmt, doc, vhost))
+def _unlogged(vh: VHost, change: Callable[..., object], *args: Any, **kw: Any) -> None:
+    with vh.unlogged():
+        change(*args, **kw)
+
+
+def import_definitions(mgmt: Mgmt, doc: Any, vhost: str | None = None, *, resuming: bool = False) -> None:
+    """Validate, write down, apply, make durable, forget: all or nothing, across a crash too
+    (module docstring). Raises DefinitionsError (nothing changed) on a bad document.
+    ``resuming``: completing an import written down before a crash; if that fails, the state
+    holds a prefix from before the crash that no undo here can take back, so the import stays
+    written down for the next start and the error goes up."""
+    plan = validate(mgmt, doc, vhost)
+    if plan.users:  # written down with the passwords validate hashed
+        doc = {**doc, "users": [e for _, e in plan.users]}
+    intent = mgmt.import_intent
+    vhosts = mgmt.broker.vhosts
+    touched = {e[0] for e in (*plan.exchanges, *plan.queues, *plan.bindings) if e[0] in vhosts}
+    marks = {name: vhosts[name].definitions.size() for name in touched}  # where the import's records start
+    if not resuming:
+        intent.begin({"vhost": vhost, "definitions": doc})
+    undo = _Undo()
+    try:
+        apply(mgmt, plan, undo)
+        for vh in vhosts.values():
+            vh.definitions.sync()  # durable before the intent goes (JSON stores are fsynced)
+    except BaseException:
+        if resuming:
+            raise
+        try:
+            undo.run()
+            for name, mark in marks.items():
+                if name in vhosts:
+                    vhosts[name].definitions.cut(mark)
+        except BaseException:
+            log.exception("definitions import failed and could not be undone: it is completed "
+                          "when the node restarts")
+            raise
+        intent.done()
+        raise
+    intent.done()
+
+
+def resume_import(mgmt: Mgmt) -> None:
+    """Complete an import a crash cut off (module docstring); called before the node serves.
+    If it cannot be completed (a full disk) the node does not start: it never serves a prefix."""
+    pending = mgmt.import_intent.pending()
+    if pending is None:
+        return
+    if not isinstance(pending, dict) or "definitions" not in pending:
+        log.error("%s is not an import written down by this broker; ignored", IMPORT_INTENT_FILE)
+        return
+    log.warning("completing a definitions import that a crash cut off")
+    try:
+        import_definitions(mgmt, pending["definitions"], pending.get("vhost"), resuming=True)
+    except DefinitionsError as exc:  # cannot happen to a document it accepted before; say so
+        log.error("a definitions import cut off by a crash cannot be completed (%s); dropped", exc)
+        mgmt.import_intent.done()

@@ -22,6 +22,7 @@ from broker.http.common import (
     can_see_vhost,
     check_name,
     check_perm,
+    committed,
     created,
     error_response,
     forbidden,
@@ -131,6 +132,8 @@ async def put_exchange(request: web.Request) -> web.Response:
     existed = name in vh.exchanges
     vh.declare_exchange(name, type_, durable=durable, auto_delete=auto_delete, internal=internal,
                         arguments=arguments)
+    if durable and not existed:
+        await committed(request.app[MGMT_KEY])  # as exchange.declare-ok: after the group commit
     return no_content() if existed else created()
 
 
@@ -271,6 +274,8 @@ async def put_queue(request: web.Request) -> web.Response:
     check_perm(request, "configure", vh.name, name)
     _q, was_created = vh.declare_queue(name, durable=durable, auto_delete=auto_delete,
                                        arguments=arguments, owner=None)
+    if durable and was_created:
+        await committed(request.app[MGMT_KEY])  # as queue.declare-ok: after the group commit
     return created() if was_created else no_content()
 
 

@@ -20,6 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from broker import jsonbody
+from broker.aio import any_segment
 from broker.errors import ListenError
 from broker.http import definitions, ui, websocket
 from broker.http.common import (
@@ -27,6 +28,7 @@ from broker.http.common import (
     MGMT_KEY,
     auth_middleware,
     bad_request,
+    committed,
     error_middleware,
     no_content,
     require_admin,
@@ -62,10 +64,12 @@ async def _import(request: web.Request, vhost: str | None) -> web.Response:
         doc = jsonbody.loads(raw)
     except jsonbody.JSONBodyError as exc:
         raise bad_request(str(exc)) from None
+    mgmt = request.app[MGMT_KEY]
     try:
-        definitions.import_definitions(request.app[MGMT_KEY], doc, vhost)
+        definitions.import_definitions(mgmt, doc, vhost)
     except definitions.DefinitionsError as exc:
         raise bad_request(str(exc)) from None
+    await committed(mgmt)  # fsynced and acked by every in-sync follower, like a durable declare
     return no_content()
 
 
@@ -148,17 +152,23 @@ def build_app(mgmt: Mgmt, metrics_obj: Metrics) -> web.Application:
     ui.add_routes(app)  # the web UI: "/" and its static files under /ui/
     app.router.add_get("/api/definitions", get_definitions)
     app.router.add_post("/api/definitions", post_definitions)
-    app.router.add_get("/api/definitions/{vhost}", get_vhost_definitions)
-    app.router.add_post("/api/definitions/{vhost}", post_vhost_definitions)
+    app.router.add_get(any_segment("/api/definitions/{vhost}"), get_vhost_definitions)
+    app.router.add_post(any_segment("/api/definitions/{vhost}"), post_vhost_definitions)
     app.router.add_get("/metrics", mgmt_metrics)
     app.router.add_get("/metrics/detailed", mgmt_metrics_detailed)
     app.router.add_get("/metrics/per-object", mgmt_metrics_per_object)
-    app.add_routes(node_routes)
-    app.add_routes(health_routes)  # /api/health/checks/*
-    app.add_routes(topology_routes)
-    app.add_routes(access_routes)
-    app.add_routes(stream_routes)  # GET /api/streams/{vhost}/{queue}/messages
+    for table in (node_routes, health_routes, topology_routes, access_routes, stream_routes):
+        _add_routes(app, table)  # health: /api/health/checks/*; streams: GET /api/streams/...
     return app
+
+
+def _add_routes(app: web.Application, table: web.RouteTableDef) -> None:
+    """``app.add_routes(table)``, with names in the path free to hold any character
+    (``broker.aio.any_segment``: RabbitMQ's queue and exchange names)."""
+    for route in table:
+        if isinstance(route, web.RouteDef):
+            route = web.RouteDef(route.method, any_segment(route.path), route.handler, route.kwargs)
+        route.register(app.router)
 
 
 def build_metrics_app(mgmt: Mgmt, metrics_obj: Metrics) -> web.Application:

@@ -16,7 +16,7 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from broker import errors, metrics
 from broker.auth.vhosts import VHostStore
@@ -29,6 +29,29 @@ if TYPE_CHECKING:
     from broker.views import BrokerView, ConnectionView
 
 
+class Intent(Protocol):
+    """A multi-file change written down whole before it is applied (``broker/store/intent.py``)."""
+
+    def pending(self) -> Any: ...
+
+    def begin(self, change: Any) -> None: ...
+
+    def done(self) -> None: ...
+
+
+class NoIntent:
+    """Nowhere to write a change down (a Mgmt without a data dir of its own, in unit tests)."""
+
+    def pending(self) -> Any:
+        return None
+
+    def begin(self, change: Any) -> None:
+        pass
+
+    def done(self) -> None:
+        pass
+
+
 class Mgmt:
     def __init__(
         self,
@@ -37,8 +60,11 @@ class Mgmt:
         make_vhost: Callable[[str], VHost],
         data_dir: Path,
         transient_root: Path,
+        import_intent: Intent | None = None,
     ) -> None:
         self.broker = broker
+        # a definitions import in progress (broker/http/definitions.py: all or nothing)
+        self.import_intent: Intent = import_intent if import_intent is not None else NoIntent()
         self.vhost_store = vhost_store
         self.make_vhost = make_vhost
         self.data_dir = data_dir

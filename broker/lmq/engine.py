@@ -215,7 +215,7 @@ class LMQ:
         another connection's exclusive queue is refused (405), as AMQP refuses it."""
         q = self.vhost.queues.get(name)
         if q is None:
-            problem = name_problem("queue", name)
+            problem = name_problem("queue", name)  # any UTF-8 name of 1 to 255 bytes
             if problem is not None:
                 raise LMQError(400, problem)
             who.configure(name)

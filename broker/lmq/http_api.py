@@ -30,7 +30,7 @@ from typing import Any
 from aiohttp import web
 
 from broker import errors, jsonbody
-from broker.aio import AnswerAfterEOF, RequestDeadline
+from broker.aio import AnswerAfterEOF, RequestDeadline, any_segment
 from broker.auth.sasl import basic_credentials
 from broker.auth.throttle import TooManyFailures
 from broker.lmq.access import Access, Refused, anonymous
@@ -300,14 +300,14 @@ def build_app(lmq: LMQ, settings: Settings) -> web.Application:
     r = app.router
     r.add_get("/messages", get_any)
     r.add_post("/messages", post_all)
-    r.add_get("/messages/{name}", get_message)
-    r.add_post("/messages/{name}", post_message)
-    r.add_post("/messages/{name}/{id}", reply)
-    r.add_delete("/queues/{name}", delete_queue)
+    r.add_get(any_segment("/messages/{name}"), get_message)
+    r.add_post(any_segment("/messages/{name}"), post_message)
+    r.add_post(any_segment("/messages/{name}/{id}"), reply)
+    r.add_delete(any_segment("/queues/{name}"), delete_queue)
     r.add_get("/properties", get_defaults)
     r.add_put("/properties", put_defaults)
     r.add_delete("/properties", delete_defaults)
-    r.add_get("/properties/{name}", get_props)
-    r.add_patch("/properties/{name}", patch_props)
-    r.add_delete("/properties/{name}", delete_props)
+    r.add_get(any_segment("/properties/{name}"), get_props)
+    r.add_patch(any_segment("/properties/{name}"), patch_props)
+    r.add_delete(any_segment("/properties/{name}"), delete_props)
     return app

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from broker import errors, properties
 from broker.model.queue import Consumer, Queue
-from broker.store.paths import queue_dir
+from broker.store.paths import queue_dir, write_name
 from broker.store.stream_store import Record, Retention, StreamPosition, StreamStore, parse_age
 
 if TYPE_CHECKING:
@@ -166,10 +166,7 @@ def new_stream_queue(vh: VHost, name: str, *, durable: bool, exclusive: bool, au
     directory = queue_dir(vh.dir, name)
     store = StreamStore(directory, segment_size=max(seg_size, 64), sink=vh.sink, retention=retention,
                         files=vh.files)
-    qfile = directory / ".queue"
-    if not qfile.exists():
-        qfile.write_text(name)
-        vh.sink.replace(qfile, name.encode())
+    write_name(directory / ".queue", name, vh.sink)
     q = StreamQueue(vh.name, name, arguments=arguments, stream=store, schedule=vh.schedule,
                     on_unused=vh._queue_unused, on_dirty=vh.mark_dirty, call_later=vh.call_later)
     apply_stream_policies(vh, q)  # also runs retention and arms the age timer

@@ -4,7 +4,9 @@ Theory of operation
 -------------------
 Every durable declaration (exchange, non-exclusive queue, binding between two
 durable ends) and every delete of one is appended to ``definitions.amqp`` as
-the AMQP method frame that describes it (pamqp-encoded, channel 0). On boot
+the AMQP method frame that describes it (pamqp-encoded, channel 0; built
+without pamqp's name grammar, ``model/methods.py``, so any name RabbitMQ takes
+is stored). A declare that cannot be logged is taken back whole. On boot
 the log is replayed in order; after many deletes it is compacted to the
 current state (written aside, fsynced, renamed). Exclusive queues are never
 written: like RabbitMQ, they die with their connection and with the broker.
@@ -21,7 +23,8 @@ import base64
 import logging
 import os
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +33,7 @@ from pamqp import frame as pframe
 from pamqp.base import Frame as PFrame
 
 from broker import errors
-from broker.model import exchange_features, features, policy, queue_types
+from broker.model import exchange_features, features, methods, policy, queue_types
 from broker.model import publish as publishing
 from broker.model.exchange import Exchange, check_x_match
 from broker.model.fastpaths import FastPaths
@@ -39,7 +42,7 @@ from broker.model.queue import ClassicQueue, Queue
 from broker.model.vhost_meta import VHostMeta
 from broker.store.api import MessageStore
 from broker.store.definitions import DefinitionsLog
-from broker.store.paths import queue_dir, vhost_dir
+from broker.store.paths import queue_dir, vhost_dir, write_name
 from broker.store.priority_store import PriorityStore, QuorumPriorityStore
 from broker.store.queue_store import QueueStore
 from broker.store.segment_log import SegmentFiles
@@ -96,10 +99,7 @@ class VHost:
         # messages confirmed to publishers, unroutable ones, and of those the ones returned
         # (counted by the protocol; the API's per-vhost message_stats)
         self.n_confirmed = self.n_unroutable = self.n_returned = 0
-        marker = self.dir / ".vhost"
-        if not marker.exists():
-            marker.write_text(name)
-            sink.replace(marker, name.encode())
+        write_name(self.dir / ".vhost", name, sink)
         for ename, etype in DEFAULT_EXCHANGES:
             self.exchanges[ename] = Exchange(ename, etype, durable=True)
         self.definitions = DefinitionsLog(self.dir / "definitions.amqp", sink)
@@ -153,6 +153,17 @@ class VHost:
             if m.destination in self.exchanges and m.source in self.exchanges:
                 self.unbind_exchange(m.destination, m.source, m.routing_key, m.arguments or {})
 
+    @contextmanager
+    def unlogged(self) -> Iterator[None]:
+        """Changes made inside are not written to the definitions log: for undoing changes whose
+        records the caller cuts off the log itself (``DefinitionsLog.cut``), which needs no disk
+        space where a delete record would."""
+        was, self._replaying = self._replaying, True
+        try:
+            yield
+        finally:
+            self._replaying = was
+
     def _log(self, method: PFrame, is_delete: bool = False) -> None:
         """Append a durable change to the definitions log. DiskFull leaves the log as it was:
         declares call this after the change and undo it, deletes before it, so a client
@@ -176,22 +187,22 @@ class VHost:
         records: list[bytes] = []
         for ex in self.exchanges.values():
             if ex.durable and not ex.name.startswith("amq.") and ex.name:
-                records.append(pframe.marshal(commands.Exchange.Declare(
+                records.append(pframe.marshal(methods.ExchangeDeclare(
                     exchange=ex.name, exchange_type=ex.type, durable=True, auto_delete=ex.auto_delete,
                     internal=ex.internal, arguments=ex.arguments), 0))
         for q in self.queues.values():
             if q.durable and q.exclusive_owner is None:
-                records.append(pframe.marshal(commands.Queue.Declare(
+                records.append(pframe.marshal(methods.QueueDeclare(
                     queue=q.name, durable=True, auto_delete=q.auto_delete, arguments=q.arguments), 0))
         for ex in self.exchanges.values():
             if not ex.durable:
                 continue
             for dest, rk, args in ex.bindings():
                 if isinstance(dest, Queue) and dest.durable and dest.exclusive_owner is None:
-                    records.append(pframe.marshal(commands.Queue.Bind(
+                    records.append(pframe.marshal(methods.QueueBind(
                         queue=dest.name, exchange=ex.name, routing_key=rk, arguments=args), 0))
                 elif isinstance(dest, Exchange) and dest.durable:
-                    records.append(pframe.marshal(commands.Exchange.Bind(
+                    records.append(pframe.marshal(methods.ExchangeBind(
                         destination=dest.name, source=ex.name, routing_key=rk, arguments=args), 0))
         self.definitions.compact(records)
 
@@ -237,10 +248,10 @@ class VHost:
             policy.apply_to_exchange(self, ex)  # alternate-exchange by policy
         if durable:
             try:
-                self._log(commands.Exchange.Declare(exchange=name, exchange_type=type_, durable=True,
-                                                    auto_delete=auto_delete, internal=internal,
-                                                    arguments=arguments))
-            except errors.DiskFull:
+                self._log(methods.ExchangeDeclare(exchange=name, exchange_type=type_, durable=True,
+                                                  auto_delete=auto_delete, internal=internal,
+                                                  arguments=arguments))
+            except BaseException:  # DiskFull or any other failure: a refused declare leaves nothing
                 del self.exchanges[name]
                 if ex.special is not None:
                     ex.special.close(delete=True)
@@ -258,7 +269,7 @@ class VHost:
         if if_unused and ex.has_bindings():
             raise errors.PreconditionFailed(f"exchange '{name}' in vhost '{self.name}' in use")
         if ex.durable:
-            self._log(commands.Exchange.Delete(exchange=name))  # first: DiskFull changes nothing
+            self._log(methods.ExchangeDelete(exchange=name))  # first: DiskFull changes nothing
         del self.exchanges[name]
         if ex.special is not None:
             ex.special.close(delete=True)  # drops held delayed messages with the exchange
@@ -321,10 +332,7 @@ class VHost:
             from broker.model.stream import new_stream_queue
             q = new_stream_queue(self, name, durable=durable, exclusive=exclusive,
                                  auto_delete=auto_delete, arguments=arguments)
-            self.queues[name] = q
-            self.queues_created += not self._replaying
-            self.exchanges[""].bind(q, name)
-            self._log_new_queue(q, arguments)
+            self._admit_new_queue(q, arguments, log=True)
             return q, True
         args_cfg = features.parse_arguments(arguments, name, self.name)  # 406 on a bad x-arg
         persistent = durable and not exclusive
@@ -332,39 +340,50 @@ class VHost:
             store = QueueStore(queue_dir(self.dir, name), segment_size=self.segment_size,
                                sink=self.sink, persistent_only=True, notify=self.mark_dirty,
                                write_through=self.write_through, files=self.files)
-            qfile = queue_dir(self.dir, name) / ".queue"
-            if not qfile.exists():
-                qfile.write_text(name)
-                self.sink.replace(qfile, name.encode())
+            try:
+                write_name(queue_dir(self.dir, name) / ".queue", name, self.sink)
+            except BaseException:
+                store.delete()  # a refused declare leaves no directory behind either
+                raise
         else:
             tdir = queue_dir(self.transient_dir, name)
             if tdir.exists():
                 shutil.rmtree(tdir, ignore_errors=True)
             store = QueueStore(tdir, segment_size=self.segment_size, sink=NULL_SINK, files=self.files)
-        messages: MessageStore = store
-        if args_cfg.max_priority:  # x-max-priority: one store per level
-            messages = PriorityStore(store, args_cfg.max_priority)
-        elif queue_types.type_of(arguments) == queue_types.QUORUM:  # RabbitMQ 4: two levels, always on
-            messages = QuorumPriorityStore(store)
-        q = ClassicQueue(self.name, name, durable=durable, exclusive_owner=owner if exclusive else None,
-                  auto_delete=auto_delete, arguments=arguments, store=messages, schedule=self.schedule,
-                  on_unused=self._queue_unused, on_dirty=self.mark_dirty, fast=self.fast)
-        self.queues[name] = q
-        self.queues_created += not self._replaying
-        self.exchanges[""].bind(q, name)
-        policy.apply_to_queue(self, q)  # its type, from arguments and policies (plain: stays classic)
-        if persistent:
-            self._log_new_queue(q, arguments)
+        try:
+            messages: MessageStore = store
+            if args_cfg.max_priority:  # x-max-priority: one store per level
+                messages = PriorityStore(store, args_cfg.max_priority)
+            elif queue_types.type_of(arguments) == queue_types.QUORUM:  # RabbitMQ 4: two levels, always on
+                messages = QuorumPriorityStore(store)
+            q = ClassicQueue(self.name, name, durable=durable, exclusive_owner=owner if exclusive else None,
+                             auto_delete=auto_delete, arguments=arguments, store=messages,
+                             schedule=self.schedule, on_unused=self._queue_unused, on_dirty=self.mark_dirty,
+                             fast=self.fast)
+        except BaseException:
+            store.delete()  # a refused declare leaves no directory behind
+            raise
+        # its type, from arguments and policies (plain: stays classic)
+        self._admit_new_queue(q, arguments, log=persistent, policies=True)
         return q, True
 
-    def _log_new_queue(self, q: Queue, arguments: dict[str, Any]) -> None:
-        """Log a new durable queue; on a full disk it goes again (DiskFull is raised on)."""
+    def _admit_new_queue(self, q: Queue, arguments: dict[str, Any], *, log: bool,
+                         policies: bool = False) -> None:
+        """Make a new queue known: registered, bound to the default exchange, its policies
+        applied, logged if durable. If any of that fails (a full disk, any error) the queue goes
+        again, store and all, and the error is raised on: a refused declare leaves nothing."""
+        self.queues[q.name] = q
+        self.queues_created += not self._replaying
+        self.exchanges[""].bind(q, q.name)
         try:
-            self._log(commands.Queue.Declare(queue=q.name, durable=True, auto_delete=q.auto_delete,
-                                             arguments=arguments))
-        except errors.DiskFull:
+            if policies:
+                policy.apply_to_queue(self, q)
+            if log:
+                self._log(methods.QueueDeclare(queue=q.name, durable=True, auto_delete=q.auto_delete,
+                                               arguments=arguments))
+        except BaseException:
             del self.queues[q.name]
-            self.queues_created -= 1
+            self.queues_created -= not self._replaying
             self.exchanges[""].unbind_all(q)
             q.delete()
             raise
@@ -389,7 +408,7 @@ class VHost:
         count = q.message_count
         persistent = q.durable and q.exclusive_owner is None
         if persistent:
-            self._log(commands.Queue.Delete(queue=name))  # first: DiskFull changes nothing
+            self._log(methods.QueueDelete(queue=name))  # first: DiskFull changes nothing
         del self.queues[name]
         self.queues_deleted += 1
         for ex in list(self.exchanges.values()):
@@ -422,9 +441,9 @@ class VHost:
             check_x_match(arguments)  # binding stored before this check must not stop a start
         if ex.bind(q, routing_key, arguments) and ex.durable and q.durable and q.exclusive_owner is None:
             try:
-                self._log(commands.Queue.Bind(queue=queue, exchange=exchange, routing_key=routing_key,
+                self._log(methods.QueueBind(queue=queue, exchange=exchange, routing_key=routing_key,
                                               arguments=arguments))
-            except errors.DiskFull:
+            except BaseException:  # a refused bind leaves nothing behind
                 ex.unbind(q, routing_key, arguments)
                 raise
 
@@ -441,7 +460,7 @@ class VHost:
         logged = (ex.durable and q.durable and q.exclusive_owner is None
                   and ex.is_bound(q, routing_key, arguments))
         if logged:  # first: DiskFull changes nothing
-            self._log(commands.Queue.Unbind(queue=queue, exchange=exchange, routing_key=routing_key,
+            self._log(methods.QueueUnbind(queue=queue, exchange=exchange, routing_key=routing_key,
                                             arguments=arguments))
         if ex.unbind(q, routing_key, arguments):
             if logged:
@@ -459,9 +478,9 @@ class VHost:
             check_x_match(arguments)
         if src.bind(dst, routing_key, arguments) and src.durable and dst.durable:
             try:
-                self._log(commands.Exchange.Bind(destination=destination, source=source,
+                self._log(methods.ExchangeBind(destination=destination, source=source,
                                                  routing_key=routing_key, arguments=arguments))
-            except errors.DiskFull:
+            except BaseException:  # a refused bind leaves nothing behind
                 src.unbind(dst, routing_key, arguments)
                 raise
 
@@ -473,7 +492,7 @@ class VHost:
         src = self.get_exchange(source)
         logged = src.durable and dst.durable and src.is_bound(dst, routing_key, arguments)
         if logged:  # first: DiskFull changes nothing
-            self._log(commands.Exchange.Unbind(destination=destination, source=source,
+            self._log(methods.ExchangeUnbind(destination=destination, source=source,
                                                routing_key=routing_key, arguments=arguments))
         if src.unbind(dst, routing_key, arguments):
             if logged:

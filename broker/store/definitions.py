@@ -60,6 +60,22 @@ class DefinitionsLog:
         if self._sink.active:
             self._sink.append(self.path, framed)
 
+    def size(self) -> int:
+        """Where the next record goes: a mark for ``cut``."""
+        return os.fstat(self._open()).st_size
+
+    def cut(self, size: int) -> None:
+        """Drop every record appended after ``size`` (a mark from ``size()``): how a change of
+        many records that failed half-way is taken back. Truncating needs no disk space."""
+        self.sync()
+        fd = self._open()
+        if os.fstat(fd).st_size <= size:
+            return
+        os.ftruncate(fd, size)
+        os.fsync(fd)
+        if self._sink.active:
+            self._sink.replace(self.path, self.path.read_bytes())
+
     def compact(self, records: list[bytes]) -> None:
         """Replace the log with exactly ``records`` (crash-safe: tmp + fsync + rename)."""
         parts = [_HEADER]

@@ -1,14 +1,17 @@
 """Where vhosts and queues live in the data directory.
 
 Directory names are the SHA-1 hex of the entity name, so any name (slashes, unicode, 255
-bytes) maps to a safe, fixed-length file name; the real name is kept inside the directory
-(``.vhost`` / ``.queue``, written by the caller).
+bytes, NUL) maps to a safe, fixed-length file name; the real name is kept inside the
+directory as UTF-8 (``.vhost`` / ``.queue``, ``write_name``), for people and tools reading a
+data dir: the broker itself finds its queues through the definitions log.
 """
 
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+
+from broker.store.sink import NULL_SINK, ReplicationSink
 
 
 def _sha1_hex(name: str) -> str:
@@ -21,3 +24,12 @@ def vhost_dir(data_dir: Path, vhost: str) -> Path:
 
 def queue_dir(vhost_dir: Path, queue: str) -> Path:
     return vhost_dir / _sha1_hex(queue)
+
+
+def write_name(path: Path, name: str, sink: ReplicationSink = NULL_SINK) -> None:
+    """Keep ``name`` (UTF-8, whatever the locale) in the marker file ``path`` unless it is there."""
+    if not path.exists():
+        data = name.encode("utf-8")
+        path.write_bytes(data)
+        if sink.active:
+            sink.replace(path, data)
