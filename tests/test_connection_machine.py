@@ -258,12 +258,25 @@ def test_second_channel_open_is_504() -> None:
     assert connection_close_code(c) == 504
 
 
-def test_channel_above_channel_max_is_504() -> None:
+def test_channel_max_bounds_open_channels_not_numbers() -> None:
+    """As RabbitMQ: channel-max counts open channels (530 past it); any number is fine."""
     c = Recorder()
-    c.receive_data(HEADER + START_OK + m(commands.Connection.TuneOk(10, 131072, 0)) + OPEN)
+    c.receive_data(HEADER + START_OK + m(commands.Connection.TuneOk(2, 131072, 0)) + OPEN)
+    c.receive_data(m(commands.Channel.Open(), 11) + m(commands.Channel.Open(), 300))
+    assert sorted(c.channels) == [11, 300]
+    c.receive_data(m(commands.Channel.Close(200, "bye", 0, 0), 11) + m(commands.Channel.Open(), 5))
+    assert sorted(c.channels) == [5, 300]
     c.out.clear()
-    c.receive_data(m(commands.Channel.Open(), 11))
-    assert connection_close_code(c) == 504
+    c.receive_data(m(commands.Channel.Open(), 6))
+    assert connection_close_code(c) == 530
+    assert 6 not in c.channels
+
+
+def test_connection_method_on_a_channel_is_503() -> None:
+    c = opened(1)
+    c.receive_data(m(commands.Connection.UpdateSecret(new_secret="x", reason="r"), 1))
+    assert connection_close_code(c) == 503
+    assert not any(call[0] == "method" for call in c.calls)
 
 
 def test_client_channel_close() -> None:

@@ -135,7 +135,7 @@ class AMQPConnection:
         self.max_message_size = max_message_size
         self.max_bytes_in_flight = max_bytes_in_flight  # body bytes being assembled, all channels
         self.frame_max = codec.FRAME_MIN_SIZE  # until tune-ok
-        self.channel_max = channel_max
+        self.channel_max = channel_max or 65535
         self.heartbeat = 0
         self.client_properties: dict[str, Any] = {}
         self.capabilities: dict[str, Any] = {}
@@ -453,17 +453,23 @@ class AMQPConnection:
             elif isinstance(method, commands.Channel.Close):
                 self.send_method(ch, commands.Channel.CloseOk())
             return
+        if chstate is None and len(self.channels) >= self.channel_max:
+            # As RabbitMQ: channel-max bounds how many channels are open (closing ones count
+            # until their close-ok), whatever their numbers; any frame on a new channel is
+            # refused once the count is reached.
+            raise errors.NotAllowed(f"number of channels opened ({len(self.channels)}) has reached "
+                                    f"the negotiated channel_max ({self.channel_max})")
         if isinstance(method, commands.Channel.Open):
             if chstate is not None:
                 raise errors.ChannelError(f"second channel.open on channel {ch}", 20, 10)
-            if ch > self.channel_max:
-                raise errors.ChannelError(f"channel {ch} exceeds channel_max {self.channel_max}", 20, 10)
             self.channels[ch] = CH_OPEN
             self.send_method(ch, commands.Channel.OpenOk())
             self.channel_opened(ch)
             return
         if chstate is None:
             raise errors.ChannelError(f"expected channel.open on channel {ch}", mid >> 16, mid & 0xFFFF)
+        if mid >> 16 == 10:  # a connection-class method belongs on channel 0 (RabbitMQ's words)
+            raise errors.CommandInvalid("unimplemented method", 10, mid & 0xFFFF)
         if ch in self._pending:  # RabbitMQ names the publish whose content is incomplete
             raise errors.UnexpectedFrame(f"expected content on channel {ch}, got {method.name}", 60, 40)
         if isinstance(method, commands.Channel.Close):
@@ -530,8 +536,8 @@ class AMQPConnection:
                 f"frame_max {frame_max} exceeds the server's {self.server_frame_max}", 10, 31
             )
         self.frame_max = frame_max
-        channel_max = m.channel_max or self.server_channel_max
-        self.channel_max = min(channel_max, self.server_channel_max or 65535)
+        # 0 from either side means no limit but the 16-bit channel number's
+        self.channel_max = min(m.channel_max or 65535, self.server_channel_max or 65535)
         self.heartbeat = m.heartbeat
         self.state = State.OPEN_WAIT
 

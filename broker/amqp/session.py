@@ -1004,6 +1004,10 @@ class Session(AMQPConnection):
         self.handle_ack(chs.id, m.delivery_tag, m.multiple)
 
     def _basic_recover(self, chs: ChannelState, m: commands.Basic.Recover) -> None:
+        if not m.requeue:
+            # As RabbitMQ: redelivering to the same consumer only (the spec's requeue=false)
+            # is not offered; clients use requeue=true.
+            raise errors.AMQPNotImplemented("requeue=false")
         self._requeue_all(chs)
         for c in chs.consumers.values():
             c.queue.schedule_delivery()

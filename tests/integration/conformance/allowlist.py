@@ -34,9 +34,6 @@ HEADERS: dict[str, str] = {
 }
 
 SCENARIOS: dict[str, str] = {
-    "amqp.conn_channel_above_channel_max":
-        "the spec's channel-max is the highest channel number: Skred refuses channel 6 of 5 with "
-        "504; RabbitMQ counts open channels and opens it",
     "amqp.conn_frame_max_below_minimum":
         "a bad tune-ok: Skred says why (530 NOT_ALLOWED, 'frame_max 1024 below minimum 4096') "
         "before closing; RabbitMQ closes the socket without a word",
@@ -55,9 +52,6 @@ SCENARIOS: dict[str, str] = {
     "amqp.channel_flow":
         "channel.flow(active=false) is implemented (deliveries pause, flow-ok); RabbitMQ answers "
         "540 NOT_IMPLEMENTED",
-    "amqp.basic_recover":
-        "basic.recover(requeue=false) redelivers to the same channel as the spec says; RabbitMQ "
-        "answers 540 NOT_IMPLEMENTED",
 }
 
 _ERLANG = "Erlang VM and RabbitMQ-internal detail with no Skred equivalent"
