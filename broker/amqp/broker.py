@@ -164,8 +164,11 @@ class Broker:
 
     def connection_closed(self, session: Session) -> None:
         if session in self.connections:
-            log.info("connection %s closed: user %r, vhost %r, client %r, open %.1f s", session.name,
-                     session.username, session.vhost, client_name(session.client_properties),
-                     time.time() - session.connected_at)
+            # RabbitMQ's words and level for a client that went away without closing
+            level, how = ((logging.WARNING, "client unexpectedly closed TCP connection")
+                          if session.vanished else (logging.INFO, "closed"))
+            log.log(level, "connection %s %s: user %r, vhost %r, client %r, open %.1f s", session.name,
+                    how, session.username, session.vhost, client_name(session.client_properties),
+                    time.time() - session.connected_at)
         self.connections.discard(session)
         self.alarm.forget(session)

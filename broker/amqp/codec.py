@@ -251,3 +251,14 @@ def encode_confirm(channel: int, delivery_tag: int, multiple: bool, nack: bool =
 
 def method_name(method: Any) -> str:
     return str(getattr(method, "name", type(method).__name__))
+
+
+def method_label(class_id: int, method_id: int) -> str:
+    """A method's name as RabbitMQ logs it (``queue.declare``, ``basic.recover_async``), or ''
+    when the ids name none (0/0: the connection as a whole)."""
+    cls = commands.INDEX_MAPPING.get((class_id << 16) | method_id)
+    if cls is None:
+        return ""
+    klass, _, method = cls.name.partition(".")
+    snake = "".join(f"_{ch.lower()}" if ch.isupper() else ch for ch in method).lstrip("_")
+    return f"{klass.lower()}.{snake}"

@@ -136,6 +136,7 @@ class AMQPConnection:
         self.max_bytes_in_flight = max_bytes_in_flight  # body bytes being assembled, all channels
         self.frame_max = codec.FRAME_MIN_SIZE  # until tune-ok
         self.channel_max = channel_max or 65535
+        self.vanished = False  # the transport went away while open, with no connection.close
         self.heartbeat = 0
         self.client_properties: dict[str, Any] = {}
         self.capabilities: dict[str, Any] = {}
@@ -273,6 +274,7 @@ class AMQPConnection:
         if self.state != State.CLOSED:
             prev = self.state
             self.state = State.CLOSED
+            self.vanished = prev == State.OPEN  # gone without connection.close
             if prev != State.CLOSING:
                 self._release_all()
 

@@ -330,8 +330,10 @@ class Session(AMQPConnection):
     def closed_by_server(self, channel: int, error: errors.AMQPError) -> None:
         what = f"channel {channel}" if channel else "connection"
         level = logging.INFO if error.reply_code in (200, 320) else logging.WARNING
-        log.log(level, "closing %s of %s (user %r, vhost %r): %d %s", what, self.name, self.username,
-                self.vhost, error.reply_code, error.reply_text)
+        method = codec.method_label(error.class_id, error.method_id)
+        cause = f"operation {method} caused " if method else ""
+        log.log(level, "closing %s of %s (user %r, vhost %r): %s%d %s", what, self.name, self.username,
+                self.vhost, cause, error.reply_code, error.reply_text)
 
     def update_secret(self, secret: bytes, reason: str) -> None:
         """A token refresh: the new secret must log the same user in (the user store's check)."""
