@@ -362,6 +362,14 @@ async def put_parameter(request: web.Request) -> web.Response:
     raise bad_request(f"component '{request.match_info['component']}' not found")
 
 
+@routes.delete("/api/parameters/{component}/{vhost}/{name}")
+async def delete_parameter(request: web.Request) -> web.Response:
+    """No component, so no parameter: 404 as RabbitMQ answers for a missing one (rabbitmqadmin
+    prints 'Not found' rather than failing on a 405)."""
+    vhost_param(request)
+    raise not_found()
+
+
 # ------------------------------------------------------------------- policies
 def _require_policymaker(request: web.Request, vhost_name: str) -> None:
     user = user_of(request)

@@ -323,10 +323,9 @@ async def get_messages(request: web.Request) -> web.Response:
         got = q.get()
         if got is None:
             break
-        taken.append(got)
+        taken.append((got, q.message_count))  # as RabbitMQ: the count left after this one
     out = []
-    remaining = q.message_count
-    for _msgid, exchange_b, rk, props, payload, redelivered in taken:
+    for (_msgid, exchange_b, rk, props, payload, redelivered), remaining in taken:
         shown = payload[:truncate] if truncate is not None else payload
         out.append({
             "payload_bytes": len(payload),
@@ -342,7 +341,7 @@ async def get_messages(request: web.Request) -> web.Response:
     stats = request.app[MGMT_KEY].broker.stats
     stats.delivered += len(taken)
     stats.gets += len(taken)  # RabbitMQ: the management plugin's basic.get (manual ack)
-    for msgid, *_rest in taken:
+    for (msgid, *_rest), _remaining in taken:
         if requeue:
             q.reject(msgid, True)
         else:
