@@ -43,6 +43,8 @@ from typing import TYPE_CHECKING
 
 from broker import metrics, tls
 from broker.amqp.broker import Broker
+from broker.auth.parameters import FILE_NAME as PARAMETERS_FILE
+from broker.auth.parameters import GlobalParameters
 from broker.auth.throttle import LoginThrottle
 from broker.auth.users import UserStore
 from broker.auth.vhosts import VHostStore
@@ -185,7 +187,8 @@ class Node:
             broker = self.broker = self.load(loop)
             assert self.vhost_store is not None
             mgmt = self.mgmt = Mgmt(broker, self.vhost_store, self.make_vhost, cfg.main.data_dir,
-                                    cfg.main.data_dir / "transient")
+                                    cfg.main.data_dir / "transient",
+                                    GlobalParameters(cfg.main.data_dir / PARAMETERS_FILE, self.sink))
             mgmt.cluster = self.cluster
             mgmt.node_name = metrics.node_name(cfg.main.node_name, cfg.amqp.port)
             if cfg.clustering.enabled:  # every member reports the same rabbitmq_cluster label

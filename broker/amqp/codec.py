@@ -259,6 +259,6 @@ def method_label(class_id: int, method_id: int) -> str:
     cls = commands.INDEX_MAPPING.get((class_id << 16) | method_id)
     if cls is None:
         return ""
-    klass, _, method = cls.name.partition(".")
+    klass, _, method = str(getattr(cls, "name", "")).partition(".")
     snake = "".join(f"_{ch.lower()}" if ch.isupper() else ch for ch in method).lstrip("_")
     return f"{klass.lower()}.{snake}"

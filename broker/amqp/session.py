@@ -483,7 +483,7 @@ class Session(AMQPConnection):
         exchange = args.exchange
         ex = vh.exchanges.get(exchange)
         if ex is None or ex.internal or exchange not in self._write_ok:
-            self._may_publish_to(exchange)
+            self._may_publish_to(exchange, args.routing_key)
         # persistence (delivery-mode) is read by the publish operation, only if a durable queue is reached
         out = vh.publish(PublishRequest(exchange, args.routing_key, props, body, self.now_ms, None, args))
         if out.queues:
@@ -528,15 +528,31 @@ class Session(AMQPConnection):
         user = self.broker.users.get(self.username)
         return user is not None and "impersonator" in user.tags
 
-    def _may_publish_to(self, exchange: str) -> None:
-        """404 for a missing exchange, 403 for an internal one or without write permission
-        (the permission is remembered once granted)."""
+    def _may_publish_to(self, exchange: str, routing_key: str) -> None:
+        """404 for a missing exchange, 403 for an internal one, without write permission, or
+        for a routing key the user's topic permission on a topic exchange does not allow. The
+        permission is remembered once granted, unless a topic permission applies: then every
+        publish comes here (``_write_ok`` is what lets runs and batches skip the check)."""
         vh = self.vhost_obj
         ex = vh.get_exchange(exchange)
         if ex.internal:
             raise errors.AccessRefused(f"cannot publish to internal exchange '{exchange}'", 60, 40)
         self._check("write", exchange, "exchange")
+        if self._topic_checked(ex.type, exchange, routing_key, "write"):
+            return
         self._write_ok.add(exchange)
+
+    def _topic_checked(self, kind: str, exchange: str, routing_key: str, action: str) -> bool:
+        """RabbitMQ's topic authorisation on a topic exchange: 403 unless the user's topic
+        permission there (if any) lets ``routing_key`` through for ``action`` (write: publish,
+        read: bind and unbind). True when a topic permission applied."""
+        users = self.broker.users
+        if kind != "topic" or not users.has_topic_permission(self.username, self.vhost, exchange):
+            return False
+        if not users.topic_allows(self.username, self.vhost, exchange, action, routing_key):
+            raise errors.AccessRefused(f"access to topic '{routing_key}' in exchange '{exchange}' in "
+                                       f"vhost '{self.vhost}' refused for user '{self.username}'")
+        return True
 
     def handle_publish_run(self, channel: int, args: PublishArgs, props: list[bytes], bodies: list[bytes],
                            same: bool) -> None:
@@ -604,6 +620,9 @@ class Session(AMQPConnection):
             if not self.publish_each(channel, args, props, bodies, 0, 1):
                 return
             i = 1
+            if exchange not in self._write_ok:  # a topic permission: each routing key is checked
+                self.publish_each(channel, args, props, bodies, 1, len(bodies))
+                return
         k = len(bodies)
         while i < k:
             try:
@@ -850,10 +869,16 @@ class Session(AMQPConnection):
                           bind: bool) -> None:
         self._check("write", m.destination, "exchange")
         self._check("read", m.source, "exchange")
+        self._binding_topic(m.source, m.routing_key)
         op = self.vhost_obj.bind_exchange if bind else self.vhost_obj.unbind_exchange
         op(m.destination, m.source, m.routing_key, dict(m.arguments or {}))
         if not m.nowait:
             self.reply(chs, commands.Exchange.BindOk() if bind else commands.Exchange.UnbindOk())
+
+    def _binding_topic(self, source: str, routing_key: str) -> None:
+        ex = self.vhost_obj.exchanges.get(source)
+        if ex is not None:
+            self._topic_checked(ex.type, source, routing_key, "read")
 
     # queue.*
     def _queue_declare(self, chs: ChannelState, m: commands.Queue.Declare) -> None:
@@ -876,6 +901,7 @@ class Session(AMQPConnection):
     def _queue_bind(self, chs: ChannelState, m: commands.Queue.Bind) -> None:
         self._check("write", m.queue)
         self._check("read", m.exchange, "exchange")
+        self._binding_topic(m.exchange, m.routing_key)
         self.vhost_obj.bind_queue(m.queue, m.exchange, m.routing_key, dict(m.arguments or {}), self)
         if not m.nowait:
             self.reply(chs, commands.Queue.BindOk())
@@ -883,6 +909,7 @@ class Session(AMQPConnection):
     def _queue_unbind(self, chs: ChannelState, m: commands.Queue.Unbind) -> None:
         self._check("write", m.queue)
         self._check("read", m.exchange, "exchange")
+        self._binding_topic(m.exchange, m.routing_key)
         self.vhost_obj.unbind_queue(m.queue, m.exchange, m.routing_key, dict(m.arguments or {}), self)
         self.reply(chs, commands.Queue.UnbindOk())
 

@@ -34,6 +34,7 @@ from broker.http.common import (
     not_found,
     paginate,
     paginate_objects,
+    user_of,
     vhost_param,
     visible_sessions,
 )
@@ -204,6 +205,7 @@ async def publish(request: web.Request) -> web.Response:
     if ex.internal:
         raise forbidden(f"cannot publish to internal exchange '{ex.name}'")
     check_perm(request, "write", vh.name, ex.name)
+    _check_topic(request, vh.name, ex, routing_key, "write")
     broker = request.app[MGMT_KEY].broker
     broker.stats.published += 1
     props_bytes = bytes(props.marshal())
@@ -394,6 +396,7 @@ async def create_binding(request: web.Request) -> web.Response:
     arguments = get_args(body)
     check_perm(request, "write", vh.name, dest.name)
     check_perm(request, "read", vh.name, source.name)
+    _check_topic(request, vh.name, source, routing_key, "read")
     if isinstance(dest, Queue):
         vh.bind_queue(dest.name, source.name, routing_key, arguments, owner=dest.exclusive_owner)
     else:
@@ -402,6 +405,16 @@ async def create_binding(request: web.Request) -> web.Response:
     resp.headers["Location"] = binding_json(vh.name, source.name, dest, routing_key, arguments)[
         "properties_key"]
     return resp
+
+
+def _check_topic(request: web.Request, vhost: str, ex: Exchange, routing_key: str, action: str) -> None:
+    """The topic authorisation AMQP applies (``Session._topic_checked``): on a topic exchange, a
+    user's topic permission must let the routing key through (401 here, as every refusal)."""
+    users = request.app[MGMT_KEY].broker.users
+    user = user_of(request)
+    if ex.type == "topic" and not users.topic_allows(user, vhost, ex.name, action, routing_key):
+        raise forbidden(f"access to topic '{routing_key}' in exchange '{ex.name}' in vhost '{vhost}' "
+                        f"refused for user '{user.name}'")
 
 
 def _find_binding(request: web.Request) -> tuple[VHost, Exchange, Exchange | Queue, dict[str, Any]]:
@@ -424,6 +437,7 @@ async def delete_binding(request: web.Request) -> web.Response:
     vh, source, dest, b = _find_binding(request)
     check_perm(request, "write", vh.name, dest.name)
     check_perm(request, "read", vh.name, source.name)
+    _check_topic(request, vh.name, source, b["routing_key"], "read")
     # Unbind with the model's own argument dict (JSON rendering may have changed value types).
     args = next(a for d, rk, a in source.bindings() if d is dest and rk == b["routing_key"]
                 and binding_json(vh.name, source.name, d, rk, a)["properties_key"] == b["properties_key"])

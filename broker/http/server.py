@@ -33,6 +33,7 @@ from broker.http.common import (
     vhost_param,
 )
 from broker.http.routes_access import routes as access_routes
+from broker.http.routes_grants import routes as grant_routes
 from broker.http.routes_health import routes as health_routes
 from broker.http.routes_node import routes as node_routes
 from broker.http.routes_streams import routes as stream_routes
@@ -142,6 +143,7 @@ def build_app(mgmt: Mgmt, metrics_obj: Metrics) -> web.Application:
     app.add_routes(health_routes)  # /api/health/checks/*
     app.add_routes(topology_routes)
     app.add_routes(access_routes)
+    app.add_routes(grant_routes)  # topic permissions, user limits, global parameters
     app.add_routes(stream_routes)  # GET /api/streams/{vhost}/{queue}/messages
     return app
 

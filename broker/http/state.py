@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from broker import errors, metrics
+from broker.auth.parameters import GlobalParameters
 from broker.auth.vhosts import VHostStore
 from broker.http.policies import PolicyApi, import_legacy
 from broker.http.rates import RateSampler
@@ -36,8 +37,10 @@ class Mgmt:
         make_vhost: Callable[[str], VHost],
         data_dir: Path,
         transient_root: Path,
+        global_parameters: GlobalParameters,
     ) -> None:
         self.broker = broker
+        self.global_parameters = global_parameters  # RabbitMQ's global runtime parameters
         self.vhost_store = vhost_store
         self.make_vhost = make_vhost
         self.data_dir = data_dir
