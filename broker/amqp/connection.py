@@ -169,6 +169,9 @@ class AMQPConnection:
     def channel_opened(self, channel: int) -> None:
         pass
 
+    def may_open_channel(self) -> None:
+        """Raise an AMQPError to refuse a channel.open (a limit of the user's)."""
+
     def channel_closed(self, channel: int) -> None:
         """Release everything the channel holds (requeue unacked, cancel consumers)."""
 
@@ -464,6 +467,7 @@ class AMQPConnection:
         if isinstance(method, commands.Channel.Open):
             if chstate is not None:
                 raise errors.ChannelError(f"second channel.open on channel {ch}", 20, 10)
+            self.may_open_channel()
             self.channels[ch] = CH_OPEN
             self.send_method(ch, commands.Channel.OpenOk())
             self.channel_opened(ch)

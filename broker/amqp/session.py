@@ -356,6 +356,11 @@ class Session(AMQPConnection):
         if limit is not None and sum(1 for c in self.broker.connections if c.vh is vh) >= limit:
             raise errors.NotAllowed(f"access to vhost '{vhost}' refused for user '{self.username}': "
                                     f"connection limit ({limit}) is reached")
+        limit = self._user_limit("max-connections")
+        mine = (c for c in self.broker.connections if c.username == self.username)
+        if limit is not None and sum(1 for _ in mine) >= limit:
+            raise errors.NotAllowed(f"Connection refused for user '{self.username}'. User connection "
+                                    f"limit ({limit}) is reached")
         self.vh = vh
         self.broker.connection_opened(self)
 
@@ -415,6 +420,19 @@ class Session(AMQPConnection):
         return self.vh
 
     # --------------------------------------------------------------- channels
+    def _user_limit(self, name: str) -> int | None:
+        """The user's limit ``name`` (RabbitMQ's user limits), None when unlimited (-1 or unset)."""
+        user = self.broker.users.get(self.username)
+        value = None if user is None else user.limits.get(name)
+        return None if value is None or value < 0 else value
+
+    def may_open_channel(self) -> None:
+        limit = self._user_limit("max-channels")  # across the user's connections on this node
+        if limit is not None and sum(len(c.chs) for c in self.broker.connections
+                                     if c.username == self.username) >= limit:
+            raise errors.NotAllowed(f"number of channels opened for user '{self.username}' has reached "
+                                    f"the maximum allowed user limit of ({limit})")
+
     def channel_opened(self, channel: int) -> None:
         self.chs[channel] = ChannelState(channel)
         self.broker.stats.channels_opened += 1

@@ -173,6 +173,34 @@ def test_user_limits_and_global_parameters_survive_a_restart(tmp_path: Path) -> 
         b.close()
 
 
+def test_user_limits_enforced(mb: SkredProcess) -> None:
+    """As RabbitMQ: max-connections refuses connection.open, max-channels counts the user's
+    channels across its connections; both 530 NOT_ALLOWED, -1 means no limit."""
+    api = Api(mb.mgmt_port)
+    user = _user_with_topic_permission(api)
+    params = pika.ConnectionParameters(mb.host, mb.port, "/", pika.PlainCredentials(user, "pw"))
+    api.ok("PUT", f"/api/user-limits/{q(user)}/max-connections", {"value": 1})
+    api.ok("PUT", f"/api/user-limits/{q(user)}/max-channels", {"value": 2})
+    first = pika.BlockingConnection(params)
+    try:
+        with pytest.raises(pika.exceptions.ProbableAccessDeniedError) as refused:
+            pika.BlockingConnection(params)
+        assert "530" in str(refused.value) and "connection limit (1)" in str(refused.value)
+        api.ok("PUT", f"/api/user-limits/{q(user)}/max-connections", {"value": -1})
+        second = pika.BlockingConnection(params)
+        first.channel()
+        second.channel()
+        with pytest.raises(pika.exceptions.ConnectionClosedByBroker) as ei:
+            first.channel()
+        assert ei.value.reply_code == 530 and "user limit of (2)" in ei.value.reply_text
+        assert second.is_open
+        second.close()
+    finally:
+        if first.is_open:
+            first.close()
+        api.ok("DELETE", f"/api/users/{q(user)}")
+
+
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
     c = Cluster(tmp_path)
