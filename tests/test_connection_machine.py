@@ -151,7 +151,7 @@ def connection_close_code(c: AMQPConnection) -> int:
 
 # --------------------------------------------------------------- handshake
 def test_full_handshake() -> None:
-    c = Recorder(frame_max=131072, channel_max=2048, heartbeat=60)
+    c = Recorder(frame_max=131072, channel_max=2047, heartbeat=60)
     c.receive_data(HEADER)
     ((ch, start),) = decode_out(c.out)
     assert ch == 0 and isinstance(start, commands.Connection.Start)
@@ -164,7 +164,7 @@ def test_full_handshake() -> None:
     assert c.calls == [("authenticate", "PLAIN", b"\x00guest\x00guest")]
     ((ch, tune),) = decode_out(c.out)
     assert isinstance(tune, commands.Connection.Tune)
-    assert (tune.frame_max, tune.channel_max, tune.heartbeat) == (131072, 2048, 60)
+    assert (tune.frame_max, tune.channel_max, tune.heartbeat) == (131072, 2047, 60)
     assert c.username == "guest"
     assert c.capabilities == {"publisher_confirms": True}
     c.out.clear()
@@ -203,10 +203,14 @@ def test_unknown_vhost_close_530() -> None:
     assert connection_close_code(c) == 530
 
 
-def test_tune_ok_frame_max_below_minimum_530() -> None:
+@pytest.mark.parametrize("frame_max", [1024, 1 << 20])
+def test_tune_ok_frame_max_out_of_range_closes_without_a_word(frame_max: int) -> None:
+    """The spec (above the server's: no negotiated close) and RabbitMQ (both): the socket closes."""
     c = Recorder()
-    c.receive_data(HEADER + START_OK + tune_ok(frame_max=1024))
-    assert connection_close_code(c) == 530
+    c.receive_data(HEADER + START_OK)
+    c.out.clear()
+    c.receive_data(tune_ok(frame_max=frame_max))
+    assert decode_out(c.out) == [] and c.want_close and c.state == State.CLOSED
 
 
 def test_method_before_open_is_505() -> None:

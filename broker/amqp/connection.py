@@ -59,6 +59,7 @@ _CHANNEL_CLOSE_OK = 0x00140029
 # access.request (class 30, AMQP 0-8, dropped in 0-9-1 but still sent by old clients): RabbitMQ
 # answers access.request-ok with ticket 1, so does Skred. pamqp has no class 30, hence raw bytes.
 _ACCESS_REQUEST = 0x001E000A
+_OPEN_OK = struct.Struct(">BHIIIB")  # channel.open-ok frame: type, channel, size, ids, channel-id, end
 _ACCESS_REQUEST_OK = b"\x00\x00\x00\x06\x00\x1e\x00\x0b\x00\x01\xce"  # size, 30/11, ticket 1, end
 
 
@@ -120,7 +121,7 @@ class AMQPConnection:
         self,
         *,
         frame_max: int = 131072,
-        channel_max: int = 2048,
+        channel_max: int = 2047,
         heartbeat: int = 60,
         max_message_size: int = 128 * 1024 * 1024,
         max_bytes_in_flight: int = 0,
@@ -469,7 +470,8 @@ class AMQPConnection:
                 raise errors.ChannelError(f"second channel.open on channel {ch}", 20, 10)
             self.may_open_channel()
             self.channels[ch] = CH_OPEN
-            self.send_method(ch, commands.Channel.OpenOk())
+            # channel-id is reserved: an empty long string, as RabbitMQ sends (pamqp encodes '0')
+            self.out += _OPEN_OK.pack(1, ch, 8, 0x0014000B, 0, codec.FRAME_END)
             self.channel_opened(ch)
             return
         if chstate is None:
@@ -535,12 +537,18 @@ class AMQPConnection:
 
     def _on_tune_ok(self, m: commands.Connection.TuneOk) -> None:
         frame_max = m.frame_max or self.server_frame_max
-        if frame_max < codec.FRAME_MIN_SIZE:
-            raise errors.NotAllowed(f"frame_max {frame_max} below minimum {codec.FRAME_MIN_SIZE}", 10, 31)
-        if frame_max > self.server_frame_max:
-            raise errors.NotAllowed(
-                f"frame_max {frame_max} exceeds the server's {self.server_frame_max}", 10, 31
-            )
+        problem = (f"frame_max {frame_max} below minimum {codec.FRAME_MIN_SIZE}"
+                   if frame_max < codec.FRAME_MIN_SIZE else
+                   f"frame_max {frame_max} exceeds the server's {self.server_frame_max}"
+                   if frame_max > self.server_frame_max else None)
+        if problem is not None:
+            # The spec: "the server MUST close the connection without attempting a negotiated
+            # close" (above the server's); RabbitMQ does so for both. The log says why.
+            self.closed_by_server(0, errors.NotAllowed(problem, 10, 31))
+            self._release_all()
+            self.state = State.CLOSED
+            self.want_close = True
+            return
         self.frame_max = frame_max
         # 0 from either side means no limit but the 16-bit channel number's
         self.channel_max = min(m.channel_max or 65535, self.server_channel_max or 65535)

@@ -17,15 +17,7 @@ A difference that is in none of them fails the harness.
 
 from __future__ import annotations
 
-FIELDS: dict[tuple[str, str], str] = {
-    ("Connection.Tune", "heartbeat"):
-        "configured default: Skred proposes 300 s (LavinMQ's default, [amqp] heartbeat), RabbitMQ 60 s",
-    ("Connection.Tune", "channel_max"):
-        "configured default: Skred 2048 (LavinMQ's, [amqp] channel_max), RabbitMQ 2047",
-    ("Channel.OpenOk", "channel_id"):
-        "a reserved field: Skred sends '0' (what pamqp, its codec, insists on), RabbitMQ ''; "
-        "clients ignore it",
-}
+FIELDS: dict[tuple[str, str], str] = {}
 
 HEADERS: dict[str, str] = {
     key: "dead-lettering adds x-last-death-{exchange,queue,reason} as RabbitMQ 3.13+ and 4.x do "
@@ -34,11 +26,6 @@ HEADERS: dict[str, str] = {
 }
 
 SCENARIOS: dict[str, str] = {
-    "amqp.conn_frame_max_below_minimum":
-        "a bad tune-ok: Skred says why (530 NOT_ALLOWED, 'frame_max 1024 below minimum 4096') "
-        "before closing; RabbitMQ closes the socket without a word",
-    "amqp.conn_frame_max_above_server":
-        "a bad tune-ok: Skred answers 530 with the reason; RabbitMQ closes the socket silently",
     "amqp.conn_heartbeat_on_channel":
         "the spec: a heartbeat on a non-zero channel is 501 FRAME_ERROR (RabbitMQ: 505)",
     "amqp.conn_unknown_method":
