@@ -7,22 +7,15 @@ import json
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from ._support import SkredProcess, is_external, unique
-from .test_mgmt_api import Api, q, start_mgmt_broker
+from .test_mgmt_api import Api, q
+from .test_mgmt_api import mb as mb  # noqa: F401 - a module's broker with the management API
 
 pytestmark = pytest.mark.skipif(is_external(), reason="needs Skred's management API on a known port")
-
-
-@pytest.fixture(scope="module")
-def mb(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SkredProcess]:
-    b = start_mgmt_broker(tmp_path_factory.mktemp("cli"))
-    yield b
-    b.close()
 
 
 def test_served_script_runs_the_usual_commands(mb: SkredProcess, tmp_path: Path) -> None:

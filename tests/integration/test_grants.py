@@ -10,7 +10,6 @@ other exchanges and users without one are not affected.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pika
@@ -21,16 +20,11 @@ from ._raw import FRAME_BODY, FRAME_HEADER, RawConn, frame_bytes, method_bytes
 from ._raw import header_payload as hp
 from ._support import SkredProcess, is_external, unique, wait_until
 from .test_cluster import Cluster, ClusterNode, start_cluster, wait_for
+from .test_cluster import cluster as cluster  # noqa: F401 - the three-node cluster fixture
 from .test_mgmt_api import Api, http_ready, q, start_mgmt_broker
+from .test_mgmt_api import mb as mb  # noqa: F401 - a module's broker with the management API
 
 pytestmark = pytest.mark.skipif(is_external(), reason="needs Skred's management API on a known port")
-
-
-@pytest.fixture(scope="module")
-def mb(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SkredProcess]:
-    b = start_mgmt_broker(tmp_path_factory.mktemp("grants"))
-    yield b
-    b.close()
 
 
 def _user_with_topic_permission(api: Api, write: str = "^pub\\.", read: str = "^sub\\.") -> str:
@@ -199,15 +193,6 @@ def test_user_limits_enforced(mb: SkredProcess) -> None:
         if first.is_open:
             first.close()
         api.ok("DELETE", f"/api/users/{q(user)}")
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path)
-    try:
-        yield c
-    finally:
-        c.close()
 
 
 @pytest.mark.timeout(120)

@@ -8,43 +8,28 @@ session brokers (``targets``); skips like the harness when RabbitMQ is not insta
 
 from __future__ import annotations
 
-import base64
 import copy
 import json
-import urllib.error
-import urllib.parse
-import urllib.request
 import uuid
 from typing import Any
 
 import pytest
 
 from ._harness import Target
+from ._wire import Run
+from .scenarios_http import call, q
 
 pytestmark = pytest.mark.timeout(180)
 
 
 def _call(t: Target, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(f"http://{t.host}:{t.mgmt_port}{path}", data=data, method=method)
-    req.add_header("Authorization", "Basic " + base64.b64encode(b"guest:guest").decode())
-    req.add_header("Content-Type", "application/json")
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            status, text = int(resp.status), resp.read()
-    except urllib.error.HTTPError as exc:
-        status, text = int(exc.code), exc.read()
-    return status, json.loads(text) if text.strip() else None
+    return call(Run(t.name, t.host, t.port, t.mgmt_port), method, path, body, record=False)
 
 
 def _ok(t: Target, method: str, path: str, body: Any = None) -> Any:
     status, parsed = _call(t, method, path, body)
     assert status in (200, 201, 204), (t.name, method, path, status, parsed)
     return parsed
-
-
-def _q(s: str) -> str:
-    return urllib.parse.quote(s, safe="")
 
 
 def _ours(doc: dict[str, Any], vh: str, user: str, param: str) -> dict[str, Any]:
@@ -68,18 +53,18 @@ def test_definitions_round_trip_with_rabbitmq(targets: tuple[Target, Target]) ->
     rabbit, skred = targets
     tag = uuid.uuid4().hex[:8]
     vh, user, param = f"rt-vh-{tag}", f"rt-user-{tag}", f"rt-param-{tag}"
-    _ok(rabbit, "PUT", f"/api/vhosts/{_q(vh)}", {})
-    _ok(rabbit, "PUT", f"/api/users/{_q(user)}", {"password": "pw", "tags": "management"})
-    _ok(rabbit, "PUT", f"/api/permissions/{_q(vh)}/{_q(user)}",
+    _ok(rabbit, "PUT", f"/api/vhosts/{q(vh)}", {})
+    _ok(rabbit, "PUT", f"/api/users/{q(user)}", {"password": "pw", "tags": "management"})
+    _ok(rabbit, "PUT", f"/api/permissions/{q(vh)}/{q(user)}",
         {"configure": ".*", "write": ".*", "read": ".*"})
-    _ok(rabbit, "PUT", f"/api/topic-permissions/{_q(vh)}/{_q(user)}",
+    _ok(rabbit, "PUT", f"/api/topic-permissions/{q(vh)}/{q(user)}",
         {"exchange": "amq.topic", "write": "^pub\\.", "read": "^sub\\."})
-    _ok(rabbit, "PUT", f"/api/user-limits/{_q(user)}/max-connections", {"value": 7})
-    _ok(rabbit, "PUT", f"/api/user-limits/{_q(user)}/max-channels", {"value": 20})
-    _ok(rabbit, "PUT", f"/api/global-parameters/{_q(param)}", {"value": {"region": "eu", "n": 3}})
-    _ok(rabbit, "PUT", f"/api/queues/{_q(vh)}/transient", {"durable": False, "auto_delete": False})
-    _ok(rabbit, "PUT", f"/api/queues/{_q(vh)}/kept", {"durable": True})
-    _ok(rabbit, "POST", f"/api/bindings/{_q(vh)}/e/amq.topic/q/transient", {"routing_key": "sub.#"})
+    _ok(rabbit, "PUT", f"/api/user-limits/{q(user)}/max-connections", {"value": 7})
+    _ok(rabbit, "PUT", f"/api/user-limits/{q(user)}/max-channels", {"value": 20})
+    _ok(rabbit, "PUT", f"/api/global-parameters/{q(param)}", {"value": {"region": "eu", "n": 3}})
+    _ok(rabbit, "PUT", f"/api/queues/{q(vh)}/transient", {"durable": False, "auto_delete": False})
+    _ok(rabbit, "PUT", f"/api/queues/{q(vh)}/kept", {"durable": True})
+    _ok(rabbit, "POST", f"/api/bindings/{q(vh)}/e/amq.topic/q/transient", {"routing_key": "sub.#"})
     try:
         from_rabbit = _ok(rabbit, "GET", "/api/definitions")
         want = _ours(from_rabbit, vh, user, param)
@@ -93,14 +78,14 @@ def test_definitions_round_trip_with_rabbitmq(targets: tuple[Target, Target]) ->
         assert _ours(from_skred, vh, user, param) == want
 
         # Skred -> RabbitMQ: remove ours from RabbitMQ, import Skred's export, compare again
-        _ok(rabbit, "DELETE", f"/api/vhosts/{_q(vh)}")
-        _ok(rabbit, "DELETE", f"/api/users/{_q(user)}")
-        _ok(rabbit, "DELETE", f"/api/global-parameters/{_q(param)}")
+        _ok(rabbit, "DELETE", f"/api/vhosts/{q(vh)}")
+        _ok(rabbit, "DELETE", f"/api/users/{q(user)}")
+        _ok(rabbit, "DELETE", f"/api/global-parameters/{q(param)}")
         assert _ours(_ok(rabbit, "GET", "/api/definitions"), vh, user, param)["users"] == []
         _ok(rabbit, "POST", "/api/definitions", from_skred)
         assert _ours(_ok(rabbit, "GET", "/api/definitions"), vh, user, param) == want
     finally:
         for t in targets:
-            _call(t, "DELETE", f"/api/vhosts/{_q(vh)}")
-            _call(t, "DELETE", f"/api/users/{_q(user)}")
-            _call(t, "DELETE", f"/api/global-parameters/{_q(param)}")
+            _call(t, "DELETE", f"/api/vhosts/{q(vh)}")
+            _call(t, "DELETE", f"/api/users/{q(user)}")
+            _call(t, "DELETE", f"/api/global-parameters/{q(param)}")
