@@ -496,18 +496,19 @@ def test_unknown_class_or_method_is_540(class_id: int, method_id: int) -> None:
     assert (close.class_id, close.method_id) == (class_id, method_id)
 
 
-def test_malformed_method_arguments_is_502() -> None:
+def test_truncated_method_arguments_are_501() -> None:
+    """As RabbitMQ: method arguments cut short are a frame error (illegal values stay 502)."""
     c = opened(1)
     payload = struct.pack(">HHHB", 50, 10, 0, 200) + b"abc"  # queue name runs off the end
     c.receive_data(struct.pack(">BHI", 1, 1, len(payload)) + payload + b"\xce")
-    assert connection_close_code(c) == 502
+    assert connection_close_code(c) == 501
 
 
-def test_malformed_fast_path_publish_is_502() -> None:
+def test_truncated_fast_path_publish_is_501() -> None:
     c = opened(1)
     payload = struct.pack(">IHB", codec.PUBLISH, 0, 50) + b"ex"
     c.receive_data(struct.pack(">BHI", 1, 1, len(payload)) + payload + b"\xce")
-    assert connection_close_code(c) == 502
+    assert connection_close_code(c) == 501
 
 
 def test_body_frame_without_publish_is_505() -> None:

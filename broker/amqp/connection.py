@@ -443,6 +443,8 @@ class AMQPConnection:
             raise errors.AMQPNotImplemented(
                 f"unknown method class={mid >> 16} method={mid & 0xFFFF}", mid >> 16, mid & 0xFFFF
             ) from None
+        except codec.Truncated as exc:  # as RabbitMQ: arguments cut short are a frame error
+            raise errors.FrameError(str(exc), mid >> 16, mid & 0xFFFF) from None
         except ValueError as exc:
             raise errors.AMQPSyntaxError(str(exc), mid >> 16, mid & 0xFFFF) from None
         if ch == 0:
@@ -609,7 +611,9 @@ class AMQPConnection:
             routing_key = raw[pos + 1 : pos + 1 + ln].decode()
             pos += 1 + ln
             bits = raw[pos]
-        except (IndexError, UnicodeDecodeError):
+        except IndexError:  # arguments cut short: the frame cannot be decoded (501, as RabbitMQ)
+            raise errors.FrameError("malformed basic.publish", 60, 40) from None
+        except UnicodeDecodeError:
             raise errors.AMQPSyntaxError("malformed basic.publish", 60, 40) from None
         if bits & 2:
             raise errors.AMQPNotImplemented("immediate=true", 60, 40)

@@ -33,9 +33,6 @@ SCENARIOS: dict[str, str] = {
         "socket",
     "amqp.conn_unknown_class":
         "an unknown class: 540 NOT_IMPLEMENTED naming it; RabbitMQ drops the socket",
-    "amqp.conn_truncated_method":
-        "undecodable method arguments: the spec's 502 SYNTAX_ERROR (RabbitMQ: 501 FRAME_ERROR); the "
-        "class/method ids agree",
     "amqp.channel_flow":
         "channel.flow(active=false) is implemented (deliveries pause, flow-ok); RabbitMQ answers "
         "540 NOT_IMPLEMENTED",
