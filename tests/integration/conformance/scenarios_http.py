@@ -449,3 +449,35 @@ def aliveness_needs_vhost_permission(r: Run) -> None:
 def cli_rabbitmqadmin(r: Run) -> None:
     status, body = call(r, "GET", "/cli/rabbitmqadmin", auth=None, keys=False)
     r.note("served a Python script", status == 200 and str(body).startswith("#!/usr/bin/env python"))
+
+
+@scenario
+def grants_api(r: Run) -> None:
+    """Topic permissions, user limits and global parameters: statuses and key sets."""
+    user, vh, param = r.name("user"), q("/"), r.name("param")
+    call(r, "PUT", f"/api/users/{q(user)}", {"password": "pw", "tags": ""})
+    tp = f"/api/topic-permissions/{vh}/{q(user)}"
+    call(r, "GET", tp)
+    call(r, "PUT", tp, {"exchange": "amq.topic", "write": "^a", "read": "^b"})
+    call(r, "PUT", tp, {"exchange": "amq.topic", "write": "^a", "read": "^c"})
+    call(r, "PUT", f"/api/topic-permissions/{vh}/{q(r.name('nobody'))}",
+         {"exchange": "amq.topic", "write": "", "read": ""})
+    for path in (tp, "/api/topic-permissions", f"/api/users/{q(user)}/topic-permissions",
+                 f"/api/vhosts/{vh}/topic-permissions"):
+        call(r, "GET", path)
+    call(r, "DELETE", tp)
+    call(r, "GET", tp)
+    call(r, "PUT", f"/api/user-limits/{q(user)}/max-connections", {"value": 5})
+    call(r, "PUT", f"/api/user-limits/{q(user)}/max-connections", {"value": 6})
+    call(r, "GET", f"/api/user-limits/{q(user)}", values=True)
+    call(r, "GET", "/api/user-limits")
+    call(r, "GET", f"/api/users/{q(user)}")
+    call(r, "DELETE", f"/api/user-limits/{q(user)}/max-connections")
+    call(r, "GET", f"/api/user-limits/{q(user)}", values=True)
+    call(r, "PUT", f"/api/global-parameters/{q(param)}", {"value": {"a": [1, 2]}})
+    call(r, "PUT", f"/api/global-parameters/{q(param)}", {"value": {"a": [1, 3]}})
+    call(r, "GET", f"/api/global-parameters/{q(param)}", values=True)
+    call(r, "GET", "/api/global-parameters")
+    call(r, "DELETE", f"/api/global-parameters/{q(param)}")
+    call(r, "GET", f"/api/global-parameters/{q(param)}")
+    call(r, "DELETE", f"/api/users/{q(user)}")
