@@ -4,8 +4,9 @@
 Skred's own script, written for the commands scripts and Dockerfiles fetch ``/cli/rabbitmqadmin``
 for: ``list``, ``show overview``, ``declare``, ``delete``, ``purge``, ``close``, ``publish``,
 ``get``, ``export`` and ``import``, with rabbitmqadmin's options (``-H -P -u -p -V -s -k -f -q
--U``) and ``key=value`` arguments. Python 3.8+, standard library only. RabbitMQ's own
-rabbitmqadmin works against Skred too.
+-U``, ``--ssl-ca-cert-file``, ``--ssl-cert-file``, ``--ssl-key-file``) and ``key=value``
+arguments. Python 3.8+, standard library only. RabbitMQ's own rabbitmqadmin works against Skred
+too.
 """
 
 from __future__ import annotations
@@ -59,7 +60,9 @@ class Api:
         scheme = "https" if o.ssl else "http"
         self.base = (o.base_uri or f"{scheme}://{o.host}:{o.port}").rstrip("/") + "/api/"
         self.auth = "Basic " + base64.b64encode(f"{o.username}:{o.password}".encode()).decode()
-        self.ctx = ssl.create_default_context()
+        self.ctx = ssl.create_default_context(cafile=o.ssl_ca_cert_file)
+        if o.ssl_cert_file:
+            self.ctx.load_cert_chain(o.ssl_cert_file, o.ssl_key_file)
         if o.ssl_insecure:
             self.ctx.check_hostname = False
             self.ctx.verify_mode = ssl.CERT_NONE
@@ -153,6 +156,9 @@ def main(argv: list[str]) -> None:
     p.add_argument("-V", "--vhost", default=None)
     p.add_argument("-s", "--ssl", action="store_true")
     p.add_argument("-k", "--ssl-insecure", action="store_true")
+    p.add_argument("--ssl-ca-cert-file", default=None)
+    p.add_argument("--ssl-cert-file", default=None)
+    p.add_argument("--ssl-key-file", default=None)
     p.add_argument("-f", "--format", default="table",
                    choices=("table", "tsv", "kvp", "raw_json", "pretty_json"))
     p.add_argument("-q", "--quiet", action="store_true")
