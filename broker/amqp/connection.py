@@ -138,6 +138,7 @@ class AMQPConnection:
         self.frame_max = codec.FRAME_MIN_SIZE  # until tune-ok
         self.channel_max = channel_max or 65535
         self.vanished = False  # the transport went away while open, with no connection.close
+        self.timed_out = False  # the network layer closed it for missed heartbeats (logged there)
         self.heartbeat = 0
         self.client_properties: dict[str, Any] = {}
         self.capabilities: dict[str, Any] = {}
@@ -278,7 +279,7 @@ class AMQPConnection:
         if self.state != State.CLOSED:
             prev = self.state
             self.state = State.CLOSED
-            self.vanished = prev == State.OPEN  # gone without connection.close
+            self.vanished = prev == State.OPEN and not self.timed_out  # gone without connection.close
             if prev != State.CLOSING:
                 self._release_all()
 
