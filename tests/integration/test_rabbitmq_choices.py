@@ -129,6 +129,15 @@ def test_vanished_client_is_a_warning_and_channel_errors_name_the_method(broker:
     closed = [ln for ln in lines if f"no queue '{missing}'" in ln]
     assert closed and "queue.declare" in closed[0], closed
 
+    # a client that stops sending heartbeats: one warning, not a second "unexpectedly closed"
+    with RawConn(broker.host, broker.port) as c:
+        c.handshake(heartbeat=1)
+        assert c.wait_eof(15), "the broker kept a connection that missed its heartbeats"
+    wait_until(lambda: "missed heartbeats from client" in broker.log_text(), 10, "the heartbeat close logged")
+    lines = broker.log_text().splitlines()
+    assert [ln for ln in lines if "missed heartbeats" in ln and " WARNING " in ln]
+    assert len([ln for ln in lines if "unexpectedly closed" in ln]) == 1, broker.log_tail()
+
 
 # Found by the conformance harness (tests/integration/conformance), pinned here too so they hold
 # where no RabbitMQ is installed to diff against.
