@@ -81,6 +81,7 @@ class Broker:
                  syncer: GroupCommit) -> None:
         self.config = config
         self.users = users
+        users.on_change.append(self._permissions_changed)
         self.vhosts = vhosts
         self.syncer = syncer
         self.stats = Stats()
@@ -153,6 +154,12 @@ class Broker:
         raise errors.ConnectionAccessRefused(
             f"Login was refused using authentication mechanism {mechanism}. "
             "For details see the broker logfile.")
+
+    def _permissions_changed(self) -> None:
+        """A user, permission, topic permission or limit changed: every connection checks
+        afresh, so a revoked permission applies at once (RabbitMQ: to new channels)."""
+        for session in self.connections:
+            session.forget_permissions()
 
     def connection_opened(self, session: Session) -> None:
         self.connections.add(session)

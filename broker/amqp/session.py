@@ -398,6 +398,11 @@ class Session(AMQPConnection):
     def _channel(self, ch: int) -> ChannelState:
         return self.chs[ch]
 
+    def forget_permissions(self) -> None:
+        """Drop the remembered permission checks (the user store changed)."""
+        self._perm_cache.clear()
+        self._write_ok.clear()
+
     def _check(self, kind: str, name: str, resource: str = "queue") -> None:
         """Raise 403 unless the user has ``kind`` (configure/write/read) permission on ``name``,
         the ``resource`` ("queue" or "exchange") the refusal text names, as RabbitMQ's does."""

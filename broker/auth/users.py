@@ -30,7 +30,7 @@ import functools
 import ipaddress
 import logging
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -173,6 +173,8 @@ class UserStore:
         # failed logins per source address (AMQP and HTTP share it); runtime only, not persisted
         self.throttle = throttle if throttle is not None else LoginThrottle()
         self._users: dict[str, User] = {}
+        # called after every change: front ends forget the permission checks they remembered
+        self.on_change: list[Callable[[], None]] = []
         data = read_json(path, None)
         if data is None:
             self._users[default_user] = User(
@@ -360,6 +362,8 @@ class UserStore:
         """users.json first, then memory: a full disk (DiskFull) changes neither."""
         write_json(self._path, users_to_json(users.values()), self._sink)
         self._users = users
+        for listener in self.on_change:
+            listener()
 
     def _save(self) -> None:
         write_json(self._path, users_to_json(self._users.values()), self._sink)

@@ -105,6 +105,35 @@ def test_topic_permissions_enforced_over_amqp_and_http(mb: SkredProcess) -> None
         api.ok("DELETE", f"/api/users/{q(user)}")
 
 
+def test_permission_changes_apply_to_open_connections(mb: SkredProcess) -> None:
+    """A permission or topic permission set while a connection is open applies to its next
+    publish, though it published to that exchange before (the granted check was remembered)."""
+    api = Api(mb.mgmt_port)
+    user = unique("late")
+    api.ok("PUT", f"/api/users/{q(user)}", {"password": "pw", "tags": ""})
+    api.ok("PUT", f"/api/permissions/%2F/{q(user)}", {"configure": ".*", "write": ".*", "read": ".*"})
+    conn = pika.BlockingConnection(pika.ConnectionParameters(
+        mb.host, mb.port, "/", pika.PlainCredentials(user, "pw")))
+    try:
+        ch = conn.channel()
+        ch.confirm_delivery()
+        ch.basic_publish("amq.topic", "other.1", b"allowed: no topic permission yet")
+        ch.basic_publish("amq.direct", "k", b"allowed")
+        api.ok("PUT", f"/api/topic-permissions/%2F/{q(user)}",
+               {"exchange": "amq.topic", "write": "^pub\\.", "read": ""})
+        assert _refused(ch.basic_publish, "amq.topic", "other.2", b"refused now") == 403
+        ch = conn.channel()
+        ch.confirm_delivery()
+        ch.basic_publish("amq.topic", "pub.3", b"allowed")
+        api.ok("PUT", f"/api/permissions/%2F/{q(user)}", {"configure": ".*", "write": "^amq\\.topic$",
+                                                           "read": ".*"})
+        assert _refused(ch.basic_publish, "amq.direct", "k", b"write revoked") == 403
+    finally:
+        if conn.is_open:
+            conn.close()
+        api.ok("DELETE", f"/api/users/{q(user)}")
+
+
 def test_topic_permission_checks_every_publish_of_a_batch(mb: SkredProcess) -> None:
     """Publishes written in one read go through the batch path: each routing key is checked,
     and the refused one and everything after it on the channel reach no queue."""
