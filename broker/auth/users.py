@@ -15,12 +15,16 @@ When no file exists (first start) the default user from the config is created
 with the ``administrator`` tag and ``.*`` permissions on vhost ``/``.
 
 Permissions follow RabbitMQ's model: per user and vhost, three regular
-expressions (configure, write, read) matched against a resource name. Here the
-whole name must match (``re.fullmatch``). Each pattern is compiled once, when
-the permission is set or loaded. The default exchange ``""`` is checked under
-the name ``amq.default``, as RabbitMQ does, so a pattern of ``""`` grants
-nothing. Users in ``loopback_users`` (``guest`` by default, as in RabbitMQ)
-may log in only from a loopback address.
+expressions (configure, write, read) matched against a resource name; as in
+RabbitMQ a pattern may match anywhere in the name (``re.search``: anchor it with
+``^...$``). Each pattern is compiled once, when the permission is set or loaded.
+The default exchange ``""`` is checked under the name ``amq.default``, as
+RabbitMQ does, so a pattern of ``""`` grants nothing. Topic permissions (per
+user, vhost and exchange) restrict routing keys on topic exchanges on top of
+that (``TopicPermission``), and user limits cap a user's connections and
+channels; every change is announced to ``on_change`` listeners so that open
+connections drop the checks they remembered. Users in ``loopback_users``
+(``guest`` by default, as in RabbitMQ) may log in only from a loopback address.
 """
 
 from __future__ import annotations
