@@ -275,7 +275,7 @@ class AmqpConfig:
                        lo=-1, hi=65535),
     )
     heartbeat: int = field(
-        default=300,
+        default=60,  # RabbitMQ's default, so clients see the same timeout on either broker
         metadata=_meta("Heartbeat interval proposed to clients, seconds (0: off).", lo=0, hi=65535),
     )
     frame_max: int = field(
@@ -285,7 +285,8 @@ class AmqpConfig:
         ),
     )
     channel_max: int = field(
-        default=2048, metadata=_meta("Most channels per connection (0: no limit).", lo=0, hi=65535)
+        default=2047,  # RabbitMQ's default
+        metadata=_meta("Most channels open at once per connection (0: no limit).", lo=0, hi=65535),
     )
     tcp_nodelay: bool = field(default=True, metadata=_meta("Set TCP_NODELAY on client sockets."))
     max_bytes_in_flight: int = field(

@@ -43,6 +43,8 @@ from typing import TYPE_CHECKING
 
 from broker import metrics, tls
 from broker.amqp.broker import Broker
+from broker.auth.parameters import FILE_NAME as PARAMETERS_FILE
+from broker.auth.parameters import GlobalParameters
 from broker.auth.throttle import LoginThrottle
 from broker.auth.users import UserStore
 from broker.auth.vhosts import VHostStore
@@ -192,6 +194,7 @@ class Node:
             assert self.vhost_store is not None
             mgmt = self.mgmt = Mgmt(broker, self.vhost_store, self.make_vhost, cfg.main.data_dir,
                                     cfg.main.data_dir / "transient",
+                                    GlobalParameters(cfg.main.data_dir / PARAMETERS_FILE, self.sink),
                                     IntentFile(cfg.main.data_dir / IMPORT_INTENT_FILE, self.sink))
             resume_import(mgmt)  # an import a crash cut off comes back whole, before anything serves
             mgmt.cluster = self.cluster

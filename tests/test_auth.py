@@ -196,6 +196,45 @@ def test_clear_vhost_drops_grants(tmp_path: Path) -> None:
     assert not UserStore(path, NullSink()).has_vhost_access("guest", "tmp")
 
 
+def test_topic_permissions_and_user_limits(tmp_path: Path) -> None:
+    """RabbitMQ's topic authorisation: only where a topic permission exists; search semantics;
+    '' is ^$; {username}/{vhost} expand. Kept in users.json with the user limits."""
+    path = tmp_path / "users.json"
+    sink = RecordingSink()
+    store = UserStore(path, sink)
+    store.add_user("ann", "pw")
+    assert store.topic_allows("ann", "/", "amq.topic", "write", "anything")  # none set: allowed
+    store.set_topic_permission("ann", "/", "amq.topic", r"^{username}\.{vhost}", "")
+    store.set_topic_permission("ann", "v2", "x", "b", "c")
+    assert store.topic_allows("ann", "/", "amq.topic", "write", "ann./.x")
+    assert not store.topic_allows("ann", "/", "amq.topic", "write", "bob./.x")
+    assert store.topic_allows("ann", "/", "amq.topic", "read", "")  # '' is ^$
+    assert not store.topic_allows("ann", "/", "amq.topic", "read", "k")
+    assert store.topic_allows("ann", "v2", "x", "write", "abc")  # anywhere in the key
+    assert store.topic_allows("ann", "/", "other", "write", "k")  # another exchange
+    assert not store.topic_allows("nobody", "/", "amq.topic", "write", "k")
+    with pytest.raises(ValueError):
+        store.set_topic_permission("ann", "/", "amq.topic", "(", "")
+    store.set_limit("ann", "max-connections", 2)
+    with pytest.raises(ValueError):
+        store.set_limit("ann", "max-queues", 2)  # a vhost limit, not a user's
+    with pytest.raises(ValueError):
+        store.set_limit("ann", "max-channels", True)  # type: ignore[arg-type]
+    assert sink.replaced[-1][1] == path.read_bytes()
+
+    reopened = UserStore(path, NullSink())
+    ann = reopened.get("ann")
+    assert ann is not None and dict(ann.limits) == {"max-connections": 2}
+    assert set(ann.topic_permissions) == {("/", "amq.topic"), ("v2", "x")}
+    assert not reopened.topic_allows("ann", "/", "amq.topic", "write", "bob./.x")
+    reopened.clear_vhost("v2")
+    assert not reopened.has_topic_permission("ann", "v2", "x")
+    assert reopened.clear_topic_permissions("ann", "/") and not reopened.clear_topic_permissions("ann", "/")
+    assert reopened.clear_limit("ann", "max-connections")
+    assert not reopened.clear_limit("ann", "max-connections")
+    assert UserStore(path, NullSink()).get("ann") == reopened.get("ann")
+
+
 @pytest.mark.parametrize(
     ("peer", "loopback"),
     [

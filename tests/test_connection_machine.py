@@ -151,7 +151,7 @@ def connection_close_code(c: AMQPConnection) -> int:
 
 # --------------------------------------------------------------- handshake
 def test_full_handshake() -> None:
-    c = Recorder(frame_max=131072, channel_max=2048, heartbeat=60)
+    c = Recorder(frame_max=131072, channel_max=2047, heartbeat=60)
     c.receive_data(HEADER)
     ((ch, start),) = decode_out(c.out)
     assert ch == 0 and isinstance(start, commands.Connection.Start)
@@ -164,7 +164,7 @@ def test_full_handshake() -> None:
     assert c.calls == [("authenticate", "PLAIN", b"\x00guest\x00guest")]
     ((ch, tune),) = decode_out(c.out)
     assert isinstance(tune, commands.Connection.Tune)
-    assert (tune.frame_max, tune.channel_max, tune.heartbeat) == (131072, 2048, 60)
+    assert (tune.frame_max, tune.channel_max, tune.heartbeat) == (131072, 2047, 60)
     assert c.username == "guest"
     assert c.capabilities == {"publisher_confirms": True}
     c.out.clear()
@@ -203,10 +203,14 @@ def test_unknown_vhost_close_530() -> None:
     assert connection_close_code(c) == 530
 
 
-def test_tune_ok_frame_max_below_minimum_530() -> None:
+@pytest.mark.parametrize("frame_max", [1024, 1 << 20])
+def test_tune_ok_frame_max_out_of_range_closes_without_a_word(frame_max: int) -> None:
+    """The spec (above the server's: no negotiated close) and RabbitMQ (both): the socket closes."""
     c = Recorder()
-    c.receive_data(HEADER + START_OK + tune_ok(frame_max=1024))
-    assert connection_close_code(c) == 530
+    c.receive_data(HEADER + START_OK)
+    c.out.clear()
+    c.receive_data(tune_ok(frame_max=frame_max))
+    assert decode_out(c.out) == [] and c.want_close and c.state == State.CLOSED
 
 
 def test_method_before_open_is_505() -> None:
@@ -258,12 +262,25 @@ def test_second_channel_open_is_504() -> None:
     assert connection_close_code(c) == 504
 
 
-def test_channel_above_channel_max_is_504() -> None:
+def test_channel_max_bounds_open_channels_not_numbers() -> None:
+    """As RabbitMQ: channel-max counts open channels (530 past it); any number is fine."""
     c = Recorder()
-    c.receive_data(HEADER + START_OK + m(commands.Connection.TuneOk(10, 131072, 0)) + OPEN)
+    c.receive_data(HEADER + START_OK + m(commands.Connection.TuneOk(2, 131072, 0)) + OPEN)
+    c.receive_data(m(commands.Channel.Open(), 11) + m(commands.Channel.Open(), 300))
+    assert sorted(c.channels) == [11, 300]
+    c.receive_data(m(commands.Channel.Close(200, "bye", 0, 0), 11) + m(commands.Channel.Open(), 5))
+    assert sorted(c.channels) == [5, 300]
     c.out.clear()
-    c.receive_data(m(commands.Channel.Open(), 11))
-    assert connection_close_code(c) == 504
+    c.receive_data(m(commands.Channel.Open(), 6))
+    assert connection_close_code(c) == 530
+    assert 6 not in c.channels
+
+
+def test_connection_method_on_a_channel_is_503() -> None:
+    c = opened(1)
+    c.receive_data(m(commands.Connection.UpdateSecret(new_secret="x", reason="r"), 1))
+    assert connection_close_code(c) == 503
+    assert not any(call[0] == "method" for call in c.calls)
 
 
 def test_client_channel_close() -> None:
@@ -479,18 +496,19 @@ def test_unknown_class_or_method_is_540(class_id: int, method_id: int) -> None:
     assert (close.class_id, close.method_id) == (class_id, method_id)
 
 
-def test_malformed_method_arguments_is_502() -> None:
+def test_truncated_method_arguments_are_501() -> None:
+    """As RabbitMQ: method arguments cut short are a frame error (illegal values stay 502)."""
     c = opened(1)
     payload = struct.pack(">HHHB", 50, 10, 0, 200) + b"abc"  # queue name runs off the end
     c.receive_data(struct.pack(">BHI", 1, 1, len(payload)) + payload + b"\xce")
-    assert connection_close_code(c) == 502
+    assert connection_close_code(c) == 501
 
 
-def test_malformed_fast_path_publish_is_502() -> None:
+def test_truncated_fast_path_publish_is_501() -> None:
     c = opened(1)
     payload = struct.pack(">IHB", codec.PUBLISH, 0, 50) + b"ex"
     c.receive_data(struct.pack(">BHI", 1, 1, len(payload)) + payload + b"\xce")
-    assert connection_close_code(c) == 502
+    assert connection_close_code(c) == 501
 
 
 def test_body_frame_without_publish_is_505() -> None:

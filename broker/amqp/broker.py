@@ -114,6 +114,7 @@ class Broker:
                  syncer: GroupCommit) -> None:
         self.config = config
         self.users = users
+        users.on_change.append(self._permissions_changed)
         self.vhosts = vhosts
         self.syncer = syncer
         self.stats = Stats()
@@ -188,6 +189,12 @@ class Broker:
             f"Login was refused using authentication mechanism {mechanism}. "
             "For details see the broker logfile.")
 
+    def _permissions_changed(self) -> None:
+        """A user, permission, topic permission or limit changed: every connection checks
+        afresh, so a revoked permission applies at once (RabbitMQ: to new channels)."""
+        for session in self.connections:
+            session.forget_permissions()
+
     def connection_opened(self, session: Session) -> None:
         self.connections.add(session)
         self.stats.connections_opened += 1
@@ -198,8 +205,11 @@ class Broker:
 
     def connection_closed(self, session: Session) -> None:
         if session in self.connections:
-            log.info("connection %s closed: user %r, vhost %r, client %r, open %.1f s", session.name,
-                     session.username, session.vhost, client_name(session.client_properties),
-                     time.time() - session.connected_at)
+            # RabbitMQ's words and level for a client that went away without closing
+            level, how = ((logging.WARNING, "client unexpectedly closed TCP connection")
+                          if session.vanished else (logging.INFO, "closed"))
+            log.log(level, "connection %s %s: user %r, vhost %r, client %r, open %.1f s", session.name,
+                    how, session.username, session.vhost, client_name(session.client_properties),
+                    time.time() - session.connected_at)
         self.connections.discard(session)
         self.alarm.forget(session)

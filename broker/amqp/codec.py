@@ -57,19 +57,28 @@ def encode_method(channel: int, method: PFrame) -> bytes:
     return pframe.marshal(method, channel)
 
 
+class Truncated(ValueError):
+    """Method arguments that end before their fields do: a frame error (501), as RabbitMQ
+    answers; other undecodable values (a timestamp out of range, bad UTF-8) stay 502."""
+
+
 def decode_method(payload: bytes) -> PFrame:
     """Decode a method payload (class id, method id, arguments) with pamqp.
 
     Raises KeyError for an unknown class/method and ValueError for bad
-    arguments; the connection turns those into 540 and 502.
+    arguments (``Truncated`` when they end early); the connection turns those into 540,
+    501 (truncated, RabbitMQ's frame error) and 502.
     """
     index = METHOD_ID.unpack_from(payload, 0)[0]
     cls = commands.INDEX_MAPPING[index]
     method: PFrame = cls()
     try:
         method.unmarshal(payload[4:])
-    except (struct.error, ValueError, IndexError, TypeError, UnicodeDecodeError, KeyError,
-            RecursionError) as exc:
+    except (struct.error, IndexError) as exc:
+        raise Truncated(f"malformed {method.name}: {exc}") from exc
+    except (ValueError, TypeError, UnicodeDecodeError, KeyError, RecursionError) as exc:
+        if str(exc).startswith("Could not unpack"):  # pamqp's words for a value cut short
+            raise Truncated(f"malformed {method.name}: {exc}") from exc
         raise ValueError(f"malformed {method.name}: {exc}") from exc
     return method
 
@@ -251,3 +260,14 @@ def encode_confirm(channel: int, delivery_tag: int, multiple: bool, nack: bool =
 
 def method_name(method: Any) -> str:
     return str(getattr(method, "name", type(method).__name__))
+
+
+def method_label(class_id: int, method_id: int) -> str:
+    """A method's name as RabbitMQ logs it (``queue.declare``, ``basic.recover_async``), or ''
+    when the ids name none (0/0: the connection as a whole)."""
+    cls = commands.INDEX_MAPPING.get((class_id << 16) | method_id)
+    if cls is None:
+        return ""
+    klass, _, method = str(getattr(cls, "name", "")).partition(".")
+    snake = "".join(f"_{ch.lower()}" if ch.isupper() else ch for ch in method).lstrip("_")
+    return f"{klass.lower()}.{snake}"

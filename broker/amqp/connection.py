@@ -59,6 +59,7 @@ _CHANNEL_CLOSE_OK = 0x00140029
 # access.request (class 30, AMQP 0-8, dropped in 0-9-1 but still sent by old clients): RabbitMQ
 # answers access.request-ok with ticket 1, so does Skred. pamqp has no class 30, hence raw bytes.
 _ACCESS_REQUEST = 0x001E000A
+_OPEN_OK = struct.Struct(">BHIIIB")  # channel.open-ok frame: type, channel, size, ids, channel-id, end
 _ACCESS_REQUEST_OK = b"\x00\x00\x00\x06\x00\x1e\x00\x0b\x00\x01\xce"  # size, 30/11, ticket 1, end
 
 
@@ -120,7 +121,7 @@ class AMQPConnection:
         self,
         *,
         frame_max: int = 131072,
-        channel_max: int = 2048,
+        channel_max: int = 2047,
         heartbeat: int = 60,
         max_message_size: int = 128 * 1024 * 1024,
         max_bytes_in_flight: int = 0,
@@ -135,7 +136,9 @@ class AMQPConnection:
         self.max_message_size = max_message_size
         self.max_bytes_in_flight = max_bytes_in_flight  # body bytes being assembled, all channels
         self.frame_max = codec.FRAME_MIN_SIZE  # until tune-ok
-        self.channel_max = channel_max
+        self.channel_max = channel_max or 65535
+        self.vanished = False  # the transport went away while open, with no connection.close
+        self.timed_out = False  # the network layer closed it for missed heartbeats (logged there)
         self.heartbeat = 0
         self.client_properties: dict[str, Any] = {}
         self.capabilities: dict[str, Any] = {}
@@ -167,6 +170,9 @@ class AMQPConnection:
 
     def channel_opened(self, channel: int) -> None:
         pass
+
+    def may_open_channel(self) -> None:
+        """Raise an AMQPError to refuse a channel.open (a limit of the user's)."""
 
     def channel_closed(self, channel: int) -> None:
         """Release everything the channel holds (requeue unacked, cancel consumers)."""
@@ -273,6 +279,7 @@ class AMQPConnection:
         if self.state != State.CLOSED:
             prev = self.state
             self.state = State.CLOSED
+            self.vanished = prev == State.OPEN and not self.timed_out  # gone without connection.close
             if prev != State.CLOSING:
                 self._release_all()
 
@@ -437,6 +444,8 @@ class AMQPConnection:
             raise errors.AMQPNotImplemented(
                 f"unknown method class={mid >> 16} method={mid & 0xFFFF}", mid >> 16, mid & 0xFFFF
             ) from None
+        except codec.Truncated as exc:  # as RabbitMQ: arguments cut short are a frame error
+            raise errors.FrameError(str(exc), mid >> 16, mid & 0xFFFF) from None
         except ValueError as exc:
             raise errors.AMQPSyntaxError(str(exc), mid >> 16, mid & 0xFFFF) from None
         if ch == 0:
@@ -453,17 +462,25 @@ class AMQPConnection:
             elif isinstance(method, commands.Channel.Close):
                 self.send_method(ch, commands.Channel.CloseOk())
             return
+        if chstate is None and len(self.channels) >= self.channel_max:
+            # As RabbitMQ: channel-max bounds how many channels are open (closing ones count
+            # until their close-ok), whatever their numbers; any frame on a new channel is
+            # refused once the count is reached.
+            raise errors.NotAllowed(f"number of channels opened ({len(self.channels)}) has reached "
+                                    f"the negotiated channel_max ({self.channel_max})")
         if isinstance(method, commands.Channel.Open):
             if chstate is not None:
                 raise errors.ChannelError(f"second channel.open on channel {ch}", 20, 10)
-            if ch > self.channel_max:
-                raise errors.ChannelError(f"channel {ch} exceeds channel_max {self.channel_max}", 20, 10)
+            self.may_open_channel()
             self.channels[ch] = CH_OPEN
-            self.send_method(ch, commands.Channel.OpenOk())
+            # channel-id is reserved: an empty long string, as RabbitMQ sends (pamqp encodes '0')
+            self.out += _OPEN_OK.pack(1, ch, 8, 0x0014000B, 0, codec.FRAME_END)
             self.channel_opened(ch)
             return
         if chstate is None:
             raise errors.ChannelError(f"expected channel.open on channel {ch}", mid >> 16, mid & 0xFFFF)
+        if mid >> 16 == 10:  # a connection-class method belongs on channel 0 (RabbitMQ's words)
+            raise errors.CommandInvalid("unimplemented method", 10, mid & 0xFFFF)
         if ch in self._pending:  # RabbitMQ names the publish whose content is incomplete
             raise errors.UnexpectedFrame(f"expected content on channel {ch}, got {method.name}", 60, 40)
         if isinstance(method, commands.Channel.Close):
@@ -523,15 +540,21 @@ class AMQPConnection:
 
     def _on_tune_ok(self, m: commands.Connection.TuneOk) -> None:
         frame_max = m.frame_max or self.server_frame_max
-        if frame_max < codec.FRAME_MIN_SIZE:
-            raise errors.NotAllowed(f"frame_max {frame_max} below minimum {codec.FRAME_MIN_SIZE}", 10, 31)
-        if frame_max > self.server_frame_max:
-            raise errors.NotAllowed(
-                f"frame_max {frame_max} exceeds the server's {self.server_frame_max}", 10, 31
-            )
+        problem = (f"frame_max {frame_max} below minimum {codec.FRAME_MIN_SIZE}"
+                   if frame_max < codec.FRAME_MIN_SIZE else
+                   f"frame_max {frame_max} exceeds the server's {self.server_frame_max}"
+                   if frame_max > self.server_frame_max else None)
+        if problem is not None:
+            # The spec: "the server MUST close the connection without attempting a negotiated
+            # close" (above the server's); RabbitMQ does so for both. The log says why.
+            self.closed_by_server(0, errors.NotAllowed(problem, 10, 31))
+            self._release_all()
+            self.state = State.CLOSED
+            self.want_close = True
+            return
         self.frame_max = frame_max
-        channel_max = m.channel_max or self.server_channel_max
-        self.channel_max = min(channel_max, self.server_channel_max or 65535)
+        # 0 from either side means no limit but the 16-bit channel number's
+        self.channel_max = min(m.channel_max or 65535, self.server_channel_max or 65535)
         self.heartbeat = m.heartbeat
         self.state = State.OPEN_WAIT
 
@@ -589,7 +612,9 @@ class AMQPConnection:
             routing_key = raw[pos + 1 : pos + 1 + ln].decode()
             pos += 1 + ln
             bits = raw[pos]
-        except (IndexError, UnicodeDecodeError):
+        except IndexError:  # arguments cut short: the frame cannot be decoded (501, as RabbitMQ)
+            raise errors.FrameError("malformed basic.publish", 60, 40) from None
+        except UnicodeDecodeError:
             raise errors.AMQPSyntaxError("malformed basic.publish", 60, 40) from None
         if bits & 2:
             raise errors.AMQPNotImplemented("immediate=true", 60, 40)

@@ -334,8 +334,10 @@ class Session(AMQPConnection):
     def closed_by_server(self, channel: int, error: errors.AMQPError) -> None:
         what = f"channel {channel}" if channel else "connection"
         level = logging.INFO if error.reply_code in (200, 320) else logging.WARNING
-        log.log(level, "closing %s of %s (user %r, vhost %r): %d %s", what, self.name, self.username,
-                self.vhost, error.reply_code, error.reply_text)
+        method = codec.method_label(error.class_id, error.method_id)
+        cause = f"operation {method} caused " if method else ""
+        log.log(level, "closing %s of %s (user %r, vhost %r): %s%d %s", what, self.name, self.username,
+                self.vhost, cause, error.reply_code, error.reply_text)
 
     def update_secret(self, secret: bytes, reason: str) -> None:
         """A token refresh: the new secret must log the same user in (the user store's check)."""
@@ -358,6 +360,11 @@ class Session(AMQPConnection):
         if limit is not None and sum(1 for c in self.broker.connections if c.vh is vh) >= limit:
             raise errors.NotAllowed(f"access to vhost '{vhost}' refused for user '{self.username}': "
                                     f"connection limit ({limit}) is reached")
+        limit = self._user_limit("max-connections")
+        mine = (c for c in self.broker.connections if c.username == self.username)
+        if limit is not None and sum(1 for _ in mine) >= limit:
+            raise errors.NotAllowed(f"Connection refused for user '{self.username}'. User connection "
+                                    f"limit ({limit}) is reached")
         self.vh = vh
         self.broker.connection_opened(self)
 
@@ -403,6 +410,11 @@ class Session(AMQPConnection):
     def _channel(self, ch: int) -> ChannelState:
         return self.chs[ch]
 
+    def forget_permissions(self) -> None:
+        """Drop the remembered permission checks (the user store changed)."""
+        self._perm_cache.clear()
+        self._write_ok.clear()
+
     def _check(self, kind: str, name: str, resource: str = "queue") -> None:
         """Raise 403 unless the user has ``kind`` (configure/write/read) permission on ``name``,
         the ``resource`` ("queue" or "exchange") the refusal text names, as RabbitMQ's does."""
@@ -425,6 +437,19 @@ class Session(AMQPConnection):
         return self.vh
 
     # --------------------------------------------------------------- channels
+    def _user_limit(self, name: str) -> int | None:
+        """The user's limit ``name`` (RabbitMQ's user limits), None when unlimited (-1 or unset)."""
+        user = self.broker.users.get(self.username)
+        value = None if user is None else user.limits.get(name)
+        return None if value is None or value < 0 else value
+
+    def may_open_channel(self) -> None:
+        limit = self._user_limit("max-channels")  # across the user's connections on this node
+        if limit is not None and sum(len(c.chs) for c in self.broker.connections
+                                     if c.username == self.username) >= limit:
+            raise errors.NotAllowed(f"number of channels opened for user '{self.username}' has reached "
+                                    f"the maximum allowed user limit of ({limit})")
+
     def channel_opened(self, channel: int) -> None:
         self.chs[channel] = ChannelState(channel)
         self.broker.stats.channels_opened += 1
@@ -494,7 +519,7 @@ class Session(AMQPConnection):
         exchange = args.exchange
         ex = vh.exchanges.get(exchange)
         if ex is None or ex.internal or exchange not in self._write_ok:
-            self._may_publish_to(exchange)
+            self._may_publish_to(exchange, args.routing_key)
         # persistence (delivery-mode) is read by the publish operation, only if a durable queue is reached
         out = vh.publish(PublishRequest(exchange, args.routing_key, props, body, self.now_ms, None, args))
         if out.queues:
@@ -541,15 +566,31 @@ class Session(AMQPConnection):
         user = self.broker.users.get(self.username)
         return user is not None and "impersonator" in user.tags
 
-    def _may_publish_to(self, exchange: str) -> None:
-        """404 for a missing exchange, 403 for an internal one or without write permission
-        (the permission is remembered once granted)."""
+    def _may_publish_to(self, exchange: str, routing_key: str) -> None:
+        """404 for a missing exchange, 403 for an internal one, without write permission, or
+        for a routing key the user's topic permission on a topic exchange does not allow. The
+        permission is remembered once granted, unless a topic permission applies: then every
+        publish comes here (``_write_ok`` is what lets runs and batches skip the check)."""
         vh = self.vhost_obj
         ex = vh.get_exchange(exchange)
         if ex.internal:
             raise errors.AccessRefused(f"cannot publish to internal exchange '{exchange}'", 60, 40)
         self._check("write", exchange, "exchange")
+        if self._topic_checked(ex.type, exchange, routing_key, "write"):
+            return
         self._write_ok.add(exchange)
+
+    def _topic_checked(self, kind: str, exchange: str, routing_key: str, action: str) -> bool:
+        """RabbitMQ's topic authorisation on a topic exchange: 403 unless the user's topic
+        permission there (if any) lets ``routing_key`` through for ``action`` (write: publish,
+        read: bind and unbind). True when a topic permission applied."""
+        users = self.broker.users
+        if kind != "topic" or not users.has_topic_permission(self.username, self.vhost, exchange):
+            return False
+        if not users.topic_allows(self.username, self.vhost, exchange, action, routing_key):
+            raise errors.AccessRefused(f"access to topic '{routing_key}' in exchange '{exchange}' in "
+                                       f"vhost '{self.vhost}' refused for user '{self.username}'")
+        return True
 
     def handle_publish_run(self, channel: int, args: PublishArgs, props: list[bytes], bodies: list[bytes],
                            same: bool) -> None:
@@ -618,6 +659,9 @@ class Session(AMQPConnection):
             if not self.publish_each(channel, args, props, bodies, 0, 1):
                 return
             i = 1
+            if exchange not in self._write_ok:  # a topic permission: each routing key is checked
+                self.publish_each(channel, args, props, bodies, 1, len(bodies))
+                return
         k = len(bodies)
         while i < k:
             try:
@@ -866,10 +910,16 @@ class Session(AMQPConnection):
                           bind: bool) -> None:
         self._check("write", m.destination, "exchange")
         self._check("read", m.source, "exchange")
+        self._binding_topic(m.source, m.routing_key)
         op = self.vhost_obj.bind_exchange if bind else self.vhost_obj.unbind_exchange
         op(m.destination, m.source, m.routing_key, dict(m.arguments or {}))
         if not m.nowait:
             self.reply(chs, commands.Exchange.BindOk() if bind else commands.Exchange.UnbindOk())
+
+    def _binding_topic(self, source: str, routing_key: str) -> None:
+        ex = self.vhost_obj.exchanges.get(source)
+        if ex is not None:
+            self._topic_checked(ex.type, source, routing_key, "read")
 
     # queue.*
     def _queue_declare(self, chs: ChannelState, m: commands.Queue.Declare) -> None:
@@ -892,6 +942,7 @@ class Session(AMQPConnection):
     def _queue_bind(self, chs: ChannelState, m: commands.Queue.Bind) -> None:
         self._check("write", m.queue)
         self._check("read", m.exchange, "exchange")
+        self._binding_topic(m.exchange, m.routing_key)
         self.vhost_obj.bind_queue(m.queue, m.exchange, m.routing_key, dict(m.arguments or {}), self)
         if not m.nowait:
             self.reply(chs, commands.Queue.BindOk())
@@ -899,6 +950,7 @@ class Session(AMQPConnection):
     def _queue_unbind(self, chs: ChannelState, m: commands.Queue.Unbind) -> None:
         self._check("write", m.queue)
         self._check("read", m.exchange, "exchange")
+        self._binding_topic(m.exchange, m.routing_key)
         self.vhost_obj.unbind_queue(m.queue, m.exchange, m.routing_key, dict(m.arguments or {}), self)
         self.reply(chs, commands.Queue.UnbindOk())
 
@@ -1022,6 +1074,10 @@ class Session(AMQPConnection):
         self.handle_ack(chs.id, m.delivery_tag, m.multiple)
 
     def _basic_recover(self, chs: ChannelState, m: commands.Basic.Recover) -> None:
+        if not m.requeue:
+            # As RabbitMQ: redelivering to the same consumer only (the spec's requeue=false)
+            # is not offered; clients use requeue=true.
+            raise errors.AMQPNotImplemented("requeue=false")
         self._requeue_all(chs)
         for c in chs.consumers.values():
             c.queue.schedule_delivery()
@@ -1052,7 +1108,7 @@ class Session(AMQPConnection):
                 exchange = op[1].exchange
                 ex = vh.exchanges.get(exchange)
                 if ex is None or ex.internal or exchange not in self._write_ok:
-                    self._may_publish_to(exchange)
+                    self._may_publish_to(exchange, op[1].routing_key)  # with its topic permission
         ops, chs.tx = chs.tx, []
         stores: set[Any] | None = set()  # what the commit wrote: only their failure fails it
         for op in ops:

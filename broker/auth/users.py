@@ -8,8 +8,9 @@ through ``broker.store.jsonstore.write_json`` (atomic replace, and handed to the
 replication sink so followers get the same file). The file is small and changes
 rarely, so rewriting it whole is simpler than a log and never half-applied.
 
-The file mirrors the ``users`` and ``permissions`` lists of a RabbitMQ
-definitions export, so definitions move between the two brokers unchanged.
+The file mirrors the ``users`` (with their ``limits``), ``permissions`` and
+``topic_permissions`` lists of a RabbitMQ definitions export, so definitions
+move between the two brokers unchanged.
 When no file exists (first start) the default user from the config is created
 with the ``administrator`` tag and ``.*`` permissions on vhost ``/``.
 
@@ -19,16 +20,20 @@ pattern may match anywhere in the name (anchor it with ``^...$``), as in RabbitM
 is compiled once, when the permission is set or loaded, with RE2 (``broker.patterns``: linear
 time, no backreferences or lookaround). The default exchange ``""`` is checked under
 the name ``amq.default``, as RabbitMQ does, so a pattern of ``""`` grants
-nothing. Users in ``loopback_users`` (``guest`` by default, as in RabbitMQ)
-may log in only from a loopback address.
+nothing. Topic permissions (per user, vhost and exchange) restrict routing keys on topic
+exchanges on top of that (``TopicPermission``, on RE2 too), and user limits cap a user's
+connections and channels; every change is announced to ``on_change`` listeners so that open
+connections drop the checks they remembered. Users in ``loopback_users`` (``guest`` by
+default, as in RabbitMQ) may log in only from a loopback address.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import ipaddress
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +53,7 @@ FILE_VERSION = 1
 KNOWN_TAGS = ("administrator", "monitoring", "management", "policymaker", "impersonator")
 DEFAULT_VHOST = "/"
 LOOPBACK_USERS = ("guest",)
+USER_LIMITS = ("max-connections", "max-channels")  # RabbitMQ's per-user limits
 # Compared against when the user does not exist, so a miss costs the same time as a hit.
 _DUMMY_HASH = hash_password("", b"\x00\x00\x00\x00")
 
@@ -105,12 +111,44 @@ FULL_ACCESS = Permission(".*", ".*", ".*")
 
 
 @dataclass(frozen=True)
+class TopicPermission:
+    """RabbitMQ's topic authorisation for one user, vhost and topic exchange: a publish's routing
+    key must match ``write``, a binding's key ``read`` (on top of the exchange's permissions).
+    As RabbitMQ: the pattern may match anywhere in the key, an empty pattern is ``^$``, and
+    ``{username}`` and ``{vhost}`` are replaced before matching (unescaped, as RabbitMQ does)."""
+
+    write: str
+    read: str
+
+    def __post_init__(self) -> None:
+        _compile("topic write", self.write)  # refuse a bad pattern when it is set or loaded
+        _compile("topic read", self.read)
+
+    def allows(self, action: str, routing_key: str, username: str, vhost: str) -> bool:
+        pattern = (self.write if action == "write" else self.read) or "^$"
+        if "{" in pattern:
+            pattern = pattern.replace("{username}", username).replace("{vhost}", vhost)
+        try:
+            return _compile_cached(pattern).search(routing_key)
+        except ValueError:  # a substituted name made the pattern invalid: refuse
+            return False
+
+
+@functools.lru_cache(maxsize=1024)
+def _compile_cached(pattern: str) -> Pattern:
+    return _compile("topic", pattern)
+
+
+@dataclass(frozen=True)
 class User:
     name: str
     password_hash: str
     tags: tuple[str, ...] = ()
     permissions: Mapping[str, Permission] = field(default_factory=dict)
     hashing_algorithm: str = HASHING_ALGORITHM
+    # (vhost, exchange) -> topic permission; RabbitMQ's per-user limits (max-connections, ...)
+    topic_permissions: Mapping[tuple[str, str], TopicPermission] = field(default_factory=dict)
+    limits: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def is_administrator(self) -> bool:
@@ -162,6 +200,8 @@ class UserStore:
         # failed logins per source address (AMQP and HTTP share it); runtime only, not persisted
         self.throttle = throttle if throttle is not None else LoginThrottle()
         self._users: dict[str, User] = {}
+        # called after every change: front ends forget the permission checks they remembered
+        self.on_change: list[Callable[[], None]] = []
         data = read_json(path, None)
         if data is None:
             self._users[default_user] = User(
@@ -228,7 +268,48 @@ class UserStore:
     def can_read(self, user: User | str, vhost: str, resource_name: str) -> bool:
         return self._allows(user, vhost, "read", resource_name)
 
+    def topic_allows(self, user: User | str, vhost: str, exchange: str, action: str,
+                     routing_key: str) -> bool:
+        """RabbitMQ's topic check: true unless the user has a topic permission on this exchange
+        whose ``action`` (write/read) pattern the routing key does not match."""
+        found = self._resolve(user)
+        if found is None:
+            return False
+        topic = found.topic_permissions.get((vhost, exchange))
+        return topic is None or topic.allows(action, routing_key, found.name, vhost)
+
+    def has_topic_permission(self, user: User | str, vhost: str, exchange: str) -> bool:
+        found = self._resolve(user)
+        return found is not None and (vhost, exchange) in found.topic_permissions
+
     # -- changes (each rewrites users.json) ---------------------------------------------------
+    def set_topic_permission(self, user: str, vhost: str, exchange: str, write: str, read: str) -> User:
+        check_name("vhost", vhost)
+        check_name("exchange", exchange)
+        topics = dict(self._require(user).topic_permissions)
+        topics[(vhost, exchange)] = TopicPermission(write, read)  # raises ValueError on a bad regex
+        return self._replace(user, topic_permissions=topics)
+
+    def clear_topic_permissions(self, user: str, vhost: str, exchange: str | None = None) -> bool:
+        """Drop the user's topic permissions on ``vhost`` (one exchange's, or all); False if none."""
+        old = self._require(user).topic_permissions
+        topics = {k: v for k, v in old.items() if not (k[0] == vhost and exchange in (None, k[1]))}
+        if len(topics) == len(old):
+            return False
+        self._replace(user, topic_permissions=topics)
+        return True
+
+    def set_limit(self, user: str, name: str, value: int) -> User:
+        check_limit(name, value)
+        return self._replace(user, limits={**self._require(user).limits, name: value})
+
+    def clear_limit(self, user: str, name: str) -> bool:
+        limits = dict(self._require(user).limits)
+        if limits.pop(name, None) is None:
+            return False
+        self._replace(user, limits=limits)
+        return True
+
     def add_user(
         self,
         name: str,
@@ -277,9 +358,10 @@ class UserStore:
         users = dict(self._users)
         changed = False
         for name, user in self._users.items():
-            if vhost in user.permissions:
+            if vhost in user.permissions or any(k[0] == vhost for k in user.topic_permissions):
                 permissions = {k: v for k, v in user.permissions.items() if k != vhost}
-                users[name] = dataclasses.replace(user, permissions=permissions)
+                topics = {k: v for k, v in user.topic_permissions.items() if k[0] != vhost}
+                users[name] = dataclasses.replace(user, permissions=permissions, topic_permissions=topics)
                 changed = True
         if changed:
             self._commit(users)
@@ -315,6 +397,8 @@ class UserStore:
         """users.json first, then memory: a full disk (DiskFull) changes neither."""
         write_json(self._path, users_to_json(users.values()), self._sink)
         self._users = users
+        for listener in self.on_change:
+            listener()
 
     def _save(self) -> None:
         write_json(self._path, users_to_json(self._users.values()), self._sink)
@@ -331,15 +415,31 @@ def users_to_json(users: Iterable[User]) -> dict[str, Any]:
                 "password_hash": u.password_hash,
                 "hashing_algorithm": u.hashing_algorithm,
                 "tags": list(u.tags),
+                "limits": dict(sorted(u.limits.items())),
             }
             for u in ordered
         ],
+        "topic_permissions": topic_permissions_json(ordered),
         "permissions": [
             {"user": u.name, "vhost": vhost, "configure": p.configure, "write": p.write, "read": p.read}
             for u in ordered
             for vhost, p in sorted(u.permissions.items())
         ],
     }
+
+
+def check_limit(name: str, value: Any) -> None:
+    """ValueError unless ``name`` is a user limit and ``value`` a valid setting of it."""
+    if name not in USER_LIMITS:
+        raise ValueError(f"unknown user limit {name!r} (known: {', '.join(USER_LIMITS)})")
+    if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+        raise ValueError(f"user limit {name} must be an integer >= -1 (-1: no limit)")
+
+
+def topic_permissions_json(users: Iterable[User]) -> list[dict[str, Any]]:
+    """The users' topic permissions as RabbitMQ's API and definitions list them."""
+    return [{"user": u.name, "vhost": vhost, "exchange": exchange, "write": t.write, "read": t.read}
+            for u in users for (vhost, exchange), t in sorted(u.topic_permissions.items())]
 
 
 def _users_from_json(path: Path, data: Any) -> dict[str, User]:
@@ -354,15 +454,23 @@ def _users_from_json(path: Path, data: Any) -> dict[str, User]:
                 password_hash=str(entry.get("password_hash", "")),
                 tags=_normalise_tags(tags),
                 hashing_algorithm=str(entry.get("hashing_algorithm", HASHING_ALGORITHM)),
+                limits={str(k): int(v) for k, v in (entry.get("limits") or {}).items()},
             )
         grants: dict[str, dict[str, Permission]] = {}
         for entry in data.get("permissions", []):
             grants.setdefault(entry["user"], {})[entry["vhost"]] = Permission.loaded(
                 str(entry["configure"]), str(entry["write"]), str(entry["read"]),
                 f"{path}: user {entry['user']!r} on vhost {entry['vhost']!r}")
+        topics: dict[str, dict[tuple[str, str], TopicPermission]] = {}
+        for entry in data.get("topic_permissions", []):
+            topics.setdefault(entry["user"], {})[(str(entry["vhost"]), str(entry["exchange"]))] = \
+                TopicPermission(str(entry["write"]), str(entry["read"]))
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise StoreError(f"{path}: malformed users file ({type(exc).__name__}: {exc})") from None
     for name, permissions in grants.items():
         if name in users:
             users[name] = dataclasses.replace(users[name], permissions=permissions)
+    for name, topic in topics.items():
+        if name in users:
+            users[name] = dataclasses.replace(users[name], topic_permissions=topic)
     return users

@@ -2,11 +2,12 @@
 
 Theory of operation
 -------------------
-Export walks the live state: users and permissions (from the user store, with
-their RabbitMQ-compatible password hashes), vhosts, policies and the durable
-topology (durable exchanges other than the default and ``amq.*`` ones, durable
-non-exclusive queues of every type, and bindings between two exported ends). That
-is what a restart would keep, and what RabbitMQ's own export holds. Vhost
+Export walks the live state: users (with their limits), permissions and topic
+permissions (from the user store, with their RabbitMQ-compatible password
+hashes), global parameters, vhosts, policies and the topology (exchanges other
+than the default and ``amq.*`` ones, non-exclusive queues of every type, durable
+or not, and bindings between two exported ends). That is what RabbitMQ's own
+export holds; a restart keeps the durable part. Vhost
 metadata (description, tags, ``default_queue_type``) rides on the vhost entries;
 vhost limits and operator policies go out as RabbitMQ writes them, as runtime
 ``parameters`` of the components ``vhost-limits`` and ``operator_policy``. Lists
@@ -37,8 +38,8 @@ cannot complete it (a full disk) stops with the error rather than serve a prefix
 A per-vhost document (``/api/definitions/{vhost}``) has no ``vhost`` fields; the
 vhost comes from the URL and its ``users``/``vhosts``/``permissions`` are ignored.
 As RabbitMQ does, unknown top-level keys are ignored; parameters of components
-Skred has no plugin for (federation, shovel) and topic permissions are skipped
-with a warning in the log rather than refusing the whole document.
+Skred has no plugin for (federation, shovel) are skipped with a warning in the
+log rather than refusing the whole document.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ from typing import Any
 from broker import __version__, errors
 from broker.auth.names import MAX_NAME_BYTES, name_problem
 from broker.auth.passwords import ALGORITHMS, HASHING_ALGORITHM, hash_password
+from broker.auth.users import topic_permissions_json
+from broker.http import definitions_grants
 from broker.http.policies import PolicyApi, validate_policy
 from broker.http.render import jsonable
 from broker.http.state import Mgmt
@@ -71,8 +74,8 @@ class DefinitionsError(ValueError):
     """The document is unusable; nothing was changed."""
 
 
-def _exported_exchange(name: str, durable: bool) -> bool:
-    return durable and name != "" and not name.startswith("amq.")
+def _exported_exchange(name: str) -> bool:
+    return name != "" and not name.startswith("amq.")
 
 
 def vhost_meta_fields(body: dict[str, Any]) -> dict[str, Any]:
@@ -123,24 +126,22 @@ def export(mgmt: Mgmt, vhost: str | None = None) -> dict[str, Any]:
     for name in vhost_names:
         vh = broker.vhosts[name]
         for q in vh.queues.values():
-            if q.durable and q.exclusive_owner is None:
-                queues.append({"name": q.name, "vhost": name, "durable": True, "auto_delete": q.auto_delete,
-                               "arguments": jsonable(q.arguments)})
+            if q.exclusive_owner is None:
+                queues.append({"name": q.name, "vhost": name, "durable": q.durable,
+                               "auto_delete": q.auto_delete, "arguments": jsonable(q.arguments)})
         for ex in vh.exchanges.values():
-            if _exported_exchange(ex.name, ex.durable):
-                exchanges.append({"name": ex.name, "vhost": name, "type": ex.type, "durable": True,
+            if _exported_exchange(ex.name):
+                exchanges.append({"name": ex.name, "vhost": name, "type": ex.type, "durable": ex.durable,
                                   "auto_delete": ex.auto_delete, "internal": ex.internal,
                                   "arguments": jsonable(ex.arguments)})
-            if ex.name == "" or not ex.durable:
+            if ex.name == "":
                 continue
             for dest, rk, args in ex.bindings():
                 if isinstance(dest, Queue):
-                    if not dest.durable or dest.exclusive_owner is not None:
+                    if dest.exclusive_owner is not None:
                         continue
                     kind, dest_name = "queue", dest.name
                 else:
-                    if not getattr(dest, "durable", False):
-                        continue
                     kind, dest_name = "exchange", str(getattr(dest, "name", ""))
                 bindings.append({"source": ex.name, "vhost": name, "destination": dest_name,
                                  "destination_type": kind, "routing_key": rk, "arguments": jsonable(args)})
@@ -163,14 +164,14 @@ def export(mgmt: Mgmt, vhost: str | None = None) -> dict[str, Any]:
         "product_name": "Skred",
         "product_version": __version__,
         "users": [{"name": u.name, "password_hash": u.password_hash, "hashing_algorithm": u.hashing_algorithm,
-                   "tags": list(u.tags), "limits": {}} for u in users],
+                   "tags": list(u.tags), "limits": dict(sorted(u.limits.items()))} for u in users],
         "vhosts": [{"name": n, **broker.vhosts[n].meta.to_json(), "metadata": broker.vhosts[n].meta.to_json(),
                     "limits": []} for n in vhost_names],
         "permissions": [{"user": u.name, "vhost": v, "configure": p.configure, "write": p.write,
                          "read": p.read} for u in users for v, p in sorted(u.permissions.items())],
-        "topic_permissions": [],
+        "topic_permissions": topic_permissions_json(users),
         "parameters": parameters,
-        "global_parameters": [],
+        "global_parameters": mgmt.global_parameters.list(),
         "policies": policies,
         "queues": queues,
         "exchanges": exchanges,
@@ -231,6 +232,7 @@ class Plan:
         self.exchanges: list[tuple[str, str, str, bool, bool, bool, dict[str, Any]]] = []
         self.queues: list[tuple[str, str, bool, bool, dict[str, Any]]] = []
         self.bindings: list[tuple[str, str, str, str, str, dict[str, Any]]] = []
+        self.grants = definitions_grants.Grants()  # topic permissions, user limits, global parameters
 
 
 def validate(mgmt: Mgmt, doc: Any, vhost: str | None = None) -> Plan:
@@ -314,8 +316,11 @@ def validate(mgmt: Mgmt, doc: Any, vhost: str | None = None) -> Plan:
             plan.policies.append(validate_policy(vh_name, _name(where, e), body))
         except ValueError as exc:
             raise _fail(where, str(exc)) from None
-    if _list(doc, "topic_permissions"):
-        log.warning("definitions: topic permissions are not supported; skipped")
+    if vhost is None:
+        try:
+            plan.grants = definitions_grants.validate(doc, user_names, known_vhosts)
+        except definitions_grants.GrantsError as exc:
+            raise _fail(exc.where, exc.what) from None
     for i, e in enumerate(_list(doc, "parameters")):
         _parameter(plan, f"parameters[{i}]", vhost_of(f"parameters[{i}]", e), e)
     declared: dict[tuple[str, str, str], bool] = {}
@@ -502,6 +507,12 @@ def apply(mgmt: Mgmt, plan: Plan, undo: _Undo | None = None) -> None:
             users._replace(name, password_hash=e["password_hash"], hashing_algorithm=e["hashing_algorithm"])
     for user, vh_name, configure, write, read in plan.permissions:
         users.set_permissions(user, vh_name, configure, write, read)
+    params = mgmt.global_parameters  # topic permissions and user limits live in users.json (above)
+    for name, _ in plan.grants.global_parameters:
+        old_value = params.get(name) if name in params else None
+        undo.add(lambda name=name, old=old_value: params.put(name, old)  # type: ignore[misc]
+                 if old is not None else params.delete(name))
+    definitions_grants.apply(mgmt, plan.grants)
     for policy in plan.policies:
         _put_policy(mgmt.policies, policy, undo)
     for policy in plan.operator_policies:

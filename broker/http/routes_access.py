@@ -101,7 +101,8 @@ async def vhost_permissions(request: web.Request) -> web.Response:
 # ---------------------------------------------------------------------- users
 def _user_json(user: User) -> dict[str, Any]:
     return {"name": user.name, "password_hash": user.password_hash,
-            "hashing_algorithm": user.hashing_algorithm, "tags": list(user.tags), "limits": {}}
+            "hashing_algorithm": user.hashing_algorithm, "tags": list(user.tags),
+            "limits": dict(sorted(user.limits.items()))}
 
 
 def _parse_tags(value: Any) -> list[str]:
@@ -147,13 +148,6 @@ async def bulk_delete_users(request: web.Request) -> web.Response:
     if missing:
         raise bad_request(f"no_such_user: {missing[0]}")
     return no_content()
-
-
-@routes.get("/api/topic-permissions")
-async def topic_permissions(request: web.Request) -> web.Response:
-    """Topic permissions are not enforced by Skred (definitions import skips them): none."""
-    require_admin(request)
-    return web.json_response([])
 
 
 def _user(request: web.Request) -> User:
@@ -336,9 +330,9 @@ async def delete_vhost_limit(request: web.Request) -> web.Response:
 # ------------------------------------------------------- runtime parameters
 # Skred has no plugin that registers a runtime-parameter component (federation, shovel), so
 # every list is empty, as on a RabbitMQ without those plugins, and a PUT names an unknown one.
+# Global parameters are kept (routes_grants.py).
 @routes.get("/api/parameters")
 @routes.get("/api/parameters/{component}")
-@routes.get("/api/global-parameters")
 async def parameters(request: web.Request) -> web.Response:
     return paginate(request, [])
 
@@ -350,7 +344,6 @@ async def vhost_parameters(request: web.Request) -> web.Response:
 
 
 @routes.get("/api/parameters/{component}/{vhost}/{name}")
-@routes.get("/api/global-parameters/{name}")
 async def parameter(request: web.Request) -> web.Response:
     raise not_found()
 
@@ -360,6 +353,14 @@ async def put_parameter(request: web.Request) -> web.Response:
     vhost_param(request)
     require_admin(request)
     raise bad_request(f"component '{request.match_info['component']}' not found")
+
+
+@routes.delete("/api/parameters/{component}/{vhost}/{name}")
+async def delete_parameter(request: web.Request) -> web.Response:
+    """No component, so no parameter: 404 as RabbitMQ answers for a missing one (rabbitmqadmin
+    prints 'Not found' rather than failing on a 405)."""
+    vhost_param(request)
+    raise not_found()
 
 
 # ------------------------------------------------------------------- policies

@@ -11,6 +11,7 @@ RabbitMQ's health checks answer 200 ``{"status": "ok", ...}`` when the check pas
 - ``port-listener/{port}``, ``protocol-listener/{protocol}``: a listener on that port or for that
   protocol exists (protocol names as RabbitMQ accepts them: ``amqp``, ``amqp091``, ``amqps``, ...).
 - ``virtual-hosts``: every vhost is running (always, in Skred: a vhost has no process to fail).
+- ``/api/healthchecks/node[/{node}]`` (RabbitMQ's older check): 200 ``{"status": "ok"}``.
 - ``node-is-mirror-sync-critical``, ``node-is-quorum-critical``: Skred has neither classic
   mirrored queues nor per-queue Raft groups, so a node is never critical for them.
 """
@@ -23,7 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
-from broker.http.common import MGMT_KEY, bad_request, user_of
+from broker.http.common import MGMT_KEY, bad_request, not_found, user_of
 
 routes = web.RouteTableDef()
 
@@ -130,6 +131,18 @@ async def health_critical(request: web.Request) -> web.Response:
     if request.app[MGMT_KEY].cluster is None:
         return _ok(reason="single node cluster")
     return _ok(reason="no queue depends on this node alone for a quorum or a mirror sync")
+
+
+@routes.get("/api/healthchecks/node")
+@routes.get("/api/healthchecks/node/{node}")
+async def healthchecks_node(request: web.Request) -> web.Response:
+    """RabbitMQ's older node check (kept by 3.10-3.12, used by load balancers and charts): the
+    node answers, so it is ok. Another node's name is 404 (a follower is asked on its own port)."""
+    user_of(request)
+    node = request.match_info.get("node")
+    if node is not None and node != request.app[MGMT_KEY].node_name:
+        raise not_found(f"node '{node}' not found")
+    return _ok()
 
 
 # -- small endpoints the management UI and tools read --------------------------------------------

@@ -15,6 +15,7 @@ from broker.http.common import (
     MGMT_KEY,
     bad_request,
     can_see_vhost,
+    check_perm,
     forbidden,
     is_admin,
     json_body,
@@ -193,9 +194,18 @@ ALIVENESS_QUEUE = "aliveness-test"
 
 @routes.get("/api/aliveness-test/{vhost}")
 async def aliveness(request: web.Request) -> web.Response:
-    """Declare a queue, publish to it and get the message back, as RabbitMQ does."""
+    """Declare a queue, publish to it and get the message back, as RabbitMQ does: as the
+    user, who needs access to the vhost (monitoring alone is not enough) and the permissions
+    that declaring, publishing to and reading the queue take over AMQP."""
     vhost = vhost_param(request)
-    vh = request.app[MGMT_KEY].broker.vhosts[vhost]
+    mgmt = request.app[MGMT_KEY]
+    user = user_of(request)
+    if not mgmt.broker.users.has_vhost_access(user, vhost):
+        raise forbidden(f"access to vhost '{vhost}' refused for user '{user.name}'")
+    check_perm(request, "configure", vhost, ALIVENESS_QUEUE)
+    check_perm(request, "write", vhost, "")
+    check_perm(request, "read", vhost, ALIVENESS_QUEUE)
+    vh = mgmt.broker.vhosts[vhost]
     q, _ = vh.declare_queue(ALIVENESS_QUEUE, durable=False, owner=None)
     q.purge()
     body = b"test_message"

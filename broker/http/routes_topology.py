@@ -35,6 +35,7 @@ from broker.http.common import (
     not_found,
     paginate,
     paginate_objects,
+    user_of,
     vhost_param,
     visible_sessions,
 )
@@ -207,6 +208,7 @@ async def publish(request: web.Request) -> web.Response:
     if ex.internal:
         raise forbidden(f"cannot publish to internal exchange '{ex.name}'")
     check_perm(request, "write", vh.name, ex.name)
+    _check_topic(request, vh.name, ex, routing_key, "write")
     broker = request.app[MGMT_KEY].broker
     broker.stats.published += 1
     props_bytes = bytes(props.marshal())
@@ -328,10 +330,9 @@ async def get_messages(request: web.Request) -> web.Response:
         got = q.get()
         if got is None:
             break
-        taken.append(got)
+        taken.append((got, q.message_count))  # as RabbitMQ: the count left after this one
     out = []
-    remaining = q.message_count
-    for _msgid, exchange_b, rk, props, payload, redelivered in taken:
+    for (_msgid, exchange_b, rk, props, payload, redelivered), remaining in taken:
         shown = payload[:truncate] if truncate is not None else payload
         out.append({
             "payload_bytes": len(payload),
@@ -347,7 +348,7 @@ async def get_messages(request: web.Request) -> web.Response:
     stats = request.app[MGMT_KEY].broker.stats
     stats.delivered += len(taken)
     stats.gets += len(taken)  # RabbitMQ: the management plugin's basic.get (manual ack)
-    for msgid, *_rest in taken:
+    for (msgid, *_rest), _remaining in taken:
         if requeue:
             q.reject(msgid, True)
         else:
@@ -400,6 +401,7 @@ async def create_binding(request: web.Request) -> web.Response:
     arguments = get_args(body)
     check_perm(request, "write", vh.name, dest.name)
     check_perm(request, "read", vh.name, source.name)
+    _check_topic(request, vh.name, source, routing_key, "read")
     if isinstance(dest, Queue):
         vh.bind_queue(dest.name, source.name, routing_key, arguments, owner=dest.exclusive_owner)
     else:
@@ -408,6 +410,16 @@ async def create_binding(request: web.Request) -> web.Response:
     resp.headers["Location"] = binding_json(vh.name, source.name, dest, routing_key, arguments)[
         "properties_key"]
     return resp
+
+
+def _check_topic(request: web.Request, vhost: str, ex: Exchange, routing_key: str, action: str) -> None:
+    """The topic authorisation AMQP applies (``Session._topic_checked``): on a topic exchange, a
+    user's topic permission must let the routing key through (401 here, as every refusal)."""
+    users = request.app[MGMT_KEY].broker.users
+    user = user_of(request)
+    if ex.type == "topic" and not users.topic_allows(user, vhost, ex.name, action, routing_key):
+        raise forbidden(f"access to topic '{routing_key}' in exchange '{ex.name}' in vhost '{vhost}' "
+                        f"refused for user '{user.name}'")
 
 
 def _find_binding(request: web.Request) -> tuple[VHost, Exchange, Exchange | Queue, dict[str, Any]]:
@@ -430,6 +442,7 @@ async def delete_binding(request: web.Request) -> web.Response:
     vh, source, dest, b = _find_binding(request)
     check_perm(request, "write", vh.name, dest.name)
     check_perm(request, "read", vh.name, source.name)
+    _check_topic(request, vh.name, source, b["routing_key"], "read")
     # Unbind with the model's own argument dict (JSON rendering may have changed value types).
     args = next(a for d, rk, a in source.bindings() if d is dest and rk == b["routing_key"]
                 and binding_json(vh.name, source.name, d, rk, a)["properties_key"] == b["properties_key"])

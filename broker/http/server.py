@@ -36,6 +36,7 @@ from broker.http.common import (
     vhost_param,
 )
 from broker.http.routes_access import routes as access_routes
+from broker.http.routes_grants import routes as grant_routes
 from broker.http.routes_health import routes as health_routes
 from broker.http.routes_node import routes as node_routes
 from broker.http.routes_streams import routes as stream_routes
@@ -157,8 +158,10 @@ def build_app(mgmt: Mgmt, metrics_obj: Metrics) -> web.Application:
     app.router.add_get("/metrics", mgmt_metrics)
     app.router.add_get("/metrics/detailed", mgmt_metrics_detailed)
     app.router.add_get("/metrics/per-object", mgmt_metrics_per_object)
-    for table in (node_routes, health_routes, topology_routes, access_routes, stream_routes):
-        _add_routes(app, table)  # health: /api/health/checks/*; streams: GET /api/streams/...
+    # health: /api/health/checks/*; grants: topic permissions, user limits, global parameters;
+    # streams: GET /api/streams/{vhost}/{queue}/messages
+    for table in (node_routes, health_routes, topology_routes, access_routes, grant_routes, stream_routes):
+        _add_routes(app, table)
     return app
 
 

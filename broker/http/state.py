@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from broker import errors, metrics
+from broker.auth.parameters import GlobalParameters
 from broker.auth.vhosts import VHostStore
 from broker.http.policies import PolicyApi, import_legacy
 from broker.http.rates import RateSampler
@@ -60,9 +61,11 @@ class Mgmt:
         make_vhost: Callable[[str], VHost],
         data_dir: Path,
         transient_root: Path,
+        global_parameters: GlobalParameters,
         import_intent: Intent | None = None,
     ) -> None:
         self.broker = broker
+        self.global_parameters = global_parameters  # RabbitMQ's global runtime parameters
         # a definitions import in progress (broker/http/definitions.py: all or nothing)
         self.import_intent: Intent = import_intent if import_intent is not None else NoIntent()
         self.vhost_store = vhost_store

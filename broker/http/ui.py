@@ -18,8 +18,11 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from importlib import resources
+from pathlib import Path
 
 from aiohttp import web
+
+from broker.http import admin_script
 
 STATIC_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css", ".svg": "image/svg+xml"}
 # Everything the page may load comes from this server; no inline script, no framing.
@@ -64,6 +67,16 @@ async def no_browser_login_dialog(request: web.Request, handler: Handler) -> web
     return response
 
 
+async def cli_rabbitmqadmin(request: web.Request) -> web.Response:
+    """RabbitMQ serves its rabbitmqadmin script here, without login, for ``curl -O`` in
+    Dockerfiles and setup scripts. Skred serves its own command-compatible script
+    (``admin_script.py``) rather than RabbitMQ's code."""
+    body = Path(admin_script.__file__).read_bytes()
+    return web.Response(body=body, content_type="text/x-python", charset="utf-8",
+                        headers={"Content-Disposition": 'attachment; filename="rabbitmqadmin"'})
+
+
 def add_routes(app: web.Application) -> None:
     app.router.add_get("/", index)
     app.router.add_get("/ui/{name}", static_file)
+    app.router.add_get("/cli/rabbitmqadmin", cli_rabbitmqadmin)

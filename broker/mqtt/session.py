@@ -32,7 +32,8 @@ so AMQP and MQTT clients meet:
 - **Authentication and permissions** are AMQP's: the adapter logs the CONNECT's user in through
   the same users and login throttle before ``start``; a user name ``vhost:user`` picks the vhost.
   Publishing needs write on the exchange; a subscription needs configure, write and read on its
-  queue and read on the exchange, checked per filter.
+  queue and read on the exchange, checked per filter; a topic permission on the exchange
+  (RabbitMQ's topic authorisation) applies to the routing key as for AMQP.
 - **Endings.** DISCONNECT (MQTT 5: reason 0) ends a connection normally and discards the will.
   Any other end publishes the will, after MQTT 5's will delay unless the client comes back first.
   Unacked QoS 1 deliveries go back to their queues either way.
@@ -294,7 +295,8 @@ class MQTTSession:
         assert self.vhost is not None and self.user is not None
         topic = self._topic(p)
         ex = self.settings.exchange
-        if not self.users.can_write(self.user, self.vhost.name, ex):
+        if not (self.users.can_write(self.user, self.vhost.name, ex) and self.users.topic_allows(
+                self.user, self.vhost.name, ex, "write", to_routing_key(topic))):
             log.warning("MQTT client '%s' (user '%s'): no write permission on exchange '%s' in vhost "
                         "'%s'", self.client_id, self.user.name, ex, self.vhost.name)
             if self.v5 and p.qos:
@@ -427,7 +429,8 @@ class MQTTSession:
         else:
             inner, name = topic_filter, self.queue_name(granted)
         if not (self.users.can_configure(user, vh.name, name) and self.users.can_write(user, vh.name, name)
-                and self.users.can_read(user, vh.name, name) and self.users.can_read(user, vh.name, ex)):
+                and self.users.can_read(user, vh.name, name) and self.users.can_read(user, vh.name, ex)
+                and self.users.topic_allows(user, vh.name, ex, "read", to_routing_key(inner))):
             log.warning("MQTT client '%s' (user '%s'): subscription to '%s' refused: no permission",
                         self.client_id, user.name, topic_filter)
             return (P.RC_NOT_AUTHORIZED if self.v5 else P.SUBACK_FAILURE), existed

@@ -346,7 +346,10 @@ class AMQPProtocol(asyncio.Protocol):
                 # heartbeats wait unread in the socket, which says nothing about the peer.
                 self.last_read = now
             elif now - self.last_read > 2 * hb:
-                log.info("closing %s: missed heartbeats from client (timeout %ss)", s.name, hb)
+                # a client gone without a word: a warning, as RabbitMQ logs it (once: not again
+                # as an unexpected close when the transport goes)
+                log.warning("closing %s: missed heartbeats from client (timeout %ss)", s.name, hb)
+                s.timed_out = True
                 t.close()
                 return
             if now - self.last_write >= hb / 2:

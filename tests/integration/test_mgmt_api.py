@@ -144,6 +144,20 @@ def test_overview_nodes_aliveness(api: Api, mb: SkredProcess) -> None:
     assert api.get("/api/aliveness-test/%2F") == {"status": "ok"}
     assert_error(api.call("GET", "/api/aliveness-test/no-such-vhost"), 404)
     assert_error(api.call("GET", "/api/no-such-endpoint"), 404)
+    assert api.get("/api/healthchecks/node") == {"status": "ok"}
+    assert api.get(f"/api/healthchecks/node/{q(nodes[0]['name'])}") == {"status": "ok"}
+    assert_error(api.call("GET", "/api/healthchecks/node/nope@nowhere"), 404)
+    # the aliveness test runs as the user: monitoring without access to the vhost is refused
+    mon = unique("mon")
+    api.ok("PUT", f"/api/users/{q(mon)}", {"password": "pw", "tags": "monitoring"})
+    try:
+        assert_error(api.as_user(mon, "pw").call("GET", "/api/aliveness-test/%2F"), 401)
+        api.ok("PUT", f"/api/permissions/%2F/{q(mon)}", {"configure": "^$", "write": ".*", "read": ".*"})
+        assert_error(api.as_user(mon, "pw").call("GET", "/api/aliveness-test/%2F"), 401)
+        api.ok("PUT", f"/api/permissions/%2F/{q(mon)}", {"configure": ".*", "write": ".*", "read": ".*"})
+        assert api.as_user(mon, "pw").get("/api/aliveness-test/%2F") == {"status": "ok"}
+    finally:
+        api.ok("DELETE", f"/api/users/{q(mon)}")
 
 
 # ------------------------------------------------------------- queues, exchanges
@@ -164,6 +178,7 @@ def test_queue_lifecycle_publish_get_purge(api: Api) -> None:
     got = api.ok("POST", f"/api/queues/%2F/{q(qn)}/get",
                  {"count": 2, "ackmode": "ack_requeue_true", "encoding": "auto"}, expect=(200,))
     assert [m["payload"] for m in got] == ["m0", "m1"]
+    assert [m["message_count"] for m in got] == [2, 1]  # as RabbitMQ: left after each one
     assert got[0]["properties"]["headers"] == {"n": 0} and got[0]["properties"]["delivery_mode"] == 2
     assert api.get(f"/api/queues/%2F/{q(qn)}")["messages_ready"] == 3  # requeued
     got = api.ok("POST", f"/api/queues/%2F/{q(qn)}/get",

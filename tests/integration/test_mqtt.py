@@ -467,3 +467,26 @@ def test_mutated_packets_of_both_versions_never_take_the_broker_down(mq: SkredPr
     ok = Paho(mq.host, mq.mqtt_port, cid())
     ok.close()
     assert "Traceback" not in mq.log_text()
+
+
+def test_topic_permissions_apply_to_mqtt(mq: SkredProcess) -> None:
+    """RabbitMQ's topic authorisation on amq.topic holds for MQTT topics (as routing keys)."""
+    user = add_user(mq, ".*", ".*", ".*")
+    uq = urllib.parse.quote(user, safe="")
+    assert http(mq, "PUT", f"/api/topic-permissions/%2F/{uq}",
+                {"exchange": "amq.topic", "write": "^allowed\\.", "read": "^allowed\\."})[0] in (201, 204)
+    r = Raw(mq.host, mq.mqtt_port, login(cid(), user, b"pw"))
+    assert r.connack() == (0, 0)
+    r.s.sendall(P.encode_subscribe(P.Subscribe(1, (("allowed/#", 1), ("denied/#", 1)))))
+    pkt = r.read()
+    assert pkt is not None and pkt[0] == P.SUBACK and pkt[2] == b"\x00\x01\x01\x80"
+    r.s.sendall(P.encode_publish("allowed/x", b"ok", 1, False, False, 2))
+    kinds = set()
+    for _ in range(2):  # the PUBACK and the delivery to its own subscription, in either order
+        pkt = r.read()
+        assert pkt is not None
+        kinds.add(pkt[0])
+    assert kinds == {P.PUBACK, P.PUBLISH}
+    r.s.sendall(P.encode_publish("denied/x", b"no", 0, False, False, 0))
+    assert r.closed_within(5)
+    r.close()

@@ -9,6 +9,8 @@ closes leaves a log line with the reply code and text.
 
 from __future__ import annotations
 
+import socket
+
 import pika
 import pytest
 from pamqp import commands
@@ -102,6 +104,39 @@ def test_broker_closes_are_logged_with_code_and_text(broker: Broker) -> None:
         return (f"404 NOT_FOUND - no queue '{missing}'" in text and "channel 1" in text
                 and "501" in text and "frame" in text)
     wait_until(logged, 10, "both closes in the broker log")
+
+
+@pytest.mark.skipif(is_external(), reason="reads the Skred process log")
+def test_vanished_client_is_a_warning_and_channel_errors_name_the_method(broker: Broker) -> None:
+    """As RabbitMQ words it: a client gone without connection.close is one warning line
+    ('client unexpectedly closed TCP connection'), no error or traceback; a channel error's line
+    names the operation that caused it."""
+    missing = unique("missing")
+    with RawConn(broker.host, broker.port) as c:
+        c.handshake()
+        c.open_channel(1)
+        c.send_method(1, commands.Queue.Declare(queue=missing, passive=True))
+        assert c.expect(commands.Channel.Close, 1).reply_code == 404
+        c.sock.shutdown(socket.SHUT_RDWR)  # gone without a word
+
+    def logged() -> bool:
+        return "client unexpectedly closed TCP connection" in broker.log_text()
+    wait_until(logged, 10, "the vanished client in the broker log")
+    lines = broker.log_text().splitlines()
+    vanished = [ln for ln in lines if "unexpectedly closed" in ln]
+    assert len(vanished) == 1 and " WARNING " in vanished[0], vanished
+    assert not [ln for ln in lines if " ERROR " in ln or "Traceback" in ln], broker.log_tail()
+    closed = [ln for ln in lines if f"no queue '{missing}'" in ln]
+    assert closed and "queue.declare" in closed[0], closed
+
+    # a client that stops sending heartbeats: one warning, not a second "unexpectedly closed"
+    with RawConn(broker.host, broker.port) as c:
+        c.handshake(heartbeat=1)
+        assert c.wait_eof(15), "the broker kept a connection that missed its heartbeats"
+    wait_until(lambda: "missed heartbeats from client" in broker.log_text(), 10, "the heartbeat close logged")
+    lines = broker.log_text().splitlines()
+    assert [ln for ln in lines if "missed heartbeats" in ln and " WARNING " in ln]
+    assert len([ln for ln in lines if "unexpectedly closed" in ln]) == 1, broker.log_tail()
 
 
 # Found by the conformance harness (tests/integration/conformance), pinned here too so they hold

@@ -177,3 +177,12 @@ def test_refusal_is_401_access_refused(mb: SkredProcess) -> None:
             assert "Traceback" not in res.stderr and "Access refused" in res.stderr, (args, res.stderr)
     finally:
         ok(mb, "delete", "user", f"name={user}")
+
+
+def test_delete_missing_parameter_is_not_found(mb: SkredProcess) -> None:
+    """As against RabbitMQ: a parameter that does not exist is 404, which rabbitmqadmin prints
+    as one 'Not found' line (a 405 made it fail with a traceback)."""
+    for component in ("federation-upstream", "shovel"):
+        res = admin(mb, "delete", "parameter", f"component={component}", f"name={unique('p')}")
+        assert res.returncode != 0
+        assert "Traceback" not in res.stderr and "Not found" in res.stderr, res.stderr

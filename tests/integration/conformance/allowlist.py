@@ -19,15 +19,7 @@ A difference that is in none of them fails the harness.
 
 from __future__ import annotations
 
-FIELDS: dict[tuple[str, str], str] = {
-    ("Connection.Tune", "heartbeat"):
-        "configured default: Skred proposes 300 s (LavinMQ's default, [amqp] heartbeat), RabbitMQ 60 s",
-    ("Connection.Tune", "channel_max"):
-        "configured default: Skred 2048 (LavinMQ's, [amqp] channel_max), RabbitMQ 2047",
-    ("Channel.OpenOk", "channel_id"):
-        "a reserved field: Skred sends '0' (what pamqp, its codec, insists on), RabbitMQ ''; "
-        "clients ignore it",
-}
+FIELDS: dict[tuple[str, str], str] = {}
 
 HEADERS: dict[str, str] = {
     key: "dead-lettering adds x-last-death-{exchange,queue,reason} as RabbitMQ 3.13+ and 4.x do "
@@ -36,14 +28,6 @@ HEADERS: dict[str, str] = {
 }
 
 SCENARIOS: dict[str, str] = {
-    "amqp.conn_channel_above_channel_max":
-        "the spec's channel-max is the highest channel number: Skred refuses channel 6 of 5 with "
-        "504; RabbitMQ counts open channels and opens it",
-    "amqp.conn_frame_max_below_minimum":
-        "a bad tune-ok: Skred says why (530 NOT_ALLOWED, 'frame_max 1024 below minimum 4096') "
-        "before closing; RabbitMQ closes the socket without a word",
-    "amqp.conn_frame_max_above_server":
-        "a bad tune-ok: Skred answers 530 with the reason; RabbitMQ closes the socket silently",
     "amqp.conn_heartbeat_on_channel":
         "the spec: a heartbeat on a non-zero channel is 501 FRAME_ERROR (RabbitMQ: 505)",
     "amqp.conn_unknown_method":
@@ -51,15 +35,9 @@ SCENARIOS: dict[str, str] = {
         "socket",
     "amqp.conn_unknown_class":
         "an unknown class: 540 NOT_IMPLEMENTED naming it; RabbitMQ drops the socket",
-    "amqp.conn_truncated_method":
-        "undecodable method arguments: the spec's 502 SYNTAX_ERROR (RabbitMQ: 501 FRAME_ERROR); the "
-        "class/method ids agree",
     "amqp.channel_flow":
         "channel.flow(active=false) is implemented (deliveries pause, flow-ok); RabbitMQ answers "
         "540 NOT_IMPLEMENTED",
-    "amqp.basic_recover":
-        "basic.recover(requeue=false) redelivers to the same channel as the spec says; RabbitMQ "
-        "answers 540 NOT_IMPLEMENTED",
 }
 
 _ERLANG = "Erlang VM and RabbitMQ-internal detail with no Skred equivalent"

@@ -101,3 +101,41 @@ def access_impersonator_user_id(r: Run) -> None:
         c.publish(1, "", "imp.q", b"on behalf", C.Basic.Properties(user_id="someone-else"))
         get(c, "imp.q")
         c.close()
+
+
+@scenario
+def access_topic_permissions(r: Run) -> None:
+    """A topic permission on amq.topic (write ^pub\\., read ^{username}\\.): publishes and binds
+    with other routing keys are 403; other exchanges are not affected."""
+    with tenant(r, ".*", ".*", ".*") as (vh, user):
+        call(r, "PUT", f"/api/topic-permissions/{q(vh)}/{q(user)}",
+             {"exchange": "amq.topic", "write": "^pub\\.", "read": "^{username}\\."}, record=False)
+        c = r.conn(user=user, password="pw", vhost=vh)
+        declare_q(c, "tq")
+        c.call(1, C.Queue.Bind(queue="tq", exchange="amq.topic", routing_key=f"{user}.#"))
+        c.call(1, C.Queue.Bind(queue="tq", exchange="amq.topic", routing_key="someone.#"))
+        c.call(1, C.Channel.Open())
+        c.call(1, C.Queue.Unbind(queue="tq", exchange="amq.topic", routing_key="someone.#"))
+        c.call(1, C.Channel.Open())
+        c.call(1, C.Queue.Bind(queue="tq", exchange="amq.direct", routing_key="anything"))
+        c.call(1, C.Confirm.Select())
+        c.publish(1, "amq.topic", "pub.1", b"allowed")
+        c.recv(1)
+        c.publish(1, "amq.topic", "other.1", b"refused")
+        c.until("Channel.Close")
+        c.close()
+
+
+@scenario
+def access_user_limits(r: Run) -> None:
+    with tenant(r, ".*", ".*", ".*") as (vh, user):
+        call(r, "PUT", f"/api/user-limits/{q(user)}/max-channels", {"value": 2}, record=False)
+        c = r.conn(user=user, password="pw", vhost=vh)
+        c.call(2, C.Channel.Open())
+        c.call(3, C.Channel.Open())
+        if not c.closed:
+            c.until("Connection.Close")
+        call(r, "PUT", f"/api/user-limits/{q(user)}/max-connections", {"value": 0}, record=False)
+        c2 = r.conn(user=user, password="pw", vhost=vh, open_channel=None)
+        if not c2.closed:
+            c2.until("Connection.Close")

@@ -229,6 +229,18 @@ def basic_recover_async(r: Run) -> None:
 
 
 @scenario
+def basic_recover_async_without_requeue(r: Run) -> None:
+    c = r.conn()
+    q = r.name("q")
+    declare_q(c, q, exclusive=True)
+    fill(c, q, 1)
+    get(c, q, no_ack=False)
+    c.send(1, C.Basic.RecoverAsync(requeue=False))
+    if not c.closed:
+        c.until("Connection.Close")
+
+
+@scenario
 def basic_qos_prefetch(r: Run) -> None:
     c = r.conn()
     q = r.name("q")

@@ -40,9 +40,44 @@ def conn_unknown_vhost(r: Run) -> None:
 def conn_channel_above_channel_max(r: Run) -> None:
     c = r.conn(channel_max=5)
     c.call(5, C.Channel.Open())
-    c.call(6, C.Channel.Open())  # RabbitMQ counts open channels; the spec limits the number
+    c.call(6, C.Channel.Open())  # channel-max counts open channels (two), not the number
     if not c.closed:
         c.close()
+
+
+@scenario
+def conn_channel_max_counts_open_channels(r: Run) -> None:
+    c = r.conn(channel_max=2)
+    c.call(2, C.Channel.Open())
+    c.call(1, C.Channel.Close(reply_code=200, reply_text="bye", class_id=0, method_id=0))
+    c.call(40, C.Channel.Open())  # a number above channel_max, but only two open
+    c.call(7, C.Channel.Open())  # a third open channel: 530
+    if not c.closed:
+        c.until("Connection.Close")
+
+
+@scenario
+def conn_channel_max_counts_a_method_on_a_new_channel(r: Run) -> None:
+    c = r.conn(channel_max=1)
+    c.send(2, C.Basic.Qos(prefetch_count=1))
+    if not c.closed:
+        c.until("Connection.Close")
+
+
+@scenario
+def conn_connection_method_on_a_channel(r: Run) -> None:
+    c = r.conn()
+    c.send(1, C.Connection.UpdateSecret(new_secret="guest", reason="refresh"))
+    if not c.closed:
+        c.until("Connection.Close")
+
+
+@scenario
+def conn_connection_close_on_a_channel(r: Run) -> None:
+    c = r.conn()
+    c.send(1, C.Connection.Close(reply_code=200, reply_text="bye", class_id=0, method_id=0))
+    if not c.closed:
+        c.until("Connection.Close")
 
 
 @scenario

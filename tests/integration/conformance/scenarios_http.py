@@ -400,3 +400,84 @@ def message_stats_and_rates(r: Run) -> None:
     for path in (*wanted, f"/api/exchanges/{vh}", "/api/overview", "/api/nodes"):
         call(r, "GET", path)
     call(r, "DELETE", f"/api/vhosts/{vh}")
+
+
+@scenario
+def healthchecks_node(r: Run) -> None:
+    node = node_name(r)
+    call(r, "GET", "/api/healthchecks/node")
+    call(r, "GET", f"/api/healthchecks/node/{q(node)}")
+    call(r, "GET", "/api/healthchecks/node", auth=None)
+
+
+@scenario
+def parameters_delete_missing(r: Run) -> None:
+    for component in ("federation-upstream", "shovel", "no-such-component"):
+        call(r, "DELETE", f"/api/parameters/{component}/%2F/{q(r.name('p'))}")
+    call(r, "DELETE", f"/api/parameters/federation-upstream/no-such-vhost/{q(r.name('p'))}")
+
+
+@scenario
+def get_reports_message_count(r: Run) -> None:
+    """Each message of a management 'get' carries the count left in the queue after it."""
+    vh, qn = q("/"), r.name("q")
+    call(r, "PUT", f"/api/queues/{vh}/{q(qn)}", {"durable": False, "auto_delete": False})
+    for i in range(4):
+        call(r, "POST", f"/api/exchanges/{vh}/amq.default/publish",
+             {"routing_key": qn, "payload": f"m{i}", "payload_encoding": "string", "properties": {}},
+             record=False)
+    for mode in ("ack_requeue_true", "ack_requeue_false"):
+        status, got = call(r, "POST", f"/api/queues/{vh}/{q(qn)}/get",
+                           {"count": 3, "ackmode": mode, "encoding": "auto"})
+        r.note("message_count", mode, [m.get("message_count") for m in got] if status == 200 else got)
+    call(r, "DELETE", f"/api/queues/{vh}/{q(qn)}")
+
+
+@scenario
+def aliveness_needs_vhost_permission(r: Run) -> None:
+    user = r.name("mon")
+    call(r, "PUT", f"/api/users/{q(user)}", {"password": "pw", "tags": "monitoring"})
+    call(r, "GET", "/api/aliveness-test/%2F", auth=(user, "pw"))
+    call(r, "PUT", f"/api/permissions/%2F/{q(user)}", {"configure": ".*", "write": ".*", "read": ".*"})
+    call(r, "GET", "/api/aliveness-test/%2F", auth=(user, "pw"))
+    call(r, "PUT", f"/api/users/{q(user)}", {"password": "pw", "tags": "management"})
+    call(r, "GET", "/api/aliveness-test/%2F", auth=(user, "pw"))
+    call(r, "DELETE", f"/api/users/{q(user)}")
+
+
+@scenario
+def cli_rabbitmqadmin(r: Run) -> None:
+    status, body = call(r, "GET", "/cli/rabbitmqadmin", auth=None, keys=False)
+    r.note("served a Python script", status == 200 and str(body).startswith("#!/usr/bin/env python"))
+
+
+@scenario
+def grants_api(r: Run) -> None:
+    """Topic permissions, user limits and global parameters: statuses and key sets."""
+    user, vh, param = r.name("user"), q("/"), r.name("param")
+    call(r, "PUT", f"/api/users/{q(user)}", {"password": "pw", "tags": ""})
+    tp = f"/api/topic-permissions/{vh}/{q(user)}"
+    call(r, "GET", tp)
+    call(r, "PUT", tp, {"exchange": "amq.topic", "write": "^a", "read": "^b"})
+    call(r, "PUT", tp, {"exchange": "amq.topic", "write": "^a", "read": "^c"})
+    call(r, "PUT", f"/api/topic-permissions/{vh}/{q(r.name('nobody'))}",
+         {"exchange": "amq.topic", "write": "", "read": ""})
+    for path in (tp, "/api/topic-permissions", f"/api/users/{q(user)}/topic-permissions",
+                 f"/api/vhosts/{vh}/topic-permissions"):
+        call(r, "GET", path)
+    call(r, "DELETE", tp)
+    call(r, "GET", tp)
+    call(r, "PUT", f"/api/user-limits/{q(user)}/max-connections", {"value": 5})
+    call(r, "PUT", f"/api/user-limits/{q(user)}/max-connections", {"value": 6})
+    call(r, "GET", f"/api/user-limits/{q(user)}", values=True)
+    call(r, "GET", "/api/user-limits")
+    call(r, "GET", f"/api/users/{q(user)}")
+    call(r, "DELETE", f"/api/user-limits/{q(user)}/max-connections")
+    call(r, "GET", f"/api/user-limits/{q(user)}", values=True)
+    call(r, "PUT", f"/api/global-parameters/{q(param)}", {"value": {"a": [1, 2]}})
+    call(r, "PUT", f"/api/global-parameters/{q(param)}", {"value": {"a": [1, 3]}})
+    call(r, "GET", f"/api/global-parameters/{q(param)}", values=True)
+    call(r, "GET", "/api/global-parameters")
+    call(r, "DELETE", f"/api/global-parameters/{q(param)}")
+    call(r, "GET", f"/api/global-parameters/{q(param)}")
+    call(r, "DELETE", f"/api/users/{q(user)}")
