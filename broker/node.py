@@ -1,12 +1,15 @@
 """Composition root: builds the broker from its config and runs it.
 
 Startup order: lock the data dir, wipe the scratch dir of transient queues,
-load users and vhosts (each vhost replays its definitions log and recovers its
-queue stores), import ``[main] load_definitions`` if set, then open the
-management/metrics HTTP(S) listeners and the AMQP listeners (AMQP and, with
-``[main] tls_cert``, AMQPS). Shutdown (SIGTERM/SIGINT) runs in reverse: stop the HTTP
-listeners, stop accepting AMQP, close every connection with 320
-CONNECTION_FORCED, fsync and close every store, release the lock.
+load users and vhosts (each vhost replays its definitions log; a plain durable
+queue's store is recovered on first use, the rest at once), import ``[main]
+load_definitions`` if set, then open the management/metrics HTTP(S) listeners and
+the AMQP listeners (AMQP and, with ``[main] tls_cert``, AMQPS), and recover the
+stores not used yet in slices between the loop's other work (``read_stores``: boot
+reads no queue's directory, which made 50,000 queues take 107 s to start).
+Shutdown (SIGTERM/SIGINT) runs in reverse: stop the HTTP listeners, stop accepting
+AMQP, close every connection with 320 CONNECTION_FORCED, fsync and close every
+store (one never read is left as it is), release the lock.
 
 SIGHUP (``Reloader``) re-reads the configuration from the same sources (ini file,
 environment, flags) and applies what can change at runtime: the log level, the
@@ -75,6 +78,10 @@ log = logging.getLogger("skred")
 
 SHUTDOWN_REASON = "broker forced connection closure with reason 'shutdown'"
 _NOFILE_CAP = 1 << 20  # soft limit to ask for when the hard limit is "unlimited"
+# read_stores(): deferred queue stores are recovered this many at a time, for at most this
+# long before the loop runs its other work (a cold store costs up to a few ms to read)
+READ_BATCH = 16
+READ_SLICE = 0.02
 
 
 def login_throttle(main: MainConfig) -> LoginThrottle:
@@ -124,6 +131,7 @@ class Node:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._syncer: Syncer | None = None
         self._files: SegmentFiles | None = None  # made at load(), after the fd limit was raised
+        self._reader: asyncio.Task[None] | None = None  # read_stores()
 
     def make_vhost(self, name: str) -> VHost:
         """A ``VHost`` wired to this node's store settings (at boot, and when the API creates one)."""
@@ -156,9 +164,8 @@ class Node:
         for name in vhost_names.list():
             log.info("loading vhost %r", name)
             vhosts[name] = self.make_vhost(name)
-            log.info("vhost %r: %d exchanges, %d queues, %d messages", name,
-                     len(vhosts[name].exchanges), len(vhosts[name].queues),
-                     sum(q.message_count for q in vhosts[name].queues.values()))
+            log.info("vhost %r: %d exchanges, %d queues", name, len(vhosts[name].exchanges),
+                     len(vhosts[name].queues))
         # Stores that were closed cleanly and hold messages replaced their "closed cleanly"
         # meta as they opened: one syncfs makes all of those durable before anything is
         # delivered (a store still waiting would fsync its own first).
@@ -206,6 +213,26 @@ class Node:
         except BaseException:
             self.release_lock()
             raise
+        self._reader = loop.create_task(self.read_stores())
+
+    async def read_stores(self) -> None:
+        """Recover the queue stores the boot deferred (``VHost``: a plain durable queue's
+        store is read on first use), a slice at a time between the loop's other work, so
+        counters are exact and a corrupt store is reported soon after start."""
+        files, broker = self._files, self.broker
+        if files is None or broker is None or not files.deferred:
+            return
+        t0 = time.monotonic()
+        total = len(files.deferred)
+        while files.deferred:
+            deadline = time.monotonic() + READ_SLICE
+            while files.open_deferred(READ_BATCH) and time.monotonic() < deadline:
+                pass
+            await asyncio.sleep(0)
+        files.sync_opened(self.config.main.data_dir)
+        log.info("%d queue stores recovered in %.2f s after start: %d messages", total,
+                 time.monotonic() - t0,
+                 sum(q.message_count for vh in broker.vhosts.values() for q in vh.queues.values()))
 
     def tls_context(self) -> ssl.SSLContext:
         """The current server context (read per accepted connection, so a reload applies)."""
@@ -357,6 +384,9 @@ class Node:
         log.info("imported definitions from %s", path)
 
     async def shutdown(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            self._reader = None
         if self.lmq is not None:
             await self.lmq.stop()
             self.lmq = None

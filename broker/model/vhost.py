@@ -30,7 +30,7 @@ from pamqp import frame as pframe
 from pamqp.base import Frame as PFrame
 
 from broker import errors
-from broker.model import exchange_features, features, policy, queue_types
+from broker.model import definition_records, exchange_features, features, policy, queue_types
 from broker.model import publish as publishing
 from broker.model.exchange import Exchange, check_x_match
 from broker.model.fastpaths import FastPaths
@@ -117,8 +117,8 @@ class VHost:
         try:
             for record in self.definitions.load():
                 try:
-                    _, _, method = pframe.unmarshal(record)
-                    if isinstance(method, PFrame):
+                    method = definition_records.decode(record)
+                    if method is not None:
                         self._replay(method)
                 except (errors.AMQPError, ValueError, KeyError) as exc:
                     log.warning("vhost %s: skipping definition record: %s", self.name, exc)
@@ -329,13 +329,19 @@ class VHost:
         args_cfg = features.parse_arguments(arguments, name, self.name)  # 406 on a bad x-arg
         persistent = durable and not exclusive
         if persistent:
-            store = QueueStore(queue_dir(self.dir, name), segment_size=self.segment_size,
+            # Boot reads no queue's directory: a plain queue's store recovers on first use or
+            # when the node's opener gets to it (queue_store.DeferredQueueStore). The directory
+            # and its .queue were made by the declare that logged this record.
+            qdir = queue_dir(self.dir, name)
+            store = QueueStore(qdir, segment_size=self.segment_size,
                                sink=self.sink, persistent_only=True, notify=self.mark_dirty,
-                               write_through=self.write_through, files=self.files)
-            qfile = queue_dir(self.dir, name) / ".queue"
-            if not qfile.exists():
-                qfile.write_text(name)
-                self.sink.replace(qfile, name.encode())
+                               write_through=self.write_through, files=self.files,
+                               deferred=self._replaying and _plain_store(args_cfg, arguments))
+            if not self._replaying:
+                qfile = qdir / ".queue"
+                if not qfile.exists():
+                    qfile.write_text(name)
+                    self.sink.replace(qfile, name.encode())
         else:
             tdir = queue_dir(self.transient_dir, name)
             if tdir.exists():
@@ -353,7 +359,7 @@ class VHost:
         self.queues_created += not self._replaying
         self.exchanges[""].bind(q, name)
         policy.apply_to_queue(self, q)  # its type, from arguments and policies (plain: stays classic)
-        if persistent:
+        if persistent and not self._replaying:
             self._log_new_queue(q, arguments)
         return q, True
 
@@ -542,6 +548,11 @@ class VHost:
             except Exception:  # keep closing the rest
                 log.exception("closing queue %s", q.name)
         self.definitions.close()
+
+
+def _plain_store(args_cfg: features.QueueConfig, arguments: dict[str, Any]) -> bool:
+    """A queue kept in one ``QueueStore`` (not a priority or quorum queue's levels)."""
+    return not args_cfg.max_priority and queue_types.type_of(arguments) != queue_types.QUORUM
 
 
 def _locked(queue: str, vhost: str) -> str:
