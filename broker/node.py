@@ -220,17 +220,17 @@ class Node:
         store is read on first use), a slice at a time between the loop's other work, so
         counters are exact and a corrupt store is reported soon after start."""
         files, broker = self._files, self.broker
-        if files is None or broker is None or not files.deferred:
+        if files is None or broker is None:
             return
         t0 = time.monotonic()
-        total = len(files.deferred)
+        total = len(files.deferred)  # what first uses have not read yet
         while files.deferred:
             deadline = time.monotonic() + READ_SLICE
             while files.open_deferred(READ_BATCH) and time.monotonic() < deadline:
                 pass
             await asyncio.sleep(0)
         files.sync_opened(self.config.main.data_dir)
-        log.info("%d queue stores recovered in %.2f s after start: %d messages", total,
+        log.info("queue stores recovered (%d of them in the background, %.2f s): %d messages", total,
                  time.monotonic() - t0,
                  sum(q.message_count for vh in broker.vhosts.values() for q in vh.queues.values()))
 
