@@ -39,7 +39,7 @@ from broker.model.queue import ClassicQueue, Queue
 from broker.model.vhost_meta import VHostMeta
 from broker.store.api import MessageStore
 from broker.store.definitions import DefinitionsLog
-from broker.store.paths import queue_dir, vhost_dir
+from broker.store.paths import queue_dir, queue_path, vhost_dir
 from broker.store.priority_store import PriorityStore, QuorumPriorityStore
 from broker.store.queue_store import QueueStore
 from broker.store.segment_log import SegmentFiles
@@ -79,6 +79,7 @@ class VHost:
     ) -> None:
         self.name = name
         self.dir = vhost_dir(data_dir, name)
+        self._dir_str = str(self.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.transient_dir = transient_root / self.dir.name
         self.segment_size = segment_size
@@ -332,13 +333,13 @@ class VHost:
             # Boot reads no queue's directory: a plain queue's store recovers on first use or
             # when the node's opener gets to it (queue_store.DeferredQueueStore). The directory
             # and its .queue were made by the declare that logged this record.
-            qdir = queue_dir(self.dir, name)
+            qdir = queue_path(self._dir_str, name)
             store = QueueStore(qdir, segment_size=self.segment_size,
                                sink=self.sink, persistent_only=True, notify=self.mark_dirty,
                                write_through=self.write_through, files=self.files,
                                deferred=self._replaying and _plain_store(args_cfg, arguments))
             if not self._replaying:
-                qfile = qdir / ".queue"
+                qfile = Path(qdir, ".queue")
                 if not qfile.exists():
                     qfile.write_text(name)
                     self.sink.replace(qfile, name.encode())

@@ -8,6 +8,7 @@ bytes) maps to a safe, fixed-length file name; the real name is kept inside the 
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 
@@ -21,3 +22,9 @@ def vhost_dir(data_dir: Path, vhost: str) -> Path:
 
 def queue_dir(vhost_dir: Path, queue: str) -> Path:
     return vhost_dir / _sha1_hex(queue)
+
+
+def queue_path(vhost_dir: str, queue: str) -> str:
+    """``queue_dir`` as a ``str``: a boot makes one per durable queue, and a ``Path`` costs
+    about as much as the rest of replaying the queue's declaration."""
+    return os.path.join(vhost_dir, _sha1_hex(queue))
