@@ -78,10 +78,13 @@ log = logging.getLogger("skred")
 
 SHUTDOWN_REASON = "broker forced connection closure with reason 'shutdown'"
 _NOFILE_CAP = 1 << 20  # soft limit to ask for when the hard limit is "unlimited"
-# read_stores(): deferred queue stores are recovered this many at a time, for at most this
-# long before the loop runs its other work (a cold store costs up to a few ms to read)
-READ_BATCH = 16
-READ_SLICE = 0.02
+# read_stores(): deferred queue stores are recovered this many at a time, for at most
+# READ_SLICE seconds, then the loop is left to its other work for READ_PAUSE: at most half
+# of the loop's time, so clients arriving at a node still reading (a cold store costs up
+# to a few ms) are served at once rather than between slices
+READ_BATCH = 4
+READ_SLICE = 0.01
+READ_PAUSE = 0.01
 
 
 def login_throttle(main: MainConfig) -> LoginThrottle:
@@ -230,7 +233,7 @@ class Node:
             deadline = time.monotonic() + READ_SLICE
             while files.open_deferred(READ_BATCH) and time.monotonic() < deadline:
                 pass
-            await asyncio.sleep(0)
+            await asyncio.sleep(READ_PAUSE)
         # The open metas written meanwhile, in one syncfs off the loop (a store that delivers
         # before it is done fsyncs its own first; one opened after it began is not counted).
         await asyncio.to_thread(files.sync_opened, self.config.main.data_dir)
