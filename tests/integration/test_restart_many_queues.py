@@ -18,14 +18,13 @@ from __future__ import annotations
 import base64
 import json
 import urllib.request
-from collections.abc import Iterator
-from pathlib import Path
 
 import pika
 import pytest
 
 from ._support import Broker, SkredProcess, is_external, wait_until
-from .test_cluster import TTL, Cluster, ClusterNode, start_cluster, wait_for
+from .cluster_faults import serving_leader
+from .test_cluster import TTL, Cluster, cluster, start_cluster, wait_for  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.skipif(is_external(), reason="restarts a Skred process of its own")
 
@@ -124,27 +123,14 @@ def test_restart_keeps_every_queue_message_and_count(broker: Broker) -> None:
     _consume(broker.url, left)
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path)
-    try:
-        yield c
-    finally:
-        c.close()
-
-
-def test_new_leader_serves_many_queues(cluster: Cluster) -> None:
+def test_new_leader_serves_many_queues(cluster: Cluster) -> None:  # noqa: F811 (the fixture)
     c = cluster
     leader, followers = start_cluster(c)
     left = _fill(followers[0].url)  # through a follower's proxy to the leader
     leader.kill9()
-
-    def new_leader() -> ClusterNode | None:
-        n = c.leader()
-        return n if n is not None and n is not leader and n.answers() else None
-
     try:
-        successor = wait_for(new_leader, TTL + 20, "a new leader serving clients")
+        successor = wait_for(lambda: serving_leader(c, exclude=leader), TTL + 20,
+                             "a new leader serving clients")
     except AssertionError:
         raise AssertionError(c.diag()) from None
     other = next(f for f in followers if f is not successor)
