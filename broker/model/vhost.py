@@ -331,7 +331,7 @@ class VHost:
         persistent = durable and not exclusive
         if persistent:
             # Boot reads no queue's directory: a plain queue's store recovers on first use or
-            # when the node's opener gets to it (queue_store.DeferredQueueStore). The directory
+            # when the node's reader gets to it (queue_store.DeferredQueueStore). The directory
             # and its .queue were made by the declare that logged this record.
             qdir = queue_path(self._dir_str, name)
             store = QueueStore(qdir, segment_size=self.segment_size,
