@@ -16,6 +16,7 @@ import os
 import shutil
 import struct
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from broker.model import definition_records
 from broker.model.publish import PublishRequest
 from broker.model.vhost import VHost
 from broker.store.paths import queue_dir
-from broker.store.queue_store import DeferredQueueStore, QueueStore
+from broker.store.queue_store import DeferredQueueStore, QueueStore, read_ahead
 from broker.store.segment_log import SegmentFiles
 from broker.store.sink import NullSink
 
@@ -240,3 +241,23 @@ def test_damaged_definition_records_fail_as_in_pamqp() -> None:
                 definition_records.decode(damaged)
         else:
             definition_records.decode(damaged)
+
+
+def test_read_ahead_reads_only(tmp_path: Path) -> None:
+    """The node's read-ahead thread (``queue_store.read_ahead``) warms caches and nothing else:
+    no file changes, no store is recovered by it, a vanished directory is skipped, and it stops
+    when told."""
+    data = tmp_path / "data"
+    _fill(data, 20, "clean")
+    files = SegmentFiles()
+    vh = _vhost(data, files)
+    dirs = files.deferred_dirs()
+    assert len(dirs) == 20
+    shutil.rmtree(dirs[3])
+    before = {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in data.rglob("*")}
+    stop = threading.Event()
+    assert read_ahead(dirs, stop) == 20
+    assert {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in data.rglob("*")} == before
+    assert len(files.deferred) == 20 and all(type(q.store) is DeferredQueueStore for q in vh.queues.values())
+    stop.set()
+    assert read_ahead(dirs, stop) == 0

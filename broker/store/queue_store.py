@@ -89,6 +89,7 @@ import logging
 import mmap
 import os
 import struct
+import threading
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -1350,6 +1351,25 @@ def _read_deferred(store: QueueStore) -> None:
         store._ready = store._bytes_ready = 0
         store._counts = None
         store._closed = True
+
+
+def read_ahead(directories: list[str], stop: threading.Event) -> int:
+    """Read what recovering the stores in ``directories`` reads first (the listing and the
+    meta), so that their recovery on the event loop finds it in the kernel's caches: on a
+    busy disk that is most of a recovery's time. For a worker thread: it only reads, and a
+    directory gone meanwhile is skipped. Returns how many it read before ``stop`` was set."""
+    done = 0
+    for directory in directories:
+        if stop.is_set():
+            break
+        try:
+            os.listdir(directory)
+            with open(os.path.join(directory, META_NAME), "rb") as f:
+                f.read()
+        except OSError:
+            pass
+        done += 1
+    return done
 
 
 def _close_unread(store: QueueStore) -> None:

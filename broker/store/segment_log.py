@@ -135,6 +135,10 @@ class SegmentFiles:
                 synced()
         return len(done)
 
+    def deferred_dirs(self) -> list[str]:
+        """The directories of the deferred stores, in the order they were made."""
+        return [log_._dir for log_ in self.deferred]
+
     def open_deferred(self, limit: int) -> int:
         """Read up to ``limit`` of the deferred stores; returns how many are still unread."""
         pending = self.deferred
