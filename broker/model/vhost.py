@@ -33,7 +33,7 @@ from pamqp import frame as pframe
 from pamqp.base import Frame as PFrame
 
 from broker import errors
-from broker.model import exchange_features, features, methods, policy, queue_types
+from broker.model import definition_records, exchange_features, features, methods, policy, queue_types
 from broker.model import publish as publishing
 from broker.model.exchange import Exchange, check_x_match
 from broker.model.fastpaths import FastPaths
@@ -42,7 +42,7 @@ from broker.model.queue import ClassicQueue, Queue
 from broker.model.vhost_meta import VHostMeta
 from broker.store.api import MessageStore
 from broker.store.definitions import DefinitionsLog
-from broker.store.paths import queue_dir, vhost_dir, write_name
+from broker.store.paths import queue_dir, queue_path, vhost_dir, write_name
 from broker.store.priority_store import PriorityStore, QuorumPriorityStore
 from broker.store.queue_store import QueueStore
 from broker.store.segment_log import SegmentFiles
@@ -82,6 +82,7 @@ class VHost:
     ) -> None:
         self.name = name
         self.dir = vhost_dir(data_dir, name)
+        self._dir_str = str(self.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.transient_dir = transient_root / self.dir.name
         self.segment_size = segment_size
@@ -117,8 +118,8 @@ class VHost:
         try:
             for record in self.definitions.load():
                 try:
-                    _, _, method = pframe.unmarshal(record)
-                    if isinstance(method, PFrame):
+                    method = definition_records.decode(record)
+                    if method is not None:
                         self._replay(method)
                 except (errors.AMQPError, ValueError, KeyError) as exc:
                     log.warning("vhost %s: skipping definition record: %s", self.name, exc)
@@ -337,14 +338,20 @@ class VHost:
         args_cfg = features.parse_arguments(arguments, name, self.name)  # 406 on a bad x-arg
         persistent = durable and not exclusive
         if persistent:
-            store = QueueStore(queue_dir(self.dir, name), segment_size=self.segment_size,
+            # Boot reads no queue's directory: a plain queue's store recovers on first use or
+            # when the node's reader gets to it (queue_store.DeferredQueueStore). The directory
+            # and its .queue were made by the declare that logged this record.
+            qdir = queue_path(self._dir_str, name)
+            store = QueueStore(qdir, segment_size=self.segment_size,
                                sink=self.sink, persistent_only=True, notify=self.mark_dirty,
-                               write_through=self.write_through, files=self.files)
-            try:
-                write_name(queue_dir(self.dir, name) / ".queue", name, self.sink)
-            except BaseException:
-                store.delete()  # a refused declare leaves no directory behind either
-                raise
+                               write_through=self.write_through, files=self.files,
+                               deferred=self._replaying and _plain_store(args_cfg, arguments))
+            if not self._replaying:
+                try:
+                    write_name(Path(qdir, ".queue"), name, self.sink)
+                except BaseException:
+                    store.delete()  # a refused declare leaves no directory behind either
+                    raise
         else:
             tdir = queue_dir(self.transient_dir, name)
             if tdir.exists():
@@ -363,8 +370,9 @@ class VHost:
         except BaseException:
             store.delete()  # a refused declare leaves no directory behind
             raise
-        # its type, from arguments and policies (plain: stays classic)
-        self._admit_new_queue(q, arguments, log=persistent, policies=True)
+        # its type, from arguments and policies (plain: stays classic); a replayed record is not
+        # logged again (nor its frame built: a boot replays every durable queue)
+        self._admit_new_queue(q, arguments, log=persistent and not self._replaying, policies=True)
         return q, True
 
     def _admit_new_queue(self, q: Queue, arguments: dict[str, Any], *, log: bool,
@@ -561,6 +569,11 @@ class VHost:
             except Exception:  # keep closing the rest
                 log.exception("closing queue %s", q.name)
         self.definitions.close()
+
+
+def _plain_store(args_cfg: features.QueueConfig, arguments: dict[str, Any]) -> bool:
+    """A queue kept in one ``QueueStore`` (not a priority or quorum queue's levels)."""
+    return not args_cfg.max_priority and queue_types.type_of(arguments) != queue_types.QUORUM
 
 
 def _locked(queue: str, vhost: str) -> str:

@@ -9,6 +9,7 @@ data dir: the broker itself finds its queues through the definitions log.
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 from broker.store.sink import NULL_SINK, ReplicationSink
@@ -33,3 +34,9 @@ def write_name(path: Path, name: str, sink: ReplicationSink = NULL_SINK) -> None
         path.write_bytes(data)
         if sink.active:
             sink.replace(path, data)
+
+
+def queue_path(vhost_dir: str, queue: str) -> str:
+    """``queue_dir`` as a ``str``: a boot makes one per durable queue, and a ``Path`` costs
+    about as much as the rest of replaying the queue's declaration."""
+    return os.path.join(vhost_dir, _sha1_hex(queue))

@@ -104,7 +104,7 @@ class SegmentFiles:
     within one call). A store given none has its own.
     """
 
-    __slots__ = ("full", "max_maps", "_maps", "evictions", "shutting_down", "opened")
+    __slots__ = ("full", "max_maps", "_maps", "evictions", "shutting_down", "opened", "deferred")
 
     def __init__(self, max_maps: int | None = None) -> None:
         self.full = False
@@ -120,6 +120,10 @@ class SegmentFiles:
         # the node makes them durable with one syncfs at boot (``sync_opened``); a store
         # still waiting fsyncs its own before it delivers (``QueueStore``).
         self.opened: list[Callable[[], None]] = []
+        # Durable queue stores a boot made without reading their directories
+        # (``queue_store.DeferredQueueStore``): each is read on first use, or by the node
+        # through ``open_deferred`` once it serves.
+        self.deferred: dict[SegmentLog[Any], None] = {}
 
     def sync_opened(self, directory: Path) -> int:
         """One syncfs of the filesystem holding ``directory`` (the data dir) for every open
@@ -130,6 +134,18 @@ class SegmentFiles:
             for synced in done:
                 synced()
         return len(done)
+
+    def deferred_dirs(self) -> list[str]:
+        """The directories of the deferred stores, in the order they were made."""
+        return [log_._dir for log_ in self.deferred]
+
+    def open_deferred(self, limit: int) -> int:
+        """Read up to ``limit`` of the deferred stores; returns how many are still unread."""
+        pending = self.deferred
+        for _ in range(min(limit, len(pending))):
+            store = pending.popitem()[0]  # the newest first (popping the oldest is O(n))
+            store.ensure_open()
+        return len(pending)
 
     @property
     def mapped(self) -> int:
@@ -279,6 +295,10 @@ class SegmentLog(Generic[S]):
     def directory(self) -> Path:
         """The log's directory (built on demand: the log keeps only a ``str``)."""
         return Path(self._dir)
+
+    def ensure_open(self) -> None:
+        """Nothing for an open log. A deferred queue store reads its directory on this
+        lookup, as on any other (``queue_store.DeferredQueueStore``)."""
 
     # ------------------------------------------------------------------ writing
 

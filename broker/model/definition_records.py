@@ -1,0 +1,88 @@
+"""Reading the records of a vhost's definitions log (``store/definitions.py``) at boot.
+
+Each record is one AMQP method frame on channel 0 as pamqp encodes it: frame type (1),
+channel, size, class and method ids, the method's arguments, frame end (0xCE). Boot
+replays one record per durable queue and binding; pamqp's generic decoder (a loop over
+the method's fields, one lookup and slice per field) cost about a third of the start of a
+node with 50,000 queues. The two records such a log is made of, ``queue.declare`` and
+``queue.bind`` with an empty argument table, are read here field by field into the same
+pamqp objects pamqp's ``unmarshal`` makes (defaults first, then the fields, no
+validation: a name stored once is replayed as it is). Anything else, and any record
+these readers do not take exactly to its end, goes to pamqp. The unit tests compare both
+readers on the same records.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Final
+
+from pamqp import commands
+from pamqp import frame as pframe
+from pamqp.base import Frame as PFrame
+
+_HEAD: Final = struct.Struct(">BHIHHH")  # frame type, channel, size, class, method, ticket
+_FRAME_METHOD: Final = 1
+_FRAME_END: Final = 0xCE
+_QUEUE: Final = 50
+_DECLARE: Final = 10
+_BIND: Final = 20
+_NO_ARGUMENTS: Final = b"\0\0\0\0"  # an empty field table
+
+
+def decode(record: bytes) -> PFrame | None:
+    """The method a record holds (None for a frame that is not a method);
+    raises ``pamqp.exceptions.UnmarshalingException`` for a malformed one, as pamqp does."""
+    method = _plain_queue_record(record)
+    if method is not None:
+        return method
+    _, _, decoded = pframe.unmarshal(record)
+    return decoded if isinstance(decoded, PFrame) else None
+
+
+def _plain_queue_record(record: bytes) -> PFrame | None:
+    """queue.declare / queue.bind without arguments, or None (let pamqp read it)."""
+    if len(record) < _HEAD.size + 6:
+        return None
+    ftype, _channel, size, cls, meth, _ticket = _HEAD.unpack_from(record)
+    end = len(record) - 1
+    if ftype != _FRAME_METHOD or cls != _QUEUE or size != end - 7 or record[end] != _FRAME_END:
+        return None
+    try:
+        pos = _HEAD.size
+        queue, pos = _short(record, pos)
+        if meth == _DECLARE:
+            bits = record[pos]
+            if record[pos + 1:end] != _NO_ARGUMENTS:
+                return None
+            declare = commands.Queue.Declare()
+            declare.queue = queue
+            declare.passive = bool(bits & 1)
+            declare.durable = bool(bits & 2)
+            declare.exclusive = bool(bits & 4)
+            declare.auto_delete = bool(bits & 8)
+            declare.nowait = bool(bits & 16)
+            return declare
+        if meth == _BIND:
+            exchange, pos = _short(record, pos)
+            routing_key, pos = _short(record, pos)
+            bits = record[pos]
+            if record[pos + 1:end] != _NO_ARGUMENTS:
+                return None
+            bind = commands.Queue.Bind()
+            bind.queue = queue
+            bind.exchange = exchange
+            bind.routing_key = routing_key
+            bind.nowait = bool(bits & 1)
+            return bind
+    except (IndexError, UnicodeDecodeError):
+        return None
+    return None
+
+
+def _short(record: bytes, pos: int) -> tuple[str, int]:
+    """A short string at ``pos`` (UTF-8, as pamqp decodes it) and the position after it."""
+    end = pos + 1 + record[pos]
+    if end > len(record):
+        raise IndexError(pos)
+    return record[pos + 1:end].decode("utf-8"), end
