@@ -206,6 +206,7 @@ async def publish(request: web.Request) -> web.Response:
     check_perm(request, "write", vh.name, ex.name)
     broker = request.app[MGMT_KEY].broker
     broker.stats.published += 1
+    broker.stats.sizes.observe(len(data))
     props_bytes = bytes(props.marshal())
     try:
         out = vh.publish(PublishRequest(ex.name, routing_key, props_bytes, data, int(time.time() * 1000),
