@@ -44,6 +44,16 @@ by ack mode as RabbitMQ does (``..._delivered_total`` / ``..._get_total`` withou
 acknowledgement, the ``_ack_total`` variants with it); the memory "limit" is the
 memory high watermark (the machine's RAM when the memory alarm is off;
 docs/flow-control.md).
+
+``GlobalCollector`` yields RabbitMQ's ``rabbit_global_counters`` (``rabbitmq_global_*``,
+what RabbitMQ's own Overview dashboard reads) and the body size histogram
+``rabbitmq_message_size_bytes``. Nothing new is counted per message for them but a
+body's size bucket (``broker.amqp.sizes``, once per run on the fast path): they are
+``Broker.stats`` read another way, the open channels' own counts (publishes in
+confirm mode, publishers, consumers) plus what closed channels left in the stats, and
+per-queue totals (routed, redelivered) kept monotonic by ``QueueTotals``. Every
+scrape's ``rabbitmq_identity_info`` says its endpoint (``rabbitmq_endpoint``:
+aggregated, per-object, detailed), as RabbitMQ's does; the dashboard selects on it.
 """
 
 from __future__ import annotations

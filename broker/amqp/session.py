@@ -574,18 +574,18 @@ class Session(AMQPConnection):
         if out is None:
             self.publish_each(channel, args, props, bodies)
             return
-        self._published(chs, bodies, 0, len(bodies), out.queues, out.sync)
+        self._published(chs, bodies, 0, len(bodies), out.queues, out.sync, same)
 
     def _published(self, chs: ChannelState, bodies: list[bytes], lo: int, hi: int, queues: list[Queue],
-                   sync: bool) -> None:
+                   sync: bool, same: bool = False) -> None:
         """Count the publishes ``bodies[lo:hi]`` on ``chs`` that the publish operation took at
-        once (a run or a batch): statistics, confirm sequence numbers, the queues to wake, the
-        sync flag."""
+        once (a run or a batch; ``same``: bodies of one length): statistics, confirm sequence
+        numbers, the queues to wake, the sync flag."""
         k = hi - lo
         self.batch_publishes += k
         stats = self.stats
         stats.published += k
-        stats.sizes.observe_run(bodies, lo, hi)
+        stats.sizes.observe_run(bodies, lo, hi, same)
         if chs.confirm:
             chs.publish_seq += k
             self._confirm_dirty.add(chs)

@@ -8,10 +8,12 @@ above), so its dashboards' ``le`` selectors find them. ``counts[i]`` holds the b
 ``BOUNDS[i]`` bytes and more than the bound before it (the last slot: more than every bound);
 the metrics collector turns them into Prometheus' cumulative buckets at scrape time.
 
-Cost: a single publish takes one ``bisect`` on an 8-entry tuple. A run of publishes (the fast
-path, ``observe_run``) measures its bodies with C-level ``map(len, ...)``, ``min`` and
-``max``, and when both ends fall into one bucket (the common case: similar messages) it adds
-the run's length to that bucket once; only a run that spans buckets is binned body by body.
+Cost: a run of publishes whose bodies are all of one length (the codec knows: ``same`` of
+``handle_publish_run``, the fast path) costs one bucket lookup for the whole run. Other runs
+and batches measure their bodies with C-level ``map(len, ...)``, ``min`` and ``max`` and, when
+both ends fall into one bucket (similar messages), add the count to that bucket once; only a
+run that spans buckets is binned body by body. A single publish looks its bucket up in a table
+of the sizes under 16 KiB (a ``bisect`` above that).
 """
 
 from __future__ import annotations
@@ -22,6 +24,14 @@ from itertools import islice
 
 # upper bounds in bytes, RabbitMQ's; a body of exactly a bound's size belongs to that bucket
 BOUNDS = (100, 1_000, 10_000, 100_000, 1_000_000, 10_000_000, 50_000_000, 100_000_000)
+_SMALL = bytes(bisect_left(BOUNDS, size) for size in range(16 * 1024))  # size -> bucket, 16 KiB
+
+
+def bucket(size: int) -> int:
+    try:
+        return _SMALL[size]
+    except IndexError:
+        return bisect_left(BOUNDS, size)
 
 
 class MessageSizes:
@@ -32,22 +42,32 @@ class MessageSizes:
         self.total = 0  # bytes
 
     def observe(self, size: int) -> None:
-        self.counts[bisect_left(BOUNDS, size)] += 1
+        try:
+            self.counts[_SMALL[size]] += 1
+        except IndexError:
+            self.counts[bisect_left(BOUNDS, size)] += 1
         self.total += size
 
-    def observe_run(self, bodies: Sequence[bytes | memoryview], lo: int = 0, hi: int | None = None) -> None:
-        """``bodies[lo:hi]``, counted without a Python-level step per body when they share a bucket."""
+    def observe_run(self, bodies: Sequence[bytes | memoryview], lo: int = 0, hi: int | None = None,
+                    same: bool = False) -> None:
+        """``bodies[lo:hi]``; ``same``: all of one length (one lookup), else counted without a
+        Python-level step per body when they share a bucket."""
         end = len(bodies) if hi is None else hi
         if end <= lo:
             return
-        sizes = list(map(len, bodies if lo == 0 and end == len(bodies) else islice(bodies, lo, end)))
-        first = bisect_left(BOUNDS, min(sizes))
         counts = self.counts
-        if first == bisect_left(BOUNDS, max(sizes)):
+        if same:
+            size = len(bodies[lo])
+            counts[bucket(size)] += end - lo
+            self.total += size * (end - lo)
+            return
+        sizes = list(map(len, bodies if lo == 0 and end == len(bodies) else islice(bodies, lo, end)))
+        first = bucket(min(sizes))
+        if first == bucket(max(sizes)):
             counts[first] += len(sizes)
         else:
             for size in sizes:
-                counts[bisect_left(BOUNDS, size)] += 1
+                counts[bucket(size)] += 1
         self.total += sum(sizes)
 
     def cumulative(self) -> list[tuple[float, int]]:
