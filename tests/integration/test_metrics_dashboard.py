@@ -39,7 +39,9 @@ import pika
 import pytest
 
 from ._support import SkredProcess, free_port, unique, wait_until
-from .test_cluster import Cluster, start_cluster, wait_for
+from .test_cluster import Cluster, cluster, start_cluster, wait_for
+
+__all__ = ["cluster"]  # test_cluster's fixture: three real nodes and a real etcd, stopped by PID
 
 PROMETHEUS = shutil.which("prometheus")
 DASHBOARD = Path(__file__).parent / "data" / "rabbitmq-overview-dashboard.json"
@@ -279,15 +281,6 @@ def broker(tmp_path: Path) -> Iterator[SkredProcess]:
 
 def test_every_overview_panel_returns_data(broker: SkredProcess, tmp_path: Path) -> None:
     run_dashboard(tmp_path, [f"127.0.0.1:{broker.metrics_port}"], broker.url)
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path)
-    try:
-        yield c
-    finally:
-        c.close()
 
 
 def test_every_overview_panel_returns_data_on_a_cluster(cluster: Cluster, tmp_path: Path) -> None:
