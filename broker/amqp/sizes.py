@@ -11,14 +11,15 @@ the metrics collector turns them into Prometheus' cumulative buckets at scrape t
 Cost: a run of publishes whose bodies are all of one length (the codec knows: ``same`` of
 ``handle_publish_run``, the fast path) costs one bucket lookup for the whole run. Other runs
 and batches measure their bodies with C-level ``map(len, ...)``, ``min`` and ``max`` and, when
-both ends fall into one bucket (similar messages), add the count to that bucket once; only a
-run that spans buckets is binned body by body. A single publish looks its bucket up in a table
-of the sizes under 16 KiB (a ``bisect`` above that).
+both ends fall into one bucket (similar messages), add the count to that bucket once; a run
+that spans buckets sorts its sizes (in C) and takes one ``bisect`` per bound it spans: no
+Python-level step per body. A single publish looks its bucket up in a table of the sizes under
+16 KiB (a ``bisect`` above that).
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from itertools import islice
 
@@ -62,12 +63,18 @@ class MessageSizes:
             self.total += size * (end - lo)
             return
         sizes = list(map(len, bodies if lo == 0 and end == len(bodies) else islice(bodies, lo, end)))
-        first = bucket(min(sizes))
-        if first == bucket(max(sizes)):
+        first, largest = bucket(min(sizes)), max(sizes)
+        last = bucket(largest)
+        if first == last:
             counts[first] += len(sizes)
-        else:
-            for size in sizes:
-                counts[bucket(size)] += 1
+        else:  # sorted (in C), each bound spanned is one bisect
+            sizes.sort()
+            below = 0
+            for i in range(first, last):
+                upto = bisect_right(sizes, BOUNDS[i])
+                counts[i] += upto - below
+                below = upto
+            counts[last] += len(sizes) - below
         self.total += sum(sizes)
 
     def cumulative(self) -> list[tuple[float, int]]:
