@@ -44,6 +44,16 @@ by ack mode as RabbitMQ does (``..._delivered_total`` / ``..._get_total`` withou
 acknowledgement, the ``_ack_total`` variants with it); the memory "limit" is the
 memory high watermark (the machine's RAM when the memory alarm is off;
 docs/flow-control.md).
+
+``GlobalCollector`` yields RabbitMQ's ``rabbit_global_counters`` (``rabbitmq_global_*``,
+what RabbitMQ's own Overview dashboard reads) and the body size histogram
+``rabbitmq_message_size_bytes``. Nothing new is counted per message for them but a
+body's size bucket (``broker.amqp.sizes``, once per run on the fast path): they are
+``Broker.stats`` read another way, the open channels' own counts (publishes in
+confirm mode, publishers, consumers) plus what closed channels left in the stats, and
+per-queue totals (routed, redelivered) kept monotonic by ``QueueTotals``. Every
+scrape's ``rabbitmq_identity_info`` says its endpoint (``rabbitmq_endpoint``:
+aggregated, per-object, detailed), as RabbitMQ's does; the dashboard selects on it.
 """
 
 from __future__ import annotations
@@ -59,8 +69,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from broker import __version__
 
@@ -196,24 +213,25 @@ class ClusterCollector(Collector):
         yield lag
 
 
-class NodeCollector(Collector):
-    """This node's identity, build, process, memory and disk, in RabbitMQ's names and Skred's."""
+AGGREGATED, PER_OBJECT, DETAILED = "aggregated", "per-object", "detailed"  # RabbitMQ's endpoint names
 
-    def __init__(self, data_dir: Path, identity: Callable[[], tuple[str, str]],
-                 disk_limit: Callable[[], int] = lambda: 0, sockets: Callable[[], int] = lambda: 0,
-                 memory_limit: Callable[[], int] = lambda: 0) -> None:
-        self.data_dir = data_dir
+
+class IdentityCollector(Collector):
+    """``rabbitmq_identity_info`` and ``rabbitmq_build_info``. ``rabbitmq_endpoint`` says which
+    scrape it is (``aggregated`` for ``/metrics``, ``per-object``, ``detailed``): RabbitMQ's
+    dashboards select on it, so that one node scraped on two endpoints counts once."""
+
+    def __init__(self, identity: Callable[[], tuple[str, str]], endpoint: str) -> None:
         self.identity = identity  # -> (node name, cluster name), read at scrape time
-        self.disk_limit = disk_limit
-        self.sockets = sockets
-        self.memory_limit = memory_limit  # the memory high watermark (0: off)
+        self.endpoint = endpoint
 
     def collect(self) -> Iterator[Metric]:
         node, cluster = self.identity()
         ident = InfoMetricFamily(
             f"{RABBIT}_identity", "RabbitMQ-style node identity: join on instance",
-            labels=["rabbitmq_node", "rabbitmq_cluster", "rabbitmq_cluster_permanent_id"])
-        ident.add_metric([node, cluster, cluster], {})
+            labels=["rabbitmq_node", "rabbitmq_cluster", "rabbitmq_cluster_permanent_id",
+                    "rabbitmq_endpoint"])
+        ident.add_metric([node, cluster, cluster, self.endpoint], {})
         yield ident
         build = InfoMetricFamily(f"{RABBIT}_build", "Versions (RabbitMQ's label names)",
                                  labels=["rabbitmq_version", "prometheus_plugin_version",
@@ -222,6 +240,22 @@ class NodeCollector(Collector):
         build.add_metric([RABBITMQ_VERSION, __version__, __version__, "none", "Skred", __version__,
                           platform.python_version()], {})
         yield build
+
+
+class NodeCollector(Collector):
+    """This node's identity, build, process, memory and disk, in RabbitMQ's names and Skred's."""
+
+    def __init__(self, data_dir: Path, identity: Callable[[], tuple[str, str]],
+                 disk_limit: Callable[[], int] = lambda: 0, sockets: Callable[[], int] = lambda: 0,
+                 memory_limit: Callable[[], int] = lambda: 0, endpoint: str = AGGREGATED) -> None:
+        self.data_dir = data_dir
+        self.identity = IdentityCollector(identity, endpoint)
+        self.disk_limit = disk_limit
+        self.sockets = sockets
+        self.memory_limit = memory_limit  # the memory high watermark (0: off)
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.identity.collect()
         memory, fds, limit_fds = resident_memory(), open_fds(), max_fds()
         free = disk_free(self.data_dir)
         doc_mem = "Resident memory of the broker process"
@@ -257,22 +291,45 @@ def cluster_registry(info: ClusterInfo, data_dir: Path | None = None,
     return registry
 
 
+class QueueTotals:
+    """Per-queue counters summed over every queue, kept monotonic across deletes: the last
+    value seen of a queue that is gone (or whose id a new queue took, seen as a value that
+    went down) moves to a retired total. Read at scrape time, nothing per message."""
+
+    def __init__(self, mgmt: Source, attrs: Sequence[str]) -> None:
+        self.mgmt = mgmt
+        self.attrs = tuple(attrs)
+        self._seen: dict[int, tuple[int, ...]] = {}
+        self._retired = [0] * len(self.attrs)
+
+    def totals(self) -> dict[str, int]:
+        attrs, retired, seen = self.attrs, self._retired, self._seen
+        current: dict[int, tuple[int, ...]] = {}
+        for vh in self.mgmt.broker.vhosts.values():
+            for q in vh.queues.values():
+                values = tuple(getattr(q, a) for a in attrs)
+                key = id(q)
+                before = seen.get(key)
+                if before is not None and any(v < b for v, b in zip(values, before, strict=True)):
+                    for i, b in enumerate(before):  # another queue at a recycled id
+                        retired[i] += b
+                current[key] = values
+        for key, values in seen.items():
+            if key not in current:
+                for i, v in enumerate(values):
+                    retired[i] += v
+        self._seen = current
+        sums = [sum(col) for col in zip(*current.values(), strict=True)] or [0] * len(attrs)
+        return {a: r + v for a, r, v in zip(attrs, retired, sums, strict=True)}
+
+
 class SkredCollector(Collector):
     def __init__(self, mgmt: Source) -> None:
         self.mgmt = mgmt
-        self._seen_redelivered: dict[int, int] = {}
-        self._retired_redelivered = 0
+        self.queue_totals = QueueTotals(mgmt, ("n_redelivered", "n_published"))
 
     def redelivered_total(self) -> int:
-        current: dict[int, int] = {}
-        for vh in self.mgmt.broker.vhosts.values():
-            for q in vh.queues.values():
-                current[id(q)] = q.n_redelivered
-        for key, value in self._seen_redelivered.items():
-            if key not in current:
-                self._retired_redelivered += value
-        self._seen_redelivered = current
-        return self._retired_redelivered + sum(current.values())
+        return self.queue_totals.totals()["n_redelivered"]
 
     def collect(self) -> Iterator[Metric]:
         mgmt = self.mgmt
@@ -395,6 +452,78 @@ class RabbitCollector(Collector):
                   self.mgmt.uptime_seconds())
 
 
+PROTOCOL = "amqp091"  # the label of RabbitMQ's per-protocol counters; Skred's management API counts in too
+QUEUE_TYPE = "rabbit_classic_queue"  # deliveries are not counted per queue type: all are under this one
+
+
+def _go_float(value: float) -> str:
+    """A bucket bound as Prometheus (Go) writes ``le``: ``100.0``, ``1e+06``, ``+Inf``."""
+    text: str = floatToGoString(value)  # type: ignore[no-untyped-call]
+    return text
+
+
+class GlobalCollector(Collector):
+    """RabbitMQ's ``rabbit_global_counters`` (``rabbitmq_global_*``, what its Overview dashboard
+    reads) and ``rabbitmq_message_size_bytes``, from ``Broker.stats``, the open channels and
+    the per-queue totals. Labels as RabbitMQ's: ``protocol``, and ``queue_type`` on the
+    delivery-side counters."""
+
+    def __init__(self, mgmt: Source, queue_totals: QueueTotals) -> None:
+        self.mgmt = mgmt
+        self.queue_totals = queue_totals
+
+    def collect(self) -> Iterator[Metric]:
+        broker = self.mgmt.broker
+        st = broker.stats
+        channels = [chs for s in list(broker.connections) for chs in s.chs.values()]
+        per_queue = self.queue_totals.totals()
+        protocol = (
+            ("messages_received", "Messages received from publishers", st.published),
+            ("messages_received_confirm", "Messages received from publishers expecting confirmations",
+             st.received_confirm + sum(chs.publish_seq for chs in channels)),
+            ("messages_routed", "Messages routed to queues (once per queue reached)",
+             per_queue["n_published"]),
+            ("messages_unroutable_dropped", "Messages published as non-mandatory and dropped as unroutable",
+             max(0, st.unroutable - st.returned)),
+            ("messages_unroutable_returned", "Messages published as mandatory and returned as unroutable",
+             st.returned),
+            ("messages_confirmed", "Messages confirmed to publishers", st.confirmed),
+        )
+        for name, doc, value in protocol:
+            fam = CounterMetricFamily(f"{RABBIT}_global_{name}", doc, labels=["protocol"])
+            fam.add_metric([PROTOCOL], value)
+            yield fam
+        for name, doc, value in (
+                ("publishers", "Channels that have published", sum(1 for chs in channels if chs.publisher)),
+                ("consumers", "Consumers on open channels", sum(len(chs.consumers) for chs in channels))):
+            gauge = GaugeMetricFamily(f"{RABBIT}_global_{name}", doc, labels=["protocol"])
+            gauge.add_metric([PROTOCOL], value)
+            yield gauge
+        gets_manual = st.gets - st.gets_autoack
+        by_queue_type = (
+            ("messages_delivered", "Messages delivered to consumers (consume and get)", st.delivered),
+            ("messages_delivered_consume_manual_ack", "Deliveries to consumers with manual acknowledgement",
+             max(0, st.delivered - st.gets - st.delivered_autoack)),
+            ("messages_delivered_consume_auto_ack", "Deliveries to consumers with automatic acknowledgement",
+             st.delivered_autoack),
+            ("messages_delivered_get_manual_ack", "basic.get deliveries with manual acknowledgement",
+             gets_manual),
+            ("messages_delivered_get_auto_ack", "basic.get deliveries with automatic acknowledgement",
+             st.gets_autoack),
+            ("messages_get_empty", "basic.get operations that fetched no message", st.gets_empty),
+            ("messages_redelivered", "Messages delivered again", per_queue["n_redelivered"]),
+            ("messages_acknowledged", "Messages acknowledged by consumers", st.acked),
+        )
+        for name, doc, value in by_queue_type:
+            fam = CounterMetricFamily(f"{RABBIT}_global_{name}", doc, labels=["protocol", "queue_type"])
+            fam.add_metric([PROTOCOL, QUEUE_TYPE], value)
+            yield fam
+        sizes = HistogramMetricFamily(f"{RABBIT}_message_size_bytes",
+                                      "Size of messages received from publishers", labels=["protocol"])
+        sizes.add_metric([PROTOCOL], [(_go_float(le), n) for le, n in st.sizes.cumulative()], st.sizes.total)
+        yield sizes
+
+
 _PER_QUEUE: tuple[tuple[str, str, str, Callable[[Any], float]], ...] = (
     ("queue_messages_ready", "gauge", "Ready messages", lambda q: q.message_count),
     ("queue_messages_unacked", "gauge", "Unacknowledged messages", lambda q: q.store.unacked_count),
@@ -506,9 +635,13 @@ class Metrics:
         self.registry.register(ClusterCollector(lambda: mgmt.cluster))
         self.registry.register(node)
         self.registry.register(RabbitCollector(mgmt, skred.redelivered_total))
+        self.registry.register(GlobalCollector(mgmt, skred.queue_totals))
+        identity = node.identity.identity
         self.per_object = CollectorRegistry(auto_describe=False)
-        self.per_object.register(node)
+        self.per_object.register(NodeCollector(mgmt.data_dir, identity, node.disk_limit, node.sockets,
+                                               node.memory_limit, PER_OBJECT))
         self.per_object.register(PerObjectCollector(mgmt))
+        self.detailed_identity = IdentityCollector(identity, DETAILED)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -517,12 +650,13 @@ class Metrics:
         return generate_latest(self.per_object)
 
     def render_detailed(self, families: Sequence[str], vhosts: Sequence[str]) -> bytes:
-        unknown = [f for f in families if f not in DETAILED_FAMILIES]
-        if unknown:
-            raise ValueError(f"unknown metric families: {', '.join(unknown)} "
-                             f"(known: {', '.join(DETAILED_FAMILIES)})")
+        """The requested families Skred serves (``DETAILED_FAMILIES``); any other requested
+        family is left out, as RabbitMQ leaves out the ones it does not know, so one family
+        Skred lacks never costs a scraper the rest."""
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(DetailedCollector(self.mgmt, families, vhosts))
+        registry.register(DetailedCollector(self.mgmt, [f for f in families if f in DETAILED_FAMILIES],
+                                            vhosts))
+        registry.register(self.detailed_identity)
         return generate_latest(registry)
 
 

@@ -60,6 +60,9 @@ class ChannelView(Protocol):
     def prefetch(self) -> int: ...
     @property
     def global_prefetch(self) -> int: ...
+    @property
+    def publisher(self) -> bool:
+        """Whether the channel has published (RabbitMQ's publishers gauge counts these)."""
 
 
 class ConnectionView(Protocol):
@@ -102,6 +105,16 @@ class ConnectionView(Protocol):
     def wakeup(self) -> None: ...
 
 
+class SizesView(Protocol):
+    """Body sizes of published messages (``broker.amqp.sizes.MessageSizes``)."""
+
+    total: int
+
+    def observe(self, size: int) -> None: ...
+
+    def cumulative(self) -> list[tuple[float, int]]: ...
+
+
 class StatsView(Protocol):
     """Global counters; the HTTP publish and get count themselves in."""
 
@@ -117,6 +130,9 @@ class StatsView(Protocol):
     channels_opened: int
     delivered_autoack: int  # of ``delivered``: without acknowledgement
     gets_autoack: int  # of ``gets``: without acknowledgement
+    received_confirm: int  # publishes on confirm-mode channels that have closed since
+    @property
+    def sizes(self) -> SizesView: ...
 
 
 class DiskAlarmView(Protocol):

@@ -20,6 +20,7 @@ from broker import __version__, errors
 from broker.amqp import codec
 from broker.amqp.alarms import Alarms, DiskAlarm
 from broker.amqp.memory import MemoryAlarm, watermark
+from broker.amqp.sizes import MessageSizes
 from broker.auth import sasl
 from broker.auth.users import UserStore
 from broker.config import Config
@@ -75,10 +76,13 @@ class GroupCommit(Protocol):
 
 
 class Stats:
-    """Plain integer counters: a publish costs one attribute increment."""
+    """Plain integer counters: a publish costs one attribute increment (and its size, one
+    histogram bucket). Counts that live on channels while they are open (publishes in confirm
+    mode) are added here when a channel closes; the metrics add the open channels' at scrape."""
 
     __slots__ = ("published", "delivered", "acked", "confirmed", "unroutable", "connections_opened",
-                 "returned", "gets", "gets_empty", "channels_opened", "delivered_autoack", "gets_autoack")
+                 "returned", "gets", "gets_empty", "channels_opened", "delivered_autoack", "gets_autoack",
+                 "received_confirm", "sizes")
 
     def __init__(self) -> None:
         self.published = 0
@@ -95,6 +99,8 @@ class Stats:
         # deliveries and gets by ack mode)
         self.delivered_autoack = 0
         self.gets_autoack = 0
+        self.received_confirm = 0  # publishes on confirm-mode channels since closed (chs.publish_seq)
+        self.sizes = MessageSizes()  # body sizes of ``published``
 
 
 log = logging.getLogger("skred")

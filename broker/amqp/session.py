@@ -66,7 +66,7 @@ class ChannelState:
         "id", "unacked", "next_tag", "consumers", "prefetch", "global_prefetch", "unacked_count",
         "flow", "confirm", "publish_seq", "confirmed", "needs_sync", "sync_deps", "sync_waiting", "tx",
         "deferred", "reply_token", "reply_tag", "open", "nacks", "head_tag", "head_since",
-        "last_queue",
+        "last_queue", "publishing",
     )
 
     def __init__(self, ch: int) -> None:
@@ -96,6 +96,12 @@ class ChannelState:
         self.head_tag = 0
         self.head_since = 0.0
         self.last_queue = ""  # the channel's last declared queue: what an empty queue name means
+        # published without confirms (confirm mode: publish_seq > 0): a publisher, in the metrics
+        self.publishing = False
+
+    @property
+    def publisher(self) -> bool:
+        return self.publishing or self.publish_seq > 0
 
 
 class SessionConsumer(Consumer):
@@ -459,6 +465,7 @@ class Session(AMQPConnection):
         if chs is None:
             return
         chs.open = False
+        self.broker.stats.received_confirm += chs.publish_seq  # the metrics count open channels' own
         self._confirm_dirty.discard(chs)
         for c in list(chs.consumers.values()):
             c.queue.remove_consumer(c)
@@ -492,6 +499,7 @@ class Session(AMQPConnection):
             self._confirm_dirty.add(chs)
         else:
             self.unanswered = True
+            chs.publishing = True
         try:
             if props[1] & FLAG_USER_ID:
                 self._check_user_id(props)
@@ -512,7 +520,9 @@ class Session(AMQPConnection):
         """One publish through the model's publish operation, answered in AMQP."""
         vh = self.vh
         assert vh is not None
-        self.stats.published += 1
+        stats = self.stats
+        stats.published += 1
+        stats.sizes.observe(len(body))
         flags = props[0] if props else 0
         if flags & HI_REPLY_TO:  # may need rewriting for direct reply-to
             props = self._rewrite_reply_to(chs, props)
@@ -620,18 +630,24 @@ class Session(AMQPConnection):
         if out is None:
             self.publish_each(channel, args, props, bodies)
             return
-        self._published(chs, len(bodies), out.queues, out.sync)
+        self._published(chs, bodies, 0, len(bodies), out.queues, out.sync, same)
 
-    def _published(self, chs: ChannelState, k: int, queues: list[Queue], sync: bool) -> None:
-        """Count ``k`` publishes on ``chs`` that the publish operation took at once (a run or
-        a batch): statistics, confirm sequence numbers, the queues to wake, the sync flag."""
+    def _published(self, chs: ChannelState, bodies: list[bytes], lo: int, hi: int, queues: list[Queue],
+                   sync: bool, same: bool = False) -> None:
+        """Count the publishes ``bodies[lo:hi]`` on ``chs`` that the publish operation took at
+        once (a run or a batch; ``same``: bodies of one length): statistics, confirm sequence
+        numbers, the queues to wake, the sync flag."""
+        k = hi - lo
         self.batch_publishes += k
-        self.stats.published += k
+        stats = self.stats
+        stats.published += k
+        stats.sizes.observe_run(bodies, lo, hi, same)
         if chs.confirm:
             chs.publish_seq += k
             self._confirm_dirty.add(chs)
         else:
             self.unanswered = True
+            chs.publishing = True
         for q in queues:
             if q.consumers:
                 self.batch_queues.add(q)
@@ -673,7 +689,7 @@ class Session(AMQPConnection):
                 self.publish_each(channel, args, props, bodies, i)
                 return
             if out.done > i:
-                self._published(chs, out.done - i, out.queues, out.sync)
+                self._published(chs, bodies, i, out.done, out.queues, out.sync)
                 for j in out.unroutable:
                     self._unroutable(chs, args[j], props[j], bodies[j])
                 i = out.done

@@ -211,6 +211,7 @@ async def publish(request: web.Request) -> web.Response:
     _check_topic(request, vh.name, ex, routing_key, "write")
     broker = request.app[MGMT_KEY].broker
     broker.stats.published += 1
+    broker.stats.sizes.observe(len(data))
     props_bytes = bytes(props.marshal())
     try:
         out = vh.publish(PublishRequest(ex.name, routing_key, props_bytes, data, int(time.time() * 1000),
