@@ -3,13 +3,14 @@
 Theory of operation: a ``Target`` names a broker's host and ports. ``run`` executes a scenario
 against one target and returns its ``Run`` (transcript, close texts); an exception inside the
 scenario (a read that timed out, a socket error) is recorded as the transcript's last entry, so
-it is diffed like any other observation. ``compare`` runs both targets at once on two threads
+it is diffed like any other observation. ``compare_modes`` runs the targets at once on threads
 (the brokers are independent; a scenario's own steps stay sequential) and returns a ``Result``
 whose ``diff`` is a unified diff of the pretty-printed transcripts, or ``""`` when equal.
 """
 
 from __future__ import annotations
 
+import copy
 import difflib
 import re
 from collections import Counter
@@ -96,12 +97,26 @@ def reconcile(a: Run, b: Run) -> None:
         b.transcript[i] = (*rb[:4], [k for k in rb[4] if k in set(wanted)])
 
 
-def compare(scn: Scenario, reference: Target, skred: Target) -> Result:
-    with ThreadPoolExecutor(2) as pool:
-        fa, fb = pool.submit(run, scn, reference), pool.submit(run, scn, skred)
-        a, b = fa.result(), fb.result()
-    reconcile(a, b)
-    ra, rb = render(a), render(b)
-    diff = "" if ra == rb else "\n".join(
-        difflib.unified_diff(ra, rb, reference.name, skred.name, lineterm="", n=3))
-    return Result(a, b, diff)
+def compare_modes(scn: Scenario, reference: Target, skreds: dict[str, Target],
+                  groups: tuple[tuple[str, ...], ...]) -> dict[str, Result]:
+    """Run ``scn`` once against the reference and against every Skred target, each group of
+    targets on a thread of its own (the targets of a group one after the other: a cluster's
+    leader and follower share its state), and diff each Skred run against the same reference run."""
+    def in_turn(modes: tuple[str, ...]) -> list[Run]:
+        return [run(scn, skreds[m]) for m in modes]
+
+    with ThreadPoolExecutor(1 + len(groups)) as pool:
+        ref = pool.submit(run, scn, reference)
+        done = [pool.submit(in_turn, g) for g in groups]
+        a = ref.result()
+        runs = {m: r for g, f in zip(groups, done, strict=True) for m, r in zip(g, f.result(), strict=True)}
+    out = {}
+    for mode, b in runs.items():
+        mine = copy.copy(a)  # reconcile rewrites the reference's transcript for each comparison
+        mine.transcript = list(a.transcript)
+        reconcile(mine, b)
+        ra, rb = render(mine), render(b)
+        diff = "" if ra == rb else "\n".join(
+            difflib.unified_diff(ra, rb, reference.name, skreds[mode].name, lineterm="", n=3))
+        out[mode] = Result(mine, b, diff)
+    return out
