@@ -229,14 +229,11 @@ class _Reader:
 
 
 def utf8(raw: bytes) -> str:
-    """A string as MQTT allows it: well-formed UTF-8 without U+0000 (section 1.5.3)."""
+    """``props.utf8``: a malformed string makes a malformed packet."""
     try:
-        s = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise MalformedPacket("a string is not well-formed UTF-8") from None
-    if "\x00" in s:
-        raise MalformedPacket("a string contains U+0000")
-    return s
+        return PR.utf8(raw)
+    except PR.PropertyError as exc:
+        raise MalformedPacket(str(exc)) from None
 
 
 def _packet_id(r: _Reader) -> int:

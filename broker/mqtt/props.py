@@ -101,15 +101,20 @@ def varint(n: int) -> bytes:
             return bytes(out)
 
 
-def _string(b: bytes, pos: int) -> tuple[str, int]:
-    raw, pos = _binary(b, pos)
+def utf8(raw: bytes) -> str:
+    """A string as MQTT allows it: well-formed UTF-8 without U+0000 (section 1.5.3)."""
     try:
         s = raw.decode("utf-8")
     except UnicodeDecodeError:
-        raise PropertyError("a string property is not well-formed UTF-8") from None
+        raise PropertyError("a string is not well-formed UTF-8") from None
     if "\x00" in s:
-        raise PropertyError("a string property contains U+0000")
-    return s, pos
+        raise PropertyError("a string contains U+0000")
+    return s
+
+
+def _string(b: bytes, pos: int) -> tuple[str, int]:
+    raw, pos = _binary(b, pos)
+    return utf8(raw), pos
 
 
 def _binary(b: bytes, pos: int) -> tuple[bytes, int]:
