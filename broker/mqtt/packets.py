@@ -69,8 +69,6 @@ RC_PACKET_TOO_LARGE = 0x95
 RC_QUOTA_EXCEEDED = 0x97
 RC_SHARED_NOT_SUPPORTED = 0x9E
 
-MAX_REMAINING = 268_435_455  # four bytes of variable-length encoding (section 2.2.3)
-
 _U16 = struct.Struct("!H")
 
 
@@ -435,17 +433,13 @@ class Parser:
 
 # ------------------------------------------------------------------ encoders (server to client)
 
-def _remaining(n: int) -> bytes:
-    return PR.varint(n)
-
-
 def _str(s: str) -> bytes:
     b = s.encode()
     return _U16.pack(len(b)) + b
 
 
 def _packet(first: int, body: bytes) -> bytes:
-    return bytes((first,)) + _remaining(len(body)) + body
+    return bytes((first,)) + PR.varint(len(body)) + body
 
 
 def encode_connack(session_present: bool, code: int, props: Props | None = None, v5: bool = False) -> bytes:
@@ -459,7 +453,7 @@ def encode_publish(topic: str, payload: bytes, qos: int, retain: bool, dup: bool
     if v5:
         head += PR.write(props)
     flags = (8 if dup else 0) | (qos << 1) | (1 if retain else 0)
-    return bytes((PUBLISH << 4 | flags,)) + _remaining(len(head) + len(payload)) + head + payload
+    return bytes((PUBLISH << 4 | flags,)) + PR.varint(len(head) + len(payload)) + head + payload
 
 
 def encode_packet_id(kind: int, packet_id: int, reason: int = 0, props: Props | None = None) -> bytes:

@@ -193,8 +193,6 @@ class MQTTSession:
         self.aliases: dict[int, str] = {}  # MQTT 5 inbound topic aliases
         self.filters: dict[str, tuple[int, int]] = {}  # filter -> (options, subscription id or 0)
         self.closed = False
-        self.published = 0
-        self.delivered = 0
 
     # ------------------------------------------------------------------ connect
     def start(self, connect: P.Connect, user: User, vhost: VHost) -> None:
@@ -392,7 +390,6 @@ class MQTTSession:
             return None
         if out.rejected:
             return None
-        self.published += 1
         return out
 
     # ------------------------------------------------------------------ subscribe
@@ -542,7 +539,6 @@ class MQTTSession:
             if settle is not None:
                 settle[0].ack(settle[1])
             return
-        self.delivered += 1
         if qos:
             self.inflight[pid] = settle
         elif settle is not None:  # a QoS 0 message in the QoS 1 queue: settled once written
@@ -629,7 +625,3 @@ class MQTTSession:
             send()
         else:
             self.registry.delayed_wills[key] = self.registry.call_later(delay, send)
-
-    def stats(self) -> dict[str, Any]:
-        return {"client_id": self.client_id, "published": self.published, "delivered": self.delivered,
-                "inflight": len(self.inflight)}
