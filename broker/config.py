@@ -257,6 +257,12 @@ class MainConfig:
         metadata=_meta("More certificates chosen by the client's server name (SNI): comma-separated "
                        "NAME=CERT_FILE:KEY_FILE (NAME may start with '*.'); other names get tls_cert."),
     )
+    auth_backends: str = field(
+        default="internal",
+        metadata=_meta("Comma-separated authentication backends, tried in order on every login: "
+                       "internal (users.json; 'local' is the same), oauth (JWT access tokens, see "
+                       "[oauth] and docs/oauth.md)."),
+    )
 
 
 @dataclass(frozen=True)
@@ -460,6 +466,42 @@ class MqttConfig:
 
 
 @dataclass(frozen=True)
+class OAuthConfig:
+    """OAuth 2 / OpenID Connect access tokens (``broker/auth/oauth.py``; docs/oauth.md)."""
+
+    issuer: str = field(default="", metadata=_meta(
+        "Issuer URL of the OpenID Connect provider: tokens' iss must equal it, and its keys are found "
+        "at <issuer>/.well-known/openid-configuration."))
+    jwks_uri: str = field(default="", metadata=_meta("JWKS URL (empty: from the issuer's discovery)."))
+    resource_server_id: str = field(default="", metadata=_meta(
+        "This broker's id at the provider: the default audience and scope prefix ('<id>.')."))
+    audience: str = field(default="", metadata=_meta(
+        "Comma-separated audiences a token's aud must name one of (empty: resource_server_id)."))
+    verify_aud: bool = field(default=True, metadata=_meta("Check the token's aud claim."))
+    scope_prefix: str = field(default="", metadata=_meta(
+        "Prefix of the scopes that grant permissions (empty: '<resource_server_id>.')."))
+    additional_scopes_key: str = field(default="", metadata=_meta(
+        "A claim with more scopes, besides 'scope' (empty: none)."))
+    preferred_username_claims: str = field(default="preferred_username,sub", metadata=_meta(
+        "Comma-separated claims the user name is taken from, the first present wins."))
+    leeway: int = field(default=5, metadata=_meta(
+        "Seconds of clock skew allowed when checking exp and nbf.", lo=0, hi=300))
+    jwks_cache_ttl: int = field(default=3600, metadata=_meta(
+        "Seconds between fetches of the issuer's keys.", lo=1, hi=86400 * 7))
+    jwks_min_refresh: int = field(default=10, metadata=_meta(
+        "A token signed with an unknown key fetches the keys again at most this often, seconds.",
+        lo=0, hi=3600))
+    fetch_timeout: int = field(default=5, metadata=_meta(
+        "Seconds a fetch of the discovery document or the keys may take.", lo=1, hi=60))
+    client_id: str = field(default="", metadata=_meta(
+        "OAuth client id of the management UI's login (empty: no 'Sign in with' button)."))
+    ui_scopes: str = field(default="openid profile", metadata=_meta(
+        "Space-separated scopes the management UI asks for besides the resource server's."))
+    provider_name: str = field(default="", metadata=_meta(
+        "Name on the UI's 'Sign in with ...' button (empty: the issuer's host)."))
+
+
+@dataclass(frozen=True)
 class Config:
     main: MainConfig
     amqp: AmqpConfig = field(default_factory=AmqpConfig)
@@ -467,6 +509,7 @@ class Config:
     clustering: ClusteringConfig = field(default_factory=ClusteringConfig)
     lmq: LmqConfig = field(default_factory=LmqConfig)
     mqtt: MqttConfig = field(default_factory=MqttConfig)
+    oauth: OAuthConfig = field(default_factory=OAuthConfig)
 
 
 SECTIONS: dict[str, type[Any]] = {
@@ -476,6 +519,7 @@ SECTIONS: dict[str, type[Any]] = {
     "clustering": ClusteringConfig,
     "lmq": LmqConfig,
     "mqtt": MqttConfig,
+    "oauth": OAuthConfig,
 }
 
 _TRUE = frozenset({"true", "yes", "1", "on"})

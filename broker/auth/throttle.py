@@ -77,6 +77,9 @@ async def check_login(users: UserStore, name: str, password: str, source: str, w
         raise TooManyFailures(f"too many failed logins from {key}; retry later")
     if wait:
         await asyncio.sleep(wait)
+    keys = users.pending(password)  # a token signed by a key not fetched yet (broker.auth.oauth)
+    if keys is not None:
+        await keys
     user = users.authenticate(name, password)
     if user is None or not users.allowed_from(user, source):
         if throttle.failed(key, time.monotonic()):

@@ -25,6 +25,11 @@ exchanges on top of that (``TopicPermission``, on RE2 too), and user limits cap 
 connections and channels; every change is announced to ``on_change`` listeners so that open
 connections drop the checks they remembered. Users in ``loopback_users`` (``guest`` by
 default, as in RabbitMQ) may log in only from a loopback address.
+
+Logins walk ``backends`` in order (``[main] auth_backends``): ``internal`` is this table,
+``oauth`` an access token (``broker.auth.oauth``), whose user is not in the table but carries
+its own grants (``User.grants``) and expiry: the checks below answer from those for such a
+user, and treat it as unknown once it has expired.
 """
 
 from __future__ import annotations
@@ -33,10 +38,11 @@ import dataclasses
 import functools
 import ipaddress
 import logging
-from collections.abc import Callable, Iterable, Mapping
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from broker.auth.names import check_name
 from broker.auth.passwords import HASHING_ALGORITHM, check_password, hash_password
@@ -45,6 +51,9 @@ from broker.errors import StoreError
 from broker.patterns import Pattern, PatternError, compile_pattern
 from broker.store.jsonstore import read_json, write_json
 from broker.store.sink import ReplicationSink
+
+if TYPE_CHECKING:
+    from broker.auth.oauth_scopes import ScopeGrants
 
 log = logging.getLogger(__name__)
 
@@ -149,10 +158,29 @@ class User:
     # (vhost, exchange) -> topic permission; RabbitMQ's per-user limits (max-connections, ...)
     topic_permissions: Mapping[tuple[str, str], TopicPermission] = field(default_factory=dict)
     limits: Mapping[str, int] = field(default_factory=dict)
+    # a token's user (broker.auth.oauth): what its scopes grant, and when it expires (time.time())
+    grants: ScopeGrants | None = field(default=None, compare=False)
+    expires_at: float | None = None
 
     @property
     def is_administrator(self) -> bool:
         return "administrator" in self.tags
+
+    def expired(self, now: float | None = None) -> bool:
+        return self.expires_at is not None and (time.time() if now is None else now) >= self.expires_at
+
+
+class TokenBackend(Protocol):
+    """What the user store asks of the ``oauth`` backend (``broker.auth.oauth.TokenAuth``)."""
+
+    def user(self, secret: str) -> User:
+        """The token's user; ValueError (its reason, for the log) when refused."""
+
+    def pending(self, secret: str) -> Awaitable[None] | None:
+        """What to await before ``user(secret)`` (a fetch of the issuer's keys), or None."""
+
+
+BACKENDS = ("internal", "oauth")
 
 
 def _normalise_tags(tags: Iterable[str]) -> tuple[str, ...]:
@@ -200,6 +228,8 @@ class UserStore:
         # failed logins per source address (AMQP and HTTP share it); runtime only, not persisted
         self.throttle = throttle if throttle is not None else LoginThrottle()
         self._users: dict[str, User] = {}
+        self.backends: tuple[str, ...] = ("internal",)  # [main] auth_backends, in order
+        self.tokens: TokenBackend | None = None  # the oauth backend, set by the node
         # called after every change: front ends forget the permission checks they remembered
         self.on_change: list[Callable[[], None]] = []
         data = read_json(path, None)
@@ -230,21 +260,48 @@ class UserStore:
         return [self._users[name] for name in sorted(self._users)]
 
     def authenticate(self, username: str, password: str) -> User | None:
-        """The user when the password matches, else None (unknown users take as long)."""
-        user = self._users.get(username)
-        if user is None or not user.password_hash:
-            check_password(password, _DUMMY_HASH)
+        """The user the credentials log in as, by the first backend that accepts them, else None
+        (unknown users take as long). An ``oauth`` login is the token's user, whatever
+        ``username`` says (as RabbitMQ)."""
+        return self._login(username, password)[0]
+
+    def _login(self, username: str, password: str) -> tuple[User | None, str]:
+        reasons: list[str] = []
+        for backend in self.backends:
+            if backend == "oauth" and self.tokens is not None:
+                try:
+                    return self.tokens.user(password), ""
+                except ValueError as exc:
+                    reasons.append(f"token refused: {exc}")
+            elif backend == "internal":
+                user = self._users.get(username)
+                if user is None or not user.password_hash:
+                    check_password(password, _DUMMY_HASH)
+                    reasons.append("unknown user" if user is None else "user has no password")
+                elif check_password(password, user.password_hash, user.hashing_algorithm):
+                    return user, ""
+                else:
+                    reasons.append("wrong password")
+        return None, "; ".join(reasons) or "no authentication backend"
+
+    def pending(self, password: str) -> Awaitable[None] | None:
+        """What a front end awaits before checking ``password`` (a token's keys), or None."""
+        if self.tokens is None or "oauth" not in self.backends:
             return None
-        return user if check_password(password, user.password_hash, user.hashing_algorithm) else None
+        return self.tokens.pending(password)
 
     def login_refusal(self, username: str, password: str, peer_ip: str) -> str | None:
         """Why a login is refused (None: accepted): for the log, never for the client."""
-        user = self.authenticate(username, password)
+        return self.login(username, password, peer_ip)[1]
+
+    def login(self, username: str, password: str, peer_ip: str) -> tuple[User | None, str | None]:
+        """(the user, None) for an accepted login, (None, why it was refused) otherwise."""
+        user, reason = self._login(username, password)
         if user is None:
-            return "unknown user" if username not in self._users else "wrong password"
+            return None, reason
         if not self.allowed_from(user, peer_ip):
-            return f"user {username!r} may only log in from a loopback address, not {peer_ip}"
-        return None
+            return None, f"user {user.name!r} may only log in from a loopback address, not {peer_ip}"
+        return user, None
 
     def throttle_key(self, peer_ip: str, username: str) -> str:
         """The login throttle's key of a login as ``username`` from ``peer_ip``."""
@@ -257,6 +314,8 @@ class UserStore:
 
     def has_vhost_access(self, user: User | str, vhost: str) -> bool:
         found = self._resolve(user)
+        if found is not None and found.grants is not None:
+            return found.grants.vhost_access(vhost)
         return found is not None and vhost in found.permissions
 
     def can_configure(self, user: User | str, vhost: str, resource_name: str) -> bool:
@@ -275,11 +334,15 @@ class UserStore:
         found = self._resolve(user)
         if found is None:
             return False
+        if found.grants is not None:
+            return found.grants.topic_allows(action, vhost, exchange, routing_key)
         topic = found.topic_permissions.get((vhost, exchange))
         return topic is None or topic.allows(action, routing_key, found.name, vhost)
 
     def has_topic_permission(self, user: User | str, vhost: str, exchange: str) -> bool:
         found = self._resolve(user)
+        if found is not None and found.grants is not None:
+            return found.grants.has_topic_patterns(vhost, exchange)
         return found is not None and (vhost, exchange) in found.topic_permissions
 
     # -- changes (each rewrites users.json) ---------------------------------------------------
@@ -368,13 +431,18 @@ class UserStore:
 
     # -- internals ----------------------------------------------------------------------------
     def _resolve(self, user: User | str) -> User | None:
-        # Look the name up even for a User object, so a deleted or changed user loses access at once.
+        # Look the name up even for a User object, so a deleted or changed user loses access at once;
+        # a token's user is its own record, until it expires.
+        if isinstance(user, User) and user.grants is not None:
+            return None if user.expired() else user
         return self._users.get(user if isinstance(user, str) else user.name)
 
     def _allows(self, user: User | str, vhost: str, action: str, resource_name: str) -> bool:
         found = self._resolve(user)
         if found is None:
             return False
+        if found.grants is not None:
+            return found.grants.allows(action, vhost, resource_name or "amq.default")
         permission = found.permissions.get(vhost)
         return permission is not None and permission.allows(action, resource_name)
 

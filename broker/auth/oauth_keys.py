@@ -1,0 +1,111 @@
+"""The issuer's signing keys: OpenID Connect discovery, then its JWKS, cached and refreshed.
+
+Theory of operation
+-------------------
+At start the node fetches ``<issuer>/.well-known/openid-configuration`` (OpenID Connect
+Discovery 1.0) and from it ``jwks_uri`` (or ``[oauth] jwks_uri`` when set, skipping
+discovery), and hands the keys to ``TokenAuth``. A provider that cannot be reached at start
+is logged, not fatal: the first token asks again. The keys are fetched anew every
+``jwks_cache_ttl`` seconds, and on demand when a token names a ``kid`` we do not hold (the
+provider rotated its keys): concurrent askers share one fetch, and a fetch happens at most
+once per ``jwks_min_refresh`` seconds, so tokens with made-up ``kid`` cannot make us hammer
+the provider. Every fetch has a time bound (``fetch_timeout``) and a size bound
+(``MAX_DOCUMENT``); a failed fetch keeps the keys we had.
+
+This is the only module of ``broker.auth`` that does IO; the node composes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable
+from typing import Any
+
+import aiohttp
+
+from broker.auth.oauth import TokenAuth, read_jwks
+
+log = logging.getLogger(__name__)
+
+DISCOVERY_PATH = "/.well-known/openid-configuration"
+MAX_DOCUMENT = 1 << 20  # bytes of a discovery or JWKS document
+
+
+class OAuthKeys:
+    def __init__(self, auth: TokenAuth, issuer: str, *, jwks_uri: str = "", cache_ttl: float = 3600,
+                 min_refresh: float = 10, timeout: float = 5) -> None:
+        self.auth = auth
+        self.issuer = issuer.rstrip("/")
+        self.jwks_uri = jwks_uri
+        self.cache_ttl = cache_ttl
+        self.min_refresh = min_refresh
+        self.timeout = timeout
+        self.discovery: dict[str, Any] = {}  # the provider's metadata (the UI's login reads it)
+        self.fetches = 0  # JWKS fetches attempted, for tests
+        self._last = -float("inf")
+        self._inflight: asyncio.Task[None] | None = None
+        self._ticker: asyncio.Task[None] | None = None
+        auth.refresh = self.refresh
+
+    async def start(self) -> None:
+        await self._fetch_logged()
+        self._ticker = asyncio.create_task(self._tick())
+
+    async def close(self) -> None:
+        for task in (self._ticker, self._inflight):
+            if task is not None:
+                task.cancel()
+
+    def refresh(self, kid: str) -> Awaitable[None] | None:
+        """A fetch of the keys for ``kid``'s sake: the one under way, a new one, or None when
+        the last fetch was less than ``min_refresh`` seconds ago."""
+        if self._inflight is not None and not self._inflight.done():
+            return asyncio.shield(self._inflight)
+        if time.monotonic() - self._last < self.min_refresh:
+            return None
+        log.info("OAuth: token signed with unknown key %r: fetching the issuer's keys", kid[:64])
+        self._inflight = asyncio.ensure_future(self._fetch_logged())
+        return asyncio.shield(self._inflight)
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(self.cache_ttl)
+            if self._inflight is None or self._inflight.done():
+                self._inflight = asyncio.ensure_future(self._fetch_logged())
+
+    async def _fetch_logged(self) -> None:
+        self._last = time.monotonic()
+        self.fetches += 1
+        try:
+            await asyncio.wait_for(self._fetch(), self.timeout)
+        except (OSError, aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            log.warning("OAuth: could not fetch the keys of issuer %s: %s", self.issuer,
+                        str(exc) or type(exc).__name__)
+
+    async def _fetch(self) -> None:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout)) as http:
+            if not self.discovery:
+                self.discovery = await _get_json(http, self.issuer + DISCOVERY_PATH)
+            uri = self.jwks_uri or self.discovery.get("jwks_uri")
+            if not isinstance(uri, str) or not uri:
+                raise ValueError("the issuer's discovery document names no jwks_uri")
+            keys = read_jwks(await _get_json(http, uri))
+        self.auth.set_keys(keys)
+        log.info("OAuth: %d signing key(s) of issuer %s: %s", len(keys), self.issuer,
+                 ", ".join(sorted(keys)))
+
+
+async def _get_json(http: aiohttp.ClientSession, url: str) -> dict[str, Any]:
+    async with http.get(url, allow_redirects=False) as resp:
+        if resp.status != 200:
+            raise ValueError(f"GET {url}: HTTP {resp.status}")
+        body = await resp.content.read(MAX_DOCUMENT + 1)
+        if len(body) > MAX_DOCUMENT:
+            raise ValueError(f"GET {url}: document larger than {MAX_DOCUMENT} bytes")
+    document = json.loads(body)
+    if not isinstance(document, dict):
+        raise ValueError(f"GET {url}: not a JSON object")
+    return document
