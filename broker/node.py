@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING
 
 from broker import metrics, tls
 from broker.amqp.broker import Broker
+from broker.auth.oauth_keys import OAuthKeys, start_oauth
 from broker.auth.parameters import FILE_NAME as PARAMETERS_FILE
 from broker.auth.parameters import GlobalParameters
 from broker.auth.throttle import LoginThrottle
@@ -141,6 +142,7 @@ class Node:
         self.tls: tls.ServerTLS | None = None
         self.lmq: LMQServer | None = None
         self.mqtt: MQTTServer | None = None
+        self.oauth: OAuthKeys | None = None  # the issuer's keys, with oauth in [main] auth_backends
         self._loop: asyncio.AbstractEventLoop | None = None
         self._syncer: Syncer | None = None
         self._files: SegmentFiles | None = None  # made at load(), after the fd limit was raised
@@ -206,6 +208,7 @@ class Node:
             RELOADER.node = self
         try:
             broker = self.broker = self.load(loop)
+            self.oauth = await start_oauth(cfg, broker.users)
             assert self.vhost_store is not None
             mgmt = self.mgmt = Mgmt(broker, self.vhost_store, self.make_vhost, cfg.main.data_dir,
                                     cfg.main.data_dir / "transient",
@@ -460,6 +463,9 @@ class Node:
         if self.mqtt is not None:
             await self.mqtt.stop()
             self.mqtt = None
+        if self.oauth is not None:
+            await self.oauth.close()
+            self.oauth = None
         if self.lmq is not None:
             await self.lmq.stop()
             self.lmq = None

@@ -22,7 +22,7 @@ from broker.amqp.alarms import Alarms, DiskAlarm
 from broker.amqp.memory import MemoryAlarm, watermark
 from broker.amqp.sizes import MessageSizes
 from broker.auth import sasl
-from broker.auth.users import UserStore
+from broker.auth.users import User, UserStore
 from broker.config import Config
 from broker.model.vhost import VHost
 
@@ -42,6 +42,24 @@ def start_ok_user(data: bytes) -> str | None:
     names none or is not a start-ok), or None when the frame is not complete yet; for the login
     throttle, which must know the user before the credentials are checked. Frames longer than the
     spec's pre-tune limit are not waited for ("")."""
+    found = _start_ok(data)
+    return found if found is NEED_MORE or isinstance(found, str) else sasl.login_name(*found)
+
+
+def start_ok_secret(data: bytes) -> str:
+    """The password (or token) of the complete connection.start-ok at the start of ``data``, ""
+    when it has none (EXTERNAL, malformed, not a start-ok)."""
+    found = _start_ok(data)
+    if found is NEED_MORE or isinstance(found, str):
+        return ""
+    try:
+        return sasl.credentials(*found)[1]
+    except errors.ConnectionAccessRefused:
+        return ""
+
+
+def _start_ok(data: bytes) -> tuple[str, bytes] | str | None:
+    """(mechanism, response) of a start-ok at the start of ``data``; NEED_MORE; "" otherwise."""
     if len(data) < codec.FRAME_HDR.size:
         return NEED_MORE
     kind, _channel, size = codec.FRAME_HDR.unpack_from(data)
@@ -58,7 +76,8 @@ def start_ok_user(data: bytes) -> str | None:
         return ""
     if not isinstance(method, commands.Connection.StartOk):
         return ""
-    return sasl.login_name(str(method.mechanism), raw)
+    return str(method.mechanism), raw
+
 
 class GroupCommit(Protocol):
     """What the AMQP glue needs of the node's group commit (``broker.syncer.Syncer``)."""
@@ -158,11 +177,8 @@ class Broker:
     def server_properties(self) -> dict[str, Any]:
         return self._server_properties
 
-    def check_login(self, username: str, password: str, peer_ip: str) -> bool:
-        return self.users.login_refusal(username, password, peer_ip) is None
-
     def authenticate(self, mechanism: str, response: bytes, peer_ip: str, name: str,
-                     peer_tls: PeerTLS | None) -> str:
+                     peer_tls: PeerTLS | None) -> User:
         """The user a connection.start-ok logs in as, or ConnectionAccessRefused.
 
         The listener has already waited out this source's login throttle
@@ -171,10 +187,12 @@ class Broker:
         """
         throttle = self.users.throttle
         key = self.users.throttle_key(peer_ip, sasl.login_name(mechanism, response))
+        found: User | None
         if mechanism == "EXTERNAL":
             user = peer_tls.login_name(self.config.main.tls_cert_login_from) if peer_tls else None
-            ok = (user is not None and self.users.get(user) is not None
-                  and self.users.allowed_from(user, peer_ip))
+            found = self.users.get(user) if user is not None else None
+            if found is not None and not self.users.allowed_from(found, peer_ip):
+                found = None
             reason = "no verified client certificate" if user is None else "unknown user"
         else:
             try:
@@ -182,13 +200,11 @@ class Broker:
             except errors.ConnectionAccessRefused:
                 throttle.failed(key, time.monotonic())
                 raise
-            refusal = self.users.login_refusal(user, password, peer_ip)
-            ok = refusal is None
+            found, refusal = self.users.login(user, password, peer_ip)
             reason = refusal or ""
-        if ok:
-            assert user is not None
+        if found is not None:
             throttle.succeeded(key)
-            return user
+            return found
         if throttle.failed(key, time.monotonic()):
             log.warning("login refused for user %r from %s (mechanism %s: %s)", user, name, mechanism, reason)
         raise errors.ConnectionAccessRefused(

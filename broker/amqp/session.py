@@ -43,6 +43,7 @@ from broker.properties import FLAG_REPLY_TO, FLAG_USER_ID, HI_REPLY_TO
 
 if TYPE_CHECKING:
     from broker.amqp.broker import Broker
+    from broker.auth.users import User
     from broker.model.vhost import VHost
     from broker.tls import PeerTLS
 
@@ -320,6 +321,7 @@ class Session(AMQPConnection):
         self.recv_cnt = self.recv_oct = self.send_cnt = self.send_oct = 0
         self.tls: PeerTLS | None = None  # set by the listener for an AMQPS connection
         self.auth_mechanism = ""
+        self.principal: User | None = None  # who logged in (broker.auth.users; a token's user)
         self.batch_publishes = 0  # publishes in the current read batch (fairness)
         self.flush_pending = False  # a flush of ``out`` is already scheduled
         self.flush_now: Callable[[], None] | None = None  # set by the network layer
@@ -346,21 +348,33 @@ class Session(AMQPConnection):
                 self.vhost, cause, error.reply_code, error.reply_text)
 
     def update_secret(self, secret: bytes, reason: str) -> None:
-        """A token refresh: the new secret must log the same user in (the user store's check)."""
-        if not self.broker.check_login(self.username, secret.decode(errors="replace"), self.peer[0]):
-            log.warning("secret update refused for user %r from %s", self.username, self.name)
+        """A token refresh: the new secret must log the same user in (the user store's check);
+        a token's user then has the new token's permissions and expiry."""
+        user, refusal = self.broker.users.login(self.username, secret.decode(errors="replace"), self.peer[0])
+        if user is not None and user.name != self.username:
+            refusal = f"the new secret logs in user {user.name!r}"
+        if user is None or refusal is not None:
+            log.warning("secret update refused for user %r from %s: %s", self.username, self.name, refusal)
             raise errors.NotAllowed(f"Secret update was refused for user '{self.username}'")
+        self.principal = user
+        self.forget_permissions()
         log.info("secret updated for user %r from %s (%s)", self.username, self.name, reason)
+
+    def credential_expired(self) -> bool:
+        """The access token this connection logged in with has expired (it must be closed)."""
+        p = self.principal
+        return p is not None and p.expires_at is not None and p.expired()
 
     # ------------------------------------------------------------ negotiation
     def authenticate(self, mechanism: str, response: bytes) -> str:
         user = self.broker.authenticate(mechanism, response, self.peer[0], self.name, self.tls)
         self.auth_mechanism = mechanism
-        return user
+        self.principal = user
+        return user.name
 
     def open_vhost(self, vhost: str) -> None:
         vh = self.broker.vhosts.get(vhost)
-        if vh is None or not self.broker.users.has_vhost_access(self.username, vhost):
+        if vh is None or not self.broker.users.has_vhost_access(self._who, vhost):
             raise errors.NotAllowed(f"access to vhost '{vhost}' refused for user '{self.username}'")
         limit = vh.limits.max_connections  # vhost limit (broker/model/limits.py)
         if limit is not None and sum(1 for c in self.broker.connections if c.vh is vh) >= limit:
@@ -416,6 +430,12 @@ class Session(AMQPConnection):
     def _channel(self, ch: int) -> ChannelState:
         return self.chs[ch]
 
+    @property
+    def _who(self) -> User | str:
+        """Whom the permission checks ask about: the logged-in user (a token's user carries its
+        own grants; an internal one is looked up by name on every check)."""
+        return self.principal if self.principal is not None else self.username
+
     def forget_permissions(self) -> None:
         """Drop the remembered permission checks (the user store changed)."""
         self._perm_cache.clear()
@@ -430,7 +450,7 @@ class Session(AMQPConnection):
             users = self.broker.users
             check = {"configure": users.can_configure, "write": users.can_write,
                      "read": users.can_read}[kind]
-            ok = check(self.username, self.vhost, name)
+            ok = check(self._who, self.vhost, name)
             self._perm_cache[key] = ok
         if not ok:
             raise errors.AccessRefused(
@@ -595,9 +615,9 @@ class Session(AMQPConnection):
         permission there (if any) lets ``routing_key`` through for ``action`` (write: publish,
         read: bind and unbind). True when a topic permission applied."""
         users = self.broker.users
-        if kind != "topic" or not users.has_topic_permission(self.username, self.vhost, exchange):
+        if kind != "topic" or not users.has_topic_permission(self._who, self.vhost, exchange):
             return False
-        if not users.topic_allows(self.username, self.vhost, exchange, action, routing_key):
+        if not users.topic_allows(self._who, self.vhost, exchange, action, routing_key):
             raise errors.AccessRefused(f"access to topic '{routing_key}' in exchange '{exchange}' in "
                                        f"vhost '{self.vhost}' refused for user '{self.username}'")
         return True

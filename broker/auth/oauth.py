@@ -35,6 +35,7 @@ limited there, so a flood of tokens with made-up ``kid`` costs one fetch per int
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +49,7 @@ log = logging.getLogger(__name__)
 
 ALGORITHMS = {"RS256": "RSA", "ES256": "EC"}  # the algorithms accepted, and their key types
 MAX_TOKEN = 8192  # bytes; a token with hundreds of scopes stays well under it
+ACCEPTED_CACHE = 1024  # tokens remembered as accepted (each until it expires)
 
 
 class TokenError(ValueError):
@@ -123,8 +125,12 @@ class TokenAuth:
         self.keys: Mapping[str, jwt.PyJWK] = {}
         self.refresh = refresh
         self.refused = 0  # tokens refused, for tests and the log
+        # tokens accepted, until they expire: an HTTP client sends its token with every request
+        self._accepted: OrderedDict[str, User] = OrderedDict()
 
     def set_keys(self, keys: Mapping[str, jwt.PyJWK]) -> None:
+        if set(keys) != set(self.keys):
+            self._accepted.clear()  # a key withdrawn: what it signed is checked afresh
         self.keys = dict(keys)
 
     def pending(self, secret: str) -> Awaitable[None] | None:
@@ -137,11 +143,20 @@ class TokenAuth:
 
     def user(self, secret: str) -> User:
         """The user ``secret`` (a token) stands for; TokenError when it is refused."""
+        user = self._accepted.get(secret)
+        if user is not None and not user.expired():
+            self._accepted.move_to_end(secret)
+            return user
         try:
-            return self._user(secret)
+            user = self._user(secret)
         except TokenError:
+            self._accepted.pop(secret, None)
             self.refused += 1
             raise
+        self._accepted[secret] = user
+        if len(self._accepted) > ACCEPTED_CACHE:
+            self._accepted.popitem(last=False)
+        return user
 
     def _user(self, secret: str) -> User:
         claims = self.claims(secret)
@@ -163,7 +178,7 @@ class TokenAuth:
     def claims(self, secret: str) -> dict[str, Any]:
         """The verified claims of a token (steps 1 to 3 above); TokenError otherwise."""
         if not looks_like_token(secret):
-            raise TokenError("not a JWT (or longer than %d bytes)" % MAX_TOKEN)
+            raise TokenError(f"not a JWT (or longer than {MAX_TOKEN} bytes)")
         try:
             header = jwt.get_unverified_header(secret)
         except jwt.PyJWTError as exc:

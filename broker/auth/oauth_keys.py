@@ -26,7 +26,9 @@ from typing import Any
 
 import aiohttp
 
-from broker.auth.oauth import TokenAuth, read_jwks
+from broker.auth.oauth import OAuthSettings, TokenAuth, read_jwks
+from broker.auth.users import BACKENDS, UserStore
+from broker.config import Config, ConfigError, OAuthConfig
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +83,7 @@ class OAuthKeys:
         self.fetches += 1
         try:
             await asyncio.wait_for(self._fetch(), self.timeout)
-        except (OSError, aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        except (TimeoutError, OSError, aiohttp.ClientError, ValueError) as exc:
             log.warning("OAuth: could not fetch the keys of issuer %s: %s", self.issuer,
                         str(exc) or type(exc).__name__)
 
@@ -109,3 +111,44 @@ async def _get_json(http: aiohttp.ClientSession, url: str) -> dict[str, Any]:
     if not isinstance(document, dict):
         raise ValueError(f"GET {url}: not a JSON object")
     return document
+
+
+def backends(text: str) -> tuple[str, ...]:
+    """``[main] auth_backends`` as the user store's chain; ConfigError for an unknown backend."""
+    names = tuple(dict.fromkeys("internal" if n == "local" else n
+                                for n in (p.strip().lower() for p in text.split(",")) if n))
+    unknown = [n for n in names if n not in BACKENDS]
+    if unknown or not names:
+        raise ConfigError(f"[main] auth_backends: unknown backend {', '.join(unknown) or '(none)'} "
+                          f"(known: {', '.join(BACKENDS)})")
+    return names
+
+
+def settings(cfg: OAuthConfig) -> OAuthSettings:
+    def items(text: str, sep: str = ",") -> tuple[str, ...]:
+        return tuple(p.strip() for p in text.split(sep) if p.strip())
+
+    return OAuthSettings(
+        issuer=cfg.issuer, resource_server_id=cfg.resource_server_id, audience=items(cfg.audience),
+        verify_aud=cfg.verify_aud, scope_prefix=cfg.scope_prefix,
+        additional_scopes_key=cfg.additional_scopes_key,
+        username_claims=items(cfg.preferred_username_claims) or ("sub",), leeway=cfg.leeway)
+
+
+async def start_oauth(config: Config, users: UserStore) -> OAuthKeys | None:
+    """Set the user store's backend chain; with ``oauth`` in it, fetch the issuer's keys and
+    return their source (the node closes it), else None."""
+    users.backends = backends(config.main.auth_backends)
+    if "oauth" not in users.backends:
+        return None
+    cfg = config.oauth
+    if not cfg.issuer:
+        raise ConfigError("[main] auth_backends has oauth but [oauth] issuer is not set")
+    if cfg.verify_aud and not (cfg.audience or cfg.resource_server_id):
+        raise ConfigError("[oauth] needs resource_server_id or audience (or verify_aud = false)")
+    auth = TokenAuth(settings(cfg))
+    keys = OAuthKeys(auth, cfg.issuer, jwks_uri=cfg.jwks_uri, cache_ttl=cfg.jwks_cache_ttl,
+                     min_refresh=cfg.jwks_min_refresh, timeout=cfg.fetch_timeout)
+    users.tokens = auth
+    await keys.start()
+    return keys

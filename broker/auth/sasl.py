@@ -58,3 +58,10 @@ def basic_credentials(header: str) -> tuple[str, str] | None:
         return None
     user, sep, password = decoded.partition(":")
     return (user, password) if sep else None
+
+
+def bearer_token(header: str) -> str | None:
+    """The token of an HTTP ``Authorization: Bearer`` header value (RFC 6750); None otherwise."""
+    scheme, _, value = header.partition(" ")
+    value = value.strip()
+    return value if scheme.lower() == "bearer" and value else None

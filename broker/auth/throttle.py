@@ -66,10 +66,12 @@ def login_key(source: str, name: str, known: bool) -> str:
     return f"{source} as {name!r}" if known else f"{source} as an unknown user"
 
 
-async def check_login(users: UserStore, name: str, password: str, source: str, what: str) -> User | None:
+async def check_login(users: UserStore, name: str, password: str, source: str, what: str, *,
+                      bearer: bool = False) -> User | None:
     """The user ``name`` if ``password`` is right and the user may log in from ``source``, else
     None, after waiting out the turn of ``source`` and ``name``; raises TooManyFailures. ``what``
-    names the front end in the log line of a refusal (logged while the key is not mid-burst)."""
+    names the front end in the log line of a refusal (logged while the key is not mid-burst).
+    ``bearer``: ``password`` is an access token and ``name`` is ignored (``UserStore.login``)."""
     throttle = users.throttle
     key = users.throttle_key(source, name)
     wait = throttle.admit(key, time.monotonic())
@@ -80,8 +82,8 @@ async def check_login(users: UserStore, name: str, password: str, source: str, w
     keys = users.pending(password)  # a token signed by a key not fetched yet (broker.auth.oauth)
     if keys is not None:
         await keys
-    user = users.authenticate(name, password)
-    if user is None or not users.allowed_from(user, source):
+    user = users.login(name, password, source, bearer=bearer)[0]
+    if user is None:
         if throttle.failed(key, time.monotonic()):
             log.warning("%s login refused for user %r from %s", what, name, source)
         return None

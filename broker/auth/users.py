@@ -265,9 +265,10 @@ class UserStore:
         ``username`` says (as RabbitMQ)."""
         return self._login(username, password)[0]
 
-    def _login(self, username: str, password: str) -> tuple[User | None, str]:
+    def _login(self, username: str, password: str, backends: tuple[str, ...] | None = None
+               ) -> tuple[User | None, str]:
         reasons: list[str] = []
-        for backend in self.backends:
+        for backend in self.backends if backends is None else backends:
             if backend == "oauth" and self.tokens is not None:
                 try:
                     return self.tokens.user(password), ""
@@ -294,9 +295,13 @@ class UserStore:
         """Why a login is refused (None: accepted): for the log, never for the client."""
         return self.login(username, password, peer_ip)[1]
 
-    def login(self, username: str, password: str, peer_ip: str) -> tuple[User | None, str | None]:
-        """(the user, None) for an accepted login, (None, why it was refused) otherwise."""
-        user, reason = self._login(username, password)
+    def login(self, username: str, password: str, peer_ip: str, *, bearer: bool = False
+              ) -> tuple[User | None, str | None]:
+        """(the user, None) for an accepted login, (None, why it was refused) otherwise.
+        ``bearer``: ``password`` is an access token (HTTP ``Authorization: Bearer``), for the
+        oauth backend alone."""
+        chain = (("oauth",) if "oauth" in self.backends else ()) if bearer else None
+        user, reason = self._login(username, password, chain)
         if user is None:
             return None, reason
         if not self.allowed_from(user, peer_ip):

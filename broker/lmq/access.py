@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from broker.auth.users import UserStore
+from broker.auth.users import User, UserStore
 
 DEFAULT_EXCHANGE = ""  # checked under the name amq.default, as AMQP's publish is
 POLICY_TAGS = frozenset({"administrator", "policymaker"})
@@ -58,14 +58,18 @@ class Access:
     deleted user's permissions apply at once, as they do over AMQP."""
 
     users: UserStore
-    user: str
+    user: User | str  # a token's user carries its own grants (broker.auth.oauth)
     vhost: str
+
+    @property
+    def name(self) -> str:
+        return self.user if isinstance(self.user, str) else self.user.name
 
     def _check(self, allowed: bool, what: str, kind: str, name: str) -> None:
         if not allowed:
             shown = name or "amq.default"
             raise Refused(403, f"access to {kind} '{shown}' in vhost '{self.vhost}' refused for user "
-                               f"'{self.user}' ({what} permission needed)")
+                               f"'{self.name}' ({what} permission needed)")
 
     def configure(self, queue: str) -> None:
         self._check(self.users.can_configure(self.user, self.vhost, queue), "configure", "queue", queue)
@@ -80,17 +84,19 @@ class Access:
         return self.users.can_read(self.user, self.vhost, queue)
 
     def set_policy(self) -> None:
-        u = self.users.get(self.user)
+        u = self.user if isinstance(self.user, User) and self.user.grants is not None \
+            else self.users.get(self.name)
         if u is None or not POLICY_TAGS.intersection(u.tags):
-            raise Refused(403, f"access refused: user '{self.user}' may not set LMQ's default properties "
+            raise Refused(403, f"access refused: user '{self.name}' may not set LMQ's default properties "
                                "(they apply to every queue, like a policy: administrator or policymaker "
                                "tag needed)")
 
 
-def logged_in(users: UserStore, user: str, vhost: str) -> Access:
+def logged_in(users: UserStore, user: User | str, vhost: str) -> Access:
     """``user``'s access to ``vhost`` after a successful login; Refused(403) without vhost access."""
     if not users.has_vhost_access(user, vhost):
-        raise Refused(403, f"user '{user}' has no access to vhost '{vhost}'")
+        name = user if isinstance(user, str) else user.name
+        raise Refused(403, f"user '{name}' has no access to vhost '{vhost}'")
     return Access(users, user, vhost)
 
 

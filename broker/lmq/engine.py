@@ -154,7 +154,7 @@ async def login(users: UserStore, name: str, password: str, peer: str, vhost: st
     user = await check_login(users, name, password, peer, what)
     if user is None:
         raise Refused(401, "login failed")
-    return logged_in(users, user.name, vhost)
+    return logged_in(users, user, vhost)
 
 
 Alive = Callable[[], bool]

@@ -36,6 +36,7 @@ from broker.mqtt.session import AfterSync, MQTTSession, Registry, Settings, spli
 log = logging.getLogger(__name__)
 
 _PENDING_MAX = 64  # packets a client may send before its CONNACK
+RC_MAXIMUM_CONNECT_TIME = 0xA0  # MQTT 5's DISCONNECT reason for an expired credential (RabbitMQ's)
 UNAUTHENTICATED_MAX_PACKET = 256 * 1024  # bytes of one packet before the login succeeded
 Peer = tuple[str, int]
 
@@ -56,6 +57,7 @@ class MQTTProtocol(asyncio.Protocol):
         self.last_seen = time.monotonic()
         self.keepalive = 0.0
         self.timer: asyncio.TimerHandle | None = None
+        self.expiry: asyncio.TimerHandle | None = None  # when the login's access token expires
 
     # ------------------------------------------------------------------ Output
     def write(self, data: bytes) -> None:
@@ -155,6 +157,9 @@ class MQTTProtocol(asyncio.Protocol):
             return
         self.keepalive = c.keepalive * 1.5
         self._arm(self.keepalive)
+        if user.expires_at is not None:  # an access token's user (broker.auth.oauth)
+            self.expiry = asyncio.get_running_loop().call_later(
+                max(0.0, user.expires_at - time.time()), self._credential_expired)
         pending, self.pending = self.pending, []
         for p in pending:
             if self.state != "open":
@@ -198,6 +203,15 @@ class MQTTProtocol(asyncio.Protocol):
             return
         self.timer = asyncio.get_running_loop().call_later(seconds - idle, self._check_alive, seconds)
 
+    def _credential_expired(self) -> None:
+        """The access token the client logged in with expired: closed, as RabbitMQ does (MQTT 5
+        hears 0xA0, maximum connect time)."""
+        self.expiry = None
+        if self.state == "open":
+            log.info("MQTT client '%s' from %s: its access token expired: closing",
+                     self.session.client_id if self.session else "", self.peer)
+            self.abort(RC_MAXIMUM_CONNECT_TIME)
+
     # ------------------------------------------------------------------ endings
     def abort(self, reason: int = P.RC_UNSPECIFIED) -> None:
         """An abnormal end: MQTT 5 hears why, the will goes out, the socket closes."""
@@ -210,6 +224,9 @@ class MQTTProtocol(asyncio.Protocol):
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
+        if self.expiry is not None:
+            self.expiry.cancel()
+            self.expiry = None
         if self.session is not None and not self.session.closed:
             log.warning("MQTT client '%s' from %s closed the connection unexpectedly",
                         self.session.client_id, self.peer)

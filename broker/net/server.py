@@ -42,7 +42,7 @@ from collections.abc import Callable
 from broker import errors, tls
 from broker.amqp import codec
 from broker.amqp.alarms import check_consumer_timeouts
-from broker.amqp.broker import NEED_MORE, Broker, start_ok_user
+from broker.amqp.broker import NEED_MORE, Broker, start_ok_secret, start_ok_user
 from broker.amqp.connection import State
 from broker.amqp.session import Session
 from broker.net import proxy
@@ -178,12 +178,26 @@ class AMQPProtocol(asyncio.Protocol):
             t.pause_reading()
             asyncio.get_running_loop().call_later(wait, self._admit, data)
             return b""
+        if self._fetch_keys(data):
+            t.pause_reading()
+            return b""
         self._admitted = True
         return data
 
-    def _admit(self, held: bytes) -> None:
+    def _fetch_keys(self, held: bytes) -> bool:
+        """True when the start-ok in ``held`` carries a token signed by a key not fetched yet:
+        ``_admit`` takes it once the issuer's keys are fetched (``broker.auth.oauth_keys``)."""
+        keys = self.broker.users.pending(start_ok_secret(held))
+        if keys is None:
+            return False
+        asyncio.ensure_future(keys).add_done_callback(lambda _: self._admit(held, fetched=True))
+        return True
+
+    def _admit(self, held: bytes, fetched: bool = False) -> None:
         t = self.transport
         if t is None or t.is_closing():
+            return
+        if not fetched and self._fetch_keys(held):
             return
         self._admitted = True
         t.resume_reading()
@@ -336,6 +350,10 @@ class AMQPProtocol(asyncio.Protocol):
             if now - self.started > _HANDSHAKE_TIMEOUT:
                 log.info("closing %s: handshake timeout", s.name)
                 t.close()
+            return
+        if s.credential_expired():  # RabbitMQ closes a connection whose token expired
+            log.info("closing %s: the access token of user %r expired", s.name, s.username)
+            self.force_close("credential expired")
             return
         if s.chs and check_consumer_timeouts(s, now, self.broker.config.main.consumer_timeout):
             self.flush()
