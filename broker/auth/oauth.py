@@ -82,6 +82,16 @@ class OAuthSettings:
         return self.audience or ((self.resource_server_id,) if self.resource_server_id else ())
 
 
+@dataclass(frozen=True)
+class LoginSettings:
+    """What the management UI's single sign-on needs of ``[oauth]`` (``broker.http.routes_oauth``)."""
+
+    client_id: str = ""  # empty: no UI login through the provider
+    scopes: tuple[str, ...] = ("openid", "profile")
+    provider_name: str = ""
+    timeout: float = 5
+
+
 def looks_like_token(secret: str) -> bool:
     """A compact JWS's shape (three base64url parts, a JSON header): cheap, checked first."""
     return secret.startswith("eyJ") and secret.count(".") == 2 and len(secret) <= MAX_TOKEN
@@ -124,6 +134,8 @@ class TokenAuth:
         self.settings = settings
         self.keys: Mapping[str, jwt.PyJWK] = {}
         self.refresh = refresh
+        self.provider: dict[str, Any] = {}  # the issuer's discovery document, once fetched
+        self.login = LoginSettings()
         self.refused = 0  # tokens refused, for tests and the log
         # tokens accepted, until they expire: an HTTP client sends its token with every request
         self._accepted: OrderedDict[str, User] = OrderedDict()

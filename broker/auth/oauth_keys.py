@@ -26,7 +26,7 @@ from typing import Any
 
 import aiohttp
 
-from broker.auth.oauth import OAuthSettings, TokenAuth, read_jwks
+from broker.auth.oauth import LoginSettings, OAuthSettings, TokenAuth, read_jwks
 from broker.auth.users import BACKENDS, UserStore
 from broker.config import Config, ConfigError, OAuthConfig
 
@@ -45,7 +45,7 @@ class OAuthKeys:
         self.cache_ttl = cache_ttl
         self.min_refresh = min_refresh
         self.timeout = timeout
-        self.discovery: dict[str, Any] = {}  # the provider's metadata (the UI's login reads it)
+        self.discovery: dict[str, Any] = {}  # the provider's metadata (also TokenAuth.provider)
         self.fetches = 0  # JWKS fetches attempted, for tests
         self._last = -float("inf")
         self._inflight: asyncio.Task[None] | None = None
@@ -90,7 +90,7 @@ class OAuthKeys:
     async def _fetch(self) -> None:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout)) as http:
             if not self.discovery:
-                self.discovery = await _get_json(http, self.issuer + DISCOVERY_PATH)
+                self.discovery = self.auth.provider = await _get_json(http, self.issuer + DISCOVERY_PATH)
             uri = self.jwks_uri or self.discovery.get("jwks_uri")
             if not isinstance(uri, str) or not uri:
                 raise ValueError("the issuer's discovery document names no jwks_uri")
@@ -147,6 +147,9 @@ async def start_oauth(config: Config, users: UserStore) -> OAuthKeys | None:
     if cfg.verify_aud and not (cfg.audience or cfg.resource_server_id):
         raise ConfigError("[oauth] needs resource_server_id or audience (or verify_aud = false)")
     auth = TokenAuth(settings(cfg))
+    auth.login = LoginSettings(cfg.client_id, tuple(cfg.ui_scopes.split()),
+                               cfg.provider_name or cfg.issuer.split("://", 1)[-1].split("/", 1)[0],
+                               cfg.fetch_timeout)
     keys = OAuthKeys(auth, cfg.issuer, jwks_uri=cfg.jwks_uri, cache_ttl=cfg.jwks_cache_ttl,
                      min_refresh=cfg.jwks_min_refresh, timeout=cfg.fetch_timeout)
     users.tokens = auth

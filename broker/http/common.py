@@ -144,10 +144,14 @@ async def authenticate(request: web.Request) -> User:
     return user
 
 
+# read before a login: the UI's login settings, and its code-for-token relay (http/routes_oauth.py)
+UNAUTHENTICATED = frozenset({"/api/auth", "/api/oauth/token"})
+
+
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    if (request.path.startswith("/api/") and request.path != "/api/auth") \
-            or request.path.startswith("/metrics"):  # /api/auth: the UI reads it before login
+    if (request.path.startswith("/api/") and request.path not in UNAUTHENTICATED) \
+            or request.path.startswith("/metrics"):
         request[USER_KEY] = await authenticate(request)
     return await handler(request)
 

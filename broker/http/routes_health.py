@@ -156,9 +156,3 @@ async def extensions(request: web.Request) -> web.Response:
 async def feature_flags(request: web.Request) -> web.Response:
     user_of(request)
     return web.json_response([])  # Skred has no feature flags: every node runs every feature
-
-
-@routes.get("/api/auth")
-async def auth_settings(request: web.Request) -> web.Response:
-    """The UI's OAuth2 settings (read before login, as RabbitMQ's UI does): none."""
-    return web.json_response({"enable_uaa": False, "uaa_client_id": "", "uaa_location": ""})
