@@ -15,6 +15,7 @@ import base64
 import json
 import threading
 import time
+import uuid
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -26,9 +27,13 @@ import pika
 import pytest
 
 from ._oidc_provider import Provider
-from ._support import SkredProcess, is_external, unique, wait_until
+from ._support import SkredProcess, is_external, wait_until
 
 pytestmark = pytest.mark.skipif(is_external(), reason="configures Skred's auth backends")
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
 
 SCOPES_ALL = ("skred.configure:%2F/*", "skred.write:%2F/*", "skred.read:%2F/*")
 ADMIN = (*SCOPES_ALL, "skred.tag:administrator")
