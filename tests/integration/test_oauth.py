@@ -27,6 +27,7 @@ import pytest
 
 from ._oidc_provider import Provider
 from ._support import SkredProcess, is_external, wait_until
+from .test_web_ui import By, WebDriver, browser, click, element, wait  # noqa: F401 - browser: test_web_ui's fixture
 
 pytestmark = pytest.mark.skipif(is_external(), reason="configures Skred's auth backends")
 
@@ -266,3 +267,34 @@ def test_lmq_token_as_password(sso: SkredProcess, provider: Provider) -> None:
     status, _ = api(sso, f"/messages/{q}-other", basic("kate", token), "POST", b"no",
                     port=sso.lmq_http_port)
     assert status == 403
+
+
+# ------------------------------------------------------------------ the web UI's single sign-on
+def test_ui_signs_in_through_the_provider_and_out(sso: SkredProcess, provider: Provider,
+                                                  browser: WebDriver) -> None:  # noqa: F811
+    """Headless Chromium: the login page's "Sign in with" button, the provider's own login form,
+    back to the UI with a token (authorization code + PKCE), the API used with it, and logout
+    through the provider's end-session endpoint."""
+    provider.logins["uma"] = ("uma-password", [*ADMIN, "openid"])
+    driver = browser
+    origin = f"http://{sso.host}:{sso.mgmt_port}"
+    driver.get(f"{origin}/")
+    driver.execute_script("sessionStorage.clear()")
+    driver.get("about:blank")
+    driver.get(f"{origin}/#/overview")
+    assert "Sign in with 127.0.0.1" in element(driver, By.ID, "oauth-login").text
+    click(driver, By.ID, "oauth-login")
+    element(driver, By.ID, "idp-username").send_keys("uma")
+    assert driver.current_url.startswith(provider.issuer)  # the provider's page, not ours
+    driver.find_element(By.ID, "idp-password").send_keys("uma-password")
+    click(driver, By.ID, "idp-login")
+    wait(driver, "signed in", lambda d: d.find_element(By.ID, "who").text.startswith("uma"))
+    assert "code=" not in driver.current_url and driver.current_url.startswith(origin)
+    assert driver.execute_script("return sessionStorage.getItem('skred.scheme')") == "Bearer"
+    # the pages read the API with the token: the overview shows the node
+    wait(driver, "overview", lambda d: "Overview" in d.find_element(By.ID, "main").text)
+    click(driver, By.ID, "logout")
+    element(driver, By.ID, "username")  # back on our login form, through the provider's logout
+    assert driver.execute_script("return sessionStorage.getItem('skred.auth')") is None
+    # a code cannot be replayed: the provider gave it once (and the UI no longer holds it)
+    assert not provider.codes

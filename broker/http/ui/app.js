@@ -13,7 +13,9 @@
   const PAGE_SIZES = [20, 50, 100, 500];
   const COLORS = ["#0b6bcb", "#1e7b34", "#c26a00", "#8a3ffc", "#b3261e", "#00838f"];
 
-  const state = { auth: sessionStorage.getItem("skred.auth"), user: null, refresh: null, timer: null, page: 0 };
+  // auth: basic-auth credentials or an OAuth 2 access token (scheme "Bearer"), the tab's alone
+  const state = { auth: sessionStorage.getItem("skred.auth"), scheme: sessionStorage.getItem("skred.scheme") || "Basic",
+                  sso: null, user: null, refresh: null, timer: null, page: 0 };
   const enc = encodeURIComponent;
   const $ = (sel) => document.querySelector(sel);
 
@@ -63,7 +65,7 @@
   }
 
   async function api(method, path, body) {
-    const headers = { "X-Requested-With": "XMLHttpRequest", Authorization: `Basic ${state.auth}` };
+    const headers = { "X-Requested-With": "XMLHttpRequest", Authorization: `${state.scheme} ${state.auth}` };
     const init = { method, headers, cache: "no-store" };
     if (body !== undefined) {
       headers["Content-Type"] = "application/json";
@@ -108,7 +110,10 @@
       h("h1", {}, "Skred management"),
       h("label", { for: "username" }, "Username"), user,
       h("label", { for: "password" }, "Password"), pass,
-      h("button", { type: "submit", class: "primary", id: "login-button" }, "Log in"), error);
+      h("button", { type: "submit", class: "primary", id: "login-button" }, "Log in"),
+      state.sso && h("button", { type: "button", id: "oauth-login", onclick: () => ssoStart() },
+        `Sign in with ${state.sso.oauth_provider_name}`),
+      error);
     form.addEventListener("submit", async (ev) => {
       ev.preventDefault();
       state.auth = btoa(String.fromCharCode(...new TextEncoder().encode(`${user.value}:${pass.value}`)));
@@ -119,19 +124,80 @@
         error.textContent = e.status === 401 ? "Login failed: wrong user name or password, or the user has no management tag." : `Login failed: ${e.message}`;
         return;
       }
-      sessionStorage.setItem("skred.auth", state.auth);
-      if (!location.hash || location.hash === "#/login") location.hash = "#/overview";
-      started();
+      remember("Basic");
     });
     $("#main").replaceChildren(form);
     user.focus();
   }
 
+  function remember(scheme) {
+    state.scheme = scheme;
+    sessionStorage.setItem("skred.auth", state.auth);
+    sessionStorage.setItem("skred.scheme", scheme);
+    if (!location.hash || location.hash === "#/login") location.hash = "#/overview";
+    started();
+  }
+
   function logout(message) {
+    const sso = state.scheme === "Bearer" && state.sso;
     state.auth = null;
     state.user = null;
+    state.scheme = "Basic";
     sessionStorage.removeItem("skred.auth");
+    sessionStorage.removeItem("skred.scheme");
+    if (sso && sso.oauth_end_session_endpoint && !message) { // end the provider's session too
+      const q = new URLSearchParams({ client_id: sso.oauth_client_id, post_logout_redirect_uri: `${location.origin}/` });
+      location.assign(`${sso.oauth_end_session_endpoint}?${q}`);
+      return;
+    }
     showLogin(message || "Logged out.");
+  }
+
+  // ------------------------------------------------------------------ single sign-on
+  // OpenID Connect's authorization-code flow with PKCE (S256): the page sends the browser to the
+  // provider with a challenge, gets a code back on "/", and the broker's relay
+  // (POST /api/oauth/token) trades code + verifier for an access token (http/routes_oauth.py).
+  const b64url = (bytes) => btoa(String.fromCharCode(...bytes)).replace(/\+/g, "-").replace(/\//g, "_").replace(/=+$/, "");
+
+  async function ssoStart() {
+    const sso = state.sso;
+    const verifier = b64url(crypto.getRandomValues(new Uint8Array(32)));
+    const nonce = b64url(crypto.getRandomValues(new Uint8Array(16)));
+    const challenge = b64url(new Uint8Array(await crypto.subtle.digest("SHA-256", new TextEncoder().encode(verifier))));
+    sessionStorage.setItem("skred.oauth", JSON.stringify({ verifier, state: nonce }));
+    const q = new URLSearchParams({
+      response_type: "code", client_id: sso.oauth_client_id, redirect_uri: `${location.origin}/`,
+      scope: sso.oauth_scopes, state: nonce, code_challenge: challenge, code_challenge_method: "S256",
+    });
+    location.assign(`${sso.oauth_authorization_endpoint}?${q}`);
+  }
+
+  // Back from the provider (?code=...&state=...): a token, or the login form with the reason.
+  async function ssoFinish() {
+    const params = new URLSearchParams(location.search);
+    const pending = JSON.parse(sessionStorage.getItem("skred.oauth") || "null");
+    sessionStorage.removeItem("skred.oauth");
+    history.replaceState(null, "", "/#/overview"); // the code never stays in the address bar
+    if (params.get("error")) return `Sign-in refused by the provider: ${params.get("error")}`;
+    if (!pending || pending.state !== params.get("state")) return "Sign-in failed: it was not started here.";
+    try {
+      const resp = await fetch("/api/oauth/token", {
+        method: "POST", cache: "no-store",
+        headers: { "Content-Type": "application/json", "X-Requested-With": "XMLHttpRequest" },
+        body: JSON.stringify({ code: params.get("code"), code_verifier: pending.verifier, redirect_uri: `${location.origin}/` }),
+      });
+      const data = await resp.json();
+      if (!resp.ok) return `Sign-in failed: ${data.reason || resp.status}`;
+      state.auth = data.access_token;
+      state.scheme = "Bearer";
+      state.user = await api("GET", "/api/whoami");
+    } catch (e) {
+      state.auth = null;
+      state.scheme = "Basic";
+      return `Sign-in failed: ${e.message}`;
+    }
+    remember("Bearer");
+    return null;
   }
 
   function started() {
@@ -688,6 +754,15 @@
   window.addEventListener("hashchange", route);
   window.addEventListener("DOMContentLoaded", async () => {
     $("#logout").addEventListener("click", () => logout());
+    try {
+      const settings = await (await fetch("/api/auth", { cache: "no-store" })).json();
+      state.sso = settings.oauth_enabled ? settings : null;
+    } catch { state.sso = null; }
+    if (state.sso && new URLSearchParams(location.search).has("code")) {
+      const failed = await ssoFinish();
+      if (failed) showLogin(failed);
+      return;
+    }
     if (!state.auth) { showLogin(); return; }
     try {
       state.user = await api("GET", "/api/whoami");
