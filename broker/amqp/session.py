@@ -350,7 +350,9 @@ class Session(AMQPConnection):
     def update_secret(self, secret: bytes, reason: str) -> None:
         """A token refresh: the new secret must log the same user in (the user store's check);
         a token's user then has the new token's permissions and expiry."""
-        user, refusal = self.broker.users.login(self.username, secret.decode(errors="replace"), self.peer[0])
+        text = secret.decode(errors="replace")
+        self.broker.users.pending(text)  # a new signing key: fetched for next time (not waited for here)
+        user, refusal = self.broker.users.login(self.username, text, self.peer[0])
         if user is not None and user.name != self.username:
             refusal = f"the new secret logs in user {user.name!r}"
         if user is None or refusal is not None:
