@@ -467,7 +467,7 @@ class Session(AMQPConnection):
     # --------------------------------------------------------------- channels
     def _user_limit(self, name: str) -> int | None:
         """The user's limit ``name`` (RabbitMQ's user limits), None when unlimited (-1 or unset)."""
-        user = self.broker.users.get(self.username)
+        user = self.broker.users.resolve(self._who)
         value = None if user is None else user.limits.get(name)
         return None if value is None or value < 0 else value
 
@@ -595,7 +595,7 @@ class Session(AMQPConnection):
                                             f"was '{self.username}'", 60, 40)
 
     def _impersonator(self) -> bool:
-        user = self.broker.users.get(self.username)
+        user = self.broker.users.resolve(self._who)  # a token's tags are its scopes', not a namesake's
         return user is not None and "impersonator" in user.tags
 
     def _may_publish_to(self, exchange: str, routing_key: str) -> None:

@@ -434,6 +434,11 @@ class UserStore:
         if changed:
             self._commit(users)
 
+    def resolve(self, user: User | str) -> User | None:
+        """The user as checks see it now: a token's user itself (None once expired), else the
+        stored user of that name (None if deleted); its tags and limits are what apply."""
+        return self._resolve(user)
+
     # -- internals ----------------------------------------------------------------------------
     def _resolve(self, user: User | str) -> User | None:
         # Look the name up even for a User object, so a deleted or changed user loses access at once;

@@ -84,8 +84,7 @@ class Access:
         return self.users.can_read(self.user, self.vhost, queue)
 
     def set_policy(self) -> None:
-        u = self.user if isinstance(self.user, User) and self.user.grants is not None \
-            else self.users.get(self.name)
+        u = self.users.resolve(self.user)
         if u is None or not POLICY_TAGS.intersection(u.tags):
             raise Refused(403, f"access refused: user '{self.name}' may not set LMQ's default properties "
                                "(they apply to every queue, like a policy: administrator or policymaker "
