@@ -42,6 +42,7 @@ routes = web.RouteTableDef()
 RELAY_PATH = "/api/oauth/token"
 MAX_TOKEN_RESPONSE = 64 * 1024  # bytes of the provider's token response
 MAX_FIELD = 4096  # characters of a code, verifier or redirect URI
+_UAA_OFF = {"enable_uaa": False, "uaa_client_id": "", "uaa_location": ""}  # RabbitMQ 3.10's keys
 
 
 def _tokens(request: web.Request) -> TokenAuth | None:
@@ -57,7 +58,7 @@ async def auth_settings(request: web.Request) -> web.Response:
     """The UI's login settings, RabbitMQ's names first (``oauth_enabled``, ...)."""
     tokens = _tokens(request)
     if tokens is None or not tokens.login.client_id or "authorization_endpoint" not in tokens.provider:
-        return web.json_response({"oauth_enabled": False, "enable_uaa": False})
+        return web.json_response({"oauth_enabled": False, **_UAA_OFF})
     login, provider = tokens.login, tokens.provider
     scopes = [*login.scopes, *(f"{tokens.settings.prefix}tag:{tag}" for tag in sorted(MGMT_TAGS))]
     return web.json_response({
@@ -68,7 +69,7 @@ async def auth_settings(request: web.Request) -> web.Response:
         "oauth_provider_name": login.provider_name,
         "oauth_authorization_endpoint": provider.get("authorization_endpoint", ""),
         "oauth_end_session_endpoint": provider.get("end_session_endpoint", ""),
-        "enable_uaa": False,
+        **_UAA_OFF,
     })
 
 
