@@ -72,22 +72,34 @@ async def check_login(users: UserStore, name: str, password: str, source: str, w
     None, after waiting out the turn of ``source`` and ``name``; raises TooManyFailures. ``what``
     names the front end in the log line of a refusal (logged while the key is not mid-burst).
     ``bearer``: ``password`` is an access token and ``name`` is ignored (``UserStore.login``)."""
-    throttle = users.throttle
-    key = users.throttle_key(source, name)
-    wait = throttle.admit(key, time.monotonic())
-    if wait is None:
-        raise TooManyFailures(f"too many failed logins from {key}; retry later")
-    if wait:
-        await asyncio.sleep(wait)
+    key = await admitted(users, source, name)
     keys = users.pending(password)  # a token signed by a key not fetched yet (broker.auth.oauth)
     if keys is not None:
         await keys
     user = users.login(name, password, source, bearer=bearer)[0]
+    return reported(users, key, user, f"{what} login refused for user {name!r} from {source}")
+
+
+async def admitted(users: UserStore, source: str, name: str) -> str:
+    """Wait out the turn of ``source`` logging in as ``name``; its throttle key, for ``reported``.
+    TooManyFailures when the source has piled up more attempts than the throttle takes."""
+    key = users.throttle_key(source, name)
+    wait = users.throttle.admit(key, time.monotonic())
+    if wait is None:
+        raise TooManyFailures(f"too many failed logins from {key}; retry later")
+    if wait:
+        await asyncio.sleep(wait)
+    return key
+
+
+def reported(users: UserStore, key: str, user: User | None, refusal: str) -> User | None:
+    """Tell the throttle how the attempt ``admitted`` let through went; ``user`` back. A refusal is
+    logged (``refusal``) while the key is not mid-burst."""
     if user is None:
-        if throttle.failed(key, time.monotonic()):
-            log.warning("%s login refused for user %r from %s", what, name, source)
+        if users.throttle.failed(key, time.monotonic()):
+            log.warning("%s", refusal)
         return None
-    throttle.succeeded(key)
+    users.throttle.succeeded(key)
     return user
 
 

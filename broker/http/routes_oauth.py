@@ -35,6 +35,7 @@ import aiohttp
 from aiohttp import web
 
 from broker.auth.oauth import TokenAuth
+from broker.auth.throttle import TooManyFailures, admitted, reported
 from broker.http.common import MGMT_KEY, MGMT_TAGS, ApiError, bad_request, json_body
 
 routes = web.RouteTableDef()
@@ -85,19 +86,37 @@ async def token_relay(request: web.Request) -> web.Response:
     if not all(isinstance(v, str) and 0 < len(v) <= MAX_FIELD for v in fields.values()):
         raise bad_request(f"code, code_verifier and redirect_uri must be strings of 1 to {MAX_FIELD}")
     form = {"grant_type": "authorization_code", "client_id": tokens.login.client_id, **fields}
-    answer = await _post_form(endpoint, form, tokens.login.timeout)
+    users = request.app[MGMT_KEY].broker.users
+    source = request.remote or ""
+    try:  # a sign-in is a login: the login throttle bounds how often a source makes us ask
+        key = await admitted(users, source, "")
+    except TooManyFailures:
+        raise ApiError(429, "too_many_requests", "Too many failed logins from this address; retry later",
+                       challenge=False) from None
+    try:
+        answer = await _post_form(endpoint, form, tokens.login.timeout)
+    except ApiError as exc:
+        reported(users, key, None, f"UI sign-in from {source}: {exc}")
+        raise
+    access, why = _access_token(answer, tokens)
+    user = tokens.user(access) if not why else None
+    if reported(users, key, user, f"UI sign-in from {source} refused: {why}") is None or user is None:
+        raise ApiError(401, "not_authorized", why, challenge=False)
+    return web.json_response({"access_token": access, "user": user.name, "expires_at": user.expires_at})
+
+
+def _access_token(answer: dict[str, Any], tokens: TokenAuth) -> tuple[str, str]:
+    """(the provider's access token, "") when the broker accepts it for the UI, else ("", why)."""
     access = answer.get("access_token")
     if not isinstance(access, str):
-        raise ApiError(401, "not_authorized", f"the provider gave no token: {answer.get('error', '?')}",
-                       challenge=False)
+        return "", f"the provider gave no token: {str(answer.get('error', '?'))[:200]}"
     try:
         user = tokens.user(access)
     except ValueError as exc:
-        raise ApiError(401, "not_authorized", f"the provider's token is refused: {exc}",
-                       challenge=False) from None
+        return "", f"the provider's token is refused: {exc}"
     if not MGMT_TAGS & set(user.tags):
-        raise ApiError(401, "not_authorized", "Not management user", challenge=False)
-    return web.json_response({"access_token": access, "user": user.name, "expires_at": user.expires_at})
+        return "", "Not management user"
+    return access, ""
 
 
 async def _post_form(url: str, form: dict[str, str], timeout: float) -> dict[str, Any]:
