@@ -60,8 +60,13 @@ def basic_credentials(header: str) -> tuple[str, str] | None:
     return (user, password) if sep else None
 
 
-def bearer_token(header: str) -> str | None:
-    """The token of an HTTP ``Authorization: Bearer`` header value (RFC 6750); None otherwise."""
+
+def http_credentials(header: str) -> tuple[str, str, bool] | None:
+    """(user, secret, bearer) from an HTTP ``Authorization`` header: Basic, or an OAuth 2 access
+    token as ``Bearer`` (RFC 6750; the user is then the token's, "" here); None when neither."""
     scheme, _, value = header.partition(" ")
-    value = value.strip()
-    return value if scheme.lower() == "bearer" and value else None
+    if scheme.lower() == "bearer":
+        token = value.strip()
+        return ("", token, True) if token else None
+    creds = basic_credentials(header)
+    return None if creds is None else (*creds, False)

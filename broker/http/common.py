@@ -38,7 +38,7 @@ from aiohttp import web
 
 from broker import errors, jsonbody
 from broker.auth.names import name_problem
-from broker.auth.sasl import basic_credentials, bearer_token
+from broker.auth.sasl import http_credentials
 from broker.auth.throttle import TooManyFailures, check_login
 from broker.auth.users import User
 from broker.http.state import Mgmt
@@ -119,21 +119,16 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return error_response(503, "disk_full", "disk full: nothing was changed")
 
 
-def _credentials(request: web.Request) -> tuple[str, str] | None:
-    return basic_credentials(request.headers.get("Authorization", ""))
-
-
 async def authenticate(request: web.Request) -> User:
     """The request's user, after this source's login throttle (``broker.auth.throttle``): basic
     auth, or an OAuth 2 access token as ``Authorization: Bearer`` (``broker.auth.oauth``)."""
     mgmt = request.app[MGMT_KEY]
-    token = bearer_token(request.headers.get("Authorization", ""))
-    creds = _credentials(request) if token is None else ("", token)
+    creds = http_credentials(request.headers.get("Authorization", ""))
     if creds is None:
         raise ApiError(401, "not_authorized", "Login failed")
+    name, secret, bearer = creds
     try:
-        user = await check_login(mgmt.broker.users, *creds, request.remote or "", "HTTP",
-                                 bearer=token is not None)
+        user = await check_login(mgmt.broker.users, name, secret, request.remote or "", "HTTP", bearer=bearer)
     except TooManyFailures:
         raise ApiError(429, "too_many_requests", "Too many failed logins from this address; retry later") \
             from None

@@ -147,11 +147,13 @@ def client_address(peers: Mapping[Peer, Peer], transport: Any) -> str:
     return peers.get(peer, peer)[0]
 
 
-async def login(users: UserStore, name: str, password: str, peer: str, vhost: str, what: str) -> Access:
+async def login(users: UserStore, name: str, password: str, peer: str, vhost: str, what: str, *,
+                bearer: bool = False) -> Access:
     """The access of ``name``/``password`` logging in from ``peer`` to LMQ's ``vhost`` (the one
     rule of both LMQ front ends), after their turn in the login throttle: Refused (401 bad
-    credentials, 403 no vhost access); ``TooManyFailures`` when the throttle refuses it unchecked."""
-    user = await check_login(users, name, password, peer, what)
+    credentials, 403 no vhost access); ``TooManyFailures`` when the throttle refuses it unchecked.
+    ``bearer``: ``password`` is an OAuth 2 access token (``broker.auth.oauth``)."""
+    user = await check_login(users, name, password, peer, what, bearer=bearer)
     if user is None:
         raise Refused(401, "login failed")
     return logged_in(users, user, vhost)

@@ -31,7 +31,7 @@ from aiohttp import web
 
 from broker import errors, jsonbody
 from broker.aio import AnswerAfterEOF, RequestDeadline, any_segment
-from broker.auth.sasl import basic_credentials
+from broker.auth.sasl import http_credentials
 from broker.auth.throttle import TooManyFailures
 from broker.lmq.access import Access, Refused, anonymous
 from broker.lmq.engine import LMQ, LMQError, Message, client_address, login
@@ -104,12 +104,12 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     cfg = request.app[SETTINGS_KEY]
     vhost = request.app[LMQ_KEY].vhost.name
     source = client_address(cfg.peers, request.transport)
-    creds = basic_credentials(request.headers.get("Authorization", ""))
+    creds = http_credentials(request.headers.get("Authorization", ""))  # Basic, or Bearer (a token)
     try:
         if creds is not None:
-            who = await login(cfg.users, *creds, source, vhost, "LMQ HTTP")
+            who = await login(cfg.users, creds[0], creds[1], source, vhost, "LMQ HTTP", bearer=creds[2])
         elif cfg.auth:
-            raise Refused(401, "login required (HTTP basic auth)")
+            raise Refused(401, "login required (HTTP basic auth or an OAuth 2 bearer token)")
         else:
             who = anonymous(cfg.users, cfg.anonymous_user, source, vhost)
     except TooManyFailures:

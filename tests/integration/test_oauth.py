@@ -257,16 +257,21 @@ def test_management_api_bearer(sso: SkredProcess, provider: Provider) -> None:
     assert settings["oauth_enabled"] is True and settings["oauth_client_id"] == provider.client_id
 
 
-def test_lmq_token_as_password(sso: SkredProcess, provider: Provider) -> None:
+def test_lmq_token_as_password_or_bearer(sso: SkredProcess, provider: Provider) -> None:
     q = unique("lq")
     token = provider.token("kate", (f"skred.configure:%2F/{q}", "skred.write:%2F/amq.default",
                                     f"skred.read:%2F/{q}"))
     status, _ = api(sso, f"/messages/{q}", basic("kate", token), "POST", b"via lmq",
                     port=sso.lmq_http_port)
     assert status in (200, 201, 204), status
+    status, _ = api(sso, f"/messages/{q}", f"Bearer {token}", "POST", b"via lmq, bearer",
+                    port=sso.lmq_http_port)
+    assert status in (200, 201, 204), status
     status, _ = api(sso, f"/messages/{q}-other", basic("kate", token), "POST", b"no",
                     port=sso.lmq_http_port)
     assert status == 403
+    assert api(sso, f"/messages/{q}", f"Bearer {token[:-4]}AAAA", "POST", b"no",
+               port=sso.lmq_http_port)[0] == 401
 
 
 # ------------------------------------------------------------------ the web UI's single sign-on
