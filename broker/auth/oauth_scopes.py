@@ -19,9 +19,9 @@ scope (after the prefix)                   grant
 Each part is a wildcard pattern (``*`` is any run of characters, everything else literal,
 matched against the whole name) and is percent-decoded after the split on ``/``, so the
 default vhost is written ``%2F``. Scopes without the prefix, and malformed ones, grant
-nothing. A wildcard is turned into an anchored RE2 expression once, when the token is
-read (``broker.patterns``: linear time whatever the client sent), and a token holds at
-most ``MAX_SCOPES`` scopes.
+nothing. A wildcard with a ``*`` inside is an anchored RE2 expression, compiled once per
+pattern text (``broker.patterns``: linear time whatever the client sent); ``*`` alone and
+literals are compared directly. A token holds at most ``MAX_SCOPES`` scopes.
 
 ``ScopeGrants`` answers the questions ``UserStore`` asks of a user's permissions, so a
 token's user is checked on every path an internal user is (``broker.auth.users``).
@@ -29,20 +29,51 @@ token's user is checked on every path an internal user is (``broker.auth.users``
 
 from __future__ import annotations
 
+import functools
 import re
 import urllib.parse
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
-from broker.patterns import Pattern, compile_pattern
+from broker.patterns import compile_pattern
 
 ACTIONS = ("configure", "write", "read")
 MAX_SCOPES = 256  # far beyond a real token's; bounds the work one login costs
 MAX_SCOPE_LENGTH = 1024
 
 
-def wildcard(pattern: str) -> Pattern:
-    """RabbitMQ's scope wildcard as an anchored RE2 pattern: ``*`` any run, the rest literal."""
+class Wildcard(Protocol):
+    def fullmatch(self, text: str) -> bool: ...
+
+
+@dataclass(frozen=True)
+class _Literal:
+    """A part without ``*``: the name itself."""
+
+    text: str
+
+    def fullmatch(self, text: str) -> bool:
+        return text == self.text
+
+
+class _Anything:
+    """``*``: every name."""
+
+    def fullmatch(self, text: str) -> bool:
+        return True
+
+
+_ANYTHING = _Anything()
+
+
+def wildcard(pattern: str) -> Wildcard:
+    """RabbitMQ's scope wildcard: ``*`` any run, the rest literal, matched against the whole
+    name. ``*`` alone and literals need no regex; the rest become anchored RE2 patterns."""
+    if pattern == "*":
+        return _ANYTHING
+    if "*" not in pattern:
+        return _Literal(pattern)
     return compile_pattern("^" + ".*".join(re.escape(part) for part in pattern.split("*")) + "$")
 
 
@@ -51,9 +82,9 @@ class ScopeGrant:
     """One resource scope: an action on names matching ``name`` in vhosts matching ``vhost``."""
 
     action: str
-    vhost: Pattern
-    name: Pattern
-    routing_key: Pattern | None  # None: any routing key (no third part)
+    vhost: Wildcard
+    name: Wildcard
+    routing_key: Wildcard | None  # None: any routing key (no third part)
     text: str
 
     def covers(self, vhost: str, name: str) -> bool:
@@ -100,19 +131,29 @@ def parse_scopes(scopes: Iterable[str], prefix: str) -> ScopeGrants:
     for count, scope in enumerate(scopes, 1):
         if count > MAX_SCOPES or len(scope) > MAX_SCOPE_LENGTH:
             raise ValueError(f"too many or too long scopes (at most {MAX_SCOPES} of {MAX_SCOPE_LENGTH})")
-        if not scope.startswith(prefix):
-            continue
-        kind, sep, rest = scope[len(prefix):].partition(":")
-        if not sep:
-            continue
-        if kind == "tag":
-            if rest and rest not in tags:
-                tags.append(rest)
-            continue
-        if kind not in ACTIONS:
-            continue
-        parts = [urllib.parse.unquote(p) for p in rest.split("/")]
-        if len(parts) == 2 or (len(parts) == 3 and kind != "configure"):
-            routing_key = wildcard(parts[2]) if len(parts) == 3 else None
-            grants.append(ScopeGrant(kind, wildcard(parts[0]), wildcard(parts[1]), routing_key, scope))
+        grant = _scope(scope, prefix)
+        if isinstance(grant, ScopeGrant):
+            grants.append(grant)
+        elif grant and grant not in tags:
+            tags.append(grant)
     return ScopeGrants(tuple(grants), tuple(tags))
+
+
+@functools.lru_cache(maxsize=4096)
+def _scope(scope: str, prefix: str) -> ScopeGrant | str:
+    """One scope read: a resource grant, a tag, or "" (not ours, unknown or malformed). Tokens
+    of one provider repeat their scopes: each is read once (remembered, bounded)."""
+    if not scope.startswith(prefix):
+        return ""
+    kind, sep, rest = scope[len(prefix):].partition(":")
+    if not sep:
+        return ""
+    if kind == "tag":
+        return rest
+    if kind not in ACTIONS:
+        return ""
+    parts = [urllib.parse.unquote(p) for p in rest.split("/")]
+    if len(parts) == 2 or (len(parts) == 3 and kind != "configure"):
+        routing_key = wildcard(parts[2]) if len(parts) == 3 else None
+        return ScopeGrant(kind, wildcard(parts[0]), wildcard(parts[1]), routing_key, scope)
+    return ""
