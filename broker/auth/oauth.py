@@ -147,7 +147,6 @@ class TokenAuth:
         self.refresh = refresh
         self.provider: dict[str, Any] = {}  # the issuer's discovery document, once fetched
         self.login = LoginSettings()
-        self.refused = 0  # tokens refused, for tests and the log
         # tokens accepted, until they expire: an HTTP client sends its token with every request
         self._accepted: OrderedDict[str, User] = OrderedDict()
 
@@ -174,7 +173,6 @@ class TokenAuth:
             user = self._user(secret)
         except TokenError:
             self._accepted.pop(secret, None)
-            self.refused += 1
             raise
         self._accepted[secret] = user
         if len(self._accepted) > ACCEPTED_CACHE:
