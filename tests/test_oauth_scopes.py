@@ -3,15 +3,18 @@ sockets: keys made here, tokens signed with authlib's JOSE (joserfc), checked by
 
 from __future__ import annotations
 
+import base64
 import time
 from pathlib import Path
 
 import jwt as pyjwt
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from joserfc import jwt
 from joserfc.jwk import KeySet, RSAKey
 
-from broker.auth.oauth import OAuthSettings, TokenAuth, read_jwks
+from broker.auth.oauth import OAuthSettings, TokenAuth, read_jwks, token_kid
 from broker.auth.oauth_keys import backends
 from broker.auth.oauth_scopes import MAX_SCOPES, parse_scopes, scope_list, wildcard
 from broker.auth.users import UserStore
@@ -96,3 +99,34 @@ def test_token_refusals_name_their_reason() -> None:
         auth.user(jwt.encode({"alg": "RS256", "kid": "k2"}, {"sub": "x"}, key))
     with pytest.raises(ValueError, match="algorithm"):
         auth.user(pyjwt.encode({"sub": "x"}, "secret-secret-secret-secret-32b!", "HS256", {"kid": "k1"}))
+
+
+def test_malformed_tokens_are_refusals_never_crashes() -> None:
+    """Whatever a client sends as a token, the answer is a refusal (ValueError), never another
+    exception: a header nested past the JSON decoder's recursion limit included."""
+    auth, key = _auth()
+    deep = base64.urlsafe_b64encode(('{"a":' + "[" * 2500 + "]" * 2500 + "}").encode()).decode()
+    good = _token(key)
+    samples = [deep.rstrip("=") + ".e30.c2ln", "eyJ.x.y", "eyJhbGciOiJSUzI1NiJ9..",
+               "eyJ" + "A" * 9000 + ".a.b", good[:-10] + "AAAAAAAAAA", good.replace(".", "..", 1),
+               "eyJ!!!.a.b", "eyJhIjoxfQ.%%%.ab"]
+    for sample in samples:
+        assert token_kid(sample) is None or isinstance(token_kid(sample), str)
+        with pytest.raises(ValueError):
+            auth.user(sample)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=300), st.binary(max_size=300))
+def test_fuzzed_tokens_are_refusals(head: str, tail: bytes) -> None:
+    auth, _key = _FUZZ
+    token = "eyJ" + head + "." + base64.urlsafe_b64encode(tail).decode() + ".c2ln"
+    try:
+        auth.user(token)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("a fuzzed token was accepted")
+
+
+_FUZZ = _auth()

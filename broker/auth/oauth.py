@@ -35,7 +35,6 @@ limited there, so a flood of tokens with made-up ``kid`` costs one fetch per int
 from __future__ import annotations
 
 import base64
-import binascii
 import json
 import logging
 from collections import OrderedDict
@@ -108,7 +107,7 @@ def token_header(secret: str) -> dict[str, Any] | None:
     head = secret.split(".", 1)[0]
     try:
         header = json.loads(base64.urlsafe_b64decode(head + "=" * (-len(head) % 4)))
-    except (ValueError, binascii.Error):
+    except (ValueError, RecursionError):  # (binascii.Error is a ValueError) nesting past the limit
         return None
     return header if isinstance(header, dict) else None
 
@@ -217,6 +216,6 @@ class TokenAuth:
                 secret, key.key, algorithms=[alg], audience=list(s.audiences) if s.verify_aud else None,
                 issuer=s.issuer, leeway=s.leeway,
                 options={"require": ["exp", "iss"], "verify_aud": s.verify_aud})
-        except jwt.PyJWTError as exc:
+        except (jwt.PyJWTError, ValueError, TypeError, RecursionError) as exc:
             raise TokenError(f"{type(exc).__name__}: {exc}") from None
 
