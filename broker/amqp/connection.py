@@ -227,8 +227,9 @@ class AMQPConnection:
     def closed_by_server(self, channel: int, error: errors.AMQPError) -> None:
         """The server is closing ``channel`` (0: the connection) with ``error`` (for the log)."""
 
-    def update_secret(self, secret: bytes, reason: str) -> None:
-        """connection.update-secret: raise an AMQPError to refuse the new secret."""
+    def update_secret(self, secret: bytes, reason: str) -> bool:
+        """connection.update-secret: raise an AMQPError to refuse the new secret; True when the
+        answer (update-secret-ok, or the close) will be sent later by the subclass."""
         raise errors.NotAllowed("secret update is not supported", 10, 70)
 
     # ---------------------------------------------------------------- output
@@ -571,10 +572,11 @@ class AMQPConnection:
         raw = m.new_secret or b""
         secret = raw.encode("latin-1") if isinstance(raw, str) else bytes(raw)
         try:
-            self.update_secret(secret, str(m.reason or ""))
+            answered_later = self.update_secret(secret, str(m.reason or ""))
         except errors.AMQPError as exc:
             raise errors.NotAllowed(exc.text, 10, 70) from None
-        self.send_method(0, commands.Connection.UpdateSecretOk())
+        if not answered_later:
+            self.send_method(0, commands.Connection.UpdateSecretOk())
 
     def _on_close(self, m: PFrame) -> None:
         self._release_all_if_open()

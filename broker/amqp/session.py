@@ -35,7 +35,7 @@ from pamqp.base import Frame as PFrame
 
 from broker import errors, properties
 from broker.amqp import codec
-from broker.amqp.connection import CH_OPEN, AMQPConnection, PublishArgs
+from broker.amqp.connection import CH_OPEN, AMQPConnection, PublishArgs, State
 from broker.model import methods
 from broker.model.publish import PublishOutcome, PublishRequest
 from broker.model.queue import Consumer, Queue
@@ -347,12 +347,32 @@ class Session(AMQPConnection):
         log.log(level, "closing %s of %s (user %r, vhost %r): %s%d %s", what, self.name, self.username,
                 self.vhost, cause, error.reply_code, error.reply_text)
 
-    def update_secret(self, secret: bytes, reason: str) -> None:
+    def update_secret(self, secret: bytes, reason: str) -> bool:
         """A token refresh: the new secret must log the same user in (the user store's check);
-        a token's user then has the new token's permissions and expiry."""
+        a token's user then has the new token's permissions and expiry. A token signed by a key
+        not fetched yet is answered once the issuer's keys are fetched (True: answered later)."""
         text = secret.decode(errors="replace")
-        self.broker.users.pending(text)  # a new signing key: fetched for next time (not waited for here)
-        user, refusal = self.broker.users.login(self.username, text, self.peer[0])
+        keys = self.broker.users.pending(text)
+        if keys is None:
+            self._swap_secret(text, reason)
+            return False
+
+        def fetched(_: object) -> None:
+            if self.state is not State.OPEN:
+                return
+            try:
+                self._swap_secret(text, reason)
+            except errors.AMQPError as exc:
+                self.close_connection(errors.NotAllowed(exc.text, 10, 70))
+            else:
+                self.send_method(0, commands.Connection.UpdateSecretOk())
+            self.wakeup()
+
+        keys.add_done_callback(fetched)
+        return True
+
+    def _swap_secret(self, secret: str, reason: str) -> None:
+        user, refusal = self.broker.users.login(self.username, secret, self.peer[0])
         if user is not None and user.name != self.username:
             refusal = f"the new secret logs in user {user.name!r}"
         if user is None or refusal is not None:

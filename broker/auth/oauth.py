@@ -38,14 +38,14 @@ import base64
 import json
 import logging
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import jwt
 
 from broker.auth.oauth_scopes import parse_scopes, scope_list
-from broker.auth.users import User
+from broker.auth.users import Fetch, User
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class TokenAuth:
     there), or None when no fetch will happen now."""
 
     def __init__(self, settings: OAuthSettings,
-                 refresh: Callable[[str], Awaitable[None] | None] | None = None) -> None:
+                 refresh: Callable[[str], Fetch | None] | None = None) -> None:
         self.settings = settings
         self.keys: Mapping[str, jwt.PyJWK] = {}
         self.refresh = refresh
@@ -154,7 +154,7 @@ class TokenAuth:
             self._accepted.clear()  # a key withdrawn: what it signed is checked afresh
         self.keys = dict(keys)
 
-    def pending(self, secret: str) -> Awaitable[None] | None:
+    def pending(self, secret: str) -> Fetch | None:
         """What to await before checking ``secret``: a key refresh when it is a token whose
         ``kid`` we do not hold; None otherwise."""
         kid = token_kid(secret)

@@ -21,7 +21,6 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable
 from typing import Any
 
 import aiohttp
@@ -61,7 +60,7 @@ class OAuthKeys:
             if task is not None:
                 task.cancel()
 
-    def refresh(self, kid: str) -> Awaitable[None] | None:
+    def refresh(self, kid: str) -> asyncio.Future[None] | None:
         """A fetch of the keys for ``kid``'s sake: the one under way, a new one, or None when
         the last fetch was less than ``min_refresh`` seconds ago."""
         if self._inflight is not None and not self._inflight.done():

@@ -170,13 +170,20 @@ class User:
         return self.expires_at is not None and (time.time() if now is None else now) >= self.expires_at
 
 
+class Fetch(Awaitable[None], Protocol):
+    """A fetch under way (an asyncio future): awaited by the asyncio front ends, or told to call
+    back by the sans-IO AMQP session."""
+
+    def add_done_callback(self, fn: Callable[[Any], object], /) -> None: ...
+
+
 class TokenBackend(Protocol):
     """What the user store asks of the ``oauth`` backend (``broker.auth.oauth.TokenAuth``)."""
 
     def user(self, secret: str) -> User:
         """The token's user; ValueError (its reason, for the log) when refused."""
 
-    def pending(self, secret: str) -> Awaitable[None] | None:
+    def pending(self, secret: str) -> Fetch | None:
         """What to await before ``user(secret)`` (a fetch of the issuer's keys), or None."""
 
 
@@ -285,7 +292,7 @@ class UserStore:
                     reasons.append("wrong password")
         return None, "; ".join(reasons) or "no authentication backend"
 
-    def pending(self, password: str) -> Awaitable[None] | None:
+    def pending(self, password: str) -> Fetch | None:
         """What a front end awaits before checking ``password`` (a token's keys), or None."""
         if self.tokens is None or "oauth" not in self.backends:
             return None

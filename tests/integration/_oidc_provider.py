@@ -38,6 +38,7 @@ class Provider:
         }
         self.published = ["rsa-1", "ec-1"]  # kids in the JWKS
         self.jwks_fetches = 0
+        self.last_fetch = 0.0  # time.monotonic() of the last JWKS fetch
         self.logins: dict[str, tuple[str, list[str]]] = {}  # user -> (password, scopes), for the login page
         self.codes: dict[str, dict[str, Any]] = {}
         self.issuer = ""
@@ -111,6 +112,7 @@ class Provider:
 
     async def _jwks(self, request: web.Request) -> web.Response:
         self.jwks_fetches += 1
+        self.last_fetch = time.monotonic()
         keys = KeySet([self.keys[k] for k in self.published])
         return web.json_response(keys.as_dict(private=False))
 

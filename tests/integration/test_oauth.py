@@ -196,6 +196,23 @@ def test_update_secret_swaps_permissions(sso: SkredProcess, provider: Provider) 
             conn.close()
 
 
+def test_update_secret_with_a_token_of_a_new_key(sso: SkredProcess, provider: Provider) -> None:
+    """The provider rotated its keys while a connection was open: the refreshed token names a kid
+    the broker has not fetched; update-secret is answered once the keys are fetched."""
+    conn = amqp(sso, provider.token("lena", SCOPES_ALL))
+    try:
+        provider.rotate("rsa-3")
+        # outside the broker's refresh rate limit (jwks_min_refresh = 2 s), an unknown kid fetches
+        wait_until(lambda: time.monotonic() - provider.last_fetch > 2.5, 10, "the refresh window to pass")
+        fetches = provider.jwks_fetches
+        conn.update_secret(provider.token("lena", SCOPES_ALL, kid="rsa-3"), "rotated")
+        assert provider.jwks_fetches == fetches + 1
+        conn.channel().queue_declare(unique("rot"), auto_delete=True)
+    finally:
+        if conn.is_open:
+            conn.close()
+
+
 def test_expired_token_closes_the_amqp_connection(sso: SkredProcess, provider: Provider) -> None:
     conn = amqp(sso, provider.token("frank", SCOPES_ALL, lifetime=2))
     deadline = time.monotonic() + 15
