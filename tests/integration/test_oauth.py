@@ -213,6 +213,26 @@ def test_update_secret_with_a_token_of_a_new_key(sso: SkredProcess, provider: Pr
             conn.close()
 
 
+def test_a_token_never_borrows_a_namesakes_tags(sso: SkredProcess, provider: Provider) -> None:
+    """An internal user 'ivy' may impersonate (user_id of others); a token whose user name is
+    'ivy' has only its own scopes' tags, so its user_id must be its own (406 otherwise)."""
+    guest = basic("guest", "guest")
+    ivy = {"password": "x", "tags": "impersonator"}
+    assert api(sso, "/api/users/ivy", guest, "PUT", ivy)[0] in (201, 204)
+    conn = amqp(sso, provider.token("ivy", SCOPES_ALL))
+    try:
+        ch = conn.channel()
+        ch.confirm_delivery()
+        ch.basic_publish("", unique("none"), b"mine", pika.BasicProperties(user_id="ivy"))
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as refused:
+            ch.basic_publish("", unique("none"), b"other", pika.BasicProperties(user_id="someone-else"))
+        assert refused.value.reply_code == 406
+    finally:
+        if conn.is_open:
+            conn.close()
+        api(sso, "/api/users/ivy", guest, "DELETE")
+
+
 def test_expired_token_closes_the_amqp_connection(sso: SkredProcess, provider: Provider) -> None:
     conn = amqp(sso, provider.token("frank", SCOPES_ALL, lifetime=2))
     deadline = time.monotonic() + 15
