@@ -72,9 +72,10 @@ def amqp(b: SkredProcess, token: str, user: str = "ignored") -> pika.BlockingCon
         b.host, b.port, "/", creds, connection_attempts=1, blocked_connection_timeout=10))
 
 
-def api(b: SkredProcess, path: str, auth: str, method: str = "GET", body: Any = None,
-        port: int | None = None) -> tuple[int, Any]:
-    req = urllib.request.Request(f"http://{b.host}:{port or b.mgmt_port}{path}", method=method,
+def api(b: SkredProcess | None, path: str, auth: str, method: str = "GET", body: Any = None,
+        port: int | None = None, host: str = "") -> tuple[int, Any]:
+    where = f"{host}:{port}" if b is None else f"{b.host}:{port or b.mgmt_port}"
+    req = urllib.request.Request(f"http://{where}{path}", method=method,
                                  data=None if body is None else (body if isinstance(body, bytes)
                                                                  else json.dumps(body).encode()),
                                  headers={"Authorization": auth, "Content-Type": "application/json"})
@@ -340,3 +341,34 @@ def test_ui_signs_in_through_the_provider_and_out(sso: SkredProcess, provider: P
     assert driver.execute_script("return sessionStorage.getItem('skred.auth')") is None
     # a code cannot be replayed: the provider gave it once (and the UI no longer holds it)
     assert not provider.codes
+
+
+# ------------------------------------------------------------------ a cluster
+def test_tokens_through_a_follower(provider: Provider, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A 3-node cluster with oauth: a follower proxies AMQP and HTTP to the leader, which checks
+    the token (the same scopes refuse the same names); the leader fetched the issuer's keys."""
+    from .test_cluster import Cluster, start_cluster  # skips without an etcd binary
+
+    c = Cluster(tmp_path_factory.mktemp("oauth-cluster"))
+    try:
+        for n in c.nodes:
+            n.argv += oauth_args(provider)
+        leader, followers = start_cluster(c)
+        via = followers[0]
+        token = provider.token("nina", ("skred.configure:%2F/nq-*", "skred.write:%2F/*", "skred.read:%2F/*",
+                                        "skred.tag:management"))
+        conn = pika.BlockingConnection(pika.ConnectionParameters(
+            via.ip, via.port, "/", pika.PlainCredentials("x", token), connection_attempts=1))
+        try:
+            ch = conn.channel()
+            ch.queue_declare(unique("nq"), durable=True)
+            with pytest.raises(pika.exceptions.ChannelClosedByBroker) as refused:
+                ch.queue_declare(unique("other"), durable=True)
+            assert refused.value.reply_code == 403
+        finally:
+            conn.close()
+        status, me = api(None, "/api/whoami", f"Bearer {token}", host=via.ip, port=via.mgmt_port)
+        assert status == 200 and me["name"] == "nina", (status, me)
+        assert f"signing key(s) of issuer {provider.issuer}" in leader.log_text()
+    finally:
+        c.close()
