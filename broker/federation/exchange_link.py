@@ -2,9 +2,8 @@
 
 Theory of operation
 -------------------
-On the upstream the link declares a durable queue named as RabbitMQ names it,
-``federation: <exchange> -> <this cluster's name>`` (then `` (<vhost>)`` for a vhost other than
-``/``, and `` <local exchange>`` when the upstream exchange has another name), with the upstream's
+On the upstream the link declares a durable queue named after RabbitMQ's
+``federation: <exchange> -> <this cluster's name>`` (``queue_name``), with the upstream's
 ``expires`` and ``message-ttl`` as ``x-expires``/``x-message-ttl``, and binds it to the upstream
 exchange with every binding the local exchange has (routing key and arguments, once each), so
 the upstream sends only what some local binding wants. The binding set is mirrored for as long
@@ -24,6 +23,7 @@ with ``max-hops`` 2 or more.
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
 import aiormq
@@ -32,19 +32,23 @@ from aiormq.abc import DeliveredMessage
 from broker.federation.link import Link
 from broker.model.exchange import Exchange
 
+_NOT_IN_GRAMMAR = re.compile(r"[^a-zA-Z0-9_.:@#,/+ -]")  # a name's characters (AMQP 0-9-1 grammar)
 BINDINGS_INTERVAL = 0.5  # seconds between comparisons of the local exchange's bindings
 
 Binding = tuple[str, tuple[tuple[str, Any], ...]]  # routing key, arguments (sorted, hashable)
 
 
 def queue_name(exchange: str, upstream_exchange: str, cluster: str, vhost: str) -> str:
-    """The upstream queue's name, as RabbitMQ's federation plugin names it."""
-    name = f"federation: {upstream_exchange} -> {cluster}"
+    """The upstream queue's name: RabbitMQ's ``federation: X -> cluster`` shape, in the
+    characters the AMQP 0-9-1 grammar allows a name (RabbitMQ's own ``->`` and parentheses are
+    outside it, and the client library refuses to send them): ``federation: X - cluster``, then
+    `` vhost`` for a vhost other than ``/`` and `` exchange`` when the local one is named otherwise."""
+    name = f"federation: {upstream_exchange} - {cluster}"
     if vhost != "/":
-        name += f" ({vhost})"
+        name += f" {vhost}"
     if exchange != upstream_exchange:
         name += f" {exchange}"
-    return name
+    return _NOT_IN_GRAMMAR.sub("_", name)[:255]
 
 
 def _hashable(v: Any) -> Any:
