@@ -47,6 +47,9 @@ from broker.model.publish import PublishRequest
 from broker.model.vhost import VHost
 
 log = logging.getLogger(__name__)
+# The client library logs every connection an upstream closes with a traceback; the link logs
+# the reason in one line and shows it in its status, so the library's own noise is left out.
+logging.getLogger("aiormq").setLevel(logging.CRITICAL)
 
 MAX_BACKOFF_FACTOR = 16  # reconnect-delay doubles per failure in a row up to this many times
 CONNECT_TIMEOUT = 10.0  # seconds for one connection attempt (TCP, TLS and the AMQP handshake)

@@ -26,7 +26,9 @@ LINK_DEADLINE = 20.0  # a link connects, declares and binds in well under a seco
 
 
 def api_of(b: Broker) -> Api:
-    return Api(b.mgmt_port)
+    api = Api(b.mgmt_port)
+    api.base = f"http://{b.host}:{b.mgmt_port}"  # a cluster's nodes have addresses of their own
+    return api
 
 
 def vhosts(api: Api, n: int) -> list[str]:
