@@ -21,6 +21,7 @@ import pytest
 
 from ._support import Broker, unique, wait_until
 from .test_mgmt_api import Api
+from .test_rabbitmqadmin import ADMIN, admin, ok
 
 LINK_DEADLINE = 20.0  # a link connects, declares and binds in well under a second on a quiet machine
 
@@ -357,3 +358,20 @@ def test_unreachable_upstream_backs_off_and_shows_the_reason(shared_broker: Brok
     finally:
         cd.close()
         drop_vhosts(api, [down])
+
+
+# ---------------------------------------------------------------- rabbitmqadmin
+@pytest.mark.skipif(ADMIN is None, reason="rabbitmqadmin (Debian rabbitmq-server) is not installed")
+def test_rabbitmqadmin_declares_lists_and_deletes_upstreams(shared_broker: Broker) -> None:
+    """RabbitMQ's own tool: ``declare``/``list``/``delete parameter`` of federation-upstream exit 0
+    (before, a declare got 400 'component not found' and had nothing to delete)."""
+    name = unique("up")
+    value = '{"uri": "amqp://127.0.0.1:1", "max-hops": 2}'
+    ok(shared_broker, "declare", "parameter", "component=federation-upstream", f"name={name}",
+       f"value={value}")
+    assert name in ok(shared_broker, "list", "parameters")
+    ok(shared_broker, "delete", "parameter", "component=federation-upstream", f"name={name}")
+    assert name not in ok(shared_broker, "list", "parameters")
+    res = admin(shared_broker, "declare", "parameter", "component=federation-upstream", f"name={name}",
+                'value={"uri": "http://nope"}')
+    assert res.returncode != 0 and "Traceback" not in res.stderr and "scheme" in res.stderr, res.stderr
