@@ -107,6 +107,8 @@ BAD_UPSTREAMS = [
     ({"prefetch-count": 10}, "uri"),
     ("amqp://h", "object"),
     ({"uri": "amqp://h:notaport"}, "bad URI"),
+    ({"uri": "amqp:/%2Fguest:guest@127.0.0.1:5672/"}, "needs a host"),
+    ({"uri": "amqp:///vhost"}, "needs a host"),
 ]
 
 

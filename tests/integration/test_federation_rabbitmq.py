@@ -10,6 +10,9 @@ RabbitMQ installed the module skips with the reason, unless ``SKRED_REQUIRE_RABB
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -182,3 +185,127 @@ def test_rabbitmq_federation_plugin_federates_an_exchange_from_skred(
     finally:
         rc.close()
         sc.close()
+
+
+# ------------------------------------------- migration (docs/migrating-from-rabbitmq.md)
+MIGRATING_TASKS = '''
+import os, time
+from celery import Celery
+
+app = Celery("migrating", broker=os.environ["MIGRATE_BROKER"])
+app.conf.update(task_acks_late=True, worker_prefetch_multiplier=1, task_ignore_result=True,
+                broker_connection_retry_on_startup=True, broker_heartbeat=0,
+                worker_hijack_root_logger=False)
+
+
+@app.task
+def work(tag):
+    time.sleep(0.05)
+    with open(os.environ["MIGRATE_LOG"], "a") as fh:
+        fh.write(f"{tag} {os.environ['MIGRATE_WORKER']}\\n")
+'''
+
+
+class CeleryWorker:
+    def __init__(self, tmp: Path, url: str, name: str) -> None:
+        self.tmp, self.url, self.name = tmp, url, name
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({"MIGRATE_BROKER": self.url, "MIGRATE_LOG": str(self.tmp / "done.log"),
+                    "MIGRATE_WORKER": self.name, "PYTHONPATH": str(self.tmp)})
+        return env
+
+    def start(self) -> None:
+        log = open(self.tmp / f"{self.name}.log", "wb")  # noqa: SIM115 - owned by the child
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "migrating", "worker", "-c", "1", "-P", "solo",
+             "-l", "INFO", "--without-gossip", "--without-mingle", "--without-heartbeat",
+             "-n", f"{self.name}@%h"],
+            cwd=self.tmp, env=self.env(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True)
+        log.close()
+
+    def stop(self) -> None:
+        """A warm shutdown (SIGTERM): the task running finishes and is acked, the rest goes back."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+def produce(tmp: Path, url: str, tags: list[str]) -> None:
+    env = dict(os.environ, MIGRATE_BROKER=url, MIGRATE_LOG=str(tmp / "done.log"), MIGRATE_WORKER="-",
+               PYTHONPATH=str(tmp))
+    code = f"from migrating import work\nfor t in {tags!r}:\n    work.delay(t)\n"
+    subprocess.run([sys.executable, "-c", code], cwd=tmp, env=env, check=True, timeout=60,
+                   capture_output=True)
+
+
+def consumers(api: Api, queue: str) -> int:
+    status, body, _ = api.call("GET", f"/api/queues/%2F/{queue}")
+    return int(body.get("consumers", 0)) if status == 200 else 0
+
+
+def done(tmp: Path) -> list[tuple[str, str]]:
+    path = tmp / "done.log"
+    if not path.exists():
+        return []
+    return [(w[0], w[1]) for w in (line.split() for line in path.read_text().splitlines()) if len(w) == 2]
+
+
+@pytest.mark.timeout(240)
+def test_celery_moves_from_rabbitmq_to_skred_by_queue_federation(
+        pair: tuple[FederatingRabbit, SkredProcess], tmp_path: Path) -> None:
+    """The how-to of docs/migrating-from-rabbitmq.md, end to end: producers and workers of one
+    Celery app move from RabbitMQ to Skred one by one while queue federation pulls what is left
+    on RabbitMQ to Skred's workers. Every task runs, none twice, nothing stays behind."""
+    rabbit, skred = pair
+    api = Api(skred.mgmt_port)
+    (tmp_path / "migrating.py").write_text(MIGRATING_TASKS)
+    on_rabbit = f"amqp://guest:guest@{rabbit.host}:{rabbit.port}//"
+    on_skred = f"amqp://guest:guest@{skred.host}:{skred.port}//"
+    old, new = CeleryWorker(tmp_path, on_rabbit, "old"), CeleryWorker(tmp_path, on_skred, "new")
+    try:
+        # 1. all on RabbitMQ: a backlog, and a worker draining it
+        produce(tmp_path, on_rabbit, [f"a{i}" for i in range(30)])
+        old.start()
+        wait_until(lambda: len(done(tmp_path)) >= 3, 60, "the old worker running tasks")
+        # 2. Skred federates the app's queue from RabbitMQ (the queue as Celery declares it)
+        set_upstream(api, "old-rabbit", f"amqp://guest:guest@{rabbit.host}:{rabbit.port}/%2F",
+                     **{"prefetch-count": 5})
+        policy(api, "/", {"federation-upstream": "old-rabbit"}, pattern="^celery$", apply_to="queues")
+        # 3. a worker on Skred: its queue pulls from RabbitMQ whenever the worker has room
+        new.start()
+        wait_until(lambda: consumers(api, "celery") >= 1, 60, "the new worker consuming on Skred")
+        # 4. producers switch one by one: one still publishes to RabbitMQ, one to Skred already
+        produce(tmp_path, on_rabbit, [f"b{i}" for i in range(30)])
+        produce(tmp_path, on_skred, [f"c{i}" for i in range(20)])
+        wait_until(lambda: any(w == "new" and t[0] in "ab" for t, w in done(tmp_path)), 60,
+                   "a task published to RabbitMQ run by the worker on Skred")
+        # 5. the old worker stops (warm shutdown); what is left on RabbitMQ moves to Skred
+        old.stop()
+        want = {f"{p}{i}" for p, n in (("a", 30), ("b", 30), ("c", 20)) for i in range(n)}
+        wait_until(lambda: {t for t, _ in done(tmp_path)} >= want, 120, "every task run")
+        ran = [t for t, _ in done(tmp_path)]
+        assert sorted(ran) == sorted(want), "a task ran twice"
+        assert {w for _, w in done(tmp_path)} == {"old", "new"}
+        # 6. nothing left behind on either broker
+        rc, rch = channel(rabbit.host, rabbit.port)
+        try:
+            assert count(rch, "celery") == 0
+        finally:
+            rc.close()
+        sc, sch = channel(skred.host, skred.port)
+        try:
+            wait_until(lambda: count(sch, "celery") == 0, LINK_DEADLINE, "Skred's queue empty")
+        finally:
+            sc.close()
+        api.call("DELETE", "/api/policies/%2F/federate")
+    finally:
+        old.stop()
+        new.stop()
