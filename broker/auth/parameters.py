@@ -146,6 +146,11 @@ class VhostParameters:
         self._commit({k: v for k, v in self._values.items() if k != key})
         return True
 
+    def clear_vhost(self, vhost: str) -> None:
+        """Forget every parameter of a deleted vhost."""
+        if any(v == vhost for _, v, _ in self._values):
+            self._commit({k: value for k, value in self._values.items() if k[1] != vhost})
+
     def _commit(self, values: dict[tuple[str, str, str], Any]) -> None:
         write_json(self._path, {"version": 1, "parameters": [
             {"component": c, "vhost": v, "name": n, "value": value}

@@ -179,6 +179,8 @@ class Mgmt:
         shutil.rmtree(vh.transient_dir, ignore_errors=True)
         self.broker.users.clear_vhost(name)
         self.policies.clear_vhost(name)
+        if self.parameters is not None:  # its runtime parameters go with it (RabbitMQ: the same)
+            self.parameters.clear_vhost(name)
 
     # ---------------------------------------------------------------- process
     def disk_free(self) -> int:
