@@ -111,6 +111,7 @@ def test_downstream_kill9_mid_move_loses_nothing(tmp_path: Path, upstream: Skred
 
 
 def test_links_move_to_the_new_leader_and_lose_nothing(tmp_path: Path, upstream: SkredProcess) -> None:
+    (tmp_path / "cluster").mkdir()
     c = Cluster(tmp_path / "cluster")
     try:
         leader, _followers = start_cluster(c)
