@@ -29,7 +29,7 @@ from typing import Any
 import aiormq
 from aiormq.abc import DeliveredMessage
 
-from broker.federation.link import Link
+from broker.federation.link import CALL_TIMEOUT, Link
 from broker.model.exchange import Exchange
 
 _NOT_IN_GRAMMAR = re.compile(r"[^a-zA-Z0-9_.:@#,/+ -]")  # a name's characters (AMQP 0-9-1 grammar)
@@ -81,22 +81,23 @@ class ExchangeLink(Link):
         if ex is None:
             raise RuntimeError(f"no exchange '{self.resource}' here")
         up_ex, queue = self.upstream_name(), self.queue()
-        ch = await conn.channel()
-        try:
-            await ch.exchange_declare(up_ex, passive=True)
-        except aiormq.exceptions.ChannelNotFoundEntity:
-            ch = await conn.channel()  # the passive declare closed the channel
-            await ch.exchange_declare(up_ex, exchange_type=ex.type, durable=ex.durable,
-                                      arguments=_jsonable(ex.arguments))
-        args: dict[str, Any] = {"x-internal-purpose": "federation"}
-        if self.upstream.expires is not None:
-            args["x-expires"] = self.upstream.expires
-        if self.upstream.message_ttl is not None:
-            args["x-message-ttl"] = self.upstream.message_ttl
-        await ch.queue_declare(queue, durable=True, arguments=args)
-        bound: dict[Binding, dict[str, Any]] = {}
-        await self._mirror(ch, ex, queue, up_ex, bound)
-        await ch.basic_qos(prefetch_count=self.upstream.prefetch_count)
+        async with asyncio.timeout(CALL_TIMEOUT):  # a mute upstream ends the session
+            ch = await conn.channel()
+            try:
+                await ch.exchange_declare(up_ex, passive=True)
+            except aiormq.exceptions.ChannelNotFoundEntity:
+                ch = await conn.channel()  # the passive declare closed the channel
+                await ch.exchange_declare(up_ex, exchange_type=ex.type, durable=ex.durable,
+                                          arguments=_jsonable(ex.arguments))
+            args: dict[str, Any] = {"x-internal-purpose": "federation"}
+            if self.upstream.expires is not None:
+                args["x-expires"] = self.upstream.expires
+            if self.upstream.message_ttl is not None:
+                args["x-message-ttl"] = self.upstream.message_ttl
+            await ch.queue_declare(queue, durable=True, arguments=args)
+            bound: dict[Binding, dict[str, Any]] = {}
+            await self._mirror(ch, ex, queue, up_ex, bound)
+            await ch.basic_qos(prefetch_count=self.upstream.prefetch_count)
 
         async def deliver(msg: DeliveredMessage) -> None:
             try:
@@ -105,7 +106,7 @@ class ExchangeLink(Link):
                 self.fail(exc)
 
         await ch.basic_consume(queue, deliver, no_ack=self.upstream.ack_mode == "no-ack",
-                               consumer_tag=self.upstream.consumer_tag)
+                               consumer_tag=self.upstream.consumer_tag, timeout=CALL_TIMEOUT)
         self._set("running")
         watch = asyncio.ensure_future(self.until_failed())
         try:
@@ -122,13 +123,14 @@ class ExchangeLink(Link):
 
     async def _mirror(self, ch: aiormq.abc.AbstractChannel, ex: Exchange, queue: str, up_ex: str,
                       bound: dict[Binding, dict[str, Any]]) -> None:
-        want = local_bindings(ex)
-        for key in [k for k in bound if k not in want]:
-            await ch.queue_unbind(queue, up_ex, key[0], arguments=bound.pop(key))
-        for key, args in want.items():
-            if key not in bound:
-                await ch.queue_bind(queue, up_ex, key[0], arguments=args)
-                bound[key] = args
+        async with asyncio.timeout(CALL_TIMEOUT):
+            want = local_bindings(ex)
+            for key in [k for k in bound if k not in want]:
+                await ch.queue_unbind(queue, up_ex, key[0], arguments=bound.pop(key))
+            for key, args in want.items():
+                if key not in bound:
+                    await ch.queue_bind(queue, up_ex, key[0], arguments=args)
+                    bound[key] = args
 
     def _deliver(self, ch: aiormq.abc.AbstractChannel, msg: DeliveredMessage, up_ex: str) -> None:
         props, hops = self.received_from(msg, ("exchange", up_ex))

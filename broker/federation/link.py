@@ -53,6 +53,7 @@ logging.getLogger("aiormq").setLevel(logging.CRITICAL)
 
 MAX_BACKOFF_FACTOR = 16  # reconnect-delay doubles per failure in a row up to this many times
 CONNECT_TIMEOUT = 10.0  # seconds for one connection attempt (TCP, TLS and the AMQP handshake)
+CALL_TIMEOUT = 10.0  # seconds for the upstream to answer a declare, bind, consume or cancel
 MAX_RECEIVED_FROM = 64  # entries kept in x-received-from: a bound on what a peer can grow
 
 AfterSync = Callable[[Callable[[bool], None], Any], None]
@@ -239,7 +240,7 @@ def _quiet(task: asyncio.Future[Any]) -> None:
 
 def _reason(exc: BaseException) -> str:
     if isinstance(exc, asyncio.TimeoutError):
-        return "timed out connecting to the upstream"
+        return "the upstream did not answer in time"
     if isinstance(exc, aiormq.exceptions.ChannelClosed) and len(exc.args) >= 2:
         return f"channel closed by the upstream: {exc.args[0]} {exc.args[1]}"
     if isinstance(exc, ConnectionError | OSError):

@@ -26,7 +26,7 @@ from typing import Any
 import aiormq
 from aiormq.abc import DeliveredMessage
 
-from broker.federation.link import Link
+from broker.federation.link import CALL_TIMEOUT, Link
 from broker.model.queue import Queue
 
 DEMAND_INTERVAL = 0.05  # seconds between reads of the local queue's demand
@@ -54,15 +54,16 @@ class QueueLink(Link):
         if q is None:
             raise RuntimeError(f"no queue '{self.resource}' here")
         up_q = self.upstream_name()
-        ch = await conn.channel()
-        try:
-            await ch.queue_declare(up_q, passive=True)
-        except aiormq.exceptions.ChannelNotFoundEntity:
+        async with asyncio.timeout(CALL_TIMEOUT):  # a mute upstream ends the session
             ch = await conn.channel()
-            args: dict[str, Any] | None = ({"x-queue-type": "quorum"} if self.upstream.queue_type == "quorum"
-                                           else None)
-            await ch.queue_declare(up_q, durable=True, arguments=args)
-        await ch.basic_qos(prefetch_count=self.upstream.prefetch_count)
+            try:
+                await ch.queue_declare(up_q, passive=True)
+            except aiormq.exceptions.ChannelNotFoundEntity:
+                ch = await conn.channel()
+                quorum = self.upstream.queue_type == "quorum"
+                args: dict[str, Any] | None = {"x-queue-type": "quorum"} if quorum else None
+                await ch.queue_declare(up_q, durable=True, arguments=args)
+            await ch.basic_qos(prefetch_count=self.upstream.prefetch_count)
 
         async def deliver(msg: DeliveredMessage) -> None:
             try:
@@ -84,10 +85,10 @@ class QueueLink(Link):
                 wanted = demand(q)
                 if wanted and tag is None:
                     ok = await ch.basic_consume(up_q, deliver, no_ack=self.upstream.ack_mode == "no-ack",
-                                                consumer_tag=self.upstream.consumer_tag)
+                                                consumer_tag=self.upstream.consumer_tag, timeout=CALL_TIMEOUT)
                     tag = str(ok.consumer_tag)
                 elif not wanted and tag is not None:
-                    await ch.basic_cancel(tag)
+                    await ch.basic_cancel(tag, timeout=CALL_TIMEOUT)
                     tag = None
             watch.result()
         finally:
