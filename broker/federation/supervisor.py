@@ -11,8 +11,11 @@ and starts the new ones; a link whose upstream's parameters changed is restarted
 
 It runs when the parameters change (``VhostParameters.listeners``) and every
 ``RECONCILE_INTERVAL`` seconds, which is what notices policy changes and new or deleted
-exchanges and queues: the policy machinery has no change event for other front ends, and a
-vhost without a federation policy costs one look at its policies per interval. A policy that
+exchanges and queues: the policy machinery has no change event for other front ends. A vhost
+without a federation policy costs one look at its policies per interval; one with a federation
+policy has its names matched again only when its policies or its numbers of exchanges and queues
+changed, and at least every ``FULL_SCAN_INTERVAL`` seconds (a link whose exchange or queue was
+deleted notices it itself). A policy that
 names an upstream or set that does not exist shows as a link in status ``error`` with the
 reason, without a task.
 
@@ -46,6 +49,7 @@ from broker.model.vhost import VHost
 log = logging.getLogger(__name__)
 
 RECONCILE_INTERVAL = 0.5  # seconds: how soon a policy change or a new exchange gets its link
+FULL_SCAN_INTERVAL = 5.0  # seconds between full matches of a vhost's names when nothing counted changed
 
 Key = tuple[str, str, str, str]  # kind, vhost, resource, upstream
 
@@ -70,6 +74,7 @@ class Federation:
         self.node_name = node_name
         self.links: dict[Key, Link] = {}
         self.broken: dict[tuple[str, str, str], dict[str, Any]] = {}  # policy names a missing upstream
+        self._scans: dict[str, tuple[Any, float, list[tuple[str, str, dict[str, Any]]]]] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         params.listeners.append(self._wake.set)
@@ -113,19 +118,7 @@ class Federation:
                 continue
             upstreams = {e["name"]: e["value"] for e in self.params.list(UPSTREAM, vname)}
             sets = {e["name"]: e["value"] for e in self.params.list(UPSTREAM_SET, vname)}
-            targets: list[tuple[str, str, dict[str, Any] | None]] = []
-            for ex in list(vh.exchanges.values()):
-                if ex.name and not ex.name.startswith("amq."):
-                    pol = vh.policy_set.for_exchange(ex.name)
-                    targets.append(("exchange", ex.name, pol.definition if pol else None))
-            for q in list(vh.queues.values()):
-                if q.exclusive_owner is None and not q.deleted:
-                    qpol, _ = vh.policy_set.for_queue(q.name)
-                    targets.append(("queue", q.name, qpol.definition if qpol else None))
-            for kind, name, definition in targets:
-                if not _federated(definition):
-                    continue
-                assert definition is not None
+            for kind, name, definition in self._targets(vh):
                 found, reason = resolve(definition, upstreams, sets)
                 for up in found:
                     out[(kind, vname, name, up.name)] = (vh, up)
@@ -135,6 +128,30 @@ class Federation:
                         "upstream": definition.get(UPSTREAM) or definition.get(UPSTREAM_SET),
                         "status": "error", "error": reason,
                         "timestamp": time.strftime("%Y-%m-%d %H:%M:%S")}
+        return out
+
+    def _targets(self, vh: VHost) -> list[tuple[str, str, dict[str, Any]]]:
+        """The exchanges and queues of ``vh`` whose policy federates them, with that policy's
+        definition. Matching every name against the policies is the costly part (a vhost of
+        50,000 queues), so it is redone only when the policies or the number of exchanges or
+        queues changed, or ``FULL_SCAN_INTERVAL`` passed (a queue deleted and another declared)."""
+        key = (tuple(id(p) for p in vh.policy_set.policies.values()), len(vh.exchanges), len(vh.queues))
+        cached = self._scans.get(vh.name)
+        now = time.monotonic()
+        if cached is not None and cached[0] == key and now - cached[1] < FULL_SCAN_INTERVAL:
+            return cached[2]
+        out: list[tuple[str, str, dict[str, Any]]] = []
+        for ex in list(vh.exchanges.values()):
+            if ex.name and not ex.name.startswith("amq."):
+                pol = vh.policy_set.for_exchange(ex.name)
+                if pol is not None and _federated(pol.definition):
+                    out.append(("exchange", ex.name, pol.definition))
+        for q in list(vh.queues.values()):
+            if q.exclusive_owner is None and not q.deleted:
+                qpol, _ = vh.policy_set.for_queue(q.name)
+                if qpol is not None and _federated(qpol.definition):
+                    out.append(("queue", q.name, qpol.definition))
+        self._scans[vh.name] = (key, now, out)
         return out
 
     async def reconcile(self) -> None:

@@ -249,6 +249,10 @@ def _ring(api: Api, b: Broker, edges: list[tuple[str, str]], max_hops: int) -> N
         upstream(api, b, down, f"from-{up}", up, **{"max-hops": max_hops})
 
 
+SINGLE = pytest.mark.parametrize("broker_mode", ["single"], indirect=True, scope="module")  # the same broker
+
+
+@SINGLE
 @pytest.mark.parametrize("max_hops", [1, 2])
 def test_cycles_and_chains_stop_by_max_hops_and_loop_detection(shared_broker: Broker, max_hops: int) -> None:
     """A <-> B: each message reaches each vhost once, whatever max-hops says (loop detection).
@@ -323,6 +327,7 @@ def refusing_upstream() -> Iterator[_Accepts]:
     srv.close()
 
 
+@SINGLE
 def test_unreachable_upstream_backs_off_and_shows_the_reason(shared_broker: Broker,
                                                              refusing_upstream: _Accepts) -> None:
     b, api = shared_broker, api_of(shared_broker)
@@ -366,6 +371,7 @@ def test_unreachable_upstream_backs_off_and_shows_the_reason(shared_broker: Brok
 
 
 # ---------------------------------------------------------------- rabbitmqadmin
+@SINGLE
 @pytest.mark.skipif(ADMIN is None, reason="rabbitmqadmin (Debian rabbitmq-server) is not installed")
 def test_rabbitmqadmin_declares_lists_and_deletes_upstreams(shared_broker: Broker) -> None:
     """RabbitMQ's own tool: ``declare``/``list``/``delete parameter`` of federation-upstream exit 0
