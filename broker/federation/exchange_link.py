@@ -24,13 +24,16 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import Callable
 from typing import Any
 
 import aiormq
 from aiormq.abc import DeliveredMessage
 
+from broker.federation import local
 from broker.federation.link import CALL_TIMEOUT, Link
 from broker.model.exchange import Exchange
+from broker.model.vhost import VHost
 
 _NOT_IN_GRAMMAR = re.compile(r"[^a-zA-Z0-9_.:@#,/+ -]")  # a name's characters (AMQP 0-9-1 grammar)
 BINDINGS_INTERVAL = 0.5  # seconds between comparisons of the local exchange's bindings
@@ -121,6 +124,9 @@ class ExchangeLink(Link):
         finally:
             watch.cancel()
 
+    async def _local_session(self, up: VHost) -> None:
+        await local.exchange_session(self, up, BINDINGS_INTERVAL)
+
     async def _mirror(self, ch: aiormq.abc.AbstractChannel, ex: Exchange, queue: str, up_ex: str,
                       bound: dict[Binding, dict[str, Any]]) -> None:
         async with asyncio.timeout(CALL_TIMEOUT):
@@ -133,11 +139,18 @@ class ExchangeLink(Link):
                     bound[key] = args
 
     def _deliver(self, ch: aiormq.abc.AbstractChannel, msg: DeliveredMessage, up_ex: str) -> None:
-        props, hops = self.received_from(msg, ("exchange", up_ex))
+        self.take(msg.body, bool(msg.redelivered), msg.routing_key or "", msg.header.properties, up_ex,
+                  self.settler(ch, msg))
+
+    def take(self, body: bytes, redelivered: bool, routing_key: str, props: Any, up_ex: str,
+             settle: Callable[[bool], None]) -> None:
+        """One message from the upstream: dropped (settled) past max-hops or on a cycle, else
+        published here."""
+        hops = self.hops_of(props)
         if len(hops) >= self.upstream.max_hops or any(self._visited(h) for h in hops):
-            self._settle(ch, msg.delivery_tag, True, self.upstream.ack_mode)  # stops here
+            settle(True)  # it stops here
             return
-        self.forward(ch, msg, self.resource, msg.routing_key or "", props, hops, ("exchange", up_ex))
+        self.forward(body, redelivered, self.resource, routing_key, props, hops, ("exchange", up_ex), settle)
 
     def _visited(self, hop: Any) -> bool:
         """Did the message leave this vhost of this cluster once already?"""

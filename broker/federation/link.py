@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -42,7 +42,7 @@ from aiormq.abc import DeliveredMessage
 from pamqp import commands
 
 from broker import errors
-from broker.federation.upstream import Upstream, scrub
+from broker.federation.upstream import Upstream, local_vhost, scrub
 from broker.model.publish import PublishRequest
 from broker.model.vhost import VHost
 
@@ -69,8 +69,9 @@ class Link:
     kind = ""
 
     def __init__(self, vhost: VHost, resource: str, upstream: Upstream, after_sync: AfterSync,
-                 cluster_name: str, node: str) -> None:
+                 cluster_name: str, node: str, vhosts: Mapping[str, VHost]) -> None:
         self.vhost = vhost
+        self.vhosts = vhosts  # for an upstream on this broker
         self.resource = resource  # the local exchange or queue
         self.upstream = upstream
         self.after_sync = after_sync
@@ -122,12 +123,15 @@ class Link:
 
     async def until_failed(self) -> None:
         """Wait while the session runs: until a delivery fails or the connection closes."""
-        assert self._failed is not None and self._conn is not None
-        closing = asyncio.ensure_future(self._conn.closing)
+        assert self._failed is not None
+        waits: list[asyncio.Future[Any]] = [self._failed]
+        if self._conn is not None:  # an in-process link has no connection
+            waits.append(asyncio.ensure_future(self._conn.closing))
         try:
-            await asyncio.wait([self._failed, closing], return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            closing.cancel()
+            for w in waits[1:]:
+                w.cancel()
         if self._failed.done():
             self._failed.result()
 
@@ -140,10 +144,14 @@ class Link:
                 self._set("starting")
                 self._failed = asyncio.get_running_loop().create_future()
                 try:
-                    await self._connect(uri)
-                    assert self._conn is not None
-                    await self._session(self._conn)
-                    self._set("error", "the upstream closed the connection")
+                    up_vhost = local_vhost(uri, self.vhost.name)
+                    if up_vhost is not None:  # this broker: in-process, through the model
+                        await self._local(up_vhost)
+                    else:
+                        await self._connect(uri)
+                        assert self._conn is not None
+                        await self._session(self._conn)
+                        self._set("error", "the upstream closed the connection")
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # every failure ends the session the same way
@@ -173,40 +181,55 @@ class Link:
     async def _session(self, conn: aiormq.abc.AbstractConnection) -> None:
         raise NotImplementedError
 
+    async def _local(self, vhost: str) -> None:
+        """The session with an upstream on this broker (``broker/federation/local.py``)."""
+        up = self.vhosts.get(vhost)
+        if up is None:
+            raise RuntimeError(f"no vhost '{vhost}' here")
+        self.upstream_cluster, self.upstream_vhost = self.cluster_name, vhost
+        await self._local_session(up)
+        self._set("error", "the link stopped")
+
+    async def _local_session(self, up: VHost) -> None:
+        raise NotImplementedError
+
     # ------------------------------------------------------------ messages
-    def received_from(self, msg: DeliveredMessage, where: tuple[str, str]) -> tuple[Any, list[Any]]:
-        """The message's properties and its ``x-received-from`` list, this hop not yet added."""
-        props = msg.header.properties
+    @staticmethod
+    def hops_of(props: Any) -> list[Any]:
+        """The ``x-received-from`` list of a message's properties (pamqp's), this hop not yet added."""
         headers = props.headers if isinstance(props.headers, dict) else {}
         hops = headers.get("x-received-from")
-        return props, list(hops) if isinstance(hops, list) else []
+        return list(hops) if isinstance(hops, list) else []
 
-    def forward(self, channel: aiormq.abc.AbstractChannel, msg: DeliveredMessage, exchange: str,
-                routing_key: str, props: Any, hops: list[Any], where: tuple[str, str]) -> None:
-        """Publish one delivery here with this hop added, and settle it upstream by ack-mode."""
-        hop = {"uri": self.uri, where[0]: where[1], "redelivered": bool(msg.redelivered),
+    def forward(self, body: bytes, redelivered: bool, exchange: str, routing_key: str, props: Any,
+                hops: list[Any], where: tuple[str, str], settle: Callable[[bool], None]) -> None:
+        """Publish one delivery here with this hop added; ``settle(ok)`` tells the upstream (by
+        ack-mode: at once, or once the copy here is durable)."""
+        hop = {"uri": self.uri, where[0]: where[1], "redelivered": bool(redelivered),
                "cluster-name": self.upstream_cluster, "vhost": self.upstream_vhost}
         hops = [*hops, hop][-MAX_RECEIVED_FROM:]
         headers = dict(props.headers) if isinstance(props.headers, dict) else {}
         headers["x-received-from"] = hops
         props.headers = headers
-        tag = msg.delivery_tag
-        mode = self.upstream.ack_mode
         try:
             raw = bytes(commands.Basic.Properties.marshal(props))
-            out = self.vhost.publish(PublishRequest(exchange, routing_key, raw, msg.body,
-                                                    int(time.time() * 1000)))
+            now = int(time.time() * 1000)
+            out = self.vhost.publish(PublishRequest(exchange, routing_key, raw, body, now))
         except (errors.AMQPError, errors.DiskFull, OSError) as exc:
-            self._settle(channel, tag, False, mode)
+            settle(False)
             raise Refused(f"this broker refused a message: {exc}") from None
         if out.rejected:
-            self._settle(channel, tag, False, mode)
+            settle(False)
             raise Refused("this broker refused a message (a queue is full)")
-        if mode == "on-confirm" and out.sync:
+        if self.upstream.ack_mode == "on-confirm" and out.sync:
             deps = None if out.held else [q.store for q in out.queues]
-            self.after_sync(lambda ok: self._settle(channel, tag, ok, mode), deps)
+            self.after_sync(settle, deps)
         else:
-            self._settle(channel, tag, True, mode)
+            settle(True)
+
+    def settler(self, channel: aiormq.abc.AbstractChannel, msg: DeliveredMessage) -> Callable[[bool], None]:
+        tag, mode = msg.delivery_tag, self.upstream.ack_mode
+        return lambda ok: self._settle(channel, tag, ok, mode)
 
     def _settle(self, channel: aiormq.abc.AbstractChannel, tag: int | None, ok: bool, mode: str) -> None:
         if mode == "no-ack" or tag is None or channel.is_closed:

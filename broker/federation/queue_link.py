@@ -26,8 +26,10 @@ from typing import Any
 import aiormq
 from aiormq.abc import DeliveredMessage
 
+from broker.federation import local
 from broker.federation.link import CALL_TIMEOUT, Link
 from broker.model.queue import Queue
+from broker.model.vhost import VHost
 
 DEMAND_INTERVAL = 0.05  # seconds between reads of the local queue's demand
 
@@ -67,8 +69,9 @@ class QueueLink(Link):
 
         async def deliver(msg: DeliveredMessage) -> None:
             try:
-                props, hops = self.received_from(msg, ("queue", up_q))
-                self.forward(ch, msg, "", self.resource, props, hops, ("queue", up_q))
+                props = msg.header.properties
+                self.forward(msg.body, bool(msg.redelivered), "", self.resource, props, self.hops_of(props),
+                             ("queue", up_q), self.settler(ch, msg))
             except Exception as exc:
                 self.fail(exc)
 
@@ -93,3 +96,6 @@ class QueueLink(Link):
             watch.result()
         finally:
             watch.cancel()
+
+    async def _local_session(self, up: VHost) -> None:
+        await local.queue_session(self, up, DEMAND_INTERVAL)

@@ -167,7 +167,7 @@ class Federation:
                 continue
             kind, _, resource, _ = key
             cls = ExchangeLink if kind == "exchange" else QueueLink
-            link = cls(vh, resource, up, self.after_sync, self.cluster_name(), self.node_name())
+            link = cls(vh, resource, up, self.after_sync, self.cluster_name(), self.node_name(), self.vhosts)
             self.links[key] = link
             log.info("federation: starting link %s", key)
             link.start()

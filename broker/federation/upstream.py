@@ -1,8 +1,8 @@
 """The ``federation-upstream`` and ``federation-upstream-set`` parameters, in RabbitMQ's JSON.
 
 An upstream names another broker (``uri``: one string or a list tried in turn, ``amqp://`` or
-``amqps://`` with a host; another vhost of this broker is reached through its own AMQP port, as
-a host-less in-process URI is not supported yet) and how to link to it. A set is a list of
+``amqps://`` with a host; a host-less ``amqp://`` or ``amqp:///vhost`` is this broker, reached
+in-process through the model, no socket) and how to link to it. A set is a list of
 ``{"upstream": name, ...overrides}``; the implicit set ``all`` holds every upstream of the vhost.
 A policy applies one upstream (``federation-upstream``) or one set (``federation-upstream-set``)
 to exchanges and queues.
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 UPSTREAM = "federation-upstream"
 UPSTREAM_SET = "federation-upstream-set"
@@ -93,9 +93,9 @@ def check_uri(uri: Any) -> str:
         raise ValueError(f"bad URI {scrub(uri)!r}: {exc}") from None
     if parts.scheme not in ("amqp", "amqps"):
         raise ValueError(f"bad URI {scrub(uri)!r}: the scheme must be amqp or amqps")
-    if not parts.hostname:  # this broker in-process: not yet (docs/federation.md)
-        raise ValueError(f"bad URI {scrub(uri)!r}: it needs a host (an upstream on this broker is "
-                         "reached through its own AMQP port: amqp://user:password@127.0.0.1:5672/vhost)")
+    if not parts.hostname and (parts.scheme != "amqp" or parts.netloc):
+        raise ValueError(f"bad URI {scrub(uri)!r}: it needs a host (or, for this broker in-process, "
+                         "none at all: amqp:// or amqp:///vhost)")
     return uri
 
 
@@ -110,6 +110,15 @@ def scrub(uri: str) -> str:
     netloc = parts.netloc.rsplit("@", 1)[1]
     user = parts.username or ""
     return parts._replace(netloc=f"{user}@{netloc}" if user else netloc).geturl()
+
+
+def local_vhost(uri: str, own: str) -> str | None:
+    """The vhost of this broker a host-less URI names (``own`` when it names none), or None for a
+    URI with a host."""
+    parts = urlsplit(uri)
+    if parts.hostname:
+        return None
+    return unquote(parts.path[1:]) if len(parts.path) > 1 else own
 
 
 def _check_keys(value: dict[str, Any], where: str, allowed: dict[str, Any]) -> None:
