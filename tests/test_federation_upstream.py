@@ -23,7 +23,8 @@ from broker.store.sink import NullSink
     ({"uri": "amqp://h", "expires": 0}, "expires"),
     ({"uri": "amqp://h", "message-ttl": -1}, "message-ttl"),
     ({"uri": ["amqp://h"] * 17}, "1 to 16"),
-    ({"uri": "amqp:///only-a-vhost"}, "needs a host"),
+    ({"uri": "amqp:/x"}, "scheme"),
+    ({"uri": "amqp://user@/v"}, "needs a host"),
     ({"uri": "amqps://u:pw@/v"}, "needs a host"),
     ({"uri": "mqtt://h"}, "scheme"),
     ({"uri": 5}, "'uri' must be"),
@@ -53,6 +54,14 @@ def test_sets_and_policies_resolve() -> None:
     assert resolve({"federation-upstream": "nope"}, ups, sets) == ([], "no federation upstream 'nope'")
     with pytest.raises(ValueError, match="upstream"):
         check_upstream_set([{"prefetch-count": 1}])
+
+
+def test_host_less_uris_name_this_broker() -> None:
+    from broker.federation.upstream import local_vhost
+    assert check_upstream({"uri": ["amqp://", "amqp:///v%2F1"]})
+    assert local_vhost("amqp://", "own") == "own"
+    assert local_vhost("amqp:///v%2F1", "own") == "v/1"
+    assert local_vhost("amqp://h/v", "own") is None
 
 
 def test_upstream_queue_name_stays_in_the_name_grammar() -> None:

@@ -91,8 +91,8 @@ def check_uri(uri: Any) -> str:
         parts.port  # noqa: B018 - raises on a bad port
     except ValueError as exc:
         raise ValueError(f"bad URI {scrub(uri)!r}: {exc}") from None
-    if parts.scheme not in ("amqp", "amqps"):
-        raise ValueError(f"bad URI {scrub(uri)!r}: the scheme must be amqp or amqps")
+    if parts.scheme not in ("amqp", "amqps") or not uri.lower().startswith(("amqp://", "amqps://")):
+        raise ValueError(f"bad URI {scrub(uri)!r}: the scheme must be amqp:// or amqps://")
     if not parts.hostname and (parts.scheme != "amqp" or parts.netloc):
         raise ValueError(f"bad URI {scrub(uri)!r}: it needs a host (or, for this broker in-process, "
                          "none at all: amqp:// or amqp:///vhost)")

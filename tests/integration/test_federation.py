@@ -23,6 +23,7 @@ from ._support import Broker, unique, wait_until
 from .test_mgmt_api import Api
 from .test_rabbitmqadmin import ADMIN, admin, ok
 
+SINGLE = pytest.mark.parametrize("broker_mode", ["single"], indirect=True, scope="module")  # the same broker
 LINK_DEADLINE = 20.0  # a link connects, declares and binds in well under a second on a quiet machine
 
 
@@ -107,8 +108,8 @@ BAD_UPSTREAMS = [
     ({"prefetch-count": 10}, "uri"),
     ("amqp://h", "object"),
     ({"uri": "amqp://h:notaport"}, "bad URI"),
-    ({"uri": "amqp:/%2Fguest:guest@127.0.0.1:5672/"}, "needs a host"),
-    ({"uri": "amqp:///vhost"}, "needs a host"),
+    ({"uri": "amqp:/%2Fguest:guest@127.0.0.1:5672/"}, "scheme"),
+    ({"uri": "amqps:///vhost"}, "needs a host"),
 ]
 
 
@@ -245,14 +246,56 @@ def test_queue_federation_pulls_only_for_consumers(shared_broker: Broker) -> Non
         drop_vhosts(api, [up, down])
 
 
+@SINGLE
+def test_in_process_upstream_on_this_broker(shared_broker: Broker) -> None:
+    """A host-less URI (``amqp:///vhost``): the link runs in-process through the model, with the
+    same upstream queue, bindings, hop header and settlement as over a socket."""
+    b, api = shared_broker, api_of(shared_broker)
+    up, down = vhosts(api, 2)
+    cu, cd = conn(b, up), conn(b, down)
+    try:
+        chu, chd = cu.channel(), cd.channel()
+        for ch in (chu, chd):
+            ch.exchange_declare("fed.x", "topic", durable=True)
+            ch.queue_declare("fed.q", durable=True)
+        chd.queue_declare("dq", durable=True)
+        chd.queue_bind("dq", "fed.x", "a.*")
+        status, body, _ = api.call("PUT", f"/api/parameters/federation-upstream/{quote(down, safe='')}/local",
+                                   {"value": {"uri": f"amqp:///{quote(up, safe='')}", "prefetch-count": 4}})
+        assert status == 201, body
+        policy(api, down, {"federation-upstream": "local"})
+        found = wait_running(api, down, 2)
+        assert {lk["uri"] for lk in found} == {f"amqp:///{quote(up, safe='')}"}
+        wait_until(lambda: upstream_bound(api, up, "fed.x", "a.*"), LINK_DEADLINE, "binding mirrored")
+        chu.confirm_delivery()
+        for i in range(5):
+            chu.basic_publish("fed.x", "a.b", f"x{i}".encode(), pika.BasicProperties(delivery_mode=2))
+            chu.basic_publish("", "fed.q", f"q{i}".encode(), pika.BasicProperties(delivery_mode=2))
+        wait_until(lambda: count(chd, "dq") == 5, LINK_DEADLINE, "exchange-federated messages")
+        got = drain(chd, "dq")
+        assert [m for m, _ in got] == [f"x{i}".encode() for i in range(5)]
+        assert got[0][1].headers["x-received-from"][0]["vhost"] == up
+        assert count(chd, "fed.q") == 0  # no consumer here: nothing moved
+        bodies: list[bytes] = []
+        chd.basic_qos(prefetch_count=2)
+        chd.basic_consume("fed.q", lambda ch, m, _p, body: (bodies.append(body),
+                                                            ch.basic_ack(m.delivery_tag)))
+        deadline = time.monotonic() + LINK_DEADLINE
+        while len(bodies) < 5 and time.monotonic() < deadline:
+            cd.process_data_events(0.05)
+        assert bodies == [f"q{i}".encode() for i in range(5)]
+        wait_until(lambda: count(chu, "fed.q") == 0, LINK_DEADLINE, "upstream queue drained and acked")
+    finally:
+        cu.close()
+        cd.close()
+        drop_vhosts(api, [up, down])
+
+
 # ---------------------------------------------------------------- cycles and hops
 def _ring(api: Api, b: Broker, edges: list[tuple[str, str]], max_hops: int) -> None:
     """Exchange federation along ``edges`` (downstream, upstream) of vhosts."""
     for down, up in edges:
         upstream(api, b, down, f"from-{up}", up, **{"max-hops": max_hops})
-
-
-SINGLE = pytest.mark.parametrize("broker_mode", ["single"], indirect=True, scope="module")  # the same broker
 
 
 @SINGLE
