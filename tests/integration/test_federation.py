@@ -88,6 +88,17 @@ def count(ch: Any, queue: str) -> int:
     return int(ch.queue_declare(queue, passive=True).method.message_count)
 
 
+def consume_n(c: pika.BlockingConnection, ch: Any, queue: str, n: int, prefetch: int) -> list[bytes]:
+    """Consume (manual acks, ``prefetch``) until ``n`` messages arrived or the deadline passed."""
+    bodies: list[bytes] = []
+    ch.basic_qos(prefetch_count=prefetch)
+    ch.basic_consume(queue, lambda chan, m, _p, body: (bodies.append(body), chan.basic_ack(m.delivery_tag)))
+    deadline = time.monotonic() + LINK_DEADLINE
+    while len(bodies) < n and time.monotonic() < deadline:
+        c.process_data_events(0.05)
+    return bodies
+
+
 def drain(ch: Any, queue: str) -> list[tuple[bytes, Any]]:
     out = []
     while True:
@@ -276,14 +287,7 @@ def test_in_process_upstream_on_this_broker(shared_broker: Broker) -> None:
         assert [m for m, _ in got] == [f"x{i}".encode() for i in range(5)]
         assert got[0][1].headers["x-received-from"][0]["vhost"] == up
         assert count(chd, "fed.q") == 0  # no consumer here: nothing moved
-        bodies: list[bytes] = []
-        chd.basic_qos(prefetch_count=2)
-        chd.basic_consume("fed.q", lambda ch, m, _p, body: (bodies.append(body),
-                                                            ch.basic_ack(m.delivery_tag)))
-        deadline = time.monotonic() + LINK_DEADLINE
-        while len(bodies) < 5 and time.monotonic() < deadline:
-            cd.process_data_events(0.05)
-        assert bodies == [f"q{i}".encode() for i in range(5)]
+        assert consume_n(cd, chd, "fed.q", 5, prefetch=2) == [f"q{i}".encode() for i in range(5)]
         wait_until(lambda: count(chu, "fed.q") == 0, LINK_DEADLINE, "upstream queue drained and acked")
     finally:
         cu.close()

@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ import pytest
 
 from ._support import SkredProcess, free_port, is_external, unique, wait_until
 from .conformance._rabbit import RabbitProcess, missing
-from .test_federation import LINK_DEADLINE, count, drain, links, policy
+from .test_federation import LINK_DEADLINE, consume_n, count, drain, links, policy
 from .test_mgmt_api import Api, http_ready
 
 
@@ -105,13 +104,7 @@ def test_skred_federates_exchange_and_queue_from_rabbitmq(
         assert got[0][1].headers["x-received-from"][0]["exchange"] == x
         # queue federation: nothing moves until a Skred consumer wants it
         assert count(sch, qn) == 0
-        bodies: list[bytes] = []
-        sch.basic_qos(prefetch_count=4)
-        sch.basic_consume(qn, lambda ch, m, _p, body: (bodies.append(body), ch.basic_ack(m.delivery_tag)))
-        deadline = time.monotonic() + LINK_DEADLINE
-        while len(bodies) < 10 and time.monotonic() < deadline:
-            sc.process_data_events(0.05)
-        assert bodies == [f"q{i}".encode() for i in range(10)]
+        assert consume_n(sc, sch, qn, 10, prefetch=4) == [f"q{i}".encode() for i in range(10)]
         wait_until(lambda: count(rch, qn) == 0, LINK_DEADLINE, "RabbitMQ's queue drained")
         api.call("DELETE", "/api/policies/%2F/federate")
         wait_until(lambda: not links(api, "/"), LINK_DEADLINE, "links stopped")
@@ -143,13 +136,7 @@ def test_rabbitmq_federation_plugin_federates_a_queue_from_skred(
         policy(rapi, "/", {"federation-upstream": "skred"}, pattern=f"^{qn}$", apply_to="queues")
         wait_until(lambda: any(lk.get("status") == "running" for lk in rapi.call(
             "GET", "/api/federation-links/%2F")[1]), 60, "RabbitMQ's link running")
-        bodies: list[bytes] = []
-        rch.basic_qos(prefetch_count=4)
-        rch.basic_consume(qn, lambda ch, m, _p, body: (bodies.append(body), ch.basic_ack(m.delivery_tag)))
-        deadline = time.monotonic() + LINK_DEADLINE
-        while len(bodies) < 10 and time.monotonic() < deadline:
-            rc.process_data_events(0.05)
-        assert bodies == [f"s{i}".encode() for i in range(10)]
+        assert consume_n(rc, rch, qn, 10, prefetch=4) == [f"s{i}".encode() for i in range(10)]
         wait_until(lambda: count(sch, qn) == 0, LINK_DEADLINE, "Skred's queue drained")
         rapi.call("DELETE", "/api/policies/%2F/federate")
     finally:
