@@ -35,16 +35,18 @@ class LinkConsumer(Consumer):
     """A link's consumer of an upstream queue of this broker."""
 
     def __init__(self, queue: Queue, prefetch: int, on_message: OnMessage,
-                 fail: Callable[[BaseException], None], tag: str) -> None:
+                 fail: Callable[[BaseException], None], tag: str,
+                 gate: Callable[[], bool] = lambda: True) -> None:
         super().__init__(tag, queue, no_ack=False, exclusive=False)
         self.prefetch = prefetch
+        self.gate = gate  # a queue link: is there demand downstream?
         self.on_message = on_message
         self.fail = fail
         self.unsettled: set[int] = set()
         self.closed = False
 
     def ready(self) -> bool:
-        return not self.closed and len(self.unsettled) < self.prefetch
+        return not self.closed and len(self.unsettled) < self.prefetch and self.gate()
 
     def deliver(self, msgid: int, exchange: bytes, routing_key: bytes, props: bytes, body: bytes,
                 redelivered: bool) -> None:
@@ -147,7 +149,7 @@ async def queue_session(link: QueueLink, up: VHost, interval: float) -> None:
                      settle)
 
     consumer = LinkConsumer(up_q, link.upstream.prefetch_count, on_message, link.fail,
-                            f"federation: {link.resource}")
+                            f"federation: {link.resource}", gate=lambda: demand(q))
     attached = False
     link._set("running")
     watch = asyncio.ensure_future(link.until_failed())
@@ -163,6 +165,8 @@ async def queue_session(link: QueueLink, up: VHost, interval: float) -> None:
             wanted = demand(q)
             if wanted and not attached:
                 up_q.add_consumer(consumer)
+            elif wanted:
+                up_q.schedule_delivery()  # the gate may have closed a pass: try again
             elif not wanted and attached:
                 consumer.detach()
             attached = wanted

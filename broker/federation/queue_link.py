@@ -9,7 +9,10 @@ credit, channel flow, a writable socket: ``Consumer.capacity``). While there is 
 holds one upstream consumer with ``prefetch-count``; when demand ends it cancels it, so messages
 stay upstream for that broker's own consumers rather than pile up here. Demand is read every
 ``DEMAND_INTERVAL`` seconds (a poll of two counters per federated queue: the model has no
-consumer-change event for front ends, and this keeps the link outside the model).
+consumer-change event for front ends, and this keeps the link outside the model) and after
+every delivery, which cancels at once when the demand is gone: so what arrives here beyond the
+demand is bounded by the messages in flight (``prefetch-count``), however fast the upstream
+sends. In-process (``local.py``) the link's consumer is not even ready without demand.
 
 Each delivery is published here to the default exchange with the queue's name as routing key
 (``VHost.publish``), so it lands in this queue only, and settled upstream by ack-mode
@@ -67,6 +70,8 @@ class QueueLink(Link):
                 await ch.queue_declare(up_q, durable=True, arguments=args)
             await ch.basic_qos(prefetch_count=self.upstream.prefetch_count)
 
+        changed = asyncio.Event()  # a delivery found the demand gone: cancel now, not at the next poll
+
         async def deliver(msg: DeliveredMessage) -> None:
             try:
                 props = msg.header.properties
@@ -74,13 +79,19 @@ class QueueLink(Link):
                              ("queue", up_q), self.settler(ch, msg))
             except Exception as exc:
                 self.fail(exc)
+            if not demand(q):
+                changed.set()
 
         self._set("running")
         watch = asyncio.ensure_future(self.until_failed())
         tag: str | None = None
         try:
             while not watch.done():
-                await asyncio.wait([watch], timeout=DEMAND_INTERVAL)
+                woken = asyncio.ensure_future(changed.wait())
+                await asyncio.wait([watch, woken], timeout=DEMAND_INTERVAL,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                woken.cancel()
+                changed.clear()
                 if watch.done():
                     break
                 if self._queue() is not q:
