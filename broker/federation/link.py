@@ -160,6 +160,9 @@ class Link:
                                 self.resource, self.upstream.name, self.uri, self.error)
                 finally:
                     await self._close()
+                    failed, self._failed = self._failed, None
+                    if failed is not None and failed.done() and not failed.cancelled():
+                        failed.exception()  # seen: asyncio would log a late one as never retrieved
                 if self.reached:
                     break  # it ran, then failed: back to the first URI after the delay
             self.failures = 1 if self.reached else self.failures + 1
