@@ -259,7 +259,7 @@ def test_celery_moves_from_rabbitmq_to_skred_by_queue_federation(
     old, new = CeleryWorker(tmp_path, on_rabbit, "old"), CeleryWorker(tmp_path, on_skred, "new")
     try:
         # 1. all on RabbitMQ: a backlog, and a worker draining it
-        produce(tmp_path, on_rabbit, [f"a{i}" for i in range(30)])
+        produce(tmp_path, on_rabbit, [f"a{i}" for i in range(20)])
         old.start()
         wait_until(lambda: len(done(tmp_path)) >= 3, 60, "the old worker running tasks")
         # 2. Skred federates the app's queue from RabbitMQ (the queue as Celery declares it)
@@ -270,13 +270,13 @@ def test_celery_moves_from_rabbitmq_to_skred_by_queue_federation(
         new.start()
         wait_until(lambda: consumers(api, "celery") >= 1, 60, "the new worker consuming on Skred")
         # 4. producers switch one by one: one still publishes to RabbitMQ, one to Skred already
-        produce(tmp_path, on_rabbit, [f"b{i}" for i in range(30)])
-        produce(tmp_path, on_skred, [f"c{i}" for i in range(20)])
+        produce(tmp_path, on_rabbit, [f"b{i}" for i in range(20)])
+        produce(tmp_path, on_skred, [f"c{i}" for i in range(10)])
         wait_until(lambda: any(w == "new" and t[0] in "ab" for t, w in done(tmp_path)), 60,
                    "a task published to RabbitMQ run by the worker on Skred")
         # 5. the old worker stops (warm shutdown); what is left on RabbitMQ moves to Skred
         old.stop()
-        want = {f"{p}{i}" for p, n in (("a", 30), ("b", 30), ("c", 20)) for i in range(n)}
+        want = {f"{p}{i}" for p, n in (("a", 20), ("b", 20), ("c", 10)) for i in range(n)}
         wait_until(lambda: {t for t, _ in done(tmp_path)} >= want, 120, "every task run")
         ran = [t for t, _ in done(tmp_path)]
         assert sorted(ran) == sorted(want), "a task ran twice"
