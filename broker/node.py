@@ -49,12 +49,14 @@ from broker import metrics, tls
 from broker.amqp.broker import Broker
 from broker.auth.oauth_keys import OAuthKeys, start_oauth
 from broker.auth.parameters import FILE_NAME as PARAMETERS_FILE
-from broker.auth.parameters import GlobalParameters
+from broker.auth.parameters import VHOST_FILE_NAME as VHOST_PARAMETERS_FILE
+from broker.auth.parameters import GlobalParameters, VhostParameters
 from broker.auth.throttle import LoginThrottle
 from broker.auth.users import UserStore
 from broker.auth.vhosts import VHostStore
 from broker.config import Config, ConfigError, MainConfig
 from broker.errors import ListenError
+from broker.federation import supervisor as federation
 from broker.http.definitions import IMPORT_INTENT_FILE, DefinitionsError, import_definitions, resume_import
 from broker.http.server import MgmtServer
 from broker.http.state import Mgmt
@@ -143,6 +145,7 @@ class Node:
         self.lmq: LMQServer | None = None
         self.mqtt: MQTTServer | None = None
         self.oauth: OAuthKeys | None = None  # the issuer's keys, with oauth in [main] auth_backends
+        self.federation: federation.Federation | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._syncer: Syncer | None = None
         self._files: SegmentFiles | None = None  # made at load(), after the fd limit was raised
@@ -210,10 +213,13 @@ class Node:
             broker = self.broker = self.load(loop)
             self.oauth = await start_oauth(cfg, broker.users)
             assert self.vhost_store is not None
+            parameters = VhostParameters(cfg.main.data_dir / VHOST_PARAMETERS_FILE, self.sink)
+            federation.register(parameters)
             mgmt = self.mgmt = Mgmt(broker, self.vhost_store, self.make_vhost, cfg.main.data_dir,
                                     cfg.main.data_dir / "transient",
                                     GlobalParameters(cfg.main.data_dir / PARAMETERS_FILE, self.sink),
-                                    IntentFile(cfg.main.data_dir / IMPORT_INTENT_FILE, self.sink))
+                                    IntentFile(cfg.main.data_dir / IMPORT_INTENT_FILE, self.sink),
+                                    parameters)
             resume_import(mgmt)  # an import a crash cut off comes back whole, before anything serves
             mgmt.cluster = self.cluster
             mgmt.node_name = metrics.node_name(cfg.main.node_name, cfg.amqp.port)
@@ -234,6 +240,7 @@ class Node:
             if cfg.mgmt.enabled:
                 await self.start_http(broker, mgmt)
             await self.start_amqp(broker, mgmt)
+            self.start_federation(broker, mgmt, parameters)
         except BaseException:
             self.release_lock()
             raise
@@ -367,6 +374,17 @@ class Node:
         self.mgmt.other_listeners.update(
             {"mqtt/ssl" if name == "mqtts" else name: addr for name, addr in self.mqtt.addresses.items()})
 
+    def start_federation(self, broker: Broker, mgmt: Mgmt, parameters: VhostParameters) -> None:
+        """Exchange and queue federation links (broker/federation), once the node serves; the
+        cluster name goes into the AMQP server properties, as RabbitMQ's, so the links of other
+        brokers can tell which cluster a message left (cycle detection)."""
+        broker.server_properties()["cluster_name"] = mgmt.cluster_name
+        fed = self.federation = federation.Federation(
+            broker.vhosts, parameters, broker.syncer.after_sync, lambda: mgmt.cluster_name,
+            lambda: mgmt.node_name)
+        mgmt.federation_links = fed.status
+        fed.start()
+
     def release_lock(self) -> None:
         if RELOADER is not None and RELOADER.node is self:
             RELOADER.node = None
@@ -457,6 +475,9 @@ class Node:
 
     async def shutdown(self) -> None:
         self._read_ahead_stop.set()
+        if self.federation is not None:
+            await self.federation.stop()
+            self.federation = None
         if self._reader is not None:
             self._reader.cancel()
             self._reader = None

@@ -38,8 +38,9 @@ cannot complete it (a full disk) stops with the error rather than serve a prefix
 A per-vhost document (``/api/definitions/{vhost}``) has no ``vhost`` fields; the
 vhost comes from the URL and its ``users``/``vhosts``/``permissions`` are ignored.
 As RabbitMQ does, unknown top-level keys are ignored; parameters of components
-Skred has no plugin for (federation, shovel) are skipped with a warning in the
-log rather than refusing the whole document.
+no plugin registered are skipped with a warning in the log rather than refusing
+the whole document, and those of registered ones (``federation-upstream``,
+``federation-upstream-set``) are validated like everything else and kept.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from typing import Any
 
 from broker import __version__, errors
 from broker.auth.names import MAX_NAME_BYTES, name_problem
+from broker.auth.parameters import VhostParameters
 from broker.auth.passwords import ALGORITHMS, HASHING_ALGORITHM, hash_password
 from broker.auth.users import topic_permissions_json
 from broker.http import definitions_grants
@@ -114,6 +116,8 @@ def _parameters(mgmt: Mgmt, vhost_names: list[str]) -> list[dict[str, Any]]:
         if p["vhost"] in vhost_names:
             out.append({"vhost": p["vhost"], "component": OPERATOR_POLICY_COMPONENT, "name": p["name"],
                         "value": {k: p[k] for k in ("pattern", "definition", "priority", "apply-to")}})
+    if mgmt.parameters is not None:  # the components plugins registered (federation upstreams)
+        out += [p for p in mgmt.parameters.list() if p["vhost"] in vhost_names]
     return out
 
 
@@ -226,6 +230,7 @@ class Plan:
         self.vhost_meta: dict[str, dict[str, Any]] = {}
         self.limits: list[tuple[str, str, int]] = []
         self.operator_policies: list[dict[str, Any]] = []
+        self.parameters: list[tuple[str, str, str, Any]] = []  # component, vhost, name, value
         self.users: list[tuple[str, dict[str, Any]]] = []
         self.permissions: list[tuple[str, str, str, str, str]] = []
         self.policies: list[dict[str, Any]] = []
@@ -322,7 +327,7 @@ def validate(mgmt: Mgmt, doc: Any, vhost: str | None = None) -> Plan:
         except definitions_grants.GrantsError as exc:
             raise _fail(exc.where, exc.what) from None
     for i, e in enumerate(_list(doc, "parameters")):
-        _parameter(plan, f"parameters[{i}]", vhost_of(f"parameters[{i}]", e), e)
+        _parameter(plan, f"parameters[{i}]", vhost_of(f"parameters[{i}]", e), e, mgmt.parameters)
     declared: dict[tuple[str, str, str], bool] = {}
     kinds: dict[tuple[str, str], str] = {}  # (vhost, exchange) -> type, for the document's own
     for i, e in enumerate(_list(doc, "exchanges")):
@@ -437,7 +442,8 @@ def _queue_args(where: str, e: dict[str, Any], name: str, vh_name: str, durable:
         raise _fail(where, exc.reply_text) from None
 
 
-def _parameter(plan: Plan, where: str, vh_name: str, e: dict[str, Any]) -> None:
+def _parameter(plan: Plan, where: str, vh_name: str, e: dict[str, Any],
+               store: VhostParameters | None) -> None:
     component, value = e.get("component"), e.get("value")
     if component == LIMITS_COMPONENT:
         if not isinstance(value, dict):
@@ -449,6 +455,12 @@ def _parameter(plan: Plan, where: str, vh_name: str, e: dict[str, Any]) -> None:
     elif component == OPERATOR_POLICY_COMPONENT:
         try:
             plan.operator_policies.append(validate_policy(vh_name, _name(where, e), value))
+        except ValueError as exc:
+            raise _fail(where, str(exc)) from None
+    elif store is not None and isinstance(component, str) and store.known(component):
+        try:
+            name = _name(where, e)
+            plan.parameters.append((component, vh_name, name, store.check(component, name, value)))
         except ValueError as exc:
             raise _fail(where, str(exc)) from None
     else:
@@ -517,6 +529,14 @@ def apply(mgmt: Mgmt, plan: Plan, undo: _Undo | None = None) -> None:
         _put_policy(mgmt.policies, policy, undo)
     for policy in plan.operator_policies:
         _put_policy(mgmt.operator_policies, policy, undo)
+    store = mgmt.parameters
+    for component, vh_name, name, value in plan.parameters if store is not None else ():
+        assert store is not None
+        old = store.get(component, vh_name, name)
+        if old != value:
+            store.put(component, vh_name, name, value)
+            undo.add(lambda c=component, v=vh_name, n=name, old=old: store.put(c, v, n, old)  # type: ignore[misc]
+                     if old is not None else store.delete(c, v, n))
     # Topology is undone without delete records (``VHost.unlogged``): ``import_definitions``
     # cuts the records this import appended off each definitions log instead, which needs no
     # disk space (a full disk is the likely reason to undo).

@@ -6,6 +6,7 @@ from typing import Any
 
 from aiohttp import web
 
+from broker.auth.parameters import VhostParameters
 from broker.auth.passwords import ALGORITHMS, HASHING_ALGORITHM
 from broker.auth.users import User, UserStore
 from broker.http import definitions
@@ -328,39 +329,76 @@ async def delete_vhost_limit(request: web.Request) -> web.Response:
 
 
 # ------------------------------------------------------- runtime parameters
-# Skred has no plugin that registers a runtime-parameter component (federation, shovel), so
-# every list is empty, as on a RabbitMQ without those plugins, and a PUT names an unknown one.
-# Global parameters are kept (routes_grants.py).
+# Per-vhost parameters of the components registered by plugins (federation-upstream,
+# federation-upstream-set; broker/auth/parameters.py VhostParameters). A component no plugin
+# registered has no parameters: empty lists, 404 for one, 400 for a PUT, as RabbitMQ without
+# that plugin. Global parameters are kept apart (routes_grants.py). Changing one takes the
+# policymaker tag (RabbitMQ: the same) and access to the vhost.
+def _parameter_store(request: web.Request) -> VhostParameters | None:
+    return request.app[MGMT_KEY].parameters
+
+
+def _visible_parameters(request: web.Request, component: str | None,
+                        vhost: str | None) -> list[dict[str, Any]]:
+    store = _parameter_store(request)
+    if store is None:
+        return []
+    return [p for p in store.list(component, vhost) if can_see_vhost(request, p["vhost"])]
+
+
 @routes.get("/api/parameters")
-@routes.get("/api/parameters/{component}")
 async def parameters(request: web.Request) -> web.Response:
-    return paginate(request, [])
+    return paginate(request, _visible_parameters(request, None, None))
+
+
+@routes.get("/api/parameters/{component}")
+async def component_parameters(request: web.Request) -> web.Response:
+    return paginate(request, _visible_parameters(request, request.match_info["component"], None))
 
 
 @routes.get("/api/parameters/{component}/{vhost}")
 async def vhost_parameters(request: web.Request) -> web.Response:
-    vhost_param(request)
-    return paginate(request, [])
+    vhost = vhost_param(request)
+    return paginate(request, _visible_parameters(request, request.match_info["component"], vhost))
 
 
 @routes.get("/api/parameters/{component}/{vhost}/{name}")
 async def parameter(request: web.Request) -> web.Response:
-    raise not_found()
+    vhost = vhost_param(request)
+    component, name = request.match_info["component"], request.match_info["name"]
+    store = _parameter_store(request)
+    value = store.get(component, vhost, name) if store is not None else None
+    if value is None:
+        raise not_found()
+    return web.json_response({"name": name, "vhost": vhost, "component": component, "value": value})
 
 
 @routes.put("/api/parameters/{component}/{vhost}/{name}")
 async def put_parameter(request: web.Request) -> web.Response:
-    vhost_param(request)
-    require_admin(request)
-    raise bad_request(f"component '{request.match_info['component']}' not found")
+    vhost = vhost_param(request)
+    _require_policymaker(request, vhost)
+    component, name = request.match_info["component"], request.match_info["name"]
+    store = _parameter_store(request)
+    if store is None or not store.known(component):
+        raise bad_request(f"component '{component}' not found")
+    body = await json_body(request, required=("value",))
+    try:
+        new = store.put(component, vhost, name, body["value"])
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
+    return created() if new else no_content()
 
 
 @routes.delete("/api/parameters/{component}/{vhost}/{name}")
 async def delete_parameter(request: web.Request) -> web.Response:
-    """No component, so no parameter: 404 as RabbitMQ answers for a missing one (rabbitmqadmin
-    prints 'Not found' rather than failing on a 405)."""
-    vhost_param(request)
-    raise not_found()
+    """204, or 404 for a missing parameter or component (rabbitmqadmin prints 'Not found')."""
+    vhost = vhost_param(request)
+    _require_policymaker(request, vhost)
+    store = _parameter_store(request)
+    component, name = request.match_info["component"], request.match_info["name"]
+    if store is None or not store.delete(component, vhost, name):
+        raise not_found()
+    return no_content()
 
 
 # ------------------------------------------------------------------- policies

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from broker import errors, metrics
-from broker.auth.parameters import GlobalParameters
+from broker.auth.parameters import GlobalParameters, VhostParameters
 from broker.auth.vhosts import VHostStore
 from broker.http.policies import PolicyApi, import_legacy
 from broker.http.rates import RateSampler
@@ -63,9 +63,14 @@ class Mgmt:
         transient_root: Path,
         global_parameters: GlobalParameters,
         import_intent: Intent | None = None,
+        parameters: VhostParameters | None = None,
     ) -> None:
         self.broker = broker
         self.global_parameters = global_parameters  # RabbitMQ's global runtime parameters
+        # per-vhost runtime parameters of the components plugins registered (federation, shovel)
+        self.parameters = parameters
+        # the federation links' status (broker/federation), set by the node that runs them
+        self.federation_links: Callable[[str | None], list[dict[str, Any]]] = lambda vhost: []
         # a definitions import in progress (broker/http/definitions.py: all or nothing)
         self.import_intent: Intent = import_intent if import_intent is not None else NoIntent()
         self.vhost_store = vhost_store
@@ -174,6 +179,8 @@ class Mgmt:
         shutil.rmtree(vh.transient_dir, ignore_errors=True)
         self.broker.users.clear_vhost(name)
         self.policies.clear_vhost(name)
+        if self.parameters is not None:  # its runtime parameters go with it (RabbitMQ: the same)
+            self.parameters.clear_vhost(name)
 
     # ---------------------------------------------------------------- process
     def disk_free(self) -> int:

@@ -531,3 +531,40 @@ def test_management_user_sees_only_its_vhosts(browser: WebDriver, shared_broker:
         api(b, "DELETE", f"/api/queues/%2F/{hidden}")
         api(b, "DELETE", f"/api/vhosts/{vhost}")
         api(b, "DELETE", f"/api/users/{user}")
+
+
+def test_federation_tab_adds_an_upstream_and_shows_its_link(browser: WebDriver,
+                                                            shared_broker: Broker) -> None:
+    """Admin > Federation: an upstream added through the form is stored, refused input is shown,
+    and a policy's link appears with its status and reason (nothing listens on the port)."""
+    b = shared_broker
+    name = f"ui-up-{uuid.uuid4().hex[:6]}"
+    login(browser, b)
+    go(browser, b, "admin/federation")
+    element(browser, By.ID, "add-upstream-name").send_keys(name)
+    browser.find_element(By.ID, "add-upstream-uri").send_keys("ftp://nowhere")
+    click(browser, By.CSS_SELECTOR, "#add-upstream button[type=submit]")
+    wait(browser, "refusal shown",
+         lambda d: "scheme" in d.find_element(By.CSS_SELECTOR, "#add-upstream .error").text)
+    uri = browser.find_element(By.ID, "add-upstream-uri")
+    uri.clear()
+    uri.send_keys("amqp://127.0.0.1:1/")
+    browser.find_element(By.ID, "add-upstream-settings").send_keys('{"reconnect-delay": 1}')
+    click(browser, By.CSS_SELECTOR, "#add-upstream button[type=submit]")
+    wait(browser, "upstream listed", lambda d: name in d.find_element(By.ID, "main").text)
+    assert api(b, "GET", f"/api/parameters/federation-upstream/%2F/{name}")["value"] == {
+        "uri": "amqp://127.0.0.1:1/", "reconnect-delay": 1}
+    pol = f"ui-fed-{uuid.uuid4().hex[:6]}"
+    api(b, "PUT", f"/api/policies/%2F/{pol}", {"pattern": "^ui-fed-x$", "apply-to": "exchanges",
+                                              "definition": {"federation-upstream": name}})
+    conn = connect(b)
+    try:
+        conn.channel().exchange_declare("ui-fed-x", "fanout")
+        wait(browser, "link listed with its error",
+             lambda d: "cannot connect" in d.find_element(By.ID, "main").text)
+        shot(browser, "admin-federation")
+    finally:
+        api(b, "DELETE", f"/api/policies/%2F/{pol}")
+        api(b, "DELETE", f"/api/parameters/federation-upstream/%2F/{name}")
+        conn.channel().exchange_delete("ui-fed-x")
+        conn.close()

@@ -624,6 +624,7 @@
   // ------------------------------------------------------------------ admin
   const ADMIN_TABS = [["users", "Users"], ["vhosts", "Virtual hosts"], ["permissions", "Permissions"], ["policies", "Policies"],
     ["operator-policies", "Operator policies"], ["limits", "Limits"], ["definitions", "Definitions"]];
+  ADMIN_TABS.splice(-1, 0, ["federation", "Federation"]);  // upstreams and link status (broker/federation)
 
   function deleteButton(label, what, url) {
     return h("button", { type: "button", class: "danger", onclick: () => { if (window.confirm(`Delete ${label}?`)) act(what, () => api("DELETE", url)); } }, "Delete");
@@ -689,6 +690,25 @@
         const rows = (await api("GET", "/api/vhost-limits")).flatMap((l) => Object.entries(l.value || {}).map(([name, value]) => ({ vhost: l.vhost, name, value })));
         live.replaceChildren(table([["vhost", "Virtual host"], ["name", "Limit"], ["value", "Value", null, true],
           ["", "", (l) => deleteButton(`limit ${l.name} of ${l.vhost}`, "Limit removed.", `/api/vhost-limits/${enc(l.vhost)}/${enc(l.name)}`)]], rows, { empty: "No limits set." }));
+      };
+    } else if (tab === "federation") {
+      const upstreams = pagedList("/api/parameters/federation-upstream", [["name", "Upstream"], ["vhost", "Virtual host"],
+        ["uri", "URI", (p) => [].concat(p.value.uri).join(" ")], ["value", "Settings", (p) => json(Object.fromEntries(Object.entries(p.value).filter(([k]) => k !== "uri")))],
+        ["", "", (p) => deleteButton(`upstream ${p.name}`, "Upstream deleted.", `/api/parameters/federation-upstream/${enc(p.vhost)}/${enc(p.name)}`)]]);
+      parts.push(h("h2", {}, "Links"), live, h("h2", {}, "Upstreams"), upstreams.root,
+        form("add-upstream", "Add or update an upstream (a policy with federation-upstream or federation-upstream-set applies it)",
+          [["vhost", "Virtual host", "text", "/"], ["name", "Name", "text", ""], ["uri", "URI (amqp://user:password@host:port/vhost)", "text", ""],
+            ["settings", "More settings (JSON, e.g. {\"max-hops\": 2, \"prefetch-count\": 100})", "textarea", ""]], "Save upstream", async (v) => {
+            const more = v.settings.trim() ? parseJson(v.settings, "Settings") : {};
+            await api("PUT", `/api/parameters/federation-upstream/${enc(v.vhost)}/${enc(v.name)}`, { value: { uri: v.uri, ...more } });
+            toast("Upstream saved.");
+            await state.refresh();
+          }));
+      refresh = async () => {
+        await upstreams.refresh();
+        live.replaceChildren(table([["vhost", "Virtual host"], ["type", "Type"], ["", "Resource", (l) => l.exchange || l.queue],
+          ["upstream", "Upstream"], ["uri", "URI"], ["status", "Status"], ["error", "Error"], ["timestamp", "Since"]],
+        await api("GET", "/api/federation-links"), { empty: "No federation links." }));
       };
     } else if (tab === "definitions") {
       const download = h("button", { type: "button", id: "export", onclick: async () => {

@@ -1,0 +1,1 @@
+"""Exchange and queue federation (RabbitMQ's ``federation-upstream`` parameters and policies)."""

@@ -1,0 +1,167 @@
+"""Exchange federation: the upstream's exchange feeds this one.
+
+Theory of operation
+-------------------
+On the upstream the link declares a durable queue named after RabbitMQ's
+``federation: <exchange> -> <this cluster's name>`` (``queue_name``), with the upstream's
+``expires`` and ``message-ttl`` as ``x-expires``/``x-message-ttl``, and binds it to the upstream
+exchange with every binding the local exchange has (routing key and arguments, once each), so
+the upstream sends only what some local binding wants. The binding set is mirrored for as long
+as the link runs: every ``BINDINGS_INTERVAL`` seconds the link compares the local exchange's
+bindings with what it bound upstream, and binds and unbinds the difference.
+
+A delivery is published here to the local exchange with its routing key; it then routes like
+any other message. Two rules stop messages from going round for ever (both read
+``x-received-from``, which every link appends to): a message that has already crossed
+``max-hops`` links is dropped (acked upstream: it is not lost, it arrived where it should have
+stopped), and so is one that has already left this vhost of this cluster once (a cycle: its
+list names this ``cluster-name`` and vhost). So in a cycle A -> B -> A every message reaches
+each broker once, whatever ``max-hops`` says, and in a chain A -> B -> C it reaches C only
+with ``max-hops`` 2 or more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Callable
+from typing import Any
+
+import aiormq
+from aiormq.abc import DeliveredMessage
+
+from broker.federation import local
+from broker.federation.link import CALL_TIMEOUT, Link
+from broker.model.exchange import Exchange
+from broker.model.vhost import VHost
+
+_NOT_IN_GRAMMAR = re.compile(r"[^a-zA-Z0-9_.:@#,/+ -]")  # a name's characters (AMQP 0-9-1 grammar)
+BINDINGS_INTERVAL = 0.5  # seconds between comparisons of the local exchange's bindings
+
+Binding = tuple[str, tuple[tuple[str, Any], ...]]  # routing key, arguments (sorted, hashable)
+
+
+def queue_name(exchange: str, upstream_exchange: str, cluster: str, vhost: str) -> str:
+    """The upstream queue's name: RabbitMQ's ``federation: X -> cluster`` shape, in the
+    characters the AMQP 0-9-1 grammar allows a name (RabbitMQ's own ``->`` and parentheses are
+    outside it, and the client library refuses to send them): ``federation: X - cluster``, then
+    `` vhost`` for a vhost other than ``/`` and `` exchange`` when the local one is named otherwise."""
+    name = f"federation: {upstream_exchange} - {cluster}"
+    if vhost != "/":
+        name += f" {vhost}"
+    if exchange != upstream_exchange:
+        name += f" {exchange}"
+    return _NOT_IN_GRAMMAR.sub("_", name)[:255]
+
+
+def _hashable(v: Any) -> Any:
+    if isinstance(v, dict):
+        return tuple(sorted((k, _hashable(x)) for k, x in v.items()))
+    if isinstance(v, list):
+        return tuple(_hashable(x) for x in v)
+    return v
+
+
+def local_bindings(ex: Exchange) -> dict[Binding, dict[str, Any]]:
+    out: dict[Binding, dict[str, Any]] = {}
+    for _dest, rk, args in ex.bindings():
+        args = {k: v for k, v in (args or {}).items() if k != "x-bound-from"}
+        out[(rk, _hashable(args))] = dict(args)
+    return out
+
+
+class ExchangeLink(Link):
+    kind = "exchange"
+
+    def upstream_name(self) -> str:
+        return self.upstream.exchange or self.resource
+
+    def queue(self) -> str:
+        return queue_name(self.resource, self.upstream_name(), self.cluster_name, self.vhost.name)
+
+    async def _session(self, conn: aiormq.abc.AbstractConnection) -> None:
+        ex = self.vhost.exchanges.get(self.resource)
+        if ex is None:
+            raise RuntimeError(f"no exchange '{self.resource}' here")
+        up_ex, queue = self.upstream_name(), self.queue()
+        async with asyncio.timeout(CALL_TIMEOUT):  # a mute upstream ends the session
+            ch = await conn.channel()
+            try:
+                await ch.exchange_declare(up_ex, passive=True)
+            except aiormq.exceptions.ChannelNotFoundEntity:
+                ch = await conn.channel()  # the passive declare closed the channel
+                await ch.exchange_declare(up_ex, exchange_type=ex.type, durable=ex.durable,
+                                          arguments=_jsonable(ex.arguments))
+            args: dict[str, Any] = {"x-internal-purpose": "federation"}
+            if self.upstream.expires is not None:
+                args["x-expires"] = self.upstream.expires
+            if self.upstream.message_ttl is not None:
+                args["x-message-ttl"] = self.upstream.message_ttl
+            await ch.queue_declare(queue, durable=True, arguments=args)
+            bound: dict[Binding, dict[str, Any]] = {}
+            await self._mirror(ch, ex, queue, up_ex, bound)
+            await ch.basic_qos(prefetch_count=self.upstream.prefetch_count)
+
+        async def deliver(msg: DeliveredMessage) -> None:
+            try:
+                self._deliver(ch, msg, up_ex)
+            except Exception as exc:
+                self.fail(exc)
+
+        await ch.basic_consume(queue, deliver, no_ack=self.upstream.ack_mode == "no-ack",
+                               consumer_tag=self.upstream.consumer_tag, timeout=CALL_TIMEOUT)
+        self._set("running")
+        watch = asyncio.ensure_future(self.until_failed())
+        try:
+            while not watch.done():
+                await asyncio.wait([watch], timeout=BINDINGS_INTERVAL)
+                current = self.vhost.exchanges.get(self.resource)
+                if current is not ex:
+                    raise RuntimeError(f"exchange '{self.resource}' was deleted")
+                if not watch.done():
+                    await self._mirror(ch, ex, queue, up_ex, bound)
+            watch.result()
+        finally:
+            watch.cancel()
+
+    async def _local_session(self, up: VHost) -> None:
+        await local.exchange_session(self, up, BINDINGS_INTERVAL)
+
+    async def _mirror(self, ch: aiormq.abc.AbstractChannel, ex: Exchange, queue: str, up_ex: str,
+                      bound: dict[Binding, dict[str, Any]]) -> None:
+        async with asyncio.timeout(CALL_TIMEOUT):
+            want = local_bindings(ex)
+            for key in [k for k in bound if k not in want]:
+                await ch.queue_unbind(queue, up_ex, key[0], arguments=bound.pop(key))
+            for key, args in want.items():
+                if key not in bound:
+                    await ch.queue_bind(queue, up_ex, key[0], arguments=args)
+                    bound[key] = args
+
+    def _deliver(self, ch: aiormq.abc.AbstractChannel, msg: DeliveredMessage, up_ex: str) -> None:
+        self.take(msg.body, bool(msg.redelivered), msg.routing_key or "", msg.header.properties, up_ex,
+                  self.settler(ch, msg))
+
+    def take(self, body: bytes, redelivered: bool, routing_key: str, props: Any, up_ex: str,
+             settle: Callable[[bool], None]) -> None:
+        """One message from the upstream: dropped (settled) past max-hops or on a cycle, else
+        published here."""
+        hops = self.hops_of(props)
+        if len(hops) >= self.upstream.max_hops or any(self._visited(h) for h in hops):
+            settle(True)  # it stops here
+            return
+        self.forward(body, redelivered, self.resource, routing_key, props, hops, ("exchange", up_ex), settle)
+
+    def _visited(self, hop: Any) -> bool:
+        """Did the message leave this vhost of this cluster once already?"""
+        if not isinstance(hop, dict):
+            return False
+        cluster = hop.get("cluster-name")
+        cluster = cluster.decode() if isinstance(cluster, bytes) else cluster
+        vhost = hop.get("vhost", self.vhost.name)
+        vhost = vhost.decode() if isinstance(vhost, bytes) else vhost
+        return bool(cluster == self.cluster_name and vhost == self.vhost.name)
+
+
+def _jsonable(args: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in args.items() if isinstance(v, str | int | float | bool | dict | list)}
