@@ -457,6 +457,11 @@ class MqttConfig:
     max_retained: int = field(
         default=100_000, metadata=_meta("Retained messages the node keeps, over all vhosts.", lo=0)
     )
+    max_subscriptions: int = field(
+        default=10_000,
+        metadata=_meta("Topic filters one session may subscribe to; more are refused (SUBACK 0x80, "
+                       "MQTT 5: 0x97 quota exceeded).", lo=1),
+    )
 
 
 @dataclass(frozen=True)

@@ -359,7 +359,8 @@ class Node:
         await self.mqtt.start(self.tls_context if self.tls is not None else None, unix_mode(cfg.main))
         assert self.mgmt is not None
         mqtt = self.mqtt
-        self.mgmt.websocket_protocols["mqtt"] = lambda _peer: MQTTProtocol(mqtt)
+        self.mgmt.websocket_protocols["mqtt"] = lambda _peer: MQTTProtocol(mqtt, websocket=True)
+        self.mgmt.front_ends.append(mqtt)  # its connections and counters in the API and metrics
         self.mgmt.websocket_max_message = max(self.mgmt.websocket_max_message, cfg.mqtt.max_packet_size)
         self.mgmt.other_listeners.update(
             {"mqtt/ssl" if name == "mqtts" else name: addr for name, addr in self.mqtt.addresses.items()})
@@ -458,6 +459,8 @@ class Node:
             self._reader.cancel()
             self._reader = None
         if self.mqtt is not None:
+            if self.mgmt is not None and self.mqtt in self.mgmt.front_ends:
+                self.mgmt.front_ends.remove(self.mqtt)
             await self.mqtt.stop()
             self.mqtt = None
         if self.lmq is not None:

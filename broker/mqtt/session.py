@@ -58,7 +58,15 @@ from broker.model.queue import Consumer, Queue
 from broker.model.vhost import VHost
 from broker.mqtt import packets as P
 from broker.mqtt import props as PR
-from broker.mqtt.mapping import Delivered, amqp_props, to_filter, to_routing_key, to_topic
+from broker.mqtt.mapping import (
+    MAX_KEY_BYTES,
+    Delivered,
+    amqp_props,
+    key_fits,
+    to_filter,
+    to_routing_key,
+    to_topic,
+)
 from broker.mqtt.retained import Retained, topic_matches
 
 log = logging.getLogger(__name__)
@@ -66,6 +74,8 @@ log = logging.getLogger(__name__)
 _MAX_PACKET_ID = 65535
 NEVER_EXPIRES = 0xFFFFFFFF
 TOPIC_ALIAS_MAXIMUM = 64  # inbound topic aliases a client may set up per connection
+# a CONNECT's protocol level as RabbitMQ's management API shows it, and its metrics label
+VERSIONS = {3: ("3.1.0", "mqtt310"), 4: ("3.1.1", "mqtt311"), 5: ("5.0", "mqtt50")}
 
 
 class Output(Protocol):
@@ -94,6 +104,7 @@ class Settings:
     exchange: str  # where MQTT publishes go and subscriptions bind
     prefetch: int  # QoS 1 deliveries in flight per connection
     max_packet: int  # the largest packet a client may send
+    max_subscriptions: int = 10_000  # topic filters per session
 
 
 class Registry:
@@ -106,6 +117,8 @@ class Registry:
         self.retained = retained
         self.call_later = call_later
         self.delayed_wills: dict[tuple[str, str], Cancellable] = {}
+        # RabbitMQ's per-protocol counters (views.FRONT_END_COUNTERS), by protocol label
+        self.counters: dict[str, dict[str, int]] = {label: {} for _, label in VERSIONS.values()}
 
 
 OPTIONS_ARG = "x-mqtt-subscription-options"
@@ -193,6 +206,9 @@ class MQTTSession:
         self.aliases: dict[int, str] = {}  # MQTT 5 inbound topic aliases
         self.filters: dict[str, tuple[int, int]] = {}  # filter -> (options, subscription id or 0)
         self.closed = False
+        self.counts: dict[str, int] = {}  # the registry's counters of this protocol level
+        self.cap_logged = False  # the subscription limit was logged for this connection
+        self.published = False  # it has published (RabbitMQ's publishers gauge)
 
     # ------------------------------------------------------------------ connect
     def start(self, connect: P.Connect, user: User, vhost: VHost) -> None:
@@ -200,6 +216,7 @@ class MQTTSession:
         session, answer CONNACK, consume."""
         self.user, self.vhost, self.will = user, vhost, connect.will
         self.v5 = connect.level == 5
+        self.counts = self.registry.counters[VERSIONS[connect.level][1]]
         cp = connect.props
         if self.v5:
             self.session_expiry = cp.get(PR.SESSION_EXPIRY, 0)
@@ -319,7 +336,10 @@ class MQTTSession:
             else:
                 self.disconnect(P.RC_UNSPECIFIED)
             return
+        self._count("messages_received")
+        self.published = True
         if p.qos:
+            self._count("messages_received_confirm")
             if p.qos == 2:
                 self.qos2_received.add(p.packet_id)
             # the answer waits for the stores the message reached (and the retained file)
@@ -330,6 +350,9 @@ class MQTTSession:
             self._answer(p, reason, sync=True, deps=deps)
 
     def _topic(self, p: P.Publish) -> str:
+        if not key_fits(p.topic):
+            raise P.MalformedPacket(f"a topic name of {len(p.topic.encode())} bytes (at most "
+                                    f"{MAX_KEY_BYTES})", P.RC_TOPIC_NAME_INVALID)
         alias = p.props.get(PR.TOPIC_ALIAS)
         if alias is None:
             return p.topic
@@ -355,6 +378,7 @@ class MQTTSession:
             if self.closed:
                 return
             if ok:
+                self._count("messages_confirmed")
                 self.out.write(answer)
             else:  # not durable: no ack; the client sends it again on its next connection
                 log.warning("MQTT client '%s': a message could not be made durable: closing",
@@ -414,6 +438,16 @@ class MQTTSession:
         vh, user, ex = self.vhost, self.user, self.settings.exchange
         existed = topic_filter in self.filters
         fail = P.RC_UNSPECIFIED if self.v5 else P.SUBACK_FAILURE
+        if not existed and len(self.filters) >= self.settings.max_subscriptions:
+            if not self.cap_logged:  # once per connection: a flood of them must not flood the log
+                self.cap_logged = True
+                log.warning("MQTT client '%s': subscriptions refused: over the limit of %d per session "
+                            "([mqtt] max_subscriptions)", self.client_id, self.settings.max_subscriptions)
+            return (P.RC_QUOTA_EXCEEDED if self.v5 else fail), existed
+        if not key_fits(topic_filter):
+            log.warning("MQTT client '%s': a topic filter of %d bytes refused (at most %d)", self.client_id,
+                        len(topic_filter.encode()), MAX_KEY_BYTES)
+            return (P.RC_TOPIC_FILTER_INVALID if self.v5 else fail), existed
         granted = min(options & 3, 1)
         shared = shared_group(topic_filter)
         if shared is not None:
@@ -543,6 +577,8 @@ class MQTTSession:
             self.inflight[pid] = settle
         elif settle is not None:  # a QoS 0 message in the QoS 1 queue: settled once written
             settle[0].ack(settle[1])
+        self._count("messages_delivered")
+        self._count("messages_delivered_consume_manual_ack" if qos else "messages_delivered_consume_auto_ack")
         self.out.write(data)
 
     def _packet_id(self) -> int:
@@ -556,9 +592,13 @@ class MQTTSession:
         if pid not in self.inflight:
             return  # an unknown identifier (a duplicate PUBACK): nothing to settle
         got = self.inflight.pop(pid)
+        self._count("messages_acknowledged")
         if got is not None and not got[0].deleted:
             got[0].ack(got[1])
         self.resume()
+
+    def _count(self, name: str) -> None:
+        self.counts[name] = self.counts.get(name, 0) + 1
 
     def resume(self) -> None:
         """Capacity came back (an ack, a drained socket): let the queues deliver."""

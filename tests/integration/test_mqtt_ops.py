@@ -1,0 +1,158 @@
+"""MQTT for operators: connections in the management API and the metrics, closable; limits.
+
+One broker for the module (its tests share it and use their own client ids); real paho and raw
+MQTT clients, the real management API and Prometheus endpoint.
+"""
+
+from __future__ import annotations
+
+import re
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from broker.mqtt import packets as P
+from broker.mqtt import props as PR
+
+from ._support import SkredProcess, assert_healthy, is_external, wait_until
+from .test_features_extra import http, wait_http
+from .test_mqtt import Paho, Raw, cid
+
+pytestmark = pytest.mark.skipif(is_external(), reason="needs the broker's MQTT port")
+
+
+@pytest.fixture(scope="module")
+def mq(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SkredProcess]:
+    b = SkredProcess(tmp_path_factory.mktemp("mqttops") / "data",
+                     ["--mqtt-connect-timeout", "2", "--mqtt-max-subscriptions", "50"])
+    try:
+        b.start()
+        wait_http(b)
+        yield b
+    finally:
+        b.close()
+
+
+def _mine(b: SkredProcess, client_id: str) -> dict[str, Any] | None:
+    status, conns = http(b, "GET", "/api/connections")
+    assert status == 200
+    found = [c for c in conns if c.get("client_properties", {}).get("client_id") == client_id]
+    return found[0] if found else None
+
+
+def _metrics(b: SkredProcess) -> str:
+    with urllib.request.urlopen(f"http://{b.host}:{b.metrics_port}/metrics", timeout=10) as r:
+        return str(r.read().decode())
+
+
+def _sample(text: str, name: str, labels: str = "") -> float:
+    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} ([0-9.e+]+)$", text, re.M)
+    assert m is not None, f"{name}{labels} not in the metrics"
+    return float(m.group(1))
+
+
+def test_connections_are_listed_counted_and_closable(mq: SkredProcess) -> None:
+    v3_id, v5_id = cid(), cid()
+    v3 = Paho(mq.host, mq.mqtt_port, v3_id, clean=False)
+    v5 = Raw(mq.host, mq.mqtt_port, P.Connect("MQTT", 5, True, 30, v5_id, None, "guest", b"guest"))
+    try:
+        assert v5.connack()[1] == 0
+        assert v3.subscribe("ops/#", 1) == [1]
+        v3.publish("ops/a", b"x", 1)
+        assert v3.take(1)[0].payload == b"x"
+        wait_until(lambda: _mine(mq, v5_id) is not None, 10, "the MQTT 5 connection listed")
+        c3, c5 = _mine(mq, v3_id), _mine(mq, v5_id)
+        assert c3 is not None and c5 is not None
+        assert (c3["protocol"], c5["protocol"]) == ("MQTT 3.1.1", "MQTT 5.0")
+        assert (c3["user"], c3["vhost"], c3["peer_host"], c3["channels"]) == ("guest", "/", "127.0.0.1", 0)
+        assert c3["port"] == mq.mqtt_port and c3["timeout"] == 30  # its listener and keepalive
+        assert c3["recv_oct"] > 0 and c3["send_oct"] > 0 and "recv_oct_details" in c3
+        quoted = urllib.parse.quote(c3["name"], safe="")
+        assert http(mq, "GET", f"/api/connections/{quoted}")[1]["protocol"] == "MQTT 3.1.1"
+        assert http(mq, "GET", f"/api/connections/{quoted}/channels") == (200, [])
+        # the persistent session's queue shows like any other
+        status, q = http(mq, "GET", f"/api/queues/%2F/mqtt-subscription-{v3_id}qos1")
+        assert status == 200 and q["durable"] is True and q["consumers"] == 1
+        text = _metrics(mq)
+        assert _sample(text, "rabbitmq_global_messages_received_total", '{protocol="mqtt311"}') >= 1
+        assert _sample(text, "rabbitmq_global_messages_confirmed_total", '{protocol="mqtt311"}') >= 1
+        assert _sample(text, "rabbitmq_global_consumers", '{protocol="mqtt311"}') >= 1
+        assert _sample(text, "rabbitmq_global_publishers", '{protocol="mqtt50"}') == 0
+        assert _sample(text, "rabbitmq_connections") >= 2
+        # closed from the API: MQTT 5 hears why (0x98 administrative action), then the socket goes
+        assert http(mq, "DELETE", f"/api/connections/{urllib.parse.quote(c5['name'], safe='')}")[0] == 204
+        pkt = v5.read()
+        assert pkt is not None and pkt[0] == P.DISCONNECT
+        assert pkt[2][:1] == bytes((P.RC_ADMINISTRATIVE_ACTION,))
+        assert v5.closed_within(5)
+        wait_until(lambda: _mine(mq, v5_id) is None, 10, "the closed connection gone from the list")
+        assert http(mq, "DELETE", f"/api/connections/{v3_id}")[0] == 204  # by client id too
+        wait_until(lambda: _mine(mq, v3_id) is None, 10, "the 3.1.1 connection closed")
+    finally:
+        v3.close()
+        v5.close()
+    assert "Traceback" not in mq.log_text()
+
+
+def test_subscriptions_beyond_the_cap_are_refused(mq: SkredProcess) -> None:
+    """``--mqtt-max-subscriptions 50``: the 51st filter of a connection is refused (0x80 in 3.1.1,
+    0x97 quota exceeded in 5), the ones before it hold, the connection stays, logged once."""
+    for level in (4, 5):
+        r = Raw(mq.host, mq.mqtt_port, P.Connect("MQTT", level, True, 30, cid(), None, "guest", b"guest"))
+        try:
+            assert r.connack()[1] == 0
+            filters = tuple((f"cap/{i}", 1) for i in range(60))
+            r.s.sendall(P.encode_subscribe(P.Subscribe(7, filters), v5=level == 5))
+            pkt = r.read()
+            assert pkt is not None and pkt[0] == P.SUBACK, pkt
+            body = pkt[2]
+            codes = body[3 + body[2]:] if level == 5 else body[2:]  # v5: after the property length
+            refused = P.RC_QUOTA_EXCEEDED if level == 5 else P.SUBACK_FAILURE
+            assert list(codes) == [1] * 50 + [refused] * 10
+            r.s.sendall(bytes((P.PINGREQ << 4, 0)))
+            assert r.read() == (P.PINGRESP, 0, b"")
+        finally:
+            r.close()
+    assert len(re.findall("subscriptions refused: over the limit", mq.log_text())) == 2  # once each
+
+
+def test_filters_with_thousands_of_levels_and_bad_utf8_get_the_protocols_answer(mq: SkredProcess) -> None:
+    bystander = Paho(mq.host, mq.mqtt_port, cid())
+    try:
+        assert bystander.subscribe("deep/alive", 0) == [0]
+        for level in (4, 5):
+            r = Raw(mq.host, mq.mqtt_port, P.Connect("MQTT", level, True, 30, cid(), None, "guest", b"guest"))
+            try:
+                assert r.connack()[1] == 0
+                deep = "/".join(["+"] * 5000) + "/#"
+                r.s.sendall(P.encode_subscribe(P.Subscribe(3, ((deep, 1),)), v5=level == 5))
+                pkt = r.read()
+                assert pkt is not None and pkt[0] == P.SUBACK
+                assert pkt[2][-1] == (P.RC_TOPIC_FILTER_INVALID if level == 5 else P.SUBACK_FAILURE)
+                r.s.sendall(P.encode_publish("/".join(["l"] * 5000), b"x", 0, False, False, 0, v5=level == 5))
+                assert r.closed_within(5)  # a topic name over the level limit: a protocol error
+            finally:
+                r.close()
+            r = Raw(mq.host, mq.mqtt_port, P.Connect("MQTT", level, True, 30, cid(), None, "guest", b"guest"))
+            try:
+                assert r.connack()[1] == 0
+                topic = b"bad/\xff\xfe"
+                body = len(topic).to_bytes(2, "big") + topic + (b"\x00" if level == 5 else b"") + b"x"
+                r.s.sendall(bytes((P.PUBLISH << 4,)) + PR.varint(len(body)) + body)
+                if level == 5:
+                    pkt = r.read()
+                    assert pkt is not None and pkt[0] == P.DISCONNECT and pkt[2][0] == P.RC_MALFORMED, pkt
+                assert r.closed_within(5)
+            finally:
+                r.close()
+        bystander.publish("deep/alive", b"yes", 0)
+        assert bystander.take(1)[0].payload == b"yes"
+    finally:
+        bystander.close()
+    assert_healthy(mq)
+    assert "Traceback" not in mq.log_text()
+
+
