@@ -79,6 +79,7 @@ from broker.store.sink import NullSink, ReplicationSink
 from broker.syncer import Syncable, Syncer
 
 RETAINED_DIR = "mqtt-retained"  # MQTT's retained messages (broker/mqtt/retained.py)
+MQTT_SESSIONS_DIR = "mqtt-sessions"  # persistent MQTT sessions' QoS 2 ids, wills (broker/mqtt/durable.py)
 
 if TYPE_CHECKING:
     from broker.cluster.host import LeaderBroker
@@ -354,8 +355,9 @@ class Node:
                 cfg.mqtt, max_packet_size=cfg.main.max_message_size + 64 * 1024))
         assert self._syncer is not None
         retained = BlobDir(cfg.main.data_dir / RETAINED_DIR, self._syncer.mark_dirty, self.sink)
+        sessions = BlobDir(cfg.main.data_dir / MQTT_SESSIONS_DIR, self._syncer.mark_dirty, self.sink)
         self.mqtt = MQTTServer(cfg.mqtt, broker.vhosts, broker.users, broker.syncer.after_sync, retained,
-                               peers=broker.proxied_peers)
+                               sessions, peers=broker.proxied_peers)
         await self.mqtt.start(self.tls_context if self.tls is not None else None, unix_mode(cfg.main))
         assert self.mgmt is not None
         mqtt = self.mqtt

@@ -36,9 +36,10 @@ from broker.errors import AMQPError
 from broker.model.vhost import VHost
 from broker.mqtt import packets as P
 from broker.mqtt import props as PR
+from broker.mqtt.durable import SessionStates
 from broker.mqtt.mapping import key_fits
 from broker.mqtt.retained import Files, Retained
-from broker.mqtt.session import VERSIONS, AfterSync, MQTTSession, Registry, Settings, split_username
+from broker.mqtt.session import VERSIONS, AfterSync, MQTTSession, Registry, Settings, arm_will, split_username
 from broker.tls import PeerTLS
 
 log = logging.getLogger(__name__)
@@ -327,7 +328,7 @@ class MQTTServer:
     """The MQTT listeners (plain and TLS) of one node, over its vhosts and users."""
 
     def __init__(self, config: MqttConfig, vhosts: dict[str, VHost], users: UserStore,
-                 after_sync: AfterSync, retained: Files,
+                 after_sync: AfterSync, retained: Files, sessions: Files,
                  peers: Mapping[Peer, Peer] | None = None) -> None:
         self.config = config
         self.vhosts = vhosts
@@ -336,7 +337,8 @@ class MQTTServer:
         self.settings = Settings(config.exchange, config.prefetch, config.max_packet_size,
                                  config.max_subscriptions)
         self.registry = Registry(Retained(retained, config.max_retained),
-                                 lambda delay, fn: asyncio.get_running_loop().call_later(delay, fn))
+                                 lambda delay, fn: asyncio.get_running_loop().call_later(delay, fn),
+                                 SessionStates(sessions), vhosts, users, self.settings)
         self.peers = peers if peers is not None else {}
         self.connections: set[MQTTProtocol] = set()
         self.servers: list[asyncio.Server] = []
@@ -368,6 +370,9 @@ class MQTTServer:
 
     async def start(self, tls: Callable[[], ssl.SSLContext] | None = None, unix_mode: int = 0o660) -> None:
         cfg = self.config
+        for key, state in list(self.registry.states.by_key.items()):
+            if state.will is not None:  # wills that waited out their delay across a restart
+                arm_will(self.registry, key, state.will)
         wanted: list[tuple[str, int, ssl.SSLContext | None]] = []
         if cfg.port >= 0:
             wanted.append(("mqtt", cfg.port, None))

@@ -37,6 +37,9 @@ so AMQP and MQTT clients meet:
 - **Endings.** DISCONNECT (MQTT 5: reason 0) ends a connection normally and discards the will.
   Any other end publishes the will, after MQTT 5's will delay unless the client comes back first.
   Unacked QoS 1 deliveries go back to their queues either way.
+- **What a persistent session keeps beyond its queues** (``durable.py``): the QoS 2 packet ids
+  awaiting PUBREL, its shared subscriptions and a will waiting out its delay, in a replicated file
+  per session; PUBREC and PUBCOMP wait for the group commit that makes the change durable.
 
 The session does no IO: ``Output`` (the network adapter) writes bytes, closes, and runs timers.
 """
@@ -58,6 +61,7 @@ from broker.model.queue import Consumer, Queue
 from broker.model.vhost import VHost
 from broker.mqtt import packets as P
 from broker.mqtt import props as PR
+from broker.mqtt.durable import Key, PendingWill, SessionState, SessionStates
 from broker.mqtt.mapping import (
     MAX_KEY_BYTES,
     Delivered,
@@ -109,13 +113,20 @@ class Settings:
 
 class Registry:
     """What the sessions of one node share: the connected sessions by (vhost, client id), for
-    takeover, the retained messages and the wills waiting out their delay."""
+    takeover, the retained messages, the persistent sessions' state and the wills waiting out
+    their delay (and the vhosts, users and settings a will is published with)."""
 
     def __init__(self, retained: Retained,
-                 call_later: Callable[[float, Callable[[], None]], Cancellable]) -> None:
+                 call_later: Callable[[float, Callable[[], None]], Cancellable],
+                 states: SessionStates, vhosts: dict[str, VHost], users: UserStore,
+                 settings: Settings) -> None:
+        self.vhosts = vhosts
+        self.users = users
+        self.settings = settings
         self.sessions: dict[tuple[str, str], MQTTSession] = {}
         self.retained = retained
         self.call_later = call_later
+        self.states = states  # persistent sessions' QoS 2 ids, shared subscriptions, delayed wills
         self.delayed_wills: dict[tuple[str, str], Cancellable] = {}
         # RabbitMQ's per-protocol counters (views.FRONT_END_COUNTERS), by protocol label
         self.counters: dict[str, dict[str, int]] = {label: {} for _, label in VERSIONS.values()}
@@ -238,7 +249,16 @@ class MQTTSession:
         if pending_will is not None:  # back within the will delay: the will is not sent
             pending_will.cancel()
         self.registry.sessions[key] = self
+        kept = self.registry.states.by_key.get(key)
         present = False
+        if connect.clean_session and kept is not None:
+            self._forget_state(key)
+            kept = None
+        elif kept is not None:  # a persistent session comes back: its QoS 2 ids hold again
+            present = True
+            self.qos2_received = set(kept.qos2)
+            if kept.will is not None:
+                self._save_state(key)  # the will it came back in time to cancel
         for qos in (0, 1):
             name = self.queue_name(qos)
             q = vhost.queues.get(name)
@@ -250,6 +270,8 @@ class MQTTSession:
             present = True
             self._restore_filters(q, qos)
             self._consume(q, qos)
+        for f, (options, sub_id) in kept.shared.items() if kept is not None else ():
+            self._bind(f, options, sub_id)  # its shared subscriptions (permissions checked again)
         props: PR.Props = {}
         if self.v5:
             props = {PR.TOPIC_ALIAS_MAXIMUM: TOPIC_ALIAS_MAXIMUM,
@@ -272,10 +294,7 @@ class MQTTSession:
             if p.type == P.PUBACK:
                 self.puback(p.packet_id)
             elif p.type == P.PUBREL:
-                known = p.packet_id in self.qos2_received
-                self.qos2_received.discard(p.packet_id)
-                reason = 0 if known or not self.v5 else P.RC_PACKET_ID_NOT_FOUND
-                self.out.write(P.encode_packet_id(P.PUBCOMP, p.packet_id, reason))
+                self.pubrel(p.packet_id)
             elif p.type in (P.PUBREC, P.PUBCOMP):
                 pass  # the broker sends QoS 2 as QoS 1: a client has no reason to send these
             else:
@@ -340,14 +359,55 @@ class MQTTSession:
         self.published = True
         if p.qos:
             self._count("messages_received_confirm")
+            # the answer waits for the stores the message reached (and the retained file, the
+            # session's state)
+            deps: set[Any] | None = None if out.held else {q.store for q in out.queues}
             if p.qos == 2:
                 self.qos2_received.add(p.packet_id)
-            # the answer waits for the stores the message reached (and the retained file)
-            deps: set[Any] | None = None if out.held else {q.store for q in out.queues}
+                if self.durable and not self._save_state((self.vhost.name, self.client_id)):
+                    self.disconnect(P.RC_UNSPECIFIED)  # stored, but a resend could not be known
+                    return
+                if deps is not None and self.durable:
+                    deps.add(self.registry.states.files)
             if deps is not None and p.retain:
                 deps.add(self.registry.retained.files)
             reason = 0 if not out.unroutable or not self.v5 else P.RC_NO_MATCHING_SUBSCRIBERS
             self._answer(p, reason, sync=True, deps=deps)
+
+    def pubrel(self, pid: int) -> None:
+        """QoS 2's second half: forget the identifier; PUBCOMP once that is durable (a PUBCOMP
+        the client saw must not be followed by a "stored already" for a new PUBLISH)."""
+        known = pid in self.qos2_received
+        self.qos2_received.discard(pid)
+        answer = P.encode_packet_id(P.PUBCOMP, pid, 0 if known or not self.v5 else P.RC_PACKET_ID_NOT_FOUND)
+        assert self.vhost is not None
+        if not (known and self.durable):
+            self.out.write(answer)
+            return
+        if not self._save_state((self.vhost.name, self.client_id)):
+            self.disconnect(P.RC_UNSPECIFIED)
+            return
+        self.after_sync(lambda ok: None if self.closed or not ok else self.out.write(answer),
+                        {self.registry.states.files})
+
+    def _state(self) -> SessionState:
+        return SessionState(set(self.qos2_received),
+                            {f: v for f, v in self.filters.items() if shared_group(f) is not None})
+
+    def _save_state(self, key: Key, state: SessionState | None = None) -> bool:
+        """Keep the session's state (``durable.py``); False (logged) when the disk refused it."""
+        try:
+            self.registry.states.save(key, state if state is not None else self._state())
+        except OSError as exc:
+            log.warning("MQTT client '%s': its session state could not be written: %s", self.client_id, exc)
+            return False
+        return True
+
+    def _forget_state(self, key: Key) -> None:
+        try:
+            self.registry.states.forget(key)
+        except OSError as exc:
+            log.warning("MQTT client '%s': its old session state stays: %s", self.client_id, exc)
 
     def _topic(self, p: P.Publish) -> str:
         if not key_fits(p.topic):
@@ -401,26 +461,17 @@ class MQTTSession:
 
     def _publish(self, topic: str, payload: bytes, qos: int, retain: bool, props: PR.Props,
                  origin: str | None = None) -> PublishOutcome | None:
-        """Through the one publish operation: what happened; None when it did not happen
-        (refused: the client is told so)."""
         assert self.vhost is not None
-        req = PublishRequest(self.settings.exchange, to_routing_key(topic),
-                             amqp_props(qos, retain, props, origin), payload, int(time.time() * 1000),
-                             persistent=qos > 0)
-        try:
-            out = self.vhost.publish(req)
-        except errors.SkredError as exc:
-            log.warning("MQTT client '%s': publish to '%s' refused: %s", self.client_id, topic, exc)
-            return None
-        if out.rejected:
-            return None
-        return out
+        return publish(self.vhost, self.settings.exchange, self.client_id, topic, payload, qos, retain, props,
+                       origin)
 
     # ------------------------------------------------------------------ subscribe
     def subscribe(self, p: P.Subscribe) -> None:
         assert self.vhost is not None
         sub_id = p.props.get(PR.SUBSCRIPTION_ID, 0)
         results = [self._bind(f, options, sub_id) for f, options in p.filters]
+        if self.durable and any(shared_group(f) is not None for f, _ in p.filters):
+            self._save_state((self.vhost.name, self.client_id))  # its shared subscriptions
         self.out.write(P.encode_suback(p.packet_id, [code for code, _ in results], self.v5))
         for (f, options), (granted, existed) in zip(p.filters, results, strict=True):
             if granted >= P.SUBACK_FAILURE or shared_group(f) is not None:
@@ -518,6 +569,9 @@ class MQTTSession:
                 found = self._unbind(f)
             self.filters.pop(f, None)
             codes.append(0 if found else 0x11)  # 0x11: no subscription existed
+        if self.durable and any(shared_group(f) is not None for f in p.filters):
+            assert self.vhost is not None
+            self._save_state((self.vhost.name, self.client_id))
         self.out.write(P.encode_unsuback(p.packet_id, codes, self.v5))
 
     def _consume(self, q: Queue, qos: int, shared_filter: str | None = None) -> None:
@@ -634,8 +688,10 @@ class MQTTSession:
                 got[0].reject(got[1], requeue=True)
         self.inflight.clear()
         if not normal and self.will is not None:
-            self._will(vh, key)
+            self._will(key)
         if not self.durable:
+            if key in self.registry.states.by_key:
+                self._forget_state(key)
             for qos in (0, 1):
                 q = vh.queues.get(self.queue_name(qos))
                 if q is not None:
@@ -645,23 +701,69 @@ class MQTTSession:
                         log.warning("MQTT client '%s': its session's queue '%s' stays: %s",
                                     self.client_id, q.name, exc)
 
-    def _will(self, vh: VHost, key: tuple[str, str]) -> None:
+    def _will(self, key: Key) -> None:
         w, user = self.will, self.user
         assert w is not None and user is not None
-        if not self.users.can_write(user, vh.name, self.settings.exchange):
-            return
         delay = min(w.props.get(PR.WILL_DELAY, 0), self.session_expiry) if self.v5 else 0
+        pending = PendingWill(w, user.name, time.time() + delay)
+        if delay > 0 and self.durable:  # a durable timer: a restart or a new leader sends it when due
+            state = self._state()
+            state.will = pending
+            self._save_state(key, state)
+        arm_will(self.registry, key, pending)
 
-        def send() -> None:
-            self.registry.delayed_wills.pop(key, None)
-            if w.retain:
-                try:
-                    self.registry.retained.set(vh.name, w.topic, w.qos, w.message)
-                except OSError as exc:
-                    log.warning("MQTT will of '%s' not retained: %s", self.client_id, exc)
-            self._publish(w.topic, w.message, w.qos, w.retain, w.props)
 
-        if delay <= 0:
-            send()
-        else:
-            self.registry.delayed_wills[key] = self.registry.call_later(delay, send)
+def publish(vh: VHost, exchange: str, client_id: str, topic: str, payload: bytes, qos: int, retain: bool,
+            props: PR.Props, origin: str | None = None) -> PublishOutcome | None:
+    """Through the one publish operation: what happened; None when it did not happen (refused:
+    the client is told so)."""
+    req = PublishRequest(exchange, to_routing_key(topic), amqp_props(qos, retain, props, origin), payload,
+                         int(time.time() * 1000), persistent=qos > 0)
+    try:
+        out = vh.publish(req)
+    except errors.SkredError as exc:
+        log.warning("MQTT client '%s': publish to '%s' refused: %s", client_id, topic, exc)
+        return None
+    if out.rejected:
+        return None
+    return out
+
+
+def arm_will(registry: Registry, key: Key, pending: PendingWill) -> None:
+    """Publish a will when it is due (at once when overdue), unless its client comes back first
+    (``MQTTSession.start`` cancels it); a kept will is forgotten once sent."""
+
+    def fire() -> None:
+        registry.delayed_wills.pop(key, None)
+        state = registry.states.by_key.get(key)
+        if state is not None and state.will is not None:
+            state.will = None
+            try:
+                registry.states.save(key, state)
+            except OSError as exc:
+                log.warning("MQTT client '%s': its sent will stays on record: %s", key[1], exc)
+        send_will(registry, key, pending)
+
+    delay = pending.due - time.time()
+    if delay <= 0:
+        fire()
+    else:
+        registry.delayed_wills[key] = registry.call_later(delay, fire)
+
+
+def send_will(registry: Registry, key: Key, pending: PendingWill) -> None:
+    """Publish a will as its user, if the user may still write its topic."""
+    w, ex = pending.will, registry.settings.exchange
+    vh, users = registry.vhosts.get(key[0]), registry.users
+    user = users.get(pending.username)
+    if vh is None or user is None or not (users.can_write(user, vh.name, ex) and users.topic_allows(
+            user, vh.name, ex, "write", to_routing_key(w.topic))):
+        log.warning("MQTT will of '%s' not published: its user or vhost is gone or may not write to '%s'",
+                    key[1], w.topic)
+        return
+    if w.retain:
+        try:
+            registry.retained.set(vh.name, w.topic, w.qos, w.message)
+        except OSError as exc:
+            log.warning("MQTT will of '%s' not retained: %s", key[1], exc)
+    publish(vh, ex, key[1], w.topic, w.message, w.qos, w.retain, w.props)

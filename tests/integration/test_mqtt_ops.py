@@ -156,3 +156,142 @@ def test_filters_with_thousands_of_levels_and_bad_utf8_get_the_protocols_answer(
     assert "Traceback" not in mq.log_text()
 
 
+
+
+# ------------------------------------------------------------------ durable session state
+def _v5(client_id: str, expiry: int = 600, clean: bool = False, will: P.Will | None = None) -> P.Connect:
+    return P.Connect("MQTT", 5, clean, 30, client_id, will, "guest", b"guest", {PR.SESSION_EXPIRY: expiry})
+
+
+def _expect(r: Raw, kind: int, n: int) -> list[bytes]:
+    """The next ``n`` packets, all of type ``kind``: their bodies."""
+    out = []
+    for _ in range(n):
+        pkt = r.read(timeout=15)
+        assert pkt is not None and pkt[0] == kind, (kind, pkt)
+        out.append(pkt[2])
+    return out
+
+
+def _publishes(r: Raw, n: int) -> list[tuple[int, bytes]]:
+    """``n`` PUBLISH packets of a 3.1.1 session at QoS 1: (packet id, payload), not acknowledged."""
+    out = []
+    for body in _expect(r, P.PUBLISH, n):
+        tlen = int.from_bytes(body[:2], "big")
+        out.append((int.from_bytes(body[2 + tlen:4 + tlen], "big"), body[4 + tlen:]))
+    return out
+
+
+class InFlight:
+    """A persistent 3.1.1 subscriber holding QoS 1 deliveries unacknowledged, and an MQTT 5
+    publisher with QoS 2 messages PUBREC'd, half of them PUBREL'd: then the node goes."""
+
+    def __init__(self, host: str, port: int, n: int = 10) -> None:
+        self.n = n
+        self.sub_id, self.holder_id, self.pub_id = cid(), cid(), cid()
+        sub = Paho(host, port, self.sub_id, clean=False)  # collects the QoS 2 messages afterwards
+        assert sub.subscribe("k9/two/#", 2) == [1]
+        sub.close()
+        holder = Raw(host, port, P.Connect("MQTT", 4, False, 30, self.holder_id, None, "guest", b"guest"))
+        assert holder.connack() == (0, 0)
+        holder.s.sendall(P.encode_subscribe(P.Subscribe(1, (("k9/one/#", 1),))))
+        _expect(holder, P.SUBACK, 1)
+        pub = Raw(host, port, _v5(self.pub_id))
+        assert pub.connack()[1] == 0
+        for i in range(n):
+            pub.s.sendall(P.encode_publish(f"k9/one/{i}", b"one%d" % i, 1, False, False, 100 + i, v5=True))
+        _expect(pub, P.PUBACK, n)
+        assert sorted(p for _, p in _publishes(holder, n)) == sorted(b"one%d" % i for i in range(n))
+        for i in range(1, 2 * n + 1):
+            pub.s.sendall(P.encode_publish(f"k9/two/{i}", b"two%d" % i, 2, False, False, i, v5=True))
+        _expect(pub, P.PUBREC, 2 * n)
+        for i in range(1, n + 1):
+            pub.s.sendall(P.encode_packet_id(P.PUBREL, i))
+        _expect(pub, P.PUBCOMP, n)
+        self.holder, self.pub = holder, pub
+
+    def resume(self, host: str, port: int) -> None:
+        """After the node (or the leader) went: the publisher resends half of its open QoS 2
+        messages as if their PUBREC was lost, releases all of them; nothing is lost, the QoS 2
+        messages arrive once each."""
+        n = self.n
+        self.holder.close()
+        self.pub.close()
+        pub = Raw(host, port, _v5(self.pub_id))
+        try:
+            flags, code = pub.connack()
+            assert (flags, code) == (1, 0), "the publisher's session (its QoS 2 state) was not kept"
+            for i in range(n + 1, n + n // 2 + 1):
+                pub.s.sendall(P.encode_publish(f"k9/two/{i}", b"two%d" % i, 2, False, True, i, v5=True))
+            _expect(pub, P.PUBREC, n // 2)
+            for i in range(n + 1, 2 * n + 1):
+                pub.s.sendall(P.encode_packet_id(P.PUBREL, i))
+            comps = _expect(pub, P.PUBCOMP, n)
+            assert all(len(b) == 2 or b[2] == 0 for b in comps), "PUBREL of a PUBREC'd id not known"
+        finally:
+            pub.close()
+        holder = Raw(host, port, P.Connect("MQTT", 4, False, 30, self.holder_id, None, "guest", b"guest"))
+        try:
+            assert holder.connack() == (1, 0)
+            got = _publishes(holder, n)  # the unacknowledged QoS 1 deliveries, again: 0 lost
+            assert sorted(p for _, p in got) == sorted(b"one%d" % i for i in range(n))
+            for pid, _ in got:
+                holder.s.sendall(P.encode_packet_id(P.PUBACK, pid))
+        finally:
+            holder.close()
+        sub = Paho(host, port, self.sub_id, clean=False)
+        try:
+            got2 = [m.payload for m in sub.take(2 * n, timeout=30)]
+            with pytest.raises(Exception):  # noqa: B017 - queue.Empty: nothing more (no duplicate)
+                sub.take(1, timeout=1.5)
+        finally:
+            sub.close()
+        assert sorted(got2) == sorted(b"two%d" % i for i in range(1, 2 * n + 1)), "QoS 2: lost or duplicated"
+
+
+def test_qos1_and_qos2_in_flight_survive_kill9(mq: SkredProcess) -> None:
+    state = InFlight(mq.host, mq.mqtt_port)
+    mq.kill9()
+    mq.start()
+    state.resume(mq.host, mq.mqtt_port)
+    assert "Traceback" not in mq.log_text()
+
+
+def test_a_delayed_will_and_shared_subscriptions_survive_kill9(mq: SkredProcess) -> None:
+    """A will waiting out its delay is a durable timer: published after a restart when due. A
+    persistent session's shared subscription is subscribed again when it resumes."""
+    watcher_id, member_id = cid(), cid()
+    watcher = Paho(mq.host, mq.mqtt_port, watcher_id, clean=False)
+    assert watcher.subscribe("wd/#", 1) == [1]
+    watcher.close()
+    member = Raw(mq.host, mq.mqtt_port, _v5(member_id))
+    assert member.connack()[1] == 0
+    member.s.sendall(P.encode_subscribe(P.Subscribe(1, (("$share/g1/sh/#", 1),)), v5=True))
+    _expect(member, P.SUBACK, 1)
+    member.close()
+    dying_id = cid()
+    will = P.Will("wd/gone", b"bye", 1, False, {PR.WILL_DELAY: 3})
+    dying = Raw(mq.host, mq.mqtt_port, _v5(dying_id, will=will))
+    assert dying.connack()[1] == 0
+    dying.close()  # an abnormal end: the will is due in 3 s
+    wait_until(lambda: f"'{dying_id}' from 127.0.0.1 closed the connection unexpectedly" in mq.log_text(), 10,
+               "the abnormal end seen")
+    mq.kill9()
+    mq.start()
+    member = Raw(mq.host, mq.mqtt_port, _v5(member_id))
+    try:
+        assert member.connack()[0] == 1
+        pub = Paho(mq.host, mq.mqtt_port, cid())
+        pub.publish("sh/1", b"shared", 1)
+        pub.close()
+        pkt = member.read(timeout=15)
+        assert pkt is not None and pkt[0] == P.PUBLISH and pkt[2].endswith(b"shared"), pkt
+    finally:
+        member.close()
+    watcher = Paho(mq.host, mq.mqtt_port, watcher_id, clean=False)
+    try:
+        m = watcher.take(1, timeout=20)[0]
+        assert (m.topic, m.payload) == ("wd/gone", b"bye")
+    finally:
+        watcher.close()
+    assert "Traceback" not in mq.log_text()
