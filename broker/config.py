@@ -78,6 +78,14 @@ def _meta(
     }
 
 
+def file_mode(text: str) -> int:
+    """An octal file mode such as ``[main] unix_mode``; ValueError when it is not one."""
+    mode = int(text, 8)
+    if not 0 <= mode <= 0o777:
+        raise ValueError(f"{text!r} is not a file mode")
+    return mode
+
+
 def default_data_dir() -> Path:
     """``/var/lib/skred`` when running as root, else ``~/.local/share/skred``."""
     geteuid = getattr(os, "geteuid", None)  # absent on Windows

@@ -52,7 +52,7 @@ from broker.auth.parameters import GlobalParameters
 from broker.auth.throttle import LoginThrottle
 from broker.auth.users import UserStore
 from broker.auth.vhosts import VHostStore
-from broker.config import Config, ConfigError, MainConfig
+from broker.config import Config, ConfigError, MainConfig, file_mode
 from broker.errors import ListenError
 from broker.http.definitions import IMPORT_INTENT_FILE, DefinitionsError, import_definitions, resume_import
 from broker.http.server import MgmtServer
@@ -385,6 +385,7 @@ class Node:
             "lmq_http": lmq.http_address if lmq is not None else None,
             "lmq_rpc": lmq.rpc_address if lmq is not None else None,
             "mqtt": self.mqtt.addresses.get("mqtt") if self.mqtt is not None else None,
+            "mqtts": self.mqtt.addresses.get("mqtts") if self.mqtt is not None else None,
         }
         return {name: (str(a[0]), int(a[1])) for name, a in found.items() if a}
 
@@ -538,13 +539,10 @@ async def listening(options: str, host: str, port: int, start: Awaitable[tuple[s
 def unix_mode(main: MainConfig) -> int:
     """``[main] unix_mode`` as a file mode; ``StartupError`` when it is not octal."""
     try:
-        mode = int(main.unix_mode, 8)
+        return file_mode(main.unix_mode)
     except ValueError:
         raise StartupError(f"[main] unix_mode / --unix-mode: {main.unix_mode!r} is not an octal file mode") \
             from None
-    if not 0 <= mode <= 0o777:
-        raise StartupError(f"[main] unix_mode / --unix-mode: {main.unix_mode!r} is not a file mode")
-    return mode
 
 
 class StartupError(Exception):
