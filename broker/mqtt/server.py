@@ -71,6 +71,7 @@ class MQTTProtocol(asyncio.Protocol):
         self.recv_cnt = self.recv_oct = self.send_cnt = self.send_oct = 0
         self.tls: PeerTLS | None = None
         self.peer_port = 0
+        self.remapped = True  # the peer is final (False: a follower's tunnel may name another)
 
     # ------------------------------------------------------------------ views.ConnectionView
     @property
@@ -152,13 +153,18 @@ class MQTTProtocol(asyncio.Protocol):
         if self.unix:
             self.peer_host = UNIX_PEER
         elif info:
-            peer = (str(info[0]), int(info[1]))
-            self.peer_host, self.peer_port = self.server.peers.get(peer, peer)
+            self.peer_host, self.peer_port = str(info[0]), int(info[1])
+            self.remapped = False
         self.tls = PeerTLS.of(transport.get_extra_info("ssl_object"))
         self.server.connections.add(self)
         self._arm(self.server.config.connect_timeout)
 
     def data_received(self, data: bytes) -> None:
+        if not self.remapped:
+            # a follower's tunnel names its client before it sends the first byte (not before
+            # the connection is accepted): the client's address is looked up now
+            self.remapped = True
+            self.peer_host, self.peer_port = self.server.peers.get(self.peer, self.peer)
         self.last_seen = time.monotonic()
         self.recv_oct += len(data)
         for p in self.parser.feed(data):

@@ -7,18 +7,24 @@ MQTT clients, the real management API and Prometheus endpoint.
 from __future__ import annotations
 
 import re
+import socket
+import ssl
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+import websocket
 
 from broker.mqtt import packets as P
 from broker.mqtt import props as PR
 
-from ._support import SkredProcess, assert_healthy, is_external, wait_until
+from ._support import SkredProcess, assert_healthy, free_port, is_external, wait_until
+from ._tls import make_pki, tls_args
 from .test_features_extra import http, wait_http
+from .test_mgmt_api import Api
 from .test_mqtt import Paho, Raw, cid
 
 pytestmark = pytest.mark.skipif(is_external(), reason="needs the broker's MQTT port")
@@ -301,3 +307,85 @@ def test_session_state_survives_kill9(mq: SkredProcess) -> None:
     in_flight.resume(mq.host, mq.mqtt_port)
     kept.resume(mq.host, mq.mqtt_port)
     assert "Traceback" not in mq.log_text()
+
+
+# ------------------------------------------------------------------ through a follower
+def _raw_on(sock: socket.socket, connect: P.Connect) -> Raw:
+    """A ``Raw`` client on a socket of the test's own making (TLS, Unix)."""
+    r = Raw.__new__(Raw)
+    r.s, r.buf = sock, b""
+    sock.sendall(P.encode_connect(connect))
+    return r
+
+
+def _listed_on(node: Any, peer: tuple[str, int], protocol: str) -> None:
+    """The leader lists the connection with the client's own address and the protocol."""
+    api = Api(node.mgmt_port)
+    api.base = f"http://{node.ip}:{node.mgmt_port}"
+
+    listed: list[Any] = []
+
+    def seen() -> bool:
+        status, conns, _ = api.call("GET", "/api/connections")
+        listed[:] = [(c["peer_host"], c["peer_port"], c["protocol"]) for c in conns]
+        return status == 200 and (*peer, protocol) in listed
+    wait_until(seen, 10, f"{protocol} from {peer} listed on the leader (listed: {listed})")
+
+
+def test_every_mqtt_transport_through_a_follower_and_a_leader_kill(tmp_path: Path) -> None:
+    """MQTT, MQTTS, MQTT over WebSocket and over a Unix socket reach the leader through a
+    follower with their real address; they are closed when the leader goes; persistent sessions
+    with QoS 1 and QoS 2 messages in flight, a shared subscription and a delayed will, all made
+    through a follower, come back whole through the follower of the new leader."""
+    from .test_cluster import Cluster, start_cluster, wait_for
+
+    pki = make_pki(tmp_path / "pki")
+    c = Cluster(tmp_path)
+    for n in c.nodes:
+        n.mqtts_port = free_port()
+        n.unix = str(tmp_path / f"{n.name}.mqtt.sock")
+        n.argv += tls_args(pki, "--amqp-tls-port", "-1", "--mgmt-tls-port", "-1", "--mqtt-tls-port",
+                           str(n.mqtts_port), "--mqtt-unix-path", n.unix)
+    try:
+        leader, followers = start_cluster(c)
+        f = followers[0]
+        plain = Raw(f.ip, f.mqtt_port, P.Connect("MQTT", 4, True, 30, cid(), None, "guest", b"guest"))
+        assert plain.connack() == (0, 0)
+        _listed_on(leader, plain.s.getsockname()[:2], "MQTT 3.1.1")
+        ctx = ssl.create_default_context(cafile=str(pki.ca.cert_path))
+        tls_sock = ctx.wrap_socket(socket.create_connection((f.ip, f.mqtts_port), timeout=10),
+                                   server_hostname="localhost")
+        tls = _raw_on(tls_sock, _v5(cid(), expiry=0, clean=True))
+        assert tls.connack()[1] == 0
+        _listed_on(leader, tls_sock.getsockname()[:2], "MQTT 5.0")
+        ws = websocket.create_connection(f"ws://{f.ip}:{f.mgmt_port}/mqtt", subprotocols=["mqtt"], timeout=10)
+        ws.send_binary(P.encode_connect(P.Connect("MQTT", 4, True, 30, cid(), None, "guest", b"guest")))
+        assert ws.recv()[:2] == bytes((P.CONNACK << 4, 2))
+        _listed_on(leader, ws.sock.getsockname()[:2], "Web MQTT 3.1.1")
+        unix_sock = socket.socket(socket.AF_UNIX)
+        unix_sock.settimeout(10)
+        unix_sock.connect(f.unix)
+        unix = _raw_on(unix_sock, P.Connect("MQTT", 4, True, 30, cid(), None, "guest", b"guest"))
+        assert unix.connack() == (0, 0)
+        _listed_on(leader, ("unix", 0), "MQTT 3.1.1")
+        in_flight = InFlight(f.ip, f.mqtt_port)
+        kept = WillAndShared(f.ip, f.mqtt_port, leader.log_text)
+        # the follower holds the sessions' state too before the leader goes
+        wait_for(lambda: len(list((f.data_dir / "mqtt-sessions").glob("*[0-9a-f]"))) >= 3, 10,
+                 "the session state replicated")
+        leader.kill9()
+        for client in (plain, tls, unix):
+            assert client.closed_within(30), "a client of the lost leader left hanging"
+        ws.settimeout(30)
+        with pytest.raises((websocket.WebSocketConnectionClosedException, ConnectionError, OSError)):
+            while ws.recv():
+                pass
+        new = wait_for(lambda: (n := c.leader()) is not None and n is not leader and n, 30, "a new leader")
+        rest = next(n for n in c.nodes if n is not leader and n is not new)
+        wait_for(rest.answers, 30, "the remaining follower's proxy")
+        in_flight.resume(rest.ip, rest.mqtt_port)
+        kept.resume(rest.ip, rest.mqtt_port)
+        for n in (new, rest):
+            assert "Traceback" not in n.log_text()
+    finally:
+        c.close()
