@@ -6,6 +6,7 @@ MQTT clients, the real management API and Prometheus endpoint.
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import ssl
@@ -17,6 +18,8 @@ from typing import Any
 
 import pytest
 import websocket
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from broker.mqtt import packets as P
 from broker.mqtt import props as PR
@@ -25,7 +28,7 @@ from ._support import SkredProcess, assert_healthy, free_port, is_external, wait
 from ._tls import make_pki, tls_args
 from .test_features_extra import http, wait_http
 from .test_mgmt_api import Api
-from .test_mqtt import Paho, Raw, cid
+from .test_mqtt import Paho, Raw, add_user, cid
 
 pytestmark = pytest.mark.skipif(is_external(), reason="needs the broker's MQTT port")
 
@@ -389,3 +392,91 @@ def test_every_mqtt_transport_through_a_follower_and_a_leader_kill(tmp_path: Pat
             assert "Traceback" not in n.log_text()
     finally:
         c.close()
+
+
+# ------------------------------------------------------------------ fuzz
+FUZZ_EXAMPLES = int(os.environ.get("SKRED_CHAOS_FUZZ_EXAMPLES", "40"))
+_TOPIC = st.text(st.sampled_from("ab/+#$\u00e9"), min_size=1, max_size=12)
+_PAIRS = st.lists(st.tuples(st.text(max_size=4), st.text(max_size=4)), max_size=2)
+_PROPS = st.fixed_dictionaries({}, optional={
+    PR.CONTENT_TYPE: st.text(max_size=8), PR.USER_PROPERTY: _PAIRS,
+    PR.MESSAGE_EXPIRY: st.integers(0, 2**32 - 1), PR.CORRELATION_DATA: st.binary(max_size=8)})
+
+
+@st.composite
+def _session(draw: st.DrawFn, level: int, user: str) -> bytes:
+    """A well-formed session of ``level`` (4: 3.1.1, 5: 5.0): CONNECT, then a few packets."""
+    v5 = level == 5
+    will = draw(st.none() | st.builds(P.Will, _TOPIC.filter(lambda t: "+" not in t and "#" not in t),
+                                      st.binary(max_size=8), st.integers(0, 2), st.booleans(),
+                                      st.just({PR.WILL_DELAY: 1}) if v5 else st.just({})))
+    props = {PR.SESSION_EXPIRY: draw(st.integers(0, 60))} if v5 else {}
+    client_id = "fz" + draw(st.text("xyz", max_size=3))
+    clean = draw(st.booleans())
+    out = [P.encode_connect(P.Connect("MQTT", level, clean, 30, client_id, will, user, b"pw", props))]
+    for pid in range(1, draw(st.integers(1, 6)) + 1):
+        kind = draw(st.sampled_from(["pub", "sub", "unsub", "rel", "ping", "ack"]))
+        if kind == "pub":
+            qos = draw(st.integers(0, 2))
+            out.append(P.encode_publish(draw(_TOPIC), draw(st.binary(max_size=16)), qos, draw(st.booleans()),
+                                        False, pid if qos else 0, draw(_PROPS) if v5 else None, v5=v5))
+        elif kind == "sub":
+            filters = tuple(draw(st.lists(st.tuples(_TOPIC, st.integers(0, 0x2E)), min_size=1, max_size=3)))
+            out.append(P.encode_subscribe(P.Subscribe(pid, filters), v5=v5))
+        elif kind == "unsub":
+            out.append(P.encode_unsubscribe(P.Unsubscribe(pid, (draw(_TOPIC),)), v5=v5))
+        elif kind in ("rel", "ack"):
+            out.append(P.encode_packet_id(P.PUBREL if kind == "rel" else P.PUBACK, pid))
+        else:
+            out.append(bytes((P.PINGREQ << 4, 0)))
+    return b"".join(out)
+
+
+@st.composite
+def _mutated(draw: st.DrawFn, level: int, user: str) -> bytes:
+    raw = bytearray(draw(_session(level, user)))
+    for _ in range(draw(st.integers(1, 4))):
+        i = draw(st.integers(0, len(raw) - 1))
+        op = draw(st.sampled_from(["flip", "set", "cut", "insert", "length"]))
+        if op == "flip":
+            raw[i] ^= 1 << draw(st.integers(0, 7))
+        elif op == "set":
+            raw[i] = draw(st.sampled_from([0x00, 0x02, 0x7F, 0x80, 0xC0, 0xFF]))
+        elif op == "cut":
+            del raw[i:i + draw(st.integers(1, 8))]
+        elif op == "insert":
+            raw[i:i] = draw(st.binary(min_size=1, max_size=8))
+        else:  # a remaining length or string length overwritten
+            raw[i:i + 2] = draw(st.binary(min_size=2, max_size=2))
+        if not raw:
+            raw = bytearray(b"\x10")
+    return bytes(raw)
+
+
+@pytest.mark.chaos
+@pytest.mark.parametrize("level", [4, 5], ids=["3.1.1", "5.0"])
+def test_fuzzed_packets_get_an_answer_and_never_a_traceback(mq: SkredProcess, level: int) -> None:
+    """Well-formed sessions of both versions, mutated (bits flipped, bytes set, cut, inserted,
+    lengths overwritten): each connection is answered or closed once its client stops sending,
+    the broker logs no traceback and serves a client afterwards."""
+    user = add_user(mq, ".*", ".*", ".*")  # its mangled logins throttle only itself
+
+    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(data=_mutated(level, user))
+    def trial(data: bytes) -> None:
+        r = Raw(mq.host, mq.mqtt_port)
+        try:
+            r.s.sendall(data)
+            r.s.shutdown(socket.SHUT_WR)
+            assert r.closed_within(15), f"open after garbage and EOF: {data!r}"
+        except OSError:
+            pass  # reset by the broker: an answer too
+        finally:
+            r.close()
+
+    trial()
+    assert_healthy(mq)
+    ok = Paho(mq.host, mq.mqtt_port, cid())
+    ok.close()
+    assert "Traceback" not in mq.log_text()
