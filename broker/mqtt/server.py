@@ -203,6 +203,7 @@ class MQTTProtocol(asyncio.Protocol):
                 return
             self.state = "login"
             self.level = p.level
+            self._arm(0)  # the CONNECT came in time; the login throttle bounds its own wait
             self.server.spawn(self._login(p))
         elif self.state == "login":
             if len(self.pending) >= _PENDING_MAX:

@@ -10,6 +10,7 @@ import os
 import re
 import socket
 import ssl
+import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -165,6 +166,30 @@ def test_filters_with_thousands_of_levels_and_bad_utf8_get_the_protocols_answer(
     assert "Traceback" not in mq.log_text()
 
 
+
+
+def test_a_connect_flood_is_throttled_and_costs_no_one_else(mq: SkredProcess) -> None:
+    """30 CONNECTs with a wrong password at once: each is answered (bad credentials, or server
+    unavailable once the login throttle gives up on the name), the refusals are logged once per
+    burst, and another user logs in meanwhile without waiting."""
+    flooder = add_user(mq, ".*", ".*", ".*")
+    socks = [Raw(mq.host, mq.mqtt_port, P.Connect("MQTT", 4, True, 30, cid(), None, flooder, b"wrong"))
+             for _ in range(30)]
+    try:
+        started = time.monotonic()
+        other = Raw(mq.host, mq.mqtt_port, P.Connect("MQTT", 4, True, 30, cid(), None, "guest", b"guest"))
+        assert other.connack() == (0, 0)
+        assert time.monotonic() - started < 3, "a bystander waited on the flood"
+        other.close()
+        codes = [r.connack()[1] for r in socks]
+        assert set(codes) <= {P.BAD_CREDENTIALS, P.SERVER_UNAVAILABLE}, codes
+        assert P.SERVER_UNAVAILABLE in codes, "the throttle never refused unchecked"
+        assert all(r.closed_within(5) for r in socks)
+    finally:
+        for r in socks:
+            r.close()
+    # the throttle's free attempts are logged each, the rest of the burst in one line
+    assert sum(flooder in line for line in mq.log_text().splitlines()) <= 8
 
 
 # ------------------------------------------------------------------ durable session state
