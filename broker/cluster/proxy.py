@@ -213,3 +213,12 @@ async def _answer(which: int | None, reader: asyncio.StreamReader, writer: async
             head += data
         writer.write(unavailable.http_response(why))
         await writer.drain()
+    elif which == codec.MQTT_PORT:  # MQTTS is TLS end to end: just closed
+        data = b""
+        while (answer := unavailable.mqtt_connack(data)) is None:
+            more = await reader.read(unavailable.MAX_INPUT)
+            if not more or len(data) + len(more) > unavailable.MAX_INPUT:
+                return
+            data += more
+        writer.write(answer)
+        await writer.drain()
