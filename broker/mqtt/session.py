@@ -50,6 +50,7 @@ import base64
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -219,6 +220,8 @@ class MQTTSession:
         self.closed = False
         self.counts: dict[str, int] = {}  # the registry's counters of this protocol level
         self.cap_logged = False  # the subscription limit was logged for this connection
+        # retained messages due on a subscription, not yet sent: (topic, payload, QoS, properties)
+        self.retained_due: deque[tuple[str, bytes, int, PR.Props]] = deque()
         self.published = False  # it has published (RabbitMQ's publishers gauge)
 
     # ------------------------------------------------------------------ connect
@@ -481,7 +484,20 @@ class MQTTSession:
                 continue
             props: PR.Props = {PR.SUBSCRIPTION_ID: sub_id} if sub_id and self.v5 else {}
             for topic, qos, payload in self.registry.retained.matching(self.vhost.name, f):
-                self._send(topic, payload, min(qos, granted), True, props, None)
+                self.retained_due.append((topic, payload, min(qos, granted), props))
+        self._send_retained()
+
+    def _send_retained(self) -> None:
+        """Retained messages due on a subscription go out as queued deliveries do: while the
+        socket takes them and, at QoS 1, within the in-flight limit (the client's receive
+        maximum); the rest wait here (the payloads are the retained store's own)."""
+        due = self.retained_due
+        while due and self.out.writable and not self.closed:
+            topic, payload, qos, props = due[0]
+            if qos and len(self.inflight) >= self.in_flight_max:
+                return
+            due.popleft()
+            self._send(topic, payload, qos, True, props, None)
 
     def _bind(self, topic_filter: str, options: int, sub_id: int) -> tuple[int, bool]:
         """One filter of a SUBSCRIBE: (the granted QoS or a failure code, whether it existed)."""
@@ -656,6 +672,7 @@ class MQTTSession:
 
     def resume(self) -> None:
         """Capacity came back (an ack, a drained socket): let the queues deliver."""
+        self._send_retained()
         for c in self.consumers.values():
             c.queue.schedule_delivery()
 

@@ -192,6 +192,43 @@ def test_a_connect_flood_is_throttled_and_costs_no_one_else(mq: SkredProcess) ->
     assert sum(flooder in line for line in mq.log_text().splitlines()) <= 8
 
 
+def test_retained_messages_respect_the_receive_maximum(mq: SkredProcess) -> None:
+    """Retained QoS 1 messages sent on SUBSCRIBE count against the client's receive maximum (and
+    wait, like queued deliveries, while the client does not read): 2 in flight, the next after
+    a PUBACK."""
+    pub = Paho(mq.host, mq.mqtt_port, cid())
+    for i in range(5):
+        pub.c.publish(f"rm/{i}", b"r%d" % i, 1, retain=True).wait_for_publish(10)
+    pub.close()
+    r = Raw(mq.host, mq.mqtt_port, P.Connect("MQTT", 5, True, 30, cid(), None, "guest", b"guest",
+                                             {PR.RECEIVE_MAXIMUM: 2}))
+    try:
+        assert r.connack()[1] == 0
+        r.s.sendall(P.encode_subscribe(P.Subscribe(1, (("rm/#", 1),)), v5=True))
+        _expect(r, P.SUBACK, 1)
+        first = [_v5_publish(b) for b in _expect(r, P.PUBLISH, 2)]
+        with pytest.raises(TimeoutError):
+            r.read(timeout=1)  # a third would exceed the client's receive maximum
+        got = first
+        while len(got) < 5:  # each PUBACK lets the next one come
+            for pid, _ in got[-2:]:
+                r.s.sendall(P.encode_packet_id(P.PUBACK, pid))
+            got += [_v5_publish(b) for b in _expect(r, P.PUBLISH, min(2, 5 - len(got)))]
+        assert sorted(p for _, p in got) == [b"r%d" % i for i in range(5)]
+        for i in range(5):  # clear them for the module's other tests
+            r.s.sendall(P.encode_publish(f"rm/{i}", b"", 0, True, False, 0, v5=True))
+    finally:
+        r.close()
+
+
+def _v5_publish(body: bytes) -> tuple[int, bytes]:
+    """A QoS 1 MQTT 5 PUBLISH body: (packet id, payload)."""
+    tlen = int.from_bytes(body[:2], "big")
+    pid = int.from_bytes(body[2 + tlen:4 + tlen], "big")
+    plen, pos = PR.read_varint(body, 4 + tlen)
+    return pid, body[pos + plen:]
+
+
 # ------------------------------------------------------------------ durable session state
 def _v5(client_id: str, expiry: int = 600, clean: bool = False, will: P.Will | None = None) -> P.Connect:
     return P.Connect("MQTT", 5, clean, 30, client_id, will, "guest", b"guest", {PR.SESSION_EXPIRY: expiry})
