@@ -466,7 +466,7 @@ class MqttConfig:
         default=100_000, metadata=_meta("Retained messages the node keeps, over all vhosts.", lo=0)
     )
     max_subscriptions: int = field(
-        default=10_000,
+        default=1_000,  # each costs a binding on the MQTT exchange: about 3 KiB and a compiled pattern
         metadata=_meta("Topic filters one session may subscribe to; more are refused (SUBACK 0x80, "
                        "MQTT 5: 0x97 quota exceeded).", lo=1),
     )

@@ -109,7 +109,7 @@ class Settings:
     exchange: str  # where MQTT publishes go and subscriptions bind
     prefetch: int  # QoS 1 deliveries in flight per connection
     max_packet: int  # the largest packet a client may send
-    max_subscriptions: int = 10_000  # topic filters per session
+    max_subscriptions: int = 1_000  # topic filters per session
 
 
 class Registry:
