@@ -229,6 +229,41 @@ def _v5_publish(body: bytes) -> tuple[int, bytes]:
     return pid, body[pos + plen:]
 
 
+def _rss_kib(pid: int | None) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+
+
+def test_a_subscriber_that_does_not_read_costs_one_buffer(mq: SkredProcess) -> None:
+    """48 MiB published to a QoS 0 subscriber that never reads: the broker stops writing to it
+    once its socket buffer is full (the messages wait in its queue, on disk), its memory grows
+    far less than that, and another subscriber is served meanwhile."""
+    slow = Raw(mq.host, mq.mqtt_port, P.Connect("MQTT", 4, True, 30, cid(), None, "guest", b"guest"))
+    slow.s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    bystander = Paho(mq.host, mq.mqtt_port, cid())
+    try:
+        assert slow.connack() == (0, 0)
+        slow.s.sendall(P.encode_subscribe(P.Subscribe(1, (("slow/#", 0),))))
+        _expect(slow, P.SUBACK, 1)
+        assert bystander.subscribe("slow/alive", 0) == [0]
+        before = _rss_kib(mq.pid)
+        pub = Raw(mq.host, mq.mqtt_port, P.Connect("MQTT", 4, True, 30, cid(), None, "guest", b"guest"))
+        assert pub.connack() == (0, 0)
+        packet = P.encode_publish("slow/a", b"x" * 16384, 0, False, False, 0)
+        for _ in range(3072):
+            pub.s.sendall(packet)
+        pub.s.sendall(bytes((P.PINGREQ << 4, 0)))
+        assert pub.read(timeout=60) == (P.PINGRESP, 0, b"")  # all of it read by the broker
+        pub.close()
+        bystander.publish("slow/alive", b"yes", 0)
+        assert bystander.take(1)[0].payload == b"yes"
+        grown = (_rss_kib(mq.pid) - before) // 1024
+        assert grown < 24, f"the broker grew {grown} MiB for a client that does not read"
+    finally:
+        slow.close()
+        bystander.close()
+
+
 # ------------------------------------------------------------------ durable session state
 def _v5(client_id: str, expiry: int = 600, clean: bool = False, will: P.Will | None = None) -> P.Connect:
     return P.Connect("MQTT", 5, clean, 30, client_id, will, "guest", b"guest", {PR.SESSION_EXPIRY: expiry})
