@@ -79,6 +79,10 @@ log = logging.getLogger(__name__)
 _MAX_PACKET_ID = 65535
 NEVER_EXPIRES = 0xFFFFFFFF
 TOPIC_ALIAS_MAXIMUM = 64  # inbound topic aliases a client may set up per connection
+# QoS 1 and 2 PUBLISHes a client may have unanswered (MQTT 5's receive maximum, told in CONNACK;
+# 3.1.1 clients are held to it too): it bounds a session's QoS 2 identifiers awaiting PUBREL,
+# and so the state file rewritten at each of them
+RECEIVE_MAXIMUM = 1024
 # a CONNECT's protocol level as RabbitMQ's management API shows it, and its metrics label
 VERSIONS = {3: ("3.1.0", "mqtt310"), 4: ("3.1.1", "mqtt311"), 5: ("5.0", "mqtt50")}
 
@@ -277,7 +281,7 @@ class MQTTSession:
             self._bind(f, options, sub_id)  # its shared subscriptions (permissions checked again)
         props: PR.Props = {}
         if self.v5:
-            props = {PR.TOPIC_ALIAS_MAXIMUM: TOPIC_ALIAS_MAXIMUM,
+            props = {PR.TOPIC_ALIAS_MAXIMUM: TOPIC_ALIAS_MAXIMUM, PR.RECEIVE_MAXIMUM: RECEIVE_MAXIMUM,
                      PR.MAXIMUM_PACKET_SIZE: self.settings.max_packet}
             if assigned:
                 props[PR.ASSIGNED_CLIENT_ID] = self.client_id
@@ -344,6 +348,9 @@ class MQTTSession:
         if p.qos == 2 and p.packet_id in self.qos2_received:
             self.out.write(P.encode_packet_id(P.PUBREC, p.packet_id))  # a resend: stored already
             return
+        if p.qos == 2 and len(self.qos2_received) >= RECEIVE_MAXIMUM:
+            raise P.MalformedPacket(f"more than {RECEIVE_MAXIMUM} QoS 2 messages awaiting PUBREL",
+                                    P.RC_RECEIVE_MAXIMUM_EXCEEDED)
         if p.retain and not self._retain(topic, p):
             if self.v5 and p.qos:
                 self._answer(p, P.RC_QUOTA_EXCEEDED, sync=False)

@@ -264,6 +264,28 @@ def test_a_subscriber_that_does_not_read_costs_one_buffer(mq: SkredProcess) -> N
         bystander.close()
 
 
+def test_qos2_state_is_bounded_by_the_receive_maximum(mq: SkredProcess) -> None:
+    """CONNACK tells an MQTT 5 client its receive maximum (1024); a client that leaves more QoS 2
+    messages than that awaiting PUBREL is disconnected (0x93), so a session's QoS 2 state stays
+    small. The messages go to a topic nobody subscribes to (nothing stored)."""
+    r = Raw(mq.host, mq.mqtt_port, _v5(cid(), expiry=0, clean=True))
+    try:
+        pkt = r.read()
+        assert pkt is not None and pkt[0] == P.CONNACK and pkt[2][1] == 0
+        assert bytes((PR.RECEIVE_MAXIMUM, 4, 0)) in pkt[2][2:]  # 1024, in its properties
+        data = b"".join(P.encode_publish("nobody/here", b"", 2, False, False, pid, v5=True)
+                        for pid in range(1, 1026))
+        r.s.sendall(data)
+        recs = 0
+        while (pkt := r.read()) is not None and pkt[0] == P.PUBREC:  # those answered before the end
+            recs += 1
+        assert recs <= 1024
+        assert pkt is not None and pkt[0] == P.DISCONNECT and pkt[2][0] == P.RC_RECEIVE_MAXIMUM_EXCEEDED, pkt
+        assert r.closed_within(5)
+    finally:
+        r.close()
+
+
 # ------------------------------------------------------------------ durable session state
 def _v5(client_id: str, expiry: int = 600, clean: bool = False, will: P.Will | None = None) -> P.Connect:
     return P.Connect("MQTT", 5, clean, 30, client_id, will, "guest", b"guest", {PR.SESSION_EXPIRY: expiry})
