@@ -39,7 +39,8 @@ from broker.mqtt import props as PR
 from broker.mqtt.durable import SessionStates
 from broker.mqtt.mapping import key_fits
 from broker.mqtt.retained import Files, Retained
-from broker.mqtt.session import VERSIONS, AfterSync, MQTTSession, Registry, Settings, arm_will, split_username
+from broker.mqtt.session import VERSIONS, AfterSync, MQTTSession, Registry, Settings, split_username
+from broker.mqtt.wills import arm_will
 from broker.tls import PeerTLS
 
 log = logging.getLogger(__name__)

@@ -57,7 +57,7 @@ from typing import Any, Protocol
 
 from broker import errors
 from broker.auth.users import User, UserStore
-from broker.model.publish import PublishOutcome, PublishRequest
+from broker.model.publish import PublishOutcome
 from broker.model.queue import Consumer, Queue
 from broker.model.vhost import VHost
 from broker.mqtt import packets as P
@@ -66,13 +66,13 @@ from broker.mqtt.durable import Key, PendingWill, SessionState, SessionStates
 from broker.mqtt.mapping import (
     MAX_KEY_BYTES,
     Delivered,
-    amqp_props,
     key_fits,
     to_filter,
     to_routing_key,
     to_topic,
 )
 from broker.mqtt.retained import Retained, topic_matches
+from broker.mqtt.wills import arm_will, publish
 
 log = logging.getLogger(__name__)
 
@@ -264,8 +264,6 @@ class MQTTSession:
         elif kept is not None:  # a persistent session comes back: its QoS 2 ids hold again
             present = True
             self.qos2_received = set(kept.qos2)
-            if kept.will is not None:
-                self._save_state(key)  # the will it came back in time to cancel
         for qos in (0, 1):
             name = self.queue_name(qos)
             q = vhost.queues.get(name)
@@ -277,8 +275,11 @@ class MQTTSession:
             present = True
             self._restore_filters(q, qos)
             self._consume(q, qos)
-        for f, (options, sub_id) in kept.shared.items() if kept is not None else ():
-            self._bind(f, options, sub_id)  # its shared subscriptions (permissions checked again)
+        if kept is not None:
+            for f, (options, sub_id) in kept.shared.items():
+                self._bind(f, options, sub_id)  # its shared subscriptions (permissions checked again)
+            if kept.will is not None or kept.shared.keys() != self._state().shared.keys():
+                self._save_state(key)  # without the will it came back in time to cancel
         props: PR.Props = {}
         if self.v5:
             props = {PR.TOPIC_ALIAS_MAXIMUM: TOPIC_ALIAS_MAXIMUM, PR.RECEIVE_MAXIMUM: RECEIVE_MAXIMUM,
@@ -736,58 +737,3 @@ class MQTTSession:
             self._save_state(key, state)
         arm_will(self.registry, key, pending)
 
-
-def publish(vh: VHost, exchange: str, client_id: str, topic: str, payload: bytes, qos: int, retain: bool,
-            props: PR.Props, origin: str | None = None) -> PublishOutcome | None:
-    """Through the one publish operation: what happened; None when it did not happen (refused:
-    the client is told so)."""
-    req = PublishRequest(exchange, to_routing_key(topic), amqp_props(qos, retain, props, origin), payload,
-                         int(time.time() * 1000), persistent=qos > 0)
-    try:
-        out = vh.publish(req)
-    except errors.SkredError as exc:
-        log.warning("MQTT client '%s': publish to '%s' refused: %s", client_id, topic, exc)
-        return None
-    if out.rejected:
-        return None
-    return out
-
-
-def arm_will(registry: Registry, key: Key, pending: PendingWill) -> None:
-    """Publish a will when it is due (at once when overdue), unless its client comes back first
-    (``MQTTSession.start`` cancels it); a kept will is forgotten once sent."""
-
-    def fire() -> None:
-        registry.delayed_wills.pop(key, None)
-        state = registry.states.by_key.get(key)
-        if state is not None and state.will is not None:
-            state.will = None
-            try:
-                registry.states.save(key, state)
-            except OSError as exc:
-                log.warning("MQTT client '%s': its sent will stays on record: %s", key[1], exc)
-        send_will(registry, key, pending)
-
-    delay = pending.due - time.time()
-    if delay <= 0:
-        fire()
-    else:
-        registry.delayed_wills[key] = registry.call_later(delay, fire)
-
-
-def send_will(registry: Registry, key: Key, pending: PendingWill) -> None:
-    """Publish a will as its user, if the user may still write its topic."""
-    w, ex = pending.will, registry.settings.exchange
-    vh, users = registry.vhosts.get(key[0]), registry.users
-    user = users.get(pending.username)
-    if vh is None or user is None or not (users.can_write(user, vh.name, ex) and users.topic_allows(
-            user, vh.name, ex, "write", to_routing_key(w.topic))):
-        log.warning("MQTT will of '%s' not published: its user or vhost is gone or may not write to '%s'",
-                    key[1], w.topic)
-        return
-    if w.retain:
-        try:
-            registry.retained.set(vh.name, w.topic, w.qos, w.message)
-        except OSError as exc:
-            log.warning("MQTT will of '%s' not retained: %s", key[1], exc)
-    publish(vh, ex, key[1], w.topic, w.message, w.qos, w.retain, w.props)
