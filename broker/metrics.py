@@ -661,7 +661,7 @@ class Metrics:
         skred = SkredCollector(mgmt)
         node = NodeCollector(mgmt.data_dir, lambda: (mgmt.node_name, mgmt.cluster_name),
                              lambda: mgmt.broker.alarm.disk.free_disk_min,
-                             lambda: len(mgmt.broker.connections), lambda: mgmt.broker.alarm.memory.limit)
+                             lambda: len(mgmt.connections()), lambda: mgmt.broker.alarm.memory.limit)
         self.registry.register(skred)
         self.registry.register(ClusterCollector(lambda: mgmt.cluster))
         self.registry.register(node)
