@@ -21,8 +21,10 @@ Each session with any of these is one small file (``Files``: the node gives a
 JSON. A change is written when it happens and reported to the replication sink at once; the
 answer that depends on it (PUBREC, PUBCOMP) waits for the group commit that fsyncs the file (and,
 in a cluster, for the in-sync followers), so a state a client was told of survives kill -9 and
-failover. A session with nothing left to keep has no file. At start the directory is read once;
-a file that cannot be read is logged and skipped (that session starts without it).
+failover. A session with nothing left to keep has no file. An MQTT 5 session's file records when
+its session expiry ends once its client is gone: after that it is forgotten (at the client's
+next CONNECT, or at the node's start). At start the directory is read once; a file that cannot
+be read is logged and skipped (that session starts without it).
 """
 
 from __future__ import annotations
@@ -57,6 +59,10 @@ class SessionState:
     qos2: set[int] = field(default_factory=set)  # QoS 2 packet ids stored, awaiting PUBREL
     shared: dict[str, tuple[int, int]] = field(default_factory=dict)  # filter -> (options, sub id)
     will: PendingWill | None = None
+    expires_at: float = 0.0  # Unix time its MQTT 5 session expiry ends (0: never, or connected)
+
+    def expired(self, now: float) -> bool:
+        return bool(self.expires_at) and now >= self.expires_at
 
     def empty(self) -> bool:
         return not self.qos2 and not self.shared and self.will is None
@@ -72,7 +78,7 @@ def _b64(data: bytes) -> str:
 
 def encode(key: Key, s: SessionState) -> bytes:
     doc: dict[str, Any] = {"vhost": key[0], "client_id": key[1], "qos2": sorted(s.qos2),
-                           "shared": {f: list(v) for f, v in s.shared.items()}}
+                           "shared": {f: list(v) for f, v in s.shared.items()}, "expires_at": s.expires_at}
     if s.will is not None:
         w = s.will.will
         doc["will"] = {"topic": w.topic, "payload": _b64(w.message), "qos": w.qos, "retain": w.retain,
@@ -85,7 +91,8 @@ def decode(data: bytes) -> tuple[Key, SessionState]:
     doc = json.loads(data)
     key = (str(doc["vhost"]), str(doc["client_id"]))
     state = SessionState({int(i) for i in doc["qos2"]},
-                         {str(f): (int(v[0]), int(v[1])) for f, v in doc["shared"].items()})
+                         {str(f): (int(v[0]), int(v[1])) for f, v in doc["shared"].items()},
+                         expires_at=float(doc.get("expires_at", 0.0)))
     w = doc.get("will")
     if w is not None:
         props, _ = PR.read(base64.b64decode(w["props"]), 0, PR.WILL_PROPS)

@@ -378,9 +378,15 @@ class MQTTServer:
 
     async def start(self, tls: Callable[[], ssl.SSLContext] | None = None, unix_mode: int = 0o660) -> None:
         cfg = self.config
+        now = time.time()
         for key, state in list(self.registry.states.by_key.items()):
             if state.will is not None:  # wills that waited out their delay across a restart
                 arm_will(self.registry, key, state.will)
+            elif state.expired(now):  # a session that expired while the node was down
+                try:
+                    self.registry.states.forget(key)
+                except OSError as exc:
+                    log.warning("MQTT session state of '%s' stays: %s", key[1], exc)
         wanted: list[tuple[str, int, ssl.SSLContext | None]] = []
         if cfg.port >= 0:
             wanted.append(("mqtt", cfg.port, None))

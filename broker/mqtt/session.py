@@ -258,7 +258,7 @@ class MQTTSession:
         self.registry.sessions[key] = self
         kept = self.registry.states.by_key.get(key)
         present = False
-        if connect.clean_session and kept is not None:
+        if kept is not None and (connect.clean_session or kept.expired(time.time())):
             self._forget_state(key)
             kept = None
         elif kept is not None:  # a persistent session comes back: its QoS 2 ids hold again
@@ -278,8 +278,8 @@ class MQTTSession:
         if kept is not None:
             for f, (options, sub_id) in kept.shared.items():
                 self._bind(f, options, sub_id)  # its shared subscriptions (permissions checked again)
-            if kept.will is not None or kept.shared.keys() != self._state().shared.keys():
-                self._save_state(key)  # without the will it came back in time to cancel
+            if kept.will is not None or kept.expires_at or kept.shared.keys() != self._state().shared.keys():
+                self._save_state(key)  # connected again: no will it came back in time to cancel, no expiry
         props: PR.Props = {}
         if self.v5:
             props = {PR.TOPIC_ALIAS_MAXIMUM: TOPIC_ALIAS_MAXIMUM, PR.RECEIVE_MAXIMUM: RECEIVE_MAXIMUM,
@@ -712,9 +712,16 @@ class MQTTSession:
             if got is not None and not got[0].deleted:
                 got[0].reject(got[1], requeue=True)
         self.inflight.clear()
-        if not normal and self.will is not None:
-            self._will(key)
-        if not self.durable:
+        pending = self._will(key) if not normal and self.will is not None else None
+        if self.durable:  # what it keeps while its client is away: its will if delayed, its expiry
+            state = self._state()
+            if pending is not None and pending.due > time.time():
+                state.will = pending  # a durable timer: a restart or a new leader sends it when due
+            if self.v5 and self.session_expiry != NEVER_EXPIRES:
+                state.expires_at = time.time() + self.session_expiry
+            if not state.empty() or key in self.registry.states.by_key:
+                self._save_state(key, state)
+        else:
             if key in self.registry.states.by_key:
                 self._forget_state(key)
             for qos in (0, 1):
@@ -726,14 +733,12 @@ class MQTTSession:
                         log.warning("MQTT client '%s': its session's queue '%s' stays: %s",
                                     self.client_id, q.name, exc)
 
-    def _will(self, key: Key) -> None:
+    def _will(self, key: Key) -> PendingWill:
+        """Publish the will now or after its delay (``wills.arm_will``); the will, due when."""
         w, user = self.will, self.user
         assert w is not None and user is not None
         delay = min(w.props.get(PR.WILL_DELAY, 0), self.session_expiry) if self.v5 else 0
         pending = PendingWill(w, user.name, time.time() + delay)
-        if delay > 0 and self.durable:  # a durable timer: a restart or a new leader sends it when due
-            state = self._state()
-            state.will = pending
-            self._save_state(key, state)
         arm_will(self.registry, key, pending)
+        return pending
 

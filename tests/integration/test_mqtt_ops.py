@@ -418,6 +418,31 @@ class WillAndShared:
             watcher.close()
 
 
+def test_an_expired_sessions_state_goes_with_it(mq: SkredProcess) -> None:
+    """An MQTT 5 session with a 2 s expiry holding a QoS 2 identifier: back at once it is present;
+    back after its expiry, the session (its QoS 2 state) is gone."""
+    client_id = cid()
+
+    def hold_one() -> tuple[int, int]:
+        r = Raw(mq.host, mq.mqtt_port, _v5(client_id, expiry=2))
+        try:
+            ack = r.connack()
+            r.s.sendall(P.encode_publish("nobody/x", b"q2", 2, False, False, 9, v5=True))
+            _expect(r, P.PUBREC, 1)
+            return ack
+        finally:
+            r.close()
+
+    assert hold_one() == (0, 0)
+    assert hold_one() == (1, 0)  # its QoS 2 identifier awaits PUBREL: the session is present
+    time.sleep(3.5)  # the expiry is wall-clock time: nothing to poll for
+    r = Raw(mq.host, mq.mqtt_port, _v5(client_id, expiry=2))
+    try:
+        assert r.connack() == (0, 0), "an expired session's state came back"
+    finally:
+        r.close()
+
+
 def test_session_state_survives_kill9(mq: SkredProcess) -> None:
     """QoS 1 deliveries and QoS 2 messages in flight, a shared subscription and a will waiting out
     its delay, across kill -9: 0 lost, QoS 2 once each, the shared subscription back, the will
