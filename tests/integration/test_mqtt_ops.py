@@ -492,7 +492,8 @@ def test_every_mqtt_transport_through_a_follower_and_a_leader_kill(tmp_path: Pat
         n.mqtts_port = free_port()
         n.unix = str(tmp_path / f"{n.name}.mqtt.sock")
         n.argv += tls_args(pki, "--amqp-tls-port", "-1", "--mgmt-tls-port", "-1", "--mqtt-tls-port",
-                           str(n.mqtts_port), "--mqtt-unix-path", n.unix)
+                           str(n.mqtts_port), "--mqtt-unix-path", n.unix,
+                           "--amqp-unix-path", n.unix + ".amqp", "--mgmt-unix-path", n.unix + ".http")
     try:
         leader, followers = start_cluster(c)
         f = followers[0]
@@ -515,6 +516,17 @@ def test_every_mqtt_transport_through_a_follower_and_a_leader_kill(tmp_path: Pat
         unix = _raw_on(unix_sock, P.Connect("MQTT", 4, True, 30, cid(), None, "guest", b"guest"))
         assert unix.connack() == (0, 0)
         _listed_on(leader, ("unix", 0), "MQTT 3.1.1")
+        # the follower's AMQP and HTTP Unix sockets reach the leader too
+        with socket.socket(socket.AF_UNIX) as amqp_unix:
+            amqp_unix.settimeout(10)
+            amqp_unix.connect(f.unix + ".amqp")
+            amqp_unix.sendall(b"AMQP\x00\x00\x09\x01")
+            assert amqp_unix.recv(7)[:1] == b"\x01"  # connection.start, a method frame
+        with socket.socket(socket.AF_UNIX) as http_unix:
+            http_unix.settimeout(10)
+            http_unix.connect(f.unix + ".http")
+            http_unix.sendall(b"GET /api/whoami HTTP/1.0\r\nAuthorization: Basic Z3Vlc3Q6Z3Vlc3Q=\r\n\r\n")
+            assert http_unix.recv(12)[8:] == b" 200", "the leader's API over the Unix socket"
         in_flight = InFlight(f.ip, f.mqtt_port)
         kept = WillAndShared(f.ip, f.mqtt_port, leader.log_text)
         # the follower holds the sessions' state too before the leader goes
