@@ -78,6 +78,14 @@ def _meta(
     }
 
 
+def file_mode(text: str) -> int:
+    """An octal file mode such as ``[main] unix_mode``; ValueError when it is not one."""
+    mode = int(text, 8)
+    if not 0 <= mode <= 0o777:
+        raise ValueError(f"{text!r} is not a file mode")
+    return mode
+
+
 def default_data_dir() -> Path:
     """``/var/lib/skred`` when running as root, else ``~/.local/share/skred``."""
     geteuid = getattr(os, "geteuid", None)  # absent on Windows
@@ -462,6 +470,11 @@ class MqttConfig:
     )
     max_retained: int = field(
         default=100_000, metadata=_meta("Retained messages the node keeps, over all vhosts.", lo=0)
+    )
+    max_subscriptions: int = field(
+        default=1_000,  # each costs a binding on the MQTT exchange: about 3 KiB and a compiled pattern
+        metadata=_meta("Topic filters one session may subscribe to; more are refused (SUBACK 0x80, "
+                       "MQTT 5: 0x97 quota exceeded).", lo=1),
     )
 
 

@@ -63,7 +63,7 @@ import os
 import platform
 import shutil
 import socket
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -84,7 +84,7 @@ from broker import __version__
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from broker.views import BrokerView
+    from broker.views import BrokerView, ConnectionView, FrontEndView
 
 PREFIX = "skred"
 RABBIT = "rabbitmq"
@@ -180,8 +180,13 @@ class Source(Protocol):
     def cluster(self) -> ClusterInfo | None: ...
     @property
     def data_dir(self) -> Path: ...
+    @property
+    def front_ends(self) -> Sequence[FrontEndView]: ...
 
     def uptime_seconds(self) -> float: ...
+
+    def connections(self) -> Sequence[ConnectionView]:
+        """Every protocol's open connections (AMQP's and each front end's)."""
 
     def resident_memory(self) -> int: ...
 
@@ -336,6 +341,7 @@ class SkredCollector(Collector):
         broker = mgmt.broker
         stats = broker.stats
         sessions = [s for s in broker.connections]
+        opened, others = _front_end_connections(mgmt)
         queues = [q for vh in broker.vhosts.values() for q in vh.queues.values()]
         ready = sum(q.message_count for q in queues)
         unacked = sum(q.store.unacked_count for q in queues)
@@ -343,7 +349,7 @@ class SkredCollector(Collector):
         info.add_metric([mgmt.node_name, mgmt.cluster_name, __version__], {})
         yield info
         yield _g("uptime_seconds", "Seconds since the node started", mgmt.uptime_seconds())
-        yield _g("connections", "Open AMQP connections", len(sessions))
+        yield _g("connections", "Open connections (AMQP, MQTT)", len(sessions) + others)
         yield _g("channels", "Open AMQP channels", sum(len(s.chs) for s in sessions))
         yield _g("consumers", "Consumers on all queues", sum(len(q.consumers) for q in queues))
         yield _g("queues", "Queues in all vhosts", len(queues))
@@ -366,9 +372,9 @@ class SkredCollector(Collector):
         yield _c("global_messages_confirmed", "Messages confirmed to publishers", stats.confirmed)
         yield _c("global_messages_unroutable_dropped", "Published messages that reached no queue",
                  stats.unroutable)
-        yield _c("connections_opened", "AMQP connections opened", stats.connections_opened)
-        yield _c("connections_closed", "AMQP connections closed",
-                 max(0, stats.connections_opened - len(sessions)))
+        yield _c("connections_opened", "Connections opened (AMQP, MQTT)", stats.connections_opened + opened)
+        yield _c("connections_closed", "Connections closed (AMQP, MQTT)",
+                 max(0, stats.connections_opened + opened - len(sessions) - others))
         alarm = broker.alarm
         yield _g("disk_space_available_limit_bytes", "Free disk space under which publishers are blocked",
                  alarm.disk.free_disk_min)
@@ -401,13 +407,15 @@ class RabbitCollector(Collector):
         broker = self.mgmt.broker
         st = broker.stats
         sessions = list(broker.connections)
+        opened, others = _front_end_connections(self.mgmt)
         channels = [chs for s in sessions for chs in s.chs.values()]
         vhs = list(broker.vhosts.values())
         queues = [q for vh in vhs for q in vh.queues.values()]
         consumers = sum(len(q.consumers) for q in queues)
-        yield _rg("connections", "Open connections", len(sessions))
-        yield _rc("connections_opened", "Connections opened", st.connections_opened)
-        yield _rc("connections_closed", "Connections closed", max(0, st.connections_opened - len(sessions)))
+        yield _rg("connections", "Open connections", len(sessions) + others)
+        yield _rc("connections_opened", "Connections opened", st.connections_opened + opened)
+        yield _rc("connections_closed", "Connections closed",
+                  max(0, st.connections_opened + opened - len(sessions) - others))
         yield _rg("channels", "Open channels", len(channels))
         yield _rc("channels_opened", "Channels opened", st.channels_opened)
         yield _rc("channels_closed", "Channels closed", max(0, st.channels_opened - len(channels)))
@@ -453,6 +461,18 @@ class RabbitCollector(Collector):
 
 
 PROTOCOL = "amqp091"  # the label of RabbitMQ's per-protocol counters; Skred's management API counts in too
+
+
+def _front_end_connections(mgmt: Source) -> tuple[int, int]:
+    """(connections opened, connections open) of the front ends beside AMQP."""
+    opened = sum(c.get("connections_opened", 0) for fe in mgmt.front_ends
+                 for c in fe.protocol_counters().values())
+    return opened, sum(len(fe.open_connections()) for fe in mgmt.front_ends)
+
+
+def _by_protocol(mgmt: Source) -> dict[str, Mapping[str, int]]:
+    """Each front end's counters by RabbitMQ's protocol label (``mqtt311``)."""
+    return {label: c for fe in mgmt.front_ends for label, c in fe.protocol_counters().items()}
 QUEUE_TYPE = "rabbit_classic_queue"  # deliveries are not counted per queue type: all are under this one
 
 
@@ -489,15 +509,23 @@ class GlobalCollector(Collector):
              st.returned),
             ("messages_confirmed", "Messages confirmed to publishers", st.confirmed),
         )
+        others = _by_protocol(self.mgmt)
         for name, doc, value in protocol:
             fam = CounterMetricFamily(f"{RABBIT}_global_{name}", doc, labels=["protocol"])
             fam.add_metric([PROTOCOL], value)
+            for label, counters in others.items():
+                if name in counters:
+                    fam.add_metric([label], counters[name])
             yield fam
         for name, doc, value in (
-                ("publishers", "Channels that have published", sum(1 for chs in channels if chs.publisher)),
-                ("consumers", "Consumers on open channels", sum(len(chs.consumers) for chs in channels))):
+                ("publishers", "Channels (MQTT: connections) that have published",
+                 sum(1 for chs in channels if chs.publisher)),
+                ("consumers", "Consumers on open channels and MQTT connections",
+                 sum(len(chs.consumers) for chs in channels))):
             gauge = GaugeMetricFamily(f"{RABBIT}_global_{name}", doc, labels=["protocol"])
             gauge.add_metric([PROTOCOL], value)
+            for label, counters in others.items():
+                gauge.add_metric([label], counters.get(name, 0))
             yield gauge
         gets_manual = st.gets - st.gets_autoack
         by_queue_type = (
@@ -517,6 +545,9 @@ class GlobalCollector(Collector):
         for name, doc, value in by_queue_type:
             fam = CounterMetricFamily(f"{RABBIT}_global_{name}", doc, labels=["protocol", "queue_type"])
             fam.add_metric([PROTOCOL, QUEUE_TYPE], value)
+            for label, counters in others.items():
+                if name in counters:
+                    fam.add_metric([label, QUEUE_TYPE], counters[name])
             yield fam
         sizes = HistogramMetricFamily(f"{RABBIT}_message_size_bytes",
                                       "Size of messages received from publishers", labels=["protocol"])
@@ -630,7 +661,7 @@ class Metrics:
         skred = SkredCollector(mgmt)
         node = NodeCollector(mgmt.data_dir, lambda: (mgmt.node_name, mgmt.cluster_name),
                              lambda: mgmt.broker.alarm.disk.free_disk_min,
-                             lambda: len(mgmt.broker.connections), lambda: mgmt.broker.alarm.memory.limit)
+                             lambda: len(mgmt.connections()), lambda: mgmt.broker.alarm.memory.limit)
         self.registry.register(skred)
         self.registry.register(ClusterCollector(lambda: mgmt.cluster))
         self.registry.register(node)

@@ -54,7 +54,7 @@ from broker.auth.parameters import GlobalParameters, VhostParameters
 from broker.auth.throttle import LoginThrottle
 from broker.auth.users import UserStore
 from broker.auth.vhosts import VHostStore
-from broker.config import Config, ConfigError, MainConfig
+from broker.config import Config, ConfigError, MainConfig, file_mode
 from broker.errors import ListenError
 from broker.federation import supervisor as federation
 from broker.http.definitions import IMPORT_INTENT_FILE, DefinitionsError, import_definitions, resume_import
@@ -82,6 +82,7 @@ from broker.store.sink import NullSink, ReplicationSink
 from broker.syncer import Syncable, Syncer
 
 RETAINED_DIR = "mqtt-retained"  # MQTT's retained messages (broker/mqtt/retained.py)
+MQTT_SESSIONS_DIR = "mqtt-sessions"  # persistent MQTT sessions' QoS 2 ids, wills (broker/mqtt/durable.py)
 
 if TYPE_CHECKING:
     from broker.cluster.host import LeaderBroker
@@ -364,12 +365,14 @@ class Node:
                 cfg.mqtt, max_packet_size=cfg.main.max_message_size + 64 * 1024))
         assert self._syncer is not None
         retained = BlobDir(cfg.main.data_dir / RETAINED_DIR, self._syncer.mark_dirty, self.sink)
+        sessions = BlobDir(cfg.main.data_dir / MQTT_SESSIONS_DIR, self._syncer.mark_dirty, self.sink)
         self.mqtt = MQTTServer(cfg.mqtt, broker.vhosts, broker.users, broker.syncer.after_sync, retained,
-                               peers=broker.proxied_peers)
+                               sessions, peers=broker.proxied_peers)
         await self.mqtt.start(self.tls_context if self.tls is not None else None, unix_mode(cfg.main))
         assert self.mgmt is not None
         mqtt = self.mqtt
-        self.mgmt.websocket_protocols["mqtt"] = lambda _peer: MQTTProtocol(mqtt)
+        self.mgmt.websocket_protocols["mqtt"] = lambda _peer: MQTTProtocol(mqtt, websocket=True)
+        self.mgmt.front_ends.append(mqtt)  # its connections and counters in the API and metrics
         self.mgmt.websocket_max_message = max(self.mgmt.websocket_max_message, cfg.mqtt.max_packet_size)
         self.mgmt.other_listeners.update(
             {"mqtt/ssl" if name == "mqtts" else name: addr for name, addr in self.mqtt.addresses.items()})
@@ -403,6 +406,7 @@ class Node:
             "lmq_http": lmq.http_address if lmq is not None else None,
             "lmq_rpc": lmq.rpc_address if lmq is not None else None,
             "mqtt": self.mqtt.addresses.get("mqtt") if self.mqtt is not None else None,
+            "mqtts": self.mqtt.addresses.get("mqtts") if self.mqtt is not None else None,
         }
         return {name: (str(a[0]), int(a[1])) for name, a in found.items() if a}
 
@@ -482,6 +486,8 @@ class Node:
             self._reader.cancel()
             self._reader = None
         if self.mqtt is not None:
+            if self.mgmt is not None and self.mqtt in self.mgmt.front_ends:
+                self.mgmt.front_ends.remove(self.mqtt)
             await self.mqtt.stop()
             self.mqtt = None
         if self.oauth is not None:
@@ -560,13 +566,10 @@ async def listening(options: str, host: str, port: int, start: Awaitable[tuple[s
 def unix_mode(main: MainConfig) -> int:
     """``[main] unix_mode`` as a file mode; ``StartupError`` when it is not octal."""
     try:
-        mode = int(main.unix_mode, 8)
+        return file_mode(main.unix_mode)
     except ValueError:
         raise StartupError(f"[main] unix_mode / --unix-mode: {main.unix_mode!r} is not an octal file mode") \
             from None
-    if not 0 <= mode <= 0o777:
-        raise StartupError(f"[main] unix_mode / --unix-mode: {main.unix_mode!r} is not a file mode")
-    return mode
 
 
 class StartupError(Exception):

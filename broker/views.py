@@ -2,10 +2,11 @@
 
 The node hands ``Mgmt`` the live broker object of the AMQP front end; the management
 API only reads and counts through the members below, so it never imports ``net`` (the
-layer rule: front ends are siblings). Any protocol front end whose connections should
-show in ``/api/connections`` implements ``ConnectionView``. Read-only members are
-properties, so the implementing classes may use narrower types (a ``dict`` of their own
-channel class).
+layer rule: front ends are siblings). Any other protocol front end (MQTT) whose connections
+should show in ``/api/connections`` and the metrics is a ``FrontEndView`` the node adds to
+``Mgmt.front_ends``: its connections are ``ConnectionView``s like AMQP's (no channels), its
+counters are RabbitMQ's per-protocol ones. Read-only members are properties, so the
+implementing classes may use narrower types (a ``dict`` of their own channel class).
 """
 
 from __future__ import annotations
@@ -69,6 +70,13 @@ class ConnectionView(Protocol):
     @property
     def name(self) -> str: ...
     @property
+    def protocol(self) -> str:
+        """As RabbitMQ's API shows it: ``AMQP 0-9-1``, ``MQTT 3.1.1``, ``MQTT 5.0``."""
+    @property
+    def listener(self) -> str:
+        """The listener it came in on, by RabbitMQ's protocol name (``amqp``, ``amqp/ssl``,
+        ``mqtt``, ``mqtt/ssl``, ``http``: WebSocket on the management port)."""
+    @property
     def vhost(self) -> str: ...
     @property
     def username(self) -> str: ...
@@ -103,6 +111,25 @@ class ConnectionView(Protocol):
     def close_connection(self, error: AMQPError) -> None: ...
 
     def wakeup(self) -> None: ...
+
+
+# RabbitMQ's per-protocol global counters a front end keeps (``rabbitmq_global_<name>``), and
+# the connections it opened (for ``connections_opened``/``closed``)
+FRONT_END_COUNTERS = ("messages_received", "messages_received_confirm", "messages_confirmed",
+                      "messages_delivered", "messages_delivered_consume_auto_ack",
+                      "messages_delivered_consume_manual_ack", "messages_acknowledged", "connections_opened")
+FRONT_END_GAUGES = ("publishers", "consumers")
+
+
+class FrontEndView(Protocol):
+    """A protocol front end beside AMQP, as the management API and the metrics see it."""
+
+    def open_connections(self) -> Collection[ConnectionView]:
+        """Its connections past their login."""
+
+    def protocol_counters(self) -> Mapping[str, Mapping[str, int]]:
+        """Per RabbitMQ protocol label (``mqtt311``): ``FRONT_END_COUNTERS`` and
+        ``FRONT_END_GAUGES`` by name."""
 
 
 class SizesView(Protocol):

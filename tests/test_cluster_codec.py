@@ -34,11 +34,12 @@ def test_hello_with_wrong_magic_is_refused() -> None:
 
 
 def test_welcome_round_trip() -> None:
-    ports = (5672, 15672, 5671, 15671, 9980, 18800, 1883)
+    ports = (5672, 15672, 5671, 15671, 9980, 18800, 1883, 8883)
     w = codec.parse_welcome(codec.encode_welcome(codec.OK, ports))
     assert w == codec.Welcome(codec.OK, ports)
     assert w.ports[codec.LMQ_RPC_PORT] == 18800 and codec.PORT_NAMES[codec.AMQPS_PORT] == "amqps"
     assert w.ports[codec.MQTT_PORT] == 1883 and codec.PORT_NAMES[codec.MQTT_PORT] == "mqtt"
+    assert w.ports[codec.MQTTS_PORT] == 8883 and codec.PORT_NAMES[codec.MQTTS_PORT] == "mqtts"
     assert codec.parse_welcome(codec.encode_welcome(codec.BAD_SECRET)).status == codec.BAD_SECRET
 
 
@@ -55,6 +56,11 @@ def test_tunnel_hello_round_trip_partial_input_and_dispatch() -> None:
     assert opened is not None and opened[0] == codec.Hello(codec.VERSION, b"s" * 32, "n1")
     with pytest.raises(codec.CodecError):
         codec.parse_opening(codec.encode_tunnel_hello(b"s", codec.CLIENT_PORTS, ("1.2.3.4", 1)))
+    # a client of one of the follower's Unix sockets (version 7); any other name is refused
+    unix = codec.parse_opening(codec.encode_tunnel_hello(b"s", codec.MQTT_PORT, (codec.UNIX_CLIENT, 0)))
+    assert unix is not None and unix[0].client == ("unix", 0)  # type: ignore[union-attr]
+    with pytest.raises(codec.CodecError):
+        codec.parse_opening(codec.encode_tunnel_hello(b"s", codec.MQTT_PORT, ("localhost", 0)))
 
 
 def test_messages_split_at_every_byte_boundary() -> None:

@@ -100,3 +100,21 @@ def test_tunnel_hello_names_the_follower_and_its_keepalive() -> None:
     old = old[:-5]  # a version-5 proxy sends no id and no keepalive
     parsed = codec.parse_opening(old)
     assert parsed is not None and parsed[0].version == codec.VERSION - 1  # refused by version, not hung
+
+
+def test_mqtt_refusal_is_a_connack_of_the_clients_version() -> None:
+    from broker.mqtt import packets as P
+
+    for level, answer in ((4, bytes((0x20, 2, 0, P.SERVER_UNAVAILABLE))),
+                          (3, bytes((0x20, 2, 0, P.SERVER_UNAVAILABLE))),
+                          (5, bytes((0x20, 3, 0, P.RC_SERVER_UNAVAILABLE, 0)))):
+        name = "MQIsdp" if level == 3 else "MQTT"
+        props = {} if level == 5 else None
+        raw = P.encode_connect(P.Connect(name, level, True, 30, "c", None, "u", b"p", props or {}))
+        level_at = raw.index(name.encode()) + len(name)
+        for cut in range(level_at + 1):
+            assert unavailable.mqtt_connack(raw[:cut]) is None  # the level has not come yet
+        assert unavailable.mqtt_connack(raw[:level_at + 1]) == answer
+        assert unavailable.mqtt_connack(raw) == answer
+    assert unavailable.mqtt_connack(b"GET / HTTP/1.1\r\n") == b""  # not MQTT: just closed
+    assert unavailable.mqtt_connack(b"\x10\xff\xff\xff\xff") == b""  # a remaining length of 5 bytes

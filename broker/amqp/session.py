@@ -297,6 +297,12 @@ class SessionConsumer(Consumer):
 class Session(AMQPConnection):
     """AMQP semantics for one connection. The network layer sets ``wakeup``."""
 
+    protocol = "AMQP 0-9-1"  # as the management API shows it (views.ConnectionView)
+
+    @property
+    def listener(self) -> str:
+        return "amqp/ssl" if self.tls is not None else "amqp"
+
     def __init__(self, broker: Broker, peer: tuple[str, int], wakeup: Callable[[], None]) -> None:
         cfg = broker.config
         super().__init__(

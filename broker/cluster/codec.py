@@ -7,14 +7,15 @@ A follower opens a TCP connection to the leader's replication port and sends a
 (length-prefixed) and its node id (length-prefixed). The leader answers with one
 ``Welcome``: a status byte (``OK``, ``BAD_VERSION``, ``BAD_SECRET``) and, on
 success, the leader's client ports — AMQP, HTTP, AMQPS, HTTPS, LMQ HTTP, LMQ
-RPC, MQTT, 0 for one that does not listen — so a follower's proxy knows where the
-leader serves each of them whatever its own port numbers are: 15 bytes,
-uncompressed (version 6).
+RPC, MQTT, MQTTS, 0 for one that does not listen — so a follower's proxy knows where the
+leader serves each of them whatever its own port numbers are: 17 bytes,
+uncompressed (version 7).
 
 The same port also carries the follower proxy's tunnels: a ``TunnelHello``
 (magic ``SKTUNL``, version, secret, which client port, the client's address,
 and since version 6 the follower's node id and the tunnel's keepalive in
-milliseconds) answered by one status byte; after ``OK`` the connection carries
+milliseconds; the address of a client on one of the follower's Unix sockets is
+``UNIX_CLIENT``, since version 7) answered by one status byte; after ``OK`` the connection carries
 one client's bytes both ways, framed so each direction's end can be told and a
 silent link found (``broker.cluster.tunnel``). The node id lets the leader close
 a follower's tunnels when it drops that follower.
@@ -61,9 +62,9 @@ import lz4.frame
 
 MAGIC: Final = b"SKREPL"
 TUNNEL_MAGIC: Final = b"SKTUNL"
-VERSION: Final = 6  # 2: HEARTBEAT; 3: every client port in the Welcome, tunnels; 4: MERGE_ACKS;
+VERSION: Final = 7  # 2: HEARTBEAT; 3: every client port in the Welcome, tunnels; 4: MERGE_ACKS;
 # 5: tunnels framed (an end-of-stream marker each way); 6: tunnel keepalive, the follower's id in
-# TunnelHello, the MQTT port in the Welcome
+# TunnelHello, the MQTT port in the Welcome; 7: the MQTTS port, Unix-socket clients in TunnelHello
 SECRET_SIZE: Final = 32
 
 # Welcome status codes.
@@ -80,8 +81,12 @@ HTTPS_PORT: Final = 3
 LMQ_HTTP_PORT: Final = 4
 LMQ_RPC_PORT: Final = 5
 MQTT_PORT: Final = 6
-CLIENT_PORTS: Final = 7
-PORT_NAMES: Final = ("amqp", "http", "amqps", "https", "lmq_http", "lmq_rpc", "mqtt")
+MQTTS_PORT: Final = 7
+CLIENT_PORTS: Final = 8
+PORT_NAMES: Final = ("amqp", "http", "amqps", "https", "lmq_http", "lmq_rpc", "mqtt", "mqtts")
+# a TunnelHello's client address for a client on one of the follower's Unix sockets (the value of
+# ``auth.users.UNIX_PEER``, which the leader's listeners treat as local, as on the follower)
+UNIX_CLIENT: Final = "unix"
 
 # Message kinds, leader -> follower.
 FILE_LIST: Final = 1
@@ -105,7 +110,7 @@ _U8: Final = struct.Struct(">B")
 _U16: Final = struct.Struct(">H")
 _U32: Final = struct.Struct(">I")
 _U64: Final = struct.Struct(">Q")
-_WELCOME: Final = struct.Struct(">B7H")
+_WELCOME: Final = struct.Struct(">B8H")
 _ENTRY_TAIL: Final = struct.Struct(">Q20s")
 
 
@@ -129,14 +134,14 @@ class Hello:
 @dataclass(frozen=True)
 class Welcome:
     status: int
-    ports: tuple[int, ...] = (0,) * CLIENT_PORTS  # indexed by AMQP_PORT .. MQTT_PORT; 0: off
+    ports: tuple[int, ...] = (0,) * CLIENT_PORTS  # indexed by AMQP_PORT .. MQTTS_PORT; 0: off
 
 
 @dataclass(frozen=True)
 class TunnelHello:
     version: int
     secret: bytes
-    port: int  # AMQP_PORT .. MQTT_PORT
+    port: int  # AMQP_PORT .. MQTTS_PORT
     client: tuple[str, int]  # the address the follower's proxy accepted the client from
     node_id: str = ""  # the follower whose proxy opened it
     keepalive_ms: int = 0  # silence after which either end presumes the link dead (0: none)
@@ -238,7 +243,8 @@ def parse_opening(buf: bytes) -> tuple[Hello | TunnelHello, int] | None:
         raise CodecError(f"tunnel to unknown client port {port}")
     try:
         client = (host.decode("ascii"), _U16.unpack(client_port)[0])
-        ipaddress.ip_address(client[0])  # as the follower saw it, unchanged; nothing else
+        if client[0] != UNIX_CLIENT:
+            ipaddress.ip_address(client[0])  # as the follower saw it, unchanged; nothing else
     except (UnicodeDecodeError, ValueError):
         raise CodecError("client address is not an IP address") from None
     try:

@@ -13,6 +13,12 @@ replication welcome (a node's port numbers need not match its peers'):
   port (``broker.cluster.tunnel``), TLS whenever the replication link is, so no
   client byte crosses the network between nodes in clear; the tunnel names the
   client's address, and the leader reports it as the connection's peer;
+* MQTTS: tunnelled like the plain ports, with TLS end to end between the client and the leader's
+  MQTTS listener inside the tunnel (MQTT's listener takes no PROXY header; the tunnel names the
+  client instead);
+* Unix sockets (``unix_path`` of ``[amqp]``, ``[mqtt]``, ``[mgmt]``): the follower binds its own
+  path with ``[main] unix_mode`` and tunnels each client to the leader's AMQP, MQTT or HTTP port
+  as ``codec.UNIX_CLIENT``, which the leader treats as a local client, as the follower would;
 * AMQPS and HTTPS: to the leader's own TLS port, prefixed with a PROXY protocol
   v1 header (``PROXY TCP4 src dst sport dport``, in clear before the client's
   TLS bytes; the leader honours it only because we are a cluster member), then
@@ -34,8 +40,10 @@ both nodes within ``[clustering] tunnel_keepalive`` seconds.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
+import os
 import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -84,6 +92,7 @@ class SpliceProxy:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._writers: set[asyncio.StreamWriter] = set()
         self._clients: set[asyncio.StreamWriter] = set()
+        self._unix_path = ""
 
     async def start(self, bind: str, port: int) -> int:
         """Listen; returns the port bound (``port`` 0: any free one)."""
@@ -91,11 +100,24 @@ class SpliceProxy:
         log.info("%s proxy listening on %s:%d", self.name, bind, port)
         return int(self._server.sockets[0].getsockname()[1])
 
+    async def start_unix(self, path: str, mode: int) -> None:
+        """Listen on a Unix socket at ``path`` (a stale socket file there is replaced)."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        self._server = await asyncio.start_unix_server(self._handle, path)
+        os.chmod(path, mode)
+        self._unix_path = path
+        log.info("%s proxy listening on Unix socket %s", self.name, path)
+
     async def stop(self) -> None:
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
             self._server = None
+        if self._unix_path:
+            with contextlib.suppress(OSError):
+                os.unlink(self._unix_path)
+            self._unix_path = ""
         for w in list(self._writers):
             w.close()
         for t in list(self._tasks):
@@ -128,7 +150,8 @@ class SpliceProxy:
         try:
             host, port = self.target.host, self.target.port
             src = cwriter.get_extra_info("peername")
-            client = (str(src[0]), int(src[1]))
+            # a Unix socket's peer has no address: the leader hears of a local client
+            client = (str(src[0]), int(src[1])) if isinstance(src, tuple) else (codec.UNIX_CLIENT, 0)
             if host is None or not port:
                 await self._refuse(creader, cwriter, "no cluster leader yet" if host is None
                                    else "the cluster leader does not serve this port")
@@ -189,4 +212,13 @@ async def _answer(which: int | None, reader: asyncio.StreamReader, writer: async
                 break
             head += data
         writer.write(unavailable.http_response(why))
+        await writer.drain()
+    elif which == codec.MQTT_PORT:  # MQTTS is TLS end to end: just closed
+        data = b""
+        while (answer := unavailable.mqtt_connack(data)) is None:
+            more = await reader.read(unavailable.MAX_INPUT)
+            if not more or len(data) + len(more) > unavailable.MAX_INPUT:
+                return
+            data += more
+        writer.write(answer)
         await writer.drain()

@@ -84,7 +84,7 @@ from broker.cluster.leader import LeaderSink
 from broker.cluster.proxy import SpliceProxy, Target, Tunnelled
 from broker.cluster.standing import Standing, load_last_role, save_last_role
 from broker.cluster.status import ClusterView
-from broker.config import ClusteringConfig, Config, ConfigError
+from broker.config import ClusteringConfig, Config, ConfigError, file_mode
 from broker.errors import SkredError
 from broker.store.lock import DataDirLock
 
@@ -431,6 +431,12 @@ class ClusterRunner:
                 wanted.append((codec.LMQ_RPC_PORT, "LMQ RPC", cfg.lmq.bind, cfg.lmq.rpc_port))
         if cfg.mqtt.enabled and cfg.mqtt.port:
             wanted.append((codec.MQTT_PORT, "MQTT", cfg.mqtt.bind, cfg.mqtt.port))
+        if cfg.mqtt.enabled and cfg.mqtt.tls_port and tls.enabled(cfg.main):
+            wanted.append((codec.MQTTS_PORT, "MQTTS", cfg.mqtt.bind, cfg.mqtt.tls_port))
+        # Unix sockets: this node's own paths, tunnelled to the leader's port of their protocol
+        unix = [(codec.AMQP_PORT, "AMQP", cfg.amqp.unix_path),
+                (codec.HTTP_PORT, "HTTP", cfg.mgmt.unix_path if cfg.mgmt.enabled else ""),
+                (codec.MQTT_PORT, "MQTT", cfg.mqtt.unix_path if cfg.mqtt.enabled else "")]
         for which, name, bind, port in wanted:
             if port < 0:
                 continue  # that listener is turned off
@@ -438,15 +444,28 @@ class ClusterRunner:
                 # TLS end to end; the PROXY header goes in clear before the client's TLS bytes
                 p = SpliceProxy(name, self.targets[which], True, source)
             else:
-                p = SpliceProxy(name, self.targets[which], False, source,
-                                Tunnelled(which, lambda: self.secret, self._client_tls, self.node_id,
-                                          cfg.clustering.tunnel_keepalive))
+                p = SpliceProxy(name, self.targets[which], False, source, self._tunnelled(which))
             try:
                 await p.start(bind, port)
             except OSError as exc:
                 log.error("%s proxy cannot listen on %s:%d: %s", name, bind, port, exc)
                 continue
             self.proxies.append(p)
+        for which, name, path in unix:
+            if not path:
+                continue
+            p = SpliceProxy(f"{name} (Unix socket)", self.targets[which], False, source,
+                            self._tunnelled(which))
+            try:
+                await p.start_unix(path, file_mode(cfg.main.unix_mode))
+            except (OSError, ValueError) as exc:
+                log.error("%s proxy cannot listen on %s: %s", name, path, exc)
+                continue
+            self.proxies.append(p)
+
+    def _tunnelled(self, which: int) -> Tunnelled:
+        return Tunnelled(which, lambda: self.secret, self._client_tls, self.node_id,
+                         self.config.clustering.tunnel_keepalive)
 
     def _clear_targets(self) -> None:
         for t in self.targets:

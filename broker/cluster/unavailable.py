@@ -22,6 +22,10 @@ the proxy answers in the client's own protocol, then closes:
 * HTTP (management API, LMQ HTTP): ``503 Service Unavailable`` with
   ``Retry-After`` and a RabbitMQ-style JSON body ``{"error", "reason"}``, sent
   once the request head has come.
+* MQTT (``mqtt_connack``): once the CONNECT's protocol level has come, a
+  CONNACK refusing it, "server unavailable" (3.1/3.1.1 return code 3, MQTT 5
+  reason ``0x88``), which every client reports as the broker's answer and
+  retries on.
 
 Both are bounded: the driver (``broker.cluster.proxy``) gives each refusal
 ``ANSWER_TIMEOUT`` seconds in all and reads at most ``MAX_INPUT`` bytes; a
@@ -123,6 +127,34 @@ def http_response(why: str) -> bytes:
     head = ("HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n")
     return head.encode() + body
+
+
+MQTT_CONNACK_V3: Final = bytes((0x20, 2, 0, 3))  # CONNACK, return code 3: server unavailable
+MQTT_CONNACK_V5: Final = bytes((0x20, 3, 0, 0x88, 0))  # reason 0x88, no properties
+
+
+def mqtt_connack(data: bytes) -> bytes | None:
+    """The refusal of the CONNECT that ``data`` begins with: None while its protocol level has
+    not come; ``b""`` (just close) when ``data`` is no CONNECT."""
+    if not data:
+        return None
+    if data[0] != 0x10:
+        return b""
+    pos = 1
+    for _ in range(4):  # the remaining length, 1 to 4 bytes
+        if pos >= len(data):
+            return None
+        pos += 1
+        if not data[pos - 1] & 0x80:
+            break
+    else:
+        return b""
+    if pos + 2 > len(data):
+        return None
+    level_at = pos + 2 + int.from_bytes(data[pos:pos + 2], "big")  # after the protocol name
+    if level_at >= len(data):
+        return None if level_at < MAX_INPUT else b""
+    return MQTT_CONNACK_V5 if data[level_at] == 5 else MQTT_CONNACK_V3
 
 
 def http_head_complete(data: bytes) -> bool:

@@ -188,7 +188,7 @@ def can_see_vhost(request: web.Request, vhost: str) -> bool:
 def visible_sessions(request: web.Request) -> list[ConnectionView]:
     """Every connection for administrators and monitoring users; a user's own otherwise."""
     user = user_of(request)
-    sessions = [s for s in request.app[MGMT_KEY].broker.connections if s.vhost]
+    sessions = [s for s in request.app[MGMT_KEY].connections() if s.vhost]
     if sees_all(user):
         return sessions
     return [s for s in sessions if s.username == user.name]

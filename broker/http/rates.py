@@ -40,7 +40,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Generic, TypeVar
 
@@ -163,8 +163,11 @@ class Tracked(Generic[K]):
 class RateSampler:
     def __init__(self, broker: BrokerView,
                  gauges: Callable[[], tuple[int, ...]] = lambda: (0,) * len(GAUGE_FIELDS),
-                 clock: Callable[[], float] = time.monotonic, chunk: int = CHUNK) -> None:
+                 clock: Callable[[], float] = time.monotonic, chunk: int = CHUNK,
+                 connections: Callable[[], Collection[ConnectionView]] | None = None) -> None:
         self.broker = broker
+        # every protocol's connections (``Mgmt.connections``); the AMQP broker's by default
+        self.connections = connections if connections is not None else lambda: broker.connections
         self.gauges = gauges
         self.clock = clock
         self.chunk = chunk
@@ -240,7 +243,7 @@ class RateSampler:
             exchanges.extend(vh.exchanges.values())
         yield from self._paced(exchanges, lambda part: [
             self._exchanges.see(ex, (ex.n_in, ex.n_out), now, previous) for ex in part])
-        connections = self.broker.connections
+        connections = set(self.connections())
         yield from self._paced(list(connections), lambda part: [
             self._connections.see(s, (s.recv_oct, s.send_oct), now, previous) for s in part])
         # forget what went away since the last pass: deleted queues and exchanges, closed

@@ -239,7 +239,7 @@ def connection_json(mgmt: Mgmt, s: ConnectionView) -> dict[str, Any]:
         "user_who_performed_action": s.username,
         "state": "running",
         "type": "network",
-        "protocol": "AMQP 0-9-1",
+        "protocol": s.protocol,
         "auth_mechanism": s.auth_mechanism or "PLAIN",
         **tls_fields,
         "peer_host": s.peer[0],

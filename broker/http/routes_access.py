@@ -47,7 +47,7 @@ def _vhost_json(request: web.Request, name: str) -> dict[str, Any]:
         "cluster_state": {mgmt.node_name: "running"},
         **message_totals(sum(q.message_count for q in queues),
                          sum(q.store.unacked_count for q in queues), r),
-        **network_stats([s for s in mgmt.broker.connections if s.vhost == name], mgmt),
+        **network_stats([s for s in mgmt.connections() if s.vhost == name], mgmt),
         "message_stats": {**queue_message_stats(queues, r), **vhost_message_stats(vh, mgmt)},
     }
 

@@ -162,7 +162,7 @@ def _node_json(request: web.Request) -> dict[str, Any]:
         "disk_free_alarm": mgmt.broker.alarm.disk.active,
         "fd_used": mgmt.open_fds(),
         "fd_total": mgmt.max_fds(),
-        "sockets_used": len(mgmt.broker.connections),
+        "sockets_used": len(mgmt.connections()),
         "sockets_total": mgmt.max_fds(),
         "proc_used": 1,
         "proc_total": 1,

@@ -27,7 +27,7 @@ from broker.model.vhost import VHost
 
 if TYPE_CHECKING:
     from broker.metrics import ClusterInfo
-    from broker.views import BrokerView, ConnectionView
+    from broker.views import BrokerView, ConnectionView, FrontEndView
 
 
 class Intent(Protocol):
@@ -81,7 +81,9 @@ class Mgmt:
         self.policies = PolicyApi(broker)
         self.operator_policies = PolicyApi(broker, operator=True)
         import_legacy(data_dir / "policies.json", self.policies)
-        self.rates = RateSampler(broker, self.node_gauges)
+        # the protocol front ends beside AMQP (MQTT), added by the node
+        self.front_ends: list[FrontEndView] = []
+        self.rates = RateSampler(broker, self.node_gauges, connections=self.connections)
         self.started_at = time.time()
         self.started_mono = time.monotonic()
         self.node_name = metrics.node_name()
@@ -119,10 +121,17 @@ class Mgmt:
     def node_gauges(self) -> tuple[int, ...]:
         """``rates.GAUGE_FIELDS`` now, sampled every second for their ``*_details`` rates."""
         return (self.resident_memory(), self.disk_free(), self.open_fds(),
-                len(self.broker.connections), 1)
+                len(self.connections()), 1)
 
     def uptime_seconds(self) -> float:
         return time.monotonic() - self.started_mono
+
+    def connections(self) -> list[ConnectionView]:
+        """Every open connection: AMQP's, then each front end's."""
+        out: list[ConnectionView] = list(self.broker.connections)
+        for front_end in self.front_ends:
+            out.extend(front_end.open_connections())
+        return out
 
     def connection_name(self, session: ConnectionView) -> str:
         """RabbitMQ's connection name: ``peer:port -> local:port``."""
@@ -130,13 +139,14 @@ class Mgmt:
         return f"{session.peer[0]}:{session.peer[1]} -> {host}:{port}"
 
     def local_address(self, session: ConnectionView) -> tuple[str, int]:
-        """The listener a connection came in on (AMQPS when it speaks TLS)."""
-        if session.tls is not None and self.amqps_address is not None:
-            return self.amqps_address
+        """The listener a connection came in on (by its ``listener`` name)."""
+        found = dict(self.listeners()).get(session.listener)
+        if found is not None:
+            return found
         return self.amqp_address or ("127.0.0.1", 5672)
 
     def find_connection(self, name: str) -> ConnectionView | None:
-        for session in self.broker.connections:
+        for session in self.connections():
             if name in (self.connection_name(session), session.name):
                 return session
         return None
@@ -163,7 +173,7 @@ class Mgmt:
             raise KeyError(name)
         self.vhost_store.delete(name)  # first: on a full disk (DiskFull) nothing is deleted
         del self.broker.vhosts[name]
-        for session in list(self.broker.connections):
+        for session in self.connections():
             if session.vhost == name:
                 self.close_connection(session, f"vhost '{name}' is deleted")
         syncer = self.broker.syncer

@@ -32,6 +32,15 @@ _TO_MQTT = str.maketrans({".": "/", "/": "."})
 _TO_FILTER = str.maketrans({".": "/", "/": ".", "*": "+"})
 
 
+MAX_KEY_BYTES = 255  # an AMQP routing key is a short string: a longer MQTT topic has no routing key
+
+
+def key_fits(topic: str) -> bool:
+    """Whether a topic (or filter) has a routing key: at most ``MAX_KEY_BYTES`` of UTF-8, which
+    also bounds its levels (128), so no topic filter compiles to an unbounded pattern."""
+    return len(topic.encode()) <= MAX_KEY_BYTES
+
+
 def to_routing_key(topic: str) -> str:
     """MQTT topic (or filter) to AMQP routing key (or binding key)."""
     return topic.translate(_TO_AMQP)

@@ -11,6 +11,11 @@ session's consumers have no capacity then, so a slow reader holds neither its in
 deliveries in memory beyond one buffer. Keepalive: a client silent for 1.5 times its keepalive is
 closed (MQTT 3.1.1 section 3.1.2.10) and its will published. A protocol violation or a bug closes
 that one connection; the broker goes on.
+
+Each open connection is also what the management API and the metrics read of it
+(``views.ConnectionView``: protocol, client id, user, vhost, peer, byte and packet counts) and
+what ``DELETE /api/connections/{name}`` closes (MQTT 5 hears DISCONNECT 0x98, administrative
+action); ``MQTTServer`` is the ``views.FrontEndView`` the node adds to the management state.
 """
 
 from __future__ import annotations
@@ -27,11 +32,16 @@ from typing import Any, cast
 from broker.auth.throttle import TooManyFailures, check_login
 from broker.auth.users import UNIX_PEER, UserStore
 from broker.config import MqttConfig
+from broker.errors import AMQPError
 from broker.model.vhost import VHost
 from broker.mqtt import packets as P
 from broker.mqtt import props as PR
+from broker.mqtt.durable import SessionStates
+from broker.mqtt.mapping import key_fits
 from broker.mqtt.retained import Files, Retained
-from broker.mqtt.session import AfterSync, MQTTSession, Registry, Settings, split_username
+from broker.mqtt.session import VERSIONS, AfterSync, MQTTSession, Registry, Settings, split_username
+from broker.mqtt.wills import arm_will
+from broker.tls import PeerTLS
 
 log = logging.getLogger(__name__)
 
@@ -42,14 +52,15 @@ Peer = tuple[str, int]
 
 
 class MQTTProtocol(asyncio.Protocol):
-    def __init__(self, server: MQTTServer, unix: bool = False) -> None:
+    def __init__(self, server: MQTTServer, unix: bool = False, websocket: bool = False) -> None:
         self.server = server
         self.unix = unix  # on the Unix socket: the peer is UNIX_PEER
+        self.websocket = websocket  # over WebSocket on the management port
         cfg = server.config
         # before its CONNACK a client may send little: a CONNECT with its will, and a few packets
         self.parser = P.Parser(min(cfg.max_packet_size, UNAUTHENTICATED_MAX_PACKET))
         self.transport: asyncio.Transport | None = None
-        self.peer = ""
+        self.peer_host = ""
         self.session: MQTTSession | None = None
         self.state = "new"  # new -> login -> open -> closed
         self.pending: list[P.Packet] = []
@@ -58,10 +69,80 @@ class MQTTProtocol(asyncio.Protocol):
         self.keepalive = 0.0
         self.timer: asyncio.TimerHandle | None = None
         self.expiry: asyncio.TimerHandle | None = None  # when the login's access token expires
+        self.level = 4  # the CONNECT's protocol level, once it came
+        self.connected_at = time.time()
+        self.recv_cnt = self.recv_oct = self.send_cnt = self.send_oct = 0
+        self.tls: PeerTLS | None = None
+        self.peer_port = 0
+        self.remapped = True  # the peer is final (False: a follower's tunnel may name another)
+
+    # ------------------------------------------------------------------ views.ConnectionView
+    @property
+    def name(self) -> str:
+        return self.client_id  # what DELETE /api/connections/{name} also takes
+
+    @property
+    def peer(self) -> tuple[str, int]:
+        return self.peer_host, self.peer_port
+
+    @property
+    def client_id(self) -> str:
+        return self.session.client_id if self.session is not None else ""
+
+    @property
+    def protocol(self) -> str:
+        return ("Web MQTT " if self.websocket else "MQTT ") + VERSIONS.get(self.level, ("?", ""))[0]
+
+    @property
+    def listener(self) -> str:
+        if self.websocket:
+            return "http"
+        return "mqtt/ssl" if self.tls is not None else "mqtt"
+
+    @property
+    def vhost(self) -> str:
+        s = self.session
+        return s.vhost.name if s is not None and s.vhost is not None else ""
+
+    @property
+    def username(self) -> str:
+        s = self.session
+        return s.user.name if s is not None and s.user is not None else ""
+
+    @property
+    def chs(self) -> Mapping[int, Any]:
+        return {}  # MQTT has no channels
+
+    channel_max = 0
+    auth_mechanism = "PLAIN"
+
+    @property
+    def frame_max(self) -> int:
+        return self.parser.max_packet
+
+    @property
+    def heartbeat(self) -> int:
+        return int(self.keepalive / 1.5)
+
+    @property
+    def client_properties(self) -> dict[str, Any]:
+        return {"client_id": self.client_id, "protocol_level": self.level}
+
+    def close_connection(self, error: AMQPError) -> None:
+        """The management API closes the connection: MQTT 5 hears why (administrative action)."""
+        if self.state == "closed":
+            return
+        log.warning("MQTT client '%s' from %s: closing: %s", self.client_id, self.peer_host, error.reply_text)
+        self.abort(P.RC_ADMINISTRATIVE_ACTION)
+
+    def wakeup(self) -> None:
+        pass  # its writes go out at once
 
     # ------------------------------------------------------------------ Output
     def write(self, data: bytes) -> None:
         if self.transport is not None and not self.transport.is_closing():
+            self.send_cnt += 1
+            self.send_oct += len(data)
             self.transport.write(data)
 
     def close(self) -> None:
@@ -73,21 +154,29 @@ class MQTTProtocol(asyncio.Protocol):
         self.transport = transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
         info = transport.get_extra_info("peername")
         if self.unix:
-            self.peer = UNIX_PEER
+            self.peer_host = UNIX_PEER
         elif info:
-            peer = (str(info[0]), int(info[1]))
-            self.peer = self.server.peers.get(peer, peer)[0]
+            self.peer_host, self.peer_port = str(info[0]), int(info[1])
+            self.remapped = False
+        self.tls = PeerTLS.of(transport.get_extra_info("ssl_object"))
         self.server.connections.add(self)
         self._arm(self.server.config.connect_timeout)
 
     def data_received(self, data: bytes) -> None:
+        if not self.remapped:
+            # a follower's tunnel names its client before it sends the first byte (not before
+            # the connection is accepted): the client's address is looked up now
+            self.remapped = True
+            self.peer_host, self.peer_port = self.server.peers.get(self.peer, self.peer)
         self.last_seen = time.monotonic()
+        self.recv_oct += len(data)
         for p in self.parser.feed(data):
             if self.state == "closed":
                 return
+            self.recv_cnt += 1
             self._packet(p)
         if self.parser.error is not None and self.state != "closed":
-            log.warning("MQTT connection from %s: protocol violation: %s: closing", self.peer,
+            log.warning("MQTT connection from %s: protocol violation: %s: closing", self.peer_host,
                         self.parser.error)
             self.abort(self.parser.error.code)
 
@@ -98,21 +187,30 @@ class MQTTProtocol(asyncio.Protocol):
                 self.session.handle(p)
             except P.MalformedPacket as exc:
                 log.warning("MQTT client '%s' from %s: protocol violation: %s: closing",
-                            self.session.client_id, self.peer, exc)
+                            self.session.client_id, self.peer_host, exc)
                 self.abort(exc.code)
             except Exception:  # a bug must cost one connection, never the broker
-                log.exception("internal error on MQTT connection from %s", self.peer)
+                log.exception("internal error on MQTT connection from %s", self.peer_host)
                 self.abort(P.RC_IMPLEMENTATION_SPECIFIC)
         elif self.state == "new":
             if not isinstance(p, P.Connect):
-                log.warning("MQTT connection from %s: first packet is not CONNECT: closing", self.peer)
+                log.warning("MQTT connection from %s: first packet is not CONNECT: closing", self.peer_host)
                 self.abort()
                 return
+            if p.will is not None and not key_fits(p.will.topic):
+                log.warning("MQTT connection from %s: a will topic of %d bytes: refused", self.peer_host,
+                            len(p.will.topic.encode()))
+                if p.level == 5:
+                    self.write(P.encode_connack(False, P.RC_TOPIC_NAME_INVALID, None, True))
+                self.abort()  # 3.1.1 has no CONNACK code for it: the connection closes
+                return
             self.state = "login"
+            self.level = p.level
+            self._arm(0)  # the CONNECT came in time; the login throttle bounds its own wait
             self.server.spawn(self._login(p))
         elif self.state == "login":
             if len(self.pending) >= _PENDING_MAX:
-                log.warning("MQTT connection from %s: %d packets before CONNACK: closing", self.peer,
+                log.warning("MQTT connection from %s: %d packets before CONNACK: closing", self.peer_host,
                             len(self.pending))
                 self.abort()
                 return
@@ -128,7 +226,7 @@ class MQTTProtocol(asyncio.Protocol):
             vhost_name, name = split_username(c.username, srv.config.vhost)
             password = (c.password or b"").decode("utf-8", errors="replace")
             try:
-                user = await check_login(srv.users, name, password, self.peer, "MQTT")
+                user = await check_login(srv.users, name, password, self.peer_host, "MQTT")
             except TooManyFailures:
                 code = P.RC_SERVER_UNAVAILABLE if v5 else P.SERVER_UNAVAILABLE
             else:
@@ -136,7 +234,7 @@ class MQTTProtocol(asyncio.Protocol):
                 if user is None:
                     code = P.RC_BAD_CREDENTIALS if v5 else P.BAD_CREDENTIALS
                 elif vh is None or not srv.users.has_vhost_access(user, vhost_name):
-                    log.warning("MQTT client from %s: user '%s' has no access to vhost '%s'", self.peer,
+                    log.warning("MQTT client from %s: user '%s' has no access to vhost '%s'", self.peer_host,
                                 name, vhost_name)
                     code = P.RC_NOT_AUTHORIZED if v5 else P.NOT_AUTHORIZED
         if self.state != "login":
@@ -146,13 +244,14 @@ class MQTTProtocol(asyncio.Protocol):
             self.abort()
             return
         session = self.session = MQTTSession(srv.vhosts, srv.users, srv.settings, srv.after_sync,
-                                             srv.registry, self, self.peer)
+                                             srv.registry, self, self.peer_host)
         self.state = "open"
+        srv.count(self.level, "connections_opened")
         self.parser.max_packet = srv.config.max_packet_size
         try:
             session.start(c, user, vh)
         except Exception:  # noqa: BLE001 - one connection's failure, logged with its traceback
-            log.exception("internal error starting the MQTT session of %s", self.peer)
+            log.exception("internal error starting the MQTT session of %s", self.peer_host)
             self.abort()
             return
         self.keepalive = c.keepalive * 1.5
@@ -192,13 +291,13 @@ class MQTTProtocol(asyncio.Protocol):
         if self.state == "closed":
             return
         if self.state != "open":
-            log.warning("MQTT connection from %s: no CONNECT within %.0f s: closing", self.peer, seconds)
+            log.warning("MQTT connection from %s: no CONNECT within %.0f s: closing", self.peer_host, seconds)
             self.abort()
             return
         idle = time.monotonic() - self.last_seen
         if idle >= seconds:
             log.warning("MQTT client '%s' from %s: silent for %.0f s (keepalive %.0f s): closing",
-                        self.session.client_id if self.session else "", self.peer, idle, seconds / 1.5)
+                        self.session.client_id if self.session else "", self.peer_host, idle, seconds / 1.5)
             self.abort(P.RC_KEEP_ALIVE_TIMEOUT)
             return
         self.timer = asyncio.get_running_loop().call_later(seconds - idle, self._check_alive, seconds)
@@ -229,11 +328,11 @@ class MQTTProtocol(asyncio.Protocol):
             self.expiry = None
         if self.session is not None and not self.session.closed:
             log.warning("MQTT client '%s' from %s closed the connection unexpectedly",
-                        self.session.client_id, self.peer)
+                        self.session.client_id, self.peer_host)
             try:
                 self.session.end(normal=False)
             except Exception:  # noqa: BLE001 - logged; the connection is gone either way
-                log.exception("internal error ending the MQTT session of %s", self.peer)
+                log.exception("internal error ending the MQTT session of %s", self.peer_host)
         self.state = "closed"
         self.server.connections.discard(self)
 
@@ -254,20 +353,40 @@ class MQTTServer:
     """The MQTT listeners (plain and TLS) of one node, over its vhosts and users."""
 
     def __init__(self, config: MqttConfig, vhosts: dict[str, VHost], users: UserStore,
-                 after_sync: AfterSync, retained: Files,
+                 after_sync: AfterSync, retained: Files, sessions: Files,
                  peers: Mapping[Peer, Peer] | None = None) -> None:
         self.config = config
         self.vhosts = vhosts
         self.users = users
         self.after_sync = after_sync
-        self.settings = Settings(config.exchange, config.prefetch, config.max_packet_size)
+        self.settings = Settings(config.exchange, config.prefetch, config.max_packet_size,
+                                 config.max_subscriptions)
         self.registry = Registry(Retained(retained, config.max_retained),
-                                 lambda delay, fn: asyncio.get_running_loop().call_later(delay, fn))
+                                 lambda delay, fn: asyncio.get_running_loop().call_later(delay, fn),
+                                 SessionStates(sessions), vhosts, users, self.settings)
         self.peers = peers if peers is not None else {}
         self.connections: set[MQTTProtocol] = set()
         self.servers: list[asyncio.Server] = []
         self.addresses: dict[str, tuple[str, int]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+
+    # ------------------------------------------------------------------ views.FrontEndView
+    def count(self, level: int, name: str, n: int = 1) -> None:
+        counters = self.registry.counters[VERSIONS[level][1]]
+        counters[name] = counters.get(name, 0) + n
+
+    def open_connections(self) -> list[MQTTProtocol]:
+        return [c for c in self.connections if c.state == "open" and c.session is not None]
+
+    def protocol_counters(self) -> dict[str, dict[str, int]]:
+        out = {label: {**c, "publishers": 0, "consumers": 0} for label, c in self.registry.counters.items()}
+        for conn in self.open_connections():
+            s = conn.session
+            assert s is not None
+            c = out[VERSIONS[conn.level][1]]
+            c["publishers"] += int(s.published)
+            c["consumers"] += len(s.consumers)
+        return out
 
     def spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -276,6 +395,15 @@ class MQTTServer:
 
     async def start(self, tls: Callable[[], ssl.SSLContext] | None = None, unix_mode: int = 0o660) -> None:
         cfg = self.config
+        now = time.time()
+        for key, state in list(self.registry.states.by_key.items()):
+            if state.will is not None:  # wills that waited out their delay across a restart
+                arm_will(self.registry, key, state.will)
+            elif state.expired(now):  # a session that expired while the node was down
+                try:
+                    self.registry.states.forget(key)
+                except OSError as exc:
+                    log.warning("MQTT session state of '%s' stays: %s", key[1], exc)
         wanted: list[tuple[str, int, ssl.SSLContext | None]] = []
         if cfg.port >= 0:
             wanted.append(("mqtt", cfg.port, None))

@@ -37,6 +37,9 @@ so AMQP and MQTT clients meet:
 - **Endings.** DISCONNECT (MQTT 5: reason 0) ends a connection normally and discards the will.
   Any other end publishes the will, after MQTT 5's will delay unless the client comes back first.
   Unacked QoS 1 deliveries go back to their queues either way.
+- **What a persistent session keeps beyond its queues** (``durable.py``): the QoS 2 packet ids
+  awaiting PUBREL, its shared subscriptions and a will waiting out its delay, in a replicated file
+  per session; PUBREC and PUBCOMP wait for the group commit that makes the change durable.
 
 The session does no IO: ``Output`` (the network adapter) writes bytes, closes, and runs timers.
 """
@@ -47,25 +50,41 @@ import base64
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from broker import errors
 from broker.auth.users import User, UserStore
-from broker.model.publish import PublishOutcome, PublishRequest
+from broker.model.publish import PublishOutcome
 from broker.model.queue import Consumer, Queue
 from broker.model.vhost import VHost
 from broker.mqtt import packets as P
 from broker.mqtt import props as PR
-from broker.mqtt.mapping import Delivered, amqp_props, to_filter, to_routing_key, to_topic
+from broker.mqtt.durable import Key, PendingWill, SessionState, SessionStates
+from broker.mqtt.mapping import (
+    MAX_KEY_BYTES,
+    Delivered,
+    key_fits,
+    to_filter,
+    to_routing_key,
+    to_topic,
+)
 from broker.mqtt.retained import Retained, topic_matches
+from broker.mqtt.wills import arm_will, publish
 
 log = logging.getLogger(__name__)
 
 _MAX_PACKET_ID = 65535
 NEVER_EXPIRES = 0xFFFFFFFF
 TOPIC_ALIAS_MAXIMUM = 64  # inbound topic aliases a client may set up per connection
+# QoS 1 and 2 PUBLISHes a client may have unanswered (MQTT 5's receive maximum, told in CONNACK;
+# 3.1.1 clients are held to it too): it bounds a session's QoS 2 identifiers awaiting PUBREL,
+# and so the state file rewritten at each of them
+RECEIVE_MAXIMUM = 1024
+# a CONNECT's protocol level as RabbitMQ's management API shows it, and its metrics label
+VERSIONS = {3: ("3.1.0", "mqtt310"), 4: ("3.1.1", "mqtt311"), 5: ("5.0", "mqtt50")}
 
 
 class Output(Protocol):
@@ -94,18 +113,28 @@ class Settings:
     exchange: str  # where MQTT publishes go and subscriptions bind
     prefetch: int  # QoS 1 deliveries in flight per connection
     max_packet: int  # the largest packet a client may send
+    max_subscriptions: int = 1_000  # topic filters per session
 
 
 class Registry:
     """What the sessions of one node share: the connected sessions by (vhost, client id), for
-    takeover, the retained messages and the wills waiting out their delay."""
+    takeover, the retained messages, the persistent sessions' state and the wills waiting out
+    their delay (and the vhosts, users and settings a will is published with)."""
 
     def __init__(self, retained: Retained,
-                 call_later: Callable[[float, Callable[[], None]], Cancellable]) -> None:
+                 call_later: Callable[[float, Callable[[], None]], Cancellable],
+                 states: SessionStates, vhosts: dict[str, VHost], users: UserStore,
+                 settings: Settings) -> None:
+        self.vhosts = vhosts
+        self.users = users
+        self.settings = settings
         self.sessions: dict[tuple[str, str], MQTTSession] = {}
         self.retained = retained
         self.call_later = call_later
+        self.states = states  # persistent sessions' QoS 2 ids, shared subscriptions, delayed wills
         self.delayed_wills: dict[tuple[str, str], Cancellable] = {}
+        # RabbitMQ's per-protocol counters (views.FRONT_END_COUNTERS), by protocol label
+        self.counters: dict[str, dict[str, int]] = {label: {} for _, label in VERSIONS.values()}
 
 
 OPTIONS_ARG = "x-mqtt-subscription-options"
@@ -193,6 +222,11 @@ class MQTTSession:
         self.aliases: dict[int, str] = {}  # MQTT 5 inbound topic aliases
         self.filters: dict[str, tuple[int, int]] = {}  # filter -> (options, subscription id or 0)
         self.closed = False
+        self.counts: dict[str, int] = {}  # the registry's counters of this protocol level
+        self.cap_logged = False  # the subscription limit was logged for this connection
+        # retained messages due on a subscription, not yet sent: (topic, payload, QoS, properties)
+        self.retained_due: deque[tuple[str, bytes, int, PR.Props]] = deque()
+        self.published = False  # it has published (RabbitMQ's publishers gauge)
 
     # ------------------------------------------------------------------ connect
     def start(self, connect: P.Connect, user: User, vhost: VHost) -> None:
@@ -200,6 +234,7 @@ class MQTTSession:
         session, answer CONNACK, consume."""
         self.user, self.vhost, self.will = user, vhost, connect.will
         self.v5 = connect.level == 5
+        self.counts = self.registry.counters[VERSIONS[connect.level][1]]
         cp = connect.props
         if self.v5:
             self.session_expiry = cp.get(PR.SESSION_EXPIRY, 0)
@@ -221,7 +256,14 @@ class MQTTSession:
         if pending_will is not None:  # back within the will delay: the will is not sent
             pending_will.cancel()
         self.registry.sessions[key] = self
+        kept = self.registry.states.by_key.get(key)
         present = False
+        if kept is not None and (connect.clean_session or kept.expired(time.time())):
+            self._forget_state(key)
+            kept = None
+        elif kept is not None:  # a persistent session comes back: its QoS 2 ids hold again
+            present = True
+            self.qos2_received = set(kept.qos2)
         for qos in (0, 1):
             name = self.queue_name(qos)
             q = vhost.queues.get(name)
@@ -233,9 +275,14 @@ class MQTTSession:
             present = True
             self._restore_filters(q, qos)
             self._consume(q, qos)
+        if kept is not None:
+            for f, (options, sub_id) in kept.shared.items():
+                self._bind(f, options, sub_id)  # its shared subscriptions (permissions checked again)
+            if kept.will is not None or kept.expires_at or kept.shared.keys() != self._state().shared.keys():
+                self._save_state(key)  # connected again: no will it came back in time to cancel, no expiry
         props: PR.Props = {}
         if self.v5:
-            props = {PR.TOPIC_ALIAS_MAXIMUM: TOPIC_ALIAS_MAXIMUM,
+            props = {PR.TOPIC_ALIAS_MAXIMUM: TOPIC_ALIAS_MAXIMUM, PR.RECEIVE_MAXIMUM: RECEIVE_MAXIMUM,
                      PR.MAXIMUM_PACKET_SIZE: self.settings.max_packet}
             if assigned:
                 props[PR.ASSIGNED_CLIENT_ID] = self.client_id
@@ -255,10 +302,7 @@ class MQTTSession:
             if p.type == P.PUBACK:
                 self.puback(p.packet_id)
             elif p.type == P.PUBREL:
-                known = p.packet_id in self.qos2_received
-                self.qos2_received.discard(p.packet_id)
-                reason = 0 if known or not self.v5 else P.RC_PACKET_ID_NOT_FOUND
-                self.out.write(P.encode_packet_id(P.PUBCOMP, p.packet_id, reason))
+                self.pubrel(p.packet_id)
             elif p.type in (P.PUBREC, P.PUBCOMP):
                 pass  # the broker sends QoS 2 as QoS 1: a client has no reason to send these
             else:
@@ -305,6 +349,9 @@ class MQTTSession:
         if p.qos == 2 and p.packet_id in self.qos2_received:
             self.out.write(P.encode_packet_id(P.PUBREC, p.packet_id))  # a resend: stored already
             return
+        if p.qos == 2 and len(self.qos2_received) >= RECEIVE_MAXIMUM:
+            raise P.MalformedPacket(f"more than {RECEIVE_MAXIMUM} QoS 2 messages awaiting PUBREL",
+                                    P.RC_RECEIVE_MAXIMUM_EXCEEDED)
         if p.retain and not self._retain(topic, p):
             if self.v5 and p.qos:
                 self._answer(p, P.RC_QUOTA_EXCEEDED, sync=False)
@@ -319,17 +366,64 @@ class MQTTSession:
             else:
                 self.disconnect(P.RC_UNSPECIFIED)
             return
+        self._count("messages_received")
+        self.published = True
         if p.qos:
+            self._count("messages_received_confirm")
+            # the answer waits for the stores the message reached (and the retained file, the
+            # session's state)
+            deps: set[Any] | None = None if out.held else {q.store for q in out.queues}
             if p.qos == 2:
                 self.qos2_received.add(p.packet_id)
-            # the answer waits for the stores the message reached (and the retained file)
-            deps: set[Any] | None = None if out.held else {q.store for q in out.queues}
+                if self.durable and not self._save_state((self.vhost.name, self.client_id)):
+                    self.disconnect(P.RC_UNSPECIFIED)  # stored, but a resend could not be known
+                    return
+                if deps is not None and self.durable:
+                    deps.add(self.registry.states.files)
             if deps is not None and p.retain:
                 deps.add(self.registry.retained.files)
             reason = 0 if not out.unroutable or not self.v5 else P.RC_NO_MATCHING_SUBSCRIBERS
             self._answer(p, reason, sync=True, deps=deps)
 
+    def pubrel(self, pid: int) -> None:
+        """QoS 2's second half: forget the identifier; PUBCOMP once that is durable (a PUBCOMP
+        the client saw must not be followed by a "stored already" for a new PUBLISH)."""
+        known = pid in self.qos2_received
+        self.qos2_received.discard(pid)
+        answer = P.encode_packet_id(P.PUBCOMP, pid, 0 if known or not self.v5 else P.RC_PACKET_ID_NOT_FOUND)
+        assert self.vhost is not None
+        if not (known and self.durable):
+            self.out.write(answer)
+            return
+        if not self._save_state((self.vhost.name, self.client_id)):
+            self.disconnect(P.RC_UNSPECIFIED)
+            return
+        self.after_sync(lambda ok: None if self.closed or not ok else self.out.write(answer),
+                        {self.registry.states.files})
+
+    def _state(self) -> SessionState:
+        return SessionState(set(self.qos2_received),
+                            {f: v for f, v in self.filters.items() if shared_group(f) is not None})
+
+    def _save_state(self, key: Key, state: SessionState | None = None) -> bool:
+        """Keep the session's state (``durable.py``); False (logged) when the disk refused it."""
+        try:
+            self.registry.states.save(key, state if state is not None else self._state())
+        except OSError as exc:
+            log.warning("MQTT client '%s': its session state could not be written: %s", self.client_id, exc)
+            return False
+        return True
+
+    def _forget_state(self, key: Key) -> None:
+        try:
+            self.registry.states.forget(key)
+        except OSError as exc:
+            log.warning("MQTT client '%s': its old session state stays: %s", self.client_id, exc)
+
     def _topic(self, p: P.Publish) -> str:
+        if not key_fits(p.topic):
+            raise P.MalformedPacket(f"a topic name of {len(p.topic.encode())} bytes (at most "
+                                    f"{MAX_KEY_BYTES})", P.RC_TOPIC_NAME_INVALID)
         alias = p.props.get(PR.TOPIC_ALIAS)
         if alias is None:
             return p.topic
@@ -355,6 +449,7 @@ class MQTTSession:
             if self.closed:
                 return
             if ok:
+                self._count("messages_confirmed")
                 self.out.write(answer)
             else:  # not durable: no ack; the client sends it again on its next connection
                 log.warning("MQTT client '%s': a message could not be made durable: closing",
@@ -377,26 +472,17 @@ class MQTTSession:
 
     def _publish(self, topic: str, payload: bytes, qos: int, retain: bool, props: PR.Props,
                  origin: str | None = None) -> PublishOutcome | None:
-        """Through the one publish operation: what happened; None when it did not happen
-        (refused: the client is told so)."""
         assert self.vhost is not None
-        req = PublishRequest(self.settings.exchange, to_routing_key(topic),
-                             amqp_props(qos, retain, props, origin), payload, int(time.time() * 1000),
-                             persistent=qos > 0)
-        try:
-            out = self.vhost.publish(req)
-        except errors.SkredError as exc:
-            log.warning("MQTT client '%s': publish to '%s' refused: %s", self.client_id, topic, exc)
-            return None
-        if out.rejected:
-            return None
-        return out
+        return publish(self.vhost, self.settings.exchange, self.client_id, topic, payload, qos, retain, props,
+                       origin)
 
     # ------------------------------------------------------------------ subscribe
     def subscribe(self, p: P.Subscribe) -> None:
         assert self.vhost is not None
         sub_id = p.props.get(PR.SUBSCRIPTION_ID, 0)
         results = [self._bind(f, options, sub_id) for f, options in p.filters]
+        if self.durable and any(shared_group(f) is not None for f, _ in p.filters):
+            self._save_state((self.vhost.name, self.client_id))  # its shared subscriptions
         self.out.write(P.encode_suback(p.packet_id, [code for code, _ in results], self.v5))
         for (f, options), (granted, existed) in zip(p.filters, results, strict=True):
             if granted >= P.SUBACK_FAILURE or shared_group(f) is not None:
@@ -406,7 +492,20 @@ class MQTTSession:
                 continue
             props: PR.Props = {PR.SUBSCRIPTION_ID: sub_id} if sub_id and self.v5 else {}
             for topic, qos, payload in self.registry.retained.matching(self.vhost.name, f):
-                self._send(topic, payload, min(qos, granted), True, props, None)
+                self.retained_due.append((topic, payload, min(qos, granted), props))
+        self._send_retained()
+
+    def _send_retained(self) -> None:
+        """Retained messages due on a subscription go out as queued deliveries do: while the
+        socket takes them and, at QoS 1, within the in-flight limit (the client's receive
+        maximum); the rest wait here (the payloads are the retained store's own)."""
+        due = self.retained_due
+        while due and self.out.writable and not self.closed:
+            topic, payload, qos, props = due[0]
+            if qos and len(self.inflight) >= self.in_flight_max:
+                return
+            due.popleft()
+            self._send(topic, payload, qos, True, props, None)
 
     def _bind(self, topic_filter: str, options: int, sub_id: int) -> tuple[int, bool]:
         """One filter of a SUBSCRIBE: (the granted QoS or a failure code, whether it existed)."""
@@ -414,6 +513,16 @@ class MQTTSession:
         vh, user, ex = self.vhost, self.user, self.settings.exchange
         existed = topic_filter in self.filters
         fail = P.RC_UNSPECIFIED if self.v5 else P.SUBACK_FAILURE
+        if not existed and len(self.filters) >= self.settings.max_subscriptions:
+            if not self.cap_logged:  # once per connection: a flood of them must not flood the log
+                self.cap_logged = True
+                log.warning("MQTT client '%s': subscriptions refused: over the limit of %d per session "
+                            "([mqtt] max_subscriptions)", self.client_id, self.settings.max_subscriptions)
+            return (P.RC_QUOTA_EXCEEDED if self.v5 else fail), existed
+        if not key_fits(topic_filter):
+            log.warning("MQTT client '%s': a topic filter of %d bytes refused (at most %d)", self.client_id,
+                        len(topic_filter.encode()), MAX_KEY_BYTES)
+            return (P.RC_TOPIC_FILTER_INVALID if self.v5 else fail), existed
         granted = min(options & 3, 1)
         shared = shared_group(topic_filter)
         if shared is not None:
@@ -484,6 +593,9 @@ class MQTTSession:
                 found = self._unbind(f)
             self.filters.pop(f, None)
             codes.append(0 if found else 0x11)  # 0x11: no subscription existed
+        if self.durable and any(shared_group(f) is not None for f in p.filters):
+            assert self.vhost is not None
+            self._save_state((self.vhost.name, self.client_id))
         self.out.write(P.encode_unsuback(p.packet_id, codes, self.v5))
 
     def _consume(self, q: Queue, qos: int, shared_filter: str | None = None) -> None:
@@ -543,6 +655,8 @@ class MQTTSession:
             self.inflight[pid] = settle
         elif settle is not None:  # a QoS 0 message in the QoS 1 queue: settled once written
             settle[0].ack(settle[1])
+        self._count("messages_delivered")
+        self._count("messages_delivered_consume_manual_ack" if qos else "messages_delivered_consume_auto_ack")
         self.out.write(data)
 
     def _packet_id(self) -> int:
@@ -556,12 +670,17 @@ class MQTTSession:
         if pid not in self.inflight:
             return  # an unknown identifier (a duplicate PUBACK): nothing to settle
         got = self.inflight.pop(pid)
+        self._count("messages_acknowledged")
         if got is not None and not got[0].deleted:
             got[0].ack(got[1])
         self.resume()
 
+    def _count(self, name: str) -> None:
+        self.counts[name] = self.counts.get(name, 0) + 1
+
     def resume(self) -> None:
         """Capacity came back (an ack, a drained socket): let the queues deliver."""
+        self._send_retained()
         for c in self.consumers.values():
             c.queue.schedule_delivery()
 
@@ -593,9 +712,18 @@ class MQTTSession:
             if got is not None and not got[0].deleted:
                 got[0].reject(got[1], requeue=True)
         self.inflight.clear()
-        if not normal and self.will is not None:
-            self._will(vh, key)
-        if not self.durable:
+        pending = self._will(key) if not normal and self.will is not None else None
+        if self.durable:  # what it keeps while its client is away: its will if delayed, its expiry
+            state = self._state()
+            if pending is not None and pending.due > time.time():
+                state.will = pending  # a durable timer: a restart or a new leader sends it when due
+            if self.v5 and self.session_expiry != NEVER_EXPIRES:
+                state.expires_at = time.time() + self.session_expiry
+            if not state.empty() or key in self.registry.states.by_key:
+                self._save_state(key, state)
+        else:
+            if key in self.registry.states.by_key:
+                self._forget_state(key)
             for qos in (0, 1):
                 q = vh.queues.get(self.queue_name(qos))
                 if q is not None:
@@ -605,23 +733,12 @@ class MQTTSession:
                         log.warning("MQTT client '%s': its session's queue '%s' stays: %s",
                                     self.client_id, q.name, exc)
 
-    def _will(self, vh: VHost, key: tuple[str, str]) -> None:
+    def _will(self, key: Key) -> PendingWill:
+        """Publish the will now or after its delay (``wills.arm_will``); the will, due when."""
         w, user = self.will, self.user
         assert w is not None and user is not None
-        if not self.users.can_write(user, vh.name, self.settings.exchange):
-            return
         delay = min(w.props.get(PR.WILL_DELAY, 0), self.session_expiry) if self.v5 else 0
+        pending = PendingWill(w, user.name, time.time() + delay)
+        arm_will(self.registry, key, pending)
+        return pending
 
-        def send() -> None:
-            self.registry.delayed_wills.pop(key, None)
-            if w.retain:
-                try:
-                    self.registry.retained.set(vh.name, w.topic, w.qos, w.message)
-                except OSError as exc:
-                    log.warning("MQTT will of '%s' not retained: %s", self.client_id, exc)
-            self._publish(w.topic, w.message, w.qos, w.retain, w.props)
-
-        if delay <= 0:
-            send()
-        else:
-            self.registry.delayed_wills[key] = self.registry.call_later(delay, send)

@@ -25,8 +25,11 @@ import aio_pika
 import pika
 import pytest
 
+from broker.mqtt import packets as P
+
 from ._tmpfs import NEEDS, mount_tmpfs
 from .test_cluster import Cluster, ClusterNode, wait_for
+from .test_mqtt import Raw
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -64,6 +67,15 @@ def test_a_follower_without_a_leader_says_so_over_amqp_and_http(tmp_path: Path) 
         assert http.value.code == 503
         body = json.loads(http.value.read())
         assert body["error"] == "service_unavailable" and "no cluster leader" in body["reason"], body
+        # MQTT: a CONNACK "server unavailable" of the client's version (3; MQTT 5: 0x88)
+        for level, code in ((4, P.SERVER_UNAVAILABLE), (5, P.RC_SERVER_UNAVAILABLE)):
+            hello = P.Connect("MQTT", level, True, 30, "c", None, "u", b"p")
+            mq = Raw(follower.ip, follower.mqtt_port, hello)
+            try:
+                assert mq.connack() == (0, code)
+                assert mq.closed_within(5)
+            finally:
+                mq.close()
         assert c.leader() is leader, "the window closed before the checks: raise the TTL"
     finally:
         c.close()

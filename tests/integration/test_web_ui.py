@@ -25,6 +25,7 @@ import pika
 import pytest
 
 from ._support import Broker, connect, is_external
+from .test_mqtt import Paho
 
 CHROMEDRIVER = shutil.which("chromedriver")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -401,6 +402,7 @@ def test_connection_page_closes_the_connection(browser: WebDriver, shared_broker
     b = shared_broker
     params = pika.ConnectionParameters(b.host, b.port, client_properties={"connection_name": "ui-victim"})
     conn = pika.BlockingConnection(params)
+    device = Paho(b.host, b.mqtt_port, "ui-device")  # an MQTT connection is listed beside it
     try:
         names = [c["name"] for c in api(b, "GET", "/api/connections")]
         login(browser, b)
@@ -408,7 +410,9 @@ def test_connection_page_closes_the_connection(browser: WebDriver, shared_broker
         wait(
             browser,
             "connections listed",
-            lambda d: all(n in d.find_element(By.ID, "main").text for n in names),
+            lambda d: all(n in d.find_element(By.ID, "main").text for n in names)
+            and "MQTT 3.1.1" in d.find_element(By.ID, "main").text
+            and "ui-device" in d.find_element(By.ID, "main").text,
         )
         shot(browser, "connections")
         mine = [
@@ -430,6 +434,7 @@ def test_connection_page_closes_the_connection(browser: WebDriver, shared_broker
             conn.process_data_events(time_limit=5)
             conn.channel()
     finally:
+        device.close()
         if conn.is_open:
             conn.close()
 

@@ -467,7 +467,8 @@
     connections: {
       title: "Connections", path: "/api/connections",
       cols: [["name", "Name", (r) => link(`#/connections/${enc(r.name)}`, r.name)], ["user", "User"], ["vhost", "Virtual host"],
-        ["client_properties.product", "Client", (r) => get(r, "client_properties.product") || ""], ["channels", "Channels", null, true],
+        ["protocol", "Protocol"], ["client_properties.product", "Client", (r) => get(r, "client_properties.product") || get(r, "client_properties.client_id") || ""],
+        ["channels", "Channels", null, true],
         ["ssl", "TLS", (r) => yes(r.ssl)], ["state", "State"]],
     },
     channels: {

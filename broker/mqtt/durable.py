@@ -1,0 +1,133 @@
+"""What a persistent MQTT session keeps beside its queues: QoS 2 state, shared subscriptions, a will.
+
+Theory of operation
+-------------------
+A persistent session's plain subscriptions and QoS 1 messages are its durable queues and their
+bindings (``session.py``). Three more things must outlive the connection, a restart, kill -9 and
+a failover, and have no queue to live in:
+
+- **QoS 2 packet identifiers received** (PUBREC sent, PUBREL not yet come). The client resends
+  an unanswered PUBLISH with the same identifier after a reconnect; the identifier says "stored
+  already", so the message is not stored twice. PUBREL forgets it.
+- **Shared subscriptions** (``$share/group/filter``): the group's queue is shared, so the
+  session's membership is not one of its own bindings. On a resumed session they are subscribed
+  again (permissions checked again).
+- **A will waiting out its MQTT 5 will delay**, with the wall-clock time it is due: a node that
+  restarts (or a new leader) publishes it when due, or at once when overdue, unless the client
+  came back first.
+
+Each session with any of these is one small file (``Files``: the node gives a
+``store.blobs.BlobDir`` in the data dir), named by a digest of its vhost and client id, holding
+JSON. A change is written when it happens and reported to the replication sink at once; the
+answer that depends on it (PUBREC, PUBCOMP) waits for the group commit that fsyncs the file (and,
+in a cluster, for the in-sync followers), so a state a client was told of survives kill -9 and
+failover. A session with nothing left to keep has no file. An MQTT 5 session's file records when
+its session expiry ends once its client is gone: after that it is forgotten (at the client's
+next CONNECT, or at the node's start). At start the directory is read once; a file that cannot
+be read is logged and skipped (that session starts without it).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from broker.mqtt import props as PR
+from broker.mqtt.packets import Will
+from broker.mqtt.retained import Files
+
+log = logging.getLogger(__name__)
+
+Key = tuple[str, str]  # (vhost, client id)
+
+
+@dataclass
+class PendingWill:
+    """A will waiting out its delay: what to publish, as whom, and when (Unix time)."""
+
+    will: Will
+    username: str
+    due: float
+
+
+@dataclass
+class SessionState:
+    qos2: set[int] = field(default_factory=set)  # QoS 2 packet ids stored, awaiting PUBREL
+    shared: dict[str, tuple[int, int]] = field(default_factory=dict)  # filter -> (options, sub id)
+    will: PendingWill | None = None
+    expires_at: float = 0.0  # Unix time its MQTT 5 session expiry ends (0: never, or connected)
+
+    def expired(self, now: float) -> bool:
+        return bool(self.expires_at) and now >= self.expires_at
+
+    def empty(self) -> bool:
+        return not self.qos2 and not self.shared and self.will is None
+
+
+def _name(key: Key) -> str:
+    return hashlib.sha256(key[0].encode() + b"\0" + key[1].encode()).hexdigest()[:40]
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def encode(key: Key, s: SessionState) -> bytes:
+    doc: dict[str, Any] = {"vhost": key[0], "client_id": key[1], "qos2": sorted(s.qos2),
+                           "shared": {f: list(v) for f, v in s.shared.items()}, "expires_at": s.expires_at}
+    if s.will is not None:
+        w = s.will.will
+        doc["will"] = {"topic": w.topic, "payload": _b64(w.message), "qos": w.qos, "retain": w.retain,
+                       "props": _b64(PR.write(w.props)), "user": s.will.username, "due": s.will.due}
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def decode(data: bytes) -> tuple[Key, SessionState]:
+    """Raises ValueError (or KeyError, TypeError) for a file this code did not write."""
+    doc = json.loads(data)
+    key = (str(doc["vhost"]), str(doc["client_id"]))
+    state = SessionState({int(i) for i in doc["qos2"]},
+                         {str(f): (int(v[0]), int(v[1])) for f, v in doc["shared"].items()},
+                         expires_at=float(doc.get("expires_at", 0.0)))
+    w = doc.get("will")
+    if w is not None:
+        props, _ = PR.read(base64.b64decode(w["props"]), 0, PR.WILL_PROPS)
+        state.will = PendingWill(Will(str(w["topic"]), base64.b64decode(w["payload"]), int(w["qos"]),
+                                      bool(w["retain"]), props), str(w["user"]), float(w["due"]))
+    return key, state
+
+
+class SessionStates:
+    """Every persistent session's state of this node, in memory and in ``files``."""
+
+    def __init__(self, files: Files) -> None:
+        self.files = files
+        self.by_key: dict[Key, SessionState] = {}
+        for name, data in files.items():
+            try:
+                key, state = decode(data)
+            except (ValueError, KeyError, TypeError, IndexError) as exc:
+                log.warning("MQTT session state file %s unreadable (%s): skipped", name, exc)
+                continue
+            self.by_key[key] = state
+
+    def get(self, key: Key) -> SessionState:
+        """The session's state (a new, empty one, not yet kept, when it has none)."""
+        return self.by_key.get(key) or SessionState()
+
+    def save(self, key: Key, state: SessionState) -> None:
+        """Keep ``state`` (or forget the session's state when it is empty). Raises OSError when
+        the file cannot be written."""
+        if state.empty():
+            self.forget(key)
+            return
+        self.files.put(_name(key), encode(key, state))
+        self.by_key[key] = state
+
+    def forget(self, key: Key) -> None:
+        if self.by_key.pop(key, None) is not None:
+            self.files.delete(_name(key))
