@@ -1,13 +1,19 @@
 """Instructions per message on the hot path, counted by valgrind's callgrind.
 
 CPU time on a shared machine moves by tens of per cent from run to run; an instruction count
-does not. Each scenario runs in a child process under ``valgrind --tool=callgrind`` twice, with
-``n`` and with ``2 n`` messages, and everything else the same (the frames for ``2 n`` are built
-in both runs): the difference of the two totals over ``n`` is the cost of one message, with
-interpreter start-up, imports and set-up cancelled out. The scenarios are those of
-``benchmarks/hotpath.py``: publish to a queue without consumers (identical messages, a run;
-``varied``: every message different), delivery to an autoack consumer, the direct hand-over,
-delivery with acks, and a publish through ``amq.topic`` to two queues.
+does not. One child process runs every scenario under ``valgrind --tool=callgrind``, each on a
+broker of its own (a real ``Node`` and its vhost, real segment files in a temp dir, sessions fed
+pre-encoded frames as in ``benchmarks/hotpath.py``). Around each measured loop the parent zeroes
+callgrind's counters and dumps them (``callgrind_control``), so start-up, imports and set-up
+are not counted; the count over ``n`` is the cost of one message. The child waits for the
+parent by polling a file (valgrind answers ``callgrind_control`` only while its client runs),
+which adds a few hundred instructions to a measurement of millions.
+
+Scenarios: ``publish`` (identical messages to a queue without consumers: runs),
+``publish-varied`` (every message different, 200 B-2 KiB with headers), ``deliver-autoack``,
+``direct-autoack`` (publish while an autoack consumer waits: the direct hand-over),
+``deliver-ack`` (prefetch 1000, acked in multiples) and ``topic`` (through ``amq.topic`` to two
+queues).
 
 Usage: ``python benchmarks/callgrind.py [-n 2000] [scenario ...]`` (needs valgrind).
 """
@@ -16,11 +22,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from pamqp import commands
@@ -30,71 +38,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hotpath import handshake, publish_frames  # noqa: E402
 
 SCENARIOS = ("publish", "publish-varied", "deliver-autoack", "direct-autoack", "deliver-ack", "topic")
-_COLLECTED = re.compile(r"Collected\s*:\s*(\d+)")
+_TOTALS = re.compile(r"^(?:summary|totals):\s*(\d+)", re.M)
 
 
-async def _child(scenario: str, n: int, total: int) -> None:
-    """Set up a broker, then put ``n`` of ``total`` prepared messages through ``scenario``."""
-    from broker.amqp.session import Session
-    from broker.config import load_config
-    from broker.node import Node
-
-    tmp = Path(tempfile.mkdtemp(prefix="skred-callgrind-"))
-    try:
-        cfg = load_config(["--data-dir", str(tmp), "--no-sync", "--no-mgmt"], environ={})
-        broker = Node(cfg).load(asyncio.get_running_loop())
-        pub = Session(broker, ("127.0.0.1", 1), lambda: None)
-        handshake(pub)
-        pub.receive_data(pframe.marshal(commands.Queue.Declare(queue="hp"), 1))
-        frames = publish_frames(total, 16, "hp", scenario == "publish-varied")
-        one = len(frames) // total  # identical messages: every frame set the same length
-        if scenario == "topic":
-            for q in ("t1", "t2"):
-                pub.receive_data(pframe.marshal(commands.Queue.Declare(queue=q), 1))
-                pub.receive_data(pframe.marshal(commands.Queue.Bind(queue=q, exchange="amq.topic",
-                                                                     routing_key="a.*"), 1))
-            frames = publish_frames(total, 16, "a.b").replace(
-                pframe.marshal(commands.Basic.Publish(exchange="", routing_key="a.b"), 1),
-                pframe.marshal(commands.Basic.Publish(exchange="amq.topic", routing_key="a.b"), 1))
-            one = len(frames) // total
-        pub.out.clear()
-        q = broker.vhosts["/"].queues["hp"]
-        cons = Session(broker, ("127.0.0.1", 2), lambda: None)
-        handshake(cons)
-        if scenario in ("deliver-autoack", "deliver-ack"):
-            _feed(pub, frames[: one * n])
-        if scenario in ("deliver-autoack", "direct-autoack"):
-            cons.receive_data(pframe.marshal(commands.Basic.Consume(queue="hp", consumer_tag="c",
-                                                                    no_ack=True), 1))
-        elif scenario == "deliver-ack":
-            cons.receive_data(pframe.marshal(commands.Basic.Qos(prefetch_count=1000), 1))
-            cons.receive_data(pframe.marshal(commands.Basic.Consume(queue="hp", consumer_tag="c"), 1))
-        cons.out.clear()
-        if scenario == "publish-varied":
-            _feed(pub, _first_messages(frames, n))
-        elif scenario in ("publish", "topic", "direct-autoack"):
-            _feed(pub, frames[: one * n], cons.out)
-        else:
-            tag = 0
-            while q.message_count:
-                q._deliver()
-                cons.out.clear()
-                if scenario == "deliver-ack":
-                    tag = cons.chs[1].next_tag - 1
-                    cons.receive_data(pframe.marshal(commands.Basic.Ack(delivery_tag=tag, multiple=True), 1))
-        for vh in broker.vhosts.values():
-            vh.close()
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _first_messages(frames: bytes, n: int) -> bytes:
-    """The first ``n`` publishes (method, header, body frame each) of ``frames``."""
-    at = 0
-    for _ in range(3 * n):
-        size = int.from_bytes(frames[at + 3 : at + 7], "big")
-        at += 8 + size
-    return frames[:at]
+def _wait(flag: Path) -> None:
+    while not flag.exists():
+        time.sleep(0.005)
+    flag.unlink()
 
 
 def _feed(session: object, data: bytes, out: bytearray | None = None) -> None:
@@ -106,33 +56,118 @@ def _feed(session: object, data: bytes, out: bytearray | None = None) -> None:
             out.clear()
 
 
-def _instructions(scenario: str, n: int, total: int) -> int:
-    done = subprocess.run(
-        ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable,
-         __file__, "--child", scenario, str(n), str(total)],
-        capture_output=True, text=True, timeout=1800, check=False)
-    m = _COLLECTED.search(done.stderr)
-    if done.returncode != 0 or m is None:
-        raise RuntimeError(f"{scenario}: valgrind failed: {done.stderr[-2000:]}")
-    return int(m.group(1))
+async def _scenario(scenario: str, n: int, sync: Path) -> None:
+    """Set up a broker for ``scenario``, then put ``n`` messages through it between the
+    parent's zeroing and dumping of the counters."""
+    from broker.amqp.session import Session
+    from broker.config import load_config
+    from broker.node import Node
+
+    tmp = Path(tempfile.mkdtemp(prefix="skred-callgrind-"))
+    try:
+        cfg = load_config(["--data-dir", str(tmp), "--no-sync", "--no-mgmt"], environ={})
+        broker = Node(cfg).load(asyncio.get_running_loop())
+        pub = Session(broker, ("127.0.0.1", 1), lambda: None)
+        handshake(pub)
+        pub.receive_data(pframe.marshal(commands.Queue.Declare(queue="hp"), 1))
+        frames = publish_frames(n, 16, "hp", scenario == "publish-varied")
+        if scenario == "topic":
+            for q in ("t1", "t2"):
+                pub.receive_data(pframe.marshal(commands.Queue.Declare(queue=q), 1))
+                pub.receive_data(pframe.marshal(commands.Queue.Bind(queue=q, exchange="amq.topic",
+                                                                     routing_key="a.*"), 1))
+            frames = publish_frames(n, 16, "a.b").replace(
+                pframe.marshal(commands.Basic.Publish(exchange="", routing_key="a.b"), 1),
+                pframe.marshal(commands.Basic.Publish(exchange="amq.topic", routing_key="a.b"), 1))
+        pub.out.clear()
+        q = broker.vhosts["/"].queues["hp"]
+        cons = Session(broker, ("127.0.0.1", 2), lambda: None)
+        handshake(cons)
+        if scenario in ("deliver-autoack", "deliver-ack"):
+            _feed(pub, frames)
+        if scenario in ("deliver-autoack", "direct-autoack"):
+            cons.receive_data(pframe.marshal(commands.Basic.Consume(queue="hp", consumer_tag="c",
+                                                                    no_ack=True), 1))
+        elif scenario == "deliver-ack":
+            cons.receive_data(pframe.marshal(commands.Basic.Qos(prefetch_count=1000), 1))
+            cons.receive_data(pframe.marshal(commands.Basic.Consume(queue="hp", consumer_tag="c"), 1))
+        cons.out.clear()
+        print("ready", flush=True)
+        _wait(sync)  # counters zeroed
+        if scenario in ("deliver-autoack", "deliver-ack"):
+            while q.message_count:
+                q._deliver()
+                cons.out.clear()
+                if scenario == "deliver-ack":
+                    tag = cons.chs[1].next_tag - 1
+                    cons.receive_data(pframe.marshal(commands.Basic.Ack(delivery_tag=tag, multiple=True), 1))
+        else:
+            _feed(pub, frames, cons.out)
+        print("done", flush=True)
+        _wait(sync)  # counters dumped
+        for vh in broker.vhosts.values():
+            vh.close()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+async def _child(n: int, sync: Path, scenarios: list[str]) -> None:
+    for scenario in scenarios:
+        await _scenario(scenario, n, sync)
+
+
+def _control(*args: str) -> None:
+    subprocess.run(["callgrind_control", *args], check=True, capture_output=True, timeout=600)
+
+
+def measure(n: int, scenarios: list[str]) -> dict[str, float]:
+    """Instructions per message of each scenario (one valgrind run for all of them)."""
+    work = Path(tempfile.mkdtemp(prefix="skred-cg-"))
+    sync = work / "go"
+    out: dict[str, float] = {}
+    try:
+        child = subprocess.Popen(
+            ["valgrind", "--tool=callgrind", f"--callgrind-out-file={work}/cg.out", sys.executable,
+             __file__, "--child", str(n), str(sync), *scenarios],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            env={**os.environ, "PYTHONHASHSEED": "0"})  # the same str hashes, run after run
+        assert child.stdout is not None
+        pid = str(child.pid)
+        for i, scenario in enumerate(scenarios):
+            for expect in ("ready", "done"):
+                line = child.stdout.readline().strip()
+                if line != expect:
+                    raise RuntimeError(f"{scenario}: child said {line!r}, not {expect!r}")
+                if expect == "ready":
+                    _control("--zero", pid)
+                else:
+                    _control("--dump", pid)
+                sync.touch()
+            dumps = sorted(work.glob("cg.out*"), key=lambda p: p.stat().st_mtime)
+            m = _TOTALS.search(dumps[-1].read_text(errors="replace"))
+            if m is None or len(dumps) < i + 1:
+                raise RuntimeError(f"{scenario}: no callgrind dump")
+            out[scenario] = int(m.group(1)) / n
+        child.wait(timeout=600)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return out
 
 
 def main() -> None:
-    if len(sys.argv) == 5 and sys.argv[1] == "--child":
-        asyncio.run(_child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4])))
+    if len(sys.argv) >= 4 and sys.argv[1] == "--child":
+        asyncio.run(_child(int(sys.argv[2]), Path(sys.argv[3]), sys.argv[4:]))
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("-n", type=int, default=2000, help="messages in the smaller run")
+    ap.add_argument("-n", type=int, default=2000, help="messages per scenario")
     ap.add_argument("scenarios", nargs="*", help=f"of {', '.join(SCENARIOS)} (default: all)")
     args = ap.parse_args()
     for scenario in args.scenarios:
         if scenario not in SCENARIOS:
             ap.error(f"no scenario {scenario!r}")
     print(f"{'scenario':18s} instructions/msg")
-    for scenario in args.scenarios or SCENARIOS:
-        small = _instructions(scenario, args.n, 2 * args.n)
-        large = _instructions(scenario, 2 * args.n, 2 * args.n)
-        print(f"{scenario:18s} {(large - small) / args.n:12,.0f}", flush=True)
+    for scenario, per in measure(args.n, args.scenarios or list(SCENARIOS)).items():
+        print(f"{scenario:18s} {per:12,.0f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -57,8 +57,7 @@ from typing import Any, Literal, Protocol
 from broker import errors, properties
 from broker.model import deadletter
 from broker.model.publish_api import Republisher
-from broker.model.queue import ClassicQueue, Consumer
-from broker.model.queue import Taken as Taken
+from broker.model.queue import ClassicQueue, Consumer, Taken
 from broker.model.queue_dedup import QueueDedup, key_of
 from broker.store.priority_store import PriorityStore
 

@@ -37,6 +37,12 @@ Headers alone do not split a run: most client libraries send some on every messa
 (broker/model/fastpaths.py) switches every such shortcut off (runs here, direct hand-over
 to consumers and delivery runs in the queue); the differential tests compare both settings
 byte for byte.
+
+Where it sits: above the queue engine and the exchanges it routes through, below the vhost
+that calls it (the ``model-stack`` contract). It reads the vhost through ``Scope``; its
+request and outcome are plain data in ``broker/model/publish_api.py`` (re-exported here), so
+dead-lettering and delayed firing, which sit below it, can build them and publish again
+through the ``Republisher`` the vhost hands them.
 """
 
 from __future__ import annotations

@@ -19,6 +19,10 @@ becomes one of these types, for the rest of its life:
   broker/model/queue_types.py) with its type's consumer rule (no global prefetch) and
   its dead-letter strategy (``at-least-once`` is honoured).
 
+The engine imports none of this: a classic queue that meets a message with an
+``expiration`` or a consumer with ``x-priority`` asks the ``queue.Variants`` its vhost
+handed it (``Promotion`` here) to make it featured.
+
 A type change is a class change of the same object (``__class__``; the types share
 one slot layout), so sessions, consumers and bindings that hold the queue keep it.
 Delayed messages are an exchange's behaviour (broker/model/exchange_features.py), not
