@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import shutil
 import subprocess
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -173,4 +174,32 @@ def test_production_code_reads_no_test_hooks() -> None:
     environment variables the broker reads."""
     found = [f"{p.relative_to(BROKER.parent)}" for p in BROKER.rglob("*.py")
              if "SKRED_TEST" in p.read_text(encoding="utf-8")]
+    assert found == []
+
+
+# ------------------------------------------------------ the model's own stack
+def model_stack() -> list[list[str]]:
+    """The layers of the ``model-stack`` contract in pyproject.toml, top first."""
+    data = tomllib.loads((BROKER.parent / "pyproject.toml").read_text(encoding="utf-8"))
+    contract = next(c for c in data["tool"]["importlinter"]["contracts"] if c["id"] == "model-stack")
+    assert contract["containers"] == ["broker.model"] and contract["exhaustive"] is True
+    return [[m.strip() for m in layer.split("|")] for layer in contract["layers"]]
+
+
+def test_model_is_a_stack() -> None:
+    """queue engine -> exchanges and routing -> publish -> vhost registry (STYLE.md): no module of
+    model/ imports one listed above it, nor a sibling of its own layer, wherever the import stands
+    (function bodies, ``if TYPE_CHECKING``, ``__import__``); every module has its place."""
+    layers = model_stack()
+    level = {m: i for i, layer in enumerate(layers) for m in layer}
+    modules = {p.stem for p in files_in("model")} - {"__init__"}
+    assert modules == set(level), f"unplaced: {modules - set(level)}, gone: {set(level) - modules}"
+    found = []
+    for path in files_in("model"):
+        if path.stem == "__init__":
+            continue
+        for line, name in imports_of(path):
+            target = name.split(".")[2] if is_under(name, "broker.model") and name != "broker.model" else None
+            if target in level and target != path.stem and level[target] <= level[path.stem]:
+                found.append(f"model/{path.name}:{line} imports {name}")
     assert found == []

@@ -34,15 +34,13 @@ plain publish/deliver path.
 from __future__ import annotations
 
 import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from broker import properties
+from broker.model.publish_api import PublishRequest, Republisher
+from broker.model.queue import Queue
 
 DL_RETRY_S = 1.0  # at-least-once: how often a refused dead letter is offered to its target again
-
-if TYPE_CHECKING:
-    from broker.model.queue import Queue
-    from broker.model.vhost import VHost
 
 
 def _s(v: Any) -> str:
@@ -124,13 +122,12 @@ def is_cycle(deaths: list[dict[str, Any]], target: str) -> bool:
     return False
 
 
-def dead_letter(vh: VHost, source: Queue, dlx: str, dlrk: str | None, exchange: bytes,
+def dead_letter(vh: Republisher, source: Queue, dlx: str, dlrk: str | None, exchange: bytes,
                 routing_key: bytes, props: bytes, body: bytes, reason: str, now_ms: int) -> int:
     """Republish one dead letter from ``source`` through the publish operation (so the
-    dead-letter exchange's own behaviour applies, e.g. a delay); returns the number of
-    queues that took it (0 when one refused it; an exchange holding it counts as one)."""
-    from broker.model.publish import PublishRequest
-
+    dead-letter exchange's own behaviour applies, e.g. a delay) of ``vh``, the interface the
+    vhost handed the queue's features; returns the number of queues that took it (0 when one
+    refused it; an exchange holding it counts as one)."""
     if dlx not in vh.exchanges:
         return 0  # RabbitMQ: a missing dead-letter exchange drops the message silently
     new_props, deaths, keys = x_death_props(props, source.name, reason, _s(exchange), _s(routing_key))

@@ -5,7 +5,7 @@ Theory of operation
 A plain exchange has ``special is None`` and pays one attribute test per
 publish. An exchange of type ``x-delayed-message`` or ``x-consistent-hash``,
 or one declared with ``x-message-deduplication``, gets an ``ExchangeSpecial``
-(built by ``attach`` when the vhost declares it), which the session asks first
+(built when the vhost declares it; 406 on a bad argument), which the session asks first
 (``on_publish``); it returns True when it consumed the message.
 
 Routing types: ``routing_kind`` maps the declared type to the type the
@@ -48,19 +48,66 @@ import logging
 import shutil
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
 
 from broker import errors, properties
+from broker.model.features import CallLater, TimerHandle
+from broker.model.publish_api import PublishRequest, Republisher
 from broker.store.paths import queue_dir
 from broker.store.queue_store import QueueStore
-from broker.store.sink import NULL_SINK
-
-if TYPE_CHECKING:
-    from broker.model.exchange import Exchange
-    from broker.model.features import TimerHandle
-    from broker.model.vhost import VHost
+from broker.store.segment_log import SegmentFiles
+from broker.store.sink import NULL_SINK, ReplicationSink
 
 log = logging.getLogger(__name__)
+
+
+class Owner(Protocol):
+    """The exchange a behaviour belongs to (``broker.model.exchange.Exchange``, which sits
+    above this module and holds its ``ExchangeSpecial``)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def type(self) -> str: ...
+
+    @property
+    def durable(self) -> bool: ...
+
+    @property
+    def arguments(self) -> dict[str, Any]: ...
+
+    def bindings(self) -> list[tuple[object, str, dict[str, Any]]]: ...
+
+
+class Host(Republisher, Protocol):
+    """What an exchange's behaviour asks of its vhost (``VHost`` is one): where a delayed
+    exchange keeps its messages, its timers and group commit, and the publish operation a
+    message due goes through (``publish_from_hold``)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def dir(self) -> Path: ...
+
+    @property
+    def transient_dir(self) -> Path: ...
+
+    @property
+    def segment_size(self) -> int: ...
+
+    @property
+    def sink(self) -> ReplicationSink: ...
+
+    @property
+    def files(self) -> SegmentFiles: ...
+
+    @property
+    def call_later(self) -> CallLater | None: ...
+
+    def mark_dirty(self, store: Any) -> None: ...
 
 DELAYED = "x-delayed-message"
 CONSISTENT_HASH = "x-consistent-hash"
@@ -103,14 +150,8 @@ def routing_kind(type_: str, arguments: dict[str, Any]) -> str:
     return str(base)
 
 
-def needs_special(ex: Exchange) -> bool:
+def needs_special(ex: Owner) -> bool:
     return ex.type in EXTRA_TYPES or bool(ex.arguments.get(DEDUP))
-
-
-def attach(vh: VHost, ex: Exchange) -> None:
-    """Give a newly declared exchange its features (406 on a bad dedup argument)."""
-    if needs_special(ex):
-        ex.special = ExchangeSpecial(vh, ex)
 
 
 _headers = properties.headers
@@ -197,7 +238,7 @@ def dedup_key(headers: dict[str, Any]) -> tuple[str | None, int | None]:
 
 # ------------------------------------------------------------------ the special
 class ExchangeSpecial:
-    def __init__(self, vh: VHost, ex: Exchange) -> None:
+    def __init__(self, vh: Host, ex: Owner) -> None:
         self.vh = vh
         self.ex = ex
         args = ex.arguments
@@ -268,7 +309,7 @@ class ExchangeSpecial:
 
 # ------------------------------------------------------------------ delayed store
 class DelayedStore:
-    def __init__(self, vh: VHost, ex: Exchange) -> None:
+    def __init__(self, vh: Host, ex: Owner) -> None:
         self.vh = vh
         self.ex = ex
         self.durable = ex.durable
@@ -382,10 +423,9 @@ class DelayedStore:
     def route(self, routing_key: str, props: bytes, body: bytes) -> None:
         """A due message: published again from this exchange, which now routes it by its
         underlying type (its delay is not applied again; exchanges after it apply theirs)."""
-        from broker.model.publish import PublishRequest, publish
         if self.vh.exchanges.get(self.ex.name) is not self.ex:
             return
-        publish(self.vh, PublishRequest(self.ex.name, routing_key, props, body, _now_ms()), first_hop=False)
+        self.vh.publish_from_hold(PublishRequest(self.ex.name, routing_key, props, body, _now_ms()))
 
     def close(self, delete: bool = False) -> None:
         self.closed = True

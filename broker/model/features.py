@@ -42,7 +42,8 @@ values of the messages in the queue live in a ``QueueDedup``
 it is confirmed) and every exit path below reports the message gone.
 
 Timers come from the vhost's ``call_later`` (the model does not import
-asyncio); without one, TTL still applies at delivery and get.
+asyncio); without one, TTL still applies at delivery and get. Dead letters go
+through the publish operation as the vhost hands it in (``publish_api.Republisher``).
 """
 
 from __future__ import annotations
@@ -51,18 +52,16 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from broker import errors, properties
 from broker.model import deadletter
+from broker.model.publish_api import Republisher
+from broker.model.queue import ClassicQueue, Consumer, Taken
 from broker.model.queue_dedup import QueueDedup, key_of
 from broker.store.priority_store import PriorityStore
 
 log = logging.getLogger(__name__)
-
-if TYPE_CHECKING:
-    from broker.model.queue import ClassicQueue, Consumer
-    from broker.model.vhost import VHost
 
 OVERFLOW_MODES = ("drop-head", "reject-publish", "reject-publish-dlx")
 
@@ -71,7 +70,6 @@ class TimerHandle(Protocol):
 
 
 CallLater = Callable[[float, Callable[[], None]], TimerHandle]
-Taken = tuple[int, bytes, bytes, bytes, bytes, bool]  # msgid, exchange, routing key, props, body, redelivered
 
 
 def now_ms() -> int:
@@ -328,10 +326,11 @@ def consumer_priority(c: Consumer) -> int:
 
 # ------------------------------------------------------------------- features
 class QueueFeatures:
-    def __init__(self, q: ClassicQueue, vh: VHost | None, cfg: QueueConfig,
+    def __init__(self, q: ClassicQueue, publisher: Republisher | None, cfg: QueueConfig,
                  call_later: CallLater | None) -> None:
         self.q = q
-        self.vhost = vh
+        # the publish operation dead letters go through, as the vhost handed it (None: none)
+        self.publisher = publisher
         self.cfg = cfg
         self.call_later = call_later
         self.pstore: PriorityStore | None = q.store if isinstance(q.store, PriorityStore) else None
@@ -469,9 +468,9 @@ class QueueFeatures:
                      reason: str) -> bool:
         """Republish a dead letter; True when some queue took it."""
         cfg = self.cfg
-        if cfg.dlx is None or self.vhost is None:
+        if cfg.dlx is None or self.publisher is None:
             return False
-        return deadletter.dead_letter(self.vhost, self.q, cfg.dlx, cfg.dlrk, exchange, routing_key,
+        return deadletter.dead_letter(self.publisher, self.q, cfg.dlx, cfg.dlrk, exchange, routing_key,
                                       props, body, reason, now_ms()) > 0
 
     def _dead_letter_taken(self, msgid: int, exchange: bytes, routing_key: bytes, props: bytes,
@@ -747,7 +746,7 @@ class QueueFeatures:
 
     @property
     def dead_letters(self) -> bool:
-        return self.cfg.dlx is not None and self.vhost is not None
+        return self.cfg.dlx is not None and self.publisher is not None
 
     def dead_letter(self, msgid: int, exchange: bytes, routing_key: bytes, props: bytes, body: bytes,
                     reason: str, settle: Callable[[int], None]) -> None:

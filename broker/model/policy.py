@@ -19,25 +19,24 @@ exchange right after a change, so policies act live.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from broker import errors
 from broker.errors import StoreError
 from broker.model import features, queue_featured, queue_types
-from broker.model.features import validate_policy_definition
-from broker.model.queue import ClassicQueue
+from broker.model.exchange import Exchange
+from broker.model.features import CallLater, validate_policy_definition
+from broker.model.publish_api import Republisher
+from broker.model.queue import ClassicQueue, Queue
+from broker.model.stream import StreamQueue, check_policy_definition
 from broker.patterns import Pattern, PatternError, compile_pattern
 from broker.store.jsonstore import read_json, write_json
 from broker.store.sink import ReplicationSink
 
 log = logging.getLogger(__name__)
-
-if TYPE_CHECKING:
-    from broker.model.exchange import Exchange
-    from broker.model.queue import Queue
-    from broker.model.vhost import VHost
 
 APPLY_TO = ("all", "queues", "exchanges", "classic_queues", "quorum_queues", "streams")
 _QUEUE_KINDS = ("all", "queues", "classic_queues", "quorum_queues")
@@ -86,8 +85,7 @@ def make_policy(name: str, pattern: str, definition: dict[str, Any], priority: i
     if apply_to not in APPLY_TO:
         raise ValueError(f"'apply-to' must be one of {', '.join(APPLY_TO)}")
     validate_policy_definition(definition)
-    from broker.model.stream import check_policy_definition  # max-age (stream retention)
-    check_policy_definition(definition)
+    check_policy_definition(definition)  # max-age (stream retention)
     return Policy(name, pattern, dict(definition), priority, apply_to, regex)
 
 
@@ -153,12 +151,32 @@ def read_legacy(path: Path) -> Any:
     return read_json(path, None)
 
 
-def apply_to_queue(vh: VHost, q: Queue) -> None:
+class Scope(Republisher, Protocol):
+    """What applying policies reads of the vhost whose queues and exchanges they reach
+    (``VHost`` is one), which is also the publish operation a featured queue's dead letters
+    go through."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def policy_set(self) -> PolicySet: ...
+
+    @property
+    def queues(self) -> Mapping[str, Queue]: ...
+
+    @property
+    def exchanges(self) -> Mapping[str, Exchange]: ...
+
+    @property
+    def call_later(self) -> CallLater | None: ...
+
+
+def apply_to_queue(vh: Scope, q: Queue) -> None:
     """Give ``q`` the config its arguments and the vhost's policies add up to."""
     if q.arguments.get("x-queue-type") == "stream":
-        from broker.model.stream import StreamQueue, apply_stream_policies  # retention limits
         if isinstance(q, StreamQueue):
-            apply_stream_policies(vh, q)
+            apply_stream_policies(vh, q)  # retention limits
         return
     if not isinstance(q, ClassicQueue):
         return
@@ -175,7 +193,13 @@ def apply_to_queue(vh: VHost, q: Queue) -> None:
                     op.definition if op else None, vh.call_later)
 
 
-def apply_to_exchange(vh: VHost, ex: Exchange) -> None:
+def apply_stream_policies(vh: Scope, q: StreamQueue) -> None:
+    """Give ``q`` the retention its arguments and the vhost's (operator) policies add up to."""
+    pol, op = vh.policy_set.for_queue(q.name, "stream")
+    q.apply_policies(pol.definition if pol else None, op.definition if op else None)
+
+
+def apply_to_exchange(vh: Scope, ex: Exchange) -> None:
     """alternate-exchange: the argument wins over a policy."""
     arg = ex.arguments.get("alternate-exchange")
     if arg:
@@ -186,7 +210,7 @@ def apply_to_exchange(vh: VHost, ex: Exchange) -> None:
     ex.alternate = str(alt) if alt else None
 
 
-def apply_all(vh: VHost) -> None:
+def apply_all(vh: Scope) -> None:
     for q in list(vh.queues.values()):
         if not q.deleted:
             apply_to_queue(vh, q)
@@ -194,7 +218,7 @@ def apply_all(vh: VHost) -> None:
         apply_to_exchange(vh, ex)
 
 
-def set_policy(vh: VHost, name: str, pattern: str, definition: dict[str, Any], priority: int = 0,
+def set_policy(vh: Scope, name: str, pattern: str, definition: dict[str, Any], priority: int = 0,
                apply_to: str = "all", operator: bool = False) -> None:
     p = make_policy(name, pattern, definition, priority, apply_to)
     target = vh.policy_set.operator if operator else vh.policy_set.policies
@@ -211,7 +235,7 @@ def set_policy(vh: VHost, name: str, pattern: str, definition: dict[str, Any], p
     apply_all(vh)
 
 
-def delete_policy(vh: VHost, name: str, operator: bool = False) -> bool:
+def delete_policy(vh: Scope, name: str, operator: bool = False) -> bool:
     target = vh.policy_set.operator if operator else vh.policy_set.policies
     old = target.pop(name, None)
     if old is None:

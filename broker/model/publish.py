@@ -37,25 +37,33 @@ Headers alone do not split a run: most client libraries send some on every messa
 (broker/model/fastpaths.py) switches every such shortcut off (runs here, direct hand-over
 to consumers and delivery runs in the queue); the differential tests compare both settings
 byte for byte.
+
+Where it sits: above the queue engine and the exchanges it routes through, below the vhost
+that calls it (the ``model-stack`` contract). It reads the vhost through ``Scope``; its
+request and outcome are plain data in ``broker/model/publish_api.py`` (re-exported here), so
+dead-lettering and delayed firing, which sit below it, can build them and publish again
+through the ``Republisher`` the vhost hands them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 from broker import errors, properties
 from broker.model import features
-from broker.model.queue import ClassicQueue
-from broker.model.queue import Queue as QueueT
+from broker.model.exchange import Exchange
+from broker.model.fastpaths import FastPaths
+from broker.model.publish_api import BatchOutcome as BatchOutcome
+from broker.model.publish_api import EncodedNames as EncodedNames
+from broker.model.publish_api import KeyedNames as KeyedNames
+from broker.model.publish_api import Names as Names
+from broker.model.publish_api import PublishOutcome as PublishOutcome
+from broker.model.publish_api import PublishRequest as PublishRequest
+from broker.model.queue import ClassicQueue, Queue
 from broker.store.priority_store import PriorityStore
 from broker.store.queue_store import QueueStore
-from broker.store.segment import FIXED_SIZE, record_size, short_pair
-
-if TYPE_CHECKING:
-    from broker.model.exchange import Exchange
-    from broker.model.queue import Queue
-    from broker.model.vhost import VHost
+from broker.store.segment import FIXED_SIZE, record_size
 
 _HEADERS = properties.HI_HEADERS
 _DELIVERY_MODE = properties.HI_DELIVERY_MODE
@@ -64,82 +72,24 @@ _EXPIRATION = properties.HI_EXPIRATION
 _PER_MESSAGE = properties.HI_HEADERS | properties.HI_EXPIRATION
 
 
-class _NotARun(Exception):
-    """A probe route met what decides per message (see ``publish_run``)."""
-
-
-class EncodedNames(Protocol):
-    """An exchange and routing key in the encodings the store and deliveries use."""
-
-    exchange_b: bytes
-    routing_key_b: bytes
-    exrk: bytes  # both as AMQP short strings, as a stored record and basic.deliver carry them
-
-
-class Names:
-    """``EncodedNames`` from the two strings."""
-
-    __slots__ = ("exchange_b", "routing_key_b", "exrk")
-
-    def __init__(self, exchange: str, routing_key: str) -> None:
-        self.exchange_b = exchange.encode()
-        self.routing_key_b = routing_key.encode()
-        self.exrk = short_pair(self.exchange_b, self.routing_key_b)
-
-
-class PublishRequest:
-    """One message to publish, protocol-neutral.
-
-    ``props``: the AMQP content-header property bytes (flags first), the store's format for
-    every protocol. ``ts``: arrival time in ms. ``persistent``: None to read delivery-mode
-    from ``props``. ``names``: the exchange and routing key already encoded, when the
-    caller has them (an AMQP session keeps them per publish method frame). ``exclude``:
-    queues the message must not reach (dead-lettering's cycle rule). ``cc``: False to route
-    by ``routing_key`` alone, ignoring CC/BCC headers (dead-lettering with a dead-letter
-    routing key).
-    """
-
-    __slots__ = ("exchange", "routing_key", "props", "body", "ts", "persistent", "names", "exclude", "cc")
-
-    def __init__(self, exchange: str, routing_key: str, props: bytes, body: bytes | memoryview, ts: int,
-                 persistent: bool | None = None, names: EncodedNames | None = None,
-                 exclude: Callable[[Queue], bool] | None = None, cc: bool = True) -> None:
-        self.exchange = exchange
-        self.routing_key = routing_key
-        self.props = props
-        self.body = body
-        self.ts = ts
-        self.persistent = persistent
-        self.names = names
-        self.exclude = exclude
-        self.cc = cc
-
-
-class PublishOutcome:
-    """What happened to one published message (or to every message of a run).
-
-    ``queues``: the queues that took it (or refused it, see ``rejected``); ``rejected``: a
-    queue refused it (length limit with reject-publish); ``held``: an exchange kept it for
-    later (delayed) or dropped it as a duplicate: accepted, not unroutable; ``sync``: it
-    reached durable storage, so a confirm waits for the group commit.
-    """
-
-    __slots__ = ("queues", "rejected", "held", "sync")
-
-    def __init__(self, queues: list[Queue], rejected: bool = False, held: bool = False,
-                 sync: bool = False) -> None:
-        self.queues = queues
-        self.rejected = rejected
-        self.held = held
-        self.sync = sync
+class Scope(Protocol):
+    """What the publish operation reads of the vhost it publishes in (``VHost`` is one)."""
 
     @property
-    def unroutable(self) -> bool:
-        return not self.queues and not self.held
+    def name(self) -> str: ...
 
-    def __repr__(self) -> str:
-        return (f"PublishOutcome(queues={[q.name for q in self.queues]}, rejected={self.rejected}, "
-                f"held={self.held}, sync={self.sync})")
+    @property
+    def exchanges(self) -> Mapping[str, Exchange]: ...
+
+    @property
+    def queues(self) -> Mapping[str, Queue]: ...
+
+    @property
+    def fast(self) -> FastPaths: ...
+
+
+class _NotARun(Exception):
+    """A probe route met what decides per message (see ``publish_run``)."""
 
 
 _last_read: list[Any] = [b"", False]  # the properties is_persistent read last, and its answer
@@ -175,7 +125,7 @@ def _no_headers() -> dict[str, Any] | None:
     return None
 
 
-def publish(vh: VHost, req: PublishRequest, first_hop: bool = True) -> PublishOutcome:
+def publish(vh: Scope, req: PublishRequest, first_hop: bool = True) -> PublishOutcome:
     """Route ``req`` and append it to every queue it reaches (see the module doc).
 
     ``first_hop`` False: the message comes out of the first exchange's own hold (a delayed
@@ -206,7 +156,7 @@ def publish(vh: VHost, req: PublishRequest, first_hop: bool = True) -> PublishOu
     ex.n_in += 1
     if has_exp:
         for q in queues:
-            q.expiration_seen(vh)  # its head expiry is checked from now
+            q.expiration_seen()  # its head expiry is checked from now
     if queues:
         ex.n_out += len(queues)
         out.queues = queues
@@ -242,7 +192,7 @@ def reserve(queues: list[Queue], size: int, props: bytes, ts: int) -> None:
         q.store.make_room(size, props, ts)
 
 
-def route(vh: VHost, ex: Exchange, keys: list[str], props: bytes, req: PublishRequest,
+def route(vh: Scope, ex: Exchange, keys: list[str], props: bytes, req: PublishRequest,
           out: PublishOutcome, first_hop: bool, probe: bool = False, varied: bool = False) -> list[Queue]:
     """The queues a message reaches from ``ex`` with routing keys ``keys``, applying each
     exchange's behaviour once (sets ``out.held``/``out.sync`` when one keeps the message).
@@ -261,7 +211,7 @@ def route(vh: VHost, ex: Exchange, keys: list[str], props: bytes, req: PublishRe
         first = ex.route(keys[0], headers_of)
         if first:
             for d in first:
-                if not isinstance(d, QueueT):
+                if not isinstance(d, Queue):
                     break
             else:
                 return list(first)  # type: ignore[arg-type]
@@ -294,7 +244,7 @@ def route(vh: VHost, ex: Exchange, keys: list[str], props: bytes, req: PublishRe
                     if alt is not None and id(alt) not in seen:
                         dests = (alt,)
             for d in dests:
-                if isinstance(d, QueueT):
+                if isinstance(d, Queue):
                     if d not in queues:
                         queues.append(d)
                 elif id(d) not in seen:
@@ -303,31 +253,10 @@ def route(vh: VHost, ex: Exchange, keys: list[str], props: bytes, req: PublishRe
     return queues
 
 
-class KeyedNames(EncodedNames, Protocol):
-    """``EncodedNames`` with the routing key as a string (what routes)."""
-
-    routing_key: str
-
-
-class BatchOutcome:
-    """What ``publish_batch`` did: it published messages ``first`` to ``done - 1``;
-    ``queues``: the queues they reached; ``unroutable``: the indices of those that reached
-    none; ``sync``: a persistent one reached a durable queue (a confirm waits for the
-    group commit)."""
-
-    __slots__ = ("done", "queues", "unroutable", "sync")
-
-    def __init__(self, done: int) -> None:
-        self.done = done
-        self.queues: list[Queue] = []
-        self.unroutable: list[int] = []
-        self.sync = False
-
-
 _UNSEEN: Any = object()
 
 
-def publish_batch(vh: VHost, exchange: str, keys: Sequence[KeyedNames], props: list[bytes],
+def publish_batch(vh: Scope, exchange: str, keys: Sequence[KeyedNames], props: list[bytes],
                   bodies: list[bytes], ts: int, first: int = 0) -> BatchOutcome:
     """Publish messages to one exchange, each with its own routing key (``keys[i]``), as
     ``publish`` would one by one, from ``first`` for as long as that can be done at once:
@@ -422,14 +351,14 @@ _PROBE_REQUEST = PublishRequest("", "", b"", b"", 0)
 _PROBE_OUTCOME = PublishOutcome([])
 
 
-def _probe_route(vh: VHost, ex: Exchange, routing_key: str, props: bytes, varied: bool) -> list[Queue]:
+def _probe_route(vh: Scope, ex: Exchange, routing_key: str, props: bytes, varied: bool) -> list[Queue]:
     """``route`` for messages taken together (a run, or a batch's messages with this routing
     key): the queues each of them reaches; ``_NotARun`` where that could differ per message."""
     return route(vh, ex, [routing_key], props, _PROBE_REQUEST, _PROBE_OUTCOME, True, probe=True,
                  varied=varied)
 
 
-def _batch_route(vh: VHost, ex: Exchange, by_name: bool, rk: str, props: bytes) -> Any:
+def _batch_route(vh: Scope, ex: Exchange, by_name: bool, rk: str, props: bytes) -> Any:
     """The queues a message with routing key ``rk`` reaches from ``ex`` (no behaviour of its
     own), or None when ``publish_batch`` cannot take it: routing by headers, an exchange
     with a behaviour on the way, a queue with features or priorities (a batch's room is
@@ -448,7 +377,7 @@ def _batch_route(vh: VHost, ex: Exchange, by_name: bool, rk: str, props: bytes) 
     return queues
 
 
-def publish_run(vh: VHost, exchange: str, routing_key: str, names: EncodedNames, props: list[bytes],
+def publish_run(vh: Scope, exchange: str, routing_key: str, names: EncodedNames, props: list[bytes],
                 bodies: list[bytes], same: bool, ts: int, flags: int | None = None) -> PublishOutcome | None:
     """Publish a run of messages to one exchange and routing key as ``publish`` would one by
     one, when that can be done at once; None when not (the caller then publishes them one by

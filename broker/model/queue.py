@@ -31,16 +31,14 @@ nothing per message: the variant is its class.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Protocol
 
 from broker.model.fastpaths import FastPaths
 from broker.store.api import MessageStore, QueueCounters
 from broker.store.queue_store import QueueStore
 from broker.store.segment import short_pair
 
-if TYPE_CHECKING:
-    from broker.model.features import QueueFeatures, Taken
-    from broker.model.vhost import VHost
+Taken = tuple[int, bytes, bytes, bytes, bytes, bool]  # msgid, exchange, routing key, props, body, redelivered
 
 _PASS_BUDGET = 4096  # deliveries per pass before yielding to the loop
 _PASS_BYTES = 4 * 1024 * 1024  # body bytes per pass: flushes run before the next pass
@@ -99,6 +97,18 @@ class Consumer:
         """The queue went away; tell the client if it wants to know."""
 
 
+class Variants(Protocol):
+    """How a classic queue becomes its featured variant (broker/model/queue_featured.py
+    ``Promotion``) when it meets a feature no declare or policy asked for. Whoever builds the
+    queue hands it in (the vhost): the engine imports none of its variants."""
+
+    def expiration_seen(self, q: ClassicQueue) -> None:
+        """A message with an ``expiration`` property reached ``q``: check its head's expiry."""
+
+    def priority_consumer(self, q: ClassicQueue) -> None:
+        """A consumer with ``x-priority`` joined ``q``: order its consumers by priority."""
+
+
 class Queue:
     """What every queue type is to the rest of the broker (see the module doc)."""
 
@@ -107,7 +117,7 @@ class Queue:
         "consumers", "_schedule", "_scheduled", "_rr", "deleted", "had_consumers", "on_unused",
         "name_bytes", "on_dirty", "n_published", "n_delivered", "n_acked", "n_redelivered", "n_gets",
         "n_gets_no_ack", "n_get_empty",
-        "features", "fast",
+        "features", "fast", "variants",
     )
 
     def __init__(
@@ -124,6 +134,7 @@ class Queue:
         on_unused: Callable[[Queue], None],
         on_dirty: Callable[[Any], None],
         fast: FastPaths | None = None,
+        variants: Variants | None = None,
     ) -> None:
         self.vhost = vhost
         self.name = name
@@ -149,10 +160,13 @@ class Queue:
         self.n_gets = 0  # of n_delivered: basic.get
         self.n_gets_no_ack = 0  # of n_gets: without acknowledgement (counted by the protocol)
         self.n_get_empty = 0  # a get that found the queue empty
-        # TTL, limits, DLX, priorities...: a FeaturedQueue's state (broker/model/features.py)
-        self.features: QueueFeatures | None = None
+        # TTL, limits, DLX, priorities...: a FeaturedQueue's state (broker/model/features.py
+        # ``QueueFeatures``; the engine only keeps it, its variants read it)
+        self.features: object | None = None
         # direct hand-over and delivery runs on (the vhost's switch; tests turn it off)
         self.fast = fast if fast is not None else FastPaths()
+        # how a classic queue becomes featured (None: it stays what it is)
+        self.variants = variants
 
     @property
     def consumer_count(self) -> int:
@@ -184,8 +198,8 @@ class Queue:
     def touch(self) -> None:
         """A use that restarts an ``x-expires`` queue's idle clock (a redeclare)."""
 
-    def expiration_seen(self, vh: VHost) -> None:
-        """A message with an ``expiration`` property reached this queue (``vh``: its vhost)."""
+    def expiration_seen(self) -> None:
+        """A message with an ``expiration`` property reached this queue."""
 
     def schedule_delivery(self) -> None:
         if not self._scheduled and self.consumers and not self.deleted:
@@ -511,13 +525,12 @@ class ClassicQueue(Queue):
             c.cancelled_by_server()
         self.store.delete()
 
-    def expiration_seen(self, vh: VHost) -> None:
+    def expiration_seen(self) -> None:
         # per-message TTLs: the featured engine checks the head's expiry from now on
-        from broker.model import queue_featured
-        queue_featured.featured(self, vh).msg_ttl_seen = True
+        if self.variants is not None:
+            self.variants.expiration_seen(self)
 
     def _consumers_changed(self, added: Consumer | None) -> None:
-        if added is not None and "x-priority" in added.arguments:
+        if added is not None and "x-priority" in added.arguments and self.variants is not None:
             # consumer priorities order the consumers: the featured engine does that
-            from broker.model import queue_featured
-            queue_featured.featured(self).consumers_changed()
+            self.variants.priority_consumer(self)

@@ -19,6 +19,10 @@ becomes one of these types, for the rest of its life:
   broker/model/queue_types.py) with its type's consumer rule (no global prefetch) and
   its dead-letter strategy (``at-least-once`` is honoured).
 
+The engine imports none of this: a classic queue that meets a message with an
+``expiration`` or a consumer with ``x-priority`` asks the ``queue.Variants`` its vhost
+handed it (``Promotion`` here) to make it featured.
+
 A type change is a class change of the same object (``__class__``; the types share
 one slot layout), so sessions, consumers and bindings that hold the queue keep it.
 Delayed messages are an exchange's behaviour (broker/model/exchange_features.py), not
@@ -27,14 +31,12 @@ a queue type; streams are ``StreamQueue`` (broker/model/stream.py).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, cast
 
 from broker.model import queue_types
-from broker.model.features import CallLater, QueueConfig, QueueFeatures, Taken, effective_config
-from broker.model.queue import ClassicQueue, Consumer
-
-if TYPE_CHECKING:
-    from broker.model.vhost import VHost
+from broker.model.features import CallLater, QueueConfig, QueueFeatures, effective_config
+from broker.model.publish_api import Republisher
+from broker.model.queue import ClassicQueue, Consumer, Taken
 
 
 class FeaturedQueue(ClassicQueue):
@@ -147,9 +149,9 @@ def _featured_type(q: ClassicQueue) -> type[FeaturedQueue]:
     return QuorumQueue if queue_types.type_of(q.arguments) == queue_types.QUORUM else FeaturedQueue
 
 
-def _become_featured(q: ClassicQueue, vh: VHost | None, cfg: QueueConfig,
+def _become_featured(q: ClassicQueue, publisher: Republisher | None, cfg: QueueConfig,
                      call_later: CallLater | None) -> QueueFeatures:
-    f = QueueFeatures(q, vh, cfg, call_later)
+    f = QueueFeatures(q, publisher, cfg, call_later)
     q.features = f
     if not isinstance(q, FeaturedQueue):
         q.__class__ = _featured_type(q)
@@ -157,26 +159,46 @@ def _become_featured(q: ClassicQueue, vh: VHost | None, cfg: QueueConfig,
     return f
 
 
-def attach(vh: VHost | None, q: ClassicQueue, args_cfg: QueueConfig, policy: dict[str, Any] | None,
-           operator: dict[str, Any] | None, call_later: CallLater | None) -> None:
-    """(Re)compute a queue's effective config; make it a featured type when it needs any."""
+def attach(publisher: Republisher | None, q: ClassicQueue, args_cfg: QueueConfig,
+           policy: dict[str, Any] | None, operator: dict[str, Any] | None,
+           call_later: CallLater | None) -> None:
+    """(Re)compute a queue's effective config; make it a featured type when it needs any.
+    ``publisher``: the publish operation its dead letters go through (the vhost)."""
     cfg = effective_config(args_cfg, policy, operator)
-    f = q.features
+    f = cast("QueueFeatures | None", q.features)
     if f is None:
         if cfg.is_plain():
             return
-        _become_featured(q, vh, cfg, call_later)
+        _become_featured(q, publisher, cfg, call_later)
     else:
-        if vh is not None:
-            f.vhost = vh
+        if publisher is not None:
+            f.publisher = publisher
         f.reconfigure(cfg)
 
 
-def featured(q: ClassicQueue, vh: VHost | None = None) -> QueueFeatures:
+def featured(q: ClassicQueue, publisher: Republisher | None = None,
+             call_later: CallLater | None = None) -> QueueFeatures:
     """The queue's features, after making it a featured type (plain config) if it was not."""
-    f = q.features
+    f = cast("QueueFeatures | None", q.features)
     if f is None:
-        return _become_featured(q, vh, QueueConfig(), vh.call_later if vh is not None else None)
-    if vh is not None and f.vhost is None:
-        f.vhost = vh
+        return _become_featured(q, publisher, QueueConfig(), call_later)
+    if publisher is not None and f.publisher is None:
+        f.publisher = publisher
     return f
+
+
+class Promotion:
+    """``queue.Variants`` for the classic queues of one vhost: ``publisher`` and ``call_later``
+    are what the vhost hands a queue's features (its publish operation, its timers)."""
+
+    __slots__ = ("publisher", "call_later")
+
+    def __init__(self, publisher: Republisher, call_later: CallLater | None) -> None:
+        self.publisher = publisher
+        self.call_later = call_later
+
+    def expiration_seen(self, q: ClassicQueue) -> None:
+        featured(q, self.publisher, self.call_later).msg_ttl_seen = True
+
+    def priority_consumer(self, q: ClassicQueue) -> None:
+        featured(q).consumers_changed()  # (made featured without the vhost's hooks, as ever)

@@ -49,16 +49,16 @@ import datetime
 import heapq
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Final
+from pathlib import Path
+from typing import Any, Final
 
 from broker import errors, properties
+from broker.model.features import CallLater, TimerHandle
 from broker.model.queue import Consumer, Queue
 from broker.store.paths import queue_dir, write_name
+from broker.store.segment_log import SegmentFiles
+from broker.store.sink import ReplicationSink
 from broker.store.stream_store import Record, Retention, StreamPosition, StreamStore, parse_age
-
-if TYPE_CHECKING:
-    from broker.model.features import CallLater, TimerHandle
-    from broker.model.vhost import VHost
 
 OFFSET_BITS: Final = 40
 OFFSET_MASK: Final = (1 << OFFSET_BITS) - 1
@@ -148,29 +148,26 @@ def effective_retention(arguments: Retention, policy: dict[str, Any] | None,
                      _lowest(arguments.max_age_ms, pol.max_age_ms, op.max_age_ms))
 
 
-def apply_stream_policies(vh: VHost, q: StreamQueue) -> None:
-    """Give ``q`` the retention its arguments and the vhost's (operator) policies add up to."""
-    pol, op = vh.policy_set.for_queue(q.name, "stream")
-    q.apply_policies(pol.definition if pol else None, op.definition if op else None)
-
-
-def new_stream_queue(vh: VHost, name: str, *, durable: bool, exclusive: bool, auto_delete: bool,
-                     arguments: dict[str, Any]) -> StreamQueue:
-    """Build the stream queue for ``VHost.declare_queue`` (406 unless durable, shared, kept)."""
+def new_stream_queue(vhost: str, vhost_dir: Path, name: str, *, durable: bool, exclusive: bool,
+                     auto_delete: bool, arguments: dict[str, Any], segment_size: int,
+                     sink: ReplicationSink, files: SegmentFiles,
+                     schedule: Callable[[Callable[[], None]], object],
+                     on_unused: Callable[[Queue], None], on_dirty: Callable[[Any], None],
+                     call_later: CallLater | None) -> StreamQueue:
+    """Build the stream queue for ``VHost.declare_queue`` (406 unless durable, shared, kept);
+    the vhost then gives it its policies' retention (``policy.apply_to_queue``)."""
     if not durable or exclusive or auto_delete:
         raise errors.PreconditionFailed(
-            f"invalid property for queue '{name}' in vhost '{vh.name}': stream queues must be "
+            f"invalid property for queue '{name}' in vhost '{vhost}': stream queues must be "
             "durable, non-exclusive and not auto-delete")
     retention = retention_from_arguments(arguments)
-    seg_size = _int_arg(arguments, "x-stream-max-segment-size-bytes") or vh.segment_size
-    directory = queue_dir(vh.dir, name)
-    store = StreamStore(directory, segment_size=max(seg_size, 64), sink=vh.sink, retention=retention,
-                        files=vh.files)
-    write_name(directory / ".queue", name, vh.sink)
-    q = StreamQueue(vh.name, name, arguments=arguments, stream=store, schedule=vh.schedule,
-                    on_unused=vh._queue_unused, on_dirty=vh.mark_dirty, call_later=vh.call_later)
-    apply_stream_policies(vh, q)  # also runs retention and arms the age timer
-    return q
+    seg_size = _int_arg(arguments, "x-stream-max-segment-size-bytes") or segment_size
+    directory = queue_dir(vhost_dir, name)
+    store = StreamStore(directory, segment_size=max(seg_size, 64), sink=sink, retention=retention,
+                        files=files)
+    write_name(directory / ".queue", name, sink)
+    return StreamQueue(vhost, name, arguments=arguments, stream=store, schedule=schedule,
+                       on_unused=on_unused, on_dirty=on_dirty, call_later=call_later)
 
 
 class _Filter:

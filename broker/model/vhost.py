@@ -33,7 +33,16 @@ from pamqp import frame as pframe
 from pamqp.base import Frame as PFrame
 
 from broker import errors
-from broker.model import definition_records, exchange_features, features, methods, policy, queue_types
+from broker.model import (
+    definition_records,
+    exchange_features,
+    features,
+    methods,
+    policy,
+    queue_featured,
+    queue_types,
+    stream,
+)
 from broker.model import publish as publishing
 from broker.model.exchange import Exchange, check_x_match
 from broker.model.fastpaths import FastPaths
@@ -110,6 +119,9 @@ class VHost:
         self.meta = VHostMeta(self.dir / "metadata.json", sink)  # description, default_queue_type
         self._replaying = False
         self.fast = FastPaths()  # publish/delivery runs and direct hand-over (tests switch off)
+        # how its classic queues become featured ones unasked (an expiration, a consumer
+        # priority): their features' dead letters go through this vhost's publish operation
+        self._variants = queue_featured.Promotion(self, call_later)
         self._load()
 
     # ------------------------------------------------------------ definitions
@@ -243,7 +255,8 @@ class VHost:
             return ex
         ex = Exchange(name, type_, durable, auto_delete, internal, arguments)
         if exchange_features.needs_special(ex):
-            exchange_features.attach(self, ex)  # delayed / consistent hash / dedup (406 if bad)
+            # delayed / consistent hash / dedup (406 on a bad argument)
+            ex.special = exchange_features.ExchangeSpecial(self, ex)
         self.exchanges[name] = ex
         if self.policy_set.policies:
             policy.apply_to_exchange(self, ex)  # alternate-exchange by policy
@@ -330,9 +343,12 @@ class VHost:
                                             auto_delete=auto_delete, queue=name, vhost=self.name)
             features.check_queue_mode(arguments, name, self.name)
         if arguments.get("x-queue-type") == "stream":  # stream queues: broker/model/stream.py
-            from broker.model.stream import new_stream_queue
-            q = new_stream_queue(self, name, durable=durable, exclusive=exclusive,
-                                 auto_delete=auto_delete, arguments=arguments)
+            q = stream.new_stream_queue(
+                self.name, self.dir, name, durable=durable, exclusive=exclusive, auto_delete=auto_delete,
+                arguments=arguments, segment_size=self.segment_size, sink=self.sink, files=self.files,
+                schedule=self.schedule, on_unused=self._queue_unused, on_dirty=self.mark_dirty,
+                call_later=self.call_later)
+            policy.apply_to_queue(self, q)  # retention: also runs it and arms the age timer
             self._admit_new_queue(q, arguments, log=True)
             return q, True
         args_cfg = features.parse_arguments(arguments, name, self.name)  # 406 on a bad x-arg
@@ -366,7 +382,7 @@ class VHost:
             q = ClassicQueue(self.name, name, durable=durable, exclusive_owner=owner if exclusive else None,
                              auto_delete=auto_delete, arguments=arguments, store=messages,
                              schedule=self.schedule, on_unused=self._queue_unused, on_dirty=self.mark_dirty,
-                             fast=self.fast)
+                             fast=self.fast, variants=self._variants)
         except BaseException:
             store.delete()  # a refused declare leaves no directory behind
             raise
@@ -513,6 +529,11 @@ class VHost:
         """THE publish operation: route, apply every exchange's and queue's behaviour,
         append; the outcome says what happened (broker/model/publish.py)."""
         return publishing.publish(self, req)
+
+    def publish_from_hold(self, req: publishing.PublishRequest) -> publishing.PublishOutcome:
+        """``publish`` for a message coming out of its exchange's own hold (a delayed message
+        now due, broker/model/exchange_features.py): that exchange's delay is not applied again."""
+        return publishing.publish(self, req, first_hop=False)
 
     def publish_run(self, exchange: str, routing_key: str, names: publishing.EncodedNames, props: list[bytes],
                     bodies: list[bytes], same: bool, ts: int, flags: int | None = None

@@ -1,0 +1,174 @@
+"""Instructions per message on the hot path, counted by valgrind's callgrind.
+
+CPU time on a shared machine moves by tens of per cent from run to run; an instruction count
+does not. One child process runs every scenario under ``valgrind --tool=callgrind``, each on a
+broker of its own (a real ``Node`` and its vhost, real segment files in a temp dir, sessions fed
+pre-encoded frames as in ``benchmarks/hotpath.py``). Around each measured loop the parent zeroes
+callgrind's counters and dumps them (``callgrind_control``), so start-up, imports and set-up
+are not counted; the count over ``n`` is the cost of one message. The child waits for the
+parent by polling a file (valgrind answers ``callgrind_control`` only while its client runs),
+which adds a few hundred instructions to a measurement of millions.
+
+Scenarios: ``publish`` (identical messages to a queue without consumers: runs),
+``publish-varied`` (every message different, 200 B-2 KiB with headers), ``deliver-autoack``,
+``direct-autoack`` (publish while an autoack consumer waits: the direct hand-over),
+``deliver-ack`` (prefetch 1000, acked in multiples) and ``topic`` (through ``amq.topic`` to two
+queues).
+
+Usage: ``python benchmarks/callgrind.py [-n 2000] [scenario ...]`` (needs valgrind).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from pamqp import commands
+from pamqp import frame as pframe
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hotpath import handshake, publish_frames  # noqa: E402
+
+SCENARIOS = ("publish", "publish-varied", "deliver-autoack", "direct-autoack", "deliver-ack", "topic")
+_TOTALS = re.compile(r"^(?:summary|totals):\s*(\d+)", re.M)
+
+
+def _wait(flag: Path) -> None:
+    while not flag.exists():
+        time.sleep(0.005)
+    flag.unlink()
+
+
+def _feed(session: object, data: bytes, out: bytearray | None = None) -> None:
+    chunk = 65536
+    for i in range(0, len(data), chunk):
+        session.receive_data(data[i : i + chunk])  # type: ignore[attr-defined]
+        session.after_batch()  # type: ignore[attr-defined]
+        if out is not None:
+            out.clear()
+
+
+async def _scenario(scenario: str, n: int, sync: Path) -> None:
+    """Set up a broker for ``scenario``, then put ``n`` messages through it between the
+    parent's zeroing and dumping of the counters."""
+    from broker.amqp.session import Session
+    from broker.config import load_config
+    from broker.node import Node
+
+    tmp = Path(tempfile.mkdtemp(prefix="skred-callgrind-"))
+    try:
+        cfg = load_config(["--data-dir", str(tmp), "--no-sync", "--no-mgmt"], environ={})
+        broker = Node(cfg).load(asyncio.get_running_loop())
+        pub = Session(broker, ("127.0.0.1", 1), lambda: None)
+        handshake(pub)
+        pub.receive_data(pframe.marshal(commands.Queue.Declare(queue="hp"), 1))
+        frames = publish_frames(n, 16, "hp", scenario == "publish-varied")
+        if scenario == "topic":
+            for q in ("t1", "t2"):
+                pub.receive_data(pframe.marshal(commands.Queue.Declare(queue=q), 1))
+                pub.receive_data(pframe.marshal(commands.Queue.Bind(queue=q, exchange="amq.topic",
+                                                                     routing_key="a.*"), 1))
+            frames = publish_frames(n, 16, "a.b").replace(
+                pframe.marshal(commands.Basic.Publish(exchange="", routing_key="a.b"), 1),
+                pframe.marshal(commands.Basic.Publish(exchange="amq.topic", routing_key="a.b"), 1))
+        pub.out.clear()
+        q = broker.vhosts["/"].queues["hp"]
+        cons = Session(broker, ("127.0.0.1", 2), lambda: None)
+        handshake(cons)
+        if scenario in ("deliver-autoack", "deliver-ack"):
+            _feed(pub, frames)
+        if scenario in ("deliver-autoack", "direct-autoack"):
+            cons.receive_data(pframe.marshal(commands.Basic.Consume(queue="hp", consumer_tag="c",
+                                                                    no_ack=True), 1))
+        elif scenario == "deliver-ack":
+            cons.receive_data(pframe.marshal(commands.Basic.Qos(prefetch_count=1000), 1))
+            cons.receive_data(pframe.marshal(commands.Basic.Consume(queue="hp", consumer_tag="c"), 1))
+        cons.out.clear()
+        print("ready", flush=True)
+        _wait(sync)  # counters zeroed
+        if scenario in ("deliver-autoack", "deliver-ack"):
+            while q.message_count:
+                q._deliver()
+                cons.out.clear()
+                if scenario == "deliver-ack":
+                    tag = cons.chs[1].next_tag - 1
+                    cons.receive_data(pframe.marshal(commands.Basic.Ack(delivery_tag=tag, multiple=True), 1))
+        else:
+            _feed(pub, frames, cons.out)
+        print("done", flush=True)
+        _wait(sync)  # counters dumped
+        for vh in broker.vhosts.values():
+            vh.close()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+async def _child(n: int, sync: Path, scenarios: list[str]) -> None:
+    for scenario in scenarios:
+        await _scenario(scenario, n, sync)
+
+
+def _control(*args: str) -> None:
+    subprocess.run(["callgrind_control", *args], check=True, capture_output=True, timeout=600)
+
+
+def measure(n: int, scenarios: list[str]) -> dict[str, float]:
+    """Instructions per message of each scenario (one valgrind run for all of them)."""
+    work = Path(tempfile.mkdtemp(prefix="skred-cg-"))
+    sync = work / "go"
+    out: dict[str, float] = {}
+    try:
+        child = subprocess.Popen(
+            ["valgrind", "--tool=callgrind", f"--callgrind-out-file={work}/cg.out", sys.executable,
+             __file__, "--child", str(n), str(sync), *scenarios],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            env={**os.environ, "PYTHONHASHSEED": "0"})  # the same str hashes, run after run
+        assert child.stdout is not None
+        pid = str(child.pid)
+        for i, scenario in enumerate(scenarios):
+            for expect in ("ready", "done"):
+                line = child.stdout.readline().strip()
+                if line != expect:
+                    raise RuntimeError(f"{scenario}: child said {line!r}, not {expect!r}")
+                if expect == "ready":
+                    _control("--zero", pid)
+                else:
+                    _control("--dump", pid)
+                sync.touch()
+            dumps = sorted(work.glob("cg.out*"), key=lambda p: p.stat().st_mtime)
+            m = _TOTALS.search(dumps[-1].read_text(errors="replace"))
+            if m is None or len(dumps) < i + 1:
+                raise RuntimeError(f"{scenario}: no callgrind dump")
+            out[scenario] = int(m.group(1)) / n
+        child.wait(timeout=600)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def main() -> None:
+    if len(sys.argv) >= 4 and sys.argv[1] == "--child":
+        asyncio.run(_child(int(sys.argv[2]), Path(sys.argv[3]), sys.argv[4:]))
+        return
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-n", type=int, default=2000, help="messages per scenario")
+    ap.add_argument("scenarios", nargs="*", help=f"of {', '.join(SCENARIOS)} (default: all)")
+    args = ap.parse_args()
+    for scenario in args.scenarios:
+        if scenario not in SCENARIOS:
+            ap.error(f"no scenario {scenario!r}")
+    print(f"{'scenario':18s} instructions/msg")
+    for scenario, per in measure(args.n, args.scenarios or list(SCENARIOS)).items():
+        print(f"{scenario:18s} {per:12,.0f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
