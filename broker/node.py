@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING
 from broker import metrics, tls
 from broker.amqp.broker import Broker
 from broker.auth.parameters import FILE_NAME as PARAMETERS_FILE
-from broker.auth.parameters import GlobalParameters
+from broker.auth.parameters import RUNTIME_FILE_NAME, GlobalParameters, RuntimeParameters
 from broker.auth.throttle import LoginThrottle
 from broker.auth.users import UserStore
 from broker.auth.vhosts import VHostStore
@@ -67,6 +67,8 @@ from broker.mqtt.server import MQTTProtocol, MQTTServer
 from broker.net import proxy
 from broker.net.listener import Listener, keep_peer
 from broker.net.server import AMQPProtocol, AMQPServer
+from broker.shovel.local import Local
+from broker.shovel.manager import Shovels
 from broker.store.blobs import BlobDir
 from broker.store.fileio import syncfs
 from broker.store.intent import IntentFile
@@ -141,6 +143,7 @@ class Node:
         self.tls: tls.ServerTLS | None = None
         self.lmq: LMQServer | None = None
         self.mqtt: MQTTServer | None = None
+        self.shovels: Shovels | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._syncer: Syncer | None = None
         self._files: SegmentFiles | None = None  # made at load(), after the fd limit was raised
@@ -210,7 +213,9 @@ class Node:
             mgmt = self.mgmt = Mgmt(broker, self.vhost_store, self.make_vhost, cfg.main.data_dir,
                                     cfg.main.data_dir / "transient",
                                     GlobalParameters(cfg.main.data_dir / PARAMETERS_FILE, self.sink),
-                                    IntentFile(cfg.main.data_dir / IMPORT_INTENT_FILE, self.sink))
+                                    IntentFile(cfg.main.data_dir / IMPORT_INTENT_FILE, self.sink),
+                                    RuntimeParameters(cfg.main.data_dir / RUNTIME_FILE_NAME, self.sink))
+            self.start_shovels(broker, mgmt)  # registers its component: before an import resumes
             resume_import(mgmt)  # an import a crash cut off comes back whole, before anything serves
             mgmt.cluster = self.cluster
             mgmt.node_name = metrics.node_name(cfg.main.node_name, cfg.amqp.port)
@@ -231,6 +236,8 @@ class Node:
             if cfg.mgmt.enabled:
                 await self.start_http(broker, mgmt)
             await self.start_amqp(broker, mgmt)
+            if self.shovels is not None:
+                self.shovels.start()
         except BaseException:
             self.release_lock()
             raise
@@ -346,6 +353,12 @@ class Node:
                              cfg.amqp.max_bytes_in_flight)
         await self.lmq.start()
 
+    def start_shovels(self, broker: Broker, mgmt: Mgmt) -> None:
+        """Shovels run where the broker runs: a single node or the cluster's leader (broker/shovel)."""
+        assert mgmt.parameters is not None
+        local = Local(broker.vhosts, broker.users, broker.syncer.after_sync)
+        self.shovels = mgmt.shovels = Shovels(mgmt.parameters, local, lambda: mgmt.node_name)
+
     async def start_mqtt(self, broker: Broker) -> None:
         """MQTT's listeners over the broker's vhosts and users (broker/mqtt)."""
         cfg = self.config
@@ -454,6 +467,8 @@ class Node:
 
     async def shutdown(self) -> None:
         self._read_ahead_stop.set()
+        if self.shovels is not None:  # first: a shovel's source gives its messages back
+            await self.shovels.stop()
         if self._reader is not None:
             self._reader.cancel()
             self._reader = None

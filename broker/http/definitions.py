@@ -114,6 +114,8 @@ def _parameters(mgmt: Mgmt, vhost_names: list[str]) -> list[dict[str, Any]]:
         if p["vhost"] in vhost_names:
             out.append({"vhost": p["vhost"], "component": OPERATOR_POLICY_COMPONENT, "name": p["name"],
                         "value": {k: p[k] for k in ("pattern", "definition", "priority", "apply-to")}})
+    if mgmt.parameters is not None:  # shovels, federation upstreams
+        out.extend(p for p in mgmt.parameters.list() if p["vhost"] in vhost_names)
     return out
 
 
@@ -233,6 +235,7 @@ class Plan:
         self.queues: list[tuple[str, str, bool, bool, dict[str, Any]]] = []
         self.bindings: list[tuple[str, str, str, str, str, dict[str, Any]]] = []
         self.grants = definitions_grants.Grants()  # topic permissions, user limits, global parameters
+        self.runtime: list[tuple[str, str, str, Any]] = []  # component, vhost, name, value (shovels...)
 
 
 def validate(mgmt: Mgmt, doc: Any, vhost: str | None = None) -> Plan:
@@ -322,7 +325,7 @@ def validate(mgmt: Mgmt, doc: Any, vhost: str | None = None) -> Plan:
         except definitions_grants.GrantsError as exc:
             raise _fail(exc.where, exc.what) from None
     for i, e in enumerate(_list(doc, "parameters")):
-        _parameter(plan, f"parameters[{i}]", vhost_of(f"parameters[{i}]", e), e)
+        _parameter(plan, f"parameters[{i}]", vhost_of(f"parameters[{i}]", e), e, mgmt)
     declared: dict[tuple[str, str, str], bool] = {}
     kinds: dict[tuple[str, str], str] = {}  # (vhost, exchange) -> type, for the document's own
     for i, e in enumerate(_list(doc, "exchanges")):
@@ -437,7 +440,7 @@ def _queue_args(where: str, e: dict[str, Any], name: str, vh_name: str, durable:
         raise _fail(where, exc.reply_text) from None
 
 
-def _parameter(plan: Plan, where: str, vh_name: str, e: dict[str, Any]) -> None:
+def _parameter(plan: Plan, where: str, vh_name: str, e: dict[str, Any], mgmt: Mgmt) -> None:
     component, value = e.get("component"), e.get("value")
     if component == LIMITS_COMPONENT:
         if not isinstance(value, dict):
@@ -449,6 +452,13 @@ def _parameter(plan: Plan, where: str, vh_name: str, e: dict[str, Any]) -> None:
     elif component == OPERATOR_POLICY_COMPONENT:
         try:
             plan.operator_policies.append(validate_policy(vh_name, _name(where, e), value))
+        except ValueError as exc:
+            raise _fail(where, str(exc)) from None
+    elif mgmt.parameters is not None and isinstance(component, str) and mgmt.parameters.knows(component):
+        name = _name(where, e)
+        try:
+            checked = mgmt.parameters.check(component, vh_name, name, value)
+            plan.runtime.append((component, vh_name, name, checked))
         except ValueError as exc:
             raise _fail(where, str(exc)) from None
     else:
@@ -545,6 +555,13 @@ def apply(mgmt: Mgmt, plan: Plan, undo: _Undo | None = None) -> None:
             vh.bind_exchange(dest, source, rk, args)
             undo.add(lambda vh=vh, d=dest, s=source, rk=rk, a=args:  # type: ignore[misc]
                      _unlogged(vh, vh.unbind_exchange, d, s, rk, a))
+    runtime = mgmt.parameters
+    for component, vh_name, name, value in plan.runtime:  # last: a shovel starts on what exists
+        assert runtime is not None
+        old = runtime.get(component, vh_name, name)
+        runtime.put(component, vh_name, name, value)
+        undo.add(lambda c=component, v=vh_name, n=name, old=old:  # type: ignore[misc]
+                 runtime.put(c, v, n, old) if old is not None else runtime.delete(c, v, n))
 
 
 def _unlogged(vh: VHost, change: Callable[..., object], *args: Any, **kw: Any) -> None:

@@ -6,6 +6,7 @@ from typing import Any
 
 from aiohttp import web
 
+from broker.auth.parameters import RuntimeParameters
 from broker.auth.passwords import ALGORITHMS, HASHING_ALGORITHM
 from broker.auth.users import User, UserStore
 from broker.http import definitions
@@ -328,39 +329,69 @@ async def delete_vhost_limit(request: web.Request) -> web.Response:
 
 
 # ------------------------------------------------------- runtime parameters
-# Skred has no plugin that registers a runtime-parameter component (federation, shovel), so
-# every list is empty, as on a RabbitMQ without those plugins, and a PUT names an unknown one.
-# Global parameters are kept (routes_grants.py).
+# Components (shovel, federation) register with the node's ``RuntimeParameters``
+# (broker/auth/parameters.py); a PUT to any other names an unknown component, as on a RabbitMQ
+# without the plugin. Global parameters are kept apart (routes_grants.py).
+def _runtime(request: web.Request) -> RuntimeParameters | None:
+    return request.app[MGMT_KEY].parameters
+
+
 @routes.get("/api/parameters")
 @routes.get("/api/parameters/{component}")
 async def parameters(request: web.Request) -> web.Response:
-    return paginate(request, [])
+    """For policymakers (RabbitMQ's rule: a shovel's value holds its URIs' passwords)."""
+    if not ({"administrator", "policymaker"} & set(user_of(request).tags)):
+        raise forbidden("Not policymaker user")
+    store = _runtime(request)
+    found = [] if store is None else store.list(request.match_info.get("component"))
+    return paginate(request, [p for p in found if can_see_vhost(request, p["vhost"])])
 
 
 @routes.get("/api/parameters/{component}/{vhost}")
 async def vhost_parameters(request: web.Request) -> web.Response:
-    vhost_param(request)
-    return paginate(request, [])
+    vhost_name = vhost_param(request)
+    _require_policymaker(request, vhost_name)
+    store = _runtime(request)
+    return paginate(request, [] if store is None else store.list(request.match_info["component"], vhost_name))
 
 
 @routes.get("/api/parameters/{component}/{vhost}/{name}")
 async def parameter(request: web.Request) -> web.Response:
-    raise not_found()
+    vhost_name = vhost_param(request)
+    _require_policymaker(request, vhost_name)
+    store, component, name = _runtime(request), request.match_info["component"], request.match_info["name"]
+    value = None if store is None else store.get(component, vhost_name, name)
+    if value is None:
+        raise not_found()
+    return web.json_response({"vhost": vhost_name, "component": component, "name": name, "value": value})
 
 
 @routes.put("/api/parameters/{component}/{vhost}/{name}")
 async def put_parameter(request: web.Request) -> web.Response:
-    vhost_param(request)
-    require_admin(request)
-    raise bad_request(f"component '{request.match_info['component']}' not found")
+    vhost_name = vhost_param(request)
+    _require_policymaker(request, vhost_name)  # RabbitMQ: parameters are for policymakers
+    store, component = _runtime(request), request.match_info["component"]
+    if store is None:
+        raise bad_request(f"component '{component}' not found")
+    body = await json_body(request, required=("value",))
+    try:
+        new = store.put(component, vhost_name, request.match_info["name"], body["value"],
+                        user=user_of(request).name)
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
+    return created() if new else no_content()
 
 
 @routes.delete("/api/parameters/{component}/{vhost}/{name}")
 async def delete_parameter(request: web.Request) -> web.Response:
-    """No component, so no parameter: 404 as RabbitMQ answers for a missing one (rabbitmqadmin
-    prints 'Not found' rather than failing on a 405)."""
-    vhost_param(request)
-    raise not_found()
+    """404 for a missing one, as RabbitMQ answers (rabbitmqadmin prints 'Not found' rather than
+    failing on a 405)."""
+    vhost_name = vhost_param(request)
+    _require_policymaker(request, vhost_name)
+    store, component, name = _runtime(request), request.match_info["component"], request.match_info["name"]
+    if store is None or not store.delete(component, vhost_name, name):
+        raise not_found()
+    return no_content()
 
 
 # ------------------------------------------------------------------- policies
