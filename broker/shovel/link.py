@@ -49,6 +49,7 @@ RETRY_CAP = 5.0  # the longest wait between two attempts at one message
 STABLE_AFTER = 30.0  # a run that lasted this long resets the reconnect back-off
 MAX_BACKOFF = 60.0  # seconds: the reconnect back-off's ceiling (unless reconnect-delay is longer)
 OPEN_TIMEOUT = 60.0  # seconds for both ends to open
+DRAIN_TIMEOUT = 5.0  # seconds a stopping shovel waits for its in-flight messages to settle
 
 MakeEnds = Callable[[ShovelDef, bool], tuple[Source, Destination]]
 
@@ -73,14 +74,25 @@ class Link:
         self._limit: int | None = None
         self._accepted = 0
         self._refused_wait = RETRY_FIRST
+        self._stopping = False
 
     # ----------------------------------------------------------------- control
     def start(self) -> None:
         self.task = asyncio.get_running_loop().create_task(self._run(), name=f"shovel {self.d.name}")
 
     async def stop(self) -> None:
+        """Stop taking messages, let those in flight settle (up to ``DRAIN_TIMEOUT``), close."""
         task, self.task = self.task, None
-        if task is not None:
+        if task is None:
+            return
+        self._stopping = True
+        if self.state == "running" and self._broken is not None and not self._broken.done():
+            self._broken.set_result("stopped")
+            try:
+                await asyncio.wait_for(asyncio.shield(task), DRAIN_TIMEOUT + 5)
+            except (TimeoutError, asyncio.CancelledError, Exception):  # noqa: BLE001 - cancelled below
+                pass
+        if not task.done():
             task.cancel()
             try:
                 await task
@@ -97,6 +109,8 @@ class Link:
             began = time.monotonic()
             self._set("starting")
             reason = await self._one_run()
+            if self._stopping:
+                return
             if reason is None:  # src-delete-after reached
                 self.on_done()
                 return
@@ -141,6 +155,8 @@ class Link:
             result = next(iter(done)).result()
             return None if result is None else str(result)
         finally:
+            if self._stopping and self._tasks:  # a clean stop: what the destination took is acked
+                await asyncio.wait(list(self._tasks), timeout=DRAIN_TIMEOUT)
             for task in [*self._tasks, *([worker] if worker is not None else [])]:
                 task.cancel()
             self._tasks.clear()
@@ -151,6 +167,8 @@ class Link:
 
     # ----------------------------------------------------------------- messages
     def _on_message(self, src: Source, dst: Destination, msg: Message) -> None:
+        if self._stopping:
+            return  # left unsettled: given back when the source closes
         if self._limit is not None and self._accepted >= self._limit:
             return  # past src-delete-after: left unsettled, given back when the source closes
         self._accepted += 1

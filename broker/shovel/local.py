@@ -121,7 +121,7 @@ class LocalSource:
                 vh.bind_queue(q.name, ex, d.src_exchange_key, {}, owner=self)
             self.length = q.message_count
             features = q.features
-            self.can_dead_letter = features is not None and bool(features.cfg.dlx)
+            self.can_dead_letter = features is not None and features.cfg.dlx is not None
             q.check_consume(self.no_ack, self.prefetch, 0, dict(self.args))
             self.queue, self.on_message = q, on_message
             self.consumer = _ShovelConsumer(self, self.tag, q, self.no_ack, dict(self.args))
