@@ -24,7 +24,8 @@ exchange; otherwise it goes back to the source after the back-off. Nothing is dr
 credentials, a missing queue), both are closed (the source gives back its unsettled messages),
 the status becomes ``terminated`` with the reason, and the next run starts after
 ``reconnect-delay`` seconds, doubled after each run that failed within ``STABLE_AFTER`` seconds,
-up to ``max(reconnect-delay, MAX_BACKOFF)``: never a hot loop. ``reconnect-delay`` 0 means no
+up to 8 times ``reconnect-delay`` (and at most ``MAX_BACKOFF`` unless ``reconnect-delay`` is longer):
+never a hot loop. ``reconnect-delay`` 0 means no
 reconnect (RabbitMQ's meaning): the shovel stays terminated until restarted.
 
 **src-delete-after**: a count, or ``queue-length`` (the source queue's length when the run
@@ -119,8 +120,8 @@ class Link:
             if self.d.reconnect_delay == 0:
                 return
             failures = 0 if time.monotonic() - began >= STABLE_AFTER else failures + 1
-            ceiling = max(self.d.reconnect_delay, MAX_BACKOFF)
-            await asyncio.sleep(min(self.d.reconnect_delay * 2 ** min(max(failures - 1, 0), 16), ceiling))
+            delay = self.d.reconnect_delay
+            await asyncio.sleep(min(delay * 2 ** min(max(failures - 1, 0), 3), max(delay, MAX_BACKOFF)))
 
     async def _one_run(self) -> str | None:
         """The reason this run ended, None when the shovel is done."""
@@ -215,6 +216,10 @@ class Link:
         except EndLost as exc:
             if self._broken is not None and not self._broken.done():
                 self._broken.set_result(str(exc))
+        except Exception as exc:  # noqa: BLE001 - a bug must not leave the run wedged: it restarts
+            log.exception("shovel '%s': forwarding failed", self.d.name)
+            if self._broken is not None and not self._broken.done():
+                self._broken.set_result(f"internal error: {type(exc).__name__}: {exc}")
 
     def _outgoing(self, msg: Message) -> None:
         """Address ``msg`` for the destination and add what the definition asks for."""

@@ -30,6 +30,9 @@ from broker.shovel.definition import ShovelDef, Uri
 from broker.shovel.ends import EndLost, Message, Settle, Verdict, new_lost, set_lost
 
 log = logging.getLogger(__name__)
+# aiormq logs a traceback at WARNING for every connection the peer drops; the shovel's status and
+# its own warning say that once, with the reason
+logging.getLogger("aiormq.connection").setLevel(logging.ERROR)
 
 CONNECT_TIMEOUT = 15.0  # seconds for the TCP, TLS and AMQP handshakes of one URI
 OP_TIMEOUT = 30.0  # seconds for one declare, qos, consume
@@ -86,6 +89,7 @@ class AmqpSource:
         self.length = 0
         self.conn: aiormq.abc.AbstractConnection | None = None
         self.channel: aiormq.abc.AbstractChannel | None = None
+        self.settling: set[asyncio.Future[Any]] = set()
 
     async def open(self, on_message: Callable[[Message], None]) -> None:
         d = self.d
@@ -128,12 +132,22 @@ class AmqpSource:
         coro = ch.basic_ack(tag, wait=False) if how is Settle.ACK else ch.basic_reject(tag, requeue=True,
                                                                                           wait=False)
         task = asyncio.ensure_future(coro)
-        task.add_done_callback(_quiet)
+        self.settling.add(task)
+        task.add_done_callback(self._settled)
+
+    def _settled(self, task: asyncio.Future[Any]) -> None:
+        self.settling.discard(task)
+        if not task.cancelled():
+            task.exception()  # a settle on a channel that just closed: the broker requeues it
 
     async def close(self) -> None:
         conn, self.conn, self.channel = self.conn, None, None
         if conn is not None:
+            if self.settling:  # acks already written out go with the close; the rest are requeued
+                await asyncio.wait(list(self.settling), timeout=5.0)
             await _close(conn)
+        for task in self.settling:
+            task.cancel()
 
 
 class AmqpDestination:
@@ -170,8 +184,8 @@ class AmqpDestination:
             confirm = await cast(aiormq.Channel, ch).basic_publish(
                 msg.body, exchange=msg.exchange, routing_key=msg.routing_key, properties=msg.props,
                 wait=False)  # wait: for the socket write, under the channel's lock: one at a time
-        except (aiormq.exceptions.AMQPError, ConnectionError) as exc:
-            raise EndLost(f"destination: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - a closed channel or connection, however aiormq says it
+            raise EndLost(f"destination: {type(exc).__name__}: {exc}") from None
         if isinstance(confirm, commands.Basic.Nack | commands.Basic.Reject):
             self.problem = "the destination broker refused (basic.nack) a message: retrying"
             return Verdict.RETRY
@@ -181,11 +195,6 @@ class AmqpDestination:
         conn, self.conn, self.channel = self.conn, None, None
         if conn is not None:
             await _close(conn)
-
-
-def _quiet(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled():
-        task.exception()  # a settle on a channel that just closed: the broker requeues it
 
 
 async def _close(conn: aiormq.abc.AbstractConnection) -> None:
