@@ -9,6 +9,7 @@ are small for the suite; ``SKRED_SHOVEL_KILL_MESSAGES`` scales the kill -9 trial
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -30,6 +31,7 @@ from ._shovel import (
 from ._support import SkredProcess, free_port, is_external, unique, wait_until
 from .test_cluster import Cluster, ClusterNode, start_cluster, wait_for
 from .test_cluster import cluster as cluster  # noqa: F401 - the three-node cluster fixture
+from .test_ctl import ctl
 from .test_mgmt_api import Api, http_ready, start_mgmt_broker
 
 pytestmark = pytest.mark.skipif(is_external(), reason="starts Skred brokers of its own")
@@ -151,6 +153,33 @@ def test_pause_survives_restart_and_resume_moves_on(pair: tuple[SkredProcess, Sk
     wait_state(api, "/", name, "running")
     assert api.call("DELETE", f"/api/shovels/vhost/%2F/{q(unique('none'))}/restart")[0] == 404
     api.ok("DELETE", f"/api/parameters/shovel/%2F/{q(name)}")
+
+
+def test_skredctl_shovel_commands(pair: tuple[SkredProcess, SkredProcess]) -> None:
+    a = pair[0]
+    api, url = local(a)
+    src, dst, name = unique("src"), unique("dst"), unique("sh")
+    publish(url, src, "c", 5, declare={})
+
+    def ok(*args: str) -> str:
+        r = ctl(a, *args)
+        assert r.returncode == 0, (args, r.stdout, r.stderr)
+        return r.stdout
+    assert "saved" in ok("add_shovel", name, "--src-uri", "amqp://", "--src-queue", src, "--dest-uri", "amqp://",
+                         "--dest-queue", dst, "--src-prefetch-count", "10", "--reconnect-delay", "1")
+    wait_until(lambda: count(api, "/", dst) == 5, 20, "moved by the shovel skredctl added")
+    rows = json.loads(ok("--json", "list", "shovels", "--vhost", "/"))
+    assert any(r["name"] == name and r["state"] == "running" for r in rows)
+    assert name in ok("list", "shovels")
+    ok("pause_shovel", name)
+    wait_state(api, "/", name, "paused")
+    ok("resume_shovel", name)
+    ok("restart_shovel", name)
+    wait_state(api, "/", name, "running")
+    bad = ctl(a, "add_shovel", unique("x"), "--src-uri", "amqp://", "--dest-uri", "amqp://")
+    assert bad.returncode == 1 and "exactly one of 'src-queue'" in bad.stderr
+    ok("delete_shovel", name)
+    assert api.call("GET", f"/api/parameters/shovel/%2F/{q(name)}")[0] == 404
 
 
 def test_delete_after_queue_length_moves_the_backlog_then_deletes_itself(
