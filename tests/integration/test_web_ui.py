@@ -531,3 +531,31 @@ def test_management_user_sees_only_its_vhosts(browser: WebDriver, shared_broker:
         api(b, "DELETE", f"/api/queues/%2F/{hidden}")
         api(b, "DELETE", f"/api/vhosts/{vhost}")
         api(b, "DELETE", f"/api/users/{user}")
+
+
+def test_shovels_page_adds_pauses_and_deletes_a_shovel(browser: WebDriver, shared_broker: Broker) -> None:
+    b = shared_broker
+    src, dst, name = (f"ui-shovel-{k}-{uuid.uuid4().hex[:6]}" for k in ("src", "dst", "name"))
+    conn = connect(b)
+    try:
+        ch = conn.channel()
+        ch.queue_declare(src, durable=True)
+        ch.basic_publish("", src, b"to be moved", pika.BasicProperties(delivery_mode=2))
+        login(browser, b)
+        go(browser, b, "shovels")
+        fill(browser, "add-shovel", name=name, **{"src-queue": src, "dest-queue": dst})
+        wait(browser, "shovel running", lambda d: "running" in d.find_element(By.ID, "main").text
+             and name in d.find_element(By.ID, "main").text)
+        shot(browser, "shovels")
+        wait(browser, "moved", lambda _: ch.queue_declare(dst, passive=True).method.message_count == 1)
+
+        def states() -> list[str]:
+            return [s["state"] for s in api(b, "GET", "/api/shovels") if s["name"] == name]
+        click(browser, By.XPATH, f"//tr[td[text()='{name}']]//button[text()='Pause']")
+        wait(browser, "shovel paused", lambda _: states() == ["paused"])
+        browser.execute_script("window.confirm = () => true")
+        click(browser, By.XPATH, f"//tr[td[text()='{name}']]//button[text()='Delete']")
+        wait(browser, "shovel gone", lambda _: states() == [])
+        assert not browser_errors(browser)
+    finally:
+        conn.close()
