@@ -16,10 +16,13 @@ from __future__ import annotations
 import asyncio
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol
 
 from pamqp import commands
+
+from broker import properties
+
+EMPTY_PROPERTIES = b"\x00\x00"  # a content header's property flags with no property set
 
 
 class Settle(enum.Enum):
@@ -38,14 +41,40 @@ class EndLost(Exception):
     """An end's connection or channel is gone; the text says why."""
 
 
-@dataclass(slots=True)
 class Message:
-    exchange: str
-    routing_key: str
-    props: commands.Basic.Properties
-    body: bytes
-    redelivered: bool
-    tag: int  # the source's handle to settle it
+    """One message in flight. Its content properties are kept as they came: the raw property
+    bytes from this broker's store (decoded only if an end or the definition needs the fields),
+    or the pamqp object a client library decoded (encoded only for this broker's store)."""
+
+    __slots__ = ("exchange", "routing_key", "body", "redelivered", "tag", "_props", "_raw")
+
+    def __init__(self, exchange: str, routing_key: str, props: commands.Basic.Properties | None, body: bytes,
+                 redelivered: bool, tag: int, raw: bytes | None = None) -> None:
+        self.exchange = exchange
+        self.routing_key = routing_key
+        self.body = body
+        self.redelivered = redelivered
+        self.tag = tag  # the source's handle to settle it
+        self._props = props
+        self._raw = raw
+
+    @property
+    def props(self) -> commands.Basic.Properties:
+        """The fields (decoded on first use); a change to them is published (``raw`` is dropped)."""
+        if self._props is None:
+            try:
+                self._props = properties.decode(self._raw or EMPTY_PROPERTIES)
+            except Exception:  # noqa: BLE001 - stored by another protocol oddly: sent without properties
+                self._props = commands.Basic.Properties()
+        self._raw = None
+        return self._props
+
+    @property
+    def raw(self) -> bytes:
+        """The property bytes of this broker's store format."""
+        if self._raw is None:
+            self._raw = properties.encode(self.props)
+        return self._raw
 
 
 class Source(Protocol):

@@ -26,7 +26,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from broker import errors, properties
+from broker import errors
 from broker.auth.users import UserStore
 from broker.model.publish import PublishRequest
 from broker.model.queue import Consumer, Queue
@@ -138,12 +138,8 @@ class LocalSource:
             self.forwarding += 1
         else:
             self.unsettled.add(msgid)
-        try:
-            decoded = properties.decode(props)
-        except Exception:  # noqa: BLE001 - a stored message another protocol wrote oddly: as is
-            decoded = properties.decode(b"\x00\x00")
         self.on_message(Message(exchange.decode(errors="replace"), routing_key.decode(errors="replace"),
-                                decoded, body, redelivered, msgid))
+                                None, body, redelivered, msgid, raw=props))
 
     def settle(self, tag: int, how: Settle) -> None:
         q = self.queue
@@ -214,7 +210,7 @@ class LocalDestination:
             raise EndLost("destination vhost is gone")
         self._may_write(vh, msg.exchange, msg.routing_key)
         try:
-            outcome = vh.publish(PublishRequest(msg.exchange, msg.routing_key, properties.encode(msg.props),
+            outcome = vh.publish(PublishRequest(msg.exchange, msg.routing_key, msg.raw,
                                                 msg.body, int(time.time() * 1000)))
         except errors.AMQPError as exc:  # no such exchange, a full disk...
             raise EndLost(f"destination: {exc.reply_text}") from None
