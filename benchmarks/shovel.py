@@ -112,7 +112,8 @@ def main() -> None:
     if args.json:
         print(json.dumps({"messages": args.messages, "load_average": load, "results": results}, indent=2))
         return
-    print(f"{args.messages} messages of 1 KiB per move; load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
+    print(f"{args.messages} messages of 1 KiB per move; load average "
+          f"{load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
     print(f"{'move':18} {'ack mode':10} {'msg/s':>10}")
     for r in results:
         print(f"{r['move']:18} {r['ack_mode']:10} {r['msg_per_s']:10}")
