@@ -18,8 +18,9 @@ no-ack/on-publish; a ``basic.nack`` (RabbitMQ's ``reject-publish`` overflow) is 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
 import aiormq
@@ -90,6 +91,9 @@ class AmqpSource:
         self.conn: aiormq.abc.AbstractConnection | None = None
         self.channel: aiormq.abc.AbstractChannel | None = None
         self.settling: set[asyncio.Future[Any]] = set()
+        self.delivered: collections.deque[int] = collections.deque()  # unsettled tags, in order
+        self.settled: set[int] = set()  # settled, not yet covered by a multiple ack
+        self.flush_pending = False
 
     async def open(self, on_message: Callable[[Message], None]) -> None:
         d = self.d
@@ -113,8 +117,10 @@ class AmqpSource:
             await asyncio.wait_for(ch.basic_qos(prefetch_count=d.src_prefetch), OP_TIMEOUT)
 
             async def deliver(m: DeliveredMessage) -> None:
+                tag = m.delivery_tag or 0
+                self.delivered.append(tag)
                 on_message(Message(m.exchange or "", m.routing_key or "", m.header.properties, m.body,
-                                   bool(m.redelivered), m.delivery_tag or 0))
+                                   bool(m.redelivered), tag))
 
             await asyncio.wait_for(ch.basic_consume(queue, deliver, no_ack=d.ack_mode == "no-ack",
                                                     arguments=self.args, consumer_tag=self.tag), OP_TIMEOUT)
@@ -126,11 +132,32 @@ class AmqpSource:
             raise EndLost(f"source: {exc}") from None
 
     def settle(self, tag: int, how: Settle) -> None:
+        """Acks are coalesced: every settle of one turn of the loop ends in one ``basic.ack``
+        with ``multiple`` up to the highest delivery tag below which everything is settled (a
+        message still in flight is never covered); a requeue is sent at once."""
         ch = self.channel
         if ch is None or ch.is_closed or self.d.ack_mode == "no-ack":
             return  # gone: the broker gives the message back itself
-        coro = ch.basic_ack(tag, wait=False) if how is Settle.ACK else ch.basic_reject(tag, requeue=True,
-                                                                                          wait=False)
+        self.settled.add(tag)
+        if how is not Settle.ACK:
+            self._send(ch.basic_reject(tag, requeue=True, wait=False))
+        if not self.flush_pending:
+            self.flush_pending = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self.flush_pending = False
+        ch, delivered, settled = self.channel, self.delivered, self.settled
+        upto = 0
+        acked = False
+        while delivered and delivered[0] in settled:
+            upto = delivered.popleft()
+            settled.discard(upto)
+            acked = True  # (a rejected tag in the run is no longer the broker's: multiple skips it)
+        if acked and ch is not None and not ch.is_closed:
+            self._send(ch.basic_ack(upto, multiple=True, wait=False))
+
+    def _send(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)
         self.settling.add(task)
         task.add_done_callback(self._settled)
