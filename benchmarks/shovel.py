@@ -14,8 +14,10 @@ through B's API, so a run is never shorter than that):
   plugin on R.
 - ``skred B->B local``: Skred's in-process shovel (host-less ``amqp://`` both ends), no socket.
 
-Each run is bounded by ``--timeout`` seconds. The machine's load average is printed with the
-results: compare rows of one run (ratios), not runs on different days.
+Each run is bounded by ``--timeout`` seconds. Besides the rate, each row has the CPU time per
+message of each broker process (A, B, and RabbitMQ's Erlang VM R) during the move, read from
+/proc: on a loaded machine the rates say little, the CPU cost per message much more. The load
+average is printed with the results: compare rows of one run, not runs on different days.
 
     python benchmarks/shovel.py --messages 20000
 """
@@ -48,20 +50,29 @@ def uri(port: int) -> str:
     return f"amqp://guest:guest@127.0.0.1:{port}/%2F"
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def one_move(label: str, runner: Api, dest: Api, src_url: str, value: dict[str, Any], n: int,
-             timeout: float) -> float:
-    """Messages per second of one move; the source is preloaded first (not timed)."""
+             timeout: float, pids: dict[str, int]) -> tuple[float, dict[str, float]]:
+    """Messages per second of one move, and the CPU microseconds per message each broker process
+    spent meanwhile; the source is preloaded first (not timed)."""
     src_q, dst_q = value["src-queue"], value["dest-queue"]
     publish(src_url, src_q, "b", n, size=1024, declare={})
     name = f"bench-{label.replace(' ', '-').replace('>', '')}-{value['ack-mode']}"
+    cpu0 = {k: cpu_seconds(pid) for k, pid in pids.items()}
     t0 = time.perf_counter()
     status, body = put_shovel(runner, "/", name, value)
     assert status in (201, 204), body
     wait_until(lambda: count(dest, "/", dst_q) >= n, timeout, f"{label}: {n} moved")
     elapsed = time.perf_counter() - t0
+    cpu = {k: (cpu_seconds(pid) - cpu0[k]) * 1e6 / n for k, pid in pids.items()}
     runner.call("DELETE", f"/api/parameters/shovel/%2F/{urllib.parse.quote(name, safe='')}")
     dest.call("DELETE", f"/api/queues/%2F/{urllib.parse.quote(dst_q, safe='')}")
-    return n / elapsed
+    return n / elapsed, cpu
 
 
 def main() -> None:
@@ -88,6 +99,8 @@ def main() -> None:
         assert rabbit.mgmt_port is not None
         api_b, api_r = Api(b.mgmt_port), Api(rabbit.mgmt_port)
         r_url = uri(rabbit.port)
+        assert a.pid is not None and b.pid is not None
+        pids = {"A": a.pid, "B": b.pid, "R": rabbit.beam_pid()}
         for mode in MODES:
             base = {"ack-mode": mode, "src-prefetch-count": PREFETCH, "reconnect-delay": 1}
             moves = [
@@ -100,9 +113,12 @@ def main() -> None:
             for label, runner, src_url, ends in moves:
                 tag = f"{label.split()[0]}-{mode}-{len(results)}"
                 value = {**base, **ends, "src-queue": f"bench-src-{tag}", "dest-queue": f"bench-dst-{tag}"}
-                rate = one_move(label, runner, api_b, src_url, value, args.messages, args.timeout)
-                results.append({"move": label, "ack_mode": mode, "msg_per_s": round(rate)})
-                print(f"{label:18} {mode:10} {rate:10.0f} msg/s", file=sys.stderr, flush=True)
+                rate, cpu = one_move(label, runner, api_b, src_url, value, args.messages, args.timeout, pids)
+                results.append({"move": label, "ack_mode": mode, "msg_per_s": round(rate),
+                                "cpu_us_per_msg": {k: round(v) for k, v in cpu.items()},
+                                "cpu_us_total": round(sum(cpu.values()))})
+                print(f"{label:18} {mode:10} {rate:10.0f} msg/s  CPU us/msg "
+                      + " ".join(f"{k}={v:.0f}" for k, v in cpu.items()), file=sys.stderr, flush=True)
     finally:
         for broker in (a, b):
             if broker is not None:
@@ -114,9 +130,11 @@ def main() -> None:
         return
     print(f"{args.messages} messages of 1 KiB per move; load average "
           f"{load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
-    print(f"{'move':18} {'ack mode':10} {'msg/s':>10}")
+    print(f"{'move':18} {'ack mode':10} {'msg/s':>10} {'CPU us/msg A':>12} {'B':>6} {'R':>6} {'total':>6}")
     for r in results:
-        print(f"{r['move']:18} {r['ack_mode']:10} {r['msg_per_s']:10}")
+        c = r["cpu_us_per_msg"]
+        print(f"{r['move']:18} {r['ack_mode']:10} {r['msg_per_s']:10} {c['A']:12} {c['B']:6} {c['R']:6} "
+              f"{r['cpu_us_total']:6}")
 
 
 if __name__ == "__main__":
