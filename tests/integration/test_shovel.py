@@ -215,6 +215,30 @@ def test_stream_source_from_an_offset_resumes_after_restart(pair: tuple[SkredPro
     api.ok("DELETE", f"/api/parameters/shovel/%2F/{q(name)}")
 
 
+def test_reject_publish_at_the_destination_slows_the_shovel_and_drains_nothing(
+        pair: tuple[SkredProcess, SkredProcess]) -> None:
+    """A destination queue at its length limit with ``reject-publish`` refuses: the shovel retries
+    with back-off, holds at most its prefetch, and the source keeps the rest until there is room."""
+    a = pair[0]
+    api, url = local(a)
+    src, dst, name = unique("src"), unique("dst"), unique("sh")
+    publish(url, dst, "none", 0, declare={"x-max-length": 10, "x-overflow": "reject-publish"})
+    publish(url, src, "f", 50, declare={})
+    assert put_shovel(api, "/", name, {"src-uri": "amqp://", "src-queue": src, "dest-uri": "amqp://",
+                                       "dest-queue": dst, "src-prefetch-count": 5})[0] == 201
+    wait_until(lambda: count(api, "/", dst) == 10, 20, "the destination full")
+    wait_until(lambda: (shovel_status(api, "/", name) or {}).get("blocked_status") == "blocked"
+               and (shovel_status(api, "/", name) or {}).get("messages_transferred") == 10, 10,
+               "the shovel blocked after 10")
+    assert count(api, "/", src) == 40 and count(api, "/", dst) == 10  # nothing dropped, nothing drained
+    got = drain(url, dst)  # room again: the shovel moves on
+    wait_until(lambda: count(api, "/", src) <= 30, 20, "moving again once there is room")
+    api.ok("DELETE", f"/api/parameters/shovel/%2F/{q(name)}")
+    wait_until(lambda: api.get(f"/api/queues/%2F/{q(src)}")["consumers"] == 0, 20, "the shovel stopped")
+    got += drain(url, dst) + drain(url, src)
+    assert sorted(set(got)) == sorted(ids("f", 50))
+
+
 # ----------------------------------------------------------------- HTTP destination
 def test_http_destination_500_then_404_then_200_loses_nothing(
         pair: tuple[SkredProcess, SkredProcess]) -> None:
