@@ -71,6 +71,7 @@ def one_move(label: str, runner: Api, dest: Api, dest_url: str, src_url: str, va
     assert status in (201, 204), body
     with pika.BlockingConnection(pika.URLParameters(dest_url)) as conn:  # a passive declare costs the
         ch = conn.channel()  # broker far less than an API call: the polling does not skew its CPU time
+        ch.queue_declare(dst_q, durable=True)  # there before either shovel looks for it
         wait_until(lambda: ch.queue_declare(dst_q, passive=True).method.message_count >= n, timeout,
                    f"{label}: {n} moved")
     elapsed = time.perf_counter() - t0

@@ -96,7 +96,12 @@ class Destination(Protocol):
 
     async def open(self) -> None: ...
 
+    immediate: bool  # send_now publishes at once (this broker): the link needs no task per message
+
     async def send(self, msg: Message) -> Verdict: ...
+
+    def send_now(self, msg: Message, later: Callable[[Verdict], None]) -> Verdict | None:
+        """Only when ``immediate``: publish now; the verdict, or None when ``later`` gets it."""
 
     async def close(self) -> None: ...
 

@@ -18,6 +18,7 @@ Posts go one at a time, in order (``concurrency`` 1).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -61,6 +62,10 @@ def http_headers(msg: Message) -> dict[str, str]:
 
 class HttpDestination:
     concurrency = 1
+    immediate = False
+
+    def send_now(self, msg: Message, later: Callable[[Verdict], None]) -> Verdict | None:
+        raise NotImplementedError  # not immediate: the link awaits send()
 
     def __init__(self, d: ShovelDef) -> None:
         self.uri = d.dest_uris[0]

@@ -76,6 +76,9 @@ class Link:
         self._accepted = 0
         self._refused_wait = RETRY_FIRST
         self._stopping = False
+        self._generation = 0  # counts runs: a verdict that arrives after its run closed is ignored
+        self._pending = 0  # immediate sends waiting for their verdict (the group commit)
+        self._idle: asyncio.Event | None = None  # set when _pending drops to 0 during a drain
 
     # ----------------------------------------------------------------- control
     def start(self) -> None:
@@ -156,8 +159,9 @@ class Link:
             result = next(iter(done)).result()
             return None if result is None else str(result)
         finally:
-            if self._stopping and self._tasks:  # a clean stop: what the destination took is acked
-                await asyncio.wait(list(self._tasks), timeout=DRAIN_TIMEOUT)
+            if self._stopping:  # a clean stop: what the destination took is acked first
+                await self._drain()
+            self._generation += 1  # verdicts still to come are the old run's: its source requeues them
             for task in [*self._tasks, *([worker] if worker is not None else [])]:
                 task.cancel()
             self._tasks.clear()
@@ -165,6 +169,19 @@ class Link:
             await dst.close()
             self._inbox = None
             self.blocked = ""
+
+    async def _drain(self) -> None:
+        """Wait (up to ``DRAIN_TIMEOUT``) for the messages in flight to get their verdicts."""
+        deadline = time.monotonic() + DRAIN_TIMEOUT
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=DRAIN_TIMEOUT)
+        while self._pending > 0 and time.monotonic() < deadline:
+            self._idle = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._idle.wait(), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                break
+        self._idle = None
 
     # ----------------------------------------------------------------- messages
     def _on_message(self, src: Source, dst: Destination, msg: Message) -> None:
@@ -176,10 +193,50 @@ class Link:
         self._outgoing(msg)
         if self._inbox is not None:
             self._inbox.put_nowait(msg)
-            return
-        task = asyncio.get_running_loop().create_task(self._forward(src, dst, msg))
+        elif dst.immediate:
+            self._send_now(src, dst, msg)
+        else:
+            self._spawn(src, dst, msg, None)
+
+    def _spawn(self, src: Source, dst: Destination, msg: Message, verdict: Verdict | None) -> None:
+        task = asyncio.get_running_loop().create_task(self._forward(src, dst, msg, verdict))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _send_now(self, src: Source, dst: Destination, msg: Message) -> None:
+        """A destination that publishes at once (this broker): no task per message; the verdict
+        comes now or from the group commit, and only a refusal takes the task path (its back-off)."""
+        broken, run = self._broken, self._generation
+        self._pending += 1
+
+        def landed(verdict: Verdict) -> None:
+            self._pending -= 1
+            if not self._pending and self._idle is not None:
+                self._idle.set()
+            if run != self._generation:
+                return  # that run closed its source, which gave the message back
+            if verdict is Verdict.OK:
+                self._forwarded(src, msg)
+            else:
+                self._spawn(src, dst, msg, verdict)
+        try:
+            verdict = dst.send_now(msg, landed)
+        except EndLost as exc:
+            self._pending -= 1
+            if broken is not None and not broken.done():
+                broken.set_result(str(exc))
+            return
+        if verdict is not None:
+            landed(verdict)
+
+    def _forwarded(self, src: Source, msg: Message) -> None:
+        self.blocked = ""
+        self._refused_wait = RETRY_FIRST
+        src.settle(msg.tag, Settle.ACK)
+        self.transferred += 1
+        done = self._limit is not None and self.transferred >= self._limit
+        if done and self._broken is not None and not self._broken.done():
+            self._broken.set_result(None)
 
     async def _serial(self, src: Source, dst: Destination) -> None:
         assert self._inbox is not None
@@ -187,24 +244,22 @@ class Link:
         while True:
             await self._forward(src, dst, await inbox.get())
 
-    async def _forward(self, src: Source, dst: Destination, msg: Message) -> None:
+    async def _forward(self, src: Source, dst: Destination, msg: Message,
+                       verdict: Verdict | None = None) -> None:
+        """Send until the destination has it (``verdict``: the answer to a send already made)."""
         wait = RETRY_FIRST
         try:
             while True:
-                verdict = await dst.send(msg)
+                if verdict is None:
+                    verdict = await dst.send(msg)
                 if verdict is Verdict.OK:
-                    self.blocked = ""
-                    self._refused_wait = RETRY_FIRST
-                    src.settle(msg.tag, Settle.ACK)
-                    self.transferred += 1
-                    done = self._limit is not None and self.transferred >= self._limit
-                    if done and self._broken is not None and not self._broken.done():
-                        self._broken.set_result(None)
+                    self._forwarded(src, msg)
                     return
                 self.blocked = dst.problem
                 if verdict is Verdict.RETRY:
                     await asyncio.sleep(wait)
                     wait = min(wait * 2, RETRY_CAP)
+                    verdict = None
                     continue
                 if src.can_dead_letter:
                     src.settle(msg.tag, Settle.DEAD_LETTER)

@@ -176,6 +176,7 @@ class LocalSource:
 
 class LocalDestination:
     concurrency = 1 << 16  # publishes are synchronous and in order; only the durability wait overlaps
+    immediate = True  # send_now: no task per message
 
     def __init__(self, d: ShovelDef, local: Local, owner: str | None) -> None:
         self.d, self.local, self.owner = d, local, owner
@@ -205,6 +206,13 @@ class LocalDestination:
             raise EndLost(f"user '{owner}' may not publish to '{exchange}' with routing key '{routing_key}'")
 
     async def send(self, msg: Message) -> Verdict:
+        later: asyncio.Future[Verdict] = asyncio.get_running_loop().create_future()
+        verdict = self.send_now(msg, lambda v: None if later.done() else later.set_result(v))
+        return verdict if verdict is not None else await later
+
+    def send_now(self, msg: Message, later: Callable[[Verdict], None]) -> Verdict | None:
+        """Publish now: the verdict, or None when ``later`` gets it once the group commit made the
+        message durable."""
         vh = self.vhost
         if vh is None or vh.name not in self.local.vhosts:
             raise EndLost("destination vhost is gone")
@@ -219,17 +227,14 @@ class LocalDestination:
             return Verdict.RETRY
         if not outcome.sync or self.d.ack_mode != "on-confirm":
             return Verdict.OK
-        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
 
         def synced(ok: bool) -> None:
-            if not done.done():
-                done.set_result(ok)
+            if not ok:
+                self.problem = "the destination could not make a message durable: retrying"
+            later(Verdict.OK if ok else Verdict.RETRY)
 
         self.local.after_sync(synced, [q.store for q in outcome.queues])
-        if await done:
-            return Verdict.OK
-        self.problem = "the destination could not make a message durable: retrying"
-        return Verdict.RETRY
+        return None
 
     async def close(self) -> None:
         set_lost(self.lost, "closed")

@@ -179,6 +179,10 @@ class AmqpSource:
 
 class AmqpDestination:
     concurrency = 1 << 16  # publishes are written in order under the channel's lock; confirms pipeline
+    immediate = False
+
+    def send_now(self, msg: Message, later: Callable[[Verdict], None]) -> Verdict | None:
+        raise NotImplementedError  # not immediate: the link awaits send()
 
     def __init__(self, d: ShovelDef) -> None:
         self.d = d
