@@ -66,25 +66,12 @@ async def shovel(request: web.Request) -> web.Response:
     raise not_found()
 
 
-@routes.delete("/api/shovels/vhost/{vhost}/{name}/restart")
-async def restart(request: web.Request) -> web.Response:
+@routes.delete("/api/shovels/vhost/{vhost}/{name}/{verb:restart}")
+@routes.put("/api/shovels/{vhost}/{name}/{verb:pause|resume}")
+async def control(request: web.Request) -> web.Response:
+    """Restart (RabbitMQ's DELETE), pause or resume (LavinMQ's PUTs): 404 for no such shovel."""
     view, vhost, name = _control(request)
-    if not view.restart(vhost, name):
-        raise not_found()
-    return no_content()
-
-
-@routes.put("/api/shovels/{vhost}/{name}/pause")
-async def pause(request: web.Request) -> web.Response:
-    view, vhost, name = _control(request)
-    if not view.pause(vhost, name):
-        raise not_found()
-    return no_content()
-
-
-@routes.put("/api/shovels/{vhost}/{name}/resume")
-async def resume(request: web.Request) -> web.Response:
-    view, vhost, name = _control(request)
-    if not view.resume(vhost, name):
+    act = {"restart": view.restart, "pause": view.pause, "resume": view.resume}[request.match_info["verb"]]
+    if not act(vhost, name):
         raise not_found()
     return no_content()

@@ -6,14 +6,13 @@ module; CI installs RabbitMQ (``.ci/run``) and sets ``SKRED_REQUIRE_RABBITMQ``, 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import pytest
 
 from ._shovel import count, drain, ids, publish, put_shovel, q, wait_state
 from ._support import SkredProcess, is_external, unique, wait_until
-from .conformance._rabbit import RabbitProcess, missing
+from .conformance._rabbit import RabbitProcess, require
 from .test_mgmt_api import Api, start_mgmt_broker
 
 pytestmark = pytest.mark.skipif(is_external(), reason="starts brokers of its own")
@@ -21,11 +20,7 @@ pytestmark = pytest.mark.skipif(is_external(), reason="starts brokers of its own
 
 @pytest.fixture(scope="module")
 def brokers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RabbitProcess, SkredProcess]]:
-    why = missing()
-    if why:
-        if os.environ.get("SKRED_REQUIRE_RABBITMQ"):
-            pytest.fail(f"SKRED_REQUIRE_RABBITMQ is set but {why}")
-        pytest.skip(why)
+    require()
     root = tmp_path_factory.mktemp("shovel-rabbit")
     rabbit = RabbitProcess(root / "rabbitmq", name="skredshovel",
                            plugins=("rabbitmq_shovel", "rabbitmq_shovel_management"))

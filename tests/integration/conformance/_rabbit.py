@@ -36,6 +36,8 @@ import uuid
 from pathlib import Path
 from typing import IO
 
+import pytest
+
 from .._support import amqp_answers, free_port
 
 # Debian's real start script (the /usr/sbin one su's to the rabbitmq user); another install (a
@@ -50,6 +52,16 @@ def missing() -> str | None:
         return (f"RabbitMQ is not installed ({SERVER} and epmd; Debian package rabbitmq-server, "
                 "or SKRED_RABBITMQ_SERVER naming its rabbitmq-server script)")
     return None
+
+
+def require() -> None:
+    """Skip the test when RabbitMQ is not installed, or fail it when ``SKRED_REQUIRE_RABBITMQ`` is
+    set (CI sets it: a skip there would hide that the comparison never ran)."""
+    why = missing()
+    if why:
+        if os.environ.get("SKRED_REQUIRE_RABBITMQ"):
+            pytest.fail(f"SKRED_REQUIRE_RABBITMQ is set but {why}")
+        pytest.skip(why)
 
 
 class RabbitProcess:
