@@ -116,13 +116,16 @@ class AmqpSource:
                 self.length = ok.message_count or 0 if ok is not None else 0
             await asyncio.wait_for(ch.basic_qos(prefetch_count=d.src_prefetch), OP_TIMEOUT)
 
+            no_ack = d.ack_mode == "no-ack"
+
             async def deliver(m: DeliveredMessage) -> None:
                 tag = m.delivery_tag or 0
-                self.delivered.append(tag)
+                if not no_ack:  # nothing to settle without acknowledgements
+                    self.delivered.append(tag)
                 on_message(Message(m.exchange or "", m.routing_key or "", m.header.properties, m.body,
                                    bool(m.redelivered), tag))
 
-            await asyncio.wait_for(ch.basic_consume(queue, deliver, no_ack=d.ack_mode == "no-ack",
+            await asyncio.wait_for(ch.basic_consume(queue, deliver, no_ack=no_ack,
                                                     arguments=self.args, consumer_tag=self.tag), OP_TIMEOUT)
         except TimeoutError:
             await self.close()
