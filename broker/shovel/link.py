@@ -112,7 +112,11 @@ class Link:
         while True:
             began = time.monotonic()
             self._set("starting")
-            reason = await self._one_run()
+            try:
+                reason = await self._one_run()
+            except Exception as exc:  # noqa: BLE001 - a bug must not end the shovel for good
+                log.exception("shovel '%s' in vhost '%s': a run failed", self.d.name, self.d.vhost)
+                reason = f"internal error: {type(exc).__name__}: {exc}"
             if self._stopping:
                 return
             if reason is None:  # src-delete-after reached
@@ -146,6 +150,8 @@ class Link:
                 return "the shovel's ends did not open in time"
             except EndLost as exc:
                 return str(exc)
+            except Exception as exc:  # noqa: BLE001 - whatever a client library raised: a reason, a retry
+                return f"{type(exc).__name__}: {exc}"
             if not self.resumed:
                 self.resumed = True
                 self.on_started()
