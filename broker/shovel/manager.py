@@ -84,7 +84,11 @@ class Shovels:
         if value is None:
             return None
         state = self.parameters.state(COMPONENT, vhost, name)
-        d = definition.parse(vhost, name, value)
+        try:
+            d = definition.parse(vhost, name, value)
+        except ValueError as exc:  # stored by an older version, or edited by hand: never stop a boot
+            log.error("shovel '%s' in vhost '%s' not started: %s", name, vhost, exc)
+            return None
         def started() -> None:
             self.parameters.set_state(COMPONENT, vhost, name, resumed=True)
 
