@@ -321,12 +321,12 @@ def test_kill9_during_an_on_confirm_shovel_loses_nothing(pair: tuple[SkredProces
     if killed == "destination":  # local source on a, remote destination on b
         publish(url, src, "k", n, size=1024, declare={})
         value = {"src-uri": "amqp://", "src-queue": src, "dest-uri": remote_uri(b), "dest-queue": dst,
-                 "reconnect-delay": 1, "src-prefetch-count": 200}
+                 "reconnect-delay": 0.5, "src-prefetch-count": 200}
         src_api, dst_api, dst_url = api, Api(b.mgmt_port), b.url
     else:  # remote source on b, local destination on a
         publish(b.url, src, "k", n, size=1024, declare={})
         value = {"src-uri": remote_uri(b), "src-queue": src, "dest-uri": "amqp://", "dest-queue": dst,
-                 "reconnect-delay": 1, "src-prefetch-count": 200}
+                 "reconnect-delay": 0.5, "src-prefetch-count": 200}
         src_api, dst_api, dst_url = Api(b.mgmt_port), api, url
     started = threading.Event()
     killer = _kill_during(b, started)
