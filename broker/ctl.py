@@ -55,8 +55,14 @@ LIST_COLUMNS: dict[str, tuple[str, list[str]]] = {
     "vhosts": ("/api/vhosts", ["name", "messages"]),
     "permissions": ("/api/permissions", ["user", "vhost", "configure", "write", "read"]),
     "policies": ("/api/policies", ["vhost", "name", "pattern", "apply-to", "priority"]),
+    "shovels": ("/api/shovels", ["vhost", "name", "state", "src_uri", "dest_uri", "messages_transferred",
+                                 "reason"]),
 }
-PER_VHOST = {"queues", "exchanges", "bindings", "connections", "channels", "consumers", "policies"}
+PER_VHOST = {"queues", "exchanges", "bindings", "connections", "channels", "consumers", "policies", "shovels"}
+# add_shovel's options -> the shovel parameter's keys (RabbitMQ's names, docs/shovels.md)
+SHOVEL_OPTIONS = ("src_uri", "src_queue", "src_exchange", "src_exchange_key", "src_prefetch_count",
+                  "src_delete_after", "dest_uri", "dest_queue", "dest_exchange", "dest_exchange_key",
+                  "ack_mode", "reconnect_delay")
 
 
 class CtlError(Exception):
@@ -217,7 +223,35 @@ def build_parser() -> argparse.ArgumentParser:
     im = sub.add_parser("import_definitions", help="import definitions JSON from FILE ('-': stdin)")
     im.add_argument("file")
     im.add_argument("--vhost")
+    sh = sub.add_parser("add_shovel", help="create or replace a dynamic shovel (docs/shovels.md)")
+    sh.add_argument("name")
+    sh.add_argument("--vhost", default="/")
+    for option in SHOVEL_OPTIONS:
+        kind = int if option == "src_prefetch_count" else float if option == "reconnect_delay" else str
+        sh.add_argument("--" + option.replace("_", "-"), type=kind)
+    sh.add_argument("--value", help="the whole parameter value as JSON (the options above override it)")
+    for verb in ("delete", "restart", "pause", "resume"):
+        one = sub.add_parser(f"{verb}_shovel")
+        one.add_argument("name")
+        one.add_argument("--vhost", default="/")
     return p
+
+
+def shovel_value(args: argparse.Namespace) -> dict[str, Any]:
+    """``add_shovel``'s parameter value: ``--value`` then each option given (a number-like
+    ``--src-delete-after`` is a count)."""
+    try:
+        value = json.loads(args.value) if args.value else {}
+    except ValueError as exc:
+        raise CtlError(f"--value is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise CtlError("--value must be a JSON object")
+    for option in SHOVEL_OPTIONS:
+        given = getattr(args, option)
+        if given is not None:
+            key = option.replace("_", "-")
+            value[key] = int(given) if key == "src-delete-after" and str(given).isdigit() else given
+    return value
 
 
 def _tls_files(args: argparse.Namespace) -> tuple[str | None, str | None, str | None]:
@@ -318,6 +352,20 @@ def run(args: argparse.Namespace, out: Any) -> None:
         path = "/api/definitions" + (f"/{q(args.vhost)}" if args.vhost else "")
         c.request("POST", path, doc)
         done = f"definitions imported from {args.file}"
+    elif cmd == "add_shovel":
+        value = shovel_value(args)
+        c.request("PUT", f"/api/parameters/shovel/{q(args.vhost)}/{q(args.name)}", {"value": value})
+        done = f"shovel '{args.name}' saved"
+    elif cmd == "delete_shovel":
+        c.request("DELETE", f"/api/parameters/shovel/{q(args.vhost)}/{q(args.name)}")
+        done = f"shovel '{args.name}' deleted"
+    elif cmd == "restart_shovel":
+        c.request("DELETE", f"/api/shovels/vhost/{q(args.vhost)}/{q(args.name)}/restart")
+        done = f"shovel '{args.name}' restarted"
+    elif cmd in ("pause_shovel", "resume_shovel"):
+        verb = cmd.split("_")[0]
+        c.request("PUT", f"/api/shovels/{q(args.vhost)}/{q(args.name)}/{verb}")
+        done = f"shovel '{args.name}' {verb}d"
     if done is not None:
         print(json.dumps({"ok": True, "message": done}) if args.json else done, file=out)
 

@@ -49,8 +49,7 @@ from broker import metrics, tls
 from broker.amqp.broker import Broker
 from broker.auth.oauth_keys import OAuthKeys, start_oauth
 from broker.auth.parameters import FILE_NAME as PARAMETERS_FILE
-from broker.auth.parameters import VHOST_FILE_NAME as VHOST_PARAMETERS_FILE
-from broker.auth.parameters import GlobalParameters, VhostParameters
+from broker.auth.parameters import RUNTIME_FILE_NAME, GlobalParameters, RuntimeParameters
 from broker.auth.throttle import LoginThrottle
 from broker.auth.users import UserStore
 from broker.auth.vhosts import VHostStore
@@ -70,6 +69,8 @@ from broker.mqtt.server import MQTTProtocol, MQTTServer
 from broker.net import proxy
 from broker.net.listener import Listener, keep_peer
 from broker.net.server import AMQPProtocol, AMQPServer
+from broker.shovel.local import Local
+from broker.shovel.manager import Shovels
 from broker.store.blobs import BlobDir
 from broker.store.fileio import syncfs
 from broker.store.intent import IntentFile
@@ -147,6 +148,7 @@ class Node:
         self.mqtt: MQTTServer | None = None
         self.oauth: OAuthKeys | None = None  # the issuer's keys, with oauth in [main] auth_backends
         self.federation: federation.Federation | None = None
+        self.shovels: Shovels | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._syncer: Syncer | None = None
         self._files: SegmentFiles | None = None  # made at load(), after the fd limit was raised
@@ -214,13 +216,14 @@ class Node:
             broker = self.broker = self.load(loop)
             self.oauth = await start_oauth(cfg, broker.users)
             assert self.vhost_store is not None
-            parameters = VhostParameters(cfg.main.data_dir / VHOST_PARAMETERS_FILE, self.sink)
-            federation.register(parameters)
             mgmt = self.mgmt = Mgmt(broker, self.vhost_store, self.make_vhost, cfg.main.data_dir,
                                     cfg.main.data_dir / "transient",
                                     GlobalParameters(cfg.main.data_dir / PARAMETERS_FILE, self.sink),
                                     IntentFile(cfg.main.data_dir / IMPORT_INTENT_FILE, self.sink),
-                                    parameters)
+                                    RuntimeParameters(cfg.main.data_dir / RUNTIME_FILE_NAME, self.sink))
+            assert mgmt.parameters is not None
+            federation.register(mgmt.parameters)
+            self.start_shovels(broker, mgmt)  # registers its component: before an import resumes
             resume_import(mgmt)  # an import a crash cut off comes back whole, before anything serves
             mgmt.cluster = self.cluster
             mgmt.node_name = metrics.node_name(cfg.main.node_name, cfg.amqp.port)
@@ -241,7 +244,9 @@ class Node:
             if cfg.mgmt.enabled:
                 await self.start_http(broker, mgmt)
             await self.start_amqp(broker, mgmt)
-            self.start_federation(broker, mgmt, parameters)
+            self.start_federation(broker, mgmt)
+            if self.shovels is not None:
+                self.shovels.start()
         except BaseException:
             self.release_lock()
             raise
@@ -357,6 +362,12 @@ class Node:
                              cfg.amqp.max_bytes_in_flight)
         await self.lmq.start()
 
+    def start_shovels(self, broker: Broker, mgmt: Mgmt) -> None:
+        """Shovels run where the broker runs: a single node or the cluster's leader (broker/shovel)."""
+        assert mgmt.parameters is not None
+        local = Local(broker.vhosts, broker.users, broker.syncer.after_sync)
+        self.shovels = mgmt.shovels = Shovels(mgmt.parameters, local, lambda: mgmt.node_name)
+
     async def start_mqtt(self, broker: Broker) -> None:
         """MQTT's listeners over the broker's vhosts and users (broker/mqtt)."""
         cfg = self.config
@@ -377,13 +388,14 @@ class Node:
         self.mgmt.other_listeners.update(
             {"mqtt/ssl" if name == "mqtts" else name: addr for name, addr in self.mqtt.addresses.items()})
 
-    def start_federation(self, broker: Broker, mgmt: Mgmt, parameters: VhostParameters) -> None:
+    def start_federation(self, broker: Broker, mgmt: Mgmt) -> None:
         """Exchange and queue federation links (broker/federation), once the node serves; the
         cluster name goes into the AMQP server properties, as RabbitMQ's, so the links of other
         brokers can tell which cluster a message left (cycle detection)."""
         broker.server_properties()["cluster_name"] = mgmt.cluster_name
+        assert mgmt.parameters is not None
         fed = self.federation = federation.Federation(
-            broker.vhosts, parameters, broker.syncer.after_sync, lambda: mgmt.cluster_name,
+            broker.vhosts, mgmt.parameters, broker.syncer.after_sync, lambda: mgmt.cluster_name,
             lambda: mgmt.node_name)
         mgmt.federation_links = fed.status
         fed.start()
@@ -479,6 +491,8 @@ class Node:
 
     async def shutdown(self) -> None:
         self._read_ahead_stop.set()
+        if self.shovels is not None:  # first: a shovel's source gives its messages back
+            await self.shovels.stop()
         if self.federation is not None:
             await self.federation.stop()
             self.federation = None

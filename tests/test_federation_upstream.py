@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from broker.auth.parameters import VhostParameters
+from broker.auth.parameters import RuntimeParameters
 from broker.federation import supervisor
 from broker.federation.exchange_link import queue_name
 from broker.federation.upstream import check_upstream, check_upstream_set, resolve, scrub
@@ -71,9 +71,9 @@ def test_upstream_queue_name_stays_in_the_name_grammar() -> None:
 
 def test_parameters_store_components_persistence_and_vhosts(tmp_path: Path) -> None:
     path = tmp_path / "parameters.json"
-    store = VhostParameters(path, NullSink())
+    store = RuntimeParameters(path, NullSink())
     changes: list[int] = []
-    store.listeners.append(lambda: changes.append(1))
+    store.watch(lambda *_: changes.append(1))
     with pytest.raises(ValueError, match="component 'federation-upstream' not found"):
         store.put("federation-upstream", "/", "u", {"uri": "amqp://h"})
     supervisor.register(store)
@@ -82,7 +82,7 @@ def test_parameters_store_components_persistence_and_vhosts(tmp_path: Path) -> N
     store.put("federation-upstream", "v", "u", {"uri": "amqp://h"})
     with pytest.raises(ValueError):
         store.put("federation-upstream", "/", "bad", {"uri": "amqp://h", "x": 1})
-    again = VhostParameters(path, NullSink())  # read back from the file
+    again = RuntimeParameters(path, NullSink())  # read back from the file
     assert again.list("federation-upstream", "/") == [
         {"name": "u", "vhost": "/", "component": "federation-upstream", "value": {"uri": "amqp://h2"}}]
     store.clear_vhost("v")

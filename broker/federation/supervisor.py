@@ -9,7 +9,7 @@ ones) whose effective policy names an upstream or a set gets one link per upstre
 the links nobody wants any more (a policy or parameter removed, an exchange or queue deleted)
 and starts the new ones; a link whose upstream's parameters changed is restarted with them.
 
-It runs when the parameters change (``VhostParameters.listeners``) and every
+It runs when the parameters change (``RuntimeParameters.watch``) and every
 ``RECONCILE_INTERVAL`` seconds, which is what notices policy changes and new or deleted
 exchanges and queues: the policy machinery has no change event for other front ends. A vhost
 without a federation policy costs one look at its policies per interval; one with a federation
@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from broker.auth.parameters import VhostParameters
+from broker.auth.parameters import RuntimeParameters
 from broker.federation.exchange_link import ExchangeLink
 from broker.federation.link import AfterSync, Link
 from broker.federation.queue_link import QueueLink
@@ -54,10 +54,10 @@ FULL_SCAN_INTERVAL = 5.0  # seconds between full matches of a vhost's names when
 Key = tuple[str, str, str, str]  # kind, vhost, resource, upstream
 
 
-def register(params: VhostParameters) -> None:
+def register(params: RuntimeParameters) -> None:
     """Make the two federation components known to the parameters store."""
-    params.register(UPSTREAM, check_upstream)
-    params.register(UPSTREAM_SET, check_upstream_set)
+    params.register(UPSTREAM, lambda _vhost, _name, value: check_upstream(value))
+    params.register(UPSTREAM_SET, lambda _vhost, _name, value: check_upstream_set(value))
 
 
 def _federated(definition: dict[str, Any] | None) -> bool:
@@ -65,7 +65,7 @@ def _federated(definition: dict[str, Any] | None) -> bool:
 
 
 class Federation:
-    def __init__(self, vhosts: Mapping[str, VHost], params: VhostParameters, after_sync: AfterSync,
+    def __init__(self, vhosts: Mapping[str, VHost], params: RuntimeParameters, after_sync: AfterSync,
                  cluster_name: Callable[[], str], node_name: Callable[[], str]) -> None:
         self.vhosts = vhosts
         self.params = params
@@ -77,14 +77,16 @@ class Federation:
         self._scans: dict[str, tuple[Any, float, list[tuple[str, str, dict[str, Any]]]]] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        params.listeners.append(self._wake.set)
+        params.watch(self._changed)
+
+    def _changed(self, component: str, vhost: str, name: str, value: Any) -> None:
+        self._wake.set()  # any parameter: the next pass reconciles
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="federation")
 
     async def stop(self) -> None:
-        if self._wake.set in self.params.listeners:
-            self.params.listeners.remove(self._wake.set)
+        self.params.unwatch(self._changed)
         task, self._task = self._task, None
         if task is not None:
             task.cancel()

@@ -38,9 +38,8 @@ cannot complete it (a full disk) stops with the error rather than serve a prefix
 A per-vhost document (``/api/definitions/{vhost}``) has no ``vhost`` fields; the
 vhost comes from the URL and its ``users``/``vhosts``/``permissions`` are ignored.
 As RabbitMQ does, unknown top-level keys are ignored; parameters of components
-no plugin registered are skipped with a warning in the log rather than refusing
-the whole document, and those of registered ones (``federation-upstream``,
-``federation-upstream-set``) are validated like everything else and kept.
+Skred has no plugin for (federation, shovel) are skipped with a warning in the
+log rather than refusing the whole document.
 """
 
 from __future__ import annotations
@@ -51,7 +50,6 @@ from typing import Any
 
 from broker import __version__, errors
 from broker.auth.names import MAX_NAME_BYTES, name_problem
-from broker.auth.parameters import VhostParameters
 from broker.auth.passwords import ALGORITHMS, HASHING_ALGORITHM, hash_password
 from broker.auth.users import topic_permissions_json
 from broker.http import definitions_grants
@@ -116,8 +114,8 @@ def _parameters(mgmt: Mgmt, vhost_names: list[str]) -> list[dict[str, Any]]:
         if p["vhost"] in vhost_names:
             out.append({"vhost": p["vhost"], "component": OPERATOR_POLICY_COMPONENT, "name": p["name"],
                         "value": {k: p[k] for k in ("pattern", "definition", "priority", "apply-to")}})
-    if mgmt.parameters is not None:  # the components plugins registered (federation upstreams)
-        out += [p for p in mgmt.parameters.list() if p["vhost"] in vhost_names]
+    if mgmt.parameters is not None:  # shovels, federation upstreams
+        out.extend(p for p in mgmt.parameters.list() if p["vhost"] in vhost_names)
     return out
 
 
@@ -230,7 +228,6 @@ class Plan:
         self.vhost_meta: dict[str, dict[str, Any]] = {}
         self.limits: list[tuple[str, str, int]] = []
         self.operator_policies: list[dict[str, Any]] = []
-        self.parameters: list[tuple[str, str, str, Any]] = []  # component, vhost, name, value
         self.users: list[tuple[str, dict[str, Any]]] = []
         self.permissions: list[tuple[str, str, str, str, str]] = []
         self.policies: list[dict[str, Any]] = []
@@ -238,6 +235,7 @@ class Plan:
         self.queues: list[tuple[str, str, bool, bool, dict[str, Any]]] = []
         self.bindings: list[tuple[str, str, str, str, str, dict[str, Any]]] = []
         self.grants = definitions_grants.Grants()  # topic permissions, user limits, global parameters
+        self.runtime: list[tuple[str, str, str, Any]] = []  # component, vhost, name, value (shovels...)
 
 
 def validate(mgmt: Mgmt, doc: Any, vhost: str | None = None) -> Plan:
@@ -327,7 +325,7 @@ def validate(mgmt: Mgmt, doc: Any, vhost: str | None = None) -> Plan:
         except definitions_grants.GrantsError as exc:
             raise _fail(exc.where, exc.what) from None
     for i, e in enumerate(_list(doc, "parameters")):
-        _parameter(plan, f"parameters[{i}]", vhost_of(f"parameters[{i}]", e), e, mgmt.parameters)
+        _parameter(plan, f"parameters[{i}]", vhost_of(f"parameters[{i}]", e), e, mgmt)
     declared: dict[tuple[str, str, str], bool] = {}
     kinds: dict[tuple[str, str], str] = {}  # (vhost, exchange) -> type, for the document's own
     for i, e in enumerate(_list(doc, "exchanges")):
@@ -442,8 +440,7 @@ def _queue_args(where: str, e: dict[str, Any], name: str, vh_name: str, durable:
         raise _fail(where, exc.reply_text) from None
 
 
-def _parameter(plan: Plan, where: str, vh_name: str, e: dict[str, Any],
-               store: VhostParameters | None) -> None:
+def _parameter(plan: Plan, where: str, vh_name: str, e: dict[str, Any], mgmt: Mgmt) -> None:
     component, value = e.get("component"), e.get("value")
     if component == LIMITS_COMPONENT:
         if not isinstance(value, dict):
@@ -457,10 +454,11 @@ def _parameter(plan: Plan, where: str, vh_name: str, e: dict[str, Any],
             plan.operator_policies.append(validate_policy(vh_name, _name(where, e), value))
         except ValueError as exc:
             raise _fail(where, str(exc)) from None
-    elif store is not None and isinstance(component, str) and store.known(component):
+    elif mgmt.parameters is not None and isinstance(component, str) and mgmt.parameters.knows(component):
+        name = _name(where, e)
         try:
-            name = _name(where, e)
-            plan.parameters.append((component, vh_name, name, store.check(component, name, value)))
+            checked = mgmt.parameters.check(component, vh_name, name, value)
+            plan.runtime.append((component, vh_name, name, checked))
         except ValueError as exc:
             raise _fail(where, str(exc)) from None
     else:
@@ -529,14 +527,6 @@ def apply(mgmt: Mgmt, plan: Plan, undo: _Undo | None = None) -> None:
         _put_policy(mgmt.policies, policy, undo)
     for policy in plan.operator_policies:
         _put_policy(mgmt.operator_policies, policy, undo)
-    store = mgmt.parameters
-    for component, vh_name, name, value in plan.parameters if store is not None else ():
-        assert store is not None
-        old = store.get(component, vh_name, name)
-        if old != value:
-            store.put(component, vh_name, name, value)
-            undo.add(lambda c=component, v=vh_name, n=name, old=old: store.put(c, v, n, old)  # type: ignore[misc]
-                     if old is not None else store.delete(c, v, n))
     # Topology is undone without delete records (``VHost.unlogged``): ``import_definitions``
     # cuts the records this import appended off each definitions log instead, which needs no
     # disk space (a full disk is the likely reason to undo).
@@ -565,6 +555,13 @@ def apply(mgmt: Mgmt, plan: Plan, undo: _Undo | None = None) -> None:
             vh.bind_exchange(dest, source, rk, args)
             undo.add(lambda vh=vh, d=dest, s=source, rk=rk, a=args:  # type: ignore[misc]
                      _unlogged(vh, vh.unbind_exchange, d, s, rk, a))
+    runtime = mgmt.parameters
+    for component, vh_name, name, value in plan.runtime:  # last: a shovel starts on what exists
+        assert runtime is not None
+        old = runtime.get(component, vh_name, name)
+        runtime.put(component, vh_name, name, value)
+        undo.add(lambda c=component, v=vh_name, n=name, old=old:  # type: ignore[misc]
+                 runtime.put(c, v, n, old) if old is not None else runtime.delete(c, v, n))
 
 
 def _unlogged(vh: VHost, change: Callable[..., object], *args: Any, **kw: Any) -> None:

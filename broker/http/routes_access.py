@@ -6,7 +6,7 @@ from typing import Any
 
 from aiohttp import web
 
-from broker.auth.parameters import VhostParameters
+from broker.auth.parameters import RuntimeParameters
 from broker.auth.passwords import ALGORITHMS, HASHING_ALGORITHM
 from broker.auth.users import User, UserStore
 from broker.http import definitions
@@ -47,7 +47,7 @@ def _vhost_json(request: web.Request, name: str) -> dict[str, Any]:
         "cluster_state": {mgmt.node_name: "running"},
         **message_totals(sum(q.message_count for q in queues),
                          sum(q.store.unacked_count for q in queues), r),
-        **network_stats([s for s in mgmt.connections() if s.vhost == name], mgmt),
+        **network_stats([s for s in mgmt.broker.connections if s.vhost == name], mgmt),
         "message_stats": {**queue_message_stats(queues, r), **vhost_message_stats(vh, mgmt)},
     }
 
@@ -329,61 +329,54 @@ async def delete_vhost_limit(request: web.Request) -> web.Response:
 
 
 # ------------------------------------------------------- runtime parameters
-# Per-vhost parameters of the components registered by plugins (federation-upstream,
-# federation-upstream-set; broker/auth/parameters.py VhostParameters). A component no plugin
-# registered has no parameters: empty lists, 404 for one, 400 for a PUT, as RabbitMQ without
-# that plugin. Global parameters are kept apart (routes_grants.py). Changing one takes the
-# policymaker tag (RabbitMQ: the same) and access to the vhost.
-def _parameter_store(request: web.Request) -> VhostParameters | None:
+# Components (shovel, federation) register with the node's ``RuntimeParameters``
+# (broker/auth/parameters.py); a PUT to any other names an unknown component, as on a RabbitMQ
+# without the plugin. Global parameters are kept apart (routes_grants.py).
+def _runtime(request: web.Request) -> RuntimeParameters | None:
     return request.app[MGMT_KEY].parameters
 
 
-def _visible_parameters(request: web.Request, component: str | None,
-                        vhost: str | None) -> list[dict[str, Any]]:
-    store = _parameter_store(request)
-    if store is None:
-        return []
-    return [p for p in store.list(component, vhost) if can_see_vhost(request, p["vhost"])]
-
-
 @routes.get("/api/parameters")
-async def parameters(request: web.Request) -> web.Response:
-    return paginate(request, _visible_parameters(request, None, None))
-
-
 @routes.get("/api/parameters/{component}")
-async def component_parameters(request: web.Request) -> web.Response:
-    return paginate(request, _visible_parameters(request, request.match_info["component"], None))
+async def parameters(request: web.Request) -> web.Response:
+    """For policymakers (RabbitMQ's rule: a shovel's value holds its URIs' passwords)."""
+    if not ({"administrator", "policymaker"} & set(user_of(request).tags)):
+        raise forbidden("Not policymaker user")
+    store = _runtime(request)
+    found = [] if store is None else store.list(request.match_info.get("component"))
+    return paginate(request, [p for p in found if can_see_vhost(request, p["vhost"])])
 
 
 @routes.get("/api/parameters/{component}/{vhost}")
 async def vhost_parameters(request: web.Request) -> web.Response:
-    vhost = vhost_param(request)
-    return paginate(request, _visible_parameters(request, request.match_info["component"], vhost))
+    vhost_name = vhost_param(request)
+    _require_policymaker(request, vhost_name)
+    store = _runtime(request)
+    return paginate(request, [] if store is None else store.list(request.match_info["component"], vhost_name))
 
 
 @routes.get("/api/parameters/{component}/{vhost}/{name}")
 async def parameter(request: web.Request) -> web.Response:
-    vhost = vhost_param(request)
-    component, name = request.match_info["component"], request.match_info["name"]
-    store = _parameter_store(request)
-    value = store.get(component, vhost, name) if store is not None else None
+    vhost_name = vhost_param(request)
+    _require_policymaker(request, vhost_name)
+    store, component, name = _runtime(request), request.match_info["component"], request.match_info["name"]
+    value = None if store is None else store.get(component, vhost_name, name)
     if value is None:
         raise not_found()
-    return web.json_response({"name": name, "vhost": vhost, "component": component, "value": value})
+    return web.json_response({"vhost": vhost_name, "component": component, "name": name, "value": value})
 
 
 @routes.put("/api/parameters/{component}/{vhost}/{name}")
 async def put_parameter(request: web.Request) -> web.Response:
-    vhost = vhost_param(request)
-    _require_policymaker(request, vhost)
-    component, name = request.match_info["component"], request.match_info["name"]
-    store = _parameter_store(request)
-    if store is None or not store.known(component):
+    vhost_name = vhost_param(request)
+    _require_policymaker(request, vhost_name)  # RabbitMQ: parameters are for policymakers
+    store, component = _runtime(request), request.match_info["component"]
+    if store is None:
         raise bad_request(f"component '{component}' not found")
     body = await json_body(request, required=("value",))
     try:
-        new = store.put(component, vhost, name, body["value"])
+        new = store.put(component, vhost_name, request.match_info["name"], body["value"],
+                        user=user_of(request).name)
     except ValueError as exc:
         raise bad_request(str(exc)) from None
     return created() if new else no_content()
@@ -391,12 +384,12 @@ async def put_parameter(request: web.Request) -> web.Response:
 
 @routes.delete("/api/parameters/{component}/{vhost}/{name}")
 async def delete_parameter(request: web.Request) -> web.Response:
-    """204, or 404 for a missing parameter or component (rabbitmqadmin prints 'Not found')."""
-    vhost = vhost_param(request)
-    _require_policymaker(request, vhost)
-    store = _parameter_store(request)
-    component, name = request.match_info["component"], request.match_info["name"]
-    if store is None or not store.delete(component, vhost, name):
+    """404 for a missing one, as RabbitMQ answers (rabbitmqadmin prints 'Not found' rather than
+    failing on a 405)."""
+    vhost_name = vhost_param(request)
+    _require_policymaker(request, vhost_name)
+    store, component, name = _runtime(request), request.match_info["component"], request.match_info["name"]
+    if store is None or not store.delete(component, vhost_name, name):
         raise not_found()
     return no_content()
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from broker import errors, metrics
-from broker.auth.parameters import GlobalParameters, VhostParameters
+from broker.auth.parameters import GlobalParameters, RuntimeParameters
 from broker.auth.vhosts import VHostStore
 from broker.http.policies import PolicyApi, import_legacy
 from broker.http.rates import RateSampler
@@ -53,6 +53,18 @@ class NoIntent:
         pass
 
 
+class ShovelsView(Protocol):
+    """What the API reads and does of the node's shovels (``broker/shovel/manager.py``)."""
+
+    def status(self, vhost: str | None = None) -> list[dict[str, Any]]: ...
+
+    def restart(self, vhost: str, name: str) -> bool: ...
+
+    def pause(self, vhost: str, name: str) -> bool: ...
+
+    def resume(self, vhost: str, name: str) -> bool: ...
+
+
 class Mgmt:
     def __init__(
         self,
@@ -63,12 +75,13 @@ class Mgmt:
         transient_root: Path,
         global_parameters: GlobalParameters,
         import_intent: Intent | None = None,
-        parameters: VhostParameters | None = None,
+        parameters: RuntimeParameters | None = None,
     ) -> None:
         self.broker = broker
         self.global_parameters = global_parameters  # RabbitMQ's global runtime parameters
-        # per-vhost runtime parameters of the components plugins registered (federation, shovel)
+        # vhost-scoped runtime parameters (shovels, federation); None: no component is served
         self.parameters = parameters
+        self.shovels: ShovelsView | None = None  # set by the node when it runs shovels
         # the federation links' status (broker/federation), set by the node that runs them
         self.federation_links: Callable[[str | None], list[dict[str, Any]]] = lambda vhost: []
         # a definitions import in progress (broker/http/definitions.py: all or nothing)
@@ -189,7 +202,7 @@ class Mgmt:
         shutil.rmtree(vh.transient_dir, ignore_errors=True)
         self.broker.users.clear_vhost(name)
         self.policies.clear_vhost(name)
-        if self.parameters is not None:  # its runtime parameters go with it (RabbitMQ: the same)
+        if self.parameters is not None:
             self.parameters.clear_vhost(name)
 
     # ---------------------------------------------------------------- process

@@ -169,6 +169,12 @@ class Queue:
         self.variants = variants
 
     @property
+    def dead_letters(self) -> bool:
+        """Whether a message this queue refuses goes to a dead-letter exchange (its features'
+        DLX), rather than being dropped."""
+        return bool(getattr(self.features, "dead_letters", False))
+
+    @property
     def consumer_count(self) -> int:
         return len(self.consumers)
 

@@ -572,4 +572,31 @@ def test_federation_tab_adds_an_upstream_and_shows_its_link(browser: WebDriver,
         api(b, "DELETE", f"/api/policies/%2F/{pol}")
         api(b, "DELETE", f"/api/parameters/federation-upstream/%2F/{name}")
         conn.channel().exchange_delete("ui-fed-x")
+
+
+def test_shovels_page_adds_pauses_and_deletes_a_shovel(browser: WebDriver, shared_broker: Broker) -> None:
+    b = shared_broker
+    src, dst, name = (f"ui-shovel-{k}-{uuid.uuid4().hex[:6]}" for k in ("src", "dst", "name"))
+    conn = connect(b)
+    try:
+        ch = conn.channel()
+        ch.queue_declare(src, durable=True)
+        ch.basic_publish("", src, b"to be moved", pika.BasicProperties(delivery_mode=2))
+        login(browser, b)
+        go(browser, b, "shovels")
+        fill(browser, "add-shovel", name=name, **{"src-queue": src, "dest-queue": dst})
+        wait(browser, "shovel running", lambda d: "running" in d.find_element(By.ID, "main").text
+             and name in d.find_element(By.ID, "main").text)
+        shot(browser, "shovels")
+        wait(browser, "moved", lambda _: ch.queue_declare(dst, passive=True).method.message_count == 1)
+
+        def states() -> list[str]:
+            return [s["state"] for s in api(b, "GET", "/api/shovels") if s["name"] == name]
+        click(browser, By.XPATH, f"//tr[td[text()='{name}']]//button[text()='Pause']")
+        wait(browser, "shovel paused", lambda _: states() == ["paused"])
+        browser.execute_script("window.confirm = () => true")
+        click(browser, By.XPATH, f"//tr[td[text()='{name}']]//button[text()='Delete']")
+        wait(browser, "shovel gone", lambda _: states() == [])
+        assert not browser_errors(browser)
+    finally:
         conn.close()

@@ -737,8 +737,46 @@
     return refresh;
   }
 
+  // ------------------------------------------------------------------ shovels
+  // The status of every shovel (GET /api/shovels), its controls, and a form that PUTs a shovel
+  // parameter (docs/shovels.md); the API checks who may do what.
+  async function shovelsPage() {
+    const live = h("div");
+    const control = (s, label, method, url, what) => h("button", { type: "button", onclick: () => act(what, () => api(method, url)) }, label);
+    const controls = (s) => {
+      const one = `${enc(s.vhost)}/${enc(s.name)}`;
+      return h("span", { class: "bar" },
+        control(s, "Restart", "DELETE", `/api/shovels/vhost/${one}/restart`, "Shovel restarted."),
+        s.state === "paused" ? control(s, "Resume", "PUT", `/api/shovels/${one}/resume`, "Shovel resumed.")
+          : control(s, "Pause", "PUT", `/api/shovels/${one}/pause`, "Shovel paused."),
+        deleteButton(`shovel ${s.name}`, "Shovel deleted.", `/api/parameters/shovel/${one}`));
+    };
+    const cols = [["name", "Name"], ["vhost", "Virtual host"], ["state", "State", (s) => s.reason ? `${s.state}: ${s.reason}` : s.state],
+      ["src_uri", "Source", (s) => `${s.src_uri} ${s.src_queue ?? s.src_exchange ?? ""}`],
+      ["dest_uri", "Destination", (s) => `${s.dest_uri} ${s.dest_queue ?? s.dest_exchange ?? ""}`],
+      ["messages_transferred", "Moved", (s) => num(s.messages_transferred), true],
+      ["blocked_status", "Flow", (s) => s.blocked_reason || s.blocked_status], ["", "", controls]];
+    const add = form("add-shovel", "Add or replace a shovel", [["vhost", "Virtual host", "text", "/"], ["name", "Name", "text", ""],
+      ["src-uri", "Source URI (amqp:// is this broker)", "text", "amqp://"], ["src-queue", "Source queue", "text", ""],
+      ["dest-uri", "Destination URI (amqp://, amqps://, http(s)://)", "text", "amqp://"], ["dest-queue", "Destination queue", "text", ""],
+      ["ack-mode", "Acknowledgement mode", ["on-confirm", "on-publish", "no-ack"], "on-confirm"],
+      ["src-prefetch-count", "Prefetch count", "number", "1000"], ["reconnect-delay", "Reconnect delay (s)", "number", "5"],
+      ["more", "More parameters (JSON, e.g. {\"src-delete-after\": \"queue-length\"})", "textarea", ""]], "Save shovel", async (v) => {
+      const value = { "src-uri": v["src-uri"], "dest-uri": v["dest-uri"], "ack-mode": v["ack-mode"],
+        "src-prefetch-count": Number(v["src-prefetch-count"]), "reconnect-delay": Number(v["reconnect-delay"]), ...parseJson(v.more, "More parameters") };
+      if (v["src-queue"]) value["src-queue"] = v["src-queue"];
+      if (v["dest-queue"]) value["dest-queue"] = v["dest-queue"];
+      await api("PUT", `/api/parameters/shovel/${enc(v.vhost)}/${enc(v.name)}`, { value });
+      toast("Shovel saved.");
+      await state.refresh();
+    });
+    page("Shovels", live, add);
+    return async () => live.replaceChildren(table(cols, await api("GET", "/api/shovels"), { empty: "No shovels." }));
+  }
+
   // ------------------------------------------------------------------ router
   const ROUTES = [
+    [/^shovels$/, () => shovelsPage()],
     [/^overview$/, () => overviewPage()],
     [/^(connections|channels|exchanges|queues|consumers)$/, (m) => listPage(m[1])],
     [/^connections\/(.+)$/, (m) => connectionPage(decodeURIComponent(m[1]))],

@@ -12,7 +12,8 @@ from ``/api/overview``) under a deadline; a node that dies first fails with its 
 sends SIGTERM to the node's process group (RabbitMQ stops cleanly on it), escalates to SIGKILL
 after a deadline, then stops that epmd by its PID.
 
-Options: ``management=False`` leaves the management plugin out (a benchmark measuring the node's
+Options: ``plugins`` names more plugins to enable (``rabbitmq_shovel``); ``management=False``
+leaves the management plugin out (a benchmark measuring the node's
 CPU time does not want its statistics collection; ``mgmt_port`` is then None); ``tls`` (CA,
 certificate and key files) adds an AMQPS listener on ``tls_port`` that does not ask clients for
 certificates, and readiness then waits for it to accept too. ``beam_pid`` is the Erlang VM's PID
@@ -35,6 +36,8 @@ import uuid
 from pathlib import Path
 from typing import IO
 
+import pytest
+
 from .._support import amqp_answers, free_port
 
 # Debian's real start script (the /usr/sbin one su's to the rabbitmq user); another install (a
@@ -51,13 +54,24 @@ def missing() -> str | None:
     return None
 
 
+def require() -> None:
+    """Skip the test when RabbitMQ is not installed, or fail it when ``SKRED_REQUIRE_RABBITMQ`` is
+    set (CI sets it: a skip there would hide that the comparison never ran)."""
+    why = missing()
+    if why:
+        if os.environ.get("SKRED_REQUIRE_RABBITMQ"):
+            pytest.fail(f"SKRED_REQUIRE_RABBITMQ is set but {why}")
+        pytest.skip(why)
+
+
 class RabbitProcess:
     """One RabbitMQ node (with the management plugin unless told otherwise), bound to 127.0.0.1
     on free ports."""
 
     def __init__(self, root: Path, *, management: bool = True, tls: tuple[Path, Path, Path] | None = None,
-                 name: str = "skredconf") -> None:
+                 name: str = "skredconf", plugins: tuple[str, ...] = ()) -> None:
         self.root = root
+        self.plugins = plugins  # more plugins to enable (the shovel tests: rabbitmq_shovel)
         self.host = "127.0.0.1"
         self.port = free_port()
         self.mgmt_port = free_port() if management else None
@@ -86,7 +100,7 @@ class RabbitProcess:
                      f"ssl_options.cacertfile = {ca}\nssl_options.certfile = {cert}\n"
                      f"ssl_options.keyfile = {key}\n"
                      "ssl_options.verify = verify_none\nssl_options.fail_if_no_peer_cert = false\n")
-        plugins = "rabbitmq_management" if self.mgmt_port is not None else ""
+        plugins = ",".join((*(("rabbitmq_management",) if self.mgmt_port is not None else ()), *self.plugins))
         (self.root / "enabled_plugins").write_text(f"[{plugins}].\n")
         (self.root / "rabbitmq-env.conf").write_text("")
         (self.root / "rabbitmq.conf").write_text(conf)

@@ -10,7 +10,6 @@ is set (``.ci/run`` sets it): then it fails, so CI can never pass by skipping it
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import pytest
@@ -18,18 +17,14 @@ import pytest
 from .._support import SkredProcess, free_port, is_external, wait_until
 from ..test_mgmt_api import http_ready
 from ._harness import HIDDEN, HTTP_KEY_PATTERNS, TALLY, Target
-from ._rabbit import RabbitProcess, missing
+from ._rabbit import RabbitProcess, require
 
 
 @pytest.fixture(scope="session")
 def targets(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Target, Target]]:
     if is_external():
         pytest.skip("the conformance harness starts its own brokers")
-    why = missing()
-    if why:
-        if os.environ.get("SKRED_REQUIRE_RABBITMQ"):
-            pytest.fail(f"SKRED_REQUIRE_RABBITMQ is set but {why}")
-        pytest.skip(why)
+    require()
     root = tmp_path_factory.mktemp("conformance")
     rabbit = RabbitProcess(root / "rabbitmq")
     skred = SkredProcess(root / "skred-data", ["--mgmt-metrics-port", str(free_port())])

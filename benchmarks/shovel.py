@@ -1,0 +1,148 @@
+#!/usr/bin/env python3
+"""Shovel throughput: Skred's shovel against RabbitMQ 3.10's shovel plugin doing the same move.
+
+Boots its own brokers on loopback (free ports, private data dirs, stopped by PID): Skred ``A``
+(a source), Skred ``B`` (the destination of every move) and a RabbitMQ node ``R`` with
+``rabbitmq_shovel`` (tests/integration/conformance/_rabbit.py). For each move and ack mode, it
+preloads the source queue with ``--messages`` persistent 1 KiB messages (confirmed, not timed),
+defines the shovel, and times until B's destination queue holds them all (polled every 20 ms
+with a passive queue.declare, so a run is never shorter than that):
+
+- ``skred A->B``: Skred's shovel on B pulls from A over AMQP (``src-uri`` amqp://A).
+- ``plugin A->B``: RabbitMQ's shovel plugin (on R) moves the same from A to B.
+- ``skred R->B`` / ``plugin R->B``: RabbitMQ's queue to Skred, by Skred's shovel on B and by the
+  plugin on R.
+- ``skred B->B local``: Skred's in-process shovel (host-less ``amqp://`` both ends), no socket.
+
+Each run is bounded by ``--timeout`` seconds. Besides the rate, each row has the CPU time per
+message of each broker process (A, B, and RabbitMQ's Erlang VM R) during the move, read from
+/proc: on a loaded machine the rates say little, the CPU cost per message much more. The load
+average is printed with the results: compare rows of one run, not runs on different days.
+
+    python benchmarks/shovel.py --messages 20000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import urllib.parse
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+import pika  # noqa: E402
+
+from tests.integration._shovel import publish, put_shovel  # noqa: E402  (needs the repo root)
+from tests.integration._support import SkredProcess, wait_until  # noqa: E402
+from tests.integration.conformance._rabbit import RabbitProcess, missing  # noqa: E402
+from tests.integration.test_mgmt_api import Api, start_mgmt_broker  # noqa: E402
+
+MODES = ("on-confirm", "no-ack")
+PREFETCH = 1000  # both shovels: RabbitMQ's default src-prefetch-count
+
+
+def uri(port: int) -> str:
+    return f"amqp://guest:guest@127.0.0.1:{port}/%2F"
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def one_move(label: str, runner: Api, dest: Api, dest_url: str, src_url: str, value: dict[str, Any], n: int,
+             timeout: float, pids: dict[str, int]) -> tuple[float, dict[str, float]]:
+    """Messages per second of one move, and the CPU microseconds per message each broker process
+    spent meanwhile; the source is preloaded first (not timed)."""
+    src_q, dst_q = value["src-queue"], value["dest-queue"]
+    publish(src_url, src_q, "b", n, size=1024, declare={})
+    name = f"bench-{label.replace(' ', '-').replace('>', '')}-{value['ack-mode']}"
+    cpu0 = {k: cpu_seconds(pid) for k, pid in pids.items()}
+    t0 = time.perf_counter()
+    status, body = put_shovel(runner, "/", name, value)
+    assert status in (201, 204), body
+    with pika.BlockingConnection(pika.URLParameters(dest_url)) as conn:  # a passive declare costs the
+        ch = conn.channel()  # broker far less than an API call: the polling does not skew its CPU time
+        ch.queue_declare(dst_q, durable=True)  # there before either shovel looks for it
+        wait_until(lambda: ch.queue_declare(dst_q, passive=True).method.message_count >= n, timeout,
+                   f"{label}: {n} moved")
+    elapsed = time.perf_counter() - t0
+    cpu = {k: (cpu_seconds(pid) - cpu0[k]) * 1e6 / n for k, pid in pids.items()}
+    runner.call("DELETE", f"/api/parameters/shovel/%2F/{urllib.parse.quote(name, safe='')}")
+    dest.call("DELETE", f"/api/queues/%2F/{urllib.parse.quote(dst_q, safe='')}")
+    return n / elapsed, cpu
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--messages", type=int, default=20000)
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per move at most")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    why = missing()
+    if why:
+        sys.exit(f"benchmarks/shovel.py: {why}")
+    root = Path(tempfile.mkdtemp(prefix="skred-shovel-bench-"))
+    rabbit = RabbitProcess(root / "rabbitmq", name="skredshovelbench",
+                           plugins=("rabbitmq_shovel", "rabbitmq_shovel_management"))
+    a: SkredProcess | None = None
+    b: SkredProcess | None = None
+    results: list[dict[str, Any]] = []
+    try:
+        rabbit.spawn()
+        a, b = start_mgmt_broker(root), start_mgmt_broker(root)
+        problem = rabbit.wait_ready()
+        if problem:
+            sys.exit(problem)
+        assert rabbit.mgmt_port is not None
+        api_b, api_r = Api(b.mgmt_port), Api(rabbit.mgmt_port)
+        r_url = uri(rabbit.port)
+        assert a.pid is not None and b.pid is not None
+        pids = {"A": a.pid, "B": b.pid, "R": rabbit.beam_pid()}
+        for mode in MODES:
+            base = {"ack-mode": mode, "src-prefetch-count": PREFETCH, "reconnect-delay": 1}
+            moves = [
+                ("skred A->B", api_b, a.url, {"src-uri": uri(a.port), "dest-uri": "amqp://"}),
+                ("plugin A->B", api_r, a.url, {"src-uri": uri(a.port), "dest-uri": uri(b.port)}),
+                ("skred R->B", api_b, r_url, {"src-uri": r_url, "dest-uri": "amqp://"}),
+                ("plugin R->B", api_r, r_url, {"src-uri": "amqp://", "dest-uri": uri(b.port)}),
+                ("skred B->B local", api_b, b.url, {"src-uri": "amqp://", "dest-uri": "amqp://"}),
+            ]
+            for label, runner, src_url, ends in moves:
+                tag = f"{label.split()[0]}-{mode}-{len(results)}"
+                value = {**base, **ends, "src-queue": f"bench-src-{tag}", "dest-queue": f"bench-dst-{tag}"}
+                rate, cpu = one_move(label, runner, api_b, b.url, src_url, value, args.messages, args.timeout,
+                                     pids)
+                results.append({"move": label, "ack_mode": mode, "msg_per_s": round(rate),
+                                "cpu_us_per_msg": {k: round(v) for k, v in cpu.items()},
+                                "cpu_us_total": round(sum(cpu.values()))})
+                print(f"{label:18} {mode:10} {rate:10.0f} msg/s  CPU us/msg "
+                      + " ".join(f"{k}={v:.0f}" for k, v in cpu.items()), file=sys.stderr, flush=True)
+    finally:
+        for broker in (a, b):
+            if broker is not None:
+                broker.close()
+        rabbit.close()
+    load = os.getloadavg()
+    if args.json:
+        print(json.dumps({"messages": args.messages, "load_average": load, "results": results}, indent=2))
+        return
+    print(f"{args.messages} messages of 1 KiB per move; load average "
+          f"{load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
+    print(f"{'move':18} {'ack mode':10} {'msg/s':>10} {'CPU us/msg A':>12} {'B':>6} {'R':>6} {'total':>6}")
+    for r in results:
+        c = r["cpu_us_per_msg"]
+        print(f"{r['move']:18} {r['ack_mode']:10} {r['msg_per_s']:10} {c['A']:12} {c['B']:6} {c['R']:6} "
+              f"{r['cpu_us_total']:6}")
+
+
+if __name__ == "__main__":
+    main()

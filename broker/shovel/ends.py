@@ -1,0 +1,116 @@
+"""What a shovel's two ends are to the link that joins them.
+
+A **source** consumes with at most ``prefetch`` messages unsettled, hands each to the link's
+callback, and settles each as the link says: ``ACK`` (the destination has it), ``REQUEUE`` (give
+it back), ``DEAD_LETTER`` (refused for good: only when the source queue has a dead-letter
+exchange, otherwise the link requeues). A **destination** publishes one message and says
+``OK``, ``RETRY`` (refused for now: flow control, a ``reject-publish`` queue at its limit, an HTTP
+5xx, a nack) or ``REFUSED`` (refused for good: an HTTP 4xx other than 408/429); it raises
+``EndLost`` when its connection is gone (nothing settled: the source gives every unsettled
+message back when the link closes it). Either end's ``lost`` future is set with the reason
+when it breaks on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections.abc import Callable
+from typing import Protocol
+
+from pamqp import commands
+
+from broker import properties
+
+EMPTY_PROPERTIES = b"\x00\x00"  # a content header's property flags with no property set
+
+
+class Settle(enum.Enum):
+    ACK = "ack"
+    REQUEUE = "requeue"
+    DEAD_LETTER = "dead-letter"
+
+
+class Verdict(enum.Enum):
+    OK = "ok"
+    RETRY = "retry"
+    REFUSED = "refused"
+
+
+class EndLost(Exception):
+    """An end's connection or channel is gone; the text says why."""
+
+
+class Message:
+    """One message in flight. Its content properties are kept as they came: the raw property
+    bytes from this broker's store (decoded only if an end or the definition needs the fields),
+    or the pamqp object a client library decoded (encoded only for this broker's store)."""
+
+    __slots__ = ("exchange", "routing_key", "body", "redelivered", "tag", "_props", "_raw")
+
+    def __init__(self, exchange: str, routing_key: str, props: commands.Basic.Properties | None, body: bytes,
+                 redelivered: bool, tag: int, raw: bytes | None = None) -> None:
+        self.exchange = exchange
+        self.routing_key = routing_key
+        self.body = body
+        self.redelivered = redelivered
+        self.tag = tag  # the source's handle to settle it
+        self._props = props
+        self._raw = raw
+
+    @property
+    def props(self) -> commands.Basic.Properties:
+        """The fields (decoded on first use); a change to them is published (``raw`` is dropped)."""
+        if self._props is None:
+            try:
+                self._props = properties.decode(self._raw or EMPTY_PROPERTIES)
+            except Exception:  # noqa: BLE001 - stored by another protocol oddly: sent without properties
+                self._props = commands.Basic.Properties()
+        self._raw = None
+        return self._props
+
+    @property
+    def raw(self) -> bytes:
+        """The property bytes of this broker's store format."""
+        if self._raw is None:
+            self._raw = properties.encode(self.props)
+        return self._raw
+
+
+class Source(Protocol):
+    lost: asyncio.Future[str]
+    can_dead_letter: bool  # the source queue has a dead-letter exchange
+    length: int  # messages in the source queue when it was opened (src-delete-after queue-length)
+
+    async def open(self, on_message: Callable[[Message], None]) -> None: ...
+
+    def settle(self, tag: int, how: Settle) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class Destination(Protocol):
+    lost: asyncio.Future[str]
+    concurrency: int  # publishes it may have in flight at once (1: strictly in order, one by one)
+    problem: str  # why the last send was not OK (the status's reason while the link retries)
+
+    async def open(self) -> None: ...
+
+    immediate: bool  # send_now publishes at once (this broker): the link needs no task per message
+
+    async def send(self, msg: Message) -> Verdict: ...
+
+    def send_now(self, msg: Message, later: Callable[[Verdict], None]) -> Verdict | None:
+        """Only when ``immediate``: publish now; the verdict, or None when ``later`` gets it."""
+
+    async def close(self) -> None: ...
+
+
+def new_lost() -> asyncio.Future[str]:
+    fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    return fut
+
+
+def set_lost(fut: asyncio.Future[str], reason: str) -> None:
+    if not fut.done():
+        fut.set_result(reason)
