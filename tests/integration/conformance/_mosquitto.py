@@ -3,7 +3,8 @@
 Theory of operation: Debian's ``mosquitto`` package is installed by ``.ci/run`` with its service
 left down. ``MosquittoProcess`` writes a config of its own under a temp dir (one listener on a
 free loopback port, no anonymous logins, a password file with ``guest``/``guest`` made by
-``mosquitto_passwd``, no persistence file) and runs the broker in the foreground in a process
+``mosquitto_passwd``, no persistence file unless ``persistence=True``: benchmarks/mqtt.py restarts
+it with persistent sessions) and runs the broker in the foreground in a process
 group of its own; readiness is a completed TCP connect under a deadline, and ``close`` stops the
 group by its PID (SIGTERM, then SIGKILL after a deadline).
 """
@@ -31,8 +32,9 @@ def missing() -> str | None:
 
 
 class MosquittoProcess:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, persistence: bool = False) -> None:
         self.root = root
+        self.persistence = persistence
         self.host = "127.0.0.1"
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
@@ -46,7 +48,9 @@ class MosquittoProcess:
                        check=True, timeout=20, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         conf = self.root / "mosquitto.conf"
         conf.write_text(f"listener {self.port} {self.host}\nallow_anonymous false\n"
-                        f"password_file {passwd}\npersistence false\n"
+                        f"password_file {passwd}\n"
+                        + (f"persistence true\npersistence_location {self.root}/\nautosave_interval 0\n"
+                           if self.persistence else "persistence false\n")
                         # as root it would switch to the mosquitto user, who cannot read our temp dir
                         + ("user root\n" if os.geteuid() == 0 else ""))
         self._log = open(self.root / "mosquitto.log", "ab")
