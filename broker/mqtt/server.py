@@ -48,6 +48,7 @@ class MQTTProtocol(asyncio.Protocol):
         # before its CONNACK a client may send little: a CONNECT with its will, and a few packets
         self.parser = P.Parser(min(cfg.max_packet_size, UNAUTHENTICATED_MAX_PACKET))
         self.transport: asyncio.Transport | None = None
+        self.out: list[bytes] = []  # written by flush, once per loop turn
         self.peer = ""
         self.session: MQTTSession | None = None
         self.state = "new"  # new -> login -> open -> closed
@@ -58,12 +59,23 @@ class MQTTProtocol(asyncio.Protocol):
         self.timer: asyncio.TimerHandle | None = None
 
     # ------------------------------------------------------------------ Output
+    # What a connection sends in one loop turn is gathered and written once: a transport write is
+    # a system call, and one per delivered message held a subscriber to about a thousand
+    # messages a second on a loaded machine (benchmarks/mqtt.py).
     def write(self, data: bytes) -> None:
         if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(data)
+            if not self.out:
+                asyncio.get_running_loop().call_soon(self.flush)
+            self.out.append(data)
+
+    def flush(self) -> None:
+        out, self.out = self.out, []
+        if out and self.transport is not None and not self.transport.is_closing():
+            self.transport.write(b"".join(out))
 
     def close(self) -> None:
         if self.transport is not None:
+            self.flush()
             self.transport.close()
 
     # ------------------------------------------------------------------ asyncio
