@@ -17,6 +17,7 @@ node run at once on threads; the leader and the follower one after the other on 
 from __future__ import annotations
 
 import difflib
+import os
 import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -43,7 +44,9 @@ def mosquitto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MosquittoPro
         pytest.skip("the conformance harness starts its own brokers")
     why = missing()
     if why:
-        pytest.fail(why)  # .ci/run installs it: never a silent skip
+        if os.environ.get("CI") or os.environ.get("SKRED_REQUIRE_RABBITMQ"):
+            pytest.fail(why)  # .ci/run installs it: CI never passes by skipping
+        pytest.skip(why)
     m = MosquittoProcess(tmp_path_factory.mktemp("mosquitto"))
     try:
         m.start()
