@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 _PENDING_MAX = 64  # packets a client may send before its CONNACK
 UNAUTHENTICATED_MAX_PACKET = 256 * 1024  # bytes of one packet before the login succeeded
 Peer = tuple[str, int]
+OUT_BATCH = 64 * 1024  # bytes of output gathered before they are written within a loop turn
 
 
 class MQTTProtocol(asyncio.Protocol):
@@ -48,7 +49,8 @@ class MQTTProtocol(asyncio.Protocol):
         # before its CONNACK a client may send little: a CONNECT with its will, and a few packets
         self.parser = P.Parser(min(cfg.max_packet_size, UNAUTHENTICATED_MAX_PACKET))
         self.transport: asyncio.Transport | None = None
-        self.out: list[bytes] = []  # written by flush, once per loop turn
+        self.out: list[bytes] = []  # written by flush, once per loop turn or OUT_BATCH bytes
+        self.out_size = 0
         self.peer = ""
         self.session: MQTTSession | None = None
         self.state = "new"  # new -> login -> open -> closed
@@ -61,15 +63,19 @@ class MQTTProtocol(asyncio.Protocol):
     # ------------------------------------------------------------------ Output
     # What a connection sends in one loop turn is gathered and written once: a transport write is
     # a system call, and one per delivered message held a subscriber to about a thousand
-    # messages a second on a loaded machine (benchmarks/mqtt.py).
+    # messages a second on a loaded machine (benchmarks/mqtt.py). Every OUT_BATCH bytes go at
+    # once, so a long burst of publishes in one read still streams to its subscribers.
     def write(self, data: bytes) -> None:
         if self.transport is not None and not self.transport.is_closing():
             if not self.out:
                 asyncio.get_running_loop().call_soon(self.flush)
             self.out.append(data)
+            self.out_size += len(data)
+            if self.out_size >= OUT_BATCH:
+                self.flush()
 
     def flush(self) -> None:
-        out, self.out = self.out, []
+        out, self.out, self.out_size = self.out, [], 0
         if out and self.transport is not None and not self.transport.is_closing():
             self.transport.write(b"".join(out))
 
