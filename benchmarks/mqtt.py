@@ -275,7 +275,7 @@ async def open_conn(b: Broker, client_id: str, clean: bool = True, stamps: list[
     _, c = await loop.create_connection(lambda: Conn(stamps), b.host, b.port)
     assert c.transport is not None
     c.transport.write(connect_packet(client_id, clean))
-    sp, rc = await asyncio.wait_for(c.connack, 30)
+    sp, rc = await asyncio.wait_for(c.connack, 120)
     if rc != 0:
         raise ConnectionError(f"CONNACK {rc}")
     c.session_present = sp  # type: ignore[attr-defined]
@@ -285,7 +285,7 @@ async def open_conn(b: Broker, client_id: str, clean: bool = True, stamps: list[
 async def subscribe(c: Conn, topic: str, qos: int) -> None:
     assert c.transport is not None
     c.transport.write(subscribe_packet(topic, qos))
-    await asyncio.wait_for(c.suback, 30)
+    await asyncio.wait_for(c.suback, 120)
 
 
 async def open_many(b: Broker, n: int, prefix: str, clean: bool = True, at_once: int = 200) -> list[Conn]:
@@ -366,6 +366,7 @@ async def flow(b: Broker, pubs: int, subs: int, qos: int, args: argparse.Namespa
                 if outstanding > args.window:
                     if time.monotonic() - last_change > 3.0:  # the broker dropped them
                         dropped_n[0] += outstanding
+                        last_change = time.monotonic()
                     await asyncio.sleep(0.001)
                     continue
                 c = pub_conns[i % len(pub_conns)]
