@@ -482,9 +482,10 @@ def cpu_seconds() -> float:
 
 def run_broker(b: Broker, args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    want = set(args.only.split(","))
     b.start()
     try:
-        for qos in (0, 1):
+        for qos in (0, 1) if "flows" in want else ():
             for shape, pubs, subs in (("fan-in", args.publishers, 1), ("fan-out", 1, args.subscribers)):
                 c0, w0 = cpu_seconds(), time.perf_counter()
                 try:
@@ -495,12 +496,14 @@ def run_broker(b: Broker, args: argparse.Namespace) -> dict[str, Any]:
                 out[f"{shape}-qos{qos}"] = r
                 print(b.name, shape, qos, r, flush=True)
         for key, fn in (("latency", latency), ("idle", idle_memory)):
+            if key not in want:
+                continue
             try:
                 out[key] = asyncio.run(fn(b, args))
             except Exception as exc:  # noqa: BLE001
                 out[key] = {"error": f"{type(exc).__name__}: {exc}"}
             print(b.name, key, out[key], flush=True)
-        if args.sessions:
+        if args.sessions and "restore" in want:
             try:
                 out["restore"] = restore(b, args)
             except Exception as exc:  # noqa: BLE001
@@ -582,6 +585,7 @@ def main() -> None:
     ap.add_argument("--sessions", type=int, default=10000, help="persistent sessions to restore (0: skip)")
     ap.add_argument("--session-budget", type=float, default=120.0, help="seconds to make them at most")
     ap.add_argument("--amqtt", default=shutil.which("amqtt") or "", help="amqtt's console script")
+    ap.add_argument("--only", default="flows,latency,idle,restore", help="the scenarios to run")
     ap.add_argument("--write", action="store_true", help="replace the MQTT section of docs/benchmarks.md")
     ap.add_argument("--note", default="", help="a paragraph for docs/benchmarks.md (the machine's load)")
     args = ap.parse_args()
