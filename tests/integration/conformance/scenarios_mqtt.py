@@ -233,7 +233,8 @@ def takeover_closes_the_first(r: MRun) -> None:
 @scenario()
 def keepalive_closes_a_silent_client(r: MRun) -> None:
     c = r.client("silent", keepalive=1)
-    c.closed_within(4.0)  # 1.5 x keepalive (3.1.2.10) and slack for a loaded machine
+    # 1.5 x keepalive (3.1.2.10) is when Skred closes; mosquitto's coarse timer takes 1.5-6 s
+    c.closed_within(8.0)
 
 
 @scenario()
