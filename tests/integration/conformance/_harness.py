@@ -33,6 +33,7 @@ class Target:
     host: str
     port: int
     mgmt_port: int
+    mqtt_port: int = 0  # the MQTT conformance harness (test_mqtt_conformance.py)
 
 
 @dataclass

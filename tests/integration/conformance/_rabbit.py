@@ -16,8 +16,10 @@ Options: ``plugins`` names more plugins to enable (``rabbitmq_shovel``); ``manag
 leaves the management plugin out (a benchmark measuring the node's
 CPU time does not want its statistics collection; ``mgmt_port`` is then None); ``tls`` (CA,
 certificate and key files) adds an AMQPS listener on ``tls_port`` that does not ask clients for
-certificates, and readiness then waits for it to accept too. ``beam_pid`` is the Erlang VM's PID
-under the start script: the process whose CPU time is the broker's.
+certificates, and readiness then waits for it to accept too; ``mqtt=True`` enables the
+``rabbitmq_mqtt`` plugin with a listener on ``mqtt_port`` (the MQTT conformance harness).
+``beam_pid`` is the Erlang VM's PID under the start script: the process whose CPU time is the
+broker's.
 
 When RabbitMQ is not installed, ``missing()`` says why; the fixture skips with that reason, or
 fails when ``SKRED_REQUIRE_RABBITMQ`` is set (``.ci/run`` sets it, so CI can never skip).
@@ -69,7 +71,7 @@ class RabbitProcess:
     on free ports."""
 
     def __init__(self, root: Path, *, management: bool = True, tls: tuple[Path, Path, Path] | None = None,
-                 name: str = "skredconf", plugins: tuple[str, ...] = ()) -> None:
+                 name: str = "skredconf", plugins: tuple[str, ...] = (), mqtt: bool = False) -> None:
         self.root = root
         self.plugins = plugins  # more plugins to enable (the shovel tests: rabbitmq_shovel)
         self.host = "127.0.0.1"
@@ -77,6 +79,7 @@ class RabbitProcess:
         self.mgmt_port = free_port() if management else None
         self.tls = tls  # (CA, certificate, key)
         self.tls_port = free_port() if tls else None
+        self.mqtt_port = free_port() if mqtt else None
         self.dist_port = free_port()
         self.epmd_port = free_port()
         self.node = f"{name}{uuid.uuid4().hex[:8]}@localhost"
@@ -100,7 +103,11 @@ class RabbitProcess:
                      f"ssl_options.cacertfile = {ca}\nssl_options.certfile = {cert}\n"
                      f"ssl_options.keyfile = {key}\n"
                      "ssl_options.verify = verify_none\nssl_options.fail_if_no_peer_cert = false\n")
-        plugins = ",".join((*(("rabbitmq_management",) if self.mgmt_port is not None else ()), *self.plugins))
+        if self.mqtt_port is not None:
+            conf += f"mqtt.listeners.tcp.1 = {self.host}:{self.mqtt_port}\n"
+        plugins = ",".join((*(p for p, on in (("rabbitmq_management", self.mgmt_port is not None),
+                                               ("rabbitmq_mqtt", self.mqtt_port is not None)) if on),
+                            *self.plugins))
         (self.root / "enabled_plugins").write_text(f"[{plugins}].\n")
         (self.root / "rabbitmq-env.conf").write_text("")
         (self.root / "rabbitmq.conf").write_text(conf)
@@ -129,6 +136,10 @@ class RabbitProcess:
         self.epmd = subprocess.Popen(
             ["epmd", "-port", str(self.epmd_port)], stdout=self._log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True)
+        # the node registers with epmd at boot and dies ("nodistribution") if it is not listening yet
+        deadline = time.monotonic() + 10
+        while not self._accepts(self.epmd_port) and time.monotonic() < deadline:
+            time.sleep(0.02)  # poll interval, bounded by the deadline
         self.proc = subprocess.Popen(
             [SERVER], cwd=str(self.root), env=env, stdout=self._log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True)
@@ -144,24 +155,27 @@ class RabbitProcess:
         except OSError:
             return False
 
-    def _tls_ready(self) -> bool:
-        if self.tls_port is None:
+    def _ports_accept(self) -> bool:
+        return self._accepts(self.tls_port) and self._accepts(self.mqtt_port)
+
+    def _accepts(self, port: int | None) -> bool:
+        if port is None:
             return True
         try:
-            with socket.create_connection((self.host, self.tls_port), timeout=1):
+            with socket.create_connection((self.host, port), timeout=1):
                 return True
         except OSError:
             return False
 
     def wait_ready(self, timeout: float = BOOT_DEADLINE) -> str | None:
-        """None when the node answers AMQP (and HTTP, and accepts on the TLS port, when it has
-        them), else why not (with the log tail)."""
+        """None when the node answers AMQP (and HTTP, and accepts on the TLS and MQTT ports, when
+        it has them), else why not (with the log tail)."""
         assert self.proc is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 return f"RabbitMQ exited with {self.proc.returncode} while booting:\n{self.log_tail()}"
-            if amqp_answers(self.host, self.port) and self._http_ready() and self._tls_ready():
+            if amqp_answers(self.host, self.port) and self._http_ready() and self._ports_accept():
                 return None
             time.sleep(0.2)  # poll interval of a readiness loop with a deadline
         return f"RabbitMQ not ready within {timeout:.0f}s:\n{self.log_tail()}"

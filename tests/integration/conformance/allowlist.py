@@ -75,3 +75,53 @@ HTTP_KEYS: dict[str, str] = {
     r"ssl_hash|ssl_key_exchange": "TLS details Python's ssl module does not report separately "
                                   "(ssl_cipher and ssl_protocol are there)",
 }
+
+# MQTT (test_mqtt_conformance.py): (scenario, MQTT protocol level 4 or 5, reference broker) -> why
+# Skred shows a client something else there. docs/compatibility.md's MQTT section names each.
+_QOS2_GRANT = "a QoS 2 subscription is granted QoS 1, as RabbitMQ does; mosquitto grants QoS 2"
+_QOS0_KEPT = ("QoS 0 messages for an offline persistent session wait in its queue, as RabbitMQ does; "
+              "mosquitto drops them (its queue_qos0_messages is off by default)")
+MQTT: dict[tuple[str, int, str], str] = {
+    ("connect_refusals", 4, "mosquitto"):
+        "a wrong password or an unknown user gets return code 4 (bad user name or password), as from "
+        "RabbitMQ; mosquitto answers 5 (not authorized)",
+    ("connect_refusals", 5, "mosquitto"):
+        "a wrong password, an unknown user and a missing user name get 0x86 (bad user name or "
+        "password); mosquitto answers 0x87 (not authorized)",
+    ("connect_refusals", 4, "rabbitmq"):
+        "no side door: a CONNECT without a user name is refused with 5 (RabbitMQ 3.10 logs it in as "
+        "its default user, mqtt.allow_anonymous); an unknown vhost in 'vhost:user' gets 5 (RabbitMQ: 4)",
+    ("connect_unknown_protocol_level", 4, "rabbitmq"):
+        "an unsupported protocol level gets CONNACK 1 before the close (3.1.2.2), as from mosquitto; "
+        "RabbitMQ 3.10 closes without a CONNACK",
+    ("keepalive_closes_a_silent_client", 5, "mosquitto"):
+        "a client silent for 1.5 x its keepalive gets DISCONNECT 0x8D (keep alive timeout) before the "
+        "close; mosquitto closes it without one",
+    ("persistent_session_keeps_messages", 4, "mosquitto"): _QOS0_KEPT,
+    ("persistent_session_keeps_messages", 5, "mosquitto"): _QOS0_KEPT,
+    ("publish_wildcard_topic", 4, "rabbitmq"):
+        "a PUBLISH to a topic name with a wildcard is malformed and closes the connection (3.3.2.1), "
+        "as on mosquitto; RabbitMQ 3.10 accepts and acknowledges it",
+    ("publish_wildcard_topic", 5, "mosquitto"):
+        "the DISCONNECT before the close says 0x90 (topic name invalid); mosquitto says 0x82 "
+        "(protocol error)",
+    ("qos_flows", 4, "mosquitto"): _QOS2_GRANT,
+    ("qos_flows", 5, "mosquitto"): _QOS2_GRANT,
+    ("qos_flows", 4, "rabbitmq"):
+        "a QoS 2 publish gets PUBREC, PUBREL, PUBCOMP (stored once per packet identifier), as on "
+        "mosquitto; RabbitMQ 3.10 answers it with PUBACK as if it were QoS 1",
+    ("retained_exact_wildcard_and_clear", 4, "rabbitmq"):
+        "retained messages reach wildcard subscriptions too (3.3.1.3), as on mosquitto; RabbitMQ 3.10 "
+        "sends them to exact-topic subscriptions only",
+    ("subscribe_invalid_filter", 4, "rabbitmq"):
+        "a filter with '#' before its last level is malformed and closes the connection (4.7.1.2), as "
+        "on mosquitto; RabbitMQ 3.10 grants it",
+    ("takeover_closes_the_first", 5, "mosquitto"):
+        "the connection taken over gets DISCONNECT 0x8E (session taken over) before the close; "
+        "mosquitto closes it without one",
+    ("v5_reason_codes", 5, "mosquitto"):
+        "PUBREC says 0x10 (no matching subscribers) like PUBACK does; mosquitto's PUBREC says 0",
+    ("v5_subscription_identifiers", 5, "mosquitto"):
+        "a message matching two subscriptions of one session at one QoS arrives once, with both "
+        "identifiers; mosquitto sends a copy per subscription (3.3.4 allows either)",
+}

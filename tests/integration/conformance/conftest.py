@@ -26,7 +26,7 @@ def targets(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Target, 
         pytest.skip("the conformance harness starts its own brokers")
     require()
     root = tmp_path_factory.mktemp("conformance")
-    rabbit = RabbitProcess(root / "rabbitmq")
+    rabbit = RabbitProcess(root / "rabbitmq", mqtt=True)  # one node for the AMQP and MQTT harnesses
     skred = SkredProcess(root / "skred-data", ["--mgmt-metrics-port", str(free_port())])
     try:
         rabbit.spawn()
@@ -35,8 +35,8 @@ def targets(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Target, 
         if problem:
             pytest.fail(problem)
         wait_until(lambda: http_ready(skred.mgmt_port), 30, "Skred's management listener")
-        yield (Target("rabbitmq", rabbit.host, rabbit.port, rabbit.mgmt_port),
-               Target("skred", skred.host, skred.port, skred.mgmt_port))
+        yield (Target("rabbitmq", rabbit.host, rabbit.port, rabbit.mgmt_port, rabbit.mqtt_port or 0),
+               Target("skred", skred.host, skred.port, skred.mgmt_port, skred.mqtt_port))
     finally:
         skred.close()
         rabbit.close()
