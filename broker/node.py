@@ -36,6 +36,7 @@ import json
 import logging
 import shutil
 import signal
+import socket
 import ssl
 import sys
 import threading
@@ -67,6 +68,8 @@ from broker.mqtt.server import MQTTProtocol, MQTTServer
 from broker.net import proxy
 from broker.net.listener import Listener, keep_peer
 from broker.net.server import AMQPProtocol, AMQPServer
+from broker.shards.supervisor import WorkerSpec, serve_workers, worker_count
+from broker.shards.worker import WorkerLink
 from broker.store.blobs import BlobDir
 from broker.store.fileio import syncfs
 from broker.store.intent import IntentFile
@@ -123,8 +126,13 @@ def raise_fd_limit() -> None:
 
 
 class Node:
-    def __init__(self, config: Config, sink: ReplicationSink | None = None) -> None:
+    def __init__(self, config: Config, sink: ReplicationSink | None = None,
+                 worker: WorkerLink | None = None) -> None:
         self.config = config
+        # one worker of several (broker/shards): its vhosts, its hand-overs, the shared files
+        self.worker = worker
+        # users.json, vhosts.json and global parameters: the node's, whichever worker this is
+        self.shared_dir = worker.root if worker is not None else config.main.data_dir
         self.sink: ReplicationSink = sink or NullSink()
         self.stopping = asyncio.Event()
         self.broker: Broker | None = None
@@ -138,6 +146,7 @@ class Node:
         self.mgmt: Mgmt | None = None
         self.http: MgmtServer | None = None
         self.http_listeners: list[Listener] = []
+        self.http_private: tuple[str, int] | None = None  # a worker's own HTTP port (broker/shards)
         self.tls: tls.ServerTLS | None = None
         self.lmq: LMQServer | None = None
         self.mqtt: MQTTServer | None = None
@@ -167,9 +176,9 @@ class Node:
         transient_root = data_dir / "transient"
         shutil.rmtree(transient_root, ignore_errors=True)
         transient_root.mkdir(parents=True, exist_ok=True)
-        users = UserStore(data_dir / "users.json", self.sink, cfg.main.default_user,
+        users = UserStore(self.shared_dir / "users.json", self.sink, cfg.main.default_user,
                           cfg.main.default_password, throttle=login_throttle(cfg.main))
-        vhost_names = self.vhost_store = VHostStore(data_dir / "vhosts.json", self.sink)
+        vhost_names = self.vhost_store = VHostStore(self.shared_dir / "vhosts.json", self.sink)
         self._files = SegmentFiles()
         syncer = self._syncer = Syncer(loop, cfg.main.sync, replicated=self.replicated,
                                        window=cfg.main.ack_sync_interval / 1000,
@@ -177,6 +186,8 @@ class Node:
         self._loop = loop
         vhosts: dict[str, VHost] = {}
         for name in vhost_names.list():
+            if self.worker is not None and not self.worker.owns(name):
+                continue
             log.info("loading vhost %r", name)
             vhosts[name] = self.make_vhost(name)
             log.info("vhost %r: %d exchanges, %d queues", name, len(vhosts[name].exchanges),
@@ -209,7 +220,7 @@ class Node:
             assert self.vhost_store is not None
             mgmt = self.mgmt = Mgmt(broker, self.vhost_store, self.make_vhost, cfg.main.data_dir,
                                     cfg.main.data_dir / "transient",
-                                    GlobalParameters(cfg.main.data_dir / PARAMETERS_FILE, self.sink),
+                                    GlobalParameters(self.shared_dir / PARAMETERS_FILE, self.sink),
                                     IntentFile(cfg.main.data_dir / IMPORT_INTENT_FILE, self.sink))
             resume_import(mgmt)  # an import a crash cut off comes back whole, before anything serves
             mgmt.cluster = self.cluster
@@ -223,18 +234,78 @@ class Node:
             if tls.enabled(cfg.main):
                 self.tls = tls.ServerTLS(cfg.main)
                 mgmt.tls_certs = [str(cfg.main.tls_cert)]
-            if cfg.lmq.enabled:  # before AMQP: a node that answers AMQP has its LMQ ports open too
-                await self.start_lmq(broker)
-            if cfg.mqtt.enabled:  # the same: MQTT answers once AMQP does
-                await self.start_mqtt(broker)
+            worker = self.worker
+            if worker is not None:
+                await self.start_worker(worker, loop, broker, mgmt)
+            # LMQ runs in the worker that owns its vhost, MQTT in the first (docs/architecture.md)
+            if cfg.lmq.enabled and (worker is None or worker.owns(cfg.lmq.vhost)):
+                await self.start_lmq(broker)  # before AMQP: a node answering AMQP has its LMQ ports open
+            if cfg.mqtt.enabled and (worker is None or worker.index == 0):
+                await self.start_mqtt(broker)  # the same: MQTT answers once AMQP does
             # HTTP before AMQP too: once the AMQP port answers, everything answers
-            if cfg.mgmt.enabled:
+            if cfg.mgmt.enabled and worker is None:
                 await self.start_http(broker, mgmt)
             await self.start_amqp(broker, mgmt)
         except BaseException:
             self.release_lock()
             raise
         self._reader = loop.create_task(self.read_stores())
+
+    async def start_worker(self, worker: WorkerLink, loop: asyncio.AbstractEventLoop, broker: Broker,
+                           mgmt: Mgmt) -> None:
+        """One worker of several: join the node (broker/shards/worker.py). Its HTTP listeners
+        (the node's port, and a private one the other workers ask for this worker's part of an
+        answer) open first; the client ports once the parent says every worker is ready."""
+        assert self.vhost_store is not None
+        broker.shards = worker
+        worker.shared.add(broker.users.path, broker.users.reload)
+        worker.shared.add(self.vhost_store.path, self.vhost_store.reload)
+        worker.shared.add(mgmt.global_parameters.path, mgmt.global_parameters.reload)
+        worker.on_handover = self.resume_connection
+        worker.on_reloaded = self.shared_reloaded
+        worker.on_parent_gone = self.stopping.set
+        worker.start(loop)
+        private = None
+        if self.config.mgmt.enabled:
+            from broker.shards.fanout import Fanout
+
+            mgmt.middlewares.append(Fanout(worker).middleware)
+            await self.start_http(broker, mgmt)
+            private = self.http_private
+        await worker.ready(private)
+
+    def resume_connection(self, fd: int, state: dict[str, object]) -> None:
+        """A connection another worker of this node accepted for one of our vhosts."""
+        sock = socket.socket(fileno=fd)
+        amqp, broker, loop = self.amqp, self.broker, self._loop
+        if amqp is None or broker is None or loop is None:
+            sock.close()
+            return
+        sock.setblocking(False)
+        peer = state.get("peer")
+        where = (str(peer[0]), int(peer[1])) if isinstance(peer, (tuple, list)) else ("", 0)
+        proto = AMQPProtocol(broker, amqp.protocols, where)
+
+        async def resume() -> None:
+            try:
+                await loop.connect_accepted_socket(lambda: proto, sock)
+            except OSError as exc:
+                log.info("handed-over connection lost before it resumed: %s", exc)
+                sock.close()
+                return
+            proto.resume(state)
+
+        loop.create_task(resume())
+
+    def shared_reloaded(self, names: list[str]) -> None:
+        """Another worker changed shared files: build the vhosts it created that we own."""
+        broker, store, worker = self.broker, self.vhost_store, self.worker
+        if broker is None or store is None or worker is None or "vhosts.json" not in names:
+            return
+        for name in store.list():
+            if worker.owns(name) and name not in broker.vhosts:
+                broker.vhosts[name] = self.make_vhost(name)
+                log.info("vhost %r created", name)
 
     async def read_stores(self) -> None:
         """Recover the queue stores the boot deferred (``VHost``: a plain durable queue's
@@ -278,6 +349,7 @@ class Node:
     async def start_amqp(self, broker: Broker, mgmt: Mgmt) -> None:
         cfg = self.config
         amqp = self.amqp = AMQPServer(broker)
+        amqp.reuse_port = self.worker is not None  # every worker on the node's port (broker/shards)
         mgmt.websocket_protocols["amqp"] = lambda peer: AMQPProtocol(broker, amqp.protocols, peer)
         mgmt.websocket_max_message = cfg.amqp.frame_max + cfg.main.max_message_size
         options = "amqp.bind/amqp.port, --amqp-bind/--amqp-port"
@@ -294,7 +366,7 @@ class Node:
                 "amqp.bind/amqp.tls_port, --amqp-bind/--amqp-tls-port", cfg.amqp.bind, cfg.amqp.tls_port,
                 self.amqp.start(cfg.amqp.bind, cfg.amqp.tls_port, self.tls_context))
             log.info("AMQPS listening on %s:%d", *mgmt.amqps_address)
-        if cfg.amqp.unix_path:
+        if cfg.amqp.unix_path and (self.worker is None or self.worker.index == 0):
             await listening("amqp.unix_path, --amqp-unix-path", cfg.amqp.unix_path, 0,
                             amqp.start_unix(cfg.amqp.unix_path, unix_mode(cfg.main)))
             log.info("AMQP listening on Unix socket %s", cfg.amqp.unix_path)
@@ -303,26 +375,31 @@ class Node:
     async def start_http(self, broker: Broker, mgmt: Mgmt) -> None:
         cfg = self.config
         self.http = MgmtServer(mgmt)
+        reuse = self.http.reuse_port = self.worker is not None  # every worker on the node's ports
         factory = keep_peer(await self.http.start(cfg.mgmt.metrics_bind, cfg.mgmt.metrics_port))
 
         def trusted(ip: str) -> bool:
             return proxy.is_trusted(ip, cfg.mgmt.trusted_proxies, broker.trusted_peers)
 
+        if reuse:  # and a port of its own, for the other workers (broker/shards/fanout.py)
+            listener = Listener("HTTP (this worker)", factory, trusted)
+            self.http_listeners.append(listener)
+            self.http_private = await listener.start("127.0.0.1", 0)
         if cfg.mgmt.port >= 0:
-            listener = Listener("HTTP", factory, trusted, remap=broker.proxied_peers)
+            listener = Listener("HTTP", factory, trusted, remap=broker.proxied_peers, reuse_port=reuse)
             self.http_listeners.append(listener)
             mgmt.http_address = await listening(
                 "mgmt.bind/mgmt.port, --mgmt-bind/--mgmt-port", cfg.mgmt.bind, cfg.mgmt.port,
                 listener.start(cfg.mgmt.bind, cfg.mgmt.port))
             log.info("management HTTP API listening on %s:%d", *mgmt.http_address)
-        if cfg.mgmt.unix_path:
+        if cfg.mgmt.unix_path and (self.worker is None or self.worker.index == 0):
             listener = Listener("HTTP (Unix socket)", factory, trusted)
             self.http_listeners.append(listener)
             await listening("mgmt.unix_path, --mgmt-unix-path", cfg.mgmt.unix_path, 0,
                             listener.start_unix(cfg.mgmt.unix_path, unix_mode(cfg.main)))
             log.info("management HTTP API listening on Unix socket %s", cfg.mgmt.unix_path)
         if self.tls is not None and cfg.mgmt.tls_port >= 0:
-            listener = Listener("HTTPS", factory, trusted, tls=self.tls_context)
+            listener = Listener("HTTPS", factory, trusted, tls=self.tls_context, reuse_port=reuse)
             self.http_listeners.append(listener)
             mgmt.https_address = await listening(
                 "mgmt.bind/mgmt.tls_port, --mgmt-bind/--mgmt-tls-port", cfg.mgmt.bind, cfg.mgmt.tls_port,
@@ -454,6 +531,8 @@ class Node:
 
     async def shutdown(self) -> None:
         self._read_ahead_stop.set()
+        if self.worker is not None:
+            self.worker.stop()
         if self._reader is not None:
             self._reader.cancel()
             self._reader = None
@@ -520,6 +599,29 @@ class NodeHost:
         name = "" if self.config is None else metrics.node_name(self.config.main.node_name,
                                                                  self.config.amqp.port)
         return FollowerMetrics(cluster, data_dir, cluster_name, name)
+
+
+def run_worker(spec: WorkerSpec) -> int:
+    """The body of one worker process of a multi-worker node (forked by broker/shards/supervisor.py)."""
+    name_worker_logs(spec.index)
+    node = Node(spec.config, worker=WorkerLink(spec.index, spec.count, spec.sock, spec.root))
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
+        return asyncio.run(node.run())
+    return uvloop.run(node.run())
+
+
+def name_worker_logs(index: int) -> None:
+    """Log records of this process name their worker (``skred.w1: ...``)."""
+    make = logging.getLogRecordFactory()
+
+    def record(*args: object, **kwargs: object) -> logging.LogRecord:
+        rec = make(*args, **kwargs)
+        rec.name = f"{rec.name}.w{index}"
+        return rec
+
+    logging.setLogRecordFactory(record)
 
 
 async def listening(options: str, host: str, port: int, start: Awaitable[tuple[str, int]]) -> tuple[str, int]:
@@ -677,6 +779,9 @@ def serve(config: Config, host: NodeHost | None = None, load: Callable[[], Confi
     # its confirm waits that long too. 0.5 ms bounds that wait.
     sys.setswitchinterval(0.0005)
     keep_buffers_on_the_heap()
+    workers = worker_count(config)
+    if workers > 1:
+        return serve_workers(config, workers, run_worker)
     if config.clustering.enabled:
         try:
             from broker.cluster.runner import serve_clustered

@@ -144,7 +144,7 @@ async def websocket_middleware(request: web.Request, handler: Any) -> web.Stream
 
 def build_app(mgmt: Mgmt, metrics_obj: Metrics) -> web.Application:
     app = web.Application(middlewares=[ui.no_browser_login_dialog, error_middleware, websocket_middleware,
-                                       auth_middleware], client_max_size=MAX_BODY)
+                                       auth_middleware, *mgmt.middlewares], client_max_size=MAX_BODY)
     app[MGMT_KEY] = mgmt
     app[METRICS_KEY] = metrics_obj
     ui.add_routes(app)  # the web UI: "/" and its static files under /ui/
@@ -193,12 +193,13 @@ class MgmtServer:
         self.mgmt = mgmt
         self.metrics = Metrics(mgmt)
         self._runners: list[web.AppRunner] = []
+        self.reuse_port = False  # one of several workers on the node's ports (broker/shards)
 
     async def _serve(self, app: web.Application, host: str, port: int) -> tuple[str, int]:
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
         try:
-            site = web.TCPSite(runner, host, port, reuse_address=True)
+            site = web.TCPSite(runner, host, port, reuse_address=True, reuse_port=self.reuse_port or None)
             await site.start()
         except BaseException:
             await runner.cleanup()

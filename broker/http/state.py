@@ -92,6 +92,8 @@ class Mgmt:
         self.websocket_max_message = 1 << 20
         self.tls_certs: list[str] = []  # certificate files, for the certificate-expiration check
         self.cluster: ClusterInfo | None = None  # set on a cluster member (metrics, GET /api/cluster)
+        # set by the node before the app is built: a worker's fan-out to the others (broker/shards)
+        self.middlewares: list[Any] = []
 
     # ------------------------------------------------------------------ helpers
     def listeners(self) -> list[tuple[str, tuple[str, int]]]:

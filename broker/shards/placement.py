@@ -78,7 +78,8 @@ def owner(shard: ShardId, members: Iterable[Member] | Mapping[Member, float]) ->
     return best
 
 
-def place(shards: Iterable[ShardId], members: Iterable[Member] | Mapping[Member, float]) -> dict[ShardId, Member]:
+def place(shards: Iterable[ShardId],
+          members: Iterable[Member] | Mapping[Member, float]) -> dict[ShardId, Member]:
     """The whole map: each shard to its owner."""
     weights = members if isinstance(members, Mapping) else dict.fromkeys(members, 1.0)
     return {s: owner(s, weights) for s in shards}

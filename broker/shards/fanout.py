@@ -1,0 +1,181 @@
+"""The management API of a multi-worker node, answered for the whole node by any worker.
+
+Theory of operation
+-------------------
+Each worker serves the node's management port (``SO_REUSEPORT``) and a private one on
+127.0.0.1 that the others use (``WorkerLink.http``). A request that lands on a worker is,
+by this middleware, after the usual authentication:
+
+* *about one vhost* (its route has a ``{vhost}``): answered by the worker that owns the vhost
+  (forwarded to its private port when that is another one; 503 while it restarts);
+* *a node-wide list* (``LISTS``): this worker's part and every other live worker's part
+  (asked with ``X-Skred-Worker-Local``), concatenated; ``/api/overview`` adds the counts up,
+  ``/metrics`` adds up samples of the same name and labels;
+* *a change* (any other method than GET/HEAD): run under ``WorkerLink.changing`` (the
+  node-wide lock; acknowledged once every worker re-read what it changed of the shared state).
+
+A forwarded request carries the client's own ``Authorization`` header: the worker that
+answers authenticates and authorizes it as if the client had asked it directly, so the
+private port grants nothing the public one does not (and the local header only narrows an
+answer). Not yet aggregated: paginated lists (``?page=``: this worker's part), definitions
+export/import of the whole node, ``/api/nodes`` and the per-object metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from broker.shards.worker import WorkerLink
+
+LOCAL = "X-Skred-Worker-Local"
+LISTS = frozenset({"/api/queues", "/api/exchanges", "/api/bindings", "/api/connections", "/api/channels",
+                   "/api/consumers", "/api/vhosts"})
+SUMMED = ("object_totals", "queue_totals", "message_stats")
+FORWARD_TIMEOUT = 30.0
+_PASSED = ("Authorization", "Content-Type", "Accept")
+
+
+class Fanout:
+    def __init__(self, link: WorkerLink) -> None:
+        self.link = link
+        self._client: aiohttp.ClientSession | None = None
+
+    def client(self) -> aiohttp.ClientSession:
+        if self._client is None or self._client.closed:
+            self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=FORWARD_TIMEOUT))
+        return self._client
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        link = self.link
+        local = LOCAL in request.headers
+        vhost = request.match_info.get("vhost")
+        if not local and vhost is not None and not link.owns(vhost):
+            forwarded: web.StreamResponse = await self.forward(request, link.owner(vhost))
+            return forwarded
+        if request.method not in ("GET", "HEAD"):
+            async with link.changing():
+                changed: web.StreamResponse = await handler(request)
+            return changed
+        mine: web.StreamResponse = await handler(request)
+        if local or (request.path not in LISTS and request.path not in ("/api/overview", "/metrics")):
+            return mine
+        if not isinstance(mine, web.Response) or mine.status != 200 or mine.body is None:
+            return mine
+        parts = await asyncio.gather(*(self.ask(request, i) for i in sorted(link.http) if i != link.index))
+        body = mine.body if isinstance(mine.body, bytes) else bytes(mine.text or "", "utf-8")
+        if request.path == "/metrics":
+            text = merge_metrics([body.decode(), *(p.decode() for p in parts if p is not None)])
+            return web.Response(text=text, content_type=mine.content_type, charset=mine.charset)
+        doc = json.loads(body)
+        others = [json.loads(p) for p in parts if p is not None]
+        if request.path == "/api/overview":
+            for other in others:
+                add_counts(doc, other)
+        elif isinstance(doc, list):
+            for other in others:
+                if isinstance(other, list):
+                    doc.extend(other)
+        return web.json_response(doc, status=mine.status)
+
+    def _target(self, index: int, request: web.Request) -> str | None:
+        address = self.link.http.get(index)
+        if address is None or index not in self.link.up:
+            return None
+        return f"http://{address[0]}:{address[1]}{request.rel_url}"
+
+    async def ask(self, request: web.Request, index: int) -> bytes | None:
+        """Worker ``index``'s own part of the answer to ``request`` (None: it cannot give one now)."""
+        url = self._target(index, request)
+        if url is None:
+            return None
+        headers = {h: request.headers[h] for h in _PASSED if h in request.headers}
+        headers[LOCAL] = "1"
+        try:
+            async with self.client().get(url, headers=headers) as got:
+                return await got.read() if got.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError):
+            return None
+
+    async def forward(self, request: web.Request, index: int) -> web.Response:
+        """The answer of worker ``index`` (the vhost's owner) to ``request``."""
+        url = self._target(index, request)
+        if url is None:
+            return web.json_response({"error": "service_unavailable",
+                                      "reason": "the worker of this vhost is restarting"}, status=503)
+        headers = {h: request.headers[h] for h in _PASSED if h in request.headers}
+        headers[LOCAL] = "1"
+        body = await request.read()
+        try:
+            async with self.client().request(request.method, url, headers=headers, data=body) as got:
+                data = await got.read()
+                kept = ("Content-Type", "Location", "WWW-Authenticate")
+                return web.Response(body=data, status=got.status,
+                                    headers={k: v for k, v in got.headers.items() if k in kept})
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return web.json_response({"error": "service_unavailable", "reason": f"worker {index}: {exc}"},
+                                     status=503)
+
+
+def add_counts(into: dict[str, Any], other: dict[str, Any]) -> None:
+    """Add ``other``'s numbers under the overview's count sections to ``into``'s."""
+    for key in SUMMED:
+        if isinstance(into.get(key), dict) and isinstance(other.get(key), dict):
+            _add(into[key], other[key])
+        elif key not in into and key in other:
+            into[key] = other[key]
+
+
+def _add(into: dict[str, Any], other: dict[str, Any]) -> None:
+    for k, v in other.items():
+        mine = into.get(k)
+        if isinstance(v, bool) or isinstance(mine, bool):
+            continue
+        if isinstance(v, (int, float)) and isinstance(mine, (int, float)):
+            into[k] = mine + v
+        elif isinstance(v, dict) and isinstance(mine, dict):
+            _add(mine, v)
+        elif k not in into:
+            into[k] = v
+
+
+def merge_metrics(texts: list[str]) -> str:
+    """Prometheus text of several workers as one node's: samples of the same name and labels
+    added up (counters and gauges of the node's parts), except ``*_info`` and start times,
+    which are the same fact in every worker (the first is kept)."""
+    order: list[str] = []
+    values: dict[str, float] = {}
+    for text in texts:
+        for line in text.splitlines():
+            if not line or line.startswith("#"):
+                if line and line not in values and line not in order:
+                    order.append(line)
+                continue
+            key, _, raw = line.rpartition(" ")
+            try:
+                value = float(raw)
+            except ValueError:
+                continue
+            if key not in values:
+                order.append(key)
+                values[key] = value
+            elif not _same_fact(key):
+                values[key] += value
+    out = []
+    for key in order:
+        if key in values:
+            v = values[key]
+            out.append(f"{key} {int(v) if v.is_integer() and abs(v) < 1e15 else v!r}")
+        else:
+            out.append(key)
+    return "\n".join(out) + "\n"
+
+
+def _same_fact(key: str) -> bool:
+    name = key.split("{", 1)[0]
+    return name.endswith("_info") or "start_time" in name or name.endswith("_is_leader")
