@@ -307,6 +307,8 @@ class Supervisor:
                 got = control.receive(sock)
             except BlockingIOError:
                 return
+            except ConnectionResetError:  # the worker is gone: _reap tells how
+                got = None
             except (OSError, ValueError) as exc:
                 log.warning("worker %d: bad control message: %s", w.index, exc)
                 return

@@ -1,0 +1,278 @@
+"""A node of two worker processes (``[main] workers = 2``, broker/shards): real processes,
+real sockets, pika.
+
+One module-scoped node with two vhosts placed on different workers by the shard map: a
+client reaches its vhost through whichever worker the kernel gives its connection to
+(hand-over of the socket after connection.open), the management API answers for the whole
+node on any worker, a user added through one worker logs in through every worker at once,
+and kill -9 of one worker stops only its vhosts until the parent restarts it, with every
+confirmed message back.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import signal
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pika
+import pytest
+
+from broker.shards.placement import worker_of
+
+from ._support import SkredProcess, is_external, params, unique, wait_until
+
+pytestmark = pytest.mark.skipif(is_external(), reason="starts its own multi-worker node")
+
+# a vhost on each worker (the shard map is pinned: tests/test_shard_placement.py)
+VHOSTS = {w: next(f"wv{i}" for i in range(100) if worker_of(f"wv{i}", 2) == w) for w in (0, 1)}
+CONNECTIONS = 8  # per vhost: SO_REUSEPORT spreads them, so both workers accept some
+
+
+def api(b: SkredProcess, method: str, path: str, body: Any = None, user: str = "guest",
+        password: str = "guest") -> tuple[int, Any]:
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{b.mgmt_port}{path}", method=method,
+        data=None if body is None else json.dumps(body).encode(),
+        headers={"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode(),
+                 "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            raw = r.read()
+            return r.status, json.loads(raw) if raw and r.headers.get_content_type() == "application/json" \
+                else raw.decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def connect_to(b: SkredProcess, vhost: str, user: str = "guest", password: str = "guest") \
+        -> pika.BlockingConnection:
+    return pika.BlockingConnection(params(b, virtual_host=vhost,
+                                          credentials=pika.PlainCredentials(user, password)))
+
+
+def worker_pids(b: SkredProcess) -> dict[int, int]:
+    """The live pid of each worker, from the parent's log (a restart logs a new one)."""
+    pids: dict[int, int] = {}
+    for m in re.finditer(r"worker (\d+) started \(pid (\d+)\)", b.log_text()):
+        pids[int(m.group(1))] = int(m.group(2))
+    return pids
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SkredProcess]:
+    b = SkredProcess(tmp_path_factory.mktemp("workers") / "data", ["--workers", "2", "--log-level", "debug"])
+    try:
+        b.start()
+        for vhost in VHOSTS.values():
+            assert api(b, "PUT", f"/api/vhosts/{vhost}")[0] in (201, 204)
+            assert api(b, "PUT", f"/api/permissions/{vhost}/guest",
+                       {"configure": ".*", "write": ".*", "read": ".*"})[0] in (201, 204)
+        yield b
+    finally:
+        b.close()
+
+
+def test_workers_own_their_vhosts_on_disk(node: SkredProcess) -> None:
+    data = node.data_dir
+    assert (data / "users.json").is_file() and (data / "vhosts.json").is_file()  # shared: the node's
+    for w, vhost in VHOSTS.items():
+        names = {p.read_text() for p in (data / "workers" / str(w)).glob("*/.vhost")}
+        assert vhost in names
+        other = {p.read_text() for p in (data / "workers" / str(1 - w)).glob("*/.vhost")}
+        assert vhost not in other
+
+
+def test_any_worker_reaches_every_vhost_with_confirms(node: SkredProcess) -> None:
+    queue = unique("wq")
+    for vhost in VHOSTS.values():
+        for i in range(CONNECTIONS):
+            conn = connect_to(node, vhost)
+            try:
+                ch = conn.channel()
+                ch.confirm_delivery()
+                ch.queue_declare(queue, durable=True)
+                ch.basic_publish("", queue, f"{vhost}-{i}".encode(),
+                                 pika.BasicProperties(delivery_mode=2), mandatory=True)
+                method, _props, body = ch.basic_get(queue, auto_ack=False)
+                assert method is not None and body == f"{vhost}-{i}".encode()
+                ch.basic_ack(method.delivery_tag)
+            finally:
+                conn.close()
+        # a consumer through a handed-over connection too
+        conn = connect_to(node, vhost)
+        try:
+            ch = conn.channel()
+            ch.confirm_delivery()
+            for i in range(20):
+                ch.basic_publish("", queue, str(i).encode(), pika.BasicProperties(delivery_mode=2))
+            got: list[bytes] = []
+            for method, _p, body in ch.consume(queue, inactivity_timeout=5):
+                assert method is not None, f"only {len(got)} of 20 delivered"
+                got.append(body)
+                ch.basic_ack(method.delivery_tag)
+                if len(got) == 20:
+                    break
+            ch.cancel()
+            assert got == [str(i).encode() for i in range(20)]
+            ch.queue_delete(queue)
+        finally:
+            conn.close()
+    log = node.log_text()
+    for vhost in VHOSTS.values():  # each worker handed connections of the other's vhost over
+        assert re.search(rf"handed over to the worker of vhost '{vhost}'", log), f"no hand-over for {vhost}"
+
+
+def test_management_api_answers_for_the_whole_node(node: SkredProcess) -> None:
+    queues = {w: unique(f"mq{w}") for w in VHOSTS}
+    conns = []
+    try:
+        for w, vhost in VHOSTS.items():
+            conn = connect_to(node, vhost)
+            conns.append(conn)
+            conn.channel().queue_declare(queues[w], durable=True)
+        for _ in range(4):  # whichever worker each request lands on
+            status, listed = api(node, "GET", "/api/queues")
+            assert status == 200
+            assert {(q["vhost"], q["name"]) for q in listed} >= {(VHOSTS[w], queues[w]) for w in VHOSTS}
+            status, vhosts = api(node, "GET", "/api/vhosts")
+            names = [v["name"] for v in vhosts]
+            assert set(VHOSTS.values()) | {"/"} <= set(names) and len(names) == len(set(names))
+            status, connections = api(node, "GET", "/api/connections")
+            assert {c["vhost"] for c in connections} >= set(VHOSTS.values())
+            status, overview = api(node, "GET", "/api/overview")
+            assert overview["object_totals"]["queues"] >= 2
+            assert overview["object_totals"]["connections"] >= 2
+            status, text = api(node, "GET", "/metrics")
+            assert status == 200
+            found = re.search(r"^rabbitmq_queues (\d+)", text, re.M)
+            assert found is not None and int(found.group(1)) >= 2, text[:2000]
+            # a vhost's own resources: answered by its owner, wherever the request lands
+            for w, vhost in VHOSTS.items():
+                status, q = api(node, "GET", f"/api/queues/{vhost}/{queues[w]}")
+                assert status == 200 and q["name"] == queues[w]
+    finally:
+        for conn in conns:
+            ch = conn.channel()
+            for q in queues.values():
+                try:
+                    ch.queue_delete(q)
+                except pika.exceptions.ChannelClosedByBroker:
+                    ch = conn.channel()
+            conn.close()
+
+
+def test_user_added_on_one_worker_logs_in_through_every_worker_at_once(node: SkredProcess) -> None:
+    for round_ in range(3):
+        user, password = unique("u"), "secret-" + unique("p")
+        assert api(node, "PUT", f"/api/users/{user}", {"password": password, "tags": ""})[0] in (201, 204)
+        for vhost in VHOSTS.values():
+            assert api(node, "PUT", f"/api/permissions/{vhost}/{user}",
+                       {"configure": ".*", "write": ".*", "read": ".*"})[0] in (201, 204)
+        # at once: no retry, on connections both workers accept
+        for vhost in VHOSTS.values():
+            for _ in range(CONNECTIONS // 2):
+                connect_to(node, vhost, user, password).close()
+        assert api(node, "DELETE", f"/api/users/{user}")[0] == 204
+        for vhost in VHOSTS.values():
+            for _ in range(CONNECTIONS // 2):
+                with pytest.raises(pika.exceptions.ProbableAuthenticationError):
+                    connect_to(node, vhost, user, password)
+
+
+def test_kill9_of_a_worker_stops_only_its_vhosts_and_loses_nothing_confirmed(node: SkredProcess) -> None:
+    victim = 1
+    doomed, other = VHOSTS[victim], VHOSTS[1 - victim]
+    queue = unique("kq")
+    conn = connect_to(node, doomed)
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.queue_declare(queue, durable=True)
+    confirmed: list[bytes] = []
+    stop = threading.Event()
+
+    def publish() -> None:  # bounded: 2,000 messages or 10 s
+        deadline = time.monotonic() + 10
+        try:
+            for i in range(2000):
+                if stop.is_set() or time.monotonic() > deadline:
+                    return
+                body = f"m{i}".encode()
+                ch.basic_publish("", queue, body, pika.BasicProperties(delivery_mode=2))
+                confirmed.append(body)
+        except (pika.exceptions.AMQPError, OSError):
+            return
+
+    t = threading.Thread(target=publish)
+    t.start()
+    wait_until(lambda: len(confirmed) >= 50 or not t.is_alive(), 10, "confirmed publishes")
+    pid = worker_pids(node)[victim]
+    os.kill(pid, signal.SIGKILL)
+    t.join(15)
+    stop.set()
+    assert len(confirmed) >= 50
+    # the other worker's vhost keeps serving meanwhile
+    c2 = connect_to(node, other)
+    try:
+        ch2 = c2.channel()
+        ch2.confirm_delivery()
+        q2 = ch2.queue_declare("", exclusive=True).method.queue
+        ch2.basic_publish("", q2, b"still here")
+        assert ch2.basic_get(q2, auto_ack=True)[2] == b"still here"
+    finally:
+        c2.close()
+    # the parent restarts the worker; its vhost serves again with every confirmed message
+    wait_until(lambda: worker_pids(node).get(victim, pid) != pid, 15, "worker restarted")
+
+    def serving() -> bool:
+        try:
+            connect_to(node, doomed).close()
+            return True
+        except (pika.exceptions.AMQPError, OSError):
+            return False
+
+    wait_until(serving, 20, f"vhost {doomed} served again")
+    c3 = connect_to(node, doomed)
+    try:
+        ch3 = c3.channel()
+        seen: set[bytes] = set()
+        while True:
+            method, _p, body = ch3.basic_get(queue, auto_ack=True)
+            if method is None:
+                break
+            seen.add(body)
+        lost = [b for b in confirmed if b not in seen]
+        assert not lost, f"{len(lost)} confirmed messages lost, e.g. {lost[:5]}"
+        ch3.queue_delete(queue)
+    finally:
+        c3.close()
+    assert "died (signal 9): restarting it" in node.log_text()
+    if conn.is_open:
+        try:
+            conn.close()
+        except (pika.exceptions.AMQPError, OSError):
+            pass
+
+
+def test_sigterm_stops_every_worker(tmp_path: Path) -> None:
+    b = SkredProcess(tmp_path / "data", ["--workers", "2"])
+    try:
+        b.start()
+        pids = worker_pids(b)
+        assert len(pids) == 2
+        assert b.stop() == 0
+        for pid in pids.values():
+            wait_until(lambda p=pid: not os.path.exists(f"/proc/{p}"), 10, f"worker {pid} gone")
+        assert "all workers stopped" in b.log_text()
+    finally:
+        b.close()
