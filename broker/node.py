@@ -265,14 +265,17 @@ class Node:
         worker.on_reloaded = self.shared_reloaded
         worker.on_parent_gone = self.stopping.set
         worker.start(loop)
-        private = None
         if self.config.mgmt.enabled:
             from broker.shards.fanout import Fanout
 
             mgmt.middlewares.append(Fanout(worker).middleware)
+            mgmt.metrics_middlewares.append(Fanout(worker, "metrics").middleware)
             await self.start_http(broker, mgmt)
-            private = self.http_private
-        await worker.ready(private)
+            assert self.http is not None
+            metrics_private = await self.http.start_private_metrics()
+            await worker.ready(self.http_private, metrics_private)
+        else:
+            await worker.ready(None, None)
 
     def resume_connection(self, fd: int, state: dict[str, object]) -> None:
         """A connection another worker of this node accepted for one of our vhosts."""

@@ -172,7 +172,7 @@ def _add_routes(app: web.Application, table: web.RouteTableDef) -> None:
 
 
 def build_metrics_app(mgmt: Mgmt, metrics_obj: Metrics) -> web.Application:
-    app = web.Application(middlewares=[error_middleware])
+    app = web.Application(middlewares=[error_middleware, *mgmt.metrics_middlewares])
     app[MGMT_KEY] = mgmt
     app[METRICS_KEY] = metrics_obj
     app.router.add_get("/metrics", metrics)
@@ -224,6 +224,10 @@ class MgmtServer:
                                   "--mgmt-metrics-port", metrics_bind, metrics_port, exc) from None
         mgmt.rates.start()
         return runner.server
+
+    async def start_private_metrics(self) -> tuple[str, int]:
+        """The metrics app on a loopback port of this process's own (a worker's, broker/shards)."""
+        return await self._serve(build_metrics_app(self.mgmt, self.metrics), "127.0.0.1", 0)
 
     async def stop(self) -> None:
         await self.mgmt.rates.stop()

@@ -94,6 +94,7 @@ class Mgmt:
         self.cluster: ClusterInfo | None = None  # set on a cluster member (metrics, GET /api/cluster)
         # set by the node before the app is built: a worker's fan-out to the others (broker/shards)
         self.middlewares: list[Any] = []
+        self.metrics_middlewares: list[Any] = []  # the same for the metrics port
 
     # ------------------------------------------------------------------ helpers
     def listeners(self) -> list[tuple[str, tuple[str, int]]]:

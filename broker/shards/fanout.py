@@ -10,7 +10,8 @@ by this middleware, after the usual authentication:
   (forwarded to its private port when that is another one; 503 while it restarts);
 * *a node-wide list* (``LISTS``): this worker's part and every other live worker's part
   (asked with ``X-Skred-Worker-Local``), concatenated; ``/api/overview`` adds the counts up,
-  ``/metrics`` adds up samples of the same name and labels;
+  ``/metrics`` (and its detailed and per-object forms, on the management port and on the
+  metrics port) adds up samples of the same name and labels;
 * *a change* (any other method than GET/HEAD): run under ``WorkerLink.changing`` (the
   node-wide lock; acknowledged once every worker re-read what it changed of the shared state).
 
@@ -18,7 +19,8 @@ A forwarded request carries the client's own ``Authorization`` header: the worke
 answers authenticates and authorizes it as if the client had asked it directly, so the
 private port grants nothing the public one does not (and the local header only narrows an
 answer). Not yet aggregated: paginated lists (``?page=``: this worker's part), definitions
-export/import of the whole node, ``/api/nodes`` and the per-object metrics.
+export/import of the whole node (``/api/definitions``: this worker's vhosts), ``/api/nodes``,
+``/api/channels/{name}`` and ``/api/connections/{name}`` (the worker the request lands on).
 """
 
 from __future__ import annotations
@@ -35,14 +37,20 @@ from broker.shards.worker import WorkerLink
 LOCAL = "X-Skred-Worker-Local"
 LISTS = frozenset({"/api/queues", "/api/exchanges", "/api/bindings", "/api/connections", "/api/channels",
                    "/api/consumers", "/api/vhosts"})
+METRICS = frozenset({"/metrics", "/metrics/detailed", "/metrics/per-object"})
 SUMMED = ("object_totals", "queue_totals", "message_stats")
 FORWARD_TIMEOUT = 30.0
 _PASSED = ("Authorization", "Content-Type", "Accept")
 
 
 class Fanout:
-    def __init__(self, link: WorkerLink) -> None:
+    """The middleware of one worker's management app (``port`` "http") or metrics app ("metrics":
+    the port without authentication; its other workers' parts come from their private metrics
+    ports, which serve only what that port serves)."""
+
+    def __init__(self, link: WorkerLink, port: str = "http") -> None:
         self.link = link
+        self.port = port
         self._client: aiohttp.ClientSession | None = None
 
     def client(self) -> aiohttp.ClientSession:
@@ -63,15 +71,16 @@ class Fanout:
                 changed: web.StreamResponse = await handler(request)
             return changed
         mine: web.StreamResponse = await handler(request)
-        if local or (request.path not in LISTS and request.path not in ("/api/overview", "/metrics")):
+        if local or not (request.path in LISTS or request.path in METRICS or request.path == "/api/overview"):
             return mine
         if not isinstance(mine, web.Response) or mine.status != 200 or mine.body is None:
             return mine
-        parts = await asyncio.gather(*(self.ask(request, i) for i in sorted(link.http) if i != link.index))
+        peers = link.http if self.port == "http" else link.metrics
+        parts = await asyncio.gather(*(self.ask(request, i) for i in sorted(peers) if i != link.index))
         body = mine.body if isinstance(mine.body, bytes) else bytes(mine.text or "", "utf-8")
-        if request.path == "/metrics":
+        if request.path in METRICS:
             text = merge_metrics([body.decode(), *(p.decode() for p in parts if p is not None)])
-            return web.Response(text=text, content_type=mine.content_type, charset=mine.charset)
+            return web.Response(body=text.encode(), headers={"Content-Type": mine.headers["Content-Type"]})
         doc = json.loads(body)
         others = [json.loads(p) for p in parts if p is not None]
         if request.path == "/api/overview":
@@ -84,7 +93,7 @@ class Fanout:
         return web.json_response(doc, status=mine.status)
 
     def _target(self, index: int, request: web.Request) -> str | None:
-        address = self.link.http.get(index)
+        address = (self.link.http if self.port == "http" else self.link.metrics).get(index)
         if address is None or index not in self.link.up:
             return None
         return f"http://{address[0]}:{address[1]}{request.rel_url}"

@@ -72,6 +72,7 @@ class _Worker:
     sock: socket.socket | None = None
     ready: bool = False
     http: tuple[str, int] | None = None
+    metrics: tuple[str, int] | None = None
     started: float = 0.0
     backoff: float = RESTART_FIRST
     restart_at: float | None = None
@@ -328,8 +329,7 @@ class Supervisor:
                     self._send(target, {"op": "handover", "state": message["state"]}, fds[:1])
             elif op == "ready":
                 w.ready = True
-                http = message.get("http")
-                w.http = (str(http[0]), int(http[1])) if http else None
+                w.http, w.metrics = _address(message.get("http")), _address(message.get("metrics"))
                 self._announce()
                 if not self.booting:
                     self._send(w, {"op": "go"})
@@ -374,9 +374,10 @@ class Supervisor:
     def _announce(self) -> None:
         up = [x.index for x in self.workers if x.ready and x.sock is not None]
         http = {x.index: x.http for x in self.workers if x.ready and x.http is not None}
+        metrics = {x.index: x.metrics for x in self.workers if x.ready and x.metrics is not None}
         for x in self.workers:
             if x.sock is not None:
-                self._send(x, {"op": "members", "up": up, "http": http})
+                self._send(x, {"op": "members", "up": up, "http": http, "metrics": metrics})
 
     def _send(self, w: _Worker, message: dict[str, Any], fds: list[int] | None = None) -> None:
         if w.sock is None:
@@ -385,6 +386,10 @@ class Supervisor:
             control.send(w.sock, message, fds)
         except OSError as exc:
             log.warning("worker %d: control message not delivered: %s", w.index, exc)
+
+
+def _address(value: Any) -> tuple[str, int] | None:
+    return (str(value[0]), int(value[1])) if value else None
 
 
 def _how(code: int) -> str:

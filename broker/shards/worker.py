@@ -100,6 +100,7 @@ class WorkerLink:
         self.shared = SharedFiles(root)
         self.up: set[int] = set()
         self.http: dict[int, tuple[str, int]] = {}  # each live worker's private HTTP address
+        self.metrics: dict[int, tuple[str, int]] = {}  # and its private metrics address
         self.on_handover: Callable[[int, dict[str, Any]], None] = lambda fd, state: os.close(fd)
         self.on_reloaded: Callable[[list[str]], None] = lambda names: None
         self.on_parent_gone: Callable[[], None] = lambda: None
@@ -141,11 +142,11 @@ class WorkerLink:
             with contextlib.suppress(Exception):
                 self._loop.remove_reader(self.sock.fileno())
 
-    async def ready(self, http: tuple[str, int] | None) -> None:
+    async def ready(self, http: tuple[str, int] | None, metrics: tuple[str, int] | None) -> None:
         """Tell the parent this worker has loaded its shards; wait until it says serve (at the
         node's first start, once every worker is ready: no client meets a half-started node)."""
         assert self._go is not None
-        control.send(self.sock, {"op": "ready", "http": http})
+        control.send(self.sock, {"op": "ready", "http": http, "metrics": metrics})
         await self._go.wait()
 
     def _readable(self) -> None:
@@ -172,6 +173,7 @@ class WorkerLink:
         if op == "members":
             self.up = set(message["up"])
             self.http = {int(k): (str(v[0]), int(v[1])) for k, v in message["http"].items()}
+            self.metrics = {int(k): (str(v[0]), int(v[1])) for k, v in message["metrics"].items()}
         elif op == "go":
             assert self._go is not None
             self._go.set()
