@@ -30,6 +30,7 @@ import pytest
 from broker.shards.placement import worker_of
 
 from ._support import SkredProcess, free_port, is_external, params, unique, wait_until
+from ._tls import PKI, make_pki, tls_args
 
 pytestmark = pytest.mark.skipif(is_external(), reason="starts its own multi-worker node")
 
@@ -73,9 +74,19 @@ def metrics_port(b: SkredProcess) -> int:
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SkredProcess]:
-    b = SkredProcess(tmp_path_factory.mktemp("workers") / "data",
-                     ["--workers", "2", "--log-level", "debug", "--mgmt-metrics-port", str(free_port())])
+def pki(tmp_path_factory: pytest.TempPathFactory) -> PKI:
+    return make_pki(tmp_path_factory.mktemp("workers-pki"))
+
+
+def tls_port(b: SkredProcess) -> int:
+    return int(b.extra_args[b.extra_args.index("--amqp-tls-port") + 1])
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory, pki: PKI) -> Iterator[SkredProcess]:
+    b = SkredProcess(tmp_path_factory.mktemp("workers") / "data", tls_args(
+        pki, "--amqp-tls-port", str(free_port()), "--mgmt-tls-port", str(free_port()),
+        "--workers", "2", "--log-level", "debug", "--mgmt-metrics-port", str(free_port())))
     try:
         b.start()
         for vhost in VHOSTS.values():
@@ -135,6 +146,29 @@ def test_any_worker_reaches_every_vhost_with_confirms(node: SkredProcess) -> Non
     log = node.log_text()
     for vhost in VHOSTS.values():  # each worker handed connections of the other's vhost over
         assert re.search(rf"handed over to the worker of vhost '{vhost}'", log), f"no hand-over for {vhost}"
+
+
+def test_tls_connections_are_relayed_to_the_owner(node: SkredProcess, pki: PKI) -> None:
+    """A TLS session cannot change process: the accepting worker relays its decrypted bytes."""
+    queue = unique("tq")
+    for vhost in VHOSTS.values():
+        for i in range(CONNECTIONS):
+            conn = pika.BlockingConnection(pika.ConnectionParameters(
+                "localhost", tls_port(node), vhost, pika.PlainCredentials("guest", "guest"),
+                ssl_options=pika.SSLOptions(pki.client_context(), "localhost"), socket_timeout=5))
+            try:
+                ch = conn.channel()
+                ch.confirm_delivery()
+                ch.queue_declare(queue, auto_delete=True)
+                body = f"{vhost}-{i}-".encode() * 2000  # larger than one TLS record
+                ch.basic_publish("", queue, body, pika.BasicProperties(delivery_mode=2))
+                method, _props, got = ch.basic_get(queue, auto_ack=True)
+                assert method is not None and got == body
+            finally:
+                conn.close()
+    log = node.log_text()
+    for vhost in VHOSTS.values():
+        assert re.search(rf"relayed to the worker of vhost '{vhost}'", log), f"no relay for {vhost}"
 
 
 def test_management_api_answers_for_the_whole_node(node: SkredProcess) -> None:
