@@ -161,6 +161,8 @@ class Node:
         """A ``VHost`` wired to this node's store settings (at boot, and when the API creates one)."""
         cfg = self.config
         assert self._loop is not None and self._syncer is not None
+        if self.worker is not None and not self.worker.owns(name):  # one owner per vhost's files
+            raise ValueError(f"vhost {name!r} belongs to worker {self.worker.owner(name)} of this node")
         return VHost(
             name, cfg.main.data_dir, segment_size=cfg.main.segment_size, sink=self.sink,
             schedule=self._loop.call_soon, mark_dirty=self._syncer.mark_dirty,
@@ -784,6 +786,9 @@ def serve(config: Config, host: NodeHost | None = None, load: Callable[[], Confi
     keep_buffers_on_the_heap()
     workers = worker_count(config)
     if workers > 1:
+        if config.main.load_definitions:
+            raise StartupError("[main] load_definitions is not supported with more than one worker yet: "
+                               "set [main] workers = 1 (--workers 1)")
         return serve_workers(config, workers, run_worker)
     if config.clustering.enabled:
         try:

@@ -61,7 +61,7 @@ class Fanout:
     @web.middleware
     async def middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
         link = self.link
-        local = LOCAL in request.headers
+        local = LOCAL in request.headers and self._private(request)
         vhost = request.match_info.get("vhost")
         if not local and vhost is not None and not link.owns(vhost):
             forwarded: web.StreamResponse = await self.forward(request, link.owner(vhost))
@@ -91,6 +91,14 @@ class Fanout:
                 if isinstance(other, list):
                     doc.extend(other)
         return web.json_response(doc, status=mine.status)
+
+    def _private(self, request: web.Request) -> bool:
+        """Did ``request`` come in on this worker's private port (only a worker asks for a
+        worker's own part there; on the node's port the header is ignored)?"""
+        mine = (self.link.http if self.port == "http" else self.link.metrics).get(self.link.index)
+        transport = request.transport
+        where = transport.get_extra_info("sockname") if transport is not None else None
+        return mine is not None and isinstance(where, tuple) and int(where[1]) == mine[1]
 
     def _target(self, index: int, request: web.Request) -> str | None:
         address = (self.link.http if self.port == "http" else self.link.metrics).get(index)

@@ -183,6 +183,12 @@ def test_management_api_answers_for_the_whole_node(node: SkredProcess) -> None:
             status, listed = api(node, "GET", "/api/queues")
             assert status == 200
             assert {(q["vhost"], q["name"]) for q in listed} >= {(VHOSTS[w], queues[w]) for w in VHOSTS}
+            req = urllib.request.Request(f"http://127.0.0.1:{node.mgmt_port}/api/queues", headers={
+                "Authorization": "Basic " + base64.b64encode(b"guest:guest").decode(),
+                "X-Skred-Worker-Local": "1"})  # only a worker's private port narrows an answer
+            with urllib.request.urlopen(req, timeout=10) as r:
+                narrowed = {(q["vhost"], q["name"]) for q in json.loads(r.read())}
+            assert narrowed >= {(VHOSTS[w], queues[w]) for w in VHOSTS}
             status, vhosts = api(node, "GET", "/api/vhosts")
             names = [v["name"] for v in vhosts]
             assert set(VHOSTS.values()) | {"/"} <= set(names) and len(names) == len(set(names))
