@@ -68,6 +68,8 @@ from broker.mqtt.server import MQTTProtocol, MQTTServer
 from broker.net import proxy
 from broker.net.listener import Listener, keep_peer
 from broker.net.server import AMQPProtocol, AMQPServer
+from broker.shards import layout
+from broker.shards.placement import worker_of
 from broker.shards.supervisor import WorkerSpec, serve_workers, worker_count
 from broker.shards.worker import WorkerLink
 from broker.store.blobs import BlobDir
@@ -78,7 +80,7 @@ from broker.store.lock import DataDirLock
 from broker.store.queue_store import read_ahead
 from broker.store.segment import parse_number
 from broker.store.segment_log import SegmentFiles
-from broker.store.sink import NullSink, ReplicationSink
+from broker.store.sink import NULL_SINK, NullSink, ReplicationSink
 from broker.syncer import Syncable, Syncer
 
 RETAINED_DIR = "mqtt-retained"  # MQTT's retained messages (broker/mqtt/retained.py)
@@ -215,6 +217,10 @@ class Node:
         cfg.main.data_dir.mkdir(parents=True, exist_ok=True)
         lock = self.lock = DataDirLock(cfg.main.data_dir)
         lock.acquire()
+        if self.worker is None and (cfg.main.data_dir / layout.WORKERS_DIR).is_dir():
+            # this data dir ran several workers: their vhosts come back (broker/shards/layout.py)
+            names = VHostStore(cfg.main.data_dir / "vhosts.json", NULL_SINK).list()
+            layout.relocate(cfg.main.data_dir, names, 1, worker_files(cfg, 1))
         if RELOADER is not None:
             RELOADER.node = self
         try:
@@ -606,6 +612,12 @@ class NodeHost:
         return FollowerMetrics(cluster, data_dir, cluster_name, name)
 
 
+def worker_files(config: Config, count: int) -> dict[str, int]:
+    """The node files one worker keeps (``layout.relocate``): MQTT's retained messages in the
+    worker MQTT runs in, LMQ's properties in the worker of ``[lmq] vhost``."""
+    return {RETAINED_DIR: 0, LMQ_PROPS_FILE: worker_of(config.lmq.vhost, count)}
+
+
 def run_worker(spec: WorkerSpec) -> int:
     """The body of one worker process of a multi-worker node (forked by broker/shards/supervisor.py)."""
     name_worker_logs(spec.index)
@@ -789,7 +801,7 @@ def serve(config: Config, host: NodeHost | None = None, load: Callable[[], Confi
         if config.main.load_definitions:
             raise StartupError("[main] load_definitions is not supported with more than one worker yet: "
                                "set [main] workers = 1 (--workers 1)")
-        return serve_workers(config, workers, run_worker)
+        return serve_workers(config, workers, run_worker, worker_files(config, workers))
     if config.clustering.enabled:
         try:
             from broker.cluster.runner import serve_clustered

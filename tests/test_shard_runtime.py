@@ -103,3 +103,14 @@ def test_overview_counts_add_up() -> None:
     assert a["queue_totals"] == {"messages": 6, "messages_details": {"rate": 1.5}}
     assert a["message_stats"] == {"publish": 7}
     assert a["node"] == "n"
+
+
+def test_relocate_moves_node_files_a_worker_keeps(tmp_path: Path) -> None:
+    (tmp_path / "mqtt-retained").mkdir()
+    (tmp_path / "mqtt-retained" / "blob").write_bytes(b"r")
+    (tmp_path / "lmq.json").write_text("{}")
+    layout.relocate(tmp_path, [], 2, {"mqtt-retained": 0, "lmq.json": 1})
+    assert (tmp_path / "workers" / "0" / "mqtt-retained" / "blob").read_bytes() == b"r"
+    assert (tmp_path / "workers" / "1" / "lmq.json").read_text() == "{}"
+    layout.relocate(tmp_path, [], 1, {"mqtt-retained": 0, "lmq.json": 0})
+    assert (tmp_path / "mqtt-retained" / "blob").exists() and (tmp_path / "lmq.json").exists()

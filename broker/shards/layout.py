@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from broker.shards.placement import worker_of
@@ -42,24 +43,34 @@ def homes(root: Path) -> list[Path]:
     return found
 
 
-def relocate(root: Path, vhosts: list[str], count: int) -> list[tuple[str, Path, Path]]:
-    """Move each vhost's directory to the data dir of its owner among ``count`` workers;
-    what moved, as (vhost, from, to). Run while no worker runs."""
+def relocate(root: Path, vhosts: list[str], count: int,
+             files: dict[str, int] | None = None) -> list[tuple[str, Path, Path]]:
+    """Move each vhost's directory to the data dir of its owner among ``count`` workers, and
+    each of ``files`` (a file or directory name in a data dir -> the worker that keeps it:
+    MQTT's retained messages, LMQ's properties); what moved, as (name, from, to). Run while no
+    worker runs."""
     moved = []
     places = homes(root)
-    for name in vhosts:
-        base = worker_dir(root, worker_of(name, count), count)
-        target = vhost_dir(base, name)
+    wanted: list[tuple[str, int, Callable[[Path, str], Path]]]
+    wanted = [(name, worker_of(name, count), vhost_dir) for name in vhosts]
+    wanted += [(entry, index, _named) for entry, index in (files or {}).items()]
+    for label, index, where in wanted:
+        base = worker_dir(root, index, count)
+        target = where(base, label)
         if target.exists():
             continue
         for home in places:
-            source = vhost_dir(home, name)
-            if source != target and source.is_dir():
+            source = where(home, label)
+            if source != target and source.exists():
                 base.mkdir(parents=True, exist_ok=True)
                 os.rename(source, target)
                 fsync_dir(source.parent)
                 fsync_dir(base)
-                log.info("vhost %r moved to %s (workers: %d)", name, base, count)
-                moved.append((name, source, target))
+                log.info("%r moved to %s (workers: %d)", label, base, count)
+                moved.append((label, source, target))
                 break
     return moved
+
+
+def _named(base: Path, name: str) -> Path:
+    return base / name

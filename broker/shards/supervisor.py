@@ -120,8 +120,10 @@ def reserve_ports(config: Config) -> tuple[Config, list[socket.socket]]:
 
 
 class Supervisor:
-    def __init__(self, config: Config, count: int, run_worker: Callable[[WorkerSpec], int]) -> None:
+    def __init__(self, config: Config, count: int, run_worker: Callable[[WorkerSpec], int],
+                 files: dict[str, int] | None = None) -> None:
         self.config = config
+        self.files = files or {}  # node files a worker keeps (layout.relocate)
         self.count = count
         self.root = config.main.data_dir
         self.run_worker = run_worker
@@ -147,7 +149,7 @@ class Supervisor:
             main = self.config.main
             UserStore(self.root / "users.json", NULL_SINK, main.default_user, main.default_password)
             names = VHostStore(self.root / "vhosts.json", NULL_SINK).list()
-            layout.relocate(self.root, names, self.count)
+            layout.relocate(self.root, names, self.count, self.files)
             self.config, self._reserved = reserve_ports(self.config)
             self._install_signals()
             log.info("starting %d workers (data dir %s, AMQP port %d)", self.count, self.root,
@@ -396,5 +398,6 @@ def _how(code: int) -> str:
     return f"signal {-code}" if code < 0 else f"exit status {code}"
 
 
-def serve_workers(config: Config, count: int, run_worker: Callable[[WorkerSpec], int]) -> int:
-    return Supervisor(config, count, run_worker).run()
+def serve_workers(config: Config, count: int, run_worker: Callable[[WorkerSpec], int],
+                  files: dict[str, int] | None = None) -> int:
+    return Supervisor(config, count, run_worker, files).run()
