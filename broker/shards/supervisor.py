@@ -86,9 +86,17 @@ class _Change:
     deadline: float = 0.0
 
 
+def cores() -> int:
+    """The cores this process may run on (its CPU affinity: a container's cpuset, taskset)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
 def worker_count(config: Config) -> int:
     """``[main] workers``, with 0 meaning one per CPU core; a cluster member runs one."""
-    n = config.main.workers or (os.cpu_count() or 1)
+    n = config.main.workers or cores()
     if n > 1 and config.clustering.enabled:
         log.warning("[main] workers = %d: a cluster member runs one worker until shards lead per "
                     "worker (docs/architecture.md, Workers)", n)
