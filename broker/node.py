@@ -254,6 +254,8 @@ class Node:
             if cfg.mgmt.enabled and worker is None:
                 await self.start_http(broker, mgmt)
             await self.start_amqp(broker, mgmt)
+            if worker is not None:
+                worker.serving()
         except BaseException:
             self.release_lock()
             raise

@@ -13,9 +13,11 @@ socket being handed over). Pickle is safe here only because both ends are our ow
 processes; ``MAX_MESSAGE`` bounds what one datagram may carry (the socket buffers are
 raised to hold it).
 
-Messages (``op``): worker -> parent ``ready`` (its private HTTP address), ``handover``
-(a connection for another worker, with its socket), ``shared`` (a shared file changed);
-parent -> worker ``members`` (which workers are up, their private HTTP addresses),
+Messages (``op``): worker -> parent ``ready`` (its vhosts are loaded; its private HTTP
+addresses), ``serving`` (its client listeners are open), ``handover`` (a connection for
+another worker, with its socket), ``shared`` (a shared file changed);
+parent -> worker ``go`` (open the client listeners), ``members`` (which workers serve, their
+private HTTP addresses),
 ``handover`` (forwarded), ``reload`` (re-read a shared file, answer ``reloaded``),
 ``shared_ok`` (every live worker has re-read it: the change may be acknowledged).
 """
