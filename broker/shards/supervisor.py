@@ -38,9 +38,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from broker import tls
 from broker.auth.users import UserStore
 from broker.auth.vhosts import VHostStore
 from broker.config import Config
+from broker.errors import ListenError
 from broker.shards import control, layout
 from broker.store.lock import DataDirLock
 from broker.store.sink import NULL_SINK
@@ -106,25 +108,47 @@ def worker_count(config: Config) -> int:
 
 
 def reserve_ports(config: Config) -> tuple[Config, list[socket.socket]]:
-    """The config with every client port asked as 0 made concrete (all workers bind the same
-    ones), and the sockets that keep those ports reserved until the node stops."""
+    """The config with every client port the workers share made concrete (one asked as 0 gets a
+    free one), and the sockets that hold those ports until the node stops.
+
+    Each port is first bound *without* ``SO_REUSEPORT``: that fails when anything is bound
+    there, so a second node given the same port fails to start (``ListenError``) instead of
+    silently sharing the port with this one (the kernel lets sockets of one user share it
+    when all set ``SO_REUSEPORT``). Then a socket with ``SO_REUSEPORT``, bound and never
+    listened on, keeps it: the workers bind beside it, and a restarted worker finds it free."""
     held: list[socket.socket] = []
+    secure = tls.enabled(config.main)
 
-    def concrete(host: str, port: int) -> int:
-        if port != 0:
+    def hold(options: str, host: str, port: int, used: bool) -> int:
+        if not used or port < 0:
             return port
-        s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        s.bind((host, 0))
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind((host, port))
+                port = int(probe.getsockname()[1])
+            s = socket.socket(family, socket.SOCK_STREAM)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            s.bind((host, port))
+        except OSError as exc:
+            for s in held:
+                s.close()
+            raise ListenError(options, host, port, exc) from None
         held.append(s)
-        return int(s.getsockname()[1])
+        return port
 
-    amqp = dataclasses.replace(config.amqp, port=concrete(config.amqp.bind, config.amqp.port),
-                               tls_port=concrete(config.amqp.bind, config.amqp.tls_port))
-    mgmt = dataclasses.replace(config.mgmt, port=concrete(config.mgmt.bind, config.mgmt.port),
-                               tls_port=concrete(config.mgmt.bind, config.mgmt.tls_port),
-                               metrics_port=concrete(config.mgmt.metrics_bind, config.mgmt.metrics_port))
+    a, m = config.amqp, config.mgmt
+    amqp = dataclasses.replace(
+        a, port=hold("amqp.bind/amqp.port, --amqp-bind/--amqp-port", a.bind, a.port, True),
+        tls_port=hold("amqp.bind/amqp.tls_port, --amqp-bind/--amqp-tls-port", a.bind, a.tls_port, secure))
+    mgmt = dataclasses.replace(
+        m, port=hold("mgmt.bind/mgmt.port, --mgmt-bind/--mgmt-port", m.bind, m.port, m.enabled),
+        tls_port=hold("mgmt.bind/mgmt.tls_port, --mgmt-bind/--mgmt-tls-port", m.bind, m.tls_port,
+                      m.enabled and secure),
+        metrics_port=hold("mgmt.metrics_bind/mgmt.metrics_port, --mgmt-metrics-bind/--mgmt-metrics-port",
+                          m.metrics_bind, m.metrics_port, m.enabled))
     return dataclasses.replace(config, amqp=amqp, mgmt=mgmt), held
 
 
@@ -159,7 +183,7 @@ class Supervisor:
             UserStore(self.root / "users.json", NULL_SINK, main.default_user, main.default_password)
             names = VHostStore(self.root / "vhosts.json", NULL_SINK).list()
             layout.relocate(self.root, names, self.count, self.files)
-            self.config, self._reserved = reserve_ports(self.config)
+            self.config, self._reserved = reserve_ports(self.config)  # ListenError: a port is taken
             self._install_signals()
             log.info("starting %d workers (data dir %s, AMQP port %d)", self.count, self.root,
                      self.config.amqp.port)

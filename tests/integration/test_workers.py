@@ -311,6 +311,19 @@ def test_kill9_of_a_worker_stops_only_its_vhosts_and_loses_nothing_confirmed(nod
             pass
 
 
+def test_a_second_node_on_the_same_port_fails_instead_of_sharing_it(
+        node: SkredProcess, tmp_path_factory: pytest.TempPathFactory) -> None:
+    # SO_REUSEPORT would let it bind beside our workers and take half of their clients
+    other = SkredProcess(tmp_path_factory.mktemp("same-port") / "data", ["--workers", "2"])
+    other.port = node.port
+    try:
+        proc = other.spawn()
+        assert proc.wait(60) == 1
+        assert f"cannot listen on 127.0.0.1:{node.port}" in other.log_text()
+    finally:
+        other.close()
+
+
 def test_sigterm_stops_every_worker(node: SkredProcess) -> None:  # last: it stops the module's node
     pids = worker_pids(node)
     assert len(pids) == 2
