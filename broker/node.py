@@ -34,6 +34,7 @@ import dataclasses
 import errno
 import json
 import logging
+import os
 import shutil
 import signal
 import socket
@@ -149,6 +150,7 @@ class Node:
         self.http: MgmtServer | None = None
         self.http_listeners: list[Listener] = []
         self.http_private: tuple[str, int] | None = None  # a worker's own HTTP port (broker/shards)
+        self._early: list[tuple[int, dict[str, object]]] = []  # hand-overs before start_amqp
         self.tls: tls.ServerTLS | None = None
         self.lmq: LMQServer | None = None
         self.mqtt: MQTTServer | None = None
@@ -254,8 +256,9 @@ class Node:
             if cfg.mgmt.enabled and worker is None:
                 await self.start_http(broker, mgmt)
             await self.start_amqp(broker, mgmt)
-            if worker is not None:
-                worker.serving()
+            early, self._early = self._early, []
+            for fd, state in early:  # handed over while our listeners were opening
+                self.resume_connection(fd, state)
         except BaseException:
             self.release_lock()
             raise
@@ -289,11 +292,12 @@ class Node:
 
     def resume_connection(self, fd: int, state: dict[str, object]) -> None:
         """A connection another worker of this node accepted for one of our vhosts."""
-        sock = socket.socket(fileno=fd)
         amqp, broker, loop = self.amqp, self.broker, self._loop
         if amqp is None or broker is None or loop is None:
-            sock.close()
+            # ready (its vhosts loaded) but the AMQP server not made yet: held until it is
+            self._early.append((fd, state))
             return
+        sock = socket.socket(fileno=fd)
         sock.setblocking(False)
         peer = state.get("peer")
         where = (str(peer[0]), int(peer[1])) if isinstance(peer, (tuple, list)) else ("", 0)
@@ -546,6 +550,9 @@ class Node:
         self._read_ahead_stop.set()
         if self.worker is not None:
             self.worker.stop()
+        early, self._early = self._early, []
+        for fd, _state in early:
+            os.close(fd)
         if self._reader is not None:
             self._reader.cancel()
             self._reader = None

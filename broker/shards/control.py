@@ -14,8 +14,8 @@ processes; ``MAX_MESSAGE`` bounds what one datagram may carry (the socket buffer
 raised to hold it).
 
 Messages (``op``): worker -> parent ``ready`` (its vhosts are loaded; its private HTTP
-addresses), ``serving`` (its client listeners are open), ``handover`` (a connection for
-another worker, with its socket), ``shared`` (a shared file changed);
+addresses), ``handover`` (a connection for another worker, with its socket), ``shared`` (a
+shared file changed);
 parent -> worker ``go`` (open the client listeners), ``members`` (which workers serve, their
 private HTTP addresses),
 ``handover`` (forwarded), ``reload`` (re-read a shared file, answer ``reloaded``),

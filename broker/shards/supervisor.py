@@ -72,8 +72,7 @@ class _Worker:
     index: int
     pid: int = 0
     sock: socket.socket | None = None
-    ready: bool = False  # loaded its vhosts (the first start waits for every worker)
-    serving: bool = False  # its client listeners are open: connections may be handed to it
+    ready: bool = False  # loaded its vhosts: connections may be handed to it (it holds them until it serves)
     http: tuple[str, int] | None = None
     metrics: tuple[str, int] | None = None
     started: float = 0.0
@@ -253,7 +252,7 @@ class Supervisor:
     def _spawn(self, w: _Worker) -> None:
         parent_end, child_end = control.pair()
         w.restart_at = None
-        w.ready = w.serving = False
+        w.ready = False
         w.started = time.monotonic()
         root = self.root
         config = dataclasses.replace(self.config, main=dataclasses.replace(
@@ -323,7 +322,7 @@ class Supervisor:
 
     def _gone(self, w: _Worker) -> None:
         w.pid = 0
-        w.ready = w.serving = False
+        w.ready = False
         if w.sock is not None:
             self.sel.unregister(w.sock)
             w.sock.close()
@@ -360,7 +359,7 @@ class Supervisor:
         try:
             if op == "handover":
                 target = self.workers[int(message["to"])]
-                if target.sock is not None and target.serving and fds:
+                if target.sock is not None and target.ready and fds:
                     self._send(target, {"op": "handover", "state": message["state"]}, fds[:1])
             elif op == "ready":
                 w.ready = True
@@ -373,9 +372,6 @@ class Supervisor:
                     log.info("all %d workers ready", self.count)
                     for x in self.workers:
                         self._send(x, {"op": "go"})
-            elif op == "serving":
-                w.serving = True
-                self._announce()
             elif op == "shared":
                 self._next_change += 1
                 cid = self._next_change
@@ -410,9 +406,9 @@ class Supervisor:
         self._settle_changes()
 
     def _announce(self) -> None:
-        up = [x.index for x in self.workers if x.serving and x.sock is not None]
-        http = {x.index: x.http for x in self.workers if x.serving and x.http is not None}
-        metrics = {x.index: x.metrics for x in self.workers if x.serving and x.metrics is not None}
+        up = [x.index for x in self.workers if x.ready and x.sock is not None]
+        http = {x.index: x.http for x in self.workers if x.ready and x.http is not None}
+        metrics = {x.index: x.metrics for x in self.workers if x.ready and x.metrics is not None}
         for x in self.workers:
             if x.sock is not None:
                 self._send(x, {"op": "members", "up": up, "http": http, "metrics": metrics})

@@ -149,10 +149,6 @@ class WorkerLink:
         control.send(self.sock, {"op": "ready", "http": http, "metrics": metrics})
         await self._go.wait()
 
-    def serving(self) -> None:
-        """This worker's client listeners are open: connections may be handed to it."""
-        control.send(self.sock, {"op": "serving"})
-
     def _readable(self) -> None:
         try:
             got = control.receive(self.sock)
