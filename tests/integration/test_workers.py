@@ -31,6 +31,7 @@ from broker.shards.placement import worker_of
 
 from ._support import SkredProcess, free_port, is_external, params, unique, wait_until
 from ._tls import PKI, make_pki, tls_args
+from .test_websocket import WSRawConn
 
 pytestmark = pytest.mark.skipif(is_external(), reason="starts its own multi-worker node")
 
@@ -169,6 +170,32 @@ def test_tls_connections_are_relayed_to_the_owner(node: SkredProcess, pki: PKI) 
     log = node.log_text()
     for vhost in VHOSTS.values():
         assert re.search(rf"relayed to the worker of vhost '{vhost}'", log), f"no relay for {vhost}"
+
+
+def test_amqp_over_websocket_is_relayed_to_the_owner(node: SkredProcess) -> None:
+    queue = unique("wsq")
+    for vhost in VHOSTS.values():
+        tcp = connect_to(node, vhost)
+        ch = tcp.channel()
+        ch.queue_declare(queue, auto_delete=True)
+        for _ in range(4):  # the management port spreads them over both workers too
+            ws = WSRawConn(f"ws://127.0.0.1:{node.mgmt_port}/ws")
+            try:
+                ws.handshake(vhost=vhost)
+                ws.open_channel(1)
+                ws.publish(1, "", queue, b"over websocket")
+            finally:
+                ws.close()
+        got = 0
+        deadline = time.monotonic() + 10
+        while got < 4 and time.monotonic() < deadline:
+            method, _p, _body = ch.basic_get(queue, auto_ack=True)
+            if method is None:
+                tcp.process_data_events(0.02)
+            else:
+                got += 1
+        tcp.close()
+        assert got == 4, vhost
 
 
 def test_management_api_answers_for_the_whole_node(node: SkredProcess) -> None:
