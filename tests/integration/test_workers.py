@@ -22,6 +22,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pika
@@ -358,3 +359,23 @@ def test_sigterm_stops_every_worker(node: SkredProcess) -> None:  # last: it sto
     for pid in pids.values():
         wait_until(lambda p=pid: not os.path.exists(f"/proc/{p}"), 10, f"worker {pid} gone")
     assert "all workers stopped" in node.log_text()
+
+
+def test_workers_stop_when_their_parent_is_killed(tmp_path: Path) -> None:
+    b = SkredProcess(tmp_path / "data", ["--workers", "2", "--no-lmq", "--no-mqtt"])
+    try:
+        b.start()
+        pids = worker_pids(b)
+        assert len(pids) == 2
+        b.kill9()  # the parent only: its workers see the control channel close and stop
+        for pid in pids.values():
+            wait_until(lambda p=pid: not os.path.exists(f"/proc/{p}") or _zombie(p), 20, f"worker {pid} gone")
+    finally:
+        b.close()
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
