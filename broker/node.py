@@ -70,6 +70,7 @@ from broker.net import proxy
 from broker.net.listener import Listener, keep_peer
 from broker.net.server import AMQPProtocol, AMQPServer
 from broker.shards import layout
+from broker.shards.fanout import Fanout
 from broker.shards.placement import worker_of
 from broker.shards.supervisor import WorkerSpec, serve_workers, worker_count
 from broker.shards.worker import WorkerLink
@@ -151,6 +152,7 @@ class Node:
         self.http_listeners: list[Listener] = []
         self.http_private: tuple[str, int] | None = None  # a worker's own HTTP port (broker/shards)
         self._early: list[tuple[int, dict[str, object]]] = []  # hand-overs before start_amqp
+        self._fanouts: list[Fanout] = []  # a worker's management answers for the node
         self.tls: tls.ServerTLS | None = None
         self.lmq: LMQServer | None = None
         self.mqtt: MQTTServer | None = None
@@ -279,10 +281,9 @@ class Node:
         worker.on_parent_gone = self.stopping.set
         worker.start(loop)
         if self.config.mgmt.enabled:
-            from broker.shards.fanout import Fanout
-
-            mgmt.middlewares.append(Fanout(worker).middleware)
-            mgmt.metrics_middlewares.append(Fanout(worker, "metrics").middleware)
+            self._fanouts = [Fanout(worker), Fanout(worker, "metrics")]
+            mgmt.middlewares.append(self._fanouts[0].middleware)
+            mgmt.metrics_middlewares.append(self._fanouts[1].middleware)
             await self.start_http(broker, mgmt)
             assert self.http is not None
             metrics_private = await self.http.start_private_metrics()
@@ -553,6 +554,8 @@ class Node:
         early, self._early = self._early, []
         for fd, _state in early:
             os.close(fd)
+        for fanout in self._fanouts:
+            await fanout.close()
         if self._reader is not None:
             self._reader.cancel()
             self._reader = None

@@ -12,8 +12,9 @@ by this middleware, after the usual authentication:
   (asked with ``X-Skred-Worker-Local``), concatenated; ``/api/overview`` adds the counts up,
   ``/metrics`` (and its detailed and per-object forms, on the management port and on the
   metrics port) adds up samples of the same name and labels;
-* *a change* (any other method than GET/HEAD): run under ``WorkerLink.changing`` (the
-  node-wide lock; acknowledged once every worker re-read what it changed of the shared state).
+* *a change of shared state* (another method than GET/HEAD on a path of ``SHARED``): run
+  under ``WorkerLink.changing`` (the node-wide lock; acknowledged once every worker re-read
+  what it changed).
 
 A forwarded request carries the client's own ``Authorization`` header: the worker that
 answers authenticates and authorizes it as if the client had asked it directly, so the
@@ -39,6 +40,10 @@ LISTS = frozenset({"/api/queues", "/api/exchanges", "/api/bindings", "/api/conne
                    "/api/consumers", "/api/vhosts"})
 METRICS = frozenset({"/metrics", "/metrics/detailed", "/metrics/per-object"})
 SUMMED = ("object_totals", "queue_totals", "message_stats")
+# the requests that may change shared state (users.json, vhosts.json, global parameters); an HTTP
+# publish or get is not one of them and takes no node-wide lock
+SHARED = ("/api/users", "/api/permissions", "/api/topic-permissions", "/api/vhosts", "/api/global-parameters",
+          "/api/user-limits", "/api/definitions", "/api/parameters")
 FORWARD_TIMEOUT = 30.0
 _PASSED = ("Authorization", "Content-Type", "Accept")
 
@@ -53,6 +58,11 @@ class Fanout:
         self.port = port
         self._client: aiohttp.ClientSession | None = None
 
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
     def client(self) -> aiohttp.ClientSession:
         if self._client is None or self._client.closed:
             self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=FORWARD_TIMEOUT))
@@ -66,7 +76,7 @@ class Fanout:
         if not local and vhost is not None and not link.owns(vhost):
             forwarded: web.StreamResponse = await self.forward(request, link.owner(vhost))
             return forwarded
-        if request.method not in ("GET", "HEAD"):
+        if request.method not in ("GET", "HEAD") and request.path.startswith(SHARED):
             async with link.changing():
                 changed: web.StreamResponse = await handler(request)
             return changed
