@@ -98,12 +98,12 @@ def cores() -> int:
 
 def worker_count(config: Config) -> int:
     """``[main] workers``, with 0 meaning one per CPU core; a cluster member runs one."""
-    n = config.main.workers or cores()
-    if n > 1 and config.clustering.enabled:
-        log.warning("[main] workers = %d: a cluster member runs one worker until shards lead per "
-                    "worker (docs/architecture.md, Workers)", n)
+    if config.clustering.enabled:
+        if config.main.workers > 1:  # asked for explicitly: say why it is not done
+            log.warning("[main] workers = %d: a cluster member runs one worker until shards lead per "
+                        "worker (docs/architecture.md, Workers)", config.main.workers)
         return 1
-    return n
+    return config.main.workers or cores()
 
 
 def reserve_ports(config: Config) -> tuple[Config, list[socket.socket]]:
