@@ -6,7 +6,8 @@ Single node (one broker process per fault, killed with SIGKILL and restarted on 
 kill -9 under live traffic, after settlements (acks, rejects, nacks, purges, held deliveries)
 with the default sync window and with synchronous acks, a full disk (a small tmpfs in a
 private mount namespace; needs root), a bounded fuzz of malformed frames and property
-lists, and kill -9 of one worker of a 2-worker node (``worker_faults.py``). Printed as a second table: confirmed lost, settlements older than the window that came
+lists, and kill -9 of one worker of a 2-worker node (``worker_faults.py``). Printed as a
+second table: confirmed lost, settlements older than the window that came
 back, missing redelivered flags, broker deaths, tracebacks, wrong answers.
 
 Cluster:
