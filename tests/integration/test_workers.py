@@ -33,6 +33,7 @@ from broker.shards.placement import worker_of
 from ._support import SkredProcess, free_port, is_external, params, unique, wait_until
 from ._tls import PKI, make_pki, tls_args
 from .test_websocket import WSRawConn
+from .worker_faults import worker_pids
 
 pytestmark = pytest.mark.skipif(is_external(), reason="starts its own multi-worker node")
 
@@ -61,14 +62,6 @@ def connect_to(b: SkredProcess, vhost: str, user: str = "guest", password: str =
         -> pika.BlockingConnection:
     return pika.BlockingConnection(params(b, virtual_host=vhost,
                                           credentials=pika.PlainCredentials(user, password)))
-
-
-def worker_pids(b: SkredProcess) -> dict[int, int]:
-    """The live pid of each worker, from the parent's log (a restart logs a new one)."""
-    pids: dict[int, int] = {}
-    for m in re.finditer(r"worker (\d+) started \(pid (\d+)\)", b.log_text()):
-        pids[int(m.group(1))] = int(m.group(2))
-    return pids
 
 
 def metrics_port(b: SkredProcess) -> int:
