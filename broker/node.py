@@ -25,6 +25,12 @@ then starts is built from the reloaded config and reads the TLS certificates afr
 (a follower's proxies pass client TLS through: it holds no client certificate). The
 runner reloads the replication link's certificates itself; ports and addresses need a
 restart on every node.
+
+With ``[main] workers`` above 1 (0: one per core) ``serve`` runs the parent of
+``broker/shards/supervisor.py`` instead, which forks the workers: each runs ``run_worker``,
+a ``Node`` with a ``WorkerLink`` (only the vhosts the shard map gives it, the node's shared
+files, the client ports shared with ``SO_REUSEPORT``, connections handed to the owner of their
+vhost, the management API answered for the node: docs/architecture.md, *Workers*).
 """
 
 from __future__ import annotations
