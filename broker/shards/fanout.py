@@ -20,7 +20,8 @@ A forwarded request carries the client's own ``Authorization`` header: the worke
 answers authenticates and authorizes it as if the client had asked it directly, so the
 private port grants nothing the public one does not (and the local header only narrows an
 answer). Not yet aggregated: paginated lists (``?page=``: this worker's part), definitions
-export/import of the whole node (``/api/definitions``: this worker's vhosts), ``/api/nodes``,
+export/import of the whole node (``/api/definitions`` answers 501 rather than a part; the
+per-vhost form works), ``/api/nodes``,
 ``/api/channels/{name}`` and ``/api/connections/{name}`` (the worker the request lands on).
 """
 
@@ -73,6 +74,10 @@ class Fanout:
         link = self.link
         local = LOCAL in request.headers and self._private(request)
         vhost = request.match_info.get("vhost")
+        if request.path == "/api/definitions" and not local:
+            return web.json_response({"error": "not_implemented", "reason": (
+                "definitions of the whole node are not exported or imported with more than one worker "
+                "yet: use /api/definitions/{vhost} per vhost, or [main] workers = 1")}, status=501)
         if not local and vhost is not None and not link.owns(vhost):
             forwarded: web.StreamResponse = await self.forward(request, link.owner(vhost))
             return forwarded

@@ -225,6 +225,11 @@ def test_management_api_answers_for_the_whole_node(node: SkredProcess) -> None:
             with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port(node)}/metrics", timeout=10) as r:
                 found = re.search(r"^rabbitmq_queues (\d+)", r.read().decode(), re.M)
             assert found is not None and int(found.group(1)) >= 2  # the port without auth too
+            # the whole node's definitions: refused rather than one worker's part; a vhost's work
+            assert api(node, "GET", "/api/definitions")[0] == 501
+            for vhost in VHOSTS.values():
+                status, doc = api(node, "GET", f"/api/definitions/{urllib.parse.quote(vhost, safe='')}")
+                assert status == 200 and {q["name"] for q in doc["queues"]} & set(queues.values())
             # a vhost's own resources: answered by its owner, wherever the request lands
             for w, vhost in VHOSTS.items():
                 status, q = api(node, "GET", f"/api/queues/{vhost}/{queues[w]}")
