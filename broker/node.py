@@ -639,6 +639,8 @@ def worker_files(config: Config, count: int) -> dict[str, int]:
 def run_worker(spec: WorkerSpec) -> int:
     """The body of one worker process of a multi-worker node (forked by broker/shards/supervisor.py)."""
     name_worker_logs(spec.index)
+    if RELOADER is not None:  # the fork reset the signals: SIGHUP (passed on by the parent) reloads
+        RELOADER.install()
     node = Node(spec.config, worker=WorkerLink(spec.index, spec.count, spec.sock, spec.root))
     try:
         import uvloop

@@ -350,6 +350,15 @@ def test_a_second_node_on_the_same_port_fails_instead_of_sharing_it(
         other.close()
 
 
+def test_sighup_is_passed_to_every_worker(node: SkredProcess) -> None:
+    pids = worker_pids(node)
+    assert node.pid is not None
+    os.kill(node.pid, signal.SIGHUP)
+    for w in pids:
+        wait_until(lambda w=w: f"skred.w{w}: SIGHUP: reloaded" in node.log_text(), 10, f"worker {w} reloaded")
+    assert worker_pids(node) == pids and "died" not in node.log_text().split("SIGHUP")[-1]
+
+
 def test_sigterm_stops_every_worker(node: SkredProcess) -> None:  # last: it stops the module's node
     pids = worker_pids(node)
     assert len(pids) == 2
