@@ -386,3 +386,33 @@ def _zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+def test_changing_the_number_of_workers_keeps_every_message(tmp_path: Path) -> None:
+    """2 workers -> 1 -> 2: each vhost's directory moves to its new owner, messages with it."""
+    data = tmp_path / "data"
+    b = SkredProcess(data, ["--workers", "2"])
+    try:
+        b.start()
+        for vhost in VHOSTS.values():
+            assert api(b, "PUT", f"/api/vhosts/{vhost}")[0] in (201, 204)
+            assert api(b, "PUT", f"/api/permissions/{vhost}/guest",
+                       {"configure": ".*", "write": ".*", "read": ".*"})[0] in (201, 204)
+            conn = connect_to(b, vhost)
+            ch = conn.channel()
+            ch.confirm_delivery()
+            ch.queue_declare("kept", durable=True)
+            for i in range(10):
+                ch.basic_publish("", "kept", f"{vhost}-{i}".encode(), pika.BasicProperties(delivery_mode=2))
+            conn.close()
+        for workers in ("1", "2"):
+            assert b.stop() == 0
+            b.extra_args[b.extra_args.index("--workers") + 1] = workers
+            b.start()
+            for vhost in VHOSTS.values():
+                conn = connect_to(b, vhost)
+                n = conn.channel().queue_declare("kept", durable=True, passive=True).method.message_count
+                conn.close()
+                assert n == 10, (workers, vhost, n)
+    finally:
+        b.close()
