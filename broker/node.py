@@ -43,7 +43,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import ssl
 import sys
 import threading
@@ -79,7 +78,7 @@ from broker.shards import layout
 from broker.shards.fanout import Fanout
 from broker.shards.placement import worker_of
 from broker.shards.supervisor import WorkerSpec, serve_workers, worker_count
-from broker.shards.worker import WorkerLink
+from broker.shards.worker import WorkerLink, name_logs
 from broker.store.blobs import BlobDir
 from broker.store.fileio import syncfs
 from broker.store.intent import IntentFile
@@ -304,22 +303,7 @@ class Node:
             # ready (its vhosts loaded) but the AMQP server not made yet: held until it is
             self._early.append((fd, state))
             return
-        sock = socket.socket(fileno=fd)
-        sock.setblocking(False)
-        peer = state.get("peer")
-        where = (str(peer[0]), int(peer[1])) if isinstance(peer, (tuple, list)) else ("", 0)
-        proto = AMQPProtocol(broker, amqp.protocols, where)
-
-        async def resume() -> None:
-            try:
-                await loop.connect_accepted_socket(lambda: proto, sock)
-            except OSError as exc:
-                log.info("handed-over connection lost before it resumed: %s", exc)
-                sock.close()
-                return
-            proto.resume(state)
-
-        loop.create_task(resume())
+        loop.create_task(amqp.resume(fd, state))
 
     def shared_reloaded(self, names: list[str]) -> None:
         """Another worker changed shared files: build the vhosts it created that we own."""
@@ -638,7 +622,7 @@ def worker_files(config: Config, count: int) -> dict[str, int]:
 
 def run_worker(spec: WorkerSpec) -> int:
     """The body of one worker process of a multi-worker node (forked by broker/shards/supervisor.py)."""
-    name_worker_logs(spec.index)
+    name_logs(spec.index)
     if RELOADER is not None:  # the fork reset the signals: SIGHUP (passed on by the parent) reloads
         RELOADER.install()
     node = Node(spec.config, worker=WorkerLink(spec.index, spec.count, spec.sock, spec.root))
@@ -647,18 +631,6 @@ def run_worker(spec: WorkerSpec) -> int:
     except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
         return asyncio.run(node.run())
     return uvloop.run(node.run())
-
-
-def name_worker_logs(index: int) -> None:
-    """Log records of this process name their worker (``skred.w1: ...``)."""
-    make = logging.getLogRecordFactory()
-
-    def record(*args: object, **kwargs: object) -> logging.LogRecord:
-        rec = make(*args, **kwargs)
-        rec.name = f"{rec.name}.w{index}"
-        return rec
-
-    logging.setLogRecordFactory(record)
 
 
 async def listening(options: str, host: str, port: int, start: Awaitable[tuple[str, int]]) -> tuple[str, int]:

@@ -529,6 +529,22 @@ class AMQPServer:
             self._ticker = asyncio.create_task(self._tick_loop())
         return address
 
+    async def resume(self, fd: int, state: dict[str, Any]) -> None:
+        """Serve a connection another worker of this node accepted (its socket ``fd`` and the
+        ``state`` it negotiated: see the module doc, Hand-over)."""
+        sock = socket.socket(fileno=fd)
+        sock.setblocking(False)
+        peer = state.get("peer")
+        where = (str(peer[0]), int(peer[1])) if isinstance(peer, (tuple, list)) else ("", 0)
+        proto = AMQPProtocol(self.broker, self.protocols, where)
+        try:
+            await asyncio.get_running_loop().connect_accepted_socket(lambda: proto, sock)
+        except OSError as exc:
+            log.info("handed-over connection lost before it resumed: %s", exc)
+            sock.close()
+            return
+        proto.resume(state)
+
     async def _tick_loop(self) -> None:
         while True:
             await asyncio.sleep(1.0)

@@ -81,6 +81,18 @@ class SharedFiles:
         return changed
 
 
+def name_logs(index: int) -> None:
+    """Log records of this worker process name it (``skred.w1: ...``)."""
+    make = logging.getLogRecordFactory()
+
+    def record(*args: object, **kwargs: object) -> logging.LogRecord:
+        rec = make(*args, **kwargs)
+        rec.name = f"{rec.name}.w{index}"
+        return rec
+
+    logging.setLogRecordFactory(record)
+
+
 def _signature(path: Path) -> tuple[int, int, int] | None:
     try:
         st = path.stat()
