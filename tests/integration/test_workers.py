@@ -27,9 +27,11 @@ from typing import Any
 
 import pika
 import pytest
+from pamqp import commands
 
 from broker.shards.placement import worker_of
 
+from ._raw import PROTOCOL_HEADER, RawConn, method_bytes
 from ._support import SkredProcess, free_port, is_external, params, unique, wait_until
 from ._tls import PKI, make_pki, tls_args
 from .test_websocket import WSRawConn
@@ -141,6 +143,30 @@ def test_any_worker_reaches_every_vhost_with_confirms(node: SkredProcess) -> Non
     log = node.log_text()
     for vhost in VHOSTS.values():  # each worker handed connections of the other's vhost over
         assert re.search(rf"handed over to the worker of vhost '{vhost}'", log), f"no hand-over for {vhost}"
+
+
+def test_frames_pipelined_after_connection_open_reach_the_owner(node: SkredProcess) -> None:
+    """Bytes a client sends right behind connection.open (read with it by the accepting worker)
+    travel with the hand-over: the owner parses them after its open-ok."""
+    queue = unique("pipe")
+    for vhost in VHOSTS.values():
+        for _ in range(CONNECTIONS):
+            c = RawConn("127.0.0.1", node.port)
+            try:
+                c.send(PROTOCOL_HEADER)
+                c.expect(commands.Connection.Start, 0)
+                c.send_method(0, commands.Connection.StartOk(client_properties={}, mechanism="PLAIN",
+                                                             response="\0guest\0guest", locale="en_US"))
+                tune = c.expect(commands.Connection.Tune, 0)
+                c.send(method_bytes(0, commands.Connection.TuneOk(tune.channel_max, tune.frame_max, 0))
+                       + method_bytes(0, commands.Connection.Open(virtual_host=vhost))
+                       + method_bytes(1, commands.Channel.Open())
+                       + method_bytes(1, commands.Queue.Declare(queue=queue, auto_delete=True)))
+                c.expect(commands.Connection.OpenOk, 0)
+                c.expect(commands.Channel.OpenOk, 1)
+                assert c.expect(commands.Queue.DeclareOk, 1).queue == queue
+            finally:
+                c.close()
 
 
 def test_tls_connections_are_relayed_to_the_owner(node: SkredProcess, pki: PKI) -> None:
