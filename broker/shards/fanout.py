@@ -12,6 +12,8 @@ by this middleware, after the usual authentication:
   (asked with ``X-Skred-Worker-Local``), concatenated; ``/api/overview`` adds the counts up,
   ``/metrics`` (and its detailed and per-object forms, on the management port and on the
   metrics port) adds up samples of the same name and labels;
+* *one connection or channel by name* (``ONE_OF``): this worker's answer, or when it does not
+  know the name (404), the first other worker's that does;
 * *a change of shared state* (another method than GET/HEAD on a path of ``SHARED``): run
   under ``WorkerLink.changing`` (the node-wide lock; acknowledged once every worker re-read
   what it changed).
@@ -21,8 +23,7 @@ answers authenticates and authorizes it as if the client had asked it directly, 
 private port grants nothing the public one does not (and the local header only narrows an
 answer). Not yet aggregated: paginated lists (``?page=``: this worker's part), definitions
 export/import of the whole node (``/api/definitions`` answers 501 rather than a part; the
-per-vhost form works), ``/api/nodes``,
-``/api/channels/{name}`` and ``/api/connections/{name}`` (the worker the request lands on).
+per-vhost form works), ``/api/nodes``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from broker.http.common import ApiError
 from broker.shards.worker import WorkerLink
 
 LOCAL = "X-Skred-Worker-Local"
@@ -41,6 +43,8 @@ LISTS = frozenset({"/api/queues", "/api/exchanges", "/api/bindings", "/api/conne
                    "/api/consumers", "/api/vhosts"})
 METRICS = frozenset({"/metrics", "/metrics/detailed", "/metrics/per-object"})
 SUMMED = ("object_totals", "queue_totals", "message_stats")
+# one connection or channel by name (GET, DELETE): answered by the worker it is on
+ONE_OF = ("/api/connections/", "/api/channels/")
 # the requests that may change shared state (users.json, vhosts.json, global parameters); an HTTP
 # publish or get is not one of them and takes no node-wide lock
 SHARED = ("/api/users", "/api/permissions", "/api/topic-permissions", "/api/vhosts", "/api/global-parameters",
@@ -85,7 +89,16 @@ class Fanout:
             async with link.changing():
                 changed: web.StreamResponse = await handler(request)
             return changed
-        mine: web.StreamResponse = await handler(request)
+        one_of = not local and request.path.startswith(ONE_OF)
+        try:
+            mine: web.StreamResponse = await handler(request)
+        except (ApiError, web.HTTPNotFound) as exc:
+            if not one_of or exc.status != 404:
+                raise
+            found = await self.elsewhere(request)
+            if found is None:
+                raise
+            return found
         if local or not (request.path in LISTS or request.path in METRICS or request.path == "/api/overview"):
             return mine
         if not isinstance(mine, web.Response) or mine.status != 200 or mine.body is None:
@@ -106,6 +119,15 @@ class Fanout:
                 if isinstance(other, list):
                     doc.extend(other)
         return web.json_response(doc, status=mine.status)
+
+    async def elsewhere(self, request: web.Request) -> web.Response | None:
+        """A connection or channel by name lives on one worker: the first other that knows it."""
+        for i in sorted(self.link.http):
+            if i != self.link.index:
+                found = await self.forward(request, i)
+                if found.status != 404:
+                    return found
+        return None
 
     def _private(self, request: web.Request) -> bool:
         """Did ``request`` come in on this worker's private port (only a worker asks for a

@@ -251,6 +251,12 @@ def test_management_api_answers_for_the_whole_node(node: SkredProcess) -> None:
             with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port(node)}/metrics", timeout=10) as r:
                 found = re.search(r"^rabbitmq_queues (\d+)", r.read().decode(), re.M)
             assert found is not None and int(found.group(1)) >= 2  # the port without auth too
+            # one connection by name, wherever it is
+            for c in connections:
+                if c["vhost"] in VHOSTS.values():
+                    name = urllib.parse.quote(c["name"], safe="")
+                    status, one = api(node, "GET", f"/api/connections/{name}")
+                    assert status == 200 and one["name"] == c["name"], (status, one)
             # the whole node's definitions: refused rather than one worker's part; a vhost's work
             assert api(node, "GET", "/api/definitions")[0] == 501
             for vhost in VHOSTS.values():
