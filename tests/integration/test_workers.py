@@ -35,7 +35,7 @@ from ._raw import PROTOCOL_HEADER, RawConn, method_bytes
 from ._support import SkredProcess, free_port, is_external, params, unique, wait_until
 from ._tls import PKI, make_pki, tls_args
 from .test_websocket import WSRawConn
-from .worker_faults import worker_pids
+from .worker_faults import prepare, worker_pids
 
 pytestmark = pytest.mark.skipif(is_external(), reason="starts its own multi-worker node")
 
@@ -86,10 +86,7 @@ def node(tmp_path_factory: pytest.TempPathFactory, pki: PKI) -> Iterator[SkredPr
         "--workers", "2", "--log-level", "debug", "--mgmt-metrics-port", str(free_port())))
     try:
         b.start()
-        for vhost in VHOSTS.values():
-            assert api(b, "PUT", f"/api/vhosts/{vhost}")[0] in (201, 204)
-            assert api(b, "PUT", f"/api/permissions/{vhost}/guest",
-                       {"configure": ".*", "write": ".*", "read": ".*"})[0] in (201, 204)
+        prepare(b, VHOSTS.values())
         yield b
     finally:
         b.close()
@@ -426,10 +423,8 @@ def test_changing_the_number_of_workers_keeps_every_message(tmp_path: Path) -> N
     b = SkredProcess(data, ["--workers", "2"])
     try:
         b.start()
+        prepare(b, VHOSTS.values())
         for vhost in VHOSTS.values():
-            assert api(b, "PUT", f"/api/vhosts/{vhost}")[0] in (201, 204)
-            assert api(b, "PUT", f"/api/permissions/{vhost}/guest",
-                       {"configure": ".*", "write": ".*", "read": ".*"})[0] in (201, 204)
             conn = connect_to(b, vhost)
             ch = conn.channel()
             ch.confirm_delivery()

@@ -20,13 +20,14 @@ import signal
 import threading
 import time
 import urllib.request
+from collections.abc import Iterable
 
 import pika
 
 from broker.shards.placement import worker_of
 
 from ._support import SkredProcess, connect, unique
-from .single_faults import MARGIN, PERSISTENT, WINDOW, Trial, _msg
+from .single_faults import PERSISTENT, Trial, _msg, drain, fault_moment, score
 
 WORKERS = 2
 VHOSTS = {w: next(f"chaos{i}" for i in range(100) if worker_of(f"chaos{i}", WORKERS) == w)
@@ -35,10 +36,10 @@ GAP_BOUND = 1.0  # seconds the other worker's publisher may go without a confirm
 RESTART_DEADLINE = 30.0
 
 
-def prepare(b: SkredProcess) -> None:
+def prepare(b: SkredProcess, vhosts: Iterable[str] = VHOSTS.values()) -> None:
     """The trial's vhosts, with guest's permissions (idempotent)."""
     auth = "Basic " + base64.b64encode(b"guest:guest").decode()
-    for vhost in VHOSTS.values():
+    for vhost in vhosts:
         grant = {"configure": ".*", "write": ".*", "read": ".*"}
         for path, body in ((f"/api/vhosts/{vhost}", {}), (f"/api/permissions/{vhost}/guest", grant)):
             req = urllib.request.Request(f"http://127.0.0.1:{b.mgmt_port}{path}", method="PUT",
@@ -110,10 +111,7 @@ def trial_worker_kill(b: SkredProcess, rng: random.Random, victim: int = 1) -> T
     hit, bystander = _Traffic(b, doomed, q, True), _Traffic(b, other, q2, False)
     hit.start()
     bystander.start()
-    deadline = time.monotonic() + 30
-    while len(hit.acked) < 200 and time.monotonic() < deadline:
-        time.sleep(0.05)  # progress poll (bounded): traffic under way before the fault
-    time.sleep(rng.uniform(WINDOW + MARGIN, 3.0))  # the fault's moment: random, past one window
+    fault_moment(hit.acked, rng)
     pid = worker_pids(b)[victim]
     killed_at = time.monotonic()
     os.kill(pid, signal.SIGKILL)
@@ -133,31 +131,13 @@ def trial_worker_kill(b: SkredProcess, rng: random.Random, victim: int = 1) -> T
         trial.deaths += 1
         trial.notes.append("the parent died")
         return trial
-    conn = connect(b, virtual_host=doomed)
-    ch = conn.channel()
-    got: list[tuple[int, bool]] = []
-    for _ in range(1_000_000):
-        m, _p, body = ch.basic_get(q, auto_ack=True)
-        if m is None:
-            break
-        got.append((int.from_bytes(body[:8], "big"), bool(m.redelivered)))
-    ch.queue_delete(q)
-    conn.close()
-    conn = connect(b, virtual_host=other)
-    conn.channel().queue_delete(q2)
-    conn.close()
-    back = {n for n, _ in got}
-    acked_ids = {n for n, _ in hit.acked}
-    old = {n for n, t in hit.acked if t < killed_at - WINDOW - MARGIN}
-    confirmed = {n for n, _ in hit.confirmed}
-    trial.confirmed = len(confirmed) + len(bystander.confirmed)
-    trial.lost = len(confirmed - acked_ids - back)
-    trial.settled = len(old)
-    trial.resurrected = len(old & back)
-    trial.recent_back = len((acked_ids - old) & back)
-    delivered = set(hit.delivered)
-    trial.delivered = len(delivered)
-    trial.missing_redelivered = len({n for n, r in got if not r} & delivered)
+    got = drain(b, q, virtual_host=doomed)
+    for vhost, queue in ((doomed, q), (other, q2)):
+        conn = connect(b, virtual_host=vhost)
+        conn.channel().queue_delete(queue)
+        conn.close()
+    score(trial, {n for n, _ in hit.confirmed}, hit.acked, hit.delivered, got, killed_at)
+    trial.confirmed = len(hit.confirmed) + len(bystander.confirmed)
     times = [t for _n, t in bystander.confirmed if t >= killed_at - 1]
     gap = max((b2 - a for a, b2 in zip(times, times[1:], strict=False)), default=0.0)
     if not times or times[-1] < killed_at:
