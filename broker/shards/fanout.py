@@ -21,9 +21,9 @@ by this middleware, after the usual authentication:
 A forwarded request carries the client's own ``Authorization`` header: the worker that
 answers authenticates and authorizes it as if the client had asked it directly, so the
 private port grants nothing the public one does not (and the local header only narrows an
-answer). Not yet aggregated: paginated lists (``?page=``: this worker's part), definitions
-export/import of the whole node (``/api/definitions`` answers 501 rather than a part; the
-per-vhost form works), ``/api/nodes``.
+answer). A page of a list (``page``, ``page_size``, ``columns``) is cut from the whole
+node's list (``paged``). Not yet aggregated: definitions export/import of the whole node
+(``/api/definitions`` answers 501 rather than a part; the per-vhost form works), ``/api/nodes``.
 """
 
 from __future__ import annotations
@@ -34,13 +34,15 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from yarl import URL
 
-from broker.http.common import ApiError
+from broker.http.common import ApiError, paginate
 from broker.shards.worker import WorkerLink
 
 LOCAL = "X-Skred-Worker-Local"
 LISTS = frozenset({"/api/queues", "/api/exchanges", "/api/bindings", "/api/connections", "/api/channels",
                    "/api/consumers", "/api/vhosts"})
+PAGED = frozenset({"page", "page_size", "columns"})  # applied to the whole list, not to parts
 METRICS = frozenset({"/metrics", "/metrics/detailed", "/metrics/per-object"})
 SUMMED = ("object_totals", "queue_totals", "message_stats")
 # one connection or channel by name (GET, DELETE): answered by the worker it is on
@@ -89,6 +91,8 @@ class Fanout:
             async with link.changing():
                 changed: web.StreamResponse = await handler(request)
             return changed
+        if not local and request.path in LISTS and PAGED & set(request.query) and link.index in link.http:
+            return await self.paged(request)
         one_of = not local and request.path.startswith(ONE_OF)
         try:
             mine: web.StreamResponse = await handler(request)
@@ -120,6 +124,18 @@ class Fanout:
                     doc.extend(other)
         return web.json_response(doc, status=mine.status)
 
+    async def paged(self, request: web.Request) -> web.Response:
+        """A page (or the columns) of a node-wide list: every worker's whole part (this one's too,
+        through its private port, so each applies the user's view of it), then the filter,
+        sort, columns and page over all of them at once."""
+        whole = request.rel_url.with_query({k: v for k, v in request.query.items() if k not in PAGED})
+        parts = await asyncio.gather(*(self.ask(request, i, whole) for i in sorted(self.link.http)))
+        items: list[dict[str, Any]] = []
+        for part in parts:
+            doc = json.loads(part) if part is not None else []
+            items.extend(doc if isinstance(doc, list) else [])
+        return paginate(request, items)
+
     async def elsewhere(self, request: web.Request) -> web.Response | None:
         """A connection or channel by name lives on one worker: the first other that knows it."""
         for i in sorted(self.link.http):
@@ -137,15 +153,15 @@ class Fanout:
         where = transport.get_extra_info("sockname") if transport is not None else None
         return mine is not None and isinstance(where, tuple) and int(where[1]) == mine[1]
 
-    def _target(self, index: int, request: web.Request) -> str | None:
+    def _target(self, index: int, request: web.Request, rel_url: URL | None = None) -> str | None:
         address = (self.link.http if self.port == "http" else self.link.metrics).get(index)
         if address is None or index not in self.link.up:
             return None
-        return f"http://{address[0]}:{address[1]}{request.rel_url}"
+        return f"http://{address[0]}:{address[1]}{rel_url or request.rel_url}"
 
-    async def ask(self, request: web.Request, index: int) -> bytes | None:
+    async def ask(self, request: web.Request, index: int, rel_url: URL | None = None) -> bytes | None:
         """Worker ``index``'s own part of the answer to ``request`` (None: it cannot give one now)."""
-        url = self._target(index, request)
+        url = self._target(index, request, rel_url)
         if url is None:
             return None
         headers = {h: request.headers[h] for h in _PASSED if h in request.headers}

@@ -233,6 +233,11 @@ def test_management_api_answers_for_the_whole_node(node: SkredProcess) -> None:
             with urllib.request.urlopen(req, timeout=10) as r:
                 narrowed = {(q["vhost"], q["name"]) for q in json.loads(r.read())}
             assert narrowed >= {(VHOSTS[w], queues[w]) for w in VHOSTS}
+            status, page = api(node, "GET", "/api/queues?page=1&page_size=500&columns=name,vhost&sort=name")
+            assert status == 200 and page["total_count"] >= 2, page
+            paged = {(q["vhost"], q["name"]) for q in page["items"]}
+            assert paged >= {(VHOSTS[w], queues[w]) for w in VHOSTS}
+            assert [q["name"] for q in page["items"]] == sorted(q["name"] for q in page["items"])
             status, vhosts = api(node, "GET", "/api/vhosts")
             names = [v["name"] for v in vhosts]
             assert set(VHOSTS.values()) | {"/"} <= set(names) and len(names) == len(set(names))
