@@ -34,7 +34,7 @@ def test_owner_is_a_member_and_deterministic(vhosts: list[str], n: int) -> None:
         assert w == worker_of(v, n)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(st.integers(2, 8), st.integers(0, 1 << 30))
 def test_balanced(n: int, salt: int) -> None:
     shards = [ShardId(f"{salt}-{i}") for i in range(400 * n)]
