@@ -5,8 +5,9 @@
 Single node (one broker process per fault, killed with SIGKILL and restarted on its data dir):
 kill -9 under live traffic, after settlements (acks, rejects, nacks, purges, held deliveries)
 with the default sync window and with synchronous acks, a full disk (a small tmpfs in a
-private mount namespace; needs root), and a bounded fuzz of malformed frames and property
-lists. Printed as a second table: confirmed lost, settlements older than the window that came
+private mount namespace; needs root), a bounded fuzz of malformed frames and property
+lists, and kill -9 of one worker of a 2-worker node (``worker_faults.py``). Printed as a
+second table: confirmed lost, settlements older than the window that came
 back, missing redelivered flags, broker deaths, tracebacks, wrong answers.
 
 Cluster:
@@ -42,6 +43,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from tests.integration import single_faults as sf  # noqa: E402
+from tests.integration import worker_faults as wf  # noqa: E402
 from tests.integration._support import SkredProcess  # noqa: E402
 from tests.integration._tmpfs import NamespacedBroker, mount_tmpfs  # noqa: E402
 from tests.integration.cluster_faults import (  # noqa: E402  (needs the repo root on sys.path)
@@ -68,6 +70,7 @@ SINGLE: dict[str, tuple[SingleRun, list[str]]] = {
     "full disk": (lambda b, rng: _full_disk(b, rng), ["--free-disk-min", "0", "--segment-size", "256KiB"]),
     "fuzz frames": (lambda b, rng: sf.trial_fuzz(b, rng, "frames"), []),
     "fuzz properties": (lambda b, rng: sf.trial_fuzz(b, rng, "properties"), []),
+    "worker kill -9": (wf.trial_worker_kill, ["--workers", str(wf.WORKERS)]),
 }
 SINGLE_WHAT = {
     "live": "kill -9 at a random moment under confirmed publishing and acking",
@@ -76,6 +79,8 @@ SINGLE_WHAT = {
     "full disk": "pipelined confirmed publishes to two queues until nacks, kill -9",
     "fuzz frames": "25 malformed frames per trial",
     "fuzz properties": "25 malformed property lists per trial",
+    "worker kill -9": "2 workers: kill -9 of one under live traffic on its vhost; the other's publisher "
+                      f"must see no gap over {wf.GAP_BOUND:g} s",
 }
 
 
@@ -96,6 +101,8 @@ def run_single(name: str, trials: int, tmp: Path) -> list[sf.Trial]:
     out: list[sf.Trial] = []
     try:
         b.start()
+        if name == "worker kill -9":
+            wf.prepare(b)
         for i in range(trials):
             t0 = time.monotonic()
             t = run(b, rng)

@@ -111,6 +111,17 @@ class MainConfig:
             hi=2 * GiB,
         ),
     )
+    workers: int = field(
+        default=0,
+        metadata=_meta(
+            "Worker processes of this node, each the broker of the vhosts the shard map gives it "
+            "(rendezvous hashing; any worker accepts a connection and hands it to the owner): 0 one "
+            "per CPU core, 1 a single process as before. A cluster member runs one (per-shard "
+            "leadership is not built yet). See docs/architecture.md, Workers.",
+            lo=0,
+            hi=256,
+        ),
+    )
     sync: bool = field(
         default=True,
         metadata=_meta("fsync the store before confirming a publish (off: faster, less durable)."),

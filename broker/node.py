@@ -25,6 +25,12 @@ then starts is built from the reloaded config and reads the TLS certificates afr
 (a follower's proxies pass client TLS through: it holds no client certificate). The
 runner reloads the replication link's certificates itself; ports and addresses need a
 restart on every node.
+
+With ``[main] workers`` above 1 (0: one per core) ``serve`` runs the parent of
+``broker/shards/supervisor.py`` instead, which forks the workers: each runs ``run_worker``,
+a ``Node`` with a ``WorkerLink`` (only the vhosts the shard map gives it, the node's shared
+files, the client ports shared with ``SO_REUSEPORT``, connections handed to the owner of their
+vhost, the management API answered for the node: docs/architecture.md, *Workers*).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import dataclasses
 import errno
 import json
 import logging
+import os
 import shutil
 import signal
 import ssl
@@ -69,6 +76,11 @@ from broker.mqtt.server import MQTTProtocol, MQTTServer
 from broker.net import proxy
 from broker.net.listener import Listener, keep_peer
 from broker.net.server import AMQPProtocol, AMQPServer
+from broker.shards import layout
+from broker.shards.fanout import Fanout
+from broker.shards.placement import worker_of
+from broker.shards.supervisor import WorkerSpec, serve_workers, worker_count
+from broker.shards.worker import WorkerLink, name_logs
 from broker.shovel.local import Local
 from broker.shovel.manager import Shovels
 from broker.store.blobs import BlobDir
@@ -79,7 +91,7 @@ from broker.store.lock import DataDirLock
 from broker.store.queue_store import read_ahead
 from broker.store.segment import parse_number
 from broker.store.segment_log import SegmentFiles
-from broker.store.sink import NullSink, ReplicationSink
+from broker.store.sink import NULL_SINK, NullSink, ReplicationSink
 from broker.syncer import Syncable, Syncer
 
 RETAINED_DIR = "mqtt-retained"  # MQTT's retained messages (broker/mqtt/retained.py)
@@ -128,8 +140,13 @@ def raise_fd_limit() -> None:
 
 
 class Node:
-    def __init__(self, config: Config, sink: ReplicationSink | None = None) -> None:
+    def __init__(self, config: Config, sink: ReplicationSink | None = None,
+                 worker: WorkerLink | None = None) -> None:
         self.config = config
+        # one worker of several (broker/shards): its vhosts, its hand-overs, the shared files
+        self.worker = worker
+        # users.json, vhosts.json and global parameters: the node's, whichever worker this is
+        self.shared_dir = worker.root if worker is not None else config.main.data_dir
         self.sink: ReplicationSink = sink or NullSink()
         self.stopping = asyncio.Event()
         self.broker: Broker | None = None
@@ -143,6 +160,9 @@ class Node:
         self.mgmt: Mgmt | None = None
         self.http: MgmtServer | None = None
         self.http_listeners: list[Listener] = []
+        self.http_private: tuple[str, int] | None = None  # a worker's own HTTP port (broker/shards)
+        self._early: list[tuple[int, dict[str, object]]] = []  # hand-overs before start_amqp
+        self._fanouts: list[Fanout] = []  # a worker's management answers for the node
         self.tls: tls.ServerTLS | None = None
         self.lmq: LMQServer | None = None
         self.mqtt: MQTTServer | None = None
@@ -160,6 +180,8 @@ class Node:
         """A ``VHost`` wired to this node's store settings (at boot, and when the API creates one)."""
         cfg = self.config
         assert self._loop is not None and self._syncer is not None
+        if self.worker is not None and not self.worker.owns(name):  # one owner per vhost's files
+            raise ValueError(f"vhost {name!r} belongs to worker {self.worker.owner(name)} of this node")
         return VHost(
             name, cfg.main.data_dir, segment_size=cfg.main.segment_size, sink=self.sink,
             schedule=self._loop.call_soon, mark_dirty=self._syncer.mark_dirty,
@@ -175,9 +197,9 @@ class Node:
         transient_root = data_dir / "transient"
         shutil.rmtree(transient_root, ignore_errors=True)
         transient_root.mkdir(parents=True, exist_ok=True)
-        users = UserStore(data_dir / "users.json", self.sink, cfg.main.default_user,
+        users = UserStore(self.shared_dir / "users.json", self.sink, cfg.main.default_user,
                           cfg.main.default_password, throttle=login_throttle(cfg.main))
-        vhost_names = self.vhost_store = VHostStore(data_dir / "vhosts.json", self.sink)
+        vhost_names = self.vhost_store = VHostStore(self.shared_dir / "vhosts.json", self.sink)
         self._files = SegmentFiles()
         syncer = self._syncer = Syncer(loop, cfg.main.sync, replicated=self.replicated,
                                        window=cfg.main.ack_sync_interval / 1000,
@@ -185,6 +207,8 @@ class Node:
         self._loop = loop
         vhosts: dict[str, VHost] = {}
         for name in vhost_names.list():
+            if self.worker is not None and not self.worker.owns(name):
+                continue
             log.info("loading vhost %r", name)
             vhosts[name] = self.make_vhost(name)
             log.info("vhost %r: %d exchanges, %d queues", name, len(vhosts[name].exchanges),
@@ -210,6 +234,10 @@ class Node:
         cfg.main.data_dir.mkdir(parents=True, exist_ok=True)
         lock = self.lock = DataDirLock(cfg.main.data_dir)
         lock.acquire()
+        if self.worker is None and (cfg.main.data_dir / layout.WORKERS_DIR).is_dir():
+            # this data dir ran several workers: their vhosts come back (broker/shards/layout.py)
+            names = VHostStore(cfg.main.data_dir / "vhosts.json", NULL_SINK).list()
+            layout.relocate(cfg.main.data_dir, names, 1, worker_files(cfg, 1))
         if RELOADER is not None:
             RELOADER.node = self
         try:
@@ -218,7 +246,7 @@ class Node:
             assert self.vhost_store is not None
             mgmt = self.mgmt = Mgmt(broker, self.vhost_store, self.make_vhost, cfg.main.data_dir,
                                     cfg.main.data_dir / "transient",
-                                    GlobalParameters(cfg.main.data_dir / PARAMETERS_FILE, self.sink),
+                                    GlobalParameters(self.shared_dir / PARAMETERS_FILE, self.sink),
                                     IntentFile(cfg.main.data_dir / IMPORT_INTENT_FILE, self.sink),
                                     RuntimeParameters(cfg.main.data_dir / RUNTIME_FILE_NAME, self.sink))
             assert mgmt.parameters is not None
@@ -236,21 +264,72 @@ class Node:
             if tls.enabled(cfg.main):
                 self.tls = tls.ServerTLS(cfg.main)
                 mgmt.tls_certs = [str(cfg.main.tls_cert)]
-            if cfg.lmq.enabled:  # before AMQP: a node that answers AMQP has its LMQ ports open too
-                await self.start_lmq(broker)
-            if cfg.mqtt.enabled:  # the same: MQTT answers once AMQP does
-                await self.start_mqtt(broker)
+            worker = self.worker
+            if worker is not None:
+                await self.start_worker(worker, loop, broker, mgmt)
+            # LMQ runs in the worker that owns its vhost, MQTT in the first (docs/architecture.md)
+            if cfg.lmq.enabled and (worker is None or worker.owns(cfg.lmq.vhost)):
+                await self.start_lmq(broker)  # before AMQP: a node answering AMQP has its LMQ ports open
+            if cfg.mqtt.enabled and (worker is None or worker.index == 0):
+                await self.start_mqtt(broker)  # the same: MQTT answers once AMQP does
             # HTTP before AMQP too: once the AMQP port answers, everything answers
-            if cfg.mgmt.enabled:
+            if cfg.mgmt.enabled and worker is None:
                 await self.start_http(broker, mgmt)
             await self.start_amqp(broker, mgmt)
             self.start_federation(broker, mgmt)
             if self.shovels is not None:
                 self.shovels.start()
+            early, self._early = self._early, []
+            for fd, state in early:  # handed over while our listeners were opening
+                self.resume_connection(fd, state)
         except BaseException:
             self.release_lock()
             raise
         self._reader = loop.create_task(self.read_stores())
+
+    async def start_worker(self, worker: WorkerLink, loop: asyncio.AbstractEventLoop, broker: Broker,
+                           mgmt: Mgmt) -> None:
+        """One worker of several: join the node (broker/shards/worker.py). Its HTTP listeners
+        (the node's port, and a private one the other workers ask for this worker's part of an
+        answer) open first; the client ports once the parent says every worker is ready."""
+        assert self.vhost_store is not None
+        broker.shards = worker
+        worker.shared.add(broker.users.path, broker.users.reload)
+        worker.shared.add(self.vhost_store.path, self.vhost_store.reload)
+        worker.shared.add(mgmt.global_parameters.path, mgmt.global_parameters.reload)
+        worker.on_handover = self.resume_connection
+        worker.on_reloaded = self.shared_reloaded
+        worker.on_parent_gone = self.stopping.set
+        worker.start(loop)
+        if self.config.mgmt.enabled:
+            self._fanouts = [Fanout(worker), Fanout(worker, "metrics")]
+            mgmt.middlewares.append(self._fanouts[0].middleware)
+            mgmt.metrics_middlewares.append(self._fanouts[1].middleware)
+            await self.start_http(broker, mgmt)
+            assert self.http is not None
+            metrics_private = await self.http.start_private_metrics()
+            await worker.ready(self.http_private, metrics_private)
+        else:
+            await worker.ready(None, None)
+
+    def resume_connection(self, fd: int, state: dict[str, object]) -> None:
+        """A connection another worker of this node accepted for one of our vhosts."""
+        amqp, broker, loop = self.amqp, self.broker, self._loop
+        if amqp is None or broker is None or loop is None:
+            # ready (its vhosts loaded) but the AMQP server not made yet: held until it is
+            self._early.append((fd, state))
+            return
+        loop.create_task(amqp.resume(fd, state))
+
+    def shared_reloaded(self, names: list[str]) -> None:
+        """Another worker changed shared files: build the vhosts it created that we own."""
+        broker, store, worker = self.broker, self.vhost_store, self.worker
+        if broker is None or store is None or worker is None or "vhosts.json" not in names:
+            return
+        for name in store.list():
+            if worker.owns(name) and name not in broker.vhosts:
+                broker.vhosts[name] = self.make_vhost(name)
+                log.info("vhost %r created", name)
 
     async def read_stores(self) -> None:
         """Recover the queue stores the boot deferred (``VHost``: a plain durable queue's
@@ -294,6 +373,7 @@ class Node:
     async def start_amqp(self, broker: Broker, mgmt: Mgmt) -> None:
         cfg = self.config
         amqp = self.amqp = AMQPServer(broker)
+        amqp.reuse_port = self.worker is not None  # every worker on the node's port (broker/shards)
         mgmt.websocket_protocols["amqp"] = lambda peer: AMQPProtocol(broker, amqp.protocols, peer)
         mgmt.websocket_max_message = cfg.amqp.frame_max + cfg.main.max_message_size
         options = "amqp.bind/amqp.port, --amqp-bind/--amqp-port"
@@ -310,7 +390,7 @@ class Node:
                 "amqp.bind/amqp.tls_port, --amqp-bind/--amqp-tls-port", cfg.amqp.bind, cfg.amqp.tls_port,
                 self.amqp.start(cfg.amqp.bind, cfg.amqp.tls_port, self.tls_context))
             log.info("AMQPS listening on %s:%d", *mgmt.amqps_address)
-        if cfg.amqp.unix_path:
+        if cfg.amqp.unix_path and (self.worker is None or self.worker.index == 0):
             await listening("amqp.unix_path, --amqp-unix-path", cfg.amqp.unix_path, 0,
                             amqp.start_unix(cfg.amqp.unix_path, unix_mode(cfg.main)))
             log.info("AMQP listening on Unix socket %s", cfg.amqp.unix_path)
@@ -319,26 +399,31 @@ class Node:
     async def start_http(self, broker: Broker, mgmt: Mgmt) -> None:
         cfg = self.config
         self.http = MgmtServer(mgmt)
+        reuse = self.http.reuse_port = self.worker is not None  # every worker on the node's ports
         factory = keep_peer(await self.http.start(cfg.mgmt.metrics_bind, cfg.mgmt.metrics_port))
 
         def trusted(ip: str) -> bool:
             return proxy.is_trusted(ip, cfg.mgmt.trusted_proxies, broker.trusted_peers)
 
+        if reuse:  # and a port of its own, for the other workers (broker/shards/fanout.py)
+            listener = Listener("HTTP (this worker)", factory, trusted)
+            self.http_listeners.append(listener)
+            self.http_private = await listener.start("127.0.0.1", 0)
         if cfg.mgmt.port >= 0:
-            listener = Listener("HTTP", factory, trusted, remap=broker.proxied_peers)
+            listener = Listener("HTTP", factory, trusted, remap=broker.proxied_peers, reuse_port=reuse)
             self.http_listeners.append(listener)
             mgmt.http_address = await listening(
                 "mgmt.bind/mgmt.port, --mgmt-bind/--mgmt-port", cfg.mgmt.bind, cfg.mgmt.port,
                 listener.start(cfg.mgmt.bind, cfg.mgmt.port))
             log.info("management HTTP API listening on %s:%d", *mgmt.http_address)
-        if cfg.mgmt.unix_path:
+        if cfg.mgmt.unix_path and (self.worker is None or self.worker.index == 0):
             listener = Listener("HTTP (Unix socket)", factory, trusted)
             self.http_listeners.append(listener)
             await listening("mgmt.unix_path, --mgmt-unix-path", cfg.mgmt.unix_path, 0,
                             listener.start_unix(cfg.mgmt.unix_path, unix_mode(cfg.main)))
             log.info("management HTTP API listening on Unix socket %s", cfg.mgmt.unix_path)
         if self.tls is not None and cfg.mgmt.tls_port >= 0:
-            listener = Listener("HTTPS", factory, trusted, tls=self.tls_context)
+            listener = Listener("HTTPS", factory, trusted, tls=self.tls_context, reuse_port=reuse)
             self.http_listeners.append(listener)
             mgmt.https_address = await listening(
                 "mgmt.bind/mgmt.tls_port, --mgmt-bind/--mgmt-tls-port", cfg.mgmt.bind, cfg.mgmt.tls_port,
@@ -496,6 +581,13 @@ class Node:
         if self.federation is not None:
             await self.federation.stop()
             self.federation = None
+        if self.worker is not None:
+            self.worker.stop()
+        early, self._early = self._early, []
+        for fd, _state in early:
+            os.close(fd)
+        for fanout in self._fanouts:
+            await fanout.close()
         if self._reader is not None:
             self._reader.cancel()
             self._reader = None
@@ -567,6 +659,25 @@ class NodeHost:
         name = "" if self.config is None else metrics.node_name(self.config.main.node_name,
                                                                  self.config.amqp.port)
         return FollowerMetrics(cluster, data_dir, cluster_name, name)
+
+
+def worker_files(config: Config, count: int) -> dict[str, int]:
+    """The node files one worker keeps (``layout.relocate``): MQTT's retained messages in the
+    worker MQTT runs in, LMQ's properties in the worker of ``[lmq] vhost``."""
+    return {RETAINED_DIR: 0, LMQ_PROPS_FILE: worker_of(config.lmq.vhost, count)}
+
+
+def run_worker(spec: WorkerSpec) -> int:
+    """The body of one worker process of a multi-worker node (forked by broker/shards/supervisor.py)."""
+    name_logs(spec.index)
+    if RELOADER is not None:  # the fork reset the signals: SIGHUP (passed on by the parent) reloads
+        RELOADER.install()
+    node = Node(spec.config, worker=WorkerLink(spec.index, spec.count, spec.sock, spec.root))
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
+        return asyncio.run(node.run())
+    return uvloop.run(node.run())
 
 
 async def listening(options: str, host: str, port: int, start: Awaitable[tuple[str, int]]) -> tuple[str, int]:
@@ -721,6 +832,12 @@ def serve(config: Config, host: NodeHost | None = None, load: Callable[[], Confi
     # its confirm waits that long too. 0.5 ms bounds that wait.
     sys.setswitchinterval(0.0005)
     keep_buffers_on_the_heap()
+    workers = worker_count(config)
+    if workers > 1:
+        if config.main.load_definitions:
+            raise StartupError("[main] load_definitions is not supported with more than one worker yet: "
+                               "set [main] workers = 1 (--workers 1)")
+        return serve_workers(config, workers, run_worker, worker_files(config, workers))
     if config.clustering.enabled:
         try:
             from broker.cluster.runner import serve_clustered

@@ -94,6 +94,18 @@ class GroupCommit(Protocol):
     def discard(self, obj: Any) -> None: ...
 
 
+class Shards(Protocol):
+    """The node's shard map as a connection sees it (``broker.shards.worker``; None: one worker)."""
+
+    def elsewhere(self, vhost: str) -> bool:
+        """True when another worker of this node owns ``vhost`` and is up: hand the connection
+        over; errors.NotAllowed when its owner is down (restarting)."""
+
+    def hand_over(self, fd: int, state: dict[str, Any]) -> None:
+        """Pass the connection (its socket ``fd``, duplicated by the call) and its negotiated
+        ``state`` to the owner of ``state["vhost"]``; OSError when that cannot be done."""
+
+
 class Stats:
     """Plain integer counters: a publish costs one attribute increment (and its size, one
     histogram bucket). Counts that live on channels while they are open (publishes in confirm
@@ -149,6 +161,7 @@ class Broker:
         self.trusted_peers: set[str] = set()
         # a cluster leader's own legs of follower tunnels -> the real client (broker.cluster.tunnel)
         self.proxied_peers: dict[tuple[str, int], tuple[str, int]] = {}
+        self.shards: Shards | None = None  # a worker of a multi-worker node (broker/shards)
         # guest with full access everywhere is the common case: skip per-name checks then
         self.check_permissions = True
         # resource alarms: block publishers (broker/amqp/alarms.py; checked by the listener tick)

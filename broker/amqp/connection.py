@@ -71,6 +71,9 @@ class State(enum.Enum):
     OPEN = "open"
     CLOSING = "closing"  # we sent connection.close, waiting for close-ok
     CLOSED = "closed"
+    # connection.open named a vhost another worker of this node owns (broker/shards): nothing
+    # more is parsed here; the network layer hands the socket and ``handed_state`` to the owner
+    HANDOVER = "handed over"
 
 
 # Channel states.
@@ -145,6 +148,7 @@ class AMQPConnection:
         self.username = ""
         self.mechanisms = "PLAIN AMQPLAIN"  # offered in connection.start (EXTERNAL with a client cert)
         self.vhost = ""
+        self.handover_rest = b""  # bytes read past a connection.open that hands the connection over
         self.channels: dict[int, int] = {}
         self._pending: dict[int, PendingContent] = {}
         self._pub_args: dict[bytes, PublishArgs] = {}
@@ -372,6 +376,8 @@ class AMQPConnection:
             except errors.AMQPError as exc:
                 self._frame_error(ch, exc)
             if self.want_close or self.state is State.CLOSED:  # type: ignore[comparison-overlap]
+                if self.state is State.HANDOVER:
+                    self.handover_rest = bytes(data[pos:])
                 return
         if pos < n:
             rest = data[pos:]
@@ -564,9 +570,40 @@ class AMQPConnection:
             self.open_vhost(m.virtual_host)
         except errors.AMQPError as exc:
             raise errors.NotAllowed(exc.text, 10, 40) from None
+        if self.state is State.HANDOVER:
+            return  # open_vhost asked for a hand-over (Session.open_vhost): the owner answers
         self.vhost = m.virtual_host
         self.state = State.OPEN
         self.send_method(0, commands.Connection.OpenOk())
+
+    def hand_over(self, vhost: str) -> None:
+        """From ``open_vhost``: another worker owns ``vhost``; stop parsing after this frame
+        (``want_close`` ends the read loop; the network layer sees HANDOVER and does not close)."""
+        self.vhost = vhost
+        self.state = State.HANDOVER
+        self.want_close = True
+
+    def handed_state(self) -> dict[str, Any]:
+        """What the owner needs to continue this connection as if it had accepted it."""
+        return {"username": self.username, "vhost": self.vhost, "frame_max": self.frame_max,
+                "channel_max": self.channel_max, "heartbeat": self.heartbeat,
+                "client_properties": self.client_properties, "capabilities": self.capabilities,
+                "rest": self.handover_rest}
+
+    def resume(self, state: dict[str, Any]) -> None:
+        """The owner's side of a hand-over: take the negotiated state, answer the
+        connection.open the accepting worker parsed, then read on (the caller feeds ``rest``)."""
+        self.username = str(state["username"])
+        self.frame_max = int(state["frame_max"])
+        self.channel_max = int(state["channel_max"])
+        self.heartbeat = int(state["heartbeat"])
+        self.client_properties = dict(state["client_properties"])
+        self.capabilities = dict(state["capabilities"])
+        self.state = State.OPEN_WAIT
+        try:
+            self._on_open(commands.Connection.Open(virtual_host=str(state["vhost"])))
+        except errors.AMQPError as exc:
+            self._hard(exc)
 
     def _on_update_secret(self, m: commands.Connection.UpdateSecret) -> None:
         raw = m.new_secret or b""

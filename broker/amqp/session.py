@@ -402,6 +402,10 @@ class Session(AMQPConnection):
 
     def open_vhost(self, vhost: str) -> None:
         vh = self.broker.vhosts.get(vhost)
+        if vh is None and self.broker.shards is not None and self.broker.shards.elsewhere(vhost) \
+                and self.broker.users.has_vhost_access(self._who, vhost):
+            self.hand_over(vhost)  # another worker of this node owns it (broker/shards)
+            return
         if vh is None or not self.broker.users.has_vhost_access(self._who, vhost):
             raise errors.NotAllowed(f"access to vhost '{vhost}' refused for user '{self.username}'")
         limit = vh.limits.max_connections  # vhost limit (broker/model/limits.py)

@@ -28,10 +28,19 @@ class GlobalParameters:
     def __init__(self, path: Path, sink: ReplicationSink) -> None:
         self._path = path
         self._sink = sink
-        data = read_json(path, {})
+        self._values: dict[str, Any] = {}
+        self.reload()
+
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    def reload(self) -> None:
+        """Read the file again (another worker of this node changed it: broker/shards)."""
+        data = read_json(self._path, {})
         if not isinstance(data, dict) or not isinstance(data.get("parameters", {}), dict):
-            raise StoreError(f"{path}: malformed global parameters file")
-        self._values: dict[str, Any] = dict(data.get("parameters", {}))
+            raise StoreError(f"{self._path}: malformed global parameters file")
+        self._values = dict(data.get("parameters", {}))
 
     def list(self) -> list[dict[str, Any]]:
         return [{"name": n, "value": self._values[n]} for n in sorted(self._values)]

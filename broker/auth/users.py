@@ -259,6 +259,15 @@ class UserStore:
     def path(self) -> Path:
         return self._path
 
+    def reload(self) -> None:
+        """Read the file again (another worker of this node changed it: broker/shards); front
+        ends forget the permission checks they remembered, as after a change made here."""
+        data = read_json(self._path, None)
+        if data is not None:
+            self._users = _users_from_json(self._path, data)
+            for listener in self.on_change:
+                listener()
+
     # -- queries ------------------------------------------------------------------------------
     def get(self, name: str) -> User | None:
         return self._users.get(name)

@@ -43,6 +43,12 @@ class VHostStore:
     def path(self) -> Path:
         return self._path
 
+    def reload(self) -> None:
+        """Read the file again (another worker of this node changed it: broker/shards)."""
+        data = read_json(self._path, None)
+        if data is not None:
+            self._names = _names_from_json(self._path, data)
+
     def exists(self, name: str) -> bool:
         return name in self._names
 

@@ -147,7 +147,7 @@ async def websocket_middleware(request: web.Request, handler: Any) -> web.Stream
 
 def build_app(mgmt: Mgmt, metrics_obj: Metrics) -> web.Application:
     app = web.Application(middlewares=[ui.no_browser_login_dialog, error_middleware, websocket_middleware,
-                                       auth_middleware], client_max_size=MAX_BODY)
+                                       auth_middleware, *mgmt.middlewares], client_max_size=MAX_BODY)
     app[MGMT_KEY] = mgmt
     app[METRICS_KEY] = metrics_obj
     ui.add_routes(app)  # the web UI: "/" and its static files under /ui/
@@ -176,7 +176,7 @@ def _add_routes(app: web.Application, table: web.RouteTableDef) -> None:
 
 
 def build_metrics_app(mgmt: Mgmt, metrics_obj: Metrics) -> web.Application:
-    app = web.Application(middlewares=[error_middleware])
+    app = web.Application(middlewares=[error_middleware, *mgmt.metrics_middlewares])
     app[MGMT_KEY] = mgmt
     app[METRICS_KEY] = metrics_obj
     app.router.add_get("/metrics", metrics)
@@ -197,12 +197,13 @@ class MgmtServer:
         self.mgmt = mgmt
         self.metrics = Metrics(mgmt)
         self._runners: list[web.AppRunner] = []
+        self.reuse_port = False  # one of several workers on the node's ports (broker/shards)
 
     async def _serve(self, app: web.Application, host: str, port: int) -> tuple[str, int]:
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
         try:
-            site = web.TCPSite(runner, host, port, reuse_address=True)
+            site = web.TCPSite(runner, host, port, reuse_address=True, reuse_port=self.reuse_port or None)
             await site.start()
         except BaseException:
             await runner.cleanup()
@@ -227,6 +228,10 @@ class MgmtServer:
                                   "--mgmt-metrics-port", metrics_bind, metrics_port, exc) from None
         mgmt.rates.start()
         return runner.server
+
+    async def start_private_metrics(self) -> tuple[str, int]:
+        """The metrics app on a loopback port of this process's own (a worker's, broker/shards)."""
+        return await self._serve(build_metrics_app(self.mgmt, self.metrics), "127.0.0.1", 0)
 
     async def stop(self) -> None:
         await self.mgmt.rates.stop()

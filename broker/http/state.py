@@ -112,6 +112,9 @@ class Mgmt:
         self.websocket_max_message = 1 << 20
         self.tls_certs: list[str] = []  # certificate files, for the certificate-expiration check
         self.cluster: ClusterInfo | None = None  # set on a cluster member (metrics, GET /api/cluster)
+        # set by the node before the app is built: a worker's fan-out to the others (broker/shards)
+        self.middlewares: list[Any] = []
+        self.metrics_middlewares: list[Any] = []  # the same for the metrics port
 
     # ------------------------------------------------------------------ helpers
     def listeners(self) -> list[tuple[str, tuple[str, int]]]:

@@ -61,8 +61,9 @@ class Listener:
 
     def __init__(self, name: str, factory: ProtocolFactory, trusted: Callable[[str], bool], *,
                  tls: Callable[[], ssl.SSLContext] | None = None, nodelay: bool = True,
-                 remap: Mapping[Peer, Peer] | None = None) -> None:
+                 remap: Mapping[Peer, Peer] | None = None, reuse_port: bool = False) -> None:
         self.name = name
+        self.reuse_port = reuse_port  # beside the other workers of this node (broker/shards)
         self.remap = remap if remap is not None else {}
         self.factory = factory
         self.trusted = trusted
@@ -76,7 +77,7 @@ class Listener:
 
     async def start(self, host: str, port: int) -> Peer:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.create_server((host, port), family=family, backlog=1024)
+        sock = socket.create_server((host, port), family=family, backlog=1024, reuse_port=self.reuse_port)
         sock.setblocking(False)
         self.sock = sock
         addr = sock.getsockname()

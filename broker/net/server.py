@@ -25,6 +25,16 @@ out for missed heartbeats, as RabbitMQ pauses its heartbeat monitor while a
 connection is blocked; the clock restarts when reading does. One that we do not
 read because it does not read us is: its silence is its own.
 
+Hand-over (a node of several workers, ``broker/shards``): when connection.open names a
+vhost another worker owns, the session stops parsing (state HANDOVER) and
+``_hand_over`` gives the connection away: a plain TCP or Unix socket is passed itself
+(its descriptor, duplicated, goes to the owner with the negotiated state; this process then
+drops its copy without a word to the client); a TLS connection, or one on a WebSocket,
+cannot be passed (the TLS state lives in this process), so a socket pair stands in for
+it: one end goes to the owner, and this process relays the decrypted bytes between the
+client and the other end (``_Relay``). The owner builds an ``AMQPProtocol`` on what it got
+and ``resume``s it: it answers the connection.open the client sent and reads on.
+
 Listeners (``broker.net.listener``): the plain AMQP port and the AMQPS port
 share one ``AMQPServer`` (one set of connections, one tick); the listener has
 already stripped any PROXY header and finished the TLS handshake when it
@@ -35,9 +45,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 import ssl
 import time
 from collections.abc import Callable
+from typing import Any, cast
 
 from broker import errors, tls
 from broker.amqp import codec
@@ -77,6 +90,7 @@ class AMQPProtocol(asyncio.Protocol):
         self._mem_wait = False
         # replies the client has not read yet past max_bytes_in_flight: not read until it does
         self._out_wait = False
+        self.relay: _Relay | None = None  # a TLS connection handed over: its bytes go through us
 
     # ---------------------------------------------------------------- events
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -97,6 +111,8 @@ class AMQPProtocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         s = self.session
         if s is None:
+            if self.relay is not None:
+                self.relay.to_owner(data)
             return
         self.last_read = time.monotonic()
         s.recv_cnt += 1
@@ -111,6 +127,9 @@ class AMQPProtocol(asyncio.Protocol):
         except Exception as exc:  # a bug must cost one connection, never the broker
             log.exception("internal error on connection %s", s.name)
             s.close_connection(errors.InternalError(f"internal error: {type(exc).__name__}"))
+        if s.state is State.HANDOVER:
+            self._hand_over(s)
+            return
         alarm = self.broker.alarm
         disk = alarm.disk
         disk.read_since_check += len(data)
@@ -142,6 +161,64 @@ class AMQPProtocol(asyncio.Protocol):
                 t.pause_reading()
                 loop = asyncio.get_running_loop()
                 loop.call_soon(self._resume_reading, loop.time() + _HOLD_SECONDS)
+
+    def _hand_over(self, s: Session) -> None:
+        """Give this connection to the worker that owns its vhost (see the module doc)."""
+        t = self.transport
+        shards = self.broker.shards
+        if t is None or t.is_closing() or shards is None:
+            return
+        t.pause_reading()
+        if s.out:  # nothing is expected here (open-ok is the owner's), but never lose a byte
+            t.write(bytes(s.out))
+            s.out = bytearray()
+        if t.get_write_buffer_size():
+            asyncio.get_running_loop().call_later(0.005, self._hand_over, s)
+            return
+        state = s.handed_state()
+        state.update(peer=s.peer, tls=s.tls, mechanism=s.auth_mechanism)
+        sock = t.get_extra_info("socket")
+        try:
+            if t.get_extra_info("ssl_object") is None and sock is not None:
+                fd = os.dup(sock.fileno())
+                try:
+                    shards.hand_over(fd, state)
+                finally:
+                    os.close(fd)
+                log.debug("connection %s handed over to the worker of vhost %r", s.name, s.vhost)
+                self.session = None  # gone: nothing of it is ours to log or clean up
+                self.protocols.discard(self)
+                t.abort()  # our copy of the socket only: the owner holds it now
+                return
+            ours, theirs = socket.socketpair()
+            try:
+                shards.hand_over(theirs.fileno(), state)
+            finally:
+                theirs.close()
+        except (OSError, ValueError) as exc:
+            log.warning("connection %s: could not hand it to the worker of vhost %r: %s", s.name, s.vhost,
+                        exc)
+            t.abort()
+            return
+        log.debug("connection %s relayed to the worker of vhost %r", s.name, s.vhost)
+        self.protocols.discard(self)
+        self.session = None
+        relay = _Relay(t)
+        self.relay = relay
+        asyncio.get_running_loop().create_task(relay.start(ours))
+
+    def resume(self, state: dict[str, Any]) -> None:
+        """The owner's side of a hand-over: continue the connection another worker accepted."""
+        s = self.session
+        assert s is not None
+        s.tls = state.get("tls")
+        s.auth_mechanism = str(state.get("mechanism", ""))
+        self._admitted = True
+        s.resume(state)
+        self.flush()
+        rest = bytes(state.get("rest", b""))
+        if rest:
+            self.data_received(rest)
 
     def _before_login(self, s: Session, data: bytes) -> bytes:
         """Hold connection.start-ok until the login throttle admits its source and user.
@@ -313,16 +390,22 @@ class AMQPProtocol(asyncio.Protocol):
     def pause_writing(self) -> None:
         if self.session is not None:
             self.session.set_writable(False)
+        elif self.relay is not None and self.relay.owner is not None:
+            self.relay.owner.pause_reading()  # the client does not read: neither do we, from the owner
 
     def resume_writing(self) -> None:
         if self.session is not None:
             self.session.set_writable(True)
+        elif self.relay is not None and self.relay.owner is not None:
+            self.relay.owner.resume_reading()
         if self._out_wait:
             self._out_wait = False
             self._resume_reading(0.0)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.protocols.discard(self)
+        if self.relay is not None:
+            self.relay.client_gone()
         if self.reserved or self._mem_wait:
             alarm = self.broker.alarm
             alarm.memory.release(self, self.reserved)
@@ -380,12 +463,61 @@ class AMQPProtocol(asyncio.Protocol):
             self.flush()
 
 
+class _Relay(asyncio.Protocol):
+    """The accepting worker's half of a handed-over TLS (or WebSocket) connection: bytes from
+    the client go to the owner through a socket pair, the owner's bytes to the client."""
+
+    def __init__(self, client: asyncio.Transport) -> None:
+        self.client = client
+        self.owner: asyncio.Transport | None = None
+        self.early: list[bytes] = []
+
+    async def start(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        await asyncio.get_running_loop().connect_accepted_socket(lambda: self, sock)
+        if not self.client.is_closing():
+            self.client.resume_reading()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        owner = self.owner = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        for data in self.early:
+            owner.write(data)
+        self.early = []
+
+    def to_owner(self, data: bytes) -> None:
+        if self.owner is None:
+            self.early.append(data)
+        elif not self.owner.is_closing():
+            self.owner.write(data)
+
+    def data_received(self, data: bytes) -> None:
+        if not self.client.is_closing():
+            self.client.write(data)
+
+    def pause_writing(self) -> None:  # the owner does not read: neither do we, from the client
+        if not self.client.is_closing():
+            self.client.pause_reading()
+
+    def resume_writing(self) -> None:
+        if not self.client.is_closing():
+            self.client.resume_reading()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.client.is_closing():
+            self.client.close()
+
+    def client_gone(self) -> None:
+        if self.owner is not None and not self.owner.is_closing():
+            self.owner.close()
+
+
 class AMQPServer:
     def __init__(self, broker: Broker) -> None:
         self.broker = broker
         self.protocols: set[AMQPProtocol] = set()
         self.listeners: list[Listener] = []
         self._ticker: asyncio.Task[None] | None = None
+        self.reuse_port = False  # one of several workers on the node's ports (broker/shards)
 
     def trusted(self, ip: str) -> bool:
         """May ``ip`` send a PROXY header? Configured proxies and cluster members."""
@@ -397,7 +529,7 @@ class AMQPServer:
         listener = Listener("AMQPS" if tls_context else "AMQP",
                             lambda peer: AMQPProtocol(self.broker, self.protocols, peer),
                             self.trusted, tls=tls_context, nodelay=self.broker.config.amqp.tcp_nodelay,
-                            remap=self.broker.proxied_peers)
+                            remap=self.broker.proxied_peers, reuse_port=self.reuse_port)
         address = await listener.start(host, port)
         self.listeners.append(listener)
         if self._ticker is None:
@@ -414,6 +546,22 @@ class AMQPServer:
         if self._ticker is None:
             self._ticker = asyncio.create_task(self._tick_loop())
         return address
+
+    async def resume(self, fd: int, state: dict[str, Any]) -> None:
+        """Serve a connection another worker of this node accepted (its socket ``fd`` and the
+        ``state`` it negotiated: see the module doc, Hand-over)."""
+        sock = socket.socket(fileno=fd)
+        sock.setblocking(False)
+        peer = state.get("peer")
+        where = (str(peer[0]), int(peer[1])) if isinstance(peer, (tuple, list)) else ("", 0)
+        proto = AMQPProtocol(self.broker, self.protocols, where)
+        try:
+            await asyncio.get_running_loop().connect_accepted_socket(lambda: proto, sock)
+        except OSError as exc:
+            log.info("handed-over connection lost before it resumed: %s", exc)
+            sock.close()
+            return
+        proto.resume(state)
 
     async def _tick_loop(self) -> None:
         while True:

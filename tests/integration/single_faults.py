@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pika
 from hypothesis import HealthCheck, given, settings
@@ -61,9 +62,10 @@ class Trial:
     notes: list[str] = field(default_factory=list)
 
 
-def drain(b: SkredProcess, queue: str) -> list[tuple[int, bool]]:
-    """(id, redelivered) of everything in ``queue``, consumed with autoack."""
-    conn = connect(b)
+def drain(b: SkredProcess, queue: str, **kw: Any) -> list[tuple[int, bool]]:
+    """(id, redelivered) of everything in ``queue``, consumed with autoack (``kw``: connection
+    parameters, e.g. ``virtual_host``)."""
+    conn = connect(b, **kw)
     ch = conn.channel()
     got: list[tuple[int, bool]] = []
     for _ in range(1_000_000):
@@ -148,30 +150,42 @@ def trial_live(b: SkredProcess, rng: random.Random) -> Trial:
     pub, acker = _Publisher(b, q), _Acker(b, q)
     pub.start()
     acker.start()
-    deadline = time.monotonic() + 30
-    while len(acker.acked) < 200 and time.monotonic() < deadline:
-        time.sleep(0.05)  # progress poll (bounded): traffic under way before the fault
-    time.sleep(rng.uniform(WINDOW + MARGIN, 3.0))  # the fault's moment: random, past one window
-    killed_at = time.monotonic()
+    killed_at = fault_moment(acker.acked, rng)
     b.kill9()
     pub.stop.set()
     acker.stop.set()
     pub.join(10)
     acker.join(10)
     b.start()
-    got = drain(b, q)
-    back = {n for n, _ in got}
-    acked_ids = {n for n, _ in acker.acked}
-    old = {n for n, t in acker.acked if t < killed_at - WINDOW - MARGIN}
+    score(trial, set(pub.confirmed), acker.acked, acker.delivered, drain(b, q), killed_at)
     trial.confirmed = len(pub.confirmed)
-    trial.lost = len(set(pub.confirmed) - acked_ids - back)
+    return trial
+
+
+def fault_moment(acked: list[tuple[int, float]], rng: random.Random) -> float:
+    """Wait (bounded) for traffic under way, then for a random moment past one sync window:
+    the moment of the fault."""
+    deadline = time.monotonic() + 30
+    while len(acked) < 200 and time.monotonic() < deadline:
+        time.sleep(0.05)  # progress poll (bounded): traffic under way before the fault
+    time.sleep(rng.uniform(WINDOW + MARGIN, 3.0))  # the fault's moment: random, past one window
+    return time.monotonic()
+
+
+def score(trial: Trial, confirmed: set[int], acked: list[tuple[int, float]], delivered: list[int],
+          got: list[tuple[int, bool]], killed_at: float) -> None:
+    """A live trial's outcome: what was confirmed, acked (when) and delivered before the fault,
+    against what the queue holds after it (``got``: id, redelivered)."""
+    back = {n for n, _ in got}
+    acked_ids = {n for n, _ in acked}
+    old = {n for n, t in acked if t < killed_at - WINDOW - MARGIN}
+    trial.lost = len(confirmed - acked_ids - back)
     trial.settled = len(old)
     trial.resurrected = len(old & back)
     trial.recent_back = len((acked_ids - old) & back)
-    delivered = set(acker.delivered)
-    trial.delivered = len(delivered)
-    trial.missing_redelivered = len({n for n, r in got if not r} & delivered)
-    return trial
+    seen = set(delivered)
+    trial.delivered = len(seen)
+    trial.missing_redelivered = len({n for n, r in got if not r} & seen)
 
 
 # ------------------------------------------------------------------ settlements

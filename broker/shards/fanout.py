@@ -1,0 +1,251 @@
+"""The management API of a multi-worker node, answered for the whole node by any worker.
+
+Theory of operation
+-------------------
+Each worker serves the node's management port (``SO_REUSEPORT``) and a private one on
+127.0.0.1 that the others use (``WorkerLink.http``). A request that lands on a worker is,
+by this middleware, after the usual authentication:
+
+* *about one vhost* (its route has a ``{vhost}``): answered by the worker that owns the vhost
+  (forwarded to its private port when that is another one; 503 while it restarts);
+* *a node-wide list* (``LISTS``): this worker's part and every other live worker's part
+  (asked with ``X-Skred-Worker-Local``), concatenated; ``/api/overview`` adds the counts up,
+  ``/metrics`` (and its detailed and per-object forms, on the management port and on the
+  metrics port) adds up samples of the same name and labels;
+* *one connection or channel by name* (``ONE_OF``): this worker's answer, or when it does not
+  know the name (404), the first other worker's that does;
+* *a change of shared state* (another method than GET/HEAD on a path of ``SHARED``): run
+  under ``WorkerLink.changing`` (the node-wide lock; acknowledged once every worker re-read
+  what it changed).
+
+A forwarded request carries the client's own ``Authorization`` header: the worker that
+answers authenticates and authorizes it as if the client had asked it directly, so the
+private port grants nothing the public one does not (and the local header only narrows an
+answer). A page of a list (``page``, ``page_size``, ``columns``) is cut from the whole
+node's list (``paged``). Not yet aggregated: definitions export/import of the whole node
+(``/api/definitions`` answers 501 rather than a part; the per-vhost form works), ``/api/nodes``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from yarl import URL
+
+from broker.http.common import ApiError, paginate
+from broker.shards.worker import WorkerLink
+
+LOCAL = "X-Skred-Worker-Local"
+LISTS = frozenset({"/api/queues", "/api/exchanges", "/api/bindings", "/api/connections", "/api/channels",
+                   "/api/consumers", "/api/vhosts"})
+PAGED = frozenset({"page", "page_size", "columns"})  # applied to the whole list, not to parts
+METRICS = frozenset({"/metrics", "/metrics/detailed", "/metrics/per-object"})
+SUMMED = ("object_totals", "queue_totals", "message_stats")
+# one connection or channel by name (GET, DELETE): answered by the worker it is on
+ONE_OF = ("/api/connections/", "/api/channels/")
+# the requests that may change shared state (users.json, vhosts.json, global parameters); an HTTP
+# publish or get is not one of them and takes no node-wide lock
+SHARED = ("/api/users", "/api/permissions", "/api/topic-permissions", "/api/vhosts", "/api/global-parameters",
+          "/api/user-limits", "/api/definitions", "/api/parameters")
+FORWARD_TIMEOUT = 30.0
+_PASSED = ("Authorization", "Content-Type", "Accept")
+
+
+class Fanout:
+    """The middleware of one worker's management app (``port`` "http") or metrics app ("metrics":
+    the port without authentication; its other workers' parts come from their private metrics
+    ports, which serve only what that port serves)."""
+
+    def __init__(self, link: WorkerLink, port: str = "http") -> None:
+        self.link = link
+        self.port = port
+        self._client: aiohttp.ClientSession | None = None
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+    def client(self) -> aiohttp.ClientSession:
+        if self._client is None or self._client.closed:
+            self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=FORWARD_TIMEOUT))
+        return self._client
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        link = self.link
+        local = LOCAL in request.headers and self._private(request)
+        vhost = request.match_info.get("vhost")
+        if request.path == "/api/definitions" and not local:
+            return web.json_response({"error": "not_implemented", "reason": (
+                "definitions of the whole node are not exported or imported with more than one worker "
+                "yet: use /api/definitions/{vhost} per vhost, or [main] workers = 1")}, status=501)
+        if not local and vhost is not None and not link.owns(vhost):
+            forwarded: web.StreamResponse = await self.forward(request, link.owner(vhost))
+            return forwarded
+        if request.method not in ("GET", "HEAD") and request.path.startswith(SHARED):
+            async with link.changing():
+                changed: web.StreamResponse = await handler(request)
+            return changed
+        if not local and request.path in LISTS and PAGED & set(request.query) and link.index in link.http:
+            return await self.paged(request)
+        one_of = not local and request.path.startswith(ONE_OF)
+        try:
+            mine: web.StreamResponse = await handler(request)
+        except (ApiError, web.HTTPNotFound) as exc:
+            if not one_of or exc.status != 404:
+                raise
+            found = await self.elsewhere(request)
+            if found is None:
+                raise
+            return found
+        if local or not (request.path in LISTS or request.path in METRICS or request.path == "/api/overview"):
+            return mine
+        if not isinstance(mine, web.Response) or mine.status != 200 or mine.body is None:
+            return mine
+        peers = link.http if self.port == "http" else link.metrics
+        parts = await asyncio.gather(*(self.ask(request, i) for i in sorted(peers) if i != link.index))
+        body = mine.body if isinstance(mine.body, bytes) else bytes(mine.text or "", "utf-8")
+        if request.path in METRICS:
+            text = merge_metrics([body.decode(), *(p.decode() for p in parts if p is not None)])
+            return web.Response(body=text.encode(), headers={"Content-Type": mine.headers["Content-Type"]})
+        doc = json.loads(body)
+        others = [json.loads(p) for p in parts if p is not None]
+        if request.path == "/api/overview":
+            for other in others:
+                add_counts(doc, other)
+        elif isinstance(doc, list):
+            for other in others:
+                if isinstance(other, list):
+                    doc.extend(other)
+        return web.json_response(doc, status=mine.status)
+
+    async def paged(self, request: web.Request) -> web.Response:
+        """A page (or the columns) of a node-wide list: every worker's whole part (this one's too,
+        through its private port, so each applies the user's view of it), then the filter,
+        sort, columns and page over all of them at once."""
+        whole = request.rel_url.with_query({k: v for k, v in request.query.items() if k not in PAGED})
+        parts = await asyncio.gather(*(self.ask(request, i, whole) for i in sorted(self.link.http)))
+        items: list[dict[str, Any]] = []
+        for part in parts:
+            doc = json.loads(part) if part is not None else []
+            items.extend(doc if isinstance(doc, list) else [])
+        return paginate(request, items)
+
+    async def elsewhere(self, request: web.Request) -> web.Response | None:
+        """A connection or channel by name lives on one worker: the first other that knows it."""
+        for i in sorted(self.link.http):
+            if i != self.link.index:
+                found = await self.forward(request, i)
+                if found.status != 404:
+                    return found
+        return None
+
+    def _private(self, request: web.Request) -> bool:
+        """Did ``request`` come in on this worker's private port (only a worker asks for a
+        worker's own part there; on the node's port the header is ignored)?"""
+        mine = (self.link.http if self.port == "http" else self.link.metrics).get(self.link.index)
+        transport = request.transport
+        where = transport.get_extra_info("sockname") if transport is not None else None
+        return mine is not None and isinstance(where, tuple) and int(where[1]) == mine[1]
+
+    def _target(self, index: int, request: web.Request, rel_url: URL | None = None) -> str | None:
+        address = (self.link.http if self.port == "http" else self.link.metrics).get(index)
+        if address is None or index not in self.link.up:
+            return None
+        return f"http://{address[0]}:{address[1]}{rel_url or request.rel_url}"
+
+    async def ask(self, request: web.Request, index: int, rel_url: URL | None = None) -> bytes | None:
+        """Worker ``index``'s own part of the answer to ``request`` (None: it cannot give one now)."""
+        url = self._target(index, request, rel_url)
+        if url is None:
+            return None
+        headers = {h: request.headers[h] for h in _PASSED if h in request.headers}
+        headers[LOCAL] = "1"
+        try:
+            async with self.client().get(url, headers=headers) as got:
+                return await got.read() if got.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError):
+            return None
+
+    async def forward(self, request: web.Request, index: int) -> web.Response:
+        """The answer of worker ``index`` (the vhost's owner) to ``request``."""
+        url = self._target(index, request)
+        if url is None:
+            return web.json_response({"error": "service_unavailable",
+                                      "reason": "the worker of this vhost is restarting"}, status=503)
+        headers = {h: request.headers[h] for h in _PASSED if h in request.headers}
+        headers[LOCAL] = "1"
+        body = await request.read()
+        try:
+            async with self.client().request(request.method, url, headers=headers, data=body) as got:
+                data = await got.read()
+                kept = ("Content-Type", "Location", "WWW-Authenticate")
+                return web.Response(body=data, status=got.status,
+                                    headers={k: v for k, v in got.headers.items() if k in kept})
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return web.json_response({"error": "service_unavailable", "reason": f"worker {index}: {exc}"},
+                                     status=503)
+
+
+def add_counts(into: dict[str, Any], other: dict[str, Any]) -> None:
+    """Add ``other``'s numbers under the overview's count sections to ``into``'s."""
+    for key in SUMMED:
+        if isinstance(into.get(key), dict) and isinstance(other.get(key), dict):
+            _add(into[key], other[key])
+        elif key not in into and key in other:
+            into[key] = other[key]
+
+
+def _add(into: dict[str, Any], other: dict[str, Any]) -> None:
+    for k, v in other.items():
+        mine = into.get(k)
+        if isinstance(v, bool) or isinstance(mine, bool):
+            continue
+        if isinstance(v, (int, float)) and isinstance(mine, (int, float)):
+            into[k] = mine + v
+        elif isinstance(v, dict) and isinstance(mine, dict):
+            _add(mine, v)
+        elif k not in into:
+            into[k] = v
+
+
+def merge_metrics(texts: list[str]) -> str:
+    """Prometheus text of several workers as one node's: samples of the same name and labels
+    added up (counters and gauges of the node's parts), except ``*_info`` and start times,
+    which are the same fact in every worker (the first is kept)."""
+    order: list[str] = []
+    values: dict[str, float] = {}
+    for text in texts:
+        for line in text.splitlines():
+            if not line or line.startswith("#"):
+                if line and line not in values and line not in order:
+                    order.append(line)
+                continue
+            key, _, raw = line.rpartition(" ")
+            try:
+                value = float(raw)
+            except ValueError:
+                continue
+            if key not in values:
+                order.append(key)
+                values[key] = value
+            elif not _same_fact(key):
+                values[key] += value
+    out = []
+    for key in order:
+        if key in values:
+            v = values[key]
+            out.append(f"{key} {int(v) if v.is_integer() and abs(v) < 1e15 else v!r}")
+        else:
+            out.append(key)
+    return "\n".join(out) + "\n"
+
+
+def _same_fact(key: str) -> bool:
+    name = key.split("{", 1)[0]
+    return name.endswith("_info") or "start_time" in name or name.endswith("_is_leader")

@@ -1,0 +1,450 @@
+"""A node of two worker processes (``[main] workers = 2``, broker/shards): real processes,
+real sockets, pika.
+
+One module-scoped node with two vhosts placed on different workers by the shard map: a
+client reaches its vhost through whichever worker the kernel gives its connection to
+(hand-over of the socket after connection.open), the management API answers for the whole
+node on any worker, a user added through one worker logs in through every worker at once,
+and kill -9 of one worker stops only its vhosts until the parent restarts it, with every
+confirmed message back.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import signal
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pika
+import pytest
+from pamqp import commands
+
+from broker.shards.placement import worker_of
+
+from ._raw import PROTOCOL_HEADER, RawConn, method_bytes
+from ._support import SkredProcess, free_port, is_external, params, unique, wait_until
+from ._tls import PKI, make_pki, tls_args
+from .test_websocket import WSRawConn
+from .worker_faults import prepare, worker_pids
+
+pytestmark = pytest.mark.skipif(is_external(), reason="starts its own multi-worker node")
+
+# a vhost on each worker (the shard map is pinned: tests/test_shard_placement.py)
+VHOSTS = {w: next(f"wv{i}" for i in range(100) if worker_of(f"wv{i}", 2) == w) for w in (0, 1)}
+CONNECTIONS = 8  # per vhost: SO_REUSEPORT spreads them, so both workers accept some
+
+
+def api(b: SkredProcess, method: str, path: str, body: Any = None, user: str = "guest",
+        password: str = "guest") -> tuple[int, Any]:
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{b.mgmt_port}{path}", method=method,
+        data=None if body is None else json.dumps(body).encode(),
+        headers={"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode(),
+                 "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            raw = r.read()
+            return r.status, json.loads(raw) if raw and r.headers.get_content_type() == "application/json" \
+                else raw.decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def connect_to(b: SkredProcess, vhost: str, user: str = "guest", password: str = "guest") \
+        -> pika.BlockingConnection:
+    return pika.BlockingConnection(params(b, virtual_host=vhost,
+                                          credentials=pika.PlainCredentials(user, password)))
+
+
+def metrics_port(b: SkredProcess) -> int:
+    return int(b.extra_args[b.extra_args.index("--mgmt-metrics-port") + 1])
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> PKI:
+    return make_pki(tmp_path_factory.mktemp("workers-pki"))
+
+
+def tls_port(b: SkredProcess) -> int:
+    return int(b.extra_args[b.extra_args.index("--amqp-tls-port") + 1])
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory, pki: PKI) -> Iterator[SkredProcess]:
+    b = SkredProcess(tmp_path_factory.mktemp("workers") / "data", tls_args(
+        pki, "--amqp-tls-port", str(free_port()), "--mgmt-tls-port", str(free_port()),
+        "--workers", "2", "--log-level", "debug", "--mgmt-metrics-port", str(free_port())))
+    try:
+        b.start()
+        prepare(b, VHOSTS.values())
+        yield b
+    finally:
+        b.close()
+
+
+def test_workers_own_their_vhosts_on_disk(node: SkredProcess) -> None:
+    data = node.data_dir
+    assert (data / "users.json").is_file() and (data / "vhosts.json").is_file()  # shared: the node's
+    for w, vhost in VHOSTS.items():
+        names = {p.read_text() for p in (data / "workers" / str(w)).glob("*/.vhost")}
+        assert vhost in names
+        other = {p.read_text() for p in (data / "workers" / str(1 - w)).glob("*/.vhost")}
+        assert vhost not in other
+
+
+def test_any_worker_reaches_every_vhost_with_confirms(node: SkredProcess) -> None:
+    queue = unique("wq")
+    for vhost in VHOSTS.values():
+        for i in range(CONNECTIONS):
+            conn = connect_to(node, vhost)
+            try:
+                ch = conn.channel()
+                ch.confirm_delivery()
+                ch.queue_declare(queue, durable=True)
+                ch.basic_publish("", queue, f"{vhost}-{i}".encode(),
+                                 pika.BasicProperties(delivery_mode=2), mandatory=True)
+                method, _props, body = ch.basic_get(queue, auto_ack=False)
+                assert method is not None and body == f"{vhost}-{i}".encode()
+                ch.basic_ack(method.delivery_tag)
+            finally:
+                conn.close()
+        # a consumer through a handed-over connection too
+        conn = connect_to(node, vhost)
+        try:
+            ch = conn.channel()
+            ch.confirm_delivery()
+            for i in range(20):
+                ch.basic_publish("", queue, str(i).encode(), pika.BasicProperties(delivery_mode=2))
+            got: list[bytes] = []
+            for method, _p, body in ch.consume(queue, inactivity_timeout=5):
+                assert method is not None, f"only {len(got)} of 20 delivered"
+                got.append(body)
+                ch.basic_ack(method.delivery_tag)
+                if len(got) == 20:
+                    break
+            ch.cancel()
+            assert got == [str(i).encode() for i in range(20)]
+            ch.queue_delete(queue)
+        finally:
+            conn.close()
+    log = node.log_text()
+    for vhost in VHOSTS.values():  # each worker handed connections of the other's vhost over
+        assert re.search(rf"handed over to the worker of vhost '{vhost}'", log), f"no hand-over for {vhost}"
+
+
+def test_frames_pipelined_after_connection_open_reach_the_owner(node: SkredProcess) -> None:
+    """Bytes a client sends right behind connection.open (read with it by the accepting worker)
+    travel with the hand-over: the owner parses them after its open-ok."""
+    queue = unique("pipe")
+    for vhost in VHOSTS.values():
+        for _ in range(CONNECTIONS):
+            c = RawConn("127.0.0.1", node.port)
+            try:
+                c.send(PROTOCOL_HEADER)
+                c.expect(commands.Connection.Start, 0)
+                c.send_method(0, commands.Connection.StartOk(client_properties={}, mechanism="PLAIN",
+                                                             response="\0guest\0guest", locale="en_US"))
+                tune = c.expect(commands.Connection.Tune, 0)
+                c.send(method_bytes(0, commands.Connection.TuneOk(tune.channel_max, tune.frame_max, 0))
+                       + method_bytes(0, commands.Connection.Open(virtual_host=vhost))
+                       + method_bytes(1, commands.Channel.Open())
+                       + method_bytes(1, commands.Queue.Declare(queue=queue, auto_delete=True)))
+                c.expect(commands.Connection.OpenOk, 0)
+                c.expect(commands.Channel.OpenOk, 1)
+                assert c.expect(commands.Queue.DeclareOk, 1).queue == queue
+            finally:
+                c.close()
+
+
+def test_tls_connections_are_relayed_to_the_owner(node: SkredProcess, pki: PKI) -> None:
+    """A TLS session cannot change process: the accepting worker relays its decrypted bytes."""
+    queue = unique("tq")
+    for vhost in VHOSTS.values():
+        for i in range(CONNECTIONS):
+            conn = pika.BlockingConnection(pika.ConnectionParameters(
+                "localhost", tls_port(node), vhost, pika.PlainCredentials("guest", "guest"),
+                ssl_options=pika.SSLOptions(pki.client_context(), "localhost"), socket_timeout=5))
+            try:
+                ch = conn.channel()
+                ch.confirm_delivery()
+                ch.queue_declare(queue, auto_delete=True)
+                body = f"{vhost}-{i}-".encode() * 2000  # larger than one TLS record
+                ch.basic_publish("", queue, body, pika.BasicProperties(delivery_mode=2))
+                method, _props, got = ch.basic_get(queue, auto_ack=True)
+                assert method is not None and got == body
+            finally:
+                conn.close()
+    log = node.log_text()
+    for vhost in VHOSTS.values():
+        assert re.search(rf"relayed to the worker of vhost '{vhost}'", log), f"no relay for {vhost}"
+
+
+def test_amqp_over_websocket_is_relayed_to_the_owner(node: SkredProcess) -> None:
+    queue = unique("wsq")
+    for vhost in VHOSTS.values():
+        tcp = connect_to(node, vhost)
+        ch = tcp.channel()
+        ch.queue_declare(queue, auto_delete=True)
+        for _ in range(4):  # the management port spreads them over both workers too
+            ws = WSRawConn(f"ws://127.0.0.1:{node.mgmt_port}/ws")
+            try:
+                ws.handshake(vhost=vhost)
+                ws.open_channel(1)
+                ws.publish(1, "", queue, b"over websocket")
+            finally:
+                ws.close()
+        got = 0
+        deadline = time.monotonic() + 10
+        while got < 4 and time.monotonic() < deadline:
+            method, _p, _body = ch.basic_get(queue, auto_ack=True)
+            if method is None:
+                tcp.process_data_events(0.02)
+            else:
+                got += 1
+        tcp.close()
+        assert got == 4, vhost
+
+
+def test_management_api_answers_for_the_whole_node(node: SkredProcess) -> None:
+    queues = {w: unique(f"mq{w}") for w in VHOSTS}
+    conns = []
+    try:
+        for w, vhost in VHOSTS.items():
+            conn = connect_to(node, vhost)
+            conns.append(conn)
+            conn.channel().queue_declare(queues[w], durable=True)
+        for _ in range(4):  # whichever worker each request lands on
+            status, listed = api(node, "GET", "/api/queues")
+            assert status == 200
+            assert {(q["vhost"], q["name"]) for q in listed} >= {(VHOSTS[w], queues[w]) for w in VHOSTS}
+            req = urllib.request.Request(f"http://127.0.0.1:{node.mgmt_port}/api/queues", headers={
+                "Authorization": "Basic " + base64.b64encode(b"guest:guest").decode(),
+                "X-Skred-Worker-Local": "1"})  # only a worker's private port narrows an answer
+            with urllib.request.urlopen(req, timeout=10) as r:
+                narrowed = {(q["vhost"], q["name"]) for q in json.loads(r.read())}
+            assert narrowed >= {(VHOSTS[w], queues[w]) for w in VHOSTS}
+            status, page = api(node, "GET", "/api/queues?page=1&page_size=500&columns=name,vhost&sort=name")
+            assert status == 200 and page["total_count"] >= 2, page
+            paged = {(q["vhost"], q["name"]) for q in page["items"]}
+            assert paged >= {(VHOSTS[w], queues[w]) for w in VHOSTS}
+            assert [q["name"] for q in page["items"]] == sorted(q["name"] for q in page["items"])
+            status, vhosts = api(node, "GET", "/api/vhosts")
+            names = [v["name"] for v in vhosts]
+            assert set(VHOSTS.values()) | {"/"} <= set(names) and len(names) == len(set(names))
+            status, connections = api(node, "GET", "/api/connections")
+            assert {c["vhost"] for c in connections} >= set(VHOSTS.values())
+            status, overview = api(node, "GET", "/api/overview")
+            assert overview["object_totals"]["queues"] >= 2
+            assert overview["object_totals"]["connections"] >= 2
+            status, text = api(node, "GET", "/metrics")
+            assert status == 200
+            found = re.search(r"^rabbitmq_queues (\d+)", text, re.M)
+            assert found is not None and int(found.group(1)) >= 2, text[:2000]
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port(node)}/metrics", timeout=10) as r:
+                found = re.search(r"^rabbitmq_queues (\d+)", r.read().decode(), re.M)
+            assert found is not None and int(found.group(1)) >= 2  # the port without auth too
+            # one connection by name, wherever it is
+            for c in connections:
+                if c["vhost"] in VHOSTS.values():
+                    name = urllib.parse.quote(c["name"], safe="")
+                    status, one = api(node, "GET", f"/api/connections/{name}")
+                    assert status == 200 and one["name"] == c["name"], (status, one)
+            # the whole node's definitions: refused rather than one worker's part; a vhost's work
+            assert api(node, "GET", "/api/definitions")[0] == 501
+            for vhost in VHOSTS.values():
+                status, doc = api(node, "GET", f"/api/definitions/{urllib.parse.quote(vhost, safe='')}")
+                assert status == 200 and {q["name"] for q in doc["queues"]} & set(queues.values())
+            # a vhost's own resources: answered by its owner, wherever the request lands
+            for w, vhost in VHOSTS.items():
+                status, q = api(node, "GET", f"/api/queues/{vhost}/{queues[w]}")
+                assert status == 200 and q["name"] == queues[w]
+    finally:
+        for conn in conns:
+            ch = conn.channel()
+            for q in queues.values():
+                try:
+                    ch.queue_delete(q)
+                except pika.exceptions.ChannelClosedByBroker:
+                    ch = conn.channel()
+            conn.close()
+
+
+def test_user_added_on_one_worker_logs_in_through_every_worker_at_once(node: SkredProcess) -> None:
+    for _ in range(2):
+        user, password = unique("u"), "secret-" + unique("p")
+        assert api(node, "PUT", f"/api/users/{user}", {"password": password, "tags": ""})[0] in (201, 204)
+        for vhost in VHOSTS.values():
+            assert api(node, "PUT", f"/api/permissions/{vhost}/{user}",
+                       {"configure": ".*", "write": ".*", "read": ".*"})[0] in (201, 204)
+        # at once: no retry, on connections both workers accept
+        for vhost in VHOSTS.values():
+            for _ in range(CONNECTIONS // 2):
+                connect_to(node, vhost, user, password).close()
+        assert api(node, "DELETE", f"/api/users/{user}")[0] == 204
+        for vhost in VHOSTS.values():
+            for _ in range(2):  # few: the login throttle slows a user's failures down after 5
+                with pytest.raises(pika.exceptions.ProbableAuthenticationError):
+                    connect_to(node, vhost, user, password)
+
+
+def test_kill9_of_a_worker_stops_only_its_vhosts_and_loses_nothing_confirmed(node: SkredProcess) -> None:
+    victim = 1
+    doomed, other = VHOSTS[victim], VHOSTS[1 - victim]
+    queue = unique("kq")
+    conn = connect_to(node, doomed)
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.queue_declare(queue, durable=True)
+    confirmed: list[bytes] = []
+    stop = threading.Event()
+
+    def publish() -> None:  # bounded: 2,000 messages or 10 s
+        deadline = time.monotonic() + 10
+        try:
+            for i in range(2000):
+                if stop.is_set() or time.monotonic() > deadline:
+                    return
+                body = f"m{i}".encode()
+                ch.basic_publish("", queue, body, pika.BasicProperties(delivery_mode=2))
+                confirmed.append(body)
+        except (pika.exceptions.AMQPError, OSError):
+            return
+
+    t = threading.Thread(target=publish)
+    t.start()
+    wait_until(lambda: len(confirmed) >= 50 or not t.is_alive(), 10, "confirmed publishes")
+    pid = worker_pids(node)[victim]
+    os.kill(pid, signal.SIGKILL)
+    t.join(15)
+    stop.set()
+    assert len(confirmed) >= 50
+    # the other worker's vhost keeps serving meanwhile
+    c2 = connect_to(node, other)
+    try:
+        ch2 = c2.channel()
+        ch2.confirm_delivery()
+        q2 = ch2.queue_declare("", exclusive=True).method.queue
+        ch2.basic_publish("", q2, b"still here")
+        assert ch2.basic_get(q2, auto_ack=True)[2] == b"still here"
+    finally:
+        c2.close()
+    # the parent restarts the worker; its vhost serves again with every confirmed message
+    wait_until(lambda: worker_pids(node).get(victim, pid) != pid, 15, "worker restarted")
+
+    def serving() -> bool:
+        try:
+            connect_to(node, doomed).close()
+            return True
+        except (pika.exceptions.AMQPError, OSError):
+            return False
+
+    wait_until(serving, 20, f"vhost {doomed} served again")
+    c3 = connect_to(node, doomed)
+    try:
+        ch3 = c3.channel()
+        seen: set[bytes] = set()
+        while True:
+            method, _p, body = ch3.basic_get(queue, auto_ack=True)
+            if method is None:
+                break
+            seen.add(body)
+        lost = [b for b in confirmed if b not in seen]
+        assert not lost, f"{len(lost)} confirmed messages lost, e.g. {lost[:5]}"
+        ch3.queue_delete(queue)
+    finally:
+        c3.close()
+    assert "died (signal 9): restarting it" in node.log_text()
+    if conn.is_open:
+        try:
+            conn.close()
+        except (pika.exceptions.AMQPError, OSError):
+            pass
+
+
+def test_a_second_node_on_the_same_port_fails_instead_of_sharing_it(
+        node: SkredProcess, tmp_path_factory: pytest.TempPathFactory) -> None:
+    # SO_REUSEPORT would let it bind beside our workers and take half of their clients
+    other = SkredProcess(tmp_path_factory.mktemp("same-port") / "data", ["--workers", "2"])
+    other.port = node.port
+    try:
+        proc = other.spawn()
+        assert proc.wait(60) == 1
+        assert f"cannot listen on 127.0.0.1:{node.port}" in other.log_text()
+    finally:
+        other.close()
+
+
+def test_sighup_is_passed_to_every_worker(node: SkredProcess) -> None:
+    pids = worker_pids(node)
+    assert node.pid is not None
+    os.kill(node.pid, signal.SIGHUP)
+    for w in pids:
+        wait_until(lambda w=w: f"skred.w{w}: SIGHUP: reloaded" in node.log_text(), 10, f"worker {w} reloaded")
+    assert worker_pids(node) == pids and "died" not in node.log_text().split("SIGHUP")[-1]
+
+
+def test_sigterm_stops_every_worker(node: SkredProcess) -> None:  # last: it stops the module's node
+    pids = worker_pids(node)
+    assert len(pids) == 2
+    assert node.stop() == 0
+    for pid in pids.values():
+        wait_until(lambda p=pid: not os.path.exists(f"/proc/{p}"), 10, f"worker {pid} gone")
+    assert "all workers stopped" in node.log_text()
+
+
+def test_workers_stop_when_their_parent_is_killed(tmp_path: Path) -> None:
+    b = SkredProcess(tmp_path / "data", ["--workers", "2", "--no-lmq", "--no-mqtt"])
+    try:
+        b.start()
+        pids = worker_pids(b)
+        assert len(pids) == 2
+        b.kill9()  # the parent only: its workers see the control channel close and stop
+        for pid in pids.values():
+            wait_until(lambda p=pid: not os.path.exists(f"/proc/{p}") or _zombie(p), 20, f"worker {pid} gone")
+    finally:
+        b.close()
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_changing_the_number_of_workers_keeps_every_message(tmp_path: Path) -> None:
+    """2 workers -> 1 -> 2: each vhost's directory moves to its new owner, messages with it."""
+    data = tmp_path / "data"
+    b = SkredProcess(data, ["--workers", "2"])
+    try:
+        b.start()
+        prepare(b, VHOSTS.values())
+        for vhost in VHOSTS.values():
+            conn = connect_to(b, vhost)
+            ch = conn.channel()
+            ch.confirm_delivery()
+            ch.queue_declare("kept", durable=True)
+            for i in range(10):
+                ch.basic_publish("", "kept", f"{vhost}-{i}".encode(), pika.BasicProperties(delivery_mode=2))
+            conn.close()
+        for workers in ("1", "2"):
+            assert b.stop() == 0
+            b.extra_args[b.extra_args.index("--workers") + 1] = workers
+            b.start()
+            for vhost in VHOSTS.values():
+                conn = connect_to(b, vhost)
+                n = conn.channel().queue_declare("kept", durable=True, passive=True).method.message_count
+                conn.close()
+                assert n == 10, (workers, vhost, n)
+    finally:
+        b.close()
