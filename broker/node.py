@@ -76,6 +76,7 @@ from broker.store.queue_store import read_ahead
 from broker.store.segment import parse_number
 from broker.store.segment_log import SegmentFiles
 from broker.store.sink import NullSink, ReplicationSink
+from broker.streamproto.server import StreamServer
 from broker.syncer import Syncable, Syncer
 
 RETAINED_DIR = "mqtt-retained"  # MQTT's retained messages (broker/mqtt/retained.py)
@@ -141,6 +142,7 @@ class Node:
         self.tls: tls.ServerTLS | None = None
         self.lmq: LMQServer | None = None
         self.mqtt: MQTTServer | None = None
+        self.stream: StreamServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._syncer: Syncer | None = None
         self._files: SegmentFiles | None = None  # made at load(), after the fd limit was raised
@@ -227,6 +229,8 @@ class Node:
                 await self.start_lmq(broker)
             if cfg.mqtt.enabled:  # the same: MQTT answers once AMQP does
                 await self.start_mqtt(broker)
+            if cfg.stream.enabled:  # and the stream protocol
+                await self.start_stream(broker)
             # HTTP before AMQP too: once the AMQP port answers, everything answers
             if cfg.mgmt.enabled:
                 await self.start_http(broker, mgmt)
@@ -364,6 +368,15 @@ class Node:
         self.mgmt.other_listeners.update(
             {"mqtt/ssl" if name == "mqtts" else name: addr for name, addr in self.mqtt.addresses.items()})
 
+    async def start_stream(self, broker: Broker) -> None:
+        """The RabbitMQ Stream protocol's listeners over the broker's vhosts and users."""
+        cfg = self.config
+        self.stream = StreamServer(cfg.stream, broker.vhosts, broker.users, broker.syncer.after_sync,
+                                   peers=broker.proxied_peers)
+        await self.stream.start(self.tls_context if self.tls is not None else None, unix_mode(cfg.main))
+        assert self.mgmt is not None
+        self.mgmt.other_listeners.update(self.stream.addresses)
+
     def release_lock(self) -> None:
         if RELOADER is not None and RELOADER.node is self:
             RELOADER.node = None
@@ -382,6 +395,7 @@ class Node:
             "lmq_http": lmq.http_address if lmq is not None else None,
             "lmq_rpc": lmq.rpc_address if lmq is not None else None,
             "mqtt": self.mqtt.addresses.get("mqtt") if self.mqtt is not None else None,
+            "stream": self.stream.addresses.get("stream") if self.stream is not None else None,
         }
         return {name: (str(a[0]), int(a[1])) for name, a in found.items() if a}
 
@@ -460,6 +474,9 @@ class Node:
         if self.mqtt is not None:
             await self.mqtt.stop()
             self.mqtt = None
+        if self.stream is not None:
+            await self.stream.stop()
+            self.stream = None
         if self.lmq is not None:
             await self.lmq.stop()
             self.lmq = None
@@ -613,7 +630,7 @@ class Reloader:
             done.append("TLS certificates")
         applied = {"main.log_level", "amqp.trusted_proxies", "main.load_definitions"}
         restart = [f"{section}.{f.name}"
-                   for section in ("main", "amqp", "mgmt", "clustering", "lmq", "mqtt")
+                   for section in ("main", "amqp", "mgmt", "clustering", "lmq", "mqtt", "stream")
                    for f in dataclasses.fields(getattr(new, section))
                    if f"{section}.{f.name}" not in applied
                    and getattr(getattr(new, section), f.name) != getattr(getattr(old, section), f.name)]

@@ -1,0 +1,201 @@
+"""Super streams: a direct exchange bound to partition streams, RabbitMQ's topology.
+
+Theory of operation
+-------------------
+A super stream ``S`` is a durable direct exchange ``S`` with the argument ``x-super-stream:
+true``, bound to durable stream queues (its partitions), each binding carrying the argument
+``x-stream-partition-order`` (0, 1, ...). With ``partitions=N`` the partitions are ``S-0`` ..
+``S-N-1`` bound with the routing keys ``"0"`` .. ``"N-1"``; with binding keys ``a,b,c`` they
+are ``S-a``, ``S-b``, ``S-c`` bound with those keys. That is exactly what RabbitMQ's
+``rabbitmq-streams add_super_stream`` and the stream protocol's CreateSuperStream build, so
+its clients (rstream, the Java and Go stream clients) and tools recognise one of ours.
+
+Everything here goes through the vhost's public operations (declare, bind, delete), so it is
+logged in the definitions like any declare, replicated, and replayed at boot. ``create``
+validates every name before it declares anything and undoes what it declared when a step
+fails, so an error means nothing was created. ``grow`` adds partitions after the highest
+order (existing ones keep their data and order); routing by key is unaffected, routing by
+hash (``partition_for_key``) maps keys anew, like any change of partition count in Kafka.
+
+``murmur3_32`` is MurmurHash3 x86_32 with the seed the Java and Go stream clients use
+(104729); ``partition_for_key`` is their hash routing strategy (unsigned hash modulo the
+partition count). rstream 1.1.1 hashes with MurmurHash3 x64_128 instead (its low 128-bit
+integer modulo the count), so its producers place keys differently: docs/compatibility.md.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Final
+
+from broker import errors
+from broker.model.stream import StreamQueue
+
+if TYPE_CHECKING:
+    from broker.model.vhost import VHost
+
+SUPER_STREAM_ARG: Final = "x-super-stream"
+PARTITION_ORDER_ARG: Final = "x-stream-partition-order"
+HASH_SEED: Final = 104729
+MAX_PARTITIONS: Final = 1024  # bound on one declare's work (queues, bindings, definitions log)
+_STREAM_ARGS: Final = {"x-queue-type": "stream"}
+
+
+def is_super_stream(vh: VHost, name: str) -> bool:
+    ex = vh.exchanges.get(name)
+    return ex is not None and _truthy(ex.arguments.get(SUPER_STREAM_ARG))
+
+
+def _truthy(value: Any) -> bool:
+    return value is True or (isinstance(value, (str, bytes)) and str(value if isinstance(value, str)
+                                                                   else value.decode()).lower() == "true")
+
+
+def layout(name: str, partitions: int = 0, binding_keys: Sequence[str] = ()) -> list[tuple[str, str]]:
+    """``[(partition stream, binding key)]`` in partition order; ValueError when unusable."""
+    if bool(partitions) == bool(binding_keys):
+        raise ValueError("give either a partition count or binding keys")
+    keys = list(binding_keys) if binding_keys else [str(i) for i in range(partitions)]
+    if not 0 < len(keys) <= MAX_PARTITIONS:
+        raise ValueError(f"a super stream has 1 to {MAX_PARTITIONS} partitions")
+    if len(set(keys)) != len(keys) or any(not k for k in keys):
+        raise ValueError("binding keys must be distinct and not empty")
+    out = [(f"{name}-{k}", k) for k in keys]
+    if any(len(s.encode()) > 255 for s, _ in out) or not name:
+        raise ValueError("super stream and partition names are at most 255 bytes, and not empty")
+    return out
+
+
+def partitions(vh: VHost, name: str) -> list[str]:
+    """The partition streams of super stream ``name`` in partition order; NotFound if none."""
+    return [q for q, _ in _bound(vh, name)]
+
+
+def _bound(vh: VHost, name: str) -> list[tuple[str, str]]:
+    if not is_super_stream(vh, name):
+        raise errors.NotFound(f"no super stream '{name}' in vhost '{vh.name}'")
+    found: list[tuple[int, str, str]] = []
+    for dest, key, args in vh.exchanges[name].bindings():
+        if isinstance(dest, StreamQueue):
+            order = args.get(PARTITION_ORDER_ARG)
+            found.append((order if isinstance(order, int) else MAX_PARTITIONS, dest.name, key))
+    found.sort()
+    return [(q, k) for _, q, k in found]
+
+
+def route(vh: VHost, name: str, routing_key: str) -> list[str]:
+    """The partitions a message with ``routing_key`` goes to (the direct exchange's rule)."""
+    return [q for q, k in _bound(vh, name) if k == routing_key]
+
+
+def create(vh: VHost, name: str, partitions: int = 0, binding_keys: Sequence[str] = (),
+           arguments: dict[str, Any] | None = None) -> list[str]:
+    """Declare super stream ``name`` (exchange, partition streams, bindings); its partitions.
+
+    ``arguments`` are the partitions' stream arguments (retention, segment size). An error
+    leaves nothing behind; an identical super stream already there is fine (idempotent)."""
+    plan = layout(name, partitions, binding_keys)
+    ex = vh.exchanges.get(name)
+    if ex is not None and not is_super_stream(vh, name):
+        raise errors.PreconditionFailed(f"exchange '{name}' in vhost '{vh.name}' exists and is not a "
+                                        "super stream")
+    if ex is not None:
+        if _bound(vh, name) != plan:
+            raise errors.PreconditionFailed(f"super stream '{name}' in vhost '{vh.name}' exists with "
+                                            "other partitions")
+        return [q for q, _ in plan]
+    for q, _ in plan:
+        if q in vh.queues:
+            raise errors.PreconditionFailed(f"queue '{q}' in vhost '{vh.name}' already exists")
+    args = dict(arguments or {})
+    args.update(_STREAM_ARGS)
+    made: list[str] = []
+    try:
+        vh.declare_exchange(name, "direct", durable=True, arguments={SUPER_STREAM_ARG: True})
+        _add(vh, name, plan, 0, args, made)
+    except BaseException:
+        for q in made:
+            vh.delete_queue(q, owner=None)
+        if name in vh.exchanges:
+            vh.delete_exchange(name)
+        raise
+    return [q for q, _ in plan]
+
+
+def _add(vh: VHost, name: str, plan: list[tuple[str, str]], first_order: int, args: dict[str, Any],
+         made: list[str]) -> None:
+    for i, (q, key) in enumerate(plan):
+        vh.declare_queue(q, durable=True, arguments=args, owner=None)
+        made.append(q)
+        vh.bind_queue(q, name, key, {PARTITION_ORDER_ARG: first_order + i}, owner=None)
+
+
+def grow(vh: VHost, name: str, partitions: int = 0, binding_keys: Sequence[str] = (),
+         arguments: dict[str, Any] | None = None) -> list[str]:
+    """Add partitions after the existing ones: ``partitions`` is the new total count (numbered
+    partitions), ``binding_keys`` the keys to add. Returns the new partitions."""
+    old = _bound(vh, name)
+    if partitions:
+        if partitions <= len(old):
+            raise errors.PreconditionFailed(f"super stream '{name}' has {len(old)} partitions already")
+        plan = layout(name, partitions)[len(old):]
+    else:
+        plan = layout(name, 0, binding_keys)
+    taken = {k for _, k in old}
+    if len(old) + len(plan) > MAX_PARTITIONS or any(k in taken or q in vh.queues for q, k in plan):
+        raise errors.PreconditionFailed(f"super stream '{name}': partitions exist or too many")
+    args = dict(arguments or {})
+    args.update(_STREAM_ARGS)
+    made: list[str] = []
+    try:
+        _add(vh, name, plan, len(old), args, made)
+    except BaseException:
+        for q in made:
+            vh.delete_queue(q, owner=None)
+        raise
+    return [q for q, _ in plan]
+
+
+def delete(vh: VHost, name: str) -> list[str]:
+    """Delete the super stream and every partition stream; the partitions deleted."""
+    parts = partitions(vh, name)
+    vh.delete_exchange(name)
+    for q in parts:
+        vh.delete_queue(q, owner=None)
+    return parts
+
+
+_C1: Final = 0xCC9E2D51
+_C2: Final = 0x1B873593
+_M32: Final = 0xFFFFFFFF
+
+
+def _rotl(x: int, r: int) -> int:
+    return ((x << r) | (x >> (32 - r))) & _M32
+
+
+def murmur3_32(data: bytes, seed: int = HASH_SEED) -> int:
+    """MurmurHash3 x86_32 of ``data`` (unsigned)."""
+    h = seed & _M32
+    n = len(data) // 4
+    for (k,) in struct.iter_unpack("<I", data[: n * 4]):
+        k = _rotl((k * _C1) & _M32, 15) * _C2 & _M32
+        h = (_rotl(h ^ k, 13) * 5 + 0xE6546B64) & _M32
+    tail = data[n * 4 :]
+    k = 0
+    for i, b in enumerate(tail):
+        k |= b << (8 * i)
+    if tail:
+        h ^= _rotl((k * _C1) & _M32, 15) * _C2 & _M32
+    h ^= len(data)
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & _M32
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & _M32
+    return h ^ (h >> 16)
+
+
+def partition_for_key(routing_key: str, count: int) -> int:
+    """The partition index the stream clients' hash routing picks for ``routing_key``."""
+    return murmur3_32(routing_key.encode()) % count
