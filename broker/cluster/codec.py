@@ -61,9 +61,9 @@ import lz4.frame
 
 MAGIC: Final = b"SKREPL"
 TUNNEL_MAGIC: Final = b"SKTUNL"
-VERSION: Final = 6  # 2: HEARTBEAT; 3: every client port in the Welcome, tunnels; 4: MERGE_ACKS;
+VERSION: Final = 7  # 2: HEARTBEAT; 3: every client port in the Welcome, tunnels; 4: MERGE_ACKS;
 # 5: tunnels framed (an end-of-stream marker each way); 6: tunnel keepalive, the follower's id in
-# TunnelHello, the MQTT port in the Welcome
+# TunnelHello, the MQTT port in the Welcome; 7: the stream protocol's port in the Welcome
 SECRET_SIZE: Final = 32
 
 # Welcome status codes.
@@ -80,8 +80,9 @@ HTTPS_PORT: Final = 3
 LMQ_HTTP_PORT: Final = 4
 LMQ_RPC_PORT: Final = 5
 MQTT_PORT: Final = 6
-CLIENT_PORTS: Final = 7
-PORT_NAMES: Final = ("amqp", "http", "amqps", "https", "lmq_http", "lmq_rpc", "mqtt")
+STREAM_PORT: Final = 7
+CLIENT_PORTS: Final = 8
+PORT_NAMES: Final = ("amqp", "http", "amqps", "https", "lmq_http", "lmq_rpc", "mqtt", "stream")
 
 # Message kinds, leader -> follower.
 FILE_LIST: Final = 1
@@ -105,7 +106,7 @@ _U8: Final = struct.Struct(">B")
 _U16: Final = struct.Struct(">H")
 _U32: Final = struct.Struct(">I")
 _U64: Final = struct.Struct(">Q")
-_WELCOME: Final = struct.Struct(">B7H")
+_WELCOME: Final = struct.Struct(">B8H")
 _ENTRY_TAIL: Final = struct.Struct(">Q20s")
 
 
@@ -129,14 +130,14 @@ class Hello:
 @dataclass(frozen=True)
 class Welcome:
     status: int
-    ports: tuple[int, ...] = (0,) * CLIENT_PORTS  # indexed by AMQP_PORT .. MQTT_PORT; 0: off
+    ports: tuple[int, ...] = (0,) * CLIENT_PORTS  # indexed by AMQP_PORT .. STREAM_PORT; 0: off
 
 
 @dataclass(frozen=True)
 class TunnelHello:
     version: int
     secret: bytes
-    port: int  # AMQP_PORT .. MQTT_PORT
+    port: int  # AMQP_PORT .. STREAM_PORT
     client: tuple[str, int]  # the address the follower's proxy accepted the client from
     node_id: str = ""  # the follower whose proxy opened it
     keepalive_ms: int = 0  # silence after which either end presumes the link dead (0: none)
