@@ -679,8 +679,7 @@ class StreamSession:
     def consumer_update_answer(self, payload: bytes) -> None:
         c = C.Cursor(payload)
         corr, _code = c.u32(), c.u16()
-        spec = C.offset_spec(c)
-        c.end()
+        spec = C.offset_spec(c)  # rstream sends a value after first/last/next too: not checked
         for sub in self.subs.values():
             if sub.pending_update == corr:
                 sub.pending_update = None
