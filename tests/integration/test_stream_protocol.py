@@ -81,7 +81,8 @@ async def _until(pred: Callable[[], bool], timeout: float, what: str) -> None:
 
 
 async def _read(t: Target, stream: str, n: int, spec: ConsumerOffsetSpecification,
-                decoder: Callable[[bytes], Any] | None = None, timeout: float = 10.0) -> list[tuple[int, Any]]:
+                decoder: Callable[[bytes], Any] | None = None,
+                timeout: float = 10.0) -> list[tuple[int, Any]]:
     """(offset, message) of the first ``n`` deliveries from ``spec``."""
     got: list[tuple[int, Any]] = []
 
@@ -113,7 +114,8 @@ def test_publish_consume_round_trip_with_offsets_in_order(target: Target) -> Non
         got = await _read(target, stream, 51, _first())
         assert [o for o, _ in got] == list(range(51))
         assert [m for _, m in got[:50]] == [f"m{i}".encode() for i in range(50)]
-        last = await _read(target, stream, 1, ConsumerOffsetSpecification(OffsetType.OFFSET, 50), amqp_decoder)
+        at_50 = ConsumerOffsetSpecification(OffsetType.OFFSET, 50)
+        last = await _read(target, stream, 1, at_50, amqp_decoder)
         assert last[0][0] == 50 and bytes(last[0][1].body) == b"amqp-1.0 body"
         async with target.producer() as p:
             await p.delete_stream(stream)
@@ -386,5 +388,3 @@ def test_overview_lists_the_stream_listener(shared_broker: Broker, broker_mode: 
     assert {"node": overview["node"], "protocol": "stream", "ip_address": "127.0.0.1",
             "port": shared_broker.stream_port} in overview["listeners"]  # type: ignore[union-attr]
 
-
-_Scenario = Callable[[], Awaitable[None]]
