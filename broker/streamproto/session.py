@@ -302,10 +302,12 @@ class StreamSession:
             if key == C.CONSUMER_UPDATE and self.state == "open":
                 self.consumer_update_answer(f.payload)
                 return
-            if key in (C.CLOSE, C.HEARTBEAT) or key == C.CONSUMER_UPDATE:
-                if key == C.CLOSE:
-                    self.end()
+            if key == C.CLOSE:  # the answer to our Close: the connection is over
+                self.end()
+                self.out.close()
                 return
+            if key == C.CONSUMER_UPDATE:
+                return  # answers a ConsumerUpdate sent before the vhost was open: none are
             raise C.Malformed(f"unexpected response to command {key}", C.UNKNOWN_FRAME)
         if key == C.HEARTBEAT:
             return
