@@ -69,10 +69,11 @@ def layout(name: str, partitions: int = 0, binding_keys: Sequence[str] = ()) -> 
 
 def partitions(vh: VHost, name: str) -> list[str]:
     """The partition streams of super stream ``name`` in partition order; NotFound if none."""
-    return [q for q, _ in _bound(vh, name)]
+    return [q for q, _ in bindings(vh, name)]
 
 
-def _bound(vh: VHost, name: str) -> list[tuple[str, str]]:
+def bindings(vh: VHost, name: str) -> list[tuple[str, str]]:
+    """``[(partition stream, binding key)]`` of super stream ``name`` in partition order."""
     if not is_super_stream(vh, name):
         raise errors.NotFound(f"no super stream '{name}' in vhost '{vh.name}'")
     found: list[tuple[int, str, str]] = []
@@ -86,7 +87,7 @@ def _bound(vh: VHost, name: str) -> list[tuple[str, str]]:
 
 def route(vh: VHost, name: str, routing_key: str) -> list[str]:
     """The partitions a message with ``routing_key`` goes to (the direct exchange's rule)."""
-    return [q for q, k in _bound(vh, name) if k == routing_key]
+    return [q for q, k in bindings(vh, name) if k == routing_key]
 
 
 def create(vh: VHost, name: str, partitions: int = 0, binding_keys: Sequence[str] = (),
@@ -101,7 +102,7 @@ def create(vh: VHost, name: str, partitions: int = 0, binding_keys: Sequence[str
         raise errors.PreconditionFailed(f"exchange '{name}' in vhost '{vh.name}' exists and is not a "
                                         "super stream")
     if ex is not None:
-        if _bound(vh, name) != plan:
+        if bindings(vh, name) != plan:
             raise errors.PreconditionFailed(f"super stream '{name}' in vhost '{vh.name}' exists with "
                                             "other partitions")
         return [q for q, _ in plan]
@@ -135,7 +136,7 @@ def grow(vh: VHost, name: str, partitions: int = 0, binding_keys: Sequence[str] 
          arguments: dict[str, Any] | None = None) -> list[str]:
     """Add partitions after the existing ones: ``partitions`` is the new total count (numbered
     partitions), ``binding_keys`` the keys to add. Returns the new partitions."""
-    old = _bound(vh, name)
+    old = bindings(vh, name)
     if partitions:
         if partitions <= len(old):
             raise errors.PreconditionFailed(f"super stream '{name}' has {len(old)} partitions already")
