@@ -222,6 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
         how.add_argument("--binding-keys", help="comma-separated keys: partitions NAME-KEY")
         ss.add_argument("--max-age", help="partition retention, e.g. 7D")
         ss.add_argument("--max-length-bytes", type=int, help="partition retention in bytes")
+        if cmd == "add_super_stream":
+            ss.add_argument("--routing", choices=("key", "hash"), default="key",
+                            help="how AMQP publishes pick a partition: by binding key (default) or by "
+                                 "MurmurHash3 of the routing key, as the stream clients' hash routing")
     ds = sub.add_parser("delete_super_stream", help="delete a super stream and every partition")
     ds.add_argument("name")
     ds.add_argument("--vhost", default="/")
@@ -321,6 +325,8 @@ def run(args: argparse.Namespace, out: Any) -> None:
             {"binding_keys": [k for k in args.binding_keys.split(",") if k]}
         arguments = {"x-max-age": args.max_age, "x-max-length-bytes": args.max_length_bytes}
         body["arguments"] = {k: v for k, v in arguments.items() if v is not None}
+        if not exists:
+            body["routing"] = args.routing
         c.request("PUT", path, body)
         parts = c.request("GET", path)["partitions"]
         done = f"super stream '{args.name}' has partitions {', '.join(parts)}"

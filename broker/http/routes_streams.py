@@ -124,7 +124,8 @@ async def stream_messages(request: web.Request) -> web.Response:
 # [...]}`` (and optional stream ``arguments``) creates one (broker/model/superstream.py); on an
 # existing super stream it grows it: a larger ``partitions`` adds the numbered partitions past
 # the last, ``binding_keys`` adds those keys' partitions. ``DELETE`` removes the exchange and
-# every partition; ``GET`` lists the partitions in order with their binding keys.
+# every partition; ``GET`` lists the partitions in order with their binding keys. ``"routing":
+# "hash"`` at creation routes AMQP publishes by MurmurHash3 of the routing key.
 
 def _super_plan(body: dict[str, Any]) -> tuple[int, list[str]]:
     parts = get_int(body, "partitions", 0, 0, superstream.MAX_PARTITIONS)
@@ -146,8 +147,9 @@ async def get_super_stream(request: web.Request) -> web.Response:
     if not superstream.is_super_stream(vh, name):
         raise not_found(f"no super stream '{name}' in vhost '{vhost}'")
     bound = superstream.bindings(vh, name)
+    routing = vh.exchanges[name].arguments.get(superstream.ROUTING_ARG, "key")
     return web.json_response({"vhost": vhost, "name": name, "partitions": [p for p, _ in bound],
-                              "binding_keys": [k for _, k in bound]})
+                              "binding_keys": [k for _, k in bound], "routing": routing})
 
 
 @routes.put("/api/super-streams/{vhost}/{name}")
@@ -158,6 +160,9 @@ async def put_super_stream(request: web.Request) -> web.Response:
     body = await json_body(request)
     parts, keys = _super_plan(body)
     arguments = get_args(body)
+    routing = body.get("routing", "key")
+    if routing not in ("key", "hash"):
+        raise bad_request("'routing' must be 'key' or 'hash'")
     exists = superstream.is_super_stream(vh, name)
     try:
         plan = superstream.layout(name, parts, keys) if not exists or keys else \
@@ -168,7 +173,7 @@ async def put_super_stream(request: web.Request) -> web.Response:
         check_perm(request, "configure", vhost, resource)
     try:
         if not exists:
-            superstream.create(vh, name, parts, keys, arguments)
+            superstream.create(vh, name, parts, keys, arguments, routing)
         elif parts and parts == len(superstream.partitions(vh, name)):
             return no_content()
         else:

@@ -17,27 +17,30 @@ fails, so an error means nothing was created. ``grow`` adds partitions after the
 order (existing ones keep their data and order); routing by key is unaffected, routing by
 hash (``partition_for_key``) maps keys anew, like any change of partition count in Kafka.
 
-``murmur3_32`` is MurmurHash3 x86_32 with the seed the Java and Go stream clients use
-(104729); ``partition_for_key`` is their hash routing strategy (unsigned hash modulo the
-partition count). rstream 1.1.1 hashes with MurmurHash3 x64_128 instead (its low 128-bit
-integer modulo the count), so its producers place keys differently: docs/compatibility.md.
+``partition_for_key`` is the Java and Go stream clients' hash routing strategy: MurmurHash3
+x86_32 with seed 104729 (``broker/model/murmur3.py``), unsigned, modulo the partition count.
+A super stream declared with ``x-super-stream-routing: hash`` applies it to AMQP publishes
+(``broker/model/exchange_features.py``), so a publisher needs no knowledge of partitions.
+rstream 1.1.1 hashes with MurmurHash3 x64_128 instead (its 128-bit value, little-endian, modulo
+the count), so its producers place keys differently: docs/compatibility.md.
 """
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 from broker import errors
+from broker.model import exchange_features
+from broker.model.murmur3 import murmur3_32
 from broker.model.stream import StreamQueue
 
 if TYPE_CHECKING:
     from broker.model.vhost import VHost
 
 SUPER_STREAM_ARG: Final = "x-super-stream"
-PARTITION_ORDER_ARG: Final = "x-stream-partition-order"
-HASH_SEED: Final = 104729
+PARTITION_ORDER_ARG: Final = exchange_features.PARTITION_ORDER
+ROUTING_ARG: Final = exchange_features.PARTITION_ROUTING  # "hash": AMQP publishes go by hash of the key
 MAX_PARTITIONS: Final = 1024  # bound on one declare's work (queues, bindings, definitions log)
 _STREAM_ARGS: Final = {"x-queue-type": "stream"}
 
@@ -91,11 +94,14 @@ def route(vh: VHost, name: str, routing_key: str) -> list[str]:
 
 
 def create(vh: VHost, name: str, partitions: int = 0, binding_keys: Sequence[str] = (),
-           arguments: dict[str, Any] | None = None) -> list[str]:
+           arguments: dict[str, Any] | None = None, routing: str = "key") -> list[str]:
     """Declare super stream ``name`` (exchange, partition streams, bindings); its partitions.
 
-    ``arguments`` are the partitions' stream arguments (retention, segment size). An error
-    leaves nothing behind; an identical super stream already there is fine (idempotent)."""
+    ``arguments`` are the partitions' stream arguments (retention, segment size); ``routing``
+    "hash" makes AMQP publishers' messages go by hash of their routing key (``ROUTING_ARG``).
+    An error leaves nothing behind; an identical super stream already there is fine."""
+    if routing not in ("key", "hash"):
+        raise ValueError("routing is 'key' or 'hash'")
     plan = layout(name, partitions, binding_keys)
     ex = vh.exchanges.get(name)
     if ex is not None and not is_super_stream(vh, name):
@@ -113,7 +119,10 @@ def create(vh: VHost, name: str, partitions: int = 0, binding_keys: Sequence[str
     args.update(_STREAM_ARGS)
     made: list[str] = []
     try:
-        vh.declare_exchange(name, "direct", durable=True, arguments={SUPER_STREAM_ARG: True})
+        ex_args: dict[str, Any] = {SUPER_STREAM_ARG: True}
+        if routing == "hash":
+            ex_args[ROUTING_ARG] = "hash"
+        vh.declare_exchange(name, "direct", durable=True, arguments=ex_args)
         _add(vh, name, plan, 0, args, made)
     except BaseException:
         for q in made:
@@ -165,36 +174,6 @@ def delete(vh: VHost, name: str) -> list[str]:
     for q in parts:
         vh.delete_queue(q, owner=None)
     return parts
-
-
-_C1: Final = 0xCC9E2D51
-_C2: Final = 0x1B873593
-_M32: Final = 0xFFFFFFFF
-
-
-def _rotl(x: int, r: int) -> int:
-    return ((x << r) | (x >> (32 - r))) & _M32
-
-
-def murmur3_32(data: bytes, seed: int = HASH_SEED) -> int:
-    """MurmurHash3 x86_32 of ``data`` (unsigned)."""
-    h = seed & _M32
-    n = len(data) // 4
-    for (k,) in struct.iter_unpack("<I", data[: n * 4]):
-        k = _rotl((k * _C1) & _M32, 15) * _C2 & _M32
-        h = (_rotl(h ^ k, 13) * 5 + 0xE6546B64) & _M32
-    tail = data[n * 4 :]
-    k = 0
-    for i, b in enumerate(tail):
-        k |= b << (8 * i)
-    if tail:
-        h ^= _rotl((k * _C1) & _M32, 15) * _C2 & _M32
-    h ^= len(data)
-    h ^= h >> 16
-    h = (h * 0x85EBCA6B) & _M32
-    h ^= h >> 13
-    h = (h * 0xC2B2AE35) & _M32
-    return h ^ (h >> 16)
 
 
 def partition_for_key(routing_key: str, count: int) -> int:

@@ -13,6 +13,7 @@ import urllib.request
 import uuid
 from typing import Any
 
+import mmh3
 import pika
 import pytest
 
@@ -82,6 +83,7 @@ def test_skredctl_creates_grows_and_deletes_a_super_stream(shared_broker: Broker
     assert r.returncode == 0, r.stderr
     status, doc = api(shared_broker, "GET", f"/api/super-streams/%2F/{ss}")
     assert doc["partitions"] == [f"{ss}-{i}" for i in range(5)] and doc["binding_keys"] == list("01234")
+    assert doc["routing"] == "key"
     assert _messages(shared_broker, f"{ss}-2") == ["to-2", "to-2"]  # growing keeps the data
     r = ctl(shared_broker, "delete_super_stream", ss)
     assert r.returncode == 0, r.stderr
@@ -113,3 +115,26 @@ def test_binding_keys_api_refusals_and_definitions_round_trip(shared_broker: Bro
     status, again = api(shared_broker, "GET", path)
     assert status == 200 and again == doc  # the same partitions, keys and order
     assert api(shared_broker, "DELETE", path)[0] == 204
+
+
+def test_hash_routing_places_keys_as_the_stream_clients_do(shared_broker: Broker) -> None:
+    """``--routing hash``: an AMQP publisher that knows nothing of partitions lands each key on
+    MurmurHash3 x86_32 (seed 104729) modulo the count, the Java and Go clients' strategy."""
+    ss = f"hashed-{uuid.uuid4().hex[:8]}"
+    r = ctl(shared_broker, "add_super_stream", ss, "--partitions", "4", "--routing", "hash")
+    assert r.returncode == 0, r.stderr
+    keys = [f"customer-{i}" for i in range(24)]
+    conn = connect(shared_broker)
+    try:
+        ch = conn.channel()
+        ch.confirm_delivery()
+        for key in keys:  # mandatory: an unroutable message would be returned (and fail the publish)
+            ch.basic_publish(ss, key, key.encode(), pika.BasicProperties(delivery_mode=2), mandatory=True)
+    finally:
+        conn.close()
+    want: dict[int, list[str]] = {}
+    for key in keys:
+        want.setdefault(mmh3.hash(key.encode(), 104729, signed=False) % 4, []).append(key)
+    for i in range(4):
+        assert _messages(shared_broker, f"{ss}-{i}") == want.get(i, [])
+    assert ctl(shared_broker, "delete_super_stream", ss).returncode == 0
