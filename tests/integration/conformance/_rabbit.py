@@ -12,7 +12,8 @@ from ``/api/overview``) under a deadline; a node that dies first fails with its 
 sends SIGTERM to the node's process group (RabbitMQ stops cleanly on it), escalates to SIGKILL
 after a deadline, then stops that epmd by its PID.
 
-Options: ``management=False`` leaves the management plugin out (a benchmark measuring the node's
+Options: ``stream=True`` enables the ``rabbitmq_stream`` plugin on ``stream_port`` (advertised
+as 127.0.0.1, so stream clients reconnect to it); ``management=False`` leaves the management plugin out (a benchmark measuring the node's
 CPU time does not want its statistics collection; ``mgmt_port`` is then None); ``tls`` (CA,
 certificate and key files) adds an AMQPS listener on ``tls_port`` that does not ask clients for
 certificates, and readiness then waits for it to accept too. ``beam_pid`` is the Erlang VM's PID
@@ -56,13 +57,14 @@ class RabbitProcess:
     on free ports."""
 
     def __init__(self, root: Path, *, management: bool = True, tls: tuple[Path, Path, Path] | None = None,
-                 name: str = "skredconf") -> None:
+                 name: str = "skredconf", stream: bool = False) -> None:
         self.root = root
         self.host = "127.0.0.1"
         self.port = free_port()
         self.mgmt_port = free_port() if management else None
         self.tls = tls  # (CA, certificate, key)
         self.tls_port = free_port() if tls else None
+        self.stream_port = free_port() if stream else None  # the rabbitmq_stream plugin's listener
         self.dist_port = free_port()
         self.epmd_port = free_port()
         self.node = f"{name}{uuid.uuid4().hex[:8]}@localhost"
@@ -86,7 +88,11 @@ class RabbitProcess:
                      f"ssl_options.cacertfile = {ca}\nssl_options.certfile = {cert}\n"
                      f"ssl_options.keyfile = {key}\n"
                      "ssl_options.verify = verify_none\nssl_options.fail_if_no_peer_cert = false\n")
-        plugins = "rabbitmq_management" if self.mgmt_port is not None else ""
+        if self.stream_port is not None:
+            conf += (f"stream.listeners.tcp.1 = {self.host}:{self.stream_port}\n"
+                     f"stream.advertised_host = {self.host}\nstream.advertised_port = {self.stream_port}\n")
+        plugins = ",".join(p for p, on in (("rabbitmq_management", self.mgmt_port is not None),
+                                           ("rabbitmq_stream", self.stream_port is not None)) if on)
         (self.root / "enabled_plugins").write_text(f"[{plugins}].\n")
         (self.root / "rabbitmq-env.conf").write_text("")
         (self.root / "rabbitmq.conf").write_text(conf)
@@ -130,6 +136,15 @@ class RabbitProcess:
         except OSError:
             return False
 
+    def _stream_ready(self) -> bool:
+        if self.stream_port is None:
+            return True
+        try:
+            with socket.create_connection((self.host, self.stream_port), timeout=1):
+                return True
+        except OSError:
+            return False
+
     def _tls_ready(self) -> bool:
         if self.tls_port is None:
             return True
@@ -147,7 +162,8 @@ class RabbitProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 return f"RabbitMQ exited with {self.proc.returncode} while booting:\n{self.log_tail()}"
-            if amqp_answers(self.host, self.port) and self._http_ready() and self._tls_ready():
+            if amqp_answers(self.host, self.port) and self._http_ready() and self._tls_ready() \
+                    and self._stream_ready():
                 return None
             time.sleep(0.2)  # poll interval of a readiness loop with a deadline
         return f"RabbitMQ not ready within {timeout:.0f}s:\n{self.log_tail()}"
