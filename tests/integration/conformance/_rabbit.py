@@ -13,8 +13,9 @@ sends SIGTERM to the node's process group (RabbitMQ stops cleanly on it), escala
 after a deadline, then stops that epmd by its PID.
 
 Options: ``stream=True`` enables the ``rabbitmq_stream`` plugin on ``stream_port`` (advertised
-as 127.0.0.1, so stream clients reconnect to it); ``management=False`` leaves the management plugin out (a benchmark measuring the node's
-CPU time does not want its statistics collection; ``mgmt_port`` is then None); ``tls`` (CA,
+as 127.0.0.1, so stream clients reconnect to it); ``management=False`` leaves the management
+plugin out (a benchmark measuring the node's CPU time does not want its statistics collection;
+``mgmt_port`` is then None); ``tls`` (CA,
 certificate and key files) adds an AMQPS listener on ``tls_port`` that does not ask clients for
 certificates, and readiness then waits for it to accept too. ``beam_pid`` is the Erlang VM's PID
 under the start script: the process whose CPU time is the broker's.
