@@ -243,6 +243,15 @@ def with_offset_header(props: bytes, offset: int, timestamp_ms: int) -> bytes:
     return bytes(p.marshal())
 
 
+class RecordConsumer(Consumer):
+    """A consumer that takes stream records as stored (offset, append time, raw properties,
+    body) instead of AMQP deliveries with offset headers: the stream protocol's subscriptions
+    (broker/streamproto), which would otherwise pay for re-encoding every message's properties."""
+
+    def deliver_record(self, offset: int, timestamp_ms: int, props: bytes, body: bytes) -> None:
+        raise NotImplementedError
+
+
 class StreamQueue(Queue):
     store: StreamStore
     __slots__ = ("stream", "_cursors", "_by_consumer", "_next_cid", "_more", "arg_retention",
@@ -384,8 +393,11 @@ class StreamQueue(Queue):
                 self.n_delivered += 1
                 if redelivered:
                     self.n_redelivered += 1
-                c.deliver((cur.cid << OFFSET_BITS) | offset, rec[2], rec[3],
-                          with_offset_header(rec[4], offset, rec[1]), rec[5], redelivered)
+                if isinstance(c, RecordConsumer):
+                    c.deliver_record(offset, rec[1], rec[4], rec[5])
+                else:
+                    c.deliver((cur.cid << OFFSET_BITS) | offset, rec[2], rec[3],
+                              with_offset_header(rec[4], offset, rec[1]), rec[5], redelivered)
                 progress = True
                 budget -= 1
                 if not budget:

@@ -47,9 +47,8 @@ from typing import Any, Final, Protocol
 from broker import errors
 from broker.auth.users import User, UserStore
 from broker.model import superstream
-from broker.model.publish import PublishRequest
-from broker.model.queue import Consumer
-from broker.model.stream import OFFSET_MASK, StreamQueue
+from broker.model.publish import Names, PublishRequest
+from broker.model.stream import RecordConsumer, StreamQueue
 from broker.model.vhost import VHost
 from broker.streamproto import codec as C
 
@@ -174,10 +173,10 @@ class Groups:
         want.set_active(True)
 
 
-class Subscription(Consumer):
+class Subscription(RecordConsumer):
     """A stream-protocol subscription: the model consumer that fills chunks within its credit."""
 
-    __slots__ = ("session", "sub_id", "stream", "credit", "chunk", "first", "size", "flush_due",
+    __slots__ = ("session", "sub_id", "stream", "credit", "chunk", "first", "stamp", "size", "flush_due",
                  "group_key", "super_stream", "active", "consuming", "pending_update")
 
     def __init__(self, session: StreamSession, sub_id: int, q: StreamQueue, credit: int,
@@ -189,6 +188,7 @@ class Subscription(Consumer):
         self.credit = credit
         self.chunk: list[bytes] = []
         self.first = 0
+        self.stamp = 0  # the chunk's timestamp: its first message's append time
         self.size = 0
         self.flush_due = False
         self.group_key: tuple[str, str, str] | None = None
@@ -205,15 +205,14 @@ class Subscription(Consumer):
             return len(self.chunk) < CHUNK_MAX_ENTRIES and self.size < CHUNK_MAX_BYTES or self.credit > 0
         return self.credit > 0
 
-    def deliver(self, msgid: int, exchange: bytes, routing_key: bytes, props: bytes, body: bytes,
-                redelivered: bool) -> None:
-        offset = msgid & OFFSET_MASK
+    def deliver_record(self, offset: int, timestamp_ms: int, props: bytes, body: bytes) -> None:
         chunk = self.chunk
         if chunk and (offset != self.first + len(chunk) or len(chunk) >= CHUNK_MAX_ENTRIES
                       or self.size >= CHUNK_MAX_BYTES):
             self.flush()
         if not self.chunk:
             self.first = offset
+            self.stamp = timestamp_ms
             self.credit -= 1
         data = as_stream_message(props, body)
         self.chunk.append(data)
@@ -227,8 +226,7 @@ class Subscription(Consumer):
         if self.chunk:
             chunk, self.chunk, self.size = self.chunk, [], 0
             if not self.session.closed:
-                self.session.out.write(C.encode_deliver(self.sub_id, self.first, int(time.time() * 1000),
-                                                        chunk))
+                self.session.out.write(C.encode_deliver(self.sub_id, self.first, self.stamp, chunk))
 
     def cancelled_by_server(self) -> None:
         self.session.stream_gone(self)
@@ -594,13 +592,32 @@ class StreamSession:
         deps: set[Any] = set()
         ts = int(time.time() * 1000)
         seq = p.sequence
+        fresh: list[C.PublishedMessage] = []
         for m in msgs:
             if p.reference and m.publishing_id <= seq:
                 done.append(m.publishing_id)  # a duplicate: stored already, confirmed again
                 continue
-            props = _PLAIN_PROPS if m.filter_value is None else _stream_props(m.filter_value)
+            fresh.append(m)
+            seq = max(seq, m.publishing_id)  # duplicates within the frame count too
+        seq = p.sequence  # from here: raised only by what is stored
+        props = [_PLAIN_PROPS if m.filter_value is None else _stream_props(m.filter_value) for m in fresh]
+        run = None
+        if len(fresh) > 1:  # the publish operation's own batching, when it can take them at once
             try:
-                out = self.vh.publish(PublishRequest("", p.stream, props, m.data, ts, persistent=True))
+                run = self.vh.publish_run("", p.stream, Names("", p.stream), props, [m.data for m in fresh],
+                                          False, ts)
+            except errors.SkredError as exc:
+                log.warning("stream client from %s: publish to '%s' refused: %s", self.peer, p.stream, exc)
+                failed.extend((m.publishing_id, C.INTERNAL_ERROR) for m in fresh)
+                fresh = []
+        if run is not None:
+            deps.update(qq.store for qq in run.queues)
+            done.extend(m.publishing_id for m in fresh)
+            seq = max(seq, *(m.publishing_id for m in fresh))
+            fresh = []
+        for m, prop in zip(fresh, props, strict=False):
+            try:
+                out = self.vh.publish(PublishRequest("", p.stream, prop, m.data, ts, persistent=True))
             except errors.SkredError as exc:
                 log.warning("stream client from %s: publish to '%s' refused: %s", self.peer, p.stream, exc)
                 failed.append((m.publishing_id, C.INTERNAL_ERROR))
@@ -610,8 +627,7 @@ class StreamSession:
                 continue
             deps.update(qq.store for qq in out.queues)
             done.append(m.publishing_id)
-            if p.reference:
-                seq = m.publishing_id
+            seq = max(seq, m.publishing_id)
         if p.reference and seq != p.sequence:
             p.sequence = seq
             q.set_publisher_sequence(p.reference, seq)
