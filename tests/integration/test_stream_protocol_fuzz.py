@@ -1,4 +1,5 @@
-"""Bounded fuzz of malformed stream-protocol frames against a real broker (chaos group).
+"""Bounded fuzz of malformed stream-protocol frames against a real broker (chaos group), and the
+stream protocol's confirms across kill -9.
 
 Theory of operation: each example opens a connection, optionally gets through the handshake to
 an open vhost, and sends one complete frame that is wrong in one way: a known command's valid
@@ -19,7 +20,7 @@ import struct
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from rstream import Consumer, ConsumerOffsetSpecification, OffsetType, Producer
+from rstream import AMQPMessage, Consumer, ConsumerOffsetSpecification, OffsetType, Producer, amqp_decoder
 
 from broker.streamproto import codec as C
 
@@ -157,3 +158,45 @@ def test_after_the_fuzz_no_traceback_and_clients_still_work(fuzz_broker: SkredPr
     assert run_async(scenario(), 30) == [b"still here"]
     log = fuzz_broker.log_text()
     assert "Traceback" not in log and "internal error" not in log, log[-3000:]
+
+
+def test_confirmed_messages_and_publisher_sequence_survive_kill9(broker: SkredProcess) -> None:
+    """Every confirmed stream-protocol message, its publisher's sequence and a stored offset are
+    there after kill -9 (own broker: it is killed)."""
+    stream = unique("durable")
+    kw = {"port": broker.stream_port, "username": "guest", "password": "guest"}
+
+    async def publish() -> None:
+        async with Producer(broker.host, **kw) as p:
+            await p.create_stream(stream)
+            c = await p.default_client
+            for i in range(1, 41):
+                if i == 40:  # the last confirm covers the stream's sync, offsets file included
+                    await c.store_offset(stream, "reader", 17)
+                m = AMQPMessage(body=b"%d" % i)
+                m.publishing_id = i
+                await p.send_wait(stream, m, publisher_name="durable-app")  # returns once confirmed
+
+    async def after() -> tuple[int, int, list[bytes]]:
+        async with Producer(broker.host, **kw) as p:
+            c = await p.default_client
+            seq = await c.query_publisher_sequence(stream, "durable-app")
+        got: list[bytes] = []
+        consumer = Consumer(broker.host, **kw)
+        await consumer.start()
+        offset = await consumer.query_offset(stream, "reader")
+        await consumer.subscribe(stream, lambda m, _c: got.append(bytes(amqp_decoder(m).body)),
+                                 offset_specification=ConsumerOffsetSpecification(OffsetType.FIRST, None))
+        for _ in range(500):
+            if len(got) >= 40:
+                break
+            await asyncio.sleep(0.02)
+        await consumer.close()
+        return seq, offset, got
+
+    run_async(publish(), 30)
+    broker.kill9()
+    broker.start()
+    seq, offset, got = run_async(after(), 30)
+    assert got == [b"%d" % i for i in range(1, 41)]
+    assert seq == 40 and offset == 17
