@@ -258,12 +258,12 @@ def test_super_stream_routing_and_single_active_consumers(target: Target) -> Non
     parts = [f"{ss}-0", f"{ss}-1", f"{ss}-2"]
 
     async def scenario() -> None:
-        async with SuperStreamProducer(
-                target.host, **target.kw(), super_stream=ss, routing_extractor=_key,
-                super_stream_creation_option=SuperStreamCreationOption(n_partitions=3)) as p:
-            client = await p.default_client
-            assert await client.partitions(ss) == parts
-            assert await client.route("1", ss) == [f"{ss}-1"]
+        producer = SuperStreamProducer(target.host, **target.kw(), super_stream=ss, routing_extractor=_key,
+                                       super_stream_creation_option=SuperStreamCreationOption(n_partitions=3))
+        await producer.start()
+        client = await producer.default_client
+        assert await client.partitions(ss) == parts
+        assert await client.route("1", ss) == [f"{ss}-1"]
         seen: dict[str, dict[str, list[int]]] = {"a": {}, "b": {}}
         active: dict[tuple[str, str], bool] = {}
 
@@ -279,10 +279,8 @@ def test_super_stream_routing_and_single_active_consumers(target: Target) -> Non
             return update
 
         async def publish(first: int) -> None:
-            async with SuperStreamProducer(target.host, **target.kw(), super_stream=ss,
-                                           routing_extractor=_key) as p:
-                for i in range(first, first + 30):
-                    await p.send(AMQPMessage(body=b"%d" % i, application_properties={"k": str(i)}))
+            for i in range(first, first + 30):
+                await producer.send(AMQPMessage(body=b"%d" % i, application_properties={"k": str(i)}))
 
         consumers = []
         for name in ("a", "b"):
@@ -309,11 +307,11 @@ def test_super_stream_routing_and_single_active_consumers(target: Target) -> Non
         assert set(seen["a"]) == set(parts)
         assert sorted(n for v in seen["a"].values() for n in v if n >= 30) == list(range(30, 60))
         await consumers[0].close()
+        await producer.close()
         async with SuperStreamProducer(target.host, **target.kw(), super_stream=ss,
                                        routing_extractor=_key) as p:
             await p.delete_super_stream(ss)
-            client = await p.default_client
-            assert not await client.stream_exists(parts[0])
+            assert not await (await p.default_client).stream_exists(parts[0])
 
     run_async(scenario(), 60)
 
@@ -379,14 +377,3 @@ def test_permissions_and_bad_login(target: Target, broker_mode: str) -> None:
         assert payload.endswith(s16(missing) + struct.pack(">HHi", C.STREAM_DOES_NOT_EXIST, 0xFFFF, 0))
     finally:
         w.close()
-
-
-def test_overview_lists_the_stream_listener(shared_broker: Broker, broker_mode: str) -> None:
-    if broker_mode != "single":
-        pytest.skip("the listener list is per node; the single node shows it")
-    from .test_features_extra import http
-    status, overview = http(shared_broker, "GET", "/api/overview")
-    assert status == 200
-    assert {"node": overview["node"], "protocol": "stream", "ip_address": "127.0.0.1",
-            "port": shared_broker.stream_port} in overview["listeners"]  # type: ignore[union-attr]
-

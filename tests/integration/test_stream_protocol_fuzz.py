@@ -26,6 +26,7 @@ from broker.streamproto import codec as C
 
 from ._stream_wire import StreamWire, frame, s16
 from ._support import SkredProcess, is_external, run_async, unique
+from .test_features_extra import http
 
 pytestmark = pytest.mark.chaos
 
@@ -156,6 +157,9 @@ def test_after_the_fuzz_no_traceback_and_clients_still_work(fuzz_broker: SkredPr
         return got
 
     assert run_async(scenario(), 30) == [b"still here"]
+    status, overview = http(fuzz_broker, "GET", "/api/overview")  # the listener, as RabbitMQ lists it
+    assert status == 200 and {"node": overview["node"], "protocol": "stream", "ip_address": "127.0.0.1",
+                               "port": fuzz_broker.stream_port} in overview["listeners"]
     log = fuzz_broker.log_text()
     assert "Traceback" not in log and "internal error" not in log, log[-3000:]
 
