@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
 from broker import errors
+from broker.auth.names import name_problem
 from broker.auth.users import User, UserStore
 from broker.model import superstream
 from broker.model.publish import Names, PublishRequest
@@ -444,7 +445,9 @@ class StreamSession:
         corr, name, props = c.u32(), c.string(), c.properties()
         c.end()
         code = C.OK
-        if not self._can("configure", name):
+        if name_problem("queue", name) is not None:  # an empty name would be server-named
+            code = C.PRECONDITION_FAILED
+        elif not self._can("configure", name):
             code = C.ACCESS_REFUSED
         elif name in self.vh.queues:
             code = C.STREAM_ALREADY_EXISTS

@@ -369,6 +369,8 @@ def test_permissions_and_bad_login(target: Target, broker_mode: str) -> None:
     w = StreamWire(target.host, target.port)
     try:
         assert w.handshake(target.user, target.password) == C.OK
+        assert w.request(C.CREATE, s16("") + struct.pack(">i", 0)) == C.PRECONDITION_FAILED  # no name
+        assert w.request(C.CREATE, s16("amq.reserved") + struct.pack(">i", 0)) == C.PRECONDITION_FAILED
         missing = _name("missing")
         assert w.request(C.DECLARE_PUBLISHER, bytes([0]) + s16("") + s16(missing)) == C.STREAM_DOES_NOT_EXIST
         meta = w.next_corr()
