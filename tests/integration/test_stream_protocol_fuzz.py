@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import os
 import struct
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -25,7 +26,8 @@ from rstream import AMQPMessage, Consumer, ConsumerOffsetSpecification, OffsetTy
 from broker.streamproto import codec as C
 
 from ._stream_wire import StreamWire, frame, s16
-from ._support import SkredProcess, is_external, run_async, unique
+from ._support import SkredProcess, free_port, is_external, run_async, unique
+from ._tls import make_pki, tls_args
 from .test_features_extra import http
 
 pytestmark = pytest.mark.chaos
@@ -204,3 +206,42 @@ def test_confirmed_messages_and_publisher_sequence_survive_kill9(broker: SkredPr
     seq, offset, got = run_async(after(), 30)
     assert got == [b"%d" % i for i in range(1, 41)]
     assert seq == 40 and offset == 17
+
+
+def test_tls_listener(tmp_path: Path) -> None:
+    """The stream protocol over TLS on ``[stream] tls_port`` (5551 by default): rstream with an
+    SSL context publishes and consumes, and /api/overview lists ``stream/ssl``."""
+    if is_external():
+        pytest.skip("starts its own broker")
+    pki = make_pki(tmp_path / "pki")
+    port = free_port()
+    b = SkredProcess(tmp_path / "data", tls_args(pki, "--stream-tls-port", str(port),
+                                                 "--amqp-tls-port", str(free_port()),
+                                                 "--mgmt-tls-port", str(free_port())))
+    try:
+        b.start()
+        stream = unique("tls")
+        kw = {"port": port, "username": "guest", "password": "guest", "ssl_context": pki.client_context()}
+
+        async def scenario() -> list[bytes]:
+            async with Producer("localhost", **kw) as p:
+                await p.create_stream(stream)
+                await p.send_wait(stream, b"over tls")
+            got: list[bytes] = []
+            c = Consumer("localhost", **kw)
+            await c.start()
+            await c.subscribe(stream, lambda m, _c: got.append(m),
+                              offset_specification=ConsumerOffsetSpecification(OffsetType.FIRST, None))
+            for _ in range(500):  # bounded poll
+                if got:
+                    break
+                await asyncio.sleep(0.02)
+            await c.close()
+            return got
+
+        assert run_async(scenario(), 30) == [b"over tls"]
+        status, overview = http(b, "GET", "/api/overview")
+        assert status == 200 and any(lst["protocol"] == "stream/ssl" and lst["port"] == port
+                                     for lst in overview["listeners"])
+    finally:
+        b.close()
