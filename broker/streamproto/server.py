@@ -17,14 +17,13 @@ a client silent for two of its heartbeats.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
 import ssl
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, cast
 
+from broker.aio import Listeners
 from broker.auth.throttle import TooManyFailures, check_login
 from broker.auth.users import UNIX_PEER, UserStore
 from broker.config import StreamConfig
@@ -210,8 +209,7 @@ class StreamServer:
         self.peers = peers if peers is not None else {}
         self.groups = Groups()
         self.connections: set[StreamProtocol] = set()
-        self.servers: list[asyncio.Server] = []
-        self.addresses: dict[str, tuple[str, int]] = {}
+        self.listeners = Listeners("stream protocol", log)
         self._tasks: set[asyncio.Task[None]] = set()
 
     def advertised(self, sockname: Any) -> tuple[str, int]:
@@ -221,8 +219,8 @@ class StreamServer:
         host, port = "", 0
         if isinstance(sockname, tuple) and len(sockname) >= 2:
             host, port = str(sockname[0]), int(sockname[1])
-        elif "stream" in self.addresses:
-            host, port = self.addresses["stream"]
+        elif "stream" in self.listeners.addresses:
+            host, port = self.listeners.addresses["stream"]
         return cfg.advertised_host or host, cfg.advertised_port or port
 
     def spawn(self, coro: Any) -> None:
@@ -232,38 +230,22 @@ class StreamServer:
 
     async def start(self, tls: Callable[[], ssl.SSLContext] | None = None, unix_mode: int = 0o660) -> None:
         cfg = self.config
-        wanted: list[tuple[str, int, ssl.SSLContext | None]] = []
+        def factory() -> StreamProtocol:
+            return StreamProtocol(self)
+
         if cfg.port >= 0:
-            wanted.append(("stream", cfg.port, None))
+            await self.listeners.tcp("stream", factory, cfg.bind, cfg.port)
         if tls is not None and cfg.tls_port >= 0:
-            wanted.append(("stream/ssl", cfg.tls_port, tls()))
-        loop = asyncio.get_running_loop()
-        for name, port, ctx in wanted:
-            try:
-                server = await loop.create_server(lambda: StreamProtocol(self), cfg.bind, port, ssl=ctx,
-                                                  reuse_address=True)
-            except OSError as exc:
-                log.error("%s listener not started: cannot bind %s:%d: %s", name, cfg.bind, port,
-                          exc.strerror or exc)
-                continue
-            self.servers.append(server)
-            addr = server.sockets[0].getsockname()
-            self.addresses[name] = (str(addr[0]), int(addr[1]))
-            log.info("stream protocol (%s) listening on %s:%d", name, *self.addresses[name])
+            await self.listeners.tcp("stream/ssl", factory, cfg.bind, cfg.tls_port, tls())
         if cfg.unix_path:
-            try:
-                server = await loop.create_unix_server(lambda: StreamProtocol(self, unix=True), cfg.unix_path)
-                os.chmod(cfg.unix_path, unix_mode)
-            except OSError as exc:
-                log.error("stream protocol Unix socket not started: cannot bind %s: %s", cfg.unix_path,
-                          exc.strerror or exc)
-            else:
-                self.servers.append(server)
-                log.info("stream protocol listening on Unix socket %s", cfg.unix_path)
+            await self.listeners.unix(lambda: StreamProtocol(self, unix=True), cfg.unix_path, unix_mode)
+
+    @property
+    def addresses(self) -> dict[str, tuple[str, int]]:
+        return self.listeners.addresses
 
     async def stop(self) -> None:
-        for server in self.servers:
-            server.close()
+        self.listeners.close(self.config.unix_path)
         for conn in list(self.connections):
             if conn.session is not None:
                 conn.session.close_with(C.OK, "broker shutting down")
@@ -271,7 +253,3 @@ class StreamServer:
                 conn.close()
         for task in list(self._tasks):
             task.cancel()
-        self.servers.clear()
-        if self.config.unix_path:
-            with contextlib.suppress(OSError):
-                os.unlink(self.config.unix_path)

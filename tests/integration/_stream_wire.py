@@ -24,8 +24,13 @@ def frame(key: int, body: bytes, version: int = 1) -> bytes:
 
 
 class StreamWire:
-    def __init__(self, host: str, port: int, timeout: float = 5.0) -> None:
-        self.sock = socket.create_connection((host, port), timeout=timeout)
+    def __init__(self, host: str, port: int, timeout: float = 5.0, unix_path: str = "") -> None:
+        if unix_path:
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.settimeout(timeout)
+            self.sock.connect(unix_path)
+        else:
+            self.sock = socket.create_connection((host, port), timeout=timeout)
         self.buf = b""
         self.corr = 0
 

@@ -17,6 +17,7 @@ import asyncio
 import os
 import struct
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -138,27 +139,30 @@ def test_malformed_frames_get_an_answer_never_a_crash(fuzz_broker: SkredProcess,
         w.close()
 
 
+async def _round_trip(host: str, kw: dict[str, Any], stream: str, body: bytes) -> list[bytes]:
+    """Create ``stream``, publish ``body`` (confirmed), read the stream from the first offset."""
+    async with Producer(host, **kw) as p:
+        await p.create_stream(stream)
+        await p.send_wait(stream, body)
+    got: list[bytes] = []
+    c = Consumer(host, **kw)
+    await c.start()
+    await c.subscribe(stream, lambda m, _c: got.append(m),
+                      offset_specification=ConsumerOffsetSpecification(OffsetType.FIRST, None))
+    for _ in range(500):  # bounded poll
+        if got:
+            break
+        await asyncio.sleep(0.02)
+    await c.close()
+    return got
+
+
 def test_after_the_fuzz_no_traceback_and_clients_still_work(fuzz_broker: SkredProcess) -> None:
     stream = unique("after-fuzz")
 
-    async def scenario() -> list[bytes]:
-        kw = {"port": fuzz_broker.stream_port, "username": "guest", "password": "guest"}
-        async with Producer(fuzz_broker.host, **kw) as p:
-            await p.create_stream(stream)
-            await p.send_wait(stream, b"still here")
-        got: list[bytes] = []
-        c = Consumer(fuzz_broker.host, **kw)
-        await c.start()
-        await c.subscribe(stream, lambda m, _c: got.append(m),
-                          offset_specification=ConsumerOffsetSpecification(OffsetType.FIRST, None))
-        for _ in range(500):  # bounded poll
-            if got:
-                break
-            await asyncio.sleep(0.02)
-        await c.close()
-        return got
-
-    assert run_async(scenario(), 30) == [b"still here"]
+    kw = {"port": fuzz_broker.stream_port, "username": "guest", "password": "guest"}
+    got = run_async(_round_trip(fuzz_broker.host, kw, stream, b"still here"), 30)
+    assert got == [b"still here"]
     status, overview = http(fuzz_broker, "GET", "/api/overview")  # the listener, as RabbitMQ lists it
     assert status == 200 and {"node": overview["node"], "protocol": "stream", "ip_address": "127.0.0.1",
                                "port": fuzz_broker.stream_port} in overview["listeners"]
@@ -210,12 +214,15 @@ def test_confirmed_messages_and_publisher_sequence_survive_kill9(broker: SkredPr
 
 def test_tls_listener(tmp_path: Path) -> None:
     """The stream protocol over TLS on ``[stream] tls_port`` (5551 by default): rstream with an
-    SSL context publishes and consumes, and /api/overview lists ``stream/ssl``."""
+    SSL context publishes and consumes, and /api/overview lists ``stream/ssl``; and on
+    ``[stream] unix_path``."""
     if is_external():
         pytest.skip("starts its own broker")
     pki = make_pki(tmp_path / "pki")
     port = free_port()
+    unix = tmp_path / "stream.sock"
     b = SkredProcess(tmp_path / "data", tls_args(pki, "--stream-tls-port", str(port),
+                                                 "--stream-unix-path", str(unix),
                                                  "--amqp-tls-port", str(free_port()),
                                                  "--mgmt-tls-port", str(free_port())))
     try:
@@ -223,23 +230,13 @@ def test_tls_listener(tmp_path: Path) -> None:
         stream = unique("tls")
         kw = {"port": port, "username": "guest", "password": "guest", "ssl_context": pki.client_context()}
 
-        async def scenario() -> list[bytes]:
-            async with Producer("localhost", **kw) as p:
-                await p.create_stream(stream)
-                await p.send_wait(stream, b"over tls")
-            got: list[bytes] = []
-            c = Consumer("localhost", **kw)
-            await c.start()
-            await c.subscribe(stream, lambda m, _c: got.append(m),
-                              offset_specification=ConsumerOffsetSpecification(OffsetType.FIRST, None))
-            for _ in range(500):  # bounded poll
-                if got:
-                    break
-                await asyncio.sleep(0.02)
-            await c.close()
-            return got
-
-        assert run_async(scenario(), 30) == [b"over tls"]
+        assert run_async(_round_trip("localhost", kw, stream, b"over tls"), 30) == [b"over tls"]
+        w = StreamWire("", 0, unix_path=str(unix))  # and on the Unix socket, as the same users
+        try:
+            assert w.handshake() == C.OK
+            assert w.request(C.DECLARE_PUBLISHER, bytes([0]) + s16("") + s16(stream)) == C.OK
+        finally:
+            w.close()
         status, overview = http(b, "GET", "/api/overview")
         assert status == 200 and any(lst["protocol"] == "stream/ssl" and lst["port"] == port
                                      for lst in overview["listeners"])
