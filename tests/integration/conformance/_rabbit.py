@@ -137,20 +137,12 @@ class RabbitProcess:
         except OSError:
             return False
 
-    def _stream_ready(self) -> bool:
-        if self.stream_port is None:
+    def _accepts(self, port: int | None) -> bool:
+        """True when ``port`` (None: no such listener) accepts a connection."""
+        if port is None:
             return True
         try:
-            with socket.create_connection((self.host, self.stream_port), timeout=1):
-                return True
-        except OSError:
-            return False
-
-    def _tls_ready(self) -> bool:
-        if self.tls_port is None:
-            return True
-        try:
-            with socket.create_connection((self.host, self.tls_port), timeout=1):
+            with socket.create_connection((self.host, port), timeout=1):
                 return True
         except OSError:
             return False
@@ -163,8 +155,8 @@ class RabbitProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 return f"RabbitMQ exited with {self.proc.returncode} while booting:\n{self.log_tail()}"
-            if amqp_answers(self.host, self.port) and self._http_ready() and self._tls_ready() \
-                    and self._stream_ready():
+            if amqp_answers(self.host, self.port) and self._http_ready() and self._accepts(self.tls_port) \
+                    and self._accepts(self.stream_port):
                 return None
             time.sleep(0.2)  # poll interval of a readiness loop with a deadline
         return f"RabbitMQ not ready within {timeout:.0f}s:\n{self.log_tail()}"
