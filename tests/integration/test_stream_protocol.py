@@ -350,6 +350,8 @@ def test_credit_bounds_chunks_in_flight(target: Target, shared_broker: Broker) -
         w.send(frame(C.CREDIT, bytes([9]) + struct.pack(">H", 1)))  # unknown subscription
         answer = w.expect(C.CREDIT | C.RESPONSE)
         assert struct.unpack(">HB", answer) == (C.SUBSCRIPTION_ID_DOES_NOT_EXIST, 9)
+        ch.queue_delete(stream)  # deleted under a subscription: MetadataUpdate, stream not available
+        assert w.expect(C.METADATA_UPDATE) == struct.pack(">H", C.STREAM_NOT_AVAILABLE) + s16(stream)
     finally:
         w.close()
         conn.close()
