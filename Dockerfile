@@ -45,10 +45,11 @@ ENV SKRED_MAIN_DATA_DIR=/var/lib/skred \
     SKRED_MGMT_METRICS_BIND=0.0.0.0 \
     SKRED_CLUSTERING_BIND=0.0.0.0 \
     SKRED_LMQ_BIND=0.0.0.0 \
-    SKRED_MQTT_BIND=0.0.0.0
+    SKRED_MQTT_BIND=0.0.0.0 \
+    SKRED_STREAM_BIND=0.0.0.0
 
-# AMQP, management HTTP API, Prometheus /metrics (no auth), cluster replication.
-EXPOSE 5672 15672 15692 5679 1883
+# AMQP, management HTTP API, Prometheus /metrics (no auth), cluster replication, MQTT, stream protocol.
+EXPOSE 5672 15672 15692 5679 1883 5552
 VOLUME ["/var/lib/skred"]
 
 USER 10001:10001

@@ -1,9 +1,15 @@
-"""asyncio pieces the front ends share (the management listener in ``net``, LMQ's HTTP API)."""
+"""asyncio pieces the front ends share (the management listener in ``net``, LMQ's HTTP API, the
+stream protocol's listeners)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import os
 import re
+import ssl
+from collections.abc import Callable
 from typing import Any, Final
 
 # One path segment with any characters in it. aiohttp's default for a bare ``{var}`` is
@@ -94,3 +100,49 @@ class RequestDeadline(AnswerAfterEOF):
             self._timer.cancel()
             self._timer = None
         super().connection_lost(exc)
+
+
+class Listeners:
+    """One front end's listeners: plain and TLS TCP ports and a Unix socket (MQTT's and the
+    stream protocol's shape). A port that cannot be bound is logged and skipped, so one busy
+    port never keeps the broker from starting. ``addresses`` maps each started TCP listener's
+    name to the address it got (port 0: the kernel's choice)."""
+
+    def __init__(self, what: str, log: logging.Logger) -> None:
+        self.what = what
+        self.log = log
+        self.servers: list[asyncio.Server] = []
+        self.addresses: dict[str, tuple[str, int]] = {}
+
+    async def tcp(self, name: str, factory: Callable[[], asyncio.Protocol], bind: str, port: int,
+                  ctx: ssl.SSLContext | None = None) -> None:
+        try:
+            server = await asyncio.get_running_loop().create_server(factory, bind, port, ssl=ctx,
+                                                                    reuse_address=True)
+        except OSError as exc:
+            self.log.error("%s listener not started: cannot bind %s:%d: %s", name, bind, port,
+                           exc.strerror or exc)
+            return
+        self.servers.append(server)
+        addr = server.sockets[0].getsockname()
+        self.addresses[name] = (str(addr[0]), int(addr[1]))
+        self.log.info("%s (%s) listening on %s:%d", self.what, name, *self.addresses[name])
+
+    async def unix(self, factory: Callable[[], asyncio.Protocol], path: str, mode: int) -> None:
+        try:
+            server = await asyncio.get_running_loop().create_unix_server(factory, path)
+            os.chmod(path, mode)
+        except OSError as exc:
+            self.log.error("%s Unix socket not started: cannot bind %s: %s", self.what, path,
+                           exc.strerror or exc)
+            return
+        self.servers.append(server)
+        self.log.info("%s listening on Unix socket %s", self.what, path)
+
+    def close(self, unix_path: str = "") -> None:
+        for server in self.servers:
+            server.close()
+        self.servers.clear()
+        if unix_path:
+            with contextlib.suppress(OSError):
+                os.unlink(unix_path)

@@ -526,6 +526,45 @@ class OAuthConfig:
 
 
 @dataclass(frozen=True)
+class StreamConfig:
+    enabled: bool = field(default=True,
+                          metadata=_meta("Serve the RabbitMQ Stream protocol (broker/streamproto)."))
+    unix_path: str = field(
+        default="", metadata=_meta("Also serve the stream protocol on this Unix socket ('': none).")
+    )
+    bind: str = field(default="127.0.0.1", metadata=_meta("Address the stream protocol listeners bind to."))
+    port: int = field(
+        default=5552,
+        metadata=_meta("Stream protocol port (0: pick a free port, -1: no plain listener).", lo=-1, hi=65535),
+    )
+    tls_port: int = field(
+        default=5551,
+        metadata=_meta("Stream protocol TLS port, opened when [main] tls_cert is set (0: pick a free port, "
+                       "-1: off).", lo=-1, hi=65535),
+    )
+    advertised_host: str = field(
+        default="", metadata=_meta("Host that Open and Metadata tell clients to connect to ('': the "
+                                   "address the client reached; set it behind a load balancer).")
+    )
+    advertised_port: int = field(
+        default=0, metadata=_meta("Port that Open and Metadata name (0: the port the client reached).",
+                                  lo=0, hi=65535)
+    )
+    frame_max: int = field(
+        default=1024 * 1024,
+        metadata=_meta("Largest frame after the login, bytes (a Publish frame carries its messages).",
+                       kind="size", lo=4096, hi=64 * 1024 * 1024),
+    )
+    heartbeat: int = field(
+        default=60, metadata=_meta("Heartbeat interval offered in Tune, seconds (0: none).", lo=0, hi=86400)
+    )
+    connect_timeout: int = field(
+        default=10, metadata=_meta("Seconds a new connection has to authenticate and open a vhost.",
+                                   lo=1, hi=3600)
+    )
+
+
+@dataclass(frozen=True)
 class Config:
     main: MainConfig
     amqp: AmqpConfig = field(default_factory=AmqpConfig)
@@ -534,6 +573,7 @@ class Config:
     lmq: LmqConfig = field(default_factory=LmqConfig)
     mqtt: MqttConfig = field(default_factory=MqttConfig)
     oauth: OAuthConfig = field(default_factory=OAuthConfig)
+    stream: StreamConfig = field(default_factory=StreamConfig)
 
 
 SECTIONS: dict[str, type[Any]] = {
@@ -544,6 +584,7 @@ SECTIONS: dict[str, type[Any]] = {
     "lmq": LmqConfig,
     "mqtt": MqttConfig,
     "oauth": OAuthConfig,
+    "stream": StreamConfig,
 }
 
 _TRUE = frozenset({"true", "yes", "1", "on"})
@@ -723,7 +764,7 @@ _DESCRIPTION = """\
 Skred: a disk-first AMQP 0-9-1 message broker.
 
 Every option can be set, from lowest to highest precedence, by its default, in
-the ini file given with -c (sections [main] [amqp] [mgmt] [clustering] [lmq] [mqtt], keys as
+the ini file given with -c (sections [main] [amqp] [mgmt] [clustering] [lmq] [mqtt] [stream], keys as
 named below), by an environment variable SKRED_<SECTION>_<OPTION>, or by a flag.
 Booleans accept true/false, yes/no, on/off, 1/0; sizes accept bytes or a number
 with KiB/MiB/GiB."""

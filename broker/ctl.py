@@ -217,6 +217,24 @@ def build_parser() -> argparse.ArgumentParser:
     pq = sub.add_parser("purge_queue")
     pq.add_argument("name")
     pq.add_argument("--vhost", default="/")
+    for cmd, text in (("add_super_stream", "create a super stream: an exchange and its partition streams"),
+                      ("grow_super_stream", "add partitions to a super stream (the total count, or new "
+                                            "binding keys)")):
+        ss = sub.add_parser(cmd, help=text)
+        ss.add_argument("name")
+        ss.add_argument("--vhost", default="/")
+        how = ss.add_mutually_exclusive_group(required=True)
+        how.add_argument("--partitions", type=int, help="partitions NAME-0 .. NAME-(N-1), keys 0 .. N-1")
+        how.add_argument("--binding-keys", help="comma-separated keys: partitions NAME-KEY")
+        ss.add_argument("--max-age", help="partition retention, e.g. 7D")
+        ss.add_argument("--max-length-bytes", type=int, help="partition retention in bytes")
+        if cmd == "add_super_stream":
+            ss.add_argument("--routing", choices=("key", "hash"), default="key",
+                            help="how AMQP publishes pick a partition: by binding key (default) or by "
+                                 "MurmurHash3 of the routing key, as the stream clients' hash routing")
+    ds = sub.add_parser("delete_super_stream", help="delete a super stream and every partition")
+    ds.add_argument("name")
+    ds.add_argument("--vhost", default="/")
     ex = sub.add_parser("export_definitions", help="write definitions JSON to FILE (or stdout)")
     ex.add_argument("file", nargs="?", default="-")
     ex.add_argument("--vhost")
@@ -330,6 +348,25 @@ def run(args: argparse.Namespace, out: Any) -> None:
     elif cmd == "purge_queue":
         c.request("DELETE", f"/api/queues/{q(args.vhost)}/{q(args.name)}/contents")
         done = f"queue '{args.name}' purged"
+    elif cmd in ("add_super_stream", "grow_super_stream"):
+        path = f"/api/super-streams/{q(args.vhost)}/{q(args.name)}"
+        exists = cmd == "grow_super_stream"
+        if exists:
+            c.request("GET", path)  # 404 when there is none to grow
+        elif _exists(c, path):
+            raise CtlError(f"super stream '{args.name}' already exists in vhost '{args.vhost}'")
+        body: dict[str, Any] = {"partitions": args.partitions} if args.partitions else \
+            {"binding_keys": [k for k in args.binding_keys.split(",") if k]}
+        arguments = {"x-max-age": args.max_age, "x-max-length-bytes": args.max_length_bytes}
+        body["arguments"] = {k: v for k, v in arguments.items() if v is not None}
+        if not exists:
+            body["routing"] = args.routing
+        c.request("PUT", path, body)
+        parts = c.request("GET", path)["partitions"]
+        done = f"super stream '{args.name}' has partitions {', '.join(parts)}"
+    elif cmd == "delete_super_stream":
+        c.request("DELETE", f"/api/super-streams/{q(args.vhost)}/{q(args.name)}")
+        done = f"super stream '{args.name}' deleted"
     elif cmd == "export_definitions":
         path = "/api/definitions" + (f"/{q(args.vhost)}" if args.vhost else "")
         text = json.dumps(c.request("GET", path), indent=2) + "\n"
@@ -368,6 +405,14 @@ def run(args: argparse.Namespace, out: Any) -> None:
         done = f"shovel '{args.name}' {verb}d"
     if done is not None:
         print(json.dumps({"ok": True, "message": done}) if args.json else done, file=out)
+
+
+def _exists(c: Client, path: str) -> bool:
+    try:
+        c.request("GET", path)
+    except CtlError:
+        return False
+    return True
 
 
 BROKEN_PIPE_STATUS = 128 + 13  # what a shell reports for a process killed by SIGPIPE

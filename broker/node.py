@@ -92,6 +92,7 @@ from broker.store.queue_store import read_ahead
 from broker.store.segment import parse_number
 from broker.store.segment_log import SegmentFiles
 from broker.store.sink import NULL_SINK, NullSink, ReplicationSink
+from broker.streamproto.server import StreamServer
 from broker.syncer import Syncable, Syncer
 
 RETAINED_DIR = "mqtt-retained"  # MQTT's retained messages (broker/mqtt/retained.py)
@@ -169,6 +170,7 @@ class Node:
         self.oauth: OAuthKeys | None = None  # the issuer's keys, with oauth in [main] auth_backends
         self.federation: federation.Federation | None = None
         self.shovels: Shovels | None = None
+        self.stream: StreamServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._syncer: Syncer | None = None
         self._files: SegmentFiles | None = None  # made at load(), after the fd limit was raised
@@ -272,6 +274,8 @@ class Node:
                 await self.start_lmq(broker)  # before AMQP: a node answering AMQP has its LMQ ports open
             if cfg.mqtt.enabled and (worker is None or worker.index == 0):
                 await self.start_mqtt(broker)  # the same: MQTT answers once AMQP does
+            if cfg.stream.enabled and (worker is None or worker.index == 0):
+                await self.start_stream(broker)  # and the stream protocol
             # HTTP before AMQP too: once the AMQP port answers, everything answers
             if cfg.mgmt.enabled and worker is None:
                 await self.start_http(broker, mgmt)
@@ -485,6 +489,15 @@ class Node:
         mgmt.federation_links = fed.status
         fed.start()
 
+    async def start_stream(self, broker: Broker) -> None:
+        """The RabbitMQ Stream protocol's listeners over the broker's vhosts and users."""
+        cfg = self.config
+        self.stream = StreamServer(cfg.stream, broker.vhosts, broker.users, broker.syncer.after_sync,
+                                   peers=broker.proxied_peers)
+        await self.stream.start(self.tls_context if self.tls is not None else None, unix_mode(cfg.main))
+        assert self.mgmt is not None
+        self.mgmt.other_listeners.update(self.stream.addresses)
+
     def release_lock(self) -> None:
         if RELOADER is not None and RELOADER.node is self:
             RELOADER.node = None
@@ -504,6 +517,7 @@ class Node:
             "lmq_rpc": lmq.rpc_address if lmq is not None else None,
             "mqtt": self.mqtt.addresses.get("mqtt") if self.mqtt is not None else None,
             "mqtts": self.mqtt.addresses.get("mqtts") if self.mqtt is not None else None,
+            "stream": self.stream.addresses.get("stream") if self.stream is not None else None,
         }
         return {name: (str(a[0]), int(a[1])) for name, a in found.items() if a}
 
@@ -596,6 +610,9 @@ class Node:
                 self.mgmt.front_ends.remove(self.mqtt)
             await self.mqtt.stop()
             self.mqtt = None
+        if self.stream is not None:
+            await self.stream.stop()
+            self.stream = None
         if self.oauth is not None:
             await self.oauth.close()
             self.oauth = None
@@ -768,7 +785,7 @@ class Reloader:
             done.append("TLS certificates")
         applied = {"main.log_level", "amqp.trusted_proxies", "main.load_definitions"}
         restart = [f"{section}.{f.name}"
-                   for section in ("main", "amqp", "mgmt", "clustering", "lmq", "mqtt")
+                   for section in ("main", "amqp", "mgmt", "clustering", "lmq", "mqtt", "stream")
                    for f in dataclasses.fields(getattr(new, section))
                    if f"{section}.{f.name}" not in applied
                    and getattr(getattr(new, section), f.name) != getattr(getattr(old, section), f.name)]

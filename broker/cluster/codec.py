@@ -64,7 +64,8 @@ MAGIC: Final = b"SKREPL"
 TUNNEL_MAGIC: Final = b"SKTUNL"
 VERSION: Final = 7  # 2: HEARTBEAT; 3: every client port in the Welcome, tunnels; 4: MERGE_ACKS;
 # 5: tunnels framed (an end-of-stream marker each way); 6: tunnel keepalive, the follower's id in
-# TunnelHello, the MQTT port in the Welcome; 7: the MQTTS port, Unix-socket clients in TunnelHello
+# TunnelHello, the MQTT port in the Welcome; 7: the MQTTS and stream-protocol ports in the Welcome,
+# Unix-socket clients in TunnelHello
 SECRET_SIZE: Final = 32
 
 # Welcome status codes.
@@ -82,8 +83,9 @@ LMQ_HTTP_PORT: Final = 4
 LMQ_RPC_PORT: Final = 5
 MQTT_PORT: Final = 6
 MQTTS_PORT: Final = 7
-CLIENT_PORTS: Final = 8
-PORT_NAMES: Final = ("amqp", "http", "amqps", "https", "lmq_http", "lmq_rpc", "mqtt", "mqtts")
+STREAM_PORT: Final = 8
+CLIENT_PORTS: Final = 9
+PORT_NAMES: Final = ("amqp", "http", "amqps", "https", "lmq_http", "lmq_rpc", "mqtt", "mqtts", "stream")
 # a TunnelHello's client address for a client on one of the follower's Unix sockets (the value of
 # ``auth.users.UNIX_PEER``, which the leader's listeners treat as local, as on the follower)
 UNIX_CLIENT: Final = "unix"
@@ -110,7 +112,7 @@ _U8: Final = struct.Struct(">B")
 _U16: Final = struct.Struct(">H")
 _U32: Final = struct.Struct(">I")
 _U64: Final = struct.Struct(">Q")
-_WELCOME: Final = struct.Struct(">B8H")
+_WELCOME: Final = struct.Struct(f">B{CLIENT_PORTS}H")
 _ENTRY_TAIL: Final = struct.Struct(">Q20s")
 
 
@@ -134,14 +136,14 @@ class Hello:
 @dataclass(frozen=True)
 class Welcome:
     status: int
-    ports: tuple[int, ...] = (0,) * CLIENT_PORTS  # indexed by AMQP_PORT .. MQTTS_PORT; 0: off
+    ports: tuple[int, ...] = (0,) * CLIENT_PORTS  # indexed by AMQP_PORT .. STREAM_PORT; 0: off
 
 
 @dataclass(frozen=True)
 class TunnelHello:
     version: int
     secret: bytes
-    port: int  # AMQP_PORT .. MQTTS_PORT
+    port: int  # AMQP_PORT .. STREAM_PORT
     client: tuple[str, int]  # the address the follower's proxy accepted the client from
     node_id: str = ""  # the follower whose proxy opened it
     keepalive_ms: int = 0  # silence after which either end presumes the link dead (0: none)

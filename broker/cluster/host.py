@@ -44,7 +44,7 @@ class LeaderBroker(Protocol):
 
     def client_addresses(self) -> dict[str, tuple[str, int]]:
         """The bound address of every client listener that listens, by ``codec.PORT_NAMES``
-        (``amqp``, ``http``, ``amqps``, ``https``, ``lmq_http``, ``lmq_rpc``, ``mqtt``)."""
+        (``amqp``, ``http``, ``amqps``, ``https``, ``lmq_http``, ``lmq_rpc``, ``mqtt``, ``stream``)."""
 
     @property
     def proxied_peers(self) -> MutableMapping[tuple[str, int], tuple[str, int]]:

@@ -431,6 +431,8 @@ class ClusterRunner:
                 wanted.append((codec.LMQ_RPC_PORT, "LMQ RPC", cfg.lmq.bind, cfg.lmq.rpc_port))
         if cfg.mqtt.enabled and cfg.mqtt.port:
             wanted.append((codec.MQTT_PORT, "MQTT", cfg.mqtt.bind, cfg.mqtt.port))
+        if cfg.stream.enabled and cfg.stream.port:
+            wanted.append((codec.STREAM_PORT, "stream", cfg.stream.bind, cfg.stream.port))
         if cfg.mqtt.enabled and cfg.mqtt.tls_port and tls.enabled(cfg.main):
             wanted.append((codec.MQTTS_PORT, "MQTTS", cfg.mqtt.bind, cfg.mqtt.tls_port))
         # Unix sockets: this node's own paths, tunnelled to the leader's port of their protocol

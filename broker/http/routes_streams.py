@@ -28,8 +28,22 @@ from typing import Any, Final
 
 from aiohttp import web
 
-from broker.http.common import MGMT_KEY, bad_request, check_perm, not_found, vhost_param
+from broker.http.common import (
+    MGMT_KEY,
+    bad_request,
+    check_name,
+    check_perm,
+    committed,
+    created,
+    get_args,
+    get_int,
+    json_body,
+    no_content,
+    not_found,
+    vhost_param,
+)
 from broker.http.render import payload_json, properties_json
+from broker.model import superstream
 from broker.model.stream import StreamQueue, named_offset
 
 routes = web.RouteTableDef()
@@ -103,3 +117,82 @@ async def stream_messages(request: web.Request) -> web.Response:
         "first_offset": store.first_offset, "next_offset": store.next_offset,
         "messages": out,
     })
+
+
+# ------------------------------------------------------------------ super streams
+# ``PUT /api/super-streams/{vhost}/{name}`` with ``{"partitions": N}`` or ``{"binding_keys":
+# [...]}`` (and optional stream ``arguments``) creates one (broker/model/superstream.py); on an
+# existing super stream it grows it: a larger ``partitions`` adds the numbered partitions past
+# the last, ``binding_keys`` adds those keys' partitions. ``DELETE`` removes the exchange and
+# every partition; ``GET`` lists the partitions in order with their binding keys. ``"routing":
+# "hash"`` at creation routes AMQP publishes by MurmurHash3 of the routing key.
+
+def _super_plan(body: dict[str, Any]) -> tuple[int, list[str]]:
+    parts = get_int(body, "partitions", 0, 0, superstream.MAX_PARTITIONS)
+    keys = body.get("binding_keys", [])
+    if isinstance(keys, str):
+        keys = [k.strip() for k in keys.split(",") if k.strip()]
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise bad_request("'binding_keys' must be a list of strings")
+    if bool(parts) == bool(keys):
+        raise bad_request("give either 'partitions' or 'binding_keys'")
+    return parts, keys
+
+
+@routes.get("/api/super-streams/{vhost}/{name}")
+async def get_super_stream(request: web.Request) -> web.Response:
+    vhost = vhost_param(request)
+    vh = request.app[MGMT_KEY].broker.vhosts[vhost]
+    name = request.match_info["name"]
+    if not superstream.is_super_stream(vh, name):
+        raise not_found(f"no super stream '{name}' in vhost '{vhost}'")
+    bound = superstream.bindings(vh, name)
+    routing = vh.exchanges[name].arguments.get(superstream.ROUTING_ARG, "key")
+    return web.json_response({"vhost": vhost, "name": name, "partitions": [p for p, _ in bound],
+                              "binding_keys": [k for _, k in bound], "routing": routing})
+
+
+@routes.put("/api/super-streams/{vhost}/{name}")
+async def put_super_stream(request: web.Request) -> web.Response:
+    vhost = vhost_param(request)
+    vh = request.app[MGMT_KEY].broker.vhosts[vhost]
+    name = check_name("exchange", request.match_info["name"])
+    body = await json_body(request)
+    parts, keys = _super_plan(body)
+    arguments = get_args(body)
+    routing = body.get("routing", "key")
+    if routing not in ("key", "hash"):
+        raise bad_request("'routing' must be 'key' or 'hash'")
+    exists = superstream.is_super_stream(vh, name)
+    try:
+        plan = superstream.layout(name, parts, keys) if not exists or keys else \
+            superstream.layout(name, parts)
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
+    for resource in [name, *(p for p, _ in plan)]:
+        check_perm(request, "configure", vhost, resource)
+    try:
+        if not exists:
+            superstream.create(vh, name, parts, keys, arguments, routing)
+        elif parts and parts == len(superstream.partitions(vh, name)):
+            return no_content()
+        else:
+            superstream.grow(vh, name, parts, keys, arguments)
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
+    await committed(request.app[MGMT_KEY])
+    return created() if not exists else no_content()
+
+
+@routes.delete("/api/super-streams/{vhost}/{name}")
+async def delete_super_stream(request: web.Request) -> web.Response:
+    vhost = vhost_param(request)
+    vh = request.app[MGMT_KEY].broker.vhosts[vhost]
+    name = request.match_info["name"]
+    if not superstream.is_super_stream(vh, name):
+        raise not_found(f"no super stream '{name}' in vhost '{vhost}'")
+    for resource in [name, *superstream.partitions(vh, name)]:
+        check_perm(request, "configure", vhost, resource)
+    superstream.delete(vh, name)
+    await committed(request.app[MGMT_KEY])
+    return no_content()

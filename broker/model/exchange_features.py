@@ -32,6 +32,12 @@ of the property named by ``hash-property`` (message_id, correlation_id,
 timestamp), as RabbitMQ's plugin. Same key, same destination while the
 bindings stay the same.
 
+Super-stream hash routing (``x-super-stream-routing: hash`` on a super stream's exchange,
+broker/model/superstream.py): a message goes to the partition at MurmurHash3 x86_32 (seed
+104729, the stream clients' function) of its routing key modulo the partition count, the
+partitions ordered by their bindings' ``x-stream-partition-order`` (rebuilt when bindings
+change). Growing the partition count remaps keys, as it does for the stream clients.
+
 Deduplication (``x-message-deduplication`` on an exchange): a message whose
 ``x-deduplication-header`` value was seen within the cache (``x-cache-size``
 entries, LRU; ``x-cache-ttl`` ms or the message's own ``x-cache-ttl`` header)
@@ -53,6 +59,7 @@ from typing import Any, Protocol
 
 from broker import errors, properties
 from broker.model.features import CallLater, TimerHandle
+from broker.model.murmur3 import murmur3_32
 from broker.model.publish_api import PublishRequest, Republisher
 from broker.store.paths import queue_dir
 from broker.store.queue_store import QueueStore
@@ -117,6 +124,8 @@ POINTS_PER_WEIGHT = 64
 DISK_RETRY_S = 1.0  # a due delayed message that found the disk full is routed again this much later
 DEDUP = "x-message-deduplication"
 DEDUP_HEADER = "x-deduplication-header"
+PARTITION_ROUTING = "x-super-stream-routing"  # the same names as broker/model/superstream.py's
+PARTITION_ORDER = "x-stream-partition-order"
 _HASH_PROPERTIES = ("message_id", "correlation_id", "timestamp", "app_id", "type", "user_id",
                     "reply_to", "content_type", "priority", "delivery_mode")
 
@@ -151,7 +160,7 @@ def routing_kind(type_: str, arguments: dict[str, Any]) -> str:
 
 
 def needs_special(ex: Owner) -> bool:
-    return ex.type in EXTRA_TYPES or bool(ex.arguments.get(DEDUP))
+    return ex.type in EXTRA_TYPES or bool(ex.arguments.get(DEDUP)) or PARTITION_ROUTING in ex.arguments
 
 
 _headers = properties.headers
@@ -253,10 +262,28 @@ class ExchangeSpecial:
         self.hash_property = prop
         self._ring: HashRing | None = None
         self.delayed = DelayedStore(vh, ex) if ex.type == DELAYED else None
+        routing = _key_text(args.get(PARTITION_ROUTING))
+        if routing not in (None, "hash", "key"):
+            raise errors.PreconditionFailed(f"invalid {PARTITION_ROUTING} '{routing}': 'hash' or 'key'",
+                                            40, 10)
+        self.partition_hash = routing == "hash"
+        self._partitions: list[object] | None = None
 
     # --------------------------------------------------------------- routing
     def bindings_changed(self) -> None:
         self._ring = None
+        self._partitions = None
+
+    def partitions(self) -> list[object]:
+        """A super stream's partitions in ``x-stream-partition-order`` (hash routing)."""
+        parts = self._partitions
+        if parts is None:
+            found = []
+            for i, (dest, _key, args) in enumerate(self.ex.bindings()):
+                order = args.get(PARTITION_ORDER)
+                found.append((order if isinstance(order, int) else 1 << 30, i, dest))
+            parts = self._partitions = [dest for _o, _i, dest in sorted(found, key=lambda t: t[:2])]
+        return parts
 
     def ring(self) -> HashRing:
         ring = self._ring
@@ -294,6 +321,9 @@ class ExchangeSpecial:
             if delay is not None and delay > 0:
                 self.delayed.add(ts, ts + delay, routing_key, props, bytes(body))
                 return True, None
+        if self.partition_hash:
+            parts = self.partitions()
+            return False, [parts[murmur3_32(routing_key.encode()) % len(parts)]] if parts else []
         if self.hash_property is not None:
             value = getattr(properties.decode(props), self.hash_property, None)
             if value is None:

@@ -67,6 +67,7 @@ _SKIP_BUDGET: Final = 16384  # filtered-out records examined per pass
 _FILTER_VALUE: Final = "x-stream-filter-value"
 RETENTION_CHECK_S: Final = 60.0  # longest wait between age-retention checks of a stream
 _POLICY_INT_KEYS: Final = ("max-length", "max-length-bytes")
+_PUBLISHER_KEY: Final = "\x00publisher:"  # publisher sequences beside consumer offsets
 
 
 def is_stream_arguments(arguments: dict[str, Any] | None) -> bool:
@@ -239,6 +240,15 @@ def with_offset_header(props: bytes, offset: int, timestamp_ms: int) -> bytes:
     return bytes(p.marshal())
 
 
+class RecordConsumer(Consumer):
+    """A consumer that takes stream records as stored (offset, append time, raw properties,
+    body) instead of AMQP deliveries with offset headers: the stream protocol's subscriptions
+    (broker/streamproto), which would otherwise pay for re-encoding every message's properties."""
+
+    def deliver_record(self, offset: int, timestamp_ms: int, props: bytes, body: bytes) -> None:
+        raise NotImplementedError
+
+
 class StreamQueue(Queue):
     store: StreamStore
     __slots__ = ("stream", "_cursors", "_by_consumer", "_next_cid", "_more", "arg_retention",
@@ -380,8 +390,11 @@ class StreamQueue(Queue):
                 self.n_delivered += 1
                 if redelivered:
                     self.n_redelivered += 1
-                c.deliver((cur.cid << OFFSET_BITS) | offset, rec[2], rec[3],
-                          with_offset_header(rec[4], offset, rec[1]), rec[5], redelivered)
+                if isinstance(c, RecordConsumer):
+                    c.deliver_record(offset, rec[1], rec[4], rec[5])
+                else:
+                    c.deliver((cur.cid << OFFSET_BITS) | offset, rec[2], rec[3],
+                              with_offset_header(rec[4], offset, rec[1]), rec[5], redelivered)
                 progress = True
                 budget -= 1
                 if not budget:
@@ -446,6 +459,24 @@ class StreamQueue(Queue):
         if cur.acked_any:
             self.stream.store_offset(cur.tag, cur.commit_point())
             self.on_dirty(self.store)
+
+    # ------------------------------------------- named offsets (the stream protocol's)
+    def stored_offset(self, name: str) -> int | None:
+        """The offset stored under ``name`` (a consumer tag, or a stream client's reference)."""
+        return self.stream.stored_offset(name)
+
+    def store_offset(self, name: str, offset: int) -> None:
+        """Store ``offset`` under ``name``; durable with the stream's next sync."""
+        if not self.deleted:
+            self.stream.store_offset(name, offset)
+            self.on_dirty(self.store)
+
+    def publisher_sequence(self, reference: str) -> int | None:
+        """The highest publishing id stored for a named publisher (deduplication)."""
+        return self.stream.stored_offset(_PUBLISHER_KEY + reference)
+
+    def set_publisher_sequence(self, reference: str, publishing_id: int) -> None:
+        self.store_offset(_PUBLISHER_KEY + reference, publishing_id)
 
     # ------------------------------------------------------------- unsupported
     def get(self) -> tuple[int, bytes, bytes, bytes, bytes, bool] | None:

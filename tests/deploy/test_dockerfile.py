@@ -56,7 +56,7 @@ def test_base_image_user_entrypoint_volume_and_ports() -> None:
     assert json.loads(only("ENTRYPOINT")) == ["skred"]
     assert json.loads(only("VOLUME")) == ["/var/lib/skred"]
     exposed = {port for _, args in instructions() if _ == "EXPOSE" for port in args.split()}
-    assert exposed == {"5672", "15672", "15692", "5679", "1883"}
+    assert exposed == {"5672", "15672", "15692", "5679", "1883", "5552"}
     assert any(word == "RUN" and "pip install ." in args for word, args in instructions())
 
 

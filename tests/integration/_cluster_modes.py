@@ -46,6 +46,7 @@ class ClusterTarget:
         self.port: int = node.port
         self.mgmt_port: int = node.mgmt_port
         self.metrics_port: int = node.metrics_port
+        self.stream_port: int = node.stream_port
         self.url: str = node.url
         self.data_dir: Path | None = None
         self.pid: int | None = None

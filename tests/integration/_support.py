@@ -144,6 +144,7 @@ class SkredProcess:
         self.lmq_http_port = free_port()  # LMQ's listeners, so brokers of one run never share a port
         self.lmq_rpc_port = free_port()
         self.mqtt_port = free_port()
+        self.stream_port = free_port()
         self.url = f"amqp://guest:guest@{self.host}:{self.port}/%2F"
         self.log_path = data_dir.parent / f"{data_dir.name}.broker.log"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -171,6 +172,8 @@ class SkredProcess:
             str(self.lmq_rpc_port),
             "--mqtt-port",
             str(self.mqtt_port),
+            "--stream-port",
+            str(self.stream_port),
             *self.extra_args,
         ]
 

@@ -143,6 +143,7 @@ class ClusterNode:
         self.metrics_port = free_port()
         self.repl_port = free_port()
         self.mqtt_port = free_port()
+        self.stream_port = free_port()
         self.uri = f"tcp://{ip}:{self.repl_port}"
         self.log_path = tmp / f"{name}.log"
         hook = f"echo \"$SKRED_ROLE $SKRED_NODE_ID $SKRED_ADVERTISED_URI\" >> {hook_file}"
@@ -154,6 +155,7 @@ class ClusterNode:
             "--mgmt-bind", ip, "--mgmt-port", str(self.mgmt_port),
             "--mgmt-metrics-port", str(self.metrics_port),
             "--mqtt-bind", ip, "--mqtt-port", str(self.mqtt_port),
+            "--stream-bind", ip, "--stream-port", str(self.stream_port),
             "--clustering", "--clustering-etcd-endpoints", etcd_endpoint,
             "--clustering-etcd-prefix", prefix, "--clustering-bind", ip,
             "--clustering-port", str(self.repl_port), "--clustering-advertised-uri", self.uri,

@@ -12,8 +12,9 @@ from ``/api/overview``) under a deadline; a node that dies first fails with its 
 sends SIGTERM to the node's process group (RabbitMQ stops cleanly on it), escalates to SIGKILL
 after a deadline, then stops that epmd by its PID.
 
-Options: ``plugins`` names more plugins to enable (``rabbitmq_shovel``); ``management=False``
-leaves the management plugin out (a benchmark measuring the node's
+Options: ``plugins`` names more plugins to enable (``rabbitmq_shovel``); ``stream=True`` enables
+the ``rabbitmq_stream`` plugin on ``stream_port`` (advertised as 127.0.0.1, so stream clients
+reconnect to it); ``management=False`` leaves the management plugin out (a benchmark measuring the node's
 CPU time does not want its statistics collection; ``mgmt_port`` is then None); ``tls`` (CA,
 certificate and key files) adds an AMQPS listener on ``tls_port`` that does not ask clients for
 certificates, and readiness then waits for it to accept too; ``mqtt=True`` enables the
@@ -71,7 +72,8 @@ class RabbitProcess:
     on free ports."""
 
     def __init__(self, root: Path, *, management: bool = True, tls: tuple[Path, Path, Path] | None = None,
-                 name: str = "skredconf", plugins: tuple[str, ...] = (), mqtt: bool = False) -> None:
+                 name: str = "skredconf", plugins: tuple[str, ...] = (), mqtt: bool = False,
+                 stream: bool = False) -> None:
         self.root = root
         self.plugins = plugins  # more plugins to enable (the shovel tests: rabbitmq_shovel)
         self.host = "127.0.0.1"
@@ -80,6 +82,7 @@ class RabbitProcess:
         self.tls = tls  # (CA, certificate, key)
         self.tls_port = free_port() if tls else None
         self.mqtt_port = free_port() if mqtt else None
+        self.stream_port = free_port() if stream else None  # the rabbitmq_stream plugin's listener
         self.dist_port = free_port()
         self.epmd_port = free_port()
         self.node = f"{name}{uuid.uuid4().hex[:8]}@localhost"
@@ -105,8 +108,12 @@ class RabbitProcess:
                      "ssl_options.verify = verify_none\nssl_options.fail_if_no_peer_cert = false\n")
         if self.mqtt_port is not None:
             conf += f"mqtt.listeners.tcp.1 = {self.host}:{self.mqtt_port}\n"
+        if self.stream_port is not None:
+            conf += (f"stream.listeners.tcp.1 = {self.host}:{self.stream_port}\n"
+                     f"stream.advertised_host = {self.host}\nstream.advertised_port = {self.stream_port}\n")
         plugins = ",".join((*(p for p, on in (("rabbitmq_management", self.mgmt_port is not None),
-                                               ("rabbitmq_mqtt", self.mqtt_port is not None)) if on),
+                                               ("rabbitmq_mqtt", self.mqtt_port is not None),
+                                               ("rabbitmq_stream", self.stream_port is not None)) if on),
                             *self.plugins))
         (self.root / "enabled_plugins").write_text(f"[{plugins}].\n")
         (self.root / "rabbitmq-env.conf").write_text("")
@@ -156,9 +163,10 @@ class RabbitProcess:
             return False
 
     def _ports_accept(self) -> bool:
-        return self._accepts(self.tls_port) and self._accepts(self.mqtt_port)
+        return all(self._accepts(port) for port in (self.tls_port, self.mqtt_port, self.stream_port))
 
     def _accepts(self, port: int | None) -> bool:
+        """True when ``port`` (None: no such listener) accepts a connection."""
         if port is None:
             return True
         try:

@@ -1,0 +1,1 @@
+"""The RabbitMQ Stream protocol (port 5552/5551) on the model: codec, session, listener."""

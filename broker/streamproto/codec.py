@@ -1,0 +1,389 @@
+"""The RabbitMQ Stream protocol's frames, sans-IO: bytes in, commands out; answers to bytes.
+
+Theory of operation
+-------------------
+A frame is ``u32 size`` then ``size`` bytes: ``u16 key``, ``u16 version``, the command's
+fields, all big-endian. Strings are ``i16 length`` + UTF-8 (length -1: null), byte blobs
+``i32 length`` + bytes, arrays ``i32 count`` + items. A response sets the key's top bit
+(``key | 0x8000``) and carries the request's correlation id and a ``u16`` response code.
+
+``FrameReader.feed(data)`` returns every complete frame as a ``Frame`` (key, version, payload)
+and keeps the rest: "need more bytes" is simply no frame. A frame larger than the limit in
+force (``max_frame``: small before authentication, the tuned ``frame_max`` after) raises
+``FrameTooLarge``. The decoders (``decode_*``) take a payload and return the command's fields;
+a truncated or malformed payload raises ``Malformed``, which the session answers with the
+protocol's response code (or a Close) — never a crash.
+
+Deliver (``encode_deliver``) carries one *chunk* in osiris' format: magic/version ``0x50``,
+chunk type 0 (user data), entry and record counts, the chunk's timestamp, epoch and first
+offset, a CRC-32 of the data, the data and trailer lengths, a reserved word, then the entries,
+each ``u32 size`` (top bit 0: a simple entry) and the message bytes. Offsets in a chunk are
+consecutive from its first offset.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+# Command keys (the protocol's numbering).
+DECLARE_PUBLISHER: Final = 1
+PUBLISH: Final = 2
+PUBLISH_CONFIRM: Final = 3
+PUBLISH_ERROR: Final = 4
+QUERY_PUBLISHER_SEQUENCE: Final = 5
+DELETE_PUBLISHER: Final = 6
+SUBSCRIBE: Final = 7
+DELIVER: Final = 8
+CREDIT: Final = 9
+STORE_OFFSET: Final = 10
+QUERY_OFFSET: Final = 11
+UNSUBSCRIBE: Final = 12
+CREATE: Final = 13
+DELETE: Final = 14
+METADATA: Final = 15
+METADATA_UPDATE: Final = 16
+PEER_PROPERTIES: Final = 17
+SASL_HANDSHAKE: Final = 18
+SASL_AUTHENTICATE: Final = 19
+TUNE: Final = 20
+OPEN: Final = 21
+CLOSE: Final = 22
+HEARTBEAT: Final = 23
+ROUTE: Final = 24
+PARTITIONS: Final = 25
+CONSUMER_UPDATE: Final = 26
+EXCHANGE_COMMAND_VERSIONS: Final = 27
+CREATE_SUPER_STREAM: Final = 29
+DELETE_SUPER_STREAM: Final = 30
+RESPONSE: Final = 0x8000
+
+# Response codes.
+OK: Final = 1
+STREAM_DOES_NOT_EXIST: Final = 2
+SUBSCRIPTION_ID_ALREADY_EXISTS: Final = 3
+SUBSCRIPTION_ID_DOES_NOT_EXIST: Final = 4
+STREAM_ALREADY_EXISTS: Final = 5
+STREAM_NOT_AVAILABLE: Final = 6
+SASL_MECHANISM_NOT_SUPPORTED: Final = 7
+AUTHENTICATION_FAILURE: Final = 8
+SASL_ERROR: Final = 9
+SASL_CHALLENGE: Final = 10
+AUTHENTICATION_FAILURE_LOOPBACK: Final = 11
+VHOST_ACCESS_FAILURE: Final = 12
+UNKNOWN_FRAME: Final = 13
+FRAME_TOO_LARGE: Final = 14
+INTERNAL_ERROR: Final = 15
+ACCESS_REFUSED: Final = 16
+PRECONDITION_FAILED: Final = 17
+PUBLISHER_DOES_NOT_EXIST: Final = 18
+NO_OFFSET: Final = 19
+
+# Offset specification types (Subscribe, ConsumerUpdate's answer).
+OFFSET_FIRST: Final = 1
+OFFSET_LAST: Final = 2
+OFFSET_NEXT: Final = 3
+OFFSET_OFFSET: Final = 4
+OFFSET_TIMESTAMP: Final = 5
+
+# What this server speaks: key -> (min version, max version), for ExchangeCommandVersions.
+VERSIONS: Final[dict[int, tuple[int, int]]] = {
+    k: (1, 2 if k == PUBLISH else 1)
+    for k in (DECLARE_PUBLISHER, PUBLISH, PUBLISH_CONFIRM, PUBLISH_ERROR, QUERY_PUBLISHER_SEQUENCE,
+              DELETE_PUBLISHER, SUBSCRIBE, DELIVER, CREDIT, STORE_OFFSET, QUERY_OFFSET, UNSUBSCRIBE,
+              CREATE, DELETE, METADATA, METADATA_UPDATE, PEER_PROPERTIES, SASL_HANDSHAKE,
+              SASL_AUTHENTICATE, TUNE, OPEN, CLOSE, HEARTBEAT, ROUTE, PARTITIONS, CONSUMER_UPDATE,
+              EXCHANGE_COMMAND_VERSIONS, CREATE_SUPER_STREAM, DELETE_SUPER_STREAM)
+}
+
+CHUNK_MAGIC_VERSION: Final = 0x50
+_SIZE: Final = struct.Struct(">I")
+_HEAD: Final = struct.Struct(">IHH")  # size, key, version
+_U8: Final = struct.Struct(">B")
+_U16: Final = struct.Struct(">H")
+_I16: Final = struct.Struct(">h")
+_U32: Final = struct.Struct(">I")
+_I32: Final = struct.Struct(">i")
+_U64: Final = struct.Struct(">Q")
+_I64: Final = struct.Struct(">q")
+_CHUNK: Final = struct.Struct(">IHHBbbHIqQQIIII")  # frame head, sub id, chunk header
+_ENTRY: Final = struct.Struct(">I")
+MAX_ARRAY: Final = 65536  # items in any array a client sends (strings, messages, properties)
+
+
+class Malformed(ValueError):
+    """A frame whose fields do not parse: answered with ``code``."""
+
+    def __init__(self, text: str, code: int = UNKNOWN_FRAME) -> None:
+        super().__init__(text)
+        self.code = code
+
+
+class FrameTooLarge(Malformed):
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"frame of {size} bytes, larger than {limit}", FRAME_TOO_LARGE)
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    key: int
+    version: int
+    payload: bytes
+
+
+class FrameReader:
+    """Splits a byte stream into frames; ``max_frame`` bounds each one (0: no bound)."""
+
+    def __init__(self, max_frame: int) -> None:
+        self.max_frame = max_frame
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[Frame]:
+        buf = self._buf
+        buf += data
+        out: list[Frame] = []
+        pos = 0
+        n = len(buf)
+        while n - pos >= 4:
+            (size,) = _SIZE.unpack_from(buf, pos)
+            if self.max_frame and size > self.max_frame:
+                del buf[:pos]
+                raise FrameTooLarge(size, self.max_frame)
+            if n - pos - 4 < size:
+                break
+            if size < 4:
+                del buf[:pos + 4 + size]
+                raise Malformed(f"frame of {size} bytes has no key and version")
+            key, version = struct.unpack_from(">HH", buf, pos + 4)
+            out.append(Frame(key, version, bytes(buf[pos + 8 : pos + 4 + size])))
+            pos += 4 + size
+        if pos:
+            del buf[:pos]
+        return out
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buf)
+
+
+class Cursor:
+    """Reads a payload's fields in order; any short read raises ``Malformed``."""
+
+    __slots__ = ("data", "pos")
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.pos = 0
+
+    def _take(self, st: struct.Struct) -> int:
+        if self.pos + st.size > len(self.data):
+            raise Malformed("frame too short")
+        (v,) = st.unpack_from(self.data, self.pos)
+        self.pos += st.size
+        return int(v)
+
+    def u8(self) -> int:
+        return self._take(_U8)
+
+    def u16(self) -> int:
+        return self._take(_U16)
+
+    def u32(self) -> int:
+        return self._take(_U32)
+
+    def i32(self) -> int:
+        return self._take(_I32)
+
+    def u64(self) -> int:
+        return self._take(_U64)
+
+    def i64(self) -> int:
+        return self._take(_I64)
+
+    def raw(self, n: int) -> bytes:
+        if n < 0 or self.pos + n > len(self.data):
+            raise Malformed("frame too short")
+        v = self.data[self.pos : self.pos + n]
+        self.pos += n
+        return v
+
+    def string(self) -> str:
+        n = self._take(_I16)
+        if n < 0:
+            return ""  # null string
+        try:
+            return self.raw(n).decode("utf-8")
+        except UnicodeDecodeError:
+            raise Malformed("string is not UTF-8") from None
+
+    def blob(self) -> bytes:
+        n = self._take(_I32)
+        return b"" if n < 0 else self.raw(n)
+
+    def count(self) -> int:
+        n = self._take(_I32)
+        if n < 0 or n > MAX_ARRAY:
+            raise Malformed(f"array of {n} items")
+        return n
+
+    def strings(self) -> list[str]:
+        return [self.string() for _ in range(self.count())]
+
+    def properties(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for _ in range(self.count()):
+            k = self.string()
+            out[k] = self.string()
+        return out
+
+    def end(self) -> None:
+        if self.pos != len(self.data):
+            raise Malformed(f"{len(self.data) - self.pos} bytes after the last field")
+
+
+# ---------------------------------------------------------------------- requests
+
+@dataclass(frozen=True, slots=True)
+class OffsetSpec:
+    kind: int
+    value: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Subscribe:
+    corr: int
+    sub_id: int
+    stream: str
+    offset: OffsetSpec
+    credit: int
+    properties: dict[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class PublishedMessage:
+    publishing_id: int
+    filter_value: str | None
+    data: bytes
+
+
+def offset_spec(c: Cursor) -> OffsetSpec:
+    kind = c.u16()
+    if kind in (OFFSET_FIRST, OFFSET_LAST, OFFSET_NEXT):
+        return OffsetSpec(kind)
+    if kind == OFFSET_OFFSET:
+        return OffsetSpec(kind, c.u64())
+    if kind == OFFSET_TIMESTAMP:
+        return OffsetSpec(kind, c.i64())
+    raise Malformed(f"unknown offset specification type {kind}", PRECONDITION_FAILED)
+
+
+def decode_subscribe(payload: bytes) -> Subscribe:
+    c = Cursor(payload)
+    corr, sub_id, stream = c.u32(), c.u8(), c.string()
+    spec = offset_spec(c)
+    credit = c.u16()
+    props = c.properties() if c.pos < len(payload) else {}
+    c.end()
+    return Subscribe(corr, sub_id, stream, spec, credit, props)
+
+
+def decode_publish(payload: bytes, version: int) -> tuple[int, list[PublishedMessage]]:
+    """Publisher id and messages; sub-entry (batched, compressed) messages are refused."""
+    c = Cursor(payload)
+    pub_id = c.u8()
+    msgs: list[PublishedMessage] = []
+    for _ in range(c.count()):
+        pid = c.u64()
+        filt = c.string() if version >= 2 else None
+        size = c.i32()
+        if size < 0:
+            raise Malformed("sub-entry batches are not supported", PRECONDITION_FAILED)
+        msgs.append(PublishedMessage(pid, filt or None, c.raw(size)))
+    c.end()
+    return pub_id, msgs
+
+
+# --------------------------------------------------------------------- answers
+
+def _str(s: str) -> bytes:
+    b = s.encode()
+    return _I16.pack(len(b)) + b
+
+
+def _frame(key: int, body: bytes, version: int = 1) -> bytes:
+    return _HEAD.pack(len(body) + 4, key, version) + body
+
+
+def response(key: int, corr: int, code: int, extra: bytes = b"") -> bytes:
+    return _frame(key | RESPONSE, _U32.pack(corr) + _U16.pack(code) + extra)
+
+
+def props_bytes(props: dict[str, str]) -> bytes:
+    return _I32.pack(len(props)) + b"".join(_str(k) + _str(v) for k, v in props.items())
+
+
+def strings_bytes(items: Sequence[str]) -> bytes:
+    return _I32.pack(len(items)) + b"".join(_str(s) for s in items)
+
+
+def encode_tune(frame_max: int, heartbeat: int) -> bytes:
+    return _frame(TUNE, _U32.pack(frame_max) + _U32.pack(heartbeat))
+
+
+def encode_heartbeat() -> bytes:
+    return _frame(HEARTBEAT, b"")
+
+
+def encode_close(corr: int, code: int, reason: str) -> bytes:
+    return _frame(CLOSE, _U32.pack(corr) + _U16.pack(code) + _str(reason))
+
+
+def encode_confirm(pub_id: int, ids: Sequence[int]) -> bytes:
+    return _frame(PUBLISH_CONFIRM, _U8.pack(pub_id) + _I32.pack(len(ids))
+                  + b"".join(_U64.pack(i) for i in ids))
+
+
+def encode_publish_error(pub_id: int, errors: Sequence[tuple[int, int]]) -> bytes:
+    return _frame(PUBLISH_ERROR, _U8.pack(pub_id) + _I32.pack(len(errors))
+                  + b"".join(_U64.pack(i) + _U16.pack(code) for i, code in errors))
+
+
+def encode_metadata_update(code: int, stream: str) -> bytes:
+    return _frame(METADATA_UPDATE, _U16.pack(code) + _str(stream))
+
+
+def encode_credit_error(code: int, sub_id: int) -> bytes:
+    """A Credit for an unknown subscription is answered (only then) with this."""
+    return _frame(CREDIT | RESPONSE, _U16.pack(code) + _U8.pack(sub_id))
+
+
+def encode_consumer_update(corr: int, sub_id: int, active: bool) -> bytes:
+    return _frame(CONSUMER_UPDATE, _U32.pack(corr) + _U8.pack(sub_id) + _U8.pack(1 if active else 0))
+
+
+def encode_metadata(corr: int, host: str, port: int, streams: Iterable[tuple[str, bool]]) -> bytes:
+    """One broker (reference 0: this node, or the address the client reached it by); each
+    stream led by it, no replicas named (followers replicate files, they serve no stream)."""
+    items = list(streams)
+    body = [_U32.pack(corr), _I32.pack(1), _U16.pack(0), _str(host), _U32.pack(port), _I32.pack(len(items))]
+    for name, exists in items:
+        code = OK if exists else STREAM_DOES_NOT_EXIST
+        body.append(_str(name) + _U16.pack(code) + _U16.pack(0 if exists else 0xFFFF) + _I32.pack(0))
+    return _frame(METADATA | RESPONSE, b"".join(body))
+
+
+def encode_command_versions(corr: int) -> bytes:
+    items = b"".join(_U16.pack(k) + _U16.pack(lo) + _U16.pack(hi) for k, (lo, hi) in sorted(VERSIONS.items()))
+    return response(EXCHANGE_COMMAND_VERSIONS, corr, OK, _I32.pack(len(VERSIONS)) + items)
+
+
+def encode_deliver(sub_id: int, first_offset: int, timestamp_ms: int, messages: Sequence[bytes]) -> bytes:
+    """One Deliver (version 1) of a chunk holding ``messages`` at consecutive offsets."""
+    data = b"".join(_ENTRY.pack(len(m)) + m for m in messages)
+    n = len(messages)
+    head = _CHUNK.pack(len(data) + _CHUNK.size - 4, DELIVER, 1, sub_id, CHUNK_MAGIC_VERSION, 0, n, n,
+                       timestamp_ms, 0, first_offset, zlib.crc32(data), len(data), 0, 0)
+    return head + data

@@ -1,0 +1,255 @@
+"""The stream-protocol listener: an asyncio Protocol between a socket and a ``StreamSession``.
+
+Theory of operation
+-------------------
+Bytes go to the frame reader (``codec.FrameReader``), frames to the session. Before the login a
+frame may be at most ``UNAUTHENTICATED_MAX_FRAME`` bytes and the client has ``connect_timeout``
+seconds to get through PeerProperties, SASL, Tune and Open; after it, the tuned ``frame_max``
+bounds every frame. SaslAuthenticate is checked here, asynchronously (the login throttle of
+every listener may make it wait), and frames that arrive meanwhile wait in a short list. A
+malformed frame, a frame too large or a command out of place is answered with a Close carrying
+the protocol's response code and the connection ends; a bug costs that one connection (logged),
+never the broker. Reading stops while the socket's write buffer is full, and subscriptions take
+no deliveries then. Heartbeats: we send one every ``heartbeat`` seconds of our silence and close
+a client silent for two of its heartbeats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, cast
+
+from broker.aio import Listeners
+from broker.auth.throttle import TooManyFailures, check_login
+from broker.auth.users import UNIX_PEER, UserStore
+from broker.config import StreamConfig
+from broker.model.vhost import VHost
+from broker.streamproto import codec as C
+from broker.streamproto.session import AfterSync, Groups, Settings, StreamSession
+
+log = logging.getLogger(__name__)
+
+UNAUTHENTICATED_MAX_FRAME = 64 * 1024
+_PENDING_MAX = 16  # frames a client may send before its SaslAuthenticate is answered
+Peer = tuple[str, int]
+
+
+class StreamProtocol(asyncio.Protocol):
+    def __init__(self, server: StreamServer, unix: bool = False) -> None:
+        self.server = server
+        self.unix = unix
+        self.reader = C.FrameReader(UNAUTHENTICATED_MAX_FRAME)
+        self.transport: asyncio.Transport | None = None
+        self.session: StreamSession | None = None
+        self.peer = ""
+        self.writable = True
+        self.logging_in = False
+        self.pending: list[C.Frame] = []
+        self.last_seen = time.monotonic()
+        self.last_sent = time.monotonic()
+        self.timer: asyncio.TimerHandle | None = None
+
+    # ----------------------------------------------------------- session.Output
+    def write(self, data: bytes) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
+            self.last_sent = time.monotonic()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def soon(self, fn: Callable[[], None]) -> None:
+        asyncio.get_running_loop().call_soon(fn)
+
+    # ----------------------------------------------------------------- asyncio
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport = cast(asyncio.Transport, transport)
+        srv = self.server
+        info = transport.get_extra_info("peername")
+        if self.unix:
+            self.peer = UNIX_PEER
+        elif info:
+            peer = (str(info[0]), int(info[1]))
+            self.peer = srv.peers.get(peer, peer)[0]
+        host, port = srv.advertised(transport.get_extra_info("sockname"))
+        settings = Settings(srv.config.frame_max, srv.config.heartbeat, host, port)
+        self.session = StreamSession(srv.vhosts, srv.users, settings, srv.after_sync, srv.groups, self,
+                                     self.peer)
+        srv.connections.add(self)
+        self._arm(srv.config.connect_timeout)
+
+    def data_received(self, data: bytes) -> None:
+        self.last_seen = time.monotonic()
+        session = self.session
+        if session is None or session.closed:
+            return
+        try:
+            frames = self.reader.feed(data)
+        except C.Malformed as exc:
+            self._refuse(exc)
+            return
+        for f in frames:
+            if session.done():
+                return
+            self._frame(session, f)
+
+    def _frame(self, session: StreamSession, f: C.Frame) -> None:
+        if self.logging_in:
+            if len(self.pending) >= _PENDING_MAX:
+                self._refuse(C.Malformed("too many frames before the login was answered"))
+                return
+            self.pending.append(f)
+            return
+        try:
+            if session.state == "peer" and f.key == C.SASL_AUTHENTICATE:
+                creds = session.sasl_credentials(f.payload)
+                if creds is not None:
+                    self.logging_in = True
+                    self.server.spawn(self._login(session, *creds))
+                return
+            session.handle(f)
+        except C.Malformed as exc:
+            self._refuse(exc)
+        except Exception:  # a bug must cost one connection, never the broker
+            log.exception("internal error on stream connection from %s", self.peer)
+            session.close_with(C.INTERNAL_ERROR, "internal error")
+        if session.state == "open" and self.reader.max_frame == UNAUTHENTICATED_MAX_FRAME:
+            self.reader.max_frame = session.frame_max or self.server.config.frame_max
+            self._arm(session.heartbeat)
+
+    def _refuse(self, exc: C.Malformed) -> None:
+        log.warning("stream connection from %s: %s: closing", self.peer, exc)
+        if self.session is not None:
+            self.session.close_with(exc.code, str(exc))
+        else:
+            self.close()
+
+    async def _login(self, session: StreamSession, corr: int, name: str, password: str) -> None:
+        srv = self.server
+        try:
+            user = await check_login(srv.users, name, password, self.peer, "stream")
+        except TooManyFailures:
+            user = None
+        self.logging_in = False
+        if session.closed:
+            return
+        session.logged_in(corr, user)
+        pending, self.pending = self.pending, []
+        for f in pending:
+            if session.done():
+                break
+            self._frame(session, f)
+
+    # ------------------------------------------------------------------ timers
+    def _arm(self, seconds: float) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if seconds > 0:
+            self.timer = asyncio.get_running_loop().call_later(seconds, self._tick, seconds)
+
+    def _tick(self, seconds: float) -> None:
+        self.timer = None
+        session = self.session
+        if session is None or session.closed:
+            return
+        if session.state != "open":
+            log.warning("stream connection from %s: not open within %.0f s: closing", self.peer, seconds)
+            session.end()
+            self.close()
+            return
+        now = time.monotonic()
+        if now - self.last_seen >= 2 * seconds:
+            log.warning("stream connection from %s: silent for %.0f s (heartbeat %d s): closing", self.peer,
+                        now - self.last_seen, seconds)
+            session.close_with(C.OK, "heartbeat timeout")
+            return
+        if now - self.last_sent >= seconds * 0.9:
+            self.write(C.encode_heartbeat())
+        self.timer = asyncio.get_running_loop().call_later(seconds, self._tick, seconds)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.session is not None:
+            try:
+                self.session.end()
+            except Exception:  # noqa: BLE001 - logged; the connection is gone either way
+                log.exception("internal error ending the stream session of %s", self.peer)
+        self.server.connections.discard(self)
+
+    def pause_writing(self) -> None:
+        self.writable = False
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self.writable = True
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
+        if self.session is not None and not self.session.closed:
+            self.session.resume()
+
+
+class StreamServer:
+    """The stream-protocol listeners (plain, TLS, Unix socket) of one node."""
+
+    def __init__(self, config: StreamConfig, vhosts: dict[str, VHost], users: UserStore,
+                 after_sync: AfterSync, peers: Mapping[Peer, Peer] | None = None) -> None:
+        self.config = config
+        self.vhosts = vhosts
+        self.users = users
+        self.after_sync = after_sync
+        self.peers = peers if peers is not None else {}
+        self.groups = Groups()
+        self.connections: set[StreamProtocol] = set()
+        self.listeners = Listeners("stream protocol", log)
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def advertised(self, sockname: Any) -> tuple[str, int]:
+        """The host and port Open and Metadata name: the configured ones, else the address
+        the client reached us at (a Unix socket: the plain listener's)."""
+        cfg = self.config
+        host, port = "", 0
+        if isinstance(sockname, tuple) and len(sockname) >= 2:
+            host, port = str(sockname[0]), int(sockname[1])
+        elif "stream" in self.listeners.addresses:
+            host, port = self.listeners.addresses["stream"]
+        return cfg.advertised_host or host, cfg.advertised_port or port
+
+    def spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def start(self, tls: Callable[[], ssl.SSLContext] | None = None, unix_mode: int = 0o660) -> None:
+        cfg = self.config
+        def factory() -> StreamProtocol:
+            return StreamProtocol(self)
+
+        if cfg.port >= 0:
+            await self.listeners.tcp("stream", factory, cfg.bind, cfg.port)
+        if tls is not None and cfg.tls_port >= 0:
+            await self.listeners.tcp("stream/ssl", factory, cfg.bind, cfg.tls_port, tls())
+        if cfg.unix_path:
+            await self.listeners.unix(lambda: StreamProtocol(self, unix=True), cfg.unix_path, unix_mode)
+
+    @property
+    def addresses(self) -> dict[str, tuple[str, int]]:
+        return self.listeners.addresses
+
+    async def stop(self) -> None:
+        self.listeners.close(self.config.unix_path)
+        for conn in list(self.connections):
+            if conn.session is not None:
+                conn.session.close_with(C.OK, "broker shutting down")
+            else:
+                conn.close()
+        for task in list(self._tasks):
+            task.cancel()
