@@ -8,7 +8,9 @@ few HTTP requests (stdlib ``urllib``, no event loop); ``hash_password`` and ``de
 ``--format json`` (or ``--json``). Failures end with one line on stderr and an exit status a
 script can test, never a traceback: 1 the broker refused (401/403/4xx) or the input is
 unusable, 2 the broker cannot be reached or the command line is wrong, 3 the broker does not
-offer the operation (its API answers 404/405 on the operation's path). Credentials come from ``--user/--password`` or the environment
+offer the operation (its API answers 404/405 on the operation's path).
+
+Credentials come from ``--user/--password`` or the environment
 (``SKREDCTL_USER``, ``SKREDCTL_PASSWORD``, ``SKREDCTL_URL``), else the node's own settings
 where skredctl runs next to the node, as in its container (``SKRED_MAIN_DEFAULT_USER``,
 ``SKRED_MAIN_DEFAULT_PASSWORD``, ``SKRED_MGMT_PORT`` on 127.0.0.1), else guest on 15672.
@@ -57,43 +59,86 @@ def env_defaults() -> tuple[str, str, str]:
 
 def _global_options(p: argparse.ArgumentParser) -> None:
     url, user, password = env_defaults()
-    p.add_argument("--url", "-U", "--uri", default=url,
-                   help=f"management API base URL (default {DEFAULT_URL}; env SKREDCTL_URL, else "
-                        "SKRED_MGMT_PORT on 127.0.0.1)")
+    p.add_argument(
+        "--url",
+        "-U",
+        "--uri",
+        default=url,
+        help=f"management API base URL (default {DEFAULT_URL}; env SKREDCTL_URL, else "
+        "SKRED_MGMT_PORT on 127.0.0.1)",
+    )
     p.add_argument("--hostname", help="host of the management API (instead of --url)")
     p.add_argument("-P", "--port", type=int, help="port with --hostname (default 15672)")
     p.add_argument("--scheme", choices=("http", "https"), default="http", help="scheme with --hostname")
-    p.add_argument("-u", "--user", default=user,
-                   help="user (env SKREDCTL_USER, else SKRED_MAIN_DEFAULT_USER, else guest)")
-    p.add_argument("-p", "--password", default=password,
-                   help="password (env SKREDCTL_PASSWORD, else SKRED_MAIN_DEFAULT_PASSWORD, else guest); "
-                        "lavinmqctl's -p means --vhost, which here is --vhost only")
-    p.add_argument("--vhost", dest="global_vhost", metavar="VHOST",
-                   help="the vhost of a vhost-scoped command (also accepted after the command)")
+    p.add_argument(
+        "-u",
+        "--user",
+        default=user,
+        help="user (env SKREDCTL_USER, else SKRED_MAIN_DEFAULT_USER, else guest)",
+    )
+    p.add_argument(
+        "-p",
+        "--password",
+        default=password,
+        help="password (env SKREDCTL_PASSWORD, else SKRED_MAIN_DEFAULT_PASSWORD, else guest); "
+        "lavinmqctl's -p means --vhost, which here is --vhost only",
+    )
+    p.add_argument(
+        "--vhost",
+        dest="global_vhost",
+        metavar="VHOST",
+        help="the vhost of a vhost-scoped command (also accepted after the command)",
+    )
     p.add_argument("-f", "--format", choices=("text", "json"), default="text", help="output format")
     p.add_argument("--json", action="store_true", help="same as --format json")
-    p.add_argument("-q", "--quiet", action="store_true", help="accepted for lavinmqctl's scripts (no banners "
-                                                              "are printed anyway)")
+    p.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="accepted for lavinmqctl's scripts (no banners are printed anyway)",
+    )
     p.add_argument("-s", "--silent", action="store_true", help="no table header")
     p.add_argument("-n", "--node", help="accepted for lavinmqctl's scripts and ignored")
     tls = p.add_argument_group("TLS (with an https:// URL)")
-    tls.add_argument("--cacert", "--ssl-ca-cert-file", "--tls-ca-cert-file", metavar="FILE",
-                     help="PEM CA bundle that verifies the broker's certificate (default: the system's; "
-                          "env SKREDCTL_CACERT)")
-    tls.add_argument("--cert", "--ssl-cert-file", "--tls-cert-file", metavar="FILE",
-                     help="PEM client certificate (chain) to present (env SKREDCTL_CERT)")
-    tls.add_argument("--key", "--ssl-key-file", "--tls-key-file", metavar="FILE",
-                     help="PEM private key of --cert (default: in the --cert file; env SKREDCTL_KEY)")
-    tls.add_argument("-k", "--insecure", action="store_true",
-                     help="do not verify the broker's certificate or host name (testing only)")
+    tls.add_argument(
+        "--cacert",
+        "--ssl-ca-cert-file",
+        "--tls-ca-cert-file",
+        metavar="FILE",
+        help="PEM CA bundle that verifies the broker's certificate (default: the system's; "
+        "env SKREDCTL_CACERT)",
+    )
+    tls.add_argument(
+        "--cert",
+        "--ssl-cert-file",
+        "--tls-cert-file",
+        metavar="FILE",
+        help="PEM client certificate (chain) to present (env SKREDCTL_CERT)",
+    )
+    tls.add_argument(
+        "--key",
+        "--ssl-key-file",
+        "--tls-key-file",
+        metavar="FILE",
+        help="PEM private key of --cert (default: in the --cert file; env SKREDCTL_KEY)",
+    )
+    tls.add_argument(
+        "-k",
+        "--insecure",
+        action="store_true",
+        help="do not verify the broker's certificate or host name (testing only)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     from broker.ctl import tui
 
-    p = OneLineErrorParser(prog="skredctl", description="Manage a Skred broker over its HTTP API.",
-                           epilog="exit status: 0 done; 1 refused by the broker or unusable input; 2 broker "
-                                  "unreachable or bad command line; 3 the broker does not offer the operation")
+    p = OneLineErrorParser(
+        prog="skredctl",
+        description="Manage a Skred broker over its HTTP API.",
+        epilog="exit status: 0 done; 1 refused by the broker or unusable input; 2 broker "
+        "unreachable or bad command line; 3 the broker does not offer the operation",
+    )
     _global_options(p)
     sub = p.add_subparsers(dest="command", required=True, metavar="command")
     for cmd in COMMANDS.values():
@@ -117,8 +162,11 @@ def _tls_files(args: argparse.Namespace) -> tuple[str | None, str | None, str | 
     if urllib.parse.urlsplit(args.url).scheme != "https":
         return args.cacert, args.cert, args.key
     env = os.environ
-    return (args.cacert or env.get("SKREDCTL_CACERT"), args.cert or env.get("SKREDCTL_CERT"),
-            args.key or env.get("SKREDCTL_KEY"))
+    return (
+        args.cacert or env.get("SKREDCTL_CACERT"),
+        args.cert or env.get("SKREDCTL_CERT"),
+        args.key or env.get("SKREDCTL_KEY"),
+    )
 
 
 def client(args: argparse.Namespace) -> Client:

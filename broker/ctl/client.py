@@ -17,8 +17,10 @@ TIMEOUT = 10.0
 # 2 the broker cannot be reached, or the command line is wrong (argparse's own 2);
 # 3 the broker does not offer the operation (its API answers 404/405 on the operation's path).
 REFUSED, UNREACHABLE, UNSUPPORTED = 1, 2, 3
-NO_APP_NOTE = ("stop_app/start_app: a Skred node has no AMQP application to stop apart from the node "
-                  "itself; stop or start the node (its service manager, or SIGTERM for a clean stop)")
+NO_APP_NOTE = (
+    "stop_app/start_app: a Skred node has no AMQP application to stop apart from the node "
+    "itself; stop or start the node (its service manager, or SIGTERM for a clean stop)"
+)
 
 
 class CtlError(Exception):
@@ -32,8 +34,9 @@ def q(name: str) -> str:
     return urllib.parse.quote(name, safe="")
 
 
-def tls_context(url: str, cacert: str | None, cert: str | None, key: str | None,
-                insecure: bool) -> ssl.SSLContext | None:
+def tls_context(
+    url: str, cacert: str | None, cert: str | None, key: str | None, insecure: bool
+) -> ssl.SSLContext | None:
     """The client TLS context for ``url`` (None for http://); CtlError for unusable files."""
     if urllib.parse.urlsplit(url).scheme != "https":
         if cacert or cert or key or insecure:
@@ -54,8 +57,9 @@ def tls_context(url: str, cacert: str | None, cert: str | None, key: str | None,
 
 
 class Client:
-    def __init__(self, url: str, user: str, password: str, tls: ssl.SSLContext | None = None,
-                 timeout: float = TIMEOUT) -> None:
+    def __init__(
+        self, url: str, user: str, password: str, tls: ssl.SSLContext | None = None, timeout: float = TIMEOUT
+    ) -> None:
         self.url = url.rstrip("/")
         self.user = user
         self.tls = tls
@@ -63,8 +67,7 @@ class Client:
         token = base64.b64encode(f"{user}:{password}".encode()).decode()
         self.auth = f"Basic {token}"
 
-    def request(self, method: str, path: str, body: Any = None,
-                headers: dict[str, str] | None = None) -> Any:
+    def request(self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None) -> Any:
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.url + path, data=data, method=method)
         req.add_header("Authorization", self.auth)
@@ -83,8 +86,9 @@ class Client:
                 reason = detail or exc.reason
             code = exc.code
             if code == 401:
-                raise CtlError(f"authentication failed for user '{self.user}' ({reason})",
-                               http_status=code) from None
+                raise CtlError(
+                    f"authentication failed for user '{self.user}' ({reason})", http_status=code
+                ) from None
             if code == 403:
                 raise CtlError(f"permission denied: {reason}", http_status=code) from None
             if code == 404:
@@ -104,6 +108,9 @@ class Client:
         except CtlError as exc:
             no_component = exc.http_status == 400 and "component '" in str(exc) and "not found" in str(exc)
             if exc.http_status in (404, 405) or no_component:
-                raise CtlError(f"this broker does not offer {what} ({method} {path} answered HTTP "
-                               f"{exc.http_status})", status=UNSUPPORTED, http_status=exc.http_status) from None
+                raise CtlError(
+                    f"this broker does not offer {what} ({method} {path} answered HTTP {exc.http_status})",
+                    status=UNSUPPORTED,
+                    http_status=exc.http_status,
+                ) from None
             raise

@@ -36,37 +36,78 @@ class Listing:
 
 
 LISTS: dict[str, Listing] = {
-    "queues": Listing("/api/queues", "/api/queues/{vhost}",
-                      ["vhost", "name", "durable", "messages_ready", "messages_unacknowledged", "consumers"],
-                      ["name", "messages"]),
-    "exchanges": Listing("/api/exchanges", "/api/exchanges/{vhost}",
-                         ["vhost", "name", "type", "durable", "auto_delete", "internal"], ["name", "type"]),
-    "bindings": Listing("/api/bindings", "/api/bindings/{vhost}",
-                        ["vhost", "source", "destination", "destination_type", "routing_key"],
-                        ["source", "destination", "destination_type", "routing_key"]),
-    "connections": Listing("/api/connections", "/api/vhosts/{vhost}/connections",
-                           ["name", "user", "vhost", "channels"], ["user", "peer_host", "peer_port", "state"],
-                           root_default=False),
-    "channels": Listing("/api/channels", "/api/vhosts/{vhost}/channels",
-                        ["name", "user", "vhost", "consumer_count", "messages_unacknowledged"],
-                        ["name", "user", "consumer_count", "messages_unacknowledged"], root_default=False),
-    "consumers": Listing("/api/consumers", "/api/consumers/{vhost}",
-                         ["queue.vhost", "queue.name", "consumer_tag", "ack_required"],
-                         ["queue.name", "consumer_tag", "ack_required", "prefetch_count"]),
+    "queues": Listing(
+        "/api/queues",
+        "/api/queues/{vhost}",
+        ["vhost", "name", "durable", "messages_ready", "messages_unacknowledged", "consumers"],
+        ["name", "messages"],
+    ),
+    "exchanges": Listing(
+        "/api/exchanges",
+        "/api/exchanges/{vhost}",
+        ["vhost", "name", "type", "durable", "auto_delete", "internal"],
+        ["name", "type"],
+    ),
+    "bindings": Listing(
+        "/api/bindings",
+        "/api/bindings/{vhost}",
+        ["vhost", "source", "destination", "destination_type", "routing_key"],
+        ["source", "destination", "destination_type", "routing_key"],
+    ),
+    "connections": Listing(
+        "/api/connections",
+        "/api/vhosts/{vhost}/connections",
+        ["name", "user", "vhost", "channels"],
+        ["user", "peer_host", "peer_port", "state"],
+        root_default=False,
+    ),
+    "channels": Listing(
+        "/api/channels",
+        "/api/vhosts/{vhost}/channels",
+        ["name", "user", "vhost", "consumer_count", "messages_unacknowledged"],
+        ["name", "user", "consumer_count", "messages_unacknowledged"],
+        root_default=False,
+    ),
+    "consumers": Listing(
+        "/api/consumers",
+        "/api/consumers/{vhost}",
+        ["queue.vhost", "queue.name", "consumer_tag", "ack_required"],
+        ["queue.name", "consumer_tag", "ack_required", "prefetch_count"],
+    ),
     "users": Listing("/api/users", None, ["name", "tags"], ["name", "tags"]),
     "vhosts": Listing("/api/vhosts", None, ["name", "messages"], ["name"]),
-    "permissions": Listing("/api/permissions", "/api/vhosts/{vhost}/permissions",
-                           ["user", "vhost", "configure", "write", "read"], ["user", "configure", "write", "read"]),
-    "policies": Listing("/api/policies", "/api/policies/{vhost}", ["vhost", "name", "pattern", "apply-to", "priority"],
-                        ["vhost", "name", "pattern", "apply-to", "definition", "priority"]),
-    "shovels": Listing("/api/shovels", "/api/shovels/{vhost}", ["vhost", "name", "state"],
-                       ["name", "vhost", "state"], feature="shovel status (/api/shovels)"),
-    "federations": Listing("/api/parameters/federation-upstream", "/api/parameters/federation-upstream/{vhost}",
-                           ["vhost", "name", "component"], ["name", "component"]),
-    "federation_links": Listing("/api/federation-links", "/api/federation-links/{vhost}",
-                                ["vhost", "upstream", "type", "exchange", "queue", "status"],
-                                ["upstream", "type", "exchange", "queue", "status"],
-                                feature="federation links (/api/federation-links)"),
+    "permissions": Listing(
+        "/api/permissions",
+        "/api/vhosts/{vhost}/permissions",
+        ["user", "vhost", "configure", "write", "read"],
+        ["user", "configure", "write", "read"],
+    ),
+    "policies": Listing(
+        "/api/policies",
+        "/api/policies/{vhost}",
+        ["vhost", "name", "pattern", "apply-to", "priority"],
+        ["vhost", "name", "pattern", "apply-to", "definition", "priority"],
+    ),
+    "shovels": Listing(
+        "/api/shovels",
+        "/api/shovels/{vhost}",
+        ["vhost", "name", "state"],
+        ["name", "vhost", "state"],
+        feature="shovel status (/api/shovels)",
+    ),
+    "federations": Listing(
+        "/api/parameters/federation-upstream",
+        "/api/parameters/federation-upstream/{vhost}",
+        ["vhost", "name", "component"],
+        ["name", "component"],
+    ),
+    "federation_links": Listing(
+        "/api/federation-links",
+        "/api/federation-links/{vhost}",
+        ["vhost", "upstream", "type", "exchange", "queue", "status"],
+        ["upstream", "type", "exchange", "queue", "status"],
+        feature="federation links (/api/federation-links)",
+    ),
 }
 
 
@@ -124,6 +165,7 @@ def command(name: str, help: str, *args: Arg, offline: bool = False) -> Callable
     def register(fn: Handler) -> Handler:
         COMMANDS[name] = Command(name, help, args, fn, offline)
         return fn
+
     return register
 
 
@@ -154,8 +196,10 @@ def _list(ctx: Ctx, what: str, lavin: bool) -> None:
         rows = ctx.c.request("GET", path)
     except CtlError as exc:
         if spec.feature and exc.http_status in (404, 405):
-            raise CtlError(f"this broker does not offer {spec.feature} (GET {path} answered HTTP "
-                           f"{exc.http_status})", status=UNSUPPORTED) from None
+            raise CtlError(
+                f"this broker does not offer {spec.feature} (GET {path} answered HTTP {exc.http_status})",
+                status=UNSUPPORTED,
+            ) from None
         raise
     columns: list[str] | None = list(getattr(ctx.args, "columns", None) or []) or None
     if columns is None and not ctx.out.json:
@@ -163,25 +207,36 @@ def _list(ctx: Ctx, what: str, lavin: bool) -> None:
     ctx.out.rows(rows if isinstance(rows, list) else [], columns)
 
 
-@command("list", "list objects (rabbitmqctl-style, all vhosts unless --vhost)",
-         arg("what", choices=sorted(LISTS)), VHOST,
-         arg("columns", nargs="*", help="columns to print (default: a useful few)"))
+@command(
+    "list",
+    "list objects (rabbitmqctl-style, all vhosts unless --vhost)",
+    arg("what", choices=sorted(LISTS)),
+    VHOST,
+    arg("columns", nargs="*", help="columns to print (default: a useful few)"),
+)
 def list_any(ctx: Ctx) -> None:
     _list(ctx, ctx.args.what, lavin=False)
 
 
 def _register_lists() -> None:
     for what, spec in LISTS.items():
-        scope = "for a vhost (default '/')" if spec.root_default and spec.vhost_path else (
-            "(all vhosts unless --vhost)" if spec.vhost_path else "")
-        args: tuple[Arg, ...] = (arg("columns", nargs="*", help=f"columns (default: {' '.join(spec.lavin)})"),)
+        scope = (
+            "for a vhost (default '/')"
+            if spec.root_default and spec.vhost_path
+            else ("(all vhosts unless --vhost)" if spec.vhost_path else "")
+        )
+        args: tuple[Arg, ...] = (
+            arg("columns", nargs="*", help=f"columns (default: {' '.join(spec.lavin)})"),
+        )
         if spec.vhost_path:
             args = (VHOST, *args)
 
         def handler(ctx: Ctx, what: str = what) -> None:
             _list(ctx, what, lavin=True)
-        COMMANDS[f"list_{what}"] = Command(f"list_{what}", f"list {what.replace('_', ' ')} {scope}".strip(),
-                                           args, handler)
+
+        COMMANDS[f"list_{what}"] = Command(
+            f"list_{what}", f"list {what.replace('_', ' ')} {scope}".strip(), args, handler
+        )
 
 
 _register_lists()
@@ -194,8 +249,13 @@ def _user_tags(ctx: Ctx, name: str) -> list[str]:
     return [t for t in (tags.split(",") if isinstance(tags, str) else tags) if t]
 
 
-@command("add_user", "create or update a user", arg("name"), arg("new_password", metavar="password"),
-         arg("--tags", default="", help="comma-separated tags, e.g. administrator"))
+@command(
+    "add_user",
+    "create or update a user",
+    arg("name"),
+    arg("new_password", metavar="password"),
+    arg("--tags", default="", help="comma-separated tags, e.g. administrator"),
+)
 def add_user(ctx: Ctx) -> None:
     a = ctx.args
     tags = [t for t in a.tags.split(",") if t]
@@ -209,16 +269,26 @@ def delete_user(ctx: Ctx) -> None:
     ctx.out.done(f"user '{ctx.args.name}' deleted")
 
 
-@command("change_password", "set a user's password (its tags stay)", arg("name"),
-         arg("new_password", metavar="new_password"))
+@command(
+    "change_password",
+    "set a user's password (its tags stay)",
+    arg("name"),
+    arg("new_password", metavar="new_password"),
+)
 def change_password(ctx: Ctx) -> None:
     a = ctx.args
-    ctx.c.request("PUT", f"/api/users/{q(a.name)}", {"password": a.new_password, "tags": _user_tags(ctx, a.name)})
+    ctx.c.request(
+        "PUT", f"/api/users/{q(a.name)}", {"password": a.new_password, "tags": _user_tags(ctx, a.name)}
+    )
     ctx.out.done(f"password of user '{a.name}' changed")
 
 
-@command("set_user_tags", "replace a user's tags (none: no tags; its password stays)", arg("name"),
-         arg("tags", nargs="*", help="tags, space- or comma-separated"))
+@command(
+    "set_user_tags",
+    "replace a user's tags (none: no tags; its password stays)",
+    arg("name"),
+    arg("tags", nargs="*", help="tags, space- or comma-separated"),
+)
 def set_user_tags(ctx: Ctx) -> None:
     a = ctx.args
     tags = [t for part in a.tags for t in part.split(",") if t]
@@ -227,17 +297,31 @@ def set_user_tags(ctx: Ctx) -> None:
     ctx.out.done(f"tags of user '{a.name}' set to [{','.join(tags)}]")
 
 
-@command("set_permissions", "set a user's permissions on a vhost", arg("target_user", metavar="user"),
-         arg("configure"), arg("write"), arg("read"), VHOST)
+@command(
+    "set_permissions",
+    "set a user's permissions on a vhost",
+    arg("target_user", metavar="user"),
+    arg("configure"),
+    arg("write"),
+    arg("read"),
+    VHOST,
+)
 def set_permissions(ctx: Ctx) -> None:
     a = ctx.args
-    ctx.c.request("PUT", f"/api/permissions/{q(ctx.vhost)}/{q(a.target_user)}",
-                  {"configure": a.configure, "write": a.write, "read": a.read})
+    ctx.c.request(
+        "PUT",
+        f"/api/permissions/{q(ctx.vhost)}/{q(a.target_user)}",
+        {"configure": a.configure, "write": a.write, "read": a.read},
+    )
     ctx.out.done(f"permissions of '{a.target_user}' on vhost '{ctx.vhost}' set")
 
 
-@command("hash_password", "print the password hash a definitions file holds (SHA-256, salted; offline)",
-         arg("password"), offline=True)
+@command(
+    "hash_password",
+    "print the password hash a definitions file holds (SHA-256, salted; offline)",
+    arg("password"),
+    offline=True,
+)
 def hash_password_cmd(ctx: Ctx) -> None:
     digest = hash_password(ctx.args.password)
     ctx.out.obj({"password_hash": digest, "hashing_algorithm": "rabbit_password_hashing_sha256"}, digest)
@@ -259,12 +343,20 @@ def delete_vhost(ctx: Ctx) -> None:
 VHOST_LIMITS = ("max-connections", "max-queues")
 
 
-@command("set_vhost_limits", "set a vhost's limits from JSON, e.g. '{\"max-queues\": 10}' (-1: no limit)",
-         arg("limits", metavar="json"), VHOST)
+@command(
+    "set_vhost_limits",
+    "set a vhost's limits from JSON, e.g. '{\"max-queues\": 10}' (-1: no limit)",
+    arg("limits", metavar="json"),
+    VHOST,
+)
 def set_vhost_limits(ctx: Ctx) -> None:
     doc = _json_arg(ctx.args.limits, "the limits")
-    if not isinstance(doc, dict) or not doc or set(doc) - set(VHOST_LIMITS) \
-            or not all(isinstance(v, int) and not isinstance(v, bool) for v in doc.values()):
+    if (
+        not isinstance(doc, dict)
+        or not doc
+        or set(doc) - set(VHOST_LIMITS)
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in doc.values())
+    ):
         raise CtlError(f"limits must be a JSON object of integers with keys among {', '.join(VHOST_LIMITS)}")
     for name, value in doc.items():
         ctx.c.request("PUT", f"/api/vhost-limits/{q(ctx.vhost)}/{name}", {"value": value})
@@ -276,31 +368,48 @@ def _queue_path(ctx: Ctx, name: str) -> str:
     return f"/api/queues/{q(ctx.vhost)}/{q(name)}"
 
 
-@command("declare_queue", "declare a queue (durable unless --no-durable)", arg("name"), VHOST,
-         arg("--durable", action=argparse.BooleanOptionalAction, default=True),
-         arg("--auto-delete", action="store_true"))
+@command(
+    "declare_queue",
+    "declare a queue (durable unless --no-durable)",
+    arg("name"),
+    VHOST,
+    arg("--durable", action=argparse.BooleanOptionalAction, default=True),
+    arg("--auto-delete", action="store_true"),
+)
 def declare_queue(ctx: Ctx) -> None:
     a = ctx.args
     ctx.c.request("PUT", _queue_path(ctx, a.name), {"durable": a.durable, "auto_delete": a.auto_delete})
     ctx.out.done(f"queue '{a.name}' declared")
 
 
-QUEUE_INT_ARGS = (("--expires", "x-expires", "delete the queue after this many ms unused"),
-                  ("--max-length", "x-max-length", "at most this many messages"),
-                  ("--message-ttl", "x-message-ttl", "messages expire after this many ms"),
-                  ("--delivery-limit", "x-delivery-limit", "dead-letter a message after this many deliveries"))
-QUEUE_STR_ARGS = (("--dead-letter-exchange", "x-dead-letter-exchange", "the exchange dead letters go to"),
-                  ("--dead-letter-routing-key", "x-dead-letter-routing-key", "their routing key"))
+QUEUE_INT_ARGS = (
+    ("--expires", "x-expires", "delete the queue after this many ms unused"),
+    ("--max-length", "x-max-length", "at most this many messages"),
+    ("--message-ttl", "x-message-ttl", "messages expire after this many ms"),
+    ("--delivery-limit", "x-delivery-limit", "dead-letter a message after this many deliveries"),
+)
+QUEUE_STR_ARGS = (
+    ("--dead-letter-exchange", "x-dead-letter-exchange", "the exchange dead letters go to"),
+    ("--dead-letter-routing-key", "x-dead-letter-routing-key", "their routing key"),
+)
 
 
-@command("create_queue", "create a queue (lavinmqctl: transient unless --durable)", arg("name"), VHOST,
-         arg("--durable", action="store_true", help="survive a restart"),
-         arg("--auto-delete", action="store_true", help="delete when its last consumer goes"),
-         *(arg(flag, type=_int, metavar="N", help=h) for flag, _, h in QUEUE_INT_ARGS),
-         *(arg(flag, metavar="NAME", help=h) for flag, _, h in QUEUE_STR_ARGS),
-         arg("--reject-on-overflow", action="store_true",
-             help="refuse publishes when full (x-overflow reject-publish) instead of dropping the oldest"),
-         arg("--stream-queue", action="store_true", help="a stream queue (x-queue-type stream)"))
+@command(
+    "create_queue",
+    "create a queue (lavinmqctl: transient unless --durable)",
+    arg("name"),
+    VHOST,
+    arg("--durable", action="store_true", help="survive a restart"),
+    arg("--auto-delete", action="store_true", help="delete when its last consumer goes"),
+    *(arg(flag, type=_int, metavar="N", help=h) for flag, _, h in QUEUE_INT_ARGS),
+    *(arg(flag, metavar="NAME", help=h) for flag, _, h in QUEUE_STR_ARGS),
+    arg(
+        "--reject-on-overflow",
+        action="store_true",
+        help="refuse publishes when full (x-overflow reject-publish) instead of dropping the oldest",
+    ),
+    arg("--stream-queue", action="store_true", help="a stream queue (x-queue-type stream)"),
+)
 def create_queue(ctx: Ctx) -> None:
     a = ctx.args
     arguments: dict[str, Any] = {}
@@ -312,8 +421,11 @@ def create_queue(ctx: Ctx) -> None:
         arguments["x-overflow"] = "reject-publish"
     if a.stream_queue:
         arguments["x-queue-type"] = "stream"
-    ctx.c.request("PUT", _queue_path(ctx, a.name),
-                  {"durable": a.durable, "auto_delete": a.auto_delete, "arguments": arguments})
+    ctx.c.request(
+        "PUT",
+        _queue_path(ctx, a.name),
+        {"durable": a.durable, "auto_delete": a.auto_delete, "arguments": arguments},
+    )
     ctx.out.done(f"queue '{a.name}' created")
 
 
@@ -335,23 +447,33 @@ def _queue_op(op: str, done: str) -> Handler:
         ctx.c.request("GET", path)  # a missing queue is 'not found' (1), not a missing feature (3)
         ctx.c.feature(f"{op}_queue", "PUT", f"{path}/{op}")
         ctx.out.done(f"queue '{ctx.args.name}' {done}")
+
     return handler
 
 
-for _op, _help, _done in (("pause", "stop deliveries from a queue (publishes continue)", "paused"),
-                          ("resume", "resume deliveries from a paused queue", "resumed"),
-                          ("restart", "restart a closed queue", "restarted")):
+for _op, _help, _done in (
+    ("pause", "stop deliveries from a queue (publishes continue)", "paused"),
+    ("resume", "resume deliveries from a paused queue", "resumed"),
+    ("restart", "restart a closed queue", "restarted"),
+):
     COMMANDS[f"{_op}_queue"] = Command(f"{_op}_queue", _help, (arg("name"), VHOST), _queue_op(_op, _done))
 
 
 # -------------------------------------------------------------------- exchanges
-@command("create_exchange", "create an exchange (transient unless --durable)", arg("type"), arg("name"), VHOST,
-         arg("--durable", action="store_true"), arg("--auto-delete", action="store_true"),
-         arg("--internal", action="store_true"),
-         arg("--delayed", action="store_true", help="delay messages by their x-delay header"),
-         arg("--alternate-exchange", metavar="NAME", help="where unroutable messages go"),
-         arg("--persist-messages", type=_int, metavar="N", help="x-persist-messages (LavinMQ)"),
-         arg("--persist-ms", type=_int, metavar="MS", help="x-persist-ms (LavinMQ)"))
+@command(
+    "create_exchange",
+    "create an exchange (transient unless --durable)",
+    arg("type"),
+    arg("name"),
+    VHOST,
+    arg("--durable", action="store_true"),
+    arg("--auto-delete", action="store_true"),
+    arg("--internal", action="store_true"),
+    arg("--delayed", action="store_true", help="delay messages by their x-delay header"),
+    arg("--alternate-exchange", metavar="NAME", help="where unroutable messages go"),
+    arg("--persist-messages", type=_int, metavar="N", help="x-persist-messages (LavinMQ)"),
+    arg("--persist-ms", type=_int, metavar="MS", help="x-persist-ms (LavinMQ)"),
+)
 def create_exchange(ctx: Ctx) -> None:
     a = ctx.args
     arguments: dict[str, Any] = {}
@@ -363,9 +485,17 @@ def create_exchange(ctx: Ctx) -> None:
         arguments["x-persist-ms"] = a.persist_ms
     if a.delayed:
         arguments["x-delayed-exchange"] = True
-    ctx.c.request("PUT", f"/api/exchanges/{q(ctx.vhost)}/{q(a.name)}",
-                  {"type": a.type, "durable": a.durable, "auto_delete": a.auto_delete, "internal": a.internal,
-                   "arguments": arguments})
+    ctx.c.request(
+        "PUT",
+        f"/api/exchanges/{q(ctx.vhost)}/{q(a.name)}",
+        {
+            "type": a.type,
+            "durable": a.durable,
+            "auto_delete": a.auto_delete,
+            "internal": a.internal,
+            "arguments": arguments,
+        },
+    )
     ctx.out.done(f"exchange '{a.name}' created")
 
 
@@ -383,15 +513,23 @@ def _close(ctx: Ctx, name: str, reason: str) -> None:
     ctx.c.request("DELETE", f"/api/connections/{q(name)}", headers={"X-Reason": reason})
 
 
-@command("close_connection", "close a connection by name", arg("name"),
-         arg("reason", nargs="?", default=DEFAULT_REASON))
+@command(
+    "close_connection",
+    "close a connection by name",
+    arg("name"),
+    arg("reason", nargs="?", default=DEFAULT_REASON),
+)
 def close_connection(ctx: Ctx) -> None:
     _close(ctx, ctx.args.name, ctx.args.reason)
     ctx.out.done(f"connection '{ctx.args.name}' closed")
 
 
-@command("close_all_connections", "close every connection (of --vhost if given)",
-         arg("reason", nargs="?", default=DEFAULT_REASON), VHOST)
+@command(
+    "close_all_connections",
+    "close every connection (of --vhost if given)",
+    arg("reason", nargs="?", default=DEFAULT_REASON),
+    VHOST,
+)
 def close_all_connections(ctx: Ctx) -> None:
     vhost = ctx.vhost_or_none
     path = "/api/connections" if vhost is None else f"/api/vhosts/{q(vhost)}/connections"
@@ -407,15 +545,28 @@ def close_all_connections(ctx: Ctx) -> None:
 
 
 # --------------------------------------------------------------------- policies
-@command("set_policy", "create or replace a policy", arg("name"), arg("pattern"), arg("definition", help="JSON"),
-         VHOST, arg("--priority", type=_int, default=0),
-         arg("--apply-to", default="all", choices=("all", "queues", "exchanges", "classic_queues",
-                                                    "quorum_queues", "streams")))
+@command(
+    "set_policy",
+    "create or replace a policy",
+    arg("name"),
+    arg("pattern"),
+    arg("definition", help="JSON"),
+    VHOST,
+    arg("--priority", type=_int, default=0),
+    arg(
+        "--apply-to",
+        default="all",
+        choices=("all", "queues", "exchanges", "classic_queues", "quorum_queues", "streams"),
+    ),
+)
 def set_policy(ctx: Ctx) -> None:
     a = ctx.args
     definition = _json_arg(a.definition, "the definition")
-    ctx.c.request("PUT", f"/api/policies/{q(ctx.vhost)}/{q(a.name)}",
-                  {"pattern": a.pattern, "definition": definition, "priority": a.priority, "apply-to": a.apply_to})
+    ctx.c.request(
+        "PUT",
+        f"/api/policies/{q(ctx.vhost)}/{q(a.name)}",
+        {"pattern": a.pattern, "definition": definition, "priority": a.priority, "apply-to": a.apply_to},
+    )
     ctx.out.done(f"policy '{a.name}' set on vhost '{ctx.vhost}'")
 
 
@@ -426,15 +577,38 @@ def clear_policy(ctx: Ctx) -> None:
 
 
 # ---------------------------------------------------------- shovels, federation
-SHOVEL_ARGS = (("--src-uri", str), ("--dest-uri", str), ("--src-queue", str), ("--dest-queue", str),
-               ("--src-exchange", str), ("--dest-exchange", str), ("--src-exchange-key", str),
-               ("--dest-exchange-key", str), ("--src-prefetch-count", _int), ("--src-delete-after", str),
-               ("--ack-mode", str), ("--reconnect-delay", _int))
-SHOVEL_DEFAULTS = {"src-prefetch-count": 1000, "reconnect-delay": 5, "ack-mode": "on-confirm",
-                   "src-delete-after": "never"}
-FEDERATION_ARGS = (("--uri", str), ("--expires", _int), ("--message-ttl", _int), ("--max-hops", _int),
-                   ("--prefetch-count", _int), ("--reconnect-delay", _int), ("--ack-mode", str),
-                   ("--consumer-tag", str), ("--exchange", str), ("--queue", str))
+SHOVEL_ARGS = (
+    ("--src-uri", str),
+    ("--dest-uri", str),
+    ("--src-queue", str),
+    ("--dest-queue", str),
+    ("--src-exchange", str),
+    ("--dest-exchange", str),
+    ("--src-exchange-key", str),
+    ("--dest-exchange-key", str),
+    ("--src-prefetch-count", _int),
+    ("--src-delete-after", str),
+    ("--ack-mode", str),
+    ("--reconnect-delay", _int),
+)
+SHOVEL_DEFAULTS = {
+    "src-prefetch-count": 1000,
+    "reconnect-delay": 5,
+    "ack-mode": "on-confirm",
+    "src-delete-after": "never",
+}
+FEDERATION_ARGS = (
+    ("--uri", str),
+    ("--expires", _int),
+    ("--message-ttl", _int),
+    ("--max-hops", _int),
+    ("--prefetch-count", _int),
+    ("--reconnect-delay", _int),
+    ("--ack-mode", str),
+    ("--consumer-tag", str),
+    ("--exchange", str),
+    ("--queue", str),
+)
 FEDERATION_DEFAULTS = {"prefetch-count": 1000, "reconnect-delay": 1, "ack-mode": "on-confirm", "max-hops": 1}
 
 
@@ -451,8 +625,13 @@ def _parameter_path(component: str, vhost: str, name: str) -> str:
     return f"/api/parameters/{component}/{q(vhost)}/{q(name)}"
 
 
-@command("add_shovel", "create or replace a dynamic shovel", arg("name"), VHOST,
-         *(arg(f, type=t, default=None) for f, t in SHOVEL_ARGS))
+@command(
+    "add_shovel",
+    "create or replace a dynamic shovel",
+    arg("name"),
+    VHOST,
+    *(arg(f, type=t, default=None) for f, t in SHOVEL_ARGS),
+)
 def add_shovel(ctx: Ctx) -> None:
     if not (ctx.args.src_uri and ctx.args.dest_uri):
         raise CtlError("add_shovel needs --src-uri and --dest-uri")
@@ -467,14 +646,23 @@ def delete_shovel(ctx: Ctx) -> None:
     ctx.out.done(f"shovel '{ctx.args.name}' deleted")
 
 
-@command("add_federation", "create or replace a federation upstream", arg("name"), VHOST,
-         *(arg(f, type=t, default=None) for f, t in FEDERATION_ARGS))
+@command(
+    "add_federation",
+    "create or replace a federation upstream",
+    arg("name"),
+    VHOST,
+    *(arg(f, type=t, default=None) for f, t in FEDERATION_ARGS),
+)
 def add_federation(ctx: Ctx) -> None:
     if not ctx.args.uri:
         raise CtlError("add_federation needs --uri")
     value = _value(ctx, FEDERATION_ARGS, FEDERATION_DEFAULTS)
-    ctx.c.feature("federation", "PUT", _parameter_path("federation-upstream", ctx.vhost, ctx.args.name),
-                  {"value": value})
+    ctx.c.feature(
+        "federation",
+        "PUT",
+        _parameter_path("federation-upstream", ctx.vhost, ctx.args.name),
+        {"value": value},
+    )
     ctx.out.done(f"federation upstream '{ctx.args.name}' saved")
 
 
@@ -485,8 +673,12 @@ def delete_federation(ctx: Ctx) -> None:
 
 
 # ------------------------------------------------------------------ definitions
-@command("export_definitions", "write definitions JSON to FILE (or stdout)", arg("file", nargs="?", default="-"),
-         VHOST)
+@command(
+    "export_definitions",
+    "write definitions JSON to FILE (or stdout)",
+    arg("file", nargs="?", default="-"),
+    VHOST,
+)
 def export_definitions(ctx: Ctx) -> None:
     vhost = ctx.vhost_or_none
     path = "/api/definitions" + (f"/{q(vhost)}" if vhost else "")
@@ -515,8 +707,12 @@ def import_definitions(ctx: Ctx) -> None:
     ctx.out.done(f"definitions imported from {ctx.args.file}")
 
 
-@command("definitions", "print the definitions JSON of a stopped node's data directory (offline)",
-         arg("data_dir", metavar="datadir"), offline=True)
+@command(
+    "definitions",
+    "print the definitions JSON of a stopped node's data directory (offline)",
+    arg("data_dir", metavar="datadir"),
+    offline=True,
+)
 def definitions(ctx: Ctx) -> None:
     try:
         doc = offline.definitions(ctx.args.data_dir)
@@ -535,12 +731,18 @@ def status(ctx: Ctx) -> None:
     totals = ov.get("object_totals", {})
     qt = ov.get("queue_totals", {})
     lines = [f"node: {ov.get('node')}  product: {ov.get('product_name')} {ov.get('product_version')}"]
-    lines += [f"{key}: {totals.get(key, 0)}" for key in ("connections", "channels", "queues", "consumers",
-                                                          "exchanges")]
-    lines.append(f"messages: {qt.get('messages', 0)} (ready {qt.get('messages_ready', 0)}, "
-                 f"unacked {qt.get('messages_unacknowledged', 0)})")
-    lines += [f"listener: {x.get('protocol')} {x.get('ip_address')}:{x.get('port')}"
-              for x in ov.get("listeners", [])]
+    lines += [
+        f"{key}: {totals.get(key, 0)}"
+        for key in ("connections", "channels", "queues", "consumers", "exchanges")
+    ]
+    lines.append(
+        f"messages: {qt.get('messages', 0)} (ready {qt.get('messages_ready', 0)}, "
+        f"unacked {qt.get('messages_unacknowledged', 0)})"
+    )
+    lines += [
+        f"listener: {x.get('protocol')} {x.get('ip_address')}:{x.get('port')}"
+        for x in ov.get("listeners", [])
+    ]
     ctx.out.write("\n".join(lines))
 
 
@@ -549,13 +751,21 @@ def cluster_status(ctx: Ctx) -> None:
     nodes = ctx.c.request("GET", "/api/nodes") or [{}]
     cluster = ctx.c.request("GET", "/api/cluster") or {}
     this = nodes[0] if nodes else {}
-    doc = {"this_node": this.get("name"), "version": ctx.c.request("GET", "/api/overview").get("product_version"),
-           "clustering": bool(cluster.get("enabled", True)), **{k: v for k, v in cluster.items() if k != "enabled"}}
+    doc = {
+        "this_node": this.get("name"),
+        "version": ctx.c.request("GET", "/api/overview").get("product_version"),
+        "clustering": bool(cluster.get("enabled", True)),
+        **{k: v for k, v in cluster.items() if k != "enabled"},
+    }
     ctx.out.obj(doc)
 
 
-@command("aliveness", "the aliveness test (declare, publish, get) in a vhost; exit 0 when it passes, 1 "
-         "otherwise: a container health command", VHOST)
+@command(
+    "aliveness",
+    "the aliveness test (declare, publish, get) in a vhost; exit 0 when it passes, 1 "
+    "otherwise: a container health command",
+    VHOST,
+)
 def aliveness(ctx: Ctx) -> None:
     try:
         result = ctx.c.request("GET", f"/api/aliveness-test/{q(ctx.vhost)}")
@@ -571,5 +781,6 @@ def _no_app(ctx: Ctx) -> None:
 
 
 for _name in ("stop_app", "start_app"):
-    COMMANDS[_name] = Command(_name, "lavinmqctl's; Skred has no app apart from its node: exits 3 (see docs)",
-                              (), _no_app)
+    COMMANDS[_name] = Command(
+        _name, "lavinmqctl's; Skred has no app apart from its node: exits 3 (see docs)", (), _no_app
+    )

@@ -57,39 +57,75 @@ class _Topology:
         return name in self.exchanges or name in DEFAULT_EXCHANGES or name.startswith("amq.")
 
     def _bind(self, source: str, dest: str, kind: str, key: str, args: dict[str, Any], add: bool) -> None:
-        entry = {"source": source, "destination": dest, "destination_type": kind, "routing_key": key,
-                 "arguments": args}
+        entry = {
+            "source": source,
+            "destination": dest,
+            "destination_type": kind,
+            "routing_key": key,
+            "arguments": args,
+        }
         if add and entry not in self.bindings:
             self.bindings.append(entry)
         elif not add and entry in self.bindings:
             self.bindings.remove(entry)
 
     def _drop_bindings(self, name: str, kind: str) -> None:
-        self.bindings = [b for b in self.bindings if not (b["destination_type"] == kind and b["destination"] == name)
-                         and not (kind == "exchange" and b["source"] == name)]
+        self.bindings = [
+            b
+            for b in self.bindings
+            if not (b["destination_type"] == kind and b["destination"] == name)
+            and not (kind == "exchange" and b["source"] == name)
+        ]
 
     def apply(self, m: Frame) -> None:
         if isinstance(m, commands.Exchange.Declare):
-            self.exchanges.setdefault(m.exchange, {
-                "name": m.exchange, "type": m.exchange_type, "durable": True, "auto_delete": m.auto_delete,
-                "internal": m.internal, "arguments": dict(m.arguments or {})})
+            self.exchanges.setdefault(
+                m.exchange,
+                {
+                    "name": m.exchange,
+                    "type": m.exchange_type,
+                    "durable": True,
+                    "auto_delete": m.auto_delete,
+                    "internal": m.internal,
+                    "arguments": dict(m.arguments or {}),
+                },
+            )
         elif isinstance(m, commands.Exchange.Delete):
             if self.exchanges.pop(m.exchange, None) is not None:
                 self._drop_bindings(m.exchange, "exchange")
         elif isinstance(m, commands.Queue.Declare):
-            self.queues.setdefault(m.queue, {"name": m.queue, "durable": True, "auto_delete": m.auto_delete,
-                                             "arguments": dict(m.arguments or {})})
+            self.queues.setdefault(
+                m.queue,
+                {
+                    "name": m.queue,
+                    "durable": True,
+                    "auto_delete": m.auto_delete,
+                    "arguments": dict(m.arguments or {}),
+                },
+            )
         elif isinstance(m, commands.Queue.Delete):
             if self.queues.pop(m.queue, None) is not None:
                 self._drop_bindings(m.queue, "queue")
         elif isinstance(m, commands.Queue.Bind | commands.Queue.Unbind):
             if m.queue in self.queues and self._has(m.exchange):
-                self._bind(m.exchange, m.queue, "queue", m.routing_key, dict(m.arguments or {}),
-                           isinstance(m, commands.Queue.Bind))
+                self._bind(
+                    m.exchange,
+                    m.queue,
+                    "queue",
+                    m.routing_key,
+                    dict(m.arguments or {}),
+                    isinstance(m, commands.Queue.Bind),
+                )
         elif isinstance(m, commands.Exchange.Bind | commands.Exchange.Unbind):
             if self._has(m.source) and self._has(m.destination):
-                self._bind(m.source, m.destination, "exchange", m.routing_key, dict(m.arguments or {}),
-                           isinstance(m, commands.Exchange.Bind))
+                self._bind(
+                    m.source,
+                    m.destination,
+                    "exchange",
+                    m.routing_key,
+                    dict(m.arguments or {}),
+                    isinstance(m, commands.Exchange.Bind),
+                )
 
 
 def _jsonable(value: Any) -> Any:
@@ -114,11 +150,20 @@ def definitions(data_dir_arg: str) -> dict[str, Any]:
     dirs = _vhost_dirs(data_dir)
     names = sorted({str(v["name"]) for v in listed.get("vhosts", [])})
     doc: dict[str, Any] = {
-        "rabbit_version": "3.10.0", "rabbitmq_version": "3.10.0", "product_name": "Skred",
-        "product_version": __version__, "users": users_doc.get("users", []),
-        "vhosts": [], "permissions": users_doc.get("permissions", []),
-        "topic_permissions": users_doc.get("topic_permissions", []), "parameters": [], "policies": [],
-        "queues": [], "exchanges": [], "bindings": []}
+        "rabbit_version": "3.10.0",
+        "rabbitmq_version": "3.10.0",
+        "product_name": "Skred",
+        "product_version": __version__,
+        "users": users_doc.get("users", []),
+        "vhosts": [],
+        "permissions": users_doc.get("permissions", []),
+        "topic_permissions": users_doc.get("topic_permissions", []),
+        "parameters": [],
+        "policies": [],
+        "queues": [],
+        "exchanges": [],
+        "bindings": [],
+    }
     for name in names:
         vdir = dirs.get(name)
         meta = (_json(vdir / "metadata.json") if vdir else None) or {}
@@ -138,19 +183,33 @@ def definitions(data_dir_arg: str) -> dict[str, Any]:
                 continue
             if method is not None:
                 topo.apply(method)
-        for key, rows in (("exchanges", topo.exchanges.values()), ("queues", topo.queues.values()),
-                          ("bindings", topo.bindings)):
+        for key, rows in (
+            ("exchanges", topo.exchanges.values()),
+            ("queues", topo.queues.values()),
+            ("bindings", topo.bindings),
+        ):
             doc[key] += [{**_jsonable(r), "vhost": name} for r in rows]
         policies = _json(vdir / "policies.json") or {}
         doc["policies"] += [{**p, "vhost": name} for p in policies.get("policies", [])]
         for p in policies.get("operator_policies", []):
-            doc["parameters"].append({"vhost": name, "component": "operator_policy", "name": p["name"],
-                                      "value": {k: p[k] for k in ("pattern", "definition", "priority", "apply-to")
-                                                if k in p}})
+            doc["parameters"].append(
+                {
+                    "vhost": name,
+                    "component": "operator_policy",
+                    "name": p["name"],
+                    "value": {k: p[k] for k in ("pattern", "definition", "priority", "apply-to") if k in p},
+                }
+            )
         limits = (_json(vdir / "limits.json") or {}).get("limits") or {}
         if limits:
-            doc["parameters"].append({"vhost": name, "component": "vhost-limits", "name": "limits",
-                                      "value": dict(sorted(limits.items()))})
+            doc["parameters"].append(
+                {
+                    "vhost": name,
+                    "component": "vhost-limits",
+                    "name": "limits",
+                    "value": dict(sorted(limits.items())),
+                }
+            )
     for key in ("queues", "exchanges"):
         doc[key].sort(key=lambda e: (e["vhost"], e["name"]))
     return doc

@@ -42,28 +42,61 @@ class Page:
 
 PAGES: tuple[Page, ...] = (
     Page("o", "overview", "/api/overview", ()),
-    Page("q", "queues", "/api/queues", ("vhost", "name", "type", "state", "messages", "messages_ready",
-                                        "messages_unacknowledged", "consumers")),
+    Page(
+        "q",
+        "queues",
+        "/api/queues",
+        (
+            "vhost",
+            "name",
+            "type",
+            "state",
+            "messages",
+            "messages_ready",
+            "messages_unacknowledged",
+            "consumers",
+        ),
+    ),
     Page("c", "connections", "/api/connections", ("name", "user", "vhost", "protocol", "channels", "state")),
-    Page("h", "channels", "/api/channels", ("name", "user", "vhost", "consumer_count", "messages_unacknowledged")),
+    Page(
+        "h",
+        "channels",
+        "/api/channels",
+        ("name", "user", "vhost", "consumer_count", "messages_unacknowledged"),
+    ),
     Page("e", "exchanges", "/api/exchanges", ("vhost", "name", "type", "durable", "auto_delete", "internal")),
-    Page("n", "consumers", "/api/consumers", ("queue.vhost", "queue.name", "consumer_tag", "ack_required",
-                                              "prefetch_count")),
+    Page(
+        "n",
+        "consumers",
+        "/api/consumers",
+        ("queue.vhost", "queue.name", "consumer_tag", "ack_required", "prefetch_count"),
+    ),
     Page("v", "vhosts", "/api/vhosts", ("name", "messages", "messages_ready", "messages_unacknowledged")),
-    Page("d", "nodes", "/api/nodes", ("name", "type", "running", "uptime", "mem_used", "fd_used", "disk_free")),
+    Page(
+        "d", "nodes", "/api/nodes", ("name", "type", "running", "uptime", "mem_used", "fd_used", "disk_free")
+    ),
     Page("p", "policies", "/api/policies", ("vhost", "name", "pattern", "apply-to", "priority")),
     Page("s", "shovels", "/api/shovels", ("vhost", "name", "type", "state")),
-    Page("f", "federation", "/api/federation-links", ("vhost", "upstream", "type", "exchange", "queue", "status")),
+    Page(
+        "f",
+        "federation",
+        "/api/federation-links",
+        ("vhost", "upstream", "type", "exchange", "queue", "status"),
+    ),
     Page("u", "users", "/api/users", ("name", "tags")),
     Page("l", "logs", "/api/logs", ("time", "level", "message")),
 )
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("tui", help="a terminal dashboard (overview graphs, paged sortable lists, details)",
-                       description="Keys: Tab/Shift-Tab or a page's letter (" +
-                       ", ".join(f"{pg.key} {pg.title}" for pg in PAGES) + "); Up/Down/PgUp/PgDn move; "
-                       "Enter details; S sort by next column; R reverse; / filter; Esc back; Q quit.")
+    p = sub.add_parser(
+        "tui",
+        help="a terminal dashboard (overview graphs, paged sortable lists, details)",
+        description="Keys: Tab/Shift-Tab or a page's letter ("
+        + ", ".join(f"{pg.key} {pg.title}" for pg in PAGES)
+        + "); Up/Down/PgUp/PgDn move; "
+        "Enter details; S sort by next column; R reverse; / filter; Esc back; Q quit.",
+    )
     p.add_argument("--interval", type=float, default=2.0, help="seconds between polls (at least; default 2)")
 
 
@@ -105,8 +138,9 @@ class State:
         self.detail: dict[str, Any] | None = None
         self.detail_top = 0
         self.overview: dict[str, Any] = {}
-        self.history: dict[str, deque[float]] = {k: deque(maxlen=HISTORY) for k in
-                                                 ("publish", "deliver", "ack", "messages")}
+        self.history: dict[str, deque[float]] = {
+            k: deque(maxlen=HISTORY) for k in ("publish", "deliver", "ack", "messages")
+        }
 
     @property
     def current(self) -> Page:
@@ -114,8 +148,11 @@ class State:
 
     def visible(self) -> list[dict[str, Any]]:
         cols = self.current.columns
-        rows = [r for r in self.rows if not self.filter
-                or any(self.filter.lower() in cell(r, c).lower() for c in cols)]
+        rows = [
+            r
+            for r in self.rows
+            if not self.filter or any(self.filter.lower() in cell(r, c).lower() for c in cols)
+        ]
         if cols:
             col = cols[self.sort_col % len(cols)]
             rows.sort(key=lambda r: sort_key(_get(r, col)), reverse=self.reverse)
@@ -151,8 +188,11 @@ def poll(client: Client, st: State) -> float:
         st.error = ""
     except CtlError as exc:
         st.rows = []
-        st.error = (f"this broker does not offer {st.current.title} ({st.current.path})"
-                    if exc.http_status in (404, 405) else str(exc))
+        st.error = (
+            f"this broker does not offer {st.current.title} ({st.current.path})"
+            if exc.http_status in (404, 405)
+            else str(exc)
+        )
     return time.monotonic() - started
 
 
@@ -168,21 +208,25 @@ def _put(win: Any, y: int, x: int, text: str, attr: int = 0) -> None:
 def draw(win: Any, st: State) -> None:
     win.erase()
     h, w = win.getmaxyx()
-    tabs = " ".join(f"[{p.key}]{p.title}" if i != st.page else f"<{p.key}>{p.title.upper()}"
-                    for i, p in enumerate(PAGES))
+    tabs = " ".join(
+        f"[{p.key}]{p.title}" if i != st.page else f"<{p.key}>{p.title.upper()}" for i, p in enumerate(PAGES)
+    )
     _put(win, 0, 0, tabs, curses.A_BOLD)
     if st.detail is not None:
         lines = json.dumps(st.detail, indent=2, sort_keys=True).splitlines()
         _put(win, 1, 0, f"details: {st.current.title} (Esc back, Up/Down scroll)", curses.A_REVERSE)
-        for i, line in enumerate(lines[st.detail_top:st.detail_top + h - 2]):
+        for i, line in enumerate(lines[st.detail_top : st.detail_top + h - 2]):
             _put(win, 2 + i, 0, line)
     elif st.current.title == "overview":
         _draw_overview(win, st, w)
     else:
         _draw_list(win, st, h, w)
-    status = st.error or ("filter: " + st.typing + "_" if st.typing is not None else
-                          f"sort: {_sort_name(st)}{' desc' if st.reverse else ''}"
-                          f"{'  filter: ' + st.filter if st.filter else ''}  {w}x{h}")
+    status = st.error or (
+        "filter: " + st.typing + "_"
+        if st.typing is not None
+        else f"sort: {_sort_name(st)}{' desc' if st.reverse else ''}"
+        f"{'  filter: ' + st.filter if st.filter else ''}  {w}x{h}"
+    )
     _put(win, h - 1, 0, status, curses.A_REVERSE if st.error else curses.A_DIM)
     win.refresh()
 
@@ -197,17 +241,34 @@ def _draw_overview(win: Any, st: State, w: int) -> None:
     totals = ov.get("object_totals") or {}
     qt = ov.get("queue_totals") or {}
     y = 2
-    _put(win, y, 0, f"node {ov.get('node', '?')}  {ov.get('product_name', '')} {ov.get('product_version', '')}")
+    _put(
+        win, y, 0, f"node {ov.get('node', '?')}  {ov.get('product_name', '')} {ov.get('product_version', '')}"
+    )
     y += 1
-    _put(win, y, 0, "  ".join(f"{k} {totals.get(k, 0)}" for k in ("connections", "channels", "queues",
-                                                                   "consumers", "exchanges")))
+    _put(
+        win,
+        y,
+        0,
+        "  ".join(
+            f"{k} {totals.get(k, 0)}" for k in ("connections", "channels", "queues", "consumers", "exchanges")
+        ),
+    )
     y += 1
-    _put(win, y, 0, f"messages {qt.get('messages', 0)}  ready {qt.get('messages_ready', 0)}  "
-                    f"unacked {qt.get('messages_unacknowledged', 0)}")
+    _put(
+        win,
+        y,
+        0,
+        f"messages {qt.get('messages', 0)}  ready {qt.get('messages_ready', 0)}  "
+        f"unacked {qt.get('messages_unacknowledged', 0)}",
+    )
     y += 2
     graph_w = max(10, w - 24)
-    for key, label in (("publish", "publish/s"), ("deliver", "deliver/s"), ("ack", "ack/s"),
-                       ("messages", "queued msgs")):
+    for key, label in (
+        ("publish", "publish/s"),
+        ("deliver", "deliver/s"),
+        ("ack", "ack/s"),
+        ("messages", "queued msgs"),
+    ):
         values = list(st.history[key])
         last = values[-1] if values else 0.0
         _put(win, y, 0, f"{label:>11} {last:>10.1f} ")
@@ -224,11 +285,16 @@ def _draw_list(win: Any, st: State, h: int, w: int) -> None:
         st.top = st.selected
     elif st.selected >= st.top + body:
         st.top = st.selected - body + 1
-    shown = rows[st.top:st.top + body]
+    shown = rows[st.top : st.top + body]
     widths = [max([len(c)] + [len(cell(r, c)) for r in shown]) for c in cols]
     header = "  ".join(c.ljust(wd) for c, wd in zip(cols, widths, strict=True))
-    _put(win, 1, 0, f"{header}  ({len(rows)} of {len(st.rows)}; rows {st.top + 1}-{st.top + len(shown)})",
-         curses.A_UNDERLINE)
+    _put(
+        win,
+        1,
+        0,
+        f"{header}  ({len(rows)} of {len(st.rows)}; rows {st.top + 1}-{st.top + len(shown)})",
+        curses.A_UNDERLINE,
+    )
     for i, r in enumerate(shown):
         line = "  ".join(cell(r, c).ljust(wd) for c, wd in zip(cols, widths, strict=True))
         _put(win, 2 + i, 0, line, curses.A_REVERSE if st.top + i == st.selected else 0)
