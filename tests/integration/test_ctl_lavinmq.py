@@ -22,7 +22,10 @@ from ._support import REPO_ROOT, Broker, unique, wait_until
 from .test_mgmt_api import Api
 from .test_mgmt_api import pytestmark as _mgmt_marks
 
-pytestmark = [*([_mgmt_marks] if not isinstance(_mgmt_marks, list) else _mgmt_marks), pytest.mark.cluster_modes]
+pytestmark = [
+    *([_mgmt_marks] if not isinstance(_mgmt_marks, list) else _mgmt_marks),
+    pytest.mark.cluster_modes,
+]
 
 NOT_OFFERED = 3
 
@@ -76,8 +79,9 @@ def test_users_and_permissions(shared_broker: Broker) -> None:
     rows = js(shared_broker, "list_users")
     assert any(u["name"] == user and sorted(u["tags"]) == ["monitoring", "policymaker"] for u in rows)
     ok(shared_broker, "set_permissions", user, "^c", "^w", "^r")
-    assert {"user": user, "vhost": "/", "configure": "^c", "write": "^w", "read": "^r"} \
-        in api.get(f"/api/users/{user}/permissions")
+    assert {"user": user, "vhost": "/", "configure": "^c", "write": "^w", "read": "^r"} in api.get(
+        f"/api/users/{user}/permissions"
+    )
     assert run(shared_broker, "status", user=user, password="pw1").returncode == 1  # the old password is gone
     assert "node:" in ok(shared_broker, "status", user=user, password="pw2")
     assert user in ok(shared_broker, "-s", "list_users")
@@ -96,30 +100,80 @@ def test_vhosts_queues_exchanges_policies(shared_broker: Broker) -> None:
     assert api.get(f"/api/vhost-limits/{vh}")[0]["value"] == {"max-queues": 5, "max-connections": 7}
     bad = run(shared_broker, "set_vhost_limits", "--vhost", vh, '{"max-bogus": 1}')
     assert bad.returncode == 1 and "max-connections" in bad.stderr
-    ok(shared_broker, "create_queue", qn, "--vhost", vh, "--durable", "--max-length", "10", "--message-ttl", "60000",
-       "--expires", "600000", "--delivery-limit", "3", "--reject-on-overflow", "--dead-letter-exchange", "dlx",
-       "--dead-letter-routing-key", "dead")
+    ok(
+        shared_broker,
+        "create_queue",
+        qn,
+        "--vhost",
+        vh,
+        "--durable",
+        "--max-length",
+        "10",
+        "--message-ttl",
+        "60000",
+        "--expires",
+        "600000",
+        "--delivery-limit",
+        "3",
+        "--reject-on-overflow",
+        "--dead-letter-exchange",
+        "dlx",
+        "--dead-letter-routing-key",
+        "dead",
+    )
     q = api.get(f"/api/queues/{vh}/{qn}")
     assert q["durable"] is True and q["arguments"] == {
-        "x-max-length": 10, "x-message-ttl": 60000, "x-expires": 600000, "x-delivery-limit": 3,
-        "x-overflow": "reject-publish", "x-dead-letter-exchange": "dlx", "x-dead-letter-routing-key": "dead"}
+        "x-max-length": 10,
+        "x-message-ttl": 60000,
+        "x-expires": 600000,
+        "x-delivery-limit": 3,
+        "x-overflow": "reject-publish",
+        "x-dead-letter-exchange": "dlx",
+        "x-dead-letter-routing-key": "dead",
+    }
     table = ok(shared_broker, "--vhost", vh, "list_queues")
     assert table.splitlines()[0].split() == ["name", "messages"] and qn in table
     assert [r["name"] for r in js(shared_broker, "list_queues", "--vhost", vh, "name", "durable")] == [qn]
-    api.ok("POST", f"/api/exchanges/{vh}/amq.default/publish",
-           {"properties": {}, "routing_key": qn, "payload": "x", "payload_encoding": "string"}, expect=(200,))
+    api.ok(
+        "POST",
+        f"/api/exchanges/{vh}/amq.default/publish",
+        {"properties": {}, "routing_key": qn, "payload": "x", "payload_encoding": "string"},
+        expect=(200,),
+    )
     wait_until(lambda: api.get(f"/api/queues/{vh}/{qn}")["messages"] == 1, 10, "the message counted")
     ok(shared_broker, "purge_queue", qn, "--vhost", vh)
     wait_until(lambda: api.get(f"/api/queues/{vh}/{qn}")["messages"] == 0, 10, "the purge counted")
-    ok(shared_broker, "create_exchange", "topic", xn, "--vhost", vh, "--durable", "--alternate-exchange", "ae")
+    ok(
+        shared_broker,
+        "create_exchange",
+        "topic",
+        xn,
+        "--vhost",
+        vh,
+        "--durable",
+        "--alternate-exchange",
+        "ae",
+    )
     x = api.get(f"/api/exchanges/{vh}/{xn}")
     assert (x["type"], x["durable"], x["arguments"]) == ("topic", True, {"alternate-exchange": "ae"})
     assert {"name": xn, "type": "topic"} in js(shared_broker, "--vhost", vh, "list_exchanges", "name", "type")
-    ok(shared_broker, "set_policy", "p1", "^skredtest", '{"max-length": 3}', "--vhost", vh, "--priority", "2",
-       "--apply-to", "queues")
+    ok(
+        shared_broker,
+        "set_policy",
+        "p1",
+        "^skredtest",
+        '{"max-length": 3}',
+        "--vhost",
+        vh,
+        "--priority",
+        "2",
+        "--apply-to",
+        "queues",
+    )
     pol = js(shared_broker, "list_policies", "--vhost", vh)
-    assert [(p["name"], p["priority"], p["apply-to"], p["definition"]) for p in pol] == \
-        [("p1", 2, "queues", {"max-length": 3})]
+    assert [(p["name"], p["priority"], p["apply-to"], p["definition"]) for p in pol] == [
+        ("p1", 2, "queues", {"max-length": 3})
+    ]
     bad = run(shared_broker, "set_policy", "p2", ".*", "{not json", "--vhost", vh)
     assert bad.returncode == 1 and "not JSON" in bad.stderr
     ok(shared_broker, "clear_policy", "p1", "--vhost", vh)
@@ -138,8 +192,12 @@ def test_connections_listed_and_closed(shared_broker: Broker) -> None:
         wait_until(lambda: len(api.get("/api/connections")) >= 2, 10, "two connections listed")
         rows = js(shared_broker, "list_connections", "name", "user", "state")
         assert len(rows) >= 2 and all(set(r) == {"name", "user", "state"} for r in rows)
-        assert ok(shared_broker, "list_connections").splitlines()[0].split() == ["user", "peer_host", "peer_port",
-                                                                                 "state"]
+        assert ok(shared_broker, "list_connections").splitlines()[0].split() == [
+            "user",
+            "peer_host",
+            "peer_port",
+            "state",
+        ]
         first = rows[0]["name"]
         ok(shared_broker, "close_connection", first, "bye from the test")
         wait_until(lambda: first not in [c["name"] for c in api.get("/api/connections")], 10, "one closed")
@@ -177,8 +235,19 @@ def test_shovels_and_federation(shared_broker: Broker) -> None:
     name, vh = unique("sh"), "/"
     uri = shared_broker.url
     assert run(shared_broker, "add_shovel", name).returncode == 1  # --src-uri and --dest-uri are required
-    r = run(shared_broker, "add_shovel", name, "--src-uri", uri, "--dest-uri", uri, "--src-queue", unique("a"),
-            "--dest-queue", unique("b"))
+    r = run(
+        shared_broker,
+        "add_shovel",
+        name,
+        "--src-uri",
+        uri,
+        "--dest-uri",
+        uri,
+        "--src-queue",
+        unique("a"),
+        "--dest-queue",
+        unique("b"),
+    )
     if offered(r, "add_shovel"):
         assert any(s["name"] == name for s in js(shared_broker, "--vhost", vh, "list_shovels"))
         ok(shared_broker, "delete_shovel", name)
@@ -212,9 +281,23 @@ def test_node_commands(shared_broker: Broker) -> None:
 
 def test_skredctl_as_a_process(shared_broker: Broker) -> None:
     """The console entry point itself: exit statuses as a shell sees them, --help per command."""
+
     def proc(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "broker.ctl", "--url", f"http://127.0.0.1:{shared_broker.mgmt_port}",
-                               *args], capture_output=True, text=True, timeout=30, cwd=str(REPO_ROOT))
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "broker.ctl",
+                "--url",
+                f"http://127.0.0.1:{shared_broker.mgmt_port}",
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            cwd=str(REPO_ROOT),
+        )
+
     r = proc("create_queue", "--help")
     assert r.returncode == 0 and "--reject-on-overflow" in r.stdout and "--dead-letter-exchange" in r.stdout
     r = proc("stop_app")
