@@ -12,6 +12,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote, unquote, urlsplit
 
 import pika
 import pytest
@@ -37,10 +38,33 @@ class Result:
     stderr: str
 
 
-def run(b: Broker, *args: str, user: str = "guest", password: str = "guest") -> Result:
+def admin(b: Broker) -> tuple[str, str, str]:
+    """(host, user, password) of the broker's administrator: guest on a single node, the
+    cluster's own user on a cluster node (whose listeners are on their own loopback address)."""
+    u = urlsplit(b.url)
+    return u.hostname or "127.0.0.1", unquote(u.username or "guest"), unquote(u.password or "guest")
+
+
+def api_of(b: Broker) -> Api:
+    host, user, password = admin(b)
+    api = Api(b.mgmt_port, user, password)
+    api.base = f"http://{host}:{b.mgmt_port}"
+    return api
+
+
+def run(b: Broker, *args: str, user: str | None = None, password: str | None = None) -> Result:
     """skredctl's ``main`` in this process (a subprocess per command costs a second of start-up
     each; ``test_skredctl_as_a_process`` runs the real console entry point once)."""
-    argv = ["--url", f"http://127.0.0.1:{b.mgmt_port}", "-u", user, "-p", password, *args]
+    host, admin_user, admin_password = admin(b)
+    argv = [
+        "--url",
+        f"http://{host}:{b.mgmt_port}",
+        "-u",
+        user or admin_user,
+        "-p",
+        password or admin_password,
+        *args,
+    ]
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
@@ -72,7 +96,7 @@ def offered(r: Result, what: str) -> bool:
 
 def test_users_and_permissions(shared_broker: Broker) -> None:
     user = unique("u")
-    api = Api(shared_broker.mgmt_port)
+    api = api_of(shared_broker)
     ok(shared_broker, "add_user", user, "pw1")
     ok(shared_broker, "set_user_tags", user, "monitoring", "policymaker")
     ok(shared_broker, "change_password", user, "pw2")
@@ -93,7 +117,7 @@ def test_users_and_permissions(shared_broker: Broker) -> None:
 
 def test_vhosts_queues_exchanges_policies(shared_broker: Broker) -> None:
     vh, qn, xn = unique("vh"), unique("q"), unique("x")
-    api = Api(shared_broker.mgmt_port)
+    api = api_of(shared_broker)
     ok(shared_broker, "add_vhost", vh)
     assert vh in [v["name"] for v in js(shared_broker, "list_vhosts")]
     ok(shared_broker, "--vhost", vh, "set_vhost_limits", '{"max-queues": 5, "max-connections": 7}')
@@ -186,24 +210,30 @@ def test_vhosts_queues_exchanges_policies(shared_broker: Broker) -> None:
 
 
 def test_connections_listed_and_closed(shared_broker: Broker) -> None:
-    conns = [pika.BlockingConnection(pika.URLParameters(shared_broker.url)) for _ in range(2)]
+    """In a vhost of its own: close_all_connections --vhost must not close other tests' clients."""
+    vh = unique("vh")
+    host, user, _ = admin(shared_broker)
+    ok(shared_broker, "add_vhost", vh)
+    ok(shared_broker, "set_permissions", user, ".*", ".*", ".*", "--vhost", vh)
+    url = shared_broker.url.rsplit("/", 1)[0] + "/" + quote(vh, safe="")
+    conns = [pika.BlockingConnection(pika.URLParameters(url)) for _ in range(3)]
+    api = api_of(shared_broker)
+
+    def names() -> list[str]:
+        return [c["name"] for c in api.get(f"/api/vhosts/{quote(vh, safe='')}/connections")]
+
     try:
-        api = Api(shared_broker.mgmt_port)
-        wait_until(lambda: len(api.get("/api/connections")) >= 2, 10, "two connections listed")
-        rows = js(shared_broker, "list_connections", "name", "user", "state")
-        assert len(rows) >= 2 and all(set(r) == {"name", "user", "state"} for r in rows)
-        assert ok(shared_broker, "list_connections").splitlines()[0].split() == [
-            "user",
-            "peer_host",
-            "peer_port",
-            "state",
-        ]
+        wait_until(lambda: len(names()) == 3, 10, "three connections listed")
+        rows = js(shared_broker, "--vhost", vh, "list_connections", "name", "user", "state")
+        assert len(rows) == 3 and all(set(r) == {"name", "user", "state"} for r in rows)
+        header = ok(shared_broker, "--vhost", vh, "list_connections").splitlines()[0].split()
+        assert header == ["user", "peer_host", "peer_port", "state"]
         first = rows[0]["name"]
         ok(shared_broker, "close_connection", first, "bye from the test")
-        wait_until(lambda: first not in [c["name"] for c in api.get("/api/connections")], 10, "one closed")
-        closed = js(shared_broker, "close_all_connections", "all of them")
-        assert closed and all("closed_connections" in c for c in closed)
-        wait_until(lambda: api.get("/api/connections") == [], 10, "all closed")
+        wait_until(lambda: first not in names(), 10, "one closed")
+        closed = js(shared_broker, "close_all_connections", "all of them", "--vhost", vh)
+        assert len(closed) == 2 and all("closed_connections" in c for c in closed)
+        wait_until(lambda: names() == [], 10, "all closed")
         for c in conns:  # the clients learn it: their next round trip fails
             with pytest.raises(pika.exceptions.AMQPError):
                 c.process_data_events(time_limit=0)
@@ -212,6 +242,7 @@ def test_connections_listed_and_closed(shared_broker: Broker) -> None:
         for c in conns:
             if c.is_open:
                 c.close()
+        ok(shared_broker, "delete_vhost", vh)
 
 
 def test_queue_pause_resume_restart(shared_broker: Broker) -> None:
@@ -222,7 +253,7 @@ def test_queue_pause_resume_restart(shared_broker: Broker) -> None:
         assert run(shared_broker, "pause_queue", unique("missing")).returncode == 1  # no queue: refused
         if not offered(r, "pause_queue"):
             pytest.xfail("the broker has no PUT /api/queues/{vhost}/{name}/pause yet (skredctl exits 3)")
-        api = Api(shared_broker.mgmt_port)
+        api = api_of(shared_broker)
         assert api.get(f"/api/queues/%2F/{qn}").get("state") == "paused"
         ok(shared_broker, "resume_queue", qn)
         assert api.get(f"/api/queues/%2F/{qn}").get("state") != "paused"
@@ -281,6 +312,7 @@ def test_node_commands(shared_broker: Broker) -> None:
 
 def test_skredctl_as_a_process(shared_broker: Broker) -> None:
     """The console entry point itself: exit statuses as a shell sees them, --help per command."""
+    host, user, password = admin(shared_broker)
 
     def proc(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -289,7 +321,11 @@ def test_skredctl_as_a_process(shared_broker: Broker) -> None:
                 "-m",
                 "broker.ctl",
                 "--url",
-                f"http://127.0.0.1:{shared_broker.mgmt_port}",
+                f"http://{host}:{shared_broker.mgmt_port}",
+                "-u",
+                user,
+                "-p",
+                password,
                 *args,
             ],
             capture_output=True,
