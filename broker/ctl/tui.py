@@ -10,7 +10,7 @@ overview carries ``samples``) and draws them as sparklines. A list page is paged
 terminal's height, sorted by a column (``s`` cycles, ``r`` reverses), filtered by a
 substring (``/``), and ``Enter`` opens the selected row's JSON; a resize redraws at the
 new size. Keys: Tab/Right and Shift-Tab/Left or the page's letter switch pages, Up/Down/
-PgUp/PgDn/Home/End move, Esc leaves details or a filter, q quits.
+PgUp/PgDn/Home/End move, Esc leaves details or a filter, Q (capital: q opens queues) quits.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import curses
 import json
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -137,6 +138,7 @@ class State:
         self.top = 0
         self.detail: dict[str, Any] | None = None
         self.detail_top = 0
+        self.position = ""  # which rows a list page shows, for the status line
         self.overview: dict[str, Any] = {}
         self.history: dict[str, deque[float]] = {
             k: deque(maxlen=HISTORY) for k in ("publish", "deliver", "ack", "messages")
@@ -162,6 +164,7 @@ class State:
         self.page = index % len(PAGES)
         self.rows, self.error, self.sort_col, self.reverse = [], "", 0, False
         self.filter, self.selected, self.top, self.detail = "", 0, 0, None
+        self.position = ""
 
     def absorb_overview(self, ov: dict[str, Any]) -> None:
         self.overview = ov
@@ -213,7 +216,9 @@ def draw(win: Any, st: State) -> None:
     )
     _put(win, 0, 0, tabs, curses.A_BOLD)
     if st.detail is not None:
-        lines = json.dumps(st.detail, indent=2, sort_keys=True).splitlines()
+        # the page's own columns first, then every field the API gave
+        lines = [f"{c}: {cell(st.detail, c)}" for c in st.current.columns]
+        lines += ["", *json.dumps(st.detail, indent=2, sort_keys=True).splitlines()]
         _put(win, 1, 0, f"details: {st.current.title} (Esc back, Up/Down scroll)", curses.A_REVERSE)
         for i, line in enumerate(lines[st.detail_top : st.detail_top + h - 2]):
             _put(win, 2 + i, 0, line)
@@ -225,7 +230,7 @@ def draw(win: Any, st: State) -> None:
         "filter: " + st.typing + "_"
         if st.typing is not None
         else f"sort: {_sort_name(st)}{' desc' if st.reverse else ''}"
-        f"{'  filter: ' + st.filter if st.filter else ''}  {w}x{h}"
+        f"{'  filter: ' + st.filter if st.filter else ''}  {st.position}{w}x{h}"
     )
     _put(win, h - 1, 0, status, curses.A_REVERSE if st.error else curses.A_DIM)
     win.refresh()
@@ -288,13 +293,8 @@ def _draw_list(win: Any, st: State, h: int, w: int) -> None:
     shown = rows[st.top : st.top + body]
     widths = [max([len(c)] + [len(cell(r, c)) for r in shown]) for c in cols]
     header = "  ".join(c.ljust(wd) for c, wd in zip(cols, widths, strict=True))
-    _put(
-        win,
-        1,
-        0,
-        f"{header}  ({len(rows)} of {len(st.rows)}; rows {st.top + 1}-{st.top + len(shown)})",
-        curses.A_UNDERLINE,
-    )
+    st.position = f"({len(rows)} of {len(st.rows)}; rows {st.top + 1}-{st.top + len(shown)})  "
+    _put(win, 1, 0, header, curses.A_UNDERLINE)
     for i, r in enumerate(shown):
         line = "  ".join(cell(r, c).ljust(wd) for c, wd in zip(cols, widths, strict=True))
         _put(win, 2 + i, 0, line, curses.A_REVERSE if st.top + i == st.selected else 0)
@@ -319,12 +319,12 @@ def handle_key(st: State, key: int, h: int) -> bool:
             st.detail_top += 1
         elif key == curses.KEY_UP:
             st.detail_top = max(0, st.detail_top - 1)
-        elif key == ord("q"):
+        elif key == ord("Q"):
             return False
         return True
     page_step = max(1, h - 3)
     moves = {curses.KEY_DOWN: 1, curses.KEY_UP: -1, curses.KEY_NPAGE: page_step, curses.KEY_PPAGE: -page_step}
-    if key == ord("q"):
+    if key == ord("Q"):
         return False
     if key in (9, curses.KEY_RIGHT):
         st.switch(st.page + 1)
@@ -384,4 +384,7 @@ def _loop(win: Any, client: Client, interval: float) -> None:
 def run(args: argparse.Namespace, make_client: Callable[[], Client]) -> None:
     client = make_client()
     client.request("GET", "/api/whoami")  # fail before the screen is taken: bad URL or credentials
+    os.environ.setdefault("ESCDELAY", "25")  # Esc acts at once, not after curses' default second
+    for stale in ("LINES", "COLUMNS"):  # the terminal's own size, not an inherited one: resizes count
+        os.environ.pop(stale, None)
     curses.wrapper(_loop, client, max(0.2, float(args.interval)))
