@@ -179,6 +179,12 @@ class State:
         self.history["messages"].append(float((ov.get("queue_totals") or {}).get("messages", 0) or 0))
 
 
+def next_wait(interval: float, took: float) -> float:
+    """Seconds to the next poll after one that took ``took``: at least ``interval``, and long
+    enough that our requests hold the broker for at most BROKER_SHARE of the time."""
+    return max(interval, took / BROKER_SHARE)
+
+
 def poll(client: Client, st: State) -> float:
     """Fetch the page on screen; the seconds the request took."""
     started = time.monotonic()
@@ -367,7 +373,7 @@ def _loop(win: Any, client: Client, interval: float) -> None:
         if now >= next_poll or (st.page, st.current.title) != shown:
             took = poll(client, st)
             shown = (st.page, st.current.title)
-            wait = max(interval, took / BROKER_SHARE)
+            wait = next_wait(interval, took)
             next_poll = time.monotonic() + wait
         draw(win, st)
         win.timeout(max(50, int((next_poll - time.monotonic()) * 1000)))
