@@ -27,9 +27,10 @@ FLAGS = {
     "--persist-ms",
     "set_policy": "--priority --apply-to",
     "add_shovel": "--src-uri --dest-uri --src-queue --dest-queue --src-exchange --dest-exchange "
-    "--src-exchange-key --dest-exchange-key --src-prefetch-count --src-delete-after --ack-mode --reconnect-delay",
-    "add_federation": "--uri --expires --message-ttl --max-hops --prefetch-count --reconnect-delay --ack-mode "
-    "--consumer-tag --exchange --queue",
+    "--src-exchange-key --dest-exchange-key --src-prefetch-count --src-delete-after "
+    "--ack-mode --reconnect-delay",
+    "add_federation": "--uri --expires --message-ttl --max-hops --prefetch-count --reconnect-delay "
+    "--ack-mode --consumer-tag --exchange --queue",
 }
 
 
