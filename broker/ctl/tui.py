@@ -1,14 +1,14 @@
 """``skredctl tui``: a terminal dashboard over the management API (stdlib ``curses``).
 
-Theory of operation: one loop, no threads. Each turn it polls the page on screen (one GET,
-or two for the overview), draws it, then waits for a key for at most the poll interval.
-The interval adapts so the dashboard costs the broker at most a tenth of its time for our
-requests: after a request that took ``t`` seconds the next one waits at least ``10 * t``
-(and never less than ``--interval``). The overview keeps the last samples of the message
-rates and queue depth it has seen (and starts from the broker's own history where the
-overview carries ``samples``) and draws them as sparklines. A list page is paged to the
-terminal's height, sorted by a column (``s`` cycles, ``r`` reverses), filtered by a
-substring (``/``), and ``Enter`` opens the selected row's JSON; a resize redraws at the
+Theory of operation: one loop, no threads. Each turn it polls the page on screen (one GET),
+draws it, then waits for a key for at most the poll interval. The interval adapts so the
+dashboard costs the broker at most a tenth of its time for our requests: after a request
+that took ``t`` seconds the next one waits at least ``10 * t`` (and never less than
+``--interval``). The overview keeps the last samples of the message rates and queue depth
+it has seen (seeded from the broker's own history where the overview answers RabbitMQ's
+``msg_rates_age`` query with ``samples``) and draws them as sparklines. A list page is paged
+to the terminal's height, sorted by a column (``S`` cycles, ``R`` reverses), filtered by a
+substring (``/``), and ``Enter`` opens the selected row's details; a resize redraws at the
 new size. Keys: Tab/Right and Shift-Tab/Left or the page's letter switch pages, Up/Down/
 PgUp/PgDn/Home/End move, Esc leaves details or a filter, Q (capital: q opens queues) quits.
 """
@@ -30,6 +30,8 @@ from broker.ctl.output import cell
 
 SPARK = " ▁▂▃▄▅▆▇█"
 HISTORY = 120  # samples kept for the overview's graphs
+# RabbitMQ's API answers these with ``samples`` in each ``*_details``: ten minutes, every 5 s
+HISTORY_QUERY = "?msg_rates_age=600&msg_rates_incr=5&lengths_age=600&lengths_incr=5"
 BROKER_SHARE = 0.1  # at most this share of wall time is spent waiting on our requests
 
 
@@ -190,7 +192,8 @@ def poll(client: Client, st: State) -> float:
     started = time.monotonic()
     try:
         if st.current.title == "overview":
-            st.absorb_overview(client.request("GET", "/api/overview") or {})
+            seed = "" if st.history["publish"] else HISTORY_QUERY  # the broker's history, once
+            st.absorb_overview(client.request("GET", "/api/overview" + seed) or {})
         else:
             data = client.request("GET", st.current.path)
             st.rows = data if isinstance(data, list) else (data or {}).get("items", [])
