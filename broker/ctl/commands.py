@@ -625,51 +625,64 @@ def _parameter_path(component: str, vhost: str, name: str) -> str:
     return f"/api/parameters/{component}/{q(vhost)}/{q(name)}"
 
 
-@command(
-    "add_shovel",
-    "create or replace a dynamic shovel",
-    arg("name"),
-    VHOST,
-    *(arg(f, type=t, default=None) for f, t in SHOVEL_ARGS),
-)
-def add_shovel(ctx: Ctx) -> None:
-    if not (ctx.args.src_uri and ctx.args.dest_uri):
-        raise CtlError("add_shovel needs --src-uri and --dest-uri")
-    value = _value(ctx, SHOVEL_ARGS, SHOVEL_DEFAULTS)
-    ctx.c.feature("shovels", "PUT", _parameter_path("shovel", ctx.vhost, ctx.args.name), {"value": value})
-    ctx.out.done(f"shovel '{ctx.args.name}' saved")
+@dataclass(frozen=True)
+class Component:
+    """A runtime-parameters component skredctl adds and deletes: shovels, federation upstreams."""
+
+    name: str  # the API's component
+    noun: str  # lavinmqctl's command suffix
+    what: str  # for messages
+    flags: tuple[tuple[str, Any], ...]
+    defaults: dict[str, Any]
+    required: tuple[str, ...]
 
 
-@command("delete_shovel", "delete a dynamic shovel", arg("name"), VHOST)
-def delete_shovel(ctx: Ctx) -> None:
-    ctx.c.request("DELETE", _parameter_path("shovel", ctx.vhost, ctx.args.name))
-    ctx.out.done(f"shovel '{ctx.args.name}' deleted")
-
-
-@command(
-    "add_federation",
-    "create or replace a federation upstream",
-    arg("name"),
-    VHOST,
-    *(arg(f, type=t, default=None) for f, t in FEDERATION_ARGS),
-)
-def add_federation(ctx: Ctx) -> None:
-    if not ctx.args.uri:
-        raise CtlError("add_federation needs --uri")
-    value = _value(ctx, FEDERATION_ARGS, FEDERATION_DEFAULTS)
-    ctx.c.feature(
+COMPONENTS = (
+    Component("shovel", "shovel", "shovel", SHOVEL_ARGS, SHOVEL_DEFAULTS, ("--src-uri", "--dest-uri")),
+    Component(
+        "federation-upstream",
         "federation",
-        "PUT",
-        _parameter_path("federation-upstream", ctx.vhost, ctx.args.name),
-        {"value": value},
+        "federation upstream",
+        FEDERATION_ARGS,
+        FEDERATION_DEFAULTS,
+        ("--uri",),
+    ),
+)
+
+
+def _add_parameter(comp: Component) -> Handler:
+    def handler(ctx: Ctx) -> None:
+        missing = [f for f in comp.required if not getattr(ctx.args, f[2:].replace("-", "_"))]
+        if missing:
+            raise CtlError(f"add_{comp.noun} needs {' and '.join(comp.required)}")
+        value = _value(ctx, comp.flags, comp.defaults)
+        ctx.c.feature(
+            f"{comp.what}s", "PUT", _parameter_path(comp.name, ctx.vhost, ctx.args.name), {"value": value}
+        )
+        ctx.out.done(f"{comp.what} '{ctx.args.name}' saved")
+
+    return handler
+
+
+def _delete_parameter(comp: Component) -> Handler:
+    def handler(ctx: Ctx) -> None:
+        ctx.c.request("DELETE", _parameter_path(comp.name, ctx.vhost, ctx.args.name))
+        ctx.out.done(f"{comp.what} '{ctx.args.name}' deleted")
+
+    return handler
+
+
+for _comp in COMPONENTS:
+    _flags = tuple(arg(f, type=t, default=None) for f, t in _comp.flags)
+    COMMANDS[f"add_{_comp.noun}"] = Command(
+        f"add_{_comp.noun}",
+        f"create or replace a {_comp.what}",
+        (arg("name"), VHOST, *_flags),
+        _add_parameter(_comp),
     )
-    ctx.out.done(f"federation upstream '{ctx.args.name}' saved")
-
-
-@command("delete_federation", "delete a federation upstream", arg("name"), VHOST)
-def delete_federation(ctx: Ctx) -> None:
-    ctx.c.request("DELETE", _parameter_path("federation-upstream", ctx.vhost, ctx.args.name))
-    ctx.out.done(f"federation upstream '{ctx.args.name}' deleted")
+    COMMANDS[f"delete_{_comp.noun}"] = Command(
+        f"delete_{_comp.noun}", f"delete a {_comp.what}", (arg("name"), VHOST), _delete_parameter(_comp)
+    )
 
 
 # ------------------------------------------------------------------ definitions

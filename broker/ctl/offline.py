@@ -56,13 +56,14 @@ class _Topology:
     def _has(self, name: str) -> bool:
         return name in self.exchanges or name in DEFAULT_EXCHANGES or name.startswith("amq.")
 
-    def _bind(self, source: str, dest: str, kind: str, key: str, args: dict[str, Any], add: bool) -> None:
+    def _bind(self, source: str, dest: str, kind: str, m: Any, add: bool) -> None:
+        """Add (bind) or remove (unbind) the binding of method ``m`` (its key and arguments)."""
         entry = {
             "source": source,
             "destination": dest,
             "destination_type": kind,
-            "routing_key": key,
-            "arguments": args,
+            "routing_key": m.routing_key,
+            "arguments": dict(m.arguments or {}),
         }
         if add and entry not in self.bindings:
             self.bindings.append(entry)
@@ -108,24 +109,10 @@ class _Topology:
                 self._drop_bindings(m.queue, "queue")
         elif isinstance(m, commands.Queue.Bind | commands.Queue.Unbind):
             if m.queue in self.queues and self._has(m.exchange):
-                self._bind(
-                    m.exchange,
-                    m.queue,
-                    "queue",
-                    m.routing_key,
-                    dict(m.arguments or {}),
-                    isinstance(m, commands.Queue.Bind),
-                )
+                self._bind(m.exchange, m.queue, "queue", m, isinstance(m, commands.Queue.Bind))
         elif isinstance(m, commands.Exchange.Bind | commands.Exchange.Unbind):
             if self._has(m.source) and self._has(m.destination):
-                self._bind(
-                    m.source,
-                    m.destination,
-                    "exchange",
-                    m.routing_key,
-                    dict(m.arguments or {}),
-                    isinstance(m, commands.Exchange.Bind),
-                )
+                self._bind(m.source, m.destination, "exchange", m, isinstance(m, commands.Exchange.Bind))
 
 
 def _jsonable(value: Any) -> Any:

@@ -78,8 +78,9 @@ def test_definitions_of_a_killed_node(broker: SkredProcess) -> None:
 def test_definitions_of_what_is_not_a_data_dir(tmp_path: Path) -> None:
     from .test_ctl_lavinmq import run
 
-    class Nowhere:
+    class Nowhere:  # no broker at all: the command must not need one
         mgmt_port = 1
+        url = "amqp://guest:guest@127.0.0.1:1/%2F"
 
     r = run(Nowhere(), "definitions", str(tmp_path))  # type: ignore[arg-type]
     assert r.returncode == 1 and "not a Skred data directory" in r.stderr
