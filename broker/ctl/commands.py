@@ -14,7 +14,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from broker.auth.passwords import hash_password
@@ -147,8 +147,6 @@ class Command:
     help: str
     args: tuple[Arg, ...]
     handler: Handler
-    offline: bool = False
-    aliases: tuple[str, ...] = field(default=())
 
 
 COMMANDS: dict[str, Command] = {}
@@ -161,9 +159,9 @@ def arg(*names: str, **kw: Any) -> Arg:
 VHOST = arg("--vhost", help="the vhost (default '/'; also given before the command)")
 
 
-def command(name: str, help: str, *args: Arg, offline: bool = False) -> Callable[[Handler], Handler]:
+def command(name: str, help: str, *args: Arg) -> Callable[[Handler], Handler]:
     def register(fn: Handler) -> Handler:
-        COMMANDS[name] = Command(name, help, args, fn, offline)
+        COMMANDS[name] = Command(name, help, args, fn)
         return fn
 
     return register
@@ -320,7 +318,6 @@ def set_permissions(ctx: Ctx) -> None:
     "hash_password",
     "print the password hash a definitions file holds (SHA-256, salted; offline)",
     arg("password"),
-    offline=True,
 )
 def hash_password_cmd(ctx: Ctx) -> None:
     digest = hash_password(ctx.args.password)
@@ -724,7 +721,6 @@ def import_definitions(ctx: Ctx) -> None:
     "definitions",
     "print the definitions JSON of a stopped node's data directory (offline)",
     arg("data_dir", metavar="datadir"),
-    offline=True,
 )
 def definitions(ctx: Ctx) -> None:
     try:
