@@ -1,5 +1,5 @@
 """lavinmqctl's commands in skredctl, against a real broker: a single node, a cluster's leader and
-through a follower (they change durable state). Each is run as a subprocess, as a script would,
+through a follower (they change durable state). Each runs skredctl's ``main`` with its argv,
 and its effect is checked through the management API; exit statuses are part of the contract
 (docs/ctl.md): 0 done, 1 refused, 2 unreachable or bad command line, 3 not offered by this broker."""
 
@@ -8,8 +8,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import subprocess
-import sys
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, unquote, urlsplit
@@ -19,7 +17,7 @@ import pytest
 
 from broker import ctl
 
-from ._support import REPO_ROOT, Broker, unique, wait_until
+from ._support import Broker, unique, wait_until
 from .test_mgmt_api import Api
 from .test_mgmt_api import pytestmark as _mgmt_marks
 
@@ -54,7 +52,7 @@ def api_of(b: Broker) -> Api:
 
 def run(b: Broker, *args: str, user: str | None = None, password: str | None = None) -> Result:
     """skredctl's ``main`` in this process (a subprocess per command costs a second of start-up
-    each; ``test_skredctl_as_a_process`` runs the real console entry point once)."""
+    each; test_ctl.py's ``test_skredctl_as_a_process`` runs the real console entry point)."""
     host, admin_user, admin_password = admin(b)
     argv = [
         "--url",
@@ -308,35 +306,3 @@ def test_node_commands(shared_broker: Broker) -> None:
     assert r.returncode == 2 and "Traceback" not in r.stderr
     r = run(shared_broker, "--format", "yaml", "list_queues")
     assert r.returncode == 2
-
-
-def test_skredctl_as_a_process(shared_broker: Broker) -> None:
-    """The console entry point itself: exit statuses as a shell sees them, --help per command."""
-    host, user, password = admin(shared_broker)
-
-    def proc(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "broker.ctl",
-                "--url",
-                f"http://{host}:{shared_broker.mgmt_port}",
-                "-u",
-                user,
-                "-p",
-                password,
-                *args,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            cwd=str(REPO_ROOT),
-        )
-
-    r = proc("create_queue", "--help")
-    assert r.returncode == 0 and "--reject-on-overflow" in r.stdout and "--dead-letter-exchange" in r.stdout
-    r = proc("stop_app")
-    assert r.returncode == NOT_OFFERED and r.stderr.startswith("skredctl: error:")
-    r = proc("-f", "json", "list_vhosts", "name")
-    assert r.returncode == 0 and {"name": "/"} in json.loads(r.stdout)
