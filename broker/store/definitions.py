@@ -169,3 +169,13 @@ def _parse(path: Path, data: bytes) -> tuple[list[bytes], int]:
         records.append(data[pos + 4:end])
         pos = end
     return records, pos
+
+
+def read_records(path: Path) -> list[bytes]:
+    """Every complete record of the log at ``path``, read only (a torn last record is left
+    where it is, for the broker to trim on its next start): for offline tools."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    return _parse(path, data)[0]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -10,7 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from broker.ctl import main
+
 from ._support import REPO_ROOT, SkredProcess, free_port, unique
+from .test_ctl_lavinmq import NOT_OFFERED, Result
 from .test_mgmt_api import Api, pytestmark, start_mgmt_broker  # noqa: F401
 
 __all__ = ["pytestmark"]
@@ -23,11 +28,18 @@ def mb(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SkredProcess]:
     b.close()
 
 
-def ctl(b: SkredProcess | None, *args: str, user: str = "guest", password: str = "guest",
-        url: str | None = None) -> subprocess.CompletedProcess[str]:
+def ctl(
+    b: SkredProcess | None, *args: str, user: str = "guest", password: str = "guest", url: str | None = None
+) -> Result:
+    """skredctl's ``main`` in this process (``test_skredctl_as_a_process`` runs the console itself)."""
     base = url or f"http://127.0.0.1:{b.mgmt_port if b else 1}"
-    return subprocess.run([sys.executable, "-m", "broker.ctl", "--url", base, "-u", user, "-p", password,
-                           *args], capture_output=True, text=True, timeout=30, cwd=str(REPO_ROOT))
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(["--url", base, "-u", user, "-p", password, *args])
+        except SystemExit as exc:
+            code = int(exc.code or 0)
+    return Result(code, out.getvalue(), err.getvalue())
 
 
 def ok(b: SkredProcess, *args: str) -> str:
@@ -43,9 +55,12 @@ def test_queue_and_user_commands(mb: SkredProcess) -> None:
     assert table.splitlines()[0].split()[:2] == ["vhost", "name"] and qn in table
     rows = json.loads(ok(mb, "--json", "list", "queues", "--vhost", "/"))
     assert any(r["name"] == qn and r["durable"] for r in rows)
-    Api(mb.mgmt_port).ok("POST", "/api/exchanges/%2F/amq.default/publish",
-                         {"properties": {}, "routing_key": qn, "payload": "x", "payload_encoding": "string"},
-                         expect=(200,))
+    Api(mb.mgmt_port).ok(
+        "POST",
+        "/api/exchanges/%2F/amq.default/publish",
+        {"properties": {}, "routing_key": qn, "payload": "x", "payload_encoding": "string"},
+        expect=(200,),
+    )
     assert Api(mb.mgmt_port).get(f"/api/queues/%2F/{qn}")["messages"] == 1
     ok(mb, "purge_queue", qn)
     assert Api(mb.mgmt_port).get(f"/api/queues/%2F/{qn}")["messages"] == 0
@@ -92,3 +107,25 @@ def test_clear_errors(mb: SkredProcess, tmp_path: Path) -> None:
     bad.write_text("{nope")
     r = ctl(mb, "import_definitions", str(bad))
     assert r.returncode == 1 and "cannot read definitions" in r.stderr
+
+
+def test_skredctl_as_a_process(mb: SkredProcess) -> None:
+    """The console entry point itself: exit statuses as a shell sees them, --help per command."""
+
+    def proc(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "broker.ctl", "--url", f"http://127.0.0.1:{mb.mgmt_port}", *args],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            cwd=str(REPO_ROOT),
+        )
+
+    r = proc("create_queue", "--help")
+    assert r.returncode == 0 and "--reject-on-overflow" in r.stdout and "--dead-letter-exchange" in r.stdout
+    r = proc("stop_app")
+    assert r.returncode == NOT_OFFERED and r.stderr.startswith("skredctl: error:")
+    r = proc("-f", "json", "list_vhosts", "name")
+    assert r.returncode == 0 and {"name": "/"} in json.loads(r.stdout)
+    r = proc("-u", "guest", "-p", "wrong", "list_queues")
+    assert r.returncode == 1 and "authentication failed" in r.stderr and "Traceback" not in r.stderr
