@@ -16,6 +16,7 @@ from aiohttp import web
 from pamqp import commands
 
 from broker import errors, properties
+from broker.http import history_api
 from broker.http.common import (
     MGMT_KEY,
     bad_request,
@@ -114,7 +115,10 @@ def _exchange_page(request: web.Request, exchanges: list[tuple[str, Exchange]]) 
 @routes.get("/api/exchanges/{vhost}/{name}")
 async def exchange(request: web.Request) -> web.Response:
     vh = _vh(request)
-    return web.json_response(exchange_json(request.app[MGMT_KEY], vh.name, _exchange(request, vh)))
+    ex = _exchange(request, vh)
+    out = exchange_json(request.app[MGMT_KEY], vh.name, ex)
+    history_api.exchange(request, out, ex)
+    return web.json_response(out)
 
 
 @routes.put("/api/exchanges/{vhost}/{name}")
@@ -257,6 +261,7 @@ async def queue(request: web.Request) -> web.Response:
     mgmt = request.app[MGMT_KEY]
     q = _queue(request, vh)
     out = queue_json(mgmt, q)
+    history_api.queue(request, out, q)
     out["consumer_details"] = [c for s in visible_sessions(request) for chs in s.chs.values()
                                for c in consumers_json(mgmt, s, chs)
                                if c["queue"] == {"name": q.name, "vhost": q.vhost}]
