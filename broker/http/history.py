@@ -89,6 +89,9 @@ class History:
     def __init__(self, width: int) -> None:
         self.tiers = [Tier(incr, n, width) for incr, n in TIERS]
 
+    def nbytes(self) -> int:
+        return sum(t.times.itemsize * len(t.times) + t.values.itemsize * len(t.values) for t in self.tiers)
+
     def add(self, t: float, values: Values) -> None:
         for tier in self.tiers:
             tier.add(t, values)

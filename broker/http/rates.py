@@ -408,6 +408,13 @@ class RateSampler:
         """``VHOST_FIELDS`` then the vhost's ``QUEUE_FIELDS`` sums."""
         return self._vhost_histories.get(vh)
 
+    def history_bytes(self) -> int:
+        """What every history kept takes in its arrays (the node's ``mgmt_db`` memory)."""
+        kept: list[History] = [self._global_history, self._node_history, *self._vhost_histories.values()]
+        for tracked in (self._queues, self._exchanges, self._connections):
+            kept.extend(tracked.histories.values())
+        return sum(h.nbytes() for h in kept)
+
     def global_history(self) -> History:
         return self._global_history
 

@@ -11,7 +11,7 @@ from aiohttp import web
 from pamqp import commands
 
 from broker import __version__
-from broker.http import history_api
+from broker.http import history_api, node_memory
 from broker.http.common import (
     MGMT_KEY,
     bad_request,
@@ -191,8 +191,19 @@ async def node(request: web.Request) -> web.Response:
     if request.match_info["node"] != request.app[MGMT_KEY].node_name:
         raise not_found()
     out = _node_json(request)
+    if request.query.get("memory", "false").lower() == "true":
+        out["memory"] = node_memory.breakdown(request.app[MGMT_KEY].rates.history_bytes())
     history_api.node(request, out)
     return web.json_response(out)
+
+
+@routes.get("/api/nodes/{node}/memory")
+async def node_memory_route(request: web.Request) -> web.Response:
+    """RabbitMQ's memory breakdown of a node (``node_memory.py`` says what each key holds)."""
+    require_monitor(request)
+    if request.match_info["node"] != request.app[MGMT_KEY].node_name:
+        raise not_found()
+    return web.json_response({"memory": node_memory.breakdown(request.app[MGMT_KEY].rates.history_bytes())})
 
 
 ALIVENESS_QUEUE = "aliveness-test"

@@ -120,7 +120,7 @@ def text_of(browser: WebDriver, by: str, value: str) -> str:
 
 def login(browser: WebDriver, b: Broker, user: str = "guest", password: str = "guest") -> None:
     browser.get(f"http://{b.host}:{b.mgmt_port}/")
-    browser.execute_script("sessionStorage.clear()")
+    browser.execute_script("sessionStorage.clear(); localStorage.clear()")  # and the remembered choices
     browser.get("about:blank")  # a fresh page load: a hash change alone would not log out
     browser.get(f"http://{b.host}:{b.mgmt_port}/#/overview")
     element(browser, By.ID, "username").send_keys(user)
