@@ -50,7 +50,13 @@ SHOTS = os.environ.get("SKRED_UI_SCREENSHOTS", "")
 
 
 def api(
-    b: Broker, method: str, path: str, body: Any = None, user: str = "guest", password: str = "guest"
+    b: Broker,
+    method: str,
+    path: str,
+    body: Any = None,
+    user: str = "guest",
+    password: str = "guest",
+    timeout: float = 10,
 ) -> Any:
     req = urllib.request.Request(
         f"http://{b.host}:{b.mgmt_port}{path}",
@@ -61,7 +67,7 @@ def api(
             "Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode(),
         },
     )
-    with urllib.request.urlopen(req, timeout=10) as resp:
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
         raw = resp.read()
     return json.loads(raw) if raw else None
 
