@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import shutil
 import statistics
 import time
 import urllib.request
@@ -48,7 +49,10 @@ def browser_tti(http: str, user: str, password: str, runs: int) -> list[float]:
     opts = webdriver.ChromeOptions()
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1366,900"):
         opts.add_argument(arg)
-    driver = webdriver.Chrome(options=opts)
+    # the system's chromium and chromedriver, named, so that selenium never looks for a driver online
+    opts.binary_location = shutil.which("chromium") or shutil.which("chromium-browser") or ""
+    service = webdriver.ChromeService(executable_path=shutil.which("chromedriver") or "chromedriver")
+    driver = webdriver.Chrome(service=service, options=opts)
     driver.set_script_timeout(60)
     try:
         driver.get(http + "/")

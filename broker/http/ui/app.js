@@ -138,7 +138,8 @@
     $("#top").hidden = false;
     $("#who").textContent = `${state.user.name} (${state.user.tags.join(", ") || "no tags"})`;
     for (const a of document.querySelectorAll("[data-admin]")) a.hidden = !isAdmin();
-    headerChoices().finally(route);
+    headerChoices();
+    route().finally(vhostChoices);
   }
 
   // ------------------------------------------------------------------ refresh loop
@@ -180,7 +181,7 @@
       samples.splice(0, samples.length, ...rows);
       if (!rows.length) return;
       const now = rows[rows.length - 1][0];
-      draw(now, Math.max(1000, now - rows[0][0]), rows[rows.length - 1][1]);
+      draw(now, Prefs.range()[0] * 1000, rows[rows.length - 1][1]); // the range asked, not the points' span
     }
     function draw(now, span, values) {
       const max = Math.max(1, ...samples.flatMap(([, v]) => series.map(([key]) => Number(v[key]) || 0)));
@@ -495,25 +496,35 @@
     return h("details", { class: "columns", id: "columns" }, h("summary", {}, "Columns"), boxes);
   }
 
-  // The header's selectors: virtual host (every list), chart range, refresh interval.
-  async function headerChoices() {
-    const range = $("#range"), interval = $("#interval"), vhost = $("#vhost");
+  // The header's selectors: chart range and refresh interval at once; the virtual host (every
+  // list) once the first page is drawn, so listing the vhosts never delays it.
+  function headerChoices() {
+    const range = $("#range"), interval = $("#interval");
     range.replaceChildren(...Prefs.RANGES.map(([age, , label]) => h("option", { value: age, selected: age === Prefs.range()[0] }, label)));
     interval.replaceChildren(...Prefs.INTERVALS.map(([s, label]) => h("option", { value: s, selected: s === Prefs.get("interval") }, label)));
     range.onchange = () => { Prefs.set("range", Number(range.value)); if (state.refresh) state.refresh(); };
     interval.onchange = () => { Prefs.set("interval", Number(interval.value)); startTimer(); };
+    showVhostLink();
+  }
+
+  function showVhostLink() {
+    const v = Prefs.get("vhost");
+    $("#vhost-link").hidden = !v;
+    $("#vhost-link").href = `#/vhosts/${enc(v)}`;
+  }
+
+  async function vhostChoices() {
+    const vhost = $("#vhost");
     let names = [];
     try { names = (await api("GET", "/api/vhosts?columns=name")).map((v) => v.name); } catch { names = []; }
     const picked = names.includes(Prefs.get("vhost")) ? Prefs.get("vhost") : "";
     vhost.replaceChildren(h("option", { value: "" }, "All"), ...names.map((n) => h("option", { value: n, selected: n === picked }, n)));
-    const showLink = () => {
-      const v = Prefs.get("vhost");
-      $("#vhost-link").hidden = !v;
-      $("#vhost-link").href = `#/vhosts/${enc(v)}`;
-    };
-    Prefs.set("vhost", picked);
-    showLink();
-    vhost.onchange = () => { Prefs.set("vhost", vhost.value); showLink(); route(); };
+    vhost.onchange = () => { Prefs.set("vhost", vhost.value); showVhostLink(); route(); };
+    if (picked !== Prefs.get("vhost")) { // the remembered vhost is gone (or no longer visible)
+      Prefs.set("vhost", picked);
+      showVhostLink();
+      route();
+    }
   }
 
   // ------------------------------------------------------------------ node, channel and vhost pages
