@@ -246,7 +246,14 @@ async def vhost_queues(request: web.Request) -> web.Response:
     return _queue_page(request, list(_vh(request).queues.values()))
 
 
-_QUEUE_KEYS: dict[str, Callable[[Queue], Any]] = {"name": lambda q: q.name, "vhost": lambda q: q.vhost}
+# Sorts the UI's queue columns offer, on the queue's own values (as queue_json renders them), so
+# sorting 10,000 queues by depth renders one page, not every queue.
+_QUEUE_KEYS: dict[str, Callable[[Queue], Any]] = {
+    "name": lambda q: q.name, "vhost": lambda q: q.vhost,
+    "messages_ready": lambda q: q.message_count,
+    "messages_unacknowledged": lambda q: q.store.unacked_count,
+    "messages": lambda q: q.message_count + q.store.unacked_count,
+    "consumers": lambda q: len(q.consumers)}
 
 
 def _queue_page(request: web.Request, queues: list[Queue]) -> web.Response:

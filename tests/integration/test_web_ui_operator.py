@@ -252,3 +252,31 @@ def test_a_bad_range_is_a_400(shared_broker: Broker) -> None:
         ]["publish_details"]
     )
     assert time.monotonic() - started < 10
+
+
+def test_sorting_queues_by_depth_pages_as_sorting_the_whole_list(shared_broker: Broker) -> None:
+    """The depth sorts run on the queues before rendering (one page rendered): the same order
+    as the rendered list sorted by the same field."""
+    b = shared_broker
+    prefix = f"ui-depth-{uuid.uuid4().hex[:4]}-"
+    conn = connect(b)
+    try:
+        ch = conn.channel()
+        for i in range(12):
+            ch.queue_declare(f"{prefix}{i:02d}")
+            for _ in range(i * 7 % 5):
+                ch.basic_publish("", f"{prefix}{i:02d}", b"x")
+        for key in ("messages_ready", "messages", "consumers", "messages_unacknowledged"):
+            got = api(
+                b,
+                "GET",
+                f"/api/queues/%2F?page=1&page_size=5&sort={key}&sort_reverse=true&name=^{prefix}"
+                "&use_regex=true",
+            )
+            every = api(b, "GET", f"/api/queues/%2F?name=^{prefix}&use_regex=true")
+            expected = sorted(every, key=lambda q: q[key], reverse=True)[:5]  # noqa: B023
+            assert [(q["name"], q[key]) for q in got["items"]] == [(q["name"], q[key]) for q in expected], key
+    finally:
+        for i in range(12):
+            ch.queue_delete(f"{prefix}{i:02d}")
+        conn.close()
