@@ -83,6 +83,13 @@ def _line_points(browser: WebDriver, chart_title: str) -> int:
     )
 
 
+def _follow(browser: WebDriver, b: Broker, page: str, link: str, element_id: str, text: str) -> None:
+    """Open ``page``, follow its link ``link`` and wait for ``text`` in ``#element_id``."""
+    go(browser, b, page)
+    click(browser, By.LINK_TEXT, link)
+    wait(browser, f"{text} in #{element_id}", lambda d: text in d.find_element(By.ID, element_id).text)
+
+
 def test_history_charts_and_the_channel_and_node_pages(browser: WebDriver, shared_broker: Broker) -> None:
     b = shared_broker
     name = f"ui-hist-{uuid.uuid4().hex[:6]}"
@@ -129,24 +136,12 @@ def test_history_charts_and_the_channel_and_node_pages(browser: WebDriver, share
         shot(browser, "queue-history")
 
         channel = [c for c in api(b, "GET", "/api/channels") if c["prefetch_count"] == 7][0]["name"]
-        go(browser, b, "channels")
-        click(browser, By.LINK_TEXT, channel)
-        wait(
-            browser,
-            "the channel page",
-            lambda d: "7 per consumer" in d.find_element(By.ID, "channel-details").text,
-        )
+        _follow(browser, b, "channels", channel, "channel-details", "7 per consumer")
         assert browser.find_element(By.TAG_NAME, "h1").text == f"Channel {channel}"
         shot(browser, "channel")
 
         node = api(b, "GET", "/api/overview")["node"]
-        go(browser, b, "overview")
-        click(browser, By.LINK_TEXT, node)
-        wait(
-            browser,
-            "the node's memory breakdown",
-            lambda d: "mgmt_db" in d.find_element(By.ID, "node-memory").text,
-        )
+        _follow(browser, b, "overview", node, "node-memory", "mgmt_db")
         text = browser.find_element(By.ID, "node-details").text
         assert all(k in text for k in ("Memory alarm", "Disk free", "File descriptors", "Sockets"))
         wait(browser, "the node's memory chart", lambda d: _line_points(d, "Memory used (bytes)") > 1)
