@@ -227,9 +227,17 @@ def test_a_queue_that_counts_gets_a_history_idle_ones_do_not(tmp_path: Path,
     rows = series(h, rates.queue_values(q0), span, wall, sampler.wall_offset())
     counts = [row[publish] for row in rows]
     assert counts[0] == 24 and counts == sorted(counts, reverse=True) and counts[-1] <= 2
+    # a day without a change gives the place back: q4 now counts and gets one
+    for _ in range(2):
+        clock.t += rates.MAX_AGE
+        sampler.sample()
+    _publish(vh, "q4", 1)
+    clock.t += rates.INTERVAL
+    sampler.sample()
+    assert sampler.queue_history(vh.queues["q4"]) is not None
     # the vhost's and the broker's histories hold the sums
     vrows = series(sampler.vhost_history(vh), None, span, wall, sampler.wall_offset())
-    assert vrows[0][len(rates.VHOST_FIELDS) + publish] == 27
+    assert vrows[0][len(rates.VHOST_FIELDS) + publish] == 28
 
 
 @pytest.mark.parametrize("query", [{"lengths_age": "60"}, {"lengths_age": "x", "lengths_incr": "5"},

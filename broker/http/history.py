@@ -18,9 +18,10 @@ A ring keeps the newest values seen in each of its slots (a pass landing in the 
 overwrites it; a range of ``age / incr`` steps reads ``age / incr + 2`` slots, the oldest for
 the value at the first point), in ``array('d')``: the memory of one object is fixed at
 creation, ``284 x (fields + 1) x 8`` bytes: 22.7 KB for a queue (9 fields), 6.8 KB for an
-exchange or a connection (2). At most ``MAX_HISTORIES`` objects of a kind have one (the first to count
-something; the cap bounds a node with 100k busy queues to 45 MB of queue history); the others,
-like idle objects, answer flat samples at their current values.
+exchange or a connection (2). At most ``MAX_HISTORIES`` objects of a kind have one (those that changed
+since the node's first pass, first come; one unchanged for a day gives its place back; the cap
+bounds a node with 100k busy queues to 45 MB of queue history); the others, like idle objects,
+answer flat samples at their current values.
 
 A query names an age and an increment (RabbitMQ's ``{range}_age`` and ``{range}_incr``, in
 seconds). The answer is ``age / incr + 1`` points on wall-clock times aligned to the increment,
@@ -84,10 +85,11 @@ class Tier:
 class History:
     """One object's values over the last day, at the resolutions of ``TIERS``."""
 
-    __slots__ = ("tiers",)
+    __slots__ = ("tiers", "changed")
 
     def __init__(self, width: int) -> None:
         self.tiers = [Tier(incr, n, width) for incr, n in TIERS]
+        self.changed = 0.0  # when the values last changed (the sampler's clock)
 
     def nbytes(self) -> int:
         return sum(t.times.itemsize * len(t.times) + t.values.itemsize * len(t.values) for t in self.tiers)

@@ -49,7 +49,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Generic, TypeVar
 
-from broker.http.history import MAX_HISTORIES, History
+from broker.http.history import MAX_AGE, MAX_HISTORIES, History
 from broker.model.exchange import Exchange
 from broker.model.queue import Queue
 from broker.model.vhost import VHost
@@ -134,7 +134,10 @@ class Tracked(Generic[K]):
             if values == before:
                 history = self.histories.get(obj)
                 if history is not None:
-                    history.add(now, kept)
+                    if now - history.changed > MAX_AGE:  # flat for a day: its samples are its value
+                        del self.histories[obj]
+                    else:
+                        history.add(now, kept)
                 ring = self.rings.get(obj)
                 if ring is not None:
                     ring.add(now, values)
@@ -153,12 +156,13 @@ class Tracked(Generic[K]):
         if ring is not None:
             ring.add(now, values)
         history = self.histories.get(obj)
-        if history is None and len(self.histories) < MAX_HISTORIES:
+        if history is None and previous is not None and len(self.histories) < MAX_HISTORIES:
+            # (not on the node's first pass: 100k non-empty queues after a restart are not changes)
             history = self.histories[obj] = History(len(values))
-            if previous is not None:
-                history.add(previous, before)
+            history.add(previous, before)
         if history is not None:
             history.add(now, values)
+            history.changed = now
         return tuple(b - a for a, b in zip(before, values, strict=True))
 
     def stale(self) -> bool:
