@@ -18,6 +18,7 @@ from test_features_policy import _vhost
 
 from broker.amqp.broker import Stats
 from broker.http import rates
+from broker.http.history import TIERS, History, Span, parse_spans, series
 from broker.http.rates import RateSampler
 from broker.model.vhost import VHost
 
@@ -171,3 +172,80 @@ def test_a_queue_declared_between_passes_counts_from_zero(tmp_path: Path) -> Non
     sampler.sample()  # its first pass already has a rate: it was empty at the previous one
     assert sampler.queue_rates(vh.queues["new"])["publish"] == pytest.approx(5 / rates.INTERVAL)
     assert sampler.queue_totals_rates([vh])["publish"] == pytest.approx(5 / rates.INTERVAL)
+
+
+# ---------------------------------------------------------------------------- history
+def test_history_answers_each_range_from_a_ring_of_fixed_size() -> None:
+    h = History(2)
+    sizes = [len(t.times) for t in h.tiers]
+    t0 = 1_000_000.0
+    # two days of 5-second passes of a counter that grows by one a second, and a flat gauge
+    for k in range(2 * 86400 // 5 + 1):
+        h.add(t0 + 5 * k, (5 * k, 7))
+    assert [len(t.times) for t in h.tiers] == sizes == [n for _, n in TIERS]  # nothing grew
+    assert sum(sizes) == 284
+    now = t0 + 2 * 86400
+    for age, incr in ((60, 5), (600, 5), (3600, 60), (8 * 3600, 600), (86400, 1800)):
+        span = Span(age, incr)
+        rows = series(h, None, span, now, 0.0)
+        times = span.points(now)
+        assert len(rows) == len(times) == age // incr + 1
+        # each point is the counter's value at that time, within one slot of the ring it came from
+        slot = h.tier_for(age, incr).incr
+        assert h.tier_for(age, incr).incr <= incr
+        assert rows[0] == (2 * 86400, 7)  # the newest point is the value now
+        for (counter, gauge), t in zip(rows[1:], times[1:], strict=True):
+            assert gauge == 7
+            assert t - t0 - slot <= counter <= t - t0, (age, incr, t, counter)
+
+
+def test_a_queue_that_counts_gets_a_history_idle_ones_do_not(tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rates, "MAX_HISTORIES", 2)
+    vh = _vhost(tmp_path)
+    _queues(vh, 5)
+    clock = _Clock()
+    sampler = RateSampler(_Broker({"/": vh}), clock=clock)  # type: ignore[arg-type]
+    sampler.sample()
+    for _ in range(12):  # a minute: q0 takes 2 messages a pass, q1..q3 one each at the end
+        clock.t += rates.INTERVAL
+        _publish(vh, "q0", 2)
+        sampler.sample()
+    for name in ("q1", "q2", "q3"):
+        _publish(vh, name, 1)
+    clock.t += rates.INTERVAL
+    sampler.sample()
+    q0 = vh.queues["q0"]
+    h = sampler.queue_history(q0)
+    assert h is not None
+    assert sampler.queue_history(vh.queues["q4"]) is None  # never counted anything
+    # the cap: only the first two queues to count something have a history
+    assert sum(sampler.queue_history(q) is not None for q in vh.queues.values()) == 2
+    publish = rates.QUEUE_FIELDS.index("publish")
+    span = Span(60, 5)
+    wall = time.time()
+    rows = series(h, rates.queue_values(q0), span, wall, sampler.wall_offset())
+    counts = [row[publish] for row in rows]
+    assert counts[0] == 24 and counts == sorted(counts, reverse=True) and counts[-1] <= 2
+    # a day without a change gives the place back: q4 now counts and gets one
+    for _ in range(2):
+        clock.t += rates.MAX_AGE
+        sampler.sample()
+    _publish(vh, "q4", 1)
+    clock.t += rates.INTERVAL
+    sampler.sample()
+    assert sampler.queue_history(vh.queues["q4"]) is not None
+    # the vhost's and the broker's histories hold the sums
+    vrows = series(sampler.vhost_history(vh), None, span, wall, sampler.wall_offset())
+    assert vrows[0][len(rates.VHOST_FIELDS) + publish] == 28
+
+
+@pytest.mark.parametrize("query", [{"lengths_age": "60"}, {"lengths_age": "x", "lengths_incr": "5"},
+                                   {"msg_rates_age": "60", "msg_rates_incr": "0"},
+                                   {"msg_rates_age": "5", "msg_rates_incr": "60"},
+                                   {"node_stats_age": "172800", "node_stats_incr": "1800"},
+                                   {"data_rates_age": "86400", "data_rates_incr": "1"}])
+def test_a_bad_range_is_refused(query: dict[str, str]) -> None:
+    with pytest.raises(ValueError):
+        parse_spans(query)
+    assert parse_spans({"lengths_age": "600", "lengths_incr": "5"}) == {"lengths": Span(600, 5)}

@@ -32,6 +32,11 @@ once, i.e. its consumers were not held back by prefetch limits or a full socket)
 from the same passes: at each pass a queue with a consumer that is ``ready()`` counts the seconds
 since the previous pass as able, and the utilisation is the share of able time over the window.
 A queue without consumers has none (``null``, as RabbitMQ).
+
+History: the same pass records the values of an object that counted something, and the node's,
+the vhosts' and the broker's, in a ``history.History`` (fixed-size rings at 5 s to 30 min per
+slot, a day back) for the API's ``?lengths_age=&lengths_incr=`` samples; ``history.py`` says
+what it keeps and what it costs.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Generic, TypeVar
 
+from broker.http.history import MAX_AGE, MAX_HISTORIES, History
 from broker.model.exchange import Exchange
 from broker.model.queue import Queue
 from broker.model.vhost import VHost
@@ -107,12 +113,13 @@ class Tracked(Generic[K]):
     write. A pass calls ``see`` for each live object; when fewer were seen than are kept, some
     went away, and ``drop`` forgets those (with their rings)."""
 
-    __slots__ = ("last", "rings", "zeros", "known")
+    __slots__ = ("last", "rings", "zeros", "known", "histories")
 
     def __init__(self, width: int) -> None:
         self.zeros: Values = (0,) * width
         self.last: dict[K, Values] = {}
         self.rings: dict[K, Ring] = {}
+        self.histories: dict[K, History] = {}  # of the first MAX_HISTORIES to count something
         self.known = 0  # objects seen by this pass that have an entry in ``last``
 
     def see(self, obj: K, values: Values, now: float, previous: float | None) -> Values | None:
@@ -125,6 +132,12 @@ class Tracked(Generic[K]):
         else:
             before = kept
             if values == before:
+                history = self.histories.get(obj)
+                if history is not None:
+                    if now - history.changed > MAX_AGE:  # flat for a day: its samples are its value
+                        del self.histories[obj]
+                    else:
+                        history.add(now, kept)
                 ring = self.rings.get(obj)
                 if ring is not None:
                     ring.add(now, values)
@@ -142,6 +155,14 @@ class Tracked(Generic[K]):
             ring.add(previous, before)
         if ring is not None:
             ring.add(now, values)
+        history = self.histories.get(obj)
+        if history is None and previous is not None and len(self.histories) < MAX_HISTORIES:
+            # (not on the node's first pass: 100k non-empty queues after a restart are not changes)
+            history = self.histories[obj] = History(len(values))
+            history.add(previous, before)
+        if history is not None:
+            history.add(now, values)
+            history.changed = now
         return tuple(b - a for a, b in zip(before, values, strict=True))
 
     def stale(self) -> bool:
@@ -153,11 +174,18 @@ class Tracked(Generic[K]):
             if gone(obj):
                 self.last.pop(obj, None)
                 self.rings.pop(obj, None)
+                self.histories.pop(obj, None)
 
     def rates(self, obj: K, fields: Sequence[str]) -> dict[str, float]:
         ring = self.rings.get(obj)
         values = ring.rates(len(fields)) if ring else (0.0,) * len(fields)
         return dict(zip(fields, values, strict=True))
+
+
+def queue_values(q: Queue) -> Values:
+    """A queue's ``QUEUE_FIELDS`` now."""
+    return (q.n_published, q.n_delivered, q.n_acked, q.n_redelivered, q.message_count,
+            q.store.unacked_count, q.n_gets, q.n_gets_no_ack, q.n_get_empty)
 
 
 class RateSampler:
@@ -173,6 +201,9 @@ class RateSampler:
         self.chunk = chunk
         self._global = Ring()
         self._node = Ring()
+        self._global_history = History(len(GLOBAL_FIELDS))
+        self._node_history = History(len(GAUGE_FIELDS))
+        self._vhost_histories: dict[VHost, History] = {}
         self._queues: Tracked[Queue] = Tracked(len(QUEUE_FIELDS))
         self._exchanges: Tracked[Exchange] = Tracked(len(EXCHANGE_FIELDS))
         self._connections: Tracked[ConnectionView] = Tracked(len(CONNECTION_FIELDS))
@@ -267,19 +298,27 @@ class RateSampler:
     def _end(self, walked: list[VHost], now: float, previous: float | None) -> None:
         """The few node- and vhost-level samples that close a pass."""
         rings: dict[VHost, Ring] = {}
+        histories: dict[VHost, History] = {}
         for vh in walked:
             ring = self._vhosts.get(vh)
             if ring is None:
                 ring = Ring()
                 if previous is not None:
                     ring.add(previous, (0,) * (len(VHOST_FIELDS) + len(QUEUE_FIELDS)))
-            ring.add(now, (vh.n_confirmed, vh.n_unroutable, vh.n_returned, *self._sums[vh]))
+            values = (vh.n_confirmed, vh.n_unroutable, vh.n_returned, *self._sums[vh])
+            ring.add(now, values)
             rings[vh] = ring
+            history = histories[vh] = self._vhost_histories.get(vh) or History(len(values))
+            history.add(now, values)
         self._vhosts = rings
+        self._vhost_histories = histories
         self._sums = {vh: self._sums[vh] for vh in walked}
         end = self.clock()
-        self._global.add(end, self.global_counters())
-        self._node.add(end, self.gauges())
+        counters, gauges = self.global_counters(), self.gauges()
+        self._global.add(end, counters)
+        self._node.add(end, gauges)
+        self._global_history.add(end, counters)
+        self._node_history.add(end, gauges)
         self._previous = now
 
     def _paced(self, items: list[T], read: Callable[[list[T]], object]) -> Iterator[None]:
@@ -298,10 +337,7 @@ class RateSampler:
                      previous: float | None) -> None:
         queues = self._queues
         for q in part:
-            store = q.store
-            delta = queues.see(q, (q.n_published, q.n_delivered, q.n_acked, q.n_redelivered,
-                                   q.message_count, store.unacked_count, q.n_gets,
-                                   q.n_gets_no_ack, q.n_get_empty), now, previous)
+            delta = queues.see(q, queue_values(q), now, previous)
             if delta is not None:
                 for i, d in enumerate(delta):
                     sums[i] += d
@@ -359,3 +395,35 @@ class RateSampler:
         n = len(VHOST_FIELDS)
         values = ring.rates(n + len(QUEUE_FIELDS))[:n] if ring else (0.0,) * n
         return dict(zip(VHOST_FIELDS, values, strict=True))
+
+    # ------------------------------------------------------------------ history
+    def wall_offset(self) -> float:
+        """Add to a time of the sampler's clock to get wall-clock seconds."""
+        return time.time() - self.clock()
+
+    def queue_history(self, q: Queue) -> History | None:
+        """``QUEUE_FIELDS`` over the last day (None: the queue never changed, or past the cap)."""
+        return self._queues.histories.get(q)
+
+    def exchange_history(self, ex: Exchange) -> History | None:
+        return self._exchanges.histories.get(ex)
+
+    def connection_history(self, s: ConnectionView) -> History | None:
+        return self._connections.histories.get(s)
+
+    def vhost_history(self, vh: VHost) -> History | None:
+        """``VHOST_FIELDS`` then the vhost's ``QUEUE_FIELDS`` sums."""
+        return self._vhost_histories.get(vh)
+
+    def history_bytes(self) -> int:
+        """What every history kept takes in its arrays (the node's ``mgmt_db`` memory)."""
+        kept: list[History] = [self._global_history, self._node_history, *self._vhost_histories.values()]
+        for tracked in (self._queues, self._exchanges, self._connections):
+            kept.extend(tracked.histories.values())
+        return sum(h.nbytes() for h in kept)
+
+    def global_history(self) -> History:
+        return self._global_history
+
+    def node_history(self) -> History:
+        return self._node_history

@@ -9,7 +9,7 @@ from aiohttp import web
 from broker.auth.parameters import RuntimeParameters
 from broker.auth.passwords import ALGORITHMS, HASHING_ALGORITHM
 from broker.auth.users import User, UserStore
-from broker.http import definitions
+from broker.http import definitions, history_api
 from broker.http.common import (
     MGMT_KEY,
     ApiError,
@@ -60,7 +60,10 @@ async def vhosts(request: web.Request) -> web.Response:
 
 @routes.get("/api/vhosts/{vhost}")
 async def vhost(request: web.Request) -> web.Response:
-    return web.json_response(_vhost_json(request, vhost_param(request)))
+    name = vhost_param(request)
+    out = _vhost_json(request, name)
+    history_api.vhost(request, out, request.app[MGMT_KEY].broker.vhosts[name])
+    return web.json_response(out)
 
 
 @routes.put("/api/vhosts/{vhost}")

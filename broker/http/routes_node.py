@@ -11,6 +11,7 @@ from aiohttp import web
 from pamqp import commands
 
 from broker import __version__
+from broker.http import history_api, node_memory
 from broker.http.common import (
     MGMT_KEY,
     bad_request,
@@ -96,7 +97,7 @@ async def overview(request: web.Request) -> web.Response:
     t = _totals(request)
     listeners = [{"node": mgmt.node_name, "protocol": proto, "ip_address": addr[0], "port": addr[1]}
                  for proto, addr in mgmt.listeners()]
-    return web.json_response({
+    out = {
         "management_version": __version__,
         "product_name": "Skred",
         "product_version": __version__,
@@ -118,7 +119,10 @@ async def overview(request: web.Request) -> web.Response:
         "listeners": listeners,
         "contexts": [{"node": mgmt.node_name, "description": "Skred Management", "path": "/",
                       "port": str((mgmt.http_address or mgmt.https_address or ("", ""))[1])}],
-    })
+    }
+    history_api.overview(request, out, (vh for name, vh in mgmt.broker.vhosts.items()
+                                        if can_see_vhost(request, name)))
+    return web.json_response(out)
 
 
 @routes.get("/api/cluster")
@@ -186,7 +190,20 @@ async def node(request: web.Request) -> web.Response:
     require_monitor(request)
     if request.match_info["node"] != request.app[MGMT_KEY].node_name:
         raise not_found()
-    return web.json_response(_node_json(request))
+    out = _node_json(request)
+    if request.query.get("memory", "false").lower() == "true":
+        out["memory"] = node_memory.breakdown(request.app[MGMT_KEY].rates.history_bytes())
+    history_api.node(request, out)
+    return web.json_response(out)
+
+
+@routes.get("/api/nodes/{node}/memory")
+async def node_memory_route(request: web.Request) -> web.Response:
+    """RabbitMQ's memory breakdown of a node (``node_memory.py`` says what each key holds)."""
+    require_monitor(request)
+    if request.match_info["node"] != request.app[MGMT_KEY].node_name:
+        raise not_found()
+    return web.json_response({"memory": node_memory.breakdown(request.app[MGMT_KEY].rates.history_bytes())})
 
 
 ALIVENESS_QUEUE = "aliveness-test"
@@ -264,7 +281,10 @@ def _connection(request: web.Request) -> Any:
 
 @routes.get("/api/connections/{name}")
 async def connection(request: web.Request) -> web.Response:
-    return web.json_response(connection_json(request.app[MGMT_KEY], _connection(request)))
+    session = _connection(request)
+    out = connection_json(request.app[MGMT_KEY], session)
+    history_api.connection(request, out, session)
+    return web.json_response(out)
 
 
 @routes.delete("/api/connections/{name}")

@@ -51,7 +51,13 @@ SHOTS = os.environ.get("SKRED_UI_SCREENSHOTS", "")
 
 
 def api(
-    b: Broker, method: str, path: str, body: Any = None, user: str = "guest", password: str = "guest"
+    b: Broker,
+    method: str,
+    path: str,
+    body: Any = None,
+    user: str = "guest",
+    password: str = "guest",
+    timeout: float = 10,
 ) -> Any:
     req = urllib.request.Request(
         f"http://{b.host}:{b.mgmt_port}{path}",
@@ -62,7 +68,7 @@ def api(
             "Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode(),
         },
     )
-    with urllib.request.urlopen(req, timeout=10) as resp:
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
         raw = resp.read()
     return json.loads(raw) if raw else None
 
@@ -121,7 +127,7 @@ def text_of(browser: WebDriver, by: str, value: str) -> str:
 
 def login(browser: WebDriver, b: Broker, user: str = "guest", password: str = "guest") -> None:
     browser.get(f"http://{b.host}:{b.mgmt_port}/")
-    browser.execute_script("sessionStorage.clear()")
+    browser.execute_script("sessionStorage.clear(); localStorage.clear()")  # and the remembered choices
     browser.get("about:blank")  # a fresh page load: a hash change alone would not log out
     browser.get(f"http://{b.host}:{b.mgmt_port}/#/overview")
     element(browser, By.ID, "username").send_keys(user)

@@ -8,7 +8,7 @@
 // Text from the broker is always inserted as text nodes (h() below), never as HTML.
 "use strict";
 (() => {
-  const REFRESH_MS = 5000;
+  const Prefs = window.SkredPrefs; // prefs.js: remembered choices and history ranges
   const HISTORY_MS = 10 * 60 * 1000; // charts keep the last ten minutes of samples
   const PAGE_SIZES = [20, 50, 100, 500];
   const COLORS = ["#0b6bcb", "#1e7b34", "#c26a00", "#8a3ffc", "#b3261e", "#00838f"];
@@ -204,21 +204,26 @@
     $("#top").hidden = false;
     $("#who").textContent = `${state.user.name} (${state.user.tags.join(", ") || "no tags"})`;
     for (const a of document.querySelectorAll("[data-admin]")) a.hidden = !isAdmin();
-    route();
+    headerChoices();
+    route().finally(vhostChoices);
   }
 
   // ------------------------------------------------------------------ refresh loop
   function stopTimer() { clearInterval(state.timer); state.timer = null; }
 
+  // The interval is the user's (header, remembered); 0 stops the refresh.
   function startTimer() {
     stopTimer();
+    const seconds = Prefs.get("interval");
+    if (!seconds) return;
     state.timer = setInterval(() => {
-      if ($("#autorefresh").checked && state.refresh && !document.hidden) state.refresh().catch(() => {});
-    }, REFRESH_MS);
+      if (state.refresh && !document.hidden) state.refresh().catch(() => {});
+    }, seconds * 1000);
   }
 
   // ------------------------------------------------------------------ charts
-  // A chart keeps samples (time, {series: value}) and draws them as SVG polylines.
+  // A chart keeps samples (time, {series: value}) and draws them as SVG polylines: added one at
+  // a time as the page refreshes (add), or all at once from the server's history (set).
   function chart(title, series) {
     const samples = [];
     const svg = document.createElementNS("http://www.w3.org/2000/svg", "svg");
@@ -235,10 +240,19 @@
       const now = Date.now();
       samples.push([now, values]);
       while (samples.length && samples[0][0] < now - HISTORY_MS) samples.shift();
-      const max = Math.max(1, ...samples.flatMap(([, v]) => series.map(([key]) => Number(v[key]) || 0)));
       // The time axis grows with the history: one minute at first, ten at most.
-      const span = Math.min(HISTORY_MS, Math.max(60000, now - samples[0][0]));
-      scale.textContent = `(0 to ${num(Math.ceil(max))}, last ${Math.round(span / 60000)} min)`;
+      draw(now, Math.min(HISTORY_MS, Math.max(60000, now - samples[0][0])), values);
+    }
+    function set(rows) { // [[ms, values], ...] oldest first, over the range picked in the header
+      samples.splice(0, samples.length, ...rows);
+      if (!rows.length) return;
+      const now = rows[rows.length - 1][0];
+      draw(now, Prefs.range()[0] * 1000, rows[rows.length - 1][1]); // the range asked, not the points' span
+    }
+    function draw(now, span, values) {
+      const max = Math.max(1, ...samples.flatMap(([, v]) => series.map(([key]) => Number(v[key]) || 0)));
+      const label = Prefs.RANGES.find(([age]) => age * 1000 === span);
+      scale.textContent = `(0 to ${num(Math.ceil(max))}, ${label ? label[2].toLowerCase() : `last ${Math.round(span / 60000)} min`})`;
       svg.replaceChildren();
       const t0 = now - span;
       series.forEach(([key], i) => {
@@ -254,12 +268,16 @@
         legendValues[i].textContent = num(Math.round((Number(values[key]) || 0) * 10) / 10);
       });
     }
-    return { root, add };
+    return { root, add, set };
   }
 
   const RATE_SERIES = [["publish", "published/s"], ["confirm", "confirmed/s"], ["deliver_get", "delivered/s"],
     ["ack", "acked/s"], ["redeliver", "redelivered/s"]];
-  const rates = (stats) => Object.fromEntries(RATE_SERIES.map(([k]) => [k, get(stats || {}, `${k}_details.rate`) || 0]));
+  const RATE_KEYS = RATE_SERIES.map(([k]) => k);
+  const LENGTH_SERIES = [["messages_ready", "ready"], ["messages_unacknowledged", "unacked"]];
+  const LENGTH_KEYS = LENGTH_SERIES.map(([k]) => k);
+  // A path with the header's chart range: the answer carries *_details samples over it.
+  const ranged = (path) => `${path}${path.includes("?") ? "&" : "?"}${Prefs.rangeQuery()}`;
 
   // ------------------------------------------------------------------ tables
   // cols: [key, label, render?, numeric?]; a key is also the server-side sort key.
@@ -312,7 +330,7 @@
         h("button", { type: "button", disabled: s.page <= 1, onclick: () => { s.page--; refresh(); } }, "\u2039 Previous"),
         h("span", {}, `Page ${s.page} of ${pageCount} \u00b7 ${num(data.filtered_count ?? rows.length)} matching of ${num(data.total_count ?? rows.length)}`),
         h("button", { type: "button", disabled: s.page >= pageCount, onclick: () => { s.page++; refresh(); } }, "Next \u203a"));
-      live.replaceChildren(table(cols, rows, {
+      live.replaceChildren(table(typeof cols === "function" ? cols() : cols, rows, {
         sort: s.sort, reverse: s.reverse, empty: opts.empty,
         onSort: (key) => { s.reverse = s.sort === key ? !s.reverse : false; s.sort = key; s.page = 1; refresh(); },
       }), pager);
@@ -428,22 +446,21 @@
 
   async function overviewPage() {
     const cards = h("div", { class: "cards", id: "totals" });
-    overviewCharts = overviewCharts || [chart("Message rates", RATE_SERIES),
-      chart("Queued messages", [["messages_ready", "ready"], ["messages_unacknowledged", "unacked"]])];
+    overviewCharts = overviewCharts || [chart("Message rates", RATE_SERIES), chart("Queued messages", LENGTH_SERIES)];
     const [rateChart, queuedChart] = overviewCharts;
     const nodes = h("div");
     const cluster = h("div", { id: "cluster" });
     page("Overview", cards, h("div", { class: "bar" }, rateChart.root, queuedChart.root), h("h2", {}, "Nodes"), nodes, cluster);
     return async () => {
-      const [o, ns] = await Promise.all([api("GET", "/api/overview"), api("GET", "/api/nodes").catch(() => [])]);
+      const [o, ns] = await Promise.all([api("GET", ranged("/api/overview")), api("GET", "/api/nodes").catch(() => [])]);
       const t = o.object_totals || {}, q = o.queue_totals || {};
       const card = (k, v, id) => h("div", { class: "card", id }, h("div", { class: "v" }, num(v ?? 0)), h("div", { class: "k" }, k));
       cards.replaceChildren(card("Connections", t.connections, "total-connections"), card("Channels", t.channels, "total-channels"),
         card("Exchanges", t.exchanges, "total-exchanges"), card("Queues", t.queues, "total-queues"), card("Consumers", t.consumers, "total-consumers"),
         card("Ready", q.messages_ready, "total-ready"), card("Unacked", q.messages_unacknowledged, "total-unacked"), card("Total messages", q.messages, "total-messages"));
-      rateChart.add(rates(o.message_stats));
-      queuedChart.add(q);
-      nodes.replaceChildren(table([["name", "Node"], ["uptime", "Uptime", (n) => `${Math.round((n.uptime || 0) / 60000)} min`],
+      rateChart.set(Prefs.series(o.message_stats, RATE_KEYS, true));
+      queuedChart.set(Prefs.series(q, LENGTH_KEYS, false));
+      nodes.replaceChildren(table([["name", "Node", (n) => link(`#/nodes/${enc(n.name)}`, n.name)], ["uptime", "Uptime", (n) => `${Math.round((n.uptime || 0) / 60000)} min`],
         ["mem_used", "Memory", (n) => `${bytes(n.mem_used)}${n.mem_limit ? ` of ${bytes(n.mem_limit)}` : ""}`],
         ["mem_alarm", "Memory alarm", (n) => h("span", { class: n.mem_alarm ? "bad" : "ok" }, n.mem_alarm ? "ALARM" : "ok")],
         ["disk_free", "Disk free", (n) => `${bytes(n.disk_free)} (limit ${bytes(n.disk_free_limit)})`],
@@ -473,7 +490,7 @@
     },
     channels: {
       title: "Channels", path: "/api/channels",
-      cols: [["name", "Channel"], ["user", "User"], ["vhost", "Virtual host"], ["consumer_count", "Consumers", null, true],
+      cols: [["name", "Channel", (r) => link(`#/channels/${enc(r.name)}`, r.name)], ["user", "User"], ["vhost", "Virtual host"], ["consumer_count", "Consumers", null, true],
         ["prefetch_count", "Prefetch", null, true], ["messages_unacknowledged", "Unacked", null, true],
         ["confirm", "Mode", (r) => (r.confirm ? "confirm" : r.transactional ? "tx" : "")], ["state", "State"]],
     },
@@ -518,20 +535,136 @@
 
   async function listPage(kind) {
     const spec = LISTS[kind];
-    const list = pagedList(spec.path, spec.cols, { sort: spec.sort });
-    page(spec.title, list.root, spec.create && isAdmin() ? spec.create() : null);
+    const vhost = Prefs.get("vhost");
+    const path = vhost && VHOST_PATHS[kind] ? VHOST_PATHS[kind](vhost) : spec.path;
+    const shown = () => spec.cols.filter(([key, label]) => !label || !Prefs.hidden(kind).includes(key));
+    const list = pagedList(path, shown, { sort: spec.sort });
+    page(vhost ? `${spec.title} in ${vhost}` : spec.title, columnChooser(kind, spec.cols, list.refresh), list.root,
+      spec.create && isAdmin() ? spec.create() : null);
     return list.refresh;
+  }
+
+  // ------------------------------------------------------------------ operator's choices
+  // Lists of one vhost, when one is picked in the header (RabbitMQ's per-vhost list paths).
+  const VHOST_PATHS = {
+    connections: (v) => `/api/vhosts/${enc(v)}/connections`, channels: (v) => `/api/vhosts/${enc(v)}/channels`,
+    exchanges: (v) => `/api/exchanges/${enc(v)}`, queues: (v) => `/api/queues/${enc(v)}`, consumers: (v) => `/api/consumers/${enc(v)}`,
+  };
+
+  // Checkboxes for a list's columns (the first, the name, always shows); remembered per list.
+  function columnChooser(kind, cols, refresh) {
+    const boxes = cols.slice(1).filter(([, label]) => label).map(([key, label]) => h("label", {},
+      h("input", { type: "checkbox", "data-column": key, checked: !Prefs.hidden(kind).includes(key), onchange: (ev) => {
+        const hidden = Prefs.hidden(kind).filter((k) => k !== key);
+        if (!ev.target.checked) hidden.push(key);
+        Prefs.setHidden(kind, hidden);
+        refresh();
+      } }), label));
+    return h("details", { class: "columns", id: "columns" }, h("summary", {}, "Columns"), boxes);
+  }
+
+  // The header's selectors: chart range and refresh interval at once; the virtual host (every
+  // list) once the first page is drawn, so listing the vhosts never delays it.
+  function headerChoices() {
+    const range = $("#range"), interval = $("#interval");
+    range.replaceChildren(...Prefs.RANGES.map(([age, , label]) => h("option", { value: age, selected: age === Prefs.range()[0] }, label)));
+    interval.replaceChildren(...Prefs.INTERVALS.map(([s, label]) => h("option", { value: s, selected: s === Prefs.get("interval") }, label)));
+    range.onchange = () => { Prefs.set("range", Number(range.value)); if (state.refresh) state.refresh(); };
+    interval.onchange = () => { Prefs.set("interval", Number(interval.value)); startTimer(); };
+    showVhostLink();
+  }
+
+  function showVhostLink() {
+    const v = Prefs.get("vhost");
+    $("#vhost-link").hidden = !v;
+    $("#vhost-link").href = `#/vhosts/${enc(v)}`;
+  }
+
+  async function vhostChoices() {
+    const vhost = $("#vhost");
+    let names = [];
+    try { names = (await api("GET", "/api/vhosts?columns=name")).map((v) => v.name); } catch { names = []; }
+    const picked = names.includes(Prefs.get("vhost")) ? Prefs.get("vhost") : "";
+    vhost.replaceChildren(h("option", { value: "" }, "All"), ...names.map((n) => h("option", { value: n, selected: n === picked }, n)));
+    vhost.onchange = () => { Prefs.set("vhost", vhost.value); showVhostLink(); route(); };
+    if (picked !== Prefs.get("vhost")) { // the remembered vhost is gone (or no longer visible)
+      Prefs.set("vhost", picked);
+      showVhostLink();
+      route();
+    }
+  }
+
+  // ------------------------------------------------------------------ node, channel and vhost pages
+  const DATA_SERIES = [["recv_oct", "received"], ["send_oct", "sent"]];
+  const alarm = (on) => h("span", { class: on ? "bad" : "ok" }, on ? "ALARM" : "ok");
+
+  async function nodePage(name) {
+    const base = `/api/nodes/${enc(name)}`;
+    const details = h("div", { id: "node-details" });
+    const memory = h("div", { id: "node-memory" });
+    const memChart = chart("Memory used (bytes)", [["mem_used", "memory"]]);
+    const fdChart = chart("File descriptors and sockets", [["fd_used", "file descriptors"], ["sockets_used", "sockets"]]);
+    page(`Node ${name}`, details, h("div", { class: "charts" }, memChart.root, fdChart.root), h("h2", {}, "Memory breakdown"), memory);
+    return async () => {
+      const n = await api("GET", ranged(`${base}?memory=true`));
+      details.replaceChildren(kv([["Uptime", `${Math.round((n.uptime || 0) / 60000)} min`], ["Processors", num(n.processors)],
+        ["Memory", `${bytes(n.mem_used)} of ${bytes(n.mem_limit)} (high watermark)`], ["Memory alarm", alarm(n.mem_alarm)],
+        ["Disk free", `${bytes(n.disk_free)} (limit ${bytes(n.disk_free_limit)})`], ["Disk alarm", alarm(n.disk_free_alarm)],
+        ["File descriptors", `${num(n.fd_used)} of ${num(n.fd_total)}`], ["Sockets", `${num(n.sockets_used)} of ${num(n.sockets_total)}`]]));
+      memChart.set(Prefs.series(n, ["mem_used"], false));
+      fdChart.set(Prefs.series(n, ["fd_used", "sockets_used"], false));
+      const m = n.memory || {};
+      const rows = Object.entries(m).filter(([k, v]) => k !== "total" && typeof v === "number").sort((a, b) => b[1] - a[1]);
+      memory.replaceChildren(table([["0", "Held by"], ["1", "Bytes", (r) => bytes(r[1]), true]], rows),
+        kv(Object.entries(m.total || {}).map(([k, v]) => [`Total (${k})`, bytes(v)])));
+    };
+  }
+
+  async function channelPage(name) {
+    const details = h("div", { id: "channel-details" });
+    const consumers = h("div");
+    const traffic = chart("Its connection's data rates (bytes/s)", DATA_SERIES);
+    page(`Channel ${name}`, details, traffic.root, h("h2", {}, "Consumers"), consumers);
+    return async () => {
+      const c = await api("GET", `/api/channels/${enc(name)}`);
+      const conn = c.connection_details.name;
+      details.replaceChildren(kv([["Connection", link(`#/connections/${enc(conn)}`, conn)], ["Number", c.number], ["User", c.user],
+        ["Virtual host", c.vhost], ["State", c.state], ["Mode", c.confirm ? "confirm" : c.transactional ? "transactional" : "plain"],
+        ["Prefetch", `${num(c.prefetch_count)} per consumer, ${num(c.global_prefetch_count)} per channel`],
+        ["Unacked", num(c.messages_unacknowledged)], ["Unconfirmed", num(c.messages_unconfirmed)],
+        ["Uncommitted", `${num(c.messages_uncommitted)} messages, ${num(c.acks_uncommitted)} acks`]]));
+      const [conInfo, cs] = await Promise.all([api("GET", ranged(`/api/connections/${enc(conn)}`)), api("GET", `/api/consumers/${enc(c.vhost)}`).catch(() => [])]);
+      traffic.set(Prefs.series(conInfo, DATA_SERIES.map(([k]) => k), true));
+      consumers.replaceChildren(table(LISTS.consumers.cols, cs.filter((x) => get(x, "channel_details.name") === name), { empty: "No consumers." }));
+    };
+  }
+
+  async function vhostPage(name) {
+    const details = h("div", { id: "vhost-details" });
+    const rateChart = chart("Message rates", RATE_SERIES);
+    const lengthChart = chart("Queued messages", LENGTH_SERIES);
+    page(`Virtual host ${name}`, details, h("div", { class: "charts" }, lengthChart.root, rateChart.root));
+    return async () => {
+      const v = await api("GET", ranged(`/api/vhosts/${enc(name)}`));
+      details.replaceChildren(kv([["Description", v.description], ["Default queue type", v.default_queue_type],
+        ["Messages", `${num(v.messages)} (${num(v.messages_ready)} ready, ${num(v.messages_unacknowledged)} unacked)`],
+        ["Traffic", `${bytes(v.recv_oct)} received, ${bytes(v.send_oct)} sent`]]));
+      rateChart.set(Prefs.series(v.message_stats, RATE_KEYS, true));
+      lengthChart.set(Prefs.series(v, LENGTH_KEYS, false));
+    };
   }
 
   async function connectionPage(name) {
     const details = h("div");
     const channels = h("div");
-    page(`Connection ${name}`, details, h("h2", {}, "Channels"), channels,
+    const traffic = chart("Data rates (bytes/s)", DATA_SERIES);
+    page(`Connection ${name}`, details, traffic.root, h("h2", {}, "Channels"), channels,
       h("h2", {}, "Close this connection"),
       confirmButton("Close connection", `Close connection ${name}?`, "Connection closed.",
         () => api("DELETE", `/api/connections/${enc(name)}`), () => { location.hash = "#/connections"; }));
     return async () => {
-      const c = await api("GET", `/api/connections/${enc(name)}`);
+      const c = await api("GET", ranged(`/api/connections/${enc(name)}`));
+      traffic.set(Prefs.series(c, DATA_SERIES.map(([k]) => k), true));
       details.replaceChildren(kv([["User", c.user], ["Virtual host", c.vhost], ["Client address", `${c.peer_host}:${c.peer_port}`],
         ["Protocol", c.protocol], ["Authentication", c.auth_mechanism], ["TLS", c.ssl ? `${c.ssl_protocol || "yes"} ${c.ssl_cipher || ""}` : "no"],
         ["Heartbeat", `${c.timeout} s`], ["Frame max", num(c.frame_max)], ["Client", `${get(c, "client_properties.product") || ""} ${get(c, "client_properties.version") || ""}`],
@@ -545,6 +678,7 @@
     const base = `/api/queues/${enc(vhost)}/${enc(name)}`;
     const details = h("div");
     const rateChart = chart("Message rates", RATE_SERIES);
+    const lengthChart = chart("Queued messages", LENGTH_SERIES);
     const consumers = h("div");
     const bindings = h("div");
     const got = h("div", { id: "got-messages" });
@@ -564,18 +698,19 @@
       confirmButton("Purge", `Remove every ready message from ${name}?`, "Queue purged.", () => api("DELETE", `${base}/contents`)),
       confirmButton("Delete queue", `Delete queue ${name} and its messages?`, "Queue deleted.", () => api("DELETE", base), () => { location.hash = "#/queues"; }));
     const streamBox = h("div");
-    page(`Queue ${name}`, h("p", { class: "muted" }, `Virtual host ${vhost}`), details, rateChart.root,
+    page(`Queue ${name}`, h("p", { class: "muted" }, `Virtual host ${vhost}`), details, h("div", { class: "charts" }, lengthChart.root, rateChart.root),
       h("h2", {}, "Consumers"), consumers, h("h2", {}, "Bindings"), bindings, bindingForm(vhost, { destination: name }),
       getForm, got, streamBox, publishForm(vhost, "", name), h("h2", {}, "Purge or delete"), actions);
     let streamReady = false;
     return async () => {
-      const q = await api("GET", base);
+      const q = await api("GET", ranged(base));
       details.replaceChildren(kv([["Type", q.type], ["State", q.state], ["Durable", yes(q.durable)], ["Auto-delete", yes(q.auto_delete)],
         ["Exclusive", yes(q.exclusive)], ["Arguments", json(q.arguments)], ["Policy", q.policy || ""], ["Operator policy", q.operator_policy || ""],
         ["Effective policy", json(q.effective_policy_definition)],
         ["Ready", h("span", { id: "queue-ready" }, num(q.messages_ready))], ["Unacked", num(q.messages_unacknowledged)],
         ["Total", num(q.messages)], ["Consumers", num(q.consumers)]]));
-      rateChart.add(rates(q.message_stats));
+      rateChart.set(Prefs.series(q.message_stats, RATE_KEYS, true));
+      lengthChart.set(Prefs.series(q, LENGTH_KEYS, false));
       const cs = await api("GET", `/api/consumers/${enc(vhost)}`).catch(() => []);
       consumers.replaceChildren(table(LISTS.consumers.cols, cs.filter((c) => c.queue.name === name), { empty: "No consumers." }));
       bindings.replaceChildren(table(BINDING_COLS, await api("GET", `${base}/bindings`)));
@@ -611,11 +746,10 @@
       builtin ? null : h("div", {}, h("h2", {}, "Delete"), confirmButton("Delete exchange", `Delete exchange ${real}?`, "Exchange deleted.",
         () => api("DELETE", base), () => { location.hash = "#/exchanges"; })));
     return async () => {
-      const x = await api("GET", base);
+      const x = await api("GET", ranged(base));
       details.replaceChildren(kv([["Type", x.type], ["Durable", yes(x.durable)], ["Auto-delete", yes(x.auto_delete)], ["Internal", yes(x.internal)],
         ["Arguments", json(x.arguments)], ["Policy", x.policy || ""]]));
-      const st = x.message_stats || {};
-      rateChart.add({ publish_in: get(st, "publish_in_details.rate") || 0, publish_out: get(st, "publish_out_details.rate") || 0 });
+      rateChart.set(Prefs.series(x.message_stats, ["publish_in", "publish_out"], true));
       if (!real) { source.replaceChildren(h("p", { class: "muted" }, "The default exchange routes to the queue named by the routing key.")); dest.replaceChildren(); return; }
       source.replaceChildren(table(BINDING_COLS, await api("GET", `${base}/bindings/source`)));
       dest.replaceChildren(table(BINDING_COLS, await api("GET", `${base}/bindings/destination`)));
@@ -780,6 +914,9 @@
     [/^overview$/, () => overviewPage()],
     [/^(connections|channels|exchanges|queues|consumers)$/, (m) => listPage(m[1])],
     [/^connections\/(.+)$/, (m) => connectionPage(decodeURIComponent(m[1]))],
+    [/^channels\/(.+)$/, (m) => channelPage(decodeURIComponent(m[1]))],
+    [/^nodes\/(.+)$/, (m) => nodePage(decodeURIComponent(m[1]))],
+    [/^vhosts\/(.+)$/, (m) => vhostPage(decodeURIComponent(m[1]))],
     [/^queues\/([^/]+)\/(.+)$/, (m) => queuePage(decodeURIComponent(m[1]), decodeURIComponent(m[2]))],
     [/^exchanges\/([^/]+)\/(.+)$/, (m) => exchangePage(decodeURIComponent(m[1]), decodeURIComponent(m[2]))],
     [/^admin(?:\/([a-z-]+))?$/, (m) => adminPage(m[1])],

@@ -1,0 +1,185 @@
+"""Rate and length history for the management API's ``?lengths_age=&lengths_incr=`` queries.
+
+Theory of operation: the statistics sampler (``rates.py``) already visits every object each
+``INTERVAL`` (5 s). For an object that has counted something it also records its values in a
+``History``: four fixed-size rings, one per resolution, the finer ones for the short ranges and
+the coarser ones for the long (RabbitMQ's retention policy, shaped to the UI's range picker):
+
+=========  ======  =====  ======================
+ring       incr    slots  covers
+=========  ======  =====  ======================
+fine       5 s     122    last minute, 10 min
+minute     60 s    62     last hour
+ten min    600 s   50     last 8 hours
+half hour  1800 s  50     last day
+=========  ======  =====  ======================
+
+A ring keeps the newest values seen in each of its slots (a pass landing in the same slot
+overwrites it; a range of ``age / incr`` steps reads ``age / incr + 2`` slots, the oldest for
+the value at the first point), in ``array('d')``: the memory of one object is fixed at
+creation, ``284 x (fields + 1) x 8`` bytes: 22.7 KB for a queue (9 fields), 6.8 KB for an
+exchange or a connection (2). At most ``MAX_HISTORIES`` objects of a kind have one (those that changed
+since the node's first pass, first come; one unchanged for a day gives its place back; the cap
+bounds a node with 100k busy queues to 45 MB of queue history); the others, like idle objects,
+answer flat samples at their current values.
+
+A query names an age and an increment (RabbitMQ's ``{range}_age`` and ``{range}_incr``, in
+seconds). The answer is ``age / incr + 1`` points on wall-clock times aligned to the increment,
+newest first, each the value the object had then (the newest kept at or before it), read from
+the finest ring that covers the age at that increment. ``samples`` are what RabbitMQ returns:
+counter values for message rates (the client takes differences), gauge values for lengths.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+TIERS = ((5.0, 122), (60.0, 62), (600.0, 50), (1800.0, 50))  # (seconds per slot, slots)
+MAX_HISTORIES = 2000  # objects of one kind (queues, exchanges, connections) with a history
+MAX_POINTS = 1000  # samples one query may ask for (age / incr + 1)
+MAX_AGE = 86400  # a day: what the coarsest ring keeps
+# RabbitMQ's range names: message lengths, message rates, byte rates, node gauges
+RANGES = ("lengths", "msg_rates", "data_rates", "node_stats")
+
+Values = Sequence[float]
+
+
+class Tier:
+    """One resolution: ``n`` slots of ``width`` values, a ring of arrays."""
+
+    __slots__ = ("incr", "n", "width", "times", "values", "head", "count")
+
+    def __init__(self, incr: float, n: int, width: int) -> None:
+        self.incr = incr
+        self.n = n
+        self.width = width
+        self.times = array("d", bytes(8 * n))
+        self.values = array("d", bytes(8 * n * width))
+        self.head = 0  # the slot written last
+        self.count = 0
+
+    def add(self, t: float, values: Values) -> None:
+        if self.count and math.floor(self.times[self.head] / self.incr) == math.floor(t / self.incr):
+            at = self.head  # the same slot: the newest values win
+        else:
+            at = self.head = (self.head + 1) % self.n if self.count else 0
+            self.count = min(self.count + 1, self.n)
+        self.times[at] = t
+        self.values[at * self.width:(at + 1) * self.width] = array("d", values)
+
+    def oldest(self) -> float:
+        return self.times[(self.head - self.count + 1) % self.n]
+
+    def at(self, t: float) -> tuple[float, ...] | None:
+        """The newest values kept at or before ``t``; None if ``t`` is before the oldest."""
+        for k in range(self.count):
+            i = (self.head - k) % self.n
+            if self.times[i] <= t:
+                return tuple(self.values[i * self.width:(i + 1) * self.width])
+        return None
+
+
+class History:
+    """One object's values over the last day, at the resolutions of ``TIERS``."""
+
+    __slots__ = ("tiers", "changed")
+
+    def __init__(self, width: int) -> None:
+        self.tiers = [Tier(incr, n, width) for incr, n in TIERS]
+        self.changed = 0.0  # when the values last changed (the sampler's clock)
+
+    def nbytes(self) -> int:
+        return sum(t.times.itemsize * len(t.times) + t.values.itemsize * len(t.values) for t in self.tiers)
+
+    def add(self, t: float, values: Values) -> None:
+        for tier in self.tiers:
+            tier.add(t, values)
+
+    def tier_for(self, age: float, incr: float) -> Tier:
+        """The finest ring whose slots are no longer than ``incr`` and that reaches ``age`` back."""
+        for tier in self.tiers:
+            if tier.incr <= incr and tier.incr * (tier.n - 2) >= age:
+                return tier
+        return self.tiers[-1]
+
+
+@dataclass(frozen=True)
+class Span:
+    """A query's range: ``age`` seconds back, one point every ``incr`` seconds."""
+
+    age: int
+    incr: int
+
+    def points(self, now_wall: float) -> list[float]:
+        """Wall-clock times of the answer, aligned to ``incr``, newest first."""
+        top = math.floor(now_wall / self.incr) * self.incr
+        return [top - k * self.incr for k in range(self.age // self.incr + 1)]
+
+
+def parse_spans(query: Mapping[str, str]) -> dict[str, Span]:
+    """``{range}_age``/``{range}_incr`` pairs of a query string; ValueError names a bad one."""
+    spans: dict[str, Span] = {}
+    for name in RANGES:
+        age_s, incr_s = query.get(f"{name}_age"), query.get(f"{name}_incr")
+        if age_s is None and incr_s is None:
+            continue
+        try:
+            age, incr = int(age_s or ""), int(incr_s or "")
+        except ValueError:
+            raise ValueError(f"{name}_age and {name}_incr must both be whole seconds") from None
+        if not (1 <= incr <= age <= MAX_AGE) or age // incr + 1 > MAX_POINTS:
+            raise ValueError(f"{name}_age must be at most {MAX_AGE} s, {name}_incr between 1 and the age, "
+                             f"and at most {MAX_POINTS} points")
+        spans[name] = Span(age, incr)
+    return spans
+
+
+def series(history: History | None, current: Values | None, span: Span, now_wall: float,
+           wall_offset: float) -> list[tuple[float, ...]]:
+    """The object's values at each of ``span``'s points (newest first). ``wall_offset`` turns
+    the sampler's clock into wall-clock time; before the history began, its oldest values;
+    without a history, ``current`` throughout (None: the newest the history kept)."""
+    times = span.points(now_wall)
+    tier = history.tier_for(span.age, span.incr) if history is not None else None
+    if current is None:
+        current = tier.at(math.inf) if tier is not None and tier.count else None
+        if current is None:
+            return []
+    flat = tuple(float(v) for v in current)
+    if tier is None or not tier.count:
+        return [flat] * len(times)
+    out: list[tuple[float, ...]] = []
+    first = tier.at(tier.oldest())
+    for k, t in enumerate(times):
+        got = flat if k == 0 else tier.at(t - wall_offset)
+        out.append(got if got is not None else first or flat)
+    return out
+
+
+def details(points: list[float], times: list[float], counter: bool) -> dict[str, object]:
+    """What RabbitMQ adds to a ``*_details`` object for a range: ``samples`` (newest first, ms
+    timestamps) and the averages over it (of the value for a length, of the rate for a counter)."""
+    samples = [{"sample": round(v) if float(v).is_integer() else v, "timestamp": int(t * 1000)}
+               for v, t in zip(points, times, strict=True)]
+    span = max(times[0] - times[-1], 1e-9) if len(times) > 1 else 0.0
+    out: dict[str, object] = {"samples": samples}
+    if counter:
+        out["avg_rate"] = round((points[0] - points[-1]) / span, 2) if span else 0.0
+    else:
+        out["avg"] = round(sum(points) / len(points), 2)
+        out["avg_rate"] = round((points[0] - points[-1]) / span, 2) if span else 0.0
+    return out
+
+
+def decorate(target: dict[str, object], keys: Mapping[str, tuple[int, ...]],
+             rows: list[tuple[float, ...]], times: list[float], counter: bool) -> None:
+    """Add samples to ``target[key + "_details"]`` for each ``key``: the sum of the fields at
+    the given indices (one field, or ready + unacked for ``messages``)."""
+    for key, idx in keys.items():
+        points = [sum(row[i] for i in idx) for row in rows]
+        box = target.setdefault(f"{key}_details", {})
+        if isinstance(box, dict):
+            box.update(details(points, times, counter))
