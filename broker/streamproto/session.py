@@ -96,6 +96,14 @@ def as_stream_message(props: bytes, body: bytes) -> bytes:
     return _AMQP10_DATA + b"\xb0" + n.to_bytes(4, "big") + body
 
 
+def stream_entries(props: list[bytes], bodies: list[bytes]) -> list[bytes]:
+    """``as_stream_message`` for a run: the bodies themselves when every message of the run
+    was published by a stream client without a filter value (the common case, no copy)."""
+    if props.count(_PLAIN_PROPS) == len(props):
+        return bodies
+    return [as_stream_message(p, b) for p, b in zip(props, bodies, strict=True)]
+
+
 class Output(Protocol):
     """What the session needs of its connection (broker/streamproto/server.py)."""
 
@@ -221,6 +229,21 @@ class Subscription(RecordConsumer):
         if not self.flush_due:
             self.flush_due = True
             self.session.out.soon(self.flush)
+
+    def run_room(self) -> tuple[int, int]:
+        if self.credit > 0 and self.consuming and self.session.out.writable:
+            return CHUNK_MAX_ENTRIES, CHUNK_MAX_BYTES
+        return 0, 0
+
+    def deliver_run(self, first_offset: int, timestamp_ms: int, props: list[bytes],
+                    bodies: list[bytes]) -> None:
+        """A run of stored records as one chunk: one credit, one Deliver frame; per message
+        only the properties check and a length prefix (``codec.encode_deliver_run``)."""
+        self.flush()
+        self.credit -= 1
+        if not self.session.closed:
+            self.session.out.write(C.encode_deliver_run(self.sub_id, first_offset, timestamp_ms,
+                                                        stream_entries(props, bodies)))
 
     def flush(self) -> None:
         self.flush_due = False
