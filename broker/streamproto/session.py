@@ -606,54 +606,64 @@ class StreamSession:
         self.out.write(C.response(C.QUERY_PUBLISHER_SEQUENCE, corr, C.OK, seq.to_bytes(8, "big")))
 
     def publish(self, f: C.Frame) -> None:
-        pub_id, msgs = C.decode_publish(f.payload, f.version)
+        b = C.decode_publish_batch(f.payload, f.version)
+        pub_id, ids, datas = b.pub_id, b.ids, b.datas
+        filters = b.filters if b.filters is not None and any(b.filters) else None
         p = self.publishers.get(pub_id)
         q = self._stream(p.stream) if p is not None else None
         if p is None or q is None:
             code = C.PUBLISHER_DOES_NOT_EXIST if p is None else C.STREAM_NOT_AVAILABLE
-            self.out.write(C.encode_publish_error(pub_id, [(m.publishing_id, code) for m in msgs]))
+            self.out.write(C.encode_publish_error(pub_id, [(i, code) for i in ids]))
             return
         done: list[int] = []
         failed: list[tuple[int, int]] = []
         deps: set[Any] = set()
         ts = int(time.time() * 1000)
-        seq = p.sequence
-        fresh: list[C.PublishedMessage] = []
-        for m in msgs:
-            if p.reference and m.publishing_id <= seq:
-                done.append(m.publishing_id)  # a duplicate: stored already, confirmed again
-                continue
-            fresh.append(m)
-            seq = max(seq, m.publishing_id)  # duplicates within the frame count too
+        if p.reference:  # deduplication: ids not above the sequence were stored already
+            keep: list[int] = []
+            top = p.sequence
+            for i, pid in enumerate(ids):
+                if pid <= top:
+                    done.append(pid)  # a duplicate (also within the frame): confirmed again
+                else:
+                    keep.append(i)
+                    top = pid
+            if len(keep) != len(ids):
+                ids = [ids[i] for i in keep]
+                datas = [datas[i] for i in keep]
+                filters = None if filters is None else [filters[i] for i in keep]
         seq = p.sequence  # from here: raised only by what is stored
-        props = [_PLAIN_PROPS if m.filter_value is None else _stream_props(m.filter_value) for m in fresh]
+        if filters is None:
+            props = [_PLAIN_PROPS] * len(ids)
+        else:
+            props = [_PLAIN_PROPS if v is None else _stream_props(v) for v in filters]
         run = None
-        if len(fresh) > 1:  # the publish operation's own batching, when it can take them at once
+        if len(ids) > 1:  # the publish operation's own batching, when it can take them at once
+            same = filters is None and len(set(map(len, datas))) == 1
             try:
-                run = self.vh.publish_run("", p.stream, Names("", p.stream), props, [m.data for m in fresh],
-                                          False, ts)
+                run = self.vh.publish_run("", p.stream, Names("", p.stream), props, datas, same, ts)
             except errors.SkredError as exc:
                 log.warning("stream client from %s: publish to '%s' refused: %s", self.peer, p.stream, exc)
-                failed.extend((m.publishing_id, C.INTERNAL_ERROR) for m in fresh)
-                fresh = []
+                failed.extend((i, C.INTERNAL_ERROR) for i in ids)
+                ids = []
         if run is not None:
             deps.update(qq.store for qq in run.queues)
-            done.extend(m.publishing_id for m in fresh)
-            seq = max(seq, *(m.publishing_id for m in fresh))
-            fresh = []
-        for m, prop in zip(fresh, props, strict=False):
+            done.extend(ids)
+            seq = max(seq, *ids)
+            ids = []
+        for pid, data, prop in zip(ids, datas, props, strict=False):
             try:
-                out = self.vh.publish(PublishRequest("", p.stream, prop, m.data, ts, persistent=True))
+                out = self.vh.publish(PublishRequest("", p.stream, prop, data, ts, persistent=True))
             except errors.SkredError as exc:
                 log.warning("stream client from %s: publish to '%s' refused: %s", self.peer, p.stream, exc)
-                failed.append((m.publishing_id, C.INTERNAL_ERROR))
+                failed.append((pid, C.INTERNAL_ERROR))
                 continue
             if out.rejected or not out.queues:
-                failed.append((m.publishing_id, C.STREAM_NOT_AVAILABLE))
+                failed.append((pid, C.STREAM_NOT_AVAILABLE))
                 continue
             deps.update(qq.store for qq in out.queues)
-            done.append(m.publishing_id)
-            seq = max(seq, m.publishing_id)
+            done.append(pid)
+            seq = max(seq, pid)
         if p.reference and seq != p.sequence:
             p.sequence = seq
             q.set_publisher_sequence(p.reference, seq)
