@@ -94,7 +94,8 @@ async def connect(port: int, user: str = "guest", password: str = "guest") -> _C
     return c
 
 
-async def publish(port: int, stream: str, n: int, size: int, batch: int, window: int, deadline_s: float) -> None:
+async def publish(port: int, stream: str, n: int, size: int, batch: int, window: int,
+                  deadline_s: float) -> None:
     """Create ``stream`` and publish ``n`` messages of ``size`` bytes; return when all are confirmed."""
     c = await connect(port)
     try:

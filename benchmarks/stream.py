@@ -32,9 +32,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from rstream import Consumer, ConsumerOffsetSpecification, MessageContext, OffsetType, Producer  # noqa: E402
-
 import _streamload  # noqa: E402
+from rstream import Consumer, ConsumerOffsetSpecification, MessageContext, OffsetType, Producer  # noqa: E402
 
 from tests.integration._support import SkredProcess  # noqa: E402  (needs the repo root)
 from tests.integration.conformance._rabbit import RabbitProcess  # noqa: E402

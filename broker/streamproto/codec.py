@@ -388,7 +388,8 @@ def encode_close(corr: int, code: int, reason: str) -> bytes:
 
 
 def encode_confirm(pub_id: int, ids: Sequence[int]) -> bytes:
-    return _frame(PUBLISH_CONFIRM, _U8.pack(pub_id) + _I32.pack(len(ids)) + struct.pack(f">{len(ids)}Q", *ids))
+    n = len(ids)
+    return _frame(PUBLISH_CONFIRM, _U8.pack(pub_id) + _I32.pack(n) + struct.pack(f">{n}Q", *ids))
 
 
 def encode_publish_error(pub_id: int, errors: Sequence[tuple[int, int]]) -> bytes:
