@@ -18,6 +18,13 @@ integer offset, a timestamp (first message at or after it) or an interval such a
 (messages of the last hour). Without the argument a consumer resumes from the offset stored
 for its consumer tag, else ``next``.
 
+Chunk-level paths (the stream protocol's): ``publish_run`` stores a run of messages as one
+append (``StreamStore.append_run``: one write, one replication record, visible all at once).
+A ``RecordConsumer`` that offers ``run_room`` (no filter, nothing to redeliver, no acks, fast
+paths on) gets ``deliver_run``: consecutive records of one segment read by
+``StreamStore.read_run`` as two lists of slices, no record tuple per message. Everyone else
+goes record by record; a differential test (tests/test_stream_runs.py) compares the two.
+
 Server-side offset tracking: after every ack the cursor's *commit point* is stored for its
 tag: the lowest offset delivered but not acked (or requeued), else the read position. So a
 consumer that reconnects resumes after the last contiguously acked message and never skips a

@@ -31,6 +31,11 @@ enforced per segment). Retention runs when a segment is retired and when asked
 (``apply_retention``). A segment's newest message is bounded by the first timestamp of the
 next segment, which is what the age rule compares.
 
+Chunk-level paths: ``append_run`` writes a run of records as one buffer with one pwrite, its
+first timestamp last (recovery sees the whole run or none of it), and sends the replication
+sink one append; ``read_run`` slices a run of consecutive records of one segment (bounded in
+count and body bytes) for the stream protocol's Deliver chunks.
+
 Read-only access for analytics (a stopped broker's data dir, a follower's replicated copy)
 goes through ``list_segments`` / ``iter_segment``: they never write, and stop at the first
 zero or incomplete record, so a segment being appended to is read up to its last complete

@@ -8,8 +8,11 @@ and its Open follow) -> ``open`` -> ``closed``. A command the state does not all
 key or a malformed frame closes the connection with a Close carrying the protocol's response
 code; nothing it asked for happened.
 
-- **Publish** goes through the one publish operation (``VHost.publish`` to the default exchange
-  with the stream's name), so a stream-protocol message is stored as any other (the body is the
+- **Publish** goes through the one publish operation (``VHost.publish_run`` for a frame's
+  batch, stored by the stream queue as one run: one write, one replication record, one
+  PublishConfirm after the group commit; ``VHost.publish`` message by message when the run
+  cannot go at once) to the default exchange with the stream's name, so a stream-protocol
+  message is stored as any other (the body is the
   client's message bytes, AMQP 1.0 encoded by the clients; the content type
   ``STREAM_CONTENT_TYPE`` marks it). A PublishConfirm is sent only after the group commit made
   the message durable (and replicated); a failed commit answers PublishError. **Deduplication**:
@@ -18,11 +21,16 @@ code; nothing it asked for happened.
   id is not above it is confirmed without being stored again. QueryPublisherSequence reads it.
 - **Subscribe** adds a model consumer (``Queue.add_consumer``) to the stream queue, starting at
   the offset spec (first, last, next, offset, timestamp: the queue's ``x-stream-offset``).
-  Messages arrive one by one from the queue's delivery pass and are gathered into chunks of
-  consecutive offsets; **credit** counts chunks, as the protocol says: a chunk is opened only
-  while the subscription has credit, a Credit frame adds credit and wakes the queue. The chunk
-  open at the end of the loop turn is sent then. Messages stored by other protocols reach a
-  stream client as an AMQP 1.0 message with one data section holding the body.
+  **Credit** counts chunks, as the protocol says: a chunk is opened only while the subscription
+  has credit, a Credit frame adds credit and wakes the queue. Chunk-level read (the hot path):
+  while it has credit, a subscription takes a *run* from the queue's delivery pass
+  (``run_room``/``deliver_run``: up to ``CHUNK_MAX_ENTRIES`` consecutive records sliced from one
+  segment) and sends it as one Deliver: per message only a length prefix, no object; the chunk
+  CRC is one ``zlib.crc32`` over the joined data. Filtered subscriptions, or the fast paths
+  switched off, get messages one by one (``deliver_record``), gathered into chunks of
+  consecutive offsets; the chunk open at the end of the loop turn is sent then. Messages stored
+  by other protocols reach a stream client as an AMQP 1.0 message with one data section holding
+  the body.
 - **Offsets**: StoreOffset/QueryOffset keep a named offset with the stream (durable with its next
   sync), the same names AMQP consumers' stored offsets use.
 - **Single active consumer**: subscriptions with ``single-active-consumer=true`` and a ``name``
