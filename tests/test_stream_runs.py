@@ -203,3 +203,24 @@ def test_chunk_path_changes_nothing_a_client_sees(tmp_path: Path) -> None:
     # the chunks' first offsets and timestamps agree where they start at the same offset
     slow_at = {first: ts for first, ts, _ in slow}
     assert all(slow_at.get(first, ts) == ts for first, ts, _ in fast)
+
+
+def test_publish_frames_decode_alike_uniform_or_not() -> None:
+    """The one-unpack decode of equal-sized messages and the field-by-field one agree; a frame
+    that only looks uniform from its first message is parsed field by field; short frames raise."""
+    def frame(msgs: list[tuple[int, bytes]]) -> bytes:
+        return b"\x07" + struct.pack(">i", len(msgs)) + b"".join(
+            struct.pack(">Qi", i, len(d)) + d for i, d in msgs)
+
+    uniform = [(i, b"%04d" % i) for i in range(1, 300)]
+    mixed = [(1, b"ab"), (2, b""), (3, b"abcd"), (4, b"abcdefghij")]
+    tricky = [(1, b"xxxx"), (2, b"yy"), (3, b"zzzzzz")]  # 3 x (12+4) bytes in all, like uniform
+    for msgs in (uniform, mixed, tricky, []):
+        b = C.decode_publish_batch(frame(msgs), 1)
+        assert (b.pub_id, b.ids, b.datas, b.filters) == (7, [i for i, _ in msgs], [d for _, d in msgs], None)
+    for cut in (frame(uniform)[:-1], frame(mixed)[:-3], frame(uniform) + b"\x00"):
+        try:
+            C.decode_publish_batch(cut, 1)
+        except C.Malformed:
+            continue
+        raise AssertionError("a cut or padded Publish frame decoded")

@@ -310,7 +310,7 @@ class StreamQueue(Queue):
     def publish_run(self, ts: int, exchange: bytes, routing_key: bytes, props: list[bytes],
                     bodies: list[bytes], persistent: bool, exrk: bytes, same: bool) -> None:
         """A run stored as one append (one write, one sink record, one dirty mark)."""
-        self.stream.append_run(ts, exrk, props, bodies)
+        self.stream.append_run(ts, exrk, props, bodies, same)
         self.n_published += len(bodies)
         if self._age_waiting and self.stream.next_age_expiry() is not None:
             self._arm_retention()

@@ -205,7 +205,8 @@ class StreamStore(SegmentLog[_Seg]):
             self._sink.append(seg.path, mm[pos:end])
         return offset
 
-    def append_run(self, timestamp_ms: int, exrk: bytes, props: list[bytes], bodies: list[bytes]) -> int:
+    def append_run(self, timestamp_ms: int, exrk: bytes, props: list[bytes], bodies: list[bytes],
+                   same: bool = False) -> int:
         """Append a run of records with one timestamp, exchange and routing key (``exrk``:
         the two short strings) as one write; returns the first one's offset.
 
@@ -213,16 +214,21 @@ class StreamStore(SegmentLog[_Seg]):
         pwrite into one segment (room for all of them allocated first, so DiskFull stores
         none), the first record's timestamp last, so a reader or recovery after kill -9 sees
         the whole run or none of it; the counters, the index (the segment's first offset)
-        and the replication sink are updated once for the run."""
+        and the replication sink are updated once for the run. ``same``: one properties value
+        and one body length for the whole run (the records' heads are then all alike)."""
         k = len(bodies)
         if not k:
             return self._next_offset
         ts = _I64.pack(timestamp_ms if timestamp_ms else 1)
-        parts: list[bytes] = []
-        add = parts.extend
-        for p, body in zip(props, bodies, strict=True):
-            add((ts, exrk, _U32_PACK(len(p)), p, _U64_PACK(len(body)), body))
-        blob = b"".join(parts)
+        if same:
+            head = b"".join((ts, exrk, _U32_PACK(len(props[0])), props[0], _U64_PACK(len(bodies[0]))))
+            blob = head + head.join(bodies)
+        else:
+            parts: list[bytes] = []
+            add = parts.extend
+            for p, body in zip(props, bodies, strict=True):
+                add((ts, exrk, _U32_PACK(len(p)), p, _U64_PACK(len(body)), body))
+            blob = b"".join(parts)
         size = len(blob)
         seg = self._wseg
         if seg is None or seg.end + size > self._wcap:

@@ -325,6 +325,12 @@ def decode_publish_batch(payload: bytes, version: int) -> PublishBatch:
     n = c.count()
     pos = c.pos
     end = len(payload)
+    if n and end >= pos + 12:  # all messages of the first one's size: one C-level unpack
+        size = _ID_SIZE.unpack_from(payload, pos)[1]
+        if size >= 0 and end - pos == n * (12 + size):
+            rows = list(struct.iter_unpack(f">Qi{size}s", memoryview(payload)[pos:]))
+            if all(r[1] == size for r in rows):  # then this parse is the field-by-field one
+                return PublishBatch(pub_id, [r[0] for r in rows], None, [r[2] for r in rows])
     ids = [0] * n
     datas = [b""] * n
     unpack = _ID_SIZE.unpack_from
