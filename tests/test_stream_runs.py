@@ -224,3 +224,31 @@ def test_publish_frames_decode_alike_uniform_or_not() -> None:
         except C.Malformed:
             continue
         raise AssertionError("a cut or padded Publish frame decoded")
+
+
+def test_read_run_of_alike_records_equals_the_walk(tmp_path: Path) -> None:
+    """Runs stored with one record head (``same``) are read in one unpack: the same records,
+    stopping where the heads change (another run's timestamp, an odd body, other properties)."""
+    s = StreamStore(tmp_path / "s", segment_size=4096)
+    s.append_run(TS, EXRK, [_PLAIN_PROPS] * 20, [b"%02d" % i for i in range(20)], same=True)
+    s.append_run(TS + 1, EXRK, [_PLAIN_PROPS] * 20, [b"%02d" % i for i in range(20)], same=True)
+    s.append_run(TS + 1, EXRK, [_PLAIN_PROPS] * 3, [b"a", b"bb", b"c"])
+    s.append_run(TS + 1, EXRK, [_stream_props("f")] * 30, [b"z" * 40] * 30, same=True)
+    s.append_run(TS + 2, EXRK, [_PLAIN_PROPS] * 5, [b""] * 5, same=True)
+    want = [(r[0], r[1], r[4], r[5]) for r in _records(s)]
+    for count, nbytes in ((256, 1 << 20), (7, 1 << 20), (256, 50), (1, 1)):
+        p = s.seek(0)
+        got: list[tuple[int, int, bytes, bytes]] = []
+        while (run := s.read_run(p, count, nbytes)) is not None:
+            first, ts, props, bodies = run
+            assert ts == want[first][1] and len(bodies) <= count
+            assert sum(map(len, bodies[:-1])) < nbytes  # stopped once the bound was reached
+            got.extend((first + i, want[first + i][1], props[i], bodies[i]) for i in range(len(bodies)))
+        assert got == want, (count, nbytes)
+    s.close()
+
+
+def test_deliver_chunks_frame_alike_with_equal_or_mixed_lengths() -> None:
+    for msgs in ([b"abcd"] * 5, [b"a", b"", b"abc"], [b""] * 3, [b"x"]):
+        (first, ts, got), = _chunks(C.encode_deliver_run(3, 42, TS, msgs))
+        assert (first, ts, got) == (42, TS, msgs)

@@ -423,8 +423,15 @@ class StreamStore(SegmentLog[_Seg]):
         n = min(max_count, seg.first_offset + seg.count - p.offset)
         pos = p.pos
         first_ts: int = _I64.unpack_from(mm, pos)[0]
+        alike = self._alike_run(mm, pos, n, max_bytes, seg.end)
+        if alike is not None:
+            p0, bodies, pos = alike
+            first = p.offset
+            p.pos = pos
+            p.offset = first + len(bodies)
+            return first, first_ts, [p0] * len(bodies), bodies
         props: list[bytes] = []
-        bodies: list[bytes] = []
+        bodies = []
         add_p = props.append
         add_b = bodies.append
         size = 0
@@ -443,6 +450,39 @@ class StreamStore(SegmentLog[_Seg]):
         p.pos = pos
         p.offset = first + i
         return first, first_ts, props, bodies
+
+    @staticmethod
+    def _alike_run(mm: mmap.mmap, pos: int, n: int, max_bytes: int, end: int
+                   ) -> tuple[bytes, list[bytes], int] | None:
+        """A run stored by one ``append_run(same=True)`` read in one C-level unpack: its
+        records share one head (timestamp, names, properties, body length), so the ones
+        from ``pos`` whose head equals the first's are (head, body) at a fixed stride. Only
+        that prefix is kept; each of its records began where the one before ended, so this
+        is exactly what the record-by-record walk reads. (properties, bodies, end) or None
+        when fewer than two records are alike."""
+        q = pos + 9 + mm[pos + 8]
+        q += 1 + mm[q]
+        body_at = q + 4 + _U32_FROM(mm, q)[0] + 8
+        hl = body_at - pos
+        bs: int = _U64_FROM(mm, body_at - 8)[0]
+        stride = hl + bs
+        if bs:
+            n = min(n, -(-max_bytes // bs))  # stop once the bodies reach max_bytes
+        n = min(n, (end - pos) // stride)
+        if n < 2:
+            return None
+        head = mm[pos:body_at]
+        rows = struct.iter_unpack(f"{hl}s{bs}s", mm[pos:pos + n * stride])
+        bodies: list[bytes] = []
+        add = bodies.append
+        for h, body in rows:
+            if h != head:
+                break
+            add(body)
+        if len(bodies) < 2:
+            return None
+        props = head[q + 4 - pos:hl - 8]
+        return props, bodies, pos + len(bodies) * stride
 
     def _locate(self, p: StreamPosition) -> StreamPosition | None:
         """``p`` moved onto the segment holding its next record (across retention and

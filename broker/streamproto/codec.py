@@ -441,11 +441,15 @@ def encode_deliver_run(sub_id: int, first_offset: int, timestamp_ms: int, messag
     """``encode_deliver`` with the entries built in one join (length prefixes packed in one
     call), the chunk's crc32 computed over the joined data: the consume hot path."""
     n = len(messages)
-    lengths = struct.pack(f">{n}I", *map(len, messages))
-    parts: list[bytes] = [b""] * (2 * n)
-    parts[0::2] = [lengths[i:i + 4] for i in range(0, 4 * n, 4)]
-    parts[1::2] = messages
-    data = b"".join(parts)
+    if n and len(set(map(len, messages))) == 1:  # one length: one prefix joins them all
+        prefix = _U32.pack(len(messages[0]))
+        data = prefix + prefix.join(messages)
+    else:
+        lengths = struct.pack(f">{n}I", *map(len, messages))
+        parts: list[bytes] = [b""] * (2 * n)
+        parts[0::2] = [lengths[i:i + 4] for i in range(0, 4 * n, 4)]
+        parts[1::2] = messages
+        data = b"".join(parts)
     head = _CHUNK.pack(len(data) + _CHUNK.size - 4, DELIVER, 1, sub_id, CHUNK_MAGIC_VERSION, 0, n, n,
                        timestamp_ms, 0, first_offset, zlib.crc32(data), len(data), 0, 0)
     return head + data
