@@ -191,14 +191,19 @@ class StreamStore(SegmentLog[_Seg]):
         pos = seg.end
         end = pos + size
         fmt.write_record(self._wfd, pos, size, exchange, routing_key, props, body)
-        # Timestamp last: the record becomes visible (to recovery and readers) atomically.
+        return self._written(seg, mm, pos, end, timestamp_ms, 1)
+
+    def _written(self, seg: _Seg, mm: mmap.mmap, pos: int, end: int, timestamp_ms: int, count: int) -> int:
+        """Publish ``count`` records written at ``pos``..``end`` of the write segment, complete
+        but for the first one's timestamp, which goes in now: last, so the record (or the
+        whole run) becomes visible to readers and recovery at once. Returns the first offset."""
         _I64.pack_into(mm, pos, timestamp_ms if timestamp_ms else 1)
         seg.end = end
-        seg.count += 1
+        seg.count += count
         offset = self._next_offset
-        self._next_offset = offset + 1
-        self._count += 1
-        self._bytes += size
+        self._next_offset = offset + count
+        self._count += count
+        self._bytes += end - pos
         self._dirty = True
         self._seg_unsynced = True
         if self._sink.active:
@@ -224,11 +229,7 @@ class StreamStore(SegmentLog[_Seg]):
             head = b"".join((ts, exrk, _U32_PACK(len(props[0])), props[0], _U64_PACK(len(bodies[0]))))
             blob = head + head.join(bodies)
         else:
-            parts: list[bytes] = []
-            add = parts.extend
-            for p, body in zip(props, bodies, strict=True):
-                add((ts, exrk, _U32_PACK(len(p)), p, _U64_PACK(len(body)), body))
-            blob = b"".join(parts)
+            blob = fmt.join_records(ts, exrk, props, bodies)
         size = len(blob)
         seg = self._wseg
         if seg is None or seg.end + size > self._wcap:
@@ -238,18 +239,7 @@ class StreamStore(SegmentLog[_Seg]):
         pos = seg.end
         end = pos + size
         fmt.write_at(self._wfd, pos + 8, (memoryview(blob)[8:],), size - 8)  # first timestamp still zero
-        _I64.pack_into(mm, pos, timestamp_ms if timestamp_ms else 1)  # now the run is visible
-        seg.end = end
-        seg.count += k
-        offset = self._next_offset
-        self._next_offset = offset + k
-        self._count += k
-        self._bytes += size
-        self._dirty = True
-        self._seg_unsynced = True
-        if self._sink.active:
-            self._sink.append(seg.path, mm[pos:end])
-        return offset
+        return self._written(seg, mm, pos, end, timestamp_ms, k)
 
     def make_room(self, size: int, props: bytes | memoryview, timestamp_ms: int) -> None:
         """The write segment with ``size`` bytes of room allocated (a new one, stamped
