@@ -183,15 +183,19 @@ class StreamStore(SegmentLog[_Seg]):
                props: bytes | memoryview, body: bytes | bytearray | memoryview) -> int:
         """Append one record; returns its offset."""
         size = fmt.record_size(exchange, routing_key, props, body)
+        seg, mm = self._room(size, timestamp_ms)
+        pos = seg.end
+        fmt.write_record(self._wfd, pos, size, exchange, routing_key, props, body)
+        return self._written(seg, mm, pos, pos + size, timestamp_ms, 1)
+
+    def _room(self, size: int, timestamp_ms: int) -> tuple[_Seg, mmap.mmap]:
+        """The write segment with ``size`` bytes of room, and its map."""
         seg = self._wseg
         if seg is None or seg.end + size > self._wcap:
             seg = self._roll(size, timestamp_ms)
         mm = self._wmm
         assert mm is not None
-        pos = seg.end
-        end = pos + size
-        fmt.write_record(self._wfd, pos, size, exchange, routing_key, props, body)
-        return self._written(seg, mm, pos, end, timestamp_ms, 1)
+        return seg, mm
 
     def _written(self, seg: _Seg, mm: mmap.mmap, pos: int, end: int, timestamp_ms: int, count: int) -> int:
         """Publish ``count`` records written at ``pos``..``end`` of the write segment, complete
@@ -231,15 +235,10 @@ class StreamStore(SegmentLog[_Seg]):
         else:
             blob = fmt.join_records(ts, exrk, props, bodies)
         size = len(blob)
-        seg = self._wseg
-        if seg is None or seg.end + size > self._wcap:
-            seg = self._roll(size, timestamp_ms)
-        mm = self._wmm
-        assert mm is not None
+        seg, mm = self._room(size, timestamp_ms)
         pos = seg.end
-        end = pos + size
         fmt.write_at(self._wfd, pos + 8, (memoryview(blob)[8:],), size - 8)  # first timestamp still zero
-        return self._written(seg, mm, pos, end, timestamp_ms, k)
+        return self._written(seg, mm, pos, pos + size, timestamp_ms, k)
 
     def make_room(self, size: int, props: bytes | memoryview, timestamp_ms: int) -> None:
         """The write segment with ``size`` bytes of room allocated (a new one, stamped
