@@ -18,6 +18,13 @@ integer offset, a timestamp (first message at or after it) or an interval such a
 (messages of the last hour). Without the argument a consumer resumes from the offset stored
 for its consumer tag, else ``next``.
 
+Chunk-level paths (the stream protocol's): ``publish_run`` stores a run of messages as one
+append (``StreamStore.append_run``: one write, one replication record, visible all at once).
+A ``RecordConsumer`` that offers ``run_room`` (no filter, nothing to redeliver, no acks, fast
+paths on) gets ``deliver_run``: consecutive records of one segment read by
+``StreamStore.read_run`` as two lists of slices, no record tuple per message. Everyone else
+goes record by record; a differential test (tests/test_stream_runs.py) compares the two.
+
 Server-side offset tracking: after every ack the cursor's *commit point* is stored for its
 tag: the lowest offset delivered but not acked (or requeued), else the read position. So a
 consumer that reconnects resumes after the last contiguously acked message and never skips a
@@ -248,6 +255,16 @@ class RecordConsumer(Consumer):
     def deliver_record(self, offset: int, timestamp_ms: int, props: bytes, body: bytes) -> None:
         raise NotImplementedError
 
+    def run_room(self) -> tuple[int, int]:
+        """(records, body bytes) this consumer takes as one run now; (0, 0): records one by
+        one through ``deliver_record`` (the default)."""
+        return 0, 0
+
+    def deliver_run(self, first_offset: int, timestamp_ms: int, props: list[bytes],
+                    bodies: list[bytes]) -> None:
+        """Consecutive records from ``first_offset`` as stored (``timestamp_ms``: the first's)."""
+        raise NotImplementedError
+
 
 class StreamQueue(Queue):
     store: StreamStore
@@ -282,6 +299,18 @@ class StreamQueue(Queue):
         if self._age_waiting and self.stream.next_age_expiry() is not None:
             self._arm_retention()  # a segment was closed: aim the age timer at its expiry
         # Every stream message is kept (delivery mode is irrelevant), so confirms wait for fsync.
+        self.on_dirty(self.store)
+        if self.consumers and not self._scheduled:
+            self._scheduled = True
+            self._schedule(self._deliver)
+
+    def publish_run(self, ts: int, exchange: bytes, routing_key: bytes, props: list[bytes],
+                    bodies: list[bytes], persistent: bool, exrk: bytes, same: bool) -> None:
+        """A run stored as one append (one write, one sink record, one dirty mark)."""
+        self.stream.append_run(ts, exrk, props, bodies, same)
+        self.n_published += len(bodies)
+        if self._age_waiting and self.stream.next_age_expiry() is not None:
+            self._arm_retention()
         self.on_dirty(self.store)
         if self.consumers and not self._scheduled:
             self._scheduled = True
@@ -373,6 +402,7 @@ class StreamQueue(Queue):
             return
         self._more = False
         budget = _PASS_BUDGET
+        fast = self.fast.on
         progress = True
         while budget and progress:
             progress = False
@@ -380,6 +410,21 @@ class StreamQueue(Queue):
                 c = cur.consumer
                 if c is None or not c.ready():
                     continue
+                if (fast and not cur.redeliver and cur.filter is None and c.no_ack
+                        and isinstance(c, RecordConsumer)):
+                    count, nbytes = c.run_room()
+                    if count:  # chunk-level read: one run of records from one segment
+                        run = self.stream.read_run(cur.pos, min(count, budget), nbytes)
+                        if run is None:
+                            continue
+                        k = len(run[3])
+                        self.n_delivered += k
+                        c.deliver_run(*run)
+                        progress = True
+                        budget -= k
+                        if not budget:
+                            break
+                        continue
                 got = self._next_for(cur)
                 if got is None:
                     continue

@@ -361,12 +361,7 @@ class QueueStore(SegmentLog[Segment]):
         return k * fixed + sum(map(len, props)) + sum(map(len, bodies))
 
     def _append_mixed(self, timestamp_ms: int, exrk: bytes, props: list[bytes], bodies: list[bytes]) -> None:
-        ts = _I64_PACK(timestamp_ms or 1)
-        parts: list[bytes] = []
-        add = parts.extend
-        for p, body in zip(props, bodies, strict=True):
-            add((ts, exrk, _U32_PACK(len(p)), p, _U64_PACK(len(body)), body))
-        blob = b"".join(parts)
+        blob = fmt.join_records(_I64_PACK(timestamp_ms or 1), exrk, props, bodies)
         size = len(blob)
         seg = self.reserve(size)
         mm = self._wmm

@@ -326,6 +326,16 @@ def record_size(exchange: bytes, routing_key: bytes, props: bytes | memoryview,
     return FIXED_SIZE + len(exchange) + len(routing_key) + len(props) + len(body)
 
 
+def join_records(ts: bytes, exrk: bytes, props: list[bytes], bodies: list[bytes]) -> bytes:
+    """Records of one timestamp (``ts``, packed) and one exchange and routing key (``exrk``:
+    the two short strings) joined into one buffer, to be written with one write."""
+    parts: list[bytes] = []
+    add = parts.extend
+    for p, body in zip(props, bodies, strict=True):
+        add((ts, exrk, U32.pack(len(p)), p, U64.pack(len(body)), body))
+    return b"".join(parts)
+
+
 def write_record(fd: int, pos: int, size: int, exchange: bytes, routing_key: bytes,
                  props: bytes | memoryview, body: bytes | bytearray | memoryview) -> None:
     """Write a record at ``pos`` of a segment file with a ZERO timestamp (still "end" to

@@ -31,6 +31,11 @@ enforced per segment). Retention runs when a segment is retired and when asked
 (``apply_retention``). A segment's newest message is bounded by the first timestamp of the
 next segment, which is what the age rule compares.
 
+Chunk-level paths: ``append_run`` writes a run of records as one buffer with one pwrite, its
+first timestamp last (recovery sees the whole run or none of it), and sends the replication
+sink one append; ``read_run`` slices a run of consecutive records of one segment (bounded in
+count and body bytes) for the stream protocol's Deliver chunks.
+
 Read-only access for analytics (a stopped broker's data dir, a follower's replicated copy)
 goes through ``list_segments`` / ``iter_segment``: they never write, and stop at the first
 zero or incomplete record, so a segment being appended to is read up to its last complete
@@ -70,6 +75,10 @@ _INDEX_MAGIC: Final = b"SKSI"
 _INDEX_VERSION: Final = 1
 _CRC: Final = struct.Struct("<I")
 _I64: Final = fmt.I64
+_U32_PACK: Final = fmt.U32.pack
+_U64_PACK: Final = fmt.U64.pack
+_U32_FROM: Final = fmt.U32.unpack_from
+_U64_FROM: Final = fmt.U64.unpack_from
 
 # (offset, timestamp_ms, exchange, routing_key, props, body)
 Record = tuple[int, int, bytes, bytes, bytes, bytes]
@@ -174,27 +183,62 @@ class StreamStore(SegmentLog[_Seg]):
                props: bytes | memoryview, body: bytes | bytearray | memoryview) -> int:
         """Append one record; returns its offset."""
         size = fmt.record_size(exchange, routing_key, props, body)
+        seg, mm = self._room(size, timestamp_ms)
+        pos = seg.end
+        fmt.write_record(self._wfd, pos, size, exchange, routing_key, props, body)
+        return self._written(seg, mm, pos, pos + size, timestamp_ms, 1)
+
+    def _room(self, size: int, timestamp_ms: int) -> tuple[_Seg, mmap.mmap]:
+        """The write segment with ``size`` bytes of room, and its map."""
         seg = self._wseg
         if seg is None or seg.end + size > self._wcap:
             seg = self._roll(size, timestamp_ms)
         mm = self._wmm
         assert mm is not None
-        pos = seg.end
-        end = pos + size
-        fmt.write_record(self._wfd, pos, size, exchange, routing_key, props, body)
-        # Timestamp last: the record becomes visible (to recovery and readers) atomically.
+        return seg, mm
+
+    def _written(self, seg: _Seg, mm: mmap.mmap, pos: int, end: int, timestamp_ms: int, count: int) -> int:
+        """Publish ``count`` records written at ``pos``..``end`` of the write segment, complete
+        but for the first one's timestamp, which goes in now: last, so the record (or the
+        whole run) becomes visible to readers and recovery at once. Returns the first offset."""
         _I64.pack_into(mm, pos, timestamp_ms if timestamp_ms else 1)
         seg.end = end
-        seg.count += 1
+        seg.count += count
         offset = self._next_offset
-        self._next_offset = offset + 1
-        self._count += 1
-        self._bytes += size
+        self._next_offset = offset + count
+        self._count += count
+        self._bytes += end - pos
         self._dirty = True
         self._seg_unsynced = True
         if self._sink.active:
             self._sink.append(seg.path, mm[pos:end])
         return offset
+
+    def append_run(self, timestamp_ms: int, exrk: bytes, props: list[bytes], bodies: list[bytes],
+                   same: bool = False) -> int:
+        """Append a run of records with one timestamp, exchange and routing key (``exrk``:
+        the two short strings) as one write; returns the first one's offset.
+
+        Chunk-level append: the records are joined into one buffer and written with one
+        pwrite into one segment (room for all of them allocated first, so DiskFull stores
+        none), the first record's timestamp last, so a reader or recovery after kill -9 sees
+        the whole run or none of it; the counters, the index (the segment's first offset)
+        and the replication sink are updated once for the run. ``same``: one properties value
+        and one body length for the whole run (the records' heads are then all alike)."""
+        k = len(bodies)
+        if not k:
+            return self._next_offset
+        ts = _I64.pack(timestamp_ms if timestamp_ms else 1)
+        if same:
+            head = b"".join((ts, exrk, _U32_PACK(len(props[0])), props[0], _U64_PACK(len(bodies[0]))))
+            blob = head + head.join(bodies)
+        else:
+            blob = fmt.join_records(ts, exrk, props, bodies)
+        size = len(blob)
+        seg, mm = self._room(size, timestamp_ms)
+        pos = seg.end
+        fmt.write_at(self._wfd, pos + 8, (memoryview(blob)[8:],), size - 8)  # first timestamp still zero
+        return self._written(seg, mm, pos, pos + size, timestamp_ms, k)
 
     def make_room(self, size: int, props: bytes | memoryview, timestamp_ms: int) -> None:
         """The write segment with ``size`` bytes of room allocated (a new one, stamped
@@ -345,12 +389,98 @@ class StreamStore(SegmentLog[_Seg]):
 
     def read_next(self, p: StreamPosition) -> Record | None:
         """The record at ``p`` (advancing ``p``), or None at the end of the log."""
+        if self._locate(p) is None:
+            return None
+        mm = self._map_read(self._segs[p.seg])
+        ts, ex, rk, props, body = fmt.read_record(mm, p.pos)
+        offset = p.offset
+        p.pos = fmt.record_end(mm, p.pos)[0]
+        p.offset = offset + 1
+        return offset, ts, ex, rk, props, body
+
+    def read_run(self, p: StreamPosition, max_count: int, max_bytes: int
+                 ) -> tuple[int, int, list[bytes], list[bytes]] | None:
+        """Chunk-level read: up to ``max_count`` consecutive records from ``p`` (advancing
+        it), stopping early once their bodies reach ``max_bytes`` and at the end of ``p``'s
+        segment, as (first offset, first record's timestamp, their properties, their
+        bodies); None at the end of the log. One bounds check per segment, not per record:
+        the walk slices the map and keeps no per-record tuple."""
+        if self._locate(p) is None:
+            return None
+        seg = self._segs[p.seg]
+        mm = self._map_read(seg)
+        n = min(max_count, seg.first_offset + seg.count - p.offset)
+        pos = p.pos
+        first_ts: int = _I64.unpack_from(mm, pos)[0]
+        alike = self._alike_run(mm, pos, n, max_bytes, seg.end)
+        if alike is not None:
+            p0, bodies, pos = alike
+            first = p.offset
+            p.pos = pos
+            p.offset = first + len(bodies)
+            return first, first_ts, [p0] * len(bodies), bodies
+        props: list[bytes] = []
+        bodies = []
+        add_p = props.append
+        add_b = bodies.append
+        size = 0
+        i = 0
+        while i < n and size < max_bytes:
+            q = pos + 9 + mm[pos + 8]
+            q += 1 + mm[q]
+            end = q + 4 + _U32_FROM(mm, q)[0]
+            add_p(mm[q + 4:end])
+            q = end + 8 + _U64_FROM(mm, end)[0]
+            add_b(mm[end + 8:q])
+            size += q - end - 8
+            pos = q
+            i += 1
+        first = p.offset
+        p.pos = pos
+        p.offset = first + i
+        return first, first_ts, props, bodies
+
+    @staticmethod
+    def _alike_run(mm: mmap.mmap, pos: int, n: int, max_bytes: int, end: int
+                   ) -> tuple[bytes, list[bytes], int] | None:
+        """A run stored by one ``append_run(same=True)`` read in one C-level unpack: its
+        records share one head (timestamp, names, properties, body length), so the ones
+        from ``pos`` whose head equals the first's are (head, body) at a fixed stride. Only
+        that prefix is kept; each of its records began where the one before ended, so this
+        is exactly what the record-by-record walk reads. (properties, bodies, end) or None
+        when fewer than two records are alike."""
+        q = pos + 9 + mm[pos + 8]
+        q += 1 + mm[q]
+        body_at = q + 4 + _U32_FROM(mm, q)[0] + 8
+        hl = body_at - pos
+        bs: int = _U64_FROM(mm, body_at - 8)[0]
+        stride = hl + bs
+        if bs:
+            n = min(n, -(-max_bytes // bs))  # stop once the bodies reach max_bytes
+        n = min(n, (end - pos) // stride)
+        if n < 2:
+            return None
+        head = mm[pos:body_at]
+        rows = struct.iter_unpack(f"{hl}s{bs}s", mm[pos:pos + n * stride])
+        bodies: list[bytes] = []
+        add = bodies.append
+        for h, body in rows:
+            if h != head:
+                break
+            add(body)
+        if len(bodies) < 2:
+            return None
+        props = head[q + 4 - pos:hl - 8]
+        return props, bodies, pos + len(bodies) * stride
+
+    def _locate(self, p: StreamPosition) -> StreamPosition | None:
+        """``p`` moved onto the segment holding its next record (across retention and
+        segment ends), or None at the end of the log."""
         while True:
             seg = self._segs.get(p.seg)
             if seg is None or p.offset < seg.first_offset:
                 if p.offset >= self._next_offset:
                     return None
-                # Segment gone (retention) or never existed: re-seek (clamps to the oldest).
                 q = self.seek(p.offset)
                 if q.seg == p.seg and q.pos == p.pos:
                     return None
@@ -364,12 +494,7 @@ class StreamStore(SegmentLog[_Seg]):
                     return None
                 p.seg, p.pos = self._order[i], HEADER_SIZE
                 continue
-            mm = self._map_read(seg)
-            ts, ex, rk, props, body = fmt.read_record(mm, p.pos)
-            offset = p.offset
-            p.pos = fmt.record_end(mm, p.pos)[0]
-            p.offset = offset + 1
-            return offset, ts, ex, rk, props, body
+            return p
 
     def read_at(self, offset: int) -> Record | None:
         if offset < self.first_offset or offset >= self._next_offset:

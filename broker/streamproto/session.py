@@ -8,8 +8,11 @@ and its Open follow) -> ``open`` -> ``closed``. A command the state does not all
 key or a malformed frame closes the connection with a Close carrying the protocol's response
 code; nothing it asked for happened.
 
-- **Publish** goes through the one publish operation (``VHost.publish`` to the default exchange
-  with the stream's name), so a stream-protocol message is stored as any other (the body is the
+- **Publish** goes through the one publish operation (``VHost.publish_run`` for a frame's
+  batch, stored by the stream queue as one run: one write, one replication record, one
+  PublishConfirm after the group commit; ``VHost.publish`` message by message when the run
+  cannot go at once) to the default exchange with the stream's name, so a stream-protocol
+  message is stored as any other (the body is the
   client's message bytes, AMQP 1.0 encoded by the clients; the content type
   ``STREAM_CONTENT_TYPE`` marks it). A PublishConfirm is sent only after the group commit made
   the message durable (and replicated); a failed commit answers PublishError. **Deduplication**:
@@ -18,11 +21,16 @@ code; nothing it asked for happened.
   id is not above it is confirmed without being stored again. QueryPublisherSequence reads it.
 - **Subscribe** adds a model consumer (``Queue.add_consumer``) to the stream queue, starting at
   the offset spec (first, last, next, offset, timestamp: the queue's ``x-stream-offset``).
-  Messages arrive one by one from the queue's delivery pass and are gathered into chunks of
-  consecutive offsets; **credit** counts chunks, as the protocol says: a chunk is opened only
-  while the subscription has credit, a Credit frame adds credit and wakes the queue. The chunk
-  open at the end of the loop turn is sent then. Messages stored by other protocols reach a
-  stream client as an AMQP 1.0 message with one data section holding the body.
+  **Credit** counts chunks, as the protocol says: a chunk is opened only while the subscription
+  has credit, a Credit frame adds credit and wakes the queue. Chunk-level read (the hot path):
+  while it has credit, a subscription takes a *run* from the queue's delivery pass
+  (``run_room``/``deliver_run``: up to ``CHUNK_MAX_ENTRIES`` consecutive records sliced from one
+  segment) and sends it as one Deliver: per message only a length prefix, no object; the chunk
+  CRC is one ``zlib.crc32`` over the joined data. Filtered subscriptions, or the fast paths
+  switched off, get messages one by one (``deliver_record``), gathered into chunks of
+  consecutive offsets; the chunk open at the end of the loop turn is sent then. Messages stored
+  by other protocols reach a stream client as an AMQP 1.0 message with one data section holding
+  the body.
 - **Offsets**: StoreOffset/QueryOffset keep a named offset with the stream (durable with its next
   sync), the same names AMQP consumers' stored offsets use.
 - **Single active consumer**: subscriptions with ``single-active-consumer=true`` and a ``name``
@@ -94,6 +102,14 @@ def as_stream_message(props: bytes, body: bytes) -> bytes:
     if n < 256:
         return _AMQP10_DATA + b"\xa0" + bytes([n]) + body
     return _AMQP10_DATA + b"\xb0" + n.to_bytes(4, "big") + body
+
+
+def stream_entries(props: list[bytes], bodies: list[bytes]) -> list[bytes]:
+    """``as_stream_message`` for a run: the bodies themselves when every message of the run
+    was published by a stream client without a filter value (the common case, no copy)."""
+    if props.count(_PLAIN_PROPS) == len(props):
+        return bodies
+    return [as_stream_message(p, b) for p, b in zip(props, bodies, strict=True)]
 
 
 class Output(Protocol):
@@ -221,6 +237,21 @@ class Subscription(RecordConsumer):
         if not self.flush_due:
             self.flush_due = True
             self.session.out.soon(self.flush)
+
+    def run_room(self) -> tuple[int, int]:
+        if self.credit > 0 and self.consuming and self.session.out.writable:
+            return CHUNK_MAX_ENTRIES, CHUNK_MAX_BYTES
+        return 0, 0
+
+    def deliver_run(self, first_offset: int, timestamp_ms: int, props: list[bytes],
+                    bodies: list[bytes]) -> None:
+        """A run of stored records as one chunk: one credit, one Deliver frame; per message
+        only the properties check and a length prefix (``codec.encode_deliver_run``)."""
+        self.flush()
+        self.credit -= 1
+        if not self.session.closed:
+            self.session.out.write(C.encode_deliver_run(self.sub_id, first_offset, timestamp_ms,
+                                                        stream_entries(props, bodies)))
 
     def flush(self) -> None:
         self.flush_due = False
@@ -583,54 +614,64 @@ class StreamSession:
         self.out.write(C.response(C.QUERY_PUBLISHER_SEQUENCE, corr, C.OK, seq.to_bytes(8, "big")))
 
     def publish(self, f: C.Frame) -> None:
-        pub_id, msgs = C.decode_publish(f.payload, f.version)
+        b = C.decode_publish_batch(f.payload, f.version)
+        pub_id, ids, datas = b.pub_id, b.ids, b.datas
+        filters = b.filters if b.filters is not None and any(b.filters) else None
         p = self.publishers.get(pub_id)
         q = self._stream(p.stream) if p is not None else None
         if p is None or q is None:
             code = C.PUBLISHER_DOES_NOT_EXIST if p is None else C.STREAM_NOT_AVAILABLE
-            self.out.write(C.encode_publish_error(pub_id, [(m.publishing_id, code) for m in msgs]))
+            self.out.write(C.encode_publish_error(pub_id, [(i, code) for i in ids]))
             return
         done: list[int] = []
         failed: list[tuple[int, int]] = []
         deps: set[Any] = set()
         ts = int(time.time() * 1000)
-        seq = p.sequence
-        fresh: list[C.PublishedMessage] = []
-        for m in msgs:
-            if p.reference and m.publishing_id <= seq:
-                done.append(m.publishing_id)  # a duplicate: stored already, confirmed again
-                continue
-            fresh.append(m)
-            seq = max(seq, m.publishing_id)  # duplicates within the frame count too
+        if p.reference:  # deduplication: ids not above the sequence were stored already
+            keep: list[int] = []
+            top = p.sequence
+            for i, pid in enumerate(ids):
+                if pid <= top:
+                    done.append(pid)  # a duplicate (also within the frame): confirmed again
+                else:
+                    keep.append(i)
+                    top = pid
+            if len(keep) != len(ids):
+                ids = [ids[i] for i in keep]
+                datas = [datas[i] for i in keep]
+                filters = None if filters is None else [filters[i] for i in keep]
         seq = p.sequence  # from here: raised only by what is stored
-        props = [_PLAIN_PROPS if m.filter_value is None else _stream_props(m.filter_value) for m in fresh]
+        if filters is None:
+            props = [_PLAIN_PROPS] * len(ids)
+        else:
+            props = [_PLAIN_PROPS if v is None else _stream_props(v) for v in filters]
         run = None
-        if len(fresh) > 1:  # the publish operation's own batching, when it can take them at once
+        if len(ids) > 1:  # the publish operation's own batching, when it can take them at once
+            same = filters is None and len(set(map(len, datas))) == 1
             try:
-                run = self.vh.publish_run("", p.stream, Names("", p.stream), props, [m.data for m in fresh],
-                                          False, ts)
+                run = self.vh.publish_run("", p.stream, Names("", p.stream), props, datas, same, ts)
             except errors.SkredError as exc:
                 log.warning("stream client from %s: publish to '%s' refused: %s", self.peer, p.stream, exc)
-                failed.extend((m.publishing_id, C.INTERNAL_ERROR) for m in fresh)
-                fresh = []
+                failed.extend((i, C.INTERNAL_ERROR) for i in ids)
+                ids = []
         if run is not None:
             deps.update(qq.store for qq in run.queues)
-            done.extend(m.publishing_id for m in fresh)
-            seq = max(seq, *(m.publishing_id for m in fresh))
-            fresh = []
-        for m, prop in zip(fresh, props, strict=False):
+            done.extend(ids)
+            seq = max(seq, *ids)
+            ids = []
+        for pid, data, prop in zip(ids, datas, props, strict=False):
             try:
-                out = self.vh.publish(PublishRequest("", p.stream, prop, m.data, ts, persistent=True))
+                out = self.vh.publish(PublishRequest("", p.stream, prop, data, ts, persistent=True))
             except errors.SkredError as exc:
                 log.warning("stream client from %s: publish to '%s' refused: %s", self.peer, p.stream, exc)
-                failed.append((m.publishing_id, C.INTERNAL_ERROR))
+                failed.append((pid, C.INTERNAL_ERROR))
                 continue
             if out.rejected or not out.queues:
-                failed.append((m.publishing_id, C.STREAM_NOT_AVAILABLE))
+                failed.append((pid, C.STREAM_NOT_AVAILABLE))
                 continue
             deps.update(qq.store for qq in out.queues)
-            done.append(m.publishing_id)
-            seq = max(seq, m.publishing_id)
+            done.append(pid)
+            seq = max(seq, pid)
         if p.reference and seq != p.sequence:
             p.sequence = seq
             q.set_publisher_sequence(p.reference, seq)

@@ -1,0 +1,254 @@
+"""Chunk-level append and read of stream queues (the stream protocol's hot paths), no sockets.
+
+A published batch is stored as one run (one write, one replication record, all or nothing after
+kill -9); a subscription reads a run of a segment and frames it as one Deliver chunk, and what a
+client sees is the same with the chunk path forced off (the vhost's fast-path switch).
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from broker.model.fastpaths import FastPaths
+from broker.model.stream import StreamQueue
+from broker.store import segment as fmt
+from broker.store.stream_store import StreamStore
+from broker.streamproto import codec as C
+from broker.streamproto.session import _PLAIN_PROPS, StreamSession, Subscription, _stream_props
+
+EXRK = fmt.short_pair(b"", b"s")
+TS = 1_700_000_000_000
+
+
+class RecordingSink:
+    """A replication sink that keeps what it is sent (the cluster's follower feed)."""
+
+    active = True
+
+    def __init__(self) -> None:
+        self.appends: list[bytes] = []
+
+    def register_file(self, path: Path) -> None:
+        pass
+
+    def append(self, path: Path, data: bytes | bytearray | memoryview) -> None:
+        self.appends.append(bytes(data))
+
+    def replace(self, path: Path, data: bytes) -> None:
+        pass
+
+    def delete(self, path: Path) -> None:
+        pass
+
+    async def wait_for_followers(self) -> None:
+        pass
+
+
+def _queue(directory: Path, sink: Any = None, fast: bool = True, segment_size: int = 1 << 20
+           ) -> tuple[StreamQueue, list[Callable[[], None]]]:
+    pending: list[Callable[[], None]] = []
+    store = StreamStore(directory, segment_size=segment_size, **({"sink": sink} if sink else {}))
+    q = StreamQueue("/", "s", arguments={"x-queue-type": "stream"}, stream=store,
+                    schedule=pending.append, on_unused=lambda q: None, on_dirty=lambda s: None)
+    q.fast = FastPaths()
+    q.fast.on = fast
+    return q, pending
+
+
+def _records(s: StreamStore) -> list[tuple[int, int, bytes, bytes, bytes, bytes]]:
+    p = s.seek(0)
+    out = []
+    while (r := s.read_next(p)) is not None:
+        out.append(r)
+    return out
+
+
+def test_publish_run_is_one_write_one_replication_record(tmp_path: Path) -> None:
+    sink = RecordingSink()
+    q, _ = _queue(tmp_path / "run", sink)
+    props = [_PLAIN_PROPS, _stream_props("eu"), _PLAIN_PROPS] * 100
+    bodies = [b"m%d" % i for i in range(300)]
+    q.publish(TS, b"", b"s", _PLAIN_PROPS, b"first", True)  # the segment exists (its header sent)
+    sink.appends.clear()
+    q.publish_run(TS, b"", b"s", props, bodies, True, EXRK, False)
+    assert len(sink.appends) == 1  # main: one per message (300)
+    one, _ = _queue(tmp_path / "one")
+    one.publish(TS, b"", b"s", _PLAIN_PROPS, b"first", True)
+    for p, b in zip(props, bodies, strict=True):
+        one.publish(TS, b"", b"s", p, b, True)
+    assert _records(q.stream) == _records(one.stream)  # same records as one by one
+    sizes = (fmt.record_size(b"", b"s", p, b) for p, b in zip(props, bodies, strict=True))
+    assert len(sink.appends[0]) == sum(sizes)
+    q.close()
+    reopened = StreamStore(tmp_path / "run", segment_size=1 << 20)
+    assert [r[5] for r in _records(reopened)] == [b"first", *bodies]
+    reopened.close()
+    one.close()
+
+
+def test_a_run_cut_before_its_first_timestamp_is_gone_whole(tmp_path: Path) -> None:
+    """kill -9 between the run's write and its first timestamp: recovery keeps none of it."""
+    s = StreamStore(tmp_path / "s", segment_size=1 << 20)
+    s.append_run(TS, EXRK, [_PLAIN_PROPS] * 3, [b"a", b"b", b"c"])
+    seg = s._segs[s._order[-1]]
+    at = seg.end
+    s.append_run(TS, EXRK, [_PLAIN_PROPS] * 50, [b"x" * 10] * 50)
+    path = seg.path
+    s.close()
+    with path.open("r+b") as f:  # what the crash leaves: the run written, its first stamp not
+        f.seek(at)
+        f.write(bytes(8))
+    r = StreamStore(tmp_path / "s", segment_size=1 << 20)
+    assert r.count == 3 and [x[5] for x in _records(r)] == [b"a", b"b", b"c"]
+    assert r.append_run(TS, EXRK, [_PLAIN_PROPS], [b"d"]) == 3  # offsets go on densely
+    r.close()
+
+
+def test_read_run_is_read_next_in_bounded_runs(tmp_path: Path) -> None:
+    s = StreamStore(tmp_path / "s", segment_size=600)  # several segments
+    bodies = [b"y" * (i % 7) for i in range(60)]
+    for i in range(0, 60, 6):
+        s.append_run(TS + i, EXRK, [_PLAIN_PROPS] * 6, bodies[i:i + 6])
+    want = _records(s)
+    p = s.seek(0)
+    got: list[tuple[int, int, bytes, bytes]] = []
+    runs = 0
+    while (run := s.read_run(p, 4, 1 << 20)) is not None:
+        first, ts, props, bods = run
+        assert 1 <= len(bods) <= 4 and ts == want[first][1]
+        got.extend((first + i, want[first + i][1], props[i], bods[i]) for i in range(len(bods)))
+        runs += 1
+    assert got == [(r[0], r[1], r[4], r[5]) for r in want]
+    assert runs > 60 // 4  # runs also end at segment ends
+    p = s.seek(10)
+    first, _, _, bods = s.read_run(p, 100, 1) or (0, 0, [], [])
+    assert first == 10 and bods == [b"yyy"]  # the byte bound stops the run after one body
+    s.close()
+
+
+def _chunks(data: bytes) -> list[tuple[int, int, list[bytes]]]:
+    """(first offset, timestamp, messages) of each Deliver in ``data``, CRCs checked."""
+    out = []
+    r = C.FrameReader(1 << 24)
+    for f in r.feed(data):
+        assert f.key == C.DELIVER
+        head = struct.unpack_from(">BbbHIqQQIi", f.payload)
+        n, ts, first, crc, size = head[3], head[5], head[7], head[8], head[9]
+        body = f.payload[-size:]
+        assert zlib.crc32(body) == crc
+        msgs, pos = [], 0
+        for _ in range(n):
+            ln = struct.unpack_from(">I", body, pos)[0]
+            msgs.append(body[pos + 4:pos + 4 + ln])
+            pos += 4 + ln
+        out.append((first, ts, msgs))
+    return out
+
+
+class _Out:
+    writable = True
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.soon_calls: list[Callable[[], None]] = []
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+
+    def close(self) -> None:
+        pass
+
+    def soon(self, fn: Callable[[], None]) -> None:
+        self.soon_calls.append(fn)
+
+
+def _consume(tmp_path: Path, fast: bool, credit: int) -> list[tuple[int, int, list[bytes]]]:
+    q, pending = _queue(tmp_path, fast=fast, segment_size=2048)
+    for i in range(0, 400, 40):  # stream-client runs, with and without filter values
+        props = [_PLAIN_PROPS if j % 3 else _stream_props(f"v{j}") for j in range(40)]
+        q.publish_run(TS + i, b"", b"s", props, [b"b%d" % (i + j) for j in range(40)], True, EXRK, False)
+    q.publish(TS + 500, b"", b"s", b"\x00\x00", b"from amqp", True)  # another protocol's message
+    out = _Out()
+    session = StreamSession.__new__(StreamSession)
+    session.out = out
+    session.closed = False
+    sub = Subscription(session, 1, q, credit, {})
+    sub.start(C.OffsetSpec(C.OFFSET_FIRST, 0))
+    for _ in range(10_000):
+        if pending:
+            pending.pop(0)()
+        elif out.soon_calls:
+            out.soon_calls.pop(0)()
+        elif sub.credit < 3:
+            sub.credit += 1
+            q.schedule_delivery()
+        else:
+            break
+    q.close()
+    return _chunks(bytes(out.data))
+
+
+def test_chunk_path_changes_nothing_a_client_sees(tmp_path: Path) -> None:
+    fast = _consume(tmp_path / "fast", True, 2)
+    slow = _consume(tmp_path / "slow", False, 2)
+    msgs = [m for _, _, ms in fast for m in ms]
+    assert msgs == [m for _, _, ms in slow for m in ms]
+    assert len(msgs) == 401 and msgs[-1] == b"\x00\x53\x75\xa0\x09from amqp"
+    offsets = [first + i for first, _, ms in fast for i in range(len(ms))]
+    assert offsets == list(range(401))
+    # the chunks' first offsets and timestamps agree where they start at the same offset
+    slow_at = {first: ts for first, ts, _ in slow}
+    assert all(slow_at.get(first, ts) == ts for first, ts, _ in fast)
+
+
+def test_publish_frames_decode_alike_uniform_or_not() -> None:
+    """The one-unpack decode of equal-sized messages and the field-by-field one agree; a frame
+    that only looks uniform from its first message is parsed field by field; short frames raise."""
+    def frame(msgs: list[tuple[int, bytes]]) -> bytes:
+        return b"\x07" + struct.pack(">i", len(msgs)) + b"".join(
+            struct.pack(">Qi", i, len(d)) + d for i, d in msgs)
+
+    uniform = [(i, b"%04d" % i) for i in range(1, 300)]
+    mixed = [(1, b"ab"), (2, b""), (3, b"abcd"), (4, b"abcdefghij")]
+    tricky = [(1, b"xxxx"), (2, b"yy"), (3, b"zzzzzz")]  # 3 x (12+4) bytes in all, like uniform
+    for msgs in (uniform, mixed, tricky, []):
+        b = C.decode_publish_batch(frame(msgs), 1)
+        assert (b.pub_id, b.ids, b.datas, b.filters) == (7, [i for i, _ in msgs], [d for _, d in msgs], None)
+    for cut in (frame(uniform)[:-1], frame(mixed)[:-3], frame(uniform) + b"\x00"):
+        try:
+            C.decode_publish_batch(cut, 1)
+        except C.Malformed:
+            continue
+        raise AssertionError("a cut or padded Publish frame decoded")
+
+
+def test_read_run_of_alike_records_equals_the_walk(tmp_path: Path) -> None:
+    """Runs stored with one record head (``same``) are read in one unpack: the same records,
+    stopping where the heads change (another run's timestamp, an odd body, other properties)."""
+    s = StreamStore(tmp_path / "s", segment_size=4096)
+    s.append_run(TS, EXRK, [_PLAIN_PROPS] * 20, [b"%02d" % i for i in range(20)], same=True)
+    s.append_run(TS + 1, EXRK, [_PLAIN_PROPS] * 20, [b"%02d" % i for i in range(20)], same=True)
+    s.append_run(TS + 1, EXRK, [_PLAIN_PROPS] * 3, [b"a", b"bb", b"c"])
+    s.append_run(TS + 1, EXRK, [_stream_props("f")] * 30, [b"z" * 40] * 30, same=True)
+    s.append_run(TS + 2, EXRK, [_PLAIN_PROPS] * 5, [b""] * 5, same=True)
+    want = [(r[0], r[1], r[4], r[5]) for r in _records(s)]
+    for count, nbytes in ((256, 1 << 20), (7, 1 << 20), (256, 50), (1, 1)):
+        p = s.seek(0)
+        got: list[tuple[int, int, bytes, bytes]] = []
+        while (run := s.read_run(p, count, nbytes)) is not None:
+            first, ts, props, bodies = run
+            assert ts == want[first][1] and len(bodies) <= count
+            assert sum(map(len, bodies[:-1])) < nbytes  # stopped once the bound was reached
+            got.extend((first + i, want[first + i][1], props[i], bodies[i]) for i in range(len(bodies)))
+        assert got == want, (count, nbytes)
+    s.close()
+
+
+def test_deliver_chunks_frame_alike_with_equal_or_mixed_lengths() -> None:
+    for msgs in ([b"abcd"] * 5, [b"a", b"", b"abc"], [b""] * 3, [b"x"]):
+        (first, ts, got), = _chunks(C.encode_deliver_run(3, 42, TS, msgs))
+        assert (first, ts, got) == (42, TS, msgs)
