@@ -34,8 +34,8 @@ above 2**32; pika turns a 'T' field into a datetime of seconds).
 from __future__ import annotations
 
 import struct
-from operator import itemgetter
 from collections.abc import Callable
+from operator import itemgetter
 from typing import Any
 
 from pamqp import commands

@@ -18,7 +18,8 @@ def _random_props(rng: random.Random) -> commands.Basic.Properties:
     p = commands.Basic.Properties()
     for name in _SHORT:
         if rng.random() < 0.4:
-            setattr(p, name, rng.choice(["", "x", "text/plain", "é" * rng.randint(1, 20), "id-%d" % rng.randint(0, 9)]))
+            value = rng.choice(["", "x", "text/plain", "é" * rng.randint(1, 20), f"id-{rng.randint(0, 9)}"])
+            setattr(p, name, value)
     if rng.random() < 0.5:
         p.delivery_mode = rng.choice([1, 2])
     if rng.random() < 0.3:
@@ -26,7 +27,8 @@ def _random_props(rng: random.Random) -> commands.Basic.Properties:
     if rng.random() < 0.3:
         p.timestamp = datetime.datetime.fromtimestamp(rng.randint(0, 2**32), tz=datetime.UTC)
     if rng.random() < 0.4:
-        p.headers = rng.choice([{}, {"a": 1}, {"x-death": [{"count": 2, "queue": "q"}], "t": True, "n": None}])
+        p.headers = rng.choice([{}, {"a": 1},
+                                {"x-death": [{"count": 2, "queue": "q"}], "t": True, "n": None}])
     return p
 
 
