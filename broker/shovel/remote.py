@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 logging.getLogger("aiormq.connection").setLevel(logging.ERROR)
 
 CONNECT_TIMEOUT = 15.0  # seconds for the TCP, TLS and AMQP handshakes of one URI
-ACK_DELAY = 0.005  # seconds a settled message waits for others to share its ``basic.ack``
+ACK_DELAY = 0.05  # seconds a settled message waits for others to share its ``basic.ack``
 OP_TIMEOUT = 30.0  # seconds for one declare, qos, consume
 
 
