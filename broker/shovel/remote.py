@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 logging.getLogger("aiormq.connection").setLevel(logging.ERROR)
 
 CONNECT_TIMEOUT = 15.0  # seconds for the TCP, TLS and AMQP handshakes of one URI
+ACK_DELAY = 0.05  # seconds a settled message waits for others to share its ``basic.ack``
 OP_TIMEOUT = 30.0  # seconds for one declare, qos, consume
 
 
@@ -93,7 +94,8 @@ class AmqpSource:
         self.settling: set[asyncio.Future[Any]] = set()
         self.delivered: collections.deque[int] = collections.deque()  # unsettled tags, in order
         self.settled: set[int] = set()  # settled, not yet covered by a multiple ack
-        self.flush_pending = False
+        self.flush_timer: asyncio.TimerHandle | None = None
+        self.ack_batch = max(1, d.src_prefetch // 4)
 
     async def open(self, on_message: Callable[[Message], None]) -> None:
         d = self.d
@@ -135,21 +137,27 @@ class AmqpSource:
             raise EndLost(f"source: {exc}") from None
 
     def settle(self, tag: int, how: Settle) -> None:
-        """Acks are coalesced: every settle of one turn of the loop ends in one ``basic.ack``
-        with ``multiple`` up to the highest delivery tag below which everything is settled (a
-        message still in flight is never covered); a requeue is sent at once."""
+        """Acks are coalesced: settled messages share one ``basic.ack`` with ``multiple`` up to the
+        highest delivery tag below which everything is settled (a message still in flight is never
+        covered), written once a quarter of the prefetch window is settled or ``ACK_DELAY`` after
+        the first of them, whichever comes first (so the broker's window never starves and a
+        lone message is acked promptly; what waits behind a message still in flight is written
+        with the settle that frees it); a requeue is sent at once. Closing writes what is due."""
         ch = self.channel
         if ch is None or ch.is_closed or self.d.ack_mode == "no-ack":
             return  # gone: the broker gives the message back itself
         self.settled.add(tag)
         if how is not Settle.ACK:
             self._send(ch.basic_reject(tag, requeue=True, wait=False))
-        if not self.flush_pending:
-            self.flush_pending = True
-            asyncio.get_running_loop().call_soon(self._flush)
+        if len(self.settled) >= self.ack_batch:
+            self._flush()
+        elif self.flush_timer is None:
+            self.flush_timer = asyncio.get_running_loop().call_later(ACK_DELAY, self._flush)
 
     def _flush(self) -> None:
-        self.flush_pending = False
+        if self.flush_timer is not None:
+            self.flush_timer.cancel()
+            self.flush_timer = None
         ch, delivered, settled = self.channel, self.delivered, self.settled
         upto = 0
         acked = False
@@ -171,6 +179,11 @@ class AmqpSource:
             task.exception()  # a settle on a channel that just closed: the broker requeues it
 
     async def close(self) -> None:
+        if self.channel is not None and not self.channel.is_closed:
+            self._flush()  # what was settled is acked before the channel goes
+        if self.flush_timer is not None:
+            self.flush_timer.cancel()
+            self.flush_timer = None
         conn, self.conn, self.channel = self.conn, None, None
         if conn is not None:
             if self.settling:  # acks already written out go with the close; the rest are requeued

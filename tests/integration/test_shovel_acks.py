@@ -1,0 +1,112 @@
+"""A remote AMQP source settles in batches: one ``basic.ack`` (``multiple``) covers a quarter of
+the prefetch window, a lone settled message is acked within ``ACK_DELAY``, and closing writes
+every ack that is due (so nothing settled is requeued: no duplicate after ``src-delete-after``).
+
+The source end (``AmqpSource``) runs in the test process against a real Skred broker over a real
+socket; its channel's ``basic_ack`` is wrapped to count the acks written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import aiormq
+import pytest
+
+from broker.shovel.definition import parse
+from broker.shovel.ends import Message, Settle
+from broker.shovel.remote import ACK_DELAY, AmqpSource
+
+from ._shovel import publish
+from ._support import SkredProcess, unique
+
+
+@pytest.fixture(scope="module")
+def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SkredProcess]:
+    b = SkredProcess(tmp_path_factory.mktemp("shovel-acks") / "data")
+    b.start()
+    yield b
+    b.close()
+
+
+async def _ready_count(url: str, queue: str) -> int:
+    conn = await aiormq.connect(url)
+    try:
+        ch = await conn.channel()
+        ok = await ch.queue_declare(queue, passive=True)
+        return ok.message_count or 0
+    finally:
+        await conn.close()
+
+
+async def _run(url: str, queue: str, n: int, prefetch: int, settle_first: int,
+               at_once: bool = False) -> tuple[int, int, float, float]:
+    """Consume ``n``, settle the first ``settle_first`` (``at_once``: each as it arrives, as the
+    link does for a destination that takes it at once); the acks written, how many were written
+    before the last settle, the seconds until the last settle's ack was written, and the seconds
+    from the first delivery to the last settle."""
+    d = parse("/", "t", {"src-uri": url, "src-queue": queue, "dest-uri": "amqp://", "dest-queue": "x",
+                         "src-prefetch-count": prefetch})
+    src = AmqpSource(d, unique("tag"), {})
+    got: list[Message] = []
+    arrived = asyncio.Event()
+    acks: list[float] = []
+
+    first: list[float] = []
+
+    def on_message(m: Message) -> None:
+        if not first:
+            first.append(time.monotonic())
+        got.append(m)
+        if at_once and len(got) < settle_first:
+            src.settle(m.tag, Settle.ACK)
+        if len(got) >= min(n, prefetch):
+            arrived.set()
+
+    await src.open(on_message)
+    assert src.channel is not None
+    real = src.channel.basic_ack
+
+    def counted(*args: Any, **kw: Any) -> Any:
+        acks.append(time.monotonic())
+        return real(*args, **kw)
+
+    src.channel.basic_ack = counted  # type: ignore[method-assign]
+    await asyncio.wait_for(arrived.wait(), 30)
+    for m in [] if at_once else got[:settle_first - 1]:
+        src.settle(m.tag, Settle.ACK)
+    await asyncio.sleep(0)
+    before = len(acks)
+    t0 = time.monotonic()
+    elapsed = t0 - first[0]
+    src.settle(got[settle_first - 1].tag, Settle.ACK)  # the last one, alone (when below a batch)
+    deadline = time.monotonic() + 5
+    while len(acks) == before and time.monotonic() < deadline:
+        await asyncio.sleep(0.001)
+    lone = acks[-1] - t0 if len(acks) > before else float("inf")
+    written = len(acks)
+    await src.close()
+    return written, before, lone, elapsed
+
+
+def test_a_window_of_settles_is_a_few_multiple_acks(broker: SkredProcess) -> None:
+    queue = unique("acks-batch")
+    publish(broker.url, queue, "m", 1000, declare={})
+    written, _, _, elapsed = asyncio.run(_run(broker.url, queue, 1000, 1000, 1000, at_once=True))
+    # each ack is a full batch (250: a quarter of the prefetch) or the timer's, at most one per
+    # ACK_DELAY, however slowly this loaded machine delivered them
+    most = 1000 // 250 + int(elapsed / ACK_DELAY) + 2
+    assert written <= most, f"{written} basic.ack frames for 1000 settled messages in {elapsed:.2f} s"
+    assert asyncio.run(_ready_count(broker.url, queue)) == 0  # every one acked, none requeued
+
+
+def test_a_lone_settle_is_acked_promptly_and_close_writes_what_is_due(broker: SkredProcess) -> None:
+    queue = unique("acks-lone")
+    publish(broker.url, queue, "m", 10, declare={})
+    written, before, lone, _ = asyncio.run(_run(broker.url, queue, 10, 1000, 3))
+    assert lone < 1.0, f"a lone settle waited {lone:.3f} s for its ack"
+    assert written >= 1
+    assert asyncio.run(_ready_count(broker.url, queue)) == 7  # the 7 unsettled were given back
