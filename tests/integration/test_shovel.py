@@ -297,6 +297,9 @@ def test_unreachable_and_wrong_credentials_terminate_with_the_reason_without_a_h
         api.ok("DELETE", f"/api/parameters/shovel/%2F/{q(name)}")
 
 
+ACK_WINDOW = 1.5  # seconds: a Skred source's ack_sync_interval (1 s default) + 0.5 s
+
+
 def _kill_during(victim: SkredProcess, started: threading.Event) -> threading.Thread:
     def run() -> None:
         started.wait(30)
@@ -333,6 +336,11 @@ def test_kill9_during_an_on_confirm_shovel_loses_nothing(pair: tuple[SkredProces
     try:
         assert put_shovel(api, "/", name, value)[0] == 201
         wait_until(lambda: count(dst_api, "/", dst) >= n // 5, 60, "a fifth moved before the kill")
+        # A killed source forgets the settlements of its last ack_sync_interval (1 s) + 0.5 s
+        # (docs/reliability.md): those messages come again. Measure how many move in such a window.
+        before = count(dst_api, "/", dst)
+        time.sleep(ACK_WINDOW)
+        recent = count(dst_api, "/", dst) - before
         started.set()
         killer.join(60)
         wait_until(lambda: http_ready(b.mgmt_port), 20, "the killed broker back")
@@ -345,7 +353,8 @@ def test_kill9_during_an_on_confirm_shovel_loses_nothing(pair: tuple[SkredProces
     got = drain(dst_url, dst)
     missing = ids("k", n) - set(got)
     assert not missing, f"{len(missing)} of {n} confirmed messages lost, e.g. {sorted(missing)[:5]}"
-    assert len(got) - n <= 2 * 200 + 10, f"{len(got) - n} duplicates: more than the messages in flight"
+    allowed = 2 * 200 + 10 + (2 * recent if killed == "source" else 0)  # in flight, + forgotten acks
+    assert len(got) - n <= allowed, f"{len(got) - n} duplicates: more than the messages in flight"
 
 
 
