@@ -65,7 +65,7 @@ from broker.mqtt import props as PR
 from broker.mqtt.durable import Key, PendingWill, SessionState, SessionStates
 from broker.mqtt.mapping import (
     MAX_KEY_BYTES,
-    Delivered,
+    delivered,
     key_fits,
     to_filter,
     to_routing_key,
@@ -619,7 +619,7 @@ class MQTTSession:
     # ------------------------------------------------------------------ deliver
     def deliver(self, c: MQTTConsumer, msgid: int, routing_key: str, props: bytes, body: bytes,
                 redelivered: bool) -> None:
-        m = Delivered(props, self.v5)
+        m = delivered(props, self.v5)
         topic = to_topic(routing_key)
         retain = False
         out_props = m.props
