@@ -37,6 +37,7 @@ from broker.model.vhost import VHost
 from broker.mqtt import packets as P
 from broker.mqtt import props as PR
 from broker.mqtt.durable import SessionStates
+from broker.mqtt.hold import PublisherHold
 from broker.mqtt.mapping import key_fits
 from broker.mqtt.retained import Files, Retained
 from broker.mqtt.session import VERSIONS, AfterSync, MQTTSession, Registry, Settings, split_username
@@ -68,6 +69,7 @@ class MQTTProtocol(asyncio.Protocol):
         self.state = "new"  # new -> login -> open -> closed
         self.pending: list[P.Packet] = []
         self.writable = True
+        self.held = False  # reading stopped by the publisher hold (``hold.py``)
         self.last_seen = time.monotonic()
         self.keepalive = 0.0
         self.timer: asyncio.TimerHandle | None = None
@@ -188,11 +190,21 @@ class MQTTProtocol(asyncio.Protocol):
             self.peer_host, self.peer_port = self.server.peers.get(self.peer, self.peer)
         self.last_seen = time.monotonic()
         self.recv_oct += len(data)
+        publishes = 0
         for p in self.parser.feed(data):
             if self.state == "closed":
                 return
             self.recv_cnt += 1
+            publishes += isinstance(p, P.Publish)
             self._packet(p)
+        s = self.session
+        if s is not None and s.fed and self.state == "open" and self.transport is not None:
+            fed, s.fed = s.fed, set()
+            hold = self.server.hold
+            if hold.backlogged(fed):
+                self.held = True
+                self.transport.pause_reading()
+                hold.hold(self, fed, publishes)
         if self.parser.error is not None and self.state != "closed":
             log.warning("MQTT connection from %s: protocol violation: %s: closing", self.peer_host,
                         self.parser.error)
@@ -354,6 +366,12 @@ class MQTTProtocol(asyncio.Protocol):
         self.state = "closed"
         self.server.connections.discard(self)
 
+    def read_again(self) -> None:
+        """The publisher hold lets this connection go."""
+        self.held = False
+        if self.writable and self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
+
     def pause_writing(self) -> None:
         self.writable = False
         if self.transport is not None:
@@ -361,7 +379,7 @@ class MQTTProtocol(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.writable = True
-        if self.transport is not None and not self.transport.is_closing():
+        if not self.held and self.transport is not None and not self.transport.is_closing():
             self.transport.resume_reading()
         if self.session is not None and not self.session.closed:
             self.session.resume()
@@ -387,6 +405,7 @@ class MQTTServer:
         self.servers: list[asyncio.Server] = []
         self.addresses: dict[str, tuple[str, int]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self.hold = PublisherHold()
 
     # ------------------------------------------------------------------ views.FrontEndView
     def count(self, level: int, name: str, n: int = 1) -> None:
@@ -458,6 +477,7 @@ class MQTTServer:
             conn.abort(P.RC_SERVER_SHUTTING_DOWN)
         for task in list(self._tasks):
             task.cancel()
+        self.hold.close()
         self.servers.clear()
         if self.config.unix_path:
             with contextlib.suppress(OSError):

@@ -202,6 +202,8 @@ class MQTTSession:
         self.users = users
         self.settings = settings
         self.after_sync = after_sync
+        # queues this client's publishes reached since the listener last looked (its hold)
+        self.fed: set[Queue] = set()
         self.registry = registry
         self.out = out
         self.peer = peer
@@ -368,6 +370,7 @@ class MQTTSession:
             return
         self._count("messages_received")
         self.published = True
+        self.fed.update(out.queues)
         if p.qos:
             self._count("messages_received_confirm")
             # the answer waits for the stores the message reached (and the retained file, the
