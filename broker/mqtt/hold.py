@@ -11,13 +11,16 @@ queue grew without bound (benchmarks/mqtt.py). The AMQP listener holds such a pu
 few milliseconds (``broker/net/server.py``); here the hold is by backlog:
 
 - after a read whose publishes reached a queue that has consumers and more than ``BACKLOG``
-  messages ready, the listener stops reading that publisher and queues it here;
-- every ``TICK`` seconds the held publishers are looked at in the order they were held: one is
-  read again when each consumed queue it fed has room for as many messages as its last read
-  brought, counting what the publishers let go in this same tick (so a drained queue lets a
-  few publishers go, not all of them at once), or when it has waited ``LONGEST`` seconds
-  (a consumer that never acks slows its publishers, it never stops them; their keepalive is
-  far longer). The first one that may not go ends the tick: the order is kept.
+  messages ready, the listener stops reading that publisher and queues it here, behind that
+  queue (one line per queue, so publishers of other queues never wait behind it);
+- every ``TICK`` seconds the head of each line is looked at: it is read again when each consumed
+  queue it fed has room for as many messages as its last read brought, counting what this tick
+  let go already (a drained queue lets a few publishers go, not all 1,000 at once), and the
+  next one is looked at; the first that may not go ends its line's turn (the order is kept);
+- a line whose queue's consumers took nothing for ``LONGEST`` seconds is let go whole: a
+  consumer that never acks slows its publishers, it never stops them. While the consumers take
+  messages the publishers wait as long as the backlog lasts; the keepalive check counts a
+  held connection as alive (its bytes wait in its socket, unread by us).
 
 Nothing is dropped or refused: a held publisher's bytes wait in its socket (TCP flow control
 slows the client) and a QoS 1 client waits for PUBACKs it is owed anyway. Queues without
@@ -36,11 +39,22 @@ from broker.model.queue import Queue
 
 BACKLOG = 1000  # ready messages a consumed queue may hold before those feeding it wait
 TICK = 0.005  # seconds between looks at the held publishers
-LONGEST = 0.5  # seconds a publisher is held at most
+LONGEST = 0.5  # seconds a line is held while its queue's consumers take nothing
 
 
 class Holdable(Protocol):
     def read_again(self) -> None: ...
+
+
+class _Line:
+    """The publishers held behind one queue, and when its consumers last took something."""
+
+    __slots__ = ("waiting", "delivered", "moved")
+
+    def __init__(self, q: Queue, now: float) -> None:
+        self.waiting: deque[tuple[Holdable, list[Queue], int]] = deque()
+        self.delivered = q.n_delivered
+        self.moved = now
 
 
 class PublisherHold:
@@ -50,17 +64,28 @@ class PublisherHold:
         self.tick = tick
         self.longest = longest
         self.clock = clock
-        self.held: deque[tuple[float, Holdable, list[Queue], int]] = deque()
+        self.lines: dict[Queue, _Line] = {}
         self._timer: asyncio.TimerHandle | None = None
 
-    def backlogged(self, queues: Iterable[Queue]) -> bool:
+    def _over(self, queues: Iterable[Queue]) -> Queue | None:
         backlog = self.backlog
-        return any(q.consumers and q.store.ready_count > backlog for q in queues)
+        return next((q for q in queues if q.consumers and q.store.ready_count > backlog), None)
+
+    def backlogged(self, queues: Iterable[Queue]) -> bool:
+        return self._over(queues) is not None
 
     def hold(self, conn: Holdable, queues: Iterable[Queue], n: int) -> None:
         """``conn`` stopped reading after a read of ``n`` publishes into ``queues``; it is
-        read again (``read_again``) when they have room or ``longest`` has passed."""
-        self.held.append((self.clock() + self.longest, conn, list(queues), max(1, n)))
+        read again (``read_again``) when they have room or their consumers stall."""
+        fed = list(queues)
+        q = self._over(fed)
+        if q is None:
+            conn.read_again()
+            return
+        line = self.lines.get(q)
+        if line is None:
+            line = self.lines[q] = _Line(q, self.clock())
+        line.waiting.append((conn, fed, max(1, n)))
         if self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(self.tick, self._look)
 
@@ -68,14 +93,20 @@ class PublisherHold:
         self._timer = None
         now = self.clock()
         let_go: dict[Queue, int] = {}
-        held = self.held
-        while held:
-            until, conn, queues, n = held[0]
-            if now < until and not self._room(queues, n, let_go):
-                break
-            held.popleft()
-            conn.read_again()
-        if held:
+        for q, line in list(self.lines.items()):
+            waiting = line.waiting
+            if q.n_delivered != line.delivered:
+                line.delivered, line.moved = q.n_delivered, now
+            stalled = now - line.moved >= self.longest
+            while waiting:
+                conn, queues, n = waiting[0]
+                if not stalled and not self._room(queues, n, let_go):
+                    break
+                waiting.popleft()
+                conn.read_again()
+            if not waiting:
+                del self.lines[q]
+        if self.lines:
             self._timer = asyncio.get_running_loop().call_later(self.tick, self._look)
 
     def _room(self, queues: list[Queue], n: int, let_go: dict[Queue, int]) -> bool:
@@ -90,6 +121,7 @@ class PublisherHold:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        held, self.held = self.held, deque()
-        for _, conn, _, _ in held:
-            conn.read_again()
+        lines, self.lines = self.lines, {}
+        for line in lines.values():
+            for conn, _, _ in line.waiting:
+                conn.read_again()

@@ -324,6 +324,8 @@ class MQTTProtocol(asyncio.Protocol):
             log.warning("MQTT connection from %s: no CONNECT within %.0f s: closing", self.peer_host, seconds)
             self.abort()
             return
+        if self.held:  # not read by us (hold.py): what it sent waits in its socket
+            self.last_seen = time.monotonic()
         idle = time.monotonic() - self.last_seen
         if idle >= seconds:
             log.warning("MQTT client '%s' from %s: silent for %.0f s (keepalive %.0f s): closing",
