@@ -33,6 +33,7 @@ from broker.auth.throttle import TooManyFailures, check_login
 from broker.auth.users import UNIX_PEER, UserStore
 from broker.config import MqttConfig
 from broker.errors import AMQPError
+from broker.model.queue import Queue
 from broker.model.vhost import VHost
 from broker.mqtt import packets as P
 from broker.mqtt import props as PR
@@ -70,6 +71,9 @@ class MQTTProtocol(asyncio.Protocol):
         self.pending: list[P.Packet] = []
         self.writable = True
         self.held = False  # reading stopped by the publisher hold (``hold.py``)
+        self.stash = b""  # the read it holds (one socket read at most)
+        self.feeds: set[Queue] = set()  # the queues this client's last publishing read reached
+        self.last_publishes = 0  # the PUBLISHes in that read
         self.last_seen = time.monotonic()
         self.keepalive = 0.0
         self.timer: asyncio.TimerHandle | None = None
@@ -190,6 +194,28 @@ class MQTTProtocol(asyncio.Protocol):
             self.peer_host, self.peer_port = self.server.peers.get(self.peer, self.peer)
         self.last_seen = time.monotonic()
         self.recv_oct += len(data)
+        wait = None if self.held else self._must_wait()
+        if self.held or wait:
+            # the publisher hold (hold.py): this read waits, whole, until its queues have room
+            self.stash += data
+            if wait and self.transport is not None:
+                self.held = True
+                self.transport.pause_reading()
+                self.server.hold.hold(self, wait, self.last_publishes)
+            return
+        self._read(data)
+
+    def _must_wait(self) -> list[Queue] | None:
+        """The queues this publisher fed last when one has too many ready for its consumers
+        (those this same connection consumes from left out: its acks are what drains them)."""
+        s = self.session
+        if not self.feeds or s is None or self.state != "open":
+            return None
+        own = {c.queue for c in s.consumers.values()}
+        fed = [q for q in self.feeds if q not in own]
+        return fed if self.server.hold.backlogged(fed) else None
+
+    def _read(self, data: bytes) -> None:
         publishes = 0
         for p in self.parser.feed(data):
             if self.state == "closed":
@@ -198,17 +224,22 @@ class MQTTProtocol(asyncio.Protocol):
             publishes += isinstance(p, P.Publish)
             self._packet(p)
         s = self.session
-        if s is not None and s.fed and self.state == "open" and self.transport is not None:
-            fed, s.fed = s.fed, set()
-            hold = self.server.hold
-            if hold.backlogged(fed):
-                self.held = True
-                self.transport.pause_reading()
-                hold.hold(self, fed, publishes)
+        if s is not None and s.fed:
+            self.feeds, s.fed = s.fed, set()
+            self.last_publishes = publishes
         if self.parser.error is not None and self.state != "closed":
             log.warning("MQTT connection from %s: protocol violation: %s: closing", self.peer_host,
                         self.parser.error)
             self.abort(self.parser.error.code)
+
+    def read_again(self) -> None:
+        """The publisher hold lets this connection go: what it held is read now."""
+        self.held = False
+        data, self.stash = self.stash, b""
+        if data and self.state != "closed":
+            self._read(data)
+        if self.writable and self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
 
     def _packet(self, p: P.Packet) -> None:
         if self.state == "open":
@@ -367,12 +398,6 @@ class MQTTProtocol(asyncio.Protocol):
                 log.exception("internal error ending the MQTT session of %s", self.peer_host)
         self.state = "closed"
         self.server.connections.discard(self)
-
-    def read_again(self) -> None:
-        """The publisher hold lets this connection go."""
-        self.held = False
-        if self.writable and self.transport is not None and not self.transport.is_closing():
-            self.transport.resume_reading()
 
     def pause_writing(self) -> None:
         self.writable = False
