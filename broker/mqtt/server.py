@@ -383,6 +383,9 @@ class MQTTProtocol(asyncio.Protocol):
         self.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        held, self.stash = self.stash, b""
+        if held and self.state == "open":  # what the client sent before it closed (a DISCONNECT)
+            self._read(held)
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
