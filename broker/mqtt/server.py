@@ -72,6 +72,7 @@ class MQTTProtocol(asyncio.Protocol):
         self.writable = True
         self.held = False  # reading stopped by the publisher hold (``hold.py``)
         self.stash = b""  # the read it holds (one socket read at most)
+        self.rest: list[P.Packet] = []  # a read's packets left for the next loop turn
         self.feeds: set[Queue] = set()  # the queues this client's last publishing read reached
         self.last_publishes = 0  # the PUBLISHes in that read
         self.last_seen = time.monotonic()
@@ -215,30 +216,42 @@ class MQTTProtocol(asyncio.Protocol):
         fed = [q for q in self.feeds if q not in own]
         return fed if self.server.hold.backlogged(fed) else None
 
-    def _read(self, data: bytes) -> None:
+    def _read(self, data: bytes, budget: bool = True) -> None:
+        packets = self.parser.feed(data) if data else []
+        if self.rest:
+            packets, self.rest = self.rest + packets, []
+        hold = self.server.hold
         publishes = 0
-        for p in self.parser.feed(data):
+        for i, p in enumerate(packets):
             if self.state == "closed":
                 return
+            if isinstance(p, P.Publish):
+                if budget and hold.turn_full() and self.transport is not None:
+                    self.rest = packets[i:]  # the next loop turn takes them (hold.py)
+                    self.held = True
+                    self.transport.pause_reading()
+                    hold.wait_turn(self)
+                    break
+                publishes += 1
+                hold.count()
             self.recv_cnt += 1
-            publishes += isinstance(p, P.Publish)
             self._packet(p)
         s = self.session
         if s is not None and s.fed:
             self.feeds, s.fed = s.fed, set()
             self.last_publishes = publishes
-        if self.parser.error is not None and self.state != "closed":
+        if self.parser.error is not None and self.state != "closed" and not self.rest:
             log.warning("MQTT connection from %s: protocol violation: %s: closing", self.peer_host,
                         self.parser.error)
             self.abort(self.parser.error.code)
 
     def read_again(self) -> None:
-        """The publisher hold lets this connection go: what it held is read now."""
+        """The publisher hold lets this connection go: what it held is taken now."""
         self.held = False
         data, self.stash = self.stash, b""
-        if data and self.state != "closed":
+        if (data or self.rest) and self.state != "closed":
             self._read(data)
-        if self.writable and self.transport is not None and not self.transport.is_closing():
+        if not self.held and self.writable and self.transport is not None and not self.transport.is_closing():
             self.transport.resume_reading()
 
     def _packet(self, p: P.Packet) -> None:
@@ -384,8 +397,8 @@ class MQTTProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         held, self.stash = self.stash, b""
-        if held and self.state == "open":  # what the client sent before it closed (a DISCONNECT)
-            self._read(held)
+        if (held or self.rest) and self.state == "open":  # what it sent before it closed (a DISCONNECT)
+            self._read(held, budget=False)
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
