@@ -25,7 +25,8 @@ few milliseconds (``broker/net/server.py``); here the hold is by backlog:
 A loop turn also takes at most ``TURN`` PUBLISHes: past that, a read's remaining packets (it is
 parsed already) wait for the next turn, in the order the connections came. Without it the
 first turn of a fan-in, before any queue has a backlog, took every publisher's whole burst
-(10,000 QoS 1 publishes, seconds on a loaded machine).
+(10,000 QoS 1 publishes, seconds on a loaded machine). A connection let go by either rule
+waits in the other when it meets it.
 
 Nothing is dropped or refused: a held publisher's bytes wait in its socket (TCP flow control
 slows the client) and a QoS 1 client waits for PUBACKs it is owed anyway. Queues without
@@ -45,7 +46,7 @@ from broker.model.queue import Queue
 BACKLOG = 1000  # ready messages a consumed queue may hold before those feeding it wait
 TICK = 0.005  # seconds between looks at the held publishers
 LONGEST = 0.5  # seconds a line is held while its queue's consumers take nothing
-TURN = 500  # PUBLISHes taken in one loop turn; the rest of a read waits for the next turn
+TURN = 100  # PUBLISHes taken in one loop turn; the rest of a read waits for the next turn
 
 
 class Holdable(Protocol):
@@ -128,14 +129,18 @@ class PublisherHold:
             waiting = line.waiting
             if q.n_delivered != line.delivered:
                 line.delivered, line.moved = q.n_delivered, now
-            stalled = now - line.moved >= self.longest
-            while waiting:
-                conn, queues, n = waiting[0]
-                if not stalled and not self._room(queues, n, let_go):
-                    break
-                waiting.popleft()
-                conn.read_again()
-            if not waiting:
+            if now - line.moved >= self.longest:  # stalled: all go (one read each; may wait again)
+                line.waiting, line.moved = deque(), now
+                for conn, _, _ in waiting:
+                    conn.read_again()
+            else:
+                while waiting:
+                    conn, queues, n = waiting[0]
+                    if not self._room(queues, n, let_go):
+                        break
+                    waiting.popleft()
+                    conn.read_again()
+            if not line.waiting:
                 del self.lines[q]
         if self.lines:
             self._timer = asyncio.get_running_loop().call_later(self.tick, self._look)

@@ -248,6 +248,11 @@ class MQTTProtocol(asyncio.Protocol):
     def read_again(self) -> None:
         """The publisher hold lets this connection go: what it held is taken now."""
         self.held = False
+        wait = self._must_wait() if self.stash or self.rest else None
+        if wait and self.transport is not None:  # its queues filled up meanwhile: it waits for them
+            self.held = True
+            self.server.hold.hold(self, wait, self.last_publishes)
+            return
         data, self.stash = self.stash, b""
         if (data or self.rest) and self.state != "closed":
             self._read(data)
