@@ -108,3 +108,45 @@ def test_queues_without_consumers_hold_nobody(tmp_path: Path) -> None:
     vh, q = _queue(tmp_path, ready=50, consumed=False)
     assert not PublisherHold(backlog=20).backlogged([q])
     vh.close()
+
+
+def test_a_loop_turn_takes_a_bounded_number_of_publishes() -> None:
+    async def run() -> list[str]:
+        hold = PublisherHold()
+        order: list[str] = []
+        for _ in range(hold.turn_limit):
+            assert not hold.turn_full()
+            hold.count()
+        assert hold.turn_full()
+        hold.wait_turn(_Publisher("late", order))
+        assert order == []
+        await _until(lambda: order == ["late"])
+        assert not hold.turn_full()
+        hold.close()
+        return order
+
+    assert asyncio.run(run()) == ["late"]
+
+
+def test_a_stalled_line_lets_each_go_once_per_look(tmp_path: Path) -> None:
+    """Publishers that wait again at once (their queue still full) are not let go again in the
+    same look: the look ends."""
+    vh, q = _queue(tmp_path, ready=50)
+
+    async def run() -> int:
+        hold = PublisherHold(backlog=20, tick=0.001, longest=0.02)
+        order: list[str] = []
+
+        class _Again(_Publisher):
+            def read_again(self) -> None:
+                super().read_again()
+                if len(self.order) < 6:
+                    hold.hold(self, [q], 1)
+
+        hold.hold(_Again("p", order), [q], 1)
+        await _until(lambda: len(order) >= 6)
+        hold.close()
+        return len(order)
+
+    assert asyncio.run(run()) == 6
+    vh.close()
