@@ -96,8 +96,12 @@ def test_a_consumer_that_never_takes_only_slows_its_publishers(tmp_path: Path) -
         t0 = time.monotonic()
         hold.hold(_Publisher("p", order), [q], 1)
         await _until(lambda: order == ["p"])
+        waited = time.monotonic() - t0
+        assert not hold.backlogged([q])  # a stalled queue holds nobody (its messages just wait)
+        q.n_delivered += 1  # its consumer took one: it holds again
+        assert hold.backlogged([q])
         hold.close()
-        return time.monotonic() - t0
+        return waited
 
     waited = asyncio.run(run())
     assert 0.09 <= waited < 5.0

@@ -17,9 +17,11 @@ few milliseconds (``broker/net/server.py``); here the hold is by backlog:
   queue it fed has room for as many messages as its last read brought, counting what this tick
   let go already (a drained queue lets a few publishers go, not all 1,000 at once), and the
   next one is looked at; the first that may not go ends its line's turn (the order is kept);
-- a line whose queue's consumers took nothing for ``LONGEST`` seconds is let go whole: a
-  consumer that never acks slows its publishers, it never stops them. While the consumers take
-  messages the publishers wait as long as the backlog lasts; the keepalive check counts a
+- a line whose queue's consumers took nothing for ``LONGEST`` seconds is let go whole, and that
+  queue holds nobody until its consumers take something again (``stalled``): holding
+  publishers only helps consumers that are waiting for loop turns, not one that does not read
+  its socket or ack (its messages wait in its queue, as without the hold). While the consumers
+  take messages the publishers wait as long as the backlog lasts; the keepalive check counts a
   held connection as alive (its bytes wait in its socket, unread by us).
 
 A loop turn also takes at most ``TURN`` PUBLISHes: past that, a read's remaining packets (it is
@@ -46,6 +48,7 @@ from broker.model.queue import Queue
 BACKLOG = 1000  # ready messages a consumed queue may hold before those feeding it wait
 TICK = 0.005  # seconds between looks at the held publishers
 LONGEST = 0.5  # seconds a line is held while its queue's consumers take nothing
+FORGET = 60.0  # seconds a stalled queue is remembered as stalled at most
 TURN = 100  # PUBLISHes taken in one loop turn; the rest of a read waits for the next turn
 
 
@@ -72,6 +75,9 @@ class PublisherHold:
         self.longest = longest
         self.clock = clock
         self.lines: dict[Queue, _Line] = {}
+        # queues whose consumers stalled: their delivered count then, and when (forgotten after
+        # ``FORGET`` seconds, so a deleted queue is not kept)
+        self.stalled: dict[Queue, tuple[int, float]] = {}
         self._timer: asyncio.TimerHandle | None = None
         self.turn_limit = TURN
         self.turn = 0  # PUBLISHes taken in this loop turn
@@ -101,7 +107,17 @@ class PublisherHold:
 
     def _over(self, queues: Iterable[Queue]) -> Queue | None:
         backlog = self.backlog
-        return next((q for q in queues if q.consumers and q.store.ready_count > backlog), None)
+        return next((q for q in queues if q.consumers and q.store.ready_count > backlog
+                     and not self._stalled(q)), None)
+
+    def _stalled(self, q: Queue) -> bool:
+        seen = self.stalled.get(q)
+        if seen is None:
+            return False
+        if q.n_delivered == seen[0] and self.clock() - seen[1] < FORGET:
+            return True
+        del self.stalled[q]
+        return False
 
     def backlogged(self, queues: Iterable[Queue]) -> bool:
         return self._over(queues) is not None
@@ -129,8 +145,9 @@ class PublisherHold:
             waiting = line.waiting
             if q.n_delivered != line.delivered:
                 line.delivered, line.moved = q.n_delivered, now
-            if now - line.moved >= self.longest:  # stalled: all go (one read each; may wait again)
+            if now - line.moved >= self.longest:  # stalled: all go, and it holds nobody for now
                 line.waiting, line.moved = deque(), now
+                self.stalled[q] = (q.n_delivered, now)
                 for conn, _, _ in waiting:
                     conn.read_again()
             else:
