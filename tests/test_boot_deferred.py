@@ -261,3 +261,34 @@ def test_read_ahead_reads_only(tmp_path: Path) -> None:
     assert len(files.deferred) == 20 and all(type(q.store) is DeferredQueueStore for q in vh.queues.values())
     stop.set()
     assert read_ahead(dirs, stop) == 0
+
+
+def test_the_rates_sampler_leaves_unread_stores_unread(tmp_path: Path, touches: _Touches) -> None:
+    """The management API's statistics pass runs within seconds of boot: reading each queue's
+    counts must not recover every store then (10,000 MQTT sessions took 16 s to come back)."""
+    from broker.amqp.broker import Stats
+    from broker.http.rates import RateSampler
+
+    class _Broker:
+        def __init__(self, vh: VHost) -> None:
+            self.vhosts = {"/": vh}
+            self.stats = Stats()
+            self.connections: set[Any] = set()
+
+    data = tmp_path / "data"
+    _fill(data, 30)
+    files = SegmentFiles()
+    vh = _vhost(data, files)
+    touches.paths.clear()
+    sampler = RateSampler(_Broker(vh))  # type: ignore[arg-type]
+    sampler.sample()
+    sampler.sample()
+    dirs = [queue_dir(vh.dir, _name(i)) for i in range(30)]
+    assert touches.inside(dirs) == [], "the sampler read queue directories"
+    assert all(type(q.store) is DeferredQueueStore for q in vh.queues.values())
+    # once a store is read the sampler counts it as it counts any queue
+    q = vh.queues[_name(7)]
+    assert q.message_count == 4
+    sampler.sample()
+    assert sampler.queue_rates(q)["ready"] == 0.0  # no made-up rate from the late first sight
+    vh.close()

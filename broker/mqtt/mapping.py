@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 from pamqp import commands
@@ -55,8 +56,27 @@ def to_filter(binding_key: str) -> str:
     return binding_key.translate(_TO_FILTER)
 
 
+# Most MQTT publishes carry no MQTT 5 properties: their AMQP property list depends only on the
+# QoS, the retain flag and (no-local) the publisher's client id, so it is encoded once per shape
+# and reused, not built by pamqp per message. Likewise a delivery reads a stored property list of
+# one of those few shapes: what it needs of it is read once per distinct list. Both caches are
+# bounded (``SHAPES``); a message with MQTT 5 properties is encoded and read each time.
+SHAPES = 1024
+
+
 def amqp_props(qos: int, retain: bool, mqtt: Props | None = None, origin: str | None = None) -> bytes:
     """The AMQP property list of a message an MQTT client published."""
+    if not mqtt:
+        return _plain_props(qos, retain, origin)
+    return _encode_props(qos, retain, mqtt, origin)
+
+
+@lru_cache(maxsize=SHAPES)
+def _plain_props(qos: int, retain: bool, origin: str | None) -> bytes:
+    return _encode_props(qos, retain, None, origin)
+
+
+def _encode_props(qos: int, retain: bool, mqtt: Props | None, origin: str | None) -> bytes:
     headers: dict[str, Any] = {QOS_HEADER: qos}
     if retain:
         headers[RETAIN_HEADER] = True
@@ -87,6 +107,17 @@ def amqp_props(qos: int, retain: bool, mqtt: Props | None = None, origin: str | 
     return properties.encode(p)
 
 
+def delivered(raw: bytes, v5: bool) -> Delivered:
+    """What a delivery needs of ``raw`` (shared: not to be changed); read once per distinct
+    short property list (``SHAPES``), each time for a long one (MQTT 5 user properties...)."""
+    if len(raw) <= _SHAPE_BYTES:
+        return _delivered(bytes(raw), v5)
+    return Delivered(raw, v5)
+
+
+_SHAPE_BYTES = 128  # a property list longer than this is not kept
+
+
 class Delivered:
     """What a delivery needs of a stored message's AMQP properties, read once."""
 
@@ -101,6 +132,11 @@ class Delivered:
         origin = headers.get(ORIGIN_HEADER)
         self.origin = origin.decode(errors="replace") if isinstance(origin, bytes) else origin
         self.props: Props = _mqtt_props(raw, headers) if v5 and raw else {}
+
+
+@lru_cache(maxsize=SHAPES)
+def _delivered(raw: bytes, v5: bool) -> Delivered:
+    return Delivered(raw, v5)
 
 
 def _mqtt_props(raw: bytes, headers: dict[str, Any]) -> Props:

@@ -33,10 +33,12 @@ from broker.auth.throttle import TooManyFailures, check_login
 from broker.auth.users import UNIX_PEER, UserStore
 from broker.config import MqttConfig
 from broker.errors import AMQPError
+from broker.model.queue import Queue
 from broker.model.vhost import VHost
 from broker.mqtt import packets as P
 from broker.mqtt import props as PR
 from broker.mqtt.durable import SessionStates
+from broker.mqtt.hold import PublisherHold
 from broker.mqtt.mapping import key_fits
 from broker.mqtt.retained import Files, Retained
 from broker.mqtt.session import VERSIONS, AfterSync, MQTTSession, Registry, Settings, split_username
@@ -68,6 +70,11 @@ class MQTTProtocol(asyncio.Protocol):
         self.state = "new"  # new -> login -> open -> closed
         self.pending: list[P.Packet] = []
         self.writable = True
+        self.held = False  # reading stopped by the publisher hold (``hold.py``)
+        self.stash = b""  # the read it holds (one socket read at most)
+        self.rest: list[P.Packet] = []  # a read's packets left for the next loop turn
+        self.feeds: set[Queue] = set()  # the queues this client's last publishing read reached
+        self.last_publishes = 0  # the PUBLISHes in that read
         self.last_seen = time.monotonic()
         self.keepalive = 0.0
         self.timer: asyncio.TimerHandle | None = None
@@ -188,15 +195,69 @@ class MQTTProtocol(asyncio.Protocol):
             self.peer_host, self.peer_port = self.server.peers.get(self.peer, self.peer)
         self.last_seen = time.monotonic()
         self.recv_oct += len(data)
-        for p in self.parser.feed(data):
+        wait = None if self.held else self._must_wait()
+        if self.held or wait:
+            # the publisher hold (hold.py): this read waits, whole, until its queues have room
+            self.stash += data
+            if wait and self.transport is not None:
+                self.held = True
+                self.transport.pause_reading()
+                self.server.hold.hold(self, wait, self.last_publishes)
+            return
+        self._read(data)
+
+    def _must_wait(self) -> list[Queue] | None:
+        """The queues this publisher fed last when one has too many ready for its consumers
+        (those this same connection consumes from left out: its acks are what drains them)."""
+        s = self.session
+        if not self.feeds or s is None or self.state != "open":
+            return None
+        own = {c.queue for c in s.consumers.values()}
+        fed = [q for q in self.feeds if q not in own]
+        return fed if self.server.hold.backlogged(fed) else None
+
+    def _read(self, data: bytes, budget: bool = True) -> None:
+        packets = self.parser.feed(data) if data else []
+        if self.rest:
+            packets, self.rest = self.rest + packets, []
+        hold = self.server.hold
+        publishes = 0
+        for i, p in enumerate(packets):
             if self.state == "closed":
                 return
+            if isinstance(p, P.Publish):
+                if budget and hold.turn_full() and self.transport is not None:
+                    self.rest = packets[i:]  # the next loop turn takes them (hold.py)
+                    self.held = True
+                    self.transport.pause_reading()
+                    hold.wait_turn(self)
+                    break
+                publishes += 1
+                hold.count()
             self.recv_cnt += 1
             self._packet(p)
-        if self.parser.error is not None and self.state != "closed":
+        s = self.session
+        if s is not None and s.fed:
+            self.feeds, s.fed = s.fed, set()
+            self.last_publishes = publishes
+        if self.parser.error is not None and self.state != "closed" and not self.rest:
             log.warning("MQTT connection from %s: protocol violation: %s: closing", self.peer_host,
                         self.parser.error)
             self.abort(self.parser.error.code)
+
+    def read_again(self) -> None:
+        """The publisher hold lets this connection go: what it held is taken now."""
+        self.held = False
+        wait = self._must_wait() if self.stash or self.rest else None
+        if wait and self.transport is not None:  # its queues filled up meanwhile: it waits for them
+            self.held = True
+            self.server.hold.hold(self, wait, self.last_publishes)
+            return
+        data, self.stash = self.stash, b""
+        if (data or self.rest) and self.state != "closed":
+            self._read(data)
+        if not self.held and self.writable and self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
 
     def _packet(self, p: P.Packet) -> None:
         if self.state == "open":
@@ -312,6 +373,8 @@ class MQTTProtocol(asyncio.Protocol):
             log.warning("MQTT connection from %s: no CONNECT within %.0f s: closing", self.peer_host, seconds)
             self.abort()
             return
+        if self.held:  # not read by us (hold.py): what it sent waits in its socket
+            self.last_seen = time.monotonic()
         idle = time.monotonic() - self.last_seen
         if idle >= seconds:
             log.warning("MQTT client '%s' from %s: silent for %.0f s (keepalive %.0f s): closing",
@@ -338,6 +401,9 @@ class MQTTProtocol(asyncio.Protocol):
         self.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        held, self.stash = self.stash, b""
+        if (held or self.rest) and self.state == "open":  # what it sent before it closed (a DISCONNECT)
+            self._read(held, budget=False)
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
@@ -361,7 +427,7 @@ class MQTTProtocol(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.writable = True
-        if self.transport is not None and not self.transport.is_closing():
+        if not self.held and self.transport is not None and not self.transport.is_closing():
             self.transport.resume_reading()
         if self.session is not None and not self.session.closed:
             self.session.resume()
@@ -387,6 +453,7 @@ class MQTTServer:
         self.servers: list[asyncio.Server] = []
         self.addresses: dict[str, tuple[str, int]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self.hold = PublisherHold()
 
     # ------------------------------------------------------------------ views.FrontEndView
     def count(self, level: int, name: str, n: int = 1) -> None:
@@ -458,6 +525,7 @@ class MQTTServer:
             conn.abort(P.RC_SERVER_SHUTTING_DOWN)
         for task in list(self._tasks):
             task.cancel()
+        self.hold.close()
         self.servers.clear()
         if self.config.unix_path:
             with contextlib.suppress(OSError):

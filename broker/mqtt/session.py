@@ -65,7 +65,7 @@ from broker.mqtt import props as PR
 from broker.mqtt.durable import Key, PendingWill, SessionState, SessionStates
 from broker.mqtt.mapping import (
     MAX_KEY_BYTES,
-    Delivered,
+    delivered,
     key_fits,
     to_filter,
     to_routing_key,
@@ -202,6 +202,8 @@ class MQTTSession:
         self.users = users
         self.settings = settings
         self.after_sync = after_sync
+        # queues this client's publishes reached since the listener last looked (its hold)
+        self.fed: set[Queue] = set()
         self.registry = registry
         self.out = out
         self.peer = peer
@@ -368,6 +370,7 @@ class MQTTSession:
             return
         self._count("messages_received")
         self.published = True
+        self.fed.update(out.queues)
         if p.qos:
             self._count("messages_received_confirm")
             # the answer waits for the stores the message reached (and the retained file, the
@@ -619,7 +622,7 @@ class MQTTSession:
     # ------------------------------------------------------------------ deliver
     def deliver(self, c: MQTTConsumer, msgid: int, routing_key: str, props: bytes, body: bytes,
                 redelivered: bool) -> None:
-        m = Delivered(props, self.v5)
+        m = delivered(props, self.v5)
         topic = to_topic(routing_key)
         retain = False
         out_props = m.props

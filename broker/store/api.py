@@ -28,6 +28,11 @@ DeliverMany = Callable[[list[int], bytes, list[bytes], list[bytes]], None]
 
 class QueueCounters(Protocol):
     @property
+    def unread(self) -> bool:
+        """Its directory is not read yet (boot's deferred recovery): every counter below would
+        read it first, so a periodic reader (the rates sampler) passes it by."""
+
+    @property
     def ready_count(self) -> int: ...
 
     @property

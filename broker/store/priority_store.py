@@ -42,6 +42,7 @@ _PREFIX = "prio."
 
 
 class PriorityStore:
+    unread = False  # its levels are read when it is built
     def __init__(self, base: QueueStore, max_priority: int) -> None:
         self.directory = base.directory
         self.max_priority = max_priority

@@ -1307,7 +1307,7 @@ def _all_zero(fd: int, size: int) -> bool:
 
 
 # What a deferred store answers without reading its directory: its type and where it lives.
-_AS_IS: Final = frozenset({"__class__", "_dir", "directory", "_files"})
+_AS_IS: Final = frozenset({"__class__", "_dir", "directory", "_files", "unread"})
 # What it does without reading it: an unread store changed nothing on disk, so it has
 # nothing to flush or sync (the cluster leader flushes every store when a follower
 # connects), closing it is nothing and deleting it removes the directory as it is.
@@ -1333,6 +1333,7 @@ class DeferredQueueStore(QueueStore):
     """
 
     __slots__ = ()
+    unread = True
 
     def __getattribute__(self, name: str) -> Any:
         if name not in _AS_IS:

@@ -252,6 +252,8 @@ def create_mapped(path: Path, cap: int, alloc: int, files: SegmentFiles) -> tupl
 class SegmentLog(Generic[S]):
     """The write segment, its allocation, roll-over, retirement and the fsync protocol."""
 
+    unread: bool = False  # a store recovered at boot but not read yet (``DeferredQueueStore``)
+
     __slots__ = (
         "_closed", "_dir", "_dir_unsynced", "_dirty", "_files", "_retired", "_lock", "_next_num", "_order",
         "_seg_unsynced", "_segment_size", "_segs", "_sink", "_spare", "_sync_lock", "_unsynced_paths",
