@@ -100,7 +100,7 @@ def published(broker: tuple[str, Path]) -> list[dict[str, Any]]:
 
 
 def _amqp(spark: Any, url: str, **opts: str) -> Any:
-    r = spark.read.format("skred").option("uri", url).option("queue", "events").option("timeout", "20")
+    r = spark.read.format("skred").option("uri", url).option("queue", "events").option("timeout", "20").option("includeHeaders", "true")
     for k, v in opts.items():
         r = r.option(k, v)
     return r.load()
@@ -115,8 +115,8 @@ def test_amqp_mode_equals_published(spark: Any, broker: tuple[str, Path],
     assert [r.offset for r in rows] == list(range(N))
     for row, pub in zip(rows, published, strict=True):
         i = pub["i"]
-        assert row.body == pub["body"]
-        assert row.exchange == "" and row.routing_key == "events"
+        assert row.value == pub["body"]
+        assert row.exchange == "" and row.key == "events"
         assert row.headers == {"i": str(i), "kind": "even" if i % 2 == 0 else "odd"}
         assert row.properties.content_type == "text/plain"
         assert row.properties.delivery_mode == 2
@@ -124,8 +124,8 @@ def test_amqp_mode_equals_published(spark: Any, broker: tuple[str, Path],
     # Data-dir mode over the running broker's files gives the same rows.
     files = (spark.read.format("skred").option("data_dir", str(data)).option("queue", "events")
              .load().orderBy("offset").collect())
-    assert [(r.offset, r.body, r.headers, r.timestamp) for r in files] == \
-        [(r.offset, r.body, r.headers, r.timestamp) for r in rows]
+    assert [(r.offset, r.value, r.headers, r.timestamp) for r in files] == \
+        [(r.offset, r.value, r.headers, r.timestamp) for r in rows]
 
 
 def test_amqp_mode_offset_bounds(spark: Any, broker: tuple[str, Path],
@@ -134,5 +134,82 @@ def test_amqp_mode_offset_bounds(spark: Any, broker: tuple[str, Path],
     df = _amqp(spark, url, startingOffset="990", endingOffset="995")
     got = df.orderBy("offset").collect()
     assert [r.offset for r in got] == [990, 991, 992, 993, 994]
-    assert [r.body for r in got] == [published[i]["body"] for i in range(990, 995)]
+    assert [r.value for r in got] == [published[i]["body"] for i in range(990, 995)]
     assert _amqp(spark, url).where("offset >= 500").count() == N - 500
+
+
+# ------------------------------------------------------------------ the sink
+SINK_N = 300
+
+
+def _rows_with_failure(spark: Any, marker: Path) -> Any:
+    """SINK_N rows in 2 partitions; the first run fails partition 1 after 60 of its rows."""
+
+    def gen(index: int, it: Any) -> Any:
+        for n, i in enumerate(it):
+            if index == 1 and n == 60 and not marker.exists():
+                marker.write_text("failed once")
+                raise RuntimeError("task killed mid-batch")
+            yield (b"row-%d" % i, f"k{i % 3}")
+
+    rdd = spark.sparkContext.parallelize(range(SINK_N), 2).mapPartitionsWithIndex(gen)
+    return spark.createDataFrame(rdd, "value binary, key string")
+
+
+def _count(url: str, queue: str) -> int:
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        return int(conn.channel().queue_declare(queue, passive=True).method.message_count)
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("exactly_once", [False, True])
+def test_sink_task_killed_mid_batch(spark: Any, broker: tuple[str, Path], tmp_path: Path,
+                                    exactly_once: bool) -> None:
+    url, _data = broker
+    stream = f"sunk-{exactly_once}".lower()
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        ch = conn.channel()
+        ch.queue_declare(stream, durable=True, arguments={"x-queue-type": "stream"})
+        target = stream
+        if exactly_once:
+            target = stream + ".dedup"
+            ch.exchange_declare(target, "fanout", durable=True, arguments={
+                "x-message-deduplication": True, "x-cache-size": 10_000})
+            ch.queue_bind(stream, target)
+    finally:
+        conn.close()
+
+    def write() -> None:
+        (_rows_with_failure(spark, tmp_path / "marker").write.format("skred").mode("append")
+         .option("uri", url).option("topic", target).option("exactlyOnce", str(exactly_once).lower())
+         .option("queryId", "job-1").save())
+
+    with pytest.raises(Exception, match="killed mid-batch"):
+        write()
+    partial = _count(url, stream)
+    assert 60 <= partial < SINK_N  # some rows were confirmed before the task died
+    write()  # Spark's retry of the failed job, same query id
+    got = _count(url, stream)
+    if exactly_once:
+        assert got == SINK_N  # the re-run added only what was missing
+        rows = spark.read.format("skred").option("uri", url).option("subscribe", stream).load()
+        assert sorted(r.value for r in rows.collect()) == sorted(b"row-%d" % i for i in range(SINK_N))
+    else:
+        assert got == SINK_N + partial  # at least once: the retried rows are there twice
+
+
+def test_sink_refuses_bad_input(spark: Any, broker: tuple[str, Path]) -> None:
+    url, _data = broker
+    df = spark.createDataFrame([(b"x", 1)], "value binary, offset long")
+    with pytest.raises(Exception, match="unknown column"):
+        df.write.format("skred").mode("append").option("uri", url).option("topic", "events").save()
+    ok = spark.createDataFrame([(b"x",)], "value binary")
+    with pytest.raises(Exception, match="unknown option"):
+        ok.write.format("skred").mode("append").option("uri", url).option("topic", "events") \
+            .option("acks", "all").save()
+    with pytest.raises(Exception, match="x-message-deduplication"):
+        ok.write.format("skred").mode("append").option("uri", url).option("topic", "events") \
+            .option("exactlyOnce", "true").save()
