@@ -118,5 +118,5 @@ def test_routing_key_counts_example(spark: Any, data_dir: tuple[Path, list[dict[
     rows = mod.routing_key_counts(df).collect()
     assert sum(r["messages"] for r in rows) == len(published)
     # one message per second -> 60 per minute, spread over 4 routing keys
-    first_minute = {r["key"]: r["messages"] for r in rows if r["minute"] == rows[0]["minute"]}
+    first_minute = {r["routing_key"]: r["messages"] for r in rows if r["minute"] == rows[0]["minute"]}
     assert sum(first_minute.values()) <= 60
