@@ -478,11 +478,12 @@ class SkredPushdownReader(SkredBatchReader):
             yield f
 
 
-def _flat(offsets: Offsets, parts: list[TopicPartition]) -> dict[TopicPartition, int]:
+def _flat(offsets: dict[str, Any], parts: list[TopicPartition]) -> dict[TopicPartition, int]:
     """Checkpointed offsets per partition; the single-stream ``{"offset": n}`` of earlier
     Skred versions is read as that stream's offset."""
-    if "offset" in offsets and isinstance(offsets["offset"], int) and len(parts) == 1:
-        return {parts[0]: int(offsets["offset"])}
+    legacy = offsets.get("offset")
+    if isinstance(legacy, int) and len(parts) == 1:
+        return {parts[0]: legacy}
     out = {}
     for tp in parts:
         v = offsets.get(tp.topic, {}).get(str(tp.partition))

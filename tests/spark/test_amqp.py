@@ -100,7 +100,8 @@ def published(broker: tuple[str, Path]) -> list[dict[str, Any]]:
 
 
 def _amqp(spark: Any, url: str, **opts: str) -> Any:
-    r = spark.read.format("skred").option("uri", url).option("queue", "events").option("timeout", "20").option("includeHeaders", "true")
+    r = (spark.read.format("skred").option("uri", url).option("queue", "events")
+         .option("timeout", "20").option("includeHeaders", "true"))
     for k, v in opts.items():
         r = r.option(k, v)
     return r.load()
@@ -224,7 +225,8 @@ def _driver(url: str, ckpt: Path, target: str, mode: str, log: Path) -> subproce
             stdin=subprocess.DEVNULL, env=dict(os.environ, PYTHONPATH=path), start_new_session=True)
 
 
-def test_streaming_restart_after_driver_sigkill_exactly_once(broker: tuple[str, Path], tmp_path: Path) -> None:
+def test_streaming_restart_after_driver_sigkill_exactly_once(broker: tuple[str, Path],
+                                                             tmp_path: Path) -> None:
     """Stream -> stream through Spark; the driver is killed with SIGKILL mid-query and the query
     restarted from its checkpoint: the target holds every source offset exactly once."""
     url, _data = broker
