@@ -21,7 +21,8 @@ def routing_key_counts(df: Any) -> Any:
     """DataFrame (minute, routing_key, messages) ordered by minute then routing key."""
     from pyspark.sql import functions as F
 
-    return (df.groupBy(F.date_trunc("minute", "timestamp").alias("minute"), "routing_key")
+    return (df.groupBy(F.date_trunc("minute", "timestamp").alias("minute"),
+                       F.col("key").alias("routing_key"))
             .agg(F.count("*").alias("messages"))
             .orderBy("minute", "routing_key"))
 

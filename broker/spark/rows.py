@@ -12,6 +12,7 @@ cost is a dict lookup.
 from __future__ import annotations
 
 import datetime
+import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -29,19 +30,39 @@ PROPERTY_FIELDS = (
     ("type", "string"), ("user_id", "string"), ("app_id", "string"),
 )
 
+# Kafka's source columns (key = routing key), then the AMQP ones; ``headers`` only when asked
+# for (includeHeaders), as Kafka's source does. timestampType is always 1 (log append time).
 SCHEMA_DDL = (
-    "offset long, timestamp timestamp, exchange string, routing_key string, "
-    "properties struct<" + ", ".join(f"{n}: {t}" for n, t in PROPERTY_FIELDS) + ">, "
-    "headers map<string,string>, body binary"
+    "key string, value binary, topic string, partition int, offset long, timestamp timestamp, "
+    "timestampType int, exchange string, "
+    "properties struct<" + ", ".join(f"{n}: {t}" for n, t in PROPERTY_FIELDS) + ">"
 )
+HEADERS_DDL = ", headers map<string,string>"
+
+
+def schema_ddl(include_headers: bool) -> str:
+    return SCHEMA_DDL + (HEADERS_DDL if include_headers else "")
 
 _CACHE_MAX = 8192
 _EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
 
 
+def _plain(value: Any) -> Any:
+    """A header value as JSON-able data (nested tables and arrays keep their shape)."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    return _text(value)
+
+
 def _text(value: Any) -> str | None:
     if value is None:
         return None
+    if isinstance(value, (dict, list, tuple)):
+        return json.dumps(_plain(value), separators=(",", ":"), ensure_ascii=False)
     if isinstance(value, (bytes, bytearray)):
         return bytes(value).decode("utf-8", "replace")
     if isinstance(value, datetime.datetime):
@@ -205,8 +226,9 @@ def fill_from_segment(cols: Columns, buf: Any, size: int, pos: int, offset: int,
     return pos, offset, True
 
 
-def to_batch(cols: Columns, pa_schema: Any, decoder: PropsDecoder, columns: Sequence[str]) -> Any:
-    """One ``pyarrow.RecordBatch`` with ``columns`` (in that order)."""
+def to_batch(cols: Columns, pa_schema: Any, decoder: PropsDecoder, columns: Sequence[str],
+             topic: str = "", partition: int = 0) -> Any:
+    """One ``pyarrow.RecordBatch`` with ``columns`` (in that order) of one stream partition."""
     import pyarrow as pa  # type: ignore[import-not-found,import-untyped,unused-ignore]
     import pyarrow.compute as pc  # type: ignore[import-not-found,import-untyped,unused-ignore]
     arrays: list[Any] = []
@@ -223,13 +245,19 @@ def to_batch(cols: Columns, pa_schema: Any, decoder: PropsDecoder, columns: Sequ
             arrays.append(pc.multiply(pa.array(cols.stamps, type=pa.int64()), 1000).cast(typ))
         elif name == "exchange":
             arrays.append(pa.array(cols.exchanges, type=typ))
-        elif name == "routing_key":
+        elif name == "key":
             arrays.append(pa.array(cols.keys, type=typ))
+        elif name == "topic":
+            arrays.append(pa.array([topic], type=typ).take(pa.array([0] * len(cols), pa.int32())))
+        elif name == "partition":
+            arrays.append(pa.array([partition] * len(cols), type=typ))
+        elif name == "timestampType":
+            arrays.append(pa.array([1] * len(cols), type=typ))
         elif name == "properties":
             arrays.append(_struct_array(pa, [d[0] for d in decoded], typ).take(idx))
         elif name == "headers":
             arrays.append(pa.array([d[1] for d in decoded], type=typ).take(idx))
-        elif name == "body":
+        elif name == "value":
             arrays.append(pa.array(cols.bodies, type=typ))
         else:
             raise ValueError(f"unknown column {name}")

@@ -23,11 +23,22 @@ Two ways in, same rows:
   options. ``true`` forces pushdown (Spark then errors unless the setting is on), ``false``
   turns it off.
 * ``option("uri", "amqp://...")`` reads from a running broker over AMQP with stream offsets
-  (``broker/spark/amqp.py``), split into ``numPartitions`` offset ranges.
+  (``broker/spark/amqp.py``).
 
-Structured Streaming: offsets are ``{"offset": next_offset}``. ``latestOffset`` is the
-stream's current end (capped by ``maxRecordsPerTrigger``), a micro-batch reads exactly
-``[start, end)``; Spark checkpoints those offsets, so a restarted query continues at the
+Several streams are read at once (``subscribe``, ``subscribePattern``, ``assign``; see
+``options.py``): planning works per ``TopicPartition``, and an input partition is an offset
+range of one of them (a segment, or a slice of one when ``minPartitions`` /
+``maxRecordsPerPartition`` ask for more). An explicit start offset below the first retained
+one, or a segment removed between planning and reading, is data loss: an error unless
+``failOnDataLoss=false``.
+
+Structured Streaming: offsets are Kafka-shaped, ``{"stream": {"0": next_offset}}``.
+``latestOffset`` is each partition's current end, capped by ``maxOffsetsPerTrigger`` (shared
+in proportion to each partition's backlog), held back while fewer than
+``minOffsetsPerTrigger`` are waiting unless ``maxTriggerDelay`` has passed since the last
+batch; ``Trigger.AvailableNow`` fixes the ends once (``prepareForTriggerAvailableNow``) and
+then runs rate-limited batches up to them. A micro-batch reads exactly ``[start, end)`` of each
+partition; Spark checkpoints those offsets, so a restarted query continues at the
 checkpointed end: no loss and no duplicates, because an offset always names the same message.
 
 Rows are built as Arrow record batches (``rows.py``) for throughput.
@@ -39,6 +50,7 @@ import datetime
 import mmap
 import os
 import sys
+import time
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -49,6 +61,8 @@ from pyspark.sql.datasource import (  # type: ignore[import-not-found,import-unt
     DataSource,
     DataSourceReader,
     DataSourceStreamReader,
+    DataSourceStreamWriter,
+    DataSourceWriter,
     EqualTo,
     GreaterThan,
     GreaterThanOrEqual,
@@ -57,9 +71,26 @@ from pyspark.sql.datasource import (  # type: ignore[import-not-found,import-unt
     LessThan,
     LessThanOrEqual,
 )
+from pyspark.sql.streaming.datasource import (  # type: ignore[import-not-found,import-untyped,unused-ignore]
+    ReadAllAvailable,
+    ReadMaxRows,
+    SupportsTriggerAvailableNow,
+)
 
 from broker.spark import amqp
-from broker.spark.rows import SCHEMA_DDL, Columns, PropsDecoder, arrow_schema, fill_from_segment, to_batch
+from broker.spark.options import (
+    EARLIEST,
+    LATEST,
+    SOURCE_OPTIONS,
+    TopicPartition,
+    checked,
+    duration_ms,
+    flag,
+    number,
+    per_partition,
+    topic_partitions,
+)
+from broker.spark.rows import Columns, PropsDecoder, arrow_schema, fill_from_segment, schema_ddl, to_batch
 from broker.store.paths import queue_dir, vhost_dir
 from broker.store.segment import HEADER_SIZE
 from broker.store.stream_store import list_segments
@@ -67,6 +98,13 @@ from broker.store.stream_store import list_segments
 _BATCH_ROWS = 65536  # rows per Arrow batch (measured: 8192 is ~2x slower end to end)
 _BATCH_BYTES = 64 << 20  # and at most this many record bytes per batch
 _EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
+_MAX_TRIGGER_DELAY_MS = 15 * 60_000  # Kafka's default maxTriggerDelay
+
+Offsets = dict[str, dict[str, int]]  # {"stream": {"0": offset}}
+
+
+class DataLoss(RuntimeError):
+    """Offsets a read needs were removed by retention (failOnDataLoss=true)."""
 
 
 @dataclass
@@ -81,82 +119,151 @@ class Bounds:
     def cap_hi(self, hi: int) -> None:
         self.hi = hi if self.hi is None else min(self.hi, hi)
 
-
-class SegmentPartition(InputPartition):  # type: ignore[misc,unused-ignore]
-    path: str
-    first_offset: int
-    start: int  # first offset to return
-    stop: int  # offset to stop at (exclusive)
-    ts_lo: int | None
-    ts_hi: int | None
-
-    def __init__(self, path: str, first_offset: int, start: int, stop: int,
-                 ts_lo: int | None = None, ts_hi: int | None = None) -> None:
-        super().__init__(path)
-        self.path, self.first_offset, self.start, self.stop = path, first_offset, start, stop
-        self.ts_lo, self.ts_hi = ts_lo, ts_hi
+    def narrowed(self, other: Bounds) -> Bounds:
+        out = Bounds(max(self.lo, other.lo), self.hi, _most(max, self.ts_lo, other.ts_lo),
+                     _most(min, self.ts_hi, other.ts_hi))
+        if other.hi is not None:
+            out.cap_hi(other.hi)
+        return out
 
 
-class AmqpPartition(InputPartition):  # type: ignore[misc,unused-ignore]
-    start: int
-    stop: int
+def _most(pick: Any, a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else int(pick(a, b))
 
-    def __init__(self, start: int, stop: int) -> None:
-        super().__init__(start)
-        self.start, self.stop = start, stop
+
+class RangePartition(InputPartition):  # type: ignore[misc,unused-ignore]
+    """Offsets ``[start, stop)`` of one stream partition; ``path`` names the segment file to
+    read (data dir mode; ``first_offset`` is its first record) or is empty (AMQP mode)."""
+
+    def __init__(self, tp: TopicPartition, start: int, stop: int, path: str = "",
+                 first_offset: int = 0, ts_lo: int | None = None, ts_hi: int | None = None) -> None:
+        super().__init__((tp.key, start))
+        self.tp, self.start, self.stop, self.path = tp, start, stop, path
+        self.first_offset, self.ts_lo, self.ts_hi = first_offset, ts_lo, ts_hi
 
 
 class _Options:
     def __init__(self, raw: dict[str, str]) -> None:
-        options = {k.lower(): v for k, v in raw.items()}  # Spark options are case-insensitive
+        options = checked(raw, SOURCE_OPTIONS, "source")
         self.uri = options.get("uri")
-        self.queue = options.get("queue") or ""
-        if not self.queue:
-            raise ValueError("skred: option 'queue' is required")
         self.vhost = options.get("vhost", "/")
         data_dir = options.get("data_dir") or options.get("path")
         if not self.uri and not data_dir:
             raise ValueError("skred: set option 'data_dir' (segment files) or 'uri' (AMQP)")
-        self.dir = queue_dir(vhost_dir(Path(data_dir), self.vhost), self.queue) if data_dir else None
-        self.batch_rows = int(options.get("batchrows", _BATCH_ROWS))
-        self.batch_bytes = int(options.get("batchbytes", _BATCH_BYTES))
-        self.partitions = max(1, int(options.get("numpartitions", "1")))
+        self.vdir = vhost_dir(Path(data_dir), self.vhost) if data_dir and not self.uri else None
+        if options.get("subscribepattern") and self.vdir is None:
+            raise ValueError("skred: subscribePattern needs data_dir (AMQP cannot list streams)")
+        self.parts = topic_partitions(options, self._list_streams)
+        self.batch_rows = number(options, "batchrows", minimum=1) or _BATCH_ROWS
+        self.batch_bytes = number(options, "batchbytes", minimum=1) or _BATCH_BYTES
+        self.min_partitions = number(options, "minpartitions", minimum=1) or \
+            number(options, "numpartitions", minimum=1)
+        self.max_per_partition = number(options, "maxrecordsperpartition", minimum=1)
         # auto (default): push filters down when the Spark session allows it (see reader()).
         self.pushdown = options.get("pushdown", "auto").strip().lower()
         if self.pushdown not in ("auto", "true", "false"):
             raise ValueError("skred: option 'pushdown' must be auto, true or false")
-        self.starting = options.get("startingoffset", options.get("startingoffsets"))
-        self.ending = options.get("endingoffset")
-        self.max_per_trigger = options.get("maxrecordspertrigger")
+        words = {"earliest": EARLIEST, "first": EARLIEST, "latest": LATEST, "next": LATEST}
+        self.starting = per_partition(options, "startingoffsets", self.parts, words) or \
+            per_partition(options, "startingoffset", self.parts, words)
+        self.ending = per_partition(options, "endingoffsets", self.parts, words) or \
+            per_partition(options, "endingoffset", self.parts, words)
+        # Timestamps: startingTimestamp wins over startingOffsetsByTimestamp, which wins over
+        # startingOffsets (Kafka's precedence); an ending timestamp T keeps messages before T.
+        self.ts_lo = per_partition(options, "startingtimestamp", self.parts, {}) or \
+            per_partition(options, "startingoffsetsbytimestamp", self.parts, {})
+        ts_end = per_partition(options, "endingtimestamp", self.parts, {}) or \
+            per_partition(options, "endingoffsetsbytimestamp", self.parts, {})
+        self.ts_hi = None if ts_end is None else {tp: t - 1 for tp, t in ts_end.items()}
+        self.fail_on_data_loss = flag(options, "failondataloss", True)
+        self.include_headers = flag(options, "includeheaders", False)
+        self.max_per_trigger = number(options, "maxoffsetspertrigger", minimum=1) or \
+            number(options, "maxrecordspertrigger", minimum=1)
+        self.min_per_trigger = number(options, "minoffsetspertrigger", minimum=1)
+        delay = options.get("maxtriggerdelay")
+        self.max_trigger_delay_ms = _MAX_TRIGGER_DELAY_MS if delay is None else duration_ms(delay)
         self.timeout = float(options.get("timeout", "30"))
 
-    def extent(self) -> tuple[int, int]:
-        """(first offset, next offset) right now."""
+    def _list_streams(self) -> list[str]:
+        """Stream queues in the data dir (directories with a name marker and a segment index)."""
+        assert self.vdir is not None
+        out = []
+        for d in self.vdir.iterdir() if self.vdir.is_dir() else ():
+            marker = d / ".queue"
+            if marker.is_file() and any(d.glob("sidx.*")):
+                out.append(marker.read_bytes().decode("utf-8", "replace"))
+        return out
+
+    def _dir(self, tp: TopicPartition) -> Path:
+        assert self.vdir is not None
+        return queue_dir(self.vdir, tp.queue)
+
+    def extent(self, tp: TopicPartition) -> tuple[int, int]:
+        """(first offset, next offset) of one partition right now."""
         if self.uri:
-            return amqp.extent(self.uri, self.queue, self.timeout)
-        assert self.dir is not None
-        infos = [i for i in list_segments(self.dir) if i.count]
+            return amqp.extent(self.uri, tp.queue, self.timeout)
+        infos = [i for i in list_segments(self._dir(tp)) if i.count]
         if not infos:
-            nxt = _next_of(self.dir)
+            nxt = _next_of(self._dir(tp))
             return nxt, nxt
         last = infos[-1]
         assert infos[0].first_offset is not None and last.first_offset is not None
         assert last.count is not None
         return infos[0].first_offset, last.first_offset + last.count
 
-    def plan(self, b: Bounds) -> list[InputPartition]:
-        """Partitions covering ``b`` (segments pruned by offset and timestamp)."""
+    def check_loss(self, tp: TopicPartition, lo: int, first: int) -> None:
+        if lo < first and self.fail_on_data_loss:
+            raise DataLoss(f"skred: offsets {lo}..{first - 1} of stream '{tp.topic}' partition "
+                           f"{tp.partition} were removed by retention (set failOnDataLoss=false "
+                           "to read on from the first retained offset)")
+
+    def batch_bounds(self) -> dict[TopicPartition, Bounds]:
+        """Each partition's bounds for a batch read, from the offset and timestamp options."""
+        out = {}
+        for tp in self.parts:
+            first, nxt = self.extent(tp)
+            lo = (self.starting or {}).get(tp, EARLIEST)
+            if lo == LATEST:
+                raise ValueError("skred: startingOffsets=latest is for streaming queries only")
+            if lo == EARLIEST:
+                lo = first
+            self.check_loss(tp, lo, first)
+            hi = (self.ending or {}).get(tp, LATEST)
+            if hi == EARLIEST:
+                raise ValueError("skred: endingOffsets=earliest is not allowed")
+            b = Bounds(max(lo, first), nxt if hi == LATEST else min(hi, nxt),
+                       (self.ts_lo or {}).get(tp), (self.ts_hi or {}).get(tp))
+            out[tp] = b
+        return out
+
+    def plan(self, bounds: dict[TopicPartition, Bounds]) -> list[InputPartition]:
+        """Input partitions covering ``bounds`` (segments pruned by offset and timestamp), split
+        to honour ``minPartitions`` and ``maxRecordsPerPartition``."""
+        parts: list[RangePartition] = []
+        for tp, b in bounds.items():
+            parts.extend(self._plan_one(tp, b))
+        chunk = self.max_per_partition
+        if self.min_partitions and len(parts) < self.min_partitions:
+            total = sum(p.stop - p.start for p in parts)
+            if total:
+                even = -(-total // self.min_partitions)
+                chunk = even if chunk is None else min(chunk, even)
+        if chunk is None:
+            return list(parts)
+        out: list[InputPartition] = []
+        for p in parts:
+            for s in range(p.start, p.stop, chunk):
+                out.append(RangePartition(p.tp, s, min(s + chunk, p.stop), p.path, p.first_offset,
+                                          p.ts_lo, p.ts_hi))
+        return out
+
+    def _plan_one(self, tp: TopicPartition, b: Bounds) -> list[RangePartition]:
         if self.uri:
-            first, nxt = self.extent()
+            first, nxt = self.extent(tp)
             lo, hi = max(b.lo, first), nxt if b.hi is None else min(b.hi, nxt)
-            if lo >= hi:
-                return []
-            n = min(self.partitions, hi - lo)
-            step = -(-(hi - lo) // n)
-            return [AmqpPartition(s, min(s + step, hi)) for s in range(lo, hi, step)]
-        assert self.dir is not None
-        infos = list_segments(self.dir)
-        parts: list[InputPartition] = []
+            return [RangePartition(tp, lo, hi, "", 0, b.ts_lo, b.ts_hi)] if lo < hi else []
+        infos = list_segments(self._dir(tp))
+        parts = []
         for k, info in enumerate(infos):
             if not info.count or info.first_offset is None:
                 continue
@@ -172,31 +279,43 @@ class _Options:
                 continue
             if b.ts_lo is not None and seg_ts_hi is not None and seg_ts_hi < b.ts_lo:
                 continue
-            parts.append(SegmentPartition(str(info.path), first, start, stop, b.ts_lo, b.ts_hi))
+            parts.append(RangePartition(tp, start, stop, str(info.path), first, b.ts_lo, b.ts_hi))
         return parts
 
     def batches(self, part: InputPartition, schema: Any) -> Iterator[Any]:
         """Arrow record batches of one partition."""
+        if not isinstance(part, RangePartition):
+            return  # Spark runs one placeholder partition when partitions() is empty
         pa_schema = arrow_schema(schema)
         columns = schema.fieldNames()
         decoder = PropsDecoder()
-        if isinstance(part, AmqpPartition):
+        tp = part.tp
+
+        def batch(cols: Columns) -> Any:
+            return to_batch(cols, pa_schema, decoder, columns, tp.topic, tp.partition)
+
+        if not part.path:
             assert self.uri is not None
             cols = Columns()
-            for rec in amqp.read_range(self.uri, self.queue, part.start, part.stop, self.timeout):
-                cols.add(rec)
+            lo = -(1 << 63) if part.ts_lo is None else part.ts_lo
+            hi = (1 << 63) if part.ts_hi is None else part.ts_hi
+            for rec in amqp.read_range(self.uri, tp.queue, part.start, part.stop, self.timeout):
+                if lo <= rec[1] <= hi:
+                    cols.add(rec)
                 if len(cols) >= self.batch_rows:
-                    yield to_batch(cols, pa_schema, decoder, columns)
+                    yield batch(cols)
                     cols = Columns()
             if len(cols):
-                yield to_batch(cols, pa_schema, decoder, columns)
+                yield batch(cols)
             return
-        if not isinstance(part, SegmentPartition):
-            return  # Spark runs one placeholder partition when partitions() is empty
         try:
             f = open(part.path, "rb")  # noqa: SIM115 - closed below
         except FileNotFoundError:
-            return  # removed by retention after planning
+            if self.fail_on_data_loss:
+                raise DataLoss(f"skred: a segment of stream '{tp.topic}' (offsets from "
+                               f"{part.first_offset}) was removed by retention while the query "
+                               "ran (set failOnDataLoss=false to skip it)") from None
+            return
         with f:
             size = os.fstat(f.fileno()).st_size
             if size <= HEADER_SIZE:
@@ -209,7 +328,26 @@ class _Options:
                                                           part.stop, part.ts_lo, part.ts_hi,
                                                           self.batch_rows, self.batch_bytes)
                     if len(cols):
-                        yield to_batch(cols, pa_schema, decoder, columns)
+                        yield batch(cols)
+
+    def first_at(self, tp: TopicPartition, ts: int, first: int, nxt: int) -> int:
+        """The first offset appended at or after ``ts`` (``nxt`` if none)."""
+        for part in self._plan_one(tp, Bounds(first, nxt, ts, None)):
+            assert isinstance(part, RangePartition)
+            if part.path:
+                with open(part.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                    cols = Columns()
+                    fill_from_segment(cols, mm, len(mm), HEADER_SIZE, part.first_offset, part.start,
+                                      part.stop, ts, None, 1)
+            else:
+                cols = Columns()
+                for rec in amqp.read_range(self.uri or "", tp.queue, part.start, part.stop, self.timeout):
+                    if rec[1] >= ts:
+                        cols.add(rec)
+                        break
+            if len(cols):
+                return cols.offsets[0]
+        return nxt
 
 
 def _next_of(directory: Path) -> int:
@@ -258,26 +396,16 @@ def spark_allows_pushdown(max_depth: int = 8) -> bool:
     return False
 
 
-def _parse_offset(value: str | None, first: int, nxt: int, default: int) -> int:
-    if value is None:
-        return default
-    v = value.strip().lower()
-    if v in ("earliest", "first"):
-        return first
-    if v in ("latest", "next"):
-        return nxt
-    return int(v)
-
-
 class SkredDataSource(DataSource):  # type: ignore[misc,unused-ignore]
-    """``spark.read.format("skred")`` / ``spark.readStream.format("skred")``."""
+    """``spark.read.format("skred")`` / ``readStream`` and ``df.write`` / ``writeStream``."""
 
     @classmethod
     def name(cls) -> str:
         return "skred"
 
     def schema(self) -> str:
-        return SCHEMA_DDL
+        opts = {k.lower(): v for k, v in dict(self.options).items()}
+        return schema_ddl(flag(opts, "includeheaders", False))
 
     def reader(self, schema: Any) -> DataSourceReader:
         opts = _Options(dict(self.options))
@@ -289,19 +417,24 @@ class SkredDataSource(DataSource):  # type: ignore[misc,unused-ignore]
     def streamReader(self, schema: Any) -> DataSourceStreamReader:
         return SkredStreamReader(_Options(dict(self.options)), schema)
 
+    def writer(self, schema: Any, overwrite: bool) -> DataSourceWriter:
+        from broker.spark.sink import SkredWriter
+        return SkredWriter(dict(self.options), schema, overwrite)
+
+    def streamWriter(self, schema: Any, overwrite: bool) -> DataSourceStreamWriter:
+        from broker.spark.sink import SkredStreamWriter
+        return SkredStreamWriter(dict(self.options), schema, overwrite)
+
 
 class SkredBatchReader(DataSourceReader):  # type: ignore[misc,unused-ignore]
     def __init__(self, opts: _Options, schema: Any) -> None:
         self.opts = opts
         self.schema = schema
-        self.bounds = Bounds()
-        if opts.starting is not None and opts.starting.strip().lower() not in ("earliest", "first"):
-            self.bounds.lo = int(opts.starting)
-        if opts.ending is not None and opts.ending.strip().lower() not in ("latest", "next"):
-            self.bounds.cap_hi(int(opts.ending))
+        self.bounds = Bounds()  # narrowed by pushed-down filters, applied to every partition
 
     def partitions(self) -> list[InputPartition]:
-        return self.opts.plan(self.bounds)
+        per = self.opts.batch_bounds()
+        return self.opts.plan({tp: b.narrowed(self.bounds) for tp, b in per.items()})
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
         return self.opts.batches(partition, self.schema)
@@ -345,43 +478,117 @@ class SkredPushdownReader(SkredBatchReader):
             yield f
 
 
-class SkredStreamReader(DataSourceStreamReader):  # type: ignore[misc,unused-ignore]
+def _flat(offsets: dict[str, Any], parts: list[TopicPartition]) -> dict[TopicPartition, int]:
+    """Checkpointed offsets per partition; the single-stream ``{"offset": n}`` of earlier
+    Skred versions is read as that stream's offset."""
+    legacy = offsets.get("offset")
+    if isinstance(legacy, int) and len(parts) == 1:
+        return {parts[0]: legacy}
+    out = {}
+    for tp in parts:
+        v = offsets.get(tp.topic, {}).get(str(tp.partition))
+        if v is not None:
+            out[tp] = int(v)
+    return out
+
+
+def _nested(flat: dict[TopicPartition, int]) -> Offsets:
+    out: Offsets = {}
+    for tp, v in sorted(flat.items()):
+        out.setdefault(tp.topic, {})[str(tp.partition)] = v
+    return out
+
+
+def share(start: dict[TopicPartition, int], end: dict[TopicPartition, int],
+          cap: int) -> dict[TopicPartition, int]:
+    """``end`` capped so at most ``cap`` offsets are read in all, each partition's share in
+    proportion to its backlog (the remainder goes to the first partitions with room)."""
+    lag = {tp: max(0, end[tp] - start.get(tp, end[tp])) for tp in end}
+    total = sum(lag.values())
+    if total <= cap:
+        return dict(end)
+    take = {tp: cap * n // total for tp, n in lag.items()}
+    left = cap - sum(take.values())
+    for tp in sorted(take):
+        extra = min(left, lag[tp] - take[tp])
+        take[tp] += extra
+        left -= extra
+    return {tp: start.get(tp, end[tp]) + take[tp] for tp in end}
+
+
+class SkredStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # type: ignore[misc,unused-ignore]
     def __init__(self, opts: _Options, schema: Any) -> None:
+        if opts.ending is not None or opts.ts_hi is not None:
+            raise ValueError("skred: endingOffsets / endingTimestamp are for batch reads only")
         self.opts = opts
         self.schema = schema
+        self._target: dict[TopicPartition, int] | None = None  # Trigger.AvailableNow's end
+        self._last_batch = time.monotonic()
 
-    def initialOffset(self) -> dict[str, int]:
-        first, nxt = self.opts.extent()
-        return {"offset": _parse_offset(self.opts.starting, first, nxt, first)}
+    def initialOffset(self) -> Offsets:
+        out = {}
+        for tp in self.opts.parts:
+            first, nxt = self.opts.extent(tp)
+            ts = (self.opts.ts_lo or {}).get(tp)
+            if ts is not None:
+                out[tp] = self.opts.first_at(tp, ts, first, nxt)
+                continue
+            v = (self.opts.starting or {}).get(tp, LATEST)  # Kafka's streaming default
+            if v == EARLIEST:
+                v = first
+            elif v == LATEST:
+                v = nxt
+            else:
+                self.opts.check_loss(tp, v, first)
+            out[tp] = v
+        return _nested(out)
 
-    def latestOffset(self, start: dict[str, int] | None = None, limit: Any = None) -> dict[str, int]:
-        _first, nxt = self.opts.extent()
-        cap: int | None = None
-        max_rows = getattr(limit, "max_rows", None)
-        if max_rows is not None:
-            cap = int(max_rows)
-        elif self.opts.max_per_trigger is not None and limit is None:
-            cap = int(self.opts.max_per_trigger)
+    def _ends(self) -> dict[TopicPartition, int]:
+        if self._target is not None:
+            return dict(self._target)
+        return {tp: self.opts.extent(tp)[1] for tp in self.opts.parts}
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        self._target = {tp: self.opts.extent(tp)[1] for tp in self.opts.parts}
+
+    def latestOffset(self, start: Offsets | None = None, limit: Any = None) -> Offsets:
+        ends = self._ends()
+        begin = _flat(start, self.opts.parts) if start is not None else {}
+        ends = {tp: max(n, begin.get(tp, n)) for tp, n in ends.items()}
+        if isinstance(limit, ReadAllAvailable):
+            return _nested(ends)
+        cap = getattr(limit, "max_rows", None)
+        if cap is None and limit is None:
+            cap = self.opts.max_per_trigger
+        waiting = sum(n - begin.get(tp, n) for tp, n in ends.items())
+        if (self.opts.min_per_trigger is not None and self._target is None and start is not None
+                and waiting < self.opts.min_per_trigger
+                and (time.monotonic() - self._last_batch) * 1000 < self.opts.max_trigger_delay_ms):
+            return _nested({tp: begin.get(tp, n) for tp, n in ends.items()})
         if cap is not None and start is not None:
-            nxt = min(nxt, int(start["offset"]) + cap)
-        if start is not None:
-            nxt = max(nxt, int(start["offset"]))
-        return {"offset": nxt}
+            ends = share(begin, ends, int(cap))
+        if waiting:
+            self._last_batch = time.monotonic()
+        return _nested(ends)
 
     def getDefaultReadLimit(self) -> Any:
-        from pyspark.sql.streaming.datasource import (  # type: ignore[import-not-found,import-untyped,unused-ignore]
-            ReadAllAvailable,
-            ReadMaxRows,
-        )
         if self.opts.max_per_trigger is not None:
             return ReadMaxRows(int(self.opts.max_per_trigger))
         return ReadAllAvailable()
 
-    def partitions(self, start: dict[str, int], end: dict[str, int]) -> list[InputPartition]:
-        return self.opts.plan(Bounds(int(start["offset"]), int(end["offset"])))
+    def partitions(self, start: Offsets, end: Offsets) -> list[InputPartition]:
+        begin, stop = _flat(start, self.opts.parts), _flat(end, self.opts.parts)
+        bounds = {}
+        for tp, hi in stop.items():
+            lo = begin.get(tp, hi)
+            if lo < hi:
+                first, _nxt = self.opts.extent(tp)
+                self.opts.check_loss(tp, lo, first)
+                bounds[tp] = Bounds(max(lo, first), hi)
+        return self.opts.plan(bounds)
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
         return self.opts.batches(partition, self.schema)
 
-    def commit(self, end: dict[str, int]) -> None:
+    def commit(self, end: Offsets) -> None:
         pass  # nothing to release: the broker keeps the log, Spark keeps the offsets

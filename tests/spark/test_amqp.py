@@ -100,7 +100,8 @@ def published(broker: tuple[str, Path]) -> list[dict[str, Any]]:
 
 
 def _amqp(spark: Any, url: str, **opts: str) -> Any:
-    r = spark.read.format("skred").option("uri", url).option("queue", "events").option("timeout", "20")
+    r = (spark.read.format("skred").option("uri", url).option("queue", "events")
+         .option("timeout", "20").option("includeHeaders", "true"))
     for k, v in opts.items():
         r = r.option(k, v)
     return r.load()
@@ -115,17 +116,18 @@ def test_amqp_mode_equals_published(spark: Any, broker: tuple[str, Path],
     assert [r.offset for r in rows] == list(range(N))
     for row, pub in zip(rows, published, strict=True):
         i = pub["i"]
-        assert row.body == pub["body"]
-        assert row.exchange == "" and row.routing_key == "events"
+        assert row.value == pub["body"]
+        assert row.exchange == "" and row.key == "events"
         assert row.headers == {"i": str(i), "kind": "even" if i % 2 == 0 else "odd"}
         assert row.properties.content_type == "text/plain"
         assert row.properties.delivery_mode == 2
         assert row.properties.message_id == (f"m{i}" if i % 5 == 0 else None)
     # Data-dir mode over the running broker's files gives the same rows.
     files = (spark.read.format("skred").option("data_dir", str(data)).option("queue", "events")
+             .option("includeHeaders", "true")
              .load().orderBy("offset").collect())
-    assert [(r.offset, r.body, r.headers, r.timestamp) for r in files] == \
-        [(r.offset, r.body, r.headers, r.timestamp) for r in rows]
+    assert [(r.offset, r.value, r.headers, r.timestamp) for r in files] == \
+        [(r.offset, r.value, r.headers, r.timestamp) for r in rows]
 
 
 def test_amqp_mode_offset_bounds(spark: Any, broker: tuple[str, Path],
@@ -134,5 +136,153 @@ def test_amqp_mode_offset_bounds(spark: Any, broker: tuple[str, Path],
     df = _amqp(spark, url, startingOffset="990", endingOffset="995")
     got = df.orderBy("offset").collect()
     assert [r.offset for r in got] == [990, 991, 992, 993, 994]
-    assert [r.body for r in got] == [published[i]["body"] for i in range(990, 995)]
+    assert [r.value for r in got] == [published[i]["body"] for i in range(990, 995)]
     assert _amqp(spark, url).where("offset >= 500").count() == N - 500
+
+
+# ------------------------------------------------------------------ the sink
+SINK_N = 300
+
+
+def _rows(spark: Any, target: str, late: str) -> Any:
+    """SINK_N rows in 2 partitions for ``target``; row 60 of partition 1 names ``late``, a target
+    that does not exist on the first run, so that task fails mid-batch after 60 confirmed rows
+    (and Spark's retry succeeds once the test has made it)."""
+
+    def gen(index: int, it: Any) -> Any:
+        for n, i in enumerate(it):
+            yield (b"row-%d" % i, f"k{i % 3}", late if index == 1 and n == 60 else target)
+
+    rdd = spark.sparkContext.parallelize(range(SINK_N), 2).mapPartitionsWithIndex(gen)
+    return spark.createDataFrame(rdd, "value binary, key string, topic string")
+
+
+def _count(url: str, queue: str) -> int:
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        return int(conn.channel().queue_declare(queue, passive=True).method.message_count)
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("exactly_once", [False, True])
+def test_sink_task_killed_mid_batch(spark: Any, broker: tuple[str, Path], exactly_once: bool) -> None:
+    """A task fails after 60 confirmed rows; the job is run again with the same query id (what
+    Spark's retry does): at least once adds the confirmed rows twice, exactly once adds nothing."""
+    url, _data = broker
+    stream = f"sunk-{exactly_once}".lower()
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        ch = conn.channel()
+        ch.queue_declare(stream, durable=True, arguments={"x-queue-type": "stream"})
+        target = stream
+        if exactly_once:
+            target = stream + ".dedup"
+            ch.exchange_declare(target, "fanout", durable=True, arguments={
+                "x-message-deduplication": True, "x-cache-size": 10_000})
+            ch.queue_bind(stream, target)
+    finally:
+        conn.close()
+
+    late = stream + ".late"
+
+    def write() -> None:
+        (_rows(spark, target, late).write.format("skred").mode("append").option("uri", url)
+         .option("exactlyOnce", str(exactly_once).lower()).option("queryId", "job-1").save())
+
+    with pytest.raises(Exception, match="x-message-deduplication" if exactly_once else "Unroutable"):
+        write()
+    partial = _count(url, stream)
+    assert 60 <= partial < SINK_N  # some rows were confirmed before the task died
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        ch = conn.channel()
+        ch.exchange_declare(late, "fanout", durable=True, arguments={
+            "x-message-deduplication": True, "x-cache-size": 100} if exactly_once else {})
+        ch.queue_bind(stream, late)
+    finally:
+        conn.close()
+    write()  # Spark's retry of the failed job, same query id
+    got = _count(url, stream)
+    if exactly_once:
+        assert got == SINK_N  # the re-run added only what was missing
+        rows = spark.read.format("skred").option("uri", url).option("subscribe", stream).load()
+        assert sorted(r.value for r in rows.collect()) == sorted(b"row-%d" % i for i in range(SINK_N))
+    else:
+        assert got == SINK_N + partial  # at least once: the retried rows are there twice
+
+
+def test_sink_refuses_bad_input(spark: Any, broker: tuple[str, Path]) -> None:
+    url, _data = broker
+    df = spark.createDataFrame([(b"x", 1)], "value binary, offset long")
+    with pytest.raises(Exception, match="unknown column"):
+        df.write.format("skred").mode("append").option("uri", url).option("topic", "events").save()
+    ok = spark.createDataFrame([(b"x",)], "value binary")
+    with pytest.raises(Exception, match="unknown option"):
+        ok.write.format("skred").mode("append").option("uri", url).option("topic", "events") \
+            .option("acks", "all").save()
+    with pytest.raises(Exception, match="x-message-deduplication"):
+        ok.write.format("skred").mode("append").option("uri", url).option("topic", "events") \
+            .option("exactlyOnce", "true").save()
+
+
+def _driver(url: str, ckpt: Path, target: str, mode: str, log: Path) -> subprocess.Popen[bytes]:
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("stream_driver.py")), url, str(ckpt),
+             "in-a,in-b", target, mode], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, env=dict(os.environ, PYTHONPATH=path), start_new_session=True)
+
+
+@pytest.mark.chaos  # two more Spark drivers (JVMs): minutes on a loaded machine
+@pytest.mark.timeout(900, func_only=True)
+def test_streaming_restart_after_driver_sigkill_exactly_once(broker: tuple[str, Path],
+                                                             tmp_path: Path) -> None:
+    """Stream -> stream through Spark; the driver is killed with SIGKILL mid-query and the query
+    restarted from its checkpoint: the target holds every source offset exactly once."""
+    url, _data = broker
+    per = 400
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        ch = conn.channel()
+        ch.confirm_delivery()
+        for name in ("in-a", "in-b"):
+            ch.queue_declare(name, durable=True, arguments={"x-queue-type": "stream"})
+            for i in range(per):
+                ch.basic_publish("", name, b"%d" % i)
+        ch.queue_declare("out", durable=True, arguments={"x-queue-type": "stream"})
+        ch.exchange_declare("out.dedup", "fanout", durable=True, arguments={
+            "x-message-deduplication": True, "x-cache-size": 10_000})
+        ch.queue_bind("out", "out.dedup")
+    finally:
+        conn.close()
+    ckpt, log = tmp_path / "ckpt", tmp_path / "driver.log"
+    proc = _driver(url, ckpt, "out.dedup", "run", log)
+    try:
+        deadline = time.monotonic() + 400
+        while not 0 < _count(url, "out") < 2 * per:
+            assert proc.poll() is None, log.read_text(errors="replace")
+            assert time.monotonic() < deadline, "no micro-batch landed:\n" + log.read_text(errors="replace")
+            time.sleep(0.1)  # bounded poll for the first micro-batch
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    mid = _count(url, "out")
+    assert mid < 2 * per
+    proc = _driver(url, ckpt, "out.dedup", "finish", log)
+    try:
+        assert proc.wait(400) == 0, log.read_text(errors="replace")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert _count(url, "out") == 2 * per
+    got = _read_all(url, "out", 2 * per)
+    expected = [f"{s}:{o}".encode() for s in ("in-a", "in-b") for o in range(per)]
+    assert sorted(got) == sorted(expected)  # every offset once: count and checksum
+    assert sum(int(v.split(b":")[1]) for v in got) == 2 * sum(range(per))
+
+
+def _read_all(url: str, queue: str, n: int) -> list[bytes]:
+    from broker.spark import amqp
+    return [rec[5] for rec in amqp.read_range(url, queue, 0, n, 30)]

@@ -37,7 +37,7 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[
 
 def _load(spark: Any, root: Path, **opts: str) -> Any:
     r = (spark.read.format("skred").option("data_dir", str(root)).option("vhost", "/")
-         .option("queue", "events").option("pushdown", "true"))
+         .option("queue", "events").option("pushdown", "true").option("includeHeaders", "true"))
     for k, v in opts.items():
         r = r.option(k, v)
     return r.load()
@@ -51,8 +51,8 @@ def test_batch_equals_published(spark: Any, data_dir: tuple[Path, list[dict[str,
     assert len(rows) == len(published)
     for row, pub in zip(rows, published, strict=True):
         assert row.offset == pub["offset"]
-        assert row.body == pub["body"]
-        assert row.routing_key == pub["rk"] and row.exchange == "amq.topic"
+        assert row.value == pub["body"]
+        assert row.key == pub["rk"] and row.exchange == "amq.topic"
         assert row.headers == {"i": str(pub["i"]), "kind": "even" if pub["i"] % 2 == 0 else "odd"}
         assert row.properties.content_type == "application/json"
         assert row.properties.delivery_mode == 2

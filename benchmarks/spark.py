@@ -1,0 +1,108 @@
+#!/usr/bin/env python3
+"""Rows per second through the ``skred`` Spark format, side by side in one run.
+
+One private ``skred`` process on free ports and a temp data dir, one ``local[2]`` SparkSession:
+
+- ``write``: ``df.write.format("skred")`` of ``--rows`` rows (~10-byte values) to a stream, with
+  publisher confirms (the sink), then the same to a deduplicating exchange with
+  ``exactlyOnce=true``;
+- ``read dir``: a batch count and a full-row scan (sum of value lengths) of the stream from the
+  data dir (Arrow batches from the segment files);
+- ``read amqp``: the same over the network (AMQP mode, ``minPartitions=2``).
+
+Each figure is rows / wall seconds of one Spark action, after one warm-up action; the JVM and
+the broker share the machine, so say how loaded it was when quoting them.
+
+    python benchmarks/spark.py --rows 200000
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pika
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from tests.integration._support import SkredProcess  # noqa: E402
+
+
+def timed(what: str, rows: int, action: Callable[[], Any]) -> tuple[str, float]:
+    t0 = time.perf_counter()
+    action()
+    seconds = time.perf_counter() - t0
+    return what, rows / seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=200_000)
+    args = ap.parse_args(argv)
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    from pyspark.sql import SparkSession
+    from pyspark.sql import functions as F
+
+    from broker.spark import register
+
+    with tempfile.TemporaryDirectory(prefix="skred-spark-bench-") as tmp:
+        broker = SkredProcess(Path(tmp) / "data")
+        broker.start()
+        spark = (SparkSession.builder.master("local[2]").appName("skred-bench")
+                 .config("spark.ui.enabled", "false").config("spark.driver.host", "127.0.0.1")
+                 .getOrCreate())
+        spark.sparkContext.setLogLevel("ERROR")
+        register(spark)
+        try:
+            conn = pika.BlockingConnection(pika.URLParameters(broker.url))
+            ch = conn.channel()
+            for name in ("bench", "bench-eo"):
+                ch.queue_declare(name, durable=True, arguments={"x-queue-type": "stream"})
+            ch.exchange_declare("bench-eo.in", "fanout", durable=True, arguments={
+                "x-message-deduplication": True, "x-cache-size": args.rows + 1})
+            ch.queue_bind("bench-eo", "bench-eo.in")
+            conn.close()
+            n = args.rows
+            rows = spark.range(n).select(F.concat(F.lit("value-"), F.col("id").cast("string"))
+                                         .cast("binary").alias("value")).repartition(2).cache()
+            rows.count()
+            sink = rows.write.format("skred").mode("append").option("uri", broker.url)
+            results = [
+                timed("sink, confirms", n, lambda: sink.option("topic", "bench").save()),
+                timed("sink, exactlyOnce", n, lambda: sink.option("topic", "bench-eo.in")
+                      .option("exactlyOnce", "true").save()),
+            ]
+
+            def load(**opts: str) -> Any:
+                r = spark.read.format("skred").option("subscribe", "bench")
+                for k, v in opts.items():
+                    r = r.option(k, v)
+                return r.load()
+
+            def scan(df: Any) -> Any:
+                return df.select(F.sum(F.length("value"))).collect()
+
+            for label, opts in (("data dir", {"data_dir": str(broker.data_dir)}),
+                                ("amqp", {"uri": broker.url, "minPartitions": "2"})):
+                load(**opts).count()  # warm-up
+                results.append(timed(f"read {label}, count", n, lambda o=opts: load(**o).count()))
+                results.append(timed(f"read {label}, scan", n, lambda o=opts: scan(load(**o))))
+            print(f"| {n:,} rows, local[2] | rows/s |\n| --- | --- |")
+            for what, rate in results:
+                print(f"| {what} | {rate:,.0f} |")
+        finally:
+            spark.stop()
+            broker.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
