@@ -1048,7 +1048,7 @@ class Session(AMQPConnection):
     def _basic_get(self, chs: ChannelState, m: commands.Basic.Get) -> None:
         self._check("read", m.queue)
         q = self.vhost_obj.get_queue(m.queue, self)
-        got = q.get()
+        got = None if q.paused else q.get()  # paused: nothing leaves it (LavinMQ)
         if got is None:
             self.broker.stats.gets_empty += 1
             self.reply(chs, commands.Basic.GetEmpty())

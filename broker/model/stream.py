@@ -362,7 +362,7 @@ class StreamQueue(Queue):
 
     def _deliver(self) -> None:
         self._scheduled = False
-        if self.deleted:
+        if self.deleted or self.paused:
             return
         self._more = False
         budget = _PASS_BUDGET
