@@ -155,6 +155,10 @@ def env_defaults() -> tuple[str, str, str]:
     return url, user, password
 
 
+# lavinmqctl's queue actions: the command ``<action>_queue`` PUTs ``/api/queues/{vhost}/{name}/<action>``
+QUEUE_ACTIONS = {"pause": "paused", "resume": "resumed", "restart": "restarted"}
+
+
 def build_parser() -> argparse.ArgumentParser:
     url, user, password = env_defaults()
     p = OneLineErrorParser(prog="skredctl", description="Manage a Skred broker over its HTTP API.")
@@ -211,6 +215,14 @@ def build_parser() -> argparse.ArgumentParser:
     pq = sub.add_parser("purge_queue")
     pq.add_argument("name")
     pq.add_argument("--vhost", default="/")
+    for action in QUEUE_ACTIONS:
+        qa = sub.add_parser(f"{action}_queue", help=f"{action} a queue (LavinMQ's {action}_queue)")
+        qa.add_argument("name")
+        qa.add_argument("--vhost", "-p", default="/")
+    for flag in ("on", "off"):
+        tr = sub.add_parser(f"trace_{flag}", help=f"firehose tracing {flag} for a vhost "
+                            "(publish.<exchange> and deliver.<queue> copies to amq.rabbitmq.trace)")
+        tr.add_argument("--vhost", "-p", default="/")
     ex = sub.add_parser("export_definitions", help="write definitions JSON to FILE (or stdout)")
     ex.add_argument("file", nargs="?", default="-")
     ex.add_argument("--vhost")
@@ -296,6 +308,13 @@ def run(args: argparse.Namespace, out: Any) -> None:
     elif cmd == "purge_queue":
         c.request("DELETE", f"/api/queues/{q(args.vhost)}/{q(args.name)}/contents")
         done = f"queue '{args.name}' purged"
+    elif cmd.endswith("_queue") and cmd[:-6] in QUEUE_ACTIONS:
+        action = cmd[:-6]
+        c.request("PUT", f"/api/queues/{q(args.vhost)}/{q(args.name)}/{action}")
+        done = f"queue '{args.name}' {QUEUE_ACTIONS[action]}"
+    elif cmd in ("trace_on", "trace_off"):
+        c.request("PUT", f"/api/vhosts/{q(args.vhost)}", {"tracing": cmd == "trace_on"})
+        done = f"tracing {cmd[6:]} for vhost '{args.vhost}'"
     elif cmd == "export_definitions":
         path = "/api/definitions" + (f"/{q(args.vhost)}" if args.vhost else "")
         text = json.dumps(c.request("GET", path), indent=2) + "\n"

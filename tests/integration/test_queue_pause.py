@@ -21,6 +21,7 @@ import pytest
 
 from ._support import SkredProcess, connect, unique, wait_until
 from .test_cluster import TTL, Cluster, cluster, start_cluster, wait_for  # noqa: F401 (fixture)
+from .test_ctl import ctl
 from .test_mgmt_api import Api, http_ready, start_mgmt_broker
 
 pytestmark = pytest.mark.timeout(120)
@@ -136,6 +137,18 @@ def test_restart_reopens_the_store_keeping_messages_bindings_and_pause(mb: Skred
         ch2.close()
     finally:
         conn.close()
+
+
+def test_skredctl_pause_resume_restart_queue(mb: SkredProcess) -> None:
+    api = Api(mb.mgmt_port)
+    q = unique("ctl")
+    api.ok("PUT", _path(q), {"durable": True})
+    for cmd, state in (("pause_queue", "paused"), ("restart_queue", "paused"), ("resume_queue", "running")):
+        r = ctl(mb, cmd, q, "-p", "/")
+        assert r.returncode == 0 and q in r.stdout, (cmd, r.stdout, r.stderr)
+        assert api.get(_path(q))["state"] == state, cmd
+    r = ctl(mb, "pause_queue", unique("missing"))
+    assert r.returncode != 0 and r.stderr, (r.returncode, r.stderr)
 
 
 def test_pause_survives_kill9(mb: SkredProcess) -> None:
