@@ -213,7 +213,7 @@ class Node:
                                     IntentFile(cfg.main.data_dir / IMPORT_INTENT_FILE, self.sink))
             resume_import(mgmt)  # an import a crash cut off comes back whole, before anything serves
             mgmt.cluster = self.cluster
-            mgmt.node_name = metrics.node_name(cfg.main.node_name, cfg.amqp.port)
+            mgmt.node_name = broker.node_name = metrics.node_name(cfg.main.node_name, cfg.amqp.port)
             if cfg.clustering.enabled:  # every member reports the same rabbitmq_cluster label
                 mgmt.cluster_name = cfg.clustering.etcd_prefix
             else:  # a lone node's cluster is named after it (RabbitMQ's default)
@@ -286,7 +286,8 @@ class Node:
                 options, cfg.amqp.bind, cfg.amqp.port, self.amqp.start(cfg.amqp.bind, cfg.amqp.port))
             log.info("AMQP listening on %s:%d", *self.amqp_address)
             if cfg.amqp.port == 0:  # the name tells nodes on one host apart by the port they got
-                mgmt.node_name = metrics.node_name(cfg.main.node_name, self.amqp_address[1])
+                name = metrics.node_name(cfg.main.node_name, self.amqp_address[1])
+                mgmt.node_name = broker.node_name = name
                 if not cfg.clustering.enabled:
                     mgmt.cluster_name = mgmt.node_name
         if self.tls is not None and cfg.amqp.tls_port >= 0:

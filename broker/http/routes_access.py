@@ -41,7 +41,7 @@ def _vhost_json(request: web.Request, name: str) -> dict[str, Any]:
     r = mgmt.rates.queue_totals_rates([vh])
     meta = vh.meta.to_json()
     return {
-        "name": name, "description": meta["description"], "tags": meta["tags"], "tracing": False,
+        "name": name, "description": meta["description"], "tags": meta["tags"], "tracing": vh.meta.tracing,
         "default_queue_type": meta["default_queue_type"], "metadata": meta,
         "cluster_state": {mgmt.node_name: "running"},
         **message_totals(sum(q.message_count for q in queues),

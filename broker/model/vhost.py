@@ -57,7 +57,9 @@ DEFAULT_EXCHANGES = (
     ("amq.topic", "topic"),
     ("amq.headers", "headers"),
     ("amq.match", "headers"),
+    ("amq.rabbitmq.trace", "topic"),  # internal: firehose tracing's copies (broker/amqp/trace.py)
 )
+TRACE_EXCHANGE = "amq.rabbitmq.trace"
 _COMPACT_AFTER = 10_000  # deletes before the definitions log is rewritten
 
 
@@ -109,7 +111,7 @@ class VHost:
         self.n_confirmed = self.n_unroutable = self.n_returned = 0
         write_name(self.dir / ".vhost", name, sink)
         for ename, etype in DEFAULT_EXCHANGES:
-            self.exchanges[ename] = Exchange(ename, etype, durable=True)
+            self.exchanges[ename] = Exchange(ename, etype, durable=True, internal=ename == TRACE_EXCHANGE)
         self.definitions = DefinitionsLog(self.dir / "definitions.amqp", sink)
         self.call_later = call_later  # timers for TTL / x-expires (broker/model/features.py)
         self.policy_set = policy.PolicySet(self.dir / "policies.json", sink)
