@@ -46,6 +46,7 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from broker import metrics, tls
+from broker.amqp import log_exchange
 from broker.amqp.broker import Broker
 from broker.auth.parameters import FILE_NAME as PARAMETERS_FILE
 from broker.auth.parameters import GlobalParameters
@@ -147,6 +148,7 @@ class Node:
         self._reader: asyncio.Task[None] | None = None  # read_stores()
         self._deferred = 0  # queue stores the boot left unread
         self._read_ahead_stop = threading.Event()  # set when the reader is done or the node stops
+        self.log_exchange: log_exchange.LogExchangeHandler | None = None
 
     def make_vhost(self, name: str) -> VHost:
         """A ``VHost`` wired to this node's store settings (at boot, and when the API creates one)."""
@@ -231,6 +233,9 @@ class Node:
             if cfg.mgmt.enabled:
                 await self.start_http(broker, mgmt)
             await self.start_amqp(broker, mgmt)
+            if cfg.main.log_exchange:  # log lines to amq.rabbitmq.log (broker/amqp/log_exchange.py)
+                self.log_exchange = log_exchange.install(broker.vhosts, broker.node_name,
+                                                         loop.call_soon_threadsafe)
         except BaseException:
             self.release_lock()
             raise
@@ -454,6 +459,9 @@ class Node:
         log.info("imported definitions from %s", path)
 
     async def shutdown(self) -> None:
+        if self.log_exchange is not None:
+            log_exchange.uninstall(self.log_exchange)
+            self.log_exchange = None
         self._read_ahead_stop.set()
         if self._reader is not None:
             self._reader.cancel()
