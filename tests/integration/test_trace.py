@@ -109,3 +109,31 @@ def test_tracing_must_be_a_boolean(mb: SkredProcess) -> None:
     api = Api(mb.mgmt_port)
     assert api.call("PUT", "/api/vhosts/%2F", {"tracing": "yes"})[0] == 400
     assert api.get("/api/vhosts/%2F")["tracing"] is False
+
+
+def test_log_exchange_gets_the_brokers_warnings(tmp_path_factory: pytest.TempPathFactory) -> None:
+    b = start_mgmt_broker(tmp_path_factory.mktemp("logx"), ["--log-exchange"])
+    try:
+        ex = Api(b.mgmt_port).get("/api/exchanges/%2F/amq.rabbitmq.log")
+        assert (ex["type"], ex["internal"]) == ("topic", True)
+        conn = connect(b)
+        ch = conn.channel()
+        q = unique("logs")
+        ch.queue_declare(q)
+        ch.queue_bind(q, "amq.rabbitmq.log", "warning")
+        with pytest.raises(pika.exceptions.ProbableAuthenticationError):
+            pika.BlockingConnection(pika.URLParameters(
+                f"amqp://guest:wrong@127.0.0.1:{b.port}/%2F?connection_attempts=1"))
+        got: list[tuple[str, bytes]] = []
+
+        def seen() -> bool:
+            m, p, body = ch.basic_get(q, auto_ack=True)
+            if m is not None:
+                got.append((m.routing_key, body))
+            return any(b"login refused" in body for _, body in got)
+
+        wait_until(seen, 10, "the refused login's warning on amq.rabbitmq.log")
+        assert all(rk == "warning" for rk, _ in got)
+        conn.close()
+    finally:
+        b.close()
