@@ -15,6 +15,7 @@ from broker.http.common import (
     bad_request,
     can_see_vhost,
     check_name,
+    committed,
     created,
     forbidden,
     get_str,
@@ -76,6 +77,8 @@ async def put_vhost(request: web.Request) -> web.Response:
             vh.meta.update(**meta)
     except ValueError as exc:
         raise bad_request(str(exc)) from None
+    if meta:  # tracing, description...: answered once durable (on a leader: on its followers)
+        await committed(mgmt)
     if existed:
         return no_content()
     # As RabbitMQ does: the administrator who creates a vhost gets full permissions on it.

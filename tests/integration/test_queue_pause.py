@@ -213,6 +213,7 @@ def test_pause_survives_leader_failover(cluster: Cluster) -> None:  # noqa: F811
     via_follower = Api(followers[0].mgmt_port)
     via_follower.base = f"http://{followers[0].ip}:{followers[0].mgmt_port}"
     via_follower.ok("PUT", _path(q, "pause"))  # proxied to the leader, answered once replicated
+    via_follower.ok("PUT", "/api/vhosts/%2F", {"tracing": True})  # the firehose switch: the same
     leader.kill9()
 
     def successor() -> Any:
@@ -225,6 +226,7 @@ def test_pause_survives_leader_failover(cluster: Cluster) -> None:  # noqa: F811
     wait_for(lambda: http_ready_at(api), 20, "the new leader's management API")
     info = api.get(_path(q))
     assert (info["state"], info["messages"]) == ("paused", 3)
+    assert api.get("/api/vhosts/%2F")["tracing"] is True
     assert asyncio.run(_aio_count(new.url, q, QUIET, 1)) == 0
     api.ok("PUT", _path(q, "resume"))
     assert asyncio.run(_aio_count(new.url, q, 10, 3)) == 3
