@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pamqp import commands
@@ -70,9 +71,6 @@ def instructions(n: int, varied: bool, tracing: bool, pythonpath: Path) -> int:
     return int(m.group(1))
 
 
-def per_message(lo: int, hi: int, varied: bool, tracing: bool, pythonpath: Path) -> float:
-    return (instructions(hi, varied, tracing, pythonpath) - instructions(lo, varied, tracing, pythonpath)) \
-        / (hi - lo)
 
 
 def main() -> None:
@@ -84,19 +82,29 @@ def main() -> None:
     ap.add_argument("--compare", type=Path, help="a checkout whose broker package is 'before'")
     ap.add_argument("--lo", type=int, default=2_000)
     ap.add_argument("--hi", type=int, default=12_000)
+    ap.add_argument("--which", choices=("runs", "varied", "both"), default="both")
+    ap.add_argument("--jobs", type=int, default=6, help="callgrind runs at once")
     args = ap.parse_args()
     if not args.callgrind:
         asyncio.run(publish(args.n, args.varied, args.tracing))
         return
-    rows = []
+    cases = []
     for varied, what in ((False, "identical publishes (runs)"), (True, "varied publishes (one by one)")):
+        if args.which != "both" and varied != (args.which == "varied"):
+            continue
         if args.compare:
-            rows.append((what, "before (--compare)", per_message(args.lo, args.hi, varied, False, args.compare)))
-        rows.append((what, "tracing off", per_message(args.lo, args.hi, varied, False, ROOT)))
-        rows.append((what, "tracing on", per_message(args.lo, args.hi, varied, True, ROOT)))
+            cases.append((what, "before (--compare)", varied, False, args.compare))
+        cases.append((what, "tracing off", varied, False, ROOT))
+        cases.append((what, "tracing on", varied, True, ROOT))
+    with ThreadPoolExecutor(args.jobs) as pool:  # each run is its own valgrind process
+        futures = [(case, pool.submit(instructions, n, case[2], case[3], case[4]))
+                   for case in cases for n in (args.lo, args.hi)]
+        totals = [(case, f.result()) for case, f in futures]
     print("| publishes | broker | instructions per message |\n| --- | --- | ---: |")
-    for what, who, ir in rows:
-        print(f"| {what} | {who} | {ir:,.0f} |")
+    for i in range(0, len(totals), 2):
+        (what, who, *_), lo_ir = totals[i]
+        hi_ir = totals[i + 1][1]
+        print(f"| {what} | {who} | {(hi_ir - lo_ir) / (args.hi - args.lo):,.0f} |")
 
 
 if __name__ == "__main__":
