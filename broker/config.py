@@ -154,6 +154,11 @@ class MainConfig:
     log_file: str = field(
         default="", metadata=_meta("File to append log lines to (empty: standard error).")
     )
+    log_exchange: bool = field(
+        default=False,
+        metadata=_meta("Publish log lines to the topic exchange amq.rabbitmq.log in the default vhost "
+                       "(routing key: the level; RabbitMQ's log exchange)."),
+    )
     max_message_size: int = field(
         default=128 * MiB,
         metadata=_meta(

@@ -353,6 +353,8 @@ class SkredCollector(Collector):
         yield _g("channels", "Open AMQP channels", sum(len(s.chs) for s in sessions))
         yield _g("consumers", "Consumers on all queues", sum(len(q.consumers) for q in queues))
         yield _g("queues", "Queues in all vhosts", len(queues))
+        yield _g("queues_paused", "Paused queues (publishes taken, nothing delivered)",
+                 sum(q.paused for q in queues))
         yield _g("exchanges", "Exchanges in all vhosts",
                  sum(len(vh.exchanges) for vh in broker.vhosts.values()))
         yield _g("bindings", "Bindings in all vhosts (default exchange included)",
@@ -562,6 +564,7 @@ _PER_QUEUE: tuple[tuple[str, str, str, Callable[[Any], float]], ...] = (
      lambda q: q.message_count + q.store.unacked_count),
     ("queue_messages_ready_bytes", "gauge", "Body bytes of ready messages", lambda q: q.store.bytes_ready),
     ("queue_consumers", "gauge", "Consumers", lambda q: len(q.consumers)),
+    ("queue_paused", "gauge", "1 while the queue is paused (nothing delivered)", lambda q: int(q.paused)),
     ("queue_messages_published", "counter", "Messages routed to the queue", lambda q: q.n_published),
     ("queue_messages_delivered", "counter", "Deliveries (consume and get)", lambda q: q.n_delivered),
     ("queue_messages_acked", "counter", "Acknowledged", lambda q: q.n_acked),

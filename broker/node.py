@@ -53,6 +53,7 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from broker import metrics, tls
+from broker.amqp import log_exchange
 from broker.amqp.broker import Broker
 from broker.auth.oauth_keys import OAuthKeys, start_oauth
 from broker.auth.parameters import FILE_NAME as PARAMETERS_FILE
@@ -177,6 +178,7 @@ class Node:
         self._reader: asyncio.Task[None] | None = None  # read_stores()
         self._deferred = 0  # queue stores the boot left unread
         self._read_ahead_stop = threading.Event()  # set when the reader is done or the node stops
+        self.log_exchange: log_exchange.LogExchangeHandler | None = None
 
     def make_vhost(self, name: str) -> VHost:
         """A ``VHost`` wired to this node's store settings (at boot, and when the API creates one)."""
@@ -256,7 +258,7 @@ class Node:
             self.start_shovels(broker, mgmt)  # registers its component: before an import resumes
             resume_import(mgmt)  # an import a crash cut off comes back whole, before anything serves
             mgmt.cluster = self.cluster
-            mgmt.node_name = metrics.node_name(cfg.main.node_name, cfg.amqp.port)
+            mgmt.node_name = broker.node_name = metrics.node_name(cfg.main.node_name, cfg.amqp.port)
             if cfg.clustering.enabled:  # every member reports the same rabbitmq_cluster label
                 mgmt.cluster_name = cfg.clustering.etcd_prefix
             else:  # a lone node's cluster is named after it (RabbitMQ's default)
@@ -286,6 +288,9 @@ class Node:
             early, self._early = self._early, []
             for fd, state in early:  # handed over while our listeners were opening
                 self.resume_connection(fd, state)
+            if cfg.main.log_exchange:  # log lines to amq.rabbitmq.log (broker/amqp/log_exchange.py)
+                self.log_exchange = log_exchange.install(broker.vhosts, broker.node_name,
+                                                         loop.call_soon_threadsafe)
         except BaseException:
             self.release_lock()
             raise
@@ -386,7 +391,8 @@ class Node:
                 options, cfg.amqp.bind, cfg.amqp.port, self.amqp.start(cfg.amqp.bind, cfg.amqp.port))
             log.info("AMQP listening on %s:%d", *self.amqp_address)
             if cfg.amqp.port == 0:  # the name tells nodes on one host apart by the port they got
-                mgmt.node_name = metrics.node_name(cfg.main.node_name, self.amqp_address[1])
+                name = metrics.node_name(cfg.main.node_name, self.amqp_address[1])
+                mgmt.node_name = broker.node_name = name
                 if not cfg.clustering.enabled:
                     mgmt.cluster_name = mgmt.node_name
         if self.tls is not None and cfg.amqp.tls_port >= 0:
@@ -589,6 +595,9 @@ class Node:
         log.info("imported definitions from %s", path)
 
     async def shutdown(self) -> None:
+        if self.log_exchange is not None:
+            log_exchange.uninstall(self.log_exchange)
+            self.log_exchange = None
         self._read_ahead_stop.set()
         if self.shovels is not None:  # first: a shovel's source gives its messages back
             await self.shovels.stop()

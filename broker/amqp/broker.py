@@ -150,6 +150,7 @@ class Broker:
     def __init__(self, config: Config, users: UserStore, vhosts: dict[str, VHost],
                  syncer: GroupCommit) -> None:
         self.config = config
+        self.node_name = ""  # RabbitMQ's name@host; the node sets it (firehose trace headers)
         self.users = users
         users.on_change.append(self._permissions_changed)
         self.vhosts = vhosts

@@ -34,7 +34,7 @@ from pamqp import commands
 from pamqp.base import Frame as PFrame
 
 from broker import errors, properties
-from broker.amqp import codec
+from broker.amqp import codec, trace
 from broker.amqp.connection import CH_OPEN, AMQPConnection, PublishArgs, State
 from broker.model import methods
 from broker.model.publish import PublishOutcome, PublishRequest
@@ -180,6 +180,9 @@ class SessionConsumer(Consumer):
                                              s.frame_max)
         s.stats.delivered += 1
         self._send(data)
+        vh = s.vh
+        if vh is not None and vh.meta.tracing:  # firehose: the deliver.<queue> copy
+            trace.delivered(vh, s.origin(chs), self.queue.name, exrk, props, body, redelivered, s.now_ms)
 
     def _send(self, data: bytes) -> None:
         s = self.session
@@ -200,7 +203,9 @@ class SessionConsumer(Consumer):
         the delivery template is checked once and the frames are joined once."""
         body_len = len(bodies[0])
         key = self._t_key
-        if not ((key[2] == body_len and key[1] == len(props) and key[0] == exrk and not key[3])
+        vh = self.session.vh
+        traced = vh is not None and vh.meta.tracing  # one by one, each traced
+        if traced or not ((key[2] == body_len and key[1] == len(props) and key[0] == exrk and not key[3])
                 or self._retemplate(exrk, len(props), body_len, False)):
             super().deliver_same(msgids, exrk, props, bodies)
             return
@@ -231,6 +236,10 @@ class SessionConsumer(Consumer):
         """First-time deliveries with one exchange and routing key (``Consumer.deliver_many``;
         ``msgids`` None: autoack deliveries of a publish run that was never stored): one
         template check per message (sizes only), one joined write for all of them."""
+        vh = self.session.vh
+        if vh is not None and vh.meta.tracing:  # one by one, each traced
+            super().deliver_many(msgids, exrk, props, bodies)
+            return
         chs = self.chs
         tag = chs.next_tag
         k = len(bodies)
@@ -494,6 +503,10 @@ class Session(AMQPConnection):
         assert self.vh is not None
         return self.vh
 
+    def origin(self, chs: ChannelState) -> trace.Origin:
+        """This connection and channel as firehose tracing names them."""
+        return trace.Origin(self.broker.node_name, self.username, self.name, chs.id)
+
     # --------------------------------------------------------------- channels
     def _user_limit(self, name: str) -> int | None:
         """The user's limit ``name`` (RabbitMQ's user limits), None when unlimited (-1 or unset)."""
@@ -584,6 +597,9 @@ class Session(AMQPConnection):
             self._may_publish_to(exchange, args.routing_key)
         # persistence (delivery-mode) is read by the publish operation, only if a durable queue is reached
         out = vh.publish(PublishRequest(exchange, args.routing_key, props, body, self.now_ms, None, args))
+        if vh.meta.tracing:  # firehose: the publish.<exchange> copy
+            trace.published(vh, self.origin(chs), exchange, [args.routing_key], props, body, out.queues,
+                            self.now_ms)
         if out.queues:
             for q in out.queues:
                 if q.consumers:
@@ -666,6 +682,7 @@ class Session(AMQPConnection):
         ex = None if vh is None else vh.exchanges.get(exchange)
         flags = None if same else properties.run_flags(props)
         if ex is None or ex.internal or chs.tx is not None or exchange not in self._write_ok \
+                or (vh is not None and vh.meta.tracing) \
                 or (props[0][0] & HI_REPLY_TO or props[0][1] & FLAG_USER_ID if flags is None
                     else flags & (FLAG_REPLY_TO | FLAG_USER_ID)):
             self.publish_each(channel, args, props, bodies)
@@ -715,7 +732,8 @@ class Session(AMQPConnection):
         ``handle_publish_run``), is published alone, in its place in the order."""
         chs = self.chs[channel]
         vh = self.vh
-        if vh is None or chs.tx is not None or properties.run_flags(props) & (FLAG_REPLY_TO | FLAG_USER_ID):
+        if vh is None or chs.tx is not None or vh.meta.tracing \
+                or properties.run_flags(props) & (FLAG_REPLY_TO | FLAG_USER_ID):
             self.publish_each(channel, args, props, bodies)
             return
         exchange = args[0].exchange
@@ -1100,7 +1118,7 @@ class Session(AMQPConnection):
     def _basic_get(self, chs: ChannelState, m: commands.Basic.Get) -> None:
         self._check("read", m.queue)
         q = self.vhost_obj.get_queue(m.queue, self)
-        got = q.get()
+        got = None if q.paused else q.get()  # paused: nothing leaves it (LavinMQ)
         if got is None:
             self.broker.stats.gets_empty += 1
             self.reply(chs, commands.Basic.GetEmpty())
@@ -1117,6 +1135,10 @@ class Session(AMQPConnection):
             chs.unacked_count += 1
         data = codec.encode_get_ok(chs.id, tag, redelivered, exchange, routing_key, q.message_count,
                                    props, body, self.frame_max)
+        vh = self.vhost_obj
+        if vh.meta.tracing:  # firehose: a get is a delivery too
+            exrk = codec.shortstr(exchange) + codec.shortstr(routing_key)
+            trace.delivered(vh, self.origin(chs), q.name, exrk, props, body, redelivered, self.now_ms)
         if chs.deferred is not None:
             chs.deferred.append(data)
         else:

@@ -702,6 +702,23 @@ for _verb, _method, _path, _done, _help in (
         f"{_verb}_shovel", _help, (arg("name"), VHOST), _shovel_op(_method, _path, _done))
 
 
+
+# --------------------------------------------------------------------- tracing
+def _trace(on: bool) -> Handler:
+    def handler(ctx: Ctx) -> None:
+        ctx.c.feature("firehose tracing", "PUT", f"/api/vhosts/{q(ctx.vhost)}", {"tracing": on})
+        ctx.out.done(f"tracing {'on' if on else 'off'} for vhost '{ctx.vhost}'")
+
+    return handler
+
+
+for _on in (True, False):
+    COMMANDS[f"trace_{'on' if _on else 'off'}"] = Command(
+        f"trace_{'on' if _on else 'off'}",
+        f"firehose tracing {'on' if _on else 'off'} for a vhost (publish.<exchange> and "
+        "deliver.<queue> copies to amq.rabbitmq.trace, as rabbitmqctl's)",
+        (VHOST,), _trace(_on))
+
 # ---------------------------------------------------------------- super streams
 SUPER_STREAM_ARGS = (
     arg("name"),

@@ -100,6 +100,11 @@ def vhost_meta_fields(body: dict[str, Any]) -> dict[str, Any]:
         if qtype not in queue_types.TYPES:
             raise ValueError(f"unknown default_queue_type {qtype!r} (known: {', '.join(queue_types.TYPES)})")
         out["default_queue_type"] = qtype
+    tracing = merged.get("tracing")
+    if tracing is not None:  # RabbitMQ's switch for the firehose (broker/amqp/trace.py)
+        if not isinstance(tracing, bool):
+            raise ValueError("'tracing' must be true or false")
+        out["tracing"] = tracing
     return out
 
 

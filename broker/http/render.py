@@ -100,7 +100,7 @@ def queue_json(mgmt: Mgmt, q: Queue) -> dict[str, Any]:
         "arguments": jsonable(q.arguments),
         "type": queue_types.type_of(q.arguments),
         "node": mgmt.node_name,
-        "state": "running",
+        "state": "paused" if q.paused else "running",
         "policy": policy,
         "operator_policy": operator_policy,
         "effective_policy_definition": jsonable(effective),

@@ -16,6 +16,7 @@ from broker.http.common import (
     bad_request,
     can_see_vhost,
     check_name,
+    committed,
     created,
     forbidden,
     get_str,
@@ -42,7 +43,7 @@ def _vhost_json(request: web.Request, name: str) -> dict[str, Any]:
     r = mgmt.rates.queue_totals_rates([vh])
     meta = vh.meta.to_json()
     return {
-        "name": name, "description": meta["description"], "tags": meta["tags"], "tracing": False,
+        "name": name, "description": meta["description"], "tags": meta["tags"], "tracing": vh.meta.tracing,
         "default_queue_type": meta["default_queue_type"], "metadata": meta,
         "cluster_state": {mgmt.node_name: "running"},
         **message_totals(sum(q.message_count for q in queues),
@@ -80,6 +81,8 @@ async def put_vhost(request: web.Request) -> web.Response:
             vh.meta.update(**meta)
     except ValueError as exc:
         raise bad_request(str(exc)) from None
+    if meta:  # tracing, description...: answered once durable (on a leader: on its followers)
+        await committed(mgmt)
     if existed:
         return no_content()
     # As RabbitMQ does: the administrator who creates a vhost gets full permissions on it.

@@ -313,6 +313,37 @@ async def purge_queue(request: web.Request) -> web.Response:
     return no_content()
 
 
+@routes.put("/api/queues/{vhost}/{name}/pause")
+async def pause_queue(request: web.Request) -> web.Response:
+    """LavinMQ's pause: deliveries stop, publishes go on; durable once answered."""
+    return await _set_paused(request, True)
+
+
+@routes.put("/api/queues/{vhost}/{name}/resume")
+async def resume_queue(request: web.Request) -> web.Response:
+    return await _set_paused(request, False)
+
+
+async def _set_paused(request: web.Request, paused: bool) -> web.Response:
+    vh = _vh(request)
+    q = _queue(request, vh)
+    check_perm(request, "configure", vh.name, q.name)
+    vh.pause_queue(q.name, paused)
+    if q.durable:
+        await committed(request.app[MGMT_KEY])  # the state is in the log (and on the followers)
+    return no_content()
+
+
+@routes.put("/api/queues/{vhost}/{name}/restart")
+async def restart_queue(request: web.Request) -> web.Response:
+    """LavinMQ's restart: the queue's store closed and opened again from its files."""
+    vh = _vh(request)
+    q = _queue(request, vh)
+    check_perm(request, "configure", vh.name, q.name)
+    vh.restart_queue(q.name)
+    return no_content()
+
+
 @routes.get("/api/queues/{vhost}/{name}/bindings")
 async def queue_bindings(request: web.Request) -> web.Response:
     vh = _vh(request)

@@ -117,7 +117,7 @@ class Queue:
         "consumers", "_schedule", "_scheduled", "_rr", "deleted", "had_consumers", "on_unused",
         "name_bytes", "on_dirty", "n_published", "n_delivered", "n_acked", "n_redelivered", "n_gets",
         "n_gets_no_ack", "n_get_empty",
-        "features", "fast", "variants",
+        "features", "fast", "variants", "paused",
     )
 
     def __init__(
@@ -167,6 +167,9 @@ class Queue:
         self.fast = fast if fast is not None else FastPaths()
         # how a classic queue becomes featured (None: it stays what it is)
         self.variants = variants
+        # Paused (LavinMQ's pause): publishes are taken, nothing is delivered or got until
+        # resumed. Set by ``VHost.pause_queue``, which logs it with the queue's definition.
+        self.paused = False
 
     @property
     def dead_letters(self) -> bool:
@@ -208,7 +211,7 @@ class Queue:
         """A message with an ``expiration`` property reached this queue."""
 
     def schedule_delivery(self) -> None:
-        if not self._scheduled and self.consumers and not self.deleted:
+        if not self._scheduled and self.consumers and not self.deleted and not self.paused:
             self._scheduled = True
             self._schedule(self._deliver)
 
@@ -272,7 +275,7 @@ class ClassicQueue(Queue):
         caller has them already (saves building them for a direct delivery).
         """
         store = self.store
-        if self.consumers and not store.ready_count and self.fast.on:
+        if self.consumers and not store.ready_count and self.fast.on and not self.paused:
             # Nothing waits: hand the message straight to a consumer with capacity.
             c = self._next_consumer()
             if c is not None:
@@ -313,7 +316,7 @@ class ClassicQueue(Queue):
         consumers = self.consumers
         single = None  # the one consumer that may take some of it now
         room = 0
-        if consumers and not store.ready_count and len(consumers) == 1:
+        if consumers and not store.ready_count and len(consumers) == 1 and not self.paused:
             single = consumers[0]
             room = single.capacity()
             if room > 0 and single.no_ack:
@@ -413,7 +416,7 @@ class ClassicQueue(Queue):
         priorities) the type picks the consumer (``_pick``) and takes each message
         (``_take``)."""
         self._scheduled = False
-        if self.deleted:
+        if self.deleted or self.paused:
             return
         store = self.store
         plain = not self.per_message

@@ -14,9 +14,9 @@ and ``x-stream-timestamp`` (append time, ms), properties re-encoded with pamqp (
 pay for that).
 
 Start position (consumer argument ``x-stream-offset``): ``first``, ``last``, ``next``, an
-integer offset, a timestamp (first message at or after it) or an interval such as ``1h``
-(messages of the last hour). Without the argument a consumer resumes from the offset stored
-for its consumer tag, else ``next``.
+integer offset (negative: the last N messages, as LavinMQ reads it), a timestamp (first
+message at or after it) or an interval such as ``1h`` (messages of the last hour). Without
+the argument a consumer resumes from the offset stored for its consumer tag, else ``next``.
 
 Chunk-level paths (the stream protocol's): ``publish_run`` stores a run of messages as one
 append (``StreamStore.append_run``: one write, one replication record, visible all at once).
@@ -345,8 +345,8 @@ class StreamQueue(Queue):
             spec = spec.decode(errors="replace")
         if isinstance(spec, bool):
             raise errors.PreconditionFailed("invalid x-stream-offset", 60, 20)
-        if isinstance(spec, int):
-            return max(spec, 0)
+        if isinstance(spec, int):  # negative: the last -spec messages (LavinMQ)
+            return max(s.next_offset + spec, s.first_offset) if spec < 0 else spec
         if isinstance(spec, datetime.datetime):
             if spec.tzinfo is None:
                 spec = spec.replace(tzinfo=datetime.UTC)
@@ -398,7 +398,7 @@ class StreamQueue(Queue):
 
     def _deliver(self) -> None:
         self._scheduled = False
-        if self.deleted:
+        if self.deleted or self.paused:
             return
         self._more = False
         budget = _PASS_BUDGET

@@ -66,12 +66,21 @@ DEFAULT_EXCHANGES = (
     ("amq.topic", "topic"),
     ("amq.headers", "headers"),
     ("amq.match", "headers"),
+    ("amq.rabbitmq.trace", "topic"),  # internal: firehose tracing's copies (broker/amqp/trace.py)
 )
+TRACE_EXCHANGE = "amq.rabbitmq.trace"
 _COMPACT_AFTER = 10_000  # deletes before the definitions log is rewritten
 
 
 def _equivalent(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return {k: v for k, v in a.items()} == {k: v for k, v in b.items()}
+
+
+_PAUSED = "x-paused"  # the argument of a pause record (a passive queue.declare in the log)
+
+
+def _pause_record(queue: str, paused: bool) -> PFrame:
+    return methods.QueueDeclare(queue=queue, durable=True, passive=True, arguments={_PAUSED: paused})
 
 
 class VHost:
@@ -111,7 +120,7 @@ class VHost:
         self.n_confirmed = self.n_unroutable = self.n_returned = 0
         write_name(self.dir / ".vhost", name, sink)
         for ename, etype in DEFAULT_EXCHANGES:
-            self.exchanges[ename] = Exchange(ename, etype, durable=True)
+            self.exchanges[ename] = Exchange(ename, etype, durable=True, internal=ename == TRACE_EXCHANGE)
         self.definitions = DefinitionsLog(self.dir / "definitions.amqp", sink)
         self.call_later = call_later  # timers for TTL / x-expires (broker/model/features.py)
         self.policy_set = policy.PolicySet(self.dir / "policies.json", sink)
@@ -147,6 +156,10 @@ class VHost:
         elif isinstance(m, commands.Exchange.Delete):
             if m.exchange in self.exchanges:
                 self.delete_exchange(m.exchange)
+        elif isinstance(m, commands.Queue.Declare) and m.passive:  # a paused/resumed record
+            q = self.queues.get(m.queue)
+            if q is not None:
+                q.paused = bool((m.arguments or {}).get(_PAUSED))
         elif isinstance(m, commands.Queue.Declare):
             self.declare_queue(m.queue, durable=True, auto_delete=m.auto_delete,
                                arguments=m.arguments or {}, owner=None)
@@ -207,6 +220,8 @@ class VHost:
             if q.durable and q.exclusive_owner is None:
                 records.append(pframe.marshal(methods.QueueDeclare(
                     queue=q.name, durable=True, auto_delete=q.auto_delete, arguments=q.arguments), 0))
+                if q.paused:
+                    records.append(pframe.marshal(_pause_record(q.name, True), 0))
         for ex in self.exchanges.values():
             if not ex.durable:
                 continue
@@ -442,6 +457,50 @@ class VHost:
         if persistent:
             self._compact_after_delete()
         return count
+
+    def pause_queue(self, name: str, paused: bool) -> Queue:
+        """Pause (or resume) a queue: publishes are still taken, nothing is delivered while
+        paused. A durable queue's state is a record in the definitions log right after its
+        declare (replicated with it, so it survives a restart and a failover): a passive
+        queue.declare whose arguments say ``x-paused``. DiskFull changes nothing."""
+        q = self.queues.get(name)
+        if q is None:
+            raise errors.NotFound(f"no queue '{name}' in vhost '{self.name}'")
+        if q.paused == paused:
+            return q
+        if q.durable and q.exclusive_owner is None:
+            self._log(_pause_record(name, paused))
+        q.paused = paused
+        if not paused:
+            q.schedule_delivery()
+        return q
+
+    def restart_queue(self, name: str) -> Queue:
+        """Close a durable queue's store and open it again from its files (LavinMQ's restart):
+        the same queue, bindings and paused state, its store read afresh. Refused while it has
+        consumers (their unacked deliveries are the old store's) and for a transient queue
+        (its store lives only as long as it does)."""
+        q = self.queues.get(name)
+        if q is None:
+            raise errors.NotFound(f"no queue '{name}' in vhost '{self.name}'")
+        if not q.durable or q.exclusive_owner is not None:
+            raise errors.PreconditionFailed(f"queue '{name}' in vhost '{self.name}' is not durable")
+        if q.consumers:
+            raise errors.PreconditionFailed(f"queue '{name}' in vhost '{self.name}' has consumers")
+        bound = [(ex.name, rk, dict(args)) for ex in self.exchanges.values() if ex.name
+                 for dest, rk, args in ex.bindings() if dest is q]
+        del self.queues[name]
+        for ex in self.exchanges.values():
+            ex.unbind_all(q)
+        q.deleted = True  # no pass runs on it again; its files stay
+        q.close()
+        with self.unlogged():  # as a boot replays it: nothing new in the log
+            nq, _ = self.declare_queue(name, durable=True, auto_delete=q.auto_delete,
+                                       arguments=q.arguments, owner=None)
+            for ex_name, rk, args in bound:
+                self.bind_queue(name, ex_name, rk, args, owner=None)
+        nq.paused = q.paused
+        return nq
 
     def _auto_delete_exchange(self, ex: Exchange) -> None:
         if self.exchanges.get(ex.name) is ex:

@@ -215,3 +215,17 @@ def test_fanout_to_a_stream_and_a_classic_queue(pika_conn: pika.BlockingConnecti
     expected = [b"one"] + [b"run-%d" % i for i in range(50)]
     assert [b for _o, b, _h in _consume(pika_conn, s, 51, args={"x-stream-offset": "first"})] == expected
     assert ch.queue_declare(q, passive=True).method.message_count == 51
+
+
+def test_negative_offset_is_the_last_n(pika_conn: pika.BlockingConnection, cleanup: Cleanup) -> None:
+    """LavinMQ: a negative ``x-stream-offset`` starts N messages before the end (never before
+    the first)."""
+    q = cleanup.queue()
+    ch = pika_conn.channel()
+    ch.queue_declare(q, durable=True, arguments=STREAM)
+    _publish(ch, q, [b"n%d" % i for i in range(10)])
+    last3 = _consume(pika_conn, q, 3, args={"x-stream-offset": -3})
+    assert [o for o, _, _ in last3] == [7, 8, 9]
+    assert [b for _, b, _ in last3] == [b"n7", b"n8", b"n9"]
+    everything = _consume(pika_conn, q, 10, args={"x-stream-offset": -100})
+    assert [o for o, _, _ in everything] == list(range(10))

@@ -609,3 +609,22 @@ def test_shovels_page_adds_pauses_and_deletes_a_shovel(browser: WebDriver, share
         assert not browser_errors(browser)
     finally:
         conn.close()
+
+
+def test_queue_page_pauses_and_resumes_the_queue(browser: WebDriver, shared_broker: Broker) -> None:
+    b = shared_broker
+    q = f"ui-pause-{uuid.uuid4().hex[:6]}"
+    conn = connect(b)
+    try:
+        conn.channel().queue_declare(q, durable=True)
+        login(browser, b)
+        go(browser, b, f"queues/%2F/{q}")
+        wait(browser, "queue running", lambda d: text_of(d, By.ID, "queue-state") == "running")
+        click(browser, By.ID, "queue-pause")
+        wait(browser, "queue paused", lambda d: text_of(d, By.ID, "queue-state") == "paused")
+        shot(browser, "queue-paused")
+        click(browser, By.ID, "queue-resume")
+        wait(browser, "queue running again", lambda d: text_of(d, By.ID, "queue-state") == "running")
+    finally:
+        conn.channel().queue_delete(q)
+        conn.close()

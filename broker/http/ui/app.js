@@ -697,14 +697,20 @@
     const actions = h("div", { class: "bar" },
       confirmButton("Purge", `Remove every ready message from ${name}?`, "Queue purged.", () => api("DELETE", `${base}/contents`)),
       confirmButton("Delete queue", `Delete queue ${name} and its messages?`, "Queue deleted.", () => api("DELETE", base), () => { location.hash = "#/queues"; }));
+    // LavinMQ's queue actions: paused, a queue takes publishes and delivers nothing
+    const stateButton = (label, action, what) => h("button", { type: "button", id: `queue-${action}`,
+      onclick: () => act(what, () => api("PUT", `${base}/${action}`)) }, label);
+    const lifecycle = h("div", { class: "bar" }, stateButton("Pause", "pause", "Queue paused."),
+      stateButton("Resume", "resume", "Queue resumed."), stateButton("Restart", "restart", "Queue restarted."));
     const streamBox = h("div");
     page(`Queue ${name}`, h("p", { class: "muted" }, `Virtual host ${vhost}`), details, h("div", { class: "charts" }, lengthChart.root, rateChart.root),
       h("h2", {}, "Consumers"), consumers, h("h2", {}, "Bindings"), bindings, bindingForm(vhost, { destination: name }),
-      getForm, got, streamBox, publishForm(vhost, "", name), h("h2", {}, "Purge or delete"), actions);
+      getForm, got, streamBox, publishForm(vhost, "", name), h("h2", {}, "Pause, resume or restart"), lifecycle,
+      h("h2", {}, "Purge or delete"), actions);
     let streamReady = false;
     return async () => {
       const q = await api("GET", ranged(base));
-      details.replaceChildren(kv([["Type", q.type], ["State", q.state], ["Durable", yes(q.durable)], ["Auto-delete", yes(q.auto_delete)],
+      details.replaceChildren(kv([["Type", q.type], ["State", h("span", { id: "queue-state" }, q.state)], ["Durable", yes(q.durable)], ["Auto-delete", yes(q.auto_delete)],
         ["Exclusive", yes(q.exclusive)], ["Arguments", json(q.arguments)], ["Policy", q.policy || ""], ["Operator policy", q.operator_policy || ""],
         ["Effective policy", json(q.effective_policy_definition)],
         ["Ready", h("span", { id: "queue-ready" }, num(q.messages_ready))], ["Unacked", num(q.messages_unacknowledged)],
