@@ -21,7 +21,7 @@ import pika
 import pytest
 
 from ._support import SkredProcess, free_port, is_external, unique, wait_until
-from .conformance._rabbit import RabbitProcess, missing
+from .conformance._rabbit import RabbitProcess, require
 from .test_federation import LINK_DEADLINE, consume_n, count, drain, links, policy
 from .test_mgmt_api import Api, http_ready
 
@@ -40,11 +40,7 @@ class FederatingRabbit(RabbitProcess):
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FederatingRabbit, SkredProcess]]:
     if is_external():
         pytest.skip("starts its own brokers")
-    why = missing()
-    if why:
-        if os.environ.get("SKRED_REQUIRE_RABBITMQ"):
-            pytest.fail(f"SKRED_REQUIRE_RABBITMQ is set but {why}")
-        pytest.skip(why)
+    require()
     root: Path = tmp_path_factory.mktemp("fedrabbit")
     rabbit = FederatingRabbit(root / "rabbitmq", name="skredfed")
     skred = SkredProcess(root / "skred-data", ["--mgmt-metrics-port", str(free_port())])

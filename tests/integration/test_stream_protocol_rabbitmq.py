@@ -11,7 +11,6 @@ unless ``SKRED_REQUIRE_RABBITMQ`` is set (CI), when it fails.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ import pytest
 
 from . import test_stream_protocol as scenarios
 from ._support import is_external
-from .conformance._rabbit import RabbitProcess, missing
+from .conformance._rabbit import RabbitProcess, require
 
 
 class _Amqp:
@@ -37,11 +36,7 @@ class _Amqp:
 def rabbit(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Amqp]:
     if is_external():
         pytest.skip("starts its own RabbitMQ")
-    why = missing()
-    if why:
-        if os.environ.get("SKRED_REQUIRE_RABBITMQ"):
-            pytest.fail(f"SKRED_REQUIRE_RABBITMQ is set but {why}")
-        pytest.skip(why)
+    require()
     node = RabbitProcess(Path(tmp_path_factory.mktemp("rabbit-stream")), management=False, stream=True,
                          name="skredstream")
     try:
