@@ -21,14 +21,13 @@ action); ``MQTTServer`` is the ``views.FrontEndView`` the node adds to the manag
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
 import ssl
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, cast
 
+from broker.aio import Listeners
 from broker.auth.throttle import TooManyFailures, check_login
 from broker.auth.users import UNIX_PEER, UserStore
 from broker.config import MqttConfig
@@ -450,8 +449,7 @@ class MQTTServer:
                                  SessionStates(sessions), vhosts, users, self.settings)
         self.peers = peers if peers is not None else {}
         self.connections: set[MQTTProtocol] = set()
-        self.servers: list[asyncio.Server] = []
-        self.addresses: dict[str, tuple[str, int]] = {}
+        self.listeners = Listeners("MQTT", log)  # plain, TLS and Unix-socket listeners
         self._tasks: set[asyncio.Task[None]] = set()
         self.hold = PublisherHold()
 
@@ -489,44 +487,21 @@ class MQTTServer:
                     self.registry.states.forget(key)
                 except OSError as exc:
                     log.warning("MQTT session state of '%s' stays: %s", key[1], exc)
-        wanted: list[tuple[str, int, ssl.SSLContext | None]] = []
         if cfg.port >= 0:
-            wanted.append(("mqtt", cfg.port, None))
+            await self.listeners.tcp("mqtt", lambda: MQTTProtocol(self), cfg.bind, cfg.port)
         if tls is not None and cfg.tls_port >= 0:
-            wanted.append(("mqtts", cfg.tls_port, tls()))
-        for name, port, ctx in wanted:
-            try:
-                server = await asyncio.get_running_loop().create_server(
-                    lambda: MQTTProtocol(self), cfg.bind, port, ssl=ctx, reuse_address=True)
-            except OSError as exc:
-                log.error("%s listener not started: cannot bind %s:%d: %s", name.upper(), cfg.bind, port,
-                          exc.strerror or exc)
-                continue
-            self.servers.append(server)
-            addr = server.sockets[0].getsockname()
-            self.addresses[name] = (str(addr[0]), int(addr[1]))
-            log.info("%s listening on %s:%d", name.upper(), *self.addresses[name])
+            await self.listeners.tcp("mqtts", lambda: MQTTProtocol(self), cfg.bind, cfg.tls_port, tls())
         if cfg.unix_path:
-            try:
-                server = await asyncio.get_running_loop().create_unix_server(
-                    lambda: MQTTProtocol(self, unix=True), cfg.unix_path)
-                os.chmod(cfg.unix_path, unix_mode)
-            except OSError as exc:
-                log.error("MQTT Unix socket not started: cannot bind %s: %s", cfg.unix_path,
-                          exc.strerror or exc)
-            else:
-                self.servers.append(server)
-                log.info("MQTT listening on Unix socket %s", cfg.unix_path)
+            await self.listeners.unix(lambda: MQTTProtocol(self, unix=True), cfg.unix_path, unix_mode)
+
+    @property
+    def addresses(self) -> dict[str, tuple[str, int]]:
+        return self.listeners.addresses
 
     async def stop(self) -> None:
-        for server in self.servers:
-            server.close()
+        self.listeners.close(self.config.unix_path)
         for conn in list(self.connections):
             conn.abort(P.RC_SERVER_SHUTTING_DOWN)
         for task in list(self._tasks):
             task.cancel()
         self.hold.close()
-        self.servers.clear()
-        if self.config.unix_path:
-            with contextlib.suppress(OSError):
-                os.unlink(self.config.unix_path)
