@@ -109,6 +109,12 @@ def test_tracing_must_be_a_boolean(mb: SkredProcess) -> None:
     api = Api(mb.mgmt_port)
     assert api.call("PUT", "/api/vhosts/%2F", {"tracing": "yes"})[0] == 400
     assert api.get("/api/vhosts/%2F")["tracing"] is False
+    # RabbitMQ's own rabbitmqadmin sends every field as a string ("tracing=true" -> "true"), and
+    # RabbitMQ takes the strings "true" and "false" for this switch; so does Skred.
+    api.ok("PUT", "/api/vhosts/%2F", {"tracing": "true"})
+    assert api.get("/api/vhosts/%2F")["tracing"] is True
+    api.ok("PUT", "/api/vhosts/%2F", {"tracing": "false"})
+    assert api.get("/api/vhosts/%2F")["tracing"] is False
 
 
 def test_log_exchange_gets_the_brokers_warnings(tmp_path_factory: pytest.TempPathFactory) -> None:
