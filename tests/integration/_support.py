@@ -49,15 +49,25 @@ def is_external() -> bool:
 _GIVEN: dict[int, None] = {}  # ports handed out lately, oldest first
 
 
+def _port_share() -> tuple[int, int]:
+    """(this pytest-xdist worker's index, worker count); (0, 1) outside xdist."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    return (int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else 0), max(count, 1)
+
+
 def free_port() -> int:
     """A port nothing listens on now and that this process has not handed out lately: the
     kernel may give a just-released port to the next ``bind(0)``, and a broker took the same
-    number for two of its listeners once."""
+    number for two of its listeners once. Under pytest-xdist each worker takes only the ports
+    whose number modulo the worker count is its index, so two test files running side by side
+    are never handed the same port between its release and the broker's bind."""
+    index, count = _port_share()
     while True:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("127.0.0.1", 0))
             port = int(s.getsockname()[1])
-        if port not in _GIVEN:
+        if port not in _GIVEN and port % count == index:
             break
     _GIVEN[port] = None
     if len(_GIVEN) > 4096:

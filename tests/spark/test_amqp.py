@@ -18,17 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from integration._support import free_port  # one picker for every test: no repeats, per xdist worker
 
 pika = pytest.importorskip("pika")
 
 REPO = Path(__file__).resolve().parents[2]
 N = 1000
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _answers(port: int) -> bool:
@@ -51,10 +46,10 @@ def _answers(port: int) -> bool:
 @pytest.fixture(scope="module")
 def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     tmp = tmp_path_factory.mktemp("skred-amqp")
-    data, port = tmp / "data", _free_port()
+    data, port = tmp / "data", free_port()
     argv = [sys.executable, "-m", "broker", "--data-dir", str(data), "--amqp-port", str(port),
-            "--amqp-bind", "127.0.0.1", "--mgmt-port", str(_free_port()),
-            "--mgmt-metrics-port", str(_free_port())]
+            "--amqp-bind", "127.0.0.1", "--mgmt-port", str(free_port()),
+            "--mgmt-metrics-port", str(free_port())]
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, PYTHONPATH=path)
     with open(tmp / "broker.log", "wb") as log:
