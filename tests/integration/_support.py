@@ -75,6 +75,36 @@ def free_port() -> int:
     return port
 
 
+def group_alive(pgid: int) -> bool:
+    """True while any process of the process group ``pgid`` (one we started) is alive."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stop_group(proc: subprocess.Popen[bytes] | None, deadline_s: float = STOP_DEADLINE) -> None:
+    """SIGTERM the process group we started with ``start_new_session=True``, SIGKILL it after a
+    deadline, and wait until every member is gone (a shell script's child may outlive it)."""
+    if proc is None:
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if not group_alive(proc.pid):
+            break
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + deadline_s
+        while group_alive(proc.pid) and time.monotonic() < deadline:
+            proc.poll()  # reap the group leader so it stops counting as alive
+            time.sleep(0.05)  # poll interval, bounded by the deadline
+    proc.poll()
+
+
 def amqp_answers(host: str, port: int, timeout: float = 1.0) -> bool:
     """True when something on host:port answers the AMQP header with a connection.start frame
     (and not a follower's "no cluster leader yet" one: that node serves nobody yet)."""

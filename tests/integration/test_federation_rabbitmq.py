@@ -10,7 +10,6 @@ RabbitMQ installed the module skips with the reason, unless ``SKRED_REQUIRE_RABB
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -20,7 +19,7 @@ from typing import Any
 import pika
 import pytest
 
-from ._support import SkredProcess, free_port, is_external, unique, wait_until
+from ._support import SkredProcess, free_port, is_external, stop_group, unique, wait_until
 from .conformance._rabbit import RabbitProcess, require
 from .test_federation import LINK_DEADLINE, consume_n, count, drain, links, policy
 from .test_mgmt_api import Api, http_ready
@@ -212,13 +211,7 @@ class CeleryWorker:
 
     def stop(self) -> None:
         """A warm shutdown (SIGTERM): the task running finishes and is acked, the rest goes back."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+        stop_group(self.proc, 30)
 
 
 def produce(tmp: Path, url: str, tags: list[str]) -> None:

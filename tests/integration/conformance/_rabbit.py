@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import time
@@ -41,7 +40,7 @@ from typing import IO
 
 import pytest
 
-from .._support import amqp_answers, free_port
+from .._support import amqp_answers, free_port, stop_group
 
 # Debian's real start script (the /usr/sbin one su's to the rabbitmq user); another install (a
 # generic-unix tarball) can be named with SKRED_RABBITMQ_SERVER.
@@ -207,40 +206,11 @@ class RabbitProcess:
         except OSError:
             return ""
 
-    @staticmethod
-    def _group_alive(pgid: int) -> bool:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-
-    @classmethod
-    def _stop_group(cls, proc: subprocess.Popen[bytes] | None, deadline_s: float = STOP_DEADLINE) -> None:
-        """SIGTERM the process group we started, SIGKILL it after a deadline; wait until it is gone
-        (the node's beam outlives its shell script by a moment)."""
-        if proc is None:
-            return
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            if not cls._group_alive(proc.pid):
-                break
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
-            deadline = time.monotonic() + deadline_s
-            while cls._group_alive(proc.pid) and time.monotonic() < deadline:
-                proc.poll()  # reap the group leader so it stops counting as alive
-                time.sleep(0.05)  # poll interval, bounded by the deadline
-        proc.poll()
-
     def close(self, deadline_s: float = STOP_DEADLINE) -> None:
         """Stop the node (``deadline_s`` for a clean stop before SIGKILL: a benchmark with a
         backlog of millions gives it minutes) and its epmd. ``spawn`` starts it again."""
-        self._stop_group(self.proc, deadline_s)
-        self._stop_group(self.epmd)
+        stop_group(self.proc, deadline_s)
+        stop_group(self.epmd)
         if self._log is not None:
             self._log.close()
             self._log = None
