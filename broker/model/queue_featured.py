@@ -173,6 +173,8 @@ def attach(publisher: Republisher | None, q: ClassicQueue, args_cfg: QueueConfig
     else:
         if publisher is not None:
             f.publisher = publisher
+        if call_later is not None and f.call_later is None:
+            f.call_later = call_later
         f.reconfigure(cfg)
 
 
@@ -184,6 +186,8 @@ def featured(q: ClassicQueue, publisher: Republisher | None = None,
         return _become_featured(q, publisher, QueueConfig(), call_later)
     if publisher is not None and f.publisher is None:
         f.publisher = publisher
+    if call_later is not None and f.call_later is None:
+        f.call_later = call_later
     return f
 
 
@@ -201,4 +205,4 @@ class Promotion:
         featured(q, self.publisher, self.call_later).msg_ttl_seen = True
 
     def priority_consumer(self, q: ClassicQueue) -> None:
-        featured(q).consumers_changed()  # (made featured without the vhost's hooks, as ever)
+        featured(q, self.publisher, self.call_later).consumers_changed()

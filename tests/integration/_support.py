@@ -60,14 +60,14 @@ def free_port() -> int:
     """A port nothing listens on now and that this process has not handed out lately: the
     kernel may give a just-released port to the next ``bind(0)``, and a broker took the same
     number for two of its listeners once. Under pytest-xdist each worker takes only the ports
-    whose number modulo the worker count is its index, so two test files running side by side
+    whose number halved, modulo the worker count, is its index, so two test files running side by side
     are never handed the same port between its release and the broker's bind."""
     index, count = _port_share()
     while True:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("127.0.0.1", 0))
             port = int(s.getsockname()[1])
-        if port not in _GIVEN and port % count == index:
+        if port not in _GIVEN and (port // 2) % count == index:  # Linux's bind(0) prefers even ports
             break
     _GIVEN[port] = None
     if len(_GIVEN) > 4096:

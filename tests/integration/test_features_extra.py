@@ -91,6 +91,31 @@ def test_http_policy_applies_live_and_survives_restart(broker: Broker) -> None:
     conn.close()
 
 
+def test_policy_ttl_expires_on_a_queue_a_priority_consumer_made_featured(broker: Broker) -> None:
+    """A consumer with x-priority turns a plain queue into a featured one; a message-ttl policy
+    set later must then expire and dead-letter with nobody consuming (the queue's timer), not
+    only when something reads the queue."""
+    wait_http(broker)
+    conn = connect(broker)
+    ch = conn.channel()
+    dlx, dead, q = unique("dlx"), unique("dead"), unique("prio-ttl")
+    ch.exchange_declare(dlx, "fanout")
+    ch.queue_declare(dead)
+    ch.queue_bind(dead, dlx)
+    ch.queue_declare(q)
+    tag = ch.basic_consume(q, lambda *_: None, arguments={"x-priority": 5})
+    ch.basic_cancel(tag)
+    st, _ = http(broker, "PUT", "/api/policies/%2F/prio-ttl",
+                 {"pattern": "^" + q.replace(".", "\\.") + "$",
+                  "definition": {"message-ttl": 100, "dead-letter-exchange": dlx}, "apply-to": "queues"})
+    assert st == 201
+    ch.basic_publish("", q, b"old")
+    wait_until(lambda: queue_count(conn, dead) == 1, 5, "the policy's TTL dead-lettering the message")
+    assert queue_count(conn, q) == 0
+    assert http(broker, "DELETE", "/api/policies/%2F/prio-ttl")[0] == 204
+    conn.close()
+
+
 # ------------------------------------------------------------------ 2. delayed messages
 def test_delayed_exchange_requires_type(broker: Broker) -> None:
     conn = connect(broker)
