@@ -121,7 +121,7 @@ async def read_status(config: Config) -> dict[str, Any]:
         leader = await etcd.get("leader")
         isr, _raw = await etcd.read_isr()
         members = await etcd.members()
-        shard_keys = await etcd.get_prefix(SHARDS) if c.shard_leaders else {}
+        shard_keys = await etcd.get_prefix(SHARDS)
     finally:
         await etcd.close()
     leader_uri = leader.decode(errors="replace") if leader is not None else None
@@ -137,7 +137,7 @@ async def read_status(config: Config) -> dict[str, Any]:
     out: dict[str, Any] = {"etcd": c.etcd_endpoints, "prefix": etcd.prefix,
                            "leader": {"node_id": leader_id, "uri": leader_uri}, "isr": isr or [],
                            "members": nodes}
-    if c.shard_leaders:
+    if c.shard_leaders or shard_keys:  # the nodes elect per shard (whatever this command was told)
         shards = {vhost: shard_holder(raw) for key, (raw, _term) in shard_keys.items()
                   if (vhost := shard_of_key(key)) is not None}
         out["shards"] = [{"vhost": v, "leader": n} for v, n in sorted(shards.items())]

@@ -152,6 +152,9 @@ class ShardLeaders:
         if self.etcd.lease_id != self._lease:  # a new lease: every key of the old one is gone
             self._lease = self.etcd.lease_id
             self._lost(list(self.held), "our lease changed")
+        if not self.etcd.lease_alive():  # unrefreshed for a TTL: etcd may have expired our keys
+            self._lost(list(self.held), "our lease is presumed expired")
+            return
         members = await self.etcd.members()
         if self.node_id not in members:
             return  # peers cannot see us yet: they would not place a shard on us

@@ -53,7 +53,7 @@ def shards(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ShardCluster]:
 def cluster_status(sc: ShardCluster) -> dict[str, Any]:
     out = subprocess.run(
         [sys.executable, "-m", "broker", "--cluster-status", "--json", "--clustering",
-         "--clustering-shard-leaders", "--clustering-etcd-endpoints", sc.c.etcd.endpoint,
+         "--clustering-etcd-endpoints", sc.c.etcd.endpoint,
          "--clustering-etcd-prefix", sc.c.prefix],
         cwd=str(REPO_ROOT), capture_output=True, timeout=30, check=True)
     return dict(json.loads(out.stdout))
