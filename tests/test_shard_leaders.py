@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 from broker.cluster.etcd import shard_holder, shard_key, shard_of_key
+from broker.cluster.status import ClusterView
 from broker.shards.leaders import Action, decide
 from broker.shards.placement import node_of, vhost_shard
 
@@ -44,9 +45,10 @@ def test_a_node_leaving_moves_only_its_shards_and_returning_hands_them_back() ->
 
 def test_a_node_not_in_sync_neither_campaigns_nor_gets_shards_handed_back() -> None:
     isr = {"a", "b"}  # c is live again but still syncing
-    assert leaders(NODES, isr) == leaders({"a": 1, "b": 1})
+    two = leaders({"a": 1, "b": 1})
+    assert leaders(NODES, isr) == two
     for vhost in VHOSTS:
-        holder = leaders({"a": 1, "b": 1})[vhost]
+        holder = two[vhost]
         assert decide(holder, vhost, holder, NODES, isr) is Action.KEEP
         assert decide("c", vhost, None, NODES, isr) is Action.WAIT
 
@@ -69,3 +71,12 @@ def test_shard_keys_round_trip_any_vhost_name() -> None:
     assert shard_of_key("members/x") is None
     assert shard_holder(b'{"node_id": "n1", "uri": "tcp://x"}') == "n1"
     assert shard_holder(b"junk") == "?"
+
+
+def test_with_the_switch_off_the_member_record_and_status_are_unchanged() -> None:
+    view = ClusterView("n1", "tcp://127.0.0.1:1")
+    assert view.member_record() == {"uri": "tcp://127.0.0.1:1", "role": "starting", "warm": False}
+    assert "shards" not in view.status()
+    view.weight, view.shards = 2, {"/": {"leader": "n1", "term": 7, "preferred": "n1"}}
+    assert view.member_record()["workers"] == 2
+    assert view.status()["shards"] == [{"vhost": "/", "leader": "n1", "term": 7, "preferred": "n1"}]

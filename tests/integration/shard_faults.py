@@ -75,8 +75,12 @@ class ShardCluster:
         self.c = Cluster(tmp, ttl=TTL)
         self.by_id: dict[str, ClusterNode] = {}
         try:
+            self.hook_file = tmp / "shard-hooks.txt"
+            hook = f'echo "$SKRED_ROLE $SKRED_NODE_ID ${{SKRED_SHARD-(cluster)}}" >> {self.hook_file}'
             for node, nid in zip(self.c.nodes, IDS, strict=True):
-                node.argv.append("--clustering-shard-leaders")
+                # the last of a repeated option wins: these hooks name the shard
+                node.argv += ["--clustering-shard-leaders", "--clustering-on-leader-elected", hook,
+                              "--clustering-on-leader-lost", hook]
                 node.data_dir.mkdir(parents=True, exist_ok=True)
                 (node.data_dir / ".node_id").write_text(nid + "\n")
                 self.by_id[nid] = node
@@ -106,6 +110,12 @@ class ShardCluster:
         with urllib.request.urlopen(req, timeout=10) as resp:
             raw = resp.read()
         return json.loads(raw) if raw else None
+
+    def hook_lines(self) -> list[str]:
+        try:
+            return self.hook_file.read_text().splitlines()
+        except FileNotFoundError:
+            return []
 
     def close(self) -> None:
         self.c.close()

@@ -71,6 +71,18 @@ def test_six_vhosts_spread_two_per_node_everywhere_it_shows(shards: ShardCluster
     assert {s["vhost"]: s["leader"] for s in view["shards"]} == want
 
 
+def test_hooks_name_the_shard_and_a_deleted_vhost_gives_its_shard_up(shards: ShardCluster) -> None:
+    want = expected()
+    wait_for(lambda: all(f"leader {n} {v}" in shards.hook_lines() for v, n in want.items()), 10,
+             "an on_leader_elected hook per shard, naming it")
+    shards.api(shards.leader, "PUT", "/api/vhosts/short-lived")
+    wait_for(lambda: "short-lived" in shards.leaders(), 10, "the new vhost's shard led")
+    holder = shards.leaders()["short-lived"]
+    shards.api(shards.leader, "DELETE", "/api/vhosts/short-lived")
+    wait_for(lambda: "short-lived" not in shards.leaders(), 10, "the deleted vhost's shard key gone")
+    wait_for(lambda: f"follower {holder} short-lived" in shards.hook_lines(), 10, "its on_leader_lost hook")
+
+
 def test_confirmed_publishes_reach_every_vhost_through_every_node(shards: ShardCluster) -> None:
     for vhost in VHOSTS:
         for node in shards.c.nodes:
