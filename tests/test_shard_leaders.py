@@ -6,7 +6,7 @@ from collections import Counter
 
 from broker.cluster.etcd import shard_holder, shard_key, shard_of_key
 from broker.cluster.status import ClusterView
-from broker.shards.leaders import Action, decide
+from broker.shards.leaders import Action, decide, in_sync
 from broker.shards.placement import node_of, vhost_shard
 
 NODES = {"a": 1, "b": 1, "c": 1}
@@ -80,3 +80,12 @@ def test_with_the_switch_off_the_member_record_and_status_are_unchanged() -> Non
     view.weight, view.shards = 2, {"/": {"leader": "n1", "term": 7, "preferred": "n1"}}
     assert view.member_record()["workers"] == 2
     assert view.status()["shards"] == [{"vhost": "/", "leader": "n1", "term": 7, "preferred": "n1"}]
+
+
+def test_a_node_restarted_before_the_isr_dropped_it_is_not_in_sync_until_warm() -> None:
+    members = {"a": {"warm": True}, "b": {"warm": True}, "c": {"warm": False}}  # c: just restarted
+    assert in_sync(members, ["a", "b", "c"]) == {"a", "b"}  # the ISR still names it: not enough
+    assert in_sync(members, None) == {"a", "b"}
+    members["c"]["warm"] = True  # synced
+    assert in_sync(members, ["a", "b", "c"]) == {"a", "b", "c"}
+    assert in_sync(members, ["a", "b"]) == {"a", "b"}

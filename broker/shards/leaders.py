@@ -15,8 +15,9 @@ moves only the shards it wins or held (about 1/N), never the others.
 Election, per shard. ``<prefix>/shards/<quoted vhost>/leader`` is created (a transaction:
 "create if absent") bound to the campaigning node's lease, value = its node id and URI; its
 create revision is the shard's term. Only one node campaigns for a shard: the preferred node
-among the *eligible* ones, those live (a member record) and in sync (named by the ISR key,
-or any node while no ISR exists yet). So placement is deterministic, yet failover still
+among the *eligible* ones, those live (a member record) and in sync (its member record says
+``warm``, it has synced or led in this process, and the ISR key names it, or any warm node
+while no ISR exists yet). So placement is deterministic, yet failover still
 works: when the preferred node dies its lease expires, its member record and every shard key
 it held vanish together, and on its next pass (``PASS`` seconds) each survivor computes the
 placement over the members that remain and the new preferred node campaigns at once: a
@@ -82,6 +83,15 @@ class Action(Enum):
     CAMPAIGN = "campaign"  # nobody leads it and we are its preferred eligible node
     KEEP = "keep"  # we lead it and should
     RESIGN = "resign"  # we lead it, and its preferred node is live and in sync: hand it back
+
+
+def in_sync(members: Mapping[str, Mapping[str, Any]], isr: list[str] | None) -> set[str]:
+    """The members in sync: warm (the record says this process has synced or led) and named by
+    the ISR (any warm member while no ISR exists). The ISR alone is not enough: a node that died
+    stays in it until the leader's ack timeout drops it, and one that restarts within that time
+    is live and named, yet holds nothing new."""
+    warm = {n for n, m in members.items() if m.get("warm") is True}
+    return warm if isr is None else set(isr) & warm
 
 
 def eligible(live: Mapping[str, int], isr: set[str] | None) -> dict[str, int]:
@@ -160,7 +170,7 @@ class ShardLeaders:
             return  # peers cannot see us yet: they would not place a shard on us
         live = {n: _weight(m) for n, m in members.items()}
         isr_list, _raw = await self.etcd.read_isr()
-        isr = None if isr_list is None else set(isr_list)
+        isr = in_sync(members, isr_list)
         keys = await self.etcd.get_prefix(SHARDS)
         vhosts = self.vhosts()
         shown: dict[str, dict[str, Any]] = {}

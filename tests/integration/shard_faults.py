@@ -227,11 +227,24 @@ def kill_and_return(sc: ShardCluster, tag: str, rng: random.Random) -> ShardTria
             expect[vhost] += publish(data_leader, vhost, queue, BATCH)
     restarted = time.monotonic()
     victim.start()
+    early: list[str] = []
+
+    def handed_back() -> bool:
+        # whether the victim is in sync is read first (the ISR names it and its first sync is
+        # done: its proxy answers), so a shard seen back was handed over after that
+        in_sync = (trial.victim in json.loads(sc.c.etcd.get(f"{sc.c.prefix}/isr") or b"[]")
+                   and victim.answers())
+        now = sc.leaders()
+        if not in_sync and any(now.get(v) == trial.victim for v in trial.moved):
+            early.append(f"shards handed back before {trial.victim} was in sync: {now}")
+        return now == want
+
     try:
-        wait_for(lambda: sc.leaders() == want, HANDBACK_WAIT, "the shards handed back to the returning node")
+        wait_for(handed_back, HANDBACK_WAIT, "the shards handed back to the returning node")
         trial.handback = time.monotonic() - restarted
     except AssertionError as exc:
         trial.notes.append(str(exc))
+    trial.notes += early[:1]
     wait_for(victim.answers, 20, "the returned node's proxy")
     trial.confirmed = sum(expect.values()) + gap.confirmed
     for vhost, n in expect.items():
