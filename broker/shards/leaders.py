@@ -138,12 +138,17 @@ class ShardLeaders:
         view.weight = workers
 
     async def run(self) -> None:
+        said = ""  # the unexpected failure last logged (a pass runs 4 times a second)
         while True:
             await asyncio.sleep(PASS)
             try:
                 await self.pass_once()
             except EtcdError as exc:
                 self.etcd.outage.failed(exc)
+            except Exception as exc:  # a bug must not end per-shard leadership silently
+                if str(exc) != said:
+                    said = str(exc)
+                    log.error("shard election pass failed: %s: %s", type(exc).__name__, exc, exc_info=True)
 
     def vhosts(self) -> list[str]:
         """The vhost names in this node's data dir (replicated on a follower); the last good
