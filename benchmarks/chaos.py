@@ -24,6 +24,13 @@ namespace faults (they are skipped otherwise).
     python benchmarks/chaos.py --trials 20
     python benchmarks/chaos.py --trials 3 --only "leader kill -9,etcd paused 0.7 TTL" --single none
     python benchmarks/chaos.py --trials 20 --only none --single "live,full disk"
+
+Per-shard leaders (``[clustering] shard_leaders``, ``tests/integration/shard_faults.py``):
+``--shards N`` runs N trials of kill -9 of a node leading two of six shards (not the cluster
+leader: the data path is still its), on one cluster: failover of the moved shards, the largest
+confirm gap of a publisher on another shard, the hand-back on return, confirmed lost.
+
+    python benchmarks/chaos.py --only none --single none --shards 5
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from tests.integration import shard_faults as shf  # noqa: E402
 from tests.integration import single_faults as sf  # noqa: E402
 from tests.integration import worker_faults as wf  # noqa: E402
 from tests.integration._support import SkredProcess  # noqa: E402
@@ -171,6 +179,46 @@ def run_fault(name: str, trials: int, tmp: Path) -> list[Trial]:
     return out
 
 
+def run_shards(trials: int, tmp: Path) -> list[shf.ShardTrial]:
+    sc = shf.ShardCluster(tmp)
+    rng = random.Random(27)
+    out: list[shf.ShardTrial] = []
+    try:
+        for i in range(trials):
+            t0 = time.monotonic()
+            try:
+                trial = shf.kill_and_return(sc, f"chaos-{i}", rng)
+            except AssertionError as exc:  # the cluster did not come back: count it, stop here
+                out.append(shf.ShardTrial(notes=[f"cluster did not recover: {str(exc).splitlines()[0]}"]))
+                break
+            out.append(trial)
+            print(f"  shard leader kill -9 #{i + 1}: {trial.victim} {trial.moved} failover {trial.failover} "
+                  f"gap {trial.largest_gap} hand-back {trial.handback} confirmed {trial.confirmed} "
+                  f"lost {trial.lost} {'; '.join(trial.notes)} ({time.monotonic() - t0:.0f}s)",
+                  file=sys.stderr)
+    finally:
+        sc.close()
+    return out
+
+
+def shard_table(trials: list[shf.ShardTrial]) -> str:
+    def span(values: list[float | None]) -> str:
+        got = [v for v in values if v is not None]
+        return f"{min(got):.2f} / {statistics.median(got):.2f} / {max(got):.2f}" if got else "-"
+
+    missed = [t for t in trials if t.notes or t.lost or t.failover is None or t.failover > shf.BOUND
+              or (t.largest_gap or 0) >= 1.0]
+    why = f"{len(missed)}" + (f" ({missed[0].notes[0]})" if missed and missed[0].notes else "")
+    return "\n".join([
+        "| fault | TTL | trials | confirmed | confirmed lost | failover of its shards min / median / max (s) "
+        "| bound (s) | other shard's largest confirm gap (s) | hand-back after restart (s) | goal missed |",
+        "| --- | ---: | ---: | ---: | ---: | --- | ---: | --- | --- | --- |",
+        f"| shard leader kill -9 (2 of 7 shards) | {shf.TTL} | {len(trials)} "
+        f"| {sum(t.confirmed for t in trials)} | {sum(t.lost for t in trials)} "
+        f"| {span([t.failover for t in trials])} | {shf.BOUND} "
+        f"| {span([t.largest_gap for t in trials])} | {span([t.handback for t in trials])} | {why} |"])
+
+
 def table(results: dict[str, list[Trial]]) -> str:
     rows = ["| fault | TTL | trials | confirmed | confirmed lost | resurrected acks | missing redelivered "
             "| failover min / median / max (s) | bound (s) | goal missed |",
@@ -196,6 +244,7 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma-separated cluster fault names (default: all; none)")
     ap.add_argument("--single", default="", help="comma-separated single-node fault names "
                     "(default: all; none)")
+    ap.add_argument("--shards", type=int, default=0, help="trials of the per-shard leader fault (default 0)")
     args = ap.parse_args()
     for noisy in ("aiormq", "aio_pika", "pika"):  # clients cut off by a fault log tracebacks: expected here
         logging.getLogger(noisy).setLevel(logging.CRITICAL)
@@ -223,11 +272,18 @@ def main() -> int:
         with tempfile.TemporaryDirectory(prefix="skred-chaos-") as tmp:
             print(f"{name}: {args.trials} trials", file=sys.stderr)
             results[name] = run_fault(name, args.trials, Path(tmp))
+    shard_trials: list[shf.ShardTrial] = []
+    if args.shards > 0:
+        with tempfile.TemporaryDirectory(prefix="skred-chaos-") as tmp:
+            print(f"shard leader kill -9: {args.shards} trials", file=sys.stderr)
+            shard_trials = run_shards(args.shards, Path(tmp))
     if singles:
         print(single_table(singles) + "\n")
+    if shard_trials:
+        print(shard_table(shard_trials) + "\n")
     if results:
         print(table(results) + "\n")
-    n = sum(len(t) for t in results.values()) + sum(len(t) for t in singles.values())
+    n = sum(len(t) for t in results.values()) + sum(len(t) for t in singles.values()) + len(shard_trials)
     end = os.getloadavg()
     print(f"{n} trials in {time.monotonic() - started:.0f}s; load average (1 min) {load[0]:.1f} at the "
           f"start, {end[0]:.1f} at the end, on {os.cpu_count()} CPUs")

@@ -408,6 +408,12 @@ class ClusteringConfig:
         metadata=_meta("A leader whose fsync has not returned for this many seconds gives up its lease.",
                        lo=1, hi=3600),
     )
+    shard_leaders: bool = field(
+        default=False,
+        metadata=_meta("Elect a leader per shard (vhost) in etcd, placed over the nodes by weighted "
+                       "rendezvous hashing (broker/shards/leaders.py); off: one leader for everything. "
+                       "Clients are still served by the cluster leader this release (docs/architecture.md)."),
+    )
 
 
 @dataclass(frozen=True)

@@ -100,7 +100,10 @@ RETAINED_DIR = "mqtt-retained"  # MQTT's retained messages (broker/mqtt/retained
 MQTT_SESSIONS_DIR = "mqtt-sessions"  # persistent MQTT sessions' QoS 2 ids, wills (broker/mqtt/durable.py)
 
 if TYPE_CHECKING:
+    from broker.cluster.etcd import Etcd
     from broker.cluster.host import LeaderBroker
+    from broker.cluster.status import ClusterView
+    from broker.shards.leaders import ShardLeaders
 
 log = logging.getLogger("skred")
 
@@ -685,6 +688,12 @@ class NodeHost:
         name = "" if self.config is None else metrics.node_name(self.config.main.node_name,
                                                                  self.config.amqp.port)
         return FollowerMetrics(cluster, data_dir, cluster_name, name)
+
+    def shard_election(self, config: Config, etcd: Etcd, node_id: str, uri: str,
+                       view: ClusterView) -> ShardLeaders:
+        from broker.shards.leaders import ShardLeaders  # imports the etcd client: clusters only
+
+        return ShardLeaders(config, etcd, node_id, uri, view, worker_count(config))
 
 
 def worker_files(config: Config, count: int) -> dict[str, int]:

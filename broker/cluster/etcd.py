@@ -54,6 +54,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
+from urllib.parse import quote, unquote
 
 import aetcd
 
@@ -69,6 +70,29 @@ CHANNEL_OPTIONS = {"grpc.initial_reconnect_backoff_ms": 100, "grpc.min_reconnect
 
 
 WARN_EVERY = 30.0  # seconds between reminders while etcd keeps failing
+SHARDS = "shards/"  # per-shard leader keys: <prefix>/shards/<quoted vhost>/leader (broker/shards/leaders.py)
+_SHARD_LEADER = "/leader"
+
+
+def shard_key(vhost: str) -> str:
+    """The key (under the prefix) of a vhost's shard leader; quoted, as a name may hold ``/``."""
+    return SHARDS + quote(vhost, safe="") + _SHARD_LEADER
+
+
+def shard_of_key(key: str) -> str | None:
+    """The vhost of a shard leader key (named as ``shard_key`` names it), else None."""
+    if not key.startswith(SHARDS) or not key.endswith(_SHARD_LEADER):
+        return None
+    return unquote(key[len(SHARDS):-len(_SHARD_LEADER)])
+
+
+def shard_holder(raw: bytes) -> str:
+    """The node id a shard leader key's value names ("?" when unreadable: someone holds it)."""
+    try:
+        record = json.loads(raw)
+        return str(record["node_id"])
+    except (ValueError, KeyError, TypeError):
+        return "?"
 
 
 class EtcdError(Exception):
@@ -372,6 +396,40 @@ class Etcd:
                 await asyncio.wait_for(watch.cancel(), CALL_TIMEOUT)
             except Exception:
                 pass  # connection already gone: nothing left to cancel
+
+    # ------------------------------------------------ keys of one shard (broker/shards/leaders.py)
+    async def get_prefix(self, name: str) -> dict[str, tuple[bytes, int]]:
+        """Every key under ``<prefix>/<name>``, named as ``key`` names it (without ``<prefix>/``)
+        -> (value, create revision)."""
+        skip = len(self.key(""))
+        got = await self._call(self.client.get_prefix(self.key(name)))
+        return {bytes(kv.key)[skip:].decode(errors="replace"): (bytes(kv.value), int(kv.create_revision))
+                for kv in got}
+
+    async def create_bound(self, name: str, value: bytes) -> int | None:
+        """Create ``<prefix>/<name>`` bound to our lease unless it exists (a campaign); its create
+        revision (the term, the fencing token of what it guards) if we created it, else None."""
+        if self.lease_id is None or self.client is None:
+            return None
+        key = self.key(name)
+        tx = self.client.transactions
+        ok, _ = await self._call(self.client.transaction(
+            compare=[tx.version(key) == 0], success=[tx.put(key, value, lease=self.lease_id)], failure=[]))
+        if not ok:
+            return None
+        got = await self._call(self.client.get(key))
+        if got is None or int(got.lease) != self.lease_id:
+            return None
+        return int(got.create_revision)
+
+    async def delete_if(self, name: str, create_revision: int) -> bool:
+        """Delete ``<prefix>/<name>`` if it is still the one created at ``create_revision`` (a
+        resignation that cannot remove a successor's key)."""
+        key = self.key(name)
+        tx = self.client.transactions
+        ok, _ = await self._call(self.client.transaction(
+            compare=[tx.create(key) == create_revision], success=[tx.delete(key)], failure=[]))
+        return bool(ok)
 
     async def still_leader(self) -> bool:
         # Never wait past the lease deadline: by then the answer no longer matters.

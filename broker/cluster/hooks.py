@@ -2,7 +2,8 @@
 
 The command runs through the shell with the node's environment plus
 ``SKRED_NODE_ID``, ``SKRED_ADVERTISED_URI`` and ``SKRED_ROLE`` (``leader`` or
-``follower``). Its exit status is logged; a hook that hangs is killed after
+``follower``), and ``SKRED_SHARD`` (the vhost) for a shard's own leadership
+(``[clustering] shard_leaders``). Its exit status is logged; a hook that hangs is killed after
 ``HOOK_TIMEOUT`` so it can never block a failover.
 
 The child is started with ``posix_spawn`` (``subprocess`` picks it for an
@@ -25,11 +26,13 @@ log = logging.getLogger(__name__)
 HOOK_TIMEOUT = 30.0
 
 
-async def run_hook(command: str, node_id: str, uri: str, role: str) -> int | None:
+async def run_hook(command: str, node_id: str, uri: str, role: str, shard: str | None = None) -> int | None:
     """Run ``command`` (no-op when empty); returns its exit status, None if not run."""
     if not command:
         return None
     env = dict(os.environ, SKRED_NODE_ID=node_id, SKRED_ADVERTISED_URI=uri, SKRED_ROLE=role)
+    if shard is not None:
+        env["SKRED_SHARD"] = shard
     try:
         proc = subprocess.Popen(["/bin/sh", "-c", command], env=env, close_fds=False,
                                 stdin=subprocess.DEVNULL)

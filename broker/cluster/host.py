@@ -15,6 +15,8 @@ from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import Any, Protocol
 
+from broker.cluster.etcd import Etcd
+from broker.cluster.status import ClusterView
 from broker.config import Config
 from broker.store.sink import ReplicationSink
 
@@ -69,6 +71,13 @@ class LeaderBroker(Protocol):
         followers that authenticated, whose proxies splice clients to us)."""
 
 
+class ShardElection(Protocol):
+    """Per-shard leadership (``[clustering] shard_leaders``, ``broker/shards/leaders.py``)."""
+
+    async def run(self) -> None:
+        """Campaign for, hold and hand back shards until cancelled."""
+
+
 class MetricsServer(Protocol):
     @property
     def running(self) -> bool: ...
@@ -93,3 +102,8 @@ class Host(Protocol):
     def follower_metrics(self, cluster: ClusterState, data_dir: Path, cluster_name: str) -> MetricsServer:
         """The cluster gauges (and this node's process and disk metrics, labelled with
         ``cluster_name``) on the metrics port while this node follows."""
+
+    def shard_election(self, config: Config, etcd: Etcd, node_id: str, uri: str,
+                       view: ClusterView) -> ShardElection:
+        """This node's per-shard election loop (run while ``[clustering] shard_leaders`` is on);
+        it shares the runner's etcd client and lease and shows its map in ``view``."""

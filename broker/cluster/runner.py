@@ -193,6 +193,10 @@ class ClusterRunner:
             log.warning("[clustering] max_unsynced_actions is deprecated and has no effect: a follower "
                         "leaves the in-sync set when it stops acking")
         member_loop = asyncio.ensure_future(self._publish_member_loop())
+        shards: asyncio.Future[None] | None = None
+        if self.config.clustering.shard_leaders:
+            election = self.host.shard_election(self.config, self.etcd, self.node_id, self.uri, self.view)
+            shards = asyncio.ensure_future(election.run())
         try:
             while not self.stopping.is_set():
                 try:
@@ -213,6 +217,8 @@ class ClusterRunner:
             return 0
         finally:
             member_loop.cancel()
+            if shards is not None:
+                shards.cancel()
             await self._stop_proxies()
             await self.follower_metrics.stop()
             await self.etcd.revoke()

@@ -16,7 +16,10 @@ serves the cluster gauges there (``skred_is_leader 0``) while the node follows.
 
 ``skred --cluster-status`` asks etcd only (it works while no node serves):
 the leader key, the ISR key, and the lease-bound member records every node
-publishes (the leader's record includes its followers' lag).
+publishes (the leader's record includes its followers' lag). With
+``[clustering] shard_leaders`` both also show each shard's leader (its etcd key
+``<prefix>/shards/<quoted vhost>/leader``, ``broker/shards/leaders.py``) and
+how many shards each node leads.
 """
 
 from __future__ import annotations
@@ -26,9 +29,10 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from broker.cluster.etcd import Etcd, EtcdError
+from broker.cluster.etcd import SHARDS, Etcd, EtcdError, shard_holder, shard_of_key
 from broker.config import Config
 
 if TYPE_CHECKING:
@@ -48,6 +52,8 @@ class ClusterView:
         self.warm = False  # this process has followed in sync or led: its files are complete
         self.last: dict[str, Any] = {}  # our role and term when we last followed or led (standing.py)
         self.since = time.time()
+        self.weight: int | None = None  # per-shard leaders: our worker count, in our member record
+        self.shards: dict[str, dict[str, Any]] | None = None  # per-shard leaders: vhost -> leader
 
     def set_role(self, role: str, leader_uri: str | None = None, sink: LeaderSink | None = None) -> None:
         if role != self.role:
@@ -67,6 +73,8 @@ class ClusterView:
     def status(self) -> dict[str, Any]:
         out: dict[str, Any] = {"enabled": True, "node_id": self.node_id, "uri": self.uri,
                                "role": self.role, "since": self.since}
+        if self.shards is not None:
+            out["shards"] = [{"vhost": v, **s} for v, s in sorted(self.shards.items())]
         sink = self.sink if self.role == "leader" else None
         if sink is None:
             out["leader"] = {"uri": self.leader_uri}
@@ -90,6 +98,8 @@ class ClusterView:
         lags = self.follower_lags()
         if lags:
             record["lag_bytes"] = {k: _coarse(v) for k, v in lags.items()}
+        if self.weight is not None:
+            record["workers"] = self.weight
         return record
 
 
@@ -111,6 +121,7 @@ async def read_status(config: Config) -> dict[str, Any]:
         leader = await etcd.get("leader")
         isr, _raw = await etcd.read_isr()
         members = await etcd.members()
+        shard_keys = await etcd.get_prefix(SHARDS)
     finally:
         await etcd.close()
     leader_uri = leader.decode(errors="replace") if leader is not None else None
@@ -123,8 +134,16 @@ async def read_status(config: Config) -> dict[str, Any]:
         m = members.get(nid, {})
         nodes.append({"node_id": nid, "uri": m.get("uri"), "role": m.get("role", "down"),
                       "in_isr": nid in (isr or []), "lag_bytes": lags.get(nid)})
-    return {"etcd": c.etcd_endpoints, "prefix": etcd.prefix,
-            "leader": {"node_id": leader_id, "uri": leader_uri}, "isr": isr or [], "members": nodes}
+    out: dict[str, Any] = {"etcd": c.etcd_endpoints, "prefix": etcd.prefix,
+                           "leader": {"node_id": leader_id, "uri": leader_uri}, "isr": isr or [],
+                           "members": nodes}
+    if c.shard_leaders or shard_keys:  # the nodes elect per shard (whatever this command was told)
+        shards = {vhost: shard_holder(raw) for key, (raw, _term) in shard_keys.items()
+                  if (vhost := shard_of_key(key)) is not None}
+        out["shards"] = [{"vhost": v, "leader": n} for v, n in sorted(shards.items())]
+        for node in nodes:
+            node["shards_led"] = sum(1 for n in shards.values() if n == node["node_id"])
+    return out
 
 
 def format_status(status: dict[str, Any]) -> str:
@@ -137,9 +156,17 @@ def format_status(status: dict[str, Any]) -> str:
         lag = m["lag_bytes"]
         rows.append((m["node_id"], m["uri"] or "-", m["role"], "yes" if m["in_isr"] else "no",
                      "-" if lag is None else str(lag)))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines += ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    lines += _table(rows)
+    if "shards" in status:
+        led = ", ".join(f"{m['node_id']} {m['shards_led']}" for m in status["members"])
+        lines += ["", f"shard leaders ({led}):"]
+        lines += _table([("VHOST", "LEADER"), *((s["vhost"], s["leader"]) for s in status["shards"])])
     return "\n".join(lines)
+
+
+def _table(rows: Sequence[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows]
 
 
 def cluster_status_main(config: Config, as_json: bool) -> int:

@@ -97,3 +97,14 @@ def worker_of(vhost: str, workers: int) -> int:
     found = owner(vhost_shard(vhost), range(workers))
     assert isinstance(found, int)
     return found
+
+
+def node_of(shard: ShardId, nodes: Mapping[str, int]) -> str:
+    """The node (of ``nodes``: node id -> its worker count) whose worker wins ``shard``.
+
+    Placement runs over every ``(node, worker)`` pair, so a node with twice the workers leads
+    about twice the shards, and the worker inside the node is the same ``owner`` call away."""
+    pairs: list[Member] = [(n, w) for n, count in nodes.items() for w in range(max(1, count))]
+    found = owner(shard, pairs)
+    assert isinstance(found, tuple)
+    return found[0]

@@ -1,0 +1,243 @@
+"""Per-shard leadership across the nodes of a cluster (``[clustering] shard_leaders``).
+
+Theory of operation
+-------------------
+Today's cluster elects one leader for everything (``broker/cluster/runner.py``): three nodes
+have the capacity of one. The unit of ownership is instead the *shard* (``placement.ShardId``:
+a vhost now, a super stream's partition later), and every shard has a leader of its own.
+
+Placement. Every node publishes a lease-bound member record in etcd that carries its weight
+(its worker count). The *preferred* node of a shard is ``placement.node_of``: weighted
+rendezvous hashing over every ``(node, worker)`` pair of the live members, so anyone who reads
+the member keys computes the same map with no coordination, and a node that joins or leaves
+moves only the shards it wins or held (about 1/N), never the others.
+
+Election, per shard. ``<prefix>/shards/<quoted vhost>/leader`` is created (a transaction:
+"create if absent") bound to the campaigning node's lease, value = its node id and URI; its
+create revision is the shard's term. Only one node campaigns for a shard: the preferred node
+among the *eligible* ones, those live (a member record) and in sync (its member record says
+``warm``, it has synced or led in this process, and the ISR key names it, or any warm node
+while no ISR exists yet). So placement is deterministic, yet failover still
+works: when the preferred node dies its lease expires, its member record and every shard key
+it held vanish together, and on its next pass (``PASS`` seconds) each survivor computes the
+placement over the members that remain and the new preferred node campaigns at once: a
+shard fails over within the TTL plus a pass. Racing views (two nodes briefly disagreeing on
+the members) cannot give a shard two leaders: the create transaction lets one win, and a
+winner that is not the preferred node resigns on a later pass.
+
+Hand-back. A node that comes back is live at once but not eligible until it is in sync (the
+ISR names it again after its bulk sync). From then on it is the preferred node of the shards
+it held, and their current leader resigns them: it deletes its key guarded by its own create
+revision (never a successor's), and the preferred node creates it on its next pass. Until it
+is in sync the stand-in keeps leading, so a shard is never handed to a node that lacks its
+confirmed messages. A key of a vhost that was deleted is resigned the same way; a key our
+own previous run left (our node id, a term we did not win in this run) is deleted at once
+rather than left to a TTL.
+
+Hooks. ``on_leader_elected`` / ``on_leader_lost`` run per shard as well, with ``SKRED_SHARD``
+naming the vhost.
+
+Scope in this release (the switch is off by default until the per-shard mode has proven
+itself across the suite; docs/architecture.md, "Per-shard leaders", has the plan):
+
+* What is per shard now: the election, the placement, failover, hand-back, the hooks and the
+  status (``skred --cluster-status``, ``GET /api/cluster``). The ISR is the cluster's: every
+  follower replicates every vhost, so a node in sync is in sync for every shard.
+* What is not yet: the data path. Clients are still served by the cluster leader (the node
+  holding ``<prefix>/leader``) and replicated by its single stream. The next steps, in order:
+  replication scoped by shard (one replication connection per peer pair, each event tagged
+  with its shard, one ISR key per shard beside the leader key); the node leading a shard
+  serves it (a broker holding only its shards, as a worker does on one node); a follower's
+  proxy chooses the tunnel per shard once the vhost is known (for AMQP after
+  ``connection.open``, as the worker hand-over does), while protocols that cannot know the
+  vhost before routing (MQTT, the stream protocol's first frames, HTTP) stay with the leader
+  of the default vhost's shard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from broker.auth.vhosts import FILE_NAME as VHOSTS_FILE
+from broker.cluster.etcd import SHARDS, Etcd, EtcdError, shard_holder, shard_key, shard_of_key
+from broker.cluster.hooks import run_hook
+from broker.cluster.status import ClusterView
+from broker.config import Config
+from broker.shards.placement import node_of, vhost_shard
+from broker.store.jsonstore import read_json
+
+log = logging.getLogger(__name__)
+
+PASS = 0.25  # seconds between passes: bounds failover (after the TTL) and hand-back
+
+
+class Action(Enum):
+    WAIT = "wait"  # someone else should (or does) lead it
+    CAMPAIGN = "campaign"  # nobody leads it and we are its preferred eligible node
+    KEEP = "keep"  # we lead it and should
+    RESIGN = "resign"  # we lead it, and its preferred node is live and in sync: hand it back
+
+
+def in_sync(members: Mapping[str, Mapping[str, Any]], isr: list[str] | None) -> set[str]:
+    """The members in sync: warm (the record says this process has synced or led) and named by
+    the ISR (any warm member while no ISR exists). The ISR alone is not enough: a node that died
+    stays in it until the leader's ack timeout drops it, and one that restarts within that time
+    is live and named, yet holds nothing new."""
+    warm = {n for n, m in members.items() if m.get("warm") is True}
+    return warm if isr is None else set(isr) & warm
+
+
+def eligible(live: Mapping[str, int], isr: set[str] | None) -> dict[str, int]:
+    """The live nodes that may lead a shard (in sync: in the ISR, or any while none exists)."""
+    return {n: w for n, w in live.items() if isr is None or n in isr}
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _preferred(vhost: str, nodes: tuple[tuple[str, int], ...]) -> str:
+    return node_of(vhost_shard(vhost), dict(nodes))
+
+
+def preferred(vhost: str, nodes: Mapping[str, int]) -> str | None:
+    """The preferred node of ``vhost``'s shard among ``nodes`` (None: no node). Cached: a pass
+    asks for every vhost four times a second, and the members rarely change."""
+    return _preferred(vhost, tuple(sorted(nodes.items()))) if nodes else None
+
+
+def decide(me: str, vhost: str, holder: str | None, live: Mapping[str, int],
+           isr: set[str] | None) -> Action:
+    """What node ``me`` does for ``vhost``'s shard, led by ``holder`` (None: nobody), given the
+    live nodes (node id -> worker count) and the ISR (None: not written yet)."""
+    best = preferred(vhost, eligible(live, isr))
+    if holder is None:
+        return Action.CAMPAIGN if best == me else Action.WAIT
+    if holder != me:
+        return Action.WAIT
+    return Action.KEEP if best in (None, me) else Action.RESIGN
+
+
+@dataclass
+class Held:
+    """A shard this node leads: the term (create revision) it won it with."""
+
+    term: int
+
+
+class ShardLeaders:
+    """The per-shard election loop of one cluster node (see the theory of operation)."""
+
+    def __init__(self, config: Config, etcd: Etcd, node_id: str, uri: str, view: ClusterView,
+                 workers: int = 1) -> None:
+        self.config = config
+        self.etcd = etcd
+        self.node_id = node_id
+        self.uri = uri
+        self.view = view
+        self.workers = workers
+        self.vhosts_path: Path = config.main.data_dir / VHOSTS_FILE
+        self.held: dict[str, Held] = {}
+        self._lease: int | None = None
+        self._vhosts: list[str] = []
+        self._bg: set[asyncio.Task[Any]] = set()
+        view.weight = workers
+
+    async def run(self) -> None:
+        said = ""  # the unexpected failure last logged (a pass runs 4 times a second)
+        while True:
+            await asyncio.sleep(PASS)
+            try:
+                await self.pass_once()
+            except EtcdError as exc:
+                self.etcd.outage.failed(exc)
+            except Exception as exc:  # a bug must not end per-shard leadership silently
+                if str(exc) != said:
+                    said = str(exc)
+                    log.error("shard election pass failed: %s: %s", type(exc).__name__, exc, exc_info=True)
+
+    def vhosts(self) -> list[str]:
+        """The vhost names in this node's data dir (replicated on a follower); the last good
+        list while the file is being replaced or unreadable."""
+        try:
+            data = read_json(self.vhosts_path, None)
+            if data is not None:
+                self._vhosts = sorted({str(v["name"]) for v in data["vhosts"]})
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.debug("shard list unreadable for now: %s", exc)
+        return self._vhosts
+
+    async def pass_once(self) -> None:
+        if self.etcd.client is None or self.etcd.lease_id is None:
+            return
+        if self.etcd.lease_id != self._lease:  # a new lease: every key of the old one is gone
+            self._lease = self.etcd.lease_id
+            self._lost(list(self.held), "our lease changed")
+        if not self.etcd.lease_alive():  # unrefreshed for a TTL: etcd may have expired our keys
+            self._lost(list(self.held), "our lease is presumed expired")
+            return
+        members = await self.etcd.members()
+        if self.node_id not in members:
+            return  # peers cannot see us yet: they would not place a shard on us
+        live = {n: _weight(m) for n, m in members.items()}
+        isr_list, _raw = await self.etcd.read_isr()
+        isr = in_sync(members, isr_list)
+        keys = await self.etcd.get_prefix(SHARDS)
+        vhosts = self.vhosts()
+        shown: dict[str, dict[str, Any]] = {}
+        nodes = eligible(live, isr)
+        for vhost in vhosts:
+            found = keys.get(shard_key(vhost))
+            holder, term = (None, 0) if found is None else (shard_holder(found[0]), found[1])
+            if holder == self.node_id and vhost not in self.held and term:
+                await self.etcd.delete_if(shard_key(vhost), term)  # our previous run's
+                holder = None
+            if holder != self.node_id and vhost in self.held:
+                self._lost([vhost], "its key is gone")
+            action = decide(self.node_id, vhost, holder, live, isr)
+            if action is Action.CAMPAIGN:
+                won = await self.etcd.create_bound(shard_key(vhost), self._value())
+                if won is not None:
+                    self.held[vhost] = Held(won)
+                    holder, term = self.node_id, won
+                    log.info("shard %r: leading (term %d)", vhost, won)
+                    self._hook(self.config.clustering.on_leader_elected, "leader", vhost)
+            elif action is Action.RESIGN:
+                if await self.etcd.delete_if(shard_key(vhost), self.held[vhost].term):
+                    log.info("shard %r: handed back to its preferred node", vhost)
+                self._lost([vhost], "handed back")
+                holder, term = None, 0
+            shown[vhost] = {"leader": holder, "term": term or None,
+                            "preferred": preferred(vhost, nodes)}
+        for key, (_raw, rev) in keys.items():  # keys of vhosts that no longer exist
+            gone = shard_of_key(key)
+            if gone is not None and gone not in shown and gone in self.held:
+                await self.etcd.delete_if(key, rev)
+                self._lost([gone], "the vhost was deleted")
+        self.view.shards = shown
+
+    def _value(self) -> bytes:
+        return json.dumps({"node_id": self.node_id, "uri": self.uri}, sort_keys=True).encode()
+
+    def _lost(self, vhosts: list[str], why: str) -> None:
+        for vhost in vhosts:
+            if self.held.pop(vhost, None) is not None:
+                log.info("shard %r: no longer leading (%s)", vhost, why)
+                self._hook(self.config.clustering.on_leader_lost, "follower", vhost)
+
+    def _hook(self, command: str, role: str, vhost: str) -> None:
+        if not command:
+            return
+        task = asyncio.ensure_future(run_hook(command, self.node_id, self.uri, role, shard=vhost))
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
+
+
+def _weight(record: Mapping[str, Any]) -> int:
+    value = record.get("workers", 1)
+    return value if isinstance(value, int) and 0 < value <= 4096 else 1

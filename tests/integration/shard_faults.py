@@ -1,0 +1,253 @@
+"""Per-shard leader faults on a real 3-node cluster (``[clustering] shard_leaders``), shared by
+``test_cluster_shards.py`` (one trial) and ``benchmarks/chaos.py`` (N trials).
+
+Node ids are fixed (``.node_id`` written before the first start) and the vhost names chosen
+by the placement function so that each node is preferred for two of them: with random ids
+rendezvous hashing spreads shards only about evenly.
+
+A trial (``kill_and_return``): confirmed publishes to every vhost; a publisher on a shard the
+victim does not lead confirms one message at a time through the cluster leader; kill -9 of a
+node that does not hold ``<prefix>/leader`` (the data path is still the cluster leader's,
+``broker/shards/leaders.py``); its shards must move, and only they, within TTL + 2 s; confirmed
+publishes to the moved shards; the node comes back and its shards are handed back; every
+confirmed message is counted in its queue.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import random
+import threading
+import time
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pika
+
+from broker.shards.placement import node_of, vhost_shard
+
+from .test_cluster import Cluster, ClusterNode, start_cluster, wait_for
+
+TTL = 2
+BOUND = TTL + 2  # seconds from kill -9 to every moved shard led again
+IDS = ["node-a", "node-b", "node-c"]
+PER_NODE = 2
+BATCH = 10  # confirmed messages per vhost and publish round
+GAP_RUN = 12.0  # longest the background publisher runs (seconds), bounded in count too
+GAP_MAX = 5000
+HANDBACK_WAIT = 30.0
+
+
+def pick_vhosts() -> dict[str, str]:
+    """Six vhost names, two preferred by each node: vhost -> node id."""
+    nodes = dict.fromkeys(IDS, 1)
+    chosen: dict[str, str] = {}
+    for i in range(1000):
+        name = f"shard{i}"
+        owner = node_of(vhost_shard(name), nodes)
+        if sum(1 for o in chosen.values() if o == owner) < PER_NODE:
+            chosen[name] = owner
+        if len(chosen) == PER_NODE * len(IDS):
+            return chosen
+    raise AssertionError("placement never reached two vhosts per node")
+
+
+VHOSTS = pick_vhosts()
+
+
+def expected() -> dict[str, str]:
+    """Every shard's leader when all three nodes are up: the six vhosts and the default one."""
+    return {**VHOSTS, "/": node_of(vhost_shard("/"), dict.fromkeys(IDS, 1))}
+
+
+def amqp_url(node: ClusterNode, vhost: str) -> str:
+    return f"amqp://guest:guest@{node.ip}:{node.port}/{urllib.parse.quote(vhost, safe='')}"
+
+
+class ShardCluster:
+    """Three nodes with per-shard leaders and the six vhosts created."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.c = Cluster(tmp, ttl=TTL)
+        self.by_id: dict[str, ClusterNode] = {}
+        try:
+            self.hook_file = tmp / "shard-hooks.txt"
+            hook = f'echo "$SKRED_ROLE $SKRED_NODE_ID ${{SKRED_SHARD-(cluster)}}" >> {self.hook_file}'
+            for node, nid in zip(self.c.nodes, IDS, strict=True):
+                # the last of a repeated option wins: these hooks name the shard
+                node.argv += ["--clustering-shard-leaders", "--clustering-on-leader-elected", hook,
+                              "--clustering-on-leader-lost", hook]
+                node.data_dir.mkdir(parents=True, exist_ok=True)
+                (node.data_dir / ".node_id").write_text(nid + "\n")
+                self.by_id[nid] = node
+            self.leader, _followers = start_cluster(self.c)
+            for vhost in VHOSTS:
+                self.api(self.leader, "PUT", f"/api/vhosts/{vhost}")
+                self.api(self.leader, "PUT", f"/api/permissions/{vhost}/guest",
+                         {"configure": ".*", "write": ".*", "read": ".*"})
+        except BaseException:
+            self.close()
+            raise
+
+    def leaders(self) -> dict[str, str]:
+        """vhost -> node id, from etcd's shard keys."""
+        out = self.c.etcd._ctl("get", f"{self.c.prefix}/shards/", "--prefix")
+        lines = out.stdout.decode().splitlines()
+        found = {}
+        for key, value in zip(lines[0::2], lines[1::2], strict=False):
+            found[urllib.parse.unquote(key.split("/")[-2])] = json.loads(value)["node_id"]
+        return found
+
+    def api(self, node: ClusterNode, method: str, path: str, body: Any = None) -> Any:
+        req = urllib.request.Request(f"http://{node.ip}:{node.mgmt_port}{path}", method=method,
+                                     data=None if body is None else json.dumps(body).encode())
+        req.add_header("Authorization", "Basic " + base64.b64encode(b"guest:guest").decode())
+        req.add_header("Content-Type", "application/json")
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            raw = resp.read()
+        return json.loads(raw) if raw else None
+
+    def hook_lines(self) -> list[str]:
+        try:
+            return self.hook_file.read_text().splitlines()
+        except FileNotFoundError:
+            return []
+
+    def close(self) -> None:
+        self.c.close()
+
+
+def publish(node: ClusterNode, vhost: str, queue: str, count: int) -> int:
+    """``count`` persistent messages, each confirmed, to ``queue`` in ``vhost`` through ``node``."""
+    with pika.BlockingConnection(pika.URLParameters(amqp_url(node, vhost))) as conn:
+        ch = conn.channel()
+        ch.confirm_delivery()
+        ch.queue_declare(queue, durable=True)
+        for i in range(count):
+            ch.basic_publish("", queue, f"{vhost}-{i}".encode(), pika.BasicProperties(delivery_mode=2),
+                             mandatory=True)
+    return count
+
+
+def queue_depth(node: ClusterNode, vhost: str, queue: str) -> int:
+    with pika.BlockingConnection(pika.URLParameters(amqp_url(node, vhost))) as conn:
+        return int(conn.channel().queue_declare(queue, passive=True).method.message_count)
+
+
+class GapPublisher(threading.Thread):
+    """Confirmed publishes to one vhost through one node, one at a time; records the largest
+    gap between confirms. Bounded: GAP_MAX messages or GAP_RUN seconds, or until stopped."""
+
+    def __init__(self, node: ClusterNode, vhost: str, queue: str) -> None:
+        super().__init__(daemon=True)
+        self.node, self.vhost, self.queue = node, vhost, queue
+        self.stop_at = threading.Event()
+        self.confirmed = 0
+        self.largest_gap = 0.0
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            with pika.BlockingConnection(pika.URLParameters(amqp_url(self.node, self.vhost))) as conn:
+                ch = conn.channel()
+                ch.confirm_delivery()
+                ch.queue_declare(self.queue, durable=True)
+                last = started = time.monotonic()
+                while (not self.stop_at.is_set() and self.confirmed < GAP_MAX
+                       and time.monotonic() - started < GAP_RUN):
+                    ch.basic_publish("", self.queue, b"x", pika.BasicProperties(delivery_mode=2))
+                    now = time.monotonic()
+                    self.largest_gap = max(self.largest_gap, now - last)
+                    last = now
+                    self.confirmed += 1
+                    time.sleep(0.01)  # a steady trickle, not a flood, on a shared machine
+        except BaseException as exc:  # reported by the trial
+            self.error = exc
+
+
+@dataclass
+class ShardTrial:
+    victim: str = ""
+    moved: list[str] = field(default_factory=list)
+    confirmed: int = 0
+    lost: int = 0
+    failover: float | None = None  # kill -9 to every moved shard led again (s)
+    largest_gap: float | None = None  # another shard's publisher, across the fault (s)
+    handback: float | None = None  # restart to the initial placement again (s)
+    notes: list[str] = field(default_factory=list)
+
+
+def kill_and_return(sc: ShardCluster, tag: str, rng: random.Random) -> ShardTrial:
+    """One trial (see the module's comment); what went wrong is in ``notes``."""
+    trial = ShardTrial()
+    want = expected()
+    wait_for(lambda: sc.leaders() == want, 15, "the initial placement")
+    data_leader = sc.c.leader()
+    assert data_leader is not None
+    leader_id = IDS[sc.c.nodes.index(data_leader)]
+    trial.victim = rng.choice([n for n in IDS if n != leader_id])
+    victim = sc.by_id[trial.victim]
+    trial.moved = sorted(v for v, n in want.items() if n == trial.victim)
+    queue, gap_queue = f"q-{tag}", f"gap-{tag}"
+    expect: dict[str, int] = {}
+    for vhost in VHOSTS:
+        expect[vhost] = publish(rng.choice(sc.c.nodes), vhost, queue, BATCH)
+    other = rng.choice([v for v, n in VHOSTS.items() if n != trial.victim])
+    gap = GapPublisher(data_leader, other, gap_queue)
+    gap.start()
+    wait_for(lambda: gap.confirmed >= 20 or gap.error, 10, "the gap publisher under way")
+    killed = time.monotonic()
+    victim.kill9()
+
+    def failed_over() -> bool:
+        now = sc.leaders()
+        return all(now.get(v) not in (None, trial.victim) for v in trial.moved)
+
+    try:
+        wait_for(failed_over, BOUND + 5, "the victim's shards led by other nodes")
+        trial.failover = time.monotonic() - killed
+    except AssertionError as exc:
+        trial.notes.append(str(exc))
+    after = sc.leaders()
+    stayed = {v: n for v, n in want.items() if v not in trial.moved}
+    if {v: after.get(v) for v in stayed} != stayed:
+        trial.notes.append(f"shards the victim did not lead moved: {after} (was {want})")
+    time.sleep(0.5)  # the publisher keeps running past the failover (the thread measures)
+    gap.stop_at.set()
+    gap.join(30)
+    if gap.error is not None:
+        trial.notes.append(f"gap publisher failed: {gap.error!r}")
+    trial.largest_gap = gap.largest_gap
+    for vhost in VHOSTS:
+        if vhost in trial.moved:  # the moved shards take confirmed publishes meanwhile
+            expect[vhost] += publish(data_leader, vhost, queue, BATCH)
+    restarted = time.monotonic()
+    victim.start()
+    early: list[str] = []
+
+    def handed_back() -> bool:
+        # whether the victim is in sync is read first (the ISR names it and its first sync is
+        # done: its proxy answers), so a shard seen back was handed over after that
+        in_sync = (trial.victim in json.loads(sc.c.etcd.get(f"{sc.c.prefix}/isr") or b"[]")
+                   and victim.answers())
+        now = sc.leaders()
+        if not in_sync and any(now.get(v) == trial.victim for v in trial.moved):
+            early.append(f"shards handed back before {trial.victim} was in sync: {now}")
+        return now == want
+
+    try:
+        wait_for(handed_back, HANDBACK_WAIT, "the shards handed back to the returning node")
+        trial.handback = time.monotonic() - restarted
+    except AssertionError as exc:
+        trial.notes.append(str(exc))
+    trial.notes += early[:1]
+    wait_for(victim.answers, 20, "the returned node's proxy")
+    trial.confirmed = sum(expect.values()) + gap.confirmed
+    for vhost, n in expect.items():
+        trial.lost += max(0, n - queue_depth(victim, vhost, queue))
+    trial.lost += max(0, gap.confirmed - queue_depth(victim, other, gap_queue))
+    return trial

@@ -1,0 +1,102 @@
+"""Per-shard leaders across a real 3-node cluster (``[clustering] shard_leaders``).
+
+One cluster for the module (``shard_faults.ShardCluster``: real etcd, three real broker
+processes, TTL 2 s): six vhosts get their shard leaders spread 2/2/2 (etcd,
+``skred --cluster-status``, ``GET /api/cluster``); confirmed publishes reach every vhost through
+every node; kill -9 of a node moves only its shards, within TTL + 2 s, while a publisher on
+another shard keeps confirming; the node's return hands its shards back; nothing confirmed is
+lost (``shard_faults.kill_and_return``; ``benchmarks/chaos.py --shards N`` runs it N times).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from ._support import REPO_ROOT
+from .shard_faults import (
+    BATCH,
+    BOUND,
+    IDS,
+    PER_NODE,
+    VHOSTS,
+    ShardCluster,
+    expected,
+    kill_and_return,
+    publish,
+    queue_depth,
+)
+from .test_cluster import wait_for
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ShardCluster]:
+    sc = ShardCluster(tmp_path_factory.mktemp("shards"))
+    try:
+        yield sc
+    except BaseException:
+        print(sc.c.diag())
+        raise
+    finally:
+        sc.close()
+
+
+def cluster_status(sc: ShardCluster) -> dict[str, Any]:
+    out = subprocess.run(
+        [sys.executable, "-m", "broker", "--cluster-status", "--json", "--clustering",
+         "--clustering-etcd-endpoints", sc.c.etcd.endpoint,
+         "--clustering-etcd-prefix", sc.c.prefix],
+        cwd=str(REPO_ROOT), capture_output=True, timeout=30, check=True)
+    return dict(json.loads(out.stdout))
+
+
+def test_six_vhosts_spread_two_per_node_everywhere_it_shows(shards: ShardCluster) -> None:
+    want = expected()
+    wait_for(lambda: shards.leaders() == want, 15, f"shard leaders {want}")
+    assert Counter(VHOSTS.values()) == dict.fromkeys(IDS, PER_NODE)
+    status = cluster_status(shards)
+    assert {s["vhost"]: s["leader"] for s in status["shards"]} == want
+    assert {m["node_id"]: m["shards_led"] for m in status["members"]} == dict(Counter(want.values()))
+    follower = next(n for n in shards.c.nodes if n is not shards.leader)
+    view = shards.api(follower, "GET", "/api/cluster")  # a follower's port: the leader's view
+    assert {s["vhost"]: s["leader"] for s in view["shards"]} == want
+
+
+def test_hooks_name_the_shard_and_a_deleted_vhost_gives_its_shard_up(shards: ShardCluster) -> None:
+    want = expected()
+    wait_for(lambda: all(f"leader {n} {v}" in shards.hook_lines() for v, n in want.items()), 10,
+             "an on_leader_elected hook per shard, naming it")
+    shards.api(shards.leader, "PUT", "/api/vhosts/short-lived")
+    wait_for(lambda: "short-lived" in shards.leaders(), 10, "the new vhost's shard led")
+    holder = shards.leaders()["short-lived"]
+    shards.api(shards.leader, "DELETE", "/api/vhosts/short-lived")
+    wait_for(lambda: "short-lived" not in shards.leaders(), 10, "the deleted vhost's shard key gone")
+    wait_for(lambda: f"follower {holder} short-lived" in shards.hook_lines(), 10, "its on_leader_lost hook")
+
+
+def test_confirmed_publishes_reach_every_vhost_through_every_node(shards: ShardCluster) -> None:
+    nodes = shards.c.nodes
+    for i, vhost in enumerate(VHOSTS):  # every vhost through one node, every node for two vhosts
+        publish(nodes[i % len(nodes)], vhost, "every-node", BATCH)
+    for i, vhost in enumerate(VHOSTS):  # and read back through another
+        assert queue_depth(nodes[(i + 1) % len(nodes)], vhost, "every-node") == BATCH
+
+
+def test_kill9_moves_only_its_shards_and_its_return_hands_them_back(shards: ShardCluster) -> None:
+    trial = kill_and_return(shards, "t", random.Random(27))
+    print(f"victim {trial.victim} moved {trial.moved}: failover {trial.failover}s, largest confirm "
+          f"gap {trial.largest_gap}s, hand-back {trial.handback}s, {trial.confirmed} confirmed, "
+          f"{trial.lost} lost")
+    assert trial.notes == []
+    assert trial.failover is not None and trial.failover <= BOUND
+    assert trial.largest_gap is not None and trial.largest_gap < 1.0
+    assert trial.confirmed > 0 and trial.lost == 0
