@@ -331,18 +331,26 @@ CELLS: dict[str, tuple[str, dict[str, Any]]] = {
 METRICS = ("p50_ms", "p90_ms", "p99_ms", "p999_ms", "max_ms")
 
 
-def run_cell(uri: str, cell: str, seconds: float) -> dict[str, Any]:
+def run_cell(uri: str, cell: str, seconds: float, pid: int = 0) -> dict[str, Any]:
+    """One run of ``cell``; with the broker's ``pid``, also its CPU time per message."""
+    from workloads import broker_cpu
+
     kw = CELLS[cell][1]
+    cpu0 = broker_cpu(pid)
     if "backlog" in kw:
-        return sync_calls(uri, seconds, kw["backlog"])
-    return open_loop(uri, seconds, kw["rate"], kw["ack"], kw.get("conns", 1))
+        r = sync_calls(uri, seconds, kw["backlog"])
+    else:
+        r = open_loop(uri, seconds, kw["rate"], kw["ack"], kw.get("conns", 1))
+    if pid and r.get("messages"):
+        r["broker_cpu_us_per_msg"] = (broker_cpu(pid) - cpu0) * 1e6 / r["messages"]
+    return r
 
 
-def _cell_in_child(uri: str, cell: str, seconds: float) -> dict[str, Any]:
+def _cell_in_child(uri: str, cell: str, seconds: float, pid: int = 0) -> dict[str, Any]:
     """``run_cell`` in a fresh interpreter: no state (sockets, pools) carries between runs."""
     import subprocess
 
-    cmd = [sys.executable, __file__, "--uri", uri, "--cell", cell, "-z", f"{seconds:g}"]
+    cmd = [sys.executable, __file__, "--uri", uri, "--cell", cell, "-z", f"{seconds:g}", "--pid", str(pid)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds * 4 + 180)
     except subprocess.TimeoutExpired:
@@ -357,13 +365,14 @@ def _cell_in_child(uri: str, cell: str, seconds: float) -> dict[str, Any]:
 def table(results: dict[tuple[str, str], list[dict[str, Any]]], cells: list[str], names: list[str]) -> str:
     """Markdown: per cell and broker, each percentile's median over the runs and [min-max]."""
     head = ["cell", "broker", "runs",
-            *(m.removesuffix("_ms").replace("p999", "p99.9") + " ms" for m in METRICS), "lost", "load 1-min"]
+            *(m.removesuffix("_ms").replace("p999", "p99.9") + " ms" for m in METRICS), "not received",
+            "broker CPU µs/msg", "load 1-min"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for cell in cells:
         for name in names:
             rs = [r for r in results.get((cell, name), []) if "error" not in r]
             if not rs:
-                rows.append(f"| {cell} | {name} | 0 | " + " | ".join("—" for _ in METRICS) + " | — | — |")
+                rows.append(f"| {cell} | {name} | 0 | " + " | ".join("—" for _ in METRICS) + " | — | — | — |")
                 continue
             vals = []
             for m in METRICS:
@@ -371,12 +380,29 @@ def table(results: dict[tuple[str, str], list[dict[str, Any]]], cells: list[str]
                 vals.append(f"{statistics.median(xs):.2f} [{min(xs):.2f}-{max(xs):.2f}]")
             lost = sum(int(r.get("expected", r["messages"])) - int(r["messages"]) for r in rs)
             loads = [float(r["load1"]) for r in rs]
+            cpus = [float(r["broker_cpu_us_per_msg"]) for r in rs if "broker_cpu_us_per_msg" in r]
+            cpu = f"{statistics.median(cpus):.1f}" if cpus else "—"
             rows.append(f"| {cell} | {name} | {len(rs)} | " + " | ".join(vals)
-                        + f" | {lost} | {min(loads):.1f}-{max(loads):.1f} |")
+                        + f" | {lost} | {cpu} | {min(loads):.1f}-{max(loads):.1f} |")
     return "\n".join(rows)
 
 
-def private(work: Path, cells: list[str], runs: int, seconds: float, skred_only: bool) -> int:
+def alternate(targets: list[tuple[str, str, int]], cells: list[str], runs: int, seconds: float) -> int:
+    """Every cell ``runs`` times on each (name, uri, pid) target, the targets in turn (so load
+    on the machine hits them alike); prints the table."""
+    results: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for cell in cells:
+        for run in range(runs):
+            for name, uri, pid in targets:
+                r = _cell_in_child(uri, cell, seconds, pid)
+                results.setdefault((cell, name), []).append(r)
+                print(f"  {cell} {name} run {run + 1}: {json.dumps(r)}", file=sys.stderr, flush=True)
+    print(table(results, cells, [t[0] for t in targets]))
+    return 1 if any("error" in r for rs in results.values() for r in rs) else 0
+
+
+def private(work: Path, cells: list[str], runs: int, seconds: float, skred_only: bool,
+            more: list[tuple[str, str, int]]) -> int:
     from tls_brokers import make_certs, start_rabbitmq, start_skred
 
     certs = make_certs(work / "certs")
@@ -386,16 +412,7 @@ def private(work: Path, cells: list[str], runs: int, seconds: float, skred_only:
             brokers.append(start_rabbitmq(work, *certs))
         for b in brokers:
             b.wait_ready(300)
-        names = [b.name for b in brokers]
-        results: dict[tuple[str, str], list[dict[str, Any]]] = {}
-        for cell in cells:
-            for run in range(runs):
-                for b in brokers:  # alternate, so load on the machine hits both alike
-                    r = _cell_in_child(b.plain_uri, cell, seconds)
-                    results.setdefault((cell, b.name), []).append(r)
-                    print(f"  {cell} {b.name} run {run + 1}: {json.dumps(r)}", file=sys.stderr, flush=True)
-        print(table(results, cells, names))
-        return 1 if any("error" in r for rs in results.values() for r in rs) else 0
+        return alternate([(b.name, b.plain_uri, b.pid) for b in brokers] + more, cells, runs, seconds)
     finally:
         for b in brokers:
             b.stop()
@@ -410,18 +427,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cells", default="auto-5k,auto-20k,ack-5k,ack-20k,conns-100,sync-0,sync-2000")
     ap.add_argument("--runs", type=int, default=5, help="runs per cell and broker (default 5)")
     ap.add_argument("--skred-only", action="store_true", help="with --private: no RabbitMQ")
+    ap.add_argument("--target", action="append", default=[], metavar="NAME=URI[,PID]",
+                    help="one more broker to measure in turn (e.g. Skred at another commit); repeatable")
+    ap.add_argument("--pid", type=int, default=0, help="with --uri: the broker's PID (its CPU per message)")
     ap.add_argument("-z", "--seconds", type=float, default=5.0)
     a = ap.parse_args(argv)
     if a.uri:
-        print(json.dumps(run_cell(a.uri, a.cell, a.seconds)))
+        print(json.dumps(run_cell(a.uri, a.cell, a.seconds, a.pid)))
         return 0
-    if not a.private:
-        ap.error("--uri or --private is required")
+    more = []
+    for t in a.target:
+        name, _, rest = t.partition("=")
+        uri, _, pid = rest.partition(",")
+        more.append((name, uri, int(pid or 0)))
+    if not a.private and not more:
+        ap.error("--uri, --private or --target is required")
     cells = [c for c in a.cells.split(",") if c]
     unknown = [c for c in cells if c not in CELLS]
     if unknown:
         ap.error(f"unknown cells {unknown}; choose from {','.join(CELLS)}")
-    return private(Path(a.private), cells, a.runs, a.seconds, a.skred_only)
+    if not a.private:
+        return alternate(more, cells, a.runs, a.seconds)
+    return private(Path(a.private), cells, a.runs, a.seconds, a.skred_only, more)
 
 
 if __name__ == "__main__":
