@@ -379,3 +379,49 @@ def test_a_held_publisher_reads_on_as_soon_as_its_consumer_caught_up(tmp_path: P
             cwriter.close()
 
     _run(tmp_path, test, loop="uvloop")
+
+
+def test_a_held_confirm_publisher_reads_on_once_its_confirm_is_out(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A confirm-mode publisher of persistent messages into a durable queue with a backlog and
+    a consumer is held after each publish (its confirm waits for the group commit). Once the
+    confirm is out it waits for us; it must be read on then, not at the next timed look (issue
+    31: the synchronous publisher's slow calls). The timed looks are set to 30 s here."""
+    from broker.net import server as net_server
+
+    monkeypatch.setattr(net_server, "_HOLD_POLL", 30.0)
+    monkeypatch.setattr(net_server, "_HOLD_SECONDS", 30.0)
+
+    async def test(node: Any) -> None:
+        protocols: set[AMQPProtocol] = set()
+        holds: list[bool] = []
+
+        class Probe(AMQPProtocol):
+            def data_received(self, data: bytes) -> None:
+                paused = self._read_paused
+                super().data_received(data)
+                if self._read_paused and not paused:
+                    holds.append(True)
+
+        async with _serving(node, Probe, protocols) as port:
+            setup = Client(node)
+            setup.open(1)
+            setup.method(commands.Queue.Declare(queue="dq", durable=True))
+            for i in range(50):
+                setup.publish("", "dq", b"backlog-%d" % i)
+            setup.method(commands.Basic.Qos(prefetch_count=1))
+            setup.method(commands.Basic.Consume(queue="dq", consumer_tag="slow"))
+            reader, writer = await _open_channel(port)
+            writer.write(pframe.marshal(commands.Confirm.Select(), 1))
+            await _read_until(reader, b"\x00\x55\x00\x0b")  # confirm.select-ok
+
+            async def publish_in_turn() -> None:
+                for i in range(1, 4):
+                    writer.write(publish_frames("", "dq", b"sync-%d" % i, Props(delivery_mode=2)))
+                    await _read_until(reader, b"\x00\x3c\x00\x50")  # basic.ack
+
+            await asyncio.wait_for(publish_in_turn(), 10)  # a timed look would come after 30 s
+            assert holds, "the publisher was never held: this test no longer tests anything"
+            writer.close()
+
+    _run(tmp_path, test, loop="uvloop")

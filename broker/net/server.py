@@ -358,11 +358,13 @@ class AMQPProtocol(asyncio.Protocol):
         return any(q.store.ready_count and q.consumers for q in s.batch_queues)
 
     def recheck_hold(self) -> None:
-        """Read on at once if the consumers this publisher is held for have caught up: a
-        publisher let go only by the next timed look would add up to ``_HOLD_POLL`` to the
-        latency of everything it sends meanwhile."""
+        """Read on at once if the consumers this publisher is held for have caught up, or if
+        it has nothing in flight any more (its confirms went out: a synchronous publisher waits
+        for us): one let go only by the next timed look would wait up to ``_HOLD_POLL`` for
+        nothing, and so would everything it sends meanwhile."""
         s = self.session
-        if self._hold is not None and (s is None or not self._consumers_behind(s)):
+        if self._hold is not None and (s is None or not self._consumers_behind(s)
+                                       or not s.publishes_in_flight()):
             self._resume_reading(self._hold_until)
 
     def _end_hold(self) -> None:
@@ -399,7 +401,7 @@ class AMQPProtocol(asyncio.Protocol):
                 s.send_oct += len(data)
                 self.last_write = time.monotonic()
             held = self.broker.held
-            if held and self not in held:  # what we wrote may have been what a held one waits for
+            if held:  # what we wrote may be what a held one waits for (deliveries, its confirms)
                 for p in list(held):
                     p.recheck_hold()
         if s.want_close:
