@@ -400,10 +400,7 @@ class AMQPProtocol(asyncio.Protocol):
                 s.send_cnt += 1
                 s.send_oct += len(data)
                 self.last_write = time.monotonic()
-            held = self.broker.held
-            if held:  # what we wrote may be what a held one waits for (deliveries, its confirms)
-                for p in list(held):
-                    p.recheck_hold()
+            self._recheck_held()
         if s.want_close:
             t.close()
         elif s.state == State.CLOSING and not self.closing_since:
@@ -419,6 +416,15 @@ class AMQPProtocol(asyncio.Protocol):
                 self.session.send_cnt += 1
                 self.session.send_oct += len(data)
             self.last_write = time.monotonic()
+            self._recheck_held()
+
+    def _recheck_held(self) -> None:
+        """What we wrote may be what a held publisher waits for (the deliveries that emptied
+        its queues, its own confirms): see ``recheck_hold``."""
+        held = self.broker.held
+        if held:
+            for p in list(held):
+                p.recheck_hold()
 
     def pause_writing(self) -> None:
         if self.session is not None:
