@@ -37,7 +37,9 @@ class Scenario:
     args: tuple[str, ...]
     metric: str  # key of skred-perf's JSON summary
     unit: str
-    tool: str = "perf"  # "perf": skred-perf throughput; "workload": benchmarks/workloads.py
+    # "perf": skred-perf throughput; "workload": benchmarks/workloads.py; "latency":
+    # benchmarks/latency.py (args: its cell)
+    tool: str = "perf"
     runs: int = 0  # runs per broker when not --runs (0: --runs)
     # at least this many runs: a latency percentile of one run moves with the few stalls the
     # machine itself gives a client process (see the 5-floor-* rows)
@@ -127,16 +129,24 @@ def scenarios(prefill: int, rss_count: int = 1_000_000, rss_drain: int = 300_000
         Scenario("4", "(1) persistent, durable queue, confirms (window 1000), manual ack, prefetch 100",
                  ("varied", "--persistent", "--confirm", "1000", "--prefetch", "100"), "consume_rate",
                  "msg/s", "workload"),
+        # Issue 31: measured as an outside generator does (benchmarks/latency.py: open loop from
+        # the intended send time, Celery-like 200 B-2 KiB messages, an ack frame per message).
         *(Scenario(f"5-{mode}-{rate // 1000}k-{label}",
-                   f"latency {label} at {rate:,} msg/s, " + ("manual ack (prefetch 100)" if mode == "ack"
-                                                             else "autoack"),
-                   ("latency", "--rate", str(rate), *(("--ack",) if mode == "ack" else ())), metric,
-                   "ms (lower is better)", "workload", min_runs=5)
+                   f"latency {label} at {rate:,} msg/s, open loop, 200 B-2 KiB, "
+                   + ("manual ack of each message (prefetch 100)" if mode == "ack" else "autoack"),
+                   (f"{mode}-{rate // 1000}k",), metric, "ms (lower is better)", "latency", min_runs=5)
           for mode in ("auto", "ack") for rate in (5000, 20000)
-          for label, metric in (("p50", "p50_ms"), ("p99", "p99_ms"), ("p99.9", "p999_ms"))),
-        # The floor of the rows above: the same two client processes with no broker between
-        # them (the producer writes the deliveries). Measured in each broker's turn, so its two
-        # columns show how much the floor itself moves between turns.
+          for label, metric in (("p50", "p50_ms"), ("p99", "p99_ms"), ("p99.9", "p999_ms"),
+                                ("max", "max_ms"))),
+        *(Scenario(f"5-sync-{backlog}-{label}",
+                   f"synchronous pika publisher, confirms, persistent, live consumer, backlog {backlog:,}: "
+                   f"call time {label}", (f"sync-{backlog}",), metric, "ms (lower is better)", "latency",
+                   min_runs=5)
+          for backlog in (0, 2000) for label, metric in (("p50", "p50_ms"), ("p99", "p99_ms"))),
+        # The floor of the latency clients these rows used before issue 31 (workloads.py
+        # latency: closed loop, one 64-byte message, one ack per read): the two client processes
+        # with no broker between them (the producer writes the deliveries). Measured in each
+        # broker's turn, so its two columns show how much the floor itself moves between turns.
         *(Scenario(f"5-floor-{rate // 1000}k-{label}",
                    f"(5) floor: no broker, the latency clients connected directly, manual ack, "
                    f"{rate:,} msg/s, {label}, measured in each broker's turn",
@@ -187,7 +197,10 @@ def scenarios(prefill: int, rss_count: int = 1_000_000, rss_drain: int = 300_000
 
 def run_perf(uri: str, scenario: Scenario, seconds: float, prefill: int, pid: int = 0,
              budget: float = 0) -> dict[str, Any]:
-    if scenario.tool == "workload":
+    if scenario.tool == "latency":
+        cmd = [sys.executable, str(REPO_ROOT / "benchmarks" / "latency.py"), "--uri", uri, "--cell",
+               scenario.args[0], "-z", f"{seconds:g}", "--pid", str(pid)]
+    elif scenario.tool == "workload":
         cmd = [sys.executable, str(REPO_ROOT / "benchmarks" / "workloads.py"), *scenario.args, "--uri", uri,
                "-z", f"{seconds:g}", "--pid", str(pid)]
     else:

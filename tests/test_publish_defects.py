@@ -10,6 +10,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+import uvloop
 from _amqp_session import Client, close_node, make_node, publish_frames, pump
 from pamqp import commands
 from pamqp import frame as pframe
@@ -19,7 +21,9 @@ from broker.net.server import AMQPProtocol
 Props = commands.Basic.Properties
 
 
-def _run(tmp_path: Path, test: Callable[[Any], Awaitable[None]], *extra: str) -> None:
+def _run(tmp_path: Path, test: Callable[[Any], Awaitable[None]], *extra: str, loop: str = "asyncio") -> None:
+    """Run ``test(node)`` on a fresh event loop: asyncio's, or ``loop="uvloop"``, the one the
+    broker runs on (its timers have a resolution of 1 ms and round shorter delays to 0)."""
     async def main() -> None:
         node = make_node(tmp_path, *extra)
         try:
@@ -27,7 +31,10 @@ def _run(tmp_path: Path, test: Callable[[Any], Awaitable[None]], *extra: str) ->
         finally:
             close_node(node)
 
-    asyncio.run(main())
+    if loop == "uvloop":
+        uvloop.run(main())
+    else:
+        asyncio.run(main())
 
 
 # ------------------------------------------------------------------ (a) empty bodies in runs
@@ -274,11 +281,13 @@ async def _read_until(reader: asyncio.StreamReader, marker: bytes) -> bytes:
     return data
 
 
-def test_a_held_publisher_does_not_keep_the_loop_spinning(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["asyncio", "uvloop"])
+def test_a_held_publisher_does_not_keep_the_loop_spinning(tmp_path: Path, kind: str) -> None:
     """A fire-and-forget publisher into a queue whose consumer lags is held for a few
     milliseconds so that the consumer's acks come first. While held, its reading is looked at
     again now and then, not on every loop turn: a loop turned for that alone would burn the CPU
-    the consumers need (each look re-arms itself)."""
+    the consumers need (each look re-arms itself). Also on uvloop, whose timers round a delay
+    under half a millisecond to none (issue 31: the broker spun through every hold there)."""
     async def test(node: Any) -> None:
         loop = asyncio.get_running_loop()
         protocols: set[AMQPProtocol] = set()
@@ -309,4 +318,110 @@ def test_a_held_publisher_does_not_keep_the_loop_spinning(tmp_path: Path) -> Non
             assert len(looks) <= 20 * len(holds), (len(looks), len(holds))
             writer.close()
 
-    _run(tmp_path, test)
+    _run(tmp_path, test, loop=kind)
+
+
+def test_a_held_publisher_reads_on_as_soon_as_its_consumer_caught_up(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 31: a held publisher was let go only by a timed look (or the end of the hold), so
+    everything it sent meanwhile waited up to that long after its queue's consumer had caught
+    up: latency that the broker added for nothing. A write to a consumer now rechecks the held
+    publishers. The timed looks are set to 30 s here: only the recheck can let it go in time."""
+    from broker.net import server as net_server
+
+    monkeypatch.setattr(net_server, "_HOLD_POLL", 30.0)
+    monkeypatch.setattr(net_server, "_HOLD_SECONDS", 30.0)
+
+    async def test(node: Any) -> None:
+        loop = asyncio.get_running_loop()
+        protocols: set[AMQPProtocol] = set()
+        holds: list[float] = []
+
+        class Probe(AMQPProtocol):
+            def data_received(self, data: bytes) -> None:
+                paused = self._read_paused
+                super().data_received(data)
+                if self._read_paused and not paused:
+                    holds.append(loop.time())
+
+        async with _serving(node, Probe, protocols) as port:
+            setup = Client(node)
+            setup.open(1)
+            setup.method(commands.Queue.Declare(queue="q"))
+            creader, cwriter = await _open_channel(port)
+            cwriter.write(pframe.marshal(commands.Basic.Qos(prefetch_count=1), 1))
+            cwriter.write(pframe.marshal(commands.Basic.Consume(queue="q", consumer_tag="c"), 1))
+            await _read_until(creader, b"\x00\x3c\x00\x15")  # basic.consume-ok
+            preader, pwriter = await _open_channel(port)
+            await _read_until(preader, b"\x00\x14\x00\x0b")  # channel.open-ok
+            pwriter.write(b"".join(publish_frames("", "q", b"m%d" % i) for i in range(3)))
+            deadline = loop.time() + 20
+            while not holds and loop.time() < deadline:  # the consumer holds one, two are ready
+                await asyncio.sleep(0.01)
+            assert holds, "the publisher was never held"
+            pwriter.write(publish_frames("", "q", b"after"))  # read only once it is let go
+            seen = b""
+            acked = 0
+
+            async def consume_all() -> None:
+                nonlocal seen, acked
+                while b"after" not in seen:
+                    chunk = await creader.read(65536)
+                    assert chunk, "connection closed"
+                    seen += chunk
+                    while acked < seen.count(b"\x00\x3c\x00\x3c"):  # ack each delivery, in turn
+                        acked += 1
+                        cwriter.write(pframe.marshal(commands.Basic.Ack(delivery_tag=acked), 1))
+
+            await asyncio.wait_for(consume_all(), 10)  # a timed look would come after 30 s
+            assert acked == 4
+            pwriter.close()
+            cwriter.close()
+
+    _run(tmp_path, test, loop="uvloop")
+
+
+def test_a_held_confirm_publisher_reads_on_once_its_confirm_is_out(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A confirm-mode publisher of persistent messages into a durable queue with a backlog and
+    a consumer is held after each publish (its confirm waits for the group commit). Once the
+    confirm is out it waits for us; it must be read on then, not at the next timed look (issue
+    31: the synchronous publisher's slow calls). The timed looks are set to 30 s here."""
+    from broker.net import server as net_server
+
+    monkeypatch.setattr(net_server, "_HOLD_POLL", 30.0)
+    monkeypatch.setattr(net_server, "_HOLD_SECONDS", 30.0)
+
+    async def test(node: Any) -> None:
+        protocols: set[AMQPProtocol] = set()
+        holds: list[bool] = []
+
+        class Probe(AMQPProtocol):
+            def data_received(self, data: bytes) -> None:
+                paused = self._read_paused
+                super().data_received(data)
+                if self._read_paused and not paused:
+                    holds.append(True)
+
+        async with _serving(node, Probe, protocols) as port:
+            setup = Client(node)
+            setup.open(1)
+            setup.method(commands.Queue.Declare(queue="dq", durable=True))
+            for i in range(50):
+                setup.publish("", "dq", b"backlog-%d" % i)
+            setup.method(commands.Basic.Qos(prefetch_count=1))
+            setup.method(commands.Basic.Consume(queue="dq", consumer_tag="slow"))
+            reader, writer = await _open_channel(port)
+            writer.write(pframe.marshal(commands.Confirm.Select(), 1))
+            await _read_until(reader, b"\x00\x55\x00\x0b")  # confirm.select-ok
+
+            async def publish_in_turn() -> None:
+                for i in range(1, 4):
+                    writer.write(publish_frames("", "dq", b"sync-%d" % i, Props(delivery_mode=2)))
+                    await _read_until(reader, b"\x00\x3c\x00\x50")  # basic.ack
+
+            await asyncio.wait_for(publish_in_turn(), 10)  # a timed look would come after 30 s
+            assert holds, "the publisher was never held: this test no longer tests anything"
+            writer.close()
+
+    _run(tmp_path, test, loop="uvloop")

@@ -94,6 +94,13 @@ class GroupCommit(Protocol):
     def discard(self, obj: Any) -> None: ...
 
 
+class HeldReader(Protocol):
+    """A publisher connection whose reading is held for the consumers of the queues it fed
+    (``broker.net.server``): ``recheck_hold`` lets it go once they have caught up."""
+
+    def recheck_hold(self) -> None: ...
+
+
 class Shards(Protocol):
     """The node's shard map as a connection sees it (``broker.shards.worker``; None: one worker)."""
 
@@ -163,6 +170,8 @@ class Broker:
         # a cluster leader's own legs of follower tunnels -> the real client (broker.cluster.tunnel)
         self.proxied_peers: dict[tuple[str, int], tuple[str, int]] = {}
         self.shards: Shards | None = None  # a worker of a multi-worker node (broker/shards)
+        # publishers held for their queues' consumers, looked at after each write to a client
+        self.held: set[HeldReader] = set()
         # guest with full access everywhere is the common case: skip per-name checks then
         self.check_permissions = True
         # resource alarms: block publishers (broker/amqp/alarms.py; checked by the listener tick)

@@ -66,7 +66,11 @@ log = logging.getLogger(__name__)
 _HANDSHAKE_TIMEOUT = 10.0  # seconds to finish connection.open
 _CLOSE_TIMEOUT = 2.0  # seconds to wait for close-ok before dropping the socket
 _WRITE_HIGH_WATER = 1024 * 1024
-_HOLD_POLL = 0.0005  # seconds between looks at a held publisher's consumers
+# seconds between timed looks at a held publisher's consumers. Not less than 1 ms: uvloop
+# (libuv) keeps timers in whole milliseconds and turns a shorter delay into call_soon, so 0.5 ms
+# had a held publisher looked at on every loop turn, a loop spinning through each hold (issue
+# 31). The look that matters is not timed: a write to a consumer rechecks the held (``flush``).
+_HOLD_POLL = 0.001
 _HOLD_SECONDS = 0.005  # how long a publisher may wait for consumers of its queues to catch up
 
 
@@ -81,6 +85,8 @@ class AMQPProtocol(asyncio.Protocol):
         self.last_read = self.last_write = self.started = time.monotonic()
         self.closing_since = 0.0
         self._read_paused = False
+        self._hold: asyncio.TimerHandle | None = None  # the next timed look while held
+        self._hold_until = 0.0
         self._header_fed = 0  # protocol-header bytes given to the session before connection.start
         self._admitted = False  # the login throttle let this connection's start-ok through
         self._login_held = b""  # a start-ok arriving in pieces, held until whole (its user name)
@@ -316,6 +322,7 @@ class AMQPProtocol(asyncio.Protocol):
             t.resume_reading()
 
     def _resume_reading(self, hold_until: float) -> None:
+        self._end_hold()  # a timed look, or a recheck: either way the next look is decided here
         if self._mem_wait or self._out_wait:
             return  # the memory gate (admitted) or the client reading its replies resumes us
         if self.broker.alarm.active and not self.reserved:
@@ -331,18 +338,40 @@ class AMQPProtocol(asyncio.Protocol):
             # need (1p1c manual ack: 405k/s consumed with a 30-turn hold, 630-680k/s
             # with this one). The bound is time, not turns: on a busy loop a turn is long.
             # A publisher whose confirms have all gone out meanwhile is let go at once.
-            if any(q.store.ready_count and q.consumers for q in s.batch_queues) and s.publishes_in_flight():
+            if self._consumers_behind(s) and s.publishes_in_flight():
                 loop = asyncio.get_running_loop()
-                now = loop.time()
-                if now < hold_until:
+                if loop.time() < hold_until:
                     # look again shortly, not every loop turn: a loop kept spinning for
-                    # this would burn the CPU the consumers need
-                    loop.call_later(min(hold_until - now, _HOLD_POLL), self._resume_reading, hold_until)
+                    # this would burn the CPU the consumers need. Sooner if a write to
+                    # a consumer finds them caught up (``recheck_hold``).
+                    self._hold = loop.call_later(_HOLD_POLL, self._resume_reading, hold_until)
+                    self._hold_until = hold_until
+                    self.broker.held.add(self)
                     return
             s.batch_queues.clear()
         if s is not None:
             s.unanswered = False
         self._read_on()
+
+    @staticmethod
+    def _consumers_behind(s: Session) -> bool:
+        return any(q.store.ready_count and q.consumers for q in s.batch_queues)
+
+    def recheck_hold(self) -> None:
+        """Read on at once if the consumers this publisher is held for have caught up, or if
+        it has nothing in flight any more (its confirms went out: a synchronous publisher waits
+        for us): one let go only by the next timed look would wait up to ``_HOLD_POLL`` for
+        nothing, and so would everything it sends meanwhile."""
+        s = self.session
+        if self._hold is not None and (s is None or not self._consumers_behind(s)
+                                       or not s.publishes_in_flight()):
+            self._resume_reading(self._hold_until)
+
+    def _end_hold(self) -> None:
+        if self._hold is not None:
+            self._hold.cancel()
+            self._hold = None
+            self.broker.held.discard(self)
 
     def unpark(self) -> None:
         """The disk alarm cleared: read this publisher again."""
@@ -371,6 +400,7 @@ class AMQPProtocol(asyncio.Protocol):
                 s.send_cnt += 1
                 s.send_oct += len(data)
                 self.last_write = time.monotonic()
+            self._recheck_held()
         if s.want_close:
             t.close()
         elif s.state == State.CLOSING and not self.closing_since:
@@ -386,6 +416,15 @@ class AMQPProtocol(asyncio.Protocol):
                 self.session.send_cnt += 1
                 self.session.send_oct += len(data)
             self.last_write = time.monotonic()
+            self._recheck_held()
+
+    def _recheck_held(self) -> None:
+        """What we wrote may be what a held publisher waits for (the deliveries that emptied
+        its queues, its own confirms): see ``recheck_hold``."""
+        held = self.broker.held
+        if held:
+            for p in list(held):
+                p.recheck_hold()
 
     def pause_writing(self) -> None:
         if self.session is not None:
@@ -404,6 +443,7 @@ class AMQPProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.protocols.discard(self)
+        self._end_hold()
         if self.relay is not None:
             self.relay.client_gone()
         if self.reserved or self._mem_wait:
