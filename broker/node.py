@@ -271,10 +271,11 @@ class Node:
             worker = self.worker
             if worker is not None:
                 await self.start_worker(worker, loop, broker, mgmt)
-            # LMQ runs in the worker that owns its vhost, MQTT in the first (docs/architecture.md)
+            # LMQ runs in the worker that owns its vhost, MQTT in every worker (a connection is
+            # handed to its vhost's owner), the stream protocol in the first (docs/architecture.md)
             if cfg.lmq.enabled and (worker is None or worker.owns(cfg.lmq.vhost)):
                 await self.start_lmq(broker)  # before AMQP: a node answering AMQP has its LMQ ports open
-            if cfg.mqtt.enabled and (worker is None or worker.index == 0):
+            if cfg.mqtt.enabled:
                 await self.start_mqtt(broker)  # the same: MQTT answers once AMQP does
             if cfg.stream.enabled and (worker is None or worker.index == 0):
                 await self.start_stream(broker)  # and the stream protocol
@@ -327,6 +328,12 @@ class Node:
         if amqp is None or broker is None or loop is None:
             # ready (its vhosts loaded) but the AMQP server not made yet: held until it is
             self._early.append((fd, state))
+            return
+        if state.get("protocol") == "mqtt":
+            if self.mqtt is None:
+                os.close(fd)  # MQTT is off here: the accepting worker had it on (cannot be)
+                return
+            loop.create_task(self.mqtt.resume(fd, state))
             return
         loop.create_task(amqp.resume(fd, state))
 
@@ -472,8 +479,11 @@ class Node:
         assert self._syncer is not None
         retained = BlobDir(cfg.main.data_dir / RETAINED_DIR, self._syncer.mark_dirty, self.sink)
         sessions = BlobDir(cfg.main.data_dir / MQTT_SESSIONS_DIR, self._syncer.mark_dirty, self.sink)
+        if self.worker is not None and self.worker.index != 0:
+            cfg = dataclasses.replace(cfg, mqtt=dataclasses.replace(cfg.mqtt, unix_path=""))  # worker 0's
         self.mqtt = MQTTServer(cfg.mqtt, broker.vhosts, broker.users, broker.syncer.after_sync, retained,
                                sessions, peers=broker.proxied_peers)
+        self.mqtt.router = self.worker
         await self.mqtt.start(self.tls_context if self.tls is not None else None, unix_mode(cfg.main))
         assert self.mgmt is not None
         mqtt = self.mqtt

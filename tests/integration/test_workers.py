@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import paho.mqtt.client as mqtt
 import pika
 import pytest
 from pamqp import commands
@@ -83,7 +84,8 @@ def tls_port(b: SkredProcess) -> int:
 def node(tmp_path_factory: pytest.TempPathFactory, pki: PKI) -> Iterator[SkredProcess]:
     b = SkredProcess(tmp_path_factory.mktemp("workers") / "data", tls_args(
         pki, "--amqp-tls-port", str(free_port()), "--mgmt-tls-port", str(free_port()),
-        "--workers", "2", "--log-level", "debug", "--mgmt-metrics-port", str(free_port())))
+        "--mqtt-tls-port", str(free_port()), "--workers", "2", "--log-level", "debug",
+        "--mgmt-metrics-port", str(free_port())))
     try:
         b.start()
         prepare(b, VHOSTS.values())
@@ -213,6 +215,52 @@ def test_amqp_over_websocket_is_relayed_to_the_owner(node: SkredProcess) -> None
                 got += 1
         tcp.close()
         assert got == 4, vhost
+
+
+class _MQTT:
+    """A paho client (MQTT 3.1.1) logged in to ``vhost`` as guest; what it received."""
+
+    def __init__(self, port: int, vhost: str, ctx: Any = None) -> None:
+        self.got: list[bytes] = []
+        c = self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=unique("wm")[-20:],
+                                      protocol=mqtt.MQTTv311)
+        c.username_pw_set(f"{vhost}:guest", "guest")
+        if ctx is not None:
+            c.tls_set_context(ctx)
+        c.on_message = lambda _c, _u, m: self.got.append(m.payload)
+        c.connect("localhost", port, keepalive=30)
+        c.loop_start()
+        wait_until(c.is_connected, 10, f"MQTT CONNACK in vhost {vhost}")
+
+    def close(self) -> None:
+        self.client.disconnect()
+        self.client.loop_stop()
+
+
+def mqtt_tls_port(b: SkredProcess) -> int:
+    return int(b.extra_args[b.extra_args.index("--mqtt-tls-port") + 1])
+
+
+def test_mqtt_reaches_every_vhost_through_any_worker(node: SkredProcess, pki: PKI) -> None:
+    """CONNECT names the vhost (``vhost:user``): the accepting worker hands the socket (plain) or
+    relays the bytes (TLS) to the vhost's owner, which answers CONNACK; a QoS 1 round trip."""
+    for vhost in VHOSTS.values():
+        for port, ctx in ((node.mqtt_port, None), (mqtt_tls_port(node), pki.client_context())):
+            for i in range(CONNECTIONS // 2):
+                c = _MQTT(port, vhost, ctx)
+                try:
+                    topic = f"w/{vhost}/{i}"
+                    c.client.subscribe(topic, qos=1)
+                    body = f"{vhost}-{i}-".encode() * (3000 if ctx else 1)  # TLS: several records
+                    info = c.client.publish(topic, body, qos=1)
+                    info.wait_for_publish(10)
+                    wait_until(lambda c=c, b=body: b in c.got, 10, f"MQTT round trip in {vhost}")
+                finally:
+                    c.close()
+    log = node.log_text()
+    for vhost in VHOSTS.values():  # some of them landed on the other worker first
+        assert re.search(rf"MQTT connection .*handed over to the worker of vhost '{vhost}'", log), vhost
+        assert re.search(rf"MQTT connection .*relayed to the worker of vhost '{vhost}'", log), vhost
 
 
 def test_management_api_answers_for_the_whole_node(node: SkredProcess) -> None:
