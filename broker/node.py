@@ -271,13 +271,13 @@ class Node:
             worker = self.worker
             if worker is not None:
                 await self.start_worker(worker, loop, broker, mgmt)
-            # LMQ runs in the worker that owns its vhost, MQTT in every worker (a connection is
-            # handed to its vhost's owner), the stream protocol in the first (docs/architecture.md)
+            # LMQ runs in the worker that owns its vhost, MQTT and the stream protocol in every
+            # worker (a connection is handed to its vhost's owner: docs/architecture.md)
             if cfg.lmq.enabled and (worker is None or worker.owns(cfg.lmq.vhost)):
                 await self.start_lmq(broker)  # before AMQP: a node answering AMQP has its LMQ ports open
             if cfg.mqtt.enabled:
                 await self.start_mqtt(broker)  # the same: MQTT answers once AMQP does
-            if cfg.stream.enabled and (worker is None or worker.index == 0):
+            if cfg.stream.enabled:
                 await self.start_stream(broker)  # and the stream protocol
             # HTTP before AMQP too: once the AMQP port answers, everything answers
             if cfg.mgmt.enabled and worker is None:
@@ -329,13 +329,12 @@ class Node:
             # ready (its vhosts loaded) but the AMQP server not made yet: held until it is
             self._early.append((fd, state))
             return
-        if state.get("protocol") == "mqtt":
-            if self.mqtt is None:
-                os.close(fd)  # MQTT is off here: the accepting worker had it on (cannot be)
-                return
-            loop.create_task(self.mqtt.resume(fd, state))
+        protocol = state.get("protocol", "amqp")
+        server = self.mqtt if protocol == "mqtt" else self.stream if protocol == "stream" else amqp
+        if server is None:
+            os.close(fd)  # off here: the accepting worker had it on (cannot be: one config)
             return
-        loop.create_task(amqp.resume(fd, state))
+        loop.create_task(server.resume(fd, state))
 
     def shared_reloaded(self, names: list[str]) -> None:
         """Another worker changed shared files: build the vhosts it created that we own."""
@@ -508,8 +507,11 @@ class Node:
     async def start_stream(self, broker: Broker) -> None:
         """The RabbitMQ Stream protocol's listeners over the broker's vhosts and users."""
         cfg = self.config
+        if self.worker is not None and self.worker.index != 0:
+            cfg = dataclasses.replace(cfg, stream=dataclasses.replace(cfg.stream, unix_path=""))  # worker 0's
         self.stream = StreamServer(cfg.stream, broker.vhosts, broker.users, broker.syncer.after_sync,
                                    peers=broker.proxied_peers)
+        self.stream.router = self.worker
         await self.stream.start(self.tls_context if self.tls is not None else None, unix_mode(cfg.main))
         assert self.mgmt is not None
         self.mgmt.other_listeners.update(self.stream.addresses)

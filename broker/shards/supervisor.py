@@ -153,7 +153,12 @@ def reserve_ports(config: Config) -> tuple[Config, list[socket.socket]]:
         q, port=hold("mqtt.bind/mqtt.port, --mqtt-bind/--mqtt-port", q.bind, q.port, q.enabled),
         tls_port=hold("mqtt.bind/mqtt.tls_port, --mqtt-bind/--mqtt-tls-port", q.bind, q.tls_port,
                       q.enabled and secure))
-    return dataclasses.replace(config, amqp=amqp, mgmt=mgmt, mqtt=mqtt), held
+    st = config.stream
+    stream = dataclasses.replace(
+        st, port=hold("stream.bind/stream.port, --stream-bind/--stream-port", st.bind, st.port, st.enabled),
+        tls_port=hold("stream.bind/stream.tls_port, --stream-bind/--stream-tls-port", st.bind, st.tls_port,
+                      st.enabled and secure))
+    return dataclasses.replace(config, amqp=amqp, mgmt=mgmt, mqtt=mqtt, stream=stream), held
 
 
 class Supervisor:

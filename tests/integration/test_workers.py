@@ -11,17 +11,19 @@ confirmed message back.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import os
 import re
 import signal
+import struct
 import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +31,14 @@ import paho.mqtt.client as mqtt
 import pika
 import pytest
 from pamqp import commands
+from rstream import Consumer, ConsumerOffsetSpecification, MessageContext, OffsetType, Producer
 
 from broker.shards.placement import worker_of
+from broker.streamproto import codec as C
 
 from ._raw import PROTOCOL_HEADER, RawConn, method_bytes
-from ._support import SkredProcess, free_port, is_external, params, unique, wait_until
+from ._stream_wire import StreamWire, frame, s16
+from ._support import SkredProcess, free_port, is_external, params, run_async, unique, wait_until
 from ._tls import PKI, make_pki, tls_args
 from .test_websocket import WSRawConn
 from .worker_faults import prepare, worker_pids
@@ -84,7 +89,8 @@ def tls_port(b: SkredProcess) -> int:
 def node(tmp_path_factory: pytest.TempPathFactory, pki: PKI) -> Iterator[SkredProcess]:
     b = SkredProcess(tmp_path_factory.mktemp("workers") / "data", tls_args(
         pki, "--amqp-tls-port", str(free_port()), "--mgmt-tls-port", str(free_port()),
-        "--mqtt-tls-port", str(free_port()), "--workers", "2", "--log-level", "debug",
+        "--mqtt-tls-port", str(free_port()), "--stream-tls-port", str(free_port()), "--workers", "2",
+        "--log-level", "debug",
         "--mgmt-metrics-port", str(free_port())))
     try:
         b.start()
@@ -244,23 +250,95 @@ def mqtt_tls_port(b: SkredProcess) -> int:
 def test_mqtt_reaches_every_vhost_through_any_worker(node: SkredProcess, pki: PKI) -> None:
     """CONNECT names the vhost (``vhost:user``): the accepting worker hands the socket (plain) or
     relays the bytes (TLS) to the vhost's owner, which answers CONNACK; a QoS 1 round trip."""
+    def round_trip(port: int, vhost: str, ctx: Any) -> None:
+        c = _MQTT(port, vhost, ctx)
+        try:
+            topic = f"w/{vhost}"
+            c.client.subscribe(topic, qos=1)
+            body = f"{vhost}-".encode() * (3000 if ctx else 1)  # TLS: several records
+            c.client.publish(topic, body, qos=1).wait_for_publish(10)
+            wait_until(lambda: body in c.got, 10, f"MQTT round trip in {vhost}")
+        finally:
+            c.close()
+
     for vhost in VHOSTS.values():
-        for port, ctx in ((node.mqtt_port, None), (mqtt_tls_port(node), pki.client_context())):
-            for i in range(CONNECTIONS // 2):
-                c = _MQTT(port, vhost, ctx)
-                try:
-                    topic = f"w/{vhost}/{i}"
-                    c.client.subscribe(topic, qos=1)
-                    body = f"{vhost}-{i}-".encode() * (3000 if ctx else 1)  # TLS: several records
-                    info = c.client.publish(topic, body, qos=1)
-                    info.wait_for_publish(10)
-                    wait_until(lambda c=c, b=body: b in c.got, 10, f"MQTT round trip in {vhost}")
-                finally:
-                    c.close()
-    log = node.log_text()
-    for vhost in VHOSTS.values():  # some of them landed on the other worker first
-        assert re.search(rf"MQTT connection .*handed over to the worker of vhost '{vhost}'", log), vhost
-        assert re.search(rf"MQTT connection .*relayed to the worker of vhost '{vhost}'", log), vhost
+        for port, ctx, how in ((node.mqtt_port, None, "handed over to"),
+                               (mqtt_tls_port(node), pki.client_context(), "relayed to")):
+            _until_logged(node, f"MQTT connection .*{how} the worker of vhost '{vhost}'",
+                          lambda port=port, vhost=vhost, ctx=ctx: round_trip(port, vhost, ctx))
+
+
+def test_stream_protocol_reaches_every_vhost_through_any_worker(node: SkredProcess, pki: PKI) -> None:
+    """Open names the vhost: the accepting worker hands the socket (TLS: relays the bytes), with
+    the user and tuning it negotiated, to the vhost's owner, which answers Open and what was
+    pipelined after it (raw frames, so both workers accept some); rstream publishes and reads
+    back through it."""
+    tls = int(node.extra_args[node.extra_args.index("--stream-tls-port") + 1])
+    for vhost in VHOSTS.values():
+        for port, how in ((node.stream_port, "handed over to"), (tls, "relayed to")):
+            _until_logged(node, f"stream connection .*{how} the worker of vhost '{vhost}'",
+                          lambda port=port, vhost=vhost: _stream_open(node, pki, port, vhost))
+
+    async def scenario() -> None:  # a real client: one stream per vhost, published and read
+        kw: dict[str, Any] = {"port": node.stream_port, "username": "guest", "password": "guest"}
+        for vhost in VHOSTS.values():
+            stream = unique("ws")
+            sent = [f"{vhost}-{i}".encode() for i in range(10)]
+            async with Producer("localhost", vhost=vhost, **kw) as p:
+                await p.create_stream(stream)
+                await p.send_batch(stream, sent)
+            got: list[bytes] = []
+
+            def on_message(msg: Any, _ctx: MessageContext, got: list[bytes] = got) -> None:
+                got.append(bytes(msg))
+
+            c = Consumer("localhost", vhost=vhost, **kw)
+            await c.start()
+            try:
+                await c.subscribe(stream, on_message,
+                                  offset_specification=ConsumerOffsetSpecification(OffsetType.FIRST, None))
+                deadline = time.monotonic() + 10
+                while len(got) < len(sent) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.02)  # poll, bounded by the deadline
+                assert got == sent, vhost
+                await c.delete_stream(stream)
+            finally:
+                await c.close()
+
+    run_async(scenario(), 60)
+
+
+def _stream_open(node: SkredProcess, pki: PKI, port: int, vhost: str) -> None:
+    """A raw stream connection to ``vhost`` (TLS unless on the plain port) that sends Open and
+    Create in one write (Create must reach the owner too) and checks both answers."""
+    w = StreamWire("localhost", port)
+    if port != node.stream_port:
+        w.sock = pki.client_context().wrap_socket(w.sock, server_hostname="localhost")
+    try:
+        assert w.request(C.PEER_PROPERTIES, struct.pack(">i", 0)) == C.OK
+        assert w.request(C.SASL_HANDSHAKE, b"") == C.OK
+        auth = b"\0guest\0guest"
+        assert w.request(C.SASL_AUTHENTICATE, s16("PLAIN") + struct.pack(">i", len(auth)) + auth) == C.OK
+        w.send(frame(C.TUNE, w.expect(C.TUNE)))
+        stream = unique("ws")
+        w.send(frame(C.OPEN, struct.pack(">I", 1) + s16(vhost))
+               + frame(C.CREATE, struct.pack(">I", 2) + s16(stream) + struct.pack(">i", 0)))
+        for key in (C.OPEN, C.CREATE):
+            payload = w.expect(key | C.RESPONSE)
+            assert struct.unpack_from(">H", payload, 4)[0] == C.OK, (vhost, port, key)
+        assert w.request(C.DELETE, s16(stream)) == C.OK
+    finally:
+        w.close()
+
+
+def _until_logged(node: SkredProcess, pattern: str, attempt: Callable[[], None], most: int = 32) -> None:
+    """``attempt`` (a connection and its round trip) until the node logged ``pattern``: the
+    kernel spreads connections over the workers at random, so a few reach the other one."""
+    for _ in range(most):
+        attempt()
+        if re.search(pattern, node.log_text()):
+            return
+    raise AssertionError(f"{most} connections, none logged {pattern!r}")
 
 
 def test_management_api_answers_for_the_whole_node(node: SkredProcess) -> None:
