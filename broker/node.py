@@ -700,8 +700,10 @@ class NodeHost:
 
 
 def worker_files(config: Config, count: int) -> dict[str, int]:
-    """The node files one worker keeps (``layout.relocate``): MQTT's retained messages in the
-    worker MQTT runs in, LMQ's properties in the worker of ``[lmq] vhost``."""
+    """The node files one worker keeps (``layout.relocate``): LMQ's properties in the worker of
+    ``[lmq] vhost``; MQTT's retained messages of a one-worker node in worker 0 (each worker keeps
+    its own vhosts' since MQTT runs in every worker; a change of ``workers`` does not split
+    them by vhost yet)."""
     return {RETAINED_DIR: 0, LMQ_PROPS_FILE: worker_of(config.lmq.vhost, count)}
 
 
