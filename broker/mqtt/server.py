@@ -344,7 +344,7 @@ class MQTTProtocol(asyncio.Protocol):
                         self.peer_host, vhost, exc)
             t.abort()
             return True
-        log.debug("MQTT connection from %s %s the worker of vhost %r", self.peer_host,
+        log.debug("MQTT connection from %s (%s) %s the worker of vhost %r", self.peer_host, self.listener,
                   "handed over to" if self.relay is None else "relayed to", vhost)
         return True
 

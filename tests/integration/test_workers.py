@@ -227,12 +227,15 @@ class _MQTT:
     """A paho client (MQTT 3.1.1) logged in to ``vhost`` as guest; what it received."""
 
     def __init__(self, port: int, vhost: str, ctx: Any = None, client_id: str = "",
-                 clean: bool = True) -> None:
+                 clean: bool = True, websocket: bool = False) -> None:
         self.got: list[bytes] = []
         self.subscribed: list[int] = []
         c = self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2,
                                       client_id=client_id or unique("wm")[-20:],
-                                      protocol=mqtt.MQTTv311, clean_session=clean)
+                                      protocol=mqtt.MQTTv311, clean_session=clean,
+                                      transport="websockets" if websocket else "tcp")
+        if websocket:
+            c.ws_set_options(path="/mqtt")
         c.on_subscribe = lambda _c, _u, mid, _rc, _p: self.subscribed.append(mid)
         c.username_pw_set(f"{vhost}:guest", "guest")
         if ctx is not None:
@@ -283,7 +286,7 @@ def test_mqtt_reaches_every_vhost_through_any_worker(node: SkredProcess, pki: PK
     """CONNECT names the vhost (``vhost:user``): the accepting worker hands the socket (plain) or
     relays the bytes (TLS) to the vhost's owner, which answers CONNACK; a QoS 1 round trip."""
     def round_trip(port: int, vhost: str, ctx: Any) -> None:
-        c = _MQTT(port, vhost, ctx)
+        c = _MQTT(port, vhost, ctx, websocket=port == node.mgmt_port)
         try:
             topic = f"w/{vhost}"
             c.client.subscribe(topic, qos=1)
@@ -294,8 +297,9 @@ def test_mqtt_reaches_every_vhost_through_any_worker(node: SkredProcess, pki: PK
             c.close()
 
     for vhost in VHOSTS.values():
-        for port, ctx, how in ((node.mqtt_port, None, "handed over to"),
-                               (mqtt_tls_port(node), pki.client_context(), "relayed to")):
+        for port, ctx, how in ((node.mqtt_port, None, r"\(mqtt\) handed over to"),
+                               (mqtt_tls_port(node), pki.client_context(), r"\(mqtt/ssl\) relayed to"),
+                               (node.mgmt_port, None, r"\(http\) relayed to")):  # MQTT over WebSocket
             _until_logged(node, f"MQTT connection .*{how} the worker of vhost '{vhost}'",
                           lambda port=port, vhost=vhost, ctx=ctx: round_trip(port, vhost, ctx))
 
