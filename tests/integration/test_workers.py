@@ -377,6 +377,21 @@ def _until_logged(node: SkredProcess, pattern: str, attempt: Callable[[], None],
     raise AssertionError(f"{most} connections, none logged {pattern!r}")
 
 
+def test_lmq_is_served_by_the_worker_of_its_vhost(node: SkredProcess) -> None:
+    """LMQ's state is one vhost's (``[lmq] vhost``): that vhost's worker alone listens on the LMQ
+    ports, so any request reaches it; a put and a get through the HTTP API."""
+    q = unique("lmq")
+    url = f"http://127.0.0.1:{node.lmq_http_port}/messages/{q}"
+    auth = {"Authorization": "Basic " + base64.b64encode(b"guest:guest").decode()}
+    for i in range(4):
+        req = urllib.request.Request(url, method="POST", data=f"job {i}".encode(),
+                                     headers={**auth, "Content-Type": "text/plain"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            assert r.status == 200
+        with urllib.request.urlopen(urllib.request.Request(url, headers=auth), timeout=10) as r:
+            assert r.status == 200 and r.read() == f"job {i}".encode()
+
+
 def test_management_api_answers_for_the_whole_node(node: SkredProcess) -> None:
     queues = {w: unique(f"mq{w}") for w in VHOSTS}
     conns = []
