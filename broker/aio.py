@@ -23,6 +23,8 @@ import ssl
 from collections.abc import Callable
 from typing import Any, Final, Protocol, cast
 
+_log = logging.getLogger(__name__)
+
 # One path segment with any characters in it. aiohttp's default for a bare ``{var}`` is
 # ``[^{}/]+``, which answers 404 for a queue or exchange named ``a{b}`` (RabbitMQ takes any
 # UTF-8 name); ``/`` inside a name arrives as ``%2F`` and stays in its segment.
@@ -194,6 +196,23 @@ def give_away(transport: asyncio.Transport, router: Router, state: dict[str, Any
         theirs.close()
     relay = Relay(transport)
     asyncio.get_running_loop().create_task(relay.start(ours))
+    return relay
+
+
+def hand_off(transport: asyncio.Transport, router: Router, state: dict[str, Any], what: str) -> Relay | None:
+    """``give_away`` for a front end, logged as ``what`` (``"MQTT connection from ..."``): the
+    ``Relay`` that carries the connection's bytes now, or None (the socket went, or the parent
+    could not take it: then the connection is aborted). Either way it is no longer the caller's."""
+    vhost = state.get("vhost")
+    transport.pause_reading()
+    try:
+        relay = give_away(transport, router, state)
+    except (OSError, ValueError) as exc:
+        _log.warning("%s: could not hand it to the worker of vhost %r: %s", what, vhost, exc)
+        transport.abort()
+        return None
+    how = "handed over to" if relay is None else "relayed to"
+    _log.debug("%s %s the worker of vhost %r", what, how, vhost)
     return relay
 
 

@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 from broker import errors
-from broker.aio import Listeners, Relay, Router, give_away, take_over
+from broker.aio import Listeners, Relay, Router, hand_off, take_over
 from broker.auth.throttle import TooManyFailures, check_login
 from broker.auth.users import UNIX_PEER, UserStore
 from broker.config import MqttConfig
@@ -336,16 +336,7 @@ class MQTTProtocol(asyncio.Protocol):
         self.state = "closed"
         self._arm(0)
         self.server.connections.discard(self)
-        t.pause_reading()
-        try:
-            self.relay = give_away(t, router, state)
-        except (OSError, ValueError) as exc:
-            log.warning("MQTT connection from %s: could not hand it to the worker of vhost %r: %s",
-                        self.peer_host, vhost, exc)
-            t.abort()
-            return True
-        log.debug("MQTT connection from %s (%s) %s the worker of vhost %r", self.peer_host, self.listener,
-                  "handed over to" if self.relay is None else "relayed to", vhost)
+        self.relay = hand_off(t, router, state, f"MQTT connection from {self.peer_host} ({self.listener})")
         return True
 
     async def _login(self, c: P.Connect) -> None:

@@ -51,7 +51,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from broker import errors, tls
-from broker.aio import Relay, give_away, take_over
+from broker.aio import Relay, hand_off, take_over
 from broker.amqp import codec
 from broker.amqp.alarms import check_consumer_timeouts
 from broker.amqp.broker import NEED_MORE, Broker, start_ok_secret, start_ok_user
@@ -176,18 +176,9 @@ class AMQPProtocol(asyncio.Protocol):
             return
         state = s.handed_state()
         state.update(peer=s.peer, tls=s.tls, mechanism=s.auth_mechanism)
-        try:
-            relay = give_away(t, shards, state)
-        except (OSError, ValueError) as exc:
-            log.warning("connection %s: could not hand it to the worker of vhost %r: %s", s.name, s.vhost,
-                        exc)
-            t.abort()
-            return
         self.protocols.discard(self)
         self.session = None  # gone: nothing of it is ours to log or clean up
-        self.relay = relay
-        log.debug("connection %s %s the worker of vhost %r", s.name,
-                  "handed over to" if relay is None else "relayed to", s.vhost)
+        self.relay = hand_off(t, shards, state, f"connection {s.name}")
 
     def resume(self, state: dict[str, Any]) -> None:
         """The owner's side of a hand-over: continue the connection another worker accepted."""

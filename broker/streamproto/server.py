@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 from broker import errors
-from broker.aio import Listeners, Relay, Router, give_away, take_over
+from broker.aio import Listeners, Relay, Router, hand_off, take_over
 from broker.auth.throttle import TooManyFailures, check_login
 from broker.auth.users import UNIX_PEER, UserStore
 from broker.config import StreamConfig
@@ -145,16 +145,7 @@ class StreamProtocol(asyncio.Protocol):
         self._arm(0)
         self.server.connections.discard(self)
         self.session = None  # nothing of it is ours to end
-        t.pause_reading()
-        try:
-            self.relay = give_away(t, router, state)
-        except (OSError, ValueError) as exc:
-            log.warning("stream connection from %s: could not hand it to the worker of vhost %r: %s",
-                        self.peer, vhost, exc)
-            t.abort()
-            return True
-        log.debug("stream connection from %s %s the worker of vhost %r", self.peer,
-                  "handed over to" if self.relay is None else "relayed to", vhost)
+        self.relay = hand_off(t, router, state, f"stream connection from {self.peer}")
         return True
 
     def _frame(self, session: StreamSession, f: C.Frame) -> None:
