@@ -17,6 +17,7 @@ import json
 import os
 import re
 import signal
+import socket
 import struct
 import threading
 import time
@@ -33,6 +34,7 @@ import pytest
 from pamqp import commands
 from rstream import Consumer, ConsumerOffsetSpecification, MessageContext, OffsetType, Producer
 
+from broker.mqtt import packets as P
 from broker.shards.placement import worker_of
 from broker.streamproto import codec as C
 
@@ -302,6 +304,35 @@ def test_mqtt_reaches_every_vhost_through_any_worker(node: SkredProcess, pki: PK
                                (node.mgmt_port, None, r"\(http\) relayed to")):  # MQTT over WebSocket
             _until_logged(node, f"MQTT connection .*{how} the worker of vhost '{vhost}'",
                           lambda port=port, vhost=vhost, ctx=ctx: round_trip(port, vhost, ctx))
+
+
+def test_mqtt_packets_pipelined_after_connect_reach_the_owner(node: SkredProcess) -> None:
+    """CONNECT, SUBSCRIBE and PUBLISH in one write: the bytes after CONNECT go along with the
+    socket, and the owner answers all three (CONNACK, SUBACK, the message back)."""
+    for vhost in VHOSTS.values():
+        pattern = rf"MQTT connection .*\(mqtt\) handed over to the worker of vhost '{vhost}'"
+        before = len(re.findall(pattern, node.log_text()))
+        for i in range(32):  # until one landed on the other worker
+            topic, body = f"p/{i}", f"pipelined {vhost} {i}".encode()
+            connect = P.Connect("MQTT", 4, True, 30, unique("wp")[-20:], None, f"{vhost}:guest", b"guest")
+            sock = socket.create_connection(("127.0.0.1", node.mqtt_port), timeout=10)
+            try:
+                sock.sendall(P.encode_connect(connect) + P.encode_subscribe(P.Subscribe(1, ((topic, 0),)))
+                             + P.encode_publish(topic, body, 0, False, False, 0))
+                got = b""
+                deadline = time.monotonic() + 10
+                while body not in got and time.monotonic() < deadline:
+                    chunk = sock.recv(4096)
+                    if not chunk:
+                        break
+                    got += chunk
+                assert got[:4] == bytes((0x20, 2, 0, 0)) and body in got, (vhost, got)
+            finally:
+                sock.close()
+            if len(re.findall(pattern, node.log_text())) > before:
+                break
+        else:
+            raise AssertionError(f"no MQTT connection to {vhost} was handed over")
 
 
 def test_stream_protocol_reaches_every_vhost_through_any_worker(node: SkredProcess, pki: PKI) -> None:
