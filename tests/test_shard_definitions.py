@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from broker.shards.definitions import merge_exports
+from broker.shards.definitions import merge_exports, owners
 
 
 def test_merge_keeps_shared_keys_once_and_joins_each_workers_vhosts_sorted() -> None:
@@ -25,3 +25,13 @@ def test_merge_keeps_shared_keys_once_and_joins_each_workers_vhosts_sorted() -> 
     assert len(doc["bindings"]) == 1 and doc["exchanges"] == w1["exchanges"]
     assert doc["parameters"] == w1["parameters"]
     assert w0["vhosts"] == [{"name": "b"}]  # the parts are not changed
+
+
+def test_an_import_belongs_to_the_workers_of_the_vhosts_it_names() -> None:
+    owner = {"a": 0, "b": 1, "c": 1}.__getitem__
+    assert owners({"users": [{"name": "u"}], "global_parameters": []}, owner) == set()
+    assert owners({"vhosts": [{"name": "b"}], "queues": [{"vhost": "c", "name": "q"}]}, owner) == {1}
+    assert owners({"queues": [{"vhost": "b", "name": "q"}], "permissions": [{"user": "u", "vhost": "a"}]},
+                  owner) == {0, 1}
+    assert owners({"bindings": [{"vhost": "a"}], "topic_permissions": [{"vhost": "a"}]}, owner) == {0}
+    assert owners(["not", "a", "document"], owner) == set()

@@ -1,4 +1,4 @@
-"""Definitions export of a multi-worker node: every worker's part as one document.
+"""Definitions export and import of a multi-worker node.
 
 Theory of operation
 -------------------
@@ -11,14 +11,42 @@ lists of all of them concatenated, then sorted as a single worker sorts them (by
 name), so export -> wipe -> import -> export still gives the identical document. A part that
 is missing (its worker restarting) would make a document without that worker's vhosts, which
 an import elsewhere would take for the whole node: the caller answers an error instead.
+
+An import is all or nothing on one worker (``broker.http.definitions``: validated whole, written
+down, undone on failure, completed after a crash), not across several. So a document is taken
+when every entry that names a vhost (vhosts, permissions, topic permissions, queues, exchanges,
+bindings, policies, parameters) names vhosts of one worker: it goes whole to that worker, whose
+own import is the all-or-nothing one (users and global parameters are the node's shared files,
+which any worker writes). A document whose vhosts span workers is refused (501) before anything
+happens: it is imported per vhost (``/api/definitions/{vhost}``) or on a node of one worker.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 PER_VHOST = ("vhosts", "parameters", "policies", "queues", "exchanges", "bindings")
+
+
+VHOST_NAMED = ("permissions", "topic_permissions", "parameters", "policies", "queues", "exchanges",
+               "bindings")
+
+
+def owners(doc: Any, owner: Callable[[str], int]) -> set[int]:
+    """The workers owning the vhosts ``doc``'s entries name (empty: users and global state only)."""
+    if not isinstance(doc, dict):
+        return set()
+    names: set[str] = set()
+    for entry in doc.get("vhosts") or []:
+        if isinstance(entry, dict) and isinstance(entry.get("name"), str):
+            names.add(entry["name"])
+    for kind in VHOST_NAMED:
+        for entry in doc.get(kind) or []:
+            if isinstance(entry, dict) and isinstance(entry.get("vhost"), str):
+                names.add(entry["vhost"])
+    return {owner(name) for name in names}
 
 
 def _key(kind: str, entry: Any) -> tuple[str, ...]:

@@ -25,8 +25,9 @@ answer). A page of a list (``page``, ``page_size``, ``columns``) is cut from the
 node's list (``paged``). ``GET /api/definitions`` merges every worker's export
 (``broker.shards.definitions``; 503 while a worker restarts: a document without its vhosts
 would pass for the node's). Not yet aggregated: the import of a whole node's definitions
-(``POST /api/definitions`` answers 501: it could not be all or nothing across workers; the
-per-vhost form works), ``/api/nodes``.
+of a document whose vhosts span workers (``POST /api/definitions`` answers 501: it could not be
+all or nothing across workers; one whose vhosts are one worker's goes whole to that worker,
+the per-vhost form works), ``/api/nodes``.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from aiohttp import web
 from yarl import URL
 
 from broker.http.common import ApiError, paginate
-from broker.shards.definitions import merge_exports
+from broker.shards.definitions import merge_exports, owners
 from broker.shards.worker import WorkerLink
 
 LOCAL = "X-Skred-Worker-Local"
@@ -87,9 +88,9 @@ class Fanout:
         if request.path == "/api/definitions" and not local and request.method == "GET":
             return await self.definitions(request, handler)
         if request.path == "/api/definitions" and not local:
-            return web.json_response({"error": "not_implemented", "reason": (
-                "definitions of the whole node are not imported with more than one worker yet: "
-                "use /api/definitions/{vhost} per vhost, or [main] workers = 1")}, status=501)
+            spanned = await self.import_at(request)
+            if spanned is not None:
+                return spanned
         if not local and vhost is not None and not link.owns(vhost):
             forwarded: web.StreamResponse = await self.forward(request, link.owner(vhost))
             return forwarded
@@ -148,6 +149,24 @@ class Fanout:
         doc = merge_exports(json.loads(body), [json.loads(p) for p in parts if p is not None])
         kept = {k: v for k, v in mine.headers.items() if k == "Content-Disposition"}
         return web.json_response(doc, dumps=lambda d: json.dumps(d, indent=2), headers=kept)
+
+    async def import_at(self, request: web.Request) -> web.StreamResponse | None:
+        """A whole node's import (``broker.shards.definitions``): the answer of the one worker
+        whose vhosts the document names, 501 when it names several, None to import it here."""
+        try:
+            doc = json.loads(await request.read())
+        except ValueError:
+            return None  # the handler answers it (400)
+        link = self.link
+        named = owners(doc, link.owner)
+        if len(named) > 1:
+            return web.json_response({"error": "not_implemented", "reason": (
+                f"the document names vhosts of {len(named)} workers of this node, and an import is all or "
+                "nothing on one worker only: import it per vhost (/api/definitions/{vhost}), or on a node "
+                "of one worker ([main] workers = 1)")}, status=501)
+        if not named or link.index in named:
+            return None
+        return await self.forward(request, named.pop())
 
     async def paged(self, request: web.Request) -> web.Response:
         """A page (or the columns) of a node-wide list: every worker's whole part (this one's too,

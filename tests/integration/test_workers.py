@@ -468,7 +468,7 @@ def test_management_api_answers_for_the_whole_node(node: SkredProcess) -> None:
                     status, one = api(node, "GET", f"/api/connections/{name}")
                     assert status == 200 and one["name"] == c["name"], (status, one)
             # the whole node's definitions: every worker's vhosts and topology in one document,
-            # sorted as one worker sorts them; its import is refused (not all or nothing yet)
+            # sorted as one worker sorts them
             status, whole = api(node, "GET", "/api/definitions")
             assert status == 200, whole
             assert {v["name"] for v in whole["vhosts"]} >= set(VHOSTS.values()) | {"/"}
@@ -477,7 +477,24 @@ def test_management_api_answers_for_the_whole_node(node: SkredProcess) -> None:
             assert {(q["vhost"], q["name"]) for q in whole["queues"]} >= mine
             assert whole["queues"] == sorted(whole["queues"], key=lambda q: (q["vhost"], q["name"]))
             assert {u["name"] for u in whole["users"]} >= {"guest"}
-            assert api(node, "POST", "/api/definitions", {"queues": []})[0] == 501
+            # an import naming one worker's vhosts goes whole to that worker (all or nothing
+            # there); one naming several workers' is refused before anything happens
+            for w, vhost in VHOSTS.items():
+                q, user = unique(f"dq{w}"), unique(f"du{w}")[-24:]
+                doc = {"users": [{"name": user, "password": "pw", "tags": ""}],
+                       "permissions": [{"user": user, "vhost": vhost, "configure": ".*", "write": ".*",
+                                        "read": ".*"}],
+                       "queues": [{"name": q, "vhost": vhost, "durable": True, "auto_delete": False,
+                                   "arguments": {}}]}
+                assert api(node, "POST", "/api/definitions", doc)[0] == 204
+                assert api(node, "GET", f"/api/queues/{vhost}/{q}")[0] == 200
+                connect_to(node, vhost, user, "pw").close()
+            spanning = {"queues": [{"name": f"span-{w}", "vhost": v, "durable": True, "auto_delete": False,
+                                    "arguments": {}} for w, v in VHOSTS.items()]}
+            status, refused = api(node, "POST", "/api/definitions", spanning)
+            assert status == 501 and "per vhost" in refused, refused
+            for w, vhost in VHOSTS.items():
+                assert api(node, "GET", f"/api/queues/{vhost}/span-{w}")[0] == 404
             for vhost in VHOSTS.values():
                 status, doc = api(node, "GET", f"/api/definitions/{urllib.parse.quote(vhost, safe='')}")
                 assert status == 200 and {q["name"] for q in doc["queues"]} & set(queues.values())
