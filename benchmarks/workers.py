@@ -8,11 +8,13 @@ queues: ``workloads.py varied --pairs 4``) on both vhosts of one node at once an
 consume rates up; runs alternate between the nodes, so background load hits both alike. The
 table shows the median of ``--runs`` runs per node and the ratio.
 
-The load generator is the Python one of workloads.py (pre-encoded frames on raw asyncio
-connections, one process per client): on a 2-core machine it competes with the broker for
-the cores, so this shows whether a second worker helps at all, not the issue's 1.7x target,
-which needs a C load generator on other cores. Broker CPU seconds per run (parent and
-workers, from /proc) are shown beside the rates.
+The load generator (``--client``) is by default ``benchmarks/c/skload.c``, compiled here with
+``cc``: workload (2)'s varied messages from C threads, one connection each, cheap enough that
+the broker and not the client is the bottleneck (the issue's 1.7x measurement).
+``--client python`` runs workloads.py's generator instead (pre-encoded frames on raw asyncio
+connections, one process per client), which on a 2-core machine competes with the broker
+for the cores. Broker CPU seconds per run (parent and workers, from /proc) are shown beside
+the rates.
 
     python benchmarks/workers.py --seconds 5 --runs 3
 """
@@ -78,6 +80,25 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
+def build_skload(work: Path) -> Path:
+    """benchmarks/c/skload.c compiled into ``work``."""
+    out = work / "skload"
+    source = REPO_ROOT / "benchmarks" / "c" / "skload.c"
+    subprocess.run(["cc", "-O2", "-pthread", "-o", str(out), str(source)], check=True)
+    return out
+
+
+def run_c(skload: Path, b: SkredProcess, seconds: float, pairs: int) -> tuple[float, float]:
+    """Both vhosts from one skload process (its threads); the consume rate and broker CPU."""
+    cpu0 = cpu_seconds(b.pid or 0)
+    p = subprocess.run([str(skload), "127.0.0.1", str(b.port), f"{seconds:g}", str(pairs), *VHOSTS],
+                       capture_output=True, text=True, timeout=seconds + 60)
+    lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
+    if p.returncode != 0 or not lines:
+        raise RuntimeError(f"skload failed ({p.returncode}): {p.stderr.strip()[-500:]}")
+    return float(json.loads(lines[-1])["consume_rate"]), cpu_seconds(b.pid or 0) - cpu0
+
+
 def run_once(b: SkredProcess, seconds: float, pairs: int = 4) -> tuple[float, float]:
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     cpu0 = cpu_seconds(b.pid or 0)
@@ -104,16 +125,20 @@ def main() -> int:
     ap.add_argument("--pairs", type=int, default=4,
                     help="producer/consumer pairs per vhost (4: workload (2); 1: workload (1), for a machine "
                          "too loaded to encode workload (2)'s messages within workloads.py's 60 s)")
+    ap.add_argument("--client", choices=("c", "python"), default="c",
+                    help="load generator: c (benchmarks/c/skload.c, built with cc) or python (workloads.py)")
     args = ap.parse_args()
     rates: dict[int, list[float]] = {1: [], 2: []}
     cpus: dict[int, list[float]] = {1: [], 2: []}
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="skred-workers-bench-") as tmp:
+        skload = build_skload(Path(tmp)) if args.client == "c" else None
         nodes = {n: start(Path(tmp), n) for n in (1, 2)}
         try:
             for run in range(args.runs):
                 for n, b in nodes.items():
-                    rate, cpu = run_once(b, args.seconds, args.pairs)
+                    rate, cpu = (run_c(skload, b, args.seconds, args.pairs) if skload is not None
+                                 else run_once(b, args.seconds, args.pairs))
                     rates[n].append(rate)
                     cpus[n].append(cpu)
                     print(f"run {run + 1}: {n} worker(s): {rate:,.0f} msg/s, broker CPU {cpu:.1f} s",
@@ -124,6 +149,7 @@ def main() -> int:
                 b.close()
     med = {n: statistics.median(v) for n, v in rates.items()}
     what = "workload (2)" if args.pairs == 4 else f"workload (1) with {args.pairs} pair(s)"
+    what += f", {args.client} client"
     print(f"| workers | {what} on 2 vhosts at once, msg/s (median of {args.runs}) | broker CPU s per run |")
     print("| --- | --- | --- |")
     for n in (1, 2):

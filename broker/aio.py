@@ -1,5 +1,15 @@
 """asyncio pieces the front ends share (the management listener in ``net``, LMQ's HTTP API, the
-stream protocol's listeners)."""
+stream protocol's listeners, the hand-over of a connection to another worker of the node).
+
+Hand-over (a node of several workers, ``broker/shards``): a front end that has read enough of a
+connection to know its vhost, and finds that vhost owned by another worker (``Router.elsewhere``),
+gives the connection away with ``give_away``. A plain TCP or Unix socket is passed itself: its
+descriptor, duplicated, goes to the owner with the state the front end names (``Router.hand_over``)
+and this process drops its copy without a word to the client. A TLS connection or one on a
+WebSocket cannot change process (the TLS state and the WebSocket framing live here), so one end of
+a socket pair goes instead and this process relays the plain bytes both ways (``Relay``, with flow
+control both ways: a side that does not read is not read for).
+"""
 
 from __future__ import annotations
 
@@ -8,9 +18,12 @@ import contextlib
 import logging
 import os
 import re
+import socket
 import ssl
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any, Final, Protocol, cast
+
+_log = logging.getLogger(__name__)
 
 # One path segment with any characters in it. aiohttp's default for a bare ``{var}`` is
 # ``[^{}/]+``, which answers 404 for a queue or exchange named ``a{b}`` (RabbitMQ takes any
@@ -115,10 +128,12 @@ class Listeners:
         self.addresses: dict[str, tuple[str, int]] = {}
 
     async def tcp(self, name: str, factory: Callable[[], asyncio.Protocol], bind: str, port: int,
-                  ctx: ssl.SSLContext | None = None) -> None:
+                  ctx: ssl.SSLContext | None = None, reuse_port: bool = False) -> None:
+        """``reuse_port``: one of several workers on the node's port (``broker/shards``)."""
         try:
             server = await asyncio.get_running_loop().create_server(factory, bind, port, ssl=ctx,
-                                                                    reuse_address=True)
+                                                                    reuse_address=True,
+                                                                    reuse_port=reuse_port or None)
         except OSError as exc:
             self.log.error("%s listener not started: cannot bind %s:%d: %s", name, bind, port,
                            exc.strerror or exc)
@@ -146,3 +161,128 @@ class Listeners:
         if unix_path:
             with contextlib.suppress(OSError):
                 os.unlink(unix_path)
+
+
+class Router(Protocol):
+    """Where a vhost is served on a node of several workers (``broker.shards.worker.WorkerLink``)."""
+
+    def elsewhere(self, vhost: str) -> bool:
+        """Another worker owns ``vhost``; raises ``errors.NotAllowed`` while that worker restarts."""
+
+    def hand_over(self, fd: int, state: dict[str, Any]) -> None:
+        """Pass the socket ``fd`` (duplicated by the receiver) and ``state`` to ``state["vhost"]``'s owner."""
+
+
+def give_away(transport: asyncio.Transport, router: Router, state: dict[str, Any]) -> Relay | None:
+    """Hand ``transport``'s connection to the worker of ``state["vhost"]`` (see the module doc):
+    None when the socket itself went (``transport`` is aborted, our copy only), else the ``Relay``
+    that now carries its bytes. Raises ``OSError``/``ValueError`` when the parent cannot take it."""
+    sock = transport.get_extra_info("socket")
+    if transport.get_extra_info("ssl_object") is None and sock is not None:
+        fd = os.dup(sock.fileno())
+        try:
+            router.hand_over(fd, state)
+        finally:
+            os.close(fd)
+        transport.abort()
+        return None
+    ours, theirs = socket.socketpair()
+    try:
+        router.hand_over(theirs.fileno(), state)
+    except BaseException:
+        ours.close()
+        raise
+    finally:
+        theirs.close()
+    relay = Relay(transport)
+    asyncio.get_running_loop().create_task(relay.start(ours))
+    return relay
+
+
+def hand_off(transport: asyncio.Transport, router: Router, state: dict[str, Any], what: str) -> Relay | None:
+    """``give_away`` for a front end, logged as ``what`` (``"MQTT connection from ..."``): the
+    ``Relay`` that carries the connection's bytes now, or None (the socket went, or the parent
+    could not take it: then the connection is aborted). Either way it is no longer the caller's."""
+    vhost = state.get("vhost")
+    transport.pause_reading()
+    try:
+        relay = give_away(transport, router, state)
+    except (OSError, ValueError) as exc:
+        _log.warning("%s: could not hand it to the worker of vhost %r: %s", what, vhost, exc)
+        transport.abort()
+        return None
+    how = "handed over to" if relay is None else "relayed to"
+    _log.debug("%s %s the worker of vhost %r", what, how, vhost)
+    return relay
+
+
+async def take_over(fd: int, factory: Callable[[], asyncio.Protocol]) -> asyncio.Protocol | None:
+    """The owner's side: serve the socket ``fd`` another worker handed over with ``factory``'s
+    protocol; None when the client went before it was taken."""
+    sock = socket.socket(fileno=fd)
+    sock.setblocking(False)
+    proto = factory()
+    try:
+        await asyncio.get_running_loop().connect_accepted_socket(lambda: proto, sock)
+    except OSError:
+        sock.close()
+        return None
+    return proto
+
+
+class Relay(asyncio.Protocol):
+    """The accepting worker's half of a handed-over TLS (or WebSocket) connection: bytes from
+    the client go to the owner through a socket pair, the owner's bytes to the client. The
+    client's protocol calls ``to_owner`` with what it reads, ``client_gone`` when it closes,
+    and pauses or resumes ``owner`` as the client's transport pauses or resumes writing."""
+
+    def __init__(self, client: asyncio.Transport) -> None:
+        self.client = client
+        self.owner: asyncio.Transport | None = None
+        self.early: list[bytes] = []
+
+    async def start(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        await asyncio.get_running_loop().connect_accepted_socket(lambda: self, sock)
+        if not self.client.is_closing():
+            self.client.resume_reading()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        owner = self.owner = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        for data in self.early:
+            owner.write(data)
+        self.early = []
+
+    def to_owner(self, data: bytes) -> None:
+        if self.owner is None:
+            self.early.append(data)
+        elif not self.owner.is_closing():
+            self.owner.write(data)
+
+    def data_received(self, data: bytes) -> None:
+        if not self.client.is_closing():
+            self.client.write(data)
+
+    def pause_writing(self) -> None:  # the owner does not read: neither do we, from the client
+        if not self.client.is_closing():
+            self.client.pause_reading()
+
+    def resume_writing(self) -> None:
+        if not self.client.is_closing():
+            self.client.resume_reading()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.client.is_closing():
+            self.client.close()
+
+    def client_gone(self) -> None:
+        if self.owner is not None and not self.owner.is_closing():
+            self.owner.close()
+
+    def client_paused(self, paused: bool) -> None:
+        """The client's transport stopped (or resumed) taking writes: so does our reading of the owner."""
+        if self.owner is not None and not self.owner.is_closing():
+            if paused:
+                self.owner.pause_reading()
+            else:
+                self.owner.resume_reading()

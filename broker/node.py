@@ -274,12 +274,13 @@ class Node:
             worker = self.worker
             if worker is not None:
                 await self.start_worker(worker, loop, broker, mgmt)
-            # LMQ runs in the worker that owns its vhost, MQTT in the first (docs/architecture.md)
+            # LMQ runs in the worker that owns its vhost, MQTT and the stream protocol in every
+            # worker (a connection is handed to its vhost's owner: docs/architecture.md)
             if cfg.lmq.enabled and (worker is None or worker.owns(cfg.lmq.vhost)):
                 await self.start_lmq(broker)  # before AMQP: a node answering AMQP has its LMQ ports open
-            if cfg.mqtt.enabled and (worker is None or worker.index == 0):
+            if cfg.mqtt.enabled:
                 await self.start_mqtt(broker)  # the same: MQTT answers once AMQP does
-            if cfg.stream.enabled and (worker is None or worker.index == 0):
+            if cfg.stream.enabled:
                 await self.start_stream(broker)  # and the stream protocol
             # HTTP before AMQP too: once the AMQP port answers, everything answers
             if cfg.mgmt.enabled and worker is None:
@@ -331,7 +332,12 @@ class Node:
             # ready (its vhosts loaded) but the AMQP server not made yet: held until it is
             self._early.append((fd, state))
             return
-        loop.create_task(amqp.resume(fd, state))
+        protocol = state.get("protocol", "amqp")
+        server = self.mqtt if protocol == "mqtt" else self.stream if protocol == "stream" else amqp
+        if server is None:
+            os.close(fd)  # off here: the accepting worker had it on (cannot be: one config)
+            return
+        loop.create_task(server.resume(fd, state))
 
     def shared_reloaded(self, names: list[str]) -> None:
         """Another worker changed shared files: build the vhosts it created that we own."""
@@ -475,8 +481,11 @@ class Node:
         assert self._syncer is not None
         retained = BlobDir(cfg.main.data_dir / RETAINED_DIR, self._syncer.mark_dirty, self.sink)
         sessions = BlobDir(cfg.main.data_dir / MQTT_SESSIONS_DIR, self._syncer.mark_dirty, self.sink)
+        if self.worker is not None and self.worker.index != 0:
+            cfg = dataclasses.replace(cfg, mqtt=dataclasses.replace(cfg.mqtt, unix_path=""))  # worker 0's
         self.mqtt = MQTTServer(cfg.mqtt, broker.vhosts, broker.users, broker.syncer.after_sync, retained,
                                sessions, peers=broker.proxied_peers)
+        self.mqtt.router = self.worker
         await self.mqtt.start(self.tls_context if self.tls is not None else None, unix_mode(cfg.main))
         assert self.mgmt is not None
         mqtt = self.mqtt
@@ -501,8 +510,11 @@ class Node:
     async def start_stream(self, broker: Broker) -> None:
         """The RabbitMQ Stream protocol's listeners over the broker's vhosts and users."""
         cfg = self.config
+        if self.worker is not None and self.worker.index != 0:
+            cfg = dataclasses.replace(cfg, stream=dataclasses.replace(cfg.stream, unix_path=""))  # worker 0's
         self.stream = StreamServer(cfg.stream, broker.vhosts, broker.users, broker.syncer.after_sync,
                                    peers=broker.proxied_peers)
+        self.stream.router = self.worker
         await self.stream.start(self.tls_context if self.tls is not None else None, unix_mode(cfg.main))
         assert self.mgmt is not None
         self.mgmt.other_listeners.update(self.stream.addresses)
@@ -697,8 +709,10 @@ class NodeHost:
 
 
 def worker_files(config: Config, count: int) -> dict[str, int]:
-    """The node files one worker keeps (``layout.relocate``): MQTT's retained messages in the
-    worker MQTT runs in, LMQ's properties in the worker of ``[lmq] vhost``."""
+    """The node files one worker keeps (``layout.relocate``): LMQ's properties in the worker of
+    ``[lmq] vhost``; MQTT's retained messages of a one-worker node in worker 0 (each worker keeps
+    its own vhosts' since MQTT runs in every worker; a change of ``workers`` does not split
+    them by vhost yet)."""
     return {RETAINED_DIR: 0, LMQ_PROPS_FILE: worker_of(config.lmq.vhost, count)}
 
 

@@ -16,6 +16,14 @@ Each open connection is also what the management API and the metrics read of it
 (``views.ConnectionView``: protocol, client id, user, vhost, peer, byte and packet counts) and
 what ``DELETE /api/connections/{name}`` closes (MQTT 5 hears DISCONNECT 0x98, administrative
 action); ``MQTTServer`` is the ``views.FrontEndView`` the node adds to the management state.
+
+On a node of several workers (``broker/shards``) every worker listens on the MQTT port and a
+connection belongs to the worker that owns its vhost. The vhost is known once CONNECT is parsed
+(``vhost:user``, or ``[mqtt] vhost``) and nothing has been answered yet, so the hand-over needs no
+session state: the bytes read so far (``first``) go with the socket (``broker.aio.give_away``),
+and the owner's ``MQTTServer.resume`` reads them again as if its own listener had accepted the
+connection. It checks the credentials and answers CONNACK; the client never sees the move. While
+the owner restarts, CONNACK says server unavailable.
 """
 
 from __future__ import annotations
@@ -27,7 +35,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, cast
 
-from broker.aio import Listeners
+from broker import errors
+from broker.aio import Listeners, Relay, Router, hand_off, take_over
 from broker.auth.throttle import TooManyFailures, check_login
 from broker.auth.users import UNIX_PEER, UserStore
 from broker.config import MqttConfig
@@ -84,6 +93,9 @@ class MQTTProtocol(asyncio.Protocol):
         self.tls: PeerTLS | None = None
         self.peer_port = 0
         self.remapped = True  # the peer is final (False: a follower's tunnel may name another)
+        # every byte read before CONNECT is handled, on a node of several workers (hand-over)
+        self.first: bytearray | None = bytearray() if server.router is not None else None
+        self.relay: Relay | None = None  # handed over to another worker, through us (TLS, WebSocket)
 
     # ------------------------------------------------------------------ views.ConnectionView
     @property
@@ -187,6 +199,11 @@ class MQTTProtocol(asyncio.Protocol):
         self._arm(self.server.config.connect_timeout)
 
     def data_received(self, data: bytes) -> None:
+        if self.relay is not None:
+            self.relay.to_owner(data)
+            return
+        if self.first is not None:
+            self.first += data
         if not self.remapped:
             # a follower's tunnel names its client before it sends the first byte (not before
             # the connection is accepted): the client's address is looked up now
@@ -282,6 +299,8 @@ class MQTTProtocol(asyncio.Protocol):
                     self.write(P.encode_connack(False, P.RC_TOPIC_NAME_INVALID, None, True))
                 self.abort()  # 3.1.1 has no CONNACK code for it: the connection closes
                 return
+            if self._handed_over(p):
+                return
             self.state = "login"
             self.level = p.level
             self._arm(0)  # the CONNECT came in time; the login throttle bounds its own wait
@@ -293,6 +312,32 @@ class MQTTProtocol(asyncio.Protocol):
                 self.abort()
                 return
             self.pending.append(p)
+
+    def _handed_over(self, c: P.Connect) -> bool:
+        """Give the connection to the worker that owns its vhost (see the module doc): True when
+        it is no longer ours (handed over, relayed, or refused because that worker restarts)."""
+        first, self.first = self.first, None
+        router, t = self.server.router, self.transport
+        if router is None or first is None or c.username is None or t is None:
+            return False
+        vhost = split_username(c.username, self.server.config.vhost)[0]
+        try:
+            if not router.elsewhere(vhost):
+                return False
+        except errors.NotAllowed as exc:
+            log.warning("MQTT connection from %s: %s", self.peer_host, exc.reply_text)
+            v5 = c.level == 5
+            code = P.RC_SERVER_UNAVAILABLE if v5 else P.SERVER_UNAVAILABLE
+            self.write(P.encode_connack(False, code, None, v5))
+            self.abort()
+            return True
+        state = {"protocol": "mqtt", "vhost": vhost, "peer": self.peer, "unix": self.unix,
+                 "websocket": self.websocket, "tls": self.tls, "rest": bytes(first)}
+        self.state = "closed"
+        self._arm(0)
+        self.server.connections.discard(self)
+        self.relay = hand_off(t, router, state, f"MQTT connection from {self.peer_host} ({self.listener})")
+        return True
 
     async def _login(self, c: P.Connect) -> None:
         srv = self.server
@@ -400,6 +445,8 @@ class MQTTProtocol(asyncio.Protocol):
         self.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.relay is not None:
+            self.relay.client_gone()
         held, self.stash = self.stash, b""
         if (held or self.rest) and self.state == "open":  # what it sent before it closed (a DISCONNECT)
             self._read(held, budget=False)
@@ -421,11 +468,16 @@ class MQTTProtocol(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self.writable = False
-        if self.transport is not None:
+        if self.relay is not None:
+            self.relay.client_paused(True)
+        elif self.transport is not None:
             self.transport.pause_reading()
 
     def resume_writing(self) -> None:
         self.writable = True
+        if self.relay is not None:
+            self.relay.client_paused(False)
+            return
         if not self.held and self.transport is not None and not self.transport.is_closing():
             self.transport.resume_reading()
         if self.session is not None and not self.session.closed:
@@ -452,6 +504,7 @@ class MQTTServer:
         self.listeners = Listeners("MQTT", log)  # plain, TLS and Unix-socket listeners
         self._tasks: set[asyncio.Task[None]] = set()
         self.hold = PublisherHold()
+        self.router: Router | None = None  # a node of several workers: who owns a vhost (hand-over)
 
     # ------------------------------------------------------------------ views.FrontEndView
     def count(self, level: int, name: str, n: int = 1) -> None:
@@ -487,16 +540,35 @@ class MQTTServer:
                     self.registry.states.forget(key)
                 except OSError as exc:
                     log.warning("MQTT session state of '%s' stays: %s", key[1], exc)
+        shared = self.router is not None  # every worker on the node's ports
         if cfg.port >= 0:
-            await self.listeners.tcp("mqtt", lambda: MQTTProtocol(self), cfg.bind, cfg.port)
+            await self.listeners.tcp("mqtt", lambda: MQTTProtocol(self), cfg.bind, cfg.port,
+                                     reuse_port=shared)
         if tls is not None and cfg.tls_port >= 0:
-            await self.listeners.tcp("mqtts", lambda: MQTTProtocol(self), cfg.bind, cfg.tls_port, tls())
+            await self.listeners.tcp("mqtts", lambda: MQTTProtocol(self), cfg.bind, cfg.tls_port, tls(),
+                                     reuse_port=shared)
         if cfg.unix_path:
             await self.listeners.unix(lambda: MQTTProtocol(self, unix=True), cfg.unix_path, unix_mode)
 
     @property
     def addresses(self) -> dict[str, tuple[str, int]]:
         return self.listeners.addresses
+
+    async def resume(self, fd: int, state: dict[str, Any]) -> None:
+        """Serve a connection another worker of this node accepted for one of our vhosts: read
+        again what it read (CONNECT and anything after it), as our own listener would have."""
+        proto = await take_over(fd, lambda: MQTTProtocol(self, unix=bool(state.get("unix")),
+                                                         websocket=bool(state.get("websocket"))))
+        if not isinstance(proto, MQTTProtocol):
+            log.info("handed-over MQTT connection lost before it was taken")
+            return
+        peer = state.get("peer")
+        if isinstance(peer, (tuple, list)):
+            proto.peer_host, proto.peer_port = str(peer[0]), int(peer[1])
+        proto.remapped = True  # the accepting worker looked the peer up already
+        proto.tls = state.get("tls")
+        proto.first = None
+        proto.data_received(bytes(state.get("rest", b"")))
 
     async def stop(self) -> None:
         self.listeners.close(self.config.unix_path)

@@ -32,7 +32,7 @@ vhost another worker owns, the session stops parsing (state HANDOVER) and
 drops its copy without a word to the client); a TLS connection, or one on a WebSocket,
 cannot be passed (the TLS state lives in this process), so a socket pair stands in for
 it: one end goes to the owner, and this process relays the decrypted bytes between the
-client and the other end (``_Relay``). The owner builds an ``AMQPProtocol`` on what it got
+client and the other end (``Relay``). The owner builds an ``AMQPProtocol`` on what it got
 and ``resume``s it: it answers the connection.open the client sent and reads on.
 
 Listeners (``broker.net.listener``): the plain AMQP port and the AMQPS port
@@ -45,14 +45,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import socket
 import ssl
 import time
 from collections.abc import Callable
 from typing import Any, cast
 
 from broker import errors, tls
+from broker.aio import Relay, hand_off, take_over
 from broker.amqp import codec
 from broker.amqp.alarms import check_consumer_timeouts
 from broker.amqp.broker import NEED_MORE, Broker, start_ok_secret, start_ok_user
@@ -96,7 +95,7 @@ class AMQPProtocol(asyncio.Protocol):
         self._mem_wait = False
         # replies the client has not read yet past max_bytes_in_flight: not read until it does
         self._out_wait = False
-        self.relay: _Relay | None = None  # a TLS connection handed over: its bytes go through us
+        self.relay: Relay | None = None  # a TLS connection handed over: its bytes go through us
 
     # ---------------------------------------------------------------- events
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -183,35 +182,9 @@ class AMQPProtocol(asyncio.Protocol):
             return
         state = s.handed_state()
         state.update(peer=s.peer, tls=s.tls, mechanism=s.auth_mechanism)
-        sock = t.get_extra_info("socket")
-        try:
-            if t.get_extra_info("ssl_object") is None and sock is not None:
-                fd = os.dup(sock.fileno())
-                try:
-                    shards.hand_over(fd, state)
-                finally:
-                    os.close(fd)
-                log.debug("connection %s handed over to the worker of vhost %r", s.name, s.vhost)
-                self.session = None  # gone: nothing of it is ours to log or clean up
-                self.protocols.discard(self)
-                t.abort()  # our copy of the socket only: the owner holds it now
-                return
-            ours, theirs = socket.socketpair()
-            try:
-                shards.hand_over(theirs.fileno(), state)
-            finally:
-                theirs.close()
-        except (OSError, ValueError) as exc:
-            log.warning("connection %s: could not hand it to the worker of vhost %r: %s", s.name, s.vhost,
-                        exc)
-            t.abort()
-            return
-        log.debug("connection %s relayed to the worker of vhost %r", s.name, s.vhost)
         self.protocols.discard(self)
-        self.session = None
-        relay = _Relay(t)
-        self.relay = relay
-        asyncio.get_running_loop().create_task(relay.start(ours))
+        self.session = None  # gone: nothing of it is ours to log or clean up
+        self.relay = hand_off(t, shards, state, f"connection {s.name}")
 
     def resume(self, state: dict[str, Any]) -> None:
         """The owner's side of a hand-over: continue the connection another worker accepted."""
@@ -503,54 +476,6 @@ class AMQPProtocol(asyncio.Protocol):
             self.flush()
 
 
-class _Relay(asyncio.Protocol):
-    """The accepting worker's half of a handed-over TLS (or WebSocket) connection: bytes from
-    the client go to the owner through a socket pair, the owner's bytes to the client."""
-
-    def __init__(self, client: asyncio.Transport) -> None:
-        self.client = client
-        self.owner: asyncio.Transport | None = None
-        self.early: list[bytes] = []
-
-    async def start(self, sock: socket.socket) -> None:
-        sock.setblocking(False)
-        await asyncio.get_running_loop().connect_accepted_socket(lambda: self, sock)
-        if not self.client.is_closing():
-            self.client.resume_reading()
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        owner = self.owner = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-        for data in self.early:
-            owner.write(data)
-        self.early = []
-
-    def to_owner(self, data: bytes) -> None:
-        if self.owner is None:
-            self.early.append(data)
-        elif not self.owner.is_closing():
-            self.owner.write(data)
-
-    def data_received(self, data: bytes) -> None:
-        if not self.client.is_closing():
-            self.client.write(data)
-
-    def pause_writing(self) -> None:  # the owner does not read: neither do we, from the client
-        if not self.client.is_closing():
-            self.client.pause_reading()
-
-    def resume_writing(self) -> None:
-        if not self.client.is_closing():
-            self.client.resume_reading()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if not self.client.is_closing():
-            self.client.close()
-
-    def client_gone(self) -> None:
-        if self.owner is not None and not self.owner.is_closing():
-            self.owner.close()
-
-
 class AMQPServer:
     def __init__(self, broker: Broker) -> None:
         self.broker = broker
@@ -590,18 +515,13 @@ class AMQPServer:
     async def resume(self, fd: int, state: dict[str, Any]) -> None:
         """Serve a connection another worker of this node accepted (its socket ``fd`` and the
         ``state`` it negotiated: see the module doc, Hand-over)."""
-        sock = socket.socket(fileno=fd)
-        sock.setblocking(False)
         peer = state.get("peer")
         where = (str(peer[0]), int(peer[1])) if isinstance(peer, (tuple, list)) else ("", 0)
-        proto = AMQPProtocol(self.broker, self.protocols, where)
-        try:
-            await asyncio.get_running_loop().connect_accepted_socket(lambda: proto, sock)
-        except OSError as exc:
-            log.info("handed-over connection lost before it resumed: %s", exc)
-            sock.close()
+        proto = await take_over(fd, lambda: AMQPProtocol(self.broker, self.protocols, where))
+        if proto is None:
+            log.info("handed-over connection lost before it resumed")
             return
-        proto.resume(state)
+        cast(AMQPProtocol, proto).resume(state)
 
     async def _tick_loop(self) -> None:
         while True:

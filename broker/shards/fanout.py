@@ -22,8 +22,12 @@ A forwarded request carries the client's own ``Authorization`` header: the worke
 answers authenticates and authorizes it as if the client had asked it directly, so the
 private port grants nothing the public one does not (and the local header only narrows an
 answer). A page of a list (``page``, ``page_size``, ``columns``) is cut from the whole
-node's list (``paged``). Not yet aggregated: definitions export/import of the whole node
-(``/api/definitions`` answers 501 rather than a part; the per-vhost form works), ``/api/nodes``.
+node's list (``paged``). ``GET /api/definitions`` merges every worker's export
+(``broker.shards.definitions``; 503 while a worker restarts: a document without its vhosts
+would pass for the node's). Not yet aggregated: the import of a whole node's definitions
+of a document whose vhosts span workers (``POST /api/definitions`` answers 501: it could not be
+all or nothing across workers; one whose vhosts are one worker's goes whole to that worker,
+the per-vhost form works), ``/api/nodes``.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from aiohttp import web
 from yarl import URL
 
 from broker.http.common import ApiError, paginate
+from broker.shards.definitions import merge_exports, owners
 from broker.shards.worker import WorkerLink
 
 LOCAL = "X-Skred-Worker-Local"
@@ -80,10 +85,12 @@ class Fanout:
         link = self.link
         local = LOCAL in request.headers and self._private(request)
         vhost = request.match_info.get("vhost")
+        if request.path == "/api/definitions" and not local and request.method == "GET":
+            return await self.definitions(request, handler)
         if request.path == "/api/definitions" and not local:
-            return web.json_response({"error": "not_implemented", "reason": (
-                "definitions of the whole node are not exported or imported with more than one worker "
-                "yet: use /api/definitions/{vhost} per vhost, or [main] workers = 1")}, status=501)
+            spanned = await self.import_at(request)
+            if spanned is not None:
+                return spanned
         if not local and vhost is not None and not link.owns(vhost):
             forwarded: web.StreamResponse = await self.forward(request, link.owner(vhost))
             return forwarded
@@ -123,6 +130,43 @@ class Fanout:
                 if isinstance(other, list):
                     doc.extend(other)
         return web.json_response(doc, status=mine.status)
+
+    async def definitions(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """The whole node's definitions: this worker's export (which also checks that the user
+        may have it) and every other worker's, merged (``broker.shards.definitions``)."""
+        mine: web.StreamResponse = await handler(request)
+        if not isinstance(mine, web.Response) or mine.status != 200 or mine.body is None:
+            return mine
+        link = self.link
+        missing = [i for i in range(link.count)
+                   if i != link.index and (i not in link.up or i not in link.http)]
+        parts = [] if missing else await asyncio.gather(
+            *(self.ask(request, i) for i in range(link.count) if i != link.index))
+        if missing or any(p is None for p in parts):
+            return web.json_response({"error": "service_unavailable", "reason": (
+                "a worker of this node is restarting: the definitions would miss its vhosts")}, status=503)
+        body = mine.body if isinstance(mine.body, bytes) else bytes(mine.text or "", "utf-8")
+        doc = merge_exports(json.loads(body), [json.loads(p) for p in parts if p is not None])
+        kept = {k: v for k, v in mine.headers.items() if k == "Content-Disposition"}
+        return web.json_response(doc, dumps=lambda d: json.dumps(d, indent=2), headers=kept)
+
+    async def import_at(self, request: web.Request) -> web.StreamResponse | None:
+        """A whole node's import (``broker.shards.definitions``): the answer of the one worker
+        whose vhosts the document names, 501 when it names several, None to import it here."""
+        try:
+            doc = json.loads(await request.read())
+        except ValueError:
+            return None  # the handler answers it (400)
+        link = self.link
+        named = owners(doc, link.owner)
+        if len(named) > 1:
+            return web.json_response({"error": "not_implemented", "reason": (
+                f"the document names vhosts of {len(named)} workers of this node, and an import is all or "
+                "nothing on one worker only: import it per vhost (/api/definitions/{vhost}), or on a node "
+                "of one worker ([main] workers = 1)")}, status=501)
+        if not named or link.index in named:
+            return None
+        return await self.forward(request, named.pop())
 
     async def paged(self, request: web.Request) -> web.Response:
         """A page (or the columns) of a node-wide list: every worker's whole part (this one's too,

@@ -148,7 +148,17 @@ def reserve_ports(config: Config) -> tuple[Config, list[socket.socket]]:
                       m.enabled and secure),
         metrics_port=hold("mgmt.metrics_bind/mgmt.metrics_port, --mgmt-metrics-bind/--mgmt-metrics-port",
                           m.metrics_bind, m.metrics_port, m.enabled))
-    return dataclasses.replace(config, amqp=amqp, mgmt=mgmt), held
+    q = config.mqtt
+    mqtt = dataclasses.replace(
+        q, port=hold("mqtt.bind/mqtt.port, --mqtt-bind/--mqtt-port", q.bind, q.port, q.enabled),
+        tls_port=hold("mqtt.bind/mqtt.tls_port, --mqtt-bind/--mqtt-tls-port", q.bind, q.tls_port,
+                      q.enabled and secure))
+    st = config.stream
+    stream = dataclasses.replace(
+        st, port=hold("stream.bind/stream.port, --stream-bind/--stream-port", st.bind, st.port, st.enabled),
+        tls_port=hold("stream.bind/stream.tls_port, --stream-bind/--stream-tls-port", st.bind, st.tls_port,
+                      st.enabled and secure))
+    return dataclasses.replace(config, amqp=amqp, mgmt=mgmt, mqtt=mqtt, stream=stream), held
 
 
 class Supervisor:

@@ -167,6 +167,16 @@ class FrameReader:
     def buffered(self) -> int:
         return len(self._buf)
 
+    def take(self) -> bytes:
+        """The bytes of a frame begun but not complete (a connection handed to another worker)."""
+        rest, self._buf = bytes(self._buf), bytearray()
+        return rest
+
+
+def raw_frame(f: Frame) -> bytes:
+    """``f`` as it came on the wire (frames read but not handled go along with a hand-over)."""
+    return _SIZE.pack(4 + len(f.payload)) + struct.pack(">HH", f.key, f.version) + f.payload
+
 
 class Cursor:
     """Reads a payload's fields in order; any short read raises ``Malformed``."""

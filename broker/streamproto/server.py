@@ -12,6 +12,15 @@ the protocol's response code and the connection ends; a bug costs that one conne
 never the broker. Reading stops while the socket's write buffer is full, and subscriptions take
 no deliveries then. Heartbeats: we send one every ``heartbeat`` seconds of our silence and close
 a client silent for two of its heartbeats.
+
+On a node of several workers (``broker/shards``) every worker listens on the stream ports and a
+connection belongs to the worker that owns its vhost, which Open names. The accepting worker did
+the PeerProperties, SASL and Tune steps; at an Open for another worker's vhost it hands the
+socket over (``broker.aio.give_away``; TLS: relays the bytes) with what was negotiated (the user,
+frame_max, heartbeat, the address Open advertises), the Open frame and everything read after it.
+The owner's ``StreamServer.resume`` builds a session in the "tune" state, handles that Open (its
+own vhost access check answers it) and reads on: the client never sees the move. While the owner
+restarts, Open is answered with a vhost access failure.
 """
 
 from __future__ import annotations
@@ -23,7 +32,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, cast
 
-from broker.aio import Listeners
+from broker import errors
+from broker.aio import Listeners, Relay, Router, hand_off, take_over
 from broker.auth.throttle import TooManyFailures, check_login
 from broker.auth.users import UNIX_PEER, UserStore
 from broker.config import StreamConfig
@@ -52,6 +62,7 @@ class StreamProtocol(asyncio.Protocol):
         self.last_seen = time.monotonic()
         self.last_sent = time.monotonic()
         self.timer: asyncio.TimerHandle | None = None
+        self.relay: Relay | None = None  # handed over to another worker, through us (TLS)
 
     # ----------------------------------------------------------- session.Output
     def write(self, data: bytes) -> None:
@@ -84,6 +95,9 @@ class StreamProtocol(asyncio.Protocol):
         self._arm(srv.config.connect_timeout)
 
     def data_received(self, data: bytes) -> None:
+        if self.relay is not None:
+            self.relay.to_owner(data)
+            return
         self.last_seen = time.monotonic()
         session = self.session
         if session is None or session.closed:
@@ -93,10 +107,46 @@ class StreamProtocol(asyncio.Protocol):
         except C.Malformed as exc:
             self._refuse(exc)
             return
-        for f in frames:
+        self._frames(session, frames)
+
+    def _frames(self, session: StreamSession, frames: list[C.Frame]) -> None:
+        for i, f in enumerate(frames):
             if session.done():
                 return
+            if f.key == C.OPEN and session.state == "tune" and not self.logging_in \
+                    and self._handed_over(session, f, frames[i + 1:]):
+                return
             self._frame(session, f)
+
+    def _handed_over(self, session: StreamSession, f: C.Frame, after: list[C.Frame]) -> bool:
+        """Give the connection to the worker that owns the vhost ``f`` (Open) names (see the
+        module doc): True when it is no longer ours."""
+        router, t = self.server.router, self.transport
+        if router is None or t is None or session.user is None:
+            return False
+        try:
+            c = C.Cursor(f.payload)
+            corr, vhost = c.u32(), c.string()
+        except C.Malformed:
+            return False  # the session answers it
+        try:
+            if not router.elsewhere(vhost):
+                return False
+        except errors.NotAllowed as exc:
+            log.warning("stream connection from %s: %s", self.peer, exc.reply_text)
+            session.out.write(C.response(C.OPEN, corr, C.VHOST_ACCESS_FAILURE))
+            session.close_with(C.VHOST_ACCESS_FAILURE, exc.reply_text)
+            return True
+        rest = b"".join(C.raw_frame(x) for x in [f, *after]) + self.reader.take()
+        s = session.settings
+        state = {"protocol": "stream", "vhost": vhost, "peer": self.peer, "unix": self.unix,
+                 "user": session.user, "frame_max": session.frame_max, "heartbeat": session.heartbeat,
+                 "advertised": (s.host, s.port), "rest": rest}
+        self._arm(0)
+        self.server.connections.discard(self)
+        self.session = None  # nothing of it is ours to end
+        self.relay = hand_off(t, router, state, f"stream connection from {self.peer}")
+        return True
 
     def _frame(self, session: StreamSession, f: C.Frame) -> None:
         if self.logging_in:
@@ -140,10 +190,7 @@ class StreamProtocol(asyncio.Protocol):
             return
         session.logged_in(corr, user)
         pending, self.pending = self.pending, []
-        for f in pending:
-            if session.done():
-                break
-            self._frame(session, f)
+        self._frames(session, pending)
 
     # ------------------------------------------------------------------ timers
     def _arm(self, seconds: float) -> None:
@@ -174,6 +221,8 @@ class StreamProtocol(asyncio.Protocol):
         self.timer = asyncio.get_running_loop().call_later(seconds, self._tick, seconds)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.relay is not None:
+            self.relay.client_gone()
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
@@ -186,11 +235,16 @@ class StreamProtocol(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self.writable = False
-        if self.transport is not None:
+        if self.relay is not None:
+            self.relay.client_paused(True)
+        elif self.transport is not None:
             self.transport.pause_reading()
 
     def resume_writing(self) -> None:
         self.writable = True
+        if self.relay is not None:
+            self.relay.client_paused(False)
+            return
         if self.transport is not None and not self.transport.is_closing():
             self.transport.resume_reading()
         if self.session is not None and not self.session.closed:
@@ -211,6 +265,7 @@ class StreamServer:
         self.connections: set[StreamProtocol] = set()
         self.listeners = Listeners("stream protocol", log)
         self._tasks: set[asyncio.Task[None]] = set()
+        self.router: Router | None = None  # a node of several workers: who owns a vhost (hand-over)
 
     def advertised(self, sockname: Any) -> tuple[str, int]:
         """The host and port Open and Metadata name: the configured ones, else the address
@@ -233,16 +288,38 @@ class StreamServer:
         def factory() -> StreamProtocol:
             return StreamProtocol(self)
 
+        shared = self.router is not None  # every worker on the node's ports
         if cfg.port >= 0:
-            await self.listeners.tcp("stream", factory, cfg.bind, cfg.port)
+            await self.listeners.tcp("stream", factory, cfg.bind, cfg.port, reuse_port=shared)
         if tls is not None and cfg.tls_port >= 0:
-            await self.listeners.tcp("stream/ssl", factory, cfg.bind, cfg.tls_port, tls())
+            await self.listeners.tcp("stream/ssl", factory, cfg.bind, cfg.tls_port, tls(), reuse_port=shared)
         if cfg.unix_path:
             await self.listeners.unix(lambda: StreamProtocol(self, unix=True), cfg.unix_path, unix_mode)
 
     @property
     def addresses(self) -> dict[str, tuple[str, int]]:
         return self.listeners.addresses
+
+    async def resume(self, fd: int, state: dict[str, Any]) -> None:
+        """Serve a connection another worker of this node took to Open for one of our vhosts
+        (see the module doc): its negotiated state, then the Open and what followed it."""
+        proto = await take_over(fd, lambda: StreamProtocol(self, unix=bool(state.get("unix"))))
+        session = proto.session if isinstance(proto, StreamProtocol) else None
+        if not isinstance(proto, StreamProtocol) or session is None:
+            log.info("handed-over stream connection lost before it was taken")
+            return
+        proto.peer = session.peer = str(state.get("peer", proto.peer))
+        host, port = state["advertised"]
+        session.settings = Settings(self.config.frame_max, self.config.heartbeat, str(host), int(port))
+        passed = state["user"]
+        user = self.users.get(passed.name) if passed.expires_at is None else passed  # a token's is whole
+        if user is None:
+            session.close_with(C.AUTHENTICATION_FAILURE, "user deleted")
+            return
+        session.user = user
+        session.state = "tune"
+        session.frame_max, session.heartbeat = int(state["frame_max"]), int(state["heartbeat"])
+        proto.data_received(bytes(state["rest"]))
 
     async def stop(self) -> None:
         self.listeners.close(self.config.unix_path)

@@ -5,6 +5,10 @@ node, against a 3-node cluster's leader and through a follower (the session's cl
 each diffed against one run of it on the RabbitMQ node (``_harness.compare_modes``: the single
 node's run beside the cluster's two, so three modes cost about two runs of wall time).
 
+A representative subset (``ON_WORKERS``) also runs against a node of two worker processes
+(``[main] workers = 2``): a connection lands on either worker and is handed to the owner of its
+vhost, the management API answers for the whole node, and a client must not see any of it.
+
 A scenario passes when both brokers showed the client the same thing (after ``_wire``'s
 normalisation and ``allowlist.FIELDS``). A scenario in ``allowlist.SCENARIOS`` must still differ
 (a stale entry fails). A scenario that errors against RabbitMQ itself is a broken scenario and
@@ -13,9 +17,12 @@ fails. The terminal summary counts equal / allowlisted / different (conftest.py)
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 from .._cluster_modes import MODES
+from .._support import SkredProcess, free_port
 from . import (  # noqa: F401 - the scenario modules register their scenarios
     allowlist,
     scenarios_access,
@@ -32,6 +39,15 @@ pytestmark = [pytest.mark.timeout(180),
               pytest.mark.filterwarnings("ignore:This command is deprecated:DeprecationWarning")]
 
 ALL = {**{f"amqp.{k}": v for k, v in AMQP.items()}, **{f"http.{k}": v for k, v in HTTP.items()}}
+# against two workers too: the handshake and its refusals, several connections to one vhost,
+# content, confirms, transactions, routing between queues, and the node-wide API lists
+ON_WORKERS = ("amqp.conn_negotiate_and_close", "amqp.conn_wrong_password", "amqp.conn_unknown_vhost",
+              "amqp.conn_frame_max_above_server", "amqp.conn_update_secret", "amqp.access_vhost_refused",
+              "amqp.access_configure_write_read", "amqp.basic_publish_get_roundtrip",
+              "amqp.basic_large_body_frames", "amqp.basic_mandatory_return_and_confirm",
+              "amqp.confirm_sequence", "amqp.tx_commit_rollback", "amqp.direct_reply_to",
+              "amqp.queue_exclusive_from_other_connection", "amqp.dead_letter_on_reject_with_x_death",
+              "http.listings", "http.connections_channels_consumers", "http.pagination_and_sorting")
 
 
 def test_allowlist_names_real_scenarios() -> None:
@@ -67,3 +83,25 @@ def test_scenario(name: str, targets: tuple[Target, Target], request: pytest.Fix
         if res.diff:
             problems.append(f"{name} [{mode}]: Skred differs from RabbitMQ\n{res.report()}")
     assert not problems, "\n\n".join(problems)
+
+
+@pytest.fixture(scope="module")
+def two_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
+    b = SkredProcess(tmp_path_factory.mktemp("conformance-workers") / "data",
+                     ["--workers", "2", "--mgmt-metrics-port", str(free_port())])
+    try:
+        b.start()
+        yield Target("skred", b.host, b.port, b.mgmt_port)
+    finally:
+        b.close()
+
+
+@pytest.mark.parametrize("name", ON_WORKERS)
+def test_scenario_on_two_workers(name: str, targets: tuple[Target, Target], two_workers: Target) -> None:
+    """The scenario against RabbitMQ and a node of two workers: what the single node shows."""
+    reference, _single = targets
+    res = compare_modes(ALL[name], reference, {"workers": two_workers}, (("workers",),))["workers"]
+    assert res.reference_error is None, f"{name} fails against RabbitMQ itself: {res.reference_error}"
+    reason = allowlist.SCENARIOS.get(name) or allowlist.MODE_SCENARIOS.get((name, "single"))
+    if reason is None:
+        assert not res.diff, f"{name} [two workers]: Skred differs from RabbitMQ\n{res.report()}"

@@ -1,0 +1,333 @@
+/* skload: a small AMQP 0-9-1 load generator in C for benchmarks/workers.py (issue 27).
+
+   Theory of operation
+   -------------------
+   Workload (2) of benchmarks/run.py, with a client cheap enough that the broker, not the client,
+   is the bottleneck: for every vhost named on the command line, PAIRS producer threads and PAIRS
+   consumer threads, each on its own connection, producer i publishing to queue "skload-i" (via
+   the default exchange) and consumer i consuming it with no-ack. Every message is different:
+   a body of 200 B to 2 KiB, a message-id, a timestamp and three string headers, as workloads.py's
+   "varied" messages are. Producers write flat out with blocking sockets: when the broker holds a
+   publisher (its queues backlogged) the write blocks, which is the flow control. Consumers only
+   count Basic.Deliver method frames. After a warm-up second, the main thread samples the
+   delivered count over SECONDS and prints one JSON line: {"consume_rate": ..., "consumed": ...}.
+
+   Only the methods this needs are encoded (Start-Ok, Tune-Ok, Open, Channel.Open, Queue.Declare,
+   Basic.Consume, Basic.Publish and its content); any frame the broker sends that is not awaited
+   is skipped. Heartbeats are off (Tune-Ok with 0). Bounded: the process exits after
+   1 + SECONDS seconds; a connection failure ends the process with status 1.
+
+   Build: cc -O2 -pthread -o skload skload.c
+   Use:   skload HOST PORT SECONDS PAIRS VHOST [VHOST...]   (user guest/guest) */
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#define FRAME_MAX 131072
+#define BUF 262144
+
+static const char *host;
+static int port;
+static atomic_ullong delivered;
+static atomic_int stop_all;
+
+typedef struct {
+    int fd;
+    unsigned char in[BUF];
+    size_t have;
+} conn_t;
+
+typedef struct {
+    const char *vhost;
+    int index;
+    int producer;
+} job_t;
+
+static void die(const char *what) {
+    fprintf(stderr, "skload: %s\n", what);
+    exit(1);
+}
+
+static unsigned char *put8(unsigned char *p, unsigned v) { *p++ = (unsigned char)v; return p; }
+static unsigned char *put16(unsigned char *p, unsigned v) { p[0] = v >> 8; p[1] = v; return p + 2; }
+static unsigned char *put32(unsigned char *p, uint32_t v) {
+    p[0] = v >> 24; p[1] = v >> 16; p[2] = v >> 8; p[3] = v; return p + 4;
+}
+static unsigned char *put64(unsigned char *p, uint64_t v) { p = put32(p, v >> 32); return put32(p, (uint32_t)v); }
+static unsigned char *shortstr(unsigned char *p, const char *s) {
+    size_t n = strlen(s);
+    p = put8(p, (unsigned)n);
+    memcpy(p, s, n);
+    return p + n;
+}
+static unsigned char *longstr(unsigned char *p, const void *s, size_t n) {
+    p = put32(p, (uint32_t)n);
+    memcpy(p, s, n);
+    return p + n;
+}
+
+static void send_all(int fd, const unsigned char *p, size_t n) {
+    while (n) {
+        ssize_t w = send(fd, p, n, MSG_NOSIGNAL);
+        if (w <= 0) die("send failed");
+        p += w;
+        n -= (size_t)w;
+    }
+}
+
+/* A method frame on channel ch: payload [start, end) already holds class and method ids. */
+static void send_method(int fd, unsigned ch, const unsigned char *payload, size_t n) {
+    unsigned char frame[4096], *p = frame;
+    p = put8(p, 1);
+    p = put16(p, ch);
+    p = put32(p, (uint32_t)n);
+    memcpy(p, payload, n);
+    p += n;
+    p = put8(p, 0xCE);
+    send_all(fd, frame, (size_t)(p - frame));
+}
+
+/* The next frame: its type, channel and payload (pointer into c->in, valid until the next call). */
+static int next_frame(conn_t *c, unsigned *type, unsigned *ch, unsigned char **payload, uint32_t *size,
+                      size_t *consumed) {
+    for (;;) {
+        if (c->have >= 7) {
+            uint32_t n = ((uint32_t)c->in[3] << 24) | ((uint32_t)c->in[4] << 16) | ((uint32_t)c->in[5] << 8) | c->in[6];
+            if (n + 8 > BUF) die("frame larger than the buffer");
+            if (c->have >= n + 8) {
+                *type = c->in[0];
+                *ch = ((unsigned)c->in[1] << 8) | c->in[2];
+                *payload = c->in + 7;
+                *size = n;
+                *consumed = n + 8;
+                return 1;
+            }
+        }
+        ssize_t r = recv(c->fd, c->in + c->have, BUF - c->have, 0);
+        if (r <= 0) return 0;
+        c->have += (size_t)r;
+    }
+}
+
+static void drop(conn_t *c, size_t n) {
+    memmove(c->in, c->in + n, c->have - n);
+    c->have -= n;
+}
+
+/* Wait for method (cls, mth), skipping anything else; a Close of either kind ends the process. */
+static void expect(conn_t *c, unsigned cls, unsigned mth) {
+    unsigned type, ch;
+    unsigned char *p;
+    uint32_t n;
+    size_t used;
+    for (;;) {
+        if (!next_frame(c, &type, &ch, &p, &n, &used)) die("connection closed during setup");
+        if (type == 1 && n >= 4) {
+            unsigned gc = ((unsigned)p[0] << 8) | p[1], gm = ((unsigned)p[2] << 8) | p[3];
+            if ((gc == 10 && gm == 50) || (gc == 20 && gm == 40)) {
+                fprintf(stderr, "skload: closed by the broker: %.*s\n", (int)p[6], (const char *)p + 7);
+                exit(1);
+            }
+            if (gc == cls && gm == mth) {
+                drop(c, used);
+                return;
+            }
+        }
+        drop(c, used);
+    }
+}
+
+static void open_conn(conn_t *c, const char *vhost) {
+    struct sockaddr_in sa = {0};
+    sa.sin_family = AF_INET;
+    sa.sin_port = htons((uint16_t)port);
+    if (inet_pton(AF_INET, host, &sa.sin_addr) != 1) die("HOST must be an IPv4 address");
+    c->fd = socket(AF_INET, SOCK_STREAM, 0);
+    c->have = 0;
+    if (c->fd < 0 || connect(c->fd, (struct sockaddr *)&sa, sizeof sa) != 0) die("cannot connect");
+    int one = 1;
+    setsockopt(c->fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    send_all(c->fd, (const unsigned char *)"AMQP\0\0\x09\x01", 8);
+    expect(c, 10, 10);
+    unsigned char m[512], *p = m;
+    p = put16(p, 10); p = put16(p, 11);
+    p = put32(p, 0);                                  /* client properties: none */
+    p = shortstr(p, "PLAIN");
+    p = longstr(p, "\0guest\0guest", 12);
+    p = shortstr(p, "en_US");
+    send_method(c->fd, 0, m, (size_t)(p - m));
+    expect(c, 10, 30);
+    p = m;
+    p = put16(p, 10); p = put16(p, 31);
+    p = put16(p, 0); p = put32(p, FRAME_MAX); p = put16(p, 0);   /* no heartbeats */
+    send_method(c->fd, 0, m, (size_t)(p - m));
+    p = m;
+    p = put16(p, 10); p = put16(p, 40);
+    p = shortstr(p, vhost); p = shortstr(p, ""); p = put8(p, 0);
+    send_method(c->fd, 0, m, (size_t)(p - m));
+    expect(c, 10, 41);
+    p = m;
+    p = put16(p, 20); p = put16(p, 10); p = shortstr(p, "");
+    send_method(c->fd, 1, m, (size_t)(p - m));
+    expect(c, 20, 11);
+}
+
+static void declare(conn_t *c, const char *queue) {
+    unsigned char m[512], *p = m;
+    p = put16(p, 50); p = put16(p, 10);
+    p = put16(p, 0); p = shortstr(p, queue); p = put8(p, 0x08); p = put32(p, 0);  /* auto-delete */
+    send_method(c->fd, 1, m, (size_t)(p - m));
+    expect(c, 50, 11);
+}
+
+/* One varied message (publish + header + body frames) into out; its length. */
+static size_t encode_message(unsigned char *out, const char *queue, uint64_t seq, unsigned *rnd,
+                             const unsigned char *pool) {
+    unsigned char *p = out, *size_at;
+    size_t body = 200 + (size_t)(rand_r(rnd) % 1849);  /* 200 B .. 2 KiB */
+    /* Basic.Publish */
+    p = put8(p, 1); p = put16(p, 1); size_at = p; p += 4;
+    unsigned char *start = p;
+    p = put16(p, 60); p = put16(p, 40); p = put16(p, 0); p = shortstr(p, ""); p = shortstr(p, queue); p = put8(p, 0);
+    put32(size_at, (uint32_t)(p - start));
+    p = put8(p, 0xCE);
+    /* content header: headers, message-id, timestamp */
+    p = put8(p, 2); p = put16(p, 1); size_at = p; p += 4;
+    start = p;
+    p = put16(p, 60); p = put16(p, 0); p = put64(p, body);
+    p = put16(p, 0x2000 | 0x0080 | 0x0040);
+    unsigned char *table_at = p;
+    p += 4;
+    unsigned char *table = p;
+    char value[32];
+    static const char *keys[3] = {"source", "kind", "trace"};
+    for (int i = 0; i < 3; i++) {
+        int n = snprintf(value, sizeof value, "v%u-%llu", rand_r(rnd) % 1000, (unsigned long long)seq);
+        p = shortstr(p, keys[i]);
+        p = put8(p, 'S');
+        p = longstr(p, value, (size_t)n);
+    }
+    put32(table_at, (uint32_t)(p - table));
+    char id[40];
+    snprintf(id, sizeof id, "%s-%016llx", queue, (unsigned long long)seq);
+    p = shortstr(p, id);
+    p = put64(p, (uint64_t)time(NULL));
+    put32(size_at, (uint32_t)(p - start));
+    p = put8(p, 0xCE);
+    /* body */
+    p = put8(p, 3); p = put16(p, 1); p = put32(p, (uint32_t)body);
+    memcpy(p, pool + (seq * 131) % 4096, body);
+    p += body;
+    p = put8(p, 0xCE);
+    return (size_t)(p - out);
+}
+
+static void *producer(job_t *job) {
+    static unsigned char pool[4096 + 2048];
+    for (size_t i = 0; i < sizeof pool; i++) pool[i] = (unsigned char)('a' + i % 26);
+    conn_t *c = calloc(1, sizeof *c);
+    char queue[64];
+    snprintf(queue, sizeof queue, "skload-%d", job->index);
+    open_conn(c, job->vhost);
+    declare(c, queue);
+    unsigned rnd = (unsigned)job->index * 7919u + 1;
+    unsigned char *batch = malloc(64 * 4096);
+    uint64_t seq = 0;
+    while (!atomic_load(&stop_all)) {
+        size_t n = 0;
+        for (int i = 0; i < 32; i++) n += encode_message(batch + n, queue, seq++, &rnd, pool);
+        send_all(c->fd, batch, n);
+        /* skip whatever the broker sent us (nothing is expected; never let it pile up) */
+        ssize_t r;
+        while ((r = recv(c->fd, c->in, BUF, MSG_DONTWAIT)) > 0) {}
+    }
+    return NULL;
+}
+
+static void *consumer(job_t *job) {
+    conn_t *c = calloc(1, sizeof *c);
+    char queue[64];
+    snprintf(queue, sizeof queue, "skload-%d", job->index);
+    open_conn(c, job->vhost);
+    declare(c, queue);
+    unsigned char m[256], *p = m;
+    p = put16(p, 60); p = put16(p, 20); p = put16(p, 0); p = shortstr(p, queue); p = shortstr(p, "");
+    p = put8(p, 0x02); p = put32(p, 0);                   /* no-ack */
+    send_method(c->fd, 1, m, (size_t)(p - m));
+    expect(c, 60, 21);
+    unsigned type, ch;
+    unsigned char *payload;
+    uint32_t n;
+    size_t used;
+    unsigned long long mine = 0;
+    while (!atomic_load(&stop_all) && next_frame(c, &type, &ch, &payload, &n, &used)) {
+        if (type == 1 && n >= 4 && payload[0] == 0 && payload[1] == 60 && payload[2] == 0 && payload[3] == 60) {
+            if (++mine == 64) {
+                atomic_fetch_add(&delivered, mine);
+                mine = 0;
+            }
+        }
+        drop(c, used);
+    }
+    return NULL;
+}
+
+static void *run_job(void *arg) {
+    job_t *job = arg;
+    return job->producer ? producer(job) : consumer(job);
+}
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 6) {
+        fprintf(stderr, "usage: skload HOST PORT SECONDS PAIRS VHOST [VHOST...]\n");
+        return 2;
+    }
+    host = argv[1];
+    port = atoi(argv[2]);
+    double seconds = atof(argv[3]);
+    int pairs = atoi(argv[4]);
+    int vhosts = argc - 5;
+    if (seconds <= 0 || seconds > 600 || pairs < 1 || pairs > 64) die("SECONDS in (0, 600], PAIRS in [1, 64]");
+    int jobs = vhosts * pairs * 2;
+    pthread_t *threads = calloc((size_t)jobs, sizeof *threads);
+    job_t *job = calloc((size_t)jobs, sizeof *job);
+    int k = 0;
+    for (int v = 0; v < vhosts; v++)
+        for (int i = 0; i < pairs; i++)
+            for (int prod = 0; prod < 2; prod++) {
+                job[k] = (job_t){argv[5 + v], i, !prod};  /* consumers first: nothing published is dropped */
+                if (pthread_create(&threads[k], NULL, run_job, &job[k]) != 0) die("pthread_create");
+                pthread_detach(threads[k]);
+                k++;
+            }
+    struct timespec warm = {1, 0};
+    nanosleep(&warm, NULL);
+    unsigned long long first = atomic_load(&delivered);
+    double t0 = now();
+    struct timespec span = {(time_t)seconds, (long)((seconds - (double)(time_t)seconds) * 1e9)};
+    nanosleep(&span, NULL);
+    unsigned long long last = atomic_load(&delivered);
+    double elapsed = now() - t0;
+    atomic_store(&stop_all, 1);
+    printf("{\"consume_rate\": %.1f, \"consumed\": %llu, \"seconds\": %.3f}\n", (double)(last - first) / elapsed,
+           last - first, elapsed);
+    fflush(stdout);
+    _exit(0);  /* threads blocked in send/recv end with the process */
+}
