@@ -85,6 +85,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--messages", type=int, default=20000)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per move at most")
+    ap.add_argument("--modes", default=",".join(MODES), help="ack modes to run, comma-separated")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     why = missing()
@@ -107,7 +108,7 @@ def main() -> None:
         r_url = uri(rabbit.port)
         assert a.pid is not None and b.pid is not None
         pids = {"A": a.pid, "B": b.pid, "R": rabbit.beam_pid()}
-        for mode in MODES:
+        for mode in args.modes.split(","):
             base = {"ack-mode": mode, "src-prefetch-count": PREFETCH, "reconnect-delay": 1}
             moves = [
                 ("skred A->B", api_b, a.url, {"src-uri": uri(a.port), "dest-uri": "amqp://"}),

@@ -15,10 +15,11 @@ from typing import Any
 
 import aiormq
 import pytest
+from pamqp import commands
 
+from broker.shovel.amqp_source import ACK_DELAY, AmqpSource
 from broker.shovel.definition import parse
 from broker.shovel.ends import Message, Settle
-from broker.shovel.remote import ACK_DELAY, AmqpSource
 
 from ._shovel import publish
 from ._support import SkredProcess, unique
@@ -67,14 +68,15 @@ async def _run(url: str, queue: str, n: int, prefetch: int, settle_first: int,
             arrived.set()
 
     await src.open(on_message)
-    assert src.channel is not None
-    real = src.channel.basic_ack
+    assert src.wire is not None
+    real = src.wire.write
 
-    def counted(*args: Any, **kw: Any) -> Any:
-        acks.append(time.monotonic())
-        return real(*args, **kw)
+    def counted(channel: int, method: Any) -> None:
+        if isinstance(method, commands.Basic.Ack):
+            acks.append(time.monotonic())
+        real(channel, method)
 
-    src.channel.basic_ack = counted  # type: ignore[method-assign]
+    src.wire.write = counted  # type: ignore[method-assign]
     await asyncio.wait_for(arrived.wait(), 30)
     for m in [] if at_once else got[:settle_first - 1]:
         src.settle(m.tag, Settle.ACK)
