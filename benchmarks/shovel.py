@@ -52,10 +52,30 @@ def uri(port: int) -> str:
     return f"amqp://guest:guest@127.0.0.1:{port}/%2F"
 
 
+def _stat(pid: int | str) -> list[str]:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()  # from field 3, state
+
+
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (/proc/PID/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU time so far of a process and its descendants (a Skred node's workers are
+    child processes), from /proc/PID/stat; a child that exited meanwhile is not counted."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                children.setdefault(int(_stat(entry.name)[1]), []).append(int(entry.name))
+            except (OSError, IndexError):
+                continue  # exited while we looked
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            fields = _stat(p)
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+        todo += children.get(p, [])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def one_move(label: str, runner: Api, dest: Api, dest_url: str, src_url: str, value: dict[str, Any], n: int,

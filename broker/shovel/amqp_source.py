@@ -39,7 +39,7 @@ import ssl
 import struct
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from pamqp import commands
@@ -86,9 +86,8 @@ class _Wire(asyncio.Protocol):
 
     # ------------------------------------------------------------------ asyncio
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
-        transport.write(PROTOCOL_HEADER)
+        self.transport = cast(asyncio.Transport, transport)  # (uvloop's is not a subclass of it)
+        self.transport.write(PROTOCOL_HEADER)
 
     def connection_lost(self, exc: Exception | None) -> None:
         set_lost(self.lost, f"source connection lost: {exc}" if exc else "source connection closed")
@@ -175,6 +174,8 @@ class _Wire(asyncio.Protocol):
         elif isinstance(method, commands.Basic.Cancel) and self.consuming:
             set_lost(self.lost, "source: the broker cancelled the consumer (queue deleted?)")
             return
+        if self.consuming and not isinstance(method, commands.Basic.ConsumeOk | commands.Connection.CloseOk):
+            return  # nobody waits for it (connection.blocked concerns publishers): not kept
         self.replies.put_nowait(method)
 
     # ------------------------------------------------------------------ writing
@@ -310,6 +311,8 @@ class AmqpSource:
                 break
             except TimeoutError:
                 problems.append(f"{uri.redacted()}: no answer in {CONNECT_TIMEOUT:g} s")
+            except EndLost as exc:  # the broker said why (a close: wrong credentials, no vhost)
+                problems.append(f"{uri.redacted()}: {exc}")
             except Exception as exc:  # noqa: BLE001 - refused, TLS, wrong credentials: each is a reason
                 problems.append(f"{uri.redacted()}: {type(exc).__name__}: {exc}")
             set_lost(lost, "closed")
