@@ -106,6 +106,8 @@ def main() -> None:
     ap.add_argument("--messages", type=int, default=20000)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per move at most")
     ap.add_argument("--modes", default=",".join(MODES), help="ack modes to run, comma-separated")
+    ap.add_argument("--moves", default="",
+                    help="only the moves whose label contains one of these, comma-separated")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     why = missing()
@@ -137,7 +139,10 @@ def main() -> None:
                 ("plugin R->B", api_r, r_url, {"src-uri": "amqp://", "dest-uri": uri(b.port)}),
                 ("skred B->B local", api_b, b.url, {"src-uri": "amqp://", "dest-uri": "amqp://"}),
             ]
+            wanted = [w for w in args.moves.split(",") if w]
             for label, runner, src_url, ends in moves:
+                if wanted and not any(w in label for w in wanted):
+                    continue
                 tag = f"{label.split()[0]}-{mode}-{len(results)}"
                 value = {**base, **ends, "src-queue": f"bench-src-{tag}", "dest-queue": f"bench-dst-{tag}"}
                 rate, cpu = one_move(label, runner, api_b, b.url, src_url, value, args.messages, args.timeout,

@@ -2,12 +2,11 @@
 source is ``amqp_source``: a consuming connection of its own that reads whole socket reads).
 
 aiormq is the connection library aio-pika is built on; the shovel uses it directly because it
-hands deliveries over with their content properties as pamqp objects and publishes them back
-unchanged (aio-pika's message objects would convert each property twice). One connection per
-end, opened with the URI's credentials, vhost and TLS settings (``amqps://`` with aiormq's
-``cafile``/``certfile``/``keyfile`` query options for client certificates); the URIs of an end are
-tried in order. Every wait has a deadline: a host that does not answer in ``CONNECT_TIMEOUT``
-is a failed attempt like a refused connection.
+publishes content properties as pamqp objects (aio-pika's message objects would convert each
+property twice). One connection, opened with the URI's credentials, vhost and TLS settings
+(``amqps://`` with aiormq's ``cafile``/``certfile``/``keyfile`` query options for client
+certificates); the destination's URIs are tried in order. Every wait has a deadline: a host
+that does not answer in ``CONNECT_TIMEOUT`` is a failed attempt like a refused connection.
 
 Destination: confirms are selected unless ack-mode is
 no-ack/on-publish; a ``basic.nack`` (RabbitMQ's ``reject-publish`` overflow) is ``RETRY``.
