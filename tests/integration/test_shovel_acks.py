@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import aiormq
 import pytest
@@ -19,10 +21,11 @@ from pamqp import commands
 
 from broker.shovel.amqp_source import ACK_DELAY, AmqpSource
 from broker.shovel.definition import parse
-from broker.shovel.ends import Message, Settle
+from broker.shovel.ends import EndLost, Message, Settle
 
 from ._shovel import publish
-from ._support import SkredProcess, unique
+from ._support import SkredProcess, free_port, unique
+from ._tls import make_pki, tls_args
 
 
 @pytest.fixture(scope="module")
@@ -163,3 +166,25 @@ def test_deliveries_of_every_shape_arrive_whole_with_their_properties(broker: Sk
         fields = ("message_id", "priority", "content_type", "delivery_mode", "headers")
         assert [getattr(p, f) for f in fields] == [getattr(props, f) for f in fields]
     assert asyncio.run(_ready_count(broker.url, queue)) == 0
+
+
+def test_an_amqps_source_with_a_client_certificate(tmp_path: Path) -> None:
+    """``amqps://`` with aiormq's query options: the source verifies the broker against ``cafile``
+    and presents ``certfile``/``keyfile`` to a broker that demands a client certificate; without
+    one the connection is refused."""
+    pki = make_pki(tmp_path / "pki")
+    tls_port = free_port()
+    b = SkredProcess(tmp_path / "data", tls_args(pki, "--amqp-tls-port", str(tls_port), "--tls-verify-peer",
+                                                 "--tls-fail-if-no-peer-cert"))
+    b.start()
+    try:
+        queue = unique("acks-tls")
+        publish(b.url, queue, "t", 5, declare={})
+        base = f"amqps://guest:guest@127.0.0.1:{tls_port}/%2F?cafile={quote(str(pki.ca.cert_path))}"
+        with_cert = f"{base}&certfile={quote(str(pki.client.cert))}&keyfile={quote(str(pki.client.key))}"
+        got = asyncio.run(_consume_odd(with_cert, queue, 5))
+        assert sorted(m.body.split(b"|")[0] for m in got) == [f"t#{i}".encode() for i in range(5)]
+        with pytest.raises(EndLost):  # (TLS 1.3: refused at the handshake or right after it)
+            asyncio.run(_consume_odd(base, queue, 1))
+    finally:
+        b.close()
