@@ -239,13 +239,24 @@ async def _open_connection(uri: Uri, name: str, lost: asyncio.Future[str]) -> _W
     loop = asyncio.get_running_loop()
     await loop.create_connection(lambda: wire, host, parts.port or (5671 if tls else 5672),
                                  ssl=_ssl_context(options) if tls else None)
+    try:
+        await _handshake(wire, parts.username, parts.password, vhost, options, name)
+    except BaseException:  # refused, timed out, cancelled: the socket goes with the attempt
+        if wire.transport is not None:
+            wire.transport.abort()
+        raise
+    return wire
+
+
+async def _handshake(wire: _Wire, username: str | None, password: str | None, vhost: str,
+                     options: dict[str, str], name: str) -> None:
     start = await wire.expect(commands.Connection.Start)
     assert isinstance(start, commands.Connection.Start)
     mechanism = options.get("auth", "plain").upper()
     if mechanism not in str(start.mechanisms).split():
         raise EndLost(f"source: the broker does not offer {mechanism} authentication")
-    user, password = unquote(parts.username or "guest"), unquote(parts.password or "guest")
-    response = f"\0{user}\0{password}" if mechanism == "PLAIN" else ""
+    user, secret = unquote(username or "guest"), unquote(password or "guest")
+    response = f"\0{user}\0{secret}" if mechanism == "PLAIN" else ""
     client = {"connection_name": f"Shovel {name}", "product": "Skred shovel",
               "capabilities": {"authentication_failure_close": True, "consumer_cancel_notify": True,
                                "connection.blocked": True}}
@@ -261,7 +272,6 @@ async def _open_connection(uri: Uri, name: str, lost: asyncio.Future[str]) -> _W
     await wire.call(0, commands.Connection.Open(virtual_host=vhost), commands.Connection.OpenOk)
     if heartbeat:
         _beat(wire, heartbeat)
-    return wire
 
 
 def _beat(wire: _Wire, interval: int) -> None:
