@@ -52,10 +52,30 @@ def uri(port: int) -> str:
     return f"amqp://guest:guest@127.0.0.1:{port}/%2F"
 
 
+def _stat(pid: int | str) -> list[str]:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()  # from field 3, state
+
+
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (/proc/PID/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU time so far of a process and its descendants (a Skred node's workers are
+    child processes), from /proc/PID/stat; a child that exited meanwhile is not counted."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                children.setdefault(int(_stat(entry.name)[1]), []).append(int(entry.name))
+            except (OSError, IndexError):
+                continue  # exited while we looked
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            fields = _stat(p)
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+        todo += children.get(p, [])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def one_move(label: str, runner: Api, dest: Api, dest_url: str, src_url: str, value: dict[str, Any], n: int,
@@ -85,6 +105,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--messages", type=int, default=20000)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per move at most")
+    ap.add_argument("--modes", default=",".join(MODES), help="ack modes to run, comma-separated")
+    ap.add_argument("--moves", default="",
+                    help="only the moves whose label contains one of these, comma-separated")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     why = missing()
@@ -107,7 +130,7 @@ def main() -> None:
         r_url = uri(rabbit.port)
         assert a.pid is not None and b.pid is not None
         pids = {"A": a.pid, "B": b.pid, "R": rabbit.beam_pid()}
-        for mode in MODES:
+        for mode in args.modes.split(","):
             base = {"ack-mode": mode, "src-prefetch-count": PREFETCH, "reconnect-delay": 1}
             moves = [
                 ("skred A->B", api_b, a.url, {"src-uri": uri(a.port), "dest-uri": "amqp://"}),
@@ -116,7 +139,10 @@ def main() -> None:
                 ("plugin R->B", api_r, r_url, {"src-uri": "amqp://", "dest-uri": uri(b.port)}),
                 ("skred B->B local", api_b, b.url, {"src-uri": "amqp://", "dest-uri": "amqp://"}),
             ]
+            wanted = [w for w in args.moves.split(",") if w]
             for label, runner, src_url, ends in moves:
+                if wanted and not any(w in label for w in wanted):
+                    continue
                 tag = f"{label.split()[0]}-{mode}-{len(results)}"
                 value = {**base, **ends, "src-queue": f"bench-src-{tag}", "dest-queue": f"bench-dst-{tag}"}
                 rate, cpu = one_move(label, runner, api_b, b.url, src_url, value, args.messages, args.timeout,

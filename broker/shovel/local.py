@@ -9,7 +9,8 @@ exclusive server-named queue owned by the shovel and binds it. Closing removes t
 rejects every unsettled delivery with requeue (what a closed AMQP channel does).
 
 Destination: ``VHost.publish``; a message that reached durable storage is OK once the group
-commit made it durable (``after_sync``: a confirm); a queue that refused it (``reject-publish``
+commit made it durable (``after_sync``: a confirm; one wait for all the sends of an event-loop
+turn, as a source hands over a whole read of deliveries at once); a queue that refused it (``reject-publish``
 overflow) is ``RETRY``. An unroutable message is OK, as a publisher confirm says for one
 published without ``mandatory`` (RabbitMQ's shovel does the same).
 
@@ -28,7 +29,7 @@ from typing import Any, Protocol
 
 from broker import errors
 from broker.auth.users import UserStore
-from broker.model.publish import PublishRequest
+from broker.model.publish import Names, PublishRequest
 from broker.model.queue import Consumer, Queue
 from broker.model.vhost import VHost
 from broker.shovel.definition import ShovelDef
@@ -183,6 +184,9 @@ class LocalDestination:
         self.problem = ""
         self.vhost: VHost | None = None
         self.checked: set[str] = set()  # exchanges the owner may write to (as a session remembers)
+        self.names: tuple[str, str, Names] | None = None  # the last exchange and key, encoded
+        self.waiting: list[Callable[[Verdict], None]] = []  # sends of this turn awaiting the commit
+        self.deps: set[Any] = set()  # the stores they went to
 
     async def open(self) -> None:
         d = self.d
@@ -216,9 +220,12 @@ class LocalDestination:
         if vh is None or vh.name not in self.local.vhosts:
             raise EndLost("destination vhost is gone")
         self._may_write(vh, msg.exchange, msg.routing_key)
+        names = self.names
+        if names is None or names[0] != msg.exchange or names[1] != msg.routing_key:
+            names = self.names = (msg.exchange, msg.routing_key, Names(msg.exchange, msg.routing_key))
         try:
             outcome = vh.publish(PublishRequest(msg.exchange, msg.routing_key, msg.raw,
-                                                msg.body, int(time.time() * 1000)))
+                                                msg.body, int(time.time() * 1000), names=names[2]))
         except errors.AMQPError as exc:  # no such exchange, a full disk...
             raise EndLost(f"destination: {exc.reply_text}") from None
         if outcome.rejected:
@@ -227,13 +234,26 @@ class LocalDestination:
         if not outcome.sync or self.d.ack_mode != "on-confirm":
             return Verdict.OK
 
+        if not self.waiting:
+            asyncio.get_running_loop().call_soon(self._wait_for_commit)
+        self.waiting.append(later)
+        self.deps.update(q.store for q in outcome.queues)
+        return None
+
+    def _wait_for_commit(self) -> None:
+        """One group-commit wait for every send of the turn (a source hands over a whole socket
+        read at once): it covers everything written before it is registered."""
+        waiting, deps = self.waiting, self.deps
+        self.waiting, self.deps = [], set()
+
         def synced(ok: bool) -> None:
             if not ok:
                 self.problem = "the destination could not make a message durable: retrying"
-            later(Verdict.OK if ok else Verdict.RETRY)
+            verdict = Verdict.OK if ok else Verdict.RETRY
+            for later in waiting:
+                later(verdict)
 
-        self.local.after_sync(synced, [q.store for q in outcome.queues])
-        return None
+        self.local.after_sync(synced, deps)
 
     async def close(self) -> None:
         set_lost(self.lost, "closed")

@@ -27,12 +27,13 @@ from typing import Any
 
 from broker.auth.parameters import RuntimeParameters
 from broker.shovel import definition
+from broker.shovel.amqp_source import AmqpSource
 from broker.shovel.definition import ShovelDef
 from broker.shovel.ends import Destination, Source
 from broker.shovel.http_dest import HttpDestination
 from broker.shovel.link import Link
 from broker.shovel.local import Local, LocalDestination, LocalSource
-from broker.shovel.remote import AmqpDestination, AmqpSource
+from broker.shovel.remote import AmqpDestination
 
 log = logging.getLogger(__name__)
 

@@ -11,17 +11,21 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import aiormq
 import pytest
+from pamqp import commands
 
+from broker.shovel.amqp_source import ACK_DELAY, AmqpSource
 from broker.shovel.definition import parse
-from broker.shovel.ends import Message, Settle
-from broker.shovel.remote import ACK_DELAY, AmqpSource
+from broker.shovel.ends import EndLost, Message, Settle
 
 from ._shovel import publish
-from ._support import SkredProcess, unique
+from ._support import SkredProcess, free_port, unique
+from ._tls import make_pki, tls_args
 
 
 @pytest.fixture(scope="module")
@@ -67,14 +71,15 @@ async def _run(url: str, queue: str, n: int, prefetch: int, settle_first: int,
             arrived.set()
 
     await src.open(on_message)
-    assert src.channel is not None
-    real = src.channel.basic_ack
+    assert src.wire is not None
+    real = src.wire.write
 
-    def counted(*args: Any, **kw: Any) -> Any:
-        acks.append(time.monotonic())
-        return real(*args, **kw)
+    def counted(channel: int, method: Any) -> None:
+        if isinstance(method, commands.Basic.Ack):
+            acks.append(time.monotonic())
+        real(channel, method)
 
-    src.channel.basic_ack = counted  # type: ignore[method-assign]
+    src.wire.write = counted  # type: ignore[method-assign]
     await asyncio.wait_for(arrived.wait(), 30)
     for m in [] if at_once else got[:settle_first - 1]:
         src.settle(m.tag, Settle.ACK)
@@ -110,3 +115,76 @@ def test_a_lone_settle_is_acked_promptly_and_close_writes_what_is_due(broker: Sk
     assert lone < 1.0, f"a lone settle waited {lone:.3f} s for its ack"
     assert written >= 1
     assert asyncio.run(_ready_count(broker.url, queue)) == 7  # the 7 unsettled were given back
+
+
+async def _publish_odd(url: str, queue: str) -> list[tuple[bytes, commands.Basic.Properties]]:
+    """An empty body, a body of several frames, one with properties and headers: each confirmed."""
+    sent = [(b"", commands.Basic.Properties(delivery_mode=2)),
+            (bytes(range(256)) * 1200, commands.Basic.Properties(delivery_mode=2, content_type="x/y")),
+            (b"h", commands.Basic.Properties(delivery_mode=2, message_id="m-1", priority=3,
+                                             headers={"a": "b", "n": 7, "t": {"x": True}}))]
+    conn = await aiormq.connect(url)
+    try:
+        ch = await conn.channel()
+        await ch.queue_declare(queue, durable=True)
+        for body, props in sent:
+            await ch.basic_publish(body, routing_key=queue, properties=props)
+    finally:
+        await conn.close()
+    return sent
+
+
+async def _consume_odd(url: str, queue: str, n: int) -> list[Message]:
+    d = parse("/", "t", {"src-uri": url, "src-queue": queue, "dest-uri": "amqp://", "dest-queue": "x"})
+    src = AmqpSource(d, unique("tag"), {})
+    got: list[Message] = []
+    done = asyncio.Event()
+
+    def on_message(m: Message) -> None:
+        got.append(m)
+        src.settle(m.tag, Settle.ACK)
+        if len(got) == n:
+            done.set()
+
+    await src.open(on_message)
+    try:
+        await asyncio.wait_for(done.wait(), 30)
+    finally:
+        await src.close()
+    return got
+
+
+def test_deliveries_of_every_shape_arrive_whole_with_their_properties(broker: SkredProcess) -> None:
+    """The source reads frames in place: an empty body (no body frame), a body split over frames
+    larger than a read, properties with nested headers; each arrives as sent, and is acked."""
+    queue = unique("acks-shapes")
+    sent = asyncio.run(_publish_odd(broker.url, queue))
+    got = asyncio.run(_consume_odd(broker.url, queue, len(sent)))
+    assert [m.body for m in got] == [body for body, _ in sent]
+    for m, (_, props) in zip(got, sent, strict=True):
+        p = m.props
+        fields = ("message_id", "priority", "content_type", "delivery_mode", "headers")
+        assert [getattr(p, f) for f in fields] == [getattr(props, f) for f in fields]
+    assert asyncio.run(_ready_count(broker.url, queue)) == 0
+
+
+def test_an_amqps_source_with_a_client_certificate(tmp_path: Path) -> None:
+    """``amqps://`` with aiormq's query options: the source verifies the broker against ``cafile``
+    and presents ``certfile``/``keyfile`` to a broker that demands a client certificate; without
+    one the connection is refused."""
+    pki = make_pki(tmp_path / "pki")
+    tls_port = free_port()
+    b = SkredProcess(tmp_path / "data", tls_args(pki, "--amqp-tls-port", str(tls_port), "--tls-verify-peer",
+                                                 "--tls-fail-if-no-peer-cert"))
+    b.start()
+    try:
+        queue = unique("acks-tls")
+        publish(b.url, queue, "t", 5, declare={})
+        base = f"amqps://guest:guest@127.0.0.1:{tls_port}/%2F?cafile={quote(str(pki.ca.cert_path))}"
+        with_cert = f"{base}&certfile={quote(str(pki.client.cert))}&keyfile={quote(str(pki.client.key))}"
+        got = asyncio.run(_consume_odd(with_cert, queue, 5))
+        assert sorted(m.body.split(b"|")[0] for m in got) == [f"t#{i}".encode() for i in range(5)]
+        with pytest.raises(EndLost):  # (TLS 1.3: refused at the handshake or right after it)
+            asyncio.run(_consume_odd(base, queue, 1))
+    finally:
+        b.close()
