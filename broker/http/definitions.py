@@ -103,7 +103,8 @@ def vhost_meta_fields(body: dict[str, Any]) -> dict[str, Any]:
     tracing = merged.get("tracing")
     if tracing is not None:  # RabbitMQ's switch for the firehose (broker/amqp/trace.py)
         # RabbitMQ also takes the strings "true"/"false", which its rabbitmqadmin sends
-        tracing = {"true": True, "false": False}.get(tracing, tracing) if isinstance(tracing, str) else tracing
+        if isinstance(tracing, str):
+            tracing = {"true": True, "false": False}.get(tracing, tracing)
         if not isinstance(tracing, bool):
             raise ValueError("'tracing' must be true or false")
         out["tracing"] = tracing
