@@ -10,6 +10,7 @@ import urllib.parse
 from typing import TYPE_CHECKING, Any
 
 from broker import properties
+from broker.http.rates import channel_values
 from broker.model import queue_types
 from broker.model.exchange import Exchange
 from broker.model.queue import Queue
@@ -289,6 +290,8 @@ def channel_json(mgmt: Mgmt, s: ConnectionView, chs: ChannelView) -> dict[str, A
         "pending_raft_commands": 0,  # RabbitMQ's quorum-queue commands in flight: no Raft here
         "confirm": chs.confirm,
         "transactional": chs.tx is not None,
+        "message_stats": with_rates({k: (int(v), r) for (k, r), v in zip(
+            mgmt.rates.channel_rates(chs).items(), channel_values(chs), strict=True)}),
     }
 
 

@@ -144,6 +144,8 @@ def test_history_charts_and_the_channel_and_node_pages(browser: WebDriver, share
         channel = [c for c in api(b, "GET", "/api/channels") if c["prefetch_count"] == 7][0]["name"]
         _follow(browser, b, "channels", channel, "channel-details", "7 per consumer")
         assert browser.find_element(By.TAG_NAME, "h1").text == f"Channel {channel}"
+        # its own message rates from the history (publishes of this channel, not its connection's bytes)
+        wait(browser, "the channel's message-rate chart", lambda d: _line_points(d, "Message rates") > 1)
         shot(browser, "channel")
 
         node = api(b, "GET", "/api/overview")["node"]
@@ -395,3 +397,48 @@ def test_the_mqtt_pages_show_a_session_and_its_subscriptions(browser: WebDriver,
     assert "x/y" in element(browser, By.ID, "mqtt-subscriptions").text
     assert "No will." in element(browser, By.ID, "mqtt-will").text
     assert browser_errors(browser) == []
+
+
+# ------------------------------------------------------------------ a channel's own history
+def test_a_channels_rates_and_history_are_its_own(shared_broker: Broker) -> None:
+    """Two channels of one connection: the publisher's page counts its publishes and confirms,
+    the getter's its deliveries and acks (not the connection's, not each other's), with samples
+    over the range asked for, as RabbitMQ's ``GET /api/channels/{name}?msg_rates_age=``."""
+    b = shared_broker
+    name = f"ui-chan-{uuid.uuid4().hex[:6]}"
+    conn = connect(b)
+    try:
+        pub = conn.channel()
+        pub.basic_qos(prefetch_count=11)
+        pub.confirm_delivery()
+        pub.queue_declare(name)
+        for _ in range(4):
+            pub.basic_publish("", name, b"m")
+        sub = conn.channel()
+        sub.basic_qos(prefetch_count=13)
+        for _ in range(4):
+            method, _props, _body = sub.basic_get(name)
+            assert method is not None
+            sub.basic_ack(method.delivery_tag)
+        names = {c["prefetch_count"]: c["name"] for c in api(b, "GET", "/api/channels")}
+        ranged = "?msg_rates_age=60&msg_rates_incr=5"
+        got: dict[int, dict[str, Any]] = {}
+
+        def counted() -> bool:
+            for prefetch in (11, 13):
+                path = f"/api/channels/{urllib.parse.quote(names[prefetch], safe='')}{ranged}"
+                got[prefetch] = api(b, "GET", path)
+            stats = got[13].get("message_stats", {})
+            return stats.get("ack") == 4 and bool(stats.get("ack_details", {}).get("samples")) and \
+                got[13]["message_stats"]["ack_details"]["samples"][0]["sample"] == 4
+        wait_until(counted, 20, "the channels' counters in a statistics pass")
+        p, s = got[11]["message_stats"], got[13]["message_stats"]
+        assert (p["publish"], p["confirm"], p["deliver_get"], p["ack"]) == (4, 4, 0, 0)
+        assert (s["publish"], s["confirm"], s["deliver_get"], s["ack"]) == (0, 0, 4, 4)
+        assert p["publish_details"]["samples"][0]["sample"] == 4
+        assert len(p["publish_details"]["samples"]) == 13 and "avg_rate" in p["publish_details"]
+        assert "samples" not in api(b, "GET", f"/api/channels/{urllib.parse.quote(names[11], safe='')}")[
+            "message_stats"]["publish_details"]
+    finally:
+        conn.channel().queue_delete(name)
+        conn.close()

@@ -274,6 +274,8 @@
   const RATE_SERIES = [["publish", "published/s"], ["confirm", "confirmed/s"], ["deliver_get", "delivered/s"],
     ["ack", "acked/s"], ["redeliver", "redelivered/s"]];
   const RATE_KEYS = RATE_SERIES.map(([k]) => k);
+  // a channel's own counters (GET /api/channels/{name}: its message_stats)
+  const CHANNEL_SERIES = [["publish", "published/s"], ["confirm", "confirmed/s"], ["deliver_get", "delivered/s"], ["ack", "acked/s"]];
   const LENGTH_SERIES = [["messages_ready", "ready"], ["messages_unacknowledged", "unacked"]];
   const LENGTH_KEYS = LENGTH_SERIES.map(([k]) => k);
   // A path with the header's chart range: the answer carries *_details samples over it.
@@ -631,18 +633,18 @@
   async function channelPage(name) {
     const details = h("div", { id: "channel-details" });
     const consumers = h("div");
-    const traffic = chart("Its connection's data rates (bytes/s)", DATA_SERIES);
-    page(`Channel ${name}`, details, traffic.root, h("h2", {}, "Consumers"), consumers);
+    const rates = chart("Message rates", CHANNEL_SERIES);
+    page(`Channel ${name}`, details, rates.root, h("h2", {}, "Consumers"), consumers);
     return async () => {
-      const c = await api("GET", `/api/channels/${enc(name)}`);
+      const c = await api("GET", ranged(`/api/channels/${enc(name)}`));
+      rates.set(Prefs.series(c.message_stats, CHANNEL_SERIES.map(([k]) => k), true));
       const conn = c.connection_details.name;
       details.replaceChildren(kv([["Connection", link(`#/connections/${enc(conn)}`, conn)], ["Number", c.number], ["User", c.user],
         ["Virtual host", c.vhost], ["State", c.state], ["Mode", c.confirm ? "confirm" : c.transactional ? "transactional" : "plain"],
         ["Prefetch", `${num(c.prefetch_count)} per consumer, ${num(c.global_prefetch_count)} per channel`],
         ["Unacked", num(c.messages_unacknowledged)], ["Unconfirmed", num(c.messages_unconfirmed)],
         ["Uncommitted", `${num(c.messages_uncommitted)} messages, ${num(c.acks_uncommitted)} acks`]]));
-      const [conInfo, cs] = await Promise.all([api("GET", ranged(`/api/connections/${enc(conn)}`)), api("GET", `/api/consumers/${enc(c.vhost)}`).catch(() => [])]);
-      traffic.set(Prefs.series(conInfo, DATA_SERIES.map(([k]) => k), true));
+      const cs = await api("GET", `/api/consumers/${enc(c.vhost)}`).catch(() => []);
       consumers.replaceChildren(table(LISTS.consumers.cols, cs.filter((x) => get(x, "channel_details.name") === name), { empty: "No consumers." }));
     };
   }
