@@ -271,7 +271,7 @@ def network_stats(sessions: list[ConnectionView], mgmt: Mgmt) -> dict[str, Any]:
 
 def channel_json(mgmt: Mgmt, s: ConnectionView, chs: ChannelView) -> dict[str, Any]:
     conn = mgmt.connection_name(s)
-    return {
+    out: dict[str, Any] = {
         "name": f"{conn} ({chs.id})",
         "number": chs.id,
         "node": mgmt.node_name,
@@ -290,9 +290,12 @@ def channel_json(mgmt: Mgmt, s: ConnectionView, chs: ChannelView) -> dict[str, A
         "pending_raft_commands": 0,  # RabbitMQ's quorum-queue commands in flight: no Raft here
         "confirm": chs.confirm,
         "transactional": chs.tx is not None,
-        "message_stats": with_rates({k: (int(v), r) for (k, r), v in zip(
-            mgmt.rates.channel_rates(chs).items(), channel_values(chs), strict=True)}),
     }
+    counts = channel_values(chs)
+    if any(counts):  # as RabbitMQ: a channel that moved no message has no message_stats
+        out["message_stats"] = with_rates({k: (int(v), r) for (k, r), v in zip(
+            mgmt.rates.channel_rates(chs).items(), counts, strict=True)})
+    return out
 
 
 def consumers_json(mgmt: Mgmt, s: ConnectionView, chs: ChannelView) -> list[dict[str, Any]]:
