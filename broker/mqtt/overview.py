@@ -32,6 +32,12 @@ def _will(w: Will | None, due: float | None = None) -> dict[str, Any] | None:
     return out
 
 
+def _sub(topic_filter: str, options: int, sub_id: int) -> dict[str, Any]:
+    """One subscription: QoS 2 is granted as 1 (``session.py``); the client asked ``requested_qos``."""
+    return {"filter": topic_filter, "qos": min(options & 3, 1), "requested_qos": options & 3,
+            "subscription_id": sub_id or None}
+
+
 def _queues(vh: VHost, client_id: str) -> list[tuple[int, Any]]:
     return [(qos, q) for qos, suffix in enumerate(_SUFFIXES)
             if (q := vh.queues.get(f"{QUEUE_PREFIX}{client_id}{suffix}")) is not None]
@@ -43,8 +49,7 @@ def _messages(vh: VHost, client_id: str) -> int:
 
 def _live(s: MQTTSession, level: int) -> dict[str, Any]:
     assert s.vhost is not None
-    subs = [{"filter": f, "qos": min(opts & 3, 1), "requested_qos": opts & 3, "subscription_id": sid or None}
-            for f, (opts, sid) in sorted(s.filters.items())]
+    subs = [_sub(f, opts, sid) for f, (opts, sid) in sorted(s.filters.items())]
     return {
         "vhost": s.vhost.name, "client_id": s.client_id, "connected": True,
         "clean_session": not s.durable, "session_expiry_interval": s.session_expiry if s.v5 else None,
@@ -59,11 +64,10 @@ def _away(vh: VHost, client_id: str, exchange: str, registry: Registry) -> dict[
     subs: list[dict[str, Any]] = []
     for qos, q in _queues(vh, client_id):
         for key, _args in ex.bindings_of(q) if ex is not None else ():
-            subs.append({"filter": to_filter(key), "qos": qos, "requested_qos": qos, "subscription_id": None})
+            subs.append(_sub(to_filter(key), qos, 0))
     state = registry.states.by_key.get((vh.name, client_id))
     if state is not None:
-        subs.extend({"filter": f, "qos": min(opts & 3, 1), "requested_qos": opts & 3,
-                     "subscription_id": sid or None} for f, (opts, sid) in state.shared.items())
+        subs.extend(_sub(f, opts, sid) for f, (opts, sid) in state.shared.items())
     pending = state.will if state is not None else None
     return {
         "vhost": vh.name, "client_id": client_id, "connected": False, "clean_session": False,
