@@ -12,7 +12,7 @@ implementing classes may use narrower types (a ``dict`` of their own channel cla
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sized
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from broker.auth.users import UserStore
 from broker.errors import AMQPError
@@ -61,6 +61,14 @@ class ChannelView(Protocol):
     def prefetch(self) -> int: ...
     @property
     def global_prefetch(self) -> int: ...
+    # the channel's own counters (its rates and history): publishes, delivery tags handed out
+    # (deliveries and gets: ``next_tag - 1``), acks; its confirms are ``confirmed``
+    @property
+    def n_published(self) -> int: ...
+    @property
+    def next_tag(self) -> int: ...
+    @property
+    def n_acked(self) -> int: ...
     @property
     def publisher(self) -> bool:
         """Whether the channel has published (RabbitMQ's publishers gauge counts these)."""
@@ -130,6 +138,14 @@ class FrontEndView(Protocol):
     def protocol_counters(self) -> Mapping[str, Mapping[str, int]]:
         """Per RabbitMQ protocol label (``mqtt311``): ``FRONT_END_COUNTERS`` and
         ``FRONT_END_GAUGES`` by name."""
+
+
+@runtime_checkable
+class SessionsView(Protocol):
+    """A front end with sessions of its own beyond its connections (MQTT's, which outlive them):
+    ``/api/mqtt/sessions`` and the UI's MQTT pages read them as plain JSON-ready dicts."""
+
+    def sessions(self) -> list[dict[str, Any]]: ...
 
 
 class SizesView(Protocol):

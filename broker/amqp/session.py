@@ -67,7 +67,7 @@ class ChannelState:
         "id", "unacked", "next_tag", "consumers", "prefetch", "global_prefetch", "unacked_count",
         "flow", "confirm", "publish_seq", "confirmed", "needs_sync", "sync_deps", "sync_waiting", "tx",
         "deferred", "reply_token", "reply_tag", "open", "nacks", "head_tag", "head_since",
-        "last_queue", "publishing",
+        "last_queue", "publishing", "n_published", "n_acked",
     )
 
     def __init__(self, ch: int) -> None:
@@ -99,6 +99,10 @@ class ChannelState:
         self.last_queue = ""  # the channel's last declared queue: what an empty queue name means
         # published without confirms (confirm mode: publish_seq > 0): a publisher, in the metrics
         self.publishing = False
+        # the channel's own message counters, for its rates and history in the management API
+        # (deliveries are its delivery tags: ``next_tag - 1``; confirms: ``confirmed``)
+        self.n_published = 0
+        self.n_acked = 0
 
     @property
     def publisher(self) -> bool:
@@ -587,6 +591,7 @@ class Session(AMQPConnection):
         assert vh is not None
         stats = self.stats
         stats.published += 1
+        chs.n_published += 1
         stats.sizes.observe(len(body))
         flags = props[0] if props else 0
         if flags & HI_REPLY_TO:  # may need rewriting for direct reply-to
@@ -710,6 +715,7 @@ class Session(AMQPConnection):
         self.batch_publishes += k
         stats = self.stats
         stats.published += k
+        chs.n_published += k
         stats.sizes.observe_run(bodies, lo, hi, same)
         if chs.confirm:
             chs.publish_seq += k
@@ -929,6 +935,7 @@ class Session(AMQPConnection):
             if batch and touched is not None:
                 touched.ack_many(batch)
             self.stats.acked += len(tags)
+            chs.n_acked += len(tags)
         else:
             for t in tags:
                 q, msgid, c = unacked.pop(t)

@@ -18,12 +18,20 @@ from aiohttp import web
 
 from broker.http.common import MGMT_KEY, bad_request
 from broker.http.history import History, Span, Values, decorate, parse_spans, series
-from broker.http.rates import GAUGE_FIELDS, GLOBAL_FIELDS, QUEUE_FIELDS, VHOST_FIELDS, queue_values
+from broker.http.rates import (
+    CHANNEL_FIELDS,
+    GAUGE_FIELDS,
+    GLOBAL_FIELDS,
+    QUEUE_FIELDS,
+    VHOST_FIELDS,
+    channel_values,
+    queue_values,
+)
 from broker.http.state import Mgmt
 from broker.model.exchange import Exchange
 from broker.model.queue import Queue
 from broker.model.vhost import VHost
-from broker.views import ConnectionView
+from broker.views import ChannelView, ConnectionView
 
 Keys = Mapping[str, tuple[int, ...]]
 _Q = {name: i for i, name in enumerate(QUEUE_FIELDS)}
@@ -40,6 +48,7 @@ GLOBAL_RATES: Keys = {"publish": (_G["published"],), "confirm": (_G["confirmed"]
 NODE_STATS: Keys = {name: (i,) for i, name in enumerate(GAUGE_FIELDS)}
 DATA_RATES: Keys = {"recv_oct": (0,), "send_oct": (1,)}
 EXCHANGE_RATES: Keys = {"publish_in": (0,), "publish_out": (1,)}
+CHANNEL_RATES: Keys = {name: (i,) for i, name in enumerate(CHANNEL_FIELDS)}
 
 
 def spans(request: web.Request) -> dict[str, Span]:
@@ -89,6 +98,12 @@ def exchange(request: web.Request, out: dict[str, Any], ex: Exchange) -> None:
 def connection(request: web.Request, out: dict[str, Any], s: ConnectionView) -> None:
     r = Ranges(request)
     r.one(out, "data_rates", DATA_RATES, r.mgmt.rates.connection_history(s), (s.recv_oct, s.send_oct))
+
+
+def channel(request: web.Request, out: dict[str, Any], c: ChannelView) -> None:
+    r = Ranges(request)
+    r.one(out.setdefault("message_stats", {}), "msg_rates", CHANNEL_RATES, r.mgmt.rates.channel_history(c),
+          channel_values(c))
 
 
 def vhost(request: web.Request, out: dict[str, Any], vh: VHost) -> None:

@@ -59,7 +59,7 @@ from broker.model.queue import Queue
 from broker.model.vhost import VHost
 
 if TYPE_CHECKING:
-    from broker.views import BrokerView, ConnectionView
+    from broker.views import BrokerView, ChannelView, ConnectionView
 
 INTERVAL = 5.0  # seconds between passes: RabbitMQ's default collect_statistics_interval
 WINDOW = 5.0  # seconds a rate is taken over (RabbitMQ: the last sample interval by default)
@@ -76,6 +76,7 @@ REDELIVER = QUEUE_FIELDS.index("redeliver")
 VHOST_FIELDS = ("confirm", "unroutable", "returned")
 EXCHANGE_FIELDS = ("publish_in", "publish_out")
 CONNECTION_FIELDS = ("recv_oct", "send_oct")
+CHANNEL_FIELDS = ("publish", "confirm", "deliver_get", "ack")
 GAUGE_FIELDS = ("mem_used", "disk_free", "fd_used", "sockets_used", "proc_used")
 
 log = logging.getLogger(__name__)
@@ -192,6 +193,11 @@ def queue_values(q: Queue) -> Values:
             q.store.unacked_count, q.n_gets, q.n_gets_no_ack, q.n_get_empty)
 
 
+def channel_values(c: ChannelView) -> Values:
+    """A channel's ``CHANNEL_FIELDS`` now."""
+    return (c.n_published, c.confirmed, c.next_tag - 1, c.n_acked)
+
+
 class RateSampler:
     def __init__(self, broker: BrokerView,
                  gauges: Callable[[], tuple[int, ...]] = lambda: (0,) * len(GAUGE_FIELDS),
@@ -211,6 +217,7 @@ class RateSampler:
         self._queues: Tracked[Queue] = Tracked(len(QUEUE_FIELDS))
         self._exchanges: Tracked[Exchange] = Tracked(len(EXCHANGE_FIELDS))
         self._connections: Tracked[ConnectionView] = Tracked(len(CONNECTION_FIELDS))
+        self._channels: Tracked[ChannelView] = Tracked(len(CHANNEL_FIELDS))
         self._able: dict[Queue, Ring] = {}  # seconds a queue's consumers could take a delivery
         # per vhost: its own counters, then the running sums of its queues' QUEUE_FIELDS
         self._vhosts: dict[VHost, Ring] = {}
@@ -270,7 +277,7 @@ class RateSampler:
         now = self.clock()
         previous = self._previous
         self._room = self.chunk
-        for tracked in (self._queues, self._exchanges, self._connections):
+        for tracked in (self._queues, self._exchanges, self._connections, self._channels):
             tracked.known = 0
         walked = list(self.broker.vhosts.values())
         exchanges: list[Exchange] = []
@@ -284,6 +291,9 @@ class RateSampler:
         connections = set(self.connections())
         yield from self._paced(list(connections), lambda part: [
             self._connections.see(s, (s.recv_oct, s.send_oct), now, previous) for s in part])
+        channels = {c for s in connections for c in s.chs.values()}
+        yield from self._paced(list(channels), lambda part: [
+            self._channels.see(c, channel_values(c), now, previous) for c in part])
         # forget what went away since the last pass: deleted queues and exchanges, closed
         # connections, and the utilisation of queues that lost their consumers
         vhosts = self.broker.vhosts
@@ -297,6 +307,9 @@ class RateSampler:
         if self._connections.stale():
             yield from self._paced(list(self._connections.last), partial(
                 self._connections.drop, gone=lambda s: s not in connections))
+        if self._channels.stale():
+            yield from self._paced(list(self._channels.last), partial(
+                self._channels.drop, gone=lambda c: c not in channels))
         able = self._able
         yield from self._paced(list(able.items()), lambda part: [
             able.pop(q) for q, ring in part if ring.samples[-1][0] != now])
@@ -393,6 +406,10 @@ class RateSampler:
         """Bytes per second received and sent over the window."""
         return self._connections.rates(s, CONNECTION_FIELDS)
 
+    def channel_rates(self, c: ChannelView) -> dict[str, float]:
+        """``CHANNEL_FIELDS`` per second over the window."""
+        return self._channels.rates(c, CHANNEL_FIELDS)
+
     def consumer_utilisation(self, q: Queue) -> float | None:
         if not q.consumers:
             return None
@@ -423,6 +440,10 @@ class RateSampler:
     def connection_history(self, s: ConnectionView) -> History | None:
         return self._connections.histories.get(s)
 
+    def channel_history(self, c: ChannelView) -> History | None:
+        """``CHANNEL_FIELDS`` over the last day (None: it never counted, or past the cap)."""
+        return self._channels.histories.get(c)
+
     def vhost_history(self, vh: VHost) -> History | None:
         """``VHOST_FIELDS`` then the vhost's ``QUEUE_FIELDS`` sums."""
         return self._vhost_histories.get(vh)
@@ -430,7 +451,7 @@ class RateSampler:
     def history_bytes(self) -> int:
         """What every history kept takes in its arrays (the node's ``mgmt_db`` memory)."""
         kept: list[History] = [self._global_history, self._node_history, *self._vhost_histories.values()]
-        for tracked in (self._queues, self._exchanges, self._connections):
+        for tracked in (self._queues, self._exchanges, self._connections, self._channels):
             kept.extend(tracked.histories.values())
         return sum(h.nbytes() for h in kept)
 

@@ -10,6 +10,7 @@ import urllib.parse
 from typing import TYPE_CHECKING, Any
 
 from broker import properties
+from broker.http.rates import channel_values
 from broker.model import queue_types
 from broker.model.exchange import Exchange
 from broker.model.queue import Queue
@@ -270,7 +271,7 @@ def network_stats(sessions: list[ConnectionView], mgmt: Mgmt) -> dict[str, Any]:
 
 def channel_json(mgmt: Mgmt, s: ConnectionView, chs: ChannelView) -> dict[str, Any]:
     conn = mgmt.connection_name(s)
-    return {
+    out: dict[str, Any] = {
         "name": f"{conn} ({chs.id})",
         "number": chs.id,
         "node": mgmt.node_name,
@@ -290,6 +291,11 @@ def channel_json(mgmt: Mgmt, s: ConnectionView, chs: ChannelView) -> dict[str, A
         "confirm": chs.confirm,
         "transactional": chs.tx is not None,
     }
+    counts = channel_values(chs)
+    if any(counts):  # as RabbitMQ: a channel that moved no message has no message_stats
+        out["message_stats"] = with_rates({k: (int(v), r) for (k, r), v in zip(
+            mgmt.rates.channel_rates(chs).items(), counts, strict=True)})
+    return out
 
 
 def consumers_json(mgmt: Mgmt, s: ConnectionView, chs: ChannelView) -> list[dict[str, Any]]:

@@ -324,10 +324,16 @@ async def vhost_channels(request: web.Request) -> web.Response:
 
 @routes.get("/api/channels/{name}")
 async def channel(request: web.Request) -> web.Response:
+    """One channel; with ``?msg_rates_age=&msg_rates_incr=`` its own message rates' samples
+    (publish, confirm, deliver_get, ack) from the history (``history_api.py``)."""
     name = request.match_info["name"]
-    for item in _all_channels(request):
-        if item["name"] == name:
-            return web.json_response(item)
+    mgmt = request.app[MGMT_KEY]
+    for s in visible_sessions(request):
+        for c in s.chs.values():
+            item = channel_json(mgmt, s, c)
+            if item["name"] == name:
+                history_api.channel(request, item, c)
+                return web.json_response(item)
     raise not_found()
 
 

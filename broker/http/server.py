@@ -39,6 +39,7 @@ from broker.http.routes_access import routes as access_routes
 from broker.http.routes_federation import routes as federation_routes
 from broker.http.routes_grants import routes as grant_routes
 from broker.http.routes_health import routes as health_routes
+from broker.http.routes_mqtt import routes as mqtt_routes
 from broker.http.routes_node import routes as node_routes
 from broker.http.routes_oauth import routes as oauth_routes
 from broker.http.routes_shovels import routes as shovel_routes
@@ -161,7 +162,7 @@ def build_app(mgmt: Mgmt, metrics_obj: Metrics) -> web.Application:
     # health: /api/health/checks/*; grants: topic permissions, user limits, global parameters;
     # streams: GET /api/streams/{vhost}/{queue}/messages
     for table in (node_routes, health_routes, topology_routes, access_routes, grant_routes, stream_routes,
-                  oauth_routes, federation_routes, shovel_routes):
+                  oauth_routes, federation_routes, shovel_routes, mqtt_routes):
         _add_routes(app, table)
     return app
 

@@ -43,6 +43,7 @@ from broker.config import MqttConfig
 from broker.errors import AMQPError
 from broker.model.queue import Queue
 from broker.model.vhost import VHost
+from broker.mqtt import overview
 from broker.mqtt import packets as P
 from broker.mqtt import props as PR
 from broker.mqtt.durable import SessionStates
@@ -523,6 +524,11 @@ class MQTTServer:
             c["publishers"] += int(s.published)
             c["consumers"] += len(s.consumers)
         return out
+
+    def sessions(self) -> list[dict[str, Any]]:
+        """``views.SessionsView``: every session, connected or away (``overview.py``)."""
+        levels = {(c.vhost, c.client_id): c.level for c in self.open_connections()}
+        return overview.sessions(self.registry, self.vhosts, self.settings.exchange, levels)
 
     def spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)

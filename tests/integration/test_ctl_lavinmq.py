@@ -306,3 +306,30 @@ def test_node_commands(shared_broker: Broker) -> None:
     assert r.returncode == 2 and "Traceback" not in r.stderr
     r = run(shared_broker, "--format", "yaml", "list_queues")
     assert r.returncode == 2
+
+
+def test_mqtt_sessions_in_the_api_on_a_leader_and_through_a_follower(shared_broker: Broker) -> None:
+    """A persistent MQTT session whose client went away is durable state: its subscription shows
+    in ``/api/mqtt/sessions`` on a single node, a cluster's leader and through a follower (whose
+    MQTT and HTTP ports proxy to the leader), and goes with a clean reconnect."""
+    from .test_mqtt import Paho
+
+    b = shared_broker
+    host, user, password = admin(b)
+    mqtt_port = int(getattr(b, "mqtt_port", 0) or b.node.mqtt_port)  # type: ignore[attr-defined]
+    client_id = unique("ctl-mqtt")
+    c = Paho(host, mqtt_port, client_id, clean=False, user=user, password=password)
+    assert not any(code.is_failure for code in c.subscribe("plant/+/state", 1))
+    c.c.disconnect()
+    c.c.loop_stop()
+    api = api_of(b)
+    path = f"/api/mqtt/sessions/%2F/{quote(client_id, safe='')}"
+    wait_until(lambda: (got := api.call("GET", path))[0] == 200 and not got[1]["connected"], 10,
+               "the away session in the API")
+    s = api.call("GET", path)[1]
+    assert [(x["filter"], x["qos"]) for x in s["subscriptions"]] == [("plant/+/state", 1)]
+    assert not s["clean_session"]
+    gone = Paho(host, mqtt_port, client_id, clean=True, user=user, password=password)
+    gone.c.disconnect()
+    gone.c.loop_stop()
+    wait_until(lambda: api.call("GET", path)[0] == 404, 10, "the session gone after a clean reconnect")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -110,5 +111,43 @@ def test_bad_definitions_change_nothing(tmp_path: Path) -> None:
             assert "no-such-vhost" in bad.log_text()
         finally:
             bad.close()
+    finally:
+        b.close()
+
+
+def _io_ops(pid: int) -> int:
+    """System calls that read or wrote, of the broker's process (``/proc/<pid>/io``): a count of
+    operations, which the machine's load does not change as it changes time."""
+    fields = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
+    return int(fields["syscr"]) + int(fields["syscw"])
+
+
+@pytest.mark.timeout(120)
+def test_importing_queues_costs_in_proportion_to_their_number(tmp_path: Path) -> None:
+    """1,000 queues (and a binding each) cost about twice what 500 cost, in the broker's read and
+    write system calls: the import does a fixed amount of work per queue, none per queue already
+    there (benchmarks/definitions_import.py times it; docs/performance.md)."""
+    b = start_mgmt_broker(tmp_path)
+    try:
+        api = Api(b.mgmt_port)
+        assert b.pid is not None
+        ops = []
+        for n in (500, 1000):
+            vh = unique("imp")
+            names = [f"q{i:05d}" for i in range(n)]
+            doc = {"vhosts": [{"name": vh}],
+                   "queues": [{"name": q, "vhost": vh, "durable": True, "auto_delete": False, "arguments": {}}
+                              for q in names],
+                   "bindings": [{"source": "amq.direct", "vhost": vh, "destination": q, "routing_key": q,
+                                 "destination_type": "queue", "arguments": {}} for q in names]}
+            before = _io_ops(b.pid)
+            req = urllib.request.Request(api.base + "/api/definitions", data=json.dumps(doc).encode(),
+                                         method="POST", headers={"Authorization": "Basic Z3Vlc3Q6Z3Vlc3Q=",
+                                                                 "Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=100) as resp:  # 1,000 queues take seconds
+                assert resp.status == 204
+            ops.append(_io_ops(b.pid) - before)
+        print(f"read/write system calls: {ops[0]} for 500 queues, {ops[1]} for 1,000")
+        assert 1.6 <= ops[1] / ops[0] <= 2.4, ops
     finally:
         b.close()

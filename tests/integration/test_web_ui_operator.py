@@ -1,28 +1,34 @@
 """The UI an operator keeps open, in a real Chromium: history charts over a picked range, the
-vhost selector, remembered columns and refresh interval, channel and node pages, and the
-queues page with 10,000 queues.
+vhost selector, remembered columns and refresh interval, channel and node pages, MQTT sessions,
+and the queues page with 10,000 queues.
 
 Theory of operation: one broker and one browser for the module (the browser fixture and
 helpers of test_web_ui.py). The 10,000 queues are made by one definitions import into a vhost
 of their own, deleted with it at the end. Choices are remembered in localStorage, so each test
 starts from ``login`` (which clears them) and the remembering is checked by reloading the page.
-Time to interactive is read inside the page (``performance.now()`` when the list's rows are in
-the DOM, counted from navigation start), so the driver's polling does not add to it.
+MQTT sessions (the MQTT list and a session's page) are made by real paho-mqtt clients: a
+persistent one that stays connected (two filters of QoS 0 and 1, a will), a clean one, and a
+persistent one whose client subscribed and went away. Time to interactive is read inside the
+page (``performance.now()`` when the list's rows are in the DOM, counted from navigation start),
+so the driver's polling does not add to it.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 import urllib.parse
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import paho.mqtt.client as mqtt
 import pytest
 
 from . import test_web_ui as ui
-from ._support import Broker, connect
+from ._support import Broker, connect, wait_until
+from .test_mqtt import Paho
 from .test_web_ui import api, browser_errors, click, element, go, login, shot, wait
 
 pytestmark = ui.pytestmark
@@ -138,6 +144,8 @@ def test_history_charts_and_the_channel_and_node_pages(browser: WebDriver, share
         channel = [c for c in api(b, "GET", "/api/channels") if c["prefetch_count"] == 7][0]["name"]
         _follow(browser, b, "channels", channel, "channel-details", "7 per consumer")
         assert browser.find_element(By.TAG_NAME, "h1").text == f"Channel {channel}"
+        # its own message rates from the history (publishes of this channel, not its connection's bytes)
+        wait(browser, "the channel's message-rate chart", lambda d: _line_points(d, "Message rates") > 1)
         shot(browser, "channel")
 
         node = api(b, "GET", "/api/overview")["node"]
@@ -274,4 +282,163 @@ def test_sorting_queues_by_depth_pages_as_sorting_the_whole_list(shared_broker: 
     finally:
         for i in range(12):
             ch.queue_delete(f"{prefix}{i:02d}")
+        conn.close()
+
+
+# ------------------------------------------------------------------ MQTT sessions
+
+def _with_will(b: Broker, client_id: str, will_topic: str) -> mqtt.Client:
+    c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=False,
+                    protocol=mqtt.MQTTv311)
+    c.username_pw_set("guest", "guest")
+    c.will_set(will_topic, b"gone", qos=1, retain=True)
+    done = threading.Event()
+    subscribed = threading.Event()
+    c.on_connect = lambda *_a: done.set()
+    c.on_subscribe = lambda *_a: subscribed.set()
+    c.connect(b.host, b.mqtt_port, keepalive=30)
+    c.loop_start()
+    assert done.wait(15), "no CONNACK"
+    c.subscribe([("sensors/+/temp", 1), ("alerts/#", 0)])
+    assert subscribed.wait(10), "no SUBACK"
+    return c
+
+
+@pytest.fixture(scope="module")
+def sessions(shared_broker: Broker) -> Iterator[dict[str, Any]]:
+    tag = uuid.uuid4().hex[:6]
+    ids = {"live": f"ui-live-{tag}", "clean": f"ui-clean-{tag}", "away": f"ui-away-{tag}"}
+    b = shared_broker
+    away = Paho(b.host, b.mqtt_port, ids["away"], clean=False)
+    assert not any(c.is_failure for c in away.subscribe("x/y", 1))
+    away.c.disconnect()
+    away.c.loop_stop()
+    live = _with_will(b, ids["live"], f"status/{ids['live']}")
+    clean = Paho(b.host, b.mqtt_port, ids["clean"], clean=True)
+    clean.subscribe("a/b", 0)
+    try:
+        yield ids
+    finally:
+        for c in (live, clean.c):
+            c.disconnect()
+            c.loop_stop()
+        # the persistent sessions go with a clean reconnect of their client ids
+        for cid in (ids["live"], ids["away"]):
+            Paho(b.host, b.mqtt_port, cid, clean=True).c.disconnect()
+
+
+def _by_id(b: Broker) -> dict[str, dict[str, Any]]:
+    return {s["client_id"]: s for s in api(b, "GET", "/api/mqtt/sessions")}
+
+
+def test_the_api_lists_connected_clean_and_away_sessions(shared_broker: Broker,
+                                                         sessions: dict[str, str]) -> None:
+    b = shared_broker
+    seen: dict[str, dict[str, Any]] = {}
+
+    def three() -> bool:
+        seen.update(_by_id(b))
+        return all(i in seen for i in sessions.values()) and not seen[sessions["away"]]["connected"]
+
+    wait_until(three, 10, "three MQTT sessions in the API")
+    got = seen
+    live, clean, away = (got[sessions[k]] for k in ("live", "clean", "away"))
+    assert live["connected"] and not live["clean_session"] and live["vhost"] == "/"
+    assert {(s["filter"], s["qos"]) for s in live["subscriptions"]} == {("sensors/+/temp", 1),
+                                                                         ("alerts/#", 0)}
+    assert live["will"] == {"topic": f"status/{sessions['live']}", "qos": 1, "retain": True,
+                            "payload_bytes": 4, "delay": 0}
+    assert live["user"] == "guest" and live["protocol_level"] == 4 and live["in_flight"] == 0
+    assert clean["connected"] and clean["clean_session"] and clean["will"] is None
+    assert [(s["filter"], s["qos"]) for s in clean["subscriptions"]] == [("a/b", 0)]
+    assert not away["connected"] and not away["clean_session"]
+    assert [(s["filter"], s["qos"]) for s in away["subscriptions"]] == [("x/y", 1)]
+    one = api(b, "GET", f"/api/mqtt/sessions/%2F/{urllib.parse.quote(sessions['away'])}")
+    assert one["client_id"] == sessions["away"] and one["subscription_count"] == 1
+    assert {s["client_id"] for s in api(b, "GET", "/api/mqtt/sessions/%2F")} >= set(sessions.values())
+    status, _ = ui_status(b, f"/api/mqtt/sessions/%2F/no-such-{uuid.uuid4().hex[:6]}")
+    assert status == 404
+    # a plain management user sees only its own sessions: none of guest's
+    user = f"ui-mqtt-{uuid.uuid4().hex[:6]}"
+    api(b, "PUT", f"/api/users/{user}", {"password": "pw", "tags": "management"})
+    api(b, "PUT", f"/api/permissions/%2F/{user}", {"configure": ".*", "write": ".*", "read": ".*"})
+    try:
+        assert api(b, "GET", "/api/mqtt/sessions", user=user, password="pw") == []
+    finally:
+        api(b, "DELETE", f"/api/users/{user}")
+
+
+def ui_status(b: Broker, path: str) -> tuple[int, Any]:
+    try:
+        return 200, api(b, "GET", path)
+    except Exception as exc:  # noqa: BLE001 - test_web_ui.api raises the HTTP error
+        return int(getattr(exc, "code", 0)), exc
+
+
+def test_the_mqtt_pages_show_a_session_and_its_subscriptions(browser: WebDriver, shared_broker: Broker,
+                                                             sessions: dict[str, str]) -> None:
+    b = shared_broker
+    login(browser, b)
+    go(browser, b, "mqtt")
+    wait(browser, "the sessions in the list", lambda d: all(i in d.find_element(By.ID, "main").text
+                                                          for i in sessions.values()))
+    shot(browser, "mqtt-sessions")
+    click(browser, By.LINK_TEXT, sessions["live"])
+    wait(browser, "the session's page", lambda d: "connected" in d.find_element(By.ID, "mqtt-details").text)
+    details = element(browser, By.ID, "mqtt-details").text
+    assert "persistent" in details and "not connected" not in details
+    subs = element(browser, By.ID, "mqtt-subscriptions").text
+    assert "sensors/+/temp" in subs and "alerts/#" in subs
+    assert f"status/{sessions['live']}" in element(browser, By.ID, "mqtt-will").text
+    shot(browser, "mqtt-session")
+    go(browser, b, f"mqtt/%2F/{urllib.parse.quote(sessions['away'])}")
+    wait(browser, "the away session's page",
+         lambda d: "not connected" in d.find_element(By.ID, "mqtt-details").text)
+    assert "x/y" in element(browser, By.ID, "mqtt-subscriptions").text
+    assert "No will." in element(browser, By.ID, "mqtt-will").text
+    assert browser_errors(browser) == []
+
+
+# ------------------------------------------------------------------ a channel's own history
+def test_a_channels_rates_and_history_are_its_own(shared_broker: Broker) -> None:
+    """Two channels of one connection: the publisher's page counts its publishes and confirms,
+    the getter's its deliveries and acks (not the connection's, not each other's), with samples
+    over the range asked for, as RabbitMQ's ``GET /api/channels/{name}?msg_rates_age=``."""
+    b = shared_broker
+    name = f"ui-chan-{uuid.uuid4().hex[:6]}"
+    conn = connect(b)
+    try:
+        pub = conn.channel()
+        pub.basic_qos(prefetch_count=11)
+        pub.confirm_delivery()
+        pub.queue_declare(name)
+        for _ in range(4):
+            pub.basic_publish("", name, b"m")
+        sub = conn.channel()
+        sub.basic_qos(prefetch_count=13)
+        for _ in range(4):
+            method, _props, _body = sub.basic_get(name)
+            assert method is not None
+            sub.basic_ack(method.delivery_tag)
+        names = {c["prefetch_count"]: c["name"] for c in api(b, "GET", "/api/channels")}
+        ranged = "?msg_rates_age=60&msg_rates_incr=5"
+        got: dict[int, dict[str, Any]] = {}
+
+        def counted() -> bool:
+            for prefetch in (11, 13):
+                path = f"/api/channels/{urllib.parse.quote(names[prefetch], safe='')}{ranged}"
+                got[prefetch] = api(b, "GET", path)
+            stats = got[13].get("message_stats", {})
+            return stats.get("ack") == 4 and bool(stats.get("ack_details", {}).get("samples")) and \
+                got[13]["message_stats"]["ack_details"]["samples"][0]["sample"] == 4
+        wait_until(counted, 20, "the channels' counters in a statistics pass")
+        p, s = got[11]["message_stats"], got[13]["message_stats"]
+        assert (p["publish"], p["confirm"], p["deliver_get"], p["ack"]) == (4, 4, 0, 0)
+        assert (s["publish"], s["confirm"], s["deliver_get"], s["ack"]) == (0, 0, 4, 4)
+        assert p["publish_details"]["samples"][0]["sample"] == 4
+        assert len(p["publish_details"]["samples"]) == 13 and "avg_rate" in p["publish_details"]
+        assert "samples" not in api(b, "GET", f"/api/channels/{urllib.parse.quote(names[11], safe='')}")[
+            "message_stats"]["publish_details"]
+    finally:
+        conn.channel().queue_delete(name)
         conn.close()

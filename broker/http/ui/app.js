@@ -274,6 +274,8 @@
   const RATE_SERIES = [["publish", "published/s"], ["confirm", "confirmed/s"], ["deliver_get", "delivered/s"],
     ["ack", "acked/s"], ["redeliver", "redelivered/s"]];
   const RATE_KEYS = RATE_SERIES.map(([k]) => k);
+  // a channel's own counters (GET /api/channels/{name}: its message_stats)
+  const CHANNEL_SERIES = [["publish", "published/s"], ["confirm", "confirmed/s"], ["deliver_get", "delivered/s"], ["ack", "acked/s"]];
   const LENGTH_SERIES = [["messages_ready", "ready"], ["messages_unacknowledged", "unacked"]];
   const LENGTH_KEYS = LENGTH_SERIES.map(([k]) => k);
   // A path with the header's chart range: the answer carries *_details samples over it.
@@ -525,6 +527,13 @@
         await state.refresh();
       }),
     },
+    mqtt: {
+      title: "MQTT sessions", path: "/api/mqtt/sessions", sort: "client_id",
+      cols: [["client_id", "Client id", (r) => link(`#/mqtt/${enc(r.vhost)}/${enc(r.client_id)}`, r.client_id)], ["vhost", "Virtual host"],
+        ["user", "User"], ["connected", "Connected", (r) => yes(r.connected)], ["clean_session", "Session", (r) => (r.clean_session ? "clean" : "persistent")],
+        ["subscription_count", "Subscriptions", null, true], ["in_flight", "In flight", (r) => num(r.in_flight), true],
+        ["messages", "Queued", (r) => num(r.messages), true], ["will.topic", "Will", (r) => (r.will ? r.will.topic : "")]],
+    },
     consumers: {
       title: "Consumers", path: "/api/consumers", sort: "consumer_tag",
       cols: [["consumer_tag", "Consumer tag"], ["queue.name", "Queue", (r) => link(`#/queues/${enc(r.queue.vhost)}/${enc(r.queue.name)}`, r.queue.name)],
@@ -549,6 +558,7 @@
   const VHOST_PATHS = {
     connections: (v) => `/api/vhosts/${enc(v)}/connections`, channels: (v) => `/api/vhosts/${enc(v)}/channels`,
     exchanges: (v) => `/api/exchanges/${enc(v)}`, queues: (v) => `/api/queues/${enc(v)}`, consumers: (v) => `/api/consumers/${enc(v)}`,
+    mqtt: (v) => `/api/mqtt/sessions/${enc(v)}`,
   };
 
   // Checkboxes for a list's columns (the first, the name, always shows); remembered per list.
@@ -623,19 +633,45 @@
   async function channelPage(name) {
     const details = h("div", { id: "channel-details" });
     const consumers = h("div");
-    const traffic = chart("Its connection's data rates (bytes/s)", DATA_SERIES);
-    page(`Channel ${name}`, details, traffic.root, h("h2", {}, "Consumers"), consumers);
+    const rates = chart("Message rates", CHANNEL_SERIES);
+    page(`Channel ${name}`, details, rates.root, h("h2", {}, "Consumers"), consumers);
     return async () => {
-      const c = await api("GET", `/api/channels/${enc(name)}`);
+      const c = await api("GET", ranged(`/api/channels/${enc(name)}`));
+      rates.set(Prefs.series(c.message_stats, CHANNEL_SERIES.map(([k]) => k), true));
       const conn = c.connection_details.name;
       details.replaceChildren(kv([["Connection", link(`#/connections/${enc(conn)}`, conn)], ["Number", c.number], ["User", c.user],
         ["Virtual host", c.vhost], ["State", c.state], ["Mode", c.confirm ? "confirm" : c.transactional ? "transactional" : "plain"],
         ["Prefetch", `${num(c.prefetch_count)} per consumer, ${num(c.global_prefetch_count)} per channel`],
         ["Unacked", num(c.messages_unacknowledged)], ["Unconfirmed", num(c.messages_unconfirmed)],
         ["Uncommitted", `${num(c.messages_uncommitted)} messages, ${num(c.acks_uncommitted)} acks`]]));
-      const [conInfo, cs] = await Promise.all([api("GET", ranged(`/api/connections/${enc(conn)}`)), api("GET", `/api/consumers/${enc(c.vhost)}`).catch(() => [])]);
-      traffic.set(Prefs.series(conInfo, DATA_SERIES.map(([k]) => k), true));
+      const cs = await api("GET", `/api/consumers/${enc(c.vhost)}`).catch(() => []);
       consumers.replaceChildren(table(LISTS.consumers.cols, cs.filter((x) => get(x, "channel_details.name") === name), { empty: "No consumers." }));
+    };
+  }
+
+  // One MQTT session (GET /api/mqtt/sessions/{vhost}/{client id}): connected or away, its
+  // subscriptions with their QoS, its will and its in-flight deliveries; the connection's page
+  // while it is connected, and its subscription queues' pages.
+  async function mqttSessionPage(vhost, clientId) {
+    const details = h("div", { id: "mqtt-details" });
+    const subs = h("div", { id: "mqtt-subscriptions" });
+    const will = h("div", { id: "mqtt-will" });
+    page(`MQTT session ${clientId}`, details, h("h2", {}, "Subscriptions"), subs, h("h2", {}, "Will"), will);
+    return async () => {
+      const s = await api("GET", `/api/mqtt/sessions/${enc(vhost)}/${enc(clientId)}`);
+      const queues = ["qos0", "qos1"].map((q) => `mqtt-subscription-${clientId}${q}`);
+      details.replaceChildren(kv([["Virtual host", s.vhost], ["User", s.user || "\u2014"],
+        ["State", s.connected ? h("span", { class: "ok" }, "connected") : h("span", { class: "muted" }, "not connected")],
+        ["Session", s.clean_session ? "clean (ends with its connection)" : "persistent"],
+        ["Session expiry", s.session_expiry_interval == null ? "\u2014" : `${num(s.session_expiry_interval)} s`],
+        ["Protocol level", s.protocol_level ?? "\u2014"], ["Client address", s.peer_host || "\u2014"],
+        ["In flight", `${num(s.in_flight)}${s.in_flight_max ? ` of ${num(s.in_flight_max)}` : ""}`], ["Queued for it", num(s.messages)],
+        ["Connection", s.connected ? link(`#/connections/${enc(s.client_id)}`, s.client_id) : "\u2014"],
+        ["Queues", h("span", {}, queues.map((q) => [link(`#/queues/${enc(s.vhost)}/${enc(q)}`, q), " "]))]]));
+      subs.replaceChildren(table([["filter", "Topic filter"], ["qos", "QoS", null, true], ["requested_qos", "Requested QoS", null, true],
+        ["subscription_id", "Subscription id", (r) => r.subscription_id ?? ""]], s.subscriptions, { empty: "No subscriptions." }));
+      will.replaceChildren(s.will ? kv([["Topic", s.will.topic], ["QoS", s.will.qos], ["Retain", yes(s.will.retain)],
+        ["Payload", bytes(s.will.payload_bytes)], ["Delay", `${num(s.will.delay)} s`]]) : h("p", { class: "muted" }, "No will."));
     };
   }
 
@@ -918,7 +954,8 @@
   const ROUTES = [
     [/^shovels$/, () => shovelsPage()],
     [/^overview$/, () => overviewPage()],
-    [/^(connections|channels|exchanges|queues|consumers)$/, (m) => listPage(m[1])],
+    [/^(connections|channels|exchanges|queues|consumers|mqtt)$/, (m) => listPage(m[1])],
+    [/^mqtt\/([^/]+)\/(.+)$/, (m) => mqttSessionPage(decodeURIComponent(m[1]), decodeURIComponent(m[2]))],
     [/^connections\/(.+)$/, (m) => connectionPage(decodeURIComponent(m[1]))],
     [/^channels\/(.+)$/, (m) => channelPage(decodeURIComponent(m[1]))],
     [/^nodes\/(.+)$/, (m) => nodePage(decodeURIComponent(m[1]))],
