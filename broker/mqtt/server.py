@@ -24,7 +24,7 @@ import asyncio
 import logging
 import ssl
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, cast
 
 from broker.aio import Listeners
@@ -40,7 +40,15 @@ from broker.mqtt.durable import SessionStates
 from broker.mqtt.hold import PublisherHold
 from broker.mqtt.mapping import key_fits
 from broker.mqtt.retained import Files, Retained
-from broker.mqtt.session import VERSIONS, AfterSync, MQTTSession, Registry, Settings, split_username
+from broker.mqtt.session import (
+    VERSIONS,
+    AfterSync,
+    MQTTConsumer,
+    MQTTSession,
+    Registry,
+    Settings,
+    split_username,
+)
 from broker.mqtt.wills import arm_will
 from broker.tls import PeerTLS
 
@@ -460,6 +468,12 @@ class MQTTServer:
 
     def open_connections(self) -> list[MQTTProtocol]:
         return [c for c in self.connections if c.state == "open" and c.session is not None]
+
+    def consumers(self) -> Iterator[tuple[MQTTProtocol, MQTTConsumer]]:
+        for conn in self.open_connections():
+            assert conn.session is not None
+            for c in conn.session.consumers.values():
+                yield conn, c
 
     def protocol_counters(self) -> dict[str, dict[str, int]]:
         out = {label: {**c, "publishers": 0, "consumers": 0} for label, c in self.registry.counters.items()}

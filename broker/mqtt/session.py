@@ -165,6 +165,9 @@ def split_username(username: str, default_vhost: str) -> tuple[str, str]:
     return default_vhost, username
 
 
+CONSUMER_TAG = "mqtt"  # every MQTT consumer's tag, as RabbitMQ's MQTT plugin names them
+
+
 class MQTTConsumer(Consumer):
     """A session's consumer on one of its queues (``qos``: 0 or 1, the subscription's level;
     ``shared_filter``: the ``$share/...`` filter of a shared subscription's queue)."""
@@ -173,10 +176,15 @@ class MQTTConsumer(Consumer):
 
     def __init__(self, session: MQTTSession, queue: Queue, qos: int,
                  shared_filter: str | None = None) -> None:
-        super().__init__(f"mqtt.{session.client_id}.qos{qos}", queue, no_ack=qos == 0, exclusive=False)
+        super().__init__(CONSUMER_TAG, queue, no_ack=qos == 0, exclusive=False)
         self.session = session
         self.qos = qos
         self.shared_filter = shared_filter
+
+    @property
+    def prefetch(self) -> int:
+        """Deliveries in flight at most (the management API's ``prefetch_count``); QoS 0: none."""
+        return self.session.in_flight_max if self.qos else 0
 
     def ready(self) -> bool:
         return self.capacity() > 0
