@@ -10,7 +10,6 @@ import logging
 from pathlib import Path
 
 import pytest
-
 from pamqp import frame as pframe
 
 from broker.model import methods
