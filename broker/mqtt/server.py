@@ -455,6 +455,7 @@ class MQTTServer:
         self.registry = Registry(Retained(retained, config.max_retained),
                                  lambda delay, fn: asyncio.get_running_loop().call_later(delay, fn),
                                  SessionStates(sessions), vhosts, users, self.settings)
+        users.on_change.append(self.registry.permissions_changed)
         self.peers = peers if peers is not None else {}
         self.connections: set[MQTTProtocol] = set()
         self.listeners = Listeners("MQTT", log)  # plain, TLS and Unix-socket listeners
@@ -513,6 +514,8 @@ class MQTTServer:
         return self.listeners.addresses
 
     async def stop(self) -> None:
+        if self.registry.permissions_changed in self.users.on_change:
+            self.users.on_change.remove(self.registry.permissions_changed)
         self.listeners.close(self.config.unix_path)
         for conn in list(self.connections):
             conn.abort(P.RC_SERVER_SHUTTING_DOWN)
