@@ -11,7 +11,7 @@ implementing classes may use narrower types (a ``dict`` of their own channel cla
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sized
+from collections.abc import Callable, Collection, Iterable, Mapping, Sized
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from broker.auth.users import UserStore
@@ -138,6 +138,9 @@ class FrontEndView(Protocol):
     def protocol_counters(self) -> Mapping[str, Mapping[str, int]]:
         """Per RabbitMQ protocol label (``mqtt311``): ``FRONT_END_COUNTERS`` and
         ``FRONT_END_GAUGES`` by name."""
+
+    def consumers(self) -> Iterable[tuple[ConnectionView, ConsumerView]]:
+        """Its connections' consumers; they have no channel (the API shows channel number 0)."""
 
 
 @runtime_checkable

@@ -7,6 +7,7 @@ import datetime
 import decimal
 import hashlib
 import urllib.parse
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from broker import properties
@@ -19,7 +20,7 @@ from broker.tls import NO_TLS_FIELDS
 
 if TYPE_CHECKING:
     from broker.http.state import Mgmt
-    from broker.views import ChannelView, ConnectionView
+    from broker.views import ChannelView, ConnectionView, ConsumerView
 
 
 def jsonable(value: Any) -> Any:
@@ -300,20 +301,40 @@ def channel_json(mgmt: Mgmt, s: ConnectionView, chs: ChannelView) -> dict[str, A
 
 def consumers_json(mgmt: Mgmt, s: ConnectionView, chs: ChannelView) -> list[dict[str, Any]]:
     conn = mgmt.connection_name(s)
-    out = []
-    for c in chs.consumers.values():
-        out.append({
-            "consumer_tag": c.tag,
-            "queue": {"name": c.queue.name, "vhost": c.queue.vhost},
-            "ack_required": not c.no_ack,
-            "exclusive": c.exclusive,
-            "prefetch_count": c.prefetch,
-            "active": True,
-            "activity_status": "up",
-            "arguments": jsonable(c.arguments),
-            "channel_details": {
-                "name": f"{conn} ({chs.id})", "number": chs.id, "connection_name": conn,
-                "peer_host": s.peer[0], "peer_port": s.peer[1], "user": s.username, "node": mgmt.node_name,
-            },
-        })
+    details = {"name": f"{conn} ({chs.id})", "number": chs.id, "connection_name": conn,
+               "peer_host": s.peer[0], "peer_port": s.peer[1], "user": s.username, "node": mgmt.node_name}
+    return [consumer_json(c, details) for c in chs.consumers.values()]
+
+
+def consumer_json(c: ConsumerView, channel_details: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "consumer_tag": c.tag,
+        "queue": {"name": c.queue.name, "vhost": c.queue.vhost},
+        "ack_required": not c.no_ack,
+        "exclusive": c.exclusive,
+        "prefetch_count": c.prefetch,
+        "active": True,
+        "activity_status": "up",
+        "arguments": jsonable(c.arguments),
+        "channel_details": channel_details,
+    }
+
+
+def every_consumer_json(mgmt: Mgmt, shown: Callable[[ConnectionView], bool]) -> list[dict[str, Any]]:
+    """The consumers of the connections ``shown`` selects: AMQP's by channel, then the front
+    ends' (MQTT), which have no channel: RabbitMQ lists those with channel number 0 and an empty
+    channel name; the details carry the client id as well."""
+    out: list[dict[str, Any]] = []
+    for s in mgmt.broker.connections:
+        if shown(s):
+            for chs in s.chs.values():
+                out.extend(consumers_json(mgmt, s, chs))
+    for front_end in mgmt.front_ends:
+        for s, c in front_end.consumers():
+            if shown(s):
+                conn = mgmt.connection_name(s)
+                out.append(consumer_json(c, {
+                    "name": "", "number": 0, "connection_name": conn, "peer_host": s.peer[0],
+                    "peer_port": s.peer[1], "user": s.username, "node": mgmt.node_name,
+                    "client_id": s.client_properties.get("client_id", "")}))
     return out

@@ -31,10 +31,18 @@ from broker.http.common import (
     visible_sessions,
 )
 from broker.http.rates import GLOBAL_FIELDS
-from broker.http.render import channel_json, connection_json, consumers_json, message_totals, rate, with_rates
+from broker.http.render import (
+    channel_json,
+    connection_json,
+    every_consumer_json,
+    message_totals,
+    rate,
+    with_rates,
+)
 from broker.http.state import Mgmt
 from broker.model.exchange import EXCHANGE_TYPES
 from broker.model.publish import PublishRequest
+from broker.views import ConnectionView
 
 routes = web.RouteTableDef()
 
@@ -339,17 +347,11 @@ async def channel(request: web.Request) -> web.Response:
 
 # ------------------------------------------------------------------ consumers
 def _consumers(request: web.Request, vhost: str | None = None) -> list[dict[str, Any]]:
-    mgmt = request.app[MGMT_KEY]
     user = user_of(request)
-    out: list[dict[str, Any]] = []
-    for s in mgmt.broker.connections:
-        if vhost is not None and s.vhost != vhost:
-            continue
-        if not (sees_all(user) or can_see_vhost(request, s.vhost)):
-            continue
-        for chs in s.chs.values():
-            out.extend(consumers_json(mgmt, s, chs))
-    return out
+
+    def shown(s: ConnectionView) -> bool:
+        return (vhost is None or s.vhost == vhost) and (sees_all(user) or can_see_vhost(request, s.vhost))
+    return every_consumer_json(request.app[MGMT_KEY], shown)
 
 
 @routes.get("/api/consumers")

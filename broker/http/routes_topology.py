@@ -43,7 +43,7 @@ from broker.http.common import (
 from broker.http.render import (
     PROPERTY_FIELDS,
     binding_json,
-    consumers_json,
+    every_consumer_json,
     exchange_json,
     payload_json,
     properties_json,
@@ -269,8 +269,8 @@ async def queue(request: web.Request) -> web.Response:
     q = _queue(request, vh)
     out = queue_json(mgmt, q)
     history_api.queue(request, out, q)
-    out["consumer_details"] = [c for s in visible_sessions(request) for chs in s.chs.values()
-                               for c in consumers_json(mgmt, s, chs)
+    visible = set(map(id, visible_sessions(request)))
+    out["consumer_details"] = [c for c in every_consumer_json(mgmt, lambda s: id(s) in visible)
                                if c["queue"] == {"name": q.name, "vhost": q.vhost}]
     return web.json_response(out)
 

@@ -167,7 +167,8 @@ class VHost:
             if m.queue in self.queues:
                 self.delete_queue(m.queue, owner=None)
         elif isinstance(m, commands.Queue.Bind):
-            if m.queue in self.queues and m.exchange in self.exchanges:
+            # a default-exchange binding: implicit (compaction wrote them once; not an error)
+            if m.queue in self.queues and m.exchange in self.exchanges and m.exchange:
                 self.bind_queue(m.queue, m.exchange, m.routing_key, m.arguments or {}, owner=None)
         elif isinstance(m, commands.Queue.Unbind):
             if m.queue in self.queues and m.exchange in self.exchanges:
@@ -223,7 +224,7 @@ class VHost:
                 if q.paused:
                     records.append(pframe.marshal(_pause_record(q.name, True), 0))
         for ex in self.exchanges.values():
-            if not ex.durable:
+            if not ex.durable or not ex.name:  # the default exchange's bindings are implicit
                 continue
             for dest, rk, args in ex.bindings():
                 if isinstance(dest, Queue) and dest.durable and dest.exclusive_owner is None:

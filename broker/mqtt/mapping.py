@@ -42,9 +42,23 @@ def key_fits(topic: str) -> bool:
     return len(topic.encode()) <= MAX_KEY_BYTES
 
 
+# Topics translated lately: a publisher repeats its topics, and ``str.translate`` with a table was
+# 5 % of QoS 0 fan-in's time. Bounded: short topics only, the whole cache dropped when full.
+_KEYS: dict[str, str] = {}
+_KEYS_MAX = 4096
+_KEY_CACHED_LEN = 128
+
+
 def to_routing_key(topic: str) -> str:
     """MQTT topic (or filter) to AMQP routing key (or binding key)."""
-    return topic.translate(_TO_AMQP)
+    key = _KEYS.get(topic)
+    if key is None:
+        key = topic.translate(_TO_AMQP)
+        if len(topic) <= _KEY_CACHED_LEN:
+            if len(_KEYS) >= _KEYS_MAX:
+                _KEYS.clear()
+            _KEYS[topic] = key
+    return key
 
 
 def to_topic(routing_key: str) -> str:

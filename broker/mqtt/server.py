@@ -32,7 +32,7 @@ import asyncio
 import logging
 import ssl
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, cast
 
 from broker import errors
@@ -50,7 +50,15 @@ from broker.mqtt.durable import SessionStates
 from broker.mqtt.hold import PublisherHold
 from broker.mqtt.mapping import key_fits
 from broker.mqtt.retained import Files, Retained
-from broker.mqtt.session import VERSIONS, AfterSync, MQTTSession, Registry, Settings, split_username
+from broker.mqtt.session import (
+    VERSIONS,
+    AfterSync,
+    MQTTConsumer,
+    MQTTSession,
+    Registry,
+    Settings,
+    split_username,
+)
 from broker.mqtt.wills import arm_will
 from broker.tls import PeerTLS
 
@@ -500,6 +508,7 @@ class MQTTServer:
         self.registry = Registry(Retained(retained, config.max_retained),
                                  lambda delay, fn: asyncio.get_running_loop().call_later(delay, fn),
                                  SessionStates(sessions), vhosts, users, self.settings)
+        users.on_change.append(self.registry.permissions_changed)
         self.peers = peers if peers is not None else {}
         self.connections: set[MQTTProtocol] = set()
         self.listeners = Listeners("MQTT", log)  # plain, TLS and Unix-socket listeners
@@ -514,6 +523,12 @@ class MQTTServer:
 
     def open_connections(self) -> list[MQTTProtocol]:
         return [c for c in self.connections if c.state == "open" and c.session is not None]
+
+    def consumers(self) -> Iterator[tuple[MQTTProtocol, MQTTConsumer]]:
+        for conn in self.open_connections():
+            assert conn.session is not None
+            for c in conn.session.consumers.values():
+                yield conn, c
 
     def protocol_counters(self) -> dict[str, dict[str, int]]:
         out = {label: {**c, "publishers": 0, "consumers": 0} for label, c in self.registry.counters.items()}
@@ -577,6 +592,8 @@ class MQTTServer:
         proto.data_received(bytes(state.get("rest", b"")))
 
     async def stop(self) -> None:
+        if self.registry.permissions_changed in self.users.on_change:
+            self.users.on_change.remove(self.registry.permissions_changed)
         self.listeners.close(self.config.unix_path)
         for conn in list(self.connections):
             conn.abort(P.RC_SERVER_SHUTTING_DOWN)
