@@ -3,18 +3,20 @@
 Theory of operation: the RabbitMQ node (``_rabbit.RabbitProcess``) takes 5-15 s to boot, so it is
 started once per test session and in parallel with the Skred broker (spawned first, then both
 polled for readiness). Both brokers are private to the session: every port is free-bound, every
-directory is under pytest's temp dir, and both are stopped by PID/process group at the end.
+directory is under pytest's temp dir, and both are killed by PID/process group at the end.
 Without RabbitMQ installed the harness skips with the reason, unless ``SKRED_REQUIRE_RABBITMQ``
 is set (``.ci/run`` sets it): then it fails, so CI can never pass by skipping it.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Iterator
 
 import pytest
 
-from .._support import SkredProcess, free_port, is_external, wait_until
+from .._support import SkredProcess, free_port, group_alive, is_external, wait_until
 from ..test_mgmt_api import http_ready
 from ._harness import HIDDEN, HTTP_KEY_PATTERNS, TALLY, Target
 from ._rabbit import RabbitProcess, require
@@ -39,6 +41,10 @@ def targets(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Target, 
                Target("skred", skred.host, skred.port, skred.mgmt_port, skred.mqtt_port))
     finally:
         skred.close()
+        # The reference node proves nothing by stopping cleanly: kill it rather than wait the
+        # seconds its graceful shutdown takes (close() then finds it gone and stops its epmd).
+        if rabbit.proc is not None and group_alive(rabbit.proc.pid):
+            os.killpg(rabbit.proc.pid, signal.SIGKILL)
         rabbit.close()
 
 
