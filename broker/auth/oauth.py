@@ -40,12 +40,13 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
-
-import jwt
+from typing import TYPE_CHECKING, Any
 
 from broker.auth.oauth_scopes import parse_scopes, scope_list
 from broker.auth.users import Fetch, User
+
+if TYPE_CHECKING:  # PyJWT is imported where a key or a token is read: importing it costs a
+    import jwt  # tenth of a second of every broker's start, and most brokers take no tokens
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +121,7 @@ def token_kid(secret: str) -> str | None:
 
 def read_jwks(document: Any) -> dict[str, jwt.PyJWK]:
     """The signing keys of a JWKS document by ``kid``; keys we cannot use are skipped."""
+    import jwt
     keys: dict[str, jwt.PyJWK] = {}
     entries = document.get("keys") if isinstance(document, dict) else None
     for entry in entries if isinstance(entries, list) else []:
@@ -211,6 +213,7 @@ class TokenAuth:
         if key.algorithm_name != alg:
             raise TokenError(f"key {kid!r} is not an {alg} key")
         s = self.settings
+        import jwt
         try:
             return jwt.decode(
                 secret, key.key, algorithms=[alg], audience=list(s.audiences) if s.verify_aud else None,

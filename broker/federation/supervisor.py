@@ -30,12 +30,9 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from broker.auth.parameters import RuntimeParameters
-from broker.federation.exchange_link import ExchangeLink
-from broker.federation.link import AfterSync, Link
-from broker.federation.queue_link import QueueLink
 from broker.federation.upstream import (
     UPSTREAM,
     UPSTREAM_SET,
@@ -45,6 +42,9 @@ from broker.federation.upstream import (
     resolve,
 )
 from broker.model.vhost import VHost
+
+if TYPE_CHECKING:
+    from broker.federation.link import AfterSync, Link
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,14 @@ def register(params: RuntimeParameters) -> None:
 def _federated(definition: dict[str, Any] | None) -> bool:
     return bool(definition) and (UPSTREAM in definition or UPSTREAM_SET in definition)  # type: ignore[operator]
 
+
+
+def _link_type(kind: str) -> type[Link]:
+    """The link class for ``kind``, imported when the first link starts: the links bring aiormq,
+    a tenth of a second of every broker's start, and most brokers federate nothing."""
+    from broker.federation.exchange_link import ExchangeLink
+    from broker.federation.queue_link import QueueLink
+    return ExchangeLink if kind == "exchange" else QueueLink
 
 class Federation:
     def __init__(self, vhosts: Mapping[str, VHost], params: RuntimeParameters, after_sync: AfterSync,
@@ -168,8 +176,8 @@ class Federation:
             if key in self.links:
                 continue
             kind, _, resource, _ = key
-            cls = ExchangeLink if kind == "exchange" else QueueLink
-            link = cls(vh, resource, up, self.after_sync, self.cluster_name(), self.node_name(), self.vhosts)
+            link = _link_type(kind)(vh, resource, up, self.after_sync, self.cluster_name(), self.node_name(),
+                                    self.vhosts)
             self.links[key] = link
             log.info("federation: starting link %s", key)
             link.start()

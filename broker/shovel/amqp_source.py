@@ -48,8 +48,7 @@ from pamqp.base import Frame as PFrame
 
 from broker import properties
 from broker.shovel.definition import ShovelDef, Uri
-from broker.shovel.ends import EndLost, Message, Settle, new_lost, set_lost
-from broker.shovel.remote import CONNECT_TIMEOUT, OP_TIMEOUT
+from broker.shovel.ends import CONNECT_TIMEOUT, OP_TIMEOUT, EndLost, Message, Settle, new_lost, set_lost
 
 CLOSE_TIMEOUT = 5.0  # seconds for the broker's connection.close-ok
 ACK_DELAY = 0.05  # seconds a settled message waits for others to share its ``basic.ack``

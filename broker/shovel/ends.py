@@ -22,6 +22,8 @@ from pamqp import commands
 
 from broker import properties
 
+CONNECT_TIMEOUT = 15.0  # seconds for the TCP, TLS and AMQP handshakes of one URI (a remote end)
+OP_TIMEOUT = 30.0  # seconds for one declare, qos, consume (a remote end)
 EMPTY_PROPERTIES = b"\x00\x00"  # a content header's property flags with no property set
 
 

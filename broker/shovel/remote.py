@@ -23,15 +23,13 @@ import aiormq
 from pamqp import commands
 
 from broker.shovel.definition import ShovelDef, Uri
-from broker.shovel.ends import EndLost, Message, Verdict, new_lost, set_lost
+from broker.shovel.ends import CONNECT_TIMEOUT, OP_TIMEOUT, EndLost, Message, Verdict, new_lost, set_lost
 
 log = logging.getLogger(__name__)
 # aiormq logs a traceback at WARNING for every connection the peer drops; the shovel's status and
 # its own warning say that once, with the reason
 logging.getLogger("aiormq.connection").setLevel(logging.ERROR)
 
-CONNECT_TIMEOUT = 15.0  # seconds for the TCP, TLS and AMQP handshakes of one URI
-OP_TIMEOUT = 30.0  # seconds for one declare, qos, consume
 
 
 async def connect(uris: tuple[Uri, ...], name: str) -> aiormq.abc.AbstractConnection:
