@@ -503,6 +503,7 @@ class Node:
         await self.stream.start(self.tls_context if self.tls is not None else None, unix_mode(cfg.main))
         assert self.mgmt is not None
         self.mgmt.other_listeners.update(self.stream.addresses)
+        self.mgmt.front_ends.append(self.stream)  # its connections and counters in the API and metrics
 
     def release_lock(self) -> None:
         if RELOADER is not None and RELOADER.node is self:
@@ -620,6 +621,8 @@ class Node:
             await self.mqtt.stop()
             self.mqtt = None
         if self.stream is not None:
+            if self.mgmt is not None and self.stream in self.mgmt.front_ends:
+                self.mgmt.front_ends.remove(self.stream)
             await self.stream.stop()
             self.stream = None
         if self.oauth is not None:

@@ -12,7 +12,7 @@ implementing classes may use narrower types (a ``dict`` of their own channel cla
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sized
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from broker.auth.users import UserStore
 from broker.errors import AMQPError
@@ -119,6 +119,14 @@ FRONT_END_COUNTERS = ("messages_received", "messages_received_confirm", "message
                       "messages_delivered", "messages_delivered_consume_auto_ack",
                       "messages_delivered_consume_manual_ack", "messages_acknowledged", "connections_opened")
 FRONT_END_GAUGES = ("publishers", "consumers")
+
+
+@runtime_checkable
+class ConsumersView(Protocol):
+    """A front end's connection whose consumers have no channel (stream subscriptions): the
+    API lists them under ``/api/consumers`` with channel number 0."""
+
+    def consumers(self) -> Collection[ConsumerView]: ...
 
 
 class FrontEndView(Protocol):

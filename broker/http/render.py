@@ -18,7 +18,7 @@ from broker.tls import NO_TLS_FIELDS
 
 if TYPE_CHECKING:
     from broker.http.state import Mgmt
-    from broker.views import ChannelView, ConnectionView
+    from broker.views import ChannelView, ConnectionView, ConsumerView
 
 
 def jsonable(value: Any) -> Any:
@@ -293,21 +293,23 @@ def channel_json(mgmt: Mgmt, s: ConnectionView, chs: ChannelView) -> dict[str, A
 
 
 def consumers_json(mgmt: Mgmt, s: ConnectionView, chs: ChannelView) -> list[dict[str, Any]]:
+    return [consumer_json(mgmt, s, c, chs.id) for c in chs.consumers.values()]
+
+
+def consumer_json(mgmt: Mgmt, s: ConnectionView, c: ConsumerView, channel: int) -> dict[str, Any]:
+    """One consumer; ``channel`` 0: a front end's consumer with no channel (a stream subscription)."""
     conn = mgmt.connection_name(s)
-    out = []
-    for c in chs.consumers.values():
-        out.append({
-            "consumer_tag": c.tag,
-            "queue": {"name": c.queue.name, "vhost": c.queue.vhost},
-            "ack_required": not c.no_ack,
-            "exclusive": c.exclusive,
-            "prefetch_count": c.prefetch,
-            "active": True,
-            "activity_status": "up",
-            "arguments": jsonable(c.arguments),
-            "channel_details": {
-                "name": f"{conn} ({chs.id})", "number": chs.id, "connection_name": conn,
-                "peer_host": s.peer[0], "peer_port": s.peer[1], "user": s.username, "node": mgmt.node_name,
-            },
-        })
-    return out
+    return {
+        "consumer_tag": c.tag,
+        "queue": {"name": c.queue.name, "vhost": c.queue.vhost},
+        "ack_required": not c.no_ack,
+        "exclusive": c.exclusive,
+        "prefetch_count": c.prefetch,
+        "active": True,
+        "activity_status": "up",
+        "arguments": jsonable(c.arguments),
+        "channel_details": {
+            "name": f"{conn} ({channel})", "number": channel, "connection_name": conn,
+            "peer_host": s.peer[0], "peer_port": s.peer[1], "user": s.username, "node": mgmt.node_name,
+        },
+    }

@@ -31,10 +31,19 @@ from broker.http.common import (
     visible_sessions,
 )
 from broker.http.rates import GLOBAL_FIELDS
-from broker.http.render import channel_json, connection_json, consumers_json, message_totals, rate, with_rates
+from broker.http.render import (
+    channel_json,
+    connection_json,
+    consumer_json,
+    consumers_json,
+    message_totals,
+    rate,
+    with_rates,
+)
 from broker.http.state import Mgmt
 from broker.model.exchange import EXCHANGE_TYPES
 from broker.model.publish import PublishRequest
+from broker.views import ConsumersView
 
 routes = web.RouteTableDef()
 
@@ -336,13 +345,15 @@ def _consumers(request: web.Request, vhost: str | None = None) -> list[dict[str,
     mgmt = request.app[MGMT_KEY]
     user = user_of(request)
     out: list[dict[str, Any]] = []
-    for s in mgmt.broker.connections:
+    for s in mgmt.connections():
         if vhost is not None and s.vhost != vhost:
             continue
         if not (sees_all(user) or can_see_vhost(request, s.vhost)):
             continue
         for chs in s.chs.values():
             out.extend(consumers_json(mgmt, s, chs))
+        if isinstance(s, ConsumersView):
+            out.extend(consumer_json(mgmt, s, c, 0) for c in s.consumers())
     return out
 
 

@@ -249,8 +249,10 @@ class Subscription(RecordConsumer):
         only the properties check and a length prefix (``codec.encode_deliver_run``)."""
         self.flush()
         self.credit -= 1
-        if not self.session.closed:
-            self.session.out.write(C.encode_deliver_run(self.sub_id, first_offset, timestamp_ms,
+        session = self.session
+        if not session.closed:
+            session.delivered += len(bodies)
+            session.out.write(C.encode_deliver_run(self.sub_id, first_offset, timestamp_ms,
                                                         stream_entries(props, bodies)))
 
     def flush(self) -> None:
@@ -258,10 +260,16 @@ class Subscription(RecordConsumer):
         if self.chunk:
             chunk, self.chunk, self.size = self.chunk, [], 0
             if not self.session.closed:
+                self.session.delivered += len(chunk)
                 self.session.out.write(C.encode_deliver(self.sub_id, self.first, self.stamp, chunk))
 
     def cancelled_by_server(self) -> None:
         self.session.stream_gone(self)
+
+    @property
+    def prefetch(self) -> int:
+        """What the management API shows as the prefetch: the chunks it may still be sent."""
+        return self.credit
 
     # ------------------------------------------------------------ group side
     def partition_index(self) -> int:
@@ -321,6 +329,12 @@ class StreamSession:
     closed: bool = False
     publishers: dict[int, _Publisher] = field(default_factory=dict)
     subs: dict[int, Subscription] = field(default_factory=dict)
+    client_properties: dict[str, str] = field(default_factory=dict)  # its PeerProperties
+    # RabbitMQ's per-protocol counters (views.FRONT_END_COUNTERS), in messages
+    received: int = 0
+    confirmed: int = 0
+    delivered: int = 0
+    published: bool = False  # declared a publisher (the publishers gauge counts these)
     _corr: int = 0
 
     # ------------------------------------------------------------------ entry
@@ -379,7 +393,7 @@ class StreamSession:
     def peer_properties(self, f: C.Frame) -> None:
         c = C.Cursor(f.payload)
         corr = c.u32()
-        c.properties()
+        self.client_properties = c.properties()
         c.end()
         props = {"product": "Skred", "platform": "Python", "copyright": "Skred authors",
                  "information": "Skred's RabbitMQ stream protocol listener"}
@@ -590,6 +604,7 @@ class StreamSession:
         else:
             seq = q.publisher_sequence(ref) if ref else None
             self.publishers[pub_id] = _Publisher(name, ref, seq or 0)
+            self.published = True
         self.out.write(C.response(C.DECLARE_PUBLISHER, corr, code))
 
     def delete_publisher(self, f: C.Frame) -> None:
@@ -616,6 +631,7 @@ class StreamSession:
     def publish(self, f: C.Frame) -> None:
         b = C.decode_publish_batch(f.payload, f.version)
         pub_id, ids, datas = b.pub_id, b.ids, b.datas
+        self.received += len(ids)
         filters = b.filters if b.filters is not None and any(b.filters) else None
         p = self.publishers.get(pub_id)
         q = self._stream(p.stream) if p is not None else None
@@ -685,6 +701,7 @@ class StreamSession:
             if self.closed:
                 return
             if ok:
+                self.confirmed += len(ids)
                 self.out.write(C.encode_confirm(pub_id, ids))
             else:
                 self.out.write(C.encode_publish_error(pub_id, [(i, C.INTERNAL_ERROR) for i in ids]))

@@ -10,8 +10,14 @@ reaches the leader. The same scenarios run against RabbitMQ 3.10's stream plugin
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
+import re
 import struct
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -379,5 +385,66 @@ def test_permissions_and_bad_login(target: Target, broker_mode: str) -> None:
         w.send(frame(C.METADATA, struct.pack(">Ii", meta, 1) + s16(missing)))
         payload = w.expect(C.METADATA | C.RESPONSE)
         assert payload.endswith(s16(missing) + struct.pack(">HHi", C.STREAM_DOES_NOT_EXIST, 0xFFFF, 0))
+    finally:
+        w.close()
+
+
+def _api(b: Any, method: str, path: str) -> tuple[int, Any]:
+    url = urlparse(b.url)
+    req = urllib.request.Request(f"http://{b.host}:{b.mgmt_port}{path}", method=method)
+    auth = f"{url.username or 'guest'}:{url.password or 'guest'}".encode()
+    req.add_header("Authorization", "Basic " + base64.b64encode(auth).decode())
+    try:
+        with urllib.request.urlopen(req, timeout=15) as resp:
+            raw = resp.read()
+            return resp.status, json.loads(raw) if raw.strip() else None
+    except urllib.error.HTTPError as exc:
+        return exc.code, None
+
+
+def _listed(b: Any, name: str) -> dict[str, Any] | None:
+    status, conns = _api(b, "GET", "/api/connections")
+    assert status == 200
+    found = [c for c in conns if c["client_properties"].get("connection_name") == name]
+    return found[0] if found else None
+
+
+def test_connections_and_consumers_in_the_api_closable(target: Target, shared_broker: Broker,
+                                                       broker_mode: str) -> None:
+    """A stream connection is listed as RabbitMQ's stream plugin lists it, its subscription is a
+    consumer, its messages are counted, and DELETE closes it with a Close carrying the reason."""
+    stream, name = _name("api"), _name("conn")
+    w = StreamWire(target.host, target.port)
+    try:
+        assert w.handshake(target.user, target.password, properties={"connection_name": name}) == C.OK
+        assert w.request(C.CREATE, s16(stream) + struct.pack(">i", 0)) == C.OK
+        assert w.request(C.DECLARE_PUBLISHER, bytes([1]) + s16("") + s16(stream)) == C.OK
+        msgs = b"".join(struct.pack(">QI", i, 2) + b"m%d" % i for i in range(3))
+        w.send(frame(C.PUBLISH, bytes([1]) + struct.pack(">i", 3) + msgs))
+        w.expect(C.PUBLISH_CONFIRM)
+        sub = struct.pack(">B", 7) + s16(stream) + struct.pack(">HHi", C.OFFSET_FIRST, 10, 0)
+        assert w.request(C.SUBSCRIBE, sub) == C.OK
+        w.expect(C.DELIVER)
+        conn = _listed(shared_broker, name)
+        assert conn is not None
+        assert conn["protocol"] == "RabbitMQ Stream" and conn["vhost"] == "/" and conn["user"] == target.user
+        assert conn["channels"] == 0 and conn["recv_cnt"] >= 5 and conn["send_oct"] > 0
+        assert conn["peer_port"] == w.sock.getsockname()[1]  # the client's, through a follower too
+        status, consumers = _api(shared_broker, "GET", "/api/consumers")
+        assert status == 200
+        mine = [c for c in consumers if c["queue"]["name"] == stream]
+        assert len(mine) == 1 and mine[0]["channel_details"]["connection_name"] == conn["name"]
+        if broker_mode == "single":  # the session cluster's nodes serve no metrics port
+            with urllib.request.urlopen(f"http://{shared_broker.host}:{shared_broker.metrics_port}/metrics",
+                                        timeout=10) as r:
+                text = r.read().decode()
+            got = re.search(r'^rabbitmq_global_messages_received_total\{protocol="stream"\} ([0-9.e+]+)$',
+                            text, re.M)
+            assert got is not None and float(got.group(1)) >= 3
+        quoted = urllib.parse.quote(conn["name"], safe="")
+        assert _api(shared_broker, "DELETE", f"/api/connections/{quoted}")[0] == 204
+        close = w.expect(C.CLOSE)
+        assert b"Closed via management plugin" in close
+        assert _listed(shared_broker, name) is None
     finally:
         w.close()
