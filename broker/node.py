@@ -525,6 +525,7 @@ class Node:
             "mqtt": self.mqtt.addresses.get("mqtt") if self.mqtt is not None else None,
             "mqtts": self.mqtt.addresses.get("mqtts") if self.mqtt is not None else None,
             "stream": self.stream.addresses.get("stream") if self.stream is not None else None,
+            "streams": self.stream.addresses.get("stream/ssl") if self.stream is not None else None,
         }
         return {name: (str(a[0]), int(a[1])) for name, a in found.items() if a}
 
