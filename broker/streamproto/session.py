@@ -639,6 +639,9 @@ class StreamSession:
             code = C.PUBLISHER_DOES_NOT_EXIST if p is None else C.STREAM_NOT_AVAILABLE
             self.out.write(C.encode_publish_error(pub_id, [(i, code) for i in ids]))
             return
+        if b.groups is not None:
+            self._publish_groups(p, q, pub_id, ids, b.groups)
+            return
         done: list[int] = []
         failed: list[tuple[int, int]] = []
         deps: set[Any] = set()
@@ -695,6 +698,55 @@ class StreamSession:
             self.out.write(C.encode_publish_error(pub_id, failed))
         if done:
             self._confirm(pub_id, done, deps)
+
+    def _publish_groups(self, p: _Publisher, q: StreamQueue, pub_id: int, ids: list[int],
+                        groups: list[list[bytes]]) -> None:
+        """A Publish with sub-entries: each publishing id's records are stored as one run when
+        the publish operation can take them at once (else one by one) and confirmed together;
+        deduplication is by the publishing id, as for single messages."""
+        done: list[int] = []
+        failed: list[tuple[int, int]] = []
+        deps: set[Any] = set()
+        ts = int(time.time() * 1000)
+        seq = p.sequence
+        for pid, records in zip(ids, groups, strict=True):
+            if p.reference and pid <= seq:
+                done.append(pid)  # stored already: confirmed again
+                continue
+            self.received += len(records) - 1
+            code = self._store_records(p.stream, records, ts, deps)
+            if code != C.OK:
+                failed.append((pid, code))
+                continue
+            done.append(pid)
+            seq = max(seq, pid)
+        if p.reference and seq != p.sequence:
+            p.sequence = seq
+            q.set_publisher_sequence(p.reference, seq)
+        if failed:
+            self.out.write(C.encode_publish_error(pub_id, failed))
+        if done:
+            self._confirm(pub_id, done, deps)
+
+    def _store_records(self, stream: str, records: list[bytes], ts: int, deps: set[Any]) -> int:
+        """Store one sub-entry's records; the response code."""
+        props = [_PLAIN_PROPS] * len(records)
+        try:
+            if len(records) > 1:
+                same = len(set(map(len, records))) == 1
+                run = self.vh.publish_run("", stream, Names("", stream), props, records, same, ts)
+                if run is not None:
+                    deps.update(qq.store for qq in run.queues)
+                    return C.OK
+            for data in records:
+                out = self.vh.publish(PublishRequest("", stream, _PLAIN_PROPS, data, ts, persistent=True))
+                if out.rejected or not out.queues:
+                    return C.STREAM_NOT_AVAILABLE
+                deps.update(qq.store for qq in out.queues)
+        except errors.SkredError as exc:
+            log.warning("stream client from %s: publish to '%s' refused: %s", self.peer, stream, exc)
+            return C.INTERNAL_ERROR
+        return C.OK
 
     def _confirm(self, pub_id: int, ids: list[int], deps: set[Any]) -> None:
         def synced(ok: bool) -> None:
