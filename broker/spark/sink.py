@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -99,7 +100,9 @@ class _Sink:
         from pamqp.commands import Basic
 
         conn = await asyncio.wait_for(aiormq.connect(self.uri), self.confirm_timeout)
-        inflight: set[asyncio.Task[Any]] = set()
+        # in publish order: the oldest is awaited when the window is full (one wait per row, not
+        # one over the whole window), and every one before the task returns
+        inflight: deque[asyncio.Task[Any]] = deque()
         try:
             ch = await conn.channel(publisher_confirms=True, on_return_raises=True)
             targets: dict[str, bool] = {}
@@ -127,14 +130,12 @@ class _Sink:
                 props = Basic.Properties(delivery_mode=2, message_id=message_id, headers=headers or None)
                 exchange, rk = (topic, d.get("key") or "") if is_exchange else ("", topic)
                 if len(inflight) >= self.window:
-                    done, inflight = await asyncio.wait(inflight, return_when=asyncio.FIRST_COMPLETED)
-                    _check(done)
-                inflight.add(asyncio.ensure_future(ch.basic_publish(
+                    await _confirmed(inflight.popleft())
+                inflight.append(asyncio.ensure_future(ch.basic_publish(
                     body, exchange=exchange, routing_key=rk, properties=props, mandatory=not is_exchange,
-                    timeout=self.confirm_timeout)))
+                    timeout=self.confirm_timeout, wait=False)))
             while inflight:
-                done, inflight = await asyncio.wait(inflight, return_when=asyncio.FIRST_EXCEPTION)
-                _check(done)
+                await _confirmed(inflight.popleft())
             return Published(n)
         finally:
             for t in inflight:
@@ -145,19 +146,18 @@ class _Sink:
                 await conn.close()
 
 
-def _check(done: set[asyncio.Task[Any]]) -> None:
-    """Raise for a finished publish that was not confirmed."""
+async def _confirmed(publish: asyncio.Task[Any]) -> None:
+    """Wait for one publish; raise unless the broker confirmed it."""
     from aiormq.exceptions import DeliveryError, PublishError
 
-    for t in done:
-        try:
-            t.result()
-        except PublishError as exc:
-            raise SinkError(f"skred sink: Unroutable row returned by the broker: {exc}") from None
-        except DeliveryError as exc:
-            raise SinkError(f"skred sink: row not confirmed (nack): {exc}") from None
-        except TimeoutError:
-            raise SinkError("skred sink: no confirm within confirmTimeout") from None
+    try:
+        await publish
+    except PublishError as exc:
+        raise SinkError(f"skred sink: Unroutable row returned by the broker: {exc}") from None
+    except DeliveryError as exc:
+        raise SinkError(f"skred sink: row not confirmed (nack): {exc}") from None
+    except TimeoutError:
+        raise SinkError("skred sink: no confirm within confirmTimeout") from None
 
 
 async def _exchange_exists(conn: Any, name: str) -> bool:
