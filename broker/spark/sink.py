@@ -33,7 +33,7 @@ import asyncio
 import uuid
 from collections import deque
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 from pyspark.sql.datasource import (  # type: ignore[import-not-found,import-untyped,unused-ignore]
     DataSourceStreamWriter,
@@ -104,7 +104,8 @@ class _Sink:
         # one over the whole window), and every one before the task returns
         inflight: deque[asyncio.Task[Any]] = deque()
         try:
-            ch = await conn.channel(publisher_confirms=True, on_return_raises=True)
+            # the concrete channel: its publish can skip waiting for the socket to drain
+            ch = cast(aiormq.Channel, await conn.channel(publisher_confirms=True, on_return_raises=True))
             targets: dict[str, bool] = {}
             n = 0
             for n, row in enumerate(rows, 1):
