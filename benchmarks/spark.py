@@ -14,6 +14,7 @@ Each figure is rows / wall seconds of one Spark action, after one warm-up action
 the broker share the machine, so say how loaded it was when quoting them.
 
     python benchmarks/spark.py --rows 200000
+    python benchmarks/spark.py --rows 20000 --sink-only --confirm-window 1   # one row per round trip
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ def timed(what: str, rows: int, action: Callable[[], Any]) -> tuple[str, float]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=200_000)
+    ap.add_argument("--sink-only", action="store_true", help="measure the sink only, not the reads")
+    ap.add_argument("--confirm-window", type=int, default=0,
+                    help="the sink's confirmWindow (default: the sink's own)")
     args = ap.parse_args(argv)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     os.environ["PYSPARK_PYTHON"] = sys.executable
@@ -75,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
                                          .cast("binary").alias("value")).repartition(2).cache()
             rows.count()
             sink = rows.write.format("skred").mode("append").option("uri", broker.url)
+            if args.confirm_window:
+                sink = sink.option("confirmWindow", str(args.confirm_window))
             results = [
                 timed("sink, confirms", n, lambda: sink.option("topic", "bench").save()),
                 timed("sink, exactlyOnce", n, lambda: sink.option("topic", "bench-eo.in")
@@ -90,8 +96,9 @@ def main(argv: list[str] | None = None) -> int:
             def scan(df: Any) -> Any:
                 return df.select(F.sum(F.length("value"))).collect()
 
-            for label, opts in (("data dir", {"data_dir": str(broker.data_dir)}),
-                                ("amqp", {"uri": broker.url, "minPartitions": "2"})):
+            reads = () if args.sink_only else (("data dir", {"data_dir": str(broker.data_dir)}),
+                                               ("amqp", {"uri": broker.url, "minPartitions": "2"}))
+            for label, opts in reads:
                 load(**opts).count()  # warm-up
                 results.append(timed(f"read {label}, count", n, lambda o=opts: load(**o).count()))
                 results.append(timed(f"read {label}, scan", n, lambda o=opts: scan(load(**o))))

@@ -518,6 +518,7 @@ class Node:
         await self.stream.start(self.tls_context if self.tls is not None else None, unix_mode(cfg.main))
         assert self.mgmt is not None
         self.mgmt.other_listeners.update(self.stream.addresses)
+        self.mgmt.front_ends.append(self.stream)  # its connections and counters in the API and metrics
 
     def release_lock(self) -> None:
         if RELOADER is not None and RELOADER.node is self:
@@ -539,6 +540,7 @@ class Node:
             "mqtt": self.mqtt.addresses.get("mqtt") if self.mqtt is not None else None,
             "mqtts": self.mqtt.addresses.get("mqtts") if self.mqtt is not None else None,
             "stream": self.stream.addresses.get("stream") if self.stream is not None else None,
+            "streams": self.stream.addresses.get("stream/ssl") if self.stream is not None else None,
         }
         return {name: (str(a[0]), int(a[1])) for name, a in found.items() if a}
 
@@ -635,6 +637,8 @@ class Node:
             await self.mqtt.stop()
             self.mqtt = None
         if self.stream is not None:
+            if self.mgmt is not None and self.stream in self.mgmt.front_ends:
+                self.mgmt.front_ends.remove(self.stream)
             await self.stream.stop()
             self.stream = None
         if self.oauth is not None:

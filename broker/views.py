@@ -129,6 +129,7 @@ FRONT_END_COUNTERS = ("messages_received", "messages_received_confirm", "message
 FRONT_END_GAUGES = ("publishers", "consumers")
 
 
+@runtime_checkable
 class FrontEndView(Protocol):
     """A protocol front end beside AMQP, as the management API and the metrics see it."""
 

@@ -34,13 +34,14 @@ def test_hello_with_wrong_magic_is_refused() -> None:
 
 
 def test_welcome_round_trip() -> None:
-    ports = (5672, 15672, 5671, 15671, 9980, 18800, 1883, 8883, 5552)
+    ports = (5672, 15672, 5671, 15671, 9980, 18800, 1883, 8883, 5552, 5551)
     w = codec.parse_welcome(codec.encode_welcome(codec.OK, ports))
     assert w == codec.Welcome(codec.OK, ports)
     assert w.ports[codec.LMQ_RPC_PORT] == 18800 and codec.PORT_NAMES[codec.AMQPS_PORT] == "amqps"
     assert w.ports[codec.MQTT_PORT] == 1883 and codec.PORT_NAMES[codec.MQTT_PORT] == "mqtt"
     assert w.ports[codec.MQTTS_PORT] == 8883 and codec.PORT_NAMES[codec.MQTTS_PORT] == "mqtts"
     assert w.ports[codec.STREAM_PORT] == 5552 and codec.PORT_NAMES[codec.STREAM_PORT] == "stream"
+    assert w.ports[codec.STREAMS_PORT] == 5551 and codec.PORT_NAMES[codec.STREAMS_PORT] == "streams"
     assert codec.parse_welcome(codec.encode_welcome(codec.BAD_SECRET)).status == codec.BAD_SECRET
 
 

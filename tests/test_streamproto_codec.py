@@ -107,3 +107,27 @@ def test_super_stream_layout_and_hash() -> None:
         data = os.urandom(n % 41)
         assert murmur3_32(data) == mmh3.hash(data, 104729, signed=False)
     assert superstream.partition_for_key("hello", 3) == mmh3.hash(b"hello", 104729, signed=False) % 3
+
+
+def test_publish_with_sub_entries_unpacks_plain_and_gzip_and_bounds_them() -> None:
+    import gzip
+    import struct
+
+    def sub(records: list[bytes], gz: bool, kind: int | None = None, raw_size: int | None = None) -> bytes:
+        raw = b"".join(struct.pack(">I", len(r)) + r for r in records)
+        data = gzip.compress(raw) if gz else raw
+        head = 0x80 | ((1 if gz else 0) << 4) if kind is None else kind
+        return struct.pack(">BHII", head, len(records), len(raw) if raw_size is None else raw_size,
+                           len(data)) + data
+
+    simple = struct.pack(">Qi", 3, 2) + b"m3"
+    payload = bytes([4]) + struct.pack(">i", 3) + struct.pack(">Q", 1) + sub([b"a", b"bb"], False) \
+        + struct.pack(">Q", 2) + sub([b"c" * 100] * 3, True) + simple
+    b = C.decode_publish_batch(payload, 1)
+    assert (b.pub_id, b.ids, b.groups) == (4, [1, 2, 3], [[b"a", b"bb"], [b"c" * 100] * 3, [b"m3"]])
+    for bad in (sub([b"x"], False, kind=0x80 | (2 << 4)),  # snappy
+                sub([b"x"], True, raw_size=C.SUB_ENTRY_MAX + 1),  # more than we inflate
+                sub([b"x"], True, raw_size=2),  # inflates to other than it said
+                sub([b"x"], False)[:-1]):  # cut
+        with pytest.raises(C.Malformed):
+            C.decode_publish_batch(bytes([4]) + struct.pack(">iQ", 1, 1) + bad, 1)

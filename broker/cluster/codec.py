@@ -62,10 +62,10 @@ import lz4.frame
 
 MAGIC: Final = b"SKREPL"
 TUNNEL_MAGIC: Final = b"SKTUNL"
-VERSION: Final = 7  # 2: HEARTBEAT; 3: every client port in the Welcome, tunnels; 4: MERGE_ACKS;
+VERSION: Final = 8  # 2: HEARTBEAT; 3: every client port in the Welcome, tunnels; 4: MERGE_ACKS;
 # 5: tunnels framed (an end-of-stream marker each way); 6: tunnel keepalive, the follower's id in
 # TunnelHello, the MQTT port in the Welcome; 7: the MQTTS and stream-protocol ports in the Welcome,
-# Unix-socket clients in TunnelHello
+# Unix-socket clients in TunnelHello; 8: the stream protocol's TLS port in the Welcome
 SECRET_SIZE: Final = 32
 
 # Welcome status codes.
@@ -84,8 +84,10 @@ LMQ_RPC_PORT: Final = 5
 MQTT_PORT: Final = 6
 MQTTS_PORT: Final = 7
 STREAM_PORT: Final = 8
-CLIENT_PORTS: Final = 9
-PORT_NAMES: Final = ("amqp", "http", "amqps", "https", "lmq_http", "lmq_rpc", "mqtt", "mqtts", "stream")
+STREAMS_PORT: Final = 9  # the stream protocol over TLS (RabbitMQ's 5551)
+CLIENT_PORTS: Final = 10
+PORT_NAMES: Final = ("amqp", "http", "amqps", "https", "lmq_http", "lmq_rpc", "mqtt", "mqtts", "stream",
+                     "streams")
 # a TunnelHello's client address for a client on one of the follower's Unix sockets (the value of
 # ``auth.users.UNIX_PEER``, which the leader's listeners treat as local, as on the follower)
 UNIX_CLIENT: Final = "unix"
@@ -136,14 +138,14 @@ class Hello:
 @dataclass(frozen=True)
 class Welcome:
     status: int
-    ports: tuple[int, ...] = (0,) * CLIENT_PORTS  # indexed by AMQP_PORT .. STREAM_PORT; 0: off
+    ports: tuple[int, ...] = (0,) * CLIENT_PORTS  # indexed by AMQP_PORT .. STREAMS_PORT; 0: off
 
 
 @dataclass(frozen=True)
 class TunnelHello:
     version: int
     secret: bytes
-    port: int  # AMQP_PORT .. STREAM_PORT
+    port: int  # AMQP_PORT .. STREAMS_PORT
     client: tuple[str, int]  # the address the follower's proxy accepted the client from
     node_id: str = ""  # the follower whose proxy opened it
     keepalive_ms: int = 0  # silence after which either end presumes the link dead (0: none)

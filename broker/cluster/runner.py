@@ -441,6 +441,8 @@ class ClusterRunner:
             wanted.append((codec.STREAM_PORT, "stream", cfg.stream.bind, cfg.stream.port))
         if cfg.mqtt.enabled and cfg.mqtt.tls_port and tls.enabled(cfg.main):
             wanted.append((codec.MQTTS_PORT, "MQTTS", cfg.mqtt.bind, cfg.mqtt.tls_port))
+        if cfg.stream.enabled and cfg.stream.tls_port and tls.enabled(cfg.main):
+            wanted.append((codec.STREAMS_PORT, "stream TLS", cfg.stream.bind, cfg.stream.tls_port))
         # Unix sockets: this node's own paths, tunnelled to the leader's port of their protocol
         unix = [(codec.AMQP_PORT, "AMQP", cfg.amqp.unix_path),
                 (codec.HTTP_PORT, "HTTP", cfg.mgmt.unix_path if cfg.mgmt.enabled else ""),

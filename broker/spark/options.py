@@ -70,6 +70,7 @@ SINK_OPTIONS = {
     "exactlyonce": "true: deterministic message ids, the target exchange deduplicates",
     "queryid": "batch writes with exactlyOnce: a stable id of this write (default: one per job)",
     "confirmtimeout": "seconds to wait for publisher confirms (30)",
+    "confirmwindow": "rows a task keeps in flight awaiting their confirms (1000)",
     "path": "ignored by Spark writers (save(path)); refused when set",
     "checkpointlocation": "Structured Streaming's checkpoint (used by Spark)",
 }

@@ -3,11 +3,15 @@
 Theory of operation
 -------------------
 Each Spark task opens one AMQP connection (``uri``) and publishes its rows with publisher
-confirms; the task returns only when every row is confirmed, and any nack, refusal or lost
-connection raises, which fails the task, so Spark retries it (at least once, like Kafka's
-sink). Rows use Kafka's sink columns: ``value`` (required, binary or string), ``key`` (the
-routing key), ``topic`` (when the ``topic`` option is not set) and ``headers``
-(map<string,string>); any other column is refused before a task runs.
+confirms, keeping up to ``confirmWindow`` rows (``WINDOW``) in flight: a row is sent while
+fewer than that many wait for their confirm, so the task costs one round trip per window, not
+per row. The task returns only when every row is confirmed, and any nack, returned (unroutable)
+row, confirm timeout or lost connection raises, which fails the task, so Spark retries it (at
+least once, like Kafka's sink); rows still in flight then count as not written (with
+``exactlyOnce`` the retry's copies of those that were stored are dropped). Rows use Kafka's
+sink columns: ``value`` (required, binary or string), ``key`` (the routing key), ``topic``
+(when the ``topic`` option is not set) and ``headers`` (map<string,string>); any other column
+is refused before a task runs.
 
 The target (``topic``) is an exchange when one of that name exists (rows go to it with their
 ``key`` as routing key), else a queue or stream reached through the default exchange.
@@ -25,9 +29,11 @@ batch, and note it does not survive a broker restart or leader change.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
+from collections import deque
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 from pyspark.sql.datasource import (  # type: ignore[import-not-found,import-untyped,unused-ignore]
     DataSourceStreamWriter,
@@ -39,6 +45,12 @@ from broker.spark.options import SINK_OPTIONS, checked, flag
 
 ROW_COLUMNS = ("value", "key", "topic", "headers", "partition")
 DEDUP_HEADER = "x-deduplication-header"
+WINDOW = 1000  # rows in flight (published, confirm not yet in) per task, by default
+WINDOW_MAX = 100_000
+
+
+class SinkError(RuntimeError):
+    """A row was not confirmed (nacked, returned unroutable, timed out): the task fails."""
 
 
 class Published(WriterCommitMessage):  # type: ignore[misc,unused-ignore]
@@ -58,6 +70,9 @@ class _Sink:
         self.exactly_once = flag(opts, "exactlyonce", False)
         self.query_id = opts.get("queryid") or uuid.uuid4().hex
         self.confirm_timeout = float(opts.get("confirmtimeout", "30"))
+        self.window = int(opts.get("confirmwindow", str(WINDOW)))
+        if not 1 <= self.window <= WINDOW_MAX:
+            raise ValueError(f"skred sink: confirmWindow must be 1..{WINDOW_MAX}")
         names = schema.fieldNames()
         unknown = [n for n in names if n not in ROW_COLUMNS]
         if unknown:
@@ -69,7 +84,6 @@ class _Sink:
             raise ValueError("skred sink: set option 'topic' or give rows a 'topic' column")
 
     def publish(self, rows: Iterator[Any], batch_id: int | None) -> Published:
-        import pika  # type: ignore[import-not-found,import-untyped,unused-ignore]
         from pyspark import TaskContext  # type: ignore[import-not-found,import-untyped,unused-ignore]
 
         ctx = TaskContext.get()
@@ -79,12 +93,19 @@ class _Sink:
             query = ctx.getLocalProperty("sql.streaming.queryId") or query
             raw = ctx.getLocalProperty("streaming.sql.batchId")
             batch_id = int(raw) if raw is not None else None
-        params = pika.URLParameters(self.uri)
-        params.blocked_connection_timeout = self.confirm_timeout
-        conn = pika.BlockingConnection(params)
+        return asyncio.run(self._publish(rows, f"{query}.{batch_id or 0}.{task}"))
+
+    async def _publish(self, rows: Iterator[Any], id_prefix: str) -> Published:
+        import aiormq
+        from pamqp.commands import Basic
+
+        conn = await asyncio.wait_for(aiormq.connect(self.uri), self.confirm_timeout)
+        # in publish order: the oldest is awaited when the window is full (one wait per row, not
+        # one over the whole window), and every one before the task returns
+        inflight: deque[asyncio.Task[Any]] = deque()
         try:
-            ch = conn.channel()
-            ch.confirm_delivery()
+            # the concrete channel: its publish can skip waiting for the socket to drain
+            ch = cast(aiormq.Channel, await conn.channel(publisher_confirms=True, on_return_raises=True))
             targets: dict[str, bool] = {}
             n = 0
             for n, row in enumerate(rows, 1):
@@ -96,37 +117,59 @@ class _Sink:
                     raise ValueError("skred sink: the partition column is not supported")
                 is_exchange = targets.get(topic)
                 if is_exchange is None:
-                    is_exchange = targets[topic] = _exchange_exists(conn, topic)
+                    is_exchange = targets[topic] = await _exchange_exists(conn, topic)
                 if self.exactly_once and not is_exchange:
                     raise ValueError(f"skred sink: exactlyOnce needs '{topic}' to be an exchange "
                                      "declared with x-message-deduplication (bound to the stream)")
                 value = d["value"]
                 body = value.encode() if isinstance(value, str) else bytes(value or b"")
                 headers = dict(d.get("headers") or {})
-                props = pika.BasicProperties(delivery_mode=2)
+                # every row has a message id: the client library matches a returned row by it
+                message_id = f"{id_prefix}.{n}" if self.exactly_once else uuid.uuid4().hex
                 if self.exactly_once:
-                    props.message_id = f"{query}.{batch_id or 0}.{task}.{n}"
-                    headers[DEDUP_HEADER] = props.message_id
-                props.headers = headers or None
+                    headers[DEDUP_HEADER] = message_id
+                props = Basic.Properties(delivery_mode=2, message_id=message_id, headers=headers or None)
                 exchange, rk = (topic, d.get("key") or "") if is_exchange else ("", topic)
-                # confirm_delivery: basic_publish returns once confirmed, raises on nack/return
-                ch.basic_publish(exchange, rk, body, props, mandatory=not is_exchange)
+                if len(inflight) >= self.window:
+                    await _confirmed(inflight.popleft())
+                inflight.append(asyncio.ensure_future(ch.basic_publish(
+                    body, exchange=exchange, routing_key=rk, properties=props, mandatory=not is_exchange,
+                    timeout=self.confirm_timeout, wait=False)))
+            while inflight:
+                await _confirmed(inflight.popleft())
             return Published(n)
         finally:
-            if conn.is_open:
-                conn.close()
+            for t in inflight:
+                t.cancel()
+            if inflight:
+                await asyncio.wait(inflight)
+            if not conn.is_closed:
+                await conn.close()
 
 
-def _exchange_exists(conn: Any, name: str) -> bool:
-    import pika
-    ch = conn.channel()
+async def _confirmed(publish: asyncio.Task[Any]) -> None:
+    """Wait for one publish; raise unless the broker confirmed it."""
+    from aiormq.exceptions import DeliveryError, PublishError
+
     try:
-        ch.exchange_declare(name, passive=True)
-    except pika.exceptions.ChannelClosedByBroker as exc:
-        if exc.reply_code == 404:
-            return False
-        raise
-    ch.close()
+        await publish
+    except PublishError as exc:
+        raise SinkError(f"skred sink: Unroutable row returned by the broker: {exc}") from None
+    except DeliveryError as exc:
+        raise SinkError(f"skred sink: row not confirmed (nack): {exc}") from None
+    except TimeoutError:
+        raise SinkError("skred sink: no confirm within confirmTimeout") from None
+
+
+async def _exchange_exists(conn: Any, name: str) -> bool:
+    from aiormq.exceptions import ChannelNotFoundEntity
+
+    ch = await conn.channel()
+    try:
+        await ch.exchange_declare(name, passive=True)
+    except ChannelNotFoundEntity:
+        return False
+    await ch.close()
     return True
 
 

@@ -19,6 +19,14 @@ chunk type 0 (user data), entry and record counts, the chunk's timestamp, epoch 
 offset, a CRC-32 of the data, the data and trailer lengths, a reserved word, then the entries,
 each ``u32 size`` (top bit 0: a simple entry) and the message bytes. Offsets in a chunk are
 consecutive from its first offset.
+
+Sub-entry batching (Publish version 1): after its publishing id an entry whose first byte has
+the top bit set is a sub-entry: ``u8 0x80 | compression << 4``, ``u16`` records, ``u32``
+uncompressed size, ``u32`` data size, then the data: ``u32 size`` + bytes per record, gzip
+compressed (compression 1) or not (0). ``decode_publish_batch`` unpacks it into its records
+(``PublishBatch.groups``: one list per publishing id); the declared uncompressed size bounds
+the decompression (at most ``SUB_ENTRY_MAX`` bytes), and any other compression is refused
+with code 17 (precondition failed).
 """
 
 from __future__ import annotations
@@ -307,13 +315,84 @@ class PublishBatch:
     ids: list[int]
     filters: list[str | None] | None  # None: version 1, no filter values
     datas: list[bytes]
+    # sub-entry batches: the records of each publishing id (``datas`` then holds no messages)
+    groups: list[list[bytes]] | None = None
 
 
 _ID_SIZE: Final = struct.Struct(">Qi")
+_SUB_ENTRY: Final = struct.Struct(">BHII")  # type|compression, records, uncompressed, data size
+SUB_NONE: Final = 0
+SUB_GZIP: Final = 1
+SUB_ENTRY_MAX: Final = 64 << 20  # uncompressed bytes of one sub-entry
+
+
+def _sub_entry(payload: bytes, pos: int) -> tuple[list[bytes], int]:
+    """The records of the sub-entry at ``pos`` and the position after it."""
+    if pos + _SUB_ENTRY.size > len(payload):
+        raise Malformed("frame too short")
+    kind, count, raw_size, size = _SUB_ENTRY.unpack_from(payload, pos)
+    pos += _SUB_ENTRY.size
+    if pos + size > len(payload):
+        raise Malformed("frame too short")
+    data = payload[pos:pos + size]
+    compression = (kind >> 4) & 0x7
+    if compression == SUB_GZIP:
+        if raw_size > SUB_ENTRY_MAX:
+            raise Malformed(f"sub-entry of {raw_size} bytes uncompressed", PRECONDITION_FAILED)
+        z = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        try:
+            data = z.decompress(data, raw_size + 1)
+        except zlib.error as exc:
+            raise Malformed(f"sub-entry does not decompress: {exc}", PRECONDITION_FAILED) from None
+    elif compression != SUB_NONE:
+        raise Malformed(f"sub-entry compression {compression} is not supported", PRECONDITION_FAILED)
+    if len(data) != raw_size:
+        raise Malformed("sub-entry size does not match its data", PRECONDITION_FAILED)
+    records: list[bytes] = []
+    at = 0
+    for _ in range(count):
+        if at + 4 > len(data):
+            raise Malformed("sub-entry record cut short", PRECONDITION_FAILED)
+        (n,) = _U32.unpack_from(data, at)
+        at += 4
+        if at + n > len(data):
+            raise Malformed("sub-entry record cut short", PRECONDITION_FAILED)
+        records.append(data[at:at + n])
+        at += n
+    if at != len(data) or not records:
+        raise Malformed("sub-entry records do not fill it", PRECONDITION_FAILED)
+    return records, pos + size
+
+
+def _decode_with_sub_entries(payload: bytes, pub_id: int, n: int, pos: int) -> PublishBatch:
+    """A version 1 Publish holding sub-entries (each message may be one)."""
+    ids: list[int] = []
+    groups: list[list[bytes]] = []
+    end = len(payload)
+    for _ in range(n):
+        if pos + 9 > end:
+            raise Malformed("frame too short")
+        ids.append(_U64.unpack_from(payload, pos)[0])
+        pos += 8
+        if payload[pos] & 0x80:
+            records, pos = _sub_entry(payload, pos)
+            groups.append(records)
+            continue
+        if pos + 4 > end:
+            raise Malformed("frame too short")
+        (size,) = _I32.unpack_from(payload, pos)
+        pos += 4
+        if pos + size > end:
+            raise Malformed("frame too short")
+        groups.append([payload[pos:pos + size]])
+        pos += size
+    if pos != end:
+        raise Malformed(f"{end - pos} bytes after the last field")
+    return PublishBatch(pub_id, ids, None, [], groups)
 
 
 def decode_publish_batch(payload: bytes, version: int) -> PublishBatch:
-    """Publisher id and messages; sub-entry (batched, compressed) messages are refused.
+    """Publisher id and messages; sub-entries are unpacked (version 1; refused in version 2).
     Version 1 (no filter values) is the hot path: one unpack and one slice per message."""
     if version >= 2:
         c = Cursor(payload)
@@ -344,13 +423,14 @@ def decode_publish_batch(payload: bytes, version: int) -> PublishBatch:
     ids = [0] * n
     datas = [b""] * n
     unpack = _ID_SIZE.unpack_from
+    first = pos
     for i in range(n):
         if pos + 12 > end:
             raise Malformed("frame too short")
         pid, size = unpack(payload, pos)
         pos += 12
         if size < 0:
-            raise Malformed("sub-entry batches are not supported", PRECONDITION_FAILED)
+            return _decode_with_sub_entries(payload, pub_id, n, first)
         if pos + size > end:
             raise Malformed("frame too short")
         ids[i] = pid

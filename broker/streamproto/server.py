@@ -21,6 +21,12 @@ frame_max, heartbeat, the address Open advertises), the Open frame and everythin
 The owner's ``StreamServer.resume`` builds a session in the "tune" state, handles that Open (its
 own vhost access check answers it) and reads on: the client never sees the move. While the owner
 restarts, Open is answered with a vhost access failure.
+
+The management API and the metrics see the listener as a front end (``views.FrontEndView``):
+an open connection is a ``ConnectionView`` (protocol ``RabbitMQ Stream``, no channels) whose
+subscriptions are its consumers, and ``DELETE /api/connections/{name}`` closes it with a Close
+(``CONNECTION_FORCED`` reason text: the API's). Counters are RabbitMQ's, under its label
+``stream``.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import asyncio
 import logging
 import ssl
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, cast
 
 from broker import errors
@@ -37,9 +43,11 @@ from broker.aio import Listeners, Relay, Router, hand_off, take_over
 from broker.auth.throttle import TooManyFailures, check_login
 from broker.auth.users import UNIX_PEER, UserStore
 from broker.config import StreamConfig
+from broker.errors import AMQPError
 from broker.model.vhost import VHost
 from broker.streamproto import codec as C
-from broker.streamproto.session import AfterSync, Groups, Settings, StreamSession
+from broker.streamproto.session import AfterSync, Groups, Settings, StreamSession, Subscription
+from broker.tls import PeerTLS
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +63,12 @@ class StreamProtocol(asyncio.Protocol):
         self.reader = C.FrameReader(UNAUTHENTICATED_MAX_FRAME)
         self.transport: asyncio.Transport | None = None
         self.session: StreamSession | None = None
-        self.peer = ""
+        self.peer_host = ""
+        self.peer_port = 0
+        self.remapped = True  # the peer is final (False: a follower's tunnel may name another)
+        self.tls: PeerTLS | None = None
+        self.connected_at = time.time()
+        self.recv_cnt = self.recv_oct = self.send_cnt = self.send_oct = 0
         self.writable = True
         self.logging_in = False
         self.pending: list[C.Frame] = []
@@ -64,11 +77,71 @@ class StreamProtocol(asyncio.Protocol):
         self.timer: asyncio.TimerHandle | None = None
         self.relay: Relay | None = None  # handed over to another worker, through us (TLS)
 
+    # ------------------------------------------------------------ views.ConnectionView
+    @property
+    def name(self) -> str:
+        """The client's ``connection_name`` property (the API also finds it by address)."""
+        s = self.session
+        return s.client_properties.get("connection_name", "") if s is not None else ""
+
+    protocol = "RabbitMQ Stream"
+    channel_max = 0
+    auth_mechanism = "PLAIN"
+
+    @property
+    def listener(self) -> str:
+        return "stream/ssl" if self.tls is not None else "stream"
+
+    @property
+    def vhost(self) -> str:
+        s = self.session
+        return s.vh.name if s is not None and s.state == "open" else ""
+
+    @property
+    def username(self) -> str:
+        s = self.session
+        return s.user.name if s is not None and s.user is not None else ""
+
+    @property
+    def peer(self) -> tuple[str, int]:
+        return self.peer_host, self.peer_port
+
+    @property
+    def chs(self) -> Mapping[int, Any]:
+        return {}  # the stream protocol has no channels
+
+    @property
+    def frame_max(self) -> int:
+        return self.reader.max_frame
+
+    @property
+    def heartbeat(self) -> int:
+        return self.session.heartbeat if self.session is not None else 0
+
+    @property
+    def client_properties(self) -> dict[str, Any]:
+        return dict(self.session.client_properties) if self.session is not None else {}
+
+    def consumers(self) -> list[Subscription]:
+        """Its subscriptions, as the API lists consumers."""
+        return list(self.session.subs.values()) if self.session is not None else []
+
+    def close_connection(self, error: AMQPError) -> None:
+        session = self.session
+        if session is not None and not session.closed:
+            log.warning("stream connection from %s: closing: %s", self.peer_host, error.reply_text)
+            session.close_with(C.OK, error.reply_text)  # the protocol has no "forced" code
+
+    def wakeup(self) -> None:
+        pass  # writes go out as they are made
+
     # ----------------------------------------------------------- session.Output
     def write(self, data: bytes) -> None:
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)
             self.last_sent = time.monotonic()
+            self.send_cnt += 1
+            self.send_oct += len(data)
 
     def close(self) -> None:
         if self.transport is not None:
@@ -83,14 +156,15 @@ class StreamProtocol(asyncio.Protocol):
         srv = self.server
         info = transport.get_extra_info("peername")
         if self.unix:
-            self.peer = UNIX_PEER
+            self.peer_host = UNIX_PEER
         elif info:
-            peer = (str(info[0]), int(info[1]))
-            self.peer = srv.peers.get(peer, peer)[0]
+            self.peer_host, self.peer_port = str(info[0]), int(info[1])
+            self.remapped = False
+        self.tls = PeerTLS.of(transport.get_extra_info("ssl_object"))
         host, port = srv.advertised(transport.get_extra_info("sockname"))
         settings = Settings(srv.config.frame_max, srv.config.heartbeat, host, port)
         self.session = StreamSession(srv.vhosts, srv.users, settings, srv.after_sync, srv.groups, self,
-                                     self.peer)
+                                     self.peer_host)
         srv.connections.add(self)
         self._arm(srv.config.connect_timeout)
 
@@ -98,7 +172,15 @@ class StreamProtocol(asyncio.Protocol):
         if self.relay is not None:
             self.relay.to_owner(data)
             return
+        if not self.remapped:
+            # a follower's tunnel names its client before it sends the first byte (not before
+            # the connection is accepted): the client's address is looked up now
+            self.remapped = True
+            self.peer_host, self.peer_port = self.server.peers.get(self.peer, self.peer)
+            if self.session is not None:
+                self.session.peer = self.peer_host
         self.last_seen = time.monotonic()
+        self.recv_oct += len(data)
         session = self.session
         if session is None or session.closed:
             return
@@ -110,6 +192,7 @@ class StreamProtocol(asyncio.Protocol):
         self._frames(session, frames)
 
     def _frames(self, session: StreamSession, frames: list[C.Frame]) -> None:
+        self.recv_cnt += len(frames)
         for i, f in enumerate(frames):
             if session.done():
                 return
@@ -133,19 +216,19 @@ class StreamProtocol(asyncio.Protocol):
             if not router.elsewhere(vhost):
                 return False
         except errors.NotAllowed as exc:
-            log.warning("stream connection from %s: %s", self.peer, exc.reply_text)
+            log.warning("stream connection from %s: %s", self.peer_host, exc.reply_text)
             session.out.write(C.response(C.OPEN, corr, C.VHOST_ACCESS_FAILURE))
             session.close_with(C.VHOST_ACCESS_FAILURE, exc.reply_text)
             return True
         rest = b"".join(C.raw_frame(x) for x in [f, *after]) + self.reader.take()
         s = session.settings
-        state = {"protocol": "stream", "vhost": vhost, "peer": self.peer, "unix": self.unix,
+        state = {"protocol": "stream", "vhost": vhost, "peer": list(self.peer), "unix": self.unix,
                  "user": session.user, "frame_max": session.frame_max, "heartbeat": session.heartbeat,
                  "advertised": (s.host, s.port), "rest": rest}
         self._arm(0)
         self.server.connections.discard(self)
         self.session = None  # nothing of it is ours to end
-        self.relay = hand_off(t, router, state, f"stream connection from {self.peer}")
+        self.relay = hand_off(t, router, state, f"stream connection from {self.peer_host}")
         return True
 
     def _frame(self, session: StreamSession, f: C.Frame) -> None:
@@ -166,14 +249,15 @@ class StreamProtocol(asyncio.Protocol):
         except C.Malformed as exc:
             self._refuse(exc)
         except Exception:  # a bug must cost one connection, never the broker
-            log.exception("internal error on stream connection from %s", self.peer)
+            log.exception("internal error on stream connection from %s", self.peer_host)
             session.close_with(C.INTERNAL_ERROR, "internal error")
         if session.state == "open" and self.reader.max_frame == UNAUTHENTICATED_MAX_FRAME:
+            self.server.opened += 1
             self.reader.max_frame = session.frame_max or self.server.config.frame_max
             self._arm(session.heartbeat)
 
     def _refuse(self, exc: C.Malformed) -> None:
-        log.warning("stream connection from %s: %s: closing", self.peer, exc)
+        log.warning("stream connection from %s: %s: closing", self.peer_host, exc)
         if self.session is not None:
             self.session.close_with(exc.code, str(exc))
         else:
@@ -182,7 +266,7 @@ class StreamProtocol(asyncio.Protocol):
     async def _login(self, session: StreamSession, corr: int, name: str, password: str) -> None:
         srv = self.server
         try:
-            user = await check_login(srv.users, name, password, self.peer, "stream")
+            user = await check_login(srv.users, name, password, self.peer_host, "stream")
         except TooManyFailures:
             user = None
         self.logging_in = False
@@ -206,14 +290,14 @@ class StreamProtocol(asyncio.Protocol):
         if session is None or session.closed:
             return
         if session.state != "open":
-            log.warning("stream connection from %s: not open within %.0f s: closing", self.peer, seconds)
+            log.warning("stream connection from %s: not open within %.0f s: closing", self.peer_host, seconds)
             session.end()
             self.close()
             return
         now = time.monotonic()
         if now - self.last_seen >= 2 * seconds:
-            log.warning("stream connection from %s: silent for %.0f s (heartbeat %d s): closing", self.peer,
-                        now - self.last_seen, seconds)
+            log.warning("stream connection from %s: silent for %.0f s (heartbeat %d s): closing",
+                        self.peer_host, now - self.last_seen, seconds)
             session.close_with(C.OK, "heartbeat timeout")
             return
         if now - self.last_sent >= seconds * 0.9:
@@ -230,7 +314,7 @@ class StreamProtocol(asyncio.Protocol):
             try:
                 self.session.end()
             except Exception:  # noqa: BLE001 - logged; the connection is gone either way
-                log.exception("internal error ending the stream session of %s", self.peer)
+                log.exception("internal error ending the stream session of %s", self.peer_host)
         self.server.connections.discard(self)
 
     def pause_writing(self) -> None:
@@ -263,6 +347,7 @@ class StreamServer:
         self.peers = peers if peers is not None else {}
         self.groups = Groups()
         self.connections: set[StreamProtocol] = set()
+        self.opened = 0  # connections that got through Open (connections_opened)
         self.listeners = Listeners("stream protocol", log)
         self._tasks: set[asyncio.Task[None]] = set()
         self.router: Router | None = None  # a node of several workers: who owns a vhost (hand-over)
@@ -277,6 +362,30 @@ class StreamServer:
         elif "stream" in self.listeners.addresses:
             host, port = self.listeners.addresses["stream"]
         return cfg.advertised_host or host, cfg.advertised_port or port
+
+    # ------------------------------------------------------------ views.FrontEndView
+    def open_connections(self) -> list[StreamProtocol]:
+        return [c for c in self.connections if c.session is not None and c.session.state == "open"]
+
+    def consumers(self) -> Iterator[tuple[StreamProtocol, Subscription]]:
+        """Every open connection's subscriptions (``views.FrontEndView``): the API lists them
+        with channel number 0, as RabbitMQ lists consumers that have no channel."""
+        for conn in self.open_connections():
+            for sub in conn.consumers():
+                yield conn, sub
+
+    def protocol_counters(self) -> dict[str, dict[str, int]]:
+        """RabbitMQ's ``stream`` label; the counts of closed connections are not kept."""
+        conns = [c.session for c in self.open_connections() if c.session is not None]
+        received = sum(s.received for s in conns)
+        delivered = sum(s.delivered for s in conns)
+        return {"stream": {
+            "messages_received": received, "messages_received_confirm": received,
+            "messages_confirmed": sum(s.confirmed for s in conns), "messages_delivered": delivered,
+            "messages_delivered_consume_auto_ack": delivered, "messages_delivered_consume_manual_ack": 0,
+            "messages_acknowledged": 0, "connections_opened": self.opened,
+            "publishers": sum(int(s.published) for s in conns), "consumers": sum(len(s.subs) for s in conns),
+        }}
 
     def spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -308,7 +417,10 @@ class StreamServer:
         if not isinstance(proto, StreamProtocol) or session is None:
             log.info("handed-over stream connection lost before it was taken")
             return
-        proto.peer = session.peer = str(state.get("peer", proto.peer))
+        peer_host, peer_port = state["peer"]
+        proto.peer_host, proto.peer_port = str(peer_host), int(peer_port)
+        session.peer = proto.peer_host
+        proto.remapped = True  # the accepting worker looked the client's address up already
         host, port = state["advertised"]
         session.settings = Settings(self.config.frame_max, self.config.heartbeat, str(host), int(port))
         passed = state["user"]

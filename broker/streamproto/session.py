@@ -249,8 +249,10 @@ class Subscription(RecordConsumer):
         only the properties check and a length prefix (``codec.encode_deliver_run``)."""
         self.flush()
         self.credit -= 1
-        if not self.session.closed:
-            self.session.out.write(C.encode_deliver_run(self.sub_id, first_offset, timestamp_ms,
+        session = self.session
+        if not session.closed:
+            session.delivered += len(bodies)
+            session.out.write(C.encode_deliver_run(self.sub_id, first_offset, timestamp_ms,
                                                         stream_entries(props, bodies)))
 
     def flush(self) -> None:
@@ -258,10 +260,16 @@ class Subscription(RecordConsumer):
         if self.chunk:
             chunk, self.chunk, self.size = self.chunk, [], 0
             if not self.session.closed:
+                self.session.delivered += len(chunk)
                 self.session.out.write(C.encode_deliver(self.sub_id, self.first, self.stamp, chunk))
 
     def cancelled_by_server(self) -> None:
         self.session.stream_gone(self)
+
+    @property
+    def prefetch(self) -> int:
+        """What the management API shows as the prefetch: the chunks it may still be sent."""
+        return self.credit
 
     # ------------------------------------------------------------ group side
     def partition_index(self) -> int:
@@ -321,6 +329,12 @@ class StreamSession:
     closed: bool = False
     publishers: dict[int, _Publisher] = field(default_factory=dict)
     subs: dict[int, Subscription] = field(default_factory=dict)
+    client_properties: dict[str, str] = field(default_factory=dict)  # its PeerProperties
+    # RabbitMQ's per-protocol counters (views.FRONT_END_COUNTERS), in messages
+    received: int = 0
+    confirmed: int = 0
+    delivered: int = 0
+    published: bool = False  # declared a publisher (the publishers gauge counts these)
     _corr: int = 0
 
     # ------------------------------------------------------------------ entry
@@ -379,7 +393,7 @@ class StreamSession:
     def peer_properties(self, f: C.Frame) -> None:
         c = C.Cursor(f.payload)
         corr = c.u32()
-        c.properties()
+        self.client_properties = c.properties()
         c.end()
         props = {"product": "Skred", "platform": "Python", "copyright": "Skred authors",
                  "information": "Skred's RabbitMQ stream protocol listener"}
@@ -590,6 +604,7 @@ class StreamSession:
         else:
             seq = q.publisher_sequence(ref) if ref else None
             self.publishers[pub_id] = _Publisher(name, ref, seq or 0)
+            self.published = True
         self.out.write(C.response(C.DECLARE_PUBLISHER, corr, code))
 
     def delete_publisher(self, f: C.Frame) -> None:
@@ -616,12 +631,16 @@ class StreamSession:
     def publish(self, f: C.Frame) -> None:
         b = C.decode_publish_batch(f.payload, f.version)
         pub_id, ids, datas = b.pub_id, b.ids, b.datas
+        self.received += len(ids)
         filters = b.filters if b.filters is not None and any(b.filters) else None
         p = self.publishers.get(pub_id)
         q = self._stream(p.stream) if p is not None else None
         if p is None or q is None:
             code = C.PUBLISHER_DOES_NOT_EXIST if p is None else C.STREAM_NOT_AVAILABLE
             self.out.write(C.encode_publish_error(pub_id, [(i, code) for i in ids]))
+            return
+        if b.groups is not None:
+            self._publish_groups(p, q, pub_id, ids, b.groups)
             return
         done: list[int] = []
         failed: list[tuple[int, int]] = []
@@ -680,11 +699,61 @@ class StreamSession:
         if done:
             self._confirm(pub_id, done, deps)
 
+    def _publish_groups(self, p: _Publisher, q: StreamQueue, pub_id: int, ids: list[int],
+                        groups: list[list[bytes]]) -> None:
+        """A Publish with sub-entries: each publishing id's records are stored as one run when
+        the publish operation can take them at once (else one by one) and confirmed together;
+        deduplication is by the publishing id, as for single messages."""
+        done: list[int] = []
+        failed: list[tuple[int, int]] = []
+        deps: set[Any] = set()
+        ts = int(time.time() * 1000)
+        seq = p.sequence
+        for pid, records in zip(ids, groups, strict=True):
+            if p.reference and pid <= seq:
+                done.append(pid)  # stored already: confirmed again
+                continue
+            self.received += len(records) - 1
+            code = self._store_records(p.stream, records, ts, deps)
+            if code != C.OK:
+                failed.append((pid, code))
+                continue
+            done.append(pid)
+            seq = max(seq, pid)
+        if p.reference and seq != p.sequence:
+            p.sequence = seq
+            q.set_publisher_sequence(p.reference, seq)
+        if failed:
+            self.out.write(C.encode_publish_error(pub_id, failed))
+        if done:
+            self._confirm(pub_id, done, deps)
+
+    def _store_records(self, stream: str, records: list[bytes], ts: int, deps: set[Any]) -> int:
+        """Store one sub-entry's records; the response code."""
+        props = [_PLAIN_PROPS] * len(records)
+        try:
+            if len(records) > 1:
+                same = len(set(map(len, records))) == 1
+                run = self.vh.publish_run("", stream, Names("", stream), props, records, same, ts)
+                if run is not None:
+                    deps.update(qq.store for qq in run.queues)
+                    return C.OK
+            for data in records:
+                out = self.vh.publish(PublishRequest("", stream, _PLAIN_PROPS, data, ts, persistent=True))
+                if out.rejected or not out.queues:
+                    return C.STREAM_NOT_AVAILABLE
+                deps.update(qq.store for qq in out.queues)
+        except errors.SkredError as exc:
+            log.warning("stream client from %s: publish to '%s' refused: %s", self.peer, stream, exc)
+            return C.INTERNAL_ERROR
+        return C.OK
+
     def _confirm(self, pub_id: int, ids: list[int], deps: set[Any]) -> None:
         def synced(ok: bool) -> None:
             if self.closed:
                 return
             if ok:
+                self.confirmed += len(ids)
                 self.out.write(C.encode_confirm(pub_id, ids))
             else:
                 self.out.write(C.encode_publish_error(pub_id, [(i, C.INTERNAL_ERROR) for i in ids]))

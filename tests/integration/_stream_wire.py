@@ -82,9 +82,12 @@ class StreamWire:
         assert struct.unpack_from(">I", payload)[0] == corr
         return int(struct.unpack_from(">H", payload, 4)[0])
 
-    def handshake(self, user: str = "guest", password: str = "guest", vhost: str = "/") -> int:
+    def handshake(self, user: str = "guest", password: str = "guest", vhost: str = "/",
+                  properties: dict[str, str] | None = None) -> int:
         """Up to Open; the Open's response code (or the SaslAuthenticate's when it failed)."""
-        assert self.request(C.PEER_PROPERTIES, struct.pack(">i", 0)) == C.OK
+        props = properties or {}
+        body = struct.pack(">i", len(props)) + b"".join(s16(k) + s16(v) for k, v in props.items())
+        assert self.request(C.PEER_PROPERTIES, body) == C.OK
         assert self.request(C.SASL_HANDSHAKE, b"") == C.OK
         auth = b"\0" + user.encode() + b"\0" + password.encode()
         code = self.request(C.SASL_AUTHENTICATE, s16("PLAIN") + struct.pack(">i", len(auth)) + auth)

@@ -10,8 +10,15 @@ reaches the leader. The same scenarios run against RabbitMQ 3.10's stream plugin
 from __future__ import annotations
 
 import asyncio
+import base64
+import gzip
+import json
+import re
 import struct
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -21,6 +28,7 @@ import pika
 import pytest
 from rstream import (
     AMQPMessage,
+    CompressionType,
     Consumer,
     ConsumerOffsetSpecification,
     MessageContext,
@@ -381,3 +389,133 @@ def test_permissions_and_bad_login(target: Target, broker_mode: str) -> None:
         assert payload.endswith(s16(missing) + struct.pack(">HHi", C.STREAM_DOES_NOT_EXIST, 0xFFFF, 0))
     finally:
         w.close()
+
+
+def _api(b: Any, method: str, path: str) -> tuple[int, Any]:
+    url = urlparse(b.url)
+    req = urllib.request.Request(f"http://{b.host}:{b.mgmt_port}{path}", method=method)
+    auth = f"{url.username or 'guest'}:{url.password or 'guest'}".encode()
+    req.add_header("Authorization", "Basic " + base64.b64encode(auth).decode())
+    try:
+        with urllib.request.urlopen(req, timeout=15) as resp:
+            raw = resp.read()
+            return resp.status, json.loads(raw) if raw.strip() else None
+    except urllib.error.HTTPError as exc:
+        return exc.code, None
+
+
+def _listed(b: Any, name: str) -> dict[str, Any] | None:
+    status, conns = _api(b, "GET", "/api/connections")
+    assert status == 200
+    found = [c for c in conns if c["client_properties"].get("connection_name") == name]
+    return found[0] if found else None
+
+
+def test_connections_and_consumers_in_the_api_closable(target: Target, shared_broker: Broker,
+                                                       broker_mode: str) -> None:
+    """A stream connection is listed as RabbitMQ's stream plugin lists it, its subscription is a
+    consumer, its messages are counted, and DELETE closes it with a Close carrying the reason."""
+    stream, name = _name("api"), _name("conn")
+    w = StreamWire(target.host, target.port)
+    try:
+        assert w.handshake(target.user, target.password, properties={"connection_name": name}) == C.OK
+        assert w.request(C.CREATE, s16(stream) + struct.pack(">i", 0)) == C.OK
+        assert w.request(C.DECLARE_PUBLISHER, bytes([1]) + s16("") + s16(stream)) == C.OK
+        msgs = b"".join(struct.pack(">QI", i, 2) + b"m%d" % i for i in range(3))
+        w.send(frame(C.PUBLISH, bytes([1]) + struct.pack(">i", 3) + msgs))
+        w.expect(C.PUBLISH_CONFIRM)
+        sub = struct.pack(">B", 7) + s16(stream) + struct.pack(">HHi", C.OFFSET_FIRST, 10, 0)
+        assert w.request(C.SUBSCRIBE, sub) == C.OK
+        w.expect(C.DELIVER)
+        conn = _listed(shared_broker, name)
+        assert conn is not None
+        assert conn["protocol"] == "RabbitMQ Stream" and conn["vhost"] == "/" and conn["user"] == target.user
+        assert conn["channels"] == 0 and conn["recv_cnt"] >= 5 and conn["send_oct"] > 0
+        assert conn["peer_port"] == w.sock.getsockname()[1]  # the client's, through a follower too
+        status, consumers = _api(shared_broker, "GET", "/api/consumers")
+        assert status == 200
+        mine = [c for c in consumers if c["queue"]["name"] == stream]
+        assert len(mine) == 1 and mine[0]["channel_details"]["connection_name"] == conn["name"]
+        if broker_mode == "single":  # the session cluster's nodes serve no metrics port
+            with urllib.request.urlopen(f"http://{shared_broker.host}:{shared_broker.metrics_port}/metrics",
+                                        timeout=10) as r:
+                text = r.read().decode()
+            got = re.search(r'^rabbitmq_global_messages_received_total\{protocol="stream"\} ([0-9.e+]+)$',
+                            text, re.M)
+            assert got is not None and float(got.group(1)) >= 3
+        quoted = urllib.parse.quote(conn["name"], safe="")
+        assert _api(shared_broker, "DELETE", f"/api/connections/{quoted}")[0] == 204
+        close = w.expect(C.CLOSE)
+        assert b"Closed via management plugin" in close
+        assert _listed(shared_broker, name) is None
+    finally:
+        w.close()
+
+
+def _sub_entry(records: list[bytes], gzip_it: bool) -> bytes:
+    """A sub-entry as the clients build it: records size-prefixed, gzip-compressed or not."""
+    raw = b"".join(struct.pack(">I", len(r)) + r for r in records)
+    data = gzip.compress(raw) if gzip_it else raw
+    return struct.pack(">BHII", 0x80 | (int(gzip_it) << 4), len(records), len(raw), len(data)) + data
+
+
+def test_sub_entry_batches_plain_and_gzip_with_dedup(target: Target) -> None:
+    """rstream's sub-entry batching (no compression and gzip) stores each record as a message
+    and confirms each batch once; a batch resent under its publishing id adds nothing; other
+    compressions and a sub-entry whose size lies are refused with code 17, nothing stored."""
+    stream = _name("subentry")
+    confirmed: list[Any] = []
+
+    async def scenario() -> None:
+        async with target.producer() as p:
+            await p.create_stream(stream)
+            await p.send_sub_entry(stream, [AMQPMessage(body=b"plain-%d" % i) for i in range(3)],
+                                   compression_type=CompressionType.No, on_publish_confirm=confirmed.append)
+            await p.send_sub_entry(stream, [AMQPMessage(body=b"gzip-%d" % i) for i in range(4)],
+                                   compression_type=CompressionType.Gzip, on_publish_confirm=confirmed.append)
+            await _until(lambda: len(confirmed) == 2, 15, "two sub-entry confirms")
+        got = await _read(target, stream, 7, _first(), amqp_decoder)
+        assert [bytes(m.body) for _, m in got] == [b"plain-0", b"plain-1", b"plain-2"] + \
+            [b"gzip-%d" % i for i in range(4)]
+        assert [o for o, _ in got] == list(range(7))
+
+    run_async(scenario(), 40)
+    w = StreamWire(target.host, target.port)
+    try:
+        assert w.handshake(target.user, target.password) == C.OK
+        assert w.request(C.DECLARE_PUBLISHER, bytes([2]) + s16("wire") + s16(stream)) == C.OK
+        batch = struct.pack(">Q", 1) + _sub_entry([b"w1", b"w2"], True)
+        for _ in range(2):  # the second is a duplicate of publishing id 1: confirmed, not stored
+            w.send(frame(C.PUBLISH, bytes([2]) + struct.pack(">i", 1) + batch))
+            assert w.expect(C.PUBLISH_CONFIRM) == bytes([2]) + struct.pack(">iQ", 1, 1)
+        assert w.request(C.QUERY_PUBLISHER_SEQUENCE, s16("wire") + s16(stream)) == C.OK
+    finally:
+        w.close()
+    got = run_async(_read(target, stream, 9, _first()), 30)  # raw bytes: w1, w2 are not AMQP 1.0
+    assert [bytes(m) for _, m in got][7:] == [b"w1", b"w2"]
+    for bad in (struct.pack(">BHII", 0x80 | (3 << 4), 1, 6, 6) + struct.pack(">I", 2) + b"xx",  # lz4
+                struct.pack(">BHII", 0x80 | (1 << 4), 1, 1 << 30, 4) + b"\x1f\x8b\x08\x00",  # a bomb
+                struct.pack(">BHII", 0x80, 2, 6, 6) + struct.pack(">I", 2) + b"xx"):  # 2 records, 1 there
+        w = StreamWire(target.host, target.port)
+        try:
+            assert w.handshake(target.user, target.password) == C.OK
+            assert w.request(C.DECLARE_PUBLISHER, bytes([1]) + s16("") + s16(stream)) == C.OK
+            w.send(frame(C.PUBLISH, bytes([1]) + struct.pack(">iQ", 1, 5) + bad))
+            close = w.expect(C.CLOSE)
+            assert struct.unpack_from(">H", close, 4)[0] == C.PRECONDITION_FAILED
+        finally:
+            w.close()
+
+    async def nothing_past_nine() -> None:
+        consumer = target.consumer()
+        await consumer.start()
+        try:
+            extra: list[Any] = []
+            await consumer.subscribe(stream, lambda m, _c: extra.append(m),
+                                     offset_specification=ConsumerOffsetSpecification(OffsetType.OFFSET, 9))
+            await asyncio.sleep(0.3)  # a refused batch stored anyway would arrive within this window
+            assert extra == []
+        finally:
+            await consumer.close()
+
+    run_async(nothing_past_nine(), 20)

@@ -221,6 +221,26 @@ def test_sink_refuses_bad_input(spark: Any, broker: tuple[str, Path]) -> None:
             .option("exactlyOnce", "true").save()
 
 
+def test_sink_fails_the_task_on_a_nack_within_the_window(spark: Any, broker: tuple[str, Path]) -> None:
+    """A queue that rejects publishes past 50 messages nacks rows in the middle of the confirm
+    window: the write fails naming the nack, and only the 50 accepted rows are there."""
+    url, _data = broker
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        conn.channel().queue_declare("sink-nack", durable=True, arguments={
+            "x-max-length": 50, "x-overflow": "reject-publish"})
+    finally:
+        conn.close()
+    df = spark.range(200).selectExpr("cast(cast(id as string) as binary) as value").coalesce(1)
+    with pytest.raises(Exception, match="nack"):
+        (df.write.format("skred").mode("append").option("uri", url).option("topic", "sink-nack")
+         .option("confirmWindow", "64").save())
+    assert _count(url, "sink-nack") == 50
+    with pytest.raises(Exception, match="confirmWindow"):
+        (df.write.format("skred").mode("append").option("uri", url).option("topic", "sink-nack")
+         .option("confirmWindow", "0").save())
+
+
 def _driver(url: str, ckpt: Path, target: str, mode: str, log: Path) -> subprocess.Popen[bytes]:
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     with open(log, "ab") as out:
