@@ -691,13 +691,7 @@ class StreamSession:
             deps.update(qq.store for qq in out.queues)
             done.append(pid)
             seq = max(seq, pid)
-        if p.reference and seq != p.sequence:
-            p.sequence = seq
-            q.set_publisher_sequence(p.reference, seq)
-        if failed:
-            self.out.write(C.encode_publish_error(pub_id, failed))
-        if done:
-            self._confirm(pub_id, done, deps)
+        self._answer_publish(p, q, pub_id, seq, done, failed, deps)
 
     def _publish_groups(self, p: _Publisher, q: StreamQueue, pub_id: int, ids: list[int],
                         groups: list[list[bytes]]) -> None:
@@ -720,6 +714,12 @@ class StreamSession:
                 continue
             done.append(pid)
             seq = max(seq, pid)
+        self._answer_publish(p, q, pub_id, seq, done, failed, deps)
+
+    def _answer_publish(self, p: _Publisher, q: StreamQueue, pub_id: int, seq: int, done: list[int],
+                        failed: list[tuple[int, int]], deps: set[Any]) -> None:
+        """After a Publish: keep the publisher's highest stored id (deduplication), then answer
+        the failed ids with PublishError and the stored ones with a confirm."""
         if p.reference and seq != p.sequence:
             p.sequence = seq
             q.set_publisher_sequence(p.reference, seq)
