@@ -24,14 +24,41 @@ os.environ.setdefault("SKRED_MAIN_WORKERS", "1")
 # side nearly halve the wall time. The unit of scheduling is the test FILE (module-scoped brokers
 # and clusters are booted once, as in a serial run), except that the files under a directory in
 # SHARED_GROUPS run on one worker one after another: they share something outside the test's own
-# temp dir and ports (tests/deploy builds and runs the same container images). Ports never clash
+# temp dir and ports (tests/deploy builds and runs the same container images), or a session
+# fixture too costly to boot twice (tests/spark: one Spark JVM). Ports never clash
 # between workers: integration._support.free_port gives each worker its own residue class.
-SHARED_GROUPS = ("tests/deploy/",)
+SHARED_GROUPS = ("tests/deploy/", "tests/spark/")
+
+
+# Scopes that take minutes start first, heaviest first, so that neither worker is left alone
+# with one at the end; the rest keep their collection order (the unit-test files, last, fill in).
+# Seconds of one run on a loaded 2-core machine (2026-11-27): only the order matters.
+SLOW_FIRST = {
+    "tests/deploy/": 810, "tests/spark/": 600, "tests/integration/test_shovel.py": 290,
+    "tests/integration/test_cluster_chaos.py": 210, "tests/integration/test_features_ttl_dlx.py": 200,
+    "tests/integration/test_tls.py": 165, "tests/integration/test_mqtt.py": 145,
+    "tests/integration/test_lmq.py": 140,
+    "tests/integration/test_web_ui.py": 135, "tests/integration/conformance/test_conformance.py": 110,
+    "tests/integration/test_durability.py": 95,
+}
 
 
 def _scope_of(nodeid: str) -> str:
     path = nodeid.split("::", 1)[0]
     return next((group for group in SHARED_GROUPS if path.startswith(group)), path)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Order whole scopes by SLOW_FIRST (every worker sorts alike: the collections must match)."""
+    first: dict[str, int] = {}
+    for i, item in enumerate(items):
+        first.setdefault(_scope_of(item.nodeid), i)
+
+    def key(item: pytest.Item) -> tuple[int, int]:
+        scope = _scope_of(item.nodeid)
+        return -SLOW_FIRST.get(scope, 0), first[scope]
+
+    items.sort(key=key)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -42,4 +69,5 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
         def _split_scope(self, nodeid: str) -> str:
             return _scope_of(nodeid)
 
+    config.option.loadscopereorder = False  # keep the order pytest_collection_modifyitems made
     return FileScheduling(config, log)
