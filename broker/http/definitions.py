@@ -45,7 +45,9 @@ log rather than refusing the whole document.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import asyncio
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from broker import __version__, errors
@@ -68,6 +70,7 @@ log = logging.getLogger(__name__)
 LIMITS_COMPONENT, OPERATOR_POLICY_COMPONENT = "vhost-limits", "operator_policy"
 IMPORT_INTENT_FILE = "definitions-import.json"  # an import being applied (module docstring)
 DEFAULT_EXCHANGE_NAMES = frozenset(name for name, _ in DEFAULT_EXCHANGES)  # every new vhost has them
+SLICE_S = 0.02  # a serving node's import lets the event loop run this often (module docstring)
 
 
 class DefinitionsError(ValueError):
@@ -474,13 +477,29 @@ def _parameter(plan: Plan, where: str, vh_name: str, e: dict[str, Any], mgmt: Mg
 
 
 class _Undo:
-    """What ``apply`` changed so far, as steps that take it back, run newest first."""
+    """What ``apply`` changed so far, as steps that take it back, run newest first.
+
+    Topology steps (``topology``) run without delete records while ``cut`` holds: the caller
+    then cuts the import's records off the definitions logs. When another writer's records
+    landed among the import's (``cut`` cleared: module docstring), they run as logged deletes,
+    and one whose object another client already removed is done already."""
 
     def __init__(self) -> None:
         self.steps: list[Callable[[], object]] = []
+        self.cut = True
 
     def add(self, step: Callable[[], object]) -> None:
         self.steps.append(step)
+
+    def topology(self, vh: VHost, change: Callable[..., object], *args: Any, **kw: Any) -> None:
+        if not self.cut:
+            try:
+                change(*args, **kw)
+            except errors.NotFound:
+                pass
+            return
+        with vh.unlogged():
+            change(*args, **kw)
 
     def run(self) -> None:
         for step in reversed(self.steps):
@@ -494,7 +513,13 @@ def _put_policy(api: PolicyApi, doc: dict[str, Any], undo: _Undo) -> None:
 
 
 def apply(mgmt: Mgmt, plan: Plan, undo: _Undo | None = None) -> None:
-    undo = undo if undo is not None else _Undo()
+    for _ in apply_steps(mgmt, plan, undo if undo is not None else _Undo()):
+        pass
+
+
+def apply_steps(mgmt: Mgmt, plan: Plan, undo: _Undo) -> Iterator[None]:
+    """``apply``, yielding after each exchange, queue, binding and runtime parameter: where an
+    import may let the event loop run (``import_steps``)."""
     broker = mgmt.broker
     users = broker.users
     for name in plan.vhosts:
@@ -543,13 +568,15 @@ def apply(mgmt: Mgmt, plan: Plan, undo: _Undo | None = None) -> None:
         if name not in vh.exchanges:
             vh.declare_exchange(name, type_, durable=durable, auto_delete=auto_delete,
                                 internal=internal, arguments=args)
-            undo.add(lambda vh=vh, name=name: _unlogged(vh, vh.delete_exchange, name))  # type: ignore[misc]
+            undo.add(lambda vh=vh, name=name: undo.topology(vh, vh.delete_exchange, name))  # type: ignore[misc]
+        yield
     for vh_name, name, durable, auto_delete, args in plan.queues:
         vh = broker.vhosts[vh_name]
         _q, created = vh.declare_queue(name, durable=durable, auto_delete=auto_delete, arguments=args,
                                        owner=None)
         if created:
-            undo.add(lambda vh=vh, name=name: _unlogged(vh, vh.delete_queue, name, owner=None))  # type: ignore[misc]
+            undo.add(lambda vh=vh, name=name: undo.topology(vh, vh.delete_queue, name, owner=None))  # type: ignore[misc]
+        yield
     for vh_name, source, dest, kind, rk, args in plan.bindings:
         vh = broker.vhosts[vh_name]
         target: object = vh.queues[dest] if kind == "queue" else vh.exchanges[dest]
@@ -558,11 +585,12 @@ def apply(mgmt: Mgmt, plan: Plan, undo: _Undo | None = None) -> None:
         if kind == "queue":
             vh.bind_queue(dest, source, rk, args, owner=None)
             undo.add(lambda vh=vh, d=dest, s=source, rk=rk, a=args:  # type: ignore[misc]
-                     _unlogged(vh, vh.unbind_queue, d, s, rk, a, owner=None))
+                     undo.topology(vh, vh.unbind_queue, d, s, rk, a, owner=None))
         else:
             vh.bind_exchange(dest, source, rk, args)
             undo.add(lambda vh=vh, d=dest, s=source, rk=rk, a=args:  # type: ignore[misc]
-                     _unlogged(vh, vh.unbind_exchange, d, s, rk, a))
+                     undo.topology(vh, vh.unbind_exchange, d, s, rk, a))
+        yield
     runtime = mgmt.parameters
     for component, vh_name, name, value in plan.runtime:  # last: a shovel starts on what exists
         assert runtime is not None
@@ -570,19 +598,38 @@ def apply(mgmt: Mgmt, plan: Plan, undo: _Undo | None = None) -> None:
         runtime.put(component, vh_name, name, value)
         undo.add(lambda c=component, v=vh_name, n=name, old=old:  # type: ignore[misc]
                  runtime.put(c, v, n, old) if old is not None else runtime.delete(c, v, n))
-
-
-def _unlogged(vh: VHost, change: Callable[..., object], *args: Any, **kw: Any) -> None:
-    with vh.unlogged():
-        change(*args, **kw)
+        yield
 
 
 def import_definitions(mgmt: Mgmt, doc: Any, vhost: str | None = None, *, resuming: bool = False) -> None:
     """Validate, write down, apply, make durable, forget: all or nothing, across a crash too
-    (module docstring). Raises DefinitionsError (nothing changed) on a bad document.
-    ``resuming``: completing an import written down before a crash; if that fails, the state
-    holds a prefix from before the crash that no undo here can take back, so the import stays
-    written down for the next start and the error goes up."""
+    (module docstring), in one go (boot: nothing else runs yet). Raises DefinitionsError
+    (nothing changed) on a bad document. ``resuming``: completing an import written down before
+    a crash; if that fails, the state holds a prefix from before the crash that no undo here
+    can take back, so the import stays written down for the next start and the error goes up."""
+    for _ in import_steps(mgmt, doc, vhost, resuming=resuming):
+        pass
+
+
+async def import_definitions_async(mgmt: Mgmt, doc: Any, vhost: str | None = None) -> None:
+    """``import_definitions`` for a serving node: one import at a time, the event loop let run
+    between slices (module docstring). Once applying, the import finishes or is undone even if
+    the request is cancelled."""
+    async with mgmt.import_lock:
+        steps = import_steps(mgmt, doc, vhost)
+        for _ in steps:
+            try:
+                await asyncio.sleep(0)
+            except asyncio.CancelledError:
+                for _ in steps:
+                    pass
+                raise
+
+
+def import_steps(mgmt: Mgmt, doc: Any, vhost: str | None = None, *, resuming: bool = False,
+                 slice_s: float = SLICE_S) -> Iterator[None]:
+    """The import, yielding each time it has run ``slice_s`` seconds: a caller may let other
+    work run there (``import_definitions_async``) or not (``import_definitions``)."""
     plan = validate(mgmt, doc, vhost)
     if plan.users:  # written down with the passwords validate hashed
         doc = {**doc, "users": [e for _, e in plan.users]}
@@ -594,7 +641,15 @@ def import_definitions(mgmt: Mgmt, doc: Any, vhost: str | None = None, *, resumi
         intent.begin({"vhost": vhost, "definitions": doc})
     undo = _Undo()
     try:
-        apply(mgmt, plan, undo)
+        slice_end = time.monotonic() + slice_s
+        for _ in apply_steps(mgmt, plan, undo):
+            if time.monotonic() < slice_end:
+                continue
+            ends = _log_ends(mgmt, touched)
+            yield
+            if undo.cut and _log_ends(mgmt, touched) != ends:
+                undo.cut = False  # another writer's records follow ours: no cut (module docstring)
+            slice_end = time.monotonic() + slice_s
         for vh in vhosts.values():
             vh.definitions.sync()  # durable before the intent goes (JSON stores are fsynced)
     except BaseException:
@@ -602,9 +657,10 @@ def import_definitions(mgmt: Mgmt, doc: Any, vhost: str | None = None, *, resumi
             raise
         try:
             undo.run()
-            for name, mark in marks.items():
-                if name in vhosts:
-                    vhosts[name].definitions.cut(mark)
+            if undo.cut:
+                for name, mark in marks.items():
+                    if name in vhosts:
+                        vhosts[name].definitions.cut(mark)
         except BaseException:
             log.exception("definitions import failed and could not be undone: it is completed "
                           "when the node restarts")
@@ -612,6 +668,14 @@ def import_definitions(mgmt: Mgmt, doc: Any, vhost: str | None = None, *, resumi
         intent.done()
         raise
     intent.done()
+
+
+def _log_ends(mgmt: Mgmt, names: set[str]) -> list[tuple[int, int]]:
+    """Where each touched vhost's definitions log ends, and its appends since compacting (a
+    compaction rewrites it): unchanged across a yield means no other writer wrote there."""
+    vhosts = mgmt.broker.vhosts
+    return [(vhosts[n].definitions.size(), vhosts[n].definitions.appended_since_compact)
+            if n in vhosts else (-1, -1) for n in sorted(names)]
 
 
 def resume_import(mgmt: Mgmt) -> None:
