@@ -35,6 +35,23 @@ what it did so far is undone, newest first, and the file removed: the client
 is refused and nothing changed. Only if that undo fails too does the file stay,
 and the restart completes the import instead of leaving a prefix. A restart that
 cannot complete it (a full disk) stops with the error rather than serve a prefix.
+
+A serving node never applies a big import in one turn of its event loop: a cluster leader
+whose loop is busy for longer than its etcd lease cannot keep the lease alive and steps down
+mid-import (2,000 queues took longer than the 10 s default on a leader whose disk the followers
+share). ``import_definitions_async`` (the HTTP API) drives ``import_steps``, which yields every
+``SLICE_S`` of applying, and lets the loop run there. The rules that keep that all or nothing:
+imports run one at a time (``Mgmt.import_lock``); validation and the intent file come before
+the first slice, as before; a request cancelled meanwhile does not stop the import (it is
+finished, or undone, without yielding). Other clients' writes are not held back: an AMQP
+declare may append to a definitions log the import is writing. Cutting that log back to the
+import's mark would drop such a record, so across every yield the import compares where each
+log it touches ends (and its appends since compaction, which a compaction resets); if another
+writer moved it, an undo no longer cuts but takes the import's topology back with logged
+deletes (skipping what another client already deleted), which needs disk space: if that fails
+the intent file stays and the restart completes the import, the rule above. A boot-time import
+(``load_definitions``, ``resume_import``) runs in one go, as nothing else runs yet.
+
 A per-vhost document (``/api/definitions/{vhost}``) has no ``vhost`` fields; the
 vhost comes from the URL and its ``users``/``vhosts``/``permissions`` are ignored.
 As RabbitMQ does, unknown top-level keys are ignored; parameters of components
@@ -44,8 +61,8 @@ log rather than refusing the whole document.
 
 from __future__ import annotations
 
-import logging
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
