@@ -62,9 +62,12 @@ log rather than refusing the whole document.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
+import os
+import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from typing import Any
 
 from broker import __version__, errors
@@ -81,6 +84,7 @@ from broker.model.limits import NAMES as LIMIT_NAMES
 from broker.model.queue import Queue
 from broker.model.vhost import DEFAULT_EXCHANGES, VHost
 from broker.patterns import PatternError, compile_pattern
+from broker.store.paths import queue_path
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +92,8 @@ LIMITS_COMPONENT, OPERATOR_POLICY_COMPONENT = "vhost-limits", "operator_policy"
 IMPORT_INTENT_FILE = "definitions-import.json"  # an import being applied (module docstring)
 DEFAULT_EXCHANGE_NAMES = frozenset(name for name, _ in DEFAULT_EXCHANGES)  # every new vhost has them
 SLICE_S = 0.02  # a serving node's import lets the event loop run this often (module docstring)
+# an import's file system work, off the event loop (its thread starts on first use)
+_FILE_WORK = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="definitions-import")
 
 
 class DefinitionsError(ValueError):
@@ -523,6 +529,35 @@ class _Undo:
             step()
 
 
+def _new_queue_dirs(mgmt: Mgmt, plan: Plan) -> list[tuple[str, str, str]]:
+    """(vhost, queue, directory) of each new classic durable queue the plan declares."""
+    out = []
+    for vh_name, name, durable, _auto_delete, args in plan.queues:
+        vh = mgmt.broker.vhosts[vh_name]
+        if durable and name not in vh.queues and queue_types.type_of(args) != queue_types.STREAM:
+            out.append((vh_name, name, queue_path(str(vh.dir), name)))
+    return out
+
+
+def _make_queue_dirs(dirs: list[tuple[str, str, str]]) -> None:
+    """Make each queue's directory and ``.queue`` name file, as its declare would (not fsynced
+    there either: a boot makes a missing one again from the definitions log)."""
+    for _vh, name, path in dirs:
+        os.makedirs(path, exist_ok=True)
+        marker = os.path.join(path, ".queue")
+        if not os.path.exists(marker):
+            with open(marker, "wb") as f:
+                f.write(name.encode("utf-8"))
+
+
+def _drop_unused_dirs(mgmt: Mgmt, dirs: list[tuple[str, str, str]]) -> None:
+    """Undo of ``_make_queue_dirs``: the directories no queue was declared on."""
+    for vh_name, name, path in dirs:
+        vh = mgmt.broker.vhosts.get(vh_name)
+        if vh is None or name not in vh.queues:
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def _put_policy(api: PolicyApi, doc: dict[str, Any], undo: _Undo) -> None:
     before = api.get(doc["vhost"], doc["name"])
     api.put(doc)
@@ -530,13 +565,17 @@ def _put_policy(api: PolicyApi, doc: dict[str, Any], undo: _Undo) -> None:
 
 
 def apply(mgmt: Mgmt, plan: Plan, undo: _Undo | None = None) -> None:
-    for _ in apply_steps(mgmt, plan, undo if undo is not None else _Undo()):
-        pass
+    _run_inline(apply_steps(mgmt, plan, undo if undo is not None else _Undo()))
 
 
-def apply_steps(mgmt: Mgmt, plan: Plan, undo: _Undo) -> Iterator[None]:
+Offload = Callable[[], None] | None  # what ``apply_steps`` yields: file system work, or nothing
+Steps = Generator[Offload, None, None]
+
+
+def apply_steps(mgmt: Mgmt, plan: Plan, undo: _Undo) -> Steps:
     """``apply``, yielding after each exchange, queue, binding and runtime parameter: where an
-    import may let the event loop run (``import_steps``)."""
+    import may let the event loop run (``import_steps``). It also yields, once, the new queues'
+    directories and name files to make, for the caller to run (in a thread, or inline)."""
     broker = mgmt.broker
     users = broker.users
     for name in plan.vhosts:
@@ -586,14 +625,18 @@ def apply_steps(mgmt: Mgmt, plan: Plan, undo: _Undo) -> Iterator[None]:
             vh.declare_exchange(name, type_, durable=durable, auto_delete=auto_delete,
                                 internal=internal, arguments=args)
             undo.add(lambda vh=vh, name=name: undo.topology(vh, vh.delete_exchange, name))  # type: ignore[misc]
-        yield
+        yield None
+    dirs = _new_queue_dirs(mgmt, plan)
+    if dirs:  # the file system's part of the declares, off the loop (module docstring)
+        undo.add(lambda: _drop_unused_dirs(mgmt, dirs))
+        yield lambda: _make_queue_dirs(dirs)
     for vh_name, name, durable, auto_delete, args in plan.queues:
         vh = broker.vhosts[vh_name]
         _q, created = vh.declare_queue(name, durable=durable, auto_delete=auto_delete, arguments=args,
                                        owner=None)
         if created:
             undo.add(lambda vh=vh, name=name: undo.topology(vh, vh.delete_queue, name, owner=None))  # type: ignore[misc]
-        yield
+        yield None
     for vh_name, source, dest, kind, rk, args in plan.bindings:
         vh = broker.vhosts[vh_name]
         target: object = vh.queues[dest] if kind == "queue" else vh.exchanges[dest]
@@ -607,7 +650,7 @@ def apply_steps(mgmt: Mgmt, plan: Plan, undo: _Undo) -> Iterator[None]:
             vh.bind_exchange(dest, source, rk, args)
             undo.add(lambda vh=vh, d=dest, s=source, rk=rk, a=args:  # type: ignore[misc]
                      undo.topology(vh, vh.unbind_exchange, d, s, rk, a))
-        yield
+        yield None
     runtime = mgmt.parameters
     for component, vh_name, name, value in plan.runtime:  # last: a shovel starts on what exists
         assert runtime is not None
@@ -615,7 +658,7 @@ def apply_steps(mgmt: Mgmt, plan: Plan, undo: _Undo) -> Iterator[None]:
         runtime.put(component, vh_name, name, value)
         undo.add(lambda c=component, v=vh_name, n=name, old=old:  # type: ignore[misc]
                  runtime.put(c, v, n, old) if old is not None else runtime.delete(c, v, n))
-        yield
+        yield None
 
 
 def import_definitions(mgmt: Mgmt, doc: Any, vhost: str | None = None, *, resuming: bool = False) -> None:
@@ -624,8 +667,7 @@ def import_definitions(mgmt: Mgmt, doc: Any, vhost: str | None = None, *, resumi
     (nothing changed) on a bad document. ``resuming``: completing an import written down before
     a crash; if that fails, the state holds a prefix from before the crash that no undo here
     can take back, so the import stays written down for the next start and the error goes up."""
-    for _ in import_steps(mgmt, doc, vhost, resuming=resuming):
-        pass
+    _run_inline(import_steps(mgmt, doc, vhost, resuming=resuming))
 
 
 async def import_definitions_async(mgmt: Mgmt, doc: Any, vhost: str | None = None) -> None:
@@ -634,17 +676,44 @@ async def import_definitions_async(mgmt: Mgmt, doc: Any, vhost: str | None = Non
     the request is cancelled."""
     async with mgmt.import_lock:
         steps = import_steps(mgmt, doc, vhost)
-        for _ in steps:
+        failed: BaseException | None = None
+        while True:
+            try:  # a failed offload is raised where it was yielded: the import undoes itself
+                work = steps.send(None) if failed is None else steps.throw(failed)
+            except StopIteration:
+                return
+            failed = None
+            offloaded = None if work is None else _FILE_WORK.submit(work)
             try:
-                await asyncio.sleep(0)
+                await (asyncio.sleep(0) if offloaded is None else asyncio.wrap_future(offloaded))
             except asyncio.CancelledError:
-                for _ in steps:
-                    pass
+                if offloaded is not None:
+                    concurrent.futures.wait([offloaded])  # it must not overlap what follows
+                _run_inline(steps, offloaded)
                 raise
+            except Exception as exc:
+                failed = exc
+
+
+def _run_inline(steps: Steps, done: concurrent.futures.Future[None] | None = None) -> None:
+    """Drive ``steps`` to their end, running each offload here; ``done``: the offload the last
+    step yielded, already run (its error, if any, is raised into the steps)."""
+    failed = done.exception() if done is not None else None
+    while True:
+        try:
+            work = next(steps) if failed is None else steps.throw(failed)
+        except StopIteration:
+            return
+        failed = None
+        if work is not None:
+            try:
+                work()
+            except Exception as exc:
+                failed = exc
 
 
 def import_steps(mgmt: Mgmt, doc: Any, vhost: str | None = None, *, resuming: bool = False,
-                 slice_s: float = SLICE_S) -> Iterator[None]:
+                 slice_s: float = SLICE_S) -> Steps:
     """The import, yielding each time it has run ``slice_s`` seconds: a caller may let other
     work run there (``import_definitions_async``) or not (``import_definitions``)."""
     plan = validate(mgmt, doc, vhost)
@@ -659,11 +728,11 @@ def import_steps(mgmt: Mgmt, doc: Any, vhost: str | None = None, *, resuming: bo
     undo = _Undo()
     try:
         slice_end = time.monotonic() + slice_s
-        for _ in apply_steps(mgmt, plan, undo):
-            if time.monotonic() < slice_end:
+        for work in apply_steps(mgmt, plan, undo):
+            if work is None and time.monotonic() < slice_end:
                 continue
             ends = _log_ends(mgmt, touched)
-            yield
+            yield work
             if undo.cut and _log_ends(mgmt, touched) != ends:
                 undo.cut = False  # another writer's records follow ours: no cut (module docstring)
             slice_end = time.monotonic() + slice_s

@@ -379,7 +379,7 @@ class VHost:
                                deferred=self._replaying and _plain_store(args_cfg, arguments))
             if not self._replaying:
                 try:
-                    write_name(Path(qdir, ".queue"), name, self.sink)
+                    write_name(Path(qdir, ".queue"), name, self.sink, replicate_existing=True)
                 except BaseException:
                     store.delete()  # a refused declare leaves no directory behind either
                     raise
