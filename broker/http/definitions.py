@@ -84,7 +84,6 @@ from broker.model.limits import NAMES as LIMIT_NAMES
 from broker.model.queue import Queue
 from broker.model.vhost import DEFAULT_EXCHANGES, VHost
 from broker.patterns import PatternError, compile_pattern
-from broker.store.paths import queue_path
 
 log = logging.getLogger(__name__)
 
@@ -535,7 +534,7 @@ def _new_queue_dirs(mgmt: Mgmt, plan: Plan) -> list[tuple[str, str, str]]:
     for vh_name, name, durable, _auto_delete, args in plan.queues:
         vh = mgmt.broker.vhosts[vh_name]
         if durable and name not in vh.queues and queue_types.type_of(args) != queue_types.STREAM:
-            out.append((vh_name, name, queue_path(str(vh.dir), name)))
+            out.append((vh_name, name, vh.queue_directory(name)))
     return out
 
 

@@ -234,6 +234,10 @@ class VHost:
                         destination=dest.name, source=ex.name, routing_key=rk, arguments=args), 0))
         self.definitions.compact(records)
 
+    def queue_directory(self, name: str) -> str:
+        """Where a durable classic queue ``name`` keeps its files (and its ``.queue`` name)."""
+        return queue_path(self._dir_str, name)
+
     # -------------------------------------------------------------- exchanges
     def get_exchange(self, name: str) -> Exchange:
         ex = self.exchanges.get(name)
