@@ -684,7 +684,8 @@ async def import_definitions_async(mgmt: Mgmt, doc: Any, vhost: str | None = Non
             failed = None
             offloaded = None if work is None else _FILE_WORK.submit(work)
             try:
-                await (asyncio.sleep(0) if offloaded is None else asyncio.wrap_future(offloaded))
+                await (asyncio.sleep(0) if offloaded is None  # shield: a cancel never stops it
+                       else asyncio.shield(asyncio.wrap_future(offloaded)))
             except asyncio.CancelledError:
                 if offloaded is not None:
                     concurrent.futures.wait([offloaded])  # it must not overlap what follows
