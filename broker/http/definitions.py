@@ -35,6 +35,23 @@ what it did so far is undone, newest first, and the file removed: the client
 is refused and nothing changed. Only if that undo fails too does the file stay,
 and the restart completes the import instead of leaving a prefix. A restart that
 cannot complete it (a full disk) stops with the error rather than serve a prefix.
+
+A serving node never applies a big import in one turn of its event loop: a cluster leader
+whose loop is busy for longer than its etcd lease cannot keep the lease alive and steps down
+mid-import (2,000 queues took longer than the 10 s default on a leader whose disk the followers
+share). ``import_definitions_async`` (the HTTP API) drives ``import_steps``, which yields every
+``SLICE_S`` of applying, and lets the loop run there. The rules that keep that all or nothing:
+imports run one at a time (``Mgmt.import_lock``); validation and the intent file come before
+the first slice, as before; a request cancelled meanwhile does not stop the import (it is
+finished, or undone, without yielding). Other clients' writes are not held back: an AMQP
+declare may append to a definitions log the import is writing. Cutting that log back to the
+import's mark would drop such a record, so across every yield the import compares where each
+log it touches ends (and its appends since compaction, which a compaction resets); if another
+writer moved it, an undo no longer cuts but takes the import's topology back with logged
+deletes (skipping what another client already deleted), which needs disk space: if that fails
+the intent file stays and the restart completes the import, the rule above. A boot-time import
+(``load_definitions``, ``resume_import``) runs in one go, as nothing else runs yet.
+
 A per-vhost document (``/api/definitions/{vhost}``) has no ``vhost`` fields; the
 vhost comes from the URL and its ``users``/``vhosts``/``permissions`` are ignored.
 As RabbitMQ does, unknown top-level keys are ignored; parameters of components
@@ -44,8 +61,13 @@ log rather than refusing the whole document.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
-from collections.abc import Callable
+import os
+import shutil
+import time
+from collections.abc import Callable, Generator
 from typing import Any
 
 from broker import __version__, errors
@@ -68,6 +90,9 @@ log = logging.getLogger(__name__)
 LIMITS_COMPONENT, OPERATOR_POLICY_COMPONENT = "vhost-limits", "operator_policy"
 IMPORT_INTENT_FILE = "definitions-import.json"  # an import being applied (module docstring)
 DEFAULT_EXCHANGE_NAMES = frozenset(name for name, _ in DEFAULT_EXCHANGES)  # every new vhost has them
+SLICE_S = 0.02  # a serving node's import lets the event loop run this often (module docstring)
+# an import's file system work, off the event loop (its thread starts on first use)
+_FILE_WORK = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="definitions-import")
 
 
 class DefinitionsError(ValueError):
@@ -474,17 +499,62 @@ def _parameter(plan: Plan, where: str, vh_name: str, e: dict[str, Any], mgmt: Mg
 
 
 class _Undo:
-    """What ``apply`` changed so far, as steps that take it back, run newest first."""
+    """What ``apply`` changed so far, as steps that take it back, run newest first.
+
+    Topology steps (``topology``) run without delete records while ``cut`` holds: the caller
+    then cuts the import's records off the definitions logs. When another writer's records
+    landed among the import's (``cut`` cleared: module docstring), they run as logged deletes,
+    and one whose object another client already removed is done already."""
 
     def __init__(self) -> None:
         self.steps: list[Callable[[], object]] = []
+        self.cut = True
 
     def add(self, step: Callable[[], object]) -> None:
         self.steps.append(step)
 
+    def topology(self, vh: VHost, change: Callable[..., object], *args: Any, **kw: Any) -> None:
+        if not self.cut:
+            try:
+                change(*args, **kw)
+            except errors.NotFound:
+                pass
+            return
+        with vh.unlogged():
+            change(*args, **kw)
+
     def run(self) -> None:
         for step in reversed(self.steps):
             step()
+
+
+def _new_queue_dirs(mgmt: Mgmt, plan: Plan) -> list[tuple[str, str, str]]:
+    """(vhost, queue, directory) of each new classic durable queue the plan declares."""
+    out = []
+    for vh_name, name, durable, _auto_delete, args in plan.queues:
+        vh = mgmt.broker.vhosts[vh_name]
+        if durable and name not in vh.queues and queue_types.type_of(args) != queue_types.STREAM:
+            out.append((vh_name, name, vh.queue_directory(name)))
+    return out
+
+
+def _make_queue_dirs(dirs: list[tuple[str, str, str]]) -> None:
+    """Make each queue's directory and ``.queue`` name file, as its declare would (not fsynced
+    there either: a boot makes a missing one again from the definitions log)."""
+    for _vh, name, path in dirs:
+        os.makedirs(path, exist_ok=True)
+        marker = os.path.join(path, ".queue")
+        if not os.path.exists(marker):
+            with open(marker, "wb") as f:
+                f.write(name.encode("utf-8"))
+
+
+def _drop_unused_dirs(mgmt: Mgmt, dirs: list[tuple[str, str, str]]) -> None:
+    """Undo of ``_make_queue_dirs``: the directories no queue was declared on."""
+    for vh_name, name, path in dirs:
+        vh = mgmt.broker.vhosts.get(vh_name)
+        if vh is None or name not in vh.queues:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _put_policy(api: PolicyApi, doc: dict[str, Any], undo: _Undo) -> None:
@@ -494,7 +564,17 @@ def _put_policy(api: PolicyApi, doc: dict[str, Any], undo: _Undo) -> None:
 
 
 def apply(mgmt: Mgmt, plan: Plan, undo: _Undo | None = None) -> None:
-    undo = undo if undo is not None else _Undo()
+    _run_inline(apply_steps(mgmt, plan, undo if undo is not None else _Undo()))
+
+
+Offload = Callable[[], None] | None  # what ``apply_steps`` yields: file system work, or nothing
+Steps = Generator[Offload, None, None]
+
+
+def apply_steps(mgmt: Mgmt, plan: Plan, undo: _Undo) -> Steps:
+    """``apply``, yielding after each exchange, queue, binding and runtime parameter: where an
+    import may let the event loop run (``import_steps``). It also yields, once, the new queues'
+    directories and name files to make, for the caller to run (in a thread, or inline)."""
     broker = mgmt.broker
     users = broker.users
     for name in plan.vhosts:
@@ -543,13 +623,19 @@ def apply(mgmt: Mgmt, plan: Plan, undo: _Undo | None = None) -> None:
         if name not in vh.exchanges:
             vh.declare_exchange(name, type_, durable=durable, auto_delete=auto_delete,
                                 internal=internal, arguments=args)
-            undo.add(lambda vh=vh, name=name: _unlogged(vh, vh.delete_exchange, name))  # type: ignore[misc]
+            undo.add(lambda vh=vh, name=name: undo.topology(vh, vh.delete_exchange, name))  # type: ignore[misc]
+        yield None
+    dirs = _new_queue_dirs(mgmt, plan)
+    if dirs:  # the file system's part of the declares, off the loop (module docstring)
+        undo.add(lambda: _drop_unused_dirs(mgmt, dirs))
+        yield lambda: _make_queue_dirs(dirs)
     for vh_name, name, durable, auto_delete, args in plan.queues:
         vh = broker.vhosts[vh_name]
         _q, created = vh.declare_queue(name, durable=durable, auto_delete=auto_delete, arguments=args,
                                        owner=None)
         if created:
-            undo.add(lambda vh=vh, name=name: _unlogged(vh, vh.delete_queue, name, owner=None))  # type: ignore[misc]
+            undo.add(lambda vh=vh, name=name: undo.topology(vh, vh.delete_queue, name, owner=None))  # type: ignore[misc]
+        yield None
     for vh_name, source, dest, kind, rk, args in plan.bindings:
         vh = broker.vhosts[vh_name]
         target: object = vh.queues[dest] if kind == "queue" else vh.exchanges[dest]
@@ -558,11 +644,12 @@ def apply(mgmt: Mgmt, plan: Plan, undo: _Undo | None = None) -> None:
         if kind == "queue":
             vh.bind_queue(dest, source, rk, args, owner=None)
             undo.add(lambda vh=vh, d=dest, s=source, rk=rk, a=args:  # type: ignore[misc]
-                     _unlogged(vh, vh.unbind_queue, d, s, rk, a, owner=None))
+                     undo.topology(vh, vh.unbind_queue, d, s, rk, a, owner=None))
         else:
             vh.bind_exchange(dest, source, rk, args)
             undo.add(lambda vh=vh, d=dest, s=source, rk=rk, a=args:  # type: ignore[misc]
-                     _unlogged(vh, vh.unbind_exchange, d, s, rk, a))
+                     undo.topology(vh, vh.unbind_exchange, d, s, rk, a))
+        yield None
     runtime = mgmt.parameters
     for component, vh_name, name, value in plan.runtime:  # last: a shovel starts on what exists
         assert runtime is not None
@@ -570,19 +657,65 @@ def apply(mgmt: Mgmt, plan: Plan, undo: _Undo | None = None) -> None:
         runtime.put(component, vh_name, name, value)
         undo.add(lambda c=component, v=vh_name, n=name, old=old:  # type: ignore[misc]
                  runtime.put(c, v, n, old) if old is not None else runtime.delete(c, v, n))
-
-
-def _unlogged(vh: VHost, change: Callable[..., object], *args: Any, **kw: Any) -> None:
-    with vh.unlogged():
-        change(*args, **kw)
+        yield None
 
 
 def import_definitions(mgmt: Mgmt, doc: Any, vhost: str | None = None, *, resuming: bool = False) -> None:
     """Validate, write down, apply, make durable, forget: all or nothing, across a crash too
-    (module docstring). Raises DefinitionsError (nothing changed) on a bad document.
-    ``resuming``: completing an import written down before a crash; if that fails, the state
-    holds a prefix from before the crash that no undo here can take back, so the import stays
-    written down for the next start and the error goes up."""
+    (module docstring), in one go (boot: nothing else runs yet). Raises DefinitionsError
+    (nothing changed) on a bad document. ``resuming``: completing an import written down before
+    a crash; if that fails, the state holds a prefix from before the crash that no undo here
+    can take back, so the import stays written down for the next start and the error goes up."""
+    _run_inline(import_steps(mgmt, doc, vhost, resuming=resuming))
+
+
+async def import_definitions_async(mgmt: Mgmt, doc: Any, vhost: str | None = None) -> None:
+    """``import_definitions`` for a serving node: one import at a time, the event loop let run
+    between slices (module docstring). Once applying, the import finishes or is undone even if
+    the request is cancelled."""
+    async with mgmt.import_lock:
+        steps = import_steps(mgmt, doc, vhost)
+        failed: BaseException | None = None
+        while True:
+            try:  # a failed offload is raised where it was yielded: the import undoes itself
+                work = steps.send(None) if failed is None else steps.throw(failed)
+            except StopIteration:
+                return
+            failed = None
+            offloaded = None if work is None else _FILE_WORK.submit(work)
+            try:
+                await (asyncio.sleep(0) if offloaded is None  # shield: a cancel never stops it
+                       else asyncio.shield(asyncio.wrap_future(offloaded)))
+            except asyncio.CancelledError:
+                if offloaded is not None:
+                    concurrent.futures.wait([offloaded])  # it must not overlap what follows
+                _run_inline(steps, offloaded)
+                raise
+            except Exception as exc:
+                failed = exc
+
+
+def _run_inline(steps: Steps, done: concurrent.futures.Future[None] | None = None) -> None:
+    """Drive ``steps`` to their end, running each offload here; ``done``: the offload the last
+    step yielded, already run (its error, if any, is raised into the steps)."""
+    failed = done.exception() if done is not None else None
+    while True:
+        try:
+            work = next(steps) if failed is None else steps.throw(failed)
+        except StopIteration:
+            return
+        failed = None
+        if work is not None:
+            try:
+                work()
+            except Exception as exc:
+                failed = exc
+
+
+def import_steps(mgmt: Mgmt, doc: Any, vhost: str | None = None, *, resuming: bool = False,
+                 slice_s: float = SLICE_S) -> Steps:
+    """The import, yielding each time it has run ``slice_s`` seconds: a caller may let other
+    work run there (``import_definitions_async``) or not (``import_definitions``)."""
     plan = validate(mgmt, doc, vhost)
     if plan.users:  # written down with the passwords validate hashed
         doc = {**doc, "users": [e for _, e in plan.users]}
@@ -594,7 +727,15 @@ def import_definitions(mgmt: Mgmt, doc: Any, vhost: str | None = None, *, resumi
         intent.begin({"vhost": vhost, "definitions": doc})
     undo = _Undo()
     try:
-        apply(mgmt, plan, undo)
+        slice_end = time.monotonic() + slice_s
+        for work in apply_steps(mgmt, plan, undo):
+            if work is None and time.monotonic() < slice_end:
+                continue
+            ends = _log_ends(mgmt, touched)
+            yield work
+            if undo.cut and _log_ends(mgmt, touched) != ends:
+                undo.cut = False  # another writer's records follow ours: no cut (module docstring)
+            slice_end = time.monotonic() + slice_s
         for vh in vhosts.values():
             vh.definitions.sync()  # durable before the intent goes (JSON stores are fsynced)
     except BaseException:
@@ -602,9 +743,10 @@ def import_definitions(mgmt: Mgmt, doc: Any, vhost: str | None = None, *, resumi
             raise
         try:
             undo.run()
-            for name, mark in marks.items():
-                if name in vhosts:
-                    vhosts[name].definitions.cut(mark)
+            if undo.cut:
+                for name, mark in marks.items():
+                    if name in vhosts:
+                        vhosts[name].definitions.cut(mark)
         except BaseException:
             log.exception("definitions import failed and could not be undone: it is completed "
                           "when the node restarts")
@@ -612,6 +754,14 @@ def import_definitions(mgmt: Mgmt, doc: Any, vhost: str | None = None, *, resumi
         intent.done()
         raise
     intent.done()
+
+
+def _log_ends(mgmt: Mgmt, names: set[str]) -> list[tuple[int, int]]:
+    """Where each touched vhost's definitions log ends, and its appends since compacting (a
+    compaction rewrites it): unchanged across a yield means no other writer wrote there."""
+    vhosts = mgmt.broker.vhosts
+    return [(vhosts[n].definitions.size(), vhosts[n].definitions.appended_since_compact)
+            if n in vhosts else (-1, -1) for n in sorted(names)]
 
 
 def resume_import(mgmt: Mgmt) -> None:

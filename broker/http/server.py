@@ -71,7 +71,7 @@ async def _import(request: web.Request, vhost: str | None) -> web.Response:
         raise bad_request(str(exc)) from None
     mgmt = request.app[MGMT_KEY]
     try:
-        definitions.import_definitions(mgmt, doc, vhost)
+        await definitions.import_definitions_async(mgmt, doc, vhost)
     except definitions.DefinitionsError as exc:
         raise bad_request(str(exc)) from None
     await committed(mgmt)  # fsynced and acked by every in-sync follower, like a durable declare

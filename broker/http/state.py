@@ -86,6 +86,7 @@ class Mgmt:
         self.federation_links: Callable[[str | None], list[dict[str, Any]]] = lambda vhost: []
         # a definitions import in progress (broker/http/definitions.py: all or nothing)
         self.import_intent: Intent = import_intent if import_intent is not None else NoIntent()
+        self.import_lock = asyncio.Lock()  # one import at a time (it lets the loop run meanwhile)
         self.vhost_store = vhost_store
         self.make_vhost = make_vhost
         self.data_dir = data_dir

@@ -235,6 +235,10 @@ class VHost:
                         destination=dest.name, source=ex.name, routing_key=rk, arguments=args), 0))
         self.definitions.compact(records)
 
+    def queue_directory(self, name: str) -> str:
+        """Where a durable classic queue ``name`` keeps its files (and its ``.queue`` name)."""
+        return queue_path(self._dir_str, name)
+
     # -------------------------------------------------------------- exchanges
     def get_exchange(self, name: str) -> Exchange:
         ex = self.exchanges.get(name)
@@ -380,7 +384,7 @@ class VHost:
                                deferred=self._replaying and _plain_store(args_cfg, arguments))
             if not self._replaying:
                 try:
-                    write_name(Path(qdir, ".queue"), name, self.sink)
+                    write_name(Path(qdir, ".queue"), name, self.sink, replicate_existing=True)
                 except BaseException:
                     store.delete()  # a refused declare leaves no directory behind either
                     raise

@@ -27,13 +27,18 @@ def queue_dir(vhost_dir: Path, queue: str) -> Path:
     return vhost_dir / _sha1_hex(queue)
 
 
-def write_name(path: Path, name: str, sink: ReplicationSink = NULL_SINK) -> None:
-    """Keep ``name`` (UTF-8, whatever the locale) in the marker file ``path`` unless it is there."""
+def write_name(path: Path, name: str, sink: ReplicationSink = NULL_SINK, *,
+               replicate_existing: bool = False) -> None:
+    """Keep ``name`` (UTF-8, whatever the locale) in the marker file ``path`` unless it is there.
+    ``replicate_existing``: send it to the followers even if it was there (made ahead of the
+    declare, off the event loop: a definitions import)."""
+    data = name.encode("utf-8")
     if not path.exists():
-        data = name.encode("utf-8")
         path.write_bytes(data)
-        if sink.active:
-            sink.replace(path, data)
+    elif not replicate_existing:
+        return
+    if sink.active:
+        sink.replace(path, data)
 
 
 def queue_path(vhost_dir: str, queue: str) -> str:

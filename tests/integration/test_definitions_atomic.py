@@ -4,10 +4,11 @@ Theory of operation: one large document (a new vhost, users with permissions, a 
 exchanges, 300 queues and as many bindings; ``SKRED_DEFS_KILL_QUEUES=3000`` makes it the issue's
 size) is posted to ``POST /api/definitions`` of a fresh broker, which is killed with SIGKILL at
 a random moment: in the first trial within half a second of the request (while the document is
-written down, the vhost and the users are made), in every other one when the queue directories
-the import creates reach a random share of the document's (trial i of n in its own slice, so
-the kills spread over the import; a full import takes seconds, most of it creating those
-directories). The broker is restarted on the same data dir and what of the document exists is
+written down, the vhost and the users are made), in every other one when the import's records
+in the definitions log (its exchanges, queues, bindings) reach a random share of the document's
+(trial i of n in its own slice, so the kills spread over the import; a full import takes
+seconds; the queue directories are all made, off the event loop, before the first queue's
+declare). The broker is restarted on the same data dir and what of the document exists is
 counted: the vhost, users, permissions, the policy, exchanges, queues and bindings. It must be
 all of it (the import was written down before it was applied, and the restart completed it)
 or none of it (the kill came before it was written down), never a prefix; each trial's moment
@@ -32,6 +33,7 @@ from typing import Any
 
 import pytest
 
+from broker.store.definitions import read_records
 from broker.store.paths import vhost_dir
 
 from ._support import SkredProcess, is_external, wait_until
@@ -104,20 +106,25 @@ def post_in_thread(port: int, doc: dict[str, Any], host: str = "127.0.0.1") -> t
     return t
 
 
-def _kill_moment(b: SkredProcess, trial: int, rng: random.Random) -> str:
+def _records(b: SkredProcess) -> int:
+    """Complete records in the definitions log of vhost '/' (read as an offline tool reads it)."""
+    return len(read_records(vhost_dir(b.data_dir, "/") / "definitions.amqp"))
+
+
+def _kill_moment(b: SkredProcess, trial: int, rng: random.Random, base: int) -> str:
     """Wait for this trial's random moment of the kill: trial 0 within the first half second of
-    the request (the intent file, the vhost, the users), every other one when the queue
-    directories reach a random share of the document's, in its own slice of the import."""
+    the request (the intent file, the vhost, the users), every other one when the import's
+    records in the definitions log of '/' (its exchanges, queues and bindings, after ``base``)
+    reach a random share of the document's, in its own slice of the import."""
     if trial == 0:
         at = rng.uniform(0, 0.5)
         time.sleep(at)  # the random moment of the kill, not a wait for a condition
         return f"{at:.2f} s after the request"
     share = (trial - 1 + rng.random()) / max(1, TRIALS - 1)
-    want = max(1, int(N_QUEUES * share))
-    root = vhost_dir(b.data_dir, "/")
-    wait_until(lambda: root.exists() and sum(p.is_dir() for p in root.iterdir()) >= want, 60,
-               f"{want} queue directories of the import")
-    return f"at {want} of {N_QUEUES} queue directories"
+    total = N_EXCHANGES + 2 * N_QUEUES
+    want = max(1, int(total * share))
+    wait_until(lambda: _records(b) - base >= want, 60, f"{want} definitions records of the import")
+    return f"at {want} of its {total} definitions records"
 
 
 def test_import_killed_at_random_moments_is_all_or_nothing(tmp_path: Path) -> None:
@@ -128,8 +135,9 @@ def test_import_killed_at_random_moments_is_all_or_nothing(tmp_path: Path) -> No
         b = SkredProcess(tmp_path / f"trial-{i}")
         b.start()
         try:
+            base = _records(b)
             t = post_in_thread(b.mgmt_port, doc)
-            when = _kill_moment(b, i, rng)
+            when = _kill_moment(b, i, rng, base)
             b.kill9()
             t.join(30)
             b.restart()

@@ -9,9 +9,10 @@ further random delay of up to half a second, so the kill lands while the import 
 (the whole import takes seconds). A follower wins the election and boots from its replicated
 data dir: the intent file reached it before any write of the import did (the replication stream
 keeps the leader's order), so it completes the import before it serves, or it never saw any of
-it. Either way the new leader holds all of the document or none of it, never a prefix. (An
-import runs in one turn of the leader's event loop, so the replication stream usually carries
-none of it before it ends: the trials mostly see none of it on the new leader.)
+it. Either way the new leader holds all of the document or none of it, never a prefix. (The
+leader applies an import in slices and lets its loop run between them, so the replication
+stream carries it while it is applied; the queue directories are all made before the first
+declare, so the kill lands while they are made or the declares run.)
 """
 
 from __future__ import annotations
