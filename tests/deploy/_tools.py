@@ -22,6 +22,7 @@ from typing import Any, NoReturn
 
 import pytest
 from integration._support import free_port as free_port  # one picker for every test: no repeats
+from integration._support import listener_ports_env as listener_ports_env
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEPLOY_DIR = REPO_ROOT / "deploy"

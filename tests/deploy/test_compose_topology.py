@@ -61,6 +61,12 @@ NODE_PORTS = {
     "SKRED_MGMT_PORT": 15672,
     "SKRED_MGMT_METRICS_PORT": 15692,
     "SKRED_CLUSTERING_PORT": 5679,
+    # moved too, though no other service names them: brokers of test files running side by
+    # side must never share one (integration._support.LISTENER_PORT_OPTIONS)
+    "SKRED_LMQ_HTTP_PORT": 9980,
+    "SKRED_LMQ_RPC_PORT": 18800,
+    "SKRED_MQTT_PORT": 1883,
+    "SKRED_STREAM_PORT": 5552,
 }
 
 

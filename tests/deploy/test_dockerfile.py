@@ -16,7 +16,7 @@ import pytest
 
 from broker.config import OPTIONS
 
-from ._tools import DOCKERFILE, REPO_ROOT, dockerfile_env, free_port, poll
+from ._tools import DOCKERFILE, REPO_ROOT, dockerfile_env, free_port, listener_ports_env, poll
 
 OPTIONS_BY_ENV = {option.env: option for option in OPTIONS}
 
@@ -84,17 +84,16 @@ def test_dockerignore_keeps_what_pip_install_needs() -> None:
 @pytest.fixture
 def broker(tmp_path: Path) -> Iterator[tuple[int, dict[str, str]]]:
     """A single local broker with the image's default user settings; yields (mgmt port, env)."""
-    mgmt_port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SKRED_")}
     env.update(
+        listener_ports_env(),
         PYTHONPATH=str(REPO_ROOT),
         SKRED_MAIN_DATA_DIR=str(tmp_path / "data"),
         SKRED_MAIN_DEFAULT_USER="healthcheck-user",
         SKRED_MAIN_DEFAULT_PASSWORD="s3cret",
-        SKRED_AMQP_PORT=str(free_port()),
-        SKRED_MGMT_PORT=str(mgmt_port),
-        SKRED_MGMT_METRICS_PORT=str(free_port()),
+        SKRED_MAIN_WORKERS="1",
     )
+    mgmt_port = int(env["SKRED_MGMT_PORT"])
     log = open(tmp_path / "broker.log", "wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "broker"], env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,

@@ -75,6 +75,18 @@ def free_port() -> int:
     return port
 
 
+# Every plain listener a broker opens by default, by the option that moves it: a broker a test
+# starts must move them all, or two test files running side by side (pytest-xdist) both take
+# the default MQTT, stream or LMQ port and the second broker exits.
+LISTENER_PORT_OPTIONS = ("SKRED_AMQP_PORT", "SKRED_MGMT_PORT", "SKRED_MGMT_METRICS_PORT",
+                         "SKRED_LMQ_HTTP_PORT", "SKRED_LMQ_RPC_PORT", "SKRED_MQTT_PORT", "SKRED_STREAM_PORT")
+
+
+def listener_ports_env() -> dict[str, str]:
+    """``LISTENER_PORT_OPTIONS`` each on a free port, as environment variables."""
+    return {option: str(free_port()) for option in LISTENER_PORT_OPTIONS}
+
+
 def group_alive(pgid: int) -> bool:
     """True while any process of the process group ``pgid`` (one we started) is alive."""
     try:

@@ -163,6 +163,8 @@ class ClusterNode:
         self.repl_port = free_port()
         self.mqtt_port = free_port()
         self.stream_port = free_port()
+        self.lmq_http_port = free_port()  # LMQ too: clusters of test files run side by side never
+        self.lmq_rpc_port = free_port()  # share a port (integration._support.LISTENER_PORT_OPTIONS)
         self.uri = f"tcp://{ip}:{self.repl_port}"
         self.log_path = tmp / f"{name}.log"
         hook = f"echo \"$SKRED_ROLE $SKRED_NODE_ID $SKRED_ADVERTISED_URI\" >> {hook_file}"
@@ -175,6 +177,8 @@ class ClusterNode:
             "--mgmt-metrics-port", str(self.metrics_port),
             "--mqtt-bind", ip, "--mqtt-port", str(self.mqtt_port),
             "--stream-bind", ip, "--stream-port", str(self.stream_port),
+            "--lmq-bind", ip, "--lmq-http-port", str(self.lmq_http_port),
+            "--lmq-rpc-port", str(self.lmq_rpc_port),
             "--clustering", "--clustering-etcd-endpoints", etcd_endpoint,
             "--clustering-etcd-prefix", prefix, "--clustering-bind", ip,
             "--clustering-port", str(self.repl_port), "--clustering-advertised-uri", self.uri,

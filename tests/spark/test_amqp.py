@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from integration._support import free_port  # one picker for every test: no repeats, per xdist worker
+from integration._support import listener_ports_env  # every listener on a free port, per xdist worker
 
 pika = pytest.importorskip("pika")
 
@@ -46,12 +46,11 @@ def _answers(port: int) -> bool:
 @pytest.fixture(scope="module")
 def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     tmp = tmp_path_factory.mktemp("skred-amqp")
-    data, port = tmp / "data", free_port()
-    argv = [sys.executable, "-m", "broker", "--data-dir", str(data), "--amqp-port", str(port),
-            "--amqp-bind", "127.0.0.1", "--mgmt-port", str(free_port()),
-            "--mgmt-metrics-port", str(free_port())]
+    data, ports = tmp / "data", listener_ports_env()
+    port = int(ports["SKRED_AMQP_PORT"])
+    argv = [sys.executable, "-m", "broker", "--data-dir", str(data), "--amqp-bind", "127.0.0.1"]
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    env = dict(os.environ, PYTHONPATH=path)
+    env = dict(os.environ, PYTHONPATH=path, **ports)
     with open(tmp / "broker.log", "wb") as log:
         proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, env=env, start_new_session=True)
