@@ -202,6 +202,28 @@ def test_a_transactional_publish_to_a_missing_exchange_names_basic_publish(tmp_p
     _run(tmp_path, test)
 
 
+class _HoldProbe(AMQPProtocol):
+    """The broker's AMQP protocol, calling ``on_hold`` each time it stops reading a publisher
+    (holds it)."""
+
+    def on_hold(self) -> None:
+        """A test's probe records the hold here."""
+
+    def data_received(self, data: bytes) -> None:
+        paused = self._read_paused
+        super().data_received(data)
+        if self._read_paused and not paused:
+            self.on_hold()
+
+
+def _no_timed_looks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Held publishers' timed looks (and the hold's end) 30 s away: only a recheck lets one go."""
+    from broker.net import server as net_server
+
+    monkeypatch.setattr(net_server, "_HOLD_POLL", 30.0)
+    monkeypatch.setattr(net_server, "_HOLD_SECONDS", 30.0)
+
+
 # ------------------------------------------------------------------ (e) no hold without need
 def test_a_publisher_waiting_for_its_confirm_is_not_held(tmp_path: Path) -> None:
     """A confirm-mode publisher with one message in flight into a queue with a backlog and a
@@ -294,12 +316,9 @@ def test_a_held_publisher_does_not_keep_the_loop_spinning(tmp_path: Path, kind: 
         looks: list[float] = []
         holds: list[float] = []
 
-        class Probe(AMQPProtocol):
-            def data_received(self, data: bytes) -> None:
-                paused = self._read_paused
-                super().data_received(data)
-                if self._read_paused and not paused:
-                    holds.append(loop.time())
+        class Probe(_HoldProbe):
+            def on_hold(self) -> None:
+                holds.append(loop.time())
 
             def _resume_reading(self, hold_until: float) -> None:
                 looks.append(loop.time())
@@ -327,22 +346,16 @@ def test_a_held_publisher_reads_on_as_soon_as_its_consumer_caught_up(tmp_path: P
     everything it sent meanwhile waited up to that long after its queue's consumer had caught
     up: latency that the broker added for nothing. A write to a consumer now rechecks the held
     publishers. The timed looks are set to 30 s here: only the recheck can let it go in time."""
-    from broker.net import server as net_server
-
-    monkeypatch.setattr(net_server, "_HOLD_POLL", 30.0)
-    monkeypatch.setattr(net_server, "_HOLD_SECONDS", 30.0)
+    _no_timed_looks(monkeypatch)
 
     async def test(node: Any) -> None:
         loop = asyncio.get_running_loop()
         protocols: set[AMQPProtocol] = set()
         holds: list[float] = []
 
-        class Probe(AMQPProtocol):
-            def data_received(self, data: bytes) -> None:
-                paused = self._read_paused
-                super().data_received(data)
-                if self._read_paused and not paused:
-                    holds.append(loop.time())
+        class Probe(_HoldProbe):
+            def on_hold(self) -> None:
+                holds.append(loop.time())
 
         async with _serving(node, Probe, protocols) as port:
             setup = Client(node)
@@ -387,21 +400,15 @@ def test_a_held_confirm_publisher_reads_on_once_its_confirm_is_out(
     a consumer is held after each publish (its confirm waits for the group commit). Once the
     confirm is out it waits for us; it must be read on then, not at the next timed look (issue
     31: the synchronous publisher's slow calls). The timed looks are set to 30 s here."""
-    from broker.net import server as net_server
-
-    monkeypatch.setattr(net_server, "_HOLD_POLL", 30.0)
-    monkeypatch.setattr(net_server, "_HOLD_SECONDS", 30.0)
+    _no_timed_looks(monkeypatch)
 
     async def test(node: Any) -> None:
         protocols: set[AMQPProtocol] = set()
         holds: list[bool] = []
 
-        class Probe(AMQPProtocol):
-            def data_received(self, data: bytes) -> None:
-                paused = self._read_paused
-                super().data_received(data)
-                if self._read_paused and not paused:
-                    holds.append(True)
+        class Probe(_HoldProbe):
+            def on_hold(self) -> None:
+                holds.append(True)
 
         async with _serving(node, Probe, protocols) as port:
             setup = Client(node)
