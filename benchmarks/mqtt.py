@@ -34,7 +34,6 @@ import asyncio
 import os
 import re
 import shutil
-import signal
 import struct
 import subprocess
 import sys
@@ -47,7 +46,7 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from tests.integration._support import SkredProcess, free_port  # noqa: E402  (needs the repo root)
+from tests.integration._support import SkredProcess, free_port, stop_group  # noqa: E402  (needs the repo root)
 from tests.integration.conformance._mosquitto import MosquittoProcess  # noqa: E402
 from tests.integration.conformance._mqtt_wire import packet, s  # noqa: E402
 from tests.integration.conformance._rabbit import RabbitProcess  # noqa: E402
@@ -147,13 +146,7 @@ class Amqtt(Broker):
         wait_accepts(self.port, self.proc)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+        stop_group(self.proc, 30)
 
     def pids(self) -> list[int]:
         return [self.proc.pid] if self.proc else []
