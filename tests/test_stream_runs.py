@@ -16,6 +16,7 @@ from typing import Any
 from broker.model.fastpaths import FastPaths
 from broker.model.stream import StreamQueue
 from broker.store import segment as fmt
+from broker.store.sink import NullSink
 from broker.store.stream_store import StreamStore
 from broker.streamproto import codec as C
 from broker.streamproto.session import _PLAIN_PROPS, StreamSession, Subscription, _stream_props
@@ -24,7 +25,7 @@ EXRK = fmt.short_pair(b"", b"s")
 TS = 1_700_000_000_000
 
 
-class RecordingSink:
+class RecordingSink(NullSink):
     """A replication sink that keeps what it is sent (the cluster's follower feed)."""
 
     active = True
@@ -32,20 +33,8 @@ class RecordingSink:
     def __init__(self) -> None:
         self.appends: list[bytes] = []
 
-    def register_file(self, path: Path) -> None:
-        pass
-
     def append(self, path: Path, data: bytes | bytearray | memoryview) -> None:
         self.appends.append(bytes(data))
-
-    def replace(self, path: Path, data: bytes) -> None:
-        pass
-
-    def delete(self, path: Path) -> None:
-        pass
-
-    async def wait_for_followers(self) -> None:
-        pass
 
 
 def _queue(directory: Path, sink: Any = None, fast: bool = True, segment_size: int = 1 << 20
