@@ -277,42 +277,28 @@ def open_loop(uri: str, seconds: float, rate: int, ack: bool, conns: int = 1,
 def sync_calls(uri: str, seconds: float, backlog: int) -> dict[str, Any]:
     """Call times of a synchronous pika publisher with confirms (see the module comment)."""
     import pika
-    from workloads import _prefill, _sync_consumer
+    from workloads import backlog_with_consumer
 
-    queue = "bench-sync-" + uuid.uuid4().hex[:8]
-    setup = pika.BlockingConnection(pika.URLParameters(uri))
-    sch = setup.channel()
-    sch.queue_declare(queue, durable=True)
-    _prefill(sch, queue, backlog)
-    server = {k: (v.decode() if isinstance(v, bytes) else str(v)) for k, v in
-              setup._impl.server_properties.items() if k in ("product", "version")}
-    ctx = mp.get_context("fork")
-    stop = ctx.Event()
-    cons = ctx.Process(target=_sync_consumer, args=(uri, queue, stop), daemon=True)
-    cons.start()
-    pub = pika.BlockingConnection(pika.URLParameters(uri))
-    pch = pub.channel()
-    pch.confirm_delivery()
-    rnd = random.Random(6)
-    bodies = [rnd.randbytes(rnd.randint(200, 2048)) for _ in range(64)]
-    load = os.getloadavg()[0]
-    calls = array("q")
-    end = time.monotonic() + seconds
-    n = 0
-    while time.monotonic() < end and n < 1_000_000:
-        props = pika.BasicProperties(
-            content_type="application/json", content_encoding="utf-8", delivery_mode=2,
-            message_id=str(uuid.UUID(int=rnd.getrandbits(128))), correlation_id=str(n),
-            headers={"lang": "py", "task": f"tasks.t{n % 17}", "id": str(n), "retries": n % 3})
-        t0 = time.perf_counter_ns()
-        pch.basic_publish("", queue, bodies[n % len(bodies)], props)
-        calls.append(time.perf_counter_ns() - t0)
-        n += 1
-    stop.set()
-    cons.join(10)
-    pub.close()
-    sch.queue_delete(queue)
-    setup.close()
+    with backlog_with_consumer(uri, backlog) as (queue, server):
+        pub = pika.BlockingConnection(pika.URLParameters(uri))
+        pch = pub.channel()
+        pch.confirm_delivery()
+        rnd = random.Random(6)
+        bodies = [rnd.randbytes(rnd.randint(200, 2048)) for _ in range(64)]
+        load = os.getloadavg()[0]
+        calls = array("q")
+        end = time.monotonic() + seconds
+        n = 0
+        while time.monotonic() < end and n < 1_000_000:
+            props = pika.BasicProperties(
+                content_type="application/json", content_encoding="utf-8", delivery_mode=2,
+                message_id=str(uuid.UUID(int=rnd.getrandbits(128))), correlation_id=str(n),
+                headers={"lang": "py", "task": f"tasks.t{n % 17}", "id": str(n), "retries": n % 3})
+            t0 = time.perf_counter_ns()
+            pch.basic_publish("", queue, bodies[n % len(bodies)], props)
+            calls.append(time.perf_counter_ns() - t0)
+            n += 1
+        pub.close()
     return {"server": server, **_pcts(calls), "messages": n, "publish_rate": n / seconds, "load1": load}
 
 

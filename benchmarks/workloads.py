@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import multiprocessing as mp
@@ -31,7 +32,7 @@ import struct
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 from urllib.parse import urlparse
 
@@ -441,12 +442,12 @@ def _prefill(ch: Any, queue: str, backlog: int) -> None:
 Publisher = tuple[Callable[[int], None], Callable[[], None]]  # publish message n, close
 
 
-def _against_backlog(uri: str, seconds: float, backlog: int, publisher: Callable[[str], Publisher]
-                     ) -> dict[str, Any]:
-    """Time a synchronous publisher into a durable queue holding ``backlog`` messages with a
-    consumer (pika, manual ack, prefetch 100, its own process: in a thread it would take the
-    publisher's GIL, and the faster a broker delivered, the slower its publisher would look).
-    ``publisher(queue)`` returns (publish message n, close); reports publishes per second."""
+@contextlib.contextmanager
+def backlog_with_consumer(uri: str, backlog: int) -> Iterator[tuple[str, dict[str, str]]]:
+    """A durable queue holding ``backlog`` messages with a consumer (pika, manual ack, prefetch
+    100, its own process: in a thread it would take the publisher's GIL, and the faster a broker
+    delivered, the slower its publisher would look); yields (queue, the server's product and
+    version), then stops the consumer and deletes the queue."""
     queue = "bench-sync-" + uuid.uuid4().hex[:8]
     setup = pika.BlockingConnection(pika.URLParameters(uri))
     sch = setup.channel()
@@ -457,19 +458,29 @@ def _against_backlog(uri: str, seconds: float, backlog: int, publisher: Callable
     stop = mp.Event()
     t = mp.Process(target=_sync_consumer, args=(uri, queue, stop), daemon=True)
     t.start()
-    publish, close = publisher(queue)
-    n = 0
-    t0 = time.monotonic()
-    end = t0 + seconds
-    while time.monotonic() < end:
-        publish(n)
-        n += 1
-    elapsed = time.monotonic() - t0
-    stop.set()
-    t.join(10)
-    close()
-    sch.queue_delete(queue)
-    setup.close()
+    try:
+        yield queue, server
+    finally:
+        stop.set()
+        t.join(10)
+        sch.queue_delete(queue)
+        setup.close()
+
+
+def _against_backlog(uri: str, seconds: float, backlog: int, publisher: Callable[[str], Publisher]
+                     ) -> dict[str, Any]:
+    """Time a synchronous publisher into ``backlog_with_consumer``'s queue. ``publisher(queue)``
+    returns (publish message n, close); reports publishes per second."""
+    with backlog_with_consumer(uri, backlog) as (queue, server):
+        publish, close = publisher(queue)
+        n = 0
+        t0 = time.monotonic()
+        end = t0 + seconds
+        while time.monotonic() < end:
+            publish(n)
+            n += 1
+        elapsed = time.monotonic() - t0
+        close()
     return {"server": server, "publish_rate": n / elapsed}
 
 
