@@ -45,6 +45,7 @@ from broker.http.common import (
 from broker.http.render import payload_json, properties_json
 from broker.model import superstream
 from broker.model.stream import StreamQueue, named_offset
+from broker.model.vhost import VHost
 
 routes = web.RouteTableDef()
 
@@ -139,13 +140,19 @@ def _super_plan(body: dict[str, Any]) -> tuple[int, list[str]]:
     return parts, keys
 
 
-@routes.get("/api/super-streams/{vhost}/{name}")
-async def get_super_stream(request: web.Request) -> web.Response:
+def _existing_super_stream(request: web.Request) -> tuple[str, VHost, str]:
+    """(vhost name, vhost, super stream name) of the URL; 404 unless it names a super stream."""
     vhost = vhost_param(request)
     vh = request.app[MGMT_KEY].broker.vhosts[vhost]
     name = request.match_info["name"]
     if not superstream.is_super_stream(vh, name):
         raise not_found(f"no super stream '{name}' in vhost '{vhost}'")
+    return vhost, vh, name
+
+
+@routes.get("/api/super-streams/{vhost}/{name}")
+async def get_super_stream(request: web.Request) -> web.Response:
+    vhost, vh, name = _existing_super_stream(request)
     bound = superstream.bindings(vh, name)
     routing = vh.exchanges[name].arguments.get(superstream.ROUTING_ARG, "key")
     return web.json_response({"vhost": vhost, "name": name, "partitions": [p for p, _ in bound],
@@ -186,11 +193,7 @@ async def put_super_stream(request: web.Request) -> web.Response:
 
 @routes.delete("/api/super-streams/{vhost}/{name}")
 async def delete_super_stream(request: web.Request) -> web.Response:
-    vhost = vhost_param(request)
-    vh = request.app[MGMT_KEY].broker.vhosts[vhost]
-    name = request.match_info["name"]
-    if not superstream.is_super_stream(vh, name):
-        raise not_found(f"no super stream '{name}' in vhost '{vhost}'")
+    vhost, vh, name = _existing_super_stream(request)
     for resource in [name, *superstream.partitions(vh, name)]:
         check_perm(request, "configure", vhost, resource)
     superstream.delete(vh, name)
