@@ -56,3 +56,14 @@ def test_mqtt5_properties_are_encoded_each_time(monkeypatch: pytest.MonkeyPatch)
         raw = mapping.amqp_props(1, False, {PR.USER_PROPERTY: [("k", str(i))]})
         assert properties.headers(raw)["k"] == str(i)
     assert encodes.n == 3
+
+
+@pytest.mark.parametrize("data", [b"\xff\xfe binary", b"x" * 300, b"Yk\xd9\xd4\xd8\xea\xd5\xe4"],
+                         ids=["not-utf8", "over-255", "fuzzed"])
+def test_correlation_data_amqp_cannot_hold_as_an_id_rides_in_a_header(data: bytes) -> None:
+    """MQTT 5 correlation data that is not UTF-8 or longer than a short string goes in the
+    x-correlation-id header as bytes and comes back whole (found by the packet fuzzer: it raised)."""
+    raw = mapping.amqp_props(1, False, {PR.CORRELATION_DATA: data})
+    assert bytes(properties.headers(raw)[mapping.CORRELATION_HEADER]) == data
+    assert properties.decode(raw).correlation_id is None
+    assert mapping.delivered(raw, True).props[PR.CORRELATION_DATA] == data

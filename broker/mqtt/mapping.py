@@ -114,7 +114,7 @@ def _encode_props(qos: int, retain: bool, mqtt: Props | None, origin: str | None
             if text is not None and len(data) <= 255:
                 p.correlation_id = text
             else:
-                headers[CORRELATION_HEADER] = bytes(data)
+                headers[CORRELATION_HEADER] = bytearray(data)  # pamqp writes bytearray as a byte array
         if PR.MESSAGE_EXPIRY in mqtt:
             p.expiration = str(mqtt[PR.MESSAGE_EXPIRY] * 1000)
     p.headers = headers
