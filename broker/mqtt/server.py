@@ -466,12 +466,12 @@ class MQTTProtocol(asyncio.Protocol):
             self.expiry.cancel()
             self.expiry = None
         if self.session is not None and not self.session.closed:
-            log.warning("MQTT client '%s' from %s closed the connection unexpectedly",
-                        self.session.client_id, self.peer_host)
-            try:
+            try:  # its will armed and a persistent session's state on disk before the line is logged
                 self.session.end(normal=False)
             except Exception:  # noqa: BLE001 - logged; the connection is gone either way
                 log.exception("internal error ending the MQTT session of %s", self.peer_host)
+            log.warning("MQTT client '%s' from %s closed the connection unexpectedly",
+                        self.session.client_id, self.peer_host)
         self.state = "closed"
         self.server.connections.discard(self)
 

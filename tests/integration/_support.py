@@ -56,23 +56,46 @@ def _port_share() -> tuple[int, int]:
     return (int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else 0), max(count, 1)
 
 
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (outgoing connections and ``bind(0)``)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+# Test listeners take ports from here up to the ephemeral range: above every default port a
+# broker or a peer (RabbitMQ, mosquitto, etcd) listens on, and below the ports the kernel hands
+# to outgoing connections.
+_PORT_FLOOR = 20000
+
+
 def free_port() -> int:
-    """A port nothing listens on now and that this process has not handed out lately: the
-    kernel may give a just-released port to the next ``bind(0)``, and a broker took the same
-    number for two of its listeners once. Under pytest-xdist each worker takes only the ports
-    whose number halved, modulo the worker count, is its index, so two test files running side by side
-    are never handed the same port between its release and the broker's bind."""
+    """A port nothing listens on now and that this process has not handed out lately.
+
+    It is taken below the kernel's ephemeral range: a port ``bind(0)`` gave out could be taken as
+    the source port of any outgoing connection (another test file's clients, under pytest-xdist)
+    between its release and the broker's bind, and the broker then failed to start. Under xdist
+    each worker takes only the ports whose offset, modulo the worker count, is its index, so two
+    test files running side by side are never handed the same port."""
     index, count = _port_share()
-    while True:
+    top = max(_ephemeral_low(), _PORT_FLOOR + 1024)
+    slots = (top - _PORT_FLOOR) // count
+    first = int.from_bytes(os.urandom(2), "big") % slots
+    for k in range(slots):
+        port = _PORT_FLOOR + ((first + k) % slots) * count + index
+        if port in _GIVEN:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port not in _GIVEN and (port // 2) % count == index:  # Linux's bind(0) prefers even ports
-            break
-    _GIVEN[port] = None
-    if len(_GIVEN) > 4096:
-        del _GIVEN[next(iter(_GIVEN))]
-    return port
+            try:
+                s.bind(("0.0.0.0", port))  # noqa: S104 - a probe: clashes with any listener on the port
+            except OSError:
+                continue
+        _GIVEN[port] = None
+        if len(_GIVEN) > slots // 2:
+            del _GIVEN[next(iter(_GIVEN))]
+        return port
+    raise RuntimeError(f"no free port in {_PORT_FLOOR}..{top} for worker {index} of {count}")
 
 
 # Every plain listener a broker opens by default, by the option that moves it: a broker a test
