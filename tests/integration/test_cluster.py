@@ -270,13 +270,18 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
 
 
 def start_cluster(c: Cluster) -> tuple[ClusterNode, list[ClusterNode]]:
+    """Every node started, a leader elected and every follower's proxy open (its first sync
+    done); on a timeout the nodes' log tails are in the failure."""
     for n in c.nodes:
         n.start()
-    leader = wait_for(c.leader, 20, "a leader in etcd")
-    wait_for(leader.answers, 20, "the leader's AMQP port")
-    followers = [n for n in c.nodes if n is not leader]
-    for f in followers:
-        wait_for(f.answers, 20, f"{f.name}'s proxy (first sync done)")
+    try:
+        leader = wait_for(c.leader, 20, "a leader in etcd")
+        wait_for(leader.answers, 20, "the leader's AMQP port")
+        followers = [n for n in c.nodes if n is not leader]
+        for f in followers:
+            wait_for(f.answers, 20, f"{f.name}'s proxy (first sync done)")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{c.diag()}") from None
     return leader, followers
 
 
