@@ -225,6 +225,14 @@ class SkredProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self.pid: int | None = None
         self._log_file: Any = None
+        self._ever_ready = False
+
+    def _repick_ports(self) -> None:
+        """New ports for the listeners this object picked (not those in ``extra_args``)."""
+        for attr in ("port", "mgmt_port", "metrics_port", "lmq_http_port", "lmq_rpc_port", "mqtt_port",
+                     "stream_port"):
+            setattr(self, attr, free_port())
+        self.url = f"amqp://guest:guest@{self.host}:{self.port}/%2F"
 
     def argv(self) -> list[str]:
         return [
@@ -272,14 +280,28 @@ class SkredProcess:
         return self.proc
 
     def start(self) -> None:
-        proc = self.spawn()
-        deadline = time.monotonic() + READY_DEADLINE
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
+        """Spawn and wait until AMQP answers. A first start that finds one of its ports taken
+        (something outside this process bound it after ``free_port`` probed it) tries again on
+        new ports, twice at most; a restart keeps its ports, as a client expects."""
+        for attempt in range(3):
+            log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
+            proc = self.spawn()
+            deadline = time.monotonic() + READY_DEADLINE
+            while time.monotonic() < deadline:
+                if proc.poll() is not None:
+                    break
+                if amqp_answers(self.host, self.port):
+                    self._ever_ready = True
+                    return
+                time.sleep(0.05)  # poll interval of a readiness loop with a deadline
+            else:
+                break
+            taken = b"Address already in use" in self.log_path.read_bytes()[log_start:]
+            if self._ever_ready or not taken or attempt == 2:
                 pytest.fail(f"broker exited with {proc.returncode} before it was ready:\n{self.log_tail()}")
-            if amqp_answers(self.host, self.port):
-                return
-            time.sleep(0.05)  # poll interval of a readiness loop with a deadline
+            print(f"broker's port was taken before it bound it; new ports (attempt {attempt + 2})",
+                  file=sys.stderr)
+            self._repick_ports()
         self._kill_group()
         pytest.fail(f"broker not ready within {READY_DEADLINE}s:\n{self.log_tail()}")
 
