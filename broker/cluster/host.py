@@ -77,6 +77,9 @@ class ShardElection(Protocol):
     async def run(self) -> None:
         """Campaign for, hold and hand back shards until cancelled."""
 
+    async def drain(self) -> None:
+        """The node is stopping (``run`` cancelled): hand every shard held over now."""
+
 
 class MetricsServer(Protocol):
     @property

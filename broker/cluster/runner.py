@@ -79,7 +79,7 @@ from broker.cluster import codec, follower
 from broker.cluster.etcd import Etcd, EtcdError
 from broker.cluster.files import NODE_ID_FILE
 from broker.cluster.hooks import run_hook
-from broker.cluster.host import Host, LeaderBroker
+from broker.cluster.host import Host, LeaderBroker, ShardElection
 from broker.cluster.leader import LeaderSink
 from broker.cluster.proxy import SpliceProxy, Target, Tunnelled
 from broker.cluster.standing import Standing, load_last_role, save_last_role
@@ -194,9 +194,11 @@ class ClusterRunner:
                         "leaves the in-sync set when it stops acking")
         member_loop = asyncio.ensure_future(self._publish_member_loop())
         shards: asyncio.Future[None] | None = None
+        drained: asyncio.Future[None] | None = None
         if self.config.clustering.shard_leaders:
             election = self.host.shard_election(self.config, self.etcd, self.node_id, self.uri, self.view)
             shards = asyncio.ensure_future(election.run())
+            drained = asyncio.ensure_future(self._drain_shards_on_stop(election, shards))
         try:
             while not self.stopping.is_set():
                 try:
@@ -216,9 +218,11 @@ class ClusterRunner:
                     await self._pause(1.0)
             return 0
         finally:
+            if drained is not None:  # the shards handed over before the lease goes
+                if not self.stopping.is_set():
+                    self.stopping.set()
+                await asyncio.wait([drained], timeout=DRAIN_TIMEOUT)
             member_loop.cancel()
-            if shards is not None:
-                shards.cancel()
             await self._stop_proxies()
             await self.follower_metrics.stop()
             await self.etcd.revoke()
@@ -226,6 +230,13 @@ class ClusterRunner:
             self._unlock()
             self.apply_executor.shutdown(wait=True)
             log.info("stopped")
+
+    async def _drain_shards_on_stop(self, election: ShardElection, passes: asyncio.Future[None]) -> None:
+        """At SIGTERM/SIGINT, before the broker stops: no more passes, every shard handed over."""
+        await self.stopping.wait()
+        passes.cancel()
+        await asyncio.wait([passes])
+        await election.drain()
 
     async def _start_follower_metrics(self) -> None:
         mgmt = self.config.mgmt

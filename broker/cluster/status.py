@@ -54,6 +54,7 @@ class ClusterView:
         self.since = time.time()
         self.weight: int | None = None  # per-shard leaders: our worker count, in our member record
         self.shards: dict[str, dict[str, Any]] | None = None  # per-shard leaders: vhost -> leader
+        self.draining = False  # per-shard leaders: stopping, our shards are being handed over
 
     def set_role(self, role: str, leader_uri: str | None = None, sink: LeaderSink | None = None) -> None:
         if role != self.role:
@@ -100,6 +101,8 @@ class ClusterView:
             record["lag_bytes"] = {k: _coarse(v) for k, v in lags.items()}
         if self.weight is not None:
             record["workers"] = self.weight
+        if self.draining:
+            record["draining"] = True
         return record
 
 

@@ -3,7 +3,9 @@
 One cluster for the module (``shard_faults.ShardCluster``: real etcd, three real broker
 processes, TTL 2 s): six vhosts get their shard leaders spread 2/2/2 (etcd,
 ``skred --cluster-status``, ``GET /api/cluster``); confirmed publishes reach every vhost through
-every node; kill -9 of a node moves only its shards, within TTL + 2 s, while a publisher on
+every node; SIGTERM to the cluster leader drains its shards to other nodes within the TTL
+(hooks per shard) while its client reconnects elsewhere, and it takes them back on return
+(``shard_faults.drain_and_return``); kill -9 of a node moves only its shards, within TTL + 2 s, while a publisher on
 another shard keeps confirming; the node's return hands its shards back; nothing confirmed is
 lost (``shard_faults.kill_and_return``; ``benchmarks/chaos.py --shards N`` runs it N times).
 """
@@ -27,7 +29,9 @@ from .shard_faults import (
     IDS,
     PER_NODE,
     VHOSTS,
+    TTL,
     ShardCluster,
+    drain_and_return,
     expected,
     kill_and_return,
     publish,
@@ -89,6 +93,17 @@ def test_confirmed_publishes_reach_every_vhost_through_every_node(shards: ShardC
         publish(nodes[i % len(nodes)], vhost, "every-node", BATCH)
     for i, vhost in enumerate(VHOSTS):  # and read back through another
         assert queue_depth(nodes[(i + 1) % len(nodes)], vhost, "every-node") == BATCH
+
+
+def test_sigterm_drains_a_node_its_clients_reconnect_nothing_confirmed_lost(shards: ShardCluster) -> None:
+    trial = drain_and_return(shards, "drain", random.Random(2736))
+    print(f"drained {trial.victim} (the cluster leader) moved {trial.moved} in {trial.moved_in}s, "
+          f"exit {trial.exit_code}, client reconnects {trial.reconnects}, hand-back {trial.handback}s, "
+          f"{trial.confirmed} confirmed, {trial.lost} lost")
+    assert trial.notes == []
+    assert trial.moved_in is not None and trial.moved_in <= TTL  # resigned, not left to the lease
+    assert trial.exit_code == 0 and trial.reconnects >= 1
+    assert trial.confirmed > 0 and trial.lost == 0
 
 
 def test_kill9_moves_only_its_shards_and_its_return_hands_them_back(shards: ShardCluster) -> None:
