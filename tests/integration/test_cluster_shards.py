@@ -5,9 +5,10 @@ processes, TTL 2 s): six vhosts get their shard leaders spread 2/2/2 (etcd,
 ``skred --cluster-status``, ``GET /api/cluster``); confirmed publishes reach every vhost through
 every node; SIGTERM to the cluster leader drains its shards to other nodes within the TTL
 (hooks per shard) while its client reconnects elsewhere, and it takes them back on return
-(``shard_faults.drain_and_return``); kill -9 of a node moves only its shards, within TTL + 2 s, while a publisher on
-another shard keeps confirming; the node's return hands its shards back; nothing confirmed is
-lost (``shard_faults.kill_and_return``; ``benchmarks/chaos.py --shards N`` runs it N times).
+(``shard_faults.drain_and_return``); kill -9 of a node moves only its shards, within TTL + 2 s,
+while a publisher on another shard keeps confirming; the node's return hands its shards back;
+nothing confirmed is lost (``shard_faults.kill_and_return``; ``benchmarks/chaos.py --shards N``
+runs it N times).
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from .shard_faults import (
     BOUND,
     IDS,
     PER_NODE,
-    VHOSTS,
     TTL,
+    VHOSTS,
     ShardCluster,
     drain_and_return,
     expected,
