@@ -76,6 +76,7 @@ class ClusterView:
                                "role": self.role, "since": self.since}
         if self.shards is not None:
             out["shards"] = [{"vhost": v, **s} for v, s in sorted(self.shards.items())]
+            out["shards_led"] = sum(1 for s in self.shards.values() if s.get("leader") == self.node_id)
         sink = self.sink if self.role == "leader" else None
         if sink is None:
             out["leader"] = {"uri": self.leader_uri}

@@ -17,11 +17,13 @@ import json
 import random
 import subprocess
 import sys
+import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from ._support import REPO_ROOT
 from .shard_faults import (
@@ -38,7 +40,7 @@ from .shard_faults import (
     publish,
     queue_depth,
 )
-from .test_cluster import wait_for
+from .test_cluster import ClusterNode, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -94,6 +96,41 @@ def test_confirmed_publishes_reach_every_vhost_through_every_node(shards: ShardC
         publish(nodes[i % len(nodes)], vhost, "every-node", BATCH)
     for i, vhost in enumerate(VHOSTS):  # and read back through another
         assert queue_depth(nodes[(i + 1) % len(nodes)], vhost, "every-node") == BATCH
+
+
+def shard_samples(node: ClusterNode) -> dict[str, dict[tuple[str, ...], float]]:
+    """The ``skred_shard_*`` samples on ``node``'s metrics port (on the default metrics address,
+    whatever the node's own): name -> label values -> value."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict[str, dict[tuple[str, ...], float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("skred_shard_"):
+                labels = tuple(sample.labels[k] for k in sorted(sample.labels))  # node, shard
+                out.setdefault(sample.name, {})[labels] = sample.value
+    return out
+
+
+def test_per_shard_gauges_on_every_node_and_in_cluster_status(shards: ShardCluster) -> None:
+    want = expected()
+    for vhost in VHOSTS:
+        publish(shards.leader, vhost, "gauged", BATCH)
+
+    def gauges_true() -> bool:
+        for nid, node in shards.by_id.items():
+            led = shard_samples(node).get("skred_shard_leader", {})
+            if led != {(leader, vhost): float(leader == nid) for vhost, leader in want.items()}:
+                return False
+        return True
+
+    wait_for(gauges_true, 10, "skred_shard_leader on every node naming each shard's leader")
+    served = shard_samples(shards.leader)  # the node serving the data (the cluster leader, today)
+    for vhost in VHOSTS:
+        assert served["skred_shard_messages"][(vhost,)] >= BATCH
+        assert served["skred_shard_queues"][(vhost,)] >= 1
+    status = shards.api(shards.leader, "GET", "/api/cluster")
+    assert status["shards_led"] == Counter(want.values())[status["node_id"]]
 
 
 def test_sigterm_drains_a_node_its_clients_reconnect_nothing_confirmed_lost(shards: ShardCluster) -> None:
