@@ -463,7 +463,7 @@ class Node:
         props = PropsStore(read_json(path, {}), lambda doc: write_json(path, doc, sink))
         self.lmq = LMQServer(LMQ(vh, props, broker.syncer.after_sync, cfg.main.max_message_size), cfg.lmq,
                              broker.users, broker.proxied_peers, broker.alarm.memory,
-                             cfg.amqp.max_bytes_in_flight)
+                             cfg.amqp.max_bytes_in_flight, reuse_port=self.worker is not None)
         await self.lmq.start()
 
     def start_shovels(self, broker: Broker, mgmt: Mgmt) -> None:
