@@ -21,9 +21,12 @@ sans-IO machines do it, with no socket of their own (the asyncio splice in
   ``tune-ok``, ``open`` and the bytes after it. The owner's ``start`` and ``tune`` go no
   further (the client already had ours); from then on the two sockets are spliced, so
   ``open-ok`` (or a ``connection.close``: 403 for bad credentials, 530 for a vhost the user may
-  not use) reaches the client byte for byte. An owner whose limits are below what the client
-  accepted from us (nodes configured differently) fails the route before anything is sent, and
-  the client is told 320 (CONNECTION_FORCED) rather than being cut later by a frame too large.
+  not use) reaches the client byte for byte. A client told 403 hears it after its ``open``,
+  not after ``start-ok`` as from a broker it reached directly (pika then names it "probable
+  access denied" rather than an authentication failure; the text is the owner's). An owner
+  whose limits are below what the client accepted from us (nodes configured differently)
+  fails the route before anything is sent, and the client is told 320 (CONNECTION_FORCED)
+  rather than being cut later by a frame too large.
 
 Bounds: the handshake is at most ``MAX_INPUT`` bytes and (the caller's) ``HANDSHAKE_TIMEOUT``
 seconds; a malformed or oversized frame ends it (``Failed``), nothing is forwarded.
