@@ -141,11 +141,15 @@ class OpenReader:
                 mechanisms="PLAIN AMQPLAIN", locales="en_US"), 0)
         for raw, value in _frames(self._buf):
             out += self._on(raw, value)
-            if self.opened is not None:
-                self.opened.rest = bytes(self._buf)
+            opened = self._opened()  # (a call: mypy would keep self.opened narrowed to None)
+            if opened is not None:
+                opened.rest = bytes(self._buf)
                 self._buf.clear()
                 break
         return out
+
+    def _opened(self) -> Opened | None:
+        return self.opened
 
     def _on(self, raw: bytes, value: object) -> bytes:
         if isinstance(value, heartbeat.Heartbeat):
@@ -198,14 +202,17 @@ class Replay:
                 raise Failed("the owner refused AMQP 0-9-1", refusal("the vhost's node refused"))
         out = b""
         for raw, value in _frames(self._buf):
-            if self.spliced:
+            if self._spliced():
                 self.to_client += raw
                 continue
             out += self._on(raw, value)
-        if self.spliced:
+        if self._spliced():
             self.to_client += bytes(self._buf)
             self._buf.clear()
         return out
+
+    def _spliced(self) -> bool:
+        return self.spliced  # (a call: mypy would keep self.spliced narrowed to False)
 
     def _on(self, raw: bytes, value: object) -> bytes:
         o = self.opened
