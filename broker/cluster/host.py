@@ -106,6 +106,9 @@ class Host(Protocol):
         """The cluster gauges (and this node's process and disk metrics, labelled with
         ``cluster_name``) on the metrics port while this node follows."""
 
+    def amqp_server_properties(self) -> dict[str, Any]:
+        """What the broker's connection.start says (a follower routing AMQP by vhost says it first)."""
+
     def shard_election(self, config: Config, etcd: Etcd, node_id: str, uri: str,
                        view: ClusterView) -> ShardElection:
         """This node's per-shard election loop (run while ``[clustering] shard_leaders`` is on);

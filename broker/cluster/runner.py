@@ -81,9 +81,10 @@ from broker.cluster.files import NODE_ID_FILE
 from broker.cluster.hooks import run_hook
 from broker.cluster.host import Host, LeaderBroker, ShardElection
 from broker.cluster.leader import LeaderSink
-from broker.cluster.proxy import SpliceProxy, Target, Tunnelled
+from broker.cluster.proxy import Routed, SpliceProxy, Target, Tunnelled
 from broker.cluster.standing import Standing, load_last_role, save_last_role
 from broker.cluster.status import ClusterView
+from broker.cluster.vhost_route import Limits
 from broker.config import ClusteringConfig, Config, ConfigError, file_mode
 from broker.errors import SkredError
 from broker.store.lock import DataDirLock
@@ -465,7 +466,8 @@ class ClusterRunner:
                 # TLS end to end; the PROXY header goes in clear before the client's TLS bytes
                 p = SpliceProxy(name, self.targets[which], True, source)
             else:
-                p = SpliceProxy(name, self.targets[which], False, source, self._tunnelled(which))
+                p = SpliceProxy(name, self.targets[which], False, source, self._tunnelled(which),
+                                self._routed() if which == codec.AMQP_PORT else None)
             try:
                 await p.start(bind, port)
             except OSError as exc:
@@ -483,6 +485,17 @@ class ClusterRunner:
                 log.error("%s proxy cannot listen on %s: %s", name, path, exc)
                 continue
             self.proxies.append(p)
+
+    def _routed(self) -> Routed | None:
+        """With per-shard leaders, AMQP is read up to connection.open and carried to the node
+        serving its vhost (``cluster/vhost_route.py``): the cluster leader for every vhost until
+        a shard's leader serves it (the per-shard data path, docs/architecture.md)."""
+        if not self.config.clustering.shard_leaders:
+            return None
+        a = self.config.amqp
+        leader = self.targets[codec.AMQP_PORT]
+        return Routed(Limits(a.channel_max, a.frame_max, a.heartbeat), self.host.amqp_server_properties(),
+                      lambda vhost: leader)
 
     def _tunnelled(self, which: int) -> Tunnelled:
         return Tunnelled(which, lambda: self.secret, self._client_tls, self.node_id,

@@ -22,7 +22,15 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from broker.cluster.tunnel import CHUNK, pump
-from broker.cluster.vhost_route import HANDSHAKE_TIMEOUT, Failed, Limits, OpenReader, Replay, refusal
+from broker.cluster.vhost_route import (
+    HANDSHAKE_TIMEOUT,
+    Failed,
+    Limits,
+    Opened,
+    OpenReader,
+    Replay,
+    refusal,
+)
 
 log = logging.getLogger(__name__)
 
@@ -84,36 +92,51 @@ class VhostRouter:
 
     async def _route(self, creader: asyncio.StreamReader, cwriter: asyncio.StreamWriter) -> Streams | None:
         """The handshake both ways; the owner's streams, spliced from here on (None: the client left)."""
-        reader = OpenReader(self.limits, self.server_properties)
-        while reader.opened is None:
-            data = await creader.read(CHUNK)
-            if not data:
-                return None
-            out = reader.receive(data)
-            if out:
-                cwriter.write(out)
-        opened = reader.opened
+        opened = await read_open(creader, cwriter, self.limits, self.server_properties)
+        if opened is None:
+            return None
         legs = await self.leg(opened.vhost, _peer(cwriter))
         if legs is None:
             raise Failed(f"no node serves vhost {opened.vhost!r}",
                          refusal(f"no node serves vhost '{opened.vhost}' yet"))
         oreader, owriter = legs
         try:
-            replay = Replay(opened)
-            owriter.write(replay.start())
-            while not replay.spliced:
-                data = await oreader.read(CHUNK)
-                if not data:
-                    raise Failed("the vhost's node closed during the handshake",
-                                 refusal("the vhost's node closed the connection"))
-                out = replay.receive(data)
-                if out:
-                    owriter.write(out)
+            cwriter.write(await replay(opened, lambda: oreader.read(CHUNK), owriter.write))
         except BaseException:
             owriter.close()
             raise
-        cwriter.write(replay.to_client)
         return oreader, owriter
+
+
+async def read_open(creader: asyncio.StreamReader, cwriter: asyncio.StreamWriter, limits: Limits,
+                    server_properties: dict[str, Any]) -> Opened | None:
+    """The client's handshake up to connection.open (None: it left first; ``Failed``: bad input)."""
+    reader = OpenReader(limits, server_properties)
+    while reader.opened is None:
+        data = await creader.read(CHUNK)
+        if not data:
+            return None
+        out = reader.receive(data)
+        if out:
+            cwriter.write(out)
+    return reader.opened
+
+
+async def replay(opened: Opened, read: Callable[[], Awaitable[bytes]],
+                 write: Callable[[bytes], None]) -> bytes:
+    """Play ``opened`` to the owner (``read`` its bytes, b"" at its end; ``write`` to it); returns
+    the owner's bytes for the client once spliced (``Failed``: not routed, with the 320 to send)."""
+    rep = Replay(opened)
+    write(rep.start())
+    while not rep.spliced:
+        data = await read()
+        if not data:
+            raise Failed("the vhost's node closed during the handshake",
+                         refusal("the vhost's node closed the connection"))
+        out = rep.receive(data)
+        if out:
+            write(out)
+    return rep.to_client
 
 
 def _peer(writer: asyncio.StreamWriter) -> tuple[str, int]:

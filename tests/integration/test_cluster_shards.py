@@ -22,6 +22,7 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
+import pika
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -29,6 +30,7 @@ from ._support import REPO_ROOT
 from .shard_faults import (
     BATCH,
     BOUND,
+    HANDBACK_WAIT,
     IDS,
     PER_NODE,
     TTL,
@@ -131,6 +133,37 @@ def test_per_shard_gauges_on_every_node_and_in_cluster_status(shards: ShardClust
         assert served["skred_shard_queues"][(vhost,)] >= 1
     status = shards.api(shards.leader, "GET", "/api/cluster")
     assert status["shards_led"] == Counter(want.values())[status["node_id"]]
+
+
+def test_amqp_routed_by_vhost_through_a_third_node_survives_kill9_of_an_owner(shards: ShardCluster) -> None:
+    """Two vhosts whose shards two different nodes lead, one of them the node serving the data
+    (the cluster leader: a shard's leader does not serve it yet); a client on the third node,
+    whose proxy reads each connection up to connection.open and carries it on by vhost, publishes
+    with confirms into both; kill -9 of the serving owner; every confirmed message is there."""
+    want = expected()
+    wait_for(lambda: shards.leaders() == want, 15, "the initial placement")
+    owner = shards.c.leader()
+    assert owner is not None
+    owner_id = IDS[shards.c.nodes.index(owner)]
+    x = next(v for v, n in VHOSTS.items() if n == owner_id)
+    y, other_id = next((v, n) for v, n in VHOSTS.items() if n != owner_id)
+    third = next(shards.by_id[n] for n in IDS if n not in (owner_id, other_id))
+    confirmed = {v: publish(third, v, "routed", BATCH) for v in (x, y)}
+    owner.kill9()
+
+    def publish_again() -> bool:
+        try:
+            confirmed[x] += publish(third, x, "routed", BATCH)
+            return True
+        except pika.exceptions.AMQPError:
+            return False
+
+    wait_for(publish_again, 20, f"confirmed publishes to {x} through {third.name} after the failover")
+    owner.start()
+    wait_for(lambda: shards.leaders() == want, HANDBACK_WAIT, "the shards back with the returning node")
+    wait_for(owner.answers, 20, "the returned node's AMQP port")
+    for v in (x, y):
+        assert queue_depth(third, v, "routed") == confirmed[v]
 
 
 def test_sigterm_drains_a_node_its_clients_reconnect_nothing_confirmed_lost(shards: ShardCluster) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pika
 import pytest
 
+from broker.amqp.broker import server_properties
 from broker.cluster.vhost_route import Limits
 from broker.cluster.vhost_router import Streams, VhostRouter
 
@@ -25,9 +26,6 @@ from ._support import SkredProcess, wait_until
 from .test_workers import api
 
 BATCH = 50
-PROPS = {"product": "Skred", "capabilities": {"publisher_confirms": True, "basic.nack": True,
-                                              "consumer_cancel_notify": True,
-                                              "authentication_failure_close": True}}
 
 
 class Entry:
@@ -36,7 +34,7 @@ class Entry:
     def __init__(self, owners: dict[str, SkredProcess]) -> None:
         self.owners = owners
         self.loop = asyncio.new_event_loop()
-        self.router = VhostRouter(Limits(2047, 131072, 60), PROPS, self.leg)
+        self.router = VhostRouter(Limits(2047, 131072, 60), server_properties(), self.leg)
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.port = asyncio.run_coroutine_threadsafe(self.router.start("127.0.0.1", 0), self.loop).result(10)
