@@ -5,8 +5,8 @@ Theory of operation
 -------------------
 AMQP 0-9-1 names the vhost only in ``connection.open``, the client's fourth step, and has no
 redirect: the node a client reaches must carry the connection to the vhost's owner itself. Two
-sans-IO machines do it, with no socket of their own (the asyncio splice in
-``vhost_router.py`` moves their bytes):
+sans-IO machines do it, with no socket of their own (``vhost_router.py`` and a follower's
+proxy, ``proxy.py``, move their bytes):
 
 * ``OpenReader`` faces the client and plays the server's side up to ``connection.open``:
   ``connection.start`` (the owner's server properties; mechanisms PLAIN, AMQPLAIN),

@@ -50,7 +50,9 @@ itself across the suite; docs/architecture.md, "Per-shard leaders", has the plan
   status (``skred --cluster-status``, ``GET /api/cluster``). The ISR is the cluster's: every
   follower replicates every vhost, so a node in sync is in sync for every shard.
 * What is not yet: the data path. Clients are still served by the cluster leader (the node
-  holding ``<prefix>/leader``) and replicated by its single stream. The next steps, in order:
+  holding ``<prefix>/leader``) and replicated by its single stream; a follower's AMQP proxy
+  already routes each connection by the vhost of its ``connection.open``
+  (``cluster/vhost_route.py``), to the cluster leader for every vhost for now. The next steps, in order:
   replication scoped by shard (one replication connection per peer pair, each event tagged
   with its shard, one ISR key per shard beside the leader key); the node leading a shard
   serves it (a broker holding only its shards, as a worker does on one node); a follower's
