@@ -103,6 +103,11 @@ def in_sync(members: Mapping[str, Mapping[str, Any]], isr: list[str] | None) -> 
     return warm if isr is None else set(isr) & warm
 
 
+def live_nodes(members: Mapping[str, Mapping[str, Any]]) -> dict[str, int]:
+    """The nodes shards may be placed on (node id -> weight): every member but a draining one."""
+    return {n: _weight(m) for n, m in members.items() if m.get("draining") is not True}
+
+
 def eligible(live: Mapping[str, int], isr: set[str] | None) -> dict[str, int]:
     """The live nodes that may lead a shard (in sync: in the ISR, or any while none exists)."""
     return {n: w for n, w in live.items() if isr is None or n in isr}
@@ -192,7 +197,7 @@ class ShardLeaders:
         members = await self.etcd.members()
         if self.node_id not in members:
             return  # peers cannot see us yet: they would not place a shard on us
-        live = {n: _weight(m) for n, m in members.items() if m.get("draining") is not True}
+        live = live_nodes(members)
         isr_list, _raw = await self.etcd.read_isr()
         isr = in_sync(members, isr_list)
         keys = await self.etcd.get_prefix(SHARDS)
