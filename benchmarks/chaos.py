@@ -51,6 +51,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
@@ -185,48 +186,46 @@ def run_fault(name: str, trials: int, tmp: Path) -> list[Trial]:
     return out
 
 
-def run_shards(trials: int, tmp: Path) -> list[shf.ShardTrial]:
+T = TypeVar("T", shf.ShardTrial, shf.DrainTrial)
+
+
+def _shard_trials(trials: int, tmp: Path, seed: int, one: Callable[[shf.ShardCluster, int, random.Random], T],
+                  failed: Callable[[str], T], line: Callable[[T], str]) -> list[T]:
+    """``trials`` runs of ``one`` on one per-shard cluster; a cluster that does not come back
+    counts as ``failed(why)`` and ends the runs."""
     sc = shf.ShardCluster(tmp)
-    rng = random.Random(27)
-    out: list[shf.ShardTrial] = []
+    rng = random.Random(seed)
+    out: list[T] = []
     try:
         for i in range(trials):
             t0 = time.monotonic()
             try:
-                trial = shf.kill_and_return(sc, f"chaos-{i}", rng)
+                trial = one(sc, i, rng)
             except AssertionError as exc:  # the cluster did not come back: count it, stop here
-                out.append(shf.ShardTrial(notes=[f"cluster did not recover: {str(exc).splitlines()[0]}"]))
+                out.append(failed(f"cluster did not recover: {str(exc).splitlines()[0]}"))
                 break
             out.append(trial)
-            print(f"  shard leader kill -9 #{i + 1}: {trial.victim} {trial.moved} failover {trial.failover} "
-                  f"gap {trial.largest_gap} hand-back {trial.handback} confirmed {trial.confirmed} "
-                  f"lost {trial.lost} {'; '.join(trial.notes)} ({time.monotonic() - t0:.0f}s)",
+            print(f"  #{i + 1}: {line(trial)} {'; '.join(trial.notes)} ({time.monotonic() - t0:.0f}s)",
                   file=sys.stderr)
     finally:
         sc.close()
     return out
 
 
+def run_shards(trials: int, tmp: Path) -> list[shf.ShardTrial]:
+    return _shard_trials(
+        trials, tmp, 27, lambda sc, i, rng: shf.kill_and_return(sc, f"chaos-{i}", rng),
+        lambda why: shf.ShardTrial(notes=[why]),
+        lambda t: (f"shard leader kill -9: {t.victim} {t.moved} failover {t.failover} gap "
+                   f"{t.largest_gap} hand-back {t.handback} confirmed {t.confirmed} lost {t.lost}"))
+
+
 def run_drains(trials: int, tmp: Path) -> list[shf.DrainTrial]:
-    sc = shf.ShardCluster(tmp)
-    rng = random.Random(2736)
-    out: list[shf.DrainTrial] = []
-    try:
-        for i in range(trials):
-            t0 = time.monotonic()
-            try:
-                trial = shf.drain_and_return(sc, f"drain-{i}", rng)
-            except AssertionError as exc:  # the cluster did not come back: count it, stop here
-                out.append(shf.DrainTrial(notes=[f"cluster did not recover: {str(exc).splitlines()[0]}"]))
-                break
-            out.append(trial)
-            print(f"  drain #{i + 1}: {trial.victim} {trial.moved} moved in {trial.moved_in} exit "
-                  f"{trial.exit_code} reconnects {trial.reconnects} hand-back {trial.handback} confirmed "
-                  f"{trial.confirmed} lost {trial.lost} {'; '.join(trial.notes)} "
-                  f"({time.monotonic() - t0:.0f}s)", file=sys.stderr)
-    finally:
-        sc.close()
-    return out
+    return _shard_trials(
+        trials, tmp, 2736, lambda sc, i, rng: shf.drain_and_return(sc, f"drain-{i}", rng),
+        lambda why: shf.DrainTrial(notes=[why]),
+        lambda t: (f"drain: {t.victim} {t.moved} moved in {t.moved_in} exit {t.exit_code} reconnects "
+                   f"{t.reconnects} hand-back {t.handback} confirmed {t.confirmed} lost {t.lost}"))
 
 
 def _span(values: list[float | None]) -> str:
