@@ -31,6 +31,12 @@ leader: the data path is still its), on one cluster: failover of the moved shard
 confirm gap of a publisher on another shard, the hand-back on return, confirmed lost.
 
     python benchmarks/chaos.py --only none --single none --shards 5
+
+``--drains N`` runs N trials of SIGTERM to the cluster leader, which leads shards of its own
+(``shard_faults.drain_and_return``): how soon its shards are led elsewhere, its client's
+reconnects, the hand-back on return, confirmed lost.
+
+    python benchmarks/chaos.py --only none --single none --drains 5
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
@@ -179,32 +186,70 @@ def run_fault(name: str, trials: int, tmp: Path) -> list[Trial]:
     return out
 
 
-def run_shards(trials: int, tmp: Path) -> list[shf.ShardTrial]:
+T = TypeVar("T", shf.ShardTrial, shf.DrainTrial)
+
+
+def _shard_trials(trials: int, tmp: Path, seed: int, one: Callable[[shf.ShardCluster, int, random.Random], T],
+                  failed: Callable[[str], T], line: Callable[[T], str]) -> list[T]:
+    """``trials`` runs of ``one`` on one per-shard cluster; a cluster that does not come back
+    counts as ``failed(why)`` and ends the runs."""
     sc = shf.ShardCluster(tmp)
-    rng = random.Random(27)
-    out: list[shf.ShardTrial] = []
+    rng = random.Random(seed)
+    out: list[T] = []
     try:
         for i in range(trials):
             t0 = time.monotonic()
             try:
-                trial = shf.kill_and_return(sc, f"chaos-{i}", rng)
+                trial = one(sc, i, rng)
             except AssertionError as exc:  # the cluster did not come back: count it, stop here
-                out.append(shf.ShardTrial(notes=[f"cluster did not recover: {str(exc).splitlines()[0]}"]))
+                out.append(failed(f"cluster did not recover: {str(exc).splitlines()[0]}"))
                 break
             out.append(trial)
-            print(f"  shard leader kill -9 #{i + 1}: {trial.victim} {trial.moved} failover {trial.failover} "
-                  f"gap {trial.largest_gap} hand-back {trial.handback} confirmed {trial.confirmed} "
-                  f"lost {trial.lost} {'; '.join(trial.notes)} ({time.monotonic() - t0:.0f}s)",
+            print(f"  #{i + 1}: {line(trial)} {'; '.join(trial.notes)} ({time.monotonic() - t0:.0f}s)",
                   file=sys.stderr)
     finally:
         sc.close()
     return out
 
 
+def run_shards(trials: int, tmp: Path) -> list[shf.ShardTrial]:
+    return _shard_trials(
+        trials, tmp, 27, lambda sc, i, rng: shf.kill_and_return(sc, f"chaos-{i}", rng),
+        lambda why: shf.ShardTrial(notes=[why]),
+        lambda t: (f"shard leader kill -9: {t.victim} {t.moved} failover {t.failover} gap "
+                   f"{t.largest_gap} hand-back {t.handback} confirmed {t.confirmed} lost {t.lost}"))
+
+
+def run_drains(trials: int, tmp: Path) -> list[shf.DrainTrial]:
+    return _shard_trials(
+        trials, tmp, 2736, lambda sc, i, rng: shf.drain_and_return(sc, f"drain-{i}", rng),
+        lambda why: shf.DrainTrial(notes=[why]),
+        lambda t: (f"drain: {t.victim} {t.moved} moved in {t.moved_in} exit {t.exit_code} reconnects "
+                   f"{t.reconnects} hand-back {t.handback} confirmed {t.confirmed} lost {t.lost}"))
+
+
+def _span(values: list[float | None]) -> str:
+    got = [v for v in values if v is not None]
+    return f"{min(got):.2f} / {statistics.median(got):.2f} / {max(got):.2f}" if got else "-"
+
+
+def drain_table(trials: list[shf.DrainTrial]) -> str:
+    missed = [t for t in trials if t.notes or t.lost or t.moved_in is None or t.moved_in > shf.TTL
+              or t.exit_code != 0]
+    why = f"{len(missed)}" + (f" ({missed[0].notes[0]})" if missed and missed[0].notes else "")
+    return "\n".join([
+        "| fault | TTL | trials | confirmed | confirmed lost "
+        "| its shards led elsewhere min / median / max (s) | bound (s) | client reconnects "
+        "| hand-back after restart (s) | goal missed |",
+        "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | --- | --- |",
+        f"| SIGTERM of the cluster leader (drain) | {shf.TTL} | {len(trials)} "
+        f"| {sum(t.confirmed for t in trials)} | {sum(t.lost for t in trials)} "
+        f"| {_span([t.moved_in for t in trials])} | {shf.TTL} | {sum(t.reconnects for t in trials)} "
+        f"| {_span([t.handback for t in trials])} | {why} |"])
+
+
 def shard_table(trials: list[shf.ShardTrial]) -> str:
-    def span(values: list[float | None]) -> str:
-        got = [v for v in values if v is not None]
-        return f"{min(got):.2f} / {statistics.median(got):.2f} / {max(got):.2f}" if got else "-"
+    span = _span
 
     missed = [t for t in trials if t.notes or t.lost or t.failover is None or t.failover > shf.BOUND
               or (t.largest_gap or 0) >= 1.0]
@@ -245,6 +290,7 @@ def main() -> int:
     ap.add_argument("--single", default="", help="comma-separated single-node fault names "
                     "(default: all; none)")
     ap.add_argument("--shards", type=int, default=0, help="trials of the per-shard leader fault (default 0)")
+    ap.add_argument("--drains", type=int, default=0, help="trials of the shard drain on SIGTERM (default 0)")
     args = ap.parse_args()
     for noisy in ("aiormq", "aio_pika", "pika"):  # clients cut off by a fault log tracebacks: expected here
         logging.getLogger(noisy).setLevel(logging.CRITICAL)
@@ -277,13 +323,21 @@ def main() -> int:
         with tempfile.TemporaryDirectory(prefix="skred-chaos-") as tmp:
             print(f"shard leader kill -9: {args.shards} trials", file=sys.stderr)
             shard_trials = run_shards(args.shards, Path(tmp))
+    drain_trials: list[shf.DrainTrial] = []
+    if args.drains > 0:
+        with tempfile.TemporaryDirectory(prefix="skred-chaos-") as tmp:
+            print(f"shard drain: {args.drains} trials", file=sys.stderr)
+            drain_trials = run_drains(args.drains, Path(tmp))
     if singles:
         print(single_table(singles) + "\n")
     if shard_trials:
         print(shard_table(shard_trials) + "\n")
+    if drain_trials:
+        print(drain_table(drain_trials) + "\n")
     if results:
         print(table(results) + "\n")
-    n = sum(len(t) for t in results.values()) + sum(len(t) for t in singles.values()) + len(shard_trials)
+    n = (sum(len(t) for t in results.values()) + sum(len(t) for t in singles.values()) + len(shard_trials)
+         + len(drain_trials))
     end = os.getloadavg()
     print(f"{n} trials in {time.monotonic() - started:.0f}s; load average (1 min) {load[0]:.1f} at the "
           f"start, {end[0]:.1f} at the end, on {os.cpu_count()} CPUs")

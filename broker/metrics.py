@@ -198,10 +198,18 @@ class Source(Protocol):
 
 
 class ClusterCollector(Collector):
-    """Cluster gauges, read from ``source()`` at scrape time; nothing when it returns None."""
+    """Cluster gauges, read from ``source()`` at scrape time; nothing when it returns None.
 
-    def __init__(self, source: Callable[[], ClusterInfo | None]) -> None:
+    With per-shard leaders (``[clustering] shard_leaders``) also one ``skred_shard_leader``
+    sample per shard, labelled with the shard and its leader's node id, 1 on the leader's own
+    scrape and 0 on the others' (``sum by (node)`` over the cluster counts the shards each node
+    leads), and, where the shard's data is served, its queue and
+    message counts (``broker``: the broker serving them)."""
+
+    def __init__(self, source: Callable[[], ClusterInfo | None],
+                 broker: Callable[[], BrokerView] | None = None) -> None:
         self.source = source
+        self.broker = broker
 
     def collect(self) -> Iterator[Metric]:
         info = self.source()
@@ -216,6 +224,33 @@ class ClusterCollector(Collector):
         for node_id, value in sorted(lags.items()):
             lag.add_metric([node_id], value)
         yield lag
+        yield from self._shards(info.status())
+
+    def _shards(self, status: Mapping[str, Any]) -> Iterator[Metric]:
+        shards = status.get("shards")
+        if shards is None:
+            return
+        me = status.get("node_id")
+        led = GaugeMetricFamily(f"{PREFIX}_shard_leader",
+                                "1 if this node leads the shard (node: its leader's id, empty while "
+                                "it has none), else 0", labels=["shard", "node"])
+        for shard in shards:
+            leader = shard.get("leader") or ""
+            led.add_metric([shard["vhost"], leader], 1 if leader == me else 0)
+        yield led
+        if self.broker is None:
+            return
+        queues = GaugeMetricFamily(f"{PREFIX}_shard_queues", "Queues of the shards this node serves",
+                                   labels=["shard"])
+        messages = GaugeMetricFamily(f"{PREFIX}_shard_messages",
+                                     "Ready plus unacknowledged messages of the shards this node serves",
+                                     labels=["shard"])
+        for name, vh in sorted(self.broker().vhosts.items()):
+            queues.add_metric([name], len(vh.queues))
+            messages.add_metric([name], sum(q.message_count + q.store.unacked_count
+                                            for q in vh.queues.values()))
+        yield queues
+        yield messages
 
 
 AGGREGATED, PER_OBJECT, DETAILED = "aggregated", "per-object", "detailed"  # RabbitMQ's endpoint names
@@ -666,7 +701,7 @@ class Metrics:
                              lambda: mgmt.broker.alarm.disk.free_disk_min,
                              lambda: len(mgmt.connections()), lambda: mgmt.broker.alarm.memory.limit)
         self.registry.register(skred)
-        self.registry.register(ClusterCollector(lambda: mgmt.cluster))
+        self.registry.register(ClusterCollector(lambda: mgmt.cluster, lambda: mgmt.broker))
         self.registry.register(node)
         self.registry.register(RabbitCollector(mgmt, skred.redelivered_total))
         self.registry.register(GlobalCollector(mgmt, skred.queue_totals))

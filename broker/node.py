@@ -50,11 +50,11 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from broker import metrics, tls
 from broker.amqp import log_exchange
-from broker.amqp.broker import Broker
+from broker.amqp.broker import Broker, server_properties
 from broker.auth.oauth_keys import OAuthKeys, start_oauth
 from broker.auth.parameters import FILE_NAME as PARAMETERS_FILE
 from broker.auth.parameters import RUNTIME_FILE_NAME, GlobalParameters, RuntimeParameters
@@ -463,7 +463,7 @@ class Node:
         props = PropsStore(read_json(path, {}), lambda doc: write_json(path, doc, sink))
         self.lmq = LMQServer(LMQ(vh, props, broker.syncer.after_sync, cfg.main.max_message_size), cfg.lmq,
                              broker.users, broker.proxied_peers, broker.alarm.memory,
-                             cfg.amqp.max_bytes_in_flight)
+                             cfg.amqp.max_bytes_in_flight, reuse_port=self.worker is not None)
         await self.lmq.start()
 
     def start_shovels(self, broker: Broker, mgmt: Mgmt) -> None:
@@ -704,6 +704,9 @@ class NodeHost:
         name = "" if self.config is None else metrics.node_name(self.config.main.node_name,
                                                                  self.config.amqp.port)
         return FollowerMetrics(cluster, data_dir, cluster_name, name)
+
+    def amqp_server_properties(self) -> dict[str, Any]:
+        return server_properties()
 
     def shard_election(self, config: Config, etcd: Etcd, node_id: str, uri: str,
                        view: ClusterView) -> ShardLeaders:

@@ -6,7 +6,7 @@ from collections import Counter
 
 from broker.cluster.etcd import shard_holder, shard_key, shard_of_key
 from broker.cluster.status import ClusterView
-from broker.shards.leaders import Action, decide, in_sync
+from broker.shards.leaders import Action, decide, in_sync, live_nodes
 from broker.shards.placement import node_of, vhost_shard
 
 NODES = {"a": 1, "b": 1, "c": 1}
@@ -89,3 +89,18 @@ def test_a_node_restarted_before_the_isr_dropped_it_is_not_in_sync_until_warm() 
     members["c"]["warm"] = True  # synced
     assert in_sync(members, ["a", "b", "c"]) == {"a", "b", "c"}
     assert in_sync(members, ["a", "b"]) == {"a", "b"}
+
+
+def test_a_draining_node_gets_no_shards_and_says_so_in_its_record() -> None:
+    view = ClusterView("c", "tcp://c:5679")
+    view.weight = 1
+    view.warm = True
+    view.draining = True
+    members = {"a": {"workers": 1, "warm": True}, "b": {"workers": 1, "warm": True},
+               "c": view.member_record()}
+    assert members["c"]["draining"] is True
+    live = live_nodes(members)
+    assert live == {"a": 1, "b": 1}
+    before = leaders(NODES)
+    after = leaders(live)  # c's shards, which it has just resigned, go to the others at once
+    assert {v for v in VHOSTS if before[v] != after[v]} == {v for v in VHOSTS if before[v] == "c"}

@@ -153,6 +153,29 @@ def client_name(properties: dict[str, Any]) -> str:
     version = properties.get("version")
     return f"{product} {version}" if product and version else str(product or "")
 
+def server_properties() -> dict[str, Any]:
+    """What connection.start tells a client about this broker (also what a node routing a
+    connection to another node tells it first: broker/cluster/vhost_route.py)."""
+    return {
+        "product": "Skred",
+        "version": __version__,
+        "platform": f"Python {platform.python_version()}",
+        "copyright": "Skred contributors",
+        "information": "Disk-first AMQP 0-9-1 broker",
+        "capabilities": {
+            "publisher_confirms": True,
+            "exchange_exchange_bindings": True,
+            "basic.nack": True,
+            "consumer_cancel_notify": True,
+            "connection.blocked": True,
+            "consumer_priorities": True,  # x-priority on basic.consume works
+            "authentication_failure_close": True,
+            "per_consumer_qos": True,
+            "direct_reply_to": True,
+        },
+    }
+
+
 class Broker:
     def __init__(self, config: Config, users: UserStore, vhosts: dict[str, VHost],
                  syncer: GroupCommit) -> None:
@@ -178,24 +201,7 @@ class Broker:
         main = config.main
         self.alarm = Alarms(DiskAlarm(main.data_dir, main.free_disk_min), MemoryAlarm(
             watermark(main.vm_memory_high_watermark, main.vm_memory_high_watermark_absolute)))
-        self._server_properties: dict[str, Any] = {
-            "product": "Skred",
-            "version": __version__,
-            "platform": f"Python {platform.python_version()}",
-            "copyright": "Skred contributors",
-            "information": "Disk-first AMQP 0-9-1 broker",
-            "capabilities": {
-                "publisher_confirms": True,
-                "exchange_exchange_bindings": True,
-                "basic.nack": True,
-                "consumer_cancel_notify": True,
-                "connection.blocked": True,
-                "consumer_priorities": True,  # x-priority on basic.consume works
-                "authentication_failure_close": True,
-                "per_consumer_qos": True,
-                "direct_reply_to": True,
-            },
-        }
+        self._server_properties = server_properties()
 
     def server_properties(self) -> dict[str, Any]:
         return self._server_properties

@@ -77,6 +77,9 @@ class ShardElection(Protocol):
     async def run(self) -> None:
         """Campaign for, hold and hand back shards until cancelled."""
 
+    async def drain(self) -> None:
+        """The node is stopping (``run`` cancelled): hand every shard held over now."""
+
 
 class MetricsServer(Protocol):
     @property
@@ -102,6 +105,9 @@ class Host(Protocol):
     def follower_metrics(self, cluster: ClusterState, data_dir: Path, cluster_name: str) -> MetricsServer:
         """The cluster gauges (and this node's process and disk metrics, labelled with
         ``cluster_name``) on the metrics port while this node follows."""
+
+    def amqp_server_properties(self) -> dict[str, Any]:
+        """What the broker's connection.start says (a follower routing AMQP by vhost says it first)."""
 
     def shard_election(self, config: Config, etcd: Etcd, node_id: str, uri: str,
                        view: ClusterView) -> ShardElection:

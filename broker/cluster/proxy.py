@@ -25,6 +25,13 @@ replication welcome (a node's port numbers need not match its peers'):
   passed through as they are: TLS runs end to end between the client and the
   leader, so client certificates and EXTERNAL work through any node.
 
+With ``[clustering] shard_leaders`` the AMQP port is *routed* (``Routed``): the proxy plays the
+handshake up to ``connection.open`` itself (``vhost_route.OpenReader``, no authentication),
+asks which node serves the vhost, opens the tunnel there and replays the client's own frames
+(``vhost_route.Replay``), so the owner authenticates and answers ``open-ok``; then the tunnel is
+spliced as above. Today the node serving every vhost is still the cluster leader; once a
+shard's leader serves it (docs/architecture.md, *Per-shard leaders*) only ``serving`` changes.
+
 When the leader changes or is lost (its key gone, our lease gone, the
 replication link silent) the runner calls ``drop_clients``: every spliced
 connection is closed, so clients reconnect (to the new leader) instead of
@@ -50,7 +57,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker.cluster import codec, unavailable
-from broker.cluster.tunnel import TunnelRefused, open_tunnel, pump, splice
+from broker.cluster.tunnel import TunnelRefused, open_tunnel, pump, read_framed, splice, write_framed
+from broker.cluster.vhost_route import HANDSHAKE_TIMEOUT, Failed, Limits, Opened, refusal
+from broker.cluster.vhost_router import read_open, replay
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +89,22 @@ class Tunnelled:
     keepalive: float = 0.0  # seconds of silence after which a tunnel is presumed dead (0: never)
 
 
+@dataclass(frozen=True)
+class Routed:
+    """AMQP read up to connection.open and carried to the node serving its vhost
+    (``[clustering] shard_leaders``: ``vhost_route.py``); ``serving(vhost)`` is that node's
+    target (the cluster leader for every vhost until a shard's leader serves it)."""
+
+    limits: Limits
+    server_properties: dict[str, Any]
+    serving: Callable[[str], Target]
+
+
 class SpliceProxy:
     def __init__(self, name: str, target: Target, send_proxy_header: bool, source_ip: str | None,
-                 tunnel: Tunnelled | None = None) -> None:
+                 tunnel: Tunnelled | None = None, routed: Routed | None = None) -> None:
         self.name = name
+        self.routed = routed if tunnel is not None else None  # over a tunnel only
         self.target = target
         self.send_proxy_header = send_proxy_header
         self.source_ip = source_ip
@@ -132,6 +153,19 @@ class SpliceProxy:
         except (TimeoutError, OSError, RuntimeError):
             pass
 
+    async def _read_open(self, creader: asyncio.StreamReader, cwriter: asyncio.StreamWriter,
+                         routed: Routed) -> Opened | None:
+        """The client's handshake up to connection.open, bounded (None: not routable, answered)."""
+        try:
+            async with asyncio.timeout(HANDSHAKE_TIMEOUT):
+                return await read_open(creader, cwriter, routed.limits, routed.server_properties)
+        except TimeoutError:
+            log.info("%s proxy: no connection.open within %.0fs", self.name, HANDSHAKE_TIMEOUT)
+        except Failed as exc:
+            log.info("%s proxy: %s", self.name, exc)
+            await _tell(cwriter, exc.answer)
+        return None
+
     def drop_clients(self) -> int:
         """Close every spliced connection (both ends); returns how many client sockets."""
         clients = 0
@@ -152,9 +186,20 @@ class SpliceProxy:
             src = cwriter.get_extra_info("peername")
             # a Unix socket's peer has no address: the leader hears of a local client
             client = (str(src[0]), int(src[1])) if isinstance(src, tuple) else (codec.UNIX_CLIENT, 0)
+            opened: Opened | None = None
+            if self.routed is not None:
+                opened = await self._read_open(creader, cwriter, self.routed)
+                if opened is None:
+                    return
+                target = self.routed.serving(opened.vhost)
+                host, port = target.host, target.port
             if host is None or not port:
-                await self._refuse(creader, cwriter, "no cluster leader yet" if host is None
-                                   else "the cluster leader does not serve this port")
+                why = ("no cluster leader yet" if host is None
+                       else "the cluster leader does not serve this port")
+                if opened is not None:
+                    await _tell(cwriter, refusal(why))
+                    return
+                await self._refuse(creader, cwriter, why)
                 return
             try:
                 if self.tunnel is not None:
@@ -170,10 +215,23 @@ class SpliceProxy:
                 log.info("%s proxy: cannot reach the leader at %s:%d: %s", self.name, host, port,
                          exc or type(exc).__name__)
                 why = str(exc) if isinstance(exc, TunnelRefused) else "the cluster leader cannot be reached"
+                if opened is not None:
+                    await _tell(cwriter, refusal(f"no cluster leader yet: {why}"))
+                    return
                 await self._refuse(creader, cwriter, f"no cluster leader yet: {why}")
                 return
             lwriter = upstream
             self._writers.add(upstream)
+            if opened is not None:
+                try:
+                    async with asyncio.timeout(HANDSHAKE_TIMEOUT):
+                        cwriter.write(await replay(opened, lambda: read_framed(lreader),
+                                                   lambda data: write_framed(upstream, data)))
+                except (TimeoutError, Failed) as exc:
+                    log.info("%s proxy: %s not routed: %s", self.name, client, exc or "timed out")
+                    await _tell(cwriter, exc.answer if isinstance(exc, Failed) else
+                                refusal("the vhost's node did not answer"))
+                    return
             if self.send_proxy_header:
                 dst = cwriter.get_extra_info("sockname")
                 upstream.write(proxy_header(client, (str(dst[0]), int(dst[1]))))
@@ -191,6 +249,14 @@ class SpliceProxy:
                     self._clients.discard(w)
             if task is not None:
                 self._tasks.discard(task)
+
+
+async def _tell(writer: asyncio.StreamWriter, data: bytes) -> None:
+    """Write a last answer to a client (its connection is closed after)."""
+    if data and not writer.is_closing():
+        writer.write(data)
+        with contextlib.suppress(OSError, RuntimeError, TimeoutError):
+            await asyncio.wait_for(writer.drain(), unavailable.ANSWER_TIMEOUT)
 
 
 async def _answer(which: int | None, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,

@@ -79,11 +79,12 @@ from broker.cluster import codec, follower
 from broker.cluster.etcd import Etcd, EtcdError
 from broker.cluster.files import NODE_ID_FILE
 from broker.cluster.hooks import run_hook
-from broker.cluster.host import Host, LeaderBroker
+from broker.cluster.host import Host, LeaderBroker, ShardElection
 from broker.cluster.leader import LeaderSink
-from broker.cluster.proxy import SpliceProxy, Target, Tunnelled
+from broker.cluster.proxy import Routed, SpliceProxy, Target, Tunnelled
 from broker.cluster.standing import Standing, load_last_role, save_last_role
 from broker.cluster.status import ClusterView
+from broker.cluster.vhost_route import Limits
 from broker.config import ClusteringConfig, Config, ConfigError, file_mode
 from broker.errors import SkredError
 from broker.store.lock import DataDirLock
@@ -194,9 +195,11 @@ class ClusterRunner:
                         "leaves the in-sync set when it stops acking")
         member_loop = asyncio.ensure_future(self._publish_member_loop())
         shards: asyncio.Future[None] | None = None
+        drained: asyncio.Future[None] | None = None
         if self.config.clustering.shard_leaders:
             election = self.host.shard_election(self.config, self.etcd, self.node_id, self.uri, self.view)
             shards = asyncio.ensure_future(election.run())
+            drained = asyncio.ensure_future(self._drain_shards_on_stop(election, shards))
         try:
             while not self.stopping.is_set():
                 try:
@@ -216,9 +219,11 @@ class ClusterRunner:
                     await self._pause(1.0)
             return 0
         finally:
+            if drained is not None:  # the shards handed over before the lease goes
+                if not self.stopping.is_set():
+                    self.stopping.set()
+                await asyncio.wait([drained], timeout=DRAIN_TIMEOUT)
             member_loop.cancel()
-            if shards is not None:
-                shards.cancel()
             await self._stop_proxies()
             await self.follower_metrics.stop()
             await self.etcd.revoke()
@@ -226,6 +231,13 @@ class ClusterRunner:
             self._unlock()
             self.apply_executor.shutdown(wait=True)
             log.info("stopped")
+
+    async def _drain_shards_on_stop(self, election: ShardElection, passes: asyncio.Future[None]) -> None:
+        """At SIGTERM/SIGINT, before the broker stops: no more passes, every shard handed over."""
+        await self.stopping.wait()
+        passes.cancel()
+        await asyncio.wait([passes])
+        await election.drain()
 
     async def _start_follower_metrics(self) -> None:
         mgmt = self.config.mgmt
@@ -454,7 +466,8 @@ class ClusterRunner:
                 # TLS end to end; the PROXY header goes in clear before the client's TLS bytes
                 p = SpliceProxy(name, self.targets[which], True, source)
             else:
-                p = SpliceProxy(name, self.targets[which], False, source, self._tunnelled(which))
+                p = SpliceProxy(name, self.targets[which], False, source, self._tunnelled(which),
+                                self._routed() if which == codec.AMQP_PORT else None)
             try:
                 await p.start(bind, port)
             except OSError as exc:
@@ -472,6 +485,17 @@ class ClusterRunner:
                 log.error("%s proxy cannot listen on %s: %s", name, path, exc)
                 continue
             self.proxies.append(p)
+
+    def _routed(self) -> Routed | None:
+        """With per-shard leaders, AMQP is read up to connection.open and carried to the node
+        serving its vhost (``cluster/vhost_route.py``): the cluster leader for every vhost until
+        a shard's leader serves it (the per-shard data path, docs/architecture.md)."""
+        if not self.config.clustering.shard_leaders:
+            return None
+        a = self.config.amqp
+        leader = self.targets[codec.AMQP_PORT]
+        return Routed(Limits(a.channel_max, a.frame_max, a.heartbeat), self.host.amqp_server_properties(),
+                      lambda vhost: leader)
 
     def _tunnelled(self, which: int) -> Tunnelled:
         return Tunnelled(which, lambda: self.secret, self._client_tls, self.node_id,

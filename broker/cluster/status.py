@@ -54,6 +54,7 @@ class ClusterView:
         self.since = time.time()
         self.weight: int | None = None  # per-shard leaders: our worker count, in our member record
         self.shards: dict[str, dict[str, Any]] | None = None  # per-shard leaders: vhost -> leader
+        self.draining = False  # per-shard leaders: stopping, our shards are being handed over
 
     def set_role(self, role: str, leader_uri: str | None = None, sink: LeaderSink | None = None) -> None:
         if role != self.role:
@@ -75,6 +76,7 @@ class ClusterView:
                                "role": self.role, "since": self.since}
         if self.shards is not None:
             out["shards"] = [{"vhost": v, **s} for v, s in sorted(self.shards.items())]
+            out["shards_led"] = sum(1 for s in self.shards.values() if s.get("leader") == self.node_id)
         sink = self.sink if self.role == "leader" else None
         if sink is None:
             out["leader"] = {"uri": self.leader_uri}
@@ -100,6 +102,8 @@ class ClusterView:
             record["lag_bytes"] = {k: _coarse(v) for k, v in lags.items()}
         if self.weight is not None:
             record["workers"] = self.weight
+        if self.draining:
+            record["draining"] = True
         return record
 
 

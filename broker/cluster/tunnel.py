@@ -275,6 +275,27 @@ async def unframe(tunnel: asyncio.StreamReader, writer: asyncio.StreamWriter, en
         return
 
 
+def write_framed(tunnel: asyncio.StreamWriter, data: bytes) -> None:
+    """One data frame onto a tunnel, before ``splice`` runs (a routed handshake: vhost_router.py)."""
+    if data:
+        tunnel.write(_LEN.pack(len(data)) + data)
+
+
+async def read_framed(tunnel: asyncio.StreamReader) -> bytes:
+    """The next data frame off a tunnel, before ``splice`` runs (pings skipped); b"" at its end
+    marker or a cut."""
+    try:
+        while True:
+            n = _LEN.unpack(await tunnel.readexactly(4))[0]
+            if n == PING_LEN:
+                continue
+            if not n or n > CHUNK:
+                return b""
+            return await tunnel.readexactly(n)
+    except (OSError, asyncio.IncompleteReadError):
+        return b""
+
+
 def _half_close(writer: asyncio.StreamWriter) -> None:
     try:
         if not writer.is_closing():

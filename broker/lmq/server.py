@@ -29,8 +29,10 @@ log = logging.getLogger(__name__)
 class LMQServer:
     def __init__(self, lmq: LMQ, config: LmqConfig, users: UserStore,
                  peers: Mapping[tuple[str, int], tuple[str, int]] | None = None,
-                 gate: BodyGate | None = None, max_bytes_in_flight: int = 256 << 20) -> None:
+                 gate: BodyGate | None = None, max_bytes_in_flight: int = 256 << 20,
+                 reuse_port: bool = False) -> None:
         self.lmq = lmq
+        self.reuse_port = reuse_port  # in a worker: beside the parent's hold on the ports (broker/shards)
         self.peers = peers if peers is not None else {}  # tunnel legs -> clients (a cluster leader)
         self.config = config
         self.users = users
@@ -54,7 +56,7 @@ class LMQServer:
             handler: Any = runner.server
             self._http = await asyncio.get_running_loop().create_server(
                 lambda: RequestDeadline(handler(), settings.request_timeout), cfg.bind, cfg.http_port,
-                reuse_address=True)
+                reuse_address=True, reuse_port=self.reuse_port or None)
             self._runner = runner
             self.http_address = self._http.sockets[0].getsockname()[:2]
             log.info("LMQ HTTP API on %s:%d", *self.http_address)
@@ -65,7 +67,7 @@ class LMQServer:
         try:
             self._rpc = await asyncio.start_server(
                 functools.partial(rpc.serve_connection, self.lmq, settings), cfg.bind, cfg.rpc_port,
-                reuse_address=True)
+                reuse_address=True, reuse_port=self.reuse_port or None)
             self.rpc_address = self._rpc.sockets[0].getsockname()[:2]
             log.info("LMQ MessagePack-RPC on %s:%d", *self.rpc_address)
         except OSError as exc:

@@ -34,6 +34,12 @@ confirmed messages. A key of a vhost that was deleted is resigned the same way; 
 own previous run left (our node id, a term we did not win in this run) is deleted at once
 rather than left to a TTL.
 
+Drain. On SIGTERM/SIGINT a node gives its shards away before it stops anything else: it marks
+its member record ``draining`` (peers leave it out of the placement from their next pass), then
+resigns every shard it holds (the same guarded delete) and runs ``on_leader_lost`` for each, so
+its shards are led again within a pass or two, not left to its lease or to the cluster
+leader's replication drain.
+
 Hooks. ``on_leader_elected`` / ``on_leader_lost`` run per shard as well, with ``SKRED_SHARD``
 naming the vhost.
 
@@ -44,7 +50,9 @@ itself across the suite; docs/architecture.md, "Per-shard leaders", has the plan
   status (``skred --cluster-status``, ``GET /api/cluster``). The ISR is the cluster's: every
   follower replicates every vhost, so a node in sync is in sync for every shard.
 * What is not yet: the data path. Clients are still served by the cluster leader (the node
-  holding ``<prefix>/leader``) and replicated by its single stream. The next steps, in order:
+  holding ``<prefix>/leader``) and replicated by its single stream; a follower's AMQP proxy
+  already routes each connection by the vhost of its ``connection.open``
+  (``cluster/vhost_route.py``), to the cluster leader for every vhost for now. The next steps, in order:
   replication scoped by shard (one replication connection per peer pair, each event tagged
   with its shard, one ISR key per shard beside the leader key); the node leading a shard
   serves it (a broker holding only its shards, as a worker does on one node); a follower's
@@ -93,6 +101,11 @@ def in_sync(members: Mapping[str, Mapping[str, Any]], isr: list[str] | None) -> 
     is live and named, yet holds nothing new."""
     warm = {n for n, m in members.items() if m.get("warm") is True}
     return warm if isr is None else set(isr) & warm
+
+
+def live_nodes(members: Mapping[str, Mapping[str, Any]]) -> dict[str, int]:
+    """The nodes shards may be placed on (node id -> weight): every member but a draining one."""
+    return {n: _weight(m) for n, m in members.items() if m.get("draining") is not True}
 
 
 def eligible(live: Mapping[str, int], isr: set[str] | None) -> dict[str, int]:
@@ -184,7 +197,7 @@ class ShardLeaders:
         members = await self.etcd.members()
         if self.node_id not in members:
             return  # peers cannot see us yet: they would not place a shard on us
-        live = {n: _weight(m) for n, m in members.items()}
+        live = live_nodes(members)
         isr_list, _raw = await self.etcd.read_isr()
         isr = in_sync(members, isr_list)
         keys = await self.etcd.get_prefix(SHARDS)
@@ -220,6 +233,29 @@ class ShardLeaders:
                 await self.etcd.delete_if(key, rev)
                 self._lost([gone], "the vhost was deleted")
         self.view.shards = shown
+
+    async def drain(self) -> None:
+        """Hand every shard over (the node is stopping; the pass loop is no longer running):
+        peers stop placing shards here, then each held key is deleted and its hook run."""
+        self.view.draining = True
+        if not self.held:
+            return
+        try:
+            await self.etcd.put_member(self.node_id, self.view.member_record())
+        except EtcdError as exc:  # our lease going away takes the keys anyway
+            log.warning("could not mark this node draining: %s", exc)
+        hooks = []
+        for vhost, held in sorted(self.held.items()):
+            try:
+                if await self.etcd.delete_if(shard_key(vhost), held.term):
+                    log.info("shard %r: handed over (this node is stopping)", vhost)
+            except EtcdError as exc:
+                log.warning("shard %r: could not resign (the lease will): %s", vhost, exc)
+            del self.held[vhost]
+            log.info("shard %r: no longer leading (draining)", vhost)
+            hooks.append(run_hook(self.config.clustering.on_leader_lost, self.node_id, self.uri,
+                                  "follower", shard=vhost))
+        await asyncio.gather(*hooks)
 
     def _value(self) -> bytes:
         return json.dumps({"node_id": self.node_id, "uri": self.uri}, sort_keys=True).encode()

@@ -158,7 +158,12 @@ def reserve_ports(config: Config) -> tuple[Config, list[socket.socket]]:
         st, port=hold("stream.bind/stream.port, --stream-bind/--stream-port", st.bind, st.port, st.enabled),
         tls_port=hold("stream.bind/stream.tls_port, --stream-bind/--stream-tls-port", st.bind, st.tls_port,
                       st.enabled and secure))
-    return dataclasses.replace(config, amqp=amqp, mgmt=mgmt, mqtt=mqtt, stream=stream), held
+    lq = config.lmq  # one worker listens (the owner of [lmq] vhost); the parent holds them all the same
+    lmq = dataclasses.replace(
+        lq, http_port=hold("lmq.bind/lmq.http_port, --lmq-bind/--lmq-http-port", lq.bind, lq.http_port,
+                           lq.enabled),
+        rpc_port=hold("lmq.bind/lmq.rpc_port, --lmq-bind/--lmq-rpc-port", lq.bind, lq.rpc_port, lq.enabled))
+    return dataclasses.replace(config, amqp=amqp, mgmt=mgmt, mqtt=mqtt, stream=stream, lmq=lmq), held
 
 
 class Supervisor:

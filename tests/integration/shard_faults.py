@@ -11,13 +11,21 @@ node that does not hold ``<prefix>/leader`` (the data path is still the cluster 
 ``broker/shards/leaders.py``); its shards must move, and only they, within TTL + 2 s; confirmed
 publishes to the moved shards; the node comes back and its shards are handed back; every
 confirmed message is counted in its queue.
+
+A drain (``drain_and_return``): SIGTERM to the node holding ``<prefix>/leader`` (it leads shards
+of its own too) while a client publishes to one of its shards through it; its shards must be
+led by other nodes within the TTL (it resigns them, rather than leaving them to its lease), with
+an ``on_leader_lost`` hook per shard; the client reconnects to another node and goes on
+confirming; the node comes back and takes its shards again; every confirmed message is there.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import os
 import random
+import signal
 import threading
 import time
 import urllib.parse
@@ -250,4 +258,122 @@ def kill_and_return(sc: ShardCluster, tag: str, rng: random.Random) -> ShardTria
     for vhost, n in expect.items():
         trial.lost += max(0, n - queue_depth(victim, vhost, queue))
     trial.lost += max(0, gap.confirmed - queue_depth(victim, other, gap_queue))
+    return trial
+
+
+class ReconnectingPublisher(threading.Thread):
+    """Confirmed publishes to one vhost, first through ``nodes[0]``; when the connection is lost
+    it reconnects to the next node (as a client given several addresses does). Counts only
+    what was confirmed. Bounded: GAP_MAX messages or GAP_RUN seconds, or until stopped."""
+
+    def __init__(self, nodes: list[ClusterNode], vhost: str, queue: str) -> None:
+        super().__init__(daemon=True)
+        self.nodes, self.vhost, self.queue = nodes, vhost, queue
+        self.stop_at = threading.Event()
+        self.confirmed = 0
+        self.reconnects = 0
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        started = time.monotonic()
+        turn = 0
+        while (not self.stop_at.is_set() and self.confirmed < GAP_MAX
+               and time.monotonic() - started < GAP_RUN):
+            node = self.nodes[turn % len(self.nodes)]
+            try:
+                with pika.BlockingConnection(pika.URLParameters(amqp_url(node, self.vhost))) as conn:
+                    ch = conn.channel()
+                    ch.confirm_delivery()
+                    ch.queue_declare(self.queue, durable=True)
+                    while (not self.stop_at.is_set() and self.confirmed < GAP_MAX
+                           and time.monotonic() - started < GAP_RUN):
+                        ch.basic_publish("", self.queue, b"x", pika.BasicProperties(delivery_mode=2))
+                        self.confirmed += 1
+                        time.sleep(0.01)
+            except pika.exceptions.AMQPError as exc:  # the node went away: the next one
+                self.error = exc
+                self.reconnects += 1
+                turn += 1
+                time.sleep(0.1)
+                continue
+            self.error = None
+            return
+
+
+@dataclass
+class DrainTrial:
+    victim: str = ""
+    moved: list[str] = field(default_factory=list)
+    confirmed: int = 0
+    lost: int = 0
+    reconnects: int = 0
+    moved_in: float | None = None  # SIGTERM to every drained shard led by another node (s)
+    exit_code: int | None = None
+    handback: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def drain_and_return(sc: ShardCluster, tag: str, rng: random.Random) -> DrainTrial:
+    """One drain (see the module's comment); what went wrong is in ``notes``."""
+    trial = DrainTrial()
+    want = expected()
+    wait_for(lambda: sc.leaders() == want, 15, "the initial placement")
+    victim = sc.c.leader()
+    assert victim is not None and victim.proc is not None
+    trial.victim = IDS[sc.c.nodes.index(victim)]
+    trial.moved = sorted(v for v, n in want.items() if n == trial.victim)
+    queue, live_queue = f"q-{tag}", f"live-{tag}"
+    expect = {vhost: publish(rng.choice(sc.c.nodes), vhost, queue, BATCH) for vhost in VHOSTS}
+    target = next(v for v in trial.moved if v in VHOSTS)
+    others = [n for n in sc.c.nodes if n is not victim]
+    client = ReconnectingPublisher([victim, *others], target, live_queue)
+    client.start()
+    wait_for(lambda: client.confirmed >= 20 or not client.is_alive(), 10, "the client publishing")
+    hooks_before = len(sc.hook_lines())
+    termed = time.monotonic()
+    os.kill(victim.proc.pid, signal.SIGTERM)
+
+    def moved() -> bool:
+        now = sc.leaders()
+        return all(now.get(v) not in (None, trial.victim) for v in trial.moved)
+
+    try:
+        wait_for(moved, TTL + 10, "the drained node's shards led by other nodes")
+        trial.moved_in = time.monotonic() - termed
+    except AssertionError as exc:
+        trial.notes.append(str(exc))
+    try:
+        trial.exit_code = victim.proc.wait(30)
+    except Exception as exc:  # reported, then the trial goes on with the node killed
+        trial.notes.append(f"the drained node did not exit: {exc!r}")
+        victim.kill9()
+    lost_hooks = {f"follower {trial.victim} {v}" for v in trial.moved}
+    try:
+        wait_for(lambda: lost_hooks <= set(sc.hook_lines()[hooks_before:]), 10,
+                 "an on_leader_lost hook per drained shard")
+    except AssertionError as exc:
+        trial.notes.append(f"{exc}: {sc.hook_lines()[hooks_before:]}")
+    after_drain = client.confirmed
+    try:
+        wait_for(lambda: client.confirmed >= after_drain + 20 or not client.is_alive(), 20,
+                 "the client confirming again through another node")
+    except AssertionError as exc:
+        trial.notes.append(str(exc))
+    client.stop_at.set()
+    client.join(30)
+    if client.error is not None:
+        trial.notes.append(f"client failed: {client.error!r}")
+    trial.reconnects = client.reconnects
+    restarted = time.monotonic()
+    victim.start()
+    try:
+        wait_for(lambda: sc.leaders() == want, HANDBACK_WAIT, "the shards back with the returning node")
+        trial.handback = time.monotonic() - restarted
+    except AssertionError as exc:
+        trial.notes.append(str(exc))
+    wait_for(victim.answers, 20, "the returned node's AMQP port")
+    trial.confirmed = sum(expect.values()) + client.confirmed
+    for vhost, n in expect.items():
+        trial.lost += max(0, n - queue_depth(victim, vhost, queue))
+    trial.lost += max(0, client.confirmed - queue_depth(victim, target, live_queue))
     return trial

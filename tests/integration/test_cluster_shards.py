@@ -3,9 +3,12 @@
 One cluster for the module (``shard_faults.ShardCluster``: real etcd, three real broker
 processes, TTL 2 s): six vhosts get their shard leaders spread 2/2/2 (etcd,
 ``skred --cluster-status``, ``GET /api/cluster``); confirmed publishes reach every vhost through
-every node; kill -9 of a node moves only its shards, within TTL + 2 s, while a publisher on
-another shard keeps confirming; the node's return hands its shards back; nothing confirmed is
-lost (``shard_faults.kill_and_return``; ``benchmarks/chaos.py --shards N`` runs it N times).
+every node; SIGTERM to the cluster leader drains its shards to other nodes within the TTL
+(hooks per shard) while its client reconnects elsewhere, and it takes them back on return
+(``shard_faults.drain_and_return``); kill -9 of a node moves only its shards, within TTL + 2 s,
+while a publisher on another shard keeps confirming; the node's return hands its shards back;
+nothing confirmed is lost (``shard_faults.kill_and_return``; ``benchmarks/chaos.py --shards N``
+runs it N times).
 """
 
 from __future__ import annotations
@@ -14,26 +17,33 @@ import json
 import random
 import subprocess
 import sys
+import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
+import pika
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from ._support import REPO_ROOT
 from .shard_faults import (
     BATCH,
     BOUND,
+    HANDBACK_WAIT,
     IDS,
     PER_NODE,
+    TTL,
     VHOSTS,
     ShardCluster,
+    amqp_url,
+    drain_and_return,
     expected,
     kill_and_return,
     publish,
     queue_depth,
 )
-from .test_cluster import wait_for
+from .test_cluster import ClusterNode, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -89,6 +99,89 @@ def test_confirmed_publishes_reach_every_vhost_through_every_node(shards: ShardC
         publish(nodes[i % len(nodes)], vhost, "every-node", BATCH)
     for i, vhost in enumerate(VHOSTS):  # and read back through another
         assert queue_depth(nodes[(i + 1) % len(nodes)], vhost, "every-node") == BATCH
+
+
+def shard_samples(node: ClusterNode) -> dict[str, dict[tuple[str, ...], float]]:
+    """The ``skred_shard_*`` samples on ``node``'s metrics port (on the default metrics address,
+    whatever the node's own): name -> label values -> value."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict[str, dict[tuple[str, ...], float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("skred_shard_"):
+                labels = tuple(sample.labels[k] for k in sorted(sample.labels))  # node, shard
+                out.setdefault(sample.name, {})[labels] = sample.value
+    return out
+
+
+def test_per_shard_gauges_on_every_node_and_in_cluster_status(shards: ShardCluster) -> None:
+    want = expected()
+    for vhost in VHOSTS:
+        publish(shards.leader, vhost, "gauged", BATCH)
+
+    def gauges_true() -> bool:
+        for nid, node in shards.by_id.items():
+            led = shard_samples(node).get("skred_shard_leader", {})
+            if led != {(leader, vhost): float(leader == nid) for vhost, leader in want.items()}:
+                return False
+        return True
+
+    wait_for(gauges_true, 10, "skred_shard_leader on every node naming each shard's leader")
+    served = shard_samples(shards.leader)  # the node serving the data (the cluster leader, today)
+    for vhost in VHOSTS:
+        assert served["skred_shard_messages"][(vhost,)] >= BATCH
+        assert served["skred_shard_queues"][(vhost,)] >= 1
+    status = shards.api(shards.leader, "GET", "/api/cluster")
+    assert status["shards_led"] == Counter(want.values())[status["node_id"]]
+
+
+def test_amqp_routed_by_vhost_through_a_third_node_survives_kill9_of_an_owner(shards: ShardCluster) -> None:
+    """Two vhosts whose shards two different nodes lead, one of them the node serving the data
+    (the cluster leader: a shard's leader does not serve it yet); a client on the third node,
+    whose proxy reads each connection up to connection.open and carries it on by vhost, publishes
+    with confirms into both; kill -9 of the serving owner; every confirmed message is there."""
+    want = expected()
+    wait_for(lambda: shards.leaders() == want, 15, "the initial placement")
+    owner = shards.c.leader()
+    assert owner is not None
+    owner_id = IDS[shards.c.nodes.index(owner)]
+    x = next(v for v, n in VHOSTS.items() if n == owner_id)
+    y, other_id = next((v, n) for v, n in VHOSTS.items() if n != owner_id)
+    third = next(shards.by_id[n] for n in IDS if n not in (owner_id, other_id))
+    confirmed = {v: publish(third, v, "routed", BATCH) for v in (x, y)}
+    # the owner authenticates and judges the vhost; its answers reach the client (after open:
+    # pika names a 403 then "probable access denied")
+    with pytest.raises(pika.exceptions.ProbableAccessDeniedError, match="403"):
+        pika.BlockingConnection(pika.URLParameters(amqp_url(third, x).replace("guest@", "wrong@")))
+    with pytest.raises(pika.exceptions.AMQPConnectionError, match="530"):
+        pika.BlockingConnection(pika.URLParameters(amqp_url(third, "no-such-vhost")))
+    owner.kill9()
+
+    def publish_again() -> bool:
+        try:
+            confirmed[x] += publish(third, x, "routed", BATCH)
+            return True
+        except pika.exceptions.AMQPError:
+            return False
+
+    wait_for(publish_again, 20, f"confirmed publishes to {x} through {third.name} after the failover")
+    owner.start()
+    wait_for(lambda: shards.leaders() == want, HANDBACK_WAIT, "the shards back with the returning node")
+    wait_for(owner.answers, 20, "the returned node's AMQP port")
+    for v in (x, y):
+        assert queue_depth(third, v, "routed") == confirmed[v]
+
+
+def test_sigterm_drains_a_node_its_clients_reconnect_nothing_confirmed_lost(shards: ShardCluster) -> None:
+    trial = drain_and_return(shards, "drain", random.Random(2736))
+    print(f"drained {trial.victim} (the cluster leader) moved {trial.moved} in {trial.moved_in}s, "
+          f"exit {trial.exit_code}, client reconnects {trial.reconnects}, hand-back {trial.handback}s, "
+          f"{trial.confirmed} confirmed, {trial.lost} lost")
+    assert trial.notes == []
+    assert trial.moved_in is not None and trial.moved_in <= TTL  # resigned, not left to the lease
+    assert trial.exit_code == 0 and trial.reconnects >= 1
+    assert trial.confirmed > 0 and trial.lost == 0
 
 
 def test_kill9_moves_only_its_shards_and_its_return_hands_them_back(shards: ShardCluster) -> None:

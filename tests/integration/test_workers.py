@@ -642,6 +642,20 @@ def test_a_second_node_on_the_same_port_fails_instead_of_sharing_it(
         other.close()
 
 
+def test_a_second_node_on_the_same_lmq_port_fails_at_start(
+        node: SkredProcess, tmp_path_factory: pytest.TempPathFactory) -> None:
+    # LMQ listens in one worker only; the parent holds its ports as it holds the others, so the
+    # clash is found before any worker runs (not logged by a worker of a node that runs on)
+    other = SkredProcess(tmp_path_factory.mktemp("same-lmq-port") / "data", ["--workers", "2"])
+    other.lmq_rpc_port = node.lmq_rpc_port
+    try:
+        proc = other.spawn()
+        assert proc.wait(30) == 1
+        assert f"cannot listen on 127.0.0.1:{node.lmq_rpc_port}" in other.log_text()
+    finally:
+        other.close()
+
+
 def test_sighup_is_passed_to_every_worker(node: SkredProcess) -> None:
     pids = worker_pids(node)
     assert node.pid is not None
