@@ -230,8 +230,8 @@ def named_offset(s: StreamStore, name: str) -> int | None:
     management API's stream reader take the same names); None for any other string."""
     if name == "first":
         return s.first_offset
-    if name == "last":
-        return max(s.next_offset - 1, s.first_offset)
+    if name == "last":  # the first message of the last chunk stored, as RabbitMQ
+        return s.last_chunk_offset
     if name == "next":
         return s.next_offset
     return None

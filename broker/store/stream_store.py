@@ -150,7 +150,7 @@ class StreamPosition:
 
 
 class StreamStore(SegmentLog[_Seg]):
-    __slots__ = ("retention", "_firsts", "_next_offset", "_count", "_bytes", "_offsets",
+    __slots__ = ("retention", "_firsts", "_next_offset", "_last_chunk", "_count", "_bytes", "_offsets",
                  "_offsets_path", "_offsets_written", "_offsets_sent")
 
     def __init__(self, directory: Path, *, segment_size: int = DEFAULT_SEGMENT_SIZE,
@@ -160,6 +160,7 @@ class StreamStore(SegmentLog[_Seg]):
         self.retention = retention or Retention()
         self._firsts: list[int] = []  # first offsets, parallel to _order (bisect)
         self._next_offset = 0
+        self._last_chunk: int | None = None  # first offset of the last append; None: not known yet
         self._count = 0
         self._bytes = 0  # segment bytes on disk (header + records)
         self._offsets: dict[str, int] = {}
@@ -206,6 +207,7 @@ class StreamStore(SegmentLog[_Seg]):
         seg.count += count
         offset = self._next_offset
         self._next_offset = offset + count
+        self._last_chunk = offset
         self._count += count
         self._bytes += end - pos
         self._dirty = True
@@ -353,6 +355,38 @@ class StreamStore(SegmentLog[_Seg]):
         """(segment number, first offset, first timestamp, count) of each segment, oldest first."""
         segs = [self._segs[n] for n in self._order]
         return [(s.num, s.first_offset, s.first_ts, s.count) for s in segs]
+
+    @property
+    def last_chunk_offset(self) -> int:
+        """Offset of the first message of the last chunk stored (``next_offset`` when empty):
+        where RabbitMQ's offset spec ``last`` starts.
+
+        A chunk is what one append stored: one ``append_run`` (a stream-protocol Publish
+        frame, an AMQP publish run) or one ``append``. Appends made since this store was
+        opened are remembered exactly; after a restart (or on a new leader, which opens the
+        replicated files) the last chunk is read back from the newest segment holding
+        records: its trailing records that share the last one's timestamp (a run is stored
+        with one timestamp), so two appends within the same millisecond read back as one."""
+        first = self.first_offset
+        if self._last_chunk is None:
+            self._last_chunk = self._recovered_last_chunk()
+        return min(max(self._last_chunk, first), self._next_offset)
+
+    def _recovered_last_chunk(self) -> int:
+        for num in reversed(self._order):
+            seg = self._segs[num]
+            if not seg.count:
+                continue
+            mm = self._map_read(seg)
+            pos = HEADER_SIZE
+            start, ts = 0, None
+            for i in range(seg.count):  # one walk of one segment, once per store opening
+                t = _I64.unpack_from(mm, pos)[0]
+                if t != ts:
+                    start, ts = i, t
+                pos = fmt.record_end(mm, pos)[0]
+            return seg.first_offset + start
+        return self._next_offset
 
     def seek(self, offset: int) -> StreamPosition:
         """A position at ``offset`` clamped to [first_offset, next_offset]."""
