@@ -452,6 +452,75 @@ def test_connections_and_consumers_in_the_api_closable(target: Target, shared_br
         w.close()
 
 
+def test_stream_plugin_api_connections_publishers_consumers(target: Target, shared_broker: Broker) -> None:
+    """RabbitMQ's stream management paths: ``/api/stream/connections`` (by vhost, one by name,
+    its publishers and consumers, DELETE), ``/api/stream/publishers`` (by vhost and stream) and
+    ``/api/stream/consumers``, with rstream's named publisher and a subscription."""
+    stream, name, ref = _name("sapi"), _name("sconn"), _name("ref")
+    got: list[int] = []
+
+    async def scenario() -> None:
+        kw = {**target.kw(), "connection_name": name}
+        async with Producer(target.host, **kw) as p:
+            await p.create_stream(stream)
+            for i in range(3):
+                await p.send_wait(stream, b"m%d" % i, publisher_name=ref)
+            c = Consumer(target.host, **kw)
+            await c.start()
+            try:
+                await c.subscribe(stream, lambda _m, ctx: got.append(ctx.offset),
+                                  offset_specification=_first(), properties={"app": "api-test"})
+                await _until(lambda: len(got) >= 3, 10, "3 deliveries")
+                await asyncio.to_thread(_check_stream_api, shared_broker, stream, name, ref)
+            finally:
+                await c.close()
+            await p.delete_stream(stream)
+
+    run_async(scenario(), 60)
+    w = StreamWire(target.host, target.port)
+    try:  # DELETE closes a stream connection with a Close carrying the reason
+        assert w.handshake(target.user, target.password, properties={"connection_name": name}) == C.OK
+        status, conns = _api(shared_broker, "GET", "/api/stream/connections")
+        (conn,) = [c for c in conns if c["client_properties"].get("connection_name") == name]
+        quoted = urllib.parse.quote(conn["name"], safe="")
+        assert _api(shared_broker, "DELETE", f"/api/stream/connections/%2F/{quoted}")[0] == 204
+        assert b"Closed via management plugin" in w.expect(C.CLOSE)
+        assert _api(shared_broker, "GET", f"/api/stream/connections/%2F/{quoted}")[0] == 404
+    finally:
+        w.close()
+
+
+def _check_stream_api(b: Broker, stream: str, name: str, ref: str) -> None:
+    status, conns = _api(b, "GET", "/api/stream/connections")
+    assert status == 200 and conns and all(c["protocol"] == "RabbitMQ Stream" for c in conns)
+    mine = [c for c in conns if c["client_properties"].get("connection_name") == name]
+    assert mine and all(c["vhost"] == "/" for c in mine)
+    assert _api(b, "GET", "/api/stream/connections/%2F")[1] == conns
+    status, pubs = _api(b, "GET", f"/api/stream/publishers/%2F/{stream}")
+    assert status == 200 and len(pubs) == 1, pubs
+    pub = pubs[0]
+    assert pub["reference"] == ref and pub["queue"] == {"name": stream, "vhost": "/"}
+    assert (pub["published"], pub["confirmed"], pub["errored"]) == (3, 3, 0)
+    assert set(pub["connection_details"]) == {"name", "user", "node", "peer_host", "peer_port"}
+    assert pub in _api(b, "GET", "/api/stream/publishers")[1]
+    assert pub in _api(b, "GET", "/api/stream/publishers/%2F")[1]
+    status, consumers = _api(b, "GET", "/api/stream/consumers/%2F")
+    sub = [c for c in consumers if c["queue"]["name"] == stream]
+    assert status == 200 and len(sub) == 1, consumers
+    assert sub[0]["consumed"] == 3 and sub[0]["offset"] == 3 and sub[0]["properties"]["app"] == "api-test"
+    assert sub[0]["active"] is True and sub[0]["activity_status"] == "up"
+    assert isinstance(sub[0]["credits"], int)
+    sub_conn = urllib.parse.quote(sub[0]["connection_details"]["name"], safe="")
+    pub_conn = urllib.parse.quote(pub["connection_details"]["name"], safe="")
+    status, one = _api(b, "GET", f"/api/stream/connections/%2F/{sub_conn}")
+    assert status == 200 and one["name"] == sub[0]["connection_details"]["name"]
+    assert _api(b, "GET", f"/api/stream/connections/%2F/{sub_conn}/consumers")[1] == sub
+    assert _api(b, "GET", f"/api/stream/connections/%2F/{pub_conn}/publishers")[1] == [pub]
+    assert _api(b, "GET", "/api/stream/connections/%2F/no-such-connection")[0] == 404
+    assert _api(b, "GET", "/api/stream/publishers/%2F/no-such-stream")[0] == 404
+    assert _api(b, "GET", "/api/stream/consumers/no-such-vhost")[0] == 404
+
+
 def _sub_entry(records: list[bytes], gzip_it: bool) -> bytes:
     """A sub-entry as the clients build it: records size-prefixed, gzip-compressed or not."""
     raw = b"".join(struct.pack(">I", len(r)) + r for r in records)
