@@ -521,7 +521,11 @@ class StreamQueue(Queue):
         return self.stream.stored_offset(_PUBLISHER_KEY + reference)
 
     def set_publisher_sequence(self, reference: str, publishing_id: int) -> None:
-        self.store_offset(_PUBLISHER_KEY + reference, publishing_id)
+        """Keep a named publisher's highest stored id, written in order with the log
+        (``StreamStore.store_sequence``), so deduplication holds across kill -9 and failover."""
+        if not self.deleted:
+            self.stream.store_sequence(_PUBLISHER_KEY + reference, publishing_id)
+            self.on_dirty(self.store)
 
     # ------------------------------------------------------------- unsupported
     def get(self) -> tuple[int, bytes, bytes, bytes, bytes, bool] | None:

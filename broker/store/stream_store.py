@@ -65,6 +65,7 @@ from broker.store import segment as fmt
 from broker.store.fileio import atomic_write
 from broker.store.segment import HEADER, HEADER_SIZE, LogSegment
 from broker.store.segment_log import SegmentFiles, SegmentLog, is_no_space
+from broker.store.sequences import SequenceLog
 from broker.store.sink import NULL_SINK, ReplicationSink
 
 DEFAULT_SEGMENT_SIZE: Final = 8 * 1024 * 1024
@@ -151,7 +152,7 @@ class StreamPosition:
 
 class StreamStore(SegmentLog[_Seg]):
     __slots__ = ("retention", "_firsts", "_next_offset", "_last_chunk", "_count", "_bytes", "_offsets",
-                 "_offsets_path", "_offsets_written", "_offsets_sent")
+                 "_offsets_path", "_offsets_written", "_offsets_sent", "_seqlog")
 
     def __init__(self, directory: Path, *, segment_size: int = DEFAULT_SEGMENT_SIZE,
                  sink: ReplicationSink = NULL_SINK, retention: Retention | None = None,
@@ -168,6 +169,7 @@ class StreamStore(SegmentLog[_Seg]):
         self._offsets_written = b""
         self._offsets_sent = b""
         self._unsynced_paths: set[Path] = set()
+        self._seqlog = SequenceLog(directory, sink, self._files)
         try:
             directory.mkdir(parents=True, exist_ok=True)
             self._recover()
@@ -546,6 +548,16 @@ class StreamStore(SegmentLog[_Seg]):
                 self._offsets[tag] = offset
             self._dirty = True
 
+    def store_sequence(self, name: str, value: int) -> None:
+        """Store a publisher sequence (``value`` under ``name``, as ``store_offset``) and append
+        it at once to the ``sequences`` file, in order with the log (``sequences.py``): it
+        survives kill -9 and reaches followers with the messages it covers."""
+        self.store_offset(name, value)
+        if self._seqlog.append(name, value, self._next_offset):
+            with self._lock:
+                self._unsynced_paths.add(self._seqlog.path)
+            self._dirty = True
+
     def _offsets_bytes(self) -> bytes:
         return json.dumps({"version": 1, "offsets": self._offsets}, sort_keys=True).encode()
 
@@ -646,6 +658,9 @@ class StreamStore(SegmentLog[_Seg]):
             pass
         except (ValueError, AttributeError, TypeError) as exc:
             raise StoreError(f"{self._offsets_path}: unreadable consumer offsets: {exc}") from exc
+        for name, seq in self._seqlog.load(self._next_offset).items():
+            if seq > self._offsets.get(name, -1):
+                self._offsets[name] = seq
 
 
 # ---------------------------------------------------------------------- read-only access
