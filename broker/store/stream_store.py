@@ -75,6 +75,9 @@ _INDEX: Final = struct.Struct("<4sIQq")  # magic, version, first offset, first t
 _INDEX_MAGIC: Final = b"SKSI"
 _INDEX_VERSION: Final = 1
 _CRC: Final = struct.Struct("<I")
+# largest span of alike records checked by one rebuild-and-compare in ``read_run``: larger
+# copies cost more than the per-record loop saves (fresh large allocations), so they walk
+_ONE_COMPARE_MAX: Final = 64 * 1024
 _I64: Final = fmt.I64
 _U32_PACK: Final = fmt.U32.pack
 _U64_PACK: Final = fmt.U64.pack
@@ -497,8 +500,16 @@ class StreamStore(SegmentLog[_Seg]):
         if n < 2:
             return None
         head = mm[pos:body_at]
-        rows = struct.iter_unpack(f"{hl}s{bs}s", mm[pos:pos + n * stride])
-        bodies: list[bytes] = []
+        blob = mm[pos:pos + n * stride]
+        if n * stride <= _ONE_COMPARE_MAX:
+            # the usual case, every record of the span alike: the bodies in one unpack that
+            # skips the heads, checked by one comparison against the span rebuilt from them
+            # (no Python step per record; about half the CPU of the loop below, measured)
+            bodies = list(struct.unpack(f"{hl}x{bs}s" * n, blob))
+            if head + head.join(bodies) == blob:
+                return head[q + 4 - pos:hl - 8], bodies, pos + n * stride
+        rows = struct.iter_unpack(f"{hl}s{bs}s", blob)
+        bodies = []
         add = bodies.append
         for h, body in rows:
             if h != head:
