@@ -29,12 +29,9 @@ from aiohttp import web
 
 from broker.http.common import (
     MGMT_KEY,
-    forbidden,
-    is_admin,
-    no_content,
+    close_session,
     not_found,
     paginate,
-    user_of,
     vhost_param,
     visible_sessions,
 )
@@ -103,13 +100,7 @@ async def stream_connection(request: web.Request) -> web.Response:
 
 @routes.delete("/api/stream/connections/{vhost}/{name}")
 async def close_stream_connection(request: web.Request) -> web.Response:
-    session = _connection(request)
-    user = user_of(request)
-    if not is_admin(user) and session.username != user.name:
-        raise forbidden("Not administrator user")
-    reason = request.headers.get("X-Reason", "Closed via management plugin")
-    request.app[MGMT_KEY].close_connection(session, reason)
-    return no_content()
+    return close_session(request, _connection(request))
 
 
 @routes.get("/api/stream/connections/{vhost}/{name}/publishers")
@@ -122,15 +113,16 @@ async def stream_connection_consumers(request: web.Request) -> web.Response:
     return paginate(request, _entities(request, "consumers", [_connection(request)]))
 
 
+def _listing(request: web.Request, kind: str) -> web.Response:
+    """Every publisher or consumer, or those of the path's vhost."""
+    vhost = vhost_param(request) if "vhost" in request.match_info else None
+    return paginate(request, _entities(request, kind, _stream_sessions(request, vhost)))
+
+
 @routes.get("/api/stream/publishers")
-async def stream_publishers(request: web.Request) -> web.Response:
-    return paginate(request, _entities(request, "publishers", _stream_sessions(request)))
-
-
 @routes.get("/api/stream/publishers/{vhost}")
-async def vhost_stream_publishers(request: web.Request) -> web.Response:
-    vhost = vhost_param(request)
-    return paginate(request, _entities(request, "publishers", _stream_sessions(request, vhost)))
+async def stream_publishers(request: web.Request) -> web.Response:
+    return _listing(request, "publishers")
 
 
 @routes.get("/api/stream/publishers/{vhost}/{stream}")
@@ -143,11 +135,6 @@ async def stream_publishers_of(request: web.Request) -> web.Response:
 
 
 @routes.get("/api/stream/consumers")
-async def stream_consumers(request: web.Request) -> web.Response:
-    return paginate(request, _entities(request, "consumers", _stream_sessions(request)))
-
-
 @routes.get("/api/stream/consumers/{vhost}")
-async def vhost_stream_consumers(request: web.Request) -> web.Response:
-    vhost = vhost_param(request)
-    return paginate(request, _entities(request, "consumers", _stream_sessions(request, vhost)))
+async def stream_consumers(request: web.Request) -> web.Response:
+    return _listing(request, "consumers")
