@@ -264,7 +264,7 @@ class Subscription(RecordConsumer):
             self.consumed += n
             self.offset = first_offset + n
             session.out.write(C.encode_deliver_run(self.sub_id, first_offset, timestamp_ms,
-                                                        stream_entries(props, bodies)))
+                                                        stream_entries(props, bodies), self.committed()))
 
     def flush(self) -> None:
         self.flush_due = False
@@ -274,7 +274,14 @@ class Subscription(RecordConsumer):
                 self.session.delivered += len(chunk)
                 self.consumed += len(chunk)
                 self.offset = self.first + len(chunk)
-                self.session.out.write(C.encode_deliver(self.sub_id, self.first, self.stamp, chunk))
+                self.session.out.write(C.encode_deliver(self.sub_id, self.first, self.stamp, chunk,
+                                                        self.committed()))
+
+    def committed(self) -> int | None:
+        """Deliver version 2's committed chunk id: the first offset of the last chunk the
+        stream holds (Skred hands chunks to consumers once stored, before the group commit
+        that confirms them, so this is the last chunk stored); None for a version 1 client."""
+        return self.stream.stream.last_chunk_offset if self.session.deliver_v2 else None
 
     def cancelled_by_server(self) -> None:
         self.session.stream_gone(self)
@@ -356,6 +363,7 @@ class StreamSession:
     confirmed: int = 0
     delivered: int = 0
     published: bool = False  # declared a publisher (the publishers gauge counts these)
+    deliver_v2: bool = False  # the client speaks Deliver version 2 (ExchangeCommandVersions)
     _corr: int = 0
 
     # ------------------------------------------------------------------ entry
@@ -498,10 +506,14 @@ class StreamSession:
         self.out.write(C.response(C.OPEN, corr, C.OK, C.props_bytes(props)))
 
     def command_versions(self, f: C.Frame) -> None:
+        """Both sides list the versions they speak; a client that speaks Deliver version 2
+        gets its chunks as version 2 from here on (with the committed chunk id)."""
         c = C.Cursor(f.payload)
         corr = c.u32()
         for _ in range(c.count()):
-            c.u16(), c.u16(), c.u16()
+            key, _lo, hi = c.u16(), c.u16(), c.u16()
+            if key == C.DELIVER:
+                self.deliver_v2 = hi >= 2
         c.end()
         self.out.write(C.encode_command_versions(corr))
 

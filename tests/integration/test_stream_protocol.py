@@ -521,6 +521,42 @@ def _check_stream_api(b: Broker, stream: str, name: str, ref: str) -> None:
     assert _api(b, "GET", "/api/stream/consumers/no-such-vhost")[0] == 404
 
 
+def test_deliver_version_2_for_a_client_that_asks(target: Target) -> None:
+    """A client listing Deliver up to version 2 in ExchangeCommandVersions gets Deliver version 2:
+    the committed chunk id (the first offset of the last chunk stored) after the subscription id,
+    then the chunk as in version 1 (frames written by hand: rstream speaks version 1 only)."""
+    stream = _name("dv2")
+    w = StreamWire(target.host, target.port)
+    try:
+        assert w.handshake(target.user, target.password) == C.OK
+        corr = w.next_corr()
+        ask = struct.pack(">Ii", corr, 1) + struct.pack(">HHH", C.DELIVER, 1, 2)
+        w.send(frame(C.EXCHANGE_COMMAND_VERSIONS, ask))
+        answer = w.expect(C.EXCHANGE_COMMAND_VERSIONS | C.RESPONSE)
+        (count,) = struct.unpack_from(">i", answer, 6)
+        versions = {k: (lo, hi) for k, lo, hi in struct.iter_unpack(">HHH", answer[10:10 + 6 * count])}
+        assert versions[C.DELIVER] == (1, 2)
+        assert w.request(C.CREATE, s16(stream) + struct.pack(">i", 0)) == C.OK
+        assert w.request(C.DECLARE_PUBLISHER, bytes([1]) + s16("") + s16(stream)) == C.OK
+        for batch in (range(3), range(3, 5)):  # two chunks stored: offsets 0-2, then 3-4
+            msgs = b"".join(struct.pack(">QI", i, 2) + b"m%d" % i for i in batch)
+            w.send(frame(C.PUBLISH, bytes([1]) + struct.pack(">i", len(batch)) + msgs))
+            w.expect(C.PUBLISH_CONFIRM)
+        sub = struct.pack(">B", 3) + s16(stream) + struct.pack(">HHi", C.OFFSET_FIRST, 10, 0)
+        assert w.request(C.SUBSCRIBE, sub) == C.OK
+        got = w.read()
+        assert got is not None and got[0] == C.DELIVER and got[1] == 2, got
+        payload = got[2]
+        sub_id, committed, magic = struct.unpack_from(">BQB", payload)
+        assert (sub_id, committed, magic) == (3, 3, C.CHUNK_MAGIC_VERSION)
+        # then version 1's chunk: type, entries, records, timestamp, epoch, first offset, ...
+        (n_entries,) = struct.unpack_from(">H", payload, 11)
+        (first_offset,) = struct.unpack_from(">Q", payload, 33)
+        assert first_offset == 0 and n_entries >= 3
+    finally:
+        w.close()
+
+
 def _sub_entry(records: list[bytes], gzip_it: bool) -> bytes:
     """A sub-entry as the clients build it: records size-prefixed, gzip-compressed or not."""
     raw = b"".join(struct.pack(">I", len(r)) + r for r in records)
