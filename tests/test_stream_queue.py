@@ -196,3 +196,20 @@ def test_publisher_sequence_whose_messages_were_lost_is_ignored(tmp_path: Path) 
     assert s.stored_offset("p") == 1  # offset 2 was never stored: the record for 9 is not believed
     assert path.read_bytes() == good + sequences.encode("p", 9, 2)  # the torn record is gone
     s.close()
+
+
+def test_publisher_sequences_file_is_compacted_and_still_read(tmp_path: Path) -> None:
+    """Past ``COMPACT_MIN`` records (and four per name) the sequences file is rewritten with one
+    record per name; reopened without a sync, the store still has every latest sequence."""
+    store = StreamStore(tmp_path / "s")
+    for i in range(1, sequences.COMPACT_MIN + 10):
+        store.append(1, b"", b"k", b"\x00\x00", b"m")
+        store.store_sequence("a", i)
+    store.store_sequence("b", 7)
+    path = tmp_path / "s" / sequences.NAME
+    records, end = sequences.decode(path.read_bytes())
+    assert end == path.stat().st_size and len(records) < 20  # compacted, then appended to
+    again = StreamStore(tmp_path / "s")  # as after kill -9: the first store never synced
+    assert (again.stored_offset("a"), again.stored_offset("b")) == (sequences.COMPACT_MIN + 9, 7)
+    again.close()
+    store.close()
