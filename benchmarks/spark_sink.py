@@ -1,13 +1,17 @@
 #!/usr/bin/env python3
 """The Spark sink's task body without Spark: rows/s of one task for each ``confirmWindow``.
 
+Each window is measured twice: at least once (AMQP over aiormq, a frame per row) and with
+``exactlyOnce`` to the stream (the stream protocol: a window of rows framed by hand and written
+with one call, ``broker/spark/stream_publish.py``).
+
 One private ``skred`` process on free ports and a temp data dir; for each window, ``--rows``
 rows (~10-byte values) are published by the sink's own task code (``broker.spark.sink``) to a
 fresh stream, with confirms, and the wall seconds and the client's CPU seconds are printed.
 Spark's per-job cost (a JVM, Python workers) is left out, so this isolates the publishing.
 The windows run one after the other in one run: quote their ratio, and the machine's load.
 
-    python benchmarks/spark_sink.py --rows 3000 --windows 1,1000
+    python benchmarks/spark_sink.py --rows 20000 --windows 100,1000
 """
 
 from __future__ import annotations
@@ -53,16 +57,20 @@ def main(argv: list[str] | None = None) -> int:
         try:
             print(f"| {args.rows:,} rows, one task | rows/s | client CPU µs/row |\n| --- | --- | --- |")
             for window in args.windows.split(","):
-                stream = f"bench-{window}"
-                conn = pika.BlockingConnection(pika.URLParameters(broker.url))
-                conn.channel().queue_declare(stream, durable=True, arguments={"x-queue-type": "stream"})
-                conn.close()
-                sink = _Sink({"uri": broker.url, "topic": stream, "confirmWindow": window}, _Schema())
-                rows = (_Row(b"value-%d" % i) for i in range(args.rows))
-                t0, c0 = time.perf_counter(), time.process_time()
-                out = asyncio.run(sink._publish(rows, "bench.0.0"))
-                wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-                print(f"| confirmWindow {window} | {out.rows / wall:,.0f} | {cpu / out.rows * 1e6:,.0f} |")
+                for exactly in ("false", "true"):
+                    stream = f"bench-{window}-{exactly}"
+                    conn = pika.BlockingConnection(pika.URLParameters(broker.url))
+                    conn.channel().queue_declare(stream, durable=True, arguments={"x-queue-type": "stream"})
+                    conn.close()
+                    sink = _Sink({"uri": broker.url, "topic": stream, "confirmWindow": window,
+                                  "exactlyOnce": exactly, "streamPort": str(broker.stream_port)}, _Schema())
+                    rows = (_Row(b"value-%d" % i) for i in range(args.rows))
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    out = asyncio.run(sink._publish(rows, "bench", 0, 0))
+                    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+                    how = "exactlyOnce, stream protocol" if exactly == "true" else "AMQP (aiormq)"
+                    print(f"| confirmWindow {window}, {how} | {out.rows / wall:,.0f} "
+                          f"| {cpu / out.rows * 1e6:,.0f} |")
         finally:
             broker.close()
     return 0

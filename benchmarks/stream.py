@@ -42,8 +42,25 @@ _TICK = os.sysconf("SC_CLK_TCK")
 
 
 def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICK  # utime + stime
+    """CPU of ``pid`` and every process below it (a broker may run workers or sit under a
+    wrapper): utime + stime + the reaped children's, summed over the live tree."""
+    stats: dict[int, tuple[int, int]] = {}  # pid -> (parent, ticks)
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+        stats[int(entry.name)] = (int(fields[1]), sum(int(f) for f in fields[11:15]))
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        for child, (ppid, _ticks) in stats.items():
+            if ppid == parent and child not in tree:
+                tree.add(child)
+                frontier.append(child)
+    return sum(stats[p][1] for p in tree if p in stats) / _TICK
 
 
 async def publish(port: int, stream: str, n: int, size: int, batch: int) -> None:

@@ -145,6 +145,17 @@ class FrontEndView(Protocol):
 
 
 @runtime_checkable
+class StreamEntitiesView(Protocol):
+    """The stream protocol's publishers and subscriptions with the connection each belongs to,
+    as JSON-ready dicts naming their stream (``/api/stream/publishers`` and ``/consumers``);
+    a front end that offers them is the stream protocol's (``/api/stream/connections``)."""
+
+    def stream_publishers(self) -> Iterable[tuple[ConnectionView, dict[str, Any]]]: ...
+
+    def stream_consumers(self) -> Iterable[tuple[ConnectionView, dict[str, Any]]]: ...
+
+
+@runtime_checkable
 class SessionsView(Protocol):
     """A front end with sessions of its own beyond its connections (MQTT's, which outlive them):
     ``/api/mqtt/sessions`` and the UI's MQTT pages read them as plain JSON-ready dicts."""

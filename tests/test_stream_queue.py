@@ -12,6 +12,7 @@ from pamqp import commands
 from broker import errors
 from broker.model.queue import Consumer, Queue
 from broker.model.stream import OFFSET_BITS, StreamQueue, _decode
+from broker.store import sequences
 from broker.store.stream_store import StreamStore
 
 
@@ -161,3 +162,54 @@ def test_vhost_declares_streams(tmp_path: Path) -> None:
     q2 = vh.queues["s"]
     assert isinstance(q2, StreamQueue) and q2.message_count == 3
     vh.close()
+
+
+def test_publisher_sequence_survives_a_kill_before_any_sync(tmp_path: Path) -> None:
+    """A named publisher's sequence is written in order with the log, so a process killed after
+    storing messages and before the sync that rewrites the offsets file (what kill -9 leaves:
+    the writes in the page cache, no sync) still deduplicates them when the client resends."""
+    q, _ = _queue(tmp_path)
+    _pub(q, 3)
+    q.set_publisher_sequence("app", 3)
+    _pub(q, 2)
+    q.set_publisher_sequence("app", 5)
+    q.set_publisher_sequence("other", 1)
+    # reopened as after kill -9: the first store was neither synced nor closed
+    again = StreamStore(tmp_path / "s", segment_size=1024)
+    assert again.next_offset == 5
+    assert again.stored_offset("\x00publisher:app") == 5 and again.stored_offset("\x00publisher:other") == 1
+    again.close()
+    q.close()
+
+
+def test_publisher_sequence_whose_messages_were_lost_is_ignored(tmp_path: Path) -> None:
+    """A sequence record is kept only if the log holds the messages it covers (its end offset),
+    and a torn record at the end is cut off."""
+    store = StreamStore(tmp_path / "s", segment_size=1024)
+    store.append(1, b"", b"k", b"\x00\x00", b"m")
+    store.store_sequence("p", 1)
+    store.close()
+    path = tmp_path / "s" / sequences.NAME
+    good = path.read_bytes()
+    path.write_bytes(good + sequences.encode("p", 9, 2) + sequences.encode("p", 10, 1)[:-3])
+    s = StreamStore(tmp_path / "s", segment_size=1024)
+    assert s.stored_offset("p") == 1  # offset 2 was never stored: the record for 9 is not believed
+    assert path.read_bytes() == good + sequences.encode("p", 9, 2)  # the torn record is gone
+    s.close()
+
+
+def test_publisher_sequences_file_is_compacted_and_still_read(tmp_path: Path) -> None:
+    """Past ``COMPACT_MIN`` records (and four per name) the sequences file is rewritten with one
+    record per name; reopened without a sync, the store still has every latest sequence."""
+    store = StreamStore(tmp_path / "s")
+    for i in range(1, sequences.COMPACT_MIN + 10):
+        store.append(1, b"", b"k", b"\x00\x00", b"m")
+        store.store_sequence("a", i)
+    store.store_sequence("b", 7)
+    path = tmp_path / "s" / sequences.NAME
+    records, end = sequences.decode(path.read_bytes())
+    assert end == path.stat().st_size and len(records) < 20  # compacted, then appended to
+    again = StreamStore(tmp_path / "s")  # as after kill -9: the first store never synced
+    assert (again.stored_offset("a"), again.stored_offset("b")) == (sequences.COMPACT_MIN + 9, 7)
+    again.close()
+    store.close()

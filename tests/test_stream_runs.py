@@ -235,6 +235,15 @@ def test_read_run_of_alike_records_equals_the_walk(tmp_path: Path) -> None:
             got.extend((first + i, want[first + i][1], props[i], bodies[i]) for i in range(len(bodies)))
         assert got == want, (count, nbytes)
     s.close()
+    big = StreamStore(tmp_path / "big", segment_size=1 << 20)  # spans past the one-compare bound
+    big.append_run(TS, EXRK, [_PLAIN_PROPS] * 100, [b"y" * 1000] * 100, same=True)
+    big.append_run(TS + 1, EXRK, [_PLAIN_PROPS] * 100, [b"w" * 1000] * 100, same=True)
+    runs = []
+    p = big.seek(0)
+    while (run := big.read_run(p, 256, 1 << 20)) is not None:
+        runs.append((run[0], run[3]))
+    assert runs == [(0, [b"y" * 1000] * 100), (100, [b"w" * 1000] * 100)]
+    big.close()
 
 
 def test_deliver_chunks_frame_alike_with_equal_or_mixed_lengths() -> None:

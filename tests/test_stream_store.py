@@ -129,3 +129,23 @@ def test_parse_age() -> None:
     for bad in ("7", "1w", "h", "", "7 days"):
         with pytest.raises(ValueError):
             parse_age(bad)
+
+
+def test_last_chunk_is_the_last_append_and_survives_reopening(tmp_path: Path) -> None:
+    """``last`` (RabbitMQ: the first message of the last chunk): the last append's first offset,
+    read back after reopening from the trailing records that share the last timestamp."""
+    s = StreamStore(tmp_path)
+    assert s.last_chunk_offset == 0  # empty: where the next append lands
+    _fill(s, 3)
+    assert s.last_chunk_offset == 2
+    s.append_run(T0 + 100, b"\x00\x02rk", [b"\x00\x00"] * 4, [b"a", b"b", b"c", b"d"])
+    assert s.last_chunk_offset == 3
+    s.close()
+    s = StreamStore(tmp_path)
+    assert (s.last_chunk_offset, s.next_offset) == (3, 7)
+    s.append_run(T0 + 200, b"\x00\x02rk", [b"\x00\x00"] * 2, [b"e", b"f"], same=True)
+    assert s.last_chunk_offset == 7
+    s.close()
+    s = StreamStore(tmp_path)  # the newest segment now holds only the last run
+    assert s.last_chunk_offset == 7
+    s.close()

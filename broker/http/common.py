@@ -194,6 +194,17 @@ def visible_sessions(request: web.Request) -> list[ConnectionView]:
     return [s for s in sessions if s.username == user.name]
 
 
+def close_session(request: web.Request, session: ConnectionView) -> web.Response:
+    """``DELETE`` of a connection: its own user or an administrator closes it, with the
+    ``X-Reason`` header as the reason."""
+    user = user_of(request)
+    if not is_admin(user) and session.username != user.name:
+        raise forbidden("Not administrator user")
+    reason = request.headers.get("X-Reason", "Closed via management plugin")
+    request.app[MGMT_KEY].close_connection(session, reason)
+    return no_content()
+
+
 def check_perm(request: web.Request, kind: str, vhost: str, resource: str) -> None:
     """The AMQP permission the same action would need (configure/write/read)."""
     users = request.app[MGMT_KEY].broker.users

@@ -17,10 +17,9 @@ from broker.http.common import (
     bad_request,
     can_see_vhost,
     check_perm,
+    close_session,
     forbidden,
-    is_admin,
     json_body,
-    no_content,
     not_found,
     paginate,
     require_admin,
@@ -297,13 +296,7 @@ async def connection(request: web.Request) -> web.Response:
 
 @routes.delete("/api/connections/{name}")
 async def close_connection(request: web.Request) -> web.Response:
-    session = _connection(request)
-    user = user_of(request)
-    if not is_admin(user) and session.username != user.name:
-        raise forbidden("Not administrator user")
-    reason = request.headers.get("X-Reason", "Closed via management plugin")
-    request.app[MGMT_KEY].close_connection(session, reason)
-    return no_content()
+    return close_session(request, _connection(request))
 
 
 @routes.get("/api/connections/{name}/channels")

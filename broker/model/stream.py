@@ -230,8 +230,8 @@ def named_offset(s: StreamStore, name: str) -> int | None:
     management API's stream reader take the same names); None for any other string."""
     if name == "first":
         return s.first_offset
-    if name == "last":
-        return max(s.next_offset - 1, s.first_offset)
+    if name == "last":  # the first message of the last chunk stored, as RabbitMQ
+        return s.last_chunk_offset
     if name == "next":
         return s.next_offset
     return None
@@ -521,7 +521,11 @@ class StreamQueue(Queue):
         return self.stream.stored_offset(_PUBLISHER_KEY + reference)
 
     def set_publisher_sequence(self, reference: str, publishing_id: int) -> None:
-        self.store_offset(_PUBLISHER_KEY + reference, publishing_id)
+        """Keep a named publisher's highest stored id, written in order with the log
+        (``StreamStore.store_sequence``), so deduplication holds across kill -9 and failover."""
+        if not self.deleted:
+            self.stream.store_sequence(_PUBLISHER_KEY + reference, publishing_id)
+            self.on_dirty(self.store)
 
     # ------------------------------------------------------------- unsupported
     def get(self) -> tuple[int, bytes, bytes, bytes, bytes, bool] | None:

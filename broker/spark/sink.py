@@ -16,15 +16,21 @@ is refused before a task runs.
 The target (``topic``) is an exchange when one of that name exists (rows go to it with their
 ``key`` as routing key), else a queue or stream reached through the default exchange.
 
-Exactly once (``exactlyOnce=true``): every row gets a deterministic id,
-``<query id>.<batch id>.<task partition>.<row number>`` (streaming: Spark's query id, kept in
-the checkpoint, and the micro-batch id, the same when a batch is re-run after a failure; batch
-writes: the ``queryId`` option, else one id per write job), as both ``message_id`` and the
-``x-deduplication-header`` header. The target must be an exchange declared with
-``x-message-deduplication: true`` (bound to the stream): it drops a message whose id it has
-seen within its cache, so a retried task or a re-run batch adds nothing. The cache is the
-exchange's (``x-cache-size``, ``x-cache-ttl``), kept in memory: size it above the rows of a
-batch, and note it does not survive a broker restart or leader change.
+Exactly once (``exactlyOnce=true``): every row gets a deterministic id from the query id
+(streaming: Spark's, kept in the checkpoint; batch writes: the ``queryId`` option, else one per
+write job), the micro-batch id (the same when a batch is re-run after a failure), the task's
+partition and the row number. Two targets deduplicate by it:
+
+* a **stream** (the durable way): rows go over the stream protocol (``streamPort``, 5552 by
+  default) as a publisher named ``<query id>.<partition>`` with publishing ids
+  ``batch id << 32 | row number`` (``stream_publish.py``); the stream keeps each publisher's
+  highest stored id in order with its log, so a retried task or re-run batch adds nothing, also
+  after a broker restart, kill -9 or a leader change. Per-row ``headers`` are refused there.
+* an **exchange** declared with ``x-message-deduplication: true`` (bound to the stream): the id
+  ``<query id>.<batch id>.<partition>.<row number>`` goes in ``message_id`` and the
+  ``x-deduplication-header`` header, and the exchange drops an id it has seen within its cache
+  (``x-cache-size``, ``x-cache-ttl``), kept in memory: it does not survive a broker restart or
+  leader change.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from pyspark.sql.datasource import (  # type: ignore[import-not-found,import-unt
 )
 
 from broker.spark.options import SINK_OPTIONS, checked, flag
+from broker.spark.stream_publish import NoSuchStream, StreamPublisher, publishing_id
 
 ROW_COLUMNS = ("value", "key", "topic", "headers", "partition")
 DEDUP_HEADER = "x-deduplication-header"
@@ -71,6 +78,8 @@ class _Sink:
         self.query_id = opts.get("queryid") or uuid.uuid4().hex
         self.confirm_timeout = float(opts.get("confirmtimeout", "30"))
         self.window = int(opts.get("confirmwindow", str(WINDOW)))
+        self.stream_port = int(opts.get("streamport", "5552"))
+        self.vhost = opts.get("vhost")
         if not 1 <= self.window <= WINDOW_MAX:
             raise ValueError(f"skred sink: confirmWindow must be 1..{WINDOW_MAX}")
         names = schema.fieldNames()
@@ -93,9 +102,10 @@ class _Sink:
             query = ctx.getLocalProperty("sql.streaming.queryId") or query
             raw = ctx.getLocalProperty("streaming.sql.batchId")
             batch_id = int(raw) if raw is not None else None
-        return asyncio.run(self._publish(rows, f"{query}.{batch_id or 0}.{task}"))
+        return asyncio.run(self._publish(rows, query, batch_id or 0, task))
 
-    async def _publish(self, rows: Iterator[Any], id_prefix: str) -> Published:
+    async def _publish(self, rows: Iterator[Any], query: str, batch_id: int, task: int) -> Published:
+        id_prefix = f"{query}.{batch_id}.{task}"
         import aiormq
         from pamqp.commands import Basic
 
@@ -107,6 +117,7 @@ class _Sink:
             # the concrete channel: its publish can skip waiting for the socket to drain
             ch = cast(aiormq.Channel, await conn.channel(publisher_confirms=True, on_return_raises=True))
             targets: dict[str, bool] = {}
+            streams: dict[str, StreamPublisher] = {}
             n = 0
             for n, row in enumerate(rows, 1):
                 d = row.asDict()
@@ -118,11 +129,16 @@ class _Sink:
                 is_exchange = targets.get(topic)
                 if is_exchange is None:
                     is_exchange = targets[topic] = await _exchange_exists(conn, topic)
-                if self.exactly_once and not is_exchange:
-                    raise ValueError(f"skred sink: exactlyOnce needs '{topic}' to be an exchange "
-                                     "declared with x-message-deduplication (bound to the stream)")
                 value = d["value"]
                 body = value.encode() if isinstance(value, str) else bytes(value or b"")
+                if self.exactly_once and not is_exchange:  # a stream: deduplicated by the stream
+                    pub = streams.get(topic)
+                    if pub is None:
+                        pub = streams[topic] = await self._stream_publisher(topic, f"{query}.{task}")
+                    if d.get("headers"):
+                        raise ValueError("skred sink: exactlyOnce to a stream carries no headers")
+                    await pub.add(publishing_id(batch_id, n), body)
+                    continue
                 headers = dict(d.get("headers") or {})
                 # every row has a message id: the client library matches a returned row by it
                 message_id = f"{id_prefix}.{n}" if self.exactly_once else uuid.uuid4().hex
@@ -137,14 +153,34 @@ class _Sink:
                     timeout=self.confirm_timeout, wait=False)))
             while inflight:
                 await _confirmed(inflight.popleft())
+            for pub in streams.values():
+                await pub.finish()
             return Published(n)
         finally:
+            for pub in streams.values():
+                await pub.close()
             for t in inflight:
                 t.cancel()
             if inflight:
                 await asyncio.wait(inflight)
             if not conn.is_closed:
                 await conn.close()
+
+
+    async def _stream_publisher(self, topic: str, reference: str) -> StreamPublisher:
+        pub = StreamPublisher(self.uri, self.stream_port, self.vhost, topic, reference, self.window,
+                              self.confirm_timeout)
+        try:
+            await pub.open()
+        except (NoSuchStream, OSError, TimeoutError) as exc:
+            await pub.close()
+            raise ValueError(f"skred sink: exactlyOnce needs '{topic}' to be a stream (reached over the "
+                             f"stream protocol, port {self.stream_port}) or an exchange declared with "
+                             f"x-message-deduplication (bound to the stream): {exc}") from None
+        except BaseException:
+            await pub.close()
+            raise
+        return pub
 
 
 async def _confirmed(publish: asyncio.Task[Any]) -> None:

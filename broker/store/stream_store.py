@@ -65,6 +65,7 @@ from broker.store import segment as fmt
 from broker.store.fileio import atomic_write
 from broker.store.segment import HEADER, HEADER_SIZE, LogSegment
 from broker.store.segment_log import SegmentFiles, SegmentLog, is_no_space
+from broker.store.sequences import SequenceLog
 from broker.store.sink import NULL_SINK, ReplicationSink
 
 DEFAULT_SEGMENT_SIZE: Final = 8 * 1024 * 1024
@@ -74,6 +75,9 @@ _INDEX: Final = struct.Struct("<4sIQq")  # magic, version, first offset, first t
 _INDEX_MAGIC: Final = b"SKSI"
 _INDEX_VERSION: Final = 1
 _CRC: Final = struct.Struct("<I")
+# largest span of alike records checked by one rebuild-and-compare in ``read_run``: larger
+# copies cost more than the per-record loop saves (fresh large allocations), so they walk
+_ONE_COMPARE_MAX: Final = 64 * 1024
 _I64: Final = fmt.I64
 _U32_PACK: Final = fmt.U32.pack
 _U64_PACK: Final = fmt.U64.pack
@@ -150,8 +154,8 @@ class StreamPosition:
 
 
 class StreamStore(SegmentLog[_Seg]):
-    __slots__ = ("retention", "_firsts", "_next_offset", "_count", "_bytes", "_offsets",
-                 "_offsets_path", "_offsets_written", "_offsets_sent")
+    __slots__ = ("retention", "_firsts", "_next_offset", "_last_chunk", "_count", "_bytes", "_offsets",
+                 "_offsets_path", "_offsets_written", "_offsets_sent", "_seqlog")
 
     def __init__(self, directory: Path, *, segment_size: int = DEFAULT_SEGMENT_SIZE,
                  sink: ReplicationSink = NULL_SINK, retention: Retention | None = None,
@@ -160,6 +164,7 @@ class StreamStore(SegmentLog[_Seg]):
         self.retention = retention or Retention()
         self._firsts: list[int] = []  # first offsets, parallel to _order (bisect)
         self._next_offset = 0
+        self._last_chunk: int | None = None  # first offset of the last append; None: not known yet
         self._count = 0
         self._bytes = 0  # segment bytes on disk (header + records)
         self._offsets: dict[str, int] = {}
@@ -167,6 +172,7 @@ class StreamStore(SegmentLog[_Seg]):
         self._offsets_written = b""
         self._offsets_sent = b""
         self._unsynced_paths: set[Path] = set()
+        self._seqlog = SequenceLog(directory, sink, self._files)
         try:
             directory.mkdir(parents=True, exist_ok=True)
             self._recover()
@@ -206,6 +212,7 @@ class StreamStore(SegmentLog[_Seg]):
         seg.count += count
         offset = self._next_offset
         self._next_offset = offset + count
+        self._last_chunk = offset
         self._count += count
         self._bytes += end - pos
         self._dirty = True
@@ -354,6 +361,38 @@ class StreamStore(SegmentLog[_Seg]):
         segs = [self._segs[n] for n in self._order]
         return [(s.num, s.first_offset, s.first_ts, s.count) for s in segs]
 
+    @property
+    def last_chunk_offset(self) -> int:
+        """Offset of the first message of the last chunk stored (``next_offset`` when empty):
+        where RabbitMQ's offset spec ``last`` starts.
+
+        A chunk is what one append stored: one ``append_run`` (a stream-protocol Publish
+        frame, an AMQP publish run) or one ``append``. Appends made since this store was
+        opened are remembered exactly; after a restart (or on a new leader, which opens the
+        replicated files) the last chunk is read back from the newest segment holding
+        records: its trailing records that share the last one's timestamp (a run is stored
+        with one timestamp), so two appends within the same millisecond read back as one."""
+        first = self.first_offset
+        if self._last_chunk is None:
+            self._last_chunk = self._recovered_last_chunk()
+        return min(max(self._last_chunk, first), self._next_offset)
+
+    def _recovered_last_chunk(self) -> int:
+        for num in reversed(self._order):
+            seg = self._segs[num]
+            if not seg.count:
+                continue
+            mm = self._map_read(seg)
+            pos = HEADER_SIZE
+            start, ts = 0, None
+            for i in range(seg.count):  # one walk of one segment, once per store opening
+                t = _I64.unpack_from(mm, pos)[0]
+                if t != ts:
+                    start, ts = i, t
+                pos = fmt.record_end(mm, pos)[0]
+            return seg.first_offset + start
+        return self._next_offset
+
     def seek(self, offset: int) -> StreamPosition:
         """A position at ``offset`` clamped to [first_offset, next_offset]."""
         first = self.first_offset
@@ -461,8 +500,16 @@ class StreamStore(SegmentLog[_Seg]):
         if n < 2:
             return None
         head = mm[pos:body_at]
-        rows = struct.iter_unpack(f"{hl}s{bs}s", mm[pos:pos + n * stride])
-        bodies: list[bytes] = []
+        blob = mm[pos:pos + n * stride]
+        if n * stride <= _ONE_COMPARE_MAX:
+            # the usual case, every record of the span alike: the bodies in one unpack that
+            # skips the heads, checked by one comparison against the span rebuilt from them
+            # (no Python step per record; about half the CPU of the loop below, measured)
+            bodies = list(struct.unpack(f"{hl}x{bs}s" * n, blob))
+            if head + head.join(bodies) == blob:
+                return head[q + 4 - pos:hl - 8], bodies, pos + n * stride
+        rows = struct.iter_unpack(f"{hl}s{bs}s", blob)
+        bodies = []
         add = bodies.append
         for h, body in rows:
             if h != head:
@@ -510,6 +557,16 @@ class StreamStore(SegmentLog[_Seg]):
         if self._offsets.get(tag) != offset:
             with self._lock:
                 self._offsets[tag] = offset
+            self._dirty = True
+
+    def store_sequence(self, name: str, value: int) -> None:
+        """Store a publisher sequence (``value`` under ``name``, as ``store_offset``) and append
+        it at once to the ``sequences`` file, in order with the log (``sequences.py``): it
+        survives kill -9 and reaches followers with the messages it covers."""
+        self.store_offset(name, value)
+        if self._seqlog.append(name, value, self._next_offset):
+            with self._lock:
+                self._unsynced_paths.add(self._seqlog.path)
             self._dirty = True
 
     def _offsets_bytes(self) -> bytes:
@@ -612,6 +669,9 @@ class StreamStore(SegmentLog[_Seg]):
             pass
         except (ValueError, AttributeError, TypeError) as exc:
             raise StoreError(f"{self._offsets_path}: unreadable consumer offsets: {exc}") from exc
+        for name, seq in self._seqlog.load(self._next_offset).items():
+            if seq > self._offsets.get(name, -1):
+                self._offsets[name] = seq
 
 
 # ---------------------------------------------------------------------- read-only access

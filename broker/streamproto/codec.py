@@ -99,7 +99,7 @@ OFFSET_TIMESTAMP: Final = 5
 
 # What this server speaks: key -> (min version, max version), for ExchangeCommandVersions.
 VERSIONS: Final[dict[int, tuple[int, int]]] = {
-    k: (1, 2 if k == PUBLISH else 1)
+    k: (1, 2 if k in (PUBLISH, DELIVER) else 1)
     for k in (DECLARE_PUBLISHER, PUBLISH, PUBLISH_CONFIRM, PUBLISH_ERROR, QUERY_PUBLISHER_SEQUENCE,
               DELETE_PUBLISHER, SUBSCRIBE, DELIVER, CREDIT, STORE_OFFSET, QUERY_OFFSET, UNSUBSCRIBE,
               CREATE, DELETE, METADATA, METADATA_UPDATE, PEER_PROPERTIES, SASL_HANDSHAKE,
@@ -118,6 +118,7 @@ _I32: Final = struct.Struct(">i")
 _U64: Final = struct.Struct(">Q")
 _I64: Final = struct.Struct(">q")
 _CHUNK: Final = struct.Struct(">IHHBbbHIqQQIIII")  # frame head, sub id, chunk header
+_CHUNK_V2: Final = struct.Struct(">IHHBQbbHIqQQIIII")  # ... with the committed chunk id after sub id
 MAX_ARRAY: Final = 65536  # items in any array a client sends (strings, messages, properties)
 
 
@@ -522,12 +523,15 @@ def encode_command_versions(corr: int) -> bytes:
     return response(EXCHANGE_COMMAND_VERSIONS, corr, OK, _I32.pack(len(VERSIONS)) + items)
 
 
-def encode_deliver(sub_id: int, first_offset: int, timestamp_ms: int, messages: Sequence[bytes]) -> bytes:
-    """One Deliver (version 1) of a chunk holding ``messages`` at consecutive offsets."""
-    return encode_deliver_run(sub_id, first_offset, timestamp_ms, list(messages))
+def encode_deliver(sub_id: int, first_offset: int, timestamp_ms: int, messages: Sequence[bytes],
+                   committed: int | None = None) -> bytes:
+    """One Deliver of a chunk holding ``messages`` at consecutive offsets: version 1, or with
+    ``committed`` (the committed chunk id) version 2, for a client that asked for it."""
+    return encode_deliver_run(sub_id, first_offset, timestamp_ms, list(messages), committed)
 
 
-def encode_deliver_run(sub_id: int, first_offset: int, timestamp_ms: int, messages: list[bytes]) -> bytes:
+def encode_deliver_run(sub_id: int, first_offset: int, timestamp_ms: int, messages: list[bytes],
+                       committed: int | None = None) -> bytes:
     """``encode_deliver`` with the entries built in one join (length prefixes packed in one
     call), the chunk's crc32 computed over the joined data: the consume hot path."""
     n = len(messages)
@@ -540,6 +544,11 @@ def encode_deliver_run(sub_id: int, first_offset: int, timestamp_ms: int, messag
         parts[0::2] = [lengths[i:i + 4] for i in range(0, 4 * n, 4)]
         parts[1::2] = messages
         data = b"".join(parts)
+    if committed is not None:
+        head = _CHUNK_V2.pack(len(data) + _CHUNK_V2.size - 4, DELIVER, 2, sub_id, committed,
+                              CHUNK_MAGIC_VERSION, 0, n, n, timestamp_ms, 0, first_offset, zlib.crc32(data),
+                              len(data), 0, 0)
+        return head + data
     head = _CHUNK.pack(len(data) + _CHUNK.size - 4, DELIVER, 1, sub_id, CHUNK_MAGIC_VERSION, 0, n, n,
                        timestamp_ms, 0, first_offset, zlib.crc32(data), len(data), 0, 0)
     return head + data

@@ -374,6 +374,19 @@ class StreamServer:
             for sub in conn.consumers():
                 yield conn, sub
 
+    # ------------------------------------------------------------ views.StreamEntitiesView
+    def stream_publishers(self) -> Iterator[tuple[StreamProtocol, dict[str, Any]]]:
+        for conn in self.open_connections():
+            if conn.session is not None:
+                for info in conn.session.publisher_infos():
+                    yield conn, info
+
+    def stream_consumers(self) -> Iterator[tuple[StreamProtocol, dict[str, Any]]]:
+        for conn in self.open_connections():
+            if conn.session is not None:
+                for info in conn.session.consumer_infos():
+                    yield conn, info
+
     def protocol_counters(self) -> dict[str, dict[str, int]]:
         """RabbitMQ's ``stream`` label; the counts of closed connections are not kept."""
         conns = [c.session for c in self.open_connections() if c.session is not None]

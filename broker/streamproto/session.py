@@ -141,6 +141,10 @@ class _Publisher:
     stream: str
     reference: str
     sequence: int
+    # RabbitMQ's publisher counters (``/api/stream/publishers``), in messages
+    published: int = 0
+    confirmed: int = 0
+    errored: int = 0
 
 
 class _Group:
@@ -194,7 +198,8 @@ class Subscription(RecordConsumer):
     """A stream-protocol subscription: the model consumer that fills chunks within its credit."""
 
     __slots__ = ("session", "sub_id", "stream", "credit", "chunk", "first", "stamp", "size", "flush_due",
-                 "group_key", "super_stream", "active", "consuming", "pending_update")
+                 "group_key", "super_stream", "active", "consuming", "pending_update", "properties",
+                 "consumed", "offset")
 
     def __init__(self, session: StreamSession, sub_id: int, q: StreamQueue, credit: int,
                  arguments: dict[str, Any]) -> None:
@@ -213,6 +218,9 @@ class Subscription(RecordConsumer):
         self.active = True
         self.consuming = False
         self.pending_update: int | None = None  # correlation id of the ConsumerUpdate we await
+        self.properties: dict[str, str] = {}  # its Subscribe properties
+        self.consumed = 0  # messages sent (RabbitMQ's ``consumed``)
+        self.offset = 0  # the offset after the last one sent
 
     # ------------------------------------------------------------ model side
     def ready(self) -> bool:
@@ -251,9 +259,12 @@ class Subscription(RecordConsumer):
         self.credit -= 1
         session = self.session
         if not session.closed:
-            session.delivered += len(bodies)
+            n = len(bodies)
+            session.delivered += n
+            self.consumed += n
+            self.offset = first_offset + n
             session.out.write(C.encode_deliver_run(self.sub_id, first_offset, timestamp_ms,
-                                                        stream_entries(props, bodies)))
+                                                        stream_entries(props, bodies), self.committed()))
 
     def flush(self) -> None:
         self.flush_due = False
@@ -261,7 +272,16 @@ class Subscription(RecordConsumer):
             chunk, self.chunk, self.size = self.chunk, [], 0
             if not self.session.closed:
                 self.session.delivered += len(chunk)
-                self.session.out.write(C.encode_deliver(self.sub_id, self.first, self.stamp, chunk))
+                self.consumed += len(chunk)
+                self.offset = self.first + len(chunk)
+                self.session.out.write(C.encode_deliver(self.sub_id, self.first, self.stamp, chunk,
+                                                        self.committed()))
+
+    def committed(self) -> int | None:
+        """Deliver version 2's committed chunk id: the first offset of the last chunk the
+        stream holds (Skred hands chunks to consumers once stored, before the group commit
+        that confirms them, so this is the last chunk stored); None for a version 1 client."""
+        return self.stream.stream.last_chunk_offset if self.session.deliver_v2 else None
 
     def cancelled_by_server(self) -> None:
         self.session.stream_gone(self)
@@ -296,6 +316,14 @@ class Subscription(RecordConsumer):
         if self.consuming:
             self.consuming = False
             self.stream.remove_consumer(self)
+
+
+def _activity(sub: Subscription) -> str:
+    """RabbitMQ's ``activity_status`` of a consumer: ``up``, or for a member of a single
+    active consumer group ``single_active`` / ``waiting``."""
+    if sub.group_key is None:
+        return "up"
+    return "single_active" if sub.active else "waiting"
 
 
 def offset_argument(spec: C.OffsetSpec) -> Any:
@@ -335,6 +363,7 @@ class StreamSession:
     confirmed: int = 0
     delivered: int = 0
     published: bool = False  # declared a publisher (the publishers gauge counts these)
+    deliver_v2: bool = False  # the client speaks Deliver version 2 (ExchangeCommandVersions)
     _corr: int = 0
 
     # ------------------------------------------------------------------ entry
@@ -388,6 +417,21 @@ class StreamSession:
             self._drop(sub)
         self.subs.clear()
         self.publishers.clear()
+
+    # ------------------------------------------------------------------ management API
+    def publisher_infos(self) -> list[dict[str, Any]]:
+        """Its publishers as RabbitMQ's stream plugin reports them (``stream``: the queue)."""
+        return [{"stream": p.stream, "publisher_id": pub_id, "reference": p.reference,
+                 "published": p.published, "confirmed": p.confirmed, "errored": p.errored}
+                for pub_id, p in self.publishers.items()]
+
+    def consumer_infos(self) -> list[dict[str, Any]]:
+        """Its subscriptions as RabbitMQ's stream plugin reports them: chunk credit left,
+        messages sent and the offset after the last one sent."""
+        return [{"stream": sub.stream.name, "subscription_id": sub_id, "credits": sub.credit,
+                 "consumed": sub.consumed, "offset": sub.offset, "properties": dict(sub.properties),
+                 "active": sub.active, "activity_status": _activity(sub)}
+                for sub_id, sub in self.subs.items()]
 
     # ------------------------------------------------------------------ opening
     def peer_properties(self, f: C.Frame) -> None:
@@ -462,10 +506,14 @@ class StreamSession:
         self.out.write(C.response(C.OPEN, corr, C.OK, C.props_bytes(props)))
 
     def command_versions(self, f: C.Frame) -> None:
+        """Both sides list the versions they speak; a client that speaks Deliver version 2
+        gets its chunks as version 2 from here on (with the committed chunk id)."""
         c = C.Cursor(f.payload)
         corr = c.u32()
         for _ in range(c.count()):
-            c.u16(), c.u16(), c.u16()
+            key, _lo, hi = c.u16(), c.u16(), c.u16()
+            if key == C.DELIVER:
+                self.deliver_v2 = hi >= 2
         c.end()
         self.out.write(C.encode_command_versions(corr))
 
@@ -638,7 +686,11 @@ class StreamSession:
         if p is None or q is None:
             code = C.PUBLISHER_DOES_NOT_EXIST if p is None else C.STREAM_NOT_AVAILABLE
             self.out.write(C.encode_publish_error(pub_id, [(i, code) for i in ids]))
+            if p is not None:
+                p.published += len(ids)
+                p.errored += len(ids)
             return
+        p.published += len(ids)
         if b.groups is not None:
             self._publish_groups(p, q, pub_id, ids, b.groups)
             return
@@ -703,6 +755,7 @@ class StreamSession:
         deps: set[Any] = set()
         ts = int(time.time() * 1000)
         seq = p.sequence
+        p.published += len(ids)
         for pid, records in zip(ids, groups, strict=True):
             if p.reference and pid <= seq:
                 done.append(pid)  # stored already: confirmed again
@@ -724,9 +777,10 @@ class StreamSession:
             p.sequence = seq
             q.set_publisher_sequence(p.reference, seq)
         if failed:
+            p.errored += len(failed)
             self.out.write(C.encode_publish_error(pub_id, failed))
         if done:
-            self._confirm(pub_id, done, deps)
+            self._confirm(p, pub_id, done, deps)
 
     def _store_records(self, stream: str, records: list[bytes], ts: int, deps: set[Any]) -> int:
         """Store one sub-entry's records; the response code."""
@@ -748,14 +802,16 @@ class StreamSession:
             return C.INTERNAL_ERROR
         return C.OK
 
-    def _confirm(self, pub_id: int, ids: list[int], deps: set[Any]) -> None:
+    def _confirm(self, p: _Publisher, pub_id: int, ids: list[int], deps: set[Any]) -> None:
         def synced(ok: bool) -> None:
             if self.closed:
                 return
             if ok:
                 self.confirmed += len(ids)
+                p.confirmed += len(ids)
                 self.out.write(C.encode_confirm(pub_id, ids))
             else:
+                p.errored += len(ids)
                 self.out.write(C.encode_publish_error(pub_id, [(i, C.INTERNAL_ERROR) for i in ids]))
 
         self.after_sync(synced, deps or None)
@@ -782,6 +838,7 @@ class StreamSession:
             args["x-stream-filter"] = filters
             args["x-stream-match-unfiltered"] = s.properties.get("match-unfiltered") == "true"
         sub = Subscription(self, s.sub_id, q, s.credit, args)
+        sub.properties = dict(s.properties)
         self.subs[s.sub_id] = sub
         self.out.write(C.response(C.SUBSCRIBE, s.corr, C.OK))
         if s.properties.get("single-active-consumer") == "true":

@@ -146,10 +146,10 @@ def test_offset_specs_next_last_offset_timestamp(target: Target) -> None:
         assert [m for _, m in by_ts] == [b"new-%d" % i for i in range(5)]
         by_offset = await _read(target, stream, 2, ConsumerOffsetSpecification(OffsetType.OFFSET, 3))
         assert [o for o, _ in by_offset] == [3, 4]
-        # LAST: RabbitMQ starts at the last chunk it stored (here the second batch), Skred at
-        # the last message (docs/compatibility.md); either way within the batch, ending at new-4
-        last = await _read(target, stream, 1, ConsumerOffsetSpecification(OffsetType.LAST, None))
-        assert 5 <= last[0][0] <= 9 and last[0][1] == b"new-%d" % (last[0][0] - 5)
+        # LAST: the first message of the last chunk stored, i.e. of the second batch (RabbitMQ's
+        # semantics: a chunk is what one Publish frame stored)
+        last = await _read(target, stream, 5, ConsumerOffsetSpecification(OffsetType.LAST, None))
+        assert [(o, m) for o, m in last] == [(5 + i, b"new-%d" % i) for i in range(5)]
         # NEXT: only what is published after the subscription
         got: list[bytes] = []
         c = target.consumer()
@@ -448,6 +448,111 @@ def test_connections_and_consumers_in_the_api_closable(target: Target, shared_br
         close = w.expect(C.CLOSE)
         assert b"Closed via management plugin" in close
         assert _listed(shared_broker, name) is None
+    finally:
+        w.close()
+
+
+def test_stream_plugin_api_connections_publishers_consumers(target: Target, shared_broker: Broker) -> None:
+    """RabbitMQ's stream management paths: ``/api/stream/connections`` (by vhost, one by name,
+    its publishers and consumers, DELETE), ``/api/stream/publishers`` (by vhost and stream) and
+    ``/api/stream/consumers``, with rstream's named publisher and a subscription."""
+    stream, name, ref = _name("sapi"), _name("sconn"), _name("ref")
+    got: list[int] = []
+
+    async def scenario() -> None:
+        kw = {**target.kw(), "connection_name": name}
+        async with Producer(target.host, **kw) as p:
+            await p.create_stream(stream)
+            for i in range(3):
+                await p.send_wait(stream, b"m%d" % i, publisher_name=ref)
+            c = Consumer(target.host, **kw)
+            await c.start()
+            try:
+                await c.subscribe(stream, lambda _m, ctx: got.append(ctx.offset),
+                                  offset_specification=_first(), properties={"app": "api-test"})
+                await _until(lambda: len(got) >= 3, 10, "3 deliveries")
+                await asyncio.to_thread(_check_stream_api, shared_broker, stream, name, ref)
+            finally:
+                await c.close()
+            await p.delete_stream(stream)
+
+    run_async(scenario(), 60)
+    w = StreamWire(target.host, target.port)
+    try:  # DELETE closes a stream connection with a Close carrying the reason
+        assert w.handshake(target.user, target.password, properties={"connection_name": name}) == C.OK
+        status, conns = _api(shared_broker, "GET", "/api/stream/connections")
+        (conn,) = [c for c in conns if c["client_properties"].get("connection_name") == name]
+        quoted = urllib.parse.quote(conn["name"], safe="")
+        assert _api(shared_broker, "DELETE", f"/api/stream/connections/%2F/{quoted}")[0] == 204
+        assert b"Closed via management plugin" in w.expect(C.CLOSE)
+        assert _api(shared_broker, "GET", f"/api/stream/connections/%2F/{quoted}")[0] == 404
+    finally:
+        w.close()
+
+
+def _check_stream_api(b: Broker, stream: str, name: str, ref: str) -> None:
+    status, conns = _api(b, "GET", "/api/stream/connections")
+    assert status == 200 and conns and all(c["protocol"] == "RabbitMQ Stream" for c in conns)
+    mine = [c for c in conns if c["client_properties"].get("connection_name") == name]
+    assert mine and all(c["vhost"] == "/" for c in mine)
+    assert _api(b, "GET", "/api/stream/connections/%2F")[1] == conns
+    status, pubs = _api(b, "GET", f"/api/stream/publishers/%2F/{stream}")
+    assert status == 200 and len(pubs) == 1, pubs
+    pub = pubs[0]
+    assert pub["reference"] == ref and pub["queue"] == {"name": stream, "vhost": "/"}
+    assert (pub["published"], pub["confirmed"], pub["errored"]) == (3, 3, 0)
+    assert set(pub["connection_details"]) == {"name", "user", "node", "peer_host", "peer_port"}
+    assert pub in _api(b, "GET", "/api/stream/publishers")[1]
+    assert pub in _api(b, "GET", "/api/stream/publishers/%2F")[1]
+    status, consumers = _api(b, "GET", "/api/stream/consumers/%2F")
+    sub = [c for c in consumers if c["queue"]["name"] == stream]
+    assert status == 200 and len(sub) == 1, consumers
+    assert sub[0]["consumed"] == 3 and sub[0]["offset"] == 3 and sub[0]["properties"]["app"] == "api-test"
+    assert sub[0]["active"] is True and sub[0]["activity_status"] == "up"
+    assert isinstance(sub[0]["credits"], int)
+    sub_conn = urllib.parse.quote(sub[0]["connection_details"]["name"], safe="")
+    pub_conn = urllib.parse.quote(pub["connection_details"]["name"], safe="")
+    status, one = _api(b, "GET", f"/api/stream/connections/%2F/{sub_conn}")
+    assert status == 200 and one["name"] == sub[0]["connection_details"]["name"]
+    assert _api(b, "GET", f"/api/stream/connections/%2F/{sub_conn}/consumers")[1] == sub
+    assert _api(b, "GET", f"/api/stream/connections/%2F/{pub_conn}/publishers")[1] == [pub]
+    assert _api(b, "GET", "/api/stream/connections/%2F/no-such-connection")[0] == 404
+    assert _api(b, "GET", "/api/stream/publishers/%2F/no-such-stream")[0] == 404
+    assert _api(b, "GET", "/api/stream/consumers/no-such-vhost")[0] == 404
+
+
+def test_deliver_version_2_for_a_client_that_asks(target: Target) -> None:
+    """A client listing Deliver up to version 2 in ExchangeCommandVersions gets Deliver version 2:
+    the committed chunk id (the first offset of the last chunk stored) after the subscription id,
+    then the chunk as in version 1 (frames written by hand: rstream speaks version 1 only)."""
+    stream = _name("dv2")
+    w = StreamWire(target.host, target.port)
+    try:
+        assert w.handshake(target.user, target.password) == C.OK
+        corr = w.next_corr()
+        ask = struct.pack(">Ii", corr, 1) + struct.pack(">HHH", C.DELIVER, 1, 2)
+        w.send(frame(C.EXCHANGE_COMMAND_VERSIONS, ask))
+        answer = w.expect(C.EXCHANGE_COMMAND_VERSIONS | C.RESPONSE)
+        (count,) = struct.unpack_from(">i", answer, 6)
+        versions = {k: (lo, hi) for k, lo, hi in struct.iter_unpack(">HHH", answer[10:10 + 6 * count])}
+        assert versions[C.DELIVER] == (1, 2)
+        assert w.request(C.CREATE, s16(stream) + struct.pack(">i", 0)) == C.OK
+        assert w.request(C.DECLARE_PUBLISHER, bytes([1]) + s16("") + s16(stream)) == C.OK
+        for batch in (range(3), range(3, 5)):  # two chunks stored: offsets 0-2, then 3-4
+            msgs = b"".join(struct.pack(">QI", i, 2) + b"m%d" % i for i in batch)
+            w.send(frame(C.PUBLISH, bytes([1]) + struct.pack(">i", len(batch)) + msgs))
+            w.expect(C.PUBLISH_CONFIRM)
+        sub = struct.pack(">B", 3) + s16(stream) + struct.pack(">HHi", C.OFFSET_FIRST, 10, 0)
+        assert w.request(C.SUBSCRIBE, sub) == C.OK
+        got = w.read()
+        assert got is not None and got[0] == C.DELIVER and got[1] == 2, got
+        payload = got[2]
+        sub_id, committed, magic = struct.unpack_from(">BQB", payload)
+        assert (sub_id, committed, magic) == (3, 3, C.CHUNK_MAGIC_VERSION)
+        # then version 1's chunk: type, entries, records, timestamp, epoch, first offset, ...
+        (n_entries,) = struct.unpack_from(">H", payload, 11)
+        (first_offset,) = struct.unpack_from(">Q", payload, 33)
+        assert first_offset == 0 and n_entries >= 3
     finally:
         w.close()
 

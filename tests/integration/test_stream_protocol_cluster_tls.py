@@ -6,7 +6,10 @@ end (the leader's port number, which differs from the follower's, comes in the W
 rstream client in load-balancer mode publishes with confirms through a follower over TLS and
 reads back; then the leader is killed with SIGKILL, a follower takes the lead, and the client
 reconnects over TLS through the node that is still a follower (or the new leader when none
-is) and finds every confirmed message, then publishes again.
+is) and finds every confirmed message, then publishes again. The messages were published by a
+named publisher with publishing ids: the new leader answers QueryPublisherSequence with the last
+id, and the whole batch resent under the same ids adds nothing (stream-level deduplication, what
+the Spark sink's exactly-once mode relies on, survives the leader's loss).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rstream import Consumer, ConsumerOffsetSpecification, MessageContext, OffsetType, Producer
+from rstream import AMQPMessage, Consumer, ConsumerOffsetSpecification, MessageContext, OffsetType, Producer
 
 from ._support import free_port
 from ._tls import make_pki, tls_args
@@ -27,6 +30,7 @@ from .test_cluster import Cluster, ClusterNode, start_cluster, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 STREAM = "tls-through-follower"
+PUBLISHER = "exactly-once-app"
 
 
 TLS_PORTS: dict[str, int] = {}  # node name -> its stream TLS port (differs from node to node)
@@ -52,18 +56,32 @@ def _kw(n: ClusterNode, ctx: ssl.SSLContext) -> dict[str, Any]:
             "load_balancer_mode": True}
 
 
-async def _publish(n: ClusterNode, ctx: ssl.SSLContext, bodies: list[bytes], create: bool) -> None:
+async def _publish(n: ClusterNode, ctx: ssl.SSLContext, bodies: list[bytes], create: bool,
+                   first_id: int = 0) -> int:
+    """Publish ``bodies`` (with ``first_id``: as the named publisher, ids from it on); the
+    publisher's sequence as the broker then answers it (0 without ``first_id``)."""
     async with Producer(n.ip, **_kw(n, ctx)) as p:
         if create:
             await p.create_stream(STREAM)
-        await p.send_batch(STREAM, bodies)  # returns once every message is confirmed
+        if not first_id:
+            await p.send_batch(STREAM, bodies)  # returns once every message is confirmed
+            return 0
+        batch = []
+        for i, body in enumerate(bodies):
+            m = AMQPMessage(body=body)
+            m.publishing_id = first_id + i
+            batch.append(m)
+        await p.send_batch(STREAM, batch, publisher_name=PUBLISHER)
+        c = await p.default_client
+        return int(await c.query_publisher_sequence(STREAM, PUBLISHER))
 
 
 async def _read_all(n: ClusterNode, ctx: ssl.SSLContext, want: int, timeout: float = 20.0) -> list[bytes]:
     got: list[bytes] = []
 
     def on_message(msg: Any, _ctx: MessageContext) -> None:
-        got.append(bytes(msg))
+        raw = bytes(msg)
+        got.append(raw[5:] if raw.startswith(b"\x00Su\xa0") else raw)  # a named publisher's AMQP 1.0
 
     c = Consumer(n.ip, **_kw(n, ctx))
     await c.start()
@@ -98,12 +116,16 @@ def test_stream_tls_through_a_follower_and_after_leader_kill9(
     f = followers[0]
     assert TLS_PORTS[f.name] != TLS_PORTS[leader.name]
     first = [b"before-%d" % i for i in range(20)]
+    named = [b"named-%d" % i for i in range(10)]
     asyncio.run(_publish(f, ctx, first, create=True))
-    assert asyncio.run(_read_all(f, ctx, 20)) == first
+    assert asyncio.run(_publish(f, ctx, named, create=False, first_id=1)) == 10
+    assert asyncio.run(_read_all(f, ctx, 30)) == first + named
 
     leader.kill9()
     new = wait_for(lambda: (n := c.leader()) is not None and n is not leader and n, 30, "a new leader")
     through = next((n for n in c.nodes if n is not leader and n is not new), new)
-    assert _retry(through, ctx, 20)[:20] == first  # every confirmed message survived
+    assert _retry(through, ctx, 30)[:30] == first + named  # every confirmed message survived
+    # the same ids again: confirmed, not stored; the sequence is still the last id
+    assert asyncio.run(_publish(through, ctx, named, create=False, first_id=1)) == 10
     asyncio.run(_publish(through, ctx, [b"after"], create=False))
-    assert asyncio.run(_read_all(through, ctx, 21))[20] == b"after"
+    assert asyncio.run(_read_all(through, ctx, 31))[30] == b"after"
