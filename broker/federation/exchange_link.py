@@ -14,7 +14,9 @@ wants. The binding set is mirrored for as long as the link runs: every ``BINDING
 seconds the link compares the local exchange's bindings with what it bound upstream, and binds
 and unbinds the difference. An upstream that has no such exchange type (a RabbitMQ without the
 federation plugin, an older Skred) refuses the declare; the link then binds its queue to the
-upstream exchange directly, as before.
+upstream exchange directly, as before, and hops are counted here only. (RabbitMQ requires
+``x-max-hops`` as a 32-bit ``long``; the client library encodes a small integer in one byte, so
+the declare encodes its integer arguments itself: ``_Declare``.)
 
 Hops are counted on **both sides**. Upstream, the ``x-federation-upstream`` exchange routes a
 message to the link's queue only if it has crossed fewer than ``max-hops`` links and did not
@@ -32,11 +34,13 @@ from __future__ import annotations
 
 import asyncio
 import re
+import struct
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import aiormq
 from aiormq.abc import DeliveredMessage
+from pamqp import commands, encode
 
 from broker.federation import local
 from broker.federation.link import CALL_TIMEOUT, Link
@@ -72,6 +76,31 @@ def upstream_exchange_args(link: Link) -> dict[str, Any]:
     """The arguments of that exchange: where the link's messages go, and how far they may."""
     return {"x-max-hops": link.upstream.max_hops, "x-downstream-name": link.cluster_name,
             "x-downstream-vhost": link.vhost.name}
+
+
+class _Declare(commands.Exchange.Declare):
+    """``exchange.declare`` whose integer arguments go as 32-bit ``long`` (``I``) values: RabbitMQ
+    refuses an ``x-federation-upstream`` exchange whose ``x-max-hops`` is not one, and the client
+    library encodes an integer in the fewest bytes. The rest of the frame is the library's."""
+
+    def marshal(self) -> bytes:
+        args, self.arguments = self.arguments or {}, {}
+        try:
+            head = super().marshal()  # ends with the empty table's length
+        finally:
+            self.arguments = args
+        table = b"".join(encode.short_string(k) + _value(v) for k, v in args.items())
+        return head[:-4] + _U32.pack(len(table)) + table
+
+
+def _value(v: Any) -> bytes:
+    if type(v) is int and -(1 << 31) <= v < 1 << 31:
+        return _LONG.pack(b"I", v)
+    return encode.encode_table_value(v)
+
+
+_LONG = struct.Struct(">ci")  # (with its type octet)
+_U32 = struct.Struct(">I")
 
 
 def _hashable(v: Any) -> Any:
@@ -158,14 +187,16 @@ class ExchangeLink(Link):
             return ch, None
         for attempt in (1, 2):
             try:
-                await ch.exchange_declare(via, exchange_type=FEDERATION_UPSTREAM, durable=True, internal=True,
-                                          arguments=args)
+                declare = _Declare(exchange=via, exchange_type=FEDERATION_UPSTREAM, durable=True,
+                                   internal=True, arguments=args)
+                await cast(aiormq.Channel, ch).rpc(declare, timeout=CALL_TIMEOUT)
                 break
             except aiormq.exceptions.ChannelPreconditionFailed:
-                ch = await conn.channel()  # declared before with other arguments (max-hops changed)
-                if attempt == 2:
-                    raise
-                await ch.exchange_delete(via)
+                ch = await conn.channel()
+                if attempt == 2:  # refused even new: an upstream with rules of its own
+                    self.direct = True
+                    return ch, None
+                await ch.exchange_delete(via)  # declared before with other arguments (max-hops changed)
             except (aiormq.exceptions.ConnectionCommandInvalid, aiormq.exceptions.ConnectionNotImplemented):
                 # no such exchange type upstream (a connection error): from now on bind directly
                 self.direct = True

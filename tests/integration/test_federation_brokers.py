@@ -1,14 +1,22 @@
-"""Exchange federation's hops counted on the upstream side, between three real Skred brokers.
+"""Exchange federation between three real Skred brokers: hops counted on the upstream side,
+and a volume of messages across a kill -9 of the downstream.
 
 A link declares on its upstream an internal ``x-federation-upstream`` exchange (RabbitMQ's
 plugin's helper) with ``x-max-hops`` and its own cluster name; that exchange routes to the link's
 queue only a message that has crossed fewer than max-hops links and never left the downstream.
 So a message that would stop downstream never travels: the link's upstream queue never gets it
 (its ``message_stats.publish`` stays 0). Three brokers (each its own cluster name), one module.
+
+The volume trial (chaos) moves ``SKRED_FEDERATION_MESSAGES`` (default 2,000 in CI; the issue's
+figure is 100,000) persistent messages through an on-confirm exchange link while the downstream,
+which runs the link, is killed -9 and started again: every confirmed message arrives, duplicates
+only for those in flight (at most a prefetch window per kill).
 """
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +27,7 @@ import pytest
 
 from broker.federation.exchange_link import queue_name
 
+from ._shovel import drain, ids, publish
 from ._support import SkredProcess, is_external, unique, wait_until
 from .test_mgmt_api import Api, start_mgmt_broker
 
@@ -26,6 +35,8 @@ pytestmark = pytest.mark.skipif(is_external(), reason="starts Skred brokers of i
 
 DEADLINE = 30.0  # a link connects, declares and binds in well under a second on a quiet machine
 N = 10
+VOLUME = int(os.environ.get("SKRED_FEDERATION_MESSAGES", "2000"))
+PREFETCH = 200  # the volume trial's prefetch-count: the most a kill may duplicate
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +52,9 @@ def trio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[SkredProcess
             b.close()
 
 
-def _upstream(down: SkredProcess, name: str, up: SkredProcess, max_hops: int) -> None:
-    value = {"uri": f"amqp://guest:guest@127.0.0.1:{up.port}/%2F", "reconnect-delay": 1, "max-hops": max_hops}
+def _upstream(down: SkredProcess, name: str, up: SkredProcess, max_hops: int, **extra: Any) -> None:
+    value = {"uri": f"amqp://guest:guest@127.0.0.1:{up.port}/%2F", "reconnect-delay": 1, "max-hops": max_hops,
+             **extra}
     status, body, _ = Api(down.mgmt_port).call("PUT", f"/api/parameters/federation-upstream/%2F/{name}",
                                                {"value": value})
     assert status in (201, 204), body
@@ -54,10 +66,14 @@ def _federate(down: SkredProcess, exchange: str, upstream: str) -> None:
     assert status in (201, 204), body
 
 
+def _link_name(up: SkredProcess, exchange: str, down: SkredProcess) -> str:
+    """The name of ``down``'s link queue on ``up`` (for this broker's cluster name)."""
+    return queue_name(exchange, exchange, Api(down.mgmt_port).get("/api/cluster-name")["name"], "/")
+
+
 def _link_queue(up: SkredProcess, exchange: str, down: SkredProcess) -> dict[str, Any] | None:
     """The upstream queue of ``down``'s link (on ``up``), as the management API shows it."""
-    cluster = Api(down.mgmt_port).get("/api/cluster-name")["name"]
-    name = quote(queue_name(exchange, exchange, cluster, "/"), safe="")
+    name = quote(_link_name(up, exchange, down), safe="")
     status, body, _ = Api(up.mgmt_port).call("GET", f"/api/queues/%2F/{name}")
     return dict(body) if status == 200 else None
 
@@ -151,3 +167,52 @@ def test_a_loop_of_two_brokers_never_sends_a_message_back(trio: list[SkredProces
     finally:
         for c, _ in conns:
             c.close()
+
+
+@pytest.mark.chaos
+@pytest.mark.timeout(240 + VOLUME // 50)
+def test_a_volume_crosses_a_kill9_of_the_downstream_with_nothing_lost(trio: list[SkredProcess]) -> None:
+    """X -> Y, on-confirm: ``VOLUME`` messages published on X while Y (which runs the link) is
+    killed -9 once a fifth arrived and started again. Every message arrives in Y's queue;
+    duplicates only for what was in flight."""
+    x, y, _ = trio
+    ex = unique("fed.volume")
+    y_conn, _ = _sink(y, ex)
+    y_conn.close()
+    x_conn, _ = _sink(x, ex)  # (X's own queue: the exchange exists upstream before the link)
+    x_conn.close()
+    up = unique("x")
+    _upstream(y, up, x, 1, **{"ack-mode": "on-confirm", "prefetch-count": PREFETCH})
+    _federate(y, ex, up)
+    _wait_linked(x, ex, y)
+    publisher = threading.Thread(target=publish, args=(x.url, "", "v", VOLUME),
+                                 kwargs={"size": 256, "exchange": ex})
+    publisher.start()
+    try:
+        sink_api = Api(y.mgmt_port)
+        wait_until(lambda: _api_count(sink_api, f"{ex}.sink") >= VOLUME // 5, 120,
+                   "a fifth across before the kill")
+        y.kill9()
+        y.start()
+    finally:
+        publisher.join(300)
+    assert not publisher.is_alive()
+    wait_until(lambda: _api_count(Api(y.mgmt_port), f"{ex}.sink") >= VOLUME, 120 + VOLUME // 100,
+               "every message across")
+    link_queue = _link_name(x, ex, y)
+    wait_until(lambda: _api_count(Api(x.mgmt_port), link_queue) == 0, 60, "the link's upstream queue drained")
+    got = drain(y.url, f"{ex}.sink")
+    missing = ids("v", VOLUME) - set(got)
+    assert not missing, f"{len(missing)} of {VOLUME} confirmed messages lost, e.g. {sorted(missing)[:5]}"
+    assert len(got) - VOLUME <= PREFETCH, f"{len(got) - VOLUME} duplicates: more than one prefetch window"
+
+
+def _api_count(api: Api, queue: str) -> int:
+    """Ready + unacked messages of a queue, -1 while the API or the queue is not there."""
+    try:
+        status, body, _ = api.call("GET", f"/api/queues/%2F/{quote(queue, safe='')}")
+    except OSError:
+        return -1
+    if status != 200:
+        return -1
+    return int(body.get("messages_ready", 0)) + int(body.get("messages_unacknowledged", 0))
