@@ -10,6 +10,7 @@ with a passive queue.declare, so a run is never shorter than that):
 
 - ``skred A->B``: Skred's shovel on B pulls from A over AMQP (``src-uri`` amqp://A).
 - ``plugin A->B``: RabbitMQ's shovel plugin (on R) moves the same from A to B.
+- ``skred A->B push``: Skred's shovel on A pushes to B (its remote AMQP destination).
 - ``skred R->B`` / ``plugin R->B``: RabbitMQ's queue to Skred, by Skred's shovel on B and by the
   plugin on R.
 - ``skred B->B local``: Skred's in-process shovel (host-less ``amqp://`` both ends), no socket.
@@ -126,7 +127,7 @@ def main() -> None:
         if problem:
             sys.exit(problem)
         assert rabbit.mgmt_port is not None
-        api_b, api_r = Api(b.mgmt_port), Api(rabbit.mgmt_port)
+        api_a, api_b, api_r = Api(a.mgmt_port), Api(b.mgmt_port), Api(rabbit.mgmt_port)
         r_url = uri(rabbit.port)
         assert a.pid is not None and b.pid is not None
         pids = {"A": a.pid, "B": b.pid, "R": rabbit.beam_pid()}
@@ -135,6 +136,7 @@ def main() -> None:
             moves = [
                 ("skred A->B", api_b, a.url, {"src-uri": uri(a.port), "dest-uri": "amqp://"}),
                 ("plugin A->B", api_r, a.url, {"src-uri": uri(a.port), "dest-uri": uri(b.port)}),
+                ("skred A->B push", api_a, a.url, {"src-uri": "amqp://", "dest-uri": uri(b.port)}),
                 ("skred R->B", api_b, r_url, {"src-uri": r_url, "dest-uri": "amqp://"}),
                 ("plugin R->B", api_r, r_url, {"src-uri": "amqp://", "dest-uri": uri(b.port)}),
                 ("skred B->B local", api_b, b.url, {"src-uri": "amqp://", "dest-uri": "amqp://"}),
