@@ -34,10 +34,7 @@ from /proc, as ``benchmarks/shovel.py`` reads it: on a loaded machine compare ro
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-import tempfile
 import time
 import urllib.parse
 from pathlib import Path
@@ -47,12 +44,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 import pika  # noqa: E402
-from shovel import cpu_seconds  # noqa: E402  (benchmarks/ is not a package)
+from shovel import cpu_seconds, record, report, three_brokers  # noqa: E402  (benchmarks/ is not a package)
 
 from tests.integration._shovel import publish  # noqa: E402
-from tests.integration._support import SkredProcess, unique, wait_until  # noqa: E402
-from tests.integration.conformance._rabbit import RabbitProcess, missing  # noqa: E402
-from tests.integration.test_mgmt_api import Api, start_mgmt_broker  # noqa: E402
+from tests.integration._support import unique, wait_until  # noqa: E402
+from tests.integration.test_mgmt_api import Api  # noqa: E402
 
 KINDS = ("exchange", "queue")
 PREFETCH = 1000  # both: RabbitMQ's default prefetch-count
@@ -166,21 +162,9 @@ def main() -> None:
     ap.add_argument("--ack-mode", default="on-confirm", choices=("on-confirm", "on-publish", "no-ack"))
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    why = missing()
-    if why:
-        sys.exit(f"benchmarks/federation.py: {why}")
-    root = Path(tempfile.mkdtemp(prefix="skred-federation-bench-"))
-    rabbit = RabbitProcess(root / "rabbitmq", name="skredfedbench",
-                           plugins=("rabbitmq_federation", "rabbitmq_federation_management"))
-    a: SkredProcess | None = None
-    b: SkredProcess | None = None
     results: list[dict[str, Any]] = []
-    try:
-        rabbit.spawn()
-        a, b = start_mgmt_broker(root), start_mgmt_broker(root)
-        problem = rabbit.wait_ready()
-        if problem:
-            sys.exit(problem)
+    plugins = ("rabbitmq_federation", "rabbitmq_federation_management")
+    with three_brokers("federation", "skredfedbench", plugins) as (rabbit, a, b):
         assert rabbit.mgmt_port is not None and a.pid is not None and b.pid is not None
         r_api = Api(rabbit.mgmt_port)
         r_api.ok("PUT", f"/api/vhosts/{UP_VHOST}")
@@ -197,28 +181,10 @@ def main() -> None:
                 if wanted and not any(w in label for w in wanted):
                     continue
                 rate, cpu = one_move(kind, up, down, args.messages, args.ack_mode, args.timeout, pids)
-                results.append({"move": label, "kind": kind, "msg_per_s": round(rate),
-                                "cpu_us_per_msg": {k: round(v) for k, v in cpu.items()},
-                                "cpu_us_total": round(sum(cpu.values()))})
-                print(f"{label:12} {kind:9} {rate:10.0f} msg/s  CPU us/msg "
-                      + " ".join(f"{k}={v:.0f}" for k, v in cpu.items()), file=sys.stderr, flush=True)
-    finally:
-        for broker in (a, b):
-            if broker is not None:
-                broker.close()
-        rabbit.close()
-    load = os.getloadavg()
-    if args.json:
-        print(json.dumps({"messages": args.messages, "ack_mode": args.ack_mode, "load_average": load,
-                          "results": results}, indent=2))
-        return
-    print(f"{args.messages} messages of 1 KiB per move, ack-mode {args.ack_mode}; load average "
-          f"{load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
-    print(f"{'move':12} {'kind':9} {'msg/s':>10} {'CPU us/msg A':>12} {'B':>6} {'R':>6} {'total':>6}")
-    for r in results:
-        c = r["cpu_us_per_msg"]
-        print(f"{r['move']:12} {r['kind']:9} {r['msg_per_s']:10} {c['A']:12} {c['B']:6} {c['R']:6} "
-              f"{r['cpu_us_total']:6}")
+                record(results, {"move": label, "kind": kind}, f"{label:12} {kind:9}", rate, cpu)
+    report(results, {"messages": args.messages, "ack_mode": args.ack_mode}, args.json,
+           f"{args.messages} messages of 1 KiB per move, ack-mode {args.ack_mode}",
+           [("move", "move", 12), ("kind", "kind", 9)])
 
 
 if __name__ == "__main__":
