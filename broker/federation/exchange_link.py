@@ -15,7 +15,7 @@ seconds the link compares the local exchange's bindings with what it bound upstr
 and unbinds the difference. An upstream that has no such exchange type (a RabbitMQ without the
 federation plugin, an older Skred) refuses the declare; the link then binds its queue to the
 upstream exchange directly, as before, and hops are counted here only. (RabbitMQ requires
-``x-max-hops`` as a 32-bit ``long``; the client library encodes a small integer in one byte, so
+``x-max-hops`` as a 64-bit ``long``; the client library encodes a small integer in one byte, so
 the declare encodes its integer arguments itself: ``_Declare``.)
 
 Hops are counted on **both sides**. Upstream, the ``x-federation-upstream`` exchange routes a
@@ -79,7 +79,7 @@ def upstream_exchange_args(link: Link) -> dict[str, Any]:
 
 
 class _Declare(commands.Exchange.Declare):
-    """``exchange.declare`` whose integer arguments go as 32-bit ``long`` (``I``) values: RabbitMQ
+    """``exchange.declare`` whose integer arguments go as 64-bit ``long`` (``l``) values: RabbitMQ
     refuses an ``x-federation-upstream`` exchange whose ``x-max-hops`` is not one, and the client
     library encodes an integer in the fewest bytes. The rest of the frame is the library's."""
 
@@ -94,12 +94,12 @@ class _Declare(commands.Exchange.Declare):
 
 
 def _value(v: Any) -> bytes:
-    if type(v) is int and -(1 << 31) <= v < 1 << 31:
-        return _LONG.pack(b"I", v)
+    if type(v) is int and -(1 << 63) <= v < 1 << 63:
+        return _LONG.pack(b"l", v)
     return encode.encode_table_value(v)
 
 
-_LONG = struct.Struct(">ci")  # (with its type octet)
+_LONG = struct.Struct(">cq")  # (with its type octet)
 _U32 = struct.Struct(">I")
 
 
