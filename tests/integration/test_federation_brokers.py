@@ -37,6 +37,7 @@ DEADLINE = 30.0  # a link connects, declares and binds in well under a second on
 N = 10
 VOLUME = int(os.environ.get("SKRED_FEDERATION_MESSAGES", "2000"))
 PREFETCH = 200  # the volume trial's prefetch-count: the most a kill may duplicate
+CHUNK = 10_000  # messages per publishing connection (the helper gives each call 120 s)
 
 
 @pytest.fixture(scope="module")
@@ -185,24 +186,28 @@ def test_a_volume_crosses_a_kill9_of_the_downstream_with_nothing_lost(trio: list
     _upstream(y, up, x, 1, **{"ack-mode": "on-confirm", "prefetch-count": PREFETCH})
     _federate(y, ex, up)
     _wait_linked(x, ex, y)
-    publisher = threading.Thread(target=publish, args=(x.url, "", "v", VOLUME),
-                                 kwargs={"size": 256, "exchange": ex})
+    chunks = [(f"v{c}", min(CHUNK, VOLUME - start)) for c, start in enumerate(range(0, VOLUME, CHUNK))]
+
+    def publish_all() -> None:  # in chunks: each publish call has a deadline of its own
+        for prefix, n in chunks:
+            publish(x.url, "", prefix, n, size=256, exchange=ex)
+    publisher = threading.Thread(target=publish_all)
     publisher.start()
     try:
         sink_api = Api(y.mgmt_port)
-        wait_until(lambda: _api_count(sink_api, f"{ex}.sink") >= VOLUME // 5, 120,
+        wait_until(lambda: _api_count(sink_api, f"{ex}.sink") >= VOLUME // 5, 120 + VOLUME // 200,
                    "a fifth across before the kill")
         y.kill9()
         y.start()
     finally:
-        publisher.join(300)
+        publisher.join(120 * len(chunks))
     assert not publisher.is_alive()
     wait_until(lambda: _api_count(Api(y.mgmt_port), f"{ex}.sink") >= VOLUME, 120 + VOLUME // 100,
                "every message across")
     link_queue = _link_name(x, ex, y)
     wait_until(lambda: _api_count(Api(x.mgmt_port), link_queue) == 0, 60, "the link's upstream queue drained")
     got = drain(y.url, f"{ex}.sink")
-    missing = ids("v", VOLUME) - set(got)
+    missing = set().union(*(ids(prefix, n) for prefix, n in chunks)) - set(got)
     assert not missing, f"{len(missing)} of {VOLUME} confirmed messages lost, e.g. {sorted(missing)[:5]}"
     assert len(got) - VOLUME <= PREFETCH, f"{len(got) - VOLUME} duplicates: more than one prefetch window"
 
