@@ -10,6 +10,7 @@ with a passive queue.declare, so a run is never shorter than that):
 
 - ``skred A->B``: Skred's shovel on B pulls from A over AMQP (``src-uri`` amqp://A).
 - ``plugin A->B``: RabbitMQ's shovel plugin (on R) moves the same from A to B.
+- ``skred A->B push``: Skred's shovel on A pushes to B (its remote AMQP destination).
 - ``skred R->B`` / ``plugin R->B``: RabbitMQ's queue to Skred, by Skred's shovel on B and by the
   plugin on R.
 - ``skred B->B local``: Skred's in-process shovel (host-less ``amqp://`` both ends), no socket.
@@ -31,6 +32,8 @@ import sys
 import tempfile
 import time
 import urllib.parse
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +81,57 @@ def cpu_seconds(pid: int) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
+@contextmanager
+def three_brokers(prefix: str, name: str, plugins: tuple[str, ...]
+                  ) -> Iterator[tuple[RabbitProcess, SkredProcess, SkredProcess]]:
+    """RabbitMQ ``R`` (with ``plugins``) and Skred ``A`` and ``B``, booted side by side in a
+    private directory, ready; all stopped by PID at the end."""
+    why = missing()
+    if why:
+        sys.exit(f"{prefix}: {why}")
+    root = Path(tempfile.mkdtemp(prefix=f"skred-{prefix}-bench-"))
+    rabbit = RabbitProcess(root / "rabbitmq", name=name, plugins=plugins)
+    started: list[SkredProcess] = []
+    try:
+        rabbit.spawn()
+        started.append(start_mgmt_broker(root))
+        started.append(start_mgmt_broker(root))
+        problem = rabbit.wait_ready()
+        if problem:
+            sys.exit(problem)
+        yield rabbit, started[0], started[1]
+    finally:
+        for broker in started:
+            broker.close()
+        rabbit.close()
+
+
+def report(results: list[dict[str, Any]], meta: dict[str, Any], as_json: bool, title: str,
+           columns: list[tuple[str, str, int]]) -> None:
+    """The results on stdout: JSON (``meta`` and the load average with them), or a table under
+    ``title`` with ``columns`` (key, heading, width) before the rate and the CPU per message."""
+    load = os.getloadavg()
+    if as_json:
+        print(json.dumps({**meta, "load_average": load, "results": results}, indent=2))
+        return
+    print(f"{title}; load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
+    print(" ".join(f"{head:{w}}" for _, head, w in columns)
+          + f" {'msg/s':>10} {'CPU us/msg A':>12} {'B':>6} {'R':>6} {'total':>6}")
+    for r in results:
+        c = r["cpu_us_per_msg"]
+        print(" ".join(f"{r[key]:{w}}" for key, _, w in columns)
+              + f" {r['msg_per_s']:10} {c['A']:12} {c['B']:6} {c['R']:6} {r['cpu_us_total']:6}")
+
+
+def record(results: list[dict[str, Any]], row: dict[str, Any], line: str, rate: float,
+           cpu: dict[str, float]) -> None:
+    """Keep one move's result and say it at once on stderr (``line``: its label columns)."""
+    results.append({**row, "msg_per_s": round(rate), "cpu_us_per_msg": {k: round(v) for k, v in cpu.items()},
+                    "cpu_us_total": round(sum(cpu.values()))})
+    print(f"{line} {rate:10.0f} msg/s  CPU us/msg " + " ".join(f"{k}={v:.0f}" for k, v in cpu.items()),
+          file=sys.stderr, flush=True)
+
+
 def one_move(label: str, runner: Api, dest: Api, dest_url: str, src_url: str, value: dict[str, Any], n: int,
              timeout: float, pids: dict[str, int]) -> tuple[float, dict[str, float]]:
     """Messages per second of one move, and the CPU microseconds per message each broker process
@@ -110,23 +164,11 @@ def main() -> None:
                     help="only the moves whose label contains one of these, comma-separated")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    why = missing()
-    if why:
-        sys.exit(f"benchmarks/shovel.py: {why}")
-    root = Path(tempfile.mkdtemp(prefix="skred-shovel-bench-"))
-    rabbit = RabbitProcess(root / "rabbitmq", name="skredshovelbench",
-                           plugins=("rabbitmq_shovel", "rabbitmq_shovel_management"))
-    a: SkredProcess | None = None
-    b: SkredProcess | None = None
     results: list[dict[str, Any]] = []
-    try:
-        rabbit.spawn()
-        a, b = start_mgmt_broker(root), start_mgmt_broker(root)
-        problem = rabbit.wait_ready()
-        if problem:
-            sys.exit(problem)
+    with three_brokers("shovel", "skredshovelbench", ("rabbitmq_shovel", "rabbitmq_shovel_management")) as (
+            rabbit, a, b):
         assert rabbit.mgmt_port is not None
-        api_b, api_r = Api(b.mgmt_port), Api(rabbit.mgmt_port)
+        api_a, api_b, api_r = Api(a.mgmt_port), Api(b.mgmt_port), Api(rabbit.mgmt_port)
         r_url = uri(rabbit.port)
         assert a.pid is not None and b.pid is not None
         pids = {"A": a.pid, "B": b.pid, "R": rabbit.beam_pid()}
@@ -135,6 +177,7 @@ def main() -> None:
             moves = [
                 ("skred A->B", api_b, a.url, {"src-uri": uri(a.port), "dest-uri": "amqp://"}),
                 ("plugin A->B", api_r, a.url, {"src-uri": uri(a.port), "dest-uri": uri(b.port)}),
+                ("skred A->B push", api_a, a.url, {"src-uri": "amqp://", "dest-uri": uri(b.port)}),
                 ("skred R->B", api_b, r_url, {"src-uri": r_url, "dest-uri": "amqp://"}),
                 ("plugin R->B", api_r, r_url, {"src-uri": "amqp://", "dest-uri": uri(b.port)}),
                 ("skred B->B local", api_b, b.url, {"src-uri": "amqp://", "dest-uri": "amqp://"}),
@@ -147,27 +190,9 @@ def main() -> None:
                 value = {**base, **ends, "src-queue": f"bench-src-{tag}", "dest-queue": f"bench-dst-{tag}"}
                 rate, cpu = one_move(label, runner, api_b, b.url, src_url, value, args.messages, args.timeout,
                                      pids)
-                results.append({"move": label, "ack_mode": mode, "msg_per_s": round(rate),
-                                "cpu_us_per_msg": {k: round(v) for k, v in cpu.items()},
-                                "cpu_us_total": round(sum(cpu.values()))})
-                print(f"{label:18} {mode:10} {rate:10.0f} msg/s  CPU us/msg "
-                      + " ".join(f"{k}={v:.0f}" for k, v in cpu.items()), file=sys.stderr, flush=True)
-    finally:
-        for broker in (a, b):
-            if broker is not None:
-                broker.close()
-        rabbit.close()
-    load = os.getloadavg()
-    if args.json:
-        print(json.dumps({"messages": args.messages, "load_average": load, "results": results}, indent=2))
-        return
-    print(f"{args.messages} messages of 1 KiB per move; load average "
-          f"{load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
-    print(f"{'move':18} {'ack mode':10} {'msg/s':>10} {'CPU us/msg A':>12} {'B':>6} {'R':>6} {'total':>6}")
-    for r in results:
-        c = r["cpu_us_per_msg"]
-        print(f"{r['move']:18} {r['ack_mode']:10} {r['msg_per_s']:10} {c['A']:12} {c['B']:6} {c['R']:6} "
-              f"{r['cpu_us_total']:6}")
+                record(results, {"move": label, "ack_mode": mode}, f"{label:18} {mode:10}", rate, cpu)
+    report(results, {"messages": args.messages}, args.json, f"{args.messages} messages of 1 KiB per move",
+           [("move", "move", 18), ("ack_mode", "ack mode", 10)])
 
 
 if __name__ == "__main__":

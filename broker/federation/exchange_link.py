@@ -4,35 +4,48 @@ Theory of operation
 -------------------
 On the upstream the link declares a durable queue named after RabbitMQ's
 ``federation: <exchange> -> <this cluster's name>`` (``queue_name``), with the upstream's
-``expires`` and ``message-ttl`` as ``x-expires``/``x-message-ttl``, and binds it to the upstream
-exchange with every binding the local exchange has (routing key and arguments, once each), so
-the upstream sends only what some local binding wants. The binding set is mirrored for as long
-as the link runs: every ``BINDINGS_INTERVAL`` seconds the link compares the local exchange's
-bindings with what it bound upstream, and binds and unbinds the difference.
+``expires`` and ``message-ttl`` as ``x-expires``/``x-message-ttl``, and, as RabbitMQ's plugin
+does, an internal exchange of type ``x-federation-upstream`` beside it (``exchange_name``: the
+queue's name and `` A``) with ``x-max-hops`` (the upstream's ``max-hops``),
+``x-downstream-name`` (this cluster's name) and ``x-downstream-vhost``. The queue is bound to that
+exchange, and the exchange to the upstream exchange with every binding the local exchange has
+(routing key and arguments, once each), so the upstream sends only what some local binding
+wants. The binding set is mirrored for as long as the link runs: every ``BINDINGS_INTERVAL``
+seconds the link compares the local exchange's bindings with what it bound upstream, and binds
+and unbinds the difference. An upstream that has no such exchange type (a RabbitMQ without the
+federation plugin, an older Skred) refuses the declare; the link then binds its queue to the
+upstream exchange directly, as before, and hops are counted here only. (RabbitMQ requires
+``x-max-hops`` as a 64-bit ``long``; the client library encodes a small integer in one byte, so
+the declare encodes its integer arguments itself: ``_Declare``.)
 
-A delivery is published here to the local exchange with its routing key; it then routes like
-any other message. Two rules stop messages from going round for ever (both read
-``x-received-from``, which every link appends to): a message that has already crossed
-``max-hops`` links is dropped (acked upstream: it is not lost, it arrived where it should have
-stopped), and so is one that has already left this vhost of this cluster once (a cycle: its
-list names this ``cluster-name`` and vhost). So in a cycle A -> B -> A every message reaches
-each broker once, whatever ``max-hops`` says, and in a chain A -> B -> C it reaches C only
-with ``max-hops`` 2 or more.
+Hops are counted on **both sides**. Upstream, the ``x-federation-upstream`` exchange routes a
+message to the link's queue only if it has crossed fewer than ``max-hops`` links and did not
+come from this downstream (broker/model/exchange_features.py): a message that would stop here
+never travels. Here, every delivery is checked again (an upstream that binds directly, or one
+that counts differently): a message that has already crossed ``max-hops`` links is dropped
+(acked upstream: it is not lost, it arrived where it should have stopped), and so is one that
+has already left this vhost of this cluster once (a cycle: its ``x-received-from`` list names
+this ``cluster-name`` and vhost). So in a cycle A -> B -> A every message reaches each broker
+once, whatever ``max-hops`` says, and in a chain A -> B -> C it reaches C only with
+``max-hops`` 2 or more.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
+import struct
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import aiormq
 from aiormq.abc import DeliveredMessage
+from pamqp import commands, encode
 
 from broker.federation import local
 from broker.federation.link import CALL_TIMEOUT, Link
 from broker.model.exchange import Exchange
+from broker.model.exchange_features import FEDERATION_UPSTREAM
 from broker.model.vhost import VHost
 
 _NOT_IN_GRAMMAR = re.compile(r"[^a-zA-Z0-9_.:@#,/+ -]")  # a name's characters (AMQP 0-9-1 grammar)
@@ -54,6 +67,42 @@ def queue_name(exchange: str, upstream_exchange: str, cluster: str, vhost: str) 
     return _NOT_IN_GRAMMAR.sub("_", name)[:255]
 
 
+def exchange_name(queue: str) -> str:
+    """The upstream's ``x-federation-upstream`` exchange of the link whose queue is ``queue``."""
+    return f"{queue[:253]} A"
+
+
+def upstream_exchange_args(link: Link) -> dict[str, Any]:
+    """The arguments of that exchange: where the link's messages go, and how far they may."""
+    return {"x-max-hops": link.upstream.max_hops, "x-downstream-name": link.cluster_name,
+            "x-downstream-vhost": link.vhost.name}
+
+
+class _Declare(commands.Exchange.Declare):
+    """``exchange.declare`` whose integer arguments go as 64-bit ``long`` (``l``) values: RabbitMQ
+    refuses an ``x-federation-upstream`` exchange whose ``x-max-hops`` is not one, and the client
+    library encodes an integer in the fewest bytes. The rest of the frame is the library's."""
+
+    def marshal(self) -> bytes:
+        args, self.arguments = self.arguments or {}, {}
+        try:
+            head = super().marshal()  # ends with the empty table's length
+        finally:
+            self.arguments = args
+        table = b"".join(encode.short_string(k) + _value(v) for k, v in args.items())
+        return head[:-4] + _U32.pack(len(table)) + table
+
+
+def _value(v: Any) -> bytes:
+    if type(v) is int and -(1 << 63) <= v < 1 << 63:
+        return _LONG.pack(b"l", v)
+    return encode.encode_table_value(v)
+
+
+_LONG = struct.Struct(">cq")  # (with its type octet)
+_U32 = struct.Struct(">I")
+
+
 def _hashable(v: Any) -> Any:
     if isinstance(v, dict):
         return tuple(sorted((k, _hashable(x)) for k, x in v.items()))
@@ -72,6 +121,7 @@ def local_bindings(ex: Exchange) -> dict[Binding, dict[str, Any]]:
 
 class ExchangeLink(Link):
     kind = "exchange"
+    direct = False  # the upstream has no x-federation-upstream type: the queue binds directly
 
     def upstream_name(self) -> str:
         return self.upstream.exchange or self.resource
@@ -98,8 +148,9 @@ class ExchangeLink(Link):
             if self.upstream.message_ttl is not None:
                 args["x-message-ttl"] = self.upstream.message_ttl
             await ch.queue_declare(queue, durable=True, arguments=args)
+            ch, via = await self._upstream_exchange(conn, ch, queue)
             bound: dict[Binding, dict[str, Any]] = {}
-            await self._mirror(ch, ex, queue, up_ex, bound)
+            await self._mirror(ch, ex, queue, up_ex, bound, via)
             await ch.basic_qos(prefetch_count=self.upstream.prefetch_count)
 
         async def deliver(msg: DeliveredMessage) -> None:
@@ -119,7 +170,7 @@ class ExchangeLink(Link):
                 if current is not ex:
                     raise RuntimeError(f"exchange '{self.resource}' was deleted")
                 if not watch.done():
-                    await self._mirror(ch, ex, queue, up_ex, bound)
+                    await self._mirror(ch, ex, queue, up_ex, bound, via)
             watch.result()
         finally:
             watch.cancel()
@@ -127,15 +178,47 @@ class ExchangeLink(Link):
     async def _local_session(self, up: VHost) -> None:
         await local.exchange_session(self, up, BINDINGS_INTERVAL)
 
+    async def _upstream_exchange(self, conn: aiormq.abc.AbstractConnection, ch: aiormq.abc.AbstractChannel,
+                                 queue: str) -> tuple[aiormq.abc.AbstractChannel, str | None]:
+        """Declare the ``x-federation-upstream`` exchange and bind the queue to it: the channel to
+        go on with, and the exchange (None: the upstream has no such type, bind directly)."""
+        via, args = exchange_name(queue), upstream_exchange_args(self)
+        if self.direct:
+            return ch, None
+        for attempt in (1, 2):
+            try:
+                declare = _Declare(exchange=via, exchange_type=FEDERATION_UPSTREAM, durable=True,
+                                   internal=True, arguments=args)
+                await cast(aiormq.Channel, ch).rpc(declare, timeout=CALL_TIMEOUT)
+                break
+            except aiormq.exceptions.ChannelPreconditionFailed:
+                ch = await conn.channel()
+                if attempt == 2:  # refused even new: an upstream with rules of its own
+                    self.direct = True
+                    return ch, None
+                await ch.exchange_delete(via)  # declared before with other arguments (max-hops changed)
+            except (aiormq.exceptions.ConnectionCommandInvalid, aiormq.exceptions.ConnectionNotImplemented):
+                # no such exchange type upstream (a connection error): from now on bind directly
+                self.direct = True
+                raise
+        await ch.queue_bind(queue, via, "")
+        return ch, via
+
     async def _mirror(self, ch: aiormq.abc.AbstractChannel, ex: Exchange, queue: str, up_ex: str,
-                      bound: dict[Binding, dict[str, Any]]) -> None:
+                      bound: dict[Binding, dict[str, Any]], via: str | None) -> None:
         async with asyncio.timeout(CALL_TIMEOUT):
             want = local_bindings(ex)
             for key in [k for k in bound if k not in want]:
-                await ch.queue_unbind(queue, up_ex, key[0], arguments=bound.pop(key))
+                if via is None:
+                    await ch.queue_unbind(queue, up_ex, key[0], arguments=bound.pop(key))
+                else:
+                    await ch.exchange_unbind(via, up_ex, key[0], arguments=bound.pop(key))
             for key, args in want.items():
                 if key not in bound:
-                    await ch.queue_bind(queue, up_ex, key[0], arguments=args)
+                    if via is None:
+                        await ch.queue_bind(queue, up_ex, key[0], arguments=args)
+                    else:
+                        await ch.exchange_bind(via, up_ex, key[0], arguments=args)
                     bound[key] = args
 
     def _deliver(self, ch: aiormq.abc.AbstractChannel, msg: DeliveredMessage, up_ex: str) -> None:

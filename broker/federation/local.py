@@ -4,8 +4,9 @@ in-process through the model's public operations, with no socket.
 Theory of operation
 -------------------
 The link is the same as over AMQP (``exchange_link.py``, ``queue_link.py``): on the upstream vhost
-it declares the upstream queue (``VHost.declare_queue``) and, for an exchange, binds it with the
-local exchange's bindings (``VHost.bind_queue``/``unbind_queue``), then consumes it with a
+it declares the upstream queue (``VHost.declare_queue``) and, for an exchange, its
+``x-federation-upstream`` exchange (bound to the queue) and binds that to the upstream exchange
+with the local exchange's bindings (``VHost.bind_exchange``/``unbind_exchange``), then consumes it with a
 ``LinkConsumer``: a model consumer with room for ``prefetch-count`` unsettled messages, like an
 AMQP consumer's prefetch. Each delivery goes through the link's ``take``/``forward`` (hop rules,
 ``x-received-from``, ``VHost.publish`` here) and is settled on the upstream queue by ack-mode
@@ -21,6 +22,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from broker import properties
+from broker.model.exchange_features import FEDERATION_UPSTREAM
 from broker.model.queue import Consumer, Queue
 from broker.model.vhost import VHost
 
@@ -80,7 +82,7 @@ def _decoded(props: bytes) -> Any:
 
 
 async def exchange_session(link: ExchangeLink, up: VHost, interval: float) -> None:
-    from broker.federation.exchange_link import local_bindings
+    from broker.federation.exchange_link import exchange_name, local_bindings, upstream_exchange_args
 
     ex = link.vhost.exchanges.get(link.resource)
     if ex is None:
@@ -94,15 +96,21 @@ async def exchange_session(link: ExchangeLink, up: VHost, interval: float) -> No
     if link.upstream.message_ttl is not None:
         args["x-message-ttl"] = link.upstream.message_ttl
     q, _ = up.declare_queue(name, durable=True, arguments=args, owner=None)
+    via, via_args = exchange_name(name), upstream_exchange_args(link)
+    old = up.exchanges.get(via)
+    if old is not None and (old.type != FEDERATION_UPSTREAM or old.arguments != via_args):
+        up.delete_exchange(via)  # declared before with other arguments (max-hops changed)
+    up.declare_exchange(via, FEDERATION_UPSTREAM, durable=True, internal=True, arguments=via_args)
+    up.bind_queue(name, via, "", {}, owner=None)
     bound: dict[Any, dict[str, Any]] = {}
 
     def mirror() -> None:
         want = local_bindings(ex)
         for key in [k for k in bound if k not in want]:
-            up.unbind_queue(name, up_ex, key[0], bound.pop(key), owner=None)
+            up.unbind_exchange(via, up_ex, key[0], bound.pop(key))
         for key, bargs in want.items():
             if key not in bound:
-                up.bind_queue(name, up_ex, key[0], bargs, owner=None)
+                up.bind_exchange(via, up_ex, key[0], bargs)
                 bound[key] = bargs
 
     mirror()

@@ -38,6 +38,14 @@ broker/model/superstream.py): a message goes to the partition at MurmurHash3 x86
 partitions ordered by their bindings' ``x-stream-partition-order`` (rebuilt when bindings
 change). Growing the partition count remaps keys, as it does for the stream clients.
 
+Federation's upstream exchange (``x-federation-upstream``, declared on an upstream by a
+downstream's exchange federation link, broker/federation/exchange_link.py, as RabbitMQ's
+federation plugin declares it): routes as fanout to the link's queue, but only a message that
+should cross the link: one that has crossed fewer than ``x-max-hops`` links (its
+``x-received-from`` list) and never left the downstream named by ``x-downstream-name`` and
+``x-downstream-vhost`` (it would go back where it came from). So hops are counted on the
+upstream side and a message that would be dropped downstream never travels.
+
 Deduplication (``x-message-deduplication`` on an exchange): a message whose
 ``x-deduplication-header`` value was seen within the cache (``x-cache-size``
 entries, LRU; ``x-cache-ttl`` ms or the message's own ``x-cache-ttl`` header)
@@ -118,7 +126,8 @@ class Host(Republisher, Protocol):
 
 DELAYED = "x-delayed-message"
 CONSISTENT_HASH = "x-consistent-hash"
-EXTRA_TYPES = (DELAYED, CONSISTENT_HASH)
+FEDERATION_UPSTREAM = "x-federation-upstream"
+EXTRA_TYPES = (DELAYED, CONSISTENT_HASH, FEDERATION_UPSTREAM)
 BASE_TYPES = ("direct", "fanout", "topic", "headers")
 POINTS_PER_WEIGHT = 64
 DISK_RETRY_S = 1.0  # a due delayed message that found the disk full is routed again this much later
@@ -148,6 +157,8 @@ def _int_arg(value: Any) -> int | None:
 
 def routing_kind(type_: str, arguments: dict[str, Any]) -> str:
     """The type an exchange routes with; 406 for a delayed exchange without a valid base type."""
+    if type_ == FEDERATION_UPSTREAM:
+        return "fanout"
     if type_ != DELAYED:
         return type_
     base = arguments.get("x-delayed-type")
@@ -268,6 +279,7 @@ class ExchangeSpecial:
                                             40, 10)
         self.partition_hash = routing == "hash"
         self._partitions: list[object] | None = None
+        self.hop_filter = _hop_filter(args) if ex.type == FEDERATION_UPSTREAM else None
 
     # --------------------------------------------------------------- routing
     def bindings_changed(self) -> None:
@@ -309,6 +321,8 @@ class ExchangeSpecial:
         destinations when this exchange picks them itself (hash-property), else None for
         routing by type. Called by the publish operation at every hop (broker/model/publish.py)."""
         headers: dict[str, Any] | None = None
+        if self.hop_filter is not None and not self.hop_filter.forwards(_headers(props)):
+            return False, []  # it stops here: routed nowhere
         if self.dedup is not None:
             headers = _headers(props)
             key, ttl = dedup_key(headers)
@@ -335,6 +349,38 @@ class ExchangeSpecial:
     def close(self, delete: bool = False) -> None:
         if self.delayed is not None:
             self.delayed.close(delete)
+
+
+class HopFilter:
+    """What an ``x-federation-upstream`` exchange lets through (RabbitMQ's rule)."""
+
+    __slots__ = ("max_hops", "downstream", "vhost")
+
+    def __init__(self, max_hops: int, downstream: str | None, vhost: str | None) -> None:
+        self.max_hops, self.downstream, self.vhost = max_hops, downstream, vhost
+
+    def forwards(self, headers: dict[str, Any]) -> bool:
+        hops = headers.get("x-received-from")
+        if not isinstance(hops, list):
+            return True
+        if len(hops) >= self.max_hops:
+            return False
+        if self.downstream is None:
+            return True
+        for hop in hops:
+            if isinstance(hop, dict) and _key_text(hop.get("cluster-name")) == self.downstream \
+                    and _key_text(hop.get("vhost")) in (self.vhost, None):
+                return False
+        return True
+
+
+def _hop_filter(args: dict[str, Any]) -> HopFilter:
+    max_hops = _int_arg(args.get("x-max-hops"))
+    if max_hops is None or max_hops < 1:
+        raise errors.PreconditionFailed("x-federation-upstream: x-max-hops must be an integer of 1 or more",
+                                        40, 10)
+    return HopFilter(max_hops, _key_text(args.get("x-downstream-name")),
+                     _key_text(args.get("x-downstream-vhost")))
 
 
 # ------------------------------------------------------------------ delayed store

@@ -28,7 +28,8 @@ that was most of the CPU a remote shovel spent. This connection is an ``asyncio.
 
 The URI takes aiormq's query options for TLS (``cafile``, ``capath``, ``certfile``, ``keyfile``,
 ``no_verify_ssl``), ``heartbeat`` and ``auth`` (``plain``, ``external`` for client certificates),
-so a definition means the same for the source as for an aiormq destination.
+as federation's aiormq links read them. The destination (``amqp_dest.py``) is this connection
+used the other way round.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import ssl
 import struct
 import time
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from pamqp import commands
@@ -64,8 +65,10 @@ _DELIVER = 0x003C003C  # basic.deliver (60, 60)
 _TYPE_METHOD, _TYPE_HEADER, _TYPE_BODY, _TYPE_HEARTBEAT = 1, 2, 3, 8
 
 
-class _Wire(asyncio.Protocol):
+class Wire(asyncio.Protocol):
     """The socket: frames in (deliveries in place, the rest through pamqp), frames out."""
+
+    role = "source"  # which end of the shovel, in the reasons it gives
 
     def __init__(self, lost: asyncio.Future[str]) -> None:
         self.lost = lost
@@ -89,7 +92,8 @@ class _Wire(asyncio.Protocol):
         self.transport.write(PROTOCOL_HEADER)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        set_lost(self.lost, f"source connection lost: {exc}" if exc else "source connection closed")
+        what = f"{self.role} connection"
+        set_lost(self.lost, f"{what} lost: {exc}" if exc else f"{what} closed")
         self.transport = None
 
     def data_received(self, data: bytes) -> None:
@@ -110,7 +114,7 @@ class _Wire(asyncio.Protocol):
                 self._frame(kind, channel, buf, pos + 7, end)
                 pos = end + 1
         except Exception as exc:  # noqa: BLE001 - whatever the peer sent: the connection breaks
-            self.fail(f"source sent a bad frame: {type(exc).__name__}: {exc}")
+            self.fail(f"{self.role} sent a bad frame: {type(exc).__name__}: {exc}")
             return
         del buf[:pos]
 
@@ -165,13 +169,13 @@ class _Wire(asyncio.Protocol):
     def _method(self, channel: int, method: PFrame) -> None:
         if isinstance(method, commands.Connection.Close):
             self.write(0, commands.Connection.CloseOk())
-            set_lost(self.lost, f"source: {method.reply_code} {method.reply_text}")
+            set_lost(self.lost, f"{self.role}: {method.reply_code} {method.reply_text}")
         elif isinstance(method, commands.Channel.Close):
             self.write(channel, commands.Channel.CloseOk())
             if self.consuming:
-                set_lost(self.lost, f"source channel closed: {method.reply_code} {method.reply_text}")
+                set_lost(self.lost, f"{self.role} channel closed: {method.reply_code} {method.reply_text}")
         elif isinstance(method, commands.Basic.Cancel) and self.consuming:
-            set_lost(self.lost, "source: the broker cancelled the consumer (queue deleted?)")
+            set_lost(self.lost, f"{self.role}: the broker cancelled the consumer (queue deleted?)")
             return
         if self.consuming and not isinstance(method, commands.Basic.ConsumeOk | commands.Connection.CloseOk):
             return  # nobody waits for it (connection.blocked concerns publishers): not kept
@@ -203,15 +207,15 @@ class _Wire(asyncio.Protocol):
                 got.cancel()
                 if self.lost.done():
                     raise EndLost(self.lost.result())
-                raise EndLost(f"source: no {answer.name} from the broker in {OP_TIMEOUT:g} s")
+                raise EndLost(f"{self.role}: no {answer.name} from the broker in {OP_TIMEOUT:g} s")
             reply = got.result()
             if isinstance(reply, answer):
                 return reply
             if isinstance(reply, commands.Connection.Close | commands.Channel.Close):
-                raise _Closed(reply.reply_code or 0, f"source: {reply.reply_code} {reply.reply_text}")
+                raise Closed(reply.reply_code or 0, f"{self.role}: {reply.reply_code} {reply.reply_text}")
 
 
-class _Closed(EndLost):
+class Closed(EndLost):
     def __init__(self, code: int, text: str) -> None:
         super().__init__(text)
         self.code = code
@@ -227,14 +231,36 @@ def _ssl_context(options: dict[str, str]) -> ssl.SSLContext:
     return ctx
 
 
-async def _open_connection(uri: Uri, name: str, lost: asyncio.Future[str]) -> _Wire:
+W = TypeVar("W", bound=Wire)
+
+
+async def open_first(uris: tuple[Uri, ...], name: str, wire_type: type[W]) -> tuple[W, asyncio.Future[str]]:
+    """A connection to the first of ``uris`` that takes it, and its ``lost`` future; EndLost
+    naming each failure otherwise."""
+    problems = []
+    for uri in uris:
+        lost = new_lost()
+        try:
+            wire = await asyncio.wait_for(_open_connection(uri, name, lost, wire_type), CONNECT_TIMEOUT)
+            return wire, lost
+        except TimeoutError:
+            problems.append(f"{uri.redacted()}: no answer in {CONNECT_TIMEOUT:g} s")
+        except EndLost as exc:  # the broker said why (a close: wrong credentials, no vhost)
+            problems.append(f"{uri.redacted()}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - refused, TLS, wrong credentials: each is a reason
+            problems.append(f"{uri.redacted()}: {type(exc).__name__}: {exc}")
+        set_lost(lost, "closed")
+    raise EndLost("; ".join(problems))
+
+
+async def _open_connection(uri: Uri, name: str, lost: asyncio.Future[str], wire_type: type[W]) -> W:
     """TCP (or TLS) and the AMQP handshake to an open connection, within ``CONNECT_TIMEOUT``."""
     parts = urlsplit(uri.text)
     options = {k: v[-1] for k, v in parse_qs(parts.query).items()}
     tls = parts.scheme == "amqps"
     host = parts.hostname or "localhost"
     vhost = unquote(parts.path[1:]) if len(parts.path) > 1 else "/"
-    wire = _Wire(lost)
+    wire = wire_type(lost)
     loop = asyncio.get_running_loop()
     await loop.create_connection(lambda: wire, host, parts.port or (5671 if tls else 5672),
                                  ssl=_ssl_context(options) if tls else None)
@@ -247,13 +273,13 @@ async def _open_connection(uri: Uri, name: str, lost: asyncio.Future[str]) -> _W
     return wire
 
 
-async def _handshake(wire: _Wire, username: str | None, password: str | None, vhost: str,
+async def _handshake(wire: Wire, username: str | None, password: str | None, vhost: str,
                      options: dict[str, str], name: str) -> None:
     start = await wire.expect(commands.Connection.Start)
     assert isinstance(start, commands.Connection.Start)
     mechanism = options.get("auth", "plain").upper()
     if mechanism not in str(start.mechanisms).split():
-        raise EndLost(f"source: the broker does not offer {mechanism} authentication")
+        raise EndLost(f"{wire.role}: the broker does not offer {mechanism} authentication")
     user, secret = unquote(username or "guest"), unquote(password or "guest")
     response = f"\0{user}\0{secret}" if mechanism == "PLAIN" else ""
     client = {"connection_name": f"Shovel {name}", "product": "Skred shovel",
@@ -273,13 +299,13 @@ async def _handshake(wire: _Wire, username: str | None, password: str | None, vh
         _beat(wire, heartbeat)
 
 
-def _beat(wire: _Wire, interval: int) -> None:
+def _beat(wire: Wire, interval: int) -> None:
     """Write a heartbeat every half interval; the connection is lost after two silent intervals."""
     def tick() -> None:
         if wire.lost.done() or wire.transport is None:
             return
         if time.monotonic() - wire.last_read > 2 * interval:
-            wire.fail(f"source: no heartbeat from the broker in {2 * interval} s")
+            wire.fail(f"{wire.role}: no heartbeat from the broker in {2 * interval} s")
             return
         wire.transport.write(HEARTBEAT_FRAME)
         asyncio.get_running_loop().call_later(interval / 2, tick)
@@ -296,7 +322,7 @@ class AmqpSource:
         self.args = args  # consumer arguments for this run (x-stream-offset only on the first)
         self.lost = new_lost()
         self.length = 0
-        self.wire: _Wire | None = None
+        self.wire: Wire | None = None
         self.delivered: collections.deque[int] = collections.deque()  # unsettled tags, in order
         self.settled: set[int] = set()  # settled, not yet covered by a multiple ack
         self.flush_timer: asyncio.TimerHandle | None = None
@@ -311,22 +337,7 @@ class AmqpSource:
 
     async def _open(self, on_message: Callable[[Message], None]) -> None:
         d = self.d
-        problems = []
-        for uri in d.src_uris:
-            lost = new_lost()
-            try:
-                self.wire = await asyncio.wait_for(_open_connection(uri, d.name, lost), CONNECT_TIMEOUT)
-                self.lost = lost
-                break
-            except TimeoutError:
-                problems.append(f"{uri.redacted()}: no answer in {CONNECT_TIMEOUT:g} s")
-            except EndLost as exc:  # the broker said why (a close: wrong credentials, no vhost)
-                problems.append(f"{uri.redacted()}: {exc}")
-            except Exception as exc:  # noqa: BLE001 - refused, TLS, wrong credentials: each is a reason
-                problems.append(f"{uri.redacted()}: {type(exc).__name__}: {exc}")
-            set_lost(lost, "closed")
-        else:
-            raise EndLost("; ".join(problems))
+        self.wire, self.lost = await open_first(d.src_uris, d.name, Wire)
         wire, channel = self.wire, 1
         await wire.call(channel, commands.Channel.Open(), commands.Channel.OpenOk)
         queue = d.src_queue or ""
@@ -334,7 +345,7 @@ class AmqpSource:
             try:
                 ok = await wire.call(channel, commands.Queue.Declare(queue=queue, passive=True),
                                      commands.Queue.DeclareOk)
-            except _Closed as exc:
+            except Closed as exc:
                 if exc.code != 404:
                     raise
                 channel += 1  # a passive declare of a missing queue closed the channel

@@ -27,6 +27,7 @@ from typing import Any
 
 from broker.auth.parameters import RuntimeParameters
 from broker.shovel import definition
+from broker.shovel.amqp_dest import AmqpDestination
 from broker.shovel.amqp_source import AmqpSource
 from broker.shovel.definition import ShovelDef
 from broker.shovel.ends import Destination, Source
@@ -38,13 +39,6 @@ log = logging.getLogger(__name__)
 
 COMPONENT = "shovel"
 STREAM_OFFSET = "x-stream-offset"
-
-
-def _amqp_destination(d: ShovelDef) -> Destination:
-    """An AMQP destination, imported when the first one starts: it brings aiormq, a tenth of a
-    second of every broker's start, and most brokers shovel nothing to another broker."""
-    from broker.shovel.remote import AmqpDestination
-    return AmqpDestination(d)
 
 
 def consumer_tag(d: ShovelDef) -> str:
@@ -123,7 +117,7 @@ class Shovels:
             else AmqpSource(d, tag, args)
         dest = d.dest_uris[0]
         dst: Destination = HttpDestination(d) if dest.http else \
-            LocalDestination(d, self.local, owner) if dest.local else _amqp_destination(d)
+            LocalDestination(d, self.local, owner) if dest.local else AmqpDestination(d)
         return src, dst
 
     # ------------------------------------------------------- what the API asks

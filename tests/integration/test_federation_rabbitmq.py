@@ -15,6 +15,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import pika
 import pytest
@@ -89,6 +90,13 @@ def test_skred_federates_exchange_and_queue_from_rabbitmq(
         # the upstream queue RabbitMQ holds for the exchange link is bound with the mirrored key
         wait_until(lambda: any(b["routing_key"] == "k" for b in _rabbit_api(rabbit).call(
             "GET", f"/api/exchanges/%2F/{x}/bindings/source")[1]), LINK_DEADLINE, "binding on RabbitMQ")
+        # through RabbitMQ's own x-federation-upstream exchange, which counts the hops up there
+        bound = [b for b in _rabbit_api(rabbit).get(f"/api/exchanges/%2F/{x}/bindings/source")
+                 if b["routing_key"] == "k"]
+        assert bound[0]["destination_type"] == "exchange", bound
+        helper = _rabbit_api(rabbit).get(f"/api/exchanges/%2F/{quote(bound[0]['destination'], safe='')}")
+        assert (helper["type"], helper["internal"], helper["arguments"]["x-max-hops"]) == \
+            ("x-federation-upstream", True, 1), helper
         rch.confirm_delivery()
         for i in range(10):
             rch.basic_publish(x, "k", f"x{i}".encode(), pika.BasicProperties(delivery_mode=2))

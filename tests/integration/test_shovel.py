@@ -312,11 +312,13 @@ def _kill_during(victim: SkredProcess, started: threading.Event) -> threading.Th
 
 @pytest.mark.chaos
 @pytest.mark.timeout(180 + KILL_MESSAGES // 100)
-@pytest.mark.parametrize("killed", ["destination", "source"])
+@pytest.mark.parametrize("killed", ["destination", "source", "host"])
 def test_kill9_during_an_on_confirm_shovel_loses_nothing(pair: tuple[SkredProcess, SkredProcess],
                                                          killed: str) -> None:
     """Skred -> Skred over AMQP: the shovel runs on ``a`` with a remote end on ``b``; kill -9 the
-    remote end while messages move. Every confirmed message arrives (duplicates allowed)."""
+    remote end while messages move, or ``a`` itself (``host``: the shovel and its local
+    destination, which publishes a turn's messages as one batch, killed mid-batch). Every
+    confirmed message arrives (duplicates allowed: those in flight)."""
     a, b = pair
     api, url = local(a)
     src, dst, name = unique("src"), unique("dst"), unique("sh")
@@ -331,8 +333,9 @@ def test_kill9_during_an_on_confirm_shovel_loses_nothing(pair: tuple[SkredProces
         value = {"src-uri": remote_uri(b), "src-queue": src, "dest-uri": "amqp://", "dest-queue": dst,
                  "reconnect-delay": 0.5, "src-prefetch-count": 200}
         src_api, dst_api, dst_url = Api(b.mgmt_port), api, url
+    victim = a if killed == "host" else b
     started = threading.Event()
-    killer = _kill_during(b, started)
+    killer = _kill_during(victim, started)
     try:
         assert put_shovel(api, "/", name, value)[0] == 201
         wait_until(lambda: count(dst_api, "/", dst) >= n // 5, 60, "a fifth moved before the kill")
@@ -343,7 +346,7 @@ def test_kill9_during_an_on_confirm_shovel_loses_nothing(pair: tuple[SkredProces
         recent = count(dst_api, "/", dst) - before
         started.set()
         killer.join(60)
-        wait_until(lambda: http_ready(b.mgmt_port), 20, "the killed broker back")
+        wait_until(lambda: http_ready(victim.mgmt_port), 20, "the killed broker back")
         wait_until(lambda: count(src_api, "/", src) == 0, 90, "the source drained after the kill")
         wait_state(api, "/", name, "running", 30)
     finally:

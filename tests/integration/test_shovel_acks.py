@@ -1,9 +1,11 @@
-"""A remote AMQP source settles in batches: one ``basic.ack`` (``multiple``) covers a quarter of
+"""The remote AMQP ends. A source settles in batches: one ``basic.ack`` (``multiple``) covers a quarter of
 the prefetch window, a lone settled message is acked within ``ACK_DELAY``, and closing writes
 every ack that is due (so nothing settled is requeued: no duplicate after ``src-delete-after``).
 
 The source end (``AmqpSource``) runs in the test process against a real Skred broker over a real
-socket; its channel's ``basic_ack`` is wrapped to count the acks written.
+socket; its channel's ``basic_ack`` is wrapped to count the acks written. The destination
+(``AmqpDestination``) runs in the test process too: a turn's publishes go out in one write and
+are confirmed by delivery-tag range, the property bytes passed through unchanged.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ import aiormq
 import pytest
 from pamqp import commands
 
+from broker import properties
+from broker.shovel.amqp_dest import AmqpDestination
 from broker.shovel.amqp_source import ACK_DELAY, AmqpSource
 from broker.shovel.definition import parse
-from broker.shovel.ends import EndLost, Message, Settle
+from broker.shovel.ends import EndLost, Message, Settle, Verdict
 
 from ._shovel import publish
 from ._support import SkredProcess, free_port, unique
@@ -184,7 +188,78 @@ def test_an_amqps_source_with_a_client_certificate(tmp_path: Path) -> None:
         with_cert = f"{base}&certfile={quote(str(pki.client.cert))}&keyfile={quote(str(pki.client.key))}"
         got = asyncio.run(_consume_odd(with_cert, queue, 5))
         assert sorted(m.body.split(b"|")[0] for m in got) == [f"t#{i}".encode() for i in range(5)]
+        # the destination over the same URI options
+        verdicts, _ = asyncio.run(_push(with_cert, queue, 3))
+        assert verdicts == [Verdict.OK] * 3 and asyncio.run(_ready_count(b.url, queue)) == 3
         with pytest.raises(EndLost):  # (TLS 1.3: refused at the handshake or right after it)
             asyncio.run(_consume_odd(base, queue, 1))
     finally:
         b.close()
+
+
+SHAPES = [(b"", commands.Basic.Properties(delivery_mode=2)),
+          (bytes(range(256)) * 1200, commands.Basic.Properties(delivery_mode=2, content_type="x/y")),
+          (b"h", commands.Basic.Properties(delivery_mode=2, message_id="m-1", priority=3,
+                                           headers={"a": "b", "n": 7, "t": {"x": True}}))]
+
+
+async def _push(url: str, queue: str, n: int) -> tuple[list[Verdict], int]:
+    """``n`` messages (the shapes in turn, numbered) handed to the destination in one turn: the
+    verdicts, and how many writes the destination made."""
+    d = parse("/", "t", {"src-uri": "amqp://", "src-queue": "x", "dest-uri": url, "dest-queue": queue})
+    dst = AmqpDestination(d)
+    await dst.open()
+    writes = 0
+    real = dst._flush
+
+    def counted() -> None:
+        nonlocal writes
+        writes += bool(dst.out)
+        real()
+    dst._flush = counted  # type: ignore[method-assign]
+    verdicts: list[Verdict] = []
+    done = asyncio.Event()
+
+    def later(v: Verdict) -> None:
+        verdicts.append(v)
+        if len(verdicts) == n:
+            done.set()
+    try:
+        for i in range(n):
+            body, props = SHAPES[i % len(SHAPES)]
+            msg = Message("", queue, None, f"{i}|".encode() + body, False, i, raw=properties.encode(props))
+            assert dst.send_now(msg, later) is None  # on-confirm: the verdict comes with the confirm
+        await asyncio.wait_for(done.wait(), 60)
+    finally:
+        await dst.close()
+    return verdicts, writes
+
+
+async def _take(url: str, queue: str, n: int) -> list[tuple[bytes, commands.Basic.Properties]]:
+    conn = await aiormq.connect(url)
+    out = []
+    try:
+        ch = await conn.channel()
+        for _ in range(n):
+            got = await ch.basic_get(queue, no_ack=True)
+            assert got.body is not None and got.header is not None
+            out.append((got.body, got.header.properties))
+    finally:
+        await conn.close()
+    return out
+
+
+def test_the_destination_writes_a_turn_at_once_and_confirms_by_range(broker: SkredProcess) -> None:
+    """300 publishes handed over in one turn (as a source's socket read is): a few writes, every
+    one confirmed OK (the broker's confirms come as multiple acks), each message arriving in order
+    with its body and properties as they were (the raw property bytes passed through)."""
+    queue, n = unique("dest-batch"), 300
+    verdicts, writes = asyncio.run(_push(broker.url, queue, n))
+    assert verdicts == [Verdict.OK] * n
+    assert writes <= 1 + sum(len(b) for b, _ in SHAPES) * n // (3 * 256 * 1024) + 2, f"{writes} writes"
+    got = asyncio.run(_take(broker.url, queue, n))
+    fields = ("message_id", "priority", "content_type", "delivery_mode", "headers")
+    for i, (body, props) in enumerate(got):
+        sent_body, sent_props = SHAPES[i % len(SHAPES)]
+        assert body == f"{i}|".encode() + sent_body
+        assert [getattr(props, f) for f in fields] == [getattr(sent_props, f) for f in fields]
