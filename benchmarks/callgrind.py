@@ -12,8 +12,10 @@ which adds a few hundred instructions to a measurement of millions.
 Scenarios: ``publish`` (identical messages to a queue without consumers: runs),
 ``publish-varied`` (every message different, 200 B-2 KiB with headers), ``deliver-autoack``,
 ``direct-autoack`` (publish while an autoack consumer waits: the direct hand-over),
-``deliver-ack`` (prefetch 1000, acked in multiples) and ``topic`` (through ``amq.topic`` to two
-queues).
+``deliver-ack`` (prefetch 1000, acked in multiples), ``topic`` (through ``amq.topic`` to two
+queues) and ``topic-50`` (issue 31's topic workload: 50 queues bound to ``amq.topic`` with
+``*.r<j % 10>.k<j // 10>``, every message a random one of their 50 keys, so one delivery each,
+an autoack consumer on every queue).
 
 Usage: ``python benchmarks/callgrind.py [-n 2000] [scenario ...]`` (needs valgrind).
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -37,7 +40,8 @@ from pamqp import frame as pframe
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hotpath import handshake, publish_frames  # noqa: E402
 
-SCENARIOS = ("publish", "publish-varied", "deliver-autoack", "direct-autoack", "deliver-ack", "topic")
+SCENARIOS = ("publish", "publish-varied", "deliver-autoack", "direct-autoack", "deliver-ack", "topic",
+             "topic-50")
 _TOTALS = re.compile(r"^(?:summary|totals):\s*(\d+)", re.M)
 
 
@@ -83,6 +87,8 @@ async def _scenario(scenario: str, n: int, sync: Path) -> None:
         q = broker.vhosts["/"].queues["hp"]
         cons = Session(broker, ("127.0.0.1", 2), lambda: None)
         handshake(cons)
+        if scenario == "topic-50":
+            frames = _topic_50(pub, cons, n)
         if scenario in ("deliver-autoack", "deliver-ack"):
             _feed(pub, frames)
         if scenario in ("deliver-autoack", "direct-autoack"):
@@ -109,6 +115,22 @@ async def _scenario(scenario: str, n: int, sync: Path) -> None:
             vh.close()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _topic_50(pub: object, cons: object, n: int) -> bytes:
+    """Declare and bind the 50 queues, consume each (autoack); ``n`` publishes to random keys."""
+    rnd = random.Random(50)
+    for j in range(50):
+        bind = commands.Queue.Bind(queue=f"t{j}", exchange="amq.topic", routing_key=f"*.r{j % 10}.k{j // 10}")
+        for m in (commands.Queue.Declare(queue=f"t{j}"), bind):
+            pub.receive_data(pframe.marshal(m, 1))  # type: ignore[attr-defined]
+        cons.receive_data(pframe.marshal(commands.Basic.Consume(  # type: ignore[attr-defined]
+            queue=f"t{j}", consumer_tag=f"c{j}", no_ack=True), 1))
+    one = publish_frames(1, 16, "")
+    plain = pframe.marshal(commands.Basic.Publish(exchange="", routing_key=""), 1)
+    keys = [f"orders.r{j % 10}.k{j // 10}" for j in range(50)]
+    return b"".join(one.replace(plain, pframe.marshal(commands.Basic.Publish(
+        exchange="amq.topic", routing_key=rnd.choice(keys)), 1)) for _ in range(n))
 
 
 async def _child(n: int, sync: Path, scenarios: list[str]) -> None:
