@@ -88,7 +88,8 @@ async def _scenario(scenario: str, n: int, sync: Path) -> None:
         cons = Session(broker, ("127.0.0.1", 2), lambda: None)
         handshake(cons)
         if scenario == "topic-50":
-            frames = _topic_50(pub, cons, n)
+            warm, frames = _topic_50(pub, cons, n)
+            _feed(pub, warm, cons.out)  # every key routed once, every queue's first segment made
         if scenario in ("deliver-autoack", "deliver-ack"):
             _feed(pub, frames)
         if scenario in ("deliver-autoack", "direct-autoack"):
@@ -117,8 +118,9 @@ async def _scenario(scenario: str, n: int, sync: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _topic_50(pub: object, cons: object, n: int) -> bytes:
-    """Declare and bind the 50 queues, consume each (autoack); ``n`` publishes to random keys."""
+def _topic_50(pub: object, cons: object, n: int) -> tuple[bytes, bytes]:
+    """Declare and bind the 50 queues, consume each (autoack); a warm-up publish to each key,
+    then ``n`` publishes to random keys."""
     rnd = random.Random(50)
     for j in range(50):
         bind = commands.Queue.Bind(queue=f"t{j}", exchange="amq.topic", routing_key=f"*.r{j % 10}.k{j // 10}")
@@ -129,8 +131,11 @@ def _topic_50(pub: object, cons: object, n: int) -> bytes:
     one = publish_frames(1, 16, "")
     plain = pframe.marshal(commands.Basic.Publish(exchange="", routing_key=""), 1)
     keys = [f"orders.r{j % 10}.k{j // 10}" for j in range(50)]
-    return b"".join(one.replace(plain, pframe.marshal(commands.Basic.Publish(
-        exchange="amq.topic", routing_key=rnd.choice(keys)), 1)) for _ in range(n))
+
+    def to(key: str) -> bytes:
+        return one.replace(plain, pframe.marshal(commands.Basic.Publish(exchange="amq.topic", routing_key=key), 1))
+
+    return b"".join(map(to, keys)), b"".join(to(rnd.choice(keys)) for _ in range(n))
 
 
 async def _child(n: int, sync: Path, scenarios: list[str]) -> None:

@@ -37,17 +37,32 @@ from tls_brokers import make_certs, start_rabbitmq, start_skred  # noqa: E402  (
 from workloads import many_queues, memory_mib  # noqa: E402
 
 TRACE_ENV = "LATENCY_TRACE_DIR"  # not SKRED_*: the broker reads those as its own options
+TRACE_ON = "LATENCY_TRACE"
 HOOK = f'''
-import gc, os, signal, tracemalloc
+import ctypes, gc, os, signal, sys, tracemalloc
 _dir = os.environ.get("{TRACE_ENV}")
 if _dir:
-    tracemalloc.start(6)
     _taken = [0]
+    if os.environ.get("{TRACE_ON}"):
+        tracemalloc.start(6)
 
     def _dump(signum, frame):
         gc.collect()
         _taken[0] += 1
-        tracemalloc.take_snapshot().dump(os.path.join(_dir, "%d-%d.snap" % (os.getpid(), _taken[0])))
+        out = os.path.join(_dir, "%d-%d.snap" % (os.getpid(), _taken[0]))
+        if tracemalloc.is_tracing():
+            tracemalloc.take_snapshot().dump(out)
+        else:  # the trim probe: give the allocator's free pages back, its arenas' state, then say so
+            ctypes.CDLL(None).malloc_trim(0)
+            saved = os.dup(2)
+            with open(out + ".stats", "w") as stats:
+                os.dup2(stats.fileno(), 2)
+                try:
+                    sys._debugmallocstats()
+                finally:
+                    os.dup2(saved, 2)
+                    os.close(saved)
+            open(out, "w").close()
 
     signal.signal(signal.SIGUSR2, _dump)
 '''
@@ -68,55 +83,63 @@ def tree(pid: int) -> list[int]:
 
 
 def snapshots(pids: list[int], trace_dir: Path, n: int,
-              timeout: float = 120.0) -> dict[int, tracemalloc.Snapshot]:
-    """Snapshot ``n`` of every process in ``pids`` (SIGUSR2, then wait for the dumps)."""
+              timeout: float = 120.0) -> dict[int, tracemalloc.Snapshot | None]:
+    """Snapshot ``n`` of every process in ``pids`` (SIGUSR2, then wait for the dumps); without
+    tracing, each process trims its heap instead (None)."""
     for p in pids:
         os.kill(p, signal.SIGUSR2)
     deadline = time.monotonic() + timeout
     paths = {p: trace_dir / f"{p}-{n}.snap" for p in pids}
-    got: dict[int, tracemalloc.Snapshot] = {}
+    got: dict[int, tracemalloc.Snapshot | None] = {}
     while len(got) < len(pids) and time.monotonic() < deadline:
         for p, path in paths.items():
             if p not in got and path.exists():
                 size = path.stat().st_size
                 time.sleep(0.5)
                 if path.stat().st_size == size:  # written out
-                    got[p] = tracemalloc.Snapshot.load(str(path))
+                    got[p] = tracemalloc.Snapshot.load(str(path)) if size else None
         time.sleep(0.2)
     return got
 
 
-def memory(work: Path, queues: int, warm: int, settle: float, top: int) -> int:
+def memory(work: Path, queues: int, warm: int, settle: float, top: int, trace: bool) -> int:
     trace_dir = work / "trace"
     trace_dir.mkdir(parents=True, exist_ok=True)
     hook = work / "hook"
     hook.mkdir(exist_ok=True)
     (hook / "sitecustomize.py").write_text(HOOK)
     os.environ[TRACE_ENV] = str(trace_dir)
-    os.environ["SKRED_WORKERS"] = "1"  # one process holds every queue (and every leftover)
+    if trace:
+        os.environ[TRACE_ON] = "1"
     certs = make_certs(work / "certs")
     skred = start_skred(work, *certs, path=hook)
     try:
         skred.wait_ready(300)
         time.sleep(settle)
         pids = tree(skred.pid)
-        rss0 = {p: memory_mib(p).get("RssAnon", 0.0) for p in pids}
-        before = snapshots(pids, trace_dir, 1)
+        before = snapshots(pids, trace_dir, 1)  # without tracing: trimmed, the baseline
+        rss = [{p: memory_mib(p).get("RssAnon", 0.0) for p in pids}]
         r = many_queues(skred.plain_uri, queues, warm)
         time.sleep(settle)
-        rss1 = {p: memory_mib(p).get("RssAnon", 0.0) for p in pids}
+        rss.append({p: memory_mib(p).get("RssAnon", 0.0) for p in pids})
         after = snapshots(pids, trace_dir, 2)
-        print(f"workload 7: cold {r['cold_s']:.2f} s, warm {r['warm_rate']:.0f} msg/s")
-        print(f"load average {os.getloadavg()[0]:.1f}")
+        if not trace:  # each process trimmed its heap: what the allocator kept, not the broker
+            rss.append({p: memory_mib(p).get("RssAnon", 0.0) for p in pids})
+        print(f"workload 7 ({queues} queues): cold {r['cold_s']:.2f} s, warm {r['warm_rate']:.0f} msg/s, "
+              f"load average {os.getloadavg()[0]:.1f}")
+        print("RssAnon MiB per process: idle" + ("" if trace else " (trimmed)")
+              + " -> after the queues were deleted" + ("" if trace else " -> after malloc_trim(0)"))
         for p in pids:
-            if p not in before or p not in after:
+            print(f"  pid {p}: " + " -> ".join(f"{m[p]:.1f}" for m in rss))
+        print("  all: " + " -> ".join(f"{sum(m.values()):.1f}" for m in rss))
+        for p in pids if trace else []:
+            b, a = before.get(p), after.get(p)
+            if b is None or a is None:
                 print(f"pid {p}: no snapshot")
                 continue
-            b, a = before[p], after[p]
             heap_b = sum(s.size for s in b.statistics("filename"))
             heap_a = sum(s.size for s in a.statistics("filename"))
-            print(f"\npid {p}: RssAnon {rss0[p]:.1f} -> {rss1[p]:.1f} MiB, "
-                  f"traced heap {heap_b / 2**20:.2f} -> {heap_a / 2**20:.2f} MiB")
+            print(f"\npid {p}: traced heap {heap_b / 2**20:.2f} -> {heap_a / 2**20:.2f} MiB")
             for st in a.compare_to(b, "traceback")[:top]:
                 if st.size_diff <= 0:
                     break
@@ -170,12 +193,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--queues", type=int, default=1000, help="memory: queues used and deleted")
     ap.add_argument("--warm", type=int, default=10, help="memory: messages per queue after the first")
     ap.add_argument("--settle", type=float, default=5.0, help="memory: seconds idle before each snapshot")
+    ap.add_argument("--trace", action="store_true",
+                    help="memory: trace the Python heap and print what grew (RSS then includes tracing)")
     ap.add_argument("--top", type=int, default=25, help="memory: tracebacks to print per process")
     a = ap.parse_args(argv)
     work = Path(a.private)
     work.mkdir(parents=True, exist_ok=True)
     if a.what == "memory":
-        return memory(work, a.queues, a.warm, a.settle, a.top)
+        return memory(work, a.queues, a.warm, a.settle, a.top, a.trace)
     return cold(work, a.runs)
 
 
