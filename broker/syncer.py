@@ -16,14 +16,7 @@ only the fsync's own calls, each of which must win the GIL back from the loop
 hands the result straight to the loop (``call_soon_threadsafe``). Every loop
 turn between a publish and its confirm costs a synchronous publisher a whole
 turn of everybody else's work (milliseconds on a busy loop), so the path has
-no turn it does not need. Nor does it wait for the end of the turn it lands in:
-the worker also leaves the result in ``_reported``, and ``poll`` (called by the
-network layer after each connection's read batch, a point where callbacks may
-run) takes it at once. A loop delivering a backlog runs the reads of many
-connections in one turn (a consumer's acks, the deliveries they free up), and
-a result handed over by ``call_soon_threadsafe`` alone waited for all of them
-(issue 31: the synchronous publisher into a backlog). Whichever of the two
-comes first runs it; the other finds nothing. Callbacks registered while a sync runs wait for the
+no turn it does not need. Callbacks registered while a sync runs wait for the
 next one, which starts as soon as the current one ends. With ``enabled=False`` (``sync =
 false``) callbacks run on the next loop turn without any fsync.
 
@@ -69,7 +62,6 @@ import asyncio
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
@@ -157,8 +149,6 @@ class Syncer:
         self._running = False
         self._scheduled = False
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skred-fsync")
-        # Results of finished syncs, appended by the worker, taken on the loop (``poll``).
-        self._reported: deque[tuple[list[_Waiter], asyncio.Future[None] | None, set[Syncable]]] = deque()
         self.syncs = 0
         self.failures = 0  # objects that failed a push or a sync (each time)
         self._errors = _Throttled()
@@ -265,18 +255,10 @@ class Syncer:
         except Exception:  # pragma: no cover - _sync_all catches per object
             log.exception("sync failed")
             synced = set(dirty)
-        self._reported.append((waiters, barrier, failed | synced))  # deque.append: thread-safe
         try:
-            self.loop.call_soon_threadsafe(self.poll)
+            self.loop.call_soon_threadsafe(self._done, waiters, barrier, failed | synced)
         except RuntimeError:  # the loop is closed: shutting down, nobody waits any more
             pass
-
-    def poll(self) -> None:
-        """On the loop: finish the syncs the worker reported (see the module doc). Cheap when
-        there are none; safe wherever a callback may run (not inside one of ``_finish``'s)."""
-        reported = self._reported
-        while reported:
-            self._done(*reported.popleft())
 
     def _done(self, waiters: list[_Waiter], barrier: asyncio.Future[None] | None,
               failed: set[Syncable]) -> None:
@@ -290,6 +272,7 @@ class Syncer:
     def _finish(self, waiters: list[_Waiter], failed: set[Syncable],
                 barrier: asyncio.Future[None] | None = None) -> None:
         whole = barrier is not None and (barrier.cancelled() or barrier.exception() is not None)
+        before = len(self._callbacks)
         # Still running while the callbacks run: a waiter one of them registers (a channel's
         # next confirm) joins the pending ones, is tainted with them, and starts the next
         # commit right after this loop.
@@ -305,10 +288,8 @@ class Syncer:
                 w.tainted = failed if w.tainted is None else w.tainted | failed
             for obj in failed:
                 self.mark_dirty(obj)  # the next commit retries it
-        if self.enabled and self._callbacks:
-            # no loop turn a synchronous publisher would wait for: waiters registered while
-            # this commit ran (a channel's next confirm, or a publish that came in meanwhile)
-            self._start()
+        if self.enabled and len(self._callbacks) > before:
+            self._start()  # no loop turn a synchronous publisher would wait for
         elif (self._callbacks or self._full_due) and not self._scheduled:
             self._scheduled = True
             self.loop.call_soon(self._start)

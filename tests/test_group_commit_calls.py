@@ -10,7 +10,6 @@ into the ``posix`` module from the worker thread but ``fspath``, which does not 
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -69,64 +68,3 @@ def test_a_confirm_commit_makes_only_the_fsync_calls_in_the_worker(tmp_path: Pat
         asyncio.run(main())
     finally:
         threading.setprofile(None)  # type: ignore[arg-type]
-
-
-class _Marker:
-    """A durable object of the simplest kind: its sync is an fsync of a file of its own."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        path.write_bytes(b"x")
-
-    def sync(self, full: bool = False, fsync: bool = True) -> None:
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-class _Reporting(Syncer):
-    """The real group commit; ``reported`` is set once the worker handed its result over."""
-
-    reported = threading.Event()
-
-    def _sync_then_report(self, *args: Any) -> None:
-        super()._sync_then_report(*args)
-        self.reported.set()
-
-
-def test_a_finished_commit_is_taken_at_the_next_read_not_at_the_end_of_the_turn(tmp_path: Path) -> None:
-    """Issue 31: a loop delivering a backlog runs many connections' reads in one turn. The
-    confirm of a commit that finished meanwhile must go out after the next read (where the
-    network layer polls the syncer, ``Session.after_batch``), not after every read of that turn."""
-    reads_before_confirm: list[int] = []
-
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        syncer = _Reporting(loop, True, window=60.0)
-        try:
-            syncer.mark_dirty(_Marker(tmp_path / "m"))
-            done: list[bool] = []
-            syncer.after_sync(done.append)  # the commit starts now, in the worker
-
-            def first_read() -> None:  # the worker finishes while this turn runs
-                assert syncer.reported.wait(20)
-
-            def read(i: int) -> None:
-                getattr(syncer, "poll", lambda: None)()  # what after_batch does
-                if not done:
-                    reads_before_confirm.append(i)
-
-            loop.call_soon(first_read)
-            for i in range(50):  # 50 more connections' reads in the same turn
-                loop.call_soon(read, i)
-            deadline = loop.time() + 20
-            while not done and loop.time() < deadline:
-                await asyncio.sleep(0.005)
-            assert done == [True]
-        finally:
-            syncer.shutdown()
-
-    asyncio.run(main())
-    assert reads_before_confirm == [], f"{len(reads_before_confirm)} reads ran before the confirm"

@@ -93,9 +93,6 @@ class GroupCommit(Protocol):
 
     def discard(self, obj: Any) -> None: ...
 
-    def poll(self) -> None:
-        """Finish the commits the fsync worker reported since (a point where callbacks may run)."""
-
 
 class HeldReader(Protocol):
     """A publisher connection whose reading is held for the consumers of the queues it fed

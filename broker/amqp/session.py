@@ -825,15 +825,12 @@ class Session(AMQPConnection):
         return True
 
     def after_batch(self) -> None:
-        """Called by the network layer after each read batch: coalesced confirms, then any
-        group commit the fsync worker finished meanwhile (its confirms go out now, not at the
-        end of a loop turn busy with other connections: broker/syncer.py)."""
+        """Called by the network layer after each read batch: coalesced confirms."""
         if self._confirm_dirty:
             dirty = self._confirm_dirty
             self._confirm_dirty = set()
             for chs in dirty:
                 self._flush_confirms(chs)
-        self.broker.syncer.poll()
 
     def _flush_confirms(self, chs: ChannelState) -> None:
         if not chs.open or chs.sync_waiting or chs.publish_seq == chs.confirmed:
