@@ -12,8 +12,12 @@ which adds a few hundred instructions to a measurement of millions.
 Scenarios: ``publish`` (identical messages to a queue without consumers: runs),
 ``publish-varied`` (every message different, 200 B-2 KiB with headers), ``deliver-autoack``,
 ``direct-autoack`` (publish while an autoack consumer waits: the direct hand-over),
-``deliver-ack`` (prefetch 1000, acked in multiples) and ``topic`` (through ``amq.topic`` to two
-queues).
+``deliver-ack`` (prefetch 1000, acked in multiples), ``topic`` (through ``amq.topic`` to two
+queues) and ``topic-50`` (issue 31's topic workload: 50 queues bound to ``amq.topic`` with
+``*.r<j % 10>.k<j // 10>``, every message a random one of their 50 keys, so one delivery each,
+an autoack consumer on every queue) and ``cold`` (issue 31's cold queues: ``n`` new queues, each
+with an autoack consumer on a connection of its own and a producer connection of its own that
+has not published yet; one message from each producer: what a first message costs).
 
 Usage: ``python benchmarks/callgrind.py [-n 2000] [scenario ...]`` (needs valgrind).
 """
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -37,7 +42,8 @@ from pamqp import frame as pframe
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hotpath import handshake, publish_frames  # noqa: E402
 
-SCENARIOS = ("publish", "publish-varied", "deliver-autoack", "direct-autoack", "deliver-ack", "topic")
+SCENARIOS = ("publish", "publish-varied", "deliver-autoack", "direct-autoack", "deliver-ack", "topic",
+             "topic-50", "cold")
 _TOTALS = re.compile(r"^(?:summary|totals):\s*(\d+)", re.M)
 
 
@@ -83,6 +89,12 @@ async def _scenario(scenario: str, n: int, sync: Path) -> None:
         q = broker.vhosts["/"].queues["hp"]
         cons = Session(broker, ("127.0.0.1", 2), lambda: None)
         handshake(cons)
+        producers: list[tuple[object, bytes]] = []
+        if scenario == "cold":
+            producers = _cold(broker, n)
+        if scenario == "topic-50":
+            warm, frames = _topic_50(pub, cons, n)
+            _feed(pub, warm, cons.out)  # every key routed once, every queue's first segment made
         if scenario in ("deliver-autoack", "deliver-ack"):
             _feed(pub, frames)
         if scenario in ("deliver-autoack", "direct-autoack"):
@@ -101,6 +113,9 @@ async def _scenario(scenario: str, n: int, sync: Path) -> None:
                 if scenario == "deliver-ack":
                     tag = cons.chs[1].next_tag - 1
                     cons.receive_data(pframe.marshal(commands.Basic.Ack(delivery_tag=tag, multiple=True), 1))
+        elif producers:
+            for p, frame in producers:
+                _feed(p, frame)
         else:
             _feed(pub, frames, cons.out)
         print("done", flush=True)
@@ -109,6 +124,46 @@ async def _scenario(scenario: str, n: int, sync: Path) -> None:
             vh.close()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _cold(broker: object, n: int) -> list[tuple[object, bytes]]:
+    """``n`` queues, each consumed (autoack) by a connection of its own; a producer connection
+    per queue, opened, and the one message it will send."""
+    from broker.amqp.session import Session
+
+    out = []
+    for i in range(n):
+        c = Session(broker, ("127.0.0.1", 10_000 + i), lambda: None)  # type: ignore[arg-type]
+        handshake(c)
+        c.receive_data(pframe.marshal(commands.Queue.Declare(queue=f"cold{i}"), 1))
+        c.receive_data(pframe.marshal(commands.Basic.Consume(queue=f"cold{i}", no_ack=True), 1))
+        c.after_batch()
+        p = Session(broker, ("127.0.0.1", 30_000 + i), lambda: None)  # type: ignore[arg-type]
+        handshake(p)
+        p.after_batch()
+        out.append((p, publish_frames(1, 64, f"cold{i}")))
+    return out
+
+
+def _topic_50(pub: object, cons: object, n: int) -> tuple[bytes, bytes]:
+    """Declare and bind the 50 queues, consume each (autoack); a warm-up publish to each key,
+    then ``n`` publishes to random keys."""
+    rnd = random.Random(50)
+    for j in range(50):
+        bind = commands.Queue.Bind(queue=f"t{j}", exchange="amq.topic", routing_key=f"*.r{j % 10}.k{j // 10}")
+        for m in (commands.Queue.Declare(queue=f"t{j}"), bind):
+            pub.receive_data(pframe.marshal(m, 1))  # type: ignore[attr-defined]
+        cons.receive_data(pframe.marshal(commands.Basic.Consume(  # type: ignore[attr-defined]
+            queue=f"t{j}", consumer_tag=f"c{j}", no_ack=True), 1))
+    one = publish_frames(1, 16, "")
+    plain = pframe.marshal(commands.Basic.Publish(exchange="", routing_key=""), 1)
+    keys = [f"orders.r{j % 10}.k{j // 10}" for j in range(50)]
+
+    def to(key: str) -> bytes:
+        publish = commands.Basic.Publish(exchange="amq.topic", routing_key=key)
+        return one.replace(plain, pframe.marshal(publish, 1))
+
+    return b"".join(map(to, keys)), b"".join(to(rnd.choice(keys)) for _ in range(n))
 
 
 async def _child(n: int, sync: Path, scenarios: list[str]) -> None:

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import re2
 
 from broker import jsonbody
 from broker.auth.throttle import login_key
@@ -38,6 +39,17 @@ def test_search_and_fullmatch() -> None:
     assert p.search("lmq-1") and not p.search("x-lmq-1")
     assert compile_pattern("b").search("abc") and not compile_pattern("b").fullmatch("abc")
     assert compile_pattern("ü+").fullmatch("üü")
+
+
+@pytest.mark.parametrize("pattern", [".*", "^.*", "^.*$", ".*$", "", "^$", ".+"])
+def test_search_answers_as_re2_with_and_without_the_match_anything_shortcut(pattern: str) -> None:
+    """``.*`` is answered without RE2 (issue 31: the first publish of every connection); the
+    answer must be RE2's for every text, newlines, the empty name and non-ASCII included."""
+    fast = compile_pattern(pattern)
+    slow = compile_pattern(pattern)
+    slow._anything = False  # the shortcut forced off
+    for text in ("", "amq.default", "a\nb", "\n", "ü-queue", "x" * 255):
+        assert fast.search(text) == slow.search(text) == (re2.search(pattern, text) is not None), text
 
 
 def test_permissions_are_re2_and_refuse_backreferences() -> None:
