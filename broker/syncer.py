@@ -223,7 +223,7 @@ class Syncer:
         backlog hands it back only after a switch interval, so each such call delayed the
         confirms waiting for the commit (issue 31: the synchronous publisher into a backlog
         waited for nine hand-offs per confirm; now the three of the fsync itself)."""
-        for obj in list(self._dirty):  # a flush may mark something dirty
+        for obj in self._dirty:
             flush = getattr(obj, "flush", None)
             if flush is None:
                 continue
