@@ -8,11 +8,7 @@ before that data is on disk registers a callback with ``after_sync``. The
 first callback starts a sync at once (it comes after a read batch, so that
 whole batch is covered). The sync takes the dirty set, fsyncs each member in
 a worker thread (fsync releases the GIL; the event loop keeps serving) and
-then runs the callbacks registered before it started, in order. Before it
-hands the dirty set to the worker, the loop thread has each member write what
-it buffers (``flush``: a queue's acks and delivered mark), so the worker makes
-only the fsync's own calls, each of which must win the GIL back from the loop
-(``_flush``); the worker
+then runs the callbacks registered before it started, in order; the worker
 hands the result straight to the loop (``call_soon_threadsafe``). Every loop
 turn between a publish and its confirm costs a synchronous publisher a whole
 turn of everybody else's work (milliseconds on a busy loop), so the path has
@@ -194,7 +190,6 @@ class Syncer:
         full, self._full_due = self._full_due, False
         waiters, self._callbacks = self._callbacks, []
         failed: set[Syncable] = set()
-        self._flush(failed)
         barrier = self._replicate(failed) if self.replicated is not None else None
         if not self.enabled and not full:
             self._full_pending |= self._dirty  # no fsync for confirms; the window still runs
@@ -215,30 +210,21 @@ class Syncer:
         self.sync_started = time.monotonic()
         self._executor.submit(self._sync_then_report, dirty, full, waiters, barrier, failed)
 
-    def _flush(self, failed: set[Syncable]) -> None:
-        """On the loop thread: each dirty object writes what it buffers (a queue's acks and
-        delivered mark) and pushes its pending state to the replication sink (``flush``; one
-        that raises joins ``failed``). Done here, not by the worker before its fsync: every
-        call of the worker that blocks gives up the GIL, and an event loop busy delivering a
-        backlog hands it back only after a switch interval, so each such call delayed the
-        confirms waiting for the commit (issue 31: the synchronous publisher into a backlog
-        waited for nine hand-offs per confirm; now the three of the fsync itself)."""
-        for obj in self._dirty:
+    def _replicate(self, failed: set[Syncable]) -> asyncio.Future[None] | None:
+        """Push each dirty object's pending state to the replication sink (``flush``; one that
+        raises joins ``failed``), then take the ISR barrier. A barrier that cannot be taken
+        fails the whole commit: a future that never resolves would wedge it."""
+        assert self.replicated is not None
+        dirty = list(self._dirty)
+        for obj in dirty:
             flush = getattr(obj, "flush", None)
             if flush is None:
                 continue
             try:
                 flush()
             except Exception:
-                self._errors.exception("writing out or pushing to the replicas", obj)
+                self._errors.exception("pushing to the replicas", obj)
                 failed.add(obj)
-
-    def _replicate(self, failed: set[Syncable]) -> asyncio.Future[None] | None:
-        """Take the ISR barrier over the dirty objects (``_flush`` pushed their state). A
-        barrier that cannot be taken fails the whole commit: a future that never resolves
-        would wedge it."""
-        assert self.replicated is not None
-        dirty = list(self._dirty)
         try:
             return self.replicated(dirty)
         except Exception:

@@ -1000,15 +1000,16 @@ class QueueStore(SegmentLog[Segment]):
     # ------------------------------------------------------------------ durability
 
     def flush(self) -> None:
-        """Write buffered acks and a changed delivered mark to their files (no fsync); send a
-        changed meta to the sink.
+        """Write buffered ack bytes to the ack files (no fsync); send a changed meta to the sink.
         A closed store has nothing left to flush (``close`` flushed first; a deleted one's
         files are gone), as ``sync`` has nothing left to sync: the group commit may still hold
         it when its queue is deleted."""
         with self._lock:
             if self._closed:
                 return
-            self._write_settled_locked()
+            self._write_acks_locked()
+            if self._counts is not None:
+                self._counts.write_locked()
         if self._sink.active:
             meta = self._meta_bytes()
             if meta != self._meta_sent:
@@ -1068,28 +1069,21 @@ class QueueStore(SegmentLog[Segment]):
         the ack files and ``meta`` too; a group commit for confirms leaves that to the
         window sync, since every extra fdatasync adds a journal commit to every
         confirm's latency."""
-        self._write_settled_locked()
+        self._write_acks_locked()
         counts = self._counts
-        if full and counts is not None and counts.take_unsynced():
-            paths.append(counts.path)
+        if counts is not None:
+            counts.write_locked()
+            if full and counts.take_unsynced():
+                paths.append(counts.path)
         if full and self._ack_unsynced:
             paths.extend(self._segs[n].ack_path for n in self._ack_unsynced if n in self._segs)
             self._ack_unsynced.clear()
-        if full and self._meta_unsynced:
-            self._meta_unsynced = False
-            paths.append(Path(self._meta_path))
-
-    def _write_settled_locked(self) -> None:
-        """Buffered acks, delivery counts and a changed delivered mark to their files (no
-        fsync). The group commit has the loop thread do this (``flush``) before its worker
-        fsyncs, so the worker makes only the fsync's own calls (see broker/syncer.py); the
-        sync does it again for whatever settled in between."""
-        self._write_acks_locked()
-        if self._counts is not None:
-            self._counts.write_locked()
         meta = self._meta_bytes()
         if meta != self._meta_written and self._write_meta(meta, fsync=False):
             self._meta_unsynced = True
+        if full and self._meta_unsynced:
+            self._meta_unsynced = False
+            paths.append(Path(self._meta_path))
 
     def _meta_bytes(self) -> bytes:
         flags = _META_CLEAN if self._closing else 0
