@@ -480,6 +480,8 @@ def run_broker(b: Broker, args: argparse.Namespace) -> dict[str, Any]:
     try:
         for qos in (0, 1) if "flows" in want else ():
             for shape, pubs, subs in (("fan-in", args.publishers, 1), ("fan-out", 1, args.subscribers)):
+                if f"{shape}-qos{qos}" not in args.flows.split(","):
+                    continue
                 c0, w0 = cpu_seconds(), time.perf_counter()
                 try:
                     r = asyncio.run(flow(b, pubs, subs, qos, args))
@@ -579,6 +581,8 @@ def main() -> None:
     ap.add_argument("--session-budget", type=float, default=120.0, help="seconds to make them at most")
     ap.add_argument("--amqtt", default=shutil.which("amqtt") or "", help="amqtt's console script")
     ap.add_argument("--only", default="flows,latency,idle,restore", help="the scenarios to run")
+    ap.add_argument("--flows", default="fan-in-qos0,fan-out-qos0,fan-in-qos1,fan-out-qos1",
+                    help="which of the rate scenarios 'flows' runs")
     ap.add_argument("--write", action="store_true", help="replace the MQTT section of docs/benchmarks.md")
     ap.add_argument("--note", default="", help="a paragraph for docs/benchmarks.md (the machine's load)")
     args = ap.parse_args()
