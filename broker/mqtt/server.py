@@ -263,7 +263,11 @@ class MQTTProtocol(asyncio.Protocol):
                     self.transport.pause_reading()
                     hold.wait_turn(self)
                     break
-                k = self._run(packets, i, n) if self.state == "open" else 1
+                if self.state == "open":
+                    k = self._run(packets, i, n)
+                else:  # (before the CONNACK: kept for after it, one by one)
+                    k = 1
+                    self._packet(p)
                 publishes += k
                 hold.count(k)
                 self.recv_cnt += k

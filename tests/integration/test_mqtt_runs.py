@@ -9,13 +9,14 @@ real sockets; what every subscriber sees must be identical, and it must be what 
 from __future__ import annotations
 
 import random
+import socket
 import struct
 from collections.abc import Iterator
 
 import pytest
 
 from ._support import Broker, is_external
-from .conformance._mqtt_wire import PUBACK, PUBLISH, MRun, Record, packet, s, varint
+from .conformance._mqtt_wire import CONNECT, PUBACK, PUBLISH, MRun, Record, packet, s, varint
 
 pytestmark = pytest.mark.skipif(is_external(), reason="needs the broker's MQTT port")
 
@@ -107,3 +108,24 @@ def test_bursts_and_single_packets_deliver_the_same(mqtt_broker: Broker, version
     expected = [("all", "publish", f"<run>/{t}", p.decode(errors="replace"), 0, 0)
                 for t, p, _q, _r, _u in msgs]
     assert burst[:len(msgs)] == expected
+
+
+def test_publishes_sent_with_the_connect_are_taken_after_the_connack(mqtt_broker: Broker) -> None:
+    """A client that writes CONNECT and its first PUBLISHes at once (before the CONNACK): they
+    wait for the login and are published, in order."""
+    run = MRun("skred", "127.0.0.1", mqtt_broker.mqtt_port, 4)
+    try:
+        sub = run.client("sub")
+        sub.subscribe(run.topic("early/#"), qos=0)
+        sock = socket.create_connection(("127.0.0.1", mqtt_broker.mqtt_port), timeout=10)
+        connect = packet(CONNECT << 4, s("MQTT") + bytes((4, 2 | 128 | 64)) + struct.pack("!H", 60)
+                         + s(run.client_id("early")) + s("guest") + s("guest"))
+        sock.sendall(connect + b"".join(encode(run, ("early/t", b"m%d" % i, 0, False, False), 0)
+                                        for i in range(5)))
+        try:
+            got = [sub.next(log=False) for _ in range(5)]
+        finally:
+            sock.close()
+        assert [r[3] for r in got] == [b"m%d" % i for i in range(5)]
+    finally:
+        run.close()
