@@ -33,7 +33,7 @@ def scan(bindings: list[tuple[str, str]], key: str) -> tuple[str, ...]:
     return tuple(out)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
     st.lists(st.tuples(patterns, st.sampled_from(DESTS), st.booleans()), max_size=25),
     st.lists(st.integers(0, 30), max_size=8),

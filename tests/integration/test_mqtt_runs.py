@@ -97,7 +97,7 @@ def mqtt_broker(shared_broker: Broker) -> Iterator[Broker]:
 
 
 @pytest.mark.parametrize("version", [4, 5])
-@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("seed", [1])
 def test_bursts_and_single_packets_deliver_the_same(mqtt_broker: Broker, version: int, seed: int) -> None:
     msgs = sequence(seed * 10 + version, version == 5)
     burst = transcript(mqtt_broker, version, msgs, burst=True)
