@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import compileall
 import os
 import re
 import shutil
@@ -166,22 +167,46 @@ def wait_accepts(port: int, proc: subprocess.Popen[bytes] | None = None, timeout
     raise RuntimeError(f"nothing accepts on port {port} after {timeout} s")
 
 
-def rss_kib(pids: list[int]) -> int:
-    """VmRSS of the processes and all their descendants, KiB."""
-    total, seen, todo = 0, set(), list(pids)
+def tree(pids: list[int]) -> list[int]:
+    """The processes and all their descendants."""
+    seen: list[int] = []
+    todo = list(pids)
     while todo:
         pid = todo.pop()
         if pid in seen:
             continue
-        seen.add(pid)
+        seen.append(pid)
         try:
-            m = re.search(r"VmRSS:\s+(\d+)", Path(f"/proc/{pid}/status").read_text())
-            total += int(m.group(1)) if m else 0
             for task in Path(f"/proc/{pid}/task").iterdir():
                 todo += [int(c) for c in (task / "children").read_text().split()]
         except OSError:
             continue
+    return seen
+
+
+def rss_kib(pids: list[int]) -> int:
+    """VmRSS of the processes and all their descendants, KiB."""
+    total = 0
+    for pid in tree(pids):
+        try:
+            m = re.search(r"VmRSS:\s+(\d+)", Path(f"/proc/{pid}/status").read_text())
+        except OSError:
+            continue
+        total += int(m.group(1)) if m else 0
     return total
+
+
+def cpu_of(pids: list[int]) -> float:
+    """CPU seconds (user + system) the processes and their descendants used so far: what a
+    start costs whatever the machine's load (its wall time is not)."""
+    total = 0
+    for pid in tree(pids):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 # ------------------------------------------------------------------ the load generator
@@ -462,8 +487,9 @@ def restore(b: Broker, args: argparse.Namespace) -> dict[str, float]:
     t0 = time.perf_counter()
     b.start()
     ready = time.perf_counter() - t0
+    cpu = cpu_of(b.pids())
     present, took = asyncio.run(resume_sessions(b, made))
-    return {"sessions": made, "ready_s": ready, "all_s": ready + took, "present": present}
+    return {"sessions": made, "ready_s": ready, "ready_cpu_s": cpu, "all_s": ready + took, "present": present}
 
 
 # ------------------------------------------------------------------ the run
@@ -480,6 +506,8 @@ def run_broker(b: Broker, args: argparse.Namespace) -> dict[str, Any]:
     try:
         for qos in (0, 1) if "flows" in want else ():
             for shape, pubs, subs in (("fan-in", args.publishers, 1), ("fan-out", 1, args.subscribers)):
+                if f"{shape}-qos{qos}" not in args.flows.split(","):
+                    continue
                 c0, w0 = cpu_seconds(), time.perf_counter()
                 try:
                     r = asyncio.run(flow(b, pubs, subs, qos, args))
@@ -545,6 +573,7 @@ def table(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> list[
         (f"persistent sessions made (of {args.sessions:,}, {args.session_budget:.0f} s budget)",
          "sessions", cell("restore", "sessions")),
         ("restart: until the MQTT port accepts", "s", cell("restore", "ready_s", 2)),
+        ("restart: CPU of the broker's processes until then", "s", cell("restore", "ready_cpu_s", 2)),
         ("restart: until every session resumed (session present)", "s", cell("restore", "all_s", 2)),
         ("sessions resumed with session present = 1", "sessions", cell("restore", "present")),
     ]
@@ -579,6 +608,8 @@ def main() -> None:
     ap.add_argument("--session-budget", type=float, default=120.0, help="seconds to make them at most")
     ap.add_argument("--amqtt", default=shutil.which("amqtt") or "", help="amqtt's console script")
     ap.add_argument("--only", default="flows,latency,idle,restore", help="the scenarios to run")
+    ap.add_argument("--flows", default="fan-in-qos0,fan-out-qos0,fan-in-qos1,fan-out-qos1",
+                    help="which of the rate scenarios 'flows' runs")
     ap.add_argument("--write", action="store_true", help="replace the MQTT section of docs/benchmarks.md")
     ap.add_argument("--note", default="", help="a paragraph for docs/benchmarks.md (the machine's load)")
     args = ap.parse_args()
@@ -587,6 +618,10 @@ def main() -> None:
         uvloop.install()
     except ImportError:
         pass
+    # the broker's modules byte-compiled first, as pip installs them: with PYTHONDONTWRITEBYTECODE
+    # set (as on the development machines) every start compiled them again, a quarter of the
+    # CPU of a restart with 10,000 sessions
+    compileall.compile_dir(str(REPO_ROOT / "broker"), quiet=1)
     root = Path(tempfile.mkdtemp(prefix="mqtt-bench-"))
     makers: dict[str, Callable[[], Broker]] = {
         "skred": lambda: Skred(root), "mosquitto": lambda: Mosquitto(root),

@@ -84,14 +84,18 @@ class PublisherHold:
         self.next_turn: deque[Holdable] = deque()
 
     # ------------------------------------------------------------------ the loop turn's budget
-    def count(self) -> None:
-        """One PUBLISH taken in this loop turn."""
+    def count(self, n: int = 1) -> None:
+        """``n`` PUBLISHes taken in this loop turn."""
         if not self.turn:
             asyncio.get_running_loop().call_soon(self._new_turn)  # after this turn's reads
-        self.turn += 1
+        self.turn += n
 
     def turn_full(self) -> bool:
         return self.turn >= self.turn_limit
+
+    def turn_left(self) -> int:
+        """PUBLISHes this loop turn may still take."""
+        return self.turn_limit - self.turn
 
     def wait_turn(self, conn: Holdable) -> None:
         """``conn`` stopped in the middle of a read: this turn took ``TURN`` publishes."""

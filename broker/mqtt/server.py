@@ -57,6 +57,7 @@ from broker.mqtt.session import (
     MQTTSession,
     Registry,
     Settings,
+    runnable,
     split_username,
 )
 from broker.mqtt.wills import arm_will
@@ -68,6 +69,9 @@ _PENDING_MAX = 64  # packets a client may send before its CONNACK
 RC_MAXIMUM_CONNECT_TIME = 0xA0  # MQTT 5's DISCONNECT reason for an expired credential (RabbitMQ's)
 UNAUTHENTICATED_MAX_PACKET = 256 * 1024  # bytes of one packet before the login succeeded
 Peer = tuple[str, int]
+# QoS 0 PUBLISHes taken as one run at most: the store writes a run at once, and a longer one
+# would hold the loop for one publisher
+RUN_MAX = 256
 OUT_BATCH = 64 * 1024  # bytes of output gathered before they are written within a loop turn
 
 
@@ -247,9 +251,11 @@ class MQTTProtocol(asyncio.Protocol):
             packets, self.rest = self.rest + packets, []
         hold = self.server.hold
         publishes = 0
-        for i, p in enumerate(packets):
+        i, n = 0, len(packets)
+        while i < n:
             if self.state == "closed":
                 return
+            p = packets[i]
             if isinstance(p, P.Publish):
                 if budget and hold.turn_full() and self.transport is not None:
                     self.rest = packets[i:]  # the next loop turn takes them (hold.py)
@@ -257,10 +263,19 @@ class MQTTProtocol(asyncio.Protocol):
                     self.transport.pause_reading()
                     hold.wait_turn(self)
                     break
-                publishes += 1
-                hold.count()
+                if self.state == "open":
+                    k = self._run(packets, i, n)
+                else:  # (before the CONNACK: kept for after it, one by one)
+                    k = 1
+                    self._packet(p)
+                publishes += k
+                hold.count(k)
+                self.recv_cnt += k
+                i += k
+                continue
             self.recv_cnt += 1
             self._packet(p)
+            i += 1
         s = self.session
         if s is not None and s.fed:
             self.feeds, s.fed = s.fed, set()
@@ -284,18 +299,52 @@ class MQTTProtocol(asyncio.Protocol):
         if not self.held and self.writable and self.transport is not None and not self.transport.is_closing():
             self.transport.resume_reading()
 
+    def _run(self, packets: list[P.Packet], i: int, n: int) -> int:
+        """The PUBLISH at ``packets[i]`` and, when it starts a run (QoS 0 to one topic,
+        ``runnable``), the ones after it that the publish operation takes at once: how many
+        were handled. A run is at most ``RUN_MAX`` long and never more than the loop turn's
+        publish budget has left; what the operation does not take goes one by one."""
+        p = packets[i]
+        j = i + 1
+        if runnable(p):
+            assert isinstance(p, P.Publish)
+            end = min(n, i + min(RUN_MAX, max(1, self.server.hold.turn_left())))
+            topic = p.topic
+            while j < end and runnable(q := packets[j]) and cast(P.Publish, q).topic == topic:
+                j += 1
+        if j - i == 1:
+            self._packet(p)
+            return 1
+        run = cast(list[P.Publish], packets[i:j])
+        session = self.session
+        assert session is not None
+        if not self._guarded(lambda: session.publish_run(run)):
+            for q in run:  # one by one: each answered, or the connection closed, on its own
+                if self.state == "closed":
+                    break
+                self._packet(q)
+        return j - i
+
+    def _guarded(self, call: Callable[[], bool | None]) -> bool:
+        """``call`` (the session handling packets): a protocol violation or a bug closes this
+        connection, never the broker. True when it returned True."""
+        assert self.session is not None
+        try:
+            return call() is True
+        except P.MalformedPacket as exc:
+            log.warning("MQTT client '%s' from %s: protocol violation: %s: closing",
+                        self.session.client_id, self.peer_host, exc)
+            self.abort(exc.code)
+        except Exception:  # a bug must cost one connection, never the broker
+            log.exception("internal error on MQTT connection from %s", self.peer_host)
+            self.abort(P.RC_IMPLEMENTATION_SPECIFIC)
+        return True  # handled: the connection is closed
+
     def _packet(self, p: P.Packet) -> None:
         if self.state == "open":
-            assert self.session is not None
-            try:
-                self.session.handle(p)
-            except P.MalformedPacket as exc:
-                log.warning("MQTT client '%s' from %s: protocol violation: %s: closing",
-                            self.session.client_id, self.peer_host, exc)
-                self.abort(exc.code)
-            except Exception:  # a bug must cost one connection, never the broker
-                log.exception("internal error on MQTT connection from %s", self.peer_host)
-                self.abort(P.RC_IMPLEMENTATION_SPECIFIC)
+            session = self.session
+            assert session is not None
+            self._guarded(lambda: session.handle(p))
         elif self.state == "new":
             if not isinstance(p, P.Connect):
                 log.warning("MQTT connection from %s: first packet is not CONNECT: closing", self.peer_host)

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from broker import errors
 from broker.model.publish import PublishOutcome, PublishRequest
+from broker.model.publish_api import Names
 from broker.model.vhost import VHost
 from broker.mqtt import props as PR
 from broker.mqtt.durable import Key, PendingWill
@@ -45,6 +47,30 @@ def publish(vh: VHost, exchange: str, client_id: str, topic: str, payload: bytes
     if out.rejected:
         return None
     return out
+
+
+def publish_run(vh: VHost, exchange: str, topic: str, payloads: list[bytes],
+                origin: str | None) -> PublishOutcome | None:
+    """QoS 0 messages without properties or retain flag, in a row to one topic, through the one
+    publish operation at once (``VHost.publish_run``): what happened, or None when that
+    operation does not take them as a run or refuses them (the caller then publishes them one
+    by one, each answered as ``publish`` answers it: a refusal writes nothing, section "full
+    disk" of ``publish_run``)."""
+    rk = to_routing_key(topic)
+    size = len(payloads[0])
+    same = all(len(b) == size for b in payloads)
+    props = amqp_props(0, False, None, origin)
+    try:
+        return vh.publish_run(exchange, rk, _names(exchange, rk), [props] * len(payloads), payloads, same,
+                              int(time.time() * 1000))
+    except (errors.SkredError, OSError):
+        return None
+
+
+@lru_cache(maxsize=1024)
+def _names(exchange: str, routing_key: str) -> Names:
+    """The encoded names of a run's exchange and routing key (a publisher repeats its topics)."""
+    return Names(exchange, routing_key)
 
 
 def arm_will(registry: Registry, key: Key, pending: PendingWill) -> None:
