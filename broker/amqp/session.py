@@ -34,9 +34,9 @@ from pamqp import commands
 from pamqp.base import Frame as PFrame
 
 from broker import errors, properties
-from broker.amqp import codec, trace
+from broker.amqp import codec
 from broker.amqp.connection import CH_OPEN, AMQPConnection, PublishArgs, State
-from broker.model import methods
+from broker.model import methods, trace
 from broker.model.publish import PublishOutcome, PublishRequest
 from broker.model.queue import Consumer, Queue
 from broker.properties import FLAG_REPLY_TO, FLAG_USER_ID, HI_REPLY_TO
@@ -67,11 +67,12 @@ class ChannelState:
         "id", "unacked", "next_tag", "consumers", "prefetch", "global_prefetch", "unacked_count",
         "flow", "confirm", "publish_seq", "confirmed", "needs_sync", "sync_deps", "sync_waiting", "tx",
         "deferred", "reply_token", "reply_tag", "open", "nacks", "head_tag", "head_since",
-        "last_queue", "publishing", "n_published", "n_acked",
+        "last_queue", "publishing", "n_published", "n_acked", "origin",
     )
 
-    def __init__(self, ch: int) -> None:
+    def __init__(self, ch: int, origin: trace.Origin) -> None:
         self.id = ch
+        self.origin = origin  # who this channel's publishes and deliveries come from (firehose)
         self.unacked: dict[int, tuple[Queue, int, SessionConsumer | None]] = {}
         self.next_tag = 1
         self.consumers: dict[str, SessionConsumer] = {}
@@ -186,7 +187,7 @@ class SessionConsumer(Consumer):
         self._send(data)
         vh = s.vh
         if vh is not None and vh.meta.tracing:  # firehose: the deliver.<queue> copy
-            trace.delivered(vh, s.origin(chs), self.queue.name, exrk, props, body, redelivered, s.now_ms)
+            trace.delivered_exrk(vh, chs.origin, self.queue.name, exrk, props, body, redelivered, s.now_ms)
 
     def _send(self, data: bytes) -> None:
         s = self.session
@@ -507,10 +508,6 @@ class Session(AMQPConnection):
         assert self.vh is not None
         return self.vh
 
-    def origin(self, chs: ChannelState) -> trace.Origin:
-        """This connection and channel as firehose tracing names them."""
-        return trace.Origin(self.broker.node_name, self.username, self.name, chs.id)
-
     # --------------------------------------------------------------- channels
     def _user_limit(self, name: str) -> int | None:
         """The user's limit ``name`` (RabbitMQ's user limits), None when unlimited (-1 or unset)."""
@@ -526,7 +523,8 @@ class Session(AMQPConnection):
                                     f"the maximum allowed user limit of ({limit})")
 
     def channel_opened(self, channel: int) -> None:
-        self.chs[channel] = ChannelState(channel)
+        self.chs[channel] = ChannelState(channel, trace.Origin(self.broker.node_name, self.username,
+                                                               self.name, channel))
         self.broker.stats.channels_opened += 1
 
     def channel_closed(self, channel: int) -> None:
@@ -601,10 +599,8 @@ class Session(AMQPConnection):
         if ex is None or ex.internal or exchange not in self._write_ok:
             self._may_publish_to(exchange, args.routing_key)
         # persistence (delivery-mode) is read by the publish operation, only if a durable queue is reached
-        out = vh.publish(PublishRequest(exchange, args.routing_key, props, body, self.now_ms, None, args))
-        if vh.meta.tracing:  # firehose: the publish.<exchange> copy
-            trace.published(vh, self.origin(chs), exchange, [args.routing_key], props, body, out.queues,
-                            self.now_ms)
+        out = vh.publish(PublishRequest(exchange, args.routing_key, props, body, self.now_ms, None, args,
+                                        None, True, chs.origin))  # origin: the firehose's publish copy
         if out.queues:
             for q in out.queues:
                 if q.consumers:
@@ -1144,8 +1140,8 @@ class Session(AMQPConnection):
                                    props, body, self.frame_max)
         vh = self.vhost_obj
         if vh.meta.tracing:  # firehose: a get is a delivery too
-            exrk = codec.shortstr(exchange) + codec.shortstr(routing_key)
-            trace.delivered(vh, self.origin(chs), q.name, exrk, props, body, redelivered, self.now_ms)
+            trace.delivered(vh, chs.origin, q.name, exchange, routing_key, props, body, redelivered,
+                            self.now_ms)
         if chs.deferred is not None:
             chs.deferred.append(data)
         else:

@@ -57,7 +57,9 @@ from typing import Any, Protocol
 
 from broker import errors
 from broker.auth.users import User, UserStore
+from broker.model import trace
 from broker.model.publish import PublishOutcome
+from broker.model.publish_api import Origin
 from broker.model.queue import Consumer, Queue
 from broker.model.vhost import VHost
 from broker.mqtt import packets as P
@@ -137,6 +139,7 @@ class Registry:
         self.counters: dict[str, dict[str, int]] = {label: {} for _, label in VERSIONS.values()}
         # bumped whenever the user store changes: sessions' remembered permission checks lapse
         self.permissions_epoch = 0
+        self.node_name: Callable[[], str] = lambda: ""  # the node's name (firehose copies); set by the node
 
     def permissions_changed(self) -> None:
         self.permissions_epoch += 1
@@ -204,7 +207,12 @@ class MQTTConsumer(Consumer):
 
     def deliver(self, msgid: int, exchange: bytes, routing_key: bytes, props: bytes, body: bytes,
                 redelivered: bool) -> None:
-        self.session.deliver(self, msgid, routing_key.decode(errors="replace"), props, body, redelivered)
+        s = self.session
+        vh = s.vhost
+        if vh is not None and vh.meta.tracing and s.who is not None:  # firehose: deliver.<queue>
+            trace.delivered(vh, s.who, self.queue.name, exchange, routing_key, props, body, redelivered,
+                            int(time.time() * 1000))
+        s.deliver(self, msgid, routing_key.decode(errors="replace"), props, body, redelivered)
 
 
 class MQTTSession:
@@ -243,12 +251,14 @@ class MQTTSession:
         self.retained_due: deque[tuple[str, bytes, int, PR.Props]] = deque()
         self.published = False  # it has published (RabbitMQ's publishers gauge)
         self.write_ok: tuple[int, bool] | None = None  # (permissions epoch, may write the exchange)
+        self.who: Origin | None = None  # this client as firehose copies name it, once connected
 
     # ------------------------------------------------------------------ connect
     def start(self, connect: P.Connect, user: User, vhost: VHost) -> None:
         """A CONNECT the adapter authenticated: take over the client id, resume or start the
         session, answer CONNACK, consume."""
         self.user, self.vhost, self.will = user, vhost, connect.will
+        self.who = Origin(self.registry.node_name(), user.name, self.peer, 0)
         self.v5 = connect.level == 5
         self.counts = self.registry.counters[VERSIONS[connect.level][1]]
         cp = connect.props
@@ -504,7 +514,7 @@ class MQTTSession:
                  origin: str | None = None) -> PublishOutcome | None:
         assert self.vhost is not None
         return publish(self.vhost, self.settings.exchange, self.client_id, topic, payload, qos, retain, props,
-                       origin)
+                       origin, self.who)
 
     # ------------------------------------------------------------------ subscribe
     def subscribe(self, p: P.Subscribe) -> None:
