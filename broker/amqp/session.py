@@ -67,7 +67,8 @@ class ChannelState:
         "id", "unacked", "next_tag", "consumers", "prefetch", "global_prefetch", "unacked_count",
         "flow", "confirm", "publish_seq", "confirmed", "needs_sync", "sync_deps", "sync_waiting", "tx",
         "deferred", "reply_token", "reply_tag", "open", "nacks", "head_tag", "head_since",
-        "last_queue", "publishing", "n_published", "n_acked", "origin",
+        "last_queue", "publishing", "n_published", "n_acked", "origin", "n_get", "n_get_no_ack",
+        "n_deliver_no_ack", "n_redelivered",
     )
 
     def __init__(self, ch: int, origin: trace.Origin) -> None:
@@ -101,9 +102,15 @@ class ChannelState:
         # published without confirms (confirm mode: publish_seq > 0): a publisher, in the metrics
         self.publishing = False
         # the channel's own message counters, for its rates and history in the management API
-        # (deliveries are its delivery tags: ``next_tag - 1``; confirms: ``confirmed``)
+        # (deliveries and gets are its delivery tags: ``next_tag - 1``, of which basic.gets, with
+        # and without acks, and no-ack deliveries are counted apart, so that manual-ack
+        # deliveries, the common case, cost no count of their own; confirms: ``confirmed``)
         self.n_published = 0
         self.n_acked = 0
+        self.n_get = 0
+        self.n_get_no_ack = 0
+        self.n_deliver_no_ack = 0
+        self.n_redelivered = 0  # deliveries and gets flagged redelivered
 
     @property
     def publisher(self) -> bool:
@@ -165,6 +172,9 @@ class SessionConsumer(Consumer):
             chs.unacked_count += 1
         else:
             s.stats.delivered_autoack += 1
+            chs.n_deliver_no_ack += 1
+        if redelivered:
+            chs.n_redelivered += 1
         body_len = len(body)
         key = self._t_key
         if key[2] == body_len and key[1] == len(props) and key[0] == exrk and key[3] == redelivered:
@@ -234,6 +244,7 @@ class SessionConsumer(Consumer):
         stats.delivered += k
         if self.no_ack:
             stats.delivered_autoack += k
+            chs.n_deliver_no_ack += k
         self._send(b"".join(parts))
 
     def deliver_many(self, msgids: list[int] | None, exrk: bytes, props: list[bytes],
@@ -283,6 +294,7 @@ class SessionConsumer(Consumer):
         stats.delivered += k
         if self.no_ack:
             stats.delivered_autoack += k
+            chs.n_deliver_no_ack += k
         self._send(b"".join(parts))
 
     def _retemplate(self, exrk: bytes, props_len: int, body_len: int, redelivered: bool) -> bool:
@@ -814,6 +826,7 @@ class Session(AMQPConnection):
             return False
         tag = chs.next_tag
         chs.next_tag += 1
+        chs.n_deliver_no_ack += 1  # a direct reply-to consumer takes no acks
         prefix = codec.METHOD_ID.pack(0x003C003C) + codec.shortstr(chs.reply_tag.encode())
         session.out += codec.encode_delivery(chs.id, prefix, tag, False, exchange.encode(),
                                              routing_key.encode(), props, body, session.frame_max)
@@ -1133,9 +1146,13 @@ class Session(AMQPConnection):
             q.ack(msgid)
             q.n_gets_no_ack += 1
             self.broker.stats.gets_autoack += 1
+            chs.n_get_no_ack += 1
         else:
             chs.unacked[tag] = (q, msgid, None)
             chs.unacked_count += 1
+            chs.n_get += 1
+        if redelivered:
+            chs.n_redelivered += 1
         data = codec.encode_get_ok(chs.id, tag, redelivered, exchange, routing_key, q.message_count,
                                    props, body, self.frame_max)
         vh = self.vhost_obj
