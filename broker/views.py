@@ -12,7 +12,7 @@ implementing classes may use narrower types (a ``dict`` of their own channel cla
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping, Sized
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 from broker.auth.users import UserStore
 from broker.errors import AMQPError
@@ -154,12 +154,25 @@ class FrontEndView(Protocol):
         """Its connections' consumers; they have no channel (the API shows channel number 0)."""
 
 
+class SessionEntry(NamedTuple):
+    """One session as a list finds it before rendering it: what the list filters (visibility,
+    the client id) and sorts on without building the session's JSON."""
+
+    vhost: str
+    client_id: str
+    connected: bool
+    user: str  # who logged it in (an away session: its pending will's user, if any)
+
+
 @runtime_checkable
 class SessionsView(Protocol):
     """A front end with sessions of its own beyond its connections (MQTT's, which outlive them):
-    ``/api/mqtt/sessions`` and the UI's MQTT pages read them as plain JSON-ready dicts."""
+    ``/api/mqtt/sessions`` and the UI's MQTT pages find them as ``SessionEntry``s and render the
+    ones a page shows as plain JSON-ready dicts, so a page of 10,000 sessions renders its own."""
 
-    def sessions(self) -> list[dict[str, Any]]: ...
+    def session_entries(self, vhost: str | None = None) -> list[SessionEntry]: ...
+
+    def session(self, vhost: str, client_id: str) -> dict[str, Any] | None: ...
 
 
 class SizesView(Protocol):

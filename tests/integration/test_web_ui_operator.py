@@ -358,6 +358,18 @@ def test_the_api_lists_connected_clean_and_away_sessions(shared_broker: Broker,
     assert {s["client_id"] for s in api(b, "GET", "/api/mqtt/sessions/%2F")} >= set(sessions.values())
     status, _ = ui_status(b, f"/api/mqtt/sessions/%2F/no-such-{uuid.uuid4().hex[:6]}")
     assert status == 404
+    # paged, sorted and filtered as the other lists (on the client id before rendering)
+    page = api(b, "GET", "/api/mqtt/sessions?page=1&page_size=2&sort=client_id&sort_reverse=true")
+    assert (page["page"], page["page_size"], page["item_count"]) == (1, 2, 2) and page["total_count"] >= 3
+    names = [s["client_id"] for s in page["items"]]
+    assert names == sorted(names, reverse=True) and page["items"][0]["node"]
+    found = api(b, "GET", f"/api/mqtt/sessions/%2F?page=1&page_size=10&name={sessions['away']}")
+    assert [(s["client_id"], s["subscription_count"]) for s in found["items"]] == [(sessions["away"], 1)]
+    by_state = api(b, "GET", "/api/mqtt/sessions?page=1&page_size=100&sort=connected")
+    assert [s["connected"] for s in by_state["items"]] == sorted(s["connected"] for s in by_state["items"])
+    by_subs = api(b, "GET", "/api/mqtt/sessions?page=1&page_size=100&sort=subscription_count")  # rendered
+    counts = [s["subscription_count"] for s in by_subs["items"]]
+    assert counts == sorted(counts)
     # a plain management user sees only its own sessions: none of guest's
     user = f"ui-mqtt-{uuid.uuid4().hex[:6]}"
     api(b, "PUT", f"/api/users/{user}", {"password": "pw", "tags": "management"})
