@@ -146,6 +146,9 @@ def test_history_charts_and_the_channel_and_node_pages(browser: WebDriver, share
         assert browser.find_element(By.TAG_NAME, "h1").text == f"Channel {channel}"
         # its own message rates from the history (publishes of this channel, not its connection's bytes)
         wait(browser, "the channel's message-rate chart", lambda d: _line_points(d, "Message rates") > 1)
+        legend = browser.find_element(By.ID, "main").text  # deliver_get split as RabbitMQ's channel page
+        assert all(k in legend for k in ("delivered (manual ack)/s", "delivered (auto ack)/s",
+                                         "got (manual ack)/s", "got (auto ack)/s", "redelivered/s")), legend
         shot(browser, "channel")
 
         node = api(b, "GET", "/api/overview")["node"]
