@@ -12,7 +12,7 @@ implementing classes may use narrower types (a ``dict`` of their own channel cla
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping, Sized
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from broker.auth.users import UserStore
 from broker.errors import AMQPError
@@ -154,14 +154,10 @@ class FrontEndView(Protocol):
         """Its connections' consumers; they have no channel (the API shows channel number 0)."""
 
 
-class SessionEntry(NamedTuple):
-    """One session as a list finds it before rendering it: what the list filters (visibility,
-    the client id) and sorts on without building the session's JSON."""
-
-    vhost: str
-    client_id: str
-    connected: bool
-    user: str  # who logged it in (an away session: its pending will's user, if any)
+# One session as a list finds it before rendering it: (vhost, client id, connected, user: who
+# logged it in, or for an away session its pending will's user). What the list filters and sorts
+# on without building the session's JSON; a plain tuple, made 10,000 times per list request.
+SessionEntry = tuple[str, str, bool, str]
 
 
 @runtime_checkable

@@ -10,7 +10,7 @@ every vhost; another user sees the sessions of vhosts it may use that it logged 
 persistent session away from its client shows its pending will's user, if any). Lists take the
 usual ``page``, ``page_size``, ``name``, ``sort`` parameters; ``name`` is the client id.
 
-A list finds the sessions as ``views.SessionEntry``s (vhost, client id, connected, user: no
+A list finds the sessions as ``views.SessionEntry`` tuples (vhost, client id, connected, user: no
 subscription read, nothing built), filters and sorts them on those, and renders only the page it
 answers (``paginate_objects``), so ``?page=1&page_size=100&sort=client_id`` at 10,000 sessions
 builds 100 sessions' JSON, not 10,000 (``benchmarks/mqtt_sessions.py``).
@@ -40,8 +40,8 @@ Found = tuple[SessionsView, SessionEntry]
 # Sorts on what a session's entry holds, before anything is rendered (the UI sorts by client id):
 # a page of 10,000 sessions renders its own 100. Sorting by any other field renders them all.
 _KEYS: dict[str, Callable[[Found], Any]] = {
-    "name": lambda f: f[1].client_id, "client_id": lambda f: f[1].client_id, "vhost": lambda f: f[1].vhost,
-    "connected": lambda f: f[1].connected, "user": lambda f: f[1].user}
+    "name": lambda f: f[1][1], "client_id": lambda f: f[1][1], "vhost": lambda f: f[1][0],
+    "connected": lambda f: f[1][2], "user": lambda f: f[1][3]}
 
 
 def _found(request: web.Request, vhost: str | None = None) -> list[Found]:
@@ -52,7 +52,7 @@ def _found(request: web.Request, vhost: str | None = None) -> list[Found]:
     for fe in request.app[MGMT_KEY].front_ends:
         if isinstance(fe, SessionsView):
             out.extend((fe, e) for e in fe.session_entries(vhost)
-                       if everyone or (e.user == user.name and can_see_vhost(request, e.vhost)))
+                       if everyone or (e[3] == user.name and can_see_vhost(request, e[0])))
     return out
 
 
@@ -65,18 +65,17 @@ def _renderer(request: web.Request) -> Callable[[Found], dict[str, Any]]:
     node = request.app[MGMT_KEY].node_name
 
     def render(f: Found) -> dict[str, Any]:
-        fe, e = f
-        s = fe.session(e.vhost, e.client_id)
+        fe, (vhost, client_id, connected, user) = f
+        s = fe.session(vhost, client_id)
         if s is None:  # not there any more (cannot happen within one request: no await between)
-            s = {"vhost": e.vhost, "client_id": e.client_id, "connected": False, "user": e.user,
+            s = {"vhost": vhost, "client_id": client_id, "connected": connected, "user": user,
                  "subscriptions": []}
         return _shown(s, node)
     return render
 
 
 def _page(request: web.Request, vhost: str | None = None) -> web.Response:
-    return paginate_objects(request, _found(request, vhost), _renderer(request), lambda f: f[1].client_id,
-                            _KEYS)
+    return paginate_objects(request, _found(request, vhost), _renderer(request), lambda f: f[1][1], _KEYS)
 
 
 @routes.get("/api/mqtt/sessions")
