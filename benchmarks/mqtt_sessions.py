@@ -6,8 +6,9 @@ own data dir), makes ``--sessions`` persistent MQTT 3.1.1 sessions (CONNECT with
 0, SUBSCRIBE at QoS 1 to a topic of their own, DISCONNECT: each leaves a durable subscription
 queue behind, a session "away"), of which the last ``--connected`` stay connected, then times
 the requests the UI's MQTT sessions page and a script make, ``--runs`` times each, and prints
-the median and maximum in milliseconds. For a before/after table run the same script from the
-other checkout (it starts that checkout's broker).
+the median and maximum in milliseconds and the broker's CPU time per request (user + system, from
+``/proc``: the steadier figure on a loaded machine). For a before/after table run the same script
+from the other checkout (it starts that checkout's broker), at the same time for a fair ratio.
 
     python benchmarks/mqtt_sessions.py --sessions 10000 --connected 500
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import os
 import statistics
 import struct
 import sys
@@ -94,6 +96,12 @@ async def make_sessions(host: str, port: int, n: int, connected: int, parallel: 
     return kept
 
 
+def cpu_ms(pid: int) -> float:
+    """A process's user + system CPU time so far, in ms."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) * 1000 / os.sysconf("SC_CLK_TCK")
+
+
 def timed(url: str) -> tuple[float, int]:
     req = urllib.request.Request(url, headers={"Authorization": AUTH})
     t0 = time.perf_counter()
@@ -113,12 +121,16 @@ async def run(args: argparse.Namespace) -> None:
                   file=sys.stderr)
             base = f"http://{b.host}:{b.mgmt_port}"
             print(f"| request ({args.sessions} sessions, {args.connected} connected) | median ms | max ms | "
-                  "bytes |\n| --- | ---: | ---: | ---: |")
+                  "broker CPU ms | bytes |\n| --- | ---: | ---: | ---: | ---: |")
+            assert b.pid is not None
             for path in REQUESTS:
                 timed(base + path)  # warm-up
+                cpu0 = cpu_ms(b.pid)
                 runs = [timed(base + path) for _ in range(args.runs)]
+                cpu = (cpu_ms(b.pid) - cpu0) / args.runs
                 ms = [t for t, _ in runs]
-                print(f"| `{path}` | {statistics.median(ms):.1f} | {max(ms):.1f} | {runs[-1][1]:,} |")
+                print(f"| `{path}` | {statistics.median(ms):.1f} | {max(ms):.1f} | {cpu:.0f} "
+                      f"| {runs[-1][1]:,} |")
             for w in kept:
                 w.close()
         finally:

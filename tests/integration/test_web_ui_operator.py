@@ -157,6 +157,13 @@ def test_history_charts_and_the_channel_and_node_pages(browser: WebDriver, share
         assert all(k in text for k in ("Memory alarm", "Disk free", "File descriptors", "Sockets"))
         wait(browser, "the node's memory chart", lambda d: _line_points(d, "Memory used (bytes)") > 1)
         shot(browser, "node")
+        # the connection's, an exchange's and the vhost's pages chart their history too
+        conn_name = [c for c in api(b, "GET", "/api/channels") if c["prefetch_count"] == 7][0][
+            "connection_details"]["name"]
+        for page, title in ((f"connections/{urllib.parse.quote(conn_name, safe='')}", "Data rates (bytes/s)"),
+                            ("exchanges/%2F/amq.default", "Message rates"), ("vhosts/%2F", "Message rates")):
+            go(browser, b, page)
+            wait(browser, f"the chart {title!r} of {page}", lambda d, t=title: _line_points(d, t) > 1)
         assert browser_errors(browser) == []
     finally:
         conn.channel().queue_delete(name)
