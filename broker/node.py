@@ -461,8 +461,9 @@ class Node:
         path = cfg.main.data_dir / LMQ_PROPS_FILE
         sink = self.sink
         props = PropsStore(read_json(path, {}), lambda doc: write_json(path, doc, sink))
-        self.lmq = LMQServer(LMQ(vh, props, broker.syncer.after_sync, cfg.main.max_message_size), cfg.lmq,
-                             broker.users, broker.proxied_peers, broker.alarm.memory,
+        engine = LMQ(vh, props, broker.syncer.after_sync, cfg.main.max_message_size)
+        engine.node_name = lambda: broker.node_name  # firehose copies (known once AMQP listens)
+        self.lmq = LMQServer(engine, cfg.lmq, broker.users, broker.proxied_peers, broker.alarm.memory,
                              cfg.amqp.max_bytes_in_flight, reuse_port=self.worker is not None)
         await self.lmq.start()
 
@@ -486,6 +487,7 @@ class Node:
         self.mqtt = MQTTServer(cfg.mqtt, broker.vhosts, broker.users, broker.syncer.after_sync, retained,
                                sessions, peers=broker.proxied_peers)
         self.mqtt.router = self.worker
+        self.mqtt.registry.node_name = lambda: broker.node_name  # firehose copies
         await self.mqtt.start(self.tls_context if self.tls is not None else None, unix_mode(cfg.main))
         assert self.mgmt is not None
         mqtt = self.mqtt

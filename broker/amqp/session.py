@@ -34,9 +34,9 @@ from pamqp import commands
 from pamqp.base import Frame as PFrame
 
 from broker import errors, properties
-from broker.amqp import codec, trace
+from broker.amqp import codec
 from broker.amqp.connection import CH_OPEN, AMQPConnection, PublishArgs, State
-from broker.model import methods
+from broker.model import methods, trace
 from broker.model.publish import PublishOutcome, PublishRequest
 from broker.model.queue import Consumer, Queue
 from broker.properties import FLAG_REPLY_TO, FLAG_USER_ID, HI_REPLY_TO
@@ -67,11 +67,13 @@ class ChannelState:
         "id", "unacked", "next_tag", "consumers", "prefetch", "global_prefetch", "unacked_count",
         "flow", "confirm", "publish_seq", "confirmed", "needs_sync", "sync_deps", "sync_waiting", "tx",
         "deferred", "reply_token", "reply_tag", "open", "nacks", "head_tag", "head_since",
-        "last_queue", "publishing", "n_published", "n_acked",
+        "last_queue", "publishing", "n_published", "n_acked", "origin", "n_get", "n_get_no_ack",
+        "n_deliver_no_ack", "n_redelivered",
     )
 
-    def __init__(self, ch: int) -> None:
+    def __init__(self, ch: int, origin: trace.Origin) -> None:
         self.id = ch
+        self.origin = origin  # who this channel's publishes and deliveries come from (firehose)
         self.unacked: dict[int, tuple[Queue, int, SessionConsumer | None]] = {}
         self.next_tag = 1
         self.consumers: dict[str, SessionConsumer] = {}
@@ -100,9 +102,15 @@ class ChannelState:
         # published without confirms (confirm mode: publish_seq > 0): a publisher, in the metrics
         self.publishing = False
         # the channel's own message counters, for its rates and history in the management API
-        # (deliveries are its delivery tags: ``next_tag - 1``; confirms: ``confirmed``)
+        # (deliveries and gets are its delivery tags: ``next_tag - 1``, of which basic.gets, with
+        # and without acks, and no-ack deliveries are counted apart, so that manual-ack
+        # deliveries, the common case, cost no count of their own; confirms: ``confirmed``)
         self.n_published = 0
         self.n_acked = 0
+        self.n_get = 0
+        self.n_get_no_ack = 0
+        self.n_deliver_no_ack = 0
+        self.n_redelivered = 0  # deliveries and gets flagged redelivered
 
     @property
     def publisher(self) -> bool:
@@ -164,6 +172,9 @@ class SessionConsumer(Consumer):
             chs.unacked_count += 1
         else:
             s.stats.delivered_autoack += 1
+            chs.n_deliver_no_ack += 1
+        if redelivered:
+            chs.n_redelivered += 1
         body_len = len(body)
         key = self._t_key
         if key[2] == body_len and key[1] == len(props) and key[0] == exrk and key[3] == redelivered:
@@ -186,7 +197,7 @@ class SessionConsumer(Consumer):
         self._send(data)
         vh = s.vh
         if vh is not None and vh.meta.tracing:  # firehose: the deliver.<queue> copy
-            trace.delivered(vh, s.origin(chs), self.queue.name, exrk, props, body, redelivered, s.now_ms)
+            trace.delivered_exrk(vh, chs.origin, self.queue.name, exrk, props, body, redelivered, s.now_ms)
 
     def _send(self, data: bytes) -> None:
         s = self.session
@@ -233,6 +244,7 @@ class SessionConsumer(Consumer):
         stats.delivered += k
         if self.no_ack:
             stats.delivered_autoack += k
+            chs.n_deliver_no_ack += k
         self._send(b"".join(parts))
 
     def deliver_many(self, msgids: list[int] | None, exrk: bytes, props: list[bytes],
@@ -282,6 +294,7 @@ class SessionConsumer(Consumer):
         stats.delivered += k
         if self.no_ack:
             stats.delivered_autoack += k
+            chs.n_deliver_no_ack += k
         self._send(b"".join(parts))
 
     def _retemplate(self, exrk: bytes, props_len: int, body_len: int, redelivered: bool) -> bool:
@@ -507,10 +520,6 @@ class Session(AMQPConnection):
         assert self.vh is not None
         return self.vh
 
-    def origin(self, chs: ChannelState) -> trace.Origin:
-        """This connection and channel as firehose tracing names them."""
-        return trace.Origin(self.broker.node_name, self.username, self.name, chs.id)
-
     # --------------------------------------------------------------- channels
     def _user_limit(self, name: str) -> int | None:
         """The user's limit ``name`` (RabbitMQ's user limits), None when unlimited (-1 or unset)."""
@@ -526,7 +535,8 @@ class Session(AMQPConnection):
                                     f"the maximum allowed user limit of ({limit})")
 
     def channel_opened(self, channel: int) -> None:
-        self.chs[channel] = ChannelState(channel)
+        self.chs[channel] = ChannelState(channel, trace.Origin(self.broker.node_name, self.username,
+                                                               self.name, channel))
         self.broker.stats.channels_opened += 1
 
     def channel_closed(self, channel: int) -> None:
@@ -601,10 +611,8 @@ class Session(AMQPConnection):
         if ex is None or ex.internal or exchange not in self._write_ok:
             self._may_publish_to(exchange, args.routing_key)
         # persistence (delivery-mode) is read by the publish operation, only if a durable queue is reached
-        out = vh.publish(PublishRequest(exchange, args.routing_key, props, body, self.now_ms, None, args))
-        if vh.meta.tracing:  # firehose: the publish.<exchange> copy
-            trace.published(vh, self.origin(chs), exchange, [args.routing_key], props, body, out.queues,
-                            self.now_ms)
+        out = vh.publish(PublishRequest(exchange, args.routing_key, props, body, self.now_ms, None, args,
+                                        None, True, chs.origin))  # origin: the firehose's publish copy
         if out.queues:
             for q in out.queues:
                 if q.consumers:
@@ -818,6 +826,7 @@ class Session(AMQPConnection):
             return False
         tag = chs.next_tag
         chs.next_tag += 1
+        chs.n_deliver_no_ack += 1  # a direct reply-to consumer takes no acks
         prefix = codec.METHOD_ID.pack(0x003C003C) + codec.shortstr(chs.reply_tag.encode())
         session.out += codec.encode_delivery(chs.id, prefix, tag, False, exchange.encode(),
                                              routing_key.encode(), props, body, session.frame_max)
@@ -1137,15 +1146,19 @@ class Session(AMQPConnection):
             q.ack(msgid)
             q.n_gets_no_ack += 1
             self.broker.stats.gets_autoack += 1
+            chs.n_get_no_ack += 1
         else:
             chs.unacked[tag] = (q, msgid, None)
             chs.unacked_count += 1
+            chs.n_get += 1
+        if redelivered:
+            chs.n_redelivered += 1
         data = codec.encode_get_ok(chs.id, tag, redelivered, exchange, routing_key, q.message_count,
                                    props, body, self.frame_max)
         vh = self.vhost_obj
         if vh.meta.tracing:  # firehose: a get is a delivery too
-            exrk = codec.shortstr(exchange) + codec.shortstr(routing_key)
-            trace.delivered(vh, self.origin(chs), q.name, exrk, props, body, redelivered, self.now_ms)
+            trace.delivered(vh, chs.origin, q.name, exchange, routing_key, props, body, redelivered,
+                            self.now_ms)
         if chs.deferred is not None:
             chs.deferred.append(data)
         else:

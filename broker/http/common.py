@@ -42,6 +42,7 @@ from broker.auth.sasl import http_credentials
 from broker.auth.throttle import TooManyFailures, check_login
 from broker.auth.users import User
 from broker.http.state import Mgmt
+from broker.model.publish_api import Origin
 from broker.patterns import PatternError, compile_pattern
 
 if TYPE_CHECKING:
@@ -155,6 +156,12 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
 def user_of(request: web.Request) -> User:
     user: User = request[USER_KEY]
     return user
+
+
+def origin_of(request: web.Request) -> Origin:
+    """The user of a management request as firehose copies name a client (its publishes and
+    gets: RabbitMQ traces the management API's too)."""
+    return Origin(request.app[MGMT_KEY].node_name, user_of(request).name, f"HTTP {request.remote}", 0)
 
 
 def is_admin(user: User) -> bool:

@@ -126,7 +126,7 @@ def vhost_meta_fields(body: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"unknown default_queue_type {qtype!r} (known: {', '.join(queue_types.TYPES)})")
         out["default_queue_type"] = qtype
     tracing = merged.get("tracing")
-    if tracing is not None:  # RabbitMQ's switch for the firehose (broker/amqp/trace.py)
+    if tracing is not None:  # RabbitMQ's switch for the firehose (broker/model/trace.py)
         # RabbitMQ also takes the strings "true"/"false", which its rabbitmqadmin sends
         if isinstance(tracing, str):
             tracing = {"true": True, "false": False}.get(tracing, tracing)

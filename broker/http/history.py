@@ -17,7 +17,7 @@ half hour  1800 s  50     last day
 A ring keeps the newest values seen in each of its slots (a pass landing in the same slot
 overwrites it; a range of ``age / incr`` steps reads ``age / incr + 2`` slots, the oldest for
 the value at the first point), in ``array('d')``: the memory of one object is fixed at
-creation, ``284 x (fields + 1) x 8`` bytes: 22.7 KB for a queue (9 fields), 6.8 KB for an
+creation, ``284 x (fields + 1) x 8`` bytes: 22.7 KB for a queue or a channel (9 fields), 6.8 KB for an
 exchange or a connection (2). At most ``MAX_HISTORIES`` objects of a kind have one (those that changed
 since the node's first pass, first come; one unchanged for a day gives its place back; the cap
 bounds a node with 100k busy queues to 45 MB of queue history); the others, like idle objects,

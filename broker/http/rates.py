@@ -76,7 +76,9 @@ REDELIVER = QUEUE_FIELDS.index("redeliver")
 VHOST_FIELDS = ("confirm", "unroutable", "returned")
 EXCHANGE_FIELDS = ("publish_in", "publish_out")
 CONNECTION_FIELDS = ("recv_oct", "send_oct")
-CHANNEL_FIELDS = ("publish", "confirm", "deliver_get", "ack")
+# RabbitMQ's channel message_stats: deliver_get is deliver + deliver_no_ack + get + get_no_ack
+CHANNEL_FIELDS = ("publish", "confirm", "deliver_get", "ack", "deliver", "deliver_no_ack", "get",
+                  "get_no_ack", "redeliver")
 GAUGE_FIELDS = ("mem_used", "disk_free", "fd_used", "sockets_used", "proc_used")
 
 log = logging.getLogger(__name__)
@@ -195,7 +197,9 @@ def queue_values(q: Queue) -> Values:
 
 def channel_values(c: ChannelView) -> Values:
     """A channel's ``CHANNEL_FIELDS`` now."""
-    return (c.n_published, c.confirmed, c.next_tag - 1, c.n_acked)
+    tags, gets, gets_no_ack, no_ack = c.next_tag - 1, c.n_get, c.n_get_no_ack, c.n_deliver_no_ack
+    return (c.n_published, c.confirmed, tags, c.n_acked, tags - gets - gets_no_ack - no_ack, no_ack, gets,
+            gets_no_ack, c.n_redelivered)
 
 
 class RateSampler:

@@ -9,52 +9,94 @@ Visibility is that of connections: administrators and monitoring users see every
 every vhost; another user sees the sessions of vhosts it may use that it logged in itself (a
 persistent session away from its client shows its pending will's user, if any). Lists take the
 usual ``page``, ``page_size``, ``name``, ``sort`` parameters; ``name`` is the client id.
+
+A list finds the sessions as ``views.SessionEntry`` tuples (vhost, client id, connected, user: no
+subscription read, nothing built), filters and sorts them on those, and renders only the page it
+answers (``paginate_objects``), so ``?page=1&page_size=100&sort=client_id`` at 10,000 sessions
+builds 100 sessions' JSON, not 10,000 (``benchmarks/mqtt_sessions.py``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 
-from broker.http.common import MGMT_KEY, can_see_vhost, not_found, paginate, sees_all, user_of, vhost_param
-from broker.views import SessionsView
+from broker.http.common import (
+    MGMT_KEY,
+    can_see_vhost,
+    not_found,
+    paginate_objects,
+    sees_all,
+    user_of,
+    vhost_param,
+)
+from broker.views import SessionEntry, SessionsView
 
 routes = web.RouteTableDef()
 
+Found = tuple[SessionsView, SessionEntry]
+# Sorts on what a session's entry holds, before anything is rendered (the UI sorts by client id):
+# a page of 10,000 sessions renders its own 100. Sorting by any other field renders them all.
+_KEYS: dict[str, Callable[[Found], Any]] = {
+    "name": lambda f: f[1][1], "client_id": lambda f: f[1][1], "vhost": lambda f: f[1][0],
+    "connected": lambda f: f[1][2], "user": lambda f: f[1][3]}
 
-def _sessions(request: web.Request, vhost: str | None = None) -> list[dict[str, Any]]:
-    mgmt = request.app[MGMT_KEY]
+
+def _found(request: web.Request, vhost: str | None = None) -> list[Found]:
+    """The sessions the user may see (of ``vhost``, or of every vhost), unrendered."""
     user = user_of(request)
     everyone = sees_all(user)
-    out: list[dict[str, Any]] = []
-    for fe in mgmt.front_ends:
-        if not isinstance(fe, SessionsView):
-            continue
-        for s in fe.sessions():
-            if vhost is not None and s["vhost"] != vhost:
-                continue
-            if everyone or (s["user"] == user.name and can_see_vhost(request, s["vhost"])):
-                out.append({**s, "name": s["client_id"], "node": mgmt.node_name,
-                            "subscription_count": len(s["subscriptions"])})
+    out: list[Found] = []
+    for fe in request.app[MGMT_KEY].front_ends:
+        if isinstance(fe, SessionsView):
+            out.extend((fe, e) for e in fe.session_entries(vhost)
+                       if everyone or (e[3] == user.name and can_see_vhost(request, e[0])))
     return out
+
+
+def _shown(s: dict[str, Any], node: str) -> dict[str, Any]:
+    """A front end's session as the API answers it (the list's ``name`` is its client id)."""
+    return {**s, "name": s["client_id"], "node": node, "subscription_count": len(s["subscriptions"])}
+
+
+def _renderer(request: web.Request) -> Callable[[Found], dict[str, Any]]:
+    node = request.app[MGMT_KEY].node_name
+
+    def render(f: Found) -> dict[str, Any]:
+        fe, (vhost, client_id, connected, user) = f
+        s = fe.session(vhost, client_id)
+        if s is None:  # not there any more (cannot happen within one request: no await between)
+            s = {"vhost": vhost, "client_id": client_id, "connected": connected, "user": user,
+                 "subscriptions": []}
+        return _shown(s, node)
+    return render
+
+
+def _page(request: web.Request, vhost: str | None = None) -> web.Response:
+    return paginate_objects(request, _found(request, vhost), _renderer(request), lambda f: f[1][1], _KEYS)
 
 
 @routes.get("/api/mqtt/sessions")
 async def mqtt_sessions(request: web.Request) -> web.Response:
-    return paginate(request, _sessions(request))
+    return _page(request)
 
 
 @routes.get("/api/mqtt/sessions/{vhost}")
 async def vhost_mqtt_sessions(request: web.Request) -> web.Response:
-    return paginate(request, _sessions(request, vhost_param(request)))
+    return _page(request, vhost_param(request))
 
 
 @routes.get("/api/mqtt/sessions/{vhost}/{client_id}")
 async def mqtt_session(request: web.Request) -> web.Response:
     vhost = vhost_param(request)
     client_id = request.match_info["client_id"]
-    for s in _sessions(request, vhost):
-        if s["client_id"] == client_id:
-            return web.json_response(s)
+    user = user_of(request)
+    for fe in request.app[MGMT_KEY].front_ends:
+        if not isinstance(fe, SessionsView):
+            continue
+        s = fe.session(vhost, client_id)
+        if s is not None and (sees_all(user) or (s["user"] == user.name and can_see_vhost(request, vhost))):
+            return web.json_response(_shown(s, request.app[MGMT_KEY].node_name))
     raise not_found(f"no MQTT session '{client_id}' in vhost '{vhost}'")

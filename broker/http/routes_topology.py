@@ -34,6 +34,7 @@ from broker.http.common import (
     json_body,
     no_content,
     not_found,
+    origin_of,
     paginate,
     paginate_objects,
     user_of,
@@ -50,6 +51,7 @@ from broker.http.render import (
     queue_json,
     vhost_bindings,
 )
+from broker.model import trace
 from broker.model.exchange import EXCHANGE_TYPES, Exchange
 from broker.model.publish import PublishRequest
 from broker.model.queue import Queue
@@ -219,7 +221,7 @@ async def publish(request: web.Request) -> web.Response:
     props_bytes = bytes(props.marshal())
     try:
         out = vh.publish(PublishRequest(ex.name, routing_key, props_bytes, data, int(time.time() * 1000),
-                                        props.delivery_mode == 2))
+                                        props.delivery_mode == 2, origin=origin_of(request)))
     except errors.AMQPError as exc:  # e.g. an expiration that is not a number
         raise bad_request(exc.text) from None
     except (errors.DiskFull, OSError) as exc:
@@ -392,6 +394,10 @@ async def get_messages(request: web.Request) -> web.Response:
     stats = request.app[MGMT_KEY].broker.stats
     stats.delivered += len(taken)
     stats.gets += len(taken)  # RabbitMQ: the management plugin's basic.get (manual ack)
+    if vh.meta.tracing:  # firehose: each is a delivery (deliver.<queue>)
+        who, now = origin_of(request), int(time.time() * 1000)
+        for (_msgid, exchange_b, rk, props, payload, redelivered), _remaining in taken:
+            trace.delivered(vh, who, q.name, exchange_b, rk, props, payload, redelivered, now)
     for (msgid, *_rest), _remaining in taken:
         if requeue:
             q.reject(msgid, True)

@@ -63,7 +63,9 @@ from broker.auth.throttle import check_login
 from broker.auth.users import UserStore
 from broker.lmq.access import Access, Refused, logged_in
 from broker.lmq.props import PropsStore
+from broker.model import trace
 from broker.model.publish import PublishRequest
+from broker.model.publish_api import Origin
 from broker.model.queue import Queue
 from broker.model.vhost import VHost
 from broker.patterns import PatternError, compile_pattern
@@ -119,6 +121,7 @@ class _Window:
     parts: list[list[Any]]
     timer: asyncio.TimerHandle
     size: int = 0  # bytes the compound message will take, about (bodies plus PART_OVERHEAD each)
+    who: Origin | None = None  # the put that opened it, as the firehose names the compound's publisher
 
 
 def _props(content_type: str, headers: dict[str, Any]) -> bytes:
@@ -210,6 +213,7 @@ class LMQ:
         self.windows: dict[str, _Window] = {}
         self.counters: Counter[tuple[str, str]] = Counter()  # (queue, put|get|ack) for StatsD
         self._arrived = asyncio.Event()
+        self.node_name: Callable[[], str] = lambda: ""  # the node's name (firehose copies); set by the node
 
     # ------------------------------------------------------------------ queues
     def ensure(self, name: str, who: Access) -> Queue:
@@ -241,6 +245,10 @@ class LMQ:
         for t in [t for t in self.taken.values() if t.queue.name == name]:
             self._forget(t)
 
+    def origin(self, who: Access) -> Origin:
+        """An LMQ client as firehose copies name it."""
+        return Origin(self.node_name(), who.name, "LMQ", 0)
+
     # ------------------------------------------------------------------ put
     async def put(self, name: str, body: bytes, content_type: str | None, who: Access) -> str:
         """Store one message; answer LMQ's accumulation flag: "no", "new" or "yes"."""
@@ -265,17 +273,19 @@ class LMQ:
                 return "yes"
             loop = asyncio.get_running_loop()
             timer = loop.call_later(props["accum"], self._close_window, name)
-            self.windows[name] = _Window([[meta, body]], timer, size)
+            self.windows[name] = _Window([[meta, body]], timer, size, self.origin(who))
             return "new"
-        self._store(q, body, meta["content-type"], props, compound=False)
+        self._store(q, body, meta["content-type"], props, compound=False, who=self.origin(who))
         await self._synced()
         return "no"
 
-    def _store(self, q: Queue, body: bytes, content_type: str, props: dict[str, Any], compound: bool) -> None:
+    def _store(self, q: Queue, body: bytes, content_type: str, props: dict[str, Any], compound: bool,
+               who: Origin | None) -> None:
         headers: dict[str, Any] = {"x-lmq-retry": props["retry"], "x-lmq-timeout": props["timeout"]}
         if compound:
             headers["x-lmq-type"] = "compound"
-        req = PublishRequest("", q.name, _props(content_type, headers), body, int(time.time() * 1000), True)
+        req = PublishRequest("", q.name, _props(content_type, headers), body, int(time.time() * 1000), True,
+                             origin=who)
         try:
             out = self.vhost.publish(req)
         except errors.DiskFull:
@@ -291,7 +301,7 @@ class LMQ:
             return
         try:
             self._store(q, msgpack.packb(window.parts, use_bin_type=True), COMPOUND_TYPE,
-                        self.props.resolve(name), compound=True)
+                        self.props.resolve(name), compound=True, who=window.who)
         except (LMQError, errors.SkredError) as exc:
             log.error("LMQ queue '%s': compound message of %d parts not stored: %s",
                       name, len(window.parts), exc)
@@ -317,17 +327,17 @@ class LMQ:
         async def one() -> list[Queue]:
             return [q]
 
-        return await self._take(one, timeout, alive, fan_out=False)
+        return await self._take(one, timeout, alive, fan_out=False, who=who)
 
     async def take_any(self, regex: str, timeout: float | None, who: Access,
                        alive: Alive = _always) -> Message | None:
         """One message from the queues ``regex`` matches that ``who`` may read, waiting up to
         ``timeout`` seconds (None: until one comes) while ``alive()``; None when the wait ran out
         or the client went away."""
-        return await self._take(self.matcher(regex, who).queues, timeout, alive, fan_out=True)
+        return await self._take(self.matcher(regex, who).queues, timeout, alive, fan_out=True, who=who)
 
     async def _take(self, queues: Callable[[], Awaitable[list[Queue]]], timeout: float | None, alive: Alive,
-                    fan_out: bool) -> Message | None:
+                    fan_out: bool, who: Access) -> Message | None:
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         while True:
@@ -342,7 +352,7 @@ class LMQ:
                 if got is not None:
                     if fan_out:
                         self.last_any = q.name
-                    return self._hand_out(q, got)
+                    return self._hand_out(q, got, who)
             left = POLL_MAX if deadline is None else min(POLL_MAX, deadline - loop.time())
             if left <= 0 or not alive():  # a client that has gone (or half-closed) waits no more
                 return None
@@ -352,8 +362,12 @@ class LMQ:
             except TimeoutError:
                 pass
 
-    def _hand_out(self, q: Queue, got: tuple[int, bytes, bytes, bytes, bytes, bool]) -> Message:
-        msgid, _exchange, _rk, raw_props, body, _redelivered = got
+    def _hand_out(self, q: Queue, got: tuple[int, bytes, bytes, bytes, bytes, bool], who: Access) -> Message:
+        msgid, exchange, rk, raw_props, body, redelivered = got
+        vh = self.vhost
+        if vh.meta.tracing:  # firehose: deliver.<queue>
+            trace.delivered(vh, self.origin(who), q.name, exchange, rk, raw_props, body, redelivered,
+                            int(time.time() * 1000))
         content_type, headers = _read_props(raw_props)
         current = self.props.resolve(q.name)
         retry = headers.get("x-lmq-retry", current["retry"])

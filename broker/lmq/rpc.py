@@ -15,7 +15,9 @@ connection in as a broker user, through the same login throttle as AMQP (an erro
 With ``[lmq] auth`` on (the default) every other call before it is answered with the error
 ``"not authenticated: call authenticate(user, password) first"``; with it off, calls act as
 ``[lmq] anonymous_user`` until a connection authenticates as someone else. Each call then needs
-the permission ``broker.lmq.access`` maps it to (an ``"access to ... refused"`` error).
+the permission ``broker.lmq.access`` maps it to (an ``"access to ... refused"`` error). A login
+with an OAuth 2 access token as the password lasts as long as the token: the connection is closed
+when it expires, as AMQP's and MQTT's are.
 
 Limits: one request (and so one pushed content) is at most ``max_message_size`` plus a little
 framing, past which the connection is closed (a MessagePack stream cannot be resynchronised); a
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 import msgpack
@@ -97,10 +100,29 @@ class Session:
         self.writer = writer
         self.source = client_address(cfg.peers, writer.transport)
         self.who: Access | None = None  # logged in with authenticate()
+        self.expiry: asyncio.TimerHandle | None = None  # when the login's access token expires
         self.tasks: set[asyncio.Task[None]] = set()
         self.in_flight = 0  # bytes of the requests in progress
         self.room = asyncio.Event()  # set while another request may be read
         self.room.set()
+
+    def _close_at_expiry(self) -> None:
+        """A login with an access token lasts as long as the token: the connection is closed when
+        it expires, as AMQP's and MQTT's are (broker.auth.oauth)."""
+        self.cancel_expiry()
+        user = self.who.user if self.who is not None else None
+        if user is not None and not isinstance(user, str) and user.expires_at is not None:
+            self.expiry = asyncio.get_running_loop().call_later(max(0.0, user.expires_at - time.time()),
+                                                                self._expired)
+
+    def _expired(self) -> None:
+        log.info("LMQ RPC client %s: access token expired: closing", self.source)
+        self.writer.close()
+
+    def cancel_expiry(self) -> None:
+        if self.expiry is not None:
+            self.expiry.cancel()
+            self.expiry = None
 
     def alive(self) -> bool:
         return not self.writer.is_closing()
@@ -113,6 +135,7 @@ class Session:
                                        self.source, lmq.vhost.name, "LMQ RPC")
             except TooManyFailures as exc:
                 raise RPCError(str(exc)) from None
+            self._close_at_expiry()
             return "ok"
         who = self.who
         if who is None and not self.cfg.auth:  # anonymous mode: the configured user, looked up now
@@ -248,6 +271,7 @@ async def serve_connection(lmq: LMQ, cfg: Settings, reader: asyncio.StreamReader
     except ConnectionError:
         pass
     finally:
+        session.cancel_expiry()
         for task in list(session.tasks):
             task.cancel()
         writer.close()

@@ -43,6 +43,21 @@ class Names:
         self.exrk = short_pair(self.exchange_b, self.routing_key_b)
 
 
+class Origin:
+    """Who published a message (a client's connection and channel, on this node): what a
+    firehose trace copy's headers name (``broker/model/trace.py``). A front end hands one in
+    with every publish of a client; the broker's own publishes (dead-lettering, delayed firing,
+    wills, the trace copies themselves) carry none and are never traced."""
+
+    __slots__ = ("node", "user", "connection", "channel")
+
+    def __init__(self, node: str, user: str, connection: str, channel: int) -> None:
+        self.node = node
+        self.user = user
+        self.connection = connection
+        self.channel = channel
+
+
 class PublishRequest:
     """One message to publish, protocol-neutral.
 
@@ -52,14 +67,17 @@ class PublishRequest:
     caller has them (an AMQP session keeps them per publish method frame). ``exclude``:
     queues the message must not reach (dead-lettering's cycle rule). ``cc``: False to route
     by ``routing_key`` alone, ignoring CC/BCC headers (dead-lettering with a dead-letter
-    routing key).
+    routing key). ``origin``: the client that published it, for firehose tracing (None: the
+    broker itself, never traced).
     """
 
-    __slots__ = ("exchange", "routing_key", "props", "body", "ts", "persistent", "names", "exclude", "cc")
+    __slots__ = ("exchange", "routing_key", "props", "body", "ts", "persistent", "names", "exclude", "cc",
+                 "origin")
 
     def __init__(self, exchange: str, routing_key: str, props: bytes, body: bytes | memoryview, ts: int,
                  persistent: bool | None = None, names: EncodedNames | None = None,
-                 exclude: Callable[[Queue], bool] | None = None, cc: bool = True) -> None:
+                 exclude: Callable[[Queue], bool] | None = None, cc: bool = True,
+                 origin: Origin | None = None) -> None:
         self.exchange = exchange
         self.routing_key = routing_key
         self.props = props
@@ -69,6 +87,7 @@ class PublishRequest:
         self.names = names
         self.exclude = exclude
         self.cc = cc
+        self.origin = origin
 
 
 class PublishOutcome:

@@ -42,12 +42,14 @@ from broker.model import (
     queue_featured,
     queue_types,
     stream,
+    trace,
 )
 from broker.model import publish as publishing
 from broker.model.exchange import Exchange, check_x_match
 from broker.model.fastpaths import FastPaths
 from broker.model.limits import VHostLimits
 from broker.model.queue import ClassicQueue, Queue
+from broker.model.trace import TRACE_EXCHANGE
 from broker.model.vhost_meta import VHostMeta
 from broker.store.api import MessageStore
 from broker.store.definitions import DefinitionsLog
@@ -66,9 +68,8 @@ DEFAULT_EXCHANGES = (
     ("amq.topic", "topic"),
     ("amq.headers", "headers"),
     ("amq.match", "headers"),
-    ("amq.rabbitmq.trace", "topic"),  # internal: firehose tracing's copies (broker/amqp/trace.py)
+    (TRACE_EXCHANGE, "topic"),  # internal: firehose tracing's copies (broker/model/trace.py)
 )
-TRACE_EXCHANGE = "amq.rabbitmq.trace"
 _COMPACT_AFTER = 10_000  # deletes before the definitions log is rewritten
 
 
@@ -591,8 +592,12 @@ class VHost:
     # ---------------------------------------------------------------- publish
     def publish(self, req: publishing.PublishRequest) -> publishing.PublishOutcome:
         """THE publish operation: route, apply every exchange's and queue's behaviour,
-        append; the outcome says what happened (broker/model/publish.py)."""
-        return publishing.publish(self, req)
+        append; the outcome says what happened (broker/model/publish.py). A client's publish
+        (one naming its ``origin``) is copied to the firehose when tracing is on (trace.py)."""
+        out = publishing.publish(self, req)
+        if self.meta.tracing and req.origin is not None:
+            trace.published(self, req, req.origin, out)
+        return out
 
     def publish_from_hold(self, req: publishing.PublishRequest) -> publishing.PublishOutcome:
         """``publish`` for a message coming out of its exchange's own hold (a delayed message

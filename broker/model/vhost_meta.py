@@ -23,7 +23,7 @@ class VHostMeta:
         self.description = ""
         self.tags: list[str] = []
         self.default_queue_type = CLASSIC
-        self.tracing = False  # firehose tracing (broker/amqp/trace.py); read per publish
+        self.tracing = False  # firehose tracing (broker/model/trace.py); read per publish
         data = read_json(path, None)
         if data is not None:
             try:

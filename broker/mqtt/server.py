@@ -62,6 +62,7 @@ from broker.mqtt.session import (
 )
 from broker.mqtt.wills import arm_will
 from broker.tls import PeerTLS
+from broker.views import SessionEntry
 
 log = logging.getLogger(__name__)
 
@@ -542,6 +543,11 @@ class MQTTProtocol(asyncio.Protocol):
             self.session.resume()
 
 
+def _level(s: MQTTSession) -> int:
+    """The protocol level of a connected session's connection (its output is the protocol)."""
+    return s.out.level if isinstance(s.out, MQTTProtocol) else 4
+
+
 class MQTTServer:
     """The MQTT listeners (plain and TLS) of one node, over its vhosts and users."""
 
@@ -589,10 +595,13 @@ class MQTTServer:
             c["consumers"] += len(s.consumers)
         return out
 
-    def sessions(self) -> list[dict[str, Any]]:
-        """``views.SessionsView``: every session, connected or away (``overview.py``)."""
-        levels = {(c.vhost, c.client_id): c.level for c in self.open_connections()}
-        return overview.sessions(self.registry, self.vhosts, self.settings.exchange, levels)
+    def session_entries(self, vhost: str | None = None) -> list[SessionEntry]:
+        """``views.SessionsView``: every session, connected or away, unrendered (``overview.py``)."""
+        return overview.entries(self.registry, self.vhosts, vhost)
+
+    def session(self, vhost: str, client_id: str) -> dict[str, Any] | None:
+        """``views.SessionsView``: one session as the API shows it."""
+        return overview.session(self.registry, self.vhosts, self.settings.exchange, _level, vhost, client_id)
 
     def spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)

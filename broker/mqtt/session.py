@@ -57,7 +57,9 @@ from typing import Any, Protocol
 
 from broker import errors
 from broker.auth.users import User, UserStore
+from broker.model import trace
 from broker.model.publish import PublishOutcome
+from broker.model.publish_api import Origin
 from broker.model.queue import Consumer, Queue
 from broker.model.vhost import VHost
 from broker.mqtt import packets as P
@@ -138,6 +140,7 @@ class Registry:
         # (user, vhost, exchange) -> may write: the sessions' remembered write checks, forgotten
         # whenever the user store changes (bounded: dropped whole when full)
         self.write_checks: dict[tuple[str, str, str], bool] = {}
+        self.node_name: Callable[[], str] = lambda: ""  # the node's name (firehose copies); set by the node
 
     def permissions_changed(self) -> None:
         self.write_checks = {}
@@ -212,10 +215,16 @@ class MQTTConsumer(Consumer):
 
     def deliver(self, msgid: int, exchange: bytes, routing_key: bytes, props: bytes, body: bytes,
                 redelivered: bool) -> None:
-        self.session.deliver(self, msgid, routing_key.decode(errors="replace"), props, body, redelivered)
+        s = self.session
+        vh = s.vhost
+        if vh is not None and vh.meta.tracing and s.who is not None:  # firehose: deliver.<queue>
+            trace.delivered(vh, s.who, self.queue.name, exchange, routing_key, props, body, redelivered,
+                            int(time.time() * 1000))
+        s.deliver(self, msgid, routing_key.decode(errors="replace"), props, body, redelivered)
 
     def deliver_same(self, msgids: range | None, exrk: bytes, props: bytes, bodies: list[bytes]) -> None:
-        if msgids is not None or not self.no_ack:
+        vh = self.session.vhost
+        if msgids is not None or not self.no_ack or (vh is not None and vh.meta.tracing):
             super().deliver_same(msgids, exrk, props, bodies)
             return
         # autoack deliveries of a publish run: decided once for the run (MQTTSession.deliver_same)
@@ -257,12 +266,14 @@ class MQTTSession:
         # retained messages due on a subscription, not yet sent: (topic, payload, QoS, properties)
         self.retained_due: deque[tuple[str, bytes, int, PR.Props]] = deque()
         self.published = False  # it has published (RabbitMQ's publishers gauge)
+        self.who: Origin | None = None  # this client as firehose copies name it, once connected
 
     # ------------------------------------------------------------------ connect
     def start(self, connect: P.Connect, user: User, vhost: VHost) -> None:
         """A CONNECT the adapter authenticated: take over the client id, resume or start the
         session, answer CONNACK, consume."""
         self.user, self.vhost, self.will = user, vhost, connect.will
+        self.who = Origin(self.registry.node_name(), user.name, self.peer, 0)
         self.v5 = connect.level == 5
         self.counts = self.registry.counters[VERSIONS[connect.level][1]]
         cp = connect.props
@@ -544,7 +555,7 @@ class MQTTSession:
                  origin: str | None = None) -> PublishOutcome | None:
         assert self.vhost is not None
         return publish(self.vhost, self.settings.exchange, self.client_id, topic, payload, qos, retain, props,
-                       origin)
+                       origin, self.who)
 
     # ------------------------------------------------------------------ subscribe
     def subscribe(self, p: P.Subscribe) -> None:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from broker import errors
 from broker.model.publish import PublishOutcome, PublishRequest
-from broker.model.publish_api import Names
+from broker.model.publish_api import Names, Origin
 from broker.model.vhost import VHost
 from broker.mqtt import props as PR
 from broker.mqtt.durable import Key, PendingWill
@@ -34,11 +34,11 @@ log = logging.getLogger(__name__)
 
 
 def publish(vh: VHost, exchange: str, client_id: str, topic: str, payload: bytes, qos: int, retain: bool,
-            props: PR.Props, origin: str | None = None) -> PublishOutcome | None:
+            props: PR.Props, origin: str | None = None, who: Origin | None = None) -> PublishOutcome | None:
     """Through the one publish operation: what happened; None when it did not happen (refused:
-    the client is told so)."""
+    the client is told so). ``who``: the client publishing, for the firehose (None: a will)."""
     req = PublishRequest(exchange, to_routing_key(topic), amqp_props(qos, retain, props, origin), payload,
-                         int(time.time() * 1000), persistent=qos > 0)
+                         int(time.time() * 1000), persistent=qos > 0, origin=who)
     try:
         out = vh.publish(req)
     except errors.SkredError as exc:

@@ -280,6 +280,73 @@ def test_connections_channels_consumers_and_close(api: Api, mb: SkredProcess) ->
     assert_error(api.call("DELETE", "/api/connections/no-such-connection"), 404)
 
 
+def test_channel_message_stats_split_deliver_get(api: Api, mb: SkredProcess) -> None:
+    """A channel's ``deliver_get`` split as RabbitMQ's ``message_stats``: deliver (manual ack),
+    deliver_no_ack, get, get_no_ack and redeliver, exact after a known sequence, on the list,
+    the channel itself and its history."""
+    q_get, q_cons, q_auto = unique("split-get"), unique("split-cons"), unique("split-auto")
+    conn = connect(mb, client_properties={"connection_name": "split-test"})
+    try:
+        ch = conn.channel()
+        for qn, n in ((q_get, 3), (q_cons, 2), (q_auto, 3)):
+            ch.queue_declare(qn, auto_delete=False)
+            for i in range(n):
+                ch.basic_publish("", qn, b"m%d" % i)
+        # gets: two with acks (one acked, one requeued), then one without, which is the requeued one
+        m1, _, _ = ch.basic_get(q_get)
+        m2, _, _ = ch.basic_get(q_get)
+        assert m1 is not None and m2 is not None
+        ch.basic_ack(m1.delivery_tag)
+        ch.basic_nack(m2.delivery_tag, requeue=True)
+        m3, _, _ = ch.basic_get(q_get, auto_ack=True)
+        assert m3 is not None and m3.redelivered
+        # a manual-ack consumer: two deliveries, one requeued and delivered again, all acked at last
+        seen: list[Any] = []
+        tag = ch.basic_consume(q_cons, lambda c, m, p, b: seen.append(m))
+        deadline = time.monotonic() + 10
+        while len(seen) < 2 and time.monotonic() < deadline:
+            conn.process_data_events(0.05)
+        ch.basic_nack(seen[0].delivery_tag, requeue=True)
+        while len(seen) < 3 and time.monotonic() < deadline:
+            conn.process_data_events(0.05)
+        assert len(seen) == 3 and seen[2].redelivered
+        ch.basic_ack(seen[1].delivery_tag)
+        ch.basic_ack(seen[2].delivery_tag)
+        ch.basic_cancel(tag)
+        # an auto-ack consumer: three deliveries
+        auto: list[Any] = []
+        ch.basic_consume(q_auto, lambda c, m, p, b: auto.append(m), auto_ack=True)
+        while len(auto) < 3 and time.monotonic() < deadline:
+            conn.process_data_events(0.05)
+        assert len(auto) == 3
+        want = {"publish": 8, "deliver": 3, "deliver_no_ack": 3, "get": 2, "get_no_ack": 1, "redeliver": 2,
+                "deliver_get": 9, "ack": 3}
+        mine = next(c for c in api.get("/api/connections")
+                    if c["client_properties"].get("connection_name") == "split-test")
+        listed = api.get(f"/api/connections/{q(mine['name'])}/channels")[0]
+        name = listed["name"]
+
+        def counts(stats: dict[str, Any]) -> dict[str, Any]:
+            return {k: stats.get(k) for k in want}
+
+        assert counts(listed["message_stats"]) == want
+        assert counts(next(c for c in api.get("/api/channels") if c["name"] == name)["message_stats"]) == want
+        one = api.get(f"/api/channels/{q(name)}?msg_rates_age=60&msg_rates_incr=5")
+        assert counts(one["message_stats"]) == want
+        for k in want:
+            assert "rate" in one["message_stats"][f"{k}_details"], k
+        # the history holds the split too (samples appear once the sampler recorded the channel)
+        wait_until(lambda: "samples" in api.get(f"/api/channels/{q(name)}?msg_rates_age=60&msg_rates_incr=5")
+                   ["message_stats"]["deliver_no_ack_details"], 15, "deliver_no_ack history")
+        hist = api.get(f"/api/channels/{q(name)}?msg_rates_age=60&msg_rates_incr=5")["message_stats"]
+        assert hist["get_no_ack_details"]["samples"][0]["sample"] == 1
+    finally:
+        if conn.is_open:
+            for qn in (q_get, q_cons, q_auto):
+                conn.channel().queue_delete(qn)
+            conn.close()
+
+
 # ------------------------------------------- vhosts, users, permissions (+ AMQP)
 def test_vhosts_users_permissions_enforced_on_amqp(api: Api, mb: SkredProcess) -> None:
     vh, user = unique("vh"), unique("u")

@@ -312,6 +312,32 @@ def test_lmq_token_as_password_or_bearer(sso: SkredProcess, provider: Provider) 
                port=sso.lmq_http_port)[0] == 401
 
 
+def test_lmq_rpc_connection_closes_when_its_token_expires(sso: SkredProcess, provider: Provider) -> None:
+    """As AMQP and MQTT: an LMQ MessagePack-RPC connection logged in with a token is closed when
+    the token expires (its calls were refused from then on; the connection stayed open)."""
+    import asyncio
+
+    import msgpack
+
+    async def main() -> float:
+        reader, writer = await asyncio.open_connection(sso.host, sso.lmq_rpc_port)
+        try:
+            t0 = time.monotonic()
+            token = provider.token("hank", SCOPES_ALL, lifetime=2)
+            writer.write(msgpack.packb([0, 1, "authenticate", ["hank", token]]))
+            unpacker = msgpack.Unpacker(raw=False)
+            unpacker.feed(await asyncio.wait_for(reader.read(4096), 10))
+            assert next(unpacker) == [1, 1, None, "ok"]
+            assert await asyncio.wait_for(reader.read(), 20) == b""  # closed by the broker
+            return time.monotonic() - t0
+        finally:
+            writer.close()
+
+    from ._support import run_async
+
+    assert run_async(main()) < 15
+
+
 # ------------------------------------------------------------------ the web UI's single sign-on
 def test_ui_signs_in_through_the_provider_and_out(sso: SkredProcess, provider: Provider,
                                                   browser: WebDriver) -> None:  # noqa: F811

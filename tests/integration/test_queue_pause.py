@@ -10,6 +10,7 @@ processed I/O after confirmed publishes, then the resume must deliver every one 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import urllib.parse
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ import pytest
 from ._support import SkredProcess, connect, unique, wait_until
 from .test_cluster import TTL, Cluster, cluster, start_cluster, wait_for  # noqa: F401 (fixture)
 from .test_ctl import ctl
+from .test_metrics_rabbitmq import _scrape
 from .test_mgmt_api import Api, http_ready, start_mgmt_broker
 
 pytestmark = pytest.mark.timeout(120)
@@ -70,6 +72,11 @@ def test_paused_queue_takes_publishes_and_delivers_nothing_until_resumed(mb: Skr
         api.ok("PUT", _path(q, "pause"))
         assert api.get(_path(q))["state"] == "paused"
         api.ok("PUT", _path(q, "pause"))  # idempotent
+        # in the metrics: the node's count and the queue's own gauge (issue 32: API, UI, ctl, metrics)
+        assert re.search(r"^skred_queues_paused [1-9]", _scrape(mb, "/metrics"), re.M)
+        per_object = _scrape(mb, "/metrics/per-object")
+        gauge = r'queue_paused\{[^}]*queue="' + re.escape(q) + r'"[^}]*\} 1'
+        assert re.search(gauge, per_object), per_object[-2000:]
 
         # a consumer attached before the publishes: no direct hand-over either
         ch = conn.channel()

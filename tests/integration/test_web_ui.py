@@ -625,6 +625,12 @@ def test_queue_page_pauses_and_resumes_the_queue(browser: WebDriver, shared_brok
         shot(browser, "queue-paused")
         click(browser, By.ID, "queue-resume")
         wait(browser, "queue running again", lambda d: text_of(d, By.ID, "queue-state") == "running")
+        # restart (LavinMQ's): the store is reopened, the queue answers running with its messages
+        conn.channel().basic_publish("", q, b"kept")
+        click(browser, By.ID, "queue-restart")
+        wait(browser, "the restart acknowledged",
+             lambda d: "Queue restarted." in d.find_element(By.ID, "toast").text)
+        wait(browser, "running after the restart", lambda d: text_of(d, By.ID, "queue-state") == "running")
     finally:
         conn.channel().queue_delete(q)
         conn.close()

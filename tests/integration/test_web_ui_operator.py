@@ -146,6 +146,9 @@ def test_history_charts_and_the_channel_and_node_pages(browser: WebDriver, share
         assert browser.find_element(By.TAG_NAME, "h1").text == f"Channel {channel}"
         # its own message rates from the history (publishes of this channel, not its connection's bytes)
         wait(browser, "the channel's message-rate chart", lambda d: _line_points(d, "Message rates") > 1)
+        legend = browser.find_element(By.ID, "main").text  # deliver_get split as RabbitMQ's channel page
+        assert all(k in legend for k in ("delivered (manual ack)/s", "delivered (auto ack)/s",
+                                         "got (manual ack)/s", "got (auto ack)/s", "redelivered/s")), legend
         shot(browser, "channel")
 
         node = api(b, "GET", "/api/overview")["node"]
@@ -154,6 +157,13 @@ def test_history_charts_and_the_channel_and_node_pages(browser: WebDriver, share
         assert all(k in text for k in ("Memory alarm", "Disk free", "File descriptors", "Sockets"))
         wait(browser, "the node's memory chart", lambda d: _line_points(d, "Memory used (bytes)") > 1)
         shot(browser, "node")
+        # the connection's, an exchange's and the vhost's pages chart their history too
+        conn_name = [c for c in api(b, "GET", "/api/channels") if c["prefetch_count"] == 7][0][
+            "connection_details"]["name"]
+        for page, title in ((f"connections/{urllib.parse.quote(conn_name, safe='')}", "Data rates (bytes/s)"),
+                            ("exchanges/%2F/amq.default", "Message rates"), ("vhosts/%2F", "Message rates")):
+            go(browser, b, page)
+            wait(browser, f"the chart {title!r} of {page}", lambda d, t=title: _line_points(d, t) > 1)
         assert browser_errors(browser) == []
     finally:
         conn.channel().queue_delete(name)
@@ -358,6 +368,18 @@ def test_the_api_lists_connected_clean_and_away_sessions(shared_broker: Broker,
     assert {s["client_id"] for s in api(b, "GET", "/api/mqtt/sessions/%2F")} >= set(sessions.values())
     status, _ = ui_status(b, f"/api/mqtt/sessions/%2F/no-such-{uuid.uuid4().hex[:6]}")
     assert status == 404
+    # paged, sorted and filtered as the other lists (on the client id before rendering)
+    page = api(b, "GET", "/api/mqtt/sessions?page=1&page_size=2&sort=client_id&sort_reverse=true")
+    assert (page["page"], page["page_size"], page["item_count"]) == (1, 2, 2) and page["total_count"] >= 3
+    names = [s["client_id"] for s in page["items"]]
+    assert names == sorted(names, reverse=True) and page["items"][0]["node"]
+    found = api(b, "GET", f"/api/mqtt/sessions/%2F?page=1&page_size=10&name={sessions['away']}")
+    assert [(s["client_id"], s["subscription_count"]) for s in found["items"]] == [(sessions["away"], 1)]
+    by_state = api(b, "GET", "/api/mqtt/sessions?page=1&page_size=100&sort=connected")
+    assert [s["connected"] for s in by_state["items"]] == sorted(s["connected"] for s in by_state["items"])
+    by_subs = api(b, "GET", "/api/mqtt/sessions?page=1&page_size=100&sort=subscription_count")  # rendered
+    counts = [s["subscription_count"] for s in by_subs["items"]]
+    assert counts == sorted(counts)
     # a plain management user sees only its own sessions: none of guest's
     user = f"ui-mqtt-{uuid.uuid4().hex[:6]}"
     api(b, "PUT", f"/api/users/{user}", {"password": "pw", "tags": "management"})

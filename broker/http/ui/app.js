@@ -274,8 +274,12 @@
   const RATE_SERIES = [["publish", "published/s"], ["confirm", "confirmed/s"], ["deliver_get", "delivered/s"],
     ["ack", "acked/s"], ["redeliver", "redelivered/s"]];
   const RATE_KEYS = RATE_SERIES.map(([k]) => k);
-  // a channel's own counters (GET /api/channels/{name}: its message_stats)
-  const CHANNEL_SERIES = [["publish", "published/s"], ["confirm", "confirmed/s"], ["deliver_get", "delivered/s"], ["ack", "acked/s"]];
+  // a channel's own counters (GET /api/channels/{name}: its message_stats), deliver_get split as
+  // RabbitMQ's channel page shows it
+  const CHANNEL_SERIES = [["publish", "published/s"], ["confirm", "confirmed/s"],
+    ["deliver", "delivered (manual ack)/s"], ["deliver_no_ack", "delivered (auto ack)/s"],
+    ["get", "got (manual ack)/s"], ["get_no_ack", "got (auto ack)/s"], ["ack", "acked/s"],
+    ["redeliver", "redelivered/s"]];
   const LENGTH_SERIES = [["messages_ready", "ready"], ["messages_unacknowledged", "unacked"]];
   const LENGTH_KEYS = LENGTH_SERIES.map(([k]) => k);
   // A path with the header's chart range: the answer carries *_details samples over it.
