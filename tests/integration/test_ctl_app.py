@@ -1,0 +1,140 @@
+"""``skredctl stop_app`` / ``start_app`` against a real node (issue 32): stop_app closes every
+client listener and every client connection with its protocol's close (AMQP connection.close
+320 CONNECTION_FORCED, MQTT 5 DISCONNECT 0x8B server shutting down) while the management API
+answers and the data stays; start_app opens the listeners again and every message confirmed
+before the stop is still there. One broker for the module; skredctl runs as a real process."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import paho.mqtt.client as mqtt
+import pika
+import pika.exceptions
+import pytest
+
+from ._support import REPO_ROOT, SkredProcess, amqp_answers, is_external, unique, wait_until
+from .test_mgmt_api import Api
+
+pytestmark = pytest.mark.skipif(is_external(), reason="starts its own broker")
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SkredProcess]:
+    b = SkredProcess(Path(tmp_path_factory.mktemp("ctlapp")) / "data")
+    b.start()
+    try:
+        yield b
+    finally:
+        b.close()
+
+
+def ctl(b: SkredProcess, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "broker.ctl", "--url", f"http://127.0.0.1:{b.mgmt_port}", *args],
+        capture_output=True, text=True, timeout=30, cwd=str(REPO_ROOT),
+    )
+
+
+def refused(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
+class Mqtt5:
+    """A paho MQTT 5 client that records the server's DISCONNECT reason code."""
+
+    def __init__(self, port: int) -> None:
+        self.c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=unique("app"),
+                             protocol=mqtt.MQTTv5)
+        self.c.username_pw_set("guest", "guest")
+        self.connected, self.gone = threading.Event(), threading.Event()
+        self.reason: Any = None
+        self.c.on_connect = lambda *_a: self.connected.set()
+
+        def on_disconnect(_c: Any, _u: Any, _flags: Any, rc: Any, _p: Any) -> None:
+            self.reason = rc
+            self.gone.set()
+
+        self.c.on_disconnect = on_disconnect
+        self.c.connect("127.0.0.1", port, keepalive=30)
+        self.c.loop_start()
+        assert self.connected.wait(15), "no CONNACK"
+
+    def close(self) -> None:
+        self.c.disconnect()
+        self.c.loop_stop()
+
+
+def test_stop_app_then_start_app(node: SkredProcess) -> None:
+    api = Api(node.mgmt_port)
+    q = unique("app")
+    conn = pika.BlockingConnection(pika.URLParameters(node.url))
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.queue_declare(q, durable=True)
+    bodies = [f"m{i}".encode() for i in range(5)]
+    for body in bodies:  # each confirmed (BlockingChannel raises on a nack)
+        ch.basic_publish("", q, body, pika.BasicProperties(delivery_mode=2))
+    device = Mqtt5(node.mqtt_port)
+    assert api.get("/api/overview")["app_running"] is True
+
+    r = ctl(node, "stop_app")
+    assert r.returncode == 0, r.stderr
+
+    with pytest.raises(pika.exceptions.ConnectionClosedByBroker) as closed:
+        for _ in range(100):  # the close is already on its way: a few reads at most
+            conn.process_data_events(time_limit=0.1)
+    assert closed.value.reply_code == 320
+    assert device.gone.wait(10) and device.reason is not None and device.reason.value == 0x8B
+    device.c.loop_stop()
+    for port in (node.port, node.mqtt_port, node.stream_port, node.lmq_http_port, node.lmq_rpc_port):
+        assert refused(port), port
+    overview = api.get("/api/overview")
+    assert overview["app_running"] is False
+    assert {x["protocol"] for x in overview["listeners"]} <= {"http", "http/prometheus"}
+    status, body, _ = api.call("GET", "/api/health/checks/protocol-listener/amqp")
+    assert status == 503, body
+    r = ctl(node, "status")
+    assert r.returncode == 0 and "app: stopped" in r.stdout, r.stdout
+    assert ctl(node, "stop_app").returncode == 0  # already stopped: nothing to do (RabbitMQ's)
+
+    r = ctl(node, "start_app")
+    assert r.returncode == 0, r.stderr
+    wait_until(lambda: amqp_answers("127.0.0.1", node.port), 10, "AMQP listening again")
+    assert "app: running" in ctl(node, "status").stdout
+    assert json.loads(ctl(node, "-f", "json", "status").stdout)["app_running"] is True
+    conn = pika.BlockingConnection(pika.URLParameters(node.url))
+    ch = conn.channel()
+    got = []
+    for _ in bodies:
+        m, _p, body = ch.basic_get(q, auto_ack=True)
+        assert m is not None, got
+        got.append(body)
+    assert got == bodies
+    ch.queue_delete(q)
+    conn.close()
+    device = Mqtt5(node.mqtt_port)  # MQTT answers again
+    device.close()
+
+
+def test_stop_app_needs_an_administrator(node: SkredProcess) -> None:
+    api = Api(node.mgmt_port)
+    user = unique("mon")
+    api.call("PUT", f"/api/users/{user}", {"password": "pw", "tags": "monitoring"})
+    try:
+        r = ctl(node, "-u", user, "-p", "pw", "stop_app")
+        assert r.returncode == 1 and "permission denied" in r.stderr, r.stderr
+        assert amqp_answers("127.0.0.1", node.port)  # refused means not done
+    finally:
+        api.call("DELETE", f"/api/users/{user}")
