@@ -182,6 +182,8 @@ class Node:
         self._deferred = 0  # queue stores the boot left unread
         self._read_ahead_stop = threading.Event()  # set when the reader is done or the node stops
         self.log_exchange: log_exchange.LogExchangeHandler | None = None
+        self._app_running = True  # skredctl stop_app/start_app (stop_app below)
+        self._app_lock = asyncio.Lock()
 
     def make_vhost(self, name: str) -> VHost:
         """A ``VHost`` wired to this node's store settings (at boot, and when the API creates one)."""
@@ -261,6 +263,7 @@ class Node:
             self.start_shovels(broker, mgmt)  # registers its component: before an import resumes
             resume_import(mgmt)  # an import a crash cut off comes back whole, before anything serves
             mgmt.cluster = self.cluster
+            mgmt.app = self if self.worker is None else None  # stop_app: one worker's is not the node's
             mgmt.node_name = broker.node_name = metrics.node_name(cfg.main.node_name, cfg.amqp.port)
             if cfg.clustering.enabled:  # every member reports the same rabbitmq_cluster label
                 mgmt.cluster_name = cfg.clustering.etcd_prefix
@@ -522,6 +525,82 @@ class Node:
         self.mgmt.other_listeners.update(self.stream.addresses)
         self.mgmt.front_ends.append(self.stream)  # its connections and counters in the API and metrics
 
+    async def stop_mqtt_and_stream(self) -> None:
+        """Close MQTT's and the stream protocol's listeners and connections (shutdown, stop_app)."""
+        mgmt = self.mgmt
+        if self.mqtt is not None:
+            if mgmt is not None and self.mqtt in mgmt.front_ends:
+                mgmt.front_ends.remove(self.mqtt)
+            await self.mqtt.stop()
+            self.mqtt = None
+        if self.stream is not None:
+            if mgmt is not None and self.stream in mgmt.front_ends:
+                mgmt.front_ends.remove(self.stream)
+            await self.stream.stop()
+            self.stream = None
+        if mgmt is not None:
+            mgmt.websocket_protocols.pop("mqtt", None)
+            mgmt.other_listeners.clear()  # MQTT's and the stream protocol's addresses
+
+    # ------------------------------- skredctl stop_app / start_app (broker/http/routes_app.py)
+    # Stopping the app is RabbitMQ's stop_app: every client listener (AMQP, AMQPS, MQTT, MQTTS,
+    # the stream protocol, LMQ, the Unix sockets) closes, every client connection is closed with
+    # its protocol's close (AMQP 320 CONNECTION_FORCED, MQTT 5 DISCONNECT 0x8B, the stream
+    # protocol's Close), and WebSocket upgrades are refused; the management API, the stores and
+    # the group commit run on, so every confirmed message is still there when start_app opens
+    # the listeners again. In a cluster the node stays a member (and a leader stays the leader,
+    # replicating to its followers): only its clients are turned away. The app state is this
+    # process's: a restarted node starts with its app running.
+    @property
+    def app_running(self) -> bool:
+        return self._app_running
+
+    async def stop_app(self) -> None:
+        async with self._app_lock:
+            if not self._app_running:
+                return
+            self._app_running = False
+            log.info("stop_app: closing every client listener and connection")
+            await self.close_clients()
+            log.info("stop_app: the app is stopped; the management API serves on")
+
+    async def close_clients(self) -> None:
+        mgmt = self.mgmt
+        if mgmt is not None:
+            mgmt.websocket_protocols.pop("amqp", None)
+        if self.amqp is not None:
+            await self.amqp.stop(SHUTDOWN_REASON)
+            self.amqp = None
+        self.amqp_address = None
+        if mgmt is not None:
+            mgmt.amqp_address = mgmt.amqps_address = None
+        await self.stop_mqtt_and_stream()
+        if self.lmq is not None:
+            await self.lmq.stop()
+            self.lmq = None
+
+    async def start_app(self) -> None:
+        """Open the client listeners again, as the node's start opened them; one that cannot
+        open closes the others again (an error answered means the app did not start)."""
+        async with self._app_lock:
+            if self._app_running:
+                return
+            broker, mgmt, cfg = self.broker, self.mgmt, self.config
+            assert broker is not None and mgmt is not None
+            try:
+                if cfg.lmq.enabled:
+                    await self.start_lmq(broker)
+                if cfg.mqtt.enabled:
+                    await self.start_mqtt(broker)
+                if cfg.stream.enabled:
+                    await self.start_stream(broker)
+                await self.start_amqp(broker, mgmt)
+            except BaseException:
+                await self.close_clients()
+                raise
+            self._app_running = True
+            log.info("start_app: the app is running")
+
     def release_lock(self) -> None:
         if RELOADER is not None and RELOADER.node is self:
             RELOADER.node = None
@@ -633,16 +712,7 @@ class Node:
         if self._reader is not None:
             self._reader.cancel()
             self._reader = None
-        if self.mqtt is not None:
-            if self.mgmt is not None and self.mqtt in self.mgmt.front_ends:
-                self.mgmt.front_ends.remove(self.mqtt)
-            await self.mqtt.stop()
-            self.mqtt = None
-        if self.stream is not None:
-            if self.mgmt is not None and self.stream in self.mgmt.front_ends:
-                self.mgmt.front_ends.remove(self.stream)
-            await self.stream.stop()
-            self.stream = None
+        await self.stop_mqtt_and_stream()
         if self.oauth is not None:
             await self.oauth.close()
             self.oauth = None

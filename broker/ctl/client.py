@@ -17,10 +17,6 @@ TIMEOUT = 10.0
 # 2 the broker cannot be reached, or the command line is wrong (argparse's own 2);
 # 3 the broker does not offer the operation (its API answers 404/405 on the operation's path).
 REFUSED, UNREACHABLE, UNSUPPORTED = 1, 2, 3
-NO_APP_NOTE = (
-    "stop_app/start_app: a Skred node has no AMQP application to stop apart from the node "
-    "itself; stop or start the node (its service manager, or SIGTERM for a clean stop)"
-)
 
 
 class CtlError(Exception):

@@ -19,7 +19,7 @@ from typing import Any
 
 from broker.auth.passwords import hash_password
 from broker.ctl import offline
-from broker.ctl.client import NO_APP_NOTE, UNSUPPORTED, Client, CtlError, q
+from broker.ctl.client import UNSUPPORTED, Client, CtlError, q
 from broker.ctl.output import Out
 
 UNHEALTHY = 1  # the one failure status of a container healthcheck (Docker reserves 2)
@@ -836,6 +836,8 @@ def status(ctx: Ctx) -> None:
     totals = ov.get("object_totals", {})
     qt = ov.get("queue_totals", {})
     lines = [f"node: {ov.get('node')}  product: {ov.get('product_name')} {ov.get('product_version')}"]
+    if "app_running" in ov:  # skredctl stop_app/start_app
+        lines.append(f"app: {'running' if ov['app_running'] else 'stopped'}")
     lines += [
         f"{key}: {totals.get(key, 0)}"
         for key in ("connections", "channels", "queues", "consumers", "exchanges")
@@ -881,11 +883,14 @@ def aliveness(ctx: Ctx) -> None:
     ctx.out.obj(result, "ok")
 
 
-def _no_app(ctx: Ctx) -> None:
-    raise CtlError(NO_APP_NOTE, status=UNSUPPORTED)
+@command("stop_app", "stop the node's messaging side: every client listener and connection closes; "
+         "the management API and the data stay (PUT /api/broker/stop)")
+def stop_app(ctx: Ctx) -> None:
+    ctx.c.feature("stop_app", "PUT", "/api/broker/stop")
+    ctx.out.done("app stopped")
 
 
-for _name in ("stop_app", "start_app"):
-    COMMANDS[_name] = Command(
-        _name, "lavinmqctl's; Skred has no app apart from its node: exits 3 (see docs)", (), _no_app
-    )
+@command("start_app", "open the node's client listeners again (PUT /api/broker/start)")
+def start_app(ctx: Ctx) -> None:
+    ctx.c.feature("start_app", "PUT", "/api/broker/start")
+    ctx.out.done("app running")

@@ -11,7 +11,8 @@ RabbitMQ's health checks answer 200 ``{"status": "ok", ...}`` when the check pas
 - ``port-listener/{port}``, ``protocol-listener/{protocol}``: a listener on that port or for that
   protocol exists (protocol names as RabbitMQ accepts them: ``amqp``, ``amqp091``, ``amqps``, ...).
 - ``virtual-hosts``: every vhost is running (always, in Skred: a vhost has no process to fail).
-- ``/api/healthchecks/node[/{node}]`` (RabbitMQ's older check): 200 ``{"status": "ok"}``.
+- ``/api/healthchecks/node[/{node}]`` (RabbitMQ's older check): 200 ``{"status": "ok"}``, 503
+  while the node's app is stopped.
 - ``node-is-mirror-sync-critical``, ``node-is-quorum-critical``: Skred has neither classic
   mirrored queues nor per-queue Raft groups, so a node is never critical for them.
 """
@@ -137,11 +138,15 @@ async def health_critical(request: web.Request) -> web.Response:
 @routes.get("/api/healthchecks/node/{node}")
 async def healthchecks_node(request: web.Request) -> web.Response:
     """RabbitMQ's older node check (kept by 3.10-3.12, used by load balancers and charts): the
-    node answers, so it is ok. Another node's name is 404 (a follower is asked on its own port)."""
+    node answers, so it is ok, unless its app is stopped (``skredctl stop_app``). Another
+    node's name is 404 (a follower is asked on its own port)."""
     user_of(request)
+    mgmt = request.app[MGMT_KEY]
     node = request.match_info.get("node")
-    if node is not None and node != request.app[MGMT_KEY].node_name:
+    if node is not None and node != mgmt.node_name:
         raise not_found(f"node '{node}' not found")
+    if mgmt.app is not None and not mgmt.app.app_running:
+        return _failed("the node's app is stopped (skredctl stop_app)")
     return _ok()
 
 

@@ -113,6 +113,7 @@ async def overview(request: web.Request) -> web.Response:
         "erlang_full_version": f"Python {platform.python_version()} on {platform.system()}",
         "cluster_name": mgmt.cluster_name,
         "node": mgmt.node_name,
+        "app_running": mgmt.app is None or mgmt.app.app_running,  # skredctl stop_app
         "rates_mode": "basic",
         "disable_stats": False,
         "enable_queue_totals": True,

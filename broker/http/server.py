@@ -36,6 +36,7 @@ from broker.http.common import (
     vhost_param,
 )
 from broker.http.routes_access import routes as access_routes
+from broker.http.routes_app import routes as app_routes
 from broker.http.routes_federation import routes as federation_routes
 from broker.http.routes_grants import routes as grant_routes
 from broker.http.routes_health import routes as health_routes
@@ -164,7 +165,7 @@ def build_app(mgmt: Mgmt, metrics_obj: Metrics) -> web.Application:
     # streams: GET /api/streams/{vhost}/{queue}/messages
     for table in (node_routes, health_routes, topology_routes, access_routes, grant_routes, stream_routes,
                   oauth_routes, federation_routes, shovel_routes, mqtt_routes,
-                  stream_protocol_routes):
+                  stream_protocol_routes, app_routes):
         _add_routes(app, table)
     return app
 

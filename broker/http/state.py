@@ -65,6 +65,18 @@ class ShovelsView(Protocol):
     def resume(self, vhost: str, name: str) -> bool: ...
 
 
+class AppControl(Protocol):
+    """The node's messaging side as ``skredctl stop_app``/``start_app`` reach it
+    (``broker/http/routes_app.py``; the node implements it, ``broker/node.py``)."""
+
+    @property
+    def app_running(self) -> bool: ...
+
+    async def stop_app(self) -> None: ...
+
+    async def start_app(self) -> None: ...
+
+
 class Mgmt:
     def __init__(
         self,
@@ -82,6 +94,7 @@ class Mgmt:
         # vhost-scoped runtime parameters (shovels, federation); None: no component is served
         self.parameters = parameters
         self.shovels: ShovelsView | None = None  # set by the node when it runs shovels
+        self.app: AppControl | None = None  # set by a node that can stop and start its app
         # the federation links' status (broker/federation), set by the node that runs them
         self.federation_links: Callable[[str | None], list[dict[str, Any]]] = lambda vhost: []
         # a definitions import in progress (broker/http/definitions.py: all or nothing)
