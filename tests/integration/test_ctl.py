@@ -15,7 +15,7 @@ import pytest
 from broker.ctl import main
 
 from ._support import REPO_ROOT, SkredProcess, free_port, unique
-from .test_ctl_lavinmq import NOT_OFFERED, Result
+from .test_ctl_lavinmq import Result
 from .test_mgmt_api import Api, pytestmark, start_mgmt_broker  # noqa: F401
 
 __all__ = ["pytestmark"]
@@ -123,8 +123,8 @@ def test_skredctl_as_a_process(mb: SkredProcess) -> None:
 
     r = proc("create_queue", "--help")
     assert r.returncode == 0 and "--reject-on-overflow" in r.stdout and "--dead-letter-exchange" in r.stdout
-    r = proc("stop_app")
-    assert r.returncode == NOT_OFFERED and r.stderr.startswith("skredctl: error:")
+    r = proc("-u", "guest", "-p", "wrong", "stop_app")  # refused, so nothing stopped
+    assert r.returncode == 1 and r.stderr.startswith("skredctl: error:")
     r = proc("-f", "json", "list_vhosts", "name")
     assert r.returncode == 0 and {"name": "/"} in json.loads(r.stdout)
     r = proc("-u", "guest", "-p", "wrong", "list_queues")
