@@ -733,11 +733,12 @@ class FollowerMetrics:
     """The cluster gauges on the metrics port while this node follows (no broker runs here)."""
 
     def __init__(self, view: ClusterInfo, data_dir: Path | None = None, cluster_name: str = "",
-                 name: str = "") -> None:
+                 name: str = "", routes: Callable[[web.Application], None] | None = None) -> None:
         # with data_dir: this node's own process/disk metrics, labelled with the cluster's and
         # this node's names
         self.registry = cluster_registry(view, data_dir, cluster_name, name)
         self._runner: web.AppRunner | None = None
+        self.routes = routes  # more of the follower's own (skredctl stop_app: http/routes_app.py)
 
     @property
     def running(self) -> bool:
@@ -746,6 +747,8 @@ class FollowerMetrics:
     async def start(self, bind: str, port: int) -> None:
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
+        if self.routes is not None:
+            self.routes(app)
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
         try:

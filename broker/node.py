@@ -64,6 +64,7 @@ from broker.auth.vhosts import VHostStore
 from broker.config import Config, ConfigError, MainConfig, file_mode
 from broker.errors import ListenError
 from broker.federation import supervisor as federation
+from broker.http import routes_app
 from broker.http.definitions import IMPORT_INTENT_FILE, DefinitionsError, import_definitions, resume_import
 from broker.http.server import MgmtServer
 from broker.http.state import Mgmt
@@ -775,7 +776,26 @@ class NodeHost:
     def follower_metrics(self, cluster: ClusterInfo, data_dir: Path, cluster_name: str) -> FollowerMetrics:
         name = "" if self.config is None else metrics.node_name(self.config.main.node_name,
                                                                  self.config.amqp.port)
-        return FollowerMetrics(cluster, data_dir, cluster_name, name)
+        return FollowerMetrics(cluster, data_dir, cluster_name, name, routes_app.follower_routes(
+            lambda: getattr(cluster, "app", None), self.follower_users(data_dir), lambda: name))
+
+    def follower_users(self, data_dir: Path) -> Callable[[], UserStore | None]:
+        """The replicated users file, re-read per login (None until the first sync brought it)."""
+        main = None if self.config is None else self.config.main
+        held: list[UserStore] = []
+
+        def users() -> UserStore | None:
+            path = data_dir / "users.json"
+            try:
+                if not held and path.exists():
+                    held.append(UserStore(path, NULL_SINK, throttle=login_throttle(main) if main else None))
+                elif held:
+                    held[0].reload()
+            except (OSError, ValueError) as exc:  # a replace being applied: ask again
+                log.warning("follower: cannot read %s: %s", path, exc)
+                return None
+            return held[0] if held else None
+        return users
 
     def amqp_server_properties(self) -> dict[str, Any]:
         return server_properties()

@@ -151,6 +151,8 @@ class ClusterRunner:
         self.apply_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skred-replica")
         self._bg: set[asyncio.Task[Any]] = set()
         self.view = ClusterView(self.node_id, self.uri)
+        self.view.app = self  # skredctl stop_app/start_app while following (stop_app below)
+        self.app_stopped = False
         self.view.last = load_last_role(self.data_dir)
         self.follower_metrics = host.follower_metrics(self.view, self.data_dir, c.etcd_prefix)
         self._metrics_retry_at = 0.0
@@ -431,7 +433,7 @@ class ClusterRunner:
             await self._pause(POLL)
 
     async def _start_proxies(self) -> None:
-        if self.proxies or self.stopping.is_set():
+        if self.proxies or self.stopping.is_set() or self.app_stopped:
             return
         cfg = self.config
         source = _source_ip(cfg.clustering.bind)
@@ -516,6 +518,30 @@ class ClusterRunner:
             await p.stop()
         self.synced_once = False
 
+    # ------------------------------------------ skredctl stop_app / start_app while following
+    # A follower's app is its proxies of the client ports: stop_app closes them (and every
+    # client spliced through them) and keeps following, in sync and in the ISR, a member as
+    # RabbitMQ's stopped node stays one; start_app opens them again once synced. The follower's
+    # metrics port takes the request (its HTTP port is the leader's). A follower elected
+    # leader serves with its app running (the leader's own stop_app is the broker's: node.py).
+    @property
+    def app_running(self) -> bool:
+        return not self.app_stopped
+
+    async def stop_app(self) -> None:
+        if not self.app_stopped:
+            self.app_stopped = True
+            log.info("stop_app: closing the client port proxies; following on")
+            await self._stop_proxies()
+
+    async def start_app(self) -> None:
+        if self.app_stopped:
+            self.app_stopped = False
+            log.info("start_app: opening the client port proxies")
+            if self.view.synced and self.node is None:
+                self.synced_once = True
+                await self._start_proxies()
+
     # ---------------------------------------------------------------- leader
     async def _lead(self) -> int | None:
         cfg = self.config
@@ -523,6 +549,7 @@ class ClusterRunner:
         started = time.monotonic()
         log.info("elected leader (node %s, %s)", self.node_id, self.uri)
         self._followed = None
+        self.app_stopped = False  # the broker starts with its app running
         await self._stop_proxies()
         await self.follower_metrics.stop()  # the broker serves the metrics port while we lead
         self._spawn(run_hook(c.on_leader_elected, self.node_id, self.uri, "leader"))

@@ -55,6 +55,7 @@ class ClusterView:
         self.weight: int | None = None  # per-shard leaders: our worker count, in our member record
         self.shards: dict[str, dict[str, Any]] | None = None  # per-shard leaders: vhost -> leader
         self.draining = False  # per-shard leaders: stopping, our shards are being handed over
+        self.app: Any = None  # the runner's stop_app/start_app (http/routes_app.py AppControl)
 
     def set_role(self, role: str, leader_uri: str | None = None, sink: LeaderSink | None = None) -> None:
         if role != self.role:

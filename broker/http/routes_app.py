@@ -10,9 +10,22 @@ nothing; ``/api/overview`` says ``app_running``.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 from aiohttp import web
 
-from broker.http.common import MGMT_KEY, ApiError, no_content, require_admin
+from broker.auth.sasl import http_credentials
+from broker.auth.throttle import TooManyFailures, check_login
+from broker.auth.users import UserStore
+from broker.http.common import (
+    MGMT_KEY,
+    MGMT_TAGS,
+    ApiError,
+    error_response,
+    is_admin,
+    no_content,
+    require_admin,
+)
 from broker.http.state import AppControl
 
 routes = web.RouteTableDef()
@@ -37,3 +50,56 @@ async def start_app(request: web.Request) -> web.Response:
     require_admin(request)
     await _app(request).start_app()
     return no_content()
+
+
+# ---------------------------------------------------------------- on a cluster follower
+# A follower runs no broker and its HTTP port is the leader's, so its own metrics port takes
+# these two (and a short overview saying whether its app runs), for administrators of the
+# replicated users file, behind the same login throttle as every login.
+def follower_routes(control: Callable[[], AppControl | None], users: Callable[[], UserStore | None],
+                    node_name: Callable[[], str]) -> Callable[[web.Application], None]:
+    async def login(request: web.Request, admin: bool) -> web.Response | None:
+        store = users()
+        creds = http_credentials(request.headers.get("Authorization", ""))
+        if store is None:
+            return error_response(503, "unavailable", "not synced with the leader yet")
+        if creds is None:
+            return error_response(401, "not_authorized", "Login failed")
+        try:
+            user = await check_login(store, creds[0], creds[1], request.remote or "", "HTTP",
+                                     bearer=creds[2])
+        except TooManyFailures:
+            return error_response(429, "too_many_requests", "Too many failed logins; retry later")
+        if user is None:
+            return error_response(401, "not_authorized", "Login failed")
+        if admin and not is_admin(user):
+            return error_response(401, "not_authorized", "Not administrator user", challenge=False)
+        if not MGMT_TAGS & set(user.tags):
+            return error_response(401, "not_authorized", "Not management user", challenge=False)
+        return None
+
+    def switch(stop: bool) -> Callable[[web.Request], Awaitable[web.Response]]:
+        async def handler(request: web.Request) -> web.Response:
+            refused = await login(request, admin=True)
+            if refused is not None:
+                return refused
+            app = control()
+            if app is None:
+                return error_response(501, "not_implemented", "this node cannot stop or start its app")
+            await (app.stop_app() if stop else app.start_app())
+            return no_content()
+        return handler
+
+    async def overview(request: web.Request) -> web.Response:
+        refused = await login(request, admin=False)
+        if refused is not None:
+            return refused
+        app = control()
+        return web.json_response({"node": node_name(), "product_name": "Skred", "role": "follower",
+                                  "app_running": app is None or app.app_running, "listeners": []})
+
+    def add(app: web.Application) -> None:
+        app.router.add_put("/api/broker/stop", switch(True))
+        app.router.add_put("/api/broker/start", switch(False))
+        app.router.add_get("/api/overview", overview)
+    return add
