@@ -241,6 +241,10 @@ class SpliceProxy:
                 await asyncio.gather(pump(creader, upstream), pump(lreader, cwriter))
         except (TimeoutError, OSError, RuntimeError, asyncio.IncompleteReadError) as exc:
             log.info("%s proxy: %s", self.name, exc or type(exc).__name__)
+        except asyncio.CancelledError:
+            # stop() ended this connection on purpose: end normally, since asyncio's stream
+            # callback reads the handler task's exception and logs a cancelled one as a traceback
+            log.info("%s proxy: client connection closed (proxy stopped)", self.name)
         finally:
             for w in (cwriter, lwriter):
                 if w is not None:

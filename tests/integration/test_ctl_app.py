@@ -14,6 +14,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import paho.mqtt.client as mqtt
 import pika
@@ -43,12 +44,16 @@ def ctl(b: SkredProcess, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def refused(port: int) -> bool:
+def refused_at(host: str, port: int) -> bool:
     try:
-        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        socket.create_connection((host, port), timeout=2).close()
     except ConnectionRefusedError:
         return True
     return False
+
+
+def refused(port: int) -> bool:
+    return refused_at("127.0.0.1", port)
 
 
 class Mqtt5:
@@ -138,3 +143,49 @@ def test_stop_app_needs_an_administrator(node: SkredProcess) -> None:
         assert amqp_answers("127.0.0.1", node.port)  # refused means not done
     finally:
         api.call("DELETE", f"/api/users/{user}")
+
+
+def test_stop_app_on_a_cluster_follower(session_cluster: Any) -> None:
+    """On a follower, stop_app closes the proxies of its client ports (the follower keeps
+    following, a member of the cluster) and start_app opens them again; the leader serves
+    throughout. The follower's own metrics port takes the request: its HTTP port is the
+    leader's. Restored before the test ends: the session's cluster is shared."""
+    f = session_cluster.followers[0]
+    u = urlsplit(f.url)
+    creds = ["-u", unquote(u.username or ""), "-p", unquote(u.password or "")]
+
+    def fctl(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "broker.ctl", "--url", f"http://{f.ip}:{f.metrics_port}", *creds, *args],
+            capture_output=True, text=True, timeout=30, cwd=str(REPO_ROOT),
+        )
+
+    q = unique("app-follower")
+    conn = pika.BlockingConnection(pika.URLParameters(f.url))
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.queue_declare(q, durable=True)
+    for i in range(3):
+        ch.basic_publish("", q, f"f{i}".encode(), pika.BasicProperties(delivery_mode=2))
+    try:
+        r = fctl("stop_app")
+        assert r.returncode == 0, r.stderr
+        with pytest.raises(pika.exceptions.AMQPConnectionError):
+            for _ in range(100):  # the proxy closed the client's socket
+                conn.process_data_events(time_limit=0.1)
+        for port in (f.port, f.mqtt_port, f.stream_port):
+            assert refused_at(f.ip, port), port
+        assert "app: stopped" in fctl("status").stdout
+        leader = session_cluster.leader
+        assert amqp_answers(leader.ip, leader.port)  # the cluster serves on
+    finally:
+        r = fctl("start_app")
+    assert r.returncode == 0, r.stderr
+    wait_until(lambda: amqp_answers(f.ip, f.port), 10, "the follower's AMQP proxy again")
+    assert "app: running" in fctl("status").stdout
+    conn = pika.BlockingConnection(pika.URLParameters(f.url))
+    ch = conn.channel()
+    got = [ch.basic_get(q, auto_ack=True)[2] for _ in range(3)]
+    assert got == [b"f0", b"f1", b"f2"]
+    ch.queue_delete(q)
+    conn.close()
