@@ -264,7 +264,7 @@ class Node:
             self.start_shovels(broker, mgmt)  # registers its component: before an import resumes
             resume_import(mgmt)  # an import a crash cut off comes back whole, before anything serves
             mgmt.cluster = self.cluster
-            mgmt.app = self if self.worker is None else None  # stop_app: one worker's is not the node's
+            mgmt.app = self  # skredctl stop_app (with workers, every worker's: shards/fanout.py)
             mgmt.node_name = broker.node_name = metrics.node_name(cfg.main.node_name, cfg.amqp.port)
             if cfg.clustering.enabled:  # every member reports the same rabbitmq_cluster label
                 mgmt.cluster_name = cfg.clustering.etcd_prefix
@@ -588,8 +588,9 @@ class Node:
                 return
             broker, mgmt, cfg = self.broker, self.mgmt, self.config
             assert broker is not None and mgmt is not None
+            worker = self.worker
             try:
-                if cfg.lmq.enabled:
+                if cfg.lmq.enabled and (worker is None or worker.owns(cfg.lmq.vhost)):
                     await self.start_lmq(broker)
                 if cfg.mqtt.enabled:
                     await self.start_mqtt(broker)

@@ -14,6 +14,10 @@ by this middleware, after the usual authentication:
   metrics port) adds up samples of the same name and labels;
 * *one connection or channel by name* (``ONE_OF``): this worker's answer, or when it does not
   know the name (404), the first other worker's that does;
+* *the node's app* (``APP``: ``skredctl stop_app``/``start_app``): this worker's handler
+  (authentication and the administrator check), then every other live worker's, so every
+  worker closes or opens its client listeners; 503 naming a worker that did not (both are
+  idempotent: asking again finishes the job);
 * *a change of shared state* (another method than GET/HEAD on a path of ``SHARED``): run
   under ``WorkerLink.changing`` (the node-wide lock; acknowledged once every worker re-read
   what it changed).
@@ -56,6 +60,7 @@ ONE_OF = ("/api/connections/", "/api/channels/")
 # publish or get is not one of them and takes no node-wide lock
 SHARED = ("/api/users", "/api/permissions", "/api/topic-permissions", "/api/vhosts", "/api/global-parameters",
           "/api/user-limits", "/api/definitions", "/api/parameters")
+APP = frozenset({"/api/broker/stop", "/api/broker/start"})  # every worker's client listeners
 FORWARD_TIMEOUT = 30.0
 _PASSED = ("Authorization", "Content-Type", "Accept")
 
@@ -94,6 +99,8 @@ class Fanout:
         if not local and vhost is not None and not link.owns(vhost):
             forwarded: web.StreamResponse = await self.forward(request, link.owner(vhost))
             return forwarded
+        if not local and request.path in APP and request.method == "PUT":
+            return await self.every_worker(request, handler)
         if request.method not in ("GET", "HEAD") and request.path.startswith(SHARED):
             async with link.changing():
                 changed: web.StreamResponse = await handler(request)
@@ -130,6 +137,19 @@ class Fanout:
                 if isinstance(other, list):
                     doc.extend(other)
         return web.json_response(doc, status=mine.status)
+
+    async def every_worker(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """``APP``: done here (which checks the user may), then on every other worker."""
+        mine: web.StreamResponse = await handler(request)
+        if mine.status >= 300:
+            return mine
+        others = sorted(i for i in range(self.link.count) if i != self.link.index)
+        answers = await asyncio.gather(*(self.forward(request, i) for i in others))
+        failed = [i for i, got in zip(others, answers, strict=True) if got.status >= 300]
+        if failed:
+            return web.json_response({"error": "service_unavailable", "reason": (
+                f"worker(s) {failed} of this node did not follow; ask again")}, status=503)
+        return mine
 
     async def definitions(self, request: web.Request, handler: Any) -> web.StreamResponse:
         """The whole node's definitions: this worker's export (which also checks that the user

@@ -33,7 +33,8 @@ pytestmark = pytest.mark.skipif(is_external(), reason="starts its own broker")
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SkredProcess]:
-    b = SkredProcess(Path(tmp_path_factory.mktemp("ctlapp")) / "data")
+    # two workers: stop_app and start_app reach every worker's listeners (broker/shards/fanout.py)
+    b = SkredProcess(Path(tmp_path_factory.mktemp("ctlapp")) / "data", ["--workers", "2"])
     b.start()
     try:
         yield b
