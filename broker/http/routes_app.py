@@ -4,8 +4,9 @@
 calls them; 204, administrators only). Stop closes every client listener and connection (each
 with its protocol's close) and leaves the management API, the data and, in a cluster, the
 node's membership as they are: RabbitMQ's ``stop_app``. Both are idempotent, as RabbitMQ's are:
-stopping a stopped app is done. A node that cannot do it (several workers) answers 501 and does
-nothing; ``/api/overview`` says ``app_running``.
+stopping a stopped app is done. With several workers each worker stops its own listeners and
+the request reaches every worker (``broker/shards/fanout.py``); a follower answers on its metrics
+port (``follower_routes``). ``/api/overview`` says ``app_running``.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ by this middleware, after the usual authentication:
   metrics port) adds up samples of the same name and labels;
 * *one connection or channel by name* (``ONE_OF``): this worker's answer, or when it does not
   know the name (404), the first other worker's that does;
-* *the node's app* (``APP``: ``skredctl stop_app``/``start_app``): this worker's handler
-  (authentication and the administrator check), then every other live worker's, so every
+* *the node's app* (``APP``: ``skredctl stop_app``/``start_app``): this worker's handler and
+  every other worker's at once (each authenticates the forwarded request itself), so every
   worker closes or opens its client listeners; 503 naming a worker that did not (both are
   idempotent: asking again finishes the job);
 * *a change of shared state* (another method than GET/HEAD on a path of ``SHARED``): run
@@ -139,12 +139,14 @@ class Fanout:
         return web.json_response(doc, status=mine.status)
 
     async def every_worker(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        """``APP``: done here (which checks the user may), then on every other worker."""
-        mine: web.StreamResponse = await handler(request)
+        """``APP``: on every worker at once (each checks the user may: a refusal here is every
+        worker's, since they read the same users file)."""
+        others = sorted(i for i in range(self.link.count) if i != self.link.index)
+        found = await asyncio.gather(handler(request), *(self.forward(request, i) for i in others))
+        mine: web.StreamResponse = found[0]
+        answers: list[web.Response] = found[1:]
         if mine.status >= 300:
             return mine
-        others = sorted(i for i in range(self.link.count) if i != self.link.index)
-        answers = await asyncio.gather(*(self.forward(request, i) for i in others))
         failed = [i for i, got in zip(others, answers, strict=True) if got.status >= 300]
         if failed:
             return web.json_response({"error": "service_unavailable", "reason": (
