@@ -7,6 +7,7 @@ before the stop is still there. One broker for the module; skredctl runs as a re
 from __future__ import annotations
 
 import contextlib
+import http.client
 import io
 import json
 import socket
@@ -55,6 +56,19 @@ def ctl_here(url: str, *args: str) -> str:
     with contextlib.redirect_stdout(out):
         assert ctl_main(["--url", url, *args]) == 0
     return out.getvalue()
+
+
+def websocket_upgrade(port: int, subprotocol: str) -> int:
+    """The status of a WebSocket upgrade asking for ``subprotocol`` on the management port."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("GET", "/ws", headers={
+            "Upgrade": "websocket", "Connection": "Upgrade", "Sec-WebSocket-Version": "13",
+            "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==", "Sec-WebSocket-Protocol": subprotocol,
+            "Authorization": "Basic Z3Vlc3Q6Z3Vlc3Q="})
+        return conn.getresponse().status
+    finally:
+        conn.close()
 
 
 def refused_at(host: str, port: int) -> bool:
@@ -106,6 +120,7 @@ def test_stop_app_then_start_app(node: SkredProcess) -> None:
         ch.basic_publish("", q, body, pika.BasicProperties(delivery_mode=2))
     device = Mqtt5(node.mqtt_port)
     assert api.get("/api/overview")["app_running"] is True
+    assert websocket_upgrade(node.mgmt_port, "mqtt") == 101
 
     r = ctl(node, "stop_app")
     assert r.returncode == 0, r.stderr
@@ -123,6 +138,10 @@ def test_stop_app_then_start_app(node: SkredProcess) -> None:
     assert {x["protocol"] for x in overview["listeners"]} <= {"http", "http/prometheus"}
     status, body, _ = api.call("GET", "/api/health/checks/protocol-listener/amqp")
     assert status == 503, body
+    status, body, _ = api.call("GET", "/api/healthchecks/node")
+    assert status == 503 and body["status"] == "failed", body
+    for sub in ("mqtt", "amqp"):  # AMQP and MQTT over WebSocket are refused too
+        assert websocket_upgrade(node.mgmt_port, sub) == 400, sub
     here = f"http://127.0.0.1:{node.mgmt_port}"
     assert "app: stopped" in ctl_here(here, "status")
     ctl_here(here, "stop_app")  # already stopped: nothing to do (RabbitMQ's)
