@@ -40,7 +40,7 @@ from broker import errors, jsonbody
 from broker.auth.names import name_problem
 from broker.auth.sasl import http_credentials
 from broker.auth.throttle import TooManyFailures, check_login
-from broker.auth.users import User
+from broker.auth.users import User, UserStore
 from broker.http.state import Mgmt
 from broker.model.publish_api import Origin
 from broker.patterns import PatternError, compile_pattern
@@ -123,13 +123,17 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 async def authenticate(request: web.Request) -> User:
     """The request's user, after this source's login throttle (``broker.auth.throttle``): basic
     auth, or an OAuth 2 access token as ``Authorization: Bearer`` (``broker.auth.oauth``)."""
-    mgmt = request.app[MGMT_KEY]
+    return await login_of(request, request.app[MGMT_KEY].broker.users)
+
+
+async def login_of(request: web.Request, users: UserStore) -> User:
+    """``authenticate`` against ``users`` (a follower's replicated users file: routes_app.py)."""
     creds = http_credentials(request.headers.get("Authorization", ""))
     if creds is None:
         raise ApiError(401, "not_authorized", "Login failed")
     name, secret, bearer = creds
     try:
-        user = await check_login(mgmt.broker.users, name, secret, request.remote or "", "HTTP", bearer=bearer)
+        user = await check_login(users, name, secret, request.remote or "", "HTTP", bearer=bearer)
     except TooManyFailures:
         raise ApiError(429, "too_many_requests", "Too many failed logins from this address; retry later") \
             from None

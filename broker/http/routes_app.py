@@ -15,15 +15,13 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from broker.auth.sasl import http_credentials
-from broker.auth.throttle import TooManyFailures, check_login
 from broker.auth.users import UserStore
 from broker.http.common import (
     MGMT_KEY,
-    MGMT_TAGS,
     ApiError,
     error_response,
     is_admin,
+    login_of,
     no_content,
     require_admin,
 )
@@ -60,23 +58,16 @@ async def start_app(request: web.Request) -> web.Response:
 def follower_routes(control: Callable[[], AppControl | None], users: Callable[[], UserStore | None],
                     node_name: Callable[[], str]) -> Callable[[web.Application], None]:
     async def login(request: web.Request, admin: bool) -> web.Response | None:
+        """None for a user who may, else the refusal (as the management API's own)."""
         store = users()
-        creds = http_credentials(request.headers.get("Authorization", ""))
         if store is None:
             return error_response(503, "unavailable", "not synced with the leader yet")
-        if creds is None:
-            return error_response(401, "not_authorized", "Login failed")
         try:
-            user = await check_login(store, creds[0], creds[1], request.remote or "", "HTTP",
-                                     bearer=creds[2])
-        except TooManyFailures:
-            return error_response(429, "too_many_requests", "Too many failed logins; retry later")
-        if user is None:
-            return error_response(401, "not_authorized", "Login failed")
+            user = await login_of(request, store)
+        except ApiError as exc:
+            return error_response(exc.status, exc.error, exc.reason, exc.challenge)
         if admin and not is_admin(user):
             return error_response(401, "not_authorized", "Not administrator user", challenge=False)
-        if not MGMT_TAGS & set(user.tags):
-            return error_response(401, "not_authorized", "Not management user", challenge=False)
         return None
 
     def switch(stop: bool) -> Callable[[web.Request], Awaitable[web.Response]]:
