@@ -183,12 +183,13 @@ def test_stop_app_on_a_cluster_follower(session_cluster: Any) -> None:
     throughout. The follower's own metrics port takes the request: its HTTP port is the
     leader's. Restored before the test ends: the session's cluster is shared."""
     f = session_cluster.followers[0]
+    metrics = f"http://127.0.0.1:{f.metrics_port}"  # the default metrics bind, whatever the node's ip
     u = urlsplit(f.url)
     creds = ["-u", unquote(u.username or ""), "-p", unquote(u.password or "")]
 
     def fctl(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "broker.ctl", "--url", f"http://{f.ip}:{f.metrics_port}", *creds, *args],
+            [sys.executable, "-m", "broker.ctl", "--url", metrics, *creds, *args],
             capture_output=True, text=True, timeout=30, cwd=str(REPO_ROOT),
         )
 
@@ -207,14 +208,14 @@ def test_stop_app_on_a_cluster_follower(session_cluster: Any) -> None:
                 conn.process_data_events(time_limit=0.1)
         for port in (f.port, f.mqtt_port, f.stream_port):
             assert refused_at(f.ip, port), port
-        assert "app: stopped" in ctl_here(f"http://{f.ip}:{f.metrics_port}", *creds, "status")
+        assert "app: stopped" in ctl_here(metrics, *creds, "status")
         leader = session_cluster.leader
         assert amqp_answers(leader.ip, leader.port)  # the cluster serves on
     finally:
         r = fctl("start_app")
     assert r.returncode == 0, r.stderr
     wait_until(lambda: amqp_answers(f.ip, f.port), 10, "the follower's AMQP proxy again")
-    assert "app: running" in ctl_here(f"http://{f.ip}:{f.metrics_port}", *creds, "status")
+    assert "app: running" in ctl_here(metrics, *creds, "status")
     conn = pika.BlockingConnection(pika.URLParameters(f.url))
     ch = conn.channel()
     got = [ch.basic_get(q, auto_ack=True)[2] for _ in range(3)]
