@@ -3,8 +3,11 @@
 Startup order: lock the data dir, wipe the scratch dir of transient queues,
 load users and vhosts (each vhost replays its definitions log; a plain durable
 queue's store is recovered on first use, the rest at once), import ``[main]
-load_definitions`` if set, then open the management/metrics HTTP(S) listeners and
-the AMQP listeners (AMQP and, with ``[main] tls_cert``, AMQPS), and recover the
+load_definitions`` if set, then open the client listeners MQTT first (its devices
+come back in their thousands after a restart; aiohttp, whose import builds TLS
+contexts, is imported only now, for LMQ and the management/metrics HTTP(S)
+listeners), LMQ, the stream protocol, HTTP, and last AMQP (AMQP and, with
+``[main] tls_cert``, AMQPS: once AMQP answers, everything answers), and recover the
 stores not used yet in slices between the loop's other work (``read_stores``: boot
 reads no queue's directory, which made 50,000 queues take 107 s to start).
 Shutdown (SIGTERM/SIGINT) runs in reverse: stop the HTTP listeners, stop accepting
