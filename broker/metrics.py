@@ -67,7 +67,6 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -84,6 +83,9 @@ from broker import __version__
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
+    from aiohttp import web  # imported when a follower's metrics listener starts: aiohttp's
+
+    # import builds TLS contexts, a tenth of a boot's CPU before the client ports open
     from broker.views import BrokerView, ConnectionView, FrontEndView
 
 PREFIX = "skred"
@@ -745,6 +747,7 @@ class FollowerMetrics:
         return self._runner is not None
 
     async def start(self, bind: str, port: int) -> None:
+        from aiohttp import web
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
         if self.routes is not None:
@@ -765,4 +768,5 @@ class FollowerMetrics:
             await runner.cleanup()
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        from aiohttp import web
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE})

@@ -3,8 +3,11 @@
 Startup order: lock the data dir, wipe the scratch dir of transient queues,
 load users and vhosts (each vhost replays its definitions log; a plain durable
 queue's store is recovered on first use, the rest at once), import ``[main]
-load_definitions`` if set, then open the management/metrics HTTP(S) listeners and
-the AMQP listeners (AMQP and, with ``[main] tls_cert``, AMQPS), and recover the
+load_definitions`` if set, then open the client listeners MQTT first (its devices
+come back in their thousands after a restart; aiohttp, whose import builds TLS
+contexts, is imported only now, for LMQ and the management/metrics HTTP(S)
+listeners), LMQ, the stream protocol, HTTP, and last AMQP (AMQP and, with
+``[main] tls_cert``, AMQPS: once AMQP answers, everything answers), and recover the
 stores not used yet in slices between the loop's other work (``read_stores``: boot
 reads no queue's directory, which made 50,000 queues take 107 s to start).
 Shutdown (SIGTERM/SIGINT) runs in reverse: stop the HTTP listeners, stop accepting
@@ -66,12 +69,10 @@ from broker.errors import ListenError
 from broker.federation import supervisor as federation
 from broker.http import routes_app
 from broker.http.definitions import IMPORT_INTENT_FILE, DefinitionsError, import_definitions, resume_import
-from broker.http.server import MgmtServer
 from broker.http.state import Mgmt
 from broker.lmq.engine import LMQ
 from broker.lmq.props import FILE_NAME as LMQ_PROPS_FILE
 from broker.lmq.props import PropsStore
-from broker.lmq.server import LMQServer
 from broker.metrics import ClusterInfo, FollowerMetrics
 from broker.model.vhost import VHost
 from broker.mqtt.server import MQTTProtocol, MQTTServer
@@ -79,7 +80,6 @@ from broker.net import proxy
 from broker.net.listener import Listener, keep_peer
 from broker.net.server import AMQPProtocol, AMQPServer
 from broker.shards import layout
-from broker.shards.fanout import Fanout
 from broker.shards.placement import worker_of
 from broker.shards.supervisor import WorkerSpec, serve_workers, worker_count
 from broker.shards.worker import WorkerLink, name_logs
@@ -104,6 +104,9 @@ if TYPE_CHECKING:
     from broker.cluster.etcd import Etcd
     from broker.cluster.host import LeaderBroker
     from broker.cluster.status import ClusterView
+    from broker.http.server import MgmtServer
+    from broker.lmq.server import LMQServer
+    from broker.shards.fanout import Fanout
     from broker.shards.leaders import ShardLeaders
 
 log = logging.getLogger("skred")
@@ -280,10 +283,12 @@ class Node:
                 await self.start_worker(worker, loop, broker, mgmt)
             # LMQ runs in the worker that owns its vhost, MQTT and the stream protocol in every
             # worker (a connection is handed to its vhost's owner: docs/architecture.md)
-            if cfg.lmq.enabled and (worker is None or worker.owns(cfg.lmq.vhost)):
-                await self.start_lmq(broker)  # before AMQP: a node answering AMQP has its LMQ ports open
+            # MQTT first: its devices come back in their thousands after a restart, and it needs
+            # none of aiohttp, whose import (TLS contexts built) the HTTP listeners below pay
             if cfg.mqtt.enabled:
-                await self.start_mqtt(broker)  # the same: MQTT answers once AMQP does
+                await self.start_mqtt(broker)  # before AMQP: MQTT answers once AMQP does
+            if cfg.lmq.enabled and (worker is None or worker.owns(cfg.lmq.vhost)):
+                await self.start_lmq(broker)  # the same: a node answering AMQP has its LMQ ports open
             if cfg.stream.enabled:
                 await self.start_stream(broker)  # and the stream protocol
             # HTTP before AMQP too: once the AMQP port answers, everything answers
@@ -319,6 +324,7 @@ class Node:
         worker.on_parent_gone = self.stopping.set
         worker.start(loop)
         if self.config.mgmt.enabled:
+            from broker.shards.fanout import Fanout
             self._fanouts = [Fanout(worker), Fanout(worker, "metrics")]
             mgmt.middlewares.append(self._fanouts[0].middleware)
             mgmt.metrics_middlewares.append(self._fanouts[1].middleware)
@@ -421,6 +427,7 @@ class Node:
 
     async def start_http(self, broker: Broker, mgmt: Mgmt) -> None:
         cfg = self.config
+        from broker.http.server import MgmtServer
         self.http = MgmtServer(mgmt)
         reuse = self.http.reuse_port = self.worker is not None  # every worker on the node's ports
         factory = keep_peer(await self.http.start(cfg.mgmt.metrics_bind, cfg.mgmt.metrics_port))
@@ -467,6 +474,7 @@ class Node:
         props = PropsStore(read_json(path, {}), lambda doc: write_json(path, doc, sink))
         engine = LMQ(vh, props, broker.syncer.after_sync, cfg.main.max_message_size)
         engine.node_name = lambda: broker.node_name  # firehose copies (known once AMQP listens)
+        from broker.lmq.server import LMQServer
         self.lmq = LMQServer(engine, cfg.lmq, broker.users, broker.proxied_peers, broker.alarm.memory,
                              cfg.amqp.max_bytes_in_flight, reuse_port=self.worker is not None)
         await self.lmq.start()
@@ -966,6 +974,15 @@ def keep_buffers_on_the_heap() -> bool:
     return bool(mallopt(_M_TRIM_THRESHOLD, HEAP_TRIM_OVER) and mallopt(_M_MMAP_THRESHOLD, HEAP_BLOCKS_UP_TO))
 
 
+def import_listeners() -> None:
+    """Import the HTTP listeners' modules (aiohttp). A single process imports them when it opens
+    them, after its client ports (a boot with 10,000 MQTT sessions spent a tenth of its CPU on
+    aiohttp's import, issue 28); workers share the parent's import."""
+    import broker.http.server
+    import broker.lmq.server
+    import broker.shards.fanout  # noqa: F401
+
+
 def serve(config: Config, host: NodeHost | None = None, load: Callable[[], Config] | None = None) -> int:
     """Run a node until SIGTERM/SIGINT; returns the process exit code.
 
@@ -986,6 +1003,7 @@ def serve(config: Config, host: NodeHost | None = None, load: Callable[[], Confi
         if config.main.load_definitions:
             raise StartupError("[main] load_definitions is not supported with more than one worker yet: "
                                "set [main] workers = 1 (--workers 1)")
+        import_listeners()  # once, before the fork, rather than in every worker
         return serve_workers(config, workers, run_worker, worker_files(config, workers))
     if config.clustering.enabled:
         try:

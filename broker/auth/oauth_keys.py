@@ -21,13 +21,14 @@ import asyncio
 import json
 import logging
 import time
-from typing import Any
-
-import aiohttp
+from typing import TYPE_CHECKING, Any
 
 from broker.auth.oauth import LoginSettings, OAuthSettings, TokenAuth, read_jwks
 from broker.auth.users import BACKENDS, UserStore
 from broker.config import Config, ConfigError, OAuthConfig
+
+if TYPE_CHECKING:  # aiohttp is imported on a first fetch: its import builds TLS contexts, a
+    import aiohttp  # tenth of a boot's CPU before the client ports open (issue 28)
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ class OAuthKeys:
                 self._inflight = asyncio.ensure_future(self._fetch_logged())
 
     async def _fetch_logged(self) -> None:
+        import aiohttp
         self._last = time.monotonic()
         self.fetches += 1
         try:
@@ -87,6 +89,7 @@ class OAuthKeys:
                         str(exc) or type(exc).__name__)
 
     async def _fetch(self) -> None:
+        import aiohttp
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout)) as http:
             if not self.discovery:
                 self.discovery = self.auth.provider = await _get_json(http, self.issuer + DISCOVERY_PATH)

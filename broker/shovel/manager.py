@@ -31,7 +31,6 @@ from broker.shovel.amqp_dest import AmqpDestination
 from broker.shovel.amqp_source import AmqpSource
 from broker.shovel.definition import ShovelDef
 from broker.shovel.ends import Destination, Source
-from broker.shovel.http_dest import HttpDestination
 from broker.shovel.link import Link
 from broker.shovel.local import Local, LocalDestination, LocalSource
 
@@ -116,7 +115,10 @@ class Shovels:
         src: Source = LocalSource(d, self.local, owner, tag, args) if d.src_uris[0].local \
             else AmqpSource(d, tag, args)
         dest = d.dest_uris[0]
-        dst: Destination = HttpDestination(d) if dest.http else \
+        if dest.http:  # aiohttp's client, imported when first needed (its import costs a boot)
+            from broker.shovel.http_dest import HttpDestination
+            return src, HttpDestination(d)
+        dst: Destination = \
             LocalDestination(d, self.local, owner) if dest.local else AmqpDestination(d)
         return src, dst
 
