@@ -67,7 +67,6 @@ from broker.auth.vhosts import VHostStore
 from broker.config import Config, ConfigError, MainConfig, file_mode
 from broker.errors import ListenError
 from broker.federation import supervisor as federation
-from broker.http import routes_app
 from broker.http.definitions import IMPORT_INTENT_FILE, DefinitionsError, import_definitions, resume_import
 from broker.http.state import Mgmt
 from broker.lmq.engine import LMQ
@@ -785,6 +784,8 @@ class NodeHost:
     def follower_metrics(self, cluster: ClusterInfo, data_dir: Path, cluster_name: str) -> FollowerMetrics:
         name = "" if self.config is None else metrics.node_name(self.config.main.node_name,
                                                                  self.config.amqp.port)
+        from broker.http import routes_app  # aiohttp: imported when a follower's metrics start
+
         return FollowerMetrics(cluster, data_dir, cluster_name, name, routes_app.follower_routes(
             lambda: getattr(cluster, "app", None), self.follower_users(data_dir), lambda: name))
 
