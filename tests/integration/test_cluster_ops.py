@@ -125,17 +125,19 @@ def test_metrics_api_and_cluster_status(cluster: Cluster) -> None:
             c.etcd.endpoint, "--clustering-etcd-prefix", c.prefix]
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
 
+    want_roles = {ids[n.name]: ("leader" if n is leader else "follower") for n in c.nodes}
+
     def status_json() -> dict[str, Any] | None:
+        """The status once every member's record names its role: a node rewrites its record
+        about once a second, so a follower's may still say 'candidate' just after it joined."""
         out = subprocess.run([*base, "--json"], capture_output=True, timeout=20, env=env, cwd=REPO_ROOT)
         assert out.returncode == 0, out.stderr.decode()
         doc: dict[str, Any] = json.loads(out.stdout)
-        return doc if sum(m["role"] != "down" for m in doc["members"]) == 3 else None
+        return doc if {m["node_id"]: m["role"] for m in doc["members"]} == want_roles else None
 
-    doc = wait_for(status_json, 10, "three live member records")
+    doc = wait_for(status_json, 15, f"three live member records with their roles {want_roles}")
     assert doc["leader"] == {"node_id": ids[leader.name], "uri": leader.uri}
     assert doc["isr"] == sorted(ids.values())
-    roles = {m["node_id"]: m["role"] for m in doc["members"]}
-    assert roles == {ids[n.name]: ("leader" if n is leader else "follower") for n in c.nodes}
     table = subprocess.run(base, capture_output=True, timeout=20, env=env, cwd=REPO_ROOT)
     assert table.returncode == 0, table.stderr.decode()
     text = table.stdout.decode()

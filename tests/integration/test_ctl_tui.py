@@ -108,8 +108,9 @@ def test_dashboard_in_tmux(mb: SkredProcess, tmux: Tmux) -> None:
     assert _rows(screen) == [f"tuiq-1{i}" for i in range(9, -1, -1)]
 
     tmux.keys("Down", "Enter")  # details of the second row (descending: tuiq-18)
-    screen = tmux.wait_for("details: queues", "the row's details")
-    assert "\nname: tuiq-18\n" in screen and "\nmessages: 0\n" in screen and '"durable": true' in screen
+    # the page's title comes at once, the row's details when their request answers
+    screen = tmux.wait_for('"durable": true', "the row's details")
+    assert "details: queues" in screen and "\nname: tuiq-18\n" in screen and "\nmessages: 0\n" in screen
     tmux.keys("Escape")
     tmux.wait_for("details:", "back to the list", gone=True)
 
