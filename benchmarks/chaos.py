@@ -50,8 +50,9 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
@@ -189,43 +190,40 @@ def run_fault(name: str, trials: int, tmp: Path) -> list[Trial]:
 T = TypeVar("T", shf.ShardTrial, shf.DrainTrial)
 
 
-def _shard_trials(trials: int, tmp: Path, seed: int, one: Callable[[shf.ShardCluster, int, random.Random], T],
-                  failed: Callable[[str], T], line: Callable[[T], str]) -> list[T]:
-    """``trials`` runs of ``one`` on one per-shard cluster; a cluster that does not come back
-    counts as ``failed(why)`` and ends the runs."""
-    sc = shf.ShardCluster(tmp)
-    rng = random.Random(seed)
-    out: list[T] = []
-    try:
-        for i in range(trials):
-            t0 = time.monotonic()
-            try:
-                trial = one(sc, i, rng)
-            except AssertionError as exc:  # the cluster did not come back: count it, stop here
-                out.append(failed(f"cluster did not recover: {str(exc).splitlines()[0]}"))
-                break
-            out.append(trial)
-            print(f"  #{i + 1}: {line(trial)} {'; '.join(trial.notes)} ({time.monotonic() - t0:.0f}s)",
-                  file=sys.stderr)
-    finally:
-        sc.close()
-    return out
+@dataclass(frozen=True)
+class ShardRun(Generic[T]):
+    """One per-shard fault run on one cluster: what it is called, the seed of its choices, one
+    trial, the trial that stands for "the cluster did not come back", its progress line and its
+    table (``--shards`` and ``--drains`` differ only in these)."""
 
+    what: str
+    tag: str  # prefix of the queue names of a trial
+    seed: int
+    one: Callable[[shf.ShardCluster, str, random.Random], T]
+    failed: Callable[[list[str]], T]
+    line: Callable[[T], str]
+    table: Callable[[list[T]], str]
 
-def run_shards(trials: int, tmp: Path) -> list[shf.ShardTrial]:
-    return _shard_trials(
-        trials, tmp, 27, lambda sc, i, rng: shf.kill_and_return(sc, f"chaos-{i}", rng),
-        lambda why: shf.ShardTrial(notes=[why]),
-        lambda t: (f"shard leader kill -9: {t.victim} {t.moved} failover {t.failover} gap "
-                   f"{t.largest_gap} hand-back {t.handback} confirmed {t.confirmed} lost {t.lost}"))
-
-
-def run_drains(trials: int, tmp: Path) -> list[shf.DrainTrial]:
-    return _shard_trials(
-        trials, tmp, 2736, lambda sc, i, rng: shf.drain_and_return(sc, f"drain-{i}", rng),
-        lambda why: shf.DrainTrial(notes=[why]),
-        lambda t: (f"drain: {t.victim} {t.moved} moved in {t.moved_in} exit {t.exit_code} reconnects "
-                   f"{t.reconnects} hand-back {t.handback} confirmed {t.confirmed} lost {t.lost}"))
+    def run(self, trials: int, tmp: Path) -> list[T]:
+        """``trials`` runs of ``one`` on one per-shard cluster; a cluster that does not come back
+        counts as ``failed([why])`` and ends the runs."""
+        sc = shf.ShardCluster(tmp)
+        rng = random.Random(self.seed)
+        out: list[T] = []
+        try:
+            for i in range(trials):
+                t0 = time.monotonic()
+                try:
+                    trial = self.one(sc, f"{self.tag}-{i}", rng)
+                except AssertionError as exc:  # the cluster did not come back: count it, stop here
+                    out.append(self.failed([f"cluster did not recover: {str(exc).splitlines()[0]}"]))
+                    break
+                out.append(trial)
+                print(f"  #{i + 1}: {self.what}: {self.line(trial)} {'; '.join(trial.notes)} "
+                      f"({time.monotonic() - t0:.0f}s)", file=sys.stderr)
+        finally:
+            sc.close()
+        return out
 
 
 def _span(values: list[float | None]) -> str:
@@ -262,6 +260,20 @@ def shard_table(trials: list[shf.ShardTrial]) -> str:
         f"| {sum(t.confirmed for t in trials)} | {sum(t.lost for t in trials)} "
         f"| {span([t.failover for t in trials])} | {shf.BOUND} "
         f"| {span([t.largest_gap for t in trials])} | {span([t.handback for t in trials])} | {why} |"])
+
+
+SHARD_RUNS: dict[str, ShardRun[shf.ShardTrial] | ShardRun[shf.DrainTrial]] = {
+    "shards": ShardRun(
+        "shard leader kill -9", "chaos", 27, shf.kill_and_return, lambda notes: shf.ShardTrial(notes=notes),
+        lambda t: (f"{t.victim} {t.moved} failover {t.failover} gap {t.largest_gap} "
+                   f"hand-back {t.handback} confirmed {t.confirmed} lost {t.lost}"),
+        shard_table),
+    "drains": ShardRun(
+        "shard drain", "drain", 2736, shf.drain_and_return, lambda notes: shf.DrainTrial(notes=notes),
+        lambda t: (f"{t.victim} {t.moved} moved in {t.moved_in} exit {t.exit_code} reconnects "
+                   f"{t.reconnects} hand-back {t.handback} confirmed {t.confirmed} lost {t.lost}"),
+        drain_table),
+}
 
 
 def table(results: dict[str, list[Trial]]) -> str:
@@ -318,26 +330,22 @@ def main() -> int:
         with tempfile.TemporaryDirectory(prefix="skred-chaos-") as tmp:
             print(f"{name}: {args.trials} trials", file=sys.stderr)
             results[name] = run_fault(name, args.trials, Path(tmp))
-    shard_trials: list[shf.ShardTrial] = []
-    if args.shards > 0:
-        with tempfile.TemporaryDirectory(prefix="skred-chaos-") as tmp:
-            print(f"shard leader kill -9: {args.shards} trials", file=sys.stderr)
-            shard_trials = run_shards(args.shards, Path(tmp))
-    drain_trials: list[shf.DrainTrial] = []
-    if args.drains > 0:
-        with tempfile.TemporaryDirectory(prefix="skred-chaos-") as tmp:
-            print(f"shard drain: {args.drains} trials", file=sys.stderr)
-            drain_trials = run_drains(args.drains, Path(tmp))
+    shard_tables: list[str] = []
+    trial_count = 0
+    for key, shard_run in SHARD_RUNS.items():
+        if getattr(args, key) > 0:
+            with tempfile.TemporaryDirectory(prefix="skred-chaos-") as tmp:
+                print(f"{shard_run.what}: {getattr(args, key)} trials", file=sys.stderr)
+                got = shard_run.run(getattr(args, key), Path(tmp))
+            shard_tables.append(shard_run.table(got))  # type: ignore[arg-type]
+            trial_count += len(got)
     if singles:
         print(single_table(singles) + "\n")
-    if shard_trials:
-        print(shard_table(shard_trials) + "\n")
-    if drain_trials:
-        print(drain_table(drain_trials) + "\n")
+    for shard_text in shard_tables:
+        print(shard_text + "\n")
     if results:
         print(table(results) + "\n")
-    n = (sum(len(t) for t in results.values()) + sum(len(t) for t in singles.values()) + len(shard_trials)
-         + len(drain_trials))
+    n = sum(len(t) for t in results.values()) + sum(len(t) for t in singles.values()) + trial_count
     end = os.getloadavg()
     print(f"{n} trials in {time.monotonic() - started:.0f}s; load average (1 min) {load[0]:.1f} at the "
           f"start, {end[0]:.1f} at the end, on {os.cpu_count()} CPUs")

@@ -33,7 +33,6 @@ from /proc, as ``benchmarks/shovel.py`` reads it: on a loaded machine compare ro
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 import urllib.parse
@@ -44,7 +43,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 import pika  # noqa: E402
-from shovel import cpu_seconds, record, report, three_brokers  # noqa: E402  (benchmarks/ is not a package)
+from shovel import chosen, cpu_seconds, move_args, process_ids, record, report, three_brokers  # noqa: E402  (benchmarks/ is not a package)
 
 from tests.integration._shovel import publish  # noqa: E402
 from tests.integration._support import unique, wait_until  # noqa: E402
@@ -154,31 +153,26 @@ def one_move(kind: str, up: Side, down: Side, n: int, ack_mode: str, timeout: fl
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--messages", type=int, default=100_000)
-    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per move at most")
+    ap = move_args(__doc__, 100_000, 900.0)
     ap.add_argument("--kinds", default=",".join(KINDS), help="exchange, queue (comma-separated)")
-    ap.add_argument("--moves", default="", help="only the moves whose label contains one of these")
     ap.add_argument("--ack-mode", default="on-confirm", choices=("on-confirm", "on-publish", "no-ack"))
-    ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     results: list[dict[str, Any]] = []
     plugins = ("rabbitmq_federation", "rabbitmq_federation_management")
     with three_brokers("federation", "skredfedbench", plugins) as (rabbit, a, b):
-        assert rabbit.mgmt_port is not None and a.pid is not None and b.pid is not None
+        assert rabbit.mgmt_port is not None
         r_api = Api(rabbit.mgmt_port)
         r_api.ok("PUT", f"/api/vhosts/{UP_VHOST}")
         everything = {"configure": ".*", "write": ".*", "read": ".*"}
         r_api.ok("PUT", f"/api/permissions/{UP_VHOST}/guest", everything)
         side_a, side_b = Side(a.port, a.mgmt_port), Side(b.port, b.mgmt_port)
         side_r, side_r_up = Side(rabbit.port, rabbit.mgmt_port), Side(rabbit.port, rabbit.mgmt_port, UP_VHOST)
-        pids = {"A": a.pid, "B": b.pid, "R": rabbit.beam_pid()}
+        pids = process_ids(rabbit, a, b)
         moves = [("skred A->B", side_a, side_b), ("plugin A->R", side_a, side_r),
                  ("skred R->B", side_r_up, side_b), ("plugin R->R", side_r_up, side_r)]
-        wanted = [w for w in args.moves.split(",") if w]
         for kind in args.kinds.split(","):
             for label, up, down in moves:
-                if wanted and not any(w in label for w in wanted):
+                if not chosen(args.moves, label):
                     continue
                 rate, cpu = one_move(kind, up, down, args.messages, args.ack_mode, args.timeout, pids)
                 record(results, {"move": label, "kind": kind}, f"{label:12} {kind:9}", rate, cpu)

@@ -106,6 +106,30 @@ def three_brokers(prefix: str, name: str, plugins: tuple[str, ...]
         rabbit.close()
 
 
+def move_args(doc: str | None, messages: int, timeout: float) -> argparse.ArgumentParser:
+    """The options of every move benchmark (``--messages``, ``--timeout``, ``--moves``,
+    ``--json``); the caller adds its own."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--messages", type=int, default=messages)
+    ap.add_argument("--timeout", type=float, default=timeout, help="seconds per move at most")
+    ap.add_argument("--moves", default="",
+                    help="only the moves whose label contains one of these, comma-separated")
+    ap.add_argument("--json", action="store_true")
+    return ap
+
+
+def chosen(moves: str, label: str) -> bool:
+    """Whether ``--moves`` (comma-separated parts of labels; empty: all) picks ``label``."""
+    wanted = [w for w in moves.split(",") if w]
+    return not wanted or any(w in label for w in wanted)
+
+
+def process_ids(rabbit: RabbitProcess, a: SkredProcess, b: SkredProcess) -> dict[str, int]:
+    """The PIDs whose CPU time a move is charged: Skred A and B, RabbitMQ's Erlang VM R."""
+    assert a.pid is not None and b.pid is not None
+    return {"A": a.pid, "B": b.pid, "R": rabbit.beam_pid()}
+
+
 def report(results: list[dict[str, Any]], meta: dict[str, Any], as_json: bool, title: str,
            columns: list[tuple[str, str, int]]) -> None:
     """The results on stdout: JSON (``meta`` and the load average with them), or a table under
@@ -156,13 +180,8 @@ def one_move(label: str, runner: Api, dest: Api, dest_url: str, src_url: str, va
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--messages", type=int, default=20000)
-    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per move at most")
+    ap = move_args(__doc__, 20000, 600.0)
     ap.add_argument("--modes", default=",".join(MODES), help="ack modes to run, comma-separated")
-    ap.add_argument("--moves", default="",
-                    help="only the moves whose label contains one of these, comma-separated")
-    ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     results: list[dict[str, Any]] = []
     with three_brokers("shovel", "skredshovelbench", ("rabbitmq_shovel", "rabbitmq_shovel_management")) as (
@@ -170,8 +189,7 @@ def main() -> None:
         assert rabbit.mgmt_port is not None
         api_a, api_b, api_r = Api(a.mgmt_port), Api(b.mgmt_port), Api(rabbit.mgmt_port)
         r_url = uri(rabbit.port)
-        assert a.pid is not None and b.pid is not None
-        pids = {"A": a.pid, "B": b.pid, "R": rabbit.beam_pid()}
+        pids = process_ids(rabbit, a, b)
         for mode in args.modes.split(","):
             base = {"ack-mode": mode, "src-prefetch-count": PREFETCH, "reconnect-delay": 1}
             moves = [
@@ -182,9 +200,8 @@ def main() -> None:
                 ("plugin R->B", api_r, r_url, {"src-uri": "amqp://", "dest-uri": uri(b.port)}),
                 ("skred B->B local", api_b, b.url, {"src-uri": "amqp://", "dest-uri": "amqp://"}),
             ]
-            wanted = [w for w in args.moves.split(",") if w]
             for label, runner, src_url, ends in moves:
-                if wanted and not any(w in label for w in wanted):
+                if not chosen(args.moves, label):
                     continue
                 tag = f"{label.split()[0]}-{mode}-{len(results)}"
                 value = {**base, **ends, "src-queue": f"bench-src-{tag}", "dest-queue": f"bench-dst-{tag}"}
