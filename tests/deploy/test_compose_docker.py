@@ -1,7 +1,8 @@
 """deploy/docker-compose.yml brought up for real in a container engine, the way a user would.
 
-Theory of operation: ``docker-compose build`` then ``up`` (with the ``monitoring`` profile) builds
-the image from the Dockerfile (``pip install .``, nothing else) and starts etcd, three
+Theory of operation: ``docker-compose build`` (the session's ``skred_image``, tests/deploy/conftest.py)
+builds the image from the Dockerfile (``pip install .``, nothing else), then ``up`` (with the
+``monitoring`` profile) starts etcd, three
 clustered nodes and Prometheus, every host port moved to a free loopback port through the
 compose file's ``*_HOST_PORT`` variables and the project named after this process, so runs
 never collide. Then, in file order:
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 import pika
 import pytest
 
-from ._engine import UP_TIMEOUT, Compose, amqp_login, image_env, require_engine, serves
+from ._engine import UP_TIMEOUT, Compose, amqp_login, image_env, serves
 from ._tools import free_port, poll
 
 pytestmark = pytest.mark.timeout(UP_TIMEOUT + 300)
@@ -60,16 +61,12 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    require_engine()
+def cluster(tmp_path_factory: pytest.TempPathFactory, skred_image: str) -> Iterator[Cluster]:
     for var in ("SKRED_DEFAULT_USER", "SKRED_DEFAULT_PASSWORD"):
         if os.environ.get(var):
             pytest.skip(f"{var} is set in the environment; this test logs in with the compose defaults")
-    env = image_env()
+    env = {**image_env(), "SKRED_IMAGE": skred_image}  # built by the compose file (conftest.py)
     compose = Compose(f"skredtest{os.getpid()}", env, tmp_path_factory.mktemp("compose"))
-    # Build first, then pick the host ports: a free port picked minutes before `up` binds it
-    # may have been taken meanwhile (they are ephemeral ports, used by every outgoing connection).
-    compose.run("build", timeout=UP_TIMEOUT)
     nodes = {}
     for index, service in enumerate(NODES, start=1):
         node = Node(service, free_port(), free_port())
@@ -81,7 +78,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     env["PROMETHEUS_HOST_PORT"] = prometheus_port = str(free_port())
     compose.env.update(env)
     try:
-        compose.run("up", "-d", timeout=UP_TIMEOUT)
+        compose.run("up", "-d", "--no-build", timeout=UP_TIMEOUT)
         yield Cluster(compose, nodes, int(prometheus_port))
     finally:
         print(f"compose logs: {compose.save_logs()}")

@@ -1,8 +1,9 @@
 """The Helm chart's pod, started for real: ``podman kube play`` on the rendered pod template.
 
 Theory of operation: ``helm template`` renders the chart (one replica, external etcd at
-127.0.0.1:2379, the image built here from the Dockerfile). Kubernetes itself is not available,
-so the test turns the rendering into what ``podman kube play`` runs, each change an explicit rule:
+127.0.0.1:2379, the session's image built from the Dockerfile by tests/deploy/conftest.py).
+Kubernetes itself is not available, so the test turns the rendering into what ``podman kube play``
+runs, each change an explicit rule:
 
 * the StatefulSet becomes its first Pod (``<name>-0``) with the template's spec unchanged
   (image, args, env, ports, probes, security contexts, ConfigMap volumes);
@@ -44,8 +45,8 @@ from typing import Any
 import pytest
 import yaml
 
-from ._engine import UP_TIMEOUT, confirmed_round_trip, require_engine
-from ._tools import CHART_DIR, REPO_ROOT, free_port, helm, poll, run, tool
+from ._engine import UP_TIMEOUT, confirmed_round_trip
+from ._tools import CHART_DIR, free_port, helm, poll, run, tool
 
 pytestmark = pytest.mark.timeout(UP_TIMEOUT + 180)
 
@@ -121,12 +122,8 @@ def kube_manifest(rendered: str, data_dir: Path, tmp_dir: Path
 
 
 @pytest.fixture(scope="module")
-def pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pod]:
-    require_engine()
-    tag = f"localhost/skred-kube-play:{os.getpid()}"
-    base = os.environ.get("SKRED_BASE_IMAGE", "python:3.11-slim")
-    podman("build", "-q", "--build-arg", f"BASE_IMAGE={base}", "-t", tag, str(REPO_ROOT), timeout=UP_TIMEOUT)
-    repository, _, image_tag = tag.rpartition(":")
+def pod(tmp_path_factory: pytest.TempPathFactory, skred_image: str) -> Iterator[Pod]:
+    repository, _, image_tag = skred_image.rpartition(":")
     rendered = run([helm(), "template", RELEASE, str(CHART_DIR), "--namespace", "default",
                     "--set", "replicaCount=1", "--set", "etcd.enabled=false",
                     "--set", "etcd.endpoints=127.0.0.1:2379", "--set", f"auth.password={PASSWORD}",
@@ -157,7 +154,6 @@ def pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pod]:
         podman("pod", "rm", "-f", name, check=False)
         # podman kube play leaves a volume named after each ConfigMap behind: remove it with the pod.
         podman("volume", "rm", "-f", *configmaps, check=False)
-        podman("rmi", "-f", tag, check=False)
 
 
 @contextlib.contextmanager

@@ -1,11 +1,11 @@
 """The image from the Dockerfile, built and run with testcontainers in a real container engine.
 
-One container from a fresh build (``pip install .`` on ``SKRED_BASE_IMAGE``, python:3.11-slim by
-default): it runs as the unprivileged ``skred`` user, its HEALTHCHECK command passes inside it,
-and a persistent message published with a confirm through the published AMQP port (bound on
-127.0.0.1 only) is read back. Ryuk (testcontainers' reaper, an image pulled from a registry)
-is off: the fixtures remove what they start. No engine: skipped with the reason (failed in CI).
-"""
+One container of the session's image (tests/deploy/conftest.py: ``pip install .`` on
+``SKRED_BASE_IMAGE``, python:3.11-slim by default): it runs as the unprivileged ``skred`` user, its
+HEALTHCHECK command passes inside it, and a persistent message published with a confirm through the
+published AMQP port (bound on 127.0.0.1 only) is read back. Ryuk (testcontainers' reaper, an image
+pulled from a registry) is off: the fixtures remove what they start. No engine: skipped with the
+reason (failed in CI). """
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from ._engine import UP_TIMEOUT, confirmed_round_trip, require_engine, serves
-from ._tools import REPO_ROOT, free_port, poll
+from ._engine import UP_TIMEOUT, confirmed_round_trip, serves
+from ._tools import free_port, poll
 from .test_dockerfile import healthcheck_argv
 
 pytestmark = pytest.mark.timeout(UP_TIMEOUT + 120)
@@ -25,21 +25,16 @@ USER, PASSWORD = "image-test", "s3cret"
 
 
 @pytest.fixture(scope="module")
-def container() -> Iterator[tuple[Any, int]]:
-    require_engine()
+def container(skred_image: str) -> Iterator[tuple[Any, int]]:
     os.environ.setdefault("TESTCONTAINERS_RYUK_DISABLED", "true")
     from testcontainers.core.container import DockerContainer
-    from testcontainers.core.image import DockerImage
 
-    base = os.environ.get("SKRED_BASE_IMAGE", "python:3.11-slim")
-    with DockerImage(path=REPO_ROOT, tag=f"localhost/skred-image-test:{os.getpid()}",
-                     buildargs={"BASE_IMAGE": base}) as image:
-        amqp_port = free_port()  # after the build: a port picked minutes earlier may be taken
-        node = DockerContainer(str(image), env={
-            "SKRED_MAIN_DEFAULT_USER": USER, "SKRED_MAIN_DEFAULT_PASSWORD": PASSWORD})
-        node.ports["5672/tcp"] = ("127.0.0.1", amqp_port)  # docker-py form: loopback only
-        with node:
-            yield node, amqp_port
+    amqp_port = free_port()  # after the build: a port picked minutes earlier may be taken
+    node = DockerContainer(skred_image, env={
+        "SKRED_MAIN_DEFAULT_USER": USER, "SKRED_MAIN_DEFAULT_PASSWORD": PASSWORD})
+    node.ports["5672/tcp"] = ("127.0.0.1", amqp_port)  # docker-py form: loopback only
+    with node:
+        yield node, amqp_port
 
 
 def test_persistent_message_with_confirm_through_the_published_port(container: tuple[Any, int]) -> None:
