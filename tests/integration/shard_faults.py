@@ -30,6 +30,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -178,22 +179,57 @@ class GapPublisher(threading.Thread):
 
 
 @dataclass
-class ShardTrial:
+class MoveTrial:
+    """What a trial that takes one node's shards away and gives them back measures."""
+
     victim: str = ""
-    moved: list[str] = field(default_factory=list)
+    moved: list[str] = field(default_factory=list)  # the shards the victim led
     confirmed: int = 0
     lost: int = 0
-    failover: float | None = None  # kill -9 to every moved shard led again (s)
-    largest_gap: float | None = None  # another shard's publisher, across the fault (s)
     handback: float | None = None  # restart to the initial placement again (s)
     notes: list[str] = field(default_factory=list)
+
+    def timed(self, since: float, done: Callable[[], bool], timeout: float, what: str) -> float | None:
+        """Seconds from ``since`` until ``done()``; None, with the reason in ``notes``, past ``timeout``."""
+        try:
+            wait_for(done, timeout, what)
+        except AssertionError as exc:
+            self.notes.append(str(exc))
+            return None
+        return time.monotonic() - since
+
+    def led_elsewhere(self, sc: ShardCluster) -> bool:
+        now = sc.leaders()
+        return all(now.get(v) not in (None, self.victim) for v in self.moved)
+
+    def tally(self, node: ClusterNode, queue: str, expect: dict[str, int],
+              live: tuple[str, str, int]) -> None:
+        """Confirmed and lost: ``expect`` messages per vhost in ``queue``, and ``live``'s
+        (vhost, queue, confirmed) of the publisher that ran across the fault, read on ``node``."""
+        vhost, live_queue, live_confirmed = live
+        self.confirmed = sum(expect.values()) + live_confirmed
+        for name, n in expect.items():
+            self.lost += max(0, n - queue_depth(node, name, queue))
+        self.lost += max(0, live_confirmed - queue_depth(node, vhost, live_queue))
+
+
+def placed(sc: ShardCluster) -> dict[str, str]:
+    """The initial placement, once the cluster has it (every trial starts and ends there)."""
+    want = expected()
+    wait_for(lambda: sc.leaders() == want, 15, "the initial placement")
+    return want
+
+
+@dataclass
+class ShardTrial(MoveTrial):
+    failover: float | None = None  # kill -9 to every moved shard led again (s)
+    largest_gap: float | None = None  # another shard's publisher, across the fault (s)
 
 
 def kill_and_return(sc: ShardCluster, tag: str, rng: random.Random) -> ShardTrial:
     """One trial (see the module's comment); what went wrong is in ``notes``."""
     trial = ShardTrial()
-    want = expected()
-    wait_for(lambda: sc.leaders() == want, 15, "the initial placement")
+    want = placed(sc)
     data_leader = sc.c.leader()
     assert data_leader is not None
     leader_id = IDS[sc.c.nodes.index(data_leader)]
@@ -210,16 +246,8 @@ def kill_and_return(sc: ShardCluster, tag: str, rng: random.Random) -> ShardTria
     wait_for(lambda: gap.confirmed >= 20 or gap.error, 10, "the gap publisher under way")
     killed = time.monotonic()
     victim.kill9()
-
-    def failed_over() -> bool:
-        now = sc.leaders()
-        return all(now.get(v) not in (None, trial.victim) for v in trial.moved)
-
-    try:
-        wait_for(failed_over, BOUND + 5, "the victim's shards led by other nodes")
-        trial.failover = time.monotonic() - killed
-    except AssertionError as exc:
-        trial.notes.append(str(exc))
+    trial.failover = trial.timed(killed, lambda: trial.led_elsewhere(sc), BOUND + 5,
+                                 "the victim's shards led by other nodes")
     after = sc.leaders()
     stayed = {v: n for v, n in want.items() if v not in trial.moved}
     if {v: after.get(v) for v in stayed} != stayed:
@@ -247,17 +275,11 @@ def kill_and_return(sc: ShardCluster, tag: str, rng: random.Random) -> ShardTria
             early.append(f"shards handed back before {trial.victim} was in sync: {now}")
         return now == want
 
-    try:
-        wait_for(handed_back, HANDBACK_WAIT, "the shards handed back to the returning node")
-        trial.handback = time.monotonic() - restarted
-    except AssertionError as exc:
-        trial.notes.append(str(exc))
+    trial.handback = trial.timed(restarted, handed_back, HANDBACK_WAIT,
+                                 "the shards handed back to the returning node")
     trial.notes += early[:1]
     wait_for(victim.answers, 20, "the returned node's proxy")
-    trial.confirmed = sum(expect.values()) + gap.confirmed
-    for vhost, n in expect.items():
-        trial.lost += max(0, n - queue_depth(victim, vhost, queue))
-    trial.lost += max(0, gap.confirmed - queue_depth(victim, other, gap_queue))
+    trial.tally(victim, queue, expect, (other, gap_queue, gap.confirmed))
     return trial
 
 
@@ -301,23 +323,16 @@ class ReconnectingPublisher(threading.Thread):
 
 
 @dataclass
-class DrainTrial:
-    victim: str = ""
-    moved: list[str] = field(default_factory=list)
-    confirmed: int = 0
-    lost: int = 0
+class DrainTrial(MoveTrial):
     reconnects: int = 0
     moved_in: float | None = None  # SIGTERM to every drained shard led by another node (s)
     exit_code: int | None = None
-    handback: float | None = None
-    notes: list[str] = field(default_factory=list)
 
 
 def drain_and_return(sc: ShardCluster, tag: str, rng: random.Random) -> DrainTrial:
     """One drain (see the module's comment); what went wrong is in ``notes``."""
     trial = DrainTrial()
-    want = expected()
-    wait_for(lambda: sc.leaders() == want, 15, "the initial placement")
+    want = placed(sc)
     victim = sc.c.leader()
     assert victim is not None and victim.proc is not None
     trial.victim = IDS[sc.c.nodes.index(victim)]
@@ -332,16 +347,8 @@ def drain_and_return(sc: ShardCluster, tag: str, rng: random.Random) -> DrainTri
     hooks_before = len(sc.hook_lines())
     termed = time.monotonic()
     os.kill(victim.proc.pid, signal.SIGTERM)
-
-    def moved() -> bool:
-        now = sc.leaders()
-        return all(now.get(v) not in (None, trial.victim) for v in trial.moved)
-
-    try:
-        wait_for(moved, TTL + 10, "the drained node's shards led by other nodes")
-        trial.moved_in = time.monotonic() - termed
-    except AssertionError as exc:
-        trial.notes.append(str(exc))
+    trial.moved_in = trial.timed(termed, lambda: trial.led_elsewhere(sc), TTL + 10,
+                                 "the drained node's shards led by other nodes")
     try:
         trial.exit_code = victim.proc.wait(30)
     except Exception as exc:  # reported, then the trial goes on with the node killed
@@ -366,14 +373,8 @@ def drain_and_return(sc: ShardCluster, tag: str, rng: random.Random) -> DrainTri
     trial.reconnects = client.reconnects
     restarted = time.monotonic()
     victim.start()
-    try:
-        wait_for(lambda: sc.leaders() == want, HANDBACK_WAIT, "the shards back with the returning node")
-        trial.handback = time.monotonic() - restarted
-    except AssertionError as exc:
-        trial.notes.append(str(exc))
+    trial.handback = trial.timed(restarted, lambda: sc.leaders() == want, HANDBACK_WAIT,
+                                 "the shards back with the returning node")
     wait_for(victim.answers, 20, "the returned node's AMQP port")
-    trial.confirmed = sum(expect.values()) + client.confirmed
-    for vhost, n in expect.items():
-        trial.lost += max(0, n - queue_depth(victim, vhost, queue))
-    trial.lost += max(0, client.confirmed - queue_depth(victim, target, live_queue))
+    trial.tally(victim, queue, expect, (target, live_queue, client.confirmed))
     return trial

@@ -629,29 +629,18 @@ def test_kill9_of_a_worker_stops_only_its_vhosts_and_loses_nothing_confirmed(nod
             pass
 
 
-def test_a_second_node_on_the_same_port_fails_instead_of_sharing_it(
-        node: SkredProcess, tmp_path_factory: pytest.TempPathFactory) -> None:
-    # SO_REUSEPORT would let it bind beside our workers and take half of their clients
+@pytest.mark.parametrize("listener", ["port", "lmq_rpc_port"])
+def test_a_second_node_on_a_port_of_ours_fails_at_start(
+        node: SkredProcess, tmp_path_factory: pytest.TempPathFactory, listener: str) -> None:
+    """AMQP: SO_REUSEPORT would let it bind beside our workers and take half of their clients.
+    LMQ listens in one worker only; the parent holds its ports as it holds the others, so the
+    clash is found before any worker runs (not logged by a worker of a node that runs on)."""
     other = SkredProcess(tmp_path_factory.mktemp("same-port") / "data", ["--workers", "2"])
-    other.port = node.port
+    setattr(other, listener, getattr(node, listener))
     try:
         proc = other.spawn()
         assert proc.wait(60) == 1
-        assert f"cannot listen on 127.0.0.1:{node.port}" in other.log_text()
-    finally:
-        other.close()
-
-
-def test_a_second_node_on_the_same_lmq_port_fails_at_start(
-        node: SkredProcess, tmp_path_factory: pytest.TempPathFactory) -> None:
-    # LMQ listens in one worker only; the parent holds its ports as it holds the others, so the
-    # clash is found before any worker runs (not logged by a worker of a node that runs on)
-    other = SkredProcess(tmp_path_factory.mktemp("same-lmq-port") / "data", ["--workers", "2"])
-    other.lmq_rpc_port = node.lmq_rpc_port
-    try:
-        proc = other.spawn()
-        assert proc.wait(30) == 1
-        assert f"cannot listen on 127.0.0.1:{node.lmq_rpc_port}" in other.log_text()
+        assert f"cannot listen on 127.0.0.1:{getattr(node, listener)}" in other.log_text()
     finally:
         other.close()
 
