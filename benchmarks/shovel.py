@@ -44,8 +44,8 @@ import pika  # noqa: E402
 
 from tests.integration._shovel import publish, put_shovel  # noqa: E402  (needs the repo root)
 from tests.integration._support import SkredProcess, wait_until  # noqa: E402
-from tests.integration.conformance._rabbit import RabbitProcess, missing  # noqa: E402
-from tests.integration.test_mgmt_api import Api, start_mgmt_broker  # noqa: E402
+from tests.integration.conformance._rabbit import RabbitProcess, booted_beside, missing  # noqa: E402
+from tests.integration.test_mgmt_api import Api  # noqa: E402
 
 MODES = ("on-confirm", "no-ack")
 PREFETCH = 1000  # both shovels: RabbitMQ's default src-prefetch-count
@@ -91,19 +91,8 @@ def three_brokers(prefix: str, name: str, plugins: tuple[str, ...]
         sys.exit(f"{prefix}: {why}")
     root = Path(tempfile.mkdtemp(prefix=f"skred-{prefix}-bench-"))
     rabbit = RabbitProcess(root / "rabbitmq", name=name, plugins=plugins)
-    started: list[SkredProcess] = []
-    try:
-        rabbit.spawn()
-        started.append(start_mgmt_broker(root))
-        started.append(start_mgmt_broker(root))
-        problem = rabbit.wait_ready()
-        if problem:
-            sys.exit(problem)
-        yield rabbit, started[0], started[1]
-    finally:
-        for broker in started:
-            broker.close()
-        rabbit.close()
+    with booted_beside(rabbit, root, 2, sys.exit) as (a, b):
+        yield rabbit, a, b
 
 
 def move_args(doc: str | None, messages: int, timeout: float) -> argparse.ArgumentParser:

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from integration._support import stop_group
 
 from broker.config import OPTIONS
 
@@ -102,13 +102,7 @@ def broker(tmp_path: Path) -> Iterator[tuple[int, dict[str, str]]]:
     try:
         yield mgmt_port, env
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(15)
+        stop_group(proc, 15)
         log.close()
 
 

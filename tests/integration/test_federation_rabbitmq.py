@@ -20,10 +20,10 @@ from urllib.parse import quote
 import pika
 import pytest
 
-from ._support import SkredProcess, free_port, is_external, stop_group, unique, wait_until
-from .conformance._rabbit import RabbitProcess, require
+from ._support import SkredProcess, is_external, stop_group, unique, wait_until
+from .conformance._rabbit import RabbitProcess, booted_beside, require
 from .test_federation import LINK_DEADLINE, consume_n, count, drain, links, policy
-from .test_mgmt_api import Api, http_ready
+from .test_mgmt_api import Api
 
 
 class FederatingRabbit(RabbitProcess):
@@ -43,18 +43,8 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FederatingR
     require()
     root: Path = tmp_path_factory.mktemp("fedrabbit")
     rabbit = FederatingRabbit(root / "rabbitmq", name="skredfed")
-    skred = SkredProcess(root / "skred-data", ["--mgmt-metrics-port", str(free_port())])
-    try:
-        rabbit.spawn()
-        skred.start()
-        problem = rabbit.wait_ready()
-        if problem:
-            pytest.fail(problem)
-        wait_until(lambda: http_ready(skred.mgmt_port), 30, "Skred's management listener")
+    with booted_beside(rabbit, root) as (skred,):
         yield rabbit, skred
-    finally:
-        skred.close()
-        rabbit.close()
 
 
 def channel(host: str, port: int) -> tuple[pika.BlockingConnection, Any]:

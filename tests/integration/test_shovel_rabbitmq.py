@@ -12,8 +12,8 @@ import pytest
 
 from ._shovel import count, drain, ids, publish, put_shovel, q, wait_state
 from ._support import SkredProcess, is_external, unique, wait_until
-from .conformance._rabbit import RabbitProcess, require
-from .test_mgmt_api import Api, start_mgmt_broker
+from .conformance._rabbit import RabbitProcess, booted_beside, require
+from .test_mgmt_api import Api
 
 pytestmark = pytest.mark.skipif(is_external(), reason="starts brokers of its own")
 
@@ -24,18 +24,8 @@ def brokers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RabbitPr
     root = tmp_path_factory.mktemp("shovel-rabbit")
     rabbit = RabbitProcess(root / "rabbitmq", name="skredshovel",
                            plugins=("rabbitmq_shovel", "rabbitmq_shovel_management"))
-    skred: SkredProcess | None = None
-    try:
-        rabbit.spawn()
-        skred = start_mgmt_broker(root)
-        problem = rabbit.wait_ready()
-        if problem:
-            pytest.fail(problem)
+    with booted_beside(rabbit, root) as (skred,):
         yield rabbit, skred
-    finally:
-        if skred is not None:
-            skred.close()
-        rabbit.close()
 
 
 def rabbit_url(r: RabbitProcess) -> str:

@@ -1,15 +1,14 @@
 """The ``skred`` source in AMQP mode (``option("uri", ...)``) against a real broker process.
 
-The test starts ``python -m broker`` on free loopback ports (its own session, killed by pid at
-teardown), publishes with pika, and checks that AMQP-mode rows equal both what was published
-and what data-dir mode reads from the same (running) broker's files.
+The module starts one ``python -m broker`` on free loopback ports (``SkredProcess``, stopped by its
+process group at teardown), publishes with pika, and checks that AMQP-mode rows equal both what was
+published and what data-dir mode reads from the same (running) broker's files.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from integration._support import listener_ports_env  # every listener on a free port, per xdist worker
+from integration._support import SkredProcess  # every listener on a free port, per xdist worker
 
 pika = pytest.importorskip("pika")
 
@@ -26,49 +25,14 @@ REPO = Path(__file__).resolve().parents[2]
 N = 1000
 
 
-def _answers(port: int) -> bool:
-    """True once the broker answers the AMQP protocol header with connection.start."""
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
-            s.settimeout(1)
-            s.sendall(b"AMQP\x00\x00\x09\x01")
-            data = b""
-            while len(data) < 11:
-                chunk = s.recv(4096)
-                if not chunk:
-                    return False
-                data += chunk
-            return data[0] == 1 and data[7:11] == b"\x00\x0a\x00\x0a"
-    except OSError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    tmp = tmp_path_factory.mktemp("skred-amqp")
-    data, ports = tmp / "data", listener_ports_env()
-    port = int(ports["SKRED_AMQP_PORT"])
-    argv = [sys.executable, "-m", "broker", "--data-dir", str(data), "--amqp-bind", "127.0.0.1"]
-    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    env = dict(os.environ, PYTHONPATH=path, **ports)
-    with open(tmp / "broker.log", "wb") as log:
-        proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+    node = SkredProcess(tmp_path_factory.mktemp("skred-amqp") / "data")
     try:
-        deadline = time.monotonic() + 20
-        while not _answers(port):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail("broker did not start:\n" + (tmp / "broker.log").read_text(errors="replace"))
-            time.sleep(0.05)  # readiness poll interval, bounded by the deadline
-        yield f"amqp://guest:guest@127.0.0.1:{port}/%2F", data
+        node.start()
+        yield node.url, node.data_dir
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(15)
+        node.close()
 
 
 @pytest.fixture(scope="module")

@@ -30,17 +30,20 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
 import urllib.request
 import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import IO
+from typing import IO, NoReturn
 
 import pytest
 
-from .._support import amqp_answers, free_port, stop_group
+from .._support import SkredProcess, amqp_answers, free_port, group_alive, stop_group
 
 # Debian's real start script (the /usr/sbin one su's to the rabbitmq user); another install (a
 # generic-unix tarball) can be named with SKRED_RABBITMQ_SERVER.
@@ -214,3 +217,29 @@ class RabbitProcess:
         if self._log is not None:
             self._log.close()
             self._log = None
+
+
+@contextmanager
+def booted_beside(rabbit: RabbitProcess, root: Path, skreds: int = 1,
+                  fail: Callable[[str], NoReturn] = pytest.fail) -> Iterator[list[SkredProcess]]:
+    """``rabbit`` and ``skreds`` Skred nodes with their management API, booted side by side:
+    the Erlang VM boots (5-15 s) while the Skred nodes start. ``fail(why)`` when RabbitMQ does
+    not come up. Everything is stopped by PID at the end, RabbitMQ with SIGKILL: a reference
+    node proves nothing by stopping cleanly, and its graceful stop takes seconds."""
+    from ..test_mgmt_api import start_mgmt_broker  # the management test module imports this one's users
+
+    started: list[SkredProcess] = []
+    try:
+        rabbit.spawn()
+        for _ in range(skreds):
+            started.append(start_mgmt_broker(root))
+        problem = rabbit.wait_ready()
+        if problem:
+            fail(problem)
+        yield started
+    finally:
+        for skred in started:
+            skred.close()
+        if rabbit.proc is not None and group_alive(rabbit.proc.pid):
+            os.killpg(rabbit.proc.pid, signal.SIGKILL)
+        rabbit.close()

@@ -10,16 +10,13 @@ is set (``.ci/run`` sets it): then it fails, so CI can never pass by skipping it
 
 from __future__ import annotations
 
-import os
-import signal
 from collections.abc import Iterator
 
 import pytest
 
-from .._support import SkredProcess, free_port, group_alive, is_external, wait_until
-from ..test_mgmt_api import http_ready
+from .._support import is_external
 from ._harness import HIDDEN, HTTP_KEY_PATTERNS, TALLY, Target
-from ._rabbit import RabbitProcess, require
+from ._rabbit import RabbitProcess, booted_beside, require
 
 
 @pytest.fixture(scope="session")
@@ -29,23 +26,9 @@ def targets(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Target, 
     require()
     root = tmp_path_factory.mktemp("conformance")
     rabbit = RabbitProcess(root / "rabbitmq", mqtt=True)  # one node for the AMQP and MQTT harnesses
-    skred = SkredProcess(root / "skred-data", ["--mgmt-metrics-port", str(free_port())])
-    try:
-        rabbit.spawn()
-        skred.start()
-        problem = rabbit.wait_ready()
-        if problem:
-            pytest.fail(problem)
-        wait_until(lambda: http_ready(skred.mgmt_port), 30, "Skred's management listener")
+    with booted_beside(rabbit, root) as (skred,):
         yield (Target("rabbitmq", rabbit.host, rabbit.port, rabbit.mgmt_port, rabbit.mqtt_port or 0),
                Target("skred", skred.host, skred.port, skred.mgmt_port, skred.mqtt_port))
-    finally:
-        skred.close()
-        # The reference node proves nothing by stopping cleanly: kill it rather than wait the
-        # seconds its graceful shutdown takes (close() then finds it gone and stops its epmd).
-        if rabbit.proc is not None and group_alive(rabbit.proc.pid):
-            os.killpg(rabbit.proc.pid, signal.SIGKILL)
-        rabbit.close()
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
