@@ -82,7 +82,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, skred_image: str) -> Itera
         yield Cluster(compose, nodes, int(prometheus_port))
     finally:
         print(f"compose logs: {compose.save_logs()}")
-        compose.run("down", "-v", "--timeout", "10", timeout=300, check=False)
+        # SIGKILL first: the containers and their volumes are thrown away, so a graceful stop
+        # (up to --timeout per container) would only cost time.
+        compose.run("kill", "-s", "SIGKILL", timeout=120, check=False)
+        compose.run("down", "-v", "--timeout", "1", timeout=300, check=False)
 
 
 def connect(port: int) -> pika.BlockingConnection:
