@@ -429,6 +429,14 @@ def queue_count(conn: pika.BlockingConnection, queue: str) -> int | None:
     return n
 
 
+def count_at(url: str, queue: str) -> int:
+    """Ready message count of ``queue`` on the broker at ``url``, over a connection of its own."""
+    with pika.BlockingConnection(pika.URLParameters(url)) as conn:
+        n = queue_count(conn, queue)
+    assert n is not None, f"no queue {queue!r} at {url}"
+    return n
+
+
 def exists_queue(conn: pika.BlockingConnection, queue: str) -> bool:
     return queue_count(conn, queue) is not None
 

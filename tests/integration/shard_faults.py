@@ -39,6 +39,7 @@ import pika
 
 from broker.shards.placement import node_of, vhost_shard
 
+from ._support import count_at
 from .test_cluster import Cluster, ClusterNode, start_cluster, wait_for
 
 TTL = 2
@@ -143,8 +144,7 @@ def publish(node: ClusterNode, vhost: str, queue: str, count: int) -> int:
 
 
 def queue_depth(node: ClusterNode, vhost: str, queue: str) -> int:
-    with pika.BlockingConnection(pika.URLParameters(amqp_url(node, vhost))) as conn:
-        return int(conn.channel().queue_declare(queue, passive=True).method.message_count)
+    return count_at(amqp_url(node, vhost), queue)
 
 
 class GapPublisher(threading.Thread):

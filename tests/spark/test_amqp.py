@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from integration._support import SkredProcess  # every listener on a free port, per xdist worker
+from integration._support import SkredProcess, count_at  # free ports per xdist worker
 
 pika = pytest.importorskip("pika")
 
@@ -115,14 +115,6 @@ def _rows(spark: Any, target: str, late: str) -> Any:
     return spark.createDataFrame(rdd, "value binary, key string, topic string")
 
 
-def _count(url: str, queue: str) -> int:
-    conn = pika.BlockingConnection(pika.URLParameters(url))
-    try:
-        return int(conn.channel().queue_declare(queue, passive=True).method.message_count)
-    finally:
-        conn.close()
-
-
 @pytest.mark.parametrize("exactly_once", [False, True])
 def test_sink_task_killed_mid_batch(spark: Any, broker: tuple[str, Path], exactly_once: bool) -> None:
     """A task fails after 60 confirmed rows; the job is run again with the same query id (what
@@ -150,7 +142,7 @@ def test_sink_task_killed_mid_batch(spark: Any, broker: tuple[str, Path], exactl
 
     with pytest.raises(Exception, match="x-message-deduplication" if exactly_once else "Unroutable"):
         write()
-    partial = _count(url, stream)
+    partial = count_at(url, stream)
     assert 60 <= partial < SINK_N  # some rows were confirmed before the task died
     conn = pika.BlockingConnection(pika.URLParameters(url))
     try:
@@ -161,7 +153,7 @@ def test_sink_task_killed_mid_batch(spark: Any, broker: tuple[str, Path], exactl
     finally:
         conn.close()
     write()  # Spark's retry of the failed job, same query id
-    got = _count(url, stream)
+    got = count_at(url, stream)
     if exactly_once:
         assert got == SINK_N  # the re-run added only what was missing
         rows = spark.read.format("skred").option("uri", url).option("subscribe", stream).load()
@@ -198,7 +190,7 @@ def test_sink_fails_the_task_on_a_nack_within_the_window(spark: Any, broker: tup
     with pytest.raises(Exception, match="nack"):
         (df.write.format("skred").mode("append").option("uri", url).option("topic", "sink-nack")
          .option("confirmWindow", "64").save())
-    assert _count(url, "sink-nack") == 50
+    assert count_at(url, "sink-nack") == 50
     with pytest.raises(Exception, match="confirmWindow"):
         (df.write.format("skred").mode("append").option("uri", url).option("topic", "sink-nack")
          .option("confirmWindow", "0").save())
@@ -242,14 +234,14 @@ def test_streaming_restart_after_driver_sigkill_exactly_once(spark: Any, broker:
     proc = _driver(url, ckpt, "out.dedup", log)
     try:
         deadline = time.monotonic() + 400
-        while not 0 < _count(url, "out") < 2 * per:
+        while not 0 < count_at(url, "out") < 2 * per:
             assert proc.poll() is None, log.read_text(errors="replace")
             assert time.monotonic() < deadline, "no micro-batch landed:\n" + log.read_text(errors="replace")
             time.sleep(0.1)  # bounded poll for the first micro-batch
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(30)
-    mid = _count(url, "out")
+    mid = count_at(url, "out")
     assert mid < 2 * per
     # The restart replays the batch the kill cut short (its offsets are in the checkpoint), then
     # reads the rest in one batch (no maxOffsetsPerTrigger): every offset once all the same.
@@ -259,7 +251,7 @@ def test_streaming_restart_after_driver_sigkill_exactly_once(spark: Any, broker:
         assert query.exception() is None, query.exception()
     finally:
         query.stop()
-    assert _count(url, "out") == 2 * per
+    assert count_at(url, "out") == 2 * per
     got = _read_all(url, "out", 2 * per)
     expected = [f"{s}:{o}".encode() for s in ("in-a", "in-b") for o in range(per)]
     assert sorted(got) == sorted(expected)  # every offset once: count and checksum

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from integration._support import SkredProcess
+from integration._support import SkredProcess, count_at
 
 pika = pytest.importorskip("pika")
 
@@ -41,14 +41,6 @@ def _declare(url: str, *streams: str) -> None:
         conn.close()
 
 
-def _count(url: str, queue: str) -> int:
-    conn = pika.BlockingConnection(pika.URLParameters(url))
-    try:
-        return int(conn.channel().queue_declare(queue, passive=True).method.message_count)
-    finally:
-        conn.close()
-
-
 def test_exactly_once_into_a_stream_survives_a_failed_task_and_kill9(spark: Any,
                                                                      own_broker: SkredProcess) -> None:
     b = own_broker
@@ -67,13 +59,13 @@ def test_exactly_once_into_a_stream_survives_a_failed_task_and_kill9(spark: Any,
 
     with pytest.raises(Exception, match="exactlyOnce needs 'sunk-stream-late' to be a stream"):
         write()
-    partial = _count(b.url, stream)
+    partial = count_at(b.url, stream)
     assert 40 <= partial < ROWS - 1  # the failed task stored some of its rows first
     b.kill9()
     b.start()
     _declare(b.url, late)
     write()  # Spark's retry of the failed job, same query id: only the missing rows are added
-    assert (_count(b.url, stream), _count(b.url, late)) == (ROWS - 1, 1)
+    assert (count_at(b.url, stream), count_at(b.url, late)) == (ROWS - 1, 1)
     assert sorted(_bodies(b.url, stream, ROWS - 1)) == sorted(b"row-%d" % i for i in range(ROWS) if i != 210)
 
 
