@@ -4,6 +4,9 @@ queue's name, and the per-vhost parameters store."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -89,3 +92,15 @@ def test_parameters_store_components_persistence_and_vhosts(tmp_path: Path) -> N
     assert [p["vhost"] for p in store.list()] == ["/"]
     assert store.delete("federation-upstream", "/", "u") and not store.delete("federation-upstream", "/", "u")
     assert len(changes) == 5
+
+
+def test_links_speak_amqp_through_the_link_layer_not_a_client_library() -> None:
+    """Federation and shovel links read and write AMQP on ``broker/links/`` (deliveries taken in
+    place, a turn's publishes at once): importing every link module loads no aiormq."""
+    root = Path(__file__).resolve().parent.parent
+    code = ("import sys, broker.federation.exchange_link, broker.federation.queue_link, "
+            "broker.shovel.manager; print('aiormq' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(root)}, cwd=root)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

@@ -15,8 +15,9 @@ seconds the link compares the local exchange's bindings with what it bound upstr
 and unbinds the difference. An upstream that has no such exchange type (a RabbitMQ without the
 federation plugin, an older Skred) refuses the declare; the link then binds its queue to the
 upstream exchange directly, as before, and hops are counted here only. (RabbitMQ requires
-``x-max-hops`` as a 64-bit ``long``; the client library encodes a small integer in one byte, so
-the declare encodes its integer arguments itself: ``_Declare``.)
+``x-max-hops`` as a 64-bit ``long``; pamqp encodes a small integer in one byte, so the declare
+encodes its integer arguments itself: ``_Declare``.) Deliveries are published here through the
+link's ``TurnPublisher`` (``link.py``): a turn's deliveries at once, one group commit.
 
 Hops are counted on **both sides**. Upstream, the ``x-federation-upstream`` exchange routes a
 message to the link's queue only if it has crossed fewer than ``max-hops`` links and did not
@@ -36,14 +37,14 @@ import asyncio
 import re
 import struct
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
-import aiormq
-from aiormq.abc import DeliveredMessage
 from pamqp import commands, encode
 
 from broker.federation import local
-from broker.federation.link import CALL_TIMEOUT, Link
+from broker.federation.link import Link, UpstreamWire
+from broker.links.message import Message
+from broker.links.wire import Closed
 from broker.model.exchange import Exchange
 from broker.model.exchange_features import FEDERATION_UPSTREAM
 from broker.model.vhost import VHost
@@ -129,38 +130,41 @@ class ExchangeLink(Link):
     def queue(self) -> str:
         return queue_name(self.resource, self.upstream_name(), self.cluster_name, self.vhost.name)
 
-    async def _session(self, conn: aiormq.abc.AbstractConnection) -> None:
+    async def _session(self, wire: UpstreamWire) -> None:
         ex = self.vhost.exchanges.get(self.resource)
         if ex is None:
             raise RuntimeError(f"no exchange '{self.resource}' here")
         up_ex, queue = self.upstream_name(), self.queue()
-        async with asyncio.timeout(CALL_TIMEOUT):  # a mute upstream ends the session
-            ch = await conn.channel()
-            try:
-                await ch.exchange_declare(up_ex, passive=True)
-            except aiormq.exceptions.ChannelNotFoundEntity:
-                ch = await conn.channel()  # the passive declare closed the channel
-                await ch.exchange_declare(up_ex, exchange_type=ex.type, durable=ex.durable,
-                                          arguments=_jsonable(ex.arguments))
-            args: dict[str, Any] = {"x-internal-purpose": "federation"}
-            if self.upstream.expires is not None:
-                args["x-expires"] = self.upstream.expires
-            if self.upstream.message_ttl is not None:
-                args["x-message-ttl"] = self.upstream.message_ttl
-            await ch.queue_declare(queue, durable=True, arguments=args)
-            ch, via = await self._upstream_exchange(conn, ch, queue)
-            bound: dict[Binding, dict[str, Any]] = {}
-            await self._mirror(ch, ex, queue, up_ex, bound, via)
-            await ch.basic_qos(prefetch_count=self.upstream.prefetch_count)
+        ch = await self._channel(wire, 1)
+        try:
+            passive = commands.Exchange.Declare(exchange=up_ex, passive=True)
+            await wire.ask(ch, passive, commands.Exchange.DeclareOk)
+        except Closed as exc:
+            if exc.code != 404:
+                raise
+            ch = await self._channel(wire, ch + 1)  # the passive declare closed the channel
+            declare = commands.Exchange.Declare(exchange=up_ex, exchange_type=ex.type, durable=ex.durable,
+                                                arguments=_jsonable(ex.arguments))
+            await wire.ask(ch, declare, commands.Exchange.DeclareOk)
+        args: dict[str, Any] = {"x-internal-purpose": "federation"}
+        if self.upstream.expires is not None:
+            args["x-expires"] = self.upstream.expires
+        if self.upstream.message_ttl is not None:
+            args["x-message-ttl"] = self.upstream.message_ttl
+        await wire.ask(ch, commands.Queue.Declare(queue=queue, durable=True, arguments=args),
+                       commands.Queue.DeclareOk)
+        ch, via = await self._upstream_exchange(wire, ch, queue)
+        bound: dict[Binding, dict[str, Any]] = {}
+        await self._mirror(wire, ch, ex, queue, up_ex, bound, via)
+        await self.qos(wire, ch)
 
-        async def deliver(msg: DeliveredMessage) -> None:
+        def deliver(msg: Message) -> None:
             try:
-                self._deliver(ch, msg, up_ex)
+                self.take(msg, up_ex, self.remote_settler(msg))
             except Exception as exc:
                 self.fail(exc)
 
-        await ch.basic_consume(queue, deliver, no_ack=self.upstream.ack_mode == "no-ack",
-                               consumer_tag=self.upstream.consumer_tag, timeout=CALL_TIMEOUT)
+        await self.consume(wire, ch, queue, deliver)
         self._set("running")
         watch = asyncio.ensure_future(self.until_failed())
         try:
@@ -170,16 +174,20 @@ class ExchangeLink(Link):
                 if current is not ex:
                     raise RuntimeError(f"exchange '{self.resource}' was deleted")
                 if not watch.done():
-                    await self._mirror(ch, ex, queue, up_ex, bound, via)
+                    await self._mirror(wire, ch, ex, queue, up_ex, bound, via)
             watch.result()
         finally:
             watch.cancel()
 
+    @staticmethod
+    async def _channel(wire: UpstreamWire, ch: int) -> int:
+        await wire.ask(ch, commands.Channel.Open(), commands.Channel.OpenOk)
+        return ch
+
     async def _local_session(self, up: VHost) -> None:
         await local.exchange_session(self, up, BINDINGS_INTERVAL)
 
-    async def _upstream_exchange(self, conn: aiormq.abc.AbstractConnection, ch: aiormq.abc.AbstractChannel,
-                                 queue: str) -> tuple[aiormq.abc.AbstractChannel, str | None]:
+    async def _upstream_exchange(self, wire: UpstreamWire, ch: int, queue: str) -> tuple[int, str | None]:
         """Declare the ``x-federation-upstream`` exchange and bind the queue to it: the channel to
         go on with, and the exchange (None: the upstream has no such type, bind directly)."""
         via, args = exchange_name(queue), upstream_exchange_args(self)
@@ -189,51 +197,55 @@ class ExchangeLink(Link):
             try:
                 declare = _Declare(exchange=via, exchange_type=FEDERATION_UPSTREAM, durable=True,
                                    internal=True, arguments=args)
-                await cast(aiormq.Channel, ch).rpc(declare, timeout=CALL_TIMEOUT)
+                await wire.ask(ch, declare, commands.Exchange.DeclareOk)
                 break
-            except aiormq.exceptions.ChannelPreconditionFailed:
-                ch = await conn.channel()
-                if attempt == 2:  # refused even new: an upstream with rules of its own
+            except Closed as exc:
+                if exc.code == 406:  # precondition failed: the channel is closed
+                    ch = await self._channel(wire, ch + 1)
+                    if attempt == 2:  # refused even new: an upstream with rules of its own
+                        self.direct = True
+                        return ch, None
+                    # declared before with other arguments (max-hops changed)
+                    await wire.ask(ch, commands.Exchange.Delete(exchange=via), commands.Exchange.DeleteOk)
+                    continue
+                if exc.code in (503, 540):
+                    # no such exchange type upstream (a connection error): from now on bind directly
                     self.direct = True
-                    return ch, None
-                await ch.exchange_delete(via)  # declared before with other arguments (max-hops changed)
-            except (aiormq.exceptions.ConnectionCommandInvalid, aiormq.exceptions.ConnectionNotImplemented):
-                # no such exchange type upstream (a connection error): from now on bind directly
-                self.direct = True
                 raise
-        await ch.queue_bind(queue, via, "")
+        bind = commands.Queue.Bind(queue=queue, exchange=via, routing_key="")
+        await wire.ask(ch, bind, commands.Queue.BindOk)
         return ch, via
 
-    async def _mirror(self, ch: aiormq.abc.AbstractChannel, ex: Exchange, queue: str, up_ex: str,
+    async def _mirror(self, wire: UpstreamWire, ch: int, ex: Exchange, queue: str, up_ex: str,
                       bound: dict[Binding, dict[str, Any]], via: str | None) -> None:
-        async with asyncio.timeout(CALL_TIMEOUT):
-            want = local_bindings(ex)
-            for key in [k for k in bound if k not in want]:
+        want = local_bindings(ex)
+        for key in [k for k in bound if k not in want]:
+            args = bound.pop(key)
+            if via is None:
+                await wire.ask(ch, commands.Queue.Unbind(queue=queue, exchange=up_ex, routing_key=key[0],
+                                                         arguments=args), commands.Queue.UnbindOk)
+            else:
+                await wire.ask(ch, commands.Exchange.Unbind(destination=via, source=up_ex, routing_key=key[0],
+                                                            arguments=args), commands.Exchange.UnbindOk)
+        for key, args in want.items():
+            if key not in bound:
                 if via is None:
-                    await ch.queue_unbind(queue, up_ex, key[0], arguments=bound.pop(key))
+                    await wire.ask(ch, commands.Queue.Bind(queue=queue, exchange=up_ex, routing_key=key[0],
+                                                           arguments=args), commands.Queue.BindOk)
                 else:
-                    await ch.exchange_unbind(via, up_ex, key[0], arguments=bound.pop(key))
-            for key, args in want.items():
-                if key not in bound:
-                    if via is None:
-                        await ch.queue_bind(queue, up_ex, key[0], arguments=args)
-                    else:
-                        await ch.exchange_bind(via, up_ex, key[0], arguments=args)
-                    bound[key] = args
+                    xbind = commands.Exchange.Bind(destination=via, source=up_ex, routing_key=key[0],
+                                                   arguments=args)
+                    await wire.ask(ch, xbind, commands.Exchange.BindOk)
+                bound[key] = args
 
-    def _deliver(self, ch: aiormq.abc.AbstractChannel, msg: DeliveredMessage, up_ex: str) -> None:
-        self.take(msg.body, bool(msg.redelivered), msg.routing_key or "", msg.header.properties, up_ex,
-                  self.settler(ch, msg))
-
-    def take(self, body: bytes, redelivered: bool, routing_key: str, props: Any, up_ex: str,
-             settle: Callable[[bool], None]) -> None:
+    def take(self, msg: Message, up_ex: str, settle: Callable[[bool], None]) -> None:
         """One message from the upstream: dropped (settled) past max-hops or on a cycle, else
         published here."""
-        hops = self.hops_of(props)
+        hops = self.hops_of(msg)
         if len(hops) >= self.upstream.max_hops or any(self._visited(h) for h in hops):
             settle(True)  # it stops here
             return
-        self.forward(body, redelivered, self.resource, routing_key, props, hops, ("exchange", up_ex), settle)
+        self.forward(msg, self.resource, msg.routing_key, hops, ("exchange", up_ex), settle)
 
     def _visited(self, hop: Any) -> bool:
         """Did the message leave this vhost of this cluster once already?"""

@@ -4,10 +4,14 @@ Theory of operation
 -------------------
 A link runs as one asyncio task on the node that serves (a cluster's leader: followers run no
 broker, so no links; a new leader's broker starts them again from the parameters and policies it
-replicated). The task connects to the upstream (each URI of the upstream in turn), sets up what
-the link kind needs there (``ExchangeLink``, ``QueueLink``), then consumes with a prefetch of
-``prefetch-count`` and hands every delivery to ``forward``, which publishes it here through the
-model's one publish operation (``VHost.publish``) and settles it upstream by ``ack-mode``:
+replicated). The task connects to the upstream (each URI of the upstream in turn) on the shared link layer's
+connection (``broker/links/wire.py``: deliveries read in place off whole socket reads), sets up
+what the link kind needs there (``ExchangeLink``, ``QueueLink``), then consumes with a prefetch
+of ``prefetch-count`` and hands every delivery to ``forward``, which publishes it here through
+the link layer's ``TurnPublisher`` (``broker/links/turn.py``: a turn's deliveries through the
+model's batch operation ``VHost.publish_batch``, one group-commit wait per turn, not one per
+message) and settles it upstream by ``ack-mode``, with coalesced ``multiple`` acks
+(``broker/links/acks.py``):
 
 - ``on-confirm`` (the default): the upstream ack is sent only once the local copy is durable (the
   group commit, ``after_sync``; in a cluster, replicated to the in-sync followers too). A crash
@@ -37,26 +41,31 @@ from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-import aiormq
-from aiormq.abc import DeliveredMessage
 from pamqp import commands
+from pamqp.base import Frame as PFrame
 
-from broker import errors
 from broker.federation.upstream import Upstream, local_vhost, scrub
-from broker.model.publish import PublishRequest
+from broker.links.acks import Acker
+from broker.links.message import EndLost, Message, Verdict
+from broker.links.turn import AfterSync, TurnPublisher
+from broker.links.wire import Wire, open_first
 from broker.model.vhost import VHost
 
+__all__ = ["CALL_TIMEOUT", "AfterSync", "Link", "Refused", "UpstreamWire"]
+
 log = logging.getLogger(__name__)
-# The client library logs every connection an upstream closes with a traceback; the link logs
-# the reason in one line and shows it in its status, so the library's own noise is left out.
-logging.getLogger("aiormq").setLevel(logging.CRITICAL)
 
 MAX_BACKOFF_FACTOR = 16  # reconnect-delay doubles per failure in a row up to this many times
-CONNECT_TIMEOUT = 10.0  # seconds for one connection attempt (TCP, TLS and the AMQP handshake)
 CALL_TIMEOUT = 10.0  # seconds for the upstream to answer a declare, bind, consume or cancel
 MAX_RECEIVED_FROM = 64  # entries kept in x-received-from: a bound on what a peer can grow
 
-AfterSync = Callable[[Callable[[bool], None], Any], None]
+
+class UpstreamWire(Wire):
+    role = "upstream"
+
+    async def ask(self, channel: int, method: PFrame, answer: type[PFrame]) -> PFrame:
+        """``call`` within ``CALL_TIMEOUT``: a mute upstream ends the session."""
+        return await asyncio.wait_for(self.call(channel, method, answer), CALL_TIMEOUT)
 
 
 class Refused(Exception):
@@ -84,7 +93,10 @@ class Link:
         self.failures = 0  # in a row; reset by a session that ran
         self.attempts = 0
         self._task: asyncio.Task[None] | None = None
-        self._conn: aiormq.abc.AbstractConnection | None = None
+        self._wire: UpstreamWire | None = None
+        self.acker: Acker | None = None  # settles the session's deliveries upstream
+        self.turn = TurnPublisher(self._live_vhost, after_sync, upstream.ack_mode == "on-confirm",
+                                  lambda why: self.fail(Refused(f"this broker refused a message: {why}")))
         self.upstream_cluster = ""
         self.upstream_vhost = "/"
         self.reached = False  # this session got to "running"
@@ -104,13 +116,17 @@ class Link:
                 pass
         await self._close()
 
+    def _live_vhost(self) -> VHost | None:
+        return None if self.vhosts.get(self.vhost.name) is not self.vhost else self.vhost
+
     async def _close(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None and not conn.is_closed:
-            try:
-                await asyncio.wait_for(conn.close(), CONNECT_TIMEOUT)
-            except Exception:  # a dead peer: the socket goes with the object
-                pass
+        wire, self._wire = self._wire, None
+        if self.acker is not None:
+            self.acker.close()  # what was settled is acked before the connection goes
+            self.acker = None
+        if wire is not None:
+            wire.on_message = wire.track = None
+            await wire.shutdown("federation link closing")
 
     def _set(self, status: str, error: str | None = None) -> None:
         self.status, self.error, self.since = status, error, time.time()
@@ -125,15 +141,13 @@ class Link:
         """Wait while the session runs: until a delivery fails or the connection closes."""
         assert self._failed is not None
         waits: list[asyncio.Future[Any]] = [self._failed]
-        if self._conn is not None:  # an in-process link has no connection
-            waits.append(asyncio.ensure_future(self._conn.closing))
-        try:
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for w in waits[1:]:
-                w.cancel()
+        if self._wire is not None:  # an in-process link has no connection
+            waits.append(self._wire.lost)
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         if self._failed.done():
             self._failed.result()
+        if self._wire is not None and self._wire.lost.done():
+            raise EndLost(self._wire.lost.result())
 
     async def _run(self) -> None:
         while True:
@@ -148,9 +162,8 @@ class Link:
                     if up_vhost is not None:  # this broker: in-process, through the model
                         await self._local(up_vhost)
                     else:
-                        await self._connect(uri)
-                        assert self._conn is not None
-                        await self._session(self._conn)
+                        wire = await self._connect(uri)
+                        await self._session(wire)
                         self._set("error", "the upstream closed the connection")
                 except asyncio.CancelledError:
                     raise
@@ -169,20 +182,47 @@ class Link:
             factor = min(2 ** (self.failures - 1), MAX_BACKOFF_FACTOR)
             await asyncio.sleep(self.upstream.reconnect_delay * factor)
 
-    async def _connect(self, uri: str) -> None:
+    async def _connect(self, uri: str) -> UpstreamWire:
         name = f"Federation link (upstream: {self.upstream.name}, {self.kind}: {self.resource})"
-        conn = await asyncio.wait_for(aiormq.connect(uri, client_properties={
-            "connection_name": name, "product": "Skred federation"}), CONNECT_TIMEOUT)
-        self._conn = conn
-        props = getattr(conn, "server_properties", None) or {}
-        cluster = props.get("cluster_name") if isinstance(props, dict) else None
+        try:
+            wire, _ = await open_first([uri], {"connection_name": name, "product": "Skred federation"},
+                                       UpstreamWire)
+        except EndLost as exc:  # refused, TLS, wrong credentials, no answer: the reason names it
+            raise EndLost(f"cannot connect to the upstream: {exc}") from None
+        self._wire = wire
+        cluster = wire.server_properties.get("cluster_name")
         parts = urlsplit(uri)
         self.upstream_cluster = (cluster.decode() if isinstance(cluster, bytes) else str(cluster)) \
             if cluster else f"{parts.hostname}:{parts.port or 5672}"
         self.upstream_vhost = unquote(parts.path[1:]) if len(parts.path) > 1 else "/"
+        return wire
 
-    async def _session(self, conn: aiormq.abc.AbstractConnection) -> None:
+    async def _session(self, wire: UpstreamWire) -> None:
         raise NotImplementedError
+
+    async def consume(self, wire: UpstreamWire, channel: int, queue: str,
+                      on_message: Callable[[Message], None]) -> str:
+        """Start the upstream consumer on ``channel`` (deliveries to ``on_message``, settled by
+        ``self.acker``): its consumer tag."""
+        no_ack = self.upstream.ack_mode == "no-ack"
+        wire.channel, wire.on_message, wire.consuming = channel, on_message, True
+        if not no_ack and self.acker is None:
+            self.acker = Acker(wire, self.upstream.prefetch_count)
+        consume = commands.Basic.Consume(queue=queue, consumer_tag=self.upstream.consumer_tag or "",
+                                         no_ack=no_ack)
+        ok = await wire.ask(channel, consume, commands.Basic.ConsumeOk)
+        assert isinstance(ok, commands.Basic.ConsumeOk)
+        return str(ok.consumer_tag)
+
+    async def qos(self, wire: UpstreamWire, channel: int) -> None:
+        qos = commands.Basic.Qos(prefetch_count=self.upstream.prefetch_count)
+        await wire.ask(channel, qos, commands.Basic.QosOk)
+
+    def remote_settler(self, msg: Message) -> Callable[[bool], None]:
+        acker, tag = self.acker, msg.tag
+        if acker is None:  # no-ack
+            return _nothing
+        return lambda ok: acker.settle(tag, ok)
 
     async def _local(self, vhost: str) -> None:
         """The session with an upstream on this broker (``broker/federation/local.py``)."""
@@ -198,48 +238,31 @@ class Link:
 
     # ------------------------------------------------------------ messages
     @staticmethod
-    def hops_of(props: Any) -> list[Any]:
-        """The ``x-received-from`` list of a message's properties (pamqp's), this hop not yet added."""
-        headers = props.headers if isinstance(props.headers, dict) else {}
-        hops = headers.get("x-received-from")
+    def hops_of(msg: Message) -> list[Any]:
+        """The ``x-received-from`` list of a message, this hop not yet added."""
+        headers = msg.props.headers
+        hops = headers.get("x-received-from") if isinstance(headers, dict) else None
         return list(hops) if isinstance(hops, list) else []
 
-    def forward(self, body: bytes, redelivered: bool, exchange: str, routing_key: str, props: Any,
-                hops: list[Any], where: tuple[str, str], settle: Callable[[bool], None]) -> None:
-        """Publish one delivery here with this hop added; ``settle(ok)`` tells the upstream (by
-        ack-mode: at once, or once the copy here is durable)."""
-        hop = {"uri": self.uri, where[0]: where[1], "redelivered": bool(redelivered),
+    def forward(self, msg: Message, exchange: str, routing_key: str, hops: list[Any], where: tuple[str, str],
+                settle: Callable[[bool], None]) -> None:
+        """Publish one delivery here with this hop added (in this turn's batch); ``settle(ok)``
+        tells the upstream (by ack-mode: once published, or once the copy here is durable). A
+        message this broker refuses is given back upstream and ends the session."""
+        hop = {"uri": self.uri, where[0]: where[1], "redelivered": bool(msg.redelivered),
                "cluster-name": self.upstream_cluster, "vhost": self.upstream_vhost}
-        hops = [*hops, hop][-MAX_RECEIVED_FROM:]
+        props = msg.props
         headers = dict(props.headers) if isinstance(props.headers, dict) else {}
-        headers["x-received-from"] = hops
+        headers["x-received-from"] = [*hops, hop][-MAX_RECEIVED_FROM:]  # type: ignore[assignment]
         props.headers = headers
-        try:
-            raw = bytes(commands.Basic.Properties.marshal(props))
-            now = int(time.time() * 1000)
-            out = self.vhost.publish(PublishRequest(exchange, routing_key, raw, body, now))
-        except (errors.AMQPError, errors.DiskFull, OSError) as exc:
-            settle(False)
-            raise Refused(f"this broker refused a message: {exc}") from None
-        if out.rejected:
-            settle(False)
-            raise Refused("this broker refused a message (a queue is full)")
-        if self.upstream.ack_mode == "on-confirm" and out.sync:
-            deps = None if out.held else [q.store for q in out.queues]
-            self.after_sync(settle, deps)
-        else:
-            settle(True)
+        msg.exchange, msg.routing_key = exchange, routing_key
 
-    def settler(self, channel: aiormq.abc.AbstractChannel, msg: DeliveredMessage) -> Callable[[bool], None]:
-        tag, mode = msg.delivery_tag, self.upstream.ack_mode
-        return lambda ok: self._settle(channel, tag, ok, mode)
+        def published(verdict: Verdict) -> None:
+            settle(verdict is Verdict.OK)
+            if verdict is not Verdict.OK:
+                self.fail(Refused(f"this broker refused a message: {self.turn.problem or 'a queue is full'}"))
 
-    def _settle(self, channel: aiormq.abc.AbstractChannel, tag: int | None, ok: bool, mode: str) -> None:
-        if mode == "no-ack" or tag is None or channel.is_closed:
-            return  # a closed channel: the upstream requeues what it had not been told
-        coro = channel.basic_ack(tag) if ok else channel.basic_nack(tag, requeue=True)
-        task = asyncio.ensure_future(coro)
-        task.add_done_callback(_quiet)
+        self.turn.add(msg, published)
 
     # ------------------------------------------------------------ status
     def to_json(self) -> dict[str, Any]:
@@ -259,16 +282,15 @@ class Link:
         raise NotImplementedError
 
 
-def _quiet(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled():
-        task.exception()  # a closed channel: the session ends and the link reconnects
+def _nothing(_ok: bool) -> None:
+    """Settling a ``no-ack`` delivery: the upstream forgot it as it sent it."""
 
 
 def _reason(exc: BaseException) -> str:
     if isinstance(exc, asyncio.TimeoutError):
         return "the upstream did not answer in time"
-    if isinstance(exc, aiormq.exceptions.ChannelClosed) and len(exc.args) >= 2:
-        return f"channel closed by the upstream: {exc.args[0]} {exc.args[1]}"
+    if isinstance(exc, EndLost):
+        return str(exc)
     if isinstance(exc, ConnectionError | OSError):
         return f"cannot connect to the upstream: {exc}"
     text = str(exc) or type(exc).__name__

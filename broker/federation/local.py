@@ -9,7 +9,7 @@ it declares the upstream queue (``VHost.declare_queue``) and, for an exchange, i
 with the local exchange's bindings (``VHost.bind_exchange``/``unbind_exchange``), then consumes it with a
 ``LinkConsumer``: a model consumer with room for ``prefetch-count`` unsettled messages, like an
 AMQP consumer's prefetch. Each delivery goes through the link's ``take``/``forward`` (hop rules,
-``x-received-from``, ``VHost.publish`` here) and is settled on the upstream queue by ack-mode
+``x-received-from``, the turn's batch publish here) and is settled on the upstream queue by ack-mode
 (``Queue.ack`` once durable here; ``Queue.reject`` with requeue when this side refused it). A
 settlement that comes after the link stopped still happens, so nothing stays unacked or is
 requeued after it was published here.
@@ -21,7 +21,7 @@ import asyncio
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from broker import properties
+from broker.links.message import Message
 from broker.model.exchange_features import FEDERATION_UPSTREAM
 from broker.model.queue import Consumer, Queue
 from broker.model.vhost import VHost
@@ -77,10 +77,6 @@ class LinkConsumer(Consumer):
         self.fail(RuntimeError(f"the upstream queue '{self.queue.name}' was deleted"))
 
 
-def _decoded(props: bytes) -> Any:
-    return properties.decode(props)
-
-
 async def exchange_session(link: ExchangeLink, up: VHost, interval: float) -> None:
     from broker.federation.exchange_link import exchange_name, local_bindings, upstream_exchange_args
 
@@ -115,9 +111,9 @@ async def exchange_session(link: ExchangeLink, up: VHost, interval: float) -> No
 
     mirror()
 
-    def on_message(_msgid: int, rk: str, props: bytes, body: bytes, redelivered: bool,
+    def on_message(msgid: int, rk: str, props: bytes, body: bytes, redelivered: bool,
                    settle: Callable[[bool], None]) -> None:
-        link.take(body, redelivered, rk, _decoded(props), up_ex, settle)
+        link.take(Message(up_ex, rk, None, body, redelivered, msgid, raw=props), up_ex, settle)
 
     consumer = LinkConsumer(q, link.upstream.prefetch_count, on_message, link.fail,
                             f"federation: {link.resource}")
@@ -150,11 +146,10 @@ async def queue_session(link: QueueLink, up: VHost, interval: float) -> None:
     up_q, _ = up.declare_queue(up_name, durable=True, owner=None) if up_name not in up.queues \
         else (up.queues[up_name], False)
 
-    def on_message(_msgid: int, _rk: str, props: bytes, body: bytes, redelivered: bool,
+    def on_message(msgid: int, rk: str, props: bytes, body: bytes, redelivered: bool,
                    settle: Callable[[bool], None]) -> None:
-        decoded = _decoded(props)
-        link.forward(body, redelivered, "", link.resource, decoded, link.hops_of(decoded), ("queue", up_name),
-                     settle)
+        msg = Message("", rk, None, body, redelivered, msgid, raw=props)
+        link.forward(msg, "", link.resource, link.hops_of(msg), ("queue", up_name), settle)
 
     consumer = LinkConsumer(up_q, link.upstream.prefetch_count, on_message, link.fail,
                             f"federation: {link.resource}", gate=lambda: demand(q))

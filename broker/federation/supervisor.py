@@ -66,8 +66,8 @@ def _federated(definition: dict[str, Any] | None) -> bool:
 
 
 def _link_type(kind: str) -> type[Link]:
-    """The link class for ``kind``, imported when the first link starts: the links bring aiormq,
-    a tenth of a second of every broker's start, and most brokers federate nothing."""
+    """The link class for ``kind``, imported when the first link starts: the links bring the link
+    layer and pamqp's commands, time off every broker's start, and most brokers federate nothing."""
     from broker.federation.exchange_link import ExchangeLink
     from broker.federation.queue_link import QueueLink
     return ExchangeLink if kind == "exchange" else QueueLink

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+from broker.links.wire import redact
+
 DEFAULT_PREFETCH = 1000  # RabbitMQ's src-prefetch-count default
 MAX_PREFETCH = 65535  # in-flight messages per shovel: the bound on what it holds in memory
 DEFAULT_RECONNECT_DELAY = 5.0  # seconds; RabbitMQ's default for dynamic shovels
@@ -53,11 +55,7 @@ class Uri:
 
     def redacted(self) -> str:
         """The URI without its password, for the status and the logs."""
-        parts = urlsplit(self.text)
-        if parts.password is None:
-            return self.text
-        netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-        return parts._replace(netloc=netloc).geturl()
+        return redact(self.text)
 
 
 @dataclass(frozen=True)

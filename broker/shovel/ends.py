@@ -18,65 +18,25 @@ import enum
 from collections.abc import Callable
 from typing import Protocol
 
-from pamqp import commands
+from broker.links.message import (
+    CONNECT_TIMEOUT,
+    EMPTY_PROPERTIES,
+    OP_TIMEOUT,
+    EndLost,
+    Message,
+    Verdict,
+    new_lost,
+    set_lost,
+)
 
-from broker import properties
-
-CONNECT_TIMEOUT = 15.0  # seconds for the TCP, TLS and AMQP handshakes of one URI (a remote end)
-OP_TIMEOUT = 30.0  # seconds for one declare, qos, consume (a remote end)
-EMPTY_PROPERTIES = b"\x00\x00"  # a content header's property flags with no property set
+__all__ = ["CONNECT_TIMEOUT", "EMPTY_PROPERTIES", "OP_TIMEOUT", "Destination", "EndLost", "Message", "Settle",
+           "Source", "Verdict", "new_lost", "set_lost"]
 
 
 class Settle(enum.Enum):
     ACK = "ack"
     REQUEUE = "requeue"
     DEAD_LETTER = "dead-letter"
-
-
-class Verdict(enum.Enum):
-    OK = "ok"
-    RETRY = "retry"
-    REFUSED = "refused"
-
-
-class EndLost(Exception):
-    """An end's connection or channel is gone; the text says why."""
-
-
-class Message:
-    """One message in flight. Its content properties are kept as they came: the raw property
-    bytes from this broker's store (decoded only if an end or the definition needs the fields),
-    or the pamqp object a client library decoded (encoded only for this broker's store)."""
-
-    __slots__ = ("exchange", "routing_key", "body", "redelivered", "tag", "_props", "_raw")
-
-    def __init__(self, exchange: str, routing_key: str, props: commands.Basic.Properties | None, body: bytes,
-                 redelivered: bool, tag: int, raw: bytes | None = None) -> None:
-        self.exchange = exchange
-        self.routing_key = routing_key
-        self.body = body
-        self.redelivered = redelivered
-        self.tag = tag  # the source's handle to settle it
-        self._props = props
-        self._raw = raw
-
-    @property
-    def props(self) -> commands.Basic.Properties:
-        """The fields (decoded on first use); a change to them is published (``raw`` is dropped)."""
-        if self._props is None:
-            try:
-                self._props = properties.decode(self._raw or EMPTY_PROPERTIES)
-            except Exception:  # noqa: BLE001 - stored by another protocol oddly: sent without properties
-                self._props = commands.Basic.Properties()
-        self._raw = None
-        return self._props
-
-    @property
-    def raw(self) -> bytes:
-        """The property bytes of this broker's store format."""
-        if self._raw is None:
-            self._raw = properties.encode(self.props)
-        return self._raw
 
 
 class Source(Protocol):
@@ -94,7 +54,10 @@ class Source(Protocol):
 class Destination(Protocol):
     lost: asyncio.Future[str]
     concurrency: int  # publishes it may have in flight at once (1: strictly in order, one by one)
-    problem: str  # why the last send was not OK (the status's reason while the link retries)
+    @property
+    def problem(self) -> str:
+        """Why the last send was not OK (the status's reason while the link retries)."""
+        ...
 
     async def open(self) -> None: ...
 
@@ -106,13 +69,3 @@ class Destination(Protocol):
         """Only when ``immediate``: publish now; the verdict, or None when ``later`` gets it."""
 
     async def close(self) -> None: ...
-
-
-def new_lost() -> asyncio.Future[str]:
-    fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-    return fut
-
-
-def set_lost(fut: asyncio.Future[str], reason: str) -> None:
-    if not fut.done():
-        fut.set_result(reason)

@@ -8,17 +8,10 @@ its offset by the consumer tag, as for any AMQP consumer. A ``src-exchange`` sou
 exclusive server-named queue owned by the shovel and binds it. Closing removes the consumer and
 rejects every unsettled delivery with requeue (what a closed AMQP channel does).
 
-Destination: the sends of one event-loop turn (a source hands over a whole socket read of
-deliveries at once) are published together at the end of the turn, in their order, as an AMQP
-session publishes a client's run of publishes: ``VHost.publish_batch`` takes as many as it can at
-once (routed once per routing key, each queue's part appended as a run), and a message it leaves
-(an exchange or queue with a behaviour of its own, an expiration, CC/BCC) goes through
-``VHost.publish`` alone, in its place. A message that reached durable storage is OK once the
-group commit made it durable (``after_sync``: a confirm; one wait for the whole turn); a queue
-that refused it (``reject-publish`` overflow) is ``RETRY``. An unroutable message is OK, as a
-publisher confirm says for one published without ``mandatory`` (RabbitMQ's shovel does the
-same). A publish that fails (no such exchange, a full disk) breaks the run (``lost``): the
-source gives back every message not yet settled.
+Destination: the sends of one event-loop turn are published together at the end of the turn
+through the shared link layer's ``TurnPublisher`` (``broker/links/turn.py``: the model's batch
+operation, one group-commit wait per turn); a publish that fails (no such exchange, a full
+disk) breaks the run (``lost``): the source gives back every message not yet settled.
 
 Permissions are the AMQP ones of the user who defined the shovel: read on the source queue (or
 exchange, and configure on its queue), write on the destination exchange and its topic
@@ -28,22 +21,17 @@ permission. A parameter with no such user (loaded from a definitions file) acts 
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from broker import errors
 from broker.auth.users import UserStore
-from broker.model.publish import Names, PublishRequest
+from broker.links.turn import AfterSync, TurnPublisher
 from broker.model.queue import Consumer, Queue
 from broker.model.vhost import VHost
 from broker.shovel.definition import ShovelDef
 from broker.shovel.ends import EndLost, Message, Settle, Verdict, new_lost, set_lost
-
-
-class AfterSync(Protocol):
-    def __call__(self, callback: Callable[[bool], None], deps: Collection[Any] | None = None) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -180,20 +168,6 @@ class LocalSource:
                 vh.delete_queue(self.temp_queue, owner=self)
 
 
-class _Keyed(Names):
-    """An exchange and routing key, encoded once, with the routing key that routes
-    (``publish_api.KeyedNames``)."""
-
-    __slots__ = ("routing_key",)
-
-    def __init__(self, exchange: str, routing_key: str) -> None:
-        super().__init__(exchange, routing_key)
-        self.routing_key = routing_key
-
-
-NAMES_KEPT = 4096  # encoded exchange/routing-key pairs a destination remembers (then starts over)
-
-
 class LocalDestination:
     concurrency = 1 << 16  # publishes are synchronous and in order; only the durability wait overlaps
     immediate = True  # send_now: no task per message
@@ -201,14 +175,18 @@ class LocalDestination:
     def __init__(self, d: ShovelDef, local: Local, owner: str | None) -> None:
         self.d, self.local, self.owner = d, local, owner
         self.lost = new_lost()
-        self.problem = ""
         self.vhost: VHost | None = None
         self.checked: set[str] = set()  # exchanges the owner may write to (as a session remembers)
-        self.names: dict[tuple[str, str], _Keyed] = {}
-        self.batch: list[tuple[Message, Callable[[Verdict], None]]] = []  # this turn's sends
-        self.answered = 0  # sends of the batch being published that were answered so far
-        self.waiting: list[Callable[[Verdict], None]] = []  # sends of this turn awaiting the commit
-        self.deps: set[Any] = set()  # the stores they went to
+        self.turn = TurnPublisher(self._live_vhost, local.after_sync, d.ack_mode == "on-confirm",
+                                  lambda reason: set_lost(self.lost, reason))
+
+    @property
+    def problem(self) -> str:
+        return self.turn.problem
+
+    def _live_vhost(self) -> VHost | None:
+        vh = self.vhost
+        return vh if vh is not None and vh.name in self.local.vhosts else None
 
     async def open(self) -> None:
         d = self.d
@@ -242,114 +220,8 @@ class LocalDestination:
         if vh is None or vh.name not in self.local.vhosts:
             raise EndLost("destination vhost is gone")
         self._may_write(vh, msg.exchange, msg.routing_key)
-        if not self.batch:
-            asyncio.get_running_loop().call_soon(self._publish_batch)
-        self.batch.append((msg, later))
+        self.turn.add(msg, later)
         return None
-
-    def _keyed(self, exchange: str, routing_key: str) -> _Keyed:
-        names = self.names.get((exchange, routing_key))
-        if names is None:
-            if len(self.names) >= NAMES_KEPT:
-                self.names.clear()
-            names = self.names[(exchange, routing_key)] = _Keyed(exchange, routing_key)
-        return names
-
-    def _publish_batch(self) -> None:
-        """Publish this turn's sends in order: runs to one exchange through ``publish_batch``,
-        what it leaves one by one; then one group-commit wait for those that need it."""
-        batch, self.batch = self.batch, []
-        vh = self.vhost
-        self.answered = 0  # sends of the batch answered (or waiting for the commit) so far
-        try:
-            if vh is None or vh.name not in self.local.vhosts:
-                raise EndLost("destination vhost is gone")
-            i, n = 0, len(batch)
-            ts = int(time.time() * 1000)
-            while i < n:
-                exchange = batch[i][0].exchange
-                j = i + 1
-                while j < n and batch[j][0].exchange == exchange:
-                    j += 1
-                self._publish_run(vh, exchange, batch[i:j], ts)
-                i = j
-        except Exception as exc:  # noqa: BLE001 - EndLost, or a bug: the run ends either way
-            reason = str(exc) if isinstance(exc, EndLost) else f"destination: {type(exc).__name__}: {exc}"
-            set_lost(self.lost, reason)  # the run ends; the source gives back what it did not settle
-            left = self.waiting + [later for _, later in batch[self.answered:]]
-            self.waiting, self.deps = [], set()
-            for later in left:
-                later(Verdict.RETRY)  # (the closing run settles none of them)
-            return
-        if self.waiting:
-            self._wait_for_commit()
-
-    def _publish_run(self, vh: VHost, exchange: str, part: list[tuple[Message, Callable[[Verdict], None]]],
-                     ts: int) -> None:
-        """Messages to one exchange: as many as ``VHost.publish_batch`` takes at once, the one it
-        leaves through ``VHost.publish``, and so on (as an AMQP session does)."""
-        keys = [self._keyed(exchange, m.routing_key) for m, _ in part]
-        props = [m.raw for m, _ in part]
-        bodies = [m.body for m, _ in part]
-        confirm = self.d.ack_mode == "on-confirm"
-        i, n, base = 0, len(part), self.answered
-        while i < n:
-            try:
-                out = vh.publish_batch(exchange, keys, props, bodies, ts, i)
-            except (errors.DiskFull, OSError) as exc:
-                if not errors.no_space(exc):
-                    raise
-                out = None  # nothing of it is stored (room first): one by one, each stored or refused
-            if out is not None and out.done > i:
-                done = out.done
-                self.answered = base + done
-                if out.sync and confirm:
-                    self.waiting.extend(later for _, later in part[i:done])
-                    self.deps.update(q.store for q in out.queues)
-                else:
-                    for _, later in part[i:done]:
-                        later(Verdict.OK)
-                i = done
-            if i < n:
-                self._publish_one(vh, part[i], keys[i], ts)
-                i += 1
-                self.answered = base + i
-
-    def _publish_one(self, vh: VHost, item: tuple[Message, Callable[[Verdict], None]], names: _Keyed,
-                     ts: int) -> None:
-        msg, later = item
-        try:
-            outcome = vh.publish(PublishRequest(msg.exchange, msg.routing_key, msg.raw, msg.body, ts,
-                                                names=names))
-        except errors.AMQPError as exc:  # no such exchange...
-            raise EndLost(f"destination: {exc.reply_text}") from None
-        except (errors.DiskFull, OSError) as exc:
-            if not errors.no_space(exc):
-                raise
-            raise EndLost("destination: disk full") from None
-        if outcome.rejected:
-            self.problem = "a destination queue refused a message (reject-publish at its limit): retrying"
-            later(Verdict.RETRY)
-        elif outcome.sync and self.d.ack_mode == "on-confirm":
-            self.waiting.append(later)
-            self.deps.update(q.store for q in outcome.queues)
-        else:
-            later(Verdict.OK)
-
-    def _wait_for_commit(self) -> None:
-        """One group-commit wait for every send of the turn: it covers everything written
-        before it is registered."""
-        waiting, deps = self.waiting, self.deps
-        self.waiting, self.deps = [], set()
-
-        def synced(ok: bool) -> None:
-            if not ok:
-                self.problem = "the destination could not make a message durable: retrying"
-            verdict = Verdict.OK if ok else Verdict.RETRY
-            for later in waiting:
-                later(verdict)
-
-        self.local.after_sync(synced, deps)
 
     async def close(self) -> None:
         set_lost(self.lost, "closed")

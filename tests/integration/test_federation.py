@@ -257,6 +257,110 @@ def test_queue_federation_pulls_only_for_consumers(shared_broker: Broker) -> Non
         drop_vhosts(api, [up, down])
 
 
+class _CountingRelay:
+    """A TCP relay between a link and the broker that counts the ``basic.consume`` frames the
+    link sends (what a queue link's cancel/re-consume churn costs, seen on the wire)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.target = (host, port)
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(4)
+        self.sock.settimeout(0.2)
+        self.port = self.sock.getsockname()[1]
+        self.consumes = 0
+        self.stop = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.stop.is_set():
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                continue
+            server = socket.create_connection(self.target)
+            threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, count: bool) -> None:
+        buf, skip = b"", 8  # the client's stream opens with the 8-byte protocol header
+        try:
+            while not self.stop.is_set():
+                data = src.recv(65536)
+                if not data:
+                    break
+                dst.sendall(data)
+                if not count:
+                    continue
+                buf += data
+                if skip:
+                    cut = min(skip, len(buf))
+                    buf, skip = buf[cut:], skip - cut
+                while len(buf) >= 7 and len(buf) >= 8 + int.from_bytes(buf[3:7], "big"):
+                    size = int.from_bytes(buf[3:7], "big")
+                    if buf[0] == 1 and buf[7:11] == b"\x00\x3c\x00\x14":  # basic.consume (60, 20)
+                        self.consumes += 1
+                    buf = buf[8 + size:]
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                s.close()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.sock.close()
+
+
+@SINGLE
+def test_queue_link_consumes_upstream_again_at_most_once_a_window(shared_broker: Broker) -> None:
+    """A consumer here (prefetch 20, an ack per message) drains 500 messages from upstream:
+    deliveries land here in bursts of up to a window that the consumer takes a moment later, and
+    the link cancels and consumes again at most once per upstream window (``prefetch-count``),
+    not whenever the consumer's own window is full for a moment."""
+    b, api = shared_broker, api_of(shared_broker)
+    up, down = vhosts(api, 2)
+    relay = _CountingRelay(b.host, b.port)
+    cu, cd = conn(b, up), conn(b, down)
+    n = 500
+    try:
+        chu, chd = cu.channel(), cd.channel()
+        chu.queue_declare("fed.q", durable=True)
+        chd.queue_declare("fed.q", durable=True)
+        chu.confirm_delivery()
+        for i in range(n):
+            chu.basic_publish("", "fed.q", f"m{i:04}".encode() * 200, pika.BasicProperties(delivery_mode=2))
+        value = {"uri": f"amqp://guest:guest@127.0.0.1:{relay.port}/{quote(up, safe='')}",
+                 "reconnect-delay": 1, "prefetch-count": 50}
+        assert api.call("PUT", f"/api/parameters/federation-upstream/{quote(down, safe='')}/u",
+                        {"value": value})[0] in (201, 204)
+        policy(api, down, {"federation-upstream-set": "all"}, apply_to="queues")
+        wait_running(api, down, 1)
+        got: list[bytes] = []
+        chd.basic_qos(prefetch_count=20)
+
+        def on_message(ch: Any, method: Any, _props: Any, body: bytes) -> None:
+            got.append(body)
+            ch.basic_ack(method.delivery_tag)
+
+        chd.basic_consume("fed.q", on_message)
+        deadline = time.monotonic() + LINK_DEADLINE
+        while len(got) < n and time.monotonic() < deadline:
+            cd.process_data_events(0.05)
+        assert sorted(got) == sorted(f"m{i:04}".encode() * 200 for i in range(n))
+        assert relay.consumes <= n // 50 + 2, f"{relay.consumes} basic.consume for {n} messages"
+    finally:
+        api.call("DELETE", f"/api/policies/{quote(down, safe='')}/federate")
+        cu.close()
+        cd.close()
+        relay.close()
+        drop_vhosts(api, [up, down])
+
+
 @SINGLE
 def test_in_process_upstream_on_this_broker(shared_broker: Broker) -> None:
     """A host-less URI (``amqp:///vhost``): the link runs in-process through the model, with the
