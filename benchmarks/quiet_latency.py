@@ -168,10 +168,9 @@ def table(results: Results, columns: list[str]) -> str:
     head = ["cell", "metric", *columns, "Skred / RabbitMQ", "Skred at or better"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (row, metric), by_column in results.items():
-        med = {c: statistics.median(v) for c, v in by_column.items() if v}
-        cells = [f"{med[c]:,.2f}" if c in med else "—" for c in columns]
-        if metric == "max ms":  # the worst run's maximum, not the median's
-            cells = [f"{max(by_column[c]):,.2f} (worst run)" if c in by_column else "—" for c in columns]
+        worst = metric == "max ms"  # the worst run's maximum, not the median's
+        med = {c: (max(v) if worst else statistics.median(v)) for c, v in by_column.items() if v}
+        cells = [f"{med[c]:,.2f}" + (" (worst run)" if worst else "") if c in med else "—" for c in columns]
         ratio, ok = "—", "—"
         if "Skred" in med and "RabbitMQ" in med and med["RabbitMQ"]:
             ratio = f"{med['Skred'] / med['RabbitMQ']:.2f}"
