@@ -10,9 +10,9 @@ whole batch is covered). The sync takes the dirty set, fsyncs each member in
 a worker thread (fsync releases the GIL; the event loop keeps serving) and
 then runs the callbacks registered before it started, in order; the worker
 hands the result straight to the loop (``call_soon_threadsafe``). The worker is
-one dedicated thread (``_FsyncThread``) holding at most one job, woken by a
-condition: a commit costs no future, work item or executor bookkeeping on the
-loop, and the thread goes straight from its wait to the fsync. Every loop
+one dedicated thread (``_FsyncThread``) blocked in C on a simple queue: a
+commit costs one C call on the loop (no future, work item or executor
+bookkeeping), and the thread goes straight from its wait to the fsync. Every loop
 turn between a publish and its confirm costs a synchronous publisher a whole
 turn of everybody else's work (milliseconds on a busy loop), so the path has
 no turn it does not need. Callbacks registered while a sync runs wait for the
@@ -59,9 +59,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Collection
 from typing import Protocol
 
@@ -129,50 +129,43 @@ BULK_SYNC_MIN = 8
 
 
 class _FsyncThread:
-    """The syncer's worker: one thread woken by a condition. ``run`` hands it a job (the
-    syncer has one commit in flight, but the next may be handed over while the thread is
-    still returning from the last one's report, so jobs queue in order); ``idle`` waits until
+    """The syncer's worker: one dedicated thread that blocks in C on a ``queue.SimpleQueue``
+    (a lock used as a semaphore), so handing it a commit is one C call on the loop and it
+    wakes straight into the job, with none of an executor's futures and work items, nor a
+    Python-level ``threading.Condition`` wait (measured: ``benchmarks/latency_handoff.py``).
+    The syncer has one commit in flight, but hands over the next while the thread may still
+    be returning from the last one's report, so jobs queue in order. ``idle`` waits until
     every job handed over has ended; ``stop`` ends the thread after them."""
 
     def __init__(self, name: str) -> None:
-        self._cond = threading.Condition(threading.Lock())
-        self._jobs: deque[Callable[[], None]] = deque()
-        self._busy = False
-        self._stopping = False
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._stopped = False
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
 
     def run(self, job: Callable[[], None]) -> None:
-        with self._cond:
-            if self._stopping:
-                raise RuntimeError("the fsync thread has stopped")
-            self._jobs.append(job)
-            self._cond.notify_all()
+        if self._stopped:
+            raise RuntimeError("the fsync thread has stopped")
+        self._jobs.put(job)
 
     def idle(self) -> None:
-        with self._cond:
-            while self._busy or self._jobs:
-                self._cond.wait()
+        if self._stopped:
+            self._thread.join()
+            return
+        done = threading.Event()
+        self._jobs.put(done.set)
+        done.wait()
 
     def stop(self) -> None:
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
+        if not self._stopped:
+            self._stopped = True
+            self._jobs.put(None)
         if self._thread is not threading.current_thread():
             self._thread.join()
 
     def _main(self) -> None:
-        cond, jobs = self._cond, self._jobs
-        while True:
-            with cond:
-                self._busy = False
-                cond.notify_all()  # for ``idle``
-                while not jobs:
-                    if self._stopping:
-                        return
-                    cond.wait()
-                job = jobs.popleft()
-                self._busy = True
+        get = self._jobs.get
+        while (job := get()) is not None:
             try:
                 job()
             except Exception:  # pragma: no cover - the job reports its own failures
