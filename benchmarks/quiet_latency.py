@@ -153,12 +153,12 @@ def topic_cells(results: Results, nodes: list[tuple[str, list[str], Node]], runs
     """``nodes``: (column, the rows it belongs to, node)."""
     for run in range(runs):
         for column, rows, node in nodes:
-            cpu0 = latency.tree_cpu(node.pid)  # the node and its workers, setup included
-            r = varied(node.uri, seconds, topic=TOPIC_QUEUES)
-            cpu = (latency.tree_cpu(node.pid) - cpu0) / max(1.0, r["consume_rate"] * seconds) * 1e6
+            r = varied(node.uri, seconds, topic=TOPIC_QUEUES,
+                       cpu=lambda pid=node.pid: latency.tree_cpu(pid))  # the node and its workers
             for row in rows:
                 _note(results, row, "deliveries/s", column, r["consume_rate"])
-                _note(results, row, "broker CPU µs/delivery (with setup)", column, cpu)
+                if "cpu_us_per_msg" in r:
+                    _note(results, row, "broker CPU µs/delivery", column, r["cpu_us_per_msg"])
             _say(f"topic {column} run {run + 1}: {r['consume_rate']:.0f} deliveries/s")
 
 
