@@ -20,8 +20,8 @@ of the runs (and, per latency cell, the worst run's maximum: the issue's "no run
 
 ``--baseline REV`` adds a Skred built from another commit (``git archive`` into the work
 directory; default ``ae1e1ed``, the commit of the issue's 225k topic figure) as a third
-column: every cell runs on it too, which makes the topic A/B (and any other) part of the same
-run. Brokers are configured through ``SKRED_*`` environment variables, which any commit
+column of the topic cells, which makes the topic A/B part of the same run; with
+``--baseline-all`` every cell runs on it too (about 3 minutes more). Brokers are configured through ``SKRED_*`` environment variables, which any commit
 accepts (an old tree ignores the options it does not know, such as ``workers``), every
 listener on a free port.
 
@@ -194,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="Skred's workers for the latency and cold cells (2: the default on 2 cores)")
     ap.add_argument("--baseline", default="ae1e1ed", metavar="REV",
                     help="also measure Skred at this commit ('' for none)")
+    ap.add_argument("--baseline-all", action="store_true",
+                    help="the baseline in the latency and cold cells too (default: topic only; +3 min)")
     ap.add_argument("--skip", default="", help="sections to leave out: latency,cold,topic")
     ap.add_argument("--quick", action="store_true", help="tiny counts: checks the script, not the brokers")
     a = ap.parse_args(argv)
@@ -228,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         rabbit.wait_ready(READY_S)
         rmq = Node("RabbitMQ", rabbit.plain_uri, rabbit.pid, rabbit.stop)
         _say(f"brokers up after {time.monotonic() - started:.0f} s")
-        pair = [("Skred", skred), *([(base_col, base)] if base else []), ("RabbitMQ", rmq)]
+        pair = [("Skred", skred), *([(base_col, base)] if base and a.baseline_all else []), ("RabbitMQ", rmq)]
         if "latency" not in skip:
             latency_cells(results, pair, cells, a.runs, a.seconds)
         if "cold" not in skip:
