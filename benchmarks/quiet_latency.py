@@ -21,9 +21,9 @@ of the runs (and, per latency cell, the worst run's maximum: the issue's "no run
 ``--baseline REV`` adds a Skred built from another commit (``git archive`` into the work
 directory; default ``ae1e1ed``, the commit of the issue's 225k topic figure) as a third
 column of the topic cells, which makes the topic A/B part of the same run; with
-``--baseline-all`` every cell runs on it too (about 3 minutes more). Brokers are configured through ``SKRED_*`` environment variables, which any commit
-accepts (an old tree ignores the options it does not know, such as ``workers``), every
-listener on a free port.
+``--baseline-all`` every cell runs on it too (about 3 minutes more). Brokers are configured
+through ``SKRED_*`` environment variables, which any commit accepts (an old tree ignores the
+options it does not know, such as ``workers``), every listener on a free port.
 
 ``--quick`` shrinks every count (one run, one second, 50 cold queues) to check the script
 itself in a minute; its numbers mean nothing.
