@@ -38,6 +38,7 @@ from workloads import many_queues, memory_mib  # noqa: E402
 
 TRACE_ENV = "LATENCY_TRACE_DIR"  # not SKRED_*: the broker reads those as its own options
 TRACE_ON = "LATENCY_TRACE"
+CLEAR_ON = "LATENCY_CLEAR_TYPE_CACHE"
 HOOK = f'''
 import ctypes, gc, os, signal, sys, tracemalloc
 _dir = os.environ.get("{TRACE_ENV}")
@@ -47,6 +48,8 @@ if _dir:
         tracemalloc.start(6)
 
     def _dump(signum, frame):
+        if os.environ.get("{CLEAR_ON}"):  # the type-cache probe: its names let go first
+            sys._clear_type_cache()
         gc.collect()
         _taken[0] += 1
         out = os.path.join(_dir, "%d-%d.snap" % (os.getpid(), _taken[0]))

@@ -251,11 +251,13 @@ def _consumer(uri: str, queues: list[str], seconds: float, prefetch: int, out: A
 
 
 def varied(uri: str, seconds: float, pairs: int = 1, topic: int = 0, persistent: bool = False,
-           window: int = 0, prefetch: int = 0, pid: int = 0) -> dict[str, Any]:
+           window: int = 0, prefetch: int = 0, pid: int = 0,
+           cpu: Callable[[], float] | None = None) -> dict[str, Any]:
     """``pairs`` producers and consumers, each pair on its own queue (workloads 1, 2, 4); or,
     with ``topic``, one producer into a topic exchange with that many bound queues, routing
     keys in turn, all consumed by one consumer (workload 3). Reports consumed msg/s (all
-    consumers) and, with ``pid``, the broker's CPU per consumed message over the window."""
+    consumers) and, with ``pid``, the broker's CPU per consumed message over the window
+    (``cpu``: CPU seconds so far read some other way, e.g. a node's and its workers')."""
     tag = uuid.uuid4().hex[:8]
     conn = pika.BlockingConnection(pika.URLParameters(uri))
     ch = conn.channel()
@@ -288,9 +290,10 @@ def varied(uri: str, seconds: float, pairs: int = 1, topic: int = 0, persistent:
     for p in prods:
         p.start()
     assert cq.get(timeout=60) == "started"
-    cpu0 = broker_cpu(pid)
+    read_cpu = cpu or (lambda: broker_cpu(pid))
+    cpu0 = read_cpu()
     time.sleep(seconds)
-    cpu1 = broker_cpu(pid)
+    cpu1 = read_cpu()
     counts = []
     while len(counts) < len(cons):
         v = cq.get(timeout=seconds + 180)
@@ -309,7 +312,7 @@ def varied(uri: str, seconds: float, pairs: int = 1, topic: int = 0, persistent:
                          "publish_rate": sum(s for s, _ in sent) / (seconds + 2)}
     if window:
         r["confirm_rate"] = sum(c for _, c in sent) / (seconds + 2)
-    if pid and consumed:
+    if (pid or cpu) and consumed:
         r["cpu_us_per_msg"] = (cpu1 - cpu0) / consumed * 1e6
     return r
 

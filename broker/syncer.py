@@ -9,7 +9,10 @@ first callback starts a sync at once (it comes after a read batch, so that
 whole batch is covered). The sync takes the dirty set, fsyncs each member in
 a worker thread (fsync releases the GIL; the event loop keeps serving) and
 then runs the callbacks registered before it started, in order; the worker
-hands the result straight to the loop (``call_soon_threadsafe``). Every loop
+hands the result straight to the loop (``call_soon_threadsafe``). The worker is
+one dedicated thread (``_FsyncThread``) blocked in C on a simple queue: a
+commit costs one C call on the loop (no future, work item or executor
+bookkeeping), and the thread goes straight from its wait to the fsync. Every loop
 turn between a publish and its confirm costs a synchronous publisher a whole
 turn of everybody else's work (milliseconds on a busy loop), so the path has
 no turn it does not need. Callbacks registered while a sync runs wait for the
@@ -56,10 +59,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Collection
-from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 log = logging.getLogger(__name__)
@@ -125,6 +128,50 @@ class _Waiter:
 BULK_SYNC_MIN = 8
 
 
+class _FsyncThread:
+    """The syncer's worker: one dedicated thread that blocks in C on a ``queue.SimpleQueue``
+    (a lock used as a semaphore), so handing it a commit is one C call on the loop and it
+    wakes straight into the job, with none of an executor's futures and work items, nor a
+    Python-level ``threading.Condition`` wait (measured: ``benchmarks/latency_handoff.py``).
+    The syncer has one commit in flight, but hands over the next while the thread may still
+    be returning from the last one's report, so jobs queue in order. ``idle`` waits until
+    every job handed over has ended; ``stop`` ends the thread after them."""
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, job: Callable[[], None]) -> None:
+        if self._stopped:
+            raise RuntimeError("the fsync thread has stopped")
+        self._jobs.put(job)
+
+    def idle(self) -> None:
+        if self._stopped:
+            self._thread.join()
+            return
+        done = threading.Event()
+        self._jobs.put(done.set)
+        done.wait()
+
+    def stop(self) -> None:
+        if not self._stopped:
+            self._stopped = True
+            self._jobs.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _main(self) -> None:
+        get = self._jobs.get
+        while (job := get()) is not None:
+            try:
+                job()
+            except Exception:  # pragma: no cover - the job reports its own failures
+                log.exception("fsync job failed")
+
+
 class Syncer:
     def __init__(self, loop: asyncio.AbstractEventLoop, enabled: bool,
                  replicated: Callable[[list[Syncable]], asyncio.Future[None]] | None = None,
@@ -144,7 +191,7 @@ class Syncer:
         self._callbacks: list[_Waiter] = []
         self._running = False
         self._scheduled = False
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skred-fsync")
+        self._worker = _FsyncThread("skred-fsync")
         self.syncs = 0
         self.failures = 0  # objects that failed a push or a sync (each time)
         self._errors = _Throttled()
@@ -208,7 +255,7 @@ class Syncer:
         dirty, self._dirty = list(self._dirty), set()
         self._running = True
         self.sync_started = time.monotonic()
-        self._executor.submit(self._sync_then_report, dirty, full, waiters, barrier, failed)
+        self._worker.run(lambda: self._sync_then_report(dirty, full, waiters, barrier, failed))
 
     def _replicate(self, failed: set[Syncable]) -> asyncio.Future[None] | None:
         """Push each dirty object's pending state to the replication sink (``flush``; one that
@@ -284,7 +331,7 @@ class Syncer:
         """Synchronously fsync everything dirty (shutdown), after the background sync
         in progress: its dirty set is not ours, and closing its stores meanwhile would
         fsync them one by one."""
-        self._executor.submit(lambda: None).result()  # one worker: waits for the running sync
+        self._worker.idle()  # waits for the running sync
         dirty, self._dirty = list(self._dirty | self._full_pending), set()
         self._full_pending = set()
         _sync_all(dirty, True, self.bulk_sync, self._errors)
@@ -293,7 +340,7 @@ class Syncer:
         if self._window_timer is not None:
             self._window_timer.cancel()
             self._window_timer = None
-        self._executor.shutdown(wait=True)
+        self._worker.stop()
 
 
 def _sync_all(dirty: list[Syncable], full: bool, bulk_sync: Callable[[], None] | None,

@@ -26,7 +26,6 @@ the message comes back counted from 0 (never lost, at most delivered more often)
 
 from __future__ import annotations
 
-import errno
 import os
 import struct
 import threading
@@ -35,8 +34,9 @@ from pathlib import Path
 from typing import Final
 
 from broker.errors import StoreError
-from broker.store.fileio import append_whole, atomic_write
-from broker.store.segment_log import SegmentFiles, is_no_space
+from broker.store.compaction import out_of_space, rewrite
+from broker.store.fileio import append_whole
+from broker.store.segment_log import SegmentFiles
 from broker.store.sink import ReplicationSink
 
 NAME: Final = "counts"
@@ -93,12 +93,7 @@ class DeliveryCounts:
     def _compact(self) -> None:
         data = _HEADER.pack(VERSION) + b"".join(_RECORD.pack(m, n) for m, n in self.counts.items())
         with self._lock:
-            try:
-                atomic_write(self.path, data)
-            except OSError as exc:
-                if not is_no_space(exc):
-                    raise
-                self._files.no_space(self.path, exc)
+            if not rewrite(self.path, data, self._files):
                 return  # the appends stay valid; the next set tries again
             self._buf.clear()
             self._unsynced = False
@@ -114,7 +109,7 @@ class DeliveryCounts:
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
             if not append_whole(fd, self._buf):  # whole records or nothing: tried again next sync
-                self._files.no_space(self.path, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+                out_of_space(self._files, self.path)
                 return
         finally:
             os.close(fd)

@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Final
 
 from broker.errors import StoreError
-from broker.store.fileio import append_whole, atomic_write
+from broker.store.compaction import out_of_space, rewrite
+from broker.store.fileio import append_whole
 from broker.store.segment_log import SegmentFiles, is_no_space
 from broker.store.sink import ReplicationSink
 
@@ -131,7 +132,7 @@ class SequenceLog:
             return False
         try:
             if not append_whole(fd, data):
-                self._files.no_space(self.path, OSError(28, os.strerror(28)))
+                out_of_space(self._files, self.path)
                 return False
         finally:
             os.close(fd)
@@ -145,12 +146,7 @@ class SequenceLog:
 
     def _compact(self) -> bool:
         data = _HEADER.pack(VERSION) + b"".join(encode(n, s, e) for n, (s, e) in self._latest.items())
-        try:
-            atomic_write(self.path, data)
-        except OSError as exc:
-            if not is_no_space(exc):
-                raise
-            self._files.no_space(self.path, exc)
+        if not rewrite(self.path, data, self._files):
             return False
         self._exists = True
         self._records = len(self._latest)
