@@ -841,6 +841,18 @@ def _read_ini(path: Path) -> dict[str, tuple[str, str]]:
     return found
 
 
+def check_env_names(env: Mapping[str, str]) -> None:
+    """Refuse ``SKRED_<NAME>`` for a ``[main]`` option: its flag is ``--<name>`` but its variable
+    ``SKRED_MAIN_<NAME>``, and the short spelling, once ignored, silently left the default in
+    force (``SKRED_WORKERS=1`` ran a worker per core). Other ``SKRED_`` names (hooks' variables,
+    deploy files' own settings) are not the broker's and stay allowed."""
+    for option in OPTIONS:
+        short = f"{ENV_PREFIX}_{option.name}".upper()
+        if option.section == "main" and short in env:
+            raise ConfigError(f"environment variable {short} is not read: [main] {option.name} is "
+                              f"{option.env} (or {option.flag})")
+
+
 def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> Config:
     """Layer defaults < ini < environment < flags into a frozen ``Config``.
 
@@ -850,6 +862,7 @@ def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | 
     args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
     env = os.environ if environ is None else environ
 
+    check_env_names(env)
     raw: dict[str, tuple[str, str]] = {}
     if args.config is not None:
         raw.update(_read_ini(args.config))
