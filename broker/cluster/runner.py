@@ -497,7 +497,7 @@ class ClusterRunner:
         a = self.config.amqp
         leader = self.targets[codec.AMQP_PORT]
         return Routed(Limits(a.channel_max, a.frame_max, a.heartbeat), self.host.amqp_server_properties(),
-                      lambda vhost: leader)
+                      serving=lambda vhost: leader, login=lambda: leader)
 
     def _tunnelled(self, which: int) -> Tunnelled:
         return Tunnelled(which, lambda: self.secret, self._client_tls, self.node_id,
