@@ -52,7 +52,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 from urllib.parse import quote, unquote
 
@@ -72,6 +72,7 @@ CHANNEL_OPTIONS = {"grpc.initial_reconnect_backoff_ms": 100, "grpc.min_reconnect
 WARN_EVERY = 30.0  # seconds between reminders while etcd keeps failing
 SHARDS = "shards/"  # per-shard leader keys: <prefix>/shards/<quoted vhost>/leader (broker/shards/leaders.py)
 _SHARD_LEADER = "/leader"
+_SHARD_ISR = "/isr"  # beside it, the shard's ISR: written with the cluster's (``write_isr``)
 
 
 def shard_key(vhost: str) -> str:
@@ -84,6 +85,27 @@ def shard_of_key(key: str) -> str | None:
     if not key.startswith(SHARDS) or not key.endswith(_SHARD_LEADER):
         return None
     return unquote(key[len(SHARDS):-len(_SHARD_LEADER)])
+
+
+def shard_isr_key(vhost: str) -> str:
+    """The key (under the prefix) of a vhost's shard ISR, beside its leader key."""
+    return SHARDS + quote(vhost, safe="") + _SHARD_ISR
+
+
+def shard_isrs(keys: Mapping[str, tuple[bytes, int]]) -> dict[str, list[str]]:
+    """vhost -> its shard's ISR, from keys as ``get_prefix(SHARDS)`` returns them (an unreadable
+    value is left out: the shard then counts as having none yet)."""
+    out: dict[str, list[str]] = {}
+    for key, (raw, _rev) in keys.items():
+        if not key.startswith(SHARDS) or not key.endswith(_SHARD_ISR):
+            continue
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(value, list):
+            out[unquote(key[len(SHARDS):-len(_SHARD_ISR)])] = [str(v) for v in value]
+    return out
 
 
 def shard_holder(raw: bytes) -> str:
@@ -327,8 +349,11 @@ class Etcd:
             return None, raw
         return ([str(v) for v in value] if isinstance(value, list) else None), raw
 
-    async def write_isr(self, members: list[str]) -> bool | None:
-        """Write the ISR, fenced on our leadership (the leader key's create revision).
+    async def write_isr(self, members: list[str], shards: Sequence[str] = ()) -> bool | None:
+        """Write the ISR, fenced on our leadership (the leader key's create revision); with
+        ``shards`` (per-shard leaders: the vhosts whose data we replicate), each one's shard ISR
+        key too, in the same transaction, so no reader sees a shard ISR naming a node the
+        cluster's has dropped (confirms stop waiting for a node only after this write).
 
         True: written. False: we are not the leader any more. None: etcd did not answer
         (the write may or may not have happened): try again.
@@ -341,12 +366,26 @@ class Etcd:
         try:
             ok, _ = await self._call(self.client.transaction(
                 compare=[tx.create(self.key("leader")) == self.leader_revision],
-                success=[tx.put(self.key("isr"), json.dumps(members).encode())],
+                success=[tx.put(self.key(name), json.dumps(members).encode())
+                         for name in ("isr", *map(shard_isr_key, shards))],
                 failure=[],
             ))
         except EtcdError as exc:
             log.warning("ISR write failed: %s", exc)
             return None
+        return bool(ok)
+
+    async def add_shard_isrs(self, shards: Sequence[str], isr_raw: bytes) -> bool:
+        """Give ``shards`` (new vhosts) the cluster's ISR as their own, fenced on our leadership
+        and on the cluster's ISR still being ``isr_raw`` (a removal racing this wins)."""
+        if not shards or not self.lease_alive() or self.client is None:
+            return False
+        tx = self.client.transactions
+        ok, _ = await self._call(self.client.transaction(
+            compare=[tx.create(self.key("leader")) == self.leader_revision,
+                     tx.value(self.key("isr")) == isr_raw],
+            success=[tx.put(self.key(shard_isr_key(v)), isr_raw) for v in shards],
+            failure=[]))
         return bool(ok)
 
     async def drop_stale_leader(self, value: str) -> None:

@@ -146,6 +146,7 @@ class ClusterRunner:
         self.repl_tls = tls.replication_tls(config.main, c.tls)
         self.node: LeaderBroker | None = None  # the broker, while this node leads (SIGHUP reloads it)
         self.proxies: list[SpliceProxy] = []
+        self.election: ShardElection | None = None  # per-shard leaders (``[clustering] shard_leaders``)
         self.synced_once = False
         self.lock: DataDirLock | None = None
         self.apply_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skred-replica")
@@ -199,7 +200,8 @@ class ClusterRunner:
         shards: asyncio.Future[None] | None = None
         drained: asyncio.Future[None] | None = None
         if self.config.clustering.shard_leaders:
-            election = self.host.shard_election(self.config, self.etcd, self.node_id, self.uri, self.view)
+            election = self.election = self.host.shard_election(self.config, self.etcd, self.node_id,
+                                                                 self.uri, self.view)
             shards = asyncio.ensure_future(election.run())
             drained = asyncio.ensure_future(self._drain_shards_on_stop(election, shards))
         try:
@@ -543,6 +545,12 @@ class ClusterRunner:
                 await self._start_proxies()
 
     # ---------------------------------------------------------------- leader
+    async def _write_isr(self, members: list[str]) -> bool | None:
+        """The ISR, and with per-shard leaders each shard's beside it (the same members while we
+        replicate every shard: ``Etcd.write_isr``)."""
+        shards = self.election.vhosts() if self.election is not None else ()
+        return await self.etcd.write_isr(members, shards)
+
     async def _lead(self) -> int | None:
         cfg = self.config
         c = cfg.clustering
@@ -553,11 +561,11 @@ class ClusterRunner:
         await self._stop_proxies()
         await self.follower_metrics.stop()  # the broker serves the metrics port while we lead
         self._spawn(run_hook(c.on_leader_elected, self.node_id, self.uri, "leader"))
-        sink = LeaderSink(self.data_dir, self.node_id, self.secret, self.etcd.write_isr)
+        sink = LeaderSink(self.data_dir, self.node_id, self.secret, self._write_isr)
         sink.lease_valid = self.etcd.lease_alive
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, sink.index.scan)
-        if not await self.etcd.write_isr([self.node_id]):
+        if not await self._write_isr([self.node_id]):
             log.error("could not write the ISR before serving: giving the leadership up")
             await self.etcd.resign()
             return None

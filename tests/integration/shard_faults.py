@@ -107,7 +107,8 @@ class ShardCluster:
         lines = out.stdout.decode().splitlines()
         found = {}
         for key, value in zip(lines[0::2], lines[1::2], strict=False):
-            found[urllib.parse.unquote(key.split("/")[-2])] = json.loads(value)["node_id"]
+            if key.endswith("/leader"):  # beside it, the shard's ISR key
+                found[urllib.parse.unquote(key.split("/")[-2])] = json.loads(value)["node_id"]
         return found
 
     def api(self, node: ClusterNode, method: str, path: str, body: Any = None) -> Any:

@@ -26,6 +26,8 @@ import pika
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from broker.cluster.etcd import shard_isr_key
+
 from ._support import REPO_ROOT
 from .shard_faults import (
     BATCH,
@@ -79,6 +81,35 @@ def test_six_vhosts_spread_two_per_node_everywhere_it_shows(shards: ShardCluster
     follower = next(n for n in shards.c.nodes if n is not shards.leader)
     view = shards.api(follower, "GET", "/api/cluster")  # a follower's port: the leader's view
     assert {s["vhost"]: s["leader"] for s in view["shards"]} == want
+
+
+def test_each_shard_has_its_isr_key_and_is_led_only_by_a_node_it_names(shards: ShardCluster) -> None:
+    """Replication scoped by shard, step one: ``<prefix>/shards/<v>/isr`` beside each leader key,
+    written with the cluster's ISR by the node replicating the data (vhosts created later get
+    theirs on the next pass); a shard whose ISR leaves its leader out is handed to a node it
+    names, and back once it names the leader again."""
+    want = expected()
+    wait_for(lambda: shards.leaders() == want, 15, "the initial placement")
+    etcd, prefix = shards.c.etcd, shards.c.prefix
+
+    def isr(name: str) -> Any:
+        raw = etcd.get(f"{prefix}/{name}")
+        return None if raw is None else json.loads(raw)
+
+    def named() -> bool:
+        cluster = isr("isr")
+        return cluster is not None and all(isr(shard_isr_key(v)) == cluster for v in want)
+
+    wait_for(named, 15, "every shard's ISR key naming the cluster's ISR")
+    wait_for(lambda: sorted(isr("isr")) == IDS, 15, "all three nodes in sync")
+    x = next(iter(VHOSTS))
+    owner = want[x]
+    others = [n for n in IDS if n != owner]
+    etcd._ctl("put", f"{prefix}/{shard_isr_key(x)}", json.dumps(others))
+    wait_for(lambda: shards.leaders().get(x) in others, 10, f"{x} handed to a node its ISR names")
+    assert {v: n for v, n in shards.leaders().items() if v != x} == {v: n for v, n in want.items() if v != x}
+    etcd._ctl("put", f"{prefix}/{shard_isr_key(x)}", json.dumps(IDS))
+    wait_for(lambda: shards.leaders() == want, HANDBACK_WAIT, f"{x} back with its preferred node")
 
 
 def test_hooks_name_the_shard_and_a_deleted_vhost_gives_its_shard_up(shards: ShardCluster) -> None:

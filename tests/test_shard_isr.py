@@ -1,0 +1,41 @@
+"""Replication scoped by shard, step one (issue 27): an ISR key per shard,
+``<prefix>/shards/<quoted vhost>/isr``, written with the cluster's ISR in one fenced etcd
+transaction by the node replicating the shard's data, and read by the per-shard election, which
+hands a shard only to a node that key names. No etcd here (tests/integration/test_cluster_shards.py
+runs it on a real cluster)."""
+
+from __future__ import annotations
+
+import json
+
+from broker.cluster.etcd import shard_isr_key, shard_isrs, shard_key, shard_of_key
+from broker.shards.leaders import Action, decide, in_sync, preferred
+
+NODES = {"a": 1, "b": 1, "c": 1}
+WARM = {n: {"warm": True} for n in NODES}
+
+
+def test_isr_keys_sit_beside_leader_keys_and_are_not_taken_for_them() -> None:
+    for vhost in ["/", "a/b", "100%"]:
+        key = shard_isr_key(vhost)
+        assert key == shard_key(vhost).removesuffix("/leader") + "/isr"
+        assert shard_of_key(key) is None  # the election's leader-key scan skips it
+    keys = {shard_isr_key("a/b"): (json.dumps(["a", "c"]).encode(), 5),
+            shard_key("a/b"): (b'{"node_id": "a", "uri": "x"}', 6),
+            shard_isr_key("junk"): (b"not json", 7),
+            shard_isr_key("odd"): (b'{"a": 1}', 8)}
+    assert shard_isrs(keys) == {"a/b": ["a", "c"]}  # unreadable ones: as if absent
+
+
+def test_a_shard_fails_over_only_to_a_node_its_own_isr_names() -> None:
+    vhost = next(v for v in (f"vh{i}" for i in range(100)) if preferred(v, NODES) == "a")
+    live = {"b": 1, "c": 1}  # a died
+    second = preferred(vhost, live)
+    third = "c" if second == "b" else "b"
+    # the cluster's ISR names both survivors; the shard's own names only the third one
+    assert decide(second, vhost, None, live, in_sync(WARM, ["a", "b", "c"])) is Action.CAMPAIGN
+    shard = in_sync(WARM, [third])
+    assert decide(second, vhost, None, live, shard) is Action.WAIT
+    assert decide(third, vhost, None, live, shard) is Action.CAMPAIGN
+    # and a leader its shard's ISR no longer names hands the shard to one it does
+    assert decide(second, vhost, second, live, shard) is Action.RESIGN
