@@ -92,19 +92,23 @@ def shard_isr_key(vhost: str) -> str:
     return SHARDS + quote(vhost, safe="") + _SHARD_ISR
 
 
+def shard_isr_values(keys: Mapping[str, tuple[bytes, int]]) -> dict[str, bytes]:
+    """vhost -> the raw value of its shard ISR key, from keys as ``get_prefix(SHARDS)`` returns them."""
+    return {unquote(key[len(SHARDS):-len(_SHARD_ISR)]): raw for key, (raw, _rev) in keys.items()
+            if key.startswith(SHARDS) and key.endswith(_SHARD_ISR)}
+
+
 def shard_isrs(keys: Mapping[str, tuple[bytes, int]]) -> dict[str, list[str]]:
     """vhost -> its shard's ISR, from keys as ``get_prefix(SHARDS)`` returns them (an unreadable
     value is left out: the shard then counts as having none yet)."""
     out: dict[str, list[str]] = {}
-    for key, (raw, _rev) in keys.items():
-        if not key.startswith(SHARDS) or not key.endswith(_SHARD_ISR):
-            continue
+    for vhost, raw in shard_isr_values(keys).items():
         try:
             value = json.loads(raw)
         except ValueError:
             continue
         if isinstance(value, list):
-            out[unquote(key[len(SHARDS):-len(_SHARD_ISR)])] = [str(v) for v in value]
+            out[vhost] = [str(v) for v in value]
     return out
 
 
@@ -375,16 +379,19 @@ class Etcd:
             return None
         return bool(ok)
 
-    async def add_shard_isrs(self, shards: Sequence[str], isr_raw: bytes) -> bool:
-        """Give ``shards`` (new vhosts) the cluster's ISR as their own, fenced on our leadership
-        and on the cluster's ISR still being ``isr_raw`` (a removal racing this wins)."""
-        if not shards or not self.lease_alive() or self.client is None:
+    async def mend_shard_isrs(self, stale: Sequence[str], gone: Sequence[str], isr_raw: bytes) -> bool:
+        """Give the ``stale`` shards (new vhosts, or a key that differs) the cluster's ISR as their
+        own and delete the keys of ``gone`` ones (deleted vhosts: a vhost created again must not
+        find an old ISR), fenced on our leadership and on the cluster's ISR still being
+        ``isr_raw`` (a removal racing this wins)."""
+        if not (stale or gone) or not self.lease_alive() or self.client is None:
             return False
         tx = self.client.transactions
         ok, _ = await self._call(self.client.transaction(
             compare=[tx.create(self.key("leader")) == self.leader_revision,
                      tx.value(self.key("isr")) == isr_raw],
-            success=[tx.put(self.key(shard_isr_key(v)), isr_raw) for v in shards],
+            success=[*(tx.put(self.key(shard_isr_key(v)), isr_raw) for v in stale),
+                     *(tx.delete(self.key(shard_isr_key(v))) for v in gone)],
             failure=[]))
         return bool(ok)
 

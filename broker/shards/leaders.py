@@ -86,6 +86,7 @@ from broker.cluster.etcd import (
     Etcd,
     EtcdError,
     shard_holder,
+    shard_isr_values,
     shard_isrs,
     shard_key,
     shard_of_key,
@@ -217,8 +218,11 @@ class ShardLeaders:
         isrs = shard_isrs(keys)  # a shard without its own ISR key yet goes by the cluster's
         vhosts = self.vhosts()
         if self.view.is_leader() and isr_raw is not None:
-            # we replicate every shard: a vhost created since the last ISR write gets its key
-            await self.etcd.add_shard_isrs([v for v in vhosts if v not in isrs], isr_raw)
+            # we replicate every shard, so each shard's ISR is the cluster's: a vhost created
+            # since the last ISR write gets its key, a deleted one's goes, a stray value is mended
+            values = shard_isr_values(keys)
+            await self.etcd.mend_shard_isrs([v for v in vhosts if values.get(v) != isr_raw],
+                                            [v for v in values if v not in vhosts], isr_raw)
         shown: dict[str, dict[str, Any]] = {}
         for vhost in vhosts:
             isr = in_sync(members, isrs.get(vhost, isr_list))
