@@ -39,7 +39,7 @@ import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from broker import __version__
 
@@ -841,14 +841,21 @@ def _read_ini(path: Path) -> dict[str, tuple[str, str]]:
     return found
 
 
+# Variables deploy/docker-compose.yml reads from the user's shell (docs/deployment.md has them
+# exported there) and hands the broker under their full names: a shell that has them must still
+# run ``skred --cluster-status``.
+DEPLOY_SHELL_NAMES: Final = frozenset({"SKRED_DEFAULT_USER", "SKRED_DEFAULT_PASSWORD", "SKRED_TLS_CERT",
+                                       "SKRED_TLS_KEY", "SKRED_TLS_CA_CERT"})
+
+
 def check_env_names(env: Mapping[str, str]) -> None:
     """Refuse ``SKRED_<NAME>`` for a ``[main]`` option: its flag is ``--<name>`` but its variable
     ``SKRED_MAIN_<NAME>``, and the short spelling, once ignored, silently left the default in
     force (``SKRED_WORKERS=1`` ran a worker per core). Other ``SKRED_`` names (hooks' variables,
-    deploy files' own settings) are not the broker's and stay allowed."""
+    ``DEPLOY_SHELL_NAMES``) are not the broker's and stay allowed."""
     for option in OPTIONS:
         short = f"{ENV_PREFIX}_{option.name}".upper()
-        if option.section == "main" and short in env:
+        if option.section == "main" and short in env and short not in DEPLOY_SHELL_NAMES:
             raise ConfigError(f"environment variable {short} is not read: [main] {option.name} is "
                               f"{option.env} (or {option.flag})")
 

@@ -46,7 +46,8 @@ def test_a_main_option_spelled_like_its_flag_is_refused(name: str) -> None:
 def test_other_skred_variables_are_left_alone() -> None:
     # the hooks' variables, the test suite's switches and the deploy files' own settings
     env = {"SKRED_NODE_ID": "a", "SKRED_ROLE": "leader", "SKRED_SHARD": "v", "SKRED_HELM": "1",
-           "SKRED_SHARD_LEADERS": "true", "SKRED_MAIN_WORKERS": "1"}
+           "SKRED_SHARD_LEADERS": "true", "SKRED_MAIN_WORKERS": "1",
+           "SKRED_DEFAULT_USER": "admin", "SKRED_TLS_CERT": "/etc/skred/tls/tls.crt"}  # compose's
     assert load_config([], environ=env).main.workers == 1
 
 
