@@ -6,10 +6,16 @@ runs it on a real cluster)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from pathlib import Path
+from typing import Any, cast
 
 from broker.cluster.etcd import shard_isr_key, shard_isrs, shard_key, shard_of_key
+from broker.cluster.files import shard_of
+from broker.cluster.leader import FollowerConn, LeaderSink
 from broker.shards.leaders import Action, decide, in_sync, preferred
+from broker.store.paths import vhost_dir
 
 NODES = {"a": 1, "b": 1, "c": 1}
 WARM = {n: {"warm": True} for n in NODES}
@@ -39,3 +45,31 @@ def test_a_shard_fails_over_only_to_a_node_its_own_isr_names() -> None:
     assert decide(third, vhost, None, live, shard) is Action.CAMPAIGN
     # and a leader its shard's ISR no longer names hands the shard to one it does
     assert decide(second, vhost, second, live, shard) is Action.RESIGN
+
+
+def test_one_stream_is_acked_per_shard(tmp_path: Path) -> None:
+    """Each action is tagged with its shard (its vhost's directory); a follower holds a shard
+    once it acked that shard's last action, whatever later actions of other shards it lacks."""
+    async def scenario() -> None:
+        async def publish(members: list[str]) -> bool:
+            return True
+
+        sink = LeaderSink(tmp_path, "L", b"secret", publish)
+        sink.by_shard = True
+        f = FollowerConn("F", "peer", cast(Any, None))
+        f.backlog, f.synced = None, True
+        sink.followers["F"], sink.isr = f, {"F"}
+        a, b = (vhost_dir(Path(), v).name for v in ("a", "b"))
+        assert shard_of(f"{a}/q/segment") == a and shard_of("users.json") is None
+        sink.append(tmp_path / a / "q" / "seg", b"x" * 10)
+        after_a = f.sent
+        sink.append(tmp_path / b / "q" / "seg", b"y" * 10)
+        sink.replace(tmp_path / "users.json", b"{}")  # shared: no shard's
+        sink._on_ack(f, after_a)
+        assert sink.shard_replicas(a) == ["L", "F"] and sink.shard_replicas(b) == ["L"]
+        sink._on_ack(f, f.sent)
+        assert sink.shard_replicas(b) == ["L", "F"]
+        sink.isr.clear()  # out of the ISR: holds nothing for anyone
+        assert sink.shard_replicas(a) == ["L"]
+
+    asyncio.run(scenario())

@@ -26,3 +26,13 @@ def relative(data_dir: Path, path: Path) -> str | None:
         return path.relative_to(data_dir).as_posix()
     except ValueError:
         return None
+
+
+def shard_of(rel: str) -> str | None:
+    """The shard a replicated path belongs to: its vhost's directory (``<sha1(vhost)>``, where the
+    store keeps everything of one vhost); None for the node's shared files (users, vhosts,
+    global parameters) and anything else outside a vhost directory."""
+    head, sep, _rest = rel.partition("/")
+    if sep and len(head) == 40 and all(c in "0123456789abcdef" for c in head):
+        return head
+    return None

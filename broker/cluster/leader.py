@@ -64,7 +64,7 @@ from pathlib import Path
 from typing import Any
 
 from broker.cluster import codec, tunnel
-from broker.cluster.files import is_replicated, relative
+from broker.cluster.files import is_replicated, relative, shard_of
 from broker.cluster.gate import HandshakeGate
 
 log = logging.getLogger(__name__)
@@ -146,6 +146,11 @@ class FollowerConn:
         self.acked = 0
         self.last_progress = time.monotonic()
         self.synced = False  # BULK_DONE sent and backlog released
+        # Per shard (``LeaderSink.by_shard``): the position of the last action of each shard sent
+        # live, and where the live stream began (the bulk sync and backlog before it carry
+        # every shard): the follower holds a shard's every action once it acked both.
+        self.shard_sent: dict[str, int] = {}
+        self.floor = 0
         self.wake = asyncio.Event()
         self.written = asyncio.Event()  # set by the writer whenever ``out`` has been drained
         self.closed = False
@@ -157,11 +162,17 @@ class FollowerConn:
         self.sent += len(msg)
         self.wake.set()
 
-    def action(self, msg: bytes) -> None:
+    def action(self, msg: bytes, shard: str | None = None) -> None:
         if self.backlog is not None:
             self.backlog.append(msg)
         else:
             self.send(msg)
+            if shard is not None:
+                self.shard_sent[shard] = self.sent
+
+    def holds(self, shard: str) -> bool:
+        """Whether this follower acked every action of ``shard`` sent to it so far."""
+        return self.synced and self.acked >= max(self.floor, self.shard_sent.get(shard, 0))
 
     @property
     def lag(self) -> int:
@@ -185,6 +196,7 @@ class LeaderSink:
         self.index = FileIndex(data_dir)
         self.followers: dict[str, FollowerConn] = {}
         self.isr: set[str] = set()  # follower ids confirms wait for
+        self.by_shard = False  # per-shard leaders: each action's shard noted (``shard_replicas``)
         self.flush_stores: Callable[[], None] = lambda: None
         # Ack positions a follower has for one of our segments (path of the ack file): acked in
         # our store too; returns how many were new. Set by the runner to the broker's.
@@ -211,9 +223,7 @@ class LeaderSink:
         rel = relative(self.data_dir, path)
         if rel is not None and is_replicated(rel):
             self.index.register(rel)
-            msg = codec.encode_replace(rel, b"")
-            for f in self.followers.values():
-                f.action(msg)
+            self._broadcast(codec.encode_replace(rel, b""), rel)
 
     def append(self, path: Path, data: bytes | bytearray | memoryview) -> None:
         rel = relative(self.data_dir, path)
@@ -221,9 +231,7 @@ class LeaderSink:
             return
         self.index.append(rel, data)
         if self.followers:
-            msg = codec.encode_append(rel, data)
-            for f in self.followers.values():
-                f.action(msg)
+            self._broadcast(codec.encode_append(rel, data), rel)
 
     def replace(self, path: Path, data: bytes) -> None:
         rel = relative(self.data_dir, path)
@@ -231,9 +239,7 @@ class LeaderSink:
             return
         self.index.replace(rel, data)
         if self.followers:
-            msg = codec.encode_replace(rel, data)
-            for f in self.followers.values():
-                f.action(msg)
+            self._broadcast(codec.encode_replace(rel, data), rel)
 
     def delete(self, path: Path) -> None:
         rel = relative(self.data_dir, path)
@@ -241,9 +247,12 @@ class LeaderSink:
             return
         self.index.delete(rel)
         if self.followers:
-            msg = codec.encode_delete(rel)
-            for f in self.followers.values():
-                f.action(msg)
+            self._broadcast(codec.encode_delete(rel), rel)
+
+    def _broadcast(self, msg: bytes, rel: str) -> None:
+        shard = shard_of(rel) if self.by_shard else None
+        for f in self.followers.values():
+            f.action(msg, shard)
 
     async def wait_for_followers(self) -> None:
         await self.barrier()
@@ -280,6 +289,12 @@ class LeaderSink:
             else:
                 keep.append((targets, fut))
         self._barriers = keep
+
+    def shard_replicas(self, shard: str) -> list[str]:
+        """The ISR members holding every action of ``shard`` (a vhost directory) sent so far, we
+        first: the shard's own acks, read off the one stream (``by_shard``)."""
+        return [self.node_id, *sorted(fid for fid in self.isr
+                                      if (f := self.followers.get(fid)) is not None and f.holds(shard))]
 
     def fence(self) -> None:
         self.fenced = True
@@ -551,6 +566,7 @@ class LeaderSink:
         backlog, f.backlog = f.backlog or [], None
         for msg in backlog:
             f.send(msg)
+        f.floor = f.sent
         f.synced = True
         log.info("follower %s: bulk sync sent (%d files, %d bytes), streaming", f.node_id, len(paths),
                  sent_bytes)

@@ -563,6 +563,7 @@ class ClusterRunner:
         self._spawn(run_hook(c.on_leader_elected, self.node_id, self.uri, "leader"))
         sink = LeaderSink(self.data_dir, self.node_id, self.secret, self._write_isr)
         sink.lease_valid = self.etcd.lease_alive
+        sink.by_shard = cfg.clustering.shard_leaders
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, sink.index.scan)
         if not await self._write_isr([self.node_id]):

@@ -96,6 +96,7 @@ from broker.cluster.status import ClusterView
 from broker.config import Config
 from broker.shards.placement import node_of, vhost_shard
 from broker.store.jsonstore import read_json
+from broker.store.paths import vhost_dir
 
 log = logging.getLogger(__name__)
 
@@ -224,6 +225,7 @@ class ShardLeaders:
             await self.etcd.mend_shard_isrs([v for v in vhosts if values.get(v) != isr_raw],
                                             [v for v in values if v not in vhosts], isr_raw)
         shown: dict[str, dict[str, Any]] = {}
+        sink = self.view.sink if self.view.is_leader() else None
         for vhost in vhosts:
             isr = in_sync(members, isrs.get(vhost, isr_list))
             found = keys.get(shard_key(vhost))
@@ -248,6 +250,8 @@ class ShardLeaders:
                 holder, term = None, 0
             shown[vhost] = {"leader": holder, "term": term or None,
                             "preferred": preferred(vhost, eligible(live, isr))}
+            if sink is not None:  # we replicate it: who holds its every action (its own acks)
+                shown[vhost]["replicas"] = sink.shard_replicas(vhost_dir(Path(), vhost).name)
         for key, (_raw, rev) in keys.items():  # keys of vhosts that no longer exist
             gone = shard_of_key(key)
             if gone is not None and gone not in shown and gone in self.held:

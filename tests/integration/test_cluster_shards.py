@@ -88,7 +88,7 @@ def test_each_shard_has_its_isr_key_beside_its_leader_key(shards: ShardCluster) 
     written with the cluster's ISR by the node replicating the data (which, while it replicates
     every shard, also gives a new vhost its key and mends a stray value within a pass); the
     election hands a shard only to a node its key names (tests/test_shard_isr.py; the kill -9
-    trial below fails shards over with these keys in place)."""
+    trial below fails shards over with these keys in place); per-shard acks on the leader."""
     want = expected()
     wait_for(lambda: shards.leaders() == want, 15, "the initial placement")
     etcd, prefix = shards.c.etcd, shards.c.prefix
@@ -108,6 +108,16 @@ def test_each_shard_has_its_isr_key_beside_its_leader_key(shards: ShardCluster) 
     etcd._ctl("put", f"{prefix}/{shard_isr_key(x)}", json.dumps([*cluster, cluster[0]]))  # same set
     wait_for(named, 10, f"{x}'s stray ISR value mended")
     assert shards.leaders() == want
+    # the one stream is acked per shard: the leader lists who holds each shard's every action
+    publish(shards.c.nodes[0], x, "isr", 1)
+
+    def replicas() -> bool:
+        leader = shards.c.leader()
+        listed = {} if leader is None else {
+            s["vhost"]: s.get("replicas") for s in shards.api(leader, "GET", "/api/cluster")["shards"]}
+        return all(sorted(listed.get(v) or []) == IDS for v in want)
+
+    wait_for(replicas, 10, "every shard held by all three nodes")
 
 
 def test_hooks_name_the_shard_and_a_deleted_vhost_gives_its_shard_up(shards: ShardCluster) -> None:
