@@ -32,7 +32,9 @@ it opens the tunnel to the node that checks logins (``Routed.login``) and replay
 tune, as from a node reached directly; at ``connection.open`` it asks which node serves the
 vhost and goes on on the same tunnel when it is that node, else replays the whole handshake on
 a tunnel to the one that is; the serving node answers ``open-ok``; then the tunnel is spliced
-as above. Today the node serving every vhost is still the cluster leader; once a
+as above. With no node to check the login the client is tuned anyway and told 320 after its
+``open``, as ``unavailable.py`` does (a close right after ``start-ok`` reads as a failed login).
+Today the node serving every vhost is still the cluster leader; once a
 shard's leader serves it (docs/architecture.md, *Per-shard leaders*) only ``serving`` changes.
 
 When the leader changes or is lost (its key gone, our lease gone, the
@@ -203,16 +205,23 @@ class SpliceProxy:
                     return None
                 first = routed.login()
                 at = (first.host, first.port)
-                leg = await self._routed_leg(first, client)
-                rep = await login(start_ok, *on(leg))
+                try:
+                    leg = await self._routed_leg(first, client)
+                    rep = await login(start_ok, *on(leg))
+                except Failed:
+                    # nobody checked the login: the client hears why after its open, as from a
+                    # node with no leader (unavailable.py; a close now reads as a failed login)
+                    cwriter.write(reader.admit())
+                    if await read_open(creader, cwriter, reader) is None:
+                        raise Failed("the client left") from None
+                    raise
                 if rep.spliced:  # refused: the node's close to the client, its close-ok back
                     cwriter.write(rep.to_client)
                     return leg
                 cwriter.write(reader.admit())
                 opened = await read_open(creader, cwriter, reader)
                 if opened is None:
-                    leg[1].close()
-                    return None
+                    raise Failed("the client left")
                 target = routed.serving(opened.vhost)
                 if (target.host, target.port) == at:
                     write_framed(leg[1], rep.finish(opened))
@@ -225,7 +234,7 @@ class SpliceProxy:
                 return leg
         except TimeoutError:
             log.info("%s proxy: %s not routed within %.0fs", self.name, client, HANDSHAKE_TIMEOUT)
-            answer = refusal("the vhost's node did not answer") if reader.login is not None else b""
+            answer = refusal("the vhost's node did not answer") if reader.opened is not None else b""
         except Failed as exc:
             log.info("%s proxy: %s not routed: %s", self.name, client, exc)
             answer = exc.answer
