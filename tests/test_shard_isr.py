@@ -14,6 +14,7 @@ from typing import Any, cast
 from broker.cluster.etcd import shard_isr_key, shard_isrs, shard_key, shard_of_key
 from broker.cluster.files import shard_of
 from broker.cluster.leader import FollowerConn, LeaderSink
+from broker.cluster.status import format_status
 from broker.shards.leaders import Action, decide, in_sync, preferred
 from broker.store.paths import vhost_dir
 
@@ -73,3 +74,15 @@ def test_one_stream_is_acked_per_shard(tmp_path: Path) -> None:
         assert sink.shard_replicas(a) == ["L"]
 
     asyncio.run(scenario())
+
+
+def test_cluster_status_shows_each_shards_isr() -> None:
+    status: dict[str, Any] = {
+        "etcd": "e", "prefix": "p", "isr": ["a", "b"], "leader": {"node_id": "a", "uri": "tcp://a"},
+        "members": [{"node_id": "a", "uri": "tcp://a", "role": "leader", "in_isr": True,
+                     "lag_bytes": None, "shards_led": 1}],
+        "shards": [{"vhost": "v1", "leader": "a", "isr": ["a", "b"]},
+                   {"vhost": "v2", "leader": None, "isr": None}]}
+    table = format_status(status).splitlines()
+    assert table[-3].split() == ["VHOST", "LEADER", "ISR"]
+    assert table[-2].split() == ["v1", "a", "a,", "b"] and table[-1].split() == ["v2", "-", "-"]

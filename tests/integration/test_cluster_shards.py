@@ -101,8 +101,10 @@ def test_each_shard_has_its_isr_key_beside_its_leader_key(shards: ShardCluster) 
         cluster = isr("isr")
         return cluster is not None and all(isr(shard_isr_key(v)) == cluster for v in want)
 
+    wait_for(lambda: sorted(isr("isr") or []) == IDS, 15, "all three nodes in sync")
     wait_for(named, 15, "every shard's ISR key naming the cluster's ISR")
-    wait_for(lambda: sorted(isr("isr")) == IDS, 15, "all three nodes in sync")
+    status = cluster_status(shards)  # skred --cluster-status, per shard
+    assert {s["vhost"]: sorted(s["isr"]) for s in status["shards"]} == {v: IDS for v in want}
     x = next(iter(VHOSTS))
     cluster = isr("isr")
     etcd._ctl("put", f"{prefix}/{shard_isr_key(x)}", json.dumps([*cluster, cluster[0]]))  # same set
