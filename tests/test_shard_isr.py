@@ -14,6 +14,7 @@ from typing import Any, cast
 from broker.cluster.etcd import shard_isr_key, shard_isrs, shard_key, shard_of_key
 from broker.cluster.files import shard_of
 from broker.cluster.leader import FollowerConn, LeaderSink
+from broker.cluster.shard_sink import ShardedLeaderSink
 from broker.cluster.status import format_status
 from broker.shards.leaders import Action, decide, in_sync, preferred
 from broker.store.paths import vhost_dir
@@ -55,8 +56,7 @@ def test_one_stream_is_acked_per_shard(tmp_path: Path) -> None:
         async def publish(members: list[str]) -> bool:
             return True
 
-        sink = LeaderSink(tmp_path, "L", b"secret", publish)
-        sink.by_shard = True
+        sink = ShardedLeaderSink(tmp_path, "L", b"secret", publish, lambda shard, members: publish(members))
         f = FollowerConn("F", "peer", cast(Any, None))
         f.backlog, f.synced = None, True
         sink.followers["F"], sink.isr = f, {"F"}
@@ -86,3 +86,104 @@ def test_cluster_status_shows_each_shards_isr() -> None:
     table = format_status(status).splitlines()
     assert table[-3].split() == ["VHOST", "LEADER", "ISR"]
     assert table[-2].split() == ["v1", "a", "a,", "b"] and table[-1].split() == ["v2", "-", "-"]
+
+
+def _calls(fn: Any) -> list[str]:
+    """The broker's functions ``fn()`` calls, in order (sys.setprofile; the standard library's
+    and builtins left out: they differ between Python versions)."""
+    import sys
+
+    import broker
+    root = str(Path(broker.__file__).parent)
+    seen: list[str] = []
+
+    def profile(frame: Any, event: str, _arg: Any) -> None:
+        if event == "call" and frame.f_code.co_filename.startswith(root):
+            seen.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+def test_flag_off_replication_makes_the_calls_it_always_made(tmp_path: Path) -> None:
+    """Per-shard bookkeeping costs the flag-off hot path nothing: an append reaching two
+    followers makes exactly the calls it made before shards existed (no shard lookup, no extra
+    method per action)."""
+    async def publish(members: list[str]) -> bool:
+        return True
+
+    sink = LeaderSink(tmp_path, "L", b"secret", publish)
+    for fid in ("F", "G"):
+        f = FollowerConn(fid, "peer", cast(Any, None))
+        f.backlog, f.synced = None, True
+        f.wake = cast(Any, type("Wake", (), {"set": lambda self: None})())
+        sink.followers[fid] = f
+    a = vhost_dir(Path(), "a").name
+    path = tmp_path / a / "q" / "seg"
+    sink.append(path, b"warm")
+    calls = _calls(lambda: sink.append(path, b"x" * 10))
+    assert calls == ["append", "relative", "is_replicated", "append", "encode_append", "_path_bytes",
+                     "action", "send", "action", "send"], calls
+
+
+def test_confirms_wait_for_the_shards_isr_and_a_member_behind_leaves_only_that_shard(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    """A group commit's barrier waits for each shard it touched at that shard's position, for
+    the members of that shard's ISR; a member behind on one shard for SHARD_STALL leaves that
+    shard's ISR alone (its etcd key written first), and rejoins once it holds the shard."""
+    from broker.cluster import shard_sink
+    monkeypatch.setattr(shard_sink, "SHARD_STALL", 0.05)
+    writes: list[tuple[str, list[str]]] = []
+
+    async def scenario() -> None:
+        async def publish(members: list[str]) -> bool:
+            return True
+
+        async def write_shard(shard: str, members: list[str]) -> bool:
+            writes.append((shard, members))
+            return True
+
+        sink = ShardedLeaderSink(tmp_path, "L", b"secret", publish, write_shard)
+        for fid in ("F", "G"):
+            f = FollowerConn(fid, "peer", cast(Any, None))
+            f.backlog, f.synced = None, True
+            sink.followers[fid] = f
+        sink.isr = {"F", "G"}
+        F, G = sink.followers["F"], sink.followers["G"]
+        a, b = (vhost_dir(Path(), v).name for v in ("a", "b"))
+        sink.append(tmp_path / a / "q" / "seg", b"x" * 10)
+        after_a = G.sent
+        sink.append(tmp_path / b / "q" / "seg", b"y" * 10)
+        both = sink.shard_barrier()
+        sink._on_ack(F, F.sent)
+        sink._on_ack(G, after_a)  # G holds a, not b
+        assert not both.done()
+        await asyncio.sleep(0.1)
+        sink._maybe_join(G)  # the watchdog's look: behind on b past SHARD_STALL
+        await asyncio.wait_for(both, 2)
+        assert writes == [(b, ["F", "L"])]  # b's ISR key without G; a's untouched
+        assert sink.isr == {"F", "G"} and sink.shard_isr(a) == {"F", "G"} and sink.shard_isr(b) == {"F"}
+        assert sink.shard_replicas(b) == ["L", "F"]
+        # a commit on a alone still waits for G (a's ISR names it)
+        sink.append(tmp_path / a / "q" / "seg", b"z" * 10)
+        only_a = sink.shard_barrier()
+        sink._on_ack(F, F.sent)
+        await asyncio.sleep(0)
+        assert not only_a.done()
+        sink._on_ack(G, G.sent)  # G holds everything again: back in b's ISR
+        await asyncio.wait_for(only_a, 2)
+        for _ in range(20):
+            if len(writes) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert writes[1] == (b, ["F", "G", "L"]) and sink.shard_isr(b) == {"F", "G"}
+        # the cluster's ISR write names each shard's members less those behind on it
+        sink.shard_out[b] = {"G"}
+        assert sink.shard_members(b, ["F", "G", "L"]) == ["F", "L"]
+        assert sink.shard_members(a, ["F", "G", "L"]) == ["F", "G", "L"]
+
+    asyncio.run(scenario())

@@ -353,15 +353,28 @@ class Etcd:
             return None, raw
         return ([str(v) for v in value] if isinstance(value, list) else None), raw
 
-    async def write_isr(self, members: list[str], shards: Sequence[str] = ()) -> bool | None:
+    async def write_isr(self, members: list[str],
+                        shards: Mapping[str, list[str]] | None = None) -> bool | None:
         """Write the ISR, fenced on our leadership (the leader key's create revision); with
-        ``shards`` (per-shard leaders: the vhosts whose data we replicate), each one's shard ISR
-        key too, in the same transaction, so no reader sees a shard ISR naming a node the
-        cluster's has dropped (confirms stop waiting for a node only after this write).
+        ``shards`` (per-shard leaders: vhost -> its ISR, for the vhosts whose data we
+        replicate), each one's shard ISR key too, in the same transaction, so no reader sees a
+        shard ISR naming a node the cluster's has dropped (confirms stop waiting for a node only
+        after this write).
 
         True: written. False: we are not the leader any more. None: etcd did not answer
         (the write may or may not have happened): try again.
         """
+        return await self._write_fenced({"isr": members,
+                                         **{shard_isr_key(v): m for v, m in (shards or {}).items()}})
+
+    async def write_shard_isr(self, vhost: str, members: list[str]) -> bool | None:
+        """Write one shard's ISR alone (a member fell behind on it, or holds it again), fenced
+        on our leadership; True/False/None as ``write_isr``."""
+        return await self._write_fenced({shard_isr_key(vhost): members})
+
+    async def _write_fenced(self, values: Mapping[str, list[str]]) -> bool | None:
+        """Put each key (under the prefix) its JSON value in one transaction fenced on our
+        leadership; True/False/None as ``write_isr``."""
         if not self.lease_alive():
             return False
         if self.client is None:
@@ -370,8 +383,8 @@ class Etcd:
         try:
             ok, _ = await self._call(self.client.transaction(
                 compare=[tx.create(self.key("leader")) == self.leader_revision],
-                success=[tx.put(self.key(name), json.dumps(members).encode())
-                         for name in ("isr", *map(shard_isr_key, shards))],
+                success=[tx.put(self.key(name), json.dumps(value).encode())
+                         for name, value in values.items()],
                 failure=[],
             ))
         except EtcdError as exc:
@@ -379,18 +392,22 @@ class Etcd:
             return None
         return bool(ok)
 
-    async def mend_shard_isrs(self, stale: Sequence[str], gone: Sequence[str], isr_raw: bytes) -> bool:
-        """Give the ``stale`` shards (new vhosts, or a key that differs) the cluster's ISR as their
-        own and delete the keys of ``gone`` ones (deleted vhosts: a vhost created again must not
-        find an old ISR), fenced on our leadership and on the cluster's ISR still being
-        ``isr_raw`` (a removal racing this wins)."""
+    async def mend_shard_isrs(self, stale: Mapping[str, tuple[bytes | None, bytes]], gone: Sequence[str],
+                              isr_raw: bytes) -> bool:
+        """Give the ``stale`` shards (vhost -> (the value read, None if absent; the value it
+        should hold: the cluster's ISR less the members behind on the shard)) their value and
+        delete the keys of ``gone`` ones (deleted vhosts: a vhost created again must not find
+        an old ISR), fenced on our leadership, on the cluster's ISR still being ``isr_raw`` and
+        on each stale key still holding what was read (a removal racing this wins)."""
         if not (stale or gone) or not self.lease_alive() or self.client is None:
             return False
         tx = self.client.transactions
         ok, _ = await self._call(self.client.transaction(
             compare=[tx.create(self.key("leader")) == self.leader_revision,
-                     tx.value(self.key("isr")) == isr_raw],
-            success=[*(tx.put(self.key(shard_isr_key(v)), isr_raw) for v in stale),
+                     tx.value(self.key("isr")) == isr_raw,
+                     *(tx.version(self.key(shard_isr_key(v))) == 0 if old is None
+                       else tx.value(self.key(shard_isr_key(v))) == old for v, (old, _new) in stale.items())],
+            success=[*(tx.put(self.key(shard_isr_key(v)), new) for v, (_old, new) in stale.items()),
                      *(tx.delete(self.key(shard_isr_key(v))) for v in gone)],
             failure=[]))
         return bool(ok)

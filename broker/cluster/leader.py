@@ -64,7 +64,7 @@ from pathlib import Path
 from typing import Any
 
 from broker.cluster import codec, tunnel
-from broker.cluster.files import is_replicated, relative, shard_of
+from broker.cluster.files import is_replicated, relative
 from broker.cluster.gate import HandshakeGate
 
 log = logging.getLogger(__name__)
@@ -146,10 +146,12 @@ class FollowerConn:
         self.acked = 0
         self.last_progress = time.monotonic()
         self.synced = False  # BULK_DONE sent and backlog released
-        # Per shard (``LeaderSink.by_shard``): the position of the last action of each shard sent
-        # live, and where the live stream began (the bulk sync and backlog before it carry
-        # every shard): the follower holds a shard's every action once it acked both.
+        # Per shard (kept by ``ShardedLeaderSink``): the position of the last action of each
+        # shard sent live, when the oldest of its actions this follower has not acked was sent,
+        # and where the live stream began (the bulk sync and backlog before it carry every
+        # shard): the follower holds a shard's every action once it acked both.
         self.shard_sent: dict[str, int] = {}
+        self.shard_since: dict[str, float] = {}
         self.floor = 0
         self.wake = asyncio.Event()
         self.written = asyncio.Event()  # set by the writer whenever ``out`` has been drained
@@ -162,13 +164,11 @@ class FollowerConn:
         self.sent += len(msg)
         self.wake.set()
 
-    def action(self, msg: bytes, shard: str | None = None) -> None:
+    def action(self, msg: bytes) -> None:
         if self.backlog is not None:
             self.backlog.append(msg)
         else:
             self.send(msg)
-            if shard is not None:
-                self.shard_sent[shard] = self.sent
 
     def holds(self, shard: str) -> bool:
         """Whether this follower acked every action of ``shard`` sent to it so far."""
@@ -196,7 +196,6 @@ class LeaderSink:
         self.index = FileIndex(data_dir)
         self.followers: dict[str, FollowerConn] = {}
         self.isr: set[str] = set()  # follower ids confirms wait for
-        self.by_shard = False  # per-shard leaders: each action's shard noted (``shard_replicas``)
         self.flush_stores: Callable[[], None] = lambda: None
         # Ack positions a follower has for one of our segments (path of the ack file): acked in
         # our store too; returns how many were new. Set by the runner to the broker's.
@@ -223,7 +222,9 @@ class LeaderSink:
         rel = relative(self.data_dir, path)
         if rel is not None and is_replicated(rel):
             self.index.register(rel)
-            self._broadcast(codec.encode_replace(rel, b""), rel)
+            msg = codec.encode_replace(rel, b"")
+            for f in self.followers.values():
+                f.action(msg)
 
     def append(self, path: Path, data: bytes | bytearray | memoryview) -> None:
         rel = relative(self.data_dir, path)
@@ -231,7 +232,9 @@ class LeaderSink:
             return
         self.index.append(rel, data)
         if self.followers:
-            self._broadcast(codec.encode_append(rel, data), rel)
+            msg = codec.encode_append(rel, data)
+            for f in self.followers.values():
+                f.action(msg)
 
     def replace(self, path: Path, data: bytes) -> None:
         rel = relative(self.data_dir, path)
@@ -239,7 +242,9 @@ class LeaderSink:
             return
         self.index.replace(rel, data)
         if self.followers:
-            self._broadcast(codec.encode_replace(rel, data), rel)
+            msg = codec.encode_replace(rel, data)
+            for f in self.followers.values():
+                f.action(msg)
 
     def delete(self, path: Path) -> None:
         rel = relative(self.data_dir, path)
@@ -247,12 +252,9 @@ class LeaderSink:
             return
         self.index.delete(rel)
         if self.followers:
-            self._broadcast(codec.encode_delete(rel), rel)
-
-    def _broadcast(self, msg: bytes, rel: str) -> None:
-        shard = shard_of(rel) if self.by_shard else None
-        for f in self.followers.values():
-            f.action(msg, shard)
+            msg = codec.encode_delete(rel)
+            for f in self.followers.values():
+                f.action(msg)
 
     async def wait_for_followers(self) -> None:
         await self.barrier()
@@ -260,13 +262,17 @@ class LeaderSink:
     # ------------------------------------------------------------ ISR barrier
     def barrier(self) -> asyncio.Future[None]:
         """A future resolved once every ISR member acked everything sent to it so far."""
+        return self._barrier_at({f: f.sent for fid in self.isr if (f := self.followers.get(fid)) is not None})
+
+    def _barrier_at(self, positions: dict[FollowerConn, int]) -> asyncio.Future[None]:
+        """A future resolved once each follower acked its position (one that left the ISR
+        first no longer counts) and every ISR member is connected."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if not self.fenced and not self.lease_valid():
             self.fence()
         if self.fenced:
             return fut  # never: a leader without its lease must not confirm
-        targets = {f: f.sent for fid in self.isr if (f := self.followers.get(fid)) is not None
-                   and f.acked < f.sent}
+        targets = {f: pos for f, pos in positions.items() if f.acked < pos}
         if not targets and all(fid in self.followers for fid in self.isr):
             fut.set_result(None)
         else:
@@ -292,7 +298,7 @@ class LeaderSink:
 
     def shard_replicas(self, shard: str) -> list[str]:
         """The ISR members holding every action of ``shard`` (a vhost directory) sent so far, we
-        first: the shard's own acks, read off the one stream (``by_shard``)."""
+        first: the shard's own acks, read off the one stream (kept by ``ShardedLeaderSink``)."""
         return [self.node_id, *sorted(fid for fid in self.isr
                                       if (f := self.followers.get(fid)) is not None and f.holds(shard))]
 

@@ -77,11 +77,12 @@ from urllib.parse import urlsplit
 from broker import tls
 from broker.cluster import codec, follower
 from broker.cluster.etcd import Etcd, EtcdError
-from broker.cluster.files import NODE_ID_FILE
+from broker.cluster.files import NODE_ID_FILE, shard_name
 from broker.cluster.hooks import run_hook
 from broker.cluster.host import Host, LeaderBroker, ShardElection
 from broker.cluster.leader import LeaderSink
 from broker.cluster.proxy import Routed, SpliceProxy, Target, Tunnelled
+from broker.cluster.shard_sink import ShardedLeaderSink
 from broker.cluster.standing import Standing, load_last_role, save_last_role
 from broker.cluster.status import ClusterView
 from broker.cluster.vhost_route import Limits
@@ -546,10 +547,22 @@ class ClusterRunner:
 
     # ---------------------------------------------------------------- leader
     async def _write_isr(self, members: list[str]) -> bool | None:
-        """The ISR, and with per-shard leaders each shard's beside it (the same members while we
-        replicate every shard: ``Etcd.write_isr``)."""
-        shards = self.election.vhosts() if self.election is not None else ()
-        return await self.etcd.write_isr(members, shards)
+        """The ISR, and with per-shard leaders each shard's beside it (the cluster's members less
+        those behind on the shard: ``ShardedLeaderSink``) in the same transaction."""
+        if self.election is None:
+            return await self.etcd.write_isr(members)
+        sink = self.view.sink if isinstance(self.view.sink, ShardedLeaderSink) else None
+        return await self.etcd.write_isr(members, {
+            v: sink.shard_members(shard_name(v), members) if sink is not None else members
+            for v in self.election.vhosts()})
+
+    async def _write_shard_isr(self, shard: str, members: list[str]) -> bool | None:
+        """One shard's ISR (``ShardedLeaderSink``: a member fell behind on it or caught up)."""
+        vhosts = self.election.vhosts() if self.election is not None else []
+        vhost = next((v for v in vhosts if shard_name(v) == shard), None)
+        if vhost is None:
+            return True  # deleted meanwhile: the election pass deletes its key
+        return await self.etcd.write_shard_isr(vhost, members)
 
     async def _lead(self) -> int | None:
         cfg = self.config
@@ -561,9 +574,10 @@ class ClusterRunner:
         await self._stop_proxies()
         await self.follower_metrics.stop()  # the broker serves the metrics port while we lead
         self._spawn(run_hook(c.on_leader_elected, self.node_id, self.uri, "leader"))
-        sink = LeaderSink(self.data_dir, self.node_id, self.secret, self._write_isr)
+        sink = ShardedLeaderSink(self.data_dir, self.node_id, self.secret, self._write_isr,
+                                 self._write_shard_isr) if c.shard_leaders \
+            else LeaderSink(self.data_dir, self.node_id, self.secret, self._write_isr)
         sink.lease_valid = self.etcd.lease_alive
-        sink.by_shard = cfg.clustering.shard_leaders
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, sink.index.scan)
         if not await self._write_isr([self.node_id]):
@@ -576,8 +590,9 @@ class ClusterRunner:
         def replicated(dirty: list[Any]) -> asyncio.Future[None]:
             # The syncer has flushed the stores this group commit covers (their meta and
             # buffered acks reach the sink only then), each on its own: one that fails
-            # fails its own waiters only (broker.syncer).
-            return sink.barrier()
+            # fails its own waiters only (broker.syncer). Per-shard leaders: each shard's own
+            # ISR and positions (broker.cluster.shard_sink).
+            return sink.shard_barrier() if isinstance(sink, ShardedLeaderSink) else sink.barrier()
 
         node = self.node = self.host.leader_broker(cfg, sink, self.view, replicated)
         self._unlock()

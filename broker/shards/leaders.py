@@ -91,12 +91,13 @@ from broker.cluster.etcd import (
     shard_key,
     shard_of_key,
 )
+from broker.cluster.files import shard_name
 from broker.cluster.hooks import run_hook
+from broker.cluster.shard_sink import ShardedLeaderSink
 from broker.cluster.status import ClusterView
 from broker.config import Config
 from broker.shards.placement import node_of, vhost_shard
 from broker.store.jsonstore import read_json
-from broker.store.paths import vhost_dir
 
 log = logging.getLogger(__name__)
 
@@ -218,11 +219,17 @@ class ShardLeaders:
         keys = await self.etcd.get_prefix(SHARDS)
         isrs = shard_isrs(keys)  # a shard without its own ISR key yet goes by the cluster's
         vhosts = self.vhosts()
-        if self.view.is_leader() and isr_raw is not None:
-            # we replicate every shard, so each shard's ISR is the cluster's: a vhost created
-            # since the last ISR write gets its key, a deleted one's goes, a stray value is mended
+        if self.view.is_leader() and isr_raw is not None and isr_list is not None:
+            # we replicate every shard, so each shard's ISR is the cluster's less the members
+            # behind on it (ShardedLeaderSink): a vhost created since the last ISR write gets its
+            # key, a deleted one's goes, a stray value is mended
             values = shard_isr_values(keys)
-            await self.etcd.mend_shard_isrs([v for v in vhosts if values.get(v) != isr_raw],
+            sink = self.view.sink
+            want = {v: json.dumps(sink.shard_members(shard_name(v), isr_list)
+                                  if isinstance(sink, ShardedLeaderSink) else isr_list).encode()
+                    for v in vhosts}
+            await self.etcd.mend_shard_isrs({v: (values.get(v), want[v]) for v in vhosts
+                                             if values.get(v) != want[v]},
                                             [v for v in values if v not in vhosts], isr_raw)
         shown: dict[str, dict[str, Any]] = {}
         sink = self.view.sink if self.view.is_leader() else None
@@ -251,7 +258,7 @@ class ShardLeaders:
             shown[vhost] = {"leader": holder, "term": term or None,
                             "preferred": preferred(vhost, eligible(live, isr))}
             if sink is not None:  # we replicate it: who holds its every action (its own acks)
-                shown[vhost]["replicas"] = sink.shard_replicas(vhost_dir(Path(), vhost).name)
+                shown[vhost]["replicas"] = sink.shard_replicas(shard_name(vhost))
         for key, (_raw, rev) in keys.items():  # keys of vhosts that no longer exist
             gone = shard_of_key(key)
             if gone is not None and gone not in shown and gone in self.held:
