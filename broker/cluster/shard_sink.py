@@ -13,8 +13,8 @@ sent (``shard_since``); for the sink, the shards written since the last group co
 (``touched``).
 
 The shard's ISR is the cluster's ISR less the members that fell behind on that shard
-(``shard_out``). A member whose acks have not reached a shard's last action for
-``SHARD_STALL`` seconds leaves that shard's ISR only: its ISR key
+(``shard_out``). A member whose oldest unacked action of a shard was sent ``SHARD_STALL``
+seconds ago (its acks progressing or not) leaves that shard's ISR only: its ISR key
 (``<prefix>/shards/<vhost>/isr``) is rewritten without it first (fenced on our leadership:
 a failover must not go to a node that lacks the shard's confirmed messages), and only then do
 the shard's confirms stop waiting for it. Once it holds the shard again it rejoins: locally
@@ -48,7 +48,7 @@ from broker.cluster.leader import STALL_TIMEOUT, FollowerConn, IsrPublisher, Lea
 log = logging.getLogger(__name__)
 
 SHARED = ""  # the "shard" of the node's shared files: every cluster ISR member must hold them
-SHARD_STALL = STALL_TIMEOUT / 2  # seconds behind on one shard before leaving its ISR
+SHARD_STALL = STALL_TIMEOUT  # seconds a shard's oldest unacked action may wait before its ISR is left
 
 # Write one shard's ISR (shard = its vhost's directory); True/False/None as ``IsrPublisher``.
 ShardIsrWriter = Callable[[str, list[str]], Awaitable[bool | None]]

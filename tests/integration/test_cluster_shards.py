@@ -227,10 +227,17 @@ def test_sigterm_drains_a_node_its_clients_reconnect_nothing_confirmed_lost(shar
 
 def test_kill9_moves_only_its_shards_and_its_return_hands_them_back(shards: ShardCluster) -> None:
     trial = kill_and_return(shards, "t", random.Random(27))
-    print(f"victim {trial.victim} moved {trial.moved}: failover {trial.failover}s, largest confirm "
-          f"gap {trial.largest_gap}s, hand-back {trial.handback}s, {trial.confirmed} confirmed, "
-          f"{trial.lost} lost")
+    """kill -9 of a node that does not hold ``<prefix>/leader``: its two shards, and only they,
+    fail over within TTL + 2 s; on each of the four shards it did not lead a publisher (two on
+    the cluster leader, two through the surviving follower's proxy, routed by vhost) waits less
+    than 1 s between any two confirms from before the kill to 0.5 s past the failover (today
+    the cluster leader serves every shard: the victim's own shards' clients are not timed); its
+    return hands its shards back; nothing confirmed is lost."""
+    trial = kill_and_return(shards, "t", random.Random(27))
+    print(f"victim {trial.victim} moved {trial.moved}: failover {trial.failover}s, confirm gaps "
+          f"{trial.gaps}, hand-back {trial.handback}s, {trial.confirmed} confirmed, {trial.lost} lost")
     assert trial.notes == []
     assert trial.failover is not None and trial.failover <= BOUND
-    assert trial.largest_gap is not None and trial.largest_gap < 1.0
+    assert len(trial.gaps) == len(VHOSTS) - PER_NODE
+    assert all(gap < 1.0 for gap in trial.gaps.values()), trial.gaps
     assert trial.confirmed > 0 and trial.lost == 0
