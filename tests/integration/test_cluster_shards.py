@@ -13,6 +13,7 @@ runs it N times).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import subprocess
@@ -26,7 +27,7 @@ import pika
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from broker.cluster.etcd import shard_isr_key
+from broker.cluster.etcd import SHARDS, Etcd, shard_isr_key, shard_isrs
 
 from ._support import REPO_ROOT
 from .shard_faults import (
@@ -241,3 +242,34 @@ def test_kill9_moves_only_its_shards_and_its_return_hands_them_back(shards: Shar
     assert len(trial.gaps) == len(VHOSTS) - PER_NODE
     assert all(gap < 1.0 for gap in trial.gaps.values()), trial.gaps
     assert trial.confirmed > 0 and trial.lost == 0
+
+
+def test_one_shards_isr_is_written_alone_and_a_mend_never_puts_a_member_back(shards: ShardCluster) -> None:
+    """A member behind on one shard leaves that shard's ISR key alone (``write_shard_isr``,
+    fenced on the leadership), and the leader's mending pass, which read the key before that
+    write, does not put the member back (it compares the key's value as read), on the module's
+    real etcd under a prefix of this test's own."""
+    async def scenario() -> None:
+        e = Etcd(shards.c.etcd.endpoint, f"{shards.c.prefix}-isr-alone", TTL)
+        await e.connect()
+        try:
+            await e.grant_lease()
+            assert await e.campaign("me", None)
+            both = json.dumps(["a", "b"]).encode()
+            assert await e.write_isr(["a", "b"], {"v": ["a", "b"], "w": ["a", "b"]})
+            assert await e.write_shard_isr("v", ["a"])  # b behind on v only
+            got = shard_isrs(await e.get_prefix(SHARDS))
+            assert got == {"v": ["a"], "w": ["a", "b"]}
+            # a mend that read v before the write above: refused, the key stays as written
+            assert not await e.mend_shard_isrs({"v": (both, both)}, [], both)
+            assert shard_isrs(await e.get_prefix(SHARDS))["v"] == ["a"]
+            # one that read it as it is goes through (b holds v again)
+            assert await e.mend_shard_isrs({"v": (json.dumps(["a"]).encode(), both)}, ["w"], both)
+            assert shard_isrs(await e.get_prefix(SHARDS)) == {"v": ["a", "b"]}
+            await e.resign()
+            assert await e.write_shard_isr("v", ["a"]) is False  # not the leader: fenced
+        finally:
+            await e.revoke()
+            await e.close()
+
+    asyncio.run(scenario())
