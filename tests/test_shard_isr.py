@@ -164,6 +164,8 @@ def test_confirms_wait_for_the_shards_isr_and_a_member_behind_leaves_only_that_s
         assert not both.done()
         await asyncio.sleep(0.1)
         sink._maybe_join(G)  # the watchdog's look: behind on b past SHARD_STALL
+        # while b's key is being written without G, no other write of it names G
+        assert sink.shard_members(b, ["F", "G", "L"]) == ["F", "L"]
         await asyncio.wait_for(both, 2)
         assert writes == [(b, ["F", "L"])]  # b's ISR key without G; a's untouched
         assert sink.isr == {"F", "G"} and sink.shard_isr(a) == {"F", "G"} and sink.shard_isr(b) == {"F"}

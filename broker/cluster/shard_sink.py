@@ -20,8 +20,10 @@ a failover must not go to a node that lacks the shard's confirmed messages), and
 the shard's confirms stop waiting for it. Once it holds the shard again it rejoins: locally
 first (confirms wait for it from then on), then in etcd. It stays in every other shard's ISR;
 a member with no ack progress at all for ``STALL_TIMEOUT`` still leaves the cluster's ISR, and
-so every shard's. A write of the cluster's ISR writes each shard's key as the cluster's
-members less that shard's ``shard_out`` (``shard_members``).
+so every shard's. A write of the cluster's ISR, and the election pass mending a key, write
+each shard's key as the cluster's members less that shard's ``shard_out`` and those on their
+way out of it (``shard_members``): no write racing a member's removal puts it back (the mend
+also compares the key's value as it read it).
 
 A group commit's barrier (``shard_barrier``, the syncer's ``replicated``) waits, per follower,
 for the last position of each shard the commit touched whose ISR names it: a message of vhost
@@ -64,6 +66,7 @@ class ShardedLeaderSink(LeaderSink):
         self.touched: set[str] = set()  # shards written since the last group commit's barrier
         self.shard_out: dict[str, set[str]] = {}  # shard -> cluster ISR members behind on it
         self._moving: set[tuple[str, str]] = set()  # (shard, follower) with a write under way
+        self._leaving: set[tuple[str, str]] = set()  # ... of those, the ones leaving the shard
         self._touched_of: dict[asyncio.Future[None], set[str]] = {}
 
     # ------------------------------------------------------------ tagging
@@ -102,9 +105,10 @@ class ShardedLeaderSink(LeaderSink):
         return self.isr - self.shard_out.get(shard, set())
 
     def shard_members(self, shard: str, members: list[str]) -> list[str]:
-        """The cluster ISR ``members`` as this shard's ISR key names them."""
+        """The cluster ISR ``members`` as this shard's ISR key names them: less those behind on
+        it, and those on their way out (a write of the key racing theirs must not name them)."""
         out = self.shard_out.get(shard, set())
-        return [m for m in members if m not in out]
+        return [m for m in members if m not in out and (shard, m) not in self._leaving]
 
     def shard_replicas(self, shard: str) -> list[str]:
         return [m for m in super().shard_replicas(shard) if m not in self.shard_out.get(shard, set())]
@@ -131,6 +135,8 @@ class ShardedLeaderSink(LeaderSink):
 
     def _move(self, shard: str, fid: str, why: str, leave: bool = False) -> None:
         self._moving.add((shard, fid))
+        if leave:
+            self._leaving.add((shard, fid))
         self._spawn(self._write_shard(shard, fid, why, leave))
 
     async def _write_shard(self, shard: str, fid: str, why: str, leave: bool) -> None:
@@ -147,6 +153,7 @@ class ShardedLeaderSink(LeaderSink):
                 log.warning("shard %s's ISR is now %s (%s)", shard, members, why)
         finally:
             self._moving.discard((shard, fid))
+            self._leaving.discard((shard, fid))
         self._check_barriers()
 
     # ------------------------------------------------------------ barrier per shard
