@@ -6,9 +6,11 @@ processes, TTL 2 s): six vhosts get their shard leaders spread 2/2/2 (etcd,
 every node; SIGTERM to the cluster leader drains its shards to other nodes within the TTL
 (hooks per shard) while its client reconnects elsewhere, and it takes them back on return
 (``shard_faults.drain_and_return``); kill -9 of a node moves only its shards, within TTL + 2 s,
-while a publisher on another shard keeps confirming; the node's return hands its shards back;
-nothing confirmed is lost (``shard_faults.kill_and_return``; ``benchmarks/chaos.py --shards N``
-runs it N times).
+while a publisher on each shard it did not lead keeps confirming with no gap of 1 s; the node's
+return hands its shards back; nothing confirmed is lost (``shard_faults.kill_and_return``;
+``benchmarks/chaos.py --shards N`` runs it N times). The cluster runs with per-shard ISRs
+(``broker/cluster/shard_sink.py``): every confirm here waited for its shard's ISR; one shard's
+ISR key is written alone and no mend puts a member back (on the module's etcd).
 """
 
 from __future__ import annotations
