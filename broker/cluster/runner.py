@@ -148,6 +148,7 @@ class ClusterRunner:
         self.node: LeaderBroker | None = None  # the broker, while this node leads (SIGHUP reloads it)
         self.proxies: list[SpliceProxy] = []
         self.election: ShardElection | None = None  # per-shard leaders (``[clustering] shard_leaders``)
+        self.shards_drained: asyncio.Future[None] | None = None  # every shard handed over at a stop
         self.synced_once = False
         self.lock: DataDirLock | None = None
         self.apply_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skred-replica")
@@ -204,7 +205,8 @@ class ClusterRunner:
             election = self.election = self.host.shard_election(self.config, self.etcd, self.node_id,
                                                                  self.uri, self.view)
             shards = asyncio.ensure_future(election.run())
-            drained = asyncio.ensure_future(self._drain_shards_on_stop(election, shards))
+            drained = self.shards_drained = asyncio.ensure_future(
+                self._drain_shards_on_stop(election, shards))
         try:
             while not self.stopping.is_set():
                 try:
@@ -683,6 +685,8 @@ class ClusterRunner:
 
     async def _step_down_gracefully(self, node: LeaderBroker, sink: LeaderSink) -> None:
         log.info("shutting down: stopping the broker, then draining replication")
+        if self.shards_drained is not None:  # the shards first: closing the stores holds the loop
+            await asyncio.wait([self.shards_drained], timeout=DRAIN_TIMEOUT)
         await node.shutdown()  # closes every store: their last bytes go through the sink
         if not await sink.drain(DRAIN_TIMEOUT):
             log.warning("replication drain timed out after %.0fs", DRAIN_TIMEOUT)
