@@ -53,8 +53,9 @@ itself across the suite; docs/architecture.md, "Per-shard leaders", has the plan
 * What is per shard now: the election, the placement, failover (only into the shard's ISR
   key), hand-back, the hooks and the status (``skred --cluster-status``, ``GET
   /api/cluster``). While one stream (the cluster leader's) carries every shard, each shard ISR
-  key names the cluster's ISR: a follower in sync is in sync for every shard; they part once
-  each shard's leader replicates its own shard.
+  key names the cluster's ISR less the members behind on that shard, and that shard's confirms
+  wait for those alone (``broker/cluster/shard_sink.py``); they part for real once each shard's
+  leader replicates its own shard.
 * What is not yet: the data path. Clients are still served by the cluster leader (the node
   holding ``<prefix>/leader``) and replicated by its single stream; a follower's AMQP proxy
   already routes each connection by the vhost of its ``connection.open``
