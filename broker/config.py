@@ -39,7 +39,7 @@ import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from broker import __version__
 
@@ -841,6 +841,25 @@ def _read_ini(path: Path) -> dict[str, tuple[str, str]]:
     return found
 
 
+# Variables deploy/docker-compose.yml reads from the user's shell (docs/deployment.md has them
+# exported there) and hands the broker under their full names: a shell that has them must still
+# run ``skred --cluster-status``.
+DEPLOY_SHELL_NAMES: Final = frozenset({"SKRED_DEFAULT_USER", "SKRED_DEFAULT_PASSWORD", "SKRED_TLS_CERT",
+                                       "SKRED_TLS_KEY", "SKRED_TLS_CA_CERT"})
+
+
+def check_env_names(env: Mapping[str, str]) -> None:
+    """Refuse ``SKRED_<NAME>`` for a ``[main]`` option: its flag is ``--<name>`` but its variable
+    ``SKRED_MAIN_<NAME>``, and the short spelling, once ignored, silently left the default in
+    force (``SKRED_WORKERS=1`` ran a worker per core). Other ``SKRED_`` names (hooks' variables,
+    ``DEPLOY_SHELL_NAMES``) are not the broker's and stay allowed."""
+    for option in OPTIONS:
+        short = f"{ENV_PREFIX}_{option.name}".upper()
+        if option.section == "main" and short in env and short not in DEPLOY_SHELL_NAMES:
+            raise ConfigError(f"environment variable {short} is not read: [main] {option.name} is "
+                              f"{option.env} (or {option.flag})")
+
+
 def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> Config:
     """Layer defaults < ini < environment < flags into a frozen ``Config``.
 
@@ -850,6 +869,7 @@ def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | 
     args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
     env = os.environ if environ is None else environ
 
+    check_env_names(env)
     raw: dict[str, tuple[str, str]] = {}
     if args.config is not None:
         raw.update(_read_ini(args.config))

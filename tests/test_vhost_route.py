@@ -40,9 +40,24 @@ def decode(data: bytes) -> list[object]:
 
 
 def read_open(*chunks: bytes) -> tuple[OpenReader, bytes]:
+    """The client's side up to open, the owner admitting its login as soon as it is asked."""
     reader = OpenReader(LIMITS, PROPS)
-    said = b"".join(reader.receive(c) for c in chunks)
+    said = b""
+    for c in chunks:
+        said += reader.receive(c)
+        if reader.login is not None and reader.opened is None and not reader.admitted:
+            said += reader.admit()
     return reader, said
+
+
+def owner_login() -> tuple[Replay, bytes]:
+    """A replay of START_OK to an owner that accepts it (its start and tune went no further)."""
+    replay = Replay(START_OK)
+    assert replay.start() == PROTOCOL_HEADER
+    owner_start = m(commands.Connection.Start(server_properties=PROPS, mechanisms="PLAIN AMQPLAIN"))
+    assert replay.receive(owner_start) == START_OK
+    owner_tune = m(commands.Connection.Tune(channel_max=2047, frame_max=131072, heartbeat=60))
+    return replay, owner_tune
 
 
 def test_the_handshake_is_read_up_to_open_and_kept_as_it_arrived() -> None:
@@ -59,37 +74,47 @@ def test_the_handshake_is_read_up_to_open_and_kept_as_it_arrived() -> None:
     assert opened.rest == CHANNEL_OPEN + b"more"
 
 
+def test_the_client_is_tuned_only_once_an_owner_accepted_its_login() -> None:
+    """A direct broker answers bad credentials right after start-ok, before tune; so must a
+    routed one (pika tells "authentication" from "access denied" by that step)."""
+    reader = OpenReader(LIMITS, PROPS)
+    said = reader.receive(PROTOCOL_HEADER + START_OK)
+    assert [type(f) for f in decode(said)] == [commands.Connection.Start]
+    assert reader.login == START_OK and reader.opened is None
+    assert reader.receive(m(heartbeat.Heartbeat())) == b""  # nothing more until admitted
+    (tune,) = decode(reader.admit())
+    assert isinstance(tune, commands.Connection.Tune)
+    assert reader.receive(TUNE_OK + OPEN) == b"" and reader.opened is not None
+
+
 def test_the_owner_gets_the_clients_frames_and_the_client_the_owners_answer() -> None:
     reader, _said = read_open(PROTOCOL_HEADER + START_OK + TUNE_OK + OPEN + CHANNEL_OPEN)
     assert reader.opened is not None
-    replay = Replay(reader.opened)
-    assert replay.start() == PROTOCOL_HEADER
-    owner_start = m(commands.Connection.Start(server_properties=PROPS, mechanisms="PLAIN AMQPLAIN"))
-    assert replay.receive(owner_start) == START_OK
-    owner_tune = m(commands.Connection.Tune(channel_max=2047, frame_max=131072, heartbeat=60))
+    replay, owner_tune = owner_login()
+    assert replay.receive(owner_tune) == b"" and replay.admitted and not replay.spliced
     open_ok = m(commands.Connection.OpenOk())
-    sent = replay.receive(owner_tune + open_ok[:5])  # open-ok split across reads
+    replay.receive(open_ok[:5])  # open-ok split across reads (an owner answering early)
+    sent = replay.finish(reader.opened)
     assert sent == TUNE_OK + OPEN + CHANNEL_OPEN and replay.spliced
     replay.receive(open_ok[5:])
     assert replay.to_client == open_ok  # the owner's start and tune went no further
 
 
-def test_an_owner_refusing_the_credentials_is_heard_by_the_client() -> None:
-    reader, _said = read_open(PROTOCOL_HEADER + START_OK + TUNE_OK + OPEN)
-    assert reader.opened is not None
-    replay = Replay(reader.opened)
+def test_an_owner_refusing_the_credentials_is_heard_by_the_client_before_tune() -> None:
+    replay = Replay(START_OK)
     replay.receive(m(commands.Connection.Start(server_properties=PROPS)))
     close = m(commands.Connection.Close(403, "ACCESS_REFUSED - Login was refused", 0, 0))
-    assert replay.receive(close) == b"" and replay.spliced and replay.to_client == close
+    assert replay.receive(close) == b"" and replay.spliced and not replay.admitted
+    assert replay.to_client == close
 
 
 def test_an_owner_with_lower_limits_fails_the_route_with_320() -> None:
     reader, _said = read_open(PROTOCOL_HEADER + START_OK + TUNE_OK + OPEN)
     assert reader.opened is not None
-    replay = Replay(reader.opened)
-    replay.receive(m(commands.Connection.Start(server_properties=PROPS)))
+    replay, _tune = owner_login()
+    replay.receive(m(commands.Connection.Tune(channel_max=2047, frame_max=8192, heartbeat=60)))
     with pytest.raises(Failed) as err:
-        replay.receive(m(commands.Connection.Tune(channel_max=2047, frame_max=8192, heartbeat=60)))
+        replay.finish(reader.opened)
     (close,) = decode(err.value.answer)
     assert isinstance(close, commands.Connection.Close) and close.reply_code == 320
 

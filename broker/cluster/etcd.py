@@ -52,7 +52,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 from urllib.parse import quote, unquote
 
@@ -72,6 +72,7 @@ CHANNEL_OPTIONS = {"grpc.initial_reconnect_backoff_ms": 100, "grpc.min_reconnect
 WARN_EVERY = 30.0  # seconds between reminders while etcd keeps failing
 SHARDS = "shards/"  # per-shard leader keys: <prefix>/shards/<quoted vhost>/leader (broker/shards/leaders.py)
 _SHARD_LEADER = "/leader"
+_SHARD_ISR = "/isr"  # beside it, the shard's ISR: written with the cluster's (``write_isr``)
 
 
 def shard_key(vhost: str) -> str:
@@ -84,6 +85,31 @@ def shard_of_key(key: str) -> str | None:
     if not key.startswith(SHARDS) or not key.endswith(_SHARD_LEADER):
         return None
     return unquote(key[len(SHARDS):-len(_SHARD_LEADER)])
+
+
+def shard_isr_key(vhost: str) -> str:
+    """The key (under the prefix) of a vhost's shard ISR, beside its leader key."""
+    return SHARDS + quote(vhost, safe="") + _SHARD_ISR
+
+
+def shard_isr_values(keys: Mapping[str, tuple[bytes, int]]) -> dict[str, bytes]:
+    """vhost -> the raw value of its shard ISR key, from keys as ``get_prefix(SHARDS)`` returns them."""
+    return {unquote(key[len(SHARDS):-len(_SHARD_ISR)]): raw for key, (raw, _rev) in keys.items()
+            if key.startswith(SHARDS) and key.endswith(_SHARD_ISR)}
+
+
+def shard_isrs(keys: Mapping[str, tuple[bytes, int]]) -> dict[str, list[str]]:
+    """vhost -> its shard's ISR, from keys as ``get_prefix(SHARDS)`` returns them (an unreadable
+    value is left out: the shard then counts as having none yet)."""
+    out: dict[str, list[str]] = {}
+    for vhost, raw in shard_isr_values(keys).items():
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(value, list):
+            out[vhost] = [str(v) for v in value]
+    return out
 
 
 def shard_holder(raw: bytes) -> str:
@@ -327,12 +353,28 @@ class Etcd:
             return None, raw
         return ([str(v) for v in value] if isinstance(value, list) else None), raw
 
-    async def write_isr(self, members: list[str]) -> bool | None:
-        """Write the ISR, fenced on our leadership (the leader key's create revision).
+    async def write_isr(self, members: list[str],
+                        shards: Mapping[str, list[str]] | None = None) -> bool | None:
+        """Write the ISR, fenced on our leadership (the leader key's create revision); with
+        ``shards`` (per-shard leaders: vhost -> its ISR, for the vhosts whose data we
+        replicate), each one's shard ISR key too, in the same transaction, so no reader sees a
+        shard ISR naming a node the cluster's has dropped (confirms stop waiting for a node only
+        after this write).
 
         True: written. False: we are not the leader any more. None: etcd did not answer
         (the write may or may not have happened): try again.
         """
+        return await self._write_fenced({"isr": members,
+                                         **{shard_isr_key(v): m for v, m in (shards or {}).items()}})
+
+    async def write_shard_isr(self, vhost: str, members: list[str]) -> bool | None:
+        """Write one shard's ISR alone (a member fell behind on it, or holds it again), fenced
+        on our leadership; True/False/None as ``write_isr``."""
+        return await self._write_fenced({shard_isr_key(vhost): members})
+
+    async def _write_fenced(self, values: Mapping[str, list[str]]) -> bool | None:
+        """Put each key (under the prefix) its JSON value in one transaction fenced on our
+        leadership; True/False/None as ``write_isr``."""
         if not self.lease_alive():
             return False
         if self.client is None:
@@ -341,12 +383,33 @@ class Etcd:
         try:
             ok, _ = await self._call(self.client.transaction(
                 compare=[tx.create(self.key("leader")) == self.leader_revision],
-                success=[tx.put(self.key("isr"), json.dumps(members).encode())],
+                success=[tx.put(self.key(name), json.dumps(value).encode())
+                         for name, value in values.items()],
                 failure=[],
             ))
         except EtcdError as exc:
             log.warning("ISR write failed: %s", exc)
             return None
+        return bool(ok)
+
+    async def mend_shard_isrs(self, stale: Mapping[str, tuple[bytes | None, bytes]], gone: Sequence[str],
+                              isr_raw: bytes) -> bool:
+        """Give the ``stale`` shards (vhost -> (the value read, None if absent; the value it
+        should hold: the cluster's ISR less the members behind on the shard)) their value and
+        delete the keys of ``gone`` ones (deleted vhosts: a vhost created again must not find
+        an old ISR), fenced on our leadership, on the cluster's ISR still being ``isr_raw`` and
+        on each stale key still holding what was read (a removal racing this wins)."""
+        if not (stale or gone) or not self.lease_alive() or self.client is None:
+            return False
+        tx = self.client.transactions
+        ok, _ = await self._call(self.client.transaction(
+            compare=[tx.create(self.key("leader")) == self.leader_revision,
+                     tx.value(self.key("isr")) == isr_raw,
+                     *(tx.version(self.key(shard_isr_key(v))) == 0 if old is None
+                       else tx.value(self.key(shard_isr_key(v))) == old for v, (old, _new) in stale.items())],
+            success=[*(tx.put(self.key(shard_isr_key(v)), new) for v, (_old, new) in stale.items()),
+                     *(tx.delete(self.key(shard_isr_key(v))) for v in gone)],
+            failure=[]))
         return bool(ok)
 
     async def drop_stale_leader(self, value: str) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from broker.store.paths import vhost_dir
+
 NODE_ID_FILE = ".node_id"
 ROLE_FILE = ".cluster_role"  # our role in the last term (see standing.py): about this node only
 _LOCAL_NAMES = frozenset({NODE_ID_FILE, ROLE_FILE, ".lock"})
@@ -26,3 +28,18 @@ def relative(data_dir: Path, path: Path) -> str | None:
         return path.relative_to(data_dir).as_posix()
     except ValueError:
         return None
+
+
+def shard_of(rel: str) -> str | None:
+    """The shard a replicated path belongs to: its vhost's directory (``<sha1(vhost)>``, where the
+    store keeps everything of one vhost); None for the node's shared files (users, vhosts,
+    global parameters) and anything else outside a vhost directory."""
+    head, sep, _rest = rel.partition("/")
+    if sep and len(head) == 40 and all(c in "0123456789abcdef" for c in head):
+        return head
+    return None
+
+
+def shard_name(vhost: str) -> str:
+    """A vhost's shard as ``shard_of`` names it: its directory's name."""
+    return vhost_dir(Path(), vhost).name

@@ -80,6 +80,9 @@ class ShardElection(Protocol):
     async def drain(self) -> None:
         """The node is stopping (``run`` cancelled): hand every shard held over now."""
 
+    def vhosts(self) -> list[str]:
+        """The shards (vhost names) of this node's data dir: a leader writes each one's ISR."""
+
 
 class MetricsServer(Protocol):
     @property

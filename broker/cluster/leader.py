@@ -146,6 +146,13 @@ class FollowerConn:
         self.acked = 0
         self.last_progress = time.monotonic()
         self.synced = False  # BULK_DONE sent and backlog released
+        # Per shard (kept by ``ShardedLeaderSink``): the position of the last action of each
+        # shard sent live, when the oldest of its actions this follower has not acked was sent,
+        # and where the live stream began (the bulk sync and backlog before it carry every
+        # shard): the follower holds a shard's every action once it acked both.
+        self.shard_sent: dict[str, int] = {}
+        self.shard_since: dict[str, float] = {}
+        self.floor = 0
         self.wake = asyncio.Event()
         self.written = asyncio.Event()  # set by the writer whenever ``out`` has been drained
         self.closed = False
@@ -162,6 +169,10 @@ class FollowerConn:
             self.backlog.append(msg)
         else:
             self.send(msg)
+
+    def holds(self, shard: str) -> bool:
+        """Whether this follower acked every action of ``shard`` sent to it so far."""
+        return self.synced and self.acked >= max(self.floor, self.shard_sent.get(shard, 0))
 
     @property
     def lag(self) -> int:
@@ -251,13 +262,17 @@ class LeaderSink:
     # ------------------------------------------------------------ ISR barrier
     def barrier(self) -> asyncio.Future[None]:
         """A future resolved once every ISR member acked everything sent to it so far."""
+        return self._barrier_at({f: f.sent for fid in self.isr if (f := self.followers.get(fid)) is not None})
+
+    def _barrier_at(self, positions: dict[FollowerConn, int]) -> asyncio.Future[None]:
+        """A future resolved once each follower acked its position (one that left the ISR
+        first no longer counts) and every ISR member is connected."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if not self.fenced and not self.lease_valid():
             self.fence()
         if self.fenced:
             return fut  # never: a leader without its lease must not confirm
-        targets = {f: f.sent for fid in self.isr if (f := self.followers.get(fid)) is not None
-                   and f.acked < f.sent}
+        targets = {f: pos for f, pos in positions.items() if f.acked < pos}
         if not targets and all(fid in self.followers for fid in self.isr):
             fut.set_result(None)
         else:
@@ -280,6 +295,12 @@ class LeaderSink:
             else:
                 keep.append((targets, fut))
         self._barriers = keep
+
+    def shard_replicas(self, shard: str) -> list[str]:
+        """The ISR members holding every action of ``shard`` (a vhost directory) sent so far, we
+        first: the shard's own acks, read off the one stream (kept by ``ShardedLeaderSink``)."""
+        return [self.node_id, *sorted(fid for fid in self.isr
+                                      if (f := self.followers.get(fid)) is not None and f.holds(shard))]
 
     def fence(self) -> None:
         self.fenced = True
@@ -551,6 +572,7 @@ class LeaderSink:
         backlog, f.backlog = f.backlog or [], None
         for msg in backlog:
             f.send(msg)
+        f.floor = f.sent
         f.synced = True
         log.info("follower %s: bulk sync sent (%d files, %d bytes), streaming", f.node_id, len(paths),
                  sent_bytes)

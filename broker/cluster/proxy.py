@@ -26,10 +26,15 @@ replication welcome (a node's port numbers need not match its peers'):
   leader, so client certificates and EXTERNAL work through any node.
 
 With ``[clustering] shard_leaders`` the AMQP port is *routed* (``Routed``): the proxy plays the
-handshake up to ``connection.open`` itself (``vhost_route.OpenReader``, no authentication),
-asks which node serves the vhost, opens the tunnel there and replays the client's own frames
-(``vhost_route.Replay``), so the owner authenticates and answers ``open-ok``; then the tunnel is
-spliced as above. Today the node serving every vhost is still the cluster leader; once a
+handshake itself (``vhost_route.OpenReader``, no authentication); at the client's ``start-ok``
+it opens the tunnel to the node that checks logins (``Routed.login``) and replays it there
+(``vhost_route.Replay``), so that node authenticates and a refusal reaches the client before
+tune, as from a node reached directly; at ``connection.open`` it asks which node serves the
+vhost and goes on on the same tunnel when it is that node, else replays the whole handshake on
+a tunnel to the one that is; the serving node answers ``open-ok``; then the tunnel is spliced
+as above. With no node to check the login the client is tuned anyway and told 320 after its
+``open``, as ``unavailable.py`` does (a close right after ``start-ok`` reads as a failed login).
+Today the node serving every vhost is still the cluster leader; once a
 shard's leader serves it (docs/architecture.md, *Per-shard leaders*) only ``serving`` changes.
 
 When the leader changes or is lost (its key gone, our lease gone, the
@@ -52,14 +57,14 @@ import ipaddress
 import logging
 import os
 import ssl
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from broker.cluster import codec, unavailable
 from broker.cluster.tunnel import TunnelRefused, open_tunnel, pump, read_framed, splice, write_framed
-from broker.cluster.vhost_route import HANDSHAKE_TIMEOUT, Failed, Limits, Opened, refusal
-from broker.cluster.vhost_router import read_open, replay
+from broker.cluster.vhost_route import HANDSHAKE_TIMEOUT, Failed, Limits, OpenReader, refusal
+from broker.cluster.vhost_router import login, read_login, read_open, replay
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +103,7 @@ class Routed:
     limits: Limits
     server_properties: dict[str, Any]
     serving: Callable[[str], Target]
+    login: Callable[[], Target]  # the node that checks a client's credentials before its open
 
 
 class SpliceProxy:
@@ -153,17 +159,89 @@ class SpliceProxy:
         except (TimeoutError, OSError, RuntimeError):
             pass
 
-    async def _read_open(self, creader: asyncio.StreamReader, cwriter: asyncio.StreamWriter,
-                         routed: Routed) -> Opened | None:
-        """The client's handshake up to connection.open, bounded (None: not routable, answered)."""
+    async def _leg(self, host: str, port: int, client: tuple[str, int]
+                   ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A connection to ``host:port`` for ``client`` (a tunnel when this proxy tunnels)."""
+        if self.tunnel is not None:
+            t = self.tunnel
+            lreader, upstream = await open_tunnel(
+                host, port, which=t.which, client=client, secret=t.secret(), tls=t.tls(),
+                source_ip=self.source_ip, node_id=t.node_id, keepalive=t.keepalive)
+        else:
+            local = (self.source_ip, 0) if self.source_ip else None
+            lreader, upstream = await asyncio.wait_for(
+                asyncio.open_connection(host, port, local_addr=local), 5.0)
+        self._writers.add(upstream)
+        return lreader, upstream
+
+    async def _routed_leg(self, target: Target, client: tuple[str, int]
+                          ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A tunnel to ``target`` for a routed client (``Failed`` with the 320 to send)."""
+        if target.host is None or not target.port:
+            raise Failed("no serving node", refusal("no cluster leader yet"))
+        try:
+            return await self._leg(target.host, target.port, client)
+        except (TimeoutError, OSError) as exc:  # TunnelRefused is a ConnectionError
+            why = str(exc) if isinstance(exc, TunnelRefused) else "the cluster leader cannot be reached"
+            raise Failed(f"cannot reach {target.host}:{target.port}: {why}",
+                         refusal(f"no cluster leader yet: {why}")) from None
+
+    async def _route(self, creader: asyncio.StreamReader, cwriter: asyncio.StreamWriter,
+                     client: tuple[str, int], routed: Routed
+                     ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        """The routed handshake (module comment), bounded; the leg to splice the client with
+        (None: the client left or was answered; its leg is closed)."""
+        reader = OpenReader(routed.limits, routed.server_properties)
+        leg: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+
+        def on(leg: tuple[asyncio.StreamReader, asyncio.StreamWriter]
+               ) -> tuple[Callable[[], Awaitable[bytes]], Callable[[bytes], None]]:
+            return (lambda: read_framed(leg[0])), (lambda data: write_framed(leg[1], data))
+
         try:
             async with asyncio.timeout(HANDSHAKE_TIMEOUT):
-                return await read_open(creader, cwriter, routed.limits, routed.server_properties)
+                start_ok = await read_login(creader, cwriter, reader)
+                if start_ok is None:
+                    return None
+                first = routed.login()
+                at = (first.host, first.port)
+                try:
+                    leg = await self._routed_leg(first, client)
+                    rep = await login(start_ok, *on(leg))
+                except Failed:
+                    # nobody checked the login: the client hears why after its open, as from a
+                    # node with no leader (unavailable.py; a close now reads as a failed login)
+                    cwriter.write(reader.admit())
+                    if await read_open(creader, cwriter, reader) is None:
+                        raise Failed("the client left") from None
+                    raise
+                if rep.spliced:  # refused: the node's close to the client, its close-ok back
+                    cwriter.write(rep.to_client)
+                    return leg
+                cwriter.write(reader.admit())
+                opened = await read_open(creader, cwriter, reader)
+                if opened is None:
+                    raise Failed("the client left")
+                target = routed.serving(opened.vhost)
+                if (target.host, target.port) == at:
+                    write_framed(leg[1], rep.finish(opened))
+                    cwriter.write(rep.to_client)
+                    return leg
+                leg[1].close()  # another node serves the vhost: the whole handshake there
+                self._writers.discard(leg[1])
+                leg = await self._routed_leg(target, client)
+                cwriter.write(await replay(opened, *on(leg)))
+                return leg
         except TimeoutError:
-            log.info("%s proxy: no connection.open within %.0fs", self.name, HANDSHAKE_TIMEOUT)
+            log.info("%s proxy: %s not routed within %.0fs", self.name, client, HANDSHAKE_TIMEOUT)
+            answer = refusal("the vhost's node did not answer") if reader.opened is not None else b""
         except Failed as exc:
-            log.info("%s proxy: %s", self.name, exc)
-            await _tell(cwriter, exc.answer)
+            log.info("%s proxy: %s not routed: %s", self.name, client, exc)
+            answer = exc.answer
+        if leg is not None:
+            leg[1].close()
+            self._writers.discard(leg[1])
+        await _tell(cwriter, answer)
         return None
 
     def drop_clients(self) -> int:
@@ -186,52 +264,29 @@ class SpliceProxy:
             src = cwriter.get_extra_info("peername")
             # a Unix socket's peer has no address: the leader hears of a local client
             client = (str(src[0]), int(src[1])) if isinstance(src, tuple) else (codec.UNIX_CLIENT, 0)
-            opened: Opened | None = None
             if self.routed is not None:
-                opened = await self._read_open(creader, cwriter, self.routed)
-                if opened is None:
+                leg = await self._route(creader, cwriter, client, self.routed)
+                if leg is None:
                     return
-                target = self.routed.serving(opened.vhost)
-                host, port = target.host, target.port
+                lreader, upstream = leg
+                lwriter = upstream
+                await splice((creader, cwriter), (lreader, upstream), self.tunnel.keepalive
+                             if self.tunnel is not None else 0.0)
+                return
             if host is None or not port:
                 why = ("no cluster leader yet" if host is None
                        else "the cluster leader does not serve this port")
-                if opened is not None:
-                    await _tell(cwriter, refusal(why))
-                    return
                 await self._refuse(creader, cwriter, why)
                 return
             try:
-                if self.tunnel is not None:
-                    t = self.tunnel
-                    lreader, upstream = await open_tunnel(
-                        host, port, which=t.which, client=client, secret=t.secret(), tls=t.tls(),
-                        source_ip=self.source_ip, node_id=t.node_id, keepalive=t.keepalive)
-                else:
-                    local = (self.source_ip, 0) if self.source_ip else None
-                    lreader, upstream = await asyncio.wait_for(
-                        asyncio.open_connection(host, port, local_addr=local), 5.0)
+                lreader, upstream = await self._leg(host, port, client)
             except (TimeoutError, OSError) as exc:  # TunnelRefused is a ConnectionError
                 log.info("%s proxy: cannot reach the leader at %s:%d: %s", self.name, host, port,
                          exc or type(exc).__name__)
                 why = str(exc) if isinstance(exc, TunnelRefused) else "the cluster leader cannot be reached"
-                if opened is not None:
-                    await _tell(cwriter, refusal(f"no cluster leader yet: {why}"))
-                    return
                 await self._refuse(creader, cwriter, f"no cluster leader yet: {why}")
                 return
             lwriter = upstream
-            self._writers.add(upstream)
-            if opened is not None:
-                try:
-                    async with asyncio.timeout(HANDSHAKE_TIMEOUT):
-                        cwriter.write(await replay(opened, lambda: read_framed(lreader),
-                                                   lambda data: write_framed(upstream, data)))
-                except (TimeoutError, Failed) as exc:
-                    log.info("%s proxy: %s not routed: %s", self.name, client, exc or "timed out")
-                    await _tell(cwriter, exc.answer if isinstance(exc, Failed) else
-                                refusal("the vhost's node did not answer"))
-                    return
             if self.send_proxy_header:
                 dst = cwriter.get_extra_info("sockname")
                 upstream.write(proxy_header(client, (str(dst[0]), int(dst[1]))))

@@ -77,11 +77,12 @@ from urllib.parse import urlsplit
 from broker import tls
 from broker.cluster import codec, follower
 from broker.cluster.etcd import Etcd, EtcdError
-from broker.cluster.files import NODE_ID_FILE
+from broker.cluster.files import NODE_ID_FILE, shard_name
 from broker.cluster.hooks import run_hook
 from broker.cluster.host import Host, LeaderBroker, ShardElection
 from broker.cluster.leader import LeaderSink
 from broker.cluster.proxy import Routed, SpliceProxy, Target, Tunnelled
+from broker.cluster.shard_sink import ShardedLeaderSink
 from broker.cluster.standing import Standing, load_last_role, save_last_role
 from broker.cluster.status import ClusterView
 from broker.cluster.vhost_route import Limits
@@ -146,6 +147,8 @@ class ClusterRunner:
         self.repl_tls = tls.replication_tls(config.main, c.tls)
         self.node: LeaderBroker | None = None  # the broker, while this node leads (SIGHUP reloads it)
         self.proxies: list[SpliceProxy] = []
+        self.election: ShardElection | None = None  # per-shard leaders (``[clustering] shard_leaders``)
+        self.shards_drained: asyncio.Future[None] | None = None  # every shard handed over at a stop
         self.synced_once = False
         self.lock: DataDirLock | None = None
         self.apply_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skred-replica")
@@ -199,9 +202,11 @@ class ClusterRunner:
         shards: asyncio.Future[None] | None = None
         drained: asyncio.Future[None] | None = None
         if self.config.clustering.shard_leaders:
-            election = self.host.shard_election(self.config, self.etcd, self.node_id, self.uri, self.view)
+            election = self.election = self.host.shard_election(self.config, self.etcd, self.node_id,
+                                                                 self.uri, self.view)
             shards = asyncio.ensure_future(election.run())
-            drained = asyncio.ensure_future(self._drain_shards_on_stop(election, shards))
+            drained = self.shards_drained = asyncio.ensure_future(
+                self._drain_shards_on_stop(election, shards))
         try:
             while not self.stopping.is_set():
                 try:
@@ -497,7 +502,7 @@ class ClusterRunner:
         a = self.config.amqp
         leader = self.targets[codec.AMQP_PORT]
         return Routed(Limits(a.channel_max, a.frame_max, a.heartbeat), self.host.amqp_server_properties(),
-                      lambda vhost: leader)
+                      serving=lambda vhost: leader, login=lambda: leader)
 
     def _tunnelled(self, which: int) -> Tunnelled:
         return Tunnelled(which, lambda: self.secret, self._client_tls, self.node_id,
@@ -543,6 +548,24 @@ class ClusterRunner:
                 await self._start_proxies()
 
     # ---------------------------------------------------------------- leader
+    async def _write_isr(self, members: list[str]) -> bool | None:
+        """The ISR, and with per-shard leaders each shard's beside it (the cluster's members less
+        those behind on the shard: ``ShardedLeaderSink``) in the same transaction."""
+        if self.election is None:
+            return await self.etcd.write_isr(members)
+        sink = self.view.sink if isinstance(self.view.sink, ShardedLeaderSink) else None
+        return await self.etcd.write_isr(members, {
+            v: sink.shard_members(shard_name(v), members) if sink is not None else members
+            for v in self.election.vhosts()})
+
+    async def _write_shard_isr(self, shard: str, members: list[str]) -> bool | None:
+        """One shard's ISR (``ShardedLeaderSink``: a member fell behind on it or caught up)."""
+        vhosts = self.election.vhosts() if self.election is not None else []
+        vhost = next((v for v in vhosts if shard_name(v) == shard), None)
+        if vhost is None:
+            return True  # deleted meanwhile: the election pass deletes its key
+        return await self.etcd.write_shard_isr(vhost, members)
+
     async def _lead(self) -> int | None:
         cfg = self.config
         c = cfg.clustering
@@ -553,11 +576,13 @@ class ClusterRunner:
         await self._stop_proxies()
         await self.follower_metrics.stop()  # the broker serves the metrics port while we lead
         self._spawn(run_hook(c.on_leader_elected, self.node_id, self.uri, "leader"))
-        sink = LeaderSink(self.data_dir, self.node_id, self.secret, self.etcd.write_isr)
+        sink = ShardedLeaderSink(self.data_dir, self.node_id, self.secret, self._write_isr,
+                                 self._write_shard_isr) if c.shard_leaders \
+            else LeaderSink(self.data_dir, self.node_id, self.secret, self._write_isr)
         sink.lease_valid = self.etcd.lease_alive
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, sink.index.scan)
-        if not await self.etcd.write_isr([self.node_id]):
+        if not await self._write_isr([self.node_id]):
             log.error("could not write the ISR before serving: giving the leadership up")
             await self.etcd.resign()
             return None
@@ -567,8 +592,9 @@ class ClusterRunner:
         def replicated(dirty: list[Any]) -> asyncio.Future[None]:
             # The syncer has flushed the stores this group commit covers (their meta and
             # buffered acks reach the sink only then), each on its own: one that fails
-            # fails its own waiters only (broker.syncer).
-            return sink.barrier()
+            # fails its own waiters only (broker.syncer). Per-shard leaders: each shard's own
+            # ISR and positions (broker.cluster.shard_sink).
+            return sink.shard_barrier() if isinstance(sink, ShardedLeaderSink) else sink.barrier()
 
         node = self.node = self.host.leader_broker(cfg, sink, self.view, replicated)
         self._unlock()
@@ -659,6 +685,8 @@ class ClusterRunner:
 
     async def _step_down_gracefully(self, node: LeaderBroker, sink: LeaderSink) -> None:
         log.info("shutting down: stopping the broker, then draining replication")
+        if self.shards_drained is not None:  # the shards first: closing the stores holds the loop
+            await asyncio.wait([self.shards_drained], timeout=DRAIN_TIMEOUT)
         await node.shutdown()  # closes every store: their last bytes go through the sink
         if not await sink.drain(DRAIN_TIMEOUT):
             log.warning("replication drain timed out after %.0fs", DRAIN_TIMEOUT)

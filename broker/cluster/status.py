@@ -32,7 +32,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from broker.cluster.etcd import SHARDS, Etcd, EtcdError, shard_holder, shard_of_key
+from broker.cluster.etcd import SHARDS, Etcd, EtcdError, shard_holder, shard_isrs, shard_of_key
 from broker.config import Config
 
 if TYPE_CHECKING:
@@ -145,7 +145,9 @@ async def read_status(config: Config) -> dict[str, Any]:
     if c.shard_leaders or shard_keys:  # the nodes elect per shard (whatever this command was told)
         shards = {vhost: shard_holder(raw) for key, (raw, _term) in shard_keys.items()
                   if (vhost := shard_of_key(key)) is not None}
-        out["shards"] = [{"vhost": v, "leader": n} for v, n in sorted(shards.items())]
+        isrs = shard_isrs(shard_keys)  # a shard without a leader right now is listed too
+        out["shards"] = [{"vhost": v, "leader": shards.get(v), "isr": isrs.get(v)}
+                         for v in sorted(set(shards) | set(isrs))]
         for node in nodes:
             node["shards_led"] = sum(1 for n in shards.values() if n == node["node_id"])
     return out
@@ -165,7 +167,9 @@ def format_status(status: dict[str, Any]) -> str:
     if "shards" in status:
         led = ", ".join(f"{m['node_id']} {m['shards_led']}" for m in status["members"])
         lines += ["", f"shard leaders ({led}):"]
-        lines += _table([("VHOST", "LEADER"), *((s["vhost"], s["leader"]) for s in status["shards"])])
+        lines += _table([("VHOST", "LEADER", "ISR"),
+                         *((s["vhost"], s["leader"] or "-", ", ".join(s.get("isr") or ()) or "-")
+                           for s in status["shards"])])
     return "\n".join(lines)
 
 

@@ -9,24 +9,28 @@ sans-IO machines do it, with no socket of their own (``vhost_router.py`` and a f
 proxy, ``proxy.py``, move their bytes):
 
 * ``OpenReader`` faces the client and plays the server's side up to ``connection.open``:
-  ``connection.start`` (the owner's server properties; mechanisms PLAIN, AMQPLAIN),
-  ``connection.tune`` with this node's limits, keeping the client's ``start-ok``,
-  ``tune-ok`` and ``open`` frames *as they arrived* and every byte after ``open`` (a client
-  may pipeline its first channel). It does not authenticate: the owner does, when it gets
-  the same ``start-ok``, so no credential is judged by a node that does not serve the vhost,
-  and every rule (users, permissions, the loopback-only guest, the login throttle, vhost
-  limits) is the owner's own.
-* ``Replay`` faces the owner and plays the client's side with the kept frames: the protocol
-  header, ``start-ok`` on ``connection.start``, and on ``connection.tune`` the client's
-  ``tune-ok``, ``open`` and the bytes after it. The owner's ``start`` and ``tune`` go no
-  further (the client already had ours); from then on the two sockets are spliced, so
-  ``open-ok`` (or a ``connection.close``: 403 for bad credentials, 530 for a vhost the user may
-  not use) reaches the client byte for byte. A client told 403 hears it after its ``open``,
-  not after ``start-ok`` as from a broker it reached directly (pika then names it "probable
-  access denied" rather than an authentication failure; the text is the owner's). An owner
-  whose limits are below what the client accepted from us (nodes configured differently)
-  fails the route before anything is sent, and the client is told 320 (CONNECTION_FORCED)
-  rather than being cut later by a frame too large.
+  ``connection.start`` (the owner's server properties; mechanisms PLAIN, AMQPLAIN), then,
+  once the client's ``start-ok`` came, it waits (``login``) until the caller had a serving node
+  accept that login (``admit``) before it answers ``connection.tune`` with this node's limits;
+  it keeps the client's ``start-ok``, ``tune-ok`` and ``open`` frames *as they arrived* and
+  every byte after ``open`` (a client may pipeline its first channel). It does not
+  authenticate: a serving node does, when it gets the same ``start-ok``, so no credential is
+  judged by a node that does not serve, and every rule (users, permissions, the loopback-only
+  guest, the login throttle, vhost limits) is the owner's own.
+* ``Replay`` faces a serving node and plays the client's side with the kept frames, in two
+  steps. Login: the protocol header, ``start-ok`` on ``connection.start``; the node's
+  ``connection.tune`` means it accepted the credentials (``admitted``), its
+  ``connection.close`` (403) that it did not, and that ``close`` goes to the client byte for
+  byte *before* any ``tune``, as from a broker reached directly (pika names it an
+  authentication failure, not "probable access denied"). Open (``finish``): the client's
+  ``tune-ok``, ``open`` and the bytes after it; from then on the two sockets are spliced, so
+  ``open-ok`` (or 530 for a vhost the user may not use) reaches the client byte for byte. The
+  node's ``start`` and ``tune`` go no further (the client already had ours). The node that
+  accepts the login is the one the caller expects to serve; when ``open`` names a vhost
+  another node serves, the caller replays the whole handshake there (both steps at once),
+  and that node authenticates again. A node whose limits are below what the client accepted
+  from us (nodes configured differently) fails the route before ``open`` is sent, and the
+  client is told 320 (CONNECTION_FORCED) rather than being cut later by a frame too large.
 
 Bounds: the handshake is at most ``MAX_INPUT`` bytes and (the caller's) ``HANDSHAKE_TIMEOUT``
 seconds; a malformed or oversized frame ends it (``Failed``), nothing is forwarded.
@@ -105,12 +109,16 @@ def refusal(why: str) -> bytes:
 class OpenReader:
     """The server's side of the handshake up to ``connection.open`` (see the module's comment).
 
-    ``receive(bytes) -> bytes to send``; ``opened`` is set once ``connection.open`` came."""
+    ``receive(bytes) -> bytes to send``; ``login`` is set once ``start-ok`` came, and nothing
+    more is read until ``admit() -> bytes to send``; ``opened`` is set once ``connection.open``
+    came."""
 
     def __init__(self, limits: Limits, server_properties: dict[str, Any]) -> None:
         self.limits = limits
         self.server_properties = server_properties  # the owner's (the node hands the broker's own)
         self.opened: Opened | None = None
+        self.login: bytes | None = None  # the client's start-ok, raw, once it came
+        self.admitted = False
         self._buf = bytearray()
         self._seen = 0
         self._started = False
@@ -139,8 +147,24 @@ class OpenReader:
             out += frame.marshal(commands.Connection.Start(
                 server_properties=self.server_properties,
                 mechanisms="PLAIN AMQPLAIN", locales="en_US"), 0)
+        return out + self._read()
+
+    def admit(self) -> bytes:
+        """A serving node accepted the client's login: tune the client, read on."""
+        assert self.login is not None and not self.admitted
+        self.admitted = True
+        lim = self.limits
+        return frame.marshal(commands.Connection.Tune(channel_max=lim.channel_max, frame_max=lim.frame_max,
+                                                      heartbeat=lim.heartbeat), 0) + self._read()
+
+    def _read(self) -> bytes:
+        out = b""
+        if self.login is not None and not self.admitted:
+            return out  # waiting for a serving node to accept the login
         for raw, value in _frames(self._buf):
             out += self._on(raw, value)
+            if self._waiting():
+                break
             opened = self._opened()  # (a call: mypy would keep self.opened narrowed to None)
             if opened is not None:
                 opened.rest = bytes(self._buf)
@@ -151,15 +175,15 @@ class OpenReader:
     def _opened(self) -> Opened | None:
         return self.opened
 
+    def _waiting(self) -> bool:
+        return self.login is not None and not self.admitted
+
     def _on(self, raw: bytes, value: object) -> bytes:
         if isinstance(value, heartbeat.Heartbeat):
             return b""
         if isinstance(value, commands.Connection.StartOk) and not self._start_ok:
-            self._start_ok = raw
-            lim = self.limits
-            return frame.marshal(commands.Connection.Tune(channel_max=lim.channel_max,
-                                                          frame_max=lim.frame_max,
-                                                          heartbeat=lim.heartbeat), 0)
+            self._start_ok = self.login = raw
+            return b""  # tune once admitted
         if isinstance(value, commands.Connection.TuneOk) and self._start_ok and not self._tune_ok:
             self._tune_ok, self._tuned = raw, value
             return b""
@@ -171,15 +195,20 @@ class OpenReader:
 
 
 class Replay:
-    """The client's side of the handshake toward the owner, with the frames ``OpenReader`` kept.
+    """The client's side of the handshake toward a serving node, with the frames ``OpenReader``
+    kept (see the module's comment).
 
-    ``start() -> bytes`` first; then ``receive(owner bytes) -> bytes to the owner``; once
-    ``spliced``, ``to_client`` holds the owner's bytes to pass on and the sockets are joined."""
+    ``start() -> bytes`` first; then ``receive(node bytes) -> bytes to the node`` until
+    ``admitted`` (the login accepted) or ``spliced`` (refused: ``to_client`` holds the node's
+    ``connection.close``); once admitted, ``finish(opened) -> bytes to the node`` and the
+    sockets are joined, ``to_client`` holding the node's bytes so far."""
 
-    def __init__(self, opened: Opened) -> None:
-        self.opened = opened
+    def __init__(self, start_ok: bytes) -> None:
+        self.start_ok = start_ok
+        self.admitted = False
         self.spliced = False
         self.to_client = b""
+        self._tune: commands.Connection.Tune | None = None
         self._buf = bytearray()
         self._seen = 0
         self._started = False
@@ -200,34 +229,46 @@ class Replay:
                 return b""
             if self._buf.startswith(b"AMQP"):  # the owner refused our protocol header
                 raise Failed("the owner refused AMQP 0-9-1", refusal("the vhost's node refused"))
+        if self.admitted:
+            return b""  # kept for the client until finish (the node waits for tune-ok)
         out = b""
         for raw, value in _frames(self._buf):
-            if self._spliced():
-                self.to_client += raw
-                continue
             out += self._on(raw, value)
+            if self._done():
+                break
         if self._spliced():
             self.to_client += bytes(self._buf)
             self._buf.clear()
         return out
 
+    def finish(self, opened: Opened) -> bytes:
+        """The client's tune-ok, open and what followed, for the node that admitted its login."""
+        tune = self._tune
+        assert tune is not None and not self.spliced
+        if _below(tune.channel_max, opened.channel_max) or _below(tune.frame_max, opened.frame_max):
+            raise Failed(f"the vhost's node offers channel_max {tune.channel_max}, frame_max "
+                         f"{tune.frame_max}; the client took {opened.channel_max}, {opened.frame_max}",
+                         refusal("the vhost's node has lower limits than this one"))
+        self.spliced = True
+        self.to_client += bytes(self._buf)
+        self._buf.clear()
+        return opened.tune_ok + opened.open + opened.rest
+
     def _spliced(self) -> bool:
         return self.spliced  # (a call: mypy would keep self.spliced narrowed to False)
 
+    def _done(self) -> bool:
+        return self.spliced or self.admitted
+
     def _on(self, raw: bytes, value: object) -> bytes:
-        o = self.opened
         if isinstance(value, heartbeat.Heartbeat | header.ProtocolHeader):
             return b""
         if isinstance(value, commands.Connection.Start) and not self._started:
             self._started = True
-            return o.start_ok
+            return self.start_ok
         if isinstance(value, commands.Connection.Tune) and self._started:
-            if _below(value.channel_max, o.channel_max) or _below(value.frame_max, o.frame_max):
-                raise Failed(f"the vhost's node offers channel_max {value.channel_max}, frame_max "
-                             f"{value.frame_max}; the client took {o.channel_max}, {o.frame_max}",
-                             refusal("the vhost's node has lower limits than this one"))
-            self.spliced = True
-            return o.tune_ok + o.open + o.rest
+            self._tune, self.admitted = value, True
+            return b""
         if isinstance(value, commands.Connection.Close):
             self.spliced = True  # refused before tune (bad credentials): the client reads why
             self.to_client += raw

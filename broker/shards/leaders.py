@@ -16,10 +16,14 @@ Election, per shard. ``<prefix>/shards/<quoted vhost>/leader`` is created (a tra
 "create if absent") bound to the campaigning node's lease, value = its node id and URI; its
 create revision is the shard's term. Only one node campaigns for a shard: the preferred node
 among the *eligible* ones, those live (a member record) and in sync (its member record says
-``warm``, it has synced or led in this process, and the ISR key names it, or any warm node
-while no ISR exists yet). So placement is deterministic, yet failover still
-works: when the preferred node dies its lease expires, its member record and every shard key
-it held vanish together, and on its next pass (``PASS`` seconds) each survivor computes the
+``warm``, it has synced or led in this process, and the shard's ISR key
+``<prefix>/shards/<quoted vhost>/isr`` names it; the cluster's ISR key for a shard that has
+none yet; any warm node while neither exists). The shard ISR keys are written by the node
+replicating the shard's data, in the same fenced transaction as the cluster's ISR
+(``Etcd.write_isr``): a failover goes only to a node that holds the shard's confirmed messages.
+So placement is deterministic, yet failover still works: when the preferred node dies its
+lease expires, its member record and every shard key it held vanish together, and on its
+next pass (``PASS`` seconds) each survivor computes the
 placement over the members that remain and the new preferred node campaigns at once: a
 shard fails over within the TTL plus a pass. Racing views (two nodes briefly disagreeing on
 the members) cannot give a shard two leaders: the create transaction lets one win, and a
@@ -46,9 +50,12 @@ naming the vhost.
 Scope in this release (the switch is off by default until the per-shard mode has proven
 itself across the suite; docs/architecture.md, "Per-shard leaders", has the plan):
 
-* What is per shard now: the election, the placement, failover, hand-back, the hooks and the
-  status (``skred --cluster-status``, ``GET /api/cluster``). The ISR is the cluster's: every
-  follower replicates every vhost, so a node in sync is in sync for every shard.
+* What is per shard now: the election, the placement, failover (only into the shard's ISR
+  key), hand-back, the hooks and the status (``skred --cluster-status``, ``GET
+  /api/cluster``). While one stream (the cluster leader's) carries every shard, each shard ISR
+  key names the cluster's ISR less the members behind on that shard, and that shard's confirms
+  wait for those alone (``broker/cluster/shard_sink.py``); they part for real once each shard's
+  leader replicates its own shard.
 * What is not yet: the data path. Clients are still served by the cluster leader (the node
   holding ``<prefix>/leader``) and replicated by its single stream; a follower's AMQP proxy
   already routes each connection by the vhost of its ``connection.open``
@@ -75,8 +82,19 @@ from pathlib import Path
 from typing import Any
 
 from broker.auth.vhosts import FILE_NAME as VHOSTS_FILE
-from broker.cluster.etcd import SHARDS, Etcd, EtcdError, shard_holder, shard_key, shard_of_key
+from broker.cluster.etcd import (
+    SHARDS,
+    Etcd,
+    EtcdError,
+    shard_holder,
+    shard_isr_values,
+    shard_isrs,
+    shard_key,
+    shard_of_key,
+)
+from broker.cluster.files import shard_name
 from broker.cluster.hooks import run_hook
+from broker.cluster.shard_sink import ShardedLeaderSink
 from broker.cluster.status import ClusterView
 from broker.config import Config
 from broker.shards.placement import node_of, vhost_shard
@@ -198,13 +216,26 @@ class ShardLeaders:
         if self.node_id not in members:
             return  # peers cannot see us yet: they would not place a shard on us
         live = live_nodes(members)
-        isr_list, _raw = await self.etcd.read_isr()
-        isr = in_sync(members, isr_list)
+        isr_list, isr_raw = await self.etcd.read_isr()
         keys = await self.etcd.get_prefix(SHARDS)
+        isrs = shard_isrs(keys)  # a shard without its own ISR key yet goes by the cluster's
         vhosts = self.vhosts()
+        if self.view.is_leader() and isr_raw is not None and isr_list is not None:
+            # we replicate every shard, so each shard's ISR is the cluster's less the members
+            # behind on it (ShardedLeaderSink): a vhost created since the last ISR write gets its
+            # key, a deleted one's goes, a stray value is mended
+            values = shard_isr_values(keys)
+            sink = self.view.sink
+            want = {v: json.dumps(sink.shard_members(shard_name(v), isr_list)
+                                  if isinstance(sink, ShardedLeaderSink) else isr_list).encode()
+                    for v in vhosts}
+            await self.etcd.mend_shard_isrs({v: (values.get(v), want[v]) for v in vhosts
+                                             if values.get(v) != want[v]},
+                                            [v for v in values if v not in vhosts], isr_raw)
         shown: dict[str, dict[str, Any]] = {}
-        nodes = eligible(live, isr)
+        sink = self.view.sink if self.view.is_leader() else None
         for vhost in vhosts:
+            isr = in_sync(members, isrs.get(vhost, isr_list))
             found = keys.get(shard_key(vhost))
             holder, term = (None, 0) if found is None else (shard_holder(found[0]), found[1])
             if holder == self.node_id and vhost not in self.held and term:
@@ -226,7 +257,9 @@ class ShardLeaders:
                 self._lost([vhost], "handed back")
                 holder, term = None, 0
             shown[vhost] = {"leader": holder, "term": term or None,
-                            "preferred": preferred(vhost, nodes)}
+                            "preferred": preferred(vhost, eligible(live, isr))}
+            if sink is not None:  # we replicate it: who holds its every action (its own acks)
+                shown[vhost]["replicas"] = sink.shard_replicas(shard_name(vhost))
         for key, (_raw, rev) in keys.items():  # keys of vhosts that no longer exist
             gone = shard_of_key(key)
             if gone is not None and gone not in shown and gone in self.held:

@@ -5,10 +5,12 @@ Node ids are fixed (``.node_id`` written before the first start) and the vhost n
 by the placement function so that each node is preferred for two of them: with random ids
 rendezvous hashing spreads shards only about evenly.
 
-A trial (``kill_and_return``): confirmed publishes to every vhost; a publisher on a shard the
-victim does not lead confirms one message at a time through the cluster leader; kill -9 of a
-node that does not hold ``<prefix>/leader`` (the data path is still the cluster leader's,
-``broker/shards/leaders.py``); its shards must move, and only they, within TTL + 2 s; confirmed
+A trial (``kill_and_return``): confirmed publishes to every vhost; on every shard the victim
+does not lead a publisher confirms one message at a time, alternately through the cluster
+leader and through the surviving follower's proxy; kill -9 of a node that does not hold
+``<prefix>/leader`` (the data path is still the cluster leader's, ``broker/shards/leaders.py``);
+none of those publishers may wait 1 s or more between two confirms from before the kill until
+0.5 s after the failover; its shards must move, and only they, within TTL + 2 s; confirmed
 publishes to the moved shards; the node comes back and its shards are handed back; every
 confirmed message is counted in its queue.
 
@@ -109,7 +111,8 @@ class ShardCluster:
         lines = out.stdout.decode().splitlines()
         found = {}
         for key, value in zip(lines[0::2], lines[1::2], strict=False):
-            found[urllib.parse.unquote(key.split("/")[-2])] = json.loads(value)["node_id"]
+            if key.endswith("/leader"):  # beside it, the shard's ISR key
+                found[urllib.parse.unquote(key.split("/")[-2])] = json.loads(value)["node_id"]
         return found
 
     def api(self, node: ClusterNode, method: str, path: str, body: Any = None) -> Any:
@@ -203,14 +206,14 @@ class MoveTrial:
         return all(now.get(v) not in (None, self.victim) for v in self.moved)
 
     def tally(self, node: ClusterNode, queue: str, expect: dict[str, int],
-              live: tuple[str, str, int]) -> None:
-        """Confirmed and lost: ``expect`` messages per vhost in ``queue``, and ``live``'s
-        (vhost, queue, confirmed) of the publisher that ran across the fault, read on ``node``."""
-        vhost, live_queue, live_confirmed = live
-        self.confirmed = sum(expect.values()) + live_confirmed
+              live: list[tuple[str, str, int]]) -> None:
+        """Confirmed and lost: ``expect`` messages per vhost in ``queue``, and each ``live``
+        (vhost, queue, confirmed) of a publisher that ran across the fault, read on ``node``."""
+        self.confirmed = sum(expect.values()) + sum(n for _, _, n in live)
         for name, n in expect.items():
             self.lost += max(0, n - queue_depth(node, name, queue))
-        self.lost += max(0, live_confirmed - queue_depth(node, vhost, live_queue))
+        for vhost, live_queue, live_confirmed in live:
+            self.lost += max(0, live_confirmed - queue_depth(node, vhost, live_queue))
 
 
 def placed(sc: ShardCluster) -> dict[str, str]:
@@ -223,7 +226,8 @@ def placed(sc: ShardCluster) -> dict[str, str]:
 @dataclass
 class ShardTrial(MoveTrial):
     failover: float | None = None  # kill -9 to every moved shard led again (s)
-    largest_gap: float | None = None  # another shard's publisher, across the fault (s)
+    largest_gap: float | None = None  # the largest of ``gaps``
+    gaps: dict[str, float] = field(default_factory=dict)  # each other shard's publisher, across the fault (s)
 
 
 def kill_and_return(sc: ShardCluster, tag: str, rng: random.Random) -> ShardTrial:
@@ -240,10 +244,12 @@ def kill_and_return(sc: ShardCluster, tag: str, rng: random.Random) -> ShardTria
     expect: dict[str, int] = {}
     for vhost in VHOSTS:
         expect[vhost] = publish(rng.choice(sc.c.nodes), vhost, queue, BATCH)
-    other = rng.choice([v for v, n in VHOSTS.items() if n != trial.victim])
-    gap = GapPublisher(data_leader, other, gap_queue)
-    gap.start()
-    wait_for(lambda: gap.confirmed >= 20 or gap.error, 10, "the gap publisher under way")
+    survivor = next(sc.by_id[n] for n in IDS if n not in (leader_id, trial.victim))
+    others = sorted(v for v, n in VHOSTS.items() if n != trial.victim)
+    gaps = [GapPublisher(data_leader if i % 2 == 0 else survivor, v, gap_queue) for i, v in enumerate(others)]
+    for gap in gaps:
+        gap.start()
+    wait_for(lambda: all(g.confirmed >= 20 or g.error for g in gaps), 10, "the gap publishers under way")
     killed = time.monotonic()
     victim.kill9()
     trial.failover = trial.timed(killed, lambda: trial.led_elsewhere(sc), BOUND + 5,
@@ -252,12 +258,15 @@ def kill_and_return(sc: ShardCluster, tag: str, rng: random.Random) -> ShardTria
     stayed = {v: n for v, n in want.items() if v not in trial.moved}
     if {v: after.get(v) for v in stayed} != stayed:
         trial.notes.append(f"shards the victim did not lead moved: {after} (was {want})")
-    time.sleep(0.5)  # the publisher keeps running past the failover (the thread measures)
-    gap.stop_at.set()
-    gap.join(30)
-    if gap.error is not None:
-        trial.notes.append(f"gap publisher failed: {gap.error!r}")
-    trial.largest_gap = gap.largest_gap
+    time.sleep(0.5)  # the publishers keep running past the failover (the threads measure)
+    for gap in gaps:
+        gap.stop_at.set()
+    for gap in gaps:
+        gap.join(30)
+        if gap.error is not None:
+            trial.notes.append(f"gap publisher on {gap.vhost} via {gap.node.name} failed: {gap.error!r}")
+        trial.gaps[f"{gap.vhost} via {gap.node.name}"] = round(gap.largest_gap, 3)
+    trial.largest_gap = max(g.largest_gap for g in gaps)
     for vhost in VHOSTS:
         if vhost in trial.moved:  # the moved shards take confirmed publishes meanwhile
             expect[vhost] += publish(data_leader, vhost, queue, BATCH)
@@ -279,7 +288,7 @@ def kill_and_return(sc: ShardCluster, tag: str, rng: random.Random) -> ShardTria
                                  "the shards handed back to the returning node")
     trial.notes += early[:1]
     wait_for(victim.answers, 20, "the returned node's proxy")
-    trial.tally(victim, queue, expect, (other, gap_queue, gap.confirmed))
+    trial.tally(victim, queue, expect, [(g.vhost, gap_queue, g.confirmed) for g in gaps])
     return trial
 
 
@@ -376,5 +385,5 @@ def drain_and_return(sc: ShardCluster, tag: str, rng: random.Random) -> DrainTri
     trial.handback = trial.timed(restarted, lambda: sc.leaders() == want, HANDBACK_WAIT,
                                  "the shards back with the returning node")
     wait_for(victim.answers, 20, "the returned node's AMQP port")
-    trial.tally(victim, queue, expect, (target, live_queue, client.confirmed))
+    trial.tally(victim, queue, expect, [(target, live_queue, client.confirmed)])
     return trial
