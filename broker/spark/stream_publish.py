@@ -29,20 +29,23 @@ from collections.abc import Iterable
 from typing import Final
 from urllib.parse import unquote, urlparse
 
-PEER_PROPERTIES: Final = 17
-SASL_HANDSHAKE: Final = 18
-SASL_AUTHENTICATE: Final = 19
-TUNE: Final = 20
-OPEN: Final = 21
-CLOSE: Final = 22
-HEARTBEAT: Final = 23
-DECLARE_PUBLISHER: Final = 1
-PUBLISH: Final = 2
-PUBLISH_CONFIRM: Final = 3
-PUBLISH_ERROR: Final = 4
-RESPONSE: Final = 0x8000
-OK: Final = 1
-STREAM_DOES_NOT_EXIST: Final = 2
+from broker.streamwire import (
+    CLOSE,
+    DECLARE_PUBLISHER,
+    HEARTBEAT,
+    OK,
+    OPEN,
+    PEER_PROPERTIES,
+    PUBLISH,
+    PUBLISH_CONFIRM,
+    PUBLISH_ERROR,
+    RESPONSE,
+    SASL_AUTHENTICATE,
+    SASL_HANDSHAKE,
+    STREAM_DOES_NOT_EXIST,
+    TUNE,
+)
+
 _HEAD: Final = struct.Struct(">IHH")  # size, key, version
 _ENTRY: Final = struct.Struct(">QI")  # publishing id, size
 _PUB_HEAD: Final = struct.Struct(">Bi")  # publisher id, count
