@@ -647,8 +647,8 @@ class PerObjectCollector(Collector):
         lag = GaugeMetricFamily(f"{PREFIX}_stream_consumer_offset_lag",
                                 "Messages stored in a stream past what its consumer was sent",
                                 labels=["vhost", "stream", "consumer"])
-        for labels, value in sorted(stream_consumer_lags(self.mgmt.front_ends).items()):
-            lag.add_metric(list(labels), value)
+        for labels, behind in sorted(stream_consumer_lags(self.mgmt.front_ends).items()):
+            lag.add_metric(list(labels), behind)
         yield lag
 
 
