@@ -685,3 +685,28 @@ def test_offset_lag_in_the_api_and_metrics(target: Target, shared_broker: Broker
         assert w.request(C.DELETE, s16(stream)) == C.OK
     finally:
         w.close()
+
+
+def test_spark_amqp_reader_reads_a_last_chunk_of_many(target: Target, shared_broker: Broker) -> None:
+    """The Spark source's AMQP mode (``broker/spark/amqp.py``) finds a stream's extent and reads
+    all of it when the last chunk holds several messages (one Publish frame stores one chunk; a
+    sink's window of publishes does the same): ``last`` names the first offset of that chunk, not
+    the last message, so an extent taken from it came up short."""
+    from broker.spark import amqp as spark_amqp
+
+    stream = _name("extent")
+    w = StreamWire(target.host, target.port)
+    try:
+        assert w.handshake(target.user, target.password) == C.OK
+        assert w.request(C.CREATE, s16(stream) + struct.pack(">i", 0)) == C.OK
+        assert w.request(C.DECLARE_PUBLISHER, bytes([1]) + s16("") + s16(stream)) == C.OK
+        for ids in (range(2), range(2, 9)):  # two chunks: offsets 0-1, then 2-8
+            msgs = b"".join(struct.pack(">QI", i, 2) + b"e%d" % i for i in ids)
+            w.send(frame(C.PUBLISH, bytes([1]) + struct.pack(">i", len(ids)) + msgs))
+            w.expect(C.PUBLISH_CONFIRM)
+        assert spark_amqp.extent(shared_broker.url, stream) == (0, 9)
+        got = list(spark_amqp.read_range(shared_broker.url, stream, 0, 9, timeout=10))
+        assert [(r[0], r[5]) for r in got] == [(i, b"e%d" % i) for i in range(9)]
+        assert w.request(C.DELETE, s16(stream)) == C.OK
+    finally:
+        w.close()
