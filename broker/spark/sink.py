@@ -42,8 +42,8 @@ from collections.abc import Iterator
 from typing import Any, cast
 
 from pyspark.sql.datasource import (  # type: ignore[import-not-found,import-untyped,unused-ignore]
-    DataSourceStreamWriter,
-    DataSourceWriter,
+    DataSourceArrowWriter,
+    DataSourceStreamArrowWriter,
     WriterCommitMessage,
 )
 
@@ -92,7 +92,7 @@ class _Sink:
         if not self.topic and "topic" not in names:
             raise ValueError("skred sink: set option 'topic' or give rows a 'topic' column")
 
-    def publish(self, rows: Iterator[Any], batch_id: int | None) -> Published:
+    def publish(self, batches: Iterator[Any], batch_id: int | None) -> Published:
         from pyspark import TaskContext  # type: ignore[import-not-found,import-untyped,unused-ignore]
 
         ctx = TaskContext.get()
@@ -102,9 +102,10 @@ class _Sink:
             query = ctx.getLocalProperty("sql.streaming.queryId") or query
             raw = ctx.getLocalProperty("streaming.sql.batchId")
             batch_id = int(raw) if raw is not None else None
-        return asyncio.run(self._publish(rows, query, batch_id or 0, task))
+        return asyncio.run(self._publish(batches, query, batch_id or 0, task))
 
-    async def _publish(self, rows: Iterator[Any], query: str, batch_id: int, task: int) -> Published:
+    async def _publish(self, batches: Iterator[Any], query: str, batch_id: int, task: int) -> Published:
+        """Publish a task's Arrow batches; rows are numbered from 1 across them."""
         id_prefix = f"{query}.{batch_id}.{task}"
         import aiormq
         from pamqp.commands import Basic
@@ -113,44 +114,58 @@ class _Sink:
         # in publish order: the oldest is awaited when the window is full (one wait per row, not
         # one over the whole window), and every one before the task returns
         inflight: deque[asyncio.Task[Any]] = deque()
+        streams: dict[str, StreamPublisher] = {}
         try:
             # the concrete channel: its publish can skip waiting for the socket to drain
             ch = cast(aiormq.Channel, await conn.channel(publisher_confirms=True, on_return_raises=True))
             targets: dict[str, bool] = {}
-            streams: dict[str, StreamPublisher] = {}
+
+            async def stream_of(topic: str) -> StreamPublisher:
+                pub = streams.get(topic)
+                if pub is None:
+                    pub = streams[topic] = await self._stream_publisher(topic, f"{query}.{task}")
+                return pub
+
             n = 0
-            for n, row in enumerate(rows, 1):
-                d = row.asDict()
-                topic = self.topic or d.get("topic")
-                if not topic:
-                    raise ValueError("skred sink: a row has no topic")
-                if d.get("partition") is not None:
-                    raise ValueError("skred sink: the partition column is not supported")
-                is_exchange = targets.get(topic)
-                if is_exchange is None:
-                    is_exchange = targets[topic] = await _exchange_exists(conn, topic)
-                value = d["value"]
-                body = value.encode() if isinstance(value, str) else bytes(value or b"")
-                if self.exactly_once and not is_exchange:  # a stream: deduplicated by the stream
-                    pub = streams.get(topic)
-                    if pub is None:
-                        pub = streams[topic] = await self._stream_publisher(topic, f"{query}.{task}")
-                    if d.get("headers"):
-                        raise ValueError("skred sink: exactlyOnce to a stream carries no headers")
-                    await pub.add(publishing_id(batch_id, n), body)
-                    continue
-                headers = dict(d.get("headers") or {})
-                # every row has a message id: the client library matches a returned row by it
-                message_id = f"{id_prefix}.{n}" if self.exactly_once else uuid.uuid4().hex
-                if self.exactly_once:
-                    headers[DEDUP_HEADER] = message_id
-                props = Basic.Properties(delivery_mode=2, message_id=message_id, headers=headers or None)
-                exchange, rk = (topic, d.get("key") or "") if is_exchange else ("", topic)
-                if len(inflight) >= self.window:
-                    await _confirmed(inflight.popleft())
-                inflight.append(asyncio.ensure_future(ch.basic_publish(
-                    body, exchange=exchange, routing_key=rk, properties=props, mandatory=not is_exchange,
-                    timeout=self.confirm_timeout, wait=False)))
+            for batch in batches:
+                _no_partition(batch)
+                if self.exactly_once and self.topic:  # one target for every row
+                    is_exchange = targets.get(self.topic)
+                    if is_exchange is None:
+                        is_exchange = targets[self.topic] = await _exchange_exists(conn, self.topic)
+                    if not is_exchange:  # a stream: the batch framed whole (arrow_frames)
+                        _no_headers(batch)
+                        pub = await stream_of(self.topic)
+                        await pub.add_batch(publishing_id(batch_id, n + 1), batch.column("value"))
+                        n += batch.num_rows
+                        continue
+                for d in batch.to_pylist():
+                    n += 1
+                    topic = self.topic or d.get("topic")
+                    if not topic:
+                        raise ValueError("skred sink: a row has no topic")
+                    is_exchange = targets.get(topic)
+                    if is_exchange is None:
+                        is_exchange = targets[topic] = await _exchange_exists(conn, topic)
+                    value = d["value"]
+                    body = value.encode() if isinstance(value, str) else bytes(value or b"")
+                    if self.exactly_once and not is_exchange:  # a stream: deduplicated by the stream
+                        if d.get("headers"):
+                            raise ValueError(_NO_HEADERS)
+                        await (await stream_of(topic)).add(publishing_id(batch_id, n), body)
+                        continue
+                    headers = dict(d.get("headers") or {})
+                    # every row has a message id: the client library matches a returned row by it
+                    message_id = f"{id_prefix}.{n}" if self.exactly_once else uuid.uuid4().hex
+                    if self.exactly_once:
+                        headers[DEDUP_HEADER] = message_id
+                    props = Basic.Properties(delivery_mode=2, message_id=message_id, headers=headers or None)
+                    exchange, rk = (topic, d.get("key") or "") if is_exchange else ("", topic)
+                    if len(inflight) >= self.window:
+                        await _confirmed(inflight.popleft())
+                    inflight.append(asyncio.ensure_future(ch.basic_publish(
+                        body, exchange=exchange, routing_key=rk, properties=props, mandatory=not is_exchange,
+                        timeout=self.confirm_timeout, wait=False)))
             while inflight:
                 await _confirmed(inflight.popleft())
             for pub in streams.values():
@@ -166,7 +181,6 @@ class _Sink:
             if not conn.is_closed:
                 await conn.close()
 
-
     async def _stream_publisher(self, topic: str, reference: str) -> StreamPublisher:
         pub = StreamPublisher(self.uri, self.stream_port, self.vhost, topic, reference, self.window,
                               self.confirm_timeout)
@@ -181,6 +195,28 @@ class _Sink:
             await pub.close()
             raise
         return pub
+
+
+_NO_HEADERS = "skred sink: exactlyOnce to a stream carries no headers"
+
+
+def _no_partition(batch: Any) -> None:
+    names = batch.schema.names
+    if "partition" in names:
+        col = batch.column("partition")
+        if col.null_count != len(col):
+            raise ValueError("skred sink: the partition column is not supported")
+
+
+def _no_headers(batch: Any) -> None:
+    """Refuse a batch with a non-empty ``headers`` map: the stream path carries no headers."""
+    if "headers" not in batch.schema.names:
+        return
+    import pyarrow.compute as pc  # type: ignore[import-not-found,import-untyped,unused-ignore]
+
+    col = batch.column("headers")
+    if col.null_count != len(col) and (pc.max(pc.list_value_length(col)).as_py() or 0) > 0:
+        raise ValueError(_NO_HEADERS)
 
 
 async def _confirmed(publish: asyncio.Task[Any]) -> None:
@@ -209,7 +245,9 @@ async def _exchange_exists(conn: Any, name: str) -> bool:
     return True
 
 
-class SkredWriter(DataSourceWriter):  # type: ignore[misc,unused-ignore]
+class SkredWriter(DataSourceArrowWriter):  # type: ignore[misc,unused-ignore]
+    """Batch writes: each task gets its rows as Arrow batches."""
+
     def __init__(self, options: dict[str, str], schema: Any, overwrite: bool) -> None:
         self.sink = _Sink(options, schema)
 
@@ -217,7 +255,9 @@ class SkredWriter(DataSourceWriter):  # type: ignore[misc,unused-ignore]
         return self.sink.publish(iterator, 0)
 
 
-class SkredStreamWriter(DataSourceStreamWriter):  # type: ignore[misc,unused-ignore]
+class SkredStreamWriter(DataSourceStreamArrowWriter):  # type: ignore[misc,unused-ignore]
+    """Micro-batches: each task gets its rows as Arrow batches."""
+
     def __init__(self, options: dict[str, str], schema: Any, overwrite: bool) -> None:
         self.sink = _Sink(options, schema)
 

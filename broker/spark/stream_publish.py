@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import struct
-from collections.abc import Iterable
-from typing import Final
+from typing import Any, Final
 from urllib.parse import unquote, urlparse
 
+from broker.spark.arrow_frames import RowTooLarge, publish_frames
 from broker.streamwire import (
     CLOSE,
     DECLARE_PUBLISHER,
@@ -36,7 +36,6 @@ from broker.streamwire import (
     OK,
     OPEN,
     PEER_PROPERTIES,
-    PUBLISH,
     PUBLISH_CONFIRM,
     PUBLISH_ERROR,
     RESPONSE,
@@ -47,7 +46,6 @@ from broker.streamwire import (
 )
 
 _HEAD: Final = struct.Struct(">IHH")  # size, key, version
-_ENTRY: Final = struct.Struct(">QI")  # publishing id, size
 _PUB_HEAD: Final = struct.Struct(">Bi")  # publisher id, count
 _CORR_CODE: Final = struct.Struct(">IH")
 MAX_FRAME: Final = 1 << 20  # what we ask for in Tune (the broker may lower it)
@@ -205,24 +203,55 @@ class StreamPublisher:
         self._progress.set()
 
     # ------------------------------------------------------------------ publishing
+    @property
+    def piece(self) -> int:
+        """Rows framed and written at once: a quarter of the window, so up to four pieces are
+        in flight while the broker confirms the oldest."""
+        return max(self.window // 4, 1)
+
     async def add(self, pid: int, body: bytes) -> None:
-        """Queue one row; frames and writes a window's worth at once, waiting for confirms
-        while a window is in flight."""
+        """Queue one row (the per-row path: rows whose target varies); a piece's worth is
+        framed and written at once."""
         self._pending.append((pid, body))
-        if len(self._pending) >= max(self.window // 2, 1):
-            await self._flush(self.window // 2)
+        if len(self._pending) >= self.piece:
+            await self._flush()
+
+    async def add_batch(self, first_id: int, values: Any) -> None:
+        """An Arrow batch's values, the i-th with publishing id ``first_id + i``: framed a piece
+        at a time straight from the batch (``arrow_frames``), each written while fewer than
+        ``window`` rows await their confirm."""
+        import numpy as np  # type: ignore[import-not-found,import-untyped,unused-ignore]
+
+        await self._flush()
+        for lo in range(0, len(values), self.piece):
+            part = values.slice(lo, self.piece)
+            await self._write(np.arange(first_id + lo, first_id + lo + len(part), dtype=np.uint64), part)
 
     async def finish(self) -> None:
         """Write what is queued and wait until every row is confirmed."""
-        await self._flush(0)
+        await self._flush()
+        await self._room(0)
 
-    async def _flush(self, keep_in_flight: int) -> None:
+    async def _flush(self) -> None:
         if self._pending:
-            await self._room(self.window - len(self._pending))
-            self._send(self._frames(self._pending))
-            self._unconfirmed.update(pid for pid, _ in self._pending)
-            self._pending = []
-        await self._room(keep_in_flight)
+            import numpy as np  # type: ignore[import-not-found,import-untyped,unused-ignore]
+            import pyarrow as pa  # type: ignore[import-not-found,import-untyped,unused-ignore]
+
+            rows, self._pending = self._pending, []
+            ids = np.fromiter((pid for pid, _ in rows), dtype=np.uint64, count=len(rows))
+            await self._write(ids, pa.array([body for _, body in rows], pa.binary()))
+
+    async def _write(self, ids: Any, values: Any) -> None:
+        """Frame ``values`` with publishing ids ``ids`` and write them in one call once there
+        is room in the window for them."""
+        try:
+            frames = publish_frames(1, ids, values, self.frame_max)
+        except RowTooLarge as exc:
+            raise StreamSinkError(str(exc)) from None
+        await self._room(self.window - len(ids))
+        assert self._writer is not None
+        self._writer.writelines(frames)
+        self._unconfirmed.update(ids.tolist())
 
     async def _room(self, at_most: int) -> None:
         """Wait until at most ``at_most`` rows await their confirm (raising on an error or on
@@ -238,27 +267,3 @@ class StreamPublisher:
             except TimeoutError:
                 raise StreamSinkError(f"skred sink: {len(self._unconfirmed)} row(s) to '{self.stream}' "
                                       f"not confirmed within {self.timeout:g}s") from None
-
-    def _frames(self, rows: Iterable[tuple[int, bytes]]) -> bytes:
-        """Publish frames for ``rows``, each within ``frame_max``, joined for one write."""
-        out: list[bytes] = []
-        entries: list[bytes] = []
-        size = _HEAD.size + _PUB_HEAD.size
-        for pid, body in rows:
-            entry = _ENTRY.pack(pid, len(body)) + body
-            if entries and size + len(entry) > self.frame_max:
-                out.append(self._publish_frame(entries))
-                entries, size = [], _HEAD.size + _PUB_HEAD.size
-            if _HEAD.size + _PUB_HEAD.size + len(entry) > self.frame_max:
-                raise StreamSinkError(f"skred sink: a row of {len(body)} bytes exceeds the frame size "
-                                      f"{self.frame_max}")
-            entries.append(entry)
-            size += len(entry)
-        if entries:
-            out.append(self._publish_frame(entries))
-        return b"".join(out)
-
-    @staticmethod
-    def _publish_frame(entries: list[bytes]) -> bytes:
-        body = _PUB_HEAD.pack(1, len(entries)) + b"".join(entries)
-        return _HEAD.pack(len(body) + 4, PUBLISH, 1) + body
