@@ -2,8 +2,9 @@
 
 Theory of operation
 -------------------
-Each Spark task opens one AMQP connection (``uri``) and publishes its rows with publisher
-confirms, keeping up to ``confirmWindow`` rows (``WINDOW``) in flight: a row is sent while
+The writers are Spark's Arrow writers: a task gets its rows as Arrow record batches. Each
+task opens one AMQP connection (``uri``) and publishes its rows with publisher confirms,
+keeping up to ``confirmWindow`` rows (``WINDOW``) in flight: a row is sent while
 fewer than that many wait for their confirm, so the task costs one round trip per window, not
 per row. The task returns only when every row is confirmed, and any nack, returned (unroutable)
 row, confirm timeout or lost connection raises, which fails the task, so Spark retries it (at
@@ -26,6 +27,9 @@ partition and the row number. Two targets deduplicate by it:
   ``batch id << 32 | row number`` (``stream_publish.py``); the stream keeps each publisher's
   highest stored id in order with its log, so a retried task or re-run batch adds nothing, also
   after a broker restart, kill -9 or a leader change. Per-row ``headers`` are refused there.
+  With the ``topic`` option set, a whole Arrow batch is framed at once (``arrow_frames.py``),
+  ``confirmWindow`` defaulting to ``STREAM_WINDOW`` rows there; rows naming their own topic
+  go one by one.
 * an **exchange** declared with ``x-message-deduplication: true`` (bound to the stream): the id
   ``<query id>.<batch id>.<partition>.<row number>`` goes in ``message_id`` and the
   ``x-deduplication-header`` header, and the exchange drops an id it has seen within its cache
@@ -53,6 +57,9 @@ from broker.spark.stream_publish import NoSuchStream, StreamPublisher, publishin
 ROW_COLUMNS = ("value", "key", "topic", "headers", "partition")
 DEDUP_HEADER = "x-deduplication-header"
 WINDOW = 1000  # rows in flight (published, confirm not yet in) per task, by default
+# ... over the stream protocol: rows cost a few bytes each there, and a window of 1000 left the
+# task waiting on the broker's group commit (a tenth of the rows/s of 10,000: docs/benchmarks.md)
+STREAM_WINDOW = 20_000
 WINDOW_MAX = 100_000
 
 
@@ -77,7 +84,9 @@ class _Sink:
         self.exactly_once = flag(opts, "exactlyonce", False)
         self.query_id = opts.get("queryid") or uuid.uuid4().hex
         self.confirm_timeout = float(opts.get("confirmtimeout", "30"))
-        self.window = int(opts.get("confirmwindow", str(WINDOW)))
+        given = opts.get("confirmwindow")
+        self.window = int(given) if given else WINDOW
+        self.stream_window = int(given) if given else STREAM_WINDOW
         self.stream_port = int(opts.get("streamport", "5552"))
         self.vhost = opts.get("vhost")
         if not 1 <= self.window <= WINDOW_MAX:
@@ -182,7 +191,7 @@ class _Sink:
                 await conn.close()
 
     async def _stream_publisher(self, topic: str, reference: str) -> StreamPublisher:
-        pub = StreamPublisher(self.uri, self.stream_port, self.vhost, topic, reference, self.window,
+        pub = StreamPublisher(self.uri, self.stream_port, self.vhost, topic, reference, self.stream_window,
                               self.confirm_timeout)
         try:
             await pub.open()

@@ -13,9 +13,11 @@ a retried task's rows that were stored are confirmed and dropped, the rest store
 
 The publisher is a small client of the protocol (PeerProperties, PLAIN SaslHandshake and
 SaslAuthenticate, Tune, Open, DeclarePublisher, Publish version 1, PublishConfirm and
-PublishError): rows are framed a confirm window at a time (as many Publish frames as
-``frame_max`` needs) and written with one call, and the next window is framed while the broker
-confirms this one; the task ends once every id is confirmed. A PublishError, a Close, a lost
+PublishError). Rows are framed a *piece* at a time, a quarter of the confirm window (as many
+Publish frames as ``frame_max`` needs, built from the task's Arrow batch without Python code per
+row: ``arrow_frames.py``), and each piece is written with one call while fewer than ``window``
+rows await their confirm, so up to four pieces are in flight and the next is framed while the
+broker confirms the oldest; the task ends once every id is confirmed. A PublishError, a Close, a lost
 connection or ``confirm_timeout`` without progress raises, which fails the task (Spark retries
 it). A row's value becomes the message body as sent (stream clients read it as is; AMQP
 consumers get it as the body); per-row ``headers`` cannot ride on this path and are refused.
