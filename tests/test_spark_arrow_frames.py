@@ -60,3 +60,19 @@ def test_an_empty_batch_is_no_frame_and_a_row_too_large_is_refused() -> None:
     assert publish_frames(7, _ids(0, 0), pa.array([], pa.binary()), 1000) == []
     with pytest.raises(RowTooLarge, match="exceeds the frame size 100"):
         publish_frames(7, _ids(0, 2), pa.array([b"ok", b"x" * 100], pa.binary()), 100)
+
+
+def test_a_batch_with_a_non_empty_headers_map_is_refused() -> None:
+    """The batch path refuses headers (a stream-protocol message has none) but passes empty
+    and null maps, also in a slice of a batch."""
+    from broker.spark.sink import _no_headers
+
+    headers = pa.array([None, [], [("k", "v")], []], pa.map_(pa.string(), pa.string()))
+    batch = pa.record_batch([pa.array([b"a", b"b", b"c", b"d"]), headers], names=["value", "headers"])
+    _no_headers(batch.slice(0, 2))
+    _no_headers(batch.slice(3, 1))
+    _no_headers(pa.record_batch([pa.array([b"a"])], names=["value"]))
+    with pytest.raises(ValueError, match="carries no headers"):
+        _no_headers(batch)
+    with pytest.raises(ValueError, match="carries no headers"):
+        _no_headers(batch.slice(2, 1))
