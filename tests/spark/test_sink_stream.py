@@ -102,7 +102,7 @@ def test_exactly_once_arrow_batches_into_a_stream(spark: Any, own_broker: SkredP
     b = own_broker
     stream = "arrow-sunk"
     _declare(b.url, stream)
-    n = 5000
+    n = 2000
     df = spark.range(n, numPartitions=2).selectExpr(
         "cast(concat('r-', cast(id as string)) as binary) as value",
         "case when id % 7 = 0 then map() else cast(null as map<string,string>) end as headers")
@@ -113,7 +113,7 @@ def test_exactly_once_arrow_batches_into_a_stream(spark: Any, own_broker: SkredP
          .option("exactlyOnce", "true").option("queryId", "arrow-1").save())
 
     conf = spark.conf.get("spark.sql.execution.arrow.maxRecordsPerBatch")
-    spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "700")
+    spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "300")
     try:
         write(df)
         write(df)  # Spark's retry of the whole job, same query id: nothing added
