@@ -609,8 +609,26 @@ _PER_QUEUE: tuple[tuple[str, str, str, Callable[[Any], float]], ...] = (
 )
 
 
+def stream_consumer_lags(front_ends: Iterable[FrontEndView]) -> dict[tuple[str, str, str], int]:
+    """The stream protocol's consumer lag per (vhost, stream, consumer), as Kafka's tools show a
+    consumer group's lag per partition: a super stream's partitions are streams, and the consumer
+    is the subscription's ``name`` (its offset-tracking reference; ``<connection>/<id>`` when it
+    has none). Several subscriptions under one name (a single-active-consumer group): the largest."""
+    from broker.views import StreamEntitiesView
+
+    lags: dict[tuple[str, str, str], int] = {}
+    for fe in front_ends:
+        if isinstance(fe, StreamEntitiesView):
+            for conn, info in fe.stream_consumers():
+                who = info["properties"].get("name") or f"{conn.name}/{info['subscription_id']}"
+                key = (conn.vhost, info["stream"], who)
+                lags[key] = max(lags.get(key, 0), info["offset_lag"])
+    return lags
+
+
 class PerObjectCollector(Collector):
-    """``/metrics/per-object``: RabbitMQ's per-queue series, labelled ``vhost`` and ``queue``."""
+    """``/metrics/per-object``: RabbitMQ's per-queue series, labelled ``vhost`` and ``queue``,
+    and the stream consumers' lag (``stream_consumer_lags``)."""
 
     def __init__(self, mgmt: Source) -> None:
         self.mgmt = mgmt
@@ -626,6 +644,12 @@ class PerObjectCollector(Collector):
             for q in queues:
                 fam.add_metric([q.vhost, q.name], value(q))
             yield fam
+        lag = GaugeMetricFamily(f"{PREFIX}_stream_consumer_offset_lag",
+                                "Messages stored in a stream past what its consumer was sent",
+                                labels=["vhost", "stream", "consumer"])
+        for labels, behind in sorted(stream_consumer_lags(self.mgmt.front_ends).items()):
+            lag.add_metric(list(labels), behind)
+        yield lag
 
 
 class DetailedCollector(Collector):

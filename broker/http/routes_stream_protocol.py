@@ -12,7 +12,7 @@ Paths, as RabbitMQ's:
   ``publisher_id``, ``reference``, ``published``, ``confirmed``, ``errored``.
 * ``GET /api/stream/consumers`` (``/{vhost}``): every subscription with ``subscription_id``,
   ``credits`` (chunks it may still be sent), ``consumed``, ``offset`` (after the last message
-  sent), ``properties``, ``active`` and ``activity_status``.
+  sent), ``offset_lag`` (messages stored past it), ``properties``, ``active`` and ``activity_status``.
 
 Publishers and consumers carry ``queue`` (``name``, ``vhost``) and ``connection_details``
 (``name``, ``user``, ``node``, ``peer_host``, ``peer_port``). Visibility is that of

@@ -505,6 +505,12 @@ class StreamQueue(Queue):
             self.stream.store_offset(cur.tag, cur.commit_point())
             self.on_dirty(self.store)
 
+    def reading_offset(self, consumer: Consumer) -> int | None:
+        """The next offset ``consumer`` reads (None: it does not consume here): its lag is
+        ``next_offset`` minus this."""
+        cur = self._by_consumer.get(id(consumer))
+        return None if cur is None else cur.pos.offset
+
     # ------------------------------------------- named offsets (the stream protocol's)
     def stored_offset(self, name: str) -> int | None:
         """The offset stored under ``name`` (a consumer tag, or a stream client's reference)."""

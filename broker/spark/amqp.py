@@ -1,9 +1,13 @@
 """Reading a stream over AMQP (``option("uri", ...)``) for the Spark source.
 
-Theory of operation: a running broker is asked for the stream's extent with a passive
-queue.declare (message count) and a one-message consumer at ``x-stream-offset=last`` (its
-``x-stream-offset`` header is the last offset), so ``[next - count, next)`` is the readable
-range. A range ``[start, end)`` is read by a consumer at ``x-stream-offset=start`` that stops
+Theory of operation: a running broker is asked for the stream's extent with a one-message
+consumer at ``x-stream-offset=first`` (its ``x-stream-offset`` header is the first offset held),
+then a passive queue.declare (message count), so ``[first, first + count)`` is the readable range;
+the probe is taken again until the first offset held did not move meanwhile (retention). Not
+``last``: that names the first message of the last *chunk*, and a chunk holds a whole publish
+run (a Publish frame, a sink's window), so an extent counted back from it came up short.
+
+A range ``[start, end)`` is read by a consumer at ``x-stream-offset=start`` that stops
 at the first delivery at or past ``end``; acks go out with ``multiple=true`` every
 ``_ACK_EVERY`` deliveries so the prefetch window keeps moving. Every read uses the same
 consumer tag per queue, so the broker's stored-offset table does not grow with Spark jobs
@@ -27,6 +31,7 @@ from pamqp import commands
 from broker.spark.rows import Rec
 
 _ACK_EVERY = 256
+_EXTENT_TRIES = 5  # extent probes before giving up on a stream whose retention keeps running
 _PREFETCH = 1000
 _BROKER_HEADERS = ("x-stream-offset", "x-stream-timestamp")
 _PROP_NAMES = ("content_type", "content_encoding", "delivery_mode", "priority", "correlation_id",
@@ -47,17 +52,29 @@ def extent(uri: str, queue: str, timeout: float = 10.0) -> tuple[int, int]:
     conn = _connect(uri)
     try:
         ch = conn.channel()
-        count = ch.queue_declare(queue, passive=True).method.message_count
-        if not count:
-            return 0, 0
         ch.basic_qos(prefetch_count=1)
-        for _method, props, _body in _consume(conn, ch, queue, {"x-stream-offset": "last"},
-                                              consumer_tag(queue) + ".probe", timeout):
-            return int((props.headers or {})["x-stream-offset"]) + 1 - count, \
-                int((props.headers or {})["x-stream-offset"]) + 1
-        raise TimeoutError(f"stream '{queue}' consumer ended")  # pragma: no cover
+        first = _first_offset(conn, ch, queue, timeout)
+        for _attempt in range(_EXTENT_TRIES):
+            count = ch.queue_declare(queue, passive=True).method.message_count
+            if not count:
+                return 0, 0
+            again = _first_offset(conn, ch, queue, timeout)
+            if again is not None and again == first:
+                return first, first + count
+            first = again
+        raise TimeoutError(f"stream '{queue}': retention kept moving its first offset")
     finally:
         conn.close()
+
+
+def _first_offset(conn: Any, ch: Any, queue: str, timeout: float) -> int | None:
+    """The first offset ``queue`` holds (None: it holds nothing)."""
+    if not ch.queue_declare(queue, passive=True).method.message_count:
+        return None
+    for _method, props, _body in _consume(conn, ch, queue, {"x-stream-offset": "first"},
+                                          consumer_tag(queue) + ".probe", timeout):
+        return int((props.headers or {})["x-stream-offset"])
+    raise TimeoutError(f"stream '{queue}' consumer ended")  # pragma: no cover
 
 
 def read_range(uri: str, queue: str, start: int, end: int, timeout: float = 30.0) -> Iterator[Rec]:

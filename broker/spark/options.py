@@ -71,7 +71,7 @@ SINK_OPTIONS = {
     "streamport": "the broker's stream protocol port, for exactlyOnce rows to a stream (5552)",
     "queryid": "batch writes with exactlyOnce: a stable id of this write (default: one per job)",
     "confirmtimeout": "seconds to wait for publisher confirms (30)",
-    "confirmwindow": "rows a task keeps in flight awaiting their confirms (1000)",
+    "confirmwindow": "rows a task keeps in flight awaiting confirms (1000; over the stream protocol 20000)",
     "path": "ignored by Spark writers (save(path)); refused when set",
     "checkpointlocation": "Structured Streaming's checkpoint (used by Spark)",
 }

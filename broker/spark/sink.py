@@ -2,8 +2,9 @@
 
 Theory of operation
 -------------------
-Each Spark task opens one AMQP connection (``uri``) and publishes its rows with publisher
-confirms, keeping up to ``confirmWindow`` rows (``WINDOW``) in flight: a row is sent while
+The writers are Spark's Arrow writers: a task gets its rows as Arrow record batches. Each
+task opens one AMQP connection (``uri``) and publishes its rows with publisher confirms,
+keeping up to ``confirmWindow`` rows (``WINDOW``) in flight: a row is sent while
 fewer than that many wait for their confirm, so the task costs one round trip per window, not
 per row. The task returns only when every row is confirmed, and any nack, returned (unroutable)
 row, confirm timeout or lost connection raises, which fails the task, so Spark retries it (at
@@ -26,6 +27,9 @@ partition and the row number. Two targets deduplicate by it:
   ``batch id << 32 | row number`` (``stream_publish.py``); the stream keeps each publisher's
   highest stored id in order with its log, so a retried task or re-run batch adds nothing, also
   after a broker restart, kill -9 or a leader change. Per-row ``headers`` are refused there.
+  With the ``topic`` option set, a whole Arrow batch is framed at once (``arrow_frames.py``),
+  ``confirmWindow`` defaulting to ``STREAM_WINDOW`` rows there; rows naming their own topic
+  go one by one.
 * an **exchange** declared with ``x-message-deduplication: true`` (bound to the stream): the id
   ``<query id>.<batch id>.<partition>.<row number>`` goes in ``message_id`` and the
   ``x-deduplication-header`` header, and the exchange drops an id it has seen within its cache
@@ -42,8 +46,8 @@ from collections.abc import Iterator
 from typing import Any, cast
 
 from pyspark.sql.datasource import (  # type: ignore[import-not-found,import-untyped,unused-ignore]
-    DataSourceStreamWriter,
-    DataSourceWriter,
+    DataSourceArrowWriter,
+    DataSourceStreamArrowWriter,
     WriterCommitMessage,
 )
 
@@ -53,6 +57,9 @@ from broker.spark.stream_publish import NoSuchStream, StreamPublisher, publishin
 ROW_COLUMNS = ("value", "key", "topic", "headers", "partition")
 DEDUP_HEADER = "x-deduplication-header"
 WINDOW = 1000  # rows in flight (published, confirm not yet in) per task, by default
+# ... over the stream protocol: rows cost a few bytes each there, and a window of 1000 left the
+# task waiting on the broker's group commit (a tenth of the rows/s of 10,000: docs/benchmarks.md)
+STREAM_WINDOW = 20_000
 WINDOW_MAX = 100_000
 
 
@@ -77,7 +84,9 @@ class _Sink:
         self.exactly_once = flag(opts, "exactlyonce", False)
         self.query_id = opts.get("queryid") or uuid.uuid4().hex
         self.confirm_timeout = float(opts.get("confirmtimeout", "30"))
-        self.window = int(opts.get("confirmwindow", str(WINDOW)))
+        given = opts.get("confirmwindow")
+        self.window = int(given) if given else WINDOW
+        self.stream_window = int(given) if given else STREAM_WINDOW
         self.stream_port = int(opts.get("streamport", "5552"))
         self.vhost = opts.get("vhost")
         if not 1 <= self.window <= WINDOW_MAX:
@@ -92,7 +101,7 @@ class _Sink:
         if not self.topic and "topic" not in names:
             raise ValueError("skred sink: set option 'topic' or give rows a 'topic' column")
 
-    def publish(self, rows: Iterator[Any], batch_id: int | None) -> Published:
+    def publish(self, batches: Iterator[Any], batch_id: int | None) -> Published:
         from pyspark import TaskContext  # type: ignore[import-not-found,import-untyped,unused-ignore]
 
         ctx = TaskContext.get()
@@ -102,9 +111,10 @@ class _Sink:
             query = ctx.getLocalProperty("sql.streaming.queryId") or query
             raw = ctx.getLocalProperty("streaming.sql.batchId")
             batch_id = int(raw) if raw is not None else None
-        return asyncio.run(self._publish(rows, query, batch_id or 0, task))
+        return asyncio.run(self._publish(batches, query, batch_id or 0, task))
 
-    async def _publish(self, rows: Iterator[Any], query: str, batch_id: int, task: int) -> Published:
+    async def _publish(self, batches: Iterator[Any], query: str, batch_id: int, task: int) -> Published:
+        """Publish a task's Arrow batches; rows are numbered from 1 across them."""
         id_prefix = f"{query}.{batch_id}.{task}"
         import aiormq
         from pamqp.commands import Basic
@@ -113,44 +123,58 @@ class _Sink:
         # in publish order: the oldest is awaited when the window is full (one wait per row, not
         # one over the whole window), and every one before the task returns
         inflight: deque[asyncio.Task[Any]] = deque()
+        streams: dict[str, StreamPublisher] = {}
         try:
             # the concrete channel: its publish can skip waiting for the socket to drain
             ch = cast(aiormq.Channel, await conn.channel(publisher_confirms=True, on_return_raises=True))
             targets: dict[str, bool] = {}
-            streams: dict[str, StreamPublisher] = {}
+
+            async def stream_of(topic: str) -> StreamPublisher:
+                pub = streams.get(topic)
+                if pub is None:
+                    pub = streams[topic] = await self._stream_publisher(topic, f"{query}.{task}")
+                return pub
+
             n = 0
-            for n, row in enumerate(rows, 1):
-                d = row.asDict()
-                topic = self.topic or d.get("topic")
-                if not topic:
-                    raise ValueError("skred sink: a row has no topic")
-                if d.get("partition") is not None:
-                    raise ValueError("skred sink: the partition column is not supported")
-                is_exchange = targets.get(topic)
-                if is_exchange is None:
-                    is_exchange = targets[topic] = await _exchange_exists(conn, topic)
-                value = d["value"]
-                body = value.encode() if isinstance(value, str) else bytes(value or b"")
-                if self.exactly_once and not is_exchange:  # a stream: deduplicated by the stream
-                    pub = streams.get(topic)
-                    if pub is None:
-                        pub = streams[topic] = await self._stream_publisher(topic, f"{query}.{task}")
-                    if d.get("headers"):
-                        raise ValueError("skred sink: exactlyOnce to a stream carries no headers")
-                    await pub.add(publishing_id(batch_id, n), body)
-                    continue
-                headers = dict(d.get("headers") or {})
-                # every row has a message id: the client library matches a returned row by it
-                message_id = f"{id_prefix}.{n}" if self.exactly_once else uuid.uuid4().hex
-                if self.exactly_once:
-                    headers[DEDUP_HEADER] = message_id
-                props = Basic.Properties(delivery_mode=2, message_id=message_id, headers=headers or None)
-                exchange, rk = (topic, d.get("key") or "") if is_exchange else ("", topic)
-                if len(inflight) >= self.window:
-                    await _confirmed(inflight.popleft())
-                inflight.append(asyncio.ensure_future(ch.basic_publish(
-                    body, exchange=exchange, routing_key=rk, properties=props, mandatory=not is_exchange,
-                    timeout=self.confirm_timeout, wait=False)))
+            for batch in batches:
+                _no_partition(batch)
+                if self.exactly_once and self.topic:  # one target for every row
+                    is_exchange = targets.get(self.topic)
+                    if is_exchange is None:
+                        is_exchange = targets[self.topic] = await _exchange_exists(conn, self.topic)
+                    if not is_exchange:  # a stream: the batch framed whole (arrow_frames)
+                        _no_headers(batch)
+                        pub = await stream_of(self.topic)
+                        await pub.add_batch(publishing_id(batch_id, n + 1), batch.column("value"))
+                        n += batch.num_rows
+                        continue
+                for d in batch.to_pylist():
+                    n += 1
+                    topic = self.topic or d.get("topic")
+                    if not topic:
+                        raise ValueError("skred sink: a row has no topic")
+                    is_exchange = targets.get(topic)
+                    if is_exchange is None:
+                        is_exchange = targets[topic] = await _exchange_exists(conn, topic)
+                    value = d["value"]
+                    body = value.encode() if isinstance(value, str) else bytes(value or b"")
+                    if self.exactly_once and not is_exchange:  # a stream: deduplicated by the stream
+                        if d.get("headers"):
+                            raise ValueError(_NO_HEADERS)
+                        await (await stream_of(topic)).add(publishing_id(batch_id, n), body)
+                        continue
+                    headers = dict(d.get("headers") or {})
+                    # every row has a message id: the client library matches a returned row by it
+                    message_id = f"{id_prefix}.{n}" if self.exactly_once else uuid.uuid4().hex
+                    if self.exactly_once:
+                        headers[DEDUP_HEADER] = message_id
+                    props = Basic.Properties(delivery_mode=2, message_id=message_id, headers=headers or None)
+                    exchange, rk = (topic, d.get("key") or "") if is_exchange else ("", topic)
+                    if len(inflight) >= self.window:
+                        await _confirmed(inflight.popleft())
+                    inflight.append(asyncio.ensure_future(ch.basic_publish(
+                        body, exchange=exchange, routing_key=rk, properties=props, mandatory=not is_exchange,
+                        timeout=self.confirm_timeout, wait=False)))
             while inflight:
                 await _confirmed(inflight.popleft())
             for pub in streams.values():
@@ -166,9 +190,8 @@ class _Sink:
             if not conn.is_closed:
                 await conn.close()
 
-
     async def _stream_publisher(self, topic: str, reference: str) -> StreamPublisher:
-        pub = StreamPublisher(self.uri, self.stream_port, self.vhost, topic, reference, self.window,
+        pub = StreamPublisher(self.uri, self.stream_port, self.vhost, topic, reference, self.stream_window,
                               self.confirm_timeout)
         try:
             await pub.open()
@@ -181,6 +204,26 @@ class _Sink:
             await pub.close()
             raise
         return pub
+
+
+_NO_HEADERS = "skred sink: exactlyOnce to a stream carries no headers"
+
+
+def _no_partition(batch: Any) -> None:
+    names = batch.schema.names
+    if "partition" in names:
+        col = batch.column("partition")
+        if col.null_count != len(col):
+            raise ValueError("skred sink: the partition column is not supported")
+
+
+def _no_headers(batch: Any) -> None:
+    """Refuse a batch with a non-empty ``headers`` map: the stream path carries no headers."""
+    if "headers" not in batch.schema.names:
+        return
+    col = batch.column("headers")  # a map: its offsets span every entry of the batch's rows
+    if col.null_count != len(col) and col.offsets[-1].as_py() > col.offsets[0].as_py():
+        raise ValueError(_NO_HEADERS)
 
 
 async def _confirmed(publish: asyncio.Task[Any]) -> None:
@@ -209,7 +252,9 @@ async def _exchange_exists(conn: Any, name: str) -> bool:
     return True
 
 
-class SkredWriter(DataSourceWriter):  # type: ignore[misc,unused-ignore]
+class SkredWriter(DataSourceArrowWriter):  # type: ignore[misc,unused-ignore]
+    """Batch writes: each task gets its rows as Arrow batches."""
+
     def __init__(self, options: dict[str, str], schema: Any, overwrite: bool) -> None:
         self.sink = _Sink(options, schema)
 
@@ -217,7 +262,9 @@ class SkredWriter(DataSourceWriter):  # type: ignore[misc,unused-ignore]
         return self.sink.publish(iterator, 0)
 
 
-class SkredStreamWriter(DataSourceStreamWriter):  # type: ignore[misc,unused-ignore]
+class SkredStreamWriter(DataSourceStreamArrowWriter):  # type: ignore[misc,unused-ignore]
+    """Micro-batches: each task gets its rows as Arrow batches."""
+
     def __init__(self, options: dict[str, str], schema: Any, overwrite: bool) -> None:
         self.sink = _Sink(options, schema)
 

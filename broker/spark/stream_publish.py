@@ -13,9 +13,11 @@ a retried task's rows that were stored are confirmed and dropped, the rest store
 
 The publisher is a small client of the protocol (PeerProperties, PLAIN SaslHandshake and
 SaslAuthenticate, Tune, Open, DeclarePublisher, Publish version 1, PublishConfirm and
-PublishError): rows are framed a confirm window at a time (as many Publish frames as
-``frame_max`` needs) and written with one call, and the next window is framed while the broker
-confirms this one; the task ends once every id is confirmed. A PublishError, a Close, a lost
+PublishError). Rows are framed a *piece* at a time, a quarter of the confirm window (as many
+Publish frames as ``frame_max`` needs, built from the task's Arrow batch without Python code per
+row: ``arrow_frames.py``), and each piece is written with one call while fewer than ``window``
+rows await their confirm, so up to four pieces are in flight and the next is framed while the
+broker confirms the oldest; the task ends once every id is confirmed. A PublishError, a Close, a lost
 connection or ``confirm_timeout`` without progress raises, which fails the task (Spark retries
 it). A row's value becomes the message body as sent (stream clients read it as is; AMQP
 consumers get it as the body); per-row ``headers`` cannot ride on this path and are refused.
@@ -25,26 +27,27 @@ from __future__ import annotations
 
 import asyncio
 import struct
-from collections.abc import Iterable
-from typing import Final
+from typing import Any, Final
 from urllib.parse import unquote, urlparse
 
-PEER_PROPERTIES: Final = 17
-SASL_HANDSHAKE: Final = 18
-SASL_AUTHENTICATE: Final = 19
-TUNE: Final = 20
-OPEN: Final = 21
-CLOSE: Final = 22
-HEARTBEAT: Final = 23
-DECLARE_PUBLISHER: Final = 1
-PUBLISH: Final = 2
-PUBLISH_CONFIRM: Final = 3
-PUBLISH_ERROR: Final = 4
-RESPONSE: Final = 0x8000
-OK: Final = 1
-STREAM_DOES_NOT_EXIST: Final = 2
+from broker.spark.arrow_frames import RowTooLarge, publish_frames
+from broker.streamwire import (
+    CLOSE,
+    DECLARE_PUBLISHER,
+    HEARTBEAT,
+    OK,
+    OPEN,
+    PEER_PROPERTIES,
+    PUBLISH_CONFIRM,
+    PUBLISH_ERROR,
+    RESPONSE,
+    SASL_AUTHENTICATE,
+    SASL_HANDSHAKE,
+    STREAM_DOES_NOT_EXIST,
+    TUNE,
+)
+
 _HEAD: Final = struct.Struct(">IHH")  # size, key, version
-_ENTRY: Final = struct.Struct(">QI")  # publishing id, size
 _PUB_HEAD: Final = struct.Struct(">Bi")  # publisher id, count
 _CORR_CODE: Final = struct.Struct(">IH")
 MAX_FRAME: Final = 1 << 20  # what we ask for in Tune (the broker may lower it)
@@ -202,24 +205,55 @@ class StreamPublisher:
         self._progress.set()
 
     # ------------------------------------------------------------------ publishing
+    @property
+    def piece(self) -> int:
+        """Rows framed and written at once: a quarter of the window, so up to four pieces are
+        in flight while the broker confirms the oldest."""
+        return max(self.window // 4, 1)
+
     async def add(self, pid: int, body: bytes) -> None:
-        """Queue one row; frames and writes a window's worth at once, waiting for confirms
-        while a window is in flight."""
+        """Queue one row (the per-row path: rows whose target varies); a piece's worth is
+        framed and written at once."""
         self._pending.append((pid, body))
-        if len(self._pending) >= max(self.window // 2, 1):
-            await self._flush(self.window // 2)
+        if len(self._pending) >= self.piece:
+            await self._flush()
+
+    async def add_batch(self, first_id: int, values: Any) -> None:
+        """An Arrow batch's values, the i-th with publishing id ``first_id + i``: framed a piece
+        at a time straight from the batch (``arrow_frames``), each written while fewer than
+        ``window`` rows await their confirm."""
+        import numpy as np  # type: ignore[import-not-found,import-untyped,unused-ignore]
+
+        await self._flush()
+        for lo in range(0, len(values), self.piece):
+            part = values.slice(lo, self.piece)
+            await self._write(np.arange(first_id + lo, first_id + lo + len(part), dtype=np.uint64), part)
 
     async def finish(self) -> None:
         """Write what is queued and wait until every row is confirmed."""
-        await self._flush(0)
+        await self._flush()
+        await self._room(0)
 
-    async def _flush(self, keep_in_flight: int) -> None:
+    async def _flush(self) -> None:
         if self._pending:
-            await self._room(self.window - len(self._pending))
-            self._send(self._frames(self._pending))
-            self._unconfirmed.update(pid for pid, _ in self._pending)
-            self._pending = []
-        await self._room(keep_in_flight)
+            import numpy as np  # type: ignore[import-not-found,import-untyped,unused-ignore]
+            import pyarrow as pa  # type: ignore[import-not-found,import-untyped,unused-ignore]
+
+            rows, self._pending = self._pending, []
+            ids = np.fromiter((pid for pid, _ in rows), dtype=np.uint64, count=len(rows))
+            await self._write(ids, pa.array([body for _, body in rows], pa.binary()))
+
+    async def _write(self, ids: Any, values: Any) -> None:
+        """Frame ``values`` with publishing ids ``ids`` and write them in one call once there
+        is room in the window for them."""
+        try:
+            frames = publish_frames(1, ids, values, self.frame_max)
+        except RowTooLarge as exc:
+            raise StreamSinkError(str(exc)) from None
+        await self._room(self.window - len(ids))
+        assert self._writer is not None
+        self._writer.writelines(frames)
+        self._unconfirmed.update(ids.tolist())
 
     async def _room(self, at_most: int) -> None:
         """Wait until at most ``at_most`` rows await their confirm (raising on an error or on
@@ -235,27 +269,3 @@ class StreamPublisher:
             except TimeoutError:
                 raise StreamSinkError(f"skred sink: {len(self._unconfirmed)} row(s) to '{self.stream}' "
                                       f"not confirmed within {self.timeout:g}s") from None
-
-    def _frames(self, rows: Iterable[tuple[int, bytes]]) -> bytes:
-        """Publish frames for ``rows``, each within ``frame_max``, joined for one write."""
-        out: list[bytes] = []
-        entries: list[bytes] = []
-        size = _HEAD.size + _PUB_HEAD.size
-        for pid, body in rows:
-            entry = _ENTRY.pack(pid, len(body)) + body
-            if entries and size + len(entry) > self.frame_max:
-                out.append(self._publish_frame(entries))
-                entries, size = [], _HEAD.size + _PUB_HEAD.size
-            if _HEAD.size + _PUB_HEAD.size + len(entry) > self.frame_max:
-                raise StreamSinkError(f"skred sink: a row of {len(body)} bytes exceeds the frame size "
-                                      f"{self.frame_max}")
-            entries.append(entry)
-            size += len(entry)
-        if entries:
-            out.append(self._publish_frame(entries))
-        return b"".join(out)
-
-    @staticmethod
-    def _publish_frame(entries: list[bytes]) -> bytes:
-        body = _PUB_HEAD.pack(1, len(entries)) + b"".join(entries)
-        return _HEAD.pack(len(body) + 4, PUBLISH, 1) + body

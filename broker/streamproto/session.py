@@ -286,6 +286,18 @@ class Subscription(RecordConsumer):
     def cancelled_by_server(self) -> None:
         self.session.stream_gone(self)
 
+    def lag(self) -> int:
+        """Messages stored past what it was sent (RabbitMQ 3.11's ``offset_lag``): from where it
+        reads while consuming; a waiting member of a single-active-consumer group from the
+        offset its name stored (everything when none is)."""
+        s = self.stream
+        reading = s.reading_offset(self) if self.consuming else None
+        if reading is None:
+            name = self.properties.get("name")
+            stored = s.stored_offset(name) if name else None
+            reading = stored + 1 if stored is not None else s.stream.first_offset
+        return max(s.stream.next_offset - reading, 0)
+
     @property
     def prefetch(self) -> int:
         """What the management API shows as the prefetch: the chunks it may still be sent."""
@@ -427,10 +439,11 @@ class StreamSession:
 
     def consumer_infos(self) -> list[dict[str, Any]]:
         """Its subscriptions as RabbitMQ's stream plugin reports them: chunk credit left,
-        messages sent and the offset after the last one sent."""
+        messages sent, the offset after the last one sent and ``offset_lag`` (``Subscription.lag``)."""
         return [{"stream": sub.stream.name, "subscription_id": sub_id, "credits": sub.credit,
-                 "consumed": sub.consumed, "offset": sub.offset, "properties": dict(sub.properties),
-                 "active": sub.active, "activity_status": _activity(sub)}
+                 "consumed": sub.consumed, "offset": sub.offset, "offset_lag": sub.lag(),
+                 "properties": dict(sub.properties), "active": sub.active,
+                 "activity_status": _activity(sub)}
                 for sub_id, sub in self.subs.items()]
 
     # ------------------------------------------------------------------ opening

@@ -84,3 +84,39 @@ def _bodies(url: str, stream: str, n: int) -> list[bytes]:
         return out
     finally:
         conn.close()
+
+
+def test_exactly_once_arrow_batches_into_a_stream(spark: Any, own_broker: SkredProcess) -> None:
+    """With the ``topic`` option naming a stream, each task's Arrow batches are framed whole
+    (``broker/spark/arrow_frames.py``; several batches per task here): every row lands once, in
+    order within its task, a re-run of the job adds nothing, and a non-empty ``headers`` map
+    is refused before anything is sent."""
+    b = own_broker
+    stream = "arrow-sunk"
+    _declare(b.url, stream)
+    n = 2000
+    df = spark.range(n, numPartitions=2).selectExpr(
+        "cast(concat('r-', cast(id as string)) as binary) as value",
+        "case when id % 7 = 0 then map() else cast(null as map<string,string>) end as headers")
+
+    def write(frame: Any) -> None:
+        (frame.write.format("skred").mode("append").option("uri", b.url)
+         .option("streamPort", str(b.stream_port)).option("topic", stream)
+         .option("exactlyOnce", "true").option("queryId", "arrow-1").save())
+
+    conf = spark.conf.get("spark.sql.execution.arrow.maxRecordsPerBatch")
+    spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "300")
+    try:
+        write(df)
+        write(df)  # Spark's retry of the whole job, same query id: nothing added
+        assert _count(b.url, stream) == n
+        bodies = _bodies(b.url, stream, n)
+        assert sorted(bodies) == sorted(b"r-%d" % i for i in range(n))
+        per_task = [[int(x[2:]) for x in bodies if (int(x[2:]) < n // 2) == first] for first in (True, False)]
+        assert all(ids == sorted(ids) for ids in per_task)  # each task's rows in order
+        with_headers = df.selectExpr("value", "map('k', 'v') as headers")
+        with pytest.raises(Exception, match="carries no headers"):
+            write(with_headers)
+        assert _count(b.url, stream) == n
+    finally:
+        spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", conf)
