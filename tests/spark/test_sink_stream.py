@@ -109,7 +109,7 @@ def test_exactly_once_arrow_batches_into_a_stream(spark: Any, own_broker: SkredP
     try:
         write(df)
         write(df)  # Spark's retry of the whole job, same query id: nothing added
-        assert _count(b.url, stream) == n
+        assert count_at(b.url, stream) == n
         bodies = _bodies(b.url, stream, n)
         assert sorted(bodies) == sorted(b"r-%d" % i for i in range(n))
         per_task = [[int(x[2:]) for x in bodies if (int(x[2:]) < n // 2) == first] for first in (True, False)]
@@ -117,6 +117,6 @@ def test_exactly_once_arrow_batches_into_a_stream(spark: Any, own_broker: SkredP
         with_headers = df.selectExpr("value", "map('k', 'v') as headers")
         with pytest.raises(Exception, match="carries no headers"):
             write(with_headers)
-        assert _count(b.url, stream) == n
+        assert count_at(b.url, stream) == n
     finally:
         spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", conf)
