@@ -37,8 +37,10 @@ def targets(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Target, 
         if problem:
             pytest.fail(problem)
         wait_until(lambda: http_ready(skred.mgmt_port), 30, "Skred's management listener")
-        yield (Target("rabbitmq", rabbit.host, rabbit.port, rabbit.mgmt_port, rabbit.mqtt_port or 0),
-               Target("skred", skred.host, skred.port, skred.mgmt_port, skred.mqtt_port))
+        yield (Target("rabbitmq", rabbit.host, rabbit.port, rabbit.mgmt_port, rabbit.mqtt_port or 0,
+                      f"ws://{rabbit.host}:{rabbit.web_mqtt_port}/ws"),
+               Target("skred", skred.host, skred.port, skred.mgmt_port, skred.mqtt_port,
+                      f"ws://{skred.host}:{skred.mgmt_port}/ws/mqtt"))
     finally:
         skred.close()
         # The reference node proves nothing by stopping cleanly: kill it rather than wait the
