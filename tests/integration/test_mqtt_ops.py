@@ -399,9 +399,10 @@ class WillAndShared:
         ended = re.compile(rf"'{dying_id}' from \S+ closed the connection unexpectedly")
         wait_until(lambda: ended.search(log_text()) is not None, 10, "the abnormal end seen")
         # connected when the node dies: their wills are durable from CONNECT on (CONNACK waits)
-        self.live = [Raw(host, port, P.Connect("MQTT", 4, False, 30, cid(), P.Will("wd/live3", b"v3", 1, False),
-                                               "guest", b"guest")),
-                     Raw(host, port, _v5(cid(), will=P.Will("wd/live5", b"v5", 1, False, {PR.WILL_DELAY: 1})))]
+        will3 = P.Will("wd/live3", b"v3", 1, False)
+        will5 = P.Will("wd/live5", b"v5", 1, False, {PR.WILL_DELAY: 1})
+        self.live = [Raw(host, port, P.Connect("MQTT", 4, False, 30, cid(), will3, "guest", b"guest")),
+                     Raw(host, port, _v5(cid(), will=will5))]
         for r in self.live:
             assert r.connack()[1] == 0
 

@@ -131,4 +131,10 @@ MQTT: dict[tuple[str, int, str], str] = {
 # WebSocket listener shows a client something else than rabbitmq_web_mqtt, beyond the TCP
 # differences of ``MQTT`` (which hold over WebSocket too). docs/compatibility.md names each.
 WEB_MQTT: dict[str, str] = {
+    "connect_empty_client_id_persistent":
+        "an empty client id with clean session 0 gets CONNACK 2 (identifier rejected) before the close, "
+        "as over TCP; rabbitmq_web_mqtt 3.10 closes the WebSocket without a CONNACK",
+    "will_on_abnormal_end_only":
+        "DISCONNECT discards the will (3.14.4), as over TCP; rabbitmq_web_mqtt 3.10 publishes the will "
+        "of a client that sent DISCONNECT and then closed its WebSocket",
 }

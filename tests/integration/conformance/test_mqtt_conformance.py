@@ -142,6 +142,6 @@ def test_mqtt_over_websocket(name: str, targets: tuple[Target, Target]) -> None:
     d = diff(ref, mine)
     reason = allowlist.WEB_MQTT.get(name) or allowlist.MQTT.get((name, 4, "rabbitmq"))
     if reason:
-        assert d, f"{name} over WebSocket now agrees with rabbitmq_web_mqtt: remove its allowlist entry ({reason})"
+        assert d, f"{name} over WebSocket now agrees with rabbitmq_web_mqtt: remove its entry ({reason})"
     else:
         assert not d, f"{name} over WebSocket: Skred differs from rabbitmq_web_mqtt\n{d}"
