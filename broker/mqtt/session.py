@@ -38,8 +38,9 @@ so AMQP and MQTT clients meet:
   Any other end publishes the will, after MQTT 5's will delay unless the client comes back first.
   Unacked QoS 1 deliveries go back to their queues either way.
 - **What a persistent session keeps beyond its queues** (``durable.py``): the QoS 2 packet ids
-  awaiting PUBREL, its shared subscriptions and a will waiting out its delay, in a replicated file
-  per session; PUBREC and PUBCOMP wait for the group commit that makes the change durable.
+  awaiting PUBREL, its shared subscriptions and its will (from CONNECT on: ``begin`` writes it,
+  and the adapter sends CONNACK, ``open``, after the group commit), in a replicated file per
+  session; PUBREC and PUBCOMP wait for the group commit that makes the change durable.
 
 The session does no IO: ``Output`` (the network adapter) writes bytes, closes, and runs timers.
 """
