@@ -429,7 +429,8 @@ class MQTTProtocol(asyncio.Protocol):
         session = self.session = MQTTSession(srv.vhosts, srv.users, srv.settings, srv.after_sync,
                                              srv.registry, self, self.peer_host)
         try:
-            if session.begin(c, user, vh) and not await self._synced():
+            must_sync = session.begin(c, user, vh)
+            if session.will_unsaved or must_sync and not await self._synced():
                 log.warning("MQTT client '%s' from %s: its will could not be made durable: refused",
                             session.client_id, self.peer_host)
                 session.will = None  # refused: the CONNECT (its will) did not happen

@@ -270,6 +270,7 @@ class MQTTSession:
         self.who: Origin | None = None  # this client as firehose copies name it, once connected
         self.kept: SessionState | None = None  # the state it came back to (``begin``)
         self.assigned = False  # the client id is the server's (MQTT 5: said in CONNACK)
+        self.will_unsaved = False  # ``begin`` could not keep its will
 
     # ------------------------------------------------------------------ connect
     def start(self, connect: P.Connect, user: User, vhost: VHost) -> None:
@@ -318,8 +319,10 @@ class MQTTSession:
             return False
         # the will is part of the session from its CONNECT on: a node that dies while the client
         # is connected sends it after its restart (its shared subscriptions are kept as they were)
-        return self._save_state(key, SessionState(set(self.qos2_received), dict(kept.shared) if kept else {},
-                                                  live))
+        saved = self._save_state(key, SessionState(set(self.qos2_received), dict(kept.shared) if kept else {},
+                                                   live))
+        self.will_unsaved = not saved  # the disk refused it: the CONNECT is refused (server.py)
+        return saved
 
     def open(self, connect: P.Connect) -> None:
         """After ``begin``: resume or start the session's queues, answer CONNACK, consume."""
