@@ -40,8 +40,18 @@ def decode(record: bytes) -> PFrame | None:
     return decoded if isinstance(decoded, PFrame) else None
 
 
-def _plain_queue_record(record: bytes) -> PFrame | None:
-    """queue.declare / queue.bind without arguments, or None (let pamqp read it)."""
+# A plain record read without pamqp: (class-method, queue, exchange, routing key, bits).
+# ``QUEUE_DECLARE``'s bits are passive 1, durable 2, exclusive 4, auto-delete 8, nowait 16
+# (its exchange and routing key are empty); ``QUEUE_BIND``'s are nowait 1.
+Plain = tuple[int, str, str, str, int]
+QUEUE_DECLARE: Final = _QUEUE << 16 | _DECLARE
+QUEUE_BIND: Final = _QUEUE << 16 | _BIND
+
+
+def plain(record: bytes) -> Plain | None:
+    """queue.declare / queue.bind without arguments, read field by field (boot replays one per
+    durable queue and binding: no method object is built for them), or None (not one of those,
+    or not exactly to its end: ``decode`` reads it)."""
     if len(record) < _HEAD.size + 6:
         return None
     ftype, _channel, size, cls, meth, _ticket = _HEAD.unpack_from(record)
@@ -52,32 +62,42 @@ def _plain_queue_record(record: bytes) -> PFrame | None:
         pos = _HEAD.size
         queue, pos = _short(record, pos)
         if meth == _DECLARE:
-            bits = record[pos]
             if record[pos + 1:end] != _NO_ARGUMENTS:
                 return None
-            declare = commands.Queue.Declare()
-            declare.queue = queue
-            declare.passive = bool(bits & 1)
-            declare.durable = bool(bits & 2)
-            declare.exclusive = bool(bits & 4)
-            declare.auto_delete = bool(bits & 8)
-            declare.nowait = bool(bits & 16)
-            return declare
+            return QUEUE_DECLARE, queue, "", "", record[pos]
         if meth == _BIND:
             exchange, pos = _short(record, pos)
             routing_key, pos = _short(record, pos)
-            bits = record[pos]
             if record[pos + 1:end] != _NO_ARGUMENTS:
                 return None
-            bind = commands.Queue.Bind()
-            bind.queue = queue
-            bind.exchange = exchange
-            bind.routing_key = routing_key
-            bind.nowait = bool(bits & 1)
-            return bind
+            return QUEUE_BIND, queue, exchange, routing_key, record[pos]
     except (IndexError, UnicodeDecodeError):
         return None
     return None
+
+
+def _plain_queue_record(record: bytes) -> PFrame | None:
+    """``plain``'s reading as the pamqp object pamqp's ``unmarshal`` makes (defaults first, then
+    the fields), or None (let pamqp read it)."""
+    fields = plain(record)
+    if fields is None:
+        return None
+    kind, queue, exchange, routing_key, bits = fields
+    if kind == QUEUE_DECLARE:
+        declare = commands.Queue.Declare()
+        declare.queue = queue
+        declare.passive = bool(bits & 1)
+        declare.durable = bool(bits & 2)
+        declare.exclusive = bool(bits & 4)
+        declare.auto_delete = bool(bits & 8)
+        declare.nowait = bool(bits & 16)
+        return declare
+    bind = commands.Queue.Bind()
+    bind.queue = queue
+    bind.exchange = exchange
+    bind.routing_key = routing_key
+    bind.nowait = bool(bits & 1)
+    return bind
 
 
 def _short(record: bytes, pos: int) -> tuple[str, int]:

@@ -140,6 +140,10 @@ class VHost:
         try:
             for record in self.definitions.load():
                 try:
+                    fields = definition_records.plain(record)
+                    if fields is not None:
+                        self._replay_plain(fields)
+                        continue
                     method = definition_records.decode(record)
                     if method is not None:
                         self._replay(method)
@@ -149,6 +153,20 @@ class VHost:
                     log.warning("vhost %s: bad definition record: %r", self.name, exc)
         finally:
             self._replaying = False
+
+    def _replay_plain(self, fields: definition_records.Plain) -> None:
+        """``_replay`` for a queue.declare or queue.bind without arguments (most of a log: one
+        per durable queue and binding), from the fields read off the record."""
+        kind, queue, exchange, routing_key, bits = fields
+        if kind == definition_records.QUEUE_BIND:
+            if queue in self.queues and exchange in self.exchanges and exchange:
+                self.bind_queue(queue, exchange, routing_key, {}, owner=None)
+        elif bits & 1:  # passive: a resumed queue's record (a paused one's has an argument)
+            q = self.queues.get(queue)
+            if q is not None:
+                q.paused = False
+        else:
+            self.declare_queue(queue, durable=True, auto_delete=bool(bits & 8), arguments={}, owner=None)
 
     def _replay(self, m: PFrame) -> None:
         if isinstance(m, commands.Exchange.Declare):
