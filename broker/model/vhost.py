@@ -427,11 +427,12 @@ class VHost:
             raise
         # its type, from arguments and policies (plain: stays classic); a replayed record is not
         # logged again (nor its frame built: a boot replays every durable queue)
-        self._admit_new_queue(q, arguments, log=persistent and not self._replaying, policies=True)
+        self._admit_new_queue(q, arguments, log=persistent and not self._replaying, policies=True,
+                              args_cfg=args_cfg)
         return q, True
 
     def _admit_new_queue(self, q: Queue, arguments: dict[str, Any], *, log: bool,
-                         policies: bool = False) -> None:
+                         policies: bool = False, args_cfg: features.QueueConfig | None = None) -> None:
         """Make a new queue known: registered, bound to the default exchange, its policies
         applied, logged if durable. If any of that fails (a full disk, any error) the queue goes
         again, store and all, and the error is raised on: a refused declare leaves nothing."""
@@ -440,7 +441,7 @@ class VHost:
         self.exchanges[""].bind(q, q.name)
         try:
             if policies:
-                policy.apply_to_queue(self, q)
+                policy.apply_to_queue(self, q, args_cfg)
             if log:
                 self._log(methods.QueueDeclare(queue=q.name, durable=True, auto_delete=q.auto_delete,
                                                arguments=arguments))
@@ -546,7 +547,8 @@ class VHost:
             raise errors.AccessRefused("operation not permitted on the default exchange")
         if ex.kind == "headers" and arguments and not self._replaying:  # not on recovery: a
             check_x_match(arguments)  # binding stored before this check must not stop a start
-        if ex.bind(q, routing_key, arguments) and ex.durable and q.durable and q.exclusive_owner is None:
+        if ex.bind(q, routing_key, arguments) and ex.durable and q.durable and q.exclusive_owner is None \
+                and not self._replaying:  # a replayed record is not logged again (nor its frame built)
             try:
                 self._log(methods.QueueBind(queue=queue, exchange=exchange, routing_key=routing_key,
                                               arguments=arguments))
