@@ -13,7 +13,7 @@ import pytest
 from pamqp import frame as pframe
 
 from broker.model import methods, policy
-from broker.model.definition_records import decode
+from broker.model.definition_records import QUEUE_BIND, decode, plain
 from broker.model.exchange import topic_regex
 from broker.model.vhost import VHost
 from broker.patterns import Pattern
@@ -119,3 +119,26 @@ def test_a_replayed_queue_is_the_declared_one(tmp_path: Path) -> None:
     again.compact()  # and what compaction writes replays to the same again
     again.definitions.close()
     assert _snapshot(_vhost(tmp_path)) == before
+
+
+def test_plain_records_read_only_what_pamqp_reads() -> None:
+    """Each byte of a plain bind and declare record changed, and each cut short: what the boot's
+    reader takes (``plain`` not None) pamqp reads to the same fields; the rest goes to pamqp."""
+    records = [pframe.marshal(methods.QueueBind(queue="q1", exchange="amq.topic", routing_key="a.#"), 0),
+               pframe.marshal(methods.QueueDeclare(queue="mqtt-subscription-cqos1", durable=True), 0)]
+    for record in records:
+        variants = [record[:n] for n in range(len(record))]
+        variants += [record[:i] + bytes([v]) + record[i + 1:] for i in range(len(record)) for v in (0, 1, 0x7F, 0xFF)]
+        for v in variants:
+            fields = plain(v)
+            if fields is None:
+                continue
+            _, _, theirs = pframe.unmarshal(v)
+            kind, queue, exchange, routing_key, bits = fields
+            assert theirs.queue == queue
+            if kind == QUEUE_BIND:
+                assert (theirs.exchange, theirs.routing_key, theirs.nowait) == (exchange, routing_key, bool(bits & 1))
+            else:
+                assert (theirs.passive, theirs.durable, theirs.auto_delete) == (bool(bits & 1), bool(bits & 2),
+                                                                                 bool(bits & 8))
+            assert not theirs.arguments

@@ -58,19 +58,22 @@ def plain(record: bytes) -> Plain | None:
     end = len(record) - 1
     if ftype != _FRAME_METHOD or cls != _QUEUE or size != end - 7 or record[end] != _FRAME_END:
         return None
-    try:
-        pos = _HEAD.size
-        queue, pos = _short(record, pos)
+    try:  # the short strings read inline: a boot reads two to four per record
+        pos = _HEAD.size + 1 + record[_HEAD.size]
+        queue = record[_HEAD.size + 1:pos].decode()
         if meth == _DECLARE:
-            if record[pos + 1:end] != _NO_ARGUMENTS:
+            if pos > end or record[pos + 1:end] != _NO_ARGUMENTS:
                 return None
             return QUEUE_DECLARE, queue, "", "", record[pos]
         if meth == _BIND:
-            exchange, pos = _short(record, pos)
-            routing_key, pos = _short(record, pos)
-            if record[pos + 1:end] != _NO_ARGUMENTS:
+            start = pos + 1
+            pos = start + record[pos]
+            exchange = record[start:pos].decode()
+            start = pos + 1
+            pos = start + record[pos]
+            if pos > end or record[pos + 1:end] != _NO_ARGUMENTS:
                 return None
-            return QUEUE_BIND, queue, exchange, routing_key, record[pos]
+            return QUEUE_BIND, queue, exchange, record[start:pos].decode(), record[pos]
     except (IndexError, UnicodeDecodeError):
         return None
     return None
@@ -98,11 +101,3 @@ def _plain_queue_record(record: bytes) -> PFrame | None:
     bind.routing_key = routing_key
     bind.nowait = bool(bits & 1)
     return bind
-
-
-def _short(record: bytes, pos: int) -> tuple[str, int]:
-    """A short string at ``pos`` (UTF-8, as pamqp decodes it) and the position after it."""
-    end = pos + 1 + record[pos]
-    if end > len(record):
-        raise IndexError(pos)
-    return record[pos + 1:end].decode("utf-8"), end
