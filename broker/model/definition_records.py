@@ -5,11 +5,12 @@ channel, size, class and method ids, the method's arguments, frame end (0xCE). B
 replays one record per durable queue and binding; pamqp's generic decoder (a loop over
 the method's fields, one lookup and slice per field) cost about a third of the start of a
 node with 50,000 queues. The two records such a log is made of, ``queue.declare`` and
-``queue.bind`` with an empty argument table, are read here field by field into the same
-pamqp objects pamqp's ``unmarshal`` makes (defaults first, then the fields, no
-validation: a name stored once is replayed as it is). Anything else, and any record
-these readers do not take exactly to its end, goes to pamqp. The unit tests compare both
-readers on the same records.
+``queue.bind`` with an empty argument table, are read here field by field (``plain``: a
+tuple of the fields, which the vhost's replay takes without any method object built, issue
+28; ``decode``: the same pamqp objects pamqp's ``unmarshal`` makes, defaults first, then
+the fields), with no validation: a name stored once is replayed as it is. Anything else,
+and any record these readers do not take exactly to its end, goes to pamqp. The unit
+tests compare both readers on the same records, and on damaged ones.
 """
 
 from __future__ import annotations
