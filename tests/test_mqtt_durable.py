@@ -46,3 +46,12 @@ def test_state_round_trips_and_an_empty_one_leaves_no_file(caplog: pytest.LogCap
     with caplog.at_level(logging.WARNING):
         third = SessionStates(files)
     assert list(third.by_key) == [("/", "c1")] and "garbage" in caplog.text
+
+
+def test_a_live_will_keeps_its_delay() -> None:
+    """A will kept while its client is connected (due 0) comes back with its will delay."""
+    files = MemoryFiles()
+    live = PendingWill(Will("t", b"x", 0, False), "u", 0.0, 5.0)
+    SessionStates(files).save(("/", "c"), SessionState(will=live))
+    back = SessionStates(files).by_key[("/", "c")].will
+    assert back == live and back is not None and back.live

@@ -211,7 +211,9 @@ def validate_policy_definition(definition: dict[str, Any]) -> None:
 
 def _policy_fields(definition: dict[str, Any] | None) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for key, value in (definition or {}).items():
+    if not definition:  # no policy (most queues): nothing to read
+        return out
+    for key, value in definition.items():
         field = POLICY_KEYS.get(key)
         if field is None:
             continue

@@ -172,8 +172,9 @@ class Scope(Republisher, Protocol):
     def call_later(self) -> CallLater | None: ...
 
 
-def apply_to_queue(vh: Scope, q: Queue) -> None:
-    """Give ``q`` the config its arguments and the vhost's policies add up to."""
+def apply_to_queue(vh: Scope, q: Queue, args_cfg: features.QueueConfig | None = None) -> None:
+    """Give ``q`` the config its arguments and the vhost's policies add up to (``args_cfg``:
+    its arguments as ``features.parse_arguments`` read them, if the caller has just done so)."""
     if q.arguments.get("x-queue-type") == "stream":
         if isinstance(q, StreamQueue):
             apply_stream_policies(vh, q)  # retention limits
@@ -181,10 +182,11 @@ def apply_to_queue(vh: Scope, q: Queue) -> None:
     if not isinstance(q, ClassicQueue):
         return
     pol, op = vh.policy_set.for_queue(q.name)
-    try:
-        args_cfg = features.parse_arguments(q.arguments, q.name, vh.name)
-    except errors.PreconditionFailed:
-        args_cfg = features.QueueConfig()
+    if args_cfg is None:
+        try:
+            args_cfg = features.parse_arguments(q.arguments, q.name, vh.name)
+        except errors.PreconditionFailed:
+            args_cfg = features.QueueConfig()
     default_limit = queue_types.default_delivery_limit(q.arguments)  # quorum: 20 unless set
     if default_limit is not None and args_cfg.delivery_limit is None and not any(
             p is not None and "delivery-limit" in p.definition for p in (pol, op)):

@@ -140,6 +140,10 @@ class VHost:
         try:
             for record in self.definitions.load():
                 try:
+                    fields = definition_records.plain(record)
+                    if fields is not None:
+                        self._replay_plain(fields)
+                        continue
                     method = definition_records.decode(record)
                     if method is not None:
                         self._replay(method)
@@ -149,6 +153,20 @@ class VHost:
                     log.warning("vhost %s: bad definition record: %r", self.name, exc)
         finally:
             self._replaying = False
+
+    def _replay_plain(self, fields: definition_records.Plain) -> None:
+        """``_replay`` for a queue.declare or queue.bind without arguments (most of a log: one
+        per durable queue and binding), from the fields read off the record."""
+        kind, queue, exchange, routing_key, bits = fields
+        if kind == definition_records.QUEUE_BIND:
+            if queue in self.queues and exchange in self.exchanges and exchange:
+                self.bind_queue(queue, exchange, routing_key, {}, owner=None)
+        elif bits & 1:  # passive: a resumed queue's record (a paused one's has an argument)
+            q = self.queues.get(queue)
+            if q is not None:
+                q.paused = False
+        else:
+            self.declare_queue(queue, durable=True, auto_delete=bool(bits & 8), arguments={}, owner=None)
 
     def _replay(self, m: PFrame) -> None:
         if isinstance(m, commands.Exchange.Declare):
@@ -409,11 +427,12 @@ class VHost:
             raise
         # its type, from arguments and policies (plain: stays classic); a replayed record is not
         # logged again (nor its frame built: a boot replays every durable queue)
-        self._admit_new_queue(q, arguments, log=persistent and not self._replaying, policies=True)
+        self._admit_new_queue(q, arguments, log=persistent and not self._replaying, policies=True,
+                              args_cfg=args_cfg)
         return q, True
 
     def _admit_new_queue(self, q: Queue, arguments: dict[str, Any], *, log: bool,
-                         policies: bool = False) -> None:
+                         policies: bool = False, args_cfg: features.QueueConfig | None = None) -> None:
         """Make a new queue known: registered, bound to the default exchange, its policies
         applied, logged if durable. If any of that fails (a full disk, any error) the queue goes
         again, store and all, and the error is raised on: a refused declare leaves nothing."""
@@ -422,7 +441,7 @@ class VHost:
         self.exchanges[""].bind(q, q.name)
         try:
             if policies:
-                policy.apply_to_queue(self, q)
+                policy.apply_to_queue(self, q, args_cfg)
             if log:
                 self._log(methods.QueueDeclare(queue=q.name, durable=True, auto_delete=q.auto_delete,
                                                arguments=arguments))
@@ -528,7 +547,8 @@ class VHost:
             raise errors.AccessRefused("operation not permitted on the default exchange")
         if ex.kind == "headers" and arguments and not self._replaying:  # not on recovery: a
             check_x_match(arguments)  # binding stored before this check must not stop a start
-        if ex.bind(q, routing_key, arguments) and ex.durable and q.durable and q.exclusive_owner is None:
+        if ex.bind(q, routing_key, arguments) and ex.durable and q.durable and q.exclusive_owner is None \
+                and not self._replaying:  # a replayed record is not logged again (nor its frame built)
             try:
                 self._log(methods.QueueBind(queue=queue, exchange=exchange, routing_key=routing_key,
                                               arguments=arguments))

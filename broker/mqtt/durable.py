@@ -12,9 +12,12 @@ a failover, and have no queue to live in:
 - **Shared subscriptions** (``$share/group/filter``): the group's queue is shared, so the
   session's membership is not one of its own bindings. On a resumed session they are subscribed
   again (permissions checked again).
-- **A will waiting out its MQTT 5 will delay**, with the wall-clock time it is due: a node that
-  restarts (or a new leader) publishes it when due, or at once when overdue, unless the client
-  came back first.
+- **A persistent session's will**, from its CONNECT on (as mosquitto's persistence keeps the
+  will with its client). While its client is connected it is kept "live" (``due`` 0, with its
+  will delay): a node that dies with the client connected ended that connection abnormally, so
+  a restart (or a new leader) arms it due its delay after the start. Once the connection ended
+  abnormally it is kept with the wall-clock time it is due; a restart publishes it when due, or
+  at once when overdue, unless the client came back first. DISCONNECT forgets it.
 
 Each session with any of these is one small file (``Files``: the node gives a
 ``store.blobs.BlobDir`` in the data dir), named by a digest of its vhost and client id, holding
@@ -47,11 +50,17 @@ Key = tuple[str, str]  # (vhost, client id)
 
 @dataclass
 class PendingWill:
-    """A will waiting out its delay: what to publish, as whom, and when (Unix time)."""
+    """A persistent session's will: what to publish, as whom, and when (Unix time; 0: its
+    connection is alive, due ``delay`` seconds after the connection, or the node, ends)."""
 
     will: Will
     username: str
     due: float
+    delay: float = 0.0
+
+    @property
+    def live(self) -> bool:
+        return self.due == 0.0
 
 
 @dataclass
@@ -82,7 +91,8 @@ def encode(key: Key, s: SessionState) -> bytes:
     if s.will is not None:
         w = s.will.will
         doc["will"] = {"topic": w.topic, "payload": _b64(w.message), "qos": w.qos, "retain": w.retain,
-                       "props": _b64(PR.write(w.props)), "user": s.will.username, "due": s.will.due}
+                       "props": _b64(PR.write(w.props)), "user": s.will.username, "due": s.will.due,
+                       "delay": s.will.delay}
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
@@ -97,7 +107,8 @@ def decode(data: bytes) -> tuple[Key, SessionState]:
     if w is not None:
         props, _ = PR.read(base64.b64decode(w["props"]), 0, PR.WILL_PROPS)
         state.will = PendingWill(Will(str(w["topic"]), base64.b64decode(w["payload"]), int(w["qos"]),
-                                      bool(w["retain"]), props), str(w["user"]), float(w["due"]))
+                                      bool(w["retain"]), props), str(w["user"]), float(w["due"]),
+                                  float(w.get("delay", 0.0)))
     return key, state
 
 

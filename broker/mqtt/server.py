@@ -29,6 +29,7 @@ the owner restarts, CONNACK says server unavailable.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import ssl
 import time
@@ -46,7 +47,7 @@ from broker.model.vhost import VHost
 from broker.mqtt import overview
 from broker.mqtt import packets as P
 from broker.mqtt import props as PR
-from broker.mqtt.durable import SessionStates
+from broker.mqtt.durable import Key, PendingWill, SessionState, SessionStates
 from broker.mqtt.hold import PublisherHold
 from broker.mqtt.mapping import key_fits
 from broker.mqtt.retained import Files, Retained
@@ -427,11 +428,22 @@ class MQTTProtocol(asyncio.Protocol):
             return
         session = self.session = MQTTSession(srv.vhosts, srv.users, srv.settings, srv.after_sync,
                                              srv.registry, self, self.peer_host)
-        self.state = "open"
-        srv.count(self.level, "connections_opened")
-        self.parser.max_packet = srv.config.max_packet_size
         try:
-            session.start(c, user, vh)
+            must_sync = session.begin(c, user, vh)
+            if session.will_unsaved or must_sync and not await self._synced():
+                log.warning("MQTT client '%s' from %s: its will could not be made durable: refused",
+                            session.client_id, self.peer_host)
+                session.will = None  # refused: the CONNECT (its will) did not happen
+                self.write(P.encode_connack(False, P.RC_SERVER_UNAVAILABLE if v5 else P.SERVER_UNAVAILABLE,
+                                            None, v5))
+                self.abort()
+                return
+            if self.state != "login" or session.closed:
+                return  # gone, or taken over, while its will was synced
+            self.state = "open"
+            srv.count(self.level, "connections_opened")
+            self.parser.max_packet = srv.config.max_packet_size
+            session.open(c)
         except Exception:  # noqa: BLE001 - one connection's failure, logged with its traceback
             log.exception("internal error starting the MQTT session of %s", self.peer_host)
             self.abort()
@@ -446,6 +458,14 @@ class MQTTProtocol(asyncio.Protocol):
             if self.state != "open":
                 break
             self._packet(p)
+
+    async def _synced(self) -> bool:
+        """Wait for the group commit of the session state just written (and, in a cluster, its
+        in-sync followers): True once durable."""
+        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self.server.after_sync(lambda ok: None if done.done() else done.set_result(ok),
+                               {self.server.registry.states.files})
+        return await done
 
     def _refusal(self, c: P.Connect) -> int:
         """The CONNACK code of a CONNECT refused before its credentials are checked, or 0."""
@@ -613,7 +633,7 @@ class MQTTServer:
         now = time.time()
         for key, state in list(self.registry.states.by_key.items()):
             if state.will is not None:  # wills that waited out their delay across a restart
-                arm_will(self.registry, key, state.will)
+                arm_will(self.registry, key, self._ended(key, state))
             elif state.expired(now):  # a session that expired while the node was down
                 try:
                     self.registry.states.forget(key)
@@ -628,6 +648,20 @@ class MQTTServer:
                                      reuse_port=shared)
         if cfg.unix_path:
             await self.listeners.unix(lambda: MQTTProtocol(self, unix=True), cfg.unix_path, unix_mode)
+
+    def _ended(self, key: Key, state: SessionState) -> PendingWill:
+        """A kept will at start: one whose client was connected when the node went is due its
+        will delay from now (that connection ended abnormally), kept so (``durable.py``)."""
+        pending = state.will
+        assert pending is not None
+        if not pending.live:
+            return pending
+        state.will = dataclasses.replace(pending, due=time.time() + pending.delay)
+        try:
+            self.registry.states.save(key, state)
+        except OSError as exc:
+            log.warning("MQTT will of '%s' kept as it was: %s", key[1], exc)
+        return state.will
 
     @property
     def addresses(self) -> dict[str, tuple[str, int]]:

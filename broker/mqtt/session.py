@@ -38,8 +38,9 @@ so AMQP and MQTT clients meet:
   Any other end publishes the will, after MQTT 5's will delay unless the client comes back first.
   Unacked QoS 1 deliveries go back to their queues either way.
 - **What a persistent session keeps beyond its queues** (``durable.py``): the QoS 2 packet ids
-  awaiting PUBREL, its shared subscriptions and a will waiting out its delay, in a replicated file
-  per session; PUBREC and PUBCOMP wait for the group commit that makes the change durable.
+  awaiting PUBREL, its shared subscriptions and its will (from CONNECT on: ``begin`` writes it,
+  and the adapter sends CONNACK, ``open``, after the group commit), in a replicated file per
+  session; PUBREC and PUBCOMP wait for the group commit that makes the change durable.
 
 The session does no IO: ``Output`` (the network adapter) writes bytes, closes, and runs timers.
 """
@@ -267,11 +268,20 @@ class MQTTSession:
         self.retained_due: deque[tuple[str, bytes, int, PR.Props]] = deque()
         self.published = False  # it has published (RabbitMQ's publishers gauge)
         self.who: Origin | None = None  # this client as firehose copies name it, once connected
+        self.kept: SessionState | None = None  # the state it came back to (``begin``)
+        self.assigned = False  # the client id is the server's (MQTT 5: said in CONNACK)
+        self.will_unsaved = False  # ``begin`` could not keep its will
 
     # ------------------------------------------------------------------ connect
     def start(self, connect: P.Connect, user: User, vhost: VHost) -> None:
-        """A CONNECT the adapter authenticated: take over the client id, resume or start the
-        session, answer CONNACK, consume."""
+        """``begin`` and ``open`` at once (the will, if kept, not yet synced)."""
+        self.begin(connect, user, vhost)
+        self.open(connect)
+
+    def begin(self, connect: P.Connect, user: User, vhost: VHost) -> bool:
+        """A CONNECT the adapter authenticated: take over the client id, take back or drop a
+        kept session state, keep a persistent session's will (``durable.py``). True when that
+        wrote the state: CONNACK (``open``) waits for the group commit that makes it durable."""
         self.user, self.vhost, self.will = user, vhost, connect.will
         self.who = Origin(self.registry.node_name(), user.name, self.peer, 0)
         self.v5 = connect.level == 5
@@ -284,7 +294,7 @@ class MQTTSession:
             self.client_max_packet = cp.get(PR.MAXIMUM_PACKET_SIZE, 0)
         else:
             self.durable = not connect.clean_session
-        assigned = not connect.client_id
+        self.assigned = not connect.client_id
         self.client_id = connect.client_id or "skred-" + base64.urlsafe_b64encode(
             os.urandom(12)).decode().rstrip("=")
         key = (vhost.name, self.client_id)
@@ -298,13 +308,28 @@ class MQTTSession:
             pending_will.cancel()
         self.registry.sessions[key] = self
         kept = self.registry.states.by_key.get(key)
-        present = False
         if kept is not None and (connect.clean_session or kept.expired(time.time())):
             self._forget_state(key)
             kept = None
         elif kept is not None:  # a persistent session comes back: its QoS 2 ids hold again
-            present = True
             self.qos2_received = set(kept.qos2)
+        self.kept = kept
+        live = self._live_will()
+        if live is None:
+            return False
+        # the will is part of the session from its CONNECT on: a node that dies while the client
+        # is connected sends it after its restart (its shared subscriptions are kept as they were)
+        saved = self._save_state(key, SessionState(set(self.qos2_received), dict(kept.shared) if kept else {},
+                                                   live))
+        self.will_unsaved = not saved  # the disk refused it: the CONNECT is refused (server.py)
+        return saved
+
+    def open(self, connect: P.Connect) -> None:
+        """After ``begin``: resume or start the session's queues, answer CONNACK, consume."""
+        vhost, kept = self.vhost, self.kept
+        assert vhost is not None
+        key = (vhost.name, self.client_id)
+        present = kept is not None
         for qos in (0, 1):
             name = self.queue_name(qos)
             q = vhost.queues.get(name)
@@ -319,13 +344,14 @@ class MQTTSession:
         if kept is not None:
             for f, (options, sub_id) in kept.shared.items():
                 self._bind(f, options, sub_id)  # its shared subscriptions (permissions checked again)
-            if kept.will is not None or kept.expires_at or kept.shared.keys() != self._state().shared.keys():
-                self._save_state(key)  # connected again: no will it came back in time to cancel, no expiry
+        state = self._state()
+        if state != self.registry.states.by_key.get(key, SessionState()):
+            self._save_state(key, state)  # connected: no delayed will, no expiry; its live will
         props: PR.Props = {}
         if self.v5:
             props = {PR.TOPIC_ALIAS_MAXIMUM: TOPIC_ALIAS_MAXIMUM, PR.RECEIVE_MAXIMUM: RECEIVE_MAXIMUM,
                      PR.MAXIMUM_PACKET_SIZE: self.settings.max_packet}
-            if assigned:
+            if self.assigned:
                 props[PR.ASSIGNED_CLIENT_ID] = self.client_id
         self.out.write(P.encode_connack(present, P.ACCEPTED, props, self.v5))
 
@@ -484,7 +510,17 @@ class MQTTSession:
 
     def _state(self) -> SessionState:
         return SessionState(set(self.qos2_received),
-                            {f: v for f, v in self.filters.items() if shared_group(f) is not None})
+                            {f: v for f, v in self.filters.items() if shared_group(f) is not None},
+                            None if self.closed else self._live_will())
+
+    def _live_will(self) -> PendingWill | None:
+        """A persistent session's will while its client is connected (``durable.py``)."""
+        if not self.durable or self.will is None or self.user is None:
+            return None
+        return PendingWill(self.will, self.user.name, 0.0, self._will_delay())
+
+    def _will_delay(self) -> float:
+        return min(self.will.props.get(PR.WILL_DELAY, 0), self.session_expiry) if self.v5 and self.will else 0
 
     def _save_state(self, key: Key, state: SessionState | None = None) -> bool:
         """Keep the session's state (``durable.py``); False (logged) when the disk refused it."""
@@ -830,8 +866,8 @@ class MQTTSession:
         pending = self._will(key) if not normal and self.will is not None else None
         if self.durable:  # what it keeps while its client is away: its will if delayed, its expiry
             state = self._state()
-            if pending is not None and pending.due > time.time():
-                state.will = pending  # a durable timer: a restart or a new leader sends it when due
+            # a durable timer (a restart or a new leader sends it when due), or no will at all
+            state.will = pending if pending is not None and pending.due > time.time() else None
             if self.v5 and self.session_expiry != NEVER_EXPIRES:
                 state.expires_at = time.time() + self.session_expiry
             if not state.empty() or key in self.registry.states.by_key:
@@ -852,8 +888,7 @@ class MQTTSession:
         """Publish the will now or after its delay (``wills.arm_will``); the will, due when."""
         w, user = self.will, self.user
         assert w is not None and user is not None
-        delay = min(w.props.get(PR.WILL_DELAY, 0), self.session_expiry) if self.v5 else 0
-        pending = PendingWill(w, user.name, time.time() + delay)
+        pending = PendingWill(w, user.name, time.time() + self._will_delay())
         arm_will(self.registry, key, pending)
         return pending
 

@@ -4,12 +4,13 @@ Theory of operation
 -------------------
 A will is published when its connection ends in any way but DISCONNECT (``session.py``),
 after MQTT 5's will delay unless its client comes back first. ``arm_will`` runs the delay on the
-event loop's timer; for a persistent session the will and the wall-clock time it is due are
-also kept in the session's durable state (``durable.py``), so a node that restarts, or the new
-leader after a failover, arms it again at start (``server.py``) and publishes it when due, or
-at once when overdue. A will is published as its user, through the one publish operation, only
-if that user may still write to its topic (write on the exchange, the topic permission); once
-sent it is forgotten from the session's state.
+event loop's timer. A persistent session's will is kept in the session's durable state from
+its CONNECT on (``durable.py``), and once its connection ended with the wall-clock time it is
+due, so a node that restarts, or the new leader after a failover, arms it again at start
+(``server.py``: a will whose client was connected when the node went is due its delay after the
+start) and publishes it when due, or at once when overdue. A will is published as its user,
+through the one publish operation, only if that user may still write to its topic (write on the
+exchange, the topic permission); once sent it is forgotten from the session's state.
 """
 
 from __future__ import annotations

@@ -378,8 +378,9 @@ class InFlight:
 
 
 class WillAndShared:
-    """A persistent MQTT 5 session with a shared subscription, and a will due 3 s after its
-    client's abnormal end: then the node goes."""
+    """A persistent MQTT 5 session with a shared subscription, a will due 3 s after its
+    client's abnormal end, and two persistent sessions (3.1.1, and 5 with a 1 s will delay)
+    still connected with their wills when the node goes: every will is published after it."""
 
     def __init__(self, host: str, port: int, log_text: Callable[[], str]) -> None:
         self.watcher_id, self.member_id, dying_id = cid(), cid(), cid()
@@ -397,6 +398,13 @@ class WillAndShared:
         dying.close()  # an abnormal end: the will is due in 3 s
         ended = re.compile(rf"'{dying_id}' from \S+ closed the connection unexpectedly")
         wait_until(lambda: ended.search(log_text()) is not None, 10, "the abnormal end seen")
+        # connected when the node dies: their wills are durable from CONNECT on (CONNACK waits)
+        will3 = P.Will("wd/live3", b"v3", 1, False)
+        will5 = P.Will("wd/live5", b"v5", 1, False, {PR.WILL_DELAY: 1})
+        self.live = [Raw(host, port, P.Connect("MQTT", 4, False, 30, cid(), will3, "guest", b"guest")),
+                     Raw(host, port, _v5(cid(), will=will5))]
+        for r in self.live:
+            assert r.connack()[1] == 0
 
     def resume(self, host: str, port: int) -> None:
         """The shared subscription is subscribed again as the session resumes; the will comes."""
@@ -410,10 +418,12 @@ class WillAndShared:
             assert pkt is not None and pkt[0] == P.PUBLISH and pkt[2].endswith(b"shared"), pkt
         finally:
             member.close()
+        for r in self.live:
+            r.close()
         watcher = Paho(host, port, self.watcher_id, clean=False)
         try:
-            m = watcher.take(1, timeout=20)[0]
-            assert (m.topic, m.payload) == ("wd/gone", b"bye")
+            got = {(m.topic, m.payload) for m in watcher.take(3, timeout=20)}
+            assert got == {("wd/gone", b"bye"), ("wd/live3", b"v3"), ("wd/live5", b"v5")}
         finally:
             watcher.close()
 

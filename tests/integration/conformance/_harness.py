@@ -34,6 +34,7 @@ class Target:
     port: int
     mgmt_port: int
     mqtt_port: int = 0  # the MQTT conformance harness (test_mqtt_conformance.py)
+    mqtt_ws_url: str = ""  # and its MQTT over WebSocket scenarios
 
 
 @dataclass

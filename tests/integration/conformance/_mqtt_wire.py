@@ -13,6 +13,10 @@ Absence is observed without sleeping: a scenario that expects no message publish
 after the operation under test and reads up to it (``until_marker``), since every broker here
 keeps a publisher's messages in order to a subscriber. Received QoS 1 and 2 deliveries are
 acknowledged as a client library would (PUBACK; PUBREC, PUBREL, PUBCOMP).
+
+A run given a ``url`` speaks MQTT over WebSocket instead (``WebSocketStream``: subprotocol
+``mqtt``, each packet written as one binary message, the messages read as one byte stream), so
+the same scenarios compare the brokers' WebSocket listeners.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import struct
 import time
 import uuid
 from typing import Any
+
+import websocket
 
 Record = tuple[Any, ...]
 READ_TIMEOUT = 8.0  # seconds for one expected packet; a shared 2-core machine can be slow
@@ -117,8 +123,9 @@ def packet(first: int, body: bytes) -> bytes:
 class MRun:
     """One scenario's run against one broker (and MQTT version): names, clients, transcript."""
 
-    def __init__(self, broker: str, host: str, port: int, version: int) -> None:
+    def __init__(self, broker: str, host: str, port: int, version: int, url: str = "") -> None:
         self.broker, self.host, self.port, self.version = broker, host, port, version
+        self.url = url  # MQTT over WebSocket at this URL (empty: plain TCP)
         self.tag = uuid.uuid4().hex[:8]
         self.transcript: list[Record] = []
         self.clients: list[Client] = []
@@ -155,6 +162,35 @@ class MRun:
             c.sock.close()
 
 
+class WebSocketStream:
+    """An MQTT over WebSocket connection with the few socket methods ``Client`` uses."""
+
+    def __init__(self, url: str) -> None:
+        self.ws = websocket.create_connection(url, subprotocols=["mqtt"], timeout=READ_TIMEOUT)
+
+    def sendall(self, data: bytes) -> None:
+        try:
+            self.ws.send_binary(data)
+        except websocket.WebSocketConnectionClosedException as exc:
+            raise BrokenPipeError from exc
+
+    def settimeout(self, seconds: float) -> None:
+        self.ws.settimeout(seconds)
+
+    def recv(self, _size: int) -> bytes:
+        """The next message's bytes; b"" once the server closed."""
+        try:
+            data = self.ws.recv()
+        except websocket.WebSocketTimeoutException as exc:
+            raise TimeoutError from exc
+        except (websocket.WebSocketConnectionClosedException, ConnectionError):
+            return b""
+        return data.encode() if isinstance(data, str) else bytes(data)
+
+    def close(self) -> None:
+        self.ws.close()
+
+
 class Client:
     """A raw MQTT connection of a scenario; ``name`` labels its records in the transcript."""
 
@@ -164,7 +200,9 @@ class Client:
                  props: bytes = b"", version: int | None = None, log_connack: bool = True) -> None:
         self.run, self.name = run, name
         self.version = version or run.version
-        self.sock = socket.create_connection((run.host, run.port), timeout=READ_TIMEOUT)
+        self.sock: socket.socket | WebSocketStream = (
+            WebSocketStream(run.url) if run.url else socket.create_connection((run.host, run.port),
+                                                                              timeout=READ_TIMEOUT))
         self.buf = b""
         self.pending: list[tuple[int, int, bytes]] = []
         self.next_id = 1

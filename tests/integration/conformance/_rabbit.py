@@ -18,7 +18,8 @@ reconnect to it); ``management=False`` leaves the management plugin out (a bench
 CPU time does not want its statistics collection; ``mgmt_port`` is then None); ``tls`` (CA,
 certificate and key files) adds an AMQPS listener on ``tls_port`` that does not ask clients for
 certificates, and readiness then waits for it to accept too; ``mqtt=True`` enables the
-``rabbitmq_mqtt`` plugin with a listener on ``mqtt_port`` (the MQTT conformance harness).
+``rabbitmq_mqtt`` plugin with a listener on ``mqtt_port`` and ``rabbitmq_web_mqtt`` on
+``web_mqtt_port`` (MQTT over WebSocket, path ``/ws``) (the MQTT conformance harness).
 ``beam_pid`` is the Erlang VM's PID under the start script: the process whose CPU time is the
 broker's.
 
@@ -84,6 +85,7 @@ class RabbitProcess:
         self.tls = tls  # (CA, certificate, key)
         self.tls_port = free_port() if tls else None
         self.mqtt_port = free_port() if mqtt else None
+        self.web_mqtt_port = free_port() if mqtt else None  # rabbitmq_web_mqtt (path /ws) beside it
         self.stream_port = free_port() if stream else None  # the rabbitmq_stream plugin's listener
         self.dist_port = free_port()
         self.epmd_port = free_port()
@@ -110,11 +112,14 @@ class RabbitProcess:
                      "ssl_options.verify = verify_none\nssl_options.fail_if_no_peer_cert = false\n")
         if self.mqtt_port is not None:
             conf += f"mqtt.listeners.tcp.1 = {self.host}:{self.mqtt_port}\n"
+        if self.web_mqtt_port is not None:
+            conf += f"web_mqtt.tcp.ip = {self.host}\nweb_mqtt.tcp.port = {self.web_mqtt_port}\n"
         if self.stream_port is not None:
             conf += (f"stream.listeners.tcp.1 = {self.host}:{self.stream_port}\n"
                      f"stream.advertised_host = {self.host}\nstream.advertised_port = {self.stream_port}\n")
         plugins = ",".join((*(p for p, on in (("rabbitmq_management", self.mgmt_port is not None),
                                                ("rabbitmq_mqtt", self.mqtt_port is not None),
+                                               ("rabbitmq_web_mqtt", self.web_mqtt_port is not None),
                                                ("rabbitmq_stream", self.stream_port is not None)) if on),
                             *self.plugins))
         (self.root / "enabled_plugins").write_text(f"[{plugins}].\n")
@@ -165,7 +170,8 @@ class RabbitProcess:
             return False
 
     def _ports_accept(self) -> bool:
-        return all(self._accepts(port) for port in (self.tls_port, self.mqtt_port, self.stream_port))
+        return all(self._accepts(port) for port in (self.tls_port, self.mqtt_port, self.web_mqtt_port,
+                                                        self.stream_port))
 
     def _accepts(self, port: int | None) -> bool:
         """True when ``port`` (None: no such listener) accepts a connection."""

@@ -125,3 +125,16 @@ MQTT: dict[tuple[str, int, str], str] = {
         "a message matching two subscriptions of one session at one QoS arrives once, with both "
         "identifiers; mosquitto sends a copy per subscription (3.3.4 allows either)",
 }
+
+
+# MQTT over WebSocket (test_mqtt_conformance.py, rabbitmq_web_mqtt): 3.1.1 scenario -> why Skred's
+# WebSocket listener shows a client something else than rabbitmq_web_mqtt, beyond the TCP
+# differences of ``MQTT`` (which hold over WebSocket too). docs/compatibility.md names each.
+WEB_MQTT: dict[str, str] = {
+    "connect_empty_client_id_persistent":
+        "an empty client id with clean session 0 gets CONNACK 2 (identifier rejected) before the close, "
+        "as over TCP; rabbitmq_web_mqtt 3.10 closes the WebSocket without a CONNACK",
+    "will_on_abnormal_end_only":
+        "DISCONNECT discards the will (3.14.4), as over TCP; rabbitmq_web_mqtt 3.10 publishes the will "
+        "of a client that sent DISCONNECT and then closed its WebSocket",
+}

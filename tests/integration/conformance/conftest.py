@@ -27,8 +27,10 @@ def targets(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Target, 
     root = tmp_path_factory.mktemp("conformance")
     rabbit = RabbitProcess(root / "rabbitmq", mqtt=True)  # one node for the AMQP and MQTT harnesses
     with booted_beside(rabbit, root) as (skred,):
-        yield (Target("rabbitmq", rabbit.host, rabbit.port, rabbit.mgmt_port, rabbit.mqtt_port or 0),
-               Target("skred", skred.host, skred.port, skred.mgmt_port, skred.mqtt_port))
+        yield (Target("rabbitmq", rabbit.host, rabbit.port, rabbit.mgmt_port, rabbit.mqtt_port or 0,
+                      f"ws://{rabbit.host}:{rabbit.web_mqtt_port}/ws"),
+               Target("skred", skred.host, skred.port, skred.mgmt_port, skred.mqtt_port,
+                      f"ws://{skred.host}:{skred.mgmt_port}/ws/mqtt"))
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -12,6 +12,12 @@ node run at once on threads; the leader and the follower one after the other on 
   agree fails, so the list never outlives the difference.
 - the cluster's leader and follower show a client what the single node shows.
 - a scenario that errors against a reference is a broken scenario and fails.
+
+Over WebSocket (``test_mqtt_over_websocket``) every 3.1.1 scenario runs against RabbitMQ's
+``rabbitmq_web_mqtt`` (the same node, path ``/ws``) and Skred's management port (``/ws/mqtt``) at
+once: Skred differs from RabbitMQ there exactly where it does over TCP (``allowlist.MQTT``) and
+where ``allowlist.WEB_MQTT`` says (a difference of the WebSocket listener), each in
+docs/compatibility.md.
 """
 
 from __future__ import annotations
@@ -55,8 +61,8 @@ def mosquitto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MosquittoPro
         m.close()
 
 
-def run(name: str, broker: str, host: str, port: int, version: int) -> MRun:
-    r = MRun(broker, host, port, version)
+def run(name: str, broker: str, host: str, port: int, version: int, url: str = "") -> MRun:
+    r = MRun(broker, host, port, version, url)
     try:
         MQTT_SCENARIOS[name][0](r)
     except Exception as exc:  # noqa: BLE001 - the failure is the observation, diffed like others
@@ -79,9 +85,12 @@ def test_mqtt_allowlist_names_real_cases_and_is_documented() -> None:
     real = {(n, v, ref) for n, v in CASES for ref in ("mosquitto", "rabbitmq")
             if ref == "mosquitto" or v == 4}
     assert set(allowlist.MQTT) <= real, set(allowlist.MQTT) - real
+    assert set(allowlist.WEB_MQTT) <= {n for n, v in CASES if v == 4}, set(allowlist.WEB_MQTT)
     doc = COMPAT.read_text()
     undocumented = [f"{n} (MQTT {'5' if v == 5 else '3.1.1'}, {ref})" for n, v, ref in allowlist.MQTT
                     if not re.search(rf"`{re.escape(n)}`", doc)]
+    undocumented += [f"{n} (MQTT over WebSocket)" for n in allowlist.WEB_MQTT
+                     if not re.search(rf"`{re.escape(n)}` over WebSocket", doc)]
     assert not undocumented, f"docs/compatibility.md does not name: {undocumented}"
 
 
@@ -116,3 +125,23 @@ def test_mqtt_scenario(name: str, version: int, targets: tuple[Target, Target], 
             problems.append(f"{name} v{version}: the cluster's {mode} differs from a single node\n"
                             f"{diff(mine, r)}")
     assert not problems, "\n\n".join(problems)
+
+
+WEB_CASES = [name for name, v in CASES if v == 4]
+
+
+@pytest.mark.parametrize("name", WEB_CASES)
+def test_mqtt_over_websocket(name: str, targets: tuple[Target, Target]) -> None:
+    rabbit, single = targets
+    with ThreadPoolExecutor(2) as pool:
+        theirs = pool.submit(run, name, "rabbitmq-ws", rabbit.host, 0, 4, rabbit.mqtt_ws_url)
+        mine = pool.submit(run, name, "skred-ws", single.host, 0, 4, single.mqtt_ws_url).result()
+        ref = theirs.result()
+    last = ref.transcript[-1] if ref.transcript else ()
+    assert not last or last[0] != "error", f"scenario {name} fails against rabbitmq_web_mqtt itself: {last}"
+    d = diff(ref, mine)
+    reason = allowlist.WEB_MQTT.get(name) or allowlist.MQTT.get((name, 4, "rabbitmq"))
+    if reason:
+        assert d, f"{name} over WebSocket now agrees with rabbitmq_web_mqtt: remove its entry ({reason})"
+    else:
+        assert not d, f"{name} over WebSocket: Skred differs from rabbitmq_web_mqtt\n{d}"
