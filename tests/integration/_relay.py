@@ -1,6 +1,7 @@
 """A TCP relay for tests: splices each accepted connection to a target, optionally sending a
 prefix first (a PROXY header) from a chosen source address, and optionally recording the bytes
-that cross it (to check a link is not plaintext), and optionally going silent (``freeze``:
+that cross it (to check a link is not plaintext), or handing what each client sends to a tap
+made per connection (to count a link's frames), and optionally going silent (``freeze``:
 every byte from then on is dropped, no connection closed, as over a cut network). Threads,
 blocking sockets, loopback only.
 """
@@ -15,11 +16,12 @@ from collections.abc import Callable
 class Relay:
     def __init__(self, target: tuple[str, int], *, source: str | None = "127.0.0.1",
                  prefix: Callable[[tuple[str, int]], bytes] | None = None, record: bool = False,
-                 listen: str = "127.0.0.1") -> None:
+                 listen: str = "127.0.0.1", tap: Callable[[], Callable[[bytes], None]] | None = None) -> None:
         self.target = target
         self.source = source
         self.prefix = prefix
         self.record = record
+        self.tap = tap  # per accepted connection: a callback given each chunk its client sends
         self.captured = bytearray()  # both directions, in arrival order
         self._lock = threading.Lock()
         self._sock = socket.create_server((listen, 0))
@@ -46,10 +48,11 @@ class Relay:
                 self._open += [client, upstream]
             if self.prefix is not None:
                 upstream.sendall(self.prefix((str(addr[0]), int(addr[1]))))
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+            tap = self.tap() if self.tap is not None else None
+            for a, b, seen in ((client, upstream, tap), (upstream, client, None)):
+                threading.Thread(target=self._pump, args=(a, b, seen), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, tap: Callable[[bytes], None] | None) -> None:
         try:
             while data := src.recv(65536):
                 if self._frozen.is_set():
@@ -58,6 +61,8 @@ class Relay:
                     with self._lock:
                         self.captured += data
                 dst.sendall(data)
+                if tap is not None:
+                    tap(data)
         except OSError:
             pass
         finally:
