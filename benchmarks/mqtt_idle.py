@@ -96,9 +96,12 @@ async def generate(args: argparse.Namespace) -> None:
     failed, first_error = 0, ""
     t0 = time.perf_counter()
     deadline = time.monotonic() + args.budget
+    quarters: list[float] = []  # seconds until each quarter of the clients was connected
     for first in range(0, args.count, args.at_once):
         if time.monotonic() > deadline:
             break
+        if first >= len(quarters) * args.count / 4 and first:
+            quarters.append(round(time.perf_counter() - t0, 1))
         ids = range(first, min(args.count, first + args.at_once))
         got = await asyncio.gather(*(open_one("127.0.0.1", args.port, args.source, vhosts[i % len(vhosts)],
                                               f"{args.prefix}{i}") for i in ids), return_exceptions=True)
@@ -110,7 +113,8 @@ async def generate(args: argparse.Namespace) -> None:
                 conns.append(c)
     live = [c for c in conns if not c.closed]
     print(json.dumps({"connected": len(live), "failed": failed, "dropped": len(conns) - len(live),
-                      "seconds": time.perf_counter() - t0, "error": first_error}), flush=True)
+                      "seconds": time.perf_counter() - t0, "quarters": quarters, "error": first_error}),
+          flush=True)
     loop = asyncio.get_running_loop()
     while line := await loop.run_in_executor(None, sys.stdin.readline):  # the parent's commands
         if line.strip() == "check":
@@ -195,6 +199,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         out["held"] = sum(r["connected"] for r in reports)
         out["failed"] = sum(r["failed"] + r["dropped"] for r in reports)
         out["errors"] = sorted({r["error"] for r in reports if r["error"]})
+        out["quarters_s"] = [r["quarters"] for r in reports]
         after = await settled_rss(b)
         out["fds"] = {pid: [procs0.get(pid, 0), fds(pid)] for pid in tree(b.pids())}
         out["before_mib"], out["after_mib"] = before / 1024, after / 1024
