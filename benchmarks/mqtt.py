@@ -184,16 +184,18 @@ def tree(pids: list[int]) -> list[int]:
     return seen
 
 
+def vmrss_kib(pid: int) -> int:
+    """VmRSS of one process, KiB (0 once it is gone)."""
+    try:
+        m = re.search(r"VmRSS:\s+(\d+)", Path(f"/proc/{pid}/status").read_text())
+    except OSError:
+        return 0
+    return int(m.group(1)) if m else 0
+
+
 def rss_kib(pids: list[int]) -> int:
     """VmRSS of the processes and all their descendants, KiB."""
-    total = 0
-    for pid in tree(pids):
-        try:
-            m = re.search(r"VmRSS:\s+(\d+)", Path(f"/proc/{pid}/status").read_text())
-        except OSError:
-            continue
-        total += int(m.group(1)) if m else 0
-    return total
+    return sum(vmrss_kib(pid) for pid in tree(pids))
 
 
 def cpu_of(pids: list[int]) -> float:

@@ -50,6 +50,7 @@ from benchmarks.mqtt import (  # noqa: E402  (needs the repo root)
     subscribe,
     tree,
     use_uvloop,
+    vmrss_kib,
 )
 from benchmarks.workers import api_put  # noqa: E402
 from broker.shards.placement import worker_of  # noqa: E402
@@ -199,7 +200,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             api_put(b.p, f"/api/permissions/{v}/{USER}", {"configure": ".*", "write": ".*", "read": ".*"})
         warm = await warm_up(b, vhosts)  # read_json below blocks this loop: they are idle meanwhile
         before = await settled_rss(b)
-        procs0 = {pid: fds(pid) for pid in tree(b.pids())}
+        procs0 = {pid: (fds(pid), vmrss_kib(pid) // 1024) for pid in tree(b.pids())}
         t0 = time.perf_counter()
         for i in range(args.procs):
             n = min(per_proc, args.clients - i * per_proc)
@@ -216,7 +217,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         out["errors"] = sorted({r["error"] for r in reports if r["error"]})
         out["quarters_s"] = [r["quarters"] for r in reports]
         after = await settled_rss(b)
-        out["fds"] = {pid: [procs0.get(pid, 0), fds(pid)] for pid in tree(b.pids())}
+        # per process (the parent first): descriptors and RSS MiB, before -> after
+        out["processes"] = {pid: [*procs0.get(pid, (0, 0)), fds(pid), vmrss_kib(pid) // 1024]
+                            for pid in tree(b.pids())}
         out["before_mib"], out["after_mib"] = before / 1024, after / 1024
         out["per_conn_kib"] = (after - before) / max(1, out["held"])
         for g in gens:
