@@ -228,8 +228,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             g.stdin.flush()
         checks = [read_json(g, time.monotonic() + 120) for g in gens]
         out["round_trips"] = sum(c["round_trips"] for c in checks)
-        v = len(vhosts)
-        out["round_trips_asked"] = sum(min(v, max(0, r["connected"] - v)) for r in reports)
+        nv = len(vhosts)
+        out["round_trips_asked"] = sum(min(nv, max(0, r["connected"] - nv)) for r in reports)
         out["round_trip_worst_ms"] = max(c["worst_ms"] for c in checks)
         out["still_open"] = sum(c["still_open"] for c in checks)
         close_all(warm)
