@@ -29,6 +29,7 @@ import asyncio
 import compileall
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -248,6 +249,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 os.killpg(g.pid, 9)  # our own generator's group
                 g.wait(10)
         b.close()
+        shutil.rmtree(root, ignore_errors=True)
     return out
 
 
