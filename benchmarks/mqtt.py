@@ -184,16 +184,18 @@ def tree(pids: list[int]) -> list[int]:
     return seen
 
 
+def vmrss_kib(pid: int) -> int:
+    """VmRSS of one process, KiB (0 once it is gone)."""
+    try:
+        m = re.search(r"VmRSS:\s+(\d+)", Path(f"/proc/{pid}/status").read_text())
+    except OSError:
+        return 0
+    return int(m.group(1)) if m else 0
+
+
 def rss_kib(pids: list[int]) -> int:
     """VmRSS of the processes and all their descendants, KiB."""
-    total = 0
-    for pid in tree(pids):
-        try:
-            m = re.search(r"VmRSS:\s+(\d+)", Path(f"/proc/{pid}/status").read_text())
-        except OSError:
-            continue
-        total += int(m.group(1)) if m else 0
-    return total
+    return sum(vmrss_kib(pid) for pid in tree(pids))
 
 
 def cpu_of(pids: list[int]) -> float:
@@ -211,10 +213,11 @@ def cpu_of(pids: list[int]) -> float:
 
 # ------------------------------------------------------------------ the load generator
 
-def connect_packet(client_id: str, clean: bool = True, keepalive: int = 600) -> bytes:
+def connect_packet(client_id: str, clean: bool = True, keepalive: int = 600,
+                   user: str = "guest", password: str = "guest") -> bytes:
     flags = (2 if clean else 0) | 128 | 64
     body = (s("MQTT") + bytes((4, flags)) + struct.pack("!H", keepalive) + s(client_id)
-            + s("guest") + s("guest"))
+            + s(user) + s(password))
     return packet(0x10, body)
 
 
@@ -494,6 +497,15 @@ def restore(b: Broker, args: argparse.Namespace) -> dict[str, float]:
 
 # ------------------------------------------------------------------ the run
 
+def use_uvloop() -> None:
+    """uvloop for the load generator's loops, when it is installed (the broker runs on it)."""
+    try:
+        import uvloop
+        uvloop.install()
+    except ImportError:
+        pass
+
+
 def cpu_seconds() -> float:
     t = os.times()
     return t.user + t.system
@@ -613,11 +625,7 @@ def main() -> None:
     ap.add_argument("--write", action="store_true", help="replace the MQTT section of docs/benchmarks.md")
     ap.add_argument("--note", default="", help="a paragraph for docs/benchmarks.md (the machine's load)")
     args = ap.parse_args()
-    try:
-        import uvloop
-        uvloop.install()
-    except ImportError:
-        pass
+    use_uvloop()
     # the broker's modules byte-compiled first, as pip installs them: with PYTHONDONTWRITEBYTECODE
     # set (as on the development machines) every start compiled them again, a quarter of the
     # CPU of a restart with 10,000 sessions
