@@ -170,6 +170,9 @@ class _FsyncThread:
                 job()
             except Exception:  # pragma: no cover - the job reports its own failures
                 log.exception("fsync job failed")
+            # A finished job's closure holds its commit's dirty objects (stores of queues that
+            # may be deleted meanwhile): not kept alive until the next commit arrives.
+            del job
 
 
 class Syncer:

@@ -7,6 +7,7 @@ no disk."""
 from __future__ import annotations
 
 import threading
+import weakref
 
 import pytest
 
@@ -60,3 +61,24 @@ def test_stop_runs_what_was_handed_over_then_refuses() -> None:
     assert ran == [1, 2]
     with pytest.raises(RuntimeError):
         t.run(lambda: None)
+
+
+def test_a_finished_job_keeps_nothing_alive_until_the_next() -> None:
+    """A commit's job closes over its dirty objects (stores of queues that may be deleted
+    meanwhile): once it ran, the thread must not hold it while it waits for the next job."""
+    t = _FsyncThread("skred-fsync-test")
+
+    class Store:
+        pass
+
+    store = Store()
+    gone = threading.Event()
+    ref = weakref.ref(store, lambda _r: gone.set())
+    ran = threading.Event()
+    t.run(lambda held=store: ran.set() if held else None)
+    del store
+    assert ran.wait(DEADLINE)
+    try:
+        assert gone.wait(DEADLINE), f"the finished job still holds {ref()!r}"
+    finally:
+        t.stop()
