@@ -159,14 +159,23 @@ class VHost:
         per durable queue and binding), from the fields read off the record."""
         kind, queue, exchange, routing_key, bits = fields
         if kind == definition_records.QUEUE_BIND:
-            if queue in self.queues and exchange in self.exchanges and exchange:
-                self.bind_queue(queue, exchange, routing_key, {}, owner=None)
-        elif bits & 1:  # passive: a resumed queue's record (a paused one's has an argument)
+            self._replay_bind(queue, exchange, routing_key, {})
+        else:
+            self._replay_queue(queue, passive=bool(bits & 1), auto_delete=bool(bits & 8), arguments={})
+
+    def _replay_queue(self, queue: str, *, passive: bool, auto_delete: bool,
+                      arguments: dict[str, Any]) -> None:
+        if passive:  # a paused/resumed record
             q = self.queues.get(queue)
             if q is not None:
-                q.paused = False
+                q.paused = bool(arguments.get(_PAUSED))
         else:
-            self.declare_queue(queue, durable=True, auto_delete=bool(bits & 8), arguments={}, owner=None)
+            self.declare_queue(queue, durable=True, auto_delete=auto_delete, arguments=arguments, owner=None)
+
+    def _replay_bind(self, queue: str, exchange: str, routing_key: str, arguments: dict[str, Any]) -> None:
+        # a default-exchange binding: implicit (compaction wrote them once; not an error)
+        if queue in self.queues and exchange in self.exchanges and exchange:
+            self.bind_queue(queue, exchange, routing_key, arguments, owner=None)
 
     def _replay(self, m: PFrame) -> None:
         if isinstance(m, commands.Exchange.Declare):
@@ -175,20 +184,14 @@ class VHost:
         elif isinstance(m, commands.Exchange.Delete):
             if m.exchange in self.exchanges:
                 self.delete_exchange(m.exchange)
-        elif isinstance(m, commands.Queue.Declare) and m.passive:  # a paused/resumed record
-            q = self.queues.get(m.queue)
-            if q is not None:
-                q.paused = bool((m.arguments or {}).get(_PAUSED))
         elif isinstance(m, commands.Queue.Declare):
-            self.declare_queue(m.queue, durable=True, auto_delete=m.auto_delete,
-                               arguments=m.arguments or {}, owner=None)
+            self._replay_queue(m.queue, passive=m.passive, auto_delete=m.auto_delete,
+                               arguments=m.arguments or {})
         elif isinstance(m, commands.Queue.Delete):
             if m.queue in self.queues:
                 self.delete_queue(m.queue, owner=None)
         elif isinstance(m, commands.Queue.Bind):
-            # a default-exchange binding: implicit (compaction wrote them once; not an error)
-            if m.queue in self.queues and m.exchange in self.exchanges and m.exchange:
-                self.bind_queue(m.queue, m.exchange, m.routing_key, m.arguments or {}, owner=None)
+            self._replay_bind(m.queue, m.exchange, m.routing_key, m.arguments or {})
         elif isinstance(m, commands.Queue.Unbind):
             if m.queue in self.queues and m.exchange in self.exchanges:
                 self.unbind_queue(m.queue, m.exchange, m.routing_key, m.arguments or {}, owner=None)
