@@ -332,11 +332,17 @@ def publish_packets(topic: str, qos: int, count: int, payload: bytes = b"x" * 16
     return [packet(0x32, t + struct.pack("!H", pid) + payload) for pid in range(1, count + 1)]
 
 
-async def measure(seconds: float, delivered: Callable[[], int], warmup: float = 1.0) -> float:
+async def measure(seconds: float, delivered: Callable[[], int], warmup: float = 1.0,
+                  pids: list[int] | None = None) -> tuple[float, float]:
+    """Deliveries per second over ``seconds`` after ``warmup``, and the CPU the broker's
+    processes (``pids``) spent per delivery meanwhile, in microseconds (NaN without pids): the
+    figure a loaded machine does not bend, as the rate is bent by the CPU other work takes."""
     await asyncio.sleep(warmup)
-    n0, t0 = delivered(), time.perf_counter()
+    n0, t0, c0 = delivered(), time.perf_counter(), cpu_of(pids or [])
     await asyncio.sleep(seconds)
-    return (delivered() - n0) / (time.perf_counter() - t0)
+    n = delivered() - n0
+    cpu = cpu_of(pids or []) - c0
+    return n / (time.perf_counter() - t0), (cpu * 1e6 / n if pids and n else float("nan"))
 
 
 async def flow(b: Broker, pubs: int, subs: int, qos: int, args: argparse.Namespace) -> dict[str, float]:
@@ -367,7 +373,7 @@ async def flow(b: Broker, pubs: int, subs: int, qos: int, args: argparse.Namespa
             c.on_puback = refill(c)
             for _ in range(window):
                 c.on_puback()
-        rate = await measure(args.seconds, got)
+        rate, us = await measure(args.seconds, got, pids=b.pids())
         running[0] = False
         dropped = 0.0
     else:
@@ -399,13 +405,13 @@ async def flow(b: Broker, pubs: int, subs: int, qos: int, args: argparse.Namespa
                     await asyncio.sleep(0)
 
         task = asyncio.ensure_future(pump())
-        rate = await measure(args.seconds, got)
+        rate, us = await measure(args.seconds, got, pids=b.pids())
         running[0] = False
         await task
         dropped = 100.0 * dropped_n[0] / max(1, sent[0] * subs)
     close_all(pub_conns + sub_conns)
     await asyncio.sleep(0.5)  # let the broker see the closes before the next scenario
-    return {"rate": rate, "dropped": dropped}
+    return {"rate": rate, "dropped": dropped, "broker_us": us}
 
 
 async def latency(b: Broker, args: argparse.Namespace) -> dict[str, float]:
@@ -577,6 +583,10 @@ def table(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> list[
                      cell(f"fan-in-qos{qos}", "rate", extra="dropped")))
         rows.append((f"QoS {qos} fan-out: 1 publisher -> {args.subscribers:,} subscribers", "deliveries/s",
                      cell(f"fan-out-qos{qos}", "rate", extra="dropped")))
+    for qos in (0, 1):
+        for shape in ("fan-in", "fan-out"):
+            rows.append((f"QoS {qos} {shape}: the broker's CPU per delivery", "us",
+                         cell(f"{shape}-qos{qos}", "broker_us", 1)))
     rows += [
         (f"latency p50 at {args.rate:,} msg/s (QoS 1, 1 -> 1)", "ms", cell("latency", "p50", 2)),
         (f"latency p99 at {args.rate:,} msg/s (QoS 1, 1 -> 1)", "ms", cell("latency", "p99", 2)),
