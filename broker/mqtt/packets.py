@@ -480,6 +480,18 @@ def encode_publish(topic: str, payload: bytes, qos: int, retain: bool, dup: bool
     return bytes((PUBLISH << 4 | flags,)) + PR.varint(len(head) + len(payload)) + head + payload
 
 
+def publish_head(topic: str, qos: int, dup: bool, payload_size: int) -> bytes:
+    """What precedes the packet identifier (QoS 1 and 2) or the payload (QoS 0) in a 3.1.1
+    PUBLISH without the retain flag: ``encode_publish`` in parts, for packets that differ only
+    in their identifiers (``session._Shared``)."""
+    rest = _str(topic)
+    size = len(rest) + (2 if qos else 0) + payload_size
+    return bytes((PUBLISH << 4 | (8 if dup else 0) | qos << 1,)) + PR.varint(size) + rest
+
+
+U16_PACK = _U16.pack  # a packet identifier's two octets
+
+
 def encode_packet_id(kind: int, packet_id: int, reason: int = 0, props: Props | None = None) -> bytes:
     """PUBACK, PUBREC, PUBREL (flags 2), PUBCOMP: MQTT 5's reason code and properties are left
     out when they are success and none, which is also the 3.1.1 form."""

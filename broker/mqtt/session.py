@@ -214,6 +214,14 @@ class MQTTConsumer(Consumer):
             return 1 << 30
         return max(0, s.in_flight_max - len(s.inflight))
 
+    def deliver_raw(self, msgid: int, exrk: bytes, props: bytes, body: bytes | memoryview,
+                    redelivered: bool) -> None:
+        s = self.session
+        if s.v5 or type(body) is not bytes or s.vhost is None or s.vhost.meta.tracing:
+            super().deliver_raw(msgid, exrk, props, body, redelivered)
+            return
+        s.deliver_shared(self, msgid, exrk, props, body, redelivered)
+
     def deliver(self, msgid: int, exchange: bytes, routing_key: bytes, props: bytes, body: bytes,
                 redelivered: bool) -> None:
         s = self.session
@@ -230,6 +238,46 @@ class MQTTConsumer(Consumer):
             return
         # autoack deliveries of a publish run: decided once for the run (MQTTSession.deliver_same)
         self.session.deliver_same(self, exrk[2 + exrk[0]:].decode(errors="replace"), props, bodies)
+
+
+class _Shared:
+    """What the 3.1.1 PUBLISH packets of one message share, worked out once for all of them.
+
+    A fan-out hands one message to each subscriber's queue in turn, and each queue hands it to
+    its consumer with the very same exchange-and-routing-key, properties and body objects
+    (``ClassicQueue.publish``): the topic, the QoS the properties carry and the packet's head
+    (fixed header, remaining length, topic) are the same for every 3.1.1 subscriber, whose
+    packets differ only in their identifiers. ``LAST`` keeps them for the last message seen (by
+    identity of its properties and exchange-and-routing-key, and its body's length); MQTT 5
+    deliveries depend on the session's filters and go the general way (``_outgoing``)."""
+
+    __slots__ = ("exrk", "props", "size", "topic", "qos", "heads")
+
+    def __init__(self) -> None:
+        self.exrk = self.props = b""
+        self.size = -1
+        self.topic = ""
+        self.qos = 0
+        self.heads: dict[int, bytes] = {}
+
+    def take(self, exrk: bytes, props: bytes, size: int) -> _Shared:
+        """This message's (what was worked out for the last one, when it is the same)."""
+        if exrk is not self.exrk or props is not self.props or size != self.size:
+            self.exrk, self.props, self.size = exrk, props, size
+            self.topic = to_topic(exrk[2 + exrk[0]:].decode(errors="replace"))
+            self.qos = delivered(props, False).qos
+            self.heads = {}
+        return self
+
+    def head(self, qos: int, dup: bool) -> bytes:
+        key = qos | dup << 2
+        h = self.heads.get(key)
+        if h is None:
+            h = self.heads[key] = P.publish_head(self.topic, qos, dup, self.size)
+        return h
+
+
+_LAST = _Shared()
 
 
 class MQTTSession:
@@ -745,6 +793,27 @@ class MQTTSession:
         self._send(topic, body, qos, retain, out_props, (c.queue, msgid) if not c.no_ack else None,
                    redelivered)
 
+    def deliver_shared(self, c: MQTTConsumer, msgid: int, exrk: bytes, props: bytes, body: bytes,
+                       redelivered: bool) -> None:
+        """``deliver`` to a 3.1.1 session (not traced, the body in hand): the packet is the
+        message's shared head (``_Shared``), its identifier and the body."""
+        m = _LAST.take(exrk, props, len(body))
+        qos = c.qos if c.qos < m.qos else m.qos
+        counts = self.counts
+        counts["messages_delivered"] = counts.get("messages_delivered", 0) + 1
+        if qos:
+            pid = self._packet_id()
+            self.inflight[pid] = (c.queue, msgid)
+            key = "messages_delivered_consume_manual_ack"
+            counts[key] = counts.get(key, 0) + 1
+            self.out.write(m.head(1, redelivered) + P.U16_PACK(pid) + body)
+            return
+        if not c.no_ack:  # a QoS 0 message in the QoS 1 queue: settled once written
+            c.queue.ack(msgid)
+        key = "messages_delivered_consume_auto_ack"
+        counts[key] = counts.get(key, 0) + 1
+        self.out.write(m.head(0, False) + body)
+
     def deliver_same(self, c: MQTTConsumer, routing_key: str, props: bytes, bodies: list[bytes]) -> None:
         """``deliver`` for a run of autoack (QoS 0 subscription) deliveries that differ only in
         their bodies, all of one length: what ``deliver`` decides per message is decided once,
@@ -824,7 +893,33 @@ class MQTTSession:
         self._count("messages_acknowledged")
         if got is not None and not got[0].deleted:
             got[0].ack(got[1])
-        self.resume()
+        self.refill()
+
+    def pubacks(self, pids: list[int]) -> None:
+        """``puback`` for each of several identifiers (one read's PUBACKs), with one refill."""
+        inflight = self.inflight
+        acked = 0
+        for pid in pids:
+            if pid not in inflight:
+                continue  # an unknown identifier (a duplicate PUBACK): nothing to settle
+            got = inflight.pop(pid)
+            acked += 1
+            if got is not None and not got[0].deleted:
+                got[0].ack(got[1])
+        if acked:
+            self._count("messages_acknowledged", acked)
+            self.refill()
+
+    def refill(self) -> None:
+        """In-flight room came back (a PUBACK): due retained messages go out, and the queues
+        with messages ready get a delivery pass (one with none has nothing to hand over: a
+        message published to it reaches a consumer with room at once)."""
+        if self.retained_due:
+            self._send_retained()
+        for c in self.consumers.values():
+            q = c.queue
+            if q.message_count:
+                q.schedule_delivery()
 
     def _count(self, name: str, n: int = 1) -> None:
         self.counts[name] = self.counts.get(name, 0) + n
