@@ -328,7 +328,7 @@ class MQTTProtocol(asyncio.Protocol):
             self.transport.resume_reading()
 
     def _run(self, packets: list[P.Packet], i: int, n: int) -> int:
-        """The PUBLISH at ``packets[i]`` and, when it starts a run (QoS 0 to one topic,
+        """The PUBLISH at ``packets[i]`` and, when it starts a run (QoS 0 or 1 to one topic,
         ``runnable``), the ones after it that the publish operation takes at once: how many
         were handled. A run is at most ``RUN_MAX`` long and never more than the loop turn's
         publish budget has left; what the operation does not take goes one by one."""
@@ -337,8 +337,9 @@ class MQTTProtocol(asyncio.Protocol):
         if runnable(p):
             assert isinstance(p, P.Publish)
             end = min(n, i + min(RUN_MAX, max(1, self.server.hold.turn_left())))
-            topic = p.topic
-            while j < end and runnable(q := packets[j]) and cast(P.Publish, q).topic == topic:
+            topic, qos = p.topic, p.qos
+            while j < end and runnable(q := packets[j]) and cast(P.Publish, q).topic == topic \
+                    and cast(P.Publish, q).qos == qos:
                 j += 1
         if j - i == 1:
             self._packet(p)

@@ -176,9 +176,10 @@ def split_username(username: str, default_vhost: str) -> tuple[str, str]:
 
 
 def runnable(p: P.Packet) -> bool:
-    """A PUBLISH that may go in a run (``MQTTSession.publish_run``): QoS 0, not retained, no
-    MQTT 5 properties (so no topic alias either): nothing of it is answered or kept."""
-    return isinstance(p, P.Publish) and not p.qos and not p.retain and not p.props
+    """A PUBLISH that may go in a run (``MQTTSession.publish_run``): QoS 0 or 1, not retained,
+    no MQTT 5 properties (so no topic alias either): nothing of it is kept, and a QoS 1 one is
+    answered by a PUBACK once the run is durable. A run is of one topic and one QoS."""
+    return isinstance(p, P.Publish) and p.qos < 2 and not p.retain and not p.props
 
 
 _WRITE_CHECKS_MAX = 10_000  # remembered write checks (Registry.write_checks)
@@ -514,12 +515,17 @@ class MQTTSession:
                 self.user, vh.name, ex, "write", to_routing_key(topic))):
             return False
         origin = self.client_id if any(o & P.NO_LOCAL for o, _ in self.filters.values()) else None
-        out = publish_run(vh, ex, topic, [p.payload for p in run], origin)
+        qos = run[0].qos
+        out = publish_run(vh, ex, topic, [p.payload for p in run], qos, origin)
         if out is None:
             return False
         self._count("messages_received", len(run))
         self.published = True
         self.fed.update(out.queues)
+        if qos:  # each answered as ``publish`` answers it, in order, once the run is durable
+            self._count("messages_received_confirm", len(run))
+            answers = b"".join(P.encode_packet_id(P.PUBACK, p.packet_id) for p in run)
+            self._answer_synced(answers, len(run), {q.store for q in out.queues})
         return True
 
     def _may_write(self, ex: str) -> bool:
@@ -609,12 +615,17 @@ class MQTTSession:
         if not sync:
             self.after_sync(lambda ok: None if self.closed else self.out.write(answer))  # in order
             return
+        self._answer_synced(answer, 1, deps)
+
+    def _answer_synced(self, answer: bytes, n: int, deps: set[Any] | None) -> None:
+        """``answer`` (the PUBACKs or PUBREC of ``n`` stored messages) once they are durable;
+        the connection closed instead when they could not be made so."""
 
         def synced(ok: bool) -> None:
             if self.closed:
                 return
             if ok:
-                self._count("messages_confirmed")
+                self._count("messages_confirmed", n)
                 self.out.write(answer)
             else:  # not durable: no ack; the client sends it again on its next connection
                 log.warning("MQTT client '%s': a message could not be made durable: closing",

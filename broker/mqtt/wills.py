@@ -50,9 +50,9 @@ def publish(vh: VHost, exchange: str, client_id: str, topic: str, payload: bytes
     return out
 
 
-def publish_run(vh: VHost, exchange: str, topic: str, payloads: list[bytes],
+def publish_run(vh: VHost, exchange: str, topic: str, payloads: list[bytes], qos: int,
                 origin: str | None) -> PublishOutcome | None:
-    """QoS 0 messages without properties or retain flag, in a row to one topic, through the one
+    """QoS 0 or 1 messages without properties or retain flag, in a row to one topic, through the one
     publish operation at once (``VHost.publish_run``): what happened, or None when that
     operation does not take them as a run or refuses them (the caller then publishes them one
     by one, each answered as ``publish`` answers it: a refusal writes nothing, section "full
@@ -60,7 +60,7 @@ def publish_run(vh: VHost, exchange: str, topic: str, payloads: list[bytes],
     rk = to_routing_key(topic)
     size = len(payloads[0])
     same = all(len(b) == size for b in payloads)
-    props = amqp_props(0, False, None, origin)
+    props = amqp_props(qos, False, None, origin)
     try:
         return vh.publish_run(exchange, rk, _names(exchange, rk), [props] * len(payloads), payloads, same,
                               int(time.time() * 1000))
