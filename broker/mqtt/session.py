@@ -209,11 +209,12 @@ class MQTTConsumer(Consumer):
 
     def capacity(self) -> int:
         s = self.session
-        if not s.out.writable or s.closed:
+        if s.closed or not s.out.writable:
             return 0
-        if self.qos == 0:
+        if not self.qos:
             return 1 << 30
-        return max(0, s.in_flight_max - len(s.inflight))
+        room = s.in_flight_max - len(s.inflight)
+        return room if room > 0 else 0
 
     def deliver_raw(self, msgid: int, exrk: bytes, props: bytes, body: bytes | memoryview,
                     redelivered: bool) -> None:
