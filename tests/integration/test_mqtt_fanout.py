@@ -16,17 +16,22 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
-from ._support import Broker, is_external
+from ._support import is_external
 from .conformance._mqtt_wire import PINGREQ, PINGRESP, PUBACK, PUBLISH, Client, MRun, packet, s
+from .test_mqtt_runs_durable import _mqtt_port
 
-pytestmark = pytest.mark.skipif(is_external(), reason="needs the broker's MQTT port")
+# on a single node, and on the session cluster's leader and through a follower (a persistent
+# session's queue is durable state)
+pytestmark = [pytest.mark.skipif(is_external(), reason="needs the broker's MQTT port"),
+              pytest.mark.cluster_modes]
 
 
 @pytest.fixture(scope="module")
-def mqtt_broker(shared_broker: Broker) -> Iterator[Broker]:
+def mqtt_broker(shared_broker: Any) -> Iterator[Any]:
     yield shared_broker
 
 
@@ -59,8 +64,8 @@ def puback(pid: int) -> bytes:
     return packet(PUBACK << 4, struct.pack("!H", pid))
 
 
-def test_a_burst_of_qos1_publishes_is_answered_and_delivered_in_order(mqtt_broker: Broker) -> None:
-    run = MRun("skred", "127.0.0.1", mqtt_broker.mqtt_port, 4)
+def test_a_burst_of_qos1_publishes_is_answered_and_delivered_in_order(mqtt_broker: Any) -> None:
+    run = MRun("skred", mqtt_broker.host, _mqtt_port(mqtt_broker), 4)
     try:
         subs = [run.client(f"s{i}", version=v) for i, v in enumerate((4, 4, 5))]
         for c in subs:
@@ -94,8 +99,8 @@ def test_a_burst_of_qos1_publishes_is_answered_and_delivered_in_order(mqtt_broke
         run.close()
 
 
-def test_pubacks_in_one_read_settle_exactly_what_they_name(mqtt_broker: Broker) -> None:
-    run = MRun("skred", "127.0.0.1", mqtt_broker.mqtt_port, 4)
+def test_pubacks_in_one_read_settle_exactly_what_they_name(mqtt_broker: Any) -> None:
+    run = MRun("skred", mqtt_broker.host, _mqtt_port(mqtt_broker), 4)
     try:
         cid = run.client_id("keeper")
         sub = run.client("keeper", client_id=cid, clean=False)
