@@ -439,7 +439,7 @@ async def latency(b: Broker, args: argparse.Namespace) -> dict[str, float]:
     if not stamps:
         return {"p50": float("nan"), "p99": float("nan"), "lost": n}
     return {"p50": stamps[len(stamps) // 2] * 1000, "p99": stamps[int(len(stamps) * 0.99)] * 1000,
-            "lost": n - len(stamps)}
+            "max": stamps[-1] * 1000, "lost": n - len(stamps)}
 
 
 async def settled_rss(b: Broker) -> int:
@@ -590,6 +590,7 @@ def table(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> list[
     rows += [
         (f"latency p50 at {args.rate:,} msg/s (QoS 1, 1 -> 1)", "ms", cell("latency", "p50", 2)),
         (f"latency p99 at {args.rate:,} msg/s (QoS 1, 1 -> 1)", "ms", cell("latency", "p99", 2)),
+        (f"latency maximum at {args.rate:,} msg/s (QoS 1, 1 -> 1)", "ms", cell("latency", "max", 2)),
         (f"memory per idle connection ({args.idle:,} clients)", "KiB", cell("idle", "per_conn_kib", 1)),
         (f"memory with {args.idle:,} idle clients", "MiB", cell("idle", "after_mib", 0)),
         (f"persistent sessions made (of {args.sessions:,}, {args.session_budget:.0f} s budget)",
