@@ -9,7 +9,9 @@ so AMQP and MQTT clients meet:
   MQTT exchange (``[mqtt] exchange``, default ``amq.topic``). A QoS 1 PUBLISH is answered
   (PUBACK) only once the message is as durable as an AMQP publisher confirm makes it (the group
   commit, the in-sync followers in a cluster): the answers wait in the syncer's queue of
-  callbacks, which keeps them in order. A QoS 2 PUBLISH is stored once and answered with PUBREC;
+  callbacks, which keeps them in order. One that reached no durable store (only clean
+  sessions' queues, or none) is answered at once, as an AMQP confirm is, unless an earlier
+  answer still waits there (it then waits behind it). A QoS 2 PUBLISH is stored once and answered with PUBREC;
   its packet identifier is remembered until PUBREL, so a resent PUBLISH is not stored twice.
 - **Subscriptions are queues.** A session's subscriptions are bindings of its queues to the MQTT
   exchange: ``mqtt-subscription-<client id>qos0`` for QoS 0 filters, ``...qos1`` for QoS 1 and 2
@@ -320,6 +322,7 @@ class MQTTSession:
         self.who: Origin | None = None  # this client as firehose copies name it, once connected
         self.kept: SessionState | None = None  # the state it came back to (``begin``)
         self.assigned = False  # the client id is the server's (MQTT 5: said in CONNACK)
+        self.unanswered = 0  # answers waiting in the group commit's queue of callbacks
         self.will_unsaved = False  # ``begin`` could not keep its will
 
     # ------------------------------------------------------------------ connect
@@ -501,6 +504,10 @@ class MQTTSession:
             if deps is not None and p.retain:
                 deps.add(self.registry.retained.files)
             reason = 0 if not out.unroutable or not self.v5 else P.RC_NO_MATCHING_SUBSCRIBERS
+            if p.qos == 1 and not (out.sync or out.held or p.retain):
+                # in no durable store: answered as an AMQP confirm is, without the group commit
+                self._answer_stored(P.encode_packet_id(P.PUBACK, p.packet_id, reason), 1, deps, False)
+                return
             self._answer(p, reason, sync=True, deps=deps)
 
     def publish_run(self, run: list[P.Publish]) -> bool:
@@ -526,7 +533,7 @@ class MQTTSession:
         if qos:  # each answered as ``publish`` answers it, in order, once the run is durable
             self._count("messages_received_confirm", len(run))
             answers = b"".join(P.encode_packet_id(P.PUBACK, p.packet_id) for p in run)
-            self._answer_synced(answers, len(run), {q.store for q in out.queues})
+            self._answer_stored(answers, len(run), {q.store for q in out.queues}, out.sync)
         return True
 
     def _may_write(self, ex: str) -> bool:
@@ -614,15 +621,35 @@ class MQTTSession:
         """PUBACK or PUBREC, after the group commit when ``sync`` (the message was stored)."""
         answer = P.encode_packet_id(P.PUBACK if p.qos == 1 else P.PUBREC, p.packet_id, reason)
         if not sync:
-            self.after_sync(lambda ok: None if self.closed else self.out.write(answer))  # in order
+            self.unanswered += 1
+
+            def refused(ok: bool) -> None:
+                self.unanswered -= 1
+                if not self.closed:
+                    self.out.write(answer)
+
+            self.after_sync(refused)  # in order
             return
         self._answer_synced(answer, 1, deps)
+
+    def _answer_stored(self, answer: bytes, n: int, deps: set[Any] | None, sync: bool) -> None:
+        """The PUBACKs of ``n`` published messages: after the group commit when ``sync`` (a
+        durable store took them) or an earlier answer still waits for one (answers go in the
+        order of their PUBLISHes, MQTT 3.1.1 section 4.6); at once otherwise (an AMQP publisher
+        confirm of a message in no durable queue does not wait either)."""
+        if sync or self.unanswered:
+            self._answer_synced(answer, n, deps)
+            return
+        self._count("messages_confirmed", n)
+        self.out.write(answer)
 
     def _answer_synced(self, answer: bytes, n: int, deps: set[Any] | None) -> None:
         """``answer`` (the PUBACKs or PUBREC of ``n`` stored messages) once they are durable;
         the connection closed instead when they could not be made so."""
+        self.unanswered += 1
 
         def synced(ok: bool) -> None:
+            self.unanswered -= 1
             if self.closed:
                 return
             if ok:

@@ -4,7 +4,8 @@ be what the general paths give it.
 
 - A burst of QoS 1 PUBLISHes in one read (runs of one topic, bodies of equal and differing
   lengths, a QoS 0 one and another topic breaking them up) is answered with one PUBACK per
-  PUBLISH in the order sent, and every subscriber (3.1.1 and 5, QoS 1 and 0) gets every message
+  PUBLISH in the order sent (those that reached only clean sessions' queues are answered at
+  once, the others after the group commit), and every subscriber (3.1.1 and 5, QoS 1 and 0) gets every message
   once, in order, at the lower of the two QoS levels, with distinct packet identifiers.
 - PUBACKs that come in one read settle exactly the deliveries they name: a duplicate and an
   unknown identifier change nothing, and after an abrupt end the persistent session gets back
@@ -72,6 +73,11 @@ def test_a_burst_of_qos1_publishes_is_answered_and_delivered_in_order(mqtt_broke
             c.subscribe(run.topic("f/#"), qos=1)
         low = run.client("low")
         low.subscribe(run.topic("f/#"), qos=0)
+        # a persistent session on f/b: those messages' PUBACKs wait for the group commit, and
+        # the ones after them (only in clean sessions' queues, answered at once otherwise) wait
+        # behind them
+        kept = run.client_id("kept")
+        run.client("kept", client_id=kept, clean=False).subscribe(run.topic("f/b"), qos=1)
         pub = run.client("pub")
         msgs: list[tuple[str, bytes, int]] = []
         for i in range(40):
@@ -95,6 +101,7 @@ def test_a_burst_of_qos1_publishes_is_answered_and_delivered_in_order(mqtt_broke
             assert all(pid for f, pid, *_ in got if f & 6)
         got = deliveries(low, len(msgs))
         assert [(t, p, f >> 1 & 3) for f, _, t, p in got] == [(t, p, 0) for t, p, _ in msgs]
+        run.client("gone", client_id=kept, clean=True).disconnect()  # its queue goes
     finally:
         run.close()
 
