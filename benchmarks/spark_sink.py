@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                     out = asyncio.run(sink._publish(iter(rows), "bench", 0, 0))
                     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
                     bcpu = cpu_seconds(broker.pid) - b0
-                    how = "exactlyOnce, stream protocol" if exactly == "true" else "AMQP (aiormq)"
+                    how = "exactlyOnce, stream protocol" if exactly == "true" else "AMQP (links)"
                     print(f"| confirmWindow {window}, {how} | {out.rows / wall:,.0f} "
                           f"| {cpu / out.rows * 1e6:,.1f} | {bcpu / out.rows * 1e6:,.1f} |")
         finally:
