@@ -101,7 +101,7 @@ class Publisher:
         args = self.names.get(key)
         if args is None:
             ex, rk = msg.exchange.encode(), msg.routing_key.encode()
-            args = bytes([len(ex)]) + ex + bytes([len(rk)]) + rk + self.publish_bits(msg.exchange)
+            args = bytes([len(ex)]) + ex + bytes([len(rk)]) + rk + b"\x00"  # mandatory, immediate off
             if len(self.names) >= 4096:
                 self.names.clear()
             self.names[key] = args
@@ -123,11 +123,6 @@ class Publisher:
         elif not self.flush_soon:
             self.flush_soon = True
             asyncio.get_running_loop().call_soon(self._flush)
-
-    def publish_bits(self, exchange: str) -> bytes:
-        """``basic.publish``'s bit octet for a publish to ``exchange``: mandatory and immediate off
-        (a subclass that reads ``basic.return`` may set mandatory, bit 0)."""
-        return b"\x00"
 
     def _flush(self) -> None:
         self.flush_soon = False

@@ -27,9 +27,8 @@ partition and the row number. Two targets deduplicate by it:
   ``batch id << 32 | row number`` (``stream_publish.py``); the stream keeps each publisher's
   highest stored id in order with its log, so a retried task or re-run batch adds nothing, also
   after a broker restart, kill -9 or a leader change. Per-row ``headers`` are refused there.
-  With the ``topic`` option set, a whole Arrow batch is framed at once (``arrow_frames.py``),
-  ``confirmWindow`` defaulting to ``STREAM_WINDOW`` rows there; rows naming their own topic
-  go one by one.
+  With the ``topic`` option set, a whole Arrow batch is framed at once (``arrow_frames.py``);
+  rows naming their own topic go one by one.
 * an **exchange** declared with ``x-message-deduplication: true`` (bound to the stream): the id
   ``<query id>.<batch id>.<partition>.<row number>`` goes in ``message_id`` and the
   ``x-deduplication-header`` header, and the exchange drops an id it has seen within its cache
@@ -52,16 +51,17 @@ from pyspark.sql.datasource import (  # type: ignore[import-not-found,import-unt
 )
 
 from broker import properties
+from broker.spark.amqp_frames import frame_batch
 from broker.spark.amqp_sink import SinkPublisher
 from broker.spark.options import SINK_OPTIONS, checked, flag
 from broker.spark.stream_publish import NoSuchStream, StreamPublisher, publishing_id
 
 ROW_COLUMNS = ("value", "key", "topic", "headers", "partition")
 DEDUP_HEADER = "x-deduplication-header"
-WINDOW = 1000  # rows in flight (published, confirm not yet in) per task, by default
-# ... over the stream protocol: rows cost a few bytes each there, and a window of 1000 left the
-# task waiting on the broker's group commit (a tenth of the rows/s of 10,000: docs/benchmarks.md)
-STREAM_WINDOW = 20_000
+# Rows in flight (published, confirm not yet in) per task, by default. A row in flight is bytes
+# in the socket's buffer, no object; a window of 1000 left the task waiting on the broker's group
+# commit (a fifth to a tenth of the rows/s of 20,000, both paths: docs/benchmarks.md).
+WINDOW = 20_000
 WINDOW_MAX = 100_000
 
 
@@ -84,7 +84,6 @@ class _Sink:
         self.confirm_timeout = float(opts.get("confirmtimeout", "30"))
         given = opts.get("confirmwindow")
         self.window = int(given) if given else WINDOW
-        self.stream_window = int(given) if given else STREAM_WINDOW
         self.stream_port = int(opts.get("streamport", "5552"))
         self.vhost = opts.get("vhost")
         if not 1 <= self.window <= WINDOW_MAX:
@@ -143,6 +142,14 @@ class _Sink:
                     continue
                 names = batch.schema.names
                 rows = batch.num_rows
+                if self.topic and not self.exactly_once and not _has_headers(batch):
+                    # one target, one set of properties: framed a piece of the batch at a time
+                    exchange = await is_exchange(self.topic)
+                    keys = batch.column("key") if exchange and "key" in names else \
+                        (b"" if exchange else self.topic.encode())
+                    await _put_batch(amqp, self.topic if exchange else "", keys, batch.column("value"))
+                    n += rows
+                    continue
                 values = batch.column("value").to_pylist()
                 keys = batch.column("key").to_pylist() if "key" in names else [None] * rows
                 topics = batch.column("topic").to_pylist() if "topic" in names and not self.topic \
@@ -153,7 +160,7 @@ class _Sink:
                     if not topic:
                         raise ValueError("skred sink: a row has no topic")
                     exchange = await is_exchange(topic) if topic not in targets else targets[topic]
-                    body = value.encode() if isinstance(value, str) else bytes(value or b"")
+                    body = _bytes(value)
                     if self.exactly_once and not exchange:  # a stream: deduplicated by the stream
                         if head:
                             raise ValueError(_NO_HEADERS)
@@ -180,7 +187,7 @@ class _Sink:
             await amqp.close()
 
     async def _stream_publisher(self, topic: str, reference: str) -> StreamPublisher:
-        pub = StreamPublisher(self.uri, self.stream_port, self.vhost, topic, reference, self.stream_window,
+        pub = StreamPublisher(self.uri, self.stream_port, self.vhost, topic, reference, self.window,
                               self.confirm_timeout)
         try:
             await pub.open()
@@ -207,13 +214,43 @@ def _no_partition(batch: Any) -> None:
             raise ValueError("skred sink: the partition column is not supported")
 
 
+def _bytes(value: Any) -> bytes:
+    """A ``value`` cell as a message body (a string as UTF-8, a null as empty)."""
+    return value.encode() if isinstance(value, str) else bytes(value or b"")
+
+
+def _has_headers(batch: Any) -> bool:
+    """Whether a row of ``batch`` has a non-empty ``headers`` map."""
+    if "headers" not in batch.schema.names:
+        return False
+    col = batch.column("headers")  # a map: its offsets span every entry of the batch's rows
+    return bool(col.null_count != len(col) and col.offsets[-1].as_py() > col.offsets[0].as_py())
+
+
 def _no_headers(batch: Any) -> None:
     """Refuse a batch with a non-empty ``headers`` map: the stream path carries no headers."""
-    if "headers" not in batch.schema.names:
-        return
-    col = batch.column("headers")  # a map: its offsets span every entry of the batch's rows
-    if col.null_count != len(col) and col.offsets[-1].as_py() > col.offsets[0].as_py():
+    if _has_headers(batch):
         raise ValueError(_NO_HEADERS)
+
+
+async def _put_batch(amqp: SinkPublisher, exchange: str, keys: Any, values: Any) -> None:
+    """A batch's rows to one target with ``_PERSISTENT`` properties, half a window at a time:
+    framed whole (``frame_batch``) unless a row needs the row-by-row framing."""
+    piece = max(1, amqp.window // 2)
+    ex = exchange.encode()
+    for lo in range(0, len(values), piece):
+        part = values.slice(lo, piece)
+        if amqp.pending + len(part) > amqp.window:
+            await amqp.drain(amqp.window - len(part))
+        part_keys: Any = keys if isinstance(keys, bytes) else keys.slice(lo, piece)
+        data = frame_batch(ex, not exchange, part_keys, _PERSISTENT, part, amqp.frame_max)
+        if data is not None:
+            amqp.put_framed(data, len(part))
+            continue
+        bodies = part.to_pylist()
+        rks = [keys.decode()] * len(bodies) if isinstance(keys, bytes) else part_keys.to_pylist()
+        for body, rk in zip(bodies, rks, strict=True):
+            amqp.put(exchange, rk or "", _PERSISTENT, _bytes(body))
 
 
 class SkredWriter(DataSourceArrowWriter):  # type: ignore[misc,unused-ignore]
