@@ -1,24 +1,28 @@
 #!/usr/bin/env python3
 """The Spark sink's task body without Spark: rows/s of one task for each ``confirmWindow``.
 
-Each window is measured twice: at least once (AMQP over aiormq, a frame per row) and with
-``exactlyOnce`` to the stream (the stream protocol: a window of rows framed by hand and written
-with one call, ``broker/spark/stream_publish.py``).
+Each window is measured on the sink's two paths: at least once over AMQP (``amqp_sink.py``:
+the link layer's connection, a whole Arrow batch framed at once, confirms counted by tag) and
+``exactlyOnce`` to the stream (the stream protocol, ``stream_publish.py``). The peer in the
+same run is what the AMQP path was before: a general client library (aiormq) publishing one
+row at a time with confirms, ``confirmWindow`` rows in flight (``--aiormq-rows``, few: it
+runs at a few hundred rows/s).
 
 One private ``skred`` process on free ports and a temp data dir; for each window, ``--rows``
-rows (~10-byte values, Arrow batches of 10,000) are published by the sink's own task code
-(``broker.spark.sink``) to a fresh stream, with confirms, and rows/s, the client's and the
-broker's CPU per row are printed.
+rows (~12-byte values, Arrow batches of 10,000) are published to a fresh stream, with
+confirms, and rows/s, the client's and the broker's CPU per row are printed. CPU per row is
+what to compare on a loaded machine: a quiet core each for task and broker allows
+1 / max(client, broker) rows/s.
 Spark's per-job cost (a JVM, Python workers) is left out, so this isolates the publishing.
-The windows run one after the other in one run: quote their ratio, and the machine's load.
 
-    python benchmarks/spark_sink.py --rows 20000 --windows 100,1000 [--amqp-rows 5000]
+    python benchmarks/spark_sink.py --rows 400000 --windows 20000 --aiormq-rows 3000
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import sys
 import tempfile
 import time
@@ -53,12 +57,44 @@ class _Schema:
         return ["value"]
 
 
+def _declare(url: str, stream: str) -> None:
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    conn.channel().queue_declare(stream, durable=True, arguments={"x-queue-type": "stream"})
+    conn.close()
+
+
+def _row(what: str, rows: int, wall: float, cpu: float, bcpu: float) -> None:
+    print(f"| {what} | {rows / wall:,.0f} | {cpu / rows * 1e6:,.1f} | {bcpu / rows * 1e6:,.1f} |")
+
+
+async def _aiormq(url: str, stream: str, batches: list[Any], window: int) -> None:
+    """The AMQP path as it was: a publish per row with confirms, ``window`` in flight."""
+    import aiormq
+    from pamqp.commands import Basic
+
+    conn = await aiormq.connect(url)
+    ch = await conn.channel(publisher_confirms=True)
+    props = Basic.Properties(delivery_mode=2)
+    inflight: collections.deque[Any] = collections.deque()
+    for batch in batches:
+        for value in batch.column("value").to_pylist():
+            if len(inflight) >= window:
+                await inflight.popleft()
+            publish = ch.basic_publish(value, routing_key=stream, properties=props)
+            inflight.append(asyncio.ensure_future(publish))
+    for fut in inflight:
+        await fut
+    await conn.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=3000)
     ap.add_argument("--windows", default="1,1000")
     ap.add_argument("--amqp-rows", type=int, default=None,
                     help="rows for the AMQP path (default: --rows; 0 skips it)")
+    ap.add_argument("--aiormq-rows", type=int, default=2000,
+                    help="rows for the peer: aiormq, a row at a time (0 skips it)")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="skred-sink-bench-") as tmp:
         broker = SkredProcess(Path(tmp) / "data")
@@ -73,9 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                     if not n:
                         continue
                     stream = f"bench-{window}-{exactly}"
-                    conn = pika.BlockingConnection(pika.URLParameters(broker.url))
-                    conn.channel().queue_declare(stream, durable=True, arguments={"x-queue-type": "stream"})
-                    conn.close()
+                    _declare(broker.url, stream)
                     sink = _Sink({"uri": broker.url, "topic": stream, "confirmWindow": window,
                                   "exactlyOnce": exactly, "streamPort": str(broker.stream_port)}, _Schema())
                     rows = _batches(n)
@@ -84,9 +118,16 @@ def main(argv: list[str] | None = None) -> int:
                     out = asyncio.run(sink._publish(iter(rows), "bench", 0, 0))
                     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
                     bcpu = cpu_seconds(broker.pid) - b0
-                    how = "exactlyOnce, stream protocol" if exactly == "true" else "AMQP (aiormq)"
-                    print(f"| confirmWindow {window}, {how} | {out.rows / wall:,.0f} "
-                          f"| {cpu / out.rows * 1e6:,.1f} | {bcpu / out.rows * 1e6:,.1f} |")
+                    how = "exactlyOnce, stream protocol" if exactly == "true" else "AMQP (links)"
+                    _row(f"confirmWindow {window}, {how}", out.rows, wall, cpu, bcpu)
+                if args.aiormq_rows:
+                    stream = f"bench-{window}-aiormq"
+                    _declare(broker.url, stream)
+                    rows = _batches(args.aiormq_rows)
+                    t0, c0, b0 = time.perf_counter(), time.process_time(), cpu_seconds(broker.pid)
+                    asyncio.run(_aiormq(broker.url, stream, rows, int(window)))
+                    _row(f"confirmWindow {window}, peer: aiormq, a row at a time", args.aiormq_rows,
+                         time.perf_counter() - t0, time.process_time() - c0, cpu_seconds(broker.pid) - b0)
         finally:
             broker.close()
     return 0

@@ -111,6 +111,35 @@ def test_retention_deletes_whole_oldest_segments(tmp_path: Path, retention: Rete
     assert len(list_segments(tmp_path)) == len(infos)
 
 
+@pytest.mark.parametrize("retention", [Retention(max_bytes=1), Retention(max_length=0),
+                                       Retention(max_age_ms=1)])
+def test_retention_never_empties_a_written_stream(tmp_path: Path, retention: Retention) -> None:
+    """Room made for a publish (``make_room``, before a message routed to several queues is
+    written anywhere) rolls a new, empty write segment; retention then must keep the newest
+    segment holding records, or a publish refused afterwards (a full disk at another queue)
+    leaves the stream empty: its extent read as (0, 0) over AMQP (a count of 0) and readers at
+    ``latest`` lost their place. The kept segment goes once a record is in a newer one."""
+    s = StreamStore(tmp_path, segment_size=64, retention=retention)
+    for i in range(5):
+        s.append(T0 + i, b"", b"k", b"\x00\x00", b"x" * 100)
+    before = (s.first_offset, s.next_offset, s.count)
+    assert before[1:] == (5, 5 - before[0]) and before[2] >= 1
+    s.make_room(200, b"\x00\x00", T0 + 10_000)  # the publish is then refused: nothing written
+    assert (s.first_offset, s.next_offset, s.count) == before
+    s.apply_retention(T0 + 20_000)  # the age timer, a policy change
+    assert s.next_age_expiry() is None  # nothing removable: no age timer spinning
+    assert (s.first_offset, s.count) == (4, 1)
+    s.append(T0 + 30_000, b"", b"k", b"\x00\x00", b"y" * 100)  # into the room made: the old one goes
+    assert (s.first_offset, s.next_offset, s.count) == (5, 6, 1)
+    s.append(T0 + 30_001, b"", b"k", b"\x00\x00", b"z" * 100)
+    s.apply_retention(T0 + 40_000)  # the age rule: the segment of y is older than z's now
+    assert (s.first_offset, s.next_offset, s.count) == (6, 7, 1)
+    s.close()
+    s = StreamStore(tmp_path, segment_size=64, retention=retention)
+    assert (s.first_offset, s.next_offset) == (6, 7)
+    s.close()
+
+
 def test_read_only_listing_of_live_segment(tmp_path: Path) -> None:
     s = StreamStore(tmp_path, segment_size=1 << 20)
     _fill(s, 50)  # still open: the write segment is preallocated with zeros

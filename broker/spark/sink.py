@@ -3,14 +3,14 @@
 Theory of operation
 -------------------
 The writers are Spark's Arrow writers: a task gets its rows as Arrow record batches. Each
-task opens one AMQP connection (``uri``) and publishes its rows with publisher confirms,
-keeping up to ``confirmWindow`` rows (``WINDOW``) in flight: a row is sent while
-fewer than that many wait for their confirm, so the task costs one round trip per window, not
-per row. The task returns only when every row is confirmed, and any nack, returned (unroutable)
-row, confirm timeout or lost connection raises, which fails the task, so Spark retries it (at
-least once, like Kafka's sink); rows still in flight then count as not written (with
-``exactlyOnce`` the retry's copies of those that were stored are dropped). Rows use Kafka's
-sink columns: ``value`` (required, binary or string), ``key`` (the routing key), ``topic``
+task opens one AMQP connection (``uri``, the link layer's publisher: ``amqp_sink.py``) and
+publishes its rows with publisher confirms, keeping up to ``confirmWindow`` rows (``WINDOW``)
+in flight: a full window waits for half of it to be confirmed, so the task costs a round trip
+per half window, not per row. The task returns only when every row is confirmed, and any
+nack, returned (unroutable) row, confirm timeout or lost connection raises, which fails the
+task, so Spark retries it (at least once, like Kafka's sink); rows still in flight then count
+as not written (with ``exactlyOnce`` the retry's copies of those that were stored are dropped).
+Rows use Kafka's sink columns: ``value`` (required, binary or string), ``key`` (the routing key), ``topic``
 (when the ``topic`` option is not set) and ``headers`` (map<string,string>); any other column
 is refused before a task runs.
 
@@ -27,9 +27,8 @@ partition and the row number. Two targets deduplicate by it:
   ``batch id << 32 | row number`` (``stream_publish.py``); the stream keeps each publisher's
   highest stored id in order with its log, so a retried task or re-run batch adds nothing, also
   after a broker restart, kill -9 or a leader change. Per-row ``headers`` are refused there.
-  With the ``topic`` option set, a whole Arrow batch is framed at once (``arrow_frames.py``),
-  ``confirmWindow`` defaulting to ``STREAM_WINDOW`` rows there; rows naming their own topic
-  go one by one.
+  With the ``topic`` option set, a whole Arrow batch is framed at once (``arrow_frames.py``);
+  rows naming their own topic go one by one.
 * an **exchange** declared with ``x-message-deduplication: true`` (bound to the stream): the id
   ``<query id>.<batch id>.<partition>.<row number>`` goes in ``message_id`` and the
   ``x-deduplication-header`` header, and the exchange drops an id it has seen within its cache
@@ -41,30 +40,29 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections import deque
 from collections.abc import Iterator
-from typing import Any, cast
+from typing import Any
 
+from pamqp.commands import Basic
 from pyspark.sql.datasource import (  # type: ignore[import-not-found,import-untyped,unused-ignore]
     DataSourceArrowWriter,
     DataSourceStreamArrowWriter,
     WriterCommitMessage,
 )
 
+from broker import properties
+from broker.spark.amqp_frames import frame_batch
+from broker.spark.amqp_sink import SinkPublisher
 from broker.spark.options import SINK_OPTIONS, checked, flag
 from broker.spark.stream_publish import NoSuchStream, StreamPublisher, publishing_id
 
 ROW_COLUMNS = ("value", "key", "topic", "headers", "partition")
 DEDUP_HEADER = "x-deduplication-header"
-WINDOW = 1000  # rows in flight (published, confirm not yet in) per task, by default
-# ... over the stream protocol: rows cost a few bytes each there, and a window of 1000 left the
-# task waiting on the broker's group commit (a tenth of the rows/s of 10,000: docs/benchmarks.md)
-STREAM_WINDOW = 20_000
+# Rows in flight (published, confirm not yet in) per task, by default. A row in flight is bytes
+# in the socket's buffer, no object; a window of 1000 left the task waiting on the broker's group
+# commit (a fifth to a tenth of the rows/s of 20,000, both paths: docs/benchmarks.md).
+WINDOW = 20_000
 WINDOW_MAX = 100_000
-
-
-class SinkError(RuntimeError):
-    """A row was not confirmed (nacked, returned unroutable, timed out): the task fails."""
 
 
 class Published(WriterCommitMessage):  # type: ignore[misc,unused-ignore]
@@ -86,7 +84,6 @@ class _Sink:
         self.confirm_timeout = float(opts.get("confirmtimeout", "30"))
         given = opts.get("confirmwindow")
         self.window = int(given) if given else WINDOW
-        self.stream_window = int(given) if given else STREAM_WINDOW
         self.stream_port = int(opts.get("streamport", "5552"))
         self.vhost = opts.get("vhost")
         if not 1 <= self.window <= WINDOW_MAX:
@@ -116,18 +113,17 @@ class _Sink:
     async def _publish(self, batches: Iterator[Any], query: str, batch_id: int, task: int) -> Published:
         """Publish a task's Arrow batches; rows are numbered from 1 across them."""
         id_prefix = f"{query}.{batch_id}.{task}"
-        import aiormq
-        from pamqp.commands import Basic
-
-        conn = await asyncio.wait_for(aiormq.connect(self.uri), self.confirm_timeout)
-        # in publish order: the oldest is awaited when the window is full (one wait per row, not
-        # one over the whole window), and every one before the task returns
-        inflight: deque[asyncio.Task[Any]] = deque()
+        amqp = SinkPublisher(self.window, self.confirm_timeout)
         streams: dict[str, StreamPublisher] = {}
         try:
-            # the concrete channel: its publish can skip waiting for the socket to drain
-            ch = cast(aiormq.Channel, await conn.channel(publisher_confirms=True, on_return_raises=True))
+            await asyncio.wait_for(amqp.open(self.uri), self.confirm_timeout)
             targets: dict[str, bool] = {}
+
+            async def is_exchange(topic: str) -> bool:
+                known = targets.get(topic)
+                if known is None:
+                    known = targets[topic] = await amqp.exchange_exists(topic)
+                return known
 
             async def stream_of(topic: str) -> StreamPublisher:
                 pub = streams.get(topic)
@@ -138,60 +134,60 @@ class _Sink:
             n = 0
             for batch in batches:
                 _no_partition(batch)
-                if self.exactly_once and self.topic:  # one target for every row
-                    is_exchange = targets.get(self.topic)
-                    if is_exchange is None:
-                        is_exchange = targets[self.topic] = await _exchange_exists(conn, self.topic)
-                    if not is_exchange:  # a stream: the batch framed whole (arrow_frames)
-                        _no_headers(batch)
-                        pub = await stream_of(self.topic)
-                        await pub.add_batch(publishing_id(batch_id, n + 1), batch.column("value"))
-                        n += batch.num_rows
-                        continue
-                for d in batch.to_pylist():
+                if self.exactly_once and self.topic and not await is_exchange(self.topic):
+                    _no_headers(batch)  # a stream: the batch framed whole (arrow_frames)
+                    pub = await stream_of(self.topic)
+                    await pub.add_batch(publishing_id(batch_id, n + 1), batch.column("value"))
+                    n += batch.num_rows
+                    continue
+                names = batch.schema.names
+                rows = batch.num_rows
+                if self.topic and not self.exactly_once and not _has_headers(batch):
+                    # one target, one set of properties: framed a piece of the batch at a time
+                    exchange = await is_exchange(self.topic)
+                    keys = batch.column("key") if exchange and "key" in names else \
+                        (b"" if exchange else self.topic.encode())
+                    await _put_batch(amqp, self.topic if exchange else "", keys, batch.column("value"))
+                    n += rows
+                    continue
+                values = batch.column("value").to_pylist()
+                keys = batch.column("key").to_pylist() if "key" in names else [None] * rows
+                topics = batch.column("topic").to_pylist() if "topic" in names and not self.topic \
+                    else [self.topic] * rows
+                heads = batch.column("headers").to_pylist() if "headers" in names else [None] * rows
+                for value, key, topic, head in zip(values, keys, topics, heads, strict=True):
                     n += 1
-                    topic = self.topic or d.get("topic")
                     if not topic:
                         raise ValueError("skred sink: a row has no topic")
-                    is_exchange = targets.get(topic)
-                    if is_exchange is None:
-                        is_exchange = targets[topic] = await _exchange_exists(conn, topic)
-                    value = d["value"]
-                    body = value.encode() if isinstance(value, str) else bytes(value or b"")
-                    if self.exactly_once and not is_exchange:  # a stream: deduplicated by the stream
-                        if d.get("headers"):
+                    exchange = await is_exchange(topic) if topic not in targets else targets[topic]
+                    body = _bytes(value)
+                    if self.exactly_once and not exchange:  # a stream: deduplicated by the stream
+                        if head:
                             raise ValueError(_NO_HEADERS)
                         await (await stream_of(topic)).add(publishing_id(batch_id, n), body)
                         continue
-                    headers = dict(d.get("headers") or {})
-                    # every row has a message id: the client library matches a returned row by it
-                    message_id = f"{id_prefix}.{n}" if self.exactly_once else uuid.uuid4().hex
-                    if self.exactly_once:
-                        headers[DEDUP_HEADER] = message_id
-                    props = Basic.Properties(delivery_mode=2, message_id=message_id, headers=headers or None)
-                    exchange, rk = (topic, d.get("key") or "") if is_exchange else ("", topic)
-                    if len(inflight) >= self.window:
-                        await _confirmed(inflight.popleft())
-                    inflight.append(asyncio.ensure_future(ch.basic_publish(
-                        body, exchange=exchange, routing_key=rk, properties=props, mandatory=not is_exchange,
-                        timeout=self.confirm_timeout, wait=False)))
-            while inflight:
-                await _confirmed(inflight.popleft())
+                    raw = _PERSISTENT
+                    if head or self.exactly_once:
+                        headers = dict(head or {})
+                        message_id = None
+                        if self.exactly_once:
+                            message_id = headers[DEDUP_HEADER] = f"{id_prefix}.{n}"
+                        raw = properties.encode(Basic.Properties(delivery_mode=2, message_id=message_id,
+                                                                 headers=headers))
+                    if amqp.pending >= amqp.window:
+                        await amqp.drain(amqp.low)
+                    amqp.put(topic if exchange else "", (key or "") if exchange else topic, raw, body)
+            await amqp.drain(0)
             for pub in streams.values():
                 await pub.finish()
             return Published(n)
         finally:
             for pub in streams.values():
                 await pub.close()
-            for t in inflight:
-                t.cancel()
-            if inflight:
-                await asyncio.wait(inflight)
-            if not conn.is_closed:
-                await conn.close()
+            await amqp.close()
 
     async def _stream_publisher(self, topic: str, reference: str) -> StreamPublisher:
-        pub = StreamPublisher(self.uri, self.stream_port, self.vhost, topic, reference, self.stream_window,
+        pub = StreamPublisher(self.uri, self.stream_port, self.vhost, topic, reference, self.window,
                               self.confirm_timeout)
         try:
             await pub.open()
@@ -207,6 +203,7 @@ class _Sink:
 
 
 _NO_HEADERS = "skred sink: exactlyOnce to a stream carries no headers"
+_PERSISTENT = properties.encode(Basic.Properties(delivery_mode=2))  # a row without headers or id
 
 
 def _no_partition(batch: Any) -> None:
@@ -217,39 +214,43 @@ def _no_partition(batch: Any) -> None:
             raise ValueError("skred sink: the partition column is not supported")
 
 
+def _bytes(value: Any) -> bytes:
+    """A ``value`` cell as a message body (a string as UTF-8, a null as empty)."""
+    return value.encode() if isinstance(value, str) else bytes(value or b"")
+
+
+def _has_headers(batch: Any) -> bool:
+    """Whether a row of ``batch`` has a non-empty ``headers`` map."""
+    if "headers" not in batch.schema.names:
+        return False
+    col = batch.column("headers")  # a map: its offsets span every entry of the batch's rows
+    return bool(col.null_count != len(col) and col.offsets[-1].as_py() > col.offsets[0].as_py())
+
+
 def _no_headers(batch: Any) -> None:
     """Refuse a batch with a non-empty ``headers`` map: the stream path carries no headers."""
-    if "headers" not in batch.schema.names:
-        return
-    col = batch.column("headers")  # a map: its offsets span every entry of the batch's rows
-    if col.null_count != len(col) and col.offsets[-1].as_py() > col.offsets[0].as_py():
+    if _has_headers(batch):
         raise ValueError(_NO_HEADERS)
 
 
-async def _confirmed(publish: asyncio.Task[Any]) -> None:
-    """Wait for one publish; raise unless the broker confirmed it."""
-    from aiormq.exceptions import DeliveryError, PublishError
-
-    try:
-        await publish
-    except PublishError as exc:
-        raise SinkError(f"skred sink: Unroutable row returned by the broker: {exc}") from None
-    except DeliveryError as exc:
-        raise SinkError(f"skred sink: row not confirmed (nack): {exc}") from None
-    except TimeoutError:
-        raise SinkError("skred sink: no confirm within confirmTimeout") from None
-
-
-async def _exchange_exists(conn: Any, name: str) -> bool:
-    from aiormq.exceptions import ChannelNotFoundEntity
-
-    ch = await conn.channel()
-    try:
-        await ch.exchange_declare(name, passive=True)
-    except ChannelNotFoundEntity:
-        return False
-    await ch.close()
-    return True
+async def _put_batch(amqp: SinkPublisher, exchange: str, keys: Any, values: Any) -> None:
+    """A batch's rows to one target with ``_PERSISTENT`` properties, half a window at a time:
+    framed whole (``frame_batch``) unless a row needs the row-by-row framing."""
+    piece = max(1, amqp.window // 2)
+    ex = exchange.encode()
+    for lo in range(0, len(values), piece):
+        part = values.slice(lo, piece)
+        if amqp.pending + len(part) > amqp.window:
+            await amqp.drain(amqp.window - len(part))
+        part_keys: Any = keys if isinstance(keys, bytes) else keys.slice(lo, piece)
+        data = frame_batch(ex, not exchange, part_keys, _PERSISTENT, part, amqp.frame_max)
+        if data is not None:
+            amqp.put_framed(data, len(part))
+            continue
+        bodies = part.to_pylist()
+        rks = [keys.decode()] * len(bodies) if isinstance(keys, bytes) else part_keys.to_pylist()
+        for body, rk in zip(bodies, rks, strict=True):
+            amqp.put(exchange, rk or "", _PERSISTENT, _bytes(body))
 
 
 class SkredWriter(DataSourceArrowWriter):  # type: ignore[misc,unused-ignore]

@@ -25,11 +25,13 @@ walked instead and its index rewritten. Appends after a restart go to a fresh se
 ``QueueStore``, so nothing is ever written after recovered bytes.
 
 Retention (``x-max-length``, ``x-max-length-bytes``, ``x-max-age``) deletes the oldest
-segments while the log exceeds a limit; the write segment is never deleted, so the log may
-hold fewer messages than a limit right after a deletion (RabbitMQ semantics: limits are caps,
-enforced per segment). Retention runs when a segment is retired and when asked
-(``apply_retention``). A segment's newest message is bounded by the first timestamp of the
-next segment, which is what the age rule compares.
+segments while the log exceeds a limit; the write segment is never deleted, nor the newest
+segment holding records while every segment after it is empty (a write segment rolled for a
+publish not written yet: ``_records_after_oldest``), so the log may hold fewer messages than
+a limit right after a deletion (RabbitMQ semantics: limits are caps,
+enforced per segment). Retention runs after the first write into a new segment (the old
+one retired) and when asked (``apply_retention``). A segment's newest message is bounded by
+the first timestamp of the next segment, which is what the age rule compares.
 
 Chunk-level paths: ``append_run`` writes a run of records as one buffer with one pwrite, its
 first timestamp last (recovery sees the whole run or none of it), and sends the replication
@@ -155,7 +157,7 @@ class StreamPosition:
 
 class StreamStore(SegmentLog[_Seg]):
     __slots__ = ("retention", "_firsts", "_next_offset", "_last_chunk", "_count", "_bytes", "_offsets",
-                 "_offsets_path", "_offsets_written", "_offsets_sent", "_seqlog")
+                 "_offsets_path", "_offsets_written", "_offsets_sent", "_seqlog", "_retain_due")
 
     def __init__(self, directory: Path, *, segment_size: int = DEFAULT_SEGMENT_SIZE,
                  sink: ReplicationSink = NULL_SINK, retention: Retention | None = None,
@@ -167,6 +169,7 @@ class StreamStore(SegmentLog[_Seg]):
         self._last_chunk: int | None = None  # first offset of the last append; None: not known yet
         self._count = 0
         self._bytes = 0  # segment bytes on disk (header + records)
+        self._retain_due = False  # a segment was retired: retention runs after the next write
         self._offsets: dict[str, int] = {}
         self._offsets_path = directory / OFFSETS_NAME
         self._offsets_written = b""
@@ -219,6 +222,9 @@ class StreamStore(SegmentLog[_Seg]):
         self._seg_unsynced = True
         if self._sink.active:
             self._sink.append(seg.path, mm[pos:end])
+        if self._retain_due:
+            self._retain_due = False
+            self.apply_retention(timestamp_ms)
         return offset
 
     def append_run(self, timestamp_ms: int, exrk: bytes, props: list[bytes], bodies: list[bytes],
@@ -280,7 +286,7 @@ class StreamStore(SegmentLog[_Seg]):
         if self._sink.active:
             self._sink.replace(seg.idx_path, index)
         if old is not None and self.retention.active:
-            self.apply_retention(first_ts)
+            self._retain_due = True  # once a record is in the new segment (``_written``)
         return seg
 
     # ------------------------------------------------------------------ retention
@@ -297,7 +303,7 @@ class StreamStore(SegmentLog[_Seg]):
             over = ((r.max_length is not None and self._count > r.max_length)
                     or (r.max_bytes is not None and self._bytes > r.max_bytes)
                     or (r.max_age_ms is not None and newer.first_ts < now_ms - r.max_age_ms))
-            if not over:
+            if not over or not self._records_after_oldest():
                 break
             self._delete_oldest()
             deleted += 1
@@ -310,9 +316,19 @@ class StreamStore(SegmentLog[_Seg]):
         message) is older than ``max_age``; the write segment is never removed.
         """
         age = self.retention.max_age_ms
-        if age is None or len(self._order) < 2 or self._segs[self._order[0]] is self._wseg:
+        if age is None or len(self._order) < 2 or self._segs[self._order[0]] is self._wseg \
+                or not self._records_after_oldest():
             return None
         return self._segs[self._order[1]].first_ts + age
+
+    def _records_after_oldest(self) -> bool:
+        """Whether a segment newer than the oldest holds a record. Room made for a publish
+        (``make_room``) rolls an empty write segment before anything is written, and the
+        publish may still be refused (a full disk at another queue it reaches): retention
+        keeps the newest segment holding records until one after it does, so it never
+        empties a stream (whose extent, read over AMQP as a count, would then be lost)."""
+        segs = self._segs
+        return any(segs[num].count for num in reversed(self._order[1:]))
 
     def _delete_oldest(self) -> None:
         seg = self._segs[self._order[0]]

@@ -31,6 +31,7 @@ with code 17 (precondition failed).
 
 from __future__ import annotations
 
+import operator
 import struct
 import zlib
 from collections.abc import Iterable, Sequence
@@ -302,9 +303,11 @@ class PublishBatch:
     datas: list[bytes]
     # sub-entry batches: the records of each publishing id (``datas`` then holds no messages)
     groups: list[list[bytes]] | None = None
+    same_size: bool = False  # every message of ``datas`` is known to be of one length
 
 
 _ID_SIZE: Final = struct.Struct(">Qi")
+_ID_OF, _SIZE_OF, _DATA_OF = operator.itemgetter(0), operator.itemgetter(1), operator.itemgetter(2)
 _SUB_ENTRY: Final = struct.Struct(">BHII")  # type|compression, records, uncompressed, data size
 SUB_NONE: Final = 0
 SUB_GZIP: Final = 1
@@ -403,8 +406,9 @@ def decode_publish_batch(payload: bytes, version: int) -> PublishBatch:
         size = _ID_SIZE.unpack_from(payload, pos)[1]
         if size >= 0 and end - pos == n * (12 + size):
             rows = list(struct.iter_unpack(f">Qi{size}s", memoryview(payload)[pos:]))
-            if all(r[1] == size for r in rows):  # then this parse is the field-by-field one
-                return PublishBatch(pub_id, [r[0] for r in rows], None, [r[2] for r in rows])
+            if list(map(_SIZE_OF, rows)).count(size) == n:  # then this parse is the field-by-field one
+                return PublishBatch(pub_id, list(map(_ID_OF, rows)), None, list(map(_DATA_OF, rows)),
+                                    same_size=True)
     ids = [0] * n
     datas = [b""] * n
     unpack = _ID_SIZE.unpack_from

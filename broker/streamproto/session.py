@@ -46,7 +46,9 @@ code; nothing it asked for happened.
 from __future__ import annotations
 
 import datetime
+import itertools
 import logging
+import operator
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -91,6 +93,11 @@ def _stream_props(filter_value: str | None) -> bytes:
 
 
 _PLAIN_PROPS: Final = _stream_props(None)
+
+
+def _increasing(ids: list[int]) -> bool:
+    """Whether ``ids`` are strictly increasing (checked in C: no Python step per id)."""
+    return all(map(operator.lt, ids, itertools.islice(ids, 1, None)))
 
 
 def as_stream_message(props: bytes, body: bytes) -> bytes:
@@ -711,7 +718,10 @@ class StreamSession:
         failed: list[tuple[int, int]] = []
         deps: set[Any] = set()
         ts = int(time.time() * 1000)
-        if p.reference:  # deduplication: ids not above the sequence were stored already
+        same_size = b.same_size
+        if p.reference and ids and not (ids[0] > p.sequence and _increasing(ids)):
+            # deduplication: ids not above the sequence were stored already (a frame of ids
+            # above it in increasing order, as publishers send them, keeps all: checked in C)
             keep: list[int] = []
             top = p.sequence
             for i, pid in enumerate(ids):
@@ -731,7 +741,7 @@ class StreamSession:
             props = [_PLAIN_PROPS if v is None else _stream_props(v) for v in filters]
         run = None
         if len(ids) > 1:  # the publish operation's own batching, when it can take them at once
-            same = filters is None and len(set(map(len, datas))) == 1
+            same = filters is None and (same_size or len(set(map(len, datas))) == 1)
             try:
                 run = self.vh.publish_run("", p.stream, Names("", p.stream), props, datas, same, ts)
             except errors.SkredError as exc:
@@ -741,7 +751,7 @@ class StreamSession:
         if run is not None:
             deps.update(qq.store for qq in run.queues)
             done.extend(ids)
-            seq = max(seq, *ids)
+            seq = max(seq, max(ids))
             ids = []
         for pid, data, prop in zip(ids, datas, props, strict=False):
             try:
