@@ -71,7 +71,7 @@ def _amqp_type(cls: type, attr: str) -> str:
         return found
 
 
-setattr(pbase._AMQData, "amqp_type", classmethod(_amqp_type))  # pamqp patched, see above
+setattr(pbase._AMQData, "amqp_type", classmethod(_amqp_type))  # noqa: B010  (a patch of pamqp: see above)
 
 
 def encode_method(channel: int, method: PFrame) -> bytes:
