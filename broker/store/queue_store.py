@@ -961,7 +961,7 @@ class QueueStore(SegmentLog[Segment]):
         return purged
 
     def _delete_segment(self, seg: Segment) -> None:
-        held = self._hold_inode(seg)  # its blocks are freed off the loop (_release_inode)
+        self._unmap(seg)
         with self._lock:
             del self._segs[seg.num]
             self._order.remove(seg.num)
@@ -974,7 +974,6 @@ class QueueStore(SegmentLog[Segment]):
             seg.path.unlink(missing_ok=True)
             seg.ack_path.unlink(missing_ok=True)
             self._dir_unsynced = True
-        self._release_inode(held)
         if self._sink.active:
             self._sink.delete(seg.path)
             if seg.ack_exists:

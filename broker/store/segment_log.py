@@ -242,14 +242,6 @@ def _allocate_ahead(fd: int, start: int, end: int) -> None:
         os.close(fd)
 
 
-def _let_go(held: mmap.mmap | int) -> None:
-    """On the segment worker: the last reference to an unlinked segment (``_hold_inode``)."""
-    if isinstance(held, int):
-        os.close(held)
-    else:
-        held.close()
-
-
 def _drop_spare(fut: Future[tuple[int, mmap.mmap]], path: Path) -> None:
     """Wait for a spare's creation, then close and remove it."""
     try:
@@ -436,28 +428,6 @@ class SegmentLog(Generic[S]):
     def _unmap(self, seg: S) -> None:
         seg.unmap()
         self._files.forget(seg)
-
-    def _hold_inode(self, seg: S) -> mmap.mmap | int | None:
-        """Before ``seg`` is unlinked on the loop: its mapping (taken from it, not closed) or a
-        descriptor, which keeps its inode alive, so that the unlink only removes the name
-        and the blocks are freed when ``_release_inode`` lets go on the segment worker. An
-        unlink that frees an 8 MiB segment's blocks, or the unmap of its pages, waited
-        20-60 ms on the loop behind the group commit's fdatasync (issue 31). None if the
-        file is gone already."""
-        self._files.forget(seg)
-        mm, seg.mm = seg.mm, None
-        if mm is not None:
-            return mm
-        try:
-            return os.open(seg.path, os.O_RDONLY)
-        except OSError:
-            return None
-
-    @staticmethod
-    def _release_inode(held: mmap.mmap | int | None) -> None:
-        """Let go of what ``_hold_inode`` kept, on the segment worker."""
-        if held is not None:
-            _spare_worker().submit(_let_go, held)
 
     def _map_read(self, seg: S) -> mmap.mmap:
         """``seg`` mapped (read-only unless it is the mapped write segment), registered."""
