@@ -346,6 +346,7 @@ class SegmentLog(Generic[S]):
         if ahead is not None and ahead[0] is seg and ahead[1] == have and ahead[3].done() \
                 and ahead[3].exception() is None:
             have = ahead[2]  # allocated off the loop (see the module doc)
+            self._files.space()
         if seg.end + max(need, want) <= have:
             end = have
         else:
