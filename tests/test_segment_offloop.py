@@ -79,3 +79,79 @@ def test_a_failed_chunk_ahead_is_allocated_on_the_loop(tmp_path: Path,
     assert s.ready_count == len(ids)
     s.close()
 
+
+
+# ---------------------------------------------------------------- removal of acked segments
+
+SMALL = 64 * 1024  # a segment every ~30 records of BODY
+
+
+def _count_unlinks(monkeypatch: pytest.MonkeyPatch) -> list[tuple[bool, str]]:
+    """(on the calling thread, file name) of every real ``os.unlink``."""
+    calls: list[tuple[bool, str]] = []
+    real = os.unlink
+    me = threading.current_thread()
+
+    def counting(path: str | os.PathLike[str], *, dir_fd: int | None = None) -> None:
+        calls.append((threading.current_thread() is me, os.path.basename(os.fspath(path))))
+        real(path, dir_fd=dir_fd)
+
+    monkeypatch.setattr(os, "unlink", counting)
+    return calls
+
+
+def _fill_and_ack(s: QueueStore, n: int) -> None:
+    for _ in range(n):
+        s.append(1, b"", b"q", PROPS, BODY)
+    s.sync()
+    while (msgid := s.shift()) is not None:
+        s.ack(msgid)
+    s.sync()  # the acks written: the segments' ack files exist before they go
+
+
+def _log_files(d: Path) -> list[str]:
+    return sorted(p.name for p in d.iterdir() if p.name.startswith(("msgs.", "acks.")))
+
+
+def test_acked_segments_are_removed_off_the_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fully acked segments and their ack files are unlinked on the segment worker (an unlink
+    on the loop waited up to 31 ms for the journal behind the group commit's fdatasync);
+    ``removed()`` waits for them, and a restart finds only the write segment."""
+    calls = _count_unlinks(monkeypatch)
+    s = QueueStore(tmp_path / "q", segment_size=SMALL, persistent_only=True)
+    for _ in range(3):
+        s.append(1, b"", b"q", PROPS, BODY)
+        while (msgid := s.shift()) is not None:
+            s.ack(msgid)
+        s.sync()
+    _fill_and_ack(s, 200)
+    s.removed()
+    on_loop = [name for mine, name in calls if mine and name.startswith(("msgs.", "acks."))]
+    assert not on_loop, on_loop
+    gone = [name for mine, name in calls if not mine and name.startswith("msgs.")]
+    assert len(gone) >= 5, calls
+    assert len({name[5:] for name in _log_files(tmp_path / "q")}) == 1  # the write segment's
+    s.close()
+    again = QueueStore(tmp_path / "q", segment_size=SMALL, persistent_only=True)
+    assert again.ready_count == 0
+    again.close()
+
+
+def test_close_and_delete_wait_for_pending_removals(tmp_path: Path) -> None:
+    """A clean close leaves no acked segment behind, and a queue deleted and declared again
+    under the same directory keeps its new segments (a late removal of the old queue's
+    ``msgs.0000000001`` would take the new one's)."""
+    s = QueueStore(tmp_path / "q", segment_size=SMALL, persistent_only=True)
+    _fill_and_ack(s, 200)
+    s.close()
+    assert len({name[5:] for name in _log_files(tmp_path / "q")}) == 1  # the last segment's
+    s = QueueStore(tmp_path / "d", segment_size=SMALL, persistent_only=True)
+    _fill_and_ack(s, 200)
+    s.delete()
+    new = QueueStore(tmp_path / "d", segment_size=SMALL, persistent_only=True)
+    ids = [new.append(1, b"", b"q", PROPS, BODY) for _ in range(40)]
+    new.sync()
+    new.close()
+    again = QueueStore(tmp_path / "d", segment_size=SMALL, persistent_only=True)
+    assert again.ready_count == len(ids)
+    again.close()
