@@ -31,8 +31,8 @@ the hot paths keep calling ``.add`` on them without a check.
 Acks. ``ack`` buffers the position in memory; every ``sync`` writes the buffer to the ack
 file. A segment whose records are all acked is deleted (segment file first, then its
 ack file, so a crash in between leaves an orphan ack file rather than resurrecting messages;
-both on the segment worker, see ``segment_log``), except the write segment. ``purge`` acks every ready message (segments entirely past the
-cursor are simply deleted).
+both on the segment worker, see ``segment_log``), except the write segment. ``purge`` acks
+every ready message (segments entirely past the cursor are simply deleted).
 
 Durability window. Settlements (ack, reject, nack, purge, autoack deliveries) and the
 delivered high-water mark (``meta``, which drives ``redelivered`` after a restart) are not
