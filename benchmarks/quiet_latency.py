@@ -72,13 +72,14 @@ class Node:
     stop: Callable[[], None]
 
 
-def start_tree(name: str, root: Path, data: Path, workers: int) -> Node:
+def start_tree(name: str, root: Path, data: Path, workers: int, path: str = "") -> Node:
     """A Skred from the source tree ``root``, every listener on a free port, its log beside
-    ``data``; waits until AMQP answers."""
+    ``data``; waits until AMQP answers. ``path``: a directory put before ``root`` on its
+    PYTHONPATH (an instrument's sitecustomize)."""
     data.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SKRED_")}
-    env.update(listener_ports_env(), PYTHONPATH=str(root), SKRED_MAIN_DATA_DIR=str(data),
-               SKRED_AMQP_BIND="127.0.0.1", SKRED_MAIN_WORKERS=str(workers))
+    env.update(listener_ports_env(), PYTHONPATH=os.pathsep.join(p for p in (path, str(root)) if p),
+               SKRED_MAIN_DATA_DIR=str(data), SKRED_AMQP_BIND="127.0.0.1", SKRED_MAIN_WORKERS=str(workers))
     port = int(env["SKRED_AMQP_PORT"])
     with open(data.with_suffix(".log"), "ab") as log:
         proc = subprocess.Popen([sys.executable, "-m", "broker"], cwd=root, env=env, stdout=log,

@@ -164,12 +164,14 @@ def test_rollover_and_deletion_of_acked_segments(tmp_path: Path) -> None:
         store.ack(m)
     assert first.exists()
     store.ack(in_first[0])
+    store.removed()  # removal runs on the segment worker: wait for it
     assert not first.exists()
     assert not (qdir / first.name.replace("msgs", "acks")).exists()
     for m in ids:
         if m >> 32 != segs[0]:
             store.ack(m)
     # Only the write segment is left (never deleted while being written).
+    store.removed()
     assert segments(qdir) == [f"msgs.{segs[-1]:010d}"]
     assert store.ready_count == store.unacked_count == 0
     # And the queue keeps working afterwards.
@@ -205,6 +207,7 @@ def test_purge(tmp_path: Path) -> None:
     assert store.ready_count == 0 and store.bytes_ready == 0 and store.unacked_count == 9
     assert store.shift() is None
     # Segments holding only purged messages are gone already.
+    store.removed()
     assert len(segments(qdir)) <= 2
     new = fill(store, 2)
     assert drain(store) == new

@@ -30,9 +30,9 @@ the hot paths keep calling ``.add`` on them without a check.
 
 Acks. ``ack`` buffers the position in memory; every ``sync`` writes the buffer to the ack
 file. A segment whose records are all acked is deleted (segment file first, then its
-ack file, so a crash in between leaves an orphan ack file rather than resurrecting messages),
-except the write segment. ``purge`` acks every ready message (segments entirely past the
-cursor are simply deleted).
+ack file, so a crash in between leaves an orphan ack file rather than resurrecting messages;
+both on the segment worker, see ``segment_log``), except the write segment. ``purge`` acks
+every ready message (segments entirely past the cursor are simply deleted).
 
 Durability window. Settlements (ack, reject, nack, purge, autoack deliveries) and the
 delivered high-water mark (``meta``, which drives ``redelivered`` after a restart) are not
@@ -970,10 +970,9 @@ class QueueStore(SegmentLog[Segment]):
             self._unsynced_paths.discard(seg.path)
             seg.ack_buf.clear()
             # Segment first: a crash in between leaves an orphan ack file (harmless, removed
-            # at recovery); the other order would bring the acked messages back.
-            seg.path.unlink(missing_ok=True)
-            seg.ack_path.unlink(missing_ok=True)
-            self._dir_unsynced = True
+            # at recovery); the other order would bring the acked messages back. On the
+            # segment worker, in this order (segment_log's module doc: removing off the loop).
+            self._remove_later(seg.path, seg.ack_path)
         if self._sink.active:
             self._sink.delete(seg.path)
             if seg.ack_exists:

@@ -17,6 +17,19 @@ stays usable (reads, acks and deletes need no new space; deleted segments free s
 The hot path compares the append's end with ``_wcap``, the *allocated* end, so growing the
 allocation is the same slow branch as rolling to a new segment (``_roll`` in the stores).
 
+Allocating ahead. ``posix_fallocate`` is a journal transaction: while the group commit's
+thread is inside an fdatasync of the same filesystem it waits for that commit, measured
+3-13 ms of wall time for 0.1 ms of CPU on the event loop (issue 31: the manual-ack cells'
+maxima). So once a write segment has ``AHEAD_FROM`` bytes allocated, each growth also hands
+the *next* chunk to the segment worker thread (on a ``dup`` of the write fd, so a roll, a
+retirement or an eviction that closes the log's descriptor meanwhile does not matter), and
+the next growth adopts that chunk when it is done: no system call on the loop. A chunk not
+done yet, or one that failed (a full disk), is ignored and the loop allocates as before, so
+``DiskFull`` is still raised there, before anything of the record is written. A chunk that
+lands after the segment was retired and trimmed only extends the file with zeros
+(allocated, at most ``ALLOC_STEP_MAX``), which recovery reads as the end of the records, as
+it does the zero tail of a sparse segment.
+
 Rolling creates the next segment, then retires the old write segment: unmapped and
 truncated to its used size (which also returns the unused allocation). Creating a file,
 allocating its first blocks and mapping it costs 0.1 ms and up to 20 ms under load, which
@@ -31,6 +44,19 @@ segment itself, as before. A segment's data is
 fsynced by ``sync`` through a ``dup`` of the write fd taken under ``_lock`` (the fsync itself
 runs outside the lock, on the syncer's worker thread); retired segments written since the
 last sync are fsynced by path. Files created or removed mark the directory for an fsync.
+
+Removing off the loop. An unlink is a journal transaction too (measured up to 31 ms on the
+loop behind the group commit's fdatasync), so the files of a fully acked segment are
+removed on the segment worker (``_remove_later``): one job per segment that unlinks its files
+in the order given (the subclass's crash rule: a queue's segment before its ack file), and
+the worker is one thread, so a log's removals happen in the order they were asked for. The
+job marks the directory for the next sync's fsync after the unlinks (a job landing after a
+sync took the mark leaves it for the next one; until then the removal may not survive a
+crash, which recovery handles as it does a crash before the removal: an all-acked segment or
+an orphan ack file is removed at boot). The replication sink hears of the removal from the
+loop when it is asked for. ``close`` and ``delete`` wait for the log's removals
+(``removed``) first: a clean stop leaves no such file behind, and a queue declared again in
+the same directory never loses a new segment to a late removal of an old one's name.
 
 The subclasses add what their records mean: ``QueueStore`` acks and the delivered mark,
 ``StreamStore`` offsets, the segment index and retention. Both report every file mutation to
@@ -62,6 +88,7 @@ log = logging.getLogger(__name__)
 
 ALLOC_FIRST: Final = 16 * 1024  # first allocation of a segment: small queues stay small on disk
 ALLOC_STEP_MAX: Final = 1024 * 1024  # allocation chunks double up to this
+AHEAD_FROM: Final = 256 * 1024  # a segment this far allocated grows ahead, off the loop (module doc)
 MIN_MAPS: Final = 64  # mapped segments a node may always keep, whatever its limits
 _PAGE: Final = 4096
 _NO_SPACE: Final = (errno.ENOSPC, errno.EDQUOT)
@@ -218,6 +245,16 @@ def _make_spare(path: Path, cap: int, alloc: int, files: SegmentFiles) -> tuple[
     return create_mapped(path, cap, alloc, files)
 
 
+def _allocate_ahead(fd: int, start: int, end: int) -> None:
+    """On the segment worker: reserve bytes [start, end) of a write segment through ``fd`` (a
+    ``dup``, closed here). A failure (a full disk) stays in the future: the loop then
+    allocates itself and reports it (module doc)."""
+    try:
+        os.posix_fallocate(fd, start, end - start)
+    finally:
+        os.close(fd)
+
+
 def _drop_spare(fut: Future[tuple[int, mmap.mmap]], path: Path) -> None:
     """Wait for a spare's creation, then close and remove it."""
     try:
@@ -255,9 +292,9 @@ class SegmentLog(Generic[S]):
     unread: bool = False  # a store recovered at boot but not read yet (``DeferredQueueStore``)
 
     __slots__ = (
-        "_closed", "_dir", "_dir_unsynced", "_dirty", "_files", "_retired", "_lock", "_next_num", "_order",
-        "_seg_unsynced", "_segment_size", "_segs", "_sink", "_spare", "_sync_lock", "_unsynced_paths",
-        "_walloc", "_wcap", "_wfd", "_wlimit", "_wmm", "_wseg",
+        "_ahead", "_closed", "_dir", "_dir_unsynced", "_dirty", "_files", "_retired", "_lock", "_next_num",
+        "_order", "_removing", "_seg_unsynced", "_segment_size", "_segs", "_sink", "_spare", "_sync_lock",
+        "_unsynced_paths", "_walloc", "_wcap", "_wfd", "_wlimit", "_wmm", "_wseg",
     )
     # Retired segments (and other files) written since the last sync, fsynced by path.
     # Set by the subclass (QueueStore allocates it lazily).
@@ -292,6 +329,10 @@ class SegmentLog(Generic[S]):
         # The sync thread trims, fsyncs and closes them, off the event loop.
         self._retired: list[tuple[int, Path, int, bool]] = []
         self._spare: Future[tuple[int, mmap.mmap]] | None = None  # the next segment, being prepared
+        # The next chunk of the write segment, being allocated off the loop: (segment, its
+        # start, its end, the job).
+        self._ahead: tuple[S, int, int, Future[None]] | None = None
+        self._removing: Future[None] | None = None  # the last removal job (module doc)
 
     @property
     def directory(self) -> Path:
@@ -315,10 +356,22 @@ class SegmentLog(Generic[S]):
             if seg.end + need <= self._walloc:
                 return seg
         have = self._walloc
-        step = min(max(have, ALLOC_FIRST), ALLOC_STEP_MAX)
-        end = min(self._wlimit, _round_up(max(seg.end + need, seg.end + want, have + step)))
-        allocate(self._wfd, have, end, seg.path, self._files)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] is seg and ahead[1] == have and ahead[3].done() \
+                and ahead[3].exception() is None:
+            have = ahead[2]  # allocated off the loop (see the module doc)
+            self._files.space()
+        if seg.end + max(need, want) <= have:
+            end = have
+        else:
+            step = min(max(have, ALLOC_FIRST), ALLOC_STEP_MAX)
+            end = min(self._wlimit, _round_up(max(seg.end + need, seg.end + want, have + step)))
+            allocate(self._wfd, have, end, seg.path, self._files)
         self._wcap = self._walloc = end
+        if AHEAD_FROM <= end < self._wlimit and not self._closed:
+            ahead_end = min(self._wlimit, end + min(end, ALLOC_STEP_MAX))
+            self._ahead = (seg, end, ahead_end, _spare_worker().submit(_allocate_ahead, os.dup(self._wfd),
+                                                                        end, ahead_end))
         if end * 2 >= self._wlimit and self._spare is None and not self._closed \
                 and self._files.mapped * 2 < self._files.max_maps:
             # half way: prepare the next segment off the event loop (see the module doc)
@@ -429,6 +482,7 @@ class SegmentLog(Generic[S]):
             if old is not None:
                 self._retire_write_segment_locked(old)
             self._wseg = seg
+            self._ahead = None  # the old segment's
             self._wmm = mm
             self._wfd = fd
             self._wcap = self._walloc = alloc
@@ -552,12 +606,36 @@ class SegmentLog(Generic[S]):
         """Subclass hook, under ``_lock``: write what ``sync`` covers, add paths to fsync."""
         return None
 
+    def _remove_later(self, *paths: Path) -> None:
+        """Unlink ``paths`` in this order on the segment worker (module doc); the caller has
+        marked the directory and told the sink."""
+        self._removing = _spare_worker().submit(self._unlink_in_order, paths)
+
+    def _unlink_in_order(self, paths: tuple[Path, ...]) -> None:
+        """On the segment worker. A failure leaves the rest (recovery removes what is left)."""
+        try:
+            for path in paths:
+                path.unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("%s: could not remove %s: %s", self, path.name, exc)
+        self._dir_unsynced = True  # no lock: see the module doc (at worst the next sync's)
+
+    def removed(self) -> None:
+        """Wait until the files this log asked to remove so far are gone (tests, close)."""
+        job = self._removing
+        if job is not None:
+            job.result()
+            if self._removing is job:
+                self._removing = None
+
     def _close_files(self) -> None:
         """Unmap everything, trim retired segments and close their descriptors. At node
         shutdown (``SegmentFiles.shutting_down``) the trim is skipped: the zero tail is
         harmless (recovery stops at the first zero record)."""
+        self.removed()
         if self._wseg is not None:
             self._retire_write_segment_locked(self._wseg)
+        self._ahead = None
         if self._spare is not None:
             _drop_spare(self._spare, Path(self._dir, SPARE_NAME))
             self._spare = None
