@@ -18,7 +18,8 @@ with a passive queue.declare, so a run is never shorter than that):
   message: the link layer's own consuming connection and coalesced acks (``broker/links/wire.py``,
   ``acks.py``), run in this process with the same prefetch, acking each delivery at once (no-ack:
   consuming without acks). Its ``B`` column is this process's CPU (the bare consumer's). A shovel
-  out of RabbitMQ cannot move faster than this; ``skred R->B`` is printed as a share of it.
+  out of RabbitMQ cannot move faster than this (the row's time has no shovel start and no 20 ms
+  polling in it, so it favours the ceiling a little); ``skred R->B`` is printed as a share of it.
 
 Each run is bounded by ``--timeout`` seconds. Besides the rate, each row has the CPU time per
 message of each broker process (A, B, and RabbitMQ's Erlang VM R) during the move, read from
