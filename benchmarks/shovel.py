@@ -36,6 +36,7 @@ import asyncio
 import json
 import os
 import resource
+import signal
 import sys
 import tempfile
 import time
@@ -230,6 +231,7 @@ def main() -> None:
                     help="RabbitMQ's schedulers do not busy-wait (+sbwt none): its CPU time is its work "
                          "(on a loaded machine the spinning is charged as CPU time per message)")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # ``timeout``: brokers stopped on the way out
     if args.no_spin:
         os.environ["RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS"] = "+sbwt none +sbwtdcpu none +sbwtdio none"
     results: list[dict[str, Any]] = []
