@@ -14,6 +14,12 @@ with a passive queue.declare, so a run is never shorter than that):
 - ``skred R->B`` / ``plugin R->B``: RabbitMQ's queue to Skred, by Skred's shovel on B and by the
   plugin on R.
 - ``skred B->B local``: Skred's in-process shovel (host-less ``amqp://`` both ends), no socket.
+- ``bare R->``: RabbitMQ's ceiling, the most R delivers to one consumer that does nothing with a
+  message: the link layer's own consuming connection and coalesced acks (``broker/links/wire.py``,
+  ``acks.py``), run in this process with the same prefetch, acking each delivery at once (no-ack:
+  consuming without acks). Its ``B`` column is this process's CPU (the bare consumer's). A shovel
+  out of RabbitMQ cannot move faster than this (the row's time has no shovel start and no 20 ms
+  polling in it, so it favours the ceiling a little); ``skred R->B`` is printed as a share of it.
 
 Each run is bounded by ``--timeout`` seconds. Besides the rate, each row has the CPU time per
 message of each broker process (A, B, and RabbitMQ's Erlang VM R) during the move, read from
@@ -26,8 +32,11 @@ average is printed with the results: compare rows of one run, not runs on differ
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
+import resource
+import signal
 import sys
 import tempfile
 import time
@@ -41,7 +50,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 import pika  # noqa: E402
+from pamqp import commands  # noqa: E402
 
+from broker.links.acks import Acker  # noqa: E402
+from broker.links.wire import Wire, open_first  # noqa: E402
 from tests.integration._shovel import publish, put_shovel  # noqa: E402  (needs the repo root)
 from tests.integration._support import SkredProcess, wait_until  # noqa: E402
 from tests.integration.conformance._rabbit import RabbitProcess, booted_beside, missing  # noqa: E402
@@ -168,10 +180,60 @@ def one_move(label: str, runner: Api, dest: Api, dest_url: str, src_url: str, va
     return n / elapsed, cpu
 
 
+async def _bare_consume(url: str, queue: str, n: int, prefetch: int, no_ack: bool) -> None:
+    wire, lost = await open_first([url], {"connection_name": "bare consumer"}, Wire)
+    try:
+        await wire.call(1, commands.Channel.Open(), commands.Channel.OpenOk)
+        await wire.call(1, commands.Basic.Qos(prefetch_count=prefetch), commands.Basic.QosOk)
+        acker = None if no_ack else Acker(wire, prefetch)
+        done = asyncio.get_running_loop().create_future()
+        got = 0
+
+        def on_message(msg: Any) -> None:
+            nonlocal got
+            got += 1
+            if acker is not None:
+                acker.settle(msg.tag, True)
+            if got >= n and not done.done():
+                done.set_result(None)
+        wire.channel, wire.on_message, wire.consuming = 1, on_message, True
+        await wire.call(1, commands.Basic.Consume(queue=queue, consumer_tag="bare", no_ack=no_ack),
+                        commands.Basic.ConsumeOk)
+        await asyncio.wait([done, lost], return_when=asyncio.FIRST_COMPLETED)
+        assert done.done(), lost.result()
+        if acker is not None:
+            acker.close()
+    finally:
+        await wire.shutdown("done")
+
+
+def bare_move(src_url: str, queue: str, n: int, mode: str, timeout: float,
+              pids: dict[str, int]) -> tuple[float, dict[str, float]]:
+    """RabbitMQ's delivery ceiling: messages per second to a consumer that only acks, and the CPU
+    microseconds per message (``B``: this process, the consumer)."""
+    publish(src_url, queue, "b", n, size=1024, declare={})
+    cpu0 = {k: cpu_seconds(pid) for k, pid in pids.items() if k != "B"}
+    me0 = resource.getrusage(resource.RUSAGE_SELF)
+    t0 = time.perf_counter()
+    asyncio.run(asyncio.wait_for(_bare_consume(src_url, queue, n, PREFETCH, mode == "no-ack"), timeout))
+    elapsed = time.perf_counter() - t0
+    me1 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = {k: (cpu_seconds(pid) - cpu0[k]) * 1e6 / n for k, pid in pids.items() if k != "B"}
+    cpu["B"] = (me1.ru_utime + me1.ru_stime - me0.ru_utime - me0.ru_stime) * 1e6 / n
+    return n / elapsed, cpu
+
+
 def main() -> None:
     ap = move_args(__doc__, 20000, 600.0)
     ap.add_argument("--modes", default=",".join(MODES), help="ack modes to run, comma-separated")
+    ap.add_argument("--rounds", type=int, default=1, help="run every move this many times, interleaved")
+    ap.add_argument("--no-spin", action="store_true",
+                    help="RabbitMQ's schedulers do not busy-wait (+sbwt none): its CPU time is its work "
+                         "(on a loaded machine the spinning is charged as CPU time per message)")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # ``timeout``: brokers stopped on the way out
+    if args.no_spin:
+        os.environ["RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS"] = "+sbwt none +sbwtdcpu none +sbwtdio none"
     results: list[dict[str, Any]] = []
     with three_brokers("shovel", "skredshovelbench", ("rabbitmq_shovel", "rabbitmq_shovel_management")) as (
             rabbit, a, b):
@@ -179,7 +241,7 @@ def main() -> None:
         api_a, api_b, api_r = Api(a.mgmt_port), Api(b.mgmt_port), Api(rabbit.mgmt_port)
         r_url = uri(rabbit.port)
         pids = process_ids(rabbit, a, b)
-        for mode in args.modes.split(","):
+        for mode in [m for _ in range(args.rounds) for m in args.modes.split(",")]:
             base = {"ack-mode": mode, "src-prefetch-count": PREFETCH, "reconnect-delay": 1}
             moves = [
                 ("skred A->B", api_b, a.url, {"src-uri": uri(a.port), "dest-uri": "amqp://"}),
@@ -188,17 +250,45 @@ def main() -> None:
                 ("skred R->B", api_b, r_url, {"src-uri": r_url, "dest-uri": "amqp://"}),
                 ("plugin R->B", api_r, r_url, {"src-uri": "amqp://", "dest-uri": uri(b.port)}),
                 ("skred B->B local", api_b, b.url, {"src-uri": "amqp://", "dest-uri": "amqp://"}),
+                ("bare R->", api_r, r_url, {}),
             ]
             for label, runner, src_url, ends in moves:
                 if not chosen(args.moves, label):
                     continue
                 tag = f"{label.split()[0]}-{mode}-{len(results)}"
                 value = {**base, **ends, "src-queue": f"bench-src-{tag}", "dest-queue": f"bench-dst-{tag}"}
-                rate, cpu = one_move(label, runner, api_b, b.url, src_url, value, args.messages, args.timeout,
-                                     pids)
+                if label.startswith("bare"):
+                    rate, cpu = bare_move(src_url, value["src-queue"], args.messages, mode, args.timeout,
+                                          pids)
+                else:
+                    rate, cpu = one_move(label, runner, api_b, b.url, src_url, value, args.messages,
+                                         args.timeout, pids)
                 record(results, {"move": label, "ack_mode": mode}, f"{label:18} {mode:10}", rate, cpu)
     report(results, {"messages": args.messages}, args.json, f"{args.messages} messages of 1 KiB per move",
            [("move", "move", 18), ("ack_mode", "ack mode", 10)])
+    if not args.json:
+        for line in ratios(results):
+            print(line)
+
+
+RATIOS = (("skred A->B", "plugin A->B"), ("skred A->B push", "plugin A->B"), ("skred R->B", "plugin R->B"),
+          ("skred R->B", "bare R->"), ("plugin R->B", "bare R->"))
+
+
+def ratios(results: list[dict[str, Any]]) -> list[str]:
+    """Same-run ratios of the rates, per ack mode and round (rows of one mode in run order)."""
+    out = []
+    seen: dict[str, int] = {}
+    rounds: dict[tuple[str, int], dict[str, float]] = {}
+    for r in results:
+        key = (r["ack_mode"], r["move"])
+        n = seen[str(key)] = seen.get(str(key), 0) + 1
+        rounds.setdefault((r["ack_mode"], n), {})[r["move"]] = r["msg_per_s"]
+    for (mode, n), rates in rounds.items():
+        parts = [f"{a} / {b} = {rates[a] / rates[b]:.2f}" for a, b in RATIOS if a in rates and b in rates]
+        if parts:
+            out.append(f"{mode} round {n}: " + "; ".join(parts))
+    return out
 
 
 if __name__ == "__main__":
