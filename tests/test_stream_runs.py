@@ -265,8 +265,9 @@ def _publish_alike_and_not(q: StreamQueue) -> None:
     q.publish_run(TS, b"", b"s", [_PLAIN_PROPS] * 30, [b"%03d" % i for i in range(30)], True, EXRK, True)
     q.publish_run(TS, b"", b"s", [_PLAIN_PROPS] * 4, [b"a", b"bb", b"c", b"dd"], True, EXRK, False)
     q.publish_run(TS, b"", b"s", [_PLAIN_PROPS, _stream_props("f")] * 3, [b"xy"] * 6, True, EXRK, False)
-    q.publish_run(TS, b"", b"s", [_stream_props("g")] * 12, [b"g%02d" % i for i in range(12)], True, EXRK, True)
-    q.publish_run(TS, b"", b"s", [_stream_props("g")], [b"g1000"], True, EXRK, False)  # same head but length
+    g = _stream_props("g")
+    q.publish_run(TS, b"", b"s", [g] * 12, [b"g%02d" % i for i in range(12)], True, EXRK, True)
+    q.publish_run(TS, b"", b"s", [g], [b"g1000"], True, EXRK, False)  # the same head but its length
     q.publish_run(TS + 1, b"", b"s", [amqp] * 9, [b"m%d" % i for i in range(9)], True, EXRK, True)
     q.publish_run(TS + 1, b"", b"s", [amqp] * 3, [b"", b"m", b"mm"], True, EXRK, False)
     q.publish_run(TS + 2, b"", b"s", [amqp] * 5, [b""] * 5, True, EXRK, True)
