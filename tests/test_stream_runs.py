@@ -107,14 +107,14 @@ def test_read_run_is_read_next_in_bounded_runs(tmp_path: Path) -> None:
     got: list[tuple[int, int, bytes, bytes]] = []
     runs = 0
     while (run := s.read_run(p, 4, 1 << 20)) is not None:
-        first, ts, props, bods = run
+        first, ts, props, bods, _same = run
         assert 1 <= len(bods) <= 4 and ts == want[first][1]
         got.extend((first + i, want[first + i][1], props[i], bods[i]) for i in range(len(bods)))
         runs += 1
     assert got == [(r[0], r[1], r[4], r[5]) for r in want]
     assert runs > 60 // 4  # runs also end at segment ends
     p = s.seek(10)
-    first, _, _, bods = s.read_run(p, 100, 1) or (0, 0, [], [])
+    first, _, _, bods, _ = s.read_run(p, 100, 1) or (0, 0, [], [], False)
     assert first == 10 and bods == [b"yyy"]  # the byte bound stops the run after one body
     s.close()
 
@@ -155,12 +155,17 @@ class _Out:
         self.soon_calls.append(fn)
 
 
-def _consume(tmp_path: Path, fast: bool, credit: int) -> list[tuple[int, int, list[bytes]]]:
-    q, pending = _queue(tmp_path, fast=fast, segment_size=2048)
+def _publish_mixed(q: StreamQueue) -> None:
     for i in range(0, 400, 40):  # stream-client runs, with and without filter values
         props = [_PLAIN_PROPS if j % 3 else _stream_props(f"v{j}") for j in range(40)]
         q.publish_run(TS + i, b"", b"s", props, [b"b%d" % (i + j) for j in range(40)], True, EXRK, False)
     q.publish(TS + 500, b"", b"s", b"\x00\x00", b"from amqp", True)  # another protocol's message
+
+
+def _consume(tmp_path: Path, fast: bool, credit: int,
+             publish: Callable[[StreamQueue], None] = _publish_mixed) -> list[tuple[int, int, list[bytes]]]:
+    q, pending = _queue(tmp_path, fast=fast, segment_size=2048)
+    publish(q)
     out = _Out()
     session = StreamSession.__new__(StreamSession)
     session.out = out
@@ -229,7 +234,7 @@ def test_read_run_of_alike_records_equals_the_walk(tmp_path: Path) -> None:
         p = s.seek(0)
         got: list[tuple[int, int, bytes, bytes]] = []
         while (run := s.read_run(p, count, nbytes)) is not None:
-            first, ts, props, bodies = run
+            first, ts, props, bodies, _same = run
             assert ts == want[first][1] and len(bodies) <= count
             assert sum(map(len, bodies[:-1])) < nbytes  # stopped once the bound was reached
             got.extend((first + i, want[first + i][1], props[i], bodies[i]) for i in range(len(bodies)))
@@ -250,3 +255,62 @@ def test_deliver_chunks_frame_alike_with_equal_or_mixed_lengths() -> None:
     for msgs in ([b"abcd"] * 5, [b"a", b"", b"abc"], [b""] * 3, [b"x"]):
         (first, ts, got), = _chunks(C.encode_deliver_run(3, 42, TS, msgs))
         assert (first, ts, got) == (42, TS, msgs)
+
+
+def _publish_alike_and_not(q: StreamQueue) -> None:
+    """Alike runs (one head: properties, body length) beside runs that only nearly are: the
+    same properties with other lengths, the same length with other properties, an alike run
+    followed at once by one odd record, empty bodies, and AMQP-style properties (framed)."""
+    amqp = b"\x00\x00"
+    q.publish_run(TS, b"", b"s", [_PLAIN_PROPS] * 30, [b"%03d" % i for i in range(30)], True, EXRK, True)
+    q.publish_run(TS, b"", b"s", [_PLAIN_PROPS] * 4, [b"a", b"bb", b"c", b"dd"], True, EXRK, False)
+    q.publish_run(TS, b"", b"s", [_PLAIN_PROPS, _stream_props("f")] * 3, [b"xy"] * 6, True, EXRK, False)
+    g = _stream_props("g")
+    q.publish_run(TS, b"", b"s", [g] * 12, [b"g%02d" % i for i in range(12)], True, EXRK, True)
+    q.publish_run(TS, b"", b"s", [g], [b"g1000"], True, EXRK, False)  # the same head but its length
+    q.publish_run(TS + 1, b"", b"s", [amqp] * 9, [b"m%d" % i for i in range(9)], True, EXRK, True)
+    q.publish_run(TS + 1, b"", b"s", [amqp] * 3, [b"", b"m", b"mm"], True, EXRK, False)
+    q.publish_run(TS + 2, b"", b"s", [amqp] * 5, [b""] * 5, True, EXRK, True)
+    q.publish_run(TS + 2, b"", b"s", [_PLAIN_PROPS] * 5, [b""] * 5, True, EXRK, True)
+    q.publish_run(TS + 3, b"", b"s", [amqp] * 3, [b"z" * 300] * 3, True, EXRK, True)  # 4-byte size code
+
+
+def test_read_run_says_same_only_of_runs_that_are(tmp_path: Path) -> None:
+    """``read_run``'s ``same`` hint (one properties value, one body length: the consumer frames
+    the run without checking) is True only where it holds, and is True for the alike runs."""
+    q, _ = _queue(tmp_path, segment_size=4096)
+    _publish_alike_and_not(q)
+    s = q.stream
+    want = [(r[0], r[4], r[5]) for r in _records(s)]
+    for count, nbytes in ((256, 1 << 20), (5, 1 << 20), (256, 20), (1, 1)):
+        p = s.seek(0)
+        got: list[tuple[int, bytes, bytes]] = []
+        hinted = 0
+        while (run := s.read_run(p, count, nbytes)) is not None:
+            first, _ts, props, bodies, same = run
+            if same:
+                assert len(set(props)) == 1 and len(set(map(len, bodies))) == 1, (first, count, nbytes)
+                hinted += len(bodies)
+            got.extend((first + i, props[i], bodies[i]) for i in range(len(bodies)))
+        assert got == want, (count, nbytes)
+        assert hinted >= (30 if count > 1 and nbytes > 1 else 0), (count, nbytes)
+    q.close()
+
+
+def test_hinted_chunks_deliver_what_the_record_path_does(tmp_path: Path) -> None:
+    """Delivered through a subscription, alike runs framed on the hint (no per-message length
+    check, one stream-message prefix) give a client exactly the record-by-record path's
+    messages, mixed runs included."""
+    fast = _consume(tmp_path / "fast", True, 2, _publish_alike_and_not)
+    slow = _consume(tmp_path / "slow", False, 2, _publish_alike_and_not)
+    msgs = [m for _, _, ms in fast for m in ms]
+    assert msgs == [m for _, _, ms in slow for m in ms]
+    assert len(msgs) == 30 + 4 + 6 + 12 + 1 + 9 + 3 + 5 + 5 + 3
+    assert msgs[:2] == [b"000", b"001"] and msgs[-1] == b"\x00\x53\x75\xb0\x00\x00\x01\x2c" + b"z" * 300
+    offsets = [first + i for first, _, ms in fast for i in range(len(ms))]
+    assert offsets == list(range(len(msgs)))
+
+
+def test_encode_deliver_run_same_size_frames_as_the_check_does() -> None:
+    for msgs in ([b"abcd"] * 5, [b""] * 3, [b"x"]):
+        assert C.encode_deliver_run(3, 42, TS, msgs, 7, True) == C.encode_deliver_run(3, 42, TS, msgs, 7)

@@ -261,8 +261,10 @@ class RecordConsumer(Consumer):
         return 0, 0
 
     def deliver_run(self, first_offset: int, timestamp_ms: int, props: list[bytes],
-                    bodies: list[bytes]) -> None:
-        """Consecutive records from ``first_offset`` as stored (``timestamp_ms``: the first's)."""
+                    bodies: list[bytes], same: bool = False) -> None:
+        """Consecutive records from ``first_offset`` as stored (``timestamp_ms``: the first's);
+        ``same``: the store proved one properties value and one body length for all of them
+        (``StreamStore.read_run``), so they need no per-record check; False says nothing."""
         raise NotImplementedError
 
 

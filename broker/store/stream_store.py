@@ -454,12 +454,15 @@ class StreamStore(SegmentLog[_Seg]):
         return offset, ts, ex, rk, props, body
 
     def read_run(self, p: StreamPosition, max_count: int, max_bytes: int
-                 ) -> tuple[int, int, list[bytes], list[bytes]] | None:
+                 ) -> tuple[int, int, list[bytes], list[bytes], bool] | None:
         """Chunk-level read: up to ``max_count`` consecutive records from ``p`` (advancing
         it), stopping early once their bodies reach ``max_bytes`` and at the end of ``p``'s
         segment, as (first offset, first record's timestamp, their properties, their
-        bodies); None at the end of the log. One bounds check per segment, not per record:
-        the walk slices the map and keeps no per-record tuple."""
+        bodies, same); None at the end of the log. ``same`` is True only when the read
+        proved every record of the run has one properties value and one body length (an
+        alike run: their stored heads compared equal), so a consumer may frame them with
+        one length prefix without checking; False says nothing. One bounds check per
+        segment, not per record: the walk slices the map and keeps no per-record tuple."""
         if self._locate(p) is None:
             return None
         seg = self._segs[p.seg]
@@ -473,7 +476,7 @@ class StreamStore(SegmentLog[_Seg]):
             first = p.offset
             p.pos = pos
             p.offset = first + len(bodies)
-            return first, first_ts, [p0] * len(bodies), bodies
+            return first, first_ts, [p0] * len(bodies), bodies, True
         props: list[bytes] = []
         bodies = []
         add_p = props.append
@@ -493,7 +496,7 @@ class StreamStore(SegmentLog[_Seg]):
         first = p.offset
         p.pos = pos
         p.offset = first + i
-        return first, first_ts, props, bodies
+        return first, first_ts, props, bodies, False
 
     @staticmethod
     def _alike_run(mm: mmap.mmap, pos: int, n: int, max_bytes: int, end: int

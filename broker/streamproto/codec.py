@@ -519,11 +519,13 @@ def encode_deliver(sub_id: int, first_offset: int, timestamp_ms: int, messages: 
 
 
 def encode_deliver_run(sub_id: int, first_offset: int, timestamp_ms: int, messages: list[bytes],
-                       committed: int | None = None) -> bytes:
+                       committed: int | None = None, same_size: bool = False) -> bytes:
     """``encode_deliver`` with the entries built in one join (length prefixes packed in one
-    call), the chunk's crc32 computed over the joined data: the consume hot path."""
+    call), the chunk's crc32 computed over the joined data: the consume hot path.
+    ``same_size``: the caller knows every message has one length (the store's alike run),
+    so the per-message check is skipped; it must never be True otherwise."""
     n = len(messages)
-    if n and len(set(map(len, messages))) == 1:  # one length: one prefix joins them all
+    if n and (same_size or len(set(map(len, messages))) == 1):  # one length: one prefix joins them all
         prefix = _U32.pack(len(messages[0]))
         data = prefix + prefix.join(messages)
     else:

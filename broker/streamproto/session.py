@@ -111,9 +111,18 @@ def as_stream_message(props: bytes, body: bytes) -> bytes:
     return _AMQP10_DATA + b"\xb0" + n.to_bytes(4, "big") + body
 
 
-def stream_entries(props: list[bytes], bodies: list[bytes]) -> list[bytes]:
+def stream_entries(props: list[bytes], bodies: list[bytes], same: bool = False) -> list[bytes]:
     """``as_stream_message`` for a run: the bodies themselves when every message of the run
-    was published by a stream client without a filter value (the common case, no copy)."""
+    was published by a stream client without a filter value (the common case, no copy).
+    ``same``: one properties value and one body length for the whole run (the store's
+    alike run): one check, and one prefix computed for every entry."""
+    if same and bodies:
+        p0 = props[0]
+        if p0 == _PLAIN_PROPS:
+            return bodies
+        m = as_stream_message(p0, bodies[0])
+        pre = m[:len(m) - len(bodies[0])]  # depends only on the properties and the length
+        return [pre + b for b in bodies]
     if props.count(_PLAIN_PROPS) == len(props):
         return bodies
     return [as_stream_message(p, b) for p, b in zip(props, bodies, strict=True)]
@@ -259,9 +268,10 @@ class Subscription(RecordConsumer):
         return 0, 0
 
     def deliver_run(self, first_offset: int, timestamp_ms: int, props: list[bytes],
-                    bodies: list[bytes]) -> None:
+                    bodies: list[bytes], same: bool = False) -> None:
         """A run of stored records as one chunk: one credit, one Deliver frame; per message
-        only the properties check and a length prefix (``codec.encode_deliver_run``)."""
+        only the properties check and a length prefix (``codec.encode_deliver_run``), and
+        not even the check when the store says the run is alike (``same``)."""
         self.flush()
         self.credit -= 1
         session = self.session
@@ -270,8 +280,9 @@ class Subscription(RecordConsumer):
             session.delivered += n
             self.consumed += n
             self.offset = first_offset + n
-            session.out.write(C.encode_deliver_run(self.sub_id, first_offset, timestamp_ms,
-                                                        stream_entries(props, bodies), self.committed()))
+            entries = stream_entries(props, bodies, same)
+            session.out.write(C.encode_deliver_run(self.sub_id, first_offset, timestamp_ms, entries,
+                                                   self.committed(), same))
 
     def flush(self) -> None:
         self.flush_due = False
