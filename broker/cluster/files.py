@@ -7,6 +7,7 @@ temporary files of an atomic write in progress.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from broker.store.paths import vhost_dir
@@ -43,3 +44,28 @@ def shard_of(rel: str) -> str | None:
 def shard_name(vhost: str) -> str:
     """A vhost's shard as ``shard_of`` names it: its directory's name."""
     return vhost_dir(Path(), vhost).name
+
+
+@dataclass(frozen=True)
+class Scope:
+    """What one replication connection carries (issue 27: a follower follows the leader of each
+    shard for that shard alone): the node's shared files (users, vhosts, global parameters: the
+    cluster leader's) or not, and every shard (``shards`` None) or the named ones (vhost
+    directory names). A follower names it; the sender's bulk sync and stream stay inside it, and
+    the follower refuses, and never deletes, a path outside it."""
+
+    shared: bool = True
+    shards: frozenset[str] | None = None
+
+    @property
+    def everything(self) -> bool:
+        return self.shared and self.shards is None
+
+    def covers(self, rel: str) -> bool:
+        shard = shard_of(rel)
+        if shard is None:
+            return self.shared
+        return self.shards is None or shard in self.shards
+
+
+EVERYTHING = Scope()

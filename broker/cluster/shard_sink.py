@@ -95,7 +95,7 @@ class ShardedLeaderSink(LeaderSink):
         self.touched.add(shard)
         now = time.monotonic()
         for f in self.followers.values():
-            if f.backlog is None:
+            if f.backlog is None and (f.everything or f.scope.covers(rel)):
                 if f.acked >= f.shard_sent.get(shard, 0):
                     f.shard_since[shard] = now  # its oldest unacked action of the shard
                 f.shard_sent[shard] = f.sent
