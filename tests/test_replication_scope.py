@@ -1,0 +1,157 @@
+"""Replication scoped by shard (issue 27, the data path): one follower follows two senders
+into one data directory, each for its own shards, the way a node follows the leader of each
+shard for that shard alone (and the cluster leader for the shared files).
+
+Real ``LeaderSink``s listen on 127.0.0.1 in this process and the real ``follower.follow``
+replicates from them over real sockets into real files; every wait polls with a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from broker.cluster import codec, follower
+from broker.cluster.files import EVERYTHING, Scope, shard_name
+from broker.cluster.follower import Applier
+from broker.cluster.leader import LeaderSink
+
+SECRET = b"s" * 32
+DEADLINE = 20.0  # seconds: generous under load
+VA, VB, VC = (shard_name(v) for v in ("va", "vb", "vc"))
+
+
+async def _isr(members: list[str]) -> bool:
+    return True
+
+
+def _write(root: Path, rel: str, data: bytes) -> None:
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+
+
+async def _until(what: str, ok: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + DEADLINE
+    while not ok():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {DEADLINE}s: {what}")
+        await asyncio.sleep(0.02)
+
+
+def test_a_follower_of_two_senders_takes_from_each_only_its_scope(tmp_path: Path) -> None:
+    a_dir, b_dir, f_dir = (tmp_path / n for n in ("a", "b", "f"))
+    # A leads va and holds the shared files; B leads vb. Each also has an older copy of the
+    # other's shard (a replica), which the follower must not take from it.
+    _write(a_dir, "users.json", b'{"users": 2}')
+    _write(a_dir, f"{VA}/q/msgs.1", b"HEADa1")
+    _write(a_dir, f"{VB}/q/msgs.1", b"HEADold")
+    _write(b_dir, "users.json", b'{"users": 1}')
+    _write(b_dir, f"{VB}/q/msgs.1", b"HEADb1b2")
+    # The follower: a stale shared file, and a shard neither sender serves it (its own).
+    _write(f_dir, "users.json", b'{"users": 0}')
+    _write(f_dir, f"{VC}/q/msgs.1", b"HEADmine")
+
+    async def scenario() -> None:
+        a = LeaderSink(a_dir, "A", SECRET, _isr)
+        b = LeaderSink(b_dir, "B", SECRET, _isr)
+        a.index.scan()
+        b.index.scan()
+        _, a_port = await a.start("127.0.0.1", 0)
+        _, b_port = await b.start("127.0.0.1", 0)
+        synced: set[str] = set()
+        pools = [ThreadPoolExecutor(1), ThreadPoolExecutor(1)]
+        tasks = [
+            asyncio.ensure_future(follower.follow(
+                "127.0.0.1", a_port, f_dir, SECRET, "F", lambda w: None, lambda: synced.add("A"), pools[0],
+                scope=Scope(shared=True, shards=frozenset({VA})))),
+            asyncio.ensure_future(follower.follow(
+                "127.0.0.1", b_port, f_dir, SECRET, "F", lambda w: None, lambda: synced.add("B"), pools[1],
+                scope=Scope(shared=False, shards=frozenset({VB})))),
+        ]
+        try:
+            await _until("both bulk syncs", lambda: synced == {"A", "B"} or any(t.done() for t in tasks))
+            assert synced == {"A", "B"}, [t.exception() for t in tasks if t.done()]
+            assert (f_dir / "users.json").read_bytes() == b'{"users": 2}'  # the shared files: A's
+            assert (f_dir / VA / "q" / "msgs.1").read_bytes() == b"HEADa1"
+            assert (f_dir / VB / "q" / "msgs.1").read_bytes() == b"HEADb1b2"  # B's, not A's older copy
+            assert (f_dir / VC / "q" / "msgs.1").read_bytes() == b"HEADmine"  # outside both: untouched
+
+            # Live: each sender streams only the follower's scope of it.
+            for sink, root, rel, data in ((a, a_dir, f"{VA}/q/msgs.1", b"a2"),
+                                          (a, a_dir, f"{VB}/q/msgs.1", b"stale"),
+                                          (b, b_dir, f"{VB}/q/msgs.1", b"b3"),
+                                          (b, b_dir, "users.json", b"")):
+                with open(root / rel, "ab") as fh:
+                    fh.write(data)
+                sink.append(root / rel, data)
+            barriers = [a.barrier(), b.barrier()]
+            await _until("the live actions", lambda: (f_dir / VB / "q" / "msgs.1").read_bytes() == b"HEADb1b2b3"
+                         and (f_dir / VA / "q" / "msgs.1").read_bytes() == b"HEADa1a2")
+            # each sender's ISR names the follower, and its confirms wait for it alone
+            await _until("F in both ISRs", lambda: a.isr == {"F"} and b.isr == {"F"})
+            await asyncio.wait_for(asyncio.gather(*barriers), DEADLINE)
+            assert (f_dir / "users.json").read_bytes() == b'{"users": 2}'
+            assert a.followers["F"].scope == Scope(True, frozenset({VA}))
+            assert not b.followers["F"].everything
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await a.stop()
+            await b.stop()
+            for p in pools:
+                p.shutdown(wait=True)
+
+    asyncio.run(scenario())
+
+
+def test_a_path_outside_the_scope_is_refused_before_it_is_written(tmp_path: Path) -> None:
+    applier = Applier(tmp_path, Scope(shared=False, shards=frozenset({VA})))
+    reader = codec.MessageReader()
+    for msg in (codec.encode_append(f"{VB}/q/msgs.1", b"x"), codec.encode_replace("users.json", b"{}"),
+                codec.encode_delete(f"{VB}/q/meta"), codec.encode_file_data("vhosts.json", b"x", True),
+                codec.encode_file_list([codec.FileInfo(f"{VB}/q/msgs.1", 1, b"h" * 20)])):
+        [m] = reader.feed(msg)
+        with pytest.raises(codec.CodecError, match="outside the scope"):
+            applier.apply(m)
+    [m] = reader.feed(codec.encode_append(f"{VA}/q/msgs.1", b"x"))
+    applier.apply(m)
+    applier.close()
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file()) \
+        == [f"{VA}/q/msgs.1"]
+
+
+def test_scope_on_the_wire_round_trips_and_is_bounded() -> None:
+    for scope in (EVERYTHING, Scope(False, None), Scope(True, frozenset()), Scope(False, frozenset({VA, VB}))):
+        [m] = codec.MessageReader().feed(codec.encode_scope(scope))
+        assert m.kind == codec.SCOPE and codec.parse_scope(m.payload) == scope
+    for bad in (b"", b"\x04", b"\x01" + b"x" * 19, b"\x02" + b"y" * 20):
+        with pytest.raises(codec.CodecError):
+            codec.parse_scope(bad)
+    with pytest.raises(ValueError):
+        codec.encode_scope(Scope(False, frozenset({"not-a-vhost-directory"})))
+
+
+def test_the_leader_reads_no_oversized_scope(tmp_path: Path) -> None:
+    """A scope longer than any real one is refused by its header: the leader reads no further."""
+    async def scenario() -> None:
+        sink = LeaderSink(tmp_path, "L", SECRET, _isr)
+        _, port = await sink.start("127.0.0.1", 0)
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(codec.encode_hello(SECRET, "F") + codec.HEAD.pack(codec.SCOPE, codec.SCOPE_MAX_PAYLOAD + 1))
+            welcome = codec.parse_welcome(await asyncio.wait_for(reader.readexactly(codec.WELCOME_SIZE), DEADLINE))
+            assert welcome.status == codec.OK
+            assert await asyncio.wait_for(reader.read(), DEADLINE) == b""  # closed, nothing sent
+            writer.close()
+            assert not sink.followers
+        finally:
+            await sink.stop()
+
+    asyncio.run(scenario())
