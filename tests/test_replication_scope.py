@@ -18,6 +18,7 @@ import pytest
 
 from broker.cluster import codec, follower
 from broker.cluster.files import EVERYTHING, Scope, shard_name
+from broker.cluster.follow_set import FollowSet, Sender
 from broker.cluster.follower import Applier
 from broker.cluster.leader import LeaderSink
 
@@ -153,5 +154,63 @@ def test_the_leader_reads_no_oversized_scope(tmp_path: Path) -> None:
             assert not sink.followers
         finally:
             await sink.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_shard_moving_to_another_sender_is_followed_from_its_new_leader(tmp_path: Path) -> None:
+    """``FollowSet``: vb is A's, then B's (its new leader): A's link ends (its last batch
+    written) before B's opens, B's copy of vb replaces A's, and from then on only B's actions
+    of vb reach the follower; two scopes that overlap are refused."""
+    a_dir, b_dir, f_dir = (tmp_path / n for n in ("a", "b", "f"))
+    _write(a_dir, "users.json", b'{"users": 1}')
+    _write(a_dir, f"{VA}/q/msgs.1", b"HEADa1")
+    _write(a_dir, f"{VB}/q/msgs.1", b"HEADb1")
+    _write(b_dir, f"{VB}/q/msgs.1", b"HEADb1B")  # B's copy, newer than A's (it leads vb now)
+    f_dir.mkdir()
+
+    def read(rel: str) -> bytes:
+        path = f_dir / rel
+        return path.read_bytes() if path.exists() else b""
+
+    def live(sink: LeaderSink, root: Path, rel: str, data: bytes) -> None:
+        with open(root / rel, "ab") as fh:
+            fh.write(data)
+        sink.append(root / rel, data)
+
+    async def scenario() -> None:
+        a = LeaderSink(a_dir, "A", SECRET, _isr)
+        b = LeaderSink(b_dir, "B", SECRET, _isr)
+        a.index.scan()
+        b.index.scan()
+        sa = Sender("127.0.0.1", (await a.start("127.0.0.1", 0))[1])
+        sb = Sender("127.0.0.1", (await b.start("127.0.0.1", 0))[1])
+        welcomed: set[Sender] = set()
+        pool = ThreadPoolExecutor(1)
+        fs = FollowSet(f_dir, lambda: SECRET, "F", pool, lambda s, w: welcomed.add(s))
+        try:
+            await fs.set({sa: Scope(True, frozenset({VA, VB}))})
+            await _until("A's bulk sync", lambda: fs.synced and read(f"{VB}/q/msgs.1") == b"HEADb1")
+            live(a, a_dir, f"{VB}/q/msgs.1", b"b2")
+            await _until("A's action on vb", lambda: read(f"{VB}/q/msgs.1") == b"HEADb1b2")
+
+            with pytest.raises(ValueError):
+                await fs.set({sa: Scope(True, frozenset({VA, VB})), sb: Scope(False, frozenset({VB}))})
+            await fs.set({sa: Scope(True, frozenset({VA})), sb: Scope(False, frozenset({VB}))})
+            assert fs.scopes() == {sa: Scope(True, frozenset({VA})), sb: Scope(False, frozenset({VB}))}
+            await _until("both bulk syncs", lambda: fs.synced and read(f"{VB}/q/msgs.1") == b"HEADb1B")
+            assert welcomed == {sa, sb}
+            live(a, a_dir, f"{VB}/q/msgs.1", b"stale")  # A no longer leads vb: not sent to F
+            live(a, a_dir, f"{VA}/q/msgs.1", b"a2")
+            live(b, b_dir, f"{VB}/q/msgs.1", b"b3")
+            await _until("the live actions", lambda: read(f"{VA}/q/msgs.1") == b"HEADa1a2"
+                         and read(f"{VB}/q/msgs.1") == b"HEADb1Bb3")
+            await _until("F in both ISRs", lambda: a.isr == {"F"} and b.isr == {"F"})
+            assert read("users.json") == b'{"users": 1}'
+        finally:
+            await fs.close()
+            await a.stop()
+            await b.stop()
+            pool.shutdown(wait=True)
 
     asyncio.run(scenario())
