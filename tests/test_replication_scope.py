@@ -92,7 +92,8 @@ def test_a_follower_of_two_senders_takes_from_each_only_its_scope(tmp_path: Path
                     fh.write(data)
                 sink.append(root / rel, data)
             barriers = [a.barrier(), b.barrier()]
-            await _until("the live actions", lambda: (f_dir / VB / "q" / "msgs.1").read_bytes() == b"HEADb1b2b3"
+            await _until("the live actions",
+                         lambda: (f_dir / VB / "q" / "msgs.1").read_bytes() == b"HEADb1b2b3"
                          and (f_dir / VA / "q" / "msgs.1").read_bytes() == b"HEADa1a2")
             # each sender's ISR names the follower, and its confirms wait for it alone
             await _until("F in both ISRs", lambda: a.isr == {"F"} and b.isr == {"F"})
@@ -129,7 +130,8 @@ def test_a_path_outside_the_scope_is_refused_before_it_is_written(tmp_path: Path
 
 
 def test_scope_on_the_wire_round_trips_and_is_bounded() -> None:
-    for scope in (EVERYTHING, Scope(False, None), Scope(True, frozenset()), Scope(False, frozenset({VA, VB}))):
+    for scope in (EVERYTHING, Scope(False, None), Scope(True, frozenset()),
+                  Scope(False, frozenset({VA, VB}))):
         [m] = codec.MessageReader().feed(codec.encode_scope(scope))
         assert m.kind == codec.SCOPE and codec.parse_scope(m.payload) == scope
     for bad in (b"", b"\x04", b"\x01" + b"x" * 19, b"\x02" + b"y" * 20):
@@ -146,8 +148,10 @@ def test_the_leader_reads_no_oversized_scope(tmp_path: Path) -> None:
         _, port = await sink.start("127.0.0.1", 0)
         try:
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(codec.encode_hello(SECRET, "F") + codec.HEAD.pack(codec.SCOPE, codec.SCOPE_MAX_PAYLOAD + 1))
-            welcome = codec.parse_welcome(await asyncio.wait_for(reader.readexactly(codec.WELCOME_SIZE), DEADLINE))
+            oversized = codec.HEAD.pack(codec.SCOPE, codec.SCOPE_MAX_PAYLOAD + 1)
+            writer.write(codec.encode_hello(SECRET, "F") + oversized)
+            raw = await asyncio.wait_for(reader.readexactly(codec.WELCOME_SIZE), DEADLINE)
+            welcome = codec.parse_welcome(raw)
             assert welcome.status == codec.OK
             assert await asyncio.wait_for(reader.read(), DEADLINE) == b""  # closed, nothing sent
             writer.close()

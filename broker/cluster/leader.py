@@ -135,7 +135,8 @@ class FileIndex:
 class FollowerConn:
     """One connected follower: its output stream, positions and sync state."""
 
-    def __init__(self, node_id: str, peer: str, writer: asyncio.StreamWriter, scope: Scope = EVERYTHING) -> None:
+    def __init__(self, node_id: str, peer: str, writer: asyncio.StreamWriter,
+                 scope: Scope = EVERYTHING) -> None:
         self.node_id = node_id
         self.peer = peer
         self.writer = writer
