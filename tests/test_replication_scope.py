@@ -18,7 +18,7 @@ import pytest
 
 from broker.cluster import codec, follower
 from broker.cluster.files import EVERYTHING, Scope, shard_name
-from broker.cluster.follow_set import FollowSet, Sender
+from broker.cluster.follow_set import FollowSet, Sender, follow_plan
 from broker.cluster.follower import Applier
 from broker.cluster.leader import LeaderSink
 
@@ -131,10 +131,10 @@ def test_a_path_outside_the_scope_is_refused_before_it_is_written(tmp_path: Path
 
 def test_scope_on_the_wire_round_trips_and_is_bounded() -> None:
     for scope in (EVERYTHING, Scope(False, None), Scope(True, frozenset()),
-                  Scope(False, frozenset({VA, VB}))):
+                  Scope(False, frozenset({VA, VB})), Scope(True, None, frozenset({VC}))):
         [m] = codec.MessageReader().feed(codec.encode_scope(scope))
         assert m.kind == codec.SCOPE and codec.parse_scope(m.payload) == scope
-    for bad in (b"", b"\x04", b"\x01" + b"x" * 19, b"\x02" + b"y" * 20):
+    for bad in (b"", b"\x04", b"\x01" + b"x" * 19, b"\x02" + b"y" * 21):
         with pytest.raises(codec.CodecError):
             codec.parse_scope(bad)
     with pytest.raises(ValueError):
@@ -218,3 +218,33 @@ def test_a_shard_moving_to_another_sender_is_followed_from_its_new_leader(tmp_pa
             pool.shutdown(wait=True)
 
     asyncio.run(scenario())
+
+
+def test_scopes_that_could_share_a_file_overlap() -> None:
+    every_but_c = Scope(True, None, frozenset({VC}))
+    assert every_but_c.covers("users.json") and every_but_c.covers(f"{VA}/q/m")
+    assert not every_but_c.covers(f"{VC}/q/m") and not every_but_c.everything
+    cases = [(every_but_c, Scope(False, frozenset({VC})), False),
+             (every_but_c, Scope(False, frozenset({VA, VC})), True),
+             (every_but_c, Scope(True, frozenset()), True),  # both take the shared files
+             (Scope(False, None), Scope(False, None, frozenset({VA})), True),
+             (Scope(False, frozenset({VA})), Scope(False, frozenset({VB})), False),
+             (Scope(False, frozenset({VA})), Scope(False, frozenset({VA})), True)]
+    for x, y, expected in cases:
+        assert x.overlaps(y) is expected and y.overlaps(x) is expected, (x, y)
+
+
+def test_the_plan_follows_each_shard_from_the_node_serving_it() -> None:
+    a, b, c = "tcp://10.0.0.1:5679", "tcp://10.0.0.2:5680", "tcp://10.0.0.3:5679"
+    sa, sb, sc = Sender("10.0.0.1", 5679), Sender("10.0.0.2", 5680), Sender("10.0.0.3", 5679)
+    # nobody but the cluster leader serves: follow it for everything (today's cluster)
+    assert follow_plan(b, a, {}) == {sa: EVERYTHING}
+    assert follow_plan(a, a, {}) == {}
+    served = {VA: a, VB: b, VC: c}  # a: the cluster leader, serving va itself
+    assert follow_plan(b, a, served) == {sa: Scope(True, None, frozenset({VB, VC})),
+                                         sc: Scope(False, frozenset({VC}))}
+    assert follow_plan(a, a, served) == {sb: Scope(False, frozenset({VB})), sc: Scope(False, frozenset({VC}))}
+    plan = follow_plan(c, a, served)
+    assert plan == {sa: Scope(True, None, frozenset({VB, VC})), sb: Scope(False, frozenset({VB}))}
+    scopes = list(plan.values())
+    assert not scopes[0].overlaps(scopes[1])

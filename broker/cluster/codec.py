@@ -35,7 +35,8 @@ like any message, so the follower's ack of one is the heartbeat back: a link
 that carries neither is dead within seconds on both sides (version 2).
 Follower -> leader: ``SCOPE`` (version 9) first, right behind the ``Hello``: what this
 connection carries (``files.Scope``: a flags byte, bit 0 the node's shared files, bit 1 every
-shard, then the named shards as 20-byte vhost directory digests, at most ``MAX_SCOPE_SHARDS``);
+shard but the named ones (clear: the named ones), then the named shards as 20-byte vhost
+directory digests, at most ``MAX_SCOPE_SHARDS``);
 the leader reads it before its cut, lists and streams only paths inside it. Then
 ``REQUEST`` (paths the follower lacks or has different),
 ``ACK`` (u64: total uncompressed message bytes applied and fsynced so far) and, during bulk
@@ -113,7 +114,7 @@ MERGE_ACKS: Final = 12
 SCOPE: Final = 13
 
 SCOPE_SHARED: Final = 1  # SCOPE flags: the node's shared files ...
-SCOPE_EVERY_SHARD: Final = 2  # ... every shard (no list follows)
+SCOPE_EVERY_SHARD: Final = 2  # ... every shard but the named ones (else: the named ones)
 MAX_SCOPE_SHARDS: Final = 65536  # shards one SCOPE may name (1.3 MB): bounds what a peer makes us read
 SCOPE_MAX_PAYLOAD: Final = 1 + 20 * MAX_SCOPE_SHARDS
 
@@ -329,7 +330,7 @@ def encode_ack(applied: int) -> bytes:
 
 
 def encode_scope(scope: Scope) -> bytes:
-    shards = sorted(scope.shards or ())
+    shards = sorted(scope.excluded if scope.shards is None else scope.shards)
     if len(shards) > MAX_SCOPE_SHARDS:
         raise ValueError(f"a scope names at most {MAX_SCOPE_SHARDS} shards")
     flags = (SCOPE_SHARED if scope.shared else 0) | (SCOPE_EVERY_SHARD if scope.shards is None else 0)
@@ -350,9 +351,7 @@ def parse_scope(payload: bytes) -> Scope:
         raise CodecError(f"unknown scope flags {flags:#x}")
     names = frozenset(payload[i:i + 20].hex() for i in range(1, len(payload), 20))
     if flags & SCOPE_EVERY_SHARD:
-        if names:
-            raise CodecError("a scope of every shard names none")
-        return Scope(bool(flags & SCOPE_SHARED), None)
+        return Scope(bool(flags & SCOPE_SHARED), None, names)
     return Scope(bool(flags & SCOPE_SHARED), names)
 
 

@@ -50,22 +50,37 @@ def shard_name(vhost: str) -> str:
 class Scope:
     """What one replication connection carries (issue 27: a follower follows the leader of each
     shard for that shard alone): the node's shared files (users, vhosts, global parameters: the
-    cluster leader's) or not, and every shard (``shards`` None) or the named ones (vhost
-    directory names). A follower names it; the sender's bulk sync and stream stay inside it, and
-    the follower refuses, and never deletes, a path outside it."""
+    cluster leader's) or not, and the named shards (vhost directory names), or with ``shards``
+    None every shard but the ``excluded`` ones (those led elsewhere: a vhost created later is
+    covered without a new scope). A follower names it; the sender's bulk sync and stream stay
+    inside it, and the follower refuses, and never deletes, a path outside it."""
 
     shared: bool = True
     shards: frozenset[str] | None = None
+    excluded: frozenset[str] = frozenset()  # with ``shards`` None only
 
     @property
     def everything(self) -> bool:
-        return self.shared and self.shards is None
+        return self.shared and self.shards is None and not self.excluded
 
     def covers(self, rel: str) -> bool:
         shard = shard_of(rel)
         if shard is None:
             return self.shared
-        return self.shards is None or shard in self.shards
+        return shard not in self.excluded if self.shards is None else shard in self.shards
+
+    def overlaps(self, other: Scope) -> bool:
+        """Whether a file could be inside both (two senders must never write one file)."""
+        if self.shared and other.shared:
+            return True
+        if self.shards is None and other.shards is None:
+            return True  # each covers every shard but finitely many
+        if self.shards is None:
+            assert other.shards is not None
+            return bool(other.shards - self.excluded)
+        if other.shards is None:
+            return bool(self.shards - other.excluded)
+        return bool(self.shards & other.shards)
 
 
 EVERYTHING = Scope()

@@ -33,6 +33,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from broker.cluster import codec, follower
 from broker.cluster.files import Scope
@@ -50,15 +51,28 @@ class Sender:
     port: int
 
 
-def overlap(a: Scope, b: Scope) -> bool:
-    """Whether two scopes could both name one file."""
-    if a.shared and b.shared:
-        return True
-    if a.shards is None:
-        return b.shards is None or bool(b.shards)
-    if b.shards is None:
-        return bool(a.shards)
-    return bool(a.shards & b.shards)
+def sender_of(uri: str) -> Sender:
+    """A node's advertised replication URI (``tcp://host:port``) as a ``Sender``."""
+    parts = urlsplit(uri)
+    return Sender(parts.hostname or "127.0.0.1", parts.port or 5679)
+
+
+def follow_plan(me: str, cluster_leader: str, serving: Mapping[str, str]) -> dict[Sender, Scope]:
+    """Whom a node follows for what. ``me`` and ``cluster_leader`` are replication URIs;
+    ``serving`` maps a shard (its vhost directory) to the URI of the node serving it, for the
+    shards a node other than the cluster leader serves. The cluster leader sends the shared files
+    and every shard but those; each other node the shards it serves; nobody the shards we serve."""
+    away = frozenset(shard for shard, uri in serving.items() if uri != cluster_leader)
+    plan: dict[Sender, Scope] = {}
+    if cluster_leader != me:
+        plan[sender_of(cluster_leader)] = Scope(True, None, away)
+    by_node: dict[str, set[str]] = {}
+    for shard, uri in serving.items():
+        if uri not in (cluster_leader, me):
+            by_node.setdefault(uri, set()).add(shard)
+    for uri, shards in sorted(by_node.items()):
+        plan[sender_of(uri)] = Scope(False, frozenset(shards))
+    return plan
 
 
 class _Link:
@@ -96,7 +110,7 @@ class FollowSet:
         senders = list(wanted)
         for i, s in enumerate(senders):
             for t in senders[i + 1:]:
-                if overlap(wanted[s], wanted[t]):
+                if wanted[s].overlaps(wanted[t]):
                     raise ValueError(f"{s} and {t} would both write files of one scope")
         ending = [s for s, link in self.links.items() if wanted.get(s) != link.scope]
         await self._end(ending)
