@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
@@ -20,7 +21,8 @@ from broker.cluster import codec, follower
 from broker.cluster.files import EVERYTHING, Scope, shard_name
 from broker.cluster.follow_set import FollowSet, Sender, follow_plan
 from broker.cluster.follower import Applier
-from broker.cluster.leader import LeaderSink
+from broker.cluster.leader import FollowerConn, LeaderSink
+from broker.cluster.shard_sink import ShardedLeaderSink
 
 SECRET = b"s" * 32
 DEADLINE = 20.0  # seconds: generous under load
@@ -248,3 +250,31 @@ def test_the_plan_follows_each_shard_from_the_node_serving_it() -> None:
     assert plan == {sa: Scope(True, None, frozenset({VB, VC})), sb: Scope(False, frozenset({VB}))}
     scopes = list(plan.values())
     assert not scopes[0].overlaps(scopes[1])
+
+
+def test_a_follower_is_in_the_isr_of_the_shards_it_takes_only(tmp_path: Path) -> None:
+    """On the sender: a follower whose scope leaves shard b out is sent none of b's actions, is
+    no replica of b, is not named in b's ISR key, and b's confirms do not wait for it."""
+    async def scenario() -> None:
+        async def publish(members: list[str]) -> bool:
+            return True
+
+        sink = ShardedLeaderSink(tmp_path, "L", SECRET, publish, lambda shard, members: publish(members))
+        for fid, scope in (("F", EVERYTHING), ("G", Scope(True, frozenset({VA})))):
+            f = FollowerConn(fid, "peer", cast(Any, None), scope)
+            f.backlog, f.synced = None, True
+            sink.followers[fid] = f
+        sink.isr = {"F", "G"}
+        F, G = sink.followers["F"], sink.followers["G"]
+        sink.append(tmp_path / VA / "q" / "seg", b"x" * 10)
+        g_sent = G.sent
+        sink.append(tmp_path / VB / "q" / "seg", b"y" * 10)
+        assert G.sent == g_sent  # b's action not sent to G
+        assert sink.shard_members(VB, ["F", "G", "L"]) == ["F", "L"] and sink.shard_isr(VA) == {"F", "G"}
+        only_b = sink._barrier_at(sink._positions({VB}))
+        sink._on_ack(F, F.sent)
+        await asyncio.wait_for(only_b, DEADLINE)  # G never acked: b's confirm did not wait for it
+        sink._on_ack(G, G.sent)
+        assert sink.shard_replicas(VB) == ["L", "F"] and sink.shard_replicas(VA) == ["L", "F", "G"]
+
+    asyncio.run(scenario())

@@ -64,7 +64,10 @@ class Scope:
         return self.shared and self.shards is None and not self.excluded
 
     def covers(self, rel: str) -> bool:
-        shard = shard_of(rel)
+        return self.takes(shard_of(rel))
+
+    def takes(self, shard: str | None) -> bool:
+        """Whether the shard (a vhost directory; None: the shared files) is inside."""
         if shard is None:
             return self.shared
         return shard not in self.excluded if self.shards is None else shard in self.shards

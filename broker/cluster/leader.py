@@ -175,8 +175,10 @@ class FollowerConn:
             self.send(msg)
 
     def holds(self, shard: str) -> bool:
-        """Whether this follower acked every action of ``shard`` sent to it so far."""
-        return self.synced and self.acked >= max(self.floor, self.shard_sent.get(shard, 0))
+        """Whether this follower acked every action of ``shard`` sent to it so far (never one
+        outside the scope it takes from us)."""
+        return self.synced and self.acked >= max(self.floor, self.shard_sent.get(shard, 0)) \
+            and (self.everything or self.scope.takes(shard))
 
     @property
     def lag(self) -> int:

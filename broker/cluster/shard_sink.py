@@ -102,13 +102,17 @@ class ShardedLeaderSink(LeaderSink):
 
     # ------------------------------------------------------------ ISR per shard
     def shard_isr(self, shard: str) -> set[str]:
-        return self.isr - self.shard_out.get(shard, set())
+        return self.isr - self.shard_out.get(shard, set()) - self._not_taking(shard)
 
     def shard_members(self, shard: str, members: list[str]) -> list[str]:
         """The cluster ISR ``members`` as this shard's ISR key names them: less those behind on
-        it, and those on their way out (a write of the key racing theirs must not name them)."""
-        out = self.shard_out.get(shard, set())
+        it, those on their way out (a write of the key racing theirs must not name them), and
+        followers whose scope leaves the shard out (they take it from another sender)."""
+        out = self.shard_out.get(shard, set()) | self._not_taking(shard)
         return [m for m in members if m not in out and (shard, m) not in self._leaving]
+
+    def _not_taking(self, shard: str) -> set[str]:
+        return {fid for fid, f in self.followers.items() if not f.everything and not f.scope.takes(shard)}
 
     def shard_replicas(self, shard: str) -> list[str]:
         return [m for m in super().shard_replicas(shard) if m not in self.shard_out.get(shard, set())]
