@@ -121,6 +121,18 @@ def shard_holder(raw: bytes) -> str:
         return "?"
 
 
+def shard_server(raw: bytes) -> str | None:
+    """The replication URI of a shard leader that serves its shard (its key's value says
+    ``"serves": true``: the per-shard data path, docs/architecture.md), else None."""
+    try:
+        record = json.loads(raw)
+        if record.get("serves") is True:
+            return str(record["uri"])
+    except (ValueError, KeyError, TypeError, AttributeError):
+        pass
+    return None
+
+
 class EtcdError(Exception):
     pass
 

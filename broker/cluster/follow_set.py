@@ -17,11 +17,12 @@ applies on the same single-worker executor, in arrival order), and only then ope
 that gain a shard. A moved shard is then compared file by file with its new leader (the bulk
 sync of a connection is the compare of its scope: only what differs travels).
 
-A link that ends (its sender restarts, the network fails) is opened again after ``RETRY``
-seconds with the same scope until ``set`` changes it or ``close`` ends it. ``synced`` says
-whether every link completed its bulk sync since it was (re)opened: the node holds every
-shard it follows. Each sender's ``Welcome`` (its client ports) is handed to ``on_welcome``:
-where the router sends a client of a shard that sender leads.
+A link that ends (its sender restarts, the network fails) is reported to ``on_end`` (with
+the error, None for a clean close) and opened again after ``RETRY`` seconds with the same
+scope until ``set`` changes it or ``close`` ends it. ``synced`` says whether every link
+completed its bulk sync since it was (re)opened: the node holds every shard it follows, and
+``on_synced`` runs each time that becomes true. Each sender's ``Welcome`` (its client ports) is
+handed to ``on_welcome``: where the router sends a client of a shard that sender serves.
 """
 
 from __future__ import annotations
@@ -86,7 +87,9 @@ class FollowSet:
     def __init__(self, data_dir: Path, secret: Callable[[], bytes], node_id: str, executor: Executor,
                  on_welcome: Callable[[Sender, codec.Welcome], None] = lambda s, w: None,
                  source_ip: str | None = None,
-                 tls: Callable[[], ssl.SSLContext | None] = lambda: None) -> None:
+                 tls: Callable[[], ssl.SSLContext | None] = lambda: None,
+                 on_synced: Callable[[], None] = lambda: None,
+                 on_end: Callable[[Sender, Exception | None], None] = lambda s, e: None) -> None:
         self.data_dir = data_dir
         self.secret = secret
         self.node_id = node_id
@@ -94,6 +97,8 @@ class FollowSet:
         self.on_welcome = on_welcome
         self.source_ip = source_ip
         self.tls = tls
+        self.on_synced = on_synced
+        self.on_end = on_end
         self.links: dict[Sender, _Link] = {}
         self.errors: dict[Sender, str] = {}  # the last failure of each link, said once
 
@@ -134,18 +139,22 @@ class FollowSet:
         def synced() -> None:
             link.synced = True
             self.errors.pop(sender, None)
+            if self.synced:
+                self.on_synced()
 
         while True:
             link.synced = False
+            error: Exception | None = None
             try:
                 await follower.follow(sender.host, sender.port, self.data_dir, self.secret(), self.node_id,
                                       lambda w: self.on_welcome(sender, w), synced, self.executor,
                                       self.source_ip, self.tls(), scope=link.scope)
-            except (OSError, TimeoutError, asyncio.IncompleteReadError, codec.CodecError,
-                    follower.AuthRefused, follower.ApplyFailed) as exc:
+            except Exception as exc:  # whatever ended the link, the owner hears of it
+                error = exc
                 text = str(exc) or type(exc).__name__
                 if self.errors.get(sender) != text:
                     self.errors[sender] = text
-                    log.warning("replication from %s:%d ended: %s", sender.host, sender.port, text)
+                    log.info("replication from %s:%d ended: %s", sender.host, sender.port, text)
             link.synced = False
+            self.on_end(sender, error)
             await asyncio.sleep(RETRY)

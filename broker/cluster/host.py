@@ -83,6 +83,9 @@ class ShardElection(Protocol):
     def vhosts(self) -> list[str]:
         """The shards (vhost names) of this node's data dir: a leader writes each one's ISR."""
 
+    def serving(self) -> dict[str, str]:
+        """The shards (vhost directories) whose leader serves them, with its replication URI."""
+
 
 class MetricsServer(Protocol):
     @property

@@ -68,7 +68,7 @@ import signal
 import socket
 import ssl
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -78,6 +78,7 @@ from broker import tls
 from broker.cluster import codec, follower
 from broker.cluster.etcd import Etcd, EtcdError
 from broker.cluster.files import NODE_ID_FILE, shard_name
+from broker.cluster.follow_set import FollowSet, Sender, follow_plan, sender_of
 from broker.cluster.hooks import run_hook
 from broker.cluster.host import Host, LeaderBroker, ShardElection
 from broker.cluster.leader import LeaderSink
@@ -144,6 +145,8 @@ class ClusterRunner:
         # Where the proxy of each client port (codec.AMQP_PORT ...) splices to: the leader's
         # replication port for the plain ones (tunnels), its own TLS ports for AMQPS and HTTPS.
         self.targets = [Target() for _ in codec.PORT_NAMES]
+        # per-shard leaders: the AMQP target (a tunnel) of each other node serving shards
+        self.shard_targets: dict[Sender, Target] = {}
         self.repl_tls = tls.replication_tls(config.main, c.tls)
         self.node: LeaderBroker | None = None  # the broker, while this node leads (SIGHUP reloads it)
         self.proxies: list[SpliceProxy] = []
@@ -361,7 +364,8 @@ class ClusterRunner:
         repl_port = port
         task = asyncio.ensure_future(follower.follow(
             host, port, self.data_dir, self.secret, self.node_id, on_welcome, on_synced,
-            self.apply_executor, _source_ip(self.config.clustering.bind), self._client_tls()))
+            self.apply_executor, _source_ip(self.config.clustering.bind), self._client_tls())
+            if self.election is None else self._follow_shards(uri, on_welcome, on_synced))
         changed = asyncio.Event()
         watch = asyncio.ensure_future(self.etcd.watch("leader", changed.set))
         signalled = asyncio.ensure_future(changed.wait())
@@ -437,6 +441,40 @@ class ClusterRunner:
                 log.warning("replication from %s ended: %s", uri, text)
             await self._pause(POLL)
 
+    async def _follow_shards(self, uri: str, on_welcome: Callable[[codec.Welcome], None],
+                             on_synced: Callable[[], None]) -> None:
+        """Per-shard leaders: follow the cluster leader ``uri`` for the shared files and every
+        shard no other node serves, and each node serving shards for those (``follow_set.py``,
+        the plan re-read every ``POLL``); returns or raises as the cluster leader's link ends,
+        as ``follower.follow`` does."""
+        election = self.election
+        assert election is not None
+        leader = sender_of(uri)
+        ended: asyncio.Future[Exception | None] = asyncio.get_running_loop().create_future()
+
+        def welcomed(sender: Sender, w: codec.Welcome) -> None:
+            if sender == leader:
+                on_welcome(w)
+            else:  # a client of a shard it serves is tunnelled to its replication port
+                self.shard_targets[sender] = Target(sender.host if w.ports[codec.AMQP_PORT] else None,
+                                                   sender.port)
+
+        def end(sender: Sender, error: Exception | None) -> None:
+            if sender == leader and not ended.done():
+                ended.set_result(error)
+
+        links = FollowSet(self.data_dir, lambda: self.secret, self.node_id, self.apply_executor, welcomed,
+                          _source_ip(self.config.clustering.bind), self._client_tls, on_synced, end)
+        try:
+            while not ended.done():
+                await links.set(follow_plan(self.uri, uri, election.serving()))
+                await asyncio.wait([ended], timeout=POLL)
+        finally:
+            await links.close()
+        error = ended.result()
+        if error is not None:
+            raise error
+
     async def _start_proxies(self) -> None:
         if self.proxies or self.stopping.is_set() or self.app_stopped:
             return
@@ -501,8 +539,20 @@ class ClusterRunner:
             return None
         a = self.config.amqp
         leader = self.targets[codec.AMQP_PORT]
+        election = self.election
+
+        def serving(vhost: str) -> Target:
+            uri = election.serving().get(shard_name(vhost)) if election is not None else None
+            if uri is None:
+                return leader  # the cluster leader serves it
+            if uri == self.uri:
+                me = sender_of(uri)
+                return Target(me.host, me.port)  # our own broker, through our replication port
+            target = self.shard_targets.get(sender_of(uri))
+            return target if target is not None and target.host is not None else leader
+
         return Routed(Limits(a.channel_max, a.frame_max, a.heartbeat), self.host.amqp_server_properties(),
-                      serving=lambda vhost: leader, login=lambda: leader)
+                      serving=serving, login=lambda: leader)
 
     def _tunnelled(self, which: int) -> Tunnelled:
         return Tunnelled(which, lambda: self.secret, self._client_tls, self.node_id,

@@ -91,6 +91,7 @@ from broker.cluster.etcd import (
     shard_isrs,
     shard_key,
     shard_of_key,
+    shard_server,
 )
 from broker.cluster.files import shard_name
 from broker.cluster.hooks import run_hook
@@ -176,6 +177,7 @@ class ShardLeaders:
         self.held: dict[str, Held] = {}
         self._lease: int | None = None
         self._vhosts: list[str] = []
+        self._serving: dict[str, str] = {}  # shard (vhost directory) -> URI of the node serving it
         self._bg: set[asyncio.Task[Any]] = set()
         view.weight = workers
 
@@ -202,6 +204,12 @@ class ShardLeaders:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.debug("shard list unreadable for now: %s", exc)
         return self._vhosts
+
+    def serving(self) -> dict[str, str]:
+        """The shards whose leader serves them (its key says so), by vhost directory, with that
+        leader's replication URI: a follower takes each from the node serving it
+        (``cluster/follow_set.py`` ``follow_plan``). As of the last pass."""
+        return self._serving
 
     async def pass_once(self) -> None:
         if self.etcd.client is None or self.etcd.lease_id is None:
@@ -233,6 +241,8 @@ class ShardLeaders:
                                              if values.get(v) != want[v]},
                                             [v for v in values if v not in vhosts], isr_raw)
         shown: dict[str, dict[str, Any]] = {}
+        self._serving = {shard_name(v): uri for v in vhosts if (found := keys.get(shard_key(v))) is not None
+                         and (uri := shard_server(found[0])) is not None}
         sink = self.view.sink if self.view.is_leader() else None
         for vhost in vhosts:
             isr = in_sync(members, isrs.get(vhost, isr_list))
