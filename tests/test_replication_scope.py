@@ -278,3 +278,11 @@ def test_a_follower_is_in_the_isr_of_the_shards_it_takes_only(tmp_path: Path) ->
         assert sink.shard_replicas(VB) == ["L", "F"] and sink.shard_replicas(VA) == ["L", "F", "G"]
 
     asyncio.run(scenario())
+
+
+def test_a_shard_leader_key_names_its_server_only_when_it_says_it_serves() -> None:
+    from broker.cluster.etcd import shard_server
+    assert shard_server(b'{"node_id": "b", "uri": "tcp://10.0.0.2:5679"}') is None  # leads, not serving yet
+    assert shard_server(b'{"node_id": "b", "uri": "tcp://10.0.0.2:5679", "serves": true}') == "tcp://10.0.0.2:5679"
+    for junk in (b"not json", b"[1]", b'{"serves": true}', b'{"serves": 1, "uri": "x"}'):
+        assert shard_server(junk) is None
