@@ -59,9 +59,11 @@ itself across the suite; docs/architecture.md, "Per-shard leaders", has the plan
 * What is not yet: the data path. Clients are still served by the cluster leader (the node
   holding ``<prefix>/leader``) and replicated by its single stream; a follower's AMQP proxy
   already routes each connection by the vhost of its ``connection.open``
-  (``cluster/vhost_route.py``), to the cluster leader for every vhost for now. The next steps, in order:
-  replication scoped by shard (one replication connection per peer pair, each event tagged
-  with its shard, one ISR key per shard beside the leader key); the node leading a shard
+  (``cluster/vhost_route.py``), to the cluster leader for every vhost for now. Built for the
+  next step: a replication connection carries a scope (``cluster/files.py`` ``Scope``) and a
+  follower follows each node serving shards for those alone (``cluster/follow_set.py``); a
+  shard leader key whose value says ``"serves": true`` names that node (``serving``), and the
+  router sends the vhost's clients there. Nothing writes it yet: the node leading a shard
   serves it (a broker holding only its shards, as a worker does on one node); a follower's
   proxy chooses the tunnel per shard once the vhost is known (for AMQP after
   ``connection.open``, as the worker hand-over does), while protocols that cannot know the
