@@ -55,7 +55,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from broker import metrics, tls
+from broker import errors, metrics, tls
 from broker.amqp import log_exchange
 from broker.amqp.broker import Broker, server_properties
 from broker.auth.oauth_keys import OAuthKeys, start_oauth
@@ -187,6 +187,9 @@ class Node:
         self.log_exchange: log_exchange.LogExchangeHandler | None = None
         self._app_running = True  # skredctl stop_app/start_app (stop_app below)
         self._app_lock = asyncio.Lock()
+        # A cluster node serving the shards it leads (``[clustering] shard_leaders``): the vhosts
+        # this broker holds (None: every one); ``open_shard``/``close_shard`` change the set.
+        self.serves: Callable[[str], bool] | None = None
 
     def make_vhost(self, name: str) -> VHost:
         """A ``VHost`` wired to this node's store settings (at boot, and when the API creates one)."""
@@ -194,6 +197,8 @@ class Node:
         assert self._loop is not None and self._syncer is not None
         if self.worker is not None and not self.worker.owns(name):  # one owner per vhost's files
             raise ValueError(f"vhost {name!r} belongs to worker {self.worker.owner(name)} of this node")
+        if self.serves is not None and not self.serves(name):
+            raise ValueError(f"vhost {name!r} is served by another node of the cluster")
         return VHost(
             name, cfg.main.data_dir, segment_size=cfg.main.segment_size, sink=self.sink,
             schedule=self._loop.call_soon, mark_dirty=self._syncer.mark_dirty,
@@ -220,6 +225,8 @@ class Node:
         vhosts: dict[str, VHost] = {}
         for name in vhost_names.list():
             if self.worker is not None and not self.worker.owns(name):
+                continue
+            if self.serves is not None and not self.serves(name):
                 continue
             log.info("loading vhost %r", name)
             vhosts[name] = self.make_vhost(name)
@@ -357,6 +364,50 @@ class Node:
             if worker.owns(name) and name not in broker.vhosts:
                 broker.vhosts[name] = self.make_vhost(name)
                 log.info("vhost %r created", name)
+
+    # --------------------------------------------- shards served at runtime (cluster)
+    # A node leading a shard serves it (docs/architecture.md, "The per-shard data path"): it
+    # boots the shard's vhost from the directory replication wrote when it wins the shard,
+    # and closes it without deleting anything when it loses it. The close is fenced: the
+    # vhost leaves the broker first (no new connection, publish or declare finds it), then
+    # its connections are closed with 320 CONNECTION_FORCED, so no confirm of this node
+    # reaches a client of the shard afterwards (a publish still waiting for its group commit
+    # is never confirmed: its publisher sends it again to the shard's next server); only then
+    # do its stores write their last bytes (through the sink) and close, fsynced.
+    async def open_shard(self, name: str) -> bool:
+        """Serve vhost ``name`` from its directory (the replicated list names it); False when
+        it is unknown or served already."""
+        broker, store = self.broker, self.vhost_store
+        if broker is None or store is None or name in broker.vhosts:
+            return False
+        store.reload()  # the list replication wrote last
+        if name not in store.list():
+            return False
+        vh = self.make_vhost(name)
+        broker.vhosts[name] = vh
+        log.info("shard %r served: %d exchanges, %d queues", name, len(vh.exchanges), len(vh.queues))
+        return True
+
+    async def close_shard(self, name: str, reason: str = "the shard moved to another node") -> bool:
+        """Stop serving vhost ``name``, fenced (above); its files stay. False when not served."""
+        broker = self.broker
+        vh = broker.vhosts.pop(name, None) if broker is not None else None
+        if broker is None or vh is None:
+            return False
+        closed = 0
+        for session in list(broker.connections):
+            if session.vhost == name:
+                session.close_connection(errors.ConnectionForced(reason))
+                session.wakeup()
+                closed += 1
+        syncer = broker.syncer
+        for q in vh.queues.values():
+            syncer.discard(q.store)
+        syncer.discard(vh.definitions)
+        vh.close()
+        await asyncio.to_thread(syncfs, vh.dir)
+        log.info("shard %r closed (%d connections): %s", name, closed, reason)
+        return True
 
     async def read_stores(self) -> None:
         """Recover the queue stores the boot deferred (``VHost``: a plain durable queue's
