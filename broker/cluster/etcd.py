@@ -506,6 +506,38 @@ class Etcd:
             compare=[tx.create(key) == create_revision], success=[tx.delete(key)], failure=[]))
         return bool(ok)
 
+    async def put_if(self, name: str, create_revision: int, value: bytes) -> bool:
+        """Rewrite ``<prefix>/<name>`` (kept on our lease) if it is still the one created at
+        ``create_revision``: a shard leader saying it serves its shard (``"serves": true``)
+        cannot mark a successor's key."""
+        if self.lease_id is None or self.client is None or not self.lease_alive():
+            return False
+        key = self.key(name)
+        tx = self.client.transactions
+        ok, _ = await self._call(self.client.transaction(
+            compare=[tx.create(key) == create_revision], success=[tx.put(key, value, lease=self.lease_id)],
+            failure=[]))
+        return bool(ok)
+
+    async def write_served_isr(self, vhost: str, term: int, members: list[str]) -> bool | None:
+        """The ISR of a shard we serve, fenced on our leadership of that shard (its leader key
+        still the one created at ``term``), not on the cluster's: the node serving a shard
+        replicates it, so it alone writes its key. True/False/None as ``write_isr``."""
+        if not self.lease_alive():
+            return False
+        if self.client is None:
+            return None
+        tx = self.client.transactions
+        try:
+            ok, _ = await self._call(self.client.transaction(
+                compare=[tx.create(self.key(shard_key(vhost))) == term],
+                success=[tx.put(self.key(shard_isr_key(vhost)), json.dumps(members).encode())],
+                failure=[]))
+        except EtcdError as exc:
+            log.warning("shard %r ISR write failed: %s", vhost, exc)
+            return None
+        return bool(ok)
+
     async def still_leader(self) -> bool:
         # Never wait past the lease deadline: by then the answer no longer matters.
         timeout = max(0.05, min(CALL_TIMEOUT, self.lease_deadline() - time.monotonic()))

@@ -83,6 +83,10 @@ class ShardElection(Protocol):
     def vhosts(self) -> list[str]:
         """The shards (vhost names) of this node's data dir: a leader writes each one's ISR."""
 
+    def replicated(self) -> list[str]:
+        """The vhosts whose ISR keys this node writes as the cluster leader: every one no other
+        node serves (that node writes its own, ``Etcd.write_served_isr``)."""
+
     def serving(self) -> dict[str, str]:
         """The shards (vhost directories) whose leader serves them, with its replication URI."""
 

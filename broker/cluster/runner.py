@@ -606,14 +606,14 @@ class ClusterRunner:
         sink = self.view.sink if isinstance(self.view.sink, ShardedLeaderSink) else None
         return await self.etcd.write_isr(members, {
             v: sink.shard_members(shard_name(v), members) if sink is not None else members
-            for v in self.election.vhosts()})
+            for v in self.election.replicated()})  # a shard served elsewhere: its server's key
 
     async def _write_shard_isr(self, shard: str, members: list[str]) -> bool | None:
         """One shard's ISR (``ShardedLeaderSink``: a member fell behind on it or caught up)."""
-        vhosts = self.election.vhosts() if self.election is not None else []
+        vhosts = self.election.replicated() if self.election is not None else []
         vhost = next((v for v in vhosts if shard_name(v) == shard), None)
         if vhost is None:
-            return True  # deleted meanwhile: the election pass deletes its key
+            return True  # deleted meanwhile (the election pass deletes its key), or served elsewhere
         return await self.etcd.write_shard_isr(vhost, members)
 
     async def _lead(self) -> int | None:

@@ -124,6 +124,12 @@ def in_sync(members: Mapping[str, Mapping[str, Any]], isr: list[str] | None) -> 
     return warm if isr is None else set(isr) & warm
 
 
+def replicated_here(vhosts: list[str], serving: Mapping[str, str], uri: str) -> list[str]:
+    """Of ``vhosts``, those the cluster leader (replication URI ``uri``) replicates: every one
+    but those another node serves (``serving``: vhost directory -> its server's URI)."""
+    return [v for v in vhosts if serving.get(shard_name(v), uri) == uri]
+
+
 def live_nodes(members: Mapping[str, Mapping[str, Any]]) -> dict[str, int]:
     """The nodes shards may be placed on (node id -> weight): every member but a draining one."""
     return {n: _weight(m) for n, m in members.items() if m.get("draining") is not True}
@@ -207,6 +213,10 @@ class ShardLeaders:
             log.debug("shard list unreadable for now: %s", exc)
         return self._vhosts
 
+    def replicated(self) -> list[str]:
+        """The vhosts whose ISR keys the cluster leader writes: those no other node serves."""
+        return replicated_here(self.vhosts(), self._serving, self.uri)
+
     def serving(self) -> dict[str, str]:
         """The shards whose leader serves them (its key says so), by vhost directory, with that
         leader's replication URI: a follower takes each from the node serving it
@@ -230,21 +240,23 @@ class ShardLeaders:
         keys = await self.etcd.get_prefix(SHARDS)
         isrs = shard_isrs(keys)  # a shard without its own ISR key yet goes by the cluster's
         vhosts = self.vhosts()
+        self._serving = {shard_name(v): uri for v in vhosts if (found := keys.get(shard_key(v))) is not None
+                         and (uri := shard_server(found[0])) is not None}
         if self.view.is_leader() and isr_raw is not None and isr_list is not None:
-            # we replicate every shard, so each shard's ISR is the cluster's less the members
-            # behind on it (ShardedLeaderSink): a vhost created since the last ISR write gets its
-            # key, a deleted one's goes, a stray value is mended
+            # we replicate every shard no other node serves, so each one's ISR is the cluster's
+            # less the members behind on it (ShardedLeaderSink): a vhost created since the last
+            # ISR write gets its key, a deleted one's goes, a stray value is mended; the key of a
+            # shard served elsewhere is its server's alone
             values = shard_isr_values(keys)
             sink = self.view.sink
+            ours = replicated_here(vhosts, self._serving, self.uri)
             want = {v: json.dumps(sink.shard_members(shard_name(v), isr_list)
                                   if isinstance(sink, ShardedLeaderSink) else isr_list).encode()
-                    for v in vhosts}
-            await self.etcd.mend_shard_isrs({v: (values.get(v), want[v]) for v in vhosts
+                    for v in ours}
+            await self.etcd.mend_shard_isrs({v: (values.get(v), want[v]) for v in ours
                                              if values.get(v) != want[v]},
                                             [v for v in values if v not in vhosts], isr_raw)
         shown: dict[str, dict[str, Any]] = {}
-        self._serving = {shard_name(v): uri for v in vhosts if (found := keys.get(shard_key(v))) is not None
-                         and (uri := shard_server(found[0])) is not None}
         sink = self.view.sink if self.view.is_leader() else None
         for vhost in vhosts:
             isr = in_sync(members, isrs.get(vhost, isr_list))
