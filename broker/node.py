@@ -190,6 +190,7 @@ class Node:
         # A cluster node serving the shards it leads (``[clustering] shard_leaders``): the vhosts
         # this broker holds (None: every one); ``open_shard``/``close_shard`` change the set.
         self.serves: Callable[[str], bool] | None = None
+        self.lock_data_dir = True  # False: the cluster runner holds it (a node serving its shards)
 
     def make_vhost(self, name: str) -> VHost:
         """A ``VHost`` wired to this node's store settings (at boot, and when the API creates one)."""
@@ -251,8 +252,9 @@ class Node:
         # serve() checked it is a writable directory; no probe file here: in a cluster this data
         # dir is being replicated.
         cfg.main.data_dir.mkdir(parents=True, exist_ok=True)
-        lock = self.lock = DataDirLock(cfg.main.data_dir)
-        lock.acquire()
+        if self.lock_data_dir:
+            lock = self.lock = DataDirLock(cfg.main.data_dir)
+            lock.acquire()
         if self.worker is None and (cfg.main.data_dir / layout.WORKERS_DIR).is_dir():
             # this data dir ran several workers: their vhosts come back (broker/shards/layout.py)
             names = VHostStore(cfg.main.data_dir / "vhosts.json", NULL_SINK).list()
@@ -860,6 +862,14 @@ class NodeHost:
 
     def amqp_server_properties(self) -> dict[str, Any]:
         return server_properties()
+
+    def shard_broker(self, config: Config, sink: ReplicationSink, cluster: ClusterInfo,
+                     replicated: Callable[[list[Syncable]], asyncio.Future[None]],
+                     serves: Callable[[str], bool]) -> Node:
+        node = self.leader_broker(config, sink, cluster, replicated)
+        node.serves = serves
+        node.lock_data_dir = False  # the runner's, while this node follows the cluster leader
+        return node
 
     def shard_election(self, config: Config, etcd: Etcd, node_id: str, uri: str,
                        view: ClusterView) -> ShardLeaders:

@@ -71,6 +71,16 @@ class LeaderBroker(Protocol):
         followers that authenticated, whose proxies splice clients to us)."""
 
 
+class ShardBroker(LeaderBroker, Protocol):
+    """A broker holding only the shards this node serves (``cluster/shard_server.py``)."""
+
+    async def open_shard(self, name: str) -> bool:
+        """Serve vhost ``name`` from its replicated directory; False if unknown or served."""
+
+    async def close_shard(self, name: str, reason: str = ...) -> bool:
+        """Stop serving ``name``, fenced (its clients closed first); its files stay."""
+
+
 class ShardElection(Protocol):
     """Per-shard leadership (``[clustering] shard_leaders``, ``broker/shards/leaders.py``)."""
 
@@ -107,6 +117,11 @@ class Host(Protocol):
     def leader_broker(self, config: Config, sink: ReplicationSink, cluster: ClusterState,
                       replicated: Replicated) -> LeaderBroker:
         """A broker to start as leader: confirms wait for ``replicated(dirty)`` (the ISR)."""
+
+    def shard_broker(self, config: Config, sink: ReplicationSink, cluster: ClusterState,
+                     replicated: Replicated, serves: Callable[[str], bool]) -> ShardBroker:
+        """A broker on this node's data dir (whose lock the runner holds) serving only the
+        vhosts ``serves`` names (``cluster/shard_server.py``)."""
 
     def reload(self, leader: LeaderBroker | None) -> None:
         """SIGHUP: re-read the configuration and apply what can change at runtime (``leader``:
