@@ -17,10 +17,12 @@ import aio_pika
 import pytest
 from aio_pika.exceptions import AMQPError
 
-from broker.cluster import follower
+from broker.cluster import codec, follower
 from broker.cluster.files import Scope, shard_name
+from broker.cluster.proxy import Routed, SpliceProxy, Target, Tunnelled
 from broker.cluster.shard_server import ShardServer
 from broker.cluster.status import ClusterView
+from broker.cluster.vhost_route import Limits
 from broker.config import load_config
 from broker.node import Node, NodeHost
 from broker.store.paths import vhost_dir
@@ -91,6 +93,24 @@ def test_a_node_serves_its_shard_and_confirms_wait_for_the_shards_follower(tmp_p
                 assert _held(f_dir, "v", body)  # confirmed: the shard's follower holds it already
             with pytest.raises((AMQPError, ConnectionError)):
                 await aio_pika.connect(f"amqp://guest:guest@{host}:{amqp_port}/w", timeout=5)  # not ours
+            # a client of this node's routed AMQP port reaches the shard through a tunnel to our
+            # own replication port (the router's target for a shard we serve: runner._routed)
+            ours = Target("127.0.0.1", port)
+            proxy = SpliceProxy("amqp", Target(), False, None,
+                                tunnel=Tunnelled(codec.AMQP_PORT, lambda: SECRET, lambda: None),
+                                routed=Routed(Limits(2047, 131072, 60), NodeHost().amqp_server_properties(),
+                                              serving=lambda vhost: ours, login=lambda: ours))
+            proxy_port = await proxy.start("127.0.0.1", 0)
+            try:
+                routed = await aio_pika.connect(f"amqp://guest:guest@127.0.0.1:{proxy_port}/v", timeout=5)
+                rch = await routed.channel(publisher_confirms=True)
+                for i in range(5):
+                    body = b"routed-%03d" % i
+                    await rch.default_exchange.publish(aio_pika.Message(body, delivery_mode=2), "q")
+                    assert _held(f_dir, "v", body)
+                await routed.close()
+            finally:
+                await proxy.stop()
             assert ("v", ["B", "F"]) in written or ("v", ["F"]) in written, written  # per shard
             assert all(vhost == "v" for vhost, _ in written)
 
