@@ -250,6 +250,9 @@ def test_the_plan_follows_each_shard_from_the_node_serving_it() -> None:
     assert plan == {sa: Scope(True, None, frozenset({VB, VC})), sb: Scope(False, frozenset({VB}))}
     scopes = list(plan.values())
     assert not scopes[0].overlaps(scopes[1])
+    # c won vb from b, which is gone: c takes vb from nobody (not the cluster leader's copy)
+    assert follow_plan(c, a, {VA: a}, paused=frozenset({VB})) == {sa: Scope(True, None, frozenset({VB}))}
+    assert follow_plan(c, a, served, paused=frozenset({VB})) == {sa: Scope(True, None, frozenset({VB, VC}))}
 
 
 def test_a_follower_is_in_the_isr_of_the_shards_it_takes_only(tmp_path: Path) -> None:

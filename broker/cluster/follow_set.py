@@ -58,18 +58,21 @@ def sender_of(uri: str) -> Sender:
     return Sender(parts.hostname or "127.0.0.1", parts.port or 5679)
 
 
-def follow_plan(me: str, cluster_leader: str, serving: Mapping[str, str]) -> dict[Sender, Scope]:
+def follow_plan(me: str, cluster_leader: str, serving: Mapping[str, str],
+                paused: frozenset[str] = frozenset()) -> dict[Sender, Scope]:
     """Whom a node follows for what. ``me`` and ``cluster_leader`` are replication URIs;
     ``serving`` maps a shard (its vhost directory) to the URI of the node serving it, for the
     shards a node other than the cluster leader serves. The cluster leader sends the shared files
-    and every shard but those; each other node the shards it serves; nobody the shards we serve."""
-    away = frozenset(shard for shard, uri in serving.items() if uri != cluster_leader)
+    and every shard but those; each other node the shards it serves; nobody the shards we serve,
+    nor the ``paused`` ones (a shard we won from a server that is gone: our copy holds its
+    confirmed messages, a bulk sync from anyone else's could take some back)."""
+    away = frozenset(shard for shard, uri in serving.items() if uri != cluster_leader) | paused
     plan: dict[Sender, Scope] = {}
     if cluster_leader != me:
         plan[sender_of(cluster_leader)] = Scope(True, None, away)
     by_node: dict[str, set[str]] = {}
     for shard, uri in serving.items():
-        if uri not in (cluster_leader, me):
+        if uri not in (cluster_leader, me) and shard not in paused:
             by_node.setdefault(uri, set()).add(shard)
     for uri, shards in sorted(by_node.items()):
         plan[sender_of(uri)] = Scope(False, frozenset(shards))
