@@ -73,6 +73,8 @@ WARN_EVERY = 30.0  # seconds between reminders while etcd keeps failing
 SHARDS = "shards/"  # per-shard leader keys: <prefix>/shards/<quoted vhost>/leader (broker/shards/leaders.py)
 _SHARD_LEADER = "/leader"
 _SHARD_ISR = "/isr"  # beside it, the shard's ISR: written with the cluster's (``write_isr``)
+# beside it too: the term of the holder the shard's last server handed it to (``release_shard``)
+_SHARD_RELEASED = "/released"
 
 
 def shard_key(vhost: str) -> str:
@@ -90,6 +92,21 @@ def shard_of_key(key: str) -> str | None:
 def shard_isr_key(vhost: str) -> str:
     """The key (under the prefix) of a vhost's shard ISR, beside its leader key."""
     return SHARDS + quote(vhost, safe="") + _SHARD_ISR
+
+
+def shard_released_key(vhost: str) -> str:
+    """The key (under the prefix) naming the term a vhost's shard was last handed over to."""
+    return SHARDS + quote(vhost, safe="") + _SHARD_RELEASED
+
+
+def shard_released(keys: Mapping[str, tuple[bytes, int]], vhost: str) -> int | None:
+    """The term ``vhost``'s shard was last released to, from keys as ``get_prefix(SHARDS)``
+    returns them (None: never, or unreadable)."""
+    found = keys.get(shard_released_key(vhost))
+    try:
+        return int(found[0]) if found is not None else None
+    except ValueError:
+        return None
 
 
 def shard_isr_values(keys: Mapping[str, tuple[bytes, int]]) -> dict[str, bytes]:
@@ -516,6 +533,20 @@ class Etcd:
         tx = self.client.transactions
         ok, _ = await self._call(self.client.transaction(
             compare=[tx.create(key) == create_revision], success=[tx.put(key, value, lease=self.lease_id)],
+            failure=[]))
+        return bool(ok)
+
+    async def release_shard(self, vhost: str, holder_term: int) -> bool:
+        """Hand ``vhost``'s shard over (the hand-over, docs/architecture.md): called by its server
+        once it closed the shard and the holder of its leader key holds the shard's last action;
+        names the holder's term, and only while the key is still the one created then (a release
+        never reaches a later holder, which must be handed the shard by its own release)."""
+        if self.client is None:
+            return False
+        tx = self.client.transactions
+        ok, _ = await self._call(self.client.transaction(
+            compare=[tx.create(self.key(shard_key(vhost))) == holder_term],
+            success=[tx.put(self.key(shard_released_key(vhost)), str(holder_term).encode())],
             failure=[]))
         return bool(ok)
 

@@ -29,7 +29,15 @@ import pika
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from broker.cluster.etcd import SHARDS, Etcd, shard_isr_key, shard_isrs, shard_key, shard_server
+from broker.cluster.etcd import (
+    SHARDS,
+    Etcd,
+    shard_isr_key,
+    shard_isrs,
+    shard_key,
+    shard_released,
+    shard_server,
+)
 
 from ._support import REPO_ROOT
 from .shard_faults import (
@@ -309,6 +317,11 @@ def test_a_shard_server_marks_its_key_and_writes_its_isr_fenced_on_its_own_term(
             assert shard_server((await new.get(key)) or b"") is None
             assert await new.write_served_isr("v", won, ["n"])
             assert shard_isrs(await new.get_prefix(SHARDS)) == {"v": ["n"]}
+            # the hand-over's release names the holder's term, and only that holder's
+            assert shard_released(await new.get_prefix(SHARDS), "v") is None
+            assert not await old.release_shard("v", term)  # a term that no longer holds it
+            assert await old.release_shard("v", won)
+            assert shard_released(await new.get_prefix(SHARDS), "v") == won
         finally:
             for e in (old, new):
                 await e.revoke()
