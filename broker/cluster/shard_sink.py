@@ -33,7 +33,8 @@ time in order, so every action before this barrier was covered by an earlier one
 
 While one stream carries every shard a follower's acks are one position, so it falls behind
 on one shard only while that shard alone has been written since its last ack; shard leaders
-each streaming their own shard (designed, docs/architecture.md) make the split real. A
+each streaming their own shard (``cluster/shard_server.py``, which runs this sink for the
+shards a node serves; the hand-over driving it is not built yet) make the split real. A
 follower whose connection's scope (``files.Scope``) leaves a shard out takes that shard from
 another sender: it is sent none of its actions, holds no replica of it here and is named in
 no ISR key of it written from here.
