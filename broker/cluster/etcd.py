@@ -401,17 +401,20 @@ class Etcd:
         on our leadership; True/False/None as ``write_isr``."""
         return await self._write_fenced({shard_isr_key(vhost): members})
 
-    async def _write_fenced(self, values: Mapping[str, list[str]]) -> bool | None:
+    async def _write_fenced(self, values: Mapping[str, list[str]], fence: str = "leader",
+                            revision: int | None = None) -> bool | None:
         """Put each key (under the prefix) its JSON value in one transaction fenced on our
-        leadership; True/False/None as ``write_isr``."""
+        leadership (the key ``fence`` still the one created at ``revision``; by default the
+        cluster's leader key and our term of it); True/False/None as ``write_isr``."""
         if not self.lease_alive():
             return False
         if self.client is None:
             return None
         tx = self.client.transactions
+        term = self.leader_revision if revision is None else revision
         try:
             ok, _ = await self._call(self.client.transaction(
-                compare=[tx.create(self.key("leader")) == self.leader_revision],
+                compare=[tx.create(self.key(fence)) == term],
                 success=[tx.put(self.key(name), json.dumps(value).encode())
                          for name, value in values.items()],
                 failure=[],
@@ -554,20 +557,7 @@ class Etcd:
         """The ISR of a shard we serve, fenced on our leadership of that shard (its leader key
         still the one created at ``term``), not on the cluster's: the node serving a shard
         replicates it, so it alone writes its key. True/False/None as ``write_isr``."""
-        if not self.lease_alive():
-            return False
-        if self.client is None:
-            return None
-        tx = self.client.transactions
-        try:
-            ok, _ = await self._call(self.client.transaction(
-                compare=[tx.create(self.key(shard_key(vhost))) == term],
-                success=[tx.put(self.key(shard_isr_key(vhost)), json.dumps(members).encode())],
-                failure=[]))
-        except EtcdError as exc:
-            log.warning("shard %r ISR write failed: %s", vhost, exc)
-            return None
-        return bool(ok)
+        return await self._write_fenced({shard_isr_key(vhost): members}, shard_key(vhost), term)
 
     async def still_leader(self) -> bool:
         # Never wait past the lease deadline: by then the answer no longer matters.
