@@ -1,0 +1,78 @@
+"""The hand-over of a shard between the nodes serving it (step 2 of the per-shard data path).
+
+Theory of operation
+-------------------
+A shard is served by one node at a time: the cluster leader while no shard leader key says
+``"serves": true``, else the node whose key says so. Its election (``shards/leaders.py``) may
+give its key to another node while the current server still serves it; serving must then move
+without a confirmed message being taken back and without two nodes confirming for it at once.
+``step`` is the rule each node applies to each shard on every pass, from what the pass read in
+etcd (``Seen``) and what the node knows of itself; the runner carries it out.
+
+* The current server keeps serving while it holds the shard's key (``SERVE``), and closes it,
+  fenced, as soon as another node holds it or nobody does (``CLOSE``): no confirm of the shard
+  leaves it afterwards.
+* A node that closed a shard hands it over once the holder holds the shard's last action
+  (its acks on our stream say so): it writes the release naming the holder's term
+  (``RELEASE``; ``Etcd.release_shard``, written only while that holder's key stands).
+* The holder opens the shard (``OPEN``: its links drop the shard, their last batch written,
+  then the broker boots it from its copy, and only then its key says ``serves``) on a release
+  for its own term, or when the previous server's key is gone (its lease expired, or it
+  resigned: a new holder's key exists only then) and the shard's ISR key names the holder:
+  that server's confirms waited for every member of that key, and a write of the key without
+  us is fenced on a term that is no longer its own. Our links drop the shard before it opens,
+  their last batch written, so every action we acked is in our copy.
+* While a shard's previous server (not the cluster leader) is gone and no other node has
+  marked it, a node follows it from nobody (``PAUSE``): the cluster leader's copy may be stale,
+  and a bulk sync from it would take confirmed messages back. A holder that never saw the
+  previous server cannot tell it was gone, so it waits for a release (``FOLLOW``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Step(Enum):
+    FOLLOW = "follow"  # follow it from its server (or the cluster leader): nothing to do
+    SERVE = "serve"  # we serve it and hold its key: go on
+    CLOSE = "close"  # we serve it without holding its key: close it, fenced
+    RELEASE = "release"  # we closed it and its holder holds its last action: release it to that term
+    OPEN = "open"  # we hold it and our copy is its last: open it, then mark it served
+    PAUSE = "pause"  # its server is gone and nobody serves it yet: follow it from nobody
+
+
+@dataclass(frozen=True)
+class Seen:
+    """One shard as a pass read it in etcd."""
+
+    holder: str | None  # the node id its leader key names (None: no key)
+    term: int  # that key's create revision (0: no key)
+    server: str | None  # the replication URI its key says serves it (None: no mark)
+    isr: list[str] | None  # its ISR key (None: none written)
+    released: int | None  # the term it was last released to
+
+
+def step(me: str, seen: Seen, *, serving_here: bool, closed_here: bool, last_server: str | None,
+         cluster_leader: str, holder_has_all: bool) -> Step:
+    """What node ``me`` does with one shard this pass. ``serving_here``: our broker serves it;
+    ``closed_here``: we served it and closed it since, not released yet; ``last_server``: the
+    URI of the last node seen marking it served (None: never seen one, the cluster leader
+    served it); ``cluster_leader``: the cluster leader's URI; ``holder_has_all``: the holder's
+    acks on our stream cover the shard's last action (only asked once we closed it)."""
+    ours = seen.holder == me
+    if serving_here:
+        return Step.SERVE if ours else Step.CLOSE
+    if closed_here and seen.holder is not None and not ours:
+        if seen.released != seen.term and holder_has_all:
+            return Step.RELEASE
+        return Step.FOLLOW
+    server_gone = seen.server is None and last_server not in (None, cluster_leader)
+    if ours:
+        if seen.released == seen.term:
+            return Step.OPEN
+        if server_gone:
+            return Step.OPEN if seen.isr is not None and me in seen.isr else Step.PAUSE
+        return Step.FOLLOW
+    return Step.PAUSE if server_gone else Step.FOLLOW
