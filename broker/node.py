@@ -866,7 +866,9 @@ class NodeHost:
     def shard_broker(self, config: Config, sink: ReplicationSink, cluster: ClusterInfo,
                      replicated: Callable[[list[Syncable]], asyncio.Future[None]],
                      serves: Callable[[str], bool]) -> Node:
-        node = self.leader_broker(config, sink, cluster, replicated)
+        node = Node(config, sink)  # this config, not the reloaded one: only its shards' listener
+        node.cluster = cluster
+        node.replicated = replicated
         node.serves = serves
         node.lock_data_dir = False  # the runner's, while this node follows the cluster leader
         return node

@@ -11,10 +11,11 @@ etcd (``Seen``) and what the node knows of itself; the runner carries it out.
 
 * The current server keeps serving while it holds the shard's key (``SERVE``), and closes it,
   fenced, as soon as another node holds it or nobody does (``CLOSE``): no confirm of the shard
-  leaves it afterwards.
+  leaves it afterwards. The cluster leader serves, by default, every shard nobody holds.
 * A node that closed a shard hands it over once the holder holds the shard's last action
   (its acks on our stream say so): it writes the release naming the holder's term
-  (``RELEASE``; ``Etcd.release_shard``, written only while that holder's key stands).
+  (``RELEASE``; ``Etcd.release_shard``, written only while that holder's key stands), again for
+  each later holder until one marks the shard served.
 * The holder opens the shard (``OPEN``: its links drop the shard, their last batch written,
   then the broker boots it from its copy, and only then its key says ``serves``) on a release
   for its own term, or when the previous server's key is gone (its lease expired, or it
@@ -30,6 +31,7 @@ etcd (``Seen``) and what the node knows of itself; the runner carries it out.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 
@@ -55,15 +57,16 @@ class Seen:
 
 
 def step(me: str, seen: Seen, *, serving_here: bool, closed_here: bool, last_server: str | None,
-         cluster_leader: str, holder_has_all: bool) -> Step:
+         cluster_leader: str, holder_has_all: bool, default_server: bool = False) -> Step:
     """What node ``me`` does with one shard this pass. ``serving_here``: our broker serves it;
     ``closed_here``: we served it and closed it since, not released yet; ``last_server``: the
     URI of the last node seen marking it served (None: never seen one, the cluster leader
     served it); ``cluster_leader``: the cluster leader's URI; ``holder_has_all``: the holder's
-    acks on our stream cover the shard's last action (only asked once we closed it)."""
+    acks on our stream cover the shard's last action (only asked once we closed it);
+    ``default_server``: we are the cluster leader, which serves every shard nobody else holds."""
     ours = seen.holder == me
     if serving_here:
-        return Step.SERVE if ours else Step.CLOSE
+        return Step.SERVE if ours or (seen.holder is None and default_server) else Step.CLOSE
     if closed_here and seen.holder is not None and not ours:
         if seen.released != seen.term and holder_has_all:
             return Step.RELEASE
@@ -76,3 +79,37 @@ def step(me: str, seen: Seen, *, serving_here: bool, closed_here: bool, last_ser
             return Step.OPEN if seen.isr is not None and me in seen.isr else Step.PAUSE
         return Step.FOLLOW
     return Step.PAUSE if server_gone else Step.FOLLOW
+
+
+class Moves:
+    """One node's memory of the moves across passes: the shards it closed and has not released
+    yet, the last server seen for each shard, and the shards it follows from nobody."""
+
+    def __init__(self, me: str) -> None:
+        self.me = me
+        self.closed: set[str] = set()  # vhosts
+        self.last_server: dict[str, str] = {}  # vhost -> the URI its key last said served it
+        self.paused: set[str] = set()  # vhosts followed from nobody (``follow_set.follow_plan``)
+
+    def steps(self, seen: Mapping[str, Seen], cluster_leader: str, serving_here: Callable[[str], bool],
+              holder_has_all: Callable[[str, str], bool], default_server: bool) -> list[tuple[str, Step]]:
+        """Each shard's step this pass (``step``); the paused set follows them: a shard to open
+        or without a server is paused, one followed again is not."""
+        out: list[tuple[str, Step]] = []
+        for vhost, s in sorted(seen.items()):
+            if s.server is not None:
+                self.last_server[vhost] = s.server
+                if s.holder != self.me:  # served elsewhere now: nothing of ours left to release
+                    self.closed.discard(vhost)
+            has_all = vhost in self.closed and s.holder is not None and holder_has_all(vhost, s.holder)
+            what = step(self.me, s, serving_here=serving_here(vhost), closed_here=vhost in self.closed,
+                        last_server=self.last_server.get(vhost), cluster_leader=cluster_leader,
+                        holder_has_all=has_all, default_server=default_server)
+            if what in (Step.PAUSE, Step.OPEN):
+                self.paused.add(vhost)
+            elif what is Step.FOLLOW:
+                self.paused.discard(vhost)
+            out.append((vhost, what))
+        for gone in self.paused - set(seen):
+            self.paused.discard(gone)
+        return out

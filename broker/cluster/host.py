@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from broker.cluster.etcd import Etcd
+from broker.cluster.handover import Seen
 from broker.cluster.status import ClusterView
 from broker.config import Config
 from broker.store.sink import ReplicationSink
@@ -70,9 +71,8 @@ class LeaderBroker(Protocol):
         """Accept PROXY protocol headers from the addresses in ``peers`` (a live set: the
         followers that authenticated, whose proxies splice clients to us)."""
 
-
-class ShardBroker(LeaderBroker, Protocol):
-    """A broker holding only the shards this node serves (``cluster/shard_server.py``)."""
+    # per-shard leaders: the vhosts this broker holds (None: every one), set before ``start``
+    serves: Callable[[str], bool] | None
 
     async def open_shard(self, name: str) -> bool:
         """Serve vhost ``name`` from its replicated directory; False if unknown or served."""
@@ -81,8 +81,14 @@ class ShardBroker(LeaderBroker, Protocol):
         """Stop serving ``name``, fenced (its clients closed first); its files stay."""
 
 
+class ShardBroker(LeaderBroker, Protocol):
+    """A broker holding only the shards this node serves (``cluster/shard_server.py``)."""
+
+
 class ShardElection(Protocol):
     """Per-shard leadership (``[clustering] shard_leaders``, ``broker/shards/leaders.py``)."""
+
+    closed: set[str]  # the vhosts the cluster leader's broker closed (served elsewhere soon)
 
     async def run(self) -> None:
         """Campaign for, hold and hand back shards until cancelled."""
@@ -99,6 +105,15 @@ class ShardElection(Protocol):
 
     def serving(self) -> dict[str, str]:
         """The shards (vhost directories) whose leader serves them, with its replication URI."""
+
+    def seen(self) -> dict[str, Seen]:
+        """Each shard's keys (vhost -> ``handover.Seen``) as the last pass read them."""
+
+    async def mark_served(self, vhost: str) -> bool:
+        """Say in ``vhost``'s leader key (ours) that this node serves it."""
+
+    def term_of(self, vhost: str) -> int | None:
+        """Our term of ``vhost``'s shard (None: we do not lead it)."""
 
 
 class MetricsServer(Protocol):

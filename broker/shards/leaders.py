@@ -93,13 +93,16 @@ from broker.cluster.etcd import (
     shard_isrs,
     shard_key,
     shard_of_key,
+    shard_released,
     shard_server,
 )
 from broker.cluster.files import shard_name
+from broker.cluster.handover import Seen
 from broker.cluster.hooks import run_hook
 from broker.cluster.shard_sink import ShardedLeaderSink
 from broker.cluster.status import ClusterView
 from broker.config import Config
+from broker.errors import StoreError
 from broker.shards.placement import node_of, vhost_shard
 from broker.store.jsonstore import read_json
 
@@ -186,6 +189,8 @@ class ShardLeaders:
         self._lease: int | None = None
         self._vhosts: list[str] = []
         self._serving: dict[str, str] = {}  # shard (vhost directory) -> URI of the node serving it
+        self._seen: dict[str, Seen] = {}  # vhost -> its keys as the last pass read them
+        self.closed: set[str] = set()  # vhosts the cluster leader's broker closed: their keys are not ours
         self._bg: set[asyncio.Task[Any]] = set()
         view.weight = workers
 
@@ -209,19 +214,36 @@ class ShardLeaders:
             data = read_json(self.vhosts_path, None)
             if data is not None:
                 self._vhosts = sorted({str(v["name"]) for v in data["vhosts"]})
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, StoreError) as exc:  # mid-replacement
             log.debug("shard list unreadable for now: %s", exc)
         return self._vhosts
 
     def replicated(self) -> list[str]:
         """The vhosts whose ISR keys the cluster leader writes: those no other node serves."""
-        return replicated_here(self.vhosts(), self._serving, self.uri)
+        return [v for v in replicated_here(self.vhosts(), self._serving, self.uri) if v not in self.closed]
 
     def serving(self) -> dict[str, str]:
         """The shards whose leader serves them (its key says so), by vhost directory, with that
         leader's replication URI: a follower takes each from the node serving it
         (``cluster/follow_set.py`` ``follow_plan``). As of the last pass."""
         return self._serving
+
+    def seen(self) -> dict[str, Seen]:
+        """Each shard's keys as the last pass read them (the hand-over's input, ``cluster/handover.py``)."""
+        return self._seen
+
+    def term_of(self, vhost: str) -> int | None:
+        """Our term of ``vhost``'s shard (None: we do not lead it)."""
+        held = self.held.get(vhost)
+        return held.term if held is not None else None
+
+    async def mark_served(self, vhost: str) -> bool:
+        """Say in ``vhost``'s leader key that we serve it (only the key we created)."""
+        held = self.held.get(vhost)
+        if held is None:
+            return False
+        value = json.dumps({"node_id": self.node_id, "uri": self.uri, "serves": True}, sort_keys=True)
+        return await self.etcd.put_if(shard_key(vhost), held.term, value.encode())
 
     async def pass_once(self) -> None:
         if self.etcd.client is None or self.etcd.lease_id is None:
@@ -249,7 +271,7 @@ class ShardLeaders:
             # shard served elsewhere is its server's alone
             values = shard_isr_values(keys)
             sink = self.view.sink
-            ours = replicated_here(vhosts, self._serving, self.uri)
+            ours = [v for v in replicated_here(vhosts, self._serving, self.uri) if v not in self.closed]
             want = {v: json.dumps(sink.shard_members(shard_name(v), isr_list)
                                   if isinstance(sink, ShardedLeaderSink) else isr_list).encode()
                     for v in ours}
@@ -257,6 +279,7 @@ class ShardLeaders:
                                              if values.get(v) != want[v]},
                                             [v for v in values if v not in vhosts], isr_raw)
         shown: dict[str, dict[str, Any]] = {}
+        seen: dict[str, Seen] = {}
         sink = self.view.sink if self.view.is_leader() else None
         for vhost in vhosts:
             isr = in_sync(members, isrs.get(vhost, isr_list))
@@ -280,6 +303,8 @@ class ShardLeaders:
                     log.info("shard %r: handed back to its preferred node", vhost)
                 self._lost([vhost], "handed back")
                 holder, term = None, 0
+            server = shard_server(found[0]) if found is not None and term == found[1] else None
+            seen[vhost] = Seen(holder, term, server, isrs.get(vhost), shard_released(keys, vhost))
             shown[vhost] = {"leader": holder, "term": term or None,
                             "preferred": preferred(vhost, eligible(live, isr))}
             if sink is not None:  # we replicate it: who holds its every action (its own acks)
@@ -290,6 +315,7 @@ class ShardLeaders:
                 await self.etcd.delete_if(key, rev)
                 self._lost([gone], "the vhost was deleted")
         self.view.shards = shown
+        self._seen = seen
 
     async def drain(self) -> None:
         """Hand every shard over (the node is stopping; the pass loop is no longer running):
