@@ -237,7 +237,6 @@ def test_sigterm_drains_a_node_its_clients_reconnect_nothing_confirmed_lost(shar
 
 
 def test_kill9_moves_only_its_shards_and_its_return_hands_them_back(shards: ShardCluster) -> None:
-    trial = kill_and_return(shards, "t", random.Random(27))
     """kill -9 of a node that does not hold ``<prefix>/leader``: its two shards, and only they,
     fail over within TTL + 2 s; on each of the four shards it did not lead a publisher (two on
     the cluster leader, two through the surviving follower's proxy, routed by vhost) waits less
