@@ -81,7 +81,7 @@ from broker.net.server import AMQPProtocol, AMQPServer
 from broker.shards import layout
 from broker.shards.placement import worker_of
 from broker.shards.supervisor import WorkerSpec, serve_workers, worker_count
-from broker.shards.worker import WorkerLink, name_logs
+from broker.shards.worker import SharedFiles, WorkerLink, name_logs
 from broker.shovel.local import Local
 from broker.shovel.manager import Shovels
 from broker.store.blobs import BlobDir
@@ -191,6 +191,7 @@ class Node:
         # this broker holds (None: every one); ``open_shard``/``close_shard`` change the set.
         self.serves: Callable[[str], bool] | None = None
         self.lock_data_dir = True  # False: the cluster runner holds it (a node serving its shards)
+        self._shared: SharedFiles | None = None  # what reload_shared last read
 
     def make_vhost(self, name: str) -> VHost:
         """A ``VHost`` wired to this node's store settings (at boot, and when the API creates one)."""
@@ -368,6 +369,21 @@ class Node:
                 log.info("vhost %r created", name)
 
     # --------------------------------------------- shards served at runtime (cluster)
+    def reload_shared(self) -> list[str]:
+        """A cluster node's shard broker: re-read the shared files replication replaced since we
+        read them (users and permissions, vhosts, global parameters); their names."""
+        broker, store, mgmt = self.broker, self.vhost_store, self.mgmt
+        if broker is None or store is None or mgmt is None:
+            return []
+        shared = self._shared
+        if shared is None:
+            shared = self._shared = SharedFiles(self.config.main.data_dir)
+            shared.add(broker.users.path, broker.users.reload)
+            shared.add(store.path, store.reload)
+            shared.add(mgmt.global_parameters.path, mgmt.global_parameters.reload)
+            shared.known = dict.fromkeys(shared.known)  # the first call re-reads them all
+        return shared.refresh()
+
     # A node leading a shard serves it (docs/architecture.md, "The per-shard data path"): it
     # boots the shard's vhost from the directory replication wrote when it wins the shard,
     # and closes it without deleting anything when it loses it. The close is fenced: the

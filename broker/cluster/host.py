@@ -84,6 +84,9 @@ class LeaderBroker(Protocol):
 class ShardBroker(LeaderBroker, Protocol):
     """A broker holding only the shards this node serves (``cluster/shard_server.py``)."""
 
+    def reload_shared(self) -> list[str]:
+        """Re-read the shared files replication replaced (users, vhosts, global parameters)."""
+
 
 class ShardElection(Protocol):
     """Per-shard leadership (``[clustering] shard_leaders``, ``broker/shards/leaders.py``)."""

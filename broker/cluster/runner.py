@@ -497,6 +497,8 @@ class ClusterRunner:
         action, open those won (our links drop them first, their last batch written), and say
         so in their keys."""
         server = self.shard_server
+        if server is not None:  # the users and permissions the cluster leader's stream wrote
+            server.node.reload_shared()
 
         def here(vhost: str) -> bool:
             return server is not None and vhost in server.served

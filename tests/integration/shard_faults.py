@@ -125,6 +125,13 @@ class ShardCluster:
                 found[urllib.parse.unquote(key.split("/")[-2])] = json.loads(value)["node_id"]
         return found
 
+    def isrs(self) -> dict[str, list[str]]:
+        """vhost -> its shard's ISR key."""
+        out = self.c.etcd._ctl("get", f"{self.c.prefix}/shards/", "--prefix")
+        lines = out.stdout.decode().splitlines()
+        return {urllib.parse.unquote(key.split("/")[-2]): list(json.loads(value))
+                for key, value in zip(lines[0::2], lines[1::2], strict=False) if key.endswith("/isr")}
+
     def api(self, node: ClusterNode, method: str, path: str, body: Any = None) -> Any:
         req = urllib.request.Request(f"http://{node.ip}:{node.mgmt_port}{path}", method=method,
                                      data=None if body is None else json.dumps(body).encode())

@@ -42,6 +42,15 @@ def test_nodes_serve_their_shards_and_kill9_of_one_moves_only_those_nothing_conf
     wait_for(lambda: {v: n for v, n in servers.served().items() if v in others} == others, 30,
              f"the shards of the nodes other than the cluster leader served by them: {others}")
     followers = [n for n in servers.c.nodes if n is not boss]
+
+    def isr_keys_written_by_their_servers() -> bool:
+        # each served shard's ISR key is its server's (the third node follows it from there),
+        # no longer the cluster leader's (which does not follow a shard served elsewhere yet)
+        isrs = servers.isrs()
+        return all(v in isrs and boss_id not in isrs[v]
+                   and next(n for n in IDS if n not in (boss_id, others[v])) in isrs[v] for v in others)
+
+    wait_for(isr_keys_written_by_their_servers, 20, "the served shards' ISR keys written by their servers")
     confirmed: dict[str, int] = {}
     for i, vhost in enumerate(VHOSTS):  # through either follower's proxy, routed by vhost
         confirmed[vhost] = publish(followers[i % 2], vhost, "served", BATCH)
