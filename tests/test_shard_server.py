@@ -78,6 +78,7 @@ def test_a_node_serves_its_shard_and_confirms_wait_for_the_shards_follower(tmp_p
             scope=Scope(shared=False, shards=frozenset({shard_name("v")}))))
         try:
             assert await server.open("v")
+            assert written and written[0][0] == "v", "its ISR key is the server's as it opens"
             assert not await server.open("v") and not await server.open("nope")
             assert server.node.client_addresses()["amqp"][0] == "127.0.0.1"  # loopback only
             await _until("the follower synced and in the ISR",

@@ -632,6 +632,12 @@ class LeaderSink:
         self._maybe_join(f)
         self._check_barriers()
 
+    async def isr_written(self, write: Callable[[list[str]], Awaitable[bool | None]]) -> bool | None:
+        """``write`` the ISR as it stands (us first, then our in-sync followers), between the
+        ISR's own writes: no join or leave changes it meanwhile."""
+        async with self._isr_lock:
+            return await write(sorted([self.node_id, *self.isr]))
+
     def _maybe_join(self, f: FollowerConn) -> None:
         if f.synced and f.acked == f.sent and f.node_id not in self.isr and not self.fenced \
                 and self.followers.get(f.node_id) is f:

@@ -79,7 +79,7 @@ from broker.cluster import codec, follower
 from broker.cluster.etcd import Etcd, EtcdError
 from broker.cluster.files import NODE_ID_FILE, Scope, shard_name
 from broker.cluster.follow_set import FollowSet, Sender, follow_plan, sender_of
-from broker.cluster.handover import Moves, Step
+from broker.cluster.handover import Moves, Seen, Step
 from broker.cluster.hooks import run_hook
 from broker.cluster.host import Host, LeaderBroker, ShardElection
 from broker.cluster.leader import LeaderSink
@@ -471,18 +471,28 @@ class ClusterRunner:
 
         links = FollowSet(self.data_dir, lambda: self.secret, self.node_id, self.apply_executor, welcomed,
                           _source_ip(self.config.clustering.bind), self._client_tls, on_synced, end)
-        def plan() -> dict[Sender, Scope]:
-            return follow_plan(self.uri, uri, election.serving(),
-                               frozenset(shard_name(v) for v in self.moves.paused))
+        def plan(serving: dict[str, str]) -> dict[Sender, Scope]:
+            return follow_plan(self.uri, uri, serving, frozenset(shard_name(v) for v in self.moves.paused))
 
         try:
             while not ended.done():
-                if self.config.clustering.shard_servers:
-                    try:
-                        await self._move_served_shards(election, uri, lambda: links.set(plan()))
-                    except (OSError, ValueError, SkredError, EtcdError) as exc:  # retried next POLL
-                        log.error("moving the shards we serve: %s", exc)
-                await links.set(plan())
+                if not self.config.clustering.shard_servers:
+                    await links.set(plan(election.serving()))
+                    await asyncio.wait([ended], timeout=POLL)
+                    continue
+                # one pass's view for both the moves and the plan: a shard whose server's key
+                # expired since must be paused before the plan stops naming its server
+                seen = election.seen()
+                serving = {shard_name(v): s.server for v, s in seen.items() if s.server is not None}
+
+                async def replan(snapshot: dict[str, str] = serving) -> None:  # after the moves' pauses
+                    await links.set(plan(snapshot))
+
+                try:
+                    await self._move_served_shards(election, seen, uri, replan)
+                except (OSError, ValueError, SkredError, EtcdError) as exc:  # retried next POLL
+                    log.error("moving the shards we serve: %s", exc)
+                await links.set(plan(serving))
                 await asyncio.wait([ended], timeout=POLL)
         finally:
             await links.close()
@@ -490,7 +500,7 @@ class ClusterRunner:
         if error is not None:
             raise error
 
-    async def _move_served_shards(self, election: ShardElection, leader: str,
+    async def _move_served_shards(self, election: ShardElection, seen: dict[str, Seen], leader: str,
                                   replan: Callable[[], Awaitable[None]]) -> None:
         """While following: the hand-over (``handover.py``) for the shards this node serves with
         its ``ShardServer``: close those lost, release them once their holder holds their last
@@ -506,13 +516,12 @@ class ClusterRunner:
         def has_all(vhost: str, holder: str) -> bool:
             return server is not None and holder in server.sink.shard_replicas(shard_name(vhost))
 
-        for vhost, what in self.moves.steps(election.seen(), leader, here, has_all, False):
+        for vhost, what in self.moves.steps(seen, leader, here, has_all, False):
             if what is Step.CLOSE and server is not None:
                 await server.close(vhost, "the shard moved to another node")
                 self.moves.closed.add(vhost)
             elif what is Step.RELEASE:
-                seen = election.seen().get(vhost)
-                if seen is not None and await self.etcd.release_shard(vhost, seen.term):
+                if await self.etcd.release_shard(vhost, seen[vhost].term):
                     self.moves.closed.discard(vhost)
             elif what is Step.OPEN:
                 await replan()  # our links no longer write it
@@ -521,10 +530,8 @@ class ClusterRunner:
                     self.moves.closed.discard(vhost)
                     if await election.mark_served(vhost):
                         log.info("shard %r: serving it", vhost)
-            elif what is Step.SERVE and server is not None:
-                seen = election.seen().get(vhost)
-                if seen is not None and seen.server != self.uri:
-                    await election.mark_served(vhost)
+            elif what is Step.SERVE and server is not None and seen[vhost].server != self.uri:
+                await election.mark_served(vhost)
 
     async def _shard_server_started(self) -> ShardServer | None:
         if self.shard_server is not None:

@@ -100,11 +100,22 @@ class ShardServer:
         """Serve ``vhost`` (its replicated directory); False if unknown or served already."""
         if vhost in self.served:
             return False
+        shard = shard_name(vhost)
+
+        async def write(members: list[str]) -> bool | None:
+            return await self.write_served_isr(vhost, self.sink.shard_members(shard, members))
+
         self.served.add(vhost)
-        if await self.node.open_shard(vhost):
-            return True
-        self.served.discard(vhost)
-        return False
+        if not await self.node.open_shard(vhost):
+            self.served.discard(vhost)
+            return False
+        # its ISR key is ours before any client reaches it (the routers go by the serving mark,
+        # written after this): the key the cluster leader wrote names members that will not
+        # hold what we confirm before they follow us
+        if await self.sink.isr_written(write) is not True:
+            await self.close(vhost, "its ISR key could not be written")
+            return False
+        return True
 
     async def close(self, vhost: str, reason: str) -> None:
         """Stop serving ``vhost``, fenced (``Node.close_shard``); its files stay."""
