@@ -28,6 +28,9 @@ def test_from_the_cluster_leader_the_holder_opens_only_on_a_release_for_its_own_
     released = Seen(holder="b", term=7, server=None, isr=["a", "b", "c"], released=7)
     assert _step("a", released, closed_here=True, holder_has_all=True) is Step.FOLLOW  # once
     assert _step("b", released) is Step.OPEN
+    # the cluster leader holds it again before anyone marked it: it serves it again
+    assert _step("a", Seen("a", 8, None, ["a", "b", "c"], 7), closed_here=True) is Step.OPEN
+    assert _step("a", Seen("a", 8, None, ["a", "b", "c"], 7)) is Step.FOLLOW  # one it never served
     # a release to an earlier term opens nothing for a later holder
     stale = Seen(holder="b", term=9, server=None, isr=["b"], released=7)
     assert _step("b", stale) is Step.FOLLOW

@@ -15,7 +15,9 @@ etcd (``Seen``) and what the node knows of itself; the runner carries it out.
 * A node that closed a shard hands it over once the holder holds the shard's last action
   (its acks on our stream say so): it writes the release naming the holder's term
   (``RELEASE``; ``Etcd.release_shard``, written only while that holder's key stands), again for
-  each later holder until one marks the shard served.
+  each later holder until one marks the shard served. A node that closed a shard and holds it
+  again before anyone marked it opens it again: nothing was confirmed of it meanwhile (a
+  holder's clients reach it only by its mark, which it writes only on a key it still holds).
 * The holder opens the shard (``OPEN``: its links drop the shard, their last batch written,
   then the broker boots it from its copy, and only then its key says ``serves``) on a release
   for its own term, or when the previous server's key is gone (its lease expired, or it
@@ -73,7 +75,7 @@ def step(me: str, seen: Seen, *, serving_here: bool, closed_here: bool, last_ser
         return Step.FOLLOW
     server_gone = seen.server is None and last_server not in (None, cluster_leader)
     if ours:
-        if seen.released == seen.term:
+        if seen.released == seen.term or closed_here:  # ours again, nobody marked it since we closed it
             return Step.OPEN
         if server_gone:
             return Step.OPEN if seen.isr is not None and me in seen.isr else Step.PAUSE

@@ -521,8 +521,7 @@ class ClusterRunner:
                 await server.close(vhost, "the shard moved to another node")
                 self.moves.closed.add(vhost)
             elif what is Step.RELEASE:
-                if await self.etcd.release_shard(vhost, seen[vhost].term):
-                    self.moves.closed.discard(vhost)
+                await self.etcd.release_shard(vhost, seen[vhost].term)  # closed until marked elsewhere
             elif what is Step.OPEN:
                 await replan()  # our links no longer write it
                 server = await self._shard_server_started()
@@ -626,6 +625,10 @@ class ClusterRunner:
         election = self.election
 
         def serving(vhost: str) -> Target:
+            server = self.shard_server
+            if server is not None and vhost in server.served:  # ours, before the next pass says so
+                me = sender_of(self.uri)
+                return Target(me.host, me.port)
             uri = election.serving().get(shard_name(vhost)) if election is not None else None
             if uri is None:
                 return leader  # the cluster leader serves it
@@ -822,9 +825,18 @@ class ClusterRunner:
                 seen = election.seen().get(vhost)
                 if seen is not None and await self.etcd.release_shard(vhost, seen.term):
                     log.info("shard %r: released to its holder (term %d)", vhost, seen.term)
-                    self.moves.closed.discard(vhost)
             elif what is Step.OPEN:
-                closed.discard(vhost)
+                shard = shard_name(vhost)
+
+                async def write(members: list[str], shard: str = shard) -> bool | None:
+                    if isinstance(sink, ShardedLeaderSink):
+                        members = sink.shard_members(shard, members)
+                    return await self._write_shard_isr(shard, members)
+
+                closed.discard(vhost)  # its ISR key ours again (our sink's), before it serves
+                if await sink.isr_written(write) is not True:
+                    closed.add(vhost)
+                    continue
                 if await node.open_shard(vhost) and await election.mark_served(vhost):
                     self.moves.closed.discard(vhost)
 
