@@ -109,6 +109,9 @@ class ShardElection(Protocol):
     def serving(self) -> dict[str, str]:
         """The shards (vhost directories) whose leader serves them, with its replication URI."""
 
+    def ready(self) -> bool:
+        """A pass has read the shards' keys since this node started."""
+
     def seen(self) -> dict[str, Seen]:
         """Each shard's keys (vhost -> ``handover.Seen``) as the last pass read them."""
 

@@ -480,6 +480,9 @@ class ClusterRunner:
                     await links.set(plan(election.serving()))
                     await asyncio.wait([ended], timeout=POLL)
                     continue
+                if not election.ready():  # which node serves what is unknown until a pass read it:
+                    await asyncio.wait([ended], timeout=POLL)  # no bulk sync from a stale copy
+                    continue
                 # one pass's view for both the moves and the plan: a shard whose server's key
                 # expired since must be paused before the plan stops naming its server
                 seen = election.seen()

@@ -190,6 +190,7 @@ class ShardLeaders:
         self._vhosts: list[str] = []
         self._serving: dict[str, str] = {}  # shard (vhost directory) -> URI of the node serving it
         self._seen: dict[str, Seen] = {}  # vhost -> its keys as the last pass read them
+        self._ready = False
         self.closed: set[str] = set()  # vhosts the cluster leader's broker closed: their keys are not ours
         self._bg: set[asyncio.Task[Any]] = set()
         view.weight = workers
@@ -227,6 +228,10 @@ class ShardLeaders:
         leader's replication URI: a follower takes each from the node serving it
         (``cluster/follow_set.py`` ``follow_plan``). As of the last pass."""
         return self._serving
+
+    def ready(self) -> bool:
+        """A pass has read the shards' keys since this node started (``seen`` is meaningful)."""
+        return self._ready
 
     def seen(self) -> dict[str, Seen]:
         """Each shard's keys as the last pass read them (the hand-over's input, ``cluster/handover.py``)."""
@@ -316,6 +321,7 @@ class ShardLeaders:
                 self._lost([gone], "the vhost was deleted")
         self.view.shards = shown
         self._seen = seen
+        self._ready = True
 
     async def drain(self) -> None:
         """Hand every shard over (the node is stopping; the pass loop is no longer running):
