@@ -414,6 +414,13 @@ class ClusteringConfig:
                        "rendezvous hashing (broker/shards/leaders.py); off: one leader for everything. "
                        "Clients are still served by the cluster leader this release (docs/architecture.md)."),
     )
+    shard_servers: bool = field(
+        default=False,
+        metadata=_meta("With shard_leaders: a node leading a shard serves it and replicates it itself "
+                       "(the hand-over, broker/cluster/handover.py; experimental: the cluster leader's own "
+                       "client ports do not route to it yet, and a killed node's return is not safe yet: "
+                       "docs/architecture.md); off: the cluster leader serves every shard."),
+    )
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from broker import metrics, tls
+from broker import errors, metrics, tls
 from broker.amqp import log_exchange
 from broker.amqp.broker import Broker, server_properties
 from broker.auth.oauth_keys import OAuthKeys, start_oauth
@@ -81,7 +81,7 @@ from broker.net.server import AMQPProtocol, AMQPServer
 from broker.shards import layout
 from broker.shards.placement import worker_of
 from broker.shards.supervisor import WorkerSpec, serve_workers, worker_count
-from broker.shards.worker import WorkerLink, name_logs
+from broker.shards.worker import SharedFiles, WorkerLink, name_logs
 from broker.shovel.local import Local
 from broker.shovel.manager import Shovels
 from broker.store.blobs import BlobDir
@@ -187,6 +187,11 @@ class Node:
         self.log_exchange: log_exchange.LogExchangeHandler | None = None
         self._app_running = True  # skredctl stop_app/start_app (stop_app below)
         self._app_lock = asyncio.Lock()
+        # A cluster node serving the shards it leads (``[clustering] shard_leaders``): the vhosts
+        # this broker holds (None: every one); ``open_shard``/``close_shard`` change the set.
+        self.serves: Callable[[str], bool] | None = None
+        self.lock_data_dir = True  # False: the cluster runner holds it (a node serving its shards)
+        self._shared: SharedFiles | None = None  # what reload_shared last read
 
     def make_vhost(self, name: str) -> VHost:
         """A ``VHost`` wired to this node's store settings (at boot, and when the API creates one)."""
@@ -194,6 +199,8 @@ class Node:
         assert self._loop is not None and self._syncer is not None
         if self.worker is not None and not self.worker.owns(name):  # one owner per vhost's files
             raise ValueError(f"vhost {name!r} belongs to worker {self.worker.owner(name)} of this node")
+        if self.serves is not None and not self.serves(name):
+            raise ValueError(f"vhost {name!r} is served by another node of the cluster")
         return VHost(
             name, cfg.main.data_dir, segment_size=cfg.main.segment_size, sink=self.sink,
             schedule=self._loop.call_soon, mark_dirty=self._syncer.mark_dirty,
@@ -221,6 +228,8 @@ class Node:
         for name in vhost_names.list():
             if self.worker is not None and not self.worker.owns(name):
                 continue
+            if self.serves is not None and not self.serves(name):
+                continue
             log.info("loading vhost %r", name)
             vhosts[name] = self.make_vhost(name)
             log.info("vhost %r: %d exchanges, %d queues", name, len(vhosts[name].exchanges),
@@ -244,8 +253,9 @@ class Node:
         # serve() checked it is a writable directory; no probe file here: in a cluster this data
         # dir is being replicated.
         cfg.main.data_dir.mkdir(parents=True, exist_ok=True)
-        lock = self.lock = DataDirLock(cfg.main.data_dir)
-        lock.acquire()
+        if self.lock_data_dir:
+            lock = self.lock = DataDirLock(cfg.main.data_dir)
+            lock.acquire()
         if self.worker is None and (cfg.main.data_dir / layout.WORKERS_DIR).is_dir():
             # this data dir ran several workers: their vhosts come back (broker/shards/layout.py)
             names = VHostStore(cfg.main.data_dir / "vhosts.json", NULL_SINK).list()
@@ -357,6 +367,65 @@ class Node:
             if worker.owns(name) and name not in broker.vhosts:
                 broker.vhosts[name] = self.make_vhost(name)
                 log.info("vhost %r created", name)
+
+    # --------------------------------------------- shards served at runtime (cluster)
+    def reload_shared(self) -> list[str]:
+        """A cluster node's shard broker: re-read the shared files replication replaced since we
+        read them (users and permissions, vhosts, global parameters); their names."""
+        broker, store, mgmt = self.broker, self.vhost_store, self.mgmt
+        if broker is None or store is None or mgmt is None:
+            return []
+        shared = self._shared
+        if shared is None:
+            shared = self._shared = SharedFiles(self.config.main.data_dir)
+            shared.add(broker.users.path, broker.users.reload)
+            shared.add(store.path, store.reload)
+            shared.add(mgmt.global_parameters.path, mgmt.global_parameters.reload)
+            shared.known = dict.fromkeys(shared.known)  # the first call re-reads them all
+        return shared.refresh()
+
+    # A node leading a shard serves it (docs/architecture.md, "The per-shard data path"): it
+    # boots the shard's vhost from the directory replication wrote when it wins the shard,
+    # and closes it without deleting anything when it loses it. The close is fenced: the
+    # vhost leaves the broker first (no new connection, publish or declare finds it), then
+    # its connections are closed with 320 CONNECTION_FORCED, so no confirm of this node
+    # reaches a client of the shard afterwards (a publish still waiting for its group commit
+    # is never confirmed: its publisher sends it again to the shard's next server); only then
+    # do its stores write their last bytes (through the sink) and close, fsynced.
+    async def open_shard(self, name: str) -> bool:
+        """Serve vhost ``name`` from its directory (the replicated list names it); False when
+        it is unknown or served already."""
+        broker, store = self.broker, self.vhost_store
+        if broker is None or store is None or name in broker.vhosts:
+            return False
+        store.reload()  # the list replication wrote last
+        if name not in store.list():
+            return False
+        vh = self.make_vhost(name)
+        broker.vhosts[name] = vh
+        log.info("shard %r served: %d exchanges, %d queues", name, len(vh.exchanges), len(vh.queues))
+        return True
+
+    async def close_shard(self, name: str, reason: str = "the shard moved to another node") -> bool:
+        """Stop serving vhost ``name``, fenced (above); its files stay. False when not served."""
+        broker = self.broker
+        vh = broker.vhosts.pop(name, None) if broker is not None else None
+        if broker is None or vh is None:
+            return False
+        closed = 0
+        for session in list(broker.connections):
+            if session.vhost == name:
+                session.close_connection(errors.ConnectionForced(reason))
+                session.wakeup()
+                closed += 1
+        syncer = broker.syncer
+        for q in vh.queues.values():
+            syncer.discard(q.store)
+        syncer.discard(vh.definitions)
+        vh.close()
+        await asyncio.to_thread(syncfs, vh.dir)
+        log.info("shard %r closed (%d connections): %s", name, closed, reason)
+        return True
 
     async def read_stores(self) -> None:
         """Recover the queue stores the boot deferred (``VHost``: a plain durable queue's
@@ -809,6 +878,16 @@ class NodeHost:
 
     def amqp_server_properties(self) -> dict[str, Any]:
         return server_properties()
+
+    def shard_broker(self, config: Config, sink: ReplicationSink, cluster: ClusterInfo,
+                     replicated: Callable[[list[Syncable]], asyncio.Future[None]],
+                     serves: Callable[[str], bool]) -> Node:
+        node = Node(config, sink)  # this config, not the reloaded one: only its shards' listener
+        node.cluster = cluster
+        node.replicated = replicated
+        node.serves = serves
+        node.lock_data_dir = False  # the runner's, while this node follows the cluster leader
+        return node
 
     def shard_election(self, config: Config, etcd: Etcd, node_id: str, uri: str,
                        view: ClusterView) -> ShardLeaders:

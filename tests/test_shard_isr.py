@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any, cast
 
 from broker.cluster.etcd import shard_isr_key, shard_isrs, shard_key, shard_of_key
-from broker.cluster.files import shard_of
+from broker.cluster.files import shard_name, shard_of
 from broker.cluster.leader import FollowerConn, LeaderSink
 from broker.cluster.shard_sink import ShardedLeaderSink
 from broker.cluster.status import format_status
-from broker.shards.leaders import Action, decide, in_sync, preferred
+from broker.shards.leaders import Action, decide, in_sync, preferred, replicated_here
 from broker.store.paths import vhost_dir
 
 NODES = {"a": 1, "b": 1, "c": 1}
@@ -189,3 +189,13 @@ def test_confirms_wait_for_the_shards_isr_and_a_member_behind_leaves_only_that_s
         assert sink.shard_members(a, ["F", "G", "L"]) == ["F", "G", "L"]
 
     asyncio.run(scenario())
+
+
+def test_the_cluster_leader_leaves_a_shard_served_elsewhere_to_its_server() -> None:
+    """Step 2: a shard whose leader key says another node serves it is replicated by that node,
+    which alone writes its ISR key; the cluster leader writes (and mends) the others' only."""
+    vhosts = ["a", "b", "c"]
+    me, other = "tcp://l:1", "tcp://o:1"
+    assert replicated_here(vhosts, {}, me) == vhosts  # nothing served yet: every shard ours
+    serving = {shard_name("b"): other, shard_name("c"): me}
+    assert replicated_here(vhosts, serving, me) == ["a", "c"]

@@ -33,7 +33,12 @@ bytes), ``REPLACE`` (path, whole content) and ``DELETE`` (path); ``HEARTBEAT``
 (empty) whenever the leader has sent nothing for a second. Heartbeats count
 like any message, so the follower's ack of one is the heartbeat back: a link
 that carries neither is dead within seconds on both sides (version 2).
-Follower -> leader: ``REQUEST`` (paths the follower lacks or has different),
+Follower -> leader: ``SCOPE`` (version 9) first, right behind the ``Hello``: what this
+connection carries (``files.Scope``: a flags byte, bit 0 the node's shared files, bit 1 every
+shard but the named ones (clear: the named ones), then the named shards as 20-byte vhost
+directory digests, at most ``MAX_SCOPE_SHARDS``);
+the leader reads it before its cut, lists and streams only paths inside it. Then
+``REQUEST`` (paths the follower lacks or has different),
 ``ACK`` (u64: total uncompressed message bytes applied and fsynced so far) and, during bulk
 sync, ``MERGE_ACKS`` (version 4): an ack file of the follower's that differs from the
 leader's or that the leader lacks, with the length and SHA-1 of the follower's copy of its
@@ -60,12 +65,14 @@ from typing import Final, NamedTuple
 
 import lz4.frame
 
+from broker.cluster.files import Scope
+
 MAGIC: Final = b"SKREPL"
 TUNNEL_MAGIC: Final = b"SKTUNL"
-VERSION: Final = 8  # 2: HEARTBEAT; 3: every client port in the Welcome, tunnels; 4: MERGE_ACKS;
+VERSION: Final = 9  # 2: HEARTBEAT; 3: every client port in the Welcome, tunnels; 4: MERGE_ACKS;
 # 5: tunnels framed (an end-of-stream marker each way); 6: tunnel keepalive, the follower's id in
 # TunnelHello, the MQTT port in the Welcome; 7: the MQTTS and stream-protocol ports in the Welcome,
-# Unix-socket clients in TunnelHello; 8: the stream protocol's TLS port in the Welcome
+# Unix-socket clients in TunnelHello; 8: the stream protocol's TLS port in the Welcome; 9: SCOPE
 SECRET_SIZE: Final = 32
 
 # Welcome status codes.
@@ -104,12 +111,19 @@ HEARTBEAT: Final = 7
 REQUEST: Final = 10
 ACK: Final = 11
 MERGE_ACKS: Final = 12
+SCOPE: Final = 13
+
+SCOPE_SHARED: Final = 1  # SCOPE flags: the node's shared files ...
+SCOPE_EVERY_SHARD: Final = 2  # ... every shard but the named ones (else: the named ones)
+MAX_SCOPE_SHARDS: Final = 65536  # shards one SCOPE may name (1.3 MB): bounds what a peer makes us read
+SCOPE_MAX_PAYLOAD: Final = 1 + 20 * MAX_SCOPE_SHARDS
 
 TRUNCATE: Final = 1  # FILE_DATA flag: first chunk of a file, start from empty
 MAX_PAYLOAD: Final = 64 * 1024 * 1024  # larger than any segment chunk we send; guards a bad peer
 FILE_CHUNK: Final = 1024 * 1024  # bulk-sync files are sent in chunks of this size
 
 _HEAD: Final = struct.Struct(">BI")
+HEAD: Final = _HEAD  # a message's header: kind, payload length
 _U8: Final = struct.Struct(">B")
 _U16: Final = struct.Struct(">H")
 _U32: Final = struct.Struct(">I")
@@ -313,6 +327,32 @@ def encode_request(paths: list[str]) -> bytes:
 
 def encode_ack(applied: int) -> bytes:
     return encode(ACK, _U64.pack(applied))
+
+
+def encode_scope(scope: Scope) -> bytes:
+    shards = sorted(scope.excluded if scope.shards is None else scope.shards)
+    if len(shards) > MAX_SCOPE_SHARDS:
+        raise ValueError(f"a scope names at most {MAX_SCOPE_SHARDS} shards")
+    flags = (SCOPE_SHARED if scope.shared else 0) | (SCOPE_EVERY_SHARD if scope.shards is None else 0)
+    try:
+        digests = b"".join(bytes.fromhex(s) for s in shards)
+    except ValueError:
+        raise ValueError("a shard is named by its vhost directory (40 hex digits)") from None
+    if len(digests) != 20 * len(shards):
+        raise ValueError("a shard is named by its vhost directory (40 hex digits)")
+    return encode(SCOPE, _U8.pack(flags) + digests)
+
+
+def parse_scope(payload: bytes) -> Scope:
+    if not payload or len(payload) > SCOPE_MAX_PAYLOAD or (len(payload) - 1) % 20:
+        raise CodecError("bad scope")
+    flags = payload[0]
+    if flags & ~(SCOPE_SHARED | SCOPE_EVERY_SHARD):
+        raise CodecError(f"unknown scope flags {flags:#x}")
+    names = frozenset(payload[i:i + 20].hex() for i in range(1, len(payload), 20))
+    if flags & SCOPE_EVERY_SHARD:
+        return Scope(bool(flags & SCOPE_SHARED), None, names)
+    return Scope(bool(flags & SCOPE_SHARED), names)
 
 
 def encode_merge_acks(path: str, segment_length: int, segment_sha1: bytes, positions: bytes) -> bytes:

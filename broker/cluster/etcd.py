@@ -73,6 +73,8 @@ WARN_EVERY = 30.0  # seconds between reminders while etcd keeps failing
 SHARDS = "shards/"  # per-shard leader keys: <prefix>/shards/<quoted vhost>/leader (broker/shards/leaders.py)
 _SHARD_LEADER = "/leader"
 _SHARD_ISR = "/isr"  # beside it, the shard's ISR: written with the cluster's (``write_isr``)
+# beside it too: the term of the holder the shard's last server handed it to (``release_shard``)
+_SHARD_RELEASED = "/released"
 
 
 def shard_key(vhost: str) -> str:
@@ -90,6 +92,21 @@ def shard_of_key(key: str) -> str | None:
 def shard_isr_key(vhost: str) -> str:
     """The key (under the prefix) of a vhost's shard ISR, beside its leader key."""
     return SHARDS + quote(vhost, safe="") + _SHARD_ISR
+
+
+def shard_released_key(vhost: str) -> str:
+    """The key (under the prefix) naming the term a vhost's shard was last handed over to."""
+    return SHARDS + quote(vhost, safe="") + _SHARD_RELEASED
+
+
+def shard_released(keys: Mapping[str, tuple[bytes, int]], vhost: str) -> int | None:
+    """The term ``vhost``'s shard was last released to, from keys as ``get_prefix(SHARDS)``
+    returns them (None: never, or unreadable)."""
+    found = keys.get(shard_released_key(vhost))
+    try:
+        return int(found[0]) if found is not None else None
+    except ValueError:
+        return None
 
 
 def shard_isr_values(keys: Mapping[str, tuple[bytes, int]]) -> dict[str, bytes]:
@@ -119,6 +136,18 @@ def shard_holder(raw: bytes) -> str:
         return str(record["node_id"])
     except (ValueError, KeyError, TypeError):
         return "?"
+
+
+def shard_server(raw: bytes) -> str | None:
+    """The replication URI of a shard leader that serves its shard (its key's value says
+    ``"serves": true``: the per-shard data path, docs/architecture.md), else None."""
+    try:
+        record = json.loads(raw)
+        if record.get("serves") is True:
+            return str(record["uri"])
+    except (ValueError, KeyError, TypeError, AttributeError):
+        pass
+    return None
 
 
 class EtcdError(Exception):
@@ -372,17 +401,20 @@ class Etcd:
         on our leadership; True/False/None as ``write_isr``."""
         return await self._write_fenced({shard_isr_key(vhost): members})
 
-    async def _write_fenced(self, values: Mapping[str, list[str]]) -> bool | None:
+    async def _write_fenced(self, values: Mapping[str, list[str]], fence: str = "leader",
+                            revision: int | None = None) -> bool | None:
         """Put each key (under the prefix) its JSON value in one transaction fenced on our
-        leadership; True/False/None as ``write_isr``."""
+        leadership (the key ``fence`` still the one created at ``revision``; by default the
+        cluster's leader key and our term of it); True/False/None as ``write_isr``."""
         if not self.lease_alive():
             return False
         if self.client is None:
             return None
         tx = self.client.transactions
+        term = self.leader_revision if revision is None else revision
         try:
             ok, _ = await self._call(self.client.transaction(
-                compare=[tx.create(self.key("leader")) == self.leader_revision],
+                compare=[tx.create(self.key(fence)) == term],
                 success=[tx.put(self.key(name), json.dumps(value).encode())
                          for name, value in values.items()],
                 failure=[],
@@ -493,6 +525,39 @@ class Etcd:
         ok, _ = await self._call(self.client.transaction(
             compare=[tx.create(key) == create_revision], success=[tx.delete(key)], failure=[]))
         return bool(ok)
+
+    async def put_if(self, name: str, create_revision: int, value: bytes) -> bool:
+        """Rewrite ``<prefix>/<name>`` (kept on our lease) if it is still the one created at
+        ``create_revision``: a shard leader saying it serves its shard (``"serves": true``)
+        cannot mark a successor's key."""
+        if self.lease_id is None or self.client is None or not self.lease_alive():
+            return False
+        key = self.key(name)
+        tx = self.client.transactions
+        ok, _ = await self._call(self.client.transaction(
+            compare=[tx.create(key) == create_revision], success=[tx.put(key, value, lease=self.lease_id)],
+            failure=[]))
+        return bool(ok)
+
+    async def release_shard(self, vhost: str, holder_term: int) -> bool:
+        """Hand ``vhost``'s shard over (the hand-over, docs/architecture.md): called by its server
+        once it closed the shard and the holder of its leader key holds the shard's last action;
+        names the holder's term, and only while the key is still the one created then (a release
+        never reaches a later holder, which must be handed the shard by its own release)."""
+        if self.client is None:
+            return False
+        tx = self.client.transactions
+        ok, _ = await self._call(self.client.transaction(
+            compare=[tx.create(self.key(shard_key(vhost))) == holder_term],
+            success=[tx.put(self.key(shard_released_key(vhost)), str(holder_term).encode())],
+            failure=[]))
+        return bool(ok)
+
+    async def write_served_isr(self, vhost: str, term: int, members: list[str]) -> bool | None:
+        """The ISR of a shard we serve, fenced on our leadership of that shard (its leader key
+        still the one created at ``term``), not on the cluster's: the node serving a shard
+        replicates it, so it alone writes its key. True/False/None as ``write_isr``."""
+        return await self._write_fenced({shard_isr_key(vhost): members}, shard_key(vhost), term)
 
     async def still_leader(self) -> bool:
         # Never wait past the lease deadline: by then the answer no longer matters.

@@ -7,6 +7,7 @@ temporary files of an atomic write in progress.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from broker.store.paths import vhost_dir
@@ -43,3 +44,46 @@ def shard_of(rel: str) -> str | None:
 def shard_name(vhost: str) -> str:
     """A vhost's shard as ``shard_of`` names it: its directory's name."""
     return vhost_dir(Path(), vhost).name
+
+
+@dataclass(frozen=True)
+class Scope:
+    """What one replication connection carries (issue 27: a follower follows the leader of each
+    shard for that shard alone): the node's shared files (users, vhosts, global parameters: the
+    cluster leader's) or not, and the named shards (vhost directory names), or with ``shards``
+    None every shard but the ``excluded`` ones (those led elsewhere: a vhost created later is
+    covered without a new scope). A follower names it; the sender's bulk sync and stream stay
+    inside it, and the follower refuses, and never deletes, a path outside it."""
+
+    shared: bool = True
+    shards: frozenset[str] | None = None
+    excluded: frozenset[str] = frozenset()  # with ``shards`` None only
+
+    @property
+    def everything(self) -> bool:
+        return self.shared and self.shards is None and not self.excluded
+
+    def covers(self, rel: str) -> bool:
+        return self.takes(shard_of(rel))
+
+    def takes(self, shard: str | None) -> bool:
+        """Whether the shard (a vhost directory; None: the shared files) is inside."""
+        if shard is None:
+            return self.shared
+        return shard not in self.excluded if self.shards is None else shard in self.shards
+
+    def overlaps(self, other: Scope) -> bool:
+        """Whether a file could be inside both (two senders must never write one file)."""
+        if self.shared and other.shared:
+            return True
+        if self.shards is None and other.shards is None:
+            return True  # each covers every shard but finitely many
+        if self.shards is None:
+            assert other.shards is not None
+            return bool(other.shards - self.excluded)
+        if other.shards is None:
+            return bool(self.shards - other.excluded)
+        return bool(self.shards & other.shards)
+
+
+EVERYTHING = Scope()

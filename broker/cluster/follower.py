@@ -6,13 +6,17 @@ Theory of operation
 the local data directory, deletes local files the leader lacks and returns the
 paths whose (length, SHA-1) differ, to be requested; ``FILE_DATA`` chunks,
 ``APPEND``, ``REPLACE`` and ``DELETE`` are applied to the files in order.
+With a ``Scope`` (a follower of several senders, one per shard leader: issue 27) the
+applier sees only the files inside it: the sync compares and deletes nothing outside it, and
+a path outside it from the sender is a protocol error (the connection is dropped before the
+write), so two senders can never write one file of ours.
 ``finish_batch`` fsyncs every file touched (and the directories of created or
 removed files) before the caller acks, so an acked byte survives a crash of
 this node: that is what lets the leader count an ack towards a publisher
 confirm. Each batch (everything one socket read produced) runs in a worker
 thread, fsync included, so the event loop keeps serving the proxy.
 
-``follow`` is the asyncio driver: handshake (secret, node id), then read ->
+``follow`` is the asyncio driver: handshake (secret, node id, then our scope), then read ->
 LZ4-decompress -> split into messages -> apply the batch -> send
 ``ACK(total bytes applied)`` (and ``REQUEST`` after the file list). The leader
 sends a heartbeat every second it has nothing else to send; nothing at all for
@@ -34,7 +38,7 @@ from concurrent.futures import Executor
 from pathlib import Path
 
 from broker.cluster import codec
-from broker.cluster.files import is_replicated, relative
+from broker.cluster.files import EVERYTHING, Scope, is_replicated, relative
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +59,9 @@ class LinkSilent(ConnectionError):
 
 
 class Applier:
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, scope: Scope = EVERYTHING) -> None:
         self.data_dir = data_dir
+        self.scope = scope
         self.applied = 0  # bytes of leader messages applied (the ack counter)
         self.merges: list[bytes] = []  # MERGE_ACKS messages to send before the REQUEST
         self._fds: OrderedDict[str, int] = OrderedDict()
@@ -68,7 +73,7 @@ class Applier:
         for root, _dirs, names in os.walk(self.data_dir):
             for name in names:
                 rel = relative(self.data_dir, Path(root) / name)
-                if rel is None or not is_replicated(rel):
+                if rel is None or not is_replicated(rel) or not self.scope.covers(rel):
                     continue
                 h = hashlib.sha1(usedforsecurity=False)
                 length = 0
@@ -85,21 +90,30 @@ class Applier:
         kind = m.kind
         if kind == codec.APPEND:
             path, data = codec.parse_path_data(m.payload)
-            self._write(path, data, truncate=False)
+            self._write(self._inside(path), data, truncate=False)
         elif kind == codec.REPLACE:
             path, data = codec.parse_path_data(m.payload)
-            self._write(path, data, truncate=True)
+            self._write(self._inside(path), data, truncate=True)
         elif kind == codec.DELETE:
-            self._delete(codec.parse_delete(m.payload))
+            self._delete(self._inside(codec.parse_delete(m.payload)))
         elif kind == codec.FILE_DATA:
             path, truncate, data = codec.parse_file_data(m.payload)
-            self._write(path, data, truncate=truncate)
+            self._write(self._inside(path), data, truncate=truncate)
         elif kind == codec.FILE_LIST:
-            request = self._compare(codec.parse_file_list(m.payload))
+            request = self._compare([self._inside_info(f) for f in codec.parse_file_list(m.payload)])
         elif kind not in (codec.BULK_DONE, codec.HEARTBEAT):
             raise codec.CodecError(f"unexpected message kind {kind} from leader")
         self.applied += m.size
         return request
+
+    def _inside(self, rel: str) -> str:
+        if not self.scope.everything and not self.scope.covers(rel):
+            raise codec.CodecError(f"the leader sent {rel!r}, outside the scope we follow it for")
+        return rel
+
+    def _inside_info(self, info: codec.FileInfo) -> codec.FileInfo:
+        self._inside(info.path)
+        return info
 
     def _compare(self, files: list[codec.FileInfo]) -> list[str]:
         local = self.local_files()
@@ -220,8 +234,10 @@ class Applier:
 async def follow(host: str, port: int, data_dir: Path, secret: bytes, node_id: str,
                  on_welcome: Callable[[codec.Welcome], None],
                  on_synced: Callable[[], None], executor: Executor,
-                 source_ip: str | None = None, tls: ssl.SSLContext | None = None) -> None:
-    """Replicate from the leader at host:port until the connection ends.
+                 source_ip: str | None = None, tls: ssl.SSLContext | None = None,
+                 scope: Scope = EVERYTHING) -> None:
+    """Replicate from the leader at host:port until the connection ends: the files ``scope``
+    covers (the default: everything), and no others.
 
     File work runs on ``executor``, which must have ONE worker: the caller waits
     for it to drain before anything else touches the data directory.
@@ -231,10 +247,10 @@ async def follow(host: str, port: int, data_dir: Path, secret: bytes, node_id: s
     # the Hello: the cluster secret never crosses the network in clear.
     reader, writer = await asyncio.wait_for(
         asyncio.open_connection(host, port, local_addr=local, ssl=tls), 5.0)
-    applier = Applier(data_dir)
+    applier = Applier(data_dir, scope)
     loop = asyncio.get_running_loop()
     try:
-        writer.write(codec.encode_hello(secret, node_id))
+        writer.write(codec.encode_hello(secret, node_id) + codec.encode_scope(scope))
         welcome = codec.parse_welcome(await asyncio.wait_for(reader.readexactly(codec.WELCOME_SIZE), 5.0))
         if welcome.status != codec.OK:
             raise AuthRefused("wrong clustering secret" if welcome.status == codec.BAD_SECRET

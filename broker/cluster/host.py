@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from broker.cluster.etcd import Etcd
+from broker.cluster.handover import Seen
 from broker.cluster.status import ClusterView
 from broker.config import Config
 from broker.store.sink import ReplicationSink
@@ -70,9 +71,27 @@ class LeaderBroker(Protocol):
         """Accept PROXY protocol headers from the addresses in ``peers`` (a live set: the
         followers that authenticated, whose proxies splice clients to us)."""
 
+    # per-shard leaders: the vhosts this broker holds (None: every one), set before ``start``
+    serves: Callable[[str], bool] | None
+
+    async def open_shard(self, name: str) -> bool:
+        """Serve vhost ``name`` from its replicated directory; False if unknown or served."""
+
+    async def close_shard(self, name: str, reason: str = ...) -> bool:
+        """Stop serving ``name``, fenced (its clients closed first); its files stay."""
+
+
+class ShardBroker(LeaderBroker, Protocol):
+    """A broker holding only the shards this node serves (``cluster/shard_server.py``)."""
+
+    def reload_shared(self) -> list[str]:
+        """Re-read the shared files replication replaced (users, vhosts, global parameters)."""
+
 
 class ShardElection(Protocol):
     """Per-shard leadership (``[clustering] shard_leaders``, ``broker/shards/leaders.py``)."""
+
+    closed: set[str]  # the vhosts the cluster leader's broker closed (served elsewhere soon)
 
     async def run(self) -> None:
         """Campaign for, hold and hand back shards until cancelled."""
@@ -82,6 +101,25 @@ class ShardElection(Protocol):
 
     def vhosts(self) -> list[str]:
         """The shards (vhost names) of this node's data dir: a leader writes each one's ISR."""
+
+    def replicated(self) -> list[str]:
+        """The vhosts whose ISR keys this node writes as the cluster leader: every one no other
+        node serves (that node writes its own, ``Etcd.write_served_isr``)."""
+
+    def serving(self) -> dict[str, str]:
+        """The shards (vhost directories) whose leader serves them, with its replication URI."""
+
+    def ready(self) -> bool:
+        """A pass has read the shards' keys since this node started."""
+
+    def seen(self) -> dict[str, Seen]:
+        """Each shard's keys (vhost -> ``handover.Seen``) as the last pass read them."""
+
+    async def mark_served(self, vhost: str) -> bool:
+        """Say in ``vhost``'s leader key (ours) that this node serves it."""
+
+    def term_of(self, vhost: str) -> int | None:
+        """Our term of ``vhost``'s shard (None: we do not lead it)."""
 
 
 class MetricsServer(Protocol):
@@ -100,6 +138,11 @@ class Host(Protocol):
     def leader_broker(self, config: Config, sink: ReplicationSink, cluster: ClusterState,
                       replicated: Replicated) -> LeaderBroker:
         """A broker to start as leader: confirms wait for ``replicated(dirty)`` (the ISR)."""
+
+    def shard_broker(self, config: Config, sink: ReplicationSink, cluster: ClusterState,
+                     replicated: Replicated, serves: Callable[[str], bool]) -> ShardBroker:
+        """A broker on this node's data dir (whose lock the runner holds) serving only the
+        vhosts ``serves`` names (``cluster/shard_server.py``)."""
 
     def reload(self, leader: LeaderBroker | None) -> None:
         """SIGHUP: re-read the configuration and apply what can change at runtime (``leader``:

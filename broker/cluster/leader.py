@@ -64,7 +64,7 @@ from pathlib import Path
 from typing import Any
 
 from broker.cluster import codec, tunnel
-from broker.cluster.files import is_replicated, relative
+from broker.cluster.files import EVERYTHING, Scope, is_replicated, relative
 from broker.cluster.gate import HandshakeGate
 
 log = logging.getLogger(__name__)
@@ -135,10 +135,14 @@ class FileIndex:
 class FollowerConn:
     """One connected follower: its output stream, positions and sync state."""
 
-    def __init__(self, node_id: str, peer: str, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, node_id: str, peer: str, writer: asyncio.StreamWriter,
+                 scope: Scope = EVERYTHING) -> None:
         self.node_id = node_id
         self.peer = peer
         self.writer = writer
+        # what this follower takes from us (its SCOPE); ``everything`` is read on the hot path
+        self.scope = scope
+        self.everything = scope.everything
         self.compressor = codec.StreamCompressor()
         self.out: list[bytes] = []
         self.backlog: list[bytes] | None = []  # held actions during bulk sync; None once live
@@ -171,8 +175,10 @@ class FollowerConn:
             self.send(msg)
 
     def holds(self, shard: str) -> bool:
-        """Whether this follower acked every action of ``shard`` sent to it so far."""
-        return self.synced and self.acked >= max(self.floor, self.shard_sent.get(shard, 0))
+        """Whether this follower acked every action of ``shard`` sent to it so far (never one
+        outside the scope it takes from us)."""
+        return self.synced and self.acked >= max(self.floor, self.shard_sent.get(shard, 0)) \
+            and (self.everything or self.scope.takes(shard))
 
     @property
     def lag(self) -> int:
@@ -224,7 +230,8 @@ class LeaderSink:
             self.index.register(rel)
             msg = codec.encode_replace(rel, b"")
             for f in self.followers.values():
-                f.action(msg)
+                if f.everything or f.scope.covers(rel):
+                    f.action(msg)
 
     def append(self, path: Path, data: bytes | bytearray | memoryview) -> None:
         rel = relative(self.data_dir, path)
@@ -234,7 +241,8 @@ class LeaderSink:
         if self.followers:
             msg = codec.encode_append(rel, data)
             for f in self.followers.values():
-                f.action(msg)
+                if f.everything or f.scope.covers(rel):
+                    f.action(msg)
 
     def replace(self, path: Path, data: bytes) -> None:
         rel = relative(self.data_dir, path)
@@ -244,7 +252,8 @@ class LeaderSink:
         if self.followers:
             msg = codec.encode_replace(rel, data)
             for f in self.followers.values():
-                f.action(msg)
+                if f.everything or f.scope.covers(rel):
+                    f.action(msg)
 
     def delete(self, path: Path) -> None:
         rel = relative(self.data_dir, path)
@@ -254,7 +263,8 @@ class LeaderSink:
         if self.followers:
             msg = codec.encode_delete(rel)
             for f in self.followers.values():
-                f.action(msg)
+                if f.everything or f.scope.covers(rel):
+                    f.action(msg)
 
     async def wait_for_followers(self) -> None:
         await self.barrier()
@@ -413,15 +423,24 @@ class LeaderSink:
         addresses = self.client_addresses()
         writer.write(codec.encode_welcome(codec.OK, tuple(addresses[name][1] if name in addresses else 0
                                                           for name in codec.PORT_NAMES)))
+        try:
+            scope = await asyncio.wait_for(self._read_scope(reader), HANDSHAKE_TIMEOUT)
+        except (TimeoutError, codec.CodecError, OSError, asyncio.IncompleteReadError) as exc:
+            log.warning("follower %s at %s sent no scope: %s", hello.node_id, peer, exc or type(exc).__name__)
+            writer.close()
+            return
         self.member_ips.add(str(peer_info[0]))
         old = self.followers.get(hello.node_id)
         if old is not None:
             self._drop(old, "reconnected")
-        f = FollowerConn(hello.node_id, peer, writer)
-        log.info("follower %s connected from %s, starting bulk sync", f.node_id, peer)
+        f = FollowerConn(hello.node_id, peer, writer, scope)
+        log.info("follower %s connected from %s, starting bulk sync%s", f.node_id, peer,
+                 "" if f.everything else f" of {_describe(scope)}")
         # The cut: synchronous, so no sink call can fall between snapshot and backlog.
         self.flush_stores()
         snapshot = self.index.snapshot()
+        if not f.everything:
+            snapshot = [i for i in snapshot if scope.covers(i.path)]
         self.followers[f.node_id] = f
         f.send(codec.encode_file_list(snapshot))
         writer_task = self._spawn(self._write_loop(f))
@@ -503,6 +522,14 @@ class LeaderSink:
                 return parsed[0]
             buf += await reader.readexactly(1)
 
+    @staticmethod
+    async def _read_scope(reader: asyncio.StreamReader) -> Scope:
+        """The follower's first message, its ``SCOPE`` (its length bounded before it is read)."""
+        kind, length = codec.HEAD.unpack(await reader.readexactly(codec.HEAD.size))
+        if kind != codec.SCOPE or length > codec.SCOPE_MAX_PAYLOAD:
+            raise codec.CodecError(f"expected a scope, got message kind {kind} of {length} bytes")
+        return codec.parse_scope(await reader.readexactly(length))
+
     async def _read_loop(self, f: FollowerConn, reader: asyncio.StreamReader,
                          lengths: dict[str, int]) -> None:
         msgs = codec.MessageReader()
@@ -527,7 +554,7 @@ class LeaderSink:
         and the positions name other messages)."""
         head, _, name = rel.rpartition("/")
         seg = self.data_dir / head / f"msgs.{name[5:]}" if name.startswith("acks.") else None
-        if seg is None or not positions:
+        if seg is None or not positions or not f.scope.covers(rel):
             return
         loop = asyncio.get_running_loop()
         same = await loop.run_in_executor(None, _starts_with, seg, seg_length, seg_sha1)
@@ -604,6 +631,12 @@ class LeaderSink:
             f.last_progress = time.monotonic()
         self._maybe_join(f)
         self._check_barriers()
+
+    async def isr_written(self, write: Callable[[list[str]], Awaitable[bool | None]]) -> bool | None:
+        """``write`` the ISR as it stands (us first, then our in-sync followers), between the
+        ISR's own writes: no join or leave changes it meanwhile."""
+        async with self._isr_lock:
+            return await write(sorted([self.node_id, *self.isr]))
 
     def _maybe_join(self, f: FollowerConn) -> None:
         if f.synced and f.acked == f.sent and f.node_id not in self.isr and not self.fenced \
@@ -686,6 +719,11 @@ class LeaderSink:
                 if f.sent > f.acked and now - f.last_progress > STALL_TIMEOUT:
                     self._drop(f, f"no ack for {now - f.last_progress:.1f}s with "
                                   f"{f.sent - f.acked} bytes outstanding", link_lost=True)
+
+
+def _describe(scope: Scope) -> str:
+    shards = "every shard" if scope.shards is None else f"{len(scope.shards)} shards"
+    return f"{shards}{' and the shared files' if scope.shared else ''}"
 
 
 def _read_at(path: Path, offset: int, n: int) -> bytes:

@@ -68,7 +68,7 @@ import signal
 import socket
 import ssl
 import time
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -77,11 +77,14 @@ from urllib.parse import urlsplit
 from broker import tls
 from broker.cluster import codec, follower
 from broker.cluster.etcd import Etcd, EtcdError
-from broker.cluster.files import NODE_ID_FILE, shard_name
+from broker.cluster.files import NODE_ID_FILE, Scope, shard_name
+from broker.cluster.follow_set import FollowSet, Sender, follow_plan, sender_of
+from broker.cluster.handover import Moves, Seen, Step
 from broker.cluster.hooks import run_hook
 from broker.cluster.host import Host, LeaderBroker, ShardElection
 from broker.cluster.leader import LeaderSink
 from broker.cluster.proxy import Routed, SpliceProxy, Target, Tunnelled
+from broker.cluster.shard_server import ShardServer
 from broker.cluster.shard_sink import ShardedLeaderSink
 from broker.cluster.standing import Standing, load_last_role, save_last_role
 from broker.cluster.status import ClusterView
@@ -144,11 +147,16 @@ class ClusterRunner:
         # Where the proxy of each client port (codec.AMQP_PORT ...) splices to: the leader's
         # replication port for the plain ones (tunnels), its own TLS ports for AMQPS and HTTPS.
         self.targets = [Target() for _ in codec.PORT_NAMES]
+        # per-shard leaders: the AMQP target (a tunnel) of each other node serving shards
+        self.shard_targets: dict[Sender, Target] = {}
         self.repl_tls = tls.replication_tls(config.main, c.tls)
         self.node: LeaderBroker | None = None  # the broker, while this node leads (SIGHUP reloads it)
         self.proxies: list[SpliceProxy] = []
         self.election: ShardElection | None = None  # per-shard leaders (``[clustering] shard_leaders``)
         self.shards_drained: asyncio.Future[None] | None = None  # every shard handed over at a stop
+        self.moves = Moves(self.node_id)  # the hand-over of shards between servers (handover.py)
+        self.shard_server: ShardServer | None = None  # the shards we serve while following
+        self.leader_closed: set[str] = set()  # while leading: the vhosts our broker does not serve
         self.synced_once = False
         self.lock: DataDirLock | None = None
         self.apply_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skred-replica")
@@ -230,6 +238,7 @@ class ClusterRunner:
                 if not self.stopping.is_set():
                     self.stopping.set()
                 await asyncio.wait([drained], timeout=DRAIN_TIMEOUT)
+            await self._stop_shard_server()
             member_loop.cancel()
             await self._stop_proxies()
             await self.follower_metrics.stop()
@@ -361,7 +370,8 @@ class ClusterRunner:
         repl_port = port
         task = asyncio.ensure_future(follower.follow(
             host, port, self.data_dir, self.secret, self.node_id, on_welcome, on_synced,
-            self.apply_executor, _source_ip(self.config.clustering.bind), self._client_tls()))
+            self.apply_executor, _source_ip(self.config.clustering.bind), self._client_tls())
+            if self.election is None else self._follow_shards(uri, on_welcome, on_synced))
         changed = asyncio.Event()
         watch = asyncio.ensure_future(self.etcd.watch("leader", changed.set))
         signalled = asyncio.ensure_future(changed.wait())
@@ -437,6 +447,120 @@ class ClusterRunner:
                 log.warning("replication from %s ended: %s", uri, text)
             await self._pause(POLL)
 
+    async def _follow_shards(self, uri: str, on_welcome: Callable[[codec.Welcome], None],
+                             on_synced: Callable[[], None]) -> None:
+        """Per-shard leaders: follow the cluster leader ``uri`` for the shared files and every
+        shard no other node serves, and each node serving shards for those (``follow_set.py``,
+        the plan re-read every ``POLL``); returns or raises as the cluster leader's link ends,
+        as ``follower.follow`` does."""
+        election = self.election
+        assert election is not None
+        leader = sender_of(uri)
+        ended: asyncio.Future[Exception | None] = asyncio.get_running_loop().create_future()
+
+        def welcomed(sender: Sender, w: codec.Welcome) -> None:
+            if sender == leader:
+                on_welcome(w)
+            else:  # a client of a shard it serves is tunnelled to its replication port
+                self.shard_targets[sender] = Target(sender.host if w.ports[codec.AMQP_PORT] else None,
+                                                   sender.port)
+
+        def end(sender: Sender, error: Exception | None) -> None:
+            if sender == leader and not ended.done():
+                ended.set_result(error)
+
+        links = FollowSet(self.data_dir, lambda: self.secret, self.node_id, self.apply_executor, welcomed,
+                          _source_ip(self.config.clustering.bind), self._client_tls, on_synced, end)
+        def plan(serving: dict[str, str]) -> dict[Sender, Scope]:
+            return follow_plan(self.uri, uri, serving, frozenset(shard_name(v) for v in self.moves.paused))
+
+        try:
+            while not ended.done():
+                if not self.config.clustering.shard_servers:
+                    await links.set(plan(election.serving()))
+                    await asyncio.wait([ended], timeout=POLL)
+                    continue
+                if not election.ready():  # which node serves what is unknown until a pass read it:
+                    await asyncio.wait([ended], timeout=POLL)  # no bulk sync from a stale copy
+                    continue
+                # one pass's view for both the moves and the plan: a shard whose server's key
+                # expired since must be paused before the plan stops naming its server
+                seen = election.seen()
+                serving = {shard_name(v): s.server for v, s in seen.items() if s.server is not None}
+
+                async def replan(snapshot: dict[str, str] = serving) -> None:  # after the moves' pauses
+                    await links.set(plan(snapshot))
+
+                try:
+                    await self._move_served_shards(election, seen, uri, replan)
+                except (OSError, ValueError, SkredError, EtcdError) as exc:  # retried next POLL
+                    log.error("moving the shards we serve: %s", exc)
+                await links.set(plan(serving))
+                await asyncio.wait([ended], timeout=POLL)
+        finally:
+            await links.close()
+        error = ended.result()
+        if error is not None:
+            raise error
+
+    async def _move_served_shards(self, election: ShardElection, seen: dict[str, Seen], leader: str,
+                                  replan: Callable[[], Awaitable[None]]) -> None:
+        """While following: the hand-over (``handover.py``) for the shards this node serves with
+        its ``ShardServer``: close those lost, release them once their holder holds their last
+        action, open those won (our links drop them first, their last batch written), and say
+        so in their keys."""
+        server = self.shard_server
+        if server is not None:  # the users and permissions the cluster leader's stream wrote
+            server.node.reload_shared()
+
+        def here(vhost: str) -> bool:
+            return server is not None and vhost in server.served
+
+        def has_all(vhost: str, holder: str) -> bool:
+            return server is not None and holder in server.sink.shard_replicas(shard_name(vhost))
+
+        for vhost, what in self.moves.steps(seen, leader, here, has_all, False):
+            if what is Step.CLOSE and server is not None:
+                await server.close(vhost, "the shard moved to another node")
+                self.moves.closed.add(vhost)
+            elif what is Step.RELEASE:
+                await self.etcd.release_shard(vhost, seen[vhost].term)  # closed until marked elsewhere
+            elif what is Step.OPEN:
+                await replan()  # our links no longer write it
+                server = await self._shard_server_started()
+                if server is not None and (vhost in server.served or await server.open(vhost)):
+                    self.moves.closed.discard(vhost)
+                    if await election.mark_served(vhost):
+                        log.info("shard %r: serving it", vhost)
+            elif what is Step.SERVE and server is not None and seen[vhost].server != self.uri:
+                await election.mark_served(vhost)
+
+    async def _shard_server_started(self) -> ShardServer | None:
+        if self.shard_server is not None:
+            return self.shard_server
+        c = self.config.clustering
+        election = self.election
+
+        async def write_isr(vhost: str, members: list[str]) -> bool | None:
+            term = election.term_of(vhost) if election is not None else None
+            return await self.etcd.write_served_isr(vhost, term, members) if term is not None else False
+
+        server = ShardServer(self.config, self.host, self.node_id, self.secret, self.view, write_isr,
+                             self.etcd.lease_alive)
+        try:
+            await server.start(c.bind, c.port, self.repl_tls.server if self.repl_tls is not None else None)
+        except OSError as exc:
+            log.error("cannot serve shards on the replication port %s:%d: %s", c.bind, c.port, exc)
+            return None
+        self.shard_server = server
+        return server
+
+    async def _stop_shard_server(self) -> None:
+        server, self.shard_server = self.shard_server, None
+        if server is not None:
+            self.moves.closed.update(server.served)  # fenced: released to their next holders
+            await server.stop()
+
     async def _start_proxies(self) -> None:
         if self.proxies or self.stopping.is_set() or self.app_stopped:
             return
@@ -501,8 +625,24 @@ class ClusterRunner:
             return None
         a = self.config.amqp
         leader = self.targets[codec.AMQP_PORT]
+        election = self.election
+
+        def serving(vhost: str) -> Target:
+            server = self.shard_server
+            if server is not None and vhost in server.served:  # ours, before the next pass says so
+                me = sender_of(self.uri)
+                return Target(me.host, me.port)
+            uri = election.serving().get(shard_name(vhost)) if election is not None else None
+            if uri is None:
+                return leader  # the cluster leader serves it
+            if uri == self.uri:
+                me = sender_of(uri)
+                return Target(me.host, me.port)  # our own broker, through our replication port
+            target = self.shard_targets.get(sender_of(uri))
+            return target if target is not None and target.host is not None else leader
+
         return Routed(Limits(a.channel_max, a.frame_max, a.heartbeat), self.host.amqp_server_properties(),
-                      serving=lambda vhost: leader, login=lambda: leader)
+                      serving=serving, login=lambda: leader)
 
     def _tunnelled(self, which: int) -> Tunnelled:
         return Tunnelled(which, lambda: self.secret, self._client_tls, self.node_id,
@@ -556,14 +696,14 @@ class ClusterRunner:
         sink = self.view.sink if isinstance(self.view.sink, ShardedLeaderSink) else None
         return await self.etcd.write_isr(members, {
             v: sink.shard_members(shard_name(v), members) if sink is not None else members
-            for v in self.election.vhosts()})
+            for v in self.election.replicated()})  # a shard served elsewhere: its server's key
 
     async def _write_shard_isr(self, shard: str, members: list[str]) -> bool | None:
         """One shard's ISR (``ShardedLeaderSink``: a member fell behind on it or caught up)."""
-        vhosts = self.election.vhosts() if self.election is not None else []
+        vhosts = self.election.replicated() if self.election is not None else []
         vhost = next((v for v in vhosts if shard_name(v) == shard), None)
         if vhost is None:
-            return True  # deleted meanwhile: the election pass deletes its key
+            return True  # deleted meanwhile (the election pass deletes its key), or served elsewhere
         return await self.etcd.write_shard_isr(vhost, members)
 
     async def _lead(self) -> int | None:
@@ -574,6 +714,7 @@ class ClusterRunner:
         self._followed = None
         self.app_stopped = False  # the broker starts with its app running
         await self._stop_proxies()
+        await self._stop_shard_server()  # our broker serves them from here (and the port is its sink's)
         await self.follower_metrics.stop()  # the broker serves the metrics port while we lead
         self._spawn(run_hook(c.on_leader_elected, self.node_id, self.uri, "leader"))
         sink = ShardedLeaderSink(self.data_dir, self.node_id, self.secret, self._write_isr,
@@ -597,6 +738,12 @@ class ClusterRunner:
             return sink.shard_barrier() if isinstance(sink, ShardedLeaderSink) else sink.barrier()
 
         node = self.node = self.host.leader_broker(cfg, sink, self.view, replicated)
+        if self.election is not None and cfg.clustering.shard_servers:  # not those another node serves
+            closed = self.leader_closed = self.election.closed  # their ISR keys are not ours
+            closed.clear()
+            closed.update(v for v in self.election.vhosts()
+                          if self.election.serving().get(shard_name(v), self.uri) != self.uri)
+            node.serves = lambda vhost: vhost not in closed
         self._unlock()
         try:
             await node.start()
@@ -656,6 +803,45 @@ class ClusterRunner:
             if now - last_status >= STATUS_EVERY:
                 last_status = now
                 log.debug("cluster status: %s", sink.status())
+            if self.election is not None and self.config.clustering.shard_servers:
+                try:
+                    await self._move_led_shards(self.election, node, sink)
+                except (OSError, ValueError, SkredError, EtcdError) as exc:  # retried next POLL
+                    log.error("moving the shards we serve: %s", exc)
+
+    async def _move_led_shards(self, election: ShardElection, node: LeaderBroker, sink: LeaderSink) -> None:
+        """While leading: the hand-over (``handover.py``) for the shards our broker serves by
+        default (every one nobody else holds): close one another node holds, release it once
+        that node holds its last action, open one won back."""
+        closed = self.leader_closed
+
+        def has_all(vhost: str, holder: str) -> bool:
+            return holder in sink.shard_replicas(shard_name(vhost))
+
+        for vhost, what in self.moves.steps(election.seen(), self.uri, lambda v: v not in closed,
+                                            has_all, True):
+            if what is Step.CLOSE:
+                closed.add(vhost)
+                await node.close_shard(vhost, "the shard moved to another node")
+                self.moves.closed.add(vhost)
+            elif what is Step.RELEASE:
+                seen = election.seen().get(vhost)
+                if seen is not None and await self.etcd.release_shard(vhost, seen.term):
+                    log.info("shard %r: released to its holder (term %d)", vhost, seen.term)
+            elif what is Step.OPEN:
+                shard = shard_name(vhost)
+
+                async def write(members: list[str], shard: str = shard) -> bool | None:
+                    if isinstance(sink, ShardedLeaderSink):
+                        members = sink.shard_members(shard, members)
+                    return await self._write_shard_isr(shard, members)
+
+                closed.discard(vhost)  # its ISR key ours again (our sink's), before it serves
+                if await sink.isr_written(write) is not True:
+                    closed.add(vhost)
+                    continue
+                if await node.open_shard(vhost) and await election.mark_served(vhost):
+                    self.moves.closed.discard(vhost)
 
     def reload(self) -> None:
         """SIGHUP: reload the replication link's certificates (the listener's, and the client

@@ -33,7 +33,11 @@ time in order, so every action before this barrier was covered by an earlier one
 
 While one stream carries every shard a follower's acks are one position, so it falls behind
 on one shard only while that shard alone has been written since its last ack; shard leaders
-each streaming their own shard (designed, docs/architecture.md) make the split real.
+each streaming their own shard (``cluster/shard_server.py``, which runs this sink for the
+shards a node serves; the hand-over driving it is not built yet) make the split real. A
+follower whose connection's scope (``files.Scope``) leaves a shard out takes that shard from
+another sender: it is sent none of its actions, holds no replica of it here and is named in
+no ISR key of it written from here.
 """
 
 from __future__ import annotations
@@ -95,20 +99,24 @@ class ShardedLeaderSink(LeaderSink):
         self.touched.add(shard)
         now = time.monotonic()
         for f in self.followers.values():
-            if f.backlog is None:
+            if f.backlog is None and (f.everything or f.scope.covers(rel)):
                 if f.acked >= f.shard_sent.get(shard, 0):
                     f.shard_since[shard] = now  # its oldest unacked action of the shard
                 f.shard_sent[shard] = f.sent
 
     # ------------------------------------------------------------ ISR per shard
     def shard_isr(self, shard: str) -> set[str]:
-        return self.isr - self.shard_out.get(shard, set())
+        return self.isr - self.shard_out.get(shard, set()) - self._not_taking(shard)
 
     def shard_members(self, shard: str, members: list[str]) -> list[str]:
         """The cluster ISR ``members`` as this shard's ISR key names them: less those behind on
-        it, and those on their way out (a write of the key racing theirs must not name them)."""
-        out = self.shard_out.get(shard, set())
+        it, those on their way out (a write of the key racing theirs must not name them), and
+        followers whose scope leaves the shard out (they take it from another sender)."""
+        out = self.shard_out.get(shard, set()) | self._not_taking(shard)
         return [m for m in members if m not in out and (shard, m) not in self._leaving]
+
+    def _not_taking(self, shard: str) -> set[str]:
+        return {fid for fid, f in self.followers.items() if not f.everything and not f.scope.takes(shard)}
 
     def shard_replicas(self, shard: str) -> list[str]:
         return [m for m in super().shard_replicas(shard) if m not in self.shard_out.get(shard, set())]

@@ -59,9 +59,11 @@ itself across the suite; docs/architecture.md, "Per-shard leaders", has the plan
 * What is not yet: the data path. Clients are still served by the cluster leader (the node
   holding ``<prefix>/leader``) and replicated by its single stream; a follower's AMQP proxy
   already routes each connection by the vhost of its ``connection.open``
-  (``cluster/vhost_route.py``), to the cluster leader for every vhost for now. The next steps, in order:
-  replication scoped by shard (one replication connection per peer pair, each event tagged
-  with its shard, one ISR key per shard beside the leader key); the node leading a shard
+  (``cluster/vhost_route.py``), to the cluster leader for every vhost for now. Built for the
+  next step: a replication connection carries a scope (``cluster/files.py`` ``Scope``) and a
+  follower follows each node serving shards for those alone (``cluster/follow_set.py``); a
+  shard leader key whose value says ``"serves": true`` names that node (``serving``), and the
+  router sends the vhost's clients there. Nothing writes it yet: the node leading a shard
   serves it (a broker holding only its shards, as a worker does on one node); a follower's
   proxy chooses the tunnel per shard once the vhost is known (for AMQP after
   ``connection.open``, as the worker hand-over does), while protocols that cannot know the
@@ -91,12 +93,16 @@ from broker.cluster.etcd import (
     shard_isrs,
     shard_key,
     shard_of_key,
+    shard_released,
+    shard_server,
 )
 from broker.cluster.files import shard_name
+from broker.cluster.handover import Seen
 from broker.cluster.hooks import run_hook
 from broker.cluster.shard_sink import ShardedLeaderSink
 from broker.cluster.status import ClusterView
 from broker.config import Config
+from broker.errors import StoreError
 from broker.shards.placement import node_of, vhost_shard
 from broker.store.jsonstore import read_json
 
@@ -119,6 +125,12 @@ def in_sync(members: Mapping[str, Mapping[str, Any]], isr: list[str] | None) -> 
     is live and named, yet holds nothing new."""
     warm = {n for n, m in members.items() if m.get("warm") is True}
     return warm if isr is None else set(isr) & warm
+
+
+def replicated_here(vhosts: list[str], serving: Mapping[str, str], uri: str) -> list[str]:
+    """Of ``vhosts``, those the cluster leader (replication URI ``uri``) replicates: every one
+    but those another node serves (``serving``: vhost directory -> its server's URI)."""
+    return [v for v in vhosts if serving.get(shard_name(v), uri) == uri]
 
 
 def live_nodes(members: Mapping[str, Mapping[str, Any]]) -> dict[str, int]:
@@ -176,6 +188,10 @@ class ShardLeaders:
         self.held: dict[str, Held] = {}
         self._lease: int | None = None
         self._vhosts: list[str] = []
+        self._serving: dict[str, str] = {}  # shard (vhost directory) -> URI of the node serving it
+        self._seen: dict[str, Seen] = {}  # vhost -> its keys as the last pass read them
+        self._ready = False
+        self.closed: set[str] = set()  # vhosts the cluster leader's broker closed: their keys are not ours
         self._bg: set[asyncio.Task[Any]] = set()
         view.weight = workers
 
@@ -199,9 +215,40 @@ class ShardLeaders:
             data = read_json(self.vhosts_path, None)
             if data is not None:
                 self._vhosts = sorted({str(v["name"]) for v in data["vhosts"]})
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, StoreError) as exc:  # mid-replacement
             log.debug("shard list unreadable for now: %s", exc)
         return self._vhosts
+
+    def replicated(self) -> list[str]:
+        """The vhosts whose ISR keys the cluster leader writes: those no other node serves."""
+        return [v for v in replicated_here(self.vhosts(), self._serving, self.uri) if v not in self.closed]
+
+    def serving(self) -> dict[str, str]:
+        """The shards whose leader serves them (its key says so), by vhost directory, with that
+        leader's replication URI: a follower takes each from the node serving it
+        (``cluster/follow_set.py`` ``follow_plan``). As of the last pass."""
+        return self._serving
+
+    def ready(self) -> bool:
+        """A pass has read the shards' keys since this node started (``seen`` is meaningful)."""
+        return self._ready
+
+    def seen(self) -> dict[str, Seen]:
+        """Each shard's keys as the last pass read them (the hand-over's input, ``cluster/handover.py``)."""
+        return self._seen
+
+    def term_of(self, vhost: str) -> int | None:
+        """Our term of ``vhost``'s shard (None: we do not lead it)."""
+        held = self.held.get(vhost)
+        return held.term if held is not None else None
+
+    async def mark_served(self, vhost: str) -> bool:
+        """Say in ``vhost``'s leader key that we serve it (only the key we created)."""
+        held = self.held.get(vhost)
+        if held is None:
+            return False
+        value = json.dumps({"node_id": self.node_id, "uri": self.uri, "serves": True}, sort_keys=True)
+        return await self.etcd.put_if(shard_key(vhost), held.term, value.encode())
 
     async def pass_once(self) -> None:
         if self.etcd.client is None or self.etcd.lease_id is None:
@@ -220,19 +267,24 @@ class ShardLeaders:
         keys = await self.etcd.get_prefix(SHARDS)
         isrs = shard_isrs(keys)  # a shard without its own ISR key yet goes by the cluster's
         vhosts = self.vhosts()
+        self._serving = {shard_name(v): uri for v in vhosts if (found := keys.get(shard_key(v))) is not None
+                         and (uri := shard_server(found[0])) is not None}
         if self.view.is_leader() and isr_raw is not None and isr_list is not None:
-            # we replicate every shard, so each shard's ISR is the cluster's less the members
-            # behind on it (ShardedLeaderSink): a vhost created since the last ISR write gets its
-            # key, a deleted one's goes, a stray value is mended
+            # we replicate every shard no other node serves, so each one's ISR is the cluster's
+            # less the members behind on it (ShardedLeaderSink): a vhost created since the last
+            # ISR write gets its key, a deleted one's goes, a stray value is mended; the key of a
+            # shard served elsewhere is its server's alone
             values = shard_isr_values(keys)
             sink = self.view.sink
+            ours = [v for v in replicated_here(vhosts, self._serving, self.uri) if v not in self.closed]
             want = {v: json.dumps(sink.shard_members(shard_name(v), isr_list)
                                   if isinstance(sink, ShardedLeaderSink) else isr_list).encode()
-                    for v in vhosts}
-            await self.etcd.mend_shard_isrs({v: (values.get(v), want[v]) for v in vhosts
+                    for v in ours}
+            await self.etcd.mend_shard_isrs({v: (values.get(v), want[v]) for v in ours
                                              if values.get(v) != want[v]},
                                             [v for v in values if v not in vhosts], isr_raw)
         shown: dict[str, dict[str, Any]] = {}
+        seen: dict[str, Seen] = {}
         sink = self.view.sink if self.view.is_leader() else None
         for vhost in vhosts:
             isr = in_sync(members, isrs.get(vhost, isr_list))
@@ -256,6 +308,8 @@ class ShardLeaders:
                     log.info("shard %r: handed back to its preferred node", vhost)
                 self._lost([vhost], "handed back")
                 holder, term = None, 0
+            server = shard_server(found[0]) if found is not None and term == found[1] else None
+            seen[vhost] = Seen(holder, term, server, isrs.get(vhost), shard_released(keys, vhost))
             shown[vhost] = {"leader": holder, "term": term or None,
                             "preferred": preferred(vhost, eligible(live, isr))}
             if sink is not None:  # we replicate it: who holds its every action (its own acks)
@@ -266,6 +320,8 @@ class ShardLeaders:
                 await self.etcd.delete_if(key, rev)
                 self._lost([gone], "the vhost was deleted")
         self.view.shards = shown
+        self._seen = seen
+        self._ready = True
 
     async def drain(self) -> None:
         """Hand every shard over (the node is stopping; the pass loop is no longer running):

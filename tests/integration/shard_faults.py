@@ -83,7 +83,7 @@ def amqp_url(node: ClusterNode, vhost: str) -> str:
 class ShardCluster:
     """Three nodes with per-shard leaders and the six vhosts created."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, extra: tuple[str, ...] = ()) -> None:
         self.c = Cluster(tmp, ttl=TTL)
         self.by_id: dict[str, ClusterNode] = {}
         try:
@@ -92,7 +92,7 @@ class ShardCluster:
             for node, nid in zip(self.c.nodes, IDS, strict=True):
                 # the last of a repeated option wins: these hooks name the shard
                 node.argv += ["--clustering-shard-leaders", "--clustering-on-leader-elected", hook,
-                              "--clustering-on-leader-lost", hook]
+                              "--clustering-on-leader-lost", hook, *extra]
                 node.data_dir.mkdir(parents=True, exist_ok=True)
                 (node.data_dir / ".node_id").write_text(nid + "\n")
                 self.by_id[nid] = node
@@ -114,6 +114,23 @@ class ShardCluster:
             if key.endswith("/leader"):  # beside it, the shard's ISR key
                 found[urllib.parse.unquote(key.split("/")[-2])] = json.loads(value)["node_id"]
         return found
+
+    def served(self) -> dict[str, str]:
+        """vhost -> node id, of the shards whose leader key says its holder serves them."""
+        out = self.c.etcd._ctl("get", f"{self.c.prefix}/shards/", "--prefix")
+        lines = out.stdout.decode().splitlines()
+        found = {}
+        for key, value in zip(lines[0::2], lines[1::2], strict=False):
+            if key.endswith("/leader") and json.loads(value).get("serves") is True:
+                found[urllib.parse.unquote(key.split("/")[-2])] = json.loads(value)["node_id"]
+        return found
+
+    def isrs(self) -> dict[str, list[str]]:
+        """vhost -> its shard's ISR key."""
+        out = self.c.etcd._ctl("get", f"{self.c.prefix}/shards/", "--prefix")
+        lines = out.stdout.decode().splitlines()
+        return {urllib.parse.unquote(key.split("/")[-2]): list(json.loads(value))
+                for key, value in zip(lines[0::2], lines[1::2], strict=False) if key.endswith("/isr")}
 
     def api(self, node: ClusterNode, method: str, path: str, body: Any = None) -> Any:
         req = urllib.request.Request(f"http://{node.ip}:{node.mgmt_port}{path}", method=method,

@@ -29,7 +29,15 @@ import pika
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from broker.cluster.etcd import SHARDS, Etcd, shard_isr_key, shard_isrs
+from broker.cluster.etcd import (
+    SHARDS,
+    Etcd,
+    shard_isr_key,
+    shard_isrs,
+    shard_key,
+    shard_released,
+    shard_server,
+)
 
 from ._support import REPO_ROOT
 from .shard_faults import (
@@ -229,7 +237,6 @@ def test_sigterm_drains_a_node_its_clients_reconnect_nothing_confirmed_lost(shar
 
 
 def test_kill9_moves_only_its_shards_and_its_return_hands_them_back(shards: ShardCluster) -> None:
-    trial = kill_and_return(shards, "t", random.Random(27))
     """kill -9 of a node that does not hold ``<prefix>/leader``: its two shards, and only they,
     fail over within TTL + 2 s; on each of the four shards it did not lead a publisher (two on
     the cluster leader, two through the surviving follower's proxy, routed by vhost) waits less
@@ -273,5 +280,50 @@ def test_one_shards_isr_is_written_alone_and_a_mend_never_puts_a_member_back(sha
         finally:
             await e.revoke()
             await e.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_shard_server_marks_its_key_and_writes_its_isr_fenced_on_its_own_term(
+        shards: ShardCluster) -> None:
+    """Step 2's keys: the node serving a shard says so on its leader key (``put_if``: only the
+    key it created, kept on its lease) and writes the shard's ISR key itself, fenced on that
+    shard's term, not on the cluster's leadership (``write_served_isr``); once the shard moved
+    on (a successor's key) neither write of the old server goes through. Two etcd clients (two
+    nodes' leases) on the module's real etcd, under a prefix of this test's own."""
+    async def scenario() -> None:
+        prefix = f"{shards.c.prefix}-served"
+        old, new = Etcd(shards.c.etcd.endpoint, prefix, TTL), Etcd(shards.c.etcd.endpoint, prefix, TTL)
+        for e in (old, new):
+            await e.connect()
+            await e.grant_lease()
+        try:
+            key = shard_key("v")
+            term = await old.create_bound(key, b'{"node_id": "o", "uri": "tcp://o:1"}')
+            assert term is not None
+            assert shard_server((await old.get(key)) or b"") is None  # led, not served yet
+            assert await old.put_if(key, term, b'{"node_id": "o", "serves": true, "uri": "tcp://o:1"}')
+            assert shard_server((await old.get(key)) or b"") == "tcp://o:1"
+            assert await old.write_served_isr("v", term, ["o", "n"])
+            assert shard_isrs(await old.get_prefix(SHARDS)) == {"v": ["o", "n"]}
+            # the shard moves: the old key goes (resigned or its lease expired), a successor wins
+            assert await old.delete_if(key, term)
+            won = await new.create_bound(key, b'{"node_id": "n", "uri": "tcp://n:1"}')
+            assert won is not None and won != term
+            assert not await old.put_if(key, term, b'{"node_id": "o", "serves": true, "uri": "tcp://o:1"}')
+            assert await old.write_served_isr("v", term, ["o"]) is False  # fenced
+            assert shard_isrs(await old.get_prefix(SHARDS)) == {"v": ["o", "n"]}
+            assert shard_server((await new.get(key)) or b"") is None
+            assert await new.write_served_isr("v", won, ["n"])
+            assert shard_isrs(await new.get_prefix(SHARDS)) == {"v": ["n"]}
+            # the hand-over's release names the holder's term, and only that holder's
+            assert shard_released(await new.get_prefix(SHARDS), "v") is None
+            assert not await old.release_shard("v", term)  # a term that no longer holds it
+            assert await old.release_shard("v", won)
+            assert shard_released(await new.get_prefix(SHARDS), "v") == won
+        finally:
+            for e in (old, new):
+                await e.revoke()
+                await e.close()
 
     asyncio.run(scenario())

@@ -1,0 +1,145 @@
+"""A node serving the shards it leads (step 2 of the per-shard data path, docs/architecture.md).
+
+Theory of operation
+-------------------
+A node that leads shards without holding the cluster's leadership serves them with a broker of
+their own: a ``ShardBroker`` (built by the composition root, ``Host.shard_broker``) on the
+node's data dir, holding only the vhosts in ``served`` (each booted from the directory
+replication wrote, ``open_shard``), with client listeners on loopback ports only: clients reach
+it through this node's proxies, which tunnel a vhost's connection to the node serving it
+(``proxy.py`` ``Routed``, ``cluster/tunnel.py``). The data dir's lock stays with the runner,
+which keeps following the cluster leader for the shared files and the shards nobody else
+serves (``follow_set.follow_plan`` leaves ours out).
+
+Replication. A ``ShardedLeaderSink`` listens on the node's replication port: peers follow it,
+scoped to the shards it serves (``files.Scope``), and the tunnels of other nodes' proxies end
+there. Its group commits wait for each shard's ISR (``shard_barrier``); a shard's ISR is the
+members holding it, and its etcd key is written by this node alone, fenced on its own term of
+that shard (``Etcd.write_served_isr``; ``write_isr`` here), never on the cluster leadership.
+
+Losing a shard (its key gone, resigned, or the lease presumed expired): ``close`` first takes
+the vhost out of the broker and closes its clients with 320, so no confirm of it leaves this
+node afterwards, then closes its stores; its files stay (the node now follows the shard's next
+server). ``stop`` fences the sink first, so no barrier resolves after it, then shuts the broker
+and the listener down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import ssl
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from broker.cluster.files import shard_name
+from broker.cluster.host import Host, ShardBroker
+from broker.cluster.shard_sink import ShardedLeaderSink
+from broker.cluster.status import ClusterView
+from broker.config import Config
+
+log = logging.getLogger(__name__)
+
+# Write the ISR key of vhost ``v``, fenced on our term of it: True/False/None as ``write_isr``.
+ServedIsrWriter = Callable[[str, list[str]], Awaitable[bool | None]]
+
+
+def shard_config(config: Config) -> Config:
+    """The configuration of a node's shard broker: AMQP on a loopback port of the kernel's
+    choosing (reached through the tunnels only); no other client listener of its own."""
+    return dataclasses.replace(
+        config,
+        amqp=dataclasses.replace(config.amqp, bind="127.0.0.1", port=0, tls_port=-1, unix_path=""),
+        mgmt=dataclasses.replace(config.mgmt, enabled=False),
+        mqtt=dataclasses.replace(config.mqtt, enabled=False),
+        stream=dataclasses.replace(config.stream, enabled=False),
+        lmq=dataclasses.replace(config.lmq, enabled=False),
+        main=dataclasses.replace(config.main, load_definitions=""),
+    )
+
+
+class ShardServer:
+    """This node's broker for the shards it serves, and their replication (see above)."""
+
+    def __init__(self, config: Config, host: Host, node_id: str, secret: bytes, view: ClusterView,
+                 write_isr: ServedIsrWriter, lease_valid: Callable[[], bool]) -> None:
+        self.config = config
+        self.served: set[str] = set()  # vhost names
+        self.write_served_isr = write_isr
+        self.sink = ShardedLeaderSink(config.main.data_dir, node_id, secret, self._write_isr,
+                                      self._write_shard_isr)
+        self.sink.lease_valid = lease_valid
+
+        def replicated(dirty: list[Any]) -> asyncio.Future[None]:
+            return self.sink.shard_barrier()  # each shard's ISR (cluster/shard_sink.py)
+
+        self.node: ShardBroker = host.shard_broker(shard_config(config), self.sink, view, replicated,
+                                                   self.served.__contains__)
+        self.running = False
+
+    async def start(self, bind: str, port: int, tls: ssl.SSLContext | None = None) -> tuple[str, int]:
+        """Boot the broker (no shard yet) and listen for followers and tunnels; the address."""
+        sink, node = self.sink, self.node
+        await asyncio.get_running_loop().run_in_executor(None, sink.index.scan)
+        await node.start()
+        node.trust_proxy_headers_from(sink.member_ips)
+        sink.flush_stores = node.flush_stores
+        sink.merge_acks = node.merge_acks
+        sink.client_addresses = node.client_addresses
+        sink.proxied_peers = node.proxied_peers
+        try:
+            address = await sink.start(bind, port, tls)
+        except BaseException:
+            await node.shutdown()
+            raise
+        self.running = True
+        return address
+
+    async def open(self, vhost: str) -> bool:
+        """Serve ``vhost`` (its replicated directory); False if unknown or served already."""
+        if vhost in self.served:
+            return False
+        shard = shard_name(vhost)
+
+        async def write(members: list[str]) -> bool | None:
+            return await self.write_served_isr(vhost, self.sink.shard_members(shard, members))
+
+        self.served.add(vhost)
+        if not await self.node.open_shard(vhost):
+            self.served.discard(vhost)
+            return False
+        # its ISR key is ours before any client reaches it (the routers go by the serving mark,
+        # written after this): the key the cluster leader wrote names members that will not
+        # hold what we confirm before they follow us
+        if await self.sink.isr_written(write) is not True:
+            await self.close(vhost, "its ISR key could not be written")
+            return False
+        return True
+
+    async def close(self, vhost: str, reason: str) -> None:
+        """Stop serving ``vhost``, fenced (``Node.close_shard``); its files stay."""
+        self.served.discard(vhost)
+        await self.node.close_shard(vhost, reason)
+
+    async def stop(self) -> None:
+        self.running = False
+        self.sink.fence()  # no barrier resolves from here on: no confirm leaves after this
+        self.served.clear()
+        await self.node.shutdown()
+        await self.sink.stop()
+
+    async def _write_isr(self, members: list[str]) -> bool | None:
+        """The sink's ISR changed: each served shard's key, its members less those behind on it."""
+        result: bool | None = True
+        for vhost in sorted(self.served):
+            ok = await self.write_served_isr(vhost, self.sink.shard_members(shard_name(vhost), members))
+            if ok is not True:
+                result = ok if result is True else result
+        return result
+
+    async def _write_shard_isr(self, shard: str, members: list[str]) -> bool | None:
+        vhost = next((v for v in self.served if shard_name(v) == shard), None)
+        if vhost is None:
+            return True  # closed meanwhile: its next server writes its key
+        return await self.write_served_isr(vhost, members)

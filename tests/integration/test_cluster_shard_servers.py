@@ -1,0 +1,85 @@
+"""A node leading a shard serves it and replicates it itself (``[clustering] shard_servers``,
+the hand-over of ``broker/cluster/handover.py``) on a real 3-node cluster (real etcd, three
+real broker processes): the cluster leader closes each shard another node holds, releases it
+once that node holds its last action, and the holder opens it from its own copy and says so in
+its key; clients reach each shard through a follower's proxy (routed by vhost) with confirms
+that waited for the shard's ISR; kill -9 of a node serving shards moves only its shards, to a
+node their ISR key names, and nothing confirmed is lost. A trial of its own (chaos): it boots
+its own cluster."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pika
+import pytest
+
+from .shard_faults import BATCH, IDS, VHOSTS, ShardCluster, expected, publish, queue_depth
+from .test_cluster import wait_for
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.chaos]
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ShardCluster]:
+    sc = ShardCluster(tmp_path_factory.mktemp("servers"), ("--clustering-shard-servers",))
+    try:
+        yield sc
+    except BaseException:
+        print(sc.c.diag())
+        raise
+    finally:
+        sc.close()
+
+
+def test_nodes_serve_their_shards_and_kill9_of_one_moves_only_those_nothing_confirmed_lost(
+        servers: ShardCluster) -> None:
+    want = expected()
+    wait_for(lambda: servers.leaders() == want, 20, f"shard leaders {want}")
+    boss = servers.c.leader()
+    assert boss is not None
+    boss_id = IDS[servers.c.nodes.index(boss)]
+    others = {v: n for v, n in want.items() if n != boss_id}
+    wait_for(lambda: {v: n for v, n in servers.served().items() if v in others} == others, 30,
+             f"the shards of the nodes other than the cluster leader served by them: {others}")
+    followers = [n for n in servers.c.nodes if n is not boss]
+
+    def isr_keys_written_by_their_servers() -> bool:
+        # each served shard's ISR key is its server's (the third node follows it from there),
+        # no longer the cluster leader's (which does not follow a shard served elsewhere yet)
+        isrs = servers.isrs()
+        return all(v in isrs and boss_id not in isrs[v]
+                   and next(n for n in IDS if n not in (boss_id, others[v])) in isrs[v] for v in others)
+
+    wait_for(isr_keys_written_by_their_servers, 20, "the served shards' ISR keys written by their servers")
+    confirmed: dict[str, int] = {}
+    for i, vhost in enumerate(VHOSTS):  # through either follower's proxy, routed by vhost
+        confirmed[vhost] = publish(followers[i % 2], vhost, "served", BATCH)
+    victim_id = next(n for n in IDS if n != boss_id)
+    victim = servers.by_id[victim_id]
+    moved = {v for v, n in VHOSTS.items() if n == victim_id}
+    survivor = next(n for n in followers if n is not victim)
+    before = servers.leaders()
+    victim.kill9()
+
+    def only_its_shards_moved_and_served() -> bool:
+        now, served = servers.leaders(), servers.served()
+        return all(now.get(v) not in (None, victim_id) and served.get(v) == now[v] for v in moved) \
+            and all(now.get(v) == before[v] for v in VHOSTS if v not in moved)
+
+    wait_for(only_its_shards_moved_and_served, 30, f"{sorted(moved)} served again by another node")
+    for vhost in VHOSTS:  # every confirmed message, through the surviving follower
+        depth: list[int] = []
+
+        def read(vhost: str = vhost, depth: list[int] = depth) -> bool:
+            try:  # a client reconnects while a pass of each node learns the new server
+                depth.append(queue_depth(survivor, vhost, "served"))
+                return True
+            except pika.exceptions.AMQPError:
+                return False
+
+        wait_for(read, 10, f"{vhost} readable through {survivor.name}")
+        assert depth[-1] == confirmed[vhost], vhost
+    for vhost in sorted(moved):  # and the moved shards take new confirmed publishes
+        confirmed[vhost] += publish(survivor, vhost, "served", BATCH)
+        assert queue_depth(survivor, vhost, "served") == confirmed[vhost], vhost

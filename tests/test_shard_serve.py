@@ -1,0 +1,118 @@
+"""A node serves the shards it leads (docs/architecture.md, "The per-shard data path", step 2):
+its broker boots a shard's vhost from the directory replication wrote and closes one, fenced,
+without deleting anything (``Node.open_shard`` / ``close_shard``), and a broker told which
+shards it serves (``Node.serves``) loads only those. A real broker on real sockets and files,
+real AMQP clients with publisher confirms."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import aio_pika
+import pytest
+from aio_pika.exceptions import AMQPError
+
+from broker.config import load_config
+from broker.node import Node
+from broker.store.paths import vhost_dir
+from tests.integration._support import listener_ports_env
+
+N = 20
+
+
+def _node(data: Path, env: dict[str, str]) -> Node:
+    return Node(load_config(["--data-dir", str(data), "--no-mgmt"], environ=env))
+
+
+async def _connect(port: int, vhost: str) -> aio_pika.abc.AbstractRobustConnection:
+    return await aio_pika.connect(f"amqp://guest:guest@127.0.0.1:{port}/{vhost}", timeout=5)
+
+
+async def _publish(conn: aio_pika.abc.AbstractConnection, n: int) -> None:
+    ch = await conn.channel(publisher_confirms=True)
+    await ch.declare_queue("q", durable=True)
+    for i in range(n):
+        await ch.default_exchange.publish(aio_pika.Message(b"m%d" % i, delivery_mode=2), "q")
+    await ch.close()
+
+
+async def _count(port: int, vhost: str) -> int:
+    conn = await _connect(port, vhost)
+    try:
+        ch = await conn.channel()
+        q = await ch.declare_queue("q", durable=True, passive=True)
+        count = q.declaration_result.message_count
+        assert count is not None
+        return count
+    finally:
+        await conn.close()
+
+
+async def _closed(conn: aio_pika.abc.AbstractConnection) -> bool:
+    """True once the broker closed ``conn`` (a channel no longer opens on it), within 5 s."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 5
+    while loop.time() < deadline:
+        try:
+            ch = await asyncio.wait_for(conn.channel(), 1)
+        except (AMQPError, ConnectionError, RuntimeError):
+            return True
+        await ch.close()
+        await asyncio.sleep(0.02)
+    return False
+
+
+def test_a_shard_closes_fenced_and_boots_again_from_its_files(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    env = listener_ports_env()
+    port = int(env["SKRED_AMQP_PORT"])
+
+    async def main() -> None:
+        node = _node(data, env)
+        await node.start()
+        try:
+            assert node.mgmt is not None
+            assert node.broker is not None
+            for vhost in ("a", "b"):
+                node.mgmt.create_vhost(vhost)
+                node.broker.users.set_permissions("guest", vhost, ".*", ".*", ".*")
+            on_a, on_b = await _connect(port, "a"), await _connect(port, "b")
+            await _publish(on_a, N)
+            await _publish(on_b, N)
+
+            assert await node.close_shard("a")
+            assert not await node.close_shard("a")  # not served any more
+            assert await _closed(on_a)  # its clients are told (320): nothing of it is confirmed after
+            with pytest.raises((AMQPError, ConnectionError)):
+                await _connect(port, "a")  # not served here
+            assert vhost_dir(data, "a").is_dir()  # closed, not deleted
+            await _publish(on_b, N)  # the other shard never noticed
+
+            assert await node.open_shard("a")
+            assert not await node.open_shard("a")  # served already
+            assert not await node.open_shard("nope")  # not in the replicated list
+            assert await _count(port, "a") == N  # booted from its files
+            await on_b.close()
+        finally:
+            await node.shutdown()
+            node.release_lock()
+
+        # A broker told which shards it serves loads only those, and boots the others on demand.
+        node = _node(data, env)
+        node.serves = lambda vhost: vhost != "a"
+        await node.start()
+        try:
+            assert node.broker is not None
+            assert "a" not in node.broker.vhosts and "b" in node.broker.vhosts
+            with pytest.raises(ValueError):
+                node.make_vhost("a")  # another node serves it
+            assert await _count(port, "b") == 2 * N
+            node.serves = None
+            assert await node.open_shard("a")
+            assert await _count(port, "a") == N
+        finally:
+            await node.shutdown()
+            node.release_lock()
+
+    asyncio.run(main())

@@ -1,0 +1,131 @@
+"""A node serves the shards it leads and replicates them itself (``cluster/shard_server.py``,
+step 2 of the per-shard data path): a broker holding only its shards, booted from the node's
+data dir, with a ``ShardedLeaderSink`` on the replication port. A real follower follows it
+scoped to the shard over a real socket into real files; a real AMQP client's confirms come
+only once the follower holds the message; the shard's ISR key is written per shard; closing
+the shard closes its clients (no confirm after) and keeps its files."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import aio_pika
+import pytest
+from aio_pika.exceptions import AMQPError
+
+from broker.cluster import codec, follower
+from broker.cluster.files import Scope, shard_name
+from broker.cluster.proxy import Routed, SpliceProxy, Target, Tunnelled
+from broker.cluster.shard_server import ShardServer
+from broker.cluster.status import ClusterView
+from broker.cluster.vhost_route import Limits
+from broker.config import load_config
+from broker.node import Node, NodeHost
+from broker.store.paths import vhost_dir
+from tests.integration._support import listener_ports_env
+
+SECRET = b"s" * 32
+DEADLINE = 20.0  # seconds: generous under load
+N = 20
+
+
+async def _until(what: str, ok: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + DEADLINE
+    while not ok():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {DEADLINE}s: {what}")
+        await asyncio.sleep(0.02)
+
+
+def _held(root: Path, vhost: str, body: bytes) -> bool:
+    """True when some file of ``vhost``'s directory under ``root`` holds ``body``."""
+    return any(body in p.read_bytes() for p in vhost_dir(root, vhost).rglob("*") if p.is_file())
+
+
+def test_a_node_serves_its_shard_and_confirms_wait_for_the_shards_follower(tmp_path: Path) -> None:
+    data, f_dir = tmp_path / "b", tmp_path / "f"
+    env = listener_ports_env()
+    config = load_config(["--data-dir", str(data), "--no-mgmt"], environ=env)
+
+    async def main() -> None:
+        # the node's data dir as replication left it: two vhosts, the users
+        seed = Node(config)
+        await seed.start()
+        assert seed.mgmt is not None and seed.broker is not None
+        for vhost in ("v", "w"):
+            seed.mgmt.create_vhost(vhost)
+            seed.broker.users.set_permissions("guest", vhost, ".*", ".*", ".*")
+        await seed.shutdown()
+        seed.release_lock()
+
+        written: list[tuple[str, list[str]]] = []
+
+        async def write_isr(vhost: str, members: list[str]) -> bool:
+            written.append((vhost, sorted(members)))
+            return True
+
+        server = ShardServer(config, NodeHost(config), "B", SECRET, ClusterView("B", "tcp://127.0.0.1:1"),
+                             write_isr, lambda: True)
+        _, port = await server.start("127.0.0.1", 0)
+        pool = ThreadPoolExecutor(1)
+        synced: list[bool] = []
+        link = asyncio.ensure_future(follower.follow(
+            "127.0.0.1", port, f_dir, SECRET, "F", lambda w: None, lambda: synced.append(True), pool,
+            scope=Scope(shared=False, shards=frozenset({shard_name("v")}))))
+        try:
+            assert await server.open("v")
+            assert written and written[0][0] == "v", "its ISR key is the server's as it opens"
+            assert not await server.open("v") and not await server.open("nope")
+            assert server.node.client_addresses()["amqp"][0] == "127.0.0.1"  # loopback only
+            await _until("the follower synced and in the ISR",
+                         lambda: bool(synced) and server.sink.isr == {"F"} or link.done())
+            assert not link.done(), link.exception()
+            host, amqp_port = server.node.client_addresses()["amqp"]
+            conn = await aio_pika.connect(f"amqp://guest:guest@{host}:{amqp_port}/v", timeout=5)
+            ch = await conn.channel(publisher_confirms=True)
+            await ch.declare_queue("q", durable=True)
+            for i in range(N):
+                body = b"served-%03d" % i
+                await ch.default_exchange.publish(aio_pika.Message(body, delivery_mode=2), "q")
+                assert _held(f_dir, "v", body)  # confirmed: the shard's follower holds it already
+            with pytest.raises((AMQPError, ConnectionError)):
+                await aio_pika.connect(f"amqp://guest:guest@{host}:{amqp_port}/w", timeout=5)  # not ours
+            # a client of this node's routed AMQP port reaches the shard through a tunnel to our
+            # own replication port (the router's target for a shard we serve: runner._routed)
+            ours = Target("127.0.0.1", port)
+            proxy = SpliceProxy("amqp", Target(), False, None,
+                                tunnel=Tunnelled(codec.AMQP_PORT, lambda: SECRET, lambda: None),
+                                routed=Routed(Limits(2047, 131072, 60), NodeHost().amqp_server_properties(),
+                                              serving=lambda vhost: ours, login=lambda: ours))
+            proxy_port = await proxy.start("127.0.0.1", 0)
+            try:
+                routed = await aio_pika.connect(f"amqp://guest:guest@127.0.0.1:{proxy_port}/v", timeout=5)
+                rch = await routed.channel(publisher_confirms=True)
+                for i in range(5):
+                    body = b"routed-%03d" % i
+                    await rch.default_exchange.publish(aio_pika.Message(body, delivery_mode=2), "q")
+                    assert _held(f_dir, "v", body)
+                await routed.close()
+            finally:
+                await proxy.stop()
+            assert ("v", ["B", "F"]) in written or ("v", ["F"]) in written, written  # per shard
+            assert all(vhost == "v" for vhost, _ in written)
+
+            await server.close("v", "the shard moved to another node")
+            with pytest.raises((AMQPError, ConnectionError, RuntimeError)):
+                for _ in range(50):  # the close reaches the client (320): no confirm after it
+                    await asyncio.wait_for(ch.default_exchange.publish(
+                        aio_pika.Message(b"after", delivery_mode=2), "q"), 1)
+                    await asyncio.sleep(0.05)
+            assert vhost_dir(data, "v").is_dir() and not _held(f_dir, "v", b"after")
+        finally:
+            link.cancel()
+            await asyncio.gather(link, return_exceptions=True)
+            await server.stop()
+            pool.shutdown(wait=True)
+
+    asyncio.run(main())
