@@ -5,11 +5,11 @@ jobs.
 The JVM options: the tests' jobs are small and each runs once, so C2's optimising compiler
 (threads that compile hot code again, at top speed) costs CPU it never pays back; C1 alone
 (``TieredStopAtLevel=1``, one compiler thread) and the serial collector (no parallel GC threads)
-cut the JVM's CPU by a third to a half (tests/spark/jvm_cpu.py: 58 s to 37 s, 40 s to 21 s over session
-start and a few small jobs, on a
-loaded 2-core machine). That CPU is what a loaded CI machine lacks when Spark starts a Python
-worker and gives it a fixed 10 s to connect back (``PythonWorkerFactory.createSimpleWorker``,
-not configurable in Spark 4): "Python worker failed to connect back" was that deadline missed.
+cut the JVM's CPU by a third to a half (tests/spark/jvm_cpu.py: 58 s to 37 s, 40 s to 21 s over
+session start and a few small jobs, on a loaded 2-core machine). That CPU is what a loaded CI
+machine lacks when Spark starts a Python worker and gives it a fixed 10 s to connect back
+(``PythonWorkerFactory.createSimpleWorker``, not configurable in Spark 4): "Python worker failed
+to connect back" was that deadline missed.
 """
 
 from __future__ import annotations
