@@ -1,7 +1,8 @@
 """Spark fixtures: one shared local SparkSession for every test in ``tests/spark``.
 
 Skipped cleanly when pyspark/pyarrow (the ``spark`` extra) or Java are missing. The session
-is ``local[2]`` with the UI off, two shuffle partitions and Python filter pushdown on;
+is ``local[2]`` with the UI off, two shuffle partitions, a JVM tuned for short jobs
+(spark_jvm.py) and Python filter pushdown on;
 ``SPARK_LOCAL_IP`` and ``PYSPARK_PYTHON`` pin it to loopback and this interpreter.
 
 Budgets: starting Spark (a JVM) takes from seconds to minutes on a loaded machine, so it is
@@ -42,7 +43,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 def _start_session() -> Any:
     """A new local SparkSession, or pytest.fail when it does not come up within the budget."""
-    from pyspark.sql import SparkSession
+    from spark_jvm import builder
 
     from broker.spark import register
 
@@ -50,10 +51,7 @@ def _start_session() -> Any:
 
     def start() -> None:
         try:
-            session = (SparkSession.builder.master("local[2]").appName("skred-tests")
-                       .config("spark.ui.enabled", "false")
-                       .config("spark.sql.shuffle.partitions", "2")
-                       .config("spark.driver.host", "127.0.0.1")
+            session = (builder("skred-tests")
                        .config("spark.sql.python.filterPushdown.enabled", "true")
                        .config("spark.sql.session.timeZone", "UTC")
                        .getOrCreate())

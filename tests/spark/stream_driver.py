@@ -12,8 +12,8 @@ import os
 import sys
 from typing import Any
 
-from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
+from spark_jvm import builder
 
 from broker.spark import register
 
@@ -35,9 +35,7 @@ def writer(spark: Any, url: str, ckpt: str, streams: str, target: str, max_per_t
 def main() -> None:
     url, ckpt, streams, target = sys.argv[1:5]
     os.environ["PYSPARK_PYTHON"] = sys.executable
-    spark = (SparkSession.builder.master("local[2]").appName("skred-driver")
-             .config("spark.ui.enabled", "false").config("spark.driver.host", "127.0.0.1")
-             .config("spark.sql.shuffle.partitions", "2").getOrCreate())
+    spark = builder("skred-driver").getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     register(spark)
     print("started", flush=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from integration._support import SkredProcess, count_at  # free ports per xdist worker
+from integration._support import SkredProcess, count_at, queue_count  # free ports per xdist worker
 
 pika = pytest.importorskip("pika")
 
@@ -232,15 +232,19 @@ def test_streaming_restart_after_driver_sigkill_exactly_once(spark: Any, broker:
         conn.close()
     ckpt, log = tmp_path / "ckpt", tmp_path / "driver.log"
     proc = _driver(url, ckpt, "out.dedup", log)
+    # One connection polls (a connection per poll cost CPU the starting driver JVM and its Python
+    # workers need: Spark gives a Python worker a fixed 10 s to connect back).
+    poller = pika.BlockingConnection(pika.URLParameters(url))
     try:
         deadline = time.monotonic() + 400
-        while not 0 < count_at(url, "out") < 2 * per:
+        while not 0 < (queue_count(poller, "out") or 0) < 2 * per:
             assert proc.poll() is None, log.read_text(errors="replace")
             assert time.monotonic() < deadline, "no micro-batch landed:\n" + log.read_text(errors="replace")
             time.sleep(0.1)  # bounded poll for the first micro-batch
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(30)
+        poller.close()
     mid = count_at(url, "out")
     assert mid < 2 * per
     # The restart replays the batch the kill cut short (its offsets are in the checkpoint), then
