@@ -332,11 +332,21 @@ def publish_packets(topic: str, qos: int, count: int, payload: bytes = b"x" * 16
     return [packet(0x32, t + struct.pack("!H", pid) + payload) for pid in range(1, count + 1)]
 
 
+FIRST_WAIT = 30.0  # seconds a scenario waits for its first delivery before its warm-up
+
+
 async def measure(seconds: float, delivered: Callable[[], int], warmup: float = 1.0,
                   pids: list[int] | None = None) -> tuple[float, float]:
     """Deliveries per second over ``seconds`` after ``warmup``, and the CPU the broker's
     processes (``pids``) spent per delivery meanwhile, in microseconds (NaN without pids): the
-    figure a loaded machine does not bend, as the rate is bent by the CPU other work takes."""
+    figure a loaded machine does not bend, as the rate is bent by the CPU other work takes.
+    The warm-up starts at the first delivery (at most ``FIRST_WAIT`` seconds on): Skred's first
+    message to 1,000 fresh subscription queues creates their 1,000 segment files on the event
+    loop (0.2 to 3 s seen on a loaded machine), a one-off the rate must not include; it is the
+    likeliest cause of the runs that measured 200 deliveries/s (one message in the window) or 0."""
+    first = time.perf_counter()
+    while not delivered() and time.perf_counter() - first < FIRST_WAIT:
+        await asyncio.sleep(0.01)
     await asyncio.sleep(warmup)
     n0, t0, c0 = delivered(), time.perf_counter(), cpu_of(pids or [])
     await asyncio.sleep(seconds)
