@@ -89,6 +89,7 @@ from broker.store.fileio import syncfs
 from broker.store.intent import IntentFile
 from broker.store.jsonstore import read_json, write_json
 from broker.store.lock import DataDirLock
+from broker.store.paths import WORKERS_DIR
 from broker.store.queue_store import read_ahead
 from broker.store.segment import parse_number
 from broker.store.segment_log import SegmentFiles
@@ -256,7 +257,7 @@ class Node:
         if self.lock_data_dir:
             lock = self.lock = DataDirLock(cfg.main.data_dir)
             lock.acquire()
-        if self.worker is None and (cfg.main.data_dir / layout.WORKERS_DIR).is_dir():
+        if self.worker is None and (cfg.main.data_dir / WORKERS_DIR).is_dir():
             # this data dir ran several workers: their vhosts come back (broker/shards/layout.py)
             names = VHostStore(cfg.main.data_dir / "vhosts.json", NULL_SINK).list()
             layout.relocate(cfg.main.data_dir, names, 1, worker_files(cfg, 1))

@@ -21,26 +21,14 @@ from pathlib import Path
 
 from broker.shards.placement import worker_of
 from broker.store.fileio import fsync_dir
-from broker.store.paths import vhost_dir
+from broker.store.paths import WORKERS_DIR, data_homes, vhost_dir
 
 log = logging.getLogger(__name__)
-
-WORKERS_DIR = "workers"
 
 
 def worker_dir(root: Path, index: int, count: int) -> Path:
     """The data dir of worker ``index`` of ``count`` (the node's own with one worker)."""
     return root if count <= 1 else root / WORKERS_DIR / str(index)
-
-
-def homes(root: Path) -> list[Path]:
-    """Every data dir a vhost's directory may be in: the node's, then each worker's."""
-    found = [root]
-    workers = root / WORKERS_DIR
-    if workers.is_dir():
-        found.extend(sorted((p for p in workers.iterdir() if p.is_dir() and p.name.isdigit()),
-                            key=lambda p: int(p.name)))
-    return found
 
 
 def relocate(root: Path, vhosts: list[str], count: int,
@@ -50,7 +38,7 @@ def relocate(root: Path, vhosts: list[str], count: int,
     MQTT's retained messages, LMQ's properties); what moved, as (name, from, to). Run while no
     worker runs."""
     moved = []
-    places = homes(root)
+    places = data_homes(root)
     wanted: list[tuple[str, int, Callable[[Path, str], Path]]]
     wanted = [(name, worker_of(name, count), vhost_dir) for name in vhosts]
     wanted += [(entry, index, _named) for entry, index in (files or {}).items()]

@@ -91,7 +91,7 @@ from broker.spark.options import (
     topic_partitions,
 )
 from broker.spark.rows import Columns, PropsDecoder, arrow_schema, fill_from_segment, schema_ddl, to_batch
-from broker.store.paths import queue_dir, vhost_dir
+from broker.store.paths import find_vhost_dir, queue_dir
 from broker.store.segment import HEADER_SIZE
 from broker.store.stream_store import list_segments
 
@@ -150,7 +150,7 @@ class _Options:
         data_dir = options.get("data_dir") or options.get("path")
         if not self.uri and not data_dir:
             raise ValueError("skred: set option 'data_dir' (segment files) or 'uri' (AMQP)")
-        self.vdir = vhost_dir(Path(data_dir), self.vhost) if data_dir and not self.uri else None
+        self.vdir = find_vhost_dir(Path(data_dir), self.vhost) if data_dir and not self.uri else None
         if options.get("subscribepattern") and self.vdir is None:
             raise ValueError("skred: subscribePattern needs data_dir (AMQP cannot list streams)")
         self.parts = topic_partitions(options, self._list_streams)

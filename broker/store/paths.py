@@ -23,6 +23,30 @@ def vhost_dir(data_dir: Path, vhost: str) -> Path:
     return data_dir / _sha1_hex(vhost)
 
 
+WORKERS_DIR = "workers"  # a multi-worker node's per-worker data dirs: broker/shards/layout.py
+
+
+def data_homes(root: Path) -> list[Path]:
+    """Every data dir a vhost's directory may be in: the node's, then each worker's."""
+    found = [root]
+    workers = root / WORKERS_DIR
+    if workers.is_dir():
+        found.extend(sorted((p for p in workers.iterdir() if p.is_dir() and p.name.isdigit()),
+                            key=lambda p: int(p.name)))
+    return found
+
+
+def find_vhost_dir(root: Path, vhost: str) -> Path:
+    """The directory of ``vhost`` under a node's data dir ``root``, whichever worker keeps it
+    (for readers of a node's files from outside, such as the Spark source); the node's own
+    place when no data dir holds it yet."""
+    for home in data_homes(root):
+        found = vhost_dir(home, vhost)
+        if found.is_dir():
+            return found
+    return vhost_dir(root, vhost)
+
+
 def queue_dir(vhost_dir: Path, queue: str) -> Path:
     return vhost_dir / _sha1_hex(queue)
 

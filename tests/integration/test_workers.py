@@ -112,6 +112,27 @@ def test_workers_own_their_vhosts_on_disk(node: SkredProcess) -> None:
         assert vhost not in other
 
 
+def test_spark_reads_a_workers_streams_from_the_data_dir(node: SkredProcess) -> None:
+    """The Spark source's ``data_dir`` mode finds a vhost in the data dir of the worker that
+    keeps it (it looked only in the node's own and failed with FileNotFoundError)."""
+    from broker.spark.source import _Options
+
+    stream = unique("wstream")
+    for vhost in VHOSTS.values():
+        conn = connect_to(node, vhost)
+        try:
+            ch = conn.channel()
+            ch.confirm_delivery()
+            ch.queue_declare(stream, durable=True, arguments={"x-queue-type": "stream"})
+            for i in range(5):
+                ch.basic_publish("", stream, f"m{i}".encode())
+        finally:
+            conn.close()
+        opts = _Options({"data_dir": str(node.data_dir), "vhost": vhost, "subscribe": stream})
+        (part,) = opts.parts
+        assert opts.extent(part) == (0, 5)
+
+
 def test_any_worker_reaches_every_vhost_with_confirms(node: SkredProcess) -> None:
     queue = unique("wq")
     for vhost in VHOSTS.values():
