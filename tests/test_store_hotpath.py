@@ -46,6 +46,7 @@ def test_ack_many_deletes_segments_and_survives_restart(tmp_path: Path) -> None:
     ids = [m for m in iter(s.shift, None)]
     before = len(list(d.glob("msgs.*")))
     s.ack_many(ids[:400])
+    s.removed()  # acked segments are removed on the segment worker (store/segment_log.py)
     after = len(list(d.glob("msgs.*")))
     assert after < before  # fully acked segments are gone
     s.requeue(ids[450])
@@ -100,6 +101,7 @@ def test_autoack_runs_across_segments_ack_each_segment(tmp_path: Path) -> None:
     _fill(s, 400)
     segs_before = len(list(d.glob("msgs.*")))
     assert s.deliver_run(250, True, _drop, 1 << 30)[0] == 250
+    s.removed()  # acked segments are removed on the segment worker (store/segment_log.py)
     assert len(list(d.glob("msgs.*"))) < segs_before
     s.end_pass()
     assert s.deliver_run(50, True, _drop, 1 << 30)[0] == 50  # a run close() must finish
