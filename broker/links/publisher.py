@@ -45,6 +45,24 @@ _END = b"\xce"
 CHANNEL = 1
 
 
+
+def append_publish(out: bytearray, args: bytes, props: bytes, body: bytes, frame_max: int) -> None:
+    """Append one ``basic.publish`` on ``CHANNEL`` to ``out``: the method frame with ``args``
+    (exchange, routing key, flags, encoded), the content header with the raw ``props`` and
+    the body cut at ``frame_max``."""
+    out += _PUBLISH.pack(1, CHANNEL, 6 + len(args), 60, 40, 0)
+    out += args
+    out += _END
+    out += _CONTENT.pack(2, CHANNEL, 12 + len(props), 60, 0, len(body))
+    out += props
+    out += _END
+    room = frame_max - 8
+    for at in range(0, len(body), room):
+        part = body[at:at + room]
+        out += _HEAD.pack(3, CHANNEL, len(part))
+        out += part
+        out += _END
+
 class PublishWire(Wire):
     """The connection, with publisher confirms read in place."""
 
@@ -106,18 +124,7 @@ class Publisher:
                 self.names.clear()
             self.names[key] = args
         out, body, props = self.out, msg.body, msg.raw or EMPTY_PROPERTIES
-        out += _PUBLISH.pack(1, CHANNEL, 6 + len(args), 60, 40, 0)
-        out += args
-        out += _END
-        out += _CONTENT.pack(2, CHANNEL, 12 + len(props), 60, 0, len(body))
-        out += props
-        out += _END
-        room = wire.frame_max - 8
-        for at in range(0, len(body), room):
-            part = body[at:at + room]
-            out += _HEAD.pack(3, CHANNEL, len(part))
-            out += part
-            out += _END
+        append_publish(out, args, props, body, wire.frame_max)
         if len(out) >= FLUSH_BYTES:
             self._flush()
         elif not self.flush_soon:

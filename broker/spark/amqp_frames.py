@@ -21,15 +21,12 @@ that both give the same bytes.
 
 from __future__ import annotations
 
-import struct
 from typing import Any, Final
 
+from broker.links.publisher import append_publish
 from broker.spark.arrow_frames import values_as_binary
 
 CHANNEL: Final = 1
-_METHOD_HEAD: Final = struct.Struct(">BHIHHH")  # frame head, class 60, method 40, ticket 0
-_CONTENT_HEAD: Final = struct.Struct(">BHIHHQ")  # frame head, class 60, weight 0, body size
-_FRAME_HEAD: Final = struct.Struct(">BHI")
 _END: Final = b"\xce"
 
 
@@ -48,18 +45,7 @@ def frame_row(out: bytearray, exchange: bytes, mandatory: bool, routing_key: byt
     """Append one publish (method, content header, body frames) to ``out``."""
     args = _short(exchange, "exchange name") + _short(routing_key, "routing key") + \
         (b"\x01" if mandatory else b"\x00")
-    out += _METHOD_HEAD.pack(1, CHANNEL, 6 + len(args), 60, 40, 0)
-    out += args
-    out += _END
-    out += _CONTENT_HEAD.pack(2, CHANNEL, 12 + len(props), 60, 0, len(body))
-    out += props
-    out += _END
-    room = frame_max - 8
-    for at in range(0, len(body), room):
-        part = body[at:at + room]
-        out += _FRAME_HEAD.pack(3, CHANNEL, len(part))
-        out += part
-        out += _END
+    append_publish(out, args, props, body, frame_max)
 
 
 def frame_batch(exchange: bytes, mandatory: bool, keys: Any, props: bytes, values: Any,
