@@ -14,8 +14,8 @@ from collections.abc import Iterator
 import pika
 import pytest
 
-from .shard_faults import BATCH, IDS, VHOSTS, ShardCluster, expected, publish, queue_depth
-from .test_cluster import wait_for
+from .shard_faults import BATCH, HANDBACK_WAIT, IDS, VHOSTS, ShardCluster, expected, publish, queue_depth
+from .test_cluster import ClusterNode, wait_for
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.chaos]
 
@@ -83,3 +83,32 @@ def test_nodes_serve_their_shards_and_kill9_of_one_moves_only_those_nothing_conf
     for vhost in sorted(moved):  # and the moved shards take new confirmed publishes
         confirmed[vhost] += publish(survivor, vhost, "served", BATCH)
         assert queue_depth(survivor, vhost, "served") == confirmed[vhost], vhost
+
+    # the killed node returns: it follows its shards' current server, is in their ISR again,
+    # wins them back and serves them from a copy holding every confirmed message
+    victim.start()
+    wait_for(lambda: servers.leaders() == want, HANDBACK_WAIT, f"shard leaders back to {want}")
+    wait_for(lambda: {v: n for v, n in servers.served().items() if v in others} == others, HANDBACK_WAIT,
+             f"the returned node serving its shards again: {others}")
+    for vhost in VHOSTS:  # through either follower, the returned one too
+        for node in followers:
+            assert _depth(node, vhost) == confirmed[vhost], (vhost, node.name)
+    for vhost in sorted(moved):  # served again by the returned node, with new confirms
+        confirmed[vhost] += publish(victim, vhost, "served", BATCH)
+        assert _depth(survivor, vhost) == confirmed[vhost], vhost
+
+
+def _depth(node: ClusterNode, vhost: str) -> int:
+    """The depth of ``served`` in ``vhost`` through ``node``, reconnecting while a pass of each
+    node learns the shard's new server."""
+    depth: list[int] = []
+
+    def read() -> bool:
+        try:
+            depth.append(queue_depth(node, vhost, "served"))
+            return True
+        except pika.exceptions.AMQPError:
+            return False
+
+    wait_for(read, 10, f"{vhost} readable through {node.name}")
+    return depth[-1]
