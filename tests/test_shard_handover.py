@@ -76,6 +76,7 @@ def test_a_server_that_closed_its_shard_follows_it_from_nobody_until_its_holder_
     assert _step("c", back, closed_here=True, last_server=C) is Step.PAUSE
     assert _step("c", back, closed_here=True, last_server=C, holder_has_all=True) is Step.RELEASE
     # the cluster leader that closed a shard it served keeps its own copy: nothing to pause
-    assert _step("a", Seen("b", 7, None, ["a", "b"], None), closed_here=True, last_server=LEADER) is Step.FOLLOW
+    held = Seen("b", 7, None, ["a", "b"], None)
+    assert _step("a", held, closed_here=True, last_server=LEADER) is Step.FOLLOW
     marked = Seen(holder="b", term=30, server=B, isr=["b", "c"], released=30)
     assert _step("c", marked, last_server=B) is Step.FOLLOW

@@ -176,7 +176,8 @@ def test_a_shard_opened_after_the_server_started_is_sent_whole_and_only_served_s
 
     async def queue(seed: Node) -> None:  # as the shard's server at the time wrote it
         host, amqp_port = seed.client_addresses()["amqp"]
-        await _publish(f"amqp://guest:guest@{host}:{amqp_port}/v", "q", [b"before-%03d" % i for i in range(N)])
+        await _publish(f"amqp://guest:guest@{host}:{amqp_port}/v", "q",
+                       [b"before-%03d" % i for i in range(N)])
 
     async def main() -> None:
         await seeded(vhosts)
@@ -197,7 +198,8 @@ def test_a_shard_opened_after_the_server_started_is_sent_whole_and_only_served_s
             await seeded(queue)  # replication writes "v" while our server serves none of it
             assert await server.open("v")
             host, amqp_port = server.node.client_addresses()["amqp"]
-            await _publish(f"amqp://guest:guest@{host}:{amqp_port}/v", "q", [b"after-%03d" % i for i in range(5)])
+            await _publish(f"amqp://guest:guest@{host}:{amqp_port}/v", "q",
+                           [b"after-%03d" % i for i in range(5)])
             synced: list[bool] = []
             link = follow("v", f_dir, synced)
             await _until("the follower synced", lambda: bool(synced) or link.done())
