@@ -24,6 +24,11 @@ a follower deletes, inside its scope, whatever the listing lacks, so a listing f
 do not serve (or from entries that counted only what we appended) would take back a
 confirmed queue.
 
+A shard lost while others are served: a write of its ISR key refused for a term we no longer
+hold fences that shard alone (``ShardedLeaderSink.lose``: none of its confirms resolves from
+then on) until the runner's next pass closes it; the sink, its followers and tunnels go on
+for the shards we still hold.
+
 Losing a shard (its key gone, resigned, or the lease presumed expired): ``close`` first takes
 the vhost out of the broker and closes its clients with 320, so no confirm of it leaves this
 node afterwards, then closes its stores; its files stay (the node now follows the shard's next
@@ -116,6 +121,7 @@ class ShardServer:
         # since we last served it): our followers' bulk syncs compare against these entries,
         # and delete whatever they do not list
         await asyncio.get_running_loop().run_in_executor(None, self.sink.index.scan, shard)
+        self.sink.lost.discard(shard)  # ours again, a new term
         self.served.add(vhost)
         if not await self.node.open_shard(vhost):
             self.served.discard(vhost)
@@ -152,16 +158,32 @@ class ShardServer:
         return None
 
     async def _write_isr(self, members: list[str]) -> bool | None:
-        """The sink's ISR changed: each served shard's key, its members less those behind on it."""
+        """The sink's ISR changed: each served shard's key, its members less those behind on it.
+        A shard whose term we lost stops confirming (``_lost``); the others go on."""
         result: bool | None = True
         for vhost in sorted(self.served):
-            ok = await self.write_served_isr(vhost, self.sink.shard_members(shard_name(vhost), members))
-            if ok is not True:
-                result = ok if result is True else result
+            shard = shard_name(vhost)
+            ok = await self.write_served_isr(vhost, self.sink.shard_members(shard, members))
+            if ok is False:
+                self._lost(vhost)
+            elif ok is None:
+                result = None  # etcd unreachable: the sink retries
         return result
 
     async def _write_shard_isr(self, shard: str, members: list[str]) -> bool | None:
         vhost = next((v for v in self.served if shard_name(v) == shard), None)
         if vhost is None:
             return True  # closed meanwhile: its next server writes its key
-        return await self.write_served_isr(vhost, members)
+        ok = await self.write_served_isr(vhost, members)
+        if ok is False:
+            self._lost(vhost)
+            return True
+        return ok
+
+    def _lost(self, vhost: str) -> None:
+        """Our term of ``vhost`` is gone (the runner's next pass closes it): none of its confirms
+        resolves from here on, and the sink keeps serving our other shards (a fenced sink would
+        drop every follower and tunnel of every shard we serve)."""
+        if shard_name(vhost) not in self.sink.lost:
+            log.warning("shard %r: our term is gone, its confirms stop until it closes", vhost)
+        self.sink.lose(shard_name(vhost))
