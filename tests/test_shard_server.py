@@ -230,3 +230,72 @@ def test_a_shard_opened_after_the_server_started_is_sent_whole_and_only_served_s
 
 async def _accept_isr(vhost: str, members: list[str]) -> bool:
     return True
+
+
+def test_a_shard_whose_term_is_lost_stops_confirming_alone_the_others_go_on(tmp_path: Path) -> None:
+    """A server holding two shards loses its term of one (resigned to the returning node) and
+    a follower leaves: the ISR write for the lost shard is refused. On main that fenced the
+    whole sink: the other shard's confirms stopped and no follower could connect until the
+    node restarted. Now the lost shard alone stops confirming."""
+    data, f_dir = tmp_path / "b", tmp_path / "f"
+    config = load_config(["--data-dir", str(data), "--no-mgmt"], environ=listener_ports_env())
+    lost: set[str] = set()
+
+    async def write_isr(vhost: str, members: list[str]) -> bool:
+        return vhost not in lost  # False: the key is fenced on a term we no longer hold
+
+    async def main() -> None:
+        seed = Node(config)
+        await seed.start()
+        assert seed.mgmt is not None and seed.broker is not None
+        for vhost in ("v", "w"):
+            seed.mgmt.create_vhost(vhost)
+            seed.broker.users.set_permissions("guest", vhost, ".*", ".*", ".*")
+        await seed.shutdown()
+        seed.release_lock()
+        server = ShardServer(config, NodeHost(config), "B", SECRET, ClusterView("B", "tcp://127.0.0.1:1"),
+                             write_isr, lambda: True)
+        _, port = await server.start("127.0.0.1", 0)
+        pool = ThreadPoolExecutor(1)
+        links: list[asyncio.Future[None]] = []
+
+        def follow(into: Path, me: str, shards: set[str], synced: list[bool]) -> asyncio.Future[None]:
+            links.append(asyncio.ensure_future(follower.follow(
+                "127.0.0.1", port, into, SECRET, me, lambda w: None, lambda: synced.append(True), pool,
+                scope=Scope(shared=False, shards=frozenset(shard_name(s) for s in shards)))))
+            return links[-1]
+
+        try:
+            assert await server.open("v") and await server.open("w")
+            f_synced: list[bool] = []
+            f_link = follow(f_dir, "F", {"v", "w"}, f_synced)
+            await _until("F in the ISR", lambda: server.sink.isr == {"F"})
+            host, amqp_port = server.node.client_addresses()["amqp"]
+            conns = [await aio_pika.connect(f"amqp://guest:guest@{host}:{amqp_port}/{v}", timeout=5)
+                     for v in ("v", "w")]
+            chans = [await c.channel(publisher_confirms=True) for c in conns]
+            for ch in chans:
+                await ch.declare_queue("q", durable=True)
+            lost.add("w")  # the election resigned it: the runner's next pass closes it
+            f_link.cancel()  # F leaves: its removal from the ISR is written per shard
+            await asyncio.gather(f_link, return_exceptions=True)
+            await _until("F out of the ISR", lambda: not server.sink.isr)
+            assert not server.sink.fenced
+            await asyncio.wait_for(chans[0].default_exchange.publish(
+                aio_pika.Message(b"v-after", delivery_mode=2), "q"), 5)  # v confirms on
+            with pytest.raises(TimeoutError):  # w never does (closed with 320 by the next pass)
+                await asyncio.wait_for(chans[1].default_exchange.publish(
+                    aio_pika.Message(b"w-after", delivery_mode=2), "q"), 1)
+            g_synced: list[bool] = []
+            follow(tmp_path / "g", "G", {"v"}, g_synced)  # a follower of v still connects
+            await _until("G in the ISR", lambda: server.sink.isr == {"G"})
+            for c in conns:
+                await c.close()
+        finally:
+            for link in links:
+                link.cancel()
+            await asyncio.gather(*links, return_exceptions=True)
+            await server.stop()
+            pool.shutdown(wait=True)
+
+    asyncio.run(main())

@@ -4,8 +4,9 @@ real broker processes): the cluster leader closes each shard another node holds,
 once that node holds its last action, and the holder opens it from its own copy and says so in
 its key; clients reach each shard through a follower's proxy (routed by vhost) with confirms
 that waited for the shard's ISR; kill -9 of a node serving shards moves only its shards, to a
-node their ISR key names, and nothing confirmed is lost. A trial of its own (chaos): it boots
-its own cluster."""
+node their ISR key names, and nothing confirmed is lost; the killed node returns, wins its
+shards back (2/2/2 again) and serves them with every confirmed message. A trial of its own
+(chaos): it boots its own cluster."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ShardCluster]:
         sc.close()
 
 
-def test_nodes_serve_their_shards_and_kill9_of_one_moves_only_those_nothing_confirmed_lost(
+def test_nodes_serve_their_shards_kill9_of_one_moves_only_those_and_its_return_loses_nothing(
         servers: ShardCluster) -> None:
     want = expected()
     wait_for(lambda: servers.leaders() == want, 20, f"shard leaders {want}")
