@@ -25,8 +25,8 @@ do not serve (or from entries that counted only what we appended) would take bac
 confirmed queue.
 
 A shard lost while others are served: a write of its ISR key refused for a term we no longer
-hold fences that shard alone (``ShardedLeaderSink.lose``: none of its confirms resolves from
-then on) until the runner's next pass closes it; the sink, its followers and tunnels go on
+hold fences that shard alone (``ShardedLeaderSink.lose``: its commits fail, their publishers
+nacked, never confirmed) until the runner's next pass closes it; the sink, its followers and tunnels go on
 for the shards we still hold.
 
 Losing a shard (its key gone, resigned, or the lease presumed expired): ``close`` first takes
@@ -181,9 +181,9 @@ class ShardServer:
         return ok
 
     def _lost(self, vhost: str) -> None:
-        """Our term of ``vhost`` is gone (the runner's next pass closes it): none of its confirms
-        resolves from here on, and the sink keeps serving our other shards (a fenced sink would
-        drop every follower and tunnel of every shard we serve)."""
+        """Our term of ``vhost`` is gone (the runner's next pass closes it): its commits fail
+        from here on (nacked, never confirmed), and the sink keeps serving our other shards (a
+        fenced sink would drop every follower and tunnel of every shard we serve)."""
         if shard_name(vhost) not in self.sink.lost:
             log.warning("shard %r: our term is gone, its confirms stop until it closes", vhost)
         self.sink.lose(shard_name(vhost))

@@ -171,7 +171,7 @@ class ShardedLeaderSink(LeaderSink):
         written since the last commit whose ISR names it (shared files: the full barrier)."""
         touched, self.touched = self.touched, set()
         if touched & self.lost:
-            return asyncio.get_running_loop().create_future()  # never (``lose``)
+            return self._failed()  # ``lose``
         if SHARED in touched:
             return self.barrier()
         fut = self._barrier_at(self._positions(touched))
@@ -208,14 +208,26 @@ class ShardedLeaderSink(LeaderSink):
     # ------------------------------------------------------------ a shard lost, the others served
     def lose(self, shard: str) -> None:
         """Our term of ``shard`` is gone (its key resigned or taken) while we still serve others
-        (a shard server, ``cluster/shard_server.py``): no barrier touching it resolves from now
-        on, pending or new (its next holder may be opening its copy without what we would
-        confirm), while every other shard's confirms go on. ``fence`` would stop them all."""
+        (a shard server, ``cluster/shard_server.py``): every barrier touching it, pending or
+        new, fails (its next holder may be opening its copy without what we would confirm:
+        the commit's publishers are nacked, never confirmed), while every other shard's
+        confirms go on. ``fence`` would stop them all; a barrier that never resolved would
+        wedge the syncer, whose commits wait for each other."""
         self.lost.add(shard)
         self._check_barriers()
 
     def _check_barriers(self) -> None:
         if self.lost:
-            self._barriers = [(targets, fut) for targets, fut in self._barriers
-                              if not self._touched_of.get(fut, set()) & self.lost]
+            keep: list[tuple[dict[FollowerConn, int], asyncio.Future[None]]] = []
+            for targets, fut in self._barriers:
+                if self._touched_of.get(fut, set()) & self.lost:
+                    fut.set_exception(RuntimeError("a shard of this commit moved to another node"))
+                else:
+                    keep.append((targets, fut))
+            self._barriers = keep
         super()._check_barriers()
+
+    def _failed(self) -> asyncio.Future[None]:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        fut.set_exception(RuntimeError("a shard of this commit moved to another node"))
+        return fut
