@@ -15,7 +15,18 @@ from collections.abc import Iterator
 import pika
 import pytest
 
-from .shard_faults import BATCH, HANDBACK_WAIT, IDS, VHOSTS, ShardCluster, expected, publish, queue_depth
+from .shard_faults import (
+    BATCH,
+    GAP_RUN,
+    HANDBACK_WAIT,
+    IDS,
+    VHOSTS,
+    GapPublisher,
+    ShardCluster,
+    expected,
+    publish,
+    queue_depth,
+)
 from .test_cluster import ClusterNode, wait_for
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.chaos]
@@ -86,11 +97,20 @@ def test_nodes_serve_their_shards_kill9_of_one_moves_only_those_and_its_return_l
         assert queue_depth(survivor, vhost, "served") == confirmed[vhost], vhost
 
     # the killed node returns: it follows its shards' current server, is in their ISR again,
-    # wins them back and serves them from a copy holding every confirmed message
+    # wins them back and serves them from a copy holding every confirmed message, while a
+    # publisher keeps confirming into one of them through the survivor across the hand-back
+    trickle = GapPublisher(survivor, min(moved), "trickle")
+    trickle.start()
+    wait_for(lambda: trickle.confirmed > 0 or trickle.error is not None, 10, "the trickle confirming")
     victim.start()
     wait_for(lambda: servers.leaders() == want, HANDBACK_WAIT, f"shard leaders back to {want}")
     wait_for(lambda: {v: n for v, n in servers.served().items() if v in others} == others, HANDBACK_WAIT,
              f"the returned node serving its shards again: {others}")
+    trickle.stop_at.set()
+    trickle.join(GAP_RUN + 10)
+    # its connection is closed as the shard moves (320); what it had confirmed is all there
+    assert trickle.confirmed > 0, trickle.error
+    assert _depth(survivor, min(moved), "trickle") >= trickle.confirmed
     for vhost in VHOSTS:  # through either follower, the returned one too
         for node in followers:
             assert _depth(node, vhost) == confirmed[vhost], (vhost, node.name)
@@ -99,14 +119,14 @@ def test_nodes_serve_their_shards_kill9_of_one_moves_only_those_and_its_return_l
         assert _depth(survivor, vhost) == confirmed[vhost], vhost
 
 
-def _depth(node: ClusterNode, vhost: str) -> int:
-    """The depth of ``served`` in ``vhost`` through ``node``, reconnecting while a pass of each
+def _depth(node: ClusterNode, vhost: str, queue: str = "served") -> int:
+    """The depth of ``queue`` in ``vhost`` through ``node``, reconnecting while a pass of each
     node learns the shard's new server."""
     depth: list[int] = []
 
     def read() -> bool:
         try:
-            depth.append(queue_depth(node, vhost, "served"))
+            depth.append(queue_depth(node, vhost, queue))
             return True
         except pika.exceptions.AMQPError:
             return False
