@@ -65,3 +65,18 @@ def test_a_server_that_loses_its_key_closes_at_once_and_releases_to_the_next_hol
     assert _step("a", back, last_server=B) is Step.OPEN
     assert _step("c", back, last_server=B) is Step.PAUSE  # until the holder marks it
     assert _step("c", Seen("a", 20, LEADER, ["a", "b", "c"], 20), last_server=LEADER) is Step.FOLLOW
+
+
+def test_a_server_that_closed_its_shard_follows_it_from_nobody_until_its_holder_marks_it() -> None:
+    """The killed node's return: "c" served the shard while "b" was away; "b" is back, in its
+    ISR, and holds it (not marked yet). "c" closed it; until "b" marks it, "c" must not follow it
+    from the cluster leader, whose copy is older than ours (on main: FOLLOW, and a bulk sync
+    from the cluster leader deleted the queue "c" had confirmed)."""
+    back = Seen(holder="b", term=30, server=None, isr=["b", "c"], released=7)
+    assert _step("c", back, closed_here=True, last_server=C) is Step.PAUSE
+    assert _step("c", back, closed_here=True, last_server=C, holder_has_all=True) is Step.RELEASE
+    # the cluster leader that closed a shard it served keeps its own copy: nothing to pause
+    held = Seen("b", 7, None, ["a", "b"], None)
+    assert _step("a", held, closed_here=True, last_server=LEADER) is Step.FOLLOW
+    marked = Seen(holder="b", term=30, server=B, isr=["b", "c"], released=30)
+    assert _step("c", marked, last_server=B) is Step.FOLLOW

@@ -27,7 +27,9 @@ etcd (``Seen``) and what the node knows of itself; the runner carries it out.
   their last batch written, so every action we acked is in our copy.
 * While a shard's previous server (not the cluster leader) is gone and no other node has
   marked it, a node follows it from nobody (``PAUSE``): the cluster leader's copy may be stale,
-  and a bulk sync from it would take confirmed messages back. A holder that never saw the
+  and a bulk sync from it would take confirmed messages back. That holds for the server that
+  closed it too, until its holder marks it: our copy is the shard's last, the cluster leader's
+  is not. A holder that never saw the
   previous server cannot tell it was gone, so it waits for a release (``FOLLOW``).
 """
 
@@ -69,11 +71,11 @@ def step(me: str, seen: Seen, *, serving_here: bool, closed_here: bool, last_ser
     ours = seen.holder == me
     if serving_here:
         return Step.SERVE if ours or (seen.holder is None and default_server) else Step.CLOSE
+    server_gone = seen.server is None and last_server not in (None, cluster_leader)
     if closed_here and seen.holder is not None and not ours:
         if seen.released != seen.term and holder_has_all:
             return Step.RELEASE
-        return Step.FOLLOW
-    server_gone = seen.server is None and last_server not in (None, cluster_leader)
+        return Step.PAUSE if server_gone else Step.FOLLOW  # not from the cluster leader's stale copy
     if ours:
         if seen.released == seen.term or closed_here:  # ours again, nobody marked it since we closed it
             return Step.OPEN

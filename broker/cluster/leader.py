@@ -64,7 +64,7 @@ from pathlib import Path
 from typing import Any
 
 from broker.cluster import codec, tunnel
-from broker.cluster.files import EVERYTHING, Scope, is_replicated, relative
+from broker.cluster.files import EVERYTHING, Scope, is_replicated, relative, shard_of
 from broker.cluster.gate import HandshakeGate
 
 log = logging.getLogger(__name__)
@@ -93,9 +93,14 @@ class FileIndex:
         self.data_dir = data_dir
         self.files: dict[str, FileEntry] = {}
 
-    def scan(self) -> None:
-        """Hash every file on disk; call before anything writes (a worker thread is fine)."""
-        for root, _dirs, names in os.walk(self.data_dir):
+    def scan(self, shard: str | None = None) -> None:
+        """Hash every file on disk; call before anything writes (a worker thread is fine).
+        With ``shard`` (a vhost directory), that shard's files alone, its old entries forgotten:
+        a shard server opening a shard whose files replication wrote since it started (their
+        entries, if any, count only what this sink sent, not the bytes on disk)."""
+        if shard is not None:
+            self.forget(shard)
+        for root, _dirs, names in os.walk(self.data_dir if shard is None else self.data_dir / shard):
             for name in names:
                 path = Path(root) / name
                 rel = relative(self.data_dir, path)
@@ -127,6 +132,11 @@ class FileIndex:
 
     def delete(self, rel: str) -> None:
         self.files.pop(rel, None)
+
+    def forget(self, shard: str) -> None:
+        """Drop the entries of ``shard``'s files (a shard server closed it: others write them now)."""
+        for rel in [r for r in self.files if shard_of(r) == shard]:
+            del self.files[rel]
 
     def snapshot(self) -> list[codec.FileInfo]:
         return [codec.FileInfo(rel, e.length, e.hasher.copy().digest()) for rel, e in self.files.items()]
@@ -213,6 +223,9 @@ class LeaderSink:
         self.fenced = False
         self.lease_valid: Callable[[], bool] = lambda: True
         self.refused = 0
+        # why a follower's scope is refused (None: served): a shard server sends only the shards
+        # it serves, never a copy it follows from elsewhere (cluster/shard_server.py)
+        self.scope_refused: Callable[[Scope], str | None] = lambda scope: None
         self.member_ips: set[str] = set()  # addresses of authenticated followers (PROXY trust)
         self._barriers: list[tuple[dict[FollowerConn, int], asyncio.Future[None]]] = []
         self._isr_lock = asyncio.Lock()
@@ -427,6 +440,11 @@ class LeaderSink:
             scope = await asyncio.wait_for(self._read_scope(reader), HANDSHAKE_TIMEOUT)
         except (TimeoutError, codec.CodecError, OSError, asyncio.IncompleteReadError) as exc:
             log.warning("follower %s at %s sent no scope: %s", hello.node_id, peer, exc or type(exc).__name__)
+            writer.close()
+            return
+        refused = self.scope_refused(scope)
+        if refused is not None:
+            log.warning("follower %s at %s refused: %s", hello.node_id, peer, refused)
             writer.close()
             return
         self.member_ips.add(str(peer_info[0]))

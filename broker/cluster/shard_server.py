@@ -17,6 +17,18 @@ there. Its group commits wait for each shard's ISR (``shard_barrier``); a shard'
 members holding it, and its etcd key is written by this node alone, fenced on its own term of
 that shard (``Etcd.write_served_isr``; ``write_isr`` here), never on the cluster leadership.
 
+What a follower is sent. The sink's file index (length and running hash of each file, the
+bulk sync's listing) is read for a shard as it opens, from the files replication left, and
+forgotten as it closes; a follower's scope must name only served shards (``_scope_refused``):
+a follower deletes, inside its scope, whatever the listing lacks, so a listing from a copy we
+do not serve (or from entries that counted only what we appended) would take back a
+confirmed queue.
+
+A shard lost while others are served: a write of its ISR key refused for a term we no longer
+hold fences that shard alone (``ShardedLeaderSink.lose``: its commits fail, their publishers
+nacked, never confirmed) until the runner's next pass closes it; the sink, its followers and tunnels go on
+for the shards we still hold.
+
 Losing a shard (its key gone, resigned, or the lease presumed expired): ``close`` first takes
 the vhost out of the broker and closes its clients with 320, so no confirm of it leaves this
 node afterwards, then closes its stores; its files stay (the node now follows the shard's next
@@ -33,7 +45,7 @@ import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from broker.cluster.files import shard_name
+from broker.cluster.files import Scope, shard_name
 from broker.cluster.host import Host, ShardBroker
 from broker.cluster.shard_sink import ShardedLeaderSink
 from broker.cluster.status import ClusterView
@@ -70,6 +82,7 @@ class ShardServer:
         self.sink = ShardedLeaderSink(config.main.data_dir, node_id, secret, self._write_isr,
                                       self._write_shard_isr)
         self.sink.lease_valid = lease_valid
+        self.sink.scope_refused = self._scope_refused
 
         def replicated(dirty: list[Any]) -> asyncio.Future[None]:
             return self.sink.shard_barrier()  # each shard's ISR (cluster/shard_sink.py)
@@ -80,8 +93,7 @@ class ShardServer:
 
     async def start(self, bind: str, port: int, tls: ssl.SSLContext | None = None) -> tuple[str, int]:
         """Boot the broker (no shard yet) and listen for followers and tunnels; the address."""
-        sink, node = self.sink, self.node
-        await asyncio.get_running_loop().run_in_executor(None, sink.index.scan)
+        sink, node = self.sink, self.node  # its index reads each shard as it opens (``open``)
         await node.start()
         node.trust_proxy_headers_from(sink.member_ips)
         sink.flush_stores = node.flush_stores
@@ -105,6 +117,11 @@ class ShardServer:
         async def write(members: list[str]) -> bool | None:
             return await self.write_served_isr(vhost, self.sink.shard_members(shard, members))
 
+        # the shard's files as replication left them (written since our index was read, or
+        # since we last served it): our followers' bulk syncs compare against these entries,
+        # and delete whatever they do not list
+        await asyncio.get_running_loop().run_in_executor(None, self.sink.index.scan, shard)
+        self.sink.lost.discard(shard)  # ours again, a new term
         self.served.add(vhost)
         if not await self.node.open_shard(vhost):
             self.served.discard(vhost)
@@ -121,6 +138,7 @@ class ShardServer:
         """Stop serving ``vhost``, fenced (``Node.close_shard``); its files stay."""
         self.served.discard(vhost)
         await self.node.close_shard(vhost, reason)
+        self.sink.index.forget(shard_name(vhost))  # its next server's stream writes them from now on
 
     async def stop(self) -> None:
         self.running = False
@@ -129,17 +147,43 @@ class ShardServer:
         await self.node.shutdown()
         await self.sink.stop()
 
+    def _scope_refused(self, scope: Scope) -> str | None:
+        """A follower takes from us only shards we serve: of any other our copy may be stale,
+        and its bulk sync would delete what that shard's server confirmed."""
+        served = {shard_name(v) for v in self.served}
+        if scope.shared or scope.shards is None:
+            return "a shard server sends only the shards it serves, named"
+        if not scope.shards <= served:
+            return f"shards not served here: {sorted(scope.shards - served)}"
+        return None
+
     async def _write_isr(self, members: list[str]) -> bool | None:
-        """The sink's ISR changed: each served shard's key, its members less those behind on it."""
+        """The sink's ISR changed: each served shard's key, its members less those behind on it.
+        A shard whose term we lost stops confirming (``_lost``); the others go on."""
         result: bool | None = True
         for vhost in sorted(self.served):
-            ok = await self.write_served_isr(vhost, self.sink.shard_members(shard_name(vhost), members))
-            if ok is not True:
-                result = ok if result is True else result
+            shard = shard_name(vhost)
+            ok = await self.write_served_isr(vhost, self.sink.shard_members(shard, members))
+            if ok is False:
+                self._lost(vhost)
+            elif ok is None:
+                result = None  # etcd unreachable: the sink retries
         return result
 
     async def _write_shard_isr(self, shard: str, members: list[str]) -> bool | None:
         vhost = next((v for v in self.served if shard_name(v) == shard), None)
         if vhost is None:
             return True  # closed meanwhile: its next server writes its key
-        return await self.write_served_isr(vhost, members)
+        ok = await self.write_served_isr(vhost, members)
+        if ok is False:
+            self._lost(vhost)
+            return True
+        return ok
+
+    def _lost(self, vhost: str) -> None:
+        """Our term of ``vhost`` is gone (the runner's next pass closes it): its commits fail
+        from here on (nacked, never confirmed), and the sink keeps serving our other shards (a
+        fenced sink would drop every follower and tunnel of every shard we serve)."""
+        if shard_name(vhost) not in self.sink.lost:
+            log.warning("shard %r: our term is gone, its confirms stop until it closes", vhost)
+        self.sink.lose(shard_name(vhost))

@@ -72,6 +72,7 @@ class ShardedLeaderSink(LeaderSink):
         self._moving: set[tuple[str, str]] = set()  # (shard, follower) with a write under way
         self._leaving: set[tuple[str, str]] = set()  # ... of those, the ones leaving the shard
         self._touched_of: dict[asyncio.Future[None], set[str]] = {}
+        self.lost: set[str] = set()  # shards whose term we lost: no confirm of them resolves (``lose``)
 
     # ------------------------------------------------------------ tagging
     def register_file(self, path: Path) -> None:
@@ -169,6 +170,8 @@ class ShardedLeaderSink(LeaderSink):
         """The group commit's barrier: each follower acks the last action of every shard
         written since the last commit whose ISR names it (shared files: the full barrier)."""
         touched, self.touched = self.touched, set()
+        if touched & self.lost:
+            return self._failed()  # ``lose``
         if SHARED in touched:
             return self.barrier()
         fut = self._barrier_at(self._positions(touched))
@@ -201,3 +204,30 @@ class ShardedLeaderSink(LeaderSink):
                 targets[f] = pos
             else:
                 del targets[f]
+
+    # ------------------------------------------------------------ a shard lost, the others served
+    def lose(self, shard: str) -> None:
+        """Our term of ``shard`` is gone (its key resigned or taken) while we still serve others
+        (a shard server, ``cluster/shard_server.py``): every barrier touching it, pending or
+        new, fails (its next holder may be opening its copy without what we would confirm:
+        the commit's publishers are nacked, never confirmed), while every other shard's
+        confirms go on. ``fence`` would stop them all; a barrier that never resolved would
+        wedge the syncer, whose commits wait for each other."""
+        self.lost.add(shard)
+        self._check_barriers()
+
+    def _check_barriers(self) -> None:
+        if self.lost:
+            keep: list[tuple[dict[FollowerConn, int], asyncio.Future[None]]] = []
+            for targets, fut in self._barriers:
+                if self._touched_of.get(fut, set()) & self.lost:
+                    fut.set_exception(RuntimeError("a shard of this commit moved to another node"))
+                else:
+                    keep.append((targets, fut))
+            self._barriers = keep
+        super()._check_barriers()
+
+    def _failed(self) -> asyncio.Future[None]:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        fut.set_exception(RuntimeError("a shard of this commit moved to another node"))
+        return fut

@@ -4,8 +4,9 @@ real broker processes): the cluster leader closes each shard another node holds,
 once that node holds its last action, and the holder opens it from its own copy and says so in
 its key; clients reach each shard through a follower's proxy (routed by vhost) with confirms
 that waited for the shard's ISR; kill -9 of a node serving shards moves only its shards, to a
-node their ISR key names, and nothing confirmed is lost. A trial of its own (chaos): it boots
-its own cluster."""
+node their ISR key names, and nothing confirmed is lost; the killed node returns, wins its
+shards back (2/2/2 again) and serves them with every confirmed message. A trial of its own
+(chaos): it boots its own cluster."""
 
 from __future__ import annotations
 
@@ -14,8 +15,19 @@ from collections.abc import Iterator
 import pika
 import pytest
 
-from .shard_faults import BATCH, IDS, VHOSTS, ShardCluster, expected, publish, queue_depth
-from .test_cluster import wait_for
+from .shard_faults import (
+    BATCH,
+    GAP_RUN,
+    HANDBACK_WAIT,
+    IDS,
+    VHOSTS,
+    GapPublisher,
+    ShardCluster,
+    expected,
+    publish,
+    queue_depth,
+)
+from .test_cluster import ClusterNode, wait_for
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.chaos]
 
@@ -32,7 +44,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ShardCluster]:
         sc.close()
 
 
-def test_nodes_serve_their_shards_and_kill9_of_one_moves_only_those_nothing_confirmed_lost(
+def test_nodes_serve_their_shards_kill9_of_one_moves_only_those_and_its_return_loses_nothing(
         servers: ShardCluster) -> None:
     want = expected()
     wait_for(lambda: servers.leaders() == want, 20, f"shard leaders {want}")
@@ -83,3 +95,41 @@ def test_nodes_serve_their_shards_and_kill9_of_one_moves_only_those_nothing_conf
     for vhost in sorted(moved):  # and the moved shards take new confirmed publishes
         confirmed[vhost] += publish(survivor, vhost, "served", BATCH)
         assert queue_depth(survivor, vhost, "served") == confirmed[vhost], vhost
+
+    # the killed node returns: it follows its shards' current server, is in their ISR again,
+    # wins them back and serves them from a copy holding every confirmed message, while a
+    # publisher keeps confirming into one of them through the survivor across the hand-back
+    trickle = GapPublisher(survivor, min(moved), "trickle")
+    trickle.start()
+    wait_for(lambda: trickle.confirmed > 0 or trickle.error is not None, 10, "the trickle confirming")
+    victim.start()
+    wait_for(lambda: servers.leaders() == want, HANDBACK_WAIT, f"shard leaders back to {want}")
+    wait_for(lambda: {v: n for v, n in servers.served().items() if v in others} == others, HANDBACK_WAIT,
+             f"the returned node serving its shards again: {others}")
+    trickle.stop_at.set()
+    trickle.join(GAP_RUN + 10)
+    # its connection is closed as the shard moves (320); what it had confirmed is all there
+    assert trickle.confirmed > 0, trickle.error
+    assert _depth(survivor, min(moved), "trickle") >= trickle.confirmed
+    for vhost in VHOSTS:  # through either follower, the returned one too
+        for node in followers:
+            assert _depth(node, vhost) == confirmed[vhost], (vhost, node.name)
+    for vhost in sorted(moved):  # served again by the returned node, with new confirms
+        confirmed[vhost] += publish(victim, vhost, "served", BATCH)
+        assert _depth(survivor, vhost) == confirmed[vhost], vhost
+
+
+def _depth(node: ClusterNode, vhost: str, queue: str = "served") -> int:
+    """The depth of ``queue`` in ``vhost`` through ``node``, reconnecting while a pass of each
+    node learns the shard's new server."""
+    depth: list[int] = []
+
+    def read() -> bool:
+        try:
+            depth.append(queue_depth(node, vhost, queue))
+            return True
+        except pika.exceptions.AMQPError:
+            return False
+
+    wait_for(read, 10, f"{vhost} readable through {node.name}")
+    return depth[-1]
