@@ -49,7 +49,7 @@ deadline is ``asyncio.timeout``, not ``asyncio.wait_for``: on Python 3.11, when 
 the cancel land in the same turn of the event loop, ``wait_for`` returns the answer and drops
 the cancel. The per-shard election's loop is stopped by a cancel at SIGTERM and the drain waits
 for it; with the cancel dropped the loop ran on, the drain never started, and the node's shards
-stayed with it until its lease was revoked (issue 27; ``tests/test_etcd_cancel.py``).
+stayed with it until its lease was revoked (issue 27; ``tests/test_cancel_kept.py``).
 """
 
 from __future__ import annotations

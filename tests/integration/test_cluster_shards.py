@@ -228,7 +228,7 @@ def test_amqp_routed_by_vhost_through_a_third_node_survives_kill9_of_an_owner(sh
 def test_sigterm_drains_a_node_its_clients_reconnect_nothing_confirmed_lost(shards: ShardCluster) -> None:
     """The drained node resigns each of its shards (not left to its lease, nor to the runner's
     give-up after DRAIN_TIMEOUT: a cancel of the election loop lost in ``Etcd._call`` once
-    did that, tests/test_etcd_cancel.py); how long the move took is measured, not bounded."""
+    did that, tests/test_cancel_kept.py); how long the move took is measured, not bounded."""
     trial = drain_and_return(shards, "drain", random.Random(2736))
     print(f"drained {trial.victim} (the cluster leader) moved {trial.moved} in {trial.moved_in}s "
           f"(resigned {trial.resigned}), exit {trial.exit_code}, client reconnects {trial.reconnects}, "
