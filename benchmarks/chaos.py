@@ -233,7 +233,7 @@ def _span(values: list[float | None]) -> str:
 
 def drain_table(trials: list[shf.DrainTrial]) -> str:
     missed = [t for t in trials if t.notes or t.lost or t.moved_in is None or t.moved_in > shf.TTL
-              or t.exit_code != 0]
+              or t.resigned != t.moved or t.exit_code != 0]
     why = f"{len(missed)}" + (f" ({missed[0].notes[0]})" if missed and missed[0].notes else "")
     return "\n".join([
         "| fault | TTL | trials | confirmed | confirmed lost "

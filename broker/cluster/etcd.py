@@ -43,6 +43,13 @@ times out raises ``EtcdError``. The loops that retry on it report it through
 line every ``WARN_EVERY`` seconds counts the failures since (the loops retry
 every 0.2 s: a line each time buried everything else), and the first call that
 succeeds again says how long it lasted.
+
+Cancels: a task cancelled while it waits on etcd is cancelled, whatever etcd answers. The
+deadline is ``asyncio.timeout``, not ``asyncio.wait_for``: on Python 3.11, when the answer and
+the cancel land in the same turn of the event loop, ``wait_for`` returns the answer and drops
+the cancel. The per-shard election's loop is stopped by a cancel at SIGTERM and the drain waits
+for it; with the cancel dropped the loop ran on, the drain never started, and the node's shards
+stayed with it until its lease was revoked (issue 27; ``tests/test_cancel_kept.py``).
 """
 
 from __future__ import annotations
@@ -207,7 +214,8 @@ class Etcd:
         """``aw`` within ``timeout``, its failure an EtcdError; ``answer``: its success means
         etcd answered (not so a channel's set-up, which never talks to it)."""
         try:
-            result = await asyncio.wait_for(aw, timeout)
+            async with asyncio.timeout(timeout):  # not wait_for: see "Cancels" above
+                result = await aw
         except asyncio.CancelledError:
             raise
         except Exception as exc:

@@ -245,13 +245,18 @@ async def follow(host: str, port: int, data_dir: Path, secret: bytes, node_id: s
     local = (source_ip, 0) if source_ip else None
     # With ``tls`` (``broker.tls.ReplicationTLS.client``) the leader's certificate is verified before
     # the Hello: the cluster secret never crosses the network in clear.
-    reader, writer = await asyncio.wait_for(
-        asyncio.open_connection(host, port, local_addr=local, ssl=tls), 5.0)
+    # Deadlines here are ``asyncio.timeout``, never ``wait_for``: on Python 3.11 ``wait_for``
+    # drops a cancel that lands in the same loop turn as the answer (etcd.py, "Cancels"); a link
+    # cancelled as its leader closed it then returned as after any close, and ``FollowSet``
+    # retried the dead leader for ever while the runner waited for the link to end.
+    async with asyncio.timeout(5.0):
+        reader, writer = await asyncio.open_connection(host, port, local_addr=local, ssl=tls)
     applier = Applier(data_dir, scope)
     loop = asyncio.get_running_loop()
     try:
         writer.write(codec.encode_hello(secret, node_id) + codec.encode_scope(scope))
-        welcome = codec.parse_welcome(await asyncio.wait_for(reader.readexactly(codec.WELCOME_SIZE), 5.0))
+        async with asyncio.timeout(5.0):
+            welcome = codec.parse_welcome(await reader.readexactly(codec.WELCOME_SIZE))
         if welcome.status != codec.OK:
             raise AuthRefused("wrong clustering secret" if welcome.status == codec.BAD_SECRET
                               else "protocol version refused")
@@ -260,7 +265,8 @@ async def follow(host: str, port: int, data_dir: Path, secret: bytes, node_id: s
         msgs = codec.MessageReader()
         while True:
             try:
-                data = await asyncio.wait_for(reader.read(1 << 20), LINK_TIMEOUT)
+                async with asyncio.timeout(LINK_TIMEOUT):
+                    data = await reader.read(1 << 20)
             except TimeoutError:
                 log.warning("replication link silent for %.0fs: presumed dead", LINK_TIMEOUT)
                 raise LinkSilent(f"nothing from the leader for {LINK_TIMEOUT:.0f}s") from None

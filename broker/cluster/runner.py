@@ -76,7 +76,7 @@ from urllib.parse import urlsplit
 
 from broker import tls
 from broker.cluster import codec, follower
-from broker.cluster.etcd import Etcd, EtcdError
+from broker.cluster.etcd import CALL_TIMEOUT, Etcd, EtcdError
 from broker.cluster.files import NODE_ID_FILE, Scope, shard_name
 from broker.cluster.follow_set import FollowSet, Sender, follow_plan, sender_of
 from broker.cluster.handover import Moves, Seen, Step
@@ -97,6 +97,7 @@ log = logging.getLogger(__name__)
 
 POLL = 0.2  # seconds between looks at the leader key / lease while following or leading
 DRAIN_TIMEOUT = 10.0  # graceful leader shutdown: longest wait for the ISR to ack everything
+PASSES_STOP = CALL_TIMEOUT + 1.0  # SIGTERM: longest wait for the shard election's pass to end
 STATUS_EVERY = 10.0  # seconds between cluster status lines on the leader (debug level: routine)
 WATCH_BACKSTOP = 2.0  # seconds between reads of the leader key while its watch is healthy
 MEMBER_EVERY = 1.0  # seconds between checks whether our member record in etcd needs rewriting
@@ -252,7 +253,12 @@ class ClusterRunner:
         """At SIGTERM/SIGINT, before the broker stops: no more passes, every shard handed over."""
         await self.stopping.wait()
         passes.cancel()
-        await asyncio.wait([passes])
+        # a pass ends at its next await; should a cancel ever be lost again (etcd.py, "Cancels"),
+        # the drain must not wait for ever: the loop also ends once ``drain`` says we are draining
+        _done, pending = await asyncio.wait([passes], timeout=PASSES_STOP)
+        if pending:
+            log.error("the shard election loop did not stop within %.0fs of its cancel; draining anyway",
+                      PASSES_STOP)
         await election.drain()
 
     async def _start_follower_metrics(self) -> None:

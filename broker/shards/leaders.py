@@ -42,7 +42,9 @@ Drain. On SIGTERM/SIGINT a node gives its shards away before it stops anything e
 its member record ``draining`` (peers leave it out of the placement from their next pass), then
 resigns every shard it holds (the same guarded delete) and runs ``on_leader_lost`` for each, so
 its shards are led again within a pass or two, not left to its lease or to the cluster
-leader's replication drain.
+leader's replication drain. The pass loop is stopped first, by a cancel; the runner waits for
+it a bounded time only, and the loop and its campaigns also end once ``drain`` marks the node
+draining, so a lost cancel (``broker/cluster/etcd.py``, "Cancels") cannot hold the drain back.
 
 Hooks. ``on_leader_elected`` / ``on_leader_lost`` run per shard as well, with ``SKRED_SHARD``
 naming the vhost.
@@ -197,7 +199,7 @@ class ShardLeaders:
 
     async def run(self) -> None:
         said = ""  # the unexpected failure last logged (a pass runs 4 times a second)
-        while True:
+        while not self.view.draining:  # stopped by a cancel; by ``drain`` too, should one be lost
             await asyncio.sleep(PASS)
             try:
                 await self.pass_once()
@@ -296,7 +298,7 @@ class ShardLeaders:
             if holder != self.node_id and vhost in self.held:
                 self._lost([vhost], "its key is gone")
             action = decide(self.node_id, vhost, holder, live, isr)
-            if action is Action.CAMPAIGN:
+            if action is Action.CAMPAIGN and not self.view.draining:
                 won = await self.etcd.create_bound(shard_key(vhost), self._value())
                 if won is not None:
                     self.held[vhost] = Held(won)
@@ -340,7 +342,7 @@ class ShardLeaders:
                     log.info("shard %r: handed over (this node is stopping)", vhost)
             except EtcdError as exc:
                 log.warning("shard %r: could not resign (the lease will): %s", vhost, exc)
-            del self.held[vhost]
+            self.held.pop(vhost, None)  # a pass still in flight may have dropped it
             log.info("shard %r: no longer leading (draining)", vhost)
             hooks.append(run_hook(self.config.clustering.on_leader_lost, self.node_id, self.uri,
                                   "follower", shard=vhost))

@@ -3,7 +3,7 @@
 One cluster for the module (``shard_faults.ShardCluster``: real etcd, three real broker
 processes, TTL 2 s): six vhosts get their shard leaders spread 2/2/2 (etcd,
 ``skred --cluster-status``, ``GET /api/cluster``); confirmed publishes reach every vhost through
-every node; SIGTERM to the cluster leader drains its shards to other nodes within the TTL
+every node; SIGTERM to the cluster leader drains its shards to other nodes, each resigned
 (hooks per shard) while its client reconnects elsewhere, and it takes them back on return
 (``shard_faults.drain_and_return``); kill -9 of a node moves only its shards, within TTL + 2 s,
 while a publisher on each shard it did not lead keeps confirming with no gap of 1 s; the node's
@@ -225,16 +225,16 @@ def test_amqp_routed_by_vhost_through_a_third_node_survives_kill9_of_an_owner(sh
         assert queue_depth(third, v, "routed") == confirmed[v]
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "issue 27: the drained node's shards were not all led elsewhere within the deadline "
-    "in 1 of 2 quiet full runs at stop 38 (and once at load 14); cause not found yet"))
 def test_sigterm_drains_a_node_its_clients_reconnect_nothing_confirmed_lost(shards: ShardCluster) -> None:
+    """The drained node resigns each of its shards (not left to its lease, nor to the runner's
+    give-up after DRAIN_TIMEOUT: a cancel of the election loop lost in ``Etcd._call`` once
+    did that, tests/test_cancel_kept.py); how long the move took is measured, not bounded."""
     trial = drain_and_return(shards, "drain", random.Random(2736))
-    print(f"drained {trial.victim} (the cluster leader) moved {trial.moved} in {trial.moved_in}s, "
-          f"exit {trial.exit_code}, client reconnects {trial.reconnects}, hand-back {trial.handback}s, "
-          f"{trial.confirmed} confirmed, {trial.lost} lost")
+    print(f"drained {trial.victim} (the cluster leader) moved {trial.moved} in {trial.moved_in}s "
+          f"(resigned {trial.resigned}), exit {trial.exit_code}, client reconnects {trial.reconnects}, "
+          f"hand-back {trial.handback}s, {trial.confirmed} confirmed, {trial.lost} lost")
     assert trial.notes == []
-    assert trial.moved_in is not None and trial.moved_in <= TTL  # resigned, not left to the lease
+    assert trial.moved_in is not None and trial.resigned == trial.moved
     assert trial.exit_code == 0 and trial.reconnects >= 1
     assert trial.confirmed > 0 and trial.lost == 0
 
