@@ -6,13 +6,22 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# Pure CPU work, half a minute of one core on CI: its time is the machine's load, not a property
+# of the package. Uncached on a machine loaded some twenty-fold, mypy took over the suite's
+# default 300 s timeout; the deadline is generous rather than a pass/fail of the load.
+DEADLINE = 840
+
+
 def _run(*cmd: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=DEADLINE)
 
 
+@pytest.mark.timeout(DEADLINE + 60)
 def test_mypy_strict_on_the_package() -> None:
     r = _run(sys.executable, "-m", "mypy", "--strict", "broker")
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]

@@ -33,7 +33,7 @@ import pytest
 
 from broker.cluster import codec
 
-from ._support import REPO_ROOT, amqp_answers, etcd_binary, free_port
+from ._support import REPO_ROOT, Progress, amqp_answers, etcd_binary, free_port
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -256,17 +256,32 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
         c.close()
 
 
+def wait_while_starting(pred: Any, nodes: list[ClusterNode], what: str, cap: float = 60) -> Any:
+    """``wait_for`` for nodes that are starting: its deadline counts from the last progress of
+    any of them (``_support.Progress``: CPU time or log grew; 20 s), within ``cap`` seconds.
+    Three interpreters starting at once on a loaded machine can take longer than a fixed 20 s."""
+    watch = [Progress(n.proc.pid, n.log_path, cap=cap) for n in nodes if n.proc is not None]
+    while True:
+        value = pred()
+        if value:
+            return value
+        if all(p.expired() for p in watch):
+            idle = watch[0].idle if watch else 0.0
+            raise AssertionError(f"no {what}: no node progressed for {idle:.0f} s, or {cap:.0f} s passed")
+        time.sleep(0.05)  # poll interval of a readiness loop with a deadline
+
+
 def start_cluster(c: Cluster) -> tuple[ClusterNode, list[ClusterNode]]:
     """Every node started, a leader elected and every follower's proxy open (its first sync
     done); on a timeout the nodes' log tails are in the failure."""
     for n in c.nodes:
         n.start()
     try:
-        leader = wait_for(c.leader, 20, "a leader in etcd")
-        wait_for(leader.answers, 20, "the leader's AMQP port")
+        leader = wait_while_starting(c.leader, c.nodes, "leader in etcd")
+        wait_while_starting(leader.answers, c.nodes, "answer on the leader's AMQP port")
         followers = [n for n in c.nodes if n is not leader]
         for f in followers:
-            wait_for(f.answers, 20, f"{f.name}'s proxy (first sync done)")
+            wait_while_starting(f.answers, c.nodes, f"answer on {f.name}'s proxy (first sync done)")
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{c.diag()}") from None
     return leader, followers

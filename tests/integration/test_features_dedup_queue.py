@@ -1,4 +1,7 @@
-"""Queue-level deduplication (``x-message-deduplication`` on a queue), real broker, pika."""
+"""Queue-level deduplication (``x-message-deduplication`` on a queue), real broker, pika.
+
+The module's tests share one broker (each names its own queues); the restart test has its own.
+"""
 
 from __future__ import annotations
 
@@ -22,8 +25,8 @@ def pub(ch: Any, q: str, body: bytes, key: Any = None, persistent: bool = False)
                                                       delivery_mode=2 if persistent else 1))
 
 
-def test_argument_must_be_boolean(broker: Broker) -> None:
-    conn = connect(broker)
+def test_argument_must_be_boolean(shared_broker: Broker) -> None:
+    conn = connect(shared_broker)
     for bad in ("yes", 1):
         with channel_error(406):
             conn.channel().queue_declare(unique("ddq"), arguments={"x-message-deduplication": bad})
@@ -36,8 +39,8 @@ def test_argument_must_be_boolean(broker: Broker) -> None:
     conn.close()
 
 
-def test_duplicate_dropped_while_in_queue_and_confirmed(broker: Broker) -> None:
-    conn = connect(broker)
+def test_duplicate_dropped_while_in_queue_and_confirmed(shared_broker: Broker) -> None:
+    conn = connect(shared_broker)
     ch = conn.channel()
     ch.confirm_delivery()  # a nack would raise NackError: the duplicate must be acked
     q = unique("ddq")
@@ -73,8 +76,8 @@ def test_duplicate_dropped_while_in_queue_and_confirmed(broker: Broker) -> None:
     conn.close()
 
 
-def test_no_ack_consumer_and_purge_free_values(broker: Broker) -> None:
-    conn = connect(broker)
+def test_no_ack_consumer_and_purge_free_values(shared_broker: Broker) -> None:
+    conn = connect(shared_broker)
     ch = conn.channel()
     q = unique("ddq")
     ch.queue_declare(q, arguments=DEDUP)
@@ -102,8 +105,8 @@ def test_no_ack_consumer_and_purge_free_values(broker: Broker) -> None:
     conn.close()
 
 
-def test_expired_and_dead_lettered_free_values(broker: Broker) -> None:
-    conn = connect(broker)
+def test_expired_and_dead_lettered_free_values(shared_broker: Broker) -> None:
+    conn = connect(shared_broker)
     ch = conn.channel()
     q, dlq = unique("ddq"), unique("dlq")
     ch.queue_declare(dlq, arguments=DEDUP)

@@ -1,5 +1,8 @@
 """Policies over HTTP applied live, delayed messages, consumer timeout, consistent hash,
-deduplication, vhost limits and the disk alarm (real broker, pika)."""
+deduplication, vhost limits and the disk alarm (real broker, pika).
+
+Tests that restart their broker or start it with options of their own have one each; the
+rest share the module's broker (each names its own queues, exchanges and policies)."""
 
 from __future__ import annotations
 
@@ -91,12 +94,12 @@ def test_http_policy_applies_live_and_survives_restart(broker: Broker) -> None:
     conn.close()
 
 
-def test_policy_ttl_expires_on_a_queue_a_priority_consumer_made_featured(broker: Broker) -> None:
+def test_policy_ttl_expires_on_a_queue_a_priority_consumer_made_featured(shared_broker: Broker) -> None:
     """A consumer with x-priority turns a plain queue into a featured one; a message-ttl policy
     set later must then expire and dead-letter with nobody consuming (the queue's timer), not
     only when something reads the queue."""
-    wait_http(broker)
-    conn = connect(broker)
+    wait_http(shared_broker)
+    conn = connect(shared_broker)
     ch = conn.channel()
     dlx, dead, q = unique("dlx"), unique("dead"), unique("prio-ttl")
     ch.exchange_declare(dlx, "fanout")
@@ -105,20 +108,20 @@ def test_policy_ttl_expires_on_a_queue_a_priority_consumer_made_featured(broker:
     ch.queue_declare(q)
     tag = ch.basic_consume(q, lambda *_: None, arguments={"x-priority": 5})
     ch.basic_cancel(tag)
-    st, _ = http(broker, "PUT", "/api/policies/%2F/prio-ttl",
+    st, _ = http(shared_broker, "PUT", "/api/policies/%2F/prio-ttl",
                  {"pattern": "^" + q.replace(".", "\\.") + "$",
                   "definition": {"message-ttl": 100, "dead-letter-exchange": dlx}, "apply-to": "queues"})
     assert st == 201
     ch.basic_publish("", q, b"old")
     wait_until(lambda: queue_count(conn, dead) == 1, 5, "the policy's TTL dead-lettering the message")
     assert queue_count(conn, q) == 0
-    assert http(broker, "DELETE", "/api/policies/%2F/prio-ttl")[0] == 204
+    assert http(shared_broker, "DELETE", "/api/policies/%2F/prio-ttl")[0] == 204
     conn.close()
 
 
 # ------------------------------------------------------------------ 2. delayed messages
-def test_delayed_exchange_requires_type(broker: Broker) -> None:
-    conn = connect(broker)
+def test_delayed_exchange_requires_type(shared_broker: Broker) -> None:
+    conn = connect(shared_broker)
     ch = conn.channel()
     with pytest.raises(pika.exceptions.ChannelClosedByBroker) as ei:
         ch.exchange_declare(unique("dx"), "x-delayed-message")
@@ -159,8 +162,8 @@ def test_delayed_messages_order_and_survive_restart(broker: Broker) -> None:
     conn.close()
 
 
-def test_delayed_topic_routes_with_underlying_type(broker: Broker) -> None:
-    conn = connect(broker)
+def test_delayed_topic_routes_with_underlying_type(shared_broker: Broker) -> None:
+    conn = connect(shared_broker)
     ch = conn.channel()
     ex, q = unique("dx"), unique("dq")
     ch.exchange_declare(ex, "x-delayed-message", arguments={"x-delayed-type": "topic"})
@@ -174,8 +177,8 @@ def test_delayed_topic_routes_with_underlying_type(broker: Broker) -> None:
 
 
 # ------------------------------------------------------------------ 4. consistent hash
-def test_consistent_hash_weights_and_stability(broker: Broker) -> None:
-    conn = connect(broker)
+def test_consistent_hash_weights_and_stability(shared_broker: Broker) -> None:
+    conn = connect(shared_broker)
     ch = conn.channel()
     ex = unique("ch")
     ch.exchange_declare(ex, "x-consistent-hash")
@@ -199,8 +202,8 @@ def test_consistent_hash_weights_and_stability(broker: Broker) -> None:
     conn.close()
 
 
-def test_consistent_hash_on_header_and_property(broker: Broker) -> None:
-    conn = connect(broker)
+def test_consistent_hash_on_header_and_property(shared_broker: Broker) -> None:
+    conn = connect(shared_broker)
     ch = conn.channel()
     exh, exp = unique("chh"), unique("chp")
     ch.exchange_declare(exh, "x-consistent-hash", arguments={"hash-header": "shard"})
@@ -224,8 +227,8 @@ def test_consistent_hash_on_header_and_property(broker: Broker) -> None:
 
 
 # ------------------------------------------------------------------ 5. deduplication
-def test_exchange_deduplication(broker: Broker) -> None:
-    conn = connect(broker)
+def test_exchange_deduplication(shared_broker: Broker) -> None:
+    conn = connect(shared_broker)
     ch = conn.channel()
     ex, q = unique("dd"), unique("ddq")
     with pytest.raises(pika.exceptions.ChannelClosedByBroker) as ei:

@@ -1,4 +1,8 @@
-"""CC/BCC, priority queues (durable), single active consumer, consumer priority; policies file."""
+"""CC/BCC, priority queues (durable), single active consumer, consumer priority; policies file.
+
+The module's tests share one broker (each names its own queues and exchanges); the two that
+stop or restart theirs have one each.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +14,8 @@ import pika
 from ._support import Broker, connect, drain, queue_count, unique, wait_until
 
 
-def test_cc_and_bcc_route_and_bcc_is_removed(broker: Broker) -> None:
-    conn = connect(broker)
+def test_cc_and_bcc_route_and_bcc_is_removed(shared_broker: Broker) -> None:
+    conn = connect(shared_broker)
     ch = conn.channel()
     ex = unique("x")
     ch.exchange_declare(ex, "direct")
@@ -51,8 +55,8 @@ def test_priority_queue_order_clamp_and_restart(broker: Broker) -> None:
     conn.close()
 
 
-def test_priority_requeue_keeps_order(broker: Broker) -> None:
-    conn = connect(broker)
+def test_priority_requeue_keeps_order(shared_broker: Broker) -> None:
+    conn = connect(shared_broker)
     ch = conn.channel()
     q = unique("prio")
     ch.queue_declare(q, arguments={"x-max-priority": 10})
@@ -77,8 +81,8 @@ def _collector(conn: pika.BlockingConnection, q: str, args: dict[str, Any] | Non
     return ch, got
 
 
-def test_single_active_consumer(broker: Broker) -> None:
-    conn = connect(broker)
+def test_single_active_consumer(shared_broker: Broker) -> None:
+    conn = connect(shared_broker)
     ch = conn.channel()
     q = unique("sac")
     ch.queue_declare(q, arguments={"x-single-active-consumer": True})
@@ -94,8 +98,8 @@ def test_single_active_consumer(broker: Broker) -> None:
     conn.close()
 
 
-def test_consumer_priority(broker: Broker) -> None:
-    conn = connect(broker)
+def test_consumer_priority(shared_broker: Broker) -> None:
+    conn = connect(shared_broker)
     ch = conn.channel()
     q = unique("cp")
     ch.queue_declare(q)

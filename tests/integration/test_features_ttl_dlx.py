@@ -1,4 +1,8 @@
-"""TTL, queue expiry, dead-lettering, length limits and delivery limits, through pika."""
+"""TTL, queue expiry, dead-lettering, length limits and delivery limits, through pika.
+
+One broker serves the module (every test names its own queues and exchanges); the restart
+test has a broker of its own.
+"""
 
 from __future__ import annotations
 
@@ -34,8 +38,8 @@ def _get(ch: Any, q: str, deadline: float = 5.0) -> tuple[Any, bytes]:
     raise AssertionError(f"nothing arrived in {q}")
 
 
-def test_queue_ttl_expires_and_dead_letters(broker: Broker) -> None:
-    conn = _conn(broker)
+def test_queue_ttl_expires_and_dead_letters(shared_broker: Broker) -> None:
+    conn = _conn(shared_broker)
     ch = conn.channel()
     dlx, dead = _dlx_setup(ch)
     q = unique("ttl")
@@ -55,8 +59,8 @@ def test_queue_ttl_expires_and_dead_letters(broker: Broker) -> None:
     conn.close()
 
 
-def test_per_message_ttl_lower_wins_and_original_expiration(broker: Broker) -> None:
-    conn = _conn(broker)
+def test_per_message_ttl_lower_wins_and_original_expiration(shared_broker: Broker) -> None:
+    conn = _conn(shared_broker)
     ch = conn.channel()
     dlx, dead = _dlx_setup(ch)
     q = unique("ttl")
@@ -74,8 +78,8 @@ def test_per_message_ttl_lower_wins_and_original_expiration(broker: Broker) -> N
     conn.close()
 
 
-def test_ttl_zero_without_consumer_is_dropped_with_consumer_delivered(broker: Broker) -> None:
-    conn = _conn(broker)
+def test_ttl_zero_without_consumer_is_dropped_with_consumer_delivered(shared_broker: Broker) -> None:
+    conn = _conn(shared_broker)
     ch = conn.channel()
     q = unique("ttl0")
     ch.queue_declare(q, arguments={"x-message-ttl": 0})
@@ -89,8 +93,8 @@ def test_ttl_zero_without_consumer_is_dropped_with_consumer_delivered(broker: Br
     conn.close()
 
 
-def test_invalid_expiration_is_406(broker: Broker) -> None:
-    conn = _conn(broker)
+def test_invalid_expiration_is_406(shared_broker: Broker) -> None:
+    conn = _conn(shared_broker)
     q = unique("q")
     conn.channel().queue_declare(q)
     for bad in ("abc", "-5", "1.5"):
@@ -102,8 +106,8 @@ def test_invalid_expiration_is_406(broker: Broker) -> None:
     conn.close()
 
 
-def test_queue_expires_when_unused(broker: Broker) -> None:
-    conn = _conn(broker)
+def test_queue_expires_when_unused(shared_broker: Broker) -> None:
+    conn = _conn(shared_broker)
     ch = conn.channel()
     q, kept = unique("exp"), unique("exp")
     ch.queue_declare(q, arguments={"x-expires": 300})
@@ -120,8 +124,8 @@ def test_queue_expires_when_unused(broker: Broker) -> None:
     {"x-message-ttl": "1000"}, {"x-expires": 0}, {"x-max-length": -1},
     {"x-overflow": "drop-tail"}, {"x-dead-letter-routing-key": "k"},
 ])
-def test_invalid_queue_arguments_are_406(broker: Broker, bad: dict[str, Any]) -> None:
-    conn = _conn(broker)
+def test_invalid_queue_arguments_are_406(shared_broker: Broker, bad: dict[str, Any]) -> None:
+    conn = _conn(shared_broker)
     q = unique("bad")
     with channel_error(406):
         conn.channel().queue_declare(q, arguments=bad)
@@ -129,8 +133,8 @@ def test_invalid_queue_arguments_are_406(broker: Broker, bad: dict[str, Any]) ->
     conn.close()
 
 
-def test_reject_dead_letters_with_routing_key_and_counts(broker: Broker) -> None:
-    conn = _conn(broker)
+def test_reject_dead_letters_with_routing_key_and_counts(shared_broker: Broker) -> None:
+    conn = _conn(shared_broker)
     ch = conn.channel()
     dlx = unique("dlx")
     ch.exchange_declare(dlx, "direct")
@@ -156,8 +160,8 @@ def test_reject_dead_letters_with_routing_key_and_counts(broker: Broker) -> None
     conn.close()
 
 
-def test_missing_dlx_drops_silently_and_cycle_is_dropped(broker: Broker) -> None:
-    conn = _conn(broker)
+def test_missing_dlx_drops_silently_and_cycle_is_dropped(shared_broker: Broker) -> None:
+    conn = _conn(shared_broker)
     ch = conn.channel()
     q = unique("src")
     ch.queue_declare(q, arguments={"x-dead-letter-exchange": unique("nope"), "x-message-ttl": 10})
@@ -174,8 +178,8 @@ def test_missing_dlx_drops_silently_and_cycle_is_dropped(broker: Broker) -> None
     conn.close()
 
 
-def test_max_length_drop_head_dead_letters_oldest(broker: Broker) -> None:
-    conn = _conn(broker)
+def test_max_length_drop_head_dead_letters_oldest(shared_broker: Broker) -> None:
+    conn = _conn(shared_broker)
     ch = conn.channel()
     dlx, dead = _dlx_setup(ch)
     q = unique("ml")
@@ -191,8 +195,8 @@ def test_max_length_drop_head_dead_letters_oldest(broker: Broker) -> None:
     conn.close()
 
 
-def test_max_length_bytes(broker: Broker) -> None:
-    conn = _conn(broker)
+def test_max_length_bytes(shared_broker: Broker) -> None:
+    conn = _conn(shared_broker)
     ch = conn.channel()
     q = unique("mlb")
     ch.queue_declare(q, arguments={"x-max-length-bytes": 10})
@@ -202,8 +206,8 @@ def test_max_length_bytes(broker: Broker) -> None:
     conn.close()
 
 
-def test_reject_publish_nacks_under_confirms(broker: Broker) -> None:
-    conn = _conn(broker)
+def test_reject_publish_nacks_under_confirms(shared_broker: Broker) -> None:
+    conn = _conn(shared_broker)
     ch = conn.channel()
     dlx, dead = _dlx_setup(ch)
     q, qd = unique("rp"), unique("rpd")
@@ -227,8 +231,8 @@ def test_reject_publish_nacks_under_confirms(broker: Broker) -> None:
     conn.close()
 
 
-def test_delivery_limit_counts_and_dead_letters(broker: Broker) -> None:
-    conn = _conn(broker)
+def test_delivery_limit_counts_and_dead_letters(shared_broker: Broker) -> None:
+    conn = _conn(shared_broker)
     ch = conn.channel()
     dlx, dead = _dlx_setup(ch)
     q = unique("dl")

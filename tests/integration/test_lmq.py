@@ -4,7 +4,9 @@ Theory of operation: each test talks to a real ``skred`` process over real socke
 the HTTP client (keep-alive), ``aio-msgpack-rpc`` from PyPI as the MessagePack-RPC client, pika
 for the AMQP side, and a UDP socket of the test as the StatsD server. The README session of the
 LMQ seed is run literally first. Timeouts in these tests are LMQ's own (queue properties of a
-fraction of a second), waited for by polling with a deadline.
+fraction of a second), waited for by polling with a deadline. Most tests share the module's
+broker (each names its own queues); those that kill it, read its node-wide default properties
+or need options have their own.
 """
 
 from __future__ import annotations
@@ -65,19 +67,19 @@ async def wait_until(pred: Callable[[], Any], timeout: float, what: str) -> Any:
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_readme_session_put_get_ack_and_the_404_after_a_timeout(broker: Broker) -> None:
+def test_readme_session_put_get_ack_and_the_404_after_a_timeout(shared_broker: Broker) -> None:
     async def main() -> None:
         async with session() as http:
             # $ curl -i -XPOST localhost:9980/messages/myqueue -H 'content-type: text/plain' -d 'hello world!'
             r = await http.post(
-                f"{base(broker)}/messages/myqueue",
+                f"{base(shared_broker)}/messages/myqueue",
                 data=b"hello world!",
                 headers={"content-type": "text/plain"},
             )
             assert r.status == 200 and await r.json() == {"accum": "no"}
             assert r.headers["Content-Type"].startswith("application/json")
             # $ curl -i localhost:9980/messages/myqueue
-            r = await http.get(f"{base(broker)}/messages/myqueue")
+            r = await http.get(f"{base(shared_broker)}/messages/myqueue")
             assert r.status == 200 and await r.read() == b"hello world!"
             assert r.headers["Content-Type"].startswith("text/plain")
             assert r.headers["x-lmq-queue-name"] == "myqueue"
@@ -85,47 +87,47 @@ def test_readme_session_put_get_ack_and_the_404_after_a_timeout(broker: Broker) 
             msg_id = r.headers["x-lmq-message-id"]
             assert re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", msg_id)
             # $ curl -i -XPOST 'localhost:9980/messages/myqueue/<id>?reply=ack'
-            r = await http.post(f"{base(broker)}/messages/myqueue/{msg_id}?reply=ack")
+            r = await http.post(f"{base(shared_broker)}/messages/myqueue/{msg_id}?reply=ack")
             assert r.status == 204
-            r = await http.post(f"{base(broker)}/messages/myqueue/{msg_id}?reply=ack")
+            r = await http.post(f"{base(shared_broker)}/messages/myqueue/{msg_id}?reply=ack")
             assert r.status == 404  # settled: the id is gone
-            r = await http.get(f"{base(broker)}/messages/myqueue?t=0")
+            r = await http.get(f"{base(shared_broker)}/messages/myqueue?t=0")
             assert r.status == 204  # empty
 
             # Timeout and retry: a message not acked in time comes back with a NEW id; the old id 404s;
             # after `retry` redeliveries it is discarded.
             q = qname()
-            r = await http.patch(f"{base(broker)}/properties/{q}", json={"timeout": 0.3, "retry": 1})
+            r = await http.patch(f"{base(shared_broker)}/properties/{q}", json={"timeout": 0.3, "retry": 1})
             assert r.status == 204
-            await http.post(f"{base(broker)}/messages/{q}", data=b"job")
-            r = await http.get(f"{base(broker)}/messages/{q}?t=5")
+            await http.post(f"{base(shared_broker)}/messages/{q}", data=b"job")
+            r = await http.get(f"{base(shared_broker)}/messages/{q}?t=5")
             first = r.headers["x-lmq-message-id"]
             assert r.headers["x-lmq-retry-remaining"] == "1"
-            r = await http.get(f"{base(broker)}/messages/{q}?t=5")  # redelivered after 0.3 s
+            r = await http.get(f"{base(shared_broker)}/messages/{q}?t=5")  # redelivered after 0.3 s
             assert r.status == 200 and await r.read() == b"job"
             second = r.headers["x-lmq-message-id"]
             assert second != first
             assert r.headers["x-lmq-retry-remaining"] == "0"
-            assert (await http.post(f"{base(broker)}/messages/{q}/{first}?reply=ack")).status == 404
-            r = await http.get(f"{base(broker)}/messages/{q}?t=1")  # retry 1 used up: discarded
+            assert (await http.post(f"{base(shared_broker)}/messages/{q}/{first}?reply=ack")).status == 404
+            r = await http.get(f"{base(shared_broker)}/messages/{q}?t=1")  # retry 1 used up: discarded
             assert r.status == 204
 
             # nack returns it at once (a retry); ext resets the timeout.
             q = qname()
-            await http.patch(f"{base(broker)}/properties/{q}", json={"timeout": 0.5, "retry": 3})
-            await http.post(f"{base(broker)}/messages/{q}", data=b"again")
-            r = await http.get(f"{base(broker)}/messages/{q}?t=5")
+            await http.patch(f"{base(shared_broker)}/properties/{q}", json={"timeout": 0.5, "retry": 3})
+            await http.post(f"{base(shared_broker)}/messages/{q}", data=b"again")
+            r = await http.get(f"{base(shared_broker)}/messages/{q}?t=5")
             mid = r.headers["x-lmq-message-id"]
-            assert (await http.post(f"{base(broker)}/messages/{q}/{mid}?reply=nack")).status == 204
-            r = await http.get(f"{base(broker)}/messages/{q}?t=0")
+            assert (await http.post(f"{base(shared_broker)}/messages/{q}/{mid}?reply=nack")).status == 204
+            r = await http.get(f"{base(shared_broker)}/messages/{q}?t=0")
             assert r.status == 200 and r.headers["x-lmq-retry-remaining"] == "2"
             mid = r.headers["x-lmq-message-id"]
             for _ in range(4):  # keep extending past the 0.5 s timeout: it must not come back
                 await asyncio.sleep(0.25)
-                assert (await http.post(f"{base(broker)}/messages/{q}/{mid}?reply=ext")).status == 204
-            assert (await http.get(f"{base(broker)}/messages/{q}?t=0")).status == 204
-            assert (await http.post(f"{base(broker)}/messages/{q}/{mid}?reply=ack")).status == 204
-            assert (await http.post(f"{base(broker)}/messages/{q}/{mid}?reply=bogus")).status == 400
+                assert (await http.post(f"{base(shared_broker)}/messages/{q}/{mid}?reply=ext")).status == 204
+            assert (await http.get(f"{base(shared_broker)}/messages/{q}?t=0")).status == 204
+            assert (await http.post(f"{base(shared_broker)}/messages/{q}/{mid}?reply=ack")).status == 204
+            assert (await http.post(f"{base(shared_broker)}/messages/{q}/{mid}?reply=bogus")).status == 400
 
     run_async(main())
 
@@ -166,10 +168,10 @@ def test_properties_precedence_and_defaults(broker: Broker) -> None:
     run_async(main())
 
 
-def test_changed_properties_apply_to_messages_put_after_the_change(broker: Broker) -> None:
+def test_changed_properties_apply_to_messages_put_after_the_change(shared_broker: Broker) -> None:
     async def main() -> None:
         async with session() as http:
-            u, q = base(broker), qname()
+            u, q = base(shared_broker), qname()
             await http.patch(f"{u}/properties/{q}", json={"retry": 0})
             await http.post(f"{u}/messages/{q}", data=b"old")
             await http.patch(f"{u}/properties/{q}", json={"retry": 4})
@@ -182,10 +184,10 @@ def test_changed_properties_apply_to_messages_put_after_the_change(broker: Broke
     run_async(main())
 
 
-def test_long_poll_waits_for_a_put(broker: Broker) -> None:
+def test_long_poll_waits_for_a_put(shared_broker: Broker) -> None:
     async def main() -> None:
         async with session() as http:
-            u, q = base(broker), qname()
+            u, q = base(shared_broker), qname()
             getter = asyncio.ensure_future(http.get(f"{u}/messages/{q}?t=20"))
             await asyncio.sleep(0.3)
             assert not getter.done()
@@ -202,10 +204,10 @@ def test_long_poll_waits_for_a_put(broker: Broker) -> None:
     run_async(main())
 
 
-def test_compound_messages_in_both_formats(broker: Broker) -> None:
+def test_compound_messages_in_both_formats(shared_broker: Broker) -> None:
     async def main() -> None:
         async with session() as http:
-            u, q = base(broker), qname()
+            u, q = base(shared_broker), qname()
             await http.patch(f"{u}/properties/{q}", json={"accum": 0.5})
             flags = []
             for i, ct in enumerate(["text/plain", "application/json", "text/plain"]):
@@ -249,10 +251,10 @@ def test_compound_messages_in_both_formats(broker: Broker) -> None:
     run_async(main())
 
 
-def test_regex_fan_out_and_pull_any(broker: Broker) -> None:
+def test_regex_fan_out_and_pull_any(shared_broker: Broker) -> None:
     async def main() -> None:
         async with session() as http:
-            u, tag = base(broker), uuid.uuid4().hex[:6]
+            u, tag = base(shared_broker), uuid.uuid4().hex[:6]
             names = [f"fan-{tag}-a", f"fan-{tag}-b", f"other-{tag}"]
             for n in names:
                 await http.patch(f"{u}/properties/{n}", json={})  # creates the queue
@@ -276,18 +278,17 @@ def test_regex_fan_out_and_pull_any(broker: Broker) -> None:
     run_async(main())
 
 
-def test_amqp_and_http_interoperate(broker: Broker) -> None:
+def test_amqp_and_http_interoperate(shared_broker: Broker) -> None:
     q = qname()
 
     async def put_get() -> None:
         async with session() as http:
-            r = await http.post(
-                f"{base(broker)}/messages/{q}", data=b"from http", headers={"content-type": "text/plain"}
-            )
+            r = await http.post(f"{base(shared_broker)}/messages/{q}", data=b"from http",
+                                headers={"content-type": "text/plain"})
             assert r.status == 200
 
     run_async(put_get())
-    conn = connect(broker)
+    conn = connect(shared_broker)
     try:
         ch = conn.channel()
         method, props, body = ch.basic_get(q, auto_ack=True)
@@ -298,21 +299,20 @@ def test_amqp_and_http_interoperate(broker: Broker) -> None:
 
     async def take() -> None:
         async with session() as http:
-            r = await http.get(f"{base(broker)}/messages/{q}?t=5")
+            r = await http.get(f"{base(shared_broker)}/messages/{q}?t=5")
             assert r.status == 200 and await r.read() == b"from amqp"
             assert r.headers["Content-Type"].startswith("application/x-amqp")
-            assert (
-                await http.post(f"{base(broker)}/messages/{q}/{r.headers['x-lmq-message-id']}?reply=ack")
-            ).status == 204
+            ack = f"{base(shared_broker)}/messages/{q}/{r.headers['x-lmq-message-id']}?reply=ack"
+            assert (await http.post(ack)).status == 204
 
     run_async(take())
 
 
-def test_messagepack_rpc_client(broker: Broker) -> None:
+def test_messagepack_rpc_client(shared_broker: Broker) -> None:
     aio_msgpack_rpc = pytest.importorskip("aio_msgpack_rpc")
 
     async def main() -> None:
-        client = await rpc_client(broker)
+        client = await rpc_client(shared_broker)
         try:
             q = qname("rpc")
             assert await client.call("update_props", q, {"timeout": 0.4, "retry": 1}) == "ok"
@@ -361,7 +361,7 @@ def test_statsd_receives_queue_lengths_and_counters(broker_factory: Callable[...
     listener.settimeout(10)
     port = listener.getsockname()[1]
     b = broker_factory(
-        ["--lmq-statsd-host", "127.0.0.1", "--lmq-statsd-port", str(port), "--lmq-stats-interval", "1000"]
+        ["--lmq-statsd-host", "127.0.0.1", "--lmq-statsd-port", str(port), "--lmq-stats-interval", "50"]
     )
     q = qname("stats")
 
@@ -372,17 +372,25 @@ def test_statsd_receives_queue_lengths_and_counters(broker_factory: Callable[...
             r = await http.get(f"{base(b)}/messages/{q}?t=1")
             await http.post(f"{base(b)}/messages/{q}/{r.headers['x-lmq-message-id']}?reply=ack")
 
+    # Counters are per-interval increments: the three puts may fall into several intervals
+    # (put:1, then put:2; a loaded machine did that at 1 s), so the counters are summed over
+    # every packet; the gauge is the queue's length as last reported. The 50 ms interval makes
+    # the split usual, not rare.
+    want_counts = {f"lmq.{q}.put": 3, f"lmq.{q}.get": 1, f"lmq.{q}.ack": 1}
+    counts = {name: 0 for name in want_counts}
+    length: list[str] = []
     try:
         run_async(main())
-        seen = ""
         deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and not all(
-            s in seen
-            for s in (f"lmq.{q}.length:2|g", f"lmq.{q}.put:3|c", f"lmq.{q}.get:1|c", f"lmq.{q}.ack:1|c")
-        ):
-            seen += listener.recv(65536).decode() + "\n"
-        assert f"lmq.{q}.length:2|g" in seen and f"lmq.{q}.put:3|c" in seen
-        assert f"lmq.{q}.get:1|c" in seen and f"lmq.{q}.ack:1|c" in seen
+        while time.monotonic() < deadline and (counts != want_counts or length[-1:] != ["2"]):
+            for line in listener.recv(65536).decode().splitlines():
+                name, _, rest = line.partition(":")
+                value, _, kind = rest.partition("|")
+                if kind == "c" and name in counts:
+                    counts[name] += int(value)
+                elif kind == "g" and name == f"lmq.{q}.length":
+                    length.append(value)
+        assert counts == want_counts and length[-1:] == ["2"], (counts, length)
     finally:
         listener.close()
 
@@ -421,30 +429,30 @@ def test_taken_but_not_acked_messages_survive_kill_9(broker: Broker) -> None:
         conn.close()
 
 
-def test_bad_requests_get_clear_answers(broker: Broker) -> None:
+def test_bad_requests_get_clear_answers(shared_broker: Broker) -> None:
     async def main() -> None:
         async with session() as http:
-            u = base(broker)
+            u = base(shared_broker)
             assert (await http.put(f"{u}/messages/x")).status == 405
             assert (await http.get(f"{u}/nope")).status == 404
             r = await http.post(f"{u}/messages/x/not-an-id?reply=ack")
             assert r.status == 404 and "error" in await r.json()
         # garbage on the RPC port: the connection closes, the broker stays up
-        reader, writer = await asyncio.open_connection(broker.host, broker.lmq_rpc_port)  # type: ignore[attr-defined]
+        reader, writer = await asyncio.open_connection(shared_broker.host, shared_broker.lmq_rpc_port)  # type: ignore[attr-defined]
         writer.write(b"\xc1\xc1\xc1 not msgpack")
         await writer.drain()
         assert await asyncio.wait_for(reader.read(), 5) == b""
         writer.close()
         async with session() as http:
-            assert (await http.get(f"{base(broker)}/properties")).status == 200
+            assert (await http.get(f"{base(shared_broker)}/properties")).status == 200
 
     run_async(main())
 
 
-def test_a_client_that_half_closes_gets_its_answer(broker: Broker) -> None:
+def test_a_client_that_half_closes_gets_its_answer(shared_broker: Broker) -> None:
     """An HTTP/1.0 client that shuts down its sending side after the request (nc -N, some
     scripts) still gets the whole answer."""
-    with socket.create_connection((broker.host, broker.lmq_http_port), timeout=10) as s:  # type: ignore[attr-defined]
+    with socket.create_connection((shared_broker.host, shared_broker.lmq_http_port), timeout=10) as s:  # type: ignore[attr-defined]
         s.sendall(b"GET /properties HTTP/1.0\r\nHost: x\r\nAuthorization: Basic Z3Vlc3Q6Z3Vlc3Q=\r\n\r\n")
         s.shutdown(socket.SHUT_WR)
         answer = b""

@@ -153,8 +153,22 @@ def cid() -> str:
 
 @pytest.fixture
 def mq(broker_factory: Any) -> Iterator[SkredProcess]:
+    """A broker of the test's own: for tests that kill it, fuzz it (junk could be retained) or
+    send wrong passwords (the login throttle is per source address)."""
     b = broker_factory(["--mqtt-connect-timeout", "2"])
     yield b
+
+
+@pytest.fixture(scope="module")
+def shared_mq(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SkredProcess]:
+    """The module's broker, for the tests that leave nothing another could see (their own
+    client ids and users, no retained messages, topics of their own)."""
+    b = SkredProcess(tmp_path_factory.mktemp("mqtt") / "data", ["--mqtt-connect-timeout", "2"])
+    try:
+        b.start()
+        yield b
+    finally:
+        b.close()
 
 
 # ------------------------------------------------------------------ tests
@@ -177,19 +191,19 @@ def test_credentials_are_required_and_checked(mq: SkredProcess) -> None:
     r.close()
 
 
-def test_the_listener_shows_in_the_management_api(mq: SkredProcess) -> None:
-    wait_http(mq)
-    status, overview = http(mq, "GET", "/api/overview")
+def test_the_listener_shows_in_the_management_api(shared_mq: SkredProcess) -> None:
+    wait_http(shared_mq)
+    status, overview = http(shared_mq, "GET", "/api/overview")
     assert status == 200
     assert {"node": overview["node"], "protocol": "mqtt", "ip_address": "127.0.0.1",
-            "port": mq.mqtt_port} in overview["listeners"]
-    assert http(mq, "GET", "/api/health/checks/protocol-listener/mqtt")[0] == 200
-    assert http(mq, "GET", f"/api/health/checks/port-listener/{mq.mqtt_port}")[0] == 200
+            "port": shared_mq.mqtt_port} in overview["listeners"]
+    assert http(shared_mq, "GET", "/api/health/checks/protocol-listener/mqtt")[0] == 200
+    assert http(shared_mq, "GET", f"/api/health/checks/port-listener/{shared_mq.mqtt_port}")[0] == 200
 
 
-def test_mqtt_and_amqp_meet_on_amq_topic(mq: SkredProcess) -> None:
-    sub = Paho(mq.host, mq.mqtt_port, cid())
-    conn = connect(mq)
+def test_mqtt_and_amqp_meet_on_amq_topic(shared_mq: SkredProcess) -> None:
+    sub = Paho(shared_mq.host, shared_mq.mqtt_port, cid())
+    conn = connect(shared_mq)
     try:
         assert sub.subscribe("sensors/+/temp", 1) == [1]
         ch = conn.channel()
@@ -213,9 +227,9 @@ def test_mqtt_and_amqp_meet_on_amq_topic(mq: SkredProcess) -> None:
         conn.close()
 
 
-def test_qos_levels_between_mqtt_clients(mq: SkredProcess) -> None:
-    sub = Paho(mq.host, mq.mqtt_port, cid())
-    pub = Paho(mq.host, mq.mqtt_port, cid())
+def test_qos_levels_between_mqtt_clients(shared_mq: SkredProcess) -> None:
+    sub = Paho(shared_mq.host, shared_mq.mqtt_port, cid())
+    pub = Paho(shared_mq.host, shared_mq.mqtt_port, cid())
     try:
         assert sub.subscribe("q/#", 2) == [1]  # QoS 2 granted as 1, as RabbitMQ does
         for qos in (0, 1, 2):
@@ -291,15 +305,17 @@ def test_retained_messages_match_wildcards_clear_and_survive_kill9(mq: SkredProc
         sub.close()
 
 
-def test_will_goes_out_on_an_abnormal_end_only(mq: SkredProcess) -> None:
-    watcher = Paho(mq.host, mq.mqtt_port, cid())
+def test_will_goes_out_on_an_abnormal_end_only(shared_mq: SkredProcess) -> None:
+    watcher = Paho(shared_mq.host, shared_mq.mqtt_port, cid())
     try:
         watcher.subscribe("wills/#", 1)
-        polite = Raw(mq.host, mq.mqtt_port, login(cid(), will=P.Will("wills/polite", b"bye", 1, False)))
+        polite = Raw(shared_mq.host, shared_mq.mqtt_port,
+                     login(cid(), will=P.Will("wills/polite", b"bye", 1, False)))
         assert polite.connack() == (0, 0)
         polite.s.sendall(bytes((P.DISCONNECT << 4, 0)))
         assert polite.closed_within(5)
-        rude = Raw(mq.host, mq.mqtt_port, login(cid(), will=P.Will("wills/rude", b"lost", 1, False)))
+        rude = Raw(shared_mq.host, shared_mq.mqtt_port,
+                   login(cid(), will=P.Will("wills/rude", b"lost", 1, False)))
         assert rude.connack() == (0, 0)
         rude.s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         rude.close()  # a reset, no DISCONNECT
@@ -311,16 +327,16 @@ def test_will_goes_out_on_an_abnormal_end_only(mq: SkredProcess) -> None:
         watcher.close()
 
 
-def test_permissions_are_amqps(mq: SkredProcess) -> None:
-    reader = add_user(mq, ".*", "^$", ".*")  # may subscribe (its queues are written by binding)...
-    writer = add_user(mq, "^$", "^amq\\.topic$", "^$")
+def test_permissions_are_amqps(shared_mq: SkredProcess) -> None:
+    reader = add_user(shared_mq, ".*", "^$", ".*")  # may subscribe (its queues are written by binding)...
+    writer = add_user(shared_mq, "^$", "^amq\\.topic$", "^$")
     # a user who may not write to amq.topic is closed when it publishes
-    r = Raw(mq.host, mq.mqtt_port, login(cid(), reader, b"pw"))
+    r = Raw(shared_mq.host, shared_mq.mqtt_port, login(cid(), reader, b"pw"))
     assert r.connack() == (0, 0)
     r.s.sendall(P.encode_publish("x/y", b"no", 0, False, False, 0))
     assert r.closed_within(5)
     # a user who may not configure or read queues gets SUBACK's failure code, and may publish
-    r = Raw(mq.host, mq.mqtt_port, login(cid(), writer, b"pw"))
+    r = Raw(shared_mq.host, shared_mq.mqtt_port, login(cid(), writer, b"pw"))
     assert r.connack() == (0, 0)
     r.s.sendall(P.encode_subscribe(P.Subscribe(1, (("x/#", 1),))))
     pkt = r.read()
@@ -330,7 +346,7 @@ def test_permissions_are_amqps(mq: SkredProcess) -> None:
     assert pkt is not None and pkt[0] == P.PUBACK and pkt[2] == b"\x00\x05"
     r.close()
     # the reader cannot bind either (write on its queue is '^$'): refused per filter
-    r = Raw(mq.host, mq.mqtt_port, login(cid(), reader, b"pw"))
+    r = Raw(shared_mq.host, shared_mq.mqtt_port, login(cid(), reader, b"pw"))
     assert r.connack() == (0, 0)
     r.s.sendall(P.encode_subscribe(P.Subscribe(2, (("x/#", 0),))))
     pkt = r.read()
@@ -338,53 +354,53 @@ def test_permissions_are_amqps(mq: SkredProcess) -> None:
     r.close()
 
 
-def test_bad_input_closes_one_connection_and_timeouts_hold(mq: SkredProcess) -> None:
-    bystander = Paho(mq.host, mq.mqtt_port, cid())
+def test_bad_input_closes_one_connection_and_timeouts_hold(shared_mq: SkredProcess) -> None:
+    bystander = Paho(shared_mq.host, shared_mq.mqtt_port, cid())
     try:
         bystander.subscribe("alive", 0)
         for garbage in (b"\x10\xff\xff\xff\xff\x01", b"GET / HTTP/1.1\r\n\r\n", b"\x30\x03\x00\x01+"):
-            r = Raw(mq.host, mq.mqtt_port)
+            r = Raw(shared_mq.host, shared_mq.mqtt_port)
             r.s.sendall(garbage)
             assert r.closed_within(5), garbage
             r.close()
-        r = Raw(mq.host, mq.mqtt_port, login(cid()))
+        r = Raw(shared_mq.host, shared_mq.mqtt_port, login(cid()))
         assert r.connack() == (0, 0)
         r.s.sendall(b"\x82\x02\x00\x01")  # SUBSCRIBE without a filter
         assert r.closed_within(5)
         r.close()
-        big = Raw(mq.host, mq.mqtt_port)  # before its login a client may send 256 KiB at most
+        big = Raw(shared_mq.host, shared_mq.mqtt_port)  # before its login a client may send 256 KiB at most
         try:
             big.s.sendall(bytes((P.CONNECT << 4,)) + PR.varint(300_000) + b"\x00" * 100_000)
         except OSError:
             pass  # closed while it still sent: refused too
         assert big.closed_within(5)
         big.close()
-        wait_until(lambda: "over the limit of 262144" in mq.log_text(), 5, "the refusal in the log")
-        r = Raw(mq.host, mq.mqtt_port, login(cid()))  # after it, the configured maximum holds
+        wait_until(lambda: "over the limit of 262144" in shared_mq.log_text(), 5, "the refusal in the log")
+        r = Raw(shared_mq.host, shared_mq.mqtt_port, login(cid()))  # after it, the configured maximum holds
         assert r.connack() == (0, 0)
         r.s.sendall(P.encode_publish("alive", b"y" * 300_000, 0, False, False, 0))
         assert bystander.take(1)[0].payload == b"y" * 300_000
         r.close()
-        silent = Raw(mq.host, mq.mqtt_port)  # no CONNECT within --mqtt-connect-timeout 2
+        silent = Raw(shared_mq.host, shared_mq.mqtt_port)  # no CONNECT within --mqtt-connect-timeout 2
         assert silent.closed_within(8)
-        idle = Raw(mq.host, mq.mqtt_port, login(cid(), keepalive=1))
+        idle = Raw(shared_mq.host, shared_mq.mqtt_port, login(cid(), keepalive=1))
         assert idle.connack() == (0, 0)
         started = time.monotonic()
         assert idle.closed_within(8)
         assert time.monotonic() - started >= 1.0  # 1.5 x keepalive, not at once
         bystander.publish("alive", b"yes", 0)
         assert bystander.take(1)[0].payload == b"yes"
-        assert_healthy(mq)
-        assert "Traceback" not in mq.log_text()
+        assert_healthy(shared_mq)
+        assert "Traceback" not in shared_mq.log_text()
     finally:
         bystander.close()
 
 
-def test_a_second_connection_with_the_same_client_id_takes_over(mq: SkredProcess) -> None:
+def test_a_second_connection_with_the_same_client_id_takes_over(shared_mq: SkredProcess) -> None:
     client_id = cid()
-    first = Raw(mq.host, mq.mqtt_port, login(client_id))
+    first = Raw(shared_mq.host, shared_mq.mqtt_port, login(client_id))
     assert first.connack() == (0, 0)
-    second = Raw(mq.host, mq.mqtt_port, login(client_id))
+    second = Raw(shared_mq.host, shared_mq.mqtt_port, login(client_id))
     assert second.connack() == (0, 0)
     assert first.closed_within(5)
     second.s.sendall(bytes((P.PINGREQ << 4, 0)))
@@ -469,13 +485,13 @@ def test_mutated_packets_of_both_versions_never_take_the_broker_down(mq: SkredPr
     assert "Traceback" not in mq.log_text()
 
 
-def test_topic_permissions_apply_to_mqtt(mq: SkredProcess) -> None:
+def test_topic_permissions_apply_to_mqtt(shared_mq: SkredProcess) -> None:
     """RabbitMQ's topic authorisation on amq.topic holds for MQTT topics (as routing keys)."""
-    user = add_user(mq, ".*", ".*", ".*")
+    user = add_user(shared_mq, ".*", ".*", ".*")
     uq = urllib.parse.quote(user, safe="")
-    assert http(mq, "PUT", f"/api/topic-permissions/%2F/{uq}",
+    assert http(shared_mq, "PUT", f"/api/topic-permissions/%2F/{uq}",
                 {"exchange": "amq.topic", "write": "^allowed\\.", "read": "^allowed\\."})[0] in (201, 204)
-    r = Raw(mq.host, mq.mqtt_port, login(cid(), user, b"pw"))
+    r = Raw(shared_mq.host, shared_mq.mqtt_port, login(cid(), user, b"pw"))
     assert r.connack() == (0, 0)
     r.s.sendall(P.encode_subscribe(P.Subscribe(1, (("allowed/#", 1), ("denied/#", 1)))))
     pkt = r.read()

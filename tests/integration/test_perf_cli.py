@@ -1,4 +1,8 @@
-"""skred-perf runs against a real broker and reports sane numbers (no timing assertions)."""
+"""skred-perf runs against a real broker and reports sane numbers (no timing assertions).
+
+The tests share the module's broker: skred-perf names its queues per run (the message-id test
+names its own).
+"""
 
 from __future__ import annotations
 
@@ -49,29 +53,29 @@ def assert_queues_deleted(broker: Broker, names: list[str]) -> None:
             conn.close()
 
 
-def test_throughput_autoack_count_bound(broker: Broker) -> None:
-    r = perf("throughput", "--uri", broker.url, "-z", "30", "-C", "3000", "-s", "16")
+def test_throughput_autoack_count_bound(shared_broker: Broker) -> None:
+    r = perf("throughput", "--uri", shared_broker.url, "-z", "30", "-C", "3000", "-s", "16")
     assert r["published"] == 3000
     assert r["consumed"] == r["published"]
     assert r["publish_rate"] > 0 and r["consume_rate"] > 0
     assert r["tool_cpu_percent"] >= 0
     assert r["server"]["product"]
-    assert_queues_deleted(broker, r["deleted_queues"])
+    assert_queues_deleted(shared_broker, r["deleted_queues"])
 
 
-def test_throughput_time_bound(broker: Broker) -> None:
-    r = perf("throughput", "--uri", broker.url, "-z", "2")
+def test_throughput_time_bound(shared_broker: Broker) -> None:
+    r = perf("throughput", "--uri", shared_broker.url, "-z", "2")
     assert r["published"] > 0
     assert 0 < r["consumed"] <= r["published"]
     assert r["median_1s_publish"] >= 0
-    assert_queues_deleted(broker, r["deleted_queues"])
+    assert_queues_deleted(shared_broker, r["deleted_queues"])
 
 
-def test_throughput_manual_ack_confirms_persistent(broker: Broker) -> None:
+def test_throughput_manual_ack_confirms_persistent(shared_broker: Broker) -> None:
     r = perf(
         "throughput",
         "--uri",
-        broker.url,
+        shared_broker.url,
         "-z",
         "30",
         "-C",
@@ -95,26 +99,25 @@ def test_throughput_manual_ack_confirms_persistent(broker: Broker) -> None:
     assert 0 <= lat["p50"] <= lat["p95"] <= lat["p99"] <= lat["max"]
 
 
-def test_throughput_fanout_and_large_bodies(broker: Broker) -> None:
-    r = perf(
-        "throughput", "--uri", broker.url, "-z", "30", "-C", "300", "-s", "70000", "--fanout-queues", "3"
-    )
+def test_throughput_fanout_and_large_bodies(shared_broker: Broker) -> None:
+    r = perf("throughput", "--uri", shared_broker.url, "-z", "30", "-C", "300", "-s", "70000",
+             "--fanout-queues", "3")
     assert r["published"] == 300
     assert r["consumed"] == 900  # every queue gets every message
     assert r["consume_mib_s"] > 0
     assert len(r["queues"]) == 3
-    assert_queues_deleted(broker, r["deleted_queues"])
+    assert_queues_deleted(shared_broker, r["deleted_queues"])
 
 
-def test_throughput_prefill_then_consume(broker: Broker) -> None:
-    r = perf("throughput", "--uri", broker.url, "-z", "30", "-x", "0", "--prefill", "5000")
+def test_throughput_prefill_then_consume(shared_broker: Broker) -> None:
+    r = perf("throughput", "--uri", shared_broker.url, "-z", "30", "-x", "0", "--prefill", "5000")
     assert r["published"] == 0
     assert r["consumed"] == 5000
 
 
-def test_queue_count(broker: Broker) -> None:
+def test_queue_count(shared_broker: Broker) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "broker.perf", "queue-count", "50", "--uri", broker.url, "-j"],
+        [sys.executable, "-m", "broker.perf", "queue-count", "50", "--uri", shared_broker.url, "-j"],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -124,14 +127,14 @@ def test_queue_count(broker: Broker) -> None:
     assert json.loads(proc.stdout)["queues"] == 50
 
 
-def test_throughput_message_ids_give_each_message_its_own(broker: Broker) -> None:
+def test_throughput_message_ids_give_each_message_its_own(shared_broker: Broker) -> None:
     """--message-ids: every message of a batch carries a distinct message-id (and the
     body and latency stamps still land where they should)."""
     q = "perf-ids"
-    conn = connect(broker)
+    conn = connect(shared_broker)
     try:
         conn.channel().queue_declare(q)
-        r = perf("throughput", "--uri", broker.url, "-x", "1", "-y", "0", "-C", "300", "-u", q,
+        r = perf("throughput", "--uri", shared_broker.url, "-x", "1", "-y", "0", "-C", "300", "-u", q,
                  "--message-ids", "-s", "24")
         assert r["published"] == 300
         ch = conn.channel()
@@ -142,7 +145,7 @@ def test_throughput_message_ids_give_each_message_its_own(broker: Broker) -> Non
             ids.append(props.message_id)
         assert all(isinstance(i, str) and len(i) == 12 for i in ids)
         assert len(set(ids)) > 100
-        r = perf("throughput", "--uri", broker.url, "-C", "2000", "--message-ids", "-l", "-z", "30")
+        r = perf("throughput", "--uri", shared_broker.url, "-C", "2000", "--message-ids", "-l", "-z", "30")
         assert r["consumed"] == r["published"] == 2000
         assert 0 <= r["latency_us"]["p50"] <= r["latency_us"]["p99"] < 30_000_000
     finally:

@@ -16,6 +16,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 import uuid
@@ -26,7 +27,7 @@ import aio_pika
 import pika
 import pytest
 
-from ._support import REPO_ROOT, SkredProcess, free_port, run_async, wait_until
+from ._support import REPO_ROOT, Progress, SkredProcess, free_port, run_async, wait_until
 from ._tls import PKI, issue, make_ca, make_pki, tls_args
 
 pytestmark = pytest.mark.timeout(120)
@@ -58,7 +59,11 @@ def tls_broker_factory(tmp_path: Path, pki: PKI) -> Any:
         else:
             p.port = -1  # the harness passes --amqp-port: -1 turns the plain listener off
             p.spawn()
-        wait_until(lambda: tls_answers(tls_port, pki) or not p.alive(), 20, "AMQPS listener")
+        assert p.pid is not None
+        progress = Progress(p.pid, p.log_path)  # a deadline counted from progress: load slows a start
+        while not (tls_answers(tls_port, pki) or not p.alive()):
+            assert not progress.expired(), f"no AMQPS listener:\n{p.log_tail()}"
+            time.sleep(0.05)  # poll interval of a readiness loop with a deadline
         assert p.alive(), p.log_tail()
         return TLSBroker(p, tls_port, https_port)
 
