@@ -236,7 +236,9 @@ class QueueStore(SegmentLog[Segment]):
                 names = [entry.name for entry in os.scandir(self._dir)]
             except FileNotFoundError:  # a new queue: one failed scandir, not a stat and a mkdir
                 os.makedirs(self._dir, exist_ok=True)
-                names = []
+                self._recover([])
+                self._prepare_first()  # its first segment, off the loop (segment_log)
+                return
             self._recover(names)
         except OSError as exc:
             self._close_files()

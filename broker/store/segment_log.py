@@ -92,6 +92,11 @@ AHEAD_FROM: Final = 256 * 1024  # a segment this far allocated grows ahead, off 
 MIN_MAPS: Final = 64  # mapped segments a node may always keep, whatever its limits
 _PAGE: Final = 4096
 _NO_SPACE: Final = (errno.ENOSPC, errno.EDQUOT)
+_NOATIME: Final = getattr(os, "O_NOATIME", 0)
+# A new log's first segment, made ahead on the segment worker (module doc): one page allocated,
+# the header and the first records; a queue declared and never used keeps no more on disk.
+FIRST_ALLOC: Final = _PAGE
+_FIRST_NONE, _FIRST_PENDING, _FIRST_READY = 0, 1, 2  # SegmentLog._first
 
 S = TypeVar("S", bound=LogSegment)
 
@@ -266,9 +271,9 @@ def _drop_spare(fut: Future[tuple[int, mmap.mmap]], path: Path) -> None:
     path.unlink(missing_ok=True)
 
 
-def create_mapped(path: Path, cap: int, alloc: int, files: SegmentFiles) -> tuple[int, mmap.mmap]:
-    """A new segment file of ``cap`` bytes (sparse) with its first ``alloc`` bytes allocated,
-    mapped read-write, with the format header written. Nothing is left behind on failure."""
+def create_file(path: Path, cap: int, alloc: int, files: SegmentFiles) -> int:
+    """A new segment file of ``cap`` bytes (sparse) with its first ``alloc`` bytes allocated
+    and the format header written; its descriptor. Nothing is left behind on failure."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         os.ftruncate(fd, cap)
@@ -278,10 +283,33 @@ def create_mapped(path: Path, cap: int, alloc: int, files: SegmentFiles) -> tupl
         # under load, and it stalls the event loop); after a pwrite the page is there.
         if os.pwrite(fd, HEADER, 0) != HEADER_SIZE:
             raise StoreError(f"{path}: short write of the segment header")
+    except BaseException:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        raise
+    return fd
+
+
+def create_mapped(path: Path, cap: int, alloc: int, files: SegmentFiles) -> tuple[int, mmap.mmap]:
+    """``create_file``, mapped read-write. Nothing is left behind on failure."""
+    fd = create_file(path, cap, alloc, files)
+    try:
         mm = mmap.mmap(fd, cap)
     except BaseException:
         os.close(fd)
         path.unlink(missing_ok=True)
+        raise
+    return fd, mm
+
+
+def _open_mapped(path: Path, cap: int) -> tuple[int, mmap.mmap]:
+    """An existing segment file of ``cap`` bytes, mapped read-write: no journal transaction
+    (``O_NOATIME``: the map would otherwise dirty the new file's inode for its access time)."""
+    fd = os.open(path, os.O_RDWR | _NOATIME)
+    try:
+        mm = mmap.mmap(fd, cap)
+    except BaseException:
+        os.close(fd)
         raise
     return fd, mm
 
@@ -292,7 +320,7 @@ class SegmentLog(Generic[S]):
     unread: bool = False  # a store recovered at boot but not read yet (``DeferredQueueStore``)
 
     __slots__ = (
-        "_ahead", "_closed", "_dir", "_dir_unsynced", "_dirty", "_files", "_retired", "_lock", "_next_num",
+        "_ahead", "_closed", "_dir", "_dir_unsynced", "_dirty", "_files", "_first", "_retired", "_lock", "_next_num",
         "_order", "_removing", "_seg_unsynced", "_segment_size", "_segs", "_sink", "_spare", "_sync_lock",
         "_unsynced_paths", "_walloc", "_wcap", "_wfd", "_wlimit", "_wmm", "_wseg",
     )
@@ -333,6 +361,7 @@ class SegmentLog(Generic[S]):
         # start, its end, the job).
         self._ahead: tuple[S, int, int, Future[None]] | None = None
         self._removing: Future[None] | None = None  # the last removal job (module doc)
+        self._first = _FIRST_NONE  # the first segment made ahead: none, being made, ready
 
     @property
     def directory(self) -> Path:
@@ -382,6 +411,55 @@ class SegmentLog(Generic[S]):
     @property
     def _spare_alloc(self) -> int:
         return min(self._segment_size, SPARE_ALLOC)
+
+    def _prepare_first(self) -> None:
+        """A new log (nothing on disk yet): have the segment worker make its first segment
+        now, so that the first append only opens and maps it (module doc)."""
+        self._first = _FIRST_PENDING
+        _spare_worker().submit(self._make_first)
+
+    def _make_first(self) -> None:
+        """On the segment worker, under ``_lock`` (an append that comes meanwhile waits for
+        it, as it would have for its own creation): the first segment, unless the log took
+        another way meanwhile (``_take_first``) or was closed."""
+        with self._lock:
+            if self._first != _FIRST_PENDING or self._closed:
+                return
+            path = Path(self._dir, fmt.segment_name(self._next_num))
+            try:
+                os.close(create_file(path, self._segment_size, FIRST_ALLOC, self._files))
+            except Exception as exc:  # the first append creates it itself, and reports a full disk
+                log.debug("%s: first segment not made ahead: %s", self, exc)
+                self._first = _FIRST_NONE
+                return
+            self._first = _FIRST_READY
+
+    def _take_first(self, seg: S, cap: int, need: int) -> tuple[int, mmap.mmap, int] | None:
+        """The first segment made ahead as ``seg``, with ``need`` bytes allocated past the
+        header: (fd, map, allocated end); None when none was made (a job not started yet
+        will do nothing). DiskFull leaves it ready for the next try."""
+        with self._lock:
+            ready = self._first == _FIRST_READY
+            self._first = _FIRST_NONE
+        if not ready:
+            return None
+        path = seg.path
+        if cap != self._segment_size or seg.num != self._next_num:  # a record larger than a segment
+            path.unlink(missing_ok=True)  # (rare) never reported to the sink: nothing to tell it
+            return None
+        fd, mm = _open_mapped(path, cap)
+        alloc = FIRST_ALLOC
+        try:
+            if HEADER_SIZE + need > alloc:  # a large first record or run: allocated here, as before
+                end = min(cap, _round_up(max(HEADER_SIZE + need, ALLOC_FIRST)))
+                allocate(fd, alloc, end, path, self._files)
+                alloc = end
+        except BaseException:
+            mm.close()
+            os.close(fd)
+            self._first = _FIRST_READY
+            raise
+        return fd, mm, alloc
 
     def _take_spare(self, path: Path, cap: int, alloc: int) -> tuple[int, mmap.mmap] | None:
         """The spare, renamed to ``path``, when it is ready and has ``cap`` bytes (``alloc`` of
@@ -466,8 +544,11 @@ class SegmentLog(Generic[S]):
         if cap > fmt.MAX_SEGMENT_SIZE:
             raise StoreError(f"message of {need} bytes is too large for a segment")
         alloc = min(cap, _round_up(max(HEADER_SIZE + need, HEADER_SIZE + want, ALLOC_FIRST)))
-        taken = self._take_spare(seg.path, cap, alloc)
-        if taken is not None:
+        first = self._take_first(seg, cap, max(need, want)) if self._first else None
+        taken = self._take_spare(seg.path, cap, alloc) if first is None else None
+        if first is not None:
+            fd, mm, alloc = first
+        elif taken is not None:
             fd, mm = taken
             alloc = max(alloc, self._spare_alloc)
         else:
@@ -633,6 +714,11 @@ class SegmentLog(Generic[S]):
         shutdown (``SegmentFiles.shutting_down``) the trim is skipped: the zero tail is
         harmless (recovery stops at the first zero record)."""
         self.removed()
+        if self._first == _FIRST_READY and not self._files.shutting_down:
+            # never used: removed now (at node shutdown left to recovery, which removes a
+            # segment without records, rather than one unlink per idle queue on the way down)
+            Path(self._dir, fmt.segment_name(self._next_num)).unlink(missing_ok=True)
+        self._first = _FIRST_NONE  # a job not started yet does nothing (it sees _closed, too)
         if self._wseg is not None:
             self._retire_write_segment_locked(self._wseg)
         self._ahead = None
