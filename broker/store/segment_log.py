@@ -45,6 +45,24 @@ fsynced by ``sync`` through a ``dup`` of the write fd taken under ``_lock`` (the
 runs outside the lock, on the syncer's worker thread); retired segments written since the
 last sync are fsynced by path. Files created or removed mark the directory for an fsync.
 
+The first segment, made ahead. A new queue's first message created its first segment on the
+loop (create, truncate, allocate: three journal transactions, up to 13 ms each under load;
+1,000 new queues getting their first message stalled every connection for seconds). So a log
+made in a new directory (``_prepare_first``) hands the creation of its first segment to the
+segment worker at once: ``create_file`` under the final name with ``FIRST_ALLOC`` allocated
+and the header written, then closed. The log keeps no descriptor and no mapping for it (an
+idle queue costs one small file, not two of the node's descriptors), and the first append
+only opens and maps it (``_take_first``, ``O_NOATIME``: no journal transaction; a first
+record larger than ``FIRST_ALLOC`` allocates the rest there, as before). The job runs under
+``_lock`` and only while the log still wants it (``_first``), so an append that comes first
+either cancels a job not started (and creates the segment itself, as before) or waits for
+the one running. Durability is the creation's: the adopting append marks the directory for
+the next sync's fsync and the segment's data is fsynced with its records, before any confirm.
+A crash before the first append leaves a segment without records, which recovery removes (as
+it removes one whose header was never written); so does a close other than the node's
+shutdown (a shutdown leaves it to recovery rather than one unlink per idle queue). The
+replication sink hears of the segment when it is adopted, as of a spare.
+
 Removing off the loop. An unlink is a journal transaction too (measured up to 31 ms on the
 loop behind the group commit's fdatasync), so the files of a fully acked segment are
 removed on the segment worker (``_remove_later``): one job per segment that unlinks its files
