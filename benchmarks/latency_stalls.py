@@ -11,15 +11,15 @@ CPU was Python work); (2) logs every ``posix_fallocate``, ``unlink``, ``rename``
 and file-creating ``open`` the loop thread itself makes, with its wall time: the system calls
 that can wait for the filesystem's journal while the group commit's thread is inside an
 fdatasync. Each cell of ``benchmarks/latency.py`` (or ``cold``: workload 7's first message into
-each of ``--cold-queues`` new queues, ``workloads.many_queues``) then runs ``--runs`` times with
-the brokers in turn (RabbitMQ uninstrumented); after each run the instrument's lines of that
-run are counted. The table
-shows medians per broker: the cell's p99 and the worst run's maximum, loop gaps over 5 and 10
+each of ``--cold-queues`` new queues, ``workloads.many_queues``; ``cold-durable``: durable
+queues, persistent messages and manual-ack consumers, so every first message is stored) then
+runs ``--runs`` times with the brokers in turn (RabbitMQ uninstrumented); after each run the
+instrument's lines of that run are counted. The table shows medians per broker: the cell's p99 and the worst run's maximum, loop gaps over 5 and 10
 ms, and the loop's journal calls (count, and the worst wall time). On a loaded machine the gaps
 are mostly the scheduler's; the journal calls' count is not.
 
     python benchmarks/latency_stalls.py --work /tmp/stalls --baseline 4f4ff3c
-    python benchmarks/latency_stalls.py --work /tmp/stalls --baseline 336eb40 --cells cold --runs 5
+    python benchmarks/latency_stalls.py --work /tmp/stalls --baseline 336eb40 --cells cold-durable
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(REPO_ROOT))
 
 import latency  # noqa: E402  (benchmarks/ is not a package)
-from workloads import many_queues  # noqa: E402
 from quiet_latency import Node, export, start_tree  # noqa: E402
 from tls_brokers import make_certs, start_rabbitmq  # noqa: E402
+from workloads import many_queues  # noqa: E402
 
 LOG_ENV = "LATENCY_STALLS_DIR"  # not SKRED_*: the broker reads those as its own options
 LAG_MS = 2.0
@@ -157,10 +157,11 @@ def main(argv: list[str] | None = None) -> int:
                 for name, node, logs in nodes:
                     if logs is not None:
                         _lines(logs, offsets)  # skip what came before this run
-                    if cell == "cold":
-                        r = many_queues(node.uri, a.cold_queues, warm=0)
+                    if cell in ("cold", "cold-durable"):
+                        r = many_queues(node.uri, a.cold_queues, warm=0, durable=cell == "cold-durable")
                         r["load1"] = os.getloadavg()[0]
-                        found = {"until all delivered s": r["cold_s"], "first-message p50 ms": r["cold_p50_ms"],
+                        found = {"until all delivered s": r["cold_s"],
+                                 "first-message p50 ms": r["cold_p50_ms"],
                                  "max bystander ms": r["bystander_max_ms"]}
                     else:
                         r = latency._cell_in_child(node.uri, cell, a.seconds, node.pid)

@@ -148,3 +148,13 @@ def test_kill_9_while_first_segments_are_made(tmp_path: Path, kill_after: int) -
         s.append(1, b"", b"q", PROPS, BODY)
         s.sync()
         s.close()
+
+
+def test_a_transient_store_makes_no_segment_ahead(tmp_path: Path) -> None:
+    """A transient queue's messages to a waiting autoack consumer never reach the store (the
+    direct hand-over), so no segment is made for it ahead: it would cost a creation and an
+    unlink at its delete for nothing (measured: workload 7's cold cell, 1,000 unlinks on the loop)."""
+    s = QueueStore(tmp_path / "t")
+    _worker_idle()
+    assert list((tmp_path / "t").iterdir()) == []
+    s.delete()

@@ -338,9 +338,9 @@ class SegmentLog(Generic[S]):
     unread: bool = False  # a store recovered at boot but not read yet (``DeferredQueueStore``)
 
     __slots__ = (
-        "_ahead", "_closed", "_dir", "_dir_unsynced", "_dirty", "_files", "_first", "_retired", "_lock", "_next_num",
-        "_order", "_removing", "_seg_unsynced", "_segment_size", "_segs", "_sink", "_spare", "_sync_lock",
-        "_unsynced_paths", "_walloc", "_wcap", "_wfd", "_wlimit", "_wmm", "_wseg",
+        "_ahead", "_closed", "_dir", "_dir_unsynced", "_dirty", "_files", "_first", "_retired", "_lock",
+        "_next_num", "_order", "_removing", "_seg_unsynced", "_segment_size", "_segs", "_sink", "_spare",
+        "_sync_lock", "_unsynced_paths", "_walloc", "_wcap", "_wfd", "_wlimit", "_wmm", "_wseg",
     )
     # Retired segments (and other files) written since the last sync, fsynced by path.
     # Set by the subclass (QueueStore allocates it lazily).
