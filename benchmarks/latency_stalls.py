@@ -14,9 +14,10 @@ fdatasync. Each cell of ``benchmarks/latency.py`` (or ``cold``: workload 7's fir
 each of ``--cold-queues`` new queues, ``workloads.many_queues``; ``cold-durable``: durable
 queues, persistent messages and manual-ack consumers, so every first message is stored) then
 runs ``--runs`` times with the brokers in turn (RabbitMQ uninstrumented); after each run the
-instrument's lines of that run are counted. The table shows medians per broker: the cell's p99 and the worst run's maximum, loop gaps over 5 and 10
-ms, and the loop's journal calls (count, and the worst wall time). On a loaded machine the gaps
-are mostly the scheduler's; the journal calls' count is not.
+instrument's lines of that run are counted. The table shows medians per broker: the cell's p99
+and the worst run's maximum, loop gaps over 5 and 10 ms, and the loop's journal calls (count,
+and the worst wall time). On a loaded machine the gaps are mostly the scheduler's; the journal
+calls' count is not.
 
     python benchmarks/latency_stalls.py --work /tmp/stalls --baseline 4f4ff3c
     python benchmarks/latency_stalls.py --work /tmp/stalls --baseline 336eb40 --cells cold-durable

@@ -158,3 +158,21 @@ def test_a_transient_store_makes_no_segment_ahead(tmp_path: Path) -> None:
     _worker_idle()
     assert list((tmp_path / "t").iterdir()) == []
     s.delete()
+
+
+def test_a_queue_that_fills_its_small_first_segment_rolls_to_a_full_one(tmp_path: Path) -> None:
+    s = QueueStore(tmp_path / "q", persistent_only=True)
+    _worker_idle()
+    bodies = [bytes([i % 251]) * 1000 for i in range(200)]  # ~200 KiB: past the first segment
+    for body in bodies:
+        s.append(1, b"", b"q", PROPS, body)
+    s.sync()
+    sizes = {p.name: p.stat().st_size for p in (tmp_path / "q").iterdir() if p.name.startswith("msgs.")}
+    assert sizes["msgs.0000000001"] <= segment_log.FIRST_SIZE < sizes["msgs.0000000002"], sizes
+    s.close()
+    again = QueueStore(tmp_path / "q", persistent_only=True)
+    got = []
+    while (msgid := again.shift()) is not None:
+        got.append(again.read(msgid)[4])
+    assert got == bodies
+    again.close()

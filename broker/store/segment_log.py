@@ -49,11 +49,14 @@ The first segment, made ahead. A new queue's first message created its first seg
 loop (create, truncate, allocate: three journal transactions, up to 13 ms each under load;
 1,000 new queues getting their first message stalled every connection for seconds). So a log
 made in a new directory (``_prepare_first``) hands the creation of its first segment to the
-segment worker at once: ``create_file`` under the final name with ``FIRST_ALLOC`` allocated
-and the header written, then closed. The log keeps no descriptor and no mapping for it (an
-idle queue costs one small file, not two of the node's descriptors), and the first append
-only opens and maps it (``_take_first``, ``O_NOATIME``: no journal transaction; a first
-record larger than ``FIRST_ALLOC`` allocates the rest there, as before). The job runs under
+segment worker at once: ``create_file`` under the final name, ``FIRST_SIZE`` long with
+``FIRST_ALLOC`` allocated and the header written, then closed. The log keeps no descriptor and
+no mapping for it (an idle queue costs one small file, not two of the node's descriptors),
+and the first append only opens and maps it (``_take_first``, ``O_NOATIME``: no journal
+transaction; a first record larger than ``FIRST_ALLOC`` allocates the rest there, as before,
+and one larger than ``FIRST_SIZE`` gets a segment of the usual size instead). It is small
+because an idle queue may keep it for long: a queue that fills it rolls to a full-sized
+segment, the spare prepared at half of it as for any segment. The job runs under
 ``_lock`` and only while the log still wants it (``_first``), so an append that comes first
 either cancels a job not started (and creates the segment itself, as before) or waits for
 the one running. Durability is the creation's: the adopting append marks the directory for
@@ -111,8 +114,10 @@ MIN_MAPS: Final = 64  # mapped segments a node may always keep, whatever its lim
 _PAGE: Final = 4096
 _NO_SPACE: Final = (errno.ENOSPC, errno.EDQUOT)
 _NOATIME: Final = getattr(os, "O_NOATIME", 0)
-# A new log's first segment, made ahead on the segment worker (module doc): one page allocated,
-# the header and the first records; a queue declared and never used keeps no more on disk.
+# A new log's first segment, made ahead on the segment worker (module doc): this small (a queue
+# declared and never used keeps no more on disk, and a copy of the data dir reads no more of it),
+# one page of it allocated (the header and the first records).
+FIRST_SIZE: Final = 64 * 1024
 FIRST_ALLOC: Final = _PAGE
 _FIRST_NONE, _FIRST_PENDING, _FIRST_READY = 0, 1, 2  # SegmentLog._first
 
@@ -445,31 +450,36 @@ class SegmentLog(Generic[S]):
                 return
             path = Path(self._dir, fmt.segment_name(self._next_num))
             try:
-                os.close(create_file(path, self._segment_size, FIRST_ALLOC, self._files))
+                os.close(create_file(path, self._first_size, FIRST_ALLOC, self._files))
             except Exception as exc:  # the first append creates it itself, and reports a full disk
                 log.debug("%s: first segment not made ahead: %s", self, exc)
                 self._first = _FIRST_NONE
                 return
             self._first = _FIRST_READY
 
-    def _take_first(self, seg: S, cap: int, need: int) -> tuple[int, mmap.mmap, int] | None:
+    @property
+    def _first_size(self) -> int:
+        return min(self._segment_size, FIRST_SIZE)
+
+    def _take_first(self, seg: S, need: int) -> tuple[int, mmap.mmap, int, int] | None:
         """The first segment made ahead as ``seg``, with ``need`` bytes allocated past the
-        header: (fd, map, allocated end); None when none was made (a job not started yet
-        will do nothing). DiskFull leaves it ready for the next try."""
+        header: (fd, map, allocated end, size); None when none was made (a job not started
+        yet will do nothing). DiskFull leaves it ready for the next try."""
         with self._lock:
             ready = self._first == _FIRST_READY
             self._first = _FIRST_NONE
         if not ready:
             return None
         path = seg.path
-        if cap != self._segment_size or seg.num != self._next_num:  # a record larger than a segment
-            path.unlink(missing_ok=True)  # (rare) never reported to the sink: nothing to tell it
+        size = self._first_size
+        if HEADER_SIZE + need > size or seg.num != self._next_num:  # (rare) a large first record
+            path.unlink(missing_ok=True)  # never reported to the sink: nothing to tell it
             return None
-        fd, mm = _open_mapped(path, cap)
+        fd, mm = _open_mapped(path, size)
         alloc = FIRST_ALLOC
         try:
-            if HEADER_SIZE + need > alloc:  # a large first record or run: allocated here, as before
-                end = min(cap, _round_up(max(HEADER_SIZE + need, ALLOC_FIRST)))
+            if HEADER_SIZE + need > alloc:  # a larger first record or run: allocated here, as before
+                end = min(size, _round_up(max(HEADER_SIZE + need, ALLOC_FIRST)))
                 allocate(fd, alloc, end, path, self._files)
                 alloc = end
         except BaseException:
@@ -477,7 +487,7 @@ class SegmentLog(Generic[S]):
             os.close(fd)
             self._first = _FIRST_READY
             raise
-        return fd, mm, alloc
+        return fd, mm, alloc, size
 
     def _take_spare(self, path: Path, cap: int, alloc: int) -> tuple[int, mmap.mmap] | None:
         """The spare, renamed to ``path``, when it is ready and has ``cap`` bytes (``alloc`` of
@@ -562,10 +572,10 @@ class SegmentLog(Generic[S]):
         if cap > fmt.MAX_SEGMENT_SIZE:
             raise StoreError(f"message of {need} bytes is too large for a segment")
         alloc = min(cap, _round_up(max(HEADER_SIZE + need, HEADER_SIZE + want, ALLOC_FIRST)))
-        first = self._take_first(seg, cap, max(need, want)) if self._first else None
+        first = self._take_first(seg, max(need, want)) if self._first else None
         taken = self._take_spare(seg.path, cap, alloc) if first is None else None
         if first is not None:
-            fd, mm, alloc = first
+            fd, mm, alloc, cap = first
         elif taken is not None:
             fd, mm = taken
             alloc = max(alloc, self._spare_alloc)
