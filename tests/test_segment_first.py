@@ -123,7 +123,7 @@ for i in range(int(sys.argv[2])):
 """
 
 
-@pytest.mark.parametrize("kill_after", [1, 20, 40])
+@pytest.mark.parametrize("kill_after", [5, 40])
 def test_kill_9_while_first_segments_are_made(tmp_path: Path, kill_after: int) -> None:
     """kill -9 while the worker makes first segments (some made, some half made, some
     adopted): every store recovers, every synced message is there, every store takes appends."""

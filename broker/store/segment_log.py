@@ -48,8 +48,9 @@ last sync are fsynced by path. Files created or removed mark the directory for a
 The first segment, made ahead. A new queue's first message created its first segment on the
 loop (create, truncate, allocate: three journal transactions, up to 13 ms each under load;
 1,000 new queues getting their first message stalled every connection for seconds). So a log
-made in a new directory (``_prepare_first``) hands the creation of its first segment to the
-segment worker at once: ``create_file`` under the final name, ``FIRST_SIZE`` long with
+made in a new directory that will be written (``_prepare_first``; ``QueueStore``: a durable
+queue's) hands the creation of its first segment to the segment worker at once:
+``create_file`` under the final name, ``FIRST_SIZE`` long with
 ``FIRST_ALLOC`` allocated and the header written, then closed. The log keeps no descriptor and
 no mapping for it (an idle queue costs one small file, not two of the node's descriptors),
 and the first append only opens and maps it (``_take_first``, ``O_NOATIME``: no journal
