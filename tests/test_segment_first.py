@@ -176,3 +176,26 @@ def test_a_queue_that_fills_its_small_first_segment_rolls_to_a_full_one(tmp_path
         got.append(again.read(msgid)[4])
     assert got == bodies
     again.close()
+
+
+def test_a_close_waiting_for_the_worker_behind_a_stale_first_segment_job(tmp_path: Path) -> None:
+    """The job making a first segment is still queued when the store took another way, filled
+    segments, had them acked (removal jobs queued behind it) and closes: the close waits for
+    the removals under the store's lock, so the stale job must not need that lock."""
+    gate = threading.Event()
+    segment_log._spare_worker().submit(gate.wait, 30)
+    try:
+        s = QueueStore(tmp_path / "q", segment_size=64 * 1024, persistent_only=True)
+        for _ in range(3):
+            for _ in range(40):
+                s.append(1, b"", b"q", PROPS, BODY * 7)
+            while (msgid := s.shift()) is not None:
+                s.ack(msgid)
+            s.sync()
+        closing = threading.Thread(target=s.close, daemon=True)
+        closing.start()
+        closing.join(0.3)  # the close now waits for the worker, holding the store's lock
+    finally:
+        gate.set()
+    closing.join(30)
+    assert not closing.is_alive(), "the close and the worker wait for each other"

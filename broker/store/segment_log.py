@@ -445,7 +445,14 @@ class SegmentLog(Generic[S]):
     def _make_first(self) -> None:
         """On the segment worker, under ``_lock`` (an append that comes meanwhile waits for
         it, as it would have for its own creation): the first segment, unless the log took
-        another way meanwhile (``_take_first``) or was closed."""
+        another way meanwhile (``_take_first``) or was closed.
+
+        Checked first without the lock: a log that took another way may hold its lock while
+        it waits for this worker (``close`` waits for its removals, queued behind this job),
+        and ``_first`` never becomes pending again. While it is pending the log has no
+        segment, so nothing of it waits for this worker under the lock."""
+        if self._first != _FIRST_PENDING:
+            return
         with self._lock:
             if self._first != _FIRST_PENDING or self._closed:
                 return
