@@ -55,7 +55,7 @@ queue's) hands the creation of its first segment to the segment worker at once:
 no mapping for it (an idle queue costs one small file, not two of the node's descriptors),
 and the first append only opens and maps it (``_take_first``, ``O_NOATIME``: no journal
 transaction; a first record larger than ``FIRST_ALLOC`` allocates the rest there, as before,
-and one larger than ``FIRST_SIZE`` gets a segment of the usual size instead). It is small
+and one larger than ``FIRST_SIZE`` extends it to the usual size first). It is small
 because an idle queue may keep it for long: a queue that fills it rolls to a full-sized
 segment, the spare prepared at half of it as for any segment. The job runs under
 ``_lock`` and only while the log still wants it (``_first``), so an append that comes first
@@ -326,18 +326,6 @@ def create_mapped(path: Path, cap: int, alloc: int, files: SegmentFiles) -> tupl
     return fd, mm
 
 
-def _open_mapped(path: Path, cap: int) -> tuple[int, mmap.mmap]:
-    """An existing segment file of ``cap`` bytes, mapped read-write: no journal transaction
-    (``O_NOATIME``: the map would otherwise dirty the new file's inode for its access time)."""
-    fd = os.open(path, os.O_RDWR | _NOATIME)
-    try:
-        mm = mmap.mmap(fd, cap)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, mm
-
-
 class SegmentLog(Generic[S]):
     """The write segment, its allocation, roll-over, retirement and the fsync protocol."""
 
@@ -469,10 +457,11 @@ class SegmentLog(Generic[S]):
     def _first_size(self) -> int:
         return min(self._segment_size, FIRST_SIZE)
 
-    def _take_first(self, seg: S, need: int) -> tuple[int, mmap.mmap, int, int] | None:
-        """The first segment made ahead as ``seg``, with ``need`` bytes allocated past the
-        header: (fd, map, allocated end, size); None when none was made (a job not started
-        yet will do nothing). DiskFull leaves it ready for the next try."""
+    def _take_first(self, seg: S, cap: int, need: int, want: int) -> tuple[int, mmap.mmap, int, int] | None:
+        """The first segment made ahead as ``seg``, with ``need`` (ideally ``want``) bytes
+        allocated past the header: (fd, map, allocated end, size); None when none was made (a
+        job not started yet will do nothing). A first record or run larger than the segment
+        made gets ``cap`` bytes, as a created one would. DiskFull leaves it ready for the next try."""
         with self._lock:
             ready = self._first == _FIRST_READY
             self._first = _FIRST_NONE
@@ -480,18 +469,19 @@ class SegmentLog(Generic[S]):
             return None
         path = seg.path
         size = self._first_size
-        if HEADER_SIZE + need > size or seg.num != self._next_num:  # (rare) a large first record
-            path.unlink(missing_ok=True)  # never reported to the sink: nothing to tell it
-            return None
-        fd, mm = _open_mapped(path, size)
-        alloc = FIRST_ALLOC
+        # O_NOATIME: mapping the new file would otherwise dirty its inode (a journal transaction)
+        fd = os.open(path, os.O_RDWR | _NOATIME)
         try:
-            if HEADER_SIZE + need > alloc:  # a larger first record or run: allocated here, as before
-                end = min(size, _round_up(max(HEADER_SIZE + need, ALLOC_FIRST)))
+            if HEADER_SIZE + need > size:  # (rare) a large first record or run
+                os.ftruncate(fd, cap)
+                size = cap
+            alloc = FIRST_ALLOC
+            if HEADER_SIZE + max(need, want) > alloc:  # allocated here, as a created one would be
+                end = min(size, _round_up(max(HEADER_SIZE + need, HEADER_SIZE + want, ALLOC_FIRST)))
                 allocate(fd, alloc, end, path, self._files)
                 alloc = end
+            mm = mmap.mmap(fd, size)
         except BaseException:
-            mm.close()
             os.close(fd)
             self._first = _FIRST_READY
             raise
@@ -580,7 +570,7 @@ class SegmentLog(Generic[S]):
         if cap > fmt.MAX_SEGMENT_SIZE:
             raise StoreError(f"message of {need} bytes is too large for a segment")
         alloc = min(cap, _round_up(max(HEADER_SIZE + need, HEADER_SIZE + want, ALLOC_FIRST)))
-        first = self._take_first(seg, max(need, want)) if self._first else None
+        first = self._take_first(seg, cap, need, want) if self._first else None
         taken = self._take_spare(seg.path, cap, alloc) if first is None else None
         if first is not None:
             fd, mm, alloc, cap = first
