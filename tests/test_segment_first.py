@@ -199,3 +199,21 @@ def test_a_close_waiting_for_the_worker_behind_a_stale_first_segment_job(tmp_pat
         gate.set()
     closing.join(30)
     assert not closing.is_alive(), "the close and the worker wait for each other"
+
+
+def test_a_first_run_larger_than_the_segment_made_ahead(tmp_path: Path) -> None:
+    """A run of records goes into one segment: one larger than the first segment made ahead
+    extends it to the usual size."""
+    s = QueueStore(tmp_path / "q", persistent_only=True)
+    _worker_idle()
+    bodies = [bytes([i % 251]) * 500 for i in range(300)]  # ~160 KiB in one run
+    s.append_run(1, b"\x00\x01q", [PROPS] * len(bodies), bodies, True)
+    s.sync()
+    assert (tmp_path / "q" / "msgs.0000000001").stat().st_size > segment_log.FIRST_SIZE
+    s.close()
+    again = QueueStore(tmp_path / "q", persistent_only=True)
+    got = []
+    while (msgid := again.shift()) is not None:
+        got.append(again.read(msgid)[4])
+    assert got == bodies
+    again.close()
