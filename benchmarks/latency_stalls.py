@@ -7,16 +7,20 @@ archive``) run with an instrument: a ``sitecustomize`` put first on their PYTHON
 broker has no hook of its own) that (1) ticks on the event loop every millisecond and logs
 every tick that came more than ``LAG_MS`` late, with the loop thread's CPU time over the
 gap (a gap with little CPU was the loop blocked in the kernel or not scheduled; one with
-CPU was Python work); (2) logs every ``posix_fallocate``, ``unlink``, ``rename`` and
-``ftruncate`` the loop thread itself makes, with its wall time: the system calls that can wait
-for the filesystem's journal while the group commit's thread is inside an fdatasync. Each
-cell of ``benchmarks/latency.py`` then runs ``--runs`` times with the brokers in turn (RabbitMQ
-uninstrumented); after each run the instrument's lines of that run are counted. The table
-shows medians per broker: the cell's p99 and the worst run's maximum, loop gaps over 5 and 10
-ms, and the loop's journal calls (count, and the worst wall time). On a loaded machine the gaps
-are mostly the scheduler's; the journal calls' count is not.
+CPU was Python work); (2) logs every ``posix_fallocate``, ``unlink``, ``rename``, ``ftruncate``
+and file-creating ``open`` the loop thread itself makes, with its wall time: the system calls
+that can wait for the filesystem's journal while the group commit's thread is inside an
+fdatasync. Each cell of ``benchmarks/latency.py`` (or ``cold``: workload 7's first message into
+each of ``--cold-queues`` new queues, ``workloads.many_queues``; ``cold-durable``: durable
+queues, persistent messages and manual-ack consumers, so every first message is stored) then
+runs ``--runs`` times with the brokers in turn (RabbitMQ uninstrumented); after each run the
+instrument's lines of that run are counted. The table shows medians per broker: the cell's p99
+and the worst run's maximum, loop gaps over 5 and 10 ms, and the loop's journal calls (count,
+and the worst wall time). On a loaded machine the gaps are mostly the scheduler's; the journal
+calls' count is not.
 
     python benchmarks/latency_stalls.py --work /tmp/stalls --baseline 4f4ff3c
+    python benchmarks/latency_stalls.py --work /tmp/stalls --baseline 336eb40 --cells cold-durable
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ sys.path.insert(0, str(REPO_ROOT))
 import latency  # noqa: E402  (benchmarks/ is not a package)
 from quiet_latency import Node, export, start_tree  # noqa: E402
 from tls_brokers import make_certs, start_rabbitmq  # noqa: E402
+from workloads import many_queues  # noqa: E402
 
 LOG_ENV = "LATENCY_STALLS_DIR"  # not SKRED_*: the broker reads those as its own options
 LAG_MS = 2.0
@@ -64,6 +69,13 @@ if _dir:
 
     for _name in ("posix_fallocate", "unlink", "rename", "ftruncate"):
         setattr(os, _name, _timed(_name, getattr(os, _name)))
+    _plain_open = os.open
+    _creating_open = _timed("open-create", _plain_open)
+
+    def _open(path, flags, *args, **kwargs):
+        return (_creating_open if flags & os.O_CREAT else _plain_open)(path, flags, *args, **kwargs)
+
+    os.open = _open
 
     def _factory():
         loop = uvloop.new_event_loop()
@@ -117,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=2.5, help="seconds per run")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--no-rabbitmq", action="store_true")
+    ap.add_argument("--cold-queues", type=int, default=1000, help="new queues per run of the cold cell")
     a = ap.parse_args(argv)
     work: Path = a.work
     work.mkdir(parents=True, exist_ok=True)
@@ -145,11 +158,18 @@ def main(argv: list[str] | None = None) -> int:
                 for name, node, logs in nodes:
                     if logs is not None:
                         _lines(logs, offsets)  # skip what came before this run
-                    r = latency._cell_in_child(node.uri, cell, a.seconds, node.pid)
-                    if "error" in r:
-                        print(f"{cell} {name} run {run + 1}: {r['error']}", file=sys.stderr)
-                        continue
-                    found = {"p99 ms": r["p99_ms"], "max ms": r["max_ms"]}
+                    if cell in ("cold", "cold-durable"):
+                        r = many_queues(node.uri, a.cold_queues, warm=0, durable=cell == "cold-durable")
+                        r["load1"] = os.getloadavg()[0]
+                        found = {"until all delivered s": r["cold_s"],
+                                 "first-message p50 ms": r["cold_p50_ms"],
+                                 "max bystander ms": r["bystander_max_ms"]}
+                    else:
+                        r = latency._cell_in_child(node.uri, cell, a.seconds, node.pid)
+                        if "error" in r:
+                            print(f"{cell} {name} run {run + 1}: {r['error']}", file=sys.stderr)
+                            continue
+                        found = {"p99 ms": r["p99_ms"], "max ms": r["max_ms"]}
                     if logs is not None:
                         found.update(_stalls(_lines(logs, offsets)))
                     for metric, value in found.items():

@@ -521,10 +521,14 @@ def celery_delay(uri: str, seconds: float, backlog: int = 50_000) -> dict[str, A
 
 
 # ----------------------------------------------------------------------------- many queues
-def _pairs(uri: str, names: list[str], warm: int, go: Any, out: Any) -> None:
+def _pairs(uri: str, names: list[str], warm: int, go: Any, out: Any, durable: bool = False) -> None:
     """A producer and a consumer connection per queue. Cold: every queue is declared and
     consumed, then (on ``go``) every producer sends its first message; each consumer notes
-    its latency. Warm: then every producer sends ``warm`` more; time until all arrived."""
+    its latency. Warm: then every producer sends ``warm`` more; time until all arrived.
+    ``durable``: durable queues, persistent messages and manual-ack consumers (which leave
+    them unacked until the queue goes), so that every message is stored, as an MQTT QoS 1
+    subscription's is; else autoack, where a message for a waiting consumer is not stored."""
+    props = commands.Basic.Properties(delivery_mode=2 if durable else None)
     async def run() -> None:
         prods = []
         lat: list[float] = []
@@ -546,21 +550,20 @@ def _pairs(uri: str, names: list[str], warm: int, go: Any, out: Any) -> None:
         tasks = []
         for name in names:
             c = await Raw.connect(uri)
-            await c.call(commands.Queue.Declare(queue=name, auto_delete=False))
-            await c.call(commands.Basic.Consume(queue=name, consumer_tag="p", no_ack=True))
+            await c.call(commands.Queue.Declare(queue=name, auto_delete=False, durable=durable))
+            await c.call(commands.Basic.Consume(queue=name, consumer_tag="p", no_ack=not durable))
             tasks.append(asyncio.ensure_future(consume(c)))
             prods.append(await Raw.connect(uri))
         out.put("ready")
         await asyncio.get_running_loop().run_in_executor(None, go.wait)
         for name, p in zip(names, prods, strict=True):
-            p.w.write(encode(name, struct.pack(">qB", time.time_ns(), 1) + b"x" * 55,
-                             commands.Basic.Properties()))
+            p.w.write(encode(name, struct.pack(">qB", time.time_ns(), 1) + b"x" * 55, props))
         while len(lat) < len(names):
             await asyncio.sleep(0.005)
         t0 = time.monotonic()
         for name, p in zip(names, prods, strict=True):
-            p.w.write(b"".join(encode(name, struct.pack(">qB", time.time_ns(), 0) + b"x" * 55,
-                                      commands.Basic.Properties()) for _ in range(warm)))
+            p.w.write(b"".join(encode(name, struct.pack(">qB", time.time_ns(), 0) + b"x" * 55, props)
+                               for _ in range(warm)))
         try:
             await asyncio.wait_for(done.wait(), 300)
         except TimeoutError:
@@ -575,17 +578,20 @@ def _pairs(uri: str, names: list[str], warm: int, go: Any, out: Any) -> None:
     asyncio.run(run())
 
 
-def many_queues(uri: str, queues: int = 1000, warm: int = 100, procs: int = 4) -> dict[str, Any]:
+def many_queues(uri: str, queues: int = 1000, warm: int = 100, procs: int = 4,
+                durable: bool = False) -> dict[str, Any]:
     """Workload 7: ``queues`` new queues, each with its own producer and consumer connection
     (``procs`` client processes). Reports the time until the first message into every new
     queue was delivered (cold, s), its median, a bystander's worst latency meanwhile (a
     producer/consumer pair on a warm queue publishing every millisecond: does a cold queue
-    stall other connections?), and the warm rate (``warm`` more per queue, msg/s)."""
+    stall other connections?), and the warm rate (``warm`` more per queue, msg/s).
+    ``durable``: every message stored (``_pairs``)."""
     tag = uuid.uuid4().hex[:8]
     names = [f"bench-mq{i}-{tag}" for i in range(queues)]
     go = mp.Event()
     out: Any = mp.Queue()
-    ps = [mp.Process(target=_pairs, args=(uri, names[i::procs], warm, go, out)) for i in range(procs)]
+    ps = [mp.Process(target=_pairs, args=(uri, names[i::procs], warm, go, out, durable))
+          for i in range(procs)]
     for p in ps:
         p.start()
     for _ in ps:

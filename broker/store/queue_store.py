@@ -236,7 +236,14 @@ class QueueStore(SegmentLog[Segment]):
                 names = [entry.name for entry in os.scandir(self._dir)]
             except FileNotFoundError:  # a new queue: one failed scandir, not a stat and a mkdir
                 os.makedirs(self._dir, exist_ok=True)
-                names = []
+                self._recover([])
+                if self._persistent_only:
+                    # A durable queue's persistent messages are always stored: its first
+                    # segment is made now, off the loop (segment_log). A transient queue's
+                    # messages to a waiting autoack consumer never touch the store (the direct
+                    # hand-over), where a made segment would only cost a creation and an unlink.
+                    self._prepare_first()
+                return
             self._recover(names)
         except OSError as exc:
             self._close_files()

@@ -45,6 +45,28 @@ fsynced by ``sync`` through a ``dup`` of the write fd taken under ``_lock`` (the
 runs outside the lock, on the syncer's worker thread); retired segments written since the
 last sync are fsynced by path. Files created or removed mark the directory for an fsync.
 
+The first segment, made ahead. A new queue's first message created its first segment on the
+loop (create, truncate, allocate: three journal transactions, up to 13 ms each under load;
+1,000 new queues getting their first message stalled every connection for seconds). So a log
+made in a new directory that will be written (``_prepare_first``; ``QueueStore``: a durable
+queue's) hands the creation of its first segment to the segment worker at once:
+``create_file`` under the final name, ``FIRST_SIZE`` long with
+``FIRST_ALLOC`` allocated and the header written, then closed. The log keeps no descriptor and
+no mapping for it (an idle queue costs one small file, not two of the node's descriptors),
+and the first append only opens and maps it (``_take_first``, ``O_NOATIME``: no journal
+transaction; a first record larger than ``FIRST_ALLOC`` allocates the rest there, as before,
+and one larger than ``FIRST_SIZE`` extends it to the usual size first). It is small
+because an idle queue may keep it for long: a queue that fills it rolls to a full-sized
+segment, the spare prepared at half of it as for any segment. The job runs under
+``_lock`` and only while the log still wants it (``_first``), so an append that comes first
+either cancels a job not started (and creates the segment itself, as before) or waits for
+the one running. Durability is the creation's: the adopting append marks the directory for
+the next sync's fsync and the segment's data is fsynced with its records, before any confirm.
+A crash before the first append leaves a segment without records, which recovery removes (as
+it removes one whose header was never written); so does a close other than the node's
+shutdown (a shutdown leaves it to recovery rather than one unlink per idle queue). The
+replication sink hears of the segment when it is adopted, as of a spare.
+
 Removing off the loop. An unlink is a journal transaction too (measured up to 31 ms on the
 loop behind the group commit's fdatasync), so the files of a fully acked segment are
 removed on the segment worker (``_remove_later``): one job per segment that unlinks its files
@@ -92,6 +114,13 @@ AHEAD_FROM: Final = 256 * 1024  # a segment this far allocated grows ahead, off 
 MIN_MAPS: Final = 64  # mapped segments a node may always keep, whatever its limits
 _PAGE: Final = 4096
 _NO_SPACE: Final = (errno.ENOSPC, errno.EDQUOT)
+_NOATIME: Final = getattr(os, "O_NOATIME", 0)
+# A new log's first segment, made ahead on the segment worker (module doc): this small (a queue
+# declared and never used keeps no more on disk, and a copy of the data dir reads no more of it),
+# one page of it allocated (the header and the first records).
+FIRST_SIZE: Final = 64 * 1024
+FIRST_ALLOC: Final = _PAGE
+_FIRST_NONE, _FIRST_PENDING, _FIRST_READY = 0, 1, 2  # SegmentLog._first
 
 S = TypeVar("S", bound=LogSegment)
 
@@ -266,9 +295,9 @@ def _drop_spare(fut: Future[tuple[int, mmap.mmap]], path: Path) -> None:
     path.unlink(missing_ok=True)
 
 
-def create_mapped(path: Path, cap: int, alloc: int, files: SegmentFiles) -> tuple[int, mmap.mmap]:
-    """A new segment file of ``cap`` bytes (sparse) with its first ``alloc`` bytes allocated,
-    mapped read-write, with the format header written. Nothing is left behind on failure."""
+def create_file(path: Path, cap: int, alloc: int, files: SegmentFiles) -> int:
+    """A new segment file of ``cap`` bytes (sparse) with its first ``alloc`` bytes allocated
+    and the format header written; its descriptor. Nothing is left behind on failure."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         os.ftruncate(fd, cap)
@@ -278,6 +307,17 @@ def create_mapped(path: Path, cap: int, alloc: int, files: SegmentFiles) -> tupl
         # under load, and it stalls the event loop); after a pwrite the page is there.
         if os.pwrite(fd, HEADER, 0) != HEADER_SIZE:
             raise StoreError(f"{path}: short write of the segment header")
+    except BaseException:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        raise
+    return fd
+
+
+def create_mapped(path: Path, cap: int, alloc: int, files: SegmentFiles) -> tuple[int, mmap.mmap]:
+    """``create_file``, mapped read-write. Nothing is left behind on failure."""
+    fd = create_file(path, cap, alloc, files)
+    try:
         mm = mmap.mmap(fd, cap)
     except BaseException:
         os.close(fd)
@@ -292,9 +332,9 @@ class SegmentLog(Generic[S]):
     unread: bool = False  # a store recovered at boot but not read yet (``DeferredQueueStore``)
 
     __slots__ = (
-        "_ahead", "_closed", "_dir", "_dir_unsynced", "_dirty", "_files", "_retired", "_lock", "_next_num",
-        "_order", "_removing", "_seg_unsynced", "_segment_size", "_segs", "_sink", "_spare", "_sync_lock",
-        "_unsynced_paths", "_walloc", "_wcap", "_wfd", "_wlimit", "_wmm", "_wseg",
+        "_ahead", "_closed", "_dir", "_dir_unsynced", "_dirty", "_files", "_first", "_retired", "_lock",
+        "_next_num", "_order", "_removing", "_seg_unsynced", "_segment_size", "_segs", "_sink", "_spare",
+        "_sync_lock", "_unsynced_paths", "_walloc", "_wcap", "_wfd", "_wlimit", "_wmm", "_wseg",
     )
     # Retired segments (and other files) written since the last sync, fsynced by path.
     # Set by the subclass (QueueStore allocates it lazily).
@@ -333,6 +373,7 @@ class SegmentLog(Generic[S]):
         # start, its end, the job).
         self._ahead: tuple[S, int, int, Future[None]] | None = None
         self._removing: Future[None] | None = None  # the last removal job (module doc)
+        self._first = _FIRST_NONE  # the first segment made ahead: none, being made, ready
 
     @property
     def directory(self) -> Path:
@@ -382,6 +423,69 @@ class SegmentLog(Generic[S]):
     @property
     def _spare_alloc(self) -> int:
         return min(self._segment_size, SPARE_ALLOC)
+
+    def _prepare_first(self) -> None:
+        """A new log (nothing on disk yet): have the segment worker make its first segment
+        now, so that the first append only opens and maps it (module doc)."""
+        self._first = _FIRST_PENDING
+        _spare_worker().submit(self._make_first)
+
+    def _make_first(self) -> None:
+        """On the segment worker, under ``_lock`` (an append that comes meanwhile waits for
+        it, as it would have for its own creation): the first segment, unless the log took
+        another way meanwhile (``_take_first``) or was closed.
+
+        Checked first without the lock: a log that took another way may hold its lock while
+        it waits for this worker (``close`` waits for its removals, queued behind this job),
+        and ``_first`` never becomes pending again. While it is pending the log has no
+        segment, so nothing of it waits for this worker under the lock."""
+        if self._first != _FIRST_PENDING:
+            return
+        with self._lock:
+            if self._first != _FIRST_PENDING or self._closed:
+                return
+            path = Path(self._dir, fmt.segment_name(self._next_num))
+            try:
+                os.close(create_file(path, self._first_size, FIRST_ALLOC, self._files))
+            except Exception as exc:  # the first append creates it itself, and reports a full disk
+                log.debug("%s: first segment not made ahead: %s", self, exc)
+                self._first = _FIRST_NONE
+                return
+            self._first = _FIRST_READY
+
+    @property
+    def _first_size(self) -> int:
+        return min(self._segment_size, FIRST_SIZE)
+
+    def _take_first(self, seg: S, cap: int, need: int, want: int) -> tuple[int, mmap.mmap, int, int] | None:
+        """The first segment made ahead as ``seg``, with ``need`` (ideally ``want``) bytes
+        allocated past the header: (fd, map, allocated end, size); None when none was made (a
+        job not started yet will do nothing). A first record or run larger than the segment
+        made gets ``cap`` bytes, as a created one would. DiskFull leaves it ready for the next try."""
+        with self._lock:
+            ready = self._first == _FIRST_READY
+            self._first = _FIRST_NONE
+        if not ready:
+            return None
+        path = seg.path
+        size = self._first_size
+        # O_NOATIME: mapping the new file would otherwise dirty its inode (a journal transaction)
+        fd = os.open(path, os.O_RDWR | _NOATIME)
+        try:
+            if HEADER_SIZE + need > size:  # (rare) a large first record or run
+                os.ftruncate(fd, cap)
+                size = cap
+            alloc = FIRST_ALLOC
+            if HEADER_SIZE + max(need, want) > alloc:  # allocated here, as a created one would be
+                end = min(size, _round_up(max(HEADER_SIZE + need, HEADER_SIZE + want, ALLOC_FIRST)))
+                allocate(fd, alloc, end, path, self._files)
+                alloc = end
+            mm = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            self._first = _FIRST_READY
+            raise
+        return fd, mm, alloc, size
 
     def _take_spare(self, path: Path, cap: int, alloc: int) -> tuple[int, mmap.mmap] | None:
         """The spare, renamed to ``path``, when it is ready and has ``cap`` bytes (``alloc`` of
@@ -466,8 +570,11 @@ class SegmentLog(Generic[S]):
         if cap > fmt.MAX_SEGMENT_SIZE:
             raise StoreError(f"message of {need} bytes is too large for a segment")
         alloc = min(cap, _round_up(max(HEADER_SIZE + need, HEADER_SIZE + want, ALLOC_FIRST)))
-        taken = self._take_spare(seg.path, cap, alloc)
-        if taken is not None:
+        first = self._take_first(seg, cap, need, want) if self._first else None
+        taken = self._take_spare(seg.path, cap, alloc) if first is None else None
+        if first is not None:
+            fd, mm, alloc, cap = first
+        elif taken is not None:
             fd, mm = taken
             alloc = max(alloc, self._spare_alloc)
         else:
@@ -633,6 +740,11 @@ class SegmentLog(Generic[S]):
         shutdown (``SegmentFiles.shutting_down``) the trim is skipped: the zero tail is
         harmless (recovery stops at the first zero record)."""
         self.removed()
+        if self._first == _FIRST_READY and not self._files.shutting_down:
+            # never used: removed now (at node shutdown left to recovery, which removes a
+            # segment without records, rather than one unlink per idle queue on the way down)
+            Path(self._dir, fmt.segment_name(self._next_num)).unlink(missing_ok=True)
+        self._first = _FIRST_NONE  # a job not started yet does nothing (it sees _closed, too)
         if self._wseg is not None:
             self._retire_write_segment_locked(self._wseg)
         self._ahead = None

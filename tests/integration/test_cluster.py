@@ -32,6 +32,8 @@ import pika
 import pytest
 
 from broker.cluster import codec
+from broker.store.segment import HEADER_SIZE
+from broker.store.segment_log import FIRST_SIZE
 
 from ._support import REPO_ROOT, Progress, amqp_answers, etcd_binary, free_port
 
@@ -377,7 +379,14 @@ def logical_equal(leader_dir: Path, follower_dir: Path) -> str | None:
                 out[rel] = p
         return out
 
+    def unused_first_segment(p: Path) -> bool:
+        """A durable queue's first segment made ahead and not used yet (store/segment_log.py):
+        the replicas hear of it with its first record."""
+        data = p.read_bytes()
+        return p.name == "msgs.0000000001" and len(data) <= FIRST_SIZE and not data[HEADER_SIZE:].strip(b"\0")
+
     lf, ff = files(leader_dir), files(follower_dir)
+    lf = {rel: p for rel, p in lf.items() if rel in ff or not unused_first_segment(p)}
     if set(lf) != set(ff):
         return (f"file sets differ: only leader {sorted(set(lf) - set(ff))}, "
                 f"only follower {sorted(set(ff) - set(lf))}")
