@@ -15,6 +15,7 @@ from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import Any, Protocol
 
+from broker.amqp.broker import Shards
 from broker.cluster.etcd import Etcd
 from broker.cluster.handover import Seen
 from broker.cluster.status import ClusterView
@@ -73,6 +74,8 @@ class LeaderBroker(Protocol):
 
     # per-shard leaders: the vhosts this broker holds (None: every one), set before ``start``
     serves: Callable[[str], bool] | None
+    # shard servers: who carries a connection for a vhost another node serves (None: 530)
+    elsewhere: Shards | None
 
     async def open_shard(self, name: str) -> bool:
         """Serve vhost ``name`` from its replicated directory; False if unknown or served."""

@@ -67,6 +67,8 @@ def test_nodes_serve_their_shards_kill9_of_one_moves_only_those_and_its_return_l
     confirmed: dict[str, int] = {}
     for i, vhost in enumerate(VHOSTS):  # through either follower's proxy, routed by vhost
         confirmed[vhost] = publish(followers[i % 2], vhost, "served", BATCH)
+    for vhost in VHOSTS:  # and through the cluster leader's own port, for the shards served elsewhere
+        assert queue_depth(boss, vhost, "served") == confirmed[vhost], vhost
     victim_id = next(n for n in IDS if n != boss_id)
     victim = servers.by_id[victim_id]
     moved = {v for v, n in VHOSTS.items() if n == victim_id}
