@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 from broker import errors, metrics, tls
 from broker.amqp import log_exchange
-from broker.amqp.broker import Broker, Shards, server_properties
+from broker.amqp.broker import Broker, server_properties
 from broker.auth.oauth_keys import OAuthKeys, start_oauth
 from broker.auth.parameters import FILE_NAME as PARAMETERS_FILE
 from broker.auth.parameters import RUNTIME_FILE_NAME, GlobalParameters, RuntimeParameters
@@ -102,7 +102,7 @@ MQTT_SESSIONS_DIR = "mqtt-sessions"  # persistent MQTT sessions' QoS 2 ids, will
 
 if TYPE_CHECKING:
     from broker.cluster.etcd import Etcd
-    from broker.cluster.host import LeaderBroker
+    from broker.cluster.host import LeaderBroker, VhostCarrier
     from broker.cluster.status import ClusterView
     from broker.http.server import MgmtServer
     from broker.lmq.server import LMQServer
@@ -193,7 +193,7 @@ class Node:
         self.serves: Callable[[str], bool] | None = None
         # ... and on the cluster leader, a connection for one another node serves goes there
         # (broker/cluster/elsewhere.py); None: every vhost not held here is refused (530)
-        self.elsewhere: Shards | None = None
+        self.elsewhere: VhostCarrier | None = None
         self.lock_data_dir = True  # False: the cluster runner holds it (a node serving its shards)
         self._shared: SharedFiles | None = None  # what reload_shared last read
 
