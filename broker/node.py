@@ -102,7 +102,7 @@ MQTT_SESSIONS_DIR = "mqtt-sessions"  # persistent MQTT sessions' QoS 2 ids, will
 
 if TYPE_CHECKING:
     from broker.cluster.etcd import Etcd
-    from broker.cluster.host import LeaderBroker
+    from broker.cluster.host import LeaderBroker, VhostCarrier
     from broker.cluster.status import ClusterView
     from broker.http.server import MgmtServer
     from broker.lmq.server import LMQServer
@@ -191,6 +191,9 @@ class Node:
         # A cluster node serving the shards it leads (``[clustering] shard_leaders``): the vhosts
         # this broker holds (None: every one); ``open_shard``/``close_shard`` change the set.
         self.serves: Callable[[str], bool] | None = None
+        # ... and on the cluster leader, a connection for one another node serves goes there
+        # (broker/cluster/elsewhere.py); None: every vhost not held here is refused (530)
+        self.elsewhere: VhostCarrier | None = None
         self.lock_data_dir = True  # False: the cluster runner holds it (a node serving its shards)
         self._shared: SharedFiles | None = None  # what reload_shared last read
 
@@ -244,7 +247,9 @@ class Node:
         if opened:
             log.info("%d queue stores reopened after a clean stop: synced in %.3f s", opened,
                      time.monotonic() - t0)
-        return Broker(cfg, users, vhosts, syncer)
+        broker = Broker(cfg, users, vhosts, syncer)
+        broker.shards = self.elsewhere  # a cluster leader's vhosts served by other nodes
+        return broker
 
     async def start(self) -> None:
         """Lock the data dir, load the broker, open the listeners (``release_lock`` undoes the lock)."""

@@ -102,7 +102,12 @@ class HeldReader(Protocol):
 
 
 class Shards(Protocol):
-    """The node's shard map as a connection sees it (``broker.shards.worker``; None: one worker)."""
+    """The node's shard map as a connection sees it (``broker.shards.worker``; None: one worker;
+    on a cluster leader with ``[clustering] shard_servers``, the vhosts other nodes serve:
+    ``broker.cluster.elsewhere``)."""
+
+    # the hand-over carries the client's start-ok (``login``) to a node that checks it again
+    replays_login: bool
 
     def elsewhere(self, vhost: str) -> bool:
         """True when another worker of this node owns ``vhost`` and is up: hand the connection

@@ -33,7 +33,7 @@ import enum
 import struct
 from typing import Any
 
-from pamqp import commands
+from pamqp import commands, frame
 from pamqp.base import Frame as PFrame
 
 from broker import errors, properties
@@ -149,6 +149,9 @@ class AMQPConnection:
         self.mechanisms = "PLAIN AMQPLAIN"  # offered in connection.start (EXTERNAL with a client cert)
         self.vhost = ""
         self.handover_rest = b""  # bytes read past a connection.open that hands the connection over
+        # the client's start-ok, kept until its open only: a cluster leader carries a connection
+        # for a vhost another node serves there, whose broker checks the same login (handed_login)
+        self._start_ok: commands.Connection.StartOk | None = None
         self.channels: dict[int, int] = {}
         self._pending: dict[int, PendingContent] = {}
         self._pub_args: dict[bytes, PublishArgs] = {}
@@ -531,6 +534,7 @@ class AMQPConnection:
         caps = self.client_properties.get("capabilities")
         self.capabilities = dict(caps) if isinstance(caps, dict) else {}
         response = m.response.encode("latin-1") if isinstance(m.response, str) else bytes(m.response or b"")
+        self._start_ok = m
         try:
             self.username = self.authenticate(m.mechanism, response)
         except errors.AMQPError as exc:
@@ -572,6 +576,7 @@ class AMQPConnection:
             raise errors.NotAllowed(exc.text, 10, 40) from None
         if self.state is State.HANDOVER:
             return  # open_vhost asked for a hand-over (Session.open_vhost): the owner answers
+        self._start_ok = None
         self.vhost = m.virtual_host
         self.state = State.OPEN
         self.send_method(0, commands.Connection.OpenOk())
@@ -589,6 +594,12 @@ class AMQPConnection:
                 "channel_max": self.channel_max, "heartbeat": self.heartbeat,
                 "client_properties": self.client_properties, "capabilities": self.capabilities,
                 "rest": self.handover_rest}
+
+    def handed_login(self) -> bytes:
+        """The client's start-ok as a frame, for a node that checks the login again (a
+        connection handed over before its open-ok; b"" when there is none)."""
+        m = self._start_ok
+        return frame.marshal(m, 0) if m is not None else b""
 
     def resume(self, state: dict[str, Any]) -> None:
         """The owner's side of a hand-over: take the negotiated state, answer the

@@ -32,6 +32,20 @@ class ClusterState(Protocol):
     def status(self) -> dict[str, Any]: ...
 
 
+class VhostCarrier(Protocol):
+    """Carries a connection for a vhost another node serves (``cluster/elsewhere.py``); the
+    broker's sessions see it as their shard map (``broker.amqp.broker.Shards``)."""
+
+    replays_login: bool
+
+    def elsewhere(self, vhost: str) -> bool:
+        """Another node serves ``vhost``: hand the connection over."""
+
+    def hand_over(self, fd: int, state: dict[str, Any]) -> None:
+        """Carry the connection (``fd``, duplicated by the call) and its negotiated ``state``
+        (with the client's start-ok, ``login``) to that node."""
+
+
 class LeaderBroker(Protocol):
     """A broker serving clients from the data dir while this node leads."""
 
@@ -73,6 +87,8 @@ class LeaderBroker(Protocol):
 
     # per-shard leaders: the vhosts this broker holds (None: every one), set before ``start``
     serves: Callable[[str], bool] | None
+    # shard servers: who carries a connection for a vhost another node serves (None: 530)
+    elsewhere: VhostCarrier | None
 
     async def open_shard(self, name: str) -> bool:
         """Serve vhost ``name`` from its replicated directory; False if unknown or served."""

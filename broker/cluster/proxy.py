@@ -56,6 +56,7 @@ import contextlib
 import ipaddress
 import logging
 import os
+import socket
 import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -63,7 +64,7 @@ from typing import Any
 
 from broker.cluster import codec, unavailable
 from broker.cluster.tunnel import TunnelRefused, open_tunnel, pump, read_framed, splice, write_framed
-from broker.cluster.vhost_route import HANDSHAKE_TIMEOUT, Failed, Limits, OpenReader, refusal
+from broker.cluster.vhost_route import HANDSHAKE_TIMEOUT, Failed, Limits, Opened, OpenReader, refusal
 from broker.cluster.vhost_router import login, read_login, read_open, replay
 
 log = logging.getLogger(__name__)
@@ -194,10 +195,6 @@ class SpliceProxy:
         reader = OpenReader(routed.limits, routed.server_properties)
         leg: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
 
-        def on(leg: tuple[asyncio.StreamReader, asyncio.StreamWriter]
-               ) -> tuple[Callable[[], Awaitable[bytes]], Callable[[bytes], None]]:
-            return (lambda: read_framed(leg[0])), (lambda data: write_framed(leg[1], data))
-
         try:
             async with asyncio.timeout(HANDSHAKE_TIMEOUT):
                 start_ok = await read_login(creader, cwriter, reader)
@@ -207,7 +204,7 @@ class SpliceProxy:
                 at = (first.host, first.port)
                 try:
                     leg = await self._routed_leg(first, client)
-                    rep = await login(start_ok, *on(leg))
+                    rep = await login(start_ok, *_on(leg))
                 except Failed:
                     # nobody checked the login: the client hears why after its open, as from a
                     # node with no leader (unavailable.py; a close now reads as a failed login)
@@ -230,7 +227,7 @@ class SpliceProxy:
                 leg[1].close()  # another node serves the vhost: the whole handshake there
                 self._writers.discard(leg[1])
                 leg = await self._routed_leg(target, client)
-                cwriter.write(await replay(opened, *on(leg)))
+                cwriter.write(await replay(opened, *_on(leg)))
                 return leg
         except TimeoutError:
             log.info("%s proxy: %s not routed within %.0fs", self.name, client, HANDSHAKE_TIMEOUT)
@@ -243,6 +240,51 @@ class SpliceProxy:
             self._writers.discard(leg[1])
         await _tell(cwriter, answer)
         return None
+
+    def adopt(self, sock: socket.socket, client: tuple[str, int], opened: Opened) -> None:
+        """Carry a client whose handshake up to ``connection.open`` the cluster leader's own broker
+        read (``sock``, ours now) to the node serving ``opened.vhost``: the whole handshake
+        replayed there (that node checks the login again), then spliced, as ``_route`` does for
+        a client of this proxy's port (``broker.cluster.elsewhere``)."""
+        task = asyncio.get_running_loop().create_task(self._adopted(sock, client, opened))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _adopted(self, sock: socket.socket, client: tuple[str, int], opened: Opened) -> None:
+        assert self.routed is not None
+        try:
+            creader, cwriter = await asyncio.open_connection(sock=sock)
+        except OSError as exc:
+            sock.close()
+            log.info("%s: %s not carried: %s", self.name, client, exc)
+            return
+        self._writers.add(cwriter)
+        self._clients.add(cwriter)
+        leg: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        try:
+            try:
+                async with asyncio.timeout(HANDSHAKE_TIMEOUT):
+                    leg = await self._routed_leg(self.routed.serving(opened.vhost), client)
+                    cwriter.write(await replay(opened, *_on(leg)))
+            except TimeoutError:
+                log.info("%s: %s not routed within %.0fs", self.name, client, HANDSHAKE_TIMEOUT)
+                await _tell(cwriter, refusal("the vhost's node did not answer"))
+                return
+            except Failed as exc:
+                log.info("%s: %s not routed: %s", self.name, client, exc)
+                await _tell(cwriter, exc.answer)
+                return
+            await splice((creader, cwriter), leg, self.tunnel.keepalive if self.tunnel is not None else 0.0)
+        except (OSError, RuntimeError, asyncio.IncompleteReadError) as exc:
+            log.info("%s: %s", self.name, exc or type(exc).__name__)
+        except asyncio.CancelledError:
+            log.info("%s: client connection closed (stopped)", self.name)
+        finally:
+            for w in (cwriter, leg[1] if leg is not None else None):
+                if w is not None:
+                    w.close()
+                    self._writers.discard(w)
+                    self._clients.discard(w)
 
     def drop_clients(self) -> int:
         """Close every spliced connection (both ends); returns how many client sockets."""
@@ -308,6 +350,12 @@ class SpliceProxy:
                     self._clients.discard(w)
             if task is not None:
                 self._tasks.discard(task)
+
+
+def _on(leg: tuple[asyncio.StreamReader, asyncio.StreamWriter]
+        ) -> tuple[Callable[[], Awaitable[bytes]], Callable[[bytes], None]]:
+    """A tunnel leg's framed read and write, for the handshake machines (``vhost_router.py``)."""
+    return (lambda: read_framed(leg[0])), (lambda data: write_framed(leg[1], data))
 
 
 async def _tell(writer: asyncio.StreamWriter, data: bytes) -> None:

@@ -76,6 +76,7 @@ from urllib.parse import urlsplit
 
 from broker import tls
 from broker.cluster import codec, follower
+from broker.cluster.elsewhere import Elsewhere
 from broker.cluster.etcd import CALL_TIMEOUT, Etcd, EtcdError
 from broker.cluster.files import NODE_ID_FILE, Scope, shard_name
 from broker.cluster.follow_set import FollowSet, Sender, follow_plan, sender_of
@@ -750,6 +751,7 @@ class ClusterRunner:
             closed.update(v for v in self.election.vhosts()
                           if self.election.serving().get(shard_name(v), self.uri) != self.uri)
             node.serves = lambda vhost: vhost not in closed
+            node.elsewhere = self._elsewhere(closed)
         self._unlock()
         try:
             await node.start()
@@ -777,7 +779,33 @@ class ClusterRunner:
             await self._abdicate(node, sink, "cannot listen for followers")
             return 1
         log.info("leading: serving clients %.2fs after election", time.monotonic() - started)
-        return await self._watch_leadership(node, sink)
+        try:
+            return await self._watch_leadership(node, sink)
+        finally:
+            if isinstance(node.elsewhere, Elsewhere):  # the connections it carried go with it
+                await node.elsewhere.carrier.stop()
+
+    def _elsewhere(self, closed: set[str]) -> Elsewhere:
+        """The cluster leader's broker carries a connection for a vhost another node serves
+        there (``cluster/elsewhere.py``), on a tunnel to that node's replication port."""
+        election = self.election
+        assert election is not None
+        none = Target(None, 0)
+
+        def serving(vhost: str) -> Target:
+            uri = election.serving().get(shard_name(vhost)) if vhost in closed else None
+            if uri is None or uri == self.uri:
+                return none  # ours again, or nobody's yet: the client is told 320 and retries
+            there = sender_of(uri)
+            return Target(there.host, there.port)
+
+        a = self.config.amqp
+        carrier = SpliceProxy("AMQP (vhost served elsewhere)", none, False,
+                              _source_ip(self.config.clustering.bind), self._tunnelled(codec.AMQP_PORT),
+                              Routed(Limits(a.channel_max, a.frame_max, a.heartbeat),
+                                     self.host.amqp_server_properties(), serving=serving,
+                                     login=lambda: none))
+        return Elsewhere(lambda vhost: serving(vhost).host is not None, carrier)
 
     async def _watch_leadership(self, node: LeaderBroker, sink: LeaderSink) -> int | None:
         c = self.config.clustering

@@ -182,6 +182,8 @@ class AMQPProtocol(asyncio.Protocol):
             return
         state = s.handed_state()
         state.update(peer=s.peer, tls=s.tls, mechanism=s.auth_mechanism)
+        if shards.replays_login:  # another node's broker (only then: a worker is trusted)
+            state["login"] = s.handed_login()
         self.protocols.discard(self)
         self.session = None  # gone: nothing of it is ours to log or clean up
         self.relay = hand_off(t, shards, state, f"connection {s.name}")

@@ -104,6 +104,8 @@ def _signature(path: Path) -> tuple[int, int, int] | None:
 class WorkerLink:
     """This worker's end of the control channel (``broker.amqp.broker.Shards`` for sessions)."""
 
+    replays_login = False  # the owner takes the negotiated state as it is: no credential passes
+
     def __init__(self, index: int, count: int, sock: socket.socket, root: Path) -> None:
         self.index = index
         self.count = count

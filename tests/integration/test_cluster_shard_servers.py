@@ -67,6 +67,8 @@ def test_nodes_serve_their_shards_kill9_of_one_moves_only_those_and_its_return_l
     confirmed: dict[str, int] = {}
     for i, vhost in enumerate(VHOSTS):  # through either follower's proxy, routed by vhost
         confirmed[vhost] = publish(followers[i % 2], vhost, "served", BATCH)
+    for vhost in sorted(set(others) & set(VHOSTS)):  # and through the cluster leader's own port
+        assert queue_depth(boss, vhost, "served") == confirmed[vhost], vhost  # on main: 530
     victim_id = next(n for n in IDS if n != boss_id)
     victim = servers.by_id[victim_id]
     moved = {v for v, n in VHOSTS.items() if n == victim_id}
@@ -111,9 +113,8 @@ def test_nodes_serve_their_shards_kill9_of_one_moves_only_those_and_its_return_l
     # its connection is closed as the shard moves (320); what it had confirmed is all there
     assert trickle.confirmed > 0, trickle.error
     assert _depth(survivor, min(moved), "trickle") >= trickle.confirmed
-    for vhost in VHOSTS:  # through either follower, the returned one too
-        for node in followers:
-            assert _depth(node, vhost) == confirmed[vhost], (vhost, node.name)
+    for vhost in VHOSTS:  # through the returned node (the survivor read them all above, and
+        assert _depth(victim, vhost) == confirmed[vhost], vhost  # reads the moved ones below)
     for vhost in sorted(moved):  # served again by the returned node, with new confirms
         confirmed[vhost] += publish(victim, vhost, "served", BATCH)
         assert _depth(survivor, vhost) == confirmed[vhost], vhost
