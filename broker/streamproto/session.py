@@ -49,6 +49,7 @@ import datetime
 import itertools
 import logging
 import operator
+import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -71,6 +72,7 @@ CHUNK_MAX_BYTES: Final = 1 << 20
 MAX_IDS: Final = 256  # publishers and subscriptions per connection (ids are one byte)
 _CT: Final = STREAM_CONTENT_TYPE.encode()
 _CT_PREFIX: Final = bytes([len(_CT)]) + _CT
+_U32_PACK: Final = struct.Struct(">I").pack
 _AMQP10_DATA: Final = b"\x00\x53\x75"  # described type: data section
 _CREATE_ARGS: Final = {"max-length-bytes": "x-max-length-bytes", "max-age": "x-max-age",
                        "stream-max-segment-size-bytes": "x-stream-max-segment-size-bytes"}
@@ -100,15 +102,21 @@ def _increasing(ids: list[int]) -> bool:
     return all(map(operator.lt, ids, itertools.islice(ids, 1, None)))
 
 
+def message_prefix(props: bytes, body_len: int) -> bytes:
+    """What precedes a stored body of ``body_len`` bytes in the message a stream client gets:
+    nothing for a message published by a stream client, else an AMQP 1.0 data section's head."""
+    if len(props) > len(_CT_PREFIX) + 2 and props[0] & 0x80 and props[2 : 2 + len(_CT_PREFIX)] == _CT_PREFIX:
+        return b""
+    if body_len < 256:
+        return _AMQP10_DATA + b"\xa0" + bytes([body_len])
+    return _AMQP10_DATA + b"\xb0" + body_len.to_bytes(4, "big")
+
+
 def as_stream_message(props: bytes, body: bytes) -> bytes:
     """The bytes a stream client gets: as published by a stream client, else the body in an
     AMQP 1.0 data section."""
-    if len(props) > len(_CT_PREFIX) + 2 and props[0] & 0x80 and props[2 : 2 + len(_CT_PREFIX)] == _CT_PREFIX:
-        return body
-    n = len(body)
-    if n < 256:
-        return _AMQP10_DATA + b"\xa0" + bytes([n]) + body
-    return _AMQP10_DATA + b"\xb0" + n.to_bytes(4, "big") + body
+    pre = message_prefix(props, len(body))
+    return pre + body if pre else body
 
 
 def stream_entries(props: list[bytes], bodies: list[bytes], same: bool = False) -> list[bytes]:
@@ -120,9 +128,8 @@ def stream_entries(props: list[bytes], bodies: list[bytes], same: bool = False) 
         p0 = props[0]
         if p0 == _PLAIN_PROPS:
             return bodies
-        m = as_stream_message(p0, bodies[0])
-        pre = m[:len(m) - len(bodies[0])]  # depends only on the properties and the length
-        return [pre + b for b in bodies]
+        pre = message_prefix(p0, len(bodies[0]))  # depends only on the properties and the length
+        return [pre + b for b in bodies] if pre else bodies
     if props.count(_PLAIN_PROPS) == len(props):
         return bodies
     return [as_stream_message(p, b) for p, b in zip(props, bodies, strict=True)]
@@ -272,17 +279,37 @@ class Subscription(RecordConsumer):
         """A run of stored records as one chunk: one credit, one Deliver frame; per message
         only the properties check and a length prefix (``codec.encode_deliver_run``), and
         not even the check when the store says the run is alike (``same``)."""
+        if self._chunk_taken(first_offset, len(bodies)):
+            entries = stream_entries(props, bodies, same)
+            self.session.out.write(C.encode_deliver_run(self.sub_id, first_offset, timestamp_ms, entries,
+                                                        self.committed(), same))
+
+    def entry_prefix(self, props: bytes, body_len: int) -> bytes:
+        """An alike run's entries as the chunk's data section wants them: the message's
+        length, then its prefix (``message_prefix``), then the stored body."""
+        pre = message_prefix(props, body_len)
+        return _U32_PACK(len(pre) + body_len) + pre
+
+    def deliver_joined(self, first_offset: int, timestamp_ms: int, count: int, data: bytes) -> None:
+        """An alike run framed by the store with ``entry_prefix`` (``read_joined``): the
+        chunk's data section itself, so the Deliver is its header and these bytes."""
+        if self._chunk_taken(first_offset, count):
+            self.session.out.write(C.encode_deliver_data(self.sub_id, first_offset, timestamp_ms, count, data,
+                                                         self.committed()))
+
+    def _chunk_taken(self, first_offset: int, count: int) -> bool:
+        """A run of ``count`` from ``first_offset`` becomes a chunk of its own: what is
+        gathered goes first, one credit is spent, the counters move; False: the session
+        is closed, nothing to send."""
         self.flush()
         self.credit -= 1
         session = self.session
-        if not session.closed:
-            n = len(bodies)
-            session.delivered += n
-            self.consumed += n
-            self.offset = first_offset + n
-            entries = stream_entries(props, bodies, same)
-            session.out.write(C.encode_deliver_run(self.sub_id, first_offset, timestamp_ms, entries,
-                                                   self.committed(), same))
+        if session.closed:
+            return False
+        session.delivered += count
+        self.consumed += count
+        self.offset = first_offset + count
+        return True
 
     def flush(self) -> None:
         self.flush_due = False
