@@ -508,7 +508,7 @@ class StreamStore(SegmentLog[_Seg]):
         ``prefix_for`` says None.
 
         How, in three C-level passes and one object per record: the span of ``n`` records
-        is split on the first record's head (timestamp, names, properties, body length:
+        (where the run ends found by comparing heads at a fixed stride, by bisection) is split on the first record's head (timestamp, names, properties, body length:
         ``hl`` bytes). The split proves the run: with exactly ``n`` separators, an empty
         first part and every other part of the first record's body length, the separators
         sit at ``i * stride``, so record ``i``'s stored head equals the first's (hence so
@@ -534,9 +534,19 @@ class StreamStore(SegmentLog[_Seg]):
         if n < 2:
             return None
         head = mm[pos:body_at]
-        last = pos + (n - 1) * stride
-        if mm[pos + stride:pos + stride + hl] != head or mm[last:last + hl] != head:
+        if mm[pos + stride:pos + stride + hl] != head:
             return None  # cheap first look: a mixed run never pays for the split
+        at = pos + (n - 1) * stride
+        if mm[at:at + hl] != head:  # the alike run ends sooner: where, by bisection (a guess
+            lo, hi = 1, n - 1       # the split below proves or refutes)
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                at = pos + mid * stride
+                if mm[at:at + hl] == head:
+                    lo = mid
+                else:
+                    hi = mid
+            n = lo + 1
         prefix = prefix_for(head[q + 4 - pos:hl - 8], bs)
         if prefix is None:
             return None

@@ -363,7 +363,7 @@ class Subscription(RecordConsumer):
         """Begin reading at ``spec`` (at subscribe, or when the group made us active)."""
         if self.consuming:
             return
-        self.arguments = {"x-stream-offset": offset_argument(spec)}
+        self.arguments = {**self.arguments, "x-stream-offset": offset_argument(spec)}  # filters kept
         self.consuming = True
         self.stream.add_consumer(self)
 
