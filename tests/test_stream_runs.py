@@ -323,8 +323,8 @@ def _head(props: bytes, body_len: int, ts: int = TS) -> bytes:
 
 def _publish_with_traps(q: StreamQueue) -> None:
     """``_publish_alike_and_not`` and alike runs whose bodies hold their own head's bytes (at
-    the start, the end, straddling two records' worth), which a split on the head must not
-    take for record boundaries, and long runs crossing chunk and segment bounds."""
+    the start, the end, straddling two records' worth), which no search for heads may take
+    for record boundaries, and long runs crossing chunk and segment bounds."""
     _publish_alike_and_not(q)
     for ts, size in ((TS + 10, 80), (TS + 11, 120)):
         h = _head(_PLAIN_PROPS, size, ts)
@@ -338,53 +338,61 @@ def _publish_with_traps(q: StreamQueue) -> None:
     q.publish_run(TS + 13, b"", b"s", [_PLAIN_PROPS] * 600, [b"%05d" % i for i in range(600)], True, EXRK, True)
 
 
-def test_read_joined_frames_what_read_run_reads(tmp_path: Path) -> None:
-    """Store level: walking as a subscription does (``read_joined``, else ``read_run``) from
-    every kind of start, under count and byte bounds, gives the record walk's records; the
-    joined path takes the alike runs and only them (none with a body holding its head)."""
-    q, _ = _queue(tmp_path, segment_size=8192)
-    _publish_with_traps(q)
-    s = q.stream
-    want = [(r[0], r[1], r[4], r[5]) for r in _records(s)]
-
+def _walk_joined(s: StreamStore, want: dict[int, int], start: int, count: int, nbytes: int
+                 ) -> tuple[list[tuple[int, int, bytes, bytes]], int]:
+    """The records from ``start`` as a subscription reads them (``read_joined``, else
+    ``read_run``), and how many came joined; ``want``: each offset's timestamp."""
     def prefix_for(props: bytes, size: int) -> bytes:
         return b"<" + struct.pack(">HI", len(props), size) + props
 
-    for count, nbytes in ((256, 1 << 20), (7, 1 << 20), (256, 50), (1, 1)):
-        for start in (0, 1, 31, 45, 100, 145, 400, len(want) - 1):
-            p = s.seek(start)
-            got: list[tuple[int, int, bytes, bytes]] = []
-            joined = 0
-            while True:
-                j = s.read_joined(p, count, nbytes, prefix_for)
-                if j is not None:
-                    first, ts, n, data = j
-                    assert 2 <= n <= count
-                    pos = 0
-                    for i in range(n):
-                        plen, size = struct.unpack_from(">HI", data, pos + 1)
-                        props = data[pos + 7:pos + 7 + plen]
-                        pos += 7 + plen
-                        got.append((first + i, ts, props, data[pos:pos + size]))
-                        pos += size
-                    assert pos == len(data) and size * (n - 1) < nbytes  # stopped once bound reached
-                    joined += n
-                    continue
-                run = s.read_run(p, count, nbytes)
-                if run is None:
-                    break
-                first, ts, props_l, bodies, _same = run
-                got.extend((first + i, want[first + i][1], props_l[i], bodies[i]) for i in range(len(bodies)))
-            assert got == want[start:], (count, nbytes, start)
-            if count > 1 and nbytes > 1 and start == 0:
-                assert joined >= (30 + 300 + 600 if count > 7 else 1), (count, nbytes)
-    # a body holding its run's head: that run is never joined whole where the trap lies
-    for ts in (TS + 10, TS + 11):
-        first = next(r[0] for r in want if r[1] == ts)
-        p = s.seek(first)
-        j = s.read_joined(p, 256, 1 << 20, prefix_for)
-        assert j is None or j[2] <= 3, j
+    p = s.seek(start)
+    got: list[tuple[int, int, bytes, bytes]] = []
+    joined = 0
+    while True:
+        j = s.read_joined(p, count, nbytes, prefix_for)
+        if j is not None:
+            first, ts, n, data = j
+            assert 2 <= n <= count and ts == want[first]
+            pos = size = 0
+            for i in range(n):
+                plen, size = struct.unpack_from(">HI", data, pos + 1)
+                props = data[pos + 7:pos + 7 + plen]
+                pos += 7 + plen
+                got.append((first + i, want[first + i], props, data[pos:pos + size]))
+                pos += size
+            assert pos == len(data) and size * (n - 1) < nbytes  # stopped once the bound was reached
+            joined += n
+            continue
+        run = s.read_run(p, count, nbytes)
+        if run is None:
+            return got, joined
+        first, ts, props_l, bodies, _same = run
+        got.extend((first + i, want[first + i], props_l[i], bodies[i]) for i in range(len(bodies)))
+
+
+def test_read_joined_frames_what_read_run_reads(tmp_path: Path) -> None:
+    """Store level: walking as a subscription does, from every kind of start, under count and
+    byte bounds, gives the record walk's records; the joined path takes the alike runs, both
+    those this store wrote (known alike) and, after a reopen, those it proves alike."""
+    q, _ = _queue(tmp_path, segment_size=8192)
+    _publish_with_traps(q)
+    want = [(r[0], r[1], r[4], r[5]) for r in _records(q.stream)]
+    stamps = {r[0]: r[1] for r in want}
     q.close()
+    for reopened in (False, True):
+        if reopened:
+            s = StreamStore(tmp_path, segment_size=8192)
+        else:
+            q, _ = _queue(tmp_path / "live", segment_size=8192)
+            _publish_with_traps(q)
+            s = q.stream
+        for count, nbytes in ((256, 1 << 20), (7, 1 << 20), (256, 50), (1, 1)):
+            for start in (0, 1, 31, 45, 80, 100, 145, 400, len(want) - 1):
+                got, joined = _walk_joined(s, stamps, start, count, nbytes)
+                assert got == want[start:], (reopened, count, nbytes, start)
+                if start == 0 and count > 1 and nbytes > 1:
+                    assert joined >= (30 + 40 + 300 + 600 if count > 7 and nbytes > 1000 else 1), (reopened, count, nbytes)
+        s.close()
 
 
 def _consume_from(tmp_path: Path, fast: bool, credit: int, spec: C.OffsetSpec,

@@ -50,7 +50,9 @@ snapshot what it must write and fsyncs outside it. The sink is called only from 
 
 from __future__ import annotations
 
+import array
 import bisect
+import functools
 import json
 import mmap
 import os
@@ -80,6 +82,8 @@ _CRC: Final = struct.Struct("<I")
 # largest span of alike records checked by one rebuild-and-compare in ``read_run``: larger
 # copies cost more than the per-record loop saves (fresh large allocations), so they walk
 _ONE_COMPARE_MAX: Final = 64 * 1024
+# alike runs remembered per segment (``_Seg.note_alike``); later ones are proved on read
+_ALIKE_MAX: Final = 1 << 16
 _I64: Final = fmt.I64
 _U32_PACK: Final = fmt.U32.pack
 _U64_PACK: Final = fmt.U64.pack
@@ -135,13 +139,37 @@ class Retention:
 
 
 class _Seg(LogSegment):
-    __slots__ = ("idx_path", "first_offset", "first_ts")
+    __slots__ = ("idx_path", "first_offset", "first_ts", "_alike_starts", "_alike_ends")
 
     def __init__(self, directory: Path, num: int, first_offset: int, first_ts: int) -> None:
         super().__init__(directory, num)
         self.idx_path = directory / index_name(num)
         self.first_offset = first_offset
         self.first_ts = first_ts
+        # spans of runs appended alike (``append_run(same=True)``) by this process, in order:
+        # ``read_joined`` reads them without comparing heads; memory only, never recovered
+        self._alike_starts = array.array("Q")
+        self._alike_ends = array.array("Q")
+
+    def note_alike(self, start: int, end: int) -> None:
+        if len(self._alike_starts) < _ALIKE_MAX:
+            self._alike_starts.append(start)
+            self._alike_ends.append(end)
+
+    def alike_end(self, pos: int) -> int:
+        """The end of the alike run holding the record at ``pos``, or 0 if none is known."""
+        i = bisect.bisect_right(self._alike_starts, pos) - 1
+        if i >= 0:
+            end: int = self._alike_ends[i]
+            if pos < end:
+                return end
+        return 0
+
+
+@functools.lru_cache(maxsize=64)
+def _bodies_at_stride(head_len: int, body_len: int, n: int) -> struct.Struct:
+    """Unpacks the bodies of ``n`` records of one head length and one body length."""
+    return struct.Struct(f"{head_len}x{body_len}s" * n)
 
 
 class StreamPosition:
@@ -251,6 +279,8 @@ class StreamStore(SegmentLog[_Seg]):
         seg, mm = self._room(size, timestamp_ms)
         pos = seg.end
         fmt.write_at(self._wfd, pos + 8, (memoryview(blob)[8:],), size - 8)  # first timestamp still zero
+        if same and k > 1:
+            seg.note_alike(pos, pos + size)
         return self._written(seg, mm, pos, pos + size, timestamp_ms, k)
 
     def make_room(self, size: int, props: bytes | memoryview, timestamp_ms: int) -> None:
@@ -503,19 +533,16 @@ class StreamStore(SegmentLog[_Seg]):
         """An alike run from ``p`` already framed for a consumer: (first offset, timestamp,
         count, data), ``data`` being each body preceded by ``prefix_for(properties, body
         length)``, which the consumer chooses (its wire's entry header); ``p`` advances.
-        Bounded as ``read_run``. None, ``p`` untouched, at the end of the log, when the
-        records at ``p`` are not alike (the consumer then takes ``read_run``), or when
+        Bounded as ``read_run``. None, ``p`` untouched, at the end of the log, when fewer
+        than two records at ``p`` are alike (the consumer then takes ``read_run``), or when
         ``prefix_for`` says None.
 
-        How, in three C-level passes and one object per record: the span of ``n`` records
-        (where the run ends found by comparing heads at a fixed stride, by bisection) is split on the first record's head (timestamp, names, properties, body length:
-        ``hl`` bytes). The split proves the run: with exactly ``n`` separators, an empty
-        first part and every other part of the first record's body length, the separators
-        sit at ``i * stride``, so record ``i``'s stored head equals the first's (hence so
-        do its properties and length, and it ends where record ``i + 1`` begins) and the
-        parts are the bodies. A body that happens to hold the head's bytes breaks the
-        count or a length, and the run goes the walking way. Joining the parts with the
-        prefix (the first part is empty) gives the framed entries."""
+        Where the run came from decides what is checked. A run this store appended with
+        ``same`` (its span is in the segment's ``alike`` map) is known alike: its bodies
+        are unpacked at a fixed stride with nothing compared. Any other span (a segment
+        recovered after a restart, a replica promoted) is proved alike by ``_alike_run``'s
+        rebuild-and-compare first. Either way the bodies are joined with the prefix in one
+        C-level pass: one bytes object per record, no per-record Python step."""
         if self._locate(p) is None:
             return None
         seg = self._segs[p.seg]
@@ -525,38 +552,29 @@ class StreamStore(SegmentLog[_Seg]):
         q = pos + 9 + mm[pos + 8]
         q += 1 + mm[q]
         body_at = q + 4 + _U32_FROM(mm, q)[0] + 8
-        hl = body_at - pos
         bs: int = _U64_FROM(mm, body_at - 8)[0]
-        stride = hl + bs
-        if bs:
-            n = min(n, -(-max_bytes // bs))
-        n = min(n, (seg.end - pos) // stride)
-        if n < 2:
-            return None
-        head = mm[pos:body_at]
-        if mm[pos + stride:pos + stride + hl] != head:
-            return None  # cheap first look: a mixed run never pays for the split
-        at = pos + (n - 1) * stride
-        if mm[at:at + hl] != head:  # the alike run ends sooner: where, by bisection (a guess
-            lo, hi = 1, n - 1       # the split below proves or refutes)
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                at = pos + mid * stride
-                if mm[at:at + hl] == head:
-                    lo = mid
-                else:
-                    hi = mid
-            n = lo + 1
-        prefix = prefix_for(head[q + 4 - pos:hl - 8], bs)
+        prefix = prefix_for(mm[q + 4:body_at - 8], bs)
         if prefix is None:
             return None
-        parts = mm[pos:pos + n * stride].split(head, n)
-        if len(parts) != n + 1 or parts[0] or max(map(len, parts)) > bs:
-            return None
+        end = seg.alike_end(pos)
+        if end:
+            hl = body_at - pos
+            stride = hl + bs
+            n = min(n, (end - pos) // stride, -(-max_bytes // bs) if bs else n)
+            if n < 2:
+                return None
+            bodies: list[bytes] | tuple[bytes, ...] = _bodies_at_stride(hl, bs, n).unpack_from(mm, pos)
+            end = pos + n * stride
+        else:
+            alike = self._alike_run(mm, pos, n, max_bytes, seg.end)
+            if alike is None:
+                return None
+            _props, bodies, end = alike
+            n = len(bodies)
         first = p.offset
-        p.pos = pos + n * stride
+        p.pos = end
         p.offset = first + n
-        return first, _I64.unpack_from(head)[0], n, prefix.join(parts)
+        return first, _I64.unpack_from(mm, pos)[0], n, prefix + prefix.join(bodies)
 
     @staticmethod
     def _alike_run(mm: mmap.mmap, pos: int, n: int, max_bytes: int, end: int
