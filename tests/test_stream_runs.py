@@ -335,7 +335,8 @@ def _publish_with_traps(q: StreamQueue) -> None:
         q.publish_run(ts, b"", b"s", [_PLAIN_PROPS] * 20, bodies, True, EXRK, True)
     g = _stream_props("g")
     q.publish_run(TS + 12, b"", b"s", [g] * 300, [b"h%04d" % i for i in range(300)], True, EXRK, True)
-    q.publish_run(TS + 13, b"", b"s", [_PLAIN_PROPS] * 600, [b"%05d" % i for i in range(600)], True, EXRK, True)
+    plain = [_PLAIN_PROPS] * 600
+    q.publish_run(TS + 13, b"", b"s", plain, [b"%05d" % i for i in range(600)], True, EXRK, True)
 
 
 def _walk_joined(s: StreamStore, want: dict[int, int], start: int, count: int, nbytes: int
@@ -391,7 +392,8 @@ def test_read_joined_frames_what_read_run_reads(tmp_path: Path) -> None:
                 got, joined = _walk_joined(s, stamps, start, count, nbytes)
                 assert got == want[start:], (reopened, count, nbytes, start)
                 if start == 0 and count > 1 and nbytes > 1:
-                    assert joined >= (30 + 40 + 300 + 600 if count > 7 and nbytes > 1000 else 1), (reopened, count, nbytes)
+                    least = 30 + 40 + 300 + 600 if count > 7 and nbytes > 1000 else 1
+                    assert joined >= least, (reopened, count, nbytes)
         s.close()
 
 
@@ -449,7 +451,7 @@ def test_joined_chunks_deliver_what_the_record_path_does(tmp_path: Path) -> None
             start = spec.value if spec.kind == C.OFFSET_OFFSET else 0
             if spec.kind != C.OFFSET_LAST:
                 assert [o for o, _ in flat] == list(range(start, total)), k
-                assert joined >= (4 if spec.kind == C.OFFSET_FIRST else 1), k  # alike runs went the joined way
+                assert joined >= (4 if spec.kind == C.OFFSET_FIRST else 1), k  # alike runs went joined
         else:
             assert joined == 0 and len(flat) == 12 + 1 + 300  # filtered: record by record
     assert flat[0][1] == b"g00"

@@ -25,7 +25,8 @@ paths on) gets ``deliver_run``: consecutive records of one segment read by
 ``StreamStore.read_run`` as two lists of slices, no record tuple per message; one that also
 names an ``entry_prefix`` takes runs of alike records already framed for its wire
 (``StreamStore.read_joined`` -> ``deliver_joined``: the bodies joined with that prefix, one
-bytes object per run). Everyone else goes record by record; a differential test (tests/test_stream_runs.py) compares the two.
+bytes object per run). Everyone else goes record by record; differential tests
+(tests/test_stream_runs.py) compare the paths.
 
 Server-side offset tracking: after every ack the cursor's *commit point* is stored for its
 tag: the lowest offset delivered but not acked (or requeued), else the read position. So a

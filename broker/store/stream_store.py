@@ -36,7 +36,12 @@ the first timestamp of the next segment, which is what the age rule compares.
 Chunk-level paths: ``append_run`` writes a run of records as one buffer with one pwrite, its
 first timestamp last (recovery sees the whole run or none of it), and sends the replication
 sink one append; ``read_run`` slices a run of consecutive records of one segment (bounded in
-count and body bytes) for the stream protocol's Deliver chunks.
+count and body bytes) for the stream protocol's Deliver chunks; ``read_joined`` returns a run
+of alike records with their bodies already joined behind the reader's entry prefix (the
+Deliver chunk's data section). A run appended with ``same`` is remembered in memory by its
+segment (its span: ``_Seg.note_alike``), so reading it back checks nothing; spans not
+remembered (recovered segments, a promoted replica) are proved alike by comparing their
+rebuilt heads first. The on-disk format is unchanged by either.
 
 Read-only access for analytics (a stopped broker's data dir, a follower's replicated copy)
 goes through ``list_segments`` / ``iter_segment``: they never write, and stop at the first

@@ -26,11 +26,14 @@ code; nothing it asked for happened.
   while it has credit, a subscription takes a *run* from the queue's delivery pass
   (``run_room``/``deliver_run``: up to ``CHUNK_MAX_ENTRIES`` consecutive records sliced from one
   segment) and sends it as one Deliver: per message only a length prefix, no object; the chunk
-  CRC is one ``zlib.crc32`` over the joined data. Filtered subscriptions, or the fast paths
-  switched off, get messages one by one (``deliver_record``), gathered into chunks of
-  consecutive offsets; the chunk open at the end of the loop turn is sent then. Messages stored
-  by other protocols reach a stream client as an AMQP 1.0 message with one data section holding
-  the body.
+  CRC is one ``zlib.crc32`` over the joined data. A run of alike records (one batch of
+  equal-sized messages) comes from the store already joined behind ``entry_prefix`` (the
+  entry's length and, for messages from other protocols, the AMQP 1.0 data section head): the
+  chunk's data section itself, sent after the chunk header (``deliver_joined``). Filtered
+  subscriptions, or the fast paths switched off, get messages one by one (``deliver_record``),
+  gathered into chunks of consecutive offsets; the chunk open at the end of the loop turn is
+  sent then. Messages stored by other protocols reach a stream client as an AMQP 1.0 message
+  with one data section holding the body.
 - **Offsets**: StoreOffset/QueryOffset keep a named offset with the stream (durable with its next
   sync), the same names AMQP consumers' stored offsets use.
 - **Single active consumer**: subscriptions with ``single-active-consumer=true`` and a ``name``
