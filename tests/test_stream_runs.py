@@ -455,3 +455,21 @@ def test_joined_chunks_deliver_what_the_record_path_does(tmp_path: Path) -> None
         else:
             assert joined == 0 and len(flat) == 12 + 1 + 300  # filtered: record by record
     assert flat[0][1] == b"g00"
+
+
+def test_a_filtered_subscription_gets_only_its_values(tmp_path: Path) -> None:
+    """``filter.N`` properties become the subscription's ``x-stream-filter``, and starting the
+    subscription (which sets its start offset) keeps them (it used to replace them, so a
+    filtered stream-protocol subscription got every message)."""
+    q, pending = _queue(tmp_path, segment_size=8192)
+    _publish_alike_and_not(q)
+    out = _Out()
+    session = StreamSession.__new__(StreamSession)
+    session.out = out
+    session.closed = False
+    sub = Subscription(session, 1, q, 100, {"x-stream-filter": ["f"], "x-stream-match-unfiltered": False})
+    sub.start(C.OffsetSpec(C.OFFSET_FIRST))
+    while pending or out.soon_calls:
+        (pending or out.soon_calls).pop(0)()
+    q.close()
+    assert [m for _, _, ms in _chunks(bytes(out.data)) for m in ms] == [b"xy"] * 3
