@@ -87,8 +87,12 @@ _CRC: Final = struct.Struct("<I")
 # largest span of alike records checked by one rebuild-and-compare in ``read_run``: larger
 # copies cost more than the per-record loop saves (fresh large allocations), so they walk
 _ONE_COMPARE_MAX: Final = 64 * 1024
-# alike runs remembered per segment (``_Seg.note_alike``); later ones are proved on read
-_ALIKE_MAX: Final = 1 << 16
+# alike runs remembered (``_Seg.note_alike``): those of at least _ALIKE_MIN records, at most
+# _ALIKE_MAX per segment, in the newest _ALIKE_SEGMENTS segments (at most 256 KiB of spans a
+# segment, 2 MiB a stream); any other run is proved alike when read
+_ALIKE_MIN: Final = 8
+_ALIKE_MAX: Final = 1 << 14
+_ALIKE_SEGMENTS: Final = 8
 _I64: Final = fmt.I64
 _U32_PACK: Final = fmt.U32.pack
 _U64_PACK: Final = fmt.U64.pack
@@ -160,6 +164,10 @@ class _Seg(LogSegment):
         if len(self._alike_starts) < _ALIKE_MAX:
             self._alike_starts.append(start)
             self._alike_ends.append(end)
+
+    def forget_alike(self) -> None:
+        self._alike_starts = array.array("Q")
+        self._alike_ends = array.array("Q")
 
     def alike_end(self, pos: int) -> int:
         """The end of the alike run holding the record at ``pos``, or 0 if none is known."""
@@ -284,7 +292,7 @@ class StreamStore(SegmentLog[_Seg]):
         seg, mm = self._room(size, timestamp_ms)
         pos = seg.end
         fmt.write_at(self._wfd, pos + 8, (memoryview(blob)[8:],), size - 8)  # first timestamp still zero
-        if same and k > 1:
+        if same and k >= _ALIKE_MIN:
             seg.note_alike(pos, pos + size)
         return self._written(seg, mm, pos, pos + size, timestamp_ms, k)
 
@@ -318,6 +326,8 @@ class StreamStore(SegmentLog[_Seg]):
             self._firsts.append(seg.first_offset)
             self._bytes += HEADER_SIZE
             self._unsynced_paths.add(seg.idx_path)
+        if len(self._order) > _ALIKE_SEGMENTS:
+            self._segs[self._order[-_ALIKE_SEGMENTS - 1]].forget_alike()
         if self._sink.active:
             self._sink.replace(seg.idx_path, index)
         if old is not None and self.retention.active:
