@@ -314,3 +314,162 @@ def test_hinted_chunks_deliver_what_the_record_path_does(tmp_path: Path) -> None
 def test_encode_deliver_run_same_size_frames_as_the_check_does() -> None:
     for msgs in ([b"abcd"] * 5, [b""] * 3, [b"x"]):
         assert C.encode_deliver_run(3, 42, TS, msgs, 7, True) == C.encode_deliver_run(3, 42, TS, msgs, 7)
+
+
+def _head(props: bytes, body_len: int, ts: int = TS) -> bytes:
+    """A record's stored head as ``segment.py`` lays it out (what ``read_joined`` splits on)."""
+    return struct.pack("<q", ts) + EXRK + struct.pack("<I", len(props)) + props + struct.pack("<Q", body_len)
+
+
+def _publish_with_traps(q: StreamQueue) -> None:
+    """``_publish_alike_and_not`` and alike runs whose bodies hold their own head's bytes (at
+    the start, the end, straddling two records' worth), which no search for heads may take
+    for record boundaries, and long runs crossing chunk and segment bounds."""
+    _publish_alike_and_not(q)
+    for ts, size in ((TS + 10, 80), (TS + 11, 120)):
+        h = _head(_PLAIN_PROPS, size, ts)
+        bodies = [b"%0*d" % (size, i) for i in range(20)]
+        bodies[3] = h + bodies[3][len(h):]
+        bodies[7] = bodies[7][:size - len(h)] + h
+        bodies[8] = h[5:] + bodies[8][len(h) - 5:]  # with record 9's head: the head twice over
+        q.publish_run(ts, b"", b"s", [_PLAIN_PROPS] * 20, bodies, True, EXRK, True)
+    g = _stream_props("g")
+    q.publish_run(TS + 12, b"", b"s", [g] * 300, [b"h%04d" % i for i in range(300)], True, EXRK, True)
+    plain = [_PLAIN_PROPS] * 600
+    q.publish_run(TS + 13, b"", b"s", plain, [b"%05d" % i for i in range(600)], True, EXRK, True)
+
+
+def _walk_joined(s: StreamStore, want: dict[int, int], start: int, count: int, nbytes: int
+                 ) -> tuple[list[tuple[int, int, bytes, bytes]], int]:
+    """The records from ``start`` as a subscription reads them (``read_joined``, else
+    ``read_run``), and how many came joined; ``want``: each offset's timestamp."""
+    def prefix_for(props: bytes, size: int) -> bytes:
+        return b"<" + struct.pack(">HI", len(props), size) + props
+
+    p = s.seek(start)
+    got: list[tuple[int, int, bytes, bytes]] = []
+    joined = 0
+    while True:
+        j = s.read_joined(p, count, nbytes, prefix_for)
+        if j is not None:
+            first, ts, n, data = j
+            assert 2 <= n <= count and ts == want[first]
+            pos = size = 0
+            for i in range(n):
+                plen, size = struct.unpack_from(">HI", data, pos + 1)
+                props = data[pos + 7:pos + 7 + plen]
+                pos += 7 + plen
+                got.append((first + i, want[first + i], props, data[pos:pos + size]))
+                pos += size
+            assert pos == len(data) and size * (n - 1) < nbytes  # stopped once the bound was reached
+            joined += n
+            continue
+        run = s.read_run(p, count, nbytes)
+        if run is None:
+            return got, joined
+        first, ts, props_l, bodies, _same = run
+        got.extend((first + i, want[first + i], props_l[i], bodies[i]) for i in range(len(bodies)))
+
+
+def test_read_joined_frames_what_read_run_reads(tmp_path: Path) -> None:
+    """Store level: walking as a subscription does, from every kind of start, under count and
+    byte bounds, gives the record walk's records; the joined path takes the alike runs, both
+    those this store wrote (known alike) and, after a reopen, those it proves alike."""
+    q, _ = _queue(tmp_path, segment_size=8192)
+    _publish_with_traps(q)
+    want = [(r[0], r[1], r[4], r[5]) for r in _records(q.stream)]
+    stamps = {r[0]: r[1] for r in want}
+    q.close()
+    for reopened in (False, True):
+        if reopened:
+            s = StreamStore(tmp_path, segment_size=8192)
+        else:
+            q, _ = _queue(tmp_path / "live", segment_size=8192)
+            _publish_with_traps(q)
+            s = q.stream
+        for count, nbytes in ((256, 1 << 20), (7, 1 << 20), (256, 50), (1, 1)):
+            for start in (0, 1, 31, 45, 80, 100, 145, 400, len(want) - 1):
+                got, joined = _walk_joined(s, stamps, start, count, nbytes)
+                assert got == want[start:], (reopened, count, nbytes, start)
+                if start == 0 and count > 1 and nbytes > 1:
+                    least = 30 + 40 + 300 + 600 if count > 7 and nbytes > 1000 else 1
+                    assert joined >= least, (reopened, count, nbytes)
+        s.close()
+
+
+def _consume_from(tmp_path: Path, fast: bool, credit: int, spec: C.OffsetSpec,
+                  arguments: dict[str, Any] | None = None) -> tuple[list[tuple[int, int, list[bytes]]], int]:
+    """What a subscription sends, and how many of its chunks went the joined way."""
+    q, pending = _queue(tmp_path, fast=fast, segment_size=8192)
+    _publish_with_traps(q)
+    out = _Out()
+    session = StreamSession.__new__(StreamSession)
+    session.out = out
+    session.closed = False
+    sub = Subscription(session, 1, q, credit, arguments or {})
+    joined = 0
+    deliver_joined = sub.deliver_joined
+
+    def counted(*a: Any) -> None:
+        nonlocal joined
+        joined += 1
+        deliver_joined(*a)
+
+    sub.deliver_joined = counted  # type: ignore[method-assign]
+    sub.start(spec)
+    for _ in range(20_000):
+        if pending:
+            pending.pop(0)()
+        elif out.soon_calls:
+            out.soon_calls.pop(0)()
+        elif sub.credit < 1:
+            sub.credit += 1  # one chunk at a time: the credit limit in force all along
+            q.schedule_delivery()
+        else:
+            break
+    q.close()
+    return _chunks(bytes(out.data)), joined
+
+
+def test_joined_chunks_deliver_what_the_record_path_does(tmp_path: Path) -> None:
+    """Through a subscription: the joined path (fast paths on) and the record-by-record path
+    (off) send the same messages at the same offsets, from the first record, mid-run starts
+    and the last, with a filter (record path both ways), one credit at a time."""
+    total = 30 + 4 + 6 + 12 + 1 + 9 + 3 + 5 + 5 + 3 + 40 + 300 + 600
+    cases: list[tuple[C.OffsetSpec, dict[str, Any] | None]] = [
+        (C.OffsetSpec(C.OFFSET_FIRST), None), (C.OffsetSpec(C.OFFSET_OFFSET, 17), None),
+        (C.OffsetSpec(C.OFFSET_OFFSET, total - 250), None), (C.OffsetSpec(C.OFFSET_LAST), None),
+        (C.OffsetSpec(C.OFFSET_FIRST), {"x-stream-filter": ["g"], "x-stream-match-unfiltered": False})]
+    for k, (spec, args) in enumerate(cases):
+        fast, joined = _consume_from(tmp_path / f"fast{k}", True, 1, spec, args)
+        slow, _ = _consume_from(tmp_path / f"slow{k}", False, 1, spec, args)
+        flat = [(first + i, m) for first, _, ms in fast for i, m in enumerate(ms)]
+        assert flat == [(first + i, m) for first, _, ms in slow for i, m in enumerate(ms)], k
+        stamps = {first: ts for first, ts, _ in slow}
+        assert all(stamps.get(first, ts) == ts for first, ts, _ in fast)
+        if args is None:
+            start = spec.value if spec.kind == C.OFFSET_OFFSET else 0
+            if spec.kind != C.OFFSET_LAST:
+                assert [o for o, _ in flat] == list(range(start, total)), k
+                assert joined >= (4 if spec.kind == C.OFFSET_FIRST else 1), k  # alike runs went joined
+        else:
+            assert joined == 0 and len(flat) == 12 + 1 + 300  # filtered: record by record
+    assert flat[0][1] == b"g00"
+
+
+def test_a_filtered_subscription_gets_only_its_values(tmp_path: Path) -> None:
+    """``filter.N`` properties become the subscription's ``x-stream-filter``, and starting the
+    subscription (which sets its start offset) keeps them (it used to replace them, so a
+    filtered stream-protocol subscription got every message)."""
+    q, pending = _queue(tmp_path, segment_size=8192)
+    _publish_alike_and_not(q)
+    out = _Out()
+    session = StreamSession.__new__(StreamSession)
+    session.out = out
+    session.closed = False
+    sub = Subscription(session, 1, q, 100, {"x-stream-filter": ["f"], "x-stream-match-unfiltered": False})
+    sub.start(C.OffsetSpec(C.OFFSET_FIRST))
+    while pending or out.soon_calls:
+        (pending or out.soon_calls).pop(0)()
+    q.close()
+    assert [m for _, _, ms in _chunks(bytes(out.data)) for m in ms] == [b"xy"] * 3

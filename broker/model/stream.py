@@ -22,8 +22,11 @@ Chunk-level paths (the stream protocol's): ``publish_run`` stores a run of messa
 append (``StreamStore.append_run``: one write, one replication record, visible all at once).
 A ``RecordConsumer`` that offers ``run_room`` (no filter, nothing to redeliver, no acks, fast
 paths on) gets ``deliver_run``: consecutive records of one segment read by
-``StreamStore.read_run`` as two lists of slices, no record tuple per message. Everyone else
-goes record by record; a differential test (tests/test_stream_runs.py) compares the two.
+``StreamStore.read_run`` as two lists of slices, no record tuple per message; one that also
+names an ``entry_prefix`` takes runs of alike records already framed for its wire
+(``StreamStore.read_joined`` -> ``deliver_joined``: the bodies joined with that prefix, one
+bytes object per run). Everyone else goes record by record; differential tests
+(tests/test_stream_runs.py) compare the paths.
 
 Server-side offset tracking: after every ack the cursor's *commit point* is stored for its
 tag: the lowest offset delivered but not acked (or requeued), else the read position. So a
@@ -267,6 +270,17 @@ class RecordConsumer(Consumer):
         (``StreamStore.read_run``), so they need no per-record check; False says nothing."""
         raise NotImplementedError
 
+    def entry_prefix(self, props: bytes, body_len: int) -> bytes | None:
+        """What this consumer frames before each body of an alike run of records with these
+        properties and body length, to take it already framed (``deliver_joined``); None:
+        the run comes through ``deliver_run`` (the default)."""
+        return None
+
+    def deliver_joined(self, first_offset: int, timestamp_ms: int, count: int, data: bytes) -> None:
+        """``count`` alike records from ``first_offset`` (``StreamStore.read_joined``): ``data``
+        holds each body after the prefix ``entry_prefix`` gave."""
+        raise NotImplementedError
+
 
 class StreamQueue(Queue):
     store: StreamStore
@@ -416,6 +430,16 @@ class StreamQueue(Queue):
                         and isinstance(c, RecordConsumer)):
                     count, nbytes = c.run_room()
                     if count:  # chunk-level read: one run of records from one segment
+                        joined = self.stream.read_joined(cur.pos, min(count, budget), nbytes, c.entry_prefix)
+                        if joined is not None:  # alike records, framed as the consumer asked
+                            k = joined[2]
+                            self.n_delivered += k
+                            c.deliver_joined(*joined)
+                            progress = True
+                            budget -= k
+                            if not budget:
+                                break
+                            continue
                         run = self.stream.read_run(cur.pos, min(count, budget), nbytes)
                         if run is None:
                             continue

@@ -36,7 +36,12 @@ the first timestamp of the next segment, which is what the age rule compares.
 Chunk-level paths: ``append_run`` writes a run of records as one buffer with one pwrite, its
 first timestamp last (recovery sees the whole run or none of it), and sends the replication
 sink one append; ``read_run`` slices a run of consecutive records of one segment (bounded in
-count and body bytes) for the stream protocol's Deliver chunks.
+count and body bytes) for the stream protocol's Deliver chunks; ``read_joined`` returns a run
+of alike records with their bodies already joined behind the reader's entry prefix (the
+Deliver chunk's data section). A run appended with ``same`` is remembered in memory by its
+segment (its span: ``_Seg.note_alike``), so reading it back checks nothing; spans not
+remembered (recovered segments, a promoted replica) are proved alike by comparing their
+rebuilt heads first. The on-disk format is unchanged by either.
 
 Read-only access for analytics (a stopped broker's data dir, a follower's replicated copy)
 goes through ``list_segments`` / ``iter_segment``: they never write, and stop at the first
@@ -50,7 +55,9 @@ snapshot what it must write and fsyncs outside it. The sink is called only from 
 
 from __future__ import annotations
 
+import array
 import bisect
+import functools
 import json
 import mmap
 import os
@@ -80,6 +87,12 @@ _CRC: Final = struct.Struct("<I")
 # largest span of alike records checked by one rebuild-and-compare in ``read_run``: larger
 # copies cost more than the per-record loop saves (fresh large allocations), so they walk
 _ONE_COMPARE_MAX: Final = 64 * 1024
+# alike runs remembered (``_Seg.note_alike``): those of at least _ALIKE_MIN records, at most
+# _ALIKE_MAX per segment, in the newest _ALIKE_SEGMENTS segments (at most 256 KiB of spans a
+# segment, 2 MiB a stream); any other run is proved alike when read
+_ALIKE_MIN: Final = 8
+_ALIKE_MAX: Final = 1 << 14
+_ALIKE_SEGMENTS: Final = 8
 _I64: Final = fmt.I64
 _U32_PACK: Final = fmt.U32.pack
 _U64_PACK: Final = fmt.U64.pack
@@ -135,13 +148,41 @@ class Retention:
 
 
 class _Seg(LogSegment):
-    __slots__ = ("idx_path", "first_offset", "first_ts")
+    __slots__ = ("idx_path", "first_offset", "first_ts", "_alike_starts", "_alike_ends")
 
     def __init__(self, directory: Path, num: int, first_offset: int, first_ts: int) -> None:
         super().__init__(directory, num)
         self.idx_path = directory / index_name(num)
         self.first_offset = first_offset
         self.first_ts = first_ts
+        # spans of runs appended alike (``append_run(same=True)``) by this process, in order:
+        # ``read_joined`` reads them without comparing heads; memory only, never recovered
+        self._alike_starts = array.array("Q")
+        self._alike_ends = array.array("Q")
+
+    def note_alike(self, start: int, end: int) -> None:
+        if len(self._alike_starts) < _ALIKE_MAX:
+            self._alike_starts.append(start)
+            self._alike_ends.append(end)
+
+    def forget_alike(self) -> None:
+        self._alike_starts = array.array("Q")
+        self._alike_ends = array.array("Q")
+
+    def alike_end(self, pos: int) -> int:
+        """The end of the alike run holding the record at ``pos``, or 0 if none is known."""
+        i = bisect.bisect_right(self._alike_starts, pos) - 1
+        if i >= 0:
+            end: int = self._alike_ends[i]
+            if pos < end:
+                return end
+        return 0
+
+
+@functools.lru_cache(maxsize=64)
+def _bodies_at_stride(head_len: int, body_len: int, n: int) -> struct.Struct:
+    """Unpacks the bodies of ``n`` records of one head length and one body length."""
+    return struct.Struct(f"{head_len}x{body_len}s" * n)
 
 
 class StreamPosition:
@@ -251,6 +292,8 @@ class StreamStore(SegmentLog[_Seg]):
         seg, mm = self._room(size, timestamp_ms)
         pos = seg.end
         fmt.write_at(self._wfd, pos + 8, (memoryview(blob)[8:],), size - 8)  # first timestamp still zero
+        if same and k >= _ALIKE_MIN:
+            seg.note_alike(pos, pos + size)
         return self._written(seg, mm, pos, pos + size, timestamp_ms, k)
 
     def make_room(self, size: int, props: bytes | memoryview, timestamp_ms: int) -> None:
@@ -283,6 +326,8 @@ class StreamStore(SegmentLog[_Seg]):
             self._firsts.append(seg.first_offset)
             self._bytes += HEADER_SIZE
             self._unsynced_paths.add(seg.idx_path)
+        if len(self._order) > _ALIKE_SEGMENTS:
+            self._segs[self._order[-_ALIKE_SEGMENTS - 1]].forget_alike()
         if self._sink.active:
             self._sink.replace(seg.idx_path, index)
         if old is not None and self.retention.active:
@@ -497,6 +542,54 @@ class StreamStore(SegmentLog[_Seg]):
         p.pos = pos
         p.offset = first + i
         return first, first_ts, props, bodies, False
+
+    def read_joined(self, p: StreamPosition, max_count: int, max_bytes: int,
+                    prefix_for: Callable[[bytes, int], bytes | None]) -> tuple[int, int, int, bytes] | None:
+        """An alike run from ``p`` already framed for a consumer: (first offset, timestamp,
+        count, data), ``data`` being each body preceded by ``prefix_for(properties, body
+        length)``, which the consumer chooses (its wire's entry header); ``p`` advances.
+        Bounded as ``read_run``. None, ``p`` untouched, at the end of the log, when fewer
+        than two records at ``p`` are alike (the consumer then takes ``read_run``), or when
+        ``prefix_for`` says None.
+
+        Where the run came from decides what is checked. A run this store appended with
+        ``same`` (its span is in the segment's ``alike`` map) is known alike: its bodies
+        are unpacked at a fixed stride with nothing compared. Any other span (a segment
+        recovered after a restart, a replica promoted) is proved alike by ``_alike_run``'s
+        rebuild-and-compare first. Either way the bodies are joined with the prefix in one
+        C-level pass: one bytes object per record, no per-record Python step."""
+        if self._locate(p) is None:
+            return None
+        seg = self._segs[p.seg]
+        mm = self._map_read(seg)
+        n = min(max_count, seg.first_offset + seg.count - p.offset)
+        pos = p.pos
+        q = pos + 9 + mm[pos + 8]
+        q += 1 + mm[q]
+        body_at = q + 4 + _U32_FROM(mm, q)[0] + 8
+        bs: int = _U64_FROM(mm, body_at - 8)[0]
+        prefix = prefix_for(mm[q + 4:body_at - 8], bs)
+        if prefix is None:
+            return None
+        end = seg.alike_end(pos)
+        if end:
+            hl = body_at - pos
+            stride = hl + bs
+            n = min(n, (end - pos) // stride, -(-max_bytes // bs) if bs else n)
+            if n < 2:
+                return None
+            bodies: list[bytes] | tuple[bytes, ...] = _bodies_at_stride(hl, bs, n).unpack_from(mm, pos)
+            end = pos + n * stride
+        else:
+            alike = self._alike_run(mm, pos, n, max_bytes, seg.end)
+            if alike is None:
+                return None
+            _props, bodies, end = alike
+            n = len(bodies)
+        first = p.offset
+        p.pos = end
+        p.offset = first + n
+        return first, _I64.unpack_from(mm, pos)[0], n, prefix + prefix.join(bodies)
 
     @staticmethod
     def _alike_run(mm: mmap.mmap, pos: int, n: int, max_bytes: int, end: int

@@ -534,6 +534,14 @@ def encode_deliver_run(sub_id: int, first_offset: int, timestamp_ms: int, messag
         parts[0::2] = [lengths[i:i + 4] for i in range(0, 4 * n, 4)]
         parts[1::2] = messages
         data = b"".join(parts)
+    return encode_deliver_data(sub_id, first_offset, timestamp_ms, n, data, committed)
+
+
+def encode_deliver_data(sub_id: int, first_offset: int, timestamp_ms: int, n: int, data: bytes,
+                        committed: int | None = None) -> bytes:
+    """One Deliver of a chunk of ``n`` entries already framed in ``data`` (each a 4-byte
+    length and the message: the chunk's data section as the protocol lays it out): the
+    chunk header (its crc32 over ``data``) and ``data`` itself."""
     if committed is not None:
         head = _CHUNK_V2.pack(len(data) + _CHUNK_V2.size - 4, DELIVER, 2, sub_id, committed,
                               CHUNK_MAGIC_VERSION, 0, n, n, timestamp_ms, 0, first_offset, zlib.crc32(data),

@@ -26,11 +26,14 @@ code; nothing it asked for happened.
   while it has credit, a subscription takes a *run* from the queue's delivery pass
   (``run_room``/``deliver_run``: up to ``CHUNK_MAX_ENTRIES`` consecutive records sliced from one
   segment) and sends it as one Deliver: per message only a length prefix, no object; the chunk
-  CRC is one ``zlib.crc32`` over the joined data. Filtered subscriptions, or the fast paths
-  switched off, get messages one by one (``deliver_record``), gathered into chunks of
-  consecutive offsets; the chunk open at the end of the loop turn is sent then. Messages stored
-  by other protocols reach a stream client as an AMQP 1.0 message with one data section holding
-  the body.
+  CRC is one ``zlib.crc32`` over the joined data. A run of alike records (one batch of
+  equal-sized messages) comes from the store already joined behind ``entry_prefix`` (the
+  entry's length and, for messages from other protocols, the AMQP 1.0 data section head): the
+  chunk's data section itself, sent after the chunk header (``deliver_joined``). Filtered
+  subscriptions, or the fast paths switched off, get messages one by one (``deliver_record``),
+  gathered into chunks of consecutive offsets; the chunk open at the end of the loop turn is
+  sent then. Messages stored by other protocols reach a stream client as an AMQP 1.0 message
+  with one data section holding the body.
 - **Offsets**: StoreOffset/QueryOffset keep a named offset with the stream (durable with its next
   sync), the same names AMQP consumers' stored offsets use.
 - **Single active consumer**: subscriptions with ``single-active-consumer=true`` and a ``name``
@@ -49,6 +52,7 @@ import datetime
 import itertools
 import logging
 import operator
+import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -71,6 +75,7 @@ CHUNK_MAX_BYTES: Final = 1 << 20
 MAX_IDS: Final = 256  # publishers and subscriptions per connection (ids are one byte)
 _CT: Final = STREAM_CONTENT_TYPE.encode()
 _CT_PREFIX: Final = bytes([len(_CT)]) + _CT
+_U32_PACK: Final = struct.Struct(">I").pack
 _AMQP10_DATA: Final = b"\x00\x53\x75"  # described type: data section
 _CREATE_ARGS: Final = {"max-length-bytes": "x-max-length-bytes", "max-age": "x-max-age",
                        "stream-max-segment-size-bytes": "x-stream-max-segment-size-bytes"}
@@ -100,15 +105,21 @@ def _increasing(ids: list[int]) -> bool:
     return all(map(operator.lt, ids, itertools.islice(ids, 1, None)))
 
 
+def message_prefix(props: bytes, body_len: int) -> bytes:
+    """What precedes a stored body of ``body_len`` bytes in the message a stream client gets:
+    nothing for a message published by a stream client, else an AMQP 1.0 data section's head."""
+    if len(props) > len(_CT_PREFIX) + 2 and props[0] & 0x80 and props[2 : 2 + len(_CT_PREFIX)] == _CT_PREFIX:
+        return b""
+    if body_len < 256:
+        return _AMQP10_DATA + b"\xa0" + bytes([body_len])
+    return _AMQP10_DATA + b"\xb0" + body_len.to_bytes(4, "big")
+
+
 def as_stream_message(props: bytes, body: bytes) -> bytes:
     """The bytes a stream client gets: as published by a stream client, else the body in an
     AMQP 1.0 data section."""
-    if len(props) > len(_CT_PREFIX) + 2 and props[0] & 0x80 and props[2 : 2 + len(_CT_PREFIX)] == _CT_PREFIX:
-        return body
-    n = len(body)
-    if n < 256:
-        return _AMQP10_DATA + b"\xa0" + bytes([n]) + body
-    return _AMQP10_DATA + b"\xb0" + n.to_bytes(4, "big") + body
+    pre = message_prefix(props, len(body))
+    return pre + body if pre else body
 
 
 def stream_entries(props: list[bytes], bodies: list[bytes], same: bool = False) -> list[bytes]:
@@ -120,9 +131,8 @@ def stream_entries(props: list[bytes], bodies: list[bytes], same: bool = False) 
         p0 = props[0]
         if p0 == _PLAIN_PROPS:
             return bodies
-        m = as_stream_message(p0, bodies[0])
-        pre = m[:len(m) - len(bodies[0])]  # depends only on the properties and the length
-        return [pre + b for b in bodies]
+        pre = message_prefix(p0, len(bodies[0]))  # depends only on the properties and the length
+        return [pre + b for b in bodies] if pre else bodies
     if props.count(_PLAIN_PROPS) == len(props):
         return bodies
     return [as_stream_message(p, b) for p, b in zip(props, bodies, strict=True)]
@@ -272,17 +282,37 @@ class Subscription(RecordConsumer):
         """A run of stored records as one chunk: one credit, one Deliver frame; per message
         only the properties check and a length prefix (``codec.encode_deliver_run``), and
         not even the check when the store says the run is alike (``same``)."""
+        if self._chunk_taken(first_offset, len(bodies)):
+            entries = stream_entries(props, bodies, same)
+            self.session.out.write(C.encode_deliver_run(self.sub_id, first_offset, timestamp_ms, entries,
+                                                        self.committed(), same))
+
+    def entry_prefix(self, props: bytes, body_len: int) -> bytes:
+        """An alike run's entries as the chunk's data section wants them: the message's
+        length, then its prefix (``message_prefix``), then the stored body."""
+        pre = message_prefix(props, body_len)
+        return _U32_PACK(len(pre) + body_len) + pre
+
+    def deliver_joined(self, first_offset: int, timestamp_ms: int, count: int, data: bytes) -> None:
+        """An alike run framed by the store with ``entry_prefix`` (``read_joined``): the
+        chunk's data section itself, so the Deliver is its header and these bytes."""
+        if self._chunk_taken(first_offset, count):
+            self.session.out.write(C.encode_deliver_data(self.sub_id, first_offset, timestamp_ms, count, data,
+                                                         self.committed()))
+
+    def _chunk_taken(self, first_offset: int, count: int) -> bool:
+        """A run of ``count`` from ``first_offset`` becomes a chunk of its own: what is
+        gathered goes first, one credit is spent, the counters move; False: the session
+        is closed, nothing to send."""
         self.flush()
         self.credit -= 1
         session = self.session
-        if not session.closed:
-            n = len(bodies)
-            session.delivered += n
-            self.consumed += n
-            self.offset = first_offset + n
-            entries = stream_entries(props, bodies, same)
-            session.out.write(C.encode_deliver_run(self.sub_id, first_offset, timestamp_ms, entries,
-                                                   self.committed(), same))
+        if session.closed:
+            return False
+        session.delivered += count
+        self.consumed += count
+        self.offset = first_offset + count
+        return True
 
     def flush(self) -> None:
         self.flush_due = False
@@ -336,7 +366,7 @@ class Subscription(RecordConsumer):
         """Begin reading at ``spec`` (at subscribe, or when the group made us active)."""
         if self.consuming:
             return
-        self.arguments = {"x-stream-offset": offset_argument(spec)}
+        self.arguments = {**self.arguments, "x-stream-offset": offset_argument(spec)}  # filters kept
         self.consuming = True
         self.stream.add_consumer(self)
 
