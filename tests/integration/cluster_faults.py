@@ -139,8 +139,9 @@ def open_lab(count: int = 3) -> Iterator[NetLab]:
         net.close()
 
 
-def lab_cluster(tmp: Path, lab: NetLab, ttl: int) -> Cluster:
-    etcd = Etcd(tmp, host=lab.host)
+def lab_cluster(tmp: Path, lab: NetLab, ttl: int, etcd: Etcd | None = None) -> Cluster:
+    """Nodes in the lab's namespaces; ``etcd`` (one of ours on ``lab.host``) or a new one."""
+    etcd = etcd or Etcd(tmp, host=lab.host)
     c = Cluster(tmp, etcd, ttl=ttl, ips=lab.ips, wrappers=[lab.wrapper(i) for i in range(len(lab.ips))])
     for n in c.nodes:  # clients reach these nodes from a non-loopback address
         n.user = "chaos"
@@ -574,12 +575,14 @@ FAULTS: dict[str, Fault] = {
 }
 
 
-def make_cluster(tmp: Path, name: str, lab: NetLab | None) -> Cluster:
+def make_cluster(tmp: Path, name: str, lab: NetLab | None, etcd: Etcd | None = None) -> Cluster:
+    """A cluster (not started) for fault ``name``: on ``etcd`` if given (it listens where the
+    fault's nodes reach it: on ``lab.host`` for a lab fault), else on an etcd of its own."""
     fault = FAULTS[name]
     if fault.lab:
         assert lab is not None
-        return lab_cluster(tmp, lab, fault.ttl)
-    return Cluster(tmp, ttl=fault.ttl)
+        return lab_cluster(tmp, lab, fault.ttl, etcd)
+    return Cluster(tmp, etcd, ttl=fault.ttl)
 
 
 def run_trial(c: Cluster, name: str, queue: str, lab: NetLab | None = None) -> Trial:
