@@ -37,7 +37,7 @@ SHARED_GROUPS = ("tests/deploy/", "tests/spark/")
 # 1,395 s against 792 s), so it starts first.
 SLOW_FIRST = {
     "tests/spark/": 900, "tests/deploy/": 810, "tests/integration/test_shovel.py": 290,
-    "tests/integration/test_cluster_chaos.py": 210, "tests/integration/test_tls.py": 165,
+    "tests/integration/test_cluster_chaos.py": 140, "tests/integration/test_tls.py": 165,
     "tests/integration/test_web_ui.py": 135, "tests/integration/conformance/test_conformance.py": 110,
     "tests/integration/test_durability.py": 95,
     # Since stop 39 most of their tests share one broker, scaled by the measured ratio (a loaded

@@ -139,8 +139,9 @@ def open_lab(count: int = 3) -> Iterator[NetLab]:
         net.close()
 
 
-def lab_cluster(tmp: Path, lab: NetLab, ttl: int) -> Cluster:
-    etcd = Etcd(tmp, host=lab.host)
+def lab_cluster(tmp: Path, lab: NetLab, ttl: int, etcd: Etcd | None = None) -> Cluster:
+    """Nodes in the lab's namespaces; ``etcd`` (one of ours on ``lab.host``) or a new one."""
+    etcd = etcd or Etcd(tmp, host=lab.host)
     c = Cluster(tmp, etcd, ttl=ttl, ips=lab.ips, wrappers=[lab.wrapper(i) for i in range(len(lab.ips))])
     for n in c.nodes:  # clients reach these nodes from a non-loopback address
         n.user = "chaos"
@@ -233,6 +234,23 @@ async def drain(url: str, queue: str, got: list[tuple[int, bool]]) -> None:
             await asyncio.sleep(0.1)  # progress poll; bounded by the idle period and the deadline
     finally:
         await asyncio.gather(conn.close(), return_exceptions=True)
+
+
+def log_size(node: ClusterNode) -> int:
+    try:
+        return node.log_path.stat().st_size
+    except OSError:
+        return 0
+
+
+def log_since(node: ClusterNode, offset: int) -> str:
+    """The node's log from ``offset`` on: what this fault made it say (a cluster serves many)."""
+    try:
+        with open(node.log_path, "rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def ack_bytes(node: ClusterNode) -> int:
@@ -412,6 +430,7 @@ def fault_quick_restart(c: Cluster, s: Setup, lab: NetLab | None) -> float:
 
 def _short_etcd_outage(c: Cluster, s: Setup, seconds: float, pause: bool) -> float:
     """etcd paused (SIGSTOP) or killed and restarted for ``seconds`` < TTL: nobody may step down."""
+    mark = log_size(s.leader)
     if pause:
         os.kill(c.etcd.proc.pid, signal.SIGSTOP)
     else:
@@ -426,7 +445,7 @@ def _short_etcd_outage(c: Cluster, s: Setup, seconds: float, pause: bool) -> flo
             c.etcd.start()  # a restarted etcd renews every lease it finds
     at = s.pub.count()
     wait_for(lambda: s.pub.count() >= at + 100 or s.pub.error is not None, 30, "confirms after the outage")
-    if s.pub.error is not None or "stepping down" in s.leader.log_text():
+    if s.pub.error is not None or "stepping down" in log_since(s.leader, mark):
         raise AssertionError(f"the leader stepped down for an etcd outage under the TTL: {s.pub.error!r}")
     return s.pub.longest_gap(t0)
 
@@ -447,7 +466,7 @@ def fault_cluster_kill(c: Cluster, s: Setup, lab: NetLab | None) -> float:
     """
     for n in sorted(c.nodes, key=lambda n: n is not s.leader):
         n.kill9()
-    offsets = {n.name: n.log_path.stat().st_size if n.log_path.exists() else 0 for n in c.nodes}
+    offsets = {n.name: log_size(n) for n in c.nodes}
     up: dict[str, float] = {}
 
     def leader_after_restart() -> ClusterNode | None:
@@ -486,10 +505,11 @@ def fault_etcd_down(c: Cluster, s: Setup, lab: NetLab | None) -> float:
 
 def fault_isr_write_lost(c: Cluster, s: Setup, lab: NetLab | None) -> float:
     dead = next(n for n in c.nodes if n is not s.leader)
+    mark = log_size(s.leader)
     os.kill(c.etcd.proc.pid, signal.SIGSTOP)
     try:
         dead.kill9()
-        wait_for(lambda: "ISR write failed" in s.leader.log_text(), 15, "the failed ISR write")
+        wait_for(lambda: "ISR write failed" in log_since(s.leader, mark), 15, "the failed ISR write")
     finally:
         os.kill(c.etcd.proc.pid, signal.SIGCONT)
     resumed = time.monotonic()
@@ -528,6 +548,7 @@ def fault_leader_partition(c: Cluster, s: Setup, lab: NetLab | None) -> float:
 def fault_link_cut(c: Cluster, s: Setup, lab: NetLab | None) -> float:
     assert lab is not None
     f = next(n for n in c.nodes if n is not s.leader)
+    mark = log_size(f)
     lab.cut(c.nodes.index(s.leader), c.nodes.index(f))
     t0 = time.monotonic()
     try:
@@ -537,7 +558,7 @@ def fault_link_cut(c: Cluster, s: Setup, lab: NetLab | None) -> float:
         at = s.pub.count()
         wait_for(lambda: s.pub.count() >= at + 100 or s.pub.error is not None, 15, "confirms without it")
         try:  # the follower finds out too, by the missing heartbeats, not a TTL later
-            wait_for(lambda: "replication link silent" in f.log_text(), 10, "the follower noticing")
+            wait_for(lambda: "replication link silent" in log_since(f, mark), 10, "the follower noticing")
         except AssertionError:
             raise AssertionError("the follower did not notice the cut link") from None
     finally:
@@ -574,12 +595,14 @@ FAULTS: dict[str, Fault] = {
 }
 
 
-def make_cluster(tmp: Path, name: str, lab: NetLab | None) -> Cluster:
+def make_cluster(tmp: Path, name: str, lab: NetLab | None, etcd: Etcd | None = None) -> Cluster:
+    """A cluster (not started) for fault ``name``: on ``etcd`` if given (it listens where the
+    fault's nodes reach it: on ``lab.host`` for a lab fault), else on an etcd of its own."""
     fault = FAULTS[name]
     if fault.lab:
         assert lab is not None
-        return lab_cluster(tmp, lab, fault.ttl)
-    return Cluster(tmp, ttl=fault.ttl)
+        return lab_cluster(tmp, lab, fault.ttl, etcd)
+    return Cluster(tmp, etcd, ttl=fault.ttl)
 
 
 def run_trial(c: Cluster, name: str, queue: str, lab: NetLab | None = None) -> Trial:
