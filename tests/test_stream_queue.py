@@ -120,6 +120,13 @@ def test_multiple_ack_commits_once_and_ends_as_acks_one_by_one(tmp_path: Path,
     from broker.model import stream as stream_mod
 
     ends = []
+    calls: list[int] = []
+    real = stream_mod._Cursor.commit_point
+
+    def counted(cur: Any) -> int:
+        calls.append(1)
+        return real(cur)
+
     for mode in ("one by one", "multiple"):
         q, pending = _queue(tmp_path / mode.replace(" ", "-"))
         _pub(q, 40)
@@ -127,9 +134,8 @@ def test_multiple_ack_commits_once_and_ends_as_acks_one_by_one(tmp_path: Path,
         q.add_consumer(c)
         _run(pending)
         ids = [g[0] for g in c.got if g[1] != 7]  # offset 7 stays unacked
-        calls = []
-        real = stream_mod._Cursor.commit_point
-        monkeypatch.setattr(stream_mod._Cursor, "commit_point", lambda cur: calls.append(1) or real(cur))
+        calls.clear()
+        monkeypatch.setattr(stream_mod._Cursor, "commit_point", counted)
         if mode == "multiple":
             q.ack_many(ids + [(99 << OFFSET_BITS) | 3])  # an unknown cursor is skipped
             assert len(calls) == 1

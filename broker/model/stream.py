@@ -59,6 +59,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
 
+from pamqp.encode import table_integer
+
 from broker import errors, properties
 from broker.model.features import CallLater, TimerHandle
 from broker.model.queue import Consumer, Queue
@@ -237,8 +239,27 @@ def named_offset(s: StreamStore, name: str) -> int | None:
     return None
 
 
+_STREAM_KEYS: Final = (b"\x0fx-stream-offset", b"\x12x-stream-timestamp")  # short-string keys
+
+
 def with_offset_header(props: bytes, offset: int, timestamp_ms: int) -> bytes:
-    """``props`` with ``x-stream-offset`` (and the append time, ``x-stream-timestamp`` in ms)."""
+    """``props`` with ``x-stream-offset`` (and the append time, ``x-stream-timestamp`` in ms).
+
+    A record without headers (the common case) gets a table of the two entries inserted after
+    its content type and encoding, its other bytes kept; the values are typed as pamqp types
+    them (its smallest integer), so it is what the decode/re-encode route gives, which records
+    with headers take (a differential test compares them, tests/test_spark_stream_headers.py).
+    """
+    if len(props) >= 2 and not props[0] & properties.HI_HEADERS and not props[1] & 1:
+        at = 2
+        if props[0] & properties.HI_CONTENT_TYPE:
+            at += 1 + props[at]
+        if props[0] & properties.HI_CONTENT_ENCODING:
+            at += 1 + props[at]
+        table = b"".join((_STREAM_KEYS[0], table_integer(offset),
+                           _STREAM_KEYS[1], table_integer(timestamp_ms)))
+        return b"".join((bytes((props[0] | properties.HI_HEADERS, props[1])), props[2:at],
+                         len(table).to_bytes(4, "big"), table, props[at:]))
     p = _decode(props)
     headers = dict(p.headers or {})
     headers["x-stream-offset"] = offset
