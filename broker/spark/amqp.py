@@ -25,8 +25,8 @@ The consumer starts at ``x-stream-offset=start`` with a prefetch window of ``_PR
 acks with ``multiple=true`` every quarter window, so the window keeps moving; it stops at the
 first delivery at or past ``end``. The task thread runs its own event loop; the generator
 drives it one batch at a time: once a batch holds ``batch_rows`` rows the socket stops being
-read until Spark has taken the batch (the rows of the read in progress still join it), so a
-task holds at most one batch and the prefetch window in memory. Every read uses the same
+read until Spark has taken the batch (the rows of the read in progress start the next), so a
+task holds about one batch and the prefetch window in memory. Every read uses the same
 consumer tag per queue, so the broker's stored-offset table does not grow with Spark jobs (the
 stored value is irrelevant: reads always pass an explicit offset). No delivery for ``timeout``
 seconds raises TimeoutError; a lost connection raises ConnectionError, and the task fails.
@@ -197,7 +197,8 @@ class _ReadWire(Wire):
 
     def __init__(self, lost: asyncio.Future[str]) -> None:
         super().__init__(lost)
-        self.cols = Columns()
+        self.cols = Columns()  # the batch being filled
+        self.full: deque[Columns] = deque()  # batches of ``batch_rows`` rows not yet taken
         self.end = 0
         self.ts_lo, self.ts_hi = -(1 << 63), 1 << 63
         self.batch_rows = 1
@@ -234,8 +235,11 @@ class _ReadWire(Wire):
             cols.bodies.append(body)
         if offset + 1 >= self.end:
             self._stop()
-        elif len(cols) >= self.batch_rows and self.transport is not None:
-            self.transport.pause_reading()
+        elif len(cols) >= self.batch_rows:
+            self.full.append(cols)
+            self.cols = Columns()
+            if self.transport is not None:
+                self.transport.pause_reading()
             if not self.moved.done():
                 self.moved.set_result(None)
 
@@ -245,23 +249,32 @@ class _ReadWire(Wire):
             self.moved.set_result(None)
 
     async def next_batch(self, timeout: float) -> Columns:
-        """The rows read since the last call, once a batch is full or the range is done."""
-        if self.transport is not None and not self.finished:
+        """The next batch of ``batch_rows`` rows, or the last rows once the range is done."""
+        if not self.full and not self.finished:
+            await self._wait_moved(timeout)
+        if self.full:
+            return self.full.popleft()
+        cols, self.cols = self.cols, Columns()
+        return cols
+
+    async def _wait_moved(self, timeout: float) -> None:
+        """Read until a batch fills or the range ends; TimeoutError after ``timeout`` seconds
+        without a delivery, ConnectionError when the connection goes."""
+        if self.moved.done():
+            self.moved = asyncio.get_running_loop().create_future()
+        if self.transport is not None:
             self.transport.resume_reading()
         last = self.seen
         while not self.moved.done():
             done, _ = await asyncio.wait([self.moved, self.lost], timeout=timeout,
                                          return_when=asyncio.FIRST_COMPLETED)
             if self.moved.done():
-                break
+                return
             if self.lost.done():
                 raise ConnectionError(f"skred: stream read ended: {self.lost.result()}")
             if not done and self.seen == last:
                 raise TimeoutError(f"skred: no delivery for {timeout:g} s")
             last = self.seen
-        cols, self.cols = self.cols, Columns()
-        self.moved = asyncio.get_running_loop().create_future()
-        return cols
 
 
 async def _open(uri: str, queue: str, start: int, end: int, batch_rows: int,
@@ -292,7 +305,7 @@ def read_columns(uri: str, queue: str, start: int, end: int, batch_rows: int,
                  ts_lo: int | None = None, ts_hi: int | None = None,
                  timeout: float = 30.0) -> Iterator[Columns]:
     """Batches of the records with offsets in ``[start, end)`` (fewer if retention removed
-    some) whose append time is within ``[ts_lo, ts_hi]``; about ``batch_rows`` rows each."""
+    some) whose append time is within ``[ts_lo, ts_hi]``, ``batch_rows`` rows each but the last."""
     if start >= end:
         return
     loop = asyncio.new_event_loop()
@@ -303,7 +316,7 @@ def read_columns(uri: str, queue: str, start: int, end: int, batch_rows: int,
             cols = loop.run_until_complete(wire.next_batch(timeout))
             if len(cols):
                 yield cols
-            if wire.finished:
+            if wire.finished and not wire.full and not len(wire.cols):
                 break
     finally:
         if wire is not None:
