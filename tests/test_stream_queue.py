@@ -112,6 +112,43 @@ def test_stored_offset_never_skips_unacked(tmp_path: Path) -> None:
     q.close()
 
 
+def test_multiple_ack_commits_once_and_ends_as_acks_one_by_one(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``multiple`` ack (``ack_many``) leaves the stored offset, the counters and the cursors
+    as acking one by one does, and works out the commit point once, not once per message (a
+    scan of the pending offsets each time: quadratic in the prefetch window)."""
+    from broker.model import stream as stream_mod
+
+    ends = []
+    calls: list[int] = []
+    real = stream_mod._Cursor.commit_point
+
+    def counted(cur: Any) -> int:
+        calls.append(1)
+        return real(cur)
+
+    for mode in ("one by one", "multiple"):
+        q, pending = _queue(tmp_path / mode.replace(" ", "-"))
+        _pub(q, 40)
+        c = FakeConsumer(q, "me", {"x-stream-offset": "first"}, capacity=30)
+        q.add_consumer(c)
+        _run(pending)
+        ids = [g[0] for g in c.got if g[1] != 7]  # offset 7 stays unacked
+        calls.clear()
+        monkeypatch.setattr(stream_mod._Cursor, "commit_point", counted)
+        if mode == "multiple":
+            q.ack_many(ids + [(99 << OFFSET_BITS) | 3])  # an unknown cursor is skipped
+            assert len(calls) == 1
+        else:
+            for msgid in ids:
+                q.ack(msgid)
+        monkeypatch.undo()
+        q.remove_consumer(c)
+        ends.append((q.stream.stored_offset("me"), q.n_acked, len(q._cursors)))
+        q.close()
+    assert ends[0] == ends[1] == (7, 29, 1)
+
+
 def test_requeue_redelivers_to_live_consumer(tmp_path: Path) -> None:
     q, pending = _queue(tmp_path)
     _pub(q, 3)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import datetime
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from pamqp import commands
@@ -137,6 +137,13 @@ class Columns:
 
     def __len__(self) -> int:
         return len(self.offsets)
+
+    def records(self) -> Iterator[Rec]:
+        """The rows as record tuples again (tests and cold paths)."""
+        props = list(self.uniq)  # dict order == index order
+        for i, offset in enumerate(self.offsets):
+            yield (offset, self.stamps[i], self.exchanges[i].encode(), self.keys[i].encode(),
+                   props[self.prop_idx[i]], self.bodies[i])
 
     def text(self, raw: bytes) -> str:
         s = self._text.get(raw)

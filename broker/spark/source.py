@@ -296,16 +296,8 @@ class _Options:
 
         if not part.path:
             assert self.uri is not None
-            cols = Columns()
-            lo = -(1 << 63) if part.ts_lo is None else part.ts_lo
-            hi = (1 << 63) if part.ts_hi is None else part.ts_hi
-            for rec in amqp.read_range(self.uri, tp.queue, part.start, part.stop, self.timeout):
-                if lo <= rec[1] <= hi:
-                    cols.add(rec)
-                if len(cols) >= self.batch_rows:
-                    yield batch(cols)
-                    cols = Columns()
-            if len(cols):
+            for cols in amqp.read_columns(self.uri, tp.queue, part.start, part.stop, self.batch_rows,
+                                          part.ts_lo, part.ts_hi, self.timeout):
                 yield batch(cols)
             return
         try:
@@ -334,17 +326,13 @@ class _Options:
         """The first offset appended at or after ``ts`` (``nxt`` if none)."""
         for part in self._plan_one(tp, Bounds(first, nxt, ts, None)):
             assert isinstance(part, RangePartition)
-            if part.path:
-                with open(part.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                    cols = Columns()
-                    fill_from_segment(cols, mm, len(mm), HEADER_SIZE, part.first_offset, part.start,
-                                      part.stop, ts, None, 1)
-            else:
+            if not part.path:
+                at = amqp.first_at(self.uri or "", tp.queue, part.start, part.stop, ts, self.timeout)
+                return nxt if at is None else at
+            with open(part.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
                 cols = Columns()
-                for rec in amqp.read_range(self.uri or "", tp.queue, part.start, part.stop, self.timeout):
-                    if rec[1] >= ts:
-                        cols.add(rec)
-                        break
+                fill_from_segment(cols, mm, len(mm), HEADER_SIZE, part.first_offset, part.start,
+                                  part.stop, ts, None, 1)
             if len(cols):
                 return cols.offsets[0]
         return nxt
