@@ -30,3 +30,15 @@ def test_mypy_strict_on_the_package() -> None:
 def test_ruff_clean() -> None:
     r = _run(sys.executable, "-m", "ruff", "check", "broker", "tests", "benchmarks")
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+
+
+def test_ruff_bans_wait_for_in_the_package() -> None:
+    """asyncio.wait_for drops a cancel on 3.11 (pyproject's banned-api says why): the package may
+    not use it again, in either spelling."""
+    probe = "import asyncio\nfrom asyncio import wait_for\n\n\nasync def f() -> None:\n" \
+            "    await asyncio.wait_for(asyncio.sleep(0), 1)\n    await wait_for(asyncio.sleep(0), 1)\n"
+    r = subprocess.run([sys.executable, "-m", "ruff", "check", "--select", "TID251", "--no-cache",
+                        "--stdin-filename", "broker/probe.py", "-"], cwd=ROOT, input=probe,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "probe.py:2:" in r.stdout and "probe.py:6:" in r.stdout, r.stdout  # the import, the call

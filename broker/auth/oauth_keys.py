@@ -83,7 +83,8 @@ class OAuthKeys:
         self._last = time.monotonic()
         self.fetches += 1
         try:
-            await asyncio.wait_for(self._fetch(), self.timeout)
+            async with asyncio.timeout(self.timeout):
+                await self._fetch()
         except (TimeoutError, OSError, aiohttp.ClientError, ValueError) as exc:
             log.warning("OAuth: could not fetch the keys of issuer %s: %s", self.issuer,
                         str(exc) or type(exc).__name__)

@@ -496,7 +496,8 @@ class Etcd:
                 on_change()
         finally:
             try:
-                await asyncio.wait_for(watch.cancel(), CALL_TIMEOUT)
+                async with asyncio.timeout(CALL_TIMEOUT):
+                    await watch.cancel()
             except Exception:
                 pass  # connection already gone: nothing left to cancel
 
@@ -576,6 +577,7 @@ class Etcd:
 
 async def _quiet_close(client: Any) -> None:
     try:
-        await asyncio.wait_for(client.close(), CALL_TIMEOUT)
+        async with asyncio.timeout(CALL_TIMEOUT):
+            await client.close()
     except Exception:
         pass

@@ -331,7 +331,8 @@ class LeaderSink:
     async def drain(self, timeout: float) -> bool:
         """Wait until the ISR acked everything (graceful shutdown); False on timeout."""
         try:
-            await asyncio.wait_for(self.barrier(), timeout)
+            async with asyncio.timeout(timeout):
+                await self.barrier()
             return True
         except TimeoutError:
             return False
@@ -437,7 +438,8 @@ class LeaderSink:
         writer.write(codec.encode_welcome(codec.OK, tuple(addresses[name][1] if name in addresses else 0
                                                           for name in codec.PORT_NAMES)))
         try:
-            scope = await asyncio.wait_for(self._read_scope(reader), HANDSHAKE_TIMEOUT)
+            async with asyncio.timeout(HANDSHAKE_TIMEOUT):
+                scope = await self._read_scope(reader)
         except (TimeoutError, codec.CodecError, OSError, asyncio.IncompleteReadError) as exc:
             log.warning("follower %s at %s sent no scope: %s", hello.node_id, peer, exc or type(exc).__name__)
             writer.close()
@@ -490,7 +492,8 @@ class LeaderSink:
             return await self._read_hello(reader)
 
         try:
-            hello = await asyncio.wait_for(opening(), HANDSHAKE_TIMEOUT)
+            async with asyncio.timeout(HANDSHAKE_TIMEOUT):
+                hello = await opening()
         except (TimeoutError, codec.CodecError, OSError, asyncio.IncompleteReadError) as exc:
             why = str(exc) or type(exc).__name__
             self._refusal(source, why, "replication handshake from %s failed: %s", peer, why)
@@ -626,7 +629,8 @@ class LeaderSink:
         try:
             while not f.closed:
                 try:
-                    await asyncio.wait_for(f.wake.wait(), HEARTBEAT_EVERY)
+                    async with asyncio.timeout(HEARTBEAT_EVERY):
+                        await f.wake.wait()
                 except TimeoutError:
                     f.send(_HEARTBEAT)  # acked like data: the watchdog sees a dead link too
                 f.wake.clear()

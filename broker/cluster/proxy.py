@@ -156,7 +156,8 @@ class SpliceProxy:
         within ANSWER_TIMEOUT, then close. TLS ports (end to end to the leader) are just closed."""
         which = self.tunnel.which if self.tunnel is not None else None
         try:
-            await asyncio.wait_for(_answer(which, reader, writer, why), unavailable.ANSWER_TIMEOUT)
+            async with asyncio.timeout(unavailable.ANSWER_TIMEOUT):
+                await _answer(which, reader, writer, why)
         except (TimeoutError, OSError, RuntimeError):
             pass
 
@@ -170,8 +171,8 @@ class SpliceProxy:
                 source_ip=self.source_ip, node_id=t.node_id, keepalive=t.keepalive)
         else:
             local = (self.source_ip, 0) if self.source_ip else None
-            lreader, upstream = await asyncio.wait_for(
-                asyncio.open_connection(host, port, local_addr=local), 5.0)
+            async with asyncio.timeout(5.0):
+                lreader, upstream = await asyncio.open_connection(host, port, local_addr=local)
         self._writers.add(upstream)
         return lreader, upstream
 
@@ -363,7 +364,8 @@ async def _tell(writer: asyncio.StreamWriter, data: bytes) -> None:
     if data and not writer.is_closing():
         writer.write(data)
         with contextlib.suppress(OSError, RuntimeError, TimeoutError):
-            await asyncio.wait_for(writer.drain(), unavailable.ANSWER_TIMEOUT)
+            async with asyncio.timeout(unavailable.ANSWER_TIMEOUT):
+                await writer.drain()
 
 
 async def _answer(which: int | None, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,

@@ -192,7 +192,8 @@ class ClusterRunner:
 
     async def _pause(self, seconds: float) -> None:
         try:
-            await asyncio.wait_for(self.stopping.wait(), seconds)
+            async with asyncio.timeout(seconds):
+                await self.stopping.wait()
         except TimeoutError:
             pass
 

@@ -86,12 +86,13 @@ async def open_tunnel(host: str, port: int, *, which: int, client: Address, secr
     """Follower side: a tunnel to the leader's client port ``which`` (codec.AMQP_PORT...), named
     as ours (``node_id``), with ``keepalive`` seconds of silence after which either end closes it."""
     local = (source_ip, 0) if source_ip else None
-    reader, writer = await asyncio.wait_for(
-        asyncio.open_connection(host, port, local_addr=local, ssl=tls), CONNECT_TIMEOUT)
+    async with asyncio.timeout(CONNECT_TIMEOUT):
+        reader, writer = await asyncio.open_connection(host, port, local_addr=local, ssl=tls)
     try:
         writer.write(codec.encode_tunnel_hello(secret, which, client, node_id=node_id,
                                                keepalive_ms=round(keepalive * 1000)))
-        status = await asyncio.wait_for(reader.readexactly(1), CONNECT_TIMEOUT)
+        async with asyncio.timeout(CONNECT_TIMEOUT):
+            status = await reader.readexactly(1)
     except BaseException:
         writer.close()
         raise
@@ -123,8 +124,8 @@ async def serve_tunnel(hello: codec.TunnelHello, reader: asyncio.StreamReader, w
         writer.close()
         return
     try:
-        lreader, lwriter = await asyncio.wait_for(
-            asyncio.open_connection(*local_target(address)), CONNECT_TIMEOUT)
+        async with asyncio.timeout(CONNECT_TIMEOUT):
+            lreader, lwriter = await asyncio.open_connection(*local_target(address))
     except (OSError, TimeoutError) as exc:
         log.info("tunnel to our %s port: %s", codec.PORT_NAMES[hello.port], exc)
         writer.write(bytes([codec.UNAVAILABLE]))

@@ -65,7 +65,8 @@ class UpstreamWire(Wire):
 
     async def ask(self, channel: int, method: PFrame, answer: type[PFrame]) -> PFrame:
         """``call`` within ``CALL_TIMEOUT``: a mute upstream ends the session."""
-        return await asyncio.wait_for(self.call(channel, method, answer), CALL_TIMEOUT)
+        async with asyncio.timeout(CALL_TIMEOUT):
+            return await self.call(channel, method, answer)
 
 
 class Refused(Exception):

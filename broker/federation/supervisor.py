@@ -114,7 +114,8 @@ class Federation:
             except Exception:  # a bug here must not end federation for good
                 log.exception("federation: reconcile failed")
             try:
-                await asyncio.wait_for(self._wake.wait(), RECONCILE_INTERVAL)
+                async with asyncio.timeout(RECONCILE_INTERVAL):
+                    await self._wake.wait()
             except TimeoutError:
                 pass
             self._wake.clear()

@@ -183,7 +183,8 @@ async def serve(request: web.Request, kind: str, factory: ProtocolFactory,
         transport.close()
         protocol.connection_lost(error)
         try:
-            await asyncio.wait_for(sender, 5)
+            async with asyncio.timeout(5):
+                await sender
         except (TimeoutError, asyncio.CancelledError):
             sender.cancel()
     return ws

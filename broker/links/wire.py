@@ -200,7 +200,8 @@ class Wire(asyncio.Protocol):
         if not self.lost.done() and self.transport is not None and not self.transport.is_closing():
             try:
                 bye = commands.Connection.Close(reply_code=200, reply_text=text, class_id=0, method_id=0)
-                await asyncio.wait_for(self.call(0, bye, commands.Connection.CloseOk), CLOSE_TIMEOUT)
+                async with asyncio.timeout(CLOSE_TIMEOUT):
+                    await self.call(0, bye, commands.Connection.CloseOk)
             except (EndLost, TimeoutError):
                 pass  # gone already, or not answering: the socket closes below all the same
         set_lost(self.lost, "closed")
@@ -275,7 +276,8 @@ async def open_first(uris: Sequence[str], client: dict[str, Any],
     for uri in uris:
         lost = new_lost()
         try:
-            wire = await asyncio.wait_for(_open_connection(uri, client, lost, wire_type), CONNECT_TIMEOUT)
+            async with asyncio.timeout(CONNECT_TIMEOUT):
+                wire = await _open_connection(uri, client, lost, wire_type)
             return wire, lost
         except TimeoutError:
             problems.append(f"{redact(uri)}: no answer in {CONNECT_TIMEOUT:g} s")

@@ -358,7 +358,8 @@ class LMQ:
                 return None
             self._arrived.clear()
             try:
-                await asyncio.wait_for(self._arrived.wait(), left)
+                async with asyncio.timeout(left):
+                    await self._arrived.wait()
             except TimeoutError:
                 pass
 

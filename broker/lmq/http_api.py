@@ -142,7 +142,8 @@ async def _body(request: web.Request) -> bytes:
                             f"({lmq.max_message_size} bytes)")
     async with admitted_bytes(cfg.gate, size or 0, cfg.request_timeout):
         try:
-            return await asyncio.wait_for(request.read(), cfg.request_timeout)
+            async with asyncio.timeout(cfg.request_timeout):
+                return await request.read()
         except TimeoutError:
             raise LMQError(408, f"the body did not arrive within {cfg.request_timeout:g} s") from None
 

@@ -68,7 +68,8 @@ async def admitted_bytes(gate: BodyGate | None, size: int, timeout: float) -> As
     who = _Waiter()
     if not gate.request(who, 0, size):
         try:
-            await asyncio.wait_for(who.event.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await who.event.wait()
         except TimeoutError:
             if not who.event.is_set():
                 gate.release(who, 0)

@@ -252,7 +252,8 @@ async def serve_connection(lmq: LMQ, cfg: Settings, reader: asyncio.StreamReader
         while True:
             await session.wait_for_room()
             try:
-                data = await asyncio.wait_for(reader.read(65536), cfg.request_timeout)
+                async with asyncio.timeout(cfg.request_timeout):
+                    data = await reader.read(65536)
             except TimeoutError:
                 if session.tasks:  # a long pull is not idleness
                     continue

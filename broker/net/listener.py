@@ -149,7 +149,8 @@ class Listener:
                 pass
         try:
             if peer[0] != UNIX_PEER:
-                peer = await asyncio.wait_for(self._strip_proxy_header(loop, conn, peer), HEADER_TIMEOUT)
+                async with asyncio.timeout(HEADER_TIMEOUT):
+                    peer = await self._strip_proxy_header(loop, conn, peer)
             peer = self.remap.get(peer, peer)
             ctx = self.tls() if self.tls is not None else None
             real = peer

@@ -130,15 +130,18 @@ def queue_count(
 
 async def _open_idle(uri: AmqpUri, timeout: float) -> asyncio.StreamWriter:
     """One connection through the handshake plus channel.open; returns its writer."""
-    reader, writer = await asyncio.wait_for(asyncio.open_connection(uri.host, uri.port), timeout)
+    async with asyncio.timeout(timeout):
+        reader, writer = await asyncio.open_connection(uri.host, uri.port)
     try:
         hs = Handshake(uri.user, uri.password, uri.vhost, client_name="skred-perf idle")
         writer.write(hs.initial())
         channel_open_sent = False
         while True:
-            head = await asyncio.wait_for(reader.readexactly(7), timeout)
+            async with asyncio.timeout(timeout):
+                head = await reader.readexactly(7)
             ftype, channel, size = _FRAME_HEAD.unpack(head)
-            payload = await asyncio.wait_for(reader.readexactly(size + 1), timeout)
+            async with asyncio.timeout(timeout):
+                payload = await reader.readexactly(size + 1)
             if ftype != codec.FRAME_METHOD:
                 continue
             cls, meth = codec.class_method(payload)

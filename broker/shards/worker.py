@@ -231,7 +231,8 @@ class WorkerLink:
         self._waiting[self._next] = fut
         control.send(self.sock, {"op": "shared", "id": self._next, "names": names})
         try:
-            await asyncio.wait_for(fut, CHANGE_TIMEOUT)
+            async with asyncio.timeout(CHANGE_TIMEOUT):
+                await fut
         except TimeoutError:
             self._waiting.pop(self._next, None)
             log.warning("shared state change (%s): not every worker confirmed it in time", ", ".join(names))

@@ -93,7 +93,8 @@ class Link:
         if self.state == "running" and self._broken is not None and not self._broken.done():
             self._broken.set_result("stopped")
             try:
-                await asyncio.wait_for(asyncio.shield(task), DRAIN_TIMEOUT + 5)
+                async with asyncio.timeout(DRAIN_TIMEOUT + 5):
+                    await asyncio.shield(task)
             except (TimeoutError, asyncio.CancelledError, Exception):  # noqa: BLE001 - cancelled below
                 pass
         if not task.done():
@@ -142,10 +143,12 @@ class Link:
         worker: asyncio.Task[None] | None = None
         try:
             try:
-                await asyncio.wait_for(dst.open(), OPEN_TIMEOUT)
+                async with asyncio.timeout(OPEN_TIMEOUT):
+                    await dst.open()
                 if serial:
                     worker = asyncio.get_running_loop().create_task(self._serial(src, dst))
-                await asyncio.wait_for(src.open(lambda m: self._on_message(src, dst, m)), OPEN_TIMEOUT)
+                async with asyncio.timeout(OPEN_TIMEOUT):
+                    await src.open(lambda m: self._on_message(src, dst, m))
             except TimeoutError:
                 return "the shovel's ends did not open in time"
             except EndLost as exc:
@@ -184,7 +187,8 @@ class Link:
         while self._pending > 0 and time.monotonic() < deadline:
             self._idle = asyncio.Event()
             try:
-                await asyncio.wait_for(self._idle.wait(), max(0.0, deadline - time.monotonic()))
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                    await self._idle.wait()
             except TimeoutError:
                 break
         self._idle = None

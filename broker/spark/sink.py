@@ -116,7 +116,8 @@ class _Sink:
         amqp = SinkPublisher(self.window, self.confirm_timeout)
         streams: dict[str, StreamPublisher] = {}
         try:
-            await asyncio.wait_for(amqp.open(self.uri), self.confirm_timeout)
+            async with asyncio.timeout(self.confirm_timeout):
+                await amqp.open(self.uri)
             targets: dict[str, bool] = {}
 
             async def is_exchange(topic: str) -> bool:

@@ -105,8 +105,8 @@ class StreamPublisher:
 
     # ------------------------------------------------------------------ connection
     async def open(self) -> None:
-        self._reader, self._writer = await asyncio.wait_for(
-            asyncio.open_connection(self.host, self.port), self.timeout)
+        async with asyncio.timeout(self.timeout):
+            self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
         self._tune = asyncio.get_running_loop().create_future()
         self._task = asyncio.create_task(self._read_loop())
         props = {"connection_name": f"skred-spark-sink {self.reference}", "product": "skred-spark"}
@@ -115,7 +115,8 @@ class StreamPublisher:
         await self._request(SASL_HANDSHAKE, b"")
         creds = f"\0{self.user}\0{self.password}".encode()
         await self._request(SASL_AUTHENTICATE, _s("PLAIN") + struct.pack(">i", len(creds)) + creds)
-        frame_max, heartbeat = await asyncio.wait_for(self._tune, self.timeout)
+        async with asyncio.timeout(self.timeout):
+            frame_max, heartbeat = await self._tune
         self.frame_max = min(frame_max, MAX_FRAME) if frame_max else MAX_FRAME
         self._send(_frame(TUNE, struct.pack(">II", self.frame_max, heartbeat)))
         await self._request(OPEN, _s(self.vhost))
@@ -147,7 +148,8 @@ class StreamPublisher:
         answer: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self._answers[corr] = answer
         self._send(_frame(key, struct.pack(">I", corr) + body))
-        payload = await asyncio.wait_for(answer, self.timeout)
+        async with asyncio.timeout(self.timeout):
+            payload = await answer
         code = _CORR_CODE.unpack_from(payload, 0)[1]
         if check and code != OK:
             raise StreamSinkError(f"skred sink: stream protocol command {key} refused (code {code})")
@@ -265,7 +267,8 @@ class StreamPublisher:
                 return
             self._progress.clear()
             try:
-                await asyncio.wait_for(self._progress.wait(), self.timeout)
+                async with asyncio.timeout(self.timeout):
+                    await self._progress.wait()
             except TimeoutError:
                 raise StreamSinkError(f"skred sink: {len(self._unconfirmed)} row(s) to '{self.stream}' "
                                       f"not confirmed within {self.timeout:g}s") from None
