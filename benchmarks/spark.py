@@ -4,8 +4,8 @@
 One private ``skred`` process on free ports and a temp data dir, one ``local[2]`` SparkSession:
 
 - ``write``: ``df.write.format("skred")`` of ``--rows`` rows (~10-byte values) to a stream, with
-  publisher confirms (the sink), then the same to a deduplicating exchange with
-  ``exactlyOnce=true``;
+  publisher confirms (the sink), then the same with ``exactlyOnce=true`` to a deduplicating
+  exchange bound to a stream and to that stream over the stream protocol;
 - ``read dir``: a batch count and a full-row scan (sum of value lengths) of the stream from the
   data dir (Arrow batches from the segment files);
 - ``read amqp``: the same over the network (AMQP mode, ``minPartitions=2``).
@@ -83,8 +83,10 @@ def main(argv: list[str] | None = None) -> int:
                 sink = sink.option("confirmWindow", str(args.confirm_window))
             results = [
                 timed("sink, confirms", n, lambda: sink.option("topic", "bench").save()),
-                timed("sink, exactlyOnce", n, lambda: sink.option("topic", "bench-eo.in")
+                timed("sink, exactlyOnce (deduplicating exchange)", n, lambda: sink.option("topic", "bench-eo.in")
                       .option("exactlyOnce", "true").save()),
+                timed("sink, exactlyOnce (stream protocol)", n, lambda: sink.option("topic", "bench-eo")
+                      .option("exactlyOnce", "true").option("streamPort", str(broker.stream_port)).save()),
             ]
 
             def load(**opts: str) -> Any:
