@@ -83,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                 sink = sink.option("confirmWindow", str(args.confirm_window))
             results = [
                 timed("sink, confirms", n, lambda: sink.option("topic", "bench").save()),
-                timed("sink, exactlyOnce (deduplicating exchange)", n, lambda: sink.option("topic", "bench-eo.in")
-                      .option("exactlyOnce", "true").save()),
+                timed("sink, exactlyOnce (deduplicating exchange)", n,
+                      lambda: sink.option("topic", "bench-eo.in").option("exactlyOnce", "true").save()),
                 timed("sink, exactlyOnce (stream protocol)", n, lambda: sink.option("topic", "bench-eo")
                       .option("exactlyOnce", "true").option("streamPort", str(broker.stream_port)).save()),
             ]

@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     stream = f"bench-{window}-{exactly}"
                     _declare(broker.url, stream, dedup=exactly == "exchange")
-                    sink = _Sink({"uri": broker.url, "topic": stream + ".in" if exactly == "exchange" else stream,
+                    topic = stream + ".in" if exactly == "exchange" else stream
+                    sink = _Sink({"uri": broker.url, "topic": topic,
                                   "confirmWindow": window, "exactlyOnce": str(exactly != "false").lower(),
                                   "streamPort": str(broker.stream_port)}, _Schema())
                     rows = _batches(n)
