@@ -7,16 +7,19 @@ the method (class 60, method 40, ticket 0, exchange, routing key, the mandatory 
 content header (class 60, weight 0, ``u64`` body size, the property bytes) and the body, cut
 into frames of at most ``frame_max - 8`` bytes (none for an empty body).
 
-``frame_row`` writes one row into a buffer (the general path: any body size, per-row
-properties). ``frame_batch`` builds the same bytes for a batch of rows that share the exchange
-and the properties, column-wise like ``arrow_frames.py``: everything of a row before its
-routing key, and everything between the routing key and the body, are fixed-size NumPy
+``frame_row`` writes one row into a buffer (the general path: any body size, any
+properties). ``frame_batch`` builds the same bytes for a batch of rows that share the exchange,
+column-wise like ``arrow_frames.py``: everything of a row before its routing key, between the
+key and the properties, and between the properties and the body, are fixed-size NumPy
 structured records (big-endian) whose few varying fields (frame sizes, key length, body size)
 are filled per column; Arrow's element-wise binary join then lays out every row's
-``head + key + middle + body + 0xCE`` back to back in one buffer, with no Python code per row.
+``head + key + middle + properties + tail + body + 0xCE`` back to back in one buffer, with no
+Python code per row. The properties are one value for the batch, or a column of each row's
+(``dedup_props``: exactly once to a deduplicating exchange, each row's id in ``message_id``
+and the ``x-deduplication-header`` header, built the same way).
 It answers None when a row needs the general path (an empty body, a body of more than one
 frame), and the caller frames that batch row by row. ``tests/test_spark_frames.py`` checks
-that both give the same bytes.
+that both give the same bytes, and ``dedup_props`` those of ``properties.encode``.
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ partition and the row number. Two targets deduplicate by it:
   ``<query id>.<batch id>.<partition>.<row number>`` goes in ``message_id`` and the
   ``x-deduplication-header`` header, and the exchange drops an id it has seen within its cache
   (``x-cache-size``, ``x-cache-ttl``), kept in memory: it does not survive a broker restart or
-  leader change.
+  leader change. With the ``topic`` option set and no ``headers``, a whole Arrow batch is framed
+  at once, each row's properties built column-wise (``amqp_frames.dedup_props``).
 """
 
 from __future__ import annotations
