@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """The Spark sink's task body without Spark: rows/s of one task for each ``confirmWindow``.
 
-Each window is measured on the sink's two paths: at least once over AMQP (``amqp_sink.py``:
-the link layer's connection, a whole Arrow batch framed at once, confirms counted by tag) and
-``exactlyOnce`` to the stream (the stream protocol, ``stream_publish.py``). The peer in the
+Each window is measured on the sink's three paths: at least once over AMQP (``amqp_sink.py``:
+the link layer's connection, a whole Arrow batch framed at once, confirms counted by tag),
+``exactlyOnce`` to the stream (the stream protocol, ``stream_publish.py``) and ``exactlyOnce``
+to a deduplicating fanout exchange bound to it (AMQP, each row's id in its properties). The peer in the
 same run is what the AMQP path was before: a general client library (aiormq) publishing one
 row at a time with confirms, ``confirmWindow`` rows in flight (``--aiormq-rows``, few: it
 runs at a few hundred rows/s).
@@ -57,9 +58,15 @@ class _Schema:
         return ["value"]
 
 
-def _declare(url: str, stream: str) -> None:
+def _declare(url: str, stream: str, dedup: bool = False) -> None:
+    """A stream; with ``dedup``, also ``<stream>.in``, a deduplicating fanout exchange to it."""
     conn = pika.BlockingConnection(pika.URLParameters(url))
-    conn.channel().queue_declare(stream, durable=True, arguments={"x-queue-type": "stream"})
+    ch = conn.channel()
+    ch.queue_declare(stream, durable=True, arguments={"x-queue-type": "stream"})
+    if dedup:
+        ch.exchange_declare(stream + ".in", "fanout", durable=True, arguments={
+            "x-message-deduplication": True, "x-cache-size": 1_000_000})
+        ch.queue_bind(stream, stream + ".in")
     conn.close()
 
 
@@ -104,21 +111,24 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| one task (rows: stream path {args.rows:,}, AMQP {amqp_rows:,}) | rows/s "
                   "| client CPU µs/row | broker CPU µs/row |\n| --- | --- | --- | --- |")
             for window in args.windows.split(","):
-                for exactly in ("false", "true"):
+                for exactly in ("false", "true", "exchange"):
                     n = args.rows if exactly == "true" or args.amqp_rows is None else args.amqp_rows
                     if not n:
                         continue
                     stream = f"bench-{window}-{exactly}"
-                    _declare(broker.url, stream)
-                    sink = _Sink({"uri": broker.url, "topic": stream, "confirmWindow": window,
-                                  "exactlyOnce": exactly, "streamPort": str(broker.stream_port)}, _Schema())
+                    _declare(broker.url, stream, dedup=exactly == "exchange")
+                    topic = stream + ".in" if exactly == "exchange" else stream
+                    sink = _Sink({"uri": broker.url, "topic": topic,
+                                  "confirmWindow": window, "exactlyOnce": str(exactly != "false").lower(),
+                                  "streamPort": str(broker.stream_port)}, _Schema())
                     rows = _batches(n)
                     assert broker.pid is not None
                     t0, c0, b0 = time.perf_counter(), time.process_time(), cpu_seconds(broker.pid)
                     out = asyncio.run(sink._publish(iter(rows), "bench", 0, 0))
                     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
                     bcpu = cpu_seconds(broker.pid) - b0
-                    how = "exactlyOnce, stream protocol" if exactly == "true" else "AMQP (links)"
+                    how = {"false": "AMQP (links)", "true": "exactlyOnce, stream protocol",
+                           "exchange": "exactlyOnce, deduplicating exchange (AMQP)"}[exactly]
                     _row(f"confirmWindow {window}, {how}", out.rows, wall, cpu, bcpu)
                 if args.aiormq_rows:
                     stream = f"bench-{window}-aiormq"

@@ -48,3 +48,32 @@ def test_rows_only_the_row_path_frames() -> None:
         frame_batch(b"", True, pa.array([b"k" * 256]), PROPS, pa.array([b"a"]), FRAME_MAX)
     with pytest.raises(RowRefused):
         _rows(b"", True, [b"k" * 256], PROPS, [b"a"])
+
+
+@pytest.mark.parametrize("prefix", ["q1.0.0", "ü-query.7.1", "x" * 200])
+def test_dedup_props_batch_equals_rows(prefix: str) -> None:
+    """Exactly once to a deduplicating exchange: each row's properties (``message_id`` and the
+    deduplication header, ``<prefix>.<row>``), built column-wise and framed with the batch, give
+    the bytes of ``properties.encode`` and the row path, across id lengths (rows 1..120 and past
+    a power of ten)."""
+    from pamqp.commands import Basic
+
+    from broker import properties
+    from broker.spark.amqp_frames import dedup_props
+    from broker.spark.sink import DEDUP_HEADER
+
+    for first, n in ((1, 120), (99_995, 10)):
+        ids = [f"{prefix}.{i}" for i in range(first, first + n)]
+        want = [properties.encode(Basic.Properties(delivery_mode=2, message_id=i, headers={DEDUP_HEADER: i}))
+                for i in ids]
+        assert dedup_props(DEDUP_HEADER, prefix, first, n).to_pylist() == want
+        bodies = [b"b%d" % i for i in range(n)]
+        keys = [b"k%d" % (i % 3) for i in range(n)]
+        got = frame_batch(b"dedup.in", False, pa.array(keys), dedup_props(DEDUP_HEADER, prefix, first, n),
+                          pa.array(bodies), FRAME_MAX)
+        out = bytearray()
+        for key, p, body in zip(keys, want, bodies, strict=True):
+            frame_row(out, b"dedup.in", False, key, p, body, FRAME_MAX)
+        assert got == bytes(out)
+    with pytest.raises(RowRefused):
+        dedup_props(DEDUP_HEADER, "y" * 250, 1, 100_000)

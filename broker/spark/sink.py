@@ -33,7 +33,8 @@ partition and the row number. Two targets deduplicate by it:
   ``<query id>.<batch id>.<partition>.<row number>`` goes in ``message_id`` and the
   ``x-deduplication-header`` header, and the exchange drops an id it has seen within its cache
   (``x-cache-size``, ``x-cache-ttl``), kept in memory: it does not survive a broker restart or
-  leader change.
+  leader change. With the ``topic`` option set and no ``headers``, a whole Arrow batch is framed
+  at once, each row's properties built column-wise (``amqp_frames.dedup_props``).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from pyspark.sql.datasource import (  # type: ignore[import-not-found,import-unt
 )
 
 from broker import properties
-from broker.spark.amqp_frames import frame_batch
+from broker.spark.amqp_frames import dedup_props, frame_batch
 from broker.spark.amqp_sink import SinkPublisher
 from broker.spark.options import SINK_OPTIONS, checked, flag
 from broker.spark.stream_publish import NoSuchStream, StreamPublisher, publishing_id
@@ -143,12 +144,14 @@ class _Sink:
                     continue
                 names = batch.schema.names
                 rows = batch.num_rows
-                if self.topic and not self.exactly_once and not _has_headers(batch):
-                    # one target, one set of properties: framed a piece of the batch at a time
+                if self.topic and not _has_headers(batch):
+                    # one target: framed a piece of the batch at a time (with exactlyOnce, the
+                    # target is a deduplicating exchange and each row's id is in its properties)
                     exchange = await is_exchange(self.topic)
                     keys = batch.column("key") if exchange and "key" in names else \
                         (b"" if exchange else self.topic.encode())
-                    await _put_batch(amqp, self.topic if exchange else "", keys, batch.column("value"))
+                    await _put_batch(amqp, self.topic if exchange else "", keys, batch.column("value"),
+                                     id_prefix if self.exactly_once else None, n + 1)
                     n += rows
                     continue
                 values = batch.column("value").to_pylist()
@@ -234,9 +237,12 @@ def _no_headers(batch: Any) -> None:
         raise ValueError(_NO_HEADERS)
 
 
-async def _put_batch(amqp: SinkPublisher, exchange: str, keys: Any, values: Any) -> None:
-    """A batch's rows to one target with ``_PERSISTENT`` properties, half a window at a time:
-    framed whole (``frame_batch``) unless a row needs the row-by-row framing."""
+async def _put_batch(amqp: SinkPublisher, exchange: str, keys: Any, values: Any, id_prefix: str | None,
+                     first: int) -> None:
+    """A batch's rows to one target, half a window at a time: with ``_PERSISTENT`` properties,
+    or with ``id_prefix`` (exactly once) each row's id ``<id_prefix>.<row>`` (rows numbered
+    from ``first``) in its properties (``dedup_props``); framed whole (``frame_batch``) unless
+    a row needs the row-by-row framing."""
     piece = max(1, amqp.window // 2)
     ex = exchange.encode()
     for lo in range(0, len(values), piece):
@@ -244,14 +250,17 @@ async def _put_batch(amqp: SinkPublisher, exchange: str, keys: Any, values: Any)
         if amqp.pending + len(part) > amqp.window:
             await amqp.drain(amqp.window - len(part))
         part_keys: Any = keys if isinstance(keys, bytes) else keys.slice(lo, piece)
-        data = frame_batch(ex, not exchange, part_keys, _PERSISTENT, part, amqp.frame_max)
+        props: Any = _PERSISTENT if id_prefix is None else \
+            dedup_props(DEDUP_HEADER, id_prefix, first + lo, len(part))
+        data = frame_batch(ex, not exchange, part_keys, props, part, amqp.frame_max)
         if data is not None:
             amqp.put_framed(data, len(part))
             continue
         bodies = part.to_pylist()
         rks = [keys.decode()] * len(bodies) if isinstance(keys, bytes) else part_keys.to_pylist()
-        for body, rk in zip(bodies, rks, strict=True):
-            amqp.put(exchange, rk or "", _PERSISTENT, _bytes(body))
+        each = [props] * len(bodies) if isinstance(props, bytes) else props.to_pylist()
+        for body, rk, raw in zip(bodies, rks, each, strict=True):
+            amqp.put(exchange, rk or "", raw, _bytes(body))
 
 
 class SkredWriter(DataSourceArrowWriter):  # type: ignore[misc,unused-ignore]

@@ -102,3 +102,34 @@ def test_unroutable_and_nacked_rows_fail_the_task(shared_broker: Any, cleanup: A
     with pytest.raises(SinkError, match="nack"):
         _publish(url, [batch], topic=capped, confirmWindow="64")
     assert count_at(url, capped) == 50
+
+
+def test_exactly_once_to_a_deduplicating_exchange(shared_broker: Any, cleanup: Any) -> None:
+    """``exactlyOnce`` to an exchange declared with ``x-message-deduplication``: batches framed
+    whole with each row's id in ``message_id`` and the deduplication header (``dedup_props``),
+    a batch with an empty body row by row; the ids are ``<query>.<batch>.<task>.<row>`` in row
+    order across batches, and the task run again (Spark's retry) adds nothing."""
+    url = shared_broker.url
+    ex, q = cleanup.exchange(), cleanup.queue()
+    with pika.BlockingConnection(pika.URLParameters(url)) as conn:
+        ch = conn.channel()
+        ch.exchange_declare(ex, "fanout", durable=True, arguments={
+            "x-message-deduplication": True, "x-cache-size": 4 * ROWS})
+        ch.queue_declare(q, durable=True)
+        ch.queue_bind(q, ex)
+    values = [b"e%d" % i for i in range(ROWS)] + [b"", b"tail"]
+    batches = [pa.record_batch([pa.array(part, pa.binary())], names=["value"])
+               for part in (values[:700], values[700:ROWS], values[ROWS:])]
+    for _run in range(2):
+        assert _publish(url, batches, topic=ex, exactlyOnce="true", confirmWindow="256") == ROWS + 2
+    got: list[tuple[bytes, str, str]] = []
+    with pika.BlockingConnection(pika.URLParameters(url)) as conn:
+        ch = conn.channel()
+        for method, props, body in ch.consume(q, inactivity_timeout=10):
+            if method is None:
+                break
+            got.append((body, props.message_id, props.headers["x-deduplication-header"]))
+            ch.basic_ack(method.delivery_tag)
+        ch.cancel()
+    ids = [f"q.0.0.{i}" for i in range(1, ROWS + 3)]
+    assert got == list(zip(values, ids, ids, strict=True))
