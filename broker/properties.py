@@ -29,6 +29,16 @@ second flag word (class basic has 14 properties), field names and short strings 
 are not UTF-8, tables nested deeper than clients recurse, and timestamps beyond year
 9999 (pamqp turns the timestamp property into a datetime: seconds, or milliseconds when
 above 2**32; pika turns a 'T' field into a datetime of seconds).
+
+Header values on the cold path: pamqp decodes an ``S`` long string that is not UTF-8 (py-amqp,
+Celery's transport, writes a Python ``bytes`` header so) to ``bytes``, which its own encoder
+refuses, and its encoder narrows a float to a 32-bit ``f``. ``encode`` therefore writes headers
+with ``encode_table``: pamqp's encoders but ``bytes`` as the ``S`` it came from (a long string is
+binary in 0-9-1), ``bytearray`` as a byte array ``x`` (what a front end uses for binary data),
+float as a double ``d``; a value no field type holds (an integer beyond 64 bits, an object)
+raises ``TypeError``, for the front end to refuse at publish time. A route that only adds or
+replaces a few header fields (a stream's offset stamping) splices them into the raw table with
+``with_header_fields`` instead, so every other field keeps its bytes and type exactly.
 """
 
 from __future__ import annotations
@@ -76,6 +86,7 @@ MAX_TABLE_DEPTH = 100
 
 _U32 = struct.Struct(">I").unpack_from
 _U64 = struct.Struct(">Q").unpack_from
+_F64 = struct.Struct(">d").pack
 
 _SHORTSTR, _OCTET, _TABLE, _TIMESTAMP = range(4)
 # (flag, kind, name) of the basic class's properties, in wire order.
@@ -442,7 +453,46 @@ def _field_encoders() -> tuple[tuple[str, int, Callable[[Any], bytes]], ...]:
                  for name in props.__slots__)
 
 
-_ENCODERS = _field_encoders()  # (attribute, flag bit, pamqp's encoder of its type), in flag order
+def _table_value(value: Any) -> bytes:
+    """One field value, typed as ``encode_table`` says (pamqp's encoder for the rest)."""
+    if isinstance(value, bytes):
+        return b"S" + len(value).to_bytes(4, "big") + value
+    if isinstance(value, float):
+        return b"d" + _F64(value)
+    if isinstance(value, dict):
+        return b"F" + encode_table(value)
+    if isinstance(value, (list, tuple)):
+        items = b"".join(map(_table_value, value))
+        return b"A" + len(items).to_bytes(4, "big") + items
+    return pamqp_encode.encode_table_value(value)
+
+
+def encode_table(table: dict[str, Any]) -> bytes:
+    """A field table (with its length), keys sorted as pamqp writes them; every value pamqp
+    decodes is written back with its value unchanged (module docstring); TypeError for a value
+    no field type holds."""
+    parts = []
+    for key, value in sorted(table.items()):
+        if not isinstance(key, str):
+            raise TypeError(f"header name {key!r} is not a string")
+        name = key.encode()
+        if len(name) > 128:  # field names are at most 128 bytes (pamqp cuts them too)
+            name = name[:128].decode("utf-8", "ignore").encode()
+        try:
+            parts.append(b"".join((bytes((len(name),)), name, _table_value(value))))
+        except (TypeError, struct.error, OverflowError) as exc:
+            raise TypeError(f"header {key!r}: {exc}") from None
+    out = b"".join(parts)
+    return len(out).to_bytes(4, "big") + out
+
+
+def _headers_encoder(value: dict[str, Any]) -> bytes:
+    return encode_table(value) if value else b"\x00\x00\x00\x00"
+
+
+_ENCODERS = tuple((name, flag, _headers_encoder if name == "headers" else enc)
+                  for name, flag, enc in _field_encoders())
+# (attribute, flag bit, encoder of its type), in flag order: pamqp's, but headers by encode_table
 
 
 def encode(p: commands.Basic.Properties) -> bytes:
@@ -458,6 +508,44 @@ def encode(p: commands.Basic.Properties) -> bytes:
             parts.append(enc(value))
     parts[0] = flags.to_bytes(2, "big")
     return b"".join(parts)
+
+
+def with_header_fields(props: bytes, fields: bytes, names: frozenset[bytes]) -> bytes:
+    """A valid property list with the header fields named in ``names`` (raw names) dropped and
+    ``fields`` (encoded name-type-value fields) added after the rest; every other byte is kept,
+    so every other value keeps its exact type (no decode and re-encode). A list without headers
+    gets a table of ``fields`` after its content type and encoding; ``fields`` empty leaves it be."""
+    if len(props) < 2:
+        props = EMPTY
+    at = 2
+    if props[0] & HI_CONTENT_TYPE:
+        at += 1 + props[at]
+    if props[0] & HI_CONTENT_ENCODING:
+        at += 1 + props[at]
+    if not props[0] & HI_HEADERS:
+        if not fields:
+            return props
+        return b"".join((bytes((props[0] | HI_HEADERS, props[1])), props[2:at],
+                         len(fields).to_bytes(4, "big"), fields, props[at:]))
+    end = at + 4 + _U32(props, at)[0]
+    kept = []
+    pos = start = at + 4
+    while pos < end:  # top-level fields: name, type, value (walked as _check_fields does)
+        field = pos
+        name_end = pos + 1 + props[pos]
+        t = props[name_end]
+        pos = name_end + 1
+        size = _FIXED.get(t)
+        pos += size if size is not None else 4 + _U32(props, pos)[0]
+        if props[field + 1:name_end] in names:
+            kept.append(props[start:field])
+            start = pos
+    if not kept:  # none of the names present: the table's fields as they are, then ours
+        table = props[at + 4:end] + fields
+    else:
+        kept.append(props[start:end])
+        table = b"".join(kept) + fields
+    return b"".join((props[:at], len(table).to_bytes(4, "big"), table, props[end:]))
 
 
 def headers(props: bytes) -> dict[str, Any]:

@@ -44,8 +44,11 @@ def test_cut_equals_reencode(props: commands.Basic.Properties, offset: int) -> N
     stamp = 1_795_000_000_123 + offset
     delivered = with_offset_header(raw, offset, stamp)
     assert _find_stream_headers(delivered) is not None  # the walk, not the fallback
-    got = split_stream_headers(delivered)
-    assert got == _split_slow(delivered)
+    got, slow = split_stream_headers(delivered), _split_slow(delivered)
+    assert got[:2] == slow[:2]
+    assert properties.decode(got[2]) == properties.decode(slow[2])
+    if "f" not in (props.headers or {}):  # the route re-encodes a float as a double
+        assert got[2] == slow[2]
     assert got[:2] == (offset, stamp)
     headers = dict(props.headers or {})
     headers.pop("x-stream-offset", None)
@@ -61,14 +64,15 @@ def _stamped_by_reencode(raw: bytes, offset: int, stamp: int) -> bytes:
 @pytest.mark.parametrize("props", CORPUS, ids=range(len(CORPUS)))
 @pytest.mark.parametrize("offset", OFFSETS)
 def test_broker_stamp_equals_reencode(props: commands.Basic.Properties, offset: int) -> None:
-    """The broker's in-place stamping of a record without headers decodes as the
-    decode/re-encode route's (byte for byte where pamqp re-encodes the rest unchanged), and
-    cutting the headers out again gives the record's bytes back."""
+    """The broker's in-place stamping decodes as the decode/re-encode route's (byte for byte for
+    a record without headers; with headers its two fields follow the record's own, where pamqp
+    sorts them in), and cutting the headers out again gives the record's bytes back."""
     raw = bytes(props.marshal())
     stamp = 1_795_000_000_123 + offset
     fast, slow = with_offset_header(raw, offset, stamp), _stamped_by_reencode(raw, offset, stamp)
     assert properties.decode(fast) == properties.decode(slow)
-    assert fast == slow
+    if props.headers is None:
+        assert fast == slow
     if props.headers is None:
         assert split_stream_headers(fast)[2] == raw
 

@@ -243,32 +243,21 @@ def named_offset(s: StreamStore, name: str) -> int | None:
 
 
 _STREAM_KEYS: Final = (b"\x0fx-stream-offset", b"\x12x-stream-timestamp")  # short-string keys
+_STREAM_NAMES: Final = frozenset(k[1:] for k in _STREAM_KEYS)
 
 
 def with_offset_header(props: bytes, offset: int, timestamp_ms: int) -> bytes:
     """``props`` with ``x-stream-offset`` (and the append time, ``x-stream-timestamp`` in ms).
 
-    A record without headers (the common case) gets a table of the two entries inserted after
-    its content type and encoding, its other bytes kept; the values are typed as pamqp types
-    them (its smallest integer), so it is what the decode/re-encode route gives, which records
-    with headers take (a differential test compares them, tests/test_spark_stream_headers.py).
+    The two fields are spliced into the raw headers table (``properties.with_header_fields``):
+    a publisher's own fields of those names are dropped, every other byte is kept, so a value
+    that pamqp would not re-encode as it came (a long string that is not UTF-8, a double, an
+    unsigned 64-bit integer) reaches the consumer unchanged. A record without headers gets a
+    table of the two. The values are typed as pamqp types them (its smallest integer), as a
+    decode and re-encode would (tests/test_spark_stream_headers.py compares the two).
     """
-    if len(props) >= 2 and not props[0] & properties.HI_HEADERS and not props[1] & 1:
-        at = 2
-        if props[0] & properties.HI_CONTENT_TYPE:
-            at += 1 + props[at]
-        if props[0] & properties.HI_CONTENT_ENCODING:
-            at += 1 + props[at]
-        table = b"".join((_STREAM_KEYS[0], table_integer(offset),
-                           _STREAM_KEYS[1], table_integer(timestamp_ms)))
-        return b"".join((bytes((props[0] | properties.HI_HEADERS, props[1])), props[2:at],
-                         len(table).to_bytes(4, "big"), table, props[at:]))
-    p = _decode(props)
-    headers = dict(p.headers or {})
-    headers["x-stream-offset"] = offset
-    headers["x-stream-timestamp"] = timestamp_ms
-    p.headers = headers
-    return bytes(p.marshal())
+    fields = b"".join((_STREAM_KEYS[0], table_integer(offset), _STREAM_KEYS[1], table_integer(timestamp_ms)))
+    return properties.with_header_fields(props, fields, _STREAM_NAMES)
 
 
 class RecordConsumer(Consumer):

@@ -187,7 +187,7 @@ def _split_slow(props: bytes) -> tuple[int, int, bytes]:
     if not isinstance(offset, int):
         raise KeyError(f"{_OFFSET_KEY.decode()} is {offset!r}")
     p.headers = headers or None
-    return offset, stamp if isinstance(stamp, int) else 0, bytes(p.marshal())
+    return offset, stamp if isinstance(stamp, int) else 0, properties.encode(p)
 
 
 class _ReadWire(Wire):
