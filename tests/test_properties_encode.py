@@ -1,4 +1,4 @@
-"""``properties.encode`` writes exactly the bytes pamqp's ``Properties.marshal`` writes (the shovel
+"""``properties.encode`` writes exactly the bytes pamqp's ``Properties.marshal`` writes for the values it writes as they came (not a float, which it narrows, nor bytes, which it refuses: tests/test_header_values.py) (the shovel
 encodes every message a remote source delivers into this broker's store with it)."""
 
 from __future__ import annotations
