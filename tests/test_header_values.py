@@ -39,7 +39,7 @@ FIELDS = [
     _field("V", "V", b""), _field("text", "S", struct.pack(">I", 4) + b"t\xc3\xa9x"),
     _field("bin", "S", struct.pack(">I", 4) + b"\xff\xfe\x00\x80"),  # py-amqp's bytes: not UTF-8
     _field("x", "x", struct.pack(">I", 3) + b"\x00\xff\x01"),
-    _field("arr", "A", _table(_sized("S", b"\x81\x82"), _sized("x", b"\x83"), b"b\x07")),  # an array: no names
+    _field("arr", "A", _table(_sized("S", b"\x81\x82"), _sized("x", b"\x83"), b"b\x07")),  # no names
     _field("nested", "F", _table(_field("bin", "S", struct.pack(">I", 1) + b"\x84"),
                                  _field("deep", "F", _table(_field("d", "d", struct.pack(">d", 2.2))))))
 ]

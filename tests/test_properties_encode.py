@@ -1,5 +1,7 @@
-"""``properties.encode`` writes exactly the bytes pamqp's ``Properties.marshal`` writes for the values it writes as they came (not a float, which it narrows, nor bytes, which it refuses: tests/test_header_values.py) (the shovel
-encodes every message a remote source delivers into this broker's store with it)."""
+"""``properties.encode`` writes exactly the bytes pamqp's ``Properties.marshal`` writes (the shovel
+encodes every message a remote source delivers into this broker's store with it), for every value
+pamqp writes as it came: not a float, which pamqp narrows to 32 bits, nor ``bytes``, which it
+refuses (tests/test_header_values.py)."""
 
 from __future__ import annotations
 

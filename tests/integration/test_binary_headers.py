@@ -11,7 +11,6 @@ integer beyond 32 bits as ``L``. Each must reach an AMQP consumer with its value
 
 from __future__ import annotations
 
-import socket
 import time
 from typing import Any
 
@@ -61,7 +60,7 @@ def _get_one(url: str, queue: str, arguments: dict[str, Any] | None = None) -> t
         while not got and time.monotonic() < deadline:
             try:
                 conn.drain_events(timeout=1)
-            except socket.timeout:
+            except TimeoutError:
                 pass
         assert got, f"nothing delivered from {queue}"
         ch.basic_ack(got[0].delivery_tag)
