@@ -181,7 +181,7 @@ def _properties(raw: Any) -> commands.Basic.Properties:
         kwargs[field] = value
     try:
         props = commands.Basic.Properties(**kwargs)
-        props.marshal()
+        properties.encode(props)
     except (TypeError, ValueError, struct.error) as exc:
         raise bad_request(f"invalid message properties: {exc}") from None
     return props
@@ -218,7 +218,6 @@ async def publish(request: web.Request) -> web.Response:
     broker = request.app[MGMT_KEY].broker
     broker.stats.published += 1
     broker.stats.sizes.observe(len(data))
-    props_bytes = bytes(props.marshal())
     try:
         out = vh.publish(PublishRequest(ex.name, routing_key, props_bytes, data, int(time.time() * 1000),
                                         props.delivery_mode == 2, origin=origin_of(request)))

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import time
 from typing import Any
+from urllib.parse import quote
 
 import amqp
 import pika
 import pytest
 
-from ._support import Cleanup
+from ._support import Cleanup, queue_count
+from .test_ctl_lavinmq import api_of
 
 # Durable state: also against a cluster leader and through a follower (_cluster_modes.py).
 pytestmark = pytest.mark.cluster_modes
@@ -32,7 +34,8 @@ HEADERS: dict[str, Any] = {
 
 def _connect(url: str) -> amqp.Connection:
     params = pika.URLParameters(url)
-    conn = amqp.Connection(f"{params.host}:{params.port}", userid="guest", password="guest",
+    creds = params.credentials
+    conn = amqp.Connection(f"{params.host}:{params.port}", userid=creds.username, password=creds.password,
                            virtual_host=params.virtual_host, confirm_publish=True)
     conn.connect()
     return conn
@@ -114,3 +117,30 @@ def test_bcc_rewrite_keeps_binary_headers(shared_broker: Any, cleanup: Cleanup) 
         assert body == b"payload"
         assert "BCC" not in headers
         assert headers == HEADERS
+
+
+def test_http_publish_keeps_doubles_refuses_huge_ints(shared_broker: Any, cleanup: Cleanup) -> None:
+    """The HTTP publish API encodes its JSON headers as the broker's other rewrites do: a JSON
+    number with a fraction as a double (was a 32-bit float: 0.1 arrived as 0.10000000149...),
+    and an integer beyond 64 bits is a 400 with nothing published."""
+    url = shared_broker.url
+    api = api_of(shared_broker)
+    q = cleanup.queue()
+    with pika.BlockingConnection(pika.URLParameters(url)) as conn:
+        conn.channel().queue_declare(q, durable=True)
+    vhost = quote(pika.URLParameters(url).virtual_host, safe="")
+
+    def publish(headers: dict[str, Any]) -> tuple[int, Any]:
+        status, body, _ = api.call("POST", f"/api/exchanges/{vhost}/amq.default/publish", {
+            "properties": {"headers": headers, "delivery_mode": 2}, "routing_key": q,
+            "payload": "payload", "payload_encoding": "string"})
+        return status, body
+
+    status, _ = publish({"d": 0.1, "huge": 1 << 70})
+    assert status == 400
+    with pika.BlockingConnection(pika.URLParameters(url)) as conn:
+        assert queue_count(conn, q) == 0
+    status, body = publish({"d": 0.1, "n": [1.5, {"e": 2.25}]})
+    assert (status, body) == (200, {"routed": True})
+    body_bytes, headers = _get_one(url, q)
+    assert (body_bytes, headers) == (b"payload", {"d": 0.1, "n": [1.5, {"e": 2.25}]})
