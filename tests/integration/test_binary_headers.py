@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import time
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import amqp
 import pika
 import pytest
+from rstream import AMQPMessage, Producer
 
-from ._support import Cleanup, queue_count
+from ._support import Cleanup, queue_count, run_async
 from .test_ctl_lavinmq import api_of
 
 # Durable state: also against a cluster leader and through a follower (_cluster_modes.py).
@@ -144,3 +145,27 @@ def test_http_publish_keeps_doubles_refuses_huge_ints(shared_broker: Any, cleanu
     assert (status, body) == (200, {"routed": True})
     body_bytes, headers = _get_one(url, q)
     assert (body_bytes, headers) == (b"payload", {"d": 0.1, "n": [1.5, {"e": 2.25}]})
+
+
+def test_stream_protocol_binary_properties_reach_amqp(shared_broker: Any, broker_mode: str,
+                                                      cleanup: Cleanup) -> None:
+    """A stream client's AMQP 1.0 message with binary application properties and annotations is
+    stored as its bytes (the stream protocol puts nothing of it into the headers), so an AMQP
+    consumer of the stream gets it whole, with only the broker's two offset headers. Passed before
+    the fix too: no stream-protocol value reaches the header encoder."""
+    u = urlsplit(shared_broker.url)
+    stream = cleanup.queue()
+    msg = AMQPMessage(body=b"payload", application_properties={"bin": b"\xff\x00", "s": "t"},
+                      message_annotations={"x-opt-bin": b"\x80"})
+
+    async def send() -> None:
+        async with Producer(shared_broker.host, port=int(shared_broker.stream_port),
+                            username=u.username or "guest", password=u.password or "guest",
+                            load_balancer_mode=broker_mode == "follower") as p:
+            await p.create_stream(stream)
+            await p.send_wait(stream, msg)
+
+    run_async(send(), 30)
+    body, headers = _get_one(shared_broker.url, stream, {"x-stream-offset": "first"})
+    assert body == bytes(msg)
+    assert sorted(headers) == ["x-stream-offset", "x-stream-timestamp"]
