@@ -157,3 +157,35 @@ def test_freed_heap_pages_go_back_after_a_peak() -> None:
     assert top - idle >= 90, out.stdout  # the peak was on the heap
     assert freed - idle >= 60, out.stdout  # freeing alone gave little back (glibc keeps it)
     assert measured - idle <= 15, out.stdout  # the measurement trimmed it
+
+
+_PEAK_THEN_FREED = textwrap.dedent("""
+    from broker.amqp.memory import MemoryAlarm, TRIM_EVERY, anon_memory
+    from broker.node import keep_buffers_on_the_heap
+
+    MiB = 1 << 20
+    assert keep_buffers_on_the_heap()
+    now = [0.0]
+    alarm = MemoryAlarm(1 << 50, clock=lambda: now[0])  # a watermark never reached
+    idle = anon_memory()
+    kept, peak = [], []
+    for i in range(1600):  # 100 MiB, as above
+        peak.append(bytearray(64 * 1024))
+        kept.append(bytearray(2048))
+    now[0] += TRIM_EVERY
+    alarm.measure()  # measured at the top of the peak (the queues are still there)
+    top = alarm.used
+    del peak  # then the queues are deleted and their connections closed
+    now[0] += TRIM_EVERY
+    alarm.measure()
+    print(idle // MiB, top // MiB, alarm.used // MiB, len(kept))
+""")
+
+
+def test_a_peak_measured_at_its_top_is_given_back_once_freed() -> None:
+    out = subprocess.run([sys.executable, "-c", _PEAK_THEN_FREED], capture_output=True, text=True,
+                         timeout=120, cwd=REPO, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    idle, top, measured, _ = map(int, out.stdout.split())
+    assert top - idle >= 90, out.stdout  # the peak was resident when measured
+    assert measured - idle <= 15, out.stdout  # freed after that measurement, and trimmed
