@@ -153,7 +153,8 @@ def start_skred(work: Path, ca: Path, cert: Path, key: Path,
     with open(work / "skred.log", "ab") as log:
         proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
-    return Broker(proc, port, tls_port, ca, relaunch=lambda: start_skred(work, ca, cert, key, ports, path, extra))
+    return Broker(proc, port, tls_port, ca,
+                  relaunch=lambda: start_skred(work, ca, cert, key, ports, path, extra))
 
 
 def start_rabbitmq(work: Path, ca: Path, cert: Path, key: Path) -> Broker:
