@@ -9,7 +9,10 @@ snapshot of every process of the node when it is idle, runs workload 7 (``worklo
 more into each, then every queue deleted and every connection closed), waits ``--settle``
 seconds, takes another, and prints per process the anonymous RSS before and after and the
 tracebacks whose memory grew most (what a deleted queue left behind). Counts of the Python heap,
-not RSS: RSS also holds the allocator's free pages.
+not RSS: RSS also holds the allocator's free pages. ``--cycles N`` runs the workload N times on
+the one node, with an RSS reading right after each round's deletes, ``--settle`` seconds later
+and after each process trimmed its heap (a rise per round is a leak, a plateau is not);
+``--durable`` makes the queues durable and the messages persistent; ``--workers`` is the node's.
 
 ``cold``: workload 7's cold figure (the first message into each of 1,000 new queues, until all
 were delivered) on a private Skred and a private RabbitMQ 3.10 in turn, ``--runs`` times each;
@@ -17,6 +20,7 @@ prints the median and range per broker and Skred's ratio to RabbitMQ (a ratio fr
 loaded machine means more than either time).
 
     python benchmarks/latency_queues.py memory --private /tmp/lq
+    python benchmarks/latency_queues.py memory --private /tmp/lq --cycles 2 --settle 12 --workers 1
     python benchmarks/latency_queues.py cold --private /tmp/lq --runs 5
 """
 
