@@ -7,7 +7,9 @@ acked and deleted by a connection of its own that then closes; afterwards the li
 by type must be where they were. The second runs in a child process (the allocator's settings
 are process-wide): the node's heap settings, a peak of buffers interleaved with small objects
 that stay (as connections' buffers and the objects of a long-lived broker are), then freed;
-the memory alarm's measurement outside the alarm must give the free pages back.
+the memory alarm's measurement outside the alarm must give the free pages back. The third
+measures at the top of such a peak first (as the node's once-a-second measurement does while the
+queues are still there), then frees it: the next measurement must still give the pages back.
 """
 
 from __future__ import annotations
