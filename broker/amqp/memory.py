@@ -52,7 +52,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 
@@ -60,13 +60,18 @@ _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
 
 
+def _libc(name: str) -> Any:
+    """The C library's function ``name``, or None where it is missing (not glibc, too old)."""
+    lib = ctypes.util.find_library("c")
+    try:
+        return getattr(ctypes.CDLL(lib), name) if lib else None
+    except (OSError, AttributeError):
+        return None
+
+
 def _libc_trim() -> Callable[[], object]:
     """glibc's ``malloc_trim(0)`` (give free heap pages back to the OS), or a no-op."""
-    name = ctypes.util.find_library("c")
-    try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):
-        trim = None
+    trim = _libc("malloc_trim")
     if trim is None:
         return lambda: None
     trim.argtypes = [ctypes.c_size_t]
@@ -84,11 +89,7 @@ class _MallInfo2(ctypes.Structure):
 
 def _libc_free_bytes() -> Callable[[], int | None]:
     """glibc's free bytes held by malloc (``mallinfo2().fordblks``), or None where missing."""
-    name = ctypes.util.find_library("c")
-    try:
-        info = ctypes.CDLL(name).mallinfo2 if name else None
-    except (OSError, AttributeError):
-        info = None
+    info = _libc("mallinfo2")
     if info is None:
         return lambda: None
     info.argtypes = []
