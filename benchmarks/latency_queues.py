@@ -9,7 +9,10 @@ snapshot of every process of the node when it is idle, runs workload 7 (``worklo
 more into each, then every queue deleted and every connection closed), waits ``--settle``
 seconds, takes another, and prints per process the anonymous RSS before and after and the
 tracebacks whose memory grew most (what a deleted queue left behind). Counts of the Python heap,
-not RSS: RSS also holds the allocator's free pages.
+not RSS: RSS also holds the allocator's free pages. ``--cycles N`` runs the workload N times on
+the one node, with an RSS reading right after each round's deletes, ``--settle`` seconds later
+and after each process trimmed its heap (a rise per round is a leak, a plateau is not);
+``--durable`` makes the queues durable and the messages persistent; ``--workers`` is the node's.
 
 ``cold``: workload 7's cold figure (the first message into each of 1,000 new queues, until all
 were delivered) on a private Skred and a private RabbitMQ 3.10 in turn, ``--runs`` times each;
@@ -17,6 +20,7 @@ prints the median and range per broker and Skred's ratio to RabbitMQ (a ratio fr
 loaded machine means more than either time).
 
     python benchmarks/latency_queues.py memory --private /tmp/lq
+    python benchmarks/latency_queues.py memory --private /tmp/lq --cycles 2 --settle 12 --workers 1
     python benchmarks/latency_queues.py cold --private /tmp/lq --runs 5
 """
 
@@ -105,7 +109,8 @@ def snapshots(pids: list[int], trace_dir: Path, n: int,
     return got
 
 
-def memory(work: Path, queues: int, warm: int, settle: float, top: int, trace: bool) -> int:
+def memory(work: Path, queues: int, warm: int, settle: float, top: int, trace: bool,
+           cycles: int = 1, durable: bool = False, workers: int = 0) -> int:
     trace_dir = work / "trace"
     trace_dir.mkdir(parents=True, exist_ok=True)
     hook = work / "hook"
@@ -115,26 +120,33 @@ def memory(work: Path, queues: int, warm: int, settle: float, top: int, trace: b
     if trace:
         os.environ[TRACE_ON] = "1"
     certs = make_certs(work / "certs")
-    skred = start_skred(work, *certs, path=hook)
+    skred = start_skred(work, *certs, path=hook, extra=("--workers", str(workers)))
     try:
         skred.wait_ready(300)
         time.sleep(settle)
         pids = tree(skred.pid)
+
+        def rss() -> dict[int, float]:
+            return {p: memory_mib(p).get("RssAnon", 0.0) for p in pids}
+
         before = snapshots(pids, trace_dir, 1)  # without tracing: trimmed, the baseline
-        rss = [{p: memory_mib(p).get("RssAnon", 0.0) for p in pids}]
-        r = many_queues(skred.plain_uri, queues, warm)
-        time.sleep(settle)
-        rss.append({p: memory_mib(p).get("RssAnon", 0.0) for p in pids})
-        after = snapshots(pids, trace_dir, 2)
-        if not trace:  # each process trimmed its heap: what the allocator kept, not the broker
-            rss.append({p: memory_mib(p).get("RssAnon", 0.0) for p in pids})
-        print(f"workload 7 ({queues} queues): cold {r['cold_s']:.2f} s, warm {r['warm_rate']:.0f} msg/s, "
-              f"load average {os.getloadavg()[0]:.1f}")
-        print("RssAnon MiB per process: idle" + ("" if trace else " (trimmed)")
-              + " -> after the queues were deleted" + ("" if trace else " -> after malloc_trim(0)"))
+        columns = [("idle" + ("" if trace else " (trimmed)"), rss())]
+        after = before
+        for c in range(1, cycles + 1):
+            r = many_queues(skred.plain_uri, queues, warm, durable=durable)
+            columns.append((f"cycle {c}: deleted", rss()))
+            time.sleep(settle)
+            columns.append((f"+{settle:g} s", rss()))
+            after = snapshots(pids, trace_dir, c + 1)
+            if not trace:  # each process trimmed its heap: what the allocator kept, not the broker
+                columns.append(("malloc_trim(0)", rss()))
+            print(f"cycle {c}, workload 7 ({queues} {'durable ' if durable else ''}queues): cold "
+                  f"{r['cold_s']:.2f} s, warm {r['warm_rate']:.0f} msg/s, "
+                  f"load average {os.getloadavg()[0]:.1f}")
+        print("RssAnon MiB per process: " + " -> ".join(name for name, _ in columns))
         for p in pids:
-            print(f"  pid {p}: " + " -> ".join(f"{m[p]:.1f}" for m in rss))
-        print("  all: " + " -> ".join(f"{sum(m.values()):.1f}" for m in rss))
+            print(f"  pid {p}: " + " -> ".join(f"{m[p]:.1f}" for _, m in columns))
+        print("  all: " + " -> ".join(f"{sum(m.values()):.1f}" for _, m in columns))
         for p in pids if trace else []:
             b, a = before.get(p), after.get(p)
             if b is None or a is None:
@@ -199,11 +211,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", action="store_true",
                     help="memory: trace the Python heap and print what grew (RSS then includes tracing)")
     ap.add_argument("--top", type=int, default=25, help="memory: tracebacks to print per process")
+    ap.add_argument("--cycles", type=int, default=1,
+                    help="memory: rounds of the workload (RSS growing per round is a leak, a plateau is not)")
+    ap.add_argument("--durable", action="store_true", help="memory: durable queues, persistent messages")
+    ap.add_argument("--workers", type=int, default=0, help="memory: the node's --workers (0: one per core)")
     a = ap.parse_args(argv)
     work = Path(a.private)
     work.mkdir(parents=True, exist_ok=True)
     if a.what == "memory":
-        return memory(work, a.queues, a.warm, a.settle, a.top, a.trace)
+        return memory(work, a.queues, a.warm, a.settle, a.top, a.trace, a.cycles, a.durable, a.workers)
     return cold(work, a.runs)
 
 

@@ -137,21 +137,24 @@ class RabbitBroker(Broker):
 
 
 def start_skred(work: Path, ca: Path, cert: Path, key: Path,
-                ports: tuple[int, int, int, int] | None = None, path: Path | None = None) -> Broker:
+                ports: tuple[int, int, int, int] | None = None, path: Path | None = None,
+                extra: tuple[str, ...] = ()) -> Broker:
     """A Skred on ``ports`` (AMQP, AMQPS, management, metrics; default: free ones); ``path``, a
-    directory put before the repository on its PYTHONPATH (an instrument's sitecustomize)."""
+    directory put before the repository on its PYTHONPATH (an instrument's sitecustomize);
+    ``extra``, more of its options."""
     ports = ports or (free_port(), free_port(), free_port(), free_port())
     port, tls_port, mgmt_port, metrics_port = ports
     argv = [sys.executable, "-m", "broker", "--data-dir", str(work / "skred-data"),
             "--amqp-bind", "127.0.0.1", "--amqp-port", str(port), "--amqp-tls-port", str(tls_port),
             "--mgmt-port", str(mgmt_port),
             "--mgmt-tls-port", "-1", "--mgmt-metrics-port", str(metrics_port), "--no-lmq",
-            "--tls-cert", str(cert), "--tls-key", str(key), "--tls-ca-cert", str(ca)]
+            "--tls-cert", str(cert), "--tls-key", str(key), "--tls-ca-cert", str(ca), *extra]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(p) for p in (path, REPO_ROOT) if p))
     with open(work / "skred.log", "ab") as log:
         proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
-    return Broker(proc, port, tls_port, ca, relaunch=lambda: start_skred(work, ca, cert, key, ports, path))
+    return Broker(proc, port, tls_port, ca,
+                  relaunch=lambda: start_skred(work, ca, cert, key, ports, path, extra))
 
 
 def start_rabbitmq(work: Path, ca: Path, cert: Path, key: Path) -> Broker:
