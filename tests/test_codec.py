@@ -408,11 +408,24 @@ def test_delivery_mode_matches_pamqp(props: commands.Basic.Properties) -> None:
     assert props_mod.has_reply_to(raw) == (props.reply_to is not None)
 
 
+def _holds_float(value: object) -> bool:
+    if isinstance(value, float):
+        return True
+    if isinstance(value, dict):
+        return any(map(_holds_float, value.values()))
+    if isinstance(value, (list, tuple)):
+        return any(map(_holds_float, value))
+    return False
+
+
 @HYPO
 @given(props=properties())
 def test_properties_round_trip_byte_exact(props: commands.Basic.Properties) -> None:
+    """pamqp's bytes, except a float header: pamqp writes it as a 32-bit ``f`` (0.1 would come
+    back as 0.10000000149...), ``properties.encode`` as the ``d`` that keeps its value."""
     raw = props_mod.encode(props)
-    assert raw == bytes(props.marshal())
+    if not _holds_float(props.headers):
+        assert raw == bytes(props.marshal())
     decoded = props_mod.decode(raw)
     assert props_mod.encode(decoded) == raw
     for name in ("content_type", "content_encoding", "delivery_mode", "priority", "reply_to", "app_id"):
