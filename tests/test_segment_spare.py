@@ -46,6 +46,9 @@ def test_a_roll_takes_the_segment_prepared_ahead(tmp_path: Path, monkeypatch: py
         return orig(path, *args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(segment_log, "create_mapped", counting)
+    # The path where the first append creates the first segment: without this, whether the
+    # segment worker made it ahead (a small one, test_segment_first.py) is a race.
+    monkeypatch.setattr(QueueStore, "_prepare_first", lambda self: None)
     s = QueueStore(tmp_path / "q", segment_size=SEGMENT, persistent_only=True)
     body = b"b" * 1000
     n = _fill(s, 1, body)  # the first segment is created on the spot
