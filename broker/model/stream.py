@@ -445,17 +445,13 @@ class StreamQueue(Queue):
                             k = joined[2]
                             self.n_delivered += k
                             c.deliver_joined(*joined)
-                            progress = True
-                            budget -= k
-                            if not budget:
-                                break
-                            continue
-                        run = self.stream.read_run(cur.pos, min(count, budget), nbytes)
-                        if run is None:
-                            continue
-                        k = len(run[3])
-                        self.n_delivered += k
-                        c.deliver_run(*run)
+                        else:
+                            run = self.stream.read_run(cur.pos, min(count, budget), nbytes)
+                            if run is None:
+                                continue
+                            k = len(run[3])
+                            self.n_delivered += k
+                            c.deliver_run(*run)
                         progress = True
                         budget -= k
                         if not budget:

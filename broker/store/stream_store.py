@@ -508,11 +508,10 @@ class StreamStore(SegmentLog[_Seg]):
         alike run: their stored heads compared equal), so a consumer may frame them with
         one length prefix without checking; False says nothing. One bounds check per
         segment, not per record: the walk slices the map and keeps no per-record tuple."""
-        if self._locate(p) is None:
+        head = self._run_head(p, max_count)
+        if head is None:
             return None
-        seg = self._segs[p.seg]
-        mm = self._map_read(seg)
-        n = min(max_count, seg.first_offset + seg.count - p.offset)
+        seg, mm, n = head
         pos = p.pos
         first_ts: int = _I64.unpack_from(mm, pos)[0]
         alike = self._alike_run(mm, pos, n, max_bytes, seg.end)
@@ -558,11 +557,10 @@ class StreamStore(SegmentLog[_Seg]):
         recovered after a restart, a replica promoted) is proved alike by ``_alike_run``'s
         rebuild-and-compare first. Either way the bodies are joined with the prefix in one
         C-level pass: one bytes object per record, no per-record Python step."""
-        if self._locate(p) is None:
+        head = self._run_head(p, max_count)
+        if head is None:
             return None
-        seg = self._segs[p.seg]
-        mm = self._map_read(seg)
-        n = min(max_count, seg.first_offset + seg.count - p.offset)
+        seg, mm, n = head
         pos = p.pos
         q = pos + 9 + mm[pos + 8]
         q += 1 + mm[q]
@@ -631,6 +629,15 @@ class StreamStore(SegmentLog[_Seg]):
             return None
         props = head[q + 4 - pos:hl - 8]
         return props, bodies, pos + len(bodies) * stride
+
+    def _run_head(self, p: StreamPosition, max_count: int) -> tuple[_Seg, mmap.mmap, int] | None:
+        """Where a run read from ``p`` starts: its segment, that segment's read map and how
+        many records the run may take (``max_count`` at most, never past the segment); None
+        at the end of the log. ``read_run`` and ``read_joined`` both start here."""
+        if self._locate(p) is None:
+            return None
+        seg = self._segs[p.seg]
+        return seg, self._map_read(seg), min(max_count, seg.first_offset + seg.count - p.offset)
 
     def _locate(self, p: StreamPosition) -> StreamPosition | None:
         """``p`` moved onto the segment holding its next record (across retention and
