@@ -24,7 +24,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from broker.store.segment import FIXED_SIZE, I64, U32, U64
+from broker.store.segment import FIXED_SIZE, I64, U32, U64, record_end
 
 
 def walk(buf: Any, size: int, pos: int, offset: int, start: int, stop: int, max_rows: int,
@@ -86,16 +86,10 @@ def _end(buf: Any, size: int, pos: int) -> int | None:
     """The end of the complete record at ``pos``, None if it is not one (the segment ends)."""
     if not I64.unpack_from(buf, pos)[0]:
         return None
-    q = pos + 9 + buf[pos + 8]
-    if q >= size:
+    try:
+        end = record_end(buf, pos)[0]
+    except (IndexError, struct.error):  # a length field past the end
         return None
-    q += 1 + buf[q]
-    if q + 4 > size:
-        return None
-    q += 4 + U32.unpack_from(buf, q)[0]
-    if q + 8 > size:
-        return None
-    end: int = q + 8 + U64.unpack_from(buf, q)[0]
     return None if end > size else end
 
 
