@@ -237,35 +237,74 @@ def to_batch(cols: Columns, pa_schema: Any, decoder: PropsDecoder, columns: Sequ
              topic: str = "", partition: int = 0) -> Any:
     """One ``pyarrow.RecordBatch`` with ``columns`` (in that order) of one stream partition."""
     import pyarrow as pa  # type: ignore[import-not-found,import-untyped,unused-ignore]
+    return assemble(len(cols), pa_schema, decoder, columns, {
+        "offset": lambda: pa.array(cols.offsets, type=pa.int64()),
+        "stamps": lambda: pa.array(cols.stamps, type=pa.int64()),
+        "exchange": lambda: pa.array(cols.exchanges, type=pa.string()),
+        "key": lambda: pa.array(cols.keys, type=pa.string()),
+        "value": lambda: pa.array(cols.bodies, type=pa.binary()),
+        "props": lambda: (list(cols.uniq), pa.array(cols.prop_idx, type=pa.int32())),  # dict order == index
+    }, topic, partition)
+
+
+def segment_batch(cols: Any, pa_schema: Any, decoder: PropsDecoder, columns: Sequence[str],
+                  topic: str = "", partition: int = 0) -> Any:
+    """``to_batch`` of a ``segment_arrow.SegmentColumns`` (the data-dir read path)."""
+    import pyarrow as pa  # type: ignore[import-not-found,import-untyped,unused-ignore]
+    import pyarrow.compute as pc  # type: ignore[import-not-found,import-untyped,unused-ignore]
+
+    def props() -> tuple[list[bytes], Any]:
+        enc = pc.dictionary_encode(cols.props)
+        return enc.dictionary.to_pylist(), enc.indices.cast(pa.int32())
+
+    return assemble(len(cols), pa_schema, decoder, columns, {
+        "offset": lambda: pa.array(cols.offsets, type=pa.int64()),
+        "stamps": lambda: pa.array(cols.stamps, type=pa.int64()),
+        "exchange": lambda: _utf8(pa, cols.exchanges),
+        "key": lambda: _utf8(pa, cols.keys),
+        "value": lambda: cols.bodies,
+        "props": props,
+    }, topic, partition)
+
+
+def _utf8(pa: Any, values: Any) -> Any:
+    """A binary array as strings; invalid UTF-8 is replaced per value, as ``bytes.decode`` does."""
+    try:
+        return values.cast(pa.string())
+    except pa.ArrowInvalid:
+        return pa.array([None if v is None else v.decode("utf-8", "replace") for v in values.to_pylist()],
+                        type=pa.string())
+
+
+def assemble(n: int, pa_schema: Any, decoder: PropsDecoder, columns: Sequence[str],
+             source: dict[str, Any], topic: str, partition: int) -> Any:
+    """The record batch of ``n`` rows from ``source``'s column makers (called only for the
+    columns asked for): ``offset``, ``stamps`` (ms), ``exchange``, ``key``, ``value`` give
+    Arrow arrays, ``props`` gives (distinct property blobs, each row's index into them)."""
+    import pyarrow as pa  # type: ignore[import-not-found,import-untyped,unused-ignore]
     import pyarrow.compute as pc  # type: ignore[import-not-found,import-untyped,unused-ignore]
     arrays: list[Any] = []
     idx: Any = None
     decoded: list[tuple[dict[str, Any], list[tuple[str, str | None]]]] = []
     if "properties" in columns or "headers" in columns:
-        decoded = [decoder.decode(p) for p in cols.uniq]  # dict order == index order
-        idx = pa.array(cols.prop_idx, type=pa.int32())
+        uniq, idx = source["props"]()
+        decoded = [decoder.decode(p) for p in uniq]
     for name in columns:
         typ = pa_schema.field(name).type
-        if name == "offset":
-            arrays.append(pa.array(cols.offsets, type=typ))
+        if name in ("offset", "exchange", "key", "value"):
+            arrays.append(source[name]().cast(typ))
         elif name == "timestamp":
-            arrays.append(pc.multiply(pa.array(cols.stamps, type=pa.int64()), 1000).cast(typ))
-        elif name == "exchange":
-            arrays.append(pa.array(cols.exchanges, type=typ))
-        elif name == "key":
-            arrays.append(pa.array(cols.keys, type=typ))
+            arrays.append(pc.multiply(source["stamps"](), 1000).cast(typ))
         elif name == "topic":
-            arrays.append(pa.array([topic], type=typ).take(pa.array([0] * len(cols), pa.int32())))
+            arrays.append(pa.repeat(pa.scalar(topic, typ), n))
         elif name == "partition":
-            arrays.append(pa.array([partition] * len(cols), type=typ))
+            arrays.append(pa.repeat(pa.scalar(partition, typ), n))
         elif name == "timestampType":
-            arrays.append(pa.array([1] * len(cols), type=typ))
+            arrays.append(pa.repeat(pa.scalar(1, typ), n))
         elif name == "properties":
             arrays.append(_struct_array(pa, [d[0] for d in decoded], typ).take(idx))
         elif name == "headers":
             arrays.append(pa.array([d[1] for d in decoded], type=typ).take(idx))
-        elif name == "value":
-            arrays.append(pa.array(cols.bodies, type=typ))
         else:
             raise ValueError(f"unknown column {name}")
     return pa.RecordBatch.from_arrays(arrays, schema=pa_schema)

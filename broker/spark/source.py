@@ -90,7 +90,16 @@ from broker.spark.options import (
     per_partition,
     topic_partitions,
 )
-from broker.spark.rows import Columns, PropsDecoder, arrow_schema, fill_from_segment, schema_ddl, to_batch
+from broker.spark.rows import (
+    Columns,
+    PropsDecoder,
+    arrow_schema,
+    fill_from_segment,
+    schema_ddl,
+    segment_batch,
+    to_batch,
+)
+from broker.spark.segment_arrow import columns, walk
 from broker.store.paths import find_vhost_dir, queue_dir
 from broker.store.segment import HEADER_SIZE
 from broker.store.stream_store import list_segments
@@ -287,18 +296,15 @@ class _Options:
         if not isinstance(part, RangePartition):
             return  # Spark runs one placeholder partition when partitions() is empty
         pa_schema = arrow_schema(schema)
-        columns = schema.fieldNames()
+        names = schema.fieldNames()
         decoder = PropsDecoder()
         tp = part.tp
-
-        def batch(cols: Columns) -> Any:
-            return to_batch(cols, pa_schema, decoder, columns, tp.topic, tp.partition)
 
         if not part.path:
             assert self.uri is not None
             for cols in amqp.read_columns(self.uri, tp.queue, part.start, part.stop, self.batch_rows,
                                           part.ts_lo, part.ts_hi, self.timeout):
-                yield batch(cols)
+                yield to_batch(cols, pa_schema, decoder, names, tp.topic, tp.partition)
             return
         try:
             f = open(part.path, "rb")  # noqa: SIM115 - closed below
@@ -315,12 +321,12 @@ class _Options:
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
                 pos, offset, done = HEADER_SIZE, part.first_offset, False
                 while not done:
-                    cols = Columns()
-                    pos, offset, done = fill_from_segment(cols, mm, size, pos, offset, part.start,
-                                                          part.stop, part.ts_lo, part.ts_hi,
-                                                          self.batch_rows, self.batch_bytes)
-                    if len(cols):
-                        yield batch(cols)
+                    at, stamps, pos, offset, done = walk(mm, size, pos, offset, part.start, part.stop,
+                                                         self.batch_rows, self.batch_bytes)
+                    if len(at):
+                        seg = columns(mm, at, stamps, offset - len(at), part.ts_lo, part.ts_hi)
+                        if len(seg):
+                            yield segment_batch(seg, pa_schema, decoder, names, tp.topic, tp.partition)
 
     def first_at(self, tp: TopicPartition, ts: int, first: int, nxt: int) -> int:
         """The first offset appended at or after ``ts`` (``nxt`` if none)."""
