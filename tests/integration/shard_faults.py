@@ -171,7 +171,9 @@ class ShardCluster:
             if extra.exists():
                 shutil.copy(extra, kept / extra.name)
         try:
-            keys = self.c.etcd._ctl("get", f"{self.c.prefix}/", "--prefix").stdout.decode(errors="replace")
+            lines = self.c.etcd._ctl("get", f"{self.c.prefix}/", "--prefix").stdout.decode(errors="replace")
+            pairs = zip(lines.splitlines()[0::2], lines.splitlines()[1::2], strict=False)
+            keys = "\n".join(f"{k}\n{v}" for k, v in pairs if not k.endswith("secret"))  # not the secret
         except Exception as exc:  # etcd itself may be what failed  # noqa: BLE001
             keys = f"reading etcd failed: {exc!r}"
         ids = {node.name: nid for nid, node in self.by_id.items()}
