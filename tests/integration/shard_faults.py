@@ -170,12 +170,13 @@ class ShardCluster:
         for extra in (self.c.etcd.data.parent / "etcd.log", self.hook_file):
             if extra.exists():
                 shutil.copy(extra, kept / extra.name)
-        try:
-            lines = self.c.etcd._ctl("get", f"{self.c.prefix}/", "--prefix").stdout.decode(errors="replace")
-            pairs = zip(lines.splitlines()[0::2], lines.splitlines()[1::2], strict=False)
-            keys = "\n".join(f"{k}\n{v}" for k, v in pairs if not k.endswith("secret"))  # not the secret
-        except Exception as exc:  # etcd itself may be what failed  # noqa: BLE001
-            keys = f"reading etcd failed: {exc!r}"
+        keys = ""
+        for part in ("leader", "isr", "members/", "shards/"):  # not the clustering secret
+            try:
+                keys += self.c.etcd._ctl("get", f"{self.c.prefix}/{part}", "--prefix").stdout.decode(
+                    errors="replace")
+            except Exception as exc:  # etcd itself may be what failed  # noqa: BLE001
+                keys += f"reading {part} failed: {exc!r}\n"
         ids = {node.name: nid for nid, node in self.by_id.items()}
         (kept / "etcd-keys.txt").write_text(f"{why}\nnodes: {ids}\n{keys}")
         return kept
