@@ -4,7 +4,11 @@ runs it in tests/integration/test_cluster_shards.py once the runner drives it.""
 
 from __future__ import annotations
 
-from broker.cluster.handover import Seen, Step, step
+import logging
+
+import pytest
+
+from broker.cluster.handover import Moves, Seen, Step, step
 
 LEADER = "tcp://a:1"  # the cluster leader, node "a"
 B, C = "tcp://b:1", "tcp://c:1"
@@ -80,3 +84,18 @@ def test_a_server_that_closed_its_shard_follows_it_from_nobody_until_its_holder_
     assert _step("a", held, closed_here=True, last_server=LEADER) is Step.FOLLOW
     marked = Seen(holder="b", term=30, server=B, isr=["b", "c"], released=30)
     assert _step("c", marked, last_server=B) is Step.FOLLOW
+
+
+def test_each_shard_step_is_logged_when_it_changes_only(caplog: pytest.LogCaptureFixture) -> None:
+    """A hang shows which step each side is in: a pass logs a shard's step only when it differs
+    from the one last logged for that shard (passes run four times a second)."""
+    moves = Moves("b")
+    won = {"v": Seen(holder="b", term=7, server=None, isr=["a", "b"], released=None)}
+    opened = {"v": Seen(holder="b", term=7, server=None, isr=["a", "b"], released=7)}
+    with caplog.at_level(logging.INFO, logger="broker.cluster.handover"):
+        for seen in (won, won, won, opened, opened):
+            moves.steps(seen, LEADER, lambda v: False, lambda v, h: False, False)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2, said
+    assert said[0].startswith("shard 'v': step follow (holder b term 7") and "released to None" in said[0]
+    assert said[1].startswith("shard 'v': step open") and "released to 7" in said[1]

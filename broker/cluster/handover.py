@@ -35,9 +35,12 @@ etcd (``Seen``) and what the node knows of itself; the runner carries it out.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
+
+log = logging.getLogger(__name__)
 
 
 class Step(Enum):
@@ -94,6 +97,7 @@ class Moves:
         self.closed: set[str] = set()  # vhosts
         self.last_server: dict[str, str] = {}  # vhost -> the URI its key last said served it
         self.paused: set[str] = set()  # vhosts followed from nobody (``follow_set.follow_plan``)
+        self.said: dict[str, Step] = {}  # vhost -> the step last logged: a hang shows where each side is
 
     def steps(self, seen: Mapping[str, Seen], cluster_leader: str, serving_here: Callable[[str], bool],
               holder_has_all: Callable[[str, str], bool], default_server: bool) -> list[tuple[str, Step]]:
@@ -114,6 +118,14 @@ class Moves:
             elif what is Step.FOLLOW:
                 self.paused.discard(vhost)
             out.append((vhost, what))
+            if self.said.get(vhost) is not what:
+                self.said[vhost] = what
+                log.info("shard %r: step %s (holder %s term %d, server %s, ISR %s, released to %s; "
+                         "closed here %s, last server %s, holder has all %s)", vhost, what.value, s.holder,
+                         s.term, s.server, s.isr, s.released, vhost in self.closed,
+                         self.last_server.get(vhost), has_all)
         for gone in self.paused - set(seen):
             self.paused.discard(gone)
+        for gone in set(self.said) - set(seen):
+            del self.said[gone]
         return out

@@ -540,6 +540,10 @@ class ClusterRunner:
                     self.moves.closed.discard(vhost)
                     if await election.mark_served(vhost):
                         log.info("shard %r: serving it", vhost)
+                    else:
+                        log.warning("shard %r: opened, but its key could not be marked served", vhost)
+                else:
+                    log.warning("shard %r: could not open it (retried next pass)", vhost)
             elif what is Step.SERVE and server is not None and seen[vhost].server != self.uri:
                 await election.mark_served(vhost)
 

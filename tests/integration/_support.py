@@ -566,3 +566,6 @@ class Cleanup:
         finally:
             if conn.is_open:
                 conn.close()
+
+
+CALL_FAILED = pytest.StashKey[bool]()  # a test's call phase raised (an xfail too): conftest sets it

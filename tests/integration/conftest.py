@@ -17,6 +17,7 @@ import pytest
 
 from ._cluster_modes import MODES, ClusterTarget, SessionCluster
 from ._support import (
+    CALL_FAILED,
     DEFAULT_TEST_TIMEOUT,
     EXTERNAL_URL,
     Broker,
@@ -131,3 +132,12 @@ def cleanup(shared_broker: Broker) -> Iterator[Cleanup]:
     c = Cleanup(shared_broker)
     yield c
     c.run()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A fixture's teardown reads ``item.stash[CALL_FAILED]`` (a test's exception never reaches
+    its fixtures): the shard servers trial keeps the nodes' logs of a failed run by it."""
+    if call.when == "call":
+        item.stash[CALL_FAILED] = call.excinfo is not None
+    return (yield)

@@ -31,6 +31,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import threading
 import time
@@ -155,6 +156,30 @@ class ShardCluster:
 
     def close(self) -> None:
         self.c.close()
+
+    def keep_logs(self, into: Path, why: str) -> Path:
+        """Copy every node's log, etcd's and the hooks file, with the shard keys as etcd holds
+        them now, into a new directory under ``into`` (the next run writes a directory of its
+        own); returns it. For a failed run: a hang shows which hand-over step each node is in
+        (``handover.Moves`` logs each shard's step when it changes)."""
+        kept = into / f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+        kept.mkdir(parents=True, exist_ok=True)
+        for node in self.c.nodes:
+            if node.log_path.exists():
+                shutil.copy(node.log_path, kept / node.log_path.name)
+        for extra in (self.c.etcd.data.parent / "etcd.log", self.hook_file):
+            if extra.exists():
+                shutil.copy(extra, kept / extra.name)
+        keys = ""
+        for part in ("leader", "isr", "members/", "shards/"):  # not the clustering secret
+            try:
+                keys += self.c.etcd._ctl("get", f"{self.c.prefix}/{part}", "--prefix").stdout.decode(
+                    errors="replace")
+            except Exception as exc:  # etcd itself may be what failed  # noqa: BLE001
+                keys += f"reading {part} failed: {exc!r}\n"
+        ids = {node.name: nid for nid, node in self.by_id.items()}
+        (kept / "etcd-keys.txt").write_text(f"{why}\nnodes: {ids}\n{keys}")
+        return kept
 
 
 def publish(node: ClusterNode, vhost: str, queue: str, count: int) -> int:

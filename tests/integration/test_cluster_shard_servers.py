@@ -11,12 +11,15 @@ xfail while its occasional hang is unexplained (docs/architecture.md, "Per-shard
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import cast
 
 import pika
 import pytest
 
+from ._support import CALL_FAILED
 from .shard_faults import (
     BATCH,
     GAP_RUN,
@@ -46,6 +49,23 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ShardCluster]:
         sc.close()
 
 
+@pytest.fixture
+def kept_on_failure(servers: ShardCluster, tmp_path_factory: pytest.TempPathFactory,
+                    request: pytest.FixtureRequest) -> Iterator[None]:
+    """A failed (or xfailed) test keeps the nodes' logs: copied beside the base temp dir
+    (``kept-logs/servers/<time>-<pid>``, which the next run neither clears nor reuses) and
+    named in a warning, which the summary shows even for an xfail."""
+    yield
+    if request.node.stash.get(CALL_FAILED, False):
+        kept = servers.keep_logs(_kept_root(tmp_path_factory), f"{request.node.name} failed")
+        print(f"the nodes' logs of this failed run are kept in {kept}")
+        warnings.warn(f"shard servers trial failed; the nodes' logs are kept in {kept}", stacklevel=1)
+
+
+def _kept_root(factory: pytest.TempPathFactory) -> Path:
+    return factory.getbasetemp().parent / "kept-logs" / "servers"
+
+
 @pytest.fixture(scope="module")
 def after_kill() -> dict[str, object]:
     """What the first test leaves for the second: the killed node, the survivor, the moved
@@ -54,7 +74,7 @@ def after_kill() -> dict[str, object]:
 
 
 def test_nodes_serve_their_shards_and_kill9_of_one_moves_only_those_losing_nothing(
-        servers: ShardCluster, after_kill: dict[str, object]) -> None:
+        servers: ShardCluster, after_kill: dict[str, object], kept_on_failure: None) -> None:
     want = expected()
     wait_for(lambda: servers.leaders() == want, 20, f"shard leaders {want}")
     boss = servers.c.leader()
@@ -105,7 +125,7 @@ def test_nodes_serve_their_shards_and_kill9_of_one_moves_only_those_losing_nothi
     "again but never marks them served within HANDBACK_WAIT (it neither opens them nor gets a "
     "release); see docs/architecture.md, 'Per-shard leaders across nodes'"))
 def test_the_killed_node_returns_wins_its_shards_back_and_serves_every_confirmed_message(
-        servers: ShardCluster, after_kill: dict[str, object]) -> None:
+        servers: ShardCluster, after_kill: dict[str, object], kept_on_failure: None) -> None:
     # the killed node returns: it follows its shards' current server, is in their ISR again,
     # wins them back and serves them from a copy holding every confirmed message, while a
     # publisher keeps confirming into one of them through the survivor across the hand-back
