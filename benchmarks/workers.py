@@ -88,18 +88,20 @@ def build_skload(work: Path) -> Path:
     return out
 
 
-def run_c(skload: Path, b: SkredProcess, seconds: float, pairs: int) -> tuple[float, float]:
-    """Both vhosts from one skload process (its threads); the consume rate and broker CPU."""
+def run_c(skload: Path, b: SkredProcess, seconds: float, pairs: int) -> tuple[float, float, float]:
+    """Both vhosts from one skload process (its threads): the consume rate, the broker's CPU seconds
+    over the whole run, and the load generator's over its measured window."""
     cpu0 = cpu_seconds(b.pid or 0)
     p = subprocess.run([str(skload), "127.0.0.1", str(b.port), f"{seconds:g}", str(pairs), *VHOSTS],
                        capture_output=True, text=True, timeout=seconds + 60)
     lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
     if p.returncode != 0 or not lines:
         raise RuntimeError(f"skload failed ({p.returncode}): {p.stderr.strip()[-500:]}")
-    return float(json.loads(lines[-1])["consume_rate"]), cpu_seconds(b.pid or 0) - cpu0
+    result = json.loads(lines[-1])
+    return float(result["consume_rate"]), cpu_seconds(b.pid or 0) - cpu0, float(result["cpu_seconds"])
 
 
-def run_once(b: SkredProcess, seconds: float, pairs: int = 4) -> tuple[float, float]:
+def run_once(b: SkredProcess, seconds: float, pairs: int = 4) -> tuple[float, float, float]:
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     cpu0 = cpu_seconds(b.pid or 0)
     procs = [subprocess.Popen([sys.executable, str(REPO_ROOT / "benchmarks" / "workloads.py"), "varied",
@@ -115,7 +117,7 @@ def run_once(b: SkredProcess, seconds: float, pairs: int = 4) -> tuple[float, fl
         if p.returncode != 0 or not lines:
             raise RuntimeError(f"workload failed ({p.returncode}): {err.strip()[-500:]}")
         total += float(json.loads(lines[-1])["consume_rate"])
-    return total, cpu_seconds(b.pid or 0) - cpu0
+    return total, cpu_seconds(b.pid or 0) - cpu0, float("nan")
 
 
 def main() -> int:
@@ -130,6 +132,7 @@ def main() -> int:
     args = ap.parse_args()
     rates: dict[int, list[float]] = {1: [], 2: []}
     cpus: dict[int, list[float]] = {1: [], 2: []}
+    client_cpus: dict[int, list[float]] = {1: [], 2: []}
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="skred-workers-bench-") as tmp:
         skload = build_skload(Path(tmp)) if args.client == "c" else None
@@ -137,11 +140,13 @@ def main() -> int:
         try:
             for run in range(args.runs):
                 for n, b in nodes.items():
-                    rate, cpu = (run_c(skload, b, args.seconds, args.pairs) if skload is not None
+                    rate, cpu, client_cpu = (run_c(skload, b, args.seconds, args.pairs) if skload is not None
                                  else run_once(b, args.seconds, args.pairs))
                     rates[n].append(rate)
                     cpus[n].append(cpu)
-                    print(f"run {run + 1}: {n} worker(s): {rate:,.0f} msg/s, broker CPU {cpu:.1f} s",
+                    client_cpus[n].append(client_cpu)
+                    print(f"run {run + 1}: {n} worker(s): {rate:,.0f} msg/s, broker CPU {cpu:.1f} s, "
+                          f"load generator CPU {client_cpu:.1f} s",
                           file=sys.stderr, flush=True)
         finally:
             for b in nodes.values():
@@ -150,10 +155,12 @@ def main() -> int:
     med = {n: statistics.median(v) for n, v in rates.items()}
     what = "workload (2)" if args.pairs == 4 else f"workload (1) with {args.pairs} pair(s)"
     what += f", {args.client} client"
-    print(f"| workers | {what} on 2 vhosts at once, msg/s (median of {args.runs}) | broker CPU s per run |")
-    print("| --- | --- | --- |")
+    print(f"| workers | {what} on 2 vhosts at once, msg/s (median of {args.runs}) | broker CPU s per run "
+          f"| load generator CPU s per {args.seconds:g} s window |")
+    print("| --- | --- | --- | --- |")
     for n in (1, 2):
-        print(f"| {n} | {med[n]:,.0f} | {statistics.median(cpus[n]):.1f} |")
+        print(f"| {n} | {med[n]:,.0f} | {statistics.median(cpus[n]):.1f} "
+              f"| {statistics.median(client_cpus[n]):.1f} |")
     print(f"\nratio 2/1: {med[2] / med[1]:.2f}; load average at start {load:.1f} on {os.cpu_count()} cores; "
           f"{time.strftime('%Y-%m-%d %H:%M %Z')}")
     return 0
