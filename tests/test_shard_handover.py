@@ -140,8 +140,9 @@ def test_a_closed_shard_is_handed_back_to_a_holder_behind_on_its_last_action() -
         b_follows_c = _from(plan_b, C, "v") and ("v" in serves["c"] or "v" in c.closed)
         if b_follows_c:
             behind = False
+        has_all = b_follows_c and not behind
         for vhost, what in c.steps(seen, LEADER, serves["c"].__contains__,
-                                   lambda v, h: h == "b" and b_follows_c and not behind, False):
+                                   lambda v, h, has_all=has_all: h == "b" and has_all, False):
             said.append(("c", what))
             if what is Step.CLOSE:
                 serves["c"].discard(vhost)
