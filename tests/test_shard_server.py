@@ -23,7 +23,7 @@ from broker.cluster.proxy import Routed, SpliceProxy, Target, Tunnelled
 from broker.cluster.shard_server import ShardServer
 from broker.cluster.status import ClusterView
 from broker.cluster.vhost_route import Limits
-from broker.config import load_config
+from broker.config import Config, load_config
 from broker.node import Node, NodeHost
 from broker.store.paths import vhost_dir
 from tests.integration._support import listener_ports_env
@@ -219,17 +219,33 @@ def test_a_shard_opened_after_the_server_started_is_sent_whole_and_only_served_s
             assert not g_synced and server.sink.followers.keys() == {"F"}
             assert not (vhost_dir(tmp_path / "g", "w")).exists()
         finally:
-            for link in links:
-                link.cancel()
-            await asyncio.gather(*links, return_exceptions=True)
-            await server.stop()
-            pool.shutdown(wait=True)
+            await _stop(links, server, pool)
 
     asyncio.run(main())
 
 
 async def _accept_isr(vhost: str, members: list[str]) -> bool:
     return True
+
+
+async def _seed(config: Config, vhosts: tuple[str, ...]) -> None:
+    """The node's data dir as replication left it: ``vhosts``, guest allowed in each."""
+    seed = Node(config)
+    await seed.start()
+    assert seed.mgmt is not None and seed.broker is not None
+    for vhost in vhosts:
+        seed.mgmt.create_vhost(vhost)
+        seed.broker.users.set_permissions("guest", vhost, ".*", ".*", ".*")
+    await seed.shutdown()
+    seed.release_lock()
+
+
+async def _stop(links: list[asyncio.Future[None]], server: ShardServer, pool: ThreadPoolExecutor) -> None:
+    for link in links:
+        link.cancel()
+    await asyncio.gather(*links, return_exceptions=True)
+    await server.stop()
+    pool.shutdown(wait=True)
 
 
 def test_a_shard_whose_term_is_lost_stops_confirming_alone_the_others_go_on(tmp_path: Path) -> None:
@@ -246,14 +262,7 @@ def test_a_shard_whose_term_is_lost_stops_confirming_alone_the_others_go_on(tmp_
         return vhost not in lost  # False: the key is fenced on a term we no longer hold
 
     async def main() -> None:
-        seed = Node(config)
-        await seed.start()
-        assert seed.mgmt is not None and seed.broker is not None
-        for vhost in ("v", "w"):
-            seed.mgmt.create_vhost(vhost)
-            seed.broker.users.set_permissions("guest", vhost, ".*", ".*", ".*")
-        await seed.shutdown()
-        seed.release_lock()
+        await _seed(config, ("v", "w"))
         server = ShardServer(config, NodeHost(config), "B", SECRET, ClusterView("B", "tcp://127.0.0.1:1"),
                              write_isr, lambda: True)
         _, port = await server.start("127.0.0.1", 0)
@@ -293,11 +302,7 @@ def test_a_shard_whose_term_is_lost_stops_confirming_alone_the_others_go_on(tmp_
             for c in conns:
                 await c.close()
         finally:
-            for link in links:
-                link.cancel()
-            await asyncio.gather(*links, return_exceptions=True)
-            await server.stop()
-            pool.shutdown(wait=True)
+            await _stop(links, server, pool)
 
     asyncio.run(main())
 
@@ -314,13 +319,7 @@ def test_a_closed_shard_is_replicated_read_only_until_it_is_handed_over(tmp_path
     config = load_config(["--data-dir", str(data), "--no-mgmt"], environ=listener_ports_env())
 
     async def main() -> None:
-        seed = Node(config)
-        await seed.start()
-        assert seed.mgmt is not None and seed.broker is not None
-        seed.mgmt.create_vhost("v")
-        seed.broker.users.set_permissions("guest", "v", ".*", ".*", ".*")
-        await seed.shutdown()
-        seed.release_lock()
+        await _seed(config, ("v",))
         server = ShardServer(config, NodeHost(config), "B", SECRET, ClusterView("B", "tcp://127.0.0.1:1"),
                              _accept_isr, lambda: True)
         _, port = await server.start("127.0.0.1", 0)
@@ -356,10 +355,6 @@ def test_a_closed_shard_is_replicated_read_only_until_it_is_handed_over(tmp_path
             await _until("a follower of a shard handed over refused", refused.done)
             assert not g_synced
         finally:
-            for each in links:
-                each.cancel()
-            await asyncio.gather(*links, return_exceptions=True)
-            await server.stop()
-            pool.shutdown(wait=True)
+            await _stop(links, server, pool)
 
     asyncio.run(main())
