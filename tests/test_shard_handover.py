@@ -4,10 +4,13 @@ runs it in tests/integration/test_cluster_shards.py once the runner drives it.""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
 
+from broker.cluster.files import Scope, shard_name
+from broker.cluster.follow_set import Sender, follow_plan, sender_of
 from broker.cluster.handover import Moves, Seen, Step, step
 
 LEADER = "tcp://a:1"  # the cluster leader, node "a"
@@ -99,3 +102,77 @@ def test_each_shard_step_is_logged_when_it_changes_only(caplog: pytest.LogCaptur
     assert len(said) == 2, said
     assert said[0].startswith("shard 'v': step follow (holder b term 7") and "released to None" in said[0]
     assert said[1].startswith("shard 'v': step open") and "released to 7" in said[1]
+
+
+def _plan(uri: str, moves: Moves, seen: dict[str, Seen]) -> dict[Sender, Scope]:
+    """Whom a follower's loop follows for what after a pass (``runner._follow_shards``)."""
+    serving = {shard_name(v): s.server for v, s in seen.items() if s.server is not None}
+    return follow_plan(uri, LEADER, serving, frozenset(shard_name(v) for v in moves.paused),
+                       {shard_name(v): u for v, u in moves.handing.items()})
+
+
+def _from(plan: dict[Sender, Scope], uri: str, vhost: str) -> bool:
+    scope = plan.get(sender_of(uri))
+    return scope is not None and scope.takes(shard_name(vhost))
+
+
+def test_a_closed_shard_is_handed_back_to_a_holder_behind_on_its_last_action() -> None:
+    """Issue 27's hand-back hang, pass by pass. "c" served the shard (marked) while "b" was
+    away; "b" is back, follows it from "c", and wins its key, but the ISR key "c" wrote meanwhile
+    no longer names it ("b" fell behind on the shard after its campaign read the key), so "b"
+    may open only on a release. "c" closes the shard, fenced, and releases only once "b" holds
+    its last action. On main "b" followed the shard from nobody once the mark went (and "c"
+    refused a follower naming a shard it closed): neither side moved again. Now "c" replicates
+    the closed shard, read-only, until it has released it, and "b" follows it from "c"
+    meanwhile: released, then opened, then marked; never served by two nodes at once, and the
+    closed copy written by nobody (no client, no link of "c")."""
+    b, c = Moves("b"), Moves("c")
+    serves = {"b": set[str](), "c": {"v"}}
+    seen = {"v": Seen(holder="c", term=20, server=C, isr=["b", "c"], released=7)}
+    behind = False
+    said: list[tuple[str, Step]] = []
+    for n in range(12):
+        if n == 1:  # "b" won its key; the ISR key "c" wrote meanwhile names only itself
+            seen = {"v": Seen(holder="b", term=30, server=None, isr=["c"], released=7)}
+            behind = True  # "b" lacks the shard's last action
+        # "c" hands over only a copy it still replicates: it releases to a holder holding its last action
+        plan_b = _plan(B, b, seen)
+        b_follows_c = _from(plan_b, C, "v") and ("v" in serves["c"] or "v" in c.closed)
+        if b_follows_c:
+            behind = False
+        has_all = b_follows_c and not behind
+        for vhost, what in c.steps(seen, LEADER, serves["c"].__contains__,
+                                   lambda v, h, has_all=has_all: h == "b" and has_all, False):
+            said.append(("c", what))
+            if what is Step.CLOSE:
+                serves["c"].discard(vhost)
+                c.closed.add(vhost)
+            elif what is Step.RELEASE:
+                seen[vhost] = dataclasses.replace(seen[vhost], released=seen[vhost].term)
+        assert not any(_from(_plan(C, c, seen), u, "v") for u in (LEADER, B)) or "v" not in c.closed, \
+            "the closed copy is written by no link of its server"
+        for vhost, what in b.steps(seen, LEADER, serves["b"].__contains__, lambda v, h: False, False):
+            said.append(("b", what))
+            if what is Step.OPEN:
+                assert not _from(_plan(B, b, seen), C, vhost), "the links drop it before it opens"
+                assert not behind, "the holder holds every confirmed action before it serves"
+                serves["b"].add(vhost)
+                seen[vhost] = dataclasses.replace(seen[vhost], server=B)
+        assert not (serves["b"] & serves["c"]), "two servers at once"
+        if "v" in serves["b"] and seen["v"].server == B:
+            break
+    assert "v" in serves["b"] and seen["v"].server == B, f"the hand-back hung: {said}"
+    assert said.index(("c", Step.RELEASE)) < said.index(("b", Step.OPEN))
+    c.steps(seen, LEADER, serves["c"].__contains__, lambda v, h: False, False)
+    assert "v" not in c.closed and "v" not in c.paused and _from(_plan(C, c, seen), B, "v")
+
+
+def test_a_shard_handed_over_is_followed_from_its_closing_server_not_the_cluster_leader() -> None:
+    """The plan for a shard whose server closed it and has not released it: from that server
+    (its copy is the last), even while paused, and out of the cluster leader's scope."""
+    shard = shard_name("v")
+    plan = follow_plan(B, LEADER, {}, frozenset({shard}), {shard: C})
+    assert plan[sender_of(C)] == Scope(False, frozenset({shard}))
+    assert not plan[sender_of(LEADER)].takes(shard)
+    closing = follow_plan(C, LEADER, {}, frozenset({shard}), {shard: C})  # the closing server itself
+    assert list(closing) == [sender_of(LEADER)] and not closing[sender_of(LEADER)].takes(shard)

@@ -23,7 +23,7 @@ from broker.cluster.proxy import Routed, SpliceProxy, Target, Tunnelled
 from broker.cluster.shard_server import ShardServer
 from broker.cluster.status import ClusterView
 from broker.cluster.vhost_route import Limits
-from broker.config import load_config
+from broker.config import Config, load_config
 from broker.node import Node, NodeHost
 from broker.store.paths import vhost_dir
 from tests.integration._support import listener_ports_env
@@ -219,17 +219,33 @@ def test_a_shard_opened_after_the_server_started_is_sent_whole_and_only_served_s
             assert not g_synced and server.sink.followers.keys() == {"F"}
             assert not (vhost_dir(tmp_path / "g", "w")).exists()
         finally:
-            for link in links:
-                link.cancel()
-            await asyncio.gather(*links, return_exceptions=True)
-            await server.stop()
-            pool.shutdown(wait=True)
+            await _stop(links, server, pool)
 
     asyncio.run(main())
 
 
 async def _accept_isr(vhost: str, members: list[str]) -> bool:
     return True
+
+
+async def _seed(config: Config, vhosts: tuple[str, ...]) -> None:
+    """The node's data dir as replication left it: ``vhosts``, guest allowed in each."""
+    seed = Node(config)
+    await seed.start()
+    assert seed.mgmt is not None and seed.broker is not None
+    for vhost in vhosts:
+        seed.mgmt.create_vhost(vhost)
+        seed.broker.users.set_permissions("guest", vhost, ".*", ".*", ".*")
+    await seed.shutdown()
+    seed.release_lock()
+
+
+async def _stop(links: list[asyncio.Future[None]], server: ShardServer, pool: ThreadPoolExecutor) -> None:
+    for link in links:
+        link.cancel()
+    await asyncio.gather(*links, return_exceptions=True)
+    await server.stop()
+    pool.shutdown(wait=True)
 
 
 def test_a_shard_whose_term_is_lost_stops_confirming_alone_the_others_go_on(tmp_path: Path) -> None:
@@ -246,14 +262,7 @@ def test_a_shard_whose_term_is_lost_stops_confirming_alone_the_others_go_on(tmp_
         return vhost not in lost  # False: the key is fenced on a term we no longer hold
 
     async def main() -> None:
-        seed = Node(config)
-        await seed.start()
-        assert seed.mgmt is not None and seed.broker is not None
-        for vhost in ("v", "w"):
-            seed.mgmt.create_vhost(vhost)
-            seed.broker.users.set_permissions("guest", vhost, ".*", ".*", ".*")
-        await seed.shutdown()
-        seed.release_lock()
+        await _seed(config, ("v", "w"))
         server = ShardServer(config, NodeHost(config), "B", SECRET, ClusterView("B", "tcp://127.0.0.1:1"),
                              write_isr, lambda: True)
         _, port = await server.start("127.0.0.1", 0)
@@ -293,10 +302,59 @@ def test_a_shard_whose_term_is_lost_stops_confirming_alone_the_others_go_on(tmp_
             for c in conns:
                 await c.close()
         finally:
-            for link in links:
-                link.cancel()
-            await asyncio.gather(*links, return_exceptions=True)
-            await server.stop()
-            pool.shutdown(wait=True)
+            await _stop(links, server, pool)
+
+    asyncio.run(main())
+
+
+def test_a_closed_shard_is_replicated_read_only_until_it_is_handed_over(tmp_path: Path) -> None:
+    """Issue 27's hand-back: a server closes a shard its holder does not fully hold yet, and
+    releases it only once the holder holds its last action. The holder must be able to follow
+    it from here meanwhile: on main a follower naming a shard we closed was refused (its index
+    entries forgotten at the close), so the holder never caught up and the release never came.
+    Now the closed shard is sent, read-only, as it was at the close (every confirmed message),
+    and takes no write, until the runner says it was handed over (``handed``); from then on a
+    follower naming it is refused again."""
+    data, f_dir = tmp_path / "b", tmp_path / "f"
+    config = load_config(["--data-dir", str(data), "--no-mgmt"], environ=listener_ports_env())
+
+    async def main() -> None:
+        await _seed(config, ("v",))
+        server = ShardServer(config, NodeHost(config), "B", SECRET, ClusterView("B", "tcp://127.0.0.1:1"),
+                             _accept_isr, lambda: True)
+        _, port = await server.start("127.0.0.1", 0)
+        pool = ThreadPoolExecutor(1)
+        links: list[asyncio.Future[None]] = []
+
+        def follow(into: Path, me: str, synced: list[bool]) -> asyncio.Future[None]:
+            links.append(asyncio.ensure_future(follower.follow(
+                "127.0.0.1", port, into, SECRET, me, lambda w: None, lambda: synced.append(True), pool,
+                scope=Scope(shared=False, shards=frozenset({shard_name("v")})))))
+            return links[-1]
+
+        try:
+            assert await server.open("v")
+            host, amqp_port = server.node.client_addresses()["amqp"]
+            url = f"amqp://guest:guest@{host}:{amqp_port}/v"
+            await _publish(url, "q", [b"confirmed-%03d" % i for i in range(N)])  # no follower: ISR is us
+            await server.close("v", "the shard moved to another node")
+            with pytest.raises((AMQPError, ConnectionError, TimeoutError)):  # the closed copy takes no write
+                await _publish(url, "q", [b"after-close"])
+            synced: list[bool] = []
+            link = follow(f_dir, "F", synced)  # the holder, behind on it: follows it from here
+            await _until("the holder synced the closed shard", lambda: bool(synced) or link.done())
+            assert not link.done(), link.exception()
+            await _until("the holder holds every confirmed message",
+                         lambda: all(_held(f_dir, "v", b"confirmed-%03d" % i) for i in range(N)))
+            assert not _held(data, "v", b"after-close")
+            await _until("F acked the closed shard's last action: its release may go to F",
+                         lambda: "F" in server.sink.shard_replicas(shard_name("v")))
+            server.handed("v")  # released and marked elsewhere: its next server's stream writes it
+            g_synced: list[bool] = []
+            refused = follow(tmp_path / "g", "G", g_synced)
+            await _until("a follower of a shard handed over refused", refused.done)
+            assert not g_synced
+        finally:
+            await _stop(links, server, pool)
 
     asyncio.run(main())

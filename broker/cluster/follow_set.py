@@ -34,6 +34,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from urllib.parse import urlsplit
 
 from broker.cluster import codec, follower
@@ -59,13 +60,19 @@ def sender_of(uri: str) -> Sender:
 
 
 def follow_plan(me: str, cluster_leader: str, serving: Mapping[str, str],
-                paused: frozenset[str] = frozenset()) -> dict[Sender, Scope]:
+                paused: frozenset[str] = frozenset(),
+                handing: Mapping[str, str] = MappingProxyType({})) -> dict[Sender, Scope]:
     """Whom a node follows for what. ``me`` and ``cluster_leader`` are replication URIs;
     ``serving`` maps a shard (its vhost directory) to the URI of the node serving it, for the
     shards a node other than the cluster leader serves. The cluster leader sends the shared files
     and every shard but those; each other node the shards it serves; nobody the shards we serve,
     nor the ``paused`` ones (a shard we won from a server that is gone: our copy holds its
-    confirmed messages, a bulk sync from anyone else's could take some back)."""
+    confirmed messages, a bulk sync from anyone else's could take some back). ``handing`` maps a
+    shard whose server closed it and has not released it yet to that server: followed from it,
+    paused or not (its copy is the shard's last, and its release waits for our acks:
+    ``handover.py``)."""
+    serving = {**serving, **handing}
+    paused = paused - handing.keys()
     away = frozenset(shard for shard, uri in serving.items() if uri != cluster_leader) | paused
     plan: dict[Sender, Scope] = {}
     if cluster_leader != me:

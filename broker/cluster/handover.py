@@ -31,6 +31,17 @@ etcd (``Seen``) and what the node knows of itself; the runner carries it out.
   closed it too, until its holder marks it: our copy is the shard's last, the cluster leader's
   is not. A holder that never saw the
   previous server cannot tell it was gone, so it waits for a release (``FOLLOW``).
+* A server that closed a shard keeps replicating it, read-only, until it has released it
+  (``Moves.handing``; ``follow_set.follow_plan``; ``ShardServer.closed``): every other node that
+  would follow the shard from nobody follows it from that server instead, so the holder's acks
+  reach the shard's last action and the release it waits for comes. The closed copy takes no
+  write meanwhile: its broker no longer serves it, and the closing node's own links leave it
+  alone (on a node other than the cluster leader, a shard closed here is followed from nobody
+  until someone marks it: the cluster leader's copy is older than ours). Without this the two
+  sides waited on each other for ever (issue 27's hand-back hang): a holder the shard's ISR key
+  does not name (it fell behind on the shard after its campaign read the key) followed it from
+  nobody, waiting for the release, while the old server refused a follower naming a shard it
+  had closed and released only to a holder holding its last action.
 """
 
 from __future__ import annotations
@@ -90,7 +101,8 @@ def step(me: str, seen: Seen, *, serving_here: bool, closed_here: bool, last_ser
 
 class Moves:
     """One node's memory of the moves across passes: the shards it closed and has not released
-    yet, the last server seen for each shard, and the shards it follows from nobody."""
+    yet, the last server seen for each shard, the shards it follows from nobody, and those it
+    follows from the server that closed them until it releases them."""
 
     def __init__(self, me: str) -> None:
         self.me = me
@@ -98,11 +110,16 @@ class Moves:
         self.last_server: dict[str, str] = {}  # vhost -> the URI its key last said served it
         self.paused: set[str] = set()  # vhosts followed from nobody (``follow_set.follow_plan``)
         self.said: dict[str, Step] = {}  # vhost -> the step last logged: a hang shows where each side is
+        # vhost -> the URI of the server that closed it and has not released it: followed from
+        # there meanwhile (its copy is the shard's last, and its release waits for our acks)
+        self.handing: dict[str, str] = {}
 
     def steps(self, seen: Mapping[str, Seen], cluster_leader: str, serving_here: Callable[[str], bool],
               holder_has_all: Callable[[str, str], bool], default_server: bool) -> list[tuple[str, Step]]:
         """Each shard's step this pass (``step``); the paused set follows them: a shard to open
-        or without a server is paused, one followed again is not."""
+        or close, or without a server, is paused (on a node other than the cluster leader, one
+        closed here too until someone marks it), one followed again is not; a paused shard whose
+        server closed it and has not released it is ``handing``."""
         out: list[tuple[str, Step]] = []
         for vhost, s in sorted(seen.items()):
             if s.server is not None:
@@ -113,10 +130,16 @@ class Moves:
             what = step(self.me, s, serving_here=serving_here(vhost), closed_here=vhost in self.closed,
                         last_server=self.last_server.get(vhost), cluster_leader=cluster_leader,
                         holder_has_all=has_all, default_server=default_server)
-            if what in (Step.PAUSE, Step.OPEN):
-                self.paused.add(vhost)
+            if what in (Step.PAUSE, Step.OPEN, Step.CLOSE) or (vhost in self.closed and not default_server):
+                self.paused.add(vhost)  # a copy we close is the shard's last: no link of ours writes it
             elif what is Step.FOLLOW:
                 self.paused.discard(vhost)
+            last = self.last_server.get(vhost)
+            if what is Step.PAUSE and vhost not in self.closed and s.server is None and s.holder is not None \
+                    and s.released != s.term and last is not None and last != cluster_leader:
+                self.handing[vhost] = last  # its closing server releases once its holder holds it all
+            else:
+                self.handing.pop(vhost, None)
             out.append((vhost, what))
             if self.said.get(vhost) is not what:
                 self.said[vhost] = what
@@ -128,4 +151,6 @@ class Moves:
             self.paused.discard(gone)
         for gone in set(self.said) - set(seen):
             del self.said[gone]
+        for gone in set(self.handing) - set(seen):
+            del self.handing[gone]
         return out

@@ -480,7 +480,8 @@ class ClusterRunner:
         links = FollowSet(self.data_dir, lambda: self.secret, self.node_id, self.apply_executor, welcomed,
                           _source_ip(self.config.clustering.bind), self._client_tls, on_synced, end)
         def plan(serving: dict[str, str]) -> dict[Sender, Scope]:
-            return follow_plan(self.uri, uri, serving, frozenset(shard_name(v) for v in self.moves.paused))
+            return follow_plan(self.uri, uri, serving, frozenset(shard_name(v) for v in self.moves.paused),
+                               {shard_name(v): s for v, s in self.moves.handing.items()})
 
         try:
             while not ended.done():
@@ -514,9 +515,9 @@ class ClusterRunner:
     async def _move_served_shards(self, election: ShardElection, seen: dict[str, Seen], leader: str,
                                   replan: Callable[[], Awaitable[None]]) -> None:
         """While following: the hand-over (``handover.py``) for the shards this node serves with
-        its ``ShardServer``: close those lost, release them once their holder holds their last
-        action, open those won (our links drop them first, their last batch written), and say
-        so in their keys."""
+        its ``ShardServer``: close those lost (replicated read-only until they are served
+        elsewhere), release them once their holder holds their last action, open those won (our
+        links drop them first, their last batch written), and say so in their keys."""
         server = self.shard_server
         if server is not None:  # the users and permissions the cluster leader's stream wrote
             server.node.reload_shared()
@@ -546,6 +547,9 @@ class ClusterRunner:
                     log.warning("shard %r: could not open it (retried next pass)", vhost)
             elif what is Step.SERVE and server is not None and seen[vhost].server != self.uri:
                 await election.mark_served(vhost)
+        if server is not None:  # served elsewhere now: no longer replicated from here
+            for vhost in server.closed - self.moves.closed:
+                server.handed(vhost)
 
     async def _shard_server_started(self) -> ShardServer | None:
         if self.shard_server is not None:

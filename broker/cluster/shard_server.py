@@ -19,10 +19,10 @@ that shard (``Etcd.write_served_isr``; ``write_isr`` here), never on the cluster
 
 What a follower is sent. The sink's file index (length and running hash of each file, the
 bulk sync's listing) is read for a shard as it opens, from the files replication left, and
-forgotten as it closes; a follower's scope must name only served shards (``_scope_refused``):
-a follower deletes, inside its scope, whatever the listing lacks, so a listing from a copy we
-do not serve (or from entries that counted only what we appended) would take back a
-confirmed queue.
+forgotten once it is handed over; a follower's scope must name only shards served here or
+closed and not handed over yet (``_scope_refused``): a follower deletes, inside its scope,
+whatever the listing lacks, so a listing from a copy we do not serve (or from entries that
+counted only what we appended) would take back a confirmed queue.
 
 A shard lost while others are served: a write of its ISR key refused for a term we no longer
 hold fences that shard alone (``ShardedLeaderSink.lose``: its commits fail, their publishers
@@ -31,9 +31,12 @@ for the shards we still hold.
 
 Losing a shard (its key gone, resigned, or the lease presumed expired): ``close`` first takes
 the vhost out of the broker and closes its clients with 320, so no confirm of it leaves this
-node afterwards, then closes its stores; its files stay (the node now follows the shard's next
-server). ``stop`` fences the sink first, so no barrier resolves after it, then shuts the broker
-and the listener down.
+node afterwards, then closes its stores; its files stay. Until it is handed over (``handed``:
+released and marked served elsewhere, ``handover.py``) the closed shard is still replicated,
+read-only: its index entries stay, a follower naming it is taken, and nothing writes it (no
+client reaches it, and the runner's links leave it alone), so its holder can catch up with
+its last action, which the release waits for. ``stop`` fences the sink first, so no barrier
+resolves after it, then shuts the broker and the listener down.
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ class ShardServer:
                  write_isr: ServedIsrWriter, lease_valid: Callable[[], bool]) -> None:
         self.config = config
         self.served: set[str] = set()  # vhost names
+        self.closed: set[str] = set()  # closed, not handed over yet: replicated read-only
         self.write_served_isr = write_isr
         self.sink = ShardedLeaderSink(config.main.data_dir, node_id, secret, self._write_isr,
                                       self._write_shard_isr)
@@ -122,6 +126,7 @@ class ShardServer:
         # and delete whatever they do not list
         await asyncio.get_running_loop().run_in_executor(None, self.sink.index.scan, shard)
         self.sink.lost.discard(shard)  # ours again, a new term
+        self.closed.discard(vhost)
         self.served.add(vhost)
         if not await self.node.open_shard(vhost):
             self.served.discard(vhost)
@@ -135,26 +140,36 @@ class ShardServer:
         return True
 
     async def close(self, vhost: str, reason: str) -> None:
-        """Stop serving ``vhost``, fenced (``Node.close_shard``); its files stay."""
+        """Stop serving ``vhost``, fenced (``Node.close_shard``); its files stay, and so does
+        its replication, read-only, until it is ``handed`` over."""
         self.served.discard(vhost)
+        self.closed.add(vhost)
         await self.node.close_shard(vhost, reason)
-        self.sink.index.forget(shard_name(vhost))  # its next server's stream writes them from now on
+
+    def handed(self, vhost: str) -> None:
+        """``vhost``, closed here, is served elsewhere now: its next server's stream writes
+        its files from here on, and a follower naming it is refused."""
+        if vhost in self.closed:
+            self.closed.discard(vhost)
+            self.sink.index.forget(shard_name(vhost))
 
     async def stop(self) -> None:
         self.running = False
         self.sink.fence()  # no barrier resolves from here on: no confirm leaves after this
         self.served.clear()
+        self.closed.clear()
         await self.node.shutdown()
         await self.sink.stop()
 
     def _scope_refused(self, scope: Scope) -> str | None:
-        """A follower takes from us only shards we serve: of any other our copy may be stale,
-        and its bulk sync would delete what that shard's server confirmed."""
-        served = {shard_name(v) for v in self.served}
+        """A follower takes from us only shards we serve, or closed and not handed over yet
+        (its holder catches up with them here): of any other our copy may be stale, and its
+        bulk sync would delete what that shard's server confirmed."""
+        ours = {shard_name(v) for v in self.served | self.closed}
         if scope.shared or scope.shards is None:
             return "a shard server sends only the shards it serves, named"
-        if not scope.shards <= served:
-            return f"shards not served here: {sorted(scope.shards - served)}"
+        if not scope.shards <= ours:
+            return f"shards not served here: {sorted(scope.shards - ours)}"
         return None
 
     async def _write_isr(self, members: list[str]) -> bool | None:

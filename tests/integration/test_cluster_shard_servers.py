@@ -6,11 +6,12 @@ its key; clients reach each shard through a follower's proxy (routed by vhost) w
 that waited for the shard's ISR; kill -9 of a node serving shards moves only its shards, to a
 node their ISR key names, and nothing confirmed is lost; the killed node returns, wins its
 shards back (2/2/2 again) and serves them with every confirmed message. A trial of its own
-(chaos): it boots its own cluster, shared by its two tests, the second (the return) marked
-xfail while its occasional hang is unexplained (docs/architecture.md, "Per-shard leaders across nodes")."""
+(chaos): it boots its own cluster, shared by its two tests, the second the return (once an
+occasional hang, fixed by construction: docs/architecture.md, "Per-shard leaders across nodes")."""
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -52,9 +53,9 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ShardCluster]:
 @pytest.fixture
 def kept_on_failure(servers: ShardCluster, tmp_path_factory: pytest.TempPathFactory,
                     request: pytest.FixtureRequest) -> Iterator[None]:
-    """A failed (or xfailed) test keeps the nodes' logs: copied beside the base temp dir
+    """A failed test keeps the nodes' logs: copied beside the base temp dir
     (``kept-logs/servers/<time>-<pid>``, which the next run neither clears nor reuses) and
-    named in a warning, which the summary shows even for an xfail."""
+    named in a warning, which the summary shows."""
     yield
     if request.node.stash.get(CALL_FAILED, False):
         kept = servers.keep_logs(_kept_root(tmp_path_factory), f"{request.node.name} failed")
@@ -120,10 +121,6 @@ def test_nodes_serve_their_shards_and_kill9_of_one_moves_only_those_losing_nothi
                       confirmed=confirmed)
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "hand-back hang, unexplained: in some runs (1 in 4, once) the returned node holds its shards' keys "
-    "again but never marks them served within HANDBACK_WAIT (it neither opens them nor gets a "
-    "release); see docs/architecture.md, 'Per-shard leaders across nodes'"))
 def test_the_killed_node_returns_wins_its_shards_back_and_serves_every_confirmed_message(
         servers: ShardCluster, after_kill: dict[str, object], kept_on_failure: None) -> None:
     # the killed node returns: it follows its shards' current server, is in their ISR again,
@@ -142,9 +139,11 @@ def test_the_killed_node_returns_wins_its_shards_back_and_serves_every_confirmed
     try:
         wait_for(lambda: trickle.confirmed > 0 or trickle.error is not None, 10, "the trickle confirming")
         victim.start()
+        started = time.monotonic()
         wait_for(lambda: servers.leaders() == want, HANDBACK_WAIT, f"shard leaders back to {want}")
         wait_for(lambda: {v: n for v, n in servers.served().items() if v in others} == others, HANDBACK_WAIT,
                  f"the returned node serving its shards again: {others}")
+        print(f"hand-back: its shards served again {time.monotonic() - started:.2f}s after the node started")
     finally:
         trickle.stop_at.set()
         trickle.join(GAP_RUN + 10)
