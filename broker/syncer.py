@@ -216,6 +216,9 @@ class Syncer:
         self._scheduled = False
         self._worker = _FsyncThread("skred-fsync")
         self._settler = _FsyncThread("skred-fsync-settle")  # see "Settling" in the module doc
+        # False: a full commit fsyncs the settlement files before answering its waiters, as
+        # before issue 31 (the control of ``benchmarks/latency_settle.py``).
+        self.settle_apart = True
         self.syncs = 0
         self.failures = 0  # objects that failed a push or a sync (each time)
         self._errors = _Throttled()
@@ -310,7 +313,7 @@ class Syncer:
         settle: list[tuple[Syncable, Callable[[], None]]] = []
         try:
             synced = _sync_all(dirty, full, self.bulk_sync, self._errors,
-                               settle if full and self.window > 0 else None)
+                               settle if full and self.window > 0 and self.settle_apart else None)
         except Exception:  # pragma: no cover - _sync_all catches per object
             log.exception("sync failed")
             synced = set(dirty)
