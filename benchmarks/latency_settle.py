@@ -123,6 +123,7 @@ async def run(base: Path, rounds: int, seconds: float, window: float) -> None:
     waits: dict[str, list[int]] = {"apart": [], "inside": []}
     beside: list[float] = []  # apart: calls that overlapped a settling fsync (ms)
     alone: list[float] = []
+    behind: list[float] = []  # inside: calls that waited for a full sync's 3+ fsyncs (ms)
     for r in range(rounds):
         for mode in (("apart", "inside") if r % 2 == 0 else ("inside", "apart")):
             calls, waited, overlap = await one_round(base / f"q{r}-{mode}", mode == "apart", seconds, window)
@@ -131,6 +132,8 @@ async def run(base: Path, rounds: int, seconds: float, window: float) -> None:
             for ms, o in zip(calls, overlap, strict=True):
                 if mode == "apart":
                     (beside if o else alone).append(ms)
+            if mode == "inside":
+                behind += [ms for ms, k in zip(calls, waited, strict=True) if k >= 3]
             print(f"  round {r + 1} {mode}: {len(calls)} calls, p99 {pct(calls, 0.99):.2f} ms, "
                   f"max {max(calls):.2f} ms", file=sys.stderr, flush=True)
     print("| mode | calls/round | " + " | ".join(f"{n} ms" for n, _ in PCTS)
@@ -148,6 +151,9 @@ async def run(base: Path, rounds: int, seconds: float, window: float) -> None:
         print(f"\napart: {len(beside)} calls overlapped a settling fsync, median "
               f"{statistics.median(beside):.2f} ms (max {max(beside):.2f}); the other {len(alone)}: "
               f"median {statistics.median(alone):.2f} ms")
+    if behind:
+        print(f"inside: {len(behind)} calls waited for a full sync's fsyncs, median "
+              f"{statistics.median(behind):.2f} ms (max {max(behind):.2f})")
 
 
 def main() -> int:
