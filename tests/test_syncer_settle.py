@@ -54,10 +54,6 @@ class SlowAckFsync:
         self.done.append(path)
 
 
-def _run(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
-    asyncio.run(asyncio.wait_for(main(), 30))
-
-
 async def _thread_event(ev: threading.Event, timeout: float = 5.0) -> None:
     assert await asyncio.to_thread(ev.wait, timeout), "timed out"
 
@@ -89,70 +85,60 @@ async def _ack_then_hold_full_sync(s: Syncer, store: QueueStore, slow: SlowAckFs
     await _thread_event(slow.started)
 
 
-def test_confirm_during_full_sync_is_not_delayed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    slow = SlowAckFsync()
+Body = Callable[[Syncer, QueueStore, SlowAckFsync], Coroutine[Any, Any, None]]
+
+
+def _run(tmp: Path, monkeypatch: pytest.MonkeyPatch, window: float, body: Body,
+         fail: bool = False) -> None:
+    """``body`` on a real syncer and store, the ack file's fsync held; let go at the end."""
+    slow = SlowAckFsync(fail)
     monkeypatch.setattr(segment_log, "datasync_path", slow)
 
     async def main() -> None:
-        s = Syncer(asyncio.get_running_loop(), True, window=0.2)
-        store = QueueStore(tmp_path / "q", notify=s.mark_dirty)
+        s = Syncer(asyncio.get_running_loop(), True, window=window)
+        store = QueueStore(tmp / "q", notify=s.mark_dirty)
         try:
             await _ack_then_hold_full_sync(s, store, slow)
-            fut = await _confirm(s, store)  # requested while the settlement's fsync runs
-            done, _ = await asyncio.wait([fut], timeout=3)
-            assert done, "the confirm waited for the window's settlement fsync"
-            assert fut.result() is True
-            assert not slow.done, "answered before the ack file's fsync ended"
+            await body(s, store, slow)
         finally:
             slow.release.set()
         await _until(lambda: any(p.name == ack_name(1) for p in slow.done))  # in the same window
-        store.close()
-        s.shutdown()
-
-    _run(main)
-
-
-def test_failed_settlement_fsync_is_retried(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    slow = SlowAckFsync(fail=True)
-    monkeypatch.setattr(segment_log, "datasync_path", slow)
-
-    async def main() -> None:
-        s = Syncer(asyncio.get_running_loop(), True, window=0.2)
-        store = QueueStore(tmp_path / "q", notify=s.mark_dirty)
-        try:
-            await _ack_then_hold_full_sync(s, store, slow)
-        finally:
-            slow.release.set()
-        await _until(lambda: s.failures >= 1)
-        # Nobody waited on it: the store is dirty again and a later commit fsyncs the file.
-        await _until(lambda: any(p.name == ack_name(1) for p in slow.done))
         assert await asyncio.wait_for(await _confirm(s, store), 5)
         store.close()
         s.shutdown()
 
-    _run(main)
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_confirm_during_full_sync_is_not_delayed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def body(s: Syncer, store: QueueStore, slow: SlowAckFsync) -> None:
+        fut = await _confirm(s, store)  # requested while the settlement's fsync runs
+        done, _ = await asyncio.wait([fut], timeout=3)
+        assert done, "the confirm waited for the window's settlement fsync"
+        assert fut.result() is True
+        assert not slow.done, "answered before the ack file's fsync ended"
+
+    _run(tmp_path, monkeypatch, 0.2, body)
+
+
+def test_failed_settlement_fsync_is_retried(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nobody waited on it: the store is dirty again and a later commit fsyncs the file."""
+    async def body(s: Syncer, store: QueueStore, slow: SlowAckFsync) -> None:
+        slow.release.set()
+        await _until(lambda: s.failures >= 1)
+
+    _run(tmp_path, monkeypatch, 0.2, body, fail=True)
 
 
 def test_synchronous_window_answers_after_the_settlement(tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """``ack_sync_interval = 0`` promises settlements fsynced by the group commit: a waiter in
     a full commit is answered only after the ack file's fsync."""
-    slow = SlowAckFsync()
-    monkeypatch.setattr(segment_log, "datasync_path", slow)
-
-    async def main() -> None:
-        s = Syncer(asyncio.get_running_loop(), True, window=0)
-        store = QueueStore(tmp_path / "q", notify=s.mark_dirty)
-        try:
-            await _ack_then_hold_full_sync(s, store, slow)
-            fut = await _confirm(s, store)
-            done, _ = await asyncio.wait([fut], timeout=0.3)
-            assert not done, "a synchronous window answered before the settlement was durable"
-        finally:
-            slow.release.set()
+    async def body(s: Syncer, store: QueueStore, slow: SlowAckFsync) -> None:
+        fut = await _confirm(s, store)
+        done, _ = await asyncio.wait([fut], timeout=0.3)
+        assert not done, "a synchronous window answered before the settlement was durable"
+        slow.release.set()
         assert await asyncio.wait_for(fut, 5)
-        assert any(p.name == ack_name(1) for p in slow.done)
-        store.close()
-        s.shutdown()
 
-    _run(main)
+    _run(tmp_path, monkeypatch, 0, body)
