@@ -37,6 +37,26 @@ Objects a confirm-only sync took out of the dirty set stay due for the next
 full sync (``_full_pending``). A full sync of more than ``BULK_SYNC_MIN``
 objects writes each one's buffers and then makes a single ``bulk_sync``.
 
+Settling, off the confirm path (issue 31). A full sync used to fsync each store's settlement
+files (a queue's ack files, delivered mark, delivery counts: a journal commit each) inside the
+group commit, and a confirm requested meanwhile waited for all of them and then for its own
+commit: measured, 1.3 % of a synchronous publisher's confirms registered during a full sync,
+waiting 3x the median (9.1 against 3.2 ms), every half window. Now an object that has a
+``settle`` method is synced in a full commit like in a confirm-only one (``sync(full=False)``:
+segment data, retired segments, the directory; its settlement files *written*), the commit's
+waiters are answered, and the settlement files' fsyncs (``settle()``) run on a second thread
+(``_settler``) while the next commits proceed. The durability argument: a confirm's promise is
+that the message's bytes are on disk, and those are fsynced by ``sync`` before any waiter of
+the commit is answered, exactly as in a confirm-only commit; the settlement files' contents
+were written (in the page cache: a kill -9 loses none of it) before the waiters ran, and
+nothing any client was answered depends on their fsync while the window is on (an ack has no
+answer; a tx.commit never waited for one). Their power-loss promise is the window's, and their
+fsync now starts right after the commit that the window timer started at half the window,
+instead of inside it. A settle that fails leaves its files due for the next sync of any kind
+and marks its object dirty again (counted in ``failures``). A synchronous window (``window <=
+0``: purge-ok and tx.commit-ok promise settlements fsynced) and a bulk sync (one syncfs covers
+every file at once) keep the settlement inside the commit. ``sync_now`` waits for both threads.
+
 Failure is per object. A waiter names what it waits for (``after_sync(cb, deps)``: the
 stores a channel's confirmed publishes reached, the definitions log of a declare; None:
 everything). An object whose push to the replication sink (``flush``) or whose sync raises
@@ -195,6 +215,10 @@ class Syncer:
         self._running = False
         self._scheduled = False
         self._worker = _FsyncThread("skred-fsync")
+        self._settler = _FsyncThread("skred-fsync-settle")  # see "Settling" in the module doc
+        # False: a full commit fsyncs the settlement files before answering its waiters, as
+        # before issue 31 (the control of ``benchmarks/latency_settle.py``).
+        self.settle_apart = True
         self.syncs = 0
         self.failures = 0  # objects that failed a push or a sync (each time)
         self._errors = _Throttled()
@@ -286,8 +310,10 @@ class Syncer:
     def _sync_then_report(self, dirty: list[Syncable], full: bool, waiters: list[_Waiter],
                           barrier: asyncio.Future[None] | None, failed: set[Syncable]) -> None:
         """On the worker thread: sync, then hand the result to the loop (one turn)."""
+        settle: list[tuple[Syncable, Callable[[], None]]] = []
         try:
-            synced = _sync_all(dirty, full, self.bulk_sync, self._errors)
+            synced = _sync_all(dirty, full, self.bulk_sync, self._errors,
+                               settle if full and self.window > 0 and self.settle_apart else None)
         except Exception:  # pragma: no cover - _sync_all catches per object
             log.exception("sync failed")
             synced = set(dirty)
@@ -295,6 +321,28 @@ class Syncer:
             self.loop.call_soon_threadsafe(self._done, waiters, barrier, failed | synced)
         except RuntimeError:  # the loop is closed: shutting down, nobody waits any more
             pass
+        if settle:  # after the report: no waiter of this commit or the next waits for it
+            self._settler.run(lambda: self._settle_all(settle))
+
+    def _settle_all(self, objs: list[tuple[Syncable, Callable[[], None]]]) -> None:
+        """On the settling thread: fsync each object's settlement files (module doc)."""
+        failed: list[Syncable] = []
+        for obj, settle in objs:
+            try:
+                settle()
+            except Exception:
+                self._errors.exception("settling", obj)
+                failed.append(obj)
+        if failed:
+            try:
+                self.loop.call_soon_threadsafe(self._settle_failed, failed)
+            except RuntimeError:  # the loop is closed: sync_now covers what is left
+                pass
+
+    def _settle_failed(self, objs: list[Syncable]) -> None:
+        self.failures += len(objs)
+        for obj in objs:
+            self.mark_dirty(obj)  # its files stay due (``settle``): the next commit retries
 
     def _done(self, waiters: list[_Waiter], barrier: asyncio.Future[None] | None,
               failed: set[Syncable]) -> None:
@@ -335,6 +383,7 @@ class Syncer:
         in progress: its dirty set is not ours, and closing its stores meanwhile would
         fsync them one by one."""
         self._worker.idle()  # waits for the running sync
+        self._settler.idle()  # and for the settling it handed over
         dirty, self._dirty = list(self._dirty | self._full_pending), set()
         self._full_pending = set()
         _sync_all(dirty, True, self.bulk_sync, self._errors)
@@ -344,15 +393,23 @@ class Syncer:
             self._window_timer.cancel()
             self._window_timer = None
         self._worker.stop()
+        self._settler.stop()
 
 
 def _sync_all(dirty: list[Syncable], full: bool, bulk_sync: Callable[[], None] | None,
-              errors: _Throttled) -> set[Syncable]:
-    """Sync every object; the ones that failed (all of them if the one ``bulk_sync`` did)."""
+              errors: _Throttled,
+              settle: list[tuple[Syncable, Callable[[], None]]] | None = None) -> set[Syncable]:
+    """Sync every object; the ones that failed (all of them if the one ``bulk_sync`` did).
+    With ``settle`` (a full commit, window on) an object that can settle later is synced as
+    for a confirm and, if that succeeded, appended to it (module doc, "Settling")."""
     failed: set[Syncable] = set()
     bulk = bulk_sync is not None and len(dirty) > BULK_SYNC_MIN
     for obj in dirty:
         try:
+            if settle is not None and not bulk and (later := getattr(obj, "settle", None)):
+                obj.sync(False, True)
+                settle.append((obj, later))
+                continue
             obj.sync(full, not bulk)
         except Exception:
             errors.exception("syncing", obj)

@@ -261,6 +261,10 @@ class PriorityStore:
         for s in list(self._levels.values()):
             s.sync(full, fsync)
 
+    def settle(self) -> None:
+        for s in list(self._levels.values()):
+            s.settle()
+
     def close(self) -> None:
         for s in list(self._levels.values()):
             s.close()

@@ -1070,24 +1070,29 @@ class QueueStore(SegmentLog[Segment]):
     def _sync_locked(self, full: bool, paths: list[Path]) -> None:
         """Every sync writes buffered acks and a changed delivered mark (``meta``) to
         their files, so a kill -9 after it cannot lose them; the segment data that
-        publisher confirms wait on is fsynced by ``SegmentLog.sync``. ``full`` (the
+        publisher confirms wait on is fsynced by ``SegmentLog.sync``. A full sync (the
         syncer's window sync, at most ``ack_sync_interval`` after a settlement) fsyncs
-        the ack files and ``meta`` too; a group commit for confirms leaves that to the
-        window sync, since every extra fdatasync adds a journal commit to every
-        confirm's latency."""
+        the ack files and ``meta`` too (``_settle_locked``), with the segment or, from the
+        syncer, on its settling thread after the confirms were answered; a group commit for
+        confirms leaves them to the window, since every extra fdatasync adds a journal commit
+        to every confirm's latency."""
         self._write_acks_locked()
-        counts = self._counts
-        if counts is not None:
-            counts.write_locked()
-            if full and counts.take_unsynced():
-                paths.append(counts.path)
-        if full and self._ack_unsynced:
-            paths.extend(self._segs[n].ack_path for n in self._ack_unsynced if n in self._segs)
-            self._ack_unsynced.clear()
+        if self._counts is not None:
+            self._counts.write_locked()
         meta = self._meta_bytes()
         if meta != self._meta_written and self._write_meta(meta, fsync=False):
             self._meta_unsynced = True
-        if full and self._meta_unsynced:
+
+    def _settle_locked(self, paths: list[Path]) -> None:
+        """The ack files, delivery counts and ``meta`` written since their last fsync (a full
+        sync's share: ``SegmentLog.settle``)."""
+        counts = self._counts
+        if counts is not None and counts.take_unsynced():
+            paths.append(counts.path)
+        if self._ack_unsynced:
+            paths.extend(self._segs[n].ack_path for n in self._ack_unsynced if n in self._segs)
+            self._ack_unsynced.clear()
+        if self._meta_unsynced:
             self._meta_unsynced = False
             paths.append(Path(self._meta_path))
 

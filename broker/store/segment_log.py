@@ -671,6 +671,8 @@ class SegmentLog(Generic[S]):
                         self._unsynced_paths.clear()
                         retired, self._retired = self._retired, []
                         after = self._sync_locked(full, paths)
+                        if full:
+                            self._settle_locked(paths)
                         dir_unsynced = self._dir_unsynced
                         self._dir_unsynced = False
                     synced = paths if fsync else []
@@ -712,6 +714,30 @@ class SegmentLog(Generic[S]):
     def _sync_locked(self, full: bool, paths: list[Path]) -> Callable[[], None] | None:
         """Subclass hook, under ``_lock``: write what ``sync`` covers, add paths to fsync."""
         return None
+
+    def settle(self) -> None:
+        """fsync the files only a full sync covers and no confirm depends on (``_settle_locked``:
+        a queue's ack files, delivered mark and delivery counts), after a ``sync(full=False)``
+        wrote them. The syncer runs it on a thread of its own, so that a confirm never waits
+        for these journal commits (``broker/syncer.py``, "Settling"). Neither lock is held
+        during the fsyncs: a ``sync`` of the same log on the group commit's thread runs
+        meanwhile. By path, like a retired segment: a file removed since is simply gone. A
+        failure leaves what it did not fsync due for the next sync of any kind."""
+        paths: list[Path] = []
+        with self._lock:
+            if self._closed:
+                return
+            self._settle_locked(paths)
+        for k, path in enumerate(paths):
+            try:
+                datasync_path(path)
+            except BaseException:
+                self._sync_failed(False, paths[k:], [])
+                raise
+
+    def _settle_locked(self, paths: list[Path]) -> None:
+        """Subclass hook, under ``_lock``: take the written but unsynced files that only a full
+        sync makes durable (none here)."""
 
     def _remove_later(self, *paths: Path) -> None:
         """Unlink ``paths`` in this order on the segment worker (module doc); the caller has
