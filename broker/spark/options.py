@@ -26,7 +26,7 @@ EARLIEST, LATEST = -2, -1
 
 SOURCE_OPTIONS = {
     # connection
-    "uri": "AMQP URI of a running broker (reads over AMQP)",
+    "uri": "a running broker: http://user:pass@host:mgmt_port (raw records) or an AMQP URI",
     "vhost": "virtual host (default /)",
     "data_dir": "broker data directory (reads segment files)",
     "path": "same as data_dir (load(path))",

@@ -1,0 +1,88 @@
+"""A stream's stored records, raw, over HTTP: the Spark source's network read.
+
+Theory of operation
+-------------------
+``GET /api/streams/{vhost}/{queue}/records?offset=O&end=E&max_bytes=B&version=1`` answers the
+stream's records from offset ``O`` (an integer, clamped to the retained range like
+``x-stream-offset``, or ``first``/``last``/``next``; or ``timestamp=MS``: the first record
+appended at or after it) as the bytes the store holds them in, one segment's consecutive
+records back to back in the segment record format (``broker/store/segment.py``), so the
+reader decodes them exactly as the data-dir read decodes segment files
+(``broker/spark/segment_arrow.py``), column-wise, with no per-message framing on either side.
+The answer stops before offset ``E`` (when given), at the end of a segment, and before the
+record that would take the body past ``max_bytes`` (at most ``MAX_BYTES``), but always
+carries one record when one is there; ``max_bytes=0`` answers no record, only the headers,
+which is how a reader asks for the extent or resolves a timestamp.
+
+Response headers: ``X-Skred-Records-Version`` (the body's format, ``VERSION``; a request
+naming another version gets 400 before anything is read), ``X-Skred-First-Offset`` (the
+first record's offset: above the offset asked when retention removed the ones between, which
+the reader reports as data loss), ``X-Skred-Count``, ``X-Skred-Next-Offset`` (where to ask
+next), and the stream's retained range ``X-Skred-Stream-First`` / ``X-Skred-Stream-Next``.
+
+What is answered is what an AMQP stream consumer starting at ``O`` could be delivered now:
+the store's records below its next offset (a record is visible only once complete).
+
+Authorisation is AMQP's, not the management API's: any user that logs in (basic auth, the
+same users and login throttle) may call it, with or without management tags, as any user may
+consume a stream over AMQP; the vhost must be one the user may use and the user needs the
+``read`` permission on the queue, as ``basic.consume`` does (``common.RECORD_ROUTES`` lets
+the auth middleware skip the tag check for this route only). Bounds: one answer is at most
+``MAX_BYTES`` of records (a single record larger than that is still answered whole: the
+broker stored it, so it is within its message size limit), read synchronously from the
+segment map in one slice or one walk of record lengths, so a request holds the event loop
+for about one memory copy of that size.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from aiohttp import web
+
+from broker.http.common import MGMT_KEY, RECORDS_PATH, bad_request, check_perm, not_found, vhost_param
+from broker.http.routes_streams import int_param, start_offset
+from broker.model.stream import StreamQueue
+
+routes = web.RouteTableDef()
+
+VERSION: Final = 1  # the body's format: records as segment.py stores them
+MAX_BYTES: Final = 64 << 20  # record bytes per answer (ask again from X-Skred-Next-Offset)
+DEFAULT_BYTES: Final = 8 << 20
+CONTENT_TYPE: Final = "application/vnd.skred.records"
+
+
+@routes.get(RECORDS_PATH)
+async def stream_records(request: web.Request) -> web.Response:
+    version = int_param(request, "version", VERSION, 0, 1 << 31)
+    if version != VERSION:
+        raise bad_request(f"records format version {version} is not served here (this broker "
+                          f"serves version {VERSION}): upgrade the client or the broker")
+    vhost = vhost_param(request)
+    vh = request.app[MGMT_KEY].broker.vhosts[vhost]
+    name = request.match_info["name"]
+    q = vh.queues.get(name)
+    if q is None:
+        raise not_found(f"no queue '{name}' in vhost '{vhost}'")
+    check_perm(request, "read", vhost, name)
+    if not isinstance(q, StreamQueue):
+        raise bad_request(f"queue '{name}' in vhost '{vhost}' is not a stream")
+    max_bytes = int_param(request, "max_bytes", DEFAULT_BYTES, 0, MAX_BYTES)
+    store = q.stream
+    pos = store.seek(start_offset(request, q))
+    first = pos.offset
+    end = int_param(request, "end", 1 << 62, 0, 1 << 62)
+    body = b""
+    count = 0
+    if max_bytes and first < end:
+        got = store.read_records(pos, end - first, max_bytes)
+        if got is not None:
+            first, count, body = got
+    return web.Response(body=body, content_type=CONTENT_TYPE, headers={
+        "X-Skred-Records-Version": str(VERSION),
+        "X-Skred-First-Offset": str(first),
+        "X-Skred-Count": str(count),
+        "X-Skred-Next-Offset": str(first + count),
+        "X-Skred-Stream-First": str(store.first_offset),
+        "X-Skred-Stream-Next": str(store.next_offset),
+    })

@@ -1,0 +1,191 @@
+"""The Spark source's network read (``broker/spark/netread.py`` over ``GET .../records``) without
+Spark, on a single node, a cluster leader and through a follower.
+
+Differential: the Arrow table the network read builds (raw segment records decoded column-wise)
+equals the one the AMQP consume path builds (``amqp.read_columns``) and, where the test can see
+the broker's files (single node), the data-dir path's, over mixed records (varied properties,
+nested headers, empty bodies, alike runs, several segments) under offset and timestamp bounds.
+Then the endpoint's refusals: no credentials, a user without read permission (nothing
+answered), a bad format version, and its size bound. Small counts; the rate is measured by
+``benchmarks/spark.py``.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import mmap
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pika
+import pytest
+
+from ._support import connect, is_external, unique
+
+pa = pytest.importorskip("pyarrow")
+pytest.importorskip("pyspark.sql.datasource")
+
+from test_spark_segment_arrow import NAMES, PA_SCHEMA  # noqa: E402 - tests/ is on sys.path
+
+from broker.spark import amqp, netread  # noqa: E402
+from broker.spark.rows import PropsDecoder, segment_batch, to_batch  # noqa: E402
+from broker.spark.segment_arrow import columns, walk  # noqa: E402
+from broker.store.paths import find_vhost_dir, queue_dir  # noqa: E402
+from broker.store.segment import HEADER_SIZE  # noqa: E402
+from broker.store.stream_store import list_segments  # noqa: E402
+
+# Durable state: also against a cluster leader and through a follower (_cluster_modes.py).
+pytestmark = [pytest.mark.cluster_modes,
+              pytest.mark.skipif(is_external(), reason="needs Skred's management API")]
+
+N = 600
+
+
+def _http(b: Any, user: str = "guest", password: str = "guest") -> str:
+    return f"http://{user}:{password}@{b.host}:{b.mgmt_port}"
+
+
+def _api(b: Any, method: str, path: str, body: Any = None, auth: tuple[str, str] | None = ("guest", "guest"),
+         ) -> tuple[int, dict[str, str], bytes]:
+    req = urllib.request.Request(f"http://{b.host}:{b.mgmt_port}{path}", method=method,
+                                 data=None if body is None else json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
+    if auth is not None:
+        req.add_header("Authorization", "Basic " + base64.b64encode(":".join(auth).encode()).decode())
+    try:
+        with urllib.request.urlopen(req, timeout=15) as resp:
+            return resp.status, dict(resp.headers), resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read()
+
+
+@pytest.fixture(scope="module")
+def stream(shared_broker: Any) -> str:
+    """A stream of N mixed records over several small segments, published with confirms."""
+    name = unique("recs")
+    conn = connect(shared_broker)
+    try:
+        ch = conn.channel()
+        ch.queue_declare(name, durable=True, arguments={
+            "x-queue-type": "stream", "x-stream-max-segment-size-bytes": 8192})
+        ch.queue_bind(name, "amq.direct", "rk")
+        ch.confirm_delivery()
+        for i in range(N):
+            kind = i % 7
+            if 200 <= i < 260:  # an alike run: one body length, one properties value
+                props, body = pika.BasicProperties(delivery_mode=2), b"same-%03d" % i
+            elif kind == 0:
+                props, body = pika.BasicProperties(), b""
+            elif kind == 1:
+                props, body = pika.BasicProperties(headers={"n": {"deep": [i, "x"]}, "s": "\u00e9"}), b"h%d" % i
+            else:
+                props = pika.BasicProperties(content_type="text/plain", priority=kind,
+                                             message_id=f"m{i}" if kind % 2 else None,
+                                             headers={"i": i} if kind > 3 else None)
+                body = b"x" * (i % 50)
+            if kind == 3:  # another exchange and routing key
+                ch.basic_publish("amq.direct", "rk", body, props)
+            else:
+                ch.basic_publish("", name, body, props)
+        return name
+    finally:
+        conn.close()
+
+
+def _net_table(b: Any, queue: str, start: int, stop: int, ts: tuple[int | None, int | None] = (None, None),
+               batch_rows: int = 97, max_bytes: int = 3000) -> Any:
+    decoder = PropsDecoder()
+    with netread.RecordsClient(_http(b), "/") as c:
+        batches = [segment_batch(seg, PA_SCHEMA, decoder, NAMES, queue, 0)
+                   for seg in netread.read_columns(c, queue, start, stop, batch_rows, max_bytes, *ts,
+                                                   gap=lambda lo, hi: pytest.fail(f"gap {lo}..{hi}"))]
+    return pa.Table.from_batches(batches, PA_SCHEMA)
+
+
+def _amqp_table(b: Any, queue: str, start: int, stop: int, ts: tuple[int | None, int | None] = (None, None)) -> Any:
+    decoder = PropsDecoder()
+    batches = [to_batch(cols, PA_SCHEMA, decoder, NAMES, queue, 0)
+               for cols in amqp.read_columns(b.url, queue, start, stop, 1000, *ts, timeout=20)]
+    return pa.Table.from_batches(batches, PA_SCHEMA)
+
+
+def _dir_table(data_dir: Path, queue: str, start: int, stop: int) -> Any:
+    decoder = PropsDecoder()
+    out = []
+    for info in list_segments(queue_dir(find_vhost_dir(data_dir, "/"), queue)):
+        if not info.count or info.first_offset is None:
+            continue
+        with open(info.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            pos, offset, done = HEADER_SIZE, info.first_offset, False
+            while not done:
+                at, stamps, pos, offset, done = walk(mm, len(mm), pos, offset, start, stop, 1 << 20, 1 << 30)
+                if len(at):
+                    seg = columns(mm, at, stamps, offset - len(at), None, None)
+                    out.append(segment_batch(seg, PA_SCHEMA, decoder, NAMES, queue, 0))
+    return pa.Table.from_batches(out, PA_SCHEMA)
+
+
+def test_network_read_equals_the_amqp_and_data_dir_reads(shared_broker: Any, stream: str) -> None:
+    b = shared_broker
+    with netread.RecordsClient(_http(b), "/") as c:
+        assert c.extent(stream) == (0, N)
+    whole = _net_table(b, stream, 0, N)
+    assert whole.column("offset").to_pylist() == list(range(N))
+    assert whole.equals(_amqp_table(b, stream, 0, N))
+    if b.data_dir is not None:  # a single node: its files are here
+        assert whole.equals(_dir_table(b.data_dir, stream, 0, N))
+    # offset bounds inside segments, and a timestamp window
+    assert _net_table(b, stream, 137, 411).equals(_amqp_table(b, stream, 137, 411))
+    stamps = whole.column("timestamp").cast(pa.int64()).to_pylist()
+    lo, hi = stamps[150] // 1000, stamps[450] // 1000  # microseconds -> ms
+    assert _net_table(b, stream, 0, N, (lo, hi)).equals(_amqp_table(b, stream, 0, N, (lo, hi)))
+    with netread.RecordsClient(_http(b), "/") as c:
+        assert c.first_at(stream, lo) == amqp.first_at(b.url, stream, 0, N, lo, 20)
+
+
+def test_records_refused_without_login_or_read_permission(shared_broker: Any, stream: str) -> None:
+    b = shared_broker
+    path = f"/api/streams/%2F/{stream}/records?offset=0"
+    status, headers, _body = _api(b, "GET", path, auth=None)
+    assert status == 401 and "X-Skred-Count" not in headers
+    user = unique("reader")
+    assert _api(b, "PUT", f"/api/users/{user}", {"password": "pw", "tags": ""})[0] in (201, 204)
+    try:
+        assert _api(b, "PUT", f"/api/permissions/%2F/{user}",
+                    {"configure": ".*", "write": ".*", "read": "^nothing$"})[0] in (201, 204)
+        status, headers, body = _api(b, "GET", path, auth=(user, "pw"))
+        assert status == 401 and b"read" in body and "X-Skred-Count" not in headers
+        with netread.RecordsClient(_http(b, user, "pw"), "/") as c, \
+                pytest.raises(netread.RecordsError, match="401"):
+            c.extent(stream)
+        # the read permission is what counts, not a management tag (AMQP's rule)
+        assert _api(b, "PUT", f"/api/permissions/%2F/{user}",
+                    {"configure": "", "write": "", "read": ".*"})[0] in (201, 204)
+        with netread.RecordsClient(_http(b, user, "pw"), "/") as c:
+            assert c.get(stream, 1 << 20, offset=0).count > 0
+        # a tagless user is still no management user
+        assert _api(b, "GET", "/api/queues", auth=(user, "pw"))[0] == 401
+    finally:
+        _api(b, "DELETE", f"/api/users/{user}")
+
+
+def test_records_size_bound_and_version(shared_broker: Any, stream: str) -> None:
+    b = shared_broker
+    base = f"/api/streams/%2F/{stream}/records"
+    status, headers, body = _api(b, "GET", f"{base}?offset=5&max_bytes=300")
+    assert status == 200 and 0 < len(body) <= 300
+    first, count = int(headers["X-Skred-First-Offset"]), int(headers["X-Skred-Count"])
+    assert (first, int(headers["X-Skred-Next-Offset"])) == (5, 5 + count)
+    status, headers, body = _api(b, "GET", f"{base}?offset=5&max_bytes=1")  # one record all the same
+    assert status == 200 and headers["X-Skred-Count"] == "1" and body
+    status, headers, body = _api(b, "GET", f"{base}?offset=5&end=8")
+    assert headers["X-Skred-Count"] == "3"
+    status, headers, body = _api(b, "GET", f"{base}?offset=first&max_bytes=0")
+    assert (status, body, headers["X-Skred-Stream-Next"]) == (200, b"", str(N))
+    assert _api(b, "GET", f"{base}?max_bytes={(64 << 20) + 1}")[0] == 400
+    status, _headers, body = _api(b, "GET", f"{base}?version=2")
+    assert status == 400 and b"version" in body
+    assert _api(b, "GET", f"/api/streams/%2F/{unique('none')}/records")[0] == 404
