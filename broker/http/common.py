@@ -37,7 +37,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from aiohttp import web
 
 from broker import errors, jsonbody
-from broker.aio import any_segment
 from broker.auth.names import name_problem
 from broker.auth.sasl import http_credentials
 from broker.auth.throttle import TooManyFailures, check_login
@@ -151,7 +150,7 @@ UNAUTHENTICATED = frozenset({"/api/auth", "/api/oauth/token"})
 # routes that are a client protocol, not management: any user may log in, and the handler
 # checks the AMQP permission the same operation needs (routes_stream_records.py: read)
 RECORDS_PATH = "/api/streams/{vhost}/{name}/records"
-RECORD_ROUTES = frozenset({any_segment(RECORDS_PATH)})
+RECORD_ROUTES = frozenset({RECORDS_PATH})  # as a route's canonical path
 
 
 @web.middleware

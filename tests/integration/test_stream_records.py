@@ -157,7 +157,7 @@ def test_records_refused_without_login_or_read_permission(shared_broker: Any, st
         assert _api(b, "PUT", f"/api/permissions/%2F/{user}",
                     {"configure": ".*", "write": ".*", "read": "^nothing$"})[0] in (201, 204)
         status, headers, body = _api(b, "GET", path, auth=(user, "pw"))
-        assert status == 401 and b"read" in body and "X-Skred-Count" not in headers
+        assert status == 401 and b"read" in body and "X-Skred-Count" not in headers, (status, body)
         with netread.RecordsClient(_http(b, user, "pw"), "/") as c, \
                 pytest.raises(netread.RecordsError, match="401"):
             c.extent(stream)
