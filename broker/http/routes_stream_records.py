@@ -14,11 +14,13 @@ record that would take the body past ``max_bytes`` (at most ``MAX_BYTES``), but 
 carries one record when one is there; ``max_bytes=0`` answers no record, only the headers,
 which is how a reader asks for the extent or resolves a timestamp.
 
-Response headers: ``X-Skred-Records-Version`` (the body's format, ``VERSION``; a request
-naming another version gets 400 before anything is read), ``X-Skred-First-Offset`` (the
-first record's offset: above the offset asked when retention removed the ones between, which
-the reader reports as data loss), ``X-Skred-Count``, ``X-Skred-Next-Offset`` (where to ask
-next), and the stream's retained range ``X-Skred-Stream-First`` / ``X-Skred-Stream-Next``.
+The body opens with a fixed head (``broker/recordwire.py``: magic, format version, the first
+record's offset, the count, and the stream's retained range), then the records. The first
+offset is above the offset asked when retention removed the ones between, which the reader
+reports as data loss; the next request starts at first + count. A request naming another
+format version (``version``) gets 400 before anything is read. The head rides in the body so
+that a multi-worker node's fan-out (which relays only a few HTTP headers) and a follower's
+proxy pass it on whole.
 
 What is answered is what an AMQP stream consumer starting at ``O`` could be delivered now:
 the store's records below its next offset (a record is visible only once complete).
@@ -40,24 +42,23 @@ from typing import Final
 
 from aiohttp import web
 
+from broker import recordwire
 from broker.http.common import MGMT_KEY, RECORDS_PATH, bad_request, check_perm, not_found, vhost_param
 from broker.http.routes_streams import int_param, start_offset
 from broker.model.stream import StreamQueue
 
 routes = web.RouteTableDef()
 
-VERSION: Final = 1  # the body's format: records as segment.py stores them
-MAX_BYTES: Final = 64 << 20  # record bytes per answer (ask again from X-Skred-Next-Offset)
+MAX_BYTES: Final = 64 << 20  # record bytes per answer (ask again from first + count)
 DEFAULT_BYTES: Final = 8 << 20
-CONTENT_TYPE: Final = "application/vnd.skred.records"
 
 
 @routes.get(RECORDS_PATH)
-async def stream_records(request: web.Request) -> web.Response:
-    version = int_param(request, "version", VERSION, 0, 1 << 31)
-    if version != VERSION:
+async def stream_records(request: web.Request) -> web.StreamResponse:
+    version = int_param(request, "version", recordwire.VERSION, 0, 1 << 31)
+    if version != recordwire.VERSION:
         raise bad_request(f"records format version {version} is not served here (this broker "
-                          f"serves version {VERSION}): upgrade the client or the broker")
+                          f"serves version {recordwire.VERSION}): upgrade the client or the broker")
     vhost = vhost_param(request)
     vh = request.app[MGMT_KEY].broker.vhosts[vhost]
     name = request.match_info["name"]
@@ -78,11 +79,11 @@ async def stream_records(request: web.Request) -> web.Response:
         got = store.read_records(pos, end - first, max_bytes)
         if got is not None:
             first, count, body = got
-    return web.Response(body=body, content_type=CONTENT_TYPE, headers={
-        "X-Skred-Records-Version": str(VERSION),
-        "X-Skred-First-Offset": str(first),
-        "X-Skred-Count": str(count),
-        "X-Skred-Next-Offset": str(first + count),
-        "X-Skred-Stream-First": str(store.first_offset),
-        "X-Skred-Stream-Next": str(store.next_offset),
-    })
+    head = recordwire.Head(first, count, store.first_offset, store.next_offset).pack()
+    resp = web.StreamResponse(headers={"Content-Type": recordwire.CONTENT_TYPE})
+    resp.content_length = len(head) + len(body)
+    await resp.prepare(request)
+    await resp.write(head)  # two writes: the records are not copied once more behind the head
+    await resp.write(body)
+    await resp.write_eof()
+    return resp

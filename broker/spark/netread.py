@@ -11,18 +11,20 @@ read costs the broker one memory copy per answer and the task what a data-dir re
 with no per-message frame on either side (the AMQP consume path decoded a deliver, a header
 and a body frame per row in Python).
 
-A read of ``[start, stop)`` asks from ``start`` with ``end=stop`` and pages with the answer's
-next offset until it reaches ``stop`` or the stream's end; each request is bounded by
-``max_bytes`` (the broker caps it too). An answer whose first offset is above the one asked
-means retention removed the records between: ``gap`` is called with the missing range (the
-source raises its DataLoss there unless ``failOnDataLoss=false``). The extent and timestamp
-lookups are the same request with ``max_bytes=0`` (headers only).
+An answer's body is a fixed head (``broker/recordwire.py``: the records' first offset and count,
+the stream's retained range) and then the records. A read of ``[start, stop)`` asks from
+``start`` with ``end=stop`` and pages with the answer's first + count until it reaches
+``stop`` or the stream's end; each request is bounded by ``max_bytes`` (the broker caps it
+too). An answer whose first offset is above the one asked means retention removed the records
+between: ``gap`` is called with the missing range (the source raises its DataLoss there unless
+``failOnDataLoss=false``). The extent and timestamp lookups are the same request with
+``max_bytes=0`` (a head, no record).
 
 The connection is one keep-alive HTTP/1.1 connection per task (``http.client``), with basic
 auth from the URI's user and password (``guest:guest`` when absent, as AMQP URIs default),
 and ``timeout`` seconds per socket operation. The request names the body format version; the
-broker refuses another with 400 and the answer must carry the same version, so a client and a
-broker that disagree fail with a clear error instead of misreading bytes. Anything but 200
+broker refuses another with 400 and the answer's head must carry the same magic and version,
+so a client and a broker that disagree fail with a clear error instead of misreading bytes. Anything but 200
 raises ``RecordsError`` with the broker's reason (401: login or the read permission refused).
 """
 
@@ -35,9 +37,9 @@ import urllib.parse
 from collections.abc import Callable, Iterator
 from typing import Final
 
+from broker import recordwire
 from broker.spark.segment_arrow import SegmentColumns, columns, walk
 
-VERSION: Final = 1  # the records body format this reader decodes
 DEFAULT_MAX_BYTES: Final = 8 << 20  # record bytes per request
 SCHEMES: Final = ("http", "https")
 
@@ -50,15 +52,15 @@ def is_records_uri(uri: str | None) -> bool:
     return bool(uri) and urllib.parse.urlsplit(uri or "").scheme.lower() in SCHEMES
 
 
-class Answer:
-    """One records answer: the bytes and the offsets around them."""
+class Answer(recordwire.Head):
+    """One records answer: its head and the whole body (the records start at ``HEAD.size``)."""
 
-    __slots__ = ("data", "first", "count", "next", "stream_first", "stream_next")
+    __slots__ = ("data",)
 
-    def __init__(self, data: bytes, first: int, count: int, nxt: int, stream_first: int,
-                 stream_next: int) -> None:
-        self.data, self.first, self.count, self.next = data, first, count, nxt
-        self.stream_first, self.stream_next = stream_first, stream_next
+    def __init__(self, data: bytes) -> None:
+        head = recordwire.unpack(data)
+        super().__init__(head.first, head.count, head.stream_first, head.stream_next)
+        self.data = data
 
 
 class RecordsClient:
@@ -88,7 +90,7 @@ class RecordsClient:
     def get(self, queue: str, max_bytes: int, end: int | None = None, **start: int | str) -> Answer:
         """One request; ``start`` is ``offset=`` (an integer or first/last/next) or ``timestamp=``."""
         q = urllib.parse.quote
-        query = {"version": VERSION, "max_bytes": max_bytes, **start}
+        query = {"version": recordwire.VERSION, "max_bytes": max_bytes, **start}
         if end is not None:
             query["end"] = end
         path = (f"{self._base}/api/streams/{q(self.vhost, safe='')}/{q(queue, safe='')}/records?"
@@ -103,14 +105,10 @@ class RecordsClient:
         if resp.status != 200:
             raise RecordsError(f"skred: stream '{queue}' in vhost '{self.vhost}': HTTP {resp.status}: "
                                f"{_reason(data)}")
-        version = resp.getheader("X-Skred-Records-Version")
-        if version != str(VERSION):
-            raise RecordsError(f"skred: the broker answered records format version {version!r}; "
-                               f"this reader decodes version {VERSION}: upgrade the client or the broker")
-        h = resp.getheader
-        return Answer(data, int(h("X-Skred-First-Offset", "0")), int(h("X-Skred-Count", "0")),
-                      int(h("X-Skred-Next-Offset", "0")), int(h("X-Skred-Stream-First", "0")),
-                      int(h("X-Skred-Stream-Next", "0")))
+        try:
+            return Answer(data)
+        except ValueError as exc:
+            raise RecordsError(f"skred: stream '{queue}': {exc}") from None
 
     def extent(self, queue: str) -> tuple[int, int]:
         """(first offset, next offset) of the stream now."""
@@ -127,7 +125,7 @@ class RecordsClient:
         at = start
         while at < stop:
             a = self.get(queue, max_bytes, end=stop, offset=at)
-            if a.first > at and a.count:
+            if a.first > at:
                 gap(at, min(a.first, stop))
             if not a.count:
                 return  # the stream ends before ``stop`` (or retention took the rest)
@@ -148,7 +146,7 @@ def read_columns(client: RecordsClient, queue: str, start: int, stop: int, batch
     """Column batches of the records with offsets in ``[start, stop)`` appended within
     ``[ts_lo, ts_hi]``, at most ``batch_rows`` rows each (batch boundaries carry no meaning)."""
     for a in client.records(queue, start, stop, max_bytes, gap):
-        size, pos, offset, done = len(a.data), 0, a.first, False
+        size, pos, offset, done = len(a.data), recordwire.HEAD.size, a.first, False
         while not done:
             at, stamps, pos, offset, done = walk(a.data, size, pos, offset, start, stop, batch_rows, size)
             if len(at):

@@ -542,7 +542,8 @@ class StreamStore(SegmentLog[_Seg]):
         p.offset = first + i
         return first, first_ts, props, bodies, False
 
-    def read_records(self, p: StreamPosition, max_count: int, max_bytes: int) -> tuple[int, int, bytes] | None:
+    def read_records(self, p: StreamPosition, max_count: int, max_bytes: int
+                     ) -> tuple[int, int, bytes] | None:
         """Raw read: the stored bytes of up to ``max_count`` consecutive records from ``p``
         (advancing it), exactly as they lie in ``p``'s segment (the segment format, see
         ``segment.py``), as (first offset, count, bytes); None at the end of the log. Stops at

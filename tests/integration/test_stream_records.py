@@ -30,6 +30,7 @@ pytest.importorskip("pyspark.sql.datasource")
 
 from test_spark_segment_arrow import NAMES, PA_SCHEMA  # noqa: E402 - tests/ is on sys.path
 
+from broker import recordwire  # noqa: E402
 from broker.spark import amqp, netread  # noqa: E402
 from broker.spark.rows import PropsDecoder, segment_batch, to_batch  # noqa: E402
 from broker.spark.segment_arrow import columns, walk  # noqa: E402
@@ -80,7 +81,8 @@ def stream(shared_broker: Any) -> str:
             elif kind == 0:
                 props, body = pika.BasicProperties(), b""
             elif kind == 1:
-                props, body = pika.BasicProperties(headers={"n": {"deep": [i, "x"]}, "s": "\u00e9"}), b"h%d" % i
+                props = pika.BasicProperties(headers={"n": {"deep": [i, "x"]}, "s": "\u00e9"})
+                body = b"h%d" % i
             else:
                 props = pika.BasicProperties(content_type="text/plain", priority=kind,
                                              message_id=f"m{i}" if kind % 2 else None,
@@ -105,7 +107,8 @@ def _net_table(b: Any, queue: str, start: int, stop: int, ts: tuple[int | None, 
     return pa.Table.from_batches(batches, PA_SCHEMA)
 
 
-def _amqp_table(b: Any, queue: str, start: int, stop: int, ts: tuple[int | None, int | None] = (None, None)) -> Any:
+def _amqp_table(b: Any, queue: str, start: int, stop: int,
+                ts: tuple[int | None, int | None] = (None, None)) -> Any:
     decoder = PropsDecoder()
     batches = [to_batch(cols, PA_SCHEMA, decoder, NAMES, queue, 0)
                for cols in amqp.read_columns(b.url, queue, start, stop, 1000, *ts, timeout=20)]
@@ -143,21 +146,21 @@ def test_network_read_equals_the_amqp_and_data_dir_reads(shared_broker: Any, str
     lo, hi = stamps[150] // 1000, stamps[450] // 1000  # microseconds -> ms
     assert _net_table(b, stream, 0, N, (lo, hi)).equals(_amqp_table(b, stream, 0, N, (lo, hi)))
     with netread.RecordsClient(_http(b), "/") as c:
-        assert c.first_at(stream, lo) == amqp.first_at(b.url, stream, 0, N, lo, 20)
+        assert c.first_at(stream, lo) == next(i for i, t in enumerate(stamps) if t // 1000 >= lo)
 
 
 def test_records_refused_without_login_or_read_permission(shared_broker: Any, stream: str) -> None:
     b = shared_broker
     path = f"/api/streams/%2F/{stream}/records?offset=0"
-    status, headers, _body = _api(b, "GET", path, auth=None)
-    assert status == 401 and "X-Skred-Count" not in headers
+    status, _headers, body = _api(b, "GET", path, auth=None)
+    assert status == 401 and not body.startswith(recordwire.MAGIC)
     user = unique("reader")
     assert _api(b, "PUT", f"/api/users/{user}", {"password": "pw", "tags": ""})[0] in (201, 204)
     try:
         assert _api(b, "PUT", f"/api/permissions/%2F/{user}",
                     {"configure": ".*", "write": ".*", "read": "^nothing$"})[0] in (201, 204)
-        status, headers, body = _api(b, "GET", path, auth=(user, "pw"))
-        assert status == 401 and b"read" in body and "X-Skred-Count" not in headers, (status, body)
+        status, _headers, body = _api(b, "GET", path, auth=(user, "pw"))
+        assert status == 401 and b"read" in body and not body.startswith(recordwire.MAGIC), (status, body)
         with netread.RecordsClient(_http(b, user, "pw"), "/") as c, \
                 pytest.raises(netread.RecordsError, match="401"):
             c.extent(stream)
@@ -175,17 +178,24 @@ def test_records_refused_without_login_or_read_permission(shared_broker: Any, st
 def test_records_size_bound_and_version(shared_broker: Any, stream: str) -> None:
     b = shared_broker
     base = f"/api/streams/%2F/{stream}/records"
-    status, headers, body = _api(b, "GET", f"{base}?offset=5&max_bytes=300")
-    assert status == 200 and 0 < len(body) <= 300
-    first, count = int(headers["X-Skred-First-Offset"]), int(headers["X-Skred-Count"])
-    assert (first, int(headers["X-Skred-Next-Offset"])) == (5, 5 + count)
-    status, headers, body = _api(b, "GET", f"{base}?offset=5&max_bytes=1")  # one record all the same
-    assert status == 200 and headers["X-Skred-Count"] == "1" and body
-    status, headers, body = _api(b, "GET", f"{base}?offset=5&end=8")
-    assert headers["X-Skred-Count"] == "3"
-    status, headers, body = _api(b, "GET", f"{base}?offset=first&max_bytes=0")
-    assert (status, body, headers["X-Skred-Stream-Next"]) == (200, b"", str(N))
+    head = recordwire.HEAD.size
+
+    def get(query: str) -> tuple[recordwire.Head, bytes]:
+        status, _headers, body = _api(b, "GET", f"{base}?{query}")
+        assert status == 200, body
+        return recordwire.unpack(body), body[head:]
+
+    h, recs = get("offset=5&max_bytes=300")
+    assert 0 < len(recs) <= 300 and h.first == 5 and h.count > 0
+    assert (h.stream_first, h.stream_next) == (0, N)
+    h, recs = get("offset=5&max_bytes=1")  # one record all the same
+    assert h.count == 1 and recs
+    assert get("offset=5&end=8")[0].count == 3
+    h, recs = get("offset=first&max_bytes=0")
+    assert (h.count, recs, h.stream_next) == (0, b"", N)
     assert _api(b, "GET", f"{base}?max_bytes={(64 << 20) + 1}")[0] == 400
     status, _headers, body = _api(b, "GET", f"{base}?version=2")
     assert status == 400 and b"version" in body
     assert _api(b, "GET", f"/api/streams/%2F/{unique('none')}/records")[0] == 404
+    with pytest.raises(ValueError, match="version 2"):
+        recordwire.unpack(recordwire.HEAD.pack(recordwire.MAGIC, 2, 0, 0, 0, 0, 0))
