@@ -23,7 +23,7 @@ from typing import Any
 import pika
 import pytest
 
-from ._support import connect, is_external, unique
+from ._support import connect, is_external, unique, wait_until
 
 pa = pytest.importorskip("pyarrow")
 pytest.importorskip("pyspark.sql.datasource")
@@ -65,7 +65,8 @@ def _api(b: Any, method: str, path: str, body: Any = None, auth: tuple[str, str]
 
 @pytest.fixture(scope="module")
 def stream(shared_broker: Any) -> str:
-    """A stream of N mixed records over several small segments, published with confirms."""
+    """A stream of N mixed records over several small segments (published without a confirm
+    each, which costs seconds under load; the fixture waits until all N are there)."""
     name = unique("recs")
     conn = connect(shared_broker)
     try:
@@ -73,7 +74,6 @@ def stream(shared_broker: Any) -> str:
         ch.queue_declare(name, durable=True, arguments={
             "x-queue-type": "stream", "x-stream-max-segment-size-bytes": 8192})
         ch.queue_bind(name, "amq.direct", "rk")
-        ch.confirm_delivery()
         for i in range(N):
             kind = i % 7
             if 200 <= i < 260:  # an alike run: one body length, one properties value
@@ -92,9 +92,11 @@ def stream(shared_broker: Any) -> str:
                 ch.basic_publish("amq.direct", "rk", body, props)
             else:
                 ch.basic_publish("", name, body, props)
-        return name
     finally:
         conn.close()
+    with netread.RecordsClient(_http(shared_broker), "/") as c:
+        wait_until(lambda: c.extent(name) == (0, N), 20, "every record stored")
+    return name
 
 
 def _net_table(b: Any, queue: str, start: int, stop: int, ts: tuple[int | None, int | None] = (None, None),
