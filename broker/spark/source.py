@@ -357,8 +357,8 @@ class _Options:
             assert isinstance(part, RangePartition)
             if not part.path and self.net:
                 with self.client() as c:
-                    at = c.first_at(tp.queue, ts)
-                return at if part.start <= at < part.stop else nxt if at >= part.stop else part.start
+                    found = c.first_at(tp.queue, ts)
+                return min(max(found, part.start), nxt)
             if not part.path:
                 at = amqp.first_at(self.uri or "", tp.queue, part.start, part.stop, ts, self.timeout)
                 return nxt if at is None else at
