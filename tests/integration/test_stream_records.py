@@ -28,7 +28,7 @@ from ._support import connect, is_external, unique, wait_until
 pa = pytest.importorskip("pyarrow")
 pytest.importorskip("pyspark.sql.datasource")
 
-from test_spark_segment_arrow import NAMES, PA_SCHEMA  # noqa: E402 - tests/ is on sys.path
+from test_spark_segment_arrow import NAMES, PA_SCHEMA, SCHEMA  # noqa: E402 - tests/ is on sys.path
 
 from broker import recordwire  # noqa: E402
 from broker.spark import amqp, netread  # noqa: E402
@@ -201,3 +201,34 @@ def test_records_size_bound_and_version(shared_broker: Any, stream: str) -> None
     assert _api(b, "GET", f"/api/streams/%2F/{unique('none')}/records")[0] == 404
     with pytest.raises(ValueError, match="version 2"):
         recordwire.unpack(recordwire.HEAD.pack(recordwire.MAGIC, 2, 0, 0, 0, 0, 0))
+
+
+def test_records_removed_by_retention_are_data_loss(shared_broker: Any, cleanup: Any) -> None:
+    """The source's partition read over raw records (what a Spark task runs) fails on offsets
+    retention removed unless failOnDataLoss=false, which reads on from the first one held."""
+    from broker.spark.options import TopicPartition
+    from broker.spark.source import DataLoss, RangePartition, _Options
+
+    b = shared_broker
+    q = cleanup.queue()
+    conn = connect(b)
+    try:
+        ch = conn.channel()
+        ch.queue_declare(q, durable=True, arguments={"x-queue-type": "stream", "x-max-length": 40,
+                                                     "x-stream-max-segment-size-bytes": 2048})
+        for i in range(300):
+            ch.basic_publish("", q, b"r%03d" % i + b"." * 40)
+    finally:
+        conn.close()
+    with netread.RecordsClient(_http(b), "/") as c:
+        wait_until(lambda: c.extent(q)[1] == 300, 20, "every record stored")
+        first, nxt = c.extent(q)
+    assert 0 < first < nxt == 300
+    part = RangePartition(TopicPartition(q, 0, q), 0, nxt)
+    strict = _Options({"uri": _http(b), "queue": q})
+    with pytest.raises(DataLoss, match=f"offsets 0..{first - 1}"):
+        list(strict.batches(part, SCHEMA))
+    lenient = _Options({"uri": _http(b), "queue": q, "failOnDataLoss": "false"})
+    rows = pa.Table.from_batches(list(lenient.batches(part, SCHEMA)), PA_SCHEMA)
+    assert rows.column("offset").to_pylist() == list(range(first, nxt))
+    assert rows.column("value").to_pylist()[-1] == b"r299" + b"." * 40
