@@ -232,3 +232,33 @@ def test_records_removed_by_retention_are_data_loss(shared_broker: Any, cleanup:
     rows = pa.Table.from_batches(list(lenient.batches(part, SCHEMA)), PA_SCHEMA)
     assert rows.column("offset").to_pylist() == list(range(first, nxt))
     assert rows.column("value").to_pylist()[-1] == b"r299" + b"." * 40
+
+
+def test_source_options_over_raw_records(shared_broker: Any, stream: str) -> None:
+    """The source's planning over raw records, as Spark drives it (without Spark): a batch read
+    bounded by offsets and a start timestamp, and a rate-limited streaming micro-batch."""
+    from broker.spark.source import SkredBatchReader, SkredStreamReader, _Options
+
+    def rows(reader: Any, parts: list[Any]) -> list[int]:
+        out: list[int] = []
+        for p in parts:
+            for batch in reader.read(p):
+                out += batch.column(NAMES.index("offset")).to_pylist()
+        return out
+
+    uri = {"uri": _http(shared_broker), "subscribe": stream}
+    whole = _net_table(shared_broker, stream, 0, N)
+    ts = whole.column("timestamp").cast(pa.int64()).to_pylist()[300] // 1000
+    first = next(i for i, t in enumerate(whole.column("timestamp").cast(pa.int64()).to_pylist())
+                 if t // 1000 >= ts)
+    batch = SkredBatchReader(_Options({**uri, "startingTimestamp": str(ts), "minPartitions": "3",
+                                       "endingOffsets": json.dumps({stream: {"0": 550}})}), SCHEMA)
+    parts = batch.partitions()
+    assert len(parts) == 3
+    assert rows(batch, parts) == list(range(first, 550))
+    streaming = SkredStreamReader(_Options({**uri, "startingOffsets": "earliest",
+                                            "maxOffsetsPerTrigger": "250"}), SCHEMA)
+    start = streaming.initialOffset()
+    end = streaming.latestOffset(start, streaming.getDefaultReadLimit())
+    assert (start, end) == ({stream: {"0": 0}}, {stream: {"0": 250}})
+    assert rows(streaming, streaming.partitions(start, end)) == list(range(250))
