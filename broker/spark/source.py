@@ -161,10 +161,10 @@ class _Options:
         self.vhost = options.get("vhost", "/")
         data_dir = options.get("data_dir") or options.get("path")
         if not self.uri and not data_dir:
-            raise ValueError("skred: set option 'data_dir' (segment files) or 'uri' (AMQP)")
+            raise ValueError("skred: set option 'data_dir' (segment files) or 'uri' (http:// or amqp://)")
         self.vdir = find_vhost_dir(Path(data_dir), self.vhost) if data_dir and not self.uri else None
         if options.get("subscribepattern") and self.vdir is None:
-            raise ValueError("skred: subscribePattern needs data_dir (AMQP cannot list streams)")
+            raise ValueError("skred: subscribePattern needs data_dir (a network read cannot list streams)")
         self.parts = topic_partitions(options, self._list_streams)
         self.batch_rows = number(options, "batchrows", minimum=1) or _BATCH_ROWS
         self.batch_bytes = number(options, "batchbytes", minimum=1) or _BATCH_BYTES
