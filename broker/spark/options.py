@@ -30,7 +30,7 @@ SOURCE_OPTIONS = {
     "vhost": "virtual host (default /)",
     "data_dir": "broker data directory (reads segment files)",
     "path": "same as data_dir (load(path))",
-    "timeout": "seconds to wait for a delivery in AMQP mode (30)",
+    "timeout": "seconds to wait for the broker over the network (30)",
     # what to read
     "subscribe": "comma-separated streams",
     "subscribepattern": "RE2 pattern over stream names (data_dir mode)",

@@ -319,8 +319,9 @@ class _Options:
                                    "(set failOnDataLoss=false to read on)")
 
             with self.client() as c:
+                per_request = min(self.batch_bytes, netread.DEFAULT_MAX_BYTES)
                 for seg in netread.read_columns(c, tp.queue, part.start, part.stop, self.batch_rows,
-                                                self.batch_bytes, part.ts_lo, part.ts_hi, gap):
+                                                per_request, part.ts_lo, part.ts_hi, gap):
                     yield segment_batch(seg, pa_schema, decoder, names, tp.topic, tp.partition)
             return
         if not part.path:
