@@ -43,9 +43,8 @@ from typing import Final
 from aiohttp import web
 
 from broker import recordwire
-from broker.http.common import MGMT_KEY, RECORDS_PATH, bad_request, check_perm, not_found, vhost_param
-from broker.http.routes_streams import int_param, start_offset
-from broker.model.stream import StreamQueue
+from broker.http.common import RECORDS_PATH, bad_request
+from broker.http.routes_streams import int_param, readable_stream, start_offset
 
 routes = web.RouteTableDef()
 
@@ -59,15 +58,7 @@ async def stream_records(request: web.Request) -> web.StreamResponse:
     if version != recordwire.VERSION:
         raise bad_request(f"records format version {version} is not served here (this broker "
                           f"serves version {recordwire.VERSION}): upgrade the client or the broker")
-    vhost = vhost_param(request)
-    vh = request.app[MGMT_KEY].broker.vhosts[vhost]
-    name = request.match_info["name"]
-    q = vh.queues.get(name)
-    if q is None:
-        raise not_found(f"no queue '{name}' in vhost '{vhost}'")
-    check_perm(request, "read", vhost, name)
-    if not isinstance(q, StreamQueue):
-        raise bad_request(f"queue '{name}' in vhost '{vhost}' is not a stream")
+    _vhost, _name, q = readable_stream(request)
     max_bytes = int_param(request, "max_bytes", DEFAULT_BYTES, 0, MAX_BYTES)
     store = q.stream
     pos = store.seek(start_offset(request, q))

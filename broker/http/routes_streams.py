@@ -77,17 +77,24 @@ def start_offset(request: web.Request, q: StreamQueue) -> int:
     return named if named is not None else int_param(request, "offset", 0, 0, 1 << 62)
 
 
-@routes.get("/api/streams/{vhost}/{name}/messages")
-async def stream_messages(request: web.Request) -> web.Response:
+def readable_stream(request: web.Request) -> tuple[str, str, StreamQueue]:
+    """(vhost, name, stream) of the URL, which the user may read (``basic.consume``'s
+    permission); 404 without such a queue, 401 without the permission, 400 if not a stream."""
     vhost = vhost_param(request)
     vh = request.app[MGMT_KEY].broker.vhosts[vhost]
     name = request.match_info["name"]
     q = vh.queues.get(name)
     if q is None:
         raise not_found(f"no queue '{name}' in vhost '{vhost}'")
+    check_perm(request, "read", vhost, name)
     if not isinstance(q, StreamQueue):
         raise bad_request(f"queue '{name}' in vhost '{vhost}' is not a stream")
-    check_perm(request, "read", vhost, name)
+    return vhost, name, q
+
+
+@routes.get("/api/streams/{vhost}/{name}/messages")
+async def stream_messages(request: web.Request) -> web.Response:
+    vhost, name, q = readable_stream(request)
     count = int_param(request, "count", DEFAULT_COUNT, 1, MAX_COUNT)
     encoding = request.query.get("encoding", "auto")
     if encoding not in ("auto", "base64"):
