@@ -103,7 +103,7 @@ def test_amqp_mode_offset_bounds(spark: Any, broker: tuple[str, Path],
     assert _amqp(spark, url).where("offset >= 500").count() == N - 500
 
 
-def test_network_read_of_raw_records_equals_data_dir(spark: Any, node: SkredProcess,
+def test_network_read_of_raw_records(spark: Any, node: SkredProcess,
                                                      published: list[dict[str, Any]]) -> None:
     """``uri=http://...``: the management port's raw records, decoded like segment files (the
     rows equal the other paths' in tests/integration/test_stream_records.py, without Spark)."""
