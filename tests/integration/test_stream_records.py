@@ -195,7 +195,8 @@ def test_records_size_bound_and_version(shared_broker: Any, stream: str) -> None
     assert get("offset=5&end=8")[0].count == 3
     h, recs = get("offset=first&max_bytes=0")
     assert (h.count, recs, h.stream_next) == (0, b"", N)
-    assert _api(b, "GET", f"{base}?max_bytes={(64 << 20) + 1}")[0] == 400
+    for bad in (f"max_bytes={(64 << 20) + 1}", "offset=-1", "offset=abc", "end=x", "offset=0&timestamp=5"):
+        assert _api(b, "GET", f"{base}?{bad}")[0] == 400, bad
     status, _headers, body = _api(b, "GET", f"{base}?version=2")
     assert status == 400 and b"version" in body
     assert _api(b, "GET", f"/api/streams/%2F/{unique('none')}/records")[0] == 404
