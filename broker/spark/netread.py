@@ -20,7 +20,8 @@ between: ``gap`` is called with the missing range (the source raises its DataLos
 ``failOnDataLoss=false``). The extent and timestamp lookups are the same request with
 ``max_bytes=0`` (a head, no record).
 
-The connection is one keep-alive HTTP/1.1 connection per task (``http.client``), with basic
+The connection is one keep-alive HTTP/1.1 connection per task (``http.client``; a request that
+meets a connection the broker closed while idle is sent once more on a new one), with basic
 auth from the URI's user and password (``guest:guest`` when absent, as AMQP URIs default),
 and ``timeout`` seconds per socket operation. The request names the body format version; the
 broker refuses another with 400 and the answer's head must carry the same magic and version,
@@ -95,13 +96,19 @@ class RecordsClient:
             query["end"] = end
         path = (f"{self._base}/api/streams/{q(self.vhost, safe='')}/{q(queue, safe='')}/records?"
                 + urllib.parse.urlencode(query))
-        try:
-            self._conn.request("GET", path, headers={"Authorization": self._auth})
-            resp = self._conn.getresponse()
-            data = resp.read()
-        except (OSError, http.client.HTTPException) as exc:
-            self._conn.close()  # a fresh connection for the next request
-            raise ConnectionError(f"skred: stream '{queue}': {exc}") from exc
+        for attempt in range(2):
+            try:
+                self._conn.request("GET", path, headers={"Authorization": self._auth})
+                resp = self._conn.getresponse()
+                data = resp.read()
+                break
+            except (OSError, http.client.HTTPException) as exc:
+                self._conn.close()  # a fresh connection for the next request
+                # the broker closes a keep-alive connection left idle (Spark not pulling):
+                # a GET is safe to send again once, on a new connection
+                stale = isinstance(exc, (ConnectionResetError, BrokenPipeError))  # RemoteDisconnected too
+                if attempt or not stale:
+                    raise ConnectionError(f"skred: stream '{queue}': {exc}") from exc
         if resp.status != 200:
             raise RecordsError(f"skred: stream '{queue}' in vhost '{self.vhost}': HTTP {resp.status}: "
                                f"{_reason(data)}")
