@@ -11,7 +11,7 @@ reader decodes them exactly as the data-dir read decodes segment files
 (``broker/spark/segment_arrow.py``), column-wise, with no per-message framing on either side.
 The answer stops before offset ``E`` (when given), at the end of a segment, and before the
 record that would take the body past ``max_bytes`` (at most ``MAX_BYTES``), but always
-carries one record when one is there; ``max_bytes=0`` answers no record, only the headers,
+carries one record when one is there; ``max_bytes=0`` answers no record, only the head,
 which is how a reader asks for the extent or resolves a timestamp.
 
 The body opens with a fixed head (``broker/recordwire.py``: magic, format version, the first
@@ -32,8 +32,9 @@ consume a stream over AMQP; the vhost must be one the user may use and the user 
 the auth middleware skip the tag check for this route only). Bounds: one answer is at most
 ``MAX_BYTES`` of records (a single record larger than that is still answered whole: the
 broker stored it, so it is within its message size limit), read synchronously from the
-segment map in one slice or one walk of record lengths, so a request holds the event loop
-for about one memory copy of that size.
+segment map in one slice, or a walk of at most 65,536 record lengths when the answer ends
+inside a segment (``StreamStore.read_records``), so a request holds the event loop for about
+one memory copy of that size plus at most some tens of milliseconds of walk.
 """
 
 from __future__ import annotations
