@@ -8,7 +8,9 @@ One private ``skred`` process on free ports and a temp data dir, one ``local[2]`
   exchange bound to a stream and to that stream over the stream protocol;
 - ``read dir``: a batch count and a full-row scan (sum of value lengths) of the stream from the
   data dir (Arrow batches from the segment files);
-- ``read amqp``: the same over the network (AMQP mode, ``minPartitions=2``).
+- ``read http``: the same over the network as raw segment records from the management port
+  (``uri=http://...``, ``minPartitions=2``);
+- ``read amqp``: the same over the network by consuming over AMQP (``uri=amqp://...``).
 
 Each figure is rows / wall seconds of one Spark action, after one warm-up action (for the sink,
 a 1,000-row write, which starts the Python workers of a write); the JVM and
@@ -16,7 +18,7 @@ the broker share the machine, so say how loaded it was when quoting them.
 
     python benchmarks/spark.py --rows 200000
     python benchmarks/spark.py --rows 20000 --sink-only --confirm-window 1   # one row per round trip
-    python benchmarks/spark.py --rows 5000000 --read-only   # data-dir reads, Spark's per-job cost amortized
+    python benchmarks/spark.py --rows 5000000 --read-only   # data-dir and http reads only
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=200_000)
     ap.add_argument("--sink-only", action="store_true", help="measure the sink only, not the reads")
     ap.add_argument("--read-only", action="store_true",
-                    help="fill the stream with one untimed write and measure the data-dir reads only")
+                    help="fill the stream with one untimed write; measure the data-dir and http reads only")
     ap.add_argument("--confirm-window", type=int, default=0,
                     help="the sink's confirmWindow (default: the sink's own)")
     args = ap.parse_args(argv)
@@ -99,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                       .option("exactlyOnce", "true").option("streamPort", str(broker.stream_port)).save()),
             ]
 
+            http = f"http://guest:guest@{broker.host}:{broker.mgmt_port}"
+
             def load(**opts: str) -> Any:
                 r = spark.read.format("skred").option("subscribe", "bench")
                 for k, v in opts.items():
@@ -109,8 +113,9 @@ def main(argv: list[str] | None = None) -> int:
                 return df.select(F.sum(F.length("value"))).collect()
 
             reads = () if args.sink_only else (("data dir", {"data_dir": str(broker.data_dir)}),
+                                               ("http", {"uri": http, "minPartitions": "2"}),
                                                ("amqp", {"uri": broker.url, "minPartitions": "2"}))
-            reads = reads[:1] if args.read_only else reads
+            reads = reads[:2] if args.read_only else reads
             for label, opts in reads:
                 load(**opts).count()  # warm-up
                 results.append(timed(f"read {label}, count", n, lambda o=opts: load(**o).count()))

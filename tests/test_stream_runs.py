@@ -119,6 +119,31 @@ def test_read_run_is_read_next_in_bounded_runs(tmp_path: Path) -> None:
     s.close()
 
 
+def test_read_records_is_read_next_as_raw_segment_bytes(tmp_path: Path) -> None:
+    """``read_records`` (the Spark network read's answer): raw records, bounded by count, bytes
+    and walk, never across a segment end; decoding them gives exactly ``read_next``'s records."""
+    s = StreamStore(tmp_path / "s", segment_size=700)  # several segments
+    for i in range(0, 60, 6):
+        s.append_run(TS + i, EXRK, [_PLAIN_PROPS] * 6, [b"y" * 5] * 6, same=True)
+        s.append(TS + i, b"amq.direct", b"k%d" % i, b"", b"z" * (i % 11))
+    want = _records(s)
+    for max_count, max_bytes, max_walk in ((1 << 20, 1 << 20, 1 << 16), (5, 1 << 20, 1 << 16),
+                                           (1 << 20, 90, 1 << 16), (1 << 20, 1 << 20, 3), (1, 0, 1)):
+        p = s.seek(7)
+        got = []
+        while (answer := s.read_records(p, max_count, max_bytes, max_walk)) is not None:
+            first, n, data = answer
+            assert 1 <= n <= max_count and (n == 1 or len(data) <= max_bytes)
+            pos = 0
+            for k in range(n):
+                ts, ex, rk, props, body = fmt.read_record(data, pos)
+                got.append((first + k, ts, ex, rk, props, body))
+                pos = fmt.record_end(data, pos)[0]
+            assert pos == len(data)
+        assert got == want[7:], (max_count, max_bytes, max_walk)
+    s.close()
+
+
 def _chunks(data: bytes) -> list[tuple[int, int, list[bytes]]]:
     """(first offset, timestamp, messages) of each Deliver in ``data``, CRCs checked."""
     out = []

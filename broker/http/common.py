@@ -120,14 +120,15 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return error_response(503, "disk_full", "disk full: nothing was changed")
 
 
-async def authenticate(request: web.Request) -> User:
+async def authenticate(request: web.Request, need_tags: bool = True) -> User:
     """The request's user, after this source's login throttle (``broker.auth.throttle``): basic
     auth, or an OAuth 2 access token as ``Authorization: Bearer`` (``broker.auth.oauth``)."""
-    return await login_of(request, request.app[MGMT_KEY].broker.users)
+    return await login_of(request, request.app[MGMT_KEY].broker.users, need_tags)
 
 
-async def login_of(request: web.Request, users: UserStore) -> User:
-    """``authenticate`` against ``users`` (a follower's replicated users file: routes_app.py)."""
+async def login_of(request: web.Request, users: UserStore, need_tags: bool = True) -> User:
+    """``authenticate`` against ``users`` (a follower's replicated users file: routes_app.py);
+    ``need_tags=False`` takes a user without management tags (AMQP's rule: see ``RECORD_ROUTES``)."""
     creds = http_credentials(request.headers.get("Authorization", ""))
     if creds is None:
         raise ApiError(401, "not_authorized", "Login failed")
@@ -139,20 +140,26 @@ async def login_of(request: web.Request, users: UserStore) -> User:
             from None
     if user is None:
         raise ApiError(401, "not_authorized", "Login failed")
-    if not MGMT_TAGS & set(user.tags):
+    if need_tags and not MGMT_TAGS & set(user.tags):
         raise ApiError(401, "not_authorized", "Not management user")
     return user
 
 
 # read before a login: the UI's login settings, and its code-for-token relay (http/routes_oauth.py)
 UNAUTHENTICATED = frozenset({"/api/auth", "/api/oauth/token"})
+# routes that are a client protocol, not management: any user may log in, and the handler
+# checks the AMQP permission the same operation needs (routes_stream_records.py: read)
+RECORDS_PATH = "/api/streams/{vhost}/{name}/records"
+RECORD_ROUTES = frozenset({RECORDS_PATH})  # as a route's canonical path
 
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     if (request.path.startswith("/api/") and request.path not in UNAUTHENTICATED) \
             or request.path.startswith("/metrics"):
-        request[USER_KEY] = await authenticate(request)
+        route = request.match_info.route.resource
+        need_tags = route is None or route.canonical not in RECORD_ROUTES
+        request[USER_KEY] = await authenticate(request, need_tags)
     return await handler(request)
 
 

@@ -54,7 +54,7 @@ DEFAULT_COUNT: Final = 100
 MAX_BYTES: Final = 16 << 20  # payload bytes per answer (the rest: ask again from the next offset)
 
 
-def _int_param(request: web.Request, key: str, default: int, lo: int, hi: int) -> int:
+def int_param(request: web.Request, key: str, default: int, lo: int, hi: int) -> int:
     raw = request.query.get(key)
     if raw is None:
         return default
@@ -67,34 +67,41 @@ def _int_param(request: web.Request, key: str, default: int, lo: int, hi: int) -
     return value
 
 
-def _start(request: web.Request, q: StreamQueue) -> int:
+def start_offset(request: web.Request, q: StreamQueue) -> int:
     s = q.stream
     if "timestamp" in request.query:
         if "offset" in request.query:
             raise bad_request("give either 'offset' or 'timestamp', not both")
-        return s.offset_for_timestamp(_int_param(request, "timestamp", 0, 0, 1 << 62))
+        return s.offset_for_timestamp(int_param(request, "timestamp", 0, 0, 1 << 62))
     named = named_offset(s, request.query.get("offset", "first").strip().lower())
-    return named if named is not None else _int_param(request, "offset", 0, 0, 1 << 62)
+    return named if named is not None else int_param(request, "offset", 0, 0, 1 << 62)
 
 
-@routes.get("/api/streams/{vhost}/{name}/messages")
-async def stream_messages(request: web.Request) -> web.Response:
+def readable_stream(request: web.Request) -> tuple[str, str, StreamQueue]:
+    """(vhost, name, stream) of the URL, which the user may read (``basic.consume``'s
+    permission); 404 without such a queue, 401 without the permission, 400 if not a stream."""
     vhost = vhost_param(request)
     vh = request.app[MGMT_KEY].broker.vhosts[vhost]
     name = request.match_info["name"]
     q = vh.queues.get(name)
     if q is None:
         raise not_found(f"no queue '{name}' in vhost '{vhost}'")
+    check_perm(request, "read", vhost, name)
     if not isinstance(q, StreamQueue):
         raise bad_request(f"queue '{name}' in vhost '{vhost}' is not a stream")
-    check_perm(request, "read", vhost, name)
-    count = _int_param(request, "count", DEFAULT_COUNT, 1, MAX_COUNT)
+    return vhost, name, q
+
+
+@routes.get("/api/streams/{vhost}/{name}/messages")
+async def stream_messages(request: web.Request) -> web.Response:
+    vhost, name, q = readable_stream(request)
+    count = int_param(request, "count", DEFAULT_COUNT, 1, MAX_COUNT)
     encoding = request.query.get("encoding", "auto")
     if encoding not in ("auto", "base64"):
         raise bad_request("encoding must be 'auto' or 'base64'")
-    truncate = _int_param(request, "truncate", -1, 0, 1 << 31) if "truncate" in request.query else None
+    truncate = int_param(request, "truncate", -1, 0, 1 << 31) if "truncate" in request.query else None
     store = q.stream
-    pos = store.seek(_start(request, q))
+    pos = store.seek(start_offset(request, q))
     out: list[dict[str, Any]] = []
     shown_bytes = 0
     while len(out) < count and (not out or shown_bytes < MAX_BYTES):

@@ -45,6 +45,7 @@ from broker.http.routes_node import routes as node_routes
 from broker.http.routes_oauth import routes as oauth_routes
 from broker.http.routes_shovels import routes as shovel_routes
 from broker.http.routes_stream_protocol import routes as stream_protocol_routes
+from broker.http.routes_stream_records import routes as stream_record_routes
 from broker.http.routes_streams import routes as stream_routes
 from broker.http.routes_topology import routes as topology_routes
 from broker.http.state import Mgmt
@@ -162,8 +163,9 @@ def build_app(mgmt: Mgmt, metrics_obj: Metrics) -> web.Application:
     app.router.add_get("/metrics/detailed", mgmt_metrics_detailed)
     app.router.add_get("/metrics/per-object", mgmt_metrics_per_object)
     # health: /api/health/checks/*; grants: topic permissions, user limits, global parameters;
-    # streams: GET /api/streams/{vhost}/{queue}/messages
+    # streams: GET /api/streams/{vhost}/{queue}/messages and .../records (the Spark source's read)
     for table in (node_routes, health_routes, topology_routes, access_routes, grant_routes, stream_routes,
+                  stream_record_routes,
                   oauth_routes, federation_routes, shovel_routes, mqtt_routes,
                   stream_protocol_routes, app_routes):
         _add_routes(app, table)

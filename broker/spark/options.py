@@ -26,11 +26,11 @@ EARLIEST, LATEST = -2, -1
 
 SOURCE_OPTIONS = {
     # connection
-    "uri": "AMQP URI of a running broker (reads over AMQP)",
+    "uri": "a running broker: http://user:pass@host:mgmt_port (raw records) or an AMQP URI",
     "vhost": "virtual host (default /)",
     "data_dir": "broker data directory (reads segment files)",
     "path": "same as data_dir (load(path))",
-    "timeout": "seconds to wait for a delivery in AMQP mode (30)",
+    "timeout": "seconds to wait for the broker over the network (30)",
     # what to read
     "subscribe": "comma-separated streams",
     "subscribepattern": "RE2 pattern over stream names (data_dir mode)",

@@ -22,8 +22,11 @@ Two ways in, same rows:
   reads everything correctly and still prunes with the ``startingOffset``/``endingOffset``
   options. ``true`` forces pushdown (Spark then errors unless the setting is on), ``false``
   turns it off.
-* ``option("uri", "amqp://...")`` reads from a running broker over AMQP with stream offsets
-  (``broker/spark/amqp.py``).
+* ``option("uri", "http://user:password@host:15672")`` reads from a running broker over the
+  network: its management port answers a stream's stored records raw (``netread.py``), which
+  the task decodes with the data-dir path's column-wise code, so both modes build their rows
+  the same way. ``option("uri", "amqp://...")`` still reads by consuming the stream over AMQP
+  with stream offsets (``broker/spark/amqp.py``), several times slower (docs/benchmarks.md).
 
 Several streams are read at once (``subscribe``, ``subscribePattern``, ``assign``; see
 ``options.py``): planning works per ``TopicPartition``, and an input partition is an offset
@@ -77,7 +80,7 @@ from pyspark.sql.streaming.datasource import (  # type: ignore[import-not-found,
     SupportsTriggerAvailableNow,
 )
 
-from broker.spark import amqp
+from broker.spark import amqp, netread
 from broker.spark.options import (
     EARLIEST,
     LATEST,
@@ -158,10 +161,10 @@ class _Options:
         self.vhost = options.get("vhost", "/")
         data_dir = options.get("data_dir") or options.get("path")
         if not self.uri and not data_dir:
-            raise ValueError("skred: set option 'data_dir' (segment files) or 'uri' (AMQP)")
+            raise ValueError("skred: set option 'data_dir' (segment files) or 'uri' (http:// or amqp://)")
         self.vdir = find_vhost_dir(Path(data_dir), self.vhost) if data_dir and not self.uri else None
         if options.get("subscribepattern") and self.vdir is None:
-            raise ValueError("skred: subscribePattern needs data_dir (AMQP cannot list streams)")
+            raise ValueError("skred: subscribePattern needs data_dir (a network read cannot list streams)")
         self.parts = topic_partitions(options, self._list_streams)
         self.batch_rows = number(options, "batchrows", minimum=1) or _BATCH_ROWS
         self.batch_bytes = number(options, "batchbytes", minimum=1) or _BATCH_BYTES
@@ -192,6 +195,11 @@ class _Options:
         delay = options.get("maxtriggerdelay")
         self.max_trigger_delay_ms = _MAX_TRIGGER_DELAY_MS if delay is None else duration_ms(delay)
         self.timeout = float(options.get("timeout", "30"))
+        self.net = netread.is_records_uri(self.uri)  # raw records over HTTP, not AMQP
+
+    def client(self) -> netread.RecordsClient:
+        assert self.uri is not None
+        return netread.RecordsClient(self.uri, self.vhost, self.timeout)
 
     def _list_streams(self) -> list[str]:
         """Stream queues in the data dir (directories with a name marker and a segment index)."""
@@ -209,6 +217,9 @@ class _Options:
 
     def extent(self, tp: TopicPartition) -> tuple[int, int]:
         """(first offset, next offset) of one partition right now."""
+        if self.net:
+            with self.client() as c:
+                return c.extent(tp.queue)
         if self.uri:
             return amqp.extent(self.uri, tp.queue, self.timeout)
         infos = [i for i in list_segments(self._dir(tp)) if i.count]
@@ -300,6 +311,19 @@ class _Options:
         decoder = PropsDecoder()
         tp = part.tp
 
+        if not part.path and self.net:
+            def gap(lo: int, hi: int) -> None:
+                if self.fail_on_data_loss:
+                    raise DataLoss(f"skred: offsets {lo}..{hi - 1} of stream '{tp.topic}' partition "
+                                   f"{tp.partition} were removed by retention while the query ran "
+                                   "(set failOnDataLoss=false to read on)")
+
+            with self.client() as c:
+                per_request = min(self.batch_bytes, netread.DEFAULT_MAX_BYTES)
+                for seg in netread.read_columns(c, tp.queue, part.start, part.stop, self.batch_rows,
+                                                per_request, part.ts_lo, part.ts_hi, gap):
+                    yield segment_batch(seg, pa_schema, decoder, names, tp.topic, tp.partition)
+            return
         if not part.path:
             assert self.uri is not None
             for cols in amqp.read_columns(self.uri, tp.queue, part.start, part.stop, self.batch_rows,
@@ -332,6 +356,10 @@ class _Options:
         """The first offset appended at or after ``ts`` (``nxt`` if none)."""
         for part in self._plan_one(tp, Bounds(first, nxt, ts, None)):
             assert isinstance(part, RangePartition)
+            if not part.path and self.net:
+                with self.client() as c:
+                    found = c.first_at(tp.queue, ts)
+                return min(max(found, part.start), nxt)
             if not part.path:
                 at = amqp.first_at(self.uri or "", tp.queue, part.start, part.stop, ts, self.timeout)
                 return nxt if at is None else at

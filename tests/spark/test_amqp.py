@@ -26,13 +26,18 @@ N = 1000
 
 
 @pytest.fixture(scope="module")
-def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SkredProcess]:
     node = SkredProcess(tmp_path_factory.mktemp("skred-amqp") / "data")
     try:
         node.start()
-        yield node.url, node.data_dir
+        yield node
     finally:
         node.close()
+
+
+@pytest.fixture(scope="module")
+def broker(node: SkredProcess) -> tuple[str, Path]:
+    return node.url, node.data_dir
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +101,25 @@ def test_amqp_mode_offset_bounds(spark: Any, broker: tuple[str, Path],
     assert [r.offset for r in got] == [990, 991, 992, 993, 994]
     assert [r.value for r in got] == [published[i]["body"] for i in range(990, 995)]
     assert _amqp(spark, url).where("offset >= 500").count() == N - 500
+
+
+def test_network_read_of_raw_records(spark: Any, node: SkredProcess,
+                                                     published: list[dict[str, Any]]) -> None:
+    """``uri=http://...``: the management port's raw records, decoded like segment files (the
+    rows equal the other paths' in tests/integration/test_stream_records.py, without Spark)."""
+    http = f"http://guest:guest@{node.host}:{node.mgmt_port}"
+    df = (spark.read.format("skred").option("uri", http).option("queue", "events")
+          .option("includeHeaders", "true").option("numPartitions", "3")
+          .option("startingOffsets", '{"events": {"0": 7}}')
+          .option("endingOffsets", '{"events": {"0": 993}}').load())
+    assert df.rdd.getNumPartitions() == 3
+    rows = df.orderBy("offset").collect()
+    assert [r.offset for r in rows] == list(range(7, 993))
+    for row, pub in zip(rows, published[7:993], strict=True):
+        i = pub["i"]
+        assert (row.value, row.key, row.exchange) == (pub["body"], "events", "")
+        assert row.headers == {"i": str(i), "kind": "even" if i % 2 == 0 else "odd"}
+        assert row.properties.message_id == (f"m{i}" if i % 5 == 0 else None)
 
 
 # ------------------------------------------------------------------ the sink
