@@ -56,6 +56,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from broker import errors, metrics, tls
+from broker.aio import Router
 from broker.amqp import log_exchange
 from broker.amqp.broker import Broker, server_properties
 from broker.auth.oauth_keys import OAuthKeys, start_oauth
@@ -196,6 +197,12 @@ class Node:
         self.elsewhere: VhostCarrier | None = None
         self.lock_data_dir = True  # False: the cluster runner holds it (a node serving its shards)
         self._shared: SharedFiles | None = None  # what reload_shared last read
+
+    @property
+    def router(self) -> Router | None:
+        """Where MQTT and the stream protocol hand a connection for a vhost not served here: the
+        worker that owns it, or on a cluster leader the node that serves it (``elsewhere``)."""
+        return self.worker if self.worker is not None else self.elsewhere
 
     def make_vhost(self, name: str) -> VHost:
         """A ``VHost`` wired to this node's store settings (at boot, and when the API creates one)."""
@@ -572,7 +579,7 @@ class Node:
             cfg = dataclasses.replace(cfg, mqtt=dataclasses.replace(cfg.mqtt, unix_path=""))  # worker 0's
         self.mqtt = MQTTServer(cfg.mqtt, broker.vhosts, broker.users, broker.syncer.after_sync, retained,
                                sessions, peers=broker.proxied_peers)
-        self.mqtt.router = self.worker
+        self.mqtt.router = self.router
         self.mqtt.registry.node_name = lambda: broker.node_name  # firehose copies
         await self.mqtt.start(self.tls_context if self.tls is not None else None, unix_mode(cfg.main))
         assert self.mgmt is not None
@@ -602,7 +609,7 @@ class Node:
             cfg = dataclasses.replace(cfg, stream=dataclasses.replace(cfg.stream, unix_path=""))  # worker 0's
         self.stream = StreamServer(cfg.stream, broker.vhosts, broker.users, broker.syncer.after_sync,
                                    peers=broker.proxied_peers)
-        self.stream.router = self.worker
+        self.stream.router = self.router
         await self.stream.start(self.tls_context if self.tls is not None else None, unix_mode(cfg.main))
         assert self.mgmt is not None
         self.mgmt.other_listeners.update(self.stream.addresses)

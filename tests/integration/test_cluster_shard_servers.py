@@ -11,6 +11,8 @@ xfail while its occasional hang is unexplained (docs/architecture.md, "Per-shard
 
 from __future__ import annotations
 
+import asyncio
+import uuid
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,8 +20,19 @@ from typing import cast
 
 import pika
 import pytest
+from rstream import (
+    AMQPMessage,
+    Consumer,
+    ConsumerOffsetSpecification,
+    MessageContext,
+    OffsetType,
+    Producer,
+    amqp_decoder,
+)
 
-from ._support import CALL_FAILED
+from broker.mqtt import packets as P
+
+from ._support import CALL_FAILED, run_async
 from .shard_faults import (
     BATCH,
     GAP_RUN,
@@ -33,6 +46,7 @@ from .shard_faults import (
     queue_depth,
 )
 from .test_cluster import ClusterNode, wait_for
+from .test_mqtt import Paho, Raw
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.chaos]
 
@@ -71,6 +85,81 @@ def after_kill() -> dict[str, object]:
     """What the first test leaves for the second: the killed node, the survivor, the moved
     shards and every confirmed count (both run in this file's order on one worker)."""
     return {}
+
+
+def test_the_cluster_leaders_mqtt_and_stream_ports_reach_a_vhost_served_elsewhere(
+        servers: ShardCluster, kept_on_failure: None) -> None:
+    # MQTT and the stream protocol on the cluster leader's own ports, for a vhost another node
+    # serves: carried there as AMQP is (cluster/elsewhere.py), that node checking the login
+    # again; before, the leader answered MQTT CONNACK 5 (not authorized: no such vhost here)
+    # and the stream Open VHOST_ACCESS_FAILURE
+    want = expected()
+    wait_for(lambda: servers.leaders() == want, 20, f"shard leaders {want}")
+    boss = servers.c.leader()
+    assert boss is not None
+    boss_id = IDS[servers.c.nodes.index(boss)]
+    vhost = min(v for v, n in VHOSTS.items() if n != boss_id)
+    wait_for(lambda: servers.served().get(vhost) == want[vhost], 30, f"{vhost} served by {want[vhost]}")
+    wait_for(lambda: _mqtt_connack(boss, vhost, b"guest") == 0, 10,
+             f"the cluster leader's MQTT port carrying {vhost} (its election learning the server)")
+    topic = f"routed/{uuid.uuid4().hex[:8]}"
+    sub = Paho(boss.ip, boss.mqtt_port, f"sub-{topic}", user=f"{vhost}:guest")
+    pub = Paho(boss.ip, boss.mqtt_port, f"pub-{topic}", user=f"{vhost}:guest")
+    try:
+        assert sub.subscribe(topic, 1) == [1]
+        for i in range(3):
+            pub.publish(topic, f"m{i}".encode(), 1)
+        assert [m.payload for m in sub.take(3)] == [b"m0", b"m1", b"m2"]
+    finally:
+        pub.close()
+        sub.close()
+    for level, code in ((4, P.BAD_CREDENTIALS), (5, P.RC_BAD_CREDENTIALS)):  # refused, nothing done
+        assert _mqtt_connack(boss, vhost, b"wrong", level) == code, level
+    run_async(_stream_round(boss, vhost))
+
+
+def _mqtt_connack(node: ClusterNode, vhost: str, password: bytes, level: int = 4) -> int:
+    """The return code of the CONNACK ``node``'s MQTT port answers guest in ``vhost`` (which then
+    closes a refused connection)."""
+    mq = Raw(node.ip, node.mqtt_port, P.Connect("MQTT", level, True, 30, f"probe-{uuid.uuid4().hex[:6]}",
+                                                None, f"{vhost}:guest", password))
+    try:
+        _flags, code = mq.connack()
+        assert code == 0 or mq.closed_within(5), "a refused MQTT connection left open"
+        return code
+    finally:
+        mq.close()
+
+
+async def _stream_round(boss: ClusterNode, vhost: str) -> None:
+    """Through the cluster leader's stream port: a stream declared, three messages confirmed and
+    read back in ``vhost`` (served elsewhere); a wrong password refused."""
+    kw = {"port": boss.stream_port, "username": "guest", "vhost": vhost, "load_balancer_mode": True}
+    stream = f"routed-{uuid.uuid4().hex[:8]}"
+    async with Producer(boss.ip, password="guest", **kw) as producer:
+        await producer.create_stream(stream)
+        for i in range(3):
+            await producer.send_wait(stream, AMQPMessage(body=f"s{i}".encode()))
+    got: list[bytes] = []
+
+    async def on_message(msg: AMQPMessage, _ctx: MessageContext) -> None:
+        got.append(bytes(msg.body))
+
+    consumer = Consumer(boss.ip, password="guest", **kw)
+    await consumer.start()
+    try:
+        await consumer.subscribe(stream, on_message, decoder=amqp_decoder,
+                                 offset_specification=ConsumerOffsetSpecification(OffsetType.FIRST, None))
+        deadline = asyncio.get_running_loop().time() + 15
+        while len(got) < 3 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)  # poll, bounded by the deadline
+        assert got == [b"s0", b"s1", b"s2"], got
+    finally:
+        await consumer.close()
+    with pytest.raises(Exception) as refused:  # noqa: PT011 - rstream's own error classes
+        async with Producer(boss.ip, password="wrong", **kw):
+            pass
+    assert "AUTHENTICATION" in repr(refused.value).upper() or "8" in repr(refused.value), refused.value
 
 
 def test_nodes_serve_their_shards_and_kill9_of_one_moves_only_those_losing_nothing(
