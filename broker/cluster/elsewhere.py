@@ -43,6 +43,7 @@ from typing import Any
 
 from pamqp import commands, frame
 
+from broker import errors
 from broker.cluster import codec, stream_route, unavailable
 from broker.cluster.proxy import Carried, SpliceProxy
 from broker.cluster.stream_route import StreamReplay
@@ -59,12 +60,22 @@ class Elsewhere:
 
     replays_login = True
 
-    def __init__(self, served_elsewhere: Callable[[str], bool], carrier: SpliceProxy) -> None:
+    def __init__(self, served_elsewhere: Callable[[str], bool], carrier: SpliceProxy,
+                 moving: Callable[[str], bool] = lambda _vhost: False) -> None:
         self.served_elsewhere = served_elsewhere
         self.carrier = carrier
+        self.moving = moving  # closed here, its next server not known here yet
 
     def elsewhere(self, vhost: str) -> bool:
-        return self.served_elsewhere(vhost)
+        """Another node serves ``vhost``; ``errors.NotAllowed`` while it moves there (closed
+        here, its server not known yet), which a front end answers as for a worker that
+        restarts: MQTT "server unavailable", the stream ``VHOST_ACCESS_FAILURE`` (AMQP: 530), so
+        a client retries rather than hear that its credentials were wrong."""
+        if self.served_elsewhere(vhost):
+            return True
+        if self.moving(vhost):
+            raise errors.NotAllowed(f"vhost '{vhost}' is moving to another node: retry")
+        return False
 
     def hand_over(self, fd: int, state: dict[str, Any]) -> None:
         vhost = str(state["vhost"])
