@@ -418,8 +418,8 @@ class ClusteringConfig:
         default=False,
         metadata=_meta("With shard_leaders: a node leading a shard serves it and replicates it itself "
                        "(the hand-over, broker/cluster/handover.py; experimental: the cluster leader's own "
-                       "MQTT, stream and HTTP ports do not route to it yet: docs/architecture.md); off: the "
-                       "cluster leader serves every shard."),
+                       "HTTP port does not route to it yet, its AMQP, MQTT and stream ports do: "
+                       "docs/architecture.md); off: the cluster leader serves every shard."),
     )
 
 
