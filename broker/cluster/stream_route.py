@@ -30,7 +30,7 @@ from __future__ import annotations
 import struct
 from typing import Final
 
-from broker.cluster.vhost_route import Failed
+from broker.cluster.vhost_route import MAX_INPUT, Failed, Joining
 from broker.streamwire import (
     AUTHENTICATION_FAILURE,
     CLOSE,
@@ -46,7 +46,6 @@ from broker.streamwire import (
     response,
 )
 
-MAX_INPUT: Final = 64 * 1024  # the node's bytes before the splice, at most
 _STEPS: Final = (PEER_PROPERTIES, SASL_HANDSHAKE, SASL_AUTHENTICATE)  # requests, in a client's order
 _SIZE: Final = struct.Struct(">I")
 _KEY: Final = struct.Struct(">HH")
@@ -80,7 +79,7 @@ def refusal(rest: bytes, code: int = VHOST_ACCESS_FAILURE) -> bytes:
     return response(OPEN, open_corr(rest), code)
 
 
-class StreamReplay:
+class StreamReplay(Joining):
     """The client's side toward a serving node (see the module's comment).
 
     ``start() -> bytes`` first; then ``receive(node bytes) -> bytes to the node`` until
@@ -88,6 +87,7 @@ class StreamReplay:
     ``Tune``). A refused login raises ``Failed`` whose answer is the client's ``Open`` response."""
 
     def __init__(self, login: bytes, rest: bytes, frame_max: int) -> None:
+        super().__init__()
         kept = dict(frames(login))
         if SASL_AUTHENTICATE not in kept or TUNE not in kept:
             raise Failed("no stream login to replay", refusal(rest))
@@ -96,21 +96,15 @@ class StreamReplay:
         self._rest = rest
         self._frame_max = frame_max  # what the client took from the leader's Tune (0: no bound)
         self._buf = b""
-        self._seen = 0
         self._authenticated = False
-        self.spliced = False
-        self.to_client = b""
 
     def start(self) -> bytes:
         return self._requests.pop(0)
 
     def receive(self, data: bytes) -> bytes:
-        if self.spliced:
-            self.to_client += data
+        if not self._handshaking(data, lambda: Failed("the node's stream handshake too long",
+                                                      refusal(self._rest))):
             return b""
-        self._seen += len(data)
-        if self._seen > MAX_INPUT:
-            raise Failed("the node's stream handshake too long", refusal(self._rest))
         self._buf += data
         out = b""
         for key, raw in frames(self._buf):
