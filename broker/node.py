@@ -315,6 +315,9 @@ class Node:
                 await self.start_stream(broker)  # and the stream protocol
             # HTTP before AMQP too: once the AMQP port answers, everything answers
             if cfg.mgmt.enabled and worker is None:
+                if self.elsewhere is not None:  # a cluster leader's vhosts served by other nodes
+                    from broker.http.forward import VhostForward
+                    mgmt.middlewares.append(VhostForward(self.elsewhere.open_http).middleware)
                 await self.start_http(broker, mgmt)
             await self.start_amqp(broker, mgmt)
             self.start_federation(broker, mgmt)

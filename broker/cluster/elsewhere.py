@@ -35,6 +35,8 @@ carried.
 
 from __future__ import annotations
 
+import asyncio
+import ipaddress
 import logging
 import os
 import socket
@@ -45,7 +47,7 @@ from pamqp import commands, frame
 
 from broker import errors
 from broker.cluster import codec, stream_route, unavailable
-from broker.cluster.proxy import Carried, SpliceProxy
+from broker.cluster.proxy import Carried, Play, SpliceProxy
 from broker.cluster.stream_route import StreamReplay
 from broker.cluster.vhost_route import Failed, Opened, refusal
 from broker.cluster.vhost_router import replay
@@ -76,6 +78,21 @@ class Elsewhere:
         if self.moving(vhost):
             raise errors.NotAllowed(f"vhost '{vhost}' is moving to another node: retry")
         return False
+
+    async def open_http(self, vhost: str, client: tuple[str, int]
+                        ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        """A connection to the management API of the node serving ``vhost`` for ``client``
+        (``broker.http.forward``): one end of a socket pair, the other carried there; None when
+        ``vhost`` is not served elsewhere (``errors.NotAllowed`` while it moves)."""
+        if not self.elsewhere(vhost):
+            return None
+        if not _is_ip(client[0]):
+            client = (codec.UNIX_CLIENT, 0)  # a Unix socket's client: local there too
+        ours, theirs = socket.socketpair()
+        theirs.setblocking(False)
+        carried = Carried(vhost, codec.HTTP_PORT, _sends(b""), unavailable.http_response)
+        self.carrier.adopt(theirs, client, carried)
+        return await asyncio.open_connection(sock=ours)
 
     def hand_over(self, fd: int, state: dict[str, Any]) -> None:
         vhost = str(state["vhost"])
@@ -113,15 +130,29 @@ def _amqp(vhost: str, state: dict[str, Any]) -> Carried:
     return Carried(vhost, codec.AMQP_PORT, lambda read, write: replay(opened, read, write), refusal)
 
 
-def _mqtt(vhost: str, rest: bytes) -> Carried:
+def _sends(data: bytes) -> Play:
+    """A replay that is ``data`` as it came (the serving node reads and checks it itself)."""
     async def play(_read: Callable[[], Awaitable[bytes]], write: Callable[[bytes], None]) -> bytes:
-        write(rest)  # the CONNECT as it came: the node logs the client in itself
+        if data:
+            write(data)
         return b""
 
+    return play
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _mqtt(vhost: str, rest: bytes) -> Carried:
     def refuse(_why: str) -> bytes:
         return unavailable.mqtt_connack(rest) or b""
 
-    return Carried(vhost, codec.MQTT_PORT, play, refuse)
+    return Carried(vhost, codec.MQTT_PORT, _sends(rest), refuse)  # the CONNECT: the node logs it in
 
 
 def _stream(vhost: str, state: dict[str, Any]) -> Carried:

@@ -58,13 +58,15 @@ ServedIsrWriter = Callable[[str, list[str]], Awaitable[bool | None]]
 
 
 def shard_config(config: Config) -> Config:
-    """The configuration of a node's shard broker: AMQP, and MQTT and the stream protocol when
-    enabled, on loopback ports of the kernel's choosing (reached through the tunnels only, which
-    the cluster leader's own ports open too: ``cluster/elsewhere.py``); no other listener."""
+    """The configuration of a node's shard broker: AMQP, and the management API, MQTT and the
+    stream protocol when enabled, on loopback ports of the kernel's choosing (reached through the
+    tunnels only, which the cluster leader's own ports open too: ``cluster/elsewhere.py``); no
+    other listener (the metrics port too is a loopback one: the node's is the runner's)."""
     return dataclasses.replace(
         config,
         amqp=dataclasses.replace(config.amqp, bind="127.0.0.1", port=0, tls_port=-1, unix_path=""),
-        mgmt=dataclasses.replace(config.mgmt, enabled=False),
+        mgmt=dataclasses.replace(config.mgmt, bind="127.0.0.1", port=0, tls_port=-1, unix_path="",
+                                 metrics_bind="127.0.0.1", metrics_port=0),
         mqtt=dataclasses.replace(config.mqtt, bind="127.0.0.1", port=0, tls_port=-1, unix_path=""),
         stream=dataclasses.replace(config.stream, bind="127.0.0.1", port=0, tls_port=-1, unix_path="",
                                    **_stream_advertised(config)),

@@ -12,6 +12,10 @@ xfail while its occasional hang is unexplained (docs/architecture.md, "Per-shard
 from __future__ import annotations
 
 import asyncio
+import base64
+import urllib.error
+import urllib.parse
+import urllib.request
 import uuid
 import warnings
 from collections.abc import Iterator
@@ -116,8 +120,17 @@ def test_the_cluster_leaders_mqtt_and_stream_ports_reach_a_vhost_served_elsewher
         sub.close()
     for level, code in ((4, P.BAD_CREDENTIALS), (5, P.RC_BAD_CREDENTIALS)):  # refused, nothing done
         assert _mqtt_connack(boss, vhost, b"wrong", level) == code, level
-    run_async(_stream_round(boss, vhost))
-    run_async(_stream_round(follower, vhost))
+    streams = {run_async(_stream_round(boss, vhost)), run_async(_stream_round(follower, vhost))}
+    # the management API about that vhost: answered by the node serving it, through either port
+    quoted = urllib.parse.quote(vhost, safe="")
+    for node in (boss, follower):
+        names = {q["name"] for q in servers.api(node, "GET", f"/api/queues/{quoted}")}
+        assert streams <= names, (node.name, names)  # on main: 404, no vhost of that name there
+    with pytest.raises(urllib.error.HTTPError) as refused:  # that node checks the login again
+        urllib.request.urlopen(urllib.request.Request(
+            f"http://{boss.ip}:{boss.mgmt_port}/api/queues/{quoted}",
+            headers={"Authorization": "Basic " + base64.b64encode(b"guest:wrong").decode()}), timeout=10)
+    assert refused.value.code == 401
 
 
 def _mqtt_connack(node: ClusterNode, vhost: str, password: bytes, level: int = 4) -> int:
@@ -133,9 +146,9 @@ def _mqtt_connack(node: ClusterNode, vhost: str, password: bytes, level: int = 4
         mq.close()
 
 
-async def _stream_round(boss: ClusterNode, vhost: str) -> None:
+async def _stream_round(boss: ClusterNode, vhost: str) -> str:
     """Through ``boss``'s stream port: a stream declared, three messages confirmed and read back
-    in ``vhost`` (served elsewhere); a wrong password refused."""
+    in ``vhost`` (served elsewhere); a wrong password refused. The stream's name."""
     kw = {"port": boss.stream_port, "username": "guest", "vhost": vhost, "load_balancer_mode": True}
     stream = f"routed-{uuid.uuid4().hex[:8]}"
     async with Producer(boss.ip, password="guest", **kw) as producer:
@@ -162,6 +175,7 @@ async def _stream_round(boss: ClusterNode, vhost: str) -> None:
         async with Producer(boss.ip, password="wrong", **kw):
             pass
     assert "AUTHENTICATION" in repr(refused.value).upper() or "8" in repr(refused.value), refused.value
+    return stream
 
 
 def test_nodes_serve_their_shards_and_kill9_of_one_moves_only_those_losing_nothing(
