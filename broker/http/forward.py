@@ -11,9 +11,10 @@ came (method, path and query, body, and the client's own ``Authorization``, ``Co
 ``Accept``) as HTTP/1.1 with ``Connection: close``; that node authenticates and authorizes it as if
 the client had asked it directly, so forwarding grants nothing, and its answer (status, body,
 ``Content-Type``, ``Location``, ``WWW-Authenticate``) is the client's. The shared state (users,
-permissions, the vhost list, global and vhost parameters, definitions: ``SHARED``) is the
-cluster leader's, so those paths are answered here whatever vhost they name; a list over every
-vhost (``/api/queues``) is this node's part only (not aggregated yet).
+permissions, the vhost list, global and runtime parameters: ``SHARED``) is the cluster
+leader's, so those paths are answered here whatever vhost they name; a list over every vhost
+(``/api/queues``, ``/api/overview``, the whole definitions) is this node's part only (not
+aggregated across nodes yet).
 
 Bounds: the answer is at most ``MAX_ANSWER`` bytes and the whole exchange ``FORWARD_TIMEOUT``
 seconds. A vhost moving (closed here, its next server not known yet), a node that cannot be
@@ -37,8 +38,10 @@ MAX_ANSWER: Final = 64 * 1024 * 1024  # bytes of a forwarded answer (a long queu
 PASSED: Final = ("Authorization", "Content-Type", "Accept")
 KEPT: Final = ("Content-Type", "Location", "WWW-Authenticate")  # of the answer's headers
 # the requests about the cluster's shared state, answered where they land
+# (a vhost's definitions, ``/api/definitions/{vhost}``, are its queues, exchanges, bindings and
+# policies: that node's)
 SHARED: Final = ("/api/users", "/api/permissions", "/api/topic-permissions", "/api/vhosts",
-                 "/api/global-parameters", "/api/user-limits", "/api/definitions", "/api/parameters")
+                 "/api/global-parameters", "/api/user-limits", "/api/parameters")
 
 Streams = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 # a connection to the management API of the node serving ``vhost`` for the client at ``peer``;
