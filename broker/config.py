@@ -417,9 +417,10 @@ class ClusteringConfig:
     shard_servers: bool = field(
         default=False,
         metadata=_meta("With shard_leaders: a node leading a shard serves it and replicates it itself "
-                       "(the hand-over, broker/cluster/handover.py; experimental: the cluster leader's own "
-                       "HTTP port does not route to it yet, its AMQP, MQTT and stream ports do: "
-                       "docs/architecture.md); off: the cluster leader serves every shard."),
+                       "(the hand-over, broker/cluster/handover.py; experimental: every client port of every "
+                       "node reaches it, but the management API's node-wide lists are the cluster "
+                       "leader's part only: docs/architecture.md); off: the cluster leader serves every "
+                       "shard."),
     )
 
 
