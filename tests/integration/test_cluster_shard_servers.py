@@ -5,9 +5,12 @@ once that node holds its last action, and the holder opens it from its own copy 
 its key; clients reach each shard through a follower's proxy (routed by vhost) with confirms
 that waited for the shard's ISR; kill -9 of a node serving shards moves only its shards, to a
 node their ISR key names, and nothing confirmed is lost; the killed node returns, wins its
-shards back (2/2/2 again) and serves them with every confirmed message. A trial of its own
-(chaos): it boots its own cluster, shared by its two tests, the second (the return) marked
-xfail while its occasional hang is unexplained (docs/architecture.md, "Per-shard leaders across nodes")."""
+shards back (2/2/2 again) and serves them with every confirmed message. Before those, on the
+same cluster: MQTT, the stream protocol and the management API on the cluster leader's own ports
+(and a follower's, which tunnel there) reach a vhost another node serves, that node checking the
+login again. A trial of its own (chaos): it boots its own cluster, shared by its three tests,
+the last (the return) marked xfail while its occasional hang is unexplained
+(docs/architecture.md, "Per-shard leaders across nodes")."""
 
 from __future__ import annotations
 
