@@ -418,9 +418,9 @@ class ClusteringConfig:
         default=False,
         metadata=_meta("With shard_leaders: a node leading a shard serves it and replicates it itself "
                        "(the hand-over, broker/cluster/handover.py; experimental: every client port of every "
-                       "node reaches it, but the management API's node-wide lists are the cluster "
-                       "leader's part only: docs/architecture.md); off: the cluster leader serves every "
-                       "shard."),
+                       "node reaches it, but the management API's overview, metrics and paged lists are "
+                       "the cluster leader's part only: docs/architecture.md); off: the cluster leader "
+                       "serves every shard."),
     )
 
 

@@ -317,7 +317,8 @@ class Node:
             if cfg.mgmt.enabled and worker is None:
                 if self.elsewhere is not None:  # a cluster leader's vhosts served by other nodes
                     from broker.http.forward import VhostForward
-                    mgmt.middlewares.append(VhostForward(self.elsewhere.open_http).middleware)
+                    forward = VhostForward(self.elsewhere.open_http, self.elsewhere.open_nodes)
+                    mgmt.middlewares.append(forward.middleware)
                 await self.start_http(broker, mgmt)
             await self.start_amqp(broker, mgmt)
             self.start_federation(broker, mgmt)

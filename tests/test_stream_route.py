@@ -81,7 +81,7 @@ def test_bad_bytes_from_the_node_fail_the_carry() -> None:
 def test_a_vhost_closed_here_whose_server_is_not_known_yet_is_retried_not_refused() -> None:
     closed = {"moving"}
     carrier = SpliceProxy("carrier", Target(), False, None)
-    where = Elsewhere(lambda v: v == "there", carrier, closed.__contains__)
+    where = Elsewhere(lambda v: v == "there", carrier, closed)
     assert where.elsewhere("there") is True
     assert where.elsewhere("here") is False
     with pytest.raises(errors.NotAllowed, match="moving to another node"):

@@ -40,7 +40,7 @@ import ipaddress
 import logging
 import os
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
 from pamqp import commands, frame
@@ -63,10 +63,14 @@ class Elsewhere:
     replays_login = True
 
     def __init__(self, served_elsewhere: Callable[[str], bool], carrier: SpliceProxy,
-                 moving: Callable[[str], bool] = lambda _vhost: False) -> None:
+                 closed: Collection[str] = ()) -> None:
         self.served_elsewhere = served_elsewhere
         self.carrier = carrier
-        self.moving = moving  # closed here, its next server not known here yet
+        self.closed = closed  # the vhosts closed here: served elsewhere, or moving there
+
+    def moving(self, vhost: str) -> bool:
+        """Closed here, its next server not known here yet."""
+        return vhost in self.closed and not self.served_elsewhere(vhost)
 
     def elsewhere(self, vhost: str) -> bool:
         """Another node serves ``vhost``; ``errors.NotAllowed`` while it moves there (closed
@@ -93,6 +97,20 @@ class Elsewhere:
         carried = Carried(vhost, codec.HTTP_PORT, _sends(b""), unavailable.http_response)
         self.carrier.adopt(theirs, client, carried)
         return await asyncio.open_connection(sock=ours)
+
+    async def open_nodes(self, client: tuple[str, int]
+                         ) -> list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+        """A connection to the management API of each other node serving a vhost (the parts of
+        a node-wide list, ``broker.http.forward``)."""
+        assert self.carrier.routed is not None
+        serving = self.carrier.routed.serving
+        one_each: dict[tuple[str | None, int], str] = {}
+        for vhost in sorted(self.closed):
+            if self.served_elsewhere(vhost):
+                target = serving(vhost)
+                one_each.setdefault((target.host, target.port), vhost)
+        opened = [await self.open_http(vhost, client) for vhost in one_each.values()]
+        return [o for o in opened if o is not None]
 
     def hand_over(self, fd: int, state: dict[str, Any]) -> None:
         vhost = str(state["vhost"])

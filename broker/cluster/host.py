@@ -50,6 +50,10 @@ class VhostCarrier(Protocol):
         """A connection to the management API of the node serving ``vhost``, for ``client``
         (None: not served elsewhere)."""
 
+    async def open_nodes(self, client: tuple[str, int]
+                         ) -> list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+        """A connection to the management API of each other node serving a vhost, for ``client``."""
+
 
 class LeaderBroker(Protocol):
     """A broker serving clients from the data dir while this node leads."""

@@ -810,7 +810,7 @@ class ClusterRunner:
                               Routed(Limits(a.channel_max, a.frame_max, a.heartbeat),
                                      self.host.amqp_server_properties(), serving=serving,
                                      login=lambda: none))
-        return Elsewhere(lambda vhost: serving(vhost).host is not None, carrier, closed.__contains__)
+        return Elsewhere(lambda vhost: serving(vhost).host is not None, carrier, closed)
 
     async def _watch_leadership(self, node: LeaderBroker, sink: LeaderSink) -> int | None:
         c = self.config.clustering

@@ -129,6 +129,8 @@ def test_the_cluster_leaders_mqtt_and_stream_ports_reach_a_vhost_served_elsewher
     for node in (boss, follower):
         names = {q["name"] for q in servers.api(node, "GET", f"/api/queues/{quoted}")}
         assert streams <= names, (node.name, names)  # on main: 404, no vhost of that name there
+        every = {(q["vhost"], q["name"]) for q in servers.api(node, "GET", "/api/queues")}
+        assert {(vhost, s) for s in streams} <= every, (node.name, every)  # the whole cluster's list
     with pytest.raises(urllib.error.HTTPError) as refused:  # that node checks the login again
         urllib.request.urlopen(urllib.request.Request(
             f"http://{boss.ip}:{boss.mgmt_port}/api/queues/{quoted}",
