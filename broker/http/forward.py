@@ -47,6 +47,7 @@ KEPT: Final = ("Content-Type", "Location", "WWW-Authenticate")  # of the answer'
 # policies: that node's)
 SHARED: Final = ("/api/users", "/api/permissions", "/api/topic-permissions", "/api/vhosts",
                  "/api/global-parameters", "/api/user-limits", "/api/parameters")
+CLIENTS: Final = ("/connections", "/channels")  # /api/vhosts/{vhost}/...: that node's clients
 
 # the node-wide lists: this node's part and every other serving node's (not a page of one yet)
 LISTS: Final = frozenset({"/api/queues", "/api/exchanges", "/api/bindings", "/api/connections",
@@ -110,7 +111,7 @@ class VhostForward:
         if vhost is None and request.path in LISTS and request.method == "GET" \
                 and not PAGED & set(request.query) and self.open_nodes is not None:
             return await self.whole_list(request, handler, self.open_nodes)
-        if vhost is None or request.path.startswith(SHARED):
+        if vhost is None or request.path.startswith(SHARED) and not request.path.endswith(CLIENTS):
             answer: web.StreamResponse = await handler(request)
             return answer
         client = _client(request)
