@@ -75,6 +75,9 @@ from broker.lmq.props import FILE_NAME as LMQ_PROPS_FILE
 from broker.lmq.props import PropsStore
 from broker.metrics import ClusterInfo, FollowerMetrics
 from broker.model.vhost import VHost
+from broker.mqtt.durable import vhost_of as session_vhost
+from broker.mqtt.retained import adopt
+from broker.mqtt.retained import vhost_of as retained_vhost
 from broker.mqtt.server import MQTTProtocol, MQTTServer
 from broker.net import proxy
 from broker.net.listener import Listener, keep_peer
@@ -90,7 +93,7 @@ from broker.store.fileio import syncfs
 from broker.store.intent import IntentFile
 from broker.store.jsonstore import read_json, write_json
 from broker.store.lock import DataDirLock
-from broker.store.paths import WORKERS_DIR
+from broker.store.paths import WORKERS_DIR, vhost_dir
 from broker.store.queue_store import read_ahead
 from broker.store.segment import parse_number
 from broker.store.segment_log import SegmentFiles
@@ -98,6 +101,7 @@ from broker.store.sink import NULL_SINK, NullSink, ReplicationSink
 from broker.streamproto.server import StreamServer
 from broker.syncer import Syncable, Syncer
 
+# in each vhost's directory (and, in a data dir from before, the node's: moved at start)
 RETAINED_DIR = "mqtt-retained"  # MQTT's retained messages (broker/mqtt/retained.py)
 MQTT_SESSIONS_DIR = "mqtt-sessions"  # persistent MQTT sessions' QoS 2 ids, wills (broker/mqtt/durable.py)
 
@@ -197,6 +201,7 @@ class Node:
         self.elsewhere: VhostCarrier | None = None
         self.lock_data_dir = True  # False: the cluster runner holds it (a node serving its shards)
         self._shared: SharedFiles | None = None  # what reload_shared last read
+        self._blob_dirs: dict[Path, BlobDir] = {}  # each vhost's MQTT files (``_mqtt_files``)
 
     @property
     def router(self) -> Router | None:
@@ -420,6 +425,8 @@ class Node:
             return False
         vh = self.make_vhost(name)
         broker.vhosts[name] = vh
+        if self.mqtt is not None:  # its retained messages and sessions, as replication left them
+            self.mqtt.open_vhost(name)
         log.info("shard %r served: %d exchanges, %d queues", name, len(vh.exchanges), len(vh.queues))
         return True
 
@@ -435,6 +442,8 @@ class Node:
                 session.close_connection(errors.ConnectionForced(reason))
                 session.wakeup()
                 closed += 1
+        if self.mqtt is not None:
+            self.mqtt.close_vhost(name)
         syncer = broker.syncer
         for q in vh.queues.values():
             syncer.discard(q.store)
@@ -577,8 +586,14 @@ class Node:
             cfg = dataclasses.replace(cfg, mqtt=dataclasses.replace(
                 cfg.mqtt, max_packet_size=cfg.main.max_message_size + 64 * 1024))
         assert self._syncer is not None
-        retained = BlobDir(cfg.main.data_dir / RETAINED_DIR, self._syncer.mark_dirty, self.sink)
-        sessions = BlobDir(cfg.main.data_dir / MQTT_SESSIONS_DIR, self._syncer.mark_dirty, self.sink)
+        retained, sessions = self._mqtt_files(RETAINED_DIR), self._mqtt_files(MQTT_SESSIONS_DIR)
+        if self.serves is None:  # a shard broker's node-wide files are the cluster leader's
+            for name, files_of, vhost_of in ((RETAINED_DIR, retained, retained_vhost),
+                                             (MQTT_SESSIONS_DIR, sessions, session_vhost)):
+                legacy = BlobDir(cfg.main.data_dir / name, self._syncer.mark_dirty, self.sink)
+                moved = adopt(legacy, files_of, broker.vhosts.__contains__, vhost_of)
+                if moved:
+                    log.info("%d MQTT files of %s moved into their vhosts' directories", moved, name)
         if self.worker is not None and self.worker.index != 0:
             cfg = dataclasses.replace(cfg, mqtt=dataclasses.replace(cfg.mqtt, unix_path=""))  # worker 0's
         self.mqtt = MQTTServer(cfg.mqtt, broker.vhosts, broker.users, broker.syncer.after_sync, retained,
@@ -593,6 +608,19 @@ class Node:
         self.mgmt.websocket_max_message = max(self.mgmt.websocket_max_message, cfg.mqtt.max_packet_size)
         self.mgmt.other_listeners.update(
             {"mqtt/ssl" if name == "mqtts" else name: addr for name, addr in self.mqtt.addresses.items()})
+
+    def _mqtt_files(self, name: str) -> Callable[[str], BlobDir]:
+        """A vhost's MQTT files ``name`` (retained messages, sessions' state): a directory inside
+        the vhost's own, so they move, replicate and fail over with its shard (broker/mqtt/retained.py);
+        one ``BlobDir`` per directory for the node's life."""
+        def files_of(vhost: str) -> BlobDir:
+            path = vhost_dir(self.config.main.data_dir, vhost) / name
+            found = self._blob_dirs.get(path)
+            if found is None:
+                assert self._syncer is not None
+                found = self._blob_dirs[path] = BlobDir(path, self._syncer.mark_dirty, self.sink)
+            return found
+        return files_of
 
     def start_federation(self, broker: Broker, mgmt: Mgmt) -> None:
         """Exchange and queue federation links (broker/federation), once the node serves; the
@@ -915,10 +943,11 @@ class NodeHost:
 
 def worker_files(config: Config, count: int) -> dict[str, int]:
     """The node files one worker keeps (``layout.relocate``): LMQ's properties in the worker of
-    ``[lmq] vhost``; MQTT's retained messages of a one-worker node in worker 0 (each worker keeps
-    its own vhosts' since MQTT runs in every worker; a change of ``workers`` does not split
-    them by vhost yet)."""
-    return {RETAINED_DIR: 0, LMQ_PROPS_FILE: worker_of(config.lmq.vhost, count)}
+    ``[lmq] vhost``. MQTT's retained messages and sessions' state live in each vhost's directory,
+    which moves with the vhost; the node-wide directories of a data dir from before go to worker
+    0, which moves its own vhosts' files out of them at start (the rest wait for the node's next
+    start with one worker)."""
+    return {RETAINED_DIR: 0, MQTT_SESSIONS_DIR: 0, LMQ_PROPS_FILE: worker_of(config.lmq.vhost, count)}
 
 
 def run_worker(spec: WorkerSpec) -> int:

@@ -212,6 +212,8 @@ def test_nodes_serve_their_shards_and_kill9_of_one_moves_only_those_losing_nothi
     victim = servers.by_id[victim_id]
     moved = {v for v, n in VHOSTS.items() if n == victim_id}
     survivor = next(n for n in followers if n is not victim)
+    mqtt_vhost = min(moved)
+    kept = _mqtt_state_before(boss, mqtt_vhost)  # its MQTT state, written by the victim
     before = servers.leaders()
     victim.kill9()
 
@@ -226,6 +228,7 @@ def test_nodes_serve_their_shards_and_kill9_of_one_moves_only_those_losing_nothi
     for vhost in sorted(moved):  # and the moved shards take new confirmed publishes
         confirmed[vhost] += publish(survivor, vhost, "served", BATCH)
         assert queue_depth(survivor, vhost, "served") == confirmed[vhost], vhost
+    _mqtt_state_after(survivor, mqtt_vhost, kept)  # failed over with its shard
     after_kill.update(want=want, others=others, victim=victim, survivor=survivor, moved=moved,
                       confirmed=confirmed)
 
@@ -266,6 +269,47 @@ def test_the_killed_node_returns_wins_its_shards_back_and_serves_every_confirmed
     for vhost in sorted(moved):  # served again by the returned node, with new confirms
         confirmed[vhost] += publish(victim, vhost, "served", BATCH)
         assert _depth(survivor, vhost) == confirmed[vhost], vhost
+
+
+def _mqtt_state_before(boss: ClusterNode, vhost: str) -> str:
+    """Through the cluster leader's MQTT port (carried to the node serving ``vhost``): a retained
+    message confirmed (PUBACK), and a persistent session's subscription with a QoS 1 message
+    queued for it while it is away. The topic."""
+    wait_for(lambda: _mqtt_connack(boss, vhost, b"guest") == 0, 10, f"MQTT carried to {vhost}")
+    topic = f"kept/{uuid.uuid4().hex[:8]}"
+    away = Paho(boss.ip, boss.mqtt_port, f"away-{topic}", clean=False, user=f"{vhost}:guest")
+    try:
+        assert away.subscribe(topic + "/queued", 1) == [1]
+    finally:
+        away.close()
+    pub = Paho(boss.ip, boss.mqtt_port, f"pub-{topic}", user=f"{vhost}:guest")
+    try:
+        info = pub.c.publish(topic, b"retained", 1, retain=True)
+        info.wait_for_publish(10)
+        assert info.is_published()
+        pub.publish(topic + "/queued", b"queued", 1)
+    finally:
+        pub.close()
+    return topic
+
+
+def _mqtt_state_after(node: ClusterNode, vhost: str, topic: str) -> None:
+    """The MQTT state ``_mqtt_state_before`` left, read through ``node`` from the shard's new
+    server: the retained message, and the persistent session with its queued message."""
+    wait_for(lambda: _mqtt_connack(node, vhost, b"guest") == 0, 20, f"MQTT carried to {vhost}")
+    sub = Paho(node.ip, node.mqtt_port, f"late-{topic}", user=f"{vhost}:guest")
+    try:
+        assert sub.subscribe(topic, 1) == [1]
+        got = sub.take(1, 5)  # on main: queue.Empty, the retained message stayed on the dead node
+        assert [(m.topic, m.payload, m.retain) for m in got] == [(topic, b"retained", True)]
+    finally:
+        sub.close()
+    away = Paho(node.ip, node.mqtt_port, f"away-{topic}", clean=False, user=f"{vhost}:guest")
+    try:
+        assert away.present
+        assert [m.payload for m in away.take(1)] == [b"queued"]
+    finally:
+        away.close()
 
 
 def _depth(node: ClusterNode, vhost: str, queue: str = "served") -> int:
