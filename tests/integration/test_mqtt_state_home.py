@@ -1,0 +1,107 @@
+"""Where MQTT's retained messages and persistent sessions' state live (broker/mqtt/retained.py):
+in their vhost's own directory, so they go wherever the vhost goes. Real broker processes on one
+data dir: a data dir from before (the node-wide ``mqtt-retained`` and ``mqtt-sessions``, written
+here in that format) keeps its retained message and session state, moved into the vhost's
+directory at start; a node going from two workers to one and back keeps the retained messages
+of both workers' vhosts (before, the node-wide directory of one worker was kept and the other's
+left behind)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import urllib.parse
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from broker.shards.placement import worker_of
+
+from ._support import SkredProcess
+from .test_mqtt import Paho
+from .test_workers import api
+
+
+def _legacy_retained(vhost: str, topic: str, payload: bytes) -> tuple[str, bytes]:
+    """A retained message's file as the node-wide directory held it: name, content."""
+    v, t = vhost.encode(), topic.encode()
+    name = hashlib.sha256(v + b"\0" + t).hexdigest()[:40]
+    return name, struct.pack(">H", len(v)) + v + struct.pack(">H", len(t)) + t + b"\x01" + payload
+
+
+def _vhost_dir(data: Path, vhost: str) -> Path:
+    return data / hashlib.sha1(vhost.encode(), usedforsecurity=False).hexdigest()
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[list[SkredProcess]]:
+    """The brokers a test starts on its data dir, one after another (closed at the end)."""
+    started: list[SkredProcess] = []
+    yield started
+    for b in started:
+        b.close()
+
+
+def _start(started: list[SkredProcess], data: Path, workers: int) -> SkredProcess:
+    b = SkredProcess(data, ["--workers", str(workers)])
+    started.append(b)
+    b.start()
+    return b
+
+
+def _retained(b: SkredProcess, vhost: str, topic: str) -> list[tuple[str, bytes, bool]]:
+    sub = Paho(b.host, b.mqtt_port, f"r-{topic.replace('/', '-')}", user=f"{vhost}:guest")
+    try:
+        assert sub.subscribe(topic, 1) == [1]
+        return [(m.topic, m.payload, bool(m.retain)) for m in sub.take(1, 5)]
+    finally:
+        sub.close()
+
+
+def test_a_data_dir_from_before_keeps_its_retained_messages_and_sessions(
+        tmp_path: Path, node: list[SkredProcess]) -> None:
+    data = tmp_path / "data"
+    name, content = _legacy_retained("/", "old/topic", b"kept")
+    (data / "mqtt-retained").mkdir(parents=True)
+    (data / "mqtt-retained" / name).write_bytes(content)
+    session = hashlib.sha256(b"/\0away-client").hexdigest()[:40]  # a QoS 2 id awaiting its PUBREL
+    (data / "mqtt-sessions").mkdir()
+    (data / "mqtt-sessions" / session).write_bytes(json.dumps(
+        {"vhost": "/", "client_id": "away-client", "qos2": [5], "shared": {}, "expires_at": 0}).encode())
+    b = _start(node, data, 1)
+    assert _retained(b, "/", "old/topic") == [("old/topic", b"kept", True)]
+    status, doc = api(b, "GET", "/api/mqtt/sessions/%2F/away-client")  # the kept session, away
+    assert status == 200, doc
+    home = _vhost_dir(data, "/")  # moved into the vhost's directory: its shard's
+    assert (home / "mqtt-retained" / name).read_bytes() == content
+    assert (home / "mqtt-sessions" / session).exists()
+    assert not (data / "mqtt-retained" / name).exists() and not (data / "mqtt-sessions" / session).exists()
+    b.stop()
+    b = _start(node, data, 1)  # and read from there the next time
+    assert _retained(b, "/", "old/topic") == [("old/topic", b"kept", True)]
+
+
+def test_retained_messages_of_both_workers_survive_a_change_of_workers(
+        tmp_path: Path, node: list[SkredProcess]) -> None:
+    data = tmp_path / "data"
+    other = next(v for v in (f"mq{i}" for i in range(64)) if worker_of(v, 2) != worker_of("/", 2))
+    b = _start(node, data, 2)
+    assert api(b, "PUT", f"/api/vhosts/{other}")[0] in (201, 204)
+    assert api(b, "PUT", f"/api/permissions/{other}/guest",
+               {"configure": ".*", "write": ".*", "read": ".*"})[0] in (201, 204)
+    for vhost in ("/", other):
+        pub = Paho(b.host, b.mqtt_port, f"p-{urllib.parse.quote(vhost, safe='')}", user=f"{vhost}:guest")
+        try:
+            info = pub.c.publish("w/t", vhost.encode(), 1, retain=True)
+            info.wait_for_publish(10)
+            assert info.is_published()
+        finally:
+            pub.close()
+    b.stop()
+    for workers in (1, 2):  # on main: the vhost of one worker lost its retained message at 1
+        b = _start(node, data, workers)
+        for vhost in ("/", other):
+            assert _retained(b, vhost, "w/t") == [("w/t", vhost.encode(), True)], (workers, vhost)
+        b.stop()
