@@ -4,7 +4,8 @@ real broker processes): the cluster leader closes each shard another node holds,
 once that node holds its last action, and the holder opens it from its own copy and says so in
 its key; clients reach each shard through a follower's proxy (routed by vhost) with confirms
 that waited for the shard's ISR; kill -9 of a node serving shards moves only its shards, to a
-node their ISR key names, and nothing confirmed is lost; the killed node returns, wins its
+node their ISR key names, and nothing confirmed is lost (an MQTT retained message and a
+persistent session's queued message included); the killed node returns, wins its
 shards back (2/2/2 again) and serves them with every confirmed message. Before those, on the
 same cluster: MQTT, the stream protocol and the management API on the cluster leader's own ports
 (and a follower's, which tunnel there) reach a vhost another node serves, that node checking the
