@@ -591,7 +591,8 @@ class Node:
             for name, files_of, vhost_of in ((RETAINED_DIR, retained, retained_vhost),
                                              (MQTT_SESSIONS_DIR, sessions, session_vhost)):
                 legacy = BlobDir(cfg.main.data_dir / name, self._syncer.mark_dirty, self.sink)
-                moved = adopt(legacy, files_of, broker.vhosts.__contains__, vhost_of)
+                moved = adopt(legacy, files_of, broker.vhosts.__contains__, vhost_of,
+                              lambda: syncfs(cfg.main.data_dir))
                 if moved:
                     log.info("%d MQTT files of %s moved into their vhosts' directories", moved, name)
         if self.worker is not None and self.worker.index != 0:

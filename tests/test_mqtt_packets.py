@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from broker.mqtt import packets as P
 from broker.mqtt import props as PR
 from broker.mqtt.mapping import to_routing_key, to_topic
-from broker.mqtt.retained import Retained, topic_matches
+from broker.mqtt.retained import Retained, adopt, topic_matches, vhost_of
 from broker.mqtt.session import split_username
 
 
@@ -234,3 +234,18 @@ def test_retained_store_keeps_clears_bounds_and_reloads() -> None:
     again.open("/")  # each vhost's messages read as it opens here (only its own files' are its)
     assert again.matching("v", "+/b") == [("a/b", 0, b"2")] and again.count == 2
     assert again.set("/", "a/b", 1, b"") and again.matching("/", "#") == [] and again.count == 1
+
+
+def test_adopting_a_node_wide_directory_moves_only_vhosts_served_here_durably_first() -> None:
+    """A data dir from before (retained.adopt): a vhost served here gets its files, written and
+    made durable before the node-wide copies go; another vhost's stay where they were."""
+    legacy, mine = _Files(), _Files()
+    Retained(lambda _v: legacy, 10).set("/", "a", 1, b"x")
+    Retained(lambda _v: legacy, 10).set("elsewhere", "b", 1, b"y")
+    legacy.d["junk"] = b"\x00"
+    seen: list[int] = []
+    moved = adopt(legacy, lambda _v: mine, lambda v: v == "/", vhost_of,
+                  lambda: seen.append(len(legacy.d)))
+    assert moved == 1 and seen == [3]  # durable while both copies were there
+    assert len(mine.d) == 1 and len(legacy.d) == 2
+    assert Retained(lambda _v: mine, 10).matching("/", "#") == [("a", 1, b"x")]

@@ -46,11 +46,12 @@ FilesOf = Callable[[str], Files]  # a vhost's own files (in its shard's director
 
 
 def adopt(legacy: Files, files_of: FilesOf, here: Callable[[str], bool],
-          vhost_of: Callable[[bytes], str]) -> int:
+          vhost_of: Callable[[bytes], str], durable: Callable[[], None]) -> int:
     """Move each file of a node-wide directory from before (``legacy``) whose vhost is ``here``
-    into that vhost's own files, written there before it is deleted here; how many moved. A file
-    that cannot be read stays (logged by its reader later, or never read again)."""
-    moved = 0
+    into that vhost's own files: all written there and made ``durable`` before any is deleted
+    here (a crash in between leaves both copies, and the next start moves them again); how many
+    moved. A file that cannot be read stays (logged by its reader later, or never read again)."""
+    moved = []
     for name, data in list(legacy.items()):
         try:
             vhost = vhost_of(data)
@@ -58,9 +59,12 @@ def adopt(legacy: Files, files_of: FilesOf, here: Callable[[str], bool],
             continue
         if here(vhost):
             files_of(vhost).put(name, data)
-            legacy.delete(name)
-            moved += 1
-    return moved
+            moved.append(name)
+    if moved:
+        durable()
+    for name in moved:
+        legacy.delete(name)
+    return len(moved)
 
 
 def vhost_of(data: bytes) -> str:
