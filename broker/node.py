@@ -295,6 +295,7 @@ class Node:
             resume_import(mgmt)  # an import a crash cut off comes back whole, before anything serves
             mgmt.cluster = self.cluster
             mgmt.app = self  # skredctl stop_app (with workers, every worker's: shards/fanout.py)
+            mgmt.vhost_deleted.append(lambda name: self.mqtt.close_vhost(name) if self.mqtt else None)
             mgmt.node_name = broker.node_name = metrics.node_name(cfg.main.node_name, cfg.amqp.port)
             if cfg.clustering.enabled:  # every member reports the same rabbitmq_cluster label
                 mgmt.cluster_name = cfg.clustering.etcd_prefix

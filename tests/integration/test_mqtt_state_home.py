@@ -2,9 +2,9 @@
 in their vhost's own directory, so they go wherever the vhost goes. Real broker processes on one
 data dir: a data dir from before (the node-wide ``mqtt-retained`` and ``mqtt-sessions``, written
 here in that format) keeps its retained message and session state, moved into the vhost's
-directory at start; a node going from two workers to one and back keeps the retained messages
-of both workers' vhosts (before, the node-wide directory of one worker was kept and the other's
-left behind)."""
+directory at start, and a deleted vhost's go with it; a node going from two workers to one and
+back keeps the retained messages of both workers' vhosts (before, the node-wide directory of one
+worker was kept and the other's left behind)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,23 @@ from broker.shards.placement import worker_of
 from ._support import SkredProcess
 from .test_mqtt import Paho
 from .test_workers import api
+
+ALL = {"configure": ".*", "write": ".*", "read": ".*"}
+
+
+def _new_vhost(b: SkredProcess, vhost: str) -> None:
+    assert api(b, "PUT", f"/api/vhosts/{vhost}")[0] in (201, 204)
+    assert api(b, "PUT", f"/api/permissions/{vhost}/guest", ALL)[0] in (201, 204)
+
+
+def _publish_retained(b: SkredProcess, vhost: str, topic: str, payload: bytes) -> None:
+    pub = Paho(b.host, b.mqtt_port, f"p-{urllib.parse.quote(vhost, safe='')}", user=f"{vhost}:guest")
+    try:
+        info = pub.c.publish(topic, payload, 1, retain=True)
+        info.wait_for_publish(10)
+        assert info.is_published()
+    finally:
+        pub.close()
 
 
 def _legacy_retained(vhost: str, topic: str, payload: bytes) -> tuple[str, bytes]:
@@ -78,9 +95,18 @@ def test_a_data_dir_from_before_keeps_its_retained_messages_and_sessions(
     assert (home / "mqtt-retained" / name).read_bytes() == content
     assert (home / "mqtt-sessions" / session).exists()
     assert not (data / "mqtt-retained" / name).exists() and not (data / "mqtt-sessions" / session).exists()
-    b.stop()
-    b = _start(node, data, 1)  # and read from there the next time
-    assert _retained(b, "/", "old/topic") == [("old/topic", b"kept", True)]
+    # a deleted vhost's retained messages go with it: one created again under its name has none
+    _new_vhost(b, "gone")
+    _publish_retained(b, "gone", "g/t", b"old")
+    assert api(b, "DELETE", "/api/vhosts/gone")[0] == 204
+    _new_vhost(b, "gone")
+    sub = Paho(b.host, b.mqtt_port, "gone-sub", user="gone:guest")
+    try:
+        assert sub.subscribe("g/t", 1) == [1]
+        _publish_retained(b, "gone", "g/t", b"new")  # on main the old one came first
+        assert [(m.payload, bool(m.retain)) for m in sub.take(1)] == [(b"new", False)]
+    finally:
+        sub.close()
 
 
 def test_retained_messages_of_both_workers_survive_a_change_of_workers(
@@ -88,17 +114,9 @@ def test_retained_messages_of_both_workers_survive_a_change_of_workers(
     data = tmp_path / "data"
     other = next(v for v in (f"mq{i}" for i in range(64)) if worker_of(v, 2) != worker_of("/", 2))
     b = _start(node, data, 2)
-    assert api(b, "PUT", f"/api/vhosts/{other}")[0] in (201, 204)
-    assert api(b, "PUT", f"/api/permissions/{other}/guest",
-               {"configure": ".*", "write": ".*", "read": ".*"})[0] in (201, 204)
+    _new_vhost(b, other)
     for vhost in ("/", other):
-        pub = Paho(b.host, b.mqtt_port, f"p-{urllib.parse.quote(vhost, safe='')}", user=f"{vhost}:guest")
-        try:
-            info = pub.c.publish("w/t", vhost.encode(), 1, retain=True)
-            info.wait_for_publish(10)
-            assert info.is_published()
-        finally:
-            pub.close()
+        _publish_retained(b, vhost, "w/t", vhost.encode())
     b.stop()
     for workers in (1, 2):  # on main: the vhost of one worker lost its retained message at 1
         b = _start(node, data, workers)
