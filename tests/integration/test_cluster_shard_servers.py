@@ -231,7 +231,7 @@ def test_nodes_serve_their_shards_and_kill9_of_one_moves_only_those_losing_nothi
         assert queue_depth(survivor, vhost, "served") == confirmed[vhost], vhost
     _mqtt_state_after(survivor, mqtt_vhost, kept)  # failed over with its shard
     after_kill.update(want=want, others=others, victim=victim, survivor=survivor, moved=moved,
-                      confirmed=confirmed)
+                      confirmed=confirmed, mqtt=(mqtt_vhost, kept))
 
 
 @pytest.mark.xfail(strict=False, reason=(
@@ -270,6 +270,7 @@ def test_the_killed_node_returns_wins_its_shards_back_and_serves_every_confirmed
     for vhost in sorted(moved):  # served again by the returned node, with new confirms
         confirmed[vhost] += publish(victim, vhost, "served", BATCH)
         assert _depth(survivor, vhost) == confirmed[vhost], vhost
+    _retained_through(victim, *cast(tuple[str, str], after_kill["mqtt"]))  # and its MQTT state
 
 
 def _mqtt_state_before(boss: ClusterNode, vhost: str) -> str:
@@ -297,20 +298,25 @@ def _mqtt_state_before(boss: ClusterNode, vhost: str) -> str:
 def _mqtt_state_after(node: ClusterNode, vhost: str, topic: str) -> None:
     """The MQTT state ``_mqtt_state_before`` left, read through ``node`` from the shard's new
     server: the retained message, and the persistent session with its queued message."""
-    wait_for(lambda: _mqtt_connack(node, vhost, b"guest") == 0, 20, f"MQTT carried to {vhost}")
-    sub = Paho(node.ip, node.mqtt_port, f"late-{topic}", user=f"{vhost}:guest")
-    try:
-        assert sub.subscribe(topic, 1) == [1]
-        got = sub.take(1, 5)  # on main: queue.Empty, the retained message stayed on the dead node
-        assert [(m.topic, m.payload, m.retain) for m in got] == [(topic, b"retained", True)]
-    finally:
-        sub.close()
+    _retained_through(node, vhost, topic)  # on main: queue.Empty, it stayed on the dead node
     away = Paho(node.ip, node.mqtt_port, f"away-{topic}", clean=False, user=f"{vhost}:guest")
     try:
         assert away.present
         assert [m.payload for m in away.take(1)] == [b"queued"]
     finally:
         away.close()
+
+
+def _retained_through(node: ClusterNode, vhost: str, topic: str) -> None:
+    """The retained message ``_mqtt_state_before`` left on ``topic``, read through ``node``."""
+    wait_for(lambda: _mqtt_connack(node, vhost, b"guest") == 0, 20, f"MQTT carried to {vhost}")
+    sub = Paho(node.ip, node.mqtt_port, f"late-{uuid.uuid4().hex[:8]}", user=f"{vhost}:guest")
+    try:
+        assert sub.subscribe(topic, 1) == [1]
+        got = sub.take(1, 5)
+        assert [(m.topic, m.payload, m.retain) for m in got] == [(topic, b"retained", True)]
+    finally:
+        sub.close()
 
 
 def _depth(node: ClusterNode, vhost: str, queue: str = "served") -> int:
