@@ -123,3 +123,38 @@ def test_retained_messages_of_both_workers_survive_a_change_of_workers(
         for vhost in ("/", other):
             assert _retained(b, vhost, "w/t") == [("w/t", vhost.encode(), True)], (workers, vhost)
         b.stop()
+
+
+def test_an_old_data_dir_reaches_every_workers_vhosts_at_once(
+        tmp_path: Path, node: list[SkredProcess]) -> None:
+    """The node-wide directories of a single-worker data dir, and a worker's own of an older
+    multi-worker layout, are moved into every vhost's directory before the workers start (before,
+    worker 0 moved only its own vhosts' files: the other worker's served none until a start with
+    one worker)."""
+    data = tmp_path / "data"
+    other = next(v for v in (f"mq{i}" for i in range(64)) if worker_of(v, 2) != worker_of("/", 2))
+    b = _start(node, data, 2)
+    _new_vhost(b, other)
+    b.stop()
+    (data / "mqtt-retained").mkdir()
+    for vhost in ("/", other):
+        name, content = _legacy_retained(vhost, "old/a", vhost.encode())
+        (data / "mqtt-retained" / name).write_bytes(content)
+    stray = _legacy_retained("no-such-vhost", "old/a", b"x")  # kept where it is, not deleted
+    (data / "mqtt-retained" / stray[0]).write_bytes(stray[1])
+    elsewhere = data / "workers" / str(1 - worker_of("/", 2)) / "mqtt-retained"  # an older layout's
+    elsewhere.mkdir(parents=True)
+    name, content = _legacy_retained("/", "old/b", b"per-worker")
+    (elsewhere / name).write_bytes(content)
+    session = hashlib.sha256(f"{other}\0away-client".encode()).hexdigest()[:40]
+    (data / "mqtt-sessions").mkdir()
+    (data / "mqtt-sessions" / session).write_bytes(json.dumps(
+        {"vhost": other, "client_id": "away-client", "qos2": [5], "shared": {}, "expires_at": 0}).encode())
+    b = _start(node, data, 2)
+    for vhost in ("/", other):  # on main: queue.Empty for the vhost of the worker that is not 0
+        assert _retained(b, vhost, "old/a") == [("old/a", vhost.encode(), True)], vhost
+    assert _retained(b, "/", "old/b") == [("old/b", b"per-worker", True)]
+    status, doc = api(b, "GET", f"/api/mqtt/sessions/{other}/away-client")
+    assert status == 200, doc
+    assert sorted(p.name for p in (data / "mqtt-retained").iterdir()) == [stray[0]]
+    assert not (elsewhere / name).exists() and not (data / "mqtt-sessions" / session).exists()
