@@ -93,7 +93,7 @@ from broker.store.fileio import syncfs
 from broker.store.intent import IntentFile
 from broker.store.jsonstore import read_json, write_json
 from broker.store.lock import DataDirLock
-from broker.store.paths import WORKERS_DIR, vhost_dir
+from broker.store.paths import WORKERS_DIR, data_homes, vhost_dir
 from broker.store.queue_store import read_ahead
 from broker.store.segment import parse_number
 from broker.store.segment_log import SegmentFiles
@@ -278,6 +278,7 @@ class Node:
             # this data dir ran several workers: their vhosts come back (broker/shards/layout.py)
             names = VHostStore(cfg.main.data_dir / "vhosts.json", NULL_SINK).list()
             layout.relocate(cfg.main.data_dir, names, 1, worker_files(cfg, 1))
+            adopt_mqtt_dirs(cfg.main.data_dir, names, 1)
         if RELOADER is not None:
             RELOADER.node = self
         try:
@@ -946,10 +947,31 @@ class NodeHost:
 def worker_files(config: Config, count: int) -> dict[str, int]:
     """The node files one worker keeps (``layout.relocate``): LMQ's properties in the worker of
     ``[lmq] vhost``. MQTT's retained messages and sessions' state live in each vhost's directory,
-    which moves with the vhost; the node-wide directories of a data dir from before go to worker
-    0, which moves its own vhosts' files out of them at start (the rest wait for the node's next
-    start with one worker)."""
-    return {RETAINED_DIR: 0, MQTT_SESSIONS_DIR: 0, LMQ_PROPS_FILE: worker_of(config.lmq.vhost, count)}
+    which moves with the vhost (``adopt_mqtt_dirs`` empties the directories of older layouts)."""
+    return {LMQ_PROPS_FILE: worker_of(config.lmq.vhost, count)}
+
+
+def adopt_mqtt_dirs(root: Path, vhosts: list[str], count: int) -> None:
+    """Move MQTT's retained messages and sessions' state out of the directories older layouts kept
+    them in (a node-wide ``mqtt-retained``/``mqtt-sessions`` in the data dir, or in a worker's data
+    dir) into the directory of each vhost named, in the worker of ``count`` that owns it
+    (broker/mqtt/retained.py ``adopt``: every copy durable before any old file goes; a file of an
+    unknown vhost stays). Run, as ``layout.relocate``, before any worker runs, so every worker's
+    vhosts have their state at once."""
+    def files_of(name: str) -> Callable[[str], BlobDir]:
+        return lambda vhost: BlobDir(vhost_dir(layout.worker_dir(root, worker_of(vhost, count), count), vhost)
+                                     / name, _unsynced)
+    here = set(vhosts).__contains__
+    for name, vhost_of in ((RETAINED_DIR, retained_vhost), (MQTT_SESSIONS_DIR, session_vhost)):
+        for home in data_homes(root):
+            moved = adopt(BlobDir(home / name, _unsynced), files_of(name), here, vhost_of,
+                          lambda: syncfs(root))
+            if moved:
+                log.info("%d MQTT files of %s moved into their vhosts' directories", moved, home / name)
+
+
+def _unsynced(_files: BlobDir) -> None:
+    """No group commit runs before the workers: ``adopt_mqtt_dirs`` syncs the file system itself."""
 
 
 def run_worker(spec: WorkerSpec) -> int:
@@ -1132,7 +1154,7 @@ def serve(config: Config, host: NodeHost | None = None, load: Callable[[], Confi
             raise StartupError("[main] load_definitions is not supported with more than one worker yet: "
                                "set [main] workers = 1 (--workers 1)")
         import_listeners()  # once, before the fork, rather than in every worker
-        return serve_workers(config, workers, run_worker, worker_files(config, workers))
+        return serve_workers(config, workers, run_worker, worker_files(config, workers), adopt_mqtt_dirs)
     if config.clustering.enabled:
         try:
             from broker.cluster.runner import serve_clustered
