@@ -589,7 +589,9 @@ class Node:
                 cfg.mqtt, max_packet_size=cfg.main.max_message_size + 64 * 1024))
         assert self._syncer is not None
         retained, sessions = self._mqtt_files(RETAINED_DIR), self._mqtt_files(MQTT_SESSIONS_DIR)
-        if self.serves is None:  # a shard broker's node-wide files are the cluster leader's
+        # a shard broker's node-wide files are the cluster leader's; a worker's, the parent moved
+        # before the fork (adopt_mqtt_dirs)
+        if self.serves is None and self.worker is None:
             for name, files_of, vhost_of in ((RETAINED_DIR, retained, retained_vhost),
                                              (MQTT_SESSIONS_DIR, sessions, session_vhost)):
                 legacy = BlobDir(cfg.main.data_dir / name, self._syncer.mark_dirty, self.sink)
