@@ -2,7 +2,8 @@
 in their vhost's own directory, so they go wherever the vhost goes. Real broker processes on one
 data dir: a data dir from before (the node-wide ``mqtt-retained`` and ``mqtt-sessions``, written
 here in that format) keeps its retained message and session state, moved into the vhost's
-directory at start, and a deleted vhost's go with it; a node going from two workers to one and
+directory at start (with two workers, every worker's vhosts at once), and a deleted vhost's go
+with it; a node going from two workers to one and
 back keeps the retained messages of both workers' vhosts (before, the node-wide directory of one
 worker was kept and the other's left behind)."""
 
