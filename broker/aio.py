@@ -164,7 +164,11 @@ class Listeners:
 
 
 class Router(Protocol):
-    """Where a vhost is served on a node of several workers (``broker.shards.worker.WorkerLink``)."""
+    """Where a vhost is served on a node of several workers (``broker.shards.worker.WorkerLink``),
+    or by another node of a cluster (the cluster leader's ``broker.cluster.elsewhere``)."""
+
+    # the hand-over carries the client's login to a node that checks it again (a worker is trusted)
+    replays_login: bool
 
     def elsewhere(self, vhost: str) -> bool:
         """Another worker owns ``vhost``; raises ``errors.NotAllowed`` while that worker restarts."""

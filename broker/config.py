@@ -417,9 +417,10 @@ class ClusteringConfig:
     shard_servers: bool = field(
         default=False,
         metadata=_meta("With shard_leaders: a node leading a shard serves it and replicates it itself "
-                       "(the hand-over, broker/cluster/handover.py; experimental: the cluster leader's own "
-                       "MQTT, stream and HTTP ports do not route to it yet: docs/architecture.md); off: the "
-                       "cluster leader serves every shard."),
+                       "(the hand-over, broker/cluster/handover.py; experimental: every client port of every "
+                       "node reaches it, but the management API's overview, metrics and paged lists are "
+                       "the cluster leader's part only: docs/architecture.md); off: the cluster leader "
+                       "serves every shard."),
     )
 
 

@@ -56,6 +56,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from broker import errors, metrics, tls
+from broker.aio import Router
 from broker.amqp import log_exchange
 from broker.amqp.broker import Broker, server_properties
 from broker.auth.oauth_keys import OAuthKeys, start_oauth
@@ -74,6 +75,9 @@ from broker.lmq.props import FILE_NAME as LMQ_PROPS_FILE
 from broker.lmq.props import PropsStore
 from broker.metrics import ClusterInfo, FollowerMetrics
 from broker.model.vhost import VHost
+from broker.mqtt.durable import vhost_of as session_vhost
+from broker.mqtt.retained import adopt
+from broker.mqtt.retained import vhost_of as retained_vhost
 from broker.mqtt.server import MQTTProtocol, MQTTServer
 from broker.net import proxy
 from broker.net.listener import Listener, keep_peer
@@ -89,7 +93,7 @@ from broker.store.fileio import syncfs
 from broker.store.intent import IntentFile
 from broker.store.jsonstore import read_json, write_json
 from broker.store.lock import DataDirLock
-from broker.store.paths import WORKERS_DIR
+from broker.store.paths import WORKERS_DIR, data_homes, vhost_dir
 from broker.store.queue_store import read_ahead
 from broker.store.segment import parse_number
 from broker.store.segment_log import SegmentFiles
@@ -97,6 +101,7 @@ from broker.store.sink import NULL_SINK, NullSink, ReplicationSink
 from broker.streamproto.server import StreamServer
 from broker.syncer import Syncable, Syncer
 
+# in each vhost's directory (and, in a data dir from before, the node's: moved at start)
 RETAINED_DIR = "mqtt-retained"  # MQTT's retained messages (broker/mqtt/retained.py)
 MQTT_SESSIONS_DIR = "mqtt-sessions"  # persistent MQTT sessions' QoS 2 ids, wills (broker/mqtt/durable.py)
 
@@ -196,6 +201,13 @@ class Node:
         self.elsewhere: VhostCarrier | None = None
         self.lock_data_dir = True  # False: the cluster runner holds it (a node serving its shards)
         self._shared: SharedFiles | None = None  # what reload_shared last read
+        self._blob_dirs: dict[Path, BlobDir] = {}  # each vhost's MQTT files (``_mqtt_files``)
+
+    @property
+    def router(self) -> Router | None:
+        """Where MQTT and the stream protocol hand a connection for a vhost not served here: the
+        worker that owns it, or on a cluster leader the node that serves it (``elsewhere``)."""
+        return self.worker if self.worker is not None else self.elsewhere
 
     def make_vhost(self, name: str) -> VHost:
         """A ``VHost`` wired to this node's store settings (at boot, and when the API creates one)."""
@@ -266,6 +278,7 @@ class Node:
             # this data dir ran several workers: their vhosts come back (broker/shards/layout.py)
             names = VHostStore(cfg.main.data_dir / "vhosts.json", NULL_SINK).list()
             layout.relocate(cfg.main.data_dir, names, 1, worker_files(cfg, 1))
+            adopt_mqtt_dirs(cfg.main.data_dir, names, 1)
         if RELOADER is not None:
             RELOADER.node = self
         try:
@@ -283,6 +296,7 @@ class Node:
             resume_import(mgmt)  # an import a crash cut off comes back whole, before anything serves
             mgmt.cluster = self.cluster
             mgmt.app = self  # skredctl stop_app (with workers, every worker's: shards/fanout.py)
+            mgmt.vhost_deleted.append(lambda name: self.mqtt.close_vhost(name) if self.mqtt else None)
             mgmt.node_name = broker.node_name = metrics.node_name(cfg.main.node_name, cfg.amqp.port)
             if cfg.clustering.enabled:  # every member reports the same rabbitmq_cluster label
                 mgmt.cluster_name = cfg.clustering.etcd_prefix
@@ -308,6 +322,10 @@ class Node:
                 await self.start_stream(broker)  # and the stream protocol
             # HTTP before AMQP too: once the AMQP port answers, everything answers
             if cfg.mgmt.enabled and worker is None:
+                if self.elsewhere is not None:  # a cluster leader's vhosts served by other nodes
+                    from broker.http.forward import VhostForward
+                    forward = VhostForward(self.elsewhere.open_http, self.elsewhere.open_nodes)
+                    mgmt.middlewares.append(forward.middleware)
                 await self.start_http(broker, mgmt)
             await self.start_amqp(broker, mgmt)
             self.start_federation(broker, mgmt)
@@ -409,6 +427,8 @@ class Node:
             return False
         vh = self.make_vhost(name)
         broker.vhosts[name] = vh
+        if self.mqtt is not None:  # its retained messages and sessions, as replication left them
+            self.mqtt.open_vhost(name)
         log.info("shard %r served: %d exchanges, %d queues", name, len(vh.exchanges), len(vh.queues))
         return True
 
@@ -424,6 +444,8 @@ class Node:
                 session.close_connection(errors.ConnectionForced(reason))
                 session.wakeup()
                 closed += 1
+        if self.mqtt is not None:
+            self.mqtt.close_vhost(name)
         syncer = broker.syncer
         for q in vh.queues.values():
             syncer.discard(q.store)
@@ -566,13 +588,22 @@ class Node:
             cfg = dataclasses.replace(cfg, mqtt=dataclasses.replace(
                 cfg.mqtt, max_packet_size=cfg.main.max_message_size + 64 * 1024))
         assert self._syncer is not None
-        retained = BlobDir(cfg.main.data_dir / RETAINED_DIR, self._syncer.mark_dirty, self.sink)
-        sessions = BlobDir(cfg.main.data_dir / MQTT_SESSIONS_DIR, self._syncer.mark_dirty, self.sink)
+        retained, sessions = self._mqtt_files(RETAINED_DIR), self._mqtt_files(MQTT_SESSIONS_DIR)
+        # a shard broker's node-wide files are the cluster leader's; a worker's, the parent moved
+        # before the fork (adopt_mqtt_dirs)
+        if self.serves is None and self.worker is None:
+            for name, files_of, vhost_of in ((RETAINED_DIR, retained, retained_vhost),
+                                             (MQTT_SESSIONS_DIR, sessions, session_vhost)):
+                legacy = BlobDir(cfg.main.data_dir / name, self._syncer.mark_dirty, self.sink)
+                moved = adopt(legacy, files_of, broker.vhosts.__contains__, vhost_of,
+                              lambda: syncfs(cfg.main.data_dir))
+                if moved:
+                    log.info("%d MQTT files of %s moved into their vhosts' directories", moved, name)
         if self.worker is not None and self.worker.index != 0:
             cfg = dataclasses.replace(cfg, mqtt=dataclasses.replace(cfg.mqtt, unix_path=""))  # worker 0's
         self.mqtt = MQTTServer(cfg.mqtt, broker.vhosts, broker.users, broker.syncer.after_sync, retained,
                                sessions, peers=broker.proxied_peers)
-        self.mqtt.router = self.worker
+        self.mqtt.router = self.router
         self.mqtt.registry.node_name = lambda: broker.node_name  # firehose copies
         await self.mqtt.start(self.tls_context if self.tls is not None else None, unix_mode(cfg.main))
         assert self.mgmt is not None
@@ -582,6 +613,19 @@ class Node:
         self.mgmt.websocket_max_message = max(self.mgmt.websocket_max_message, cfg.mqtt.max_packet_size)
         self.mgmt.other_listeners.update(
             {"mqtt/ssl" if name == "mqtts" else name: addr for name, addr in self.mqtt.addresses.items()})
+
+    def _mqtt_files(self, name: str) -> Callable[[str], BlobDir]:
+        """A vhost's MQTT files ``name`` (retained messages, sessions' state): a directory inside
+        the vhost's own, so they move, replicate and fail over with its shard (broker/mqtt/retained.py);
+        one ``BlobDir`` per directory for the node's life."""
+        def files_of(vhost: str) -> BlobDir:
+            path = vhost_dir(self.config.main.data_dir, vhost) / name
+            found = self._blob_dirs.get(path)
+            if found is None:
+                assert self._syncer is not None
+                found = self._blob_dirs[path] = BlobDir(path, self._syncer.mark_dirty, self.sink)
+            return found
+        return files_of
 
     def start_federation(self, broker: Broker, mgmt: Mgmt) -> None:
         """Exchange and queue federation links (broker/federation), once the node serves; the
@@ -602,7 +646,7 @@ class Node:
             cfg = dataclasses.replace(cfg, stream=dataclasses.replace(cfg.stream, unix_path=""))  # worker 0's
         self.stream = StreamServer(cfg.stream, broker.vhosts, broker.users, broker.syncer.after_sync,
                                    peers=broker.proxied_peers)
-        self.stream.router = self.worker
+        self.stream.router = self.router
         await self.stream.start(self.tls_context if self.tls is not None else None, unix_mode(cfg.main))
         assert self.mgmt is not None
         self.mgmt.other_listeners.update(self.stream.addresses)
@@ -904,10 +948,32 @@ class NodeHost:
 
 def worker_files(config: Config, count: int) -> dict[str, int]:
     """The node files one worker keeps (``layout.relocate``): LMQ's properties in the worker of
-    ``[lmq] vhost``; MQTT's retained messages of a one-worker node in worker 0 (each worker keeps
-    its own vhosts' since MQTT runs in every worker; a change of ``workers`` does not split
-    them by vhost yet)."""
-    return {RETAINED_DIR: 0, LMQ_PROPS_FILE: worker_of(config.lmq.vhost, count)}
+    ``[lmq] vhost``. MQTT's retained messages and sessions' state live in each vhost's directory,
+    which moves with the vhost (``adopt_mqtt_dirs`` empties the directories of older layouts)."""
+    return {LMQ_PROPS_FILE: worker_of(config.lmq.vhost, count)}
+
+
+def adopt_mqtt_dirs(root: Path, vhosts: list[str], count: int) -> None:
+    """Move MQTT's retained messages and sessions' state out of the directories older layouts kept
+    them in (a node-wide ``mqtt-retained``/``mqtt-sessions`` in the data dir, or in a worker's data
+    dir) into the directory of each vhost named, in the worker of ``count`` that owns it
+    (broker/mqtt/retained.py ``adopt``: every copy durable before any old file goes; a file of an
+    unknown vhost stays). Run, as ``layout.relocate``, before any worker runs, so every worker's
+    vhosts have their state at once."""
+    def files_of(name: str) -> Callable[[str], BlobDir]:
+        return lambda vhost: BlobDir(vhost_dir(layout.worker_dir(root, worker_of(vhost, count), count), vhost)
+                                     / name, _unsynced)
+    here = set(vhosts).__contains__
+    for name, vhost_of in ((RETAINED_DIR, retained_vhost), (MQTT_SESSIONS_DIR, session_vhost)):
+        for home in data_homes(root):
+            moved = adopt(BlobDir(home / name, _unsynced), files_of(name), here, vhost_of,
+                          lambda: syncfs(root))
+            if moved:
+                log.info("%d MQTT files of %s moved into their vhosts' directories", moved, home / name)
+
+
+def _unsynced(_files: BlobDir) -> None:
+    """No group commit runs before the workers: ``adopt_mqtt_dirs`` syncs the file system itself."""
 
 
 def run_worker(spec: WorkerSpec) -> int:
@@ -1090,7 +1156,7 @@ def serve(config: Config, host: NodeHost | None = None, load: Callable[[], Confi
             raise StartupError("[main] load_definitions is not supported with more than one worker yet: "
                                "set [main] workers = 1 (--workers 1)")
         import_listeners()  # once, before the fork, rather than in every worker
-        return serve_workers(config, workers, run_worker, worker_files(config, workers))
+        return serve_workers(config, workers, run_worker, worker_files(config, workers), adopt_mqtt_dirs)
     if config.clustering.enabled:
         try:
             from broker.cluster.runner import serve_clustered

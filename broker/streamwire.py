@@ -3,11 +3,14 @@
 One table for every side of the protocol: the server's codec (``broker/streamproto/codec.py``,
 which re-exports these, so its users keep writing ``C.PUBLISH``) and the Spark sink's small
 client (``broker/spark/stream_publish.py``), which the layer rules keep from importing the
-server. Numbers only, no IO: the protocol's own numbering (a response is ``key | RESPONSE``).
+server. Numbers only, no IO: the protocol's own numbering (a response is ``key | RESPONSE``),
+and the one frame every side writes alike, a response (``response``: the cluster's carrier
+answers a client's Open with it too, ``broker/cluster/stream_route.py``).
 """
 
 from __future__ import annotations
 
+import struct
 from typing import Final
 
 __all__ = [
@@ -126,3 +129,17 @@ OFFSET_LAST: Final = 2
 OFFSET_NEXT: Final = 3
 OFFSET_OFFSET: Final = 4
 OFFSET_TIMESTAMP: Final = 5
+
+
+_HEAD: Final = struct.Struct(">IHH")  # a frame's size, key and version
+_RESPONSE_HEAD: Final = struct.Struct(">IH")  # a response's correlation id and code
+
+
+def frame(key: int, body: bytes, version: int = 1) -> bytes:
+    """One frame: ``u32 size``, ``u16 key``, ``u16 version``, ``body``."""
+    return _HEAD.pack(len(body) + 4, key, version) + body
+
+
+def response(key: int, corr: int, code: int, extra: bytes = b"") -> bytes:
+    """The response to request ``key`` with correlation id ``corr``: ``code`` and ``extra``."""
+    return frame(key | RESPONSE, _RESPONSE_HEAD.pack(corr, code) + extra)

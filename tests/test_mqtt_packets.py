@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from broker.mqtt import packets as P
 from broker.mqtt import props as PR
 from broker.mqtt.mapping import to_routing_key, to_topic
-from broker.mqtt.retained import Retained, topic_matches
+from broker.mqtt.retained import Retained, adopt, topic_matches, vhost_of
 from broker.mqtt.session import split_username
 
 
@@ -224,12 +224,28 @@ class _Files:
 
 def test_retained_store_keeps_clears_bounds_and_reloads() -> None:
     files = _Files()
-    r = Retained(files, max_messages=2)
+    r = Retained(lambda _v: files, max_messages=2)
     assert r.set("/", "a/b", 1, b"1") and r.set("v", "a/b", 0, b"2")
     assert not r.set("/", "a/c", 1, b"3")  # the bound: 2 messages on the node
     assert r.set("/", "a/b", 0, b"4")  # replacing one is always fine
     assert r.matching("/", "a/#") == [("a/b", 0, b"4")]
     files.d["junk"] = b"\x00"
-    again = Retained(files, max_messages=2)  # what a restart or a new leader reads
+    again = Retained(lambda _v: files, max_messages=2)  # what a restart or a new leader reads
+    again.open("/")  # each vhost's messages read as it opens here (only its own files' are its)
     assert again.matching("v", "+/b") == [("a/b", 0, b"2")] and again.count == 2
     assert again.set("/", "a/b", 1, b"") and again.matching("/", "#") == [] and again.count == 1
+
+
+def test_adopting_a_node_wide_directory_moves_only_vhosts_served_here_durably_first() -> None:
+    """A data dir from before (retained.adopt): a vhost served here gets its files, written and
+    made durable before the node-wide copies go; another vhost's stay where they were."""
+    legacy, mine = _Files(), _Files()
+    Retained(lambda _v: legacy, 10).set("/", "a", 1, b"x")
+    Retained(lambda _v: legacy, 10).set("elsewhere", "b", 1, b"y")
+    legacy.d["junk"] = b"\x00"
+    seen: list[int] = []
+    moved = adopt(legacy, lambda _v: mine, lambda v: v == "/", vhost_of,
+                  lambda: seen.append(len(legacy.d)))
+    assert moved == 1 and seen == [3]  # durable while both copies were there
+    assert len(mine.d) == 1 and len(legacy.d) == 2
+    assert Retained(lambda _v: mine, 10).matching("/", "#") == [("a", 1, b"x")]

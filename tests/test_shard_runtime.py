@@ -114,3 +114,27 @@ def test_relocate_moves_node_files_a_worker_keeps(tmp_path: Path) -> None:
     assert (tmp_path / "workers" / "1" / "lmq.json").read_text() == "{}"
     layout.relocate(tmp_path, [], 1, {"mqtt-retained": 0, "lmq.json": 0})
     assert (tmp_path / "mqtt-retained" / "blob").exists() and (tmp_path / "lmq.json").exists()
+
+
+def test_mqtt_state_of_older_layouts_reaches_every_workers_vhosts(tmp_path: Path) -> None:
+    """node.adopt_mqtt_dirs, run by the parent before any worker: the node-wide retained messages
+    and a worker's own of an older layout move into the directory of each vhost in its owner of
+    two workers; a file of an unknown vhost stays; a move a crash cut off is redone."""
+    from broker.mqtt.retained import Retained
+    from broker.node import adopt_mqtt_dirs
+    from broker.store.blobs import BlobDir
+
+    def files(directory: Path) -> BlobDir:
+        return BlobDir(directory, lambda _f: None)
+    other = next(v for v in (f"mq{i}" for i in range(64)) if worker_of(v, 2) != worker_of("/", 2))
+    Retained(lambda _v: files(tmp_path / "mqtt-retained"), 10).set("/", "a", 1, b"root")
+    Retained(lambda _v: files(tmp_path / "mqtt-retained"), 10).set("unknown", "a", 1, b"kept")
+    Retained(lambda _v: files(tmp_path / "workers" / "1" / "mqtt-retained"), 10).set(other, "a", 1, b"w1")
+    crashed = layout.worker_dir(tmp_path, worker_of(other, 2), 2)  # copied, the old file not yet gone
+    Retained(lambda _v: files(vhost_dir(crashed, other) / "mqtt-retained"), 10).set(other, "a", 1, b"w1")
+    adopt_mqtt_dirs(tmp_path, ["/", other], 2)
+    for vhost, payload in (("/", b"root"), (other, b"w1")):
+        home = vhost_dir(layout.worker_dir(tmp_path, worker_of(vhost, 2), 2), vhost) / "mqtt-retained"
+        assert Retained(lambda _v, h=home: files(h), 10).matching(vhost, "#") == [("a", 1, payload)]
+    assert len(list((tmp_path / "mqtt-retained").iterdir())) == 1  # the unknown vhost's
+    assert list((tmp_path / "workers" / "1" / "mqtt-retained").iterdir()) == []

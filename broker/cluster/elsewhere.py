@@ -1,66 +1,193 @@
-"""AMQP on the cluster leader's own port, for a vhost another node serves (``shard_servers``).
+"""A client on the cluster leader's own ports, for a vhost another node serves (``shard_servers``).
 
 Theory of operation
 -------------------
 A client never sees which node serves its vhost: a follower's proxy routes each AMQP connection
 by the vhost its ``connection.open`` names (``vhost_route.py``), and the cluster leader's own
-AMQP port must do the same, though there the broker itself reads the handshake. Its session
-authenticates the client, checks the user may use the vhost, and on an ``open`` naming a vhost
-this broker does not hold but the election says another node serves (``elsewhere``) hands the
-connection over as it would to another worker (``broker.net.server``), with the client's
-``start-ok`` (``replays_login``). ``hand_over`` rebuilds the client's handshake from it
-(``Opened``: that start-ok, a ``tune-ok`` with the limits negotiated here, the ``open``, the
-bytes read after it) and a proxy that reads no port of its own (``SpliceProxy.adopt``) replays
-it on a tunnel to the serving node's replication port, which checks the login again, answers
-``open-ok`` (or its refusal) and is spliced with the client. A serving node that cannot be
-reached or does not answer within the handshake's bound gets the client a 320, as through a
-follower. The credentials stay in memory only until the connection is carried.
+ports must do the same, though there the broker itself reads the handshake. Each front end reads
+its protocol's handshake as far as the vhost, as it does for another worker of the node
+(``broker.aio.give_away``); when the vhost is one this broker does not hold but the election
+says another node serves (``elsewhere``) it hands the connection over with what it read, and
+``hand_over`` carries it on a tunnel to that node's replication port, to its listener of the
+same protocol (``SpliceProxy.adopt``), where the login is checked again, with that node's users
+and permissions, before anything is opened:
+
+* AMQP: the session authenticated the client and checked the vhost; at ``open`` it hands over
+  with the client's ``start-ok`` (``replays_login``). The handshake is rebuilt from it
+  (``Opened``: that start-ok, a ``tune-ok`` with the limits negotiated here, the ``open``, the
+  bytes read after it) and replayed (``vhost_router.replay``); the node answers ``open-ok``
+  (or its refusal).
+* MQTT: the CONNECT names the vhost (``vhost:user``, or the listener's default) and carries
+  the credentials itself; the connection is handed over before the login, with every byte read
+  (``rest``: the CONNECT and anything after it), and those bytes are the whole replay: the
+  node's MQTT listener reads the CONNECT as from a client of its own and answers the CONNACK
+  (a refusal included: bad user name or password, not authorized).
+* The stream protocol: ``Open`` names the vhost after the login; the leader played the login
+  and hands over with the client's login frames (``login``) and the ``Open`` with what followed
+  (``rest``); ``stream_route.StreamReplay`` plays them to the node, whose ``SaslAuthenticate``
+  response decides, then its ``Open`` response reaches the client.
+
+A serving node that cannot be reached or does not answer within the handshake's bound gets the
+client its protocol's refusal: AMQP 320, an MQTT CONNACK "server unavailable", a stream ``Open``
+response ``VHOST_ACCESS_FAILURE``. The credentials stay in memory only until the connection is
+carried.
 """
 
 from __future__ import annotations
 
+import asyncio
+import ipaddress
 import logging
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
 from pamqp import commands, frame
 
-from broker.cluster.proxy import SpliceProxy
-from broker.cluster.vhost_route import Opened
+from broker import errors
+from broker.cluster import codec, stream_route, unavailable
+from broker.cluster.proxy import Carried, Play, SpliceProxy
+from broker.cluster.stream_route import StreamReplay
+from broker.cluster.vhost_route import Failed, Opened, refusal
+from broker.cluster.vhost_router import replay
 
 log = logging.getLogger(__name__)
 
 
 class Elsewhere:
-    """``broker.amqp.broker.Shards`` for the cluster leader's broker: ``served_elsewhere(vhost)``
-    says another node serves it; ``carrier`` (a routed, tunnelling ``SpliceProxy``) carries it."""
+    """``broker.amqp.broker.Shards`` (and ``broker.aio.Router`` for MQTT and the stream protocol)
+    for the cluster leader's broker: ``served_elsewhere(vhost)`` says another node serves it;
+    ``carrier`` (a routed, tunnelling ``SpliceProxy``) carries it."""
 
     replays_login = True
 
-    def __init__(self, served_elsewhere: Callable[[str], bool], carrier: SpliceProxy) -> None:
+    def __init__(self, served_elsewhere: Callable[[str], bool], carrier: SpliceProxy,
+                 closed: Collection[str] = ()) -> None:
         self.served_elsewhere = served_elsewhere
         self.carrier = carrier
+        self.closed = closed  # the vhosts closed here: served elsewhere, or moving there
+
+    def moving(self, vhost: str) -> bool:
+        """Closed here, its next server not known here yet."""
+        return vhost in self.closed and not self.served_elsewhere(vhost)
 
     def elsewhere(self, vhost: str) -> bool:
-        return self.served_elsewhere(vhost)
+        """Another node serves ``vhost``; ``errors.NotAllowed`` while it moves there (closed
+        here, its server not known yet), which a front end answers as for a worker that
+        restarts: MQTT "server unavailable", the stream ``VHOST_ACCESS_FAILURE`` (AMQP: 530), so
+        a client retries rather than hear that its credentials were wrong."""
+        if self.served_elsewhere(vhost):
+            return True
+        if self.moving(vhost):
+            raise errors.NotAllowed(f"vhost '{vhost}' is moving to another node: retry")
+        return False
+
+    async def open_http(self, vhost: str, client: tuple[str, int]
+                        ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        """A connection to the management API of the node serving ``vhost`` for ``client``
+        (``broker.http.forward``): one end of a socket pair, the other carried there; None when
+        ``vhost`` is not served elsewhere (``errors.NotAllowed`` while it moves)."""
+        if not self.elsewhere(vhost):
+            return None
+        if not _is_ip(client[0]):
+            client = (codec.UNIX_CLIENT, 0)  # a Unix socket's client: local there too
+        ours, theirs = socket.socketpair()
+        theirs.setblocking(False)
+        carried = Carried(vhost, codec.HTTP_PORT, _sends(b""), unavailable.http_response)
+        self.carrier.adopt(theirs, client, carried)
+        return await asyncio.open_connection(sock=ours)
+
+    async def open_nodes(self, client: tuple[str, int]
+                         ) -> list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+        """A connection to the management API of each other node serving a vhost (the parts of
+        a node-wide list, ``broker.http.forward``)."""
+        assert self.carrier.routed is not None
+        serving = self.carrier.routed.serving
+        one_each: dict[tuple[str | None, int], str] = {}
+        for vhost in sorted(self.closed):
+            if self.served_elsewhere(vhost):
+                target = serving(vhost)
+                one_each.setdefault((target.host, target.port), vhost)
+        opened = [await self.open_http(vhost, client) for vhost in one_each.values()]
+        return [o for o in opened if o is not None]
 
     def hand_over(self, fd: int, state: dict[str, Any]) -> None:
-        login = bytes(state.get("login", b""))
-        if not login:  # a connection with no start-ok to replay (never so for AMQP)
-            raise ValueError("no login to replay on the vhost's node")
         vhost = str(state["vhost"])
-        channel_max, frame_max = int(state["channel_max"]), int(state["frame_max"])
-        tune_ok = commands.Connection.TuneOk(channel_max=channel_max, frame_max=frame_max,
-                                             heartbeat=int(state["heartbeat"]))
-        opened = Opened(vhost, login, frame.marshal(tune_ok, 0),
-                        frame.marshal(commands.Connection.Open(virtual_host=vhost), 0),
-                        bytes(state.get("rest", b"")), channel_max, frame_max)
+        protocol = state.get("protocol", "amqp")
+        if protocol == "mqtt":
+            carried = _mqtt(vhost, bytes(state.get("rest", b"")))
+        elif protocol == "stream":
+            carried = _stream(vhost, state)
+        elif protocol == "amqp":
+            carried = _amqp(vhost, state)
+        else:
+            raise ValueError(f"no carrier for {protocol!r} connections to another node")
         peer = state.get("peer")
         client = (str(peer[0]), int(peer[1])) if isinstance(peer, tuple | list) and len(peer) >= 2 \
             else ("127.0.0.1", 0)
+        if state.get("unix"):
+            client = (codec.UNIX_CLIENT, 0)  # the node takes it as a local client, as we did
         sock = socket.socket(fileno=os.dup(fd))
         sock.setblocking(False)
-        log.debug("connection from %s:%d for vhost %r: carried to the node serving it", *client, vhost)
-        self.carrier.adopt(sock, client, opened)
+        log.debug("%s connection from %s:%d for vhost %r: carried to the node serving it", protocol, *client,
+                  vhost)
+        self.carrier.adopt(sock, client, carried)
+
+
+def _amqp(vhost: str, state: dict[str, Any]) -> Carried:
+    login = bytes(state.get("login", b""))
+    if not login:  # a connection with no start-ok to replay (never so for AMQP)
+        raise ValueError("no login to replay on the vhost's node")
+    channel_max, frame_max = int(state["channel_max"]), int(state["frame_max"])
+    tune_ok = commands.Connection.TuneOk(channel_max=channel_max, frame_max=frame_max,
+                                         heartbeat=int(state["heartbeat"]))
+    opened = Opened(vhost, login, frame.marshal(tune_ok, 0),
+                    frame.marshal(commands.Connection.Open(virtual_host=vhost), 0),
+                    bytes(state.get("rest", b"")), channel_max, frame_max)
+    return Carried(vhost, codec.AMQP_PORT, lambda read, write: replay(opened, read, write), refusal)
+
+
+def _sends(data: bytes) -> Play:
+    """A replay that is ``data`` as it came (the serving node reads and checks it itself)."""
+    async def play(_read: Callable[[], Awaitable[bytes]], write: Callable[[bytes], None]) -> bytes:
+        if data:
+            write(data)
+        return b""
+
+    return play
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _mqtt(vhost: str, rest: bytes) -> Carried:
+    def refuse(_why: str) -> bytes:
+        return unavailable.mqtt_connack(rest) or b""
+
+    return Carried(vhost, codec.MQTT_PORT, _sends(rest), refuse)  # the CONNECT: the node logs it in
+
+
+def _stream(vhost: str, state: dict[str, Any]) -> Carried:
+    login, rest = bytes(state.get("login", b"")), bytes(state.get("rest", b""))
+    if not login:
+        raise ValueError("no login to replay on the vhost's node")
+    frame_max = int(state.get("frame_max", 0))
+
+    async def play(read: Callable[[], Awaitable[bytes]], write: Callable[[bytes], None]) -> bytes:
+        rep = StreamReplay(login, rest, frame_max)
+        write(rep.start())
+        while not rep.spliced:
+            data = await read()
+            if not data:
+                raise Failed("the vhost's node closed during the handshake", stream_route.refusal(rest))
+            if out := rep.receive(data):
+                write(out)
+        return rep.to_client
+
+    return Carried(vhost, codec.STREAM_PORT, play, lambda _why: stream_route.refusal(rest))

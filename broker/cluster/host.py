@@ -45,6 +45,15 @@ class VhostCarrier(Protocol):
         """Carry the connection (``fd``, duplicated by the call) and its negotiated ``state``
         (with the client's start-ok, ``login``) to that node."""
 
+    async def open_http(self, vhost: str, client: tuple[str, int]
+                        ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        """A connection to the management API of the node serving ``vhost``, for ``client``
+        (None: not served elsewhere)."""
+
+    async def open_nodes(self, client: tuple[str, int]
+                         ) -> list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+        """A connection to the management API of each other node serving a vhost, for ``client``."""
+
 
 class LeaderBroker(Protocol):
     """A broker serving clients from the data dir while this node leads."""

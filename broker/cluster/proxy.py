@@ -64,7 +64,7 @@ from typing import Any
 
 from broker.cluster import codec, unavailable
 from broker.cluster.tunnel import TunnelRefused, open_tunnel, pump, read_framed, splice, write_framed
-from broker.cluster.vhost_route import HANDSHAKE_TIMEOUT, Failed, Limits, Opened, OpenReader, refusal
+from broker.cluster.vhost_route import HANDSHAKE_TIMEOUT, Failed, Limits, OpenReader, refusal
 from broker.cluster.vhost_router import login, read_login, read_open, replay
 
 log = logging.getLogger(__name__)
@@ -105,6 +105,24 @@ class Routed:
     server_properties: dict[str, Any]
     serving: Callable[[str], Target]
     login: Callable[[], Target]  # the node that checks a client's credentials before its open
+
+
+# A carried client's handshake played to the serving node: given the tunnel's framed read and
+# write, it returns the node's bytes for the client once the two may be spliced (``Failed``: not
+# carried, with the client's answer).
+Play = Callable[[Callable[[], Awaitable[bytes]], Callable[[bytes], None]], Awaitable[bytes]]
+
+
+@dataclass(frozen=True)
+class Carried:
+    """A client the cluster leader's broker carries to the node serving its vhost (``adopt``):
+    the tunnel's port (``which``, codec.AMQP_PORT ...), the handshake to replay there, and what
+    the client is told, in its protocol, when that node cannot be reached in time."""
+
+    vhost: str
+    which: int
+    play: Play
+    refusal: Callable[[str], bytes]
 
 
 class SpliceProxy:
@@ -161,14 +179,15 @@ class SpliceProxy:
         except (TimeoutError, OSError, RuntimeError):
             pass
 
-    async def _leg(self, host: str, port: int, client: tuple[str, int]
+    async def _leg(self, host: str, port: int, client: tuple[str, int], which: int | None = None
                    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        """A connection to ``host:port`` for ``client`` (a tunnel when this proxy tunnels)."""
+        """A connection to ``host:port`` for ``client`` (a tunnel when this proxy tunnels, to
+        client port ``which``: this proxy's own unless named)."""
         if self.tunnel is not None:
             t = self.tunnel
             lreader, upstream = await open_tunnel(
-                host, port, which=t.which, client=client, secret=t.secret(), tls=t.tls(),
-                source_ip=self.source_ip, node_id=t.node_id, keepalive=t.keepalive)
+                host, port, which=t.which if which is None else which, client=client, secret=t.secret(),
+                tls=t.tls(), source_ip=self.source_ip, node_id=t.node_id, keepalive=t.keepalive)
         else:
             local = (self.source_ip, 0) if self.source_ip else None
             async with asyncio.timeout(5.0):
@@ -176,17 +195,19 @@ class SpliceProxy:
         self._writers.add(upstream)
         return lreader, upstream
 
-    async def _routed_leg(self, target: Target, client: tuple[str, int]
+    async def _routed_leg(self, target: Target, client: tuple[str, int], which: int | None = None,
+                          answer: Callable[[str], bytes] = refusal
                           ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        """A tunnel to ``target`` for a routed client (``Failed`` with the 320 to send)."""
+        """A tunnel to ``target`` for a routed client (``Failed`` with ``answer(why)`` to send:
+        AMQP's 320 unless the protocol's own is named)."""
         if target.host is None or not target.port:
-            raise Failed("no serving node", refusal("no cluster leader yet"))
+            raise Failed("no serving node", answer("no cluster leader yet"))
         try:
-            return await self._leg(target.host, target.port, client)
+            return await self._leg(target.host, target.port, client, which)
         except (TimeoutError, OSError) as exc:  # TunnelRefused is a ConnectionError
             why = str(exc) if isinstance(exc, TunnelRefused) else "the cluster leader cannot be reached"
             raise Failed(f"cannot reach {target.host}:{target.port}: {why}",
-                         refusal(f"no cluster leader yet: {why}")) from None
+                         answer(f"no cluster leader yet: {why}")) from None
 
     async def _route(self, creader: asyncio.StreamReader, cwriter: asyncio.StreamWriter,
                      client: tuple[str, int], routed: Routed
@@ -242,16 +263,17 @@ class SpliceProxy:
         await _tell(cwriter, answer)
         return None
 
-    def adopt(self, sock: socket.socket, client: tuple[str, int], opened: Opened) -> None:
-        """Carry a client whose handshake up to ``connection.open`` the cluster leader's own broker
-        read (``sock``, ours now) to the node serving ``opened.vhost``: the whole handshake
-        replayed there (that node checks the login again), then spliced, as ``_route`` does for
-        a client of this proxy's port (``broker.cluster.elsewhere``)."""
-        task = asyncio.get_running_loop().create_task(self._adopted(sock, client, opened))
+    def adopt(self, sock: socket.socket, client: tuple[str, int], carried: Carried) -> None:
+        """Carry a client whose handshake the cluster leader's own broker read up to its vhost
+        (``sock``, ours now) to the node serving ``carried.vhost``: a tunnel to that node's
+        port of the client's protocol, the handshake replayed there (``carried.play``: that
+        node checks the login again), then spliced, as ``_route`` does for a client of this
+        proxy's port (``broker.cluster.elsewhere``)."""
+        task = asyncio.get_running_loop().create_task(self._adopted(sock, client, carried))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _adopted(self, sock: socket.socket, client: tuple[str, int], opened: Opened) -> None:
+    async def _adopted(self, sock: socket.socket, client: tuple[str, int], carried: Carried) -> None:
         assert self.routed is not None
         try:
             creader, cwriter = await asyncio.open_connection(sock=sock)
@@ -265,11 +287,12 @@ class SpliceProxy:
         try:
             try:
                 async with asyncio.timeout(HANDSHAKE_TIMEOUT):
-                    leg = await self._routed_leg(self.routed.serving(opened.vhost), client)
-                    cwriter.write(await replay(opened, *_on(leg)))
+                    leg = await self._routed_leg(self.routed.serving(carried.vhost), client, carried.which,
+                                                 carried.refusal)
+                    cwriter.write(await carried.play(*_on(leg)))
             except TimeoutError:
                 log.info("%s: %s not routed within %.0fs", self.name, client, HANDSHAKE_TIMEOUT)
-                await _tell(cwriter, refusal("the vhost's node did not answer"))
+                await _tell(cwriter, carried.refusal("the vhost's node did not answer"))
                 return
             except Failed as exc:
                 log.info("%s: %s not routed: %s", self.name, client, exc)

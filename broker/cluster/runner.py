@@ -809,12 +809,12 @@ class ClusterRunner:
             return Target(there.host, there.port)
 
         a = self.config.amqp
-        carrier = SpliceProxy("AMQP (vhost served elsewhere)", none, False,
+        carrier = SpliceProxy("vhost served elsewhere", none, False,
                               _source_ip(self.config.clustering.bind), self._tunnelled(codec.AMQP_PORT),
                               Routed(Limits(a.channel_max, a.frame_max, a.heartbeat),
                                      self.host.amqp_server_properties(), serving=serving,
                                      login=lambda: none))
-        return Elsewhere(lambda vhost: serving(vhost).host is not None, carrier)
+        return Elsewhere(lambda vhost: serving(vhost).host is not None, carrier, closed)
 
     async def _watch_leadership(self, node: LeaderBroker, sink: LeaderSink) -> int | None:
         c = self.config.clustering

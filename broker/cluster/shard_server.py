@@ -61,17 +61,29 @@ ServedIsrWriter = Callable[[str, list[str]], Awaitable[bool | None]]
 
 
 def shard_config(config: Config) -> Config:
-    """The configuration of a node's shard broker: AMQP on a loopback port of the kernel's
-    choosing (reached through the tunnels only); no other client listener of its own."""
+    """The configuration of a node's shard broker: AMQP, and the management API, MQTT and the
+    stream protocol when enabled, on loopback ports of the kernel's choosing (reached through the
+    tunnels only, which the cluster leader's own ports open too: ``cluster/elsewhere.py``); no
+    other listener (the metrics port too is a loopback one: the node's is the runner's)."""
     return dataclasses.replace(
         config,
         amqp=dataclasses.replace(config.amqp, bind="127.0.0.1", port=0, tls_port=-1, unix_path=""),
-        mgmt=dataclasses.replace(config.mgmt, enabled=False),
-        mqtt=dataclasses.replace(config.mqtt, enabled=False),
-        stream=dataclasses.replace(config.stream, enabled=False),
+        mgmt=dataclasses.replace(config.mgmt, bind="127.0.0.1", port=0, tls_port=-1, unix_path="",
+                                 metrics_bind="127.0.0.1", metrics_port=0),
+        mqtt=dataclasses.replace(config.mqtt, bind="127.0.0.1", port=0, tls_port=-1, unix_path=""),
+        stream=dataclasses.replace(config.stream, bind="127.0.0.1", port=0, tls_port=-1, unix_path="",
+                                   **_stream_advertised(config)),
         lmq=dataclasses.replace(config.lmq, enabled=False),
         main=dataclasses.replace(config.main, load_definitions=""),
     )
+
+
+def _stream_advertised(config: Config) -> dict[str, Any]:
+    """What the shard broker's stream ``Open`` and ``Metadata`` name: the node's own stream port
+    (which reaches the shard wherever it is served), never the loopback port clients cannot use."""
+    s = config.stream
+    host = s.advertised_host or ("" if s.bind in ("", "0.0.0.0", "::") else s.bind)
+    return {"advertised_host": host, "advertised_port": s.advertised_port or max(s.port, 0)}
 
 
 class ShardServer:

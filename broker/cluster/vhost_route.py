@@ -38,7 +38,7 @@ seconds; a malformed or oversized frame ends it (``Failed``), nothing is forward
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -194,7 +194,28 @@ class OpenReader:
         raise Failed(f"unexpected {type(value).__name__} in the handshake")
 
 
-class Replay:
+class Joining:
+    """A handshake toward a serving node that ends joined to the client: until then the node's
+    bytes are bounded (``MAX_INPUT``), from then on (``spliced``) kept for the client
+    (``to_client``). ``Replay`` here, ``stream_route.StreamReplay`` for the stream protocol."""
+
+    def __init__(self) -> None:
+        self.spliced = False
+        self.to_client = b""
+        self._seen = 0
+
+    def _handshaking(self, data: bytes, too_long: Callable[[], Failed]) -> bool:
+        """Whether ``data`` is the handshake's (False: spliced, it went to ``to_client``)."""
+        if self.spliced:
+            self.to_client += data
+            return False
+        self._seen += len(data)
+        if self._seen > MAX_INPUT:
+            raise too_long()
+        return True
+
+
+class Replay(Joining):
     """The client's side of the handshake toward a serving node, with the frames ``OpenReader``
     kept (see the module's comment).
 
@@ -204,25 +225,20 @@ class Replay:
     sockets are joined, ``to_client`` holding the node's bytes so far."""
 
     def __init__(self, start_ok: bytes) -> None:
+        super().__init__()
         self.start_ok = start_ok
         self.admitted = False
-        self.spliced = False
-        self.to_client = b""
         self._tune: commands.Connection.Tune | None = None
         self._buf = bytearray()
-        self._seen = 0
         self._started = False
 
     def start(self) -> bytes:
         return PROTOCOL_HEADER
 
     def receive(self, data: bytes) -> bytes:
-        if self.spliced:
-            self.to_client += data
+        if not self._handshaking(data, lambda: Failed("the owner's handshake too long",
+                                                      refusal("the vhost's node did not answer"))):
             return b""
-        self._seen += len(data)
-        if self._seen > MAX_INPUT:
-            raise Failed("the owner's handshake too long", refusal("the vhost's node did not answer"))
         self._buf += data
         if not self._started:
             if len(self._buf) < len(PROTOCOL_HEADER):

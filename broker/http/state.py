@@ -110,6 +110,7 @@ class Mgmt:
         import_legacy(data_dir / "policies.json", self.policies)
         # the protocol front ends beside AMQP (MQTT), added by the node
         self.front_ends: list[FrontEndView] = []
+        self.vhost_deleted: list[Callable[[str], None]] = []  # the node's: a front end's state of it
         self.rates = RateSampler(broker, self.node_gauges, connections=self.connections)
         self.started_at = time.time()
         self.started_mono = time.monotonic()
@@ -217,6 +218,8 @@ class Mgmt:
         vh.close()
         shutil.rmtree(vh.dir, ignore_errors=True)
         shutil.rmtree(vh.transient_dir, ignore_errors=True)
+        for forget in self.vhost_deleted:  # MQTT's retained messages and sessions went with its dir
+            forget(name)
         self.broker.users.clear_vhost(name)
         self.policies.clear_vhost(name)
         if self.parameters is not None:

@@ -19,15 +19,18 @@ a failover, and have no queue to live in:
   abnormally it is kept with the wall-clock time it is due; a restart publishes it when due, or
   at once when overdue, unless the client came back first. DISCONNECT forgets it.
 
-Each session with any of these is one small file (``Files``: the node gives a
-``store.blobs.BlobDir`` in the data dir), named by a digest of its vhost and client id, holding
-JSON. A change is written when it happens and reported to the replication sink at once; the
-answer that depends on it (PUBREC, PUBCOMP) waits for the group commit that fsyncs the file (and,
-in a cluster, for the in-sync followers), so a state a client was told of survives kill -9 and
-failover. A session with nothing left to keep has no file. An MQTT 5 session's file records when
-its session expiry ends once its client is gone: after that it is forgotten (at the client's
-next CONNECT, or at the node's start). At start the directory is read once; a file that cannot
-be read is logged and skipped (that session starts without it).
+Each session with any of these is one small file in its vhost's own directory (``FilesOf``: the
+node gives a ``store.blobs.BlobDir``, ``<sha1(vhost)>/mqtt-sessions``, so it moves, is replicated
+and fails over with the vhost's shard, as retained messages do: ``retained.py``), named by a
+digest of its vhost and client id, holding JSON. A change is written when it happens and reported
+to the replication sink at once; the answer that depends on it (PUBREC, PUBCOMP) waits for the
+group commit that fsyncs the file (and, in a cluster, for the in-sync followers of its shard), so
+a state a client was told of survives kill -9 and failover. A session with nothing left to keep
+has no file. An MQTT 5 session's file records when its session expiry ends once its client is
+gone: after that it is forgotten (at the client's next CONNECT, or at the node's start). A vhost's
+directory is read when the vhost opens here (at start, or when this node begins serving its shard:
+``open``) and forgotten when it closes; a file that cannot be read is logged and skipped (that
+session starts without it).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from typing import Any
 
 from broker.mqtt import props as PR
 from broker.mqtt.packets import Will
-from broker.mqtt.retained import Files
+from broker.mqtt.retained import FilesOf
 
 log = logging.getLogger(__name__)
 
@@ -112,19 +115,41 @@ def decode(data: bytes) -> tuple[Key, SessionState]:
     return key, state
 
 
-class SessionStates:
-    """Every persistent session's state of this node, in memory and in ``files``."""
+def vhost_of(data: bytes) -> str:
+    """The vhost a session state's file names (``retained.adopt``)."""
+    return str(json.loads(data)["vhost"])
 
-    def __init__(self, files: Files) -> None:
-        self.files = files
+
+class SessionStates:
+    """Every persistent session's state of the vhosts open here, in memory and in their files."""
+
+    def __init__(self, files_of: FilesOf) -> None:
+        self.files_of = files_of
         self.by_key: dict[Key, SessionState] = {}
-        for name, data in files.items():
+        self.opened: set[str] = set()
+
+    def open(self, vhost: str) -> list[Key]:
+        """Read the sessions of ``vhost`` from its files (once): the keys read."""
+        if vhost in self.opened:
+            return []
+        self.opened.add(vhost)
+        read = []
+        for name, data in self.files_of(vhost).items():
             try:
                 key, state = decode(data)
             except (ValueError, KeyError, TypeError, IndexError) as exc:
                 log.warning("MQTT session state file %s unreadable (%s): skipped", name, exc)
                 continue
-            self.by_key[key] = state
+            if key[0] == vhost:
+                self.by_key[key] = state
+                read.append(key)
+        return read
+
+    def close(self, vhost: str) -> None:
+        """Forget the sessions of ``vhost`` (no longer served here; its files stay)."""
+        self.opened.discard(vhost)
+        for key in [k for k in self.by_key if k[0] == vhost]:
+            del self.by_key[key]
 
     def get(self, key: Key) -> SessionState:
         """The session's state (a new, empty one, not yet kept, when it has none)."""
@@ -136,9 +161,9 @@ class SessionStates:
         if state.empty():
             self.forget(key)
             return
-        self.files.put(_name(key), encode(key, state))
+        self.files_of(key[0]).put(_name(key), encode(key, state))
         self.by_key[key] = state
 
     def forget(self, key: Key) -> None:
         if self.by_key.pop(key, None) is not None:
-            self.files.delete(_name(key))
+            self.files_of(key[0]).delete(_name(key))

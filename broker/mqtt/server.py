@@ -50,7 +50,7 @@ from broker.mqtt import props as PR
 from broker.mqtt.durable import Key, PendingWill, SessionState, SessionStates
 from broker.mqtt.hold import PublisherHold
 from broker.mqtt.mapping import key_fits
-from broker.mqtt.retained import Files, Retained
+from broker.mqtt.retained import FilesOf, Retained
 from broker.mqtt.session import (
     VERSIONS,
     AfterSync,
@@ -457,7 +457,7 @@ class MQTTProtocol(asyncio.Protocol):
                                              srv.registry, self, self.peer_host)
         try:
             must_sync = session.begin(c, user, vh)
-            if session.will_unsaved or must_sync and not await self._synced():
+            if session.will_unsaved or must_sync and not await self._synced(vh.name):
                 log.warning("MQTT client '%s' from %s: its will could not be made durable: refused",
                             session.client_id, self.peer_host)
                 session.will = None  # refused: the CONNECT (its will) did not happen
@@ -486,12 +486,12 @@ class MQTTProtocol(asyncio.Protocol):
                 break
             self._packet(p)
 
-    async def _synced(self) -> bool:
-        """Wait for the group commit of the session state just written (and, in a cluster, its
-        in-sync followers): True once durable."""
+    async def _synced(self, vhost: str) -> bool:
+        """Wait for the group commit of the session state just written in ``vhost`` (and, in a
+        cluster, its in-sync followers): True once durable."""
         done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self.server.after_sync(lambda ok: None if done.done() else done.set_result(ok),
-                               {self.server.registry.states.files})
+                               {self.server.registry.states.files_of(vhost)})
         return await done
 
     def _refusal(self, c: P.Connect) -> int:
@@ -599,7 +599,7 @@ class MQTTServer:
     """The MQTT listeners (plain and TLS) of one node, over its vhosts and users."""
 
     def __init__(self, config: MqttConfig, vhosts: dict[str, VHost], users: UserStore,
-                 after_sync: AfterSync, retained: Files, sessions: Files,
+                 after_sync: AfterSync, retained: FilesOf, sessions: FilesOf,
                  peers: Mapping[Peer, Peer] | None = None) -> None:
         self.config = config
         self.vhosts = vhosts
@@ -657,15 +657,8 @@ class MQTTServer:
 
     async def start(self, tls: Callable[[], ssl.SSLContext] | None = None, unix_mode: int = 0o660) -> None:
         cfg = self.config
-        now = time.time()
-        for key, state in list(self.registry.states.by_key.items()):
-            if state.will is not None:  # wills that waited out their delay across a restart
-                arm_will(self.registry, key, self._ended(key, state))
-            elif state.expired(now):  # a session that expired while the node was down
-                try:
-                    self.registry.states.forget(key)
-                except OSError as exc:
-                    log.warning("MQTT session state of '%s' stays: %s", key[1], exc)
+        for name in list(self.vhosts):
+            self.open_vhost(name)
         shared = self.router is not None  # every worker on the node's ports
         if cfg.port >= 0:
             await self.listeners.tcp("mqtt", lambda: MQTTProtocol(self), cfg.bind, cfg.port,
@@ -675,6 +668,29 @@ class MQTTServer:
                                      reuse_port=shared)
         if cfg.unix_path:
             await self.listeners.unix(lambda: MQTTProtocol(self, unix=True), cfg.unix_path, unix_mode)
+
+    def open_vhost(self, vhost: str) -> None:
+        """``vhost`` is served here (at start, or its shard opened here): its retained messages and
+        persistent sessions' state read from its directory, and its sessions' wills armed."""
+        registry, now = self.registry, time.time()
+        registry.retained.open(vhost)
+        for key in registry.states.open(vhost):
+            state = registry.states.by_key[key]
+            if state.will is not None:  # wills that waited out their delay across a restart
+                arm_will(registry, key, self._ended(key, state))
+            elif state.expired(now):  # a session that expired while no node served it
+                try:
+                    registry.states.forget(key)
+                except OSError as exc:
+                    log.warning("MQTT session state of '%s' stays: %s", key[1], exc)
+
+    def close_vhost(self, vhost: str) -> None:
+        """``vhost`` is no longer served here (its shard moved): its state is forgotten in memory
+        (its files stay, its next server's), its armed wills are not ours to publish."""
+        self.registry.retained.close(vhost)
+        self.registry.states.close(vhost)
+        for key in [k for k in self.registry.delayed_wills if k[0] == vhost]:
+            self.registry.delayed_wills.pop(key).cancel()
 
     def _ended(self, key: Key, state: SessionState) -> PendingWill:
         """A kept will at start: one whose client was connected when the node went is due its

@@ -500,9 +500,9 @@ class MQTTSession:
                     self.disconnect(P.RC_UNSPECIFIED)  # stored, but a resend could not be known
                     return
                 if deps is not None and self.durable:
-                    deps.add(self.registry.states.files)
+                    deps.add(self.registry.states.files_of(self.vhost.name))
             if deps is not None and p.retain:
-                deps.add(self.registry.retained.files)
+                deps.add(self.registry.retained.files_of(self.vhost.name))
             reason = 0 if not out.unroutable or not self.v5 else P.RC_NO_MATCHING_SUBSCRIBERS
             if p.qos == 1 and not (out.sync or out.held or p.retain):
                 # in no durable store: answered as an AMQP confirm is, without the group commit
@@ -568,7 +568,7 @@ class MQTTSession:
             self.disconnect(P.RC_UNSPECIFIED)
             return
         self.after_sync(lambda ok: None if self.closed or not ok else self.out.write(answer),
-                        {self.registry.states.files})
+                        {self.registry.states.files_of(self.vhost.name)})
 
     def _state(self) -> SessionState:
         return SessionState(set(self.qos2_received),

@@ -4,7 +4,8 @@ Theory of operation
 -------------------
 ``serve_workers`` runs in the process ``skred`` started, when ``[main] workers`` > 1 (or 0
 on a machine of more than one core). It takes the node's data dir lock, moves vhost
-directories the shard map gives to another worker (``layout.relocate``), resolves every
+directories the shard map gives to another worker (``layout.relocate``; then the composition
+root's ``prepare``: MQTT's state of older layouts into its vhosts' directories), resolves every
 client port asked as 0 to a real one (a socket bound with ``SO_REUSEPORT`` and never
 listened on keeps it reserved; the workers bind the same port beside it), then forks one
 worker per index. A worker is today's broker for the vhosts it owns, built by the
@@ -53,6 +54,9 @@ RESTART_FIRST = 0.1  # seconds before the first restart of a worker that died
 RESTART_MAX = 5.0
 STABLE = 30.0  # a worker up this long has its back-off forgotten
 STOP_GRACE = 30.0
+# what the composition root does to the data dir after ``layout.relocate``, before any fork: (data
+# dir, vhosts, workers). MQTT's state of older layouts into every vhost's directory (broker/node.py).
+Prepare = Callable[[Path, list[str], int], None]
 _TICK = 0.5
 
 
@@ -168,9 +172,10 @@ def reserve_ports(config: Config) -> tuple[Config, list[socket.socket]]:
 
 class Supervisor:
     def __init__(self, config: Config, count: int, run_worker: Callable[[WorkerSpec], int],
-                 files: dict[str, int] | None = None) -> None:
+                 files: dict[str, int] | None = None, prepare: Prepare | None = None) -> None:
         self.config = config
         self.files = files or {}  # node files a worker keeps (layout.relocate)
+        self.prepare = prepare
         self.count = count
         self.root = config.main.data_dir
         self.run_worker = run_worker
@@ -197,6 +202,8 @@ class Supervisor:
             UserStore(self.root / "users.json", NULL_SINK, main.default_user, main.default_password)
             names = VHostStore(self.root / "vhosts.json", NULL_SINK).list()
             layout.relocate(self.root, names, self.count, self.files)
+            if self.prepare is not None:
+                self.prepare(self.root, names, self.count)
             self.config, self._reserved = reserve_ports(self.config)  # ListenError: a port is taken
             self._install_signals()
             log.info("starting %d workers (data dir %s, AMQP port %d)", self.count, self.root,
@@ -446,5 +453,5 @@ def _how(code: int) -> str:
 
 
 def serve_workers(config: Config, count: int, run_worker: Callable[[WorkerSpec], int],
-                  files: dict[str, int] | None = None) -> int:
-    return Supervisor(config, count, run_worker, files).run()
+                  files: dict[str, int] | None = None, prepare: Prepare | None = None) -> int:
+    return Supervisor(config, count, run_worker, files, prepare).run()

@@ -81,6 +81,10 @@ from broker.streamwire import (
     UNKNOWN_FRAME,
     UNSUBSCRIBE,
 )
+from broker.streamwire import frame as _frame
+from broker.streamwire import (
+    response as response,  # re-exported: C.response
+)
 
 # What this server speaks: key -> (min version, max version), for ExchangeCommandVersions.
 VERSIONS: Final[dict[int, tuple[int, int]]] = {
@@ -94,7 +98,6 @@ VERSIONS: Final[dict[int, tuple[int, int]]] = {
 
 CHUNK_MAGIC_VERSION: Final = 0x50
 _SIZE: Final = struct.Struct(">I")
-_HEAD: Final = struct.Struct(">IHH")  # size, key, version
 _U8: Final = struct.Struct(">B")
 _U16: Final = struct.Struct(">H")
 _I16: Final = struct.Struct(">h")
@@ -442,14 +445,6 @@ def decode_publish(payload: bytes, version: int) -> tuple[int, list[PublishedMes
 def _str(s: str) -> bytes:
     b = s.encode()
     return _I16.pack(len(b)) + b
-
-
-def _frame(key: int, body: bytes, version: int = 1) -> bytes:
-    return _HEAD.pack(len(body) + 4, key, version) + body
-
-
-def response(key: int, corr: int, code: int, extra: bytes = b"") -> bytes:
-    return _frame(key | RESPONSE, _U32.pack(corr) + _U16.pack(code) + extra)
 
 
 def props_bytes(props: dict[str, str]) -> bytes:

@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 
 UNAUTHENTICATED_MAX_FRAME = 64 * 1024
 _PENDING_MAX = 16  # frames a client may send before its SaslAuthenticate is answered
+_LOGIN_FRAMES = frozenset({C.PEER_PROPERTIES, C.SASL_HANDSHAKE, C.SASL_AUTHENTICATE, C.TUNE})  # before Open
 Peer = tuple[str, int]
 
 
@@ -76,6 +77,10 @@ class StreamProtocol(asyncio.Protocol):
         self.last_sent = time.monotonic()
         self.timer: asyncio.TimerHandle | None = None
         self.relay: Relay | None = None  # handed over to another worker, through us (TLS)
+        # the client's login frames as they came, until Open, for a hand-over to another node
+        # that checks the login again (``Router.replays_login``: the cluster leader's carrier)
+        router = server.router
+        self.login: dict[int, bytes] | None = {} if router is not None and router.replays_login else None
 
     # ------------------------------------------------------------ views.ConnectionView
     @property
@@ -196,6 +201,8 @@ class StreamProtocol(asyncio.Protocol):
         for i, f in enumerate(frames):
             if session.done():
                 return
+            if self.login is not None and f.key in _LOGIN_FRAMES:
+                self.login.setdefault(f.key, C.raw_frame(f))  # the first of each: a session refuses more
             if f.key == C.OPEN and session.state == "tune" and not self.logging_in \
                     and self._handed_over(session, f, frames[i + 1:]):
                 return
@@ -225,6 +232,9 @@ class StreamProtocol(asyncio.Protocol):
         state = {"protocol": "stream", "vhost": vhost, "peer": list(self.peer), "unix": self.unix,
                  "user": session.user, "frame_max": session.frame_max, "heartbeat": session.heartbeat,
                  "advertised": (s.host, s.port), "rest": rest}
+        if self.login is not None:
+            state["login"] = b"".join(self.login.values())
+            self.login = None
         self._arm(0)
         self.server.connections.discard(self)
         self.session = None  # nothing of it is ours to end
@@ -252,6 +262,7 @@ class StreamProtocol(asyncio.Protocol):
             log.exception("internal error on stream connection from %s", self.peer_host)
             session.close_with(C.INTERNAL_ERROR, "internal error")
         if session.state == "open" and self.reader.max_frame == UNAUTHENTICATED_MAX_FRAME:
+            self.login = None  # opened here: the credentials go
             self.server.opened += 1
             self.reader.max_frame = session.frame_max or self.server.config.frame_max
             self._arm(session.heartbeat)

@@ -4,14 +4,24 @@ real broker processes): the cluster leader closes each shard another node holds,
 once that node holds its last action, and the holder opens it from its own copy and says so in
 its key; clients reach each shard through a follower's proxy (routed by vhost) with confirms
 that waited for the shard's ISR; kill -9 of a node serving shards moves only its shards, to a
-node their ISR key names, and nothing confirmed is lost; the killed node returns, wins its
-shards back (2/2/2 again) and serves them with every confirmed message. A trial of its own
-(chaos): it boots its own cluster, shared by its two tests, the second the return (once an
-occasional hang, fixed by construction: docs/architecture.md, "Per-shard leaders across nodes")."""
+node their ISR key names, and nothing confirmed is lost (an MQTT retained message and a
+persistent session's queued message included); the killed node returns, wins its
+shards back (2/2/2 again) and serves them with every confirmed message. Before those, on the
+same cluster: MQTT, the stream protocol and the management API on the cluster leader's own ports
+(and a follower's, which tunnel there) reach a vhost another node serves, that node checking the
+login again. A trial of its own (chaos): it boots its own cluster, shared by its three tests, the last
+the return (once an occasional hang, fixed by construction: docs/architecture.md, "Per-shard
+leaders across nodes")."""
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import uuid
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,8 +29,19 @@ from typing import cast
 
 import pika
 import pytest
+from rstream import (
+    AMQPMessage,
+    Consumer,
+    ConsumerOffsetSpecification,
+    MessageContext,
+    OffsetType,
+    Producer,
+    amqp_decoder,
+)
 
-from ._support import CALL_FAILED
+from broker.mqtt import packets as P
+
+from ._support import CALL_FAILED, run_async
 from .shard_faults import (
     BATCH,
     GAP_RUN,
@@ -34,6 +55,7 @@ from .shard_faults import (
     queue_depth,
 )
 from .test_cluster import ClusterNode, wait_for
+from .test_mqtt import Paho, Raw
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.chaos]
 
@@ -74,6 +96,95 @@ def after_kill() -> dict[str, object]:
     return {}
 
 
+def test_the_cluster_leaders_mqtt_and_stream_ports_reach_a_vhost_served_elsewhere(
+        servers: ShardCluster, kept_on_failure: None) -> None:
+    # MQTT and the stream protocol on the cluster leader's own ports, for a vhost another node
+    # serves: carried there as AMQP is (cluster/elsewhere.py), that node checking the login
+    # again; before, the leader answered MQTT CONNACK 5 (not authorized: no such vhost here)
+    # and the stream Open VHOST_ACCESS_FAILURE
+    want = expected()
+    wait_for(lambda: servers.leaders() == want, 20, f"shard leaders {want}")
+    boss = servers.c.leader()
+    assert boss is not None
+    boss_id = IDS[servers.c.nodes.index(boss)]
+    vhost = min(v for v, n in VHOSTS.items() if n != boss_id)
+    wait_for(lambda: servers.served().get(vhost) == want[vhost], 30, f"{vhost} served by {want[vhost]}")
+    wait_for(lambda: _mqtt_connack(boss, vhost, b"guest") == 0, 10,
+             f"the cluster leader's MQTT port carrying {vhost} (its election learning the server)")
+    follower = next(n for n in servers.c.nodes if n is not boss)  # its proxy tunnels to the leader's port
+    topic = f"routed/{uuid.uuid4().hex[:8]}"
+    sub = Paho(boss.ip, boss.mqtt_port, f"sub-{topic}", user=f"{vhost}:guest")
+    pub = Paho(follower.ip, follower.mqtt_port, f"pub-{topic}", user=f"{vhost}:guest")
+    try:
+        assert sub.subscribe(topic, 1) == [1]
+        for i in range(3):
+            pub.publish(topic, f"m{i}".encode(), 1)
+        assert [m.payload for m in sub.take(3)] == [b"m0", b"m1", b"m2"]
+    finally:
+        pub.close()
+        sub.close()
+    for level, code in ((4, P.BAD_CREDENTIALS), (5, P.RC_BAD_CREDENTIALS)):  # refused, nothing done
+        assert _mqtt_connack(boss, vhost, b"wrong", level) == code, level
+    streams = {run_async(_stream_round(boss, vhost)), run_async(_stream_round(follower, vhost))}
+    # the management API about that vhost: answered by the node serving it, through either port
+    quoted = urllib.parse.quote(vhost, safe="")
+    for node in (boss, follower):
+        names = {q["name"] for q in servers.api(node, "GET", f"/api/queues/{quoted}")}
+        assert streams <= names, (node.name, names)  # on main: 404, no vhost of that name there
+        every = {(q["vhost"], q["name"]) for q in servers.api(node, "GET", "/api/queues")}
+        assert {(vhost, s) for s in streams} <= every, (node.name, every)  # the whole cluster's list
+    with pytest.raises(urllib.error.HTTPError) as refused:  # that node checks the login again
+        urllib.request.urlopen(urllib.request.Request(
+            f"http://{boss.ip}:{boss.mgmt_port}/api/queues/{quoted}",
+            headers={"Authorization": "Basic " + base64.b64encode(b"guest:wrong").decode()}), timeout=10)
+    assert refused.value.code == 401
+
+
+def _mqtt_connack(node: ClusterNode, vhost: str, password: bytes, level: int = 4) -> int:
+    """The return code of the CONNACK ``node``'s MQTT port answers guest in ``vhost`` (which then
+    closes a refused connection)."""
+    mq = Raw(node.ip, node.mqtt_port, P.Connect("MQTT", level, True, 30, f"probe-{uuid.uuid4().hex[:6]}",
+                                                None, f"{vhost}:guest", password))
+    try:
+        _flags, code = mq.connack()
+        assert code == 0 or mq.closed_within(5), "a refused MQTT connection left open"
+        return code
+    finally:
+        mq.close()
+
+
+async def _stream_round(boss: ClusterNode, vhost: str) -> str:
+    """Through ``boss``'s stream port: a stream declared, three messages confirmed and read back
+    in ``vhost`` (served elsewhere); a wrong password refused. The stream's name."""
+    kw = {"port": boss.stream_port, "username": "guest", "vhost": vhost, "load_balancer_mode": True}
+    stream = f"routed-{uuid.uuid4().hex[:8]}"
+    async with Producer(boss.ip, password="guest", **kw) as producer:
+        await producer.create_stream(stream)
+        for i in range(3):
+            await producer.send_wait(stream, AMQPMessage(body=f"s{i}".encode()))
+    got: list[bytes] = []
+
+    async def on_message(msg: AMQPMessage, _ctx: MessageContext) -> None:
+        got.append(bytes(msg.body))
+
+    consumer = Consumer(boss.ip, password="guest", **kw)
+    await consumer.start()
+    try:
+        await consumer.subscribe(stream, on_message, decoder=amqp_decoder,
+                                 offset_specification=ConsumerOffsetSpecification(OffsetType.FIRST, None))
+        deadline = asyncio.get_running_loop().time() + 15
+        while len(got) < 3 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)  # poll, bounded by the deadline
+        assert got == [b"s0", b"s1", b"s2"], got
+    finally:
+        await consumer.close()
+    with pytest.raises(Exception) as refused:  # noqa: PT011 - rstream's own error classes
+        async with Producer(boss.ip, password="wrong", **kw):
+            pass
+    assert "AUTHENTICATION" in repr(refused.value).upper() or "8" in repr(refused.value), refused.value
+    return stream
+
+
 def test_nodes_serve_their_shards_and_kill9_of_one_moves_only_those_losing_nothing(
         servers: ShardCluster, after_kill: dict[str, object], kept_on_failure: None) -> None:
     want = expected()
@@ -103,6 +214,8 @@ def test_nodes_serve_their_shards_and_kill9_of_one_moves_only_those_losing_nothi
     victim = servers.by_id[victim_id]
     moved = {v for v, n in VHOSTS.items() if n == victim_id}
     survivor = next(n for n in followers if n is not victim)
+    mqtt_vhost = min(moved)
+    kept = _mqtt_state_before(boss, mqtt_vhost)  # its MQTT state, written by the victim
     before = servers.leaders()
     victim.kill9()
 
@@ -117,8 +230,9 @@ def test_nodes_serve_their_shards_and_kill9_of_one_moves_only_those_losing_nothi
     for vhost in sorted(moved):  # and the moved shards take new confirmed publishes
         confirmed[vhost] += publish(survivor, vhost, "served", BATCH)
         assert queue_depth(survivor, vhost, "served") == confirmed[vhost], vhost
+    _mqtt_state_after(survivor, mqtt_vhost, kept)  # failed over with its shard
     after_kill.update(want=want, others=others, victim=victim, survivor=survivor, moved=moved,
-                      confirmed=confirmed)
+                      confirmed=confirmed, mqtt=(mqtt_vhost, kept))
 
 
 def test_the_killed_node_returns_wins_its_shards_back_and_serves_every_confirmed_message(
@@ -155,6 +269,53 @@ def test_the_killed_node_returns_wins_its_shards_back_and_serves_every_confirmed
     for vhost in sorted(moved):  # served again by the returned node, with new confirms
         confirmed[vhost] += publish(victim, vhost, "served", BATCH)
         assert _depth(survivor, vhost) == confirmed[vhost], vhost
+    _retained_through(victim, *cast(tuple[str, str], after_kill["mqtt"]))  # and its MQTT state
+
+
+def _mqtt_state_before(boss: ClusterNode, vhost: str) -> str:
+    """Through the cluster leader's MQTT port (carried to the node serving ``vhost``): a retained
+    message confirmed (PUBACK), and a persistent session's subscription with a QoS 1 message
+    queued for it while it is away. The topic."""
+    wait_for(lambda: _mqtt_connack(boss, vhost, b"guest") == 0, 10, f"MQTT carried to {vhost}")
+    topic = f"kept/{uuid.uuid4().hex[:8]}"
+    away = Paho(boss.ip, boss.mqtt_port, f"away-{topic}", clean=False, user=f"{vhost}:guest")
+    try:
+        assert away.subscribe(topic + "/queued", 1) == [1]
+    finally:
+        away.close()
+    pub = Paho(boss.ip, boss.mqtt_port, f"pub-{topic}", user=f"{vhost}:guest")
+    try:
+        info = pub.c.publish(topic, b"retained", 1, retain=True)
+        info.wait_for_publish(10)
+        assert info.is_published()
+        pub.publish(topic + "/queued", b"queued", 1)
+    finally:
+        pub.close()
+    return topic
+
+
+def _mqtt_state_after(node: ClusterNode, vhost: str, topic: str) -> None:
+    """The MQTT state ``_mqtt_state_before`` left, read through ``node`` from the shard's new
+    server: the retained message, and the persistent session with its queued message."""
+    _retained_through(node, vhost, topic)  # on main: queue.Empty, it stayed on the dead node
+    away = Paho(node.ip, node.mqtt_port, f"away-{topic}", clean=False, user=f"{vhost}:guest")
+    try:
+        assert away.present
+        assert [m.payload for m in away.take(1)] == [b"queued"]
+    finally:
+        away.close()
+
+
+def _retained_through(node: ClusterNode, vhost: str, topic: str) -> None:
+    """The retained message ``_mqtt_state_before`` left on ``topic``, read through ``node``."""
+    wait_for(lambda: _mqtt_connack(node, vhost, b"guest") == 0, 20, f"MQTT carried to {vhost}")
+    sub = Paho(node.ip, node.mqtt_port, f"late-{uuid.uuid4().hex[:8]}", user=f"{vhost}:guest")
+    try:
+        assert sub.subscribe(topic, 1) == [1]
+        got = sub.take(1, 5)
+        assert [(m.topic, m.payload, m.retain) for m in got] == [(topic, b"retained", True)]
+    finally:
+        sub.close()
 
 
 def _depth(node: ClusterNode, vhost: str, queue: str = "served") -> int:

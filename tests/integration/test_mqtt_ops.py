@@ -540,7 +540,7 @@ def test_every_mqtt_transport_through_a_follower_and_a_leader_kill(tmp_path: Pat
         in_flight = InFlight(f.ip, f.mqtt_port)
         kept = WillAndShared(f.ip, f.mqtt_port, leader.log_text)
         # the follower holds the sessions' state too before the leader goes
-        wait_for(lambda: len(list((f.data_dir / "mqtt-sessions").glob("*[0-9a-f]"))) >= 3, 10,
+        wait_for(lambda: len(list(f.data_dir.glob("*/mqtt-sessions/*[0-9a-f]"))) >= 3, 10,
                  "the session state replicated")
         leader.kill9()
         for client in (plain, tls, unix):
