@@ -56,7 +56,7 @@ from broker.store.definitions import DefinitionsLog
 from broker.store.paths import queue_dir, queue_path, vhost_dir, write_name
 from broker.store.priority_store import PriorityStore, QuorumPriorityStore
 from broker.store.queue_store import QueueStore
-from broker.store.segment_log import SegmentFiles
+from broker.store.segment_log import SegmentFiles, remove_tombstones_later
 from broker.store.sink import NULL_SINK, ReplicationSink
 
 log = logging.getLogger(__name__)
@@ -103,6 +103,8 @@ class VHost:
         self.dir = vhost_dir(data_dir, name)
         self._dir_str = str(self.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
+        for parent in (self._dir_str, self.dir / "delayed"):  # deleted queues a crash left (off the loop)
+            remove_tombstones_later(parent)
         self.transient_dir = transient_root / self.dir.name
         self.segment_size = segment_size
         self.sink = sink
