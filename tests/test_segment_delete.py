@@ -227,3 +227,28 @@ def test_recovered_queues_make_their_next_segment_off_the_loop(
             got.append(s.read(msgid)[4])
         assert got == [b"before", b"after"], (i, got)
         s.close()
+
+
+def test_closing_a_recovered_queue_while_its_next_segment_is_queued(tmp_path: Path) -> None:
+    """A recovered queue's next-segment job is queued behind a busy worker; the queue's recovered
+    segments are all acked (their removals queued behind that job) and it closes: the close must
+    not hold the store's lock while it waits for the removals, which the job needs first."""
+    s = QueueStore(tmp_path / "q", segment_size=64 * 1024, persistent_only=True)
+    for _ in range(400):
+        s.append(1, b"", b"q", PROPS, BODY)
+    s.sync()
+    s.close()
+    gate = threading.Event()
+    segment_log._spare_worker().submit(gate.wait, 30)
+    try:
+        again = QueueStore(tmp_path / "q", segment_size=64 * 1024, persistent_only=True)
+        while (msgid := again.shift()) is not None:
+            again.ack(msgid)
+        again.sync()
+        closing = threading.Thread(target=again.close, daemon=True)
+        closing.start()
+        closing.join(0.3)
+    finally:
+        gate.set()
+    closing.join(20)
+    assert not closing.is_alive(), "the close and the worker wait for each other"

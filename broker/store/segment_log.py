@@ -467,10 +467,10 @@ class SegmentLog(Generic[S]):
         it, as it would have for its own creation): the first segment, unless the log took
         another way meanwhile (``_take_first``) or was closed.
 
-        Checked first without the lock: a log that took another way may hold its lock while
-        it waits for this worker (``close`` waits for its removals, queued behind this job),
-        and ``_first`` never becomes pending again. While it is pending the log has no
-        segment, so nothing of it waits for this worker under the lock."""
+        Checked first without the lock, which is cheap for a log that took another way
+        (``_first`` never becomes pending again). Nothing waits for this worker under the lock:
+        ``close`` waits for the log's removals and spare (queued behind this job, for a
+        recovered log with segments: ``_prepare_next``) before it takes ``_lock``."""
         if self._first != _FIRST_PENDING:
             return
         with self._lock:
@@ -845,6 +845,14 @@ class SegmentLog(Generic[S]):
             return
         self._before_close()
         self.sync(True, fsync=not self._files.shutting_down)
+        # Wait for the worker's jobs of this log before taking ``_lock``: a job making the next
+        # segment of a recovered log (``_prepare_next``) may be queued ahead of them and takes
+        # ``_lock`` itself. Nothing of this log asks the worker for more meanwhile (the loop
+        # asks, and it is here).
+        self.removed()
+        if self._spare is not None:
+            _drop_spare(self._spare, Path(self._dir, SPARE_NAME))
+            self._spare = None
         with self._sync_lock, self._lock:
             self._closed = True
             self._close_files()
