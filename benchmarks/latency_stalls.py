@@ -115,6 +115,20 @@ def _lines(log_dir: Path, offsets: dict[Path, int]) -> list[list[str]]:
     return out
 
 
+def _tree_rss(pid: int) -> float:
+    """VmRSS (MiB) of ``pid`` and its descendants (with ``--workers`` the vhosts live in children)."""
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            total += memory_mib(p).get("VmRSS", 0.0)
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                todo += [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+    return total
+
+
 def _stalls(lines: list[list[str]]) -> dict[str, float]:
     gaps = [float(p[2]) for p in lines if p[1] == "gap"]
     calls = [float(p[3]) for p in lines if p[1] == "call"]
@@ -167,12 +181,12 @@ def main(argv: list[str] | None = None) -> int:
                                  "first-message p50 ms": r["cold_p50_ms"],
                                  "max bystander ms": r["bystander_max_ms"]}
                     elif cell == "delete":
-                        before = memory_mib(node.pid).get("VmRSS", 0.0)
+                        before = _tree_rss(node.pid) if node.pid else 0.0
                         r = delete_queues(node.uri, a.cold_queues)
                         r["load1"] = os.getloadavg()[0]
                         found = {"all deleted s": r["delete_s"], "max bystander ms": r["bystander_max_ms"]}
                         if node.pid:
-                            found["RSS growth MiB"] = memory_mib(node.pid).get("VmRSS", 0.0) - before
+                            found["RSS growth MiB"] = _tree_rss(node.pid) - before
                     else:
                         r = latency._cell_in_child(node.uri, cell, a.seconds, node.pid)
                         if "error" in r:
