@@ -596,12 +596,7 @@ def many_queues(uri: str, queues: int = 1000, warm: int = 100, procs: int = 4,
         p.start()
     for _ in ps:
         assert out.get(timeout=300) == "ready"
-    by: Any = mp.Queue()
-    stop = mp.Event()
-    bystander = mp.Process(target=_bystander, args=(uri, "bench-by-" + tag, stop, by))
-    bystander.start()
-    server = by.get(timeout=60)
-    time.sleep(0.5)  # the bystander's queue is warm
+    bystander, stop, by, server = _start_bystander(uri, tag)
     go.set()
     results = [out.get(timeout=600) for _ in ps]
     stop.set()
@@ -645,18 +640,25 @@ def delete_queues(uri: str, queues: int = 1000, messages: int = 20) -> dict[str,
 
     asyncio.run(fill())
     time.sleep(1.0)  # the syncer wrote and fsynced them; the segment worker is idle
-    by: Any = mp.Queue()
-    stop = mp.Event()
-    bystander = mp.Process(target=_bystander, args=(uri, "bench-by-" + tag, stop, by))
-    bystander.start()
-    server = by.get(timeout=60)
-    time.sleep(0.5)  # the bystander's queue is warm
+    bystander, stop, by, server = _start_bystander(uri, tag)
     took = asyncio.run(delete())
     time.sleep(0.5)  # the worker's removals, which must not stall the bystander either
     stop.set()
     worst, sent = by.get(timeout=60)
     bystander.join(30)
     return {"server": server, "delete_s": took, "bystander_max_ms": worst, "bystander_sent": sent}
+
+
+def _start_bystander(uri: str, tag: str) -> tuple[Any, Any, Any, Any]:
+    """A bystander pair (``_bystander``) in its own process, its queue warm: (process, stop
+    event, result queue, the server's identity)."""
+    by: Any = mp.Queue()
+    stop = mp.Event()
+    bystander = mp.Process(target=_bystander, args=(uri, "bench-by-" + tag, stop, by))
+    bystander.start()
+    server = by.get(timeout=60)
+    time.sleep(0.5)  # the bystander's queue is warm
+    return bystander, stop, by, server
 
 
 def _bystander(uri: str, queue: str, stop: Any, out: Any) -> None:
