@@ -874,18 +874,8 @@ class SegmentLog(Generic[S]):
             for entry in entries:
                 if entry.is_file():
                     self._sink.delete(Path(entry.path))
-        if inside:
-            return
-        tomb = tombstone_path(self._dir)
-        try:
-            os.rename(self._dir, tomb)
-        except FileNotFoundError:
-            return  # never made, or gone already
-        except OSError as exc:  # the rename refused (say, no space to grow the parent): as before
-            log.warning("%s: could not rename for removal (%s); removing it now", self, exc)
-            shutil.rmtree(self._dir, ignore_errors=True)
-            return
-        _spare_worker().submit(_remove_tree, tomb)
+        if not inside:
+            bury(self._dir)
 
     def _drop_files(self) -> None:
         """``_close_files`` for a delete: descriptors and mappings go; nothing is trimmed,
@@ -912,6 +902,21 @@ class SegmentLog(Generic[S]):
         self._dir_unsynced = True
         if self._sink.active:
             self._sink.delete(path)
+
+
+def bury(directory: str) -> None:
+    """Rename ``directory`` to a tombstone (here: the name is free when this returns) and have
+    the segment worker remove it (module doc); nothing if there is no such directory."""
+    tomb = tombstone_path(directory)
+    try:
+        os.rename(directory, tomb)
+    except FileNotFoundError:
+        return  # never made, or gone already
+    except OSError as exc:  # the rename refused (say, no space to grow the parent): as before
+        log.warning("%s: could not rename for removal (%s); removing it now", directory, exc)
+        shutil.rmtree(directory, ignore_errors=True)
+        return
+    _spare_worker().submit(_remove_tree, tomb)
 
 
 def _remove_tree(tomb: str) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import pika
 import pytest
 
-from broker.store.paths import TOMBSTONE_SUFFIX, queue_dir, vhost_dir
+from broker.store.paths import TOMBSTONE_SUFFIX, find_vhost_dir, queue_dir
 
 from ._support import Broker, connect, is_external, queue_count, unique
 
@@ -65,7 +65,22 @@ def test_first_segments_made_and_used_survive_kill_9(broker: Broker) -> None:
     names = [unique("cold") for _ in range(QUEUES)]
     used = names[1::2]  # the others keep a first segment made ahead and never used
     _declare_and_publish(broker, names, used)
+    again = used[0]  # deleted and declared again at once, its new message confirmed
+    conn = connect(broker)
+    try:
+        ch = conn.channel()
+        ch.confirm_delivery()
+        ch.queue_delete(again)
+        ch.queue_declare(again, durable=True)
+        ch.basic_publish("", again, f"first {again}".encode(), PERSISTENT, mandatory=True)
+    finally:
+        conn.close()
     broker.kill9()
+    assert broker.data_dir is not None
+    vdir = find_vhost_dir(broker.data_dir, "/")
+    stale = vdir / f"{queue_dir(vdir, again).name}.0-0{TOMBSTONE_SUFFIX}"  # as a crash leaves one
+    stale.mkdir()
+    (stale / "msgs.0000000001").write_bytes(b"stale")
     broker.start()
     conn = connect(broker)
     try:
@@ -73,14 +88,19 @@ def test_first_segments_made_and_used_survive_kill_9(broker: Broker) -> None:
             assert queue_count(conn, q) == (1 if q in used else 0), q
     finally:
         conn.close()
+    deadline = time.monotonic() + 20
+    while _tombstones(broker.data_dir, [again]):  # the boot's sweep, on the segment worker
+        assert time.monotonic() < deadline, f"tombstones left: {_tombstones(broker.data_dir, [again])}"
+        time.sleep(0.05)
     _take_all(broker, names, set(used))
     _declare_and_publish(broker, names, names)  # every queue takes appends again
     _take_all(broker, names, set(names), delete=True)
 
 
 def _tombstones(data_dir: Path, names: list[str]) -> list[str]:
-    prefixes = tuple(queue_dir(vhost_dir(data_dir, "/"), q).name + "." for q in names)
-    return [p.name for p in vhost_dir(data_dir, "/").iterdir()
+    vdir = find_vhost_dir(data_dir, "/")
+    prefixes = tuple(queue_dir(vdir, q).name + "." for q in names)
+    return [p.name for p in vdir.iterdir()
             if p.name.startswith(prefixes) and p.name.endswith(TOMBSTONE_SUFFIX)]
 
 
@@ -128,6 +148,6 @@ def _check_copies(target: Any, names: list[str]) -> None:
     for f in cluster.followers:
         assert not _tombstones(f.data_dir, names)
         for q in names:
-            lq, fq = (queue_dir(vhost_dir(d, "/"), q) for d in (leader_dir, f.data_dir))
+            lq, fq = (queue_dir(find_vhost_dir(d, "/"), q) for d in (leader_dir, f.data_dir))
             wait_for(lambda lq=lq, fq=fq: logical_equal(lq, fq) is None, 20,
                      f"{f.name}'s copy of {q} equals the leader's: {logical_equal(lq, fq)}")
