@@ -7,12 +7,14 @@ archive``) run with an instrument: a ``sitecustomize`` put first on their PYTHON
 broker has no hook of its own) that (1) ticks on the event loop every millisecond and logs
 every tick that came more than ``LAG_MS`` late, with the loop thread's CPU time over the
 gap (a gap with little CPU was the loop blocked in the kernel or not scheduled; one with
-CPU was Python work); (2) logs every ``posix_fallocate``, ``unlink``, ``rename``, ``ftruncate``
-and file-creating ``open`` the loop thread itself makes, with its wall time: the system calls
+CPU was Python work); (2) logs every ``posix_fallocate``, ``unlink``, ``rename``, ``ftruncate``,
+``rmdir`` and file-creating ``open`` the loop thread itself makes, with its wall time: the system calls
 that can wait for the filesystem's journal while the group commit's thread is inside an
 fdatasync. Each cell of ``benchmarks/latency.py`` (or ``cold``: workload 7's first message into
 each of ``--cold-queues`` new queues, ``workloads.many_queues``; ``cold-durable``: durable
-queues, persistent messages and manual-ack consumers, so every first message is stored) then
+queues, persistent messages and manual-ack consumers, so every first message is stored;
+``delete``: ``--cold-queues`` durable queues holding 20 stored messages each deleted at once,
+``workloads.delete_queues``, with the broker's RSS growth from before they were made) then
 runs ``--runs`` times with the brokers in turn (RabbitMQ uninstrumented); after each run the
 instrument's lines of that run are counted. The table shows medians per broker: the cell's p99
 and the worst run's maximum, loop gaps over 5 and 10 ms, and the loop's journal calls (count,
@@ -40,7 +42,7 @@ sys.path.insert(0, str(REPO_ROOT))
 import latency  # noqa: E402  (benchmarks/ is not a package)
 from quiet_latency import Node, export, start_tree  # noqa: E402
 from tls_brokers import make_certs, start_rabbitmq  # noqa: E402
-from workloads import many_queues  # noqa: E402
+from workloads import delete_queues, many_queues, memory_mib  # noqa: E402
 
 LOG_ENV = "LATENCY_STALLS_DIR"  # not SKRED_*: the broker reads those as its own options
 LAG_MS = 2.0
@@ -67,7 +69,7 @@ if _dir:
                 _log("%.4f call %s %.3f\\n" % (time.monotonic(), name, (time.perf_counter() - t0) * 1e3))
         return timed
 
-    for _name in ("posix_fallocate", "unlink", "rename", "ftruncate"):
+    for _name in ("posix_fallocate", "unlink", "rename", "ftruncate", "rmdir"):
         setattr(os, _name, _timed(_name, getattr(os, _name)))
     _plain_open = os.open
     _creating_open = _timed("open-create", _plain_open)
@@ -111,6 +113,20 @@ def _lines(log_dir: Path, offsets: dict[Path, int]) -> list[list[str]]:
             out += [line.split() for line in f if line.endswith("\n")]
             offsets[path] = f.tell()
     return out
+
+
+def _tree_rss(pid: int) -> float:
+    """VmRSS (MiB) of ``pid`` and its descendants (with ``--workers`` the vhosts live in children)."""
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            total += memory_mib(p).get("VmRSS", 0.0)
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                todo += [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+    return total
 
 
 def _stalls(lines: list[list[str]]) -> dict[str, float]:
@@ -164,6 +180,13 @@ def main(argv: list[str] | None = None) -> int:
                         found = {"until all delivered s": r["cold_s"],
                                  "first-message p50 ms": r["cold_p50_ms"],
                                  "max bystander ms": r["bystander_max_ms"]}
+                    elif cell == "delete":
+                        before = _tree_rss(node.pid) if node.pid else 0.0
+                        r = delete_queues(node.uri, a.cold_queues)
+                        r["load1"] = os.getloadavg()[0]
+                        found = {"all deleted s": r["delete_s"], "max bystander ms": r["bystander_max_ms"]}
+                        if node.pid:
+                            found["RSS growth MiB"] = _tree_rss(node.pid) - before
                     else:
                         r = latency._cell_in_child(node.uri, cell, a.seconds, node.pid)
                         if "error" in r:

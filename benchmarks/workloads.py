@@ -596,12 +596,7 @@ def many_queues(uri: str, queues: int = 1000, warm: int = 100, procs: int = 4,
         p.start()
     for _ in ps:
         assert out.get(timeout=300) == "ready"
-    by: Any = mp.Queue()
-    stop = mp.Event()
-    bystander = mp.Process(target=_bystander, args=(uri, "bench-by-" + tag, stop, by))
-    bystander.start()
-    server = by.get(timeout=60)
-    time.sleep(0.5)  # the bystander's queue is warm
+    bystander, stop, by, server = _start_bystander(uri, tag)
     go.set()
     results = [out.get(timeout=600) for _ in ps]
     stop.set()
@@ -613,6 +608,57 @@ def many_queues(uri: str, queues: int = 1000, warm: int = 100, procs: int = 4,
     return {"server": server, "cold_s": lat[-1], "cold_p50_ms": lat[len(lat) // 2] * 1e3,
             "bystander_max_ms": worst, "bystander_sent": sent,
             "warm_rate": warm_n / max(r[1] for r in results)}
+
+
+def delete_queues(uri: str, queues: int = 1000, messages: int = 20) -> dict[str, Any]:
+    """Issue 31's delete burst: ``queues`` durable queues, each holding ``messages`` persistent
+    messages (stored: a write segment, a meta), are deleted at once, pipelined on one channel,
+    while a bystander pair publishes every millisecond. Reports the time until every delete-ok
+    (s) and the bystander's worst latency meanwhile (does a delete stall other connections?)."""
+    tag = uuid.uuid4().hex[:8]
+    names = [f"bench-del{i}-{tag}" for i in range(queues)]
+    props = commands.Basic.Properties(delivery_mode=2)
+
+    async def fill() -> None:
+        c = await Raw.connect(uri)
+        for name in names:
+            await c.call(commands.Queue.Declare(queue=name, durable=True))
+        for name in names:
+            c.w.write(b"".join(encode(name, b"x" * 200, props) for _ in range(messages)))
+        await c.call(commands.Queue.Declare(queue=names[-1], durable=True, passive=True))
+        c.w.close()
+
+    async def delete() -> float:
+        c = await Raw.connect(uri)
+        t0 = time.monotonic()
+        c.w.write(b"".join(pframe.marshal(commands.Queue.Delete(queue=name), 1) for name in names))
+        for _ in names:
+            await c.method()
+        took = time.monotonic() - t0
+        c.w.close()
+        return took
+
+    asyncio.run(fill())
+    time.sleep(1.0)  # the syncer wrote and fsynced them; the segment worker is idle
+    bystander, stop, by, server = _start_bystander(uri, tag)
+    took = asyncio.run(delete())
+    time.sleep(0.5)  # the worker's removals, which must not stall the bystander either
+    stop.set()
+    worst, sent = by.get(timeout=60)
+    bystander.join(30)
+    return {"server": server, "delete_s": took, "bystander_max_ms": worst, "bystander_sent": sent}
+
+
+def _start_bystander(uri: str, tag: str) -> tuple[Any, Any, Any, Any]:
+    """A bystander pair (``_bystander``) in its own process, its queue warm: (process, stop
+    event, result queue, the server's identity)."""
+    by: Any = mp.Queue()
+    stop = mp.Event()
+    bystander = mp.Process(target=_bystander, args=(uri, "bench-by-" + tag, stop, by))
+    bystander.start()
+    server = by.get(timeout=60)
+    time.sleep(0.5)  # the bystander's queue is warm
+    return bystander, stop, by, server
 
 
 def _bystander(uri: str, queue: str, stop: Any, out: Any) -> None:

@@ -144,3 +144,32 @@ def test_plain_records_read_only_what_pamqp_reads() -> None:
                 flags = (theirs.passive, theirs.durable, theirs.auto_delete)
                 assert flags == (bool(bits & 1), bool(bits & 2), bool(bits & 8))
             assert not theirs.arguments
+
+
+def test_a_queue_deleted_and_declared_again_keeps_its_messages_across_a_boot(tmp_path: Path) -> None:
+    """The log holds declare, delete, declare of one name: replaying the delete must not remove
+    the directory, which holds the second queue's messages (it did, on a restart after any
+    delete and declare again of a name; names deleted for good go once the log is read)."""
+    from broker.store import segment_log
+    from broker.store.paths import queue_dir
+
+    vh = _vhost(tmp_path)
+    for name in ("again", "gone"):
+        q, _ = vh.declare_queue(name, durable=True, owner=None)
+        q.store.append(1, b"", b"q", b"\x10\x00\x02", b"old")
+    vh.delete_queue("again", owner=None)
+    vh.delete_queue("gone", owner=None)
+    q, _ = vh.declare_queue("again", durable=True, owner=None)
+    q.store.append(1, b"", b"q", b"\x10\x00\x02", b"new")
+    q.store.sync()
+    segment_log._spare_worker().submit(lambda: None).result(30)
+    vh.close()
+    gone = queue_dir(vh.dir, "gone")
+    gone.mkdir()  # as a crash between the delete's record and its rename leaves it
+    (gone / "msgs.0000000001").write_bytes(b"stale")
+    again = _vhost(tmp_path)
+    store = again.queues["again"].store
+    msgid = store.shift()
+    assert msgid is not None and store.read(msgid)[4] == b"new" and store.shift() is None
+    assert "gone" not in again.queues and not gone.exists()
+    again.close()

@@ -1,8 +1,9 @@
 """Which files of the data directory are replicated, and their names on the wire.
 
 Everything under the data directory is replicated except node-local files: the
-node id, its last cluster role, the data-dir lock, the scratch directory of transient queues and
-temporary files of an atomic write in progress.
+node id, its last cluster role, the data-dir lock, the scratch directory of transient queues,
+temporary files of an atomic write in progress and a deleted queue's tombstone (its files were
+reported deleted before the rename, and the segment worker removes it: ``store/segment_log``).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from broker.store.paths import vhost_dir
+from broker.store.paths import in_tombstone, vhost_dir
 
 NODE_ID_FILE = ".node_id"
 ROLE_FILE = ".cluster_role"  # our role in the last term (see standing.py): about this node only
@@ -20,7 +21,8 @@ _LOCAL_DIRS = frozenset({"transient"})
 
 def is_replicated(rel: str) -> bool:
     parts = rel.split("/")
-    return not (parts[0] in _LOCAL_DIRS or parts[-1] in _LOCAL_NAMES or parts[-1].endswith(".tmp"))
+    return not (parts[0] in _LOCAL_DIRS or parts[-1] in _LOCAL_NAMES or parts[-1].endswith(".tmp")
+                or in_tombstone(rel))
 
 
 def relative(data_dir: Path, path: Path) -> str | None:

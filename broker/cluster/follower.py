@@ -31,6 +31,7 @@ import asyncio
 import hashlib
 import logging
 import os
+import shutil
 import ssl
 from collections import OrderedDict
 from collections.abc import Callable
@@ -39,6 +40,7 @@ from pathlib import Path
 
 from broker.cluster import codec
 from broker.cluster.files import EVERYTHING, Scope, is_replicated, relative
+from broker.store.paths import TOMBSTONE_SUFFIX
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +71,13 @@ class Applier:
         self._dirs: set[Path] = set()
 
     def local_files(self) -> dict[str, tuple[int, bytes]]:
+        """(length, SHA-1) of our replicated files. A deleted queue's tombstone, left by a crash
+        while this node led (``store/paths``), is no replicated file: it is removed here."""
         found: dict[str, tuple[int, bytes]] = {}
-        for root, _dirs, names in os.walk(self.data_dir):
+        for root, dirs, names in os.walk(self.data_dir):
+            for d in [d for d in dirs if d.endswith(TOMBSTONE_SUFFIX)]:
+                dirs.remove(d)
+                shutil.rmtree(Path(root) / d, ignore_errors=True)
             for name in names:
                 rel = relative(self.data_dir, Path(root) / name)
                 if rel is None or not is_replicated(rel) or not self.scope.covers(rel):

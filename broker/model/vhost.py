@@ -56,7 +56,7 @@ from broker.store.definitions import DefinitionsLog
 from broker.store.paths import queue_dir, queue_path, vhost_dir, write_name
 from broker.store.priority_store import PriorityStore, QuorumPriorityStore
 from broker.store.queue_store import QueueStore
-from broker.store.segment_log import SegmentFiles
+from broker.store.segment_log import SegmentFiles, bury, remove_tombstones_later
 from broker.store.sink import NULL_SINK, ReplicationSink
 
 log = logging.getLogger(__name__)
@@ -103,6 +103,8 @@ class VHost:
         self.dir = vhost_dir(data_dir, name)
         self._dir_str = str(self.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
+        for parent in (self._dir_str, self.dir / "delayed"):  # deleted queues a crash left (off the loop)
+            remove_tombstones_later(parent)
         self.transient_dir = transient_root / self.dir.name
         self.segment_size = segment_size
         self.sink = sink
@@ -128,6 +130,7 @@ class VHost:
         self.limits = VHostLimits(self.dir / "limits.json", sink)  # max-connections, max-queues
         self.meta = VHostMeta(self.dir / "metadata.json", sink)  # description, default_queue_type
         self._replaying = False
+        self._load_deleted: set[str] | None = None  # see _load
         self.fast = FastPaths()  # publish/delivery runs and direct hand-over (tests switch off)
         # how its classic queues become featured ones unasked (an expiration, a consumer
         # priority): their features' dead letters go through this vhost's publish operation
@@ -137,6 +140,11 @@ class VHost:
     # ------------------------------------------------------------ definitions
     def _load(self) -> None:
         self._replaying = True
+        # Queues a delete record removed: their files stay until the whole log is read (they
+        # may be those of the same name declared again later in the log), then those of a name
+        # still deleted go (a crash between the delete's record and its rename left them).
+        deleted: set[str] = set()
+        self._load_deleted = deleted
         try:
             for record in self.definitions.load():
                 try:
@@ -153,6 +161,9 @@ class VHost:
                     log.warning("vhost %s: bad definition record: %r", self.name, exc)
         finally:
             self._replaying = False
+            self._load_deleted = None
+        for name in deleted - self.queues.keys():
+            bury(queue_path(self._dir_str, name))
 
     def _replay_plain(self, fields: definition_records.Plain) -> None:
         """``_replay`` for a queue.declare or queue.bind without arguments (most of a log: one
@@ -481,7 +492,11 @@ class VHost:
         for ex in list(self.exchanges.values()):
             if ex.unbind_all(q) and ex.auto_delete and not ex.has_bindings():
                 self._auto_delete_exchange(ex)
-        q.delete()
+        if self._load_deleted is not None:  # a boot's replay: the files are decided at its end
+            self._load_deleted.add(name)
+            q.close()
+        else:
+            q.delete()
         if persistent:
             self._compact_after_delete()
         return count

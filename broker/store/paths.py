@@ -4,13 +4,22 @@ Directory names are the SHA-1 hex of the entity name, so any name (slashes, unic
 bytes, NUL) maps to a safe, fixed-length file name; the real name is kept inside the
 directory as UTF-8 (``.vhost`` / ``.queue``, ``write_name``), for people and tools reading a
 data dir: the broker itself finds its queues through the definitions log.
+
+A deleted queue's directory is first renamed to a *tombstone* next to it (``tombstone_path``:
+its name, a token unique to this run and the delete, and ``TOMBSTONE_SUFFIX``), which the
+segment worker removes (``segment_log``). No live name ends with the suffix (those are 40 hex
+digits, or ``prio.NNN`` inside a queue's), so a boot's sweep removes every tombstone and never a
+live queue's files, and replication, which never hears of a tombstone, never counts one.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
+import time
 from pathlib import Path
+from typing import Final
 
 from broker.store.sink import NULL_SINK, ReplicationSink
 
@@ -69,3 +78,19 @@ def queue_path(vhost_dir: str, queue: str) -> str:
     """``queue_dir`` as a ``str``: a boot makes one per durable queue, and a ``Path`` costs
     about as much as the rest of replaying the queue's declaration."""
     return os.path.join(vhost_dir, _sha1_hex(queue))
+
+
+TOMBSTONE_SUFFIX: Final = ".deleted"
+_RUN: Final = f"{time.time_ns():x}"  # tombstones of two runs never share a name
+_deletes = itertools.count()
+
+
+def tombstone_path(directory: str) -> str:
+    """A name, unused so far, for ``directory`` deleted: beside it (a rename stays inside the
+    filesystem), ending with ``TOMBSTONE_SUFFIX``."""
+    return f"{directory}.{_RUN}-{next(_deletes)}{TOMBSTONE_SUFFIX}"
+
+
+def in_tombstone(rel: str) -> bool:
+    """Whether the relative POSIX path ``rel`` is a tombstone or lies inside one."""
+    return rel.endswith(TOMBSTONE_SUFFIX) or TOMBSTONE_SUFFIX + "/" in rel

@@ -272,7 +272,7 @@ class PriorityStore:
     def delete(self) -> None:
         for level, s in list(self._levels.items()):
             if level:
-                s.delete()
+                s.delete(inside=True)  # their directories are inside the base's: one rename
         self._base.delete()
 
 

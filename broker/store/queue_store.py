@@ -66,7 +66,9 @@ Recovery (constructor). Segments are scanned in order, stopping at the first zer
 record; ack positions that are not record starts are dropped; with ``persistent_only``
 transient messages count as acked; fully acked segments are deleted; every other message is
 READY again (at-least-once). Appends always go to a fresh segment after a restart, so
-nothing is ever written after recovered bytes. Messages at or below the persisted delivered
+nothing is ever written after recovered bytes; a durable queue's fresh segment is made ahead
+on the segment worker (or one made ahead and left unused is taken; ``segment_log``). Messages
+at or below the persisted delivered
 high-water mark report ``is_redelivered``.
 
 Deferred recovery (``deferred=True``, ``DeferredQueueStore``). A boot replaying 50,000
@@ -245,6 +247,8 @@ class QueueStore(SegmentLog[Segment]):
                     self._prepare_first()
                 return
             self._recover(names)
+            if self._persistent_only:
+                self._prepare_next()  # made ahead, as a new queue's first segment (segment_log)
         except OSError as exc:
             self._close_files()
             raise StoreError(f"queue store {self._dir}: {exc}") from exc
@@ -1186,7 +1190,12 @@ class QueueStore(SegmentLog[Segment]):
         directory = self.directory
         if seg_nums:
             self._allocate_sets()  # still in the constructor: no sync thread yet
+        highest = max(seg_nums, default=0)
+        made = highest if highest and highest not in ack_nums and self._persistent_only \
+            and highest >= max(next_num, (hwm >> 32) + 1) and self._made_unused(highest) else 0
         for num in sorted(seg_nums):
+            if num == made:
+                continue
             seg = self._recover_segment(directory, num, num in ack_nums)
             if seg is None:
                 continue
@@ -1197,7 +1206,6 @@ class QueueStore(SegmentLog[Segment]):
                 self._remove_file(directory / fmt.ack_name(num))
         # New segments must sort after every msgid ever delivered, even after the segments
         # holding them are gone, or the redelivered mark would cover new messages.
-        highest = max(seg_nums, default=0)
         if not clean and self._order:
             # Not closed cleanly: the mark on disk may lag what was delivered (it is written
             # within the sync window), so every recovered message may have been delivered and
@@ -1205,6 +1213,8 @@ class QueueStore(SegmentLog[Segment]):
             hwm = max(hwm, (self._order[-1] << 32) | POS_MASK)
         self._hwm = self._recovered_hwm = hwm
         self._next_num = max(next_num, highest + 1, (hwm >> 32) + 1, 1)
+        if made:
+            self._adopt_made(made)
         if clean and self._order:
             self._mark_open()  # before anything is delivered (replicas: before anyone serves)
             if self._open_unsynced:  # the node's one syncfs at boot makes it durable

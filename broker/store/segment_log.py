@@ -66,6 +66,10 @@ A crash before the first append leaves a segment without records, which recovery
 it removes one whose header was never written); so does a close other than the node's
 shutdown (a shutdown leaves it to recovery rather than one unlink per idle queue). The
 replication sink hears of the segment when it is adopted, as of a spare.
+A recovered durable queue appends to a fresh segment after a restart, so its recovery makes
+that segment ahead the same way (``_prepare_next``); one made ahead and never used, which a
+clean shutdown leaves, is taken as it is (``_made_unused``, ``_adopt_made``): no removal and
+no creation on the loop, at the recovery or at the first append.
 
 Removing off the loop. An unlink is a journal transaction too (measured up to 31 ms on the
 loop behind the group commit's fdatasync), so the files of a fully acked segment are
@@ -76,9 +80,35 @@ job marks the directory for the next sync's fsync after the unlinks (a job landi
 sync took the mark leaves it for the next one; until then the removal may not survive a
 crash, which recovery handles as it does a crash before the removal: an all-acked segment or
 an orphan ack file is removed at boot). The replication sink hears of the removal from the
-loop when it is asked for. ``close`` and ``delete`` wait for the log's removals
-(``removed``) first: a clean stop leaves no such file behind, and a queue declared again in
-the same directory never loses a new segment to a late removal of an old one's name.
+loop when it is asked for. ``close`` waits for the log's removals (``removed``) first: a clean
+stop leaves no such file behind.
+
+Deleting off the loop. Removing a queue's directory on the loop (an ``rmtree``: an unlink per
+file and an rmdir, plus the trims of retired segments) stalled every connection for 105-272 ms
+per burst of deletes (issue 31). ``delete`` closes descriptors and mappings (no trim: the
+files go), reports every file to the sink, and renames the directory to a *tombstone*
+(``paths.tombstone_path``): one metadata operation on the loop, all the durability a delete
+needs (the definitions log, written first, says the queue is gone; the name is free for a new
+queue at once). The segment worker removes the tombstone. A queue declared again under the
+same name gets a new directory at the old path while jobs of the old log may still be queued:
+
+* the first-segment job (``_make_first``) checks ``_closed`` under ``_lock``, which the delete
+  sets under ``_lock`` before the rename: it does nothing, or it ran before and its file went
+  with the tombstone;
+* a spare's job is dropped by a job queued after it (``_drop_spare``): the worker is one
+  thread, so both run before any job of the new log, and whatever the spare's job made (in the
+  tombstone, or at the old path if it ran after the rename) is closed and removed before the new
+  log's spare can exist;
+* a removal job (``_unlink_in_order``) opens the directory first and unlinks relative to that
+  descriptor, then checks ``_gone``, which the delete sets before the rename. Not set: the open
+  came before the rename, so the descriptor is the old directory (a tombstone by now, perhaps)
+  and no new file can be hit; set: it does nothing, the tombstone's removal takes the files.
+
+A crash before the worker removed a tombstone leaves it; the next boot's sweep
+(``remove_tombstones_later``, per vhost directory) removes it on the worker. No live
+directory's name has the tombstone suffix, so the sweep never touches a live queue. A
+``delete(inside=True)`` (a priority queue's levels, directories inside the queue's) skips the
+rename: the enclosing delete's one rename takes them along.
 
 The subclasses add what their records mean: ``QueueStore`` acks and the delivered mark,
 ``StreamStore`` offsets, the segment index and retention. Both report every file mutation to
@@ -103,6 +133,7 @@ from typing import Any, Final, Generic, TypeVar
 from broker.errors import DiskFull, StoreError
 from broker.store import segment as fmt
 from broker.store.fileio import datasync, fsync_dir, syncfs
+from broker.store.paths import TOMBSTONE_SUFFIX, tombstone_path
 from broker.store.segment import HEADER, HEADER_SIZE, LogSegment
 from broker.store.sink import ReplicationSink
 
@@ -334,7 +365,7 @@ class SegmentLog(Generic[S]):
     __slots__ = (
         "_ahead", "_closed", "_dir", "_dir_unsynced", "_dirty", "_files", "_first", "_retired", "_lock",
         "_next_num", "_order", "_removing", "_seg_unsynced", "_segment_size", "_segs", "_sink", "_spare",
-        "_sync_lock", "_unsynced_paths", "_walloc", "_wcap", "_wfd", "_wlimit", "_wmm", "_wseg",
+        "_sync_lock", "_unsynced_paths", "_walloc", "_wcap", "_wfd", "_wlimit", "_wmm", "_wseg", "_gone",
     )
     # Retired segments (and other files) written since the last sync, fsynced by path.
     # Set by the subclass (QueueStore allocates it lazily).
@@ -374,6 +405,7 @@ class SegmentLog(Generic[S]):
         self._ahead: tuple[S, int, int, Future[None]] | None = None
         self._removing: Future[None] | None = None  # the last removal job (module doc)
         self._first = _FIRST_NONE  # the first segment made ahead: none, being made, ready
+        self._gone = False  # deleted: the directory is (being) renamed to a tombstone (module doc)
 
     @property
     def directory(self) -> Path:
@@ -435,10 +467,10 @@ class SegmentLog(Generic[S]):
         it, as it would have for its own creation): the first segment, unless the log took
         another way meanwhile (``_take_first``) or was closed.
 
-        Checked first without the lock: a log that took another way may hold its lock while
-        it waits for this worker (``close`` waits for its removals, queued behind this job),
-        and ``_first`` never becomes pending again. While it is pending the log has no
-        segment, so nothing of it waits for this worker under the lock."""
+        Checked first without the lock, which is cheap for a log that took another way
+        (``_first`` never becomes pending again). Nothing waits for this worker under the lock:
+        ``close`` waits for the log's removals and spare (queued behind this job, for a
+        recovered log with segments: ``_prepare_next``) before it takes ``_lock``."""
         if self._first != _FIRST_PENDING:
             return
         with self._lock:
@@ -452,6 +484,33 @@ class SegmentLog(Generic[S]):
                 self._first = _FIRST_NONE
                 return
             self._first = _FIRST_READY
+
+    def _prepare_next(self) -> None:
+        """A recovered log: its next segment made ahead like a new log's first (a restart's
+        appends go to a fresh segment), unless recovery took one made before (``_adopt_made``)."""
+        if self._first == _FIRST_NONE and not self._closed:
+            self._prepare_first()
+
+    def _made_unused(self, num: int) -> bool:
+        """Whether segment ``num`` is one made ahead (``_make_first``) and never written to: the
+        first segment's size, the header, zeros after it. A clean shutdown leaves such a segment
+        (it is not removed on the way down: ``_close_files``), and recovery takes it as the next
+        segment (``_adopt_made``) instead of removing it on the loop and making another."""
+        size = self._first_size
+        try:
+            fd = os.open(os.path.join(self._dir, fmt.segment_name(num)), os.O_RDONLY | _NOATIME)
+        except OSError:
+            return False
+        try:
+            return os.fstat(fd).st_size == size and os.pread(fd, HEADER_SIZE, 0) == HEADER \
+                and not os.pread(fd, size - HEADER_SIZE, HEADER_SIZE).strip(b"\0")
+        finally:
+            os.close(fd)
+
+    def _adopt_made(self, num: int) -> None:
+        """Recovery: segment ``num``, made ahead and unused (``_made_unused``), is the next one."""
+        self._next_num = num
+        self._first = _FIRST_READY
 
     @property
     def _first_size(self) -> int:
@@ -740,17 +799,31 @@ class SegmentLog(Generic[S]):
         sync makes durable (none here)."""
 
     def _remove_later(self, *paths: Path) -> None:
-        """Unlink ``paths`` in this order on the segment worker (module doc); the caller has
-        marked the directory and told the sink."""
-        self._removing = _spare_worker().submit(self._unlink_in_order, paths)
+        """Unlink ``paths`` (files of this log's directory) in this order on the segment worker
+        (module doc); the caller has marked the directory and told the sink."""
+        self._removing = _spare_worker().submit(self._unlink_in_order, tuple(p.name for p in paths))
 
-    def _unlink_in_order(self, paths: tuple[Path, ...]) -> None:
-        """On the segment worker. A failure leaves the rest (recovery removes what is left)."""
+    def _unlink_in_order(self, names: tuple[str, ...]) -> None:
+        """On the segment worker. A failure leaves the rest (recovery removes what is left).
+        Relative to the directory opened before ``_gone`` is read (module doc: a queue declared
+        again in the same place never loses a file to the old log's late removal)."""
         try:
-            for path in paths:
-                path.unlink(missing_ok=True)
+            dfd = os.open(self._dir, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:
+            return  # deleted, the tombstone removed already: nothing left to remove
+        name = ""
+        try:
+            if self._gone:
+                return
+            for name in names:
+                try:
+                    os.unlink(name, dir_fd=dfd)
+                except FileNotFoundError:
+                    pass
         except OSError as exc:
-            log.warning("%s: could not remove %s: %s", self, path.name, exc)
+            log.warning("%s: could not remove %s: %s", self, name, exc)
+        finally:
+            os.close(dfd)
         self._dir_unsynced = True  # no lock: see the module doc (at worst the next sync's)
 
     def removed(self) -> None:
@@ -798,22 +871,54 @@ class SegmentLog(Generic[S]):
             return
         self._before_close()
         self.sync(True, fsync=not self._files.shutting_down)
+        # Wait for the worker's jobs of this log before taking ``_lock``: a job making the next
+        # segment of a recovered log (``_prepare_next``) may be queued ahead of them and takes
+        # ``_lock`` itself. Nothing of this log asks the worker for more meanwhile (the loop
+        # asks, and it is here).
+        self.removed()
+        if self._spare is not None:
+            _drop_spare(self._spare, Path(self._dir, SPARE_NAME))
+            self._spare = None
         with self._sync_lock, self._lock:
             self._closed = True
             self._close_files()
 
-    def delete(self) -> None:
-        """Close and remove the whole directory (every file reported to the sink)."""
+    def delete(self, *, inside: bool = False) -> None:
+        """Close and remove the whole directory (every file reported to the sink): renamed to a
+        tombstone here, removed on the segment worker (module doc). ``inside``: the directory
+        goes with an enclosing one, whose delete follows (no rename of its own)."""
         with self._sync_lock, self._lock:
-            if not self._closed:  # no flush or fsync: everything is about to go
+            self._gone = True  # before the rename (module doc)
+            if not self._closed:  # no flush, trim or fsync: everything is about to go
                 self._closed = True
-                self._close_files()
-        directory = self.directory
-        if self._sink.active and directory.is_dir():
-            for entry in sorted(directory.iterdir()):
+                self._drop_files()
+        if self._sink.active:
+            try:
+                entries = sorted(os.scandir(self._dir), key=lambda e: e.name)
+            except FileNotFoundError:
+                entries = []
+            for entry in entries:
                 if entry.is_file():
-                    self._sink.delete(entry)
-        shutil.rmtree(directory, ignore_errors=True)
+                    self._sink.delete(Path(entry.path))
+        if not inside:
+            bury(self._dir)
+
+    def _drop_files(self) -> None:
+        """``_close_files`` for a delete: descriptors and mappings go; nothing is trimmed,
+        removed or waited for (the tombstone's removal takes the files; module doc)."""
+        self._first = _FIRST_NONE
+        if self._wseg is not None:
+            self._retire_write_segment_locked(self._wseg)
+        self._ahead = None
+        if self._spare is not None:
+            _spare_worker().submit(_drop_spare, self._spare, Path(self._dir, SPARE_NAME))
+            self._spare = None
+        for seg in self._segs.values():
+            self._unmap(seg)
+        retired, self._retired = self._retired, []
+        for fd, _path, _end, _unsynced in retired:
+            if fd >= 0:
+                os.close(fd)
 
     def __repr__(self) -> str:  # names the store in the group commit's failure log
         return f"{type(self).__name__}({self._dir})"
@@ -823,6 +928,44 @@ class SegmentLog(Generic[S]):
         self._dir_unsynced = True
         if self._sink.active:
             self._sink.delete(path)
+
+
+def bury(directory: str) -> None:
+    """Rename ``directory`` to a tombstone (here: the name is free when this returns) and have
+    the segment worker remove it (module doc); nothing if there is no such directory."""
+    tomb = tombstone_path(directory)
+    try:
+        os.rename(directory, tomb)
+    except FileNotFoundError:
+        return  # never made, or gone already
+    except OSError as exc:  # the rename refused (say, no space to grow the parent): as before
+        log.warning("%s: could not rename for removal (%s); removing it now", directory, exc)
+        shutil.rmtree(directory, ignore_errors=True)
+        return
+    _spare_worker().submit(_remove_tree, tomb)
+
+
+def _remove_tree(tomb: str) -> None:
+    """On the segment worker: remove a deleted log's tombstone (module doc)."""
+    shutil.rmtree(tomb, ignore_errors=True)
+
+
+def _sweep_tombstones(directory: str) -> None:
+    """On the segment worker: remove the tombstones a crash left in ``directory``."""
+    try:
+        entries = [e.path for e in os.scandir(directory) if e.name.endswith(TOMBSTONE_SUFFIX)]
+    except OSError:
+        return  # no such directory (yet)
+    for tomb in entries:
+        _remove_tree(tomb)
+    if entries:
+        log.info("%s: removed %d deleted queue directories left by a crash", directory, len(entries))
+
+
+def remove_tombstones_later(directory: str | Path) -> None:
+    """Have the segment worker remove the tombstones in ``directory`` (a boot: module doc). A
+    live directory's name never has the suffix, so this may run while queues are served."""
+    _spare_worker().submit(_sweep_tombstones, os.fspath(directory))
 
 
 def _trim(fd: int, path: Path, end: int, fsync: bool) -> None:

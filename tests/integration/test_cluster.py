@@ -32,6 +32,7 @@ import pika
 import pytest
 
 from broker.cluster import codec
+from broker.store.paths import in_tombstone
 from broker.store.segment import HEADER_SIZE
 from broker.store.segment_log import FIRST_SIZE
 
@@ -375,15 +376,15 @@ def logical_equal(leader_dir: Path, follower_dir: Path) -> str | None:
         for p in d.rglob("*"):
             rel = p.relative_to(d).as_posix()
             if p.is_file() and not rel.startswith("transient/") and p.name not in LOCAL_FILES \
-                    and not p.name.endswith(".tmp"):
+                    and not p.name.endswith(".tmp") and not in_tombstone(rel):
                 out[rel] = p
         return out
 
     def unused_first_segment(p: Path) -> bool:
-        """A durable queue's first segment made ahead and not used yet (store/segment_log.py):
-        the replicas hear of it with its first record."""
+        """A durable queue's next segment made ahead and not used yet (store/segment_log.py: a new
+        queue's first, a recovered queue's next): the replicas hear of it with its first record."""
         data = p.read_bytes()
-        return p.name == "msgs.0000000001" and len(data) <= FIRST_SIZE and not data[HEADER_SIZE:].strip(b"\0")
+        return p.name.startswith("msgs.") and len(data) <= FIRST_SIZE and not data[HEADER_SIZE:].strip(b"\0")
 
     lf, ff = files(leader_dir), files(follower_dir)
     lf = {rel: p for rel, p in lf.items() if rel in ff or not unused_first_segment(p)}

@@ -3,14 +3,20 @@ is declared (``segment_log``: ``_prepare_first``), and the first message only ma
 behaviour a client sees must not change: the first confirmed message into each of many new
 durable queues is delivered on a single node, the cluster's leader and through a follower
 (``cluster_modes``), and survives kill -9 together with queues whose first segment was made but
-never used."""
+never used. A queue deleted and declared again at once (the old directory renamed to a tombstone
+on the loop and removed on the segment worker) keeps only its new messages, and a follower's
+copy of it equals the leader's, with no tombstone replicated or left."""
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
 from typing import Any
 
 import pika
 import pytest
+
+from broker.store.paths import TOMBSTONE_SUFFIX, find_vhost_dir, queue_dir
 
 from ._support import Broker, connect, is_external, queue_count, unique
 
@@ -59,7 +65,22 @@ def test_first_segments_made_and_used_survive_kill_9(broker: Broker) -> None:
     names = [unique("cold") for _ in range(QUEUES)]
     used = names[1::2]  # the others keep a first segment made ahead and never used
     _declare_and_publish(broker, names, used)
+    again = used[0]  # deleted and declared again at once, its new message confirmed
+    conn = connect(broker)
+    try:
+        ch = conn.channel()
+        ch.confirm_delivery()
+        ch.queue_delete(again)
+        ch.queue_declare(again, durable=True)
+        ch.basic_publish("", again, f"first {again}".encode(), PERSISTENT, mandatory=True)
+    finally:
+        conn.close()
     broker.kill9()
+    assert broker.data_dir is not None
+    vdir = find_vhost_dir(broker.data_dir, "/")
+    stale = vdir / f"{queue_dir(vdir, again).name}.0-0{TOMBSTONE_SUFFIX}"  # as a crash leaves one
+    stale.mkdir()
+    (stale / "msgs.0000000001").write_bytes(b"stale")
     broker.start()
     conn = connect(broker)
     try:
@@ -67,6 +88,66 @@ def test_first_segments_made_and_used_survive_kill_9(broker: Broker) -> None:
             assert queue_count(conn, q) == (1 if q in used else 0), q
     finally:
         conn.close()
+    deadline = time.monotonic() + 20
+    while _tombstones(broker.data_dir, [again]):  # the boot's sweep, on the segment worker
+        assert time.monotonic() < deadline, f"tombstones left: {_tombstones(broker.data_dir, [again])}"
+        time.sleep(0.05)
     _take_all(broker, names, set(used))
     _declare_and_publish(broker, names, names)  # every queue takes appends again
     _take_all(broker, names, set(names), delete=True)
+
+
+def _tombstones(data_dir: Path, names: list[str]) -> list[str]:
+    vdir = find_vhost_dir(data_dir, "/")
+    prefixes = tuple(queue_dir(vdir, q).name + "." for q in names)
+    return [p.name for p in vdir.iterdir()
+            if p.name.startswith(prefixes) and p.name.endswith(TOMBSTONE_SUFFIX)]
+
+
+@pytest.mark.cluster_modes
+def test_a_queue_deleted_and_declared_again_keeps_only_its_new_messages(shared_broker: Any) -> None:
+    names = [unique("again") for _ in range(QUEUES // 4)]
+    conn = connect(shared_broker)
+    try:
+        ch = conn.channel()
+        ch.confirm_delivery()
+        for q in names:
+            ch.queue_declare(q, durable=True)
+            for i in range(20):
+                ch.basic_publish("", q, f"old {i}".encode(), PERSISTENT, mandatory=True)
+        for q in names:  # delete, declare again, a confirmed message: before the old files are gone
+            ch.queue_delete(q)
+            ch.queue_declare(q, durable=True)
+            ch.basic_publish("", q, f"new {q}".encode(), PERSISTENT, mandatory=True)
+        for q in names:
+            assert ch.queue_declare(q, durable=True, passive=True).method.message_count == 1, q
+        _check_copies(shared_broker, names)
+        for q in names:
+            m, _, body = ch.basic_get(q, auto_ack=True)
+            assert body == f"new {q}".encode(), (q, m, body)
+            ch.queue_delete(q)
+    finally:
+        conn.close()
+
+
+def _check_copies(target: Any, names: list[str]) -> None:
+    """The leader removes the tombstones (off its loop); a follower's copy of each queue's
+    directory equals the leader's and it holds no tombstone."""
+    cluster = getattr(target, "cluster", None)
+    leader_dir = target.data_dir if cluster is None else cluster.leader.data_dir
+    if leader_dir is None:
+        return  # an external broker: its files are not ours to read
+    deadline = time.monotonic() + 20
+    while _tombstones(leader_dir, names):
+        assert time.monotonic() < deadline, f"tombstones left: {_tombstones(leader_dir, names)}"
+        time.sleep(0.05)
+    if cluster is None:
+        return
+    from .test_cluster import logical_equal, wait_for
+
+    for f in cluster.followers:
+        assert not _tombstones(f.data_dir, names)
+        for q in names:
+            lq, fq = (queue_dir(find_vhost_dir(d, "/"), q) for d in (leader_dir, f.data_dir))
+            wait_for(lambda lq=lq, fq=fq: logical_equal(lq, fq) is None, 20,
+                     f"{f.name}'s copy of {q} equals the leader's: {logical_equal(lq, fq)}")
