@@ -236,6 +236,15 @@ class DedupCache:
             self.entries.popitem(last=False)
         return False
 
+    def forget(self, props: list[bytes]) -> None:
+        """The keys of messages ``seen`` took as new, which were then not stored (a full
+        disk): their retries are new too. (What their arrival evicted stays evicted: the
+        cache forgets, as its size bound does, and never drops a message it should keep.)"""
+        for p in props:
+            key = dedup_key(p)[0]
+            if key is not None:
+                self.entries.pop(key, None)
+
 
 def dedup_cache(arguments: dict[str, Any], what: str) -> DedupCache:
     size = _int_arg(arguments.get("x-cache-size"))
@@ -250,10 +259,26 @@ def dedup_cache(arguments: dict[str, Any], what: str) -> DedupCache:
     return DedupCache(size, ttl)
 
 
-def dedup_key(headers: dict[str, Any]) -> tuple[str | None, int | None]:
-    key = _key_text(headers.get(DEDUP_HEADER))
-    ttl = _int_arg(headers.get("x-cache-ttl"))
-    return key, (ttl if ttl is not None and ttl > 0 else None)
+_DEDUP_NAMES = (DEDUP_HEADER.encode(), b"x-cache-ttl")
+
+
+def dedup_key(props: bytes) -> tuple[str | None, int | None]:
+    """A message's deduplication key and its own cache TTL (ms), from its two headers only."""
+    value, ttl_value = properties.header_values(props, _DEDUP_NAMES)
+    ttl = _int_arg(ttl_value)
+    return _key_text(value), (ttl if ttl is not None and ttl > 0 else None)
+
+
+def kept_by(cache: DedupCache, props: list[bytes]) -> list[int]:
+    """The messages of a run that are not duplicates (indices), each looked up and remembered
+    in order, as one by one; ``forget`` undoes it for a run that then could not be stored."""
+    kept = []
+    seen = cache.seen
+    for i, p in enumerate(props):
+        key, ttl = dedup_key(p)
+        if key is None or not seen(key, ttl):
+            kept.append(i)
+    return kept
 
 
 # ------------------------------------------------------------------ the special
@@ -280,6 +305,14 @@ class ExchangeSpecial:
         self.partition_hash = routing == "hash"
         self._partitions: list[object] | None = None
         self.hop_filter = _hop_filter(args) if ex.type == FEDERATION_UPSTREAM else None
+
+    def run_cache(self) -> DedupCache | None:
+        """The deduplication cache, when deduplicating is all this exchange does of its own:
+        the publish operation then takes a run through it at once (``publish_run``)."""
+        if self.delayed is None and self.hop_filter is None and not self.partition_hash \
+                and self.hash_property is None:
+            return self.dedup
+        return None
 
     # --------------------------------------------------------------- routing
     def bindings_changed(self) -> None:
@@ -324,8 +357,7 @@ class ExchangeSpecial:
         if self.hop_filter is not None and not self.hop_filter.forwards(_headers(props)):
             return False, []  # it stops here: routed nowhere
         if self.dedup is not None:
-            headers = _headers(props)
-            key, ttl = dedup_key(headers)
+            key, ttl = dedup_key(props)
             if key is not None and self.dedup.seen(key, ttl):
                 return True, None
         if self.delayed is not None:

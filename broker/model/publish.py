@@ -53,6 +53,7 @@ from typing import Any, Protocol
 from broker import errors, properties
 from broker.model import features
 from broker.model.exchange import Exchange
+from broker.model.exchange_features import DedupCache, kept_by
 from broker.model.fastpaths import FastPaths
 from broker.model.publish_api import BatchOutcome as BatchOutcome
 from broker.model.publish_api import EncodedNames as EncodedNames
@@ -351,10 +352,12 @@ _PROBE_REQUEST = PublishRequest("", "", b"", b"", 0)
 _PROBE_OUTCOME = PublishOutcome([])
 
 
-def _probe_route(vh: Scope, ex: Exchange, routing_key: str, props: bytes, varied: bool) -> list[Queue]:
+def _probe_route(vh: Scope, ex: Exchange, routing_key: str, props: bytes, varied: bool,
+                 first_hop: bool = True) -> list[Queue]:
     """``route`` for messages taken together (a run, or a batch's messages with this routing
-    key): the queues each of them reaches; ``_NotARun`` where that could differ per message."""
-    return route(vh, ex, [routing_key], props, _PROBE_REQUEST, _PROBE_OUTCOME, True, probe=True,
+    key): the queues each of them reaches; ``_NotARun`` where that could differ per message.
+    ``first_hop`` False: ``ex``'s own behaviour is the caller's (a deduplicating run)."""
+    return route(vh, ex, [routing_key], props, _PROBE_REQUEST, _PROBE_OUTCOME, first_hop, probe=True,
                  varied=varied)
 
 
@@ -392,8 +395,13 @@ def publish_run(vh: Scope, exchange: str, routing_key: str, names: EncodedNames,
     if not vh.fast.on:
         return None
     ex = vh.exchanges.get(exchange)
-    if ex is None or ex.special is not None:
+    if ex is None:
         return None
+    dedup = None
+    if ex.special is not None:
+        dedup = ex.special.run_cache()  # deduplicating only: the run goes through its cache
+        if dedup is None:
+            return None
     if same:
         if props[0][0] & _PER_MESSAGE and features.routes_alone(props[0]):
             return None
@@ -409,7 +417,7 @@ def publish_run(vh: Scope, exchange: str, routing_key: str, names: EncodedNames,
         queues = [] if q is None else [q]
     else:
         try:
-            queues = _probe_route(vh, ex, routing_key, props[0], not same)
+            queues = _probe_route(vh, ex, routing_key, props[0], not same, dedup is None)
         except _NotARun:
             return None
     if not queues or any(q.features is not None for q in queues):
@@ -418,6 +426,37 @@ def publish_run(vh: Scope, exchange: str, routing_key: str, names: EncodedNames,
         # messages of several priorities: room in each level they go to would have to come
         # first (a full disk must store all of the run or none of it)
         return None
+    if dedup is not None:
+        return _deduplicated_run(vh, ex, dedup, queues, names, props, bodies, same, ts)
+    return _stored_run(ex, queues, names, props, bodies, same, ts, len(bodies))
+
+
+def _deduplicated_run(vh: Scope, ex: Exchange, dedup: DedupCache, queues: list[Queue], names: EncodedNames,
+                      props: list[bytes], bodies: list[bytes], same: bool, ts: int) -> PublishOutcome:
+    """A run through a deduplicating exchange: each message's key looked up and remembered in
+    order (as one by one), the duplicates dropped (held: accepted and confirmed), the rest
+    stored as a run. When they cannot be stored (a full disk) their keys are forgotten again,
+    so the caller's one-by-one publish finds them new."""
+    k = len(bodies)
+    kept = kept_by(dedup, props)
+    if len(kept) < k:
+        props = [props[i] for i in kept]
+        bodies = [bodies[i] for i in kept]
+    if not kept:
+        ex.n_in += k
+        return PublishOutcome([], held=True)
+    try:
+        out = _stored_run(ex, queues, names, props, bodies, same, ts, k)
+    except (errors.DiskFull, OSError):
+        dedup.forget(props)
+        raise
+    out.held = len(kept) < k
+    return out
+
+
+def _stored_run(ex: Exchange, queues: list[Queue], names: EncodedNames, props: list[bytes],
+                bodies: list[bytes], same: bool, ts: int, arrived: int) -> PublishOutcome:
+    """A run routed to ``queues`` appended to each (``arrived``: how many came into ``ex``)."""
     # persistence only decides whether a durable queue must sync before a confirm
     if not any(q.durable for q in queues):
         persistent = False
@@ -429,7 +468,7 @@ def publish_run(vh: Scope, exchange: str, routing_key: str, names: EncodedNames,
         # (one classic queue makes room itself, when it stores: not for a direct hand-over)
         reserve(queues, QueueStore.run_size(names.exrk, props, bodies, same), props[0], ts)
     k = len(bodies)
-    ex.n_in += k
+    ex.n_in += arrived
     ex.n_out += k * len(queues)
     for q in queues:
         q.publish_run(ts, names.exchange_b, names.routing_key_b, props, bodies, persistent, names.exrk, same)
