@@ -7,6 +7,7 @@ session, vhost and store (``_amqp_session``), no sockets."""
 from __future__ import annotations
 
 import asyncio
+import errno
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from _amqp_session import Client, close_node, make_node, publish_frames, pump
 from pamqp import commands
 
 from broker import properties
+from broker.store.queue_store import QueueStore
 
 Props = commands.Basic.Properties
 DEDUP = {"x-message-deduplication": True, "x-cache-size": 1000}
@@ -132,3 +134,67 @@ def test_header_values_read_as_a_full_decode_reads_them(value: Any) -> None:
     got = properties.header_values(props, (b"x-deduplication-header", b"x-cache-ttl", b"missing"))
     assert got == [want.get("x-deduplication-header"), 5, None]
     assert properties.header_values(properties.encode(Props(message_id="m")), (b"a",)) == [None]
+
+
+@pytest.mark.parametrize("queues", [1, 2])
+def test_a_publish_refused_for_a_full_disk_is_new_when_retried(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, queues: int) -> None:
+    """Nacked for a full disk means not published: the exchange must not remember its key, or
+    the publisher's retry would be dropped as a duplicate (and confirmed): lost. A run and then
+    the same messages one by one (the fallback), to one queue and to two (room made first)."""
+    async def test(node: Any) -> None:
+        c = Client(node)
+        _setup(c, DEDUP)
+        if queues == 2:
+            c.method(commands.Queue.Declare(queue="q2", durable=True))
+            c.method(commands.Queue.Bind(queue="q2", exchange="dd", routing_key="k"))
+        c.publish("dd", "k", b"row-0", _row(0))
+        await pump(node)
+        vh = node.vhosts["/"]
+        full = [True]
+        for method in ("reserve", "append"):  # what the queue store allocates through
+            real = getattr(QueueStore, method)
+
+            def failing(*args: Any, _real: Any = real) -> Any:
+                if full[0]:
+                    raise OSError(errno.ENOSPC, "No space left on device")
+                return _real(*args)
+
+            monkeypatch.setattr(QueueStore, method, failing)
+        rows = b"".join(publish_frames("dd", "k", b"row-%d" % i, _row(i)) for i in range(1, 6))
+        c.send(rows)
+        await pump(node)
+        nacks = [m for _, m in c.read().methods if isinstance(m, commands.Basic.Nack)]
+        assert nacks, "the full disk was not answered"
+        full[0] = False
+        c.send(rows)  # the publisher's retry
+        await pump(node)
+        assert vh.queues["q"].message_count == 6
+
+    _run(tmp_path, test)
+
+
+def _full_decode_key(props: bytes) -> tuple[str | None, int | None]:
+    """The key and TTL as the exchange read them before: from pamqp's full decode."""
+    headers = properties.headers(props)
+    key = headers.get("x-deduplication-header")
+    ttl = headers.get("x-cache-ttl")
+    text = None if key is None else key.decode(errors="replace") if isinstance(key, bytes) else str(key)
+    return text, (ttl if isinstance(ttl, int) and not isinstance(ttl, bool) and ttl > 0 else None)
+
+
+@pytest.mark.parametrize("props", [
+    Props(delivery_mode=2, message_id="q.1", headers={"x-deduplication-header": "q.1"}),  # the sink's
+    Props(headers={"x-deduplication-header": b"\xff\xfe"}),
+    Props(headers={"x-deduplication-header": "k", "x-cache-ttl": 500}),
+    Props(content_type="text/plain", headers={"x-deduplication-header": "k"}),
+    Props(headers={"a": "x-deduplication-header", "x-deduplication-header": 12}),
+    Props(headers={"x-deduplication-header": "k", "z": "\x0bx-cache-ttl"}),
+    Props(headers={}, message_id="x-deduplication-header"),  # the field's bytes outside the table
+    Props(message_id="x-deduplication-header"),
+])
+def test_the_key_read_in_place_is_the_full_decodes(props: Props) -> None:
+    from broker.model.exchange_features import dedup_key
+
+    raw = properties.encode(props)
+    assert dedup_key(raw) == _full_decode_key(raw)

@@ -60,6 +60,7 @@ import heapq
 import itertools
 import logging
 import shutil
+import struct
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -137,6 +138,9 @@ PARTITION_ROUTING = "x-super-stream-routing"  # the same names as broker/model/s
 PARTITION_ORDER = "x-stream-partition-order"
 _HASH_PROPERTIES = ("message_id", "correlation_id", "timestamp", "app_id", "type", "user_id",
                     "reply_to", "content_type", "priority", "delivery_mode")
+
+
+_ABSENT: Any = object()
 
 
 def _now_ms() -> int:
@@ -223,17 +227,21 @@ class DedupCache:
         self.ttl = ttl
         self.entries: OrderedDict[str, int | None] = OrderedDict()
 
-    def seen(self, key: str, ttl: int | None) -> bool:
-        """True for a duplicate; otherwise remembers ``key``."""
-        now = _now_ms()
-        exp = self.entries.get(key, 0)
-        if key in self.entries and (exp is None or exp > now):
-            return True
+    def seen(self, key: str, ttl: int | None, now: int | None = None) -> bool:
+        """True for a duplicate; otherwise remembers ``key`` (``now``: the time in ms, if the
+        caller has it)."""
+        if now is None:
+            now = _now_ms()
+        entries = self.entries
+        exp = entries.get(key, _ABSENT)
+        if exp is not _ABSENT:
+            if exp is None or exp > now:
+                return True
+            entries.move_to_end(key)  # expired: remembered anew, as the newest
         ttl = ttl if ttl is not None else self.ttl
-        self.entries[key] = now + ttl if ttl is not None else None
-        self.entries.move_to_end(key)
-        while len(self.entries) > self.size:
-            self.entries.popitem(last=False)
+        entries[key] = now + ttl if ttl is not None else None
+        if len(entries) > self.size:  # one key added at a time
+            entries.popitem(last=False)
         return False
 
     def forget(self, props: list[bytes]) -> None:
@@ -260,10 +268,24 @@ def dedup_cache(arguments: dict[str, Any], what: str) -> DedupCache:
 
 
 _DEDUP_NAMES = (DEDUP_HEADER.encode(), b"x-cache-ttl")
+# The headers table's first field when it is the key as a long string, in a list without a
+# content type or encoding: flags (2), table size (4), then name size, name, type 'S' at 6.
+_KEY_FIRST = bytes((len(DEDUP_HEADER),)) + DEDUP_HEADER.encode() + b"S"
+_KEY_AT = 6 + len(_KEY_FIRST) + 4  # where its value starts
+_TTL_FIELD = b"\x0bx-cache-ttl"
+_HEADERS_ALONE = properties.HI_CONTENT_TYPE | properties.HI_CONTENT_ENCODING | properties.HI_HEADERS
+_U32 = struct.Struct(">I").unpack_from
 
 
 def dedup_key(props: bytes) -> tuple[str | None, int | None]:
-    """A message's deduplication key and its own cache TTL (ms), from its two headers only."""
+    """A message's deduplication key and its own cache TTL (ms), from its two headers only.
+    The common layout (the key the table's first field, no ``x-cache-ttl`` anywhere: what the
+    Spark sink and most publishers send) is read where it lies, else the table is walked."""
+    if props.startswith(_KEY_FIRST, 6) and props[0] & _HEADERS_ALONE == properties.HI_HEADERS \
+            and _TTL_FIELD not in props:
+        end = _KEY_AT + _U32(props, _KEY_AT - 4)[0]
+        if end <= 6 + _U32(props, 2)[0]:  # within the table: its first field, so top-level
+            return props[_KEY_AT:end].decode(errors="replace"), None
     value, ttl_value = properties.header_values(props, _DEDUP_NAMES)
     ttl = _int_arg(ttl_value)
     return _key_text(value), (ttl if ttl is not None and ttl > 0 else None)
@@ -274,9 +296,10 @@ def kept_by(cache: DedupCache, props: list[bytes]) -> list[int]:
     in order, as one by one; ``forget`` undoes it for a run that then could not be stored."""
     kept = []
     seen = cache.seen
+    now = _now_ms()
     for i, p in enumerate(props):
         key, ttl = dedup_key(p)
-        if key is None or not seen(key, ttl):
+        if key is None or not seen(key, ttl, now):
             kept.append(i)
     return kept
 

@@ -171,13 +171,19 @@ def publish(vh: Scope, req: PublishRequest, first_hop: bool = True) -> PublishOu
         body = req.body
         if persistent is None:  # read from the properties only where it matters: a durable queue
             persistent = is_persistent(props) if any(q.durable for q in queues) else False
-        if len(queues) > 1:
-            reserve(queues, record_size(exb, rkb, props, body), props, ts)
-        for q in queues:
-            if q.publish(ts, exb, rkb, props, body, persistent, exrk) is False:
-                out.rejected = True
-            elif persistent and q.durable:
-                out.sync = True
+        try:
+            if len(queues) > 1:
+                reserve(queues, record_size(exb, rkb, props, body), props, ts)
+            for q in queues:
+                if q.publish(ts, exb, rkb, props, body, persistent, exrk) is False:
+                    out.rejected = True
+                elif persistent and q.durable:
+                    out.sync = True
+        except (errors.DiskFull, OSError):
+            # not stored: a deduplicating exchange must not drop its retry as a duplicate
+            for cache in out.remembered or ():
+                cache.forget([req.props])
+            raise
     return out
 
 
@@ -238,6 +244,8 @@ def route(vh: Scope, ex: Exchange, keys: list[str], props: bytes, req: PublishRe
                     if special.delayed is not None and special.delayed.durable:
                         out.sync = True
                     continue
+                if special.dedup is not None:
+                    out.remembered = [*(out.remembered or ()), special.dedup]
             if dests is None:
                 dests = e.route(key, headers_of)
                 if not dests and e is ex and ex.alternate:
