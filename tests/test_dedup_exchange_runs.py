@@ -104,6 +104,29 @@ def test_a_run_to_a_dedup_exchange_is_taken_at_once(tmp_path: Path, monkeypatch:
     _run(tmp_path, test)
 
 
+def test_a_batch_to_a_dedup_exchange_is_taken_at_once(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows with routing keys of their own (the sink's ``key`` column): a batch, the same."""
+    async def test(node: Any) -> None:
+        c = Client(node)
+        _setup(c, DEDUP)
+        c.method(commands.Queue.Bind(queue="q", exchange="dd", routing_key="j"))
+        c.publish("dd", "k", b"row-0", _row(0))
+        c.read()
+        counts = _Counts(node, monkeypatch)
+        order = [*range(1, 30), *range(5), 40]  # then 5 duplicates and one new row
+        c.send(b"".join(publish_frames("dd", "kj"[i % 2] if i < 40 else "nowhere", b"row-%d" % i, _row(i))
+                        for i in order))
+        await pump(node)
+        q = node.vhosts["/"].queues["q"]
+        assert q.message_count == 30
+        assert _acked(c) == 1 + len(order)
+        assert counts.publishes == 0, "a publish operation per message"
+        assert counts.decodes == 0, "the headers decoded in full"
+
+    _run(tmp_path, test)
+
+
 def test_a_run_keeps_the_cache_bounds(tmp_path: Path) -> None:
     """Size (LRU) and time-to-live, the exchange's and a message's own, as one by one."""
     async def test(node: Any) -> None:

@@ -45,12 +45,14 @@ TOPIC = {"top-a": ("a.x", ["plain"]), "top-ab": ("a.b", ["plain", "lim"]), "top-
 TOPIC_BINDINGS = (("plain", "a.*"), ("lim", "*.b"), ("prio", "p.#"), ("feat", "f.*"))
 PROPS = ("none", "ids", "headers", "cc", "expiration", "priority", "dedup")
 DEDUP_TARGET = "dd"  # a direct exchange with x-message-deduplication, bound to "plain" by key "d"
+DEDUP_NOWHERE = "dd-none"  # the same exchange, routing key "z" (bound to nothing)
 BODIES = ("empty", "small", "frame-1", "frame", "frame+1", "two-frames")
 MODES = ("plain", "confirm", "tx")
 
 publish_st = st.tuples(
     st.integers(1, 3),  # channel
-    st.sampled_from(("plain", "feat", "prio", "lim", "fan", "nowhere", DEDUP_TARGET, *TOPIC)),  # target
+    st.sampled_from(("plain", "feat", "prio", "lim", "fan", "nowhere",  # target
+                     DEDUP_TARGET, DEDUP_NOWHERE, *TOPIC)),
     st.sampled_from(PROPS),
     st.sampled_from(BODIES),
     st.booleans(),  # mandatory
@@ -115,16 +117,16 @@ async def _play(node: Any, sc: dict[str, Any], fast: bool) -> dict[str, Any]:
     pub.method(commands.Queue.Bind(queue="plain", exchange=DEDUP_TARGET, routing_key="d"))
     dedup_seen: set[str] = set()
 
-    def kept(items: list[tuple[bytes, str | None]]) -> list[bytes]:
-        """The bodies the deduplicating exchange keeps, applied in this order."""
-        out = []
-        for body, key in items:
-            if key is not None:
-                if key in dedup_seen:
-                    continue
-                dedup_seen.add(key)
-            out.append(body)
-        return out
+    def apply(into: list[str], body: bytes, key: str | None) -> None:
+        """A publish as the broker applies it: into ``into`` unless the deduplicating exchange
+        has seen its key (looked up, and remembered, whether it then reaches a queue or not)."""
+        if key is not None:
+            if key in dedup_seen:
+                return
+            dedup_seen.add(key)
+        for name in into:
+            expected[name].append(body)
+
     for ch, mode in zip((1, 2, 3), sc["modes"], strict=True):
         if ch != 1:
             pub.open(ch)
@@ -165,9 +167,9 @@ async def _play(node: Any, sc: dict[str, Any], fast: bool) -> dict[str, Any]:
         if b == sc["consume_after"]:
             start_consumers()
         data = []
-        # (body, deduplication key or None): the key is looked up when the commit applies it
-        pending_tx: dict[int, dict[str, list[tuple[bytes, str | None]]]] = {
-            ch: {name: [] for name in QUEUES} for ch in (1, 2, 3)}
+        # each tx channel's publishes in order (queues, body, deduplication key or None), applied
+        # when it commits
+        pending_tx: dict[int, list[tuple[list[str], bytes, str | None]]] = {ch: [] for ch in (1, 2, 3)}
         for ch, target, pkind, bkind, mandatory, times in batch:
             if sc.get("one_channel"):
                 ch = 1
@@ -178,8 +180,9 @@ async def _play(node: Any, sc: dict[str, Any], fast: bool) -> dict[str, Any]:
                 if target in TOPIC:
                     exchange, (rk, into) = "top", TOPIC[target]
                     into = list(into)
-                elif target == DEDUP_TARGET:
-                    exchange, rk, into = DEDUP_TARGET, "d", ["plain"]
+                elif target in (DEDUP_TARGET, DEDUP_NOWHERE):
+                    exchange, rk = DEDUP_TARGET, "d" if target == DEDUP_TARGET else "z"
+                    into = ["plain"] if target == DEDUP_TARGET else []
                     if pkind == "dedup":
                         key = _dedup_headers(n)["x-deduplication-header"]
                 else:
@@ -188,11 +191,10 @@ async def _play(node: Any, sc: dict[str, Any], fast: bool) -> dict[str, Any]:
                 data.append(publish_frames(exchange, rk, body, _props(pkind, n), ch, mandatory, FRAME_MAX))
                 if pkind == "cc" and "plain" not in into and exchange not in ("top", DEDUP_TARGET):
                     into.append("plain")  # ("plain" binds no other key there)
-                for name in into:
-                    if sc["modes"][ch - 1] == "tx":
-                        pending_tx[ch][name].append((body, key))
-                    else:
-                        expected[name] += kept([(body, key)])
+                if sc["modes"][ch - 1] == "tx":
+                    pending_tx[ch].append((into, body, key))
+                else:
+                    apply(into, body, key)
         for ch, mode in zip((1, 2, 3), sc["modes"], strict=True):
             if mode == "tx":
                 last = b == len(batches) - 1
@@ -200,8 +202,8 @@ async def _play(node: Any, sc: dict[str, Any], fast: bool) -> dict[str, Any]:
                 data.append(pframe.marshal(method, ch))
         if not (sc["rollback"] and b == len(batches) - 1):
             for ch in (1, 2, 3):  # committed in channel order, after the batch's other publishes
-                for name, items in pending_tx[ch].items():
-                    expected[name] += kept(items)
+                for into, body, key in pending_tx[ch]:
+                    apply(into, body, key)
         pub.send(b"".join(data))
         await pump(node)
         await ack_all()
@@ -294,7 +296,10 @@ def _run(sc: dict[str, Any], fast: bool) -> dict[str, Any]:
     "batches": [[(1, "dd", "dedup", "small", True, 5), (2, "dd", "dedup", "small", False, 3),
                  (3, "dd", "dedup", "small", True, 4), (1, "dd", "ids", "small", True, 2)],
                 [(1, "dd", "dedup", "empty", False, 3), (1, "dd", "dedup", "small", False, 1),
-                 (3, "dd", "headers", "small", True, 3), (1, "dd", "dedup", "frame+1", True, 2)]],
+                 (3, "dd", "headers", "small", True, 3), (1, "dd", "dedup", "frame+1", True, 2)],
+                [(1, "dd", "dedup", "small", True, 1), (1, "dd-none", "dedup", "small", True, 1),
+                 (1, "dd", "dedup", "small", True, 2), (1, "dd-none", "dedup", "small", False, 2),
+                 (1, "dd", "ids", "small", False, 1), (1, "dd-none", "none", "small", True, 1)]],
 })
 def test_fast_paths_change_nothing_a_client_sees(sc: dict[str, Any]) -> None:
     fast = _run(sc, True)

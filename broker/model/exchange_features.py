@@ -143,7 +143,7 @@ _HASH_PROPERTIES = ("message_id", "correlation_id", "timestamp", "app_id", "type
 _ABSENT: Any = object()
 
 
-def _now_ms() -> int:
+def now_ms() -> int:
     return int(time.time() * 1000)
 
 
@@ -231,7 +231,7 @@ class DedupCache:
         """True for a duplicate; otherwise remembers ``key`` (``now``: the time in ms, if the
         caller has it)."""
         if now is None:
-            now = _now_ms()
+            now = now_ms()
         entries = self.entries
         exp = entries.get(key, _ABSENT)
         if exp is not _ABSENT:
@@ -296,7 +296,7 @@ def kept_by(cache: DedupCache, props: list[bytes]) -> list[int]:
     in order, as one by one; ``forget`` undoes it for a run that then could not be stored."""
     kept = []
     seen = cache.seen
-    now = _now_ms()
+    now = now_ms()
     for i, p in enumerate(props):
         key, ttl = dedup_key(p)
         if key is None or not seen(key, ttl, now):
@@ -500,13 +500,13 @@ class DelayedStore:
                 return
             self._timer.cancel()
         self._timer_at = due
-        self._timer = call_later(max(0.0, (due - _now_ms()) / 1000.0) + 0.001, self._fire)
+        self._timer = call_later(max(0.0, (due - now_ms()) / 1000.0) + 0.001, self._fire)
 
     def _fire(self) -> None:
         self._timer = None
         if self.closed:
             return
-        now = _now_ms()
+        now = now_ms()
         heap = self.heap
         store = self.store
         budget = 4096  # per timer turn; the rest on the next (immediate) turn
@@ -548,7 +548,7 @@ class DelayedStore:
     def _retry_later(self) -> None:
         call_later = self.vh.call_later
         if call_later is not None:
-            self._timer_at = _now_ms() + int(DISK_RETRY_S * 1000)
+            self._timer_at = now_ms() + int(DISK_RETRY_S * 1000)
             self._timer = call_later(DISK_RETRY_S, self._fire)
 
     def route(self, routing_key: str, props: bytes, body: bytes) -> None:
@@ -556,7 +556,7 @@ class DelayedStore:
         underlying type (its delay is not applied again; exchanges after it apply theirs)."""
         if self.vh.exchanges.get(self.ex.name) is not self.ex:
             return
-        self.vh.publish_from_hold(PublishRequest(self.ex.name, routing_key, props, body, _now_ms()))
+        self.vh.publish_from_hold(PublishRequest(self.ex.name, routing_key, props, body, now_ms()))
 
     def close(self, delete: bool = False) -> None:
         self.closed = True
