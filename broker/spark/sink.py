@@ -10,7 +10,8 @@ on those in flight and written once the window has room for it (rows framed one 
 window waits for half of it), so the task costs a round trip per piece, not per row. The
 task returns only when every row is confirmed, and any nack, returned (unroutable) row,
 confirm timeout or lost connection raises, which fails the task, so Spark retries it (at
-least once, like Kafka's sink); rows still in flight then count as not written (with ``exactlyOnce`` the retry's copies of those that were stored are dropped).
+least once, like Kafka's sink); rows still in flight then count as not written (with
+``exactlyOnce`` the retry's copies of those that were stored are dropped).
 Rows use Kafka's sink columns: ``value`` (required, binary or string), ``key`` (the routing key), ``topic``
 (when the ``topic`` option is not set) and ``headers`` (map<string,string>); any other column
 is refused before a task runs.
