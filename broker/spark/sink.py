@@ -5,13 +5,11 @@ Theory of operation
 The writers are Spark's Arrow writers: a task gets its rows as Arrow record batches. Each
 task opens one AMQP connection (``uri``, the link layer's publisher: ``amqp_sink.py``) and
 publishes its rows with publisher confirms, keeping up to ``confirmWindow`` rows (``WINDOW``)
-in flight: a batch goes out in pieces of a quarter window, each framed while the broker works
-on those in flight and written once the window has room for it (rows framed one by one: a full
-window waits for half of it), so the task costs a round trip per piece, not per row. The
-task returns only when every row is confirmed, and any nack, returned (unroutable) row,
-confirm timeout or lost connection raises, which fails the task, so Spark retries it (at
-least once, like Kafka's sink); rows still in flight then count as not written (with
-``exactlyOnce`` the retry's copies of those that were stored are dropped).
+in flight: a full window waits for half of it to be confirmed, so the task costs a round trip
+per half window, not per row. The task returns only when every row is confirmed, and any
+nack, returned (unroutable) row, confirm timeout or lost connection raises, which fails the
+task, so Spark retries it (at least once, like Kafka's sink); rows still in flight then count
+as not written (with ``exactlyOnce`` the retry's copies of those that were stored are dropped).
 Rows use Kafka's sink columns: ``value`` (required, binary or string), ``key`` (the routing key), ``topic``
 (when the ``topic`` option is not set) and ``headers`` (map<string,string>); any other column
 is refused before a task runs.
@@ -66,9 +64,6 @@ DEDUP_HEADER = "x-deduplication-header"
 # commit (a fifth to a tenth of the rows/s of 20,000, both paths: docs/benchmarks.md).
 WINDOW = 20_000
 WINDOW_MAX = 100_000
-# A batch goes out in pieces of a quarter window, so up to four are in flight while the broker
-# confirms the oldest (with halves, the task stalled on each half's group commit).
-PIECES = 4
 
 
 class Published(WriterCommitMessage):  # type: ignore[misc,unused-ignore]
@@ -244,22 +239,20 @@ def _no_headers(batch: Any) -> None:
 
 async def _put_batch(amqp: SinkPublisher, exchange: str, keys: Any, values: Any, id_prefix: str | None,
                      first: int) -> None:
-    """A batch's rows to one target, a quarter of the window at a time (``PIECES``): with
-    ``_PERSISTENT`` properties, or with ``id_prefix`` (exactly once) each row's id
-    ``<id_prefix>.<row>`` (rows numbered from ``first``) in its properties (``dedup_props``);
-    framed whole (``frame_batch``) unless a row needs the row-by-row framing. A piece is framed
-    before waiting for room in the window, so framing overlaps the broker's work on the pieces
-    in flight, as on the stream path."""
-    piece = max(1, amqp.window // PIECES)
+    """A batch's rows to one target, half a window at a time: with ``_PERSISTENT`` properties,
+    or with ``id_prefix`` (exactly once) each row's id ``<id_prefix>.<row>`` (rows numbered
+    from ``first``) in its properties (``dedup_props``); framed whole (``frame_batch``) unless
+    a row needs the row-by-row framing."""
+    piece = max(1, amqp.window // 2)
     ex = exchange.encode()
     for lo in range(0, len(values), piece):
         part = values.slice(lo, piece)
+        if amqp.pending + len(part) > amqp.window:
+            await amqp.drain(amqp.window - len(part))
         part_keys: Any = keys if isinstance(keys, bytes) else keys.slice(lo, piece)
         props: Any = _PERSISTENT if id_prefix is None else \
             dedup_props(DEDUP_HEADER, id_prefix, first + lo, len(part))
         data = frame_batch(ex, not exchange, part_keys, props, part, amqp.frame_max)
-        if amqp.pending + len(part) > amqp.window:
-            await amqp.drain(amqp.window - len(part))
         if data is not None:
             amqp.put_framed(data, len(part))
             continue
