@@ -14,7 +14,9 @@ One private ``skred`` process on free ports and a temp data dir, one ``local[2]`
 
 Each figure is rows / wall seconds of one Spark action, after one warm-up action (for the sink,
 a 1,000-row write, which starts the Python workers of a write); the JVM and
-the broker share the machine, so say how loaded it was when quoting them.
+the broker share the machine, so say how loaded it was when quoting them. A write also shows
+the CPU per row of Spark's side (this process's tree: the JVM and its Python workers) and of
+the broker, the steadier figures on a loaded machine.
 
     python benchmarks/spark.py --rows 200000
     python benchmarks/spark.py --rows 20000 --sink-only --confirm-window 1   # one row per round trip
@@ -37,14 +39,24 @@ import pika
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from stream import cpu_seconds  # noqa: E402 - benchmarks/stream.py: a process tree's CPU
+
 from tests.integration._support import SkredProcess  # noqa: E402
 
 
-def timed(what: str, rows: int, action: Callable[[], Any]) -> tuple[str, float]:
+def timed(what: str, rows: int, action: Callable[[], Any],
+          broker_pid: int | None = None) -> tuple[str, str]:
+    """rows/s of ``action``; with ``broker_pid``, also the CPU per row of Spark's side (this
+    process's tree: the JVM and its Python workers) and of the broker, over the action."""
+    c0 = (cpu_seconds(os.getpid()), cpu_seconds(broker_pid)) if broker_pid else (0.0, 0.0)
     t0 = time.perf_counter()
     action()
     seconds = time.perf_counter() - t0
-    return what, rows / seconds
+    figure = f"{rows / seconds:,.0f}"
+    if broker_pid:
+        total, broker = cpu_seconds(os.getpid()) - c0[0], cpu_seconds(broker_pid) - c0[1]
+        figure += f" | {(total - broker) / rows * 1e6:.1f} | {broker / rows * 1e6:.1f}"
+    return what, figure
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,12 +105,14 @@ def main(argv: list[str] | None = None) -> int:
                 .option("topic", "bench-warm").save()
             if args.read_only:
                 sink.option("topic", "bench").save()
+            pid = broker.pid
             results = [] if args.read_only else [
-                timed("sink, confirms", n, lambda: sink.option("topic", "bench").save()),
+                timed("sink, confirms", n, lambda: sink.option("topic", "bench").save(), pid),
                 timed("sink, exactlyOnce (deduplicating exchange)", n,
-                      lambda: sink.option("topic", "bench-eo.in").option("exactlyOnce", "true").save()),
+                      lambda: sink.option("topic", "bench-eo.in").option("exactlyOnce", "true").save(), pid),
                 timed("sink, exactlyOnce (stream protocol)", n, lambda: sink.option("topic", "bench-eo")
-                      .option("exactlyOnce", "true").option("streamPort", str(broker.stream_port)).save()),
+                      .option("exactlyOnce", "true").option("streamPort", str(broker.stream_port)).save(),
+                      pid),
             ]
 
             http = f"http://guest:guest@{broker.host}:{broker.mgmt_port}"
@@ -120,9 +134,10 @@ def main(argv: list[str] | None = None) -> int:
                 load(**opts).count()  # warm-up
                 results.append(timed(f"read {label}, count", n, lambda o=opts: load(**o).count()))
                 results.append(timed(f"read {label}, scan", n, lambda o=opts: scan(load(**o))))
-            print(f"| {n:,} rows, local[2] | rows/s |\n| --- | --- |")
-            for what, rate in results:
-                print(f"| {what} | {rate:,.0f} |")
+            print(f"| {n:,} rows, local[2] | rows/s | Spark CPU µs/row (JVM, Python workers) "
+                  "| broker CPU µs/row |\n| --- | --- | --- | --- |")
+            for what, figure in results:
+                print(f"| {what} | {figure} |" + ("" if "|" in figure else " | |"))
         finally:
             spark.stop()
             broker.close()

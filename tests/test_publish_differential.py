@@ -5,7 +5,8 @@ message-id per message, headers, a CC header, an expiration, a priority), empty 
 frame_max boundary, mandatory to nowhere, on several channels in plain, confirm and tx mode,
 into a plain queue, queues with features (with and without per-message work), a priority queue
 and a quorum queue (directly, through a fanout exchange, and through a topic exchange with
-routing keys that change from publish to publish), with autoack and manual-ack
+routing keys that change from publish to publish, and through a deduplicating exchange with
+some messages repeating the one before's deduplication header), with autoack and manual-ack
 consumers at varying prefetch that ack after each batch.
 Each sequence runs twice on a fresh broker: once as shipped (one-pass parse, publish runs,
 direct hand-over, delivery runs) and once with all of that forced off (the parser's
@@ -42,13 +43,16 @@ QUEUES = {
 TOPIC = {"top-a": ("a.x", ["plain"]), "top-ab": ("a.b", ["plain", "lim"]), "top-p": ("p.q", ["prio"]),
          "top-f": ("f.x", ["feat"]), "top-none": ("z.z", [])}
 TOPIC_BINDINGS = (("plain", "a.*"), ("lim", "*.b"), ("prio", "p.#"), ("feat", "f.*"))
-PROPS = ("none", "ids", "headers", "cc", "expiration", "priority")
+PROPS = ("none", "ids", "headers", "cc", "expiration", "priority", "dedup")
+DEDUP_TARGET = "dd"  # a direct exchange with x-message-deduplication, bound to "plain" by key "d"
+DEDUP_NOWHERE = "dd-none"  # the same exchange, routing key "z" (bound to nothing)
 BODIES = ("empty", "small", "frame-1", "frame", "frame+1", "two-frames")
 MODES = ("plain", "confirm", "tx")
 
 publish_st = st.tuples(
     st.integers(1, 3),  # channel
-    st.sampled_from(("plain", "feat", "prio", "lim", "fan", "nowhere", *TOPIC)),  # target
+    st.sampled_from(("plain", "feat", "prio", "lim", "fan", "nowhere",  # target
+                     DEDUP_TARGET, DEDUP_NOWHERE, *TOPIC)),
     st.sampled_from(PROPS),
     st.sampled_from(BODIES),
     st.booleans(),  # mandatory
@@ -84,7 +88,13 @@ def _props(kind: str, n: int) -> commands.Basic.Properties:
         return commands.Basic.Properties(expiration="3600000")
     if kind == "priority":
         return commands.Basic.Properties(priority=n % 6)
+    if kind == "dedup":  # pairs of messages in a row share a key: the second is a duplicate
+        return commands.Basic.Properties(delivery_mode=2, headers=_dedup_headers(n))
     return commands.Basic.Properties()
+
+
+def _dedup_headers(n: int) -> dict[str, Any]:
+    return {"x-deduplication-header": f"d{n // 2}"}
 
 
 async def _play(node: Any, sc: dict[str, Any], fast: bool) -> dict[str, Any]:
@@ -102,6 +112,21 @@ async def _play(node: Any, sc: dict[str, Any], fast: bool) -> dict[str, Any]:
     pub.method(commands.Exchange.Declare(exchange="top", exchange_type="topic"))
     for name, key in TOPIC_BINDINGS:
         pub.method(commands.Queue.Bind(queue=name, exchange="top", routing_key=key))
+    pub.method(commands.Exchange.Declare(exchange=DEDUP_TARGET, exchange_type="direct", arguments={
+        "x-message-deduplication": True, "x-cache-size": 1000}))
+    pub.method(commands.Queue.Bind(queue="plain", exchange=DEDUP_TARGET, routing_key="d"))
+    dedup_seen: set[str] = set()
+
+    def apply(into: list[str], body: bytes, key: str | None) -> None:
+        """A publish as the broker applies it: into ``into`` unless the deduplicating exchange
+        has seen its key (looked up, and remembered, whether it then reaches a queue or not)."""
+        if key is not None:
+            if key in dedup_seen:
+                return
+            dedup_seen.add(key)
+        for name in into:
+            expected[name].append(body)
+
     for ch, mode in zip((1, 2, 3), sc["modes"], strict=True):
         if ch != 1:
             pub.open(ch)
@@ -142,25 +167,34 @@ async def _play(node: Any, sc: dict[str, Any], fast: bool) -> dict[str, Any]:
         if b == sc["consume_after"]:
             start_consumers()
         data = []
-        pending_tx: dict[int, dict[str, list[bytes]]] = {ch: {name: [] for name in QUEUES}
-                                                         for ch in (1, 2, 3)}
+        # each tx channel's publishes in order (queues, body, deduplication key or None), applied
+        # when it commits
+        pending_tx: dict[int, list[tuple[list[str], bytes, str | None]]] = {ch: [] for ch in (1, 2, 3)}
         for ch, target, pkind, bkind, mandatory, times in batch:
             if sc.get("one_channel"):
                 ch = 1
             for _ in range(times):
                 n += 1
                 body = _body(bkind, n if pkind != "none" else 0)
+                key = None
                 if target in TOPIC:
                     exchange, (rk, into) = "top", TOPIC[target]
                     into = list(into)
+                elif target in (DEDUP_TARGET, DEDUP_NOWHERE):
+                    exchange, rk = DEDUP_TARGET, "d" if target == DEDUP_TARGET else "z"
+                    into = ["plain"] if target == DEDUP_TARGET else []
+                    if pkind == "dedup":
+                        key = _dedup_headers(n)["x-deduplication-header"]
                 else:
                     exchange, rk = ("fan", "") if target == "fan" else ("", target)
                     into = list(QUEUES) if target == "fan" else ([target] if target in QUEUES else [])
                 data.append(publish_frames(exchange, rk, body, _props(pkind, n), ch, mandatory, FRAME_MAX))
-                if pkind == "cc" and "plain" not in into and exchange != "top":  # "plain" binds no key there
-                    into.append("plain")
-                for name in into:
-                    (pending_tx[ch] if sc["modes"][ch - 1] == "tx" else expected)[name].append(body)
+                if pkind == "cc" and "plain" not in into and exchange not in ("top", DEDUP_TARGET):
+                    into.append("plain")  # ("plain" binds no other key there)
+                if sc["modes"][ch - 1] == "tx":
+                    pending_tx[ch].append((into, body, key))
+                else:
+                    apply(into, body, key)
         for ch, mode in zip((1, 2, 3), sc["modes"], strict=True):
             if mode == "tx":
                 last = b == len(batches) - 1
@@ -168,8 +202,8 @@ async def _play(node: Any, sc: dict[str, Any], fast: bool) -> dict[str, Any]:
                 data.append(pframe.marshal(method, ch))
         if not (sc["rollback"] and b == len(batches) - 1):
             for ch in (1, 2, 3):  # committed in channel order, after the batch's other publishes
-                for name, bodies in pending_tx[ch].items():
-                    expected[name] += bodies
+                for into, body, key in pending_tx[ch]:
+                    apply(into, body, key)
         pub.send(b"".join(data))
         await pump(node)
         await ack_all()
@@ -254,6 +288,18 @@ def _run(sc: dict[str, Any], fast: bool) -> dict[str, Any]:
     "consumers": {"plain": None, "feat": None, "prio": 10, "lim": 4},
     "consume_after": 3, "rollback": False,
     "batches": [[(1, "prio", "priority", "empty", False, 6), (2, "lim", "none", "small", False, 5)]] * 3,
+})
+@example({  # runs through a deduplicating exchange, duplicates inside a run and across channels
+    "modes": ("confirm", "tx", "plain"),
+    "consumers": {"plain": 2, "feat": None, "prio": None, "lim": None, "quorum": None},
+    "consume_after": 1, "rollback": False, "one_channel": False,
+    "batches": [[(1, "dd", "dedup", "small", True, 5), (2, "dd", "dedup", "small", False, 3),
+                 (3, "dd", "dedup", "small", True, 4), (1, "dd", "ids", "small", True, 2)],
+                [(1, "dd", "dedup", "empty", False, 3), (1, "dd", "dedup", "small", False, 1),
+                 (3, "dd", "headers", "small", True, 3), (1, "dd", "dedup", "frame+1", True, 2)],
+                [(1, "dd", "dedup", "small", True, 1), (1, "dd-none", "dedup", "small", True, 1),
+                 (1, "dd", "dedup", "small", True, 2), (1, "dd-none", "dedup", "small", False, 2),
+                 (1, "dd", "ids", "small", False, 1), (1, "dd-none", "none", "small", True, 1)]],
 })
 def test_fast_paths_change_nothing_a_client_sees(sc: dict[str, Any]) -> None:
     fast = _run(sc, True)

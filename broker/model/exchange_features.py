@@ -60,6 +60,7 @@ import heapq
 import itertools
 import logging
 import shutil
+import struct
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -139,7 +140,10 @@ _HASH_PROPERTIES = ("message_id", "correlation_id", "timestamp", "app_id", "type
                     "reply_to", "content_type", "priority", "delivery_mode")
 
 
-def _now_ms() -> int:
+_ABSENT: Any = object()
+
+
+def now_ms() -> int:
     return int(time.time() * 1000)
 
 
@@ -223,18 +227,31 @@ class DedupCache:
         self.ttl = ttl
         self.entries: OrderedDict[str, int | None] = OrderedDict()
 
-    def seen(self, key: str, ttl: int | None) -> bool:
-        """True for a duplicate; otherwise remembers ``key``."""
-        now = _now_ms()
-        exp = self.entries.get(key, 0)
-        if key in self.entries and (exp is None or exp > now):
-            return True
+    def seen(self, key: str, ttl: int | None, now: int | None = None) -> bool:
+        """True for a duplicate; otherwise remembers ``key`` (``now``: the time in ms, if the
+        caller has it)."""
+        if now is None:
+            now = now_ms()
+        entries = self.entries
+        exp = entries.get(key, _ABSENT)
+        if exp is not _ABSENT:
+            if exp is None or exp > now:
+                return True
+            entries.move_to_end(key)  # expired: remembered anew, as the newest
         ttl = ttl if ttl is not None else self.ttl
-        self.entries[key] = now + ttl if ttl is not None else None
-        self.entries.move_to_end(key)
-        while len(self.entries) > self.size:
-            self.entries.popitem(last=False)
+        entries[key] = now + ttl if ttl is not None else None
+        if len(entries) > self.size:  # one key added at a time
+            entries.popitem(last=False)
         return False
+
+    def forget(self, props: list[bytes]) -> None:
+        """The keys of messages ``seen`` took as new, which were then not stored (a full
+        disk): their retries are new too. (What their arrival evicted stays evicted: the
+        cache forgets, as its size bound does, and never drops a message it should keep.)"""
+        for p in props:
+            key = dedup_key(p)[0]
+            if key is not None:
+                self.entries.pop(key, None)
 
 
 def dedup_cache(arguments: dict[str, Any], what: str) -> DedupCache:
@@ -250,10 +267,41 @@ def dedup_cache(arguments: dict[str, Any], what: str) -> DedupCache:
     return DedupCache(size, ttl)
 
 
-def dedup_key(headers: dict[str, Any]) -> tuple[str | None, int | None]:
-    key = _key_text(headers.get(DEDUP_HEADER))
-    ttl = _int_arg(headers.get("x-cache-ttl"))
-    return key, (ttl if ttl is not None and ttl > 0 else None)
+_DEDUP_NAMES = (DEDUP_HEADER.encode(), b"x-cache-ttl")
+# The headers table's first field when it is the key as a long string, in a list without a
+# content type or encoding: flags (2), table size (4), then name size, name, type 'S' at 6.
+_KEY_FIRST = bytes((len(DEDUP_HEADER),)) + DEDUP_HEADER.encode() + b"S"
+_KEY_AT = 6 + len(_KEY_FIRST) + 4  # where its value starts
+_TTL_FIELD = b"\x0bx-cache-ttl"
+_HEADERS_ALONE = properties.HI_CONTENT_TYPE | properties.HI_CONTENT_ENCODING | properties.HI_HEADERS
+_U32 = struct.Struct(">I").unpack_from
+
+
+def dedup_key(props: bytes) -> tuple[str | None, int | None]:
+    """A message's deduplication key and its own cache TTL (ms), from its two headers only.
+    The common layout (the key the table's first field, no ``x-cache-ttl`` anywhere: what the
+    Spark sink and most publishers send) is read where it lies, else the table is walked."""
+    if props.startswith(_KEY_FIRST, 6) and props[0] & _HEADERS_ALONE == properties.HI_HEADERS \
+            and _TTL_FIELD not in props:
+        end = _KEY_AT + _U32(props, _KEY_AT - 4)[0]
+        if end <= 6 + _U32(props, 2)[0]:  # within the table: its first field, so top-level
+            return props[_KEY_AT:end].decode(errors="replace"), None
+    value, ttl_value = properties.header_values(props, _DEDUP_NAMES)
+    ttl = _int_arg(ttl_value)
+    return _key_text(value), (ttl if ttl is not None and ttl > 0 else None)
+
+
+def kept_by(cache: DedupCache, props: list[bytes]) -> list[int]:
+    """The messages of a run that are not duplicates (indices), each looked up and remembered
+    in order, as one by one; ``forget`` undoes it for a run that then could not be stored."""
+    kept = []
+    seen = cache.seen
+    now = now_ms()
+    for i, p in enumerate(props):
+        key, ttl = dedup_key(p)
+        if key is None or not seen(key, ttl, now):
+            kept.append(i)
+    return kept
 
 
 # ------------------------------------------------------------------ the special
@@ -280,6 +328,14 @@ class ExchangeSpecial:
         self.partition_hash = routing == "hash"
         self._partitions: list[object] | None = None
         self.hop_filter = _hop_filter(args) if ex.type == FEDERATION_UPSTREAM else None
+
+    def run_cache(self) -> DedupCache | None:
+        """The deduplication cache, when deduplicating is all this exchange does of its own:
+        the publish operation then takes a run through it at once (``publish_run``)."""
+        if self.delayed is None and self.hop_filter is None and not self.partition_hash \
+                and self.hash_property is None:
+            return self.dedup
+        return None
 
     # --------------------------------------------------------------- routing
     def bindings_changed(self) -> None:
@@ -324,8 +380,7 @@ class ExchangeSpecial:
         if self.hop_filter is not None and not self.hop_filter.forwards(_headers(props)):
             return False, []  # it stops here: routed nowhere
         if self.dedup is not None:
-            headers = _headers(props)
-            key, ttl = dedup_key(headers)
+            key, ttl = dedup_key(props)
             if key is not None and self.dedup.seen(key, ttl):
                 return True, None
         if self.delayed is not None:
@@ -445,13 +500,13 @@ class DelayedStore:
                 return
             self._timer.cancel()
         self._timer_at = due
-        self._timer = call_later(max(0.0, (due - _now_ms()) / 1000.0) + 0.001, self._fire)
+        self._timer = call_later(max(0.0, (due - now_ms()) / 1000.0) + 0.001, self._fire)
 
     def _fire(self) -> None:
         self._timer = None
         if self.closed:
             return
-        now = _now_ms()
+        now = now_ms()
         heap = self.heap
         store = self.store
         budget = 4096  # per timer turn; the rest on the next (immediate) turn
@@ -493,7 +548,7 @@ class DelayedStore:
     def _retry_later(self) -> None:
         call_later = self.vh.call_later
         if call_later is not None:
-            self._timer_at = _now_ms() + int(DISK_RETRY_S * 1000)
+            self._timer_at = now_ms() + int(DISK_RETRY_S * 1000)
             self._timer = call_later(DISK_RETRY_S, self._fire)
 
     def route(self, routing_key: str, props: bytes, body: bytes) -> None:
@@ -501,7 +556,7 @@ class DelayedStore:
         underlying type (its delay is not applied again; exchanges after it apply theirs)."""
         if self.vh.exchanges.get(self.ex.name) is not self.ex:
             return
-        self.vh.publish_from_hold(PublishRequest(self.ex.name, routing_key, props, body, _now_ms()))
+        self.vh.publish_from_hold(PublishRequest(self.ex.name, routing_key, props, body, now_ms()))
 
     def close(self, delete: bool = False) -> None:
         self.closed = True

@@ -33,7 +33,13 @@ Runs. ``publish_run`` takes several messages to one exchange and routing key at 
 a behaviour of its own or routing by headers that differ from message to message, runs
 switched on) is routed once and handed to each queue as a run; otherwise it returns None
 and the caller publishes the messages one by one, which is the reference behaviour.
-Headers alone do not split a run: most client libraries send some on every message. ``FastPaths.on``
+Headers alone do not split a run: most client libraries send some on every message. A
+deduplicating exchange (``x-message-deduplication`` its only behaviour) does not split one
+either: the run is routed once past it, each message's key (read in place, not decoded with
+the rest of the headers) looked up and remembered in its cache in order, the duplicates
+dropped (held: accepted and confirmed) and the rest stored as a run; ``publish_batch`` does the
+same per message. A message nacked for a full disk is not published, so its key is forgotten
+again on every path (its retry must not be dropped as a duplicate). ``FastPaths.on``
 (broker/model/fastpaths.py) switches every such shortcut off (runs here, direct hand-over
 to consumers and delivery runs in the queue); the differential tests compare both settings
 byte for byte.
@@ -53,6 +59,7 @@ from typing import Any, Protocol
 from broker import errors, properties
 from broker.model import features
 from broker.model.exchange import Exchange
+from broker.model.exchange_features import DedupCache, dedup_key, kept_by, now_ms
 from broker.model.fastpaths import FastPaths
 from broker.model.publish_api import BatchOutcome as BatchOutcome
 from broker.model.publish_api import EncodedNames as EncodedNames
@@ -170,13 +177,19 @@ def publish(vh: Scope, req: PublishRequest, first_hop: bool = True) -> PublishOu
         body = req.body
         if persistent is None:  # read from the properties only where it matters: a durable queue
             persistent = is_persistent(props) if any(q.durable for q in queues) else False
-        if len(queues) > 1:
-            reserve(queues, record_size(exb, rkb, props, body), props, ts)
-        for q in queues:
-            if q.publish(ts, exb, rkb, props, body, persistent, exrk) is False:
-                out.rejected = True
-            elif persistent and q.durable:
-                out.sync = True
+        try:
+            if len(queues) > 1:
+                reserve(queues, record_size(exb, rkb, props, body), props, ts)
+            for q in queues:
+                if q.publish(ts, exb, rkb, props, body, persistent, exrk) is False:
+                    out.rejected = True
+                elif persistent and q.durable:
+                    out.sync = True
+        except (errors.DiskFull, OSError):
+            # not stored: a deduplicating exchange must not drop its retry as a duplicate
+            for cache in out.remembered or ():
+                cache.forget([req.props])
+            raise
     return out
 
 
@@ -237,6 +250,8 @@ def route(vh: Scope, ex: Exchange, keys: list[str], props: bytes, req: PublishRe
                     if special.delayed is not None and special.delayed.durable:
                         out.sync = True
                     continue
+                if special.dedup is not None:
+                    out.remembered = [*(out.remembered or ()), special.dedup]
             if dests is None:
                 dests = e.route(key, headers_of)
                 if not dests and e is ex and ex.alternate:
@@ -265,7 +280,8 @@ def publish_batch(vh: Scope, exchange: str, keys: Sequence[KeyedNames], props: l
     that one qualifies.
 
     At once means what it means for ``publish_run`` (fast paths on, no expiration or CC/BCC
-    header, no exchange with a behaviour of its own on the route, no routing by headers,
+    header, no exchange with a behaviour of its own on the route but a deduplicating first
+    exchange, no routing by headers,
     only queues without features), with the route looked up once per routing key. Each
     queue takes its messages in their order, as runs of one routing key (``publish_run``
     of the queue): a topic exchange fed keys in turn still hands every queue its part of
@@ -276,14 +292,21 @@ def publish_batch(vh: Scope, exchange: str, keys: Sequence[KeyedNames], props: l
     if not vh.fast.on:
         return out
     ex = vh.exchanges.get(exchange)
-    if ex is None or ex.special is not None:
+    if ex is None:
         return out
+    dedup = None
+    if ex.special is not None:
+        dedup = ex.special.run_cache()  # deduplicating only: each message through its cache
+        if dedup is None:
+            return out
     by_name = exchange == ""
     routes: dict[str, Any] = {}  # routing key -> the queues it reaches, or None: not at once
     parts: dict[Queue, list[int]] = {}  # each queue's messages, in order
+    remembered: list[bytes] = []  # the properties of messages whose keys ``dedup`` took as new
     unroutable = out.unroutable
     n = len(bodies)
     i = first
+    now = now_ms() if dedup is not None else 0
     while i < n:
         p = props[i]
         if p[0] & _PER_MESSAGE and features.routes_alone(p):
@@ -291,9 +314,16 @@ def publish_batch(vh: Scope, exchange: str, keys: Sequence[KeyedNames], props: l
         rk = keys[i].routing_key
         queues = routes.get(rk, _UNSEEN)
         if queues is _UNSEEN:
-            queues = routes[rk] = _batch_route(vh, ex, by_name, rk, p)
+            queues = routes[rk] = _batch_route(vh, ex, by_name, rk, p, dedup is None)
         if queues is None:
             break
+        if dedup is not None:  # looked up in order, as one by one (which looks up before routing)
+            key, ttl = dedup_key(p)
+            if key is not None:
+                if dedup.seen(key, ttl, now):
+                    i += 1  # a duplicate: dropped, accepted (neither stored nor unroutable)
+                    continue
+                remembered.append(p)
         if not queues:
             unroutable.append(i)
         for q in queues:
@@ -305,6 +335,21 @@ def publish_batch(vh: Scope, exchange: str, keys: Sequence[KeyedNames], props: l
         i += 1
     if i == first:
         return out
+    try:
+        _store_batch(ex, keys, props, bodies, ts, parts, out)
+    except (errors.DiskFull, OSError):
+        if dedup is not None:  # nothing stored: the caller publishes them again one by one
+            dedup.forget(remembered)
+        raise
+    ex.n_in += i - first
+    out.queues = list(parts)
+    out.done = i
+    return out
+
+
+def _store_batch(ex: Exchange, keys: Sequence[KeyedNames], props: list[bytes], bodies: list[bytes], ts: int,
+                 parts: dict[Queue, list[int]], out: BatchOutcome) -> None:
+    """A batch's messages into each queue they reach (``parts``: each queue's, in order)."""
     # room in every queue for its whole part first (a full disk: nothing written)
     fixed = FIXED_SIZE - 2  # FIXED_SIZE counts the length octets that exrk holds
     for q, part in parts.items():
@@ -314,7 +359,6 @@ def publish_batch(vh: Scope, exchange: str, keys: Sequence[KeyedNames], props: l
         else:
             q.store.make_room(sum([fixed + len(keys[j].exrk) + len(props[j]) + len(bodies[j]) for j in part]),
                               props[part[0]], ts)
-    ex.n_in += i - first
     for q, part in parts.items():
         durable = q.durable
         ex.n_out += len(part)
@@ -340,9 +384,6 @@ def publish_batch(vh: Scope, exchange: str, keys: Sequence[KeyedNames], props: l
                 if persistent:
                     out.sync = True
                 at = upto
-    out.queues = list(parts)
-    out.done = i
-    return out
 
 
 # What a probe hands ``route`` for the message and the outcome: a probe raises ``_NotARun``
@@ -351,14 +392,16 @@ _PROBE_REQUEST = PublishRequest("", "", b"", b"", 0)
 _PROBE_OUTCOME = PublishOutcome([])
 
 
-def _probe_route(vh: Scope, ex: Exchange, routing_key: str, props: bytes, varied: bool) -> list[Queue]:
+def _probe_route(vh: Scope, ex: Exchange, routing_key: str, props: bytes, varied: bool,
+                 first_hop: bool = True) -> list[Queue]:
     """``route`` for messages taken together (a run, or a batch's messages with this routing
-    key): the queues each of them reaches; ``_NotARun`` where that could differ per message."""
-    return route(vh, ex, [routing_key], props, _PROBE_REQUEST, _PROBE_OUTCOME, True, probe=True,
+    key): the queues each of them reaches; ``_NotARun`` where that could differ per message.
+    ``first_hop`` False: ``ex``'s own behaviour is the caller's (a deduplicating run)."""
+    return route(vh, ex, [routing_key], props, _PROBE_REQUEST, _PROBE_OUTCOME, first_hop, probe=True,
                  varied=varied)
 
 
-def _batch_route(vh: Scope, ex: Exchange, by_name: bool, rk: str, props: bytes) -> Any:
+def _batch_route(vh: Scope, ex: Exchange, by_name: bool, rk: str, props: bytes, first_hop: bool) -> Any:
     """The queues a message with routing key ``rk`` reaches from ``ex`` (no behaviour of its
     own), or None when ``publish_batch`` cannot take it: routing by headers, an exchange
     with a behaviour on the way, a queue with features or priorities (a batch's room is
@@ -368,7 +411,7 @@ def _batch_route(vh: Scope, ex: Exchange, by_name: bool, rk: str, props: bytes) 
         queues: Any = () if q is None else (q,)
     else:
         try:
-            queues = _probe_route(vh, ex, rk, props, True)
+            queues = _probe_route(vh, ex, rk, props, True, first_hop)
         except _NotARun:
             return None
     for q in queues:
@@ -385,15 +428,21 @@ def publish_run(vh: Scope, exchange: str, routing_key: str, names: EncodedNames,
     ``flags``: ``properties.run_flags(props)``, if the caller has it already.
 
     At once means: fast paths on, no message with an expiration or CC/BCC headers, no
-    exchange on the route with a behaviour of its own, no routing by headers unless every
+    exchange on the route with a behaviour of its own (but deduplication by the first: see the
+    module doc), no routing by headers unless every
     message has the same properties, only queues without features reached, and no
     priority queue unless every message has the same properties.
     """
     if not vh.fast.on:
         return None
     ex = vh.exchanges.get(exchange)
-    if ex is None or ex.special is not None:
+    if ex is None:
         return None
+    dedup = None
+    if ex.special is not None:
+        dedup = ex.special.run_cache()  # deduplicating only: the run goes through its cache
+        if dedup is None:
+            return None
     if same:
         if props[0][0] & _PER_MESSAGE and features.routes_alone(props[0]):
             return None
@@ -409,7 +458,7 @@ def publish_run(vh: Scope, exchange: str, routing_key: str, names: EncodedNames,
         queues = [] if q is None else [q]
     else:
         try:
-            queues = _probe_route(vh, ex, routing_key, props[0], not same)
+            queues = _probe_route(vh, ex, routing_key, props[0], not same, dedup is None)
         except _NotARun:
             return None
     if not queues or any(q.features is not None for q in queues):
@@ -418,6 +467,37 @@ def publish_run(vh: Scope, exchange: str, routing_key: str, names: EncodedNames,
         # messages of several priorities: room in each level they go to would have to come
         # first (a full disk must store all of the run or none of it)
         return None
+    if dedup is not None:
+        return _deduplicated_run(vh, ex, dedup, queues, names, props, bodies, same, ts)
+    return _stored_run(ex, queues, names, props, bodies, same, ts, len(bodies))
+
+
+def _deduplicated_run(vh: Scope, ex: Exchange, dedup: DedupCache, queues: list[Queue], names: EncodedNames,
+                      props: list[bytes], bodies: list[bytes], same: bool, ts: int) -> PublishOutcome:
+    """A run through a deduplicating exchange: each message's key looked up and remembered in
+    order (as one by one), the duplicates dropped (held: accepted and confirmed), the rest
+    stored as a run. When they cannot be stored (a full disk) their keys are forgotten again,
+    so the caller's one-by-one publish finds them new."""
+    k = len(bodies)
+    kept = kept_by(dedup, props)
+    if len(kept) < k:
+        props = [props[i] for i in kept]
+        bodies = [bodies[i] for i in kept]
+    if not kept:
+        ex.n_in += k
+        return PublishOutcome([], held=True)
+    try:
+        out = _stored_run(ex, queues, names, props, bodies, same, ts, k)
+    except (errors.DiskFull, OSError):
+        dedup.forget(props)
+        raise
+    out.held = len(kept) < k
+    return out
+
+
+def _stored_run(ex: Exchange, queues: list[Queue], names: EncodedNames, props: list[bytes],
+                bodies: list[bytes], same: bool, ts: int, arrived: int) -> PublishOutcome:
+    """A run routed to ``queues`` appended to each (``arrived``: how many came into ``ex``)."""
     # persistence only decides whether a durable queue must sync before a confirm
     if not any(q.durable for q in queues):
         persistent = False
@@ -429,7 +509,7 @@ def publish_run(vh: Scope, exchange: str, routing_key: str, names: EncodedNames,
         # (one classic queue makes room itself, when it stores: not for a direct hand-over)
         reserve(queues, QueueStore.run_size(names.exrk, props, bodies, same), props[0], ts)
     k = len(bodies)
-    ex.n_in += k
+    ex.n_in += arrived
     ex.n_out += k * len(queues)
     for q in queues:
         q.publish_run(ts, names.exchange_b, names.routing_key_b, props, bodies, persistent, names.exrk, same)

@@ -90,6 +90,13 @@ class PublishRequest:
         self.origin = origin
 
 
+class Forgets(Protocol):
+    """A deduplicating exchange's cache (``exchange_features.DedupCache``), as the publish
+    operation undoes what it remembered of messages it then could not store."""
+
+    def forget(self, props: list[bytes]) -> None: ...
+
+
 class PublishOutcome:
     """What happened to one published message (or to every message of a run).
 
@@ -99,7 +106,7 @@ class PublishOutcome:
     reached durable storage, so a confirm waits for the group commit.
     """
 
-    __slots__ = ("queues", "rejected", "held", "sync")
+    __slots__ = ("queues", "rejected", "held", "sync", "remembered")
 
     def __init__(self, queues: list[Queue], rejected: bool = False, held: bool = False,
                  sync: bool = False) -> None:
@@ -107,6 +114,9 @@ class PublishOutcome:
         self.rejected = rejected
         self.held = held
         self.sync = sync
+        # the deduplicating exchanges on the route that took its key as new (forgotten again
+        # if it is then not stored): the publish operation's own bookkeeping
+        self.remembered: list[Forgets] | None = None
 
     @property
     def unroutable(self) -> bool:

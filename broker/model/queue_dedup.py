@@ -36,6 +36,7 @@ from broker import properties
 
 DEDUP_ARG = "x-message-deduplication"
 DEDUP_HEADER = "x-deduplication-header"
+_NAMES = (DEDUP_HEADER.encode(),)
 
 
 def key_of(props: bytes | memoryview) -> str | None:
@@ -44,11 +45,8 @@ def key_of(props: bytes | memoryview) -> str | None:
         return None
     raw = bytes(props)
     if b"x-deduplication-header" not in raw:
-        return None  # the common case: headers, but not ours; no decode
-    headers = properties.decode(raw).headers
-    if not headers:
-        return None
-    value: Any = headers.get(DEDUP_HEADER)
+        return None  # the common case: headers, but not ours; no walk
+    value: Any = properties.header_values(raw, _NAMES)[0]
     if value is None:
         return None
     if isinstance(value, (bytes, bytearray)):
