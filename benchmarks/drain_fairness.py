@@ -16,7 +16,8 @@ per tree, medians over ``--runs`` (brokers alternate):
   round trips: whole passes, a count that does not move with load), median and largest;
 - the publisher's call time during the drain, p50 / p99 / max (wall time: loaded-machine caveat);
 - the drain: deliveries per second, and the broker's CPU microseconds per delivery (the cost
-  of the smaller passes, if any).
+  of the smaller passes, if any; ``--quiet-drain`` measures it without the publisher, whose
+  calls cost CPU of their own and, in this process, take the GIL from the consumer's reads).
 
 Every loop is bounded in count and time.
 
@@ -74,7 +75,8 @@ def _consume(raw: RawConn, prefetch: int, stop: threading.Event) -> None:
                 sock.sendall(pframe.marshal(commands.Basic.Ack(delivery_tag=tags, multiple=True), 1))
 
 
-def one_run(uri: str, port: int, pid: int, backlog: int, body: int, prefetch: int) -> dict[str, Any]:
+def one_run(uri: str, port: int, pid: int, backlog: int, body: int, prefetch: int, quiet: bool = False
+            ) -> dict[str, Any]:
     conn = pika.BlockingConnection(pika.URLParameters(uri))
     ch = conn.channel()
     q = f"drain-{time.monotonic_ns()}"
@@ -108,7 +110,10 @@ def one_run(uri: str, port: int, pid: int, backlog: int, body: int, prefetch: in
     calls: list[float] = []
     while seen[-1] and time.monotonic() < t0 + DEADLINE_S and len(calls) < 1_000_000:
         c0 = time.perf_counter()
-        pch.basic_publish("", side, b"sync", pika.BasicProperties(delivery_mode=1))
+        if quiet:
+            time.sleep(0.01)  # the drain alone: its cost without a publisher's calls beside it
+        else:
+            pch.basic_publish("", side, b"sync", pika.BasicProperties(delivery_mode=1))
         calls.append((time.perf_counter() - c0) * 1e3)
         seen.append(ch.queue_declare(q, passive=True).method.message_count)
     elapsed = time.monotonic() - t0
@@ -135,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backlog", type=int, default=50_000)
     ap.add_argument("--body", type=int, default=64, help="body bytes of each backlog message")
     ap.add_argument("--prefetch", type=int, default=0, help="0: autoack; else manual ack, this prefetch")
+    ap.add_argument("--quiet-drain", action="store_true",
+                    help="no publisher: a passive declare every 10 ms (the drain's own cost)")
     args = ap.parse_args(argv)
     trees = {"this tree": REPO_ROOT, args.baseline: export(args.baseline, args.work / "baseline")}
     nodes = {name: start_tree(name, root, args.work / f"data-{i}", 1)
@@ -144,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         for run in range(args.runs):
             for name, node in nodes.items():
                 port = int(node.uri.rsplit(":", 1)[1].split("/")[0])
-                r = one_run(node.uri, port, node.pid, args.backlog, args.body, args.prefetch)
+                r = one_run(node.uri, port, node.pid, args.backlog, args.body, args.prefetch,
+                            args.quiet_drain)
                 results[name].append(r)
                 print(f"run {run + 1} {name}: {r}", file=sys.stderr, flush=True)
     finally:
