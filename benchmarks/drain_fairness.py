@@ -17,7 +17,9 @@ per tree, medians over ``--runs`` (brokers alternate):
 - the publisher's call time during the drain, p50 / p99 / max (wall time: loaded-machine caveat);
 - the drain: deliveries per second, and the broker's CPU microseconds per delivery (the cost
   of the smaller passes, if any; ``--quiet-drain`` measures it without the publisher, whose
-  calls cost CPU of their own and, in this process, take the GIL from the consumer's reads).
+  calls cost CPU of their own and, in this process, take the GIL from the consumer's reads);
+  the loop thread's voluntary and involuntary context switches over the drain (waits, and
+  preemptions by other runnable tasks).
 
 Every loop is bounded in count and time.
 
@@ -51,6 +53,16 @@ from tests.integration._raw import RawConn  # noqa: E402
 from tests.integration._support import cpu_seconds  # noqa: E402
 
 DEADLINE_S = 60.0  # the longest one drain may take
+
+
+def switches(pid: int) -> tuple[int, int]:
+    """(voluntary, involuntary) context switches of ``pid``'s main thread (the event loop)."""
+    got = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key.endswith("ctxt_switches"):
+            got[key] = int(value)
+    return got.get("voluntary_ctxt_switches", 0), got.get("nonvoluntary_ctxt_switches", 0)
 
 
 def _consume(raw: RawConn, prefetch: int, stop: threading.Event) -> None:
@@ -102,6 +114,7 @@ def one_run(uri: str, port: int, pid: int, backlog: int, body: int, prefetch: in
     stop = threading.Event()
     reader = threading.Thread(target=_consume, args=(raw, prefetch, stop), daemon=True)
     cpu0 = cpu_seconds(pid)
+    sw0 = switches(pid)
     t0 = time.monotonic()
     raw.send_method(1, commands.Basic.Consume(queue=q, consumer_tag="drain", no_ack=not prefetch))
     raw.expect(commands.Basic.ConsumeOk, 1)
@@ -118,6 +131,7 @@ def one_run(uri: str, port: int, pid: int, backlog: int, body: int, prefetch: in
         seen.append(ch.queue_declare(q, passive=True).method.message_count)
     elapsed = time.monotonic() - t0
     cpu = cpu_seconds(pid) - cpu0
+    sw = [b - a for a, b in zip(sw0, switches(pid), strict=True)]
     stop.set()
     reader.join(5)
     raw.close()
@@ -129,7 +143,8 @@ def one_run(uri: str, port: int, pid: int, backlog: int, body: int, prefetch: in
     return {"step median": statistics.median(steps), "step max": max(steps),
             "call p50 ms": calls[len(calls) // 2], "call p99 ms": calls[int(len(calls) * 0.99)],
             "call max ms": calls[-1], "calls": len(calls), "deliveries/s": backlog / elapsed,
-            "broker CPU us/delivery": cpu / backlog * 1e6}
+            "broker CPU us/delivery": cpu / backlog * 1e6,
+            "loop's voluntary switches": sw[0], "loop preempted": sw[1]}
 
 
 def main(argv: list[str] | None = None) -> int:
