@@ -18,10 +18,11 @@ is read until it ends, so the budget (``_PASS_BUDGET`` deliveries,
 being drained: a synchronous publisher's next publish, its confirm, a
 heartbeat. The rescheduled pass runs on a later turn, after the loop has
 polled the sockets. The bound is a count, not a clock, so it holds the same
-on a loaded machine; it is sized so a pass stays well under a millisecond
-of work while its fixed cost (scheduling, the store's end of pass, one write
-to the consumer's socket) stays a few per cent of the deliveries'
-(issue 31: 4,096 per pass left a publisher waiting behind 4,096 deliveries).
+on a loaded machine; it is sized so a pass is about a millisecond of work
+(an autoack delivery is about 6,000 instructions) while its fixed cost
+(scheduling, the store's end of pass, one write to the consumer's socket)
+stays a few per cent of the deliveries' (issue 31: 4,096 per pass left a
+publisher waiting behind 4,096 deliveries).
 
 A consumer is anything with ``ready()`` and ``deliver(...)``: the AMQP
 session implements it; MQTT or HTTP could too.
