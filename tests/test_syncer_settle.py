@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 from pamqp import commands
+from test_syncer_window import _until
 
 from broker import properties
 from broker.store import segment_log
@@ -62,14 +63,6 @@ class SlowAckFsync:
 
 async def _thread_event(ev: threading.Event, timeout: float = 5.0) -> None:
     assert await asyncio.to_thread(ev.wait, timeout), "timed out"
-
-
-async def _until(pred: Callable[[], bool], timeout: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not pred():
-        assert loop.time() < deadline, "timed out"
-        await asyncio.sleep(0.01)  # poll interval, bounded by the deadline
 
 
 async def _confirm(s: Syncer, store: Store) -> asyncio.Future[bool]:
