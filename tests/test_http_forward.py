@@ -41,3 +41,49 @@ def test_a_cut_or_garbled_answer_raises_for_a_503() -> None:
         parse_answer(b"")
     with pytest.raises(http.client.HTTPException):
         parse_answer(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort")
+
+
+def _cut_after_request(method: str) -> int:
+    """A request forwarded over a real loopback connection to a "serving node" that reads the
+    request and closes without answering: the status the client gets."""
+    import asyncio
+
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from broker.http.forward import Streams, VhostForward
+
+    async def run() -> int:
+        got: list[bytes] = []
+
+        async def serving_node(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            got.append(await reader.read(64 * 1024))  # it has the request: it may have applied it
+            writer.close()
+
+        node = await asyncio.start_server(serving_node, "127.0.0.1", 0)
+        port = node.sockets[0].getsockname()[1]
+
+        async def open_to(vhost: str, peer: tuple[str, int]) -> Streams:
+            return await asyncio.open_connection("127.0.0.1", port)
+
+        async def here(request: web.Request) -> web.Response:
+            return web.json_response({"served": "here"})
+
+        app = web.Application(middlewares=[VhostForward(open_to, None).middleware])
+        app.router.add_route("*", "/api/queues/{vhost}/{name}", here)
+        async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+            answer = await client.request(method, "/api/queues/shard1/q", json={"durable": True})
+            status = answer.status
+        node.close()
+        await node.wait_closed()
+        assert got and got[0].startswith(method.encode())
+        return status
+
+    return asyncio.run(run())
+
+
+def test_a_change_passed_on_whose_answer_failed_is_504_not_an_error_that_claims_it_did_not_happen() -> None:
+    # 503 says the request did not happen; a PUT the serving node received may have happened
+    assert _cut_after_request("PUT") == 504
+    assert _cut_after_request("DELETE") == 504
+    assert _cut_after_request("GET") == 503  # a read changed nothing

@@ -19,7 +19,10 @@ whole definitions are this node's part only (not aggregated across nodes yet).
 
 Bounds: the answer is at most ``MAX_ANSWER`` bytes and the whole exchange ``FORWARD_TIMEOUT``
 seconds. A vhost moving (closed here, its next server not known yet), a node that cannot be
-reached, or an answer that does not parse: 503, as for a worker that restarts.
+reached, or an answer that does not parse: 503, as for a worker that restarts, when the
+request had not been passed on yet (or only asked for something: GET, HEAD), so that it did not
+happen. A change passed on whose answer then failed may have happened there: 504, which says its
+outcome is not known, never an error that would claim it did not happen.
 """
 
 from __future__ import annotations
@@ -64,6 +67,12 @@ OpenNodes = Callable[[tuple[str, int]], Awaitable[list[Streams]]]
 
 def unavailable(reason: str) -> web.Response:
     return web.json_response({"error": "service_unavailable", "reason": reason}, status=503)
+
+
+def outcome_unknown(reason: str) -> web.Response:
+    return web.json_response({"error": "gateway_timeout",
+                              "reason": f"{reason}; the request was passed on and may have been applied"},
+                             status=504)
 
 
 def request_bytes(method: str, target: str, headers: dict[str, str], body: bytes) -> bytes:
@@ -115,17 +124,20 @@ class VhostForward:
             answer: web.StreamResponse = await handler(request)
             return answer
         client = _client(request)
+        failed = unavailable
         try:
             async with asyncio.timeout(FORWARD_TIMEOUT):
                 streams = await self.open_to(vhost, client)
                 if streams is not None:
+                    if request.method not in ("GET", "HEAD"):
+                        failed = outcome_unknown  # from here on it may reach that node
                     return await self._exchange(request, streams)
         except errors.NotAllowed as exc:
             return unavailable(exc.reply_text)
         except TimeoutError:
-            return unavailable(f"the node serving vhost '{vhost}' did not answer")
+            return failed(f"the node serving vhost '{vhost}' did not answer")
         except (OSError, http.client.HTTPException, ValueError) as exc:
-            return unavailable(f"the node serving vhost '{vhost}': {exc or type(exc).__name__}")
+            return failed(f"the node serving vhost '{vhost}': {exc or type(exc).__name__}")
         here: web.StreamResponse = await handler(request)  # served here
         return here
 
