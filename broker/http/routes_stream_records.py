@@ -109,4 +109,6 @@ async def _send(request: web.Request, head: bytes, body: bytes, timeout: float) 
         log.info("records answer to %s not sent within %ss: connection cut off", request.remote, timeout)
         if request.transport is not None:
             request.transport.abort()
+    except ConnectionError:  # the client went away: nothing more to send
+        log.debug("records answer to %s: the client closed the connection", request.remote)
     return resp

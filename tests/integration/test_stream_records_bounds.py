@@ -37,9 +37,12 @@ STREAM = "bounded"
 AUTH = "Basic " + base64.b64encode(b"guest:guest").decode()
 
 
-@pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SkredProcess]:
-    b = SkredProcess(Path(tmp_path_factory.mktemp("records-bounds")) / "data")
+@pytest.fixture(scope="module", params=[1, 2], ids=["one-worker", "two-workers"])
+def node(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[SkredProcess]:
+    """With two workers a request that lands on the worker not owning the vhost is relayed by it
+    (``broker/shards/fanout.py``), which must hold no more than a chunk of the answer."""
+    b = SkredProcess(Path(tmp_path_factory.mktemp("records-bounds")) / "data",
+                     ["--workers", str(request.param)])
     b.extra_env.update({"SKRED_MGMT_RECORDS_MEMORY": str(BUDGET), "SKRED_MGMT_RECORDS_WAIT": "0",
                         "SKRED_MGMT_RECORDS_SEND_TIMEOUT": str(SEND_TIMEOUT)})
     try:
@@ -92,11 +95,20 @@ def _get(b: SkredProcess, max_bytes: int = BUDGET) -> tuple[int, dict[str, str],
         return exc.code, dict(exc.headers), len(exc.read())
 
 
-def _rss_anon(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no RssAnon")
+def _rss_anon(pgid: int) -> int:
+    """Anonymous resident bytes of the broker's process group (its workers too)."""
+    total = 0
+    for proc in Path("/proc").iterdir():
+        try:
+            stat = (proc / "stat").read_text()
+            if not proc.name.isdigit() or int(stat.rsplit(")", 1)[1].split()[2]) != pgid:
+                continue
+            status = (proc / "status").read_text()
+        except (OSError, ValueError):
+            continue
+        total += sum(int(line.split()[1]) * 1024 for line in status.splitlines()
+                     if line.startswith("RssAnon:"))
+    return total
 
 
 def _drain(s: socket.socket, deadline: float) -> int:
@@ -128,11 +140,14 @@ def test_budget_bounds_concurrent_answers_and_a_stalled_reader_is_cut_off(node: 
     finally:
         for s in others:
             s.close()
-    # The stalled answer holds the whole budget: the others are refused, not queued in memory.
-    assert codes.count(503) >= 7, codes
     assert grown < 3 * BUDGET, f"anonymous memory grew {grown >> 20} MiB with 9 answers of 4 MiB asked"
-    status, headers, _n = _get(node)
-    assert status == 503 and headers.get("Retry-After"), (status, headers)
+    if "1" in node.extra_args:
+        # The stalled answer holds the whole budget: the others are refused, not queued in memory.
+        # (A relayed answer may leave the owner, and its budget, for the loopback's socket
+        # buffers, so with two workers which requests are refused depends on where they land.)
+        assert codes.count(503) >= 7, codes
+        status, headers, _n = _get(node)
+        assert status == 503 and headers.get("Retry-After"), (status, headers)
     assert _get(node, 0)[0] == 200  # a head-only request needs no budget
     # The Spark source's client asks again after Retry-After, within its timeout, and is answered
     # once the stalled reader is cut off by the send timeout, which frees the budget.
