@@ -368,6 +368,23 @@ class MgmtConfig:
     metrics_bind: str = field(
         default="127.0.0.1", metadata=_meta("Address the Prometheus /metrics listener binds to.")
     )
+    records_memory: int = field(
+        default=256 * MiB,
+        metadata=_meta("Bytes of raw stream record answers (GET /api/streams/{vhost}/{queue}/records) a "
+                       "process holds at once; a request finding too little waits records_wait seconds, "
+                       "then gets 503 with Retry-After (suffixes KiB/MiB/GiB allowed).",
+                       kind="size", lo=64 * KiB),
+    )
+    records_wait: int = field(
+        default=10,
+        metadata=_meta("Seconds a records request waits for records_memory before its 503 (0: none).",
+                       lo=0, hi=3600),
+    )
+    records_send_timeout: int = field(
+        default=60,
+        metadata=_meta("Seconds a records answer may take to be sent; a client reading slower is cut off "
+                       "(its memory and segment freed).", lo=1, hi=86400),
+    )
 
 
 @dataclass(frozen=True)

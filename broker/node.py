@@ -69,6 +69,7 @@ from broker.config import Config, ConfigError, MainConfig, file_mode
 from broker.errors import ListenError
 from broker.federation import supervisor as federation
 from broker.http.definitions import IMPORT_INTENT_FILE, DefinitionsError, import_definitions, resume_import
+from broker.http.records_budget import RecordsBounds
 from broker.http.state import Mgmt
 from broker.lmq.engine import LMQ
 from broker.lmq.props import FILE_NAME as LMQ_PROPS_FILE
@@ -295,6 +296,8 @@ class Node:
             self.start_shovels(broker, mgmt)  # registers its component: before an import resumes
             resume_import(mgmt)  # an import a crash cut off comes back whole, before anything serves
             mgmt.cluster = self.cluster
+            mgmt.records = RecordsBounds(cfg.mgmt.records_memory, cfg.mgmt.records_wait,
+                                         cfg.mgmt.records_send_timeout)
             mgmt.app = self  # skredctl stop_app (with workers, every worker's: shards/fanout.py)
             mgmt.vhost_deleted.append(lambda name: self.mqtt.close_vhost(name) if self.mqtt else None)
             mgmt.node_name = broker.node_name = metrics.node_name(cfg.main.node_name, cfg.amqp.port)

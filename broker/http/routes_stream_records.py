@@ -34,19 +34,26 @@ the auth middleware skip the tag check for this route only). Bounds: one answer 
 broker stored it, so it is within its message size limit), read synchronously from the
 segment map in one slice, or a walk of at most 65,536 record lengths when the answer ends
 inside a segment (``StreamStore.read_records``), so a request holds the event loop for about
-one memory copy of that size plus at most some tens of milliseconds of walk.
+one memory copy of that size plus at most some tens of milliseconds of walk. Across answers,
+the bytes held at once are bounded by ``[mgmt] records_memory`` (a request waits at most
+``records_wait`` seconds for its share, else 503 with Retry-After, before anything is read) and
+each answer's life by ``records_send_timeout`` (a slower reader is cut off), see
+``records_budget.py``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Final
 
 from aiohttp import web
 
 from broker import recordwire
-from broker.http.common import RECORDS_PATH, bad_request
+from broker.http.common import MGMT_KEY, RECORDS_PATH, bad_request, error_response
 from broker.http.routes_streams import int_param, readable_stream, start_offset
 
+log = logging.getLogger(__name__)
 routes = web.RouteTableDef()
 
 MAX_BYTES: Final = 64 << 20  # record bytes per answer (ask again from first + count)
@@ -61,21 +68,47 @@ async def stream_records(request: web.Request) -> web.StreamResponse:
                           f"serves version {recordwire.VERSION}): upgrade the client or the broker")
     _vhost, _name, q = readable_stream(request)
     max_bytes = int_param(request, "max_bytes", DEFAULT_BYTES, 0, MAX_BYTES)
-    store = q.stream
-    pos = store.seek(start_offset(request, q))
-    first = pos.offset
     end = int_param(request, "end", 1 << 62, 0, 1 << 62)
-    body = b""
-    count = 0
-    if max_bytes and first < end:
-        got = store.read_records(pos, end - first, max_bytes)
-        if got is not None:
-            first, count, body = got
-    head = recordwire.Head(first, count, store.first_offset, store.next_offset).pack()
+    start = start_offset(request, q)
+    bounds = request.app[MGMT_KEY].records
+    held = min(max_bytes, bounds.budget.limit)
+    if held and not await bounds.budget.take(held, bounds.wait):
+        resp = error_response(503, "service_unavailable", "the records answers in flight hold this "
+                              "node's records_memory: ask again later, or for fewer max_bytes")
+        resp.headers["Retry-After"] = "1"
+        return resp
+    try:
+        store = q.stream  # seek after the wait: retention may have moved the stream meanwhile
+        pos = store.seek(start)
+        first = pos.offset
+        body = b""
+        count = 0
+        if held and first < end:
+            got = store.read_records(pos, end - first, held)
+            if got is not None:
+                first, count, body = got
+        held = bounds.budget.resize(held, len(body))
+        head = recordwire.Head(first, count, store.first_offset, store.next_offset).pack()
+        return await _send(request, head, body, bounds.send_timeout)
+    finally:
+        bounds.budget.give(held)
+
+
+async def _send(request: web.Request, head: bytes, body: bytes, timeout: float) -> web.StreamResponse:
+    """Send the answer within ``timeout`` seconds, or abort the connection (which drops what the
+    transport still buffers, so the caller's budget is given back for memory really freed)."""
     resp = web.StreamResponse(headers={"Content-Type": recordwire.CONTENT_TYPE})
     resp.content_length = len(head) + len(body)
-    await resp.prepare(request)
-    await resp.write(head)  # two writes: the records are not copied once more behind the head
-    await resp.write(body)
-    await resp.write_eof()
+    try:
+        async with asyncio.timeout(timeout):
+            await resp.prepare(request)
+            await resp.write(head)  # two writes: the records are not copied once more behind the head
+            await resp.write(body)
+            await resp.write_eof()
+    except TimeoutError:
+        log.info("records answer to %s not sent within %ss: connection cut off", request.remote, timeout)
+        if request.transport is not None:
+            request.transport.abort()
+    except ConnectionError:  # the client went away: nothing more to send
+        log.debug("records answer to %s: the client closed the connection", request.remote)
     return resp

@@ -23,6 +23,7 @@ from broker.auth.parameters import GlobalParameters, RuntimeParameters
 from broker.auth.vhosts import VHostStore
 from broker.http.policies import PolicyApi, import_legacy
 from broker.http.rates import RateSampler
+from broker.http.records_budget import RecordsBounds
 from broker.model.vhost import VHost
 
 if TYPE_CHECKING:
@@ -125,6 +126,7 @@ class Mgmt:
         # stream protocols served over WebSocket on this port ("amqp", "mqtt"), set by the node
         self.websocket_protocols: dict[str, Callable[[tuple[str, int]], asyncio.Protocol]] = {}
         self.websocket_max_message = 1 << 20
+        self.records = RecordsBounds()  # the raw records answers' memory and time bounds, set by the node
         self.tls_certs: list[str] = []  # certificate files, for the certificate-expiration check
         self.cluster: ClusterInfo | None = None  # set on a cluster member (metrics, GET /api/cluster)
         # set by the node before the app is built: a worker's fan-out to the others (broker/shards)

@@ -44,7 +44,7 @@ import aiohttp
 from aiohttp import web
 from yarl import URL
 
-from broker.http.common import ApiError, paginate
+from broker.http.common import MGMT_KEY, RECORD_ROUTES, ApiError, paginate
 from broker.shards.definitions import merge_exports, owners
 from broker.shards.worker import WorkerLink
 
@@ -63,6 +63,8 @@ SHARED = ("/api/users", "/api/permissions", "/api/topic-permissions", "/api/vhos
 APP = frozenset({"/api/broker/stop", "/api/broker/start"})  # every worker's client listeners
 FORWARD_TIMEOUT = 30.0
 _PASSED = ("Authorization", "Content-Type", "Accept")
+_KEPT = ("Content-Type", "Location", "WWW-Authenticate", "Retry-After")  # headers of the answer passed on
+RELAY_CHUNK = 1 << 16  # bytes of a relayed answer held here at once, beyond the transports' buffers
 
 
 class Fanout:
@@ -97,6 +99,8 @@ class Fanout:
             if spanned is not None:
                 return spanned
         if not local and vhost is not None and not link.owns(vhost):
+            if _relayed(request):
+                return await self.relay(request, link.owner(vhost))
             forwarded: web.StreamResponse = await self.forward(request, link.owner(vhost))
             return forwarded
         if not local and request.path in APP and request.method == "PUT":
@@ -242,20 +246,80 @@ class Fanout:
         """The answer of worker ``index`` (the vhost's owner) to ``request``."""
         url = self._target(index, request)
         if url is None:
-            return web.json_response({"error": "service_unavailable",
-                                      "reason": "the worker of this vhost is restarting"}, status=503)
+            return _restarting()
         headers = {h: request.headers[h] for h in _PASSED if h in request.headers}
         headers[LOCAL] = "1"
         body = await request.read()
         try:
             async with self.client().request(request.method, url, headers=headers, data=body) as got:
                 data = await got.read()
-                kept = ("Content-Type", "Location", "WWW-Authenticate")
-                return web.Response(body=data, status=got.status,
-                                    headers={k: v for k, v in got.headers.items() if k in kept})
+                return web.Response(body=data, status=got.status, headers=_kept(got))
         except (aiohttp.ClientError, TimeoutError) as exc:
-            return web.json_response({"error": "service_unavailable", "reason": f"worker {index}: {exc}"},
-                                     status=503)
+            return _unreachable(index, exc)
+
+    async def relay(self, request: web.Request, index: int) -> web.StreamResponse:
+        """``forward`` for a GET whose answer is passed on as it arrives (``_relayed``). Its
+        time bound is the owner's send timeout (a stalled client stalls this read, the owner
+        cuts its side off), so no total here, only a bound on silence."""
+        url = self._target(index, request)
+        if url is None:
+            return _restarting()
+        headers = {h: request.headers[h] for h in _PASSED if h in request.headers}
+        headers[LOCAL] = "1"
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=FORWARD_TIMEOUT)
+        try:
+            async with self.client().request("GET", url, headers=headers, timeout=timeout) as got:
+                if got.status != 200:
+                    return web.Response(body=await got.read(), status=got.status, headers=_kept(got))
+                return await _relay(request, got, _kept(got))
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return _unreachable(index, exc)
+
+
+def _restarting() -> web.Response:
+    return web.json_response({"error": "service_unavailable",
+                              "reason": "the worker of this vhost is restarting"}, status=503)
+
+
+def _unreachable(index: int, exc: BaseException) -> web.Response:
+    return web.json_response({"error": "service_unavailable", "reason": f"worker {index}: {exc}"},
+                             status=503)
+
+
+def _kept(got: aiohttp.ClientResponse) -> dict[str, str]:
+    return {k: v for k, v in got.headers.items() if k in _KEPT}
+
+
+def _relayed(request: web.Request) -> bool:
+    """Whether the answer is passed on as it arrives rather than read whole first: a GET of the raw
+    stream records (up to 64 MiB each), whose memory the owner's records budget bounds only
+    while the owner is still sending them."""
+    route = request.match_info.route.resource
+    return request.method == "GET" and route is not None and route.canonical in RECORD_ROUTES
+
+
+async def _relay(request: web.Request, got: aiohttp.ClientResponse, headers: dict[str, str]
+                 ) -> web.StreamResponse:
+    """Pass ``got``'s body on in chunks, at the client's pace (each write waits for the client's
+    transport to drain, and this side then stops reading the owner's answer), within the records
+    send timeout, as the owner sends (the loopback's socket buffers may take the whole answer
+    off the owner's hands, so the owner's timeout alone does not bound a stalled client here).
+    An answer that
+    cannot be finished (the owner cut it off, the client went away) has the client's connection
+    aborted: its length was promised, so a short body must not pass for a whole one."""
+    resp = web.StreamResponse(status=got.status, headers=headers)
+    if got.content_length is not None:
+        resp.content_length = got.content_length
+    try:
+        async with asyncio.timeout(request.app[MGMT_KEY].records.send_timeout):
+            await resp.prepare(request)
+            async for chunk in got.content.iter_chunked(RELAY_CHUNK):
+                await resp.write(chunk)
+            await resp.write_eof()
+    except (aiohttp.ClientError, TimeoutError, OSError):
+        if request.transport is not None:
+            request.transport.abort()
+    return resp
 
 
 def add_counts(into: dict[str, Any], other: dict[str, Any]) -> None:

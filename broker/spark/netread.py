@@ -25,8 +25,10 @@ meets a connection the broker closed while idle is sent once more on a new one),
 auth from the URI's user and password (``guest:guest`` when absent, as AMQP URIs default),
 and ``timeout`` seconds per socket operation. The request names the body format version; the
 broker refuses another with 400 and the answer's head must carry the same magic and version,
-so a client and a broker that disagree fail with a clear error instead of misreading bytes. Anything but 200
-raises ``RecordsError`` with the broker's reason (401: login or the read permission refused).
+so a client and a broker that disagree fail with a clear error instead of misreading bytes. A 503
+with Retry-After (the broker's records memory budget is busy) is asked again after that pause
+until ``timeout`` seconds have passed; anything else but 200, or a 503 past that time, raises
+``RecordsError`` with the broker's reason (401: login or the read permission refused).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import time
 import urllib.parse
 from collections.abc import Callable, Iterator
 from typing import Final
@@ -77,6 +80,7 @@ class RecordsClient:
         cls = http.client.HTTPSConnection if parts.scheme.lower() == "https" else http.client.HTTPConnection
         self._conn = cls(parts.hostname, parts.port, timeout=timeout)
         self._base = parts.path.rstrip("/")
+        self._timeout = timeout
         self.vhost = vhost
 
     def close(self) -> None:
@@ -96,6 +100,22 @@ class RecordsClient:
             query["end"] = end
         path = (f"{self._base}/api/streams/{q(self.vhost, safe='')}/{q(queue, safe='')}/records?"
                 + urllib.parse.urlencode(query))
+        deadline = time.monotonic() + self._timeout
+        while True:
+            status, retry_after, data = self._send(queue, path)
+            if status != 503 or retry_after is None or time.monotonic() + retry_after > deadline:
+                break
+            time.sleep(retry_after)  # the broker's records budget is busy: ask again, within timeout
+        if status != 200:
+            raise RecordsError(f"skred: stream '{queue}' in vhost '{self.vhost}': HTTP {status}: "
+                               f"{_reason(data)}")
+        try:
+            return Answer(data)
+        except ValueError as exc:
+            raise RecordsError(f"skred: stream '{queue}': {exc}") from None
+
+    def _send(self, queue: str, path: str) -> tuple[int, float | None, bytes]:
+        """(status, Retry-After seconds capped at 5 when given, body) of one GET."""
         for attempt in range(2):
             try:
                 self._conn.request("GET", path, headers={"Authorization": self._auth})
@@ -109,13 +129,12 @@ class RecordsClient:
                 stale = isinstance(exc, (ConnectionResetError, BrokenPipeError))  # RemoteDisconnected too
                 if attempt or not stale:
                     raise ConnectionError(f"skred: stream '{queue}': {exc}") from exc
-        if resp.status != 200:
-            raise RecordsError(f"skred: stream '{queue}' in vhost '{self.vhost}': HTTP {resp.status}: "
-                               f"{_reason(data)}")
+        after = resp.getheader("Retry-After")
         try:
-            return Answer(data)
-        except ValueError as exc:
-            raise RecordsError(f"skred: stream '{queue}': {exc}") from None
+            retry_after = min(max(float(after), 0.05), 5.0) if after is not None else None
+        except ValueError:
+            retry_after = None
+        return resp.status, retry_after, data
 
     def extent(self, queue: str) -> tuple[int, int]:
         """(first offset, next offset) of the stream now."""
