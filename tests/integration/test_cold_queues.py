@@ -5,7 +5,8 @@ durable queues is delivered on a single node, the cluster's leader and through a
 (``cluster_modes``), and survives kill -9 together with queues whose first segment was made but
 never used. A queue deleted and declared again at once (the old directory renamed to a tombstone
 on the loop and removed on the segment worker) keeps only its new messages, and a follower's
-copy of it equals the leader's, with no tombstone replicated or left."""
+copy of it equals the leader's, with no tombstone replicated or left; the same for a delayed
+exchange's held messages (``delayed/``), whose copy a promoted follower's boot replays."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import pytest
 
 from broker.store.paths import TOMBSTONE_SUFFIX, find_vhost_dir, queue_dir
 
-from ._support import Broker, connect, is_external, queue_count, unique
+from ._support import Broker, connect, is_external, queue_count, unique, wait_until
 
 QUEUES = 40
 PERSISTENT = pika.BasicProperties(delivery_mode=2)
@@ -97,8 +98,8 @@ def test_first_segments_made_and_used_survive_kill_9(broker: Broker) -> None:
     _take_all(broker, names, set(names), delete=True)
 
 
-def _tombstones(data_dir: Path, names: list[str]) -> list[str]:
-    vdir = find_vhost_dir(data_dir, "/")
+def _tombstones(data_dir: Path, names: list[str], sub: str = "") -> list[str]:
+    vdir = find_vhost_dir(data_dir, "/") / sub
     prefixes = tuple(queue_dir(vdir, q).name + "." for q in names)
     return [p.name for p in vdir.iterdir()
             if p.name.startswith(prefixes) and p.name.endswith(TOMBSTONE_SUFFIX)]
@@ -130,24 +131,51 @@ def test_a_queue_deleted_and_declared_again_keeps_only_its_new_messages(shared_b
         conn.close()
 
 
-def _check_copies(target: Any, names: list[str]) -> None:
+@pytest.mark.cluster_modes
+def test_a_delayed_exchange_deleted_and_declared_again_holds_only_its_new_messages(
+        shared_broker: Any) -> None:
+    ex, q = unique("dx-again"), unique("dq-again")
+    args = {"x-delayed-type": "direct"}
+    conn = connect(shared_broker)
+    try:
+        ch = conn.channel()
+        ch.confirm_delivery()
+        ch.queue_declare(q, durable=True)
+        ch.exchange_declare(ex, "x-delayed-message", durable=True, arguments=args)
+        ch.queue_bind(q, ex, "k")
+        ch.basic_publish(ex, "k", b"old", pika.BasicProperties(headers={"x-delay": 600}, delivery_mode=2))
+        ch.exchange_delete(ex)  # drops "old"; its files go while the name is declared again
+        ch.exchange_declare(ex, "x-delayed-message", durable=True, arguments=args)
+        ch.queue_bind(q, ex, "k")
+        ch.basic_publish(ex, "k", b"new", pika.BasicProperties(headers={"x-delay": 1500}, delivery_mode=2))
+        _check_copies(shared_broker, [ex], "delayed")  # what a promoted follower's boot replays
+        wait_until(lambda: queue_count(conn, q) >= 1, 10, "the held message of the exchange declared again")
+        assert ch.basic_get(q, auto_ack=True)[2] == b"new"  # "old", due first, never came
+        ch.exchange_delete(ex)
+        ch.queue_delete(q)
+    finally:
+        conn.close()
+
+
+def _check_copies(target: Any, names: list[str], sub: str = "") -> None:
     """The leader removes the tombstones (off its loop); a follower's copy of each queue's
-    directory equals the leader's and it holds no tombstone."""
+    directory (``sub``: "delayed" for delayed exchanges' held messages) equals the leader's and
+    it holds no tombstone."""
     cluster = getattr(target, "cluster", None)
     leader_dir = target.data_dir if cluster is None else cluster.leader.data_dir
     if leader_dir is None:
         return  # an external broker: its files are not ours to read
     deadline = time.monotonic() + 20
-    while _tombstones(leader_dir, names):
-        assert time.monotonic() < deadline, f"tombstones left: {_tombstones(leader_dir, names)}"
+    while _tombstones(leader_dir, names, sub):
+        assert time.monotonic() < deadline, f"tombstones left: {_tombstones(leader_dir, names, sub)}"
         time.sleep(0.05)
     if cluster is None:
         return
     from .test_cluster import logical_equal, wait_for
 
     for f in cluster.followers:
-        assert not _tombstones(f.data_dir, names)
+        assert not _tombstones(f.data_dir, names, sub)
         for q in names:
-            lq, fq = (queue_dir(find_vhost_dir(d, "/"), q) for d in (leader_dir, f.data_dir))
+            lq, fq = (queue_dir(find_vhost_dir(d, "/") / sub, q) for d in (leader_dir, f.data_dir))
             wait_for(lambda lq=lq, fq=fq: logical_equal(lq, fq) is None, 20,
                      f"{f.name}'s copy of {q} equals the leader's: {logical_equal(lq, fq)}")
