@@ -12,7 +12,6 @@ directories, drop permissions and policies).
 from __future__ import annotations
 
 import asyncio
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -215,8 +214,7 @@ class Mgmt:
                 q.delete()
         syncer.discard(vh.definitions)
         vh.close()
-        shutil.rmtree(vh.dir, ignore_errors=True)
-        shutil.rmtree(vh.transient_dir, ignore_errors=True)
+        vh.remove_files()  # renamed away now (the name may be created again at once), removed later
         self.broker.users.clear_vhost(name)
         self.policies.clear_vhost(name)
         if self.parameters is not None:

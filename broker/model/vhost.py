@@ -103,7 +103,8 @@ class VHost:
         self.dir = vhost_dir(data_dir, name)
         self._dir_str = str(self.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        for parent in (self._dir_str, self.dir / "delayed"):  # deleted queues a crash left (off the loop)
+        # deleted queues and vhosts a crash left (off the loop)
+        for parent in (self._dir_str, self.dir / "delayed", self.dir.parent):
             remove_tombstones_later(parent)
         self.transient_dir = transient_root / self.dir.name
         self.segment_size = segment_size
@@ -136,6 +137,13 @@ class VHost:
         # priority): their features' dead letters go through this vhost's publish operation
         self._variants = queue_featured.Promotion(self, call_later)
         self._load()
+
+    def remove_files(self) -> None:
+        """A deleted vhost (after ``close``): its directories are renamed to tombstones on the
+        loop, so a vhost of the same name created at once has them to itself, and removed on
+        the segment worker (``store/segment_log``: bury); a crash's leftovers go at a boot."""
+        bury(self._dir_str)
+        bury(str(self.transient_dir))
 
     # ------------------------------------------------------------ definitions
     def _load(self) -> None:
