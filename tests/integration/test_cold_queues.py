@@ -6,11 +6,15 @@ durable queues is delivered on a single node, the cluster's leader and through a
 never used. A queue deleted and declared again at once (the old directory renamed to a tombstone
 on the loop and removed on the segment worker) keeps only its new messages, and a follower's
 copy of it equals the leader's, with no tombstone replicated or left; the same for a delayed
-exchange's held messages (``delayed/``), whose copy a promoted follower's boot replays."""
+exchange's held messages (``delayed/``), whose copy a promoted follower's boot replays, and a
+vhost deleted and made again at once (its directory renamed to a tombstone too)."""
 
 from __future__ import annotations
 
+import base64
+import json
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +159,59 @@ def test_a_delayed_exchange_deleted_and_declared_again_holds_only_its_new_messag
         ch.queue_delete(q)
     finally:
         conn.close()
+
+
+def _http(b: Any, method: str, path: str, body: Any = None) -> None:
+    auth = "Basic " + base64.b64encode(b"guest:guest").decode()
+    req = urllib.request.Request(f"http://{b.host}:{b.mgmt_port}{path}", method=method,
+                                 data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", "Authorization": auth})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        assert resp.status in (200, 201, 204), (method, path, resp.status)
+
+
+def _made_vhost(b: Any, vhost: str) -> pika.BlockingConnection:
+    _http(b, "PUT", f"/api/vhosts/{vhost}")
+    _http(b, "PUT", f"/api/permissions/{vhost}/guest", {"configure": ".*", "write": ".*", "read": ".*"})
+    return connect(b, virtual_host=vhost)
+
+
+@pytest.mark.cluster_modes
+def test_a_vhost_deleted_and_made_again_keeps_only_its_new_messages(shared_broker: Any) -> None:
+    vhost, q = unique("vh-again"), unique("q")
+    for body in (b"old", b"new"):  # the vhost made again at once, before its old files are gone
+        if body == b"new":
+            _http(shared_broker, "DELETE", f"/api/vhosts/{vhost}")
+        conn = _made_vhost(shared_broker, vhost)
+        try:
+            ch = conn.channel()
+            ch.confirm_delivery()
+            ch.queue_declare(q, durable=True)
+            ch.basic_publish("", q, body, PERSISTENT, mandatory=True)
+        finally:
+            conn.close()
+    cluster = getattr(shared_broker, "cluster", None)
+    leader_dir = shared_broker.data_dir if cluster is None else cluster.leader.data_dir
+    if leader_dir is not None:
+        vdir = find_vhost_dir(leader_dir, vhost)
+        wait_until(lambda: not [p for p in vdir.parent.iterdir()
+                                if p.name.startswith(vdir.name + ".") and p.name.endswith(TOMBSTONE_SUFFIX)],
+                   20, "the deleted vhost's tombstone removed")
+    if cluster is not None:
+        from .test_cluster import logical_equal, wait_for
+
+        for f in cluster.followers:
+            fdir = find_vhost_dir(f.data_dir, vhost)
+            wait_for(lambda fdir=fdir: logical_equal(vdir, fdir) is None, 20,
+                     f"{f.name}'s copy of the vhost equals the leader's: {logical_equal(vdir, fdir)}")
+    conn = connect(shared_broker, virtual_host=vhost)
+    try:
+        ch = conn.channel()
+        assert ch.queue_declare(q, durable=True, passive=True).method.message_count == 1
+        assert ch.basic_get(q, auto_ack=True)[2] == b"new"
+    finally:
+        conn.close()
+    _http(shared_broker, "DELETE", f"/api/vhosts/{vhost}")
 
 
 def _check_copies(target: Any, names: list[str], sub: str = "") -> None:
