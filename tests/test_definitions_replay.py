@@ -173,3 +173,45 @@ def test_a_queue_deleted_and_declared_again_keeps_its_messages_across_a_boot(tmp
     assert msgid is not None and store.read(msgid)[4] == b"new" and store.shift() is None
     assert "gone" not in again.queues and not gone.exists()
     again.close()
+
+
+def test_a_delayed_exchange_deleted_and_declared_again_keeps_its_messages_across_a_boot(
+        tmp_path: Path) -> None:
+    """The same for a delayed-message exchange's held messages (``delayed/`` under the vhost):
+    replaying an exchange.delete must not remove the files of the exchange declared again
+    later in the log; an exchange deleted for good has a crash's leftover directory removed
+    once the log is read, and one declared again with another type has its old files buried."""
+    from broker.store import segment_log
+    from broker.store.paths import queue_dir
+    from broker.store.queue_store import QueueStore
+
+    args = {"x-delayed-type": "direct"}
+    vh = _vhost(tmp_path)
+    for name in ("again", "gone", "retyped"):
+        vh.declare_exchange(name, "x-delayed-message", durable=True, arguments=args)
+        special = vh.exchanges[name].special
+        assert special is not None and special.delayed is not None
+        special.delayed.add(1, 3_600_000, "k", b"\x10\x00\x02", b"old")
+        vh.delete_exchange(name)
+    vh.declare_exchange("again", "x-delayed-message", durable=True, arguments=args)
+    vh.declare_exchange("retyped", "direct", durable=True)
+    special = vh.exchanges["again"].special
+    assert special is not None and special.delayed is not None
+    special.delayed.add(1, 3_600_000, "k", b"\x10\x00\x02", b"new")
+    special.delayed.store.sync()
+    segment_log._spare_worker().submit(lambda: None).result(30)
+    vh.close()
+    delayed = vh.dir / "delayed"
+    for name in ("gone", "retyped"):  # as a crash between the delete's record and its rename leaves them
+        left = QueueStore(queue_dir(delayed, name), segment_size=64 * 1024, sink=NullSink())
+        left.append(1, name.encode(), b"k", b"\x10\x00\x02", b"stale")
+        left.close()
+    again = _vhost(tmp_path)
+    special = again.exchanges["again"].special
+    assert special is not None and special.delayed is not None
+    held = special.delayed
+    assert held.count == 1, "the exchange declared again lost its held message at the boot"
+    assert held.store.read(held.heap[0][2])[4] == b"new"
+    assert "gone" not in again.exchanges and again.exchanges["retyped"].type == "direct"
+    assert not queue_dir(delayed, "gone").exists() and not queue_dir(delayed, "retyped").exists()
+    again.close()

@@ -252,3 +252,55 @@ def test_closing_a_recovered_queue_while_its_next_segment_is_queued(tmp_path: Pa
         gate.set()
     closing.join(20)
     assert not closing.is_alive(), "the close and the worker wait for each other"
+
+
+def test_deleting_a_vhost_removes_no_file_on_the_loop_and_a_vhost_made_again_keeps_its_files(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The API's vhost delete (``Mgmt.delete_vhost``) renames the vhost's directory to a
+    tombstone and the worker removes it (before: an ``rmtree`` on the loop of the whole vhost,
+    its queues' tombstones too); a vhost of the same name created at once keeps its own files."""
+    from types import SimpleNamespace
+
+    from broker.auth.parameters import GlobalParameters
+    from broker.auth.vhosts import VHostStore
+    from broker.http.state import Mgmt
+    from broker.model.vhost import VHost
+    from broker.store.sink import NullSink
+
+    data = tmp_path / "data"
+    data.mkdir()
+
+    def make(name: str) -> VHost:
+        return VHost(name, data, segment_size=64 * 1024, sink=NullSink(), schedule=lambda cb: cb(),
+                     mark_dirty=lambda _obj: None, transient_root=tmp_path / "transient")
+
+    vh = make("v")
+    for i in range(10):
+        q, _ = vh.declare_queue(f"q{i}", durable=True, owner=None)
+        for _ in range(50):
+            q.store.append(1, b"", b"q", PROPS, BODY)
+    vh.declare_exchange("dx", "x-delayed-message", durable=True, arguments={"x-delayed-type": "direct"})
+    broker = SimpleNamespace(vhosts={"v": vh}, connections=[],
+                             syncer=SimpleNamespace(discard=lambda _s: None),
+                             users=SimpleNamespace(clear_vhost=lambda _n: None))
+    names = VHostStore(data / "vhosts.json", NullSink())
+    names.add("v")
+    mgmt = Mgmt(broker, names, make, data, tmp_path / "transient",  # type: ignore[arg-type]
+                GlobalParameters(data / "parameters.json", NullSink()))
+    _worker_idle()
+    calls = _count_file_calls(monkeypatch)
+    mgmt.delete_vhost("v")
+    removed = sorted({c for mine, c in calls if mine} & {"unlink", "rmdir", "rmtree", "ftruncate"})
+    assert not removed, f"the vhost delete removed files on the loop: {removed}"
+    again = mgmt.create_vhost("v")  # at once: the old files' removal may not have run yet
+    q, _ = again.declare_queue("q0", durable=True, owner=None)
+    q.store.append(1, b"", b"q", PROPS, b"new")
+    q.store.sync()
+    _worker_idle()
+    monkeypatch.undo()
+    again.close()
+    back = make("v")
+    assert set(back.queues) == {"q0"} and back.queues["q0"].message_count == 1
+    _worker_idle()
+    assert not [p.name for p in data.iterdir() if p.name.endswith(TOMBSTONE_SUFFIX)]
+    back.close()

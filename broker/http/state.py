@@ -12,7 +12,6 @@ directories, drop permissions and policies).
 from __future__ import annotations
 
 import asyncio
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -218,8 +217,7 @@ class Mgmt:
                 q.delete()
         syncer.discard(vh.definitions)
         vh.close()
-        shutil.rmtree(vh.dir, ignore_errors=True)
-        shutil.rmtree(vh.transient_dir, ignore_errors=True)
+        vh.remove_files()  # renamed away now (the name may be created again at once), removed later
         for forget in self.vhost_deleted:  # MQTT's retained messages and sessions went with its dir
             forget(name)
         self.broker.users.clear_vhost(name)

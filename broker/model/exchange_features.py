@@ -451,6 +451,7 @@ class DelayedStore:
             directory = queue_dir(vh.transient_dir / "delayed", ex.name)
             shutil.rmtree(directory, ignore_errors=True)
             self.store = QueueStore(directory, segment_size=vh.segment_size, sink=NULL_SINK, files=vh.files)
+        self.directory = str(directory)  # where its messages are (a boot's replay buries it)
         self.heap: list[tuple[int, int, int]] = []
         self._seq = itertools.count()
         self._timer: TimerHandle | None = None

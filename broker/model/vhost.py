@@ -103,7 +103,8 @@ class VHost:
         self.dir = vhost_dir(data_dir, name)
         self._dir_str = str(self.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        for parent in (self._dir_str, self.dir / "delayed"):  # deleted queues a crash left (off the loop)
+        # deleted queues and vhosts a crash left (off the loop)
+        for parent in (self._dir_str, self.dir / "delayed", self.dir.parent):
             remove_tombstones_later(parent)
         self.transient_dir = transient_root / self.dir.name
         self.segment_size = segment_size
@@ -130,20 +131,28 @@ class VHost:
         self.limits = VHostLimits(self.dir / "limits.json", sink)  # max-connections, max-queues
         self.meta = VHostMeta(self.dir / "metadata.json", sink)  # description, default_queue_type
         self._replaying = False
-        self._load_deleted: set[str] | None = None  # see _load
+        self._load_deleted: dict[str, Callable[[], bool]] | None = None  # see _load
         self.fast = FastPaths()  # publish/delivery runs and direct hand-over (tests switch off)
         # how its classic queues become featured ones unasked (an expiration, a consumer
         # priority): their features' dead letters go through this vhost's publish operation
         self._variants = queue_featured.Promotion(self, call_later)
         self._load()
 
+    def remove_files(self) -> None:
+        """A deleted vhost (after ``close``): its directories are renamed to tombstones on the
+        loop, so a vhost of the same name created at once has them to itself, and removed on
+        the segment worker (``store/segment_log``: bury); a crash's leftovers go at a boot."""
+        bury(self._dir_str)
+        bury(str(self.transient_dir))
+
     # ------------------------------------------------------------ definitions
     def _load(self) -> None:
         self._replaying = True
-        # Queues a delete record removed: their files stay until the whole log is read (they
-        # may be those of the same name declared again later in the log), then those of a name
-        # still deleted go (a crash between the delete's record and its rename left them).
-        deleted: set[str] = set()
+        # Queues and delayed exchanges' held messages a delete record removed: their files
+        # stay until the whole log is read (they may be those of the same name declared again
+        # later in the log), then those of a name still deleted go (a crash between the
+        # delete's record and its rename left them). Directory -> "is it still deleted?".
+        deleted: dict[str, Callable[[], bool]] = {}
         self._load_deleted = deleted
         try:
             for record in self.definitions.load():
@@ -162,8 +171,9 @@ class VHost:
         finally:
             self._replaying = False
             self._load_deleted = None
-        for name in deleted - self.queues.keys():
-            bury(queue_path(self._dir_str, name))
+        for directory, still_deleted in deleted.items():
+            if still_deleted():
+                bury(directory)
 
     def _replay_plain(self, fields: definition_records.Plain) -> None:
         """``_replay`` for a queue.declare or queue.bind without arguments (most of a log: one
@@ -339,7 +349,13 @@ class VHost:
             self._log(methods.ExchangeDelete(exchange=name))  # first: DiskFull changes nothing
         del self.exchanges[name]
         if ex.special is not None:
-            ex.special.close(delete=True)  # drops held delayed messages with the exchange
+            held = ex.special.delayed
+            if self._load_deleted is not None and held is not None and held.durable:
+                # a boot's replay: the held messages' files are decided at its end (see _load)
+                self._load_deleted[held.directory] = lambda: not self._holds_delayed(name)
+                ex.special.close()
+            else:
+                ex.special.close(delete=True)  # drops held delayed messages with the exchange
         for other in self.exchanges.values():
             other.unbind_all(ex)
         if ex.durable:
@@ -493,7 +509,7 @@ class VHost:
             if ex.unbind_all(q) and ex.auto_delete and not ex.has_bindings():
                 self._auto_delete_exchange(ex)
         if self._load_deleted is not None:  # a boot's replay: the files are decided at its end
-            self._load_deleted.add(name)
+            self._load_deleted[queue_path(self._dir_str, name)] = lambda: name not in self.queues
             q.close()
         else:
             q.delete()
@@ -544,6 +560,12 @@ class VHost:
                 self.bind_queue(name, ex_name, rk, args, owner=None)
         nq.paused = q.paused
         return nq
+
+    def _holds_delayed(self, name: str) -> bool:
+        """Whether exchange ``name`` is a durable delayed one (its held messages on disk)."""
+        ex = self.exchanges.get(name)
+        held = None if ex is None or ex.special is None else ex.special.delayed
+        return held is not None and held.durable
 
     def _auto_delete_exchange(self, ex: Exchange) -> None:
         if self.exchanges.get(ex.name) is ex:

@@ -159,6 +159,22 @@ def test_delayed_messages_order_and_survive_restart(broker: Broker) -> None:
     ch.exchange_delete(ex)
     time.sleep(0.6)  # the 300 ms delay must pass to show nothing arrives (no event to poll for)
     assert queue_count(conn, q) == 0
+    # Declared again under the same name: its confirmed held message survives kill -9 (the
+    # boot's replay of the delete record removed the new exchange's files and lost it).
+    ch.confirm_delivery()
+    ch.exchange_declare(ex, "x-delayed-message", durable=True, arguments={"x-delayed-type": "direct"})
+    ch.queue_bind(q, ex, "k")
+    t1 = time.monotonic()
+    ch.basic_publish(ex, "k", b"again", pika.BasicProperties(headers={"x-delay": 3000}, delivery_mode=2))
+    held = queue_count(conn, q) == 0 and time.monotonic() - t1 < 2.5  # still held at the kill
+    conn.close()
+    broker.kill9()
+    broker.start()
+    conn = connect(broker)
+    ch = conn.channel()
+    wait_until(lambda: queue_count(conn, q) == 1, 10, "the exchange declared again fires after kill -9")
+    assert not held or time.monotonic() - t1 >= 2.9
+    assert ch.basic_get(q, auto_ack=True)[2] == b"again"
     conn.close()
 
 
