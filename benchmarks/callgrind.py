@@ -15,11 +15,16 @@ Scenarios: ``publish`` (identical messages to a queue without consumers: runs),
 ``deliver-ack`` (prefetch 1000, acked in multiples), ``topic`` (through ``amq.topic`` to two
 queues) and ``topic-50`` (issue 31's topic workload: 50 queues bound to ``amq.topic`` with
 ``*.r<j % 10>.k<j // 10>``, every message a random one of their 50 keys, so one delivery each,
-an autoack consumer on every queue) and ``cold`` (issue 31's cold queues: ``n`` new queues, each
+an autoack consumer on every queue), ``ack-each`` (issue 31's manual ack: varied messages
+published while a consumer with prefetch 100 waits, 50 at a time, each acked with a Basic.Ack of
+its own), ``queues-1000`` (issue 31's 1,000 queues: varied messages published to 1,000 queues in
+turn, each with an autoack consumer on a channel of its own) and ``cold`` (issue 31's cold queues:
+``n`` new queues, each
 with an autoack consumer on a connection of its own and a producer connection of its own that
 has not published yet; one message from each producer: what a first message costs).
 
-Usage: ``python benchmarks/callgrind.py [-n 2000] [scenario ...]`` (needs valgrind).
+Usage: ``python benchmarks/callgrind.py [-n 2000] [--top 25] [scenario ...]`` (needs valgrind;
+``--top`` also prints each scenario's costliest functions, self cost, from callgrind_annotate).
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hotpath import handshake, publish_frames  # noqa: E402
 
 SCENARIOS = ("publish", "publish-varied", "deliver-autoack", "direct-autoack", "deliver-ack", "topic",
-             "topic-50", "cold")
+             "topic-50", "ack-each", "queues-1000", "cold")
 _TOTALS = re.compile(r"^(?:summary|totals):\s*(\d+)", re.M)
 
 
@@ -97,6 +102,13 @@ async def _scenario(scenario: str, n: int, sync: Path) -> None:
             _feed(pub, warm, cons.out)  # every key routed once, every queue's first segment made
         if scenario in ("deliver-autoack", "deliver-ack"):
             _feed(pub, frames)
+        plan: list[tuple[bytes, bytes]] = []
+        if scenario == "ack-each":
+            plan = _ack_each_plan(publish_frames(n, 16, "hp", True), n)
+            cons.receive_data(pframe.marshal(commands.Basic.Qos(prefetch_count=100), 1))
+            cons.receive_data(pframe.marshal(commands.Basic.Consume(queue="hp", consumer_tag="c"), 1))
+        if scenario == "queues-1000":
+            frames = _queues(pub, cons, n, 1000)
         if scenario in ("deliver-autoack", "direct-autoack"):
             cons.receive_data(pframe.marshal(commands.Basic.Consume(queue="hp", consumer_tag="c",
                                                                     no_ack=True), 1))
@@ -113,6 +125,10 @@ async def _scenario(scenario: str, n: int, sync: Path) -> None:
                 if scenario == "deliver-ack":
                     tag = cons.chs[1].next_tag - 1
                     cons.receive_data(pframe.marshal(commands.Basic.Ack(delivery_tag=tag, multiple=True), 1))
+        elif plan:  # ack-each: a batch of publishes, then the acks of what they delivered
+            for batch, acks in plan:
+                _feed(pub, batch)
+                _feed(cons, acks, cons.out)
         elif producers:
             for p, frame in producers:
                 _feed(p, frame)
@@ -145,6 +161,36 @@ def _cold(broker: object, n: int) -> list[tuple[object, bytes]]:
     return out
 
 
+def _ack_each_plan(frames: bytes, n: int) -> list[tuple[bytes, bytes]]:
+    """``frames`` cut into batches of 50 messages, each with the acks that follow it: a Basic.Ack
+    of its own for every delivery (tags 1..n in order: the consumer gets every message)."""
+    marker = pframe.marshal(commands.Basic.Publish(exchange="", routing_key="hp"), 1)
+    starts, at = [], frames.find(marker)
+    while at >= 0:
+        starts.append(at)
+        at = frames.find(marker, at + len(marker))
+    starts.append(len(frames))
+    def acks(lo: int, hi: int) -> bytes:
+        return b"".join(pframe.marshal(commands.Basic.Ack(delivery_tag=t + 1), 1) for t in range(lo, hi))
+
+    return [(frames[starts[b] : starts[min(b + 50, n)]], acks(b, min(b + 50, n))) for b in range(0, n, 50)]
+
+
+def _queues(pub: object, cons: object, n: int, queues: int) -> bytes:
+    """``queues`` queues, each consumed (autoack) on a channel of its own of ``cons``; ``n``
+    varied messages to them in turn."""
+    names = [f"mq{i}" for i in range(queues)]
+    for i, name in enumerate(names):
+        pub.receive_data(pframe.marshal(commands.Queue.Declare(queue=name), 1))  # type: ignore[attr-defined]
+        ch = i + 2
+        cons.receive_data(pframe.marshal(commands.Channel.Open(), ch))  # type: ignore[attr-defined]
+        cons.receive_data(pframe.marshal(commands.Basic.Consume(  # type: ignore[attr-defined]
+            queue=name, consumer_tag=f"c{i}", no_ack=True), ch))
+    frames = publish_frames(n, 16, "", True, names)
+    _feed(pub, publish_frames(queues, 16, "", True, names), cons.out)  # every queue warm once
+    return frames
+
+
 def _topic_50(pub: object, cons: object, n: int) -> tuple[bytes, bytes]:
     """Declare and bind the 50 queues, consume each (autoack); a warm-up publish to each key,
     then ``n`` publishes to random keys."""
@@ -175,8 +221,9 @@ def _control(*args: str) -> None:
     subprocess.run(["callgrind_control", *args], check=True, capture_output=True, timeout=600)
 
 
-def measure(n: int, scenarios: list[str]) -> dict[str, float]:
-    """Instructions per message of each scenario (one valgrind run for all of them)."""
+def measure(n: int, scenarios: list[str], top: int = 0) -> dict[str, float]:
+    """Instructions per message of each scenario (one valgrind run for all of them); with
+    ``top``, prints each scenario's ``top`` costliest functions (self instructions per message)."""
     work = Path(tempfile.mkdtemp(prefix="skred-cg-"))
     sync = work / "go"
     out: dict[str, float] = {}
@@ -203,10 +250,25 @@ def measure(n: int, scenarios: list[str]) -> dict[str, float]:
             if m is None or len(dumps) < i + 1:
                 raise RuntimeError(f"{scenario}: no callgrind dump")
             out[scenario] = int(m.group(1)) / n
+            if top:
+                _print_top(scenario, dumps[-1], n, top)
         child.wait(timeout=600)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return out
+
+
+_FN_LINE = re.compile(r"^\s*([\d,]+)\s+\([^)]*\)\s+(.*)$")
+
+
+def _print_top(scenario: str, dump: Path, n: int, top: int) -> None:
+    """The ``top`` functions of ``dump`` by self cost, in instructions per message."""
+    text = subprocess.run(["callgrind_annotate", "--inclusive=no", "--threshold=100", str(dump)],
+                          capture_output=True, text=True, timeout=600).stdout
+    rows = [m for m in map(_FN_LINE.match, text.splitlines()) if m][:top]
+    print(f"-- {scenario}: costliest functions (self instructions per message)", flush=True)
+    for m in rows:
+        print(f"{int(m.group(1).replace(',', '')) / n:10,.0f}  {m.group(2)[:140]}", flush=True)
 
 
 def main() -> None:
@@ -215,13 +277,14 @@ def main() -> None:
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-n", type=int, default=2000, help="messages per scenario")
+    ap.add_argument("--top", type=int, default=0, help="also print each scenario's N costliest functions")
     ap.add_argument("scenarios", nargs="*", help=f"of {', '.join(SCENARIOS)} (default: all)")
     args = ap.parse_args()
     for scenario in args.scenarios:
         if scenario not in SCENARIOS:
             ap.error(f"no scenario {scenario!r}")
     print(f"{'scenario':18s} instructions/msg")
-    for scenario, per in measure(args.n, args.scenarios or list(SCENARIOS)).items():
+    for scenario, per in measure(args.n, args.scenarios or list(SCENARIOS), args.top).items():
         print(f"{scenario:18s} {per:12,.0f}", flush=True)
 
 

@@ -28,7 +28,9 @@ from broker.config import load_config
 from broker.node import Node
 
 
-def publish_frames(n: int, size: int, queue: str, varied: bool = False) -> bytes:
+def publish_frames(n: int, size: int, queue: str, varied: bool = False,
+                   keys: list[str] | None = None) -> bytes:
+    """``n`` publishes to ``queue`` (varied: to ``keys`` in turn, if given) through the default exchange."""
     if varied:  # every message different: 200 B-2 KiB, message-id, timestamp, three headers
         rnd = random.Random(7)
         out = []
@@ -38,7 +40,8 @@ def publish_frames(n: int, size: int, queue: str, varied: bool = False) -> bytes
                 content_type="application/json", message_id=f"{rnd.getrandbits(128):032x}",
                 timestamp=datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC) + datetime.timedelta(seconds=i),
                 headers={"task": f"tasks.t{i % 17}", "id": str(i), "retries": i % 3})
-            out.append(pframe.marshal(commands.Basic.Publish(exchange="", routing_key=queue), 1)
+            key = keys[i % len(keys)] if keys else queue
+            out.append(pframe.marshal(commands.Basic.Publish(exchange="", routing_key=key), 1)
                        + pframe.marshal(header.ContentHeader(0, len(body), props), 1)
                        + pframe.marshal(pbody.ContentBody(body), 1))
         return b"".join(out)
