@@ -23,8 +23,8 @@ turn, each with an autoack consumer on a channel of its own) and ``cold`` (issue
 with an autoack consumer on a connection of its own and a producer connection of its own that
 has not published yet; one message from each producer: what a first message costs).
 
-Usage: ``python benchmarks/callgrind.py [-n 2000] [--top 25] [scenario ...]`` (needs valgrind;
-``--top`` also prints each scenario's costliest functions, self cost, from callgrind_annotate).
+Usage: ``python benchmarks/callgrind.py [-n 2000] [scenario ...]`` (needs valgrind). Which Python
+functions a scenario's instructions go to: run it under cProfile instead (``--profile``).
 """
 
 from __future__ import annotations
@@ -221,9 +221,8 @@ def _control(*args: str) -> None:
     subprocess.run(["callgrind_control", *args], check=True, capture_output=True, timeout=600)
 
 
-def measure(n: int, scenarios: list[str], top: int = 0) -> dict[str, float]:
-    """Instructions per message of each scenario (one valgrind run for all of them); with
-    ``top``, prints each scenario's ``top`` costliest functions (self instructions per message)."""
+def measure(n: int, scenarios: list[str]) -> dict[str, float]:
+    """Instructions per message of each scenario (one valgrind run for all of them)."""
     work = Path(tempfile.mkdtemp(prefix="skred-cg-"))
     sync = work / "go"
     out: dict[str, float] = {}
@@ -250,25 +249,41 @@ def measure(n: int, scenarios: list[str], top: int = 0) -> dict[str, float]:
             if m is None or len(dumps) < i + 1:
                 raise RuntimeError(f"{scenario}: no callgrind dump")
             out[scenario] = int(m.group(1)) / n
-            if top:
-                _print_top(scenario, dumps[-1], n, top)
         child.wait(timeout=600)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return out
 
 
-_FN_LINE = re.compile(r"^\s*([\d,]+)\s+\([^)]*\)\s+(.*)$")
+def profile(n: int, scenarios: list[str], top: int = 25) -> None:
+    """The scenarios in this process under cProfile (no valgrind): each one's ``top`` broker
+    functions by own time. A thread plays the parent's part of touching the flag file."""
+    import cProfile
+    import pstats
+    import threading
 
+    sync = Path(tempfile.mkdtemp(prefix="skred-prof-")) / "go"
+    done = threading.Event()
 
-def _print_top(scenario: str, dump: Path, n: int, top: int) -> None:
-    """The ``top`` functions of ``dump`` by self cost, in instructions per message."""
-    text = subprocess.run(["callgrind_annotate", "--inclusive=no", "--threshold=100", str(dump)],
-                          capture_output=True, text=True, timeout=600).stdout
-    rows = [m for m in map(_FN_LINE.match, text.splitlines()) if m][:top]
-    print(f"-- {scenario}: costliest functions (self instructions per message)", flush=True)
-    for m in rows:
-        print(f"{int(m.group(1).replace(',', '')) / n:10,.0f}  {m.group(2)[:140]}", flush=True)
+    def touch() -> None:
+        end = time.monotonic() + 600
+        while not done.is_set() and time.monotonic() < end:
+            if not sync.exists():
+                sync.touch()
+            time.sleep(0.001)
+
+    threading.Thread(target=touch, daemon=True).start()
+    try:
+        for scenario in scenarios:
+            prof = cProfile.Profile()
+            prof.enable()
+            asyncio.run(_child(n, sync, [scenario]))
+            prof.disable()
+            print(f"-- {scenario} (set-up included)", flush=True)
+            pstats.Stats(prof).sort_stats("tottime").print_stats(r"broker/", top)
+    finally:
+        done.set()
+        shutil.rmtree(sync.parent, ignore_errors=True)
 
 
 def main() -> None:
@@ -277,14 +292,17 @@ def main() -> None:
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-n", type=int, default=2000, help="messages per scenario")
-    ap.add_argument("--top", type=int, default=0, help="also print each scenario's N costliest functions")
+    ap.add_argument("--profile", action="store_true", help="cProfile the scenarios instead (no valgrind)")
     ap.add_argument("scenarios", nargs="*", help=f"of {', '.join(SCENARIOS)} (default: all)")
     args = ap.parse_args()
     for scenario in args.scenarios:
         if scenario not in SCENARIOS:
             ap.error(f"no scenario {scenario!r}")
+    if args.profile:
+        profile(args.n, args.scenarios or list(SCENARIOS))
+        return
     print(f"{'scenario':18s} instructions/msg")
-    for scenario, per in measure(args.n, args.scenarios or list(SCENARIOS), args.top).items():
+    for scenario, per in measure(args.n, args.scenarios or list(SCENARIOS)).items():
         print(f"{scenario:18s} {per:12,.0f}", flush=True)
 
 
