@@ -130,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--private", default="", metavar="DIR",
                     help="start a Skred and a RabbitMQ with data in DIR")
     ap.add_argument("--skred-only", action="store_true", help="with --private: no RabbitMQ")
+    ap.add_argument("--base", default="", metavar="CHECKOUT",
+                    help="with --private: also a Skred run from the tree in CHECKOUT (an A/B pair)")
     ap.add_argument("--target", action="append", default=[], metavar="NAME=PORT,PID",
                     help="one more broker to measure in turn (e.g. Skred at another commit); repeatable")
     ap.add_argument("--cells", default=",".join(CELLS))
@@ -165,6 +167,11 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.update(SKRED_MQTT_TLS_PORT="-1", SKRED_STREAM_TLS_PORT="-1")
         certs = make_certs(work / "certs")
         brokers = [start_skred(work, *certs)]
+        if a.base:
+            (work / "base").mkdir(exist_ok=True)
+            base = start_skred(work / "base", *certs, tree=Path(a.base).resolve())
+            base.name = "Skred base"
+            brokers.append(base)
         try:
             if not a.skred_only:
                 brokers.append(start_rabbitmq(work, *certs))
