@@ -125,6 +125,16 @@ def alternate(skload: Path, targets: list[tuple[str, int, int]], cells: list[str
     return 1 if failed else 0
 
 
+def _own_listener_ports() -> None:
+    """Every listener start_skred does not place goes to a free port of its own (another broker
+    or a test may hold a default one): start_skred passes this environment to the broker."""
+    from tests.integration._support import listener_ports_env
+
+    os.environ.update({k: v for k, v in listener_ports_env().items()
+                       if k not in ("SKRED_AMQP_PORT", "SKRED_MGMT_PORT", "SKRED_MGMT_METRICS_PORT")})
+    os.environ.update(SKRED_MQTT_TLS_PORT="-1", SKRED_STREAM_TLS_PORT="-1")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--private", default="", metavar="DIR",
@@ -158,17 +168,12 @@ def main(argv: list[str] | None = None) -> int:
         from tls_brokers import make_certs, start_rabbitmq, start_skred
 
         work = Path(a.private)
-        # every listener start_skred does not place goes to a free port too (another broker or
-        # a test may hold a default one); it passes its environment on to the broker
-        from tests.integration._support import listener_ports_env
-
-        os.environ.update({k: v for k, v in listener_ports_env().items()
-                           if k not in ("SKRED_AMQP_PORT", "SKRED_MGMT_PORT", "SKRED_MGMT_METRICS_PORT")})
-        os.environ.update(SKRED_MQTT_TLS_PORT="-1", SKRED_STREAM_TLS_PORT="-1")
         certs = make_certs(work / "certs")
+        _own_listener_ports()
         brokers = [start_skred(work, *certs)]
         if a.base:
             (work / "base").mkdir(exist_ok=True)
+            _own_listener_ports()
             base = start_skred(work / "base", *certs, tree=Path(a.base).resolve())
             base.name = "Skred base"
             brokers.append(base)
