@@ -18,10 +18,10 @@ queues) and ``topic-50`` (issue 31's topic workload: 50 queues bound to ``amq.to
 an autoack consumer on every queue), ``ack-each`` (issue 31's manual ack: varied messages
 published while a consumer with prefetch 100 waits, 50 at a time, each acked with a Basic.Ack of
 its own), ``queues-1000`` (issue 31's 1,000 queues: varied messages published to 1,000 queues in
-turn, each with an autoack consumer on a channel of its own) and ``cold`` (issue 31's cold queues:
-``n`` new queues, each
-with an autoack consumer on a connection of its own and a producer connection of its own that
-has not published yet; one message from each producer: what a first message costs).
+turn, each on a producer channel of its own and with an autoack consumer on a channel of its
+own) and ``cold`` (issue 31's cold queues: ``n`` new queues, each with an autoack consumer on a
+connection of its own and a producer connection of its own that has not published yet; one
+message from each producer: what a first message costs).
 
 Usage: ``python benchmarks/callgrind.py [-n 2000] [scenario ...]`` (needs valgrind). Which Python
 functions a scenario's instructions go to: run it under cProfile instead (``--profile``).
@@ -177,17 +177,18 @@ def _ack_each_plan(frames: bytes, n: int) -> list[tuple[bytes, bytes]]:
 
 
 def _queues(pub: object, cons: object, n: int, queues: int) -> bytes:
-    """``queues`` queues, each consumed (autoack) on a channel of its own of ``cons``; ``n``
-    varied messages to them in turn."""
+    """``queues`` queues, each consumed (autoack) on a channel of its own of ``cons`` and
+    published to on a channel of its own of ``pub``; ``n`` varied messages to them in turn."""
     names = [f"mq{i}" for i in range(queues)]
     for i, name in enumerate(names):
-        pub.receive_data(pframe.marshal(commands.Queue.Declare(queue=name), 1))  # type: ignore[attr-defined]
         ch = i + 2
+        pub.receive_data(pframe.marshal(commands.Channel.Open(), ch))  # type: ignore[attr-defined]
+        pub.receive_data(pframe.marshal(commands.Queue.Declare(queue=name), ch))  # type: ignore[attr-defined]
         cons.receive_data(pframe.marshal(commands.Channel.Open(), ch))  # type: ignore[attr-defined]
         cons.receive_data(pframe.marshal(commands.Basic.Consume(  # type: ignore[attr-defined]
             queue=name, consumer_tag=f"c{i}", no_ack=True), ch))
-    frames = publish_frames(n, 16, "", True, names)
-    _feed(pub, publish_frames(queues, 16, "", True, names), cons.out)  # every queue warm once
+    frames = publish_frames(n, 16, "", True, names, True)
+    _feed(pub, publish_frames(queues, 16, "", True, names, True), cons.out)  # every queue warm once
     return frames
 
 
