@@ -15,11 +15,16 @@ Scenarios: ``publish`` (identical messages to a queue without consumers: runs),
 ``deliver-ack`` (prefetch 1000, acked in multiples), ``topic`` (through ``amq.topic`` to two
 queues) and ``topic-50`` (issue 31's topic workload: 50 queues bound to ``amq.topic`` with
 ``*.r<j % 10>.k<j // 10>``, every message a random one of their 50 keys, so one delivery each,
-an autoack consumer on every queue) and ``cold`` (issue 31's cold queues: ``n`` new queues, each
-with an autoack consumer on a connection of its own and a producer connection of its own that
-has not published yet; one message from each producer: what a first message costs).
+an autoack consumer on every queue), ``ack-each`` (issue 31's manual ack: varied messages
+published while a consumer with prefetch 100 waits, 50 at a time, each acked with a Basic.Ack of
+its own), ``queues-1000`` (issue 31's 1,000 queues: varied messages published to 1,000 queues in
+turn, each on a producer channel of its own and with an autoack consumer on a channel of its
+own) and ``cold`` (issue 31's cold queues: ``n`` new queues, each with an autoack consumer on a
+connection of its own and a producer connection of its own that has not published yet; one
+message from each producer: what a first message costs).
 
-Usage: ``python benchmarks/callgrind.py [-n 2000] [scenario ...]`` (needs valgrind).
+Usage: ``python benchmarks/callgrind.py [-n 2000] [scenario ...]`` (needs valgrind). Which Python
+functions a scenario's instructions go to: run it under cProfile instead (``--profile``).
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hotpath import handshake, publish_frames  # noqa: E402
 
 SCENARIOS = ("publish", "publish-varied", "deliver-autoack", "direct-autoack", "deliver-ack", "topic",
-             "topic-50", "cold")
+             "topic-50", "ack-each", "queues-1000", "cold")
 _TOTALS = re.compile(r"^(?:summary|totals):\s*(\d+)", re.M)
 
 
@@ -97,6 +102,13 @@ async def _scenario(scenario: str, n: int, sync: Path) -> None:
             _feed(pub, warm, cons.out)  # every key routed once, every queue's first segment made
         if scenario in ("deliver-autoack", "deliver-ack"):
             _feed(pub, frames)
+        plan: list[tuple[bytes, bytes]] = []
+        if scenario == "ack-each":
+            plan = _ack_each_plan(publish_frames(n, 16, "hp", True), n)
+            cons.receive_data(pframe.marshal(commands.Basic.Qos(prefetch_count=100), 1))
+            cons.receive_data(pframe.marshal(commands.Basic.Consume(queue="hp", consumer_tag="c"), 1))
+        if scenario == "queues-1000":
+            frames = _queues(pub, cons, n, 1000)
         if scenario in ("deliver-autoack", "direct-autoack"):
             cons.receive_data(pframe.marshal(commands.Basic.Consume(queue="hp", consumer_tag="c",
                                                                     no_ack=True), 1))
@@ -113,6 +125,10 @@ async def _scenario(scenario: str, n: int, sync: Path) -> None:
                 if scenario == "deliver-ack":
                     tag = cons.chs[1].next_tag - 1
                     cons.receive_data(pframe.marshal(commands.Basic.Ack(delivery_tag=tag, multiple=True), 1))
+        elif plan:  # ack-each: a batch of publishes, then the acks of what they delivered
+            for batch, acks in plan:
+                _feed(pub, batch)
+                _feed(cons, acks, cons.out)
         elif producers:
             for p, frame in producers:
                 _feed(p, frame)
@@ -143,6 +159,37 @@ def _cold(broker: object, n: int) -> list[tuple[object, bytes]]:
         p.after_batch()
         out.append((p, publish_frames(1, 64, f"cold{i}")))
     return out
+
+
+def _ack_each_plan(frames: bytes, n: int) -> list[tuple[bytes, bytes]]:
+    """``frames`` cut into batches of 50 messages, each with the acks that follow it: a Basic.Ack
+    of its own for every delivery (tags 1..n in order: the consumer gets every message)."""
+    marker = pframe.marshal(commands.Basic.Publish(exchange="", routing_key="hp"), 1)
+    starts, at = [], frames.find(marker)
+    while at >= 0:
+        starts.append(at)
+        at = frames.find(marker, at + len(marker))
+    starts.append(len(frames))
+    def acks(lo: int, hi: int) -> bytes:
+        return b"".join(pframe.marshal(commands.Basic.Ack(delivery_tag=t + 1), 1) for t in range(lo, hi))
+
+    return [(frames[starts[b] : starts[min(b + 50, n)]], acks(b, min(b + 50, n))) for b in range(0, n, 50)]
+
+
+def _queues(pub: object, cons: object, n: int, queues: int) -> bytes:
+    """``queues`` queues, each consumed (autoack) on a channel of its own of ``cons`` and
+    published to on a channel of its own of ``pub``; ``n`` varied messages to them in turn."""
+    names = [f"mq{i}" for i in range(queues)]
+    for i, name in enumerate(names):
+        ch = i + 2
+        pub.receive_data(pframe.marshal(commands.Channel.Open(), ch))  # type: ignore[attr-defined]
+        pub.receive_data(pframe.marshal(commands.Queue.Declare(queue=name), ch))  # type: ignore[attr-defined]
+        cons.receive_data(pframe.marshal(commands.Channel.Open(), ch))  # type: ignore[attr-defined]
+        cons.receive_data(pframe.marshal(commands.Basic.Consume(  # type: ignore[attr-defined]
+            queue=name, consumer_tag=f"c{i}", no_ack=True), ch))
+    frames = publish_frames(n, 16, "", True, names, True)
+    _feed(pub, publish_frames(queues, 16, "", True, names, True), cons.out)  # every queue warm once
+    return frames
 
 
 def _topic_50(pub: object, cons: object, n: int) -> tuple[bytes, bytes]:
@@ -209,17 +256,52 @@ def measure(n: int, scenarios: list[str]) -> dict[str, float]:
     return out
 
 
+def profile(n: int, scenarios: list[str], top: int = 25) -> None:
+    """The scenarios in this process under cProfile (no valgrind): each one's ``top`` broker
+    functions by own time. A thread plays the parent's part of touching the flag file."""
+    import cProfile
+    import pstats
+    import threading
+
+    sync = Path(tempfile.mkdtemp(prefix="skred-prof-")) / "go"
+    done = threading.Event()
+
+    def touch() -> None:
+        end = time.monotonic() + 600
+        while not done.is_set() and time.monotonic() < end:
+            if not sync.exists():
+                sync.touch()
+            time.sleep(0.001)
+
+    threading.Thread(target=touch, daemon=True).start()
+    try:
+        for scenario in scenarios:
+            prof = cProfile.Profile()
+            prof.enable()
+            asyncio.run(_child(n, sync, [scenario]))
+            prof.disable()
+            print(f"-- {scenario} (set-up included)", flush=True)
+            pstats.Stats(prof).sort_stats("tottime").print_stats(r"broker/", top)
+    finally:
+        done.set()
+        shutil.rmtree(sync.parent, ignore_errors=True)
+
+
 def main() -> None:
     if len(sys.argv) >= 4 and sys.argv[1] == "--child":
         asyncio.run(_child(int(sys.argv[2]), Path(sys.argv[3]), sys.argv[4:]))
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-n", type=int, default=2000, help="messages per scenario")
+    ap.add_argument("--profile", action="store_true", help="cProfile the scenarios instead (no valgrind)")
     ap.add_argument("scenarios", nargs="*", help=f"of {', '.join(SCENARIOS)} (default: all)")
     args = ap.parse_args()
     for scenario in args.scenarios:
         if scenario not in SCENARIOS:
             ap.error(f"no scenario {scenario!r}")
+    if args.profile:
+        profile(args.n, args.scenarios or list(SCENARIOS))
+        return
     print(f"{'scenario':18s} instructions/msg")
     for scenario, per in measure(args.n, args.scenarios or list(SCENARIOS)).items():
         print(f"{scenario:18s} {per:12,.0f}", flush=True)

@@ -28,7 +28,10 @@ from broker.config import load_config
 from broker.node import Node
 
 
-def publish_frames(n: int, size: int, queue: str, varied: bool = False) -> bytes:
+def publish_frames(n: int, size: int, queue: str, varied: bool = False,
+                   keys: list[str] | None = None, per_key_channel: bool = False) -> bytes:
+    """``n`` publishes to ``queue`` (varied: to ``keys`` in turn, if given) through the default
+    exchange, on channel 1 (``per_key_channel``: key j's on channel j + 2)."""
     if varied:  # every message different: 200 B-2 KiB, message-id, timestamp, three headers
         rnd = random.Random(7)
         out = []
@@ -38,9 +41,11 @@ def publish_frames(n: int, size: int, queue: str, varied: bool = False) -> bytes
                 content_type="application/json", message_id=f"{rnd.getrandbits(128):032x}",
                 timestamp=datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC) + datetime.timedelta(seconds=i),
                 headers={"task": f"tasks.t{i % 17}", "id": str(i), "retries": i % 3})
-            out.append(pframe.marshal(commands.Basic.Publish(exchange="", routing_key=queue), 1)
-                       + pframe.marshal(header.ContentHeader(0, len(body), props), 1)
-                       + pframe.marshal(pbody.ContentBody(body), 1))
+            key = keys[i % len(keys)] if keys else queue
+            ch = i % len(keys) + 2 if keys and per_key_channel else 1
+            out.append(pframe.marshal(commands.Basic.Publish(exchange="", routing_key=key), ch)
+                       + pframe.marshal(header.ContentHeader(0, len(body), props), ch)
+                       + pframe.marshal(pbody.ContentBody(body), ch))
         return b"".join(out)
     one = (
         pframe.marshal(commands.Basic.Publish(exchange="", routing_key=queue), 1)

@@ -138,10 +138,11 @@ class RabbitBroker(Broker):
 
 def start_skred(work: Path, ca: Path, cert: Path, key: Path,
                 ports: tuple[int, int, int, int] | None = None, path: Path | None = None,
-                extra: tuple[str, ...] = ()) -> Broker:
+                extra: tuple[str, ...] = (), tree: Path | None = None) -> Broker:
     """A Skred on ``ports`` (AMQP, AMQPS, management, metrics; default: free ones); ``path``, a
     directory put before the repository on its PYTHONPATH (an instrument's sitecustomize);
-    ``extra``, more of its options."""
+    ``extra``, more of its options; ``tree``, a checkout of another commit to run instead of
+    this one (its directory is the broker's working directory, first on ``python -m``'s path)."""
     ports = ports or (free_port(), free_port(), free_port(), free_port())
     port, tls_port, mgmt_port, metrics_port = ports
     argv = [sys.executable, "-m", "broker", "--data-dir", str(work / "skred-data"),
@@ -151,10 +152,10 @@ def start_skred(work: Path, ca: Path, cert: Path, key: Path,
             "--tls-cert", str(cert), "--tls-key", str(key), "--tls-ca-cert", str(ca), *extra]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(p) for p in (path, REPO_ROOT) if p))
     with open(work / "skred.log", "ab") as log:
-        proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(argv, cwd=tree or REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
     return Broker(proc, port, tls_port, ca,
-                  relaunch=lambda: start_skred(work, ca, cert, key, ports, path, extra))
+                  relaunch=lambda: start_skred(work, ca, cert, key, ports, path, extra, tree))
 
 
 def start_rabbitmq(work: Path, ca: Path, cert: Path, key: Path) -> Broker:

@@ -30,6 +30,7 @@ buffer; larger bodies are joined once.
 from __future__ import annotations
 
 import enum
+import functools
 import struct
 from typing import Any
 
@@ -44,6 +45,15 @@ _ACK = codec.ACK
 _FRAME_HDR = codec.FRAME_HDR
 _METHOD_ID = codec.METHOD_ID
 _U64 = codec.U64
+_ACK_FRAME_SIZE = 21  # a basic.ack frame: header 7, method id 4, delivery tag 8, bits 1, frame end 1
+_ACK_HEAD = struct.Struct(">BHII").pack  # its first 11 bytes: type 1, channel, size 13, method id
+
+
+@functools.lru_cache(maxsize=2048)
+def _ack_head(channel: int) -> bytes:
+    return _ACK_HEAD(1, channel, 13, _ACK)
+
+
 _HEADER_PREFIX = codec.HEADER_PREFIX
 _HEADER_FRAME = struct.Struct(">BHIHHQ")  # frame type, channel, size + class, weight, body size
 _HEADER_START = struct.Struct(">BH").pack  # frame type, channel
@@ -228,6 +238,33 @@ class AMQPConnection:
     def handle_ack(self, channel: int, delivery_tag: int, multiple: bool) -> None:
         pass
 
+    def handle_ack_run(self, channel: int, tags: list[int]) -> int:
+        """Single acks of ``tags`` on ``channel``, in order, as one batch: settles the longest
+        prefix of them that ``handle_ack`` would take without an error and returns its length."""
+        return 0
+
+    def _ack_run(self, channel: int, tag: int, data: bytes, pos: int, n: int) -> int:
+        """Single acks in a row (issue 31: a client that acks each message sends a read's worth of
+        21-byte basic.ack frames on one channel). ``tag``'s frame ends at ``pos``; the frames from
+        ``pos`` that are single acks on ``channel`` join it and are settled as one batch
+        (``handle_ack_run``), which the store takes as one ack of many. What a client sees is
+        what acking them one by one gives: if one of them would fail (an unknown or repeated tag),
+        the ones before it are settled, it fails as a lone ack does (closing the channel) and
+        the frames after it are parsed as usual. Returns the position after the last frame taken."""
+        head = _ack_head(channel)
+        tags = [tag]
+        at = pos
+        while n - at >= _ACK_FRAME_SIZE and data.startswith(head, at) and data[at + 19] == 0 \
+                and data[at + 20] == 0xCE:
+            tags.append(_U64.unpack_from(data, at + 11)[0])
+            at += _ACK_FRAME_SIZE
+        done = self.handle_ack_run(channel, tags)
+        if done == len(tags):
+            return at
+        # the first tag not taken fails (or is taken) on the ordinary path, in its place
+        self.handle_ack(channel, tags[done], False)
+        return pos + _ACK_FRAME_SIZE * done
+
     def connection_closing(self) -> None:
         """Called once when the connection starts closing for any reason."""
 
@@ -364,6 +401,10 @@ class AMQPConnection:
                             continue
                         if mid == _ACK and size == 13:
                             tag, bits = codec.ACK_ARGS.unpack_from(data, start + 4)
+                            if fast and not bits & 1 and n - pos >= _ACK_FRAME_SIZE \
+                                    and data.startswith(_ack_head(ch), pos):
+                                pos = self._ack_run(ch, tag, data, pos, n)
+                                continue
                             self.handle_ack(ch, tag, bool(bits & 1))
                             continue
                     self._method_frame(ch, mid, data[start:end])

@@ -926,35 +926,69 @@ class Session(AMQPConnection):
             tags = [tag]
         if dry_run:
             return
-        touched: Queue | None = None
         if requeue is None:
-            # Acks: batch the store work per queue (a multiple ack is nearly always one queue).
-            batch: list[int] = []
-            for t in tags:
-                q, msgid, c = unacked.pop(t)
-                if c is not None:
-                    c.unacked -= 1
-                if touched is not q:
-                    if batch:
-                        touched.ack_many(batch)  # type: ignore[union-attr]
-                        batch = []
-                    touched = q
-                    q.schedule_delivery()
-                batch.append(msgid)
-            if batch and touched is not None:
-                touched.ack_many(batch)
-            self.stats.acked += len(tags)
-            chs.n_acked += len(tags)
-        else:
-            for t in tags:
-                q, msgid, c = unacked.pop(t)
-                q.reject(msgid, requeue)
-                if c is not None:
-                    c.unacked -= 1
-                if touched is not q:
-                    touched = q
-                    q.schedule_delivery()
-        chs.unacked_count -= len(tags)
+            self._ack_tags(chs, tags)
+            return
+        touched: Queue | None = None
+        for t in tags:
+            q, msgid, c = unacked.pop(t)
+            q.reject(msgid, requeue)
+            if c is not None:
+                c.unacked -= 1
+            if touched is not q:
+                touched = q
+                q.schedule_delivery()
+        self._released(chs, len(tags))
+
+    def handle_ack_run(self, channel: int, tags: list[int]) -> int:
+        """Single acks of ``tags`` (Connection._ack_run) as one batch: the longest prefix of them
+        that are unacked and not repeated is acked at once; the rest is the caller's."""
+        chs = self.chs[channel]
+        if chs.tx is not None:
+            return 0  # a transaction records each ack: the ordinary path
+        unacked = chs.unacked
+        good = 0
+        for t in tags:
+            if t not in unacked:
+                break
+            good += 1
+        if good and len(set(tags[:good])) != good:  # a tag repeated: only up to its first repeat
+            seen: set[int] = set()
+            for i, t in enumerate(tags[:good]):
+                if t in seen:
+                    good = i
+                    break
+                seen.add(t)
+        if good:
+            self._ack_tags(chs, tags[:good])
+        return good
+
+    def _ack_tags(self, chs: ChannelState, tags: list[int]) -> None:
+        """Ack ``tags`` (all unacked on ``chs``), the store work batched per queue (a multiple
+        ack, or a run of single ones, is nearly always one queue)."""
+        unacked = chs.unacked
+        touched: Queue | None = None
+        batch: list[int] = []
+        for t in tags:
+            q, msgid, c = unacked.pop(t)
+            if c is not None:
+                c.unacked -= 1
+            if touched is not q:
+                if batch:
+                    touched.ack_many(batch)  # type: ignore[union-attr]
+                    batch = []
+                touched = q
+                q.schedule_delivery()
+            batch.append(msgid)
+        if batch and touched is not None:
+            touched.ack_many(batch)
+        self.stats.acked += len(tags)
+        chs.n_acked += len(tags)
+        self._released(chs, len(tags))
+
+    def _released(self, chs: ChannelState, n: int) -> None:
+        """``n`` deliveries of ``chs`` were settled: its prefetch has room for them again."""
+        chs.unacked_count -= n
         if chs.global_prefetch:
             # capacity shared by the channel: every consumer on it may take more now
             for c in chs.consumers.values():
