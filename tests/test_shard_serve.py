@@ -2,16 +2,22 @@
 its broker boots a shard's vhost from the directory replication wrote and closes one, fenced,
 without deleting anything (``Node.open_shard`` / ``close_shard``), and a broker told which
 shards it serves (``Node.serves``) loads only those. A real broker on real sockets and files,
-real AMQP clients with publisher confirms."""
+real AMQP clients with publisher confirms; a real MQTT client (paho) and a real stream protocol
+client (rstream) of a closed shard are disconnected too, and nothing they publish after is
+acknowledged."""
 
 from __future__ import annotations
 
 import asyncio
+import queue
 from pathlib import Path
+from typing import Any
 
 import aio_pika
+import paho.mqtt.client as mqtt
 import pytest
 from aio_pika.exceptions import AMQPError
+from rstream import AMQPMessage, Producer
 
 from broker.config import load_config
 from broker.node import Node
@@ -112,6 +118,82 @@ def test_a_shard_closes_fenced_and_boots_again_from_its_files(tmp_path: Path) ->
             assert await node.open_shard("a")
             assert await _count(port, "a") == N
         finally:
+            await node.shutdown()
+            node.release_lock()
+
+    asyncio.run(main())
+
+
+async def _within(what: str, ok: Any, seconds: float = 10) -> None:
+    """Poll ``ok()`` until true, bounded by ``seconds``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while not ok():
+        if loop.time() > deadline:
+            raise AssertionError(f"not within {seconds}s: {what}")
+        await asyncio.sleep(0.02)
+
+
+def test_a_closed_shard_disconnects_its_mqtt_and_stream_clients_and_acknowledges_nothing_after(
+        tmp_path: Path) -> None:
+    env = listener_ports_env()
+    mqtt_port, stream_port = int(env["SKRED_MQTT_PORT"]), int(env["SKRED_STREAM_PORT"])
+
+    async def main() -> None:
+        node = _node(tmp_path / "data", env)
+        await node.start()
+        client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="closeshard", protocol=mqtt.MQTTv5)
+        producer = Producer("127.0.0.1", port=stream_port, vhost="a", username="guest", password="guest")
+        try:
+            assert node.mgmt is not None and node.broker is not None
+            for vhost in ("a", "b"):
+                node.mgmt.create_vhost(vhost)
+                node.broker.users.set_permissions("guest", vhost, ".*", ".*", ".*")
+            # MQTT 5 into vhost "a" (paho's own network thread)
+            connected: queue.Queue[Any] = queue.Queue()
+            gone: queue.Queue[Any] = queue.Queue()
+            acked: queue.Queue[int] = queue.Queue()
+            client.username_pw_set("a:guest", "guest")
+            client.on_connect = lambda _c, _u, _f, rc, _p: connected.put(rc)
+            client.on_disconnect = lambda _c, _u, _f, rc, _p: gone.put(rc)
+            client.on_publish = lambda _c, _u, mid, _rc, _p: acked.put(mid)
+            client.reconnect_delay_set(60, 60)  # no retry within the test: the next server is elsewhere
+            client.connect("127.0.0.1", mqtt_port, keepalive=30)
+            client.loop_start()
+            await _within("MQTT CONNACK", lambda: not connected.empty())
+            assert connected.get().value == 0
+            before = client.publish("t", b"before", qos=1)
+            await _within("PUBACK before the close", lambda: not acked.empty())
+            assert acked.get() == before.mid
+            # the stream protocol into vhost "a"
+            await producer.start()
+            await producer.create_stream("s")
+            await producer.send_wait("s", AMQPMessage(body=b"before"))
+            mqtt_front, stream_front = node.mqtt, node.stream
+            assert mqtt_front is not None and stream_front is not None
+            assert [c.vhost for c in mqtt_front.open_connections()] == ["a"]
+            assert [c.vhost for c in stream_front.open_connections()] == ["a"]
+
+            assert await node.close_shard("a")
+            # both are closed by the broker (MQTT 5: DISCONNECT "use another server")
+            await _within("the MQTT client of the closed shard disconnected", lambda: not gone.empty())
+            assert gone.get().value == 0x9C
+            await _within("the shard's stream connections closed",
+                          lambda: not stream_front.open_connections() and not stream_front.connections)
+            assert not mqtt_front.open_connections()
+            # nothing published after the close is acknowledged
+            after = client.publish("t", b"after", qos=1)
+            with pytest.raises(Exception):  # noqa: PT011,B017 - rstream's own error classes
+                await asyncio.wait_for(producer.send_wait("s", AMQPMessage(body=b"after")), 3)
+            await asyncio.sleep(0.3)  # a late PUBACK would be on its way by now
+            assert acked.empty() and not after.is_published()
+        finally:
+            client.loop_stop()
+            client.disconnect()
+            try:
+                await asyncio.wait_for(producer.close(), 5)
+            except Exception:  # noqa: BLE001 - the broker closed it already
+                pass
             await node.shutdown()
             node.release_lock()
 
