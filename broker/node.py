@@ -447,6 +447,10 @@ class Node:
                 session.close_connection(errors.ConnectionForced(reason))
                 session.wakeup()
                 closed += 1
+        # every other front end's clients of it (MQTT, the stream protocol, over any listener,
+        # WebSocket included), before their sessions' state is forgotten and the stores close
+        if self.mgmt is not None:
+            closed += sum(fe.close_vhost_clients(name, reason) for fe in self.mgmt.front_ends)
         if self.mqtt is not None:
             self.mqtt.close_vhost(name)
         syncer = broker.syncer

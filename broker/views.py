@@ -153,6 +153,11 @@ class FrontEndView(Protocol):
     def consumers(self) -> Iterable[tuple[ConnectionView, ConsumerView]]:
         """Its connections' consumers; they have no channel (the API shows channel number 0)."""
 
+    def close_vhost_clients(self, vhost: str, reason: str) -> int:
+        """``vhost`` is no longer served here (``Node.close_shard``): close its connections at
+        once with the protocol's "go elsewhere" close, so nothing they send after is answered
+        here; how many were closed."""
+
 
 # One session as a list finds it before rendering it: (vhost, client id, connected, user: who
 # logged it in, or for an away session its pending will's user). What the list filters and sorts

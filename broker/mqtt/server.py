@@ -626,6 +626,15 @@ class MQTTServer:
     def open_connections(self) -> list[MQTTProtocol]:
         return [c for c in self.connections if c.state == "open" and c.session is not None]
 
+    def close_vhost_clients(self, vhost: str, reason: str) -> int:
+        """MQTT 5 clients hear DISCONNECT 0x9C (use another server: the shard's next server,
+        which their reconnect reaches); 3.1.1 clients see the socket close."""
+        gone = [c for c in self.connections if c.state != "closed" and c.vhost == vhost]
+        for conn in gone:
+            log.info("MQTT client '%s' from %s: closing: %s", conn.client_id, conn.peer_host, reason)
+            conn.abort(P.RC_USE_ANOTHER_SERVER)
+        return len(gone)
+
     def consumers(self) -> Iterator[tuple[MQTTProtocol, MQTTConsumer]]:
         for conn in self.open_connections():
             assert conn.session is not None

@@ -378,6 +378,16 @@ class StreamServer:
     def open_connections(self) -> list[StreamProtocol]:
         return [c for c in self.connections if c.session is not None and c.session.state == "open"]
 
+    def close_vhost_clients(self, vhost: str, reason: str) -> int:
+        """Each connection of ``vhost`` gets the protocol's Close (it has no "moved" code; the
+        client's recovery reconnects, through the node's port, to the shard's next server)."""
+        gone = [c for c in self.open_connections() if c.vhost == vhost]
+        for conn in gone:
+            assert conn.session is not None
+            log.info("stream connection from %s: closing: %s", conn.peer_host, reason)
+            conn.session.close_with(C.OK, reason)
+        return len(gone)
+
     def consumers(self) -> Iterator[tuple[StreamProtocol, Subscription]]:
         """Every open connection's subscriptions (``views.FrontEndView``): the API lists them
         with channel number 0, as RabbitMQ lists consumers that have no channel."""
