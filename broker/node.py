@@ -432,6 +432,9 @@ class Node:
         broker.vhosts[name] = vh
         if self.mqtt is not None:  # its retained messages and sessions, as replication left them
             self.mqtt.open_vhost(name)
+        cfg = self.config
+        if cfg.lmq.enabled and cfg.lmq.vhost == name and self.lmq is None and self._app_running:
+            await self.start_lmq(broker)  # LMQ's listeners serve its vhost's shard where it is served
         log.info("shard %r served: %d exchanges, %d queues", name, len(vh.exchanges), len(vh.queues))
         return True
 
@@ -451,6 +454,9 @@ class Node:
         # WebSocket included), before their sessions' state is forgotten and the stores close
         if self.mgmt is not None:
             closed += sum(fe.close_vhost_clients(name, reason) for fe in self.mgmt.front_ends)
+        if self.lmq is not None and self.lmq.lmq.vhost is vh:  # LMQ serves this one vhost: it stops
+            await self.lmq.stop()
+            self.lmq = None
         if self.mqtt is not None:
             self.mqtt.close_vhost(name)
         syncer = broker.syncer

@@ -9,11 +9,13 @@ acknowledged."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 from pathlib import Path
 from typing import Any
 
 import aio_pika
+import aiohttp
 import paho.mqtt.client as mqtt
 import pytest
 from aio_pika.exceptions import AMQPError
@@ -137,7 +139,18 @@ async def _within(what: str, ok: Any, seconds: float = 10) -> None:
 def test_a_closed_shard_disconnects_its_mqtt_and_stream_clients_and_acknowledges_nothing_after(
         tmp_path: Path) -> None:
     env = listener_ports_env()
+    env["SKRED_LMQ_VHOST"] = "a"  # LMQ's listeners serve the shard too
     mqtt_port, stream_port = int(env["SKRED_MQTT_PORT"]), int(env["SKRED_STREAM_PORT"])
+    lmq_put = f"http://127.0.0.1:{env['SKRED_LMQ_HTTP_PORT']}/messages/lq"
+    guest = {"Authorization": aiohttp.BasicAuth("guest", "guest").encode()}
+
+    async def lmq_status(http: aiohttp.ClientSession) -> int:
+        """LMQ's answer to a put into the shard's vhost; 0: no answer (its port is closed)."""
+        try:
+            async with http.post(lmq_put, data=b"m", headers=guest) as r:
+                return r.status
+        except aiohttp.ClientError:
+            return 0
 
     async def main() -> None:
         node = _node(tmp_path / "data", env)
@@ -146,10 +159,11 @@ def test_a_closed_shard_disconnects_its_mqtt_and_stream_clients_and_acknowledges
         closes: list[str] = []  # what the stream client heard of its connection's close
         producer = Producer("127.0.0.1", port=stream_port, vhost="a", username="guest", password="guest",
                             on_close_handler=lambda info: closes.append(info.reason))
+        stack = contextlib.AsyncExitStack()
         try:
             assert node.mgmt is not None and node.broker is not None
+            node.mgmt.create_vhost("b")  # LMQ made "a"
             for vhost in ("a", "b"):
-                node.mgmt.create_vhost(vhost)
                 node.broker.users.set_permissions("guest", vhost, ".*", ".*", ".*")
             # MQTT 5 into vhost "a" (paho's own network thread)
             connected: queue.Queue[Any] = queue.Queue()
@@ -175,6 +189,9 @@ def test_a_closed_shard_disconnects_its_mqtt_and_stream_clients_and_acknowledges
             assert mqtt_front is not None and stream_front is not None
             assert [c.vhost for c in mqtt_front.open_connections()] == ["a"]
             assert [c.vhost for c in stream_front.open_connections()] == ["a"]
+            http = await stack.enter_async_context(
+                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)))
+            assert await lmq_status(http) == 200
 
             assert await node.close_shard("a")
             # both are closed by the broker (MQTT 5: DISCONNECT "use another server")
@@ -189,6 +206,9 @@ def test_a_closed_shard_disconnects_its_mqtt_and_stream_clients_and_acknowledges
                 await asyncio.wait_for(producer.send_wait("s", AMQPMessage(body=b"after")), 3)
             await asyncio.sleep(0.3)  # a late PUBACK would be on its way by now
             assert acked.empty() and after.rc == mqtt.MQTT_ERR_NO_CONN  # kept for its next server
+            assert await lmq_status(http) == 0  # LMQ's port closed with its vhost
+            assert await node.open_shard("a")
+            assert await lmq_status(http) == 200  # and open again where the shard is served
         finally:
             client.loop_stop()
             client.disconnect()
@@ -196,6 +216,7 @@ def test_a_closed_shard_disconnects_its_mqtt_and_stream_clients_and_acknowledges
                 await asyncio.wait_for(producer.close(), 5)
             except Exception:  # noqa: BLE001 - the broker closed it already
                 pass
+            await stack.aclose()
             await node.shutdown()
             node.release_lock()
 
