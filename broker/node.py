@@ -415,8 +415,10 @@ class Node:
     # boots the shard's vhost from the directory replication wrote when it wins the shard,
     # and closes it without deleting anything when it loses it. The close is fenced: the
     # vhost leaves the broker first (no new connection, publish or declare finds it), then
-    # its connections are closed with 320 CONNECTION_FORCED, so no confirm of this node
-    # reaches a client of the shard afterwards (a publish still waiting for its group commit
+    # its connections are closed with 320 CONNECTION_FORCED, and every other front end's with
+    # its protocol's close (MQTT 5 DISCONNECT 0x9C, the stream protocol's Close; LMQ stops),
+    # so no confirm (PUBACK, publish confirm, LMQ 200) of this node reaches a client of the
+    # shard afterwards (a publish still waiting for its group commit
     # is never confirmed: its publisher sends it again to the shard's next server); only then
     # do its stores write their last bytes (through the sink) and close, fsynced.
     async def open_shard(self, name: str) -> bool:
