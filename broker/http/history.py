@@ -16,12 +16,12 @@ half hour  1800 s  50     last day
 
 A ring keeps the newest values seen in each of its slots (a pass landing in the same slot
 overwrites it; a range of ``age / incr`` steps reads ``age / incr + 2`` slots, the oldest for
-the value at the first point), in ``array('d')``: the memory of one object is fixed at
-creation, ``284 x (fields + 1) x 8`` bytes: 22.7 KB for a queue or a channel (9 fields), 6.8 KB for an
-exchange or a connection (2). At most ``MAX_HISTORIES`` objects of a kind have one (those that changed
-since the node's first pass, first come; one unchanged for a day gives its place back; the cap
-bounds a node with 100k busy queues to 45 MB of queue history); the others, like idle objects,
-answer flat samples at their current values.
+the value at the first point), all four in one ``array('d')``: the memory of one object is one
+allocation fixed at creation, ``(284 x (fields + 1) + 8) x 8`` bytes: 22.8 KB for a queue or a
+channel (9 fields), 6.9 KB for an exchange or a connection (2). At most ``MAX_HISTORIES`` objects
+of a kind have one (those that changed since the node's first pass, first come; one unchanged for
+a day gives its place back; the cap bounds a node with 100k busy queues to 45 MB of queue
+history); the others, like idle objects, answer flat samples at their current values.
 
 A query names an age and an increment (RabbitMQ's ``{range}_age`` and ``{range}_incr``, in
 seconds). The answer is ``age / incr + 1`` points on wall-clock times aligned to the increment,
@@ -48,51 +48,85 @@ Values = Sequence[float]
 
 
 class Tier:
-    """One resolution: ``n`` slots of ``width`` values, a ring of arrays."""
+    """A view of one resolution of a ``History``: ``n`` slots of ``width`` values, a ring inside
+    the history's array (made on demand; it holds nothing of its own)."""
 
-    __slots__ = ("incr", "n", "width", "times", "values", "head", "count")
+    __slots__ = ("data", "incr", "n", "width", "at_head", "at_times", "at_values")
 
-    def __init__(self, incr: float, n: int, width: int) -> None:
-        self.incr = incr
-        self.n = n
-        self.width = width
-        self.times = array("d", bytes(8 * n))
-        self.values = array("d", bytes(8 * n * width))
-        self.head = 0  # the slot written last
-        self.count = 0
+    def __init__(self, history: History, k: int) -> None:
+        self.data = history.data
+        self.incr, self.n = TIERS[k]
+        self.width = history.width
+        self.at_head = 2 * k  # the slot written last, then how many are kept
+        self.at_times = _offset(k, self.width)
+        self.at_values = self.at_times + self.n
+
+    @property
+    def head(self) -> int:
+        return int(self.data[self.at_head])
+
+    @property
+    def count(self) -> int:
+        return int(self.data[self.at_head + 1])
+
+    @property
+    def times(self) -> array[float]:
+        return self.data[self.at_times:self.at_times + self.n]
 
     def add(self, t: float, values: Values) -> None:
-        if self.count and math.floor(self.times[self.head] / self.incr) == math.floor(t / self.incr):
-            at = self.head  # the same slot: the newest values win
+        data, n, head, count = self.data, self.n, self.head, self.count
+        if count and math.floor(data[self.at_times + head] / self.incr) == math.floor(t / self.incr):
+            at = head  # the same slot: the newest values win
         else:
-            at = self.head = (self.head + 1) % self.n if self.count else 0
-            self.count = min(self.count + 1, self.n)
-        self.times[at] = t
-        self.values[at * self.width:(at + 1) * self.width] = array("d", values)
+            at = (head + 1) % n if count else 0
+            data[self.at_head] = at
+            data[self.at_head + 1] = min(count + 1, n)
+        data[self.at_times + at] = t
+        v = self.at_values + at * self.width
+        data[v:v + self.width] = array("d", values)
 
     def oldest(self) -> float:
-        return self.times[(self.head - self.count + 1) % self.n]
+        return self.data[self.at_times + (self.head - self.count + 1) % self.n]
 
     def at(self, t: float) -> tuple[float, ...] | None:
         """The newest values kept at or before ``t``; None if ``t`` is before the oldest."""
+        data, n, head, times = self.data, self.n, self.head, self.at_times
         for k in range(self.count):
-            i = (self.head - k) % self.n
-            if self.times[i] <= t:
-                return tuple(self.values[i * self.width:(i + 1) * self.width])
+            i = (head - k) % n
+            if data[times + i] <= t:
+                v = self.at_values + i * self.width
+                return tuple(data[v:v + self.width])
         return None
 
 
-class History:
-    """One object's values over the last day, at the resolutions of ``TIERS``."""
+def _offset(k: int, width: int) -> int:
+    """Where ring ``k``'s times start in a history's array: after the heads and counts of every
+    ring, then each earlier ring's times and values."""
+    return 2 * len(TIERS) + sum(n for _, n in TIERS[:k]) * (width + 1)
 
-    __slots__ = ("tiers", "changed")
+
+class History:
+    """One object's values over the last day, at the resolutions of ``TIERS``.
+
+    Everything is in one ``array('d')``: the heads and counts of the rings, then each ring's
+    times and values. One allocation of a few KB per object goes to the C allocator, which the
+    node's trim returns once the object is gone; the many small objects a list of rings made
+    landed in pymalloc's arenas, interleaved with long-lived objects that kept them pinned
+    (issue 31)."""
+
+    __slots__ = ("data", "width", "changed")
 
     def __init__(self, width: int) -> None:
-        self.tiers = [Tier(incr, n, width) for incr, n in TIERS]
+        self.width = width
+        self.data = array("d", bytes(8 * _offset(len(TIERS), width)))
         self.changed = 0.0  # when the values last changed (the sampler's clock)
 
+    @property
+    def tiers(self) -> list[Tier]:
+        return [Tier(self, k) for k in range(len(TIERS))]
+
     def nbytes(self) -> int:
-        return sum(t.times.itemsize * len(t.times) + t.values.itemsize * len(t.values) for t in self.tiers)
+        return self.data.itemsize * len(self.data)
 
     def add(self, t: float, values: Values) -> None:
         for tier in self.tiers:
@@ -100,10 +134,10 @@ class History:
 
     def tier_for(self, age: float, incr: float) -> Tier:
         """The finest ring whose slots are no longer than ``incr`` and that reaches ``age`` back."""
-        for tier in self.tiers:
-            if tier.incr <= incr and tier.incr * (tier.n - 2) >= age:
-                return tier
-        return self.tiers[-1]
+        for k, (tier_incr, n) in enumerate(TIERS):
+            if tier_incr <= incr and tier_incr * (n - 2) >= age:
+                return Tier(self, k)
+        return Tier(self, len(TIERS) - 1)
 
 
 @dataclass(frozen=True)
