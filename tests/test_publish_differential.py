@@ -2,9 +2,10 @@
 
 Hypothesis draws a sequence of read batches: publishes with varying properties (none, a
 message-id per message, headers, a CC header, an expiration, a priority), empty bodies, bodies around the
-frame_max boundary, mandatory to nowhere, on several channels in plain, confirm and tx mode,
-into a plain queue, queues with features (with and without per-message work), a priority queue
-and a quorum queue (directly, through a fanout exchange, and through a topic exchange with
+frame_max boundary, mandatory to nowhere, on several channels in plain, confirm and tx mode
+(also one publish per channel, channels in turn, in one read: issue 31's many queues), into a
+plain queue, queues with features (with and without per-message work), a priority queue and a
+quorum queue (directly, through a fanout exchange, and through a topic exchange with
 routing keys that change from publish to publish, and through a deduplicating exchange with
 some messages repeating the one before's deduplication header), with autoack and manual-ack
 consumers at varying prefetch that ack after each batch: with one multiple ack per channel, or
@@ -12,9 +13,10 @@ with a single ack of each delivery, all channels' in one read (the ack run of is
 with a tag repeated in the middle (the channel fails there, as a lone ack would fail it).
 Each sequence runs twice on a fresh broker: once as shipped (one-pass parse, publish runs,
 direct hand-over, delivery runs) and once with all of that forced off (the parser's
-``fast_paths`` and the vhost's ``FastPaths`` switch, both owned by this test). What the clients
-see must be identical: every byte delivered, returned and confirmed, and the queue counts. It
-must also be what the spec says: every message published to a queue is delivered or still in
+``fast_paths`` and the vhost's ``FastPaths`` switch, both owned by this test; with them off, the
+parser decodes every basic.publish's arguments afresh, not from its per-connection cache). What
+the clients see must be identical: every byte delivered, returned and confirmed, and the queue
+counts. It must also be what the spec says: every message published to a queue is delivered or still in
 it, in publish order except where priorities reorder.
 """
 
@@ -322,6 +324,16 @@ def _run(sc: dict[str, Any], fast: bool) -> dict[str, Any]:
     "consumers": {"plain": 10, "feat": None, "prio": None, "lim": 5, "quorum": None},
     "consume_after": 0, "rollback": False, "acks": "each-bad",
     "batches": [[(1, "plain", "ids", "small", False, 6), (1, "lim", "none", "small", False, 4)]] * 2,
+})
+@example({  # one publish per channel, channels in turn, all in one read (issue 31's 1,000 queues):
+    # keys that change from publish to publish, the same key with and without mandatory
+    "modes": ("plain", "confirm", "plain"),
+    "consumers": {"plain": "autoack", "feat": None, "prio": None, "lim": 3, "quorum": None},
+    "consume_after": 0, "rollback": False,
+    "batches": [[(1, "plain", "ids", "small", False, 1), (2, "lim", "none", "small", True, 1),
+                 (3, "nowhere", "none", "small", True, 1), (1, "nowhere", "ids", "small", False, 1),
+                 (2, "plain", "headers", "small", False, 1), (3, "nowhere", "none", "small", False, 1),
+                 (1, "nowhere", "none", "small", True, 1), (2, "feat", "ids", "small", False, 1)]] * 2,
 })
 def test_fast_paths_change_nothing_a_client_sees(sc: dict[str, Any]) -> None:
     fast = _run(sc, True)

@@ -111,7 +111,14 @@ class PublishArgs:
         self.exrk = codec.shortstr(self.exchange_b) + codec.shortstr(self.routing_key_b)
 
 
-_PUBLISH_ARGS_CACHE = 256  # distinct (exchange, routing key, flags) encodings kept per connection
+# Distinct (exchange, routing key, flags) encodings kept per connection, bounded in count and in
+# bytes. A client that publishes to many queues through the default exchange (one routing key per
+# queue, in turn) must find them all here: a cache smaller than its set of keys and cleared when
+# full misses on every publish of such a cycle. Each entry is charged its encoding three times
+# (the encoding, the decoded strings, their encoded short strings) plus the objects around them.
+_PUBLISH_ARGS_CACHE = 2048
+_PUBLISH_ARGS_BYTES = 512 * 1024
+_PUBLISH_ARGS_ENTRY = 256  # bytes charged per entry besides 3 x its encoding
 
 
 class PendingContent:
@@ -165,6 +172,7 @@ class AMQPConnection:
         self.channels: dict[int, int] = {}
         self._pending: dict[int, PendingContent] = {}
         self._pub_args: dict[bytes, PublishArgs] = {}
+        self._pub_args_bytes = 0  # what the entries of ``_pub_args`` are charged (_publish_args)
         # (method frame + header frame + body frame header, channel, args, props, body size,
         # prefix length, method frame) of the last publish parsed in full (see _publish_run)
         self._repeat: tuple[bytes, int, PublishArgs, bytes, int, int, bytes] | None = None
@@ -689,8 +697,9 @@ class AMQPConnection:
 
     # ------------------------------------------------------------- content
     def _publish_args(self, raw: bytes) -> PublishArgs:
-        """Decode basic.publish's arguments (``raw``: from reserved-1 to the bits)."""
-        a = self._pub_args.get(raw)
+        """Decode basic.publish's arguments (``raw``: from reserved-1 to the bits). With the
+        fast paths off (the differential test's reference) nothing is taken from the cache."""
+        a = self._pub_args.get(raw) if self.fast_paths else None
         if a is not None:
             return a
         # reserved-1 u16, exchange shortstr, routing-key shortstr, bits
@@ -710,8 +719,12 @@ class AMQPConnection:
         if bits & 2:
             raise errors.AMQPNotImplemented("immediate=true", 60, 40)
         a = PublishArgs(exchange, routing_key, bool(bits & 1))
-        if len(self._pub_args) >= _PUBLISH_ARGS_CACHE:
+        cost = 3 * len(raw) + _PUBLISH_ARGS_ENTRY
+        if len(self._pub_args) >= _PUBLISH_ARGS_CACHE or self._pub_args_bytes + cost > _PUBLISH_ARGS_BYTES:
             self._pub_args.clear()
+            self._pub_args_bytes = 0
+        if raw not in self._pub_args:
+            self._pub_args_bytes += cost
         self._pub_args[raw] = a
         return a
 
