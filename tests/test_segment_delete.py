@@ -8,7 +8,6 @@ on the worker. Real files, no sockets; the file calls are counted by thread."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _file_calls import count_file_calls, worker_idle
 
 from broker.store import segment_log
 from broker.store.paths import TOMBSTONE_SUFFIX
@@ -28,31 +28,6 @@ BODY = b"m" * 300
 QUEUES = 100
 ROOT = Path(__file__).resolve().parents[1]
 _REMOVES = ("unlink", "rmdir", "ftruncate", "truncate", "posix_fallocate", "rmtree", "open(O_CREAT)")
-
-
-def _worker_idle() -> None:
-    """Every job handed to the segment worker so far is done (one thread, jobs in order)."""
-    segment_log._spare_worker().submit(lambda: None).result(30)
-
-
-def _count_file_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[bool, str]]:
-    """(on the calling thread, call) of every call that creates, sizes, allocates, renames or
-    removes a file or a directory."""
-    calls: list[tuple[bool, str]] = []
-    me = threading.current_thread()
-
-    def counted(name: str, real: object, creates: bool = False) -> object:
-        def call(*args: object, **kw: object) -> object:
-            if not creates or (len(args) > 1 and int(args[1]) & os.O_CREAT):  # type: ignore[call-overload]
-                calls.append((threading.current_thread() is me, name))
-            return real(*args, **kw)  # type: ignore[operator]
-        return call
-
-    monkeypatch.setattr(os, "open", counted("open(O_CREAT)", os.open, creates=True))
-    for name in ("ftruncate", "truncate", "posix_fallocate", "rename", "replace", "unlink", "rmdir"):
-        monkeypatch.setattr(os, name, counted(name, getattr(os, name)))
-    monkeypatch.setattr(shutil, "rmtree", counted("rmtree", shutil.rmtree))
-    return calls
 
 
 def _used_queues(root: Path, n: int) -> list[QueueStore]:
@@ -76,15 +51,15 @@ def test_deleting_durable_queues_removes_no_file_on_the_loop(
     stores = _used_queues(tmp_path, QUEUES)
     for s in stores[::2]:
         s.sync()  # half synced (nothing retired waits), half not (a trim would be due)
-    _worker_idle()
-    calls = _count_file_calls(monkeypatch)
+    worker_idle()
+    calls = count_file_calls(monkeypatch, removals=True)
     for s in stores:
         s.delete()
     on_loop = [name for mine, name in calls if mine]
     removing = [name for name in on_loop if name in _REMOVES]
     assert not removing, f"{len(removing)} file calls on the loop thread: {sorted(set(removing))}"
     assert on_loop.count("rename") <= QUEUES, on_loop.count("rename")
-    _worker_idle()
+    worker_idle()
     assert list(tmp_path.iterdir()) == [], "a tombstone or a queue directory was left behind"
 
 
@@ -96,7 +71,7 @@ def test_a_queue_declared_again_keeps_its_files_when_the_old_jobs_run_late(tmp_p
     d = tmp_path / "q"
     gate = threading.Event()
     s = QueueStore(d, segment_size=64 * 1024, persistent_only=True)
-    _worker_idle()
+    worker_idle()
     segment_log._spare_worker().submit(gate.wait, 10)
     try:
         for _ in range(250):
@@ -116,7 +91,7 @@ def test_a_queue_declared_again_keeps_its_files_when_the_old_jobs_run_late(tmp_p
     finally:
         gate.set()
     assert waited < 2, f"the delete waited {waited:.1f} s for the worker"
-    _worker_idle()
+    worker_idle()
     again.close()
     kept = QueueStore(d, segment_size=64 * 1024, persistent_only=True)
     got = []
@@ -133,12 +108,12 @@ def test_a_priority_queue_goes_in_one_rename(tmp_path: Path, monkeypatch: pytest
     for level in (0, 3, 5):
         ps._open(level).append(1, b"", b"q", PROPS, BODY)
     ps.sync()
-    _worker_idle()
-    calls = _count_file_calls(monkeypatch)
+    worker_idle()
+    calls = count_file_calls(monkeypatch, removals=True)
     ps.delete()
     on_loop = [name for mine, name in calls if mine]
     assert on_loop == ["rename"], on_loop
-    _worker_idle()
+    worker_idle()
     assert list(tmp_path.iterdir()) == []
 
 
@@ -178,7 +153,7 @@ def test_delete_declare_again_confirm_kill_9(tmp_path: Path) -> None:
     tombs = [p.name for p in tmp_path.iterdir() if p.name.endswith(TOMBSTONE_SUFFIX)]
     assert len(tombs) == 1, sorted(p.name for p in tmp_path.iterdir())
     segment_log.remove_tombstones_later(tmp_path)
-    _worker_idle()
+    worker_idle()
     assert [p.name for p in tmp_path.iterdir()] == ["q"]
     s = QueueStore(d, persistent_only=True)
     got = s.shift()
@@ -197,8 +172,8 @@ def test_recovered_queues_make_their_next_segment_off_the_loop(
         s.sync()
         s.close()
     stores = [QueueStore(tmp_path / f"q{i}", persistent_only=True) for i in range(QUEUES)]
-    _worker_idle()
-    calls = _count_file_calls(monkeypatch)
+    worker_idle()
+    calls = count_file_calls(monkeypatch, removals=True)
     for s in stores:
         s.append(1, b"", b"q", PROPS, b"after")
     on_loop = [name for mine, name in calls if mine]
@@ -208,13 +183,13 @@ def test_recovered_queues_make_their_next_segment_off_the_loop(
         s.close()
     files = segment_log.SegmentFiles()
     for s in (QueueStore(tmp_path / f"i{i}", persistent_only=True, files=files) for i in range(3)):
-        _worker_idle()  # made ahead at the declare, never used, left by a clean shutdown
+        worker_idle()  # made ahead at the declare, never used, left by a clean shutdown
         files.shutting_down = True
         s.close()
     for i in range(3):
         calls.clear()
         s = QueueStore(tmp_path / f"i{i}", persistent_only=True)
-        _worker_idle()
+        worker_idle()
         assert not calls, calls  # neither removed at the recovery nor made again
         assert s._first == segment_log._FIRST_READY
         assert [p.name for p in (tmp_path / f"i{i}").iterdir() if p.name.startswith("msgs.")] \
@@ -287,8 +262,8 @@ def test_deleting_a_vhost_removes_no_file_on_the_loop_and_a_vhost_made_again_kee
     names.add("v")
     mgmt = Mgmt(broker, names, make, data, tmp_path / "transient",  # type: ignore[arg-type]
                 GlobalParameters(data / "parameters.json", NullSink()))
-    _worker_idle()
-    calls = _count_file_calls(monkeypatch)
+    worker_idle()
+    calls = count_file_calls(monkeypatch, removals=True)
     mgmt.delete_vhost("v")
     removed = sorted({c for mine, c in calls if mine} & {"unlink", "rmdir", "rmtree", "ftruncate"})
     assert not removed, f"the vhost delete removed files on the loop: {removed}"
@@ -296,11 +271,11 @@ def test_deleting_a_vhost_removes_no_file_on_the_loop_and_a_vhost_made_again_kee
     q, _ = again.declare_queue("q0", durable=True, owner=None)
     q.store.append(1, b"", b"q", PROPS, b"new")
     q.store.sync()
-    _worker_idle()
+    worker_idle()
     monkeypatch.undo()
     again.close()
     back = make("v")
     assert set(back.queues) == {"q0"} and back.queues["q0"].message_count == 1
-    _worker_idle()
+    worker_idle()
     assert not [p.name for p in data.iterdir() if p.name.endswith(TOMBSTONE_SUFFIX)]
     back.close()

@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from _file_calls import count_file_calls, worker_idle
 
 from broker.store import segment_log
 from broker.store.queue_store import QueueStore
@@ -23,35 +24,11 @@ QUEUES = 100
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _worker_idle() -> None:
-    """Every job handed to the segment worker so far is done (one thread, jobs in order)."""
-    segment_log._spare_worker().submit(lambda: None).result(30)
-
-
-def _count_file_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[bool, str]]:
-    """(on the calling thread, call) of every call that creates, sizes, allocates, renames or
-    removes a file: the journal transactions a loop must not wait for."""
-    calls: list[tuple[bool, str]] = []
-    me = threading.current_thread()
-
-    def counted(name: str, real: object, creates: bool = False) -> object:
-        def call(*args: object, **kw: object) -> object:
-            if not creates or (len(args) > 1 and int(args[1]) & os.O_CREAT):  # type: ignore[call-overload]
-                calls.append((threading.current_thread() is me, name))
-            return real(*args, **kw)  # type: ignore[operator]
-        return call
-
-    monkeypatch.setattr(os, "open", counted("open(O_CREAT)", os.open, creates=True))
-    for name in ("ftruncate", "truncate", "posix_fallocate", "rename", "replace", "unlink"):
-        monkeypatch.setattr(os, name, counted(name, getattr(os, name)))
-    return calls
-
-
 def test_first_message_into_new_queues_creates_no_file_on_the_loop(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     stores = [QueueStore(tmp_path / f"q{i}", persistent_only=True) for i in range(QUEUES)]
-    _worker_idle()  # the declares' first segments are ready (a client's round trips allow it)
-    calls = _count_file_calls(monkeypatch)
+    worker_idle()  # the declares' first segments are ready (a client's round trips allow it)
+    calls = count_file_calls(monkeypatch)
     ids = [s.append(1, b"", b"q", PROPS, BODY) for s in stores]
     on_loop = [name for mine, name in calls if mine]
     assert not on_loop, f"{len(on_loop)} file calls on the loop thread: {sorted(set(on_loop))}"
@@ -75,7 +52,7 @@ def test_a_first_append_before_the_worker_creates_the_segment_itself(tmp_path: P
         msgid = s.append(1, b"", b"q", PROPS, BODY)
     finally:
         gate.set()
-    _worker_idle()
+    worker_idle()
     assert sorted(p.name for p in (tmp_path / "q").iterdir() if p.name.startswith("msgs.")) \
         == ["msgs.0000000001"]
     s.append(1, b"", b"q", PROPS, BODY)
@@ -92,14 +69,14 @@ def test_a_large_first_record_and_a_delete_before_any(tmp_path: Path) -> None:
     big = QueueStore(tmp_path / "big", segment_size=64 * 1024, persistent_only=True)
     small = QueueStore(tmp_path / "small", segment_size=64 * 1024, persistent_only=True)
     gone = QueueStore(tmp_path / "gone", persistent_only=True)
-    _worker_idle()
+    worker_idle()
     bodies = [b"x" * 100_000, b"y" * 10_000]
     for s, body in zip((big, small), bodies, strict=True):
         s.append(1, b"", b"q", PROPS, body)
         s.sync()
         s.close()
     gone.delete()
-    _worker_idle()
+    worker_idle()
     assert not (tmp_path / "gone").exists()
     for name, body in zip(("big", "small"), bodies, strict=True):
         again = QueueStore(tmp_path / name, segment_size=64 * 1024, persistent_only=True)
@@ -155,14 +132,14 @@ def test_a_transient_store_makes_no_segment_ahead(tmp_path: Path) -> None:
     direct hand-over), so no segment is made for it ahead: it would cost a creation and an
     unlink at its delete for nothing (measured: workload 7's cold cell, 1,000 unlinks on the loop)."""
     s = QueueStore(tmp_path / "t")
-    _worker_idle()
+    worker_idle()
     assert list((tmp_path / "t").iterdir()) == []
     s.delete()
 
 
 def test_a_queue_that_fills_its_small_first_segment_rolls_to_a_full_one(tmp_path: Path) -> None:
     s = QueueStore(tmp_path / "q", persistent_only=True)
-    _worker_idle()
+    worker_idle()
     bodies = [bytes([i % 251]) * 1000 for i in range(200)]  # ~200 KiB: past the first segment
     for body in bodies:
         s.append(1, b"", b"q", PROPS, body)
@@ -205,7 +182,7 @@ def test_a_first_run_larger_than_the_segment_made_ahead(tmp_path: Path) -> None:
     """A run of records goes into one segment: one larger than the first segment made ahead
     extends it to the usual size."""
     s = QueueStore(tmp_path / "q", persistent_only=True)
-    _worker_idle()
+    worker_idle()
     bodies = [bytes([i % 251]) * 500 for i in range(300)]  # ~160 KiB in one run
     s.append_run(1, b"\x00\x01q", [PROPS] * len(bodies), bodies, True)
     s.sync()
