@@ -22,7 +22,7 @@ from pamqp.base import Frame as PFrame
 
 from broker import errors, properties
 from broker.amqp import codec
-from broker.amqp.connection import AMQPConnection, PublishArgs, State
+from broker.amqp.connection import _PUBLISH_ARGS_CACHE, AMQPConnection, PublishArgs, State
 
 HYPO = settings(max_examples=40, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 HARD_CODES = {320, 402, 403, 501, 502, 503, 504, 505, 506, 530, 540, 541}
@@ -345,9 +345,10 @@ def test_publish_args_decoded_once_and_cache_stays_bounded() -> None:
     assert seen[0].exrk == b"\x02ex\x02rk" and seen[0].routing_key_b == b"rk"
     # more distinct routing keys than the cache holds: every publish still decoded right
     c.calls.clear()
-    c.receive_data(b"".join(publish(1, b"x", routing_key=f"k{i}") for i in range(700)))
-    assert [call[3] for call in c.calls] == [f"k{i}" for i in range(700)]
-    assert len(c._pub_args) <= 256
+    n = _PUBLISH_ARGS_CACHE + 300
+    c.receive_data(b"".join(publish(1, b"x", routing_key=f"k{i}") for i in range(n)))
+    assert [call[3] for call in c.calls] == [f"k{i}" for i in range(n)]
+    assert len(c._pub_args) <= _PUBLISH_ARGS_CACHE
 
 
 def test_repeated_publishes_take_the_prefix_path_and_stay_exact() -> None:
