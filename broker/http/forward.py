@@ -38,6 +38,7 @@ from typing import Any, Final
 from aiohttp import web
 
 from broker import errors
+from broker.http.common import error_response
 
 log = logging.getLogger(__name__)
 
@@ -66,13 +67,12 @@ OpenNodes = Callable[[tuple[str, int]], Awaitable[list[Streams]]]
 
 
 def unavailable(reason: str) -> web.Response:
-    return web.json_response({"error": "service_unavailable", "reason": reason}, status=503)
+    return error_response(503, "service_unavailable", reason)
 
 
 def outcome_unknown(reason: str) -> web.Response:
-    return web.json_response({"error": "gateway_timeout",
-                              "reason": f"{reason}; the request was passed on and may have been applied"},
-                             status=504)
+    return error_response(504, "gateway_timeout",
+                          f"{reason}; the request was passed on and may have been applied")
 
 
 def request_bytes(method: str, target: str, headers: dict[str, str], body: bytes) -> bytes:

@@ -44,7 +44,7 @@ import aiohttp
 from aiohttp import web
 from yarl import URL
 
-from broker.http.common import MGMT_KEY, RECORD_ROUTES, ApiError, paginate
+from broker.http.common import MGMT_KEY, RECORD_ROUTES, ApiError, error_response, paginate
 from broker.shards.definitions import merge_exports, owners
 from broker.shards.worker import WorkerLink
 
@@ -277,13 +277,11 @@ class Fanout:
 
 
 def _restarting() -> web.Response:
-    return web.json_response({"error": "service_unavailable",
-                              "reason": "the worker of this vhost is restarting"}, status=503)
+    return error_response(503, "service_unavailable", "the worker of this vhost is restarting")
 
 
 def _unreachable(index: int, exc: BaseException) -> web.Response:
-    return web.json_response({"error": "service_unavailable", "reason": f"worker {index}: {exc}"},
-                             status=503)
+    return error_response(503, "service_unavailable", f"worker {index}: {exc}")
 
 
 def _kept(got: aiohttp.ClientResponse) -> dict[str, str]:
