@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
 
-from broker.store.paths import TOMBSTONE_SUFFIX, vhost_dir
+from broker.store.paths import TOMBSTONE_INSIDE, TOMBSTONE_SUFFIX, vhost_dir
 
 NODE_ID_FILE = ".node_id"
 ROLE_FILE = ".cluster_role"  # our role in the last term (see standing.py): about this node only
@@ -20,14 +19,11 @@ _LOCAL_NAMES = frozenset({NODE_ID_FILE, ROLE_FILE, ".lock"})
 _LOCAL_DIRS = frozenset({"transient"})
 
 
-_IN_TOMBSTONE: Final = TOMBSTONE_SUFFIX + "/"
-
-
 def is_replicated(rel: str) -> bool:
-    # (a tombstone, a deleted directory renamed away, is tested inline: this runs per append)
+    # (``paths.in_tombstone`` inlined: this runs per replicated append)
     parts = rel.split("/")
     return not (parts[0] in _LOCAL_DIRS or parts[-1] in _LOCAL_NAMES or parts[-1].endswith(".tmp")
-                or rel.endswith(TOMBSTONE_SUFFIX) or _IN_TOMBSTONE in rel)
+                or rel.endswith(TOMBSTONE_SUFFIX) or TOMBSTONE_INSIDE in rel)
 
 
 def relative(data_dir: Path, path: Path) -> str | None:

@@ -81,6 +81,7 @@ def queue_path(vhost_dir: str, queue: str) -> str:
 
 
 TOMBSTONE_SUFFIX: Final = ".deleted"
+TOMBSTONE_INSIDE: Final = TOMBSTONE_SUFFIX + "/"  # in a path inside a tombstone
 _RUN: Final = f"{time.time_ns():x}"  # tombstones of two runs never share a name
 _deletes = itertools.count()
 
@@ -93,4 +94,4 @@ def tombstone_path(directory: str) -> str:
 
 def in_tombstone(rel: str) -> bool:
     """Whether the relative POSIX path ``rel`` is a tombstone or lies inside one."""
-    return rel.endswith(TOMBSTONE_SUFFIX) or TOMBSTONE_SUFFIX + "/" in rel
+    return rel.endswith(TOMBSTONE_SUFFIX) or TOMBSTONE_INSIDE in rel
