@@ -655,6 +655,34 @@ def test_random_split_points(cuts: list[int]) -> None:
     assert run(chunks) == run([data])
 
 
+def run_in_turns(chunks: list[bytes]) -> tuple[tuple[bytes, list[tuple[Any, ...]], State, bool], int]:
+    """``run`` with a turn budget of 0: the connection stops after every method that is not a
+    publish or an ack (module doc of broker/amqp/connection.py, "Turns") and the caller goes on
+    with ``receive_data(b"")``, as the network layer does after the loop's turn. Also: how many
+    turns were given back."""
+    c = Recorder()
+    c.turn_budget = 0.0
+    turns = 0
+    for chunk in chunks:
+        c.receive_data(chunk)
+        while c.yielded:
+            c.yielded = False
+            turns += 1
+            c.receive_data(b"")
+    return (bytes(c.out), c.calls, c.state, c.want_close), turns
+
+
+@HYPO
+@given(cuts=st.lists(st.integers(min_value=0, max_value=len(script())), max_size=20))
+def test_turns_given_back_mid_read_change_nothing(cuts: list[int]) -> None:
+    data = script()
+    points = [0, *sorted(set(cuts)), len(data)]
+    in_turns, turns = run_in_turns([data[a:b] for a, b in zip(points, points[1:], strict=False)])
+    assert in_turns == run([data])
+    if not cuts:  # one read: stopped after each method but the last two (the closes end it)
+        assert turns >= 3
+
+
 def test_split_after_hard_error_equals_all_at_once() -> None:
     # After a 504 the framing is intact, so the client's close-ok in the same
     # read must be honoured exactly as if it had arrived in a later read.

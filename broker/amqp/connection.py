@@ -25,6 +25,17 @@ Content assembly: basic.publish is followed by a header frame and body
 frames on the same channel (other channels may interleave). A body that
 fits one frame is passed on as the very bytes object sliced from the read
 buffer; larger bodies are joined once.
+
+Turns (``turn_budget``): a read may hold hundreds of methods that each do real
+work (a burst of ``queue.delete``s: files closed, a directory renamed), and
+the loop reads no other socket until ``receive_data`` returns. With a budget
+set (the network layer sets one), once a read's non-publish methods have taken
+longer than it, ``receive_data`` stops after the method it just handled, keeps
+the rest as the next call's leftover and sets ``yielded``: the network layer
+stops reading, gives the loop a turn and calls ``receive_data(b"")`` to go on.
+Order is kept (the leftover goes before any later bytes), and publishes and
+acks, whose runs are bounded by their own fairness, do not look at the clock.
+None (sans-IO callers and tests) handles every read to its end, as before.
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ from __future__ import annotations
 import enum
 import functools
 import struct
+import time
 from typing import Any
 
 from pamqp import commands, frame
@@ -184,6 +196,8 @@ class AMQPConnection:
         # The one-pass publish parse and publish runs; off, every publish is assembled frame
         # by frame (PendingContent). Same outcome either way: tests switch it off to compare.
         self.fast_paths = True
+        self.turn_budget: float | None = None  # seconds; see "Turns" in the module doc
+        self.yielded = False  # the last receive_data stopped early: call it again with b""
 
     # ------------------------------------------------------------------ hooks
     def authenticate(self, mechanism: str, response: bytes) -> str:
@@ -367,6 +381,8 @@ class AMQPConnection:
         pending = self._pending
         repeat = self._repeat
         fast = self.fast_paths
+        budget = self.turn_budget
+        began = time.perf_counter() if budget is not None else 0.0
         while n - pos >= 7:
             if repeat is not None and data.startswith(repeat[6], pos) \
                     and channel_state(repeat[1]) == CH_OPEN and repeat[1] not in pending:
@@ -430,6 +446,10 @@ class AMQPConnection:
             if self.want_close or self.state is State.CLOSED:  # type: ignore[comparison-overlap]
                 if self.state is State.HANDOVER:
                     self.handover_rest = bytes(data[pos:])
+                return
+            if budget is not None and ftype == 1 and n - pos >= 7 and time.perf_counter() - began > budget:
+                self._buf = data[pos:]  # the loop's turn (module doc, "Turns")
+                self.yielded = True
                 return
         if pos < n:
             rest = data[pos:]

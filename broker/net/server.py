@@ -71,6 +71,10 @@ _WRITE_HIGH_WATER = 1024 * 1024
 # 31). The look that matters is not timed: a write to a consumer rechecks the held (``flush``).
 _HOLD_POLL = 0.001
 _HOLD_SECONDS = 0.005  # how long a publisher may wait for consumers of its queues to catch up
+# seconds of one read's methods (not publishes or acks) before the session gives the loop a turn
+# (broker/amqp/connection.py, "Turns"): a burst of deletes in one read held every other
+# connection for all of it (issue 31)
+_TURN_BUDGET = 0.001
 
 
 class AMQPProtocol(asyncio.Protocol):
@@ -111,6 +115,7 @@ class AMQPProtocol(asyncio.Protocol):
                 self.session.mechanisms = "EXTERNAL PLAIN AMQPLAIN"
         self.session.flush_now = self.flush
         self.session.write_now = self.write_now
+        self.session.turn_budget = _TURN_BUDGET
         self.protocols.add(self)
 
     def data_received(self, data: bytes) -> None:
@@ -120,8 +125,9 @@ class AMQPProtocol(asyncio.Protocol):
                 self.relay.to_owner(data)
             return
         self.last_read = time.monotonic()
-        s.recv_cnt += 1
-        s.recv_oct += len(data)
+        if data:  # not the rest of a read a turn interrupted (_go_on)
+            s.recv_cnt += 1
+            s.recv_oct += len(data)
         if not self._admitted:
             data = self._before_login(s, data)
             if not data:
@@ -150,6 +156,13 @@ class AMQPProtocol(asyncio.Protocol):
             # A client that does not read what we answer is not read either (resume_writing).
             self._out_wait = True
             self._pause_reading()
+        if s.yielded:
+            # The session stopped mid-read to give other connections a turn: read nothing
+            # new until it has gone on with the rest (_go_on)
+            s.yielded = False
+            self._pause_reading()
+            asyncio.get_running_loop().call_soon(self._go_on)
+            return
         if s.batch_publishes:
             # Fairness: a publisher gets one read per loop turn. The delivery
             # passes its publishes scheduled run before we read from it again;
@@ -166,6 +179,18 @@ class AMQPProtocol(asyncio.Protocol):
                 t.pause_reading()
                 loop = asyncio.get_running_loop()
                 loop.call_soon(self._resume_reading, loop.time() + _HOLD_SECONDS)
+
+    def _go_on(self) -> None:
+        """The loop's turn is over: handle the rest of the read the session stopped in, then
+        read on unless something in it (or a gate meanwhile) paused reading. Bytes read in
+        between (a gate resumed us) came after that rest, and the session took them after it."""
+        t = self.transport
+        if self.session is None or t is None or t.is_closing():
+            return
+        self._read_paused = False
+        self.data_received(b"")
+        if not self._read_paused and not self._mem_wait and not self._out_wait:
+            self._read_on()
 
     def _hand_over(self, s: Session) -> None:
         """Give this connection to the worker that owns its vhost (see the module doc)."""

@@ -1,4 +1,5 @@
-"""A consumer draining a backlog does not keep other connections' frames waiting (issue 31).
+"""A consumer draining a backlog, or a burst of queue deletes in one read, does not keep other
+connections' frames waiting (issue 31).
 
 Theory of operation: a queue's delivery pass runs in one loop turn, and no other connection's
 frame is read until it ends; the pass is bounded in deliveries and bytes, and the next one runs on
@@ -11,6 +12,13 @@ non-zero step is (a multiple of) one pass. With passes of thousands of deliverie
 that arrives meanwhile waits thousands of deliveries for its answer (a synchronous publisher's
 confirm among them), however fast the machine; with bounded passes some step is small. Counting
 deliveries instead of timing them makes the test indifferent to load.
+
+The burst of deletes: one write of many ``queue.delete`` frames arrives in one read, and a
+session used to handle a read to its end before the loop looked at another socket, so a
+bystander waited for the whole burst. The test needs no clock either: once the bystander sees
+the burst's first queue gone, it asks for the last one, and that one must still be there (the
+session gave the loop back between deletes); before, the first was never seen gone before the
+last.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import socket
 import threading
 import time
 
+import pika.exceptions
 from pamqp import commands
 
 from ._raw import FRAME_BODY, FRAME_HEADER, RawConn, frame_bytes, header_payload, method_bytes
@@ -82,3 +91,51 @@ def test_backlog_drain_leaves_turns_to_other_connections(shared_broker: Broker, 
     assert min(steps) <= STEP_BOUND, (
         f"every answer to another connection waited {min(steps)}+ deliveries "
         f"(queue counts seen: {sorted(set(seen), reverse=True)[:12]}...)")
+
+
+BURST = 300  # durable queues deleted in one write (about 12 KB: one read)
+
+
+def test_a_burst_of_deletes_leaves_turns_to_other_connections(
+        shared_broker: Broker, cleanup: Cleanup) -> None:
+    names = [cleanup.queue(unique("burst")) for _ in range(BURST)]
+    conn = connect(shared_broker)
+    try:
+        ch = conn.channel()
+        for name in names:
+            ch.queue_declare(name, durable=True)
+        raw = RawConn("127.0.0.1", shared_broker.port)
+        try:
+            raw.handshake()
+            raw.open_channel(1)
+            raw.send(b"".join(method_bytes(1, commands.Queue.Delete(queue=name)) for name in names))
+            deadline = time.monotonic() + 30
+            first_gone = False
+            while not first_gone and time.monotonic() < deadline:
+                try:
+                    ch.queue_declare(names[0], passive=True)
+                except pika.exceptions.ChannelClosedByBroker:  # 404: the burst has begun
+                    first_gone = True
+                    ch = conn.channel()
+            assert first_gone, "the burst of deletes never began"
+            try:
+                ch.queue_declare(names[-1], passive=True)
+                last_there = True
+            except pika.exceptions.ChannelClosedByBroker:
+                last_there = False
+            wait_until(lambda: _gone(conn, names[-1]), timeout=30, what="the burst done")
+        finally:
+            raw.close()
+    finally:
+        conn.close()
+    assert last_there, "another connection waited for the whole burst of deletes"
+
+
+def _gone(conn: object, name: str) -> bool:
+    ch = conn.channel()  # type: ignore[attr-defined]
+    try:
+        ch.queue_declare(name, passive=True)
+    except pika.exceptions.ChannelClosedByBroker:
+        return True
+    ch.close()
+    return False
