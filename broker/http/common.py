@@ -282,10 +282,13 @@ def match(request: web.Request, key: str) -> str:
     return request.match_info[key]
 
 
-def vhost_param(request: web.Request, key: str = "vhost") -> str:
-    """The vhost named in the path; 404 when it does not exist, 401 when the user may not use it."""
+def vhost_param(request: web.Request, key: str = "vhost", listed: bool = False) -> str:
+    """The vhost named in the path; 404 when it does not exist, 401 when the user may not use it.
+    ``listed``: for the shared state about a vhost (permissions), any vhost in the node's vhost
+    list counts, open here or not (a shard served by another node or worker)."""
     name = request.match_info[key]
-    if name not in request.app[MGMT_KEY].broker.vhosts:
+    mgmt = request.app[MGMT_KEY]
+    if name not in mgmt.broker.vhosts and not (listed and mgmt.vhost_store.exists(name)):
         raise not_found(f"vhost '{name}' not found")
     if not can_see_vhost(request, name):
         raise forbidden(f"access to vhost '{name}' refused for user '{user_of(request).name}'")
