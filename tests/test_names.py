@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from _file_calls import worker_idle
 
 from broker.auth.names import name_problem
 from broker.auth.users import UserStore
@@ -14,7 +15,6 @@ from broker.auth.vhosts import VHostStore
 from broker.http.common import ApiError, check_name
 from broker.model.vhost import VHost
 from broker.store.sink import NullSink
-from _file_calls import worker_idle
 
 
 @pytest.mark.parametrize("bad,why", [("", "must not be empty"), ("é" * 128, "longer than 255 bytes"),
