@@ -773,6 +773,11 @@ class Node:
         assert self.broker is not None, "not started"
         return self.broker.proxied_peers
 
+    @property
+    def proxied_tls(self) -> dict[tuple[str, int], tls.PeerTLS]:
+        assert self.broker is not None, "not started"
+        return self.broker.proxied_tls
+
     def sync_started(self) -> float | None:
         return None if self._syncer is None else self._syncer.sync_started
 

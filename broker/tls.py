@@ -21,14 +21,19 @@ Python's ``getpeercert()`` only reports a certificate that verified, so
 ``PeerTLS.login_name`` (the EXTERNAL mechanism's user name, as RabbitMQ's
 ``rabbitmq_auth_mechanism_ssl`` derives it) can only come from a trusted one.
 
+A verified peer carried from the member that ended its TLS to the one serving the client's vhost
+travels as PROXY v2's SSL TLV (``carried`` / ``from_carried``, at the end of this module).
+
 This module is a leaf next to ``config``: it imports ``ssl`` and ``config``
 only, so the network, HTTP and cluster layers may all use it.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import ssl
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -260,3 +265,106 @@ NO_TLS_FIELDS: dict[str, Any] = {
     "ssl": False, "ssl_protocol": None, "ssl_cipher": None,
     "peer_cert_subject": None, "peer_cert_issuer": None, "peer_cert_validity": None,
 }  # fmt: skip
+
+
+# ------------------------------------------------------------------ a peer carried between members
+#
+# TLS ends at the node a client reached; a connection carried to the node serving its vhost
+# (``cluster/elsewhere.py``, over a tunnel only a member holding the cluster secret opens) takes
+# what that handshake verified along in the tunnel's hello, in PROXY protocol v2's own form for
+# it, the PP2_TYPE_SSL TLV: a client byte (PP2_CLIENT_SSL, PP2_CLIENT_CERT_CONN when a certificate
+# came), a u32 verify result (0: verified; getpeercert() reports only a certificate that verified),
+# then sub-TLVs: PP2_SUBTYPE_SSL_VERSION, _CN, _CIPHER, and, in the range PROXY v2 leaves to
+# applications (PP2_TYPE_MIN_CUSTOM), the rest of the verified certificate's fields the serving
+# node's ``tls_cert_login_from`` and ``/api/connections`` read (subject, issuer,
+# subjectAltName, validity) as JSON. The serving node applies its own EXTERNAL rules to them; it
+# takes them only from a tunnel's hello, never from a client's bytes or a PROXY header.
+PP2_TYPE_SSL = 0x20
+PP2_SUBTYPE_SSL_VERSION, PP2_SUBTYPE_SSL_CN, PP2_SUBTYPE_SSL_CIPHER = 0x21, 0x22, 0x23
+PP2_SUBTYPE_SKRED_CERT = 0xE0  # PP2_TYPE_MIN_CUSTOM: the certificate's fields, JSON
+PP2_CLIENT_SSL, PP2_CLIENT_CERT_CONN = 0x01, 0x02
+MAX_CARRIED = 16 * 1024  # bytes of a carried identity: a certificate's names fit many times over
+_CERT_FIELDS = ("subject", "issuer", "subjectAltName", "notBefore", "notAfter")
+_TLV = struct.Struct(">BH")
+_SSL_HEAD = struct.Struct(">BI")
+
+
+def _tlv(kind: int, value: bytes) -> bytes:
+    if len(value) > MAX_CARRIED:
+        raise ValueError("the client certificate's names are too long to carry")
+    return _TLV.pack(kind, len(value)) + value
+
+
+def carried(peer: PeerTLS) -> bytes:
+    """``peer`` as the PP2_TYPE_SSL TLV a member sends with the connection it carries."""
+    cert = peer.cert
+    subs = _tlv(PP2_SUBTYPE_SSL_VERSION, peer.protocol.encode())
+    subs += _tlv(PP2_SUBTYPE_SSL_CIPHER, peer.cipher.encode())
+    if cert:
+        fields = json.dumps({k: cert[k] for k in _CERT_FIELDS if k in cert}).encode()
+        subs += _tlv(PP2_SUBTYPE_SSL_CN, (peer.login_name("common_name") or "").encode())
+        subs += _tlv(PP2_SUBTYPE_SKRED_CERT, fields)
+    client = PP2_CLIENT_SSL | (PP2_CLIENT_CERT_CONN if cert else 0)
+    out = _tlv(PP2_TYPE_SSL, _SSL_HEAD.pack(client, 0) + subs)
+    if len(out) > MAX_CARRIED:
+        raise ValueError("the client certificate's names are too long to carry")
+    return out
+
+
+def from_carried(data: bytes) -> PeerTLS:
+    """The peer a member carried (``carried``); ValueError for anything else."""
+    if len(data) > MAX_CARRIED or len(data) < _TLV.size:
+        raise ValueError("not a carried TLS peer")
+    kind, size = _TLV.unpack_from(data)
+    if kind != PP2_TYPE_SSL or size != len(data) - _TLV.size or size < _SSL_HEAD.size:
+        raise ValueError("not a PP2_TYPE_SSL TLV")
+    client, verify = _SSL_HEAD.unpack_from(data, _TLV.size)
+    subs: dict[int, bytes] = {}
+    pos = _TLV.size + _SSL_HEAD.size
+    while pos < len(data):
+        if pos + _TLV.size > len(data):
+            raise ValueError("a cut sub-TLV")
+        sub, n = _TLV.unpack_from(data, pos)
+        pos += _TLV.size
+        if pos + n > len(data):
+            raise ValueError("a cut sub-TLV")
+        subs[sub] = data[pos:pos + n]
+        pos += n
+    if not client & PP2_CLIENT_SSL:
+        raise ValueError("the carried connection was not TLS")
+    cert: dict[str, Any] = {}
+    if client & PP2_CLIENT_CERT_CONN:
+        if verify != 0:
+            raise ValueError("a carried certificate that did not verify")
+        cert = _cert_fields(subs.get(PP2_SUBTYPE_SKRED_CERT, b""))
+    return PeerTLS(subs.get(PP2_SUBTYPE_SSL_VERSION, b"").decode(errors="replace"),
+                   subs.get(PP2_SUBTYPE_SSL_CIPHER, b"").decode(errors="replace"), cert)
+
+
+def _cert_fields(raw: bytes) -> dict[str, Any]:
+    """getpeercert()'s shape back from JSON, checked: names are tuples of (key, value) pairs."""
+    try:
+        got = json.loads(raw)
+    except ValueError:
+        raise ValueError("a carried certificate that is not JSON") from None
+    if not isinstance(got, dict) or not got.get("subject"):
+        raise ValueError("a carried certificate with no subject")
+
+    def pairs(items: Any) -> tuple[tuple[str, str], ...]:
+        if not isinstance(items, list) or not all(
+                isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in items):
+            raise ValueError("a carried certificate's names are not (key, value) pairs")
+        return tuple((str(k), str(v)) for k, v in items)
+
+    cert: dict[str, Any] = {}
+    for name in ("subject", "issuer"):
+        rdns = got.get(name, [])
+        if not isinstance(rdns, list):
+            raise ValueError(f"a carried certificate's {name} is not a list")
+        cert[name] = tuple(pairs(rdn) for rdn in rdns)
+    if "subjectAltName" in got:
+        cert["subjectAltName"] = pairs(got["subjectAltName"])
+    for name in ("notBefore", "notAfter"):
+        if isinstance(got.get(name), str):
+            cert[name] = got[name]
+    return cert

@@ -58,6 +58,20 @@ def test_tunnel_hello_round_trip_partial_input_and_dispatch() -> None:
     assert opened is not None and opened[0] == codec.Hello(codec.VERSION, b"s" * 32, "n1")
     with pytest.raises(codec.CodecError):
         codec.parse_opening(codec.encode_tunnel_hello(b"s", codec.CLIENT_PORTS, ("1.2.3.4", 1)))
+
+
+def test_tunnel_hello_carries_the_clients_tls_bounded() -> None:
+    tlv = b"\x20\x00\x05\x01\x00\x00\x00\x00"  # what broker.tls.carried writes; opaque here
+    raw = codec.encode_tunnel_hello(b"s" * 32, codec.AMQP_PORT, ("10.0.0.1", 5000), tls=tlv)
+    for cut in range(len(raw)):
+        assert codec.parse_opening(raw[:cut]) is None
+    hello, used = codec.parse_opening(raw + b"AMQP") or (None, 0)
+    assert isinstance(hello, codec.TunnelHello) and hello.tls == tlv and used == len(raw)
+    with pytest.raises(ValueError):
+        codec.encode_tunnel_hello(b"s", codec.AMQP_PORT, ("10.0.0.1", 1), tls=bytes(codec.MAX_TUNNEL_TLS + 1))
+    long = raw[:-len(tlv) - 2] + (codec.MAX_TUNNEL_TLS + 1).to_bytes(2, "big")
+    with pytest.raises(codec.CodecError):
+        codec.parse_opening(long)
     # a client of one of the follower's Unix sockets (version 7); any other name is refused
     unix = codec.parse_opening(codec.encode_tunnel_hello(b"s", codec.MQTT_PORT, (codec.UNIX_CLIENT, 0)))
     assert unix is not None and unix[0].client == ("unix", 0)  # type: ignore[union-attr]

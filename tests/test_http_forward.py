@@ -29,6 +29,25 @@ def test_an_answer_keeps_its_status_body_and_the_headers_a_client_needs() -> Non
     assert "Server" not in got.headers
 
 
+def test_a_busy_answer_keeps_its_retry_after_across_nodes_as_across_workers() -> None:
+    """A 503 with Retry-After (the records budget is busy) reaches the client with its pause
+    whether a worker (``shards/fanout.py``) or a node (``http/forward.py``) passed it on: one list
+    of the answer's headers passed on, and the same list of the request's."""
+    from broker.http import common, forward
+    from broker.shards import fanout
+
+    got = parse_answer(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                       b"retry-after: 1\r\nContent-Length: 2\r\n\r\n{}")
+    assert got.status == 503 and got.headers["Retry-After"] == "1"
+    answer = [("Content-Type", "application/json"), ("Retry-After", "1"), ("Location", "/x"),
+              ("WWW-Authenticate", "Basic"), ("Server", "x"), ("Set-Cookie", "a=b")]
+    assert common.passed_back(answer) == {"Content-Type": "application/json", "Retry-After": "1",
+                                          "Location": "/x", "WWW-Authenticate": "Basic"}
+    for hop in (forward, fanout):  # both hops use the one pair of lists, no copy of their own
+        assert hop.PASSED_ON is common.PASSED_ON and hop.passed_back is common.passed_back
+        assert not {"KEPT", "_KEPT", "PASSED", "_PASSED"} & set(vars(hop))
+
+
 def test_a_chunked_answer_is_read_whole() -> None:
     got = parse_answer(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n"
                        b"Content-Type: application/json\r\n\r\n"

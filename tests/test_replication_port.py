@@ -18,12 +18,15 @@ from typing import Any
 
 import pytest
 
+from broker import tls
 from broker.cluster import codec, leader, tunnel
 from broker.cluster.leader import LeaderSink
 from broker.cluster.proxy import SpliceProxy, Target, Tunnelled
 from tests.integration._tls import make_pki
 
 SECRET = b"s" * 32
+# a verified client certificate a member ended TLS for (broker.tls.carried)
+PEER = tls.PeerTLS("TLSv1.3", "TLS_AES_256_GCM_SHA384", {"subject": ((("commonName", "app"),),)})
 DEADLINE = 15.0  # seconds: generous under load, well below asyncio's 60 s TLS default
 
 
@@ -69,11 +72,12 @@ def test_tunnel_hello_with_a_wrong_secret_is_refused_and_logged(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     async def body(sink: LeaderSink, port: int) -> None:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(codec.encode_tunnel_hello(b"x" * 32, codec.AMQP_PORT, ("10.1.2.3", 4000)))
+        writer.write(codec.encode_tunnel_hello(b"x" * 32, codec.AMQP_PORT, ("10.1.2.3", 4000),
+                                               tls=tls.carried(PEER)))  # a certificate injected
         assert await _until_closed(reader) == bytes([codec.BAD_SECRET])
         writer.close()
         assert sink.refused == 1
-        assert not sink.proxied_peers and not sink._tunnels
+        assert not sink.proxied_peers and not sink._tunnels and not sink.proxied_tls
 
     with caplog.at_level(logging.WARNING, logger="broker.cluster.leader"):
         _run(tmp_path, body)
@@ -125,10 +129,11 @@ def test_a_silent_peer_on_the_tls_port_is_dropped_after_the_handshake_timeout(
 
 def test_a_member_tunnel_is_spliced_and_forgotten_when_it_ends(tmp_path: Path) -> None:
     """The right secret: the leader splices to its own listener, reports the client's address
-    for the leg while it lives, and drops the entry (and the tunnel) when the client leaves;
-    a port it does not serve is refused with UNAVAILABLE."""
+    and the TLS the member ended for it for the leg while it lives, and drops both entries (and
+    the tunnel) when the client leaves; a port it does not serve is refused with UNAVAILABLE."""
     async def body(sink: LeaderSink, port: int) -> None:
         seen: list[tuple[str, int]] = []
+        certs: list[tls.PeerTLS | None] = []
 
         async def echo(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
             peer = w.get_extra_info("peername")
@@ -136,6 +141,7 @@ def test_a_member_tunnel_is_spliced_and_forgotten_when_it_ends(tmp_path: Path) -
             while data := await r.read(4096):
                 if first:  # like the broker's listeners: looked up once the client's bytes came
                     seen.append(sink.proxied_peers.get((peer[0], peer[1]), ("?", 0)))
+                    certs.append(sink.proxied_tls.get((peer[0], peer[1])))
                     first = False
                 w.write(data)
                 await w.drain()
@@ -151,11 +157,13 @@ def test_a_member_tunnel_is_spliced_and_forgotten_when_it_ends(tmp_path: Path) -
             writer.close()
 
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(codec.encode_tunnel_hello(SECRET, codec.AMQP_PORT, ("10.1.2.3", 4000)))
+            writer.write(codec.encode_tunnel_hello(SECRET, codec.AMQP_PORT, ("10.1.2.3", 4000),
+                                                   tls=tls.carried(PEER)))
             assert await asyncio.wait_for(reader.readexactly(1), DEADLINE) == bytes([codec.OK])
             writer.write(b"\0\0\0\4ping")  # framed: u32 length, bytes
             assert await asyncio.wait_for(reader.readexactly(8), DEADLINE) == b"\0\0\0\4ping"
             assert seen == [("10.1.2.3", 4000)]
+            assert [c.login_name("common_name") if c else None for c in certs] == ["app"]
             assert len(sink.proxied_peers) == 1 and len(sink._tunnels) == 1
             writer.write(tunnel.END)  # our end: the listener's EOF comes back as its end marker
             assert await _until_closed(reader) == tunnel.END
@@ -163,7 +171,7 @@ def test_a_member_tunnel_is_spliced_and_forgotten_when_it_ends(tmp_path: Path) -
             deadline = time.monotonic() + DEADLINE
             while (sink.proxied_peers or sink._tunnels) and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
-            assert not sink.proxied_peers and not sink._tunnels
+            assert not sink.proxied_peers and not sink._tunnels and not sink.proxied_tls
         finally:
             listener.close()
 

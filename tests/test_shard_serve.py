@@ -3,8 +3,8 @@ its broker boots a shard's vhost from the directory replication wrote and closes
 without deleting anything (``Node.open_shard`` / ``close_shard``), and a broker told which
 shards it serves (``Node.serves``) loads only those. A real broker on real sockets and files,
 real AMQP clients with publisher confirms; a real MQTT client (paho) and a real stream protocol
-client (rstream) of a closed shard are disconnected too, and nothing they publish after is
-acknowledged."""
+client (rstream) of a closed shard are disconnected too, and so is a MessagePack-RPC client of
+LMQ (aio-msgpack-rpc); nothing they publish after is acknowledged."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import queue
 from pathlib import Path
 from typing import Any
 
+import aio_msgpack_rpc
 import aio_pika
 import aiohttp
 import paho.mqtt.client as mqtt
@@ -142,6 +143,7 @@ def test_a_closed_shard_disconnects_its_mqtt_and_stream_clients_and_acknowledges
     env["SKRED_LMQ_VHOST"] = "a"  # LMQ's listeners serve the shard too
     mqtt_port, stream_port = int(env["SKRED_MQTT_PORT"]), int(env["SKRED_STREAM_PORT"])
     lmq_put = f"http://127.0.0.1:{env['SKRED_LMQ_HTTP_PORT']}/messages/lq"
+    rpc_port = int(env["SKRED_LMQ_RPC_PORT"])
     guest = {"Authorization": aiohttp.BasicAuth("guest", "guest").encode()}
 
     async def lmq_status(http: aiohttp.ClientSession) -> int:
@@ -192,6 +194,12 @@ def test_a_closed_shard_disconnects_its_mqtt_and_stream_clients_and_acknowledges
             http = await stack.enter_async_context(
                 aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)))
             assert await lmq_status(http) == 200
+            # LMQ's MessagePack-RPC into vhost "a", a connection open before the close
+            rpc_reader, rpc_writer = await asyncio.open_connection("127.0.0.1", rpc_port)
+            stack.callback(rpc_writer.close)
+            rpc = aio_msgpack_rpc.Client(rpc_reader, rpc_writer, response_timeout=5)
+            assert await rpc.call("authenticate", "guest", "guest") == "ok"
+            assert await rpc.call("push", "rq", "before") == "ok"
 
             assert await node.close_shard("a")
             # both are closed by the broker (MQTT 5: DISCONNECT "use another server")
@@ -207,6 +215,10 @@ def test_a_closed_shard_disconnects_its_mqtt_and_stream_clients_and_acknowledges
             await asyncio.sleep(0.3)  # a late PUBACK would be on its way by now
             assert acked.empty() and after.rc == mqtt.MQTT_ERR_NO_CONN  # kept for its next server
             assert await lmq_status(http) == 0  # LMQ's port closed with its vhost
+            # the RPC connection open before the close is closed too: no answer backed by no store
+            await _within("the LMQ RPC connection of the closed shard closed", rpc_reader.at_eof, 5)
+            with pytest.raises((ConnectionError, TimeoutError, aio_msgpack_rpc.error.RPCResponseError)):
+                await rpc.call("push", "rq", "after", timeout=2)
             assert await node.open_shard("a")
             assert await lmq_status(http) == 200  # and open again where the shard is served
         finally:

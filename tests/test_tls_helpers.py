@@ -59,3 +59,34 @@ def test_tls_options_from_the_environment() -> None:
     assert config.main.tls_min_version == "1.3" and config.clustering.tls
     with pytest.raises(ConfigError):
         load_config([], environ={"SKRED_MAIN_TLS_MIN_VERSION": "1.1"})
+
+
+def test_a_peer_carried_between_members_keeps_what_external_and_the_api_read() -> None:
+    # the form a member sends with a client whose TLS it ended (PROXY v2's PP2_TYPE_SSL TLV)
+    peer = tls.PeerTLS("TLSv1.3", "TLS_AES_256_GCM_SHA384", CERT)
+    raw = tls.carried(peer)
+    assert raw[0] == tls.PP2_TYPE_SSL and int.from_bytes(raw[1:3], "big") == len(raw) - 3
+    assert raw[3] == tls.PP2_CLIENT_SSL | tls.PP2_CLIENT_CERT_CONN and raw[4:8] == bytes(4)  # verified
+    assert b"\x22\x00\x03app" in raw  # PP2_SUBTYPE_SSL_CN, as HAProxy and others read it
+    back = tls.from_carried(raw)
+    for source in ("common_name", "subject_alternative_name", "distinguished_name"):
+        assert back.login_name(source) == peer.login_name(source), source
+    assert back.api_fields() == peer.api_fields()
+    # TLS with no client certificate: carried as TLS, no identity
+    bare = tls.from_carried(tls.carried(tls.PeerTLS("TLSv1.2", "ECDHE", {})))
+    assert bare.cert == {} and bare.login_name("common_name") is None and bare.protocol == "TLSv1.2"
+
+
+@pytest.mark.parametrize("bad", [
+    b"", b"\x20\x00", b"\x21\x00\x05\x01\x00\x00\x00\x00",  # short; not PP2_TYPE_SSL
+    b"\x20\x00\x09\x01\x00\x00\x00\x00\x21\x00\x09x",  # a cut sub-TLV
+    b"\x20\x00\x05\x00\x00\x00\x00\x00",  # not TLS
+    b"\x20\x00\x05\x03\x00\x00\x00\x01",  # a certificate that did not verify
+    b"\x20\x00\x05\x03\x00\x00\x00\x00",  # a certificate with no fields
+    b"\x20\x00\x0a\x03\x00\x00\x00\x00\xe0\x00\x02{}",  # ... or no subject
+    b"\x20\x00\x18\x03\x00\x00\x00\x00\xe0\x00\x10{\"subject\": [7]}",  # names that are not pairs
+    b"\x20" + (tls.MAX_CARRIED).to_bytes(2, "big") + bytes(tls.MAX_CARRIED),  # too long
+])
+def test_a_malformed_carried_peer_is_refused(bad: bytes) -> None:
+    with pytest.raises(ValueError):
+        tls.from_carried(bad)

@@ -197,6 +197,9 @@ class Broker:
         self.trusted_peers: set[str] = set()
         # a cluster leader's own legs of follower tunnels -> the real client (broker.cluster.tunnel)
         self.proxied_peers: dict[tuple[str, int], tuple[str, int]] = {}
+        # such a leg -> the client's TLS the member that carried it ended (broker.cluster.tunnel):
+        # the certificate EXTERNAL logs in with on a plain listener (net/server.py)
+        self.proxied_tls: dict[tuple[str, int], PeerTLS] = {}
         self.shards: Shards | None = None  # a worker of a multi-worker node (broker/shards)
         # publishers held for their queues' consumers, looked at after each write to a client
         self.held: set[HeldReader] = set()

@@ -15,9 +15,10 @@ The same port also carries the follower proxy's tunnels: a ``TunnelHello``
 (magic ``SKTUNL``, version, secret, which client port, the client's address,
 and since version 6 the follower's node id and the tunnel's keepalive in
 milliseconds; the address of a client on one of the follower's Unix sockets is
-``UNIX_CLIENT``, since version 7) answered by one status byte; after ``OK`` the connection carries
-one client's bytes both ways, framed so each direction's end can be told and a
-silent link found (``broker.cluster.tunnel``). The node id lets the leader close
+``UNIX_CLIENT``, since version 7; since version 10 the TLS the follower or cluster leader ended
+for that client, as ``broker.tls.carried`` writes it, or nothing) answered by one status byte;
+after ``OK`` the connection carries one client's bytes both ways, framed so each direction's
+end can be told and a silent link found (``broker.cluster.tunnel``). The node id lets the leader close
 a follower's tunnels when it drops that follower.
 
 After that, leader -> follower carries messages LZ4-compressed: each write
@@ -69,10 +70,12 @@ from broker.cluster.files import Scope
 
 MAGIC: Final = b"SKREPL"
 TUNNEL_MAGIC: Final = b"SKTUNL"
-VERSION: Final = 9  # 2: HEARTBEAT; 3: every client port in the Welcome, tunnels; 4: MERGE_ACKS;
+VERSION: Final = 10  # 2: HEARTBEAT; 3: every client port in the Welcome, tunnels; 4: MERGE_ACKS;
 # 5: tunnels framed (an end-of-stream marker each way); 6: tunnel keepalive, the follower's id in
 # TunnelHello, the MQTT port in the Welcome; 7: the MQTTS and stream-protocol ports in the Welcome,
-# Unix-socket clients in TunnelHello; 8: the stream protocol's TLS port in the Welcome; 9: SCOPE
+# Unix-socket clients in TunnelHello; 8: the stream protocol's TLS port in the Welcome; 9: SCOPE;
+# 10: the client's TLS (PROXY v2's SSL TLV) in TunnelHello
+MAX_TUNNEL_TLS: Final = 16 * 1024  # bytes of a TunnelHello's TLS field (broker.tls.MAX_CARRIED)
 SECRET_SIZE: Final = 32
 
 # Welcome status codes.
@@ -163,6 +166,7 @@ class TunnelHello:
     client: tuple[str, int]  # the address the follower's proxy accepted the client from
     node_id: str = ""  # the follower whose proxy opened it
     keepalive_ms: int = 0  # silence after which either end presumes the link dead (0: none)
+    tls: bytes = b""  # the TLS the sending member ended for this client: PROXY v2's SSL TLV; b"": none
 
 
 @dataclass(frozen=True)
@@ -197,13 +201,15 @@ def parse_hello(buf: bytes) -> tuple[Hello, int] | None:
 
 
 def encode_tunnel_hello(secret: bytes, port: int, client: tuple[str, int], version: int = VERSION, *,
-                        node_id: str = "", keepalive_ms: int = 0) -> bytes:
+                        node_id: str = "", keepalive_ms: int = 0, tls: bytes = b"") -> bytes:
     host, nid = client[0].encode(), node_id.encode()
     if len(secret) > 255 or len(host) > 255 or len(nid) > 255:
         raise ValueError("secret, client address and node id are at most 255 bytes")
+    if len(tls) > MAX_TUNNEL_TLS:
+        raise ValueError(f"a tunnel's TLS field is at most {MAX_TUNNEL_TLS} bytes")
     return (TUNNEL_MAGIC + _U8.pack(version) + _U8.pack(len(secret)) + secret + _U8.pack(port)
             + _U8.pack(len(host)) + host + _U16.pack(client[1])
-            + _U8.pack(len(nid)) + nid + _U32.pack(keepalive_ms))
+            + _U8.pack(len(nid)) + nid + _U32.pack(keepalive_ms) + _U16.pack(len(tls)) + tls)
 
 
 class _Cursor:
@@ -254,8 +260,14 @@ def parse_opening(buf: bytes) -> tuple[Hello | TunnelHello, int] | None:
         return None
     if version != VERSION:  # an older proxy: the leader refuses it by its version alone
         return TunnelHello(version, secret, port, ("0.0.0.0", 0)), cur.pos
-    nid, keepalive = cur.prefixed(), cur.take(4)
-    if nid is None or keepalive is None:
+    nid, keepalive, tls_size = cur.prefixed(), cur.take(4), cur.take(2)
+    if nid is None or keepalive is None or tls_size is None:
+        return None
+    size = _U16.unpack(tls_size)[0]
+    if size > MAX_TUNNEL_TLS:
+        raise CodecError("a tunnel's TLS field is too long")
+    tls = cur.take(size)
+    if tls is None:
         return None
     if port >= CLIENT_PORTS:
         raise CodecError(f"tunnel to unknown client port {port}")
@@ -269,7 +281,7 @@ def parse_opening(buf: bytes) -> tuple[Hello | TunnelHello, int] | None:
         node_id = nid.decode()
     except UnicodeDecodeError:
         raise CodecError("node id is not UTF-8") from None
-    return TunnelHello(version, secret, port, client, node_id, _U32.unpack(keepalive)[0]), cur.pos
+    return TunnelHello(version, secret, port, client, node_id, _U32.unpack(keepalive)[0], tls), cur.pos
 
 
 WELCOME_SIZE: Final = _WELCOME.size

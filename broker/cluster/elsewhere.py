@@ -16,7 +16,10 @@ and permissions, before anything is opened:
   with the client's ``start-ok`` (``replays_login``). The handshake is rebuilt from it
   (``Opened``: that start-ok, a ``tune-ok`` with the limits negotiated here, the ``open``, the
   bytes read after it) and replayed (``vhost_router.replay``); the node answers ``open-ok``
-  (or its refusal).
+  (or its refusal). A client of our AMQPS port takes its TLS along (TLS ends here): the verified
+  certificate goes in the tunnel's hello (``broker.tls.carried``, PROXY v2's SSL TLV; only a
+  member with the cluster secret opens a tunnel), so that node offers EXTERNAL and derives the
+  user from it by its own ``tls_cert_login_from``, as if the client had reached it directly.
 * MQTT: the CONNECT names the vhost (``vhost:user``, or the listener's default) and carries
   the credentials itself; the connection is handed over before the login, with every byte read
   (``rest``: the CONNECT and anything after it), and those bytes are the whole replay: the
@@ -45,7 +48,7 @@ from typing import Any
 
 from pamqp import commands, frame
 
-from broker import errors
+from broker import errors, tls
 from broker.cluster import codec, stream_route, unavailable
 from broker.cluster.proxy import Carried, Play, SpliceProxy
 from broker.cluster.stream_route import StreamReplay
@@ -145,7 +148,10 @@ def _amqp(vhost: str, state: dict[str, Any]) -> Carried:
     opened = Opened(vhost, login, frame.marshal(tune_ok, 0),
                     frame.marshal(commands.Connection.Open(virtual_host=vhost), 0),
                     bytes(state.get("rest", b"")), channel_max, frame_max)
-    return Carried(vhost, codec.AMQP_PORT, lambda read, write: replay(opened, read, write), refusal)
+    peer = state.get("tls")  # the TLS we ended: that node's EXTERNAL reads its certificate
+    peer_tls = tls.carried(peer) if isinstance(peer, tls.PeerTLS) else b""
+    return Carried(vhost, codec.AMQP_PORT, lambda read, write: replay(opened, read, write), refusal,
+                   peer_tls)
 
 
 def _sends(data: bytes) -> Play:

@@ -20,6 +20,7 @@ from broker.cluster.handover import Seen
 from broker.cluster.status import ClusterView
 from broker.config import Config
 from broker.store.sink import ReplicationSink
+from broker.tls import PeerTLS
 
 
 class ClusterState(Protocol):
@@ -76,6 +77,11 @@ class LeaderBroker(Protocol):
     def proxied_peers(self) -> MutableMapping[tuple[str, int], tuple[str, int]]:
         """A live map the listeners read: a local connection's address -> the client it carries
         (the leader's own legs of follower tunnels, ``broker.cluster.tunnel``)."""
+
+    @property
+    def proxied_tls(self) -> MutableMapping[tuple[str, int], PeerTLS]:
+        """A live map the AMQP listener reads: such a local connection's address -> the client's
+        TLS the member that carried it ended (its certificate for EXTERNAL)."""
 
     def reload_tls(self) -> None:
         """Reload the client listeners' certificates (SIGHUP)."""

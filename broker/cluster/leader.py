@@ -66,6 +66,7 @@ from typing import Any
 from broker.cluster import codec, tunnel
 from broker.cluster.files import EVERYTHING, Scope, is_replicated, relative, shard_of
 from broker.cluster.gate import HandshakeGate
+from broker.tls import PeerTLS
 
 log = logging.getLogger(__name__)
 
@@ -220,6 +221,8 @@ class LeaderSink:
         self.client_addresses: Callable[[], dict[str, tuple[str, int]]] = dict
         # leg of a tunnel to our own listener -> the client's address (the broker's listeners read it)
         self.proxied_peers: MutableMapping[tuple[str, int], tuple[str, int]] = {}
+        # such a leg -> the client's TLS the member carrying it ended (EXTERNAL reads it)
+        self.proxied_tls: MutableMapping[tuple[str, int], PeerTLS] = {}
         self.fenced = False
         self.lease_valid: Callable[[], bool] = lambda: True
         self.refused = 0
@@ -428,7 +431,8 @@ class LeaderSink:
             tunnels = self._tunnels.setdefault(hello.node_id, set())
             tunnels.add(writer)
             try:
-                await tunnel.serve_tunnel(hello, reader, writer, self.client_addresses, self.proxied_peers)
+                await tunnel.serve_tunnel(hello, reader, writer, self.client_addresses, self.proxied_peers,
+                                          self.proxied_tls)
             finally:
                 tunnels.discard(writer)
                 if not tunnels and self._tunnels.get(hello.node_id) is tunnels:

@@ -123,6 +123,7 @@ class Carried:
     which: int
     play: Play
     refusal: Callable[[str], bytes]
+    peer_tls: bytes = b""  # the client's TLS this node ended (``broker.tls.carried``), for that node
 
 
 class SpliceProxy:
@@ -179,15 +180,16 @@ class SpliceProxy:
         except (TimeoutError, OSError, RuntimeError):
             pass
 
-    async def _leg(self, host: str, port: int, client: tuple[str, int], which: int | None = None
-                   ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def _leg(self, host: str, port: int, client: tuple[str, int], which: int | None = None,
+                   peer_tls: bytes = b"") -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """A connection to ``host:port`` for ``client`` (a tunnel when this proxy tunnels, to
-        client port ``which``: this proxy's own unless named)."""
+        client port ``which``: this proxy's own unless named, naming the client's TLS we ended)."""
         if self.tunnel is not None:
             t = self.tunnel
             lreader, upstream = await open_tunnel(
                 host, port, which=t.which if which is None else which, client=client, secret=t.secret(),
-                tls=t.tls(), source_ip=self.source_ip, node_id=t.node_id, keepalive=t.keepalive)
+                tls=t.tls(), source_ip=self.source_ip, node_id=t.node_id, keepalive=t.keepalive,
+                peer_tls=peer_tls)
         else:
             local = (self.source_ip, 0) if self.source_ip else None
             async with asyncio.timeout(5.0):
@@ -196,14 +198,14 @@ class SpliceProxy:
         return lreader, upstream
 
     async def _routed_leg(self, target: Target, client: tuple[str, int], which: int | None = None,
-                          answer: Callable[[str], bytes] = refusal
+                          answer: Callable[[str], bytes] = refusal, peer_tls: bytes = b""
                           ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """A tunnel to ``target`` for a routed client (``Failed`` with ``answer(why)`` to send:
         AMQP's 320 unless the protocol's own is named)."""
         if target.host is None or not target.port:
             raise Failed("no serving node", answer("no cluster leader yet"))
         try:
-            return await self._leg(target.host, target.port, client, which)
+            return await self._leg(target.host, target.port, client, which, peer_tls)
         except (TimeoutError, OSError) as exc:  # TunnelRefused is a ConnectionError
             why = str(exc) if isinstance(exc, TunnelRefused) else "the cluster leader cannot be reached"
             raise Failed(f"cannot reach {target.host}:{target.port}: {why}",
@@ -288,7 +290,7 @@ class SpliceProxy:
             try:
                 async with asyncio.timeout(HANDSHAKE_TIMEOUT):
                     leg = await self._routed_leg(self.routed.serving(carried.vhost), client, carried.which,
-                                                 carried.refusal)
+                                                 carried.refusal, carried.peer_tls)
                     cwriter.write(await carried.play(*_on(leg)))
             except TimeoutError:
                 log.info("%s: %s not routed within %.0fs", self.name, client, HANDSHAKE_TIMEOUT)

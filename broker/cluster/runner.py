@@ -781,6 +781,7 @@ class ClusterRunner:
         sink.merge_acks = node.merge_acks
         sink.client_addresses = node.client_addresses
         sink.proxied_peers = node.proxied_peers
+        sink.proxied_tls = node.proxied_tls
         try:
             await sink.start(c.bind, c.port, self.repl_tls.server if self.repl_tls is not None else None)
         except OSError as exc:

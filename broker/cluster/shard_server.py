@@ -116,6 +116,7 @@ class ShardServer:
         sink.merge_acks = node.merge_acks
         sink.client_addresses = node.client_addresses
         sink.proxied_peers = node.proxied_peers
+        sink.proxied_tls = node.proxied_tls
         try:
             address = await sink.start(bind, port, tls)
         except BaseException:

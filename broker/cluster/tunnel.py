@@ -49,7 +49,12 @@ every listener (AMQP, HTTP, LMQ) reports a peer found in that map as the
 client's address (logs, ``/api/connections``, the loopback-only rule of
 ``guest``, login throttling). Only this process writes that map, keyed by its
 own connected sockets, so no PROXY header has to be trusted on that hop; the
-entry goes when the leg closes.
+entry goes when the leg closes. The same holds for the client's TLS: a member that ended a
+client's TLS and carries it on (``cluster/elsewhere.py``) names the verified peer in its hello
+(``broker.tls.carried``: PROXY v2's SSL TLV), and the serving node records ``leg address ->
+PeerTLS`` in the broker's ``proxied_tls``, where the AMQP listener finds the certificate that
+EXTERNAL logs in with. Only a tunnel (the cluster secret checked) writes that map: a client
+cannot name a certificate, nor can a PROXY header.
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ import time
 from collections.abc import Callable, MutableMapping
 
 from broker.cluster import codec
+from broker.tls import PeerTLS, from_carried
 
 log = logging.getLogger(__name__)
 
@@ -82,15 +88,17 @@ class TunnelRefused(ConnectionError):
 
 async def open_tunnel(host: str, port: int, *, which: int, client: Address, secret: bytes,
                       tls: ssl.SSLContext | None, source_ip: str | None, node_id: str = "",
-                      keepalive: float = 0.0) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+                      keepalive: float = 0.0, peer_tls: bytes = b""
+                      ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """Follower side: a tunnel to the leader's client port ``which`` (codec.AMQP_PORT...), named
-    as ours (``node_id``), with ``keepalive`` seconds of silence after which either end closes it."""
+    as ours (``node_id``), with ``keepalive`` seconds of silence after which either end closes it;
+    ``peer_tls``: the client's TLS we ended (``broker.tls.carried``)."""
     local = (source_ip, 0) if source_ip else None
     async with asyncio.timeout(CONNECT_TIMEOUT):
         reader, writer = await asyncio.open_connection(host, port, local_addr=local, ssl=tls)
     try:
         writer.write(codec.encode_tunnel_hello(secret, which, client, node_id=node_id,
-                                               keepalive_ms=round(keepalive * 1000)))
+                                               keepalive_ms=round(keepalive * 1000), tls=peer_tls))
         async with asyncio.timeout(CONNECT_TIMEOUT):
             status = await reader.readexactly(1)
     except BaseException:
@@ -116,8 +124,16 @@ def local_target(address: Address) -> Address:
 
 async def serve_tunnel(hello: codec.TunnelHello, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                        addresses: Callable[[], dict[str, Address]],
-                       peers: MutableMapping[Address, Address]) -> None:
-    """Leader side, after the secret was checked: splice the tunnel to our own listener."""
+                       peers: MutableMapping[Address, Address],
+                       tls_peers: MutableMapping[Address, PeerTLS] | None = None) -> None:
+    """Leader side, after the secret was checked: splice the tunnel to our own listener (the
+    client's address in ``peers``, the TLS the sending member ended for it in ``tls_peers``)."""
+    carried: PeerTLS | None = None
+    if hello.tls:
+        try:
+            carried = from_carried(hello.tls)
+        except ValueError as exc:  # a member's bug: the client goes on as one with no certificate
+            log.warning("tunnel from %s: its client's TLS is not usable (%s)", hello.node_id or "?", exc)
     address = addresses().get(codec.PORT_NAMES[hello.port])
     if address is None:
         writer.write(bytes([codec.UNAVAILABLE]))
@@ -134,11 +150,15 @@ async def serve_tunnel(hello: codec.TunnelHello, reader: asyncio.StreamReader, w
     leg = lwriter.get_extra_info("sockname")
     key = (str(leg[0]), int(leg[1]))
     peers[key] = hello.client  # before the first byte reaches the listener
+    if carried is not None and tls_peers is not None:
+        tls_peers[key] = carried
     try:
         writer.write(bytes([codec.OK]))
         await splice((lreader, lwriter), (reader, writer), keepalive_of(hello))
     finally:
         peers.pop(key, None)
+        if tls_peers is not None:
+            tls_peers.pop(key, None)
         lwriter.close()
         writer.close()
 

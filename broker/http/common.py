@@ -31,8 +31,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from aiohttp import web
 
@@ -82,6 +82,22 @@ def bad_request(reason: str) -> ApiError:
 def forbidden(reason: str) -> ApiError:
     """A privilege refusal: 401 as RabbitMQ answers it, with no credentials challenge."""
     return ApiError(401, "not_authorized", reason, challenge=False)
+
+
+# A request passed on to the worker or node that answers it (``shards/fanout.py`` across workers,
+# ``http/forward.py`` across nodes) takes these of its headers, and its answer brings these back
+# to the client: ONE pair of lists, so the two hops cannot drift apart. Retry-After is a client's
+# pause after a busy 503 (the records budget, ``routes_stream_records``; the Spark reader honours
+# it), WWW-Authenticate its challenge, Location where a created object is.
+PASSED_ON: Final = ("Authorization", "Content-Type", "Accept")
+PASSED_BACK: Final = ("Content-Type", "Location", "WWW-Authenticate", "Retry-After")
+_PASSED_BACK = {h.lower(): h for h in PASSED_BACK}
+
+
+def passed_back(headers: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """The headers of an answer passed back to the client (names matched in any case, as HTTP
+    says, and written as ``PASSED_BACK`` spells them)."""
+    return {_PASSED_BACK[k.lower()]: v for k, v in headers if k.lower() in _PASSED_BACK}
 
 
 def error_response(status: int, error: str, reason: str, challenge: bool = True) -> web.Response:
@@ -266,10 +282,13 @@ def match(request: web.Request, key: str) -> str:
     return request.match_info[key]
 
 
-def vhost_param(request: web.Request, key: str = "vhost") -> str:
-    """The vhost named in the path; 404 when it does not exist, 401 when the user may not use it."""
+def vhost_param(request: web.Request, key: str = "vhost", listed: bool = False) -> str:
+    """The vhost named in the path; 404 when it does not exist, 401 when the user may not use it.
+    ``listed``: for the shared state about a vhost (permissions), any vhost in the node's vhost
+    list counts, open here or not (a shard served by another node or worker)."""
     name = request.match_info[key]
-    if name not in request.app[MGMT_KEY].broker.vhosts:
+    mgmt = request.app[MGMT_KEY]
+    if name not in mgmt.broker.vhosts and not (listed and mgmt.vhost_store.exists(name)):
         raise not_found(f"vhost '{name}' not found")
     if not can_see_vhost(request, name):
         raise forbidden(f"access to vhost '{name}' refused for user '{user_of(request).name}'")

@@ -10,7 +10,8 @@ own address (so a loopback-only user stays loopback-only there). The request is 
 came (method, path and query, body, and the client's own ``Authorization``, ``Content-Type`` and
 ``Accept``) as HTTP/1.1 with ``Connection: close``; that node authenticates and authorizes it as if
 the client had asked it directly, so forwarding grants nothing, and its answer (status, body,
-``Content-Type``, ``Location``, ``WWW-Authenticate``) is the client's. The shared state (users,
+and the headers ``http.common.PASSED_BACK`` names, the list the workers' fan-out passes back too,
+Retry-After among them) is the client's. The shared state (users,
 permissions, the vhost list, global and runtime parameters: ``SHARED``) is the cluster
 leader's, so those paths are answered here whatever vhost they name. A node-wide list
 (``LISTS``: ``/api/queues`` and the like, not a page of one) is this node's and every other
@@ -38,14 +39,12 @@ from typing import Any, Final
 from aiohttp import web
 
 from broker import errors
-from broker.http.common import error_response
+from broker.http.common import PASSED_ON, error_response, passed_back
 
 log = logging.getLogger(__name__)
 
 FORWARD_TIMEOUT: Final = 30.0
 MAX_ANSWER: Final = 64 * 1024 * 1024  # bytes of a forwarded answer (a long queue list fits)
-PASSED: Final = ("Authorization", "Content-Type", "Accept")
-KEPT: Final = ("Content-Type", "Location", "WWW-Authenticate")  # of the answer's headers
 # the requests about the cluster's shared state, answered where they land
 # (a vhost's definitions, ``/api/definitions/{vhost}``, are its queues, exchanges, bindings and
 # policies: that node's)
@@ -97,8 +96,7 @@ def parse_answer(data: bytes) -> web.Response:
     got = http.client.HTTPResponse(_Read(data))  # type: ignore[arg-type]
     got.begin()
     body = got.read()
-    kept = {k: v for k, v in got.getheaders() if k in KEPT}
-    return web.Response(body=body, status=got.status, headers=kept)
+    return web.Response(body=body, status=got.status, headers=passed_back(got.getheaders()))
 
 
 def _client(request: web.Request) -> tuple[str, int]:
@@ -173,7 +171,7 @@ class VhostForward:
     async def _exchange(self, request: web.Request, streams: Streams) -> web.Response:
         reader, writer = streams
         try:
-            headers = {h: request.headers[h] for h in PASSED if h in request.headers}
+            headers = {h: request.headers[h] for h in PASSED_ON if h in request.headers}
             writer.write(request_bytes(request.method, str(request.rel_url), headers, await request.read()))
             await writer.drain()
             data = bytearray()

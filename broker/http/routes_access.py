@@ -257,7 +257,7 @@ async def permissions(request: web.Request) -> web.Response:
 @routes.get("/api/permissions/{vhost}/{user}")
 async def permission(request: web.Request) -> web.Response:
     require_admin(request)
-    vhost_name = vhost_param(request)
+    vhost_name = vhost_param(request, listed=True)
     target = _user(request)
     for p in _all_permissions(request):
         if p["user"] == target.name and p["vhost"] == vhost_name:
@@ -268,7 +268,7 @@ async def permission(request: web.Request) -> web.Response:
 @routes.put("/api/permissions/{vhost}/{user}")
 async def put_permission(request: web.Request) -> web.Response:
     require_admin(request)
-    vhost_name = vhost_param(request)
+    vhost_name = vhost_param(request, listed=True)
     target = request.app[MGMT_KEY].broker.users.get(request.match_info["user"])
     if target is None:  # RabbitMQ: 400, not 404, for a permission of a user that does not exist
         raise bad_request(f"no_such_user: {request.match_info['user']}")
@@ -286,7 +286,7 @@ async def put_permission(request: web.Request) -> web.Response:
 @routes.delete("/api/permissions/{vhost}/{user}")
 async def delete_permission(request: web.Request) -> web.Response:
     require_admin(request)
-    vhost_name = vhost_param(request)
+    vhost_name = vhost_param(request, listed=True)
     target = _user(request)
     if vhost_name not in target.permissions:
         raise not_found()

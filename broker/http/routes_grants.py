@@ -68,7 +68,7 @@ async def vhost_topic_permissions(request: web.Request) -> web.Response:
 @routes.get("/api/topic-permissions/{vhost}/{user}")
 async def topic_permission(request: web.Request) -> web.Response:
     require_admin(request)
-    vhost = vhost_param(request)
+    vhost = vhost_param(request, listed=True)
     found = [p for p in topic_permissions_json([_target(request)]) if p["vhost"] == vhost]
     if not found:
         raise not_found()
@@ -78,7 +78,7 @@ async def topic_permission(request: web.Request) -> web.Response:
 @routes.put("/api/topic-permissions/{vhost}/{user}")
 async def put_topic_permission(request: web.Request) -> web.Response:
     require_admin(request)
-    vhost = vhost_param(request)
+    vhost = vhost_param(request, listed=True)
     target = _store(request).get(request.match_info["user"])
     if target is None:  # as a permission of a user that does not exist: 400
         raise bad_request(f"no_such_user: {request.match_info['user']}")
@@ -95,7 +95,7 @@ async def put_topic_permission(request: web.Request) -> web.Response:
 @routes.delete("/api/topic-permissions/{vhost}/{user}")
 async def delete_topic_permission(request: web.Request) -> web.Response:
     require_admin(request)
-    vhost = vhost_param(request)
+    vhost = vhost_param(request, listed=True)
     target = _target(request)
     if not _store(request).clear_topic_permissions(target.name, vhost):
         raise not_found()

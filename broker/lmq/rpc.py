@@ -124,6 +124,14 @@ class Session:
             self.expiry.cancel()
             self.expiry = None
 
+    def close(self) -> None:
+        """End the connection now: its calls in progress are cancelled unanswered (an answer after
+        this would speak for a vhost the node may no longer serve) and the socket is closed."""
+        self.cancel_expiry()
+        for task in list(self.tasks):
+            task.cancel()
+        self.writer.close()
+
     def alive(self) -> bool:
         return not self.writer.is_closing()
 
@@ -244,9 +252,12 @@ class Session:
             await self.room.wait()
 
 
-async def serve_connection(lmq: LMQ, cfg: Settings, reader: asyncio.StreamReader,
+async def serve_connection(lmq: LMQ, cfg: Settings, live: set[Session], reader: asyncio.StreamReader,
                            writer: asyncio.StreamWriter) -> None:
+    """Serve one connection; its session is in ``live`` while it runs, so that the server's stop
+    (the node shut down, or LMQ's vhost closed as a shard moved) ends it (``Session.close``)."""
     session = Session(lmq, cfg, writer)
+    live.add(session)
     unpacker = msgpack.Unpacker(raw=False, max_buffer_size=lmq.max_message_size + FRAMING)
     try:
         while True:
@@ -272,7 +283,5 @@ async def serve_connection(lmq: LMQ, cfg: Settings, reader: asyncio.StreamReader
     except ConnectionError:
         pass
     finally:
-        session.cancel_expiry()
-        for task in list(session.tasks):
-            task.cancel()
-        writer.close()
+        live.discard(session)
+        session.close()

@@ -44,6 +44,7 @@ class LMQServer:
         self._rpc: asyncio.Server | None = None
         self._http: asyncio.Server | None = None
         self._stats: asyncio.Task[None] | None = None
+        self._rpc_sessions: set[rpc.Session] = set()  # open MessagePack-RPC connections
 
     async def start(self) -> None:
         cfg = self.config
@@ -66,7 +67,8 @@ class LMQServer:
                       exc.strerror or exc)
         try:
             self._rpc = await asyncio.start_server(
-                functools.partial(rpc.serve_connection, self.lmq, settings), cfg.bind, cfg.rpc_port,
+                functools.partial(rpc.serve_connection, self.lmq, settings, self._rpc_sessions),
+                cfg.bind, cfg.rpc_port,
                 reuse_address=True, reuse_port=self.reuse_port or None)
             self.rpc_address = self._rpc.sockets[0].getsockname()[:2]
             log.info("LMQ MessagePack-RPC on %s:%d", *self.rpc_address)
@@ -78,12 +80,17 @@ class LMQServer:
                 statsd.run(self.lmq, cfg.statsd_host, cfg.statsd_port, cfg.stats_interval / 1000))
 
     async def stop(self) -> None:
+        """Stop listening and end every open connection: LMQ stops with its vhost, on shutdown and
+        when the vhost's shard closes here (``Node.close_shard``), and a connection left open would
+        go on answering for a vhost this node no longer serves."""
         if self._stats is not None:
             self._stats.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._stats
         if self._rpc is not None:
             self._rpc.close()
+        for session in list(self._rpc_sessions):  # a closed server keeps its connections: end them
+            session.close()
         if self._http is not None:
             self._http.close()
         if self._runner is not None:

@@ -109,6 +109,10 @@ class AMQPProtocol(asyncio.Protocol):
         self._out_limit = max(self.broker.config.amqp.max_bytes_in_flight, _WRITE_HIGH_WATER)
         self.session = Session(self.broker, self.peer, self.wakeup)
         peer_tls = tls.PeerTLS.of(transport.get_extra_info("ssl_object"))
+        if peer_tls is None and self.broker.proxied_tls:  # carried here by a member that ended its TLS
+            leg = transport.get_extra_info("peername")
+            if isinstance(leg, tuple):
+                peer_tls = self.broker.proxied_tls.get((str(leg[0]), int(leg[1])))
         if peer_tls is not None:
             self.session.tls = peer_tls
             if peer_tls.cert:  # a verified client certificate: EXTERNAL may log in with it

@@ -44,7 +44,15 @@ import aiohttp
 from aiohttp import web
 from yarl import URL
 
-from broker.http.common import MGMT_KEY, RECORD_ROUTES, ApiError, error_response, paginate
+from broker.http.common import (
+    MGMT_KEY,
+    PASSED_ON,
+    RECORD_ROUTES,
+    ApiError,
+    error_response,
+    paginate,
+    passed_back,
+)
 from broker.shards.definitions import merge_exports, owners
 from broker.shards.worker import WorkerLink
 
@@ -62,8 +70,6 @@ SHARED = ("/api/users", "/api/permissions", "/api/topic-permissions", "/api/vhos
           "/api/user-limits", "/api/definitions", "/api/parameters")
 APP = frozenset({"/api/broker/stop", "/api/broker/start"})  # every worker's client listeners
 FORWARD_TIMEOUT = 30.0
-_PASSED = ("Authorization", "Content-Type", "Accept")
-_KEPT = ("Content-Type", "Location", "WWW-Authenticate", "Retry-After")  # headers of the answer passed on
 RELAY_CHUNK = 1 << 16  # bytes of a relayed answer held here at once, beyond the transports' buffers
 
 
@@ -234,7 +240,7 @@ class Fanout:
         url = self._target(index, request, rel_url)
         if url is None:
             return None
-        headers = {h: request.headers[h] for h in _PASSED if h in request.headers}
+        headers = {h: request.headers[h] for h in PASSED_ON if h in request.headers}
         headers[LOCAL] = "1"
         try:
             async with self.client().get(url, headers=headers) as got:
@@ -247,7 +253,7 @@ class Fanout:
         url = self._target(index, request)
         if url is None:
             return _restarting()
-        headers = {h: request.headers[h] for h in _PASSED if h in request.headers}
+        headers = {h: request.headers[h] for h in PASSED_ON if h in request.headers}
         headers[LOCAL] = "1"
         body = await request.read()
         try:
@@ -264,7 +270,7 @@ class Fanout:
         url = self._target(index, request)
         if url is None:
             return _restarting()
-        headers = {h: request.headers[h] for h in _PASSED if h in request.headers}
+        headers = {h: request.headers[h] for h in PASSED_ON if h in request.headers}
         headers[LOCAL] = "1"
         timeout = aiohttp.ClientTimeout(total=None, sock_read=FORWARD_TIMEOUT)
         try:
@@ -285,7 +291,7 @@ def _unreachable(index: int, exc: BaseException) -> web.Response:
 
 
 def _kept(got: aiohttp.ClientResponse) -> dict[str, str]:
-    return {k: v for k, v in got.headers.items() if k in _KEPT}
+    return passed_back(got.headers.items())
 
 
 def _relayed(request: web.Request) -> bool:

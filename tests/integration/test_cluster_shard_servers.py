@@ -41,7 +41,8 @@ from rstream import (
 
 from broker.mqtt import packets as P
 
-from ._support import CALL_FAILED, run_async
+from ._support import CALL_FAILED, free_port, run_async
+from ._tls import PKI, Issued, issue, make_pki, tls_args
 from .shard_faults import (
     BATCH,
     GAP_RUN,
@@ -61,8 +62,23 @@ pytestmark = [pytest.mark.timeout(240), pytest.mark.chaos]
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ShardCluster]:
-    sc = ShardCluster(tmp_path_factory.mktemp("servers"), ("--clustering-shard-servers",))
+def pki(tmp_path_factory: pytest.TempPathFactory) -> PKI:
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture(scope="module")
+def amqps() -> int:
+    """The AMQPS port of every node (each binds its own loopback address)."""
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory, pki: PKI, amqps: int) -> Iterator[ShardCluster]:
+    # AMQPS with client certificates on every node (EXTERNAL); the replication link stays in
+    # clear as before, and no other TLS listener opens (none of them on a default port)
+    tls = tls_args(pki, "--amqp-tls-port", str(amqps), "--mgmt-tls-port", "-1", "--mqtt-tls-port", "-1",
+                   "--stream-tls-port", "-1", "--tls-verify-peer", "--no-clustering-tls")
+    sc = ShardCluster(tmp_path_factory.mktemp("servers"), ("--clustering-shard-servers", *tls))
     try:
         yield sc
     except BaseException:
@@ -144,6 +160,69 @@ def test_the_cluster_leaders_mqtt_and_stream_ports_reach_a_vhost_served_elsewher
             f"http://{boss.ip}:{boss.mgmt_port}/api/queues/{quoted}",
             headers={"Authorization": "Basic " + base64.b64encode(b"guest:wrong").decode()}), timeout=10)
     assert refused.value.code == 401
+
+
+def test_a_client_certificate_logs_in_by_external_to_a_vhost_served_elsewhere(
+        servers: ShardCluster, pki: PKI, amqps: int, tmp_path: Path, kept_on_failure: None) -> None:
+    # TLS ends at the node the client reached; the connection is carried to the node serving its
+    # vhost, which checks the login again. The verified certificate's identity goes with it (in
+    # the tunnel's hello, which only a member with the cluster secret opens): before, that node
+    # saw no certificate and refused EXTERNAL (403).
+    want = expected()
+    wait_for(lambda: servers.leaders() == want, 20, f"shard leaders {want}")
+    boss = servers.c.leader()
+    assert boss is not None
+    boss_id = IDS[servers.c.nodes.index(boss)]
+    vhost = min(v for v, n in VHOSTS.items() if n != boss_id)
+    wait_for(lambda: servers.served().get(vhost) == want[vhost], 30, f"{vhost} served by {want[vhost]}")
+    serving = servers.by_id[want[vhost]]
+    third = next(n for n in servers.c.nodes if n not in (boss, serving))
+    quoted = urllib.parse.quote(vhost, safe="")
+    servers.api(boss, "PUT", "/api/users/tls-user", {"password": "", "tags": ""})
+    servers.api(boss, "PUT", f"/api/permissions/{quoted}/tls-user",
+                {"configure": "^ext-", "write": ".*", "read": ".*"})
+    external = pika.credentials.ExternalCredentials()
+
+    def params(node: ClusterNode, cert: Issued, port: int = amqps) -> pika.ConnectionParameters:
+        ctx = pki.client_context(cert=cert)
+        return pika.ConnectionParameters(node.ip, port, vhost, external, socket_timeout=5,
+                                         ssl_options=pika.SSLOptions(ctx, node.ip), connection_attempts=1,
+                                         blocked_connection_timeout=10)
+
+    def logs_in() -> bool:  # once the serving node has the new user's permissions (replicated)
+        try:
+            pika.BlockingConnection(params(boss, pki.client)).close()
+        except pika.exceptions.ProbableAccessDeniedError as exc:
+            if "(530)" in str(exc):  # not yet; a refused login (403: main's) fails the test at once
+                return False
+            raise
+        return True
+
+    wait_for(logs_in, 15, "tls-user's permissions on the node serving its vhost")
+    queue = f"ext-{uuid.uuid4().hex[:8]}"
+    # the cluster leader's AMQPS, and the third node's (its proxy passes TLS on to the leader's)
+    for node in (boss, third):
+        with pika.BlockingConnection(params(node, pki.client)) as conn:
+            ch = conn.channel()
+            ch.confirm_delivery()
+            ch.queue_declare(queue, durable=True)
+            ch.basic_publish("", queue, node.name.encode(), pika.BasicProperties(delivery_mode=2),
+                             mandatory=True)
+            seen = [(c.get("user"), c.get("auth_mechanism"), c.get("peer_cert_subject") or "")
+                    for c in servers.api(serving, "GET", f"/api/vhosts/{quoted}/connections")]
+            assert any(u == "tls-user" and m == "EXTERNAL" and "CN=tls-user" in s for u, m, s in seen), seen
+            with pytest.raises(pika.exceptions.ChannelClosedByBroker) as denied:  # its permissions apply:
+                ch.queue_declare("not-ext", durable=True)
+            assert denied.value.reply_code == 403
+    assert queue_depth(serving, vhost, queue) == 2  # on the serving node, confirmed
+    # a certificate naming no user is refused there as here; so is EXTERNAL with no certificate
+    stranger = issue(pki.ca, tmp_path, "nobody-known", client=True)
+    with pytest.raises(pika.exceptions.ProbableAuthenticationError) as refused:
+        pika.BlockingConnection(params(boss, stranger))
+    assert "403" in str(refused.value)
+    with pytest.raises((pika.exceptions.ProbableAuthenticationError, pika.exceptions.AMQPConnectionError)):
+        pika.BlockingConnection(pika.ConnectionParameters(serving.ip, serving.port, vhost, external,
+                                                          socket_timeout=5, connection_attempts=1))
 
 
 def _mqtt_connack(node: ClusterNode, vhost: str, password: bytes, level: int = 4) -> int:
