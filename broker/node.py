@@ -327,7 +327,8 @@ class Node:
             if cfg.mgmt.enabled and worker is None:
                 if self.elsewhere is not None:  # a cluster leader's vhosts served by other nodes
                     from broker.http.forward import VhostForward
-                    forward = VhostForward(self.elsewhere.open_http, self.elsewhere.open_nodes)
+                    forward = VhostForward(self.elsewhere.open_http, self.elsewhere.open_nodes,
+                                           self.elsewhere.elsewhere)
                     mgmt.middlewares.append(forward.middleware)
                 await self.start_http(broker, mgmt)
             await self.start_amqp(broker, mgmt)

@@ -98,19 +98,28 @@ class Elsewhere:
         self.carrier.adopt(theirs, client, carried)
         return await asyncio.open_connection(sock=ours)
 
-    async def open_nodes(self, client: tuple[str, int]
-                         ) -> list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+    async def open_nodes(self, client: tuple[str, int]) -> tuple[
+            list[tuple[str, tuple[asyncio.StreamReader, asyncio.StreamWriter]]], list[str]]:
         """A connection to the management API of each other node serving a vhost (the parts of
-        a node-wide list, ``broker.http.forward``)."""
+        a node-wide answer, ``broker.http.forward``), each named by the vhosts it serves; and
+        the vhosts moving (closed here, their next server not known yet), whose part nobody
+        can give now."""
         assert self.carrier.routed is not None
         serving = self.carrier.routed.serving
-        one_each: dict[tuple[str | None, int], str] = {}
+        by_node: dict[tuple[str | None, int], list[str]] = {}
+        moving: list[str] = []
         for vhost in sorted(self.closed):
             if self.served_elsewhere(vhost):
                 target = serving(vhost)
-                one_each.setdefault((target.host, target.port), vhost)
-        opened = [await self.open_http(vhost, client) for vhost in one_each.values()]
-        return [o for o in opened if o is not None]
+                by_node.setdefault((target.host, target.port), []).append(vhost)
+            else:
+                moving.append(vhost)
+        opened = []
+        for vhosts in by_node.values():
+            streams = await self.open_http(vhosts[0], client)
+            if streams is not None:
+                opened.append((", ".join(repr(v) for v in vhosts), streams))
+        return opened, moving
 
     def hand_over(self, fd: int, state: dict[str, Any]) -> None:
         vhost = str(state["vhost"])

@@ -50,9 +50,10 @@ class VhostCarrier(Protocol):
         """A connection to the management API of the node serving ``vhost``, for ``client``
         (None: not served elsewhere)."""
 
-    async def open_nodes(self, client: tuple[str, int]
-                         ) -> list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
-        """A connection to the management API of each other node serving a vhost, for ``client``."""
+    async def open_nodes(self, client: tuple[str, int]) -> tuple[
+            list[tuple[str, tuple[asyncio.StreamReader, asyncio.StreamWriter]]], list[str]]:
+        """A connection to the management API of each other node serving a vhost, for ``client``,
+        each named by its vhosts; and the vhosts moving (no node serves them yet)."""
 
 
 class LeaderBroker(Protocol):

@@ -38,7 +38,8 @@ from typing import Any, Final
 from aiohttp import web
 
 from broker import errors
-from broker.http.common import error_response
+from broker.http.aggregate import add_counts, merge_exports, merge_metrics, named_vhosts
+from broker.http.common import error_response, paginate
 
 log = logging.getLogger(__name__)
 
@@ -53,17 +54,23 @@ SHARED: Final = ("/api/users", "/api/permissions", "/api/topic-permissions", "/a
                  "/api/global-parameters", "/api/user-limits", "/api/parameters")
 CLIENTS: Final = ("/connections", "/channels")  # /api/vhosts/{vhost}/...: that node's clients
 
-# the node-wide lists: this node's part and every other serving node's (not a page of one yet)
+# the node-wide lists: this node's part and every other serving node's
 LISTS: Final = frozenset({"/api/queues", "/api/exchanges", "/api/bindings", "/api/connections",
                           "/api/channels", "/api/consumers"})
-PAGED: Final = frozenset({"page", "page_size", "columns"})
+OVERVIEW: Final = "/api/overview"
+DEFINITIONS: Final = "/api/definitions"
+METRICS: Final = frozenset({"/metrics", "/metrics/detailed", "/metrics/per-object"})
+WHOLE: Final = LISTS | METRICS | {OVERVIEW, DEFINITIONS}  # answered for every shard of the cluster
+PAGED: Final = frozenset({"page", "page_size", "columns"})  # cut from the joined list, not the parts
+ARRANGED: Final = PAGED | {"sort", "sort_reverse"}  # a list arranged once joined
 
 Streams = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 # a connection to the management API of the node serving ``vhost`` for the client at ``peer``;
 # None: served here; raises ``errors.NotAllowed`` while it moves
 OpenTo = Callable[[str, tuple[str, int]], Awaitable[Streams | None]]
 # a connection to the management API of each other node serving a vhost, for the client
-OpenNodes = Callable[[tuple[str, int]], Awaitable[list[Streams]]]
+# and the vhosts moving (their part nobody can give now)
+OpenNodes = Callable[[tuple[str, int]], Awaitable[tuple[list[tuple[str, Streams]], list[str]]]]
 
 
 def unavailable(reason: str) -> web.Response:
@@ -73,6 +80,10 @@ def unavailable(reason: str) -> web.Response:
 def outcome_unknown(reason: str) -> web.Response:
     return error_response(504, "gateway_timeout",
                           f"{reason}; the request was passed on and may have been applied")
+
+
+def _partial(missing: list[str]) -> web.Response:
+    return unavailable("part of the answer is missing, retry: " + "; ".join(missing))
 
 
 def request_bytes(method: str, target: str, headers: dict[str, str], body: bytes) -> bytes:
@@ -110,16 +121,23 @@ def _client(request: web.Request) -> tuple[str, int]:
 class VhostForward:
     """The cluster leader's middleware for the vhosts other nodes serve (see the module's comment)."""
 
-    def __init__(self, open_to: OpenTo, open_nodes: OpenNodes | None = None) -> None:
+    def __init__(self, open_to: OpenTo, open_nodes: OpenNodes | None = None,
+                 elsewhere: Callable[[str], bool] | None = None) -> None:
         self.open_to = open_to
         self.open_nodes = open_nodes
+        self.elsewhere = elsewhere
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
         vhost = request.match_info.get("vhost")
-        if vhost is None and request.path in LISTS and request.method == "GET" \
-                and not PAGED & set(request.query) and self.open_nodes is not None:
-            return await self.whole_list(request, handler, self.open_nodes)
+        if vhost is None and request.path in WHOLE and request.method == "GET" \
+                and self.open_nodes is not None:
+            return await self.whole(request, handler, self.open_nodes)
+        if vhost is None and request.path == DEFINITIONS and request.method == "POST" \
+                and self.elsewhere is not None:
+            refused = await self.import_refused(request, self.elsewhere)
+            if refused is not None:
+                return refused
         if vhost is None or request.path.startswith(SHARED) and not request.path.endswith(CLIENTS):
             answer: web.StreamResponse = await handler(request)
             return answer
@@ -141,40 +159,101 @@ class VhostForward:
         here: web.StreamResponse = await handler(request)  # served here
         return here
 
-    async def whole_list(self, request: web.Request, handler: Any, open_nodes: OpenNodes
-                         ) -> web.StreamResponse:
-        """``LISTS``: this node's list (which also checks the user may have it) and each other
-        serving node's, concatenated (each shard broker lists only the vhosts it serves, so
-        nothing comes twice); a node that does not answer in time leaves its part out, logged."""
-        mine: web.StreamResponse = await handler(request)
-        if not isinstance(mine, web.Response) or mine.status != 200 or mine.body is None:
+    async def whole(self, request: web.Request, handler: Any, open_nodes: OpenNodes) -> web.StreamResponse:
+        """``WHOLE``: this node's answer (which also checks the user may have it) and each other
+        serving node's part, put together (``broker.http.aggregate``). A list to be arranged
+        (``ARRANGED``: a page, a sort, columns) is asked whole of every node and arranged once
+        joined. A part missing (a node that does not answer, a vhost moving) makes the answer
+        503 naming it, except the overview's, which says so in ``partial``."""
+        arranged = request.path in LISTS and bool(ARRANGED & set(request.query))
+        target = request.rel_url.with_query({k: v for k, v in request.query.items() if k not in PAGED}) \
+            if arranged else request.rel_url
+        mine: web.StreamResponse = await handler(request.clone(rel_url=target) if arranged else request)
+        if not isinstance(mine, web.Response) or mine.status != 200 or not isinstance(mine.body, bytes):
             return mine
-        body = mine.body if isinstance(mine.body, bytes) else bytes(mine.text or "", "utf-8")
-        doc = json.loads(body)
-        if not isinstance(doc, list):
-            return mine
+        parts, missing = await self.parts(request, str(target), open_nodes)
+        if request.path in METRICS:
+            if missing:
+                return _partial(missing)
+            text = merge_metrics([mine.body.decode(), *(p.decode() for p in parts)])
+            return web.Response(body=text.encode(), headers={"Content-Type": mine.headers["Content-Type"]})
+        doc = json.loads(mine.body)
+        others = [json.loads(p) for p in parts]
+        if request.path == OVERVIEW:
+            for other in others:
+                if isinstance(other, dict):
+                    add_counts(doc, other)
+            if missing:
+                doc["partial"] = missing
+            return web.json_response(doc)
+        if missing:
+            return _partial(missing)
+        if request.path == DEFINITIONS:
+            kept = {k: v for k, v in mine.headers.items() if k == "Content-Disposition"}
+            return web.json_response(merge_exports(doc, [o for o in others if isinstance(o, dict)]),
+                                     dumps=lambda d: json.dumps(d, indent=2), headers=kept)
+        items: list[Any] = doc if isinstance(doc, list) else []
+        for other in others:
+            items.extend(other if isinstance(other, list) else [])
+        return paginate(request, items) if arranged else web.json_response(items)
+
+    async def parts(self, request: web.Request, target: str, open_nodes: OpenNodes
+                    ) -> tuple[list[bytes], list[str]]:
+        """Every other serving node's answer to ``target`` (a 200's body), each in
+        ``FORWARD_TIMEOUT``; and what is missing, said for a client."""
         try:
             async with asyncio.timeout(FORWARD_TIMEOUT):
-                nodes = await open_nodes(_client(request))
-                parts = await asyncio.gather(*(self._exchange(request, n) for n in nodes),
-                                             return_exceptions=True)
-        except TimeoutError:
-            log.warning("%s: the other nodes' parts did not come in %.0fs", request.path, FORWARD_TIMEOUT)
-            return mine
-        for part in parts:
-            if isinstance(part, web.Response) and part.status == 200 and isinstance(part.body, bytes):
-                other = json.loads(part.body)
-                doc.extend(other if isinstance(other, list) else [])
-            else:
-                log.warning("%s: a serving node's part left out: %s", request.path,
-                            part if isinstance(part, BaseException) else f"status {part.status}")
-        return web.json_response(doc, status=mine.status)
+                nodes, moving = await open_nodes(_client(request))
+        except (OSError, TimeoutError) as exc:
+            return [], [f"the other serving nodes' parts: {exc or type(exc).__name__}"]
 
-    async def _exchange(self, request: web.Request, streams: Streams) -> web.Response:
+        async def part(streams: Streams) -> web.Response:
+            async with asyncio.timeout(FORWARD_TIMEOUT):
+                return await self._exchange(request, streams, target)
+
+        answers = await asyncio.gather(*(part(s) for _, s in nodes), return_exceptions=True)
+        got: list[bytes] = []
+        missing = [f"vhost {v!r}: moving to another node" for v in moving]
+        for (name, _), answer in zip(nodes, answers, strict=True):
+            if isinstance(answer, web.Response) and answer.status == 200 and isinstance(answer.body, bytes):
+                got.append(answer.body)
+                continue
+            why = f"status {answer.status}" if isinstance(answer, web.Response) else \
+                str(answer) or type(answer).__name__
+            missing.append(f"the node serving vhost {name}: {why}")
+            log.warning("%s: a serving node's part is missing: %s", request.path, missing[-1])
+        return got, missing
+
+    async def import_refused(self, request: web.Request, elsewhere: Callable[[str], bool]
+                             ) -> web.Response | None:
+        """A whole import naming a vhost another node serves (or one moving): refused before
+        anything happens, since an import is all or nothing on one node only."""
+        try:
+            named = named_vhosts(json.loads(await request.read()))
+        except ValueError:
+            return None  # the handler answers it (400)
+        away = []
+        for name in sorted(named):
+            try:
+                if elsewhere(name):
+                    away.append(name)
+            except errors.NotAllowed:
+                away.append(name)
+        if not away:
+            return None
+        names = ", ".join(repr(v) for v in away)
+        return error_response(501, "not_implemented", (
+            f"the document names vhosts other nodes serve ({names}), and an import "
+            "is all or nothing on one node only: import them per vhost (/api/definitions/{vhost}), "
+            "which goes to the node serving it"))
+
+    async def _exchange(self, request: web.Request, streams: Streams, target: str | None = None
+                        ) -> web.Response:
         reader, writer = streams
         try:
             headers = {h: request.headers[h] for h in PASSED if h in request.headers}
-            writer.write(request_bytes(request.method, str(request.rel_url), headers, await request.read()))
+            writer.write(request_bytes(request.method, target or str(request.rel_url), headers,
+                                       await request.read()))
             await writer.drain()
             data = bytearray()
             while chunk := await reader.read(64 * 1024):

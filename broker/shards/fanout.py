@@ -44,6 +44,7 @@ import aiohttp
 from aiohttp import web
 from yarl import URL
 
+from broker.http.aggregate import add_counts, merge_metrics
 from broker.http.common import MGMT_KEY, RECORD_ROUTES, ApiError, error_response, paginate
 from broker.shards.definitions import merge_exports, owners
 from broker.shards.worker import WorkerLink
@@ -53,7 +54,6 @@ LISTS = frozenset({"/api/queues", "/api/exchanges", "/api/bindings", "/api/conne
                    "/api/consumers", "/api/vhosts"})
 PAGED = frozenset({"page", "page_size", "columns"})  # applied to the whole list, not to parts
 METRICS = frozenset({"/metrics", "/metrics/detailed", "/metrics/per-object"})
-SUMMED = ("object_totals", "queue_totals", "message_stats")
 # one connection or channel by name (GET, DELETE): answered by the worker it is on
 ONE_OF = ("/api/connections/", "/api/channels/")
 # the requests that may change shared state (users.json, vhosts.json, global parameters); an HTTP
@@ -318,62 +318,3 @@ async def _relay(request: web.Request, got: aiohttp.ClientResponse, headers: dic
         if request.transport is not None:
             request.transport.abort()
     return resp
-
-
-def add_counts(into: dict[str, Any], other: dict[str, Any]) -> None:
-    """Add ``other``'s numbers under the overview's count sections to ``into``'s."""
-    for key in SUMMED:
-        if isinstance(into.get(key), dict) and isinstance(other.get(key), dict):
-            _add(into[key], other[key])
-        elif key not in into and key in other:
-            into[key] = other[key]
-
-
-def _add(into: dict[str, Any], other: dict[str, Any]) -> None:
-    for k, v in other.items():
-        mine = into.get(k)
-        if isinstance(v, bool) or isinstance(mine, bool):
-            continue
-        if isinstance(v, (int, float)) and isinstance(mine, (int, float)):
-            into[k] = mine + v
-        elif isinstance(v, dict) and isinstance(mine, dict):
-            _add(mine, v)
-        elif k not in into:
-            into[k] = v
-
-
-def merge_metrics(texts: list[str]) -> str:
-    """Prometheus text of several workers as one node's: samples of the same name and labels
-    added up (counters and gauges of the node's parts), except ``*_info`` and start times,
-    which are the same fact in every worker (the first is kept)."""
-    order: list[str] = []
-    values: dict[str, float] = {}
-    for text in texts:
-        for line in text.splitlines():
-            if not line or line.startswith("#"):
-                if line and line not in values and line not in order:
-                    order.append(line)
-                continue
-            key, _, raw = line.rpartition(" ")
-            try:
-                value = float(raw)
-            except ValueError:
-                continue
-            if key not in values:
-                order.append(key)
-                values[key] = value
-            elif not _same_fact(key):
-                values[key] += value
-    out = []
-    for key in order:
-        if key in values:
-            v = values[key]
-            out.append(f"{key} {int(v) if v.is_integer() and abs(v) < 1e15 else v!r}")
-        else:
-            out.append(key)
-    return "\n".join(out) + "\n"
-
-
-def _same_fact(key: str) -> bool:
-    name = key.split("{", 1)[0]
-    return name.endswith("_info") or "start_time" in name or name.endswith("_is_leader")
