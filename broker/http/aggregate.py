@@ -42,41 +42,57 @@ def _add(into: dict[str, Any], other: dict[str, Any]) -> None:
             into[k] = v
 
 
-def merge_metrics(texts: list[str]) -> str:
+# samples that state one fact every part shares (the node's identity, the cluster's users, a
+# process's pid, the disk under the data dir and its limits): the first part's is kept
+SAME_FACT: Final = ("_info", "start_time", "_is_leader", "_users", "uptime_seconds", "_pid",
+                    "disk_space_available_bytes", "_limit_bytes", "_max_fds", "_max_tcp_sockets")
+# samples about one node's process and its replication, not about the shards (a cluster's other
+# nodes export their own on their metrics ports): only the first part's, across nodes
+NODE_OWN: Final = ("_identity_info", "process_", "disk_space_", "resident_memory_", "erlang_uptime",
+                   "uptime_seconds", "connected_followers", "follower_lag", "alarms_", "_is_leader")
+
+
+def merge_metrics(texts: list[str], nodes: bool = False) -> str:
     """Prometheus text of several parts as one answer: samples of the same name and labels
-    added up (counters and gauges of the parts), except ``*_info``, start times and leadership,
-    which are the same fact in every part (the first is kept)."""
-    order: list[str] = []
+    added up (counters and gauges of the parts), except those of one fact (``SAME_FACT``:
+    the first kept), and across ``nodes`` those of one node (``NODE_OWN``: the first part's
+    only). A family's samples stay together under its ``# HELP`` and ``# TYPE`` (each part
+    lists its samples after them; the text format wants a family in one group)."""
+    heads: dict[str, list[str]] = {}  # family -> its comment lines, from the first part naming it
+    samples: dict[str, list[str]] = {}  # family -> sample keys, first seen first
     values: dict[str, float] = {}
-    for text in texts:
+    for n, text in enumerate(texts):
+        family = ""
         for line in text.splitlines():
-            if not line or line.startswith("#"):
-                if line and line not in values and line not in order:
-                    order.append(line)
+            if line.startswith("#"):
+                parts = line.split(" ", 3)
+                if len(parts) >= 3 and parts[1] in ("HELP", "TYPE"):
+                    family = parts[2]
+                    lines = heads.setdefault(family, [])
+                    if not any(had.split(" ", 2)[1] == parts[1] for had in lines):
+                        lines.append(line)  # the first part's HELP and TYPE of the family
                 continue
             key, _, raw = line.rpartition(" ")
             try:
                 value = float(raw)
             except ValueError:
                 continue
+            name = key.split("{", 1)[0]
+            if n and nodes and any(mark in name for mark in NODE_OWN):
+                continue
+            heads.setdefault(family, [])
             if key not in values:
-                order.append(key)
+                samples.setdefault(family, []).append(key)
                 values[key] = value
-            elif not _same_fact(key):
+            elif n and not any(mark in name for mark in SAME_FACT):
                 values[key] += value
-    out = []
-    for key in order:
-        if key in values:
+    out: list[str] = []
+    for family, lines in heads.items():
+        out.extend(lines)
+        for key in samples.get(family, ()):
             v = values[key]
             out.append(f"{key} {int(v) if v.is_integer() and abs(v) < 1e15 else v!r}")
-        else:
-            out.append(key)
     return "\n".join(out) + "\n"
-
-
-def _same_fact(key: str) -> bool:
-    name = key.split("{", 1)[0]
-    return name.endswith("_info") or "start_time" in name or name.endswith("_is_leader")
 
 
 def named_vhosts(doc: Any) -> set[str]:

@@ -175,7 +175,7 @@ class VhostForward:
         if request.path in METRICS:
             if missing:
                 return _partial(missing)
-            text = merge_metrics([mine.body.decode(), *(p.decode() for p in parts)])
+            text = merge_metrics([mine.body.decode(), *(p.decode() for p in parts)], nodes=True)
             return web.Response(body=text.encode(), headers={"Content-Type": mine.headers["Content-Type"]})
         doc = json.loads(mine.body)
         others = [json.loads(p) for p in parts]
