@@ -14,10 +14,21 @@ import functools
 import json
 from typing import Any, Final
 
+from aiohttp import web
+
+from broker.http.common import error_response
+
 SUMMED: Final = ("object_totals", "queue_totals", "message_stats")  # the overview's count sections
 PER_VHOST: Final = ("vhosts", "parameters", "policies", "queues", "exchanges", "bindings")
 VHOST_NAMED: Final = ("permissions", "topic_permissions", "parameters", "policies", "queues", "exchanges",
                       "bindings")
+
+
+def partial(missing: list[str]) -> web.Response:
+    """The answer when a part is missing (``missing`` says which): 503, never a whole that
+    under-counts (an overview says it in its ``partial`` list instead)."""
+    why = "part of the answer is missing, retry: " + "; ".join(missing)
+    return error_response(503, "service_unavailable", why)
 
 
 def add_counts(into: dict[str, Any], other: dict[str, Any]) -> None:

@@ -38,7 +38,7 @@ from typing import Any, Final
 from aiohttp import web
 
 from broker import errors
-from broker.http.aggregate import add_counts, merge_exports, merge_metrics, named_vhosts
+from broker.http.aggregate import add_counts, merge_exports, merge_metrics, named_vhosts, partial
 from broker.http.common import error_response, paginate
 
 log = logging.getLogger(__name__)
@@ -80,10 +80,6 @@ def unavailable(reason: str) -> web.Response:
 def outcome_unknown(reason: str) -> web.Response:
     return error_response(504, "gateway_timeout",
                           f"{reason}; the request was passed on and may have been applied")
-
-
-def _partial(missing: list[str]) -> web.Response:
-    return unavailable("part of the answer is missing, retry: " + "; ".join(missing))
 
 
 def request_bytes(method: str, target: str, headers: dict[str, str], body: bytes) -> bytes:
@@ -174,7 +170,7 @@ class VhostForward:
         parts, missing = await self.parts(request, str(target), open_nodes)
         if request.path in METRICS:
             if missing:
-                return _partial(missing)
+                return partial(missing)
             text = merge_metrics([mine.body.decode(), *(p.decode() for p in parts)], nodes=True)
             return web.Response(body=text.encode(), headers={"Content-Type": mine.headers["Content-Type"]})
         doc = json.loads(mine.body)
@@ -187,7 +183,7 @@ class VhostForward:
                 doc["partial"] = missing
             return web.json_response(doc)
         if missing:
-            return _partial(missing)
+            return partial(missing)
         if request.path == DEFINITIONS:
             kept = {k: v for k, v in mine.headers.items() if k == "Content-Disposition"}
             return web.json_response(merge_exports(doc, [o for o in others if isinstance(o, dict)]),

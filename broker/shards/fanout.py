@@ -38,13 +38,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterable
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 from yarl import URL
 
-from broker.http.aggregate import add_counts, merge_metrics
+from broker.http.aggregate import add_counts, merge_metrics, partial
 from broker.http.common import MGMT_KEY, RECORD_ROUTES, ApiError, error_response, paginate
 from broker.shards.definitions import merge_exports, owners
 from broker.shards.worker import WorkerLink
@@ -53,6 +54,7 @@ LOCAL = "X-Skred-Worker-Local"
 LISTS = frozenset({"/api/queues", "/api/exchanges", "/api/bindings", "/api/connections", "/api/channels",
                    "/api/consumers", "/api/vhosts"})
 PAGED = frozenset({"page", "page_size", "columns"})  # applied to the whole list, not to parts
+ARRANGED = PAGED | {"sort", "sort_reverse"}  # a list arranged once joined
 METRICS = frozenset({"/metrics", "/metrics/detailed", "/metrics/per-object"})
 # one connection or channel by name (GET, DELETE): answered by the worker it is on
 ONE_OF = ("/api/connections/", "/api/channels/")
@@ -109,7 +111,7 @@ class Fanout:
             async with link.changing():
                 changed: web.StreamResponse = await handler(request)
             return changed
-        if not local and request.path in LISTS and PAGED & set(request.query) and link.index in link.http:
+        if not local and request.path in LISTS and ARRANGED & set(request.query) and link.index in link.http:
             return await self.paged(request)
         one_of = not local and request.path.startswith(ONE_OF)
         try:
@@ -125,19 +127,24 @@ class Fanout:
             return mine
         if not isinstance(mine, web.Response) or mine.status != 200 or mine.body is None:
             return mine
-        peers = link.http if self.port == "http" else link.metrics
-        parts = await asyncio.gather(*(self.ask(request, i) for i in sorted(peers) if i != link.index))
+        others = [i for i in range(link.count) if i != link.index]
+        parts = await asyncio.gather(*(self.ask(request, i) for i in others))
+        missing = _missing(others, parts)
+        got = [p for p in parts if p is not None]
         body = mine.body if isinstance(mine.body, bytes) else bytes(mine.text or "", "utf-8")
+        if request.path != "/api/overview" and missing:  # a whole that would pass for the node's
+            return partial(missing)
         if request.path in METRICS:
-            text = merge_metrics([body.decode(), *(p.decode() for p in parts if p is not None)])
+            text = merge_metrics([body.decode(), *(p.decode() for p in got)])
             return web.Response(body=text.encode(), headers={"Content-Type": mine.headers["Content-Type"]})
         doc = json.loads(body)
-        others = [json.loads(p) for p in parts if p is not None]
         if request.path == "/api/overview":
-            for other in others:
-                add_counts(doc, other)
+            for other in got:
+                add_counts(doc, json.loads(other))
+            if missing:
+                doc["partial"] = missing
         elif isinstance(doc, list):
-            for other in others:
+            for other in map(json.loads, got):
                 if isinstance(other, list):
                     doc.extend(other)
         return web.json_response(doc, status=mine.status)
@@ -199,7 +206,11 @@ class Fanout:
         through its private port, so each applies the user's view of it), then the filter,
         sort, columns and page over all of them at once."""
         whole = request.rel_url.with_query({k: v for k, v in request.query.items() if k not in PAGED})
-        parts = await asyncio.gather(*(self.ask(request, i, whole) for i in sorted(self.link.http)))
+        every = range(self.link.count)
+        parts = await asyncio.gather(*(self.ask(request, i, whole) for i in every))
+        missing = _missing(every, parts)
+        if missing:
+            return partial(missing)
         items: list[dict[str, Any]] = []
         for part in parts:
             doc = json.loads(part) if part is not None else []
@@ -274,6 +285,10 @@ class Fanout:
                 return await _relay(request, got, _kept(got))
         except (aiohttp.ClientError, TimeoutError) as exc:
             return _unreachable(index, exc)
+
+
+def _missing(workers: Iterable[int], parts: list[bytes | None]) -> list[str]:
+    return [f"worker {i} of this node (restarting)" for i, p in zip(workers, parts, strict=True) if p is None]
 
 
 def _restarting() -> web.Response:
