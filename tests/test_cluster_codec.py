@@ -57,7 +57,7 @@ def test_tunnel_hello_round_trip_partial_input_and_dispatch() -> None:
     opened = codec.parse_opening(codec.encode_hello(b"s" * 32, "n1"))
     assert opened is not None and opened[0] == codec.Hello(codec.VERSION, b"s" * 32, "n1")
     with pytest.raises(codec.CodecError):
-        codec.parse_opening(codec.encode_tunnel_hello(b"s", codec.CLIENT_PORTS, ("1.2.3.4", 1)))
+        codec.parse_opening(codec.encode_tunnel_hello(b"s", codec.TUNNEL_PORTS, ("1.2.3.4", 1)))
     # a client of one of the follower's Unix sockets (version 7); any other name is refused
     unix = codec.parse_opening(codec.encode_tunnel_hello(b"s", codec.MQTT_PORT, (codec.UNIX_CLIENT, 0)))
     assert unix is not None and unix[0].client == ("unix", 0)  # type: ignore[union-attr]

@@ -92,9 +92,13 @@ MQTT_PORT: Final = 6
 MQTTS_PORT: Final = 7
 STREAM_PORT: Final = 8
 STREAMS_PORT: Final = 9  # the stream protocol over TLS (RabbitMQ's 5551)
-CLIENT_PORTS: Final = 10
+CLIENT_PORTS: Final = 10  # the ports a Welcome tells (a follower proxies each)
+# a node's Prometheus port, reached by a tunnel only: the cluster leader's metrics port asks
+# each node serving shards for its part (``broker.http.forward``); no follower proxies it
+METRICS_PORT: Final = 10
+TUNNEL_PORTS: Final = 11  # the ports a TunnelHello may name
 PORT_NAMES: Final = ("amqp", "http", "amqps", "https", "lmq_http", "lmq_rpc", "mqtt", "mqtts", "stream",
-                     "streams")
+                     "streams", "metrics")
 # a TunnelHello's client address for a client on one of the follower's Unix sockets (the value of
 # ``auth.users.UNIX_PEER``, which the leader's listeners treat as local, as on the follower)
 UNIX_CLIENT: Final = "unix"
@@ -257,7 +261,7 @@ def parse_opening(buf: bytes) -> tuple[Hello | TunnelHello, int] | None:
     nid, keepalive = cur.prefixed(), cur.take(4)
     if nid is None or keepalive is None:
         return None
-    if port >= CLIENT_PORTS:
+    if port >= TUNNEL_PORTS:
         raise CodecError(f"tunnel to unknown client port {port}")
     try:
         client = (host.decode("ascii"), _U16.unpack(client_port)[0])

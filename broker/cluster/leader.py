@@ -436,7 +436,7 @@ class LeaderSink:
             return
         addresses = self.client_addresses()
         writer.write(codec.encode_welcome(codec.OK, tuple(addresses[name][1] if name in addresses else 0
-                                                          for name in codec.PORT_NAMES)))
+                                                          for name in codec.PORT_NAMES[:codec.CLIENT_PORTS])))
         try:
             async with asyncio.timeout(HANDSHAKE_TIMEOUT):
                 scope = await self._read_scope(reader)
