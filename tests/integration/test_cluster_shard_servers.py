@@ -197,8 +197,9 @@ def test_the_management_api_and_metrics_answer_for_every_shard_wherever_asked(
         defs = servers.api(node, "GET", "/api/definitions")
         assert sorted((q["name"], q["vhost"]) for q in defs["queues"]) == names, node.name
         assert sorted(v["name"] for v in defs["vhosts"]) == sorted(want), node.name  # each once
-    # the cluster leader's metrics port (no login): each serving node's metrics port's part
-    with urllib.request.urlopen(f"http://{boss.ip}:{boss.metrics_port}/metrics", timeout=10) as resp:
+    # the cluster leader's metrics port (no login; bound to 127.0.0.1, its default): each
+    # serving node's metrics port's part
+    with urllib.request.urlopen(f"http://127.0.0.1:{boss.metrics_port}/metrics", timeout=10) as resp:
         open_metrics = resp.read().decode()
     assert re.search(r"^rabbitmq_queues (\d+)$", open_metrics, re.M)[1] == str(len(queues))  # type: ignore[index]
     away = min(v for v in others if v in VHOSTS)
