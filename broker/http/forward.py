@@ -12,10 +12,21 @@ came (method, path and query, body, and the client's own ``Authorization``, ``Co
 the client had asked it directly, so forwarding grants nothing, and its answer (status, body,
 ``Content-Type``, ``Location``, ``WWW-Authenticate``) is the client's. The shared state (users,
 permissions, the vhost list, global and runtime parameters: ``SHARED``) is the cluster
-leader's, so those paths are answered here whatever vhost they name. A node-wide list
-(``LISTS``: ``/api/queues`` and the like, not a page of one) is this node's and every other
-serving node's part (``open_nodes``), concatenated; a page of one, ``/api/overview`` and the
-whole definitions are this node's part only (not aggregated across nodes yet).
+leader's, so those paths are answered here whatever vhost they name. A whole answer
+(``WHOLE``: the node-wide lists, ``LISTS``, ``/api/overview``, ``/metrics`` and its forms, the
+whole definitions) is this node's answer (which also checks the user may have it) put together
+with every other serving node's part (``open_nodes``, asked with the client's own
+``Authorization``; ``broker.http.aggregate``): lists concatenated (each shard broker lists only
+the vhosts it serves, so nothing comes twice), and a list to be arranged (a page, a sort,
+columns) asked whole of every node and then filtered, sorted and cut once joined; the overview's
+counts added; metrics samples of one name and labels added, a node's own process series the
+answering node's; definitions merged. The cluster leader's metrics port (no login) asks each
+serving node's metrics port instead (``codec.METRICS_PORT``). A part missing (a node that does
+not answer, a vhost moving) is said, never under-counted: 503 naming it, and the overview, which
+the UI shows whatever happens, answers with ``partial`` naming it. A whole import
+(``POST /api/definitions``) naming a vhost another node serves is refused (501) before anything
+happens: an import is all or nothing on one node, not across nodes; per vhost
+(``/api/definitions/{vhost}``) it goes to the node serving it.
 
 Bounds: the answer is at most ``MAX_ANSWER`` bytes and the whole exchange ``FORWARD_TIMEOUT``
 seconds. A vhost moving (closed here, its next server not known yet), a node that cannot be

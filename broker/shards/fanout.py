@@ -8,10 +8,10 @@ by this middleware, after the usual authentication:
 
 * *about one vhost* (its route has a ``{vhost}``): answered by the worker that owns the vhost
   (forwarded to its private port when that is another one; 503 while it restarts);
-* *a node-wide list* (``LISTS``): this worker's part and every other live worker's part
+* *a node-wide list* (``LISTS``): this worker's part and every other worker's part
   (asked with ``X-Skred-Worker-Local``), concatenated; ``/api/overview`` adds the counts up,
   ``/metrics`` (and its detailed and per-object forms, on the management port and on the
-  metrics port) adds up samples of the same name and labels;
+  metrics port) adds up samples of the same name and labels (``broker.http.aggregate``);
 * *one connection or channel by name* (``ONE_OF``): this worker's answer, or when it does not
   know the name (404), the first other worker's that does;
 * *the node's app* (``APP``: ``skredctl stop_app``/``start_app``): this worker's handler and
@@ -25,13 +25,15 @@ by this middleware, after the usual authentication:
 A forwarded request carries the client's own ``Authorization`` header: the worker that
 answers authenticates and authorizes it as if the client had asked it directly, so the
 private port grants nothing the public one does not (and the local header only narrows an
-answer). A page of a list (``page``, ``page_size``, ``columns``) is cut from the whole
-node's list (``paged``). ``GET /api/definitions`` merges every worker's export
+answer). A page of a list (``page``, ``page_size``, ``columns``) or a sort of one is cut from
+the whole node's list (``paged``). A worker's part missing (restarting) is said, never
+under-counted: 503 naming it (``broker.http.aggregate.partial``), the overview its
+``partial``. ``GET /api/definitions`` merges every worker's export
 (``broker.shards.definitions``; 503 while a worker restarts: a document without its vhosts
-would pass for the node's). Not yet aggregated: the import of a whole node's definitions
-of a document whose vhosts span workers (``POST /api/definitions`` answers 501: it could not be
-all or nothing across workers; one whose vhosts are one worker's goes whole to that worker,
-the per-vhost form works), ``/api/nodes``.
+would pass for the node's). Not yet aggregated: the import of a whole node's definitions of a
+document whose vhosts span workers (``POST /api/definitions`` answers 501: it could not be all
+or nothing across workers; one whose vhosts are one worker's goes whole to that worker, the
+per-vhost form works), ``/api/nodes``.
 """
 
 from __future__ import annotations
