@@ -173,12 +173,12 @@ class VhostForward:
         joined. A part missing (a node that does not answer, a vhost moving) makes the answer
         503 naming it, except the overview's, which says so in ``partial``."""
         arranged = request.path in LISTS and bool(ARRANGED & set(request.query))
-        target = request.rel_url.with_query({k: v for k, v in request.query.items() if k not in PAGED}) \
-            if arranged else request.rel_url
-        mine: web.StreamResponse = await handler(request.clone(rel_url=target) if arranged else request)
+        asked = request.clone(rel_url=request.rel_url.with_query(
+            {k: v for k, v in request.query.items() if k not in PAGED})) if arranged else request
+        mine: web.StreamResponse = await handler(asked)
         if not isinstance(mine, web.Response) or mine.status != 200 or not isinstance(mine.body, bytes):
             return mine
-        parts, missing = await self.parts(request, str(target), open_nodes)
+        parts, missing = await self.parts(asked, open_nodes)
         if request.path in METRICS:
             if missing:
                 return partial(missing)
@@ -204,9 +204,8 @@ class VhostForward:
             items.extend(other if isinstance(other, list) else [])
         return paginate(request, items) if arranged else web.json_response(items)
 
-    async def parts(self, request: web.Request, target: str, open_nodes: OpenNodes
-                    ) -> tuple[list[bytes], list[str]]:
-        """Every other serving node's answer to ``target`` (a 200's body), each in
+    async def parts(self, request: web.Request, open_nodes: OpenNodes) -> tuple[list[bytes], list[str]]:
+        """Every other serving node's answer to ``request`` (a 200's body), each in
         ``FORWARD_TIMEOUT``; and what is missing, said for a client."""
         try:
             async with asyncio.timeout(FORWARD_TIMEOUT):
@@ -216,7 +215,7 @@ class VhostForward:
 
         async def part(streams: Streams) -> web.Response:
             async with asyncio.timeout(FORWARD_TIMEOUT):
-                return await self._exchange(request, streams, target)
+                return await self._exchange(request, streams)
 
         answers = await asyncio.gather(*(part(s) for _, s in nodes), return_exceptions=True)
         got: list[bytes] = []
@@ -254,13 +253,11 @@ class VhostForward:
             "is all or nothing on one node only: import them per vhost (/api/definitions/{vhost}), "
             "which goes to the node serving it"))
 
-    async def _exchange(self, request: web.Request, streams: Streams, target: str | None = None
-                        ) -> web.Response:
+    async def _exchange(self, request: web.Request, streams: Streams) -> web.Response:
         reader, writer = streams
         try:
             headers = {h: request.headers[h] for h in PASSED if h in request.headers}
-            writer.write(request_bytes(request.method, target or str(request.rel_url), headers,
-                                       await request.read()))
+            writer.write(request_bytes(request.method, str(request.rel_url), headers, await request.read()))
             await writer.drain()
             data = bytearray()
             while chunk := await reader.read(64 * 1024):
