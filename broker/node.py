@@ -329,7 +329,7 @@ class Node:
                 if self.elsewhere is not None:  # a cluster leader's vhosts served by other nodes
                     from broker.http.forward import VhostForward
                     forward = VhostForward(self.elsewhere.open_http, self.elsewhere.open_nodes,
-                                           self.elsewhere.elsewhere)
+                                           self.elsewhere.server_of)
                     mgmt.middlewares.append(forward.middleware)
                     # the metrics port's parts: each serving node's metrics port
                     parts = functools.partial(self.elsewhere.open_nodes, metrics=True)

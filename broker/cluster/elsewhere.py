@@ -83,6 +83,15 @@ class Elsewhere:
             raise errors.NotAllowed(f"vhost '{vhost}' is moving to another node: retry")
         return False
 
+    def server_of(self, vhost: str) -> str | None:
+        """The node serving ``vhost`` when another one does (its replication address), None when
+        served here (``errors.NotAllowed`` while it moves)."""
+        if not self.elsewhere(vhost):
+            return None
+        assert self.carrier.routed is not None
+        target = self.carrier.routed.serving(vhost)
+        return f"{target.host}:{target.port}"
+
     async def open_http(self, vhost: str, client: tuple[str, int], which: int = codec.HTTP_PORT
                         ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
         """A connection to the management API (``which``: or the metrics port) of the node

@@ -45,6 +45,9 @@ class VhostCarrier(Protocol):
         """Carry the connection (``fd``, duplicated by the call) and its negotiated ``state``
         (with the client's start-ok, ``login``) to that node."""
 
+    def server_of(self, vhost: str) -> str | None:
+        """The node serving ``vhost`` when another one does, None when served here."""
+
     async def open_http(self, vhost: str, client: tuple[str, int], which: int = ...
                         ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
         """A connection to the management API of the node serving ``vhost``, for ``client``

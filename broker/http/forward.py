@@ -74,6 +74,8 @@ METRICS: Final = frozenset({"/metrics", "/metrics/detailed", "/metrics/per-objec
 WHOLE: Final = LISTS | METRICS | {OVERVIEW, DEFINITIONS}  # answered for every shard of the cluster
 PAGED: Final = frozenset({"page", "page_size", "columns"})  # cut from the joined list, not the parts
 ARRANGED: Final = PAGED | {"sort", "sort_reverse"}  # a list arranged once joined
+# a definitions document's keys about the shared state (the cluster leader's files)
+SHARED_KEYS: Final = ("users", "vhosts", "permissions", "topic_permissions", "global_parameters")
 
 Streams = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 # a connection to the management API of the node serving ``vhost`` for the client at ``peer``;
@@ -129,7 +131,7 @@ class VhostForward:
     """The cluster leader's middleware for the vhosts other nodes serve (see the module's comment)."""
 
     def __init__(self, open_to: OpenTo, open_nodes: OpenNodes | None = None,
-                 elsewhere: Callable[[str], bool] | None = None) -> None:
+                 elsewhere: Callable[[str], str | None] | None = None) -> None:
         self.open_to = open_to
         self.open_nodes = open_nodes
         self.elsewhere = elsewhere
@@ -142,29 +144,35 @@ class VhostForward:
             return await self.whole(request, handler, self.open_nodes)
         if vhost is None and request.path == DEFINITIONS and request.method == "POST" \
                 and self.elsewhere is not None:
-            refused = await self.import_refused(request, self.elsewhere)
-            if refused is not None:
-                return refused
+            elsewhere = await self.import_elsewhere(request, self.elsewhere)
+            if elsewhere is not None:
+                return elsewhere
         if vhost is None or request.path.startswith(SHARED) and not request.path.endswith(CLIENTS):
             answer: web.StreamResponse = await handler(request)
             return answer
-        client = _client(request)
+        there = await self.to_server(request, vhost)
+        if there is not None:
+            return there
+        here: web.StreamResponse = await handler(request)  # served here
+        return here
+
+    async def to_server(self, request: web.Request, vhost: str) -> web.Response | None:
+        """The answer of the node serving ``vhost`` to ``request``; None when it is served here."""
         failed = unavailable
         try:
             async with asyncio.timeout(FORWARD_TIMEOUT):
-                streams = await self.open_to(vhost, client)
-                if streams is not None:
-                    if request.method not in ("GET", "HEAD"):
-                        failed = outcome_unknown  # from here on it may reach that node
-                    return await self._exchange(request, streams)
+                streams = await self.open_to(vhost, _client(request))
+                if streams is None:
+                    return None
+                if request.method not in ("GET", "HEAD"):
+                    failed = outcome_unknown  # from here on it may reach that node
+                return await self._exchange(request, streams)
         except errors.NotAllowed as exc:
             return unavailable(exc.reply_text)
         except TimeoutError:
             return failed(f"the node serving vhost '{vhost}' did not answer")
         except (OSError, http.client.HTTPException, ValueError) as exc:
             return failed(f"the node serving vhost '{vhost}': {exc or type(exc).__name__}")
-        here: web.StreamResponse = await handler(request)  # served here
-        return here
 
     async def whole(self, request: web.Request, handler: Any, open_nodes: OpenNodes) -> web.StreamResponse:
         """``WHOLE``: this node's answer (which also checks the user may have it) and each other
@@ -230,28 +238,36 @@ class VhostForward:
             log.warning("%s: a serving node's part is missing: %s", request.path, missing[-1])
         return got, missing
 
-    async def import_refused(self, request: web.Request, elsewhere: Callable[[str], bool]
-                             ) -> web.Response | None:
-        """A whole import naming a vhost another node serves (or one moving): refused before
-        anything happens, since an import is all or nothing on one node only."""
+    async def import_elsewhere(self, request: web.Request, server_of: Callable[[str], str | None]
+                               ) -> web.Response | None:
+        """A whole import naming vhosts other nodes serve: the answer of that node when it is one
+        node and the document holds only those vhosts' topology (its own import is the all or
+        nothing one; the shared state, users, permissions and the vhost list, is this node's to
+        write), else refused (501) before anything happens; None to import it here."""
         try:
-            named = named_vhosts(json.loads(await request.read()))
+            doc = json.loads(await request.read())
         except ValueError:
             return None  # the handler answers it (400)
-        away = []
-        for name in sorted(named):
+        servers: dict[str, list[str]] = {}
+        for name in sorted(named_vhosts(doc)):
             try:
-                if elsewhere(name):
-                    away.append(name)
-            except errors.NotAllowed:
-                away.append(name)
+                servers.setdefault(server_of(name) or "", []).append(name)
+            except errors.NotAllowed as exc:
+                return unavailable(exc.reply_text)
+        away = {k: v for k, v in servers.items() if k}
         if not away:
             return None
-        names = ", ".join(repr(v) for v in away)
+        shared = sorted(k for k in SHARED_KEYS if isinstance(doc, dict) and doc.get(k))
+        if len(servers) == 1 and not shared:
+            (vhosts,) = away.values()
+            return await self.to_server(request, vhosts[0])
+        names = ", ".join(repr(v) for vs in away.values() for v in vs)
+        why = "its vhosts are served by several nodes" if len(servers) > 1 else \
+            f"it also holds {', '.join(shared)}, this node's to write"
         return error_response(501, "not_implemented", (
-            f"the document names vhosts other nodes serve ({names}), and an import "
-            "is all or nothing on one node only: import them per vhost (/api/definitions/{vhost}), "
-            "which goes to the node serving it"))
+            f"the document names vhosts other nodes serve ({names}) and {why}; an import is all or "
+            "nothing on one node only: import them per vhost (/api/definitions/{vhost}), which goes to "
+            "the node serving it"))
 
     async def _exchange(self, request: web.Request, streams: Streams) -> web.Response:
         reader, writer = streams

@@ -26,7 +26,7 @@ import uuid
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import pika
 import pytest
@@ -202,13 +202,29 @@ def test_the_management_api_and_metrics_answer_for_every_shard_wherever_asked(
     with urllib.request.urlopen(f"http://127.0.0.1:{boss.metrics_port}/metrics", timeout=10) as resp:
         open_metrics = resp.read().decode()
     assert re.search(r"^rabbitmq_queues (\d+)$", open_metrics, re.M)[1] == str(len(queues))  # type: ignore[index]
-    away = min(v for v in others if v in VHOSTS)
-    doc = {"queues": [{"name": "imported", "vhost": away, "durable": True, "auto_delete": False,
-                       "arguments": {}}]}
-    with pytest.raises(urllib.error.HTTPError) as refused:  # not all or nothing across nodes
-        servers.api(follower, "POST", "/api/definitions", doc)
-    assert refused.value.code == 501
-    assert "imported" not in {q["name"] for q in servers.api(boss, "GET", f"/api/queues/{quoted[away]}")}
+    # a whole import: to the node serving its vhosts when that is one node and the document
+    # holds only their topology (that node's import is the all-or-nothing one); else refused
+    # before anything happens (on main: 400 "vhost does not exist", for a vhost that does)
+    boss_id = IDS[servers.c.nodes.index(boss)]
+    one_node = sorted(v for v, n in VHOSTS.items() if n == min(set(IDS) - {boss_id}))
+    spread = sorted({n: v for v, n in VHOSTS.items()}.values())  # a vhost of each node
+
+    def queues_in(vhosts: list[str], name: str) -> dict[str, Any]:
+        return {"queues": [{"name": name, "vhost": v, "durable": True, "auto_delete": False,
+                            "arguments": {}} for v in vhosts]}
+
+    def names_in(vhost: str) -> set[str]:  # each asked of its server
+        return {q["name"] for q in servers.api(boss, "GET", f"/api/queues/{quoted[vhost]}")}
+
+    assert servers.api(follower, "POST", "/api/definitions", queues_in(one_node, "imported")) is None  # 204
+    assert all("imported" in names_in(v) for v in one_node)
+    user = [{"name": "u", "password": "p", "tags": ""}]
+    for doc in (queues_in(spread, "refused"), {**queues_in(one_node[:1], "refused"), "users": user}):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            servers.api(follower, "POST", "/api/definitions", doc)
+        assert refused.value.code == 501, doc
+        assert not any("refused" in names_in(v) for v in {*spread, *one_node}), doc
+    assert "u" not in {u["name"] for u in servers.api(boss, "GET", "/api/users")}
 
 
 def _answers(servers: ShardCluster, node: ClusterNode, path: str) -> bool:
