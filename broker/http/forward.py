@@ -24,8 +24,11 @@ answering node's; definitions merged. The cluster leader's metrics port (no logi
 serving node's metrics port instead (``codec.METRICS_PORT``). A part missing (a node that does
 not answer, a vhost moving) is said, never under-counted: 503 naming it, and the overview, which
 the UI shows whatever happens, answers with ``partial`` naming it. A whole import
-(``POST /api/definitions``) naming a vhost another node serves is refused (501) before anything
-happens: an import is all or nothing on one node, not across nodes; per vhost
+(``POST /api/definitions``) naming vhosts another node serves goes whole to that node when it is
+one node and the document holds only their topology (queues, exchanges, bindings, policies,
+parameters): its import is the all-or-nothing one. One whose vhosts span nodes, or that also
+holds shared state (users, permissions, vhosts: the cluster leader's to write), is refused
+(501) before anything happens, since an import is all or nothing on one node only; per vhost
 (``/api/definitions/{vhost}``) it goes to the node serving it.
 
 Bounds: the answer is at most ``MAX_ANSWER`` bytes and the whole exchange ``FORWARD_TIMEOUT``
