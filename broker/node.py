@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import errno
+import functools
 import json
 import logging
 import os
@@ -327,8 +328,12 @@ class Node:
             if cfg.mgmt.enabled and worker is None:
                 if self.elsewhere is not None:  # a cluster leader's vhosts served by other nodes
                     from broker.http.forward import VhostForward
-                    forward = VhostForward(self.elsewhere.open_http, self.elsewhere.open_nodes)
+                    forward = VhostForward(self.elsewhere.open_http, self.elsewhere.open_nodes,
+                                           self.elsewhere.server_of)
                     mgmt.middlewares.append(forward.middleware)
+                    # the metrics port's parts: each serving node's metrics port
+                    parts = functools.partial(self.elsewhere.open_nodes, metrics=True)
+                    mgmt.metrics_middlewares.append(VhostForward(self.elsewhere.open_http, parts).middleware)
                 await self.start_http(broker, mgmt)
             await self.start_amqp(broker, mgmt)
             self.start_federation(broker, mgmt)
@@ -765,6 +770,7 @@ class Node:
             "mqtts": self.mqtt.addresses.get("mqtts") if self.mqtt is not None else None,
             "stream": self.stream.addresses.get("stream") if self.stream is not None else None,
             "streams": self.stream.addresses.get("stream/ssl") if self.stream is not None else None,
+            "metrics": mgmt.metrics_address if mgmt is not None else None,  # tunnels only
         }
         return {name: (str(a[0]), int(a[1])) for name, a in found.items() if a}
 

@@ -242,3 +242,15 @@ def test_merge_acks_round_trip() -> None:
     assert codec.parse_merge_acks(m.payload) == ("vh/q/acks.0000000001", 5000, b"h" * 20, [8, 100, 4000])
     with pytest.raises(codec.CodecError):
         codec.parse_merge_acks(m.payload[:-1])  # not whole u32 entries
+
+
+def test_a_tunnel_may_name_the_metrics_port_which_no_welcome_tells() -> None:
+    # the cluster leader's metrics port asks each serving node's (http/forward.py); a follower
+    # proxies only the ports a Welcome tells, and the Welcome's size is unchanged
+    raw = codec.encode_tunnel_hello(b"s" * 32, codec.METRICS_PORT, ("10.0.0.1", 5000))
+    opened = codec.parse_opening(raw)
+    assert opened is not None and opened[0].port == codec.METRICS_PORT  # type: ignore[union-attr]
+    assert codec.PORT_NAMES[codec.METRICS_PORT] == "metrics"
+    assert codec.WELCOME_PORTS == codec.METRICS_PORT and codec.WELCOME_SIZE == 1 + 2 * codec.WELCOME_PORTS
+    with pytest.raises(codec.CodecError):
+        codec.parse_opening(codec.encode_tunnel_hello(b"s", codec.CLIENT_PORTS, ("1.2.3.4", 1)))

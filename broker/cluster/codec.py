@@ -95,9 +95,13 @@ MQTT_PORT: Final = 6
 MQTTS_PORT: Final = 7
 STREAM_PORT: Final = 8
 STREAMS_PORT: Final = 9  # the stream protocol over TLS (RabbitMQ's 5551)
-CLIENT_PORTS: Final = 10
+WELCOME_PORTS: Final = 10  # the ports a Welcome tells (a follower proxies each)
+# a node's Prometheus port, reached by a tunnel only (not in a Welcome: no follower proxies it):
+# the cluster leader's metrics port asks each node serving shards for its part (``http/forward.py``)
+METRICS_PORT: Final = 10
+CLIENT_PORTS: Final = 11  # the ports a TunnelHello may name
 PORT_NAMES: Final = ("amqp", "http", "amqps", "https", "lmq_http", "lmq_rpc", "mqtt", "mqtts", "stream",
-                     "streams")
+                     "streams", "metrics")
 # a TunnelHello's client address for a client on one of the follower's Unix sockets (the value of
 # ``auth.users.UNIX_PEER``, which the leader's listeners treat as local, as on the follower)
 UNIX_CLIENT: Final = "unix"
@@ -131,7 +135,7 @@ _U8: Final = struct.Struct(">B")
 _U16: Final = struct.Struct(">H")
 _U32: Final = struct.Struct(">I")
 _U64: Final = struct.Struct(">Q")
-_WELCOME: Final = struct.Struct(f">B{CLIENT_PORTS}H")
+_WELCOME: Final = struct.Struct(f">B{WELCOME_PORTS}H")
 _ENTRY_TAIL: Final = struct.Struct(">Q20s")
 
 
@@ -155,7 +159,7 @@ class Hello:
 @dataclass(frozen=True)
 class Welcome:
     status: int
-    ports: tuple[int, ...] = (0,) * CLIENT_PORTS  # indexed by AMQP_PORT .. STREAMS_PORT; 0: off
+    ports: tuple[int, ...] = (0,) * WELCOME_PORTS  # indexed by AMQP_PORT .. STREAMS_PORT; 0: off
 
 
 @dataclass(frozen=True)
@@ -287,7 +291,7 @@ def parse_opening(buf: bytes) -> tuple[Hello | TunnelHello, int] | None:
 WELCOME_SIZE: Final = _WELCOME.size
 
 
-def encode_welcome(status: int, ports: tuple[int, ...] = (0,) * CLIENT_PORTS) -> bytes:
+def encode_welcome(status: int, ports: tuple[int, ...] = (0,) * WELCOME_PORTS) -> bytes:
     return _WELCOME.pack(status, *ports)
 
 

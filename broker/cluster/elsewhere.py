@@ -86,34 +86,55 @@ class Elsewhere:
             raise errors.NotAllowed(f"vhost '{vhost}' is moving to another node: retry")
         return False
 
-    async def open_http(self, vhost: str, client: tuple[str, int]
+    def server_of(self, vhost: str) -> str | None:
+        """The node serving ``vhost`` when another one does (its replication address), None when
+        served here (``errors.NotAllowed`` while it moves)."""
+        if not self.elsewhere(vhost):
+            return None
+        assert self.carrier.routed is not None
+        target = self.carrier.routed.serving(vhost)
+        return f"{target.host}:{target.port}"
+
+    async def open_http(self, vhost: str, client: tuple[str, int], which: int = codec.HTTP_PORT
                         ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
-        """A connection to the management API of the node serving ``vhost`` for ``client``
-        (``broker.http.forward``): one end of a socket pair, the other carried there; None when
-        ``vhost`` is not served elsewhere (``errors.NotAllowed`` while it moves)."""
+        """A connection to the management API (``which``: or the metrics port) of the node
+        serving ``vhost`` for ``client`` (``broker.http.forward``): one end of a socket pair, the
+        other carried there; None when ``vhost`` is not served elsewhere (``errors.NotAllowed``
+        while it moves)."""
         if not self.elsewhere(vhost):
             return None
         if not _is_ip(client[0]):
             client = (codec.UNIX_CLIENT, 0)  # a Unix socket's client: local there too
         ours, theirs = socket.socketpair()
         theirs.setblocking(False)
-        carried = Carried(vhost, codec.HTTP_PORT, _sends(b""), unavailable.http_response)
+        carried = Carried(vhost, which, _sends(b""), unavailable.http_response)
         self.carrier.adopt(theirs, client, carried)
         return await asyncio.open_connection(sock=ours)
 
-    async def open_nodes(self, client: tuple[str, int]
-                         ) -> list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+    async def open_nodes(self, client: tuple[str, int], metrics: bool = False) -> tuple[
+            list[tuple[str, tuple[asyncio.StreamReader, asyncio.StreamWriter]]], list[str]]:
         """A connection to the management API of each other node serving a vhost (the parts of
-        a node-wide list, ``broker.http.forward``)."""
+        a node-wide answer, ``broker.http.forward``; to its metrics port for the cluster leader's
+        metrics port, which has no login to pass on), each named by the vhosts it serves; and
+        the vhosts moving (closed here, their next server not known yet), whose part nobody
+        can give now."""
         assert self.carrier.routed is not None
         serving = self.carrier.routed.serving
-        one_each: dict[tuple[str | None, int], str] = {}
+        by_node: dict[tuple[str | None, int], list[str]] = {}
+        moving: list[str] = []
         for vhost in sorted(self.closed):
             if self.served_elsewhere(vhost):
                 target = serving(vhost)
-                one_each.setdefault((target.host, target.port), vhost)
-        opened = [await self.open_http(vhost, client) for vhost in one_each.values()]
-        return [o for o in opened if o is not None]
+                by_node.setdefault((target.host, target.port), []).append(vhost)
+            else:
+                moving.append(vhost)
+        opened = []
+        for vhosts in by_node.values():
+            which = codec.METRICS_PORT if metrics else codec.HTTP_PORT
+            streams = await self.open_http(vhosts[0], client, which)
+            if streams is not None:
+                opened.append((", ".join(repr(v) for v in vhosts), streams))
+        return opened, moving
 
     def hand_over(self, fd: int, state: dict[str, Any]) -> None:
         vhost = str(state["vhost"])

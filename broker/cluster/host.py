@@ -46,14 +46,19 @@ class VhostCarrier(Protocol):
         """Carry the connection (``fd``, duplicated by the call) and its negotiated ``state``
         (with the client's start-ok, ``login``) to that node."""
 
-    async def open_http(self, vhost: str, client: tuple[str, int]
+    def server_of(self, vhost: str) -> str | None:
+        """The node serving ``vhost`` when another one does, None when served here."""
+
+    async def open_http(self, vhost: str, client: tuple[str, int], which: int = ...
                         ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
         """A connection to the management API of the node serving ``vhost``, for ``client``
         (None: not served elsewhere)."""
 
-    async def open_nodes(self, client: tuple[str, int]
-                         ) -> list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
-        """A connection to the management API of each other node serving a vhost, for ``client``."""
+    async def open_nodes(self, client: tuple[str, int], metrics: bool = False) -> tuple[
+            list[tuple[str, tuple[asyncio.StreamReader, asyncio.StreamWriter]]], list[str]]:
+        """A connection to the management API of each other node serving a vhost, for ``client``,
+        each named by its vhosts (``metrics``: to its metrics port); and the vhosts moving (no node
+        serves them yet)."""
 
 
 class LeaderBroker(Protocol):

@@ -438,9 +438,9 @@ class LeaderSink:
                 if not tunnels and self._tunnels.get(hello.node_id) is tunnels:
                     del self._tunnels[hello.node_id]
             return
-        addresses = self.client_addresses()
+        addresses, told = self.client_addresses(), codec.PORT_NAMES[:codec.WELCOME_PORTS]
         writer.write(codec.encode_welcome(codec.OK, tuple(addresses[name][1] if name in addresses else 0
-                                                          for name in codec.PORT_NAMES)))
+                                                          for name in told)))
         try:
             async with asyncio.timeout(HANDSHAKE_TIMEOUT):
                 scope = await self._read_scope(reader)

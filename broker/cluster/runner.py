@@ -148,7 +148,7 @@ class ClusterRunner:
         self.secret = b""
         # Where the proxy of each client port (codec.AMQP_PORT ...) splices to: the leader's
         # replication port for the plain ones (tunnels), its own TLS ports for AMQPS and HTTPS.
-        self.targets = [Target() for _ in codec.PORT_NAMES]
+        self.targets = [Target() for _ in range(codec.WELCOME_PORTS)]
         # per-shard leaders: the AMQP target (a tunnel) of each other node serving shards
         self.shard_targets: dict[Sender, Target] = {}
         self.repl_tls = tls.replication_tls(config.main, c.tls)

@@ -13,10 +13,24 @@ the client had asked it directly, so forwarding grants nothing, and its answer (
 and the headers ``http.common.PASSED_BACK`` names, the list the workers' fan-out passes back too,
 Retry-After among them) is the client's. The shared state (users,
 permissions, the vhost list, global and runtime parameters: ``SHARED``) is the cluster
-leader's, so those paths are answered here whatever vhost they name. A node-wide list
-(``LISTS``: ``/api/queues`` and the like, not a page of one) is this node's and every other
-serving node's part (``open_nodes``), concatenated; a page of one, ``/api/overview`` and the
-whole definitions are this node's part only (not aggregated across nodes yet).
+leader's, so those paths are answered here whatever vhost they name. A whole answer
+(``WHOLE``: the node-wide lists, ``LISTS``, ``/api/overview``, ``/metrics`` and its forms, the
+whole definitions) is this node's answer (which also checks the user may have it) put together
+with every other serving node's part (``open_nodes``, asked with the client's own
+``Authorization``; ``broker.http.aggregate``): lists concatenated (each shard broker lists only
+the vhosts it serves, so nothing comes twice), and a list to be arranged (a page, a sort,
+columns) asked whole of every node and then filtered, sorted and cut once joined; the overview's
+counts added; metrics samples of one name and labels added, a node's own process series the
+answering node's; definitions merged. The cluster leader's metrics port (no login) asks each
+serving node's metrics port instead (``codec.METRICS_PORT``). A part missing (a node that does
+not answer, a vhost moving) is said, never under-counted: 503 naming it, and the overview, which
+the UI shows whatever happens, answers with ``partial`` naming it. A whole import
+(``POST /api/definitions``) naming vhosts another node serves goes whole to that node when it is
+one node and the document holds only their topology (queues, exchanges, bindings, policies,
+parameters): its import is the all-or-nothing one. One whose vhosts span nodes, or that also
+holds shared state (users, permissions, vhosts: the cluster leader's to write), is refused
+(501) before anything happens, since an import is all or nothing on one node only; per vhost
+(``/api/definitions/{vhost}``) it goes to the node serving it.
 
 Bounds: the answer is at most ``MAX_ANSWER`` bytes and the whole exchange ``FORWARD_TIMEOUT``
 seconds. A vhost moving (closed here, its next server not known yet), a node that cannot be
@@ -39,7 +53,8 @@ from typing import Any, Final
 from aiohttp import web
 
 from broker import errors
-from broker.http.common import PASSED_ON, error_response, passed_back
+from broker.http.aggregate import add_counts, merge_exports, merge_metrics, named_vhosts, partial
+from broker.http.common import PASSED_ON, error_response, paginate, passed_back
 
 log = logging.getLogger(__name__)
 
@@ -52,17 +67,25 @@ SHARED: Final = ("/api/users", "/api/permissions", "/api/topic-permissions", "/a
                  "/api/global-parameters", "/api/user-limits", "/api/parameters")
 CLIENTS: Final = ("/connections", "/channels")  # /api/vhosts/{vhost}/...: that node's clients
 
-# the node-wide lists: this node's part and every other serving node's (not a page of one yet)
+# the node-wide lists: this node's part and every other serving node's
 LISTS: Final = frozenset({"/api/queues", "/api/exchanges", "/api/bindings", "/api/connections",
                           "/api/channels", "/api/consumers"})
-PAGED: Final = frozenset({"page", "page_size", "columns"})
+OVERVIEW: Final = "/api/overview"
+DEFINITIONS: Final = "/api/definitions"
+METRICS: Final = frozenset({"/metrics", "/metrics/detailed", "/metrics/per-object"})
+WHOLE: Final = LISTS | METRICS | {OVERVIEW, DEFINITIONS}  # answered for every shard of the cluster
+PAGED: Final = frozenset({"page", "page_size", "columns"})  # cut from the joined list, not the parts
+ARRANGED: Final = PAGED | {"sort", "sort_reverse"}  # a list arranged once joined
+# a definitions document's keys about the shared state (the cluster leader's files)
+SHARED_KEYS: Final = ("users", "vhosts", "permissions", "topic_permissions", "global_parameters")
 
 Streams = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 # a connection to the management API of the node serving ``vhost`` for the client at ``peer``;
 # None: served here; raises ``errors.NotAllowed`` while it moves
 OpenTo = Callable[[str, tuple[str, int]], Awaitable[Streams | None]]
 # a connection to the management API of each other node serving a vhost, for the client
-OpenNodes = Callable[[tuple[str, int]], Awaitable[list[Streams]]]
+# and the vhosts moving (their part nobody can give now)
+OpenNodes = Callable[[tuple[str, int]], Awaitable[tuple[list[tuple[str, Streams]], list[str]]]]
 
 
 def unavailable(reason: str) -> web.Response:
@@ -108,65 +131,144 @@ def _client(request: web.Request) -> tuple[str, int]:
 class VhostForward:
     """The cluster leader's middleware for the vhosts other nodes serve (see the module's comment)."""
 
-    def __init__(self, open_to: OpenTo, open_nodes: OpenNodes | None = None) -> None:
+    def __init__(self, open_to: OpenTo, open_nodes: OpenNodes | None = None,
+                 elsewhere: Callable[[str], str | None] | None = None) -> None:
         self.open_to = open_to
         self.open_nodes = open_nodes
+        self.elsewhere = elsewhere
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
         vhost = request.match_info.get("vhost")
-        if vhost is None and request.path in LISTS and request.method == "GET" \
-                and not PAGED & set(request.query) and self.open_nodes is not None:
-            return await self.whole_list(request, handler, self.open_nodes)
+        if vhost is None and request.path in WHOLE and request.method == "GET" \
+                and self.open_nodes is not None:
+            return await self.whole(request, handler, self.open_nodes)
+        if vhost is None and request.path == DEFINITIONS and request.method == "POST" \
+                and self.elsewhere is not None:
+            elsewhere = await self.import_elsewhere(request, self.elsewhere)
+            if elsewhere is not None:
+                return elsewhere
         if vhost is None or request.path.startswith(SHARED) and not request.path.endswith(CLIENTS):
             answer: web.StreamResponse = await handler(request)
             return answer
-        client = _client(request)
+        there = await self.to_server(request, vhost)
+        if there is not None:
+            return there
+        here: web.StreamResponse = await handler(request)  # served here
+        return here
+
+    async def to_server(self, request: web.Request, vhost: str) -> web.Response | None:
+        """The answer of the node serving ``vhost`` to ``request``; None when it is served here."""
         failed = unavailable
         try:
             async with asyncio.timeout(FORWARD_TIMEOUT):
-                streams = await self.open_to(vhost, client)
-                if streams is not None:
-                    if request.method not in ("GET", "HEAD"):
-                        failed = outcome_unknown  # from here on it may reach that node
-                    return await self._exchange(request, streams)
+                streams = await self.open_to(vhost, _client(request))
+                if streams is None:
+                    return None
+                if request.method not in ("GET", "HEAD"):
+                    failed = outcome_unknown  # from here on it may reach that node
+                return await self._exchange(request, streams)
         except errors.NotAllowed as exc:
             return unavailable(exc.reply_text)
         except TimeoutError:
             return failed(f"the node serving vhost '{vhost}' did not answer")
         except (OSError, http.client.HTTPException, ValueError) as exc:
             return failed(f"the node serving vhost '{vhost}': {exc or type(exc).__name__}")
-        here: web.StreamResponse = await handler(request)  # served here
-        return here
 
-    async def whole_list(self, request: web.Request, handler: Any, open_nodes: OpenNodes
-                         ) -> web.StreamResponse:
-        """``LISTS``: this node's list (which also checks the user may have it) and each other
-        serving node's, concatenated (each shard broker lists only the vhosts it serves, so
-        nothing comes twice); a node that does not answer in time leaves its part out, logged."""
-        mine: web.StreamResponse = await handler(request)
-        if not isinstance(mine, web.Response) or mine.status != 200 or mine.body is None:
+    async def whole(self, request: web.Request, handler: Any, open_nodes: OpenNodes) -> web.StreamResponse:
+        """``WHOLE``: this node's answer (which also checks the user may have it) and each other
+        serving node's part, put together (``broker.http.aggregate``). A list to be arranged
+        (``ARRANGED``: a page, a sort, columns) is asked whole of every node and arranged once
+        joined. A part missing (a node that does not answer, a vhost moving) makes the answer
+        503 naming it, except the overview's, which says so in ``partial``."""
+        arranged = request.path in LISTS and bool(ARRANGED & set(request.query))
+        asked = request.clone(rel_url=request.rel_url.with_query(
+            {k: v for k, v in request.query.items() if k not in PAGED})) if arranged else request
+        mine: web.StreamResponse = await handler(asked)
+        if not isinstance(mine, web.Response) or mine.status != 200 or not isinstance(mine.body, bytes):
             return mine
-        body = mine.body if isinstance(mine.body, bytes) else bytes(mine.text or "", "utf-8")
-        doc = json.loads(body)
-        if not isinstance(doc, list):
-            return mine
+        parts, missing = await self.parts(asked, open_nodes)
+        if request.path in METRICS:
+            if missing:
+                return partial(missing)
+            text = merge_metrics([mine.body.decode(), *(p.decode() for p in parts)], nodes=True)
+            return web.Response(body=text.encode(), headers={"Content-Type": mine.headers["Content-Type"]})
+        doc = json.loads(mine.body)
+        others = [json.loads(p) for p in parts]
+        if request.path == OVERVIEW:
+            for other in others:
+                if isinstance(other, dict):
+                    add_counts(doc, other)
+            if missing:
+                doc["partial"] = missing
+            return web.json_response(doc)
+        if missing:
+            return partial(missing)
+        if request.path == DEFINITIONS:
+            kept = {k: v for k, v in mine.headers.items() if k == "Content-Disposition"}
+            return web.json_response(merge_exports(doc, [o for o in others if isinstance(o, dict)]),
+                                     dumps=lambda d: json.dumps(d, indent=2), headers=kept)
+        items: list[Any] = doc if isinstance(doc, list) else []
+        for other in others:
+            items.extend(other if isinstance(other, list) else [])
+        return paginate(request, items) if arranged else web.json_response(items)
+
+    async def parts(self, request: web.Request, open_nodes: OpenNodes) -> tuple[list[bytes], list[str]]:
+        """Every other serving node's answer to ``request`` (a 200's body), each in
+        ``FORWARD_TIMEOUT``; and what is missing, said for a client."""
         try:
             async with asyncio.timeout(FORWARD_TIMEOUT):
-                nodes = await open_nodes(_client(request))
-                parts = await asyncio.gather(*(self._exchange(request, n) for n in nodes),
-                                             return_exceptions=True)
-        except TimeoutError:
-            log.warning("%s: the other nodes' parts did not come in %.0fs", request.path, FORWARD_TIMEOUT)
-            return mine
-        for part in parts:
-            if isinstance(part, web.Response) and part.status == 200 and isinstance(part.body, bytes):
-                other = json.loads(part.body)
-                doc.extend(other if isinstance(other, list) else [])
-            else:
-                log.warning("%s: a serving node's part left out: %s", request.path,
-                            part if isinstance(part, BaseException) else f"status {part.status}")
-        return web.json_response(doc, status=mine.status)
+                nodes, moving = await open_nodes(_client(request))
+        except (OSError, TimeoutError) as exc:
+            return [], [f"the other serving nodes' parts: {exc or type(exc).__name__}"]
+
+        async def part(streams: Streams) -> web.Response:
+            async with asyncio.timeout(FORWARD_TIMEOUT):
+                return await self._exchange(request, streams)
+
+        answers = await asyncio.gather(*(part(s) for _, s in nodes), return_exceptions=True)
+        got: list[bytes] = []
+        missing = [f"vhost {v!r}: moving to another node" for v in moving]
+        for (name, _), answer in zip(nodes, answers, strict=True):
+            if isinstance(answer, web.Response) and answer.status == 200 and isinstance(answer.body, bytes):
+                got.append(answer.body)
+                continue
+            why = f"status {answer.status}" if isinstance(answer, web.Response) else \
+                str(answer) or type(answer).__name__
+            missing.append(f"the node serving vhost {name}: {why}")
+            log.warning("%s: a serving node's part is missing: %s", request.path, missing[-1])
+        return got, missing
+
+    async def import_elsewhere(self, request: web.Request, server_of: Callable[[str], str | None]
+                               ) -> web.Response | None:
+        """A whole import naming vhosts other nodes serve: the answer of that node when it is one
+        node and the document holds only those vhosts' topology (its own import is the all or
+        nothing one; the shared state, users, permissions and the vhost list, is this node's to
+        write), else refused (501) before anything happens; None to import it here."""
+        try:
+            doc = json.loads(await request.read())
+        except ValueError:
+            return None  # the handler answers it (400)
+        servers: dict[str, list[str]] = {}
+        for name in sorted(named_vhosts(doc)):
+            try:
+                servers.setdefault(server_of(name) or "", []).append(name)
+            except errors.NotAllowed as exc:
+                return unavailable(exc.reply_text)
+        away = {k: v for k, v in servers.items() if k}
+        if not away:
+            return None
+        shared = sorted(k for k in SHARED_KEYS if isinstance(doc, dict) and doc.get(k))
+        if len(servers) == 1 and not shared:
+            (vhosts,) = away.values()
+            return await self.to_server(request, vhosts[0])
+        names = ", ".join(repr(v) for vs in away.values() for v in vs)
+        why = "its vhosts are served by several nodes" if len(servers) > 1 else \
+            f"it also holds {', '.join(shared)}, this node's to write"
+        return error_response(501, "not_implemented", (
+            f"the document names vhosts other nodes serve ({names}) and {why}; an import is all or "
+            "nothing on one node only: import them per vhost (/api/definitions/{vhost}), which goes to "
+            "the node serving it"))
 
     async def _exchange(self, request: web.Request, streams: Streams) -> web.Response:
         reader, writer = streams

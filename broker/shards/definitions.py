@@ -23,51 +23,14 @@ happens: it is imported per vhost (``/api/definitions/{vhost}``) or on a node of
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
-PER_VHOST = ("vhosts", "parameters", "policies", "queues", "exchanges", "bindings")
+from broker.http.aggregate import merge_exports, named_vhosts
 
-
-VHOST_NAMED = ("permissions", "topic_permissions", "parameters", "policies", "queues", "exchanges",
-               "bindings")
+__all__ = ["merge_exports", "owners"]  # the merge is shared with the cluster's (http/forward.py)
 
 
 def owners(doc: Any, owner: Callable[[str], int]) -> set[int]:
     """The workers owning the vhosts ``doc``'s entries name (empty: users and global state only)."""
-    if not isinstance(doc, dict):
-        return set()
-    names: set[str] = set()
-    for entry in doc.get("vhosts") or []:
-        if isinstance(entry, dict) and isinstance(entry.get("name"), str):
-            names.add(entry["name"])
-    for kind in VHOST_NAMED:
-        for entry in doc.get(kind) or []:
-            if isinstance(entry, dict) and isinstance(entry.get("vhost"), str):
-                names.add(entry["vhost"])
-    return {owner(name) for name in names}
-
-
-def _key(kind: str, entry: Any) -> tuple[str, ...]:
-    if not isinstance(entry, dict):
-        return ("",)
-    if kind == "vhosts":
-        return (str(entry.get("name", "")),)
-    if kind == "bindings":
-        fields = ("vhost", "source", "destination_type", "destination", "routing_key")
-        return (*(str(entry.get(f, "")) for f in fields), repr(entry.get("arguments")))
-    if kind in ("queues", "exchanges"):
-        return (str(entry.get("vhost", "")), str(entry.get("name", "")))
-    return (str(entry.get("vhost", "")),)  # policies, parameters: each worker's order kept (stable)
-
-
-def merge_exports(mine: dict[str, Any], others: list[dict[str, Any]]) -> dict[str, Any]:
-    """The node's definitions from this worker's export and the other workers' (module doc)."""
-    doc = dict(mine)
-    for kind in PER_VHOST:
-        items: list[Any] = list(doc.get(kind) or [])
-        for other in others:
-            items.extend(other.get(kind) or [])
-        doc[kind] = sorted(items, key=functools.partial(_key, kind))
-    return doc
+    return {owner(name) for name in named_vhosts(doc)}

@@ -8,10 +8,10 @@ by this middleware, after the usual authentication:
 
 * *about one vhost* (its route has a ``{vhost}``): answered by the worker that owns the vhost
   (forwarded to its private port when that is another one; 503 while it restarts);
-* *a node-wide list* (``LISTS``): this worker's part and every other live worker's part
+* *a node-wide list* (``LISTS``): this worker's part and every other worker's part
   (asked with ``X-Skred-Worker-Local``), concatenated; ``/api/overview`` adds the counts up,
   ``/metrics`` (and its detailed and per-object forms, on the management port and on the
-  metrics port) adds up samples of the same name and labels;
+  metrics port) adds up samples of the same name and labels (``broker.http.aggregate``);
 * *one connection or channel by name* (``ONE_OF``): this worker's answer, or when it does not
   know the name (404), the first other worker's that does;
 * *the node's app* (``APP``: ``skredctl stop_app``/``start_app``): this worker's handler and
@@ -25,25 +25,29 @@ by this middleware, after the usual authentication:
 A forwarded request carries the client's own ``Authorization`` header: the worker that
 answers authenticates and authorizes it as if the client had asked it directly, so the
 private port grants nothing the public one does not (and the local header only narrows an
-answer). A page of a list (``page``, ``page_size``, ``columns``) is cut from the whole
-node's list (``paged``). ``GET /api/definitions`` merges every worker's export
+answer). A page of a list (``page``, ``page_size``, ``columns``) or a sort of one is cut from
+the whole node's list (``paged``). A worker's part missing (restarting) is said, never
+under-counted: 503 naming it (``broker.http.aggregate.partial``), the overview its
+``partial``. ``GET /api/definitions`` merges every worker's export
 (``broker.shards.definitions``; 503 while a worker restarts: a document without its vhosts
-would pass for the node's). Not yet aggregated: the import of a whole node's definitions
-of a document whose vhosts span workers (``POST /api/definitions`` answers 501: it could not be
-all or nothing across workers; one whose vhosts are one worker's goes whole to that worker,
-the per-vhost form works), ``/api/nodes``.
+would pass for the node's). Not yet aggregated: the import of a whole node's definitions of a
+document whose vhosts span workers (``POST /api/definitions`` answers 501: it could not be all
+or nothing across workers; one whose vhosts are one worker's goes whole to that worker, the
+per-vhost form works), ``/api/nodes``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterable
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 from yarl import URL
 
+from broker.http.aggregate import add_counts, merge_metrics, partial
 from broker.http.common import (
     MGMT_KEY,
     PASSED_ON,
@@ -60,8 +64,8 @@ LOCAL = "X-Skred-Worker-Local"
 LISTS = frozenset({"/api/queues", "/api/exchanges", "/api/bindings", "/api/connections", "/api/channels",
                    "/api/consumers", "/api/vhosts"})
 PAGED = frozenset({"page", "page_size", "columns"})  # applied to the whole list, not to parts
+ARRANGED = PAGED | {"sort", "sort_reverse"}  # a list arranged once joined
 METRICS = frozenset({"/metrics", "/metrics/detailed", "/metrics/per-object"})
-SUMMED = ("object_totals", "queue_totals", "message_stats")
 # one connection or channel by name (GET, DELETE): answered by the worker it is on
 ONE_OF = ("/api/connections/", "/api/channels/")
 # the requests that may change shared state (users.json, vhosts.json, global parameters); an HTTP
@@ -115,7 +119,7 @@ class Fanout:
             async with link.changing():
                 changed: web.StreamResponse = await handler(request)
             return changed
-        if not local and request.path in LISTS and PAGED & set(request.query) and link.index in link.http:
+        if not local and request.path in LISTS and ARRANGED & set(request.query) and link.index in link.http:
             return await self.paged(request)
         one_of = not local and request.path.startswith(ONE_OF)
         try:
@@ -131,19 +135,24 @@ class Fanout:
             return mine
         if not isinstance(mine, web.Response) or mine.status != 200 or mine.body is None:
             return mine
-        peers = link.http if self.port == "http" else link.metrics
-        parts = await asyncio.gather(*(self.ask(request, i) for i in sorted(peers) if i != link.index))
+        others = [i for i in range(link.count) if i != link.index]
+        parts = await asyncio.gather(*(self.ask(request, i) for i in others))
+        missing = _missing(others, parts)
+        got = [p for p in parts if p is not None]
         body = mine.body if isinstance(mine.body, bytes) else bytes(mine.text or "", "utf-8")
+        if request.path != "/api/overview" and missing:  # a whole that would pass for the node's
+            return partial(missing)
         if request.path in METRICS:
-            text = merge_metrics([body.decode(), *(p.decode() for p in parts if p is not None)])
+            text = merge_metrics([body.decode(), *(p.decode() for p in got)])
             return web.Response(body=text.encode(), headers={"Content-Type": mine.headers["Content-Type"]})
         doc = json.loads(body)
-        others = [json.loads(p) for p in parts if p is not None]
         if request.path == "/api/overview":
-            for other in others:
-                add_counts(doc, other)
+            for other in got:
+                add_counts(doc, json.loads(other))
+            if missing:
+                doc["partial"] = missing
         elif isinstance(doc, list):
-            for other in others:
+            for other in map(json.loads, got):
                 if isinstance(other, list):
                     doc.extend(other)
         return web.json_response(doc, status=mine.status)
@@ -205,7 +214,11 @@ class Fanout:
         through its private port, so each applies the user's view of it), then the filter,
         sort, columns and page over all of them at once."""
         whole = request.rel_url.with_query({k: v for k, v in request.query.items() if k not in PAGED})
-        parts = await asyncio.gather(*(self.ask(request, i, whole) for i in sorted(self.link.http)))
+        every = range(self.link.count)
+        parts = await asyncio.gather(*(self.ask(request, i, whole) for i in every))
+        missing = _missing(every, parts)
+        if missing:
+            return partial(missing)
         items: list[dict[str, Any]] = []
         for part in parts:
             doc = json.loads(part) if part is not None else []
@@ -282,6 +295,10 @@ class Fanout:
             return _unreachable(index, exc)
 
 
+def _missing(workers: Iterable[int], parts: list[bytes | None]) -> list[str]:
+    return [f"worker {i} of this node (restarting)" for i, p in zip(workers, parts, strict=True) if p is None]
+
+
 def _restarting() -> web.Response:
     return error_response(503, "service_unavailable", "the worker of this vhost is restarting")
 
@@ -324,62 +341,3 @@ async def _relay(request: web.Request, got: aiohttp.ClientResponse, headers: dic
         if request.transport is not None:
             request.transport.abort()
     return resp
-
-
-def add_counts(into: dict[str, Any], other: dict[str, Any]) -> None:
-    """Add ``other``'s numbers under the overview's count sections to ``into``'s."""
-    for key in SUMMED:
-        if isinstance(into.get(key), dict) and isinstance(other.get(key), dict):
-            _add(into[key], other[key])
-        elif key not in into and key in other:
-            into[key] = other[key]
-
-
-def _add(into: dict[str, Any], other: dict[str, Any]) -> None:
-    for k, v in other.items():
-        mine = into.get(k)
-        if isinstance(v, bool) or isinstance(mine, bool):
-            continue
-        if isinstance(v, (int, float)) and isinstance(mine, (int, float)):
-            into[k] = mine + v
-        elif isinstance(v, dict) and isinstance(mine, dict):
-            _add(mine, v)
-        elif k not in into:
-            into[k] = v
-
-
-def merge_metrics(texts: list[str]) -> str:
-    """Prometheus text of several workers as one node's: samples of the same name and labels
-    added up (counters and gauges of the node's parts), except ``*_info`` and start times,
-    which are the same fact in every worker (the first is kept)."""
-    order: list[str] = []
-    values: dict[str, float] = {}
-    for text in texts:
-        for line in text.splitlines():
-            if not line or line.startswith("#"):
-                if line and line not in values and line not in order:
-                    order.append(line)
-                continue
-            key, _, raw = line.rpartition(" ")
-            try:
-                value = float(raw)
-            except ValueError:
-                continue
-            if key not in values:
-                order.append(key)
-                values[key] = value
-            elif not _same_fact(key):
-                values[key] += value
-    out = []
-    for key in order:
-        if key in values:
-            v = values[key]
-            out.append(f"{key} {int(v) if v.is_integer() and abs(v) < 1e15 else v!r}")
-        else:
-            out.append(key)
-    return "\n".join(out) + "\n"
-
-
-def _same_fact(key: str) -> bool:
-    name = key.split("{", 1)[0]
-    return name.endswith("_info") or "start_time" in name or name.endswith("_is_leader")
