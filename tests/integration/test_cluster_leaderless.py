@@ -126,9 +126,9 @@ def test_a_follower_whose_disk_is_full_backs_off_its_bulk_sync(tmp_path: Path,
                                                                 tmpfs: tuple[Path, int]) -> None:
     """The leader holds 4 MiB of messages; the follower's data dir is a 2 MiB tmpfs, so every
     bulk sync fails on its disk. Retries must back off (1 s, 2 s, 4 s ...), not come every
-    0.4 s: over 6 s the leader sees at most three bulk syncs (about 2 backing off, 14 without;
-    it was at most five in 10 s, which left the disk grown 5 s before the next retry). Once
-    the disk has room, the next retry syncs."""
+    0.4 s: over 6 s the leader sees at most three bulk syncs (2 backing off; 10 retrying every
+    0.4 s, on a loaded machine; it was at most five in 10 s, which left the grown disk 5 s from
+    the next retry). Once the disk has room, the next retry syncs."""
     mnt, holder = tmpfs
     c = Cluster(tmp_path)
     try:
