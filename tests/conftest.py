@@ -78,3 +78,36 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
     config.option.loadscopereorder = False  # keep the order pytest_collection_modifyitems made
     return FileScheduling(config, log)
+
+
+# --- What the schedule did, at the end of every run on workers ------------------------------
+# SLOW_FIRST is tuned from real CI runs: the summary gives each worker's finish time and the
+# heaviest scopes (first start to last stop, on which worker), so an idle worker at the end or a
+# scope misplaced in the order shows in any CI log, -q included, at no cost to the run.
+_SCOPES: dict[str, list[Any]] = {}  # scope -> [worker, first start, last stop]
+SUMMARY_SCOPES = 25
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    node = getattr(report, "node", None)  # set by xdist on the controller, absent in a worker
+    if node is None or not report.start:
+        return
+    worker = getattr(getattr(node, "gateway", None), "id", "?")
+    seen = _SCOPES.setdefault(_scope_of(report.nodeid), [worker, report.start, report.stop])
+    seen[1], seen[2] = min(seen[1], report.start), max(seen[2], report.stop)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if not _SCOPES:
+        return
+    t0 = min(start for _, start, _ in _SCOPES.values())
+    ends: dict[str, float] = {}
+    for worker, _, stop in _SCOPES.values():
+        ends[worker] = max(ends.get(worker, t0), stop)
+    write = terminalreporter.write_line
+    terminalreporter.write_sep("=", "schedule: workers' finish, heaviest scopes (s from the first test)")
+    for worker, end in sorted(ends.items()):
+        write(f"{worker} finished at {end - t0:7.1f}")
+    heaviest = sorted(_SCOPES.items(), key=lambda kv: kv[1][1] - kv[1][2])[:SUMMARY_SCOPES]
+    for scope, (worker, start, stop) in heaviest:
+        write(f"{stop - start:7.1f}  {worker}  {start - t0:7.1f} -> {stop - t0:7.1f}  {scope}")

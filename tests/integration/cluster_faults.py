@@ -586,8 +586,10 @@ FAULTS: dict[str, Fault] = {
     # A pause shorter than the TTL costs no leadership: confirms wait for etcd, no longer.
     "etcd paused 0.7 TTL": Fault(fault_etcd_pause, 10, 7 + 2, what="longest confirm gap"),
     "etcd restarted after 0.5 TTL": Fault(fault_etcd_restart, 10, 5 + 4, what="longest confirm gap"),
-    # After an outage longer than the TTL, the old leader key must not outlive it by a TTL.
-    "etcd down TTL + 2 s": Fault(fault_etcd_down, 8, 8, what="etcd back to a leader serving"),
+    # After an outage longer than the TTL, the old leader key must not outlive it by a TTL (that
+    # bug scored 9.1 s at TTL 8: TTL + 1.1 s). TTL 10 like the other etcd faults, so the test
+    # module's trials share one cluster instead of starting one for this trial alone.
+    "etcd down TTL + 2 s": Fault(fault_etcd_down, 10, 10, what="etcd back to a leader serving"),
     "etcd slow while a follower dies": Fault(fault_isr_write_lost, 10, 5, what="etcd back to confirms"),
     "leader partitioned": Fault(fault_leader_partition, 2, 2 + 2, lab=True),
     # A dead link costs the ack stall timeout (3 s) plus detection, never the TTL.
