@@ -70,7 +70,7 @@ def follow_plan(me: str, cluster_leader: str, serving: Mapping[str, str],
     confirmed messages, a bulk sync from anyone else's could take some back). ``handing`` maps a
     shard whose server closed it and has not released it yet to that server: followed from it,
     paused or not (its copy is the shard's last, and its release waits for our acks:
-    ``handover.py``)."""
+    ``handover.py``). ``me`` may be the cluster leader: it follows the shards others serve."""
     serving = {**serving, **handing}
     paused = paused - handing.keys()
     away = frozenset(shard for shard, uri in serving.items() if uri != cluster_leader) | paused
