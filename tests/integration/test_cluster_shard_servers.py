@@ -309,6 +309,15 @@ def test_the_cluster_leader_follows_served_shards_and_takes_one_over_with_no_oth
         assert _depth(boss, vhost, "sole") == confirmed[vhost], vhost
         confirmed[vhost] += publish(boss, vhost, "sole", BATCH)  # and it serves them on
         assert _depth(boss, vhost, "sole") == confirmed[vhost], vhost
+    # the server returns: it follows its shards from the cluster leader (whose listing of them
+    # is what its links wrote, read again as it opened them: a stale one would have the
+    # returning node delete the queue its links created) and wins them back
+    server = servers.by_id[server_id]
+    server.start()
+    wait_for(lambda: all(servers.served().get(v) == server_id for v in theirs), HANDBACK_WAIT,
+             f"{theirs} served by {server_id} again")
+    for vhost in theirs:
+        assert _depth(server, vhost, "sole") == confirmed[vhost], vhost
 
 
 def _mqtt_state_before(boss: ClusterNode, vhost: str) -> str:
