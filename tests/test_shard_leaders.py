@@ -111,8 +111,9 @@ def test_a_holder_out_of_its_isr_keeps_its_own_shard_while_catching_up() -> None
     # preferred node of the shards it holds, keeps them while it catches up (on main it
     # resigned them at once and won them back after its sync: every one moved twice)
     isr = {"b"}  # b just became the cluster leader; c is syncing from it
+    placed = leaders(NODES)
     for vhost in VHOSTS:
-        if leaders(NODES)[vhost] != "c":
+        if placed[vhost] != "c":
             continue
         assert decide("c", vhost, "c", NODES, isr, patient=True) is Action.KEEP
         assert decide("c", vhost, "c", NODES, isr) is Action.RESIGN  # past BEHIND_GRACE: stuck
@@ -120,6 +121,6 @@ def test_a_holder_out_of_its_isr_keeps_its_own_shard_while_catching_up() -> None
     # a stand-in out of the ISR hands a shard to its preferred node, patient or not
     stand_in = leaders({"a": 1, "b": 1})
     for vhost in VHOSTS:
-        if leaders(NODES)[vhost] == "c":
+        if placed[vhost] == "c":
             holder = stand_in[vhost]
             assert decide(holder, vhost, holder, NODES, {"c"}, patient=True) is Action.RESIGN
