@@ -174,6 +174,7 @@ class ClusterRunner:
         self._deferring_since: float | None = None
         self._followed: str | None = None  # the leader last logged as followed
         self._repl_error = ""  # the replication failure last logged
+        self._link_errors: dict[Sender, str] = {}  # per-shard links: each one's failure last logged
         self._apply_retry = APPLY_RETRY_FIRST  # next pause after our disk failed a sync
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
@@ -479,7 +480,8 @@ class ClusterRunner:
                 ended.set_result(error)
 
         links = FollowSet(self.data_dir, lambda: self.secret, self.node_id, self.apply_executor, welcomed,
-                          _source_ip(self.config.clustering.bind), self._client_tls, on_synced, end)
+                          _source_ip(self.config.clustering.bind), self._client_tls, on_synced, end,
+                          self._link_errors, frozenset({leader}))  # the leader's link: ``_follow`` says
         def plan(serving: dict[str, str]) -> dict[Sender, Scope]:
             return follow_plan(self.uri, uri, serving, frozenset(shard_name(v) for v in self.moves.paused),
                                {shard_name(v): s for v, s in self.moves.handing.items()})
