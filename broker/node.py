@@ -320,7 +320,7 @@ class Node:
             # none of aiohttp, whose import (TLS contexts built) the HTTP listeners below pay
             if cfg.mqtt.enabled:
                 await self.start_mqtt(broker)  # before AMQP: MQTT answers once AMQP does
-            if cfg.lmq.enabled and (worker is None or worker.owns(cfg.lmq.vhost)):
+            if cfg.lmq.enabled and self._lmq_here():
                 await self.start_lmq(broker)  # the same: a node answering AMQP has its LMQ ports open
             if cfg.stream.enabled:
                 await self.start_stream(broker)  # and the stream protocol
@@ -578,6 +578,13 @@ class Node:
         if mgmt.metrics_address is not None:
             log.info("Prometheus metrics listening on %s:%d", *mgmt.metrics_address)
 
+    def _lmq_here(self) -> bool:
+        """LMQ's vhost is this broker's: its worker's, and not a shard another node serves
+        (``open_shard`` starts LMQ when it opens here; ``start_lmq`` would take the vhost for a
+        missing one and create it)."""
+        name = self.config.lmq.vhost
+        return (self.worker is None or self.worker.owns(name)) and (self.serves is None or self.serves(name))
+
     async def start_lmq(self, broker: Broker) -> None:
         """LMQ's front end on the vhost ``[lmq] vhost`` (created when missing), properties in lmq.json."""
         cfg = self.config
@@ -734,9 +741,8 @@ class Node:
                 return
             broker, mgmt, cfg = self.broker, self.mgmt, self.config
             assert broker is not None and mgmt is not None
-            worker = self.worker
             try:
-                if cfg.lmq.enabled and (worker is None or worker.owns(cfg.lmq.vhost)):
+                if cfg.lmq.enabled and self._lmq_here():
                     await self.start_lmq(broker)
                 if cfg.mqtt.enabled:
                     await self.start_mqtt(broker)

@@ -104,3 +104,23 @@ def test_a_draining_node_gets_no_shards_and_says_so_in_its_record() -> None:
     before = leaders(NODES)
     after = leaders(live)  # c's shards, which it has just resigned, go to the others at once
     assert {v for v in VHOSTS if before[v] != after[v]} == {v for v in VHOSTS if before[v] == "c"}
+
+
+def test_a_holder_out_of_its_isr_keeps_its_own_shard_while_catching_up() -> None:
+    # a new cluster leader writes each ISR key as itself alone; the other follower, the
+    # preferred node of the shards it holds, keeps them while it catches up (on main it
+    # resigned them at once and won them back after its sync: every one moved twice)
+    isr = {"b"}  # b just became the cluster leader; c is syncing from it
+    placed = leaders(NODES)
+    for vhost in VHOSTS:
+        if placed[vhost] != "c":
+            continue
+        assert decide("c", vhost, "c", NODES, isr, patient=True) is Action.KEEP
+        assert decide("c", vhost, "c", NODES, isr) is Action.RESIGN  # past BEHIND_GRACE: stuck
+        assert decide("b", vhost, "c", NODES, isr) is Action.WAIT  # nobody else campaigns meanwhile
+    # a stand-in out of the ISR hands a shard to its preferred node, patient or not
+    stand_in = leaders({"a": 1, "b": 1})
+    for vhost in VHOSTS:
+        if placed[vhost] == "c":
+            holder = stand_in[vhost]
+            assert decide(holder, vhost, holder, NODES, {"c"}, patient=True) is Action.RESIGN

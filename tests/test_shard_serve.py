@@ -233,3 +233,43 @@ def test_a_closed_shard_disconnects_its_mqtt_and_stream_clients_and_acknowledges
             node.release_lock()
 
     asyncio.run(main())
+
+
+def test_a_broker_not_serving_lmqs_vhost_starts_and_opens_lmq_with_the_shard(tmp_path: Path) -> None:
+    # a cluster leader elected while another node serves LMQ's vhost: its broker starts without
+    # LMQ (on main LMQ's start took the vhost for a missing one and created it: "vhost 'a'
+    # already exists", the broker failed to start, and the cluster stayed leaderless), and LMQ's
+    # listeners open with the shard
+    env = listener_ports_env()
+    env["SKRED_LMQ_VHOST"] = "a"
+    lmq_put = f"http://127.0.0.1:{env['SKRED_LMQ_HTTP_PORT']}/messages/lq"
+    guest = {"Authorization": aiohttp.BasicAuth("guest", "guest").encode()}
+
+    async def lmq_status(http: aiohttp.ClientSession) -> int:
+        try:
+            async with http.post(lmq_put, data=b"m", headers=guest) as r:
+                return r.status
+        except aiohttp.ClientError:
+            return 0
+
+    async def main() -> None:
+        data = tmp_path / "data"
+        node = _node(data, env)
+        await node.start()  # creates "a" for LMQ
+        await node.shutdown()
+        node.release_lock()
+        node = _node(data, env)
+        node.serves = lambda vhost: vhost != "a"
+        await node.start()
+        try:
+            assert node.broker is not None and "a" not in node.broker.vhosts
+            async with aiohttp.ClientSession() as http:
+                assert await lmq_status(http) == 0  # not served here: LMQ's port closed
+                node.serves = None
+                assert await node.open_shard("a")
+                assert await lmq_status(http) != 0  # its port open with its shard (an HTTP answer)
+        finally:
+            await node.shutdown()
+            node.release_lock()
+
+    asyncio.run(main())

@@ -70,7 +70,7 @@ def follow_plan(me: str, cluster_leader: str, serving: Mapping[str, str],
     confirmed messages, a bulk sync from anyone else's could take some back). ``handing`` maps a
     shard whose server closed it and has not released it yet to that server: followed from it,
     paused or not (its copy is the shard's last, and its release waits for our acks:
-    ``handover.py``)."""
+    ``handover.py``). ``me`` may be the cluster leader: it follows the shards others serve."""
     serving = {**serving, **handing}
     paused = paused - handing.keys()
     away = frozenset(shard for shard, uri in serving.items() if uri != cluster_leader) | paused
@@ -99,7 +99,8 @@ class FollowSet:
                  source_ip: str | None = None,
                  tls: Callable[[], ssl.SSLContext | None] = lambda: None,
                  on_synced: Callable[[], None] = lambda: None,
-                 on_end: Callable[[Sender, Exception | None], None] = lambda s, e: None) -> None:
+                 on_end: Callable[[Sender, Exception | None], None] = lambda s, e: None,
+                 errors: dict[Sender, str] | None = None, reported: frozenset[Sender] = frozenset()) -> None:
         self.data_dir = data_dir
         self.secret = secret
         self.node_id = node_id
@@ -110,7 +111,12 @@ class FollowSet:
         self.on_synced = on_synced
         self.on_end = on_end
         self.links: dict[Sender, _Link] = {}
-        self.errors: dict[Sender, str] = {}  # the last failure of each link, said once
+        # the last failure of each link, said once: the owner's dict outlives this set (a
+        # follower builds a new one each time its cluster leader's link ends, and a failure
+        # retried every 0.4 s was logged every time); ``reported``: links whose failures the
+        # owner logs itself (from ``on_end``)
+        self.errors: dict[Sender, str] = errors if errors is not None else {}
+        self.reported = reported
 
     @property
     def synced(self) -> bool:
@@ -162,7 +168,7 @@ class FollowSet:
             except Exception as exc:  # whatever ended the link, the owner hears of it
                 error = exc
                 text = str(exc) or type(exc).__name__
-                if self.errors.get(sender) != text:
+                if sender not in self.reported and self.errors.get(sender) != text:
                     self.errors[sender] = text
                     log.info("replication from %s:%d ended: %s", sender.host, sender.port, text)
             link.synced = False

@@ -31,6 +31,9 @@ etcd (``Seen``) and what the node knows of itself; the runner carries it out.
   closed it too, until its holder marks it: our copy is the shard's last, the cluster leader's
   is not. A holder that never saw the
   previous server cannot tell it was gone, so it waits for a release (``FOLLOW``).
+* Every node but the shard's server follows it from that server, the cluster leader included
+  (``runner.py`` ``_follow_served``): the cluster leader is in the ISR of every shard others
+  serve, so a failover may come to it (with the other nodes down, it may hold the only copy).
 * A server that closed a shard keeps replicating it, read-only, until it has released it
   (``Moves.handing``; ``follow_set.follow_plan``; ``ShardServer.closed``): every other node that
   would follow the shard from nobody follows it from that server instead, so the holder's acks

@@ -159,6 +159,7 @@ class ClusterRunner:
         self.moves = Moves(self.node_id)  # the hand-over of shards between servers (handover.py)
         self.shard_server: ShardServer | None = None  # the shards we serve while following
         self.leader_closed: set[str] = set()  # while leading: the vhosts our broker does not serve
+        self.leader_links: FollowSet | None = None  # while leading: the shards served elsewhere, followed
         self.synced_once = False
         self.lock: DataDirLock | None = None
         self.apply_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skred-replica")
@@ -173,6 +174,7 @@ class ClusterRunner:
         self._deferring_since: float | None = None
         self._followed: str | None = None  # the leader last logged as followed
         self._repl_error = ""  # the replication failure last logged
+        self._link_errors: dict[Sender, str] = {}  # per-shard links: each one's failure last logged
         self._apply_retry = APPLY_RETRY_FIRST  # next pause after our disk failed a sync
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
@@ -478,7 +480,8 @@ class ClusterRunner:
                 ended.set_result(error)
 
         links = FollowSet(self.data_dir, lambda: self.secret, self.node_id, self.apply_executor, welcomed,
-                          _source_ip(self.config.clustering.bind), self._client_tls, on_synced, end)
+                          _source_ip(self.config.clustering.bind), self._client_tls, on_synced, end,
+                          self._link_errors, frozenset({leader}))  # the leader's link: ``_follow`` says
         def plan(serving: dict[str, str]) -> dict[Sender, Scope]:
             return follow_plan(self.uri, uri, serving, frozenset(shard_name(v) for v in self.moves.paused),
                                {shard_name(v): s for v, s in self.moves.handing.items()})
@@ -789,9 +792,16 @@ class ClusterRunner:
             await self._abdicate(node, sink, "cannot listen for followers")
             return 1
         log.info("leading: serving clients %.2fs after election", time.monotonic() - started)
+        if self.election is not None and c.shard_servers:
+            self.leader_links = FollowSet(self.data_dir, lambda: self.secret, self.node_id,
+                                          self.apply_executor, source_ip=_source_ip(c.bind),
+                                          tls=self._client_tls)
         try:
             return await self._watch_leadership(node, sink)
         finally:
+            links, self.leader_links = self.leader_links, None
+            if links is not None:
+                await links.close()
             if isinstance(node.elsewhere, Elsewhere):  # the connections it carried go with it
                 await node.elsewhere.carrier.stop()
 
@@ -858,20 +868,20 @@ class ClusterRunner:
         default (every one nobody else holds): close one another node holds, release it once
         that node holds its last action, open one won back."""
         closed = self.leader_closed
+        seen = election.seen()
 
         def has_all(vhost: str, holder: str) -> bool:
             return holder in sink.shard_replicas(shard_name(vhost))
 
-        for vhost, what in self.moves.steps(election.seen(), self.uri, lambda v: v not in closed,
-                                            has_all, True):
+        for vhost, what in self.moves.steps(seen, self.uri, lambda v: v not in closed, has_all, True):
             if what is Step.CLOSE:
                 closed.add(vhost)
                 await node.close_shard(vhost, "the shard moved to another node")
                 self.moves.closed.add(vhost)
             elif what is Step.RELEASE:
-                seen = election.seen().get(vhost)
-                if seen is not None and await self.etcd.release_shard(vhost, seen.term):
-                    log.info("shard %r: released to its holder (term %d)", vhost, seen.term)
+                one = seen.get(vhost)
+                if one is not None and await self.etcd.release_shard(vhost, one.term):
+                    log.info("shard %r: released to its holder (term %d)", vhost, one.term)
             elif what is Step.OPEN:
                 shard = shard_name(vhost)
 
@@ -880,12 +890,29 @@ class ClusterRunner:
                         members = sink.shard_members(shard, members)
                     return await self._write_shard_isr(shard, members)
 
+                await self._follow_served(seen)  # our links no longer write it, their last batch written
+                # its files as our links left them: our followers' bulk syncs compare against
+                # these entries, and delete whatever they do not list (``ShardServer.open``)
+                await asyncio.get_running_loop().run_in_executor(None, sink.index.scan, shard)
                 closed.discard(vhost)  # its ISR key ours again (our sink's), before it serves
                 if await sink.isr_written(write) is not True:
                     closed.add(vhost)
                     continue
                 if await node.open_shard(vhost) and await election.mark_served(vhost):
                     self.moves.closed.discard(vhost)
+        await self._follow_served(seen)
+
+    async def _follow_served(self, seen: dict[str, Seen]) -> None:
+        """While leading: follow each shard another node serves from that node, as any other
+        node does (``follow_plan`` with us as the cluster leader), so we are in its ISR and a
+        failover of it may come to us; none we serve, closed and not released, or paused."""
+        links = self.leader_links
+        if links is None:
+            return
+        serving = {shard_name(v): s.server for v, s in seen.items() if s.server is not None}
+        await links.set(follow_plan(self.uri, self.uri, serving,
+                                    frozenset(shard_name(v) for v in self.moves.paused),
+                                    {shard_name(v): s for v, s in self.moves.handing.items()}))
 
     def reload(self) -> None:
         """SIGHUP: reload the replication link's certificates (the listener's, and the client

@@ -46,6 +46,15 @@ leader's replication drain. The pass loop is stopped first, by a cancel; the run
 it a bounded time only, and the loop and its campaigns also end once ``drain`` marks the node
 draining, so a lost cancel (``broker/cluster/etcd.py``, "Cancels") cannot hold the drain back.
 
+Behind. A holder its shard's ISR key no longer names hands the shard to one it does, but not
+at once when it is the shard's preferred live node: it keeps the key for ``BEHIND_GRACE``
+seconds, and keeps it for good if it is named again by then. A new cluster leader writes every
+ISR key it replicates as itself alone, and each other node rejoins after its bulk sync from it;
+resigning at once moved every shard the other follower led twice (away, and back after its
+sync) on each change of cluster leader, a drain included. Keeping a key is never a risk to a
+confirmed message: a failover still campaigns only inside the ISR, and a holder opens a shard
+only from its ISR or a release (``cluster/handover.py``).
+
 Hooks. ``on_leader_elected`` / ``on_leader_lost`` run per shard as well, with ``SKRED_SHARD``
 naming the vhost.
 
@@ -79,6 +88,7 @@ import asyncio
 import functools
 import json
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
@@ -111,6 +121,10 @@ from broker.store.jsonstore import read_json
 log = logging.getLogger(__name__)
 
 PASS = 0.25  # seconds between passes: bounds failover (after the TTL) and hand-back
+# seconds a holder out of its shard's ISR keeps the shard while it is the shard's preferred
+# live node ("Behind"): a catch-up after a change of cluster leader is a compare of files that
+# mostly match, seconds even on a loaded machine; one stuck longer (a full disk) hands it over
+BEHIND_GRACE = 15.0
 
 
 class Action(Enum):
@@ -157,15 +171,19 @@ def preferred(vhost: str, nodes: Mapping[str, int]) -> str | None:
 
 
 def decide(me: str, vhost: str, holder: str | None, live: Mapping[str, int],
-           isr: set[str] | None) -> Action:
+           isr: set[str] | None, patient: bool = False) -> Action:
     """What node ``me`` does for ``vhost``'s shard, led by ``holder`` (None: nobody), given the
-    live nodes (node id -> worker count) and the ISR (None: not written yet)."""
+    live nodes (node id -> worker count) and the ISR (None: not written yet). ``patient``: we
+    hold it, fell out of its ISR less than ``BEHIND_GRACE`` ago, and keep it while we are its
+    preferred live node (see "Behind")."""
     best = preferred(vhost, eligible(live, isr))
     if holder is None:
         return Action.CAMPAIGN if best == me else Action.WAIT
     if holder != me:
         return Action.WAIT
-    return Action.KEEP if best in (None, me) else Action.RESIGN
+    if best in (None, me) or (patient and preferred(vhost, live) == me):
+        return Action.KEEP
+    return Action.RESIGN
 
 
 @dataclass
@@ -192,6 +210,7 @@ class ShardLeaders:
         self._vhosts: list[str] = []
         self._serving: dict[str, str] = {}  # shard (vhost directory) -> URI of the node serving it
         self._seen: dict[str, Seen] = {}  # vhost -> its keys as the last pass read them
+        self._behind: dict[str, float] = {}  # vhost we hold -> when we found its ISR without us
         self._ready = False
         self.closed: set[str] = set()  # vhosts the cluster leader's broker closed: their keys are not ours
         self._bg: set[asyncio.Task[Any]] = set()
@@ -297,7 +316,7 @@ class ShardLeaders:
                 holder = None
             if holder != self.node_id and vhost in self.held:
                 self._lost([vhost], "its key is gone")
-            action = decide(self.node_id, vhost, holder, live, isr)
+            action = decide(self.node_id, vhost, holder, live, isr, self._patient(vhost, holder, isr))
             if action is Action.CAMPAIGN and not self.view.draining:
                 won = await self.etcd.create_bound(shard_key(vhost), self._value())
                 if won is not None:
@@ -324,6 +343,20 @@ class ShardLeaders:
         self.view.shards = shown
         self._seen = seen
         self._ready = True
+
+    def _patient(self, vhost: str, holder: str | None, isr: set[str]) -> bool:
+        """We hold ``vhost`` and its ISR has left us out for less than ``BEHIND_GRACE`` ("Behind")."""
+        if holder != self.node_id or self.node_id in isr:
+            self._behind.pop(vhost, None)
+            return False
+        now = time.monotonic()
+        since = self._behind.setdefault(vhost, now)
+        if now - since >= BEHIND_GRACE:
+            return False
+        if since == now:
+            log.info("shard %r: its ISR no longer names us; keeping it for up to %.0fs while we catch up",
+                     vhost, BEHIND_GRACE)
+        return True
 
     async def drain(self) -> None:
         """Hand every shard over (the node is stopping; the pass loop is no longer running):

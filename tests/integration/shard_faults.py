@@ -59,6 +59,7 @@ GAP_MAX = 5000
 HANDBACK_WAIT = 30.0
 DRAIN_STALL = TTL + 10  # seconds without a drained shard resigned or moved that fail a drain
 RESIGNED = re.compile(r"shard '([^']*)': handed over \(this node is stopping\)")  # leaders.py's drain
+WON = re.compile(r"shard '([^']*)': leading \(term")  # leaders.py: a node won a shard's key
 
 
 def pick_vhosts() -> dict[str, str]:
@@ -388,6 +389,15 @@ class DrainTrial(MoveTrial):
     moved_in: float | None = None  # SIGTERM to every drained shard led by another node (s)
     resigned: list[str] = field(default_factory=list)  # the shards the drained node resigned
     exit_code: int | None = None
+    # how many times each shard was won by another node between the SIGTERM and the drained
+    # node's restart: 1 for each drained shard, 0 for every other (each shard moves once)
+    moves: dict[str, int] = field(default_factory=dict)
+
+    def count_moves(self, others: list[ClusterNode], log_from: dict[str, int]) -> None:
+        self.moves = {v: 0 for v in expected()}
+        for node in others:
+            for vhost in WON.findall(node.log_text()[log_from[node.name]:]):
+                self.moves[vhost] = self.moves.get(vhost, 0) + 1
 
     def moved_or_stalled(self, sc: ShardCluster, victim: ClusterNode, log_from: int, since: float) -> None:
         """Wait until every drained shard is led by another node; ``moved_in`` is the time it
@@ -432,6 +442,7 @@ def drain_and_return(sc: ShardCluster, tag: str, rng: random.Random) -> DrainTri
     wait_for(lambda: client.confirmed >= 20 or not client.is_alive(), 10, "the client publishing")
     hooks_before = len(sc.hook_lines())
     log_from = len(victim.log_text())
+    others_from = {n.name: len(n.log_text()) for n in others}
     termed = time.monotonic()
     os.kill(victim.proc.pid, signal.SIGTERM)
     trial.moved_or_stalled(sc, victim, log_from, termed)
@@ -461,6 +472,15 @@ def drain_and_return(sc: ShardCluster, tag: str, rng: random.Random) -> DrainTri
     if client.error is not None:
         trial.notes.append(f"client failed: {client.error!r}")
     trial.reconnects = client.reconnects
+    # moves are counted once both survivors are in every shard's ISR again: a shard that a
+    # survivor resigned while it synced from the new cluster leader was won by the other by then
+    survivors = sorted(IDS[sc.c.nodes.index(n)] for n in others)
+    try:
+        wait_for(lambda: all(set(survivors) <= set(isr) for v, isr in sc.isrs().items() if v in want),
+                 20, "both survivors in every shard's ISR")
+    except AssertionError as exc:
+        trial.notes.append(str(exc))
+    trial.count_moves(others, others_from)
     restarted = time.monotonic()
     victim.start()
     trial.handback = trial.timed(restarted, lambda: sc.leaders() == want, HANDBACK_WAIT,

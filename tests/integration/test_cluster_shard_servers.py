@@ -6,7 +6,10 @@ its key; clients reach each shard through a follower's proxy (routed by vhost) w
 that waited for the shard's ISR; kill -9 of a node serving shards moves only its shards, to a
 node their ISR key names, and nothing confirmed is lost (an MQTT retained message and a
 persistent session's queued message included); the killed node returns, wins its
-shards back (2/2/2 again) and serves them with every confirmed message. Before those, on the
+shards back (2/2/2 again) and serves them with every confirmed message; then, with the third
+node killed, kill -9 of a shard's server leaves the cluster leader (which follows every shard
+others serve, and is in their ISR) its only in-sync copy, and it takes the shard over with every
+confirmed message. Before those, on the
 same cluster: MQTT, the stream protocol and the management API on the cluster leader's own ports
 (and a follower's, which tunnel there) reach a vhost another node serves, that node checking the
 login again. A trial of its own (chaos): it boots its own cluster, shared by its three tests, the last
@@ -388,10 +391,11 @@ def test_nodes_serve_their_shards_and_kill9_of_one_moves_only_those_losing_nothi
     followers = [n for n in servers.c.nodes if n is not boss]
 
     def isr_keys_written_by_their_servers() -> bool:
-        # each served shard's ISR key is its server's (the third node follows it from there),
-        # no longer the cluster leader's (which does not follow a shard served elsewhere yet)
+        # each served shard's ISR key is its server's, and names the third node and the cluster
+        # leader, which follow it from there (on main the cluster leader followed nothing, and
+        # was in no served shard's ISR: never a failover target)
         isrs = servers.isrs()
-        return all(v in isrs and boss_id not in isrs[v]
+        return all(v in isrs and boss_id in isrs[v]
                    and next(n for n in IDS if n not in (boss_id, others[v])) in isrs[v] for v in others)
 
     wait_for(isr_keys_written_by_their_servers, 20, "the served shards' ISR keys written by their servers")
@@ -466,6 +470,44 @@ def test_the_killed_node_returns_wins_its_shards_back_and_serves_every_confirmed
         confirmed[vhost] += publish(victim, vhost, "served", BATCH)
         assert _depth(survivor, vhost) == confirmed[vhost], vhost
     _retained_through(victim, *cast(tuple[str, str], after_kill["mqtt"]))  # and its MQTT state
+
+
+def test_the_cluster_leader_follows_served_shards_and_takes_one_over_with_no_other_copy(
+        servers: ShardCluster, kept_on_failure: None) -> None:
+    # the cluster leader follows every shard another node serves, from that node, so it is in
+    # the shard's ISR like any other node and its confirms wait for it; with the third node
+    # down, kill -9 of the server leaves the cluster leader the shard's only in-sync copy, and
+    # it takes the shard over with every confirmed message (on main it followed nothing, was in
+    # no served shard's ISR, and the shard was never led again)
+    want = expected()
+    wait_for(lambda: servers.leaders() == want, HANDBACK_WAIT, f"shard leaders {want}")
+    boss = servers.c.leader()
+    assert boss is not None
+    boss_id = IDS[servers.c.nodes.index(boss)]
+    server_id, third_id = sorted(n for n in IDS if n != boss_id)
+    theirs = sorted(v for v, n in VHOSTS.items() if n == server_id)
+    wait_for(lambda: all(servers.served().get(v) == server_id for v in theirs), HANDBACK_WAIT,
+             f"{theirs} served by {server_id}")
+    wait_for(lambda: all(boss_id in servers.isrs().get(v, []) for v in theirs), 20,
+             f"the cluster leader in the ISR keys of {theirs}")
+    servers.by_id[third_id].kill9()
+    confirmed = {v: publish(boss, v, "sole", BATCH) for v in theirs}  # waited for the leader's acks
+    servers.by_id[server_id].kill9()
+    wait_for(lambda: all(servers.leaders().get(v) == boss_id and servers.served().get(v) == boss_id
+                         for v in theirs), 30, f"{theirs} led and served by the cluster leader")
+    for vhost in theirs:
+        assert _depth(boss, vhost, "sole") == confirmed[vhost], vhost
+        confirmed[vhost] += publish(boss, vhost, "sole", BATCH)  # and it serves them on
+        assert _depth(boss, vhost, "sole") == confirmed[vhost], vhost
+    # the server returns: it follows its shards from the cluster leader (whose listing of them
+    # is what its links wrote, read again as it opened them: a stale one would have the
+    # returning node delete the queue its links created) and wins them back
+    server = servers.by_id[server_id]
+    server.start()
+    wait_for(lambda: all(servers.served().get(v) == server_id for v in theirs), HANDBACK_WAIT,
+             f"{theirs} served by {server_id} again")
+    for vhost in theirs:
+        assert _depth(server, vhost, "sole") == confirmed[vhost], vhost
 
 
 def _mqtt_state_before(boss: ClusterNode, vhost: str) -> str:
