@@ -163,7 +163,8 @@ def _turns(lengths: tuple[int, int, int], seq: int, message_id: bytes = b"") -> 
     table = b"".join(bytes([1]) + key + b"S" + struct.pack(">I", n) + str(seq % 10**n).zfill(n).encode()
                      for key, n in zip((b"a", b"b", b"c"), lengths, strict=True))
     mid = message_id or b"id-%08d" % seq
-    return b"\x20\xc0" + struct.pack(">I", len(table)) + table + bytes([len(mid)]) + mid + struct.pack(">Q", seq)
+    return (b"\x20\xc0" + struct.pack(">I", len(table)) + table + bytes([len(mid)]) + mid
+            + struct.pack(">Q", seq))
 
 
 def test_lists_of_one_length_taking_turns_between_structures_are_walked_once_each(

@@ -99,7 +99,8 @@ def test_a_closing_publish_drops_only_its_own_channels_later_ones(tmp_path: Path
                      + publish_frames("", "mq6", b"b3", ch=2) + publish_frames("", "mq7", b"a3", ch=1))
             await pump(node)
             pub.read()
-            closes = [(ch, m.reply_code) for ch, m in pub.seen.methods if isinstance(m, commands.Channel.Close)]
+            closes = [(ch, m.reply_code) for ch, m in pub.seen.methods
+                      if isinstance(m, commands.Channel.Close)]
             assert closes == [(2, 406)]
             acks = [(ch, m.delivery_tag) for ch, m in pub.seen.methods if isinstance(m, commands.Basic.Ack)]
             assert acks == [(3, 1)]

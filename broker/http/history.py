@@ -101,7 +101,8 @@ def _layout(width: int) -> tuple[tuple[int, int, float, int], ...]:
     adds to thousands of histories a pass)."""
     got = _LAYOUTS.get(width)
     if got is None:
-        got = _LAYOUTS[width] = tuple((2 * k, _offset(k, width), incr, n) for k, (incr, n) in enumerate(TIERS))
+        got = _LAYOUTS[width] = tuple((2 * k, _offset(k, width), incr, n)
+                                      for k, (incr, n) in enumerate(TIERS))
     return got
 
 
