@@ -37,7 +37,7 @@ from broker import errors, properties
 from broker.amqp import codec
 from broker.amqp.connection import CH_OPEN, AMQPConnection, PublishArgs, State
 from broker.model import methods, trace
-from broker.model.publish import PublishOutcome, PublishRequest
+from broker.model.publish import BatchOutcome, PublishOutcome, PublishRequest
 from broker.model.queue import Consumer, Queue
 from broker.properties import FLAG_REPLY_TO, FLAG_USER_ID, HI_REPLY_TO
 
@@ -766,12 +766,9 @@ class Session(AMQPConnection):
         chs_of = self.chs
         i, k = 0, len(bodies)
         while i < k:
-            try:
-                out = vh.publish_batch(exchange, args, props, bodies, self.now_ms, i)
-            except (errors.DiskFull, OSError) as exc:
-                if not errors.no_space(exc):
-                    raise
-                self.publish_each_mixed(channels, args, props, bodies, i)  # nothing of it stored yet
+            out = self._batch_from(vh, exchange, args, props, bodies, i)
+            if out is None:
+                self.publish_each_mixed(channels, args, props, bodies, i)
                 return
             if out.done > i:
                 self.unanswered = True
@@ -791,6 +788,18 @@ class Session(AMQPConnection):
                 if self.channels.get(ch) != CH_OPEN:
                     self.publish_each_mixed(channels, args, props, bodies, i)
                     return
+
+    def _batch_from(self, vh: VHost, exchange: str, args: list[PublishArgs], props: list[bytes],
+                    bodies: list[bytes], first: int) -> BatchOutcome | None:
+        """``VHost.publish_batch`` from ``first``; None when the disk is full: nothing of the
+        batch is stored then (room first), and the caller publishes it one by one, each refused
+        or stored."""
+        try:
+            return vh.publish_batch(exchange, args, props, bodies, self.now_ms, first)
+        except (errors.DiskFull, OSError) as exc:
+            if not errors.no_space(exc):
+                raise
+            return None
 
     def handle_publish_batch(self, channel: int, args: list[PublishArgs], props: list[bytes],
                              bodies: list[bytes]) -> None:
@@ -818,12 +827,8 @@ class Session(AMQPConnection):
                 return
         k = len(bodies)
         while i < k:
-            try:
-                out = vh.publish_batch(exchange, args, props, bodies, self.now_ms, i)
-            except (errors.DiskFull, OSError) as exc:
-                if not errors.no_space(exc):
-                    raise
-                # nothing of it is stored yet (room first): one by one, each refused or stored
+            out = self._batch_from(vh, exchange, args, props, bodies, i)
+            if out is None:
                 self.publish_each(channel, args, props, bodies, i)
                 return
             if out.done > i:
