@@ -148,6 +148,15 @@ _Layout = tuple[int, int, int, int, tuple[slice, ...], int, tuple[int, ...]]
 # Public for a caller that inlines ``valid``'s first check (the publish-run parser): a
 # layout's first two items are the strict mask and value (cleared in place, never rebound).
 LIST_LAYOUTS: dict[int, _Layout] = {}
+# list length -> the layouts that list length had before the current one (a few, the latest
+# first). Lists of one length may take turns between structures: header values and a
+# message-id whose lengths differ from message to message but add up to the same list length
+# (issue 31's generator: one list in five walked in full when only the last layout was kept).
+# ``valid`` tries them after ``LIST_LAYOUTS``'s and swaps the one that fits in there, so the
+# run parser's inlined check sees the structure of the list in hand.
+_EARLIER_LAYOUTS: dict[int, list[_Layout]] = {}
+_LAYOUTS_PER_LENGTH = 16  # earlier layouts kept per list length (4: one list in 40 walked)
+_EARLIER_LENGTHS = _CACHE_MAX // _LAYOUTS_PER_LENGTH  # list lengths with earlier layouts kept
 # The top bits that, clear, put a timestamp safely below its limit (see the masks above).
 _STAMP_PROPERTY_SAFE = 0xFFFF80 << 40  # < 2**47 ms (year 6429) < MAX_TIMESTAMP_PROPERTY
 _STAMP_FIELD_SAFE = 0xFFFFFFE0 << 32  # < 2**37 s (year 6325) < MAX_TIMESTAMP_FIELD
@@ -169,9 +178,15 @@ def valid(props: bytes) -> bool:
     if props in _valid_lists:
         return True
     if layout is not None:
-        _, _, loose, structure, strs, stamp, stamps = layout
-        if x & loose == structure and _values_ok(props, strs, stamp, stamps):
+        if _fits_loosely(props, x, layout):
             return True
+        earlier = _EARLIER_LAYOUTS.get(n)
+        if earlier is not None:
+            for i, other in enumerate(earlier):
+                if x & other[0] == other[1] or _fits_loosely(props, x, other):
+                    earlier[i] = layout
+                    LIST_LAYOUTS[n] = other
+                    return True
     shape = _Shape()
     try:
         _check_list(props, shape)
@@ -179,6 +194,13 @@ def valid(props: bytes) -> bool:
         return False
     if len(LIST_LAYOUTS) >= _CACHE_MAX:
         LIST_LAYOUTS.clear()
+        _EARLIER_LAYOUTS.clear()
+    elif layout is not None:
+        if len(_EARLIER_LAYOUTS) >= _EARLIER_LENGTHS and n not in _EARLIER_LAYOUTS:
+            _EARLIER_LAYOUTS.clear()  # at most _CACHE_MAX of them, as LIST_LAYOUTS
+        earlier = _EARLIER_LAYOUTS.setdefault(n, [])
+        earlier.insert(0, layout)
+        del earlier[_LAYOUTS_PER_LENGTH:]
     LIST_LAYOUTS[n] = _layout_of(props, shape)
     if len(_valid_lists) >= _CACHE_MAX:
         _valid_lists.clear()
@@ -206,6 +228,13 @@ def _layout_of(props: bytes, shape: _Shape) -> _Layout:
     x = int.from_bytes(props)
     return (strict, x & loose, loose, x & loose, tuple(slice(a, b) for a, b, _ in shape.strs),
             shape.stamp, tuple(shape.stamps))
+
+
+def _fits_loosely(props: bytes, x: int, layout: _Layout) -> bool:
+    """``props`` (``x``: as an integer) has ``layout``'s structure and values that pass
+    ``_values_ok`` (the strict mask did not settle it)."""
+    _, _, loose, structure, strs, stamp, stamps = layout
+    return x & loose == structure and _values_ok(props, strs, stamp, stamps)
 
 
 def _values_ok(props: bytes, strs: tuple[slice, ...], stamp: int, stamps: tuple[int, ...]) -> bool:

@@ -7,6 +7,7 @@ import struct
 from decimal import Decimal
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pamqp import commands
@@ -86,6 +87,7 @@ def _forget() -> None:
     properties._valid_tables.clear()
     properties._layouts.clear()
     properties.LIST_LAYOUTS.clear()
+    properties._EARLIER_LAYOUTS.clear()
 
 
 @settings(max_examples=300, deadline=None)
@@ -153,4 +155,40 @@ def test_the_list_shortcut_keeps_the_exact_limits() -> None:
         assert properties.valid(p) == (full is None), (ts, stamp, mid, full)
     assert not properties.valid(props(properties.MAX_TIMESTAMP_PROPERTY + 1, 1, b"abcd"))
     assert properties.valid(props(properties.MAX_TIMESTAMP_PROPERTY, properties.MAX_TIMESTAMP_FIELD, b"abcd"))
+    _forget()
+
+
+def _turns(lengths: tuple[int, int, int], seq: int, message_id: bytes = b"") -> bytes:
+    """A list with three string headers of ``lengths`` and a message-id, values from ``seq``."""
+    table = b"".join(bytes([1]) + key + b"S" + struct.pack(">I", n) + str(seq % 10**n).zfill(n).encode()
+                     for key, n in zip((b"a", b"b", b"c"), lengths, strict=True))
+    mid = message_id or b"id-%08d" % seq
+    return (b"\x20\xc0" + struct.pack(">I", len(table)) + table + bytes([len(mid)]) + mid
+            + struct.pack(">Q", seq))
+
+
+def test_lists_of_one_length_taking_turns_between_structures_are_walked_once_each(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 31's generator: header values whose lengths vary add up to one list length in
+    several ways. Each structure is walked in full once; after that a list with any of them
+    takes the masked compare, whichever came last (main kept one layout per length and walked
+    every list whose structure was not the last one's)."""
+    walks: list[bytes] = []
+    real = properties._check_list
+
+    def counted(props: bytes, shape: Any = None) -> None:
+        walks.append(props)
+        real(props, shape)
+
+    monkeypatch.setattr(properties, "_check_list", counted)
+    _forget()
+    shapes = ((2, 3, 3), (3, 2, 3), (3, 3, 2))
+    lists = [_turns(shape, 1000 * r + k) for r in range(10) for k, shape in enumerate(shapes)]
+    assert len({len(p) for p in lists}) == 1 and len(set(lists)) == len(lists)
+    assert all(properties.valid(p) for p in lists)
+    assert len(walks) == len(shapes), len(walks)  # main: 30
+    # a list with an earlier structure and a bad value still gets a full walk's verdict
+    bad = _turns(shapes[0], 7, b"\xff\xfe\xfd\xfc\xfb\xfa\xf9\xf8\xf7\xf6\xf5")
+    assert len(bad) == len(lists[0]) and properties.problem(bad) is not None
+    assert not properties.valid(bad)
     _forget()

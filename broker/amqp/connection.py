@@ -244,6 +244,37 @@ class AMQPConnection:
         ``handle_publish`` for each in turn, errors included)."""
         self.publish_each(channel, args, props, bodies)
 
+    def mixes_publishes(self, channel: int) -> bool:
+        """Whether ``channel``'s publishes may share a batch with other channels' (its state
+        adds nothing per publish that is the channel's own: no confirms, no transaction)."""
+        return False
+
+    def handle_publish_mixed(self, channels: list[int], args: list[PublishArgs], props: list[bytes],
+                             bodies: list[bytes]) -> None:
+        """Publishes in a row to one exchange on channels of their own (``channels[i]``, each
+        one that ``mixes_publishes``), parsed from one read: issue 31's many queues, a producer
+        with a channel per queue writing to each in turn. Otherwise as ``handle_publish_batch``:
+        the same effect as ``handle_publish`` for each in turn, errors included (a publish that
+        closes its channel drops the later ones on that channel, not the other channels')."""
+        self.publish_each_mixed(channels, args, props, bodies)
+
+    def publish_each_mixed(self, channels: list[int], args: list[PublishArgs], props: list[bytes],
+                           bodies: list[bytes], first: int = 0) -> bool:
+        """``handle_publish`` for messages ``first`` on, each on its own channel; one on a
+        channel an earlier one closed is dropped, as its frames would have been. Stops when
+        the connection closes and returns False then."""
+        for i in range(first, len(bodies)):
+            ch = channels[i]
+            if self.channels.get(ch) != CH_OPEN:
+                continue
+            try:
+                self.handle_publish(ch, args[i], props[i], bodies[i])
+            except errors.AMQPError as exc:
+                self._frame_error(ch, exc)
+            if self.state is not State.OPEN:
+                return False
+        return True
+
     def publish_each(self, channel: int, args: PublishArgs | list[PublishArgs], props: list[bytes],
                      bodies: list[bytes], first: int = 0, stop: int | None = None) -> bool:
         """``handle_publish`` for messages ``first`` to ``stop`` (default: all), one by one,
@@ -887,9 +918,11 @@ class AMQPConnection:
         self._repeat = (data[p - 11 : b + 7], ch, a, props, bend - b - 7, b + 18 - p, method)
         body = data[b + 7 : bend]
         nxt = bend + 1
-        if n - nxt > 20 and data[nxt] == 1 and data[nxt + 1 : nxt + 3] == method[1:3] \
-                and data[nxt + 7 : nxt + 11] == method[7:11] and not data.startswith(method, nxt):
-            # another publish on this channel, not a repeat: a batch if it is to the same exchange
+        if n - nxt > 20 and data[nxt] == 1 and data[nxt + 7 : nxt + 11] == method[7:11] \
+                and not data.startswith(method, nxt) \
+                and (data[nxt + 1 : nxt + 3] == method[1:3] or self.mixes_publishes(ch)):
+            # another publish, not a repeat (on this channel, or on another when this one's
+            # publishes may be mixed): a batch if it is to the same exchange
             sig = method[7 : 14 + method[13]]  # method id, reserved-1, exchange
             if data.startswith(sig, nxt + 7):
                 return self._publish_batch(ch, a, props, body, data, nxt, n, max_size, sig)
@@ -899,24 +932,38 @@ class AMQPConnection:
     def _publish_batch(self, ch: int, a: PublishArgs, props: bytes, body: bytes, data: bytes, pos: int,
                        n: int, max_size: int, sig: bytes) -> int:
         """The publish just parsed (``a``, ``props``, ``body``) and those at ``pos`` after it
-        on channel ``ch`` to the same exchange (``sig``: their method frames' bytes from the
-        method id to the exchange name), each with a routing key or flags of its own and one
-        body frame under 16 KiB, complete in ``data``: handed over as one batch. Stops at a
-        publish that repeats the one before it (the run parser's) and at anything else.
-        Returns the position after the batch."""
+        to the same exchange (``sig``: their method frames' bytes from the method id to the
+        exchange name), each with a routing key or flags of its own and one body frame under
+        16 KiB, complete in ``data``: handed over as one batch. Stops at a publish that repeats
+        the one before it on its channel (the run parser's) and at anything else.
+
+        All on channel ``ch``, or, where every channel involved ``mixes_publishes``, on open
+        channels of their own without content in progress (``handle_publish_mixed``): issue
+        31's producer with a channel per queue. Returns the position after the batch."""
         pub_args = self._pub_args
         unpack_hdr = _FRAME_HDR.unpack_from
         content_at = self._content_at
+        channel_state = self.channels.get
+        pending = self._pending
+        mixes = self.mixes_publishes
         args_l = [a]
         props_l = [props]
         bodies = [body]
+        chans: list[int] | None = None  # each publish's channel, once another than ``ch`` joins
         last = a
+        last_ch = ch
         repeat = None
         while n - pos >= 7:
             ftype, fch, size = unpack_hdr(data, pos)
             end = pos + 7 + size
-            if ftype != 1 or fch != ch or size > max_size or end >= n or data[end] != 0xCE \
+            if ftype != 1 or size > max_size or end >= n or data[end] != 0xCE \
                     or not data.startswith(sig, pos + 7):
+                break
+            if fch != ch and chans is None:
+                if not (channel_state(fch) == CH_OPEN and fch not in pending and mixes(ch) and mixes(fch)):
+                    break
+                chans = [ch] * len(bodies)
+            elif fch != last_ch and not (channel_state(fch) == CH_OPEN and fch not in pending and mixes(fch)):
                 break
             raw = data[pos + 11 : end]
             got_args = pub_args.get(raw)
@@ -926,9 +973,9 @@ class AMQPConnection:
                 except errors.AMQPError:
                     break  # the general path reports it
             a = got_args
-            if a is last:
+            if a is last and fch == last_ch:
                 break  # repeats the last one: a run (_publish_run)
-            got = content_at(data, end + 1, ch, n, max_size)
+            got = content_at(data, end + 1, fch, n, max_size)
             if got is None:
                 break
             hend, bend = got
@@ -941,16 +988,22 @@ class AMQPConnection:
             args_l.append(a)
             props_l.append(p)
             bodies.append(data[b + 7 : bend])
+            if chans is not None:
+                chans.append(fch)
             repeat = (pos, b, end, bend)
             last = a
+            last_ch = fch
             pos = bend + 1
         if repeat is not None:
             at, b, end, bend = repeat
-            self._repeat = (data[at : b + 7], ch, last, props_l[-1], bend - b - 7, b + 7 - at,
+            self._repeat = (data[at : b + 7], last_ch, last, props_l[-1], bend - b - 7, b + 7 - at,
                             data[at : end + 1])
         try:
             if len(bodies) == 1:
                 self.handle_publish(ch, args_l[0], props, body)
+            elif chans is not None:
+                self.handle_publish_mixed(chans, args_l, props_l, bodies)
+                return pos  # each channel's errors are its own, handled there
             else:
                 self.handle_publish_batch(ch, args_l, props_l, bodies)
         except errors.AMQPError as exc:

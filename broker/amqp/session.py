@@ -37,7 +37,7 @@ from broker import errors, properties
 from broker.amqp import codec
 from broker.amqp.connection import CH_OPEN, AMQPConnection, PublishArgs, State
 from broker.model import methods, trace
-from broker.model.publish import PublishOutcome, PublishRequest
+from broker.model.publish import BatchOutcome, PublishOutcome, PublishRequest
 from broker.model.queue import Consumer, Queue
 from broker.properties import FLAG_REPLY_TO, FLAG_USER_ID, HI_REPLY_TO
 
@@ -720,23 +720,86 @@ class Session(AMQPConnection):
         once (a run or a batch; ``same``: bodies of one length): statistics, confirm sequence
         numbers, the queues to wake, the sync flag."""
         k = hi - lo
-        self.batch_publishes += k
-        stats = self.stats
-        stats.published += k
         chs.n_published += k
-        stats.sizes.observe_run(bodies, lo, hi, same)
         if chs.confirm:
             chs.publish_seq += k
             self._confirm_dirty.add(chs)
         else:
             self.unanswered = True
             chs.publishing = True
-        for q in queues:
-            if q.consumers:
-                self.batch_queues.add(q)
+        self._count_published(bodies, lo, hi, queues, same)
         if sync and chs.confirm:
             chs.needs_sync = True
             _depend_on(chs, queues, False)
+
+    def _count_published(self, bodies: list[bytes], lo: int, hi: int, queues: list[Queue],
+                         same: bool = False) -> None:
+        """The connection's side of ``_published``: statistics and the queues to wake."""
+        k = hi - lo
+        self.batch_publishes += k
+        stats = self.stats
+        stats.published += k
+        stats.sizes.observe_run(bodies, lo, hi, same)
+        for q in queues:
+            if q.consumers:
+                self.batch_queues.add(q)
+
+    def mixes_publishes(self, channel: int) -> bool:
+        chs = self.chs.get(channel)
+        return chs is not None and not chs.confirm and chs.tx is None
+
+    def handle_publish_mixed(self, channels: list[int], args: list[PublishArgs], props: list[bytes],
+                             bodies: list[bytes]) -> None:
+        """Publishes in a row to one exchange on channels without confirms or transactions,
+        each on its own (issue 31's producer with a channel per queue): the publish operation
+        takes them at once as ``handle_publish_batch``'s are (``VHost.publish_batch``: what it
+        does with a message does not depend on the channel it came on). Per channel there is
+        only counting left. Whatever is AMQP's own, or may fail (the exchange and the permission
+        to write to it not yet seen on this connection), goes one by one, each on its channel."""
+        vh = self.vh
+        exchange = args[0].exchange
+        ex = None if vh is None else vh.exchanges.get(exchange)
+        if vh is None or ex is None or ex.internal or exchange not in self._write_ok or vh.meta.tracing \
+                or properties.run_flags(props) & (FLAG_REPLY_TO | FLAG_USER_ID):
+            self.publish_each_mixed(channels, args, props, bodies)
+            return
+        chs_of = self.chs
+        i, k = 0, len(bodies)
+        while i < k:
+            out = self._batch_from(vh, exchange, args, props, bodies, i)
+            if out is None:
+                self.publish_each_mixed(channels, args, props, bodies, i)
+                return
+            if out.done > i:
+                self.unanswered = True
+                for j in range(i, out.done):
+                    chs = chs_of[channels[j]]
+                    chs.n_published += 1
+                    chs.publishing = True
+                self._count_published(bodies, i, out.done, out.queues)
+                for j in out.unroutable:
+                    self._unroutable(chs_of[channels[j]], args[j], props[j], bodies[j])
+                i = out.done
+            if i < k:  # the next one on its own; if it closes its channel, the rest one by one too
+                ch = channels[i]
+                if not self.publish_each_mixed(channels, args, props, bodies[: i + 1], i):
+                    return
+                i += 1
+                if self.channels.get(ch) != CH_OPEN:
+                    self.publish_each_mixed(channels, args, props, bodies, i)
+                    return
+
+    def _batch_from(self, vh: VHost, exchange: str, args: list[PublishArgs], props: list[bytes],
+                    bodies: list[bytes], first: int) -> BatchOutcome | None:
+        """``VHost.publish_batch`` from ``first``; None when the disk is full: nothing of the
+        batch is stored then (room first), and the caller publishes it one by one, each refused
+        or stored."""
+        try:
+            return vh.publish_batch(exchange, args, props, bodies, self.now_ms, first)
+        except (errors.DiskFull, OSError) as exc:
+            if not errors.no_space(exc):
+                raise
+            return None
 
     def handle_publish_batch(self, channel: int, args: list[PublishArgs], props: list[bytes],
                              bodies: list[bytes]) -> None:
@@ -764,12 +827,8 @@ class Session(AMQPConnection):
                 return
         k = len(bodies)
         while i < k:
-            try:
-                out = vh.publish_batch(exchange, args, props, bodies, self.now_ms, i)
-            except (errors.DiskFull, OSError) as exc:
-                if not errors.no_space(exc):
-                    raise
-                # nothing of it is stored yet (room first): one by one, each refused or stored
+            out = self._batch_from(vh, exchange, args, props, bodies, i)
+            if out is None:
                 self.publish_each(channel, args, props, bodies, i)
                 return
             if out.done > i:

@@ -55,10 +55,9 @@ class Tier:
 
     def __init__(self, history: History, k: int) -> None:
         self.data = history.data
-        self.incr, self.n = TIERS[k]
         self.width = history.width
-        self.at_head = 2 * k  # the slot written last, then how many are kept
-        self.at_times = _offset(k, self.width)
+        # the slot written last, then how many are kept; where the times start; the values
+        self.at_head, self.at_times, self.incr, self.n = _layout(self.width)[k]
         self.at_values = self.at_times + self.n
 
     @property
@@ -72,18 +71,6 @@ class Tier:
     @property
     def times(self) -> array[float]:
         return self.data[self.at_times:self.at_times + self.n]
-
-    def add(self, t: float, values: Values) -> None:
-        data, n, head, count = self.data, self.n, self.head, self.count
-        if count and math.floor(data[self.at_times + head] / self.incr) == math.floor(t / self.incr):
-            at = head  # the same slot: the newest values win
-        else:
-            at = (head + 1) % n if count else 0
-            data[self.at_head] = at
-            data[self.at_head + 1] = min(count + 1, n)
-        data[self.at_times + at] = t
-        v = self.at_values + at * self.width
-        data[v:v + self.width] = array("d", values)
 
     def oldest(self) -> float:
         return self.data[self.at_times + (self.head - self.count + 1) % self.n]
@@ -105,6 +92,20 @@ def _offset(k: int, width: int) -> int:
     return 2 * len(TIERS) + sum(n for _, n in TIERS[:k]) * (width + 1)
 
 
+_LAYOUTS: dict[int, tuple[tuple[int, int, float, int], ...]] = {}
+
+
+def _layout(width: int) -> tuple[tuple[int, int, float, int], ...]:
+    """Per ring of a history of ``width`` values: where its head and count are, where its
+    times start, its seconds per slot and its slots (worked out once per width: the sampler
+    adds to thousands of histories a pass)."""
+    got = _LAYOUTS.get(width)
+    if got is None:
+        got = _LAYOUTS[width] = tuple((2 * k, _offset(k, width), incr, n)
+                                      for k, (incr, n) in enumerate(TIERS))
+    return got
+
+
 class History:
     """One object's values over the last day, at the resolutions of ``TIERS``.
 
@@ -118,7 +119,7 @@ class History:
 
     def __init__(self, width: int) -> None:
         self.width = width
-        self.data = array("d", bytes(8 * _offset(len(TIERS), width)))
+        self.data = array("d", (0.0,)) * _offset(len(TIERS), width)
         self.changed = 0.0  # when the values last changed (the sampler's clock)
 
     @property
@@ -129,8 +130,23 @@ class History:
         return self.data.itemsize * len(self.data)
 
     def add(self, t: float, values: Values) -> None:
-        for tier in self.tiers:
-            tier.add(t, values)
+        """``values`` at ``t`` into every ring: a ring whose newest slot ``t`` falls in
+        overwrites it (the newest values win), else it takes the next slot."""
+        data, width = self.data, self.width
+        row = array("d", values)
+        floor = math.floor
+        for at_head, at_times, incr, n in _layout(width):
+            head = int(data[at_head])
+            count = int(data[at_head + 1])
+            if count and floor(data[at_times + head] / incr) == floor(t / incr):
+                at = head
+            else:
+                at = (head + 1) % n if count else 0
+                data[at_head] = at
+                data[at_head + 1] = min(count + 1, n)
+            data[at_times + at] = t
+            v = at_times + n + at * width
+            data[v:v + width] = row
 
     def tier_for(self, age: float, incr: float) -> Tier:
         """The finest ring whose slots are no longer than ``incr`` and that reaches ``age`` back."""
