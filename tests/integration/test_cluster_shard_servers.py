@@ -9,7 +9,10 @@ persistent session's queued message included); the killed node returns, wins its
 shards back (2/2/2 again) and serves them with every confirmed message; then, with the third
 node killed, kill -9 of a shard's server leaves the cluster leader (which follows every shard
 others serve, and is in their ISR) its only in-sync copy, and it takes the shard over with every
-confirmed message. Before those, on the
+confirmed message; last, kill -9 of the cluster leader itself while the others serve shards: a
+new cluster leader, its shards led again by an in-sync node with every confirmed message, the
+others' shards kept (their client reconnecting at most), and its return wins them back. Before
+those, on the
 same cluster: MQTT, the stream protocol and the management API on the cluster leader's own ports
 (and a follower's, which tunnel there) reach a vhost another node serves, that node checking the
 login again. A trial of its own (chaos): it boots its own cluster, shared by its three tests, the last
