@@ -103,7 +103,7 @@ async def overview(request: web.Request) -> web.Response:
     mgmt = request.app[MGMT_KEY]
     t = _totals(request)
     listeners = [{"node": mgmt.node_name, "protocol": proto, "ip_address": addr[0], "port": addr[1]}
-                 for proto, addr in mgmt.listeners()]
+                 for proto, addr in mgmt.client_listeners()]
     out = {
         "management_version": __version__,
         "product_name": "Skred",

@@ -193,6 +193,7 @@ class ShardLeaders:
         self._serving: dict[str, str] = {}  # shard (vhost directory) -> URI of the node serving it
         self._seen: dict[str, Seen] = {}  # vhost -> its keys as the last pass read them
         self._ready = False
+        self._members: dict[str, dict[str, Any]] = {}  # the live members' records, as last read
         self.closed: set[str] = set()  # vhosts the cluster leader's broker closed: their keys are not ours
         self._bg: set[asyncio.Task[Any]] = set()
         view.weight = workers
@@ -231,6 +232,10 @@ class ShardLeaders:
         (``cluster/follow_set.py`` ``follow_plan``). As of the last pass."""
         return self._serving
 
+    def live_members(self) -> dict[str, dict[str, Any]]:
+        """Every live member's record by node id, as the last pass read them."""
+        return self._members
+
     def ready(self) -> bool:
         """A pass has read the shards' keys since this node started (``seen`` is meaningful)."""
         return self._ready
@@ -261,7 +266,7 @@ class ShardLeaders:
         if not self.etcd.lease_alive():  # unrefreshed for a TTL: etcd may have expired our keys
             self._lost(list(self.held), "our lease is presumed expired")
             return
-        members = await self.etcd.members()
+        members = self._members = await self.etcd.members()
         if self.node_id not in members:
             return  # peers cannot see us yet: they would not place a shard on us
         live = live_nodes(members)
