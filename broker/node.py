@@ -202,8 +202,8 @@ class Node:
         # (broker/cluster/elsewhere.py); None: every vhost not held here is refused (530)
         self.elsewhere: VhostCarrier | None = None
         self.lock_data_dir = True  # False: the cluster runner holds it (a node serving its shards)
-        # a node's shard broker (loopback listeners) is named and listed as its member: that
-        # member's node name, and the client listeners its proxies open (the overview's)
+        # a node's shard broker (loopback listeners) is listed as its member (/api/nodes, the
+        # overview's listeners): that member's node name and the client listeners its proxies open
         self.named = ""
         self.advertised: Callable[[], list[tuple[str, tuple[str, int]]]] | None = None
         self._shared: SharedFiles | None = None  # what reload_shared last read
@@ -305,9 +305,8 @@ class Node:
                                          cfg.mgmt.records_send_timeout)
             mgmt.app = self  # skredctl stop_app (with workers, every worker's: shards/fanout.py)
             mgmt.vhost_deleted.append(lambda name: self.mqtt.close_vhost(name) if self.mqtt else None)
-            named = self.named or metrics.node_name(cfg.main.node_name, cfg.amqp.port)
-            mgmt.node_name = broker.node_name = named
-            mgmt.advertised = self.advertised
+            mgmt.node_name = broker.node_name = metrics.node_name(cfg.main.node_name, cfg.amqp.port)
+            mgmt.member_name, mgmt.advertised = self.named, self.advertised
             if cfg.clustering.enabled:  # every member reports the same rabbitmq_cluster label
                 mgmt.cluster_name = cfg.clustering.etcd_prefix
             else:  # a lone node's cluster is named after it (RabbitMQ's default)
@@ -531,7 +530,7 @@ class Node:
             self.amqp_address = mgmt.amqp_address = await listening(
                 options, cfg.amqp.bind, cfg.amqp.port, self.amqp.start(cfg.amqp.bind, cfg.amqp.port))
             log.info("AMQP listening on %s:%d", *self.amqp_address)
-            if cfg.amqp.port == 0 and not self.named:  # nodes on one host told apart by the port they got
+            if cfg.amqp.port == 0:  # the name tells nodes on one host apart by the port they got
                 name = metrics.node_name(cfg.main.node_name, self.amqp_address[1])
                 mgmt.node_name = broker.node_name = name
                 if not cfg.clustering.enabled:

@@ -233,7 +233,7 @@ class VhostForward:
         RabbitMQ lists a stopped node of its cluster; a member serving no shard has no
         management API of its own (its proxies tunnel to this node's) and is listed so too."""
         name = request.match_info.get("node")
-        if name is not None and name == request.app[MGMT_KEY].node_name:
+        if name is not None and name == request.app[MGMT_KEY].listed_name:
             mine: web.StreamResponse = await handler(request)  # this node's
             return mine
         asked = request.clone(rel_url=request.rel_url.with_query(
