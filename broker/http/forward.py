@@ -24,7 +24,13 @@ counts added; metrics samples of one name and labels added, a node's own process
 answering node's; definitions merged. The cluster leader's metrics port (no login) asks each
 serving node's metrics port instead (``codec.METRICS_PORT``). A part missing (a node that does
 not answer, a vhost moving) is said, never under-counted: 503 naming it, and the overview, which
-the UI shows whatever happens, answers with ``partial`` naming it. A whole import
+the UI shows whatever happens, answers with ``partial`` naming it; its ``listeners`` are every
+serving member's client ports (each member's own list). ``GET /api/nodes`` is one entry per
+member, each that member's own answer (``open_members``: every live member, not only those
+serving; and those heard from before, by the name they gave), sorted and paged once joined; a
+member that does not answer in ``NODES_TIMEOUT`` (down; or serving no shard, so with no
+management API of its own) is listed ``running: false``, as RabbitMQ lists a stopped node;
+``/api/nodes/{node}`` and below are that member's answer. A whole import
 (``POST /api/definitions``) naming vhosts another node serves goes whole to that node when it is
 one node and the document holds only their topology (queues, exchanges, bindings, policies,
 parameters): its import is the all-or-nothing one. One whose vhosts span nodes, or that also
