@@ -4,6 +4,8 @@ request as it goes to the node serving the vhost, and that node's answer as the 
 from __future__ import annotations
 
 import http.client
+import warnings
+from typing import Any
 
 import pytest
 
@@ -118,6 +120,8 @@ def test_every_member_is_listed_and_one_that_does_not_answer_is_not_running() ->
     from aiohttp import web
     from aiohttp.test_utils import TestClient, TestServer
 
+    from broker.auth.users import User
+    from broker.http.common import USER_KEY
     from broker.http.forward import Streams, VhostForward
 
     async def run() -> list[list[tuple[str, bool]]]:
@@ -146,8 +150,16 @@ def test_every_member_is_listed_and_one_that_does_not_answer_is_not_running() ->
         async def unused(vhost: str, peer: tuple[str, int]) -> None:
             return None
 
+        @web.middleware
+        async def logged_in(request: web.Request, handler: Any) -> web.StreamResponse:  # as auth does
+            with warnings.catch_warnings():  # the key is the broker's (a str, as auth_middleware sets it)
+                warnings.simplefilter("ignore")
+                request[USER_KEY] = User("mon", "", ("monitoring",))
+            answer: web.StreamResponse = await handler(request)
+            return answer
+
         forward = VhostForward(unused, None, None, open_members)
-        app = web.Application(middlewares=[forward.middleware])
+        app = web.Application(middlewares=[logged_in, forward.middleware])
         app.router.add_get("/api/nodes", nodes)
         seen = []
         async with TestClient(TestServer(app, host="127.0.0.1")) as client:

@@ -60,7 +60,7 @@ from aiohttp import web
 
 from broker import errors
 from broker.http.aggregate import add_counts, merge_exports, merge_metrics, named_vhosts, partial
-from broker.http.common import MGMT_KEY, PASSED_ON, error_response, paginate, passed_back
+from broker.http.common import MGMT_KEY, PASSED_ON, error_response, paginate, passed_back, require_monitor
 
 log = logging.getLogger(__name__)
 
@@ -238,6 +238,7 @@ class VhostForward:
         expired yet; or gone since it was last heard from) is listed ``running: false``, as
         RabbitMQ lists a stopped node of its cluster; a member serving no shard has no
         management API of its own (its proxies tunnel to this node's) and is listed so too."""
+        require_monitor(request)  # before any member is asked (each checks it again)
         name = request.match_info.get("node")
         if name is not None and name == request.app[MGMT_KEY].listed_name:
             mine: web.StreamResponse = await handler(request)  # this node's
