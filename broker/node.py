@@ -202,6 +202,10 @@ class Node:
         # (broker/cluster/elsewhere.py); None: every vhost not held here is refused (530)
         self.elsewhere: VhostCarrier | None = None
         self.lock_data_dir = True  # False: the cluster runner holds it (a node serving its shards)
+        # a node's shard broker (loopback listeners) is listed as its member (/api/nodes, the
+        # overview's listeners): that member's node name and the client listeners its proxies open
+        self.named = ""
+        self.advertised: Callable[[], list[tuple[str, tuple[str, int]]]] | None = None
         self._shared: SharedFiles | None = None  # what reload_shared last read
         self._blob_dirs: dict[Path, BlobDir] = {}  # each vhost's MQTT files (``_mqtt_files``)
 
@@ -302,6 +306,7 @@ class Node:
             mgmt.app = self  # skredctl stop_app (with workers, every worker's: shards/fanout.py)
             mgmt.vhost_deleted.append(lambda name: self.mqtt.close_vhost(name) if self.mqtt else None)
             mgmt.node_name = broker.node_name = metrics.node_name(cfg.main.node_name, cfg.amqp.port)
+            mgmt.member_name, mgmt.advertised = self.named, self.advertised
             if cfg.clustering.enabled:  # every member reports the same rabbitmq_cluster label
                 mgmt.cluster_name = cfg.clustering.etcd_prefix
             else:  # a lone node's cluster is named after it (RabbitMQ's default)
@@ -329,7 +334,7 @@ class Node:
                 if self.elsewhere is not None:  # a cluster leader's vhosts served by other nodes
                     from broker.http.forward import VhostForward
                     forward = VhostForward(self.elsewhere.open_http, self.elsewhere.open_nodes,
-                                           self.elsewhere.server_of)
+                                           self.elsewhere.server_of, self.elsewhere.open_members)
                     mgmt.middlewares.append(forward.middleware)
                     # the metrics port's parts: each serving node's metrics port
                     parts = functools.partial(self.elsewhere.open_nodes, metrics=True)
@@ -969,6 +974,8 @@ class NodeHost:
         node.replicated = replicated
         node.serves = serves
         node.lock_data_dir = False  # the runner's, while this node follows the cluster leader
+        if self.config is not None:  # the member's name, not one of its loopback port
+            node.named = metrics.node_name(self.config.main.node_name, self.config.amqp.port)
         return node
 
     def shard_election(self, config: Config, etcd: Etcd, node_id: str, uri: str,

@@ -4,6 +4,8 @@ request as it goes to the node serving the vhost, and that node's answer as the 
 from __future__ import annotations
 
 import http.client
+import warnings
+from typing import Any
 
 import pytest
 
@@ -106,3 +108,72 @@ def test_a_change_passed_on_whose_answer_failed_is_504_not_an_error_that_claims_
     assert _cut_after_request("PUT") == 504
     assert _cut_after_request("DELETE") == 504
     assert _cut_after_request("GET") == 503  # a read changed nothing
+
+
+def test_every_member_is_listed_and_one_that_does_not_answer_is_not_running() -> None:
+    # GET /api/nodes: each member's own answer over a real loopback connection; a member that
+    # closes unanswered, or is gone from the live members since it answered, is listed
+    # running: false (as RabbitMQ lists a stopped node), not dropped and not an error
+    import asyncio
+    import json
+
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from broker.auth.users import User
+    from broker.http.common import USER_KEY
+    from broker.http.forward import Streams, VhostForward
+
+    async def run() -> list[list[tuple[str, bool]]]:
+        async def member_a(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.read(64 * 1024)
+            body = json.dumps([{"name": "a@h", "running": True}]).encode()
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                         % (len(body), body))
+            writer.close()
+
+        async def member_b(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.read(64 * 1024)
+            writer.close()  # no answer: down
+
+        servers = {n: await asyncio.start_server(f, "127.0.0.1", 0)
+                   for n, f in (("a", member_a), ("b", member_b))}
+        live = {"a", "b"}
+
+        async def open_members(peer: tuple[str, int]) -> list[tuple[str, Streams]]:
+            return [(n, await asyncio.open_connection("127.0.0.1", servers[n].sockets[0].getsockname()[1]))
+                    for n in sorted(live)]
+
+        async def nodes(request: web.Request) -> web.Response:
+            return web.json_response([{"name": "me@h", "running": True}])
+
+        async def unused(vhost: str, peer: tuple[str, int]) -> None:
+            return None
+
+        @web.middleware
+        async def logged_in(request: web.Request, handler: Any) -> web.StreamResponse:  # as auth does
+            with warnings.catch_warnings():  # the key is the broker's (a str, as auth_middleware sets it)
+                warnings.simplefilter("ignore")
+                request[USER_KEY] = User("mon", "", ("monitoring",))
+            answer: web.StreamResponse = await handler(request)
+            return answer
+
+        forward = VhostForward(unused, None, None, open_members)
+        app = web.Application(middlewares=[logged_in, forward.middleware])
+        app.router.add_get("/api/nodes", nodes)
+        seen = []
+        async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+            for gone in ((), ("a",)):
+                live.difference_update(gone)
+                answer = await client.get("/api/nodes?sort=name")
+                assert answer.status == 200
+                seen.append([(n["name"], n["running"]) for n in await answer.json()])
+        for s in servers.values():
+            s.close()
+            await s.wait_closed()
+        return seen
+
+    first, after = asyncio.run(run())
+    # sorted by name once joined; b never said its name: listed by its node id
+    assert first == [("a@h", True), ("b", False), ("me@h", True)]
+    assert after == [("a@h", False), ("b", False), ("me@h", True)]  # a gone: by the name it gave

@@ -50,12 +50,14 @@ from pamqp import commands, frame
 
 from broker import errors, tls
 from broker.cluster import codec, stream_route, unavailable
-from broker.cluster.proxy import Carried, Play, SpliceProxy
+from broker.cluster.proxy import Carried, Play, SpliceProxy, Target
 from broker.cluster.stream_route import StreamReplay
 from broker.cluster.vhost_route import Failed, Opened, refusal
 from broker.cluster.vhost_router import replay
 
 log = logging.getLogger(__name__)
+
+Streams = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 
 class Elsewhere:
@@ -66,10 +68,11 @@ class Elsewhere:
     replays_login = True
 
     def __init__(self, served_elsewhere: Callable[[str], bool], carrier: SpliceProxy,
-                 closed: Collection[str] = ()) -> None:
+                 closed: Collection[str] = (), members: Callable[[], dict[str, Target]] = dict) -> None:
         self.served_elsewhere = served_elsewhere
         self.carrier = carrier
         self.closed = closed  # the vhosts closed here: served elsewhere, or moving there
+        self.members = members  # every other live member's replication port, by node id
 
     def moving(self, vhost: str) -> bool:
         """Closed here, its next server not known here yet."""
@@ -103,11 +106,24 @@ class Elsewhere:
         while it moves)."""
         if not self.elsewhere(vhost):
             return None
+        return await self._open(Carried(vhost, which, _sends(b""), unavailable.http_response), client)
+
+    async def open_members(self, client: tuple[str, int]) -> list[tuple[str, Streams]]:
+        """A connection to the management API of every other live member (its shard broker's,
+        which answers for that member: ``GET /api/nodes``), by node id; a member serving no
+        shard has no shard broker: its connection is answered 503 (``unavailable.http_response``)."""
+        def carried(target: Target) -> Carried:
+            return Carried("", codec.HTTP_PORT, _sends(b""), unavailable.http_response, to=target)
+
+        return [(node_id, await self._open(carried(target), client))
+                for node_id, target in sorted(self.members().items())]
+
+    async def _open(self, carried: Carried, client: tuple[str, int]) -> Streams:
+        """One end of a socket pair whose other end is carried (``carried``) for ``client``."""
         if not _is_ip(client[0]):
             client = (codec.UNIX_CLIENT, 0)  # a Unix socket's client: local there too
         ours, theirs = socket.socketpair()
         theirs.setblocking(False)
-        carried = Carried(vhost, which, _sends(b""), unavailable.http_response)
         self.carrier.adopt(theirs, client, carried)
         return await asyncio.open_connection(sock=ours)
 

@@ -60,6 +60,11 @@ class VhostCarrier(Protocol):
         each named by its vhosts (``metrics``: to its metrics port); and the vhosts moving (no node
         serves them yet)."""
 
+    async def open_members(self, client: tuple[str, int]) -> list[
+            tuple[str, tuple[asyncio.StreamReader, asyncio.StreamWriter]]]:
+        """A connection to the management API of every other live member, for ``client``, by
+        node id (``GET /api/nodes``)."""
+
 
 class LeaderBroker(Protocol):
     """A broker serving clients from the data dir while this node leads."""
@@ -120,6 +125,10 @@ class LeaderBroker(Protocol):
 class ShardBroker(LeaderBroker, Protocol):
     """A broker holding only the shards this node serves (``cluster/shard_server.py``)."""
 
+    # the client listeners of this member (its proxies' ports, by RabbitMQ's protocol names),
+    # which the overview lists for it rather than the broker's loopback ones
+    advertised: Callable[[], list[tuple[str, tuple[str, int]]]] | None
+
     def reload_shared(self) -> list[str]:
         """Re-read the shared files replication replaced (users, vhosts, global parameters)."""
 
@@ -144,6 +153,9 @@ class ShardElection(Protocol):
 
     def serving(self) -> dict[str, str]:
         """The shards (vhost directories) whose leader serves them, with its replication URI."""
+
+    def live_members(self) -> dict[str, dict[str, Any]]:
+        """Every live member's record (``<prefix>/members/<id>``) by node id, as last read."""
 
     def ready(self) -> bool:
         """A pass has read the shards' keys since this node started."""

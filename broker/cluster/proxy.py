@@ -124,6 +124,7 @@ class Carried:
     play: Play
     refusal: Callable[[str], bytes]
     peer_tls: bytes = b""  # the client's TLS this node ended (``broker.tls.carried``), for that node
+    to: Target | None = None  # this member rather than the vhost's server (``Elsewhere.open_member``)
 
 
 class SpliceProxy:
@@ -289,7 +290,8 @@ class SpliceProxy:
         try:
             try:
                 async with asyncio.timeout(HANDSHAKE_TIMEOUT):
-                    leg = await self._routed_leg(self.routed.serving(carried.vhost), client, carried.which,
+                    target = carried.to if carried.to is not None else self.routed.serving(carried.vhost)
+                    leg = await self._routed_leg(target, client, carried.which,
                                                  carried.refusal, carried.peer_tls)
                     cwriter.write(await carried.play(*_on(leg)))
             except TimeoutError:

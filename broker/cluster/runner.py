@@ -106,6 +106,11 @@ APPLY_RETRY_FIRST = 1.0  # seconds before syncing again after our disk failed on
 APPLY_RETRY_MAX = 30.0  # ... at most: a full disk freed is synced again within this
 DEFER_LIMIT = 3  # lease TTLs a node waits for a better-placed ISR member to take the lead
 _DIRECT = (codec.AMQPS_PORT, codec.HTTPS_PORT)  # proxied to the leader's port, not tunnelled
+# a proxy's client port by RabbitMQ's protocol name, as the overview lists a node's listeners
+# (LMQ's ports are not listed, as on the cluster leader)
+PROTOCOLS = {codec.AMQP_PORT: "amqp", codec.HTTP_PORT: "http", codec.AMQPS_PORT: "amqp/ssl",
+             codec.HTTPS_PORT: "https", codec.MQTT_PORT: "mqtt", codec.MQTTS_PORT: "mqtt/ssl",
+             codec.STREAM_PORT: "stream", codec.STREAMS_PORT: "stream/ssl"}
 
 
 def load_node_id(data_dir: Path) -> str:
@@ -154,6 +159,7 @@ class ClusterRunner:
         self.repl_tls = tls.replication_tls(config.main, c.tls)
         self.node: LeaderBroker | None = None  # the broker, while this node leads (SIGHUP reloads it)
         self.proxies: list[SpliceProxy] = []
+        self.listening: list[tuple[str, tuple[str, int]]] = []  # the proxies' ports (PROTOCOLS)
         self.election: ShardElection | None = None  # per-shard leaders (``[clustering] shard_leaders``)
         self.shards_drained: asyncio.Future[None] | None = None  # every shard handed over at a stop
         self.moves = Moves(self.node_id)  # the hand-over of shards between servers (handover.py)
@@ -566,6 +572,7 @@ class ClusterRunner:
 
         server = ShardServer(self.config, self.host, self.node_id, self.secret, self.view, write_isr,
                              self.etcd.lease_alive)
+        server.node.advertised = lambda: list(self.listening)  # our proxies: the member's listeners
         try:
             await server.start(c.bind, c.port, self.repl_tls.server if self.repl_tls is not None else None)
         except OSError as exc:
@@ -619,11 +626,13 @@ class ClusterRunner:
                 p = SpliceProxy(name, self.targets[which], False, source, self._tunnelled(which),
                                 self._routed() if which == codec.AMQP_PORT else None)
             try:
-                await p.start(bind, port)
+                bound = await p.start(bind, port)
             except OSError as exc:
                 log.error("%s proxy cannot listen on %s:%d: %s", name, bind, port, exc)
                 continue
             self.proxies.append(p)
+            if which in PROTOCOLS:
+                self.listening.append((PROTOCOLS[which], (bind, bound)))
         for which, name, path in unix:
             if not path:
                 continue
@@ -677,6 +686,7 @@ class ClusterRunner:
             log.warning("closed %d proxied client connections: %s", dropped, why)
 
     async def _stop_proxies(self) -> None:
+        self.listening = []
         proxies, self.proxies = self.proxies, []
         for p in proxies:
             await p.stop()
@@ -825,7 +835,16 @@ class ClusterRunner:
                               Routed(Limits(a.channel_max, a.frame_max, a.heartbeat),
                                      self.host.amqp_server_properties(), serving=serving,
                                      login=lambda: none))
-        return Elsewhere(lambda vhost: serving(vhost).host is not None, carrier, closed)
+        def members() -> dict[str, Target]:  # every other live member's replication port
+            out: dict[str, Target] = {}
+            for node_id, record in election.live_members().items():
+                uri = record.get("uri")
+                if node_id != self.node_id and isinstance(uri, str) and uri != self.uri:
+                    there = sender_of(uri)
+                    out[node_id] = Target(there.host, there.port)
+            return out
+
+        return Elsewhere(lambda vhost: serving(vhost).host is not None, carrier, closed, members)
 
     async def _watch_leadership(self, node: LeaderBroker, sink: LeaderSink) -> int | None:
         c = self.config.clustering

@@ -24,7 +24,13 @@ counts added; metrics samples of one name and labels added, a node's own process
 answering node's; definitions merged. The cluster leader's metrics port (no login) asks each
 serving node's metrics port instead (``codec.METRICS_PORT``). A part missing (a node that does
 not answer, a vhost moving) is said, never under-counted: 503 naming it, and the overview, which
-the UI shows whatever happens, answers with ``partial`` naming it. A whole import
+the UI shows whatever happens, answers with ``partial`` naming it; its ``listeners`` are every
+serving member's client ports (each member's own list). ``GET /api/nodes`` is one entry per
+member, each that member's own answer (``open_members``: every live member, not only those
+serving; and those heard from before, by the name they gave), sorted and paged once joined; a
+member that does not answer in ``NODES_TIMEOUT`` (down; or serving no shard, so with no
+management API of its own) is listed ``running: false``, as RabbitMQ lists a stopped node;
+``/api/nodes/{node}`` and below are that member's answer. A whole import
 (``POST /api/definitions``) naming vhosts another node serves goes whole to that node when it is
 one node and the document holds only their topology (queues, exchanges, bindings, policies,
 parameters): its import is the all-or-nothing one. One whose vhosts span nodes, or that also
@@ -54,7 +60,7 @@ from aiohttp import web
 
 from broker import errors
 from broker.http.aggregate import add_counts, merge_exports, merge_metrics, named_vhosts, partial
-from broker.http.common import PASSED_ON, error_response, paginate, passed_back
+from broker.http.common import MGMT_KEY, PASSED_ON, error_response, paginate, passed_back, require_monitor
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +77,8 @@ CLIENTS: Final = ("/connections", "/channels")  # /api/vhosts/{vhost}/...: that 
 LISTS: Final = frozenset({"/api/queues", "/api/exchanges", "/api/bindings", "/api/connections",
                           "/api/channels", "/api/consumers"})
 OVERVIEW: Final = "/api/overview"
+NODES: Final = "/api/nodes"  # and /api/nodes/{node}: every member's own, asked of it
+NODES_TIMEOUT: Final = 5.0  # seconds a member has to say how it is, else it is listed not running
 DEFINITIONS: Final = "/api/definitions"
 METRICS: Final = frozenset({"/metrics", "/metrics/detailed", "/metrics/per-object"})
 WHOLE: Final = LISTS | METRICS | {OVERVIEW, DEFINITIONS}  # answered for every shard of the cluster
@@ -86,6 +94,8 @@ OpenTo = Callable[[str, tuple[str, int]], Awaitable[Streams | None]]
 # a connection to the management API of each other node serving a vhost, for the client
 # and the vhosts moving (their part nobody can give now)
 OpenNodes = Callable[[tuple[str, int]], Awaitable[tuple[list[tuple[str, Streams]], list[str]]]]
+# a connection to the management API of every other live member, for the client, by node id
+OpenMembers = Callable[[tuple[str, int]], Awaitable[list[tuple[str, Streams]]]]
 
 
 def unavailable(reason: str) -> web.Response:
@@ -132,14 +142,19 @@ class VhostForward:
     """The cluster leader's middleware for the vhosts other nodes serve (see the module's comment)."""
 
     def __init__(self, open_to: OpenTo, open_nodes: OpenNodes | None = None,
-                 elsewhere: Callable[[str], str | None] | None = None) -> None:
+                 elsewhere: Callable[[str], str | None] | None = None,
+                 open_members: OpenMembers | None = None) -> None:
         self.open_to = open_to
         self.open_nodes = open_nodes
         self.elsewhere = elsewhere
+        self.open_members = open_members
+        self.names: dict[str, str] = {}  # each member's node name by node id, as it last said
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
         vhost = request.match_info.get("vhost")
+        if request.path.startswith(NODES) and request.method == "GET" and self.open_members is not None:
+            return await self.nodes(request, handler, self.open_members)
         if vhost is None and request.path in WHOLE and request.method == "GET" \
                 and self.open_nodes is not None:
             return await self.whole(request, handler, self.open_nodes)
@@ -199,6 +214,8 @@ class VhostForward:
             for other in others:
                 if isinstance(other, dict):
                     add_counts(doc, other)
+                    listed = other.get("listeners")  # that member's client ports
+                    doc["listeners"].extend(listed if isinstance(listed, list) else [])
             if missing:
                 doc["partial"] = missing
             return web.json_response(doc)
@@ -212,6 +229,66 @@ class VhostForward:
         for other in others:
             items.extend(other if isinstance(other, list) else [])
         return paginate(request, items) if arranged else web.json_response(items)
+
+    async def nodes(self, request: web.Request, handler: Any, open_members: OpenMembers
+                    ) -> web.StreamResponse:
+        """``GET /api/nodes`` (every member, each as it says it is: its ``/api/nodes``, then
+        sorted and paged once joined) and ``/api/nodes/{node}`` and below (that member's
+        answer). A member that does not answer within ``NODES_TIMEOUT`` (down, its lease not
+        expired yet; or gone since it was last heard from) is listed ``running: false``, as
+        RabbitMQ lists a stopped node of its cluster; a member serving no shard has no
+        management API of its own (its proxies tunnel to this node's) and is listed so too."""
+        require_monitor(request)  # before any member is asked (each checks it again)
+        name = request.match_info.get("node")
+        if name is not None and name == request.app[MGMT_KEY].listed_name:
+            mine: web.StreamResponse = await handler(request)  # this node's
+            return mine
+        asked = request.clone(rel_url=request.rel_url.with_query(
+            {k: v for k, v in request.query.items() if k not in ARRANGED})) if name is None else request
+        if name is None:
+            mine = await handler(asked)  # also checks the user may list nodes
+            if not isinstance(mine, web.Response) or mine.status != 200 or not isinstance(mine.body, bytes):
+                return mine
+        answers = await self._members(asked, open_members)
+        if name is not None:
+            for answer in answers.values():
+                if answer is not None and answer.status == 200:
+                    return answer
+            if request.path == f"{NODES}/{name}" and name in self.names.values():
+                return web.json_response(_down(name))
+            missed: web.StreamResponse = await handler(request)  # 404 (or 401/403 first)
+            return missed
+        assert isinstance(mine, web.Response) and isinstance(mine.body, bytes)
+        items: list[Any] = json.loads(mine.body)
+        for node_id in sorted(answers.keys() | self.names.keys()):
+            answer = answers.get(node_id)
+            doc = json.loads(answer.body) if answer is not None and isinstance(answer.body, bytes) else None
+            if isinstance(doc, list) and len(doc) == 1 and isinstance(doc[0], dict):
+                self.names[node_id] = str(doc[0].get("name", node_id))
+                items.extend(doc)
+            else:
+                items.append(_down(self.names.get(node_id, node_id)))
+        return paginate(request, items)
+
+    async def _members(self, request: web.Request, open_members: OpenMembers
+                       ) -> dict[str, web.Response | None]:
+        """Every other live member's answer to ``request`` (None: none within ``NODES_TIMEOUT``)."""
+        async def answer(streams: Streams) -> web.Response | None:
+            try:
+                async with asyncio.timeout(NODES_TIMEOUT):
+                    got = await self._exchange(request, streams)
+            except (OSError, TimeoutError, http.client.HTTPException, ValueError):
+                return None
+            return got if got.status < 500 else None
+
+        try:
+            async with asyncio.timeout(NODES_TIMEOUT):
+                members = await open_members(_client(request))
+        except (OSError, TimeoutError) as exc:
+            log.warning("%s: the members cannot be asked: %s", request.path, exc)
+            return {}
+        found = await asyncio.gather(*(answer(s) for _, s in members))
+        return {node_id: got for (node_id, _), got in zip(members, found, strict=True)}
 
     async def parts(self, request: web.Request, open_nodes: OpenNodes) -> tuple[list[bytes], list[str]]:
         """Every other serving node's answer to ``request`` (a 200's body), each in
@@ -284,3 +361,8 @@ class VhostForward:
             return parse_answer(bytes(data))
         finally:
             writer.close()
+
+
+def _down(name: str) -> dict[str, Any]:
+    """A member that does not answer, as RabbitMQ lists a stopped node of its cluster."""
+    return {"name": name, "type": "disc", "running": False, "being_drained": False}

@@ -102,8 +102,8 @@ def _churn(mgmt: Mgmt) -> dict[str, Any]:
 async def overview(request: web.Request) -> web.Response:
     mgmt = request.app[MGMT_KEY]
     t = _totals(request)
-    listeners = [{"node": mgmt.node_name, "protocol": proto, "ip_address": addr[0], "port": addr[1]}
-                 for proto, addr in mgmt.listeners()]
+    listeners = [{"node": mgmt.listed_name, "protocol": proto, "ip_address": addr[0], "port": addr[1]}
+                 for proto, addr in mgmt.client_listeners()]
     out = {
         "management_version": __version__,
         "product_name": "Skred",
@@ -159,7 +159,7 @@ def _node_json(request: web.Request) -> dict[str, Any]:
     mgmt = request.app[MGMT_KEY]
     uptime_ms = int(mgmt.uptime_seconds() * 1000)
     return {
-        "name": mgmt.node_name,
+        "name": mgmt.listed_name,
         "type": "disc",
         "running": True,
         "being_drained": False,
@@ -196,7 +196,7 @@ async def nodes(request: web.Request) -> web.Response:
 @routes.get("/api/nodes/{node}")
 async def node(request: web.Request) -> web.Response:
     require_monitor(request)
-    if request.match_info["node"] != request.app[MGMT_KEY].node_name:
+    if request.match_info["node"] != request.app[MGMT_KEY].listed_name:
         raise not_found()
     out = _node_json(request)
     if request.query.get("memory", "false").lower() == "true":
@@ -209,7 +209,7 @@ async def node(request: web.Request) -> web.Response:
 async def node_memory_route(request: web.Request) -> web.Response:
     """RabbitMQ's memory breakdown of a node (``node_memory.py`` says what each key holds)."""
     require_monitor(request)
-    if request.match_info["node"] != request.app[MGMT_KEY].node_name:
+    if request.match_info["node"] != request.app[MGMT_KEY].listed_name:
         raise not_found()
     return web.json_response({"memory": node_memory.breakdown(request.app[MGMT_KEY].rates.history_bytes())})
 

@@ -122,6 +122,8 @@ class Mgmt:
         self.https_address: tuple[str, int] | None = None
         self.metrics_address: tuple[str, int] | None = None
         self.other_listeners: dict[str, tuple[str, int]] = {}  # other front ends: "mqtt", "mqtt/ssl"
+        self.advertised: Callable[[], list[tuple[str, tuple[str, int]]]] | None = None  # set by the node
+        self.member_name = ""  # a cluster member's shard broker: its member's node name (``listed_name``)
         # stream protocols served over WebSocket on this port ("amqp", "mqtt"), set by the node
         self.websocket_protocols: dict[str, Callable[[tuple[str, int]], asyncio.Protocol]] = {}
         self.websocket_max_message = 1 << 20
@@ -133,6 +135,18 @@ class Mgmt:
         self.metrics_middlewares: list[Any] = []  # the same for the metrics port
 
     # ------------------------------------------------------------------ helpers
+    @property
+    def listed_name(self) -> str:
+        """The name ``/api/nodes`` and the overview's listeners give this node: a shard broker's
+        is its member's (its own ``node_name`` is that of its loopback AMQP port)."""
+        return self.member_name or self.node_name
+
+    def client_listeners(self) -> list[tuple[str, tuple[str, int]]]:
+        """The listeners a client of this node connects to, as the overview lists them: a
+        cluster member's shard broker's are its member's proxies (``advertised``), not its own
+        loopback ones."""
+        return self.advertised() if self.advertised is not None else self.listeners()
+
     def listeners(self) -> list[tuple[str, tuple[str, int]]]:
         """Every client listener that listens, as (RabbitMQ's protocol name, address)."""
         found = [("amqp", self.amqp_address), ("amqp/ssl", self.amqps_address), ("http", self.http_address),

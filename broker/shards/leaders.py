@@ -212,6 +212,7 @@ class ShardLeaders:
         self._seen: dict[str, Seen] = {}  # vhost -> its keys as the last pass read them
         self._behind: dict[str, float] = {}  # vhost we hold -> when we found its ISR without us
         self._ready = False
+        self._members: dict[str, dict[str, Any]] = {}  # the live members' records, as last read
         self.closed: set[str] = set()  # vhosts the cluster leader's broker closed: their keys are not ours
         self._bg: set[asyncio.Task[Any]] = set()
         view.weight = workers
@@ -250,6 +251,10 @@ class ShardLeaders:
         (``cluster/follow_set.py`` ``follow_plan``). As of the last pass."""
         return self._serving
 
+    def live_members(self) -> dict[str, dict[str, Any]]:
+        """Every live member's record by node id, as the last pass read them."""
+        return self._members
+
     def ready(self) -> bool:
         """A pass has read the shards' keys since this node started (``seen`` is meaningful)."""
         return self._ready
@@ -280,7 +285,7 @@ class ShardLeaders:
         if not self.etcd.lease_alive():  # unrefreshed for a TTL: etcd may have expired our keys
             self._lost(list(self.held), "our lease is presumed expired")
             return
-        members = await self.etcd.members()
+        members = self._members = await self.etcd.members()
         if self.node_id not in members:
             return  # peers cannot see us yet: they would not place a shard on us
         live = live_nodes(members)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import re
+import socket
 import time
 import urllib.error
 import urllib.parse
@@ -235,7 +236,7 @@ def test_a_client_certificate_logs_in_by_external_to_a_vhost_served_elsewhere(
 
 
 def test_the_management_api_and_metrics_answer_for_every_shard_wherever_asked(
-        servers: ShardCluster, kept_on_failure: None) -> None:
+        servers: ShardCluster, amqps: int, kept_on_failure: None) -> None:
     # /api/overview, /metrics, a page of a list and the whole definitions through the cluster
     # leader's port and a follower's (which tunnels there) are the sum of what each vhost's server
     # says of its vhost (http/forward.py); on main they were the cluster leader's part only
@@ -284,6 +285,7 @@ def test_the_management_api_and_metrics_answer_for_every_shard_wherever_asked(
         defs = servers.api(node, "GET", "/api/definitions")
         assert sorted((q["name"], q["vhost"]) for q in defs["queues"]) == names, node.name
         assert sorted(v["name"] for v in defs["vhosts"]) == sorted(want), node.name  # each once
+        _every_member_listed(servers, node, amqps)
     # the cluster leader's metrics port (no login; bound to 127.0.0.1, its default): each
     # serving node's metrics port's part
     with urllib.request.urlopen(f"http://127.0.0.1:{boss.metrics_port}/metrics", timeout=10) as resp:
@@ -312,6 +314,34 @@ def test_the_management_api_and_metrics_answer_for_every_shard_wherever_asked(
         assert refused.value.code == 501, doc
         assert not any("refused" in names_in(v) for v in {*spread, *one_node}), doc
     assert "u" not in {u["name"] for u in servers.api(boss, "GET", "/api/users")}
+
+
+def _name(node: ClusterNode) -> str:
+    return f"skred-{node.port}@{socket.gethostname()}"  # broker.metrics.node_name
+
+
+def _every_member_listed(servers: ShardCluster, node: ClusterNode, amqps: int) -> None:
+    """``/api/nodes`` through ``node``: every member, each as it says it is (its own process),
+    and the overview's listeners: every member's client ports (a follower's are its proxies'),
+    never a shard broker's loopback ones (on main: the cluster leader alone, and loopback ones)."""
+    listed = {n["name"]: n for n in servers.api(node, "GET", "/api/nodes")}
+    assert set(listed) == {_name(n) for n in servers.c.nodes}, (node.name, sorted(listed))
+    for member in servers.c.nodes:
+        entry = listed[_name(member)]
+        assert member.proc is not None and entry["os_pid"] == str(member.proc.pid), (member.name, entry)
+        assert entry["running"] is True and entry["mem_used"] > 0 and entry["fd_used"] > 0, entry
+    one = servers.c.nodes[-1]
+    assert servers.api(node, "GET", f"/api/nodes/{_name(one)}")["os_pid"] == str(one.proc.pid)  # type: ignore[union-attr]
+    ports = {(x["node"], x["protocol"], x["ip_address"], x["port"])
+             for x in servers.api(node, "GET", "/api/overview")["listeners"]}
+    for member in servers.c.nodes:
+        for proto, port in (("amqp", member.port), ("http", member.mgmt_port), ("mqtt", member.mqtt_port),
+                            ("stream", member.stream_port)):
+            assert (_name(member), proto, member.ip, port) in ports, (node.name, member.name, proto, ports)
+    known = {(_name(m), m.ip, p) for m in servers.c.nodes for p in (m.port, m.mgmt_port, m.mqtt_port,
+                                                                   m.stream_port, amqps)}
+    known |= {(_name(m), "127.0.0.1", m.metrics_port) for m in servers.c.nodes}  # its default bind
+    assert {x for x in ports if (x[0], x[2], x[3]) not in known} == set(), ports  # no shard broker's port
 
 
 def _answers(servers: ShardCluster, node: ClusterNode, path: str) -> bool:
@@ -419,6 +449,8 @@ def test_nodes_serve_their_shards_and_kill9_of_one_moves_only_those_losing_nothi
     # its part of a whole answer is missing until its shards move: said, not under-counted
     partial = " ".join(servers.api(boss, "GET", "/api/overview").get("partial", []))
     assert any(repr(v) in partial for v in moved), partial
+    down = {n["name"]: n["running"] for n in servers.api(boss, "GET", "/api/nodes")}  # listed, not dropped
+    assert down == {_name(n): n is not victim for n in servers.c.nodes}, down
     with pytest.raises(urllib.error.HTTPError) as missing:
         servers.api(boss, "GET", "/api/queues")
     assert missing.value.code == 503 and "missing" in missing.value.read().decode()
