@@ -40,6 +40,8 @@ SLOW_FIRST = {
     "tests/integration/test_cluster_chaos.py": 140, "tests/integration/test_tls.py": 165,
     "tests/integration/test_web_ui.py": 135, "tests/integration/conformance/test_conformance.py": 110,
     "tests/integration/test_durability.py": 95,
+    # one 3-node shard-servers cluster through seven trials (three kill -9s): ~130 s loaded
+    "tests/integration/test_cluster_shard_servers.py": 120,
     # Since stop 39 most of their tests share one broker, scaled by the measured ratio (a loaded
     # machine, old and new side by side): test_mqtt 145 -> ~90, test_lmq 140 -> ~85;
     # test_features_ttl_dlx.py (200 -> ~45) left the list.
