@@ -163,8 +163,9 @@ class Trial:
 
 
 def serving_leader(c: Cluster, exclude: ClusterNode | None = None) -> ClusterNode | None:
+    """The leader, once it serves AMQP and its own management API (not a proxy to the dead one)."""
     n = c.leader()
-    return n if n is not None and n is not exclude and n.answers() else None
+    return n if n is not None and n is not exclude and n.answers() and n.api_answers() else None
 
 
 async def consume_some(url: str, queue: str, count: int,

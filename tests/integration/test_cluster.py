@@ -191,6 +191,18 @@ class ClusterNode:
     def answers(self) -> bool:
         return amqp_answers(self.ip, self.port, timeout=0.5)
 
+    def api_answers(self) -> bool:
+        """Its management API answers itself: a node that has just won an election may still
+        proxy this port to the killed leader for a moment (a request there is closed unanswered)."""
+        req = urllib.request.Request(f"http://{self.ip}:{self.mgmt_port}/api/overview")
+        auth = base64.b64encode(f"{self.user}:{self.user}".encode()).decode()
+        req.add_header("Authorization", "Basic " + auth)
+        try:
+            with urllib.request.urlopen(req, timeout=5) as resp:
+                return bool(resp.status == 200)
+        except (OSError, http.client.HTTPException):  # refused, reset, closed unanswered, 5xx
+            return False
+
     def kill9(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGKILL)
