@@ -381,12 +381,29 @@ async def consume_all(url: str, queue: str, expect_at_least: int) -> list[int]:
 LOCAL_FILES = (".node_id", ".lock", ".cluster_role")  # node-local: never replicated
 
 
+def files_under(d: Path) -> Iterator[tuple[str, Path]]:
+    """(path relative to ``d``, path) of each file under ``d``, walked while a live node changes
+    them: a directory removed meanwhile (a tombstone the segment worker removes, files a bulk
+    sync replaces) is skipped. ``Path.rglob`` raises FileNotFoundError then (Python 3.11)."""
+    for top, _dirs, names in os.walk(d):  # no onerror: a directory gone before its listing is skipped
+        for name in names:
+            p = Path(top, name)
+            yield p.relative_to(d).as_posix(), p
+
+
 def logical_equal(leader_dir: Path, follower_dir: Path) -> str | None:
-    """None if the follower's files equal the leader's (write segments: up to the zero tail)."""
+    """None if the follower's files equal the leader's (write segments: up to the zero tail);
+    otherwise why not, also when a file went while compared (a caller polls until None)."""
+    try:
+        return _differences(leader_dir, follower_dir)
+    except FileNotFoundError as exc:  # removed by the live node between the walk and the read
+        return f"{exc.filename} went while compared"
+
+
+def _differences(leader_dir: Path, follower_dir: Path) -> str | None:
     def files(d: Path) -> dict[str, Path]:
         out = {}
-        for p in d.rglob("*"):
-            rel = p.relative_to(d).as_posix()
+        for rel, p in files_under(d):
             if p.is_file() and not rel.startswith("transient/") and p.name not in LOCAL_FILES \
                     and not p.name.endswith(".tmp") and not in_tombstone(rel):
                 out[rel] = p
