@@ -526,7 +526,7 @@ def test_wrong_secret_refused_proxy_header_trusted_only_from_members(cluster: Cl
                 break
             reply += chunk
     assert codec.parse_welcome(reply).status == codec.BAD_SECRET
-    wait_for(lambda: "wrong clustering secret" in leader.log_text(), 5, "refusal logged")
+    wait_for(lambda: "wrong clustering secret" in leader.log_text(), 20, "refusal logged")
 
     # Through a follower's AMQP proxy the leader sees the real client address (the follower's
     # tunnel names it), and the follower's HTTP proxy reaches the leader's management API.

@@ -164,7 +164,7 @@ def test_follower_that_stops_acking_is_dropped_then_resyncs(cluster: Cluster) ->
         stopped_at = time.monotonic()
         try:
             # The leader's lag for the frozen follower grows (visible in its metrics) ...
-            wait_for(lambda: scrape(leader).get(lag_key, 0) > 0, 3, "the frozen follower's lag in metrics")
+            wait_for(lambda: scrape(leader).get(lag_key, 0) > 0, 10, "the frozen follower's lag in metrics")
             # ... until, after 3 s without an ack, it is dropped from the ISR in etcd.
             wait_for(lambda: fid not in isr(c) and len(isr(c)) == 2, 10, "the frozen follower out of the ISR")
             dropped = time.monotonic() - stopped_at
