@@ -164,9 +164,16 @@ class Trial:
 
 
 def serving_leader(c: Cluster, exclude: ClusterNode | None = None) -> ClusterNode | None:
-    """The leader, once it serves AMQP and its own management API (not a proxy to the dead one)."""
+    """The leader, once it serves AMQP (what the fault trials' failover figures measure)."""
     n = c.leader()
-    return n if n is not None and n is not exclude and n.answers() and n.api_answers() else None
+    return n if n is not None and n is not exclude and n.answers() else None
+
+
+def api_leader(c: Cluster, exclude: ClusterNode | None = None) -> ClusterNode | None:
+    """``serving_leader`` once its own management API answers too (not a proxy to the dead
+    leader): for a test whose next request after a failover goes to that API."""
+    n = serving_leader(c, exclude)
+    return n if n is not None and n.api_answers() else None
 
 
 async def consume_some(url: str, queue: str, count: int,

@@ -24,7 +24,7 @@ import pytest
 
 from broker.store.paths import vhost_dir
 
-from .cluster_faults import serving_leader
+from .cluster_faults import api_leader
 from .test_cluster import TTL, Cluster, cluster, start_cluster, wait_for  # noqa: F401 (fixture)
 from .test_definitions_atomic import ALL, NONE, document, post_in_thread, what_exists
 
@@ -44,7 +44,7 @@ def test_import_cut_off_by_the_leaders_kill9_is_all_or_nothing_on_the_new_leader
     leader.kill9()
     t.join(30)
     try:
-        successor = wait_for(lambda: serving_leader(c, exclude=leader), TTL + 30,
+        successor = wait_for(lambda: api_leader(c, exclude=leader), TTL + 30,
                              "a new leader serving clients")
     except AssertionError:
         raise AssertionError(c.diag()) from None
