@@ -616,7 +616,21 @@ class ClusterRunner:
         unix = [(codec.AMQP_PORT, "AMQP", cfg.amqp.unix_path),
                 (codec.HTTP_PORT, "HTTP", cfg.mgmt.unix_path if cfg.mgmt.enabled else ""),
                 (codec.MQTT_PORT, "MQTT", cfg.mqtt.unix_path if cfg.mqtt.enabled else "")]
-        for which, name, bind, port in wanted:
+        # The Unix sockets first and the AMQP port last, as on a leader (``node.start``): once
+        # a follower's AMQP port answers, every other port of it does (clients and tests wait
+        # on the AMQP port, then use the others at once)
+        for which, name, path in unix:
+            if not path:
+                continue
+            p = SpliceProxy(f"{name} (Unix socket)", self.targets[which], False, source,
+                            self._tunnelled(which))
+            try:
+                await p.start_unix(path, file_mode(cfg.main.unix_mode))
+            except (OSError, ValueError) as exc:
+                log.error("%s proxy cannot listen on %s: %s", name, path, exc)
+                continue
+            self.proxies.append(p)
+        for which, name, bind, port in wanted[1:] + wanted[:1]:  # AMQP (wanted[0]) last
             if port < 0:
                 continue  # that listener is turned off
             if which in _DIRECT:
@@ -633,17 +647,6 @@ class ClusterRunner:
             self.proxies.append(p)
             if which in PROTOCOLS:
                 self.listening.append((PROTOCOLS[which], (bind, bound)))
-        for which, name, path in unix:
-            if not path:
-                continue
-            p = SpliceProxy(f"{name} (Unix socket)", self.targets[which], False, source,
-                            self._tunnelled(which))
-            try:
-                await p.start_unix(path, file_mode(cfg.main.unix_mode))
-            except (OSError, ValueError) as exc:
-                log.error("%s proxy cannot listen on %s: %s", name, path, exc)
-                continue
-            self.proxies.append(p)
 
     def _routed(self) -> Routed | None:
         """With per-shard leaders, AMQP is read up to connection.open and carried to the node

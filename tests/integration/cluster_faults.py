@@ -16,6 +16,7 @@ delivered before the fault came back without the redelivered flag, and the failo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -32,7 +33,7 @@ from pathlib import Path
 
 import aio_pika
 
-from .test_cluster import Cluster, ClusterNode, Etcd, publish, wait_for
+from .test_cluster import Cluster, ClusterNode, Etcd, files_under, publish, wait_for
 
 
 def ip(*args: str) -> subprocess.CompletedProcess[str]:
@@ -163,8 +164,16 @@ class Trial:
 
 
 def serving_leader(c: Cluster, exclude: ClusterNode | None = None) -> ClusterNode | None:
+    """The leader, once it serves AMQP (what the fault trials' failover figures measure)."""
     n = c.leader()
     return n if n is not None and n is not exclude and n.answers() else None
+
+
+def api_leader(c: Cluster, exclude: ClusterNode | None = None) -> ClusterNode | None:
+    """``serving_leader`` once its own management API answers too (not a proxy to the dead
+    leader): for a test whose next request after a failover goes to that API."""
+    n = serving_leader(c, exclude)
+    return n if n is not None and n.api_answers() else None
 
 
 async def consume_some(url: str, queue: str, count: int,
@@ -254,7 +263,14 @@ def log_since(node: ClusterNode, offset: int) -> str:
 
 
 def ack_bytes(node: ClusterNode) -> int:
-    return sum(p.stat().st_size for p in node.data_dir.rglob("acks.*") if p.is_file())
+    """The bytes of the node's ack files; one removed while summed (a fully acked segment's,
+    on the segment worker) counts nothing."""
+    total = 0
+    for _rel, p in files_under(node.data_dir):
+        if p.name.startswith("acks."):
+            with contextlib.suppress(FileNotFoundError):
+                total += p.stat().st_size
+    return total
 
 
 def score(trial: Trial, confirmed: list[int], acked: list[int], delivered: list[int],

@@ -191,6 +191,18 @@ class ClusterNode:
     def answers(self) -> bool:
         return amqp_answers(self.ip, self.port, timeout=0.5)
 
+    def api_answers(self) -> bool:
+        """Its management API answers itself: a node that has just won an election may still
+        proxy this port to the killed leader for a moment (a request there is closed unanswered)."""
+        req = urllib.request.Request(f"http://{self.ip}:{self.mgmt_port}/api/overview")
+        auth = base64.b64encode(f"{self.user}:{self.user}".encode()).decode()
+        req.add_header("Authorization", "Basic " + auth)
+        try:
+            with urllib.request.urlopen(req, timeout=5) as resp:
+                return bool(resp.status == 200)
+        except (OSError, http.client.HTTPException):  # refused, reset, closed unanswered, 5xx
+            return False
+
     def kill9(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGKILL)
@@ -369,12 +381,29 @@ async def consume_all(url: str, queue: str, expect_at_least: int) -> list[int]:
 LOCAL_FILES = (".node_id", ".lock", ".cluster_role")  # node-local: never replicated
 
 
+def files_under(d: Path) -> Iterator[tuple[str, Path]]:
+    """(path relative to ``d``, path) of each file under ``d``, walked while a live node changes
+    them: a directory removed meanwhile (a tombstone the segment worker removes, files a bulk
+    sync replaces) is skipped. ``Path.rglob`` raises FileNotFoundError then (Python 3.11)."""
+    for top, _dirs, names in os.walk(d):  # no onerror: a directory gone before its listing is skipped
+        for name in names:
+            p = Path(top, name)
+            yield p.relative_to(d).as_posix(), p
+
+
 def logical_equal(leader_dir: Path, follower_dir: Path) -> str | None:
-    """None if the follower's files equal the leader's (write segments: up to the zero tail)."""
+    """None if the follower's files equal the leader's (write segments: up to the zero tail);
+    otherwise why not, also when a file went while compared (a caller polls until None)."""
+    try:
+        return _differences(leader_dir, follower_dir)
+    except FileNotFoundError as exc:  # removed by the live node between the walk and the read
+        return f"{exc.filename} went while compared"
+
+
+def _differences(leader_dir: Path, follower_dir: Path) -> str | None:
     def files(d: Path) -> dict[str, Path]:
         out = {}
-        for p in d.rglob("*"):
-            rel = p.relative_to(d).as_posix()
+        for rel, p in files_under(d):
             if p.is_file() and not rel.startswith("transient/") and p.name not in LOCAL_FILES \
                     and not p.name.endswith(".tmp") and not in_tombstone(rel):
                 out[rel] = p
@@ -497,7 +526,7 @@ def test_wrong_secret_refused_proxy_header_trusted_only_from_members(cluster: Cl
                 break
             reply += chunk
     assert codec.parse_welcome(reply).status == codec.BAD_SECRET
-    wait_for(lambda: "wrong clustering secret" in leader.log_text(), 5, "refusal logged")
+    wait_for(lambda: "wrong clustering secret" in leader.log_text(), 20, "refusal logged")
 
     # Through a follower's AMQP proxy the leader sees the real client address (the follower's
     # tunnel names it), and the follower's HTTP proxy reaches the leader's management API.

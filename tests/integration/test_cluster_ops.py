@@ -92,7 +92,7 @@ def test_metrics_api_and_cluster_status(cluster: Cluster) -> None:
     c = cluster
     leader, followers = start_cluster(c)
     ids = {n.name: n.node_id() for n in c.nodes}
-    wait_for(lambda: len(isr(c)) == 3, 10, "all three nodes in the ISR")
+    wait_for(lambda: len(isr(c)) == 3, 30, "all three nodes in the ISR")
 
     m = wait_for(lambda: (m := scrape(leader)) and m.get("skred_connected_followers") == 2 and m, 10,
                  "leader metrics with two followers")
@@ -153,7 +153,7 @@ def test_metrics_api_and_cluster_status(cluster: Cluster) -> None:
 def test_follower_that_stops_acking_is_dropped_then_resyncs(cluster: Cluster) -> None:
     c = cluster
     leader, followers = start_cluster(c)
-    wait_for(lambda: len(isr(c)) == 3, 10, "all three nodes in the ISR")
+    wait_for(lambda: len(isr(c)) == 3, 30, "all three nodes in the ISR")
     frozen = followers[0]
     fid = frozen.node_id()
     lag_key = f'skred_follower_lag_in_bytes{{id="{fid}"}}'
@@ -164,7 +164,7 @@ def test_follower_that_stops_acking_is_dropped_then_resyncs(cluster: Cluster) ->
         stopped_at = time.monotonic()
         try:
             # The leader's lag for the frozen follower grows (visible in its metrics) ...
-            wait_for(lambda: scrape(leader).get(lag_key, 0) > 0, 3, "the frozen follower's lag in metrics")
+            wait_for(lambda: scrape(leader).get(lag_key, 0) > 0, 10, "the frozen follower's lag in metrics")
             # ... until, after 3 s without an ack, it is dropped from the ISR in etcd.
             wait_for(lambda: fid not in isr(c) and len(isr(c)) == 2, 10, "the frozen follower out of the ISR")
             dropped = time.monotonic() - stopped_at
@@ -197,7 +197,7 @@ def test_leader_with_stalled_disk_gives_up_lease(cluster: Cluster, tmp_path: Pat
     ok: list[int] = []
     asyncio.run(asyncio.wait_for(publish(leader.url, "disk-q", 0, 50, ok), 20))
     assert len(ok) == 50
-    wait_for(lambda: len(isr(c)) == 3, 10, "all three nodes in the ISR")
+    wait_for(lambda: len(isr(c)) == 3, 30, "all three nodes in the ISR")
     assert leader.proc is not None
 
     (tmp_path / f"stall-{leader.name}").touch()  # from now on the leader's fsync never returns
@@ -306,7 +306,7 @@ def test_leader_partitioned_from_etcd_stops_confirming_within_ttl(
         partition_cluster: tuple[Cluster, NetnsEtcd]) -> None:
     c, etcd = partition_cluster
     leader, _followers = start_cluster(c)
-    wait_for(lambda: len(isr(c)) == 3, 10, "all three nodes in the ISR")
+    wait_for(lambda: len(isr(c)) == 3, 30, "all three nodes in the ISR")
     index = c.nodes.index(leader)
     with Publisher(leader.url, "part-q", limit=30) as pub:
         wait_for(lambda: pub.count() >= 200, 10, "publishing under way")

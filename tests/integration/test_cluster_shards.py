@@ -119,7 +119,7 @@ def test_each_shard_has_its_isr_key_beside_its_leader_key(shards: ShardCluster) 
     x = next(iter(VHOSTS))
     cluster = isr("isr")
     etcd._ctl("put", f"{prefix}/{shard_isr_key(x)}", json.dumps([*cluster, cluster[0]]))  # same set
-    wait_for(named, 10, f"{x}'s stray ISR value mended")
+    wait_for(named, 30, f"{x}'s stray ISR value mended")
     assert shards.leaders() == want
     # the one stream is acked per shard: the leader lists who holds each shard's every action
     publish(shards.c.nodes[0], x, "isr", 1)
@@ -130,19 +130,19 @@ def test_each_shard_has_its_isr_key_beside_its_leader_key(shards: ShardCluster) 
             s["vhost"]: s.get("replicas") for s in shards.api(leader, "GET", "/api/cluster")["shards"]}
         return all(sorted(listed.get(v) or []) == IDS for v in want)
 
-    wait_for(replicas, 10, "every shard held by all three nodes")
+    wait_for(replicas, 30, "every shard held by all three nodes")
 
 
 def test_hooks_name_the_shard_and_a_deleted_vhost_gives_its_shard_up(shards: ShardCluster) -> None:
     want = expected()
-    wait_for(lambda: all(f"leader {n} {v}" in shards.hook_lines() for v, n in want.items()), 10,
+    wait_for(lambda: all(f"leader {n} {v}" in shards.hook_lines() for v, n in want.items()), 30,
              "an on_leader_elected hook per shard, naming it")
     shards.api(shards.leader, "PUT", "/api/vhosts/short-lived")
-    wait_for(lambda: "short-lived" in shards.leaders(), 10, "the new vhost's shard led")
+    wait_for(lambda: "short-lived" in shards.leaders(), 30, "the new vhost's shard led")
     holder = shards.leaders()["short-lived"]
     shards.api(shards.leader, "DELETE", "/api/vhosts/short-lived")
-    wait_for(lambda: "short-lived" not in shards.leaders(), 10, "the deleted vhost's shard key gone")
-    wait_for(lambda: f"follower {holder} short-lived" in shards.hook_lines(), 10, "its on_leader_lost hook")
+    wait_for(lambda: "short-lived" not in shards.leaders(), 30, "the deleted vhost's shard key gone")
+    wait_for(lambda: f"follower {holder} short-lived" in shards.hook_lines(), 30, "its on_leader_lost hook")
 
 
 def test_confirmed_publishes_reach_every_vhost_through_every_node(shards: ShardCluster) -> None:

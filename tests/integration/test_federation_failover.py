@@ -18,7 +18,8 @@ import pika
 import pytest
 
 from ._support import SkredProcess, free_port, is_external, wait_until
-from .test_cluster import TTL, Cluster, ClusterNode, start_cluster
+from .cluster_faults import api_leader
+from .test_cluster import TTL, Cluster, start_cluster, wait_for
 from .test_mgmt_api import Api, http_ready
 
 pytestmark = [pytest.mark.chaos, pytest.mark.skipif(is_external(), reason="starts its own brokers")]
@@ -145,16 +146,8 @@ def test_links_move_to_the_new_leader_and_lose_nothing(tmp_path: Path, upstream:
         got: list[int] = []
         _consume(leader.url, "fed.q", got, N, stop_at=N // 3)
         leader.kill9()
-
-        def new_leader() -> ClusterNode | None:
-            n = c.leader()
-            return n if n is not None and n is not leader and n.answers() else None
-
-        wait_until(lambda: new_leader() is not None, TTL + 20, "a new leader")
-        successor = new_leader()
-        assert successor is not None
+        successor = wait_for(lambda: api_leader(c, exclude=leader), TTL + 40, "a new leader serving its API")
         api = _api(successor.ip, successor.mgmt_port)
-        wait_until(lambda: http_ready_at(successor), 20, "the new leader's API")
         wait_until(lambda: any(lk["status"] == "running"
                                for lk in api.call("GET", "/api/federation-links")[1]),
                    DEADLINE, "the link running on the new leader")
@@ -163,10 +156,3 @@ def test_links_move_to_the_new_leader_and_lose_nothing(tmp_path: Path, upstream:
         wait_until(lambda: _upstream_count(upstream, "fed.q") == 0, DEADLINE, "upstream drained")
     finally:
         c.close()
-
-
-def http_ready_at(node: ClusterNode) -> bool:
-    try:
-        return bool(_api(node.ip, node.mgmt_port).call("GET", "/api/overview")[0] == 200)
-    except OSError:  # not listening yet
-        return False

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from .cluster_faults import serving_leader
+from .cluster_faults import api_leader
 from .test_cluster import TTL, Cluster, cluster, start_cluster, wait_for  # noqa: F401 (fixture)
 from .test_names import Doors, Expect, check
 
@@ -49,7 +49,7 @@ def test_names_and_an_import_through_leader_and_follower_survive_leader_kill9(
     leader.kill9()
 
     try:
-        successor = wait_for(lambda: serving_leader(c, exclude=leader), TTL + 15,
+        successor = wait_for(lambda: api_leader(c, exclude=leader), TTL + 15,
                              "a new leader serving clients")
     except AssertionError:
         raise AssertionError(c.diag()) from None

@@ -23,7 +23,7 @@ import pika
 import pytest
 
 from ._support import Broker, SkredProcess, is_external, wait_until
-from .cluster_faults import serving_leader
+from .cluster_faults import api_leader
 from .test_cluster import TTL, Cluster, cluster, start_cluster, wait_for  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.skipif(is_external(), reason="restarts a Skred process of its own")
@@ -129,7 +129,7 @@ def test_new_leader_serves_many_queues(cluster: Cluster) -> None:  # noqa: F811 
     left = _fill(followers[0].url)  # through a follower's proxy to the leader
     leader.kill9()
     try:
-        successor = wait_for(lambda: serving_leader(c, exclude=leader), TTL + 20,
+        successor = wait_for(lambda: api_leader(c, exclude=leader), TTL + 20,
                              "a new leader serving clients")
     except AssertionError:
         raise AssertionError(c.diag()) from None
