@@ -1,0 +1,275 @@
+"""A deduplicating exchange's cache: in memory, or on disk and on the followers.
+
+Theory of operation
+-------------------
+An exchange declared with ``x-message-deduplication`` drops a message whose
+``x-deduplication-header`` value it has seen within its cache: ``x-cache-size`` entries, the
+oldest entry evicted first; an entry expires after ``x-cache-ttl`` ms (or the message's own
+``x-cache-ttl`` header), and an expired key is remembered anew, as the newest, when it comes
+again. Exactly once (the Spark sink's ``exactlyOnce`` to an exchange) rests on that: a task
+retry publishes a batch whose first attempt was confirmed, and the exchange drops it. So the
+cache must outlive the process that built it.
+
+``x-cache-persistence`` (RabbitMQ's deduplication plugin's argument): ``memory`` keeps the
+cache in this process only, as that plugin does by default; ``disk`` keeps it in a log of its
+own. Skred's default is ``disk`` for a durable exchange (a transient one has nothing to come
+back to: ``memory``), because a broker whose confirmed messages survive kill -9 and a leader's
+loss must not let their retries through either (docs/compatibility.md lists the difference).
+
+The log is a ``QueueStore`` under ``<vhost>/dedup/<sha1 of the exchange>``: one record per key
+taken as new (timestamp, then as its body the entry's expiry in ms, i64, -1 for none, and the
+key in UTF-8). Everything a queue's store does for messages it does for keys: appends go
+through the replication sink at once, so the followers hold a key before the message it let
+through (the stream is ordered); the store is the group commit's (``notify``), so a persistent
+message's confirm waits until its key is fsynced and replicated with it; a full disk raises
+``DiskFull`` before anything is written; a torn last record is dropped at recovery. Every
+record is kept "taken", so it can be acked in any order: an evicted key, an expired key
+remembered anew (its old record), a key forgotten (its message was not stored) is acked, and a
+segment whose records are all acked is deleted. Eviction goes oldest first, so segments go in
+order and the disk holds about ``x-cache-size`` records plus the write segment.
+
+The ordering rule: a key is written when ``seen`` takes it as new, before its message is
+stored; a message that then cannot be stored is forgotten again (``forget``: the record acked,
+and the ack written at once). A duplicate dropped while the original's key is not yet fsynced
+is confirmed after the next group commit (the publish operation marks it ``sync``), so a
+confirmed duplicate never stands for an original a crash or a failover could still lose.
+
+Recovery (the exchange's declare at boot, or on a new leader) reads the records in order and
+applies them as ``seen`` did: an expired one is acked, a later record of the same key replaces
+the earlier one, and the oldest beyond ``x-cache-size`` are evicted (acks lost to a kill -9
+within the sync window only bring back records that are evicted again here). A store that
+cannot be opened (corrupt) leaves the exchange routing with a memory cache, logged: the
+exchange must not vanish with its cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import time
+from collections import OrderedDict
+from typing import Any
+
+from broker import errors, properties
+from broker.errors import StoreError
+from broker.store.queue_store import QueueStore
+
+log = logging.getLogger(__name__)
+
+DEDUP_HEADER = "x-deduplication-header"
+PERSISTENCE = "x-cache-persistence"
+_ABSENT: Any = object()
+_EXPIRY = struct.Struct("<q")
+_NO_EXPIRY = -1
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def int_arg(value: Any) -> int | None:
+    """An integer argument or header, as a number or its text; None otherwise."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, (str, bytes)):
+        text = value.decode() if isinstance(value, bytes) else value
+        if text.strip().lstrip("-").isdigit():
+            return int(text)
+    return None
+
+
+def key_text(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bytes):
+        return value.decode(errors="replace")
+    return str(value)
+
+
+class DedupCache:
+    """The cache in memory (``x-cache-persistence: memory``)."""
+
+    durable = False  # a dropped duplicate's confirm need not wait for a group commit
+
+    def __init__(self, size: int, ttl: int | None) -> None:
+        self.size = size
+        self.ttl = ttl
+        self.entries: OrderedDict[str, int | None] = OrderedDict()
+
+    def seen(self, key: str, ttl: int | None, now: int | None = None) -> bool:
+        """True for a duplicate; otherwise remembers ``key`` (``now``: the time in ms, if the
+        caller has it)."""
+        if now is None:
+            now = now_ms()
+        entries = self.entries
+        exp = entries.get(key, _ABSENT)
+        if exp is not _ABSENT:
+            if exp is None or exp > now:
+                return True
+            entries.move_to_end(key)  # expired: remembered anew, as the newest
+        ttl = ttl if ttl is not None else self.ttl
+        entries[key] = now + ttl if ttl is not None else None
+        if len(entries) > self.size:  # one key added at a time
+            entries.popitem(last=False)
+        return False
+
+    def forget(self, props: list[bytes]) -> None:
+        """The keys of messages ``seen`` took as new, which were then not stored (a full
+        disk): their retries are new too. (What their arrival evicted stays evicted: the
+        cache forgets, as its size bound does, and never drops a message it should keep.)"""
+        for p in props:
+            key = dedup_key(p)[0]
+            if key is not None:
+                self.entries.pop(key, None)
+
+    def close(self, delete: bool = False) -> None:
+        pass
+
+
+class DurableDedupCache(DedupCache):
+    """The cache with its log (``x-cache-persistence: disk``; module doc)."""
+
+    durable = True
+
+    def __init__(self, size: int, ttl: int | None, store: QueueStore) -> None:
+        super().__init__(size, ttl)
+        self.store = store
+        self.ids: dict[str, int] = {}  # key -> its record
+        self._recover()
+
+    def _recover(self) -> None:
+        store = self.store
+        entries, ids = self.entries, self.ids
+        now = now_ms()
+        stale: list[int] = []
+        while True:
+            msgid = store.shift()
+            if msgid is None:
+                break
+            body = store.read(msgid)[4]
+            exp = _EXPIRY.unpack_from(body)[0]
+            if exp != _NO_EXPIRY and exp <= now:
+                stale.append(msgid)
+                continue
+            key = body[_EXPIRY.size:].decode(errors="replace")
+            old = ids.get(key)
+            if old is not None:
+                stale.append(old)
+                entries.move_to_end(key)
+            entries[key] = None if exp == _NO_EXPIRY else exp
+            ids[key] = msgid
+            if len(entries) > self.size:
+                stale.append(ids.pop(entries.popitem(last=False)[0]))
+        if stale:
+            store.ack_many(sorted(stale))
+        if entries:
+            log.info("deduplication cache %s: %d keys recovered", store.directory, len(entries))
+
+    def seen(self, key: str, ttl: int | None, now: int | None = None) -> bool:
+        if now is None:
+            now = now_ms()
+        entries = self.entries
+        exp = entries.get(key, _ABSENT)
+        if exp is not _ABSENT and (exp is None or exp > now):
+            return True
+        ttl = ttl if ttl is not None else self.ttl
+        expiry = now + ttl if ttl is not None else None
+        # first the record (DiskFull: nothing remembered, the message is not stored either)
+        msgid = self.store.append_taken(now, b"", b"", b"", _EXPIRY.pack(
+            _NO_EXPIRY if expiry is None else expiry) + key.encode())
+        store = self.store
+        ids = self.ids
+        if exp is not _ABSENT:  # expired: its old record goes, the key is the newest
+            store.ack(ids[key])
+            entries.move_to_end(key)
+        entries[key] = expiry
+        ids[key] = msgid
+        if len(entries) > self.size:
+            store.ack(ids.pop(entries.popitem(last=False)[0]))
+        return False
+
+    def forget(self, props: list[bytes]) -> None:
+        gone = []
+        for p in props:
+            key = dedup_key(p)[0]
+            if key is not None and self.entries.pop(key, _ABSENT) is not _ABSENT:
+                gone.append(self.ids.pop(key))
+        if gone:
+            self.store.ack_many(sorted(gone))
+            try:
+                self.store.flush()  # the acks to their file now: a crash must not bring them back
+            except OSError as exc:
+                log.warning("deduplication cache %s: forgotten keys not written yet: %s",
+                            self.store.directory, exc)
+
+    def close(self, delete: bool = False) -> None:
+        if delete:
+            self.store.delete()
+        else:
+            self.store.close()
+
+
+def dedup_cache(arguments: dict[str, Any], what: str, durable: bool,
+                open_store: Any = None) -> DedupCache:
+    """The cache an exchange's arguments ask for (406 on a bad one). ``open_store()`` makes
+    its log's ``QueueStore``, for a durable exchange whose persistence is ``disk``."""
+    size = int_arg(arguments.get("x-cache-size"))
+    if size is None or size <= 0:
+        raise errors.PreconditionFailed(
+            f"invalid arg 'x-cache-size' for {what}: must be a positive integer", 40, 10)
+    ttl_raw = arguments.get("x-cache-ttl")
+    ttl = int_arg(ttl_raw) if ttl_raw is not None else None
+    if ttl_raw is not None and (ttl is None or ttl <= 0):
+        raise errors.PreconditionFailed(
+            f"invalid arg 'x-cache-ttl' for {what}: must be a positive integer", 40, 10)
+    kind = key_text(arguments.get(PERSISTENCE)) or ("disk" if durable else "memory")
+    if kind not in ("memory", "disk"):
+        raise errors.PreconditionFailed(
+            f"invalid arg '{PERSISTENCE}' for {what}: must be 'memory' or 'disk'", 40, 10)
+    if kind == "memory" or not durable or open_store is None:
+        return DedupCache(size, ttl)
+    try:
+        store = open_store()
+    except StoreError as exc:
+        log.error("%s: its deduplication cache cannot be read (%s): kept in memory only", what, exc)
+        return DedupCache(size, ttl)
+    return DurableDedupCache(size, ttl, store)
+
+
+_DEDUP_NAMES = (DEDUP_HEADER.encode(), b"x-cache-ttl")
+# The headers table's first field when it is the key as a long string, in a list without a
+# content type or encoding: flags (2), table size (4), then name size, name, type 'S' at 6.
+_KEY_FIRST = bytes((len(DEDUP_HEADER),)) + DEDUP_HEADER.encode() + b"S"
+_KEY_AT = 6 + len(_KEY_FIRST) + 4  # where its value starts
+_TTL_FIELD = b"\x0bx-cache-ttl"
+_HEADERS_ALONE = properties.HI_CONTENT_TYPE | properties.HI_CONTENT_ENCODING | properties.HI_HEADERS
+_U32 = struct.Struct(">I").unpack_from
+
+
+def dedup_key(props: bytes) -> tuple[str | None, int | None]:
+    """A message's deduplication key and its own cache TTL (ms), from its two headers only.
+    The common layout (the key the table's first field, no ``x-cache-ttl`` anywhere: what the
+    Spark sink and most publishers send) is read where it lies, else the table is walked."""
+    if props.startswith(_KEY_FIRST, 6) and props[0] & _HEADERS_ALONE == properties.HI_HEADERS \
+            and _TTL_FIELD not in props:
+        end = _KEY_AT + _U32(props, _KEY_AT - 4)[0]
+        if end <= 6 + _U32(props, 2)[0]:  # within the table: its first field, so top-level
+            return props[_KEY_AT:end].decode(errors="replace"), None
+    value, ttl_value = properties.header_values(props, _DEDUP_NAMES)
+    ttl = int_arg(ttl_value)
+    return key_text(value), (ttl if ttl is not None and ttl > 0 else None)
+
+
+def kept_by(cache: DedupCache, props: list[bytes]) -> list[int]:
+    """The messages of a run that are not duplicates (indices), each looked up and remembered
+    in order, as one by one; ``forget`` undoes it for a run that then could not be stored."""
+    kept = []
+    seen = cache.seen
+    now = now_ms()
+    for i, p in enumerate(props):
+        key, ttl = dedup_key(p)
+        if key is None or not seen(key, ttl, now):
+            kept.append(i)
+    return kept
