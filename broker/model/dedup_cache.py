@@ -35,9 +35,11 @@ is confirmed after the next group commit (the publish operation marks it ``sync`
 confirmed duplicate never stands for an original a crash or a failover could still lose.
 
 Recovery (the exchange's declare at boot, or on a new leader) reads the records in order and
-applies them as ``seen`` did: an expired one is acked, a later record of the same key replaces
-the earlier one, and the oldest beyond ``x-cache-size`` are evicted (acks lost to a kill -9
-within the sync window only bring back records that are evicted again here). A store that
+applies them as ``seen`` did: a later record of the same key replaces the earlier one, and the
+oldest beyond ``x-cache-size`` are evicted. An expired entry stays until then, as it does while
+the broker runs (it holds a place, so dropping it would bring back an evicted key), and the
+cache is the one the broker had: acks a kill -9 lost within the sync window only bring back
+records that are evicted again here. (A forgotten key's ack is written at once.) A store that
 cannot be opened (corrupt) leaves the exchange routing with a memory cache, logged: the
 exchange must not vanish with its cache.
 """
@@ -142,7 +144,6 @@ class DurableDedupCache(DedupCache):
     def _recover(self) -> None:
         store = self.store
         entries, ids = self.entries, self.ids
-        now = now_ms()
         stale: list[int] = []
         while True:
             msgid = store.shift()
@@ -150,9 +151,6 @@ class DurableDedupCache(DedupCache):
                 break
             body = store.read(msgid)[4]
             exp = _EXPIRY.unpack_from(body)[0]
-            if exp != _NO_EXPIRY and exp <= now:
-                stale.append(msgid)
-                continue
             key = body[_EXPIRY.size:].decode(errors="replace")
             old = ids.get(key)
             if old is not None:
