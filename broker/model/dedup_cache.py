@@ -63,6 +63,7 @@ PERSISTENCE = "x-cache-persistence"
 _ABSENT: Any = object()
 _EXPIRY = struct.Struct("<q")
 _NO_EXPIRY = -1
+_NO_NAMES = b"\x00\x00"  # a record's exchange and routing key: two empty short strings
 
 
 def now_ms() -> int:
@@ -126,6 +127,9 @@ class DedupCache:
             if key is not None:
                 self.entries.pop(key, None)
 
+    def write(self) -> None:
+        """Nothing to write: the durable cache writes what ``seen`` remembered."""
+
     def close(self, delete: bool = False) -> None:
         pass
 
@@ -139,6 +143,11 @@ class DurableDedupCache(DedupCache):
         super().__init__(size, ttl)
         self.store = store
         self.ids: dict[str, int] = {}  # key -> its record
+        # what ``seen`` took as new and ``write`` has not written yet: the keys, their records,
+        # and the records they replaced or evicted (acked once the new ones are written)
+        self._pending: list[str] = []
+        self._records: list[bytes] = []
+        self._acks: list[int] = []
         self._recover()
 
     def _recover(self) -> None:
@@ -170,23 +179,54 @@ class DurableDedupCache(DedupCache):
             now = now_ms()
         entries = self.entries
         exp = entries.get(key, _ABSENT)
-        if exp is not _ABSENT and (exp is None or exp > now):
-            return True
+        if exp is not _ABSENT:
+            if exp is None or exp > now:
+                return True
+            entries.move_to_end(key)  # expired: its old record goes, the key is the newest
+            old = self.ids.pop(key, None)
+            if old is not None:  # (None: a key of this run, not written yet: see write)
+                self._acks.append(old)
         ttl = ttl if ttl is not None else self.ttl
         expiry = now + ttl if ttl is not None else None
-        # first the record (DiskFull: nothing remembered, the message is not stored either)
-        msgid = self.store.append_taken(now, b"", b"", b"", _EXPIRY.pack(
-            _NO_EXPIRY if expiry is None else expiry) + key.encode())
-        store = self.store
-        ids = self.ids
-        if exp is not _ABSENT:  # expired: its old record goes, the key is the newest
-            store.ack(ids[key])
-            entries.move_to_end(key)
         entries[key] = expiry
-        ids[key] = msgid
+        self._pending.append(key)
+        self._records.append(_EXPIRY.pack(_NO_EXPIRY if expiry is None else expiry) + key.encode())
         if len(entries) > self.size:
-            store.ack(ids.pop(entries.popitem(last=False)[0]))
+            old = self.ids.pop(entries.popitem(last=False)[0], None)
+            if old is not None:  # (None: a key of this run, not written yet: see write)
+                self._acks.append(old)
         return False
+
+    def write(self) -> None:
+        """The records of the keys ``seen`` took as new since the last call, appended as one
+        run, and the records they replaced or evicted acked. Called before their messages are
+        stored; DiskFull (nothing written): those keys are not remembered either."""
+        keys = self._pending
+        if not keys:
+            return
+        records, acks = self._records, self._acks
+        self._pending, self._records, self._acks = [], [], []
+        store, entries, ids = self.store, self.entries, self.ids
+        try:
+            msgids = store.append_run_taken(now_ms(), _NO_NAMES, [b""] * len(keys), records, False)
+        except BaseException:
+            for key in keys:
+                entries.pop(key, None)
+            if acks:
+                store.ack_many(sorted(acks))
+            raise
+        if msgids is None:  # the cursor was elsewhere (acked records before it): taken one by one
+            msgids = [store.shift() for _ in keys]  # type: ignore[misc]
+        for key, msgid in zip(keys, msgids, strict=True):
+            old = ids.get(key)
+            if old is not None:  # a key this run remembered twice (evicted in between)
+                acks.append(old)
+            ids[key] = msgid
+        for key in set(keys) if len(keys) > 1 else keys:
+            if key not in entries:  # evicted by the run itself (a cache smaller than it)
+                acks.append(ids.pop(key))
+        if acks:
+            store.ack_many(sorted(acks))
 
     def forget(self, props: list[bytes]) -> None:
         gone = []
@@ -262,7 +302,8 @@ def dedup_key(props: bytes) -> tuple[str | None, int | None]:
 
 def kept_by(cache: DedupCache, props: list[bytes]) -> list[int]:
     """The messages of a run that are not duplicates (indices), each looked up and remembered
-    in order, as one by one; ``forget`` undoes it for a run that then could not be stored."""
+    in order, as one by one, and written (``write``); ``forget`` undoes it for a run that then
+    could not be stored."""
     kept = []
     seen = cache.seen
     now = now_ms()
@@ -270,4 +311,5 @@ def kept_by(cache: DedupCache, props: list[bytes]) -> list[int]:
         key, ttl = dedup_key(p)
         if key is None or not seen(key, ttl, now):
             kept.append(i)
+    cache.write()
     return kept

@@ -276,8 +276,10 @@ class ExchangeSpecial:
             return False, []  # it stops here: routed nowhere
         if self.dedup is not None:
             key, ttl = dedup_key(props)
-            if key is not None and self.dedup.seen(key, ttl):
-                return True, None
+            if key is not None:
+                if self.dedup.seen(key, ttl):
+                    return True, None
+                self.dedup.write()  # its record before the message (DiskFull: neither)
         if self.delayed is not None:
             if headers is None:
                 headers = _headers(props)

@@ -339,6 +339,8 @@ def publish_batch(vh: Scope, exchange: str, keys: Sequence[KeyedNames], props: l
     if i == first:
         return out
     try:
+        if dedup is not None:
+            dedup.write()  # the new keys' records before their messages (DiskFull: neither)
         _store_batch(ex, keys, props, bodies, ts, parts, out)
     except (errors.DiskFull, OSError):
         if dedup is not None:  # nothing stored: the caller publishes them again one by one

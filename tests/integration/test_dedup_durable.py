@@ -21,12 +21,13 @@ import pytest
 from ._support import Broker, connect, count_at, unique, wait_until
 
 KEYS = 40
+SINK_ROWS = 500
 
 
-def _declare(url: str, ex: str, q: str, **arguments: Any) -> None:
+def _declare(url: str, ex: str, q: str, kind: str = "direct", **arguments: Any) -> None:
     with pika.BlockingConnection(pika.URLParameters(url)) as conn:
         ch = conn.channel()
-        ch.exchange_declare(ex, "direct", durable=True,
+        ch.exchange_declare(ex, kind, durable=True,
                             arguments={"x-message-deduplication": True, "x-cache-size": 1000, **arguments})
         ch.queue_declare(q, durable=True)
         ch.queue_bind(q, ex, "k")
@@ -42,19 +43,37 @@ def _publish(url: str, ex: str, keys: range, tag: str) -> None:
                 delivery_mode=2, headers={"x-deduplication-header": f"k{i}"}))
 
 
+def _sink_task(url: str, ex: str) -> int:
+    """The Spark sink's task (``exactlyOnce``, its batches framed whole: runs in the broker)
+    writing SINK_ROWS rows, as Spark runs it and runs it again on a retry."""
+    pa = pytest.importorskip("pyarrow")
+    pytest.importorskip("pyspark.sql.datasource")
+    from .test_spark_sink_amqp import _publish as sink_publish
+
+    values = [b"s%d" % i for i in range(SINK_ROWS)]
+    batches = [pa.record_batch([pa.array(values[:200], pa.binary())], names=["value"]),
+               pa.record_batch([pa.array(values[200:], pa.binary())], names=["value"])]
+    return sink_publish(url, batches, topic=ex, exactlyOnce="true", confirmWindow="64")
+
+
 def test_confirmed_keys_survive_kill9(broker: Broker) -> None:
     ex, q = unique("dx"), unique("dq")
     mem_ex, mem_q = unique("mx"), unique("mq")
+    sink_ex, sink_q = unique("sx"), unique("sq")
     _declare(broker.url, ex, q)
     _declare(broker.url, mem_ex, mem_q, **{"x-cache-persistence": "memory"})
+    _declare(broker.url, sink_ex, sink_q, "fanout")
     _publish(broker.url, ex, range(KEYS), "first")
     _publish(broker.url, mem_ex, range(KEYS), "first")
+    assert _sink_task(broker.url, sink_ex) == SINK_ROWS
     broker.kill9()
     broker.start()
     # the retry of a confirmed batch, and new keys after it
     _publish(broker.url, ex, range(KEYS + 5), "retry")
     _publish(broker.url, mem_ex, range(KEYS), "retry")
+    assert _sink_task(broker.url, sink_ex) == SINK_ROWS  # the task retried: every row dropped
     assert count_at(broker.url, q) == KEYS + 5
+    assert count_at(broker.url, sink_q) == SINK_ROWS
     # memory, as asked: the keys went with the process (RabbitMQ's plugin's default kind)
     assert count_at(broker.url, mem_q) == 2 * KEYS
     with connect(broker) as conn:
