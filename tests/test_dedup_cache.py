@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 from pathlib import Path
 
+from _file_calls import worker_idle
 from pamqp import commands
 
 from broker import properties
@@ -20,6 +22,14 @@ SEGMENT = 4096  # small segments, so eviction must delete some
 
 def _open(d: Path, size: int, ttl: int | None = None) -> DurableDedupCache:
     return DurableDedupCache(size, ttl, QueueStore(d, segment_size=SEGMENT))
+
+
+def _killed(cache: DurableDedupCache, to: Path, size: int, ttl: int | None = None) -> DurableDedupCache:
+    """The cache's files as a kill -9 leaves them (written, nothing flushed, trimmed or closed),
+    copied to ``to`` once the segment worker is idle, and opened there."""
+    worker_idle()
+    shutil.copytree(cache.store.directory, to)
+    return _open(to, size, ttl)
 
 
 def _props(key: str) -> bytes:
@@ -42,8 +52,9 @@ def test_answers_and_recovery_match_the_memory_cache(tmp_path: Path) -> None:
             disk.write()
             if step == 999:
                 disk.close()  # a clean stop
-            # else: the store left open, as kill -9 leaves it (nothing flushed or trimmed)
-            disk = _open(tmp_path / "c", 8, 1000)
+                disk = _open(tmp_path / "c", 8, 1000)
+            else:
+                disk = _killed(disk, tmp_path / f"c{step}", 8, 1000)
             assert list(disk.entries.items()) == list(mem.entries.items())  # in order, oldest first
     disk.close()
 
@@ -70,13 +81,15 @@ def test_disk_is_bounded_by_the_size(tmp_path: Path) -> None:
 def test_a_forgotten_key_stays_forgotten_after_a_kill(tmp_path: Path) -> None:
     d = tmp_path / "c"
     cache = _open(d, 10)
-    assert not cache.seen("a", None) and not cache.seen("b", None)
+    assert not cache.seen("a", None)
+    cache.write()
+    assert not cache.seen("b", None)
     cache.write()
     cache.forget([_props("a")])  # its message was not stored (a full disk)
     assert not cache.seen("a", None)  # new again
     cache.write()
     cache.forget([_props("a")])
-    reopened = _open(d, 10)  # the first left open: kill -9
+    reopened = _killed(cache, tmp_path / "killed", 10)
     assert list(reopened.entries) == ["b"]
     reopened.close()
 

@@ -16,17 +16,20 @@ own. Skred's default is ``disk`` for a durable exchange (a transient one has not
 back to: ``memory``), because a broker whose confirmed messages survive kill -9 and a leader's
 loss must not let their retries through either (docs/compatibility.md lists the difference).
 
-The log is a ``QueueStore`` under ``<vhost>/dedup/<sha1 of the exchange>``: one record per key
-taken as new (timestamp, then as its body the entry's expiry in ms, i64, -1 for none, and the
-key in UTF-8). Everything a queue's store does for messages it does for keys: appends go
+The log is a ``QueueStore`` under ``<vhost>/dedup/<sha1 of the exchange>``: one record per run
+of keys taken as new together (a single publish, or a run or batch of them: ``write``), its
+body the keys' entries (expiry in ms, i64, -1 for none; the key's length, u32; the key in
+UTF-8). Everything a queue's store does for messages it does for these records: appends go
 through the replication sink at once, so the followers hold a key before the message it let
 through (the stream is ordered); the store is the group commit's (``notify``), so a persistent
 message's confirm waits until its key is fsynced and replicated with it; a full disk raises
 ``DiskFull`` before anything is written; a torn last record is dropped at recovery. Every
-record is kept "taken", so it can be acked in any order: an evicted key, an expired key
-remembered anew (its old record), a key forgotten (its message was not stored) is acked, and a
-segment whose records are all acked is deleted. Eviction goes oldest first, so segments go in
-order and the disk holds about ``x-cache-size`` records plus the write segment.
+record is kept "taken", so it can be acked in any order, and counts its keys still in the
+cache: a key evicted, expired and remembered anew, or forgotten (its message was not stored)
+leaves its record, and a record left with none is acked; a segment whose records are all acked
+is deleted. Eviction goes oldest first, so records and segments go in order and the disk holds
+about ``x-cache-size`` keys' entries plus the write segment. One record per run keeps the cost
+per key to building its entry (a record per key cost several times the in-memory lookup).
 
 The ordering rule: a key is written when ``seen`` takes it as new, before its message is
 stored; a message that then cannot be stored is forgotten again (``forget``: the record acked,
@@ -61,9 +64,8 @@ log = logging.getLogger(__name__)
 DEDUP_HEADER = "x-deduplication-header"
 PERSISTENCE = "x-cache-persistence"
 _ABSENT: Any = object()
-_EXPIRY = struct.Struct("<q")
+_ENTRY = struct.Struct("<qI")  # a key's entry in a record: its expiry (ms), its length; then the key
 _NO_EXPIRY = -1
-_NO_NAMES = b"\x00\x00"  # a record's exchange and routing key: two empty short strings
 
 
 def now_ms() -> int:
@@ -142,37 +144,57 @@ class DurableDedupCache(DedupCache):
     def __init__(self, size: int, ttl: int | None, store: QueueStore) -> None:
         super().__init__(size, ttl)
         self.store = store
-        self.ids: dict[str, int] = {}  # key -> its record
-        # what ``seen`` took as new and ``write`` has not written yet: the keys, their records,
-        # and the records they replaced or evicted (acked once the new ones are written)
+        self.ids: dict[str, int] = {}  # key -> the record that holds it
+        self.live: dict[int, int] = {}  # record -> how many of its keys are still in the cache
+        # what ``seen`` took as new and ``write`` has not written yet: the keys and their
+        # entries, and the records whose last key went meanwhile (acked at the next write)
         self._pending: list[str] = []
-        self._records: list[bytes] = []
+        self._entries: list[bytes] = []
         self._acks: list[int] = []
         self._recover()
 
     def _recover(self) -> None:
         store = self.store
-        entries, ids = self.entries, self.ids
-        stale: list[int] = []
+        entries, ids, live = self.entries, self.ids, self.live
         while True:
             msgid = store.shift()
             if msgid is None:
                 break
             body = store.read(msgid)[4]
-            exp = _EXPIRY.unpack_from(body)[0]
-            key = body[_EXPIRY.size:].decode(errors="replace")
-            old = ids.get(key)
-            if old is not None:
-                stale.append(old)
-                entries.move_to_end(key)
-            entries[key] = None if exp == _NO_EXPIRY else exp
-            ids[key] = msgid
-            if len(entries) > self.size:
-                stale.append(ids.pop(entries.popitem(last=False)[0]))
-        if stale:
-            store.ack_many(sorted(stale))
+            live[msgid] = 0
+            at = 0
+            while at + _ENTRY.size <= len(body):
+                exp, n = _ENTRY.unpack_from(body, at)
+                at += _ENTRY.size + n
+                key = body[at - n:at].decode(errors="replace")
+                live[msgid] += 1  # first, so a key this record holds twice never empties it
+                if key in entries:
+                    entries.move_to_end(key)
+                    self._release(key)
+                entries[key] = None if exp == _NO_EXPIRY else exp
+                ids[key] = msgid
+                if len(entries) > self.size:
+                    self._release(entries.popitem(last=False)[0])
+            if not live[msgid]:
+                del live[msgid]
+                self._acks.append(msgid)
+        if self._acks:
+            store.ack_many(sorted(self._acks))
+            self._acks = []
         if entries:
             log.info("deduplication cache %s: %d keys recovered", store.directory, len(entries))
+
+    def _release(self, key: str) -> None:
+        """``key`` leaves its record (evicted, replaced, forgotten): the record is acked with
+        the next write once none of its keys is left. A key not written yet has no record."""
+        msgid = self.ids.pop(key, None)
+        if msgid is not None:
+            left = self.live[msgid] - 1
+            if left:
+                self.live[msgid] = left
+            else:
+                del self.live[msgid]
+                self._acks.append(msgid)
 
     def seen(self, key: str, ttl: int | None, now: int | None = None) -> bool:
         if now is None:
@@ -182,60 +204,67 @@ class DurableDedupCache(DedupCache):
         if exp is not _ABSENT:
             if exp is None or exp > now:
                 return True
-            entries.move_to_end(key)  # expired: its old record goes, the key is the newest
-            old = self.ids.pop(key, None)
-            if old is not None:  # (None: a key of this run, not written yet: see write)
-                self._acks.append(old)
-        ttl = ttl if ttl is not None else self.ttl
-        expiry = now + ttl if ttl is not None else None
+            entries.move_to_end(key)  # expired: it leaves its record, the key is the newest
+            self._release(key)
+        if ttl is None:
+            ttl = self.ttl
+        if ttl is None:
+            expiry = None
+            head = _NO_EXPIRY
+        else:
+            expiry = head = now + ttl
         entries[key] = expiry
         self._pending.append(key)
-        self._records.append(_EXPIRY.pack(_NO_EXPIRY if expiry is None else expiry) + key.encode())
+        raw = key.encode()
+        self._entries.append(_ENTRY.pack(head, len(raw)) + raw)
         if len(entries) > self.size:
-            old = self.ids.pop(entries.popitem(last=False)[0], None)
-            if old is not None:  # (None: a key of this run, not written yet: see write)
-                self._acks.append(old)
+            self._release(entries.popitem(last=False)[0])
         return False
 
     def write(self) -> None:
-        """The records of the keys ``seen`` took as new since the last call, appended as one
-        run, and the records they replaced or evicted acked. Called before their messages are
+        """The entries of the keys ``seen`` took as new since the last call, appended as one
+        record, and the records left without a key acked. Called before their messages are
         stored; DiskFull (nothing written): those keys are not remembered either."""
         keys = self._pending
         if not keys:
             return
-        records, acks = self._records, self._acks
-        self._pending, self._records, self._acks = [], [], []
-        store, entries, ids = self.store, self.entries, self.ids
+        body = b"".join(self._entries)
+        acks = self._acks
+        self._pending, self._entries, self._acks = [], [], []
+        store, entries = self.store, self.entries
         try:
-            msgids = store.append_run_taken(now_ms(), _NO_NAMES, [b""] * len(keys), records, False)
+            msgid = store.append_taken(now_ms(), b"", b"", b"", body)
         except BaseException:
             for key in keys:
                 entries.pop(key, None)
             if acks:
                 store.ack_many(sorted(acks))
             raise
-        if msgids is None:  # the cursor was elsewhere (acked records before it): taken one by one
-            msgids = [store.shift() for _ in keys]  # type: ignore[misc]
-        for key, msgid in zip(keys, msgids, strict=True):
-            old = ids.get(key)
-            if old is not None:  # a key this run remembered twice (evicted in between)
-                acks.append(old)
-            ids[key] = msgid
+        ids = self.ids
+        n = 0
         for key in set(keys) if len(keys) > 1 else keys:
-            if key not in entries:  # evicted by the run itself (a cache smaller than it)
-                acks.append(ids.pop(key))
+            if key in entries:  # (not: evicted by this run itself, a cache smaller than it)
+                ids[key] = msgid
+                n += 1
+        if n:
+            self.live[msgid] = n
+        else:
+            acks.append(msgid)
         if acks:
             store.ack_many(sorted(acks))
 
     def forget(self, props: list[bytes]) -> None:
-        gone = []
+        """As the memory cache's, and on disk: the publish operation forgets every key of a
+        ``write`` (its single message, or the run's or batch's kept ones), so their record is
+        left with no key and acked, and the ack written now. (A key forgotten alone, out of a
+        record other keys still hold, would come back after a crash.)"""
         for p in props:
             key = dedup_key(p)[0]
             if key is not None and self.entries.pop(key, _ABSENT) is not _ABSENT:
-                gone.append(self.ids.pop(key))
-        if gone:
-            self.store.ack_many(sorted(gone))
+                self._release(key)
+        if self._acks:
+            acks, self._acks = self._acks, []
+            self.store.ack_many(sorted(acks))
             try:
                 self.store.flush()  # the acks to their file now: a crash must not bring them back
             except OSError as exc:
