@@ -34,8 +34,9 @@ partition and the row number. Two targets deduplicate by it:
   ``x-deduplication-header`` header, and the exchange drops an id it has seen within its cache
   (``x-cache-size``, ``x-cache-ttl``). A durable exchange keeps its cache on disk and replicated
   by default (``x-cache-persistence: disk``, broker/model/dedup_cache.py), so a retry is dropped
-  after a restart, kill -9 or leader change too; a transient one, or ``memory``, does not. With the ``topic`` option set and no ``headers``, a whole Arrow batch is framed
-  at once, each row's properties built column-wise (``amqp_frames.dedup_props``).
+  after a restart, kill -9 or leader change too; a transient one, or ``memory``, does not. With
+  the ``topic`` option set and no ``headers``, a whole Arrow batch is framed at once, each row's
+  properties built column-wise (``amqp_frames.dedup_props``).
 """
 
 from __future__ import annotations
