@@ -18,24 +18,26 @@ loss must not let their retries through either (docs/compatibility.md lists the 
 
 The log is a ``QueueStore`` under ``<vhost>/dedup/<sha1 of the exchange>``: one record per run
 of keys taken as new together (a single publish, or a run or batch of them: ``write``), its
-body the keys' entries (expiry in ms, i64, -1 for none; the key's length, u32; the key in
-UTF-8). Everything a queue's store does for messages it does for these records: appends go
-through the replication sink at once, so the followers hold a key before the message it let
-through (the stream is ordered); the store is the group commit's (``notify``), so a persistent
-message's confirm waits until its key is fsynced and replicated with it; a full disk raises
-``DiskFull`` before anything is written; a torn last record is dropped at recovery. Every
-record is kept "taken", so it can be acked in any order, and counts its keys still in the
-cache: a key evicted, expired and remembered anew, or forgotten (its message was not stored)
-leaves its record, and a record left with none is acked; a segment whose records are all acked
-is deleted. Eviction goes oldest first, so records and segments go in order and the disk holds
-about ``x-cache-size`` keys' entries plus the write segment. One record per run keeps the cost
-per key to building its entry (a record per key cost several times the in-memory lookup).
+body the keys' entries column by column (their count, u32; their expiries in ms, i64, -1 for
+none; their lengths, u32; the keys in UTF-8; little-endian). Everything a queue's store does
+for messages it does for these records: appends go through the replication sink at once, so the
+followers hold a key before the message it let through (the stream is ordered); the store is
+the group commit's (``notify``), so a persistent message's confirm waits until its key is
+fsynced and replicated with it; a full disk raises ``DiskFull`` before anything is written; a
+torn last record is dropped at recovery. Every record is kept "taken", so it can be acked in
+any order, and counts its keys still in the cache: a key evicted, expired and remembered anew,
+or forgotten (its message was not stored) leaves its record, and a record left with none is
+acked; a segment whose records are all acked is deleted. Eviction goes oldest first, so records
+and segments go in order and the disk holds about ``x-cache-size`` keys' entries plus the write
+segment. One record per run keeps the cost per key to building its entry (a record per key cost
+several times the in-memory lookup).
 
-The ordering rule: a key is written when ``seen`` takes it as new, before its message is
-stored; a message that then cannot be stored is forgotten again (``forget``: the record acked,
-and the ack written at once). A duplicate dropped while the original's key is not yet fsynced
-is confirmed after the next group commit (the publish operation marks it ``sync``), so a
-confirmed duplicate never stands for an original a crash or a failover could still lose.
+The ordering rule: the keys ``seen`` took as new are written (``write``, called by the publish
+operation) before their messages are stored; messages that then cannot be stored are forgotten
+again (``forget``: their record acked, and the ack written at once). A duplicate dropped while
+the original's key is not yet fsynced is confirmed after the next group commit (the publish
+operation marks it ``sync``), so a confirmed duplicate never stands for an original a crash or
+a failover could still lose.
 
 Recovery (the exchange's declare at boot, or on a new leader) reads the records in order and
 applies them as ``seen`` did: a later record of the same key replaces the earlier one, and the
@@ -51,8 +53,11 @@ from __future__ import annotations
 
 import logging
 import struct
+import sys
 import time
+from array import array
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Any
 
 from broker import errors, properties
@@ -64,8 +69,38 @@ log = logging.getLogger(__name__)
 DEDUP_HEADER = "x-deduplication-header"
 PERSISTENCE = "x-cache-persistence"
 _ABSENT: Any = object()
-_ENTRY = struct.Struct("<qI")  # a key's entry in a record: its expiry (ms), its length; then the key
+_COUNT = struct.Struct("<I")
+_SWAP = sys.byteorder != "little"  # the arrays' native order against the log's little-endian
 _NO_EXPIRY = -1
+
+
+def _record(keys: list[str], expiries: list[int]) -> bytes:
+    """A record's body: the count of entries, their expiries (ms, i64, -1 for none), their keys'
+    lengths (u32), then the keys (UTF-8), each part built at once rather than entry by entry."""
+    raw = [key.encode() for key in keys]
+    exps, lens = array("q", expiries), array("I", map(len, raw))
+    if _SWAP:
+        exps.byteswap()
+        lens.byteswap()
+    return b"".join((_COUNT.pack(len(raw)), exps.tobytes(), lens.tobytes(), *raw))
+
+
+def _entries_of(body: bytes) -> Iterator[tuple[str, int | None]]:
+    """(key, expiry or None) of each entry of a record, in order."""
+    n = _COUNT.unpack_from(body)[0]
+    at = _COUNT.size
+    expiries = array("q")
+    expiries.frombytes(body[at:at + 8 * n])
+    at += 8 * n
+    lengths = array("I")
+    lengths.frombytes(body[at:at + 4 * n])
+    at += 4 * n
+    if _SWAP:
+        expiries.byteswap()
+        lengths.byteswap()
+    for exp, size in zip(expiries, lengths, strict=True):
+        yield body[at:at + size].decode(errors="replace"), (None if exp == _NO_EXPIRY else exp)
+        at += size
 
 
 def now_ms() -> int:
@@ -149,7 +184,7 @@ class DurableDedupCache(DedupCache):
         # what ``seen`` took as new and ``write`` has not written yet: the keys and their
         # entries, and the records whose last key went meanwhile (acked at the next write)
         self._pending: list[str] = []
-        self._entries: list[bytes] = []
+        self._expiries: list[int] = []
         self._acks: list[int] = []
         self._recover()
 
@@ -160,18 +195,13 @@ class DurableDedupCache(DedupCache):
             msgid = store.shift()
             if msgid is None:
                 break
-            body = store.read(msgid)[4]
             live[msgid] = 0
-            at = 0
-            while at + _ENTRY.size <= len(body):
-                exp, n = _ENTRY.unpack_from(body, at)
-                at += _ENTRY.size + n
-                key = body[at - n:at].decode(errors="replace")
+            for key, exp in _entries_of(store.read(msgid)[4]):
                 live[msgid] += 1  # first, so a key this record holds twice never empties it
                 if key in entries:
                     entries.move_to_end(key)
                     self._release(key)
-                entries[key] = None if exp == _NO_EXPIRY else exp
+                entries[key] = exp
                 ids[key] = msgid
                 if len(entries) > self.size:
                     self._release(entries.popitem(last=False)[0])
@@ -209,14 +239,12 @@ class DurableDedupCache(DedupCache):
         if ttl is None:
             ttl = self.ttl
         if ttl is None:
-            expiry = None
-            head = _NO_EXPIRY
+            entries[key] = None
+            self._expiries.append(_NO_EXPIRY)
         else:
-            expiry = head = now + ttl
-        entries[key] = expiry
+            entries[key] = now + ttl
+            self._expiries.append(now + ttl)
         self._pending.append(key)
-        raw = key.encode()
-        self._entries.append(_ENTRY.pack(head, len(raw)) + raw)
         if len(entries) > self.size:
             self._release(entries.popitem(last=False)[0])
         return False
@@ -228,9 +256,9 @@ class DurableDedupCache(DedupCache):
         keys = self._pending
         if not keys:
             return
-        body = b"".join(self._entries)
+        body = _record(keys, self._expiries)
         acks = self._acks
-        self._pending, self._entries, self._acks = [], [], []
+        self._pending, self._expiries, self._acks = [], [], []
         store, entries = self.store, self.entries
         try:
             msgid = store.append_taken(now_ms(), b"", b"", b"", body)
