@@ -186,6 +186,7 @@ class DurableDedupCache(DedupCache):
         self._pending: list[str] = []
         self._expiries: list[int] = []
         self._acks: list[int] = []
+        self._dropped: list[str] = []  # pending keys that left the cache (see _release)
         self._recover()
 
     def _recover(self) -> None:
@@ -218,13 +219,15 @@ class DurableDedupCache(DedupCache):
         """``key`` leaves its record (evicted, replaced, forgotten): the record is acked with
         the next write once none of its keys is left. A key not written yet has no record."""
         msgid = self.ids.pop(key, None)
-        if msgid is not None:
-            left = self.live[msgid] - 1
-            if left:
-                self.live[msgid] = left
-            else:
-                del self.live[msgid]
-                self._acks.append(msgid)
+        if msgid is None:
+            self._dropped.append(key)  # (its run's write counts it out if it is still gone)
+            return
+        left = self.live[msgid] - 1
+        if left:
+            self.live[msgid] = left
+        else:
+            del self.live[msgid]
+            self._acks.append(msgid)
 
     def seen(self, key: str, ttl: int | None, now: int | None = None) -> bool:
         if now is None:
@@ -263,19 +266,21 @@ class DurableDedupCache(DedupCache):
         try:
             msgid = store.append_taken(now_ms(), b"", b"", b"", body)
         except BaseException:
+            self._dropped = []
             for key in keys:
                 entries.pop(key, None)
             if acks:
                 store.ack_many(sorted(acks))
             raise
-        ids = self.ids
-        n = 0
-        for key in set(keys) if len(keys) > 1 else keys:
-            if key in entries:  # (not: evicted by this run itself, a cache smaller than it)
-                ids[key] = msgid
-                n += 1
-        if n:
-            self.live[msgid] = n
+        mine = dict.fromkeys(keys, msgid)  # (a key twice in the run: once)
+        if self._dropped:  # keys of this run that left the cache before it was written
+            for key in self._dropped:
+                if key not in entries:
+                    mine.pop(key, None)
+            self._dropped = []
+        self.ids.update(mine)
+        if mine:
+            self.live[msgid] = len(mine)
         else:
             acks.append(msgid)
         if acks:
