@@ -20,7 +20,7 @@ import pytest
 
 from ._support import Broker, connect, count_at, unique, wait_until
 
-KEYS = 40
+KEYS = 20
 SINK_ROWS = 500
 
 
