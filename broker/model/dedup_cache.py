@@ -152,8 +152,11 @@ class DedupCache:
         ttl = ttl if ttl is not None else self.ttl
         entries[key] = now + ttl if ttl is not None else None
         if len(entries) > self.size:  # one key added at a time
-            entries.popitem(last=False)
+            self._evicted(entries.popitem(last=False)[0])
         return False
+
+    def _evicted(self, key: str) -> None:
+        """The oldest key made room (the durable cache releases its record)."""
 
     def forget(self, props: list[bytes]) -> None:
         """The keys of messages ``seen`` took as new, which were then not stored (a full
@@ -230,27 +233,16 @@ class DurableDedupCache(DedupCache):
             self._acks.append(msgid)
 
     def seen(self, key: str, ttl: int | None, now: int | None = None) -> bool:
-        if now is None:
-            now = now_ms()
-        entries = self.entries
-        exp = entries.get(key, _ABSENT)
-        if exp is not _ABSENT:
-            if exp is None or exp > now:
-                return True
-            entries.move_to_end(key)  # expired: it leaves its record, the key is the newest
+        if DedupCache.seen(self, key, ttl, now):
+            return True
+        if key in self.ids:  # it had expired: it leaves its record, the key is the newest
             self._release(key)
-        if ttl is None:
-            ttl = self.ttl
-        if ttl is None:
-            entries[key] = None
-            self._expiries.append(_NO_EXPIRY)
-        else:
-            entries[key] = now + ttl
-            self._expiries.append(now + ttl)
+        exp = self.entries[key]
+        self._expiries.append(_NO_EXPIRY if exp is None else exp)
         self._pending.append(key)
-        if len(entries) > self.size:
-            self._release(entries.popitem(last=False)[0])
         return False
+
+    _evicted = _release
 
     def write(self) -> None:
         """The entries of the keys ``seen`` took as new since the last call, appended as one
