@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from _amqp_session import Client, close_node, make_node, publish_frames, pump
+from _file_calls import worker_idle
 from pamqp import commands
 
 from broker import properties
@@ -195,6 +197,76 @@ def test_a_publish_refused_for_a_full_disk_is_new_when_retried(
         assert vh.queues["q"].message_count == 6
 
     _run(tmp_path, test)
+
+
+def test_a_key_forgotten_for_a_full_disk_stays_forgotten_after_a_restart(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The durable cache (x-cache-persistence: disk, a durable exchange's default) writes a
+    run's keys before its messages; when the queue's store then finds the disk full, the keys
+    are forgotten on disk too (their records acked at once), so the publisher's retry is new
+    after a restart as well; the keys of what was stored are still there."""
+    async def test(node: Any) -> None:
+        c = Client(node)
+        _setup(c, DEDUP)
+        c.publish("dd", "k", b"row-0", _row(0))
+        await pump(node)
+        full = [True]
+        for method in ("reserve", "append", "append_run"):  # what the queue's store writes through
+            real = getattr(QueueStore, method)
+
+            def failing(store: QueueStore, *args: Any, _real: Any = real) -> Any:
+                if full[0] and store.directory.parent.name != "dedup":  # the queue's store only
+                    raise OSError(errno.ENOSPC, "No space left on device")
+                return _real(store, *args)
+
+            monkeypatch.setattr(QueueStore, method, failing)
+        c.send(b"".join(publish_frames("dd", "k", b"row-%d" % i, _row(i)) for i in range(1, 6)))
+        await pump(node)
+        assert [m for _, m in c.read().methods if isinstance(m, commands.Basic.Nack)]
+        full[0] = False
+
+    _run(tmp_path, test)
+
+    async def after(node: Any) -> None:  # a restart of the same data dir
+        c = Client(node)
+        _setup(c, DEDUP)
+        c.send(b"".join(publish_frames("dd", "k", b"row-%d" % i, _row(i)) for i in range(6)))
+        await pump(node)
+        assert node.vhosts["/"].queues["q"].message_count == 6  # row-0 then, rows 1-5 now
+
+    _run(tmp_path, after)
+
+
+def test_a_redeclared_exchange_keeps_its_own_cache_across_a_restart(tmp_path: Path) -> None:
+    """The boot's replay of declare, delete, declare: the cache on disk is the second
+    exchange's (its files are decided at the end of the replay, as a delayed exchange's held
+    messages are); an exchange deleted for good leaves no cache behind."""
+    async def first(node: Any) -> None:
+        c = Client(node)
+        _setup(c, DEDUP)
+        c.publish("dd", "k", b"a", _row(1))
+        c.method(commands.Exchange.Delete(exchange="dd"))
+        c.method(commands.Exchange.Declare(exchange="dd", exchange_type="direct", durable=True,
+                                           arguments=DEDUP))
+        c.method(commands.Queue.Bind(queue="q", exchange="dd", routing_key="k"))
+        c.publish("dd", "k", b"b", _row(2))
+        c.method(commands.Exchange.Declare(exchange="gone", exchange_type="direct", durable=True,
+                                           arguments=DEDUP))
+        c.method(commands.Exchange.Delete(exchange="gone"))
+        await pump(node)
+
+    async def after(node: Any) -> None:
+        c = Client(node)
+        c.open(1)
+        c.publish("dd", "k", b"a again", _row(1))  # the first exchange's key: new here
+        c.publish("dd", "k", b"b again", _row(2))  # the second's: a duplicate
+        await pump(node)
+        assert node.vhosts["/"].queues["q"].message_count == 3
+        worker_idle()
+        assert len(os.listdir(node.vhosts["/"].dir / "dedup")) == 1  # the second dd's only
+
+    _run(tmp_path, first)
+    _run(tmp_path, after)
 
 
 def _full_decode_key(props: bytes) -> tuple[str | None, int | None]:

@@ -245,7 +245,9 @@ class Closed(EndLost):
         self.code = code
 
 
-def _ssl_context(options: dict[str, str]) -> ssl.SSLContext:
+def ssl_context(options: dict[str, str]) -> ssl.SSLContext:
+    """A client's TLS context from a URI's query options (aiormq's names: ``cafile``, ``capath``,
+    ``certfile``, ``keyfile``, ``no_verify_ssl``); also the Spark source's ``https://`` read."""
     ctx = ssl.create_default_context(cafile=options.get("cafile"), capath=options.get("capath"))
     if options.get("certfile"):
         ctx.load_cert_chain(options["certfile"], options.get("keyfile"))
@@ -300,7 +302,7 @@ async def _open_connection(uri: str, client: dict[str, Any], lost: asyncio.Futur
     wire = wire_type(lost)
     loop = asyncio.get_running_loop()
     await loop.create_connection(lambda: wire, host, parts.port or (5671 if tls else 5672),
-                                 ssl=_ssl_context(options) if tls else None)
+                                 ssl=ssl_context(options) if tls else None)
     try:
         await _handshake(wire, parts.username, parts.password, vhost, options, client)
     except BaseException:  # refused, timed out, cancelled: the socket goes with the attempt

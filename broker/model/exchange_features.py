@@ -48,8 +48,10 @@ upstream side and a message that would be dropped downstream never travels.
 
 Deduplication (``x-message-deduplication`` on an exchange): a message whose
 ``x-deduplication-header`` value was seen within the cache (``x-cache-size``
-entries, LRU; ``x-cache-ttl`` ms or the message's own ``x-cache-ttl`` header)
-is dropped before routing.
+entries, oldest evicted first; ``x-cache-ttl`` ms or the message's own ``x-cache-ttl``
+header) is dropped before routing. The cache, in memory or (``x-cache-persistence:
+disk``, a durable exchange's default) logged on disk and replicated, is
+broker/model/dedup_cache.py's.
 """
 
 from __future__ import annotations
@@ -60,13 +62,16 @@ import heapq
 import itertools
 import logging
 import shutil
-import struct
-import time
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Protocol
 
 from broker import errors, properties
+from broker.model.dedup_cache import DEDUP_HEADER as DEDUP_HEADER
+from broker.model.dedup_cache import DedupCache as DedupCache
+from broker.model.dedup_cache import dedup_cache, dedup_key, now_ms
+from broker.model.dedup_cache import int_arg as _int_arg
+from broker.model.dedup_cache import kept_by as kept_by
+from broker.model.dedup_cache import key_text as _key_text
 from broker.model.features import CallLater, TimerHandle
 from broker.model.murmur3 import murmur3_32
 from broker.model.publish_api import PublishRequest, Republisher
@@ -133,30 +138,10 @@ BASE_TYPES = ("direct", "fanout", "topic", "headers")
 POINTS_PER_WEIGHT = 64
 DISK_RETRY_S = 1.0  # a due delayed message that found the disk full is routed again this much later
 DEDUP = "x-message-deduplication"
-DEDUP_HEADER = "x-deduplication-header"
 PARTITION_ROUTING = "x-super-stream-routing"  # the same names as broker/model/superstream.py's
 PARTITION_ORDER = "x-stream-partition-order"
 _HASH_PROPERTIES = ("message_id", "correlation_id", "timestamp", "app_id", "type", "user_id",
                     "reply_to", "content_type", "priority", "delivery_mode")
-
-
-_ABSENT: Any = object()
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
-
-
-def _int_arg(value: Any) -> int | None:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, (str, bytes)):
-        text = value.decode() if isinstance(value, bytes) else value
-        if text.strip().lstrip("-").isdigit():
-            return int(text)
-    return None
 
 
 def routing_kind(type_: str, arguments: dict[str, Any]) -> str:
@@ -179,14 +164,6 @@ def needs_special(ex: Owner) -> bool:
 
 
 _headers = properties.headers
-
-
-def _key_text(value: Any) -> str | None:
-    if value is None:
-        return None
-    if isinstance(value, bytes):
-        return value.decode(errors="replace")
-    return str(value)
 
 
 def _h64(data: bytes) -> int:
@@ -220,90 +197,6 @@ class HashRing:
         return self.dests[self.owner[i]]
 
 
-# ------------------------------------------------------------------ dedup cache
-class DedupCache:
-    def __init__(self, size: int, ttl: int | None) -> None:
-        self.size = size
-        self.ttl = ttl
-        self.entries: OrderedDict[str, int | None] = OrderedDict()
-
-    def seen(self, key: str, ttl: int | None, now: int | None = None) -> bool:
-        """True for a duplicate; otherwise remembers ``key`` (``now``: the time in ms, if the
-        caller has it)."""
-        if now is None:
-            now = now_ms()
-        entries = self.entries
-        exp = entries.get(key, _ABSENT)
-        if exp is not _ABSENT:
-            if exp is None or exp > now:
-                return True
-            entries.move_to_end(key)  # expired: remembered anew, as the newest
-        ttl = ttl if ttl is not None else self.ttl
-        entries[key] = now + ttl if ttl is not None else None
-        if len(entries) > self.size:  # one key added at a time
-            entries.popitem(last=False)
-        return False
-
-    def forget(self, props: list[bytes]) -> None:
-        """The keys of messages ``seen`` took as new, which were then not stored (a full
-        disk): their retries are new too. (What their arrival evicted stays evicted: the
-        cache forgets, as its size bound does, and never drops a message it should keep.)"""
-        for p in props:
-            key = dedup_key(p)[0]
-            if key is not None:
-                self.entries.pop(key, None)
-
-
-def dedup_cache(arguments: dict[str, Any], what: str) -> DedupCache:
-    size = _int_arg(arguments.get("x-cache-size"))
-    if size is None or size <= 0:
-        raise errors.PreconditionFailed(
-            f"invalid arg 'x-cache-size' for {what}: must be a positive integer", 40, 10)
-    ttl_raw = arguments.get("x-cache-ttl")
-    ttl = _int_arg(ttl_raw) if ttl_raw is not None else None
-    if ttl_raw is not None and (ttl is None or ttl <= 0):
-        raise errors.PreconditionFailed(
-            f"invalid arg 'x-cache-ttl' for {what}: must be a positive integer", 40, 10)
-    return DedupCache(size, ttl)
-
-
-_DEDUP_NAMES = (DEDUP_HEADER.encode(), b"x-cache-ttl")
-# The headers table's first field when it is the key as a long string, in a list without a
-# content type or encoding: flags (2), table size (4), then name size, name, type 'S' at 6.
-_KEY_FIRST = bytes((len(DEDUP_HEADER),)) + DEDUP_HEADER.encode() + b"S"
-_KEY_AT = 6 + len(_KEY_FIRST) + 4  # where its value starts
-_TTL_FIELD = b"\x0bx-cache-ttl"
-_HEADERS_ALONE = properties.HI_CONTENT_TYPE | properties.HI_CONTENT_ENCODING | properties.HI_HEADERS
-_U32 = struct.Struct(">I").unpack_from
-
-
-def dedup_key(props: bytes) -> tuple[str | None, int | None]:
-    """A message's deduplication key and its own cache TTL (ms), from its two headers only.
-    The common layout (the key the table's first field, no ``x-cache-ttl`` anywhere: what the
-    Spark sink and most publishers send) is read where it lies, else the table is walked."""
-    if props.startswith(_KEY_FIRST, 6) and props[0] & _HEADERS_ALONE == properties.HI_HEADERS \
-            and _TTL_FIELD not in props:
-        end = _KEY_AT + _U32(props, _KEY_AT - 4)[0]
-        if end <= 6 + _U32(props, 2)[0]:  # within the table: its first field, so top-level
-            return props[_KEY_AT:end].decode(errors="replace"), None
-    value, ttl_value = properties.header_values(props, _DEDUP_NAMES)
-    ttl = _int_arg(ttl_value)
-    return _key_text(value), (ttl if ttl is not None and ttl > 0 else None)
-
-
-def kept_by(cache: DedupCache, props: list[bytes]) -> list[int]:
-    """The messages of a run that are not duplicates (indices), each looked up and remembered
-    in order, as one by one; ``forget`` undoes it for a run that then could not be stored."""
-    kept = []
-    seen = cache.seen
-    now = now_ms()
-    for i, p in enumerate(props):
-        key, ttl = dedup_key(p)
-        if key is None or not seen(key, ttl, now):
-            kept.append(i)
-    return kept
-
-
 # ------------------------------------------------------------------ the special
 class ExchangeSpecial:
     def __init__(self, vh: Host, ex: Owner) -> None:
@@ -311,7 +204,9 @@ class ExchangeSpecial:
         self.ex = ex
         args = ex.arguments
         what = f"exchange '{ex.name}' in vhost '{vh.name}'"
-        self.dedup = dedup_cache(args, what) if args.get(DEDUP) else None
+        self.dedup = dedup_cache(args, what, ex.durable, lambda: QueueStore(
+            self.dedup_dir(), segment_size=vh.segment_size, sink=vh.sink, files=vh.files,
+            notify=vh.mark_dirty)) if args.get(DEDUP) else None
         self.hash_header = _key_text(args.get("hash-header")) if ex.type == CONSISTENT_HASH else None
         prop = _key_text(args.get("hash-property")) if ex.type == CONSISTENT_HASH else None
         if prop is not None and prop not in _HASH_PROPERTIES:
@@ -381,8 +276,10 @@ class ExchangeSpecial:
             return False, []  # it stops here: routed nowhere
         if self.dedup is not None:
             key, ttl = dedup_key(props)
-            if key is not None and self.dedup.seen(key, ttl):
-                return True, None
+            if key is not None:
+                if self.dedup.seen(key, ttl):
+                    return True, None
+                self.dedup.write()  # its record before the message (DiskFull: neither)
         if self.delayed is not None:
             if headers is None:
                 headers = _headers(props)
@@ -401,9 +298,25 @@ class ExchangeSpecial:
             return False, [] if dest is None else [dest]
         return False, None
 
+    def dedup_dir(self) -> str:
+        """Where a durable deduplication cache keeps its log (broker/model/dedup_cache.py)."""
+        return str(queue_dir(self.vh.dir / "dedup", self.ex.name))
+
+    def directories(self) -> list[str]:
+        """The directories of this exchange's state on disk (held delayed messages, the
+        deduplication cache's log): a boot's replay of a delete decides them at its end."""
+        found = []
+        if self.delayed is not None and self.delayed.durable:
+            found.append(self.delayed.directory)
+        if self.dedup is not None and self.dedup.durable:
+            found.append(self.dedup_dir())
+        return found
+
     def close(self, delete: bool = False) -> None:
         if self.delayed is not None:
             self.delayed.close(delete)
+        if self.dedup is not None:
+            self.dedup.close(delete)
 
 
 class HopFilter:

@@ -58,8 +58,8 @@ from typing import Any, Protocol
 
 from broker import errors, properties
 from broker.model import features
+from broker.model.dedup_cache import DedupCache, dedup_key, kept_by, now_ms
 from broker.model.exchange import Exchange
-from broker.model.exchange_features import DedupCache, dedup_key, kept_by, now_ms
 from broker.model.fastpaths import FastPaths
 from broker.model.publish_api import BatchOutcome as BatchOutcome
 from broker.model.publish_api import EncodedNames as EncodedNames
@@ -247,8 +247,9 @@ def route(vh: Scope, ex: Exchange, keys: list[str], props: bytes, req: PublishRe
                 kept, dests = special.on_publish(req.ts, key, req.props, req.body, persistent)
                 if kept:
                     out.held = True
-                    if special.delayed is not None and special.delayed.durable:
-                        out.sync = True
+                    if special.delayed is not None and special.delayed.durable \
+                            or special.dedup is not None and special.dedup.durable:
+                        out.sync = True  # held on disk, or a duplicate of a key maybe not yet synced
                     continue
                 if special.dedup is not None:
                     out.remembered = [*(out.remembered or ()), special.dedup]
@@ -322,6 +323,8 @@ def publish_batch(vh: Scope, exchange: str, keys: Sequence[KeyedNames], props: l
             if key is not None:
                 if dedup.seen(key, ttl, now):
                     i += 1  # a duplicate: dropped, accepted (neither stored nor unroutable)
+                    if dedup.durable:
+                        out.sync = True  # confirmed after the original's key is synced
                     continue
                 remembered.append(p)
         if not queues:
@@ -336,6 +339,8 @@ def publish_batch(vh: Scope, exchange: str, keys: Sequence[KeyedNames], props: l
     if i == first:
         return out
     try:
+        if dedup is not None:
+            dedup.write()  # the new keys' records before their messages (DiskFull: neither)
         _store_batch(ex, keys, props, bodies, ts, parts, out)
     except (errors.DiskFull, OSError):
         if dedup is not None:  # nothing stored: the caller publishes them again one by one
@@ -485,13 +490,15 @@ def _deduplicated_run(vh: Scope, ex: Exchange, dedup: DedupCache, queues: list[Q
         bodies = [bodies[i] for i in kept]
     if not kept:
         ex.n_in += k
-        return PublishOutcome([], held=True)
+        return PublishOutcome([], held=True, sync=dedup.durable)
     try:
         out = _stored_run(ex, queues, names, props, bodies, same, ts, k)
     except (errors.DiskFull, OSError):
         dedup.forget(props)
         raise
-    out.held = len(kept) < k
+    if len(kept) < k:
+        out.held = True
+        out.sync = out.sync or dedup.durable  # the duplicates' confirms after the originals' keys
     return out
 
 

@@ -91,7 +91,7 @@ class PublishRequest:
 
 
 class Forgets(Protocol):
-    """A deduplicating exchange's cache (``exchange_features.DedupCache``), as the publish
+    """A deduplicating exchange's cache (``dedup_cache.DedupCache``), as the publish
     operation undoes what it remembered of messages it then could not store."""
 
     def forget(self, props: list[bytes]) -> None: ...

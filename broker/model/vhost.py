@@ -20,6 +20,7 @@ client code that matches on them keeps working.
 from __future__ import annotations
 
 import base64
+import functools
 import logging
 import os
 import shutil
@@ -104,7 +105,7 @@ class VHost:
         self._dir_str = str(self.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         # deleted queues and vhosts a crash left (off the loop)
-        for parent in (self._dir_str, self.dir / "delayed", self.dir.parent):
+        for parent in (self._dir_str, self.dir / "delayed", self.dir / "dedup", self.dir.parent):
             remove_tombstones_later(parent)
         self.transient_dir = transient_root / self.dir.name
         self.segment_size = segment_size
@@ -349,10 +350,12 @@ class VHost:
             self._log(methods.ExchangeDelete(exchange=name))  # first: DiskFull changes nothing
         del self.exchanges[name]
         if ex.special is not None:
-            held = ex.special.delayed
-            if self._load_deleted is not None and held is not None and held.durable:
-                # a boot's replay: the held messages' files are decided at its end (see _load)
-                self._load_deleted[held.directory] = lambda: not self._holds_delayed(name)
+            kept = ex.special.directories()
+            if self._load_deleted is not None and kept:
+                # a boot's replay: the held messages' and the deduplication cache's files are
+                # decided at its end (see _load)
+                for directory in kept:
+                    self._load_deleted[directory] = functools.partial(self._gone_from, name, directory)
                 ex.special.close()
             else:
                 ex.special.close(delete=True)  # drops held delayed messages with the exchange
@@ -561,11 +564,11 @@ class VHost:
         nq.paused = q.paused
         return nq
 
-    def _holds_delayed(self, name: str) -> bool:
-        """Whether exchange ``name`` is a durable delayed one (its held messages on disk)."""
+    def _gone_from(self, name: str, directory: str) -> bool:
+        """Whether exchange ``name`` no longer keeps state in ``directory`` (held delayed
+        messages, a deduplication cache's log)."""
         ex = self.exchanges.get(name)
-        held = None if ex is None or ex.special is None else ex.special.delayed
-        return held is not None and held.durable
+        return ex is None or ex.special is None or directory not in ex.special.directories()
 
     def _auto_delete_exchange(self, ex: Exchange) -> None:
         if self.exchanges.get(ex.name) is ex:

@@ -23,7 +23,11 @@ between: ``gap`` is called with the missing range (the source raises its DataLos
 The connection is one keep-alive HTTP/1.1 connection per task (``http.client``; a request that
 meets a connection the broker closed while idle is sent once more on a new one), with basic
 auth from the URI's user and password (``guest:guest`` when absent, as AMQP URIs default),
-and ``timeout`` seconds per socket operation. The request names the body format version; the
+and ``timeout`` seconds per socket operation. ``https://`` is TLS to the management TLS port
+(15671 by default: name it in the URI), the server's certificate verified against the system's trust
+store or the URI's ``cafile``/``capath``, a client certificate from ``certfile``/``keyfile``
+(the query options of an ``amqps://`` URI, ``broker/links/wire.py``; ``no_verify_ssl=1`` turns
+verification off); the query is not part of the request path. The request names the body format version; the
 broker refuses another with 400 and the answer's head must carry the same magic and version,
 so a client and a broker that disagree fail with a clear error instead of misreading bytes. A 503
 with Retry-After (the broker's records memory budget is busy) is asked again after that pause
@@ -42,6 +46,7 @@ from collections.abc import Callable, Iterator
 from typing import Final
 
 from broker import recordwire
+from broker.links.wire import ssl_context
 from broker.spark.segment_arrow import SegmentColumns, columns, walk
 
 DEFAULT_MAX_BYTES: Final = 8 << 20  # record bytes per request
@@ -77,8 +82,12 @@ class RecordsClient:
         user = urllib.parse.unquote(parts.username or "guest")
         password = urllib.parse.unquote(parts.password or "guest")
         self._auth = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
-        cls = http.client.HTTPSConnection if parts.scheme.lower() == "https" else http.client.HTTPConnection
-        self._conn = cls(parts.hostname, parts.port, timeout=timeout)
+        if parts.scheme.lower() == "https":
+            options = {k: v[-1] for k, v in urllib.parse.parse_qs(parts.query).items()}
+            self._conn: http.client.HTTPConnection = http.client.HTTPSConnection(
+                parts.hostname, parts.port, timeout=timeout, context=ssl_context(options))
+        else:
+            self._conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
         self._base = parts.path.rstrip("/")
         self._timeout = timeout
         self.vhost = vhost

@@ -32,9 +32,11 @@ partition and the row number. Two targets deduplicate by it:
 * an **exchange** declared with ``x-message-deduplication: true`` (bound to the stream): the id
   ``<query id>.<batch id>.<partition>.<row number>`` goes in ``message_id`` and the
   ``x-deduplication-header`` header, and the exchange drops an id it has seen within its cache
-  (``x-cache-size``, ``x-cache-ttl``), kept in memory: it does not survive a broker restart or
-  leader change. With the ``topic`` option set and no ``headers``, a whole Arrow batch is framed
-  at once, each row's properties built column-wise (``amqp_frames.dedup_props``).
+  (``x-cache-size``, ``x-cache-ttl``). A durable exchange keeps its cache on disk and replicated
+  by default (``x-cache-persistence: disk``, broker/model/dedup_cache.py), so a retry is dropped
+  after a restart, kill -9 or leader change too; a transient one, or ``memory``, does not. With
+  the ``topic`` option set and no ``headers``, a whole Arrow batch is framed at once, each row's
+  properties built column-wise (``amqp_frames.dedup_props``).
 """
 
 from __future__ import annotations
