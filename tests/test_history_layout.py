@@ -60,6 +60,25 @@ def test_one_object_s_history_is_one_large_allocation() -> None:
     for width in (1, 2, 9, 18):
         h = History(width)
         assert len(h.data) * h.data.itemsize > 512
-        assert h.nbytes() >= sum(n for _, n in TIERS) * (width + 1) * 8
+        assert h.nbytes() <= (3 * len(TIERS) + sum(n for _, n in TIERS) * (width + 1)) * 8
         # nothing else the object holds is allocated per object (its ring views are made on demand)
-        assert set(History.__slots__) == {"data", "width", "changed"}
+        # (``shape`` is a layout tuple shared by every history of that shape)
+        assert set(History.__slots__) == {"data", "width", "changed", "shape"}
+
+
+def test_a_new_object_s_history_is_small_until_its_samples_arrive() -> None:
+    """A history's rings grow as samples arrive (issue 31: 1,000 queues and 2,000 channels made
+    3,000 histories of the longest size at once, 68 MB, for objects that lived a minute). Born
+    with the sampler's two first samples it holds under a KB; a day later its rings are full."""
+    full = (3 * len(TIERS) + sum(n for _, n in TIERS) * (9 + 1)) * 8
+    h = History(9)
+    h.add(1000.0, (0.0,) * 9)
+    h.add(1005.0, (1.0,) * 9)
+    assert h.nbytes() <= 1024, h.nbytes()
+    for k in range(2, 121):  # ten minutes of passes: the fine ring grows, the coarse ones hardly
+        h.add(1000.0 + 5 * k, (float(k),) * 9)
+    assert h.nbytes() < full * 0.6, h.nbytes()  # the fine ring full (9.8 KB), the others small
+    for k in range(121, 86400 // 5 * 2):
+        h.add(1000.0 + 5 * k, (float(k),) * 9)
+    assert h.nbytes() == full
+    assert [len(t.times) for t in h.tiers] == [n for _, n in TIERS]

@@ -96,6 +96,45 @@ def test_a_pass_gives_the_event_loop_back_between_chunks(tmp_path: Path) -> None
     assert turns > n // MOST_BETWEEN_YIELDS
 
 
+class _Counted(History):
+    """The test's seam: a history that counts how many were made."""
+
+    made = 0
+
+    def __init__(self, width: int) -> None:
+        _Counted.made += 1
+        super().__init__(width)
+
+
+def test_a_pass_over_new_objects_bounds_each_step_in_objects_handled(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """1,000 queues that all start counting at once: the pass that gives each a history must
+    still hand the loop back after a chunk's work, a new history counting as ``NEW_COST``
+    objects read (issue 31: that pass held the loop for 200 ms)."""
+    chunk, n = 64, 300
+    monkeypatch.setattr(rates, "History", _Counted)
+    vh = _vhost(tmp_path)
+    _queues(vh, n)
+    for q in vh.queues.values():
+        q.store = _Reads(q.store)  # type: ignore[assignment]
+    clock = _Clock()
+    sampler = RateSampler(_Broker({"/": vh}), clock=clock, chunk=chunk)  # type: ignore[arg-type]
+    sampler.sample()
+    for name in vh.queues:
+        _publish(vh, name, 1)
+    clock.t += rates.INTERVAL
+    _Reads.count = _Counted.made = 0
+    steps = []
+    last = (0, 0)
+    for _ in sampler.steps():
+        steps.append((_Reads.count - last[0], _Counted.made - last[1]))
+        last = (_Reads.count, _Counted.made)
+    assert _Counted.made >= n  # every queue got its history in this pass
+    cost = getattr(rates, "NEW_COST", 4)
+    heaviest = max(reads + (cost - 1) * made for reads, made in steps)
+    assert heaviest <= chunk, f"one step read {max(steps)} (queues, new histories)"
+
+
 class _Clock:
     def __init__(self) -> None:
         self.t = 1000.0
@@ -177,12 +216,12 @@ def test_a_queue_declared_between_passes_counts_from_zero(tmp_path: Path) -> Non
 # ---------------------------------------------------------------------------- history
 def test_history_answers_each_range_from_a_ring_of_fixed_size() -> None:
     h = History(2)
-    sizes = [len(t.times) for t in h.tiers]
     t0 = 1_000_000.0
     # two days of 5-second passes of a counter that grows by one a second, and a flat gauge
     for k in range(2 * 86400 // 5 + 1):
         h.add(t0 + 5 * k, (5 * k, 7))
-    assert [len(t.times) for t in h.tiers] == sizes == [n for _, n in TIERS]  # nothing grew
+    sizes = [len(t.times) for t in h.tiers]
+    assert sizes == [n for _, n in TIERS]  # grown to its slots, never past them
     assert sum(sizes) == 284
     now = t0 + 2 * 86400
     for age, incr in ((60, 5), (600, 5), (3600, 60), (8 * 3600, 600), (86400, 1800)):

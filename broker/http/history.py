@@ -2,8 +2,9 @@
 
 Theory of operation: the statistics sampler (``rates.py``) already visits every object each
 ``INTERVAL`` (5 s). For an object that has counted something it also records its values in a
-``History``: four fixed-size rings, one per resolution, the finer ones for the short ranges and
-the coarser ones for the long (RabbitMQ's retention policy, shaped to the UI's range picker):
+``History``: four rings, one per resolution, each growing to its slots as samples arrive, the
+finer ones for the short ranges and the coarser ones for the long (RabbitMQ's retention policy,
+shaped to the UI's range picker):
 
 =========  ======  =====  ======================
 ring       incr    slots  covers
@@ -17,11 +18,14 @@ half hour  1800 s  50     last day
 A ring keeps the newest values seen in each of its slots (a pass landing in the same slot
 overwrites it; a range of ``age / incr`` steps reads ``age / incr + 2`` slots, the oldest for
 the value at the first point), all four in one ``array('d')``: the memory of one object is one
-allocation fixed at creation, ``(284 x (fields + 1) + 8) x 8`` bytes: 22.8 KB for a queue or a
-channel (9 fields), 6.9 KB for an exchange or a connection (2). At most ``MAX_HISTORIES`` objects
-of a kind have one (those that changed since the node's first pass, first come; one unchanged for
-a day gives its place back; the cap bounds a node with 100k busy queues to 45 MB of queue
-history); the others, like idle objects, answer flat samples at their current values.
+allocation, under a KB when it is made (2 slots a ring), doubling a ring when it fills, at most
+``(284 x (fields + 1) + 12) x 8`` bytes: 22.8 KB for a queue or a channel (9 fields), 6.9 KB for
+an exchange or a connection (2), reached after a day (the fine ring fills in 10 minutes). A
+queue or channel busy for a minute holds 1.9 KB: 1,000 queues and 2,000 channels, 5.6 MB, not
+68 (issue 31). At most ``MAX_HISTORIES`` objects of a kind have one (those that changed since
+the node's first pass, first come; one unchanged for a day gives its place back; the cap bounds
+a node with 100k busy queues to 45 MB of queue history); the others, like idle objects, answer
+flat samples at their current values.
 
 A query names an age and an increment (RabbitMQ's ``{range}_age`` and ``{range}_incr``, in
 seconds). The answer is ``age / incr + 1`` points on wall-clock times aligned to the increment,
@@ -48,8 +52,9 @@ Values = Sequence[float]
 
 
 class Tier:
-    """A view of one resolution of a ``History``: ``n`` slots of ``width`` values, a ring inside
-    the history's array (made on demand; it holds nothing of its own)."""
+    """A view of one resolution of a ``History``: a ring of ``n`` slots (as many as it has grown
+    to, at most the tier's) of ``width`` values inside the history's array (made on demand; it
+    holds nothing of its own)."""
 
     __slots__ = ("data", "incr", "n", "width", "at_head", "at_times", "at_values")
 
@@ -57,7 +62,8 @@ class Tier:
         self.data = history.data
         self.width = history.width
         # the slot written last, then how many are kept; where the times start; the values
-        self.at_head, self.at_times, self.incr, self.n = _layout(self.width)[k]
+        self.at_head, self.at_times, self.n = history.layout()[k]
+        self.incr = TIERS[k][0]
         self.at_values = self.at_times + self.n
 
     @property
@@ -86,41 +92,55 @@ class Tier:
         return None
 
 
-def _offset(k: int, width: int) -> int:
-    """Where ring ``k``'s times start in a history's array: after the heads and counts of every
-    ring, then each earlier ring's times and values."""
-    return 2 * len(TIERS) + sum(n for _, n in TIERS[:k]) * (width + 1)
+HEADER = 3 * len(TIERS)  # per ring: its head, its count, its slots so far
+FIRST_SLOTS = 2  # a ring's slots when its history is made (the sampler adds two samples at once)
+LEAST = 65  # doubles an array holds at least: over 512 bytes, the C allocator's, not pymalloc's
+
+Layout = tuple[tuple[int, int, int], ...]
+_LAYOUTS: dict[tuple[int, tuple[int, ...]], Layout] = {}
 
 
-_LAYOUTS: dict[int, tuple[tuple[int, int, float, int], ...]] = {}
-
-
-def _layout(width: int) -> tuple[tuple[int, int, float, int], ...]:
-    """Per ring of a history of ``width`` values: where its head and count are, where its
-    times start, its seconds per slot and its slots (worked out once per width: the sampler
-    adds to thousands of histories a pass)."""
-    got = _LAYOUTS.get(width)
+def _layout(width: int, slots: tuple[int, ...]) -> Layout:
+    """Per ring of a history of ``width`` values whose rings have ``slots``: where its head and
+    count are, where its times start (its values follow them), its slots. Worked out once per
+    shape: the sampler adds to thousands of histories a pass, and the shapes are few (a ring
+    doubles from ``FIRST_SLOTS`` to its tier's)."""
+    got = _LAYOUTS.get((width, slots))
     if got is None:
-        got = _LAYOUTS[width] = tuple((2 * k, _offset(k, width), incr, n)
-                                      for k, (incr, n) in enumerate(TIERS))
+        rows, at = [], HEADER
+        for k, n in enumerate(slots):
+            rows.append((3 * k, at, n))
+            at += n * (width + 1)
+        got = _LAYOUTS[(width, slots)] = tuple(rows)
     return got
 
 
 class History:
     """One object's values over the last day, at the resolutions of ``TIERS``.
 
-    Everything is in one ``array('d')``: the heads and counts of the rings, then each ring's
-    times and values. One allocation of a few KB per object goes to the C allocator, which the
-    node's trim returns once the object is gone; the many small objects a list of rings made
-    landed in pymalloc's arenas, interleaved with long-lived objects that kept them pinned
-    (issue 31)."""
+    Everything is in one ``array('d')``: the heads, counts and slots of the rings, then each
+    ring's times and values. A ring starts with ``FIRST_SLOTS`` and doubles (up to its tier's)
+    when a sample needs a slot it lacks and it is full; it has not wrapped yet then, so growing
+    is copying it in order into a larger array. An object that lived a minute holds under a KB;
+    one busy for a day 22.8 KB (a queue or a channel). One allocation per object, over 512
+    bytes, goes to the C allocator, which the node's trim returns once the object is gone; the
+    many small objects a list of rings made landed in pymalloc's arenas, interleaved with
+    long-lived objects that kept them pinned (issue 31)."""
 
-    __slots__ = ("data", "width", "changed")
+    __slots__ = ("data", "width", "changed", "shape")
 
     def __init__(self, width: int) -> None:
         self.width = width
-        self.data = array("d", (0.0,)) * _offset(len(TIERS), width)
+        self.shape = _layout(width, (FIRST_SLOTS,) * len(TIERS))  # shared by every such history
+        _, end, last = self.shape[-1]
+        self.data = array("d", (0.0,)) * max(end + last * (width + 1), LEAST)
+        for k, (_, _, n) in enumerate(self.shape):
+            self.data[3 * k + 2] = n
         self.changed = 0.0  # when the values last changed (the sampler's clock)
+
+    def layout(self) -> Layout:
+        """Where each ring is in ``data`` (a tuple shared by every history of this shape)."""
+        return self.shape
 
     @property
     def tiers(self) -> list[Tier]:
@@ -131,22 +151,47 @@ class History:
 
     def add(self, t: float, values: Values) -> None:
         """``values`` at ``t`` into every ring: a ring whose newest slot ``t`` falls in
-        overwrites it (the newest values win), else it takes the next slot."""
-        data, width = self.data, self.width
+        overwrites it (the newest values win), else it takes the next slot (growing first if
+        it is full and has not reached its tier's slots)."""
+        width = self.width
         row = array("d", values)
         floor = math.floor
-        for at_head, at_times, incr, n in _layout(width):
+        layout = self.shape
+        for k, (incr, most) in enumerate(TIERS):
+            data = self.data
+            at_head, at_times, n = layout[k]
             head = int(data[at_head])
             count = int(data[at_head + 1])
             if count and floor(data[at_times + head] / incr) == floor(t / incr):
                 at = head
             else:
+                if count == n < most:
+                    layout = self._grow(layout, k, min(2 * n, most))
+                    data = self.data
+                    at_head, at_times, n = layout[k]
                 at = (head + 1) % n if count else 0
                 data[at_head] = at
                 data[at_head + 1] = min(count + 1, n)
             data[at_times + at] = t
             v = at_times + n + at * width
             data[v:v + width] = row
+
+    def _grow(self, layout: Layout, k: int, slots: int) -> Layout:
+        """Ring ``k`` to ``slots`` slots: a new array, every ring copied to its new place (ring
+        ``k`` is full and unwrapped: its times and values keep their slots)."""
+        width, old = self.width, self.data
+        shape = [n for _, _, n in layout]
+        shape[k] = slots
+        grown = _layout(width, tuple(shape))
+        _, end, last = grown[-1]
+        data = array("d", (0.0,)) * max(end + last * (width + 1), LEAST)
+        data[0:HEADER] = old[0:HEADER]
+        data[3 * k + 2] = slots
+        for (_, was, n), (_, now, m) in zip(layout, grown, strict=True):
+            data[now:now + n] = old[was:was + n]  # times
+            data[now + m:now + m + n * width] = old[was + n:was + n + n * width]  # values
+        self.data, self.shape = data, grown
+        return grown
 
     def tier_for(self, age: float, incr: float) -> Tier:
         """The finest ring whose slots are no longer than ``incr`` and that reaches ``age`` back."""
