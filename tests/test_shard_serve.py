@@ -28,10 +28,20 @@ from broker.store.paths import vhost_dir
 from tests.integration._support import listener_ports_env
 
 N = 20
+_GUEST = {"Authorization": aiohttp.BasicAuth("guest", "guest").encode()}
 
 
 def _node(data: Path, env: dict[str, str]) -> Node:
     return Node(load_config(["--data-dir", str(data), "--no-mgmt"], environ=env))
+
+
+async def _lmq_status(http: aiohttp.ClientSession, url: str) -> int:
+    """LMQ's answer to guest's put at ``url``; 0: no answer (its port is closed)."""
+    try:
+        async with http.post(url, data=b"m", headers=_GUEST) as r:
+            return r.status
+    except aiohttp.ClientError:
+        return 0
 
 
 async def _connect(port: int, vhost: str) -> aio_pika.abc.AbstractRobustConnection:
@@ -144,15 +154,6 @@ def test_a_closed_shard_disconnects_its_mqtt_and_stream_clients_and_acknowledges
     mqtt_port, stream_port = int(env["SKRED_MQTT_PORT"]), int(env["SKRED_STREAM_PORT"])
     lmq_put = f"http://127.0.0.1:{env['SKRED_LMQ_HTTP_PORT']}/messages/lq"
     rpc_port = int(env["SKRED_LMQ_RPC_PORT"])
-    guest = {"Authorization": aiohttp.BasicAuth("guest", "guest").encode()}
-
-    async def lmq_status(http: aiohttp.ClientSession) -> int:
-        """LMQ's answer to a put into the shard's vhost; 0: no answer (its port is closed)."""
-        try:
-            async with http.post(lmq_put, data=b"m", headers=guest) as r:
-                return r.status
-        except aiohttp.ClientError:
-            return 0
 
     async def main() -> None:
         node = _node(tmp_path / "data", env)
@@ -193,7 +194,7 @@ def test_a_closed_shard_disconnects_its_mqtt_and_stream_clients_and_acknowledges
             assert [c.vhost for c in stream_front.open_connections()] == ["a"]
             http = await stack.enter_async_context(
                 aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)))
-            assert await lmq_status(http) == 200
+            assert await _lmq_status(http, lmq_put) == 200
             # LMQ's MessagePack-RPC into vhost "a", a connection open before the close
             rpc_reader, rpc_writer = await asyncio.open_connection("127.0.0.1", rpc_port)
             stack.callback(rpc_writer.close)
@@ -214,13 +215,13 @@ def test_a_closed_shard_disconnects_its_mqtt_and_stream_clients_and_acknowledges
                 await asyncio.wait_for(producer.send_wait("s", AMQPMessage(body=b"after")), 3)
             await asyncio.sleep(0.3)  # a late PUBACK would be on its way by now
             assert acked.empty() and after.rc == mqtt.MQTT_ERR_NO_CONN  # kept for its next server
-            assert await lmq_status(http) == 0  # LMQ's port closed with its vhost
+            assert await _lmq_status(http, lmq_put) == 0  # LMQ's port closed with its vhost
             # the RPC connection open before the close is closed too: no answer backed by no store
             await _within("the LMQ RPC connection of the closed shard closed", rpc_reader.at_eof, 5)
             with pytest.raises((ConnectionError, TimeoutError, aio_msgpack_rpc.error.RPCResponseError)):
                 await rpc.call("push", "rq", "after", timeout=2)
             assert await node.open_shard("a")
-            assert await lmq_status(http) == 200  # and open again where the shard is served
+            assert await _lmq_status(http, lmq_put) == 200  # and open again where the shard is served
         finally:
             client.loop_stop()
             client.disconnect()
@@ -243,14 +244,6 @@ def test_a_broker_not_serving_lmqs_vhost_starts_and_opens_lmq_with_the_shard(tmp
     env = listener_ports_env()
     env["SKRED_LMQ_VHOST"] = "a"
     lmq_put = f"http://127.0.0.1:{env['SKRED_LMQ_HTTP_PORT']}/messages/lq"
-    guest = {"Authorization": aiohttp.BasicAuth("guest", "guest").encode()}
-
-    async def lmq_status(http: aiohttp.ClientSession) -> int:
-        try:
-            async with http.post(lmq_put, data=b"m", headers=guest) as r:
-                return r.status
-        except aiohttp.ClientError:
-            return 0
 
     async def main() -> None:
         data = tmp_path / "data"
@@ -264,10 +257,10 @@ def test_a_broker_not_serving_lmqs_vhost_starts_and_opens_lmq_with_the_shard(tmp
         try:
             assert node.broker is not None and "a" not in node.broker.vhosts
             async with aiohttp.ClientSession() as http:
-                assert await lmq_status(http) == 0  # not served here: LMQ's port closed
+                assert await _lmq_status(http, lmq_put) == 0  # not served here: LMQ's port closed
                 node.serves = None
                 assert await node.open_shard("a")
-                assert await lmq_status(http) != 0  # its port open with its shard (an HTTP answer)
+                assert await _lmq_status(http, lmq_put) != 0  # its port open with its shard (an HTTP answer)
         finally:
             await node.shutdown()
             node.release_lock()

@@ -127,13 +127,7 @@ def test_the_cluster_leaders_mqtt_and_stream_ports_reach_a_vhost_served_elsewher
     # serves: carried there as AMQP is (cluster/elsewhere.py), that node checking the login
     # again; before, the leader answered MQTT CONNACK 5 (not authorized: no such vhost here)
     # and the stream Open VHOST_ACCESS_FAILURE
-    want = expected()
-    wait_for(lambda: servers.leaders() == want, 20, f"shard leaders {want}")
-    boss = servers.c.leader()
-    assert boss is not None
-    boss_id = IDS[servers.c.nodes.index(boss)]
-    vhost = min(v for v, n in VHOSTS.items() if n != boss_id)
-    wait_for(lambda: servers.served().get(vhost) == want[vhost], 30, f"{vhost} served by {want[vhost]}")
+    want, boss, vhost = _served_elsewhere(servers)
     wait_for(lambda: _mqtt_connack(boss, vhost, b"guest") == 0, 10,
              f"the cluster leader's MQTT port carrying {vhost} (its election learning the server)")
     follower = next(n for n in servers.c.nodes if n is not boss)  # its proxy tunnels to the leader's port
@@ -177,13 +171,7 @@ def test_a_client_certificate_logs_in_by_external_to_a_vhost_served_elsewhere(
     # vhost, which checks the login again. The verified certificate's identity goes with it (in
     # the tunnel's hello, which only a member with the cluster secret opens): before, that node
     # saw no certificate and refused EXTERNAL (403).
-    want = expected()
-    wait_for(lambda: servers.leaders() == want, 20, f"shard leaders {want}")
-    boss = servers.c.leader()
-    assert boss is not None
-    boss_id = IDS[servers.c.nodes.index(boss)]
-    vhost = min(v for v, n in VHOSTS.items() if n != boss_id)
-    wait_for(lambda: servers.served().get(vhost) == want[vhost], 30, f"{vhost} served by {want[vhost]}")
+    want, boss, vhost = _served_elsewhere(servers)
     serving = servers.by_id[want[vhost]]
     third = next(n for n in servers.c.nodes if n not in (boss, serving))
     quoted = urllib.parse.quote(vhost, safe="")
@@ -342,6 +330,19 @@ def _every_member_listed(servers: ShardCluster, node: ClusterNode, amqps: int) -
                                                                    m.stream_port, amqps)}
     known |= {(_name(m), "127.0.0.1", m.metrics_port) for m in servers.c.nodes}  # its default bind
     assert {x for x in ports if (x[0], x[2], x[3]) not in known} == set(), ports  # no shard broker's port
+
+
+def _served_elsewhere(servers: ShardCluster) -> tuple[dict[str, str], ClusterNode, str]:
+    """Once the shards are placed: the placement, the cluster leader and the first vhost another
+    node serves (its server's ``serves`` mark seen)."""
+    want = expected()
+    wait_for(lambda: servers.leaders() == want, 20, f"shard leaders {want}")
+    boss = servers.c.leader()
+    assert boss is not None
+    boss_id = IDS[servers.c.nodes.index(boss)]
+    vhost = min(v for v, n in VHOSTS.items() if n != boss_id)
+    wait_for(lambda: servers.served().get(vhost) == want[vhost], 30, f"{vhost} served by {want[vhost]}")
+    return want, boss, vhost
 
 
 def _answers(servers: ShardCluster, node: ClusterNode, path: str) -> bool:
