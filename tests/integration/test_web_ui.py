@@ -118,6 +118,20 @@ def click(browser: WebDriver, by: str, value: str) -> None:
     wait(browser, f"click on {value}", clicked)
 
 
+def click_until(browser: WebDriver, by: str, value: str, what: str, done: Any) -> None:
+    """Click until ``done`` holds. The page's refresh (or the filter box's) re-renders a table:
+    a click that lands while the old row is being replaced is lost without an error (seen in CI:
+    the link clicked, the queue's page never opened), so the click is made again."""
+
+    def attempt(d: WebDriver) -> bool:
+        if done(d):
+            return True
+        d.find_element(by, value).click()
+        return bool(done(d))
+
+    wait(browser, what, attempt)
+
+
 def text_of(browser: WebDriver, by: str, value: str) -> str:
     try:
         return str(browser.find_element(by, value).text)
@@ -225,8 +239,8 @@ def test_queue_declared_over_amqp_appears_and_round_trips_through_the_page(
         box.send_keys(q)
         wait(browser, "queue listed", lambda d: q in d.find_element(By.ID, "main").text)
         shot(browser, "queues")
-        click(browser, By.LINK_TEXT, q)
-        wait(browser, "queue page", lambda d: d.find_element(By.TAG_NAME, "h1").text == f"Queue {q}")
+        click_until(browser, By.LINK_TEXT, q, "queue page",
+                    lambda d: text_of(d, By.TAG_NAME, "h1") == f"Queue {q}")
 
         # Publish from the page, with a header, then get it back on the page (requeued) ...
         fill(browser, "publish", headers='{"x-ui": "yes"}', payload="hello from the browser")
