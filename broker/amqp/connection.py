@@ -259,11 +259,11 @@ class AMQPConnection:
         self.publish_each_mixed(channels, args, props, bodies)
 
     def publish_each_mixed(self, channels: list[int], args: list[PublishArgs], props: list[bytes],
-                           bodies: list[bytes], first: int = 0) -> bool:
-        """``handle_publish`` for messages ``first`` on, each on its own channel; one on a
-        channel an earlier one closed is dropped, as its frames would have been. Stops when
-        the connection closes and returns False then."""
-        for i in range(first, len(bodies)):
+                           bodies: list[bytes], first: int = 0, stop: int | None = None) -> bool:
+        """``handle_publish`` for messages ``first`` to ``stop`` (default: all), each on its own
+        channel; one on a channel an earlier one closed is dropped, as its frames would have
+        been. Stops when the connection closes and returns False then."""
+        for i in range(first, len(bodies) if stop is None else stop):
             ch = channels[i]
             if self.channels.get(ch) != CH_OPEN:
                 continue

@@ -782,7 +782,7 @@ class Session(AMQPConnection):
                 i = out.done
             if i < k:  # the next one on its own; if it closes its channel, the rest one by one too
                 ch = channels[i]
-                if not self.publish_each_mixed(channels, args, props, bodies[: i + 1], i):
+                if not self.publish_each_mixed(channels, args, props, bodies, i, i + 1):
                     return
                 i += 1
                 if self.channels.get(ch) != CH_OPEN:
